@@ -1,0 +1,16 @@
+//! The environment contract between the supervisor and each worker process.
+
+/// `target` or `drafter`.
+pub const ROLE: &str = "DFLASH_ROLE";
+/// Rank within the role, from 0.
+pub const RANK: &str = "DFLASH_RANK";
+/// The device: a GPU index as NVML numbers it, or `cpu`.
+pub const GPU: &str = "DFLASH_GPU";
+/// How many times this worker has been restarted in this run (0 for the first start).
+pub const RESTART_COUNT: &str = "DFLASH_RESTART_COUNT";
+/// The run directory (absolute).
+pub const RUN_DIR: &str = "DFLASH_RUN_DIR";
+/// How often the worker must send a heartbeat, in milliseconds.
+pub const HEARTBEAT_MS: &str = "DFLASH_HEARTBEAT_MS";
+/// The ipc-channel one-shot server name the worker connects to (also passed as `--control`).
+pub const CONTROL: &str = "DFLASH_CONTROL";

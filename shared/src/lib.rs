@@ -1,0 +1,14 @@
+//! Types shared by `dflash-supervise` and `dflash-worker`: the control protocol, device
+//! specs (`--gpus`), worker names, the environment contract and exit codes.
+//!
+//! This crate stays free of runtime machinery (no CUDA, no NVML, no async runtime) so that
+//! both sides, and the test workers, can depend on it cheaply.
+
+pub mod devices;
+pub mod env;
+pub mod exit_codes;
+pub mod names;
+pub mod protocol;
+
+pub use devices::{Device, DeviceSpec, DeviceSpecError};
+pub use names::{Role, WorkerName, WorkerNameError};

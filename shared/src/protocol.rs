@@ -1,0 +1,67 @@
+//! The control protocol between the supervisor and one worker, carried by ipc-channel.
+//!
+//! Bootstrap: the supervisor opens an `IpcOneShotServer<FromWorker>` and passes its name to
+//! the worker (`--control NAME`). The worker connects, sends [`FromWorker::Hello`] carrying
+//! the sender half of the downward channel, and from then on sends heartbeats on the same
+//! connection. A worker exits when its control channel disconnects, so a supervisor that
+//! vanishes takes its workers with it even if `PR_SET_PDEATHSIG` was somehow missed.
+
+use ipc_channel::ipc::IpcSender;
+use serde::{Deserialize, Serialize};
+
+/// Bumped on every incompatible change to the messages below. A worker speaking another
+/// version is refused with a clear error instead of being restarted forever.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Worker → supervisor.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum FromWorker {
+    /// First message on a new connection, exactly once.
+    Hello(Hello),
+    /// "I am making progress." Sent from the worker's main loop, not from a side thread,
+    /// so a worker whose main loop is stuck stops sending them and is declared hung.
+    Heartbeat { seq: u64 },
+    /// Sent by the supervisor itself, never by a worker: wakes up the thread waiting for a
+    /// worker that died before it connected.
+    Abandon,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Hello {
+    pub protocol: u32,
+    pub pid: u32,
+    /// `<role>-<rank>` as the worker understood its environment.
+    pub worker: String,
+    pub restart_count: u32,
+    /// Where the supervisor sends [`ToWorker`] messages.
+    pub to_worker: IpcSender<ToWorker>,
+}
+
+/// Supervisor → worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ToWorker {
+    /// Finish the current unit of work (write a checkpoint if there is one to write) and
+    /// exit 0.
+    Shutdown { reason: String },
+}
+
+/// Worker side of the bootstrap: connect to the supervisor's one-shot server `server`,
+/// open the downward channel and say hello. Returns the upward sender (for heartbeats)
+/// and the downward receiver.
+pub fn connect(
+    server: &str,
+    worker: &str,
+    restart_count: u32,
+) -> std::io::Result<(IpcSender<FromWorker>, ipc_channel::ipc::IpcReceiver<ToWorker>)> {
+    let up = IpcSender::<FromWorker>::connect(server.to_string())?;
+    let (to_worker, down) = ipc_channel::ipc::channel::<ToWorker>()?;
+    up.send(FromWorker::Hello(Hello {
+        protocol: PROTOCOL_VERSION,
+        pid: std::process::id(),
+        worker: worker.to_string(),
+        restart_count,
+        to_worker,
+    }))
+    .map_err(|e| std::io::Error::other(format!("sending hello: {e}")))?;
+    Ok((up, down))
+}

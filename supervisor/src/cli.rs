@@ -1,0 +1,202 @@
+//! Command line: the run itself (no subcommand), `logs`, `status`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use dflash_shared::DeviceSpec;
+
+/// Train DFlash speculative-decoding drafters on one machine: a CPU-only supervisor
+/// spawns one worker process per GPU (targets capture hidden states, drafters train),
+/// restarts any worker that crashes or hangs, and keeps a log per worker.
+///
+/// With no subcommand it starts a run. Examples:
+///
+///   dflash-supervise --gpus cpu:3 --targets 1 --run-dir runs/a
+///
+///   dflash-supervise --gpus 0-7
+///
+///   dflash-supervise logs --run-dir runs/a drafter-1 -n 50
+///
+///   dflash-supervise status --json
+#[derive(Debug, Parser)]
+#[command(name = "dflash-supervise", version, args_conflicts_with_subcommands = true)]
+#[command(after_help = "Exit codes: 0 ok, 1 run failed (restart budget spent), 2 bad input, \
+3 unclean stop (a worker had to be killed), 4 internal error, 130 killed by a second Ctrl-C.")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print the log of one worker (or of all of them), optionally following it live.
+    Logs(LogsArgs),
+    /// Show the workers of a run: pid, state, restarts.
+    Status(StatusArgs),
+    /// Internal: the process that kills every worker group if the supervisor dies.
+    #[command(name = "__reap", hide = true)]
+    Reap,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Devices to use: 0-7, 0,2,5-7, all (every GPU NVML reports) or cpu:N (N workers
+    /// without a GPU). Default: every GPU, or cpu:2 when there is no NVIDIA driver.
+    #[arg(long, value_name = "SPEC", value_parser = parse_spec, help_heading = "Devices")]
+    pub gpus: Option<DeviceSpec>,
+
+    /// How many of the devices run target workers (the first N); the rest train drafters.
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Devices",
+          conflicts_with_all = ["target_gpus", "drafter_gpus"])]
+    pub targets: u32,
+
+    /// Devices of the target workers, instead of --gpus/--targets. A GPU may appear in both
+    /// lists: then two processes share it.
+    #[arg(long, value_name = "SPEC", value_parser = parse_spec, help_heading = "Devices",
+          requires = "drafter_gpus", conflicts_with = "gpus")]
+    pub target_gpus: Option<DeviceSpec>,
+
+    /// Devices of the drafter workers, instead of --gpus/--targets.
+    #[arg(long, value_name = "SPEC", value_parser = parse_spec, help_heading = "Devices",
+          requires = "target_gpus", conflicts_with = "gpus")]
+    pub drafter_gpus: Option<DeviceSpec>,
+
+    /// Run directory for logs, events and state. Default: runs/<UTC timestamp>.
+    #[arg(long, value_name = "DIR", help_heading = "Run")]
+    pub run_dir: Option<PathBuf>,
+
+    /// Worker program. Default: dflash-worker installed beside dflash-supervise.
+    #[arg(long, value_name = "PATH", help_heading = "Run")]
+    pub worker_bin: Option<PathBuf>,
+
+    /// Stop the run gracefully after this long (e.g. 30s, 2h). Default: run until stopped.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Run")]
+    pub time_limit: Option<Duration>,
+
+    /// A worker that sends no heartbeat for this long is killed and restarted.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration,
+          help_heading = "Restarts")]
+    pub hang_timeout: Duration,
+
+    /// How many times one worker may be restarted in this run before the run gives up.
+    #[arg(long, value_name = "N", default_value_t = 10, help_heading = "Restarts")]
+    pub max_restarts: u32,
+
+    /// A worker that stays up this long is healthy again: its restart backoff resets to
+    /// "restart at once".
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration,
+          help_heading = "Restarts")]
+    pub stable_after: Duration,
+
+    /// On SIGINT/SIGTERM, how long workers get to finish (and checkpoint) before they are
+    /// killed. A second Ctrl-C kills at once.
+    #[arg(long, value_name = "DURATION", default_value = "120s", value_parser = parse_duration,
+          help_heading = "Restarts")]
+    pub stop_timeout: Duration,
+
+    /// Also print every worker's output on the console, prefixed with [worker-name].
+    #[arg(long, help_heading = "Logs")]
+    pub tee: bool,
+
+    /// Rotate a worker's log when it reaches this size (e.g. 64MiB, 500K).
+    #[arg(long, value_name = "SIZE", default_value = "64MiB", value_parser = parse_size,
+          help_heading = "Logs")]
+    pub log_max_size: u64,
+
+    /// Rotated logs kept per worker (worker.log.1 is the newest).
+    #[arg(long, value_name = "N", default_value_t = 3, help_heading = "Logs")]
+    pub log_backups: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// Worker name, e.g. target-0 or drafter-3.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub worker: Option<String>,
+    /// Every worker, each line prefixed with [worker-name].
+    #[arg(long)]
+    pub all: bool,
+    /// Print the last N lines.
+    #[arg(short = 'n', long, value_name = "N", default_value_t = 20)]
+    pub lines: usize,
+    /// Keep printing new lines as they are written, across restarts and log rotation.
+    /// Stops once the run has ended and everything is printed.
+    #[arg(short = 'f', long)]
+    pub follow: bool,
+    /// Run directory. Default: the newest run under ./runs.
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Run directory. Default: the newest run under ./runs.
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+    /// Print the state as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_spec(s: &str) -> Result<DeviceSpec, String> {
+    s.parse::<DeviceSpec>().map_err(|e| e.to_string())
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{e} (expected a duration such as 500ms, 30s, 5m or 2h)"))
+}
+
+/// Sizes: plain bytes, or with K/M/G (powers of 1024; "KiB", "MB" and friends also read as
+/// powers of 1024 because that is what a log size means to everyone who sets one).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let expected = "expected a size such as 4096, 500K or 64MiB";
+    let n: u64 = num.parse().map_err(|_| format!("'{s}' is not a size ({expected})"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("unknown size unit '{other}' ({expected})")),
+    };
+    let v = n.checked_mul(mult).ok_or_else(|| format!("'{s}' is too large"))?;
+    if v == 0 {
+        return Err(format!("'{s}': size must be above zero ({expected})"));
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("500K").unwrap(), 500 * 1024);
+        assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
+        assert_eq!(parse_size("1g").unwrap(), 1 << 30);
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12parsecs").unwrap_err().contains("unknown size unit"));
+        assert!(parse_size("lots").is_err());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("60s").unwrap(), Duration::from_secs(60));
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert!(parse_duration("soon").unwrap_err().contains("expected a duration"));
+    }
+}

@@ -1,0 +1,713 @@
+//! The dispatcher: the one owner of the supervisor's state.
+//!
+//! # Theory of operation
+//!
+//! Everything that can happen to a run arrives as an [`Event`] on one channel: a signal
+//! (from the signal thread), a worker connecting or sending a message (from its control
+//! thread), a worker exiting (from its waiter thread, which blocks on the worker's pidfd).
+//! Timers (hang detection, restart backoff, the stop deadline, the time limit) are checked
+//! each time the loop wakes, at least every [`TICK`]. Only the dispatcher reads or writes
+//! the worker table, so every decision sees one consistent picture and there are no locks
+//! around it; helper threads own nothing but their fds.
+//!
+//! Each start of a worker is a *life* with a unique [`LifeId`]. Events carry it, so a late
+//! event from a previous life (a control thread noticing a closed channel after the
+//! replacement started) is recognised and dropped.
+//!
+//! A worker is only ever declared dead by its pidfd. A hang (no heartbeat for
+//! `--hang-timeout`) or a protocol violation sends SIGKILL through the pidfd and records
+//! why; the exit that follows is handled like any other death.
+
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
+use dflash_shared::{env, exit_codes, Device, WorkerName};
+use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
+use nix::sys::signal::Signal;
+use serde_json::json;
+
+use crate::process::{describe_status, signal_group, Pidfd, SpawnSpec, Spawner};
+use crate::reaper::Reaper;
+use crate::report::Report;
+use crate::restart::backoff;
+use crate::rundir::{now_rfc3339, unix_ms, RunDir, RunState, WorkerState};
+use crate::worker_log::{Rotation, Tag, WorkerLog};
+use crate::{control, error::Error};
+
+/// Longest the loop sleeps without looking at its timers.
+const TICK: Duration = Duration::from_millis(50);
+
+pub type LifeId = u64;
+
+pub enum Event {
+    Signal(i32),
+    Connected { worker: usize, life: LifeId, hello: Hello },
+    Message { worker: usize, life: LifeId, msg: FromWorker },
+    /// The control channel ended. `malformed`: the worker broke the protocol.
+    ChannelLost { worker: usize, life: LifeId, reason: String, malformed: bool },
+    Exited { worker: usize, life: LifeId, status: ExitStatus },
+}
+
+pub struct Config {
+    pub plan: Vec<(WorkerName, Device)>,
+    pub worker_bin: PathBuf,
+    pub hang_timeout: Duration,
+    pub max_restarts: u32,
+    pub stable_after: Duration,
+    pub stop_timeout: Duration,
+    pub time_limit: Option<Duration>,
+    pub tee: bool,
+    pub log_max_size: u64,
+    pub log_backups: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum WState {
+    Starting,
+    Running,
+    Stopping,
+    Backoff(Instant),
+    Exited,
+    Failed,
+}
+
+impl WState {
+    fn as_str(self) -> &'static str {
+        match self {
+            WState::Starting => "starting",
+            WState::Running => "running",
+            WState::Stopping => "stopping",
+            WState::Backoff(_) => "backoff",
+            WState::Exited => "exited",
+            WState::Failed => "failed",
+        }
+    }
+}
+
+struct Life {
+    id: LifeId,
+    pid: u32,
+    pidfd: Arc<Pidfd>,
+    started: Instant,
+    started_wall: String,
+    server_name: String,
+    to_worker: Option<IpcSender<ToWorker>>,
+    connected: bool,
+    last_beat: Instant,
+    /// Set when the supervisor killed this life, with the reason.
+    killed_for: Option<String>,
+    asked_to_stop: bool,
+}
+
+struct Worker {
+    name: WorkerName,
+    device: Device,
+    log: WorkerLog,
+    log_path: PathBuf,
+    life: Option<Life>,
+    state: WState,
+    restarts: u32,
+    consecutive_failures: u32,
+    last_exit: Option<String>,
+    /// The last life ended the way a stop asks: exit 0 after a shutdown request.
+    stopped_cleanly: bool,
+}
+
+enum Phase {
+    Running,
+    Stopping { deadline: Instant },
+    Killing,
+}
+
+enum StopReason {
+    Requested(String),
+    TimeLimit,
+    GaveUp(Box<Report>),
+    Fatal(String),
+    Interrupted,
+}
+
+pub struct Dispatcher {
+    cfg: Config,
+    run: RunDir,
+    workers: Vec<Worker>,
+    phase: Phase,
+    stop_reason: Option<StopReason>,
+    tx: Sender<Event>,
+    rx: Receiver<Event>,
+    spawner: Spawner,
+    reaper: Option<Arc<Reaper>>,
+    next_life: LifeId,
+    started: Instant,
+    started_wall: String,
+    dirty: bool,
+}
+
+impl Dispatcher {
+    pub fn new(cfg: Config, run: RunDir, reaper: Option<Reaper>) -> Result<Dispatcher, Error> {
+        let (tx, rx) = mpsc::channel();
+        let spawner = Spawner::start().map_err(|e| Error::Internal(format!("cannot start spawner thread: {e}")))?;
+        let mut workers = Vec::new();
+        for &(name, device) in &cfg.plan {
+            let log_path = run.worker_log(&name.to_string());
+            let tee = cfg.tee.then(|| format!("[{name}]"));
+            let rotation = Rotation { max_size: cfg.log_max_size, backups: cfg.log_backups };
+            let log = WorkerLog::open(&log_path, rotation, tee)
+                .map_err(|e| Error::Internal(format!("cannot open {}: {e}", log_path.display())))?;
+            workers.push(Worker {
+                name,
+                device,
+                log,
+                log_path,
+                life: None,
+                state: WState::Starting,
+                restarts: 0,
+                consecutive_failures: 0,
+                last_exit: None,
+                stopped_cleanly: false,
+            });
+        }
+        Ok(Dispatcher {
+            cfg,
+            run,
+            workers,
+            phase: Phase::Running,
+            stop_reason: None,
+            tx,
+            rx,
+            spawner,
+            reaper: reaper.map(Arc::new),
+            next_life: 1,
+            started: Instant::now(),
+            started_wall: now_rfc3339(),
+            dirty: true,
+        })
+    }
+
+    /// A sender for event sources outside the dispatcher (the signal thread).
+    pub fn events(&self) -> Sender<Event> {
+        self.tx.clone()
+    }
+
+    /// Run until every worker is gone; returns the process exit code.
+    pub fn run(mut self) -> i32 {
+        let names: Vec<String> = self.workers.iter().map(|w| format!("{} on {}", w.name, w.device)).collect();
+        log::info!("run dir {}; starting {}", self.run.path.display(), names.join(", "));
+        self.run.event("run_start", obj(json!({"workers": names, "pid": std::process::id()})));
+        for i in 0..self.workers.len() {
+            self.spawn(i);
+        }
+        loop {
+            self.flush_state();
+            if self.finished() {
+                break;
+            }
+            match self.rx.recv_timeout(TICK) {
+                Ok(ev) => self.handle(ev),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => unreachable!("the dispatcher holds a sender"),
+            }
+            self.on_timers(Instant::now());
+        }
+        self.finish()
+    }
+
+    fn finished(&self) -> bool {
+        !matches!(self.phase, Phase::Running) && self.workers.iter().all(|w| w.life.is_none())
+    }
+
+    fn handle(&mut self, ev: Event) {
+        match ev {
+            Event::Signal(sig) => self.on_signal(sig),
+            Event::Connected { worker, life, hello } => self.on_connected(worker, life, hello),
+            Event::Message { worker, life, msg } => self.on_message(worker, life, msg),
+            Event::ChannelLost { worker, life, reason, malformed } => {
+                if self.live(worker, life).is_none() {
+                    return;
+                }
+                if malformed {
+                    self.violation(worker, &reason);
+                } else {
+                    if matches!(self.phase, Phase::Running) {
+                        log::info!("{}: {reason}", self.workers[worker].name);
+                    }
+                    if let Some(l) = self.workers[worker].life.as_mut() {
+                        l.to_worker = None;
+                    }
+                }
+            }
+            Event::Exited { worker, life, status } => self.on_exit(worker, life, status),
+        }
+    }
+
+    /// The current life of `worker` if it is `life`.
+    fn live(&mut self, worker: usize, life: LifeId) -> Option<&mut Life> {
+        self.workers[worker].life.as_mut().filter(|l| l.id == life)
+    }
+
+    fn on_signal(&mut self, sig: i32) {
+        let Ok(signal) = Signal::try_from(sig) else { return };
+        match signal {
+            Signal::SIGUSR1 | Signal::SIGUSR2 => {
+                log::info!("forwarding {} to every worker", signal.as_str());
+                for w in &self.workers {
+                    if let Some(l) = &w.life {
+                        signal_group(l.pid, signal);
+                    }
+                }
+                self.run.event("signal_forwarded", obj(json!({"signal": signal.as_str()})));
+            }
+            _ => match self.phase {
+                Phase::Running => {
+                    log::info!(
+                        "{} received: stopping workers (up to {} before they are killed; Ctrl-C again to kill now)",
+                        signal.as_str(),
+                        humantime::format_duration(self.cfg.stop_timeout)
+                    );
+                    self.begin_stop(StopReason::Requested(format!("{} received", signal.as_str())));
+                }
+                _ => {
+                    log::warn!("{} received again: killing every worker now", signal.as_str());
+                    self.stop_reason = Some(StopReason::Interrupted);
+                    self.kill_all("second stop signal");
+                }
+            },
+        }
+    }
+
+    fn on_connected(&mut self, worker: usize, life: LifeId, hello: Hello) {
+        let stopping = !matches!(self.phase, Phase::Running);
+        let name = self.workers[worker].name;
+        let bin = self.cfg.worker_bin.display().to_string();
+        let Some(l) = self.live(worker, life) else { return };
+        if hello.protocol != PROTOCOL_VERSION {
+            let msg = format!(
+                "{name} speaks control protocol v{}, this supervisor v{PROTOCOL_VERSION}: the worker binary {bin} comes from another version of dflash-supervise",
+                hello.protocol
+            );
+            let _ = l.pidfd.signal(Signal::SIGKILL);
+            l.killed_for = Some("incompatible control protocol".into());
+            log::error!("{msg}");
+            self.begin_stop(StopReason::Fatal(msg));
+            return;
+        }
+        if hello.worker != name.to_string() {
+            let why = format!("said hello as '{}'", hello.worker);
+            self.violation(worker, &why);
+            return;
+        }
+        l.connected = true;
+        l.last_beat = Instant::now();
+        l.to_worker = Some(hello.to_worker);
+        let pid = l.pid;
+        if hello.pid != pid {
+            log::info!("{name}: hello from pid {} (spawned pid {pid}; a wrapper?)", hello.pid);
+        }
+        self.workers[worker].state = WState::Running;
+        self.dirty = true;
+        log::info!("{name} ready (pid {pid})");
+        if stopping {
+            self.ask_to_stop(worker, "the run is stopping");
+        }
+    }
+
+    fn on_message(&mut self, worker: usize, life: LifeId, msg: FromWorker) {
+        let Some(l) = self.live(worker, life) else { return };
+        match msg {
+            FromWorker::Heartbeat { .. } => l.last_beat = Instant::now(),
+            other => {
+                let why = format!("sent {} after its hello", variant(&other));
+                self.violation(worker, &why);
+            }
+        }
+    }
+
+    /// A worker broke the control protocol: log it and restart that worker alone.
+    fn violation(&mut self, worker: usize, why: &str) {
+        let name = self.workers[worker].name;
+        log::error!("{name} broke the control protocol ({why}): killing it");
+        self.workers[worker].log.line(Tag::Supervisor, &format!("protocol violation: {why}; killing"));
+        self.run.event("protocol_violation", obj(json!({"worker": name.to_string(), "reason": why})));
+        self.kill(worker, &format!("protocol violation: {why}"));
+    }
+
+    fn kill(&mut self, worker: usize, why: &str) {
+        let name = self.workers[worker].name;
+        if let Some(l) = self.workers[worker].life.as_mut() {
+            if l.killed_for.is_none() {
+                l.killed_for = Some(why.to_string());
+            }
+            if let Err(e) = l.pidfd.signal(Signal::SIGKILL) {
+                log::warn!("cannot kill {name} (pid {}): {e}", l.pid);
+            }
+            signal_group(l.pid, Signal::SIGKILL);
+        }
+    }
+
+    fn on_exit(&mut self, worker: usize, life: LifeId, status: ExitStatus) {
+        let w = &mut self.workers[worker];
+        let Some(l) = w.life.take_if(|l| l.id == life) else { return };
+        let uptime = l.started.elapsed();
+        let desc = describe_status(&status);
+        let why = l.killed_for.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
+        w.log.line(Tag::Supervisor, &format!("pid {} {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64()));
+        w.last_exit = Some(format!("{desc}{why}"));
+        if !l.connected {
+            control::abandon(&l.server_name);
+        }
+        let name = w.name.to_string();
+        let (code, sig) = {
+            use std::os::unix::process::ExitStatusExt;
+            (status.code(), status.signal())
+        };
+        let sig_name = sig.and_then(|s| Signal::try_from(s).ok()).map(|s| s.as_str());
+        self.run.event(
+            "exit",
+            obj(json!({"worker": name, "pid": l.pid, "status": desc, "code": code, "signal": sig_name,
+                       "uptime_s": uptime.as_secs_f64(), "killed_for": l.killed_for})),
+        );
+        self.dirty = true;
+        if matches!(self.phase, Phase::Running) {
+            log::warn!("{name} (pid {}) {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64());
+            self.on_failure(worker, uptime);
+        } else {
+            let w = &mut self.workers[worker];
+            w.stopped_cleanly = status.success() && l.asked_to_stop && l.killed_for.is_none();
+            if w.state != WState::Failed {
+                w.state = WState::Exited;
+            }
+            log::info!("{name} (pid {}) {desc}{why}", l.pid);
+        }
+    }
+
+    fn on_failure(&mut self, worker: usize, uptime: Duration) {
+        let max = self.cfg.max_restarts;
+        let w = &mut self.workers[worker];
+        if w.restarts >= max {
+            w.state = WState::Failed;
+            let report = Report {
+                worker: w.name.to_string(),
+                device: w.device.to_string(),
+                last_exit: w.last_exit.clone().unwrap_or_default(),
+                restarts: w.restarts,
+                max_restarts: max,
+                log_path: w.log_path.clone(),
+                log_tail: w.log.tail(20),
+            };
+            self.run.event("give_up", obj(json!({"worker": report.worker, "restarts": report.restarts,
+                                                  "last_exit": report.last_exit})));
+            log::error!("{} failed again after {} restarts: giving up, stopping the run", report.worker, report.restarts);
+            self.begin_stop(StopReason::GaveUp(Box::new(report)));
+            return;
+        }
+        if uptime >= self.cfg.stable_after {
+            w.consecutive_failures = 0;
+        }
+        let delay = backoff(w.consecutive_failures);
+        w.consecutive_failures += 1;
+        w.restarts += 1;
+        let name = w.name.to_string();
+        self.run.event("restart", obj(json!({"worker": name, "restarts": w.restarts,
+                                              "delay_ms": delay.as_millis() as u64})));
+        if delay.is_zero() {
+            self.spawn(worker);
+        } else {
+            log::info!("restarting {name} in {} (restart {} of {max})", humantime::format_duration(delay), w.restarts);
+            w.state = WState::Backoff(Instant::now() + delay);
+        }
+    }
+
+    fn on_timers(&mut self, now: Instant) {
+        match self.phase {
+            Phase::Running => {
+                if let Some(limit) = self.cfg.time_limit {
+                    if now.duration_since(self.started) >= limit {
+                        log::info!("time limit {} reached: stopping", humantime::format_duration(limit));
+                        self.begin_stop(StopReason::TimeLimit);
+                        return;
+                    }
+                }
+                for i in 0..self.workers.len() {
+                    if let WState::Backoff(at) = self.workers[i].state {
+                        if now >= at {
+                            self.spawn(i);
+                        }
+                    }
+                    let hang = self.cfg.hang_timeout;
+                    let Some(l) = self.workers[i].life.as_ref() else { continue };
+                    let silent = now.saturating_duration_since(l.last_beat);
+                    if l.killed_for.is_none() && silent > hang {
+                        let (name, pid) = (self.workers[i].name, l.pid);
+                        let what = if l.connected { "no heartbeat" } else { "no hello" };
+                        log::warn!("{name} (pid {pid}) hung: {what} for {:.1}s; killing it", silent.as_secs_f64());
+                        self.run.event("hang", obj(json!({"worker": name.to_string(), "pid": pid,
+                                                           "silent_s": silent.as_secs_f64()})));
+                        self.kill(i, &format!("hung: {what} for {}", humantime::format_duration(hang)));
+                    }
+                }
+            }
+            Phase::Stopping { deadline } if now >= deadline => {
+                let left: Vec<String> = self.workers.iter().filter(|w| w.life.is_some()).map(|w| w.name.to_string()).collect();
+                log::warn!(
+                    "{} did not stop within --stop-timeout {}: killing",
+                    left.join(", "),
+                    humantime::format_duration(self.cfg.stop_timeout)
+                );
+                self.kill_all("did not stop within --stop-timeout");
+            }
+            _ => {}
+        }
+    }
+
+    fn begin_stop(&mut self, reason: StopReason) {
+        if self.stop_reason.is_none() {
+            self.stop_reason = Some(reason);
+        }
+        if !matches!(self.phase, Phase::Running) {
+            return;
+        }
+        self.phase = Phase::Stopping { deadline: Instant::now() + self.cfg.stop_timeout };
+        self.run.event("stop", obj(json!({"reason": self.stop_reason.as_ref().map(StopReason::describe)})));
+        for i in 0..self.workers.len() {
+            if let WState::Backoff(_) = self.workers[i].state {
+                self.workers[i].state = WState::Exited;
+            }
+            self.ask_to_stop(i, "the run is stopping");
+        }
+        self.dirty = true;
+    }
+
+    fn ask_to_stop(&mut self, worker: usize, reason: &str) {
+        let w = &mut self.workers[worker];
+        let Some(l) = w.life.as_mut() else { return };
+        l.asked_to_stop = true;
+        if w.state != WState::Failed {
+            w.state = WState::Stopping;
+        }
+        let sent = l.to_worker.as_ref().is_some_and(|tx| tx.send(ToWorker::Shutdown { reason: reason.into() }).is_ok());
+        if !sent {
+            // Not connected (yet): the signal is the only way to ask.
+            signal_group(l.pid, Signal::SIGTERM);
+        }
+    }
+
+    fn kill_all(&mut self, why: &str) {
+        self.phase = Phase::Killing;
+        for i in 0..self.workers.len() {
+            self.kill(i, why);
+        }
+        self.dirty = true;
+    }
+
+    fn spawn(&mut self, worker: usize) {
+        match self.try_spawn(worker) {
+            Ok(()) => {}
+            Err(msg) => {
+                log::error!("{msg}");
+                self.workers[worker].state = WState::Failed;
+                self.begin_stop(StopReason::Fatal(msg));
+            }
+        }
+        self.dirty = true;
+    }
+
+    fn try_spawn(&mut self, worker: usize) -> Result<(), String> {
+        let id = self.next_life;
+        self.next_life += 1;
+        let heartbeat = (self.cfg.hang_timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
+        let w = &mut self.workers[worker];
+        let (server, server_name) = IpcOneShotServer::<FromWorker>::new()
+            .map_err(|e| format!("cannot open a control channel for {}: {e}", w.name))?;
+        let spec = SpawnSpec {
+            program: self.cfg.worker_bin.clone(),
+            args: vec!["--control".into(), server_name.clone().into()],
+            env: vec![
+                (env::ROLE.into(), w.name.role.to_string()),
+                (env::RANK.into(), w.name.rank.to_string()),
+                (env::GPU.into(), w.device.to_string()),
+                (env::RESTART_COUNT.into(), w.restarts.to_string()),
+                (env::RUN_DIR.into(), self.run.path.display().to_string()),
+                (env::HEARTBEAT_MS.into(), heartbeat.as_millis().to_string()),
+                (env::CONTROL.into(), server_name.clone()),
+                ("CUDA_VISIBLE_DEVICES".into(), w.device.cuda_visible_devices()),
+                // NVML numbers GPUs by PCI bus; make CUDA agree so GPU i is the same board.
+                ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
+            ],
+        };
+        let mut child = self
+            .spawner
+            .spawn(spec)
+            .map_err(|e| format!("cannot start {} ({}): {e}", w.name, self.cfg.worker_bin.display()))?;
+        let pid = child.id();
+        let pidfd = match Pidfd::open(pid) {
+            Ok(p) => Arc::new(p),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("cannot open a pidfd for {} (pid {pid}): {e}", w.name));
+            }
+        };
+        if let Some(r) = &self.reaper {
+            r.watch(pid);
+        }
+        if let Some(out) = child.stdout.take() {
+            w.log.pump(out, Tag::Stdout);
+        }
+        if let Some(err) = child.stderr.take() {
+            w.log.pump(err, Tag::Stderr);
+        }
+        control::serve(server, worker, id, self.tx.clone());
+        let (tx, fd, reaper) = (self.tx.clone(), pidfd.clone(), self.reaper.clone());
+        thread::Builder::new()
+            .name(format!("waiter-{pid}"))
+            .spawn(move || {
+                if let Err(e) = fd.wait_exit() {
+                    log::error!("waiting on pidfd of pid {pid}: {e}");
+                }
+                // The leader is a zombie until reaped, so its pid (= the group id) cannot
+                // be reused yet: killing the group here cannot hit a stranger.
+                signal_group(pid, Signal::SIGKILL);
+                if let Some(r) = reaper {
+                    r.unwatch(pid);
+                }
+                match child.wait() {
+                    Ok(status) => {
+                        let _ = tx.send(Event::Exited { worker, life: id, status });
+                    }
+                    Err(e) => log::error!("cannot reap pid {pid}: {e}"),
+                }
+            })
+            .map_err(|e| format!("cannot start a waiter thread: {e}"))?;
+        let now = Instant::now();
+        w.log.line(Tag::Supervisor, &format!("started pid {pid} on {} (restart {})", w.device, w.restarts));
+        self.run.event("spawn", obj(json!({"worker": w.name.to_string(), "pid": pid,
+                                            "gpu": w.device.to_string(), "restart": w.restarts})));
+        if w.restarts > 0 {
+            log::info!("{} restarted as pid {pid} (restart {} of {})", w.name, w.restarts, self.cfg.max_restarts);
+        }
+        w.state = WState::Starting;
+        w.stopped_cleanly = false;
+        w.life = Some(Life {
+            id,
+            pid,
+            pidfd,
+            started: now,
+            started_wall: now_rfc3339(),
+            server_name,
+            to_worker: None,
+            connected: false,
+            last_beat: now,
+            killed_for: None,
+            asked_to_stop: false,
+        });
+        Ok(())
+    }
+
+    fn snapshot(&self, phase: &str, exit_code: Option<i32>) -> RunState {
+        RunState {
+            run_dir: self.run.path.clone(),
+            supervisor_pid: std::process::id(),
+            started_at: self.started_wall.clone(),
+            started_at_unix_ms: unix_ms() - self.started.elapsed().as_millis() as u64,
+            phase: phase.into(),
+            exit_code,
+            workers: self
+                .workers
+                .iter()
+                .map(|w| WorkerState {
+                    name: w.name.to_string(),
+                    role: w.name.role.to_string(),
+                    rank: w.name.rank,
+                    gpu: w.device.to_string(),
+                    pid: w.life.as_ref().map(|l| l.pid),
+                    state: w.state.as_str().into(),
+                    restarts: w.restarts,
+                    started_at: w.life.as_ref().map(|l| l.started_wall.clone()),
+                    last_exit: w.last_exit.clone(),
+                    log: w.log_path.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    fn flush_state(&mut self) {
+        if !self.dirty {
+            return;
+        }
+        self.dirty = false;
+        let phase = match self.phase {
+            Phase::Running => "running",
+            _ => "stopping",
+        };
+        if let Err(e) = self.run.write_state(&self.snapshot(phase, None)) {
+            log::warn!("cannot write state.json: {e}");
+        }
+    }
+
+    /// Every worker is gone: decide the exit code, say why, record it.
+    fn finish(mut self) -> i32 {
+        let all_clean = self.workers.iter().all(|w| w.stopped_cleanly);
+        let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
+        let code = match &reason {
+            StopReason::GaveUp(report) => {
+                eprint!("{}", report.render());
+                exit_codes::RUN_FAILED
+            }
+            StopReason::Fatal(_) => exit_codes::INTERNAL,
+            StopReason::Interrupted => exit_codes::INTERRUPTED,
+            StopReason::Requested(_) | StopReason::TimeLimit => {
+                if all_clean {
+                    exit_codes::SUCCESS
+                } else {
+                    let bad: Vec<String> = self
+                        .workers
+                        .iter()
+                        .filter(|w| !w.stopped_cleanly)
+                        .map(|w| format!("{} ({})", w.name, w.last_exit.as_deref().unwrap_or("never started")))
+                        .collect();
+                    log::warn!("not every worker stopped cleanly: {}", bad.join(", "));
+                    exit_codes::UNCLEAN_STOP
+                }
+            }
+        };
+        let phase = if code == exit_codes::SUCCESS { "stopped" } else { "failed" };
+        if let Err(e) = self.run.write_state(&self.snapshot(phase, Some(code))) {
+            log::warn!("cannot write state.json: {e}");
+        }
+        self.run.event("run_end", obj(json!({"reason": reason.describe(), "exit_code": code})));
+        log::info!("run ended ({}); exit code {code}", reason.describe());
+        code
+    }
+}
+
+impl StopReason {
+    fn describe(&self) -> String {
+        match self {
+            StopReason::Requested(s) => s.clone(),
+            StopReason::TimeLimit => "time limit reached".into(),
+            StopReason::GaveUp(r) => format!("{} spent its restart budget", r.worker),
+            StopReason::Fatal(s) => s.clone(),
+            StopReason::Interrupted => "killed by a second stop signal".into(),
+        }
+    }
+}
+
+fn variant(m: &FromWorker) -> &'static str {
+    match m {
+        FromWorker::Hello(_) => "a second Hello",
+        FromWorker::Heartbeat { .. } => "Heartbeat",
+        FromWorker::Abandon => "Abandon",
+    }
+}
+
+fn obj(v: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    match v {
+        serde_json::Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    }
+}

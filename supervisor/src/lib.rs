@@ -1,0 +1,230 @@
+//! `dflash-supervise`: the CPU-only supervisor of a DFlash training run.
+//!
+//! `main` parses the command line and hands over to one of: a run ([`dispatcher`]),
+//! `logs`, `status`, or the hidden reaper. Errors end here as one line on stderr and a
+//! documented exit code ([`dflash_shared::exit_codes`]).
+
+pub mod cli;
+pub mod console;
+pub mod control;
+pub mod dispatcher;
+pub mod error;
+pub mod gpus;
+pub mod logs;
+pub mod process;
+pub mod reaper;
+pub mod report;
+pub mod restart;
+pub mod rundir;
+pub mod status;
+pub mod worker_log;
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use dflash_shared::{exit_codes, Device, DeviceSpec, Role, WorkerName};
+
+use crate::cli::{Cli, Command, RunArgs};
+use crate::error::Error;
+
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => return clap_exit(e),
+    };
+    console::init();
+    let result = match cli.command {
+        None => run(cli.run),
+        Some(Command::Logs(a)) => logs::run(a),
+        Some(Command::Status(a)) => status::run(a),
+        Some(Command::Reap) => Ok(reaper::run()),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("dflash-supervise: error: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// Help and version go to stdout with exit 0; usage errors become one line and exit 2.
+fn clap_exit(e: clap::Error) -> i32 {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            exit_codes::SUCCESS
+        }
+        _ => {
+            let text = e.render().to_string();
+            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid command line");
+            eprintln!("dflash-supervise: {first} (see --help)");
+            exit_codes::USAGE
+        }
+    }
+}
+
+/// Which worker runs where: targets first, then drafters, ranks from 0 in device order.
+pub fn plan(args: &RunArgs, gpu_count: &mut dyn FnMut() -> Result<u32, String>) -> Result<Vec<(WorkerName, Device)>, Error> {
+    let mut cached: Option<Result<u32, String>> = None;
+    let mut probe = move || cached.get_or_insert_with(&mut *gpu_count).clone();
+    let resolve = |spec: &DeviceSpec, flag: &str, gpus: &mut dyn FnMut() -> Result<u32, String>| {
+        let n = match spec {
+            DeviceSpec::Cpu(_) => Ok(0),
+            _ => gpus(),
+        };
+        spec.resolve(n.as_ref().copied().map_err(String::as_str), flag).map_err(Error::Usage)
+    };
+    let (targets, drafters) = match (&args.target_gpus, &args.drafter_gpus) {
+        (Some(t), Some(d)) => (resolve(t, "--target-gpus", &mut probe)?, resolve(d, "--drafter-gpus", &mut probe)?),
+        _ => {
+            let spec = match &args.gpus {
+                Some(s) => s.clone(),
+                None => match probe() {
+                    Ok(n) if n > 0 => DeviceSpec::All,
+                    _ => DeviceSpec::Cpu(2),
+                },
+            };
+            let flag = if args.gpus.is_some() { "--gpus" } else { "default devices" };
+            let devices = resolve(&spec, flag, &mut probe)?;
+            let n = args.targets as usize;
+            if n == 0 {
+                return Err(Error::Usage(
+                    "--targets 0: at least one target worker is needed (expected 1 or more)".into(),
+                ));
+            }
+            if n >= devices.len() {
+                return Err(Error::Usage(format!(
+                    "--targets {n} leaves no drafter among {} device(s) (expected fewer targets than devices; \
+                     to share one GPU give --target-gpus 0 --drafter-gpus 0)",
+                    devices.len()
+                )));
+            }
+            (devices[..n].to_vec(), devices[n..].to_vec())
+        }
+    };
+    let named = |role, devs: Vec<Device>| {
+        devs.into_iter().enumerate().map(move |(rank, d)| (WorkerName { role, rank: rank as u32 }, d))
+    };
+    Ok(named(Role::Target, targets).chain(named(Role::Drafter, drafters)).collect())
+}
+
+fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let (path, what) = match given {
+        Some(p) => (p.to_path_buf(), format!("--worker-bin {}", p.display())),
+        None => {
+            let exe = std::env::current_exe()
+                .map_err(|e| Error::Internal(format!("cannot find where dflash-supervise runs from: {e}")))?;
+            let p = exe.with_file_name("dflash-worker");
+            let what = format!("dflash-worker beside dflash-supervise ({})", p.display());
+            (p, what)
+        }
+    };
+    let meta = std::fs::metadata(&path).map_err(|e| {
+        Error::Usage(format!("{what}: {e} (expected the dflash-worker program; install both binaries or pass --worker-bin PATH)"))
+    })?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        return Err(Error::Usage(format!("{what}: not an executable file (expected the dflash-worker program)")));
+    }
+    path.canonicalize().map_err(|e| Error::Usage(format!("{what}: {e}")))
+}
+
+fn run(args: RunArgs) -> Result<i32, Error> {
+    let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
+    let plan = plan(&args, &mut gpus::gpu_count)?;
+    let run_dir = rundir::RunDir::create(args.run_dir.as_deref())?;
+    let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
+    console::to_file(&sup_log).map_err(|e| Error::Internal(format!("cannot write {}: {e}", sup_log.display())))?;
+    let reaper = std::env::current_exe().and_then(|exe| reaper::Reaper::start(&exe));
+    let reaper = match reaper {
+        Ok(r) => Some(r),
+        Err(e) => {
+            log::warn!("cannot start the reaper ({e}): if the supervisor is killed, processes forked by workers may outlive it");
+            None
+        }
+    };
+    let cfg = dispatcher::Config {
+        plan,
+        worker_bin,
+        hang_timeout: args.hang_timeout,
+        max_restarts: args.max_restarts,
+        stable_after: args.stable_after,
+        stop_timeout: args.stop_timeout,
+        time_limit: args.time_limit,
+        tee: args.tee,
+        log_max_size: args.log_max_size,
+        log_backups: args.log_backups,
+    };
+    let d = dispatcher::Dispatcher::new(cfg, run_dir, reaper)?;
+    start_signal_thread(d.events())?;
+    Ok(d.run())
+}
+
+fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result<(), Error> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
+        .map_err(|e| Error::Internal(format!("cannot install signal handlers: {e}")))?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                if tx.send(dispatcher::Event::Signal(sig)).is_err() {
+                    break;
+                }
+            }
+        })
+        .map_err(|e| Error::Internal(format!("cannot start signal thread: {e}")))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> RunArgs {
+        let mut argv = vec!["dflash-supervise"];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv).unwrap().run
+    }
+
+    fn names(p: &[(WorkerName, Device)]) -> Vec<String> {
+        p.iter().map(|(n, d)| format!("{n}@{d}")).collect()
+    }
+
+    #[test]
+    fn cpu_split_by_targets() {
+        let p = plan(&args(&["--gpus", "cpu:3", "--targets", "1"]), &mut || panic!("NVML asked for cpu")).unwrap();
+        assert_eq!(names(&p), ["target-0@cpu", "drafter-0@cpu", "drafter-1@cpu"]);
+    }
+
+    #[test]
+    fn gpus_split_first_n_are_targets() {
+        let p = plan(&args(&["--gpus", "0-7", "--targets", "2"]), &mut || Ok(8)).unwrap();
+        assert_eq!(names(&p)[..3], ["target-0@0", "target-1@1", "drafter-0@2"]);
+        assert_eq!(p.len(), 8);
+    }
+
+    #[test]
+    fn explicit_roles_may_share_a_gpu() {
+        let p = plan(&args(&["--target-gpus", "0", "--drafter-gpus", "0,1"]), &mut || Ok(2)).unwrap();
+        assert_eq!(names(&p), ["target-0@0", "drafter-0@0", "drafter-1@1"]);
+    }
+
+    #[test]
+    fn default_is_all_gpus_or_two_cpu_workers() {
+        assert_eq!(plan(&args(&[]), &mut || Ok(4)).unwrap().len(), 4);
+        let p = plan(&args(&[]), &mut || Err("no NVIDIA driver found".into())).unwrap();
+        assert_eq!(names(&p), ["target-0@cpu", "drafter-0@cpu"]);
+    }
+
+    #[test]
+    fn too_many_targets_and_missing_driver_are_usage_errors() {
+        let e = plan(&args(&["--gpus", "cpu:3", "--targets", "3"]), &mut || Ok(0)).unwrap_err();
+        assert!(e.to_string().contains("--targets 3 leaves no drafter"), "{e}");
+        assert_eq!(e.exit_code(), 2);
+        let e = plan(&args(&["--gpus", "0-7"]), &mut || Err("no NVIDIA driver found".into())).unwrap_err();
+        assert!(e.to_string().contains("cpu:N"), "{e}");
+    }
+}
