@@ -40,6 +40,7 @@ pub fn serve(server: IpcOneShotServer<FromWorker>, worker: usize, life: LifeId, 
                 Ok(msg) => Event::Message { worker, life, msg },
                 Err(IpcError::Disconnected) => lost("control channel closed".into(), false),
                 Err(IpcError::SerializationError(e)) => lost(format!("malformed control message: {e}"), true),
+                Err(IpcError::Io(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(IpcError::Io(e)) => lost(format!("control channel error: {e}"), false),
             };
             let last = !matches!(event, Event::Message { .. });

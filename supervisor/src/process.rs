@@ -60,11 +60,6 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("DFLASH_") {
-            cmd.env_remove(k);
-        }
-    }
     cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
     // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
     // calls (prctl, getppid) and builds an io::Error from a raw errno (no allocation).

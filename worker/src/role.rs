@@ -50,6 +50,8 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                 return Ok(exit_codes::SUCCESS);
             }
             Err(TryRecvError::Empty) => {}
+            // A signal (SIGUSR1, SIGTERM) interrupted the wait: handled just below.
+            Err(TryRecvError::IpcError(IpcError::Io(e))) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(TryRecvError::IpcError(IpcError::Disconnected)) => {
                 eprintln!("control channel closed: the supervisor is gone; exiting");
                 return Ok(exit_codes::WORKER_ORPHANED);

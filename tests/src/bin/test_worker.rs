@@ -1,1 +1,167 @@
-fn main(){}
+//! A worker that misbehaves on request, for the end-to-end tests. It speaks the real
+//! control protocol (through dflash-shared) and is run with `--worker-bin`.
+//!
+//! `DFLASH_TEST_BEHAVIOR` holds rules `WORKER[@RESTART]=ACTION[,ACTION...]` separated by
+//! `;`. A rule applies to the worker of that name, on every life or only on the life whose
+//! `DFLASH_RESTART_COUNT` is RESTART. Actions:
+//!
+//! - `crash:CODE`        say so on stderr and exit with CODE right after the hello
+//! - `crash-after:MS`    behave for MS milliseconds, then exit 3
+//! - `hang-after:MS`     behave for MS milliseconds, then stop heartbeating forever
+//! - `ignore-stop`       ignore SIGTERM and the shutdown message
+//! - `grandchild`        start `sleep 1000` in the worker's process group, print its pid
+//! - `chatty:N`          print N numbered lines ("chatty N") one per millisecond
+//! - `second-hello`      send a second Hello (a protocol violation)
+//! - `heartbeat-first`   open the connection with a Heartbeat instead of a Hello
+//! - `wrong-version`     say hello with protocol version 999
+//! - `exit-early:CODE`   exit with CODE before connecting
+//!
+//! With no rule it behaves like the real worker: heartbeats, exits 0 on shutdown or
+//! SIGTERM, prints a line on SIGUSR1/SIGUSR2.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dflash_shared::protocol::{connect, FromWorker, Hello, ToWorker};
+use dflash_shared::{env, exit_codes};
+use ipc_channel::ipc::{self, IpcSender};
+
+fn actions() -> Vec<(String, Option<String>)> {
+    let me = format!("{}-{}", var(env::ROLE), var(env::RANK));
+    let restart = var(env::RESTART_COUNT);
+    let spec = std::env::var("DFLASH_TEST_BEHAVIOR").unwrap_or_default();
+    let mut out = Vec::new();
+    for rule in spec.split(';').filter(|r| !r.trim().is_empty()) {
+        let (who, what) = rule.split_once('=').expect("rule WORKER[@RESTART]=ACTION");
+        let (name, life) = match who.split_once('@') {
+            Some((n, l)) => (n, Some(l)),
+            None => (who, None),
+        };
+        if name.trim() != me || life.is_some_and(|l| l.trim() != restart) {
+            continue;
+        }
+        for a in what.split(',') {
+            let (k, v) = match a.split_once(':') {
+                Some((k, v)) => (k.trim().to_string(), Some(v.trim().to_string())),
+                None => (a.trim().to_string(), None),
+            };
+            out.push((k, v));
+        }
+    }
+    out
+}
+
+fn var(k: &str) -> String {
+    std::env::var(k).unwrap_or_default()
+}
+
+fn arg(acts: &[(String, Option<String>)], key: &str) -> Option<u64> {
+    acts.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_deref().unwrap_or("0").parse().expect("number"))
+}
+
+fn has(acts: &[(String, Option<String>)], key: &str) -> bool {
+    acts.iter().any(|(k, _)| k == key)
+}
+
+fn main() {
+    let acts = actions();
+    let name = format!("{}-{}", var(env::ROLE), var(env::RANK));
+    let restart: u32 = var(env::RESTART_COUNT).parse().unwrap_or(0);
+    let control = std::env::args().nth(2).expect("--control NAME");
+    let hb = Duration::from_millis(var(env::HEARTBEAT_MS).parse().unwrap_or(100));
+    println!("test worker {name} pid {} restart {restart} actions {acts:?}", std::process::id());
+
+    if let Some(code) = arg(&acts, "exit-early") {
+        std::process::exit(code as i32);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let usr1 = Arc::new(AtomicBool::new(false));
+    if has(&acts, "ignore-stop") {
+        // SAFETY: installing SIG_IGN runs no handler code.
+        unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+    } else {
+        signal_hook::flag::register(libc::SIGTERM, stop.clone()).unwrap();
+    }
+    signal_hook::flag::register(libc::SIGUSR1, usr1.clone()).unwrap();
+
+    let (up, down) = if has(&acts, "heartbeat-first") || has(&acts, "wrong-version") {
+        let up = IpcSender::<FromWorker>::connect(control).unwrap();
+        let (to_worker, down) = ipc::channel::<ToWorker>().unwrap();
+        if has(&acts, "heartbeat-first") {
+            up.send(FromWorker::Heartbeat { seq: 0 }).unwrap();
+        } else {
+            let hello = Hello { protocol: 999, pid: std::process::id(), worker: name.clone(), restart_count: restart, to_worker };
+            up.send(FromWorker::Hello(hello)).unwrap();
+        }
+        (up, down)
+    } else {
+        connect(&control, &name, restart).expect("connect to supervisor")
+    };
+    if let Some(code) = arg(&acts, "crash") {
+        eprintln!("crashing on purpose with exit code {code}");
+        std::process::exit(code as i32);
+    }
+    if has(&acts, "grandchild") {
+        let g = std::process::Command::new("sleep").arg("1000").spawn().expect("spawn sleep");
+        println!("grandchild pid {}", g.id());
+        std::mem::forget(g);
+    }
+    if let Some(n) = arg(&acts, "chatty") {
+        for i in 0..n {
+            println!("chatty {i}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    if has(&acts, "second-hello") {
+        let (to_worker, _keep) = ipc::channel::<ToWorker>().unwrap();
+        let hello = Hello { protocol: dflash_shared::protocol::PROTOCOL_VERSION, pid: std::process::id(), worker: name.clone(), restart_count: restart, to_worker };
+        up.send(FromWorker::Hello(hello)).unwrap();
+        std::mem::forget(_keep);
+    }
+    let started = Instant::now();
+    let crash_after = arg(&acts, "crash-after").map(Duration::from_millis);
+    let hang_after = arg(&acts, "hang-after").map(Duration::from_millis);
+    let ignore_stop = has(&acts, "ignore-stop");
+    let mut seq = 0;
+    loop {
+        match down.try_recv_timeout(hb) {
+            Ok(ToWorker::Shutdown { reason }) => {
+                if ignore_stop {
+                    println!("ignoring shutdown ({reason})");
+                } else {
+                    println!("shutdown ({reason})");
+                    std::process::exit(0);
+                }
+            }
+            Err(ipc_channel::TryRecvError::Empty) => {}
+            Err(ipc_channel::TryRecvError::IpcError(ipc_channel::IpcError::Io(e)))
+                if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => {
+                eprintln!("control channel closed");
+                std::process::exit(exit_codes::WORKER_ORPHANED);
+            }
+        }
+        if stop.load(Ordering::Relaxed) {
+            println!("SIGTERM: exiting");
+            std::process::exit(0);
+        }
+        if usr1.swap(false, Ordering::Relaxed) {
+            println!("got SIGUSR1");
+        }
+        if crash_after.is_some_and(|d| started.elapsed() >= d) {
+            eprintln!("crashing on purpose after {:?}", started.elapsed());
+            std::process::exit(3);
+        }
+        if hang_after.is_some_and(|d| started.elapsed() >= d) {
+            println!("hanging on purpose");
+            loop {
+                std::thread::park();
+            }
+        }
+        seq += 1;
+        if up.send(FromWorker::Heartbeat { seq }).is_err() {
+            std::process::exit(exit_codes::WORKER_ORPHANED);
+        }
+    }
+}

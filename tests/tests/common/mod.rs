@@ -1,0 +1,180 @@
+//! Harness for the end-to-end tests: start the real `dflash-supervise` with a run dir in a
+//! temporary directory, read its state.json and events.jsonl, and wait for conditions up to
+//! a deadline (never a fixed sleep).
+#![allow(dead_code)]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Binaries of the workspace, beside the test executable's `deps/` directory.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(p.exists(), "{} is missing: build the workspace first (cargo build --workspace)", p.display());
+    p
+}
+
+pub fn test_worker() -> PathBuf {
+    bin("dflash-test-worker")
+}
+
+/// Poll `f` every 20 ms until it returns Some or `timeout` passes; panic naming `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Alive and not a zombie.
+pub fn pid_alive(pid: u32) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+    !matches!(state, Some('Z') | Some('X') | None)
+}
+
+pub fn signal(pid: u32, sig: nix::sys::signal::Signal) {
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
+}
+
+pub struct Sup {
+    pub child: Child,
+    pub tmp: tempfile::TempDir,
+    pub run_dir: PathBuf,
+    status: Option<ExitStatus>,
+}
+
+impl Sup {
+    /// Start a run with the test worker (behaviour from `behavior`, see test_worker.rs).
+    pub fn start(args: &[&str], behavior: &str) -> Sup {
+        Sup::start_with(args, Some(behavior))
+    }
+
+    /// Start a run with the real dflash-worker.
+    pub fn start_real(args: &[&str]) -> Sup {
+        Sup::start_with(args, None)
+    }
+
+    fn start_with(args: &[&str], behavior: Option<&str>) -> Sup {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let run_dir = tmp.path().join("run");
+        let mut cmd = Command::new(bin("dflash-supervise"));
+        cmd.args(args).arg("--run-dir").arg(&run_dir);
+        if let Some(b) = behavior {
+            cmd.arg("--worker-bin").arg(test_worker()).env("DFLASH_TEST_BEHAVIOR", b);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(fs::File::create(tmp.path().join("stdout")).unwrap())
+            .stderr(fs::File::create(tmp.path().join("stderr")).unwrap());
+        let child = cmd.spawn().expect("start dflash-supervise");
+        Sup { child, tmp, run_dir, status: None }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn stderr(&self) -> String {
+        fs::read_to_string(self.tmp.path().join("stderr")).unwrap_or_default()
+    }
+
+    pub fn stdout(&self) -> String {
+        fs::read_to_string(self.tmp.path().join("stdout")).unwrap_or_default()
+    }
+
+    pub fn state(&self) -> Option<Value> {
+        serde_json::from_str(&fs::read_to_string(self.run_dir.join("state.json")).ok()?).ok()
+    }
+
+    pub fn events(&self) -> Vec<Value> {
+        fs::read_to_string(self.run_dir.join("events.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    pub fn log(&self, worker: &str) -> String {
+        fs::read_to_string(self.run_dir.join("logs").join(format!("{worker}.log"))).unwrap_or_default()
+    }
+
+    /// Wait until state.json satisfies `pred`; returns that state.
+    pub fn wait_state(&self, what: &str, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.state() {
+                if pred(&s) {
+                    return s;
+                }
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "timed out after {timeout:?} waiting for {what}\nstate: {}\nstderr:\n{}",
+                    self.state().map(|s| s.to_string()).unwrap_or_default(),
+                    self.stderr()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Wait until every worker is running (connected and heartbeating).
+    pub fn wait_running(&self, n: usize) -> Value {
+        self.wait_state(&format!("{n} workers running"), Duration::from_secs(20), |s| {
+            let ws = s["workers"].as_array().unwrap();
+            ws.len() == n && ws.iter().all(|w| w["state"] == "running")
+        })
+    }
+
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        if let Some(s) = self.status {
+            return s;
+        }
+        let s = wait_for("the supervisor to exit", timeout, || self.child.try_wait().unwrap());
+        self.status = Some(s);
+        s
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        signal(self.pid(), sig);
+    }
+}
+
+pub fn worker<'a>(state: &'a Value, name: &str) -> &'a Value {
+    state["workers"].as_array().unwrap().iter().find(|w| w["name"] == name).unwrap_or_else(|| panic!("no {name} in {state}"))
+}
+
+pub fn pid_of(state: &Value, name: &str) -> u32 {
+    worker(state, name)["pid"].as_u64().unwrap_or_else(|| panic!("{name} has no pid in {state}")) as u32
+}
+
+impl Drop for Sup {
+    fn drop(&mut self) {
+        if self.status.is_none() && self.child.try_wait().ok().flatten().is_none() {
+            // SIGKILL: the reaper and PDEATHSIG take the workers with it.
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Run `dflash-supervise ARGS` to completion.
+pub fn supervise(args: &[&str], cwd: Option<&Path>) -> Output {
+    let mut cmd = Command::new(bin("dflash-supervise"));
+    cmd.args(args).stdin(Stdio::null());
+    if let Some(d) = cwd {
+        cmd.current_dir(d);
+    }
+    cmd.output().expect("run dflash-supervise")
+}

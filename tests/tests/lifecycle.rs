@@ -1,0 +1,272 @@
+//! Process management end to end: spawn, crash, hang, crash loop, stop, kill.
+
+mod common;
+
+use std::fs;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(20);
+
+fn environ(pid: u32) -> Vec<String> {
+    let raw = fs::read(format!("/proc/{pid}/environ")).unwrap();
+    raw.split(|&b| b == 0).map(|s| String::from_utf8_lossy(s).into_owned()).collect()
+}
+
+fn events_of<'a>(events: &'a [Value], kind: &str, worker: &str) -> Vec<&'a Value> {
+    events.iter().filter(|e| e["event"] == kind && e["worker"] == worker).collect()
+}
+
+fn millis(t: &Value) -> u128 {
+    let t = humantime_ms(t.as_str().unwrap());
+    t
+}
+
+/// Milliseconds since the epoch of an RFC 3339 UTC time like 2026-11-30T10:17:05.123Z.
+fn humantime_ms(s: &str) -> u128 {
+    // Only the time of day matters for differences within one test.
+    let tod = &s[11..23];
+    let (h, rest) = tod.split_at(2);
+    let (m, rest) = rest[1..].split_at(2);
+    let (sec, ms) = rest[1..].split_at(2);
+    let n = |x: &str| x.parse::<u128>().unwrap();
+    ((n(h) * 60 + n(m)) * 60 + n(sec)) * 1000 + n(&ms[1..])
+}
+
+#[test]
+fn spawns_one_process_per_worker_with_its_identity_and_sigterm_exits_0() {
+    let mut sup = Sup::start_real(&["--gpus", "cpu:3", "--targets", "1"]);
+    let st = sup.wait_running(3);
+    let names: Vec<&str> = st["workers"].as_array().unwrap().iter().map(|w| w["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["target-0", "drafter-0", "drafter-1"]);
+    let run_dir = fs::canonicalize(&sup.run_dir).unwrap();
+    let mut pids = Vec::new();
+    for (name, role, rank) in [("target-0", "target", 0), ("drafter-0", "drafter", 0), ("drafter-1", "drafter", 1)] {
+        let pid = pid_of(&st, name);
+        pids.push(pid);
+        assert!(pid_alive(pid));
+        let env = environ(pid);
+        for want in [
+            format!("DFLASH_ROLE={role}"),
+            format!("DFLASH_RANK={rank}"),
+            "DFLASH_GPU=cpu".to_string(),
+            "DFLASH_RESTART_COUNT=0".to_string(),
+            format!("DFLASH_RUN_DIR={}", run_dir.display()),
+            "CUDA_VISIBLE_DEVICES=".to_string(),
+        ] {
+            assert!(env.contains(&want), "{name} lacks {want}: {env:?}");
+        }
+        // Its own process group, child of the supervisor.
+        let pgid = nix::unistd::getpgid(Some(nix::unistd::Pid::from_raw(pid as i32))).unwrap();
+        assert_eq!(pgid.as_raw() as u32, pid, "{name} leads its own process group");
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let ppid: u32 = stat.rsplit_once(')').unwrap().1.split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert_eq!(ppid, sup.pid());
+    }
+    sup.signal(Signal::SIGTERM);
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    for pid in pids {
+        assert!(!pid_alive(pid), "worker {pid} outlived the run");
+    }
+    let st = sup.state().unwrap();
+    assert_eq!(st["phase"], "stopped");
+    assert_eq!(st["exit_code"], 0);
+    let ev = sup.events();
+    assert_eq!(ev.iter().filter(|e| e["event"] == "spawn").count(), 3);
+    assert_eq!(ev.iter().filter(|e| e["event"] == "exit" && e["code"] == 0).count(), 3);
+    assert!(sup.run_dir.join("supervisor.log").exists());
+}
+
+#[test]
+fn kill_9_restarts_that_worker_alone_and_fast() {
+    let sup = Sup::start_real(&["--gpus", "cpu:3"]);
+    let st = sup.wait_running(3);
+    let before: Vec<u32> = ["target-0", "drafter-0", "drafter-1"].iter().map(|n| pid_of(&st, n)).collect();
+
+    signal(before[2], Signal::SIGKILL);
+    let st = sup.wait_state("drafter-1 back with a new pid", T, |s| {
+        let w = worker(s, "drafter-1");
+        w["state"] == "running" && w["pid"].as_u64().is_some_and(|p| p as u32 != before[2])
+    });
+    assert_eq!(worker(&st, "drafter-1")["restarts"], 1);
+    assert_eq!(worker(&st, "drafter-1")["last_exit"], "killed by signal SIGKILL");
+    for (i, n) in ["target-0", "drafter-0"].iter().enumerate() {
+        assert_eq!(pid_of(&st, n), before[i], "{n} was disturbed");
+        assert_eq!(worker(&st, n)["restarts"], 0);
+    }
+    let new_pid = pid_of(&st, "drafter-1");
+    assert!(environ(new_pid).contains(&"DFLASH_RESTART_COUNT=1".to_string()));
+
+    // A target's replacement is spawned within 100 ms of its death being seen.
+    signal(before[0], Signal::SIGKILL);
+    sup.wait_state("target-0 back", T, |s| worker(s, "target-0")["restarts"] == 1 && worker(s, "target-0")["state"] == "running");
+    let ev = sup.events();
+    let exit = events_of(&ev, "exit", "target-0")[0];
+    assert_eq!(exit["signal"], "SIGKILL");
+    let spawn = events_of(&ev, "spawn", "target-0")[1];
+    let gap = millis(&spawn["time"]) - millis(&exit["time"]);
+    assert!(gap <= 100, "replacement spawned {gap} ms after the death");
+    assert_eq!(events_of(&ev, "restart", "target-0")[0]["delay_ms"], 0);
+}
+
+#[test]
+fn hung_worker_is_killed_and_restarted() {
+    let t0 = Instant::now();
+    let sup = Sup::start(&["--gpus", "cpu:2", "--hang-timeout", "1s"], "drafter-0@0=hang-after:200");
+    let st = sup.wait_state("drafter-0 restarted after hanging", T, |s| {
+        let w = worker(s, "drafter-0");
+        w["restarts"] == 1 && w["state"] == "running"
+    });
+    // Hang after 0.2 s + 1 s timeout; generous margin for a loaded machine.
+    assert!(t0.elapsed() < Duration::from_secs(10), "took {:?}", t0.elapsed());
+    assert!(worker(&st, "drafter-0")["last_exit"].as_str().unwrap().contains("hung: no heartbeat"));
+    let ev = sup.events();
+    assert_eq!(events_of(&ev, "hang", "drafter-0").len(), 1);
+    assert_eq!(worker(&st, "target-0")["restarts"], 0);
+}
+
+#[test]
+fn crash_loop_gives_up_with_a_root_cause_report() {
+    let mut sup = Sup::start(&["--gpus", "cpu:2", "--max-restarts", "2"], "drafter-0=crash:7");
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "stderr:\n{err}");
+    for needle in [
+        "run failed: drafter-0",
+        "--max-restarts 2",
+        "last exit: exit code 7",
+        "restarts:  2",
+        "crashing on purpose with exit code 7",
+    ] {
+        assert!(err.contains(needle), "report lacks {needle:?}:\n{err}");
+    }
+    let st = sup.state().unwrap();
+    assert_eq!(st["phase"], "failed");
+    assert_eq!(st["exit_code"], 1);
+    assert_eq!(worker(&st, "drafter-0")["state"], "failed");
+    let ev = sup.events();
+    assert_eq!(events_of(&ev, "exit", "drafter-0").len(), 3);
+    assert_eq!(events_of(&ev, "give_up", "drafter-0").len(), 1);
+    // Second restart waited for the backoff (1 s), the first did not.
+    let delays: Vec<u64> = events_of(&ev, "restart", "drafter-0").iter().map(|e| e["delay_ms"].as_u64().unwrap()).collect();
+    assert_eq!(delays, [0, 1000]);
+}
+
+#[test]
+fn supervisor_sigkill_leaves_no_worker_or_grandchild() {
+    let sup = Sup::start(&["--gpus", "cpu:3"], "drafter-1=grandchild");
+    let st = sup.wait_running(3);
+    let mut pids: Vec<u32> = ["target-0", "drafter-0", "drafter-1"].iter().map(|n| pid_of(&st, n)).collect();
+    let grandchild: u32 = wait_for("the grandchild's pid in the log", T, || {
+        let log = sup.log("drafter-1");
+        let line = log.lines().find(|l| l.contains("grandchild pid "))?;
+        line.rsplit(' ').next()?.parse().ok()
+    });
+    assert!(pid_alive(grandchild));
+    pids.push(grandchild);
+    sup.signal(Signal::SIGKILL);
+    wait_for("every worker and the grandchild to die", Duration::from_secs(2), || {
+        pids.iter().all(|&p| !pid_alive(p)).then_some(())
+    });
+}
+
+#[test]
+fn killing_a_worker_kills_its_grandchild_too() {
+    let sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0@0=grandchild");
+    let st = sup.wait_running(2);
+    let grandchild: u32 = wait_for("the grandchild's pid", T, || {
+        sup.log("drafter-0").lines().find(|l| l.contains("grandchild pid "))?.rsplit(' ').next()?.parse().ok()
+    });
+    signal(pid_of(&st, "drafter-0"), Signal::SIGKILL);
+    wait_for("the grandchild to die with its worker", Duration::from_secs(5), || (!pid_alive(grandchild)).then_some(()));
+    sup.wait_state("drafter-0 restarted", T, |s| worker(s, "drafter-0")["restarts"] == 1);
+}
+
+#[test]
+fn worker_ignoring_stop_is_killed_after_stop_timeout() {
+    let mut sup = Sup::start(&["--gpus", "cpu:2", "--stop-timeout", "1s"], "drafter-0=ignore-stop");
+    let st = sup.wait_running(2);
+    let stubborn = pid_of(&st, "drafter-0");
+    let t0 = Instant::now();
+    sup.signal(Signal::SIGTERM);
+    let status = sup.wait_exit(T);
+    assert!(t0.elapsed() >= Duration::from_secs(1), "killed before the stop timeout: {:?}", t0.elapsed());
+    assert_eq!(status.code(), Some(3), "stderr:\n{}", sup.stderr());
+    assert!(!pid_alive(stubborn));
+    assert!(sup.stderr().contains("did not stop within --stop-timeout"));
+    assert!(sup.log("drafter-0").contains("ignoring shutdown"));
+    let st = sup.state().unwrap();
+    assert_eq!(worker(&st, "target-0")["last_exit"], "exit code 0");
+    assert!(worker(&st, "drafter-0")["last_exit"].as_str().unwrap().contains("SIGKILL"));
+}
+
+#[test]
+fn second_ctrl_c_kills_at_once() {
+    let mut sup = Sup::start(&["--gpus", "cpu:2", "--stop-timeout", "10m"], "drafter-0=ignore-stop");
+    let st = sup.wait_running(2);
+    let stubborn = pid_of(&st, "drafter-0");
+    sup.signal(Signal::SIGINT);
+    sup.wait_state("the run to be stopping", T, |s| s["phase"] == "stopping");
+    sup.signal(Signal::SIGINT);
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(130), "stderr:\n{}", sup.stderr());
+    assert!(!pid_alive(stubborn));
+}
+
+#[test]
+fn sigusr1_is_forwarded_to_every_worker() {
+    let sup = Sup::start_real(&["--gpus", "cpu:2"]);
+    sup.wait_running(2);
+    sup.signal(Signal::SIGUSR1);
+    for w in ["target-0", "drafter-0"] {
+        wait_for(&format!("{w} to report SIGUSR1"), T, || sup.log(w).contains("SIGUSR1 received").then_some(()));
+    }
+    let st = sup.state().unwrap();
+    assert!(st["phase"] == "running", "SIGUSR1 must not stop the run");
+    for w in st["workers"].as_array().unwrap() {
+        assert_eq!(w["restarts"], 0, "SIGUSR1 must not disturb a worker: {w}");
+    }
+}
+
+#[test]
+fn protocol_violations_restart_only_the_offender() {
+    let sup = Sup::start(&["--gpus", "cpu:3"], "drafter-0@0=second-hello;drafter-1@0=heartbeat-first");
+    let st = sup.wait_state("both offenders restarted", T, |s| {
+        ["drafter-0", "drafter-1"].iter().all(|n| worker(s, n)["restarts"] == 1 && worker(s, n)["state"] == "running")
+    });
+    assert_eq!(worker(&st, "target-0")["restarts"], 0);
+    let ev = sup.events();
+    assert_eq!(events_of(&ev, "protocol_violation", "drafter-0").len(), 1);
+    assert_eq!(events_of(&ev, "protocol_violation", "drafter-1").len(), 1);
+    assert!(worker(&st, "drafter-0")["last_exit"].as_str().unwrap().contains("second Hello"));
+}
+
+#[test]
+fn incompatible_protocol_version_stops_the_run() {
+    let mut sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0=wrong-version");
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(4), "stderr:\n{}", sup.stderr());
+    assert!(sup.stderr().contains("control protocol v999"), "{}", sup.stderr());
+}
+
+#[test]
+fn worker_dying_before_hello_is_restarted() {
+    let sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0@0=exit-early:5");
+    let st = sup.wait_state("drafter-0 restarted", T, |s| {
+        let w = worker(s, "drafter-0");
+        w["restarts"] == 1 && w["state"] == "running"
+    });
+    assert_eq!(worker(&st, "drafter-0")["last_exit"], "exit code 5");
+}
+
+#[test]
+fn time_limit_ends_the_run_with_exit_0() {
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--time-limit", "1s"]);
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    assert!(sup.events().iter().any(|e| e["event"] == "stop" && e["reason"] == "time limit reached"));
+}
