@@ -6,21 +6,19 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use dflash_shared::DeviceSpec;
 
-/// Train DFlash speculative-decoding drafters on one machine: a CPU-only supervisor
-/// spawns one worker process per GPU (targets capture hidden states, drafters train),
-/// restarts any worker that crashes or hangs, and keeps a log per worker.
+/// Train DFlash speculative-decoding drafters on one machine.
 ///
-/// With no subcommand it starts a run. Examples:
+/// A CPU-only supervisor spawns one worker process per GPU (targets capture hidden
+/// states, drafters train), restarts any worker that crashes or hangs, and keeps a log
+/// per worker. With no subcommand it starts a run:
 ///
 ///   dflash-supervise --gpus cpu:3 --targets 1 --run-dir runs/a
-///
 ///   dflash-supervise --gpus 0-7
-///
 ///   dflash-supervise logs --run-dir runs/a drafter-1 -n 50
-///
+///   dflash-supervise logs --all -f
 ///   dflash-supervise status --json
 #[derive(Debug, Parser)]
-#[command(name = "dflash-supervise", version, args_conflicts_with_subcommands = true)]
+#[command(name = "dflash-supervise", version, args_conflicts_with_subcommands = true, verbatim_doc_comment)]
 #[command(after_help = "Exit codes: 0 ok, 1 run failed (restart budget spent), 2 bad input, \
 3 unclean stop (a worker had to be killed), 4 internal error, 130 killed by a second Ctrl-C.")]
 pub struct Cli {

@@ -1,0 +1,197 @@
+//! `logs` and `status` against live and finished runs.
+
+mod common;
+
+use std::fs;
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use nix::sys::signal::Signal;
+
+const T: Duration = Duration::from_secs(20);
+
+/// A `dflash-supervise logs ...` process whose stdout is collected as it comes.
+struct LogsF {
+    child: Child,
+    out: Arc<Mutex<String>>,
+}
+
+impl LogsF {
+    fn start(args: &[&str]) -> LogsF {
+        let mut child = Command::new(bin("dflash-supervise"))
+            .arg("logs")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let out = Arc::new(Mutex::new(String::new()));
+        let sink = out.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stdout.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        LogsF { child, out }
+    }
+
+    fn text(&self) -> String {
+        self.out.lock().unwrap().clone()
+    }
+
+    fn wait_for(&self, what: &str, pred: impl Fn(&str) -> bool) {
+        wait_for(what, T, || pred(&self.text()).then_some(()));
+    }
+}
+
+impl Drop for LogsF {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn dir(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn logs_tail_and_follow_across_a_restart_then_stop_with_the_run() {
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2"]);
+    let st = sup.wait_running(2);
+    let first = pid_of(&st, "drafter-0");
+    let rd = sup.run_dir.clone();
+
+    let f = LogsF::start(&["--run-dir", dir(&rd), "drafter-0", "-f"]);
+    f.wait_for("the first life's line", |t| t.contains(&format!("drafter-0 (pid {first})")));
+
+    signal(first, Signal::SIGKILL);
+    let st = sup.wait_state("drafter-0 restarted", T, |s| worker(s, "drafter-0")["restarts"] == 1 && worker(s, "drafter-0")["state"] == "running");
+    let second = pid_of(&st, "drafter-0");
+    f.wait_for("the exit and the second life, in order", |t| {
+        let exit = t.find(&format!("pid {first} killed by signal SIGKILL"));
+        let next = t.find(&format!("drafter-0 (pid {second})"));
+        matches!((exit, next), (Some(a), Some(b)) if a < b)
+    });
+    assert!(!f.text().contains("target-0"), "only drafter-0's lines");
+
+    // -n: exactly the last N lines, both lives visible with a large N.
+    let out = supervise(&["logs", "--run-dir", dir(&rd), "drafter-0", "-n", "50"], None);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains(&format!("pid {first}")) && text.contains(&format!("pid {second}")), "{text}");
+    assert!(text.lines().all(|l| l.contains(" stdout ") || l.contains(" stderr ") || l.contains(" supervisor ")));
+    let out = supervise(&["logs", "--run-dir", dir(&rd), "drafter-0", "-n", "2"], None);
+    let tail: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(String::from).collect();
+    let log = sup.log("drafter-0");
+    let last2: Vec<String> = log.lines().rev().take(2).collect::<Vec<_>>().into_iter().rev().map(String::from).collect();
+    assert_eq!(tail, last2);
+
+    // --all prefixes each line with its worker.
+    let out = supervise(&["logs", "--run-dir", dir(&rd), "--all", "-n", "1"], None);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.lines().any(|l| l.starts_with("[target-0] ")) && text.lines().any(|l| l.starts_with("[drafter-0] ")), "{text}");
+
+    // When the run ends, -f prints the last lines and exits 0 by itself.
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(0));
+    let mut child = f;
+    let status = wait_for("logs -f to end with the run", T, || child.child.try_wait().unwrap());
+    assert_eq!(status.code(), Some(0));
+    child.wait_for("the final shutdown line", |t| t.contains(&format!("pid {second} exit code 0")));
+}
+
+#[test]
+fn logs_follow_survives_rotation_without_losing_a_line() {
+    let n = 400;
+    let sup = Sup::start(
+        &["--gpus", "cpu:2", "--log-max-size", "2K", "--log-backups", "200"],
+        &format!("drafter-0=chatty:{n}"),
+    );
+    sup.wait_state("state.json", T, |_| true);
+    let f = LogsF::start(&["--run-dir", dir(&sup.run_dir), "drafter-0", "-f", "-n", "100000"]);
+    f.wait_for("every chatty line", |t| t.contains(&format!("chatty {}", n - 1)));
+    let nums: Vec<u32> = f
+        .text()
+        .lines()
+        .filter_map(|l| l.split_once("stdout chatty ").map(|(_, n)| n.trim().parse().unwrap()))
+        .collect();
+    assert_eq!(nums, (0..n).collect::<Vec<_>>(), "lines lost, repeated or out of order");
+    assert!(sup.run_dir.join("logs/drafter-0.log.5").exists(), "the log should have rotated many times");
+    for entry in fs::read_dir(sup.run_dir.join("logs")).unwrap() {
+        let len = entry.unwrap().metadata().unwrap().len();
+        assert!(len <= 2048, "a log file grew past --log-max-size: {len}");
+    }
+}
+
+#[test]
+fn tee_prints_worker_lines_with_a_prefix() {
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--tee", "--time-limit", "1s"]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0));
+    let out = sup.stdout();
+    assert!(out.lines().any(|l| l.starts_with("[drafter-0] dflash-worker drafter-0")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("[target-0] ")), "{out}");
+}
+
+#[test]
+fn status_shows_workers_and_notices_a_dead_supervisor() {
+    let sup = Sup::start_real(&["--gpus", "cpu:3"]);
+    let st = sup.wait_running(3);
+    let rd = sup.run_dir.clone();
+    let out = supervise(&["status", "--run-dir", dir(&rd)], None);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for name in ["target-0", "drafter-0", "drafter-1"] {
+        let line = text.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name} missing:\n{text}"));
+        assert!(line.contains("running") && line.contains(&pid_of(&st, name).to_string()), "{line}");
+    }
+    assert!(text.contains(&format!("pid {}, running", sup.pid())), "{text}");
+
+    let out = supervise(&["status", "--run-dir", dir(&rd), "--json"], None);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["supervisor_alive"], true);
+    assert_eq!(v["workers"].as_array().unwrap().len(), 3);
+
+    sup.signal(Signal::SIGKILL);
+    wait_for("the supervisor lock to be released", T, || {
+        let out = supervise(&["status", "--run-dir", dir(&rd)], None);
+        String::from_utf8_lossy(&out.stdout).contains("gone without recording an exit").then_some(())
+    });
+}
+
+#[test]
+fn logs_and_status_default_to_the_newest_run_under_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let worker = bin("dflash-worker");
+    for _ in 0..2 {
+        let out = supervise(&["--gpus", "cpu:2", "--time-limit", "300ms", "--worker-bin", worker.to_str().unwrap()], Some(tmp.path()));
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    }
+    let mut runs: Vec<_> = fs::read_dir(tmp.path().join("runs")).unwrap().map(|e| e.unwrap().path()).collect();
+    runs.sort();
+    assert_eq!(runs.len(), 2, "two runs started in the same second get distinct dirs");
+    let newest = runs
+        .iter()
+        .max_by_key(|p| {
+            let s: serde_json::Value = serde_json::from_str(&fs::read_to_string(p.join("state.json")).unwrap()).unwrap();
+            s["started_at_unix_ms"].as_u64().unwrap()
+        })
+        .unwrap();
+    let out = supervise(&["status", "--json"], Some(tmp.path()));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["run_dir"].as_str().unwrap(), fs::canonicalize(newest).unwrap().to_str().unwrap());
+    assert_eq!(v["phase"], "stopped");
+    let out = supervise(&["logs", "target-0"], Some(tmp.path()));
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("dflash-worker target-0"));
+}
