@@ -188,7 +188,7 @@ mod tests {
         let d = tmpdir("rot");
         let path = d.join("w.log");
         let log = WorkerLog::open(&path, Rotation { max_size: 400, backups: 3 }, None).unwrap();
-        for i in 0..20 {
+        for i in 0..60 {
             log.line(Tag::Stdout, &format!("line {i}"));
         }
         assert!(backup_path(&path, 1).exists() && backup_path(&path, 2).exists());
@@ -204,11 +204,12 @@ mod tests {
                 l.rsplit(' ').next().unwrap().parse().unwrap()
             })
             .collect();
-        // Consecutive, ending at 19: nothing lost or reordered within the kept backups.
-        assert_eq!(*nums.last().unwrap(), 19);
+        // Consecutive, ending at 59: nothing lost or reordered within the kept backups.
+        assert_eq!(*nums.last().unwrap(), 59);
+        assert!(nums[0] > 0, "the oldest lines fell off with the oldest backup");
         assert!(nums.windows(2).all(|w| w[1] == w[0] + 1), "{nums:?}");
         assert_eq!(tail_lines(&path, 3, 3).len(), 3);
-        assert!(tail_lines(&path, 3, 3)[2].ends_with("line 19"));
+        assert!(tail_lines(&path, 3, 3)[2].ends_with("line 59"));
     }
 
     #[test]
