@@ -145,6 +145,7 @@ pub struct Dispatcher {
     next_life: LifeId,
     started: Instant,
     started_wall: String,
+    started_unix_ms: u64,
     dirty: bool,
 }
 
@@ -185,6 +186,7 @@ impl Dispatcher {
             next_life: 1,
             started: Instant::now(),
             started_wall: now_rfc3339(),
+            started_unix_ms: unix_ms(),
             dirty: true,
         })
     }
@@ -273,7 +275,10 @@ impl Dispatcher {
                 }
                 _ => {
                     log::warn!("{} received again: killing every worker now", signal.as_str());
-                    self.stop_reason = Some(StopReason::Interrupted);
+                    // A give-up or fatal error stays the reason: its report matters more.
+                    if !matches!(self.stop_reason, Some(StopReason::GaveUp(_) | StopReason::Fatal(_))) {
+                        self.stop_reason = Some(StopReason::Interrupted);
+                    }
                     self.kill_all("second stop signal");
                 }
             },
@@ -374,7 +379,7 @@ impl Dispatcher {
         self.dirty = true;
         if matches!(self.phase, Phase::Running) {
             log::warn!("{name} (pid {}) {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64());
-            self.on_failure(worker, uptime);
+            self.on_failure(worker, l.pid, uptime);
         } else {
             let w = &mut self.workers[worker];
             w.stopped_cleanly = status.success() && l.asked_to_stop && l.killed_for.is_none();
@@ -385,7 +390,7 @@ impl Dispatcher {
         }
     }
 
-    fn on_failure(&mut self, worker: usize, uptime: Duration) {
+    fn on_failure(&mut self, worker: usize, pid: u32, uptime: Duration) {
         let max = self.cfg.max_restarts;
         let w = &mut self.workers[worker];
         if w.restarts >= max {
@@ -399,7 +404,7 @@ impl Dispatcher {
                 log_path: w.log_path.clone(),
                 log_tail: w.log.tail(20),
             };
-            self.run.event("give_up", obj(json!({"worker": report.worker, "restarts": report.restarts,
+            self.run.event("give_up", obj(json!({"worker": report.worker, "pid": pid, "restarts": report.restarts,
                                                   "last_exit": report.last_exit})));
             log::error!("{} failed again after {} restarts: giving up, stopping the run", report.worker, report.restarts);
             self.begin_stop(StopReason::GaveUp(Box::new(report)));
@@ -412,7 +417,7 @@ impl Dispatcher {
         w.consecutive_failures += 1;
         w.restarts += 1;
         let name = w.name.to_string();
-        self.run.event("restart", obj(json!({"worker": name, "restarts": w.restarts,
+        self.run.event("restart", obj(json!({"worker": name, "pid": pid, "restarts": w.restarts,
                                               "delay_ms": delay.as_millis() as u64})));
         if delay.is_zero() {
             self.spawn(worker);
@@ -613,7 +618,7 @@ impl Dispatcher {
             run_dir: self.run.path.clone(),
             supervisor_pid: std::process::id(),
             started_at: self.started_wall.clone(),
-            started_at_unix_ms: unix_ms() - self.started.elapsed().as_millis() as u64,
+            started_at_unix_ms: self.started_unix_ms,
             phase: phase.into(),
             exit_code,
             workers: self
