@@ -90,6 +90,9 @@ fn main() {
         let (to_worker, down) = ipc::channel::<ToWorker>().unwrap();
         if has(&acts, "heartbeat-first") {
             up.send(FromWorker::Heartbeat { seq: 0 }).unwrap();
+            // Keep the downward channel open so this worker lives until the supervisor
+            // reacts, instead of exiting on its own first.
+            std::mem::forget(to_worker);
         } else {
             let hello = Hello { protocol: 999, pid: std::process::id(), worker: name.clone(), restart_count: restart, to_worker };
             up.send(FromWorker::Hello(hello)).unwrap();
