@@ -9,6 +9,7 @@ pub mod env;
 pub mod exit_codes;
 pub mod names;
 pub mod protocol;
+pub mod slots;
 
 pub use devices::{Device, DeviceSpec, DeviceSpecError};
 pub use names::{Role, WorkerName, WorkerNameError};
