@@ -4,11 +4,14 @@
 //! This crate stays free of runtime machinery (no CUDA, no NVML, no async runtime) so that
 //! both sides, and the test workers, can depend on it cheaply.
 
+pub mod batch;
 pub mod devices;
 pub mod env;
 pub mod exit_codes;
 pub mod names;
+pub mod pool;
 pub mod protocol;
+pub mod rng;
 pub mod slots;
 
 pub use devices::{Device, DeviceSpec, DeviceSpecError};

@@ -10,6 +10,7 @@ pub mod control;
 pub mod dispatcher;
 pub mod error;
 pub mod gpus;
+pub mod loader;
 pub mod logs;
 pub mod process;
 pub mod reaper;

@@ -1,0 +1,608 @@
+//! The loader: streams samples from JSONL files, stdin or the built-in demo generator, and
+//! forms token batches by a token budget with length bucketing, shuffled by seed, over
+//! epochs. It never holds more than one shuffle window of samples.
+//!
+//! Batch ids count batches in emission order from 0, and the emission order is a pure
+//! function of (data, flags, seed): a loader told to skip the first N batches continues
+//! exactly where a stopped run left off.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use dflash_shared::batch::TokenBatch;
+use dflash_shared::rng::Rng;
+use serde::Serialize;
+
+/// Where samples come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSource {
+    /// Deterministic synthetic sequences with learnable structure.
+    Demo { samples: usize },
+    Stdin,
+    Files(Vec<PathBuf>),
+}
+
+#[derive(Debug, Clone)]
+pub struct LoaderConfig {
+    pub source: DataSource,
+    /// Token ids must be below this; `None`: no upper bound is checked.
+    pub vocab_size: Option<u32>,
+    /// Rows × padded length of a batch stays within this many tokens.
+    pub token_budget: u32,
+    pub max_seq_len: u32,
+    pub seed: u64,
+    pub epochs: u32,
+    /// More bad lines than this stops the run.
+    pub max_bad_lines: u64,
+    /// Samples shuffled and bucketed together.
+    pub shuffle_window: usize,
+    /// Longest line accepted, in bytes.
+    pub max_line_bytes: usize,
+}
+
+/// Vocabulary of the built-in demo data (and of the tiny demo target).
+pub const DEMO_VOCAB: u32 = 512;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoaderError {
+    #[error("--data {path}: {source}")]
+    Io { path: String, source: io::Error },
+    #[error("--data {what}: {count} bad lines, more than --max-bad-lines {max} (reasons: {reasons})")]
+    TooManyBad { what: String, count: u64, max: u64, reasons: String },
+    #[error("--data {what}: no usable sample ({stats}); expected JSONL lines like {{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}}")]
+    Empty { what: String, stats: String },
+}
+
+/// Where the loader is: enough to resume it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Position {
+    pub epoch: u32,
+    pub batches: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Sample {
+    ids: Vec<u32>,
+    mask: Vec<u8>,
+}
+
+/// Counts of skipped lines, by reason; the first few are kept with file:line.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct BadLines {
+    pub by_reason: BTreeMap<String, u64>,
+    pub total: u64,
+    /// Samples dropped because no two consecutive tokens are supervised (not an error).
+    pub unsupervised: u64,
+    pub lines: u64,
+}
+
+/// How many bad lines are reported one by one.
+const REPORT_FIRST: u64 = 5;
+
+impl BadLines {
+    fn bad(&mut self, whence: &str, reason: &str) {
+        self.total += 1;
+        *self.by_reason.entry(reason.to_string()).or_default() += 1;
+        if self.total <= REPORT_FIRST {
+            log::warn!("skipping {whence}: {reason}");
+        }
+    }
+
+    pub fn summary(&self) -> String {
+        let mut parts: Vec<String> = self.by_reason.iter().map(|(r, n)| format!("{r}: {n}")).collect();
+        if self.unsupervised > 0 {
+            parts.push(format!("no two consecutive supervised tokens: {}", self.unsupervised));
+        }
+        format!("{} lines read, {} bad{}", self.lines, self.total, if parts.is_empty() { String::new() } else { format!("; {}", parts.join(", ")) })
+    }
+}
+
+impl LoaderConfig {
+    /// Check the source exists before anything starts. Returns a display name.
+    pub fn check(&self) -> Result<(), String> {
+        if self.max_seq_len > self.token_budget {
+            return Err(format!(
+                "--max-seq-len {} exceeds --token-budget {} (expected a sequence to fit in one batch)",
+                self.max_seq_len, self.token_budget
+            ));
+        }
+        if self.epochs == 0 {
+            return Err("--epochs 0: expected at least 1".into());
+        }
+        if self.source == DataSource::Stdin && self.epochs > 1 {
+            return Err(format!("--data - with --epochs {}: stdin can be read once (expected --epochs 1, or a file)", self.epochs));
+        }
+        Ok(())
+    }
+
+    pub fn describe(&self) -> String {
+        match &self.source {
+            DataSource::Demo { .. } => "demo".into(),
+            DataSource::Stdin => "-".into(),
+            DataSource::Files(f) if f.len() == 1 => f[0].display().to_string(),
+            DataSource::Files(f) => format!("{} files", f.len()),
+        }
+    }
+}
+
+/// Resolve `--data`: `demo`, `-`, a JSONL file, or a directory of `*.jsonl` files.
+pub fn parse_source(s: &str, demo_samples: usize) -> Result<DataSource, String> {
+    match s {
+        "demo" => Ok(DataSource::Demo { samples: demo_samples }),
+        "-" => Ok(DataSource::Stdin),
+        path => {
+            let p = Path::new(path);
+            let meta = std::fs::metadata(p).map_err(|e| format!("--data {path}: {e} (expected a JSONL file, a directory of .jsonl files, '-' or 'demo')"))?;
+            if meta.is_dir() {
+                let mut files: Vec<PathBuf> = std::fs::read_dir(p)
+                    .map_err(|e| format!("--data {path}: {e}"))?
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|f| f.extension().is_some_and(|x| x == "jsonl") && f.is_file())
+                    .collect();
+                files.sort();
+                if files.is_empty() {
+                    return Err(format!("--data {path}: no .jsonl files in this directory"));
+                }
+                Ok(DataSource::Files(files))
+            } else {
+                Ok(DataSource::Files(vec![p.to_path_buf()]))
+            }
+        }
+    }
+}
+
+/// One epoch's stream of samples.
+trait SampleStream {
+    /// The next usable sample; `Ok(None)` at the end of the epoch.
+    fn next(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError>;
+}
+
+struct DemoStream {
+    rng: Rng,
+    left: usize,
+}
+
+impl SampleStream for DemoStream {
+    fn next(&mut self, _bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError> {
+        if self.left == 0 {
+            return Ok(None);
+        }
+        self.left -= 1;
+        Ok(Some(demo_sample(&mut self.rng, cfg.max_seq_len)))
+    }
+}
+
+/// A prompt of random tokens (not supervised) and a response that counts up from a random
+/// start by a random step, with a little noise: a drafter can learn to continue it.
+fn demo_sample(rng: &mut Rng, max_len: u32) -> Sample {
+    let vocab = DEMO_VOCAB as u64;
+    let prompt = 8 + rng.below(25) as usize;
+    let response = 24 + rng.below(200) as usize;
+    let n = (prompt + response).min(max_len.max(2) as usize);
+    let (mut cur, step) = (rng.below(vocab), 1 + rng.below(7));
+    let mut ids = Vec::with_capacity(n);
+    let mut mask = Vec::with_capacity(n);
+    for i in 0..n {
+        if i < prompt {
+            ids.push(rng.below(vocab) as u32);
+            mask.push(0);
+        } else {
+            cur = (cur + step) % vocab;
+            let noisy = rng.below(100) < 5;
+            ids.push(if noisy { rng.below(vocab) as u32 } else { cur as u32 });
+            mask.push(1);
+        }
+    }
+    Sample { ids, mask }
+}
+
+struct JsonlStream {
+    readers: VecDeque<(String, Box<dyn Read + Send>)>,
+    current: Option<(String, BufReader<Box<dyn Read + Send>>, u64)>,
+    buf: Vec<u8>,
+}
+
+impl JsonlStream {
+    fn new(source: &DataSource) -> Result<JsonlStream, LoaderError> {
+        let mut readers: VecDeque<(String, Box<dyn Read + Send>)> = VecDeque::new();
+        match source {
+            DataSource::Stdin => readers.push_back(("<stdin>".into(), Box::new(io::stdin()))),
+            DataSource::Files(files) => {
+                for f in files {
+                    let name = f.display().to_string();
+                    let file = File::open(f).map_err(|e| LoaderError::Io { path: name.clone(), source: e })?;
+                    readers.push_back((name, Box::new(file)));
+                }
+            }
+            DataSource::Demo { .. } => unreachable!("demo data is generated"),
+        }
+        Ok(JsonlStream { readers, current: None, buf: Vec::new() })
+    }
+}
+
+impl SampleStream for JsonlStream {
+    fn next(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError> {
+        loop {
+            if self.current.is_none() {
+                let Some((name, r)) = self.readers.pop_front() else { return Ok(None) };
+                self.current = Some((name, BufReader::with_capacity(1 << 16, r), 0));
+            }
+            let (name, reader, line_no) = self.current.as_mut().expect("current reader");
+            self.buf.clear();
+            let cap = cfg.max_line_bytes as u64 + 1;
+            let n = reader
+                .by_ref()
+                .take(cap)
+                .read_until(b'\n', &mut self.buf)
+                .map_err(|e| LoaderError::Io { path: name.clone(), source: e })?;
+            if n == 0 {
+                self.current = None;
+                continue;
+            }
+            *line_no += 1;
+            bad.lines += 1;
+            let whence = format!("{name}:{line_no}");
+            if self.buf.last() != Some(&b'\n') && self.buf.len() as u64 >= cap {
+                // Skip the rest of an over-long line without holding it.
+                let mut sink = Vec::new();
+                loop {
+                    sink.clear();
+                    let m = reader.by_ref().take(1 << 20).read_until(b'\n', &mut sink).unwrap_or(0);
+                    if m == 0 || sink.last() == Some(&b'\n') {
+                        break;
+                    }
+                }
+                bad.bad(&whence, &format!("line longer than {} bytes", cfg.max_line_bytes));
+                continue;
+            }
+            let text = &self.buf;
+            if text.iter().all(|b| b.is_ascii_whitespace()) {
+                bad.lines -= 1;
+                continue;
+            }
+            match parse_line(text, cfg) {
+                Ok(Some(s)) => return Ok(Some(s)),
+                Ok(None) => bad.unsupervised += 1,
+                Err(reason) => bad.bad(&whence, reason),
+            }
+            if bad.total > cfg.max_bad_lines {
+                return Err(LoaderError::TooManyBad {
+                    what: cfg.describe(),
+                    count: bad.total,
+                    max: cfg.max_bad_lines,
+                    reasons: bad.by_reason.iter().map(|(r, n)| format!("{r}: {n}")).collect::<Vec<_>>().join(", "),
+                });
+            }
+        }
+    }
+}
+
+/// One JSONL line → a sample; `Ok(None)` for a valid sample with nothing to train on.
+fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Option<Sample>, &'static str> {
+    let v: serde_json::Value = serde_json::from_slice(text).map_err(|_| "not JSON")?;
+    let obj = v.as_object().ok_or("not a JSON object")?;
+    let ids = obj.get("input_ids").ok_or("missing input_ids")?;
+    let ids = ids.as_array().ok_or("input_ids is not a list")?;
+    if ids.is_empty() {
+        return Err("empty input_ids");
+    }
+    let mut out = Vec::with_capacity(ids.len());
+    for t in ids {
+        let t = t.as_i64().ok_or("input_ids holds a non-integer")?;
+        if t < 0 {
+            return Err("negative token id");
+        }
+        if cfg.vocab_size.is_some_and(|v| t >= v as i64) || t > u32::MAX as i64 {
+            return Err("token id >= vocab size");
+        }
+        out.push(t as u32);
+    }
+    let mask = match obj.get("loss_mask") {
+        None | Some(serde_json::Value::Null) => vec![1u8; out.len()],
+        Some(m) => {
+            let m = m.as_array().ok_or("loss_mask is not a list")?;
+            if m.len() != out.len() {
+                return Err("loss_mask length differs from input_ids");
+            }
+            m.iter()
+                .map(|x| match x.as_i64() {
+                    Some(0) => Ok(0u8),
+                    Some(1) => Ok(1u8),
+                    _ => Err("loss_mask holds a value other than 0 or 1"),
+                })
+                .collect::<Result<Vec<u8>, _>>()?
+        }
+    };
+    let n = out.len().min(cfg.max_seq_len as usize);
+    out.truncate(n);
+    let mut mask = mask;
+    mask.truncate(n);
+    // DFlash anchors need two consecutive supervised tokens.
+    if !mask.windows(2).any(|w| w[0] == 1 && w[1] == 1) {
+        return Ok(None);
+    }
+    Ok(Some(Sample { ids: out, mask }))
+}
+
+pub struct Loader {
+    cfg: LoaderConfig,
+    epoch: u32,
+    stream: Option<Box<dyn SampleStream + Send>>,
+    window: Vec<Sample>,
+    pending: VecDeque<TokenBatch>,
+    next_id: u64,
+    pub bad: BadLines,
+    samples_this_epoch: u64,
+}
+
+impl Loader {
+    pub fn new(cfg: LoaderConfig) -> Loader {
+        Loader {
+            cfg,
+            epoch: 0,
+            stream: None,
+            window: Vec::new(),
+            pending: VecDeque::new(),
+            next_id: 0,
+            bad: BadLines::default(),
+            samples_this_epoch: 0,
+        }
+    }
+
+    pub fn position(&self) -> Position {
+        Position { epoch: self.epoch, batches: self.next_id }
+    }
+
+    /// Continue after `batches` batches (the position of a stopped run).
+    pub fn skip(&mut self, batches: u64) -> Result<(), LoaderError> {
+        while self.next_id < batches {
+            if self.next_batch()?.is_none() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn open_epoch(&self) -> Result<Box<dyn SampleStream + Send>, LoaderError> {
+        Ok(match &self.cfg.source {
+            DataSource::Demo { samples } => Box::new(DemoStream {
+                // The same samples every epoch; only their order changes.
+                rng: Rng::new(self.cfg.seed ^ 0xD3_40),
+                left: *samples,
+            }),
+            other => Box::new(JsonlStream::new(other)?),
+        })
+    }
+
+    /// The next batch, or `None` when every epoch is done.
+    pub fn next_batch(&mut self) -> Result<Option<TokenBatch>, LoaderError> {
+        loop {
+            if let Some(mut b) = self.pending.pop_front() {
+                b.batch_id = self.next_id;
+                self.next_id += 1;
+                return Ok(Some(b));
+            }
+            if self.epoch >= self.cfg.epochs {
+                return Ok(None);
+            }
+            if self.stream.is_none() {
+                self.stream = Some(self.open_epoch()?);
+                self.samples_this_epoch = 0;
+            }
+            let stream = self.stream.as_mut().expect("stream");
+            while self.window.len() < self.cfg.shuffle_window {
+                match stream.next(&mut self.bad, &self.cfg)? {
+                    Some(s) => self.window.push(s),
+                    None => break,
+                }
+            }
+            let end_of_epoch = self.window.len() < self.cfg.shuffle_window;
+            self.samples_this_epoch += self.window.len() as u64;
+            let window = std::mem::take(&mut self.window);
+            let mut rng = Rng::new(self.cfg.seed.wrapping_mul(1_000_003) ^ ((self.epoch as u64) << 32) ^ self.next_id);
+            self.pending.extend(make_batches(window, self.cfg.token_budget, &mut rng));
+            if end_of_epoch {
+                if self.samples_this_epoch == 0 {
+                    return Err(LoaderError::Empty { what: self.cfg.describe(), stats: self.bad.summary() });
+                }
+                self.stream = None;
+                self.epoch += 1;
+                if self.cfg.source == DataSource::Stdin {
+                    self.epoch = self.cfg.epochs;
+                }
+            }
+        }
+    }
+}
+
+/// Shuffle, bucket by length, cut into batches within the token budget, shuffle batches.
+fn make_batches(mut window: Vec<Sample>, budget: u32, rng: &mut Rng) -> Vec<TokenBatch> {
+    rng.shuffle(&mut window);
+    // Stable sort: equal lengths keep their shuffled order.
+    window.sort_by_key(|s| s.ids.len());
+    let mut batches = Vec::new();
+    let mut rows: Vec<Sample> = Vec::new();
+    for s in window {
+        // Sorted ascending: the newest sample is the longest of its batch.
+        let width = s.ids.len().max(rows.last().map_or(0, |r| r.ids.len()));
+        if !rows.is_empty() && (rows.len() + 1) * width > budget as usize {
+            batches.push(pack(std::mem::take(&mut rows)));
+        }
+        rows.push(s);
+    }
+    if !rows.is_empty() {
+        batches.push(pack(rows));
+    }
+    rng.shuffle(&mut batches);
+    batches
+}
+
+fn pack(rows: Vec<Sample>) -> TokenBatch {
+    let seq_len = rows.iter().map(|r| r.ids.len()).max().unwrap_or(0);
+    let mut input_ids = vec![0u32; rows.len() * seq_len];
+    let mut loss_mask = vec![0u8; rows.len() * seq_len];
+    let mut lengths = Vec::with_capacity(rows.len());
+    for (i, r) in rows.iter().enumerate() {
+        input_ids[i * seq_len..i * seq_len + r.ids.len()].copy_from_slice(&r.ids);
+        loss_mask[i * seq_len..i * seq_len + r.mask.len()].copy_from_slice(&r.mask);
+        lengths.push(r.ids.len() as u32);
+    }
+    TokenBatch { batch_id: 0, seq_len: seq_len as u32, lengths, input_ids, loss_mask }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn cfg(source: DataSource) -> LoaderConfig {
+        LoaderConfig {
+            source,
+            vocab_size: Some(100),
+            token_budget: 64,
+            max_seq_len: 16,
+            seed: 1,
+            epochs: 1,
+            max_bad_lines: 100,
+            shuffle_window: 8,
+            max_line_bytes: 200,
+        }
+    }
+
+    fn file(lines: &[&str]) -> (tempfile::NamedTempFile, DataSource) {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        for l in lines {
+            writeln!(f, "{l}").unwrap();
+        }
+        let p = f.path().to_path_buf();
+        (f, DataSource::Files(vec![p]))
+    }
+
+    fn all(l: &mut Loader) -> Vec<TokenBatch> {
+        let mut v = Vec::new();
+        while let Some(b) = l.next_batch().unwrap() {
+            v.push(b);
+        }
+        v
+    }
+
+    #[test]
+    fn every_bad_line_is_counted_by_reason() {
+        let long = format!("{{\"input_ids\": [{}]}}", vec!["1"; 100].join(","));
+        let (_f, src) = file(&[
+            r#"{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}"#,
+            "not json",
+            r#"{"loss_mask": [1]}"#,
+            r#"{"input_ids": [1, -2, 3]}"#,
+            r#"{"input_ids": [1, 200, 3]}"#,
+            r#"{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}"#,
+            &long,
+            r#"{"input_ids": [1, 2, 3], "loss_mask": [1, 0, 1]}"#,
+            "",
+            r#"{"input_ids": [4, 5]}"#,
+        ]);
+        let mut l = Loader::new(cfg(src));
+        let batches = all(&mut l);
+        let reasons: Vec<(&str, u64)> = l.bad.by_reason.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        assert_eq!(
+            reasons,
+            [
+                ("line longer than 200 bytes", 1),
+                ("loss_mask length differs from input_ids", 1),
+                ("missing input_ids", 1),
+                ("negative token id", 1),
+                ("not JSON", 1),
+                ("token id >= vocab size", 1),
+            ]
+        );
+        assert_eq!(l.bad.unsupervised, 1);
+        assert_eq!(l.bad.lines, 9, "the blank line is not counted");
+        let rows: usize = batches.iter().map(|b| b.rows()).sum();
+        assert_eq!(rows, 2);
+        // Missing loss_mask means all ones.
+        let b = batches.iter().find(|b| b.lengths.contains(&2)).unwrap();
+        let r = b.lengths.iter().position(|&l| l == 2).unwrap();
+        assert_eq!(&b.loss_mask[r * b.seq_len as usize..][..2], &[1, 1]);
+    }
+
+    #[test]
+    fn too_many_bad_lines_is_an_error() {
+        let (_f, src) = file(&["x", "y", "z", r#"{"input_ids": [1, 2]}"#]);
+        let mut c = cfg(src);
+        c.max_bad_lines = 2;
+        let e = Loader::new(c).next_batch().unwrap_err().to_string();
+        assert!(e.contains("3 bad lines, more than --max-bad-lines 2") && e.contains("not JSON: 3"), "{e}");
+    }
+
+    #[test]
+    fn empty_dataset_is_an_error_not_a_hang() {
+        let (_f, src) = file(&[]);
+        let e = Loader::new(cfg(src)).next_batch().unwrap_err().to_string();
+        assert!(e.contains("no usable sample"), "{e}");
+        let (_f, src) = file(&[r#"{"input_ids": [1, 2], "loss_mask": [0, 0]}"#]);
+        let e = Loader::new(cfg(src)).next_batch().unwrap_err().to_string();
+        assert!(e.contains("no two consecutive supervised tokens: 1"), "{e}");
+    }
+
+    #[test]
+    fn missing_dataset_names_the_path() {
+        let e = parse_source("/nonexistent/data.jsonl", 10).unwrap_err();
+        assert!(e.contains("/nonexistent/data.jsonl") && e.contains("expected"), "{e}");
+    }
+
+    #[test]
+    fn batches_respect_the_budget_cover_every_sample_once_per_epoch_and_truncate() {
+        let mut c = cfg(DataSource::Demo { samples: 50 });
+        c.vocab_size = Some(DEMO_VOCAB);
+        c.epochs = 3;
+        c.token_budget = 300;
+        c.max_seq_len = 40;
+        let mut l = Loader::new(c);
+        let batches = all(&mut l);
+        let mut rows = 0;
+        for (i, b) in batches.iter().enumerate() {
+            assert_eq!(b.batch_id, i as u64);
+            assert!(b.rows() * b.seq_len as usize <= 300);
+            assert!(b.seq_len <= 40);
+            assert!(b.input_ids.iter().all(|&t| t < DEMO_VOCAB));
+            rows += b.rows();
+        }
+        assert_eq!(rows, 150, "50 samples × 3 epochs");
+        assert_eq!(l.position(), Position { epoch: 3, batches: batches.len() as u64 });
+    }
+
+    #[test]
+    fn same_seed_same_batches_and_resume_continues_exactly() {
+        let mk = |seed| {
+            let mut c = cfg(DataSource::Demo { samples: 40 });
+            c.vocab_size = None;
+            c.seed = seed;
+            c.epochs = 2;
+            c.token_budget = 200;
+            c.max_seq_len = 50;
+            Loader::new(c)
+        };
+        let a = all(&mut mk(7));
+        assert_eq!(a, all(&mut mk(7)));
+        assert_ne!(a, all(&mut mk(8)));
+        let mut resumed = mk(7);
+        resumed.skip(5).unwrap();
+        assert_eq!(all(&mut resumed), a[5..].to_vec());
+    }
+
+    #[test]
+    fn length_bucketing_reduces_padding() {
+        let mut c = cfg(DataSource::Demo { samples: 200 });
+        c.vocab_size = None;
+        c.token_budget = 1024;
+        c.max_seq_len = 256;
+        c.shuffle_window = 200;
+        let batches = all(&mut Loader::new(c));
+        let real: u64 = batches.iter().map(|b| b.tokens()).sum();
+        let padded: u64 = batches.iter().map(|b| b.rows() as u64 * b.seq_len as u64).sum();
+        let eff = real as f64 / padded as f64;
+        assert!(eff > 0.9, "padding efficiency {eff:.2}");
+    }
+}
