@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
@@ -24,6 +24,36 @@ pub enum FromWorker {
     /// Sent by the supervisor itself, never by a worker: wakes up the thread waiting for a
     /// worker that died before it connected.
     Abandon,
+    /// A leased output slot now holds batch `batch_id` (`len` bytes). A target names the
+    /// input slot it consumed to make it: both change together or not at all.
+    Commit { output: SlotRef, len: u64, batch_id: u64, input: Option<SlotRef> },
+    /// A delivered batch was consumed (for a drafter: it reached the optimizer).
+    Ack { input: SlotRef, batch_id: u64 },
+}
+
+/// Which pool a slot belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PoolId {
+    /// Token batches: loader → targets.
+    Tokens,
+    /// Hidden-state batches: targets → drafters.
+    Hidden,
+}
+
+/// One slot under one generation, as granted by the supervisor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotRef {
+    pub pool: PoolId,
+    pub slot: u32,
+    pub gen: u64,
+}
+
+/// A pool the worker inherited at spawn: map `fd` once with this geometry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolInfo {
+    pub id: PoolId,
+    pub fd: i32,
+    pub geometry: crate::pool::PoolGeometry,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -40,6 +70,14 @@ pub struct Hello {
 /// Supervisor → worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ToWorker {
+    /// Sent once, right after the hello: the shared-memory pools and the capture spec of
+    /// the hidden states.
+    Pools { pools: Vec<PoolInfo>, capture: crate::batch::CaptureSpec },
+    /// Read this batch (READING slot held by you), then [`FromWorker::Ack`] or, for a
+    /// target, [`FromWorker::Commit`] it.
+    Deliver { slot: SlotRef, len: u64, batch_id: u64 },
+    /// Write your next output here (WRITING slot held by you).
+    Lease { slot: SlotRef },
     /// Finish the current unit of work (write a checkpoint if there is one to write) and
     /// exit 0.
     Shutdown { reason: String },

@@ -34,6 +34,9 @@ pub enum Command {
     Logs(LogsArgs),
     /// Show the workers of a run: pid, state, restarts.
     Status(StatusArgs),
+    /// Audit a run's batch ledger: produced, consumed once, in flight, lost, duplicated.
+    /// Exits 1 if any batch was lost or reached an optimizer twice.
+    Ledger(LedgerArgs),
     /// Internal: the process that kills every worker group if the supervisor dies.
     #[command(name = "__reap", hide = true)]
     Reap,
@@ -95,6 +98,57 @@ pub struct RunArgs {
           help_heading = "Restarts")]
     pub stop_timeout: Duration,
 
+    /// Training data: a JSONL file, a directory of .jsonl files, - for stdin, or demo
+    /// (built-in synthetic data). Lines: {"input_ids": [...], "loss_mask": [...]}
+    /// (loss_mask optional: all ones).
+    #[arg(long, value_name = "SOURCE", default_value = "demo", help_heading = "Data")]
+    pub data: String,
+
+    /// Token ids must be below this (default: the demo vocabulary with --data demo, else
+    /// unchecked until the target model's config is known).
+    #[arg(long, value_name = "N", help_heading = "Data")]
+    pub vocab_size: Option<u32>,
+
+    /// Tokens per batch, padding included (rows × longest row).
+    #[arg(long, value_name = "N", default_value_t = 4096, help_heading = "Data")]
+    pub token_budget: u32,
+
+    /// Longer samples are truncated to this many tokens.
+    #[arg(long, value_name = "N", default_value_t = 1024, help_heading = "Data")]
+    pub max_seq_len: u32,
+
+    /// Seed of the shuffle (and of the demo data).
+    #[arg(long, value_name = "N", default_value_t = 0, help_heading = "Data")]
+    pub seed: u64,
+
+    /// Passes over the data; the run ends when the last batch is consumed.
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Data")]
+    pub epochs: u32,
+
+    /// More bad dataset lines than this stops the run (exit 2).
+    #[arg(long, value_name = "N", default_value_t = 10, help_heading = "Data")]
+    pub max_bad_lines: u64,
+
+    /// Samples shuffled and length-bucketed together (memory: one window of samples).
+    #[arg(long, value_name = "N", default_value_t = 4096, help_heading = "Data")]
+    pub shuffle_window: usize,
+
+    /// Samples per epoch of --data demo.
+    #[arg(long, value_name = "N", default_value_t = 1024, help_heading = "Data")]
+    pub demo_samples: usize,
+
+    /// Token-batch slots in shared memory. Default: 2 per target + 4.
+    #[arg(long, value_name = "N", help_heading = "Pipeline")]
+    pub token_slots: Option<u32>,
+
+    /// Hidden-state slots in shared memory. Default: 2 per worker + 2.
+    #[arg(long, value_name = "N", help_heading = "Pipeline")]
+    pub hidden_slots: Option<u32>,
+
+    /// Batches each worker holds ahead (credits), so it never waits a round trip.
+    #[arg(long, value_name = "N", default_value_t = 2, help_heading = "Pipeline")]
+    pub prefetch: usize,
+
     /// Also print every worker's output on the console, prefixed with [worker-name].
     #[arg(long, help_heading = "Logs")]
     pub tee: bool,
@@ -127,6 +181,16 @@ pub struct LogsArgs {
     /// Run directory. Default: the newest run under ./runs.
     #[arg(long, value_name = "DIR")]
     pub run_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct LedgerArgs {
+    /// Run directory. Default: the newest run under ./runs.
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: Option<PathBuf>,
+    /// Print the audit as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

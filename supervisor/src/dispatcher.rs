@@ -16,7 +16,14 @@
 //!
 //! A worker is only ever declared dead by its pidfd. A hang (no heartbeat for
 //! `--hang-timeout`) or a protocol violation sends SIGKILL through the pidfd and records
-//! why; the exit that follows is handled like any other death.
+//! why; the exit that follows is handled like any other death. A death is acted on (slots
+//! reclaimed, restart decided) only once the dead worker's control channel has been read
+//! to its end too, so a commit or ack it sent just before dying is never lost or
+//! misread as stale ([`DRAIN_GRACE`] bounds the wait).
+//!
+//! The data plane ([`Pipeline`]) is driven from here: after every event the dispatcher
+//! grants what can be granted, and it stops the run once the loader is done and every
+//! batch has been consumed.
 
 use std::path::PathBuf;
 use std::process::ExitStatus;
@@ -37,10 +44,15 @@ use crate::report::Report;
 use crate::restart::backoff;
 use crate::rundir::{now_rfc3339, unix_ms, RunDir, RunState, WorkerState};
 use crate::worker_log::{Rotation, Tag, WorkerLog};
+use crate::loader::Loader;
+use crate::pipeline::{LoaderEvent, Peer, Pipeline};
 use crate::{control, error::Error};
 
 /// Longest the loop sleeps without looking at its timers.
 const TICK: Duration = Duration::from_millis(50);
+/// How long a dead worker's control channel may stay open before its death is handled
+/// anyway (something it forked may still hold the socket).
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 pub type LifeId = u64;
 
@@ -51,6 +63,7 @@ pub enum Event {
     /// The control channel ended. `malformed`: the worker broke the protocol.
     ChannelLost { worker: usize, life: LifeId, reason: String, malformed: bool },
     Exited { worker: usize, life: LifeId, status: ExitStatus },
+    Loader(LoaderEvent),
 }
 
 pub struct Config {
@@ -64,6 +77,12 @@ pub struct Config {
     pub tee: bool,
     pub log_max_size: u64,
     pub log_backups: u32,
+}
+
+/// What the run feeds its workers.
+pub struct Data {
+    pub pipeline: Pipeline,
+    pub loader: Loader,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -102,6 +121,9 @@ struct Life {
     /// Set when the supervisor killed this life, with the reason.
     killed_for: Option<String>,
     asked_to_stop: bool,
+    channel_closed: bool,
+    /// The process is gone; waiting for its control channel to drain.
+    exited: Option<(ExitStatus, Instant)>,
 }
 
 struct Worker {
@@ -129,7 +151,9 @@ enum StopReason {
     TimeLimit,
     GaveUp(Box<Report>),
     Fatal(String),
+    BadInput(String),
     Interrupted,
+    DataDone,
 }
 
 pub struct Dispatcher {
@@ -147,10 +171,12 @@ pub struct Dispatcher {
     started_wall: String,
     started_unix_ms: u64,
     dirty: bool,
+    pipeline: Pipeline,
+    loader: Option<Loader>,
 }
 
 impl Dispatcher {
-    pub fn new(cfg: Config, run: RunDir, reaper: Option<Reaper>) -> Result<Dispatcher, Error> {
+    pub fn new(cfg: Config, run: RunDir, reaper: Option<Reaper>, data: Data) -> Result<Dispatcher, Error> {
         let (tx, rx) = mpsc::channel();
         let spawner = Spawner::start().map_err(|e| Error::Internal(format!("cannot start spawner thread: {e}")))?;
         let mut workers = Vec::new();
@@ -188,6 +214,8 @@ impl Dispatcher {
             started_wall: now_rfc3339(),
             started_unix_ms: unix_ms(),
             dirty: true,
+            pipeline: data.pipeline,
+            loader: Some(data.loader),
         })
     }
 
@@ -200,7 +228,14 @@ impl Dispatcher {
     pub fn run(mut self) -> i32 {
         let names: Vec<String> = self.workers.iter().map(|w| format!("{} on {}", w.name, w.device)).collect();
         log::info!("run dir {}; starting {}", self.run.path.display(), names.join(", "));
+        log::info!("{}", self.pipeline.describe());
         self.run.event("run_start", obj(json!({"workers": names, "pid": std::process::id()})));
+        if let Some(loader) = self.loader.take() {
+            if let Err(e) = self.pipeline.start_loader(loader, self.tx.clone()) {
+                log::error!("{e}");
+                self.begin_stop(StopReason::Fatal(e.to_string()));
+            }
+        }
         for i in 0..self.workers.len() {
             self.spawn(i);
         }
@@ -215,6 +250,7 @@ impl Dispatcher {
                 Err(RecvTimeoutError::Disconnected) => unreachable!("the dispatcher holds a sender"),
             }
             self.on_timers(Instant::now());
+            self.pump();
         }
         self.finish()
     }
@@ -229,7 +265,11 @@ impl Dispatcher {
             Event::Connected { worker, life, hello } => self.on_connected(worker, life, hello),
             Event::Message { worker, life, msg } => self.on_message(worker, life, msg),
             Event::ChannelLost { worker, life, reason, malformed } => {
-                if self.live(worker, life).is_none() {
+                let Some(l) = self.live(worker, life) else { return };
+                l.channel_closed = true;
+                l.to_worker = None;
+                if let Some((status, _)) = l.exited {
+                    self.finish_exit(worker, status);
                     return;
                 }
                 if malformed {
@@ -238,12 +278,39 @@ impl Dispatcher {
                     if matches!(self.phase, Phase::Running) {
                         log::info!("{}: {reason}", self.workers[worker].name);
                     }
-                    if let Some(l) = self.workers[worker].life.as_mut() {
-                        l.to_worker = None;
-                    }
                 }
             }
             Event::Exited { worker, life, status } => self.on_exit(worker, life, status),
+            Event::Loader(ev) => {
+                if let Err(msg) = self.pipeline.on_loader(ev) {
+                    log::error!("{msg}");
+                    self.begin_stop(StopReason::BadInput(msg));
+                }
+            }
+        }
+    }
+
+    /// Grant slots and batches to the workers that can take them; end the run when all
+    /// data is consumed.
+    fn pump(&mut self) {
+        if !matches!(self.phase, Phase::Running) {
+            return;
+        }
+        let peers: Vec<Peer> = self
+            .workers
+            .iter()
+            .filter_map(|w| {
+                let l = w.life.as_ref()?;
+                let tx = l.to_worker.as_ref()?;
+                (l.killed_for.is_none() && l.exited.is_none() && !l.asked_to_stop)
+                    .then_some(Peer { name: w.name, holder: l.id, pid: l.pid, tx })
+            })
+            .collect();
+        self.pipeline.pump(&peers);
+        if self.pipeline.finished() {
+            let (consumed, _) = self.pipeline.progress();
+            log::info!("all {consumed} batches consumed: stopping");
+            self.begin_stop(StopReason::DataDone);
         }
     }
 
@@ -289,6 +356,7 @@ impl Dispatcher {
         let stopping = !matches!(self.phase, Phase::Running);
         let name = self.workers[worker].name;
         let bin = self.cfg.worker_bin.display().to_string();
+        let pools = self.pipeline.pools_message();
         let Some(l) = self.live(worker, life) else { return };
         if hello.protocol != PROTOCOL_VERSION {
             let msg = format!(
@@ -308,6 +376,9 @@ impl Dispatcher {
         }
         l.connected = true;
         l.last_beat = Instant::now();
+        if hello.to_worker.send(pools).is_err() {
+            log::warn!("{name}: cannot send the pool description; its channel is closed");
+        }
         l.to_worker = Some(hello.to_worker);
         let pid = l.pid;
         if hello.pid != pid {
@@ -322,13 +393,28 @@ impl Dispatcher {
     }
 
     fn on_message(&mut self, worker: usize, life: LifeId, msg: FromWorker) {
+        let name = self.workers[worker].name;
         let Some(l) = self.live(worker, life) else { return };
-        match msg {
-            FromWorker::Heartbeat { .. } => l.last_beat = Instant::now(),
-            other => {
-                let why = format!("sent {} after its hello", variant(&other));
-                self.violation(worker, &why);
+        l.last_beat = Instant::now();
+        let (holder, pid) = (l.id, l.pid);
+        let result: Result<(), String> = match msg {
+            FromWorker::Heartbeat { .. } => Ok(()),
+            FromWorker::Commit { output, len, batch_id, input } => {
+                let Some(tx) = l.to_worker.clone() else { return };
+                let peer = Peer { name, holder, pid, tx: &tx };
+                self.pipeline.on_commit(&peer, output, len, batch_id, input)
             }
+            FromWorker::Ack { input, batch_id } => {
+                let Some(tx) = l.to_worker.clone() else { return };
+                let peer = Peer { name, holder, pid, tx: &tx };
+                self.pipeline.on_ack(&peer, input, batch_id)
+            }
+            other => {
+                Err(format!("sent {} after its hello", variant(&other)))
+            }
+        };
+        if let Err(why) = result {
+            self.violation(worker, &why);
         }
     }
 
@@ -355,8 +441,21 @@ impl Dispatcher {
     }
 
     fn on_exit(&mut self, worker: usize, life: LifeId, status: ExitStatus) {
+        let Some(l) = self.live(worker, life) else { return };
+        if l.connected && !l.channel_closed {
+            // Read what it said before dying first (see the module docs).
+            l.exited = Some((status, Instant::now()));
+            return;
+        }
+        self.finish_exit(worker, status);
+    }
+
+    /// The current life of `worker` is over: reclaim its slots, then restart or record.
+    fn finish_exit(&mut self, worker: usize, status: ExitStatus) {
         let w = &mut self.workers[worker];
-        let Some(l) = w.life.take_if(|l| l.id == life) else { return };
+        let Some(l) = w.life.take() else { return };
+        self.pipeline.release(w.name, l.id);
+        let w = &mut self.workers[worker];
         let uptime = l.started.elapsed();
         let desc = describe_status(&status);
         let why = l.killed_for.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
@@ -429,6 +528,17 @@ impl Dispatcher {
 
     fn on_timers(&mut self, now: Instant) {
         match self.phase {
+            Phase::Running | Phase::Stopping { .. } | Phase::Killing
+                if self.workers.iter().any(|w| w.life.as_ref().is_some_and(|l| l.exited.is_some_and(|(_, t)| now.duration_since(t) > DRAIN_GRACE))) =>
+            {
+                for i in 0..self.workers.len() {
+                    let late = self.workers[i].life.as_ref().and_then(|l| l.exited).filter(|(_, t)| now.duration_since(*t) > DRAIN_GRACE);
+                    if let Some((status, _)) = late {
+                        log::warn!("{}: its control channel stayed open {} after it died; handling the death anyway", self.workers[i].name, humantime::format_duration(DRAIN_GRACE));
+                        self.finish_exit(i, status);
+                    }
+                }
+            }
             Phase::Running => {
                 if let Some(limit) = self.cfg.time_limit {
                     if now.duration_since(self.started) >= limit {
@@ -446,7 +556,7 @@ impl Dispatcher {
                     let hang = self.cfg.hang_timeout;
                     let Some(l) = self.workers[i].life.as_ref() else { continue };
                     let silent = now.saturating_duration_since(l.last_beat);
-                    if l.killed_for.is_none() && silent > hang {
+                    if l.killed_for.is_none() && l.exited.is_none() && silent > hang {
                         let (name, pid) = (self.workers[i].name, l.pid);
                         let what = if l.connected { "no heartbeat" } else { "no hello" };
                         log::warn!("{name} (pid {pid}) hung: {what} for {:.1}s; killing it", silent.as_secs_f64());
@@ -530,6 +640,7 @@ impl Dispatcher {
             .map_err(|e| format!("cannot open a control channel for {}: {e}", w.name))?;
         let spec = SpawnSpec {
             program: self.cfg.worker_bin.clone(),
+            inherit_fds: self.pipeline.inherit_fds(),
             args: vec!["--control".into(), server_name.clone().into()],
             env: vec![
                 (env::ROLE.into(), w.name.role.to_string()),
@@ -609,6 +720,8 @@ impl Dispatcher {
             last_beat: now,
             killed_for: None,
             asked_to_stop: false,
+            channel_closed: false,
+            exited: None,
         });
         Ok(())
     }
@@ -658,14 +771,19 @@ impl Dispatcher {
     fn finish(mut self) -> i32 {
         let all_clean = self.workers.iter().all(|w| w.stopped_cleanly);
         let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
+        self.pipeline.end();
         let code = match &reason {
             StopReason::GaveUp(report) => {
                 eprint!("{}", report.render());
                 exit_codes::RUN_FAILED
             }
             StopReason::Fatal(_) => exit_codes::INTERNAL,
+            StopReason::BadInput(msg) => {
+                eprintln!("dflash-supervise: error: {msg}");
+                exit_codes::USAGE
+            }
             StopReason::Interrupted => exit_codes::INTERRUPTED,
-            StopReason::Requested(_) | StopReason::TimeLimit => {
+            StopReason::Requested(_) | StopReason::TimeLimit | StopReason::DataDone => {
                 if all_clean {
                     exit_codes::SUCCESS
                 } else {
@@ -697,7 +815,9 @@ impl StopReason {
             StopReason::TimeLimit => "time limit reached".into(),
             StopReason::GaveUp(r) => format!("{} spent its restart budget", r.worker),
             StopReason::Fatal(s) => s.clone(),
+            StopReason::BadInput(s) => s.clone(),
             StopReason::Interrupted => "killed by a second stop signal".into(),
+            StopReason::DataDone => "all data consumed".into(),
         }
     }
 }
@@ -707,6 +827,8 @@ fn variant(m: &FromWorker) -> &'static str {
         FromWorker::Hello(_) => "a second Hello",
         FromWorker::Heartbeat { .. } => "Heartbeat",
         FromWorker::Abandon => "Abandon",
+        FromWorker::Commit { .. } => "Commit",
+        FromWorker::Ack { .. } => "Ack",
     }
 }
 

@@ -10,8 +10,10 @@ pub mod control;
 pub mod dispatcher;
 pub mod error;
 pub mod gpus;
+pub mod ledger;
 pub mod loader;
 pub mod logs;
+pub mod pipeline;
 pub mod process;
 pub mod reaper;
 pub mod report;
@@ -38,6 +40,7 @@ pub fn main() -> i32 {
         None => run(cli.run),
         Some(Command::Logs(a)) => logs::run(a),
         Some(Command::Status(a)) => status::run(a),
+        Some(Command::Ledger(a)) => ledger::run(a),
         Some(Command::Reap) => Ok(reaper::run()),
     };
     match result {
@@ -135,7 +138,12 @@ fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
 fn run(args: RunArgs) -> Result<i32, Error> {
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
+    let (loader_cfg, pipeline_cfg) = data_config(&args, &plan)?;
     let run_dir = rundir::RunDir::create(args.run_dir.as_deref())?;
+    let data = dispatcher::Data {
+        pipeline: pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?,
+        loader: loader::Loader::new(loader_cfg),
+    };
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
     console::to_file(&sup_log).map_err(|e| Error::Internal(format!("cannot write {}: {e}", sup_log.display())))?;
     let reaper = std::env::current_exe().and_then(|exe| reaper::Reaper::start(&exe));
@@ -158,9 +166,54 @@ fn run(args: RunArgs) -> Result<i32, Error> {
         log_max_size: args.log_max_size,
         log_backups: args.log_backups,
     };
-    let d = dispatcher::Dispatcher::new(cfg, run_dir, reaper)?;
+    let d = dispatcher::Dispatcher::new(cfg, run_dir, reaper, data)?;
     start_signal_thread(d.events())?;
     Ok(d.run())
+}
+
+/// The loader and pool settings, checked before anything starts.
+fn data_config(
+    args: &RunArgs,
+    plan: &[(WorkerName, Device)],
+) -> Result<(loader::LoaderConfig, pipeline::PipelineConfig), Error> {
+    let source = loader::parse_source(&args.data, args.demo_samples).map_err(Error::Usage)?;
+    let is_demo = matches!(source, loader::DataSource::Demo { .. });
+    if is_demo && args.demo_samples == 0 {
+        return Err(Error::Usage("--demo-samples 0: expected at least 1".into()));
+    }
+    for (flag, v) in [("--token-budget", args.token_budget as u64), ("--max-seq-len", args.max_seq_len as u64), ("--prefetch", args.prefetch as u64), ("--shuffle-window", args.shuffle_window as u64)] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
+        }
+    }
+    let loader_cfg = loader::LoaderConfig {
+        source,
+        vocab_size: args.vocab_size.or(is_demo.then_some(loader::DEMO_VOCAB)),
+        token_budget: args.token_budget,
+        max_seq_len: args.max_seq_len,
+        seed: args.seed,
+        epochs: args.epochs,
+        max_bad_lines: args.max_bad_lines,
+        shuffle_window: args.shuffle_window,
+        max_line_bytes: 16 << 20,
+    };
+    loader_cfg.check().map_err(Error::Usage)?;
+    let targets = plan.iter().filter(|(n, _)| n.role == Role::Target).count() as u32;
+    let workers = plan.len() as u32;
+    let pipeline_cfg = pipeline::PipelineConfig {
+        token_slots: args.token_slots.unwrap_or(2 * targets + 4),
+        hidden_slots: args.hidden_slots.unwrap_or(2 * workers + 2),
+        prefetch: args.prefetch,
+        token_budget: args.token_budget,
+        capture: pipeline::demo_capture(),
+    };
+    for (flag, v) in [("--token-slots", pipeline_cfg.token_slots), ("--hidden-slots", pipeline_cfg.hidden_slots)] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
+        }
+    }
+    pipeline_cfg.check_memory()?;
+    Ok((loader_cfg, pipeline_cfg))
 }
 
 fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result<(), Error> {

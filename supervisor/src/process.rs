@@ -19,6 +19,8 @@ use nix::sys::signal::Signal;
 
 pub struct SpawnSpec {
     pub program: PathBuf,
+    /// Descriptors the worker inherits (the pool memfds); everything else is close-on-exec.
+    pub inherit_fds: Vec<std::os::fd::RawFd>,
     pub args: Vec<OsString>,
     pub env: Vec<(String, String)>,
 }
@@ -61,8 +63,9 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
         .stderr(Stdio::piped())
         .process_group(0);
     cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
+    let inherit = spec.inherit_fds.clone();
     // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
-    // calls (prctl, getppid) and builds an io::Error from a raw errno (no allocation).
+    // calls (prctl, getppid, fcntl) and builds an io::Error from a raw errno (no allocation).
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
@@ -72,6 +75,9 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
             // the death signal, so leave now.
             if libc::getppid() != parent {
                 return Err(io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            for &fd in &inherit {
+                dflash_shared::pool::inherit_fd(fd)?;
             }
             Ok(())
         });

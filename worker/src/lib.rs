@@ -7,6 +7,7 @@
 //! closes: a worker never outlives its supervisor.
 
 mod identity;
+mod plane;
 mod role;
 
 use clap::Parser;

@@ -1,9 +1,10 @@
-//! The role loop. Until the data plane and the compute land it only heartbeats; it already
-//! has the shape they plug into: wait for work or a control message up to one heartbeat
-//! interval, do the work, beat.
+//! The role loop: wait for work or a control message up to one heartbeat interval, do one
+//! unit of work when one is ready, report it, beat. Heartbeats come from this loop, not a
+//! side thread, so a worker stuck in its work stops beating and is declared hung.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::Context;
 use dflash_shared::exit_codes;
@@ -11,6 +12,7 @@ use dflash_shared::protocol::{connect, FromWorker, ToWorker};
 use ipc_channel::{IpcError, TryRecvError};
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 
+use crate::plane::{Delivery, Plane, Pools};
 use crate::Identity;
 
 struct Flags {
@@ -32,37 +34,48 @@ fn install_signal_flags() -> anyhow::Result<Flags> {
     Ok(f)
 }
 
+/// How often a progress line is printed.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
     let flags = install_signal_flags().context("installing signal handlers")?;
     let name = id.name.to_string();
     let (up, down) = connect(control, &name, id.restart_count).context("connecting to the supervisor")?;
     println!(
-        "dflash-worker {name} (pid {}) on device {}, restart {}: connected; role loop heartbeats only (no data plane yet)",
+        "dflash-worker {name} (pid {}) on device {}, restart {}: connected; model compute not implemented yet (placeholder hidden states, no training step)",
         std::process::id(),
         id.gpu,
         id.restart_count
     );
+    let mut plane = Plane::new(id.name.role);
     let mut seq = 0u64;
+    let mut last_beat = Instant::now();
+    let mut last_progress = Instant::now();
+    let orphaned = || {
+        eprintln!("control channel closed: the supervisor is gone; exiting");
+        Ok(exit_codes::WORKER_ORPHANED)
+    };
     loop {
-        match down.try_recv_timeout(id.heartbeat) {
+        let msg = if plane.ready() { down.try_recv() } else { down.try_recv_timeout(id.heartbeat) };
+        match msg {
             Ok(ToWorker::Shutdown { reason }) => {
-                println!("shutdown requested ({reason}): exiting");
+                println!("shutdown requested ({reason}): exiting after {} batches", plane.stats.batches);
                 return Ok(exit_codes::SUCCESS);
             }
+            Ok(ToWorker::Pools { pools, capture }) => plane.set_pools(Pools::open(&pools, capture)?),
+            Ok(ToWorker::Deliver { slot, len, batch_id }) => plane.deliver(Delivery { slot, len, batch_id }),
+            Ok(ToWorker::Lease { slot }) => plane.lease(slot),
             Err(TryRecvError::Empty) => {}
             // A signal (SIGUSR1, SIGTERM) interrupted the wait: handled just below.
             Err(TryRecvError::IpcError(IpcError::Io(e))) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(TryRecvError::IpcError(IpcError::Disconnected)) => {
-                eprintln!("control channel closed: the supervisor is gone; exiting");
-                return Ok(exit_codes::WORKER_ORPHANED);
-            }
+            Err(TryRecvError::IpcError(IpcError::Disconnected)) => return orphaned(),
             Err(e) => {
                 eprintln!("control channel failed ({e}); exiting");
                 return Ok(exit_codes::WORKER_ORPHANED);
             }
         }
         if flags.stop.load(Ordering::Relaxed) {
-            println!("stop signal received: exiting");
+            println!("stop signal received: exiting after {} batches", plane.stats.batches);
             return Ok(exit_codes::SUCCESS);
         }
         for (flag, sig) in [(&flags.usr1, "SIGUSR1"), (&flags.usr2, "SIGUSR2")] {
@@ -70,10 +83,23 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                 println!("{sig} received (pre-emption notice); nothing to checkpoint yet");
             }
         }
-        seq += 1;
-        if up.send(FromWorker::Heartbeat { seq }).is_err() {
-            eprintln!("control channel closed: the supervisor is gone; exiting");
-            return Ok(exit_codes::WORKER_ORPHANED);
+        if plane.ready() {
+            let report = plane.step()?;
+            if up.send(report).is_err() {
+                return orphaned();
+            }
+        }
+        if last_progress.elapsed() >= PROGRESS_EVERY {
+            last_progress = Instant::now();
+            let s = &plane.stats;
+            println!("{} batches, {} tokens so far", s.batches, s.tokens);
+        }
+        if last_beat.elapsed() >= id.heartbeat {
+            last_beat = Instant::now();
+            seq += 1;
+            if up.send(FromWorker::Heartbeat { seq }).is_err() {
+                return orphaned();
+            }
         }
     }
 }

@@ -15,7 +15,12 @@
 //! - `heartbeat-first`   open the connection with a Heartbeat instead of a Hello
 //! - `wrong-version`     say hello with protocol version 999
 //! - `exit-early:CODE`   exit with CODE before connecting
+//! - `bad-ack:KIND`      on its first delivery, acknowledge it wrongly: KIND is
+//!                       stale-gen, out-of-range, wrong-slot or wrong-batch
+//! - `bad-commit:KIND`   (a target) once it has a delivery and a lease, commit wrongly:
+//!                       too-long or stale-gen
 //!
+//! It never consumes batches it is given (unless told to misuse them).
 //! With no rule it behaves like the real worker: heartbeats, exits 0 on shutdown or
 //! SIGTERM, prints a line on SIGUSR1/SIGUSR2.
 
@@ -58,6 +63,10 @@ fn var(k: &str) -> String {
 
 fn arg(acts: &[(String, Option<String>)], key: &str) -> Option<u64> {
     acts.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_deref().unwrap_or("0").parse().expect("number"))
+}
+
+fn text<'a>(acts: &'a [(String, Option<String>)], key: &str) -> Option<&'a str> {
+    acts.iter().find(|(k, _)| k == key).and_then(|(_, v)| v.as_deref())
 }
 
 fn has(acts: &[(String, Option<String>)], key: &str) -> bool {
@@ -127,8 +136,41 @@ fn main() {
     let hang_after = arg(&acts, "hang-after").map(Duration::from_millis);
     let ignore_stop = has(&acts, "ignore-stop");
     let mut seq = 0;
+    let (bad_ack, bad_commit) = (text(&acts, "bad-ack"), text(&acts, "bad-commit"));
+    let (mut delivery, mut lease, mut misbehaved) = (None, None, false);
     loop {
+        if !misbehaved {
+            if let (Some(kind), Some((slot, batch_id))) = (bad_ack, delivery) {
+                let slot: dflash_shared::protocol::SlotRef = slot;
+                let (slot, batch_id) = match kind {
+                    "stale-gen" => (dflash_shared::protocol::SlotRef { gen: slot.gen - 1, ..slot }, batch_id),
+                    "out-of-range" => (dflash_shared::protocol::SlotRef { slot: 9999, ..slot }, batch_id),
+                    "wrong-slot" => (dflash_shared::protocol::SlotRef { slot: slot.slot + 1, ..slot }, batch_id),
+                    _ => (slot, batch_id + 1000),
+                };
+                println!("sending a bad ack ({kind})");
+                up.send(FromWorker::Ack { input: slot, batch_id }).unwrap();
+                misbehaved = true;
+            }
+            if let (Some(kind), Some((input, batch_id)), Some(output)) = (bad_commit, delivery, lease) {
+                let output: dflash_shared::protocol::SlotRef = output;
+                let (output, len) = match kind {
+                    "too-long" => (output, u64::MAX),
+                    _ => (dflash_shared::protocol::SlotRef { gen: output.gen + 7, ..output }, 100),
+                };
+                println!("sending a bad commit ({kind})");
+                up.send(FromWorker::Commit { output, len, batch_id, input: Some(input) }).unwrap();
+                misbehaved = true;
+            }
+        }
         match down.try_recv_timeout(hb) {
+            Ok(ToWorker::Pools { .. }) => {}
+            Ok(ToWorker::Deliver { slot, batch_id, .. }) => {
+                delivery.get_or_insert((slot, batch_id));
+            }
+            Ok(ToWorker::Lease { slot }) => {
+                lease.get_or_insert(slot);
+            }
             Ok(ToWorker::Shutdown { reason }) => {
                 if ignore_stop {
                     println!("ignoring shutdown ({reason})");

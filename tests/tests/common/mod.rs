@@ -50,6 +50,8 @@ pub fn signal(pid: u32, sig: nix::sys::signal::Signal) {
 
 pub struct Sup {
     pub child: Child,
+    /// Held open and empty for runs fed from stdin, so their pipeline idles.
+    pub stdin: Option<std::process::ChildStdin>,
     pub tmp: tempfile::TempDir,
     pub run_dir: PathBuf,
     status: Option<ExitStatus>,
@@ -61,7 +63,8 @@ impl Sup {
         Sup::start_with(args, Some(behavior))
     }
 
-    /// Start a run with the real dflash-worker.
+    /// Start a run with the real dflash-worker. Unless `args` name a `--data`, the run is
+    /// fed from an empty stdin held open: workers are up and idle until the test acts.
     pub fn start_real(args: &[&str]) -> Sup {
         Sup::start_with(args, None)
     }
@@ -74,11 +77,17 @@ impl Sup {
         if let Some(b) = behavior {
             cmd.arg("--worker-bin").arg(test_worker()).env("DFLASH_TEST_BEHAVIOR", b);
         }
-        cmd.stdin(Stdio::null())
-            .stdout(fs::File::create(tmp.path().join("stdout")).unwrap())
+        let idle = !args.contains(&"--data");
+        if idle {
+            cmd.args(["--data", "-"]).stdin(Stdio::piped());
+        } else {
+            cmd.stdin(Stdio::null());
+        }
+        cmd.stdout(fs::File::create(tmp.path().join("stdout")).unwrap())
             .stderr(fs::File::create(tmp.path().join("stderr")).unwrap());
-        let child = cmd.spawn().expect("start dflash-supervise");
-        Sup { child, tmp, run_dir, status: None }
+        let mut child = cmd.spawn().expect("start dflash-supervise");
+        let stdin = child.stdin.take();
+        Sup { child, stdin, tmp, run_dir, status: None }
     }
 
     pub fn pid(&self) -> u32 {

@@ -1,0 +1,188 @@
+//! The worker's side of the shared-memory data plane: the pools it inherited, the
+//! deliveries and leases granted to it, and one unit of work per role.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::Ordering;
+
+use anyhow::{anyhow, bail, Context};
+use dflash_shared::batch::{seal_hidden, write_hidden_header, CaptureSpec, HiddenView, TokenBatch};
+use dflash_shared::pool::PoolMap;
+use dflash_shared::protocol::{FromWorker, PoolId, PoolInfo, SlotRef};
+use dflash_shared::slots::SlotState;
+use dflash_shared::Role;
+
+pub struct Pools {
+    tokens: PoolMap,
+    hidden: PoolMap,
+    capture: CaptureSpec,
+}
+
+impl Pools {
+    pub fn open(infos: &[PoolInfo], capture: CaptureSpec) -> anyhow::Result<Pools> {
+        let find = |id: PoolId| {
+            let i = infos.iter().find(|p| p.id == id).ok_or_else(|| anyhow!("the supervisor sent no {id:?} pool"))?;
+            PoolMap::open(i.fd, i.geometry.clone()).with_context(|| format!("mapping the {id:?} pool (fd {})", i.fd))
+        };
+        Ok(Pools { tokens: find(PoolId::Tokens)?, hidden: find(PoolId::Hidden)?, capture })
+    }
+
+    fn map(&self, id: PoolId) -> &PoolMap {
+        match id {
+            PoolId::Tokens => &self.tokens,
+            PoolId::Hidden => &self.hidden,
+        }
+    }
+}
+
+/// A batch delivered to this worker.
+#[derive(Debug, Clone, Copy)]
+pub struct Delivery {
+    pub slot: SlotRef,
+    pub len: u64,
+    pub batch_id: u64,
+}
+
+#[derive(Default)]
+pub struct Stats {
+    pub batches: u64,
+    pub tokens: u64,
+    pub duplicates: u64,
+}
+
+pub struct Plane {
+    role: Role,
+    pools: Option<Pools>,
+    deliveries: VecDeque<Delivery>,
+    leases: VecDeque<SlotRef>,
+    /// Batch ids this life has consumed: a second delivery of one is acknowledged
+    /// without being used again.
+    consumed: HashSet<u64>,
+    pub stats: Stats,
+}
+
+impl Plane {
+    pub fn new(role: Role) -> Plane {
+        Plane {
+            role,
+            pools: None,
+            deliveries: VecDeque::new(),
+            leases: VecDeque::new(),
+            consumed: HashSet::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    pub fn set_pools(&mut self, pools: Pools) {
+        self.pools = Some(pools);
+    }
+
+    pub fn deliver(&mut self, d: Delivery) {
+        self.deliveries.push_back(d);
+    }
+
+    pub fn lease(&mut self, slot: SlotRef) {
+        self.leases.push_back(slot);
+    }
+
+    /// Is there a unit of work that can be done without waiting?
+    pub fn ready(&self) -> bool {
+        self.pools.is_some()
+            && !self.deliveries.is_empty()
+            && (self.role == Role::Drafter || !self.leases.is_empty())
+    }
+
+    /// Do one unit of work; returns the message that reports it.
+    pub fn step(&mut self) -> anyhow::Result<FromWorker> {
+        let d = self.deliveries.pop_front().ok_or_else(|| anyhow!("no delivery"))?;
+        let pools = self.pools.as_ref().ok_or_else(|| anyhow!("a batch arrived before the pools"))?;
+        let map = pools.map(d.slot.pool);
+        check_header(map, &d)?;
+        // SAFETY: the supervisor delivered this slot to us (READING, checked above) and
+        // writes it again only after our ack or our death.
+        let payload = unsafe { &map.payload(d.slot.slot)[..d.len as usize] };
+        match self.role {
+            Role::Target => {
+                let out = self.leases.pop_front().ok_or_else(|| anyhow!("no output lease"))?;
+                let tokens = TokenBatch::decode(payload).with_context(|| format!("token batch {}", d.batch_id))?;
+                if tokens.batch_id != d.batch_id {
+                    bail!("slot {} holds batch {}, expected {}", d.slot.slot, tokens.batch_id, d.batch_id);
+                }
+                check_header(&pools.hidden, &Delivery { slot: out, len: 0, batch_id: 0 })?;
+                // SAFETY: the supervisor leased this slot to us (WRITING, checked above);
+                // nobody reads it before our commit.
+                let buf = unsafe { pools.hidden.payload_mut(out.slot) };
+                let layout = write_hidden_header(buf, &pools.capture, &tokens)?;
+                placeholder_hidden_states(&tokens, &pools.capture, &mut buf[layout.hidden_offset..][..layout.hidden_len]);
+                let len = seal_hidden(buf, &layout) as u64;
+                self.stats.batches += 1;
+                self.stats.tokens += tokens.tokens();
+                Ok(FromWorker::Commit { output: out, len, batch_id: d.batch_id, input: Some(d.slot) })
+            }
+            Role::Drafter => {
+                let view = HiddenView::parse(payload).with_context(|| format!("hidden-state batch {}", d.batch_id))?;
+                if view.spec != pools.capture {
+                    bail!(
+                        "hidden-state batch {} was captured as {:?}, but this run trains on {:?}: refusing to train on the wrong layers",
+                        d.batch_id,
+                        view.spec,
+                        pools.capture
+                    );
+                }
+                if view.tokens.batch_id != d.batch_id {
+                    bail!("slot {} holds batch {}, expected {}", d.slot.slot, view.tokens.batch_id, d.batch_id);
+                }
+                if self.consumed.insert(d.batch_id) {
+                    self.stats.batches += 1;
+                    self.stats.tokens += view.tokens.tokens();
+                } else {
+                    self.stats.duplicates += 1;
+                    println!("batch {} delivered twice: dropped the copy", d.batch_id);
+                }
+                Ok(FromWorker::Ack { input: d.slot, batch_id: d.batch_id })
+            }
+        }
+    }
+}
+
+/// The slot header, written by the supervisor before it told us, must agree with the
+/// message: anything else is a supervisor bug or a stale message, and using the slot
+/// would read someone else's batch.
+fn check_header(map: &PoolMap, d: &Delivery) -> anyhow::Result<()> {
+    if d.slot.slot >= map.geometry().slots {
+        bail!("slot {} out of range", d.slot.slot);
+    }
+    let h = map.header(d.slot.slot);
+    let state = h.state.load(Ordering::Acquire);
+    let gen = h.gen.load(Ordering::Relaxed);
+    let expected = if d.len == 0 { SlotState::Writing } else { SlotState::Reading };
+    if state != expected as u32 || gen != d.slot.gen {
+        bail!("slot {} header says state {state} gen {gen}, expected {expected:?} gen {}", d.slot.slot, d.slot.gen);
+    }
+    if d.len > 0 {
+        let (len, batch) = (h.len.load(Ordering::Relaxed), h.batch_id.load(Ordering::Relaxed));
+        if len != d.len || batch != d.batch_id || len > map.geometry().slot_bytes {
+            bail!("slot {} header says batch {batch} of {len} bytes, expected batch {} of {}", d.slot.slot, d.batch_id, d.len);
+        }
+    }
+    Ok(())
+}
+
+/// Stand-in for the target model's tapped hidden states until the model compute lands:
+/// a deterministic function of (token, position, tap, channel) in bf16, so every byte the
+/// drafter receives can be traced to the token batch it came from.
+fn placeholder_hidden_states(tokens: &TokenBatch, spec: &CaptureSpec, out: &mut [u8]) {
+    let hidden = spec.hidden as usize;
+    let per_token = spec.tap_ids.len() * hidden;
+    for (cell, chunk) in out.chunks_exact_mut(per_token * 2).enumerate() {
+        let token = tokens.input_ids[cell] as usize;
+        let pos = cell % tokens.seq_len as usize;
+        for (k, tap) in spec.tap_ids.iter().enumerate() {
+            for h in 0..hidden {
+                let v = ((token * 31 + pos * 7 + *tap as usize * 131 + h) % 1024) as f32 / 1024.0 - 0.5;
+                let bf16 = (v.to_bits() >> 16) as u16;
+                let i = (k * hidden + h) * 2;
+                chunk[i..i + 2].copy_from_slice(&bf16.to_le_bytes());
+            }
+        }
+    }
+}
