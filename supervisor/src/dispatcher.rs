@@ -136,8 +136,10 @@ struct Worker {
     restarts: u32,
     consecutive_failures: u32,
     last_exit: Option<String>,
-    /// The last life ended the way a stop asks: exit 0 after a shutdown request.
-    stopped_cleanly: bool,
+    /// A stop found this worker's process and it did not end the way a stop asks (exit 0
+    /// after the request): it had to be killed, or failed. A worker with no process when
+    /// the stop came (waiting to restart) has nothing to stop and is not counted.
+    unclean_stop: bool,
 }
 
 enum Phase {
@@ -196,7 +198,7 @@ impl Dispatcher {
                 restarts: 0,
                 consecutive_failures: 0,
                 last_exit: None,
-                stopped_cleanly: false,
+                unclean_stop: false,
             });
         }
         Ok(Dispatcher {
@@ -481,7 +483,7 @@ impl Dispatcher {
             self.on_failure(worker, l.pid, uptime);
         } else {
             let w = &mut self.workers[worker];
-            w.stopped_cleanly = status.success() && l.asked_to_stop && l.killed_for.is_none();
+            w.unclean_stop = !(status.success() && l.asked_to_stop && l.killed_for.is_none());
             if w.state != WState::Failed {
                 w.state = WState::Exited;
             }
@@ -707,7 +709,6 @@ impl Dispatcher {
             log::info!("{} restarted as pid {pid} (restart {} of {})", w.name, w.restarts, self.cfg.max_restarts);
         }
         w.state = WState::Starting;
-        w.stopped_cleanly = false;
         w.life = Some(Life {
             id,
             pid,
@@ -769,7 +770,7 @@ impl Dispatcher {
 
     /// Every worker is gone: decide the exit code, say why, record it.
     fn finish(mut self) -> i32 {
-        let all_clean = self.workers.iter().all(|w| w.stopped_cleanly);
+        let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
         let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
         self.pipeline.end();
         let code = match &reason {
@@ -790,7 +791,7 @@ impl Dispatcher {
                     let bad: Vec<String> = self
                         .workers
                         .iter()
-                        .filter(|w| !w.stopped_cleanly)
+                        .filter(|w| w.unclean_stop)
                         .map(|w| format!("{} ({})", w.name, w.last_exit.as_deref().unwrap_or("never started")))
                         .collect();
                     log::warn!("not every worker stopped cleanly: {}", bad.join(", "));

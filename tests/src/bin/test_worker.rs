@@ -21,8 +21,9 @@
 //!                       too-long or stale-gen
 //!
 //! It never consumes batches it is given (unless told to misuse them).
-//! With no rule it behaves like the real worker: heartbeats, exits 0 on shutdown or
-//! SIGTERM, prints a line on SIGUSR1/SIGUSR2.
+//! With no rule for the current life it execs the real worker named by
+//! `DFLASH_TEST_REAL_WORKER` if that is set, else behaves like an idle worker: heartbeats,
+//! exits 0 on shutdown or SIGTERM, prints a line on SIGUSR1/SIGUSR2.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -75,6 +76,14 @@ fn has(acts: &[(String, Option<String>)], key: &str) -> bool {
 
 fn main() {
     let acts = actions();
+    // No rule for this life: be the real worker (same pid, same arguments).
+    if acts.is_empty() {
+        if let Some(real) = std::env::var_os("DFLASH_TEST_REAL_WORKER") {
+            use std::os::unix::process::CommandExt;
+            let err = std::process::Command::new(real).args(std::env::args_os().skip(1)).exec();
+            panic!("exec of the real worker failed: {err}");
+        }
+    }
     let name = format!("{}-{}", var(env::ROLE), var(env::RANK));
     let restart: u32 = var(env::RESTART_COUNT).parse().unwrap_or(0);
     let control = std::env::args().nth(2).expect("--control NAME");

@@ -76,6 +76,10 @@ impl Sup {
         cmd.args(args).arg("--run-dir").arg(&run_dir);
         if let Some(b) = behavior {
             cmd.arg("--worker-bin").arg(test_worker()).env("DFLASH_TEST_BEHAVIOR", b);
+            if args.contains(&"--data") {
+                // Workers without a rule do real work, so data flows around the offenders.
+                cmd.env("DFLASH_TEST_REAL_WORKER", bin("dflash-worker"));
+            }
         }
         let idle = !args.contains(&"--data");
         if idle {
@@ -108,6 +112,22 @@ impl Sup {
 
     pub fn events(&self) -> Vec<Value> {
         fs::read_to_string(self.run_dir.join("events.jsonl"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// `dflash-supervise ledger --json` of this run: (exit code, audit).
+    pub fn ledger(&self) -> (i32, Value) {
+        let out = supervise(&["ledger", "--run-dir", self.run_dir.to_str().unwrap(), "--json"], None);
+        let v = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        (out.status.code().unwrap_or(-1), v)
+    }
+
+    /// The ledger's records.
+    pub fn ledger_records(&self) -> Vec<Value> {
+        fs::read_to_string(self.run_dir.join("ledger.jsonl"))
             .unwrap_or_default()
             .lines()
             .filter_map(|l| serde_json::from_str(l).ok())

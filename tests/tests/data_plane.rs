@@ -1,0 +1,189 @@
+//! The shared-memory data plane end to end: every batch consumed exactly once through
+//! real worker processes, under bad messages and random SIGKILLs.
+
+mod common;
+
+use std::collections::HashMap;
+use std::fs;
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(60);
+
+fn consumed_by(records: &[Value]) -> HashMap<String, u64> {
+    let mut m = HashMap::new();
+    for r in records.iter().filter(|r| r["ev"] == "consumed") {
+        *m.entry(r["worker"].as_str().unwrap().to_string()).or_default() += 1;
+    }
+    m
+}
+
+fn assert_clean_ledger(sup: &Sup) -> Value {
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "ledger audit failed: {a}");
+    assert!(a["produced"].as_u64().unwrap() > 0);
+    assert_eq!(a["produced"], a["consumed_once"], "{a}");
+    assert_eq!((a["lost"].as_u64(), a["duplicated"].as_u64(), a["in_flight"].as_u64()), (Some(0), Some(0), Some(0)), "{a}");
+    assert_eq!(a["ended"], true);
+    a
+}
+
+#[test]
+fn demo_data_flows_through_targets_to_drafters_exactly_once_and_balanced() {
+    let shm_before: Vec<_> = fs::read_dir("/dev/shm").map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+    let mut sup = Sup::start_real(&["--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--epochs", "3", "--demo-samples", "300"]);
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    assert!(sup.stderr().contains("all data consumed"));
+    let a = assert_clean_ledger(&sup);
+    let records = sup.ledger_records();
+    let by_drafter = consumed_by(&records);
+    assert_eq!(by_drafter.len(), 2, "both drafters consumed: {by_drafter:?}");
+    let (lo, hi) = (by_drafter.values().min().unwrap(), by_drafter.values().max().unwrap());
+    assert!(*lo * 3 >= *hi, "drafters badly unbalanced: {by_drafter:?}");
+    let targets: std::collections::HashSet<&str> = records.iter().filter(|r| r["ev"] == "hidden").map(|r| r["worker"].as_str().unwrap()).collect();
+    assert_eq!(targets.len(), 2, "both targets produced hidden states");
+    assert_eq!(a["requeued"], 0);
+    // Shared memory is anonymous: nothing was left behind in /dev/shm.
+    let shm_after: Vec<_> = fs::read_dir("/dev/shm").map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+    let new: Vec<_> = shm_after.iter().filter(|f| !shm_before.contains(f)).collect();
+    assert!(new.iter().all(|f| !f.to_string_lossy().contains("dflash")), "{new:?}");
+}
+
+#[test]
+fn chaos_random_sigkills_lose_and_duplicate_nothing() {
+    let mut sup = Sup::start_real(&[
+        "--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--epochs", "40", "--demo-samples", "256",
+        "--max-restarts", "10000", "--stable-after", "50ms", "--hang-timeout", "20s",
+    ]);
+    sup.wait_running(4);
+    // A small deterministic generator for which worker and when.
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let names = ["target-0", "target-1", "drafter-0", "drafter-1"];
+    let mut kills = 0;
+    let deadline = Instant::now() + T;
+    while sup.child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "chaos run did not finish; stderr:\n{}", sup.stderr());
+        // Pace the chaos: a random pause of 10..80 ms between kills.
+        std::thread::sleep(Duration::from_millis(10 + next() % 70));
+        let Some(st) = sup.state() else { continue };
+        let name = names[(next() % 4) as usize];
+        if let Some(pid) = worker(&st, name)["pid"].as_u64() {
+            if st["phase"] == "running" {
+                signal(pid as u32, Signal::SIGKILL);
+                kills += 1;
+            }
+        }
+    }
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    assert!(kills >= 10, "only {kills} kills landed: the run was too short to test anything");
+    let a = assert_clean_ledger(&sup);
+    assert!(a["requeued"].as_u64().unwrap() > 0, "no kill caught a batch in flight: {a}");
+    let restarts: u64 = sup.state().unwrap()["workers"].as_array().unwrap().iter().map(|w| w["restarts"].as_u64().unwrap()).sum();
+    assert!(restarts > 0);
+    eprintln!("chaos: {kills} kills, {restarts} restarts, ledger {a}");
+}
+
+fn violation_reasons(sup: &Sup) -> HashMap<String, String> {
+    sup.events()
+        .into_iter()
+        .filter(|e| e["event"] == "protocol_violation")
+        .map(|e| (e["worker"].as_str().unwrap().to_string(), e["reason"].as_str().unwrap().to_string()))
+        .collect()
+}
+
+#[test]
+fn bad_acks_restart_only_the_offender_and_lose_nothing() {
+    let mut sup = Sup::start(
+        &["--gpus", "cpu:5", "--data", "demo", "--demo-samples", "200"],
+        "drafter-0@0=bad-ack:stale-gen;drafter-1@0=bad-ack:out-of-range;drafter-2@0=bad-ack:wrong-batch;drafter-3@0=bad-ack:wrong-slot",
+    );
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    assert_clean_ledger(&sup);
+    let why = violation_reasons(&sup);
+    assert!(why["drafter-0"].contains("stale generation"), "{why:?}");
+    assert!(why["drafter-1"].contains("out of range"), "{why:?}");
+    assert!(why["drafter-2"].contains("holds batch"), "{why:?}");
+    assert!(!why["drafter-3"].is_empty());
+    let st = sup.state().unwrap();
+    for d in ["drafter-0", "drafter-1", "drafter-2", "drafter-3"] {
+        assert_eq!(worker(&st, d)["restarts"], 1, "{d}");
+    }
+    assert_eq!(worker(&st, "target-0")["restarts"], 0, "the target was disturbed");
+}
+
+#[test]
+fn bad_commits_restart_only_the_offender_and_lose_nothing() {
+    let mut sup = Sup::start(
+        &["--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--demo-samples", "200"],
+        "target-0@0=bad-commit:too-long;target-1@0=bad-commit:stale-gen",
+    );
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    assert_clean_ledger(&sup);
+    let why = violation_reasons(&sup);
+    assert!(why["target-0"].contains("exceeds the slot capacity"), "{why:?}");
+    assert!(why["target-1"].contains("stale generation"), "{why:?}");
+    let st = sup.state().unwrap();
+    assert_eq!(worker(&st, "drafter-0")["restarts"], 0);
+    assert_eq!(worker(&st, "drafter-1")["restarts"], 0);
+}
+
+fn jsonl(dir: &std::path::Path, name: &str, lines: &[&str]) -> String {
+    let p = dir.join(name);
+    fs::write(&p, lines.join("\n") + "\n").unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+#[test]
+fn bad_dataset_lines_are_skipped_and_reported_with_file_and_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut lines = vec![r#"{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}"#; 20];
+    lines.insert(1, "not json at all");
+    lines.insert(5, r#"{"input_ids": [1, 99999]}"#);
+    let data = jsonl(tmp.path(), "d.jsonl", &lines);
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", &data, "--vocab-size", "1000"]);
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    let err = sup.stderr();
+    assert!(err.contains("d.jsonl:2: not JSON"), "{err}");
+    assert!(err.contains("d.jsonl:6: token id >= vocab size"), "{err}");
+    assert!(err.contains("22 lines read, 2 bad"), "{err}");
+    let a = assert_clean_ledger(&sup);
+    let rows: u64 = sup.ledger_records().iter().filter(|r| r["ev"] == "load").map(|r| r["rows"].as_u64().unwrap()).sum();
+    assert_eq!(rows, 20, "every good line became a row: {a}");
+}
+
+#[test]
+fn dataset_errors_exit_2_with_one_clear_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = jsonl(tmp.path(), "bad.jsonl", &["x"; 5]);
+    let empty = jsonl(tmp.path(), "empty.jsonl", &[]);
+    for (data, needle) in [
+        (bad.as_str(), "4 bad lines, more than --max-bad-lines 3"),
+        (empty.as_str(), "no usable sample"),
+    ] {
+        let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", data, "--max-bad-lines", "3"]);
+        let status = sup.wait_exit(T);
+        assert_eq!(status.code(), Some(2), "{data}: stderr:\n{}", sup.stderr());
+        let err = sup.stderr();
+        let line = err.lines().find(|l| l.starts_with("dflash-supervise: error:")).unwrap_or_else(|| panic!("{err}"));
+        assert!(line.contains(needle) && line.contains(data), "{line}");
+    }
+    let out = supervise(&["--gpus", "cpu:2", "--data", "/nonexistent/x.jsonl"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/x.jsonl"));
+    let out = supervise(&["ledger", "--run-dir", tmp.path().to_str().unwrap()], None);
+    assert_eq!(out.status.code(), Some(2), "a dir that is not a run");
+}
