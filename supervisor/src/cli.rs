@@ -37,6 +37,12 @@ pub enum Command {
     /// Audit a run's batch ledger: produced, consumed once, in flight, lost, duplicated.
     /// Exits 1 if any batch was lost or reached an optimizer twice.
     Ledger(LedgerArgs),
+    /// Benchmarks that print figures and ratios against baselines measured in the same run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Internal: one side of `bench ipc`.
+    #[command(name = "__bench-peer", hide = true)]
+    BenchPeer { server: String },
     /// Internal: the process that kills every worker group if the supervisor dies.
     #[command(name = "__reap", hide = true)]
     Reap,
@@ -181,6 +187,20 @@ pub struct LogsArgs {
     /// Run directory. Default: the newest run under ./runs.
     #[arg(long, value_name = "DIR")]
     pub run_dir: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Moving batches between processes: memcpy, slot pool, ipc-channel bytes, hand-off
+    /// latency and a bare futex round trip, all measured in this run.
+    Ipc {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Fewer repetitions (a smoke run; the figures are noisier).
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -175,6 +175,8 @@ pub struct Dispatcher {
     dirty: bool,
     pipeline: Pipeline,
     loader: Option<Loader>,
+    written_progress: (u64, u64),
+    written_at: Instant,
 }
 
 impl Dispatcher {
@@ -218,6 +220,8 @@ impl Dispatcher {
             dirty: true,
             pipeline: data.pipeline,
             loader: Some(data.loader),
+            written_progress: (0, 0),
+            written_at: Instant::now(),
         })
     }
 
@@ -735,6 +739,8 @@ impl Dispatcher {
             started_at_unix_ms: self.started_unix_ms,
             phase: phase.into(),
             exit_code,
+            batches_produced: self.pipeline.progress().1,
+            batches_consumed: self.pipeline.progress().0,
             workers: self
                 .workers
                 .iter()
@@ -755,10 +761,15 @@ impl Dispatcher {
     }
 
     fn flush_state(&mut self) {
-        if !self.dirty {
+        // Worker changes are written at once; batch progress alone at most once a second.
+        let progress = self.pipeline.progress();
+        let stale = progress != self.written_progress && self.written_at.elapsed() >= Duration::from_secs(1);
+        if !self.dirty && !stale {
             return;
         }
         self.dirty = false;
+        self.written_progress = progress;
+        self.written_at = Instant::now();
         let phase = match self.phase {
             Phase::Running => "running",
             _ => "stopping",

@@ -4,6 +4,7 @@
 //! `logs`, `status`, or the hidden reaper. Errors end here as one line on stderr and a
 //! documented exit code ([`dflash_shared::exit_codes`]).
 
+pub mod bench_ipc;
 pub mod cli;
 pub mod console;
 pub mod control;
@@ -41,6 +42,8 @@ pub fn main() -> i32 {
         Some(Command::Logs(a)) => logs::run(a),
         Some(Command::Status(a)) => status::run(a),
         Some(Command::Ledger(a)) => ledger::run(a),
+        Some(Command::Bench(cli::BenchCommand::Ipc { json, quick })) => bench_ipc::run(json, quick),
+        Some(Command::BenchPeer { server }) => Ok(bench_ipc::peer(&server)),
         Some(Command::Reap) => Ok(reaper::run()),
     };
     match result {

@@ -38,6 +38,12 @@ pub struct RunState {
     pub phase: String,
     /// Set once the supervisor has decided how it exits.
     pub exit_code: Option<i32>,
+    /// Batches the loader has put in the pipeline so far.
+    #[serde(default)]
+    pub batches_produced: u64,
+    /// Batches consumed by drafters so far.
+    #[serde(default)]
+    pub batches_consumed: u64,
     pub workers: Vec<WorkerState>,
 }
 

@@ -28,6 +28,7 @@ pub fn run(args: StatusArgs) -> Result<i32, Error> {
         ),
     };
     println!("supervisor: {sup}");
+    println!("batches:    {} consumed of {} loaded", state.batches_consumed, state.batches_produced);
     println!();
     println!("{:<12} {:<8} {:<4} {:>8}  {:<9} {:>8}  {:<8} LAST EXIT", "WORKER", "ROLE", "GPU", "PID", "STATE", "RESTARTS", "UP");
     for w in &state.workers {

@@ -52,6 +52,18 @@ fn bad_flags_and_values() {
     expect_usage_error(&["--max-restarts", "-1"], &["-1"]);
     expect_usage_error(&["--frobnicate"], &["--frobnicate"]);
     expect_usage_error(&["--gpus", "cpu:2", "--worker-bin", "/nonexistent/dflash-worker"], &["/nonexistent/dflash-worker", "expected"]);
+    expect_usage_error(&["--gpus", "cpu:2", "--data", "/nonexistent/d.jsonl"], &["--data /nonexistent/d.jsonl", "expected"]);
+    expect_usage_error(&["--gpus", "cpu:2", "--max-seq-len", "8192", "--token-budget", "4096"], &["--max-seq-len 8192", "--token-budget 4096"]);
+    expect_usage_error(&["--gpus", "cpu:2", "--data", "-", "--epochs", "2"], &["stdin", "--epochs 1"]);
+    expect_usage_error(&["--gpus", "cpu:2", "--hidden-slots", "0"], &["--hidden-slots 0"]);
+}
+
+#[test]
+fn pools_larger_than_memory_are_refused_up_front() {
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--token-budget", "100000000"],
+        &["shared-memory pools need", "available", "--token-budget"],
+    );
 }
 
 #[test]

@@ -187,3 +187,19 @@ fn dataset_errors_exit_2_with_one_clear_line() {
     let out = supervise(&["ledger", "--run-dir", tmp.path().to_str().unwrap()], None);
     assert_eq!(out.status.code(), Some(2), "a dir that is not a run");
 }
+
+#[test]
+fn bench_ipc_prints_every_figure_and_ratio() {
+    let out = supervise(&["bench", "ipc", "--json", "--quick"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for k in [
+        "memcpy_64mb_gbps", "pool_4mb_gbps", "pool_64mb_gbps", "pool_256mb_gbps", "ipc_channel_4mb_gbps",
+        "ipc_channel_64mb_gbps", "ipc_channel_256mb_gbps", "handoff_p50_us", "handoff_p99_us", "futex_rtt_p50_us",
+        "pool_vs_memcpy_64mb", "pool_vs_ipc_channel_64mb", "handoff_p50_vs_futex_rtt_p50",
+    ] {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {v}"));
+        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+    }
+    assert!(v["handoff_p99_us"].as_f64() >= v["handoff_p50_us"].as_f64());
+}
