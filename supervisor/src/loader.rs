@@ -198,15 +198,18 @@ fn demo_sample(rng: &mut Rng, max_len: u32) -> Sample {
     Sample { ids, mask }
 }
 
+type Input = Box<dyn Read + Send>;
+
 struct JsonlStream {
-    readers: VecDeque<(String, Box<dyn Read + Send>)>,
-    current: Option<(String, BufReader<Box<dyn Read + Send>>, u64)>,
+    readers: VecDeque<(String, Input)>,
+    /// The file being read: its name, reader, and the number of its last line read.
+    current: Option<(String, BufReader<Input>, u64)>,
     buf: Vec<u8>,
 }
 
 impl JsonlStream {
     fn new(source: &DataSource) -> Result<JsonlStream, LoaderError> {
-        let mut readers: VecDeque<(String, Box<dyn Read + Send>)> = VecDeque::new();
+        let mut readers: VecDeque<(String, Input)> = VecDeque::new();
         match source {
             DataSource::Stdin => readers.push_back(("<stdin>".into(), Box::new(io::stdin()))),
             DataSource::Files(files) => {

@@ -374,14 +374,11 @@ impl Pipeline {
         let drafters: Vec<&Peer> = peers.iter().filter(|p| p.name.role == Role::Drafter).collect();
         self.deliver(PoolId::Tokens, &targets);
         // Output leases for targets.
-        loop {
-            let Some(p) = targets
-                .iter()
-                .filter(|p| self.hidden.table.held(p.holder, SlotState::Writing) < self.prefetch)
-                .min_by_key(|p| self.hidden.table.held(p.holder, SlotState::Writing))
-            else {
-                break;
-            };
+        while let Some(p) = targets
+            .iter()
+            .filter(|p| self.hidden.table.held(p.holder, SlotState::Writing) < self.prefetch)
+            .min_by_key(|p| self.hidden.table.held(p.holder, SlotState::Writing))
+        {
             let Some(g) = self.hidden.table.lease(p.holder) else { break };
             self.hidden.publish(g.slot, p.pid);
             let _ = p.tx.send(ToWorker::Lease { slot: self.hidden.fref(&g) });

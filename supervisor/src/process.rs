@@ -65,7 +65,7 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
     cmd.envs(spec.env.iter().map(|(k, v)| (k, v)));
     let inherit = spec.inherit_fds.clone();
     // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
-    // calls (prctl, getppid, fcntl) and builds an io::Error from a raw errno (no allocation).
+    // calls (prctl, getppid, close_range, fcntl) and builds an io::Error from a raw errno (no allocation).
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
@@ -76,6 +76,10 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
             if libc::getppid() != parent {
                 return Err(io::Error::from_raw_os_error(libc::ESRCH));
             }
+            // Nothing but stdio and the pools crosses exec: a descriptor inherited by
+            // accident (ipc-channel accepts control connections without close-on-exec)
+            // would keep another worker's channel open after that worker dies.
+            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC);
             for &fd in &inherit {
                 dflash_shared::pool::inherit_fd(fd)?;
             }

@@ -66,6 +66,10 @@ fn spawns_one_process_per_worker_with_its_identity_and_sigterm_exits_0() {
         let ppid: u32 = stat.rsplit_once(')').unwrap().1.split_whitespace().nth(1).unwrap().parse().unwrap();
         assert_eq!(ppid, sup.pid());
     }
+    // Workers started later inherit nothing more than the first one did (no descriptor
+    // of an earlier worker's control channel leaks into them).
+    let fds: Vec<usize> = pids.iter().map(|p| fs::read_dir(format!("/proc/{p}/fd")).unwrap().count()).collect();
+    assert!(fds.iter().all(|&n| n == fds[0]), "open descriptors per worker differ: {fds:?}");
     sup.signal(Signal::SIGTERM);
     let status = sup.wait_exit(T);
     assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());

@@ -16,9 +16,9 @@
 //! - `wrong-version`     say hello with protocol version 999
 //! - `exit-early:CODE`   exit with CODE before connecting
 //! - `bad-ack:KIND`      on its first delivery, acknowledge it wrongly: KIND is
-//!                       stale-gen, out-of-range, wrong-slot or wrong-batch
+//!   stale-gen, out-of-range, wrong-slot or wrong-batch
 //! - `bad-commit:KIND`   (a target) once it has a delivery and a lease, commit wrongly:
-//!                       too-long or stale-gen
+//!   too-long or stale-gen
 //!
 //! It never consumes batches it is given (unless told to misuse them).
 //! With no rule for the current life it execs the real worker named by

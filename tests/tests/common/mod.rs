@@ -111,11 +111,7 @@ impl Sup {
     }
 
     pub fn events(&self) -> Vec<Value> {
-        fs::read_to_string(self.run_dir.join("events.jsonl"))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()
+        read_jsonl(&self.run_dir.join("events.jsonl"))
     }
 
     /// `dflash-supervise ledger --json` of this run: (exit code, audit).
@@ -127,11 +123,7 @@ impl Sup {
 
     /// The ledger's records.
     pub fn ledger_records(&self) -> Vec<Value> {
-        fs::read_to_string(self.run_dir.join("ledger.jsonl"))
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()
+        read_jsonl(&self.run_dir.join("ledger.jsonl"))
     }
 
     pub fn log(&self, worker: &str) -> String {
@@ -178,6 +170,11 @@ impl Sup {
     pub fn signal(&self, sig: nix::sys::signal::Signal) {
         signal(self.pid(), sig);
     }
+}
+
+/// Every JSON line of a file (none if it does not exist yet).
+pub fn read_jsonl(path: &Path) -> Vec<Value> {
+    fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
 }
 
 pub fn worker<'a>(state: &'a Value, name: &str) -> &'a Value {
