@@ -677,11 +677,15 @@ impl Dispatcher {
         if let Some(r) = &self.reaper {
             r.watch(pid);
         }
-        if let Some(out) = child.stdout.take() {
-            w.log.pump(out, Tag::Stdout);
-        }
-        if let Some(err) = child.stderr.take() {
-            w.log.pump(err, Tag::Stderr);
+        for (stream, tag) in [
+            (child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Tag::Stdout),
+            (child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Tag::Stderr),
+        ] {
+            if let Some(stream) = stream {
+                if let Err(e) = w.log.pump(stream, tag) {
+                    log::error!("{}: cannot start a log thread ({e}); its output is lost", w.name);
+                }
+            }
         }
         control::serve(server, worker, id, self.tx.clone());
         let (tx, fd, reaper) = (self.tx.clone(), pidfd.clone(), self.reaper.clone());

@@ -98,7 +98,7 @@ impl WorkerLog {
     }
 
     /// Copy `stream` into the log line by line on a thread of its own, until EOF.
-    pub fn pump(&self, stream: impl Read + Send + 'static, tag: Tag) -> thread::JoinHandle<()> {
+    pub fn pump(&self, stream: impl Read + Send + 'static, tag: Tag) -> io::Result<thread::JoinHandle<()>> {
         let log = self.clone();
         thread::Builder::new()
             .name(format!("log-{}", tag.as_str()))
@@ -115,7 +115,6 @@ impl WorkerLog {
                     }
                 }
             })
-            .expect("spawn log pump thread")
     }
 }
 
@@ -218,6 +217,7 @@ mod tests {
         let path = d.join("w.log");
         let log = WorkerLog::open(&path, Rotation { max_size: 1 << 20, backups: 1 }, None).unwrap();
         log.pump(io::Cursor::new(b"a\nb\r\nno newline at end".to_vec()), Tag::Stderr)
+            .unwrap()
             .join()
             .unwrap();
         let lines = tail_lines(&path, 10, 0);
