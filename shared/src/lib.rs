@@ -8,6 +8,7 @@ pub mod batch;
 pub mod devices;
 pub mod env;
 pub mod exit_codes;
+pub mod model_config;
 pub mod names;
 pub mod pool;
 pub mod protocol;

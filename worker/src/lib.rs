@@ -6,6 +6,7 @@
 //! asked to shut down (control message or SIGTERM), and exits when the control channel
 //! closes: a worker never outlives its supervisor.
 
+pub mod compute;
 mod identity;
 mod plane;
 mod role;

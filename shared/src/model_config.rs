@@ -1,0 +1,194 @@
+//! The target model's `config.json` (Hugging Face format), for the Qwen3 and Llama
+//! architectures, and the tap convention. Both the supervisor (to size hidden-state
+//! slots and stamp the capture spec) and the worker (to build the model) read it here.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Arch {
+    Qwen3,
+    Llama,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum RopeScaling {
+    /// Positions divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3 frequency-dependent scaling.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TargetConfig {
+    pub arch: Arch,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub intermediate_size: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: Option<RopeScaling>,
+    pub vocab_size: usize,
+    pub tie_word_embeddings: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {msg}")]
+pub struct ConfigError {
+    pub path: String,
+    pub msg: String,
+}
+
+impl TargetConfig {
+    pub fn load(dir: &Path) -> Result<TargetConfig, ConfigError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| ConfigError {
+            path: path.display().to_string(),
+            msg: format!("cannot read: {e} (expected a Hugging Face model directory with config.json)"),
+        })?;
+        TargetConfig::parse(&text).map_err(|msg| ConfigError { path: path.display().to_string(), msg })
+    }
+
+    pub fn parse(text: &str) -> Result<TargetConfig, String> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let archs: Vec<&str> = v["architectures"].as_array().into_iter().flatten().filter_map(|a| a.as_str()).collect();
+        let model_type = v["model_type"].as_str().unwrap_or("");
+        let arch = if archs.contains(&"Qwen3ForCausalLM") || model_type == "qwen3" {
+            Arch::Qwen3
+        } else if archs.contains(&"LlamaForCausalLM") || model_type == "llama" {
+            Arch::Llama
+        } else {
+            return Err(format!(
+                "unsupported architecture {archs:?} (model_type {model_type:?}); expected Qwen3ForCausalLM or LlamaForCausalLM"
+            ));
+        };
+        let num = |k: &str| -> Result<usize, String> {
+            v[k].as_u64().map(|n| n as usize).filter(|&n| n > 0).ok_or_else(|| format!("{k} is missing or not a positive integer"))
+        };
+        let float = |k: &str, default: Option<f64>| -> Result<f64, String> {
+            match (v[k].as_f64(), default) {
+                (Some(x), _) if x > 0.0 => Ok(x),
+                (None, Some(d)) if v[k].is_null() => Ok(d),
+                _ => Err(format!("{k} is missing or not a positive number")),
+            }
+        };
+        let hidden_size = num("hidden_size")?;
+        let heads = num("num_attention_heads")?;
+        let kv_heads = if v["num_key_value_heads"].is_null() { heads } else { num("num_key_value_heads")? };
+        if heads % kv_heads != 0 {
+            return Err(format!("num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"));
+        }
+        let head_dim = if v["head_dim"].is_null() {
+            if hidden_size % heads != 0 {
+                return Err(format!("hidden_size {hidden_size} is not a multiple of num_attention_heads {heads}"));
+            }
+            hidden_size / heads
+        } else {
+            num("head_dim")?
+        };
+        if head_dim % 2 != 0 {
+            return Err(format!("head_dim {head_dim} is odd; rotary embeddings need an even head_dim"));
+        }
+        if v["attention_bias"].as_bool() == Some(true) || v["mlp_bias"].as_bool() == Some(true) {
+            return Err("attention_bias/mlp_bias = true is not supported (expected bias-free projections)".into());
+        }
+        let rope_scaling = match &v["rope_scaling"] {
+            serde_json::Value::Null => None,
+            s => {
+                let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("");
+                let f = |k: &str| s[k].as_f64().ok_or_else(|| format!("rope_scaling.{k} is missing"));
+                match kind {
+                    "default" => None,
+                    "linear" => Some(RopeScaling::Linear { factor: f("factor")? }),
+                    "llama3" => Some(RopeScaling::Llama3 {
+                        factor: f("factor")?,
+                        low_freq_factor: f("low_freq_factor")?,
+                        high_freq_factor: f("high_freq_factor")?,
+                        original_max_position_embeddings: f("original_max_position_embeddings")?,
+                    }),
+                    other => return Err(format!("rope_scaling type {other:?} is not supported (expected linear or llama3)")),
+                }
+            }
+        };
+        Ok(TargetConfig {
+            arch,
+            hidden_size,
+            num_hidden_layers: num("num_hidden_layers")?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            intermediate_size: num("intermediate_size")?,
+            rms_norm_eps: float("rms_norm_eps", Some(1e-6))?,
+            rope_theta: float("rope_theta", Some(10000.0))?,
+            rope_scaling,
+            vocab_size: num("vocab_size")?,
+            tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
+        })
+    }
+
+    /// A stable fingerprint of the architecture-relevant fields (stamped in every
+    /// hidden-state batch; a drafter refuses batches from another target).
+    pub fn fingerprint(&self) -> u64 {
+        let text = serde_json::to_string(self).unwrap_or_default();
+        crate::batch::checksum(text.as_bytes())
+    }
+}
+
+/// DFlash's default taps: `L` layers spread over the target's depth (see DFLASH.md).
+/// Tap `id` is the output of decoder layer `id` (HF `hidden_states[id + 1]`).
+pub fn target_layer_ids(n_layers: usize, taps: usize) -> Vec<u32> {
+    if taps <= 1 {
+        return vec![(n_layers / 2) as u32];
+    }
+    let span = n_layers as f64 - 4.0;
+    (0..taps).map(|i| (1.0 + i as f64 * span / (taps - 1) as f64).round() as u32).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tap_convention_matches_the_published_one() {
+        assert_eq!(target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
+        assert_eq!(target_layer_ids(36, 1), vec![18]);
+    }
+
+    #[test]
+    fn qwen3_and_llama_configs() {
+        let q = TargetConfig::parse(
+            r#"{"architectures":["Qwen3ForCausalLM"],"hidden_size":1024,"num_hidden_layers":28,"num_attention_heads":16,
+                "num_key_value_heads":8,"head_dim":128,"intermediate_size":3072,"rms_norm_eps":1e-6,"rope_theta":1000000,
+                "rope_scaling":null,"vocab_size":151936,"tie_word_embeddings":true}"#,
+        )
+        .unwrap();
+        assert_eq!((q.arch, q.head_dim, q.num_key_value_heads, q.tie_word_embeddings), (Arch::Qwen3, 128, 8, true));
+        let l = TargetConfig::parse(
+            r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"num_hidden_layers":16,"num_attention_heads":32,
+                "num_key_value_heads":8,"intermediate_size":8192,"rms_norm_eps":1e-5,"rope_theta":500000,"vocab_size":128256,
+                "rope_scaling":{"factor":32.0,"high_freq_factor":4.0,"low_freq_factor":1.0,"original_max_position_embeddings":8192,"rope_type":"llama3"}}"#,
+        )
+        .unwrap();
+        assert_eq!((l.arch, l.head_dim), (Arch::Llama, 64));
+        assert!(matches!(l.rope_scaling, Some(RopeScaling::Llama3 { .. })));
+        assert_ne!(q.fingerprint(), l.fingerprint());
+    }
+
+    #[test]
+    fn bad_configs_say_what_is_wrong() {
+        for (text, needle) in [
+            ("{", "not valid JSON"),
+            (r#"{"architectures":["GPT2LMHeadModel"]}"#, "unsupported architecture"),
+            (r#"{"model_type":"llama","hidden_size":64}"#, "num_attention_heads is missing"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":3,"intermediate_size":8,"vocab_size":10}"#, "not a multiple"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"yarn","factor":4}}"#, "not supported"),
+        ] {
+            let e = TargetConfig::parse(text).unwrap_err();
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+    }
+}
