@@ -8,6 +8,7 @@
 
 pub mod compute;
 mod identity;
+pub mod model;
 mod plane;
 mod role;
 

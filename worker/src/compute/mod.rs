@@ -102,3 +102,24 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&dflash_shared
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflash_shared::model_config::RopeScaling;
+
+    #[test]
+    fn llama3_rope_scaling_keeps_high_frequencies_and_divides_low_ones() {
+        let plain = rope_inv_freq(128, 500000.0, None);
+        let s = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 };
+        let scaled = rope_inv_freq(128, 500000.0, Some(&s));
+        assert_eq!(plain[0], 1.0);
+        assert_eq!(scaled[0], plain[0], "wavelength 2π is far below 8192/4: unchanged");
+        let last = plain.len() - 1;
+        assert!((scaled[last] - plain[last] / 8.0).abs() < 1e-12, "lowest frequency divided by the factor");
+        // In between, the scaled frequency lies between f/8 and f.
+        assert!(plain.iter().zip(&scaled).all(|(p, s)| *s <= *p && *s >= *p / 8.0 - 1e-12));
+        let lin = rope_inv_freq(128, 500000.0, Some(&RopeScaling::Linear { factor: 2.0 }));
+        assert!(plain.iter().zip(&lin).all(|(p, l)| (l - p / 2.0).abs() < 1e-9));
+    }
+}

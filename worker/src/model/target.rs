@@ -1,0 +1,161 @@
+//! The frozen target: a Qwen3 or Llama decoder run forward only, up to its last tapped
+//! layer, returning the residual stream after each tapped layer (HF `hidden_states[id+1]`,
+//! before the final norm) concatenated on the feature axis.
+
+use std::path::Path;
+
+use dflash_shared::model_config::{Arch, TargetConfig};
+
+use super::weights::{ModelError, Weights};
+use crate::compute::cpu::Cpu;
+use crate::compute::{rope_inv_freq, Backend, Heads, KeySpan};
+
+/// Every tensor of the first `layers` decoder layers plus embeddings, final norm and
+/// (untied) lm_head, with shapes from the config.
+pub fn expected_tensors(cfg: &TargetConfig, layers: usize) -> Vec<(String, Vec<usize>)> {
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (qd, kd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h]), ("model.norm.weight".into(), vec![h])];
+    if !cfg.tie_word_embeddings {
+        v.push(("lm_head.weight".into(), vec![cfg.vocab_size, h]));
+    }
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        v.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        v.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        v.push((format!("{p}.self_attn.q_proj.weight"), vec![qd, h]));
+        v.push((format!("{p}.self_attn.k_proj.weight"), vec![kd, h]));
+        v.push((format!("{p}.self_attn.v_proj.weight"), vec![kd, h]));
+        v.push((format!("{p}.self_attn.o_proj.weight"), vec![h, qd]));
+        if cfg.arch == Arch::Qwen3 {
+            v.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            v.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        }
+        v.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+        v.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+        v.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+    }
+    v
+}
+
+struct Layer {
+    ln1: Vec<f32>,
+    ln2: Vec<f32>,
+    wq: Vec<f32>,
+    wk: Vec<f32>,
+    wv: Vec<f32>,
+    wo: Vec<f32>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+}
+
+pub struct Target {
+    pub cfg: TargetConfig,
+    pub taps: Vec<usize>,
+    embed: Vec<f32>,
+    layers: Vec<Layer>,
+    inv_freq: Vec<f32>,
+    cpu: Cpu,
+}
+
+impl Target {
+    /// Load the layers needed for `taps` (all tensors of the checkpoint are checked).
+    pub fn load(dir: &Path, taps: &[usize]) -> Result<Target, ModelError> {
+        let cfg = TargetConfig::load(dir).map_err(|e| ModelError { path: e.path, msg: e.msg })?;
+        let w = Weights::open(dir)?;
+        if let Some(&bad) = taps.iter().find(|&&t| t >= cfg.num_hidden_layers) {
+            return Err(ModelError {
+                path: dir.display().to_string(),
+                msg: format!("tap {bad} does not exist: the target has {} layers (0..{})", cfg.num_hidden_layers, cfg.num_hidden_layers - 1),
+            });
+        }
+        let all = expected_tensors(&cfg, cfg.num_hidden_layers);
+        for (name, _) in &all {
+            if !w.contains(name) {
+                return Err(ModelError { path: dir.display().to_string(), msg: format!("missing tensor {name}") });
+            }
+        }
+        let known: std::collections::HashSet<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+        w.check_no_extra(&|n: &str| known.contains(n) || n == "lm_head.weight" || n.ends_with("rotary_emb.inv_freq"))?;
+        let shape = |name: &str| all.iter().find(|(n, _)| n == name).map(|(_, s)| s.clone()).unwrap_or_default();
+        let get = |name: &str| w.get(name, &shape(name));
+        let last = taps.iter().copied().max().unwrap_or(0);
+        let mut layers = Vec::new();
+        for l in 0..=last {
+            let p = format!("model.layers.{l}");
+            let g = |s: &str| get(&format!("{p}.{s}"));
+            layers.push(Layer {
+                ln1: g("input_layernorm.weight")?,
+                ln2: g("post_attention_layernorm.weight")?,
+                wq: g("self_attn.q_proj.weight")?,
+                wk: g("self_attn.k_proj.weight")?,
+                wv: g("self_attn.v_proj.weight")?,
+                wo: g("self_attn.o_proj.weight")?,
+                q_norm: if cfg.arch == Arch::Qwen3 { Some(g("self_attn.q_norm.weight")?) } else { None },
+                k_norm: if cfg.arch == Arch::Qwen3 { Some(g("self_attn.k_norm.weight")?) } else { None },
+                gate: g("mlp.gate_proj.weight")?,
+                up: g("mlp.up_proj.weight")?,
+                down: g("mlp.down_proj.weight")?,
+            });
+        }
+        let embed = get("model.embed_tokens.weight")?;
+        let inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
+        Ok(Target { cfg, taps: taps.to_vec(), embed, layers, inv_freq, cpu: Cpu::new() })
+    }
+
+    /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
+    pub fn forward_taps(&self, tokens: &[u32]) -> Vec<f32> {
+        let c = &self.cfg;
+        let (t, h, hd) = (tokens.len(), c.hidden_size, c.head_dim);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let heads = Heads { q_heads: nh, kv_heads: nkv, head_dim: hd };
+        let eps = c.rms_norm_eps as f32;
+        let cpu = &self.cpu;
+        let mut x = Vec::with_capacity(t * h);
+        for &tok in tokens {
+            let tok = (tok as usize).min(c.vocab_size - 1);
+            x.extend_from_slice(&self.embed[tok * h..(tok + 1) * h]);
+        }
+        let positions: Vec<usize> = (0..t).collect();
+        let spans: Vec<KeySpan> = (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect();
+        let width = self.taps.len() * h;
+        let mut out = vec![0f32; t * width];
+        let (mut n1, mut q, mut k, mut v) = (vec![0.0; t * h], vec![0.0; t * nh * hd], vec![0.0; t * nkv * hd], vec![0.0; t * nkv * hd]);
+        let (mut att, mut o) = (vec![0.0; t * nh * hd], vec![0.0; t * h]);
+        let (mut g, mut u, mut act) = (vec![0.0; t * c.intermediate_size], vec![0.0; t * c.intermediate_size], vec![0.0; t * c.intermediate_size]);
+        for (li, l) in self.layers.iter().enumerate() {
+            cpu.rmsnorm(&x, &l.ln1, &mut n1, h, eps);
+            cpu.matmul(&n1, &l.wq, &mut q, t, h, nh * hd);
+            cpu.matmul(&n1, &l.wk, &mut k, t, h, nkv * hd);
+            cpu.matmul(&n1, &l.wv, &mut v, t, h, nkv * hd);
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                let q0 = q.clone();
+                cpu.rmsnorm(&q0, qn, &mut q, hd, eps);
+                let k0 = k.clone();
+                cpu.rmsnorm(&k0, kn, &mut k, hd, eps);
+            }
+            cpu.rope(&mut q, nh, hd, &positions, &self.inv_freq, false);
+            cpu.rope(&mut k, nkv, hd, &positions, &self.inv_freq, false);
+            cpu.attention(&q, &k, &v, &mut att, &spans, heads);
+            cpu.matmul(&att, &l.wo, &mut o, t, nh * hd, h);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            cpu.rmsnorm(&x, &l.ln2, &mut n1, h, eps);
+            cpu.matmul(&n1, &l.gate, &mut g, t, h, c.intermediate_size);
+            cpu.matmul(&n1, &l.up, &mut u, t, h, c.intermediate_size);
+            cpu.swiglu(&g, &u, &mut act);
+            cpu.matmul(&act, &l.down, &mut o, t, c.intermediate_size, h);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            for (ti, &tap) in self.taps.iter().enumerate() {
+                if tap == li {
+                    for r in 0..t {
+                        out[r * width + ti * h..r * width + (ti + 1) * h].copy_from_slice(&x[r * h..(r + 1) * h]);
+                    }
+                }
+            }
+        }
+        out
+    }
+}

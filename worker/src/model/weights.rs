@@ -1,0 +1,105 @@
+//! Reading safetensors checkpoints (one file, or shards with `model.safetensors.index.json`),
+//! bf16/f16/f32, into f32, with errors that name the file and the tensor.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {msg}")]
+pub struct ModelError {
+    pub path: String,
+    pub msg: String,
+}
+
+fn err(path: &Path, msg: impl Into<String>) -> ModelError {
+    ModelError { path: path.display().to_string(), msg: msg.into() }
+}
+
+pub struct Weights {
+    dir: PathBuf,
+    shards: Vec<(PathBuf, Mmap)>,
+    /// tensor name → shard index
+    index: HashMap<String, usize>,
+}
+
+impl Weights {
+    pub fn open(dir: &Path) -> Result<Weights, ModelError> {
+        let single = dir.join("model.safetensors");
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if single.exists() {
+            vec![single]
+        } else if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path).map_err(|e| err(&index_path, format!("cannot read: {e}")))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(&index_path, format!("not valid JSON: {e}")))?;
+            let map = v["weight_map"].as_object().ok_or_else(|| err(&index_path, "no weight_map object"))?;
+            let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+            files.sort();
+            files.dedup();
+            files
+        } else {
+            return Err(err(dir, "no model.safetensors or model.safetensors.index.json (expected a Hugging Face model directory)"));
+        };
+        let mut shards = Vec::new();
+        let mut index = HashMap::new();
+        for (i, path) in files.into_iter().enumerate() {
+            let f = File::open(&path).map_err(|e| err(&path, format!("cannot open: {e}")))?;
+            // SAFETY: the checkpoint is read-only input; nobody is expected to rewrite it
+            // while the run loads it.
+            let mmap = unsafe { Mmap::map(&f) }.map_err(|e| err(&path, format!("cannot map: {e}")))?;
+            let st = SafeTensors::deserialize(&mmap)
+                .map_err(|e| err(&path, format!("truncated or corrupt safetensors file: {e}")))?;
+            for name in st.names() {
+                if index.insert(name.to_string(), i).is_some() {
+                    return Err(err(&path, format!("tensor {name} appears in two shards")));
+                }
+            }
+            shards.push((path, mmap));
+        }
+        Ok(Weights { dir: dir.to_path_buf(), shards, index })
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// The tensor as f32, checked against `shape`.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let &i = self.index.get(name).ok_or_else(|| err(&self.dir, format!("missing tensor {name} (shape {shape:?})")))?;
+        let (path, mmap) = &self.shards[i];
+        let st = SafeTensors::deserialize(mmap).map_err(|e| err(path, format!("truncated or corrupt safetensors file: {e}")))?;
+        let view = st.tensor(name).map_err(|e| err(path, format!("{name}: {e}")))?;
+        if view.shape() != shape {
+            return Err(err(path, format!("tensor {name} has shape {:?}, expected {shape:?} from config.json", view.shape())));
+        }
+        let data = view.data();
+        let out = match view.dtype() {
+            Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => return Err(err(path, format!("tensor {name} has dtype {other:?}; expected bf16, f16 or f32"))),
+        };
+        Ok(out)
+    }
+
+    /// Refuse tensors the architecture does not know (a checkpoint of another model).
+    pub fn check_no_extra(&self, known: &dyn Fn(&str) -> bool) -> Result<(), ModelError> {
+        let mut extra: Vec<&str> = self.names().filter(|n| !known(n)).collect();
+        extra.sort();
+        if let Some(first) = extra.first() {
+            let i = self.index[*first];
+            return Err(err(
+                &self.shards[i].0,
+                format!("{} unexpected tensor(s), e.g. {first} (is this checkpoint the architecture config.json names?)", extra.len()),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,203 @@
+//! The target's tapped hidden states against an independent reference (the same
+//! checkpoint loaded by candle and run through candle ops), for Qwen3 and Llama, and the
+//! errors a bad checkpoint gives.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, D};
+use dflash_worker::model::target::Target;
+use dflash_worker::model::tiny;
+
+fn rms(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
+    let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    x.broadcast_mul(&(ms + eps).unwrap().sqrt().unwrap().recip().unwrap()).unwrap().broadcast_mul(w).unwrap()
+}
+
+fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let hd = x.dim(D::Minus1).unwrap();
+    let x1 = x.narrow(D::Minus1, 0, hd / 2).unwrap();
+    let x2 = x.narrow(D::Minus1, hd / 2, hd / 2).unwrap();
+    let rot = Tensor::cat(&[&x2.neg().unwrap(), &x1], D::Minus1).unwrap();
+    (x.broadcast_mul(cos).unwrap() + rot.broadcast_mul(sin).unwrap()).unwrap()
+}
+
+/// Independent forward with candle: returns hidden_states[id + 1] for every layer id.
+fn reference(dir: &Path, tokens: &[u32], inv_freq: &[f32]) -> Vec<Tensor> {
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let n = |k: &str| cfg[k].as_u64().unwrap() as usize;
+    let (h, nh, nkv, layers) = (n("hidden_size"), n("num_attention_heads"), n("num_key_value_heads"), n("num_hidden_layers"));
+    let hd = cfg["head_dim"].as_u64().map(|x| x as usize).unwrap_or(h / nh);
+    let eps = cfg["rms_norm_eps"].as_f64().unwrap();
+    let qwen = cfg["model_type"] == "qwen3";
+    let w: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let g = |name: &str| w[name].to_dtype(DType::F32).unwrap();
+    let t = tokens.len();
+    let ids = Tensor::from_slice(tokens, t, &Device::Cpu).unwrap();
+    let mut x = g("model.embed_tokens.weight").index_select(&ids, 0).unwrap();
+    let mut cos = Vec::new();
+    let mut sin = Vec::new();
+    for p in 0..t {
+        for _ in 0..2 {
+            for f in inv_freq {
+                cos.push((p as f32 * f).cos());
+                sin.push((p as f32 * f).sin());
+            }
+        }
+    }
+    let cos = Tensor::from_slice(&cos, (t, 1, hd), &Device::Cpu).unwrap();
+    let sin = Tensor::from_slice(&sin, (t, 1, hd), &Device::Cpu).unwrap();
+    let mut mask = vec![0f32; t * t];
+    for i in 0..t {
+        for j in i + 1..t {
+            mask[i * t + j] = f32::NEG_INFINITY;
+        }
+    }
+    let mask = Tensor::from_slice(&mask, (t, t), &Device::Cpu).unwrap();
+    let mut outs = Vec::new();
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        let lin = |x: &Tensor, name: &str| x.matmul(&g(&format!("{p}.{name}")).t().unwrap()).unwrap();
+        let n1 = rms(&x, &g(&format!("{p}.input_layernorm.weight")), eps);
+        let mut q = lin(&n1, "self_attn.q_proj.weight").reshape((t, nh, hd)).unwrap();
+        let mut k = lin(&n1, "self_attn.k_proj.weight").reshape((t, nkv, hd)).unwrap();
+        let v = lin(&n1, "self_attn.v_proj.weight").reshape((t, nkv, hd)).unwrap();
+        if qwen {
+            q = rms(&q, &g(&format!("{p}.self_attn.q_norm.weight")), eps);
+            k = rms(&k, &g(&format!("{p}.self_attn.k_norm.weight")), eps);
+        }
+        let (q, k) = (rope(&q, &cos, &sin), rope(&k, &cos, &sin));
+        let mut heads = Vec::new();
+        for head in 0..nh {
+            let kvh = head / (nh / nkv);
+            let qh = q.narrow(1, head, 1).unwrap().squeeze(1).unwrap();
+            let kh = k.narrow(1, kvh, 1).unwrap().squeeze(1).unwrap();
+            let vh = v.narrow(1, kvh, 1).unwrap().squeeze(1).unwrap();
+            let s = (qh.matmul(&kh.t().unwrap()).unwrap() / (hd as f64).sqrt()).unwrap();
+            let s = (s + &mask).unwrap();
+            let p = candle_nn::ops::softmax_last_dim(&s).unwrap();
+            heads.push(p.matmul(&vh).unwrap());
+        }
+        let att = Tensor::cat(&heads, 1).unwrap();
+        x = (x + lin(&att, "self_attn.o_proj.weight")).unwrap();
+        let n2 = rms(&x, &g(&format!("{p}.post_attention_layernorm.weight")), eps);
+        let gate = lin(&n2, "mlp.gate_proj.weight");
+        let act = (candle_nn::ops::silu(&gate).unwrap() * lin(&n2, "mlp.up_proj.weight")).unwrap();
+        x = (x + lin(&act, "mlp.down_proj.weight")).unwrap();
+        outs.push(x.clone());
+    }
+    outs
+}
+
+fn check_against_reference(dir: &Path, taps: &[usize]) {
+    let target = Target::load(dir, taps).unwrap();
+    let tokens: Vec<u32> = (0..17).map(|i| (i * 37 + 5) % 500).collect();
+    let ours = target.forward_taps(&tokens);
+    let inv = dflash_worker::compute::rope_inv_freq(target.cfg.head_dim, target.cfg.rope_theta, target.cfg.rope_scaling.as_ref());
+    let refs = reference(dir, &tokens, &inv);
+    let h = target.cfg.hidden_size;
+    let width = taps.len() * h;
+    for (ti, &tap) in taps.iter().enumerate() {
+        let r: Vec<f32> = refs[tap].flatten_all().unwrap().to_vec1().unwrap();
+        let scale = r.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+        for row in 0..tokens.len() {
+            for c in 0..h {
+                let (a, b) = (ours[row * width + ti * h + c], r[row * h + c]);
+                assert!((a - b).abs() <= 2e-4 * scale, "tap {tap} token {row} channel {c}: ours {a} vs candle {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn qwen3_tiny_target_taps_match_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny::write(tmp.path()).unwrap();
+    check_against_reference(tmp.path(), &[1, 3]);
+    check_against_reference(tmp.path(), &[0, 5]);
+}
+
+const LLAMA: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":48,"num_hidden_layers":3,
+  "num_attention_heads":6,"num_key_value_heads":2,"intermediate_size":96,"rms_norm_eps":1e-5,"rope_theta":500000.0,
+  "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":64},
+  "vocab_size":500,"tie_word_embeddings":false}"#;
+
+#[test]
+fn llama_target_with_rope_scaling_and_untied_head_matches_candle() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny::write_random(tmp.path(), LLAMA, 3).unwrap();
+    check_against_reference(tmp.path(), &[0, 2]);
+}
+
+#[test]
+fn the_target_is_deterministic_and_taps_are_prefixes_of_the_residual_stream() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny::write(tmp.path()).unwrap();
+    let a = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4]);
+    let b = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4]);
+    assert_eq!(a, b);
+    // Causal: the states of a prefix do not depend on what follows.
+    let c = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4, 9, 9]);
+    assert_eq!(&c[..a.len()], &a[..]);
+}
+
+fn rewrite_without(dir: &Path, drop: &str, reshape: Option<(&str, Vec<usize>)>) {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut keep: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        if name == drop {
+            continue;
+        }
+        let mut shape = view.shape().to_vec();
+        let mut data = view.data().to_vec();
+        if let Some((n, s)) = &reshape {
+            if *n == name {
+                shape = s.clone();
+                data.truncate(s.iter().product::<usize>() * 2);
+            }
+        }
+        keep.push((name, view.dtype(), shape, data));
+    }
+    let views: HashMap<String, safetensors::tensor::TensorView> = keep
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+#[test]
+fn bad_checkpoints_name_the_file_and_the_problem() {
+    let err = |dir: &Path| Target::load(dir, &[1]).err().expect("load must fail").to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+
+    tiny::write(d).unwrap();
+    rewrite_without(d, "model.layers.4.mlp.up_proj.weight", None);
+    assert!(err(d).contains("missing tensor model.layers.4.mlp.up_proj.weight"), "{}", err(d));
+
+    tiny::write(d).unwrap();
+    rewrite_without(d, "", Some(("model.layers.0.mlp.up_proj.weight", vec![64, 64])));
+    let e = err(d);
+    assert!(e.contains("model.layers.0.mlp.up_proj.weight has shape [64, 64], expected [128, 64]") && e.contains("model.safetensors"), "{e}");
+
+    tiny::write(d).unwrap();
+    let len = std::fs::metadata(d.join("model.safetensors")).unwrap().len();
+    let f = std::fs::OpenOptions::new().write(true).open(d.join("model.safetensors")).unwrap();
+    f.set_len(len / 2).unwrap();
+    assert!(err(d).contains("truncated or corrupt safetensors"), "{}", err(d));
+
+    tiny::write(d).unwrap();
+    std::fs::write(d.join("config.json"), r#"{"architectures":["MistralForCausalLM"]}"#).unwrap();
+    let e = err(d);
+    assert!(e.contains("config.json") && e.contains("unsupported architecture"), "{e}");
+    std::fs::write(d.join("config.json"), "{not json").unwrap();
+    assert!(err(d).contains("not valid JSON"));
+
+    tiny::write(d).unwrap();
+    assert!(Target::load(d, &[6]).err().unwrap().to_string().contains("tap 6 does not exist"));
+
+    let empty = tempfile::tempdir().unwrap();
+    std::fs::write(empty.path().join("config.json"), tiny::CONFIG).unwrap();
+    assert!(err(empty.path()).contains("no model.safetensors"));
+}
