@@ -14,3 +14,5 @@ pub const RUN_DIR: &str = "DFLASH_RUN_DIR";
 pub const HEARTBEAT_MS: &str = "DFLASH_HEARTBEAT_MS";
 /// The ipc-channel one-shot server name the worker connects to (also passed as `--control`).
 pub const CONTROL: &str = "DFLASH_CONTROL";
+/// The target model directory (config.json + safetensors), absolute.
+pub const TARGET_DIR: &str = "DFLASH_TARGET_DIR";

@@ -138,6 +138,33 @@ impl TargetConfig {
     }
 }
 
+/// `config.json` of the built-in tiny demo target (`--target tiny`): a Qwen3-architecture
+/// model small enough to run on a laptop core. Its weights are written by
+/// `dflash-worker tiny-target`.
+pub const TINY_CONFIG: &str = r#"{
+  "architectures": ["Qwen3ForCausalLM"],
+  "model_type": "qwen3",
+  "hidden_size": 64,
+  "num_hidden_layers": 6,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
+  "head_dim": 16,
+  "intermediate_size": 128,
+  "rms_norm_eps": 1e-6,
+  "rope_theta": 10000.0,
+  "rope_scaling": null,
+  "vocab_size": 512,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16"
+}
+"#;
+
+/// Drafter depth DFlash uses for a target of `n_layers` (and so the number of taps): the
+/// public recipe's 5 for real targets, 2 for tiny ones where 5 taps would repeat layers.
+pub fn default_draft_layers(n_layers: usize) -> usize {
+    if n_layers >= 12 { 5 } else { 2 }
+}
+
 /// DFlash's default taps: `L` layers spread over the target's depth (see DFLASH.md).
 /// Tap `id` is the output of decoder layer `id` (HF `hidden_states[id + 1]`).
 pub fn target_layer_ids(n_layers: usize, taps: usize) -> Vec<u32> {

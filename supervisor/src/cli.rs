@@ -104,16 +104,27 @@ pub struct RunArgs {
           help_heading = "Restarts")]
     pub stop_timeout: Duration,
 
+    /// The frozen target model: a Hugging Face directory (config.json + model.safetensors
+    /// or shards; Qwen3 or Llama), or tiny (a small built-in model with random weights,
+    /// written to RUN_DIR/target).
+    #[arg(long, value_name = "DIR", default_value = "tiny", help_heading = "Model")]
+    pub target: String,
+
+    /// Target layers to tap, e.g. 1,9,17,25,33 (default: DFlash's spread of
+    /// --draft-layers taps over the target's depth).
+    #[arg(long, value_name = "IDS", value_delimiter = ',', help_heading = "Model")]
+    pub taps: Option<Vec<u32>>,
+
+    /// Drafter depth, which is also the number of taps (default: 5, or 2 for targets
+    /// under 12 layers).
+    #[arg(long, value_name = "N", help_heading = "Model")]
+    pub draft_layers: Option<usize>,
+
     /// Training data: a JSONL file, a directory of .jsonl files, - for stdin, or demo
     /// (built-in synthetic data). Lines: {"input_ids": [...], "loss_mask": [...]}
     /// (loss_mask optional: all ones).
     #[arg(long, value_name = "SOURCE", default_value = "demo", help_heading = "Data")]
     pub data: String,
-
-    /// Token ids must be below this (default: the demo vocabulary with --data demo, else
-    /// unchecked until the target model's config is known).
-    #[arg(long, value_name = "N", help_heading = "Data")]
-    pub vocab_size: Option<u32>,
 
     /// Tokens per batch, padding included (rows × longest row).
     #[arg(long, value_name = "N", default_value_t = 4096, help_heading = "Data")]

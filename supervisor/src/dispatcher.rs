@@ -69,6 +69,8 @@ pub enum Event {
 pub struct Config {
     pub plan: Vec<(WorkerName, Device)>,
     pub worker_bin: PathBuf,
+    /// The target model directory workers load.
+    pub target_dir: PathBuf,
     pub hang_timeout: Duration,
     pub max_restarts: u32,
     pub stable_after: Duration,
@@ -656,6 +658,7 @@ impl Dispatcher {
                 (env::RUN_DIR.into(), self.run.path.display().to_string()),
                 (env::HEARTBEAT_MS.into(), heartbeat.as_millis().to_string()),
                 (env::CONTROL.into(), server_name.clone()),
+                (env::TARGET_DIR.into(), self.cfg.target_dir.display().to_string()),
                 ("CUDA_VISIBLE_DEVICES".into(), w.device.cuda_visible_devices()),
                 // NVML numbers GPUs by PCI bus; make CUDA agree so GPU i is the same board.
                 ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),

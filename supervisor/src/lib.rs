@@ -26,6 +26,8 @@ pub mod worker_log;
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+use dflash_shared::batch::{CaptureSpec, DTYPE_BF16};
+use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
 use dflash_shared::{exit_codes, Device, DeviceSpec, Role, WorkerName};
 
 use crate::cli::{Cli, Command, RunArgs};
@@ -141,8 +143,10 @@ fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
 fn run(args: RunArgs) -> Result<i32, Error> {
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
-    let (loader_cfg, pipeline_cfg) = data_config(&args, &plan)?;
+    let target_cfg = target_config(&args.target)?;
+    let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let run_dir = rundir::RunDir::create(args.run_dir.as_deref())?;
+    let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
     let data = dispatcher::Data {
         pipeline: pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?,
         loader: loader::Loader::new(loader_cfg),
@@ -160,6 +164,7 @@ fn run(args: RunArgs) -> Result<i32, Error> {
     let cfg = dispatcher::Config {
         plan,
         worker_bin,
+        target_dir,
         hang_timeout: args.hang_timeout,
         max_restarts: args.max_restarts,
         stable_after: args.stable_after,
@@ -174,14 +179,46 @@ fn run(args: RunArgs) -> Result<i32, Error> {
     Ok(d.run())
 }
 
+/// The target's config: the built-in tiny one, or DIR/config.json.
+fn target_config(target: &str) -> Result<TargetConfig, Error> {
+    if target == "tiny" {
+        return TargetConfig::parse(dflash_shared::model_config::TINY_CONFIG).map_err(Error::Internal);
+    }
+    TargetConfig::load(std::path::Path::new(target)).map_err(|e| Error::Usage(format!("--target {target}: {e}")))
+}
+
+/// The directory workers load the target from; the tiny target is written into the run
+/// dir first (by the worker binary: the supervisor links no model code).
+fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<PathBuf, Error> {
+    if target != "tiny" {
+        return std::fs::canonicalize(target).map_err(|e| Error::Usage(format!("--target {target}: {e}")));
+    }
+    let dir = run_dir.join("target");
+    let out = std::process::Command::new(worker_bin)
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&dir)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| Error::Internal(format!("cannot run {} tiny-target: {e}", worker_bin.display())))?;
+    if !out.status.success() {
+        return Err(Error::Internal(format!(
+            "{} tiny-target failed: {}",
+            worker_bin.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(dir)
+}
+
 /// The loader and pool settings, checked before anything starts.
 fn data_config(
     args: &RunArgs,
     plan: &[(WorkerName, Device)],
+    target: &TargetConfig,
 ) -> Result<(loader::LoaderConfig, pipeline::PipelineConfig), Error> {
     let source = loader::parse_source(&args.data, args.demo_samples).map_err(Error::Usage)?;
-    let is_demo = matches!(source, loader::DataSource::Demo { .. });
-    if is_demo && args.demo_samples == 0 {
+    if matches!(source, loader::DataSource::Demo { .. }) && args.demo_samples == 0 {
         return Err(Error::Usage("--demo-samples 0: expected at least 1".into()));
     }
     for (flag, v) in [("--token-budget", args.token_budget as u64), ("--max-seq-len", args.max_seq_len as u64), ("--prefetch", args.prefetch as u64), ("--shuffle-window", args.shuffle_window as u64)] {
@@ -191,7 +228,7 @@ fn data_config(
     }
     let loader_cfg = loader::LoaderConfig {
         source,
-        vocab_size: args.vocab_size.or(is_demo.then_some(loader::DEMO_VOCAB)),
+        vocab_size: Some(target.vocab_size as u32),
         token_budget: args.token_budget,
         max_seq_len: args.max_seq_len,
         seed: args.seed,
@@ -208,7 +245,7 @@ fn data_config(
         hidden_slots: args.hidden_slots.unwrap_or(2 * workers + 2),
         prefetch: args.prefetch,
         token_budget: args.token_budget,
-        capture: pipeline::demo_capture(),
+        capture: capture_spec(args, target)?,
     };
     for (flag, v) in [("--token-slots", pipeline_cfg.token_slots), ("--hidden-slots", pipeline_cfg.hidden_slots)] {
         if v == 0 {
@@ -217,6 +254,28 @@ fn data_config(
     }
     pipeline_cfg.check_memory()?;
     Ok((loader_cfg, pipeline_cfg))
+}
+
+/// Which layers are tapped, of which target, in what shape: stamped on every batch.
+fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Error> {
+    let n = target.num_hidden_layers;
+    let taps = match &args.taps {
+        Some(t) => t.clone(),
+        None => {
+            let layers = args.draft_layers.unwrap_or_else(|| default_draft_layers(n));
+            if layers == 0 {
+                return Err(Error::Usage("--draft-layers 0: expected at least 1".into()));
+            }
+            target_layer_ids(n, layers)
+        }
+    };
+    if let Some(bad) = taps.iter().find(|&&t| t as usize >= n) {
+        return Err(Error::Usage(format!("--taps: layer {bad} does not exist (the target has {n} layers, ids 0..{})", n - 1)));
+    }
+    if taps.is_empty() {
+        return Err(Error::Usage("--taps: expected at least one layer id".into()));
+    }
+    Ok(CaptureSpec { tap_ids: taps, hidden: target.hidden_size as u32, dtype: DTYPE_BF16, target: target.fingerprint() })
 }
 
 fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result<(), Error> {

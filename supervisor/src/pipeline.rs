@@ -22,7 +22,7 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::thread;
 
-use dflash_shared::batch::{CaptureSpec, DTYPE_BF16};
+use dflash_shared::batch::CaptureSpec;
 use dflash_shared::pool::{PoolGeometry, PoolMap};
 use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
 use dflash_shared::slots::{Grant, Holder, SlotState, SlotTable};
@@ -104,12 +104,6 @@ pub fn human(bytes: u64) -> String {
         u += 1;
     }
     if u == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[u]) }
-}
-
-/// The capture spec of the built-in tiny demo target. Until the target workers load a
-/// real model, hidden-state slots are sized from it.
-pub fn demo_capture() -> CaptureSpec {
-    CaptureSpec { tap_ids: vec![1, 3], hidden: 64, dtype: DTYPE_BF16, target: 0x7469_6e79 }
 }
 
 /// From the loader thread.

@@ -56,6 +56,8 @@ fn bad_flags_and_values() {
     expect_usage_error(&["--gpus", "cpu:2", "--max-seq-len", "8192", "--token-budget", "4096"], &["--max-seq-len 8192", "--token-budget 4096"]);
     expect_usage_error(&["--gpus", "cpu:2", "--data", "-", "--epochs", "2"], &["stdin", "--epochs 1"]);
     expect_usage_error(&["--gpus", "cpu:2", "--hidden-slots", "0"], &["--hidden-slots 0"]);
+    expect_usage_error(&["--gpus", "cpu:2", "--taps", "1,6"], &["--taps", "layer 6 does not exist", "6 layers"]);
+    expect_usage_error(&["--gpus", "cpu:2", "--target", "/nonexistent/model"], &["--target /nonexistent/model", "config.json"]);
 }
 
 #[test]
@@ -86,7 +88,7 @@ fn logs_and_status_reject_what_is_not_there() {
     let tmp = tempfile::tempdir().unwrap();
     let rd = tmp.path().join("run");
     let out = supervise(
-        &["--gpus", "cpu:2", "--time-limit", "200ms", "--run-dir", rd.to_str().unwrap(),
+        &["--gpus", "cpu:2", "--time-limit", "200ms", "--max-seq-len", "32", "--token-budget", "256", "--run-dir", rd.to_str().unwrap(),
           "--worker-bin", bin("dflash-worker").to_str().unwrap()],
         None,
     );

@@ -34,7 +34,7 @@ fn assert_clean_ledger(sup: &Sup) -> Value {
 #[test]
 fn demo_data_flows_through_targets_to_drafters_exactly_once_and_balanced() {
     let shm_before: Vec<_> = fs::read_dir("/dev/shm").map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
-    let mut sup = Sup::start_real(&["--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--epochs", "3", "--demo-samples", "300"]);
+    let mut sup = Sup::start_real(&["--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--epochs", "3", "--demo-samples", "300", "--max-seq-len", "32", "--token-budget", "256"]);
     let status = sup.wait_exit(T);
     assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
     assert!(sup.stderr().contains("all data consumed"));
@@ -56,7 +56,8 @@ fn demo_data_flows_through_targets_to_drafters_exactly_once_and_balanced() {
 #[test]
 fn chaos_random_sigkills_lose_and_duplicate_nothing() {
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--epochs", "40", "--demo-samples", "256",
+        "--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--epochs", "5", "--demo-samples", "256",
+        "--max-seq-len", "32", "--token-budget", "256",
         "--max-restarts", "10000", "--stable-after", "50ms", "--hang-timeout", "20s",
     ]);
     sup.wait_running(4);
@@ -105,7 +106,7 @@ fn violation_reasons(sup: &Sup) -> HashMap<String, String> {
 #[test]
 fn bad_acks_restart_only_the_offender_and_lose_nothing() {
     let mut sup = Sup::start(
-        &["--gpus", "cpu:5", "--data", "demo", "--demo-samples", "200"],
+        &["--gpus", "cpu:5", "--data", "demo", "--demo-samples", "200", "--max-seq-len", "32", "--token-budget", "256"],
         "drafter-0@0=bad-ack:stale-gen;drafter-1@0=bad-ack:out-of-range;drafter-2@0=bad-ack:wrong-batch;drafter-3@0=bad-ack:wrong-slot",
     );
     let status = sup.wait_exit(T);
@@ -126,7 +127,7 @@ fn bad_acks_restart_only_the_offender_and_lose_nothing() {
 #[test]
 fn bad_commits_restart_only_the_offender_and_lose_nothing() {
     let mut sup = Sup::start(
-        &["--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--demo-samples", "200"],
+        &["--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--demo-samples", "200", "--max-seq-len", "32", "--token-budget", "256"],
         "target-0@0=bad-commit:too-long;target-1@0=bad-commit:stale-gen",
     );
     let status = sup.wait_exit(T);
@@ -151,9 +152,9 @@ fn bad_dataset_lines_are_skipped_and_reported_with_file_and_line() {
     let tmp = tempfile::tempdir().unwrap();
     let mut lines = vec![r#"{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}"#; 20];
     lines.insert(1, "not json at all");
-    lines.insert(5, r#"{"input_ids": [1, 99999]}"#);
+    lines.insert(5, r#"{"input_ids": [1, 512]}"#);
     let data = jsonl(tmp.path(), "d.jsonl", &lines);
-    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", &data, "--vocab-size", "1000"]);
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", &data]);
     let status = sup.wait_exit(T);
     assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
     let err = sup.stderr();

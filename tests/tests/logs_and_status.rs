@@ -173,7 +173,10 @@ fn logs_and_status_default_to_the_newest_run_under_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let worker = bin("dflash-worker");
     for _ in 0..2 {
-        let out = supervise(&["--gpus", "cpu:2", "--time-limit", "300ms", "--worker-bin", worker.to_str().unwrap()], Some(tmp.path()));
+        let out = supervise(
+            &["--gpus", "cpu:2", "--time-limit", "300ms", "--max-seq-len", "32", "--token-budget", "256", "--worker-bin", worker.to_str().unwrap()],
+            Some(tmp.path()),
+        );
         assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     }
     let mut runs: Vec<_> = fs::read_dir(tmp.path().join("runs")).unwrap().map(|e| e.unwrap().path()).collect();

@@ -5,6 +5,10 @@
 //! says hello, and runs its role loop, heartbeating as it makes progress. It exits 0 when
 //! asked to shut down (control message or SIGTERM), and exits when the control channel
 //! closes: a worker never outlives its supervisor.
+//!
+//! Two tools for people come with it: `inspect` (the tapped hidden states of one token
+//! sequence, to check parity with a PyTorch stack) and `tiny-target` (writes the built-in
+//! demo target).
 
 pub mod compute;
 mod identity;
@@ -12,18 +16,48 @@ pub mod model;
 mod plane;
 mod role;
 
-use clap::Parser;
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
 use dflash_shared::exit_codes;
 
 pub use identity::Identity;
 
-/// A DFlash worker process. It is started by dflash-supervise, not by hand.
+/// A DFlash worker process. Started by dflash-supervise (with --control); the
+/// subcommands are tools for people.
 #[derive(Debug, Parser)]
-#[command(name = "dflash-worker", version)]
+#[command(name = "dflash-worker", version, args_conflicts_with_subcommands = true)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Name of the supervisor's control server to connect to (given by dflash-supervise).
     #[arg(long, value_name = "NAME")]
-    control: String,
+    control: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Write the tapped hidden states of one token sequence to a safetensors file
+    /// (tensor "hidden", shape [tokens, taps × hidden], f32), to compare with
+    /// transformers' output_hidden_states (hidden_states[tap + 1]).
+    Inspect {
+        /// A Hugging Face model directory (config.json + safetensors), or "tiny".
+        #[arg(long, value_name = "DIR")]
+        target: String,
+        /// Token ids, comma-separated.
+        #[arg(long, value_name = "IDS", value_delimiter = ',', required = true)]
+        tokens: Vec<u32>,
+        /// Layer ids to tap (default: DFlash's spread over the target's depth).
+        #[arg(long, value_name = "IDS", value_delimiter = ',')]
+        taps: Option<Vec<usize>>,
+        #[arg(long, value_name = "FILE")]
+        out: PathBuf,
+    },
+    /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR.
+    TinyTarget {
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
 }
 
 pub fn main() -> i32 {
@@ -36,10 +70,32 @@ pub fn main() -> i32 {
                 return exit_codes::SUCCESS;
             }
             let text = e.render().to_string();
-            let first = text.lines().next().unwrap_or("invalid command line");
-            eprintln!("dflash-worker: {first} (dflash-worker is started by dflash-supervise)");
+            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid command line");
+            eprintln!("dflash-worker: {first} (see --help)");
             return exit_codes::USAGE;
         }
+    };
+    match cli.command {
+        Some(Command::Inspect { target, tokens, taps, out }) => tool(inspect(&target, &tokens, taps, &out)),
+        Some(Command::TinyTarget { out }) => tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display()))),
+        None => serve(cli.control),
+    }
+}
+
+fn tool(r: Result<(), String>) -> i32 {
+    match r {
+        Ok(()) => exit_codes::SUCCESS,
+        Err(e) => {
+            eprintln!("dflash-worker: error: {e}");
+            exit_codes::USAGE
+        }
+    }
+}
+
+fn serve(control: Option<String>) -> i32 {
+    let Some(control) = control else {
+        eprintln!("dflash-worker: error: --control NAME is missing (dflash-worker is started by dflash-supervise; see --help for its tools)");
+        return exit_codes::USAGE;
     };
     let id = match Identity::from_env() {
         Ok(id) => id,
@@ -48,11 +104,42 @@ pub fn main() -> i32 {
             return exit_codes::USAGE;
         }
     };
-    match role::run(&cli.control, &id) {
+    match role::run(&control, &id) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("dflash-worker {}: error: {e:#}", id.name);
             1
         }
     }
+}
+
+fn inspect(target: &str, tokens: &[u32], taps: Option<Vec<usize>>, out: &std::path::Path) -> Result<(), String> {
+    use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
+    let tmp;
+    let dir = if target == "tiny" {
+        tmp = std::env::temp_dir().join(format!("dflash-tiny-{}", std::process::id()));
+        model::tiny::write(&tmp).map_err(|e| e.to_string())?;
+        tmp.as_path()
+    } else {
+        std::path::Path::new(target)
+    };
+    let cfg = TargetConfig::load(dir).map_err(|e| e.to_string())?;
+    let taps = taps.unwrap_or_else(|| {
+        target_layer_ids(cfg.num_hidden_layers, default_draft_layers(cfg.num_hidden_layers)).into_iter().map(|t| t as usize).collect()
+    });
+    if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+        return Err(format!("--tokens: id {bad} is not below the vocab size {}", cfg.vocab_size));
+    }
+    let t = model::target::Target::load(dir, &taps).map_err(|e| e.to_string())?;
+    let hidden = t.forward_taps(tokens);
+    let bytes: Vec<u8> = hidden.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let shape = vec![tokens.len(), taps.len() * cfg.hidden_size];
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &bytes).map_err(|e| e.to_string())?;
+    let meta = std::collections::HashMap::from([("taps".to_string(), format!("{taps:?}"))]);
+    safetensors::serialize_to_file([("hidden", view)], Some(meta), out).map_err(|e| format!("--out {}: {e}", out.display()))?;
+    if target == "tiny" {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    println!("wrote {} ({} tokens × {} taps × {} hidden) taps {taps:?}", out.display(), tokens.len(), taps.len(), cfg.hidden_size);
+    Ok(())
 }

@@ -11,6 +11,8 @@ use dflash_shared::protocol::{FromWorker, PoolId, PoolInfo, SlotRef};
 use dflash_shared::slots::SlotState;
 use dflash_shared::Role;
 
+use crate::model::target::Target;
+
 pub struct Pools {
     tokens: PoolMap,
     hidden: PoolMap,
@@ -49,9 +51,18 @@ pub struct Stats {
     pub duplicates: u64,
 }
 
+/// The target model, loaded on a thread of its own so the worker keeps heartbeating
+/// while a large checkpoint is read.
+enum TargetModel {
+    Absent,
+    Loading(std::sync::mpsc::Receiver<Result<Target, String>>),
+    Ready(Box<Target>),
+}
+
 pub struct Plane {
     role: Role,
     pools: Option<Pools>,
+    target: TargetModel,
     deliveries: VecDeque<Delivery>,
     leases: VecDeque<SlotRef>,
     /// Batch ids this life has consumed: a second delivery of one is acknowledged
@@ -65,6 +76,7 @@ impl Plane {
         Plane {
             role,
             pools: None,
+            target: TargetModel::Absent,
             deliveries: VecDeque::new(),
             leases: VecDeque::new(),
             consumed: HashSet::new(),
@@ -72,8 +84,51 @@ impl Plane {
         }
     }
 
-    pub fn set_pools(&mut self, pools: Pools) {
+    pub fn set_pools(&mut self, pools: Pools) -> anyhow::Result<()> {
+        if self.role == Role::Target {
+            let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
+                .map(std::path::PathBuf::from)
+                .ok_or_else(|| anyhow!("{} is not set: which target model?", dflash_shared::env::TARGET_DIR))?;
+            let capture = pools.capture.clone();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::Builder::new().name("load-target".into()).spawn(move || {
+                let taps: Vec<usize> = capture.tap_ids.iter().map(|&t| t as usize).collect();
+                let r = Target::load(&dir, &taps).map_err(|e| e.to_string()).and_then(|t| {
+                    if t.cfg.fingerprint() != capture.target || t.cfg.hidden_size != capture.hidden as usize {
+                        return Err(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display()));
+                    }
+                    Ok(t)
+                });
+                let _ = tx.send(r);
+            })?;
+            self.target = TargetModel::Loading(rx);
+        }
         self.pools = Some(pools);
+        Ok(())
+    }
+
+    /// Pick up the target model once its loading thread is done.
+    pub fn poll_model(&mut self) -> anyhow::Result<Option<String>> {
+        if let TargetModel::Loading(rx) = &self.target {
+            match rx.try_recv() {
+                Ok(Ok(t)) => {
+                    let msg = format!(
+                        "target loaded: {:?}, {} layers (running {}), hidden {}, taps {:?}",
+                        t.cfg.arch,
+                        t.cfg.num_hidden_layers,
+                        t.taps.iter().max().map_or(0, |m| m + 1),
+                        t.cfg.hidden_size,
+                        t.taps
+                    );
+                    self.target = TargetModel::Ready(Box::new(t));
+                    return Ok(Some(msg));
+                }
+                Ok(Err(e)) => bail!("loading the target: {e}"),
+                Err(std::sync::mpsc::TryRecvError::Empty) => {}
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => bail!("the target loading thread died"),
+            }
+        }
+        Ok(None)
     }
 
     pub fn deliver(&mut self, d: Delivery) {
@@ -84,11 +139,19 @@ impl Plane {
         self.leases.push_back(slot);
     }
 
+    /// Is the target model still being loaded?
+    pub fn loading(&self) -> bool {
+        matches!(self.target, TargetModel::Loading(_))
+    }
+
     /// Is there a unit of work that can be done without waiting?
     pub fn ready(&self) -> bool {
         self.pools.is_some()
             && !self.deliveries.is_empty()
-            && (self.role == Role::Drafter || !self.leases.is_empty())
+            && match self.role {
+                Role::Drafter => true,
+                Role::Target => !self.leases.is_empty() && matches!(self.target, TargetModel::Ready(_)),
+            }
     }
 
     /// Do one unit of work; returns the message that reports it.
@@ -112,7 +175,8 @@ impl Plane {
                 // nobody reads it before our commit.
                 let buf = unsafe { pools.hidden.payload_mut(out.slot) };
                 let layout = write_hidden_header(buf, &pools.capture, &tokens)?;
-                placeholder_hidden_states(&tokens, &pools.capture, &mut buf[layout.hidden_offset..][..layout.hidden_len]);
+                let TargetModel::Ready(target) = &self.target else { bail!("the target is not loaded") };
+                write_hidden_states(target, &tokens, &mut buf[layout.hidden_offset..][..layout.hidden_len]);
                 let len = seal_hidden(buf, &layout) as u64;
                 self.stats.batches += 1;
                 self.stats.tokens += tokens.tokens();
@@ -167,22 +231,18 @@ fn check_header(map: &PoolMap, d: &Delivery) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Stand-in for the target model's tapped hidden states until the model compute lands:
-/// a deterministic function of (token, position, tap, channel) in bf16, so every byte the
-/// drafter receives can be traced to the token batch it came from.
-fn placeholder_hidden_states(tokens: &TokenBatch, spec: &CaptureSpec, out: &mut [u8]) {
-    let hidden = spec.hidden as usize;
-    let per_token = spec.tap_ids.len() * hidden;
-    for (cell, chunk) in out.chunks_exact_mut(per_token * 2).enumerate() {
-        let token = tokens.input_ids[cell] as usize;
-        let pos = cell % tokens.seq_len as usize;
-        for (k, tap) in spec.tap_ids.iter().enumerate() {
-            for h in 0..hidden {
-                let v = ((token * 31 + pos * 7 + *tap as usize * 131 + h) % 1024) as f32 / 1024.0 - 0.5;
-                let bf16 = (v.to_bits() >> 16) as u16;
-                let i = (k * hidden + h) * 2;
-                chunk[i..i + 2].copy_from_slice(&bf16.to_le_bytes());
-            }
+/// Run the target over each row and store its tapped hidden states as bf16, row-major
+/// `[rows × seq_len, taps × hidden]`; padding positions are zero.
+fn write_hidden_states(target: &Target, tokens: &TokenBatch, out: &mut [u8]) {
+    let width = target.taps.len() * target.cfg.hidden_size;
+    let seq = tokens.seq_len as usize;
+    out.fill(0);
+    for (r, &len) in tokens.lengths.iter().enumerate() {
+        let ids = &tokens.input_ids[r * seq..r * seq + len as usize];
+        let states = target.forward_taps(ids);
+        let dst = &mut out[r * seq * width * 2..(r * seq + len as usize) * width * 2];
+        for (d, v) in dst.chunks_exact_mut(2).zip(&states) {
+            d.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
         }
     }
 }

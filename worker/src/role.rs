@@ -42,7 +42,7 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
     let name = id.name.to_string();
     let (up, down) = connect(control, &name, id.restart_count).context("connecting to the supervisor")?;
     println!(
-        "dflash-worker {name} (pid {}) on device {}, restart {}: connected; model compute not implemented yet (placeholder hidden states, no training step)",
+        "dflash-worker {name} (pid {}) on device {}, restart {}: connected; drafter training is not implemented yet (drafters verify and acknowledge batches)",
         std::process::id(),
         id.gpu,
         id.restart_count
@@ -56,13 +56,15 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
         Ok(exit_codes::WORKER_ORPHANED)
     };
     loop {
-        let msg = if plane.ready() { down.try_recv() } else { down.try_recv_timeout(id.heartbeat) };
+        // While the model loads, look for it often; otherwise wait for work up to a beat.
+        let wait = if plane.loading() { id.heartbeat.min(std::time::Duration::from_millis(5)) } else { id.heartbeat };
+        let msg = if plane.ready() { down.try_recv() } else { down.try_recv_timeout(wait) };
         match msg {
             Ok(ToWorker::Shutdown { reason }) => {
                 println!("shutdown requested ({reason}): exiting after {} batches", plane.stats.batches);
                 return Ok(exit_codes::SUCCESS);
             }
-            Ok(ToWorker::Pools { pools, capture }) => plane.set_pools(Pools::open(&pools, capture)?),
+            Ok(ToWorker::Pools { pools, capture }) => plane.set_pools(Pools::open(&pools, capture)?)?,
             Ok(ToWorker::Deliver { slot, len, batch_id }) => plane.deliver(Delivery { slot, len, batch_id }),
             Ok(ToWorker::Lease { slot }) => plane.lease(slot),
             Err(TryRecvError::Empty) => {}
@@ -82,6 +84,9 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
             if flag.swap(false, Ordering::Relaxed) {
                 println!("{sig} received (pre-emption notice); nothing to checkpoint yet");
             }
+        }
+        if let Some(msg) = plane.poll_model()? {
+            println!("{msg}");
         }
         if plane.ready() {
             let report = plane.step()?;

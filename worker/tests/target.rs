@@ -201,3 +201,33 @@ fn bad_checkpoints_name_the_file_and_the_problem() {
     std::fs::write(empty.path().join("config.json"), tiny::CONFIG).unwrap();
     assert!(err(empty.path()).contains("no model.safetensors"));
 }
+
+#[test]
+fn inspect_writes_the_tapped_hidden_states_of_a_sequence() {
+    let tmp = tempfile::tempdir().unwrap();
+    tiny::write(&tmp.path().join("m")).unwrap();
+    let out = tmp.path().join("hidden.safetensors");
+    let run = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-worker"))
+        .args(["inspect", "--target"])
+        .arg(tmp.path().join("m"))
+        .args(["--tokens", "5,6,7,8", "--taps", "0,4", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let h = st.tensor("hidden").unwrap();
+    assert_eq!(h.shape(), &[4, 2 * 64]);
+    let got: Vec<f32> = h.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+    let want = Target::load(&tmp.path().join("m"), &[0, 4]).unwrap().forward_taps(&[5, 6, 7, 8]);
+    assert_eq!(got, want);
+    // A token id outside the vocabulary is a clear error, exit 2.
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-worker"))
+        .args(["inspect", "--target", "tiny", "--tokens", "1,99999", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("id 99999 is not below the vocab size 512"));
+}

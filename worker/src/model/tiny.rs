@@ -12,23 +12,7 @@ use safetensors::Dtype;
 use super::target::expected_tensors;
 use dflash_shared::model_config::TargetConfig;
 
-pub const CONFIG: &str = r#"{
-  "architectures": ["Qwen3ForCausalLM"],
-  "model_type": "qwen3",
-  "hidden_size": 64,
-  "num_hidden_layers": 6,
-  "num_attention_heads": 4,
-  "num_key_value_heads": 2,
-  "head_dim": 16,
-  "intermediate_size": 128,
-  "rms_norm_eps": 1e-6,
-  "rope_theta": 10000.0,
-  "rope_scaling": null,
-  "vocab_size": 512,
-  "tie_word_embeddings": true,
-  "torch_dtype": "bfloat16"
-}
-"#;
+pub use dflash_shared::model_config::TINY_CONFIG as CONFIG;
 
 /// Write the tiny target into `dir` (created if needed). Deterministic: the same bytes
 /// on every machine.
