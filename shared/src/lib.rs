@@ -6,6 +6,7 @@
 
 pub mod batch;
 pub mod devices;
+pub mod drafter;
 pub mod env;
 pub mod exit_codes;
 pub mod model_config;

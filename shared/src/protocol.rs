@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
@@ -29,6 +29,14 @@ pub enum FromWorker {
     Commit { output: SlotRef, len: u64, batch_id: u64, input: Option<SlotRef> },
     /// A delivered batch was consumed (for a drafter: it reached the optimizer).
     Ack { input: SlotRef, batch_id: u64 },
+    /// A drafter rank wrote the gradient of `batch_id` for `step` into its buffer.
+    /// `params` is a checksum of the weights the gradient was taken at: every rank of a
+    /// step must report the same one, or the ranks have diverged.
+    Grads { step: u64, input: SlotRef, batch_id: u64, stats: crate::drafter::StepStats, params: u64 },
+    /// The state slot now holds this rank's state at `step`.
+    SnapshotDone { step: u64 },
+    /// The drafter was written (HF format) to `dir` at `step`.
+    Exported { dir: String, step: u64 },
 }
 
 /// Which pool a slot belongs to.
@@ -78,6 +86,15 @@ pub enum ToWorker {
     Deliver { slot: SlotRef, len: u64, batch_id: u64 },
     /// Write your next output here (WRITING slot held by you).
     Lease { slot: SlotRef },
+    /// Drafters: join the data-parallel group and train.
+    Train(Box<crate::drafter::TrainSetup>),
+    /// Drafters: step `step` is committed: average the gradient slots listed, clip, and
+    /// apply the optimizer with learning rate `lr`.
+    Reduce { step: u64, slots: Vec<u32>, lr: f64 },
+    /// Drafters: write your state (at `step`) into the state slot for a joining rank.
+    Snapshot { step: u64 },
+    /// Drafters: write the trained drafter to `dir` (HF format), then report Exported.
+    Export { dir: String },
     /// Finish the current unit of work (write a checkpoint if there is one to write) and
     /// exit 0.
     Shutdown { reason: String },

@@ -120,15 +120,37 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", help_heading = "Model")]
     pub draft_layers: Option<usize>,
 
+    /// Stop after this many optimizer steps (default: when the data runs out).
+    #[arg(long, value_name = "N", help_heading = "Training")]
+    pub steps: Option<u64>,
+
+    /// Peak learning rate (AdamW; linear warmup, then cosine to 0 over --steps).
+    /// Default 6e-4 (the public recipe), 3e-3 for the tiny target.
+    #[arg(long, value_name = "LR", help_heading = "Training")]
+    pub lr: Option<f64>,
+
+    /// Share of --steps spent warming the learning rate up.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.04, help_heading = "Training")]
+    pub warmup_ratio: f64,
+
+    /// Tokens per draft block (default 16; 8 for the tiny target).
+    #[arg(long, value_name = "N", help_heading = "Training")]
+    pub block_size: Option<usize>,
+
+    /// Anchors (blocks) drawn per sample each step (default 512; 32 for the tiny target).
+    #[arg(long, value_name = "N", help_heading = "Training")]
+    pub max_anchors: Option<usize>,
+
     /// Training data: a JSONL file, a directory of .jsonl files, - for stdin, or demo
     /// (built-in synthetic data). Lines: {"input_ids": [...], "loss_mask": [...]}
     /// (loss_mask optional: all ones).
     #[arg(long, value_name = "SOURCE", default_value = "demo", help_heading = "Data")]
     pub data: String,
 
-    /// Tokens per batch, padding included (rows × longest row).
-    #[arg(long, value_name = "N", default_value_t = 4096, help_heading = "Data")]
-    pub token_budget: u32,
+    /// Tokens per batch, padding included (rows × longest row). Default 4096 (2048 for
+    /// the tiny target).
+    #[arg(long, value_name = "N", help_heading = "Data")]
+    pub token_budget: Option<u32>,
 
     /// Longer samples are truncated to this many tokens.
     #[arg(long, value_name = "N", default_value_t = 1024, help_heading = "Data")]

@@ -33,7 +33,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
-use dflash_shared::{env, exit_codes, Device, WorkerName};
+use dflash_shared::{env, exit_codes, Device, Role, WorkerName};
 use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
 use nix::sys::signal::Signal;
 use serde_json::json;
@@ -46,6 +46,7 @@ use crate::rundir::{now_rfc3339, unix_ms, RunDir, RunState, WorkerState};
 use crate::worker_log::{Rotation, Tag, WorkerLog};
 use crate::loader::Loader;
 use crate::pipeline::{LoaderEvent, Peer, Pipeline};
+use crate::trainer::{Action, Trainer};
 use crate::{control, error::Error};
 
 /// Longest the loop sleeps without looking at its timers.
@@ -85,6 +86,7 @@ pub struct Config {
 pub struct Data {
     pub pipeline: Pipeline,
     pub loader: Loader,
+    pub trainer: Trainer,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -158,6 +160,8 @@ enum StopReason {
     BadInput(String),
     Interrupted,
     DataDone,
+    StepsDone,
+    TrainingFailed(String),
 }
 
 pub struct Dispatcher {
@@ -177,6 +181,7 @@ pub struct Dispatcher {
     dirty: bool,
     pipeline: Pipeline,
     loader: Option<Loader>,
+    trainer: Trainer,
     written_progress: (u64, u64),
     written_at: Instant,
 }
@@ -222,6 +227,7 @@ impl Dispatcher {
             dirty: true,
             pipeline: data.pipeline,
             loader: Some(data.loader),
+            trainer: data.trainer,
             written_progress: (0, 0),
             written_at: Instant::now(),
         })
@@ -237,6 +243,7 @@ impl Dispatcher {
         let names: Vec<String> = self.workers.iter().map(|w| format!("{} on {}", w.name, w.device)).collect();
         log::info!("run dir {}; starting {}", self.run.path.display(), names.join(", "));
         log::info!("{}", self.pipeline.describe());
+        log::info!("{}", self.trainer.describe());
         self.run.event("run_start", obj(json!({"workers": names, "pid": std::process::id()})));
         if let Some(loader) = self.loader.take() {
             if let Err(e) = self.pipeline.start_loader(loader, self.tx.clone()) {
@@ -315,10 +322,40 @@ impl Dispatcher {
             })
             .collect();
         self.pipeline.pump(&peers);
+        let tail = self.trainer.flush_tail(self.pipeline.remaining());
+        self.execute(tail);
         if self.pipeline.finished() {
             let (consumed, _) = self.pipeline.progress();
             log::info!("all {consumed} batches consumed: stopping");
             self.begin_stop(StopReason::DataDone);
+        }
+    }
+
+    /// Carry out what the trainer decided.
+    fn execute(&mut self, actions: Vec<Action>) {
+        for a in actions {
+            match a {
+                Action::Send(w, msg) => {
+                    if let Some(tx) = self.workers[w].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
+                        let _ = tx.send(msg);
+                    }
+                }
+                Action::Consume { worker, holder, input, batch_id } => {
+                    if let Err(e) = self.pipeline.consume(self.workers[worker].name, holder, input, batch_id) {
+                        log::error!("committed batch {batch_id} could not be recorded: {e}");
+                    }
+                    self.dirty = true;
+                }
+                Action::Done => {
+                    log::info!("step limit reached: stopping");
+                    self.begin_stop(StopReason::StepsDone);
+                }
+                Action::Failed(msg) => {
+                    log::error!("{msg}");
+                    self.begin_stop(StopReason::TrainingFailed(msg));
+                }
+                Action::Violation(w, msg) => self.violation(w, &msg),
+            }
         }
     }
 
@@ -397,6 +434,9 @@ impl Dispatcher {
         log::info!("{name} ready (pid {pid})");
         if stopping {
             self.ask_to_stop(worker, "the run is stopping");
+        } else if name.role == Role::Drafter {
+            let actions = self.trainer.on_ready(worker, life);
+            self.execute(actions);
         }
     }
 
@@ -416,6 +456,24 @@ impl Dispatcher {
                 let Some(tx) = l.to_worker.clone() else { return };
                 let peer = Peer { name, holder, pid, tx: &tx };
                 self.pipeline.on_ack(&peer, input, batch_id)
+            }
+            FromWorker::Grads { step, input, batch_id, stats, params } => match self.pipeline.check_consume(name, holder, input, batch_id) {
+                Ok(()) => {
+                    let actions = self.trainer.on_grads(worker, step, input, batch_id, stats, params);
+                    self.execute(actions);
+                    Ok(())
+                }
+                Err(e) => Err(format!("gradients of an invalid batch: {e}")),
+            },
+            FromWorker::SnapshotDone { step } => {
+                let actions = self.trainer.on_snapshot_done(worker, step);
+                self.execute(actions);
+                Ok(())
+            }
+            FromWorker::Exported { dir, step } => {
+                self.trainer.on_exported(dir, step);
+                self.dirty = true;
+                Ok(())
             }
             other => {
                 Err(format!("sent {} after its hello", variant(&other)))
@@ -462,7 +520,14 @@ impl Dispatcher {
     fn finish_exit(&mut self, worker: usize, status: ExitStatus) {
         let w = &mut self.workers[worker];
         let Some(l) = w.life.take() else { return };
-        self.pipeline.release(w.name, l.id);
+        let requeued = self.pipeline.release(w.name, l.id);
+        if requeued > 0 && matches!(self.phase, Phase::Running) {
+            log::info!("{}: {requeued} batch(es) it held go back to their queue", w.name);
+        }
+        if w.name.role == Role::Drafter {
+            let actions = self.trainer.on_gone(worker);
+            self.execute(actions);
+        }
         let w = &mut self.workers[worker];
         let uptime = l.started.elapsed();
         let desc = describe_status(&status);
@@ -596,6 +661,10 @@ impl Dispatcher {
         }
         self.phase = Phase::Stopping { deadline: Instant::now() + self.cfg.stop_timeout };
         self.run.event("stop", obj(json!({"reason": self.stop_reason.as_ref().map(StopReason::describe)})));
+        // The drafter is written before anyone is asked to stop: the exporting rank reads
+        // the request first, then its shutdown.
+        let export = self.trainer.export(&self.run.path.join("drafter"));
+        self.execute(export);
         for i in 0..self.workers.len() {
             if let WState::Backoff(_) = self.workers[i].state {
                 self.workers[i].state = WState::Exited;
@@ -648,7 +717,7 @@ impl Dispatcher {
             .map_err(|e| format!("cannot open a control channel for {}: {e}", w.name))?;
         let spec = SpawnSpec {
             program: self.cfg.worker_bin.clone(),
-            inherit_fds: self.pipeline.inherit_fds(),
+            inherit_fds: self.pipeline.inherit_fds().into_iter().chain(self.trainer.inherit_fds()).collect(),
             args: vec!["--control".into(), server_name.clone().into()],
             env: vec![
                 (env::ROLE.into(), w.name.role.to_string()),
@@ -748,6 +817,7 @@ impl Dispatcher {
             exit_code,
             batches_produced: self.pipeline.progress().1,
             batches_consumed: self.pipeline.progress().0,
+            train: Some(self.trainer.progress.clone()),
             workers: self
                 .workers
                 .iter()
@@ -802,7 +872,11 @@ impl Dispatcher {
                 exit_codes::USAGE
             }
             StopReason::Interrupted => exit_codes::INTERRUPTED,
-            StopReason::Requested(_) | StopReason::TimeLimit | StopReason::DataDone => {
+            StopReason::TrainingFailed(msg) => {
+                eprintln!("dflash-supervise: run failed: {msg}");
+                exit_codes::RUN_FAILED
+            }
+            StopReason::Requested(_) | StopReason::TimeLimit | StopReason::DataDone | StopReason::StepsDone => {
                 if all_clean {
                     exit_codes::SUCCESS
                 } else {
@@ -823,6 +897,11 @@ impl Dispatcher {
         }
         self.run.event("run_end", obj(json!({"reason": reason.describe(), "exit_code": code})));
         log::info!("run ended ({}); exit code {code}", reason.describe());
+        match &self.trainer.progress.exported {
+            Some(dir) => eprintln!("dflash-supervise: drafter (step {}) written to {dir}", self.trainer.progress.step),
+            None if self.trainer.committed() == 0 => eprintln!("dflash-supervise: no training step was committed; no drafter written"),
+            None => eprintln!("dflash-supervise: the drafter (step {}) could not be written: no drafter was left to write it", self.trainer.committed()),
+        }
         code
     }
 }
@@ -837,6 +916,8 @@ impl StopReason {
             StopReason::BadInput(s) => s.clone(),
             StopReason::Interrupted => "killed by a second stop signal".into(),
             StopReason::DataDone => "all data consumed".into(),
+            StopReason::StepsDone => "step limit reached".into(),
+            StopReason::TrainingFailed(s) => s.clone(),
         }
     }
 }
@@ -848,6 +929,9 @@ fn variant(m: &FromWorker) -> &'static str {
         FromWorker::Abandon => "Abandon",
         FromWorker::Commit { .. } => "Commit",
         FromWorker::Ack { .. } => "Ack",
+        FromWorker::Grads { .. } => "Grads",
+        FromWorker::SnapshotDone { .. } => "SnapshotDone",
+        FromWorker::Exported { .. } => "Exported",
     }
 }
 

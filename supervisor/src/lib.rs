@@ -21,12 +21,14 @@ pub mod report;
 pub mod restart;
 pub mod rundir;
 pub mod status;
+pub mod trainer;
 pub mod worker_log;
 
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use dflash_shared::batch::{CaptureSpec, DTYPE_BF16};
+use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
 use dflash_shared::{exit_codes, Device, DeviceSpec, Role, WorkerName};
 
@@ -145,11 +147,14 @@ fn run(args: RunArgs) -> Result<i32, Error> {
     let plan = plan(&args, &mut gpus::gpu_count)?;
     let target_cfg = target_config(&args.target)?;
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
+    let trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
+    pipeline_cfg.check_memory(trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks))?;
     let run_dir = rundir::RunDir::create(args.run_dir.as_deref())?;
     let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
     let data = dispatcher::Data {
         pipeline: pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?,
         loader: loader::Loader::new(loader_cfg),
+        trainer: trainer::Trainer::new(trainer_cfg, &run_dir.path)?,
     };
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
     console::to_file(&sup_log).map_err(|e| Error::Internal(format!("cannot write {}: {e}", sup_log.display())))?;
@@ -221,7 +226,8 @@ fn data_config(
     if matches!(source, loader::DataSource::Demo { .. }) && args.demo_samples == 0 {
         return Err(Error::Usage("--demo-samples 0: expected at least 1".into()));
     }
-    for (flag, v) in [("--token-budget", args.token_budget as u64), ("--max-seq-len", args.max_seq_len as u64), ("--prefetch", args.prefetch as u64), ("--shuffle-window", args.shuffle_window as u64)] {
+    let token_budget = args.token_budget.unwrap_or(if args.target == "tiny" { 2048 } else { 4096 });
+    for (flag, v) in [("--token-budget", token_budget as u64), ("--max-seq-len", args.max_seq_len as u64), ("--prefetch", args.prefetch as u64), ("--shuffle-window", args.shuffle_window as u64)] {
         if v == 0 {
             return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
         }
@@ -229,7 +235,7 @@ fn data_config(
     let loader_cfg = loader::LoaderConfig {
         source,
         vocab_size: Some(target.vocab_size as u32),
-        token_budget: args.token_budget,
+        token_budget,
         max_seq_len: args.max_seq_len,
         seed: args.seed,
         epochs: args.epochs,
@@ -244,7 +250,7 @@ fn data_config(
         token_slots: args.token_slots.unwrap_or(2 * targets + 4),
         hidden_slots: args.hidden_slots.unwrap_or(2 * workers + 2),
         prefetch: args.prefetch,
-        token_budget: args.token_budget,
+        token_budget,
         capture: capture_spec(args, target)?,
     };
     for (flag, v) in [("--token-slots", pipeline_cfg.token_slots), ("--hidden-slots", pipeline_cfg.hidden_slots)] {
@@ -252,8 +258,43 @@ fn data_config(
             return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
         }
     }
-    pipeline_cfg.check_memory()?;
     Ok((loader_cfg, pipeline_cfg))
+}
+
+/// The drafter and its optimisation, from the target and the flags.
+fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &TargetConfig, capture: &CaptureSpec) -> Result<trainer::TrainerConfig, Error> {
+    let tiny = args.target == "tiny";
+    let layers = args.draft_layers.unwrap_or_else(|| default_draft_layers(target.num_hidden_layers));
+    let block = args.block_size.unwrap_or(if tiny { 8 } else { 16 });
+    let anchors = args.max_anchors.unwrap_or(if tiny { 32 } else { 512 });
+    for (flag, v) in [("--draft-layers", layers), ("--block-size", block.saturating_sub(1)), ("--max-anchors", anchors)] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag}: expected at least {}", if flag == "--block-size" { 2 } else { 1 })));
+        }
+    }
+    let lr = args.lr.unwrap_or(if tiny { 3e-3 } else { 6e-4 });
+    if !(lr > 0.0 && lr.is_finite()) {
+        return Err(Error::Usage(format!("--lr {lr}: expected a positive learning rate")));
+    }
+    if !(0.0..1.0).contains(&args.warmup_ratio) {
+        return Err(Error::Usage(format!("--warmup-ratio {}: expected a fraction in [0, 1)", args.warmup_ratio)));
+    }
+    if args.steps == Some(0) {
+        return Err(Error::Usage("--steps 0: expected at least 1".into()));
+    }
+    let drafter = DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
+    Ok(trainer::TrainerConfig {
+        drafter,
+        lr,
+        warmup_steps: args.steps.map_or(0, |n| (n as f64 * args.warmup_ratio).ceil() as u64),
+        total_steps: args.steps,
+        steps_limit: args.steps,
+        clip: 1.0,
+        seed: args.seed,
+        max_ranks: plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32,
+        target_layer_ids: capture.tap_ids.clone(),
+        num_target_layers: target.num_hidden_layers,
+    })
 }
 
 /// Which layers are tapped, of which target, in what shape: stamped on every batch.

@@ -174,14 +174,15 @@ impl SampleStream for DemoStream {
     }
 }
 
-/// A prompt of random tokens (not supervised) and a response that counts up from a random
-/// start by a random step, with a little noise: a drafter can learn to continue it.
+/// A prompt of random tokens (not supervised) and a response that walks a fixed cycle of
+/// 16 "content" tokens from a random start, with a little noise: the next tokens follow
+/// from the current one, which is exactly what a drafter can learn to predict.
 fn demo_sample(rng: &mut Rng, max_len: u32) -> Sample {
     let vocab = DEMO_VOCAB as u64;
     let prompt = 8 + rng.below(25) as usize;
     let response = 24 + rng.below(200) as usize;
     let n = (prompt + response).min(max_len.max(2) as usize);
-    let (mut cur, step) = (rng.below(vocab), 1 + rng.below(7));
+    let mut pos = rng.below(DEMO_CYCLE.len() as u64) as usize;
     let mut ids = Vec::with_capacity(n);
     let mut mask = Vec::with_capacity(n);
     for i in 0..n {
@@ -189,14 +190,26 @@ fn demo_sample(rng: &mut Rng, max_len: u32) -> Sample {
             ids.push(rng.below(vocab) as u32);
             mask.push(0);
         } else {
-            cur = (cur + step) % vocab;
-            let noisy = rng.below(100) < 5;
-            ids.push(if noisy { rng.below(vocab) as u32 } else { cur as u32 });
+            pos = (pos + 1) % DEMO_CYCLE.len();
+            let noisy = rng.below(100) < 3;
+            ids.push(if noisy { rng.below(vocab) as u32 } else { DEMO_CYCLE[pos] });
             mask.push(1);
         }
     }
     Sample { ids, mask }
 }
+
+/// The demo data's cycle: 16 token ids spread over the vocabulary in a fixed order.
+const DEMO_CYCLE: [u32; 16] = {
+    let mut c = [0u32; 16];
+    let mut i = 0;
+    while i < 16 {
+        // 197 is coprime with 512: a scrambled but fixed order.
+        c[i] = (i as u32 * 197 + 31) % 512;
+        i += 1;
+    }
+    c
+};
 
 type Input = Box<dyn Read + Send>;
 

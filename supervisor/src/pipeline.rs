@@ -67,9 +67,10 @@ impl PipelineConfig {
         t.total_bytes() + h.total_bytes()
     }
 
-    /// Refuse pools that do not fit: better a clear error now than an OOM kill later.
-    pub fn check_memory(&self) -> Result<(), Error> {
-        let need = self.total_bytes();
+    /// Refuse pools (plus `extra` bytes of other shared memory) that do not fit: better
+    /// a clear error now than an OOM kill later.
+    pub fn check_memory(&self, extra: u64) -> Result<(), Error> {
+        let need = self.total_bytes() + extra;
         let Some(avail) = mem_available() else { return Ok(()) };
         if need > avail / 10 * 8 {
             let (t, h) = self.geometries();
@@ -283,6 +284,11 @@ impl Pipeline {
         self.loader_done.is_some() && self.consumed.len() as u64 == self.produced
     }
 
+    /// Once the loader is done: how many batches are not consumed yet.
+    pub fn remaining(&self) -> Option<u64> {
+        self.loader_done.map(|_| self.produced - self.consumed.len() as u64)
+    }
+
     pub fn progress(&self) -> (u64, u64) {
         (self.consumed.len() as u64, self.produced)
     }
@@ -316,12 +322,23 @@ impl Pipeline {
 
     /// A drafter consumed a batch.
     pub fn on_ack(&mut self, peer: &Peer, input: SlotRef, batch_id: u64) -> Result<(), String> {
-        if peer.name.role != Role::Drafter || input.pool != PoolId::Hidden {
-            return Err(format!("ack of a {:?} slot from a {}: only drafters acknowledge, hidden-state slots", input.pool, peer.name.role));
+        self.check_consume(peer.name, peer.holder, input, batch_id)?;
+        self.consume(peer.name, peer.holder, input, batch_id)
+    }
+
+    /// Would [`consume`](Self::consume) accept this?
+    pub fn check_consume(&self, name: WorkerName, holder: Holder, input: SlotRef, batch_id: u64) -> Result<(), String> {
+        if name.role != Role::Drafter || input.pool != PoolId::Hidden {
+            return Err(format!("{:?} slot reported consumed by a {}: only drafters consume, hidden-state slots", input.pool, name.role));
         }
-        self.hidden.table.ack(peer.holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())?;
+        self.hidden.table.check_ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())
+    }
+
+    /// `batch_id`, delivered to `holder`, reached the optimizer: free its slot.
+    pub fn consume(&mut self, name: WorkerName, holder: Holder, input: SlotRef, batch_id: u64) -> Result<(), String> {
+        self.hidden.table.ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())?;
         self.hidden.publish(input.slot, 0);
-        let name = peer.name.to_string();
+        let name = name.to_string();
         if self.consumed.insert(batch_id) {
             self.ledger.record("consumed", batch_id, &name, json!({}));
         } else {
@@ -331,7 +348,9 @@ impl Pipeline {
     }
 
     /// A worker life is over (pidfd said so, channel drained): take back its slots.
-    pub fn release(&mut self, name: WorkerName, holder: Holder) {
+    /// Returns how many batches went back to their queue.
+    pub fn release(&mut self, name: WorkerName, holder: Holder) -> usize {
+        let mut requeued = 0;
         let who = name.to_string();
         for pool in [&mut self.tokens, &mut self.hidden] {
             let r = pool.table.release_holder(holder);
@@ -339,17 +358,11 @@ impl Pipeline {
                 let p = if pool.id == PoolId::Tokens { "tokens" } else { "hidden" };
                 self.ledger.record("requeue", b, &who, json!({"pool": p}));
             }
-            if !r.redelivered.is_empty() {
-                log::info!(
-                    "{who}: {} batch(es) requeued, {} half-written slot(s) freed in the {} pool",
-                    r.redelivered.len(),
-                    r.freed_writing.len(),
-                    pool.map.geometry().name
-                );
-            }
+            requeued += r.redelivered.len();
             pool.publish_all();
         }
         self.served.remove(&holder);
+        requeued
     }
 
     /// Grant whatever can be granted: token slots to the loader, token batches and output

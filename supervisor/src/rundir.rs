@@ -44,6 +44,9 @@ pub struct RunState {
     /// Batches consumed by drafters so far.
     #[serde(default)]
     pub batches_consumed: u64,
+    /// The drafter's training: last committed step and its figures.
+    #[serde(default)]
+    pub train: Option<crate::trainer::TrainProgress>,
     pub workers: Vec<WorkerState>,
 }
 

@@ -15,6 +15,7 @@ mod identity;
 pub mod model;
 mod plane;
 mod role;
+mod train;
 
 use std::path::PathBuf;
 

@@ -12,6 +12,7 @@ use dflash_shared::slots::SlotState;
 use dflash_shared::Role;
 
 use crate::model::target::Target;
+use crate::train::Rank;
 
 pub struct Pools {
     tokens: PoolMap,
@@ -63,6 +64,8 @@ pub struct Plane {
     role: Role,
     pools: Option<Pools>,
     target: TargetModel,
+    /// Drafters: this rank of the data-parallel group, once the supervisor says train.
+    pub rank: Option<Rank>,
     deliveries: VecDeque<Delivery>,
     leases: VecDeque<SlotRef>,
     /// Batch ids this life has consumed: a second delivery of one is acknowledged
@@ -77,6 +80,7 @@ impl Plane {
             role,
             pools: None,
             target: TargetModel::Absent,
+            rank: None,
             deliveries: VecDeque::new(),
             leases: VecDeque::new(),
             consumed: HashSet::new(),
@@ -149,7 +153,7 @@ impl Plane {
         self.pools.is_some()
             && !self.deliveries.is_empty()
             && match self.role {
-                Role::Drafter => true,
+                Role::Drafter => self.rank.as_ref().is_some_and(|r| !r.awaiting),
                 Role::Target => !self.leases.is_empty() && matches!(self.target, TargetModel::Ready(_)),
             }
     }
@@ -195,14 +199,17 @@ impl Plane {
                 if view.tokens.batch_id != d.batch_id {
                     bail!("slot {} holds batch {}, expected {}", d.slot.slot, view.tokens.batch_id, d.batch_id);
                 }
-                if self.consumed.insert(d.batch_id) {
-                    self.stats.batches += 1;
-                    self.stats.tokens += view.tokens.tokens();
-                } else {
+                if !self.consumed.insert(d.batch_id) {
                     self.stats.duplicates += 1;
                     println!("batch {} delivered twice: dropped the copy", d.batch_id);
+                    return Ok(FromWorker::Ack { input: d.slot, batch_id: d.batch_id });
                 }
-                Ok(FromWorker::Ack { input: d.slot, batch_id: d.batch_id })
+                let rank = self.rank.as_mut().ok_or_else(|| anyhow!("a batch to train before the training setup"))?;
+                let params = rank.params_checksum();
+                let stats = rank.compute(&view)?;
+                self.stats.batches += 1;
+                self.stats.tokens += view.tokens.tokens();
+                Ok(FromWorker::Grads { step: rank.step + 1, input: d.slot, batch_id: d.batch_id, stats, params })
             }
         }
     }

@@ -13,6 +13,7 @@ use ipc_channel::{IpcError, TryRecvError};
 use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 
 use crate::plane::{Delivery, Plane, Pools};
+use crate::train::Rank;
 use crate::Identity;
 
 struct Flags {
@@ -42,7 +43,7 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
     let name = id.name.to_string();
     let (up, down) = connect(control, &name, id.restart_count).context("connecting to the supervisor")?;
     println!(
-        "dflash-worker {name} (pid {}) on device {}, restart {}: connected; drafter training is not implemented yet (drafters verify and acknowledge batches)",
+        "dflash-worker {name} (pid {}) on device {}, restart {}: connected",
         std::process::id(),
         id.gpu,
         id.restart_count
@@ -67,6 +68,42 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
             Ok(ToWorker::Pools { pools, capture }) => plane.set_pools(Pools::open(&pools, capture)?)?,
             Ok(ToWorker::Deliver { slot, len, batch_id }) => plane.deliver(Delivery { slot, len, batch_id }),
             Ok(ToWorker::Lease { slot }) => plane.lease(slot),
+            Ok(ToWorker::Train(setup)) => {
+                let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
+                    .map(std::path::PathBuf::from)
+                    .ok_or_else(|| anyhow::anyhow!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR))?;
+                let rank = Rank::new(*setup, &dir).context("setting up training")?;
+                println!(
+                    "training: rank {} joined at step {} ({} parameters, {:?})",
+                    rank.setup.rank,
+                    rank.step,
+                    rank.param_count(),
+                    rank.setup.init
+                );
+                plane.rank = Some(rank);
+            }
+            Ok(ToWorker::Reduce { step, slots, lr }) => {
+                let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a step to apply before the training setup"))?;
+                let applied = rank.reduce(step, &slots, lr)?;
+                if applied.skipped {
+                    println!("step {step}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
+                }
+            }
+            Ok(ToWorker::Snapshot { .. }) => {
+                let rank = plane.rank.as_ref().ok_or_else(|| anyhow::anyhow!("a snapshot request before the training setup"))?;
+                rank.snapshot()?;
+                if up.send(FromWorker::SnapshotDone { step: rank.step }).is_err() {
+                    return orphaned();
+                }
+            }
+            Ok(ToWorker::Export { dir }) => {
+                let rank = plane.rank.as_ref().ok_or_else(|| anyhow::anyhow!("an export request before the training setup"))?;
+                rank.export(std::path::Path::new(&dir)).with_context(|| format!("exporting the drafter to {dir}"))?;
+                println!("drafter exported to {dir} at step {}", rank.step);
+                if up.send(FromWorker::Exported { dir, step: rank.step }).is_err() {
+                    return orphaned();
+                }
+            }
             Err(TryRecvError::Empty) => {}
             // A signal (SIGUSR1, SIGTERM) interrupted the wait: handled just below.
             Err(TryRecvError::IpcError(IpcError::Io(e))) if e.kind() == std::io::ErrorKind::Interrupted => {}

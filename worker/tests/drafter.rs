@@ -5,7 +5,8 @@
 use candle_core::{Device, Tensor, Var, D};
 use dflash_shared::rng::Rng;
 use dflash_worker::compute::rope_inv_freq;
-use dflash_worker::model::drafter::{grad_norm, lr_at, AdamW, Drafter, DrafterConfig, Frozen, Sample};
+use dflash_shared::drafter::DrafterConfig;
+use dflash_worker::model::drafter::{grad_norm, lr_at, AdamW, Drafter, Frozen, Sample};
 
 fn cfg() -> DrafterConfig {
     DrafterConfig {

@@ -6,78 +6,11 @@
 //! logits never exist. Explicit forward and backward; the trainable parameters live in
 //! one flat buffer so the optimizer, the all-reduce and checkpoints treat them as one.
 
+use dflash_shared::drafter::{DrafterConfig, ParamLayout, StepStats};
 use dflash_shared::rng::Rng;
 
 use crate::compute::cpu::{axpy, dot, Cpu};
 use crate::compute::{rope_inv_freq, AttnSaved, Backend, Heads, KeySpan};
-
-/// Sizes of the drafter (copied from the target where DFLASH.md says so).
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct DrafterConfig {
-    pub hidden: usize,
-    pub layers: usize,
-    pub q_heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-    pub intermediate: usize,
-    pub vocab: usize,
-    pub eps: f64,
-    pub rope_theta: f64,
-    pub rope_scaling: Option<dflash_shared::model_config::RopeScaling>,
-    pub n_taps: usize,
-    pub block_size: usize,
-    pub max_anchors: usize,
-    pub mask_token_id: u32,
-    /// Loss decay γ: slot k weighs exp(-(k-1)/γ).
-    pub gamma: f64,
-}
-
-/// Where each named tensor lives in the flat parameter buffer.
-#[derive(Debug, Clone)]
-pub struct ParamLayout {
-    pub entries: Vec<(String, Vec<usize>, usize)>,
-    pub total: usize,
-}
-
-impl ParamLayout {
-    /// Tensor names as in z-lab's DFlash draft model.
-    pub fn new(c: &DrafterConfig) -> ParamLayout {
-        let (h, hd, i) = (c.hidden, c.head_dim, c.intermediate);
-        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
-        let mut e: Vec<(String, Vec<usize>)> = vec![("fc.weight".into(), vec![h, c.n_taps * h]), ("hidden_norm.weight".into(), vec![h])];
-        for l in 0..c.layers {
-            let p = format!("layers.{l}");
-            e.push((format!("{p}.input_layernorm.weight"), vec![h]));
-            e.push((format!("{p}.self_attn.q_proj.weight"), vec![qd, h]));
-            e.push((format!("{p}.self_attn.k_proj.weight"), vec![kd, h]));
-            e.push((format!("{p}.self_attn.v_proj.weight"), vec![kd, h]));
-            e.push((format!("{p}.self_attn.o_proj.weight"), vec![h, qd]));
-            e.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
-            e.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
-            e.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-            e.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-            e.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-            e.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
-        }
-        e.push(("norm.weight".into(), vec![h]));
-        let mut off = 0;
-        let entries = e
-            .into_iter()
-            .map(|(n, s)| {
-                let len: usize = s.iter().product();
-                let r = (n, s, off);
-                off += len;
-                r
-            })
-            .collect();
-        ParamLayout { entries, total: off }
-    }
-
-    pub fn range(&self, name: &str) -> std::ops::Range<usize> {
-        let (_, s, off) = self.entries.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("no parameter {name}"));
-        *off..*off + s.iter().product::<usize>()
-    }
-}
 
 /// Offsets of one layer's tensors, resolved once.
 #[derive(Debug, Clone)]
@@ -109,49 +42,6 @@ pub struct Sample<'a> {
     pub taps: &'a [f32],
     pub ids: &'a [u32],
     pub mask: &'a [u8],
-}
-
-/// What one forward/backward over a batch measured (host-side counters only).
-#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
-pub struct StepStats {
-    /// Σ w·CE and Σ w over the batch.
-    pub loss_sum: f64,
-    pub weight_sum: f64,
-    /// Per block slot k: correct and counted predictions (unweighted).
-    pub slot_correct: Vec<u64>,
-    pub slot_total: Vec<u64>,
-    /// Σ over blocks of (1 + leading run of correct slots), and the number of blocks.
-    pub accept_sum: f64,
-    pub blocks: u64,
-    pub tokens: u64,
-    pub anchors: u64,
-}
-
-impl StepStats {
-    pub fn loss(&self) -> f64 {
-        if self.weight_sum > 0.0 { self.loss_sum / self.weight_sum } else { 0.0 }
-    }
-
-    pub fn acceptance(&self) -> f64 {
-        if self.blocks > 0 { self.accept_sum / self.blocks as f64 } else { 0.0 }
-    }
-
-    pub fn merge(&mut self, o: &StepStats) {
-        self.loss_sum += o.loss_sum;
-        self.weight_sum += o.weight_sum;
-        if self.slot_correct.len() < o.slot_correct.len() {
-            self.slot_correct.resize(o.slot_correct.len(), 0);
-            self.slot_total.resize(o.slot_total.len(), 0);
-        }
-        for k in 0..o.slot_correct.len() {
-            self.slot_correct[k] += o.slot_correct[k];
-            self.slot_total[k] += o.slot_total[k];
-        }
-        self.accept_sum += o.accept_sum;
-        self.blocks += o.blocks;
-        self.tokens += o.tokens;
-        self.anchors += o.anchors;
-    }
 }
 
 pub struct Drafter {
@@ -550,17 +440,4 @@ pub fn grad_norm(g: &[f32]) -> Option<f64> {
     Some(s.sqrt())
 }
 
-/// Linear warmup over `warmup` steps, then cosine to 0 at `total` (constant after warmup
-/// when the total is unknown).
-pub fn lr_at(step: u64, base: f64, warmup: u64, total: Option<u64>) -> f64 {
-    if step < warmup {
-        return base * (step + 1) as f64 / warmup as f64;
-    }
-    match total {
-        Some(t) if t > warmup => {
-            let progress = ((step - warmup) as f64 / (t - warmup) as f64).min(1.0);
-            base * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
-        }
-        _ => base,
-    }
-}
+pub use dflash_shared::drafter::lr_at;

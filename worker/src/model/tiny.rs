@@ -30,7 +30,8 @@ pub fn write_random(dir: &Path, config: &str, seed: u64) -> std::io::Result<()> 
         let n: usize = shape.iter().product();
         let is_norm = name.ends_with("norm.weight");
         let fan_in = *shape.last().unwrap_or(&1) as f32;
-        let scale = if name.contains("embed_tokens") { 1.0 } else { 1.0 / fan_in.sqrt() };
+        // Embeddings small, as in trained models, so the first logits are near uniform.
+        let scale = if name.contains("embed_tokens") || name.contains("lm_head") { 0.2 } else { 1.0 / fan_in.sqrt() };
         let mut bytes = Vec::with_capacity(n * 2);
         for _ in 0..n {
             let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;

@@ -1,0 +1,262 @@
+//! One drafter rank of the data-parallel group: computes the gradient of each batch into
+//! its slot of the shared gradient pool, and applies a step when the supervisor commits
+//! it (the average of the slots it lists: every rank sums the same slots in the same
+//! order, so the weights stay bit-identical across ranks).
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context};
+use dflash_shared::batch::HiddenView;
+use dflash_shared::drafter::{Init, StepStats, TrainSetup};
+use dflash_shared::pool::PoolMap;
+use dflash_shared::rng::Rng;
+
+use crate::model::drafter::{grad_norm, AdamW, Drafter, Frozen, Sample};
+use crate::model::weights::Weights;
+
+pub struct Rank {
+    pub setup: TrainSetup,
+    drafter: Drafter,
+    frozen: Frozen,
+    params: Vec<f32>,
+    opt: AdamW,
+    grads: PoolMap,
+    state: PoolMap,
+    /// Last step applied.
+    pub step: u64,
+    /// Gradients computed for `step + 1`, waiting for the commit.
+    pub awaiting: bool,
+    pub skipped_steps: u64,
+    /// Norm of the last averaged gradient, before clipping.
+    pub last_grad_norm: f64,
+}
+
+/// Outcome of one applied step.
+pub struct Applied {
+    pub skipped: bool,
+}
+
+fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
+impl Rank {
+    pub fn new(setup: TrainSetup, target_dir: &Path) -> anyhow::Result<Rank> {
+        let drafter = Drafter::new(setup.drafter.clone());
+        let c = &setup.drafter;
+        let w = Weights::open(target_dir)?;
+        let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
+        let lm_head = if w.contains("lm_head.weight") { w.get("lm_head.weight", &[c.vocab, c.hidden])? } else { embed.clone() };
+        let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone()).context("mapping the gradient pool")?;
+        let state = PoolMap::open(setup.state.fd, setup.state.geometry.clone()).context("mapping the state slot")?;
+        let n = drafter.layout.total;
+        if grads.geometry().slot_bytes < n as u64 * 4 {
+            bail!("gradient slots hold {} bytes, the drafter needs {}", grads.geometry().slot_bytes, n * 4);
+        }
+        let mut r = Rank {
+            params: drafter.init_params(setup.seed),
+            opt: AdamW::new(n),
+            drafter,
+            frozen: Frozen { embed, lm_head },
+            grads,
+            state,
+            step: 0,
+            awaiting: false,
+            skipped_steps: 0,
+            last_grad_norm: 0.0,
+            setup,
+        };
+        if let Init::FromState { step } = r.setup.init {
+            r.load_state(step)?;
+        }
+        Ok(r)
+    }
+
+    pub fn param_count(&self) -> usize {
+        self.params.len()
+    }
+
+    /// Checksum of the current weights (ranks compare it at every step).
+    pub fn params_checksum(&self) -> u64 {
+        let bytes: Vec<u8> = self.params.iter().flat_map(|v| v.to_le_bytes()).collect();
+        dflash_shared::batch::checksum(&bytes)
+    }
+
+    /// Gradient of one hidden-state batch for step `self.step + 1`, into this rank's slot.
+    pub fn compute(&mut self, view: &HiddenView) -> anyhow::Result<StepStats> {
+        let c = &self.drafter.cfg;
+        let width = view.spec.tap_ids.len() * view.spec.hidden as usize;
+        if view.spec.tap_ids.len() != c.n_taps || view.spec.hidden as usize != c.hidden {
+            bail!("batch has {} taps × {}, the drafter expects {} × {}", view.spec.tap_ids.len(), view.spec.hidden, c.n_taps, c.hidden);
+        }
+        let tb = &view.tokens;
+        let seq = tb.seq_len as usize;
+        let mut taps: Vec<Vec<f32>> = Vec::new();
+        let mut anchors = Vec::new();
+        // Anchors are redrawn every step, from the batch id: the same batch gets the same
+        // anchors whichever rank trains it.
+        let mut rng = Rng::new(self.setup.seed ^ tb.batch_id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        for (r, &len) in tb.lengths.iter().enumerate() {
+            let len = len as usize;
+            let bytes = &view.hidden[r * seq * width * 2..(r * seq + len) * width * 2];
+            taps.push(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect());
+            anchors.push(self.drafter.sample_anchors(&tb.loss_mask[r * seq..r * seq + len], &mut rng));
+        }
+        let samples: Vec<Sample> = tb
+            .lengths
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| Sample { taps: &taps[r], ids: &tb.input_ids[r * seq..r * seq + len as usize], mask: &tb.loss_mask[r * seq..r * seq + len as usize] })
+            .collect();
+        let mut g = vec![0f32; self.params.len()];
+        let stats = self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g);
+        let slot = self.rank_slot(self.step + 1);
+        // SAFETY: this rank owns its two gradient slots; the other ranks read the slot of
+        // step s only between the commit of s and their own gradient for s + 1, which the
+        // commit of s + 1 (and so our next write to this slot at s + 2) waits for.
+        let dst = unsafe { self.grads.payload_mut(slot) };
+        for (d, v) in dst.chunks_exact_mut(4).zip(&g) {
+            d.copy_from_slice(&v.to_le_bytes());
+        }
+        self.awaiting = true;
+        Ok(stats)
+    }
+
+    fn rank_slot(&self, step: u64) -> u32 {
+        self.setup.rank * 2 + (step % 2) as u32
+    }
+
+    /// Apply committed step `step`: average `slots`, clip, AdamW.
+    pub fn reduce(&mut self, step: u64, slots: &[u32], lr: f64) -> anyhow::Result<Applied> {
+        if step != self.step + 1 {
+            bail!("asked to apply step {step}, but this rank is at step {}", self.step);
+        }
+        if slots.is_empty() {
+            bail!("step {step} lists no gradient slot");
+        }
+        let n = self.params.len();
+        let mut sum = vec![0f32; n];
+        for &s in slots {
+            if s >= self.grads.geometry().slots {
+                bail!("gradient slot {s} out of range");
+            }
+            // SAFETY: the committed slots are not written until every rank has sent its
+            // gradient for the next step (see `compute`).
+            let src = unsafe { &self.grads.payload(s)[..n * 4] };
+            for (a, v) in sum.iter_mut().zip(f32s(src)) {
+                *a += v;
+            }
+        }
+        let inv = 1.0 / slots.len() as f32;
+        sum.iter_mut().for_each(|x| *x *= inv);
+        self.step = step;
+        self.awaiting = false;
+        // A non-finite gradient never reaches the weights.
+        let Some(norm) = grad_norm(&sum) else {
+            self.skipped_steps += 1;
+            return Ok(Applied { skipped: true });
+        };
+        if norm > self.setup.clip {
+            let s = (self.setup.clip / norm) as f32;
+            sum.iter_mut().for_each(|x| *x *= s);
+        }
+        self.opt.update(&mut self.params, &sum, lr as f32);
+        self.last_grad_norm = norm;
+        Ok(Applied { skipped: false })
+    }
+
+    /// Write parameters, Adam moments and step into the state slot.
+    pub fn snapshot(&self) -> anyhow::Result<()> {
+        // SAFETY: the supervisor asks one rank at a time, and the joiner reads only after
+        // our SnapshotDone.
+        let dst = unsafe { self.state.payload_mut(0) };
+        let n = self.params.len();
+        if (dst.len() as u64) < dflash_shared::drafter::state_bytes(n) {
+            bail!("state slot too small");
+        }
+        dst[..8].copy_from_slice(&self.step.to_le_bytes());
+        dst[8..16].copy_from_slice(&self.opt.step.to_le_bytes());
+        let body = &mut dst[64..];
+        for (i, v) in self.params.iter().chain(&self.opt.m).chain(&self.opt.v).enumerate() {
+            body[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
+    }
+
+    fn load_state(&mut self, step: u64) -> anyhow::Result<()> {
+        // SAFETY: written by the donor before the supervisor sent us Init::FromState.
+        let src = unsafe { self.state.payload(0) };
+        let at = u64::from_le_bytes(src[..8].try_into().expect("8 bytes"));
+        if at != step {
+            bail!("the state slot holds step {at}, expected {step}");
+        }
+        self.opt.step = u64::from_le_bytes(src[8..16].try_into().expect("8 bytes"));
+        let n = self.params.len();
+        let vals: Vec<f32> = f32s(&src[64..64 + 3 * n * 4]).collect();
+        self.params.copy_from_slice(&vals[..n]);
+        self.opt.m.copy_from_slice(&vals[n..2 * n]);
+        self.opt.v.copy_from_slice(&vals[2 * n..]);
+        self.step = step;
+        Ok(())
+    }
+
+    /// Write the drafter as a Hugging Face directory: config.json with the DFlash fields
+    /// and model.safetensors (bf16, tensor names as in z-lab's DFlash draft model).
+    /// Atomic: written beside `dir`, synced, then renamed into place.
+    pub fn export(&self, dir: &Path) -> anyhow::Result<()> {
+        let c = &self.drafter.cfg;
+        let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let config = serde_json::json!({
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": c.hidden,
+            "num_hidden_layers": c.layers,
+            "num_attention_heads": c.q_heads,
+            "num_key_value_heads": c.kv_heads,
+            "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate,
+            "rms_norm_eps": c.eps,
+            "rope_theta": c.rope_theta,
+            "rope_scaling": c.rope_scaling.as_ref().map(|_| serde_json::Value::Null),
+            "vocab_size": c.vocab,
+            "attention_bias": false,
+            "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16",
+            "block_size": c.block_size,
+            "num_target_layers": self.setup.num_target_layers,
+            "dflash_config": {"target_layer_ids": self.setup.target_layer_ids, "mask_token_id": c.mask_token_id},
+            "dflash_training": {"step": self.step, "gamma": c.gamma, "max_anchors": c.max_anchors},
+        });
+        let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = self
+            .drafter
+            .layout
+            .entries
+            .iter()
+            .map(|(n, s, off)| {
+                let len: usize = s.iter().product();
+                let bytes = self.params[*off..off + len].iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+                (n.clone(), s.clone(), bytes)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
+            .iter()
+            .map(|(n, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?)))
+            .collect::<Result<_, safetensors::SafeTensorError>>()?;
+        safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors"))?;
+        let mut f = std::fs::File::create(tmp.join("config.json"))?;
+        f.write_all(serde_json::to_string_pretty(&config)?.as_bytes())?;
+        f.sync_all()?;
+        std::fs::File::open(tmp.join("model.safetensors"))?.sync_all()?;
+        let old = dir.with_extension("old");
+        let _ = std::fs::remove_dir_all(&old);
+        if dir.exists() {
+            std::fs::rename(dir, &old).with_context(|| format!("moving the previous {} aside", dir.display()))?;
+        }
+        std::fs::rename(&tmp, dir).map_err(|e| anyhow!("renaming {} to {}: {e}", tmp.display(), dir.display()))?;
+        let _ = std::fs::remove_dir_all(&old);
+        Ok(())
+    }
+}
