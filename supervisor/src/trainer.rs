@@ -332,18 +332,19 @@ impl Trainer {
             out.push(Action::Send(w, ToWorker::Reduce { step, slots: slots.clone(), lr }));
         }
         self.committed = step;
-        self.record(step, lr, &stats);
+        self.record(step, lr, slots.len(), &stats);
         if self.cfg.steps_limit.is_some_and(|n| step >= n) {
             self.frozen = true;
             out.push(Action::Done);
         }
     }
 
-    fn record(&mut self, step: u64, lr: f64, s: &StepStats) {
+    fn record(&mut self, step: u64, lr: f64, contributors: usize, s: &StepStats) {
         let acc: Vec<f64> = s.slot_correct.iter().zip(&s.slot_total).skip(1).map(|(c, t)| if *t > 0 { *c as f64 / *t as f64 } else { 0.0 }).collect();
         let line = serde_json::json!({
             "t": unix_ms(), "step": step, "loss": s.loss(), "acceptance": s.acceptance(), "slot_accuracy": acc,
-            "lr": lr, "members": self.members.len(), "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
+            "lr": lr, "members": self.members.len(), "contributors": contributors,
+            "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
         });
         let _ = writeln!(self.log, "{line}");
         self.progress.step = step;

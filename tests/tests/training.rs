@@ -1,0 +1,92 @@
+//! Drafter training end to end: the demo learns and exports a drafter; data-parallel
+//! ranks survive a kill and rejoin with the current weights; losing every rank stops the
+//! run instead of training on from fresh weights.
+
+mod common;
+
+use std::fs;
+use std::time::Duration;
+
+use common::*;
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(120);
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+#[test]
+fn demo_run_learns_and_writes_a_loadable_drafter() {
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", "demo", "--steps", "60"]);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(0), "stderr:\n{err}");
+    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
+    assert_eq!(steps.len(), 60, "one record per committed step");
+    let f = |k: &str, r: std::ops::Range<usize>| mean(&steps[r].iter().map(|s| s[k].as_f64().unwrap()).collect::<Vec<_>>());
+    let (loss0, loss1) = (f("loss", 0..5), f("loss", 55..60));
+    let (acc0, acc1) = (f("acceptance", 0..5), f("acceptance", 55..60));
+    eprintln!("demo: loss {loss0:.3} -> {loss1:.3}, acceptance {acc0:.3} -> {acc1:.3}");
+    assert!(loss0 / loss1 >= 1.5, "loss fell only from {loss0} to {loss1}");
+    assert!(acc1 > acc0 + 0.05, "acceptance proxy did not rise: {acc0} -> {acc1}");
+    // The run says where its drafter went, and the directory is an HF-style checkpoint.
+    let dir = sup.run_dir.join("drafter");
+    assert!(err.contains(&format!("drafter (step 60) written to {}", fs::canonicalize(&dir).unwrap().display())), "{err}");
+    let cfg: Value = serde_json::from_str(&fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["architectures"][0], "DFlashDraftModel");
+    assert_eq!(cfg["dflash_config"]["target_layer_ids"], serde_json::json!([1, 3]));
+    assert_eq!((cfg["block_size"].as_u64(), cfg["num_target_layers"].as_u64(), cfg["num_hidden_layers"].as_u64()), (Some(8), Some(6), Some(2)));
+    let bytes = fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for name in ["fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight"] {
+        let t = st.tensor(name).unwrap_or_else(|_| panic!("{name} missing"));
+        assert_eq!(t.dtype(), safetensors::Dtype::BF16);
+    }
+    assert_eq!(st.tensor("fc.weight").unwrap().shape(), &[64, 128]);
+    assert!(st.names().iter().all(|n| !n.contains("embed") && !n.contains("lm_head")), "frozen tensors are not exported");
+    // One batch per rank per step reached the optimizer, each exactly once.
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    assert_eq!(a["consumed_once"], 60);
+}
+
+#[test]
+fn a_killed_drafter_rejoins_with_the_current_weights() {
+    let mut sup = Sup::start_real(&[
+        "--gpus", "cpu:3", "--data", "demo", "--epochs", "20", "--steps", "30", "--max-seq-len", "64", "--token-budget", "512",
+    ]);
+    sup.wait_state("training to reach step 5", T, |s| s["train"]["step"].as_u64().unwrap_or(0) >= 5);
+    let st = sup.state().unwrap();
+    signal(pid_of(&st, "drafter-1"), Signal::SIGKILL);
+    wait_for("drafter-1 to rejoin from drafter-0's state", T, || sup.log("drafter-1").contains("FromState").then_some(()));
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    // Every step, each member's weights were checked equal (the run would have failed).
+    assert!(!sup.stderr().contains("diverged"));
+    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
+    assert_eq!(steps.len(), 30);
+    assert_eq!(steps.last().unwrap()["members"], 2, "both ranks at the end");
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    // A batch is consumed exactly when its gradient is part of a committed step.
+    let contributions: u64 = steps.iter().map(|s| s["contributors"].as_u64().unwrap()).sum();
+    assert_eq!(a["consumed_once"].as_u64().unwrap(), contributions, "{a}");
+    assert!(a["requeued"].as_u64().unwrap() >= 1, "the killed rank's batch went back: {a}");
+}
+
+#[test]
+fn losing_every_drafter_stops_the_run_instead_of_training_fresh_weights() {
+    let mut sup = Sup::start_real(&[
+        "--gpus", "cpu:3", "--data", "demo", "--epochs", "50", "--max-seq-len", "64", "--token-budget", "512",
+    ]);
+    sup.wait_state("training to reach step 3", T, |s| s["train"]["step"].as_u64().unwrap_or(0) >= 3);
+    let st = sup.state().unwrap();
+    signal(pid_of(&st, "drafter-0"), Signal::SIGKILL);
+    signal(pid_of(&st, "drafter-1"), Signal::SIGKILL);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "stderr:\n{err}");
+    assert!(err.contains("every drafter died after step"), "{err}");
+}
