@@ -166,6 +166,8 @@ pub struct TrainSetup {
     pub state: crate::protocol::PoolInfo,
     /// This rank's index (its two gradient slots are `2·rank` and `2·rank + 1`).
     pub rank: u32,
+    /// With `Init::FromCheckpoint`: the checkpoint directory.
+    pub checkpoint: Option<String>,
     /// For the export: which target layers the drafter reads, out of how many.
     pub target_layer_ids: Vec<u32>,
     pub num_target_layers: usize,
@@ -178,6 +180,8 @@ pub enum Init {
     Fresh,
     /// Load the state slot, written by a surviving rank at `step`.
     FromState { step: u64 },
+    /// Load the checkpoint directory of a previous run (`--resume`).
+    FromCheckpoint { step: u64 },
 }
 
 /// Bytes of a state slot for `params` parameters: parameters, two Adam moments, step.

@@ -37,6 +37,8 @@ pub enum FromWorker {
     SnapshotDone { step: u64 },
     /// The drafter was written (HF format) to `dir` at `step`.
     Exported { dir: String, step: u64 },
+    /// A checkpoint of `step` is complete in `dir`.
+    Checkpointed { dir: String, step: u64 },
 }
 
 /// Which pool a slot belongs to.
@@ -95,6 +97,9 @@ pub enum ToWorker {
     Snapshot { step: u64 },
     /// Drafters: write the trained drafter to `dir` (HF format), then report Exported.
     Export { dir: String },
+    /// Drafters: write a checkpoint of your state at `step` to `dir` (atomically), with
+    /// the supervisor's part (`meta`, JSON: what was consumed), then report Checkpointed.
+    Checkpoint { dir: String, step: u64, meta: String },
     /// Finish the current unit of work (write a checkpoint if there is one to write) and
     /// exit 0.
     Shutdown { reason: String },

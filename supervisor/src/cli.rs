@@ -141,6 +141,20 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", help_heading = "Training")]
     pub max_anchors: Option<usize>,
 
+    /// Write a checkpoint (weights, optimizer state, what was consumed) every N steps;
+    /// one is always written when the run stops. 0: only at the stop.
+    #[arg(long, value_name = "N", default_value_t = 100, help_heading = "Training")]
+    pub checkpoint_every: u64,
+
+    /// Checkpoints kept (the newest).
+    #[arg(long, value_name = "K", default_value_t = 3, help_heading = "Training")]
+    pub keep_checkpoints: usize,
+
+    /// Continue the run in RUN_DIR from its newest checkpoint, with its saved model,
+    /// data and training settings (devices and the other flags come from this command).
+    #[arg(long, value_name = "RUN_DIR", help_heading = "Training", conflicts_with = "run_dir")]
+    pub resume: Option<PathBuf>,
+
     /// Training data: a JSONL file, a directory of .jsonl files, - for stdin, or demo
     /// (built-in synthetic data). Lines: {"input_ids": [...], "loss_mask": [...]}
     /// (loss_mask optional: all ones).

@@ -355,6 +355,12 @@ impl Dispatcher {
                     self.begin_stop(StopReason::TrainingFailed(msg));
                 }
                 Action::Violation(w, msg) => self.violation(w, &msg),
+                Action::Checkpoint { worker, step, dir } => {
+                    let meta = self.pipeline.consumed_summary().to_string();
+                    if let Some(tx) = self.workers[worker].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
+                        let _ = tx.send(ToWorker::Checkpoint { dir: dir.display().to_string(), step, meta });
+                    }
+                }
             }
         }
     }
@@ -468,6 +474,11 @@ impl Dispatcher {
             FromWorker::SnapshotDone { step } => {
                 let actions = self.trainer.on_snapshot_done(worker, step);
                 self.execute(actions);
+                Ok(())
+            }
+            FromWorker::Checkpointed { dir, step } => {
+                self.trainer.on_checkpointed(dir.clone(), step);
+                self.run.event("checkpoint", obj(json!({"worker": name.to_string(), "step": step, "dir": dir})));
                 Ok(())
             }
             FromWorker::Exported { dir, step } => {
@@ -932,6 +943,7 @@ fn variant(m: &FromWorker) -> &'static str {
         FromWorker::Grads { .. } => "Grads",
         FromWorker::SnapshotDone { .. } => "SnapshotDone",
         FromWorker::Exported { .. } => "Exported",
+        FromWorker::Checkpointed { .. } => "Checkpointed",
     }
 }
 

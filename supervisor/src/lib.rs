@@ -19,6 +19,7 @@ pub mod process;
 pub mod reaper;
 pub mod report;
 pub mod restart;
+pub mod resume;
 pub mod rundir;
 pub mod status;
 pub mod trainer;
@@ -142,18 +143,39 @@ fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
     path.canonicalize().map_err(|e| Error::Usage(format!("{what}: {e}")))
 }
 
-fn run(args: RunArgs) -> Result<i32, Error> {
+fn run(mut args: RunArgs) -> Result<i32, Error> {
+    let resume = match args.resume.clone() {
+        Some(dir) => Some(resume::prepare(&dir, &mut args)?),
+        None => None,
+    };
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
     let target_cfg = target_config(&args.target)?;
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
-    let trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
+    let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     pipeline_cfg.check_memory(trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks))?;
-    let run_dir = rundir::RunDir::create(args.run_dir.as_deref())?;
+    let run_dir = match &resume {
+        Some(r) => rundir::RunDir::reopen(&r.dir)?,
+        None => rundir::RunDir::create(args.run_dir.as_deref())?,
+    };
+    if resume.is_none() {
+        resume::SavedRun::of(&args).save(&run_dir.path)?;
+    }
+    trainer_cfg.checkpoints_dir = run_dir.path.join("checkpoints");
+    std::fs::create_dir_all(&trainer_cfg.checkpoints_dir)
+        .map_err(|e| Error::Internal(format!("cannot create {}: {e}", trainer_cfg.checkpoints_dir.display())))?;
+    let mut loader = loader::Loader::new(loader_cfg);
+    let mut pipeline = pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?;
+    if let Some(r) = &resume {
+        log::info!("resuming {} from the checkpoint of step {} ({} batches already consumed)", r.dir.display(), r.step, r.consumed.len());
+        loader.skip_consumed(r.consumed.clone());
+        pipeline.set_consumed_before(r.consumed.clone());
+        trainer_cfg.resume = Some((r.step, r.checkpoint.clone()));
+    }
     let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
     let data = dispatcher::Data {
-        pipeline: pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?,
-        loader: loader::Loader::new(loader_cfg),
+        pipeline,
+        loader,
         trainer: trainer::Trainer::new(trainer_cfg, &run_dir.path)?,
     };
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
@@ -294,6 +316,10 @@ fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &Target
         max_ranks: plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32,
         target_layer_ids: capture.tap_ids.clone(),
         num_target_layers: target.num_hidden_layers,
+        checkpoint_every: (args.checkpoint_every > 0).then_some(args.checkpoint_every),
+        keep_checkpoints: args.keep_checkpoints,
+        checkpoints_dir: PathBuf::new(),
+        resume: None,
     })
 }
 

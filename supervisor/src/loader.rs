@@ -351,6 +351,8 @@ pub struct Loader {
     next_id: u64,
     pub bad: BadLines,
     samples_this_epoch: u64,
+    /// Batch ids consumed by the run being resumed: generated again, not emitted.
+    skip: std::collections::HashSet<u64>,
 }
 
 impl Loader {
@@ -364,11 +366,17 @@ impl Loader {
             next_id: 0,
             bad: BadLines::default(),
             samples_this_epoch: 0,
+            skip: std::collections::HashSet::new(),
         }
     }
 
     pub fn position(&self) -> Position {
         Position { epoch: self.epoch, batches: self.next_id }
+    }
+
+    /// Resume: never emit these batch ids again (they reached the optimizer already).
+    pub fn skip_consumed(&mut self, ids: std::collections::HashSet<u64>) {
+        self.skip = ids;
     }
 
     /// Continue after `batches` batches (the position of a stopped run).
@@ -398,6 +406,9 @@ impl Loader {
             if let Some(mut b) = self.pending.pop_front() {
                 b.batch_id = self.next_id;
                 self.next_id += 1;
+                if self.skip.contains(&b.batch_id) {
+                    continue;
+                }
                 return Ok(Some(b));
             }
             if self.epoch >= self.cfg.epochs {

@@ -165,6 +165,8 @@ pub struct Pipeline {
     loader_done: Option<Position>,
     produced: u64,
     consumed: HashSet<u64>,
+    /// Consumed by the run this one resumes.
+    consumed_before: HashSet<u64>,
     hidden_seen: HashSet<u64>,
     /// Batches given to each worker life, to balance load.
     served: HashMap<Holder, u64>,
@@ -184,6 +186,7 @@ impl Pipeline {
             loader_done: None,
             produced: 0,
             consumed: HashSet::new(),
+            consumed_before: HashSet::new(),
             hidden_seen: HashSet::new(),
             served: HashMap::new(),
             ledger,
@@ -282,6 +285,21 @@ impl Pipeline {
     /// Every batch the loader will ever make has been consumed.
     pub fn finished(&self) -> bool {
         self.loader_done.is_some() && self.consumed.len() as u64 == self.produced
+    }
+
+    /// Which batches reached the optimizer, compactly: every id below `below`, plus
+    /// `extra`. Goes into checkpoints so a resumed run skips exactly those.
+    pub fn consumed_summary(&self) -> serde_json::Value {
+        let mut ids: Vec<u64> = self.consumed.iter().copied().chain(self.consumed_before.iter().copied()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let below = ids.iter().enumerate().take_while(|(i, id)| *i as u64 == **id).count();
+        json!({"consumed_below": below, "consumed_extra": ids[below..].to_vec()})
+    }
+
+    /// Batches a previous run consumed (resuming): kept for the next checkpoint.
+    pub fn set_consumed_before(&mut self, ids: std::collections::HashSet<u64>) {
+        self.consumed_before = ids;
     }
 
     /// Once the loader is done: how many batches are not consumed yet.

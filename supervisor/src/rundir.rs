@@ -126,6 +126,33 @@ impl RunDir {
         Ok(RunDir { path, _lock: lock, events })
     }
 
+    /// Take over the run dir of a stopped run (`--resume`): its logs, events and ledger
+    /// are appended to.
+    pub fn reopen(path: &Path) -> Result<RunDir, Error> {
+        let usage = |what: String| Error::Usage(format!("--resume {}: {what}", path.display()));
+        if !path.join(STATE_FILE).is_file() {
+            return Err(usage("not a dflash-supervise run directory (no state.json in it)".into()));
+        }
+        let path = path.canonicalize().map_err(|e| usage(format!("cannot resolve it: {e}")))?;
+        fs::create_dir_all(path.join(LOGS_DIR)).map_err(|e| usage(format!("cannot write in it: {e}")))?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path.join(LOCK_FILE))
+            .map_err(|e| usage(format!("cannot write in it: {e}")))?;
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(usage("its supervisor is still running (expected a stopped run)".into()));
+        }
+        let events = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path.join(EVENTS_FILE))
+            .map_err(|e| usage(format!("cannot write in it: {e}")))?;
+        Ok(RunDir { path, _lock: lock, events })
+    }
+
     pub fn worker_log(&self, name: &str) -> PathBuf {
         worker_log_path(&self.path, name)
     }

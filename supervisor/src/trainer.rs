@@ -43,6 +43,12 @@ pub struct TrainerConfig {
     pub max_ranks: u32,
     pub target_layer_ids: Vec<u32>,
     pub num_target_layers: usize,
+    /// Checkpoint every N committed steps (and always when the run stops).
+    pub checkpoint_every: Option<u64>,
+    pub keep_checkpoints: usize,
+    pub checkpoints_dir: std::path::PathBuf,
+    /// Resuming: the checkpoint (step, directory) the first ranks load.
+    pub resume: Option<(u64, std::path::PathBuf)>,
 }
 
 /// What the dispatcher must do for the trainer.
@@ -56,6 +62,8 @@ pub enum Action {
     /// Stop the run: training cannot go on.
     Failed(String),
     Violation(usize, String),
+    /// Ask `worker` to checkpoint `step` into `dir` (the dispatcher adds what was consumed).
+    Checkpoint { worker: usize, step: u64, dir: std::path::PathBuf },
 }
 
 struct Member {
@@ -103,6 +111,8 @@ pub struct Trainer {
     window_steps: u64,
     /// The run is stopping: no more steps commit (the export reflects the last one).
     frozen: bool,
+    /// Step of the last checkpoint asked for.
+    checkpointed: u64,
     pub progress: TrainProgress,
 }
 
@@ -121,6 +131,8 @@ impl Trainer {
             .map_err(|e| Error::Internal(format!("cannot create train.jsonl: {e}")))?;
         Ok(Trainer {
             free_ranks: (0..cfg.max_ranks.max(1)).collect(),
+            committed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
+            checkpointed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
             cfg,
             grads_fd,
             grads_geometry,
@@ -129,7 +141,6 @@ impl Trainer {
             state_geometry,
             _state_map: state_map,
             members: BTreeMap::new(),
-            committed: 0,
             pending: BTreeMap::new(),
             joining: None,
             queue: VecDeque::new(),
@@ -175,6 +186,7 @@ impl Trainer {
             rank,
             target_layer_ids: self.cfg.target_layer_ids.clone(),
             num_target_layers: self.cfg.num_target_layers,
+            checkpoint: self.cfg.resume.as_ref().map(|(_, d)| d.display().to_string()),
             init,
         }))
     }
@@ -191,19 +203,28 @@ impl Trainer {
     /// A drafter connected (after it got the pools).
     pub fn on_ready(&mut self, worker: usize, holder: Holder) -> Vec<Action> {
         let mut out = Vec::new();
-        if self.committed == 0 && self.joining.is_none() {
-            // Nothing applied yet: fresh weights from the seed are the group's weights.
-            self.add_member(worker, holder, Init::Fresh, &mut out);
+        let base = self.cfg.resume.as_ref().map_or(0, |(s, _)| *s);
+        if self.committed == base && self.joining.is_none() {
+            // Nothing applied since the start: the group's weights are the fresh ones (or
+            // the resumed checkpoint's), which every rank can load by itself.
+            let init = if base == 0 { Init::Fresh } else { Init::FromCheckpoint { step: base } };
+            self.add_member(worker, holder, init, &mut out);
         } else if self.members.is_empty() {
-            out.push(Action::Failed(format!(
-                "every drafter died after step {}: the weights lived only in their memory and no checkpoint exists to resume from",
-                self.committed
-            )));
+            out.push(Action::Failed(self.lost_message()));
         } else {
             self.queue.push_back((worker, holder));
             self.start_join(&mut out);
         }
         out
+    }
+
+    fn lost_message(&self) -> String {
+        let resume = if self.checkpointed > 0 {
+            format!("; continue from the checkpoint of step {} with --resume RUN_DIR", self.checkpointed)
+        } else {
+            "; no checkpoint was written yet (see --checkpoint-every)".into()
+        };
+        format!("every drafter died after step {}: the newer weights lived only in their memory{resume}", self.committed)
     }
 
     /// Ask a member for a snapshot for the next joiner in line. Commits wait while a join
@@ -268,10 +289,7 @@ impl Trainer {
             if joiner == worker || donor == worker {
                 self.joining = None;
                 if donor == worker && self.members.is_empty() && self.committed > 0 {
-                    out.push(Action::Failed(format!(
-                        "every drafter died after step {}: the weights lived only in their memory and no checkpoint exists to resume from",
-                        self.committed
-                    )));
+                    out.push(Action::Failed(self.lost_message()));
                     return out;
                 }
                 self.start_join(&mut out);
@@ -333,6 +351,9 @@ impl Trainer {
         }
         self.committed = step;
         self.record(step, lr, slots.len(), &stats);
+        if self.cfg.checkpoint_every.is_some_and(|n| n > 0 && step % n == 0) {
+            out.extend(self.checkpoint());
+        }
         if self.cfg.steps_limit.is_some_and(|n| step >= n) {
             self.frozen = true;
             out.push(Action::Done);
@@ -377,9 +398,42 @@ impl Trainer {
     /// step commits, so what is written is the last committed step.
     pub fn export(&mut self, dir: &Path) -> Vec<Action> {
         self.frozen = true;
+        let mut out = self.checkpoint();
+        if let Some(&w) = self.members.keys().next() {
+            if self.committed > 0 {
+                out.push(Action::Send(w, ToWorker::Export { dir: dir.display().to_string() }));
+            }
+        }
+        out
+    }
+
+    /// A checkpoint of the last committed step, by one member.
+    pub fn checkpoint(&mut self) -> Vec<Action> {
         match self.members.keys().next() {
-            Some(&w) if self.committed > 0 => vec![Action::Send(w, ToWorker::Export { dir: dir.display().to_string() })],
+            Some(&w) if self.committed > self.checkpointed => {
+                self.checkpointed = self.committed;
+                let dir = self.cfg.checkpoints_dir.join(format!("step-{:08}", self.committed));
+                vec![Action::Checkpoint { worker: w, step: self.committed, dir }]
+            }
             _ => vec![],
+        }
+    }
+
+    /// A checkpoint is complete: keep the newest `keep_checkpoints`.
+    pub fn on_checkpointed(&mut self, dir: String, step: u64) {
+        log::info!("checkpoint of step {step} written to {dir}");
+        let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) else { return };
+        let mut done: Vec<std::path::PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")) && p.join("meta.json").exists())
+            .collect();
+        done.sort();
+        let keep = self.cfg.keep_checkpoints.max(1);
+        if done.len() > keep {
+            for old in &done[..done.len() - keep] {
+                let _ = std::fs::remove_dir_all(old);
+            }
         }
     }
 

@@ -90,3 +90,45 @@ fn losing_every_drafter_stops_the_run_instead_of_training_fresh_weights() {
     assert_eq!(status.code(), Some(1), "stderr:\n{err}");
     assert!(err.contains("every drafter died after step"), "{err}");
 }
+
+#[test]
+fn stop_then_resume_continues_to_the_same_step_count_without_retraining_a_batch() {
+    let args = ["--gpus", "cpu:3", "--data", "demo", "--epochs", "20", "--steps", "30", "--checkpoint-every", "4", "--keep-checkpoints", "2",
+        "--max-seq-len", "64", "--token-budget", "512"];
+    let mut sup = Sup::start_real(&args);
+    sup.wait_state("training to reach step 9", T, |s| s["train"]["step"].as_u64().unwrap_or(0) >= 9);
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "stderr:\n{}", sup.stderr());
+    let ckpts: Vec<String> = fs::read_dir(sup.run_dir.join("checkpoints")).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(ckpts.len() <= 2, "only the newest 2 are kept: {ckpts:?}");
+    let stopped_at = read_jsonl(&sup.run_dir.join("train.jsonl")).len() as u64;
+    assert!(ckpts.contains(&format!("step-{stopped_at:08}")), "a checkpoint of the last step is written at the stop: {ckpts:?}");
+    assert!(stopped_at < 30);
+
+    let out = supervise(&["--gpus", "cpu:3", "--resume", sup.run_dir.to_str().unwrap()], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains(&format!("from the checkpoint of step {stopped_at}")), "{err}");
+    assert!(err.contains("drafter (step 30) written to"), "{err}");
+    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
+    let numbers: Vec<u64> = steps.iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(numbers, (1..=30).collect::<Vec<_>>(), "every step once, across the stop");
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    let contributions: u64 = steps.iter().map(|s| s["contributors"].as_u64().unwrap()).sum();
+    assert_eq!(a["consumed_once"].as_u64().unwrap(), contributions, "{a}");
+    assert_eq!(a["duplicated"], 0);
+}
+
+#[test]
+fn resume_refuses_what_cannot_be_resumed() {
+    let out = supervise(&["--gpus", "cpu:2", "--resume", "/nonexistent/run"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--resume /nonexistent/run"));
+    // A run that never checkpointed (it trained nothing).
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--time-limit", "300ms"]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0));
+    let out = supervise(&["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no checkpoint in it yet"), "{}", String::from_utf8_lossy(&out.stderr));
+}

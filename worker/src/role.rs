@@ -96,6 +96,16 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                     return orphaned();
                 }
             }
+            Ok(ToWorker::Checkpoint { dir, step, meta }) => {
+                let rank = plane.rank.as_ref().ok_or_else(|| anyhow::anyhow!("a checkpoint request before the training setup"))?;
+                if rank.step != step {
+                    anyhow::bail!("asked to checkpoint step {step}, but this rank is at step {}", rank.step);
+                }
+                rank.checkpoint(std::path::Path::new(&dir), &meta).with_context(|| format!("writing checkpoint {dir}"))?;
+                if up.send(FromWorker::Checkpointed { dir, step }).is_err() {
+                    return orphaned();
+                }
+            }
             Ok(ToWorker::Export { dir }) => {
                 let rank = plane.rank.as_ref().ok_or_else(|| anyhow::anyhow!("an export request before the training setup"))?;
                 rank.export(std::path::Path::new(&dir)).with_context(|| format!("exporting the drafter to {dir}"))?;

@@ -67,8 +67,13 @@ impl Rank {
             last_grad_norm: 0.0,
             setup,
         };
-        if let Init::FromState { step } = r.setup.init {
-            r.load_state(step)?;
+        match r.setup.init {
+            Init::Fresh => {}
+            Init::FromState { step } => r.load_state(step)?,
+            Init::FromCheckpoint { step } => {
+                let dir = r.setup.checkpoint.clone().ok_or_else(|| anyhow!("resume without a checkpoint directory"))?;
+                r.load_checkpoint(Path::new(&dir), step)?;
+            }
         }
         Ok(r)
     }
@@ -257,6 +262,70 @@ impl Rank {
         }
         std::fs::rename(&tmp, dir).map_err(|e| anyhow!("renaming {} to {}: {e}", tmp.display(), dir.display()))?;
         let _ = std::fs::remove_dir_all(&old);
+        Ok(())
+    }
+}
+
+/// Checkpoint files: the flat parameter buffer and Adam moments (f32), and meta.json.
+impl Rank {
+    /// Write `dir` atomically (temporary directory, fsync, rename).
+    pub fn checkpoint(&self, dir: &Path, meta: &str) -> anyhow::Result<()> {
+        let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let n = self.params.len();
+        let bufs: Vec<(&str, Vec<u8>)> = [("params", &self.params), ("adam_m", &self.opt.m), ("adam_v", &self.opt.v)]
+            .into_iter()
+            .map(|(k, v)| (k, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+            .collect();
+        let views: Vec<(&str, safetensors::tensor::TensorView)> = bufs
+            .iter()
+            .map(|(k, b)| Ok((*k, safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], b)?)))
+            .collect::<Result<_, safetensors::SafeTensorError>>()?;
+        safetensors::serialize_to_file(views, None, &tmp.join("state.safetensors"))?;
+        let supervisor: serde_json::Value = serde_json::from_str(meta).context("checkpoint metadata")?;
+        let meta = serde_json::json!({
+            "step": self.step,
+            "adam_step": self.opt.step,
+            "drafter": self.drafter.cfg,
+            "seed": self.setup.seed,
+            "supervisor": supervisor,
+        });
+        let mut f = std::fs::File::create(tmp.join("meta.json"))?;
+        f.write_all(serde_json::to_string_pretty(&meta)?.as_bytes())?;
+        f.sync_all()?;
+        std::fs::File::open(tmp.join("state.safetensors"))?.sync_all()?;
+        std::fs::File::open(&tmp)?.sync_all()?;
+        std::fs::rename(&tmp, dir).map_err(|e| anyhow!("renaming {} to {}: {e}", tmp.display(), dir.display()))?;
+        if let Some(parent) = dir.parent() {
+            std::fs::File::open(parent)?.sync_all()?;
+        }
+        Ok(())
+    }
+
+    fn load_checkpoint(&mut self, dir: &Path, step: u64) -> anyhow::Result<()> {
+        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).with_context(|| format!("{}/meta.json", dir.display()))?)?;
+        if meta["step"].as_u64() != Some(step) {
+            bail!("{}: checkpoint of step {:?}, expected {step}", dir.display(), meta["step"]);
+        }
+        let saved: dflash_shared::drafter::DrafterConfig = serde_json::from_value(meta["drafter"].clone())?;
+        if saved != self.drafter.cfg {
+            bail!("{}: the checkpoint's drafter ({saved:?}) is not the one this run trains", dir.display());
+        }
+        let bytes = std::fs::read(dir.join("state.safetensors")).with_context(|| format!("{}/state.safetensors", dir.display()))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{}/state.safetensors: {e}", dir.display()))?;
+        let n = self.params.len();
+        for (name, dst) in [("params", &mut self.params), ("adam_m", &mut self.opt.m), ("adam_v", &mut self.opt.v)] {
+            let t = st.tensor(name).map_err(|e| anyhow!("{}/state.safetensors: {name}: {e}", dir.display()))?;
+            if t.shape() != [n] {
+                bail!("{}: {name} has shape {:?}, expected [{n}]", dir.display(), t.shape());
+            }
+            for (d, v) in dst.iter_mut().zip(f32s(t.data())) {
+                *d = v;
+            }
+        }
+        self.opt.step = meta["adam_step"].as_u64().unwrap_or(step);
+        self.step = step;
         Ok(())
     }
 }

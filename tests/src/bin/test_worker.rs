@@ -181,7 +181,7 @@ fn main() {
             }
         }
         match down.try_recv_timeout(hb) {
-            Ok(ToWorker::Pools { .. } | ToWorker::Train(_) | ToWorker::Reduce { .. } | ToWorker::Snapshot { .. } | ToWorker::Export { .. }) => {}
+            Ok(ToWorker::Pools { .. } | ToWorker::Train(_) | ToWorker::Reduce { .. } | ToWorker::Snapshot { .. } | ToWorker::Export { .. } | ToWorker::Checkpoint { .. }) => {}
             Ok(ToWorker::Deliver { slot, batch_id, .. }) => {
                 delivery.get_or_insert((slot, batch_id));
             }
