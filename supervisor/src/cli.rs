@@ -248,6 +248,16 @@ pub enum BenchCommand {
         #[arg(long)]
         quick: bool,
     },
+    /// Training throughput on CPU: target forward and drafter step alone (in one
+    /// dflash-worker process) against the whole pipeline on the same batches.
+    Train {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Batches (= steps) measured.
+        #[arg(long, default_value_t = 30)]
+        steps: u64,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -5,6 +5,7 @@
 //! documented exit code ([`dflash_shared::exit_codes`]).
 
 pub mod bench_ipc;
+pub mod bench_train;
 pub mod cli;
 pub mod console;
 pub mod control;
@@ -48,6 +49,7 @@ pub fn main() -> i32 {
         Some(Command::Status(a)) => status::run(a),
         Some(Command::Ledger(a)) => ledger::run(a),
         Some(Command::Bench(cli::BenchCommand::Ipc { json, quick })) => bench_ipc::run(json, quick),
+        Some(Command::Bench(cli::BenchCommand::Train { json, steps })) => bench_train::run(json, steps),
         Some(Command::BenchPeer { server }) => Ok(bench_ipc::peer(&server)),
         Some(Command::Reap) => Ok(reaper::run()),
     };

@@ -132,3 +132,14 @@ fn resume_refuses_what_cannot_be_resumed() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no checkpoint in it yet"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[test]
+fn bench_train_prints_stage_and_pipeline_throughput() {
+    let out = supervise(&["bench", "train", "--json", "--steps", "3"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for k in ["target_tokens_per_s", "drafter_tokens_per_s", "pipeline_tokens_per_s", "pipeline_vs_slowest_stage"] {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {v}"));
+        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+    }
+}

@@ -10,6 +10,7 @@
 //! sequence, to check parity with a PyTorch stack) and `tiny-target` (writes the built-in
 //! demo target).
 
+pub mod bench;
 pub mod compute;
 mod identity;
 pub mod model;
@@ -54,6 +55,13 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
     },
+    /// Baseline of `dflash-supervise bench train`: the target forward and the drafter
+    /// step over the batches of a spec file, in this one process.
+    #[command(hide = true)]
+    BenchCompute {
+        #[arg(long, value_name = "FILE")]
+        spec: PathBuf,
+    },
     /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR.
     TinyTarget {
         #[arg(long, value_name = "DIR")]
@@ -78,6 +86,7 @@ pub fn main() -> i32 {
     };
     match cli.command {
         Some(Command::Inspect { target, tokens, taps, out }) => tool(inspect(&target, &tokens, taps, &out)),
+        Some(Command::BenchCompute { spec }) => tool(bench::run(&spec)),
         Some(Command::TinyTarget { out }) => tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display()))),
         None => serve(cli.control),
     }
