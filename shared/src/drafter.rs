@@ -119,6 +119,14 @@ pub struct StepStats {
     pub blocks: u64,
     pub tokens: u64,
     pub anchors: u64,
+    /// Host-side phase timings of the rank(s), milliseconds (no device sync): waiting
+    /// for a batch, forward + backward, applying the previous step.
+    #[serde(default)]
+    pub wait_ms: f64,
+    #[serde(default)]
+    pub compute_ms: f64,
+    #[serde(default)]
+    pub optimizer_ms: f64,
 }
 
 impl StepStats {
@@ -145,6 +153,10 @@ impl StepStats {
         self.blocks += o.blocks;
         self.tokens += o.tokens;
         self.anchors += o.anchors;
+        // Ranks run in parallel: a step takes as long as its slowest rank.
+        self.wait_ms = self.wait_ms.max(o.wait_ms);
+        self.compute_ms = self.compute_ms.max(o.compute_ms);
+        self.optimizer_ms = self.optimizer_ms.max(o.optimizer_ms);
     }
 }
 

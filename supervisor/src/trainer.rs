@@ -366,6 +366,7 @@ impl Trainer {
             "t": unix_ms(), "step": step, "loss": s.loss(), "acceptance": s.acceptance(), "slot_accuracy": acc,
             "lr": lr, "members": self.members.len(), "contributors": contributors,
             "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
+            "wait_ms": s.wait_ms, "compute_ms": s.compute_ms, "optimizer_ms": s.optimizer_ms,
         });
         let _ = writeln!(self.log, "{line}");
         self.progress.step = step;

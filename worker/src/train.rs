@@ -30,6 +30,10 @@ pub struct Rank {
     pub skipped_steps: u64,
     /// Norm of the last averaged gradient, before clipping.
     pub last_grad_norm: f64,
+    /// When the last step was applied (the wait for the next batch starts there), and how
+    /// long applying it took.
+    idle_since: std::time::Instant,
+    last_optimizer_ms: f64,
 }
 
 /// Outcome of one applied step.
@@ -65,6 +69,8 @@ impl Rank {
             awaiting: false,
             skipped_steps: 0,
             last_grad_norm: 0.0,
+            idle_since: std::time::Instant::now(),
+            last_optimizer_ms: 0.0,
             setup,
         };
         match r.setup.init {
@@ -90,6 +96,8 @@ impl Rank {
 
     /// Gradient of one hidden-state batch for step `self.step + 1`, into this rank's slot.
     pub fn compute(&mut self, view: &HiddenView) -> anyhow::Result<StepStats> {
+        let started = std::time::Instant::now();
+        let wait_ms = started.duration_since(self.idle_since).as_secs_f64() * 1e3;
         let c = &self.drafter.cfg;
         let width = view.spec.tap_ids.len() * view.spec.hidden as usize;
         if view.spec.tap_ids.len() != c.n_taps || view.spec.hidden as usize != c.hidden {
@@ -115,7 +123,10 @@ impl Rank {
             .map(|(r, &len)| Sample { taps: &taps[r], ids: &tb.input_ids[r * seq..r * seq + len as usize], mask: &tb.loss_mask[r * seq..r * seq + len as usize] })
             .collect();
         let mut g = vec![0f32; self.params.len()];
-        let stats = self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g);
+        let mut stats = self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g);
+        stats.wait_ms = wait_ms;
+        stats.compute_ms = started.elapsed().as_secs_f64() * 1e3;
+        stats.optimizer_ms = self.last_optimizer_ms;
         let slot = self.rank_slot(self.step + 1);
         // SAFETY: this rank owns its two gradient slots; the other ranks read the slot of
         // step s only between the commit of s and their own gradient for s + 1, which the
@@ -137,6 +148,14 @@ impl Rank {
         if step != self.step + 1 {
             bail!("asked to apply step {step}, but this rank is at step {}", self.step);
         }
+        let started = std::time::Instant::now();
+        let r = self.apply(step, slots, lr);
+        self.last_optimizer_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.idle_since = std::time::Instant::now();
+        r
+    }
+
+    fn apply(&mut self, step: u64, slots: &[u32], lr: f64) -> anyhow::Result<Applied> {
         if slots.is_empty() {
             bail!("step {step} lists no gradient slot");
         }
