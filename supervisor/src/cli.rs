@@ -120,6 +120,21 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", help_heading = "Model")]
     pub draft_layers: Option<usize>,
 
+    /// A TOML file whose [drafter] section sets layers, block_size, max_anchors, lr,
+    /// warmup_ratio, steps, gamma and mask_token_id; flags given here override it.
+    #[arg(long, value_name = "FILE", help_heading = "Training")]
+    pub config: Option<PathBuf>,
+
+    /// Loss decay γ (slot k weighs exp(-(k-1)/γ); default 7 for blocks of 16, 5 for 10,
+    /// 4 for 8).
+    #[arg(long, value_name = "G", help_heading = "Training")]
+    pub gamma: Option<f64>,
+
+    /// The token id of the MASK inputs (default: 151669 for Qwen3-size vocabularies, else
+    /// the last id).
+    #[arg(long, value_name = "ID", help_heading = "Training")]
+    pub mask_token_id: Option<u32>,
+
     /// Stop after this many optimizer steps (default: when the data runs out).
     #[arg(long, value_name = "N", help_heading = "Training")]
     pub steps: Option<u64>,
@@ -129,9 +144,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "LR", help_heading = "Training")]
     pub lr: Option<f64>,
 
-    /// Share of --steps spent warming the learning rate up.
-    #[arg(long, value_name = "FRACTION", default_value_t = 0.04, help_heading = "Training")]
-    pub warmup_ratio: f64,
+    /// Share of --steps spent warming the learning rate up (default 0.04).
+    #[arg(long, value_name = "FRACTION", help_heading = "Training")]
+    pub warmup_ratio: Option<f64>,
 
     /// Tokens per draft block (default 16; 8 for the tiny target).
     #[arg(long, value_name = "N", help_heading = "Training")]

@@ -7,6 +7,7 @@
 pub mod bench_ipc;
 pub mod bench_train;
 pub mod cli;
+pub mod config_file;
 pub mod console;
 pub mod control;
 pub mod dispatcher;
@@ -146,6 +147,9 @@ fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
 }
 
 fn run(mut args: RunArgs) -> Result<i32, Error> {
+    if let Some(path) = args.config.clone() {
+        config_file::apply(&path, &mut args)?;
+    }
     let resume = match args.resume.clone() {
         Some(dir) => Some(resume::prepare(&dir, &mut args)?),
         None => None,
@@ -300,17 +304,30 @@ fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &Target
     if !(lr > 0.0 && lr.is_finite()) {
         return Err(Error::Usage(format!("--lr {lr}: expected a positive learning rate")));
     }
-    if !(0.0..1.0).contains(&args.warmup_ratio) {
-        return Err(Error::Usage(format!("--warmup-ratio {}: expected a fraction in [0, 1)", args.warmup_ratio)));
+    let warmup_ratio = args.warmup_ratio.unwrap_or(0.04);
+    if !(0.0..1.0).contains(&warmup_ratio) {
+        return Err(Error::Usage(format!("--warmup-ratio {warmup_ratio}: expected a fraction in [0, 1)")));
     }
     if args.steps == Some(0) {
         return Err(Error::Usage("--steps 0: expected at least 1".into()));
     }
-    let drafter = DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
+    let mut drafter = DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
+    if let Some(g) = args.gamma {
+        if !(g > 0.0 && g.is_finite()) {
+            return Err(Error::Usage(format!("--gamma {g}: expected a positive number")));
+        }
+        drafter.gamma = g;
+    }
+    if let Some(id) = args.mask_token_id {
+        if id as usize >= target.vocab_size {
+            return Err(Error::Usage(format!("--mask-token-id {id}: expected an id below the target's vocabulary size {}", target.vocab_size)));
+        }
+        drafter.mask_token_id = id;
+    }
     Ok(trainer::TrainerConfig {
         drafter,
         lr,
-        warmup_steps: args.steps.map_or(0, |n| (n as f64 * args.warmup_ratio).ceil() as u64),
+        warmup_steps: args.steps.map_or(0, |n| (n as f64 * warmup_ratio).ceil() as u64),
         total_steps: args.steps,
         steps_limit: args.steps,
         clip: 1.0,

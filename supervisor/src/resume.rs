@@ -26,7 +26,11 @@ pub struct SavedRun {
     pub demo_samples: usize,
     pub steps: Option<u64>,
     pub lr: Option<f64>,
-    pub warmup_ratio: f64,
+    pub warmup_ratio: Option<f64>,
+    #[serde(default)]
+    pub gamma: Option<f64>,
+    #[serde(default)]
+    pub mask_token_id: Option<u32>,
     pub block_size: Option<usize>,
     pub max_anchors: Option<usize>,
 }
@@ -49,6 +53,8 @@ impl SavedRun {
             steps: a.steps,
             lr: a.lr,
             warmup_ratio: a.warmup_ratio,
+            gamma: a.gamma,
+            mask_token_id: a.mask_token_id,
             block_size: a.block_size,
             max_anchors: a.max_anchors,
         }
@@ -69,6 +75,8 @@ impl SavedRun {
         a.steps = self.steps;
         a.lr = self.lr;
         a.warmup_ratio = self.warmup_ratio;
+        a.gamma = self.gamma;
+        a.mask_token_id = self.mask_token_id;
         a.block_size = self.block_size;
         a.max_anchors = self.max_anchors;
     }

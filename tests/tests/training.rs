@@ -143,3 +143,25 @@ fn bench_train_prints_stage_and_pipeline_throughput() {
         assert!(x.is_finite() && x > 0.0, "{k} = {x}");
     }
 }
+
+#[test]
+fn a_toml_config_sets_the_drafter_and_flags_override_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("dflash.toml");
+    fs::write(&cfg, "[drafter]\nlayers = 1\nblock_size = 4\nmax_anchors = 8\nsteps = 5\ngamma = 3.0\n").unwrap();
+    let c = cfg.to_str().unwrap();
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", "demo", "--config", c, "--steps", "3", "--max-seq-len", "64", "--token-budget", "512"]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    assert_eq!(read_jsonl(&sup.run_dir.join("train.jsonl")).len(), 3, "--steps on the command line wins over the file");
+    let exported: Value = serde_json::from_str(&fs::read_to_string(sup.run_dir.join("drafter/config.json")).unwrap()).unwrap();
+    assert_eq!((exported["num_hidden_layers"].as_u64(), exported["block_size"].as_u64()), (Some(1), Some(4)));
+    assert_eq!(exported["dflash_training"]["gamma"], 3.0);
+    assert_eq!(exported["dflash_config"]["target_layer_ids"].as_array().unwrap().len(), 1, "one drafter layer, one tap");
+
+    fs::write(&cfg, "[drafter]\nlayrs = 2\n").unwrap();
+    let out = supervise(&["--gpus", "cpu:2", "--config", c], None);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("dflash.toml") && err.contains("layrs"), "{err}");
+}
