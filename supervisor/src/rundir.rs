@@ -108,22 +108,7 @@ impl RunDir {
         let path = path
             .canonicalize()
             .map_err(|e| usage(format!("cannot resolve it: {e}")))?;
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(path.join(LOCK_FILE))
-            .map_err(|e| usage(format!("cannot write in it: {e} (expected a writable directory)")))?;
-        // SAFETY: flock on a file descriptor we own.
-        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            return Err(usage("another supervisor is using it".into()));
-        }
-        let events = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path.join(EVENTS_FILE))
-            .map_err(|e| usage(format!("cannot write in it: {e}")))?;
-        Ok(RunDir { path, _lock: lock, events })
+        RunDir::take(path, "another supervisor is using it", &usage)
     }
 
     /// Take over the run dir of a stopped run (`--resume`): its logs, events and ledger
@@ -135,15 +120,20 @@ impl RunDir {
         }
         let path = path.canonicalize().map_err(|e| usage(format!("cannot resolve it: {e}")))?;
         fs::create_dir_all(path.join(LOGS_DIR)).map_err(|e| usage(format!("cannot write in it: {e}")))?;
+        RunDir::take(path, "its supervisor is still running (expected a stopped run)", &usage)
+    }
+
+    /// Lock the run dir for this supervisor and open its event log.
+    fn take(path: PathBuf, busy: &str, usage: &dyn Fn(String) -> Error) -> Result<RunDir, Error> {
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
             .open(path.join(LOCK_FILE))
-            .map_err(|e| usage(format!("cannot write in it: {e}")))?;
+            .map_err(|e| usage(format!("cannot write in it: {e} (expected a writable directory)")))?;
         // SAFETY: flock on a file descriptor we own.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            return Err(usage("its supervisor is still running (expected a stopped run)".into()));
+            return Err(usage(busy.to_string()));
         }
         let events = OpenOptions::new()
             .create(true)

@@ -18,7 +18,7 @@ impl Cpu {
     /// Run `f(row_range, chunk)` over `out` split into row blocks of `width`, on threads
     /// when the work is big enough to pay for them.
     fn par_rows(&self, out: &mut [f32], width: usize, work: usize, f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync) {
-        let rows = if width == 0 { 0 } else { out.len() / width };
+        let rows = out.len().checked_div(width).unwrap_or(0);
         let threads = if work < (1 << 16) { 1 } else { self.threads.min(rows).max(1) };
         if threads <= 1 {
             f(0..rows, out);

@@ -185,7 +185,7 @@ impl Drafter {
     }
 
     #[allow(clippy::needless_range_loop)]
-    fn sample_step(&self, p: &[f32], frozen: &Frozen, s: &Sample, anchors: &[usize], total_weight: f64, mut grads: Option<&mut [f32]>) -> StepStats {
+    fn sample_step(&self, p: &[f32], frozen: &Frozen, s: &Sample, anchors: &[usize], total_weight: f64, grads: Option<&mut [f32]>) -> StepStats {
         let c = &self.cfg;
         let cpu = &self.cpu;
         let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
@@ -291,7 +291,7 @@ impl Drafter {
             stats.accept_sum += 1.0 + run as f64;
             stats.blocks += 1;
         }
-        let Some(grads) = grads.as_deref_mut() else { return stats };
+        let Some(grads) = grads else { return stats };
 
         // Backward.
         let mut dh = vec![0f32; m * h];
