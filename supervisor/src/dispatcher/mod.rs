@@ -29,25 +29,28 @@ use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
-use std::thread;
 use std::time::{Duration, Instant};
 
 use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
-use dflash_shared::{env, exit_codes, Device, Role, WorkerName};
-use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
+use dflash_shared::{Device, Role, WorkerName};
+use ipc_channel::ipc::IpcSender;
 use nix::sys::signal::Signal;
 use serde_json::json;
 
-use crate::process::{describe_status, signal_group, Pidfd, SpawnSpec, Spawner};
+use crate::process::{describe_status, signal_group, Pidfd, Spawner};
 use crate::reaper::Reaper;
 use crate::report::Report;
 use crate::restart::backoff;
-use crate::rundir::{now_rfc3339, unix_ms, RunDir, RunState, WorkerState};
+use crate::rundir::{now_rfc3339, unix_ms, RunDir};
 use crate::worker_log::{Rotation, Tag, WorkerLog};
 use crate::loader::Loader;
 use crate::pipeline::{LoaderEvent, Peer, Pipeline};
-use crate::trainer::{Action, Trainer};
+use crate::trainer::Trainer;
 use crate::{control, error::Error};
+
+mod data;
+mod ending;
+mod spawning;
 
 /// Longest the loop sleeps without looking at its timers.
 const TICK: Duration = Duration::from_millis(50);
@@ -300,66 +303,6 @@ impl Dispatcher {
                 if let Err(msg) = self.pipeline.on_loader(ev) {
                     log::error!("{msg}");
                     self.begin_stop(StopReason::BadInput(msg));
-                }
-            }
-        }
-    }
-
-    /// Grant slots and batches to the workers that can take them; end the run when all
-    /// data is consumed.
-    fn pump(&mut self) {
-        if !matches!(self.phase, Phase::Running) {
-            return;
-        }
-        let peers: Vec<Peer> = self
-            .workers
-            .iter()
-            .filter_map(|w| {
-                let l = w.life.as_ref()?;
-                let tx = l.to_worker.as_ref()?;
-                (l.killed_for.is_none() && l.exited.is_none() && !l.asked_to_stop)
-                    .then_some(Peer { name: w.name, holder: l.id, pid: l.pid, tx })
-            })
-            .collect();
-        self.pipeline.pump(&peers);
-        let tail = self.trainer.flush_tail(self.pipeline.remaining());
-        self.execute(tail);
-        if self.pipeline.finished() {
-            let (consumed, _) = self.pipeline.progress();
-            log::info!("all {consumed} batches consumed: stopping");
-            self.begin_stop(StopReason::DataDone);
-        }
-    }
-
-    /// Carry out what the trainer decided.
-    fn execute(&mut self, actions: Vec<Action>) {
-        for a in actions {
-            match a {
-                Action::Send(w, msg) => {
-                    if let Some(tx) = self.workers[w].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
-                        let _ = tx.send(msg);
-                    }
-                }
-                Action::Consume { worker, holder, input, batch_id } => {
-                    if let Err(e) = self.pipeline.consume(self.workers[worker].name, holder, input, batch_id) {
-                        log::error!("committed batch {batch_id} could not be recorded: {e}");
-                    }
-                    self.dirty = true;
-                }
-                Action::Done => {
-                    log::info!("step limit reached: stopping");
-                    self.begin_stop(StopReason::StepsDone);
-                }
-                Action::Failed(msg) => {
-                    log::error!("{msg}");
-                    self.begin_stop(StopReason::TrainingFailed(msg));
-                }
-                Action::Violation(w, msg) => self.violation(w, &msg),
-                Action::Checkpoint { worker, step, dir } => {
-                    let meta = self.pipeline.consumed_summary().to_string();
-                    if let Some(tx) = self.workers[worker].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
-                        let _ = tx.send(ToWorker::Checkpoint { dir: dir.display().to_string(), step, meta });
-                    }
                 }
             }
         }
@@ -707,214 +650,6 @@ impl Dispatcher {
         self.dirty = true;
     }
 
-    fn spawn(&mut self, worker: usize) {
-        match self.try_spawn(worker) {
-            Ok(()) => {}
-            Err(msg) => {
-                log::error!("{msg}");
-                self.workers[worker].state = WState::Failed;
-                self.begin_stop(StopReason::Fatal(msg));
-            }
-        }
-        self.dirty = true;
-    }
-
-    fn try_spawn(&mut self, worker: usize) -> Result<(), String> {
-        let id = self.next_life;
-        self.next_life += 1;
-        let heartbeat = (self.cfg.hang_timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
-        let w = &mut self.workers[worker];
-        let (server, server_name) = IpcOneShotServer::<FromWorker>::new()
-            .map_err(|e| format!("cannot open a control channel for {}: {e}", w.name))?;
-        let spec = SpawnSpec {
-            program: self.cfg.worker_bin.clone(),
-            inherit_fds: self.pipeline.inherit_fds().into_iter().chain(self.trainer.inherit_fds()).collect(),
-            args: vec!["--control".into(), server_name.clone().into()],
-            env: vec![
-                (env::ROLE.into(), w.name.role.to_string()),
-                (env::RANK.into(), w.name.rank.to_string()),
-                (env::GPU.into(), w.device.to_string()),
-                (env::RESTART_COUNT.into(), w.restarts.to_string()),
-                (env::RUN_DIR.into(), self.run.path.display().to_string()),
-                (env::HEARTBEAT_MS.into(), heartbeat.as_millis().to_string()),
-                (env::CONTROL.into(), server_name.clone()),
-                (env::TARGET_DIR.into(), self.cfg.target_dir.display().to_string()),
-                ("CUDA_VISIBLE_DEVICES".into(), w.device.cuda_visible_devices()),
-                // NVML numbers GPUs by PCI bus; make CUDA agree so GPU i is the same board.
-                ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
-            ],
-        };
-        let mut child = self
-            .spawner
-            .spawn(spec)
-            .map_err(|e| format!("cannot start {} ({}): {e}", w.name, self.cfg.worker_bin.display()))?;
-        let pid = child.id();
-        let pidfd = match Pidfd::open(pid) {
-            Ok(p) => Arc::new(p),
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!("cannot open a pidfd for {} (pid {pid}): {e}", w.name));
-            }
-        };
-        if let Some(r) = &self.reaper {
-            r.watch(pid);
-        }
-        for (stream, tag) in [
-            (child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Tag::Stdout),
-            (child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Tag::Stderr),
-        ] {
-            if let Some(stream) = stream {
-                if let Err(e) = w.log.pump(stream, tag) {
-                    log::error!("{}: cannot start a log thread ({e}); its output is lost", w.name);
-                }
-            }
-        }
-        control::serve(server, worker, id, self.tx.clone());
-        let (tx, fd, reaper) = (self.tx.clone(), pidfd.clone(), self.reaper.clone());
-        thread::Builder::new()
-            .name(format!("waiter-{pid}"))
-            .spawn(move || {
-                if let Err(e) = fd.wait_exit() {
-                    log::error!("waiting on pidfd of pid {pid}: {e}");
-                }
-                // The leader is a zombie until reaped, so its pid (= the group id) cannot
-                // be reused yet: killing the group here cannot hit a stranger.
-                signal_group(pid, Signal::SIGKILL);
-                if let Some(r) = reaper {
-                    r.unwatch(pid);
-                }
-                match child.wait() {
-                    Ok(status) => {
-                        let _ = tx.send(Event::Exited { worker, life: id, status });
-                    }
-                    Err(e) => log::error!("cannot reap pid {pid}: {e}"),
-                }
-            })
-            .map_err(|e| format!("cannot start a waiter thread: {e}"))?;
-        let now = Instant::now();
-        w.log.line(Tag::Supervisor, &format!("started pid {pid} on {} (restart {})", w.device, w.restarts));
-        self.run.event("spawn", obj(json!({"worker": w.name.to_string(), "pid": pid,
-                                            "gpu": w.device.to_string(), "restart": w.restarts})));
-        if w.restarts > 0 {
-            log::info!("{} restarted as pid {pid} (restart {} of {})", w.name, w.restarts, self.cfg.max_restarts);
-        }
-        w.state = WState::Starting;
-        w.life = Some(Life {
-            id,
-            pid,
-            pidfd,
-            started: now,
-            started_wall: now_rfc3339(),
-            server_name,
-            to_worker: None,
-            connected: false,
-            last_beat: now,
-            killed_for: None,
-            asked_to_stop: false,
-            channel_closed: false,
-            exited: None,
-        });
-        Ok(())
-    }
-
-    fn snapshot(&self, phase: &str, exit_code: Option<i32>) -> RunState {
-        RunState {
-            run_dir: self.run.path.clone(),
-            supervisor_pid: std::process::id(),
-            started_at: self.started_wall.clone(),
-            started_at_unix_ms: self.started_unix_ms,
-            phase: phase.into(),
-            exit_code,
-            batches_produced: self.pipeline.progress().1,
-            batches_consumed: self.pipeline.progress().0,
-            train: Some(self.trainer.progress.clone()),
-            workers: self
-                .workers
-                .iter()
-                .map(|w| WorkerState {
-                    name: w.name.to_string(),
-                    role: w.name.role.to_string(),
-                    rank: w.name.rank,
-                    gpu: w.device.to_string(),
-                    pid: w.life.as_ref().map(|l| l.pid),
-                    state: w.state.as_str().into(),
-                    restarts: w.restarts,
-                    started_at: w.life.as_ref().map(|l| l.started_wall.clone()),
-                    last_exit: w.last_exit.clone(),
-                    log: w.log_path.clone(),
-                })
-                .collect(),
-        }
-    }
-
-    fn flush_state(&mut self) {
-        // Worker changes are written at once; batch progress alone at most once a second.
-        let progress = self.pipeline.progress();
-        let stale = progress != self.written_progress && self.written_at.elapsed() >= Duration::from_secs(1);
-        if !self.dirty && !stale {
-            return;
-        }
-        self.dirty = false;
-        self.written_progress = progress;
-        self.written_at = Instant::now();
-        let phase = match self.phase {
-            Phase::Running => "running",
-            _ => "stopping",
-        };
-        if let Err(e) = self.run.write_state(&self.snapshot(phase, None)) {
-            log::warn!("cannot write state.json: {e}");
-        }
-    }
-
-    /// Every worker is gone: decide the exit code, say why, record it.
-    fn finish(mut self) -> i32 {
-        let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
-        let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
-        self.pipeline.end();
-        let code = match &reason {
-            StopReason::GaveUp(report) => {
-                eprint!("{}", report.render());
-                exit_codes::RUN_FAILED
-            }
-            StopReason::Fatal(_) => exit_codes::INTERNAL,
-            StopReason::BadInput(msg) => {
-                eprintln!("dflash-supervise: error: {msg}");
-                exit_codes::USAGE
-            }
-            StopReason::Interrupted => exit_codes::INTERRUPTED,
-            StopReason::TrainingFailed(msg) => {
-                eprintln!("dflash-supervise: run failed: {msg}");
-                exit_codes::RUN_FAILED
-            }
-            StopReason::Requested(_) | StopReason::TimeLimit | StopReason::DataDone | StopReason::StepsDone => {
-                if all_clean {
-                    exit_codes::SUCCESS
-                } else {
-                    let bad: Vec<String> = self
-                        .workers
-                        .iter()
-                        .filter(|w| w.unclean_stop)
-                        .map(|w| format!("{} ({})", w.name, w.last_exit.as_deref().unwrap_or("never started")))
-                        .collect();
-                    log::warn!("not every worker stopped cleanly: {}", bad.join(", "));
-                    exit_codes::UNCLEAN_STOP
-                }
-            }
-        };
-        let phase = if code == exit_codes::SUCCESS { "stopped" } else { "failed" };
-        if let Err(e) = self.run.write_state(&self.snapshot(phase, Some(code))) {
-            log::warn!("cannot write state.json: {e}");
-        }
-        self.run.event("run_end", obj(json!({"reason": reason.describe(), "exit_code": code})));
-        log::info!("run ended ({}); exit code {code}", reason.describe());
-        match &self.trainer.progress.exported {
-            Some(dir) => eprintln!("dflash-supervise: drafter (step {}) written to {dir}", self.trainer.progress.step),
-            None if self.trainer.committed() == 0 => eprintln!("dflash-supervise: no training step was committed; no drafter written"),
-            None => eprintln!("dflash-supervise: the drafter (step {}) could not be written: no drafter was left to write it", self.trainer.committed()),
-        }
-        code
-    }
 }
 
 impl StopReason {

@@ -1,0 +1,70 @@
+//! The dispatcher's side of the data plane and of training: grants after every event,
+//! and carrying out what the trainer decided.
+
+use dflash_shared::protocol::ToWorker;
+
+use super::{Dispatcher, Phase, StopReason};
+use crate::pipeline::Peer;
+use crate::trainer::Action;
+
+impl Dispatcher {
+    /// Grant slots and batches to the workers that can take them; end the run when all
+    /// data is consumed.
+    pub(super) fn pump(&mut self) {
+        if !matches!(self.phase, Phase::Running) {
+            return;
+        }
+        let peers: Vec<Peer> = self
+            .workers
+            .iter()
+            .filter_map(|w| {
+                let l = w.life.as_ref()?;
+                let tx = l.to_worker.as_ref()?;
+                (l.killed_for.is_none() && l.exited.is_none() && !l.asked_to_stop)
+                    .then_some(Peer { name: w.name, holder: l.id, pid: l.pid, tx })
+            })
+            .collect();
+        self.pipeline.pump(&peers);
+        let tail = self.trainer.flush_tail(self.pipeline.remaining());
+        self.execute(tail);
+        if self.pipeline.finished() {
+            let (consumed, _) = self.pipeline.progress();
+            log::info!("all {consumed} batches consumed: stopping");
+            self.begin_stop(StopReason::DataDone);
+        }
+    }
+
+    /// Carry out what the trainer decided.
+    pub(super) fn execute(&mut self, actions: Vec<Action>) {
+        for a in actions {
+            match a {
+                Action::Send(w, msg) => {
+                    if let Some(tx) = self.workers[w].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
+                        let _ = tx.send(msg);
+                    }
+                }
+                Action::Consume { worker, holder, input, batch_id } => {
+                    if let Err(e) = self.pipeline.consume(self.workers[worker].name, holder, input, batch_id) {
+                        log::error!("committed batch {batch_id} could not be recorded: {e}");
+                    }
+                    self.dirty = true;
+                }
+                Action::Done => {
+                    log::info!("step limit reached: stopping");
+                    self.begin_stop(StopReason::StepsDone);
+                }
+                Action::Failed(msg) => {
+                    log::error!("{msg}");
+                    self.begin_stop(StopReason::TrainingFailed(msg));
+                }
+                Action::Violation(w, msg) => self.violation(w, &msg),
+                Action::Checkpoint { worker, step, dir } => {
+                    let meta = self.pipeline.consumed_summary().to_string();
+                    if let Some(tx) = self.workers[worker].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
+                        let _ = tx.send(ToWorker::Checkpoint { dir: dir.display().to_string(), step, meta });
+                    }
+                }
+            }
+        }
+    }
+}
