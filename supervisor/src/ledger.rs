@@ -67,7 +67,7 @@ pub struct Audit {
     pub in_flight: u64,
     /// Produced, not consumed, and nowhere when the run ended.
     pub lost: u64,
-    /// Batches put back in their queue after a worker died.
+    /// Batches put back in their queue when the worker holding them ended (died or stopped).
     pub requeued: u64,
     /// Second copies caught and dropped before reaching an optimizer.
     pub duplicates_dropped: u64,
@@ -132,7 +132,7 @@ pub fn run(args: crate::cli::LedgerArgs) -> Result<i32, Error> {
         println!("  in flight        {}{}", a.in_flight, if a.ended { "" } else { " (the run has not recorded its end)" });
         println!("  lost             {}", a.lost);
         println!("  duplicated       {}", a.duplicated);
-        println!("  requeued         {} (after worker deaths)", a.requeued);
+        println!("  requeued         {} (given back when the worker holding them ended)", a.requeued);
         println!("  dropped copies   {}", a.duplicates_dropped);
     }
     Ok(if a.lost > 0 || a.duplicated > 0 { dflash_shared::exit_codes::RUN_FAILED } else { dflash_shared::exit_codes::SUCCESS })

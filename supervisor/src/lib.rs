@@ -156,6 +156,9 @@ fn run(mut args: RunArgs) -> Result<i32, Error> {
     };
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
+    if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
+        log::warn!("the CUDA backend is not implemented yet: workers on GPUs run their compute on the CPU");
+    }
     let target_cfg = target_config(&args.target)?;
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
