@@ -29,6 +29,13 @@ pub fn run(args: StatusArgs) -> Result<i32, Error> {
     };
     println!("supervisor: {sup}");
     println!("batches:    {} consumed of {} loaded", state.batches_consumed, state.batches_produced);
+    if let Some(t) = state.train.as_ref().filter(|t| t.step > 0) {
+        let exported = t.exported.as_deref().map(|d| format!("; drafter written to {d}")).unwrap_or_default();
+        println!(
+            "training:   step {}, loss {:.4}, acceptance {:.2}, {} drafter rank(s){exported}",
+            t.step, t.loss, t.acceptance, t.members
+        );
+    }
     println!();
     println!("{:<12} {:<8} {:<4} {:>8}  {:<9} {:>8}  {:<8} LAST EXIT", "WORKER", "ROLE", "GPU", "PID", "STATE", "RESTARTS", "UP");
     for w in &state.workers {

@@ -46,6 +46,9 @@ fn demo_run_learns_and_writes_a_loadable_drafter() {
     }
     assert_eq!(st.tensor("fc.weight").unwrap().shape(), &[64, 128]);
     assert!(st.names().iter().all(|n| !n.contains("embed") && !n.contains("lm_head")), "frozen tensors are not exported");
+    let out = supervise(&["status", "--run-dir", sup.run_dir.to_str().unwrap()], None);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("training:   step 60, loss "), "{text}");
     // One batch per rank per step reached the optimizer, each exactly once.
     let (code, a) = sup.ledger();
     assert_eq!(code, 0, "{a}");
