@@ -37,6 +37,13 @@ pub enum Command {
     /// Audit a run's batch ledger: produced, consumed once, in flight, lost, duplicated.
     /// Exits 1 if any batch was lost or reached an optimizer twice.
     Ledger(LedgerArgs),
+    /// List the GPUs NVML sees (index, name, UUID, memory, driver), or say that there is
+    /// no NVIDIA driver.
+    Gpus {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Benchmarks that print figures and ratios against baselines measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),

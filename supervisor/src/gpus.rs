@@ -24,3 +24,54 @@ pub fn init() -> Result<Nvml, String> {
 pub fn gpu_count() -> Result<u32, String> {
     init()?.device_count().map_err(|e| format!("NVML could not count GPUs: {e}"))
 }
+
+/// One GPU as NVML describes it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GpuInfo {
+    pub index: u32,
+    pub name: String,
+    pub uuid: String,
+    pub memory_total_bytes: Option<u64>,
+}
+
+/// Every GPU NVML reports, with the driver version.
+pub fn list() -> Result<(String, Vec<GpuInfo>), String> {
+    let nvml = init()?;
+    let driver = nvml.sys_driver_version().unwrap_or_else(|e| format!("unknown ({e})"));
+    let n = nvml.device_count().map_err(|e| format!("NVML could not count GPUs: {e}"))?;
+    let mut out = Vec::new();
+    for index in 0..n {
+        let d = nvml.device_by_index(index).map_err(|e| format!("NVML could not open GPU {index}: {e}"))?;
+        out.push(GpuInfo {
+            index,
+            name: d.name().unwrap_or_else(|e| format!("unknown ({e})")),
+            uuid: d.uuid().unwrap_or_else(|e| format!("unknown ({e})")),
+            memory_total_bytes: d.memory_info().ok().map(|m| m.total),
+        });
+    }
+    Ok((driver, out))
+}
+
+/// `dflash-supervise gpus`.
+pub fn run(json: bool) -> Result<i32, crate::error::Error> {
+    let r = list();
+    if json {
+        let v = match &r {
+            Ok((driver, gpus)) => serde_json::json!({"driver": driver, "gpus": gpus}),
+            Err(e) => serde_json::json!({"driver": null, "gpus": [], "error": e}),
+        };
+        println!("{v:#}");
+        return Ok(dflash_shared::exit_codes::SUCCESS);
+    }
+    match r {
+        Ok((driver, gpus)) => {
+            println!("NVIDIA driver {driver}, {} GPU(s)", gpus.len());
+            for g in gpus {
+                let mem = g.memory_total_bytes.map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_else(|| "memory unknown".into());
+                println!("  {}  {}  {}  {mem}", g.index, g.name, g.uuid);
+            }
+        }
+        Err(e) => println!("{e}: no GPU can be used; runs use CPU workers (--gpus cpu:N)"),
+    }
+    Ok(dflash_shared::exit_codes::SUCCESS)
+}

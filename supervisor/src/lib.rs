@@ -49,6 +49,7 @@ pub fn main() -> i32 {
         Some(Command::Logs(a)) => logs::run(a),
         Some(Command::Status(a)) => status::run(a),
         Some(Command::Ledger(a)) => ledger::run(a),
+        Some(Command::Gpus { json }) => gpus::run(json),
         Some(Command::Bench(cli::BenchCommand::Ipc { json, quick })) => bench_ipc::run(json, quick),
         Some(Command::Bench(cli::BenchCommand::Train { json, steps })) => bench_train::run(json, steps),
         Some(Command::BenchPeer { server }) => Ok(bench_ipc::peer(&server)),

@@ -19,6 +19,14 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// The fake NVML library (tests/fake-nvml), for GPU code paths without a GPU.
+pub fn fake_nvml() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let p = exe.parent().and_then(Path::parent).expect("target dir").join("libdflash_fake_nvml.so");
+    assert!(p.exists(), "{} is missing: build the workspace first", p.display());
+    p
+}
+
 pub fn test_worker() -> PathBuf {
     bin("dflash-test-worker")
 }
@@ -69,7 +77,16 @@ impl Sup {
         Sup::start_with(args, None)
     }
 
+    /// Start a run with the real dflash-worker and extra environment.
+    pub fn start_real_env(args: &[&str], env: &[(&str, &str)]) -> Sup {
+        Sup::start_full(args, None, env)
+    }
+
     fn start_with(args: &[&str], behavior: Option<&str>) -> Sup {
+        Sup::start_full(args, behavior, &[])
+    }
+
+    fn start_full(args: &[&str], behavior: Option<&str>, env: &[(&str, &str)]) -> Sup {
         let tmp = tempfile::tempdir().expect("tempdir");
         let run_dir = tmp.path().join("run");
         let mut cmd = Command::new(bin("dflash-supervise"));
@@ -80,6 +97,9 @@ impl Sup {
                 // Workers without a rule do real work, so data flows around the offenders.
                 cmd.env("DFLASH_TEST_REAL_WORKER", bin("dflash-worker"));
             }
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
         }
         let idle = !args.contains(&"--data");
         if idle {

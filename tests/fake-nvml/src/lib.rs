@@ -1,0 +1,154 @@
+//! A fake `libnvidia-ml.so` for tests on machines without a GPU. The supervisor loads it
+//! through its NVML library override (`DFLASH_NVML_LIBRARY`), so the real NVML code path
+//! runs. Answers come from the JSON file named by `DFLASH_FAKE_NVML`:
+//!
+//! ```json
+//! {"driver": "550.54.15",
+//!  "devices": [{"name": "Fake H200", "uuid": "GPU-0000", "memory_total": 150000000000, "memory_used": 1000}],
+//!  "fail": {"nvmlDeviceGetMemoryInfo_v2": 999}}
+//! ```
+//!
+//! `fail` maps an NVML function name to the return code it gives instead of success
+//! (999 = NVML_ERROR_UNKNOWN). The file is re-read on every call, so a test can change
+//! the script while the supervisor runs.
+#![allow(non_snake_case, clippy::missing_safety_doc)]
+
+use std::ffi::c_char;
+
+const SUCCESS: u32 = 0;
+const INVALID_ARGUMENT: u32 = 2;
+const UNINITIALIZED: u32 = 1;
+
+fn script() -> serde_json::Value {
+    std::env::var_os("DFLASH_FAKE_NVML")
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+fn failing(s: &serde_json::Value, func: &str) -> Option<u32> {
+    s["fail"][func].as_u64().map(|c| c as u32)
+}
+
+fn device(s: &serde_json::Value, handle: *mut u8) -> Option<&serde_json::Value> {
+    // Handles are 1-based indices disguised as pointers.
+    let i = (handle as usize).checked_sub(1)?;
+    s["devices"].as_array()?.get(i)
+}
+
+unsafe fn write_str(dst: *mut c_char, len: u32, text: &str) -> u32 {
+    let bytes = text.as_bytes();
+    if dst.is_null() || bytes.len() + 1 > len as usize {
+        return 7; // NVML_ERROR_INSUFFICIENT_SIZE
+    }
+    // SAFETY: the caller gave a buffer of `len` bytes; we write at most bytes.len() + 1.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst as *mut u8, bytes.len());
+        *dst.add(bytes.len()) = 0;
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlInit_v2() -> u32 {
+    let s = script();
+    if s.is_null() {
+        return UNINITIALIZED;
+    }
+    failing(&s, "nvmlInit_v2").unwrap_or(SUCCESS)
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlShutdown() -> u32 {
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(count: *mut u32) -> u32 {
+    let s = script();
+    if let Some(c) = failing(&s, "nvmlDeviceGetCount_v2") {
+        return c;
+    }
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe { *count = s["devices"].as_array().map_or(0, |d| d.len()) as u32 };
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(index: u32, handle: *mut *mut u8) -> u32 {
+    let s = script();
+    if let Some(c) = failing(&s, "nvmlDeviceGetHandleByIndex_v2") {
+        return c;
+    }
+    if index as usize >= s["devices"].as_array().map_or(0, |d| d.len()) {
+        return INVALID_ARGUMENT;
+    }
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe { *handle = (index as usize + 1) as *mut u8 };
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetName(handle: *mut u8, name: *mut c_char, len: u32) -> u32 {
+    let s = script();
+    if let Some(c) = failing(&s, "nvmlDeviceGetName") {
+        return c;
+    }
+    let Some(d) = device(&s, handle) else { return INVALID_ARGUMENT };
+    // SAFETY: buffer from the caller.
+    unsafe { write_str(name, len, d["name"].as_str().unwrap_or("Fake GPU")) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUUID(handle: *mut u8, uuid: *mut c_char, len: u32) -> u32 {
+    let s = script();
+    if let Some(c) = failing(&s, "nvmlDeviceGetUUID") {
+        return c;
+    }
+    let Some(d) = device(&s, handle) else { return INVALID_ARGUMENT };
+    // SAFETY: buffer from the caller.
+    unsafe { write_str(uuid, len, d["uuid"].as_str().unwrap_or("GPU-fake")) }
+}
+
+#[repr(C)]
+pub struct MemoryV2 {
+    version: u32,
+    total: u64,
+    reserved: u64,
+    free: u64,
+    used: u64,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(handle: *mut u8, mem: *mut MemoryV2) -> u32 {
+    let s = script();
+    if let Some(c) = failing(&s, "nvmlDeviceGetMemoryInfo_v2") {
+        return c;
+    }
+    let Some(d) = device(&s, handle) else { return INVALID_ARGUMENT };
+    let total = d["memory_total"].as_u64().unwrap_or(0);
+    let used = d["memory_used"].as_u64().unwrap_or(0);
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe {
+        (*mem).total = total;
+        (*mem).reserved = 0;
+        (*mem).used = used;
+        (*mem).free = total.saturating_sub(used);
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, len: u32) -> u32 {
+    let s = script();
+    if let Some(c) = failing(&s, "nvmlSystemGetDriverVersion") {
+        return c;
+    }
+    // SAFETY: buffer from the caller.
+    unsafe { write_str(version, len, s["driver"].as_str().unwrap_or("0.0")) }
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlErrorString(_result: u32) -> *const c_char {
+    c"fake NVML error".as_ptr()
+}
