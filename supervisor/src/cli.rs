@@ -224,6 +224,19 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 2, help_heading = "Pipeline")]
     pub prefetch: usize,
 
+    /// Do not sample GPUs through NVML.
+    #[arg(long, help_heading = "Telemetry")]
+    pub no_gpu_metrics: bool,
+
+    /// How often every GPU in use is read.
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration, help_heading = "Telemetry")]
+    pub gpu_sample_interval: Duration,
+
+    /// Length of a metrics window: one line of metrics.jsonl per window (mean and max of
+    /// the GPU samples in it, and the pipeline's and training's figures).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, help_heading = "Telemetry")]
+    pub metrics_interval: Duration,
+
     /// Also print every worker's output on the console, prefixed with [worker-name].
     #[arg(long, help_heading = "Logs")]
     pub tee: bool,

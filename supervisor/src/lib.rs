@@ -24,6 +24,7 @@ pub mod restart;
 pub mod resume;
 pub mod rundir;
 pub mod status;
+pub mod telemetry;
 pub mod trainer;
 pub mod worker_log;
 
@@ -210,6 +211,9 @@ fn run(mut args: RunArgs) -> Result<i32, Error> {
         tee: args.tee,
         log_max_size: args.log_max_size,
         log_backups: args.log_backups,
+        gpu_metrics: !args.no_gpu_metrics,
+        gpu_sample_interval: args.gpu_sample_interval,
+        metrics_interval: args.metrics_interval,
     };
     let d = dispatcher::Dispatcher::new(cfg, run_dir, reaper, data)?;
     start_signal_thread(d.events())?;

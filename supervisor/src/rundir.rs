@@ -47,6 +47,9 @@ pub struct RunState {
     /// The drafter's training: last committed step and its figures.
     #[serde(default)]
     pub train: Option<crate::trainer::TrainProgress>,
+    /// The latest metrics window (the last line of metrics.jsonl).
+    #[serde(default)]
+    pub metrics: Option<serde_json::Value>,
     pub workers: Vec<WorkerState>,
 }
 

@@ -85,3 +85,64 @@ fn gpu_workers_get_their_gpu_and_bad_indices_are_refused() {
         assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
     }
 }
+
+const DEVICES: &str = r#""devices": [
+    {"name": "Fake H200", "uuid": "GPU-aaaa", "memory_total": 1000, "memory_used": 100, "util_gpu": 40, "util_mem": 10,
+     "power_mw": 300000, "power_limit_mw": 700000, "energy_mj": 5000, "temp_c": 55, "sm_clock_mhz": 1980, "mem_clock_mhz": 2619},
+    {"name": "Fake H200", "uuid": "GPU-bbbb", "memory_total": 1000, "util_gpu": 80, "util_mem": 20}]"#;
+
+fn metrics(sup: &Sup) -> Vec<serde_json::Value> {
+    read_jsonl(&sup.run_dir.join("metrics.jsonl"))
+}
+
+#[test]
+fn gpu_samples_land_in_metrics_and_a_failing_metric_is_asked_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = fake_nvml();
+    let s = tmp.path().join("nvml.json");
+    fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}, "fail": {{"nvmlDeviceGetTemperature": 999}}}}"#)).unwrap();
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let mut sup = Sup::start_real_env(&["--gpus", "0-1", "--metrics-interval", "300ms", "--gpu-sample-interval", "50ms"], &env);
+    let gpu0 = |m: &serde_json::Value| m["gpu"]["gpus"][0].clone();
+    let w = wait_for("a window with GPU samples", Duration::from_secs(20), || {
+        metrics(&sup).into_iter().find(|m| m["gpu"]["samples"].as_u64().unwrap_or(0) >= 2)
+    });
+    let g = gpu0(&w);
+    assert_eq!(g["util_gpu_pct"]["mean"], 40.0);
+    assert_eq!(g["power_w"]["max"], 300.0);
+    assert_eq!(g["mem_clock_mhz"]["mean"], 2619.0);
+    assert!(g["temp_c"].is_null(), "a failing metric is unavailable in its window: {g}");
+    assert!(w["gpu"]["gpus"][1]["power_w"].is_null(), "a metric the GPU lacks is unavailable: {w}");
+    assert_eq!(w["gpu"]["gpus"][1]["util_gpu_pct"]["max"], 80.0);
+    assert!(w["workers"]["target-0"]["pid"].is_u64());
+    // The call recovers: the next windows have it again.
+    fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}}}"#)).unwrap();
+    wait_for("the temperature to come back", Duration::from_secs(20), || {
+        metrics(&sup).iter().any(|m| gpu0(m)["temp_c"]["mean"] == 55.0).then_some(())
+    });
+    let st = sup.state().unwrap();
+    assert!(st["metrics"]["gpu"].is_object(), "status --json carries the latest window");
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
+    assert!(!sup.stderr().contains("GPU metrics are off"));
+}
+
+#[test]
+fn nvml_failing_after_start_gives_one_warning_and_the_run_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = fake_nvml();
+    let s = tmp.path().join("nvml.json");
+    // The first initialisation (device selection) works; the sampler's does not.
+    fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}, "init_ok_times": 1}}"#)).unwrap();
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let mut sup = Sup::start_real_env(&["--gpus", "0-1", "--metrics-interval", "200ms", "--gpu-sample-interval", "50ms"], &env);
+    sup.wait_running(2);
+    wait_for("two metrics windows", Duration::from_secs(20), || (metrics(&sup).len() >= 2).then_some(()));
+    let err = sup.stderr();
+    let warnings: Vec<&str> = err.lines().filter(|l| l.contains("GPU metrics are off")).collect();
+    assert_eq!(warnings.len(), 1, "{err}");
+    assert!(warnings[0].contains("driver is not loaded") && warnings[0].contains("utilisation"), "{}", warnings[0]);
+    assert_eq!(metrics(&sup)[0]["gpu"]["samples"], 0);
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
+}

@@ -21,6 +21,7 @@ impl Dispatcher {
             batches_produced: self.pipeline.progress().1,
             batches_consumed: self.pipeline.progress().0,
             train: Some(self.trainer.progress.clone()),
+            metrics: self.metrics.latest.clone(),
             workers: self
                 .workers
                 .iter()
@@ -61,6 +62,7 @@ impl Dispatcher {
 
     /// Every worker is gone: decide the exit code, say why, record it.
     pub(super) fn finish(mut self) -> i32 {
+        self.write_metrics();
         let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
         let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
         self.pipeline.end();

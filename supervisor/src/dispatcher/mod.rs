@@ -49,6 +49,7 @@ use crate::trainer::Trainer;
 use crate::{control, error::Error};
 
 mod data;
+mod metrics;
 mod ending;
 mod spawning;
 
@@ -68,6 +69,7 @@ pub enum Event {
     ChannelLost { worker: usize, life: LifeId, reason: String, malformed: bool },
     Exited { worker: usize, life: LifeId, status: ExitStatus },
     Loader(LoaderEvent),
+    GpuSamples(Vec<crate::telemetry::GpuSample>),
 }
 
 pub struct Config {
@@ -83,6 +85,9 @@ pub struct Config {
     pub tee: bool,
     pub log_max_size: u64,
     pub log_backups: u32,
+    pub gpu_metrics: bool,
+    pub gpu_sample_interval: Duration,
+    pub metrics_interval: Duration,
 }
 
 /// What the run feeds its workers.
@@ -187,10 +192,12 @@ pub struct Dispatcher {
     trainer: Trainer,
     written_progress: (u64, u64),
     written_at: Instant,
+    metrics: metrics::Metrics,
 }
 
 impl Dispatcher {
     pub fn new(cfg: Config, run: RunDir, reaper: Option<Reaper>, data: Data) -> Result<Dispatcher, Error> {
+        let metrics = metrics::Metrics::new(&run.path);
         let (tx, rx) = mpsc::channel();
         let spawner = Spawner::start().map_err(|e| Error::Internal(format!("cannot start spawner thread: {e}")))?;
         let mut workers = Vec::new();
@@ -233,6 +240,7 @@ impl Dispatcher {
             trainer: data.trainer,
             written_progress: (0, 0),
             written_at: Instant::now(),
+            metrics,
         })
     }
 
@@ -256,6 +264,12 @@ impl Dispatcher {
         }
         for i in 0..self.workers.len() {
             self.spawn(i);
+        }
+        if self.cfg.gpu_metrics {
+            let mut gpus: Vec<u32> = self.workers.iter().filter_map(|w| if let Device::Gpu(g) = w.device { Some(g) } else { None }).collect();
+            gpus.sort_unstable();
+            gpus.dedup();
+            crate::telemetry::start(gpus, self.cfg.gpu_sample_interval, self.tx.clone());
         }
         loop {
             self.flush_state();
@@ -299,6 +313,7 @@ impl Dispatcher {
                 }
             }
             Event::Exited { worker, life, status } => self.on_exit(worker, life, status),
+            Event::GpuSamples(samples) => self.metrics.gpu.add(&samples),
             Event::Loader(ev) => {
                 if let Err(msg) = self.pipeline.on_loader(ev) {
                     log::error!("{msg}");
@@ -554,6 +569,9 @@ impl Dispatcher {
     }
 
     fn on_timers(&mut self, now: Instant) {
+        if self.metrics.due(now, self.cfg.metrics_interval) {
+            self.write_metrics();
+        }
         match self.phase {
             Phase::Running | Phase::Stopping { .. } | Phase::Killing
                 if self.workers.iter().any(|w| w.life.as_ref().is_some_and(|l| l.exited.is_some_and(|(_, t)| now.duration_since(t) > DRAIN_GRACE))) =>

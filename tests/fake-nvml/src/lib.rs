@@ -49,11 +49,23 @@ unsafe fn write_str(dst: *mut c_char, len: u32, text: &str) -> u32 {
     SUCCESS
 }
 
+/// `"init_ok_times": N` in the script: only the first N initialisations succeed (a
+/// driver that goes away after start-up). They are counted in the file next to the
+/// script, `<script>.inits`, since the library is unloaded between uses.
 #[no_mangle]
 pub extern "C" fn nvmlInit_v2() -> u32 {
     let s = script();
     if s.is_null() {
         return UNINITIALIZED;
+    }
+    if let (Some(ok), Some(path)) = (s["init_ok_times"].as_u64(), std::env::var_os("DFLASH_FAKE_NVML")) {
+        let mut counter = path;
+        counter.push(".inits");
+        let n: u64 = std::fs::read_to_string(&counter).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0);
+        let _ = std::fs::write(&counter, (n + 1).to_string());
+        if n >= ok {
+            return 9; // NVML_ERROR_DRIVER_NOT_LOADED
+        }
     }
     failing(&s, "nvmlInit_v2").unwrap_or(SUCCESS)
 }
@@ -151,4 +163,80 @@ pub unsafe extern "C" fn nvmlSystemGetDriverVersion(version: *mut c_char, len: u
 #[no_mangle]
 pub extern "C" fn nvmlErrorString(_result: u32) -> *const c_char {
     c"fake NVML error".as_ptr()
+}
+
+/// A numeric field of the device, or the scripted failure of `func`.
+fn field(handle: *mut u8, func: &str, key: &str) -> Result<u64, u32> {
+    let s = script();
+    if let Some(c) = failing(&s, func) {
+        return Err(c);
+    }
+    let d = device(&s, handle).ok_or(INVALID_ARGUMENT)?;
+    d[key].as_u64().ok_or(3) // NVML_ERROR_NOT_SUPPORTED
+}
+
+macro_rules! getter {
+    ($name:ident, $key:literal, $ty:ty) => {
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(handle: *mut u8, out: *mut $ty) -> u32 {
+            match field(handle, stringify!($name), $key) {
+                Ok(v) => {
+                    // SAFETY: out-parameter supplied by the caller.
+                    unsafe { *out = v as $ty };
+                    SUCCESS
+                }
+                Err(c) => c,
+            }
+        }
+    };
+}
+
+getter!(nvmlDeviceGetPowerUsage, "power_mw", u32);
+getter!(nvmlDeviceGetEnforcedPowerLimit, "power_limit_mw", u32);
+getter!(nvmlDeviceGetTotalEnergyConsumption, "energy_mj", u64);
+
+#[repr(C)]
+pub struct Utilization {
+    gpu: u32,
+    memory: u32,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(handle: *mut u8, out: *mut Utilization) -> u32 {
+    let (g, m) = match (field(handle, "nvmlDeviceGetUtilizationRates", "util_gpu"), field(handle, "nvmlDeviceGetUtilizationRates", "util_mem")) {
+        (Ok(g), Ok(m)) => (g, m),
+        (Err(c), _) | (_, Err(c)) => return c,
+    };
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe {
+        (*out).gpu = g as u32;
+        (*out).memory = m as u32;
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetTemperature(handle: *mut u8, _sensor: u32, out: *mut u32) -> u32 {
+    match field(handle, "nvmlDeviceGetTemperature", "temp_c") {
+        Ok(v) => {
+            // SAFETY: out-parameter supplied by the caller.
+            unsafe { *out = v as u32 };
+            SUCCESS
+        }
+        Err(c) => c,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetClockInfo(handle: *mut u8, clock: u32, out: *mut u32) -> u32 {
+    // NVML_CLOCK_SM = 1, NVML_CLOCK_MEM = 2
+    let key = if clock == 2 { "mem_clock_mhz" } else { "sm_clock_mhz" };
+    match field(handle, "nvmlDeviceGetClockInfo", key) {
+        Ok(v) => {
+            // SAFETY: out-parameter supplied by the caller.
+            unsafe { *out = v as u32 };
+            SUCCESS
+        }
+        Err(c) => c,
+    }
 }

@@ -1,0 +1,87 @@
+//! `metrics.jsonl`: one JSON object per `--metrics-interval` window. Schema (stable; new
+//! keys may be added):
+//!
+//! ```text
+//! time, window_s
+//! gpu: {samples, gpus: [{index, util_gpu_pct, util_mem_pct, mem_used_bytes,
+//!       mem_total_bytes, power_w, power_limit_w, energy_j, temp_c, sm_clock_mhz,
+//!       mem_clock_mhz: {mean, max, samples} | null, process_mem_bytes: {worker: bytes}}]}
+//! batches: {produced, consumed, consumed_per_s}
+//! train: {step, steps_per_s, loss, acceptance} | null
+//! restarts: total over the run
+//! workers: {name: {state, pid, restarts, batches_served_share}}
+//! ```
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::Dispatcher;
+use crate::rundir::now_rfc3339;
+use crate::telemetry::GpuWindow;
+
+pub const METRICS_FILE: &str = "metrics.jsonl";
+
+pub struct Metrics {
+    pub gpu: GpuWindow,
+    file: Option<File>,
+    started: Instant,
+    last_consumed: u64,
+    last_step: u64,
+    pub latest: Option<serde_json::Value>,
+}
+
+impl Metrics {
+    pub fn new(run_dir: &Path) -> Metrics {
+        let file = OpenOptions::new().create(true).append(true).open(run_dir.join(METRICS_FILE));
+        if let Err(e) = &file {
+            log::warn!("cannot write {METRICS_FILE}: {e}; metrics go only to state.json");
+        }
+        Metrics { gpu: GpuWindow::default(), file: file.ok(), started: Instant::now(), last_consumed: 0, last_step: 0, latest: None }
+    }
+
+    pub fn due(&self, now: Instant, every: Duration) -> bool {
+        now.duration_since(self.started) >= every
+    }
+}
+
+impl Dispatcher {
+    /// Close the current window: write it and start the next.
+    pub(super) fn write_metrics(&mut self) {
+        let secs = self.metrics.started.elapsed().as_secs_f64().max(1e-9);
+        let names = |pid: u32| self.workers.iter().find(|w| w.life.as_ref().is_some_and(|l| l.pid == pid)).map(|w| w.name.to_string());
+        let gpu = self.metrics.gpu.take(&names);
+        let (consumed, produced) = self.pipeline.progress();
+        let t = &self.trainer.progress;
+        let train = (t.step > 0).then(|| {
+            json!({"step": t.step, "steps_per_s": (t.step.saturating_sub(self.metrics.last_step)) as f64 / secs,
+                   "loss": t.loss, "acceptance": t.acceptance})
+        });
+        let workers: serde_json::Map<String, serde_json::Value> = self
+            .workers
+            .iter()
+            .map(|w| (w.name.to_string(), json!({"state": w.state.as_str(), "pid": w.life.as_ref().map(|l| l.pid), "restarts": w.restarts})))
+            .collect();
+        let record = json!({
+            "time": now_rfc3339(),
+            "window_s": secs,
+            "gpu": gpu,
+            "batches": {"produced": produced, "consumed": consumed,
+                        "consumed_per_s": consumed.saturating_sub(self.metrics.last_consumed) as f64 / secs},
+            "train": train,
+            "restarts": self.workers.iter().map(|w| w.restarts as u64).sum::<u64>(),
+            "workers": workers,
+        });
+        if let Some(f) = self.metrics.file.as_mut() {
+            let _ = writeln!(f, "{record}");
+        }
+        self.metrics.last_consumed = consumed;
+        self.metrics.last_step = t.step;
+        self.metrics.started = Instant::now();
+        self.metrics.latest = Some(record);
+        self.dirty = true;
+    }
+}
