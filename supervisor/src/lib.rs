@@ -17,6 +17,7 @@ pub mod ledger;
 pub mod loader;
 pub mod logs;
 pub mod pipeline;
+pub mod queue_health;
 pub mod process;
 pub mod reaper;
 pub mod report;

@@ -34,6 +34,7 @@ use crate::dispatcher::Event;
 use crate::error::Error;
 use crate::ledger::Ledger;
 use crate::loader::{BadLines, Loader, Position};
+use crate::queue_health::{PoolView, QueueHealth};
 
 /// The loader thread's holder id (worker lives start at 1).
 const LOADER: Holder = 0;
@@ -109,7 +110,7 @@ pub fn human(bytes: u64) -> String {
 
 /// From the loader thread.
 pub enum LoaderEvent {
-    Produced { slot: u32, gen: u64, len: u64, batch_id: u64, rows: usize, tokens: u64 },
+    Produced { slot: u32, gen: u64, len: u64, batch_id: u64, rows: usize, tokens: u64, lengths: Vec<u32>, seq_len: u32 },
     Done { position: Position, bad: BadLines },
     Failed(String),
 }
@@ -170,6 +171,10 @@ pub struct Pipeline {
     hidden_seen: HashSet<u64>,
     /// Batches given to each worker life, to balance load.
     served: HashMap<Holder, u64>,
+    /// Real tokens of each batch not consumed yet (for per-worker tokens/s).
+    batch_tokens: HashMap<u64, u64>,
+    /// Queue health of the current metrics window.
+    pub health: QueueHealth,
     ledger: Ledger,
 }
 
@@ -189,6 +194,8 @@ impl Pipeline {
             consumed_before: HashSet::new(),
             hidden_seen: HashSet::new(),
             served: HashMap::new(),
+            batch_tokens: HashMap::new(),
+            health: QueueHealth::default(),
             ledger,
         })
     }
@@ -229,6 +236,8 @@ impl Pipeline {
                                     batch_id: b.batch_id,
                                     rows: b.rows(),
                                     tokens: b.tokens(),
+                                    lengths: b.lengths.clone(),
+                                    seq_len: b.seq_len,
                                 },
                                 Err(e) => LoaderEvent::Failed(format!("batch {} does not fit a token slot: {e}", b.batch_id)),
                             }
@@ -250,7 +259,9 @@ impl Pipeline {
     /// A loader event; `Err` is bad input that ends the run.
     pub fn on_loader(&mut self, ev: LoaderEvent) -> Result<(), String> {
         match ev {
-            LoaderEvent::Produced { slot, gen, len, batch_id, rows, tokens } => {
+            LoaderEvent::Produced { slot, gen, len, batch_id, rows, tokens, lengths, seq_len } => {
+                self.health.batch(&lengths, seq_len);
+                self.batch_tokens.insert(batch_id, tokens);
                 self.tokens
                     .table
                     .commit(LOADER, slot, gen, len, batch_id)
@@ -333,6 +344,8 @@ impl Pipeline {
             return Ok(());
         }
         self.hidden.table.commit(peer.holder, output.slot, output.gen, len, batch_id).expect("checked");
+        let tokens = self.batch_tokens.get(&batch_id).copied().unwrap_or(0);
+        self.health.tokens(&name, tokens);
         self.hidden.publish(output.slot, 0);
         self.ledger.record("hidden", batch_id, &name, json!({"bytes": len}));
         Ok(())
@@ -357,6 +370,9 @@ impl Pipeline {
         self.hidden.table.ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())?;
         self.hidden.publish(input.slot, 0);
         let name = name.to_string();
+        if let Some(tokens) = self.batch_tokens.remove(&batch_id) {
+            self.health.tokens(&name, tokens);
+        }
         if self.consumed.insert(batch_id) {
             self.ledger.record("consumed", batch_id, &name, json!({}));
         } else {
@@ -397,6 +413,7 @@ impl Pipeline {
         }
         let targets: Vec<&Peer> = peers.iter().filter(|p| p.name.role == Role::Target).collect();
         let drafters: Vec<&Peer> = peers.iter().filter(|p| p.name.role == Role::Drafter).collect();
+        self.observe_health(&targets, &drafters);
         self.deliver(PoolId::Tokens, &targets);
         // Output leases for targets.
         while let Some(p) = targets
@@ -409,6 +426,25 @@ impl Pipeline {
             let _ = p.tx.send(ToWorker::Lease { slot: self.hidden.fref(&g) });
         }
         self.deliver(PoolId::Hidden, &drafters);
+    }
+
+    fn observe_health(&mut self, targets: &[&Peer], drafters: &[&Peer]) {
+        let (t, h, k) = (&self.tokens.table, &self.hidden.table, self.prefetch);
+        let free = |tb: &SlotTable| tb.count(SlotState::Free) > 0;
+        let ready = |tb: &SlotTable| tb.count(SlotState::Ready);
+        let tokens = PoolView {
+            ready: ready(t),
+            slots: t.len(),
+            producer_blocked: self.loader_tx.is_some() && t.held(LOADER, SlotState::Writing) < LOADER_AHEAD && !free(t),
+            consumer_starved: ready(t) == 0 && targets.iter().any(|p| t.held(p.holder, SlotState::Reading) < k),
+        };
+        let hidden = PoolView {
+            ready: ready(h),
+            slots: h.len(),
+            producer_blocked: !free(h) && targets.iter().any(|p| h.held(p.holder, SlotState::Writing) < k),
+            consumer_starved: ready(h) == 0 && drafters.iter().any(|p| h.held(p.holder, SlotState::Reading) < k),
+        };
+        self.health.observe(tokens, hidden);
     }
 
     /// Hand READY batches of `pool` to the least-loaded consumers with credit left.
@@ -434,6 +470,7 @@ impl Pipeline {
             let slot = p.fref(&g);
             let _ = peer.tx.send(ToWorker::Deliver { slot, len: g.len, batch_id: g.batch_id });
             *self.served.entry(peer.holder).or_default() += 1;
+            self.health.served(&peer.name.to_string());
             let ev = if pool == PoolId::Tokens { "to_target" } else { "to_drafter" };
             self.ledger.record(ev, g.batch_id, &peer.name.to_string(), json!({}));
         }

@@ -207,3 +207,33 @@ fn bench_ipc_prints_every_figure_and_ratio() {
     }
     assert!(v["handoff_p99_us"].as_f64() >= v["handoff_p50_us"].as_f64());
 }
+
+#[test]
+fn metrics_report_queue_health_balance_composition_and_the_bottleneck() {
+    // One target feeding one drafter that trains about three times slower: the hidden-state
+    // pool fills up and the targets wait on it.
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", "demo", "--steps", "40", "--metrics-interval", "500ms", "--no-gpu-metrics"]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    let windows = read_jsonl(&sup.run_dir.join("metrics.jsonl"));
+    assert!(windows.len() >= 3, "{} windows", windows.len());
+    for w in &windows {
+        let p = &w["pipeline"];
+        for pool in ["tokens_pool", "hidden_pool"] {
+            for k in ["fill_ratio", "producers_blocked_share", "consumers_starved_share"] {
+                let x = p[pool][k].as_f64().unwrap();
+                assert!((0.0..=1.0 + 1e-9).contains(&x), "{pool}.{k} = {x}");
+            }
+        }
+    }
+    let busy: Vec<&Value> = windows.iter().filter(|w| w["pipeline"]["batches_per_worker"]["drafter-0"].as_u64().unwrap_or(0) > 0).collect();
+    assert!(!busy.is_empty());
+    let eff = busy[0]["pipeline"]["padding_efficiency"].as_f64().unwrap();
+    assert!(eff > 0.8 && eff <= 1.0, "length bucketing keeps padding low: {eff}");
+    assert!(busy[0]["pipeline"]["tokens_per_s_by_worker"]["target-0"].as_f64().unwrap() > 0.0);
+    assert!(
+        windows.iter().any(|w| w["pipeline"]["bottleneck_hint"].as_str().is_some_and(|h| h.contains("add drafters"))),
+        "the drafter-bound run is named as such: {:?}",
+        windows.iter().map(|w| w["pipeline"]["bottleneck_hint"].clone()).collect::<Vec<_>>()
+    );
+    assert!(windows.last().unwrap()["train"]["step"].as_u64().unwrap() >= 35);
+}

@@ -6,6 +6,10 @@
 //! gpu: {samples, gpus: [{index, util_gpu_pct, util_mem_pct, mem_used_bytes,
 //!       mem_total_bytes, power_w, power_limit_w, energy_j, temp_c, sm_clock_mhz,
 //!       mem_clock_mhz: {mean, max, samples} | null, process_mem_bytes: {worker: bytes}}]}
+//! pipeline: {tokens_pool, hidden_pool: {fill_ratio, producers_blocked_share,
+//!       consumers_starved_share}, batches_per_worker, balance_max_over_min: {role: x},
+//!       tokens_per_s_by_worker, length_buckets, length_entropy_bits, padding_efficiency,
+//!       bottleneck_hint}
 //! batches: {produced, consumed, consumed_per_s}
 //! train: {step, steps_per_s, loss, acceptance} | null
 //! restarts: total over the run
@@ -65,10 +69,15 @@ impl Dispatcher {
             .iter()
             .map(|w| (w.name.to_string(), json!({"state": w.state.as_str(), "pid": w.life.as_ref().map(|l| l.pid), "restarts": w.restarts})))
             .collect();
+        let pipeline = self.pipeline.health.take(secs);
+        if let Some(hint) = pipeline["bottleneck_hint"].as_str() {
+            log::info!("bottleneck: {hint}");
+        }
         let record = json!({
             "time": now_rfc3339(),
             "window_s": secs,
             "gpu": gpu,
+            "pipeline": pipeline,
             "batches": {"produced": produced, "consumed": consumed,
                         "consumed_per_s": consumed.saturating_sub(self.metrics.last_consumed) as f64 / secs},
             "train": train,

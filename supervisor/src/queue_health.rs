@@ -1,0 +1,180 @@
+//! Pipeline health over a metrics window, measured where the supervisor already decides
+//! (each grant pass): pool fill, how long producers waited for a free slot and consumers
+//! for a ready batch, batches per worker, the length mix of batches, and a plain-language
+//! hint when one side starves the other.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use serde_json::json;
+
+/// Time-weighted shares of one pool.
+#[derive(Default)]
+struct PoolAcc {
+    time: f64,
+    fill: f64,
+    producers_blocked: f64,
+    consumers_starved: f64,
+}
+
+/// What one grant pass saw of one pool.
+pub struct PoolView {
+    pub ready: usize,
+    pub slots: usize,
+    /// Some producer wanted a free slot and none was free.
+    pub producer_blocked: bool,
+    /// Some consumer had credit and no batch was ready.
+    pub consumer_starved: bool,
+}
+
+pub struct QueueHealth {
+    last: Instant,
+    pools: [PoolAcc; 2],
+    served: BTreeMap<String, u64>,
+    tokens_by_worker: BTreeMap<String, u64>,
+    lengths: BTreeMap<u32, u64>,
+    real_tokens: u64,
+    padded_tokens: u64,
+}
+
+impl Default for QueueHealth {
+    fn default() -> Self {
+        QueueHealth {
+            last: Instant::now(),
+            pools: Default::default(),
+            served: BTreeMap::new(),
+            tokens_by_worker: BTreeMap::new(),
+            lengths: BTreeMap::new(),
+            real_tokens: 0,
+            padded_tokens: 0,
+        }
+    }
+}
+
+/// Length bucket of a row: the next power of two (16, 32, 64, ...).
+fn bucket(len: u32) -> u32 {
+    len.max(16).next_power_of_two()
+}
+
+impl QueueHealth {
+    /// One grant pass: weight what it saw by the time since the previous one.
+    pub fn observe(&mut self, tokens: PoolView, hidden: PoolView) {
+        let now = Instant::now();
+        let dt = now.duration_since(self.last).as_secs_f64();
+        self.last = now;
+        for (acc, v) in self.pools.iter_mut().zip([tokens, hidden]) {
+            acc.time += dt;
+            acc.fill += dt * v.ready as f64 / v.slots.max(1) as f64;
+            acc.producers_blocked += dt * v.producer_blocked as u8 as f64;
+            acc.consumers_starved += dt * v.consumer_starved as u8 as f64;
+        }
+    }
+
+    pub fn served(&mut self, worker: &str) {
+        *self.served.entry(worker.to_string()).or_default() += 1;
+    }
+
+    pub fn tokens(&mut self, worker: &str, n: u64) {
+        *self.tokens_by_worker.entry(worker.to_string()).or_default() += n;
+    }
+
+    pub fn batch(&mut self, lengths: &[u32], seq_len: u32) {
+        for &l in lengths {
+            *self.lengths.entry(bucket(l)).or_default() += 1;
+        }
+        self.real_tokens += lengths.iter().map(|&l| l as u64).sum::<u64>();
+        self.padded_tokens += lengths.len() as u64 * seq_len as u64;
+    }
+
+    /// The window as JSON; resets it.
+    pub fn take(&mut self, window_s: f64) -> serde_json::Value {
+        let pool = |a: &PoolAcc| {
+            let t = a.time.max(1e-9);
+            json!({"fill_ratio": a.fill / t, "producers_blocked_share": a.producers_blocked / t, "consumers_starved_share": a.consumers_starved / t})
+        };
+        let total: u64 = self.lengths.values().sum();
+        let entropy = if total == 0 {
+            0.0
+        } else {
+            -self.lengths.values().map(|&c| c as f64 / total as f64).map(|p| p * p.log2()).sum::<f64>()
+        };
+        // Max over min of batches per worker, within each role.
+        let mut by_role: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        for (w, n) in &self.served {
+            by_role.entry(w.split('-').next().unwrap_or("")).or_default().push(*n);
+        }
+        let balance: BTreeMap<&str, Option<f64>> = by_role
+            .into_iter()
+            .map(|(role, v)| {
+                let (hi, lo) = (v.iter().max().copied().unwrap_or(0), v.iter().min().copied().unwrap_or(0));
+                (role, (lo > 0).then(|| hi as f64 / lo as f64))
+            })
+            .collect();
+        let hint = self.hint();
+        let tokens_per_s: serde_json::Map<String, serde_json::Value> =
+            self.tokens_by_worker.iter().map(|(w, n)| (w.clone(), (*n as f64 / window_s.max(1e-9)).into())).collect();
+        let v = json!({
+            "tokens_pool": pool(&self.pools[0]),
+            "hidden_pool": pool(&self.pools[1]),
+            "batches_per_worker": self.served,
+            "balance_max_over_min": balance,
+            "tokens_per_s_by_worker": tokens_per_s,
+            "length_buckets": self.lengths.iter().map(|(b, c)| (format!("<={b}"), *c)).collect::<BTreeMap<_, _>>(),
+            "length_entropy_bits": entropy,
+            "padding_efficiency": if self.padded_tokens > 0 { Some(self.real_tokens as f64 / self.padded_tokens as f64) } else { None },
+            "bottleneck_hint": hint,
+        });
+        *self = QueueHealth { last: self.last, ..QueueHealth::default() };
+        v
+    }
+
+    fn hint(&self) -> Option<String> {
+        let share = |a: &PoolAcc, x: f64| if a.time > 0.0 { x / a.time } else { 0.0 };
+        let (tok, hid) = (&self.pools[0], &self.pools[1]);
+        let drafters_idle = share(hid, hid.consumers_starved);
+        let targets_blocked = share(hid, hid.producers_blocked);
+        let targets_idle = share(tok, tok.consumers_starved);
+        if drafters_idle > 0.5 && targets_idle > 0.5 {
+            Some(format!("targets idle {:.0}% waiting for token batches: the data loader is the bottleneck", targets_idle * 100.0))
+        } else if drafters_idle > 0.5 {
+            Some(format!("drafters idle {:.0}% waiting for hidden states: add targets", drafters_idle * 100.0))
+        } else if targets_blocked > 0.5 {
+            Some(format!("targets blocked {:.0}% on a full hidden-state pool: add drafters", targets_blocked * 100.0))
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn composition_balance_and_hints() {
+        let mut q = QueueHealth::default();
+        q.batch(&[10, 20, 30], 30);
+        q.batch(&[100], 100);
+        for _ in 0..3 {
+            q.served("drafter-0");
+        }
+        q.served("drafter-1");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        q.observe(
+            PoolView { ready: 2, slots: 4, producer_blocked: false, consumer_starved: false },
+            PoolView { ready: 0, slots: 4, producer_blocked: false, consumer_starved: true },
+        );
+        let v = q.take(1.0);
+        assert_eq!(v["length_buckets"]["<=16"], 1);
+        assert_eq!(v["length_buckets"]["<=32"], 2);
+        assert_eq!(v["length_buckets"]["<=128"], 1);
+        assert!((v["padding_efficiency"].as_f64().unwrap() - 160.0 / 190.0).abs() < 1e-9);
+        assert!((v["length_entropy_bits"].as_f64().unwrap() - 1.5).abs() < 1e-9);
+        assert_eq!(v["balance_max_over_min"]["drafter"], 3.0);
+        assert!((v["tokens_pool"]["fill_ratio"].as_f64().unwrap() - 0.5).abs() < 1e-9);
+        assert_eq!(v["hidden_pool"]["consumers_starved_share"], 1.0);
+        assert!(v["bottleneck_hint"].as_str().unwrap().contains("drafters idle 100%"));
+        // The window resets.
+        assert_eq!(q.take(1.0)["batches_per_worker"], json!({}));
+    }
+}
