@@ -224,6 +224,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 2, help_heading = "Pipeline")]
     pub prefetch: usize,
 
+    /// Serve the latest metrics window for Prometheus at http://ADDR/metrics. A bare port
+    /// (9400) listens on loopback only; give 0.0.0.0:9400 to listen on every interface.
+    #[arg(long, value_name = "ADDR", value_parser = crate::prometheus::parse_addr, help_heading = "Telemetry")]
+    pub prometheus: Option<std::net::SocketAddr>,
+
     /// Do not sample GPUs through NVML.
     #[arg(long, help_heading = "Telemetry")]
     pub no_gpu_metrics: bool,

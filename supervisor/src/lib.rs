@@ -19,6 +19,7 @@ pub mod logs;
 pub mod pipeline;
 pub mod queue_health;
 pub mod process;
+pub mod prometheus;
 pub mod reaper;
 pub mod report;
 pub mod restart;
@@ -213,6 +214,14 @@ fn run(mut args: RunArgs) -> Result<i32, Error> {
         log_max_size: args.log_max_size,
         log_backups: args.log_backups,
         gpu_metrics: !args.no_gpu_metrics,
+        prometheus: match &args.prometheus {
+            Some(a) => {
+                let e = prometheus::Exporter::start(*a)?;
+                log::info!("Prometheus metrics at http://{}/metrics", e.addr);
+                Some(e)
+            }
+            None => None,
+        },
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
     };

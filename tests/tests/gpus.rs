@@ -146,3 +146,49 @@ fn nvml_failing_after_start_gives_one_warning_and_the_run_goes_on() {
     sup.signal(Signal::SIGTERM);
     assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
 }
+
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes()).unwrap_or_else(|e| panic!("write to {addr}: {e}"));
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = fake_nvml();
+    let s = tmp.path().join("nvml.json");
+    fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}}}"#)).unwrap();
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let mut sup = Sup::start_real_env(&["--gpus", "0-1", "--prometheus", "0", "--metrics-interval", "200ms", "--gpu-sample-interval", "50ms"], &env);
+    let addr = wait_for("the Prometheus address", Duration::from_secs(20), || {
+        let err = sup.stderr();
+        let line = err.lines().find(|l| l.contains("Prometheus metrics at http://"))?;
+        Some(line.split("http://").nth(1)?.trim_end_matches("/metrics").to_string())
+    });
+    assert!(addr.starts_with("127.0.0.1:"), "a bare port listens on loopback: {addr}");
+    let body = wait_for("GPU figures on /metrics", Duration::from_secs(20), || {
+        let r = http_get(&addr, "/metrics");
+        r.contains("dflash_gpu_utilization_ratio{gpu=\"0\"} 0.4").then_some(r)
+    });
+    assert!(body.starts_with("HTTP/1.1 200 OK") && body.contains("Content-Type: text/plain; version=0.0.4"), "{body}");
+    assert!(body.contains("dflash_gpu_power_watts{gpu=\"0\"} 300") && body.contains("dflash_worker_restarts_total{worker=\"drafter-0\"} 0"), "{body}");
+    assert!(http_get(&addr, "/other").starts_with("HTTP/1.1 404"));
+    let text = body.split("\r\n\r\n").nth(1).unwrap().to_string();
+    let file = tmp.path().join("metrics.txt");
+    fs::write(&file, &text).unwrap();
+    match Command::new("promtool").args(["check", "metrics"]).stdin(fs::File::open(&file).unwrap()).output() {
+        Ok(out) => assert!(
+            out.status.success(),
+            "promtool check metrics: {}{}\n{text}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(_) => eprintln!("SKIPPED promtool check: promtool is not installed (Debian package prometheus; .ci/run installs it)"),
+    }
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
+}

@@ -87,6 +87,9 @@ impl Dispatcher {
         if let Some(f) = self.metrics.file.as_mut() {
             let _ = writeln!(f, "{record}");
         }
+        if let Some(p) = &self.cfg.prometheus {
+            p.update(&record);
+        }
         self.metrics.last_consumed = consumed;
         self.metrics.last_step = t.step;
         self.metrics.started = Instant::now();

@@ -86,6 +86,7 @@ pub struct Config {
     pub log_max_size: u64,
     pub log_backups: u32,
     pub gpu_metrics: bool,
+    pub prometheus: Option<crate::prometheus::Exporter>,
     pub gpu_sample_interval: Duration,
     pub metrics_interval: Duration,
 }

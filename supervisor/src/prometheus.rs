@@ -1,0 +1,182 @@
+//! `--prometheus ADDR`: the latest metrics window in Prometheus text exposition format at
+//! `http://ADDR/metrics`. A bare port binds loopback only; give an address (0.0.0.0:9400)
+//! to listen elsewhere. A minimal HTTP/1.1 responder on its own thread: one short request,
+//! one response, close.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::error::Error;
+
+#[derive(Clone)]
+pub struct Exporter {
+    text: Arc<Mutex<String>>,
+    pub addr: SocketAddr,
+}
+
+/// `9400` or `:9400` → 127.0.0.1:9400; anything else must be an address with a port.
+pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+    let t = s.trim().trim_start_matches(':');
+    if let Ok(port) = t.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    s.trim().parse().map_err(|_| format!("'{s}' is not a port or an address with a port (expected e.g. 9400 or 0.0.0.0:9400)"))
+}
+
+impl Exporter {
+    pub fn start(addr: SocketAddr) -> Result<Exporter, Error> {
+        let listener = TcpListener::bind(addr).map_err(|e| Error::Usage(format!("--prometheus {addr}: cannot listen: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
+        let text = Arc::new(Mutex::new("# HELP dflash_up 1 while the supervisor runs.\n# TYPE dflash_up gauge\ndflash_up 1\n".to_string()));
+        let shared = text.clone();
+        std::thread::Builder::new()
+            .name("prometheus".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(mut s) = stream else { continue };
+                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                    // Read the request head (it may come in several segments).
+                    let mut buf = Vec::with_capacity(1024);
+                    let mut chunk = [0u8; 1024];
+                    while buf.len() < 8192 && !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut chunk) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let req = String::from_utf8_lossy(&buf);
+                    let path = req.split_whitespace().nth(1).unwrap_or("");
+                    let (status, body) = if path == "/metrics" || path.starts_with("/metrics?") {
+                        ("200 OK", shared.lock().map(|t| t.clone()).unwrap_or_default())
+                    } else {
+                        ("404 Not Found", "not found: the metrics are at /metrics\n".to_string())
+                    };
+                    let _ = write!(
+                        s,
+                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                }
+            })
+            .map_err(|e| Error::Internal(format!("cannot start the Prometheus thread: {e}")))?;
+        Ok(Exporter { text, addr })
+    }
+
+    pub fn update(&self, window: &Value) {
+        if let Ok(mut t) = self.text.lock() {
+            *t = render(window);
+        }
+    }
+}
+
+struct Out(String);
+
+impl Out {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        self.0.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+    }
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], v: Option<f64>) {
+        let Some(v) = v.filter(|v| v.is_finite()) else { return };
+        let l = labels.iter().map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""))).collect::<Vec<_>>().join(",");
+        if l.is_empty() {
+            self.0.push_str(&format!("{name} {v}\n"));
+        } else {
+            self.0.push_str(&format!("{name}{{{l}}} {v}\n"));
+        }
+    }
+}
+
+/// A metrics window (see `dispatcher/metrics.rs`) as Prometheus text.
+pub fn render(w: &Value) -> String {
+    let mut o = Out(String::new());
+    o.family("dflash_up", "gauge", "1 while the supervisor runs.");
+    o.sample("dflash_up", &[], Some(1.0));
+    let gpus = w["gpu"]["gpus"].as_array().cloned().unwrap_or_default();
+    let gpu_metrics: [(&str, &str, &str, &str, f64); 10] = [
+        ("util_gpu_pct", "dflash_gpu_utilization_ratio", "gauge", "GPU busy share over the window (mean).", 0.01),
+        ("util_mem_pct", "dflash_gpu_memory_bandwidth_utilization_ratio", "gauge", "GPU memory-controller busy share (mean).", 0.01),
+        ("mem_used_bytes", "dflash_gpu_memory_used_bytes", "gauge", "GPU memory in use (max over the window).", 1.0),
+        ("mem_total_bytes", "dflash_gpu_memory_total_bytes", "gauge", "GPU memory size.", 1.0),
+        ("power_w", "dflash_gpu_power_watts", "gauge", "GPU power draw (mean).", 1.0),
+        ("power_limit_w", "dflash_gpu_power_limit_watts", "gauge", "Enforced GPU power limit.", 1.0),
+        ("energy_j", "dflash_gpu_energy_joules_total", "counter", "GPU energy since the driver loaded.", 1.0),
+        ("temp_c", "dflash_gpu_temperature_celsius", "gauge", "GPU temperature (max over the window).", 1.0),
+        ("sm_clock_mhz", "dflash_gpu_sm_clock_hertz", "gauge", "SM clock (mean).", 1e6),
+        ("mem_clock_mhz", "dflash_gpu_memory_clock_hertz", "gauge", "Memory clock (mean).", 1e6),
+    ];
+    for (key, name, kind, help, scale) in gpu_metrics {
+        o.family(name, kind, help);
+        let pick = if key == "mem_used_bytes" || key == "temp_c" || kind == "counter" { "max" } else { "mean" };
+        for g in &gpus {
+            let idx = g["index"].as_u64().unwrap_or(0).to_string();
+            o.sample(name, &[("gpu", &idx)], g[key][pick].as_f64().map(|v| v * scale));
+        }
+    }
+    let p = &w["pipeline"];
+    for (key, name, help) in [
+        ("fill_ratio", "dflash_pool_fill_ratio", "Share of slots holding a ready batch (time-weighted)."),
+        ("producers_blocked_share", "dflash_pool_producers_blocked_ratio", "Share of time a producer waited for a free slot."),
+        ("consumers_starved_share", "dflash_pool_consumers_starved_ratio", "Share of time a consumer waited for a batch."),
+    ] {
+        o.family(name, "gauge", help);
+        for pool in ["tokens", "hidden"] {
+            o.sample(name, &[("pool", pool)], p[format!("{pool}_pool")][key].as_f64());
+        }
+    }
+    o.family("dflash_worker_tokens_per_second", "gauge", "Tokens each worker processed per second over the window.");
+    if let Some(m) = p["tokens_per_s_by_worker"].as_object() {
+        for (wk, v) in m {
+            o.sample("dflash_worker_tokens_per_second", &[("worker", wk)], v.as_f64());
+        }
+    }
+    o.family("dflash_padding_efficiency_ratio", "gauge", "Real tokens over padded tokens of the window's batches.");
+    o.sample("dflash_padding_efficiency_ratio", &[], p["padding_efficiency"].as_f64());
+    o.family("dflash_worker_restarts_total", "counter", "Restarts of each worker in this run.");
+    if let Some(m) = w["workers"].as_object() {
+        for (wk, v) in m {
+            o.sample("dflash_worker_restarts_total", &[("worker", wk)], v["restarts"].as_f64());
+        }
+    }
+    o.family("dflash_batches_produced_total", "counter", "Batches the loader put in the pipeline.");
+    o.sample("dflash_batches_produced_total", &[], w["batches"]["produced"].as_f64());
+    o.family("dflash_batches_consumed_total", "counter", "Batches that reached the optimizer.");
+    o.sample("dflash_batches_consumed_total", &[], w["batches"]["consumed"].as_f64());
+    o.family("dflash_train_steps_total", "counter", "Committed optimizer steps.");
+    o.sample("dflash_train_steps_total", &[], w["train"]["step"].as_f64());
+    o.family("dflash_train_loss", "gauge", "Loss of the last committed step.");
+    o.sample("dflash_train_loss", &[], w["train"]["loss"].as_f64());
+    o.family("dflash_train_acceptance_length", "gauge", "Acceptance-length proxy of the last committed step.");
+    o.sample("dflash_train_acceptance_length", &[], w["train"]["acceptance"].as_f64());
+    o.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses() {
+        assert_eq!(parse_addr("9400").unwrap().to_string(), "127.0.0.1:9400");
+        assert_eq!(parse_addr(":9400").unwrap().to_string(), "127.0.0.1:9400");
+        assert_eq!(parse_addr("0.0.0.0:9400").unwrap().to_string(), "0.0.0.0:9400");
+        assert!(parse_addr("localhost").unwrap_err().contains("expected"));
+    }
+
+    #[test]
+    fn renders_units_and_labels() {
+        let w = serde_json::json!({"gpu": {"gpus": [{"index": 1, "util_gpu_pct": {"mean": 40.0, "max": 50.0}, "temp_c": null,
+                   "sm_clock_mhz": {"mean": 1980.0, "max": 1980.0}}]},
+                   "pipeline": {"hidden_pool": {"fill_ratio": 0.5}}, "workers": {"drafter-0": {"restarts": 2}}});
+        let t = render(&w);
+        assert!(t.contains("dflash_gpu_utilization_ratio{gpu=\"1\"} 0.4\n"), "{t}");
+        assert!(t.contains("dflash_gpu_sm_clock_hertz{gpu=\"1\"} 1980000000\n"), "{t}");
+        assert!(!t.contains("dflash_gpu_temperature_celsius{"), "unavailable metrics are left out: {t}");
+        assert!(t.contains("dflash_pool_fill_ratio{pool=\"hidden\"} 0.5\n"));
+        assert!(t.contains("dflash_worker_restarts_total{worker=\"drafter-0\"} 2\n"));
+        assert!(t.contains("# TYPE dflash_gpu_energy_joules_total counter\n"));
+    }
+}
