@@ -1,5 +1,6 @@
 //! The supervisor's own log: every record goes to stderr and, once the run dir exists, to
-//! `supervisor.log` with a timestamp.
+//! `supervisor.log` with a timestamp. On a terminal, a live status line sits under the log
+//! (cleared and redrawn around each record); elsewhere the run prints plain periodic lines.
 
 use std::fs::File;
 use std::io::Write;
@@ -10,12 +11,39 @@ use crate::rundir::now_rfc3339;
 
 struct Logger {
     file: Mutex<Option<File>>,
+    /// The live status line, when stderr is a terminal.
+    status: Mutex<Option<String>>,
+    tty: bool,
+}
+
+/// Whether a live status line is shown (stderr is a terminal).
+pub fn live() -> bool {
+    LOGGER.get().is_some_and(|l| l.tty)
+}
+
+/// Replace the live status line (`None` clears it). No-op when stderr is not a terminal.
+pub fn status(line: Option<String>) {
+    let Some(l) = LOGGER.get().filter(|l| l.tty) else { return };
+    if let Ok(mut s) = l.status.lock() {
+        let mut err = std::io::stderr().lock();
+        let _ = write!(err, "\r\x1b[K");
+        if let Some(text) = &line {
+            let _ = write!(err, "{text}");
+        }
+        let _ = err.flush();
+        *s = line;
+    }
 }
 
 static LOGGER: OnceLock<Logger> = OnceLock::new();
 
 pub fn init() {
-    let logger = LOGGER.get_or_init(|| Logger { file: Mutex::new(None) });
+    use std::io::IsTerminal;
+    let logger = LOGGER.get_or_init(|| Logger {
+        file: Mutex::new(None),
+        status: Mutex::new(None),
+        tty: std::io::stderr().is_terminal(),
+    });
     if log::set_logger(logger).is_ok() {
         log::set_max_level(log::LevelFilter::Info);
     }
@@ -46,7 +74,18 @@ impl log::Log for Logger {
             log::Level::Warn => "warning: ",
             _ => "",
         };
-        let _ = writeln!(std::io::stderr().lock(), "[supervisor] {level}{}", r.args());
+        {
+            let status = self.status.lock().ok().and_then(|s| s.clone());
+            let mut err = std::io::stderr().lock();
+            if status.is_some() {
+                let _ = write!(err, "\r\x1b[K");
+            }
+            let _ = writeln!(err, "[supervisor] {level}{}", r.args());
+            if let Some(line) = status {
+                let _ = write!(err, "{line}");
+                let _ = err.flush();
+            }
+        }
         if let Ok(mut g) = self.file.lock() {
             if let Some(f) = g.as_mut() {
                 let _ = writeln!(f, "{} {:<5} {}", now_rfc3339(), r.level(), r.args());

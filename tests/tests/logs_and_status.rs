@@ -198,3 +198,31 @@ fn logs_and_status_default_to_the_newest_run_under_runs() {
     assert_eq!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stdout).contains("dflash-worker target-0"));
 }
+
+#[test]
+fn a_terminal_gets_a_live_status_line_and_a_pipe_gets_plain_lines() {
+    // Not a terminal: one plain line per metrics window.
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", "demo", "--steps", "8", "--metrics-interval", "300ms", "--max-seq-len", "64", "--token-budget", "512"]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0));
+    let err = sup.stderr();
+    assert!(err.lines().any(|l| l.starts_with("[supervisor] step ") && l.contains(" | loss ") && l.ends_with("| restarts 0")), "{err}");
+    assert!(!err.contains("\x1b[K"), "no terminal control codes in a pipe");
+
+    // A terminal (through script(1), which gives the run a pseudo-terminal).
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("SKIPPED terminal status line: script(1) is not installed");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("tty.out");
+    let cmd = format!(
+        "{} --gpus cpu:2 --data demo --steps 8 --max-seq-len 64 --token-budget 512 --run-dir {}",
+        bin("dflash-supervise").display(),
+        tmp.path().join("run").display()
+    );
+    let st = Command::new("script").args(["-qfec", &cmd]).arg(&out).stdin(Stdio::null()).stdout(Stdio::null()).status().unwrap();
+    assert!(st.success());
+    let text = String::from_utf8_lossy(&fs::read(&out).unwrap()).into_owned();
+    assert!(text.contains("\r\x1b[K"), "the status line is redrawn in place: {text:?}");
+    assert!(text.contains("| restarts 0"), "{text:?}");
+}

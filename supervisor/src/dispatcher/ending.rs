@@ -63,6 +63,7 @@ impl Dispatcher {
     /// Every worker is gone: decide the exit code, say why, record it.
     pub(super) fn finish(mut self) -> i32 {
         self.write_metrics();
+        crate::console::status(None);
         let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
         let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
         self.pipeline.end();

@@ -36,6 +36,7 @@ pub struct Metrics {
     last_consumed: u64,
     last_step: u64,
     pub latest: Option<serde_json::Value>,
+    status_at: Instant,
 }
 
 impl Metrics {
@@ -44,7 +45,15 @@ impl Metrics {
         if let Err(e) = &file {
             log::warn!("cannot write {METRICS_FILE}: {e}; metrics go only to state.json");
         }
-        Metrics { gpu: GpuWindow::default(), file: file.ok(), started: Instant::now(), last_consumed: 0, last_step: 0, latest: None }
+        Metrics {
+            gpu: GpuWindow::default(),
+            file: file.ok(),
+            started: Instant::now(),
+            last_consumed: 0,
+            last_step: 0,
+            latest: None,
+            status_at: Instant::now(),
+        }
     }
 
     pub fn due(&self, now: Instant, every: Duration) -> bool {
@@ -53,6 +62,22 @@ impl Metrics {
 }
 
 impl Dispatcher {
+    /// On a terminal, redraw the live status line once a second: the latest window's
+    /// rates with the training figures of this moment.
+    pub(super) fn refresh_status(&mut self) {
+        if !crate::console::live() || self.metrics.status_at.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.metrics.status_at = Instant::now();
+        let mut w = self.metrics.latest.clone().unwrap_or_else(|| json!({}));
+        let t = &self.trainer.progress;
+        if t.step > 0 {
+            w["train"] = json!({"step": t.step, "loss": t.loss, "acceptance": t.acceptance});
+        }
+        w["restarts"] = self.workers.iter().map(|w| w.restarts as u64).sum::<u64>().into();
+        crate::console::status(Some(status_line(&w)));
+    }
+
     /// Close the current window: write it and start the next.
     pub(super) fn write_metrics(&mut self) {
         let secs = self.metrics.started.elapsed().as_secs_f64().max(1e-9);
@@ -90,10 +115,43 @@ impl Dispatcher {
         if let Some(p) = &self.cfg.prometheus {
             p.update(&record);
         }
+        crate::console::status(Some(status_line(&record)));
+        if !crate::console::live() {
+            // Not a terminal: one plain line per window instead of the live status line.
+            log::info!("{}", status_line(&record));
+        }
         self.metrics.last_consumed = consumed;
         self.metrics.last_step = t.step;
         self.metrics.started = Instant::now();
         self.metrics.latest = Some(record);
         self.dirty = true;
     }
+}
+
+/// One line: what a person glances at while the run goes.
+pub fn status_line(w: &serde_json::Value) -> String {
+    let mut parts = Vec::new();
+    if let Some(t) = w["train"].as_object() {
+        parts.push(format!("step {}", t["step"]));
+        if let Some(l) = t["loss"].as_f64() {
+            parts.push(format!("loss {l:.3}"));
+        }
+        if let Some(a) = t["acceptance"].as_f64() {
+            parts.push(format!("accept {a:.2}"));
+        }
+    }
+    let tps: f64 = w["pipeline"]["tokens_per_s_by_worker"]
+        .as_object()
+        .map(|m| m.iter().filter(|(k, _)| k.starts_with("drafter")).filter_map(|(_, v)| v.as_f64()).sum())
+        .unwrap_or(0.0);
+    parts.push(format!("{tps:.0} tok/s"));
+    let utils: Vec<f64> = w["gpu"]["gpus"].as_array().into_iter().flatten().filter_map(|g| g["util_gpu_pct"]["mean"].as_f64()).collect();
+    if !utils.is_empty() {
+        parts.push(format!("GPU {:.0}%", utils.iter().sum::<f64>() / utils.len() as f64));
+    }
+    if let Some(f) = w["pipeline"]["hidden_pool"]["fill_ratio"].as_f64() {
+        parts.push(format!("hidden pool {:.0}% full", f * 100.0));
+    }
+    parts.push(format!("restarts {}", w["restarts"]));
+    parts.join(" | ")
 }

@@ -573,6 +573,7 @@ impl Dispatcher {
         if self.metrics.due(now, self.cfg.metrics_interval) {
             self.write_metrics();
         }
+        self.refresh_status();
         match self.phase {
             Phase::Running | Phase::Stopping { .. } | Phase::Killing
                 if self.workers.iter().any(|w| w.life.as_ref().is_some_and(|l| l.exited.is_some_and(|(_, t)| now.duration_since(t) > DRAIN_GRACE))) =>
