@@ -29,6 +29,12 @@ pub struct GpuSample {
     pub temp_c: Option<f64>,
     pub sm_clock_mhz: Option<f64>,
     pub mem_clock_mhz: Option<f64>,
+    pub pcie_tx_bytes_per_s: Option<f64>,
+    pub pcie_rx_bytes_per_s: Option<f64>,
+    pub ecc_corrected_volatile: Option<f64>,
+    pub ecc_uncorrected_volatile: Option<f64>,
+    /// Why the clocks are held down (NVML's throttle / clock-event reasons), by name.
+    pub throttle_reasons: Option<Vec<String>>,
     /// Memory of each compute process on the GPU, by pid.
     pub processes: Option<Vec<(u32, u64)>>,
 }
@@ -80,6 +86,12 @@ fn sample(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
     s.temp_c = d.temperature(TemperatureSensor::Gpu).ok().map(|c| c as f64);
     s.sm_clock_mhz = d.clock_info(Clock::SM).ok().map(|c| c as f64);
     s.mem_clock_mhz = d.clock_info(Clock::Memory).ok().map(|c| c as f64);
+    use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, PcieUtilCounter};
+    s.pcie_tx_bytes_per_s = d.pcie_throughput(PcieUtilCounter::Send).ok().map(|kb| kb as f64 * 1024.0);
+    s.pcie_rx_bytes_per_s = d.pcie_throughput(PcieUtilCounter::Receive).ok().map(|kb| kb as f64 * 1024.0);
+    s.ecc_corrected_volatile = d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile).ok().map(|n| n as f64);
+    s.ecc_uncorrected_volatile = d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile).ok().map(|n| n as f64);
+    s.throttle_reasons = d.current_throttle_reasons().ok().map(|r| r.iter_names().map(|(n, _)| n.to_ascii_lowercase()).collect());
     s.processes = d.running_compute_processes().ok().map(|ps| {
         ps.iter()
             .map(|p| {
@@ -122,9 +134,9 @@ impl Acc {
     }
 }
 
-const METRICS: [&str; 10] = [
+const METRICS: [&str; 14] = [
     "util_gpu_pct", "util_mem_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "power_limit_w", "energy_j", "temp_c",
-    "sm_clock_mhz", "mem_clock_mhz",
+    "sm_clock_mhz", "mem_clock_mhz", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s", "ecc_corrected_volatile", "ecc_uncorrected_volatile",
 ];
 
 /// GPU readings of one metrics window.
@@ -132,6 +144,7 @@ const METRICS: [&str; 10] = [
 pub struct GpuWindow {
     acc: BTreeMap<u32, BTreeMap<&'static str, Acc>>,
     processes: BTreeMap<u32, BTreeMap<u32, u64>>,
+    throttle: BTreeMap<u32, std::collections::BTreeSet<String>>,
     samples: u32,
 }
 
@@ -142,8 +155,12 @@ impl GpuWindow {
             let a = self.acc.entry(s.index).or_default();
             let vals = [
                 s.util_gpu_pct, s.util_mem_pct, s.mem_used_bytes, s.mem_total_bytes, s.power_w, s.power_limit_w, s.energy_j, s.temp_c,
-                s.sm_clock_mhz, s.mem_clock_mhz,
+                s.sm_clock_mhz, s.mem_clock_mhz, s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s, s.ecc_corrected_volatile,
+                s.ecc_uncorrected_volatile,
             ];
+            if let Some(r) = &s.throttle_reasons {
+                self.throttle.entry(s.index).or_default().extend(r.iter().cloned());
+            }
             for (k, v) in METRICS.iter().zip(vals) {
                 a.entry(k).or_default().add(v);
             }
@@ -176,6 +193,7 @@ impl GpuWindow {
                     .map(|(pid, used)| (names(*pid).unwrap_or_else(|| format!("pid {pid}")), (*used).into()))
                     .collect();
                 o.insert("process_mem_bytes".into(), procs.into());
+                o.insert("throttle_reasons".into(), serde_json::to_value(self.throttle.get(index)).unwrap_or_default());
                 serde_json::Value::Object(o)
             })
             .collect();

@@ -88,7 +88,8 @@ fn gpu_workers_get_their_gpu_and_bad_indices_are_refused() {
 
 const DEVICES: &str = r#""devices": [
     {"name": "Fake H200", "uuid": "GPU-aaaa", "memory_total": 1000, "memory_used": 100, "util_gpu": 40, "util_mem": 10,
-     "power_mw": 300000, "power_limit_mw": 700000, "energy_mj": 5000, "temp_c": 55, "sm_clock_mhz": 1980, "mem_clock_mhz": 2619},
+     "power_mw": 300000, "power_limit_mw": 700000, "energy_mj": 5000, "temp_c": 55, "sm_clock_mhz": 1980, "mem_clock_mhz": 2619,
+     "pcie_tx_kbps": 2, "pcie_rx_kbps": 3, "ecc_corrected": 4, "ecc_uncorrected": 0, "throttle_mask": 5},
     {"name": "Fake H200", "uuid": "GPU-bbbb", "memory_total": 1000, "util_gpu": 80, "util_mem": 20}]"#;
 
 fn metrics(sup: &Sup) -> Vec<serde_json::Value> {
@@ -114,7 +115,18 @@ fn gpu_samples_land_in_metrics_and_a_failing_metric_is_asked_again() {
     assert!(g["temp_c"].is_null(), "a failing metric is unavailable in its window: {g}");
     assert!(w["gpu"]["gpus"][1]["power_w"].is_null(), "a metric the GPU lacks is unavailable: {w}");
     assert_eq!(w["gpu"]["gpus"][1]["util_gpu_pct"]["max"], 80.0);
+    assert_eq!(g["pcie_rx_bytes_per_s"]["mean"], 3072.0);
+    assert_eq!(g["ecc_corrected_volatile"]["max"], 4.0);
+    // 5 = GPU idle (0x1) | software power cap (0x4)
+    assert_eq!(g["throttle_reasons"], serde_json::json!(["gpu_idle", "sw_power_cap"]));
     assert!(w["workers"]["target-0"]["pid"].is_u64());
+    // Per-process GPU memory is reported under the worker's name.
+    let target_pid = w["workers"]["target-0"]["pid"].as_u64().unwrap();
+    let with_procs = DEVICES.replacen(r#""throttle_mask": 5"#, &format!(r#""throttle_mask": 5, "processes": [[{target_pid}, 777]]"#), 1);
+    fs::write(&s, format!(r#"{{"driver": "550", {with_procs}, "fail": {{"nvmlDeviceGetTemperature": 999}}}}"#)).unwrap();
+    wait_for("the target's GPU memory under its name", Duration::from_secs(20), || {
+        metrics(&sup).iter().any(|m| gpu0(m)["process_mem_bytes"]["target-0"] == 777).then_some(())
+    });
     // The call recovers: the next windows have it again.
     fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}}}"#)).unwrap();
     wait_for("the temperature to come back", Duration::from_secs(20), || {

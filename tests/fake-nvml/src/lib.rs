@@ -240,3 +240,69 @@ pub unsafe extern "C" fn nvmlDeviceGetClockInfo(handle: *mut u8, clock: u32, out
         Err(c) => c,
     }
 }
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetPcieThroughput(handle: *mut u8, counter: u32, out: *mut u32) -> u32 {
+    // NVML_PCIE_UTIL_TX_BYTES = 0, NVML_PCIE_UTIL_RX_BYTES = 1
+    let key = if counter == 0 { "pcie_tx_kbps" } else { "pcie_rx_kbps" };
+    match field(handle, "nvmlDeviceGetPcieThroughput", key) {
+        Ok(v) => {
+            // SAFETY: out-parameter supplied by the caller.
+            unsafe { *out = v as u32 };
+            SUCCESS
+        }
+        Err(c) => c,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(handle: *mut u8, error_type: u32, _counter: u32, out: *mut u64) -> u32 {
+    // NVML_MEMORY_ERROR_TYPE_CORRECTED = 0, UNCORRECTED = 1
+    let key = if error_type == 0 { "ecc_corrected" } else { "ecc_uncorrected" };
+    match field(handle, "nvmlDeviceGetTotalEccErrors", key) {
+        Ok(v) => {
+            // SAFETY: out-parameter supplied by the caller.
+            unsafe { *out = v };
+            SUCCESS
+        }
+        Err(c) => c,
+    }
+}
+
+getter!(nvmlDeviceGetCurrentClocksThrottleReasons, "throttle_mask", u64);
+
+#[repr(C)]
+pub struct ProcessInfo {
+    pid: u32,
+    used: u64,
+    gpu_instance: u32,
+    compute_instance: u32,
+}
+
+/// `"processes": [[pid, bytes], ...]` on a device.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(handle: *mut u8, count: *mut u32, infos: *mut ProcessInfo) -> u32 {
+    let s = script();
+    if let Some(c) = failing(&s, "nvmlDeviceGetComputeRunningProcesses_v3") {
+        return c;
+    }
+    let Some(d) = device(&s, handle) else { return INVALID_ARGUMENT };
+    let procs: Vec<(u32, u64)> = d["processes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| Some((p[0].as_u64()? as u32, p[1].as_u64()?)))
+        .collect();
+    // SAFETY: count and infos come from the caller; infos holds *count entries.
+    unsafe {
+        if infos.is_null() || (*count as usize) < procs.len() {
+            *count = procs.len() as u32;
+            return if procs.is_empty() { SUCCESS } else { 7 }; // NVML_ERROR_INSUFFICIENT_SIZE
+        }
+        for (i, (pid, used)) in procs.iter().enumerate() {
+            *infos.add(i) = ProcessInfo { pid: *pid, used: *used, gpu_instance: 0, compute_instance: 0 };
+        }
+        *count = procs.len() as u32;
+    }
+    SUCCESS
+}
