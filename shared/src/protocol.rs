@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
@@ -26,7 +26,8 @@ pub enum FromWorker {
     Abandon,
     /// A leased output slot now holds batch `batch_id` (`len` bytes). A target names the
     /// input slot it consumed to make it: both change together or not at all.
-    Commit { output: SlotRef, len: u64, batch_id: u64, input: Option<SlotRef> },
+    /// `wait_ms` / `compute_ms`: host-side time waiting for this batch and computing it.
+    Commit { output: SlotRef, len: u64, batch_id: u64, input: Option<SlotRef>, wait_ms: f64, compute_ms: f64 },
     /// A delivered batch was consumed (for a drafter: it reached the optimizer).
     Ack { input: SlotRef, batch_id: u64 },
     /// A drafter rank wrote the gradient of `batch_id` for `step` into its buffer.

@@ -35,6 +35,8 @@ pub struct QueueHealth {
     lengths: BTreeMap<u32, u64>,
     real_tokens: u64,
     padded_tokens: u64,
+    /// Per worker, per phase: (sum of milliseconds, count).
+    phases: BTreeMap<String, BTreeMap<&'static str, (f64, u64)>>,
 }
 
 impl Default for QueueHealth {
@@ -47,6 +49,7 @@ impl Default for QueueHealth {
             lengths: BTreeMap::new(),
             real_tokens: 0,
             padded_tokens: 0,
+            phases: BTreeMap::new(),
         }
     }
 }
@@ -76,6 +79,13 @@ impl QueueHealth {
 
     pub fn tokens(&mut self, worker: &str, n: u64) {
         *self.tokens_by_worker.entry(worker.to_string()).or_default() += n;
+    }
+
+    /// A worker's host-side time in `phase` for one unit of work.
+    pub fn phase(&mut self, worker: &str, phase: &'static str, ms: f64) {
+        let e = self.phases.entry(worker.to_string()).or_default().entry(phase).or_default();
+        e.0 += ms;
+        e.1 += 1;
     }
 
     pub fn batch(&mut self, lengths: &[u32], seq_len: u32) {
@@ -123,6 +133,9 @@ impl QueueHealth {
             "length_entropy_bits": entropy,
             "padding_efficiency": if self.padded_tokens > 0 { Some(self.real_tokens as f64 / self.padded_tokens as f64) } else { None },
             "bottleneck_hint": hint,
+            "phase_ms_by_worker": self.phases.iter().map(|(w, m)| {
+                (w.clone(), m.iter().map(|(k, (sum, n))| (k.to_string(), sum / (*n).max(1) as f64)).collect::<BTreeMap<_, _>>())
+            }).collect::<BTreeMap<_, _>>(),
         });
         *self = QueueHealth { last: self.last, ..QueueHealth::default() };
         v

@@ -236,4 +236,9 @@ fn metrics_report_queue_health_balance_composition_and_the_bottleneck() {
         windows.iter().map(|w| w["pipeline"]["bottleneck_hint"].clone()).collect::<Vec<_>>()
     );
     assert!(windows.last().unwrap()["train"]["step"].as_u64().unwrap() >= 35);
+    // Host-side phase timings reported by the workers themselves.
+    let phases = &busy[0]["pipeline"]["phase_ms_by_worker"];
+    assert!(phases["target-0"]["forward"].as_f64().unwrap() > 0.0, "{phases}");
+    assert!(phases["drafter-0"]["forward_backward"].as_f64().unwrap() > 0.0, "{phases}");
+    assert!(phases["drafter-0"]["optimizer"].as_f64().is_some(), "{phases}");
 }

@@ -71,6 +71,8 @@ pub struct Plane {
     /// Batch ids this life has consumed: a second delivery of one is acknowledged
     /// without being used again.
     consumed: HashSet<u64>,
+    /// When the last unit of work ended (the wait for the next one starts there).
+    idle_since: std::time::Instant,
     pub stats: Stats,
 }
 
@@ -84,6 +86,7 @@ impl Plane {
             deliveries: VecDeque::new(),
             leases: VecDeque::new(),
             consumed: HashSet::new(),
+            idle_since: std::time::Instant::now(),
             stats: Stats::default(),
         }
     }
@@ -160,6 +163,19 @@ impl Plane {
 
     /// Do one unit of work; returns the message that reports it.
     pub fn step(&mut self) -> anyhow::Result<FromWorker> {
+        let started = std::time::Instant::now();
+        let wait_ms = started.duration_since(self.idle_since).as_secs_f64() * 1e3;
+        let r = self.work();
+        self.idle_since = std::time::Instant::now();
+        match r? {
+            FromWorker::Commit { output, len, batch_id, input, .. } => {
+                Ok(FromWorker::Commit { output, len, batch_id, input, wait_ms, compute_ms: started.elapsed().as_secs_f64() * 1e3 })
+            }
+            other => Ok(other),
+        }
+    }
+
+    fn work(&mut self) -> anyhow::Result<FromWorker> {
         let d = self.deliveries.pop_front().ok_or_else(|| anyhow!("no delivery"))?;
         let pools = self.pools.as_ref().ok_or_else(|| anyhow!("a batch arrived before the pools"))?;
         let map = pools.map(d.slot.pool);
@@ -184,7 +200,7 @@ impl Plane {
                 let len = seal_hidden(buf, &layout) as u64;
                 self.stats.batches += 1;
                 self.stats.tokens += tokens.tokens();
-                Ok(FromWorker::Commit { output: out, len, batch_id: d.batch_id, input: Some(d.slot) })
+                Ok(FromWorker::Commit { output: out, len, batch_id: d.batch_id, input: Some(d.slot), wait_ms: 0.0, compute_ms: 0.0 })
             }
             Role::Drafter => {
                 let view = HiddenView::parse(payload).with_context(|| format!("hidden-state batch {}", d.batch_id))?;

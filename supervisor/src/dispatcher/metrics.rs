@@ -11,7 +11,7 @@
 //! pipeline: {tokens_pool, hidden_pool: {fill_ratio, producers_blocked_share,
 //!       consumers_starved_share}, batches_per_worker, balance_max_over_min: {role: x},
 //!       tokens_per_s_by_worker, length_buckets, length_entropy_bits, padding_efficiency,
-//!       bottleneck_hint}
+//!       bottleneck_hint, phase_ms_by_worker: {worker: {phase: ms}}}
 //! batches: {produced, consumed, consumed_per_s}
 //! train: {step, steps_per_s, loss, acceptance} | null
 //! restarts: total over the run

@@ -412,10 +412,16 @@ impl Dispatcher {
         let (holder, pid) = (l.id, l.pid);
         let result: Result<(), String> = match msg {
             FromWorker::Heartbeat { .. } => Ok(()),
-            FromWorker::Commit { output, len, batch_id, input } => {
+            FromWorker::Commit { output, len, batch_id, input, wait_ms, compute_ms } => {
                 let Some(tx) = l.to_worker.clone() else { return };
                 let peer = Peer { name, holder, pid, tx: &tx };
-                self.pipeline.on_commit(&peer, output, len, batch_id, input)
+                let r = self.pipeline.on_commit(&peer, output, len, batch_id, input);
+                if r.is_ok() {
+                    let w = name.to_string();
+                    self.pipeline.health.phase(&w, "wait", wait_ms);
+                    self.pipeline.health.phase(&w, "forward", compute_ms);
+                }
+                r
             }
             FromWorker::Ack { input, batch_id } => {
                 let Some(tx) = l.to_worker.clone() else { return };
@@ -424,6 +430,10 @@ impl Dispatcher {
             }
             FromWorker::Grads { step, input, batch_id, stats, params } => match self.pipeline.check_consume(name, holder, input, batch_id) {
                 Ok(()) => {
+                    let w = name.to_string();
+                    self.pipeline.health.phase(&w, "wait", stats.wait_ms);
+                    self.pipeline.health.phase(&w, "forward_backward", stats.compute_ms);
+                    self.pipeline.health.phase(&w, "optimizer", stats.optimizer_ms);
                     let actions = self.trainer.on_grads(worker, step, input, batch_id, stats, params);
                     self.execute(actions);
                     Ok(())

@@ -176,7 +176,7 @@ fn main() {
                     _ => (dflash_shared::protocol::SlotRef { gen: output.gen + 7, ..output }, 100),
                 };
                 println!("sending a bad commit ({kind})");
-                up.send(FromWorker::Commit { output, len, batch_id, input: Some(input) }).unwrap();
+                up.send(FromWorker::Commit { output, len, batch_id, input: Some(input), wait_ms: 0.0, compute_ms: 0.0 }).unwrap();
                 misbehaved = true;
             }
         }
