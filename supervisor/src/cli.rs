@@ -288,6 +288,16 @@ pub enum BenchCommand {
         #[arg(long)]
         quick: bool,
     },
+    /// What GPU telemetry costs: the NVML sampler per GPU per sample, and the
+    /// supervisor's CPU use with one worker per GPU and 1 s sampling.
+    Telemetry {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Length of the measured run.
+        #[arg(long, default_value_t = 12)]
+        seconds: u64,
+    },
     /// Training throughput on CPU: target forward and drafter step alone (in one
     /// dflash-worker process) against the whole pipeline on the same batches.
     Train {

@@ -5,6 +5,7 @@
 //! documented exit code ([`dflash_shared::exit_codes`]).
 
 pub mod bench_ipc;
+pub mod bench_telemetry;
 pub mod bench_train;
 pub mod cli;
 pub mod config_file;
@@ -55,6 +56,7 @@ pub fn main() -> i32 {
         Some(Command::Gpus { json }) => gpus::run(json),
         Some(Command::Bench(cli::BenchCommand::Ipc { json, quick })) => bench_ipc::run(json, quick),
         Some(Command::Bench(cli::BenchCommand::Train { json, steps })) => bench_train::run(json, steps),
+        Some(Command::Bench(cli::BenchCommand::Telemetry { json, seconds })) => bench_telemetry::run(json, seconds),
         Some(Command::BenchPeer { server }) => Ok(bench_ipc::peer(&server)),
         Some(Command::Reap) => Ok(reaper::run()),
     };

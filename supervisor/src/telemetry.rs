@@ -69,6 +69,11 @@ pub fn start(gpus: Vec<u32>, interval: Duration, tx: Sender<Event>) {
     }
 }
 
+/// One reading of GPU `index` (also what `bench telemetry` times).
+pub fn sample_one(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
+    sample(nvml, index)
+}
+
 fn sample(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
     let mut s = GpuSample { index, ..Default::default() };
     let Ok(d) = nvml.device_by_index(index) else { return s };

@@ -204,3 +204,26 @@ fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
     sup.signal(Signal::SIGTERM);
     assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
 }
+
+#[test]
+fn bench_telemetry_prints_the_sampler_cost_and_the_supervisor_cpu_with_8_gpus() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = fake_nvml();
+    let s = tmp.path().join("nvml.json");
+    let one = r#"{"name": "Fake H200", "uuid": "GPU-x", "memory_total": 1000, "memory_used": 10, "util_gpu": 40, "util_mem": 10, "power_mw": 300000}"#;
+    fs::write(&s, format!(r#"{{"driver": "550", "devices": [{}]}}"#, vec![one; 8].join(","))).unwrap();
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let out = supervise_env(&["bench", "telemetry", "--json", "--seconds", "4"], &env);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["gpus"], 8.0);
+    for k in ["sampler_us_per_gpu_sample", "supervisor_cpu_pct_of_one_core", "supervisor_cpu_pct_without_gpu_metrics"] {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+        assert!(x.is_finite() && x >= 0.0 && x < 100.0, "{k} = {x}");
+    }
+    assert!(v["sampler_us_per_gpu_sample"].as_f64().unwrap() > 0.0);
+    // Without NVML it says so.
+    let out = supervise_env(&["bench", "telemetry"], &[("DFLASH_NVML_LIBRARY", "/nonexistent/libnvidia-ml.so.1")]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bench telemetry needs NVML and a GPU"));
+}

@@ -19,11 +19,22 @@ const SUCCESS: u32 = 0;
 const INVALID_ARGUMENT: u32 = 2;
 const UNINITIALIZED: u32 = 1;
 
+/// The parsed script, re-read only when the file changes (a test may rewrite it mid-run).
 fn script() -> serde_json::Value {
-    std::env::var_os("DFLASH_FAKE_NVML")
-        .and_then(|p| std::fs::read_to_string(p).ok())
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .unwrap_or(serde_json::Value::Null)
+    use std::sync::Mutex;
+    static CACHE: Mutex<Option<(std::time::SystemTime, u64, serde_json::Value)>> = Mutex::new(None);
+    let Some(path) = std::env::var_os("DFLASH_FAKE_NVML") else { return serde_json::Value::Null };
+    let Ok(meta) = std::fs::metadata(&path) else { return serde_json::Value::Null };
+    let key = (meta.modified().unwrap_or(std::time::UNIX_EPOCH), meta.len());
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((m, l, v)) = cache.as_ref() {
+        if (*m, *l) == key {
+            return v.clone();
+        }
+    }
+    let v = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(serde_json::Value::Null);
+    *cache = Some((key.0, key.1, v.clone()));
+    v
 }
 
 fn failing(s: &serde_json::Value, func: &str) -> Option<u32> {
