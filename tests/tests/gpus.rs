@@ -217,9 +217,9 @@ fn bench_telemetry_prints_the_sampler_cost_and_the_supervisor_cpu_with_8_gpus() 
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["gpus"], 8.0);
-    for k in ["sampler_us_per_gpu_sample", "supervisor_cpu_pct_of_one_core", "supervisor_cpu_pct_without_gpu_metrics"] {
+    for k in ["supervisor_cpu_pct_of_one_core", "supervisor_cpu_pct_without_gpu_metrics"] {
         let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
-        assert!(x.is_finite() && x >= 0.0 && x < 100.0, "{k} = {x}");
+        assert!(x.is_finite() && (0.0..100.0).contains(&x), "{k} = {x}");
     }
     assert!(v["sampler_us_per_gpu_sample"].as_f64().unwrap() > 0.0);
     // Without NVML it says so.
