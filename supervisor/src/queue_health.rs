@@ -128,6 +128,7 @@ impl QueueHealth {
             "hidden_pool": pool(&self.pools[1]),
             "batches_per_worker": self.served,
             "balance_max_over_min": balance,
+            "tokens_per_s_trained": self.tokens_by_worker.iter().filter(|(w, _)| w.starts_with("drafter")).map(|(_, n)| *n).sum::<u64>() as f64 / window_s.max(1e-9),
             "tokens_per_s_by_worker": tokens_per_s,
             "length_buckets": self.lengths.iter().map(|(b, c)| (format!("<={b}"), *c)).collect::<BTreeMap<_, _>>(),
             "length_entropy_bits": entropy,
