@@ -211,7 +211,7 @@ fn bench_telemetry_prints_the_sampler_cost_and_the_supervisor_cpu_with_8_gpus() 
     let lib = fake_nvml();
     let s = tmp.path().join("nvml.json");
     let one = r#"{"name": "Fake H200", "uuid": "GPU-x", "memory_total": 1000, "memory_used": 10, "util_gpu": 40, "util_mem": 10, "power_mw": 300000}"#;
-    fs::write(&s, format!(r#"{{"driver": "550", "devices": [{}]}}"#, vec![one; 8].join(","))).unwrap();
+    fs::write(&s, format!(r#"{{"driver": "550", "devices": [{}]}}"#, [one; 8].join(","))).unwrap();
     let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
     let out = supervise_env(&["bench", "telemetry", "--json", "--seconds", "4"], &env);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
