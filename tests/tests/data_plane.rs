@@ -236,9 +236,10 @@ fn metrics_report_queue_health_balance_composition_and_the_bottleneck() {
         windows.iter().map(|w| w["pipeline"]["bottleneck_hint"].clone()).collect::<Vec<_>>()
     );
     assert!(windows.last().unwrap()["train"]["step"].as_u64().unwrap() >= 35);
-    // Host-side phase timings reported by the workers themselves.
-    let phases = &busy[0]["pipeline"]["phase_ms_by_worker"];
-    assert!(phases["target-0"]["forward"].as_f64().unwrap() > 0.0, "{phases}");
-    assert!(phases["drafter-0"]["forward_backward"].as_f64().unwrap() > 0.0, "{phases}");
-    assert!(phases["drafter-0"]["optimizer"].as_f64().is_some(), "{phases}");
+    // Host-side phase timings reported by the workers themselves (in whichever windows
+    // their reports landed).
+    let phase = |w: &str, p: &str| windows.iter().filter_map(|x| x["pipeline"]["phase_ms_by_worker"][w][p].as_f64()).next();
+    assert!(phase("target-0", "forward").is_some_and(|ms| ms > 0.0));
+    assert!(phase("drafter-0", "forward_backward").is_some_and(|ms| ms > 0.0));
+    assert!(phase("drafter-0", "optimizer").is_some());
 }
