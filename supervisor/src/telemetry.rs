@@ -37,6 +37,8 @@ pub struct GpuSample {
     pub throttle_reasons: Option<Vec<String>>,
     /// Memory of each compute process on the GPU, by pid.
     pub processes: Option<Vec<(u32, u64)>>,
+    /// Critical XID errors reported since the previous sample.
+    pub xids: Vec<u64>,
 }
 
 /// Start the sampler for `gpus`; samples arrive as [`Event::GpuSamples`].
@@ -55,9 +57,24 @@ pub fn start(gpus: Vec<u32>, interval: Duration, tx: Sender<Event>) {
                 return;
             }
         };
+        let xid_events = xid_event_set(&nvml, &gpus);
         loop {
             let t0 = Instant::now();
-            let samples: Vec<GpuSample> = gpus.iter().map(|&i| sample(&nvml, i)).collect();
+            let mut samples: Vec<GpuSample> = gpus.iter().map(|&i| sample(&nvml, i)).collect();
+            if let Some(set) = &xid_events {
+                // Non-blocking: whatever arrived since the last sample.
+                while let Ok(ev) = set.wait(0) {
+                    let gpu = ev.device.index().ok();
+                    let code = match ev.event_data {
+                        Some(nvml_wrapper::enums::event::XidError::Value(v)) => v,
+                        _ => 0,
+                    };
+                    log::warn!("GPU {}: XID {code} (a critical GPU error)", gpu.map_or("?".into(), |g| g.to_string()));
+                    if let Some(s) = samples.iter_mut().find(|s| Some(s.index) == gpu) {
+                        s.xids.push(code);
+                    }
+                }
+            }
             if tx.send(Event::GpuSamples(samples)).is_err() {
                 return;
             }
@@ -72,6 +89,23 @@ pub fn start(gpus: Vec<u32>, interval: Duration, tx: Sender<Event>) {
 /// One reading of GPU `index` (also what `bench telemetry` times).
 pub fn sample_one(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
     sample(nvml, index)
+}
+
+/// An event set that reports critical XID errors of `gpus` (None if NVML cannot).
+fn xid_event_set<'a>(nvml: &'a nvml_wrapper::Nvml, gpus: &[u32]) -> Option<nvml_wrapper::EventSet<'a>> {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    let mut set = nvml.create_event_set().ok()?;
+    for &i in gpus {
+        let d = nvml.device_by_index(i).ok()?;
+        set = match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("GPU {i}: XID events unavailable ({}); the other metrics go on", e.error);
+                return None;
+            }
+        };
+    }
+    Some(set)
 }
 
 fn sample(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
@@ -150,6 +184,7 @@ pub struct GpuWindow {
     acc: BTreeMap<u32, BTreeMap<&'static str, Acc>>,
     processes: BTreeMap<u32, BTreeMap<u32, u64>>,
     throttle: BTreeMap<u32, std::collections::BTreeSet<String>>,
+    xids: BTreeMap<u32, Vec<u64>>,
     samples: u32,
 }
 
@@ -163,6 +198,7 @@ impl GpuWindow {
                 s.sm_clock_mhz, s.mem_clock_mhz, s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s, s.ecc_corrected_volatile,
                 s.ecc_uncorrected_volatile,
             ];
+            self.xids.entry(s.index).or_default().extend(s.xids.iter().copied());
             if let Some(r) = &s.throttle_reasons {
                 self.throttle.entry(s.index).or_default().extend(r.iter().cloned());
             }
@@ -199,6 +235,7 @@ impl GpuWindow {
                     .collect();
                 o.insert("process_mem_bytes".into(), procs.into());
                 o.insert("throttle_reasons".into(), serde_json::to_value(self.throttle.get(index)).unwrap_or_default());
+                o.insert("xid_errors".into(), serde_json::to_value(self.xids.get(index).cloned().unwrap_or_default()).unwrap_or_default());
                 serde_json::Value::Object(o)
             })
             .collect();

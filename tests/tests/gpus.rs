@@ -127,11 +127,15 @@ fn gpu_samples_land_in_metrics_and_a_failing_metric_is_asked_again() {
     wait_for("the target's GPU memory under its name", Duration::from_secs(20), || {
         metrics(&sup).iter().any(|m| gpu0(m)["process_mem_bytes"]["target-0"] == 777).then_some(())
     });
-    // The call recovers: the next windows have it again.
-    fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}}}"#)).unwrap();
+    // The call recovers: the next windows have it again. And GPU 1 reports an XID error.
+    fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}, "xid": [[1, 79]]}}"#)).unwrap();
     wait_for("the temperature to come back", Duration::from_secs(20), || {
         metrics(&sup).iter().any(|m| gpu0(m)["temp_c"]["mean"] == 55.0).then_some(())
     });
+    wait_for("the XID in a window", Duration::from_secs(20), || {
+        metrics(&sup).iter().any(|m| m["gpu"]["gpus"][1]["xid_errors"] == serde_json::json!([79])).then_some(())
+    });
+    assert!(sup.stderr().contains("GPU 1: XID 79"), "{}", sup.stderr());
     let st = sup.state().unwrap();
     assert!(st["metrics"]["gpu"].is_object(), "status --json carries the latest window");
     sup.signal(Signal::SIGTERM);

@@ -7,6 +7,7 @@
 //!       mem_total_bytes, power_w, power_limit_w, energy_j, temp_c, sm_clock_mhz,
 //!       mem_clock_mhz, pcie_tx_bytes_per_s, pcie_rx_bytes_per_s, ecc_corrected_volatile,
 //!       ecc_uncorrected_volatile: {mean, max, samples} | null, throttle_reasons: [name],
+//!       xid_errors: [code],
 //!       process_mem_bytes: {worker: bytes}}]}
 //! pipeline: {tokens_pool, hidden_pool: {fill_ratio, producers_blocked_share,
 //!       consumers_starved_share}, batches_per_worker, balance_max_over_min: {role: x},

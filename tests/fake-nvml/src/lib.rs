@@ -317,3 +317,63 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(handle: *mut u8
     }
     SUCCESS
 }
+
+/// XID events: `"xid": [[gpu_index, code], ...]` in the script, delivered once each, in
+/// order, through the event set (non-blocking waits time out when none is left).
+static XIDS_DELIVERED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut *mut u8) -> u32 {
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe { *set = 1 as *mut u8 };
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlDeviceRegisterEvents(handle: *mut u8, _types: u64, _set: *mut u8) -> u32 {
+    let s = script();
+    if let Some(c) = failing(&s, "nvmlDeviceRegisterEvents") {
+        return c;
+    }
+    if device(&s, handle).is_none() {
+        return INVALID_ARGUMENT;
+    }
+    SUCCESS
+}
+
+#[repr(C)]
+pub struct EventData {
+    device: *mut u8,
+    event_type: u64,
+    event_data: u64,
+    gpu_instance: u32,
+    compute_instance: u32,
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlEventSetWait_v2(_set: *mut u8, data: *mut EventData, _timeout_ms: u32) -> u32 {
+    let s = script();
+    let events: Vec<(u64, u64)> =
+        s["xid"].as_array().into_iter().flatten().filter_map(|e| Some((e[0].as_u64()?, e[1].as_u64()?))).collect();
+    let i = XIDS_DELIVERED.load(std::sync::atomic::Ordering::SeqCst);
+    let Some(&(gpu, code)) = events.get(i) else { return 10 }; // NVML_ERROR_TIMEOUT
+    XIDS_DELIVERED.store(i + 1, std::sync::atomic::Ordering::SeqCst);
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe {
+        *data = EventData { device: (gpu as usize + 1) as *mut u8, event_type: 8, event_data: code, gpu_instance: 0, compute_instance: 0 };
+    }
+    SUCCESS
+}
+
+#[no_mangle]
+pub extern "C" fn nvmlEventSetFree(_set: *mut u8) -> u32 {
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetIndex(handle: *mut u8, index: *mut u32) -> u32 {
+    let Some(i) = (handle as usize).checked_sub(1) else { return INVALID_ARGUMENT };
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe { *index = i as u32 };
+    SUCCESS
+}
