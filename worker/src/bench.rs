@@ -7,10 +7,9 @@ use std::time::Instant;
 
 use dflash_shared::batch::TokenBatch;
 use dflash_shared::drafter::DrafterConfig;
-use dflash_shared::rng::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::model::drafter::{grad_norm, AdamW, Drafter, Frozen, Sample};
+use crate::model::drafter::{batch_samples, grad_norm, AdamW, Drafter, Frozen};
 use crate::model::target::Target;
 use crate::model::weights::Weights;
 
@@ -65,16 +64,7 @@ pub fn run(spec_path: &Path) -> Result<(), String> {
     let mut opt = AdamW::new(p.len());
     let t1 = Instant::now();
     for (b, taps) in spec.batches.iter().zip(&hidden) {
-        let seq = b.seq_len as usize;
-        let mut rng = Rng::new(spec.seed ^ b.batch_id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let anchors: Vec<Vec<usize>> =
-            b.lengths.iter().enumerate().map(|(r, &len)| d.sample_anchors(&b.loss_mask[r * seq..r * seq + len as usize], &mut rng)).collect();
-        let samples: Vec<Sample> = b
-            .lengths
-            .iter()
-            .enumerate()
-            .map(|(r, &len)| Sample { taps: &taps[r], ids: &b.input_ids[r * seq..r * seq + len as usize], mask: &b.loss_mask[r * seq..r * seq + len as usize] })
-            .collect();
+        let (samples, anchors) = batch_samples(&d, b, taps, spec.seed);
         let mut g = vec![0f32; p.len()];
         d.train_batch(&p, &frozen, &samples, &anchors, &mut g);
         if let Some(norm) = grad_norm(&g) {

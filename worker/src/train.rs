@@ -10,9 +10,8 @@ use anyhow::{anyhow, bail, Context};
 use dflash_shared::batch::HiddenView;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
-use dflash_shared::rng::Rng;
 
-use crate::model::drafter::{grad_norm, AdamW, Drafter, Frozen, Sample};
+use crate::model::drafter::{batch_samples, grad_norm, AdamW, Drafter, Frozen};
 use crate::model::weights::Weights;
 
 pub struct Rank {
@@ -105,23 +104,16 @@ impl Rank {
         }
         let tb = &view.tokens;
         let seq = tb.seq_len as usize;
-        let mut taps: Vec<Vec<f32>> = Vec::new();
-        let mut anchors = Vec::new();
-        // Anchors are redrawn every step, from the batch id: the same batch gets the same
-        // anchors whichever rank trains it.
-        let mut rng = Rng::new(self.setup.seed ^ tb.batch_id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        for (r, &len) in tb.lengths.iter().enumerate() {
-            let len = len as usize;
-            let bytes = &view.hidden[r * seq * width * 2..(r * seq + len) * width * 2];
-            taps.push(bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect());
-            anchors.push(self.drafter.sample_anchors(&tb.loss_mask[r * seq..r * seq + len], &mut rng));
-        }
-        let samples: Vec<Sample> = tb
+        let taps: Vec<Vec<f32>> = tb
             .lengths
             .iter()
             .enumerate()
-            .map(|(r, &len)| Sample { taps: &taps[r], ids: &tb.input_ids[r * seq..r * seq + len as usize], mask: &tb.loss_mask[r * seq..r * seq + len as usize] })
+            .map(|(r, &len)| {
+                let bytes = &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2];
+                bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+            })
             .collect();
+        let (samples, anchors) = batch_samples(&self.drafter, tb, &taps, self.setup.seed);
         let mut g = vec![0f32; self.params.len()];
         let mut stats = self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g);
         stats.wait_ms = wait_ms;

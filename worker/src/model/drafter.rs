@@ -44,6 +44,22 @@ pub struct Sample<'a> {
     pub mask: &'a [u8],
 }
 
+/// The samples of a token batch, with their tapped hidden states `taps[row]`
+/// (`[len, n_taps × hidden]`), and this step's anchors for each: drawn from the batch id,
+/// so a batch gets the same anchors whichever rank trains it.
+pub fn batch_samples<'a>(d: &Drafter, b: &'a dflash_shared::batch::TokenBatch, taps: &'a [Vec<f32>], seed: u64) -> (Vec<Sample<'a>>, Vec<Vec<usize>>) {
+    let seq = b.seq_len as usize;
+    let mut rng = Rng::new(seed ^ b.batch_id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    b.lengths
+        .iter()
+        .enumerate()
+        .map(|(r, &len)| {
+            let (ids, mask) = (&b.input_ids[r * seq..r * seq + len as usize], &b.loss_mask[r * seq..r * seq + len as usize]);
+            (Sample { taps: &taps[r], ids, mask }, d.sample_anchors(mask, &mut rng))
+        })
+        .unzip()
+}
+
 pub struct Drafter {
     pub cfg: DrafterConfig,
     pub layout: ParamLayout,
