@@ -186,18 +186,27 @@ fn field(handle: *mut u8, func: &str, key: &str) -> Result<u64, u32> {
     d[key].as_u64().ok_or(3) // NVML_ERROR_NOT_SUPPORTED
 }
 
+/// Store a scripted value through an out-parameter, or pass the scripted failure on.
+///
+/// # Safety
+/// `out` is a valid out-parameter from the caller.
+unsafe fn store<T>(out: *mut T, r: Result<u64, u32>, conv: fn(u64) -> T) -> u32 {
+    match r {
+        Ok(v) => {
+            // SAFETY: promised by the caller.
+            unsafe { *out = conv(v) };
+            SUCCESS
+        }
+        Err(c) => c,
+    }
+}
+
 macro_rules! getter {
     ($name:ident, $key:literal, $ty:ty) => {
         #[no_mangle]
         pub unsafe extern "C" fn $name(handle: *mut u8, out: *mut $ty) -> u32 {
-            match field(handle, stringify!($name), $key) {
-                Ok(v) => {
-                    // SAFETY: out-parameter supplied by the caller.
-                    unsafe { *out = v as $ty };
-                    SUCCESS
-                }
-                Err(c) => c,
-            }
+            // SAFETY: out-parameter supplied by the caller.
+            unsafe { store(out, field(handle, stringify!($name), $key), |v| v as $ty) }
         }
     };
 }
@@ -228,56 +237,32 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(handle: *mut u8, out: *mu
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetTemperature(handle: *mut u8, _sensor: u32, out: *mut u32) -> u32 {
-    match field(handle, "nvmlDeviceGetTemperature", "temp_c") {
-        Ok(v) => {
-            // SAFETY: out-parameter supplied by the caller.
-            unsafe { *out = v as u32 };
-            SUCCESS
-        }
-        Err(c) => c,
-    }
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe { store(out, field(handle, "nvmlDeviceGetTemperature", "temp_c"), |v| v as u32) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetClockInfo(handle: *mut u8, clock: u32, out: *mut u32) -> u32 {
     // NVML_CLOCK_SM = 1, NVML_CLOCK_MEM = 2
     let key = if clock == 2 { "mem_clock_mhz" } else { "sm_clock_mhz" };
-    match field(handle, "nvmlDeviceGetClockInfo", key) {
-        Ok(v) => {
-            // SAFETY: out-parameter supplied by the caller.
-            unsafe { *out = v as u32 };
-            SUCCESS
-        }
-        Err(c) => c,
-    }
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe { store(out, field(handle, "nvmlDeviceGetClockInfo", key), |v| v as u32) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetPcieThroughput(handle: *mut u8, counter: u32, out: *mut u32) -> u32 {
     // NVML_PCIE_UTIL_TX_BYTES = 0, NVML_PCIE_UTIL_RX_BYTES = 1
     let key = if counter == 0 { "pcie_tx_kbps" } else { "pcie_rx_kbps" };
-    match field(handle, "nvmlDeviceGetPcieThroughput", key) {
-        Ok(v) => {
-            // SAFETY: out-parameter supplied by the caller.
-            unsafe { *out = v as u32 };
-            SUCCESS
-        }
-        Err(c) => c,
-    }
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe { store(out, field(handle, "nvmlDeviceGetPcieThroughput", key), |v| v as u32) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(handle: *mut u8, error_type: u32, _counter: u32, out: *mut u64) -> u32 {
     // NVML_MEMORY_ERROR_TYPE_CORRECTED = 0, UNCORRECTED = 1
     let key = if error_type == 0 { "ecc_corrected" } else { "ecc_uncorrected" };
-    match field(handle, "nvmlDeviceGetTotalEccErrors", key) {
-        Ok(v) => {
-            // SAFETY: out-parameter supplied by the caller.
-            unsafe { *out = v };
-            SUCCESS
-        }
-        Err(c) => c,
-    }
+    // SAFETY: out-parameter supplied by the caller.
+    unsafe { store(out, field(handle, "nvmlDeviceGetTotalEccErrors", key), |v| v) }
 }
 
 getter!(nvmlDeviceGetCurrentClocksThrottleReasons, "throttle_mask", u64);
