@@ -17,3 +17,7 @@ pub const INTERRUPTED: i32 = 130;
 
 /// Worker: its control channel to the supervisor closed (the supervisor is gone).
 pub const WORKER_ORPHANED: i32 = 10;
+/// Worker: it cannot use its device (a CUDA library missing, no usable GPU): restarting
+/// cannot help, so the supervisor stops the run with the worker's one-line reason instead
+/// of spending the restart budget.
+pub const WORKER_PERMANENT: i32 = 11;

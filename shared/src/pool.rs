@@ -150,6 +150,11 @@ impl PoolMap {
         &self.geometry
     }
 
+    /// The whole mapping (headers and slots), e.g. to pin it for a GPU's copies.
+    pub fn mapping(&self) -> (*mut u8, usize) {
+        (self.base, self.len)
+    }
+
     pub fn header(&self, slot: u32) -> &SlotHeader {
         assert!(slot < self.geometry.slots, "slot {slot} out of range");
         // SAFETY: in range, properly aligned (headers start at offset 0, 32-byte stride),

@@ -298,6 +298,20 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 12)]
         seconds: u64,
     },
+    /// Compute of one worker: the target forward per op and as a whole (tokens/s,
+    /// GFLOP/s) against bare GEMMs of the same shapes, and one drafter step. Runs in a
+    /// dflash-worker process; without a GPU it measures the CPU backend and says so.
+    Compute {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// A Hugging Face model directory, or a built-in shape `qwen3:HIDDENxLAYERS`.
+        #[arg(long, value_name = "DIR|SHAPE", default_value = "qwen3:768x5")]
+        target: String,
+        /// Tokens in the measured sequence.
+        #[arg(long, default_value_t = 1024)]
+        tokens: usize,
+    },
     /// Training throughput on CPU: target forward and drafter step alone (in one
     /// dflash-worker process) against the whole pipeline on the same batches.
     Train {

@@ -4,6 +4,7 @@
 //! `logs`, `status`, or the hidden reaper. Errors end here as one line on stderr and a
 //! documented exit code ([`dflash_shared::exit_codes`]).
 
+pub mod bench_compute;
 pub mod bench_ipc;
 pub mod bench_telemetry;
 pub mod bench_train;
@@ -55,6 +56,7 @@ pub fn main() -> i32 {
         Some(Command::Ledger(a)) => ledger::run(a),
         Some(Command::Gpus { json }) => gpus::run(json),
         Some(Command::Bench(cli::BenchCommand::Ipc { json, quick })) => bench_ipc::run(json, quick),
+        Some(Command::Bench(cli::BenchCommand::Compute { json, target, tokens })) => bench_compute::run(json, &target, tokens),
         Some(Command::Bench(cli::BenchCommand::Train { json, steps })) => bench_train::run(json, steps),
         Some(Command::Bench(cli::BenchCommand::Telemetry { json, seconds })) => bench_telemetry::run(json, seconds),
         Some(Command::BenchPeer { server }) => Ok(bench_ipc::peer(&server)),
@@ -163,7 +165,7 @@ fn run(mut args: RunArgs) -> Result<i32, Error> {
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
-        log::warn!("the CUDA backend is not implemented yet: workers on GPUs run their compute on the CPU");
+        log::info!("targets on GPUs run their forward on the GPU (CUDA); drafters still train on the CPU");
     }
     let target_cfg = target_config(&args.target)?;
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;

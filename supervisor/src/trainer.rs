@@ -244,6 +244,10 @@ impl Trainer {
     pub fn on_snapshot_done(&mut self, worker: usize, step: u64) -> Vec<Action> {
         let mut out = Vec::new();
         match self.joining {
+            // The donor answers in the order it was asked, and applies every committed
+            // step before a later request: a reply for an older step answers a request
+            // whose joiner died before a commit. The reply to this one is still coming.
+            Some((_, donor)) if donor == worker && step < self.committed => {}
             Some((joiner, donor)) if donor == worker => {
                 if step != self.committed {
                     out.push(Action::Violation(worker, format!("snapshot at step {step}, expected {}", self.committed)));

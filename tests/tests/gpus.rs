@@ -63,7 +63,7 @@ fn gpu_workers_get_their_gpu_and_bad_indices_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let lib = fake_nvml();
     let s = script(tmp.path(), "");
-    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("DFLASH_DEVICE", "cpu")];
     let out = supervise_env(&["--gpus", "0-7"], &env);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("GPU 2 does not exist (NVML reports 2 GPU(s), 0-1)"));
@@ -80,7 +80,7 @@ fn gpu_workers_get_their_gpu_and_bad_indices_are_refused() {
             assert!(vars.contains(&format!("CUDA_VISIBLE_DEVICES={gpu}")), "{name}: {vars:?}");
             assert!(vars.contains(&format!("DFLASH_GPU={gpu}")) && vars.contains(&"CUDA_DEVICE_ORDER=PCI_BUS_ID".to_string()));
         }
-        assert!(sup.stderr().contains("the CUDA backend is not implemented yet"));
+        assert!(sup.stderr().contains("targets on GPUs run their forward on the GPU"), "{}", sup.stderr());
         sup.signal(Signal::SIGTERM);
         assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
     }
@@ -102,7 +102,7 @@ fn gpu_samples_land_in_metrics_and_a_failing_metric_is_asked_again() {
     let lib = fake_nvml();
     let s = tmp.path().join("nvml.json");
     fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}, "fail": {{"nvmlDeviceGetTemperature": 999}}}}"#)).unwrap();
-    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("DFLASH_DEVICE", "cpu")];
     let mut sup = Sup::start_real_env(&["--gpus", "0-1", "--metrics-interval", "300ms", "--gpu-sample-interval", "50ms"], &env);
     let gpu0 = |m: &serde_json::Value| m["gpu"]["gpus"][0].clone();
     let w = wait_for("a window with GPU samples", Duration::from_secs(20), || {
@@ -150,7 +150,7 @@ fn nvml_failing_after_start_gives_one_warning_and_the_run_goes_on() {
     let s = tmp.path().join("nvml.json");
     // The first initialisation (device selection) works; the sampler's does not.
     fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}, "init_ok_times": 1}}"#)).unwrap();
-    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("DFLASH_DEVICE", "cpu")];
     let mut sup = Sup::start_real_env(&["--gpus", "0-1", "--metrics-interval", "200ms", "--gpu-sample-interval", "50ms"], &env);
     sup.wait_running(2);
     wait_for("two metrics windows", Duration::from_secs(20), || (metrics(&sup).len() >= 2).then_some(()));
@@ -178,7 +178,7 @@ fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
     let lib = fake_nvml();
     let s = tmp.path().join("nvml.json");
     fs::write(&s, format!(r#"{{"driver": "550", {DEVICES}}}"#)).unwrap();
-    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("DFLASH_DEVICE", "cpu")];
     let mut sup = Sup::start_real_env(&["--gpus", "0-1", "--prometheus", "0", "--metrics-interval", "200ms", "--gpu-sample-interval", "50ms"], &env);
     let addr = wait_for("the Prometheus address", Duration::from_secs(20), || {
         let err = sup.stderr();
@@ -216,7 +216,7 @@ fn bench_telemetry_prints_the_sampler_cost_and_the_supervisor_cpu_with_8_gpus() 
     let s = tmp.path().join("nvml.json");
     let one = r#"{"name": "Fake H200", "uuid": "GPU-x", "memory_total": 1000, "memory_used": 10, "util_gpu": 40, "util_mem": 10, "power_mw": 300000}"#;
     fs::write(&s, format!(r#"{{"driver": "550", "devices": [{}]}}"#, [one; 8].join(","))).unwrap();
-    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("DFLASH_DEVICE", "cpu")];
     let out = supervise_env(&["bench", "telemetry", "--json", "--seconds", "4"], &env);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -230,4 +230,53 @@ fn bench_telemetry_prints_the_sampler_cost_and_the_supervisor_cpu_with_8_gpus() 
     let out = supervise_env(&["bench", "telemetry"], &[("DFLASH_NVML_LIBRARY", "/nonexistent/libnvidia-ml.so.1")]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("bench telemetry needs NVML and a GPU"));
+}
+
+/// Targets on GPUs compute on the device. Here the device is the host device (the CUDA
+/// kernels compiled for the CPU, selected by DFLASH_DEVICE=host): the whole pipeline runs
+/// through the GPU code path — weights in the arena, the forward's kernels and GEMMs, the
+/// bf16 cast, the copy stream into the pinned slot behind an event — and trains.
+#[test]
+fn host_device_targets_feed_the_pipeline_and_the_drafter_learns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = fake_nvml();
+    let s = script(tmp.path(), "");
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("DFLASH_DEVICE", "host")];
+    let mut sup = Sup::start_real_env(
+        &["--gpus", "0-1", "--data", "demo", "--steps", "6", "--max-seq-len", "24", "--token-budget", "192", "--no-gpu-metrics"],
+        &env,
+    );
+    let status = sup.wait_exit(Duration::from_secs(120));
+    assert_eq!(status.code(), Some(0), "{}", sup.stderr());
+    let log = sup.log("target-0");
+    assert!(log.contains("computing on host device"), "{log}");
+    let (code, audit) = sup.ledger();
+    assert_eq!(code, 0, "{audit}");
+    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
+    assert_eq!(steps.len(), 6);
+    let loss: Vec<f64> = steps.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
+    assert!(loss.iter().all(|l| l.is_finite() && *l > 0.0), "{loss:?}");
+    assert!(loss[4..].iter().sum::<f64>() < loss[..2].iter().sum::<f64>(), "the drafter learns from device-computed taps: {loss:?}");
+}
+
+/// A target on a GPU that cannot use it (here: no libcuda at all) exits with the
+/// "permanent" code and one line naming the library; the supervisor stops the run with
+/// that line at once instead of restarting it up to --max-restarts times.
+#[test]
+fn a_gpu_worker_without_cuda_stops_the_run_with_the_missing_library_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = fake_nvml();
+    let s = script(tmp.path(), "");
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap())];
+    let mut sup = Sup::start_real_env(&["--gpus", "0-1", "--max-restarts", "50", "--no-gpu-metrics"], &env);
+    let status = sup.wait_exit(Duration::from_secs(60));
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "{err}");
+    let line = err.lines().find(|l| l.starts_with("dflash-supervise: run failed:")).unwrap_or_default();
+    assert!(line.contains("target-0 cannot run on GPU 0 and was not restarted") && line.contains("libcuda.so.1"), "{err}");
+    let events = sup.events();
+    let restarts = events.iter().filter(|e| e["event"] == "restart").count();
+    assert_eq!(restarts, 0, "a permanent failure spends no restart: {events:?}");
+    assert!(events.iter().any(|e| e["event"] == "give_up" && e["permanent"] == true), "{events:?}");
+    assert!(sup.log("target-0").contains("permanent, do not restart"));
 }

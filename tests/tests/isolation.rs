@@ -46,6 +46,8 @@ fn running_processes_map_only_their_own_libraries() {
         .arg(target.join("dflash-supervise"))
         .env("DFLASH_NVML_LIBRARY", target.join("libdflash_fake_nvml.so"))
         .env("DFLASH_FAKE_NVML", &script)
+        // No CUDA here: the targets compute on the host device (the same kernels, on the CPU).
+        .env("DFLASH_DEVICE", "host")
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);

@@ -148,6 +148,33 @@ fn bench_train_prints_stage_and_pipeline_throughput() {
 }
 
 #[test]
+fn bench_compute_reports_the_forward_per_op_against_bare_gemms() {
+    let out = supervise(&["bench", "compute", "--json", "--target", "qwen3:128x2", "--tokens", "96"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["backend"], "cpu", "no GPU here: the CPU backend is measured, and said so");
+    assert_eq!(v["tokens"], 96);
+    for k in ["target_tokens_per_s", "target_gflops", "gemm_gflops", "forward_vs_gemm", "drafter_tokens_per_s"] {
+        let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {v}"));
+        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+    }
+    let ratio = v["target_gflops"].as_f64().unwrap() / v["gemm_gflops"].as_f64().unwrap();
+    assert!((v["forward_vs_gemm"].as_f64().unwrap() - ratio).abs() < 1e-9 * ratio);
+    // The per-op times cover the forward's ops and add up to no more than the forward.
+    let ops = v["op_seconds"].as_object().unwrap();
+    for op in ["matmul", "attention", "rmsnorm", "rope", "swiglu"] {
+        assert!(ops.get(op).and_then(|x| x.as_f64()).is_some_and(|x| x > 0.0), "{op} missing in {ops:?}");
+    }
+    let sum: f64 = ops.values().map(|x| x.as_f64().unwrap()).sum();
+    assert!(sum <= v["target_forward_s"].as_f64().unwrap() * 1.001, "ops {sum} s > forward {}", v["target_forward_s"]);
+
+    let out = supervise(&["bench", "compute", "--target", "gpt2:12"], None);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--target gpt2:12") && err.contains("qwen3:768x5"), "{err}");
+}
+
+#[test]
 fn a_toml_config_sets_the_drafter_and_flags_override_it() {
     let tmp = tempfile::tempdir().unwrap();
     let cfg = tmp.path().join("dflash.toml");

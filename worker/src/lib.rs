@@ -11,7 +11,9 @@
 //! demo target).
 
 pub mod bench;
+pub mod bench_ops;
 pub mod compute;
+pub mod gpu;
 mod identity;
 pub mod model;
 mod plane;
@@ -62,6 +64,19 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         spec: PathBuf,
     },
+    /// What `dflash-supervise bench compute` measures: the target forward per op and as a
+    /// whole against bare GEMMs of its shapes, and one drafter step.
+    #[command(hide = true)]
+    BenchOps {
+        /// A Hugging Face model directory, or a shape `qwen3:HIDDENxLAYERS`.
+        #[arg(long, value_name = "DIR|SHAPE", default_value = "qwen3:768x5")]
+        target: String,
+        /// Tokens in the measured sequence.
+        #[arg(long, default_value_t = 1024)]
+        tokens: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR.
     TinyTarget {
         #[arg(long, value_name = "DIR")]
@@ -87,6 +102,7 @@ pub fn main() -> i32 {
     match cli.command {
         Some(Command::Inspect { target, tokens, taps, out }) => tool(inspect(&target, &tokens, taps, &out)),
         Some(Command::BenchCompute { spec }) => tool(bench::run(&spec)),
+        Some(Command::BenchOps { target, tokens, json }) => tool(bench_ops::run(&target, tokens, json)),
         Some(Command::TinyTarget { out }) => tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display()))),
         None => serve(cli.control),
     }
@@ -116,6 +132,10 @@ fn serve(control: Option<String>) -> i32 {
     };
     match role::run(&control, &id) {
         Ok(code) => code,
+        Err(e) if e.downcast_ref::<plane::Permanent>().is_some() => {
+            eprintln!("dflash-worker {}: error: cannot compute on device {} (permanent, do not restart): {e}", id.name, id.gpu);
+            exit_codes::WORKER_PERMANENT
+        }
         Err(e) => {
             eprintln!("dflash-worker {}: error: {e:#}", id.name);
             1

@@ -11,6 +11,7 @@ use dflash_shared::protocol::{FromWorker, PoolId, PoolInfo, SlotRef};
 use dflash_shared::slots::SlotState;
 use dflash_shared::Role;
 
+use crate::gpu::{self, target::GpuTarget, GpuError};
 use crate::model::target::Target;
 use crate::train::Rank;
 
@@ -56,12 +57,42 @@ pub struct Stats {
 /// while a large checkpoint is read.
 enum TargetModel {
     Absent,
-    Loading(std::sync::mpsc::Receiver<Result<Target, String>>),
-    Ready(Box<Target>),
+    Loading(std::sync::mpsc::Receiver<Result<Loaded, LoadError>>),
+    Ready(Box<Loaded>),
 }
+
+/// The target, computing on the CPU backend or on a device.
+enum Loaded {
+    Cpu(Target),
+    /// (The host copy of the weights is dropped once they are on the device.)
+    Gpu(Box<GpuTarget>),
+}
+
+impl Loaded {
+    fn shape(&self) -> (&dflash_shared::model_config::TargetConfig, &[usize]) {
+        match self {
+            Loaded::Cpu(t) => (&t.cfg, &t.taps),
+            Loaded::Gpu(g) => (&g.cfg, &g.taps),
+        }
+    }
+}
+
+/// Why the target could not be loaded; `permanent`: restarting cannot help (no usable
+/// GPU), so the worker exits with [`exit_codes::WORKER_PERMANENT`].
+#[derive(Debug)]
+pub struct LoadError {
+    pub msg: String,
+    pub permanent: bool,
+}
+
+/// A failure that restarting this worker cannot fix: its one line says why.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Permanent(pub String);
 
 pub struct Plane {
     role: Role,
+    gpu: Option<u32>,
     pools: Option<Pools>,
     target: TargetModel,
     /// Drafters: this rank of the data-parallel group, once the supervisor says train.
@@ -77,9 +108,11 @@ pub struct Plane {
 }
 
 impl Plane {
-    pub fn new(role: Role) -> Plane {
+    /// `gpu`: this worker's GPU index (None on CPU workers).
+    pub fn new(role: Role, gpu: Option<u32>) -> Plane {
         Plane {
             role,
+            gpu,
             pools: None,
             target: TargetModel::Absent,
             rank: None,
@@ -97,14 +130,27 @@ impl Plane {
                 .map(std::path::PathBuf::from)
                 .ok_or_else(|| anyhow!("{} is not set: which target model?", dflash_shared::env::TARGET_DIR))?;
             let capture = pools.capture.clone();
+            // Room on the device for the longest row a hidden-state slot can hold.
+            let max_tokens = (pools.hidden.geometry().slot_bytes / capture.bytes_per_token().max(1)) as usize;
+            let gpu = self.gpu;
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::Builder::new().name("load-target".into()).spawn(move || {
                 let taps: Vec<usize> = capture.tap_ids.iter().map(|&t| t as usize).collect();
-                let r = Target::load(&dir, &taps).map_err(|e| e.to_string()).and_then(|t| {
+                let fail = |msg: String| LoadError { msg, permanent: false };
+                let r = Target::load(&dir, &taps).map_err(|e| fail(e.to_string())).and_then(|t| {
                     if t.cfg.fingerprint() != capture.target || t.cfg.hidden_size != capture.hidden as usize {
-                        return Err(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display()));
+                        return Err(fail(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display())));
                     }
-                    Ok(t)
+                    match gpu::open_device(gpu) {
+                        Ok(None) => Ok(Loaded::Cpu(t)),
+                        Ok(Some(dev)) => match GpuTarget::new(dev, &t, max_tokens) {
+                            Ok(g) => Ok(Loaded::Gpu(Box::new(g))),
+                            Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true }),
+                            Err(e) => Err(fail(format!("putting the target on the device: {e}"))),
+                        },
+                        Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true }),
+                        Err(e) => Err(fail(e.to_string())),
+                    }
                 });
                 let _ = tx.send(r);
             })?;
@@ -118,19 +164,30 @@ impl Plane {
     pub fn poll_model(&mut self) -> anyhow::Result<Option<String>> {
         if let TargetModel::Loading(rx) = &self.target {
             match rx.try_recv() {
-                Ok(Ok(t)) => {
-                    let msg = format!(
+                Ok(Ok(mut loaded)) => {
+                    let (cfg, taps) = loaded.shape();
+                    let mut msg = format!(
                         "target loaded: {:?}, {} layers (running {}), hidden {}, taps {:?}",
-                        t.cfg.arch,
-                        t.cfg.num_hidden_layers,
-                        t.taps.iter().max().map_or(0, |m| m + 1),
-                        t.cfg.hidden_size,
-                        t.taps
+                        cfg.arch,
+                        cfg.num_hidden_layers,
+                        taps.iter().max().map_or(0, |m| m + 1),
+                        cfg.hidden_size,
+                        taps
                     );
-                    self.target = TargetModel::Ready(Box::new(t));
+                    if let Loaded::Gpu(g) = &mut loaded {
+                        let pools = self.pools.as_ref().ok_or_else(|| anyhow!("the target loaded before the pools"))?;
+                        let (ptr, len) = pools.hidden.mapping();
+                        // SAFETY: the hidden pool stays mapped as long as `self.pools`,
+                        // which outlives the target (both live in this Plane).
+                        unsafe { g.register_host(ptr, len) }.map_err(|e| anyhow!("pinning the hidden-state pool: {e}"))?;
+                        let st = g.arena_stats();
+                        msg.push_str(&format!("; computing on {} ({:.1} MiB of device memory, room for {} tokens a row)", g.describe(), st.reserved as f64 / (1 << 20) as f64, g.max_tokens));
+                    }
+                    self.target = TargetModel::Ready(Box::new(loaded));
                     return Ok(Some(msg));
                 }
-                Ok(Err(e)) => bail!("loading the target: {e}"),
+                Ok(Err(e)) if e.permanent => return Err(Permanent(e.msg).into()),
+                Ok(Err(e)) => bail!("loading the target: {}", e.msg),
                 Err(std::sync::mpsc::TryRecvError::Empty) => {}
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => bail!("the target loading thread died"),
             }
@@ -195,8 +252,12 @@ impl Plane {
                 // nobody reads it before our commit.
                 let buf = unsafe { pools.hidden.payload_mut(out.slot) };
                 let layout = write_hidden_header(buf, &pools.capture, &tokens)?;
-                let TargetModel::Ready(target) = &self.target else { bail!("the target is not loaded") };
-                write_hidden_states(target, &tokens, &mut buf[layout.hidden_offset..][..layout.hidden_len]);
+                let TargetModel::Ready(target) = &mut self.target else { bail!("the target is not loaded") };
+                let hidden = &mut buf[layout.hidden_offset..][..layout.hidden_len];
+                match target.as_mut() {
+                    Loaded::Cpu(t) => write_hidden_states(t, &tokens, hidden),
+                    Loaded::Gpu(g) => write_hidden_states_gpu(g, &tokens, hidden).map_err(|e| anyhow!("target forward on the device: {e}"))?,
+                }
                 let len = seal_hidden(buf, &layout) as u64;
                 self.stats.batches += 1;
                 self.stats.tokens += tokens.tokens();
@@ -250,6 +311,30 @@ fn check_header(map: &PoolMap, d: &Delivery) -> anyhow::Result<()> {
         if len != d.len || batch != d.batch_id || len > map.geometry().slot_bytes {
             bail!("slot {} header says batch {batch} of {len} bytes, expected batch {} of {}", d.slot.slot, d.batch_id, d.len);
         }
+    }
+    Ok(())
+}
+
+/// The device's version of [`write_hidden_states`]: each row's taps are cast to bf16 on
+/// the device and copied straight into the (pinned) slot on the copy stream while the
+/// next row computes; the slot is sealed only after the event behind the last copy.
+fn write_hidden_states_gpu(g: &mut GpuTarget, tokens: &TokenBatch, out: &mut [u8]) -> gpu::Result<()> {
+    let width = g.taps.len() * g.cfg.hidden_size;
+    let seq = tokens.seq_len as usize;
+    g.host_write(out.as_ptr(), out.len())?;
+    out.fill(0);
+    let mut last = None;
+    for (r, &len) in tokens.lengths.iter().enumerate() {
+        let ids = &tokens.input_ids[r * seq..r * seq + len as usize];
+        let dst = out[r * seq * width * 2..(r * seq + len as usize) * width * 2].as_mut_ptr();
+        // SAFETY: `out` is inside the registered hidden pool, and nothing reads it before
+        // `finish` below.
+        if let Some(e) = unsafe { g.forward_taps_into(ids, dst)? } {
+            last = Some(e);
+        }
+    }
+    if let Some(e) = last {
+        g.finish(e, out.as_ptr(), out.len())?;
     }
     Ok(())
 }

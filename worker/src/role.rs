@@ -48,7 +48,7 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
         id.gpu,
         id.restart_count
     );
-    let mut plane = Plane::new(id.name.role);
+    let mut plane = Plane::new(id.name.role, id.gpu.parse().ok());
     let mut seq = 0u64;
     let mut last_beat = Instant::now();
     let mut last_progress = Instant::now();

@@ -136,9 +136,12 @@ fn the_target_is_deterministic_and_taps_are_prefixes_of_the_residual_stream() {
     let a = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4]);
     let b = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4]);
     assert_eq!(a, b);
-    // Causal: the states of a prefix do not depend on what follows.
+    // Causal: the states of a prefix do not depend on what follows (up to the GEMM's
+    // summation order, which may change with the number of rows).
     let c = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4, 9, 9]);
-    assert_eq!(&c[..a.len()], &a[..]);
+    let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = c[..a.len()].iter().zip(&a).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(worst <= 1e-5 * scale, "prefix states changed by {worst} (scale {scale})");
 }
 
 fn rewrite_without(dir: &Path, drop: &str, reshape: Option<(&str, Vec<usize>)>) {

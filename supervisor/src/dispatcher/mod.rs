@@ -529,7 +529,9 @@ impl Dispatcher {
                        "uptime_s": uptime.as_secs_f64(), "killed_for": l.killed_for})),
         );
         self.dirty = true;
-        if matches!(self.phase, Phase::Running) {
+        if matches!(self.phase, Phase::Running) && code == Some(dflash_shared::exit_codes::WORKER_PERMANENT) {
+            self.on_permanent_failure(worker, l.pid);
+        } else if matches!(self.phase, Phase::Running) {
             log::warn!("{name} (pid {}) {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64());
             self.on_failure(worker, l.pid, uptime);
         } else {
@@ -540,6 +542,32 @@ impl Dispatcher {
             }
             log::info!("{name} (pid {}) {desc}{why}", l.pid);
         }
+    }
+
+    /// The worker exited saying it can never work here (e.g. no usable GPU): restarting
+    /// would only spend the budget. Stop the run with its own one-line reason.
+    fn on_permanent_failure(&mut self, worker: usize, pid: u32) {
+        let w = &mut self.workers[worker];
+        w.state = WState::Failed;
+        // Its reason is its last "error:" line; the log pump may still be writing it.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let reason = loop {
+            let found = w.log.tail(20).into_iter().rev().find_map(|l| l.split_once("error: ").map(|(_, r)| r.to_string()));
+            match found {
+                Some(r) => break r,
+                None if Instant::now() >= deadline => break format!("see {}", w.log_path.display()),
+                None => std::thread::sleep(Duration::from_millis(10)),
+            }
+        };
+        let name = w.name.to_string();
+        self.run.event("give_up", obj(json!({"worker": name, "pid": pid, "restarts": w.restarts, "permanent": true, "last_exit": reason})));
+        let device = match w.device {
+            Device::Gpu(i) => format!("GPU {i}"),
+            Device::Cpu => "its CPU".to_string(),
+        };
+        let msg = format!("{name} cannot run on {device} and was not restarted: {reason}");
+        log::error!("{msg}");
+        self.begin_stop(StopReason::TrainingFailed(msg));
     }
 
     fn on_failure(&mut self, worker: usize, pid: u32, uptime: Duration) {

@@ -15,23 +15,13 @@ impl Cpu {
         Cpu { threads: threads.max(1) }
     }
 
-    /// Run `f(row_range, chunk)` over `out` split into row blocks of `width`, on threads
-    /// when the work is big enough to pay for them.
-    fn par_rows(&self, out: &mut [f32], width: usize, work: usize, f: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync) {
-        let rows = out.len().checked_div(width).unwrap_or(0);
-        let threads = if work < (1 << 16) { 1 } else { self.threads.min(rows).max(1) };
-        if threads <= 1 {
-            f(0..rows, out);
-            return;
+    /// How the `gemm` crate may split a product of `work` multiply-adds.
+    pub fn par(&self, work: usize) -> gemm::Parallelism {
+        if self.threads > 1 && work >= (1 << 22) {
+            gemm::Parallelism::Rayon(self.threads)
+        } else {
+            gemm::Parallelism::None
         }
-        let per = rows.div_ceil(threads);
-        std::thread::scope(|s| {
-            for (i, chunk) in out.chunks_mut(per * width).enumerate() {
-                let f = &f;
-                let start = i * per;
-                s.spawn(move || f(start..start + chunk.len() / width, chunk));
-            }
-        });
     }
 }
 
@@ -66,47 +56,73 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `dst (m×n) = [dst +] lhs (m×k) · rhs (k×n)` through the `gemm` crate, every matrix given
+/// by its row and column strides in elements.
+///
+/// # Safety
+/// Every pointer must be valid for the elements its strides and sizes address.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm(
+    par: gemm::Parallelism,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    dst_cs: isize,
+    accumulate: bool,
+    lhs: *const f32,
+    lhs_rs: usize,
+    lhs_cs: isize,
+    rhs: *const f32,
+    rhs_rs: isize,
+    rhs_cs: isize,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                for j in 0..n {
+                    *dst.offset(i as isize * dst_rs as isize + j as isize * dst_cs) = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    // gemm's contract: dst := alpha·dst + beta·lhs·rhs (alpha read only when read_dst).
+    gemm::gemm(m, n, k, dst, dst_cs, dst_rs as isize, accumulate, lhs, lhs_cs, lhs_rs as isize, rhs, rhs_cs, rhs_rs, 1.0, 1.0, false, false, false, par)
+}
+
+/// A raw pointer handed to worker threads that write disjoint parts of one buffer.
+struct SendPtr(*mut f32);
+unsafe impl Sync for SendPtr {}
+
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
 impl Backend for Cpu {
     fn matmul(&self, x: &[f32], w: &[f32], y: &mut [f32], m: usize, k: usize, n: usize) {
-        debug_assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n));
-        self.par_rows(y, n, m * n * k, |rows, out| {
-            for (r, yrow) in rows.zip(out.chunks_exact_mut(n)) {
-                let xrow = &x[r * k..(r + 1) * k];
-                for (j, yj) in yrow.iter_mut().enumerate() {
-                    *yj = dot(xrow, &w[j * k..(j + 1) * k]);
-                }
-            }
-        });
+        assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n), "matmul shapes");
+        // y (row-major m×n) = x (row-major m×k) · wᵀ, where wᵀ is w read with swapped strides.
+        let (yp, xp, wp) = (y.as_mut_ptr(), x.as_ptr(), w.as_ptr());
+        unsafe { sgemm(self.par(m * n * k), m, n, k, yp, n, 1, false, xp, k, 1, wp, 1, k as isize) };
     }
 
     fn matmul_backward(&self, dy: &[f32], x: &[f32], w: &[f32], dx: Option<&mut [f32]>, dw: Option<&mut [f32]>, m: usize, k: usize, n: usize) {
+        assert_eq!((dy.len(), x.len(), w.len()), (m * n, m * k, n * k), "matmul_backward shapes");
+        let par = self.par(m * n * k);
         if let Some(dx) = dx {
-            self.par_rows(dx, k, m * n * k, |rows, out| {
-                for (r, dxrow) in rows.zip(out.chunks_exact_mut(k)) {
-                    for j in 0..n {
-                        let g = dy[r * n + j];
-                        if g != 0.0 {
-                            axpy(g, &w[j * k..(j + 1) * k], dxrow);
-                        }
-                    }
-                }
-            });
+            assert_eq!(dx.len(), m * k);
+            // dx (m×k) += dy (m×n) · w (n×k)
+            unsafe { sgemm(par, m, k, n, dx.as_mut_ptr(), k, 1, true, dy.as_ptr(), n, 1, w.as_ptr(), k as isize, 1) };
         }
         if let Some(dw) = dw {
-            self.par_rows(dw, k, m * n * k, |cols, out| {
-                for (j, dwrow) in cols.zip(out.chunks_exact_mut(k)) {
-                    for r in 0..m {
-                        let g = dy[r * n + j];
-                        if g != 0.0 {
-                            axpy(g, &x[r * k..(r + 1) * k], dwrow);
-                        }
-                    }
-                }
-            });
+            assert_eq!(dw.len(), n * k);
+            // dw (n×k) += dyᵀ (n×m) · x (m×k)
+            unsafe { sgemm(par, n, k, m, dw.as_mut_ptr(), k, 1, true, dy.as_ptr(), 1, n as isize, x.as_ptr(), k as isize, 1) };
         }
     }
 
@@ -184,58 +200,99 @@ impl Backend for Cpu {
             }
         }
         let mut probs = vec![0f32; total];
-        // Split query rows across threads; each row's probabilities are disjoint.
+        out.fill(0.0);
+        // Tiles of consecutive query rows that share their second key range (a causal
+        // sequence: any 64 rows; a DFlash block: its own rows). Each (tile, head) is two
+        // GEMMs over the union of the tile's keys, with the keys a row may not see masked.
+        let mut tiles = Vec::new();
+        let mut lo = 0;
+        while lo < spans.len() {
+            let mut hi = lo + 1;
+            while hi < spans.len() && hi - lo < 64 && spans[hi].b == spans[lo].b {
+                hi += 1;
+            }
+            tiles.push(lo..hi);
+            lo = hi;
+        }
+        let jobs: Vec<(std::ops::Range<usize>, usize)> = tiles.iter().flat_map(|t| (0..h.q_heads).map(move |hh| (t.clone(), hh))).collect();
+        let outp = SendPtr(out.as_mut_ptr());
+        let probsp = SendPtr(probs.as_mut_ptr());
         let work: usize = spans.iter().map(|s| s.len()).sum::<usize>() * qw;
-        let threads = if work < (1 << 16) { 1 } else { self.threads.min(spans.len()).max(1) };
-        let per = spans.len().div_ceil(threads.max(1)).max(1);
-        std::thread::scope(|sc| {
-            let mut out_rest: &mut [f32] = out;
-            let mut probs_rest: &mut [f32] = &mut probs;
-            for t in 0..threads {
-                let lo = t * per;
-                let hi = ((t + 1) * per).min(spans.len());
-                if lo >= hi {
-                    break;
+        let threads = if work < (1 << 16) { 1 } else { self.threads.min(jobs.len()).max(1) };
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let run = || {
+            let (outp, probsp) = (&outp, &probsp);
+            let mut sc = Vec::new();
+            loop {
+                let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some((tile, head)) = jobs.get(j) else { break };
+                let kvh = head / group;
+                let rows = tile.len();
+                let a_lo = spans[tile.clone()].iter().map(|s| s.a.start).min().unwrap_or(0);
+                let a_hi = spans[tile.clone()].iter().map(|s| s.a.end).max().unwrap_or(0).max(a_lo);
+                let b = spans[tile.start].b.clone();
+                let ka = a_hi - a_lo;
+                let nk = ka + b.len();
+                if nk == 0 {
+                    continue;
                 }
-                let n_probs: usize = spans[lo..hi].iter().map(|s| s.len() * h.q_heads).sum();
-                let (o_chunk, o_next) = std::mem::take(&mut out_rest).split_at_mut((hi - lo) * qw);
-                let (p_chunk, p_next) = std::mem::take(&mut probs_rest).split_at_mut(n_probs);
-                out_rest = o_next;
-                probs_rest = p_next;
-                sc.spawn(move || {
-                    let mut p_off = 0;
-                    for (qi, span) in (lo..hi).map(|i| (i, &spans[i])) {
-                        let orow = &mut o_chunk[(qi - lo) * qw..(qi - lo + 1) * qw];
-                        orow.fill(0.0);
-                        for head in 0..h.q_heads {
-                            let n = span.len();
-                            let p = &mut p_chunk[p_off..p_off + n];
-                            p_off += n;
-                            if n == 0 {
-                                continue;
-                            }
-                            let kvh = head / group;
-                            let qv = &q[qi * qw + head * hd..qi * qw + (head + 1) * hd];
-                            let mut max = f32::NEG_INFINITY;
-                            for (pj, kj) in p.iter_mut().zip(span.keys()) {
-                                *pj = dot(qv, &k[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd]) * scale;
-                                max = max.max(*pj);
-                            }
-                            let mut sum = 0.0;
-                            for pj in p.iter_mut() {
-                                *pj = (*pj - max).exp();
-                                sum += *pj;
-                            }
-                            let o = &mut orow[head * hd..(head + 1) * hd];
-                            for (pj, kj) in p.iter_mut().zip(span.keys()) {
-                                *pj /= sum;
-                                axpy(*pj, &v[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd], o);
-                            }
+                sc.clear();
+                sc.resize(rows * nk, 0.0);
+                let qp = q[tile.start * qw + head * hd..].as_ptr();
+                // S[rows, nk] = Q[rows, hd] · K[keys, hd]ᵀ (two key ranges side by side)
+                unsafe {
+                    sgemm(gemm::Parallelism::None, rows, ka, hd, sc.as_mut_ptr(), nk, 1, false, qp, qw, 1, k[a_lo * kw + kvh * hd..].as_ptr(), 1, kw as isize);
+                    if !b.is_empty() {
+                        sgemm(gemm::Parallelism::None, rows, b.len(), hd, sc.as_mut_ptr().add(ka), nk, 1, false, qp, qw, 1, k[b.start * kw + kvh * hd..].as_ptr(), 1, kw as isize);
+                    }
+                }
+                for (r, srow) in sc.chunks_exact_mut(nk).enumerate() {
+                    let span = &spans[tile.start + r];
+                    let mut max = f32::NEG_INFINITY;
+                    for (c, sv) in srow.iter_mut().enumerate() {
+                        let key = if c < ka { a_lo + c } else { b.start + c - ka };
+                        let allowed = if c < ka { span.a.contains(&key) } else { true };
+                        if allowed {
+                            *sv *= scale;
+                            max = max.max(*sv);
+                        } else {
+                            *sv = f32::NEG_INFINITY;
                         }
                     }
-                });
+                    let mut sum = 0.0;
+                    for sv in srow.iter_mut() {
+                        *sv = if *sv == f32::NEG_INFINITY { 0.0 } else { crate::model::drafter::exp_neg(*sv - max) };
+                        sum += *sv;
+                    }
+                    if sum > 0.0 {
+                        srow.iter_mut().for_each(|sv| *sv /= sum);
+                    }
+                    // This row's probabilities over its own keys, in KeySpan::keys order.
+                    let off = offsets[(tile.start + r) * h.q_heads + head];
+                    let dst = unsafe { std::slice::from_raw_parts_mut(probsp.0.add(off), span.len()) };
+                    for (i, d) in dst.iter_mut().enumerate() {
+                        *d = if i < span.a.len() { srow[span.a.start + i - a_lo] } else { srow[ka + span.b.start + i - span.a.len() - b.start] };
+                    }
+                }
+                // O[rows, hd] = P[rows, nk] · V[keys, hd]
+                unsafe {
+                    let op = outp.0.add(tile.start * qw + head * hd);
+                    sgemm(gemm::Parallelism::None, rows, hd, ka, op, qw, 1, false, sc.as_ptr(), nk, 1, v[a_lo * kw + kvh * hd..].as_ptr(), kw as isize, 1);
+                    if !b.is_empty() {
+                        sgemm(gemm::Parallelism::None, rows, hd, b.len(), op, qw, 1, ka > 0, sc.as_ptr().add(ka), nk, 1, v[b.start * kw + kvh * hd..].as_ptr(), kw as isize, 1);
+                    }
+                }
             }
-        });
+        };
+        if threads <= 1 {
+            run();
+        } else {
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(&run);
+                }
+            });
+        }
         AttnSaved { probs, offsets }
     }
 

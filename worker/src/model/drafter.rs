@@ -9,7 +9,7 @@
 use dflash_shared::drafter::{DrafterConfig, ParamLayout, StepStats};
 use dflash_shared::rng::Rng;
 
-use crate::compute::cpu::{axpy, dot, Cpu};
+use crate::compute::cpu::{axpy, Cpu};
 use crate::compute::{rope_inv_freq, AttnSaved, Backend, Heads, KeySpan};
 
 /// Offsets of one layer's tensors, resolved once.
@@ -291,8 +291,8 @@ impl Drafter {
             .collect();
         let mut dhn = vec![0f32; m * h];
         let mut correct = vec![false; m];
-        for chunk in rows.chunks(64) {
-            let res = lm_head_ce(&hn, h, &frozen.lm_head, c.vocab, chunk, total_weight, grads.is_some().then_some(&mut dhn[..]));
+        for chunk in rows.chunks(256) {
+            let res = lm_head_ce(cpu, &hn, h, &frozen.lm_head, c.vocab, chunk, total_weight, grads.is_some().then_some(&mut dhn[..]));
             for ((i, _, wgt), (ce, ok)) in chunk.iter().zip(res) {
                 stats.loss_sum += wgt * ce;
                 stats.weight_sum += wgt;
@@ -354,38 +354,42 @@ impl Drafter {
 }
 
 /// Cross-entropy of `rows` (row index into `hn`, label, weight) through the frozen
-/// `lm_head`, visiting the vocabulary in chunks: returns (CE, argmax == label) per row and,
-/// if asked, adds `w/total · dCE/dhn` into `dhn`.
-fn lm_head_ce(hn: &[f32], h: usize, lm_head: &[f32], vocab: usize, rows: &[(usize, u32, f64)], total: f64, dhn: Option<&mut [f32]>) -> Vec<(f64, bool)> {
+/// `lm_head`, visiting the vocabulary in chunks (each chunk's logits one GEMM): returns
+/// (CE, argmax == label) per row and, if asked, adds `w/total · dCE/dhn` into `dhn`.
+pub fn lm_head_ce(cpu: &Cpu, hn: &[f32], h: usize, lm_head: &[f32], vocab: usize, rows: &[(usize, u32, f64)], total: f64, dhn: Option<&mut [f32]>) -> Vec<(f64, bool)> {
     const CHUNK: usize = 4096;
     let n = rows.len();
+    let mut x = Vec::with_capacity(n * h);
+    for &(i, _, _) in rows {
+        x.extend_from_slice(&hn[i * h..(i + 1) * h]);
+    }
     let mut max = vec![f32::NEG_INFINITY; n];
     let mut sum = vec![0f64; n];
     let mut best = vec![(f32::NEG_INFINITY, 0usize); n];
     let mut label_logit = vec![0f32; n];
-    let mut logits = vec![0f32; CHUNK];
-    for (r, &(i, label, _)) in rows.iter().enumerate() {
-        let x = &hn[i * h..(i + 1) * h];
-        for start in (0..vocab).step_by(CHUNK) {
-            let end = (start + CHUNK).min(vocab);
-            for (j, l) in (start..end).zip(logits.iter_mut()) {
-                *l = dot(x, &lm_head[j * h..(j + 1) * h]);
+    let mut logits = vec![0f32; n * CHUNK];
+    for start in (0..vocab).step_by(CHUNK) {
+        let end = (start + CHUNK).min(vocab);
+        let cw = end - start;
+        let l = &mut logits[..n * cw];
+        cpu.matmul(&x, &lm_head[start * h..end * h], l, n, h, cw);
+        for r in 0..n {
+            let lr = &l[r * cw..(r + 1) * cw];
+            let label = rows[r].1 as usize;
+            if (start..end).contains(&label) {
+                label_logit[r] = lr[label - start];
             }
-            for (j, &l) in (start..end).zip(&logits) {
-                if l > best[r].0 {
-                    best[r] = (l, j);
-                }
-                if j == label as usize {
-                    label_logit[r] = l;
-                }
-                // Online log-sum-exp.
-                if l > max[r] {
-                    sum[r] = sum[r] * ((max[r] - l) as f64).exp() + 1.0;
-                    max[r] = l;
-                } else {
-                    sum[r] += ((l - max[r]) as f64).exp();
+            let cmax = lr.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if let Some(j) = lr.iter().position(|&v| v == cmax) {
+                if cmax > best[r].0 {
+                    best[r] = (cmax, start + j);
                 }
             }
+            // Online log-sum-exp, one rescale per chunk.
+            let m_new = max[r].max(cmax);
+            let s: f64 = lr.iter().map(|&v| exp_neg(v - m_new) as f64).sum();
+            sum[r] = sum[r] * ((max[r] - m_new) as f64).exp() + s;
+            max[r] = m_new;
         }
     }
     let out: Vec<(f64, bool)> = (0..n)
@@ -395,21 +399,43 @@ fn lm_head_ce(hn: &[f32], h: usize, lm_head: &[f32], vocab: usize, rows: &[(usiz
         })
         .collect();
     if let Some(dhn) = dhn {
-        for (r, &(i, label, wgt)) in rows.iter().enumerate() {
-            let x = hn[i * h..(i + 1) * h].to_vec();
-            let scale = (wgt / total) as f32;
-            let dst = &mut dhn[i * h..(i + 1) * h];
-            for j in 0..vocab {
-                let wrow = &lm_head[j * h..(j + 1) * h];
-                let pj = (((dot(&x, wrow) - max[r]) as f64).exp() / sum[r]) as f32;
-                let g = (pj - if j == label as usize { 1.0 } else { 0.0 }) * scale;
-                if g != 0.0 {
-                    axpy(g, wrow, dst);
+        let mut dx = vec![0f32; n * h];
+        for start in (0..vocab).step_by(CHUNK) {
+            let end = (start + CHUNK).min(vocab);
+            let cw = end - start;
+            let w = &lm_head[start * h..end * h];
+            let l = &mut logits[..n * cw];
+            cpu.matmul(&x, w, l, n, h, cw);
+            for (r, &(_, label, wgt)) in rows.iter().enumerate() {
+                let scale = (wgt / total) as f32;
+                let inv_sum = (1.0 / sum[r]) as f32;
+                for (j, v) in l[r * cw..(r + 1) * cw].iter_mut().enumerate() {
+                    let pj = exp_neg(*v - max[r]) * inv_sum;
+                    let g = (pj - if start + j == label as usize { 1.0 } else { 0.0 }) * scale;
+                    // Flush what would be subnormal: x86 FMAs on subnormals run ~100× slower.
+                    *v = if g.abs() < 1e-30 { 0.0 } else { g };
                 }
             }
+            // dx (n×h) += g (n×cw) · w (cw×h)
+            unsafe { crate::compute::cpu::sgemm(cpu.par(n * cw * h), n, h, cw, dx.as_mut_ptr(), h, 1, true, l.as_ptr(), cw, 1, w.as_ptr(), h as isize, 1) };
+        }
+        for (r, &(i, _, _)) in rows.iter().enumerate() {
+            axpy(1.0, &dx[r * h..(r + 1) * h], &mut dhn[i * h..(i + 1) * h]);
         }
     }
     out
+}
+
+/// `eˣ` for `x ≤ 0` (a logit minus a running maximum), flushed to 0 where it falls below
+/// 1e-30, so that nothing downstream goes subnormal (x86 arithmetic on subnormals takes a
+/// microcode assist: it made the loss's GEMMs ten times slower).
+#[inline]
+pub fn exp_neg(x: f32) -> f32 {
+    if x < -69.0 {
+        0.0
+    } else {
+        x.exp()
+    }
 }
 
 /// AdamW with fp32 state, weight decay 0 by default.

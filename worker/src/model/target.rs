@@ -38,26 +38,26 @@ pub fn expected_tensors(cfg: &TargetConfig, layers: usize) -> Vec<(String, Vec<u
     v
 }
 
-struct Layer {
-    ln1: Vec<f32>,
-    ln2: Vec<f32>,
-    wq: Vec<f32>,
-    wk: Vec<f32>,
-    wv: Vec<f32>,
-    wo: Vec<f32>,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    down: Vec<f32>,
+pub(crate) struct Layer {
+    pub(crate) ln1: Vec<f32>,
+    pub(crate) ln2: Vec<f32>,
+    pub(crate) wq: Vec<f32>,
+    pub(crate) wk: Vec<f32>,
+    pub(crate) wv: Vec<f32>,
+    pub(crate) wo: Vec<f32>,
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) gate: Vec<f32>,
+    pub(crate) up: Vec<f32>,
+    pub(crate) down: Vec<f32>,
 }
 
 pub struct Target {
     pub cfg: TargetConfig,
     pub taps: Vec<usize>,
-    embed: Vec<f32>,
-    layers: Vec<Layer>,
-    inv_freq: Vec<f32>,
+    pub(crate) embed: Vec<f32>,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) inv_freq: Vec<f32>,
     cpu: Cpu,
 }
 
@@ -108,6 +108,12 @@ impl Target {
 
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
     pub fn forward_taps(&self, tokens: &[u32]) -> Vec<f32> {
+        self.forward_taps_timed(tokens, None)
+    }
+
+    /// [`forward_taps`](Self::forward_taps), adding each op's wall time to `times` when
+    /// given (for `bench compute`).
+    pub fn forward_taps_timed(&self, tokens: &[u32], mut times: Option<&mut OpTimes>) -> Vec<f32> {
         let c = &self.cfg;
         let (t, h, hd) = (tokens.len(), c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
@@ -127,27 +133,27 @@ impl Target {
         let (mut att, mut o) = (vec![0.0; t * nh * hd], vec![0.0; t * h]);
         let (mut g, mut u, mut act) = (vec![0.0; t * c.intermediate_size], vec![0.0; t * c.intermediate_size], vec![0.0; t * c.intermediate_size]);
         for (li, l) in self.layers.iter().enumerate() {
-            cpu.rmsnorm(&x, &l.ln1, &mut n1, h, eps);
-            cpu.matmul(&n1, &l.wq, &mut q, t, h, nh * hd);
-            cpu.matmul(&n1, &l.wk, &mut k, t, h, nkv * hd);
-            cpu.matmul(&n1, &l.wv, &mut v, t, h, nkv * hd);
+            timed(&mut times, "rmsnorm", || cpu.rmsnorm(&x, &l.ln1, &mut n1, h, eps));
+            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.wq, &mut q, t, h, nh * hd));
+            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.wk, &mut k, t, h, nkv * hd));
+            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.wv, &mut v, t, h, nkv * hd));
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
                 let q0 = q.clone();
-                cpu.rmsnorm(&q0, qn, &mut q, hd, eps);
+                timed(&mut times, "rmsnorm", || cpu.rmsnorm(&q0, qn, &mut q, hd, eps));
                 let k0 = k.clone();
-                cpu.rmsnorm(&k0, kn, &mut k, hd, eps);
+                timed(&mut times, "rmsnorm", || cpu.rmsnorm(&k0, kn, &mut k, hd, eps));
             }
-            cpu.rope(&mut q, nh, hd, &positions, &self.inv_freq, false);
-            cpu.rope(&mut k, nkv, hd, &positions, &self.inv_freq, false);
-            cpu.attention(&q, &k, &v, &mut att, &spans, heads);
-            cpu.matmul(&att, &l.wo, &mut o, t, nh * hd, h);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            cpu.rmsnorm(&x, &l.ln2, &mut n1, h, eps);
-            cpu.matmul(&n1, &l.gate, &mut g, t, h, c.intermediate_size);
-            cpu.matmul(&n1, &l.up, &mut u, t, h, c.intermediate_size);
-            cpu.swiglu(&g, &u, &mut act);
-            cpu.matmul(&act, &l.down, &mut o, t, c.intermediate_size, h);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            timed(&mut times, "rope", || cpu.rope(&mut q, nh, hd, &positions, &self.inv_freq, false));
+            timed(&mut times, "rope", || cpu.rope(&mut k, nkv, hd, &positions, &self.inv_freq, false));
+            timed(&mut times, "attention", || cpu.attention(&q, &k, &v, &mut att, &spans, heads));
+            timed(&mut times, "matmul", || cpu.matmul(&att, &l.wo, &mut o, t, nh * hd, h));
+            timed(&mut times, "residual", || x.iter_mut().zip(&o).for_each(|(a, b)| *a += b));
+            timed(&mut times, "rmsnorm", || cpu.rmsnorm(&x, &l.ln2, &mut n1, h, eps));
+            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.gate, &mut g, t, h, c.intermediate_size));
+            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.up, &mut u, t, h, c.intermediate_size));
+            timed(&mut times, "swiglu", || cpu.swiglu(&g, &u, &mut act));
+            timed(&mut times, "matmul", || cpu.matmul(&act, &l.down, &mut o, t, c.intermediate_size, h));
+            timed(&mut times, "residual", || x.iter_mut().zip(&o).for_each(|(a, b)| *a += b));
             for (ti, &tap) in self.taps.iter().enumerate() {
                 if tap == li {
                     for r in 0..t {
@@ -157,5 +163,23 @@ impl Target {
             }
         }
         out
+    }
+}
+
+/// Wall time per op name, accumulated over calls.
+#[derive(Debug, Default, Clone)]
+pub struct OpTimes {
+    pub secs: std::collections::BTreeMap<&'static str, f64>,
+}
+
+fn timed<R>(times: &mut Option<&mut OpTimes>, op: &'static str, f: impl FnOnce() -> R) -> R {
+    match times {
+        None => f(),
+        Some(t) => {
+            let t0 = std::time::Instant::now();
+            let r = f();
+            *t.secs.entry(op).or_default() += t0.elapsed().as_secs_f64();
+            r
+        }
     }
 }

@@ -1,0 +1,364 @@
+// dflash-worker's CUDA kernels.
+//
+// This one file is compiled two ways, unmodified:
+//   * by NVRTC at run time, for the GPU's compute capability (worker/src/gpu/nvrtc.rs);
+//   * as C++ by the host compiler, with cuda/host/cuda_host.h supplying the CUDA built-ins,
+//     for the host device that runs every kernel on the CPU in CI (worker/src/gpu/host.rs).
+// So: no inline PTX, no CUDA headers (bf16 is converted by hand, round-to-nearest-even),
+// block sizes a multiple of 32, and every warp collective with all 32 lanes present.
+//
+// Layouts match the CPU backend (worker/src/compute): row-major f32 activations, a linear
+// layer's weight [out, in]. Ops that the CPU backend accumulates into (`+=`) accumulate here.
+
+#define FULL_MASK 0xffffffffu
+// No <math.h> under NVRTC: infinity and the finiteness test from bits.
+#define POS_INF __int_as_float(0x7f800000)
+#define NEG_INF __int_as_float(0xff800000)
+__device__ __forceinline__ bool finite_f32(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum of `v` over the block; `sh` holds 32 floats of shared memory. Every thread gets it.
+__device__ float block_sum(float v, float* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < warps ? sh[lane] : 0.0f;
+        w = warp_sum(w);
+        if (lane == 0) sh[0] = w;
+    }
+    __syncthreads();
+    const float total = sh[0];
+    __syncthreads();
+    return total;
+}
+
+// Maximum of `v` over the block, and the smallest index that holds it.
+__device__ void block_argmax(float v, int idx, float* shv, int* shi, float* out_v, int* out_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+        const int oi = __shfl_xor_sync(FULL_MASK, idx, o);
+        if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+    }
+    if (lane == 0) { shv[warp] = v; shi[warp] = idx; }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < warps ? shv[lane] : NEG_INF;
+        idx = lane < warps ? shi[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, v, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, idx, o);
+            if (ov > v || (ov == v && oi < idx)) { v = ov; idx = oi; }
+        }
+        if (lane == 0) { shv[0] = v; shi[0] = idx; }
+    }
+    __syncthreads();
+    *out_v = shv[0];
+    *out_i = shi[0];
+    __syncthreads();
+}
+
+// e^x for x <= 0, flushed to 0 below 1e-30 as the CPU backend does (no subnormals).
+__device__ __forceinline__ float exp_neg(float x) { return x < -69.0f ? 0.0f : expf(x); }
+
+// ---------------------------------------------------------------------------------------
+// Embedding, casts, elementwise
+
+// out[i, :] = table[min(ids[i], vocab - 1), :]; grid: rows.
+extern "C" __global__ void embed_gather(float* out, const float* table, const unsigned* ids, int h, int vocab) {
+    const int row = blockIdx.x;
+    unsigned id = ids[row];
+    if (id >= (unsigned)vocab) id = vocab - 1;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) out[(long)row * h + j] = table[(long)id * h + j];
+}
+
+// bf16 bits -> f32 (exact).
+extern "C" __global__ void bf16_to_f32(float* out, const unsigned short* in, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] = __uint_as_float(((unsigned)in[i]) << 16);
+}
+
+// f32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
+extern "C" __global__ void f32_to_bf16(unsigned short* out, const float* in, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const unsigned u = __float_as_uint(in[i]);
+        unsigned short r;
+        if ((u & 0x7fffffffu) > 0x7f800000u) r = (unsigned short)((u >> 16) | 0x40u);
+        else r = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        out[i] = r;
+    }
+}
+
+// x += y
+extern "C" __global__ void add_inplace(float* x, const float* y, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] += y[i];
+}
+
+// dst[r, dst_off + j] = src[r, src_off + j] for j < width; grid: rows.
+extern "C" __global__ void copy_cols(float* dst, const float* src, int width, int dst_stride, int dst_off, int src_stride, int src_off) {
+    const long r = blockIdx.x;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) dst[r * dst_stride + dst_off + j] = src[r * src_stride + src_off + j];
+}
+
+// out = silu(gate) * up
+extern "C" __global__ void swiglu_fwd(float* out, const float* gate, const float* up, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const float g = gate[i];
+        const float s = 1.0f / (1.0f + expf(-g));
+        out[i] = g * s * up[i];
+    }
+}
+
+// dgate += dout·up·s·(1 + g(1 − s)), dup += dout·g·s
+extern "C" __global__ void swiglu_bwd(float* dgate, float* dup, const float* dout, const float* gate, const float* up, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const float g = gate[i], u = up[i], d = dout[i];
+        const float s = 1.0f / (1.0f + expf(-g));
+        dup[i] += d * g * s;
+        dgate[i] += d * u * s * (1.0f + g * (1.0f - s));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm (one block per row)
+
+// y = x · rstd · w, rstd = 1/sqrt(mean(x²) + eps)
+extern "C" __global__ void rmsnorm_fwd(float* y, float* rstd, const float* x, const float* w, int d, float eps) {
+    __shared__ float sh[32];
+    const long row = blockIdx.x;
+    const float* xr = x + row * d;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss, sh);
+    const float r = rsqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) y[row * d + i] = xr[i] * r * w[i];
+    if (threadIdx.x == 0) rstd[row] = r;
+}
+
+// dx += r·dy·w − x·r³·mean(dy·w·x); dw += dy·x·r (atomically, across rows) if dw is given.
+extern "C" __global__ void rmsnorm_bwd(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd, int d) {
+    __shared__ float sh[32];
+    const long row = blockIdx.x;
+    const float* xr = x + row * d;
+    const float* gr = dy + row * d;
+    const float r = rstd[row];
+    float gx = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) gx += gr[i] * w[i] * xr[i];
+    gx = block_sum(gx, sh) / (float)d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        dx[row * d + i] += r * gr[i] * w[i] - xr[i] * r * r * r * gx;
+        if (dw) atomicAdd(&dw[i], gr[i] * xr[i] * r);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Rotary embedding (rotate-half), in place; row i at position pos[i]. grid: rows.
+extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads, int head_dim, int inverse) {
+    const long row = blockIdx.x;
+    const int half = head_dim / 2;
+    const float p = (float)pos[row];
+    for (int t = threadIdx.x; t < heads * half; t += blockDim.x) {
+        const int h = t / half, i = t % half;
+        float s, c;
+        sincosf(p * inv_freq[i], &s, &c);
+        if (inverse) s = -s;
+        float* base = x + row * (long)heads * head_dim + (long)h * head_dim;
+        const float x1 = base[i], x2 = base[i + half];
+        base[i] = x1 * c - x2 * s;
+        base[i + half] = x2 * c + x1 * s;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention over explicit key spans, flash style: one warp per (query row, head), keys
+// visited once with an online softmax, so the scores are never stored. Query row i sees
+// keys [spans[4i], spans[4i+1]) and [spans[4i+2], spans[4i+3]) (a causal prefix, or for a
+// DFlash block the context before its anchor and the block itself). q/out: [tq, qh·hd];
+// k/v: [tk, kvh·hd]; lse: [tq, qh] (−inf for a row with no key, whose output is 0).
+// hd <= 256. Block: 128 threads (4 warps).
+
+#define ATTN_MAX_PER_LANE 8
+
+extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= tq * qh) return;  // whole warps only: tq·qh rounds to warps
+    const int row = warp / qh, head = warp % qh, kh = head / (qh / kvh);
+    const long qw = (long)qh * hd, kw = (long)kvh * hd;
+    const float scale = rsqrtf((float)hd);
+    const int per = (hd + 31) / 32;
+    float qv[ATTN_MAX_PER_LANE], acc[ATTN_MAX_PER_LANE];
+    for (int e = 0; e < per; ++e) {
+        const int d = lane + 32 * e;
+        qv[e] = d < hd ? q[row * qw + (long)head * hd + d] : 0.0f;
+        acc[e] = 0.0f;
+    }
+    float m = NEG_INF, l = 0.0f;
+    for (int r = 0; r < 2; ++r) {
+        const int lo = spans[4 * row + 2 * r], hi = spans[4 * row + 2 * r + 1];
+        for (int key = lo; key < hi; ++key) {
+            const float* kr = k + key * kw + (long)kh * hd;
+            float s = 0.0f;
+            for (int e = 0; e < per; ++e) {
+                const int d = lane + 32 * e;
+                if (d < hd) s += qv[e] * kr[d];
+            }
+            s = warp_sum(s) * scale;
+            const float m_new = fmaxf(m, s);
+            const float corr = exp_neg(m - m_new);
+            const float p = exp_neg(s - m_new);
+            l = l * corr + p;
+            const float* vr = v + key * kw + (long)kh * hd;
+            for (int e = 0; e < per; ++e) {
+                const int d = lane + 32 * e;
+                acc[e] = acc[e] * corr + (d < hd ? p * vr[d] : 0.0f);
+            }
+            m = m_new;
+        }
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int e = 0; e < per; ++e) {
+        const int d = lane + 32 * e;
+        if (d < hd) out[row * qw + (long)head * hd + d] = acc[e] * inv;
+    }
+    if (lane == 0) lse[(long)row * qh + head] = l > 0.0f ? m + logf(l) : NEG_INF;
+}
+
+// Backward of attention_fwd from its saved lse (flash-attention-2 style): the
+// probabilities are recomputed, never read back. dq += ..., dk += ..., dv += ...
+// (dk and dv atomically: keys are shared by many queries).
+extern "C" __global__ void attention_bwd(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    if (warp >= tq * qh) return;
+    const int row = warp / qh, head = warp % qh, kh = head / (qh / kvh);
+    const long qw = (long)qh * hd, kw = (long)kvh * hd;
+    const float scale = rsqrtf((float)hd);
+    const int per = (hd + 31) / 32;
+    const float L = lse[(long)row * qh + head];
+    if (L == NEG_INF) return;
+    float qv[ATTN_MAX_PER_LANE], go[ATTN_MAX_PER_LANE], dqv[ATTN_MAX_PER_LANE];
+    float D = 0.0f;
+    for (int e = 0; e < per; ++e) {
+        const int d = lane + 32 * e;
+        const long at = row * qw + (long)head * hd + d;
+        qv[e] = d < hd ? q[at] : 0.0f;
+        go[e] = d < hd ? dout[at] : 0.0f;
+        D += d < hd ? go[e] * out[at] : 0.0f;
+        dqv[e] = 0.0f;
+    }
+    D = warp_sum(D);
+    for (int r = 0; r < 2; ++r) {
+        const int lo = spans[4 * row + 2 * r], hi = spans[4 * row + 2 * r + 1];
+        for (int key = lo; key < hi; ++key) {
+            const float* kr = k + key * kw + (long)kh * hd;
+            const float* vr = v + key * kw + (long)kh * hd;
+            float s = 0.0f, dp = 0.0f;
+            for (int e = 0; e < per; ++e) {
+                const int d = lane + 32 * e;
+                if (d < hd) { s += qv[e] * kr[d]; dp += go[e] * vr[d]; }
+            }
+            s = warp_sum(s) * scale;
+            dp = warp_sum(dp);
+            const float p = exp_neg(s - L);
+            const float ds = p * (dp - D) * scale;
+            for (int e = 0; e < per; ++e) {
+                const int d = lane + 32 * e;
+                if (d < hd) {
+                    dqv[e] += ds * kr[d];
+                    atomicAdd(&dk[key * kw + (long)kh * hd + d], ds * qv[e]);
+                    atomicAdd(&dv[key * kw + (long)kh * hd + d], p * go[e]);
+                }
+            }
+        }
+    }
+    for (int e = 0; e < per; ++e) {
+        const int d = lane + 32 * e;
+        if (d < hd) dq[row * qw + (long)head * hd + d] += dqv[e];
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Cross-entropy through the frozen lm_head, one vocabulary chunk at a time: logits
+// [n, cw] (a GEMM's output) for vocabulary ids start..start+cw. One block per row.
+
+// Fold a chunk into each row's running max, Σexp, argmax and label logit. A row is
+// initialised by the caller: max −inf, sum 0, best −inf / 0.
+extern "C" __global__ void ce_chunk_stats(float* run_max, float* run_sum, float* best_v, int* best_i, float* label_logit, const float* logits, const int* labels, int cw, int start) {
+    __shared__ float shv[32];
+    __shared__ int shi[32];
+    const long row = blockIdx.x;
+    const float* lr = logits + row * cw;
+    float cmax = NEG_INF;
+    int cidx = 0x7fffffff;
+    for (int j = threadIdx.x; j < cw; j += blockDim.x)
+        if (lr[j] > cmax || (lr[j] == cmax && j < cidx)) { cmax = lr[j]; cidx = j; }
+    block_argmax(cmax, cidx, shv, shi, &cmax, &cidx);
+    const float m_old = run_max[row];
+    const float m_new = fmaxf(m_old, cmax);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < cw; j += blockDim.x) s += exp_neg(lr[j] - m_new);
+    s = block_sum(s, shv);
+    if (threadIdx.x == 0) {
+        run_sum[row] = run_sum[row] * exp_neg(m_old - m_new) + s;
+        run_max[row] = m_new;
+        if (cmax > best_v[row]) { best_v[row] = cmax; best_i[row] = start + cidx; }
+        const int lab = labels[row];
+        if (lab >= start && lab < start + cw) label_logit[row] = lr[lab - start];
+    }
+}
+
+// In place: logits -> scale[row]·(softmax − onehot(label)), from the finished row stats.
+extern "C" __global__ void ce_chunk_grad(float* logits, const float* run_max, const float* run_sum, const int* labels, const float* scale, int cw, int start) {
+    const long row = blockIdx.x;
+    const float m = run_max[row], inv = 1.0f / run_sum[row], sc = scale[row];
+    const int lab = labels[row];
+    for (int j = threadIdx.x; j < cw; j += blockDim.x) {
+        const float p = exp_neg(logits[row * cw + j] - m) * inv;
+        const float g = (p - (start + j == lab ? 1.0f : 0.0f)) * sc;
+        logits[row * cw + j] = fabsf(g) < 1e-30f ? 0.0f : g;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Optimizer: gradient norm and AdamW without a host sync. `sumsq` accumulates Σg² (f64)
+// and raises `nonfinite` on any NaN/inf; `adamw` clips by the norm and updates, or leaves
+// weights and moments untouched when `nonfinite` is set (the host learns a step later).
+
+extern "C" __global__ void sumsq(double* acc, int* nonfinite, const float* g, long n) {
+    __shared__ float sh[32];
+    float s = 0.0f;
+    int bad = 0;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const float x = g[i];
+        if (!finite_f32(x)) bad = 1;
+        else s += x * x;
+    }
+    if (bad) atomicExch(nonfinite, 1);
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) atomicAdd(acc, (double)s);
+}
+
+extern "C" __global__ void adamw(float* p, float* m, float* v, const float* g, long n, const double* sumsq_acc, const int* nonfinite, float max_norm, float lr, float b1, float b2, float eps, float wd, float c1, float c2) {
+    if (*nonfinite) return;
+    const float norm = (float)sqrt(*sumsq_acc);
+    const float clip = (max_norm > 0.0f && norm > max_norm) ? max_norm / norm : 1.0f;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const float gi = g[i] * clip;
+        m[i] = b1 * m[i] + (1.0f - b1) * gi;
+        v[i] = b2 * v[i] + (1.0f - b2) * gi * gi;
+        const float mh = m[i] / c1, vh = v[i] / c2;
+        p[i] -= lr * (mh / (sqrtf(vh) + eps) + wd * p[i]);
+    }
+}

@@ -1,0 +1,251 @@
+//! `dflash-worker bench-ops`: what `dflash-supervise bench compute` measures, in this one
+//! process. The target forward over one sequence, per op and as a whole, as tokens/s and
+//! GFLOP/s; a bare GEMM over exactly the forward's matrix shapes, as the baseline the
+//! forward's rate is compared with (the GEMMs are most of its FLOPs); and one drafter
+//! training step on the same shapes.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use dflash_shared::drafter::DrafterConfig;
+use dflash_shared::model_config::TargetConfig;
+use dflash_shared::rng::Rng;
+use serde::Serialize;
+
+use crate::compute::cpu::Cpu;
+use crate::compute::Backend;
+use crate::model::drafter::{Drafter, Frozen, Sample};
+use crate::model::target::{OpTimes, Target};
+use crate::model::weights::Weights;
+
+#[derive(Debug, Serialize)]
+pub struct Figures {
+    pub backend: String,
+    pub threads: usize,
+    pub shape: String,
+    pub tokens: usize,
+    pub target_forward_s: f64,
+    pub target_tokens_per_s: f64,
+    pub target_gflops: f64,
+    /// Bare GEMMs of the forward's shapes, back to back.
+    pub gemm_gflops: f64,
+    /// `target_gflops / gemm_gflops` (goal ≥ 0.7).
+    pub forward_vs_gemm: f64,
+    /// Seconds per op over one forward.
+    pub op_seconds: BTreeMap<String, f64>,
+    pub drafter_step_s: f64,
+    pub drafter_tokens_per_s: f64,
+    pub drafter_layers: usize,
+    pub drafter_rows: usize,
+    /// The same target forward on a device, when there is one (or DFLASH_DEVICE=host).
+    pub device: Option<DeviceFigures>,
+    /// Why there are no device figures.
+    pub device_note: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct DeviceFigures {
+    pub name: String,
+    pub target_forward_s: f64,
+    pub target_tokens_per_s: f64,
+    pub target_tflops: f64,
+    /// Dense bf16 peak of the device, TFLOP/s, when known (see `peak_bf16_tflops`).
+    pub peak_bf16_tflops: Option<f64>,
+    /// Model FLOP utilisation against that peak.
+    pub mfu: Option<f64>,
+    /// Device forward tokens/s over the CPU backend's, same shape, same run.
+    pub vs_cpu: f64,
+}
+
+/// Dense (no sparsity) bf16 tensor-core peak by device name, TFLOP/s, from NVIDIA's data
+/// sheets: A100 SXM 312; H100 SXM and H200 989.4 (same GH100 compute); H100 PCIe 756;
+/// B200 2250 (dense, half of the 4.5 PF sparse figure); L40S 362.
+pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
+    let n = name.to_ascii_uppercase();
+    let table: [(&str, f64); 6] = [("H100 PCIE", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0), ("B200", 2250.0), ("L40S", 362.0)];
+    table.iter().find(|(k, _)| n.contains(k)).map(|(_, v)| *v)
+}
+
+fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f64) -> Result<Option<DeviceFigures>, String> {
+    let dev = match std::env::var("DFLASH_DEVICE").as_deref() {
+        Ok("host") => Box::new(crate::gpu::host::HostDevice::new()) as Box<dyn crate::gpu::Device>,
+        _ => match crate::gpu::cuda::missing_library() {
+            Some(_) => return Ok(None),
+            None => Box::new(crate::gpu::cuda::CudaDevice::open().map_err(|e| e.to_string())?),
+        },
+    };
+    let mut g = crate::gpu::target::GpuTarget::new(dev, target, ids.len()).map_err(|e| e.to_string())?;
+    g.forward_taps(&ids[..ids.len().min(64)]).map_err(|e| e.to_string())?;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        // forward_taps ends with a synchronous download: the time covers the device's work.
+        std::hint::black_box(g.forward_taps(ids).map_err(|e| e.to_string())?);
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    let name = g.describe();
+    let tflops = flops / best / 1e12;
+    let peak = peak_bf16_tflops(&name);
+    let tokens_per_s = ids.len() as f64 / best;
+    Ok(Some(DeviceFigures { name, target_forward_s: best, target_tokens_per_s: tokens_per_s, target_tflops: tflops, peak_bf16_tflops: peak, mfu: peak.map(|p| tflops / p), vs_cpu: tokens_per_s / cpu_tokens_per_s }))
+}
+
+/// A built-in shape `qwen3:HIDDENxLAYERS` (heads of 64, a quarter as many KV heads, MLP
+/// 3× hidden, vocabulary 8192), written as a random checkpoint into `dir`.
+pub fn shape_config(spec: &str) -> Result<String, String> {
+    let err = || format!("--target {spec}: expected a model directory or a shape like qwen3:768x5");
+    let rest = spec.strip_prefix("qwen3:").ok_or_else(err)?;
+    let (h, l) = rest.split_once('x').ok_or_else(err)?;
+    let (h, l): (usize, usize) = (h.parse().map_err(|_| err())?, l.parse().map_err(|_| err())?);
+    if h == 0 || h % 64 != 0 || l == 0 {
+        return Err(format!("--target {spec}: hidden must be a positive multiple of 64 and layers positive"));
+    }
+    let heads = h / 64;
+    let kv = (heads / 4).max(1);
+    let kv = if heads % kv == 0 { kv } else { 1 };
+    Ok(format!(
+        r#"{{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":{h},"num_hidden_layers":{l},
+        "num_attention_heads":{heads},"num_key_value_heads":{kv},"head_dim":64,"intermediate_size":{},"rms_norm_eps":1e-6,
+        "rope_theta":1000000.0,"vocab_size":8192,"tie_word_embeddings":true}}"#,
+        3 * h
+    ))
+}
+
+pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), String> {
+    let tmp;
+    let (dir, shape): (PathBuf, String) = if Path::new(target).is_dir() {
+        (PathBuf::from(target), target.to_string())
+    } else {
+        let cfg = shape_config(target)?;
+        tmp = std::env::temp_dir().join(format!("dflash-bench-ops-{}", std::process::id()));
+        crate::model::tiny::write_random(&tmp, &cfg, 7).map_err(|e| format!("writing the {target} checkpoint: {e}"))?;
+        (tmp.clone(), target.to_string())
+    };
+    let result = measure(&dir, &shape, tokens);
+    if dir.starts_with(std::env::temp_dir()) && !Path::new(target).is_dir() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let f = result?;
+    if json {
+        println!("{}", serde_json::to_string(&f).map_err(|e| e.to_string())?);
+    } else {
+        print_figures(&f);
+    }
+    Ok(())
+}
+
+pub fn print_figures(f: &Figures) {
+    println!("bench compute: backend {} ({} threads), target {}, {} tokens", f.backend, f.threads, f.shape, f.tokens);
+    match (&f.device, &f.device_note) {
+        (Some(d), _) => {
+            let mfu = d.mfu.map_or("MFU: peak unknown for this device".to_string(), |m| format!("{:.1} % MFU of {:.0} TFLOP/s bf16", m * 100.0, d.peak_bf16_tflops.unwrap_or(0.0)));
+            println!("  device {}: target forward {:.0} tokens/s, {:.2} TFLOP/s, {mfu}; {:.1}x the CPU backend", d.name, d.target_tokens_per_s, d.target_tflops, d.vs_cpu);
+        }
+        (None, note) => println!("  no GPU measured ({}): the figures below are the CPU reference backend's", note.as_deref().unwrap_or("none")),
+    }
+    println!("  target forward            {:>9.0} tokens/s  {:>7.2} GFLOP/s  ({:.3} s)", f.target_tokens_per_s, f.target_gflops, f.target_forward_s);
+    println!("  bare GEMM, same shapes    {:>27.2} GFLOP/s", f.gemm_gflops);
+    println!("  forward / GEMM            {:>9.2}   (goal >= 0.7)", f.forward_vs_gemm);
+    for (op, s) in &f.op_seconds {
+        println!("    {op:<12} {:>8.1} ms  {:>5.1} %", s * 1e3, 100.0 * s / f.target_forward_s.max(1e-12));
+    }
+    println!(
+        "  drafter step ({} layers, {} block rows)  {:>9.0} tokens/s  ({:.3} s)",
+        f.drafter_layers, f.drafter_rows, f.drafter_tokens_per_s, f.drafter_step_s
+    );
+}
+
+fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
+    let cfg = TargetConfig::load(dir).map_err(|e| e.to_string())?;
+    let layers = cfg.num_hidden_layers;
+    let target = Target::load(dir, &[layers - 1]).map_err(|e| e.to_string())?;
+    let mut rng = Rng::new(1);
+    let ids: Vec<u32> = (0..tokens).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
+    let cpu = Cpu::new();
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+
+    // Warm up (page in the weights, start the thread pool), then the best of three.
+    target.forward_taps(&ids[..tokens.min(64)]);
+    let mut best = f64::INFINITY;
+    let mut op_times = OpTimes::default();
+    for _ in 0..3 {
+        let mut times = OpTimes::default();
+        let t0 = Instant::now();
+        std::hint::black_box(target.forward_taps_timed(&ids, Some(&mut times)));
+        let s = t0.elapsed().as_secs_f64();
+        if s < best {
+            best = s;
+            op_times = times;
+        }
+    }
+    let (t, h, hd, inter) = (tokens, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (qd, kd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    // The forward's GEMMs (m = tokens): q, k, v, o, gate, up, down.
+    let gemms = [(h, qd), (h, kd), (h, kd), (qd, h), (h, inter), (h, inter), (inter, h)];
+    let gemm_flops: f64 = gemms.iter().map(|&(k, n)| 2.0 * (t * k * n) as f64).sum::<f64>() * layers as f64;
+    // Causal attention: QKᵀ and PV over t(t+1)/2 pairs per head.
+    let attn_flops = 2.0 * 2.0 * (t * (t + 1) / 2) as f64 * qd as f64 * layers as f64;
+    let model_flops = gemm_flops + attn_flops;
+
+    // The baseline: the same GEMMs, bare, on random operands.
+    let mut operands = Vec::new();
+    for &(k, n) in &gemms {
+        let x: Vec<f32> = (0..t * k).map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5).collect();
+        let w: Vec<f32> = (0..n * k).map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5).collect();
+        operands.push((x, w, vec![0f32; t * n], k, n));
+    }
+    let mut gemm_best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        for _ in 0..layers {
+            for (x, w, y, k, n) in operands.iter_mut() {
+                cpu.matmul(x, w, y, t, *k, *n);
+            }
+        }
+        gemm_best = gemm_best.min(t0.elapsed().as_secs_f64());
+    }
+    let target_gflops = model_flops / best / 1e9;
+    let gemm_gflops = gemm_flops / gemm_best / 1e9;
+
+    // One drafter step (2 layers, blocks of 16, up to 64 anchors) on the target's taps.
+    let dcfg = DrafterConfig::for_target(&cfg, 2, 1, 16, 64);
+    let drafter = Drafter::new(dcfg.clone());
+    let p = drafter.init_params(3);
+    let w = Weights::open(dir).map_err(|e| e.to_string())?;
+    let embed = w.get("model.embed_tokens.weight", &[cfg.vocab_size, h]).map_err(|e| e.to_string())?;
+    let lm_head = if w.contains("lm_head.weight") { w.get("lm_head.weight", &[cfg.vocab_size, h]).map_err(|e| e.to_string())? } else { embed.clone() };
+    let frozen = Frozen { embed, lm_head };
+    let taps = target.forward_taps(&ids);
+    let mask = vec![1u8; tokens];
+    let anchors = drafter.sample_anchors(&mask, &mut rng);
+    let sample = Sample { taps: &taps, ids: &ids, mask: &mask };
+    let mut grads = vec![0f32; p.len()];
+    let t0 = Instant::now();
+    drafter.train_batch(&p, &frozen, std::slice::from_ref(&sample), std::slice::from_ref(&anchors), &mut grads);
+    let drafter_s = t0.elapsed().as_secs_f64();
+
+    let (device, device_note) = match measure_device(&target, &ids, model_flops, tokens as f64 / best) {
+        Ok(Some(d)) => (Some(d), None),
+        Ok(None) => (None, Some(crate::gpu::cuda::missing_library().unwrap_or_default())),
+        Err(e) => (None, Some(format!("the device could not be measured: {e}"))),
+    };
+    Ok(Figures {
+        device,
+        device_note,
+        backend: "cpu".into(),
+        threads,
+        shape: shape.into(),
+        tokens,
+        target_forward_s: best,
+        target_tokens_per_s: tokens as f64 / best,
+        target_gflops,
+        gemm_gflops,
+        forward_vs_gemm: target_gflops / gemm_gflops,
+        op_seconds: op_times.secs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        drafter_step_s: drafter_s,
+        drafter_tokens_per_s: tokens as f64 / drafter_s,
+        drafter_layers: dcfg.layers,
+        drafter_rows: anchors.len() * dcfg.block_size,
+    })
+}

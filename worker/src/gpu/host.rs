@@ -1,0 +1,378 @@
+//! The host device: the [`Device`] layer on the CPU, for CI and tests (see the module
+//! docs of [`crate::gpu`]).
+//!
+//! - Memory is host memory; a device address is a host address.
+//! - Kernels are `cuda/kernels.cu` compiled as C++ (build.rs) and launched through
+//!   `dflash_hd_launch` with cuLaunchKernel-style packed arguments.
+//! - Operations run when they are queued, in program order; what makes the two streams
+//!   real is a race detector with a vector clock per stream (and one for the host):
+//!   every access to a tracked buffer must be ordered after the last write to it (and a
+//!   write after every read since) by stream order, an event wait, or a host sync.
+//!   Otherwise the operation fails with [`GpuError::Race`] naming both sides, which is
+//!   how a copy that is not ordered after the compute it reads fails a test.
+//! - GEMMs follow cuBLAS's column-major contract, computed by the `gemm` crate.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::{c_char, c_int, c_void, CStr};
+
+use super::{Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Result, Stream};
+
+extern "C" {
+    fn dflash_hd_kernel_count() -> c_int;
+    fn dflash_hd_kernel_name(i: c_int) -> *const c_char;
+    fn dflash_hd_kernel_arity(i: c_int) -> c_int;
+    fn dflash_hd_launch(index: c_int, grid: *const u32, block: *const u32, args: *mut *mut c_void, err: *mut c_char, errlen: usize) -> c_int;
+}
+
+/// Clock slots: the two streams, then the host.
+const HOST: usize = 2;
+type Clock = [u64; 3];
+
+/// The kernels the host device can launch: name → (index, parameter count).
+pub fn kernel_table() -> HashMap<String, (i32, usize)> {
+    // SAFETY: the table is static data of the C++ launcher.
+    unsafe {
+        (0..dflash_hd_kernel_count())
+            .map(|i| (CStr::from_ptr(dflash_hd_kernel_name(i)).to_string_lossy().into_owned(), (i, dflash_hd_kernel_arity(i) as usize)))
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Access {
+    clock_slot: usize,
+    seq: u64,
+    what: String,
+}
+
+#[derive(Debug)]
+struct Region {
+    end: u64,
+    name: String,
+    last_write: Option<Access>,
+    reads: Vec<Access>,
+}
+
+pub struct HostDevice {
+    kernels: HashMap<String, (i32, usize)>,
+    allocations: Vec<(*mut u8, std::alloc::Layout)>,
+    /// Tracked ranges by start address (non-overlapping).
+    regions: BTreeMap<u64, Region>,
+    clocks: [Clock; 3],
+    pub events: EventTable<Clock>,
+    /// Operations run, per kind (for tests).
+    pub launches: u64,
+}
+
+// SAFETY: the raw allocations are owned by the device and only touched through it.
+unsafe impl Send for HostDevice {}
+
+impl Default for HostDevice {
+    fn default() -> Self {
+        HostDevice::new()
+    }
+}
+
+impl HostDevice {
+    pub fn new() -> HostDevice {
+        HostDevice { kernels: kernel_table(), allocations: Vec::new(), regions: BTreeMap::new(), clocks: [[0; 3]; 3], events: EventTable::default(), launches: 0 }
+    }
+
+    /// Check and record one access by `slot` (a stream or the host) at sequence `seq`.
+    fn access(&mut self, slot: usize, seq: u64, buf: DSlice, write: bool, what: &str) -> Result<()> {
+        if buf.bytes == 0 {
+            return Ok(());
+        }
+        let clock = self.clocks[slot];
+        let (lo, hi) = (buf.ptr, buf.ptr + buf.bytes as u64);
+        let first = self.regions.range(..=lo).next_back().map(|(k, _)| *k).unwrap_or(lo);
+        let me = Access { clock_slot: slot, seq, what: what.to_string() };
+        for (_, r) in self.regions.range_mut(first..hi) {
+            if r.end <= lo {
+                continue;
+            }
+            let ordered = |a: &Access| a.clock_slot == slot || clock[a.clock_slot] >= a.seq;
+            if let Some(w) = &r.last_write {
+                if !ordered(w) {
+                    return Err(race(&me, write, &r.name, w, "written"));
+                }
+            }
+            if write {
+                if let Some(rd) = r.reads.iter().find(|a| !ordered(a)) {
+                    return Err(race(&me, write, &r.name, rd, "read"));
+                }
+                r.last_write = Some(me.clone());
+                r.reads.clear();
+            } else {
+                r.reads.retain(|a| a.clock_slot != slot);
+                r.reads.push(me.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// Start an operation on `s`: its sequence number. Whatever the host did before
+    /// queueing it (including the syncs it waited for) is ordered before it.
+    fn op(&mut self, s: Stream) -> u64 {
+        let i = s.index();
+        let host = self.clocks[HOST];
+        self.merge_into(i, host);
+        self.clocks[i][i] += 1;
+        self.clocks[i][i]
+    }
+
+    fn merge_into(&mut self, slot: usize, c: Clock) {
+        for (a, b) in self.clocks[slot].iter_mut().zip(c) {
+            *a = (*a).max(b);
+        }
+    }
+}
+
+fn stream_name(slot: usize) -> &'static str {
+    ["the compute stream", "the copy stream", "the host"][slot]
+}
+
+fn race(me: &Access, write: bool, region: &str, other: &Access, how: &str) -> GpuError {
+    GpuError::Race(format!(
+        "{} on {} {} {region}, {how} by {} on {} with no event or sync ordering them",
+        me.what,
+        stream_name(me.clock_slot),
+        if write { "writes" } else { "reads" },
+        other.what,
+        stream_name(other.clock_slot)
+    ))
+}
+
+impl Drop for HostDevice {
+    fn drop(&mut self) {
+        for (p, layout) in self.allocations.drain(..) {
+            // SAFETY: allocated in `alloc` with this layout.
+            unsafe { std::alloc::dealloc(p, layout) };
+        }
+    }
+}
+
+impl Device for HostDevice {
+    fn describe(&self) -> String {
+        "host device (CUDA kernels compiled for the CPU)".into()
+    }
+
+    fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
+        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256).map_err(|e| GpuError::Invalid(e.to_string()))?;
+        // SAFETY: non-zero size. Zeroed: a fresh GPU allocation is not, but a test should
+        // not depend on garbage either way.
+        let p = unsafe { std::alloc::alloc_zeroed(layout) };
+        if p.is_null() {
+            return Err(GpuError::OutOfMemory(format!("{bytes} bytes")));
+        }
+        self.allocations.push((p, layout));
+        self.track(DSlice { ptr: p as u64, bytes }, "allocation");
+        Ok(p as u64)
+    }
+
+    fn mem_info(&self) -> Result<(usize, usize)> {
+        let total: usize = self.allocations.iter().map(|(_, l)| l.size()).sum();
+        Ok((0, total))
+    }
+
+    fn track(&mut self, buf: DSlice, name: &str) {
+        if buf.bytes == 0 {
+            return;
+        }
+        let (lo, hi) = (buf.ptr, buf.ptr + buf.bytes as u64);
+        // Carve [lo, hi) out of whatever overlaps it, keeping the rest of those regions.
+        let overlapping: Vec<u64> = self.regions.range(..hi).filter(|(k, r)| r.end > lo && **k < hi).map(|(k, _)| *k).collect();
+        for k in overlapping {
+            let r = self.regions.remove(&k).expect("listed");
+            if k < lo {
+                self.regions.insert(k, Region { end: lo, name: r.name.clone(), last_write: r.last_write.clone(), reads: r.reads.clone() });
+            }
+            if r.end > hi {
+                self.regions.insert(hi, Region { end: r.end, name: r.name.clone(), last_write: r.last_write.clone(), reads: r.reads.clone() });
+            }
+        }
+        self.regions.insert(lo, Region { end: hi, name: name.to_string(), last_write: None, reads: Vec::new() });
+    }
+
+    fn upload(&mut self, s: Stream, dst: DSlice, src: &[u8]) -> Result<()> {
+        if src.len() > dst.bytes {
+            return Err(GpuError::Invalid(format!("upload of {} bytes into {}", src.len(), dst.bytes)));
+        }
+        let seq = self.op(s);
+        self.access(s.index(), seq, DSlice { ptr: dst.ptr, bytes: src.len() }, true, "an upload")?;
+        // SAFETY: dst is device (= host) memory of at least src.len() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    fn download(&mut self, s: Stream, src: DSlice, dst: &mut [u8]) -> Result<()> {
+        if dst.len() > src.bytes {
+            return Err(GpuError::Invalid(format!("download of {} bytes from {}", dst.len(), src.bytes)));
+        }
+        let seq = self.op(s);
+        self.access(s.index(), seq, DSlice { ptr: src.ptr, bytes: dst.len() }, false, "a download")?;
+        // SAFETY: as in upload.
+        unsafe { std::ptr::copy_nonoverlapping(src.ptr as *const u8, dst.as_mut_ptr(), dst.len()) };
+        let c = self.clocks[s.index()];
+        self.merge_into(HOST, c);
+        Ok(())
+    }
+
+    unsafe fn download_async(&mut self, s: Stream, src: DSlice, dst: *mut u8) -> Result<()> {
+        let seq = self.op(s);
+        self.access(s.index(), seq, src, false, "an async download")?;
+        self.access(s.index(), seq, DSlice { ptr: dst as u64, bytes: src.bytes }, true, "an async download")?;
+        std::ptr::copy_nonoverlapping(src.ptr as *const u8, dst, src.bytes);
+        Ok(())
+    }
+
+    unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        self.track(DSlice { ptr: ptr as u64, bytes }, "pinned host memory");
+        Ok(())
+    }
+
+    fn host_access(&mut self, ptr: *const u8, bytes: usize, write: bool) -> Result<()> {
+        self.clocks[HOST][HOST] += 1;
+        let seq = self.clocks[HOST][HOST];
+        self.access(HOST, seq, DSlice { ptr: ptr as u64, bytes }, write, "the host")
+    }
+
+    fn memset_zero(&mut self, s: Stream, dst: DSlice) -> Result<()> {
+        let seq = self.op(s);
+        self.access(s.index(), seq, dst, true, "a memset")?;
+        // SAFETY: dst is device (= host) memory.
+        unsafe { std::ptr::write_bytes(dst.ptr as *mut u8, 0, dst.bytes) };
+        Ok(())
+    }
+
+    fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        let &(index, arity) = self.kernels.get(kernel).ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?;
+        if arity != args.len() {
+            return Err(GpuError::Invalid(format!("{kernel} takes {arity} arguments, {} given", args.len())));
+        }
+        let seq = self.op(s);
+        let what = format!("kernel {kernel}");
+        // Reads first, then writes: an argument both read and written counts as a write.
+        for a in args {
+            if let Arg::R(b) = a {
+                self.access(s.index(), seq, *b, false, &what)?;
+            }
+        }
+        for a in args {
+            if let Arg::W(b) | Arg::RW(b) = a {
+                self.access(s.index(), seq, *b, true, &what)?;
+            }
+        }
+        // Each argument in its own 8-byte cell; scalars narrower than 8 bytes sit in the
+        // low bytes (little-endian), which is where the kernel's parameter reads them.
+        let mut cells: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::R(b) | Arg::W(b) | Arg::RW(b) => b.ptr,
+                Arg::Null => 0,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::I64(v) => v as u64,
+                Arg::U32(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = cells.iter_mut().map(|c| (c as *mut u64).cast()).collect();
+        let (g, b) = ([grid, 1, 1], [block, 1, 1]);
+        let mut err = [0 as c_char; 256];
+        // SAFETY: the kernel's parameters match `args` in count (checked) and in type (the
+        // ops layer's contract); every buffer is host memory of the stated size.
+        let rc = unsafe { dflash_hd_launch(index, g.as_ptr(), b.as_ptr(), ptrs.as_mut_ptr(), err.as_mut_ptr(), err.len()) };
+        if rc != 0 {
+            // SAFETY: the launcher wrote a NUL-terminated message.
+            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+            return Err(GpuError::Invalid(msg));
+        }
+        self.launches += 1;
+        Ok(())
+    }
+
+    fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()> {
+        g.validate()?;
+        let seq = self.op(s);
+        let (ea, eb, ec) = g.extents();
+        self.access(s.index(), seq, DSlice { ptr: g.a.ptr, bytes: ea * 4 }, false, "a GEMM")?;
+        self.access(s.index(), seq, DSlice { ptr: g.b.ptr, bytes: eb * 4 }, false, "a GEMM")?;
+        self.access(s.index(), seq, DSlice { ptr: g.c.ptr, bytes: ec * 4 }, true, "a GEMM")?;
+        // SAFETY: every operand covers its extent (validated above).
+        unsafe { host_sgemm(g) };
+        Ok(())
+    }
+
+    fn record(&mut self, s: Stream) -> Result<Event> {
+        Ok(self.events.insert(self.clocks[s.index()]))
+    }
+
+    fn wait(&mut self, s: Stream, e: Event) -> Result<()> {
+        let c = *self.events.get(e)?;
+        self.merge_into(s.index(), c);
+        Ok(())
+    }
+
+    fn sync_event(&mut self, e: Event) -> Result<()> {
+        let c = *self.events.get(e)?;
+        self.merge_into(HOST, c);
+        Ok(())
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        let (a, b) = (self.clocks[0], self.clocks[1]);
+        self.merge_into(HOST, a);
+        self.merge_into(HOST, b);
+        Ok(())
+    }
+
+    fn release_event(&mut self, e: Event) {
+        self.events.release(e);
+    }
+}
+
+/// cuBLAS `sgemm` semantics on host memory: `C = alpha·op(A)·op(B) + beta·C`, column-major.
+///
+/// # Safety
+/// The operands must cover [`Gemm::extents`].
+pub unsafe fn host_sgemm(g: &Gemm) {
+    let (m, n, k) = (g.m, g.n, g.k);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let c = g.c.ptr as *mut f32;
+    // op(A) element (i, p): A[i + p·lda], or A[p + i·lda] transposed.
+    let (a_rs, a_cs) = if g.transa { (g.lda as isize, 1) } else { (1, g.lda as isize) };
+    let (b_rs, b_cs) = if g.transb { (g.ldb as isize, 1) } else { (1, g.ldb as isize) };
+    if k == 0 || g.alpha == 0.0 {
+        for j in 0..n {
+            for i in 0..m {
+                let p = c.add(i + j * g.ldc);
+                *p = if g.beta == 0.0 { 0.0 } else { g.beta * *p };
+            }
+        }
+        return;
+    }
+    // The gemm crate: dst := alpha·dst + beta·lhs·rhs (dst read only when read_dst).
+    gemm::gemm(
+        m,
+        n,
+        k,
+        c,
+        g.ldc as isize,
+        1,
+        g.beta != 0.0,
+        g.a.ptr as *const f32,
+        a_cs,
+        a_rs,
+        g.b.ptr as *const f32,
+        b_cs,
+        b_rs,
+        g.beta,
+        g.alpha,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+}

@@ -1,0 +1,336 @@
+//! The GPU compute path, below the models: a device layer (memory, copies, two streams and
+//! events, kernel launches, GEMM) with two implementations, and the typed ops on top of it.
+//!
+//! - [`cuda::CudaDevice`]: a real GPU through cudarc (driver, NVRTC, cuBLAS), every library
+//!   loaded at run time, so the worker builds and runs where there is no CUDA at all.
+//! - [`host::HostDevice`]: the same kernels (`cuda/kernels.cu`, compiled as C++) run on the
+//!   CPU, every block's threads at once; streams are ordered queues with a race detector;
+//!   GEMMs honour cuBLAS's column-major contract. It exists so that CI, which has no GPU,
+//!   runs every kernel and all of this host code for real. `DFLASH_DEVICE=host` selects it
+//!   in a worker (tests only; it is not a user feature).
+//!
+//! [`ops::Ops`] wraps a device with one typed method per kernel; [`target::GpuTarget`] is
+//! the target forward on it. Device memory comes from one [`Arena`] per worker, allocated
+//! once and sub-allocated, with its own counters.
+
+pub mod cuda;
+pub mod host;
+pub mod nvrtc;
+pub mod ops;
+pub mod target;
+
+use std::fmt;
+
+/// A device address (a `CUdeviceptr` on a GPU, a host address on the host device).
+pub type DevPtr = u64;
+
+/// A range of device memory, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DSlice {
+    pub ptr: DevPtr,
+    pub bytes: usize,
+}
+
+impl DSlice {
+    /// Elements `range` of this buffer, read as `elem`-byte values.
+    pub fn sub(&self, elem: usize, range: std::ops::Range<usize>) -> DSlice {
+        assert!(range.start <= range.end && range.end * elem <= self.bytes, "sub-slice {range:?} of {} bytes", self.bytes);
+        DSlice { ptr: self.ptr + (range.start * elem) as u64, bytes: (range.end - range.start) * elem }
+    }
+
+    /// f32 elements `range`.
+    pub fn f32s(&self, range: std::ops::Range<usize>) -> DSlice {
+        self.sub(4, range)
+    }
+
+    pub fn len_f32(&self) -> usize {
+        self.bytes / 4
+    }
+}
+
+/// One kernel argument. Buffers say whether the kernel reads or writes them, which the
+/// host device's race detector checks against stream order (a GPU ignores it).
+#[derive(Debug, Clone, Copy)]
+pub enum Arg {
+    R(DSlice),
+    W(DSlice),
+    RW(DSlice),
+    /// A null pointer (an optional output the kernel skips).
+    Null,
+    I32(i32),
+    I64(i64),
+    U32(u32),
+    F32(f32),
+}
+
+/// The two streams of a worker: compute, and host↔device copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stream {
+    Compute,
+    Copy,
+}
+
+impl Stream {
+    pub fn index(self) -> usize {
+        match self {
+            Stream::Compute => 0,
+            Stream::Copy => 1,
+        }
+    }
+}
+
+/// A recorded event (an index into the device's event table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event(pub usize);
+
+/// A GEMM in cuBLAS's column-major convention: `C = alpha·op(A)·op(B) + beta·C`, `op(A)`
+/// m×k, `op(B)` k×n, `C` m×n; element (i, j) of a matrix X lives at `X[i + j·ldx]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Gemm {
+    pub transa: bool,
+    pub transb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub alpha: f32,
+    pub a: DSlice,
+    pub lda: usize,
+    pub b: DSlice,
+    pub ldb: usize,
+    pub beta: f32,
+    pub c: DSlice,
+    pub ldc: usize,
+}
+
+impl Gemm {
+    /// Elements each operand must hold: (A, B, C).
+    pub fn extents(&self) -> (usize, usize, usize) {
+        let ext = |rows: usize, cols: usize, ld: usize| if rows == 0 || cols == 0 { 0 } else { (rows - 1) + (cols - 1) * ld + 1 };
+        let (ar, ac) = if self.transa { (self.k, self.m) } else { (self.m, self.k) };
+        let (br, bc) = if self.transb { (self.n, self.k) } else { (self.k, self.n) };
+        (ext(ar, ac, self.lda), ext(br, bc, self.ldb), ext(self.m, self.n, self.ldc))
+    }
+
+    /// Check shapes and leading dimensions against the buffers, as cuBLAS would reject them
+    /// (and more: a GPU does not check that a buffer is long enough).
+    pub fn validate(&self) -> Result<()> {
+        let (ar, br) = (if self.transa { self.k } else { self.m }, if self.transb { self.n } else { self.k });
+        if self.lda < ar.max(1) || self.ldb < br.max(1) || self.ldc < self.m.max(1) {
+            return Err(GpuError::Invalid(format!("gemm: leading dimension below the row count ({self:?})")));
+        }
+        let (ea, eb, ec) = self.extents();
+        if ea * 4 > self.a.bytes || eb * 4 > self.b.bytes || ec * 4 > self.c.bytes {
+            return Err(GpuError::Invalid(format!("gemm: an operand is shorter than its shape (needs {ea}, {eb}, {ec} f32) ({self:?})")));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum GpuError {
+    /// A CUDA library is missing or the GPU cannot be used: permanent, do not restart.
+    Unavailable(String),
+    /// A call failed (driver, NVRTC, cuBLAS error).
+    Failed(String),
+    /// Out of (arena) memory.
+    OutOfMemory(String),
+    /// A wrong call: bad shape, unknown kernel, bad arguments.
+    Invalid(String),
+    /// The host device saw two streams touch the same memory without an event between.
+    Race(String),
+}
+
+impl fmt::Display for GpuError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GpuError::Unavailable(s) => write!(f, "GPU unavailable: {s}"),
+            GpuError::Failed(s) => write!(f, "{s}"),
+            GpuError::OutOfMemory(s) => write!(f, "out of device memory: {s}"),
+            GpuError::Invalid(s) => write!(f, "invalid device call: {s}"),
+            GpuError::Race(s) => write!(f, "stream race: {s}"),
+        }
+    }
+}
+
+impl std::error::Error for GpuError {}
+
+pub type Result<T> = std::result::Result<T, GpuError>;
+
+/// What a worker's compute needs of a device.
+pub trait Device: Send {
+    /// e.g. "NVIDIA H200 (sm_90)" or "host device".
+    fn describe(&self) -> String;
+    /// Raw allocation (the arena takes one at start).
+    fn alloc(&mut self, bytes: usize) -> Result<DevPtr>;
+    /// Free and total device memory (`cuMemGetInfo`).
+    fn mem_info(&self) -> Result<(usize, usize)>;
+    /// Name a sub-range of an allocation (the host device tracks accesses per range).
+    fn track(&mut self, _buf: DSlice, _name: &str) {}
+    /// Host → device on `s`; `src` may be reused when this returns.
+    fn upload(&mut self, s: Stream, dst: DSlice, src: &[u8]) -> Result<()>;
+    /// Device → host, waiting for `s` up to this copy.
+    fn download(&mut self, s: Stream, src: DSlice, dst: &mut [u8]) -> Result<()>;
+    /// Device → registered (pinned) host memory, asynchronously on `s`: the bytes are
+    /// there once an event recorded after it has completed.
+    ///
+    /// # Safety
+    /// `dst` must point to `src.bytes` bytes registered with `register_host` that nobody
+    /// touches until that event has completed.
+    unsafe fn download_async(&mut self, s: Stream, src: DSlice, dst: *mut u8) -> Result<()>;
+    /// Pin host memory for async copies (`cuMemHostRegister`).
+    ///
+    /// # Safety
+    /// The range must stay mapped while the device is alive.
+    unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()>;
+    /// The host is about to read (`write` false) or write registered host memory: the
+    /// host device checks that every device access to it is ordered before by a sync.
+    fn host_access(&mut self, _ptr: *const u8, _bytes: usize, _write: bool) -> Result<()> {
+        Ok(())
+    }
+    fn memset_zero(&mut self, s: Stream, dst: DSlice) -> Result<()>;
+    /// Launch `kernel` with `grid` blocks of `block` threads (x only).
+    fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()>;
+    fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()>;
+    /// Record an event on `s` behind everything queued on it so far.
+    fn record(&mut self, s: Stream) -> Result<Event>;
+    /// Make `s` wait for `e`.
+    fn wait(&mut self, s: Stream, e: Event) -> Result<()>;
+    /// Block the host until `e` has completed.
+    fn sync_event(&mut self, e: Event) -> Result<()>;
+    /// Block the host until both streams are idle.
+    fn sync(&mut self) -> Result<()>;
+    /// The event is not needed any more (its slot is reused; a GPU event is destroyed
+    /// once it has completed).
+    fn release_event(&mut self, e: Event);
+}
+
+/// Event slots reused once released, so a long run does not accumulate events.
+pub struct EventTable<T> {
+    slots: Vec<Option<T>>,
+    free: Vec<usize>,
+}
+
+impl<T> Default for EventTable<T> {
+    fn default() -> Self {
+        EventTable { slots: Vec::new(), free: Vec::new() }
+    }
+}
+
+impl<T> EventTable<T> {
+    pub fn insert(&mut self, v: T) -> Event {
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i] = Some(v);
+                Event(i)
+            }
+            None => {
+                self.slots.push(Some(v));
+                Event(self.slots.len() - 1)
+            }
+        }
+    }
+
+    pub fn get(&self, e: Event) -> Result<&T> {
+        self.slots.get(e.0).and_then(|s| s.as_ref()).ok_or_else(|| GpuError::Invalid(format!("no event {} (released?)", e.0)))
+    }
+
+    pub fn release(&mut self, e: Event) {
+        if let Some(s) = self.slots.get_mut(e.0) {
+            if s.take().is_some() {
+                self.free.push(e.0);
+            }
+        }
+    }
+
+    /// Events alive now.
+    pub fn live(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+}
+
+/// Counters of an arena, reported with the worker's host-side figures (no device sync).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ArenaStats {
+    pub reserved: u64,
+    pub in_use: u64,
+    pub peak: u64,
+    pub alloc_failures: u64,
+}
+
+/// One allocation per worker, sub-allocated by bumping, freed all at once (`reset`) or to
+/// a mark. Every buffer is 256-byte aligned (what cuBLAS and vector loads want).
+pub struct Arena {
+    base: DevPtr,
+    size: usize,
+    top: usize,
+    pub stats: ArenaStats,
+}
+
+impl Arena {
+    pub fn new(dev: &mut dyn Device, size: usize) -> Result<Arena> {
+        let base = dev.alloc(size)?;
+        Ok(Arena { base, size, top: 0, stats: ArenaStats { reserved: size as u64, ..Default::default() } })
+    }
+
+    pub fn alloc(&mut self, dev: &mut dyn Device, bytes: usize, name: &str) -> Result<DSlice> {
+        let start = self.top.div_ceil(256) * 256;
+        if start + bytes > self.size {
+            self.stats.alloc_failures += 1;
+            return Err(GpuError::OutOfMemory(format!("{name}: {bytes} bytes asked, {} of {} in use", self.top, self.size)));
+        }
+        self.top = start + bytes;
+        self.stats.in_use = self.top as u64;
+        self.stats.peak = self.stats.peak.max(self.stats.in_use);
+        let s = DSlice { ptr: self.base + start as u64, bytes };
+        dev.track(s, name);
+        Ok(s)
+    }
+
+    pub fn alloc_f32(&mut self, dev: &mut dyn Device, n: usize, name: &str) -> Result<DSlice> {
+        self.alloc(dev, n * 4, name)
+    }
+
+    /// Where the next allocation would start; `release_to` frees everything after it.
+    pub fn mark(&self) -> usize {
+        self.top
+    }
+
+    pub fn release_to(&mut self, mark: usize) {
+        self.top = mark.min(self.top);
+        self.stats.in_use = self.top as u64;
+    }
+}
+
+/// `f32`s as bytes (little-endian, as the devices hold them).
+pub fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+pub fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as above, and every byte pattern is a valid f32.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+pub fn i32_bytes(v: &[i32]) -> &[u8] {
+    // SAFETY: as for f32.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+pub fn u32_bytes(v: &[u32]) -> &[u8] {
+    // SAFETY: as for f32.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// Which device a worker computes on, from `DFLASH_DEVICE` (tests) and its GPU.
+pub fn open_device(gpu: Option<u32>) -> Result<Option<Box<dyn Device>>> {
+    match std::env::var("DFLASH_DEVICE").ok().as_deref() {
+        Some("host") => Ok(Some(Box::new(host::HostDevice::new()))),
+        Some("cpu") => Ok(None),
+        Some(other) if !other.is_empty() => Err(GpuError::Invalid(format!("DFLASH_DEVICE={other}: expected host or cpu"))),
+        _ => match gpu {
+            None => Ok(None),
+            Some(_) => Ok(Some(Box::new(cuda::CudaDevice::open()?))),
+        },
+    }
+}

@@ -1,0 +1,255 @@
+//! One typed method per kernel of `cuda/kernels.cu`, on the compute stream: the GPU
+//! counterpart of the CPU backend's op set ([`crate::compute::Backend`]), with the same
+//! layouts and the same accumulate-or-overwrite semantics, so that each can be checked
+//! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
+
+use super::{Arg, DSlice, Device, Gemm, Result, Stream};
+
+const BLOCK: u32 = 256;
+/// Attention: 4 warps per block, one per (query row, head).
+const ATTN_BLOCK: u32 = 128;
+
+fn grid_for(n: usize) -> u32 {
+    (n.div_ceil(BLOCK as usize)).clamp(1, 65535) as u32
+}
+
+/// Block size for one-block-per-row kernels over rows of width `d`.
+fn row_block(d: usize) -> u32 {
+    (d.div_ceil(32) * 32).clamp(32, BLOCK as usize) as u32
+}
+
+pub struct Ops {
+    pub dev: Box<dyn Device>,
+    pub stream: Stream,
+}
+
+impl Ops {
+    pub fn new(dev: Box<dyn Device>) -> Ops {
+        Ops { dev, stream: Stream::Compute }
+    }
+
+    fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        self.dev.launch(self.stream, kernel, grid, block, args)
+    }
+
+    /// `y[m,n] = x[m,k] · w[n,k]ᵀ` (row-major), as one cuBLAS-convention GEMM:
+    /// column-major `yᵀ = op(w)·xᵀ` with `op = T`.
+    pub fn matmul(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
+        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n };
+        self.dev.gemm(self.stream, &g)
+    }
+
+    /// Backward of [`matmul`](Self::matmul): `dx += dy · w`, `dw += dyᵀ · x`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_backward(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize) -> Result<()> {
+        if let Some(dx) = dx {
+            // column-major dxᵀ[k,m] += w_c[k,n] · dy_c[n,m]
+            let g = Gemm { transa: false, transb: false, m: k, n: m, k: n, alpha: 1.0, a: w, lda: k, b: dy, ldb: n, beta: 1.0, c: dx, ldc: k };
+            self.dev.gemm(self.stream, &g)?;
+        }
+        if let Some(dw) = dw {
+            // column-major dwᵀ[k,n] += x_c[k,m] · (dy_c[n,m])ᵀ
+            let g = Gemm { transa: false, transb: true, m: k, n, k: m, alpha: 1.0, a: x, lda: k, b: dy, ldb: n, beta: 1.0, c: dw, ldc: k };
+            self.dev.gemm(self.stream, &g)?;
+        }
+        Ok(())
+    }
+
+    /// `out[i,:] = table[ids[i],:]` (ids: u32, clamped to the vocabulary).
+    pub fn embed(&mut self, out: DSlice, table: DSlice, ids: DSlice, rows: usize, h: usize, vocab: usize) -> Result<()> {
+        self.launch("embed_gather", rows as u32, row_block(h), &[Arg::W(out), Arg::R(table), Arg::R(ids), Arg::I32(h as i32), Arg::I32(vocab as i32)])
+    }
+
+    /// RMSNorm of `rows` rows of width `d`; writes `y` and the reciprocal RMS per row.
+    pub fn rmsnorm(&mut self, x: DSlice, w: DSlice, y: DSlice, rstd: DSlice, rows: usize, d: usize, eps: f32) -> Result<()> {
+        self.launch("rmsnorm_fwd", rows as u32, row_block(d), &[Arg::W(y), Arg::W(rstd), Arg::R(x), Arg::R(w), Arg::I32(d as i32), Arg::F32(eps)])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward(&mut self, dy: DSlice, x: DSlice, w: DSlice, rstd: DSlice, dx: DSlice, dw: Option<DSlice>, rows: usize, d: usize) -> Result<()> {
+        let dw = dw.map_or(Arg::Null, Arg::RW);
+        self.launch("rmsnorm_bwd", rows as u32, row_block(d), &[Arg::RW(dx), dw, Arg::R(dy), Arg::R(x), Arg::R(w), Arg::R(rstd), Arg::I32(d as i32)])
+    }
+
+    /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(&mut self, x: DSlice, pos: DSlice, inv_freq: DSlice, rows: usize, heads: usize, head_dim: usize, inverse: bool) -> Result<()> {
+        self.launch(
+            "rope",
+            rows as u32,
+            row_block(heads * head_dim / 2),
+            &[Arg::RW(x), Arg::R(pos), Arg::R(inv_freq), Arg::I32(heads as i32), Arg::I32(head_dim as i32), Arg::I32(inverse as i32)],
+        )
+    }
+
+    pub fn swiglu(&mut self, gate: DSlice, up: DSlice, out: DSlice) -> Result<()> {
+        let n = out.len_f32();
+        self.launch("swiglu_fwd", grid_for(n), BLOCK, &[Arg::W(out), Arg::R(gate), Arg::R(up), Arg::I64(n as i64)])
+    }
+
+    pub fn swiglu_backward(&mut self, dout: DSlice, gate: DSlice, up: DSlice, dgate: DSlice, dup: DSlice) -> Result<()> {
+        let n = dout.len_f32();
+        self.launch("swiglu_bwd", grid_for(n), BLOCK, &[Arg::RW(dgate), Arg::RW(dup), Arg::R(dout), Arg::R(gate), Arg::R(up), Arg::I64(n as i64)])
+    }
+
+    /// `x += y`
+    pub fn add(&mut self, x: DSlice, y: DSlice) -> Result<()> {
+        let n = x.len_f32();
+        self.launch("add_inplace", grid_for(n), BLOCK, &[Arg::RW(x), Arg::R(y), Arg::I64(n as i64)])
+    }
+
+    /// `dst[r, dst_off..dst_off+width] = src[r, src_off..src_off+width]` for `rows` rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_cols(&mut self, dst: DSlice, src: DSlice, rows: usize, width: usize, dst_stride: usize, dst_off: usize, src_stride: usize, src_off: usize) -> Result<()> {
+        self.launch(
+            "copy_cols",
+            rows as u32,
+            row_block(width),
+            &[Arg::RW(dst), Arg::R(src), Arg::I32(width as i32), Arg::I32(dst_stride as i32), Arg::I32(dst_off as i32), Arg::I32(src_stride as i32), Arg::I32(src_off as i32)],
+        )
+    }
+
+    pub fn bf16_to_f32(&mut self, out: DSlice, input: DSlice) -> Result<()> {
+        let n = out.len_f32();
+        self.launch("bf16_to_f32", grid_for(n), BLOCK, &[Arg::W(out), Arg::R(input), Arg::I64(n as i64)])
+    }
+
+    pub fn f32_to_bf16(&mut self, out: DSlice, input: DSlice) -> Result<()> {
+        let n = input.len_f32();
+        self.launch("f32_to_bf16", grid_for(n), BLOCK, &[Arg::W(out), Arg::R(input), Arg::I64(n as i64)])
+    }
+
+    /// Attention of `tq` query rows over key spans (`spans`: 4 i32 per row, see
+    /// kernels.cu); writes `out` and the log-sum-exp per (row, head) for the backward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(&mut self, q: DSlice, k: DSlice, v: DSlice, out: DSlice, lse: DSlice, spans: DSlice, tq: usize, qh: usize, kvh: usize, hd: usize) -> Result<()> {
+        check_heads(qh, kvh, hd)?;
+        let warps = tq * qh;
+        let grid = (warps * 32).div_ceil(ATTN_BLOCK as usize).max(1) as u32;
+        self.launch(
+            "attention_fwd",
+            grid,
+            ATTN_BLOCK,
+            &[Arg::W(out), Arg::W(lse), Arg::R(q), Arg::R(k), Arg::R(v), Arg::R(spans), Arg::I32(tq as i32), Arg::I32(qh as i32), Arg::I32(kvh as i32), Arg::I32(hd as i32)],
+        )
+    }
+
+    /// Backward of [`attention`](Self::attention): `dq`, `dk`, `dv` accumulate.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &mut self,
+        dout: DSlice,
+        out: DSlice,
+        lse: DSlice,
+        q: DSlice,
+        k: DSlice,
+        v: DSlice,
+        spans: DSlice,
+        dq: DSlice,
+        dk: DSlice,
+        dv: DSlice,
+        tq: usize,
+        qh: usize,
+        kvh: usize,
+        hd: usize,
+    ) -> Result<()> {
+        check_heads(qh, kvh, hd)?;
+        let grid = (tq * qh * 32).div_ceil(ATTN_BLOCK as usize).max(1) as u32;
+        self.launch(
+            "attention_bwd",
+            grid,
+            ATTN_BLOCK,
+            &[
+                Arg::RW(dq),
+                Arg::RW(dk),
+                Arg::RW(dv),
+                Arg::R(dout),
+                Arg::R(out),
+                Arg::R(lse),
+                Arg::R(q),
+                Arg::R(k),
+                Arg::R(v),
+                Arg::R(spans),
+                Arg::I32(tq as i32),
+                Arg::I32(qh as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(hd as i32),
+            ],
+        )
+    }
+
+    /// Fold one vocabulary chunk of logits (`[n, cw]`, ids `start..start+cw`) into each
+    /// row's running max / Σexp / argmax / label logit (`labels`: i32 per row).
+    #[allow(clippy::too_many_arguments)]
+    pub fn ce_chunk_stats(&mut self, run_max: DSlice, run_sum: DSlice, best_v: DSlice, best_i: DSlice, label_logit: DSlice, logits: DSlice, labels: DSlice, n: usize, cw: usize, start: usize) -> Result<()> {
+        self.launch(
+            "ce_chunk_stats",
+            n as u32,
+            row_block(cw),
+            &[
+                Arg::RW(run_max),
+                Arg::RW(run_sum),
+                Arg::RW(best_v),
+                Arg::RW(best_i),
+                Arg::RW(label_logit),
+                Arg::R(logits),
+                Arg::R(labels),
+                Arg::I32(cw as i32),
+                Arg::I32(start as i32),
+            ],
+        )
+    }
+
+    /// Logits of a chunk → `scale[row]·(softmax − onehot(label))`, in place.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ce_chunk_grad(&mut self, logits: DSlice, run_max: DSlice, run_sum: DSlice, labels: DSlice, scale: DSlice, n: usize, cw: usize, start: usize) -> Result<()> {
+        self.launch(
+            "ce_chunk_grad",
+            n as u32,
+            row_block(cw),
+            &[Arg::RW(logits), Arg::R(run_max), Arg::R(run_sum), Arg::R(labels), Arg::R(scale), Arg::I32(cw as i32), Arg::I32(start as i32)],
+        )
+    }
+
+    /// Σg² into `acc` (one f64, accumulated) and `nonfinite` (one i32, set on NaN/inf).
+    pub fn sumsq(&mut self, g: DSlice, acc: DSlice, nonfinite: DSlice) -> Result<()> {
+        let n = g.len_f32();
+        self.launch("sumsq", grid_for(n).min(1024), BLOCK, &[Arg::RW(acc), Arg::RW(nonfinite), Arg::R(g), Arg::I64(n as i64)])
+    }
+
+    /// Clip by the norm in `acc` to `max_norm` (0: no clip) and apply AdamW, unless
+    /// `nonfinite` is set. `c1`, `c2`: the bias corrections 1 − βᵗ.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw(&mut self, p: DSlice, m: DSlice, v: DSlice, g: DSlice, acc: DSlice, nonfinite: DSlice, max_norm: f32, lr: f32, b1: f32, b2: f32, eps: f32, wd: f32, c1: f32, c2: f32) -> Result<()> {
+        let n = p.len_f32();
+        self.launch(
+            "adamw",
+            grid_for(n),
+            BLOCK,
+            &[
+                Arg::RW(p),
+                Arg::RW(m),
+                Arg::RW(v),
+                Arg::R(g),
+                Arg::I64(n as i64),
+                Arg::R(acc),
+                Arg::R(nonfinite),
+                Arg::F32(max_norm),
+                Arg::F32(lr),
+                Arg::F32(b1),
+                Arg::F32(b2),
+                Arg::F32(eps),
+                Arg::F32(wd),
+                Arg::F32(c1),
+                Arg::F32(c2),
+            ],
+        )
+    }
+}
+
+fn check_heads(qh: usize, kvh: usize, hd: usize) -> Result<()> {
+    if hd == 0 || hd > 256 || kvh == 0 || qh % kvh != 0 {
+        return Err(super::GpuError::Invalid(format!("attention: {qh} query heads, {kvh} KV heads, head_dim {hd} (head_dim ≤ 256, heads a multiple of KV heads)")));
+    }
+    Ok(())
+}

@@ -1,0 +1,255 @@
+//! The frozen target's forward on a [`Device`]: the same computation as
+//! [`crate::model::target::Target::forward_taps`] (which it is tested against), with the
+//! weights, and activations for up to `max_tokens` tokens, allocated once from the arena.
+//! Positions and the causal key spans are uploaded once too: they depend only on the
+//! row index, so a shorter sequence uses their prefix.
+
+use dflash_shared::model_config::TargetConfig;
+
+use super::ops::Ops;
+use super::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, ArenaStats, DSlice, Device, Result, Stream};
+use crate::model::target::Target;
+
+struct Layer {
+    ln1: DSlice,
+    ln2: DSlice,
+    wq: DSlice,
+    wk: DSlice,
+    wv: DSlice,
+    wo: DSlice,
+    qk_norm: Option<(DSlice, DSlice)>,
+    gate: DSlice,
+    up: DSlice,
+    down: DSlice,
+}
+
+struct Acts {
+    ids: DSlice,
+    pos: DSlice,
+    spans: DSlice,
+    x: DSlice,
+    n1: DSlice,
+    rstd: DSlice,
+    q: DSlice,
+    k: DSlice,
+    v: DSlice,
+    att: DSlice,
+    lse: DSlice,
+    o: DSlice,
+    g: DSlice,
+    u: DSlice,
+    act: DSlice,
+    out: DSlice,
+    /// Two bf16 staging buffers for the copy to the host, used in turn.
+    stage: [DSlice; 2],
+}
+
+pub struct GpuTarget {
+    pub cfg: TargetConfig,
+    pub taps: Vec<usize>,
+    pub max_tokens: usize,
+    ops: Ops,
+    arena: Arena,
+    embed: DSlice,
+    layers: Vec<Layer>,
+    inv_freq: DSlice,
+    a: Acts,
+    /// Per staging buffer: the event after its last copy to the host.
+    stage_free: [Option<super::Event>; 2],
+    next_stage: usize,
+}
+
+impl GpuTarget {
+    /// Put `target`'s weights on `dev`, with room for sequences of up to `max_tokens`.
+    pub fn new(mut dev: Box<dyn Device>, target: &Target, max_tokens: usize) -> Result<GpuTarget> {
+        let c = target.cfg.clone();
+        let (h, hd, inter, t) = (c.hidden_size, c.head_dim, c.intermediate_size, max_tokens.max(1));
+        let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let width = target.taps.len() * h;
+        // Sizes first, so the arena is one allocation of exactly what is needed.
+        let per_layer: usize = target.layers.iter().map(|l| {
+            l.ln1.len() + l.ln2.len() + l.wq.len() + l.wk.len() + l.wv.len() + l.wo.len() + l.gate.len() + l.up.len() + l.down.len()
+                + l.q_norm.as_ref().map_or(0, |v| v.len()) + l.k_norm.as_ref().map_or(0, |v| v.len())
+        }).sum();
+        let acts = t * (3 + 4) + t * (h * 3 + qd * 2 + kd * 2 + inter * 3 + width) + t * c.num_attention_heads * 2 + t * qd / hd.max(1);
+        let floats = target.embed.len() + per_layer + target.inv_freq.len() + acts + t * width;
+        // Every buffer may round up to 256 bytes: room for that per buffer.
+        let buffers = 22 + 12 * target.layers.len();
+        let mut arena = Arena::new(dev.as_mut(), floats * 4 + buffers * 256)?;
+        let d = dev.as_mut();
+        let mut put = |arena: &mut Arena, v: &[f32], name: &str| -> Result<DSlice> {
+            let s = arena.alloc_f32(d, v.len(), name)?;
+            d.upload(Stream::Compute, s, f32_bytes(v))?;
+            Ok(s)
+        };
+        let embed = put(&mut arena, &target.embed, "embed_tokens")?;
+        let inv_freq = put(&mut arena, &target.inv_freq, "rope inv_freq")?;
+        let mut layers = Vec::new();
+        for (i, l) in target.layers.iter().enumerate() {
+            let n = |s: &str| format!("layer {i} {s}");
+            let qk_norm = match (&l.q_norm, &l.k_norm) {
+                (Some(qn), Some(kn)) => Some((put(&mut arena, qn, &n("q_norm"))?, put(&mut arena, kn, &n("k_norm"))?)),
+                _ => None,
+            };
+            layers.push(Layer {
+                ln1: put(&mut arena, &l.ln1, &n("input_layernorm"))?,
+                ln2: put(&mut arena, &l.ln2, &n("post_attention_layernorm"))?,
+                wq: put(&mut arena, &l.wq, &n("q_proj"))?,
+                wk: put(&mut arena, &l.wk, &n("k_proj"))?,
+                wv: put(&mut arena, &l.wv, &n("v_proj"))?,
+                wo: put(&mut arena, &l.wo, &n("o_proj"))?,
+                qk_norm,
+                gate: put(&mut arena, &l.gate, &n("gate_proj"))?,
+                up: put(&mut arena, &l.up, &n("up_proj"))?,
+                down: put(&mut arena, &l.down, &n("down_proj"))?,
+            });
+        }
+        let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
+        let a = Acts {
+            ids: f(t, "token ids")?,
+            pos: f(t, "positions")?,
+            spans: f(4 * t, "causal spans")?,
+            x: f(t * h, "residual")?,
+            n1: f(t * h, "normed")?,
+            rstd: f(t * qd / hd, "rstd")?,
+            q: f(t * qd, "q")?,
+            k: f(t * kd, "k")?,
+            v: f(t * kd, "v")?,
+            att: f(t * qd, "attention out")?,
+            lse: f(t * c.num_attention_heads, "attention lse")?,
+            o: f(t * h, "projection out")?,
+            g: f(t * inter, "gate")?,
+            u: f(t * inter, "up")?,
+            act: f(t * inter, "swiglu")?,
+            out: f(t * width, "taps")?,
+            stage: [f(t * width / 2 + 1, "bf16 staging 0")?, f(t * width / 2 + 1, "bf16 staging 1")?],
+        };
+        let pos: Vec<i32> = (0..t as i32).collect();
+        let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
+        d.upload(Stream::Compute, a.pos, i32_bytes(&pos))?;
+        d.upload(Stream::Compute, a.spans, i32_bytes(&spans))?;
+        Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops: Ops::new(dev), arena, embed, layers, inv_freq, a, stage_free: [None, None], next_stage: 0 })
+    }
+
+    pub fn describe(&self) -> String {
+        self.ops.dev.describe()
+    }
+
+    pub fn arena_stats(&self) -> ArenaStats {
+        self.arena.stats
+    }
+
+    /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
+    pub fn forward_taps(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        let t = tokens.len();
+        if t == 0 {
+            return Ok(Vec::new());
+        }
+        self.compute(tokens)?;
+        let width = self.taps.len() * self.cfg.hidden_size;
+        let mut out = vec![0f32; t * width];
+        self.ops.dev.download(Stream::Compute, self.a.out.f32s(0..t * width), f32_bytes_mut(&mut out))?;
+        Ok(out)
+    }
+
+    /// Pin a host range (a pool's mapping) so taps can be copied straight into it.
+    ///
+    /// # Safety
+    /// The range must stay mapped while this target lives.
+    pub unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        self.ops.dev.register_host(ptr, bytes)
+    }
+
+    /// The taps of one sequence as bf16 into registered host memory at `dst`
+    /// (`tokens × taps × hidden × 2` bytes), asynchronously: cast on the compute stream,
+    /// copied on the copy stream behind an event, so the next sequence computes while
+    /// this one is copied. Returns the event after the copy; the bytes are there once
+    /// [`finish`](Self::finish) has waited for it.
+    ///
+    /// # Safety
+    /// `dst` must be registered and nobody may touch those bytes before `finish`.
+    pub unsafe fn forward_taps_into(&mut self, tokens: &[u32], dst: *mut u8) -> Result<Option<super::Event>> {
+        let t = tokens.len();
+        if t == 0 {
+            return Ok(None);
+        }
+        self.compute(tokens)?;
+        let n = t * self.taps.len() * self.cfg.hidden_size;
+        let i = self.next_stage;
+        self.next_stage = 1 - i;
+        // The staging buffer is free once its previous copy has completed.
+        if let Some(e) = self.stage_free[i].take() {
+            self.ops.dev.wait(Stream::Compute, e)?;
+            self.ops.dev.release_event(e);
+        }
+        let stage = self.a.stage[i].sub(2, 0..n);
+        self.ops.f32_to_bf16(stage, self.a.out.f32s(0..n))?;
+        let cast = self.ops.dev.record(Stream::Compute)?;
+        self.ops.dev.wait(Stream::Copy, cast)?;
+        self.ops.dev.release_event(cast);
+        self.ops.dev.download_async(Stream::Copy, stage, dst)?;
+        let copied = self.ops.dev.record(Stream::Copy)?;
+        self.stage_free[i] = Some(copied);
+        Ok(Some(copied))
+    }
+
+    /// Wait for the copies up to `e`; then the host may read `bytes` bytes at `ptr`.
+    pub fn finish(&mut self, e: super::Event, ptr: *const u8, bytes: usize) -> Result<()> {
+        self.ops.dev.sync_event(e)?;
+        self.ops.dev.host_access(ptr, bytes, false)
+    }
+
+    /// The host writes `bytes` at `ptr` (registered memory): checked against the copies.
+    pub fn host_write(&mut self, ptr: *const u8, bytes: usize) -> Result<()> {
+        self.ops.dev.host_access(ptr, bytes, true)
+    }
+
+    /// The forward into `a.out` (`[t, taps × hidden]` f32 on the device).
+    fn compute(&mut self, tokens: &[u32]) -> Result<()> {
+        let t = tokens.len();
+        if t > self.max_tokens {
+            return Err(super::GpuError::Invalid(format!("{t} tokens, room for {}", self.max_tokens)));
+        }
+        let c = &self.cfg;
+        let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
+        let (qd, kd) = (nh * hd, nkv * hd);
+        let eps = c.rms_norm_eps as f32;
+        let width = self.taps.len() * h;
+        let a = &self.a;
+        let ops = &mut self.ops;
+        ops.dev.upload(Stream::Compute, a.ids, u32_bytes(tokens))?;
+        let (x, n1, q, k, v) = (a.x.f32s(0..t * h), a.n1.f32s(0..t * h), a.q.f32s(0..t * qd), a.k.f32s(0..t * kd), a.v.f32s(0..t * kd));
+        let (att, o, g, u, act) = (a.att.f32s(0..t * qd), a.o.f32s(0..t * h), a.g.f32s(0..t * inter), a.u.f32s(0..t * inter), a.act.f32s(0..t * inter));
+        let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
+        ops.embed(x, self.embed, a.ids.f32s(0..t), t, h, c.vocab_size)?;
+        let last = self.taps.iter().copied().max().unwrap_or(0);
+        for (li, l) in self.layers.iter().enumerate().take(last + 1) {
+            ops.rmsnorm(x, l.ln1, n1, rstd.f32s(0..t), t, h, eps)?;
+            ops.matmul(n1, l.wq, q, t, h, qd)?;
+            ops.matmul(n1, l.wk, k, t, h, kd)?;
+            ops.matmul(n1, l.wv, v, t, h, kd)?;
+            if let Some((qn, kn)) = l.qk_norm {
+                ops.rmsnorm(q, qn, q, rstd.f32s(0..t * nh), t * nh, hd, eps)?;
+                ops.rmsnorm(k, kn, k, rstd.f32s(0..t * nkv), t * nkv, hd, eps)?;
+            }
+            ops.rope(q, a.pos, self.inv_freq, t, nh, hd, false)?;
+            ops.rope(k, a.pos, self.inv_freq, t, nkv, hd, false)?;
+            ops.attention(q, k, v, att, lse, a.spans, t, nh, nkv, hd)?;
+            ops.matmul(att, l.wo, o, t, qd, h)?;
+            ops.add(x, o)?;
+            ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
+            ops.matmul(n1, l.gate, g, t, h, inter)?;
+            ops.matmul(n1, l.up, u, t, h, inter)?;
+            ops.swiglu(g, u, act)?;
+            ops.matmul(act, l.down, o, t, inter, h)?;
+            ops.add(x, o)?;
+            for (ti, &tap) in self.taps.iter().enumerate() {
+                if tap == li {
+                    ops.copy_cols(a.out, x, t, h, width, ti * h, h, 0)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}

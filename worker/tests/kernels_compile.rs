@@ -1,0 +1,62 @@
+//! Every kernel of `cuda/kernels.cu` compiles with NVRTC for the GPUs the worker targets
+//! (A100 sm_80, H100/H200 sm_90, B200 sm_100), and the on-disk cache returns what was
+//! compiled. NVRTC comes from `DFLASH_NVRTC_LIB`, else from PyPI's `nvidia-cuda-nvrtc` in
+//! python3's site-packages (what .ci/run installs). Without it the test says so and
+//! passes on a laptop; it fails under CI (`CI` set) or with `DFLASH_REQUIRE_NVRTC=1`.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use dflash_worker::gpu::nvrtc;
+
+fn find_nvrtc() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("DFLASH_NVRTC_LIB") {
+        return Some(PathBuf::from(p));
+    }
+    let out = Command::new("python3").args(["-c", "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))"]).output().ok()?;
+    for dir in String::from_utf8_lossy(&out.stdout).lines() {
+        for rel in ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"] {
+            let p = PathBuf::from(dir).join(rel);
+            if p.exists() {
+                return Some(p);
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn kernels_compile_with_nvrtc_for_sm_80_sm_90_and_sm_100() {
+    let required = std::env::var_os("CI").is_some() || std::env::var("DFLASH_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    let Some(lib) = find_nvrtc() else {
+        assert!(!required, "NVRTC not found (DFLASH_NVRTC_LIB, or pip install nvidia-cuda-nvrtc); .ci/run installs it");
+        eprintln!("skipped: NVRTC not found (pip install nvidia-cuda-nvrtc, or set DFLASH_NVRTC_LIB)");
+        return;
+    };
+    std::env::set_var("DFLASH_NVRTC_LIB", &lib);
+    let (major, minor) = nvrtc::version().unwrap_or_else(|e| panic!("{}: {e}", lib.display()));
+    eprintln!("NVRTC {major}.{minor} from {}", lib.display());
+    let names = nvrtc::kernel_names(nvrtc::KERNELS_CU);
+    assert!(names.len() >= 16, "{names:?}");
+    let cache = tempfile::tempdir().unwrap();
+    for arch in ["sm_80", "sm_90", "sm_100"] {
+        let (ptx, cached) = nvrtc::compile_cached(nvrtc::KERNELS_CU, arch, cache.path()).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert!(!cached, "{arch}: first compile cannot come from an empty cache");
+        assert!(ptx.contains(&format!(".target {arch}")), "{arch}: PTX for another target");
+        for k in &names {
+            assert!(ptx.contains(&format!(".entry {k}(")), "{arch}: kernel {k} missing from the PTX");
+        }
+        // Second time: from the cache, the same text.
+        let (again, cached) = nvrtc::compile_cached(nvrtc::KERNELS_CU, arch, cache.path()).unwrap();
+        assert!(cached && again == ptx, "{arch}: not served from the cache");
+    }
+    // Three architectures, three entries; a changed source is a new key.
+    assert_eq!(std::fs::read_dir(cache.path()).unwrap().filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "ptx")).count(), 3);
+    let changed = format!("{}\n// changed\n", nvrtc::KERNELS_CU);
+    let (_, cached) = nvrtc::compile_cached(&changed, "sm_90", cache.path()).unwrap();
+    assert!(!cached, "a changed source must not hit the old entry");
+
+    // A compile error comes back with NVRTC's log, naming the line.
+    let err = nvrtc::compile("extern \"C\" __global__ void broken(float* x) { x[0] = undefined_name; }", "sm_90").unwrap_err();
+    assert!(err.to_string().contains("undefined_name"), "{err}");
+}
