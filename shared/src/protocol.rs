@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
@@ -40,6 +40,25 @@ pub enum FromWorker {
     Exported { dir: String, step: u64 },
     /// A checkpoint of `step` is complete in `dir`.
     Checkpointed { dir: String, step: u64 },
+    /// The worker's device memory: its arena's counters and the driver's free/total
+    /// (host-side figures: reading them adds no GPU sync). Sent with heartbeats by
+    /// workers that compute on a device.
+    DeviceMemory(DeviceMemory),
+}
+
+/// A device worker's memory, in bytes (see [`FromWorker::DeviceMemory`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// The arena: allocated from the device at start.
+    pub reserved: u64,
+    /// Of it, handed out now, and at most so far.
+    pub in_use: u64,
+    pub peak: u64,
+    /// Requests the arena could not serve.
+    pub alloc_failures: u64,
+    /// The device's free and total memory (`cuMemGetInfo`).
+    pub free: u64,
+    pub total: u64,
 }
 
 /// Which pool a slot belongs to.

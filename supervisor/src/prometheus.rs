@@ -133,6 +133,20 @@ pub fn render(w: &Value) -> String {
             o.sample("dflash_worker_tokens_per_second", &[("worker", wk)], v.as_f64());
         }
     }
+    o.family("dflash_cuda_memory_bytes", "gauge", "Device memory of each GPU worker: its arena (reserved, in_use, peak) and the device's free and total.");
+    if let Some(m) = p["cuda_memory_by_worker"].as_object() {
+        for (wk, v) in m {
+            for kind in ["reserved", "in_use", "peak", "free", "total"] {
+                o.sample("dflash_cuda_memory_bytes", &[("worker", wk), ("kind", kind)], v[kind].as_f64());
+            }
+        }
+    }
+    o.family("dflash_cuda_alloc_failures_total", "counter", "Arena requests of each GPU worker that could not be served.");
+    if let Some(m) = p["cuda_memory_by_worker"].as_object() {
+        for (wk, v) in m {
+            o.sample("dflash_cuda_alloc_failures_total", &[("worker", wk)], v["alloc_failures"].as_f64());
+        }
+    }
     o.family("dflash_padding_efficiency_ratio", "gauge", "Real tokens over padded tokens of the window's batches.");
     o.sample("dflash_padding_efficiency_ratio", &[], p["padding_efficiency"].as_f64());
     o.family("dflash_worker_restarts_total", "counter", "Restarts of each worker in this run.");

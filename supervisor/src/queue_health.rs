@@ -37,6 +37,8 @@ pub struct QueueHealth {
     padded_tokens: u64,
     /// Per worker, per phase: (sum of milliseconds, count).
     phases: BTreeMap<String, BTreeMap<&'static str, (f64, u64)>>,
+    /// The latest device memory report of each device worker (kept across windows).
+    device_memory: BTreeMap<String, dflash_shared::protocol::DeviceMemory>,
 }
 
 impl Default for QueueHealth {
@@ -50,6 +52,7 @@ impl Default for QueueHealth {
             real_tokens: 0,
             padded_tokens: 0,
             phases: BTreeMap::new(),
+            device_memory: BTreeMap::new(),
         }
     }
 }
@@ -82,6 +85,10 @@ impl QueueHealth {
     }
 
     /// A worker's host-side time in `phase` for one unit of work.
+    pub fn device_memory(&mut self, worker: &str, m: dflash_shared::protocol::DeviceMemory) {
+        self.device_memory.insert(worker.to_string(), m);
+    }
+
     pub fn phase(&mut self, worker: &str, phase: &'static str, ms: f64) {
         let e = self.phases.entry(worker.to_string()).or_default().entry(phase).or_default();
         e.0 += ms;
@@ -137,8 +144,9 @@ impl QueueHealth {
             "phase_ms_by_worker": self.phases.iter().map(|(w, m)| {
                 (w.clone(), m.iter().map(|(k, (sum, n))| (k.to_string(), sum / (*n).max(1) as f64)).collect::<BTreeMap<_, _>>())
             }).collect::<BTreeMap<_, _>>(),
+            "cuda_memory_by_worker": self.device_memory,
         });
-        *self = QueueHealth { last: self.last, ..QueueHealth::default() };
+        *self = QueueHealth { last: self.last, device_memory: std::mem::take(&mut self.device_memory), ..QueueHealth::default() };
         v
     }
 

@@ -83,6 +83,13 @@ extern "C" __global__ void embed_gather(float* out, const float* table, const un
     for (int j = threadIdx.x; j < h; j += blockDim.x) out[(long)row * h + j] = table[(long)id * h + j];
 }
 
+// dst[idx[i], :] += src[i, :] (rows of idx distinct); grid: rows of src.
+extern "C" __global__ void scatter_add_rows(float* dst, const float* src, const unsigned* idx, int h) {
+    const long row = blockIdx.x;
+    const long to = idx[row];
+    for (int j = threadIdx.x; j < h; j += blockDim.x) dst[to * h + j] += src[row * h + j];
+}
+
 // bf16 bits -> f32 (exact).
 extern "C" __global__ void bf16_to_f32(float* out, const unsigned short* in, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)

@@ -203,6 +203,17 @@ impl Plane {
         self.leases.push_back(slot);
     }
 
+    /// Device memory of a target computing on a device.
+    pub fn device_memory(&self) -> Option<dflash_shared::protocol::DeviceMemory> {
+        match &self.target {
+            TargetModel::Ready(l) => match l.as_ref() {
+                Loaded::Gpu(g) => Some(g.device_memory()),
+                Loaded::Cpu(_) => None,
+            },
+            _ => None,
+        }
+    }
+
     /// Is the target model still being loaded?
     pub fn loading(&self) -> bool {
         matches!(self.target, TargetModel::Loading(_))

@@ -152,6 +152,11 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
             if up.send(FromWorker::Heartbeat { seq }).is_err() {
                 return orphaned();
             }
+            if let Some(m) = plane.device_memory() {
+                if up.send(FromWorker::DeviceMemory(m)).is_err() {
+                    return orphaned();
+                }
+            }
         }
     }
 }

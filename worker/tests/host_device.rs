@@ -549,3 +549,67 @@ fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
         assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 40")));
     }
 }
+
+#[test]
+fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
+    use dflash_shared::drafter::DrafterConfig;
+    use dflash_worker::gpu::drafter::GpuDrafter;
+    use dflash_worker::model::drafter::{Drafter, Frozen, Sample};
+    // Vocabulary over one 4096-column chunk, heads of 40 (lanes partly idle), GQA.
+    let c = DrafterConfig {
+        hidden: 48,
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 40,
+        intermediate: 72,
+        vocab: 4200,
+        eps: 1e-6,
+        rope_theta: 1000000.0,
+        rope_scaling: None,
+        n_taps: 2,
+        block_size: 4,
+        max_anchors: 5,
+        mask_token_id: 4199,
+        gamma: 4.0,
+    };
+    let d = Drafter::new(c.clone());
+    let mut rng = Rng::new(12);
+    let mut p = d.init_params(3);
+    for (i, x) in p.iter_mut().enumerate() {
+        *x += ((i * 7919) % 13) as f32 * 0.003;
+    }
+    let frozen = Frozen { embed: rand_vec(&mut rng, c.vocab * c.hidden, 1.0), lm_head: rand_vec(&mut rng, c.vocab * c.hidden, 0.5) };
+    let lens = [23usize, 11];
+    let taps: Vec<Vec<f32>> = lens.iter().map(|&l| rand_vec(&mut rng, l * c.n_taps * c.hidden, 1.0)).collect();
+    let ids: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &l)| (0..l).map(|t| ((t * 977 + i * 31) % 4190) as u32).collect()).collect();
+    let masks: Vec<Vec<u8>> = lens.iter().map(|&l| (0..l).map(|t| (t % 7 != 3) as u8).collect()).collect();
+    let anchors: Vec<Vec<usize>> = masks.iter().map(|m| d.sample_anchors(m, &mut rng)).collect();
+    assert!(anchors.iter().all(|a| !a.is_empty()));
+    let samples: Vec<Sample> = (0..2).map(|i| Sample { taps: &taps[i], ids: &ids[i], mask: &masks[i] }).collect();
+
+    let mut want = vec![0f32; p.len()];
+    let ws = d.train_batch(&p, &frozen, &samples, &anchors, &mut want);
+    let mut gpu = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let mut got = vec![f32::NAN; p.len()];
+    let gs = gpu.train_batch(&p, &samples, &anchors, &mut got).unwrap();
+    let (wl, gl) = (ws.loss_sum / ws.weight_sum, gs.loss_sum / gs.weight_sum);
+    eprintln!("drafter loss: cpu {wl:.6}, device {gl:.6}");
+    assert!((wl - gl).abs() < 1e-5 * wl.abs(), "loss {gl} vs {wl}");
+    assert_eq!((gs.slot_total.clone(), gs.blocks, gs.tokens, gs.anchors), (ws.slot_total.clone(), ws.blocks, ws.tokens, ws.anchors));
+    assert_eq!(gs.slot_correct, ws.slot_correct);
+    assert!((gs.accept_sum - ws.accept_sum).abs() < 1e-9);
+    // Every parameter's gradient, tensor by tensor.
+    for (name, _, off) in &d.layout.entries {
+        let r = d.layout.range(name);
+        assert_eq!(r.start, *off);
+        assert_close(&format!("drafter gradient {name}"), &got[r.clone()], &want[r], 2e-4);
+    }
+    // A sample larger than the room asked for is refused, not overrun.
+    let long_taps = rand_vec(&mut rng, 40 * c.n_taps * c.hidden, 1.0);
+    let long_ids: Vec<u32> = (0..40).collect();
+    let long_mask = vec![1u8; 40];
+    let s = Sample { taps: &long_taps, ids: &long_ids, mask: &long_mask };
+    let err = gpu.train_batch(&p, &[s], &[vec![0, 5]], &mut got).unwrap_err();
+    assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 32")));
+}

@@ -412,6 +412,10 @@ impl Dispatcher {
         let (holder, pid) = (l.id, l.pid);
         let result: Result<(), String> = match msg {
             FromWorker::Heartbeat { .. } => Ok(()),
+            FromWorker::DeviceMemory(m) => {
+                self.pipeline.health.device_memory(&name.to_string(), m);
+                Ok(())
+            }
             FromWorker::Commit { output, len, batch_id, input, wait_ms, compute_ms } => {
                 let Some(tx) = l.to_worker.clone() else { return };
                 let peer = Peer { name, holder, pid, tx: &tx };
@@ -730,6 +734,7 @@ fn variant(m: &FromWorker) -> &'static str {
     match m {
         FromWorker::Hello(_) => "a second Hello",
         FromWorker::Heartbeat { .. } => "Heartbeat",
+        FromWorker::DeviceMemory(_) => "DeviceMemory",
         FromWorker::Abandon => "Abandon",
         FromWorker::Commit { .. } => "Commit",
         FromWorker::Ack { .. } => "Ack",

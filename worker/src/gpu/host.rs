@@ -171,6 +171,7 @@ impl Device for HostDevice {
     }
 
     fn mem_info(&self) -> Result<(usize, usize)> {
+        // The host device's "device" is what it has allocated: all of it in use.
         let total: usize = self.allocations.iter().map(|(_, l)| l.size()).sum();
         Ok((0, total))
     }

@@ -14,6 +14,7 @@
 //! once and sub-allocated, with its own counters.
 
 pub mod cuda;
+pub mod drafter;
 pub mod host;
 pub mod nvrtc;
 pub mod ops;

@@ -60,6 +60,11 @@ impl Ops {
         self.launch("embed_gather", rows as u32, row_block(h), &[Arg::W(out), Arg::R(table), Arg::R(ids), Arg::I32(h as i32), Arg::I32(vocab as i32)])
     }
 
+    /// `dst[idx[i], :] += src[i, :]` for `rows` rows (idx: u32, distinct).
+    pub fn scatter_add_rows(&mut self, dst: DSlice, src: DSlice, idx: DSlice, rows: usize, h: usize) -> Result<()> {
+        self.launch("scatter_add_rows", rows as u32, row_block(h), &[Arg::RW(dst), Arg::R(src), Arg::R(idx), Arg::I32(h as i32)])
+    }
+
     /// RMSNorm of `rows` rows of width `d`; writes `y` and the reciprocal RMS per row.
     pub fn rmsnorm(&mut self, x: DSlice, w: DSlice, y: DSlice, rstd: DSlice, rows: usize, d: usize, eps: f32) -> Result<()> {
         self.launch("rmsnorm_fwd", rows as u32, row_block(d), &[Arg::W(y), Arg::W(rstd), Arg::R(x), Arg::R(w), Arg::I32(d as i32), Arg::F32(eps)])

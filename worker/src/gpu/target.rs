@@ -139,6 +139,13 @@ impl GpuTarget {
         self.arena.stats
     }
 
+    /// The arena's counters and the device's free/total memory (no device sync).
+    pub fn device_memory(&self) -> dflash_shared::protocol::DeviceMemory {
+        let s = self.arena.stats;
+        let (free, total) = self.ops.dev.mem_info().unwrap_or((0, 0));
+        dflash_shared::protocol::DeviceMemory { reserved: s.reserved, in_use: s.in_use, peak: s.peak, alloc_failures: s.alloc_failures, free: free as u64, total: total as u64 }
+    }
+
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
     pub fn forward_taps(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         let t = tokens.len();

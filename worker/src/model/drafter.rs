@@ -14,18 +14,18 @@ use crate::compute::{rope_inv_freq, AttnSaved, Backend, Heads, KeySpan};
 
 /// Offsets of one layer's tensors, resolved once.
 #[derive(Debug, Clone)]
-struct LayerIdx {
-    ln1: std::ops::Range<usize>,
-    wq: std::ops::Range<usize>,
-    wk: std::ops::Range<usize>,
-    wv: std::ops::Range<usize>,
-    wo: std::ops::Range<usize>,
-    qn: std::ops::Range<usize>,
-    kn: std::ops::Range<usize>,
-    ln2: std::ops::Range<usize>,
-    gate: std::ops::Range<usize>,
-    up: std::ops::Range<usize>,
-    down: std::ops::Range<usize>,
+pub(crate) struct LayerIdx {
+    pub(crate) ln1: std::ops::Range<usize>,
+    pub(crate) wq: std::ops::Range<usize>,
+    pub(crate) wk: std::ops::Range<usize>,
+    pub(crate) wv: std::ops::Range<usize>,
+    pub(crate) wo: std::ops::Range<usize>,
+    pub(crate) qn: std::ops::Range<usize>,
+    pub(crate) kn: std::ops::Range<usize>,
+    pub(crate) ln2: std::ops::Range<usize>,
+    pub(crate) gate: std::ops::Range<usize>,
+    pub(crate) up: std::ops::Range<usize>,
+    pub(crate) down: std::ops::Range<usize>,
 }
 
 /// Frozen tensors shared with the target.
@@ -63,8 +63,8 @@ pub fn batch_samples<'a>(d: &Drafter, b: &'a dflash_shared::batch::TokenBatch, t
 pub struct Drafter {
     pub cfg: DrafterConfig,
     pub layout: ParamLayout,
-    layers: Vec<LayerIdx>,
-    inv_freq: Vec<f32>,
+    pub(crate) layers: Vec<LayerIdx>,
+    pub(crate) inv_freq: Vec<f32>,
     cpu: Cpu,
 }
 

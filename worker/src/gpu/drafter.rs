@@ -1,0 +1,413 @@
+//! The DFlash drafter's forward and backward on a [`Device`]: the computation of
+//! [`crate::model::drafter::Drafter::train_batch`] (which it is tested against), with the
+//! frozen embedding and lm_head, the parameters, their gradient and every activation the
+//! backward needs allocated once from the arena for the largest sample (`max_len` context
+//! positions, `max_anchors` blocks). Per sample: the forward keeps each layer's
+//! activations, the loss visits the vocabulary in chunks (logits one GEMM per chunk, the
+//! softmax statistics folded on the device), and the backward runs the layers in reverse.
+//! The attention is the fused span kernel, which recomputes the probabilities from the
+//! saved log-sum-exp instead of storing them.
+
+use dflash_shared::drafter::StepStats;
+
+use super::ops::Ops;
+use super::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, DSlice, Device, GpuError, Result, Stream};
+use crate::model::drafter::{Drafter, Frozen, Sample};
+
+/// Vocabulary columns per cross-entropy chunk.
+const CHUNK: usize = 4096;
+
+struct Saved {
+    h_in: DSlice,
+    x: DSlice,
+    rstd1: DSlice,
+    q_pre: DSlice,
+    q_rstd: DSlice,
+    k_pre: DSlice,
+    k_rstd: DSlice,
+    q: DSlice,
+    k: DSlice,
+    v: DSlice,
+    att: DSlice,
+    lse: DSlice,
+    h_mid: DSlice,
+    x2: DSlice,
+    rstd2: DSlice,
+    g: DSlice,
+    u: DSlice,
+    act: DSlice,
+}
+
+struct Work {
+    taps: DSlice,
+    ctx_pre: DSlice,
+    ctx: DSlice,
+    ctx_rstd: DSlice,
+    block_ids: DSlice,
+    block_pos: DSlice,
+    key_pos: DSlice,
+    spans: DSlice,
+    hcur: DSlice,
+    hn: DSlice,
+    rstd_f: DSlice,
+    o: DSlice,
+    // Cross-entropy.
+    rows: DSlice,
+    labels: DSlice,
+    scale: DSlice,
+    xrows: DSlice,
+    dxrows: DSlice,
+    logits: DSlice,
+    ce: [DSlice; 5],
+    // Backward.
+    dh: DSlice,
+    dx: DSlice,
+    dx2: DSlice,
+    dact: DSlice,
+    dg: DSlice,
+    du: DSlice,
+    datt: DSlice,
+    dq: DSlice,
+    dk: DSlice,
+    dv: DSlice,
+    dq_pre: DSlice,
+    dk_pre: DSlice,
+    dctx: DSlice,
+    dctx_pre: DSlice,
+}
+
+pub struct GpuDrafter {
+    d: Drafter,
+    ops: Ops,
+    _arena: Arena,
+    embed: DSlice,
+    lm_head: DSlice,
+    params: DSlice,
+    grads: DSlice,
+    inv_freq: DSlice,
+    saved: Vec<Saved>,
+    w: Work,
+    max_len: usize,
+    max_rows: usize,
+}
+
+impl GpuDrafter {
+    /// Room for samples of up to `max_len` positions with up to the drafter's
+    /// `max_anchors` blocks.
+    pub fn new(mut dev: Box<dyn Device>, d: &Drafter, frozen: &Frozen, max_len: usize) -> Result<GpuDrafter> {
+        let c = d.cfg.clone();
+        let (h, hd, inter, bs) = (c.hidden, c.head_dim, c.intermediate, c.block_size);
+        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
+        let s = max_len.max(1);
+        let m = (c.max_anchors * bs).max(1);
+        let tk = s + m;
+        let n_ce = m;
+        let per_layer = m * h * 4 + m * 2 + m * qd * 3 + m * c.q_heads * 2 + tk * kd * 4 + tk * c.kv_heads + m * inter * 3;
+        let cw = CHUNK.min(c.vocab);
+        let work = s * (c.n_taps * h + 4 * h + 1) + m * (3 * h + 4 + 3 * h + 3 * inter + 3 * qd + 4) + tk * (1 + 3 * kd) + n_ce * (3 + 2 * h + cw + 5);
+        let floats = frozen.embed.len() + frozen.lm_head.len() + 2 * d.layout.total + d.inv_freq.len() + c.layers * per_layer + work;
+        let buffers = 60 + 20 * c.layers;
+        let mut arena = Arena::new(dev.as_mut(), floats * 4 + buffers * 256)?;
+        let dv = dev.as_mut();
+        let mut f = |n: usize, name: &str| arena.alloc_f32(dv, n.max(1), name);
+        let embed = f(frozen.embed.len(), "embed_tokens")?;
+        let lm_head = f(frozen.lm_head.len(), "lm_head")?;
+        let params = f(d.layout.total, "parameters")?;
+        let grads = f(d.layout.total, "gradients")?;
+        let inv_freq = f(d.inv_freq.len(), "rope inv_freq")?;
+        let mut saved = Vec::new();
+        for l in 0..c.layers {
+            let mut g = |n: usize, what: &str| f(n, &format!("layer {l} {what}"));
+            saved.push(Saved {
+                h_in: g(m * h, "h_in")?,
+                x: g(m * h, "x")?,
+                rstd1: g(m, "rstd1")?,
+                q_pre: g(m * qd, "q_pre")?,
+                q_rstd: g(m * c.q_heads, "q_rstd")?,
+                k_pre: g(tk * kd, "k_pre")?,
+                k_rstd: g(tk * c.kv_heads, "k_rstd")?,
+                q: g(m * qd, "q")?,
+                k: g(tk * kd, "k")?,
+                v: g(tk * kd, "v")?,
+                att: g(m * qd, "att")?,
+                lse: g(m * c.q_heads, "lse")?,
+                h_mid: g(m * h, "h_mid")?,
+                x2: g(m * h, "x2")?,
+                rstd2: g(m, "rstd2")?,
+                g: g(m * inter, "gate")?,
+                u: g(m * inter, "up")?,
+                act: g(m * inter, "act")?,
+            });
+        }
+        let w = Work {
+            taps: f(s * c.n_taps * h, "taps")?,
+            ctx_pre: f(s * h, "ctx_pre")?,
+            ctx: f(s * h, "ctx")?,
+            ctx_rstd: f(s, "ctx_rstd")?,
+            block_ids: f(m, "block ids")?,
+            block_pos: f(m, "block positions")?,
+            key_pos: f(tk, "key positions")?,
+            spans: f(4 * m, "spans")?,
+            hcur: f(m * h, "hcur")?,
+            hn: f(m * h, "hn")?,
+            rstd_f: f(m, "rstd_f")?,
+            o: f(m * h, "o")?,
+            rows: f(n_ce, "ce rows")?,
+            labels: f(n_ce, "ce labels")?,
+            scale: f(n_ce, "ce scale")?,
+            xrows: f(n_ce * h, "ce x")?,
+            dxrows: f(n_ce * h, "ce dx")?,
+            logits: f(n_ce * cw, "ce logits")?,
+            ce: [f(n_ce, "ce max")?, f(n_ce, "ce sum")?, f(n_ce, "ce best")?, f(n_ce, "ce argmax")?, f(n_ce, "ce label logit")?],
+            dh: f(m * h, "dh")?,
+            dx: f(m * h, "dx")?,
+            dx2: f(m * h, "dx2")?,
+            dact: f(m * inter, "dact")?,
+            dg: f(m * inter, "dg")?,
+            du: f(m * inter, "du")?,
+            datt: f(m * qd, "datt")?,
+            dq: f(m * qd, "dq")?,
+            dk: f(tk * kd, "dk")?,
+            dv: f(tk * kd, "dv")?,
+            dq_pre: f(m * qd, "dq_pre")?,
+            dk_pre: f(tk * kd, "dk_pre")?,
+            dctx: f(s * h, "dctx")?,
+            dctx_pre: f(s * h, "dctx_pre")?,
+        };
+        dv.upload(Stream::Compute, embed, f32_bytes(&frozen.embed))?;
+        dv.upload(Stream::Compute, lm_head, f32_bytes(&frozen.lm_head))?;
+        dv.upload(Stream::Compute, inv_freq, f32_bytes(&d.inv_freq))?;
+        Ok(GpuDrafter { d: Drafter::new(c), ops: Ops::new(dev), _arena: arena, embed, lm_head, params, grads, inv_freq, saved, w, max_len: s, max_rows: m })
+    }
+
+    pub fn describe(&self) -> String {
+        self.ops.dev.describe()
+    }
+
+    /// Forward and backward over one batch at parameters `p`: writes the gradient of
+    /// `Σ w·CE / total_weight` into `grads` (overwriting) and returns the batch's
+    /// statistics, as [`Drafter::train_batch`] does (which adds into its `grads`).
+    pub fn train_batch(&mut self, p: &[f32], samples: &[Sample], anchors: &[Vec<usize>], grads: &mut [f32]) -> Result<StepStats> {
+        let d = &self.d;
+        let bs = d.cfg.block_size;
+        let total_weight: f64 = samples.iter().zip(anchors).map(|(s, an)| an.iter().map(|&a| (1..bs).map(|k| d.slot_weight(a, k, s.mask)).sum::<f64>()).sum::<f64>()).sum();
+        let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], ..Default::default() };
+        self.ops.dev.upload(Stream::Compute, self.params, f32_bytes(p))?;
+        self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
+        if total_weight > 0.0 {
+            for (s, an) in samples.iter().zip(anchors) {
+                if an.is_empty() {
+                    continue;
+                }
+                let st = self.sample(s, an, total_weight)?;
+                stats.merge(&st);
+            }
+        }
+        self.ops.dev.download(Stream::Compute, self.grads, f32_bytes_mut(grads))?;
+        Ok(stats)
+    }
+
+    fn pr(&self, name: &str) -> DSlice {
+        self.params.f32s(self.d.layout.range(name))
+    }
+
+    fn sample(&mut self, s: &Sample, anchors: &[usize], total_weight: f64) -> Result<StepStats> {
+        let c = self.d.cfg.clone();
+        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
+        let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
+        let eps = c.eps as f32;
+        let slen = s.ids.len();
+        let nb = anchors.len();
+        let m = nb * bs;
+        let tk = slen + m;
+        if slen > self.max_len || m > self.max_rows {
+            return Err(GpuError::Invalid(format!("a sample of {slen} positions and {nb} blocks; room for {} and {}", self.max_len, self.max_rows / bs)));
+        }
+        let w = &self.w;
+        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
+        let pw = self.params;
+        let gw = self.grads;
+        let layers = self.d.layers.clone();
+        let ops = &mut self.ops;
+
+        // Inputs: taps, block token ids and positions, key positions, spans.
+        ops.dev.upload(Stream::Compute, w.taps, f32_bytes(s.taps))?;
+        let mut block_ids = Vec::with_capacity(m);
+        let mut block_pos = Vec::with_capacity(m);
+        for &a in anchors {
+            for k in 0..bs {
+                block_ids.push(if k == 0 { s.ids[a] } else { c.mask_token_id });
+                block_pos.push((a + k) as i32);
+            }
+        }
+        let key_pos: Vec<i32> = (0..slen as i32).chain(block_pos.iter().copied()).collect();
+        let spans: Vec<i32> = (0..m).flat_map(|i| {
+            let n = i / bs;
+            [0, anchors[n] as i32, (slen + n * bs) as i32, (slen + (n + 1) * bs) as i32]
+        }).collect();
+        ops.dev.upload(Stream::Compute, w.block_ids, u32_bytes(&block_ids))?;
+        ops.dev.upload(Stream::Compute, w.block_pos, i32_bytes(&block_pos))?;
+        ops.dev.upload(Stream::Compute, w.key_pos, i32_bytes(&key_pos))?;
+        ops.dev.upload(Stream::Compute, w.spans, i32_bytes(&spans))?;
+        let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
+        let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
+        let spans_d = w.spans.f32s(0..4 * m);
+
+        // Context: hidden_norm(fc(taps)).
+        ops.matmul(taps, fc, ctx_pre, slen, c.n_taps * h, h)?;
+        ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
+        // Block inputs: the frozen embedding of [token at anchor, MASK, ...].
+        ops.embed(hcur, self.embed, w.block_ids.f32s(0..m), m, h, c.vocab)?;
+
+        for (li, sv) in layers.iter().zip(&self.saved) {
+            let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+            let (h_in, x, q_pre, q, att) = (sv.h_in.f32s(0..m * h), sv.x.f32s(0..m * h), sv.q_pre.f32s(0..m * qd), sv.q.f32s(0..m * qd), sv.att.f32s(0..m * qd));
+            let (k_pre, k, v) = (sv.k_pre.f32s(0..tk * kd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
+            ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
+            ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
+            ops.matmul(x, p(&li.wq), q_pre, m, h, qd)?;
+            ops.matmul(ctx, p(&li.wk), k_pre.f32s(0..slen * kd), slen, h, kd)?;
+            ops.matmul(x, p(&li.wk), k_pre.f32s(slen * kd..tk * kd), m, h, kd)?;
+            ops.matmul(ctx, p(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
+            ops.matmul(x, p(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)?;
+            ops.rmsnorm(q_pre, p(&li.qn), q, sv.q_rstd.f32s(0..m * qh), m * qh, hd, eps)?;
+            ops.rmsnorm(k_pre, p(&li.kn), k, sv.k_rstd.f32s(0..tk * kvh), tk * kvh, hd, eps)?;
+            ops.rope(q, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, false)?;
+            ops.rope(k, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, false)?;
+            ops.attention(q, k, v, att, sv.lse.f32s(0..m * qh), spans_d, m, qh, kvh, hd)?;
+            ops.matmul(att, p(&li.wo), o, m, qd, h)?;
+            ops.add(hcur, o)?;
+            let h_mid = sv.h_mid.f32s(0..m * h);
+            ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
+            let x2 = sv.x2.f32s(0..m * h);
+            ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
+            let (g, u, act) = (sv.g.f32s(0..m * inter), sv.u.f32s(0..m * inter), sv.act.f32s(0..m * inter));
+            ops.matmul(x2, p(&li.gate), g, m, h, inter)?;
+            ops.matmul(x2, p(&li.up), u, m, h, inter)?;
+            ops.swiglu(g, u, act)?;
+            ops.matmul(act, p(&li.down), o, m, inter, h)?;
+            ops.add(hcur, o)?;
+        }
+        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
+        ops.rmsnorm(hcur, fnorm, hn, rstd_f, m, h, eps)?;
+
+        // Loss over the weighted slots: their rows gathered, the vocabulary in chunks.
+        let rows: Vec<(usize, u32, f64)> = (0..m)
+            .filter_map(|i| {
+                let (n, k) = (i / bs, i % bs);
+                let wgt = self.d.slot_weight(anchors[n], k, s.mask);
+                (wgt > 0.0).then(|| (i, s.ids[anchors[n] + k], wgt))
+            })
+            .collect();
+        let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], tokens: slen as u64, anchors: nb as u64, ..Default::default() };
+        let n = rows.len();
+        let mut correct = vec![false; m];
+        if n > 0 {
+            let idx: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
+            let labels: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
+            let scale: Vec<f32> = rows.iter().map(|r| (r.2 / total_weight) as f32).collect();
+            ops.dev.upload(Stream::Compute, w.rows, u32_bytes(&idx))?;
+            ops.dev.upload(Stream::Compute, w.labels, i32_bytes(&labels))?;
+            ops.dev.upload(Stream::Compute, w.scale, f32_bytes(&scale))?;
+            let (xr, labels_d, scale_d) = (w.xrows.f32s(0..n * h), w.labels.f32s(0..n), w.scale.f32s(0..n));
+            ops.embed(xr, hn, w.rows.f32s(0..n), n, h, m)?;
+            let [mx, sm, bv, bi, ll] = w.ce.map(|b| b.f32s(0..n));
+            ops.dev.upload(Stream::Compute, mx, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
+            ops.dev.memset_zero(Stream::Compute, sm)?;
+            ops.dev.upload(Stream::Compute, bv, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
+            ops.dev.memset_zero(Stream::Compute, bi)?;
+            ops.dev.memset_zero(Stream::Compute, ll)?;
+            for start in (0..c.vocab).step_by(CHUNK) {
+                let cw = CHUNK.min(c.vocab - start);
+                let l = w.logits.f32s(0..n * cw);
+                ops.matmul(xr, self.lm_head.f32s(start * h..(start + cw) * h), l, n, h, cw)?;
+                ops.ce_chunk_stats(mx, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
+            }
+            let (mut vmax, mut vsum, mut vll, mut vbi) = (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            ops.dev.download(Stream::Compute, mx, f32_bytes_mut(&mut vmax))?;
+            ops.dev.download(Stream::Compute, sm, f32_bytes_mut(&mut vsum))?;
+            ops.dev.download(Stream::Compute, ll, f32_bytes_mut(&mut vll))?;
+            ops.dev.download(Stream::Compute, bi, f32_bytes_mut(&mut vbi))?;
+            for (r, &(i, label, wgt)) in rows.iter().enumerate() {
+                let ce = vmax[r] as f64 + (vsum[r] as f64).ln() - vll[r] as f64;
+                let ok = vbi[r].to_bits() as i32 == label as i32;
+                stats.loss_sum += wgt * ce;
+                stats.weight_sum += wgt;
+                correct[i] = ok;
+                stats.slot_total[i % bs] += 1;
+                stats.slot_correct[i % bs] += ok as u64;
+            }
+            // dCE/dhn: each chunk's gradient, then dx = g · W, scattered back to the rows.
+            let dxr = w.dxrows.f32s(0..n * h);
+            ops.dev.memset_zero(Stream::Compute, dxr)?;
+            for start in (0..c.vocab).step_by(CHUNK) {
+                let cw = CHUNK.min(c.vocab - start);
+                let l = w.logits.f32s(0..n * cw);
+                let lm = self.lm_head.f32s(start * h..(start + cw) * h);
+                ops.matmul(xr, lm, l, n, h, cw)?;
+                ops.ce_chunk_grad(l, mx, sm, labels_d, scale_d, n, cw, start)?;
+                ops.matmul_backward(l, xr, lm, Some(dxr), None, n, h, cw)?;
+            }
+        }
+        for a in 0..nb {
+            let run = (1..bs).take_while(|&k| self.d.slot_weight(anchors[a], k, s.mask) > 0.0 && correct[a * bs + k]).count();
+            stats.accept_sum += 1.0 + run as f64;
+            stats.blocks += 1;
+        }
+
+        // Backward.
+        let dhn = w.o.f32s(0..m * h);
+        ops.dev.memset_zero(Stream::Compute, dhn)?;
+        if n > 0 {
+            ops.scatter_add_rows(dhn, w.dxrows.f32s(0..n * h), w.rows.f32s(0..n), n, h)?;
+        }
+        let dh = w.dh.f32s(0..m * h);
+        ops.dev.memset_zero(Stream::Compute, dh)?;
+        let g = |name: &str| gw.f32s(self.d.layout.range(name));
+        ops.rmsnorm_backward(dhn, hcur, fnorm, rstd_f, dh, Some(g("norm.weight")), m, h)?;
+        let dctx = w.dctx.f32s(0..slen * h);
+        ops.dev.memset_zero(Stream::Compute, dctx)?;
+        for (li, sv) in layers.iter().zip(&self.saved).rev() {
+            let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+            let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+            let (x, x2, h_in, h_mid) = (sv.x.f32s(0..m * h), sv.x2.f32s(0..m * h), sv.h_in.f32s(0..m * h), sv.h_mid.f32s(0..m * h));
+            let (gt, u, act) = (sv.g.f32s(0..m * inter), sv.u.f32s(0..m * inter), sv.act.f32s(0..m * inter));
+            let (dact, dg, du) = (w.dact.f32s(0..m * inter), w.dg.f32s(0..m * inter), w.du.f32s(0..m * inter));
+            let (dx2, dx) = (w.dx2.f32s(0..m * h), w.dx.f32s(0..m * h));
+            for b in [dact, dg, du, dx2, dx] {
+                ops.dev.memset_zero(Stream::Compute, b)?;
+            }
+            // MLP branch.
+            ops.matmul_backward(dh, act, p(&li.down), Some(dact), Some(gr(&li.down)), m, inter, h)?;
+            ops.swiglu_backward(dact, gt, u, dg, du)?;
+            ops.matmul_backward(dg, x2, p(&li.gate), Some(dx2), Some(gr(&li.gate)), m, h, inter)?;
+            ops.matmul_backward(du, x2, p(&li.up), Some(dx2), Some(gr(&li.up)), m, h, inter)?;
+            ops.rmsnorm_backward(dx2, h_mid, p(&li.ln2), sv.rstd2.f32s(0..m), dh, Some(gr(&li.ln2)), m, h)?;
+            // Attention branch.
+            let (datt, dq, dk, dv) = (w.datt.f32s(0..m * qd), w.dq.f32s(0..m * qd), w.dk.f32s(0..tk * kd), w.dv.f32s(0..tk * kd));
+            let (dq_pre, dk_pre) = (w.dq_pre.f32s(0..m * qd), w.dk_pre.f32s(0..tk * kd));
+            for b in [datt, dq, dk, dv, dq_pre, dk_pre] {
+                ops.dev.memset_zero(Stream::Compute, b)?;
+            }
+            let (att, q, k, v) = (sv.att.f32s(0..m * qd), sv.q.f32s(0..m * qd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
+            ops.matmul_backward(dh, att, p(&li.wo), Some(datt), Some(gr(&li.wo)), m, qd, h)?;
+            ops.attention_backward(datt, att, sv.lse.f32s(0..m * qh), q, k, v, spans_d, dq, dk, dv, m, qh, kvh, hd)?;
+            ops.rope(dq, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, true)?;
+            ops.rope(dk, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, true)?;
+            ops.rmsnorm_backward(dq, sv.q_pre.f32s(0..m * qd), p(&li.qn), sv.q_rstd.f32s(0..m * qh), dq_pre, Some(gr(&li.qn)), m * qh, hd)?;
+            ops.rmsnorm_backward(dk, sv.k_pre.f32s(0..tk * kd), p(&li.kn), sv.k_rstd.f32s(0..tk * kvh), dk_pre, Some(gr(&li.kn)), tk * kvh, hd)?;
+            ops.matmul_backward(dq_pre, x, p(&li.wq), Some(dx), Some(gr(&li.wq)), m, h, qd)?;
+            ops.matmul_backward(dk_pre.f32s(slen * kd..tk * kd), x, p(&li.wk), Some(dx), Some(gr(&li.wk)), m, h, kd)?;
+            ops.matmul_backward(dk_pre.f32s(0..slen * kd), ctx, p(&li.wk), Some(dctx), Some(gr(&li.wk)), slen, h, kd)?;
+            ops.matmul_backward(dv.f32s(slen * kd..tk * kd), x, p(&li.wv), Some(dx), Some(gr(&li.wv)), m, h, kd)?;
+            ops.matmul_backward(dv.f32s(0..slen * kd), ctx, p(&li.wv), Some(dctx), Some(gr(&li.wv)), slen, h, kd)?;
+            ops.rmsnorm_backward(dx, h_in, p(&li.ln1), sv.rstd1.f32s(0..m), dh, Some(gr(&li.ln1)), m, h)?;
+        }
+        // The block embeddings are frozen: dh stops here. The context goes back to fc.
+        let dctx_pre = w.dctx_pre.f32s(0..slen * h);
+        ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
+        ops.rmsnorm_backward(dctx, ctx_pre, hnorm, ctx_rstd, dctx_pre, Some(g("hidden_norm.weight")), slen, h)?;
+        ops.matmul_backward(dctx_pre, taps, fc, None, Some(g("fc.weight")), slen, c.n_taps * h, h)?;
+        Ok(stats)
+    }
+}
