@@ -165,7 +165,7 @@ fn run(mut args: RunArgs) -> Result<i32, Error> {
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
-        log::info!("targets on GPUs run their forward on the GPU (CUDA); drafters still train on the CPU");
+        log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward and backward; the optimizer step stays on the CPU");
     }
     let target_cfg = target_config(&args.target)?;
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;

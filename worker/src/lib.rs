@@ -133,7 +133,8 @@ fn serve(control: Option<String>) -> i32 {
     match role::run(&control, &id) {
         Ok(code) => code,
         Err(e) if e.downcast_ref::<plane::Permanent>().is_some() => {
-            eprintln!("dflash-worker {}: error: cannot compute on device {} (permanent, do not restart): {e}", id.name, id.gpu);
+            let why = e.downcast_ref::<plane::Permanent>().map(|p| p.0.clone()).unwrap_or_default();
+            eprintln!("dflash-worker {}: error: cannot compute on device {} (permanent, do not restart): {why}", id.name, id.gpu);
             exit_codes::WORKER_PERMANENT
         }
         Err(e) => {

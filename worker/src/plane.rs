@@ -203,6 +203,12 @@ impl Plane {
         self.leases.push_back(slot);
     }
 
+    /// The longest row (tokens) a hidden-state slot can hold: what a device must have room
+    /// for.
+    pub fn max_row_tokens(&self) -> usize {
+        self.pools.as_ref().map_or(1, |p| (p.hidden.geometry().slot_bytes / p.capture.bytes_per_token().max(1)) as usize)
+    }
+
     /// Device memory of a target computing on a device.
     pub fn device_memory(&self) -> Option<dflash_shared::protocol::DeviceMemory> {
         match &self.target {

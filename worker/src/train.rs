@@ -11,12 +11,18 @@ use dflash_shared::batch::HiddenView;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
 
+use crate::gpu::drafter::GpuDrafter;
+use crate::gpu::GpuError;
 use crate::model::drafter::{batch_samples, grad_norm, AdamW, Drafter, Frozen};
+use crate::plane::Permanent;
 use crate::model::weights::Weights;
 
 pub struct Rank {
     pub setup: TrainSetup,
     drafter: Drafter,
+    /// Forward and backward on this device when the worker has one (the optimizer and
+    /// the gradient exchange stay on the host).
+    device: Option<Box<GpuDrafter>>,
     frozen: Frozen,
     params: Vec<f32>,
     opt: AdamW,
@@ -45,7 +51,8 @@ fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
 }
 
 impl Rank {
-    pub fn new(setup: TrainSetup, target_dir: &Path) -> anyhow::Result<Rank> {
+    /// `gpu`: the worker's GPU, if any; `max_tokens`: the longest row a batch can hold.
+    pub fn new(setup: TrainSetup, target_dir: &Path, gpu: Option<u32>, max_tokens: usize) -> anyhow::Result<Rank> {
         let drafter = Drafter::new(setup.drafter.clone());
         let c = &setup.drafter;
         let w = Weights::open(target_dir)?;
@@ -57,11 +64,23 @@ impl Rank {
         if grads.geometry().slot_bytes < n as u64 * 4 {
             bail!("gradient slots hold {} bytes, the drafter needs {}", grads.geometry().slot_bytes, n * 4);
         }
+        let frozen = Frozen { embed, lm_head };
+        let device = match crate::gpu::open_device(gpu) {
+            Ok(None) => None,
+            Ok(Some(dev)) => match GpuDrafter::new(dev, &drafter, &frozen, max_tokens) {
+                Ok(g) => Some(Box::new(g)),
+                Err(e @ GpuError::Unavailable(_)) => return Err(Permanent(e.to_string()).into()),
+                Err(e) => bail!("putting the drafter on the device: {e}"),
+            },
+            Err(e @ GpuError::Unavailable(_)) => return Err(Permanent(e.to_string()).into()),
+            Err(e) => bail!("{e}"),
+        };
         let mut r = Rank {
+            device,
             params: drafter.init_params(setup.seed),
             opt: AdamW::new(n),
             drafter,
-            frozen: Frozen { embed, lm_head },
+            frozen,
             grads,
             state,
             step: 0,
@@ -81,6 +100,11 @@ impl Rank {
             }
         }
         Ok(r)
+    }
+
+    /// Where the forward and backward run.
+    pub fn compute_device(&self) -> String {
+        self.device.as_ref().map_or("the CPU".to_string(), |d| d.describe())
     }
 
     pub fn param_count(&self) -> usize {
@@ -115,7 +139,10 @@ impl Rank {
             .collect();
         let (samples, anchors) = batch_samples(&self.drafter, tb, &taps, self.setup.seed);
         let mut g = vec![0f32; self.params.len()];
-        let mut stats = self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g);
+        let mut stats = match self.device.as_mut() {
+            Some(dev) => dev.train_batch(&self.params, &samples, &anchors, &mut g).map_err(|e| anyhow!("drafter step on the device: {e}"))?,
+            None => self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g),
+        };
         stats.wait_ms = wait_ms;
         stats.compute_ms = started.elapsed().as_secs_f64() * 1e3;
         stats.optimizer_ms = self.last_optimizer_ms;
