@@ -63,7 +63,7 @@ enum TargetModel {
 
 /// The target, computing on the CPU backend or on a device.
 enum Loaded {
-    Cpu(Target),
+    Cpu(Box<Target>),
     /// (The host copy of the weights is dropped once they are on the device.)
     Gpu(Box<GpuTarget>),
 }
@@ -142,7 +142,7 @@ impl Plane {
                         return Err(fail(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display())));
                     }
                     match gpu::open_device(gpu) {
-                        Ok(None) => Ok(Loaded::Cpu(t)),
+                        Ok(None) => Ok(Loaded::Cpu(Box::new(t))),
                         Ok(Some(dev)) => match GpuTarget::new(dev, &t, max_tokens) {
                             Ok(g) => Ok(Loaded::Gpu(Box::new(g))),
                             Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true }),

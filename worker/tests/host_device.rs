@@ -613,3 +613,20 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let err = gpu.train_batch(&p, &[s], &[vec![0, 5]], &mut got).unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 32")));
 }
+
+#[test]
+fn host_device_a_model_that_does_not_fit_is_a_permanent_failure_with_the_figures() {
+    use dflash_worker::gpu::target::GpuTarget;
+    use dflash_worker::model::target::Target;
+    let tmp = tempfile::tempdir().unwrap();
+    dflash_worker::model::tiny::write_random(tmp.path(), QWEN3, 21).unwrap();
+    let cpu = Target::load(tmp.path(), &[3]).unwrap();
+    // 256 KiB of "device memory": the weights alone need more.
+    let err = GpuTarget::new(Box::new(HostDevice::with_memory(256 << 10)), &cpu, 64).err().expect("it cannot fit");
+    assert!(matches!(&err, GpuError::Unavailable(m) if m.contains("the target") && m.contains("GiB of device memory") && m.contains("0.00 GiB of 0.00 GiB")), "{err}");
+    // With enough, the same target is placed, and the arena stays within the device.
+    let mut g = GpuTarget::new(Box::new(HostDevice::with_memory(16 << 20)), &cpu, 64).unwrap();
+    let st = g.arena_stats();
+    assert!(st.reserved <= 16 << 20 && g.device_memory().total == 16 << 20 && g.device_memory().free < 16 << 20);
+    assert_eq!(g.forward_taps(&[1, 2, 3]).unwrap().len(), 3 * 64);
+}

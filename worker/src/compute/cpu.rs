@@ -289,7 +289,7 @@ impl Backend for Cpu {
         } else {
             std::thread::scope(|s| {
                 for _ in 0..threads {
-                    s.spawn(&run);
+                    s.spawn(run);
                 }
             });
         }

@@ -107,7 +107,7 @@ impl GpuDrafter {
         let work = s * (c.n_taps * h + 4 * h + 1) + m * (3 * h + 4 + 3 * h + 3 * inter + 3 * qd + 4) + tk * (1 + 3 * kd) + n_ce * (3 + 2 * h + cw + 5);
         let floats = frozen.embed.len() + frozen.lm_head.len() + 2 * d.layout.total + d.inv_freq.len() + c.layers * per_layer + work;
         let buffers = 60 + 20 * c.layers;
-        let mut arena = Arena::new(dev.as_mut(), floats * 4 + buffers * 256)?;
+        let mut arena = Arena::for_model(dev.as_mut(), floats * 4 + buffers * 256, &format!("the drafter (rows of up to {s} tokens, {} blocks)", c.max_anchors))?;
         let dv = dev.as_mut();
         let mut f = |n: usize, name: &str| arena.alloc_f32(dv, n.max(1), name);
         let embed = f(frozen.embed.len(), "embed_tokens")?;

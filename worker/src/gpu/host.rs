@@ -62,6 +62,8 @@ pub struct HostDevice {
     pub events: EventTable<Clock>,
     /// Operations run, per kind (for tests).
     pub launches: u64,
+    /// A device memory size to pretend (tests of what does not fit); None: unlimited.
+    memory_limit: Option<usize>,
 }
 
 // SAFETY: the raw allocations are owned by the device and only touched through it.
@@ -75,7 +77,14 @@ impl Default for HostDevice {
 
 impl HostDevice {
     pub fn new() -> HostDevice {
-        HostDevice { kernels: kernel_table(), allocations: Vec::new(), regions: BTreeMap::new(), clocks: [[0; 3]; 3], events: EventTable::default(), launches: 0 }
+        HostDevice { kernels: kernel_table(), allocations: Vec::new(), regions: BTreeMap::new(), clocks: [[0; 3]; 3], events: EventTable::default(), launches: 0, memory_limit: None }
+    }
+
+    /// A host device that reports `bytes` of device memory and refuses to allocate more.
+    pub fn with_memory(bytes: usize) -> HostDevice {
+        let mut d = HostDevice::new();
+        d.memory_limit = Some(bytes);
+        d
     }
 
     /// Check and record one access by `slot` (a stream or the host) at sequence `seq`.
@@ -158,6 +167,10 @@ impl Device for HostDevice {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
+        let used: usize = self.allocations.iter().map(|(_, l)| l.size()).sum();
+        if self.memory_limit.is_some_and(|limit| used + bytes > limit) {
+            return Err(GpuError::OutOfMemory(format!("{bytes} bytes asked, {used} of {} in use", self.memory_limit.unwrap_or(0))));
+        }
         let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256).map_err(|e| GpuError::Invalid(e.to_string()))?;
         // SAFETY: non-zero size. Zeroed: a fresh GPU allocation is not, but a test should
         // not depend on garbage either way.
@@ -171,9 +184,12 @@ impl Device for HostDevice {
     }
 
     fn mem_info(&self) -> Result<(usize, usize)> {
-        // The host device's "device" is what it has allocated: all of it in use.
-        let total: usize = self.allocations.iter().map(|(_, l)| l.size()).sum();
-        Ok((0, total))
+        // Without a limit the host device's "device" is what it has allocated: all in use.
+        let used: usize = self.allocations.iter().map(|(_, l)| l.size()).sum();
+        Ok(match self.memory_limit {
+            Some(limit) => (limit.saturating_sub(used), limit),
+            None => (0, used),
+        })
     }
 
     fn track(&mut self, buf: DSlice, name: &str) {

@@ -268,6 +268,24 @@ pub struct Arena {
 }
 
 impl Arena {
+    /// The arena for `what`, after checking that the device has `size` bytes free: a
+    /// model that does not fit is a permanent failure ([`GpuError::Unavailable`]) with the
+    /// figures, not an allocation error that a restart would repeat.
+    pub fn for_model(dev: &mut dyn Device, size: usize, what: &str) -> Result<Arena> {
+        let (free, total) = dev.mem_info()?;
+        if total > 0 && size > free {
+            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+            return Err(GpuError::Unavailable(format!(
+                "{what} needs {:.2} GiB of device memory, {:.2} GiB of {:.2} GiB are free on {}",
+                gib(size),
+                gib(free),
+                gib(total),
+                dev.describe()
+            )));
+        }
+        Arena::new(dev, size)
+    }
+
     pub fn new(dev: &mut dyn Device, size: usize) -> Result<Arena> {
         let base = dev.alloc(size)?;
         Ok(Arena { base, size, top: 0, stats: ArenaStats { reserved: size as u64, ..Default::default() } })

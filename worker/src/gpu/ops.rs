@@ -66,6 +66,7 @@ impl Ops {
     }
 
     /// RMSNorm of `rows` rows of width `d`; writes `y` and the reciprocal RMS per row.
+    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm(&mut self, x: DSlice, w: DSlice, y: DSlice, rstd: DSlice, rows: usize, d: usize, eps: f32) -> Result<()> {
         self.launch("rmsnorm_fwd", rows as u32, row_block(d), &[Arg::W(y), Arg::W(rstd), Arg::R(x), Arg::R(w), Arg::I32(d as i32), Arg::F32(eps)])
     }

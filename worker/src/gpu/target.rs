@@ -75,7 +75,7 @@ impl GpuTarget {
         let floats = target.embed.len() + per_layer + target.inv_freq.len() + acts + t * width;
         // Every buffer may round up to 256 bytes: room for that per buffer.
         let buffers = 22 + 12 * target.layers.len();
-        let mut arena = Arena::new(dev.as_mut(), floats * 4 + buffers * 256)?;
+        let mut arena = Arena::for_model(dev.as_mut(), floats * 4 + buffers * 256, &format!("the target (weights of {} layers, activations for {t} tokens)", target.layers.len()))?;
         let d = dev.as_mut();
         let mut put = |arena: &mut Arena, v: &[f32], name: &str| -> Result<DSlice> {
             let s = arena.alloc_f32(d, v.len(), name)?;

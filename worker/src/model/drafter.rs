@@ -356,6 +356,7 @@ impl Drafter {
 /// Cross-entropy of `rows` (row index into `hn`, label, weight) through the frozen
 /// `lm_head`, visiting the vocabulary in chunks (each chunk's logits one GEMM): returns
 /// (CE, argmax == label) per row and, if asked, adds `w/total · dCE/dhn` into `dhn`.
+#[allow(clippy::too_many_arguments)]
 pub fn lm_head_ce(cpu: &Cpu, hn: &[f32], h: usize, lm_head: &[f32], vocab: usize, rows: &[(usize, u32, f64)], total: f64, dhn: Option<&mut [f32]>) -> Vec<(f64, bool)> {
     const CHUNK: usize = 4096;
     let n = rows.len();
