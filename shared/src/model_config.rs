@@ -96,11 +96,45 @@ impl TargetConfig {
         if v["attention_bias"].as_bool() == Some(true) || v["mlp_bias"].as_bool() == Some(true) {
             return Err("attention_bias/mlp_bias = true is not supported (expected bias-free projections)".into());
         }
-        let rope_scaling = match &v["rope_scaling"] {
+        if let Some(act) = v["hidden_act"].as_str().or(v["hidden_activation"].as_str()) {
+            if act != "silu" && act != "swish" {
+                return Err(format!("hidden_act {act:?} is not supported (expected silu)"));
+            }
+        }
+        if v["use_sliding_window"].as_bool() == Some(true) {
+            return Err("use_sliding_window = true is not supported (expected full causal attention in every layer)".into());
+        }
+        // transformers 5 writes the rotary settings under `rope_parameters` (rope_theta,
+        // rope_type and the scaling fields together); transformers 4 writes a top-level
+        // `rope_theta` and a `rope_scaling` object. Either layout, never a silent default.
+        let rp = &v["rope_parameters"];
+        let (theta_field, scaling_field, scaling) = if rp.is_object() {
+            if let (Some(a), Some(b)) = (v["rope_theta"].as_f64(), rp["rope_theta"].as_f64()) {
+                if a != b {
+                    return Err(format!("rope_theta {a} and rope_parameters.rope_theta {b} disagree"));
+                }
+            }
+            if !v["rope_scaling"].is_null() && v["rope_scaling"] != *rp {
+                return Err("both rope_scaling and rope_parameters are set, and they differ (expected one of the two layouts)".into());
+            }
+            ("rope_parameters.rope_theta", "rope_parameters", rp)
+        } else if !rp.is_null() {
+            return Err("rope_parameters is not an object".into());
+        } else {
+            ("rope_theta", "rope_scaling", &v["rope_scaling"])
+        };
+        let rope_theta = match if rp.is_object() { rp["rope_theta"].as_f64().or(v["rope_theta"].as_f64()) } else { v["rope_theta"].as_f64() } {
+            Some(t) if t > 0.0 => t,
+            Some(_) => return Err(format!("{theta_field} is not a positive number")),
+            // transformers' default for both Qwen3Config and LlamaConfig.
+            None if v["rope_theta"].is_null() && rp["rope_theta"].is_null() => 10000.0,
+            None => return Err(format!("{theta_field} is not a number")),
+        };
+        let rope_scaling = match scaling {
             serde_json::Value::Null => None,
             s => {
-                let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("");
-                let f = |k: &str| s[k].as_f64().ok_or_else(|| format!("rope_scaling.{k} is missing"));
+                let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("default");
+                let f = |k: &str| s[k].as_f64().ok_or_else(|| format!("{scaling_field}.{k} is missing"));
                 match kind {
                     "default" => None,
                     "linear" => Some(RopeScaling::Linear { factor: f("factor")? }),
@@ -110,7 +144,7 @@ impl TargetConfig {
                         high_freq_factor: f("high_freq_factor")?,
                         original_max_position_embeddings: f("original_max_position_embeddings")?,
                     }),
-                    other => return Err(format!("rope_scaling type {other:?} is not supported (expected linear or llama3)")),
+                    other => return Err(format!("{scaling_field}.rope_type {other:?} is not supported (expected default, linear or llama3)")),
                 }
             }
         };
@@ -123,7 +157,7 @@ impl TargetConfig {
             head_dim,
             intermediate_size: num("intermediate_size")?,
             rms_norm_eps: float("rms_norm_eps", Some(1e-6))?,
-            rope_theta: float("rope_theta", Some(10000.0))?,
+            rope_theta,
             rope_scaling,
             vocab_size: num("vocab_size")?,
             tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
@@ -206,13 +240,34 @@ mod tests {
     }
 
     #[test]
+    fn transformers_5_rope_parameters_read_like_the_transformers_4_layout() {
+        let base = r#""architectures":["LlamaForCausalLM"],"hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"hidden_act":"silu""#;
+        let v4 = TargetConfig::parse(&format!(r#"{{{base},"rope_theta":500000.0,"rope_scaling":{{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#)).unwrap();
+        let v5 = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#)).unwrap();
+        assert_eq!(v4.rope_theta, 500000.0);
+        assert_eq!(v5.rope_theta, 500000.0, "not the 10000 fallback");
+        assert!(matches!(v5.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0));
+        assert_eq!(v4.fingerprint(), v5.fingerprint(), "the same model either way");
+        // Qwen3 as transformers 5 saves it: default rope type, theta 1e6.
+        let q = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"rope_theta":1000000.0,"rope_type":"default"}}}}"#)).unwrap();
+        assert_eq!((q.rope_theta, q.rope_scaling.is_none()), (1000000.0, true));
+        // Neither layout: transformers' default.
+        assert_eq!(TargetConfig::parse(&format!("{{{base}}}")).unwrap().rope_theta, 10000.0);
+    }
+
+    #[test]
     fn bad_configs_say_what_is_wrong() {
         for (text, needle) in [
             ("{", "not valid JSON"),
             (r#"{"architectures":["GPT2LMHeadModel"]}"#, "unsupported architecture"),
             (r#"{"model_type":"llama","hidden_size":64}"#, "num_attention_heads is missing"),
             (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":3,"intermediate_size":8,"vocab_size":10}"#, "not a multiple"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"yarn","factor":4}}"#, "not supported"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"yarn","factor":4}}"#, "rope_scaling.rope_type \"yarn\" is not supported"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"dynamic","rope_theta":1e4,"factor":2}}"#, "rope_parameters.rope_type \"dynamic\""),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_theta":5e5,"rope_parameters":{"rope_type":"default","rope_theta":1e6}}"#, "disagree"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"linear","rope_theta":1e4}}"#, "rope_parameters.factor is missing"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"hidden_act":"gelu"}"#, "hidden_act \"gelu\""),
+            (r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"use_sliding_window":true}"#, "use_sliding_window"),
         ] {
             let e = TargetConfig::parse(text).unwrap_err();
             assert!(e.contains(needle), "{text}: {e}");

@@ -234,3 +234,35 @@ fn inspect_writes_the_tapped_hidden_states_of_a_sequence() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("id 99999 is not below the vocab size 512"));
 }
+
+/// transformers 5 saves the rotary settings under `rope_parameters`; the taps of such a
+/// checkpoint equal those of the transformers-4 layout of the same weights, and differ
+/// from what the old fallback (theta 10000, no scaling) computed.
+#[test]
+fn a_transformers_5_config_taps_the_same_states_as_its_transformers_4_layout() {
+    let v4 = tempfile::tempdir().unwrap();
+    tiny::write_random(v4.path(), LLAMA, 3).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(LLAMA).unwrap();
+    let mut rp = cfg["rope_scaling"].clone();
+    rp["rope_theta"] = cfg["rope_theta"].clone();
+    let o = cfg.as_object_mut().unwrap();
+    o.remove("rope_theta");
+    o.remove("rope_scaling");
+    o.insert("rope_parameters".into(), rp);
+    let v5 = tempfile::tempdir().unwrap();
+    std::fs::copy(v4.path().join("model.safetensors"), v5.path().join("model.safetensors")).unwrap();
+    std::fs::write(v5.path().join("config.json"), cfg.to_string()).unwrap();
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 13 + 1) % 500).collect();
+    let a = Target::load(v4.path(), &[0, 2]).unwrap().forward_taps(&tokens);
+    let b = Target::load(v5.path(), &[0, 2]).unwrap().forward_taps(&tokens);
+    assert_eq!(a, b);
+    // The fallback the old reader used: different states after the first position.
+    let o = cfg.as_object_mut().unwrap();
+    o.remove("rope_parameters");
+    std::fs::write(v5.path().join("config.json"), cfg.to_string()).unwrap();
+    let c = Target::load(v5.path(), &[0, 2]).unwrap().forward_taps(&tokens);
+    let width = 2 * 48;
+    assert_eq!(&c[..width], &a[..width], "position 0 has no rotation");
+    let diff = c.iter().zip(&a).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(diff > 1e-3, "theta 10000 vs 500000 with llama3 scaling must differ ({diff})");
+}
