@@ -220,6 +220,35 @@ impl Device for CudaDevice {
         use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let st = self.stream(s).cu_stream();
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        if g.bf16_inputs {
+            use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
+            // SAFETY: as below; bf16 A and B, f32 C, f32 accumulation (tensor cores).
+            return unsafe {
+                cudarc::cublas::result::set_stream(*self.blas.handle(), st as _).map_err(|e| failed("cublasSetStream", e))?;
+                cudarc::cublas::result::gemm_ex(
+                    *self.blas.handle(),
+                    op(g.transa),
+                    op(g.transb),
+                    g.m as i32,
+                    g.n as i32,
+                    g.k as i32,
+                    (&g.alpha as *const f32).cast(),
+                    g.a.ptr as *const std::ffi::c_void,
+                    cudaDataType_t::CUDA_R_16BF,
+                    g.lda as i32,
+                    g.b.ptr as *const std::ffi::c_void,
+                    cudaDataType_t::CUDA_R_16BF,
+                    g.ldb as i32,
+                    (&g.beta as *const f32).cast(),
+                    g.c.ptr as *mut std::ffi::c_void,
+                    cudaDataType_t::CUDA_R_32F,
+                    g.ldc as i32,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| failed("cublasGemmEx (bf16)", e));
+        }
         // SAFETY: operands validated against their shapes; the handle is bound to `s`.
         unsafe {
             cudarc::cublas::result::set_stream(*self.blas.handle(), st as _).map_err(|e| failed("cublasSetStream", e))?;

@@ -312,11 +312,22 @@ impl Device for HostDevice {
         g.validate()?;
         let seq = self.op(s);
         let (ea, eb, ec) = g.extents();
-        self.access(s.index(), seq, DSlice { ptr: g.a.ptr, bytes: ea * 4 }, false, "a GEMM")?;
-        self.access(s.index(), seq, DSlice { ptr: g.b.ptr, bytes: eb * 4 }, false, "a GEMM")?;
+        let e = g.input_bytes();
+        self.access(s.index(), seq, DSlice { ptr: g.a.ptr, bytes: ea * e }, false, "a GEMM")?;
+        self.access(s.index(), seq, DSlice { ptr: g.b.ptr, bytes: eb * e }, false, "a GEMM")?;
         self.access(s.index(), seq, DSlice { ptr: g.c.ptr, bytes: ec * 4 }, true, "a GEMM")?;
-        // SAFETY: every operand covers its extent (validated above).
-        unsafe { host_sgemm(g) };
+        if g.bf16_inputs {
+            // bf16 → f32 is exact: the product is the f32 GEMM of the widened operands.
+            // SAFETY: A and B cover their extents in bf16 (validated above).
+            let widen = |s: DSlice, n: usize| -> Vec<f32> { unsafe { std::slice::from_raw_parts(s.ptr as *const u16, n) }.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
+            let (a, b) = (widen(g.a, ea), widen(g.b, eb));
+            let wide = Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*g };
+            // SAFETY: the widened copies cover the same extents in f32.
+            unsafe { host_sgemm(&wide) };
+        } else {
+            // SAFETY: every operand covers its extent (validated above).
+            unsafe { host_sgemm(g) };
+        }
         Ok(())
     }
 

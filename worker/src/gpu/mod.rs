@@ -101,6 +101,8 @@ pub struct Gemm {
     pub beta: f32,
     pub c: DSlice,
     pub ldc: usize,
+    /// A and B hold bf16 (C is f32, accumulation f32: tensor cores on a GPU).
+    pub bf16_inputs: bool,
 }
 
 impl Gemm {
@@ -112,6 +114,15 @@ impl Gemm {
         (ext(ar, ac, self.lda), ext(br, bc, self.ldb), ext(self.m, self.n, self.ldc))
     }
 
+    /// Bytes per element of A and B.
+    pub fn input_bytes(&self) -> usize {
+        if self.bf16_inputs {
+            2
+        } else {
+            4
+        }
+    }
+
     /// Check shapes and leading dimensions against the buffers, as cuBLAS would reject them
     /// (and more: a GPU does not check that a buffer is long enough).
     pub fn validate(&self) -> Result<()> {
@@ -120,7 +131,8 @@ impl Gemm {
             return Err(GpuError::Invalid(format!("gemm: leading dimension below the row count ({self:?})")));
         }
         let (ea, eb, ec) = self.extents();
-        if ea * 4 > self.a.bytes || eb * 4 > self.b.bytes || ec * 4 > self.c.bytes {
+        let e = self.input_bytes();
+        if ea * e > self.a.bytes || eb * e > self.b.bytes || ec * 4 > self.c.bytes {
             return Err(GpuError::Invalid(format!("gemm: an operand is shorter than its shape (needs {ea}, {eb}, {ec} f32) ({self:?})")));
         }
         Ok(())

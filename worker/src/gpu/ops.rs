@@ -35,7 +35,13 @@ impl Ops {
     /// `y[m,n] = x[m,k] · w[n,k]ᵀ` (row-major), as one cuBLAS-convention GEMM:
     /// column-major `yᵀ = op(w)·xᵀ` with `op = T`.
     pub fn matmul(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
-        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n };
+        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: false };
+        self.dev.gemm(self.stream, &g)
+    }
+
+    /// [`matmul`](Self::matmul) with `x` and `w` in bf16 (`y` f32, f32 accumulation).
+    pub fn matmul_bf16(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
+        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: true };
         self.dev.gemm(self.stream, &g)
     }
 
@@ -44,12 +50,12 @@ impl Ops {
     pub fn matmul_backward(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize) -> Result<()> {
         if let Some(dx) = dx {
             // column-major dxᵀ[k,m] += w_c[k,n] · dy_c[n,m]
-            let g = Gemm { transa: false, transb: false, m: k, n: m, k: n, alpha: 1.0, a: w, lda: k, b: dy, ldb: n, beta: 1.0, c: dx, ldc: k };
+            let g = Gemm { transa: false, transb: false, m: k, n: m, k: n, alpha: 1.0, a: w, lda: k, b: dy, ldb: n, beta: 1.0, c: dx, ldc: k, bf16_inputs: false };
             self.dev.gemm(self.stream, &g)?;
         }
         if let Some(dw) = dw {
             // column-major dwᵀ[k,n] += x_c[k,m] · (dy_c[n,m])ᵀ
-            let g = Gemm { transa: false, transb: true, m: k, n, k: m, alpha: 1.0, a: x, lda: k, b: dy, ldb: n, beta: 1.0, c: dw, ldc: k };
+            let g = Gemm { transa: false, transb: true, m: k, n, k: m, alpha: 1.0, a: x, lda: k, b: dy, ldb: n, beta: 1.0, c: dw, ldc: k, bf16_inputs: false };
             self.dev.gemm(self.stream, &g)?;
         }
         Ok(())

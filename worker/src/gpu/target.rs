@@ -42,6 +42,8 @@ struct Acts {
     out: DSlice,
     /// Two bf16 staging buffers for the copy to the host, used in turn.
     stage: [DSlice; 2],
+    /// The bf16 copy of a GEMM's input activation.
+    xb: DSlice,
 }
 
 pub struct GpuTarget {
@@ -67,41 +69,50 @@ impl GpuTarget {
         let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let width = target.taps.len() * h;
         // Sizes first, so the arena is one allocation of exactly what is needed.
+        // Norm weights f32; projection matrices bf16 (2 bytes: counted as half a float).
         let per_layer: usize = target.layers.iter().map(|l| {
-            l.ln1.len() + l.ln2.len() + l.wq.len() + l.wk.len() + l.wv.len() + l.wo.len() + l.gate.len() + l.up.len() + l.down.len()
-                + l.q_norm.as_ref().map_or(0, |v| v.len()) + l.k_norm.as_ref().map_or(0, |v| v.len())
+            l.ln1.len() + l.ln2.len() + l.q_norm.as_ref().map_or(0, |v| v.len()) + l.k_norm.as_ref().map_or(0, |v| v.len())
+                + (l.wq.len() + l.wk.len() + l.wv.len() + l.wo.len() + l.gate.len() + l.up.len() + l.down.len()).div_ceil(2)
         }).sum();
-        let acts = t * (3 + 4) + t * (h * 3 + qd * 2 + kd * 2 + inter * 3 + width) + t * c.num_attention_heads * 2 + t * qd / hd.max(1);
-        let floats = target.embed.len() + per_layer + target.inv_freq.len() + acts + t * width;
+        let widest = h.max(qd).max(inter);
+        let acts = t * (3 + 4) + t * (h * 3 + qd * 2 + kd * 2 + inter * 3 + width) + t * c.num_attention_heads * 2 + t * qd / hd.max(1) + (t * widest).div_ceil(2);
+        let floats = target.embed.len() + per_layer + target.inv_freq.len() + acts + t * width + 2;
         // Every buffer may round up to 256 bytes: room for that per buffer.
-        let buffers = 22 + 12 * target.layers.len();
+        let buffers = 23 + 12 * target.layers.len();
         let mut arena = Arena::for_model(dev.as_mut(), floats * 4 + buffers * 256, &format!("the target (weights of {} layers, activations for {t} tokens)", target.layers.len()))?;
         let d = dev.as_mut();
-        let mut put = |arena: &mut Arena, v: &[f32], name: &str| -> Result<DSlice> {
+        let put = |d: &mut dyn Device, arena: &mut Arena, v: &[f32], name: &str| -> Result<DSlice> {
             let s = arena.alloc_f32(d, v.len(), name)?;
             d.upload(Stream::Compute, s, f32_bytes(v))?;
             Ok(s)
         };
-        let embed = put(&mut arena, &target.embed, "embed_tokens")?;
-        let inv_freq = put(&mut arena, &target.inv_freq, "rope inv_freq")?;
+        // A checkpoint's bf16 weights are exact in bf16 again (the CPU target widened them).
+        let put_bf16 = |d: &mut dyn Device, arena: &mut Arena, v: &[f32], name: &str| -> Result<DSlice> {
+            let s = arena.alloc(d, v.len() * 2, name)?;
+            let bits: Vec<u8> = v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
+            d.upload(Stream::Compute, s, &bits)?;
+            Ok(s)
+        };
+        let embed = put(d, &mut arena, &target.embed, "embed_tokens")?;
+        let inv_freq = put(d, &mut arena, &target.inv_freq, "rope inv_freq")?;
         let mut layers = Vec::new();
         for (i, l) in target.layers.iter().enumerate() {
             let n = |s: &str| format!("layer {i} {s}");
             let qk_norm = match (&l.q_norm, &l.k_norm) {
-                (Some(qn), Some(kn)) => Some((put(&mut arena, qn, &n("q_norm"))?, put(&mut arena, kn, &n("k_norm"))?)),
+                (Some(qn), Some(kn)) => Some((put(d, &mut arena, qn, &n("q_norm"))?, put(d, &mut arena, kn, &n("k_norm"))?)),
                 _ => None,
             };
             layers.push(Layer {
-                ln1: put(&mut arena, &l.ln1, &n("input_layernorm"))?,
-                ln2: put(&mut arena, &l.ln2, &n("post_attention_layernorm"))?,
-                wq: put(&mut arena, &l.wq, &n("q_proj"))?,
-                wk: put(&mut arena, &l.wk, &n("k_proj"))?,
-                wv: put(&mut arena, &l.wv, &n("v_proj"))?,
-                wo: put(&mut arena, &l.wo, &n("o_proj"))?,
+                ln1: put(d, &mut arena, &l.ln1, &n("input_layernorm"))?,
+                ln2: put(d, &mut arena, &l.ln2, &n("post_attention_layernorm"))?,
+                wq: put_bf16(d, &mut arena, &l.wq, &n("q_proj"))?,
+                wk: put_bf16(d, &mut arena, &l.wk, &n("k_proj"))?,
+                wv: put_bf16(d, &mut arena, &l.wv, &n("v_proj"))?,
+                wo: put_bf16(d, &mut arena, &l.wo, &n("o_proj"))?,
                 qk_norm,
-                gate: put(&mut arena, &l.gate, &n("gate_proj"))?,
-                up: put(&mut arena, &l.up, &n("up_proj"))?,
-                down: put(&mut arena, &l.down, &n("down_proj"))?,
+                gate: put_bf16(d, &mut arena, &l.gate, &n("gate_proj"))?,
+                up: put_bf16(d, &mut arena, &l.up, &n("up_proj"))?,
+                down: put_bf16(d, &mut arena, &l.down, &n("down_proj"))?,
             });
         }
         let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
@@ -123,6 +134,7 @@ impl GpuTarget {
             act: f(t * inter, "swiglu")?,
             out: f(t * width, "taps")?,
             stage: [f(t * width / 2 + 1, "bf16 staging 0")?, f(t * width / 2 + 1, "bf16 staging 1")?],
+            xb: f((t * widest).div_ceil(2), "bf16 GEMM input")?,
         };
         let pos: Vec<i32> = (0..t as i32).collect();
         let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
@@ -231,11 +243,15 @@ impl GpuTarget {
         let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
         ops.embed(x, self.embed, a.ids.f32s(0..t), t, h, c.vocab_size)?;
         let last = self.taps.iter().copied().max().unwrap_or(0);
+        // GEMMs take bf16 inputs (weights stored bf16, the activation cast just before) and
+        // accumulate in f32: tensor cores on a GPU.
+        let xb = |n: usize| a.xb.sub(2, 0..n);
         for (li, l) in self.layers.iter().enumerate().take(last + 1) {
             ops.rmsnorm(x, l.ln1, n1, rstd.f32s(0..t), t, h, eps)?;
-            ops.matmul(n1, l.wq, q, t, h, qd)?;
-            ops.matmul(n1, l.wk, k, t, h, kd)?;
-            ops.matmul(n1, l.wv, v, t, h, kd)?;
+            ops.f32_to_bf16(xb(t * h), n1)?;
+            ops.matmul_bf16(xb(t * h), l.wq, q, t, h, qd)?;
+            ops.matmul_bf16(xb(t * h), l.wk, k, t, h, kd)?;
+            ops.matmul_bf16(xb(t * h), l.wv, v, t, h, kd)?;
             if let Some((qn, kn)) = l.qk_norm {
                 ops.rmsnorm(q, qn, q, rstd.f32s(0..t * nh), t * nh, hd, eps)?;
                 ops.rmsnorm(k, kn, k, rstd.f32s(0..t * nkv), t * nkv, hd, eps)?;
@@ -243,13 +259,16 @@ impl GpuTarget {
             ops.rope(q, a.pos, self.inv_freq, t, nh, hd, false)?;
             ops.rope(k, a.pos, self.inv_freq, t, nkv, hd, false)?;
             ops.attention(q, k, v, att, lse, a.spans, t, nh, nkv, hd)?;
-            ops.matmul(att, l.wo, o, t, qd, h)?;
+            ops.f32_to_bf16(xb(t * qd), att)?;
+            ops.matmul_bf16(xb(t * qd), l.wo, o, t, qd, h)?;
             ops.add(x, o)?;
             ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
-            ops.matmul(n1, l.gate, g, t, h, inter)?;
-            ops.matmul(n1, l.up, u, t, h, inter)?;
+            ops.f32_to_bf16(xb(t * h), n1)?;
+            ops.matmul_bf16(xb(t * h), l.gate, g, t, h, inter)?;
+            ops.matmul_bf16(xb(t * h), l.up, u, t, h, inter)?;
             ops.swiglu(g, u, act)?;
-            ops.matmul(act, l.down, o, t, inter, h)?;
+            ops.f32_to_bf16(xb(t * inter), act)?;
+            ops.matmul_bf16(xb(t * inter), l.down, o, t, inter, h)?;
             ops.add(x, o)?;
             for (ti, &tap) in self.taps.iter().enumerate() {
                 if tap == li {
