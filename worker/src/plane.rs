@@ -93,8 +93,10 @@ pub struct Permanent(pub String);
 pub struct Plane {
     role: Role,
     gpu: Option<u32>,
-    pools: Option<Pools>,
+    /// Declared (so dropped) before `pools`: a device target unpins the hidden pool's
+    /// mapping when it is dropped, which must happen while the mapping exists.
     target: TargetModel,
+    pools: Option<Pools>,
     /// Drafters: this rank of the data-parallel group, once the supervisor says train.
     pub rank: Option<Rank>,
     deliveries: VecDeque<Delivery>,
@@ -178,7 +180,7 @@ impl Plane {
                         let pools = self.pools.as_ref().ok_or_else(|| anyhow!("the target loaded before the pools"))?;
                         let (ptr, len) = pools.hidden.mapping();
                         // SAFETY: the hidden pool stays mapped as long as `self.pools`,
-                        // which outlives the target (both live in this Plane).
+                        // which is dropped after the target (field order in Plane).
                         unsafe { g.register_host(ptr, len) }.map_err(|e| anyhow!("pinning the hidden-state pool: {e}"))?;
                         let st = g.arena_stats();
                         msg.push_str(&format!("; computing on {} ({:.1} MiB of device memory, room for {} tokens a row)", g.describe(), st.reserved as f64 / (1 << 20) as f64, g.max_tokens));

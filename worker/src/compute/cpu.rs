@@ -259,13 +259,14 @@ impl Backend for Cpu {
                             *sv = f32::NEG_INFINITY;
                         }
                     }
-                    let mut sum = 0.0;
-                    for sv in srow.iter_mut() {
-                        *sv = if *sv == f32::NEG_INFINITY { 0.0 } else { crate::model::drafter::exp_neg(*sv - max) };
-                        sum += *sv;
-                    }
-                    if sum > 0.0 {
-                        srow.iter_mut().for_each(|sv| *sv /= sum);
+                    // Masked keys hold −∞ and become 0; a row with no key at all stays 0.
+                    if max == f32::NEG_INFINITY {
+                        srow.fill(0.0);
+                    } else {
+                        srow.iter_mut().for_each(|sv| *sv = crate::model::drafter::exp_neg(*sv - max));
+                        let sum: f32 = srow.iter().sum();
+                        let inv = 1.0 / sum;
+                        srow.iter_mut().for_each(|sv| *sv *= inv);
                     }
                     // This row's probabilities over its own keys, in KeySpan::keys order.
                     let off = offsets[(tile.start + r) * h.q_heads + head];
