@@ -150,9 +150,12 @@ impl PoolMap {
         &self.geometry
     }
 
-    /// The whole mapping (headers and slots), e.g. to pin it for a GPU's copies.
-    pub fn mapping(&self) -> (*mut u8, usize) {
-        (self.base, self.len)
+    /// The slots' part of the mapping (page-aligned, writable in every process; the
+    /// header pages before it are read-only in workers), e.g. to pin it for a GPU's copies.
+    pub fn slots_mapping(&self) -> (*mut u8, usize) {
+        let h = self.geometry.header_bytes() as usize;
+        // SAFETY: the headers are the first `h` bytes of the mapping.
+        (unsafe { self.base.add(h) }, self.len - h)
     }
 
     pub fn header(&self, slot: u32) -> &SlotHeader {

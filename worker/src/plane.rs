@@ -178,7 +178,7 @@ impl Plane {
                     );
                     if let Loaded::Gpu(g) = &mut loaded {
                         let pools = self.pools.as_ref().ok_or_else(|| anyhow!("the target loaded before the pools"))?;
-                        let (ptr, len) = pools.hidden.mapping();
+                        let (ptr, len) = pools.hidden.slots_mapping();
                         // SAFETY: the hidden pool stays mapped as long as `self.pools`,
                         // which is dropped after the target (field order in Plane).
                         unsafe { g.register_host(ptr, len) }.map_err(|e| anyhow!("pinning the hidden-state pool: {e}"))?;
@@ -207,8 +207,9 @@ impl Plane {
 
     /// The longest row (tokens) a hidden-state slot can hold: what a device must have room
     /// for.
-    pub fn max_row_tokens(&self) -> usize {
-        self.pools.as_ref().map_or(1, |p| (p.hidden.geometry().slot_bytes / p.capture.bytes_per_token().max(1)) as usize)
+    pub fn max_row_tokens(&self) -> anyhow::Result<usize> {
+        let p = self.pools.as_ref().ok_or_else(|| anyhow!("the training setup arrived before the pools"))?;
+        Ok((p.hidden.geometry().slot_bytes / p.capture.bytes_per_token().max(1)) as usize)
     }
 
     /// Device memory of a target computing on a device.
@@ -275,7 +276,13 @@ impl Plane {
                 let hidden = &mut buf[layout.hidden_offset..][..layout.hidden_len];
                 match target.as_mut() {
                     Loaded::Cpu(t) => write_hidden_states(t, &tokens, hidden),
-                    Loaded::Gpu(g) => write_hidden_states_gpu(g, &tokens, hidden).map_err(|e| anyhow!("target forward on the device: {e}"))?,
+                    Loaded::Gpu(g) => {
+                        if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
+                            // No copy may still be landing in the slot when we give it up.
+                            let _ = g.sync();
+                            bail!("target forward on the device: {e}");
+                        }
+                    }
                 }
                 let len = seal_hidden(buf, &layout) as u64;
                 self.stats.batches += 1;

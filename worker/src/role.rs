@@ -72,7 +72,7 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                 let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
                     .map(std::path::PathBuf::from)
                     .ok_or_else(|| anyhow::anyhow!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR))?;
-                let rank = Rank::new(*setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()).context("setting up training")?;
+                let rank = Rank::new(*setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?).context("setting up training")?;
                 println!(
                     "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}",
                     rank.setup.rank,

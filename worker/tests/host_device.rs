@@ -661,3 +661,27 @@ fn host_device_a_model_that_does_not_fit_is_a_permanent_failure_with_the_figures
     assert!(st.reserved <= 16 << 20 && g.device_memory().total == 16 << 20 && g.device_memory().free < 16 << 20);
     assert_eq!(g.forward_taps(&[1, 2, 3]).unwrap().len(), 3 * 64);
 }
+
+/// cuMemHostRegister (without its READ_ONLY flag) fails on pages the process maps
+/// read-only, such as a worker's view of a pool's slot headers: the host device refuses
+/// them too, so pinning the wrong range fails here and not first on a GPU.
+#[test]
+fn host_device_refuses_to_pin_read_only_pages() {
+    if on_gpu() {
+        return;
+    }
+    let mut o = ops();
+    let page = 4096;
+    // SAFETY: an anonymous private mapping of two pages, unmapped at the end.
+    let base = unsafe { libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+    assert_ne!(base, libc::MAP_FAILED);
+    // SAFETY: the first page of our own mapping.
+    assert_eq!(unsafe { libc::mprotect(base, page, libc::PROT_READ) }, 0);
+    let p = base as *mut u8;
+    let err = unsafe { o.dev.register_host(p, 2 * page) }.unwrap_err();
+    assert!(matches!(&err, GpuError::Invalid(m) if m.contains("read-only")), "{err}");
+    // The writable page alone is fine.
+    unsafe { o.dev.register_host(p.add(page), page) }.unwrap();
+    // SAFETY: unmapping what we mapped.
+    unsafe { libc::munmap(base, 2 * page) };
+}

@@ -556,7 +556,8 @@ impl Dispatcher {
         // Its reason is its last "error:" line; the log pump may still be writing it.
         let deadline = Instant::now() + Duration::from_secs(2);
         let reason = loop {
-            let found = w.log.tail(20).into_iter().rev().find_map(|l| l.split_once("error: ").map(|(_, r)| r.to_string()));
+            // The worker marks that line (an older "error:" line may be a previous life's).
+            let found = w.log.tail(20).into_iter().rev().find(|l| l.contains("(permanent, do not restart)")).and_then(|l| l.split_once("error: ").map(|(_, r)| r.to_string()));
             match found {
                 Some(r) => break r,
                 None if Instant::now() >= deadline => break format!("see {}", w.log_path.display()),

@@ -113,6 +113,11 @@ void syncthreads() { bar_wait(g_launch.block_bar); }
 uint64_t warp_exchange(uint64_t mine, int src) {
     Launch& L = g_launch;
     const unsigned warp = L.current / 32, lane = L.current % 32;
+    if (L.warp_bars[warp].exited > 0) {
+        // Undefined on a GPU (a full-mask collective with lanes gone): refuse it here.
+        std::fprintf(stderr, "host device: a warp collective after some lanes of the warp returned (warp %u)\n", warp);
+        std::abort();
+    }
     uint64_t* slots = &L.warp_slots[warp * 32];
     slots[lane] = mine;
     bar_wait(L.warp_bars[warp]);

@@ -56,7 +56,16 @@ impl CudaDevice {
         if let Some(m) = missing_library() {
             return Err(GpuError::Unavailable(m));
         }
-        let ctx = CudaContext::new(0).map_err(|e| GpuError::Unavailable(format!("cannot open the GPU (cuInit/cuDevicePrimaryCtxRetain): {e:?}")))?;
+        let ctx = CudaContext::new(0).map_err(|e| {
+            use cudarc::driver::sys::CUresult;
+            let msg = format!("cannot open the GPU (cuInit/cuDevicePrimaryCtxRetain): {e:?}");
+            // Out of memory or held by another process (exclusive mode): may pass later.
+            if matches!(e.0, CUresult::CUDA_ERROR_OUT_OF_MEMORY | CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE) {
+                GpuError::Failed(msg)
+            } else {
+                GpuError::Unavailable(msg)
+            }
+        })?;
         let (major, minor) = ctx.compute_capability().map_err(|e| failed("compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| "GPU".into());
         if major < 8 {
@@ -66,8 +75,14 @@ impl CudaDevice {
         let copy = ctx.new_stream().map_err(|e| failed("creating the copy stream", e))?;
         let blas = cudarc::cublas::CudaBlas::new(compute.clone()).map_err(|e| failed("creating the cuBLAS handle", e))?;
         let arch = format!("sm_{major}{minor}");
-        let (ptx, _) = super::nvrtc::compile_cached(super::nvrtc::KERNELS_CU, &arch, &super::nvrtc::cache_dir())?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| failed("loading the kernels", e))?;
+        // A compile or load failure repeats on every restart (e.g. an NVRTC newer than the
+        // driver: CUDA_ERROR_UNSUPPORTED_PTX_VERSION): permanent.
+        let permanent = |e: GpuError| match e {
+            GpuError::Failed(m) => GpuError::Unavailable(m),
+            other => other,
+        };
+        let (ptx, _) = super::nvrtc::compile_cached(super::nvrtc::KERNELS_CU, &arch, &super::nvrtc::cache_dir()).map_err(permanent)?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| GpuError::Unavailable(format!("loading the kernels for {arch} (driver older than NVRTC?): {e:?}")))?;
         let mut functions = HashMap::new();
         for k in super::nvrtc::kernel_names(super::nvrtc::KERNELS_CU) {
             let f = module.load_function(&k).map_err(|e| failed(&format!("kernel {k}"), e))?;
@@ -163,6 +178,10 @@ impl Device for CudaDevice {
     }
 
     fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        if grid == 0 {
+            // Nothing to do (cuLaunchKernel would reject a zero grid); as the host device.
+            return Ok(());
+        }
         let f = self.functions.get(kernel).ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?.clone();
         let stream = self.stream(s).clone();
         // Every argument's value lives in one of these until the launch is queued.

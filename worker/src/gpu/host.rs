@@ -244,6 +244,11 @@ impl Device for HostDevice {
     }
 
     unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        // cuMemHostRegister without CU_MEMHOSTREGISTER_READ_ONLY fails on pages the process
+        // maps read-only: refuse them here too, so the mistake shows without a GPU.
+        if let Some(bad) = read_only_range(ptr as u64, bytes as u64) {
+            return Err(GpuError::Invalid(format!("register_host: {bad} inside the range is mapped read-only (cuMemHostRegister would fail)")));
+        }
         self.track(DSlice { ptr: ptr as u64, bytes }, "pinned host memory");
         Ok(())
     }
@@ -357,6 +362,23 @@ impl Device for HostDevice {
     fn release_event(&mut self, e: Event) {
         self.events.release(e);
     }
+}
+
+/// The first part of `[lo, lo + len)` that this process maps without write permission,
+/// from /proc/self/maps.
+fn read_only_range(lo: u64, len: u64) -> Option<String> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let hi = lo + len;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (range, perms) = (f.next()?, f.next()?);
+        let (a, b) = range.split_once('-')?;
+        let (a, b) = (u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?);
+        if a < hi && b > lo && !perms.contains('w') {
+            return Some(format!("{:#x}..{:#x} ({perms})", a.max(lo), b.min(hi)));
+        }
+    }
+    None
 }
 
 /// cuBLAS `sgemm` semantics on host memory: `C = alpha·op(A)·op(B) + beta·C`, column-major.

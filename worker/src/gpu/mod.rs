@@ -285,15 +285,15 @@ impl Arena {
     /// figures, not an allocation error that a restart would repeat.
     pub fn for_model(dev: &mut dyn Device, size: usize, what: &str) -> Result<Arena> {
         let (free, total) = dev.mem_info()?;
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let say = || format!("{what} needs {:.2} GiB of device memory, {:.2} GiB of {:.2} GiB are free on {}", gib(size), gib(free), gib(total), dev.describe());
+        // More than the whole device: it can never fit. More than is free now (another
+        // worker on the GPU, a predecessor still tearing down): a restart may find room.
+        if total > 0 && size > total {
+            return Err(GpuError::Unavailable(say()));
+        }
         if total > 0 && size > free {
-            let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-            return Err(GpuError::Unavailable(format!(
-                "{what} needs {:.2} GiB of device memory, {:.2} GiB of {:.2} GiB are free on {}",
-                gib(size),
-                gib(free),
-                gib(total),
-                dev.describe()
-            )));
+            return Err(GpuError::OutOfMemory(say()));
         }
         Arena::new(dev, size)
     }

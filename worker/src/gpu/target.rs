@@ -183,7 +183,8 @@ impl GpuTarget {
     /// (`tokens × taps × hidden × 2` bytes), asynchronously: cast on the compute stream,
     /// copied on the copy stream behind an event, so the next sequence computes while
     /// this one is copied. Returns the event after the copy; the bytes are there once
-    /// [`finish`](Self::finish) has waited for it.
+    /// [`finish`](Self::finish) has waited for it. The event stays valid until the call
+    /// after next (its staging buffer's turn comes again): wait for the last one only.
     ///
     /// # Safety
     /// `dst` must be registered and nobody may touch those bytes before `finish`.
@@ -210,6 +211,11 @@ impl GpuTarget {
         let copied = self.ops.dev.record(Stream::Copy)?;
         self.stage_free[i] = Some(copied);
         Ok(Some(copied))
+    }
+
+    /// Wait for everything queued (after an error, before the host reuses the memory).
+    pub fn sync(&mut self) -> Result<()> {
+        self.ops.dev.sync()
     }
 
     /// Wait for the copies up to `e`; then the host may read `bytes` bytes at `ptr`.
