@@ -540,6 +540,10 @@ fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
     let args = [dflash_worker::gpu::Arg::RW(a), dflash_worker::gpu::Arg::R(a), dflash_worker::gpu::Arg::I64(8)];
     let err = o.dev.launch(Stream::Compute, "add_inplace", 1, 48, &args).unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("multiple of 32")));
+    // `long n` given as a 4-byte integer: fine on the host by luck, garbage on a GPU.
+    let narrow = [dflash_worker::gpu::Arg::RW(a), dflash_worker::gpu::Arg::R(a), dflash_worker::gpu::Arg::I32(8)];
+    let err = o.dev.launch(Stream::Compute, "add_inplace", 1, 32, &narrow).unwrap_err();
+    assert!(matches!(err, GpuError::Invalid(m) if m.contains("parameter 2 is of kind 'l'")));
     // Every kernel of kernels.cu is in the host device's table.
     let table = dflash_worker::gpu::host::kernel_table();
     for k in dflash_worker::gpu::nvrtc::kernel_names(dflash_worker::gpu::nvrtc::KERNELS_CU) {

@@ -211,15 +211,26 @@ void call(void (*f)(A...), void** a) {
 struct Entry {
     const char* name;
     void (*entry)(void**);
-    int arity;
+    // One letter per parameter: p pointer, i 4-byte integer, l 8-byte integer, f float,
+    // d double. The launcher checks the arguments against it, which is what a GPU launch
+    // needs (cuLaunchKernel copies each parameter's size from the pointer it is given).
+    const char* sig;
 };
 
-template <class... A>
-constexpr int arity_of(void (*)(A...)) {
-    return (int)sizeof...(A);
+template <class T>
+constexpr char kind_of() {
+    if constexpr (std::is_pointer_v<T>) return 'p';
+    else if constexpr (std::is_floating_point_v<T>) return sizeof(T) == 4 ? 'f' : 'd';
+    else return sizeof(T) == 8 ? 'l' : 'i';
 }
 
-#define HD_KERNEL(k) {#k, [](void** a) { call(k, a); }, arity_of(k)},
+template <class... A>
+const char* sig_of(void (*)(A...)) {
+    static const char s[] = {kind_of<A>()..., 0};
+    return s;
+}
+
+#define HD_KERNEL(k) {#k, [](void** a) { call(k, a); }, sig_of(k)},
 static const Entry g_kernels[] = {
 #include "kernel_table.inc"
 };
@@ -232,7 +243,7 @@ extern "C" {
 // Number of kernels, and the name and parameter count of kernel i.
 int dflash_hd_kernel_count() { return (int)(sizeof(hd::g_kernels) / sizeof(hd::g_kernels[0])); }
 const char* dflash_hd_kernel_name(int i) { return hd::g_kernels[i].name; }
-int dflash_hd_kernel_arity(int i) { return hd::g_kernels[i].arity; }
+const char* dflash_hd_kernel_sig(int i) { return hd::g_kernels[i].sig; }
 
 // Run kernel `index` over `grid` blocks of `block` threads. Returns 0, or writes a
 // message into `err` and returns non-zero.

@@ -20,7 +20,7 @@ use super::{Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Resu
 extern "C" {
     fn dflash_hd_kernel_count() -> c_int;
     fn dflash_hd_kernel_name(i: c_int) -> *const c_char;
-    fn dflash_hd_kernel_arity(i: c_int) -> c_int;
+    fn dflash_hd_kernel_sig(i: c_int) -> *const c_char;
     fn dflash_hd_launch(index: c_int, grid: *const u32, block: *const u32, args: *mut *mut c_void, err: *mut c_char, errlen: usize) -> c_int;
 }
 
@@ -28,13 +28,27 @@ extern "C" {
 const HOST: usize = 2;
 type Clock = [u64; 3];
 
-/// The kernels the host device can launch: name → (index, parameter count).
-pub fn kernel_table() -> HashMap<String, (i32, usize)> {
+/// The kernels the host device can launch: name → (index, parameter kinds, one letter
+/// each: p pointer, i 4-byte integer, l 8-byte integer, f float, d double).
+pub fn kernel_table() -> HashMap<String, (i32, String)> {
     // SAFETY: the table is static data of the C++ launcher.
     unsafe {
         (0..dflash_hd_kernel_count())
-            .map(|i| (CStr::from_ptr(dflash_hd_kernel_name(i)).to_string_lossy().into_owned(), (i, dflash_hd_kernel_arity(i) as usize)))
+            .map(|i| {
+                let name = CStr::from_ptr(dflash_hd_kernel_name(i)).to_string_lossy().into_owned();
+                (name, (i, CStr::from_ptr(dflash_hd_kernel_sig(i)).to_string_lossy().into_owned()))
+            })
             .collect()
+    }
+}
+
+/// The parameter kind an argument fills (see [`kernel_table`]).
+fn arg_kind(a: &Arg) -> char {
+    match a {
+        Arg::R(_) | Arg::W(_) | Arg::RW(_) | Arg::Null => 'p',
+        Arg::I32(_) | Arg::U32(_) => 'i',
+        Arg::I64(_) => 'l',
+        Arg::F32(_) => 'f',
     }
 }
 
@@ -54,7 +68,7 @@ struct Region {
 }
 
 pub struct HostDevice {
-    kernels: HashMap<String, (i32, usize)>,
+    kernels: HashMap<String, (i32, String)>,
     allocations: Vec<(*mut u8, std::alloc::Layout)>,
     /// Tracked ranges by start address (non-overlapping).
     regions: BTreeMap<u64, Region>,
@@ -268,9 +282,15 @@ impl Device for HostDevice {
     }
 
     fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
-        let &(index, arity) = self.kernels.get(kernel).ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?;
-        if arity != args.len() {
-            return Err(GpuError::Invalid(format!("{kernel} takes {arity} arguments, {} given", args.len())));
+        let (index, sig) = self.kernels.get(kernel).ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?;
+        let index = *index;
+        if sig.len() != args.len() {
+            return Err(GpuError::Invalid(format!("{kernel} takes {} arguments, {} given", sig.len(), args.len())));
+        }
+        // A GPU launch copies each parameter's own size from the argument: a 4-byte value
+        // for an 8-byte parameter would be read with garbage. Refuse it here.
+        if let Some((i, (want, a))) = sig.chars().zip(args).enumerate().find(|(_, (want, a))| arg_kind(a) != *want) {
+            return Err(GpuError::Invalid(format!("{kernel}: parameter {i} is of kind '{want}', given {a:?}")));
         }
         let seq = self.op(s);
         let what = format!("kernel {kernel}");
