@@ -16,6 +16,7 @@ fn python_has_wandb() -> bool {
 #[test]
 fn the_bridge_logs_every_window_and_step_offline() {
     if !python_has_wandb() {
+        assert!(std::env::var_os("CI").is_none(), "the wandb Python package is missing: under CI this test may not skip (.ci/run installs it)");
         eprintln!("SKIPPED wandb bridge test: the wandb Python package is not installed (pip install wandb)");
         return;
     }

@@ -30,6 +30,12 @@ impl Pools {
         Ok(Pools { tokens: find(PoolId::Tokens)?, hidden: find(PoolId::Hidden)?, capture })
     }
 
+    /// The longest row (tokens) a hidden-state slot can hold: what a device must have
+    /// room for.
+    fn max_row_tokens(&self) -> usize {
+        (self.hidden.geometry().slot_bytes / self.capture.bytes_per_token().max(1)) as usize
+    }
+
     fn map(&self, id: PoolId) -> &PoolMap {
         match id {
             PoolId::Tokens => &self.tokens,
@@ -133,7 +139,7 @@ impl Plane {
                 .ok_or_else(|| anyhow!("{} is not set: which target model?", dflash_shared::env::TARGET_DIR))?;
             let capture = pools.capture.clone();
             // Room on the device for the longest row a hidden-state slot can hold.
-            let max_tokens = (pools.hidden.geometry().slot_bytes / capture.bytes_per_token().max(1)) as usize;
+            let max_tokens = pools.max_row_tokens();
             let gpu = self.gpu;
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::Builder::new().name("load-target".into()).spawn(move || {
@@ -205,11 +211,9 @@ impl Plane {
         self.leases.push_back(slot);
     }
 
-    /// The longest row (tokens) a hidden-state slot can hold: what a device must have room
-    /// for.
+    /// [`Pools::max_row_tokens`], once the pools are known.
     pub fn max_row_tokens(&self) -> anyhow::Result<usize> {
-        let p = self.pools.as_ref().ok_or_else(|| anyhow!("the training setup arrived before the pools"))?;
-        Ok((p.hidden.geometry().slot_bytes / p.capture.bytes_per_token().max(1)) as usize)
+        Ok(self.pools.as_ref().ok_or_else(|| anyhow!("the training setup arrived before the pools"))?.max_row_tokens())
     }
 
     /// Device memory of a target computing on a device.

@@ -95,20 +95,25 @@ impl GpuDrafter {
     /// Room for samples of up to `max_len` positions with up to the drafter's
     /// `max_anchors` blocks.
     pub fn new(mut dev: Box<dyn Device>, d: &Drafter, frozen: &Frozen, max_len: usize) -> Result<GpuDrafter> {
-        let c = d.cfg.clone();
-        let (h, hd, inter, bs) = (c.hidden, c.head_dim, c.intermediate, c.block_size);
+        let (s, m) = (max_len.max(1), (d.cfg.max_anchors * d.cfg.block_size).max(1));
+        let what = format!("the drafter (rows of up to {s} tokens, {} blocks)", d.cfg.max_anchors);
+        let mut dry = Arena::dry();
+        Self::place(dev.as_mut(), &mut dry, d, frozen, s, m)?;
+        let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
+        let (embed, lm_head, params, grads, inv_freq, saved, w) = Self::place(dev.as_mut(), &mut arena, d, frozen, s, m)?;
+        Ok(GpuDrafter { d: Drafter::new(d.cfg.clone()), ops: Ops::new(dev), _arena: arena, embed, lm_head, params, grads, inv_freq, saved, w, max_len: s, max_rows: m })
+    }
+
+    /// Lay out (and, in a real arena, fill) everything for rows of `s` positions and `m`
+    /// block rows.
+    #[allow(clippy::type_complexity)]
+    fn place(dv: &mut dyn Device, arena: &mut Arena, d: &Drafter, frozen: &Frozen, s: usize, m: usize) -> Result<(DSlice, DSlice, DSlice, DSlice, DSlice, Vec<Saved>, Work)> {
+        let c = &d.cfg;
+        let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
-        let s = max_len.max(1);
-        let m = (c.max_anchors * bs).max(1);
         let tk = s + m;
         let n_ce = m;
-        let per_layer = m * h * 4 + m * 2 + m * qd * 3 + m * c.q_heads * 2 + tk * kd * 4 + tk * c.kv_heads + m * inter * 3;
         let cw = CHUNK.min(c.vocab);
-        let work = s * (c.n_taps * h + 4 * h + 1) + m * (3 * h + 4 + 3 * h + 3 * inter + 3 * qd + 4) + tk * (1 + 3 * kd) + n_ce * (3 + 2 * h + cw + 5);
-        let floats = frozen.embed.len() + frozen.lm_head.len() + 2 * d.layout.total + d.inv_freq.len() + c.layers * per_layer + work;
-        let buffers = 60 + 20 * c.layers;
-        let mut arena = Arena::for_model(dev.as_mut(), floats * 4 + buffers * 256, &format!("the drafter (rows of up to {s} tokens, {} blocks)", c.max_anchors))?;
-        let dv = dev.as_mut();
         let mut f = |n: usize, name: &str| arena.alloc_f32(dv, n.max(1), name);
         let embed = f(frozen.embed.len(), "embed_tokens")?;
         let lm_head = f(frozen.lm_head.len(), "lm_head")?;
@@ -174,10 +179,10 @@ impl GpuDrafter {
             dctx: f(s * h, "dctx")?,
             dctx_pre: f(s * h, "dctx_pre")?,
         };
-        dv.upload(Stream::Compute, embed, f32_bytes(&frozen.embed))?;
-        dv.upload(Stream::Compute, lm_head, f32_bytes(&frozen.lm_head))?;
-        dv.upload(Stream::Compute, inv_freq, f32_bytes(&d.inv_freq))?;
-        Ok(GpuDrafter { d: Drafter::new(c), ops: Ops::new(dev), _arena: arena, embed, lm_head, params, grads, inv_freq, saved, w, max_len: s, max_rows: m })
+        arena.fill_f32(dv, embed, &frozen.embed, false)?;
+        arena.fill_f32(dv, lm_head, &frozen.lm_head, false)?;
+        arena.fill_f32(dv, inv_freq, &d.inv_freq, false)?;
+        Ok((embed, lm_head, params, grads, inv_freq, saved, w))
     }
 
     pub fn describe(&self) -> String {

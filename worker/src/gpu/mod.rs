@@ -272,10 +272,15 @@ pub struct ArenaStats {
 
 /// One allocation per worker, sub-allocated by bumping, freed all at once (`reset`) or to
 /// a mark. Every buffer is 256-byte aligned (what cuBLAS and vector loads want).
+///
+/// A model lays out its buffers twice with the same code: once in a [`dry`](Arena::dry)
+/// arena, which only measures (no device memory, nothing uploaded), then in the real one
+/// of exactly that size — so the size is never a second, hand-kept sum that can drift.
 pub struct Arena {
     base: DevPtr,
     size: usize,
     top: usize,
+    dry: bool,
     pub stats: ArenaStats,
 }
 
@@ -300,7 +305,34 @@ impl Arena {
 
     pub fn new(dev: &mut dyn Device, size: usize) -> Result<Arena> {
         let base = dev.alloc(size)?;
-        Ok(Arena { base, size, top: 0, stats: ArenaStats { reserved: size as u64, ..Default::default() } })
+        Ok(Arena { base, size, top: 0, dry: false, stats: ArenaStats { reserved: size as u64, ..Default::default() } })
+    }
+
+    /// An arena that only measures: allocations bump its size and nothing else.
+    pub fn dry() -> Arena {
+        Arena { base: 0, size: usize::MAX, top: 0, dry: true, stats: ArenaStats::default() }
+    }
+
+    /// Copy `bytes` into `dst` (on the compute stream), unless this arena only measures.
+    pub fn fill(&self, dev: &mut dyn Device, dst: DSlice, bytes: &[u8]) -> Result<()> {
+        if self.dry {
+            return Ok(());
+        }
+        dev.upload(Stream::Compute, dst, bytes)
+    }
+
+    /// [`fill`](Self::fill) with f32s widened from the source or narrowed to bf16
+    /// (`bf16`), the conversion itself skipped when measuring.
+    pub fn fill_f32(&self, dev: &mut dyn Device, dst: DSlice, v: &[f32], bf16: bool) -> Result<()> {
+        if self.dry {
+            return Ok(());
+        }
+        if bf16 {
+            let bits: Vec<u8> = v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
+            dev.upload(Stream::Compute, dst, &bits)
+        } else {
+            dev.upload(Stream::Compute, dst, f32_bytes(v))
+        }
     }
 
     pub fn alloc(&mut self, dev: &mut dyn Device, bytes: usize, name: &str) -> Result<DSlice> {
@@ -313,7 +345,9 @@ impl Arena {
         self.stats.in_use = self.top as u64;
         self.stats.peak = self.stats.peak.max(self.stats.in_use);
         let s = DSlice { ptr: self.base + start as u64, bytes };
-        dev.track(s, name);
+        if !self.dry {
+            dev.track(s, name);
+        }
         Ok(s)
     }
 

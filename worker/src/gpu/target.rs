@@ -7,7 +7,7 @@
 use dflash_shared::model_config::TargetConfig;
 
 use super::ops::Ops;
-use super::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, ArenaStats, DSlice, Device, Result, Stream};
+use super::{f32_bytes_mut, i32_bytes, u32_bytes, Arena, ArenaStats, DSlice, Device, Result, Stream};
 use crate::model::target::Target;
 
 struct Layer {
@@ -65,81 +65,12 @@ impl GpuTarget {
     /// Put `target`'s weights on `dev`, with room for sequences of up to `max_tokens`.
     pub fn new(mut dev: Box<dyn Device>, target: &Target, max_tokens: usize) -> Result<GpuTarget> {
         let c = target.cfg.clone();
-        let (h, hd, inter, t) = (c.hidden_size, c.head_dim, c.intermediate_size, max_tokens.max(1));
-        let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-        let width = target.taps.len() * h;
-        // Sizes first, so the arena is one allocation of exactly what is needed.
-        // Norm weights f32; projection matrices bf16 (2 bytes: counted as half a float).
-        let per_layer: usize = target.layers.iter().map(|l| {
-            l.ln1.len() + l.ln2.len() + l.q_norm.as_ref().map_or(0, |v| v.len()) + l.k_norm.as_ref().map_or(0, |v| v.len())
-                + (l.wq.len() + l.wk.len() + l.wv.len() + l.wo.len() + l.gate.len() + l.up.len() + l.down.len()).div_ceil(2)
-        }).sum();
-        let widest = h.max(qd).max(inter);
-        let acts = t * (3 + 4) + t * (h * 3 + qd * 2 + kd * 2 + inter * 3 + width) + t * c.num_attention_heads * 2 + t * qd / hd.max(1) + (t * widest).div_ceil(2);
-        let floats = target.embed.len() + per_layer + target.inv_freq.len() + acts + t * width + 2;
-        // Every buffer may round up to 256 bytes: room for that per buffer.
-        let buffers = 23 + 12 * target.layers.len();
-        let mut arena = Arena::for_model(dev.as_mut(), floats * 4 + buffers * 256, &format!("the target (weights of {} layers, activations for {t} tokens)", target.layers.len()))?;
-        let d = dev.as_mut();
-        let put = |d: &mut dyn Device, arena: &mut Arena, v: &[f32], name: &str| -> Result<DSlice> {
-            let s = arena.alloc_f32(d, v.len(), name)?;
-            d.upload(Stream::Compute, s, f32_bytes(v))?;
-            Ok(s)
-        };
-        // A checkpoint's bf16 weights are exact in bf16 again (the CPU target widened them).
-        let put_bf16 = |d: &mut dyn Device, arena: &mut Arena, v: &[f32], name: &str| -> Result<DSlice> {
-            let s = arena.alloc(d, v.len() * 2, name)?;
-            let bits: Vec<u8> = v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
-            d.upload(Stream::Compute, s, &bits)?;
-            Ok(s)
-        };
-        let embed = put(d, &mut arena, &target.embed, "embed_tokens")?;
-        let inv_freq = put(d, &mut arena, &target.inv_freq, "rope inv_freq")?;
-        let mut layers = Vec::new();
-        for (i, l) in target.layers.iter().enumerate() {
-            let n = |s: &str| format!("layer {i} {s}");
-            let qk_norm = match (&l.q_norm, &l.k_norm) {
-                (Some(qn), Some(kn)) => Some((put(d, &mut arena, qn, &n("q_norm"))?, put(d, &mut arena, kn, &n("k_norm"))?)),
-                _ => None,
-            };
-            layers.push(Layer {
-                ln1: put(d, &mut arena, &l.ln1, &n("input_layernorm"))?,
-                ln2: put(d, &mut arena, &l.ln2, &n("post_attention_layernorm"))?,
-                wq: put_bf16(d, &mut arena, &l.wq, &n("q_proj"))?,
-                wk: put_bf16(d, &mut arena, &l.wk, &n("k_proj"))?,
-                wv: put_bf16(d, &mut arena, &l.wv, &n("v_proj"))?,
-                wo: put_bf16(d, &mut arena, &l.wo, &n("o_proj"))?,
-                qk_norm,
-                gate: put_bf16(d, &mut arena, &l.gate, &n("gate_proj"))?,
-                up: put_bf16(d, &mut arena, &l.up, &n("up_proj"))?,
-                down: put_bf16(d, &mut arena, &l.down, &n("down_proj"))?,
-            });
-        }
-        let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
-        let a = Acts {
-            ids: f(t, "token ids")?,
-            pos: f(t, "positions")?,
-            spans: f(4 * t, "causal spans")?,
-            x: f(t * h, "residual")?,
-            n1: f(t * h, "normed")?,
-            rstd: f(t * qd / hd, "rstd")?,
-            q: f(t * qd, "q")?,
-            k: f(t * kd, "k")?,
-            v: f(t * kd, "v")?,
-            att: f(t * qd, "attention out")?,
-            lse: f(t * c.num_attention_heads, "attention lse")?,
-            o: f(t * h, "projection out")?,
-            g: f(t * inter, "gate")?,
-            u: f(t * inter, "up")?,
-            act: f(t * inter, "swiglu")?,
-            out: f(t * width, "taps")?,
-            stage: [f(t * width / 2 + 1, "bf16 staging 0")?, f(t * width / 2 + 1, "bf16 staging 1")?],
-            xb: f((t * widest).div_ceil(2), "bf16 GEMM input")?,
-        };
-        let pos: Vec<i32> = (0..t as i32).collect();
-        let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
-        d.upload(Stream::Compute, a.pos, i32_bytes(&pos))?;
-        d.upload(Stream::Compute, a.spans, i32_bytes(&spans))?;
+        let t = max_tokens.max(1);
+        let what = format!("the target (weights of {} layers, activations for {t} tokens)", target.layers.len());
+        let mut dry = Arena::dry();
+        place(dev.as_mut(), &mut dry, target, t)?;
+        let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
+        let (embed, inv_freq, layers, a) = place(dev.as_mut(), &mut arena, target, t)?;
         Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops: Ops::new(dev), arena, embed, layers, inv_freq, a, stage_free: [None, None], next_stage: 0 })
     }
 
@@ -284,4 +215,69 @@ impl GpuTarget {
         }
         Ok(())
     }
+}
+
+/// Lay out (and, in a real arena, fill) the target's weights and activations for `t`
+/// tokens: the projection matrices in bf16 (a checkpoint's bf16 weights are exact in bf16
+/// again: the CPU target widened them), everything else f32.
+fn place(d: &mut dyn Device, arena: &mut Arena, target: &Target, t: usize) -> Result<(DSlice, DSlice, Vec<Layer>, Acts)> {
+    let c = &target.cfg;
+    let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+    let width = target.taps.len() * h;
+    let widest = h.max(qd).max(inter);
+    let put = |d: &mut dyn Device, arena: &mut Arena, v: &[f32], name: &str, bf16: bool| -> Result<DSlice> {
+        let s = arena.alloc(d, v.len() * if bf16 { 2 } else { 4 }, name)?;
+        arena.fill_f32(d, s, v, bf16)?;
+        Ok(s)
+    };
+    let embed = put(d, arena, &target.embed, "embed_tokens", false)?;
+    let inv_freq = put(d, arena, &target.inv_freq, "rope inv_freq", false)?;
+    let mut layers = Vec::new();
+    for (i, l) in target.layers.iter().enumerate() {
+        let n = |s: &str| format!("layer {i} {s}");
+        let qk_norm = match (&l.q_norm, &l.k_norm) {
+            (Some(qn), Some(kn)) => Some((put(d, arena, qn, &n("q_norm"), false)?, put(d, arena, kn, &n("k_norm"), false)?)),
+            _ => None,
+        };
+        layers.push(Layer {
+            ln1: put(d, arena, &l.ln1, &n("input_layernorm"), false)?,
+            ln2: put(d, arena, &l.ln2, &n("post_attention_layernorm"), false)?,
+            wq: put(d, arena, &l.wq, &n("q_proj"), true)?,
+            wk: put(d, arena, &l.wk, &n("k_proj"), true)?,
+            wv: put(d, arena, &l.wv, &n("v_proj"), true)?,
+            wo: put(d, arena, &l.wo, &n("o_proj"), true)?,
+            qk_norm,
+            gate: put(d, arena, &l.gate, &n("gate_proj"), true)?,
+            up: put(d, arena, &l.up, &n("up_proj"), true)?,
+            down: put(d, arena, &l.down, &n("down_proj"), true)?,
+        });
+    }
+    let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
+    let a = Acts {
+        ids: f(t, "token ids")?,
+        pos: f(t, "positions")?,
+        spans: f(4 * t, "causal spans")?,
+        x: f(t * h, "residual")?,
+        n1: f(t * h, "normed")?,
+        rstd: f(t * qd / hd, "rstd")?,
+        q: f(t * qd, "q")?,
+        k: f(t * kd, "k")?,
+        v: f(t * kd, "v")?,
+        att: f(t * qd, "attention out")?,
+        lse: f(t * c.num_attention_heads, "attention lse")?,
+        o: f(t * h, "projection out")?,
+        g: f(t * inter, "gate")?,
+        u: f(t * inter, "up")?,
+        act: f(t * inter, "swiglu")?,
+        out: f(t * width, "taps")?,
+        stage: [f(t * width / 2 + 1, "bf16 staging 0")?, f(t * width / 2 + 1, "bf16 staging 1")?],
+        xb: f((t * widest).div_ceil(2), "bf16 GEMM input")?,
+    };
+    // Positions and causal spans depend only on the row index: once, for all lengths.
+    let pos: Vec<i32> = (0..t as i32).collect();
+    let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
+    arena.fill(d, a.pos, i32_bytes(&pos))?;
+    arena.fill(d, a.spans, i32_bytes(&spans))?;
+    Ok((embed, inv_freq, layers, a))
 }
