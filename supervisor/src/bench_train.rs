@@ -55,6 +55,8 @@ fn measure(exe: &std::path::Path, worker: &std::path::Path, tmp: &std::path::Pat
         max_bad_lines: 0,
         shuffle_window: 4096,
         max_line_bytes: 1 << 20,
+        chat: None,
+        chat_error: None,
     });
     let mut batches = Vec::new();
     for _ in 0..steps {

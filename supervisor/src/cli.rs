@@ -44,6 +44,16 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Tokenize training data as a run would (chat conversations rendered with the target's
+    /// chat template), write it as pre-tokenized JSONL and print the data preflight report.
+    /// Exits 2 when no sample would be supervised.
+    Prepare(PrepareArgs),
+    /// Check an exported drafter (RUN_DIR/drafter) the way users load it: transformers'
+    /// AutoModel with trust_remote_code, on the CPU in float32, run on the probe batch
+    /// stored at export and compared with the Rust drafter's output. Exits 1 over the
+    /// tolerance or with missing/unexpected tensors, 2 when DIR is not an export or
+    /// Python, torch or transformers is missing.
+    ExportCheck(crate::export_check::ExportCheckArgs),
     /// Benchmarks that print figures and ratios against baselines measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -53,6 +63,36 @@ pub enum Command {
     /// Internal: the process that kills every worker group if the supervisor dies.
     #[command(name = "__reap", hide = true)]
     Reap,
+}
+
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    /// The target model directory whose tokenizer and chat template are used.
+    #[arg(long, value_name = "DIR")]
+    pub target: PathBuf,
+    /// Input: a JSONL file, a directory of .jsonl files, or - for stdin.
+    #[arg(long, value_name = "SOURCE")]
+    pub data: String,
+    /// Output JSONL file ({"input_ids", "loss_mask"} per kept sample, in input order);
+    /// written to a temporary file and renamed, so it is never half-written.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// Tokenizer and chat template from this directory instead of --target.
+    #[arg(long, value_name = "DIR")]
+    pub tokenizer: Option<PathBuf>,
+    /// As the run's --max-seq-len: the preflight counts truncations, and keeps only
+    /// samples a run would keep.
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    pub max_seq_len: u32,
+    /// As the run's --token-budget, for the steps-per-epoch estimate.
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    pub token_budget: u32,
+    /// Drafter workers of the planned run, for the steps-per-epoch estimate.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub drafters: u32,
+    /// Also write the preflight report as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -178,10 +218,21 @@ pub struct RunArgs {
     pub resume: Option<PathBuf>,
 
     /// Training data: a JSONL file, a directory of .jsonl files, - for stdin, or demo
-    /// (built-in synthetic data). Lines: {"input_ids": [...], "loss_mask": [...]}
-    /// (loss_mask optional: all ones).
+    /// (built-in synthetic data). Each line is pre-tokenized {"input_ids": [...],
+    /// "loss_mask": [...]} (loss_mask optional: all ones), a chat {"messages": [{"role",
+    /// "content"}]} or ShareGPT {"conversations": [{"from", "value"}]}; chat lines are
+    /// rendered with the target's chat template and only the assistant replies are trained.
     #[arg(long, value_name = "SOURCE", default_value = "demo", help_heading = "Data")]
     pub data: String,
+
+    /// Tokenizer and chat template for chat data: a directory with tokenizer.json and
+    /// tokenizer_config.json (or chat_template.jinja). Default: the --target directory.
+    #[arg(long, value_name = "DIR", help_heading = "Data")]
+    pub tokenizer: Option<PathBuf>,
+
+    /// Lines of --data read by the preflight report at start (0: all of them).
+    #[arg(long, value_name = "N", default_value_t = 2000, help_heading = "Data")]
+    pub preflight_lines: u64,
 
     /// Tokens per batch, padding included (rows × longest row). Default 4096 (2048 for
     /// the tiny target).
@@ -297,6 +348,20 @@ pub enum BenchCommand {
         /// Length of the measured run.
         #[arg(long, default_value_t = 12)]
         seconds: u64,
+    },
+    /// Chat-data preparation: conversations/s and tokens/s of rendering and tokenizing, on
+    /// all cores and on one, against the goal of 10x what an 8-GPU run consumes.
+    Prepare {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Tokenizer and chat template (default: $DFLASH_QWEN3_TOKENIZER or
+        /// target/test-assets/qwen3-tokenizer).
+        #[arg(long, value_name = "DIR")]
+        tokenizer: Option<PathBuf>,
+        /// Conversations to prepare.
+        #[arg(long, default_value_t = 4000)]
+        conversations: usize,
     },
     /// Compute of one worker: the target forward per op and as a whole (tokens/s,
     /// GFLOP/s) against bare GEMMs of the same shapes, and one drafter step. Runs in a

@@ -8,17 +8,20 @@ pub mod bench_compute;
 pub mod bench_ipc;
 pub mod bench_telemetry;
 pub mod bench_train;
+pub mod chat;
 pub mod cli;
 pub mod config_file;
 pub mod console;
 pub mod control;
 pub mod dispatcher;
 pub mod error;
+pub mod export_check;
 pub mod gpus;
 pub mod ledger;
 pub mod loader;
 pub mod logs;
 pub mod pipeline;
+pub mod preflight;
 pub mod queue_health;
 pub mod process;
 pub mod prometheus;
@@ -55,6 +58,9 @@ pub fn main() -> i32 {
         Some(Command::Status(a)) => status::run(a),
         Some(Command::Ledger(a)) => ledger::run(a),
         Some(Command::Gpus { json }) => gpus::run(json),
+        Some(Command::Prepare(a)) => preflight::prepare(a),
+        Some(Command::ExportCheck(a)) => export_check::run(a),
+        Some(Command::Bench(cli::BenchCommand::Prepare { json, tokenizer, conversations })) => preflight::bench(json, tokenizer, conversations),
         Some(Command::Bench(cli::BenchCommand::Ipc { json, quick })) => bench_ipc::run(json, quick),
         Some(Command::Bench(cli::BenchCommand::Compute { json, target, tokens })) => bench_compute::run(json, &target, tokens),
         Some(Command::Bench(cli::BenchCommand::Train { json, steps })) => bench_train::run(json, steps),
@@ -171,12 +177,17 @@ fn run(mut args: RunArgs) -> Result<i32, Error> {
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     pipeline_cfg.check_memory(trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks))?;
+    let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32;
+    let preflight = preflight::at_start(&loader_cfg, args.preflight_lines, drafters)?;
     let run_dir = match &resume {
         Some(r) => rundir::RunDir::reopen(&r.dir)?,
         None => rundir::RunDir::create(args.run_dir.as_deref())?,
     };
     if resume.is_none() {
         resume::SavedRun::of(&args).save(&run_dir.path)?;
+    }
+    if let Some(p) = &preflight {
+        p.write_json(&run_dir.path.join("preflight.json"))?;
     }
     trainer_cfg.checkpoints_dir = run_dir.path.join("checkpoints");
     std::fs::create_dir_all(&trainer_cfg.checkpoints_dir)
@@ -282,7 +293,7 @@ fn data_config(
             return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
         }
     }
-    let loader_cfg = loader::LoaderConfig {
+    let mut loader_cfg = loader::LoaderConfig {
         source,
         vocab_size: Some(target.vocab_size as u32),
         token_budget,
@@ -292,7 +303,13 @@ fn data_config(
         max_bad_lines: args.max_bad_lines,
         shuffle_window: args.shuffle_window,
         max_line_bytes: 16 << 20,
+        chat: None,
+        chat_error: None,
     };
+    let target_dir = (args.target != "tiny").then(|| std::path::Path::new(&args.target));
+    if args.tokenizer.is_some() || matches!(loader_cfg.source, loader::DataSource::Files(_) | loader::DataSource::Stdin) {
+        (loader_cfg.chat, loader_cfg.chat_error) = preflight::load_chat(args.tokenizer.as_deref(), target_dir)?;
+    }
     loader_cfg.check().map_err(Error::Usage)?;
     let targets = plan.iter().filter(|(n, _)| n.role == Role::Target).count() as u32;
     let workers = plan.len() as u32;

@@ -40,6 +40,11 @@ pub struct LoaderConfig {
     pub shuffle_window: usize,
     /// Longest line accepted, in bytes.
     pub max_line_bytes: usize,
+    /// Tokenizer and chat template for `messages` / `conversations` lines; without one such
+    /// lines are bad lines.
+    pub chat: Option<std::sync::Arc<crate::chat::Chat>>,
+    /// Why there is no `chat` (reported with each chat line that cannot be read).
+    pub chat_error: Option<String>,
 }
 
 /// Vocabulary of the built-in demo data (and of the tiny demo target).
@@ -62,10 +67,27 @@ pub struct Position {
     pub batches: u64,
 }
 
-#[derive(Debug, Clone)]
-struct Sample {
-    ids: Vec<u32>,
-    mask: Vec<u8>,
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    pub ids: Vec<u32>,
+    pub mask: Vec<u8>,
+}
+
+/// What one good line gave, before the usability check: the (truncated) sample, its length
+/// before truncation, and whether a chat rendering held the template's assistant header.
+pub(crate) struct Parsed {
+    pub(crate) sample: Sample,
+    pub(crate) full_len: usize,
+    /// A chat conversation (rendered with the template), not pre-tokenized.
+    pub(crate) chat: bool,
+    pub(crate) marker_missing: bool,
+}
+
+impl Parsed {
+    /// DFlash anchors need two consecutive supervised tokens.
+    pub(crate) fn usable(&self) -> bool {
+        self.sample.mask.windows(2).any(|w| w[0] == 1 && w[1] == 1)
+    }
 }
 
 /// Counts of skipped lines, by reason; the first few are kept with file:line.
@@ -82,11 +104,14 @@ pub struct BadLines {
 const REPORT_FIRST: u64 = 5;
 
 impl BadLines {
-    fn bad(&mut self, whence: &str, reason: &str) {
+    fn bad(&mut self, whence: &str, reason: &str, detail: Option<&str>) {
         self.total += 1;
         *self.by_reason.entry(reason.to_string()).or_default() += 1;
         if self.total <= REPORT_FIRST {
-            log::warn!("skipping {whence}: {reason}");
+            match detail {
+                Some(d) => log::warn!("skipping {whence}: {reason}: {d}"),
+                None => log::warn!("skipping {whence}: {reason}"),
+            }
         }
     }
 
@@ -213,33 +238,45 @@ const DEMO_CYCLE: [u32; 16] = {
 
 type Input = Box<dyn Read + Send>;
 
-struct JsonlStream {
+pub(crate) struct JsonlStream {
     readers: VecDeque<(String, Input)>,
     /// The file being read: its name, reader, and the number of its last line read.
     current: Option<(String, BufReader<Input>, u64)>,
     buf: Vec<u8>,
+    /// Lines read ahead and parsed (in parallel for chat data), in input order.
+    ahead: VecDeque<(String, Result<Parsed, Bad>)>,
+    /// Bytes read so far, of `total_bytes` (`None` for stdin).
+    pub(crate) bytes_read: u64,
+    pub(crate) total_bytes: Option<u64>,
 }
 
+/// Lines read ahead and parsed together when chat data is tokenized in parallel.
+const AHEAD_LINES: usize = 256;
+
 impl JsonlStream {
-    fn new(source: &DataSource) -> Result<JsonlStream, LoaderError> {
+    pub(crate) fn new(source: &DataSource) -> Result<JsonlStream, LoaderError> {
         let mut readers: VecDeque<(String, Input)> = VecDeque::new();
+        let mut total_bytes = Some(0);
         match source {
-            DataSource::Stdin => readers.push_back(("<stdin>".into(), Box::new(io::stdin()))),
+            DataSource::Stdin => {
+                readers.push_back(("<stdin>".into(), Box::new(io::stdin())));
+                total_bytes = None;
+            }
             DataSource::Files(files) => {
                 for f in files {
                     let name = f.display().to_string();
                     let file = File::open(f).map_err(|e| LoaderError::Io { path: name.clone(), source: e })?;
+                    total_bytes = total_bytes.map(|t| t + file.metadata().map_or(0, |m| m.len()));
                     readers.push_back((name, Box::new(file)));
                 }
             }
             DataSource::Demo { .. } => unreachable!("demo data is generated"),
         }
-        Ok(JsonlStream { readers, current: None, buf: Vec::new() })
+        Ok(JsonlStream { readers, current: None, buf: Vec::new(), ahead: VecDeque::new(), bytes_read: 0, total_bytes })
     }
-}
 
-impl SampleStream for JsonlStream {
-    fn next(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError> {
+    /// The next non-blank raw line as (file:line, bytes), or a bad over-long line.
+    fn next_raw(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<(String, Result<Vec<u8>, Bad>)>, LoaderError> {
         loop {
             if self.current.is_none() {
                 let Some((name, r)) = self.readers.pop_front() else { return Ok(None) };
@@ -257,8 +294,8 @@ impl SampleStream for JsonlStream {
                 self.current = None;
                 continue;
             }
+            self.bytes_read += n as u64;
             *line_no += 1;
-            bad.lines += 1;
             let whence = format!("{name}:{line_no}");
             if self.buf.last() != Some(&b'\n') && self.buf.len() as u64 >= cap {
                 // Skip the rest of an over-long line without holding it.
@@ -266,22 +303,61 @@ impl SampleStream for JsonlStream {
                 loop {
                     sink.clear();
                     let m = reader.by_ref().take(1 << 20).read_until(b'\n', &mut sink).unwrap_or(0);
+                    self.bytes_read += m as u64;
                     if m == 0 || sink.last() == Some(&b'\n') {
                         break;
                     }
                 }
-                bad.bad(&whence, &format!("line longer than {} bytes", cfg.max_line_bytes));
+                bad.lines += 1;
+                return Ok(Some((whence, Err(Bad { reason: "line too long", detail: Some(format!("longer than {} bytes", cfg.max_line_bytes)) }))));
+            }
+            if self.buf.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }
-            let text = &self.buf;
-            if text.iter().all(|b| b.is_ascii_whitespace()) {
-                bad.lines -= 1;
-                continue;
+            bad.lines += 1;
+            return Ok(Some((whence, Ok(std::mem::take(&mut self.buf)))));
+        }
+    }
+
+    /// Read ahead and parse: chat data in parallel (tokenizing is the costly part), in
+    /// input order either way.
+    fn fill(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<(), LoaderError> {
+        let want = if cfg.chat.is_some() { AHEAD_LINES } else { 1 };
+        let mut raw = Vec::with_capacity(want);
+        while raw.len() < want {
+            match self.next_raw(bad, cfg)? {
+                Some(r) => raw.push(r),
+                None => break,
             }
-            match parse_line(text, cfg) {
-                Ok(Some(s)) => return Ok(Some(s)),
-                Ok(None) => bad.unsupervised += 1,
-                Err(reason) => bad.bad(&whence, reason),
+        }
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+        let parse = |r: &(String, Result<Vec<u8>, Bad>)| match &r.1 {
+            Ok(text) => parse_line(text, cfg),
+            Err(b) => Err(b.clone()),
+        };
+        let parsed: Vec<Result<Parsed, Bad>> = if raw.len() < 8 || threads == 1 {
+            raw.iter().map(parse).collect()
+        } else {
+            let per = raw.len().div_ceil(threads);
+            std::thread::scope(|sc| {
+                let parts: Vec<_> = raw.chunks(per).map(|c| sc.spawn(move || c.iter().map(parse).collect::<Vec<_>>())).collect();
+                parts.into_iter().flat_map(|h| h.join().expect("a parsing thread panicked")).collect()
+            })
+        };
+        self.ahead.extend(raw.into_iter().map(|r| r.0).zip(parsed));
+        Ok(())
+    }
+
+    /// The next good line (usable for training or not); bad lines are counted on the way.
+    pub(crate) fn next_parsed(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Parsed>, LoaderError> {
+        loop {
+            if self.ahead.is_empty() {
+                self.fill(bad, cfg)?;
+            }
+            let Some((whence, r)) = self.ahead.pop_front() else { return Ok(None) };
+            match r {
+                Ok(p) => return Ok(Some(p)),
+                Err(b) => bad.bad(&whence, b.reason, b.detail.as_deref()),
             }
             if bad.total > cfg.max_bad_lines {
                 return Err(LoaderError::TooManyBad {
@@ -295,51 +371,93 @@ impl SampleStream for JsonlStream {
     }
 }
 
-/// One JSONL line → a sample; `Ok(None)` for a valid sample with nothing to train on.
-fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Option<Sample>, &'static str> {
-    let v: serde_json::Value = serde_json::from_slice(text).map_err(|_| "not JSON")?;
-    let obj = v.as_object().ok_or("not a JSON object")?;
-    let ids = obj.get("input_ids").ok_or("missing input_ids")?;
-    let ids = ids.as_array().ok_or("input_ids is not a list")?;
+impl SampleStream for JsonlStream {
+    fn next(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError> {
+        while let Some(p) = self.next_parsed(bad, cfg)? {
+            if p.usable() {
+                return Ok(Some(p.sample));
+            }
+            bad.unsupervised += 1;
+        }
+        Ok(None)
+    }
+}
+
+/// One JSONL line → a sample: pre-tokenized `input_ids` (+ `loss_mask`), or a chat
+/// conversation rendered and tokenized with the target's template and tokenizer.
+pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad> {
+    let v: serde_json::Value = serde_json::from_slice(text).map_err(|_| bad("not JSON"))?;
+    let obj = v.as_object().ok_or(bad("not a JSON object"))?;
+    let chat = obj.get("input_ids").is_none();
+    let (ids, mask, marker_missing) = match obj.get("input_ids") {
+        Some(ids) => {
+            let (ids, mask) = parse_tokens(ids, obj.get("loss_mask"), cfg)?;
+            (ids, mask, false)
+        }
+        None => {
+            let Some(messages) = crate::chat::conversation(obj)? else {
+                return Err(bad("no input_ids, messages or conversations"));
+            };
+            let chat = cfg.chat.as_ref().ok_or_else(|| Bad {
+                reason: "chat sample but no usable tokenizer",
+                detail: Some(cfg.chat_error.clone().unwrap_or_else(|| "give --tokenizer DIR".into())),
+            })?;
+            let enc = chat.encode(messages)?;
+            if let Some(v) = cfg.vocab_size {
+                if enc.ids.iter().any(|&t| t >= v) {
+                    return Err(bad("token id >= vocab size"));
+                }
+            }
+            (enc.ids, enc.mask, !enc.marker_found)
+        }
+    };
+    let full_len = ids.len();
+    let n = full_len.min(cfg.max_seq_len as usize);
+    let (mut ids, mut mask) = (ids, mask);
+    ids.truncate(n);
+    mask.truncate(n);
+    Ok(Parsed { sample: Sample { ids, mask }, full_len, chat, marker_missing })
+}
+
+pub(crate) use crate::chat::Bad;
+
+fn bad(reason: &'static str) -> Bad {
+    Bad { reason, detail: None }
+}
+
+fn parse_tokens(ids: &serde_json::Value, mask: Option<&serde_json::Value>, cfg: &LoaderConfig) -> Result<(Vec<u32>, Vec<u8>), Bad> {
+    let ids = ids.as_array().ok_or(bad("input_ids is not a list"))?;
     if ids.is_empty() {
-        return Err("empty input_ids");
+        return Err(bad("empty input_ids"));
     }
     let mut out = Vec::with_capacity(ids.len());
     for t in ids {
-        let t = t.as_i64().ok_or("input_ids holds a non-integer")?;
+        let t = t.as_i64().ok_or(bad("input_ids holds a non-integer"))?;
         if t < 0 {
-            return Err("negative token id");
+            return Err(bad("negative token id"));
         }
         if cfg.vocab_size.is_some_and(|v| t >= v as i64) || t > u32::MAX as i64 {
-            return Err("token id >= vocab size");
+            return Err(bad("token id >= vocab size"));
         }
         out.push(t as u32);
     }
-    let mask = match obj.get("loss_mask") {
+    let mask = match mask {
         None | Some(serde_json::Value::Null) => vec![1u8; out.len()],
         Some(m) => {
-            let m = m.as_array().ok_or("loss_mask is not a list")?;
+            let m = m.as_array().ok_or(bad("loss_mask is not a list"))?;
             if m.len() != out.len() {
-                return Err("loss_mask length differs from input_ids");
+                return Err(bad("loss_mask length differs from input_ids"));
             }
             m.iter()
                 .map(|x| match x.as_i64() {
                     Some(0) => Ok(0u8),
                     Some(1) => Ok(1u8),
-                    _ => Err("loss_mask holds a value other than 0 or 1"),
+                    _ => Err(bad("loss_mask holds a value other than 0 or 1")),
                 })
                 .collect::<Result<Vec<u8>, _>>()?
         }
     };
-    let n = out.len().min(cfg.max_seq_len as usize);
-    out.truncate(n);
-    let mut mask = mask;
-    mask.truncate(n);
-    // DFlash anchors need two consecutive supervised tokens.
-    if !mask.windows(2).any(|w| w[0] == 1 && w[1] == 1) {
-        return Ok(None);
-    }
-    Ok(Some(Sample { ids: out, mask }))
+    Ok((out, mask))
 }
 
 pub struct Loader {
@@ -495,6 +613,8 @@ mod tests {
             max_bad_lines: 100,
             shuffle_window: 8,
             max_line_bytes: 200,
+            chat: None,
+            chat_error: None,
         }
     }
 
@@ -536,10 +656,10 @@ mod tests {
         assert_eq!(
             reasons,
             [
-                ("line longer than 200 bytes", 1),
+                ("line too long", 1),
                 ("loss_mask length differs from input_ids", 1),
-                ("missing input_ids", 1),
                 ("negative token id", 1),
+                ("no input_ids, messages or conversations", 1),
                 ("not JSON", 1),
                 ("token id >= vocab size", 1),
             ]

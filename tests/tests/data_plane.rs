@@ -164,6 +164,13 @@ fn bad_dataset_lines_are_skipped_and_reported_with_file_and_line() {
     assert!(err.contains("d.jsonl:2: not JSON"), "{err}");
     assert!(err.contains("d.jsonl:6: token id >= vocab size"), "{err}");
     assert!(err.contains("22 lines read, 2 bad"), "{err}");
+    // The preflight report, printed at start and kept in the run dir.
+    assert!(err.contains("data preflight:") && err.contains("22 read, 20 kept, 2 dropped"), "{err}");
+    let pre: Value = serde_json::from_str(&std::fs::read_to_string(sup.run_dir.join("preflight.json")).unwrap()).unwrap();
+    assert_eq!((pre["lines"].as_u64(), pre["kept"].as_u64(), pre["complete"].as_bool()), (Some(22), Some(20), Some(true)), "{pre}");
+    assert_eq!(pre["dropped"]["not JSON"], 1);
+    assert_eq!(pre["duplicates"], 19, "every good line is the same sample");
+    assert_eq!(pre["supervised_tokens"], 60);
     let a = assert_clean_ledger(&sup);
     let rows: u64 = sup.ledger_records().iter().filter(|r| r["ev"] == "load").map(|r| r["rows"].as_u64().unwrap()).sum();
     assert_eq!(rows, 20, "every good line became a row: {a}");
@@ -174,9 +181,11 @@ fn dataset_errors_exit_2_with_one_clear_line() {
     let tmp = tempfile::tempdir().unwrap();
     let bad = jsonl(tmp.path(), "bad.jsonl", &["x"; 5]);
     let empty = jsonl(tmp.path(), "empty.jsonl", &[]);
+    let unsupervised = jsonl(tmp.path(), "unsupervised.jsonl", &[r#"{"input_ids": [1, 2, 3], "loss_mask": [1, 0, 1]}"#; 3]);
     for (data, needle) in [
         (bad.as_str(), "4 bad lines, more than --max-bad-lines 3"),
         (empty.as_str(), "no usable sample"),
+        (unsupervised.as_str(), "nothing would be supervised"),
     ] {
         let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", data, "--max-bad-lines", "3"]);
         let status = sup.wait_exit(T);

@@ -13,6 +13,7 @@
 pub mod bench;
 pub mod bench_ops;
 pub mod compute;
+pub mod export;
 pub mod gpu;
 mod identity;
 pub mod model;

@@ -11,6 +11,7 @@ use dflash_shared::batch::HiddenView;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
 
+use crate::export::{export_config, probe_batch, write_safetensors, DRAFTER_MODULE, MODULE_FILE, PROBE_FILE};
 use crate::gpu::drafter::GpuDrafter;
 use crate::gpu::GpuError;
 use crate::model::drafter::{batch_samples, grad_norm, AdamW, Drafter, Frozen};
@@ -39,6 +40,8 @@ pub struct Rank {
     /// long applying it took.
     idle_since: std::time::Instant,
     last_optimizer_ms: f64,
+    /// The target's `max_position_embeddings`, for the export's config.json.
+    max_position_embeddings: Option<u64>,
 }
 
 /// Outcome of one applied step.
@@ -89,6 +92,10 @@ impl Rank {
             last_grad_norm: 0.0,
             idle_since: std::time::Instant::now(),
             last_optimizer_ms: 0.0,
+            max_position_embeddings: std::fs::read_to_string(target_dir.join("config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v["max_position_embeddings"].as_u64()),
             setup,
         };
         match r.setup.init {
@@ -244,35 +251,24 @@ impl Rank {
         Ok(())
     }
 
-    /// Write the drafter as a Hugging Face directory: config.json with the DFlash fields
-    /// and model.safetensors (bf16, tensor names as in z-lab's DFlash draft model).
-    /// Atomic: written beside `dir`, synced, then renamed into place.
+    /// Write the drafter as a Hugging Face directory: config.json (Qwen3 fields, the DFlash
+    /// fields and `auto_map`), model.safetensors (bf16, tensor names as in z-lab's DFlash
+    /// draft model), the model code transformers loads with `trust_remote_code`
+    /// ([`MODULE_FILE`]) and the parity probe ([`PROBE_FILE`]) that
+    /// `dflash-supervise export-check` runs it on. Atomic: written beside `dir`, synced,
+    /// then renamed into place.
     pub fn export(&self, dir: &Path) -> anyhow::Result<()> {
         let c = &self.drafter.cfg;
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        let config = serde_json::json!({
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": c.hidden,
-            "num_hidden_layers": c.layers,
-            "num_attention_heads": c.q_heads,
-            "num_key_value_heads": c.kv_heads,
-            "head_dim": c.head_dim,
-            "intermediate_size": c.intermediate,
-            "rms_norm_eps": c.eps,
-            "rope_theta": c.rope_theta,
-            "rope_scaling": c.rope_scaling.as_ref().map(|_| serde_json::Value::Null),
-            "vocab_size": c.vocab,
-            "attention_bias": false,
-            "tie_word_embeddings": false,
-            "torch_dtype": "bfloat16",
-            "block_size": c.block_size,
-            "num_target_layers": self.setup.num_target_layers,
-            "dflash_config": {"target_layer_ids": self.setup.target_layer_ids, "mask_token_id": c.mask_token_id},
-            "dflash_training": {"step": self.step, "gamma": c.gamma, "max_anchors": c.max_anchors},
-        });
+        let config = export_config(c, self.step, self.setup.num_target_layers, &self.setup.target_layer_ids, self.max_position_embeddings);
+        // The weights as exported (bf16), back in f32: the probe runs on exactly these.
+        let rounded: Vec<f32> = self.params.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
+        let probe = probe_batch(&self.drafter, &self.frozen, &rounded, self.setup.seed).map_err(|e| anyhow!("computing the export's parity probe: {e}"))?;
+        drop(rounded);
+        write_safetensors(&probe, &tmp.join(PROBE_FILE))?;
+        std::fs::write(tmp.join(MODULE_FILE), DRAFTER_MODULE)?;
         let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = self
             .drafter
             .layout
@@ -288,11 +284,14 @@ impl Rank {
             .iter()
             .map(|(n, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?)))
             .collect::<Result<_, safetensors::SafeTensorError>>()?;
-        safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors"))?;
+        let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        safetensors::serialize_to_file(views, Some(meta), &tmp.join("model.safetensors"))?;
         let mut f = std::fs::File::create(tmp.join("config.json"))?;
         f.write_all(serde_json::to_string_pretty(&config)?.as_bytes())?;
         f.sync_all()?;
-        std::fs::File::open(tmp.join("model.safetensors"))?.sync_all()?;
+        for file in ["model.safetensors", PROBE_FILE, MODULE_FILE] {
+            std::fs::File::open(tmp.join(file))?.sync_all()?;
+        }
         let old = dir.with_extension("old");
         let _ = std::fs::remove_dir_all(&old);
         if dir.exists() {

