@@ -18,6 +18,20 @@ pub enum RopeScaling {
     Linear { factor: f64 },
     /// Llama 3 frequency-dependent scaling.
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    /// YaRN: frequencies blended between interpolated and original by a linear ramp over
+    /// the dimensions, and cos/sin scaled by `attention_factor` (resolved from `factor`,
+    /// `mscale` and `mscale_all_dim` as transformers does when the config omits it).
+    Yarn { factor: f64, original_max_position_embeddings: f64, beta_fast: f64, beta_slow: f64, attention_factor: f64, truncate: bool },
+}
+
+impl RopeScaling {
+    /// What rotary embeddings multiply cos and sin by (1 but for YaRN).
+    pub fn attention_factor(&self) -> f64 {
+        match self {
+            RopeScaling::Yarn { attention_factor, .. } => *attention_factor,
+            _ => 1.0,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -101,6 +115,9 @@ impl TargetConfig {
                 return Err(format!("hidden_act {act:?} is not supported (expected silu)"));
             }
         }
+        if v["partial_rotary_factor"].as_f64().is_some_and(|p| p != 1.0) || v["rope_parameters"]["partial_rotary_factor"].as_f64().is_some_and(|p| p != 1.0) {
+            return Err("partial_rotary_factor other than 1 is not supported (expected rotary embeddings over the whole head)".into());
+        }
         if v["use_sliding_window"].as_bool() == Some(true) {
             return Err("use_sliding_window = true is not supported (expected full causal attention in every layer)".into());
         }
@@ -144,7 +161,29 @@ impl TargetConfig {
                         high_freq_factor: f("high_freq_factor")?,
                         original_max_position_embeddings: f("original_max_position_embeddings")?,
                     }),
-                    other => return Err(format!("{scaling_field}.rope_type {other:?} is not supported (expected default, linear or llama3)")),
+                    "yarn" => {
+                        let factor = f("factor")?;
+                        let original = match s["original_max_position_embeddings"].as_f64().or(v["max_position_embeddings"].as_f64()) {
+                            Some(o) if o > 0.0 => o,
+                            _ => return Err(format!("{scaling_field}.original_max_position_embeddings is missing (and so is max_position_embeddings)")),
+                        };
+                        let opt = |k: &str| s[k].as_f64().filter(|x| *x != 0.0);
+                        let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                        let attention_factor = match (opt("attention_factor"), opt("mscale"), opt("mscale_all_dim")) {
+                            (Some(a), _, _) => a,
+                            (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                            _ => mscale(factor, 1.0),
+                        };
+                        Some(RopeScaling::Yarn {
+                            factor,
+                            original_max_position_embeddings: original,
+                            beta_fast: opt("beta_fast").unwrap_or(32.0),
+                            beta_slow: opt("beta_slow").unwrap_or(1.0),
+                            attention_factor,
+                            truncate: s["truncate"].as_bool().unwrap_or(true),
+                        })
+                    }
+                    other => return Err(format!("{scaling_field}.rope_type {other:?} is not supported (expected default, linear, llama3 or yarn)")),
                 }
             }
         };
@@ -262,7 +301,9 @@ mod tests {
             (r#"{"architectures":["GPT2LMHeadModel"]}"#, "unsupported architecture"),
             (r#"{"model_type":"llama","hidden_size":64}"#, "num_attention_heads is missing"),
             (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":3,"intermediate_size":8,"vocab_size":10}"#, "not a multiple"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"yarn","factor":4}}"#, "rope_scaling.rope_type \"yarn\" is not supported"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"yarn","factor":4}}"#, "rope_scaling.original_max_position_embeddings is missing"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"longrope","factor":4}}"#, "rope_scaling.rope_type \"longrope\" is not supported"),
+            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"partial_rotary_factor":0.5}"#, "partial_rotary_factor"),
             (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"dynamic","rope_theta":1e4,"factor":2}}"#, "rope_parameters.rope_type \"dynamic\""),
             (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_theta":5e5,"rope_parameters":{"rope_type":"default","rope_theta":1e6}}"#, "disagree"),
             (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"linear","rope_theta":1e4}}"#, "rope_parameters.factor is missing"),

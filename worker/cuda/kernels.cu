@@ -171,7 +171,7 @@ extern "C" __global__ void rmsnorm_bwd(float* dx, float* dw, const float* dy, co
 
 // ---------------------------------------------------------------------------------------
 // Rotary embedding (rotate-half), in place; row i at position pos[i]. grid: rows.
-extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads, int head_dim, int inverse) {
+extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads, int head_dim, float scale, int inverse) {
     const long row = blockIdx.x;
     const int half = head_dim / 2;
     const float p = (float)pos[row];
@@ -179,6 +179,8 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
         const int h = t / half, i = t % half;
         float s, c;
         sincosf(p * inv_freq[i], &s, &c);
+        s *= scale;
+        c *= scale;
         if (inverse) s = -s;
         float* base = x + row * (long)heads * head_dim + (long)h * head_dim;
         const float x1 = base[i], x2 = base[i + half];

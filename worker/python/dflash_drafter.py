@@ -51,7 +51,8 @@ written for it can call this class)::
 is the training mask as a function.
 
 Rotary embeddings follow config.json's ``rope_theta`` and ``rope_scaling`` (or
-transformers 5's ``rope_parameters``): types ``default``, ``linear`` and ``llama3``.
+transformers 5's ``rope_parameters``): types ``default``, ``linear``, ``llama3`` and ``yarn`` (whose
+``attention_factor`` scales cos and sin, as in transformers).
 """
 
 import math
@@ -67,7 +68,7 @@ except ImportError:  # pragma: no cover - very old transformers
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_settings(config):
@@ -87,15 +88,49 @@ def rope_settings(config):
             scaling = None
         elif kind not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope type {kind!r} is not supported by this drafter (expected one of {SUPPORTED_ROPE_TYPES})")
+        elif kind == "yarn" and scaling.get("original_max_position_embeddings") is None:
+            scaling = dict(scaling, original_max_position_embeddings=getattr(config, "max_position_embeddings", None))
     return theta, scaling
 
 
+def rope_attention_factor(scaling):
+    """What cos and sin are multiplied by: YaRN's attention factor (as given, else from
+    factor, mscale and mscale_all_dim as transformers derives it), 1 otherwise."""
+    if scaling is None or scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor"):
+        return float(scaling["attention_factor"])
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(scaling["factor"])
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if m and m_all:
+        return mscale(factor, float(m)) / mscale(factor, float(m_all))
+    return mscale(factor)
+
+
 def rope_inv_freq(head_dim, theta, scaling=None):
-    """Inverse rotary frequencies (float64), with linear or Llama 3 scaling."""
+    """Inverse rotary frequencies (float64), with linear, Llama 3 or YaRN scaling."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind == "yarn":
+        # Dimensions below `low` keep their frequency, above `high` are interpolated
+        # (divided by factor), a linear ramp in between.
+        def correction(rotations):
+            orig = float(scaling["original_max_position_embeddings"])
+            return head_dim * math.log(orig / (rotations * 2.0 * math.pi)) / (2.0 * math.log(theta))
+
+        low = correction(float(scaling.get("beta_fast") or 32.0))
+        high = correction(float(scaling.get("beta_slow") or 1.0))
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0.0), min(high, head_dim - 1.0)
+        if low == high:
+            high += 0.001
     out = []
     for i in range(head_dim // 2):
         f = 1.0 / theta ** (2.0 * i / head_dim)
-        kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
         if kind == "linear":
             f = f / float(scaling["factor"])
         elif kind == "llama3":
@@ -108,6 +143,9 @@ def rope_inv_freq(head_dim, theta, scaling=None):
             elif wavelen >= orig / high:
                 smooth = (orig / wavelen - low) / (high - low)
                 f = (1.0 - smooth) * f / factor + smooth * f
+        elif kind == "yarn":
+            keep = 1.0 - min(max((i - low) / (high - low), 0.0), 1.0)
+            f = f / float(scaling["factor"]) * (1.0 - keep) + f * keep
         out.append(f)
     return torch.tensor(out, dtype=torch.float64)
 
@@ -276,6 +314,7 @@ class DFlashDraftModel(PreTrainedModel):
         # Validated now, computed on first use: not a buffer, so there is nothing to load,
         # and nothing transformers builds on its "meta" device and initialises.
         self._rope = rope_settings(config)
+        self._attention_factor = rope_attention_factor(self._rope[1])
         self._inv_freq = None
         self.post_init()
 
@@ -287,7 +326,8 @@ class DFlashDraftModel(PreTrainedModel):
         inv = self._inv_freq
         angles = position_ids.to(torch.float32)[..., None] * inv
         emb = torch.cat([angles, angles], dim=-1)[:, None]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        af = self._attention_factor
+        return (emb.cos() * af).to(dtype), (emb.sin() * af).to(dtype)
 
     def forward(
         self,

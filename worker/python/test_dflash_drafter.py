@@ -2,7 +2,8 @@
 tests/tests/export.rs; needs torch and transformers). Prints one line per check; exits 1
 on the first failure.
 
-- rotary inverse frequencies (linear, llama3) equal transformers' ROPE_INIT_FUNCTIONS;
+- rotary inverse frequencies and attention factors (linear, llama3, yarn) equal
+  transformers' ROPE_INIT_FUNCTIONS;
 - rope settings are read from both config layouts (transformers 4 and 5);
 - the DFlash mask builder follows DFLASH.md (strict `<` on the anchor, blocks apart);
 - with a transformers DynamicCache, drafting in two calls (context then more context and a
@@ -33,17 +34,23 @@ THETA = 500000.0
 SCALINGS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
 }
 for kind, scaling in SCALINGS.items():
     cfg = LlamaConfig(
         hidden_size=HEAD_DIM * 4, num_attention_heads=4, num_key_value_heads=4, head_dim=HEAD_DIM,
-        rope_theta=THETA, rope_scaling=dict(scaling), max_position_embeddings=131072,
+        rope_theta=THETA, rope_scaling=dict(scaling),
+        # factor × original: transformers versions that derive YaRN's settings from
+        # max_position_embeddings (4.51) agree with those that read them (4.57, 5.x).
+        max_position_embeddings=16384,
     )
-    ref, _ = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    ref, ref_factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
     theta, parsed = m.rope_settings(cfg)
     ours = m.rope_inv_freq(HEAD_DIM, theta, parsed).to(torch.float32)
     rel = ((ours - ref.to(torch.float32)).abs() / ref.abs()).max().item()
     check(f"{kind} inv_freq equals transformers' ROPE_INIT_FUNCTIONS[{kind!r}]", rel < 1e-6, f"max relative difference {rel:.1e}")
+    af = m.rope_attention_factor(parsed)
+    check(f"{kind} attention factor equals transformers'", abs(af - float(ref_factor)) < 1e-9, f"{af} vs {ref_factor}")
     check(f"{kind} scaling changes some frequencies", (ours - m.rope_inv_freq(HEAD_DIM, THETA, None).float()).abs().max().item() > 0)
 
 # Both layouts: top-level rope_theta/rope_scaling (transformers 4) and rope_parameters (5).
@@ -59,15 +66,21 @@ theta5, sc5 = m.rope_settings(Layout5())
 check("rope settings from rope_parameters", theta5 == 77.0 and sc5["rope_type"] == "llama3")
 
 
-class Yarn:
-    rope_parameters = {"rope_type": "yarn", "rope_theta": 1.0, "factor": 2.0}
+class Dynamic:
+    rope_parameters = {"rope_type": "dynamic", "rope_theta": 1.0, "factor": 2.0}
 
 
 try:
-    m.rope_settings(Yarn())
+    m.rope_settings(Dynamic())
     check("an unsupported rope type is refused", False)
 except ValueError as e:
-    check("an unsupported rope type is refused", "yarn" in str(e))
+    check("an unsupported rope type is refused", "dynamic" in str(e))
+
+# YaRN's attention factor from mscale/mscale_all_dim (DeepSeek style), as transformers derives it.
+ds = dict(SCALINGS["yarn"], mscale=0.707, mscale_all_dim=0.707)
+cfg = LlamaConfig(hidden_size=HEAD_DIM * 4, num_attention_heads=4, head_dim=HEAD_DIM, rope_theta=THETA, rope_scaling=ds, max_position_embeddings=16384)
+_, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+check("yarn attention factor from mscale", abs(m.rope_attention_factor(m.rope_settings(cfg)[1]) - float(ref_factor)) < 1e-9)
 
 # The mask: S=6 context tokens, blocks of 2 at anchors 0 and 3.
 mask = m.dflash_attention_mask(torch.tensor([[0, 3]]), 6, 2)[0, 0]

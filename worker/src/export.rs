@@ -39,6 +39,16 @@ pub fn rope_scaling_json(s: Option<&RopeScaling>) -> Value {
             "high_freq_factor": high_freq_factor,
             "original_max_position_embeddings": int_if_whole(*original_max_position_embeddings),
         }),
+        // The attention factor as resolved, so a loader needs no mscale arithmetic.
+        Some(RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate }) => json!({
+            "rope_type": "yarn",
+            "factor": factor,
+            "original_max_position_embeddings": int_if_whole(*original_max_position_embeddings),
+            "beta_fast": beta_fast,
+            "beta_slow": beta_slow,
+            "attention_factor": attention_factor,
+            "truncate": truncate,
+        }),
     }
 }
 

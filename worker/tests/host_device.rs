@@ -236,15 +236,16 @@ fn host_device_rope_and_its_inverse_match_the_cpu_backend() {
     let (gx, gp, gf) = (put(&mut o, &x), put_i32(&mut o, &positions.iter().map(|&p| p as i32).collect::<Vec<_>>()), put(&mut o, &inv_freq));
     for inverse in [false, true] {
         let mut want = x.clone();
-        cpu.rope(&mut want, heads, hd, &positions, &inv_freq, inverse);
+        // A YaRN-like cos/sin scale, which the kernel must apply as the CPU does.
+        cpu.rope(&mut want, heads, hd, &positions, &inv_freq, 1.25, inverse);
         o.dev.upload(Stream::Compute, gx, f32_bytes(&x)).unwrap();
-        o.rope(gx, gp, gf, rows, heads, hd, inverse).unwrap();
+        o.rope(gx, gp, gf, rows, heads, hd, 1.25, inverse).unwrap();
         assert_close(&format!("rope inverse={inverse}"), &get(&mut o, gx), &want, 1e-5);
     }
     // Forward then inverse is the identity.
     o.dev.upload(Stream::Compute, gx, f32_bytes(&x)).unwrap();
-    o.rope(gx, gp, gf, rows, heads, hd, false).unwrap();
-    o.rope(gx, gp, gf, rows, heads, hd, true).unwrap();
+    o.rope(gx, gp, gf, rows, heads, hd, 1.0, false).unwrap();
+    o.rope(gx, gp, gf, rows, heads, hd, 1.0, true).unwrap();
     assert_close("rope round trip", &get(&mut o, gx), &x, 1e-5);
 }
 

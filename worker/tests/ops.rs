@@ -115,7 +115,7 @@ fn rope_matches_rotate_half_and_its_inverse_is_the_backward() {
     let positions: Vec<usize> = vec![0, 3, 4, 9, 100];
     let inv = rope_inv_freq(hd, 10000.0, None);
     let mut y = x.clone();
-    cpu.rope(&mut y, heads, hd, &positions, &inv, false);
+    cpu.rope(&mut y, heads, hd, &positions, &inv, 1.0, false);
     // Reference: x*cos + rotate_half(x)*sin with cos/sin of cat(freqs, freqs).
     let mut cos = Vec::new();
     let mut sin = Vec::new();
@@ -135,8 +135,12 @@ fn rope_matches_rotate_half_and_its_inverse_is_the_backward() {
     let rot = Tensor::cat(&[&x2.neg().unwrap(), &x1], D::Minus1).unwrap();
     let yr = (xt.broadcast_mul(&cos).unwrap() + rot.broadcast_mul(&sin).unwrap()).unwrap();
     close(&y, &flat(&yr), 1e-5, "rope");
-    cpu.rope(&mut y, heads, hd, &positions, &inv, true);
+    cpu.rope(&mut y, heads, hd, &positions, &inv, 1.0, true);
     close(&y, &x, 1e-5, "rope inverse");
+    // YaRN scales cos and sin: the output scales with them.
+    let mut ys = x.clone();
+    cpu.rope(&mut ys, heads, hd, &positions, &inv, 1.25, false);
+    close(&ys, &flat(&(yr * 1.25).unwrap()), 1e-5, "scaled rope");
 }
 
 #[test]

@@ -155,13 +155,13 @@ impl Backend for Cpu {
         }
     }
 
-    fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize], inv_freq: &[f32], inverse: bool) {
+    fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize], inv_freq: &[f32], scale: f32, inverse: bool) {
         let half = head_dim / 2;
         let sign = if inverse { -1.0 } else { 1.0 };
         for (row, &pos) in x.chunks_exact_mut(heads * head_dim).zip(positions) {
             for (i, f) in inv_freq.iter().enumerate() {
                 let (s, c) = (pos as f32 * f).sin_cos();
-                let s = s * sign;
+                let (s, c) = (s * sign * scale, c * scale);
                 for h in 0..heads {
                     let base = h * head_dim;
                     let (x1, x2) = (row[base + i], row[base + i + half]);

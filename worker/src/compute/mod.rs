@@ -64,7 +64,10 @@ pub trait Backend: Sync {
     fn rmsnorm_backward(&self, dy: &[f32], x: &[f32], w: &[f32], rstd: &[f32], dx: &mut [f32], dw: Option<&mut [f32]>, d: usize);
     /// Rotary embedding in place on rows of `heads × head_dim`, row `i` at `positions[i]`
     /// (Hugging Face's rotate-half convention). `inverse` applies the transpose (backward).
-    fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize], inv_freq: &[f32], inverse: bool);
+    /// Rotary embedding in place, cos and sin times `scale` (YaRN's attention factor, else
+    /// 1); `inverse` applies the transpose (the backward).
+    #[allow(clippy::too_many_arguments)]
+    fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize], inv_freq: &[f32], scale: f32, inverse: bool);
     /// `out = silu(gate) * up`
     fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]);
     fn swiglu_backward(&self, dout: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], dup: &mut [f32]);
@@ -96,6 +99,21 @@ pub fn rope_inv_freq(head_dim: usize, theta: f64, scaling: Option<&dflash_shared
                         let smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
                     }
+                }
+                Some(RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, .. }) => {
+                    let dim = head_dim as f64;
+                    let correction = |rotations: f64| dim * (original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+                    let (mut low, mut high) = (correction(*beta_fast), correction(*beta_slow));
+                    if *truncate {
+                        (low, high) = (low.floor(), high.ceil());
+                    }
+                    let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                    if low == high {
+                        high += 0.001;
+                    }
+                    // 1 keeps the original frequency, 0 interpolates it.
+                    let extrapolate = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    f / factor * (1.0 - extrapolate) + f * extrapolate
                 }
             };
             f as f32

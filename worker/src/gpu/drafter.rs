@@ -277,8 +277,8 @@ impl GpuDrafter {
             ops.matmul(x, p(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)?;
             ops.rmsnorm(q_pre, p(&li.qn), q, sv.q_rstd.f32s(0..m * qh), m * qh, hd, eps)?;
             ops.rmsnorm(k_pre, p(&li.kn), k, sv.k_rstd.f32s(0..tk * kvh), tk * kvh, hd, eps)?;
-            ops.rope(q, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, false)?;
-            ops.rope(k, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, false)?;
+            ops.rope(q, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, self.d.rope_scale, false)?;
+            ops.rope(k, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, self.d.rope_scale, false)?;
             ops.attention(q, k, v, att, sv.lse.f32s(0..m * qh), spans_d, m, qh, kvh, hd)?;
             ops.matmul(att, p(&li.wo), o, m, qd, h)?;
             ops.add(hcur, o)?;
@@ -397,8 +397,8 @@ impl GpuDrafter {
             let (att, q, k, v) = (sv.att.f32s(0..m * qd), sv.q.f32s(0..m * qd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
             ops.matmul_backward(dh, att, p(&li.wo), Some(datt), Some(gr(&li.wo)), m, qd, h)?;
             ops.attention_backward(datt, att, sv.lse.f32s(0..m * qh), q, k, v, spans_d, dq, dk, dv, m, qh, kvh, hd)?;
-            ops.rope(dq, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, true)?;
-            ops.rope(dk, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, true)?;
+            ops.rope(dq, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, self.d.rope_scale, true)?;
+            ops.rope(dk, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, self.d.rope_scale, true)?;
             ops.rmsnorm_backward(dq, sv.q_pre.f32s(0..m * qd), p(&li.qn), sv.q_rstd.f32s(0..m * qh), dq_pre, Some(gr(&li.qn)), m * qh, hd)?;
             ops.rmsnorm_backward(dk, sv.k_pre.f32s(0..tk * kd), p(&li.kn), sv.k_rstd.f32s(0..tk * kvh), dk_pre, Some(gr(&li.kn)), tk * kvh, hd)?;
             ops.matmul_backward(dq_pre, x, p(&li.wq), Some(dx), Some(gr(&li.wq)), m, h, qd)?;

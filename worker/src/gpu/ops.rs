@@ -85,12 +85,12 @@ impl Ops {
 
     /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&mut self, x: DSlice, pos: DSlice, inv_freq: DSlice, rows: usize, heads: usize, head_dim: usize, inverse: bool) -> Result<()> {
+    pub fn rope(&mut self, x: DSlice, pos: DSlice, inv_freq: DSlice, rows: usize, heads: usize, head_dim: usize, scale: f32, inverse: bool) -> Result<()> {
         self.launch(
             "rope",
             rows as u32,
             row_block(heads * head_dim / 2),
-            &[Arg::RW(x), Arg::R(pos), Arg::R(inv_freq), Arg::I32(heads as i32), Arg::I32(head_dim as i32), Arg::I32(inverse as i32)],
+            &[Arg::RW(x), Arg::R(pos), Arg::R(inv_freq), Arg::I32(heads as i32), Arg::I32(head_dim as i32), Arg::F32(scale), Arg::I32(inverse as i32)],
         )
     }
 

@@ -55,6 +55,7 @@ pub struct GpuTarget {
     embed: DSlice,
     layers: Vec<Layer>,
     inv_freq: DSlice,
+    rope_scale: f32,
     a: Acts,
     /// Per staging buffer: the event after its last copy to the host.
     stage_free: [Option<super::Event>; 2],
@@ -71,7 +72,7 @@ impl GpuTarget {
         place(dev.as_mut(), &mut dry, target, t)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
         let (embed, inv_freq, layers, a) = place(dev.as_mut(), &mut arena, target, t)?;
-        Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops: Ops::new(dev), arena, embed, layers, inv_freq, a, stage_free: [None, None], next_stage: 0 })
+        Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops: Ops::new(dev), arena, embed, layers, inv_freq, rope_scale: target.rope_scale, a, stage_free: [None, None], next_stage: 0 })
     }
 
     pub fn describe(&self) -> String {
@@ -193,8 +194,8 @@ impl GpuTarget {
                 ops.rmsnorm(q, qn, q, rstd.f32s(0..t * nh), t * nh, hd, eps)?;
                 ops.rmsnorm(k, kn, k, rstd.f32s(0..t * nkv), t * nkv, hd, eps)?;
             }
-            ops.rope(q, a.pos, self.inv_freq, t, nh, hd, false)?;
-            ops.rope(k, a.pos, self.inv_freq, t, nkv, hd, false)?;
+            ops.rope(q, a.pos, self.inv_freq, t, nh, hd, self.rope_scale, false)?;
+            ops.rope(k, a.pos, self.inv_freq, t, nkv, hd, self.rope_scale, false)?;
             ops.attention(q, k, v, att, lse, a.spans, t, nh, nkv, hd)?;
             ops.f32_to_bf16(xb(t * qd), att)?;
             ops.matmul_bf16(xb(t * qd), l.wo, o, t, qd, h)?;

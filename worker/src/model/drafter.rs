@@ -65,6 +65,8 @@ pub struct Drafter {
     pub layout: ParamLayout,
     pub(crate) layers: Vec<LayerIdx>,
     pub(crate) inv_freq: Vec<f32>,
+    /// Rotary cos/sin scale (YaRN's attention factor; else 1).
+    pub(crate) rope_scale: f32,
     cpu: Cpu,
 }
 
@@ -128,7 +130,8 @@ impl Drafter {
             })
             .collect();
         let inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
-        Drafter { cfg, layout, layers, inv_freq, cpu: Cpu::new() }
+        let rope_scale = cfg.rope_scaling.as_ref().map_or(1.0, |s| s.attention_factor()) as f32;
+        Drafter { cfg, layout, layers, inv_freq, rope_scale, cpu: Cpu::new() }
     }
 
     /// Fresh parameters: norms at 1, projections uniform with a 1/√fan_in scale.
@@ -290,8 +293,8 @@ impl Drafter {
             let q_rstd = cpu.rmsnorm(&q_pre, w(&li.qn), &mut q, hd, eps);
             let mut k = vec![0f32; tk * kd];
             let k_rstd = cpu.rmsnorm(&k_pre, w(&li.kn), &mut k, hd, eps);
-            cpu.rope(&mut q, c.q_heads, hd, &block_pos, &self.inv_freq, false);
-            cpu.rope(&mut k, c.kv_heads, hd, &key_pos, &self.inv_freq, false);
+            cpu.rope(&mut q, c.q_heads, hd, &block_pos, &self.inv_freq, self.rope_scale, false);
+            cpu.rope(&mut k, c.kv_heads, hd, &key_pos, &self.inv_freq, self.rope_scale, false);
             let mut att = vec![0f32; m * qd];
             let attn_saved = cpu.attention(&q, &k, &v, &mut att, &spans, heads);
             let mut o = vec![0f32; m * h];
@@ -391,8 +394,8 @@ impl Drafter {
             cpu.matmul_backward(&dh, &sv.att, w(&li.wo), Some(&mut datt), Some(&mut grads[li.wo.clone()]), m, qd, h);
             let (mut dq, mut dk, mut dv) = (vec![0f32; m * qd], vec![0f32; tk * kd], vec![0f32; tk * kd]);
             cpu.attention_backward(&datt, &sv.q, &sv.k, &sv.v, &sv.attn_saved, &spans, heads, &mut dq, &mut dk, &mut dv);
-            cpu.rope(&mut dq, c.q_heads, hd, &block_pos, &self.inv_freq, true);
-            cpu.rope(&mut dk, c.kv_heads, hd, &key_pos, &self.inv_freq, true);
+            cpu.rope(&mut dq, c.q_heads, hd, &block_pos, &self.inv_freq, self.rope_scale, true);
+            cpu.rope(&mut dk, c.kv_heads, hd, &key_pos, &self.inv_freq, self.rope_scale, true);
             let mut dq_pre = vec![0f32; m * qd];
             cpu.rmsnorm_backward(&dq, &sv.q_pre, w(&li.qn), &sv.q_rstd, &mut dq_pre, Some(&mut grads[li.qn.clone()]), hd);
             let mut dk_pre = vec![0f32; tk * kd];

@@ -58,6 +58,8 @@ pub struct Target {
     pub(crate) embed: Vec<f32>,
     pub(crate) layers: Vec<Layer>,
     pub(crate) inv_freq: Vec<f32>,
+    /// Rotary cos/sin scale (YaRN's attention factor; else 1).
+    pub(crate) rope_scale: f32,
     cpu: Cpu,
 }
 
@@ -103,7 +105,8 @@ impl Target {
         }
         let embed = get("model.embed_tokens.weight")?;
         let inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
-        Ok(Target { cfg, taps: taps.to_vec(), embed, layers, inv_freq, cpu: Cpu::new() })
+        let rope_scale = cfg.rope_scaling.as_ref().map_or(1.0, |s| s.attention_factor()) as f32;
+        Ok(Target { cfg, taps: taps.to_vec(), embed, layers, inv_freq, rope_scale, cpu: Cpu::new() })
     }
 
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
@@ -143,8 +146,8 @@ impl Target {
                 let k0 = k.clone();
                 timed(&mut times, "rmsnorm", || cpu.rmsnorm(&k0, kn, &mut k, hd, eps));
             }
-            timed(&mut times, "rope", || cpu.rope(&mut q, nh, hd, &positions, &self.inv_freq, false));
-            timed(&mut times, "rope", || cpu.rope(&mut k, nkv, hd, &positions, &self.inv_freq, false));
+            timed(&mut times, "rope", || cpu.rope(&mut q, nh, hd, &positions, &self.inv_freq, self.rope_scale, false));
+            timed(&mut times, "rope", || cpu.rope(&mut k, nkv, hd, &positions, &self.inv_freq, self.rope_scale, false));
             timed(&mut times, "attention", || cpu.attention(&q, &k, &v, &mut att, &spans, heads));
             timed(&mut times, "matmul", || cpu.matmul(&att, &l.wo, &mut o, t, nh * hd, h));
             timed(&mut times, "residual", || x.iter_mut().zip(&o).for_each(|(a, b)| *a += b));
