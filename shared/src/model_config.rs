@@ -92,11 +92,20 @@ impl TargetConfig {
         };
         let hidden_size = num("hidden_size")?;
         let heads = num("num_attention_heads")?;
-        let kv_heads = if v["num_key_value_heads"].is_null() { heads } else { num("num_key_value_heads")? };
+        // Absent fields take transformers' defaults for the architecture: Qwen3Config's are
+        // num_key_value_heads 32 and head_dim 128; LlamaConfig's are the attention heads and
+        // hidden_size / num_attention_heads. An explicit null means the attention heads.
+        let kv_heads = match (v.get("num_key_value_heads"), arch) {
+            (None, Arch::Qwen3) => 32,
+            (None | Some(serde_json::Value::Null), _) => heads,
+            _ => num("num_key_value_heads")?,
+        };
         if heads % kv_heads != 0 {
             return Err(format!("num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"));
         }
-        let head_dim = if v["head_dim"].is_null() {
+        let head_dim = if v.get("head_dim").is_none() && arch == Arch::Qwen3 {
+            128
+        } else if v["head_dim"].is_null() {
             if hidden_size % heads != 0 {
                 return Err(format!("hidden_size {hidden_size} is not a multiple of num_attention_heads {heads}"));
             }
@@ -279,6 +288,16 @@ mod tests {
     }
 
     #[test]
+    fn absent_fields_take_the_transformers_defaults_of_the_architecture() {
+        let q = TargetConfig::parse(r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":32,"intermediate_size":8,"vocab_size":10}"#).unwrap();
+        assert_eq!((q.head_dim, q.num_key_value_heads, q.rms_norm_eps, q.rope_theta, q.tie_word_embeddings), (128, 32, 1e-6, 10000.0, false));
+        let l = TargetConfig::parse(r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10}"#).unwrap();
+        assert_eq!((l.head_dim, l.num_key_value_heads, l.rms_norm_eps, l.tie_word_embeddings), (16, 4, 1e-6, false));
+        let q = TargetConfig::parse(r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":null,"head_dim":null,"intermediate_size":8,"vocab_size":10}"#).unwrap();
+        assert_eq!((q.head_dim, q.num_key_value_heads), (16, 4), "explicit nulls: derived");
+    }
+
+    #[test]
     fn transformers_5_rope_parameters_read_like_the_transformers_4_layout() {
         let base = r#""architectures":["LlamaForCausalLM"],"hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"hidden_act":"silu""#;
         let v4 = TargetConfig::parse(&format!(r#"{{{base},"rope_theta":500000.0,"rope_scaling":{{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#)).unwrap();
@@ -308,7 +327,7 @@ mod tests {
             (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_theta":5e5,"rope_parameters":{"rope_type":"default","rope_theta":1e6}}"#, "disagree"),
             (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"linear","rope_theta":1e4}}"#, "rope_parameters.factor is missing"),
             (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"hidden_act":"gelu"}"#, "hidden_act \"gelu\""),
-            (r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"use_sliding_window":true}"#, "use_sliding_window"),
+            (r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"intermediate_size":8,"vocab_size":10,"use_sliding_window":true}"#, "use_sliding_window"),
         ] {
             let e = TargetConfig::parse(text).unwrap_err();
             assert!(e.contains(needle), "{text}: {e}");

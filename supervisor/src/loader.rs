@@ -250,6 +250,9 @@ pub(crate) struct JsonlStream {
     pub(crate) total_bytes: Option<u64>,
 }
 
+/// One raw line: where it is (file:line) and its bytes, or why it was refused unread.
+type RawLine = (String, Result<Vec<u8>, Bad>);
+
 /// Lines read ahead and parsed together when chat data is tokenized in parallel.
 const AHEAD_LINES: usize = 256;
 
@@ -276,7 +279,7 @@ impl JsonlStream {
     }
 
     /// The next non-blank raw line as (file:line, bytes), or a bad over-long line.
-    fn next_raw(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<(String, Result<Vec<u8>, Bad>)>, LoaderError> {
+    fn next_raw(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<RawLine>, LoaderError> {
         loop {
             if self.current.is_none() {
                 let Some((name, r)) = self.readers.pop_front() else { return Ok(None) };
@@ -331,7 +334,7 @@ impl JsonlStream {
             }
         }
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
-        let parse = |r: &(String, Result<Vec<u8>, Bad>)| match &r.1 {
+        let parse = |r: &RawLine| match &r.1 {
             Ok(text) => parse_line(text, cfg),
             Err(b) => Err(b.clone()),
         };

@@ -1,7 +1,7 @@
 //! The exported drafter loads with transformers (`AutoModel.from_pretrained(dir,
 //! trust_remote_code=True)`) and computes what the Rust drafter computed: `dflash-supervise
-//! export-check` after a short run, on the tiny target and on one with Llama-3 rope
-//! scaling, and on exports corrupted on purpose. Needs Python with torch and transformers
+//! export-check` after a short run, on the tiny target and on ones with Llama-3 and YaRN
+//! rope scaling, and on exports corrupted on purpose. Needs Python with torch and transformers
 //! (CPU); skipped with a message where they are missing, except under CI (`CI` set), where
 //! .ci/run installs them and a missing package fails the test.
 
@@ -187,20 +187,17 @@ fn the_export_loads_with_transformers_and_matches_the_rust_drafter() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("not found"), "{}", text(&o));
 }
 
-/// A target with Llama-3 rope scaling: the export carries the scaling as trained and the
-/// Python module applies it as the Rust drafter did; dropping it from config.json fails.
-#[test]
-fn llama3_rope_scaling_is_exported_and_matches() {
-    if !have_torch_transformers("llama3 export parity test") {
+/// A target with scaled rope (`scaling` as its config.json gives it): the export carries the
+/// scaling as trained and the Python module applies it as the Rust drafter did; dropping
+/// it from config.json fails the gate.
+fn scaled_rope_export_matches(kind: &str, scaling: serde_json::Value) {
+    if !have_torch_transformers(&format!("{kind} export parity test")) {
         return;
     }
     let scratch = tempfile::tempdir().unwrap();
     let target = scratch.path().join("target");
     let st = Command::new(bin("dflash-worker")).arg("tiny-target").arg("--out").arg(&target).status().unwrap();
     assert!(st.success());
-    // original_max_position_embeddings 64 puts the head's 8 frequencies in all three of
-    // llama3's bands (kept, smoothed, divided) at the probe's positions.
-    let scaling = serde_json::json!({"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
     edit_config(&target, |v| {
         v["rope_scaling"] = scaling.clone();
         v["max_position_embeddings"] = 256.into();
@@ -208,13 +205,15 @@ fn llama3_rope_scaling_is_exported_and_matches() {
     let sup = train(Some(&target));
     let export = sup.run_dir.join("drafter");
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap()).unwrap();
-    assert_eq!(config["rope_scaling"], scaling, "rope_scaling exported as trained");
+    for (k, want) in scaling.as_object().unwrap() {
+        assert_eq!(&config["rope_scaling"][k], want, "rope_scaling.{k} exported as trained: {}", config["rope_scaling"]);
+    }
     assert_eq!(config["max_position_embeddings"], 256, "the target's max_position_embeddings");
     let ok = export_check(&export, scratch.path(), None);
     assert_eq!(ok.status.code(), Some(0), "{}", text(&ok));
     let err = error_figure(&ok);
     assert!(err < TOLERANCE, "{}", text(&ok));
-    eprintln!("export-check with llama3 rope scaling: max relative error {err:e}");
+    eprintln!("export-check with {kind} rope scaling: max relative error {err:e}");
 
     let unscaled = copy_dir(&export, &scratch.path().join("unscaled"));
     edit_config(&unscaled, |v| v["rope_scaling"] = serde_json::Value::Null);
@@ -223,8 +222,28 @@ fn llama3_rope_scaling_is_exported_and_matches() {
     assert!(error_figure(&o) > TOLERANCE);
 }
 
-/// The model module against transformers itself: rope inverse frequencies (linear, llama3)
-/// equal ROPE_INIT_FUNCTIONS, both config layouts, the mask rule, DynamicCache inference.
+/// original_max_position_embeddings 64 puts the head's 8 frequencies in all three of
+/// llama3's bands (kept, smoothed, divided) at the probe's positions.
+#[test]
+fn llama3_rope_scaling_is_exported_and_matches() {
+    scaled_rope_export_matches(
+        "llama3",
+        serde_json::json!({"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    );
+}
+
+/// YaRN over 64 original positions: a ramp over the first dimensions, the rest
+/// interpolated, and cos/sin scaled by the attention factor (0.1·ln 4 + 1).
+#[test]
+fn yarn_rope_scaling_is_exported_and_matches() {
+    scaled_rope_export_matches(
+        "yarn",
+        serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0}),
+    );
+}
+
+/// The model module against transformers itself: rope inverse frequencies and attention
+/// factors (linear, llama3, yarn) equal ROPE_INIT_FUNCTIONS, both config layouts, the mask rule, DynamicCache inference.
 #[test]
 fn the_drafter_module_agrees_with_transformers() {
     if !have_torch_transformers("drafter module unit checks") {

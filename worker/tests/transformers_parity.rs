@@ -45,6 +45,10 @@ fn python_ok() -> bool {
 const BASE_QWEN3: &str = r#""architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":64,"num_hidden_layers":3,
   "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"intermediate_size":96,"rms_norm_eps":1e-6,
   "vocab_size":300,"tie_word_embeddings":true,"max_position_embeddings":4096"#;
+/// No head_dim, num_key_value_heads, rms_norm_eps, rope_theta or tie_word_embeddings:
+/// Qwen3Config's defaults (head_dim 128, 32 key-value heads, ...) must be ours.
+const BASE_QWEN3_DEFAULTS: &str = r#""architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":64,"num_hidden_layers":3,
+  "num_attention_heads":32,"intermediate_size":96,"vocab_size":300"#;
 const BASE_LLAMA: &str = r#""architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":48,"num_hidden_layers":3,
   "num_attention_heads":6,"num_key_value_heads":2,"intermediate_size":96,"rms_norm_eps":1e-5,
   "vocab_size":300,"tie_word_embeddings":false,"max_position_embeddings":8192"#;
@@ -101,6 +105,7 @@ fn taps_equal_transformers_for_every_rope_layout_and_scaling() {
     }
     let cases: &[(&str, &str, &str)] = &[
         ("qwen3 default, transformers 4 layout", BASE_QWEN3, r#""rope_theta":1000000.0,"rope_scaling":null"#),
+        ("qwen3 with absent fields (transformers' defaults)", BASE_QWEN3_DEFAULTS, r#""max_position_embeddings":4096"#),
         ("qwen3 default, transformers 5 layout", BASE_QWEN3, r#""rope_parameters":{"rope_type":"default","rope_theta":1000000.0}"#),
         ("qwen3 yarn, transformers 4 layout", BASE_QWEN3, r#""rope_theta":1000000.0,"rope_scaling":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32}"#),
         (
