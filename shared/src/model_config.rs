@@ -133,7 +133,17 @@ impl TargetConfig {
         // transformers 5 writes the rotary settings under `rope_parameters` (rope_theta,
         // rope_type and the scaling fields together); transformers 4 writes a top-level
         // `rope_theta` and a `rope_scaling` object. Either layout, never a silent default.
-        let rp = &v["rope_parameters"];
+        let mut rp = &v["rope_parameters"];
+        // transformers 5 may key rope_parameters by layer type; these models have full
+        // attention only, so one set of parameters, and every layer type must agree.
+        if let Some(full) = rp.get("full_attention").filter(|f| f.is_object()) {
+            if let Some((k, _)) = rp.as_object().into_iter().flatten().find(|(_, p)| *p != full) {
+                return Err(format!("rope_parameters.{k} differs from rope_parameters.full_attention (expected one set of rotary parameters)"));
+            }
+            rp = full;
+        } else if rp.as_object().is_some_and(|o| !o.is_empty() && o.values().all(|x| x.is_object())) {
+            return Err("rope_parameters holds no rope_type or rope_theta and no full_attention entry (expected the rotary parameters)".into());
+        }
         let (theta_field, scaling_field, scaling) = if rp.is_object() {
             if let (Some(a), Some(b)) = (v["rope_theta"].as_f64(), rp["rope_theta"].as_f64()) {
                 if a != b {
@@ -309,6 +319,13 @@ mod tests {
         // Qwen3 as transformers 5 saves it: default rope type, theta 1e6.
         let q = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"rope_theta":1000000.0,"rope_type":"default"}}}}"#)).unwrap();
         assert_eq!((q.rope_theta, q.rope_scaling.is_none()), (1000000.0, true));
+        // Keyed by layer type (transformers 5): the full-attention entry.
+        let keyed = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"full_attention":{{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}}}"#)).unwrap();
+        assert_eq!(keyed.fingerprint(), v4.fingerprint());
+        let mixed = format!(r#"{{{base},"rope_parameters":{{"full_attention":{{"rope_theta":1e6,"rope_type":"default"}},"sliding_attention":{{"rope_theta":1e4,"rope_type":"default"}}}}}}"#);
+        assert!(TargetConfig::parse(&mixed).unwrap_err().contains("rope_parameters.sliding_attention differs"));
+        let unknown = format!(r#"{{{base},"rope_parameters":{{"other":{{"rope_theta":1e6}}}}}}"#);
+        assert!(TargetConfig::parse(&unknown).unwrap_err().contains("no full_attention"));
         // Neither layout: transformers' default.
         assert_eq!(TargetConfig::parse(&format!("{{{base}}}")).unwrap().rope_theta, 10000.0);
     }

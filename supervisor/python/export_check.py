@@ -47,7 +47,7 @@ try:
     with open(os.path.join(export_dir, "config.json")) as f:
         config = json.load(f)
 except Exception as e:
-    print(f"{export_dir}/config.json: {e} (not a dflash-supervise export)", file=sys.stderr)
+    print(f"{export_dir}/config.json: {' '.join(str(e).split())} (not a dflash-supervise export)", file=sys.stderr)
     sys.exit(2)
 auto = (config.get("auto_map") or {}).get("AutoModel")
 if not auto:
@@ -56,7 +56,7 @@ if not auto:
 try:
     probe = load_file(os.path.join(export_dir, "probe.safetensors"))
 except Exception as e:
-    print(f"{export_dir}/probe.safetensors: {e}", file=sys.stderr)
+    print(f"{export_dir}/probe.safetensors: {' '.join(str(e).split())}", file=sys.stderr)
     sys.exit(2)
 needed = ("target_hidden", "noise_embedding", "position_ids", "anchors", "attention_mask", "hidden_states")
 absent = [k for k in needed if k not in probe]
@@ -66,7 +66,8 @@ if absent:
 
 
 def fail(msg):
-    print(f"FAIL: {msg}")
+    # One line, whatever the exception's text holds.
+    print("FAIL: " + " ".join(str(msg).split()))
     sys.exit(1)
 
 

@@ -183,8 +183,8 @@ impl Chat {
         }
         let rest = &text[at + SENTINEL.len()..];
         let enc = self.tokenizer.encode(rest, false).map_err(|e| format!("{}: tokenizing: {e}", self.dir.display()))?;
-        let end = match enc.get_offsets().first() {
-            Some(&(s, e)) if e > s => rest[s..e].to_string(),
+        let end = match enc.get_offsets().first().and_then(|&(s, e)| rest.get(s..e)) {
+            Some(t) if !t.is_empty() => t.to_string(),
             _ => return Err(format!("{}: the chat template writes nothing after an assistant reply (no end-of-turn marker)", self.dir.display())),
         };
         self.header = header.to_string();
@@ -253,7 +253,13 @@ fn one_line(s: &str) -> String {
 
 /// Python's `json.dumps(x, ensure_ascii=False, indent=indent)` as transformers' `tojson`
 /// filter does it (minijinja's own escapes HTML characters, which transformers does not).
-fn tojson(v: Value, indent: Option<usize>) -> Result<Value, minijinja::Error> {
+fn tojson(v: Value, indent: Option<usize>, kwargs: minijinja::value::Kwargs) -> Result<Value, minijinja::Error> {
+    // `tojson(indent=2)` as Jinja templates write it, or `tojson(2)`.
+    let indent = match kwargs.get::<Option<usize>>("indent")? {
+        Some(i) => Some(i),
+        None => indent,
+    };
+    kwargs.assert_all_used()?;
     let mut out = String::new();
     py_json(&v, indent, 0, &mut out)?;
     Ok(Value::from_safe_string(out))
@@ -347,7 +353,11 @@ mod tests {
     fn tojson_writes_what_python_json_dumps_writes() {
         // Insertion order, as Python dicts keep it.
         let v = minijinja::Environment::new().compile_expression(r#"{"name": "f", "args": [1, 2.0, "<é>", none, true], "e": {}}"#).unwrap().eval(()).unwrap();
-        assert_eq!(tojson(v.clone(), None).unwrap().to_string(), r#"{"name": "f", "args": [1, 2.0, "<é>", null, true], "e": {}}"#);
-        assert_eq!(tojson(Value::from_serialize(serde_json::json!({"a": [1]})), Some(2)).unwrap().to_string(), "{\n  \"a\": [\n    1\n  ]\n}");
+        assert_eq!(tojson(v.clone(), None, minijinja::value::Kwargs::from_iter(std::iter::empty::<(&str, Value)>())).unwrap().to_string(), r#"{"name": "f", "args": [1, 2.0, "<é>", null, true], "e": {}}"#);
+        let env = minijinja::Environment::new();
+        let mut env = env;
+        env.add_filter("tojson", tojson);
+        let indented = env.render_str("{{ x|tojson(indent=2) }}", minijinja::context! { x => Value::from_serialize(serde_json::json!({"a": [1]})) }).unwrap();
+        assert_eq!(indented, "{\n  \"a\": [\n    1\n  ]\n}");
     }
 }

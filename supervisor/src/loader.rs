@@ -73,11 +73,11 @@ pub struct Sample {
     pub mask: Vec<u8>,
 }
 
-/// What one good line gave, before the usability check: the (truncated) sample, its length
-/// before truncation, and whether a chat rendering held the template's assistant header.
+/// What one good line gave, before the usability check: the whole sample, the length a run
+/// keeps of it (--max-seq-len), and whether a chat rendering held the assistant header.
 pub(crate) struct Parsed {
     pub(crate) sample: Sample,
-    pub(crate) full_len: usize,
+    pub(crate) len: usize,
     /// A chat conversation (rendered with the template), not pre-tokenized.
     pub(crate) chat: bool,
     pub(crate) marker_missing: bool,
@@ -86,7 +86,14 @@ pub(crate) struct Parsed {
 impl Parsed {
     /// DFlash anchors need two consecutive supervised tokens.
     pub(crate) fn usable(&self) -> bool {
-        self.sample.mask.windows(2).any(|w| w[0] == 1 && w[1] == 1)
+        self.sample.mask[..self.len].windows(2).any(|w| w[0] == 1 && w[1] == 1)
+    }
+
+    /// The sample as a run trains on it: cut at --max-seq-len.
+    pub(crate) fn truncated(mut self) -> Sample {
+        self.sample.ids.truncate(self.len);
+        self.sample.mask.truncate(self.len);
+        self.sample
     }
 }
 
@@ -248,6 +255,8 @@ pub(crate) struct JsonlStream {
     /// Bytes read so far, of `total_bytes` (`None` for stdin).
     pub(crate) bytes_read: u64,
     pub(crate) total_bytes: Option<u64>,
+    /// Read no line past this many (the preflight's --preflight-lines).
+    pub(crate) line_limit: Option<u64>,
 }
 
 /// One raw line: where it is (file:line) and its bytes, or why it was refused unread.
@@ -275,12 +284,15 @@ impl JsonlStream {
             }
             DataSource::Demo { .. } => unreachable!("demo data is generated"),
         }
-        Ok(JsonlStream { readers, current: None, buf: Vec::new(), ahead: VecDeque::new(), bytes_read: 0, total_bytes })
+        Ok(JsonlStream { readers, current: None, buf: Vec::new(), ahead: VecDeque::new(), bytes_read: 0, total_bytes, line_limit: None })
     }
 
     /// The next non-blank raw line as (file:line, bytes), or a bad over-long line.
     fn next_raw(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<RawLine>, LoaderError> {
         loop {
+            if self.line_limit.is_some_and(|l| bad.lines >= l) {
+                return Ok(None);
+            }
             if self.current.is_none() {
                 let Some((name, r)) = self.readers.pop_front() else { return Ok(None) };
                 self.current = Some((name, BufReader::with_capacity(1 << 16, r), 0));
@@ -378,7 +390,7 @@ impl SampleStream for JsonlStream {
     fn next(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError> {
         while let Some(p) = self.next_parsed(bad, cfg)? {
             if p.usable() {
-                return Ok(Some(p.sample));
+                return Ok(Some(p.truncated()));
             }
             bad.unsupervised += 1;
         }
@@ -414,12 +426,8 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
             (enc.ids, enc.mask, !enc.marker_found)
         }
     };
-    let full_len = ids.len();
-    let n = full_len.min(cfg.max_seq_len as usize);
-    let (mut ids, mut mask) = (ids, mask);
-    ids.truncate(n);
-    mask.truncate(n);
-    Ok(Parsed { sample: Sample { ids, mask }, full_len, chat, marker_missing })
+    let len = ids.len().min(cfg.max_seq_len as usize);
+    Ok(Parsed { sample: Sample { ids, mask }, len, chat, marker_missing })
 }
 
 pub(crate) use crate::chat::Bad;

@@ -84,16 +84,12 @@ pub const UNSUPERVISED: &str = "no two consecutive supervised tokens";
 pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: impl FnMut(&Sample) -> std::io::Result<()>) -> Result<Report, Error> {
     let data = cfg.describe();
     let mut stream = JsonlStream::new(&cfg.source).map_err(|e| Error::Usage(e.to_string()))?;
+    stream.line_limit = limit;
     let mut bad = loader::BadLines::default();
     let mut lengths = Vec::new();
     let (mut truncated, mut tokens, mut supervised, mut no_supervised, mut dup, mut chat, mut missing) = (0, 0, 0, 0, 0, 0, 0);
     let mut seen = HashSet::new();
-    let mut complete = true;
     loop {
-        if limit.is_some_and(|l| bad.lines >= l) {
-            complete = false;
-            break;
-        }
         let Some(p) = stream.next_parsed(&mut bad, cfg).map_err(|e| Error::Usage(e.to_string()))? else { break };
         if p.chat {
             chat += 1;
@@ -101,11 +97,13 @@ pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: imp
         }
         if !p.usable() {
             bad.unsupervised += 1;
-            no_supervised += u64::from(!p.sample.mask.contains(&1));
+            no_supervised += u64::from(!p.sample.mask[..p.len].contains(&1));
             continue;
         }
-        let s = &p.sample;
-        truncated += u64::from(p.full_len > s.ids.len());
+        // What a run trains on is cut at --max-seq-len; `keep` gets the whole sample.
+        truncated += u64::from(p.sample.ids.len() > p.len);
+        keep(&p.sample).map_err(|e| Error::Internal(format!("writing the prepared samples: {e}")))?;
+        let s = &p.truncated();
         tokens += s.ids.len() as u64;
         supervised += s.mask.iter().map(|&m| m as u64).sum::<u64>();
         lengths.push(s.ids.len() as u64);
@@ -115,8 +113,9 @@ pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: imp
         if !seen.insert(dflash_shared::batch::checksum(&h)) {
             dup += 1;
         }
-        keep(s).map_err(|e| Error::Internal(format!("writing the prepared samples: {e}")))?;
     }
+    // Stopped by the line limit with bytes left: a sample of the data.
+    let complete = !(limit.is_some_and(|l| bad.lines >= l) && stream.total_bytes.is_none_or(|t| stream.bytes_read < t));
     let bytes_share = stream.total_bytes.map(|t| if complete || t == 0 { 1.0 } else { stream.bytes_read as f64 / t as f64 });
     let batches = estimate_batches(&lengths, cfg.token_budget);
     let batches = match bytes_share {
@@ -305,13 +304,17 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
         chat,
         chat_error,
     };
+    cfg.check().map_err(Error::Usage)?;
     let tmp = tmp_path(&a.out);
     let file = std::fs::File::create(&tmp).map_err(|e| Error::Usage(format!("--out {}: {e}", a.out.display())))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
     let started = Instant::now();
+    let out_name = a.out.display().to_string();
     let result = scan(&cfg, None, a.drafters.max(1), |s| {
-        serde_json::to_writer(&mut w, &serde_json::json!({"input_ids": s.ids, "loss_mask": s.mask}))?;
-        w.write_all(b"\n")
+        serde_json::to_writer(&mut w, &serde_json::json!({"input_ids": s.ids, "loss_mask": s.mask}))
+            .map_err(std::io::Error::from)
+            .and_then(|_| w.write_all(b"\n"))
+            .map_err(|e| std::io::Error::new(e.kind(), format!("--out {out_name}: {e}")))
     });
     let finish = |r: Result<Report, Error>| -> Result<Report, Error> {
         let r = r?;
@@ -344,7 +347,7 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
 }
 
 /// Synthetic chat lines for `bench prepare`: multi-turn, system prompts, code, non-ASCII,
-/// `<think>` blocks; about 550 tokens each, like the public DFlash training data.
+/// `<think>` blocks; about 700 tokens each, a little above the public DFlash training data.
 pub fn synthetic_conversations(n: usize, seed: u64) -> Vec<String> {
     const WORDS: &[&str] = &[
         "the", "model", "drafter", "token", "block", "attention", "because", "answer", "prime", "number", "function", "returns", "value",
@@ -436,7 +439,7 @@ pub fn bench(json: bool, tokenizer: Option<PathBuf>, conversations: usize) -> Re
     let mut one_tokens = 0u64;
     for l in &lines {
         let p = loader::parse_line(l.as_bytes(), &cfg).map_err(|b| Error::Internal(format!("bench data: {}", b.reason)))?;
-        one_tokens += p.sample.ids.len() as u64;
+        one_tokens += p.len as u64;
     }
     let one = t0.elapsed().as_secs_f64();
     // The loader's path: read ahead, parsed on every core.

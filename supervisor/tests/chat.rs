@@ -177,6 +177,9 @@ fn prepare_output_gives_the_same_batches_as_the_chat_data_and_reports_the_prefli
     assert_eq!(r["steps_per_epoch"].as_u64().unwrap(), r["batches_per_epoch"].as_u64().unwrap().div_ceil(2));
     let prepared = std::fs::read_to_string(&out).unwrap();
     assert_eq!(prepared.lines().count(), 61);
+    // Written whole: a later run may choose a longer --max-seq-len.
+    let longest = prepared.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["input_ids"].as_array().unwrap().len()).max().unwrap();
+    assert!(longest > 256, "{longest}");
     assert!(!std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-")));
 
     // The same batches, ids and masks, from the chat data and from its preparation.
@@ -261,4 +264,49 @@ fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
     assert!(err.contains("nothing would be supervised") && err.contains("no assistant turn: 1"), "{err}");
     assert!(!out.exists());
     assert!(!std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-")));
+}
+
+#[test]
+fn a_preflight_limited_to_n_lines_reads_exactly_n_even_with_parallel_read_ahead() {
+    let Some(dir) = tokenizer_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    // 400 lines, every third pre-tokenized and every seventh bad; chat data is read ahead
+    // 256 lines at a time.
+    let chat_lines = dflash_supervisor::preflight::synthetic_conversations(400, 3);
+    let lines: Vec<String> = (0..400)
+        .map(|i| match i {
+            i if i % 7 == 0 => "not json".to_string(),
+            i if i % 3 == 0 => r#"{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}"#.to_string(),
+            i => chat_lines[i].clone(),
+        })
+        .collect();
+    let file = tmp.path().join("d.jsonl");
+    std::fs::write(&file, lines.join("\n") + "\n").unwrap();
+    let chat = Arc::new(Chat::load(&dir).unwrap());
+    let cfg = LoaderConfig {
+        source: DataSource::Files(vec![file.clone()]),
+        vocab_size: Some(151936),
+        token_budget: 4096,
+        max_seq_len: 1024,
+        seed: 0,
+        epochs: 1,
+        max_bad_lines: 1000,
+        shuffle_window: 16,
+        max_line_bytes: 1 << 20,
+        chat: Some(chat),
+        chat_error: None,
+    };
+    let r = dflash_supervisor::preflight::scan(&cfg, Some(300), 1, |_| Ok(())).unwrap();
+    let dropped: u64 = r.dropped.values().sum();
+    assert_eq!((r.lines, r.kept + dropped, r.complete), (300, 300, false), "{r:?}");
+    assert_eq!(r.dropped["not JSON"], (0..300).filter(|i| i % 7 == 0).count() as u64);
+    let head: usize = lines[..300].iter().map(|l| l.len() + 1).sum();
+    let share = r.bytes_share.unwrap();
+    assert!((share - head as f64 / std::fs::metadata(&file).unwrap().len() as f64).abs() < 1e-9, "{share}");
+    // All of it: complete, every line.
+    let all = dflash_supervisor::preflight::scan(&cfg, None, 1, |_| Ok(())).unwrap();
+    assert_eq!((all.lines, all.complete, all.bytes_share), (400, true, Some(1.0)));
+    // A limit above the data is the whole data.
+    let over = dflash_supervisor::preflight::scan(&cfg, Some(5000), 1, |_| Ok(())).unwrap();
+    assert_eq!((over.lines, over.complete), (400, true));
 }

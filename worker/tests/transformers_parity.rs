@@ -20,13 +20,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 d, tokens, taps, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 cfg = AutoConfig.from_pretrained(d)
-rp = cfg.rope_parameters
-kind = rp.get("rope_type", "default")
+# transformers 5: rope_parameters; 4.x: rope_scaling (None without scaling).
+rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+kind = rp.get("rope_type", rp.get("type", "default"))
 if kind != "default":
     inv, af = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
 else:
     inv, af = None, 1.0
-model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+import transformers
+from packaging import version
+dtype_kw = "dtype" if version.parse(transformers.__version__) >= version.parse("4.56") else "torch_dtype"
+model = AutoModelForCausalLM.from_pretrained(d, **{dtype_kw: torch.float32}).eval()
 with torch.no_grad():
     hs = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
 np.concatenate([hs[t + 1][0].float().numpy() for t in taps], axis=1).astype("<f4").tofile(out)
