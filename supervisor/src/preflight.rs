@@ -89,8 +89,7 @@ pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: imp
     let mut lengths = Vec::new();
     let (mut truncated, mut tokens, mut supervised, mut no_supervised, mut dup, mut chat, mut missing) = (0, 0, 0, 0, 0, 0, 0);
     let mut seen = HashSet::new();
-    loop {
-        let Some(p) = stream.next_parsed(&mut bad, cfg).map_err(|e| Error::Usage(e.to_string()))? else { break };
+    while let Some(p) = stream.next_parsed(&mut bad, cfg).map_err(|e| Error::Usage(e.to_string()))? {
         if p.chat {
             chat += 1;
             missing += u64::from(p.marker_missing);
