@@ -310,3 +310,20 @@ fn a_preflight_limited_to_n_lines_reads_exactly_n_even_with_parallel_read_ahead(
     let over = dflash_supervisor::preflight::scan(&cfg, Some(5000), 1, |_| Ok(())).unwrap();
     assert_eq!((over.lines, over.complete), (400, true));
 }
+
+#[test]
+fn bench_prepare_prints_throughput_and_its_ratios() {
+    let Some(dir) = tokenizer_dir() else { return };
+    let o = supervise().args(["bench", "prepare", "--json", "--conversations", "200", "--tokenizer"]).arg(&dir).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+    assert_eq!(f("conversations"), 200.0);
+    // ~700 tokens per synthetic conversation.
+    assert!(f("tokens") > 200.0 * 300.0, "{v}");
+    for k in ["one_thread_tokens_per_s", "loader_tokens_per_s", "one_thread_conversations_per_s", "loader_conversations_per_s"] {
+        assert!(f(k) > 0.0, "{k}: {v}");
+    }
+    assert!((f("loader_vs_goal") - f("loader_tokens_per_s") / 145_000.0).abs() < 1e-9 * f("loader_vs_goal").max(1.0));
+    assert!((f("loader_tokens_per_s") / f("loader_conversations_per_s") - f("tokens") / 200.0).abs() < 1.0, "both rates count the same data: {v}");
+}

@@ -78,10 +78,14 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR.
+    /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR, or
+    /// with --config a target of random weights for that config.json (tests use it).
     TinyTarget {
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// A Qwen3/Llama config.json to give random weights.
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
     },
 }
 
@@ -104,7 +108,12 @@ pub fn main() -> i32 {
         Some(Command::Inspect { target, tokens, taps, out }) => tool(inspect(&target, &tokens, taps, &out)),
         Some(Command::BenchCompute { spec }) => tool(bench::run(&spec)),
         Some(Command::BenchOps { target, tokens, json }) => tool(bench_ops::run(&target, tokens, json)),
-        Some(Command::TinyTarget { out }) => tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display()))),
+        Some(Command::TinyTarget { out, config: None }) => tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display()))),
+        Some(Command::TinyTarget { out, config: Some(c) }) => tool(
+            std::fs::read_to_string(&c)
+                .map_err(|e| format!("--config {}: {e}", c.display()))
+                .and_then(|text| model::tiny::write_random(&out, &text, 1).map_err(|e| format!("--out {}: {e}", out.display()))),
+        ),
         None => serve(cli.control),
     }
 }
