@@ -256,6 +256,27 @@ fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
     }
     assert_eq!(std::fs::read_to_string(&out).unwrap().lines().count(), 1);
     std::fs::remove_file(&out).unwrap();
+    // A template that renders some assistant turns without its assistant header: those
+    // conversations train nothing, and the preflight warns that data and template differ.
+    let odd = copy("odd", &|d| {
+        let t = "{% for m in messages %}{% if m.role == 'assistant' and m.content.startswith('RAW') %}{{ m.content }}{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        std::fs::write(d.join("chat_template.jinja"), t).unwrap()
+    });
+    let two = tmp.path().join("two.jsonl");
+    std::fs::write(
+        &two,
+        [
+            r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a normal answer here"}]}"#,
+            r#"{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "RAW reply without a header"}]}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let (code, err, stdout) = run(&odd, &two);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(stdout.contains("warning: the chat template's assistant marker") && stdout.contains("not found in 1 of 2 conversations"), "{stdout}");
+    assert!(stdout.contains("no two consecutive supervised tokens: 1"), "{stdout}");
+    std::fs::remove_file(&out).unwrap();
     // Nothing supervised: exit 2, one line, no output file.
     let none = tmp.path().join("none.jsonl");
     std::fs::write(&none, r#"{"conversations": [{"from": "human", "value": "q"}]}"#).unwrap();
