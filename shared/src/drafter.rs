@@ -190,9 +190,11 @@ pub struct TrainSetup {
 pub enum Init {
     /// Fresh parameters from the run's seed (every rank gets the same ones).
     Fresh,
-    /// Load the state slot, written by a surviving rank at `step`.
-    FromState { step: u64 },
-    /// Load the checkpoint directory of a previous run (`--resume`).
+    /// Load state slot `slot`, written by a rank at `step` (a surviving rank for a join,
+    /// or the supervisor's snapshot for a rollback).
+    FromState { step: u64, slot: u32 },
+    /// Load the checkpoint directory `TrainSetup::checkpoint` (`--resume`, or a rollback to
+    /// a checkpoint).
     FromCheckpoint { step: u64 },
 }
 

@@ -267,6 +267,42 @@ pub fn target_layer_ids(n_layers: usize, taps: usize) -> Vec<u32> {
     (0..taps).map(|i| (1.0 + i as f64 * span / (taps - 1) as f64).round() as u32).collect()
 }
 
+/// Every tensor of the first `layers` decoder layers plus embeddings, final norm and
+/// (untied) lm_head, with their shapes from the config, as a Hugging Face checkpoint names
+/// them. The worker loads exactly these; the supervisor checks a `--target` directory's
+/// safetensors headers against them before any worker starts.
+pub fn expected_tensors(cfg: &TargetConfig, layers: usize) -> Vec<(String, Vec<usize>)> {
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (qd, kd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h]), ("model.norm.weight".into(), vec![h])];
+    if !cfg.tie_word_embeddings {
+        v.push(("lm_head.weight".into(), vec![cfg.vocab_size, h]));
+    }
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        v.push((format!("{p}.input_layernorm.weight"), vec![h]));
+        v.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
+        v.push((format!("{p}.self_attn.q_proj.weight"), vec![qd, h]));
+        v.push((format!("{p}.self_attn.k_proj.weight"), vec![kd, h]));
+        v.push((format!("{p}.self_attn.v_proj.weight"), vec![kd, h]));
+        v.push((format!("{p}.self_attn.o_proj.weight"), vec![h, qd]));
+        if cfg.arch == Arch::Qwen3 {
+            v.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            v.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        }
+        v.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
+        v.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
+        v.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+    }
+    v
+}
+
+/// Tensors a checkpoint may hold beside [`expected_tensors`] (a tied model's spare
+/// lm_head, rotary tables): loaders ignore them.
+pub fn is_ignorable_tensor(name: &str) -> bool {
+    name == "lm_head.weight" || name.ends_with("rotary_emb.inv_freq")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
@@ -34,8 +34,8 @@ pub enum FromWorker {
     /// `params` is a checksum of the weights the gradient was taken at: every rank of a
     /// step must report the same one, or the ranks have diverged.
     Grads { step: u64, input: SlotRef, batch_id: u64, stats: crate::drafter::StepStats, params: u64 },
-    /// The state slot now holds this rank's state at `step`.
-    SnapshotDone { step: u64 },
+    /// State slot `slot` now holds this rank's state at `step`; writing it took `ms`.
+    SnapshotDone { step: u64, slot: u32, ms: f64 },
     /// The drafter was written (HF format) to `dir` at `step`.
     Exported { dir: String, step: u64 },
     /// A checkpoint of `step` is complete in `dir`.
@@ -113,8 +113,9 @@ pub enum ToWorker {
     /// Drafters: step `step` is committed: average the gradient slots listed, clip, and
     /// apply the optimizer with learning rate `lr`.
     Reduce { step: u64, slots: Vec<u32>, lr: f64 },
-    /// Drafters: write your state (at `step`) into the state slot for a joining rank.
-    Snapshot { step: u64 },
+    /// Drafters: write your state (at `step`) into state slot `slot`: slot 0 for a joining
+    /// rank, 1 and 2 for the supervisor's double-buffered snapshot that a rollback restores.
+    Snapshot { step: u64, slot: u32 },
     /// Drafters: write the trained drafter to `dir` (HF format), then report Exported.
     Export { dir: String },
     /// Drafters: write a checkpoint of your state at `step` to `dir` (atomically), with

@@ -193,6 +193,40 @@ impl SlotTable {
         Some(Grant { slot: i, gen: s.gen, len: s.len, batch_id: s.batch_id })
     }
 
+    /// The lowest batch id READY: what [`deliver_lowest`](Self::deliver_lowest) hands out.
+    pub fn peek_lowest(&self) -> Option<u64> {
+        self.ready.iter().map(|&i| self.slots[i as usize].batch_id).min()
+    }
+
+    /// READY → READING for `holder`, lowest batch id first. Batch ids count batches in the
+    /// loader's order, and a redelivered batch is older than the rest, so this is the
+    /// oldest-first order of [`deliver`](Self::deliver), and it also puts batches that a
+    /// rollback sent through again back in their place.
+    pub fn deliver_lowest(&mut self, holder: Holder) -> Option<Grant> {
+        let pos = (0..self.ready.len()).min_by_key(|&p| self.slots[self.ready[p] as usize].batch_id)?;
+        let i = self.ready.remove(pos).expect("in range");
+        let s = &mut self.slots[i as usize];
+        debug_assert_eq!(s.state, SlotState::Ready);
+        s.state = SlotState::Reading;
+        s.holder = Some(holder);
+        s.gen += 1;
+        Some(Grant { slot: i, gen: s.gen, len: s.len, batch_id: s.batch_id })
+    }
+
+    /// Every READY slot → FREE, undelivered (a rollback recomputes them in order);
+    /// returns their batch ids.
+    pub fn withdraw_ready(&mut self) -> Vec<u64> {
+        let mut out = Vec::with_capacity(self.ready.len());
+        for i in std::mem::take(&mut self.ready) {
+            let s = &mut self.slots[i as usize];
+            s.state = SlotState::Free;
+            s.holder = None;
+            s.gen += 1;
+            out.push(s.batch_id);
+        }
+        out
+    }
+
     pub fn check_ack(&self, holder: Holder, slot: u32, gen: u64, batch_id: u64) -> Result<(), Reject> {
         self.check(holder, slot, gen, SlotState::Reading)?;
         let held = self.slots[slot as usize].batch_id;

@@ -212,8 +212,21 @@ pub struct RunArgs {
     #[arg(long, value_name = "K", default_value_t = 3, help_heading = "Training")]
     pub keep_checkpoints: usize,
 
+    /// Snapshot the training state into supervisor-owned shared memory every N steps (what
+    /// the group rolls back to if every drafter dies). Default: as often as keeps the
+    /// snapshot under 2% of the step time, measured as the run goes.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..), help_heading = "Training")]
+    pub snapshot_every: Option<u64>,
+
+    /// How many times the run rolls back after every drafter died before it gives up
+    /// (exit 1 with the drafters' last log lines).
+    #[arg(long, value_name = "N", default_value_t = 5, help_heading = "Training")]
+    pub max_rollbacks: u32,
+
     /// Continue the run in RUN_DIR from its newest checkpoint, with its saved model,
     /// data and training settings (devices and the other flags come from this command).
+    /// --steps, --lr, --warmup-ratio and --max-bad-lines given here win over the saved
+    /// ones; another saved setting given with a different value is refused.
     #[arg(long, value_name = "RUN_DIR", help_heading = "Training", conflicts_with = "run_dir")]
     pub resume: Option<PathBuf>,
 

@@ -3,9 +3,15 @@
 //! death) and when the optimizer consumed it. `dflash-supervise ledger` audits it.
 //!
 //! One JSON object per line: `{"t": unix_ms, "ev": EVENT, "batch": ID, "worker": NAME, ...}`
-//! with EVENT one of `load`, `to_target`, `hidden`, `to_drafter`, `consumed`, `requeue`,
-//! `duplicate`; and a last line `{"ev": "end", "in_flight": [...], "loader_done": bool}`
-//! when the supervisor ends.
+//! with EVENT one of `load`, `to_target`, `hidden`, `to_drafter`, `consumed` (with the
+//! committed `step`), `requeue`, `duplicate`, `replay` (a rolled-back batch sent through
+//! again); `{"ev": "rollback", "from": STEP, "to": STEP, "batches": [...]}` when the drafter
+//! group went back to a saved state (every drafter died, or `--resume`); `{"ev": "torn"}`
+//! after a line a crash cut short; and a last line `{"ev": "end", "in_flight": [...],
+//! "loader_done": bool}` when the supervisor ends.
+//!
+//! The audit follows the lineage of the final weights: a rollback to step s abandons what
+//! was consumed in steps after s, and those batches must then be consumed again, once.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{File, OpenOptions};
@@ -22,12 +28,33 @@ pub const LEDGER_FILE: &str = "ledger.jsonl";
 
 pub struct Ledger {
     file: File,
+    /// The first append that failed: the run must stop taking batches.
+    failed: Option<String>,
+    /// The last append failed part-way, maybe: start the next record on a new line.
+    torn: bool,
 }
 
 impl Ledger {
     pub fn create(run_dir: &Path) -> std::io::Result<Ledger> {
-        let file = OpenOptions::new().create(true).append(true).open(run_dir.join(LEDGER_FILE))?;
-        Ok(Ledger { file })
+        let path = run_dir.join(LEDGER_FILE);
+        // A previous supervisor killed mid-write (or a full disk) may have left a last line
+        // without its newline: end it, and mark it so the audit sets it aside.
+        let torn = std::fs::read(&path).is_ok_and(|b| !b.is_empty() && b.last() != Some(&b'\n'));
+        let file = OpenOptions::new().create(true).append(true).open(&path)?;
+        let mut l = Ledger { file, failed: None, torn };
+        if torn {
+            l.write(&json!({"t": unix_ms(), "ev": "torn"}));
+        }
+        Ok(l)
+    }
+
+    /// Why the ledger cannot be appended to, once an append failed.
+    pub fn failed(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+
+    pub fn rollback(&mut self, from: Option<u64>, to: u64, batches: &[u64]) {
+        self.write(&json!({"t": unix_ms(), "ev": "rollback", "from": from, "to": to, "batches": batches}));
     }
 
     pub fn record(&mut self, ev: &str, batch: u64, worker: &str, extra: Value) {
@@ -49,10 +76,18 @@ impl Ledger {
     fn write(&mut self, v: &Value) {
         // One write per record, unbuffered: a supervisor killed with SIGKILL loses nothing
         // it had already recorded.
-        let mut line = v.to_string();
+        let mut line = if self.torn { "\n".to_string() } else { String::new() };
+        line.push_str(&v.to_string());
         line.push('\n');
-        if let Err(e) = self.file.write_all(line.as_bytes()) {
-            log::warn!("cannot append to {LEDGER_FILE}: {e}");
+        match self.file.write_all(line.as_bytes()) {
+            Ok(()) => self.torn = false,
+            Err(e) => {
+                self.torn = true;
+                if self.failed.is_none() {
+                    log::error!("cannot append to {LEDGER_FILE}: {e}");
+                    self.failed = Some(format!("cannot append to {LEDGER_FILE}: {e}"));
+                }
+            }
         }
     }
 }
@@ -71,6 +106,13 @@ pub struct Audit {
     pub requeued: u64,
     /// Second copies caught and dropped before reaching an optimizer.
     pub duplicates_dropped: u64,
+    /// Rollbacks (every drafter died, or --resume), and the consumptions they abandoned
+    /// (batches consumed in steps after the rollback's target, which are then consumed
+    /// again in the final lineage).
+    pub rollbacks: u64,
+    pub abandoned: u64,
+    /// Lines a crash cut short, set aside.
+    pub torn_lines: u64,
     pub ended: bool,
 }
 
@@ -78,21 +120,41 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| Error::Usage(format!("{}: cannot read the ledger: {e}", path.display())))?;
     let mut produced = BTreeSet::new();
-    let mut consumed: HashMap<u64, u64> = HashMap::new();
+    // The lineage of the current weights: (step, batch) per consumption.
+    let mut lineage: Vec<(Option<u64>, u64)> = Vec::new();
     let mut a = Audit::default();
     let mut end_in_flight: Option<BTreeSet<u64>> = None;
-    for (i, line) in text.lines().enumerate() {
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let v: Value = serde_json::from_str(line)
-            .map_err(|e| Error::Usage(format!("{}:{}: not a ledger record: {e}", path.display(), i + 1)))?;
+        let v: Value = match serde_json::from_str(line) {
+            Ok(v) => v,
+            Err(e) => {
+                // Cut short by a crash: the file's last line, or one the next supervisor
+                // marked as torn.
+                let marked = lines.get(i + 1).is_some_and(|n| n.contains(r#""ev":"torn""#));
+                if (i + 1 == lines.len() && !text.ends_with('\n')) || marked {
+                    a.torn_lines += 1;
+                    continue;
+                }
+                return Err(Error::Usage(format!("{}:{}: not a ledger record: {e}", path.display(), i + 1)));
+            }
+        };
         let batch = v["batch"].as_u64();
         match (v["ev"].as_str().unwrap_or(""), batch) {
             ("load", Some(b)) => {
                 produced.insert(b);
             }
-            ("consumed", Some(b)) => *consumed.entry(b).or_default() += 1,
+            ("consumed", Some(b)) => lineage.push((v["step"].as_u64(), b)),
+            ("rollback", _) => {
+                let to = v["to"].as_u64().unwrap_or(0);
+                a.rollbacks += 1;
+                let before = lineage.len();
+                lineage.retain(|(s, _)| s.is_none_or(|s| s <= to));
+                a.abandoned += (before - lineage.len()) as u64;
+            }
             ("requeue", Some(_)) => a.requeued += 1,
             ("duplicate", Some(_)) => a.duplicates_dropped += 1,
             ("end", _) => {
@@ -100,6 +162,10 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
             }
             _ => {}
         }
+    }
+    let mut consumed: HashMap<u64, u64> = HashMap::new();
+    for (_, b) in lineage {
+        *consumed.entry(b).or_default() += 1;
     }
     a.produced = produced.len() as u64;
     a.consumed_once = consumed.values().filter(|&&n| n == 1).count() as u64;
@@ -134,6 +200,12 @@ pub fn run(args: crate::cli::LedgerArgs) -> Result<i32, Error> {
         println!("  duplicated       {}", a.duplicated);
         println!("  requeued         {} (given back when the worker holding them ended)", a.requeued);
         println!("  dropped copies   {}", a.duplicates_dropped);
+        if a.rollbacks > 0 {
+            println!("  rollbacks        {} ({} consumptions abandoned with their lineage, then consumed again)", a.rollbacks, a.abandoned);
+        }
+        if a.torn_lines > 0 {
+            println!("  torn lines       {} (cut short by a crash, set aside)", a.torn_lines);
+        }
     }
     Ok(if a.lost > 0 || a.duplicated > 0 { dflash_shared::exit_codes::RUN_FAILED } else { dflash_shared::exit_codes::SUCCESS })
 }
@@ -146,6 +218,53 @@ mod tests {
         let f = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(f.path(), lines.join("\n")).unwrap();
         audit(f.path()).unwrap()
+    }
+
+    #[test]
+    fn a_batch_consumed_again_after_a_rollback_is_once_in_the_lineage_but_twice_in_one_is_not() {
+        let load: Vec<String> = (0..4).map(|b| format!(r#"{{"ev":"load","batch":{b}}}"#)).collect();
+        let c = |b: u64, s: u64| format!(r#"{{"ev":"consumed","batch":{b},"step":{s}}}"#);
+        let mut ok: Vec<String> = load.clone();
+        // Steps 1-3 consume 0, 1, 2; every drafter dies; rollback to step 1: 1 and 2 again.
+        ok.extend([c(0, 1), c(1, 2), c(2, 3)]);
+        ok.push(r#"{"ev":"rollback","from":3,"to":1,"batches":[1,2]}"#.into());
+        ok.extend([c(1, 2), c(2, 3), c(3, 4)]);
+        ok.push(r#"{"ev":"end","in_flight":[]}"#.into());
+        let a = audit_of(&ok.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!((a.consumed_once, a.duplicated, a.lost, a.rollbacks, a.abandoned), (4, 0, 0, 1, 2), "{a:?}");
+        // Without the rollback record the same consumptions are duplicates.
+        let no_rollback: Vec<&str> = ok.iter().map(String::as_str).filter(|l| !l.contains("rollback")).collect();
+        assert_eq!(audit_of(&no_rollback).duplicated, 2);
+        // Twice in one lineage (after the rollback) is a duplicate.
+        let mut twice = ok.clone();
+        twice.insert(twice.len() - 1, c(3, 5));
+        assert_eq!(audit_of(&twice.iter().map(String::as_str).collect::<Vec<_>>()).duplicated, 1);
+        // Abandoned and never consumed again: lost.
+        let mut lost: Vec<String> = load.clone();
+        lost.extend([c(0, 1), c(1, 2), c(2, 3), c(3, 4)]);
+        lost.push(r#"{"ev":"rollback","from":4,"to":2,"batches":[2,3]}"#.into());
+        lost.push(c(2, 3));
+        lost.push(r#"{"ev":"end","in_flight":[]}"#.into());
+        let a = audit_of(&lost.iter().map(String::as_str).collect::<Vec<_>>());
+        assert_eq!((a.consumed_once, a.lost), (3, 1), "{a:?}");
+    }
+
+    #[test]
+    fn a_torn_last_line_is_set_aside_and_a_reopened_ledger_marks_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LEDGER_FILE);
+        std::fs::write(&path, "{\"ev\":\"load\",\"batch\":0}\n{\"ev\":\"consumed\",\"batch\":0,\"st").unwrap();
+        let a = audit(&path).unwrap();
+        assert_eq!((a.produced, a.torn_lines, a.consumed_once), (1, 1, 0));
+        // A supervisor that opens it again ends the torn line and marks it; later records
+        // are read, and the torn line stays set aside.
+        let mut l = Ledger::create(dir.path()).unwrap();
+        l.record("consumed", 0, "drafter-0", json!({"step": 1}));
+        let a = audit(&path).unwrap();
+        assert_eq!((a.torn_lines, a.consumed_once), (1, 1), "{a:?}");
+        // Garbage elsewhere is still an error.
+        std::fs::write(&path, "{\"ev\":\"load\",\"batch\":0}\nnot json\n{\"ev\":\"load\",\"batch\":1}\n").unwrap();
+        assert!(audit(&path).unwrap_err().to_string().contains(":2: not a ledger record"));
     }
 
     #[test]

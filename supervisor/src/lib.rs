@@ -32,12 +32,14 @@ pub mod resume;
 pub mod rundir;
 pub mod status;
 pub mod telemetry;
+pub mod target_check;
 pub mod trainer;
+pub mod validate;
 pub mod worker_log;
 
 use std::path::{Path, PathBuf};
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use dflash_shared::batch::{CaptureSpec, DTYPE_BF16};
 use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
@@ -47,13 +49,23 @@ use crate::cli::{Cli, Command, RunArgs};
 use crate::error::Error;
 
 pub fn main() -> i32 {
-    let cli = match Cli::try_parse() {
+    let matches = match Cli::command().try_get_matches() {
+        Ok(m) => m,
+        Err(e) => return clap_exit(e),
+    };
+    let cli = match Cli::from_arg_matches(&matches) {
         Ok(c) => c,
         Err(e) => return clap_exit(e),
     };
+    // Which run flags were typed (not defaults): a resumed run lets those win or refuses them.
+    let given: Vec<String> = matches
+        .ids()
+        .filter(|id| matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+        .map(|id| id.as_str().to_string())
+        .collect();
     console::init();
     let result = match cli.command {
-        None => run(cli.run),
+        None => run(cli.run, &given),
         Some(Command::Logs(a)) => logs::run(a),
         Some(Command::Status(a)) => status::run(a),
         Some(Command::Ledger(a)) => ledger::run(a),
@@ -160,32 +172,45 @@ fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
     path.canonicalize().map_err(|e| Error::Usage(format!("{what}: {e}")))
 }
 
-fn run(mut args: RunArgs) -> Result<i32, Error> {
+fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     if let Some(path) = args.config.clone() {
         config_file::apply(&path, &mut args)?;
     }
     let resume = match args.resume.clone() {
-        Some(dir) => Some(resume::prepare(&dir, &mut args)?),
+        Some(dir) => Some(resume::prepare(&dir, &mut args, given)?),
         None => None,
     };
+    validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
         log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward and backward; the optimizer step stays on the CPU");
     }
     let target_cfg = target_config(&args.target)?;
+    if args.target != "tiny" {
+        target_check::check(Path::new(&args.target), &target_cfg).map_err(|e| Error::Usage(format!("--target {}: {e}", args.target)))?;
+    }
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
-    pipeline_cfg.check_memory(trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks))?;
+    let shared_bytes = trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks);
+    pipeline_cfg.check_memory(shared_bytes)?;
+    let estimate = validate::estimate_memory(
+        &trainer_cfg.drafter,
+        &target_cfg,
+        &pipeline_cfg.capture.tap_ids,
+        &plan,
+        args.max_seq_len,
+        pipeline_cfg.total_bytes() + shared_bytes,
+    );
+    validate::check_memory(&estimate, &plan, &trainer_cfg.drafter)?;
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32;
     let preflight = preflight::at_start(&loader_cfg, args.preflight_lines, drafters)?;
     let run_dir = match &resume {
         Some(r) => rundir::RunDir::reopen(&r.dir)?,
         None => rundir::RunDir::create(args.run_dir.as_deref())?,
     };
-    if resume.is_none() {
-        resume::SavedRun::of(&args).save(&run_dir.path)?;
-    }
+    // On --resume too: the settings as merged with this command line's are the run's now.
+    resume::SavedRun::of(&args).save(&run_dir.path)?;
     if let Some(p) = &preflight {
         p.write_json(&run_dir.path.join("preflight.json"))?;
     }
@@ -198,6 +223,8 @@ fn run(mut args: RunArgs) -> Result<i32, Error> {
         log::info!("resuming {} from the checkpoint of step {} ({} batches already consumed)", r.dir.display(), r.step, r.consumed.len());
         loader.skip_consumed(r.consumed.clone());
         pipeline.set_consumed_before(r.consumed.clone());
+        // The ledger's lineage goes back to the checkpoint too.
+        pipeline.record_resume(r.step);
         trainer_cfg.resume = Some((r.step, r.checkpoint.clone()));
     }
     let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
@@ -378,6 +405,8 @@ fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &Target
         keep_checkpoints: args.keep_checkpoints,
         checkpoints_dir: PathBuf::new(),
         resume: None,
+        snapshot_every: args.snapshot_every,
+        max_rollbacks: args.max_rollbacks,
     })
 }
 
@@ -423,6 +452,7 @@ fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
 
     fn args(extra: &[&str]) -> RunArgs {
         let mut argv = vec!["dflash-supervise"];

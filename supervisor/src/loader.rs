@@ -326,6 +326,10 @@ impl JsonlStream {
                 bad.lines += 1;
                 return Ok(Some((whence, Err(Bad { reason: "line too long", detail: Some(format!("longer than {} bytes", cfg.max_line_bytes)) }))));
             }
+            if *line_no == 1 && self.buf.starts_with(b"\xEF\xBB\xBF") {
+                // A UTF-8 byte-order mark (written by some Windows editors) opens the file.
+                self.buf.drain(..3);
+            }
             if self.buf.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }

@@ -35,6 +35,14 @@ pub fn run(args: LogsArgs) -> Result<i32, Error> {
         }
         vec![w]
     };
+    let logs_dir = run.path.join(crate::rundir::LOGS_DIR);
+    if !logs_dir.is_dir() {
+        return Err(Error::Usage(format!(
+            "{}: no such directory, so no worker log to show (expected the logs/ of run {}; was it moved or deleted?)",
+            logs_dir.display(),
+            run.path.display()
+        )));
+    }
     let mut followers: Vec<Follower> = names
         .iter()
         .map(|n| Follower::new(worker_log_path(&run.path, n), args.all.then(|| format!("[{n}] "))))

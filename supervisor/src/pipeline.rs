@@ -22,7 +22,7 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::thread;
 
-use dflash_shared::batch::CaptureSpec;
+use dflash_shared::batch::{CaptureSpec, TokenBatch};
 use dflash_shared::pool::{PoolGeometry, PoolMap};
 use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
 use dflash_shared::slots::{Grant, Holder, SlotState, SlotTable};
@@ -110,7 +110,7 @@ pub fn human(bytes: u64) -> String {
 
 /// From the loader thread.
 pub enum LoaderEvent {
-    Produced { slot: u32, gen: u64, len: u64, batch_id: u64, rows: usize, tokens: u64, lengths: Vec<u32>, seq_len: u32 },
+    Produced { slot: u32, gen: u64, len: u64, batch_id: u64, rows: usize, tokens: u64, lengths: Vec<u32>, seq_len: u32, batch: Box<TokenBatch> },
     Done { position: Position, bad: BadLines },
     Failed(String),
 }
@@ -176,6 +176,14 @@ pub struct Pipeline {
     /// Queue health of the current metrics window.
     pub health: QueueHealth,
     ledger: Ledger,
+    /// Every batch a rollback may still send through again (produced, and not consumed
+    /// in a step that a snapshot or checkpoint covers), with the step it was consumed in.
+    retained: HashMap<u64, TokenBatch>,
+    consumed_step: HashMap<u64, u64>,
+    /// Batches a rollback sent back, written into token slots ahead of the loader's.
+    replay: std::collections::VecDeque<TokenBatch>,
+    /// Sent through again and not yet turned into hidden states.
+    replay_outstanding: std::collections::BTreeSet<u64>,
 }
 
 impl Pipeline {
@@ -197,6 +205,10 @@ impl Pipeline {
             batch_tokens: HashMap::new(),
             health: QueueHealth::default(),
             ledger,
+            retained: HashMap::new(),
+            consumed_step: HashMap::new(),
+            replay: std::collections::VecDeque::new(),
+            replay_outstanding: std::collections::BTreeSet::new(),
         })
     }
 
@@ -238,6 +250,7 @@ impl Pipeline {
                                     tokens: b.tokens(),
                                     lengths: b.lengths.clone(),
                                     seq_len: b.seq_len,
+                                    batch: Box::new(b),
                                 },
                                 Err(e) => LoaderEvent::Failed(format!("batch {} does not fit a token slot: {e}", b.batch_id)),
                             }
@@ -259,7 +272,9 @@ impl Pipeline {
     /// A loader event; `Err` is bad input that ends the run.
     pub fn on_loader(&mut self, ev: LoaderEvent) -> Result<(), String> {
         match ev {
-            LoaderEvent::Produced { slot, gen, len, batch_id, rows, tokens, lengths, seq_len } => {
+            LoaderEvent::Produced { slot, gen, len, batch_id, rows, tokens, lengths, seq_len, batch } => {
+                // Kept until no rollback can need it again.
+                self.retained.insert(batch_id, *batch);
                 self.health.batch(&lengths, seq_len);
                 self.batch_tokens.insert(batch_id, tokens);
                 self.tokens
@@ -344,6 +359,7 @@ impl Pipeline {
             return Ok(());
         }
         self.hidden.table.commit(peer.holder, output.slot, output.gen, len, batch_id).expect("checked");
+        self.replay_outstanding.remove(&batch_id);
         let tokens = self.batch_tokens.get(&batch_id).copied().unwrap_or(0);
         self.health.tokens(&name, tokens);
         self.hidden.publish(output.slot, 0);
@@ -354,7 +370,7 @@ impl Pipeline {
     /// A drafter consumed a batch.
     pub fn on_ack(&mut self, peer: &Peer, input: SlotRef, batch_id: u64) -> Result<(), String> {
         self.check_consume(peer.name, peer.holder, input, batch_id)?;
-        self.consume(peer.name, peer.holder, input, batch_id)
+        self.consume(peer.name, peer.holder, input, batch_id, None)
     }
 
     /// Would [`consume`](Self::consume) accept this?
@@ -365,8 +381,9 @@ impl Pipeline {
         self.hidden.table.check_ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())
     }
 
-    /// `batch_id`, delivered to `holder`, reached the optimizer: free its slot.
-    pub fn consume(&mut self, name: WorkerName, holder: Holder, input: SlotRef, batch_id: u64) -> Result<(), String> {
+    /// `batch_id`, delivered to `holder`, reached the optimizer (in committed step `step`):
+    /// free its slot.
+    pub fn consume(&mut self, name: WorkerName, holder: Holder, input: SlotRef, batch_id: u64, step: Option<u64>) -> Result<(), String> {
         self.hidden.table.ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())?;
         self.hidden.publish(input.slot, 0);
         let name = name.to_string();
@@ -374,11 +391,90 @@ impl Pipeline {
             self.health.tokens(&name, tokens);
         }
         if self.consumed.insert(batch_id) {
-            self.ledger.record("consumed", batch_id, &name, json!({}));
+            match step {
+                Some(s) => {
+                    self.consumed_step.insert(batch_id, s);
+                    self.ledger.record("consumed", batch_id, &name, json!({"step": s}));
+                }
+                None => {
+                    self.retained.remove(&batch_id);
+                    self.ledger.record("consumed", batch_id, &name, json!({}));
+                }
+            }
         } else {
             self.ledger.record("duplicate", batch_id, &name, json!({"pool": "consumed"}));
         }
         Ok(())
+    }
+
+    /// The drafter group rolled back from step `from` to `to`: `batches` (committed after
+    /// `to`, in commit order) were consumed in an abandoned lineage. They go through the
+    /// pipeline again, ahead of anything the loader makes from now on.
+    pub fn rollback(&mut self, from: u64, to: u64, batches: &[u64]) -> Result<(), String> {
+        self.ledger.rollback(Some(from), to, batches);
+        // Hidden states made of newer batches and not delivered yet are made again after
+        // the rolled-back ones, so that the group trains on everything in batch order.
+        let recalled = self.hidden.table.withdraw_ready();
+        self.hidden.publish_all();
+        for &b in &recalled {
+            self.ledger.record("requeue", b, "supervisor", json!({"pool": "hidden", "why": "rollback"}));
+        }
+        let mut again: Vec<u64> = batches.iter().chain(&recalled).copied().collect();
+        again.sort_unstable();
+        again.dedup();
+        for b in again {
+            let batch = self.retained.get(&b).cloned().ok_or_else(|| format!("rollback to step {to}: batch {b} was not kept, it cannot be trained again"))?;
+            self.consumed.remove(&b);
+            self.consumed_step.remove(&b);
+            self.hidden_seen.remove(&b);
+            self.batch_tokens.insert(b, batch.tokens());
+            self.replay_outstanding.insert(b);
+            self.replay.push_back(batch);
+        }
+        Ok(())
+    }
+
+    /// Batches consumed at or before `step` are out of any rollback's reach.
+    pub fn covered(&mut self, step: u64) {
+        let done: Vec<u64> = self.consumed_step.iter().filter(|(_, &s)| s <= step).map(|(&b, _)| b).collect();
+        for b in done {
+            self.consumed_step.remove(&b);
+            self.retained.remove(&b);
+        }
+    }
+
+    /// Write rolled-back batches into free token slots, READY before anything the loader
+    /// commits later.
+    fn replay_batches(&mut self) {
+        while !self.replay.is_empty() {
+            let Some(g) = self.tokens.table.lease(LOADER) else { return };
+            // SAFETY: the slot was just leased to LOADER (WRITING): no worker reads it.
+            let buf = unsafe { self.tokens.map.payload_mut(g.slot) };
+            let b = self.replay.pop_front().expect("front exists");
+            match b.encode_into(buf) {
+                Ok(len) => {
+                    self.tokens.table.commit(LOADER, g.slot, g.gen, len as u64, b.batch_id).expect("leased just now");
+                    self.tokens.publish(g.slot, std::process::id());
+                    self.ledger.record("replay", b.batch_id, "supervisor", json!({"rows": b.rows(), "tokens": b.tokens()}));
+                }
+                Err(e) => {
+                    // It fitted the first time; the slot size has not changed.
+                    log::error!("batch {} no longer fits a token slot: {e}", b.batch_id);
+                    let _ = self.tokens.table.cancel(LOADER, g.slot, g.gen);
+                }
+            }
+        }
+    }
+
+    /// Resuming from the checkpoint of `step`: what the previous run consumed after it is
+    /// an abandoned lineage.
+    pub fn record_resume(&mut self, step: u64) {
+        self.ledger.rollback(None, step, &[]);
+    }
+
+    /// Why no more batches may be taken: the ledger cannot be written.
+    pub fn ledger_failed(&self) -> Option<String> {
+        self.ledger.failed().map(|e| format!("{e}: the run stops taking batches, since it cannot record them (free space, then --resume)"))
     }
 
     /// A worker life is over (pidfd said so, channel drained): take back its slots.
@@ -402,6 +498,10 @@ impl Pipeline {
     /// Grant whatever can be granted: token slots to the loader, token batches and output
     /// leases to targets, hidden-state batches to drafters.
     pub fn pump(&mut self, peers: &[Peer]) {
+        if self.ledger.failed().is_some() {
+            return;
+        }
+        self.replay_batches();
         if let Some(tx) = &self.loader_tx {
             while self.tokens.table.held(LOADER, SlotState::Writing) < LOADER_AHEAD {
                 let Some(g) = self.tokens.table.lease(LOADER) else { break };
@@ -454,7 +554,14 @@ impl Pipeline {
                 PoolId::Tokens => &mut self.tokens,
                 PoolId::Hidden => &mut self.hidden,
             };
-            if p.table.peek_ready().is_none() {
+            let Some(next) = p.table.peek_lowest() else { return };
+            // After a rollback, drafters get the batches sent through again before any
+            // newer one, so the group sees them in their order; unless that would stall
+            // the targets (no free hidden-state slot to make them in).
+            if pool == PoolId::Hidden
+                && self.replay_outstanding.first().is_some_and(|&m| next > m)
+                && p.table.count(SlotState::Free) > 0
+            {
                 return;
             }
             let served = &self.served;
@@ -465,7 +572,7 @@ impl Pipeline {
             else {
                 return;
             };
-            let g = p.table.deliver(peer.holder).expect("a batch is ready");
+            let g = p.table.deliver_lowest(peer.holder).expect("a batch is ready");
             p.publish(g.slot, peer.pid);
             let slot = p.fref(&g);
             let _ = peer.tx.send(ToWorker::Deliver { slot, len: g.len, batch_id: g.batch_id });

@@ -95,13 +95,71 @@ pub struct Resume {
     pub consumed: HashSet<u64>,
 }
 
-/// Load `dir`'s saved settings into `args` and find its newest complete checkpoint.
-pub fn prepare(dir: &Path, args: &mut RunArgs) -> Result<Resume, Error> {
+/// Saved settings a resumed run may change: flags given with `--resume` win over them.
+/// (The step limit and the learning-rate schedule; the rest decide which batches exist
+/// and what the drafter is, so changing them would not continue the same run.)
+pub const OVERRIDABLE: [&str; 4] = ["steps", "lr", "warmup_ratio", "max_bad_lines"];
+
+/// Merge the settings given on this command line (`given`: the ids of the flags on it;
+/// an optional setting that has a value also counts, from a flag or `--config`) into the
+/// saved ones. A given overridable setting wins; another one that differs from the saved
+/// value is refused. Returns the merged settings and one note per override.
+pub fn merge(saved: SavedRun, now: &SavedRun, given: &[String]) -> Result<(SavedRun, Vec<String>), String> {
+    let to_map = |r: &SavedRun| match serde_json::to_value(r) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        _ => Err("cannot compare the settings".to_string()),
+    };
+    let mut merged = to_map(&saved)?;
+    let now = to_map(now)?;
+    let mut notes = Vec::new();
+    for (key, value) in &now {
+        let optional = OPTIONAL.contains(&key.as_str());
+        let is_given = if optional { !value.is_null() } else { given.iter().any(|g| g == key) };
+        let old = merged.get(key).cloned().unwrap_or(serde_json::Value::Null);
+        if !is_given || *value == old {
+            continue;
+        }
+        let flag = format!("--{}", key.replace('_', "-"));
+        let shown = |v: &serde_json::Value| match v {
+            serde_json::Value::Null => "the default".to_string(),
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Array(a) => a.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(","),
+            other => other.to_string(),
+        };
+        if OVERRIDABLE.contains(&key.as_str()) {
+            notes.push(format!("{flag} {} replaces this run's {}", shown(value), shown(&old)));
+            merged.insert(key.clone(), value.clone());
+        } else {
+            return Err(format!(
+                "{flag} {} differs from this run's {} ({RUN_FILE}); a resumed run keeps its model, data and batching \
+                 (expected no {flag}, or the same value; only {} may change; or start a new run)",
+                shown(value),
+                shown(&old),
+                OVERRIDABLE.map(|k| format!("--{}", k.replace('_', "-"))).join(", ")
+            ));
+        }
+    }
+    let merged = serde_json::from_value(serde_json::Value::Object(merged)).map_err(|e| format!("cannot merge the settings: {e}"))?;
+    Ok((merged, notes))
+}
+
+/// Settings that are optional (`None`: the default for the target); the others always
+/// have a value, so only the command line tells whether one was given.
+const OPTIONAL: [&str; 10] =
+    ["taps", "draft_layers", "token_budget", "steps", "lr", "warmup_ratio", "gamma", "mask_token_id", "block_size", "max_anchors"];
+
+/// Load `dir`'s saved settings into `args` (flags given on this command line, `given`,
+/// win where they may, see [`merge`]) and find its newest complete checkpoint.
+pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Resume, Error> {
     let usage = |msg: String| Error::Usage(format!("--resume {}: {msg}", dir.display()));
     let text = std::fs::read_to_string(dir.join(RUN_FILE))
         .map_err(|e| usage(format!("cannot read {RUN_FILE}: {e} (expected the run directory of a dflash-supervise run)")))?;
     let saved: SavedRun = serde_json::from_str(&text).map_err(|e| usage(format!("{RUN_FILE} is not valid: {e}")))?;
-    saved.apply(args);
+    let (merged, notes) = merge(saved, &SavedRun::of(args), given).map_err(usage)?;
+    for n in notes {
+        log::info!("resuming with {n}");
+    }
+    merged.apply(args);
     let ckpts = dir.join("checkpoints");
     let mut done: Vec<PathBuf> = std::fs::read_dir(&ckpts)
         .map(|d| d.flatten().map(|e| e.path()).collect())
@@ -119,4 +177,60 @@ pub fn prepare(dir: &Path, args: &mut RunArgs) -> Result<Resume, Error> {
     let mut consumed: HashSet<u64> = (0..below).collect();
     consumed.extend(sup["consumed_extra"].as_array().into_iter().flatten().filter_map(|v| v.as_u64()));
     Ok(Resume { dir: dir.to_path_buf(), step, checkpoint, consumed })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::Cli;
+    use clap::Parser;
+
+    fn args(extra: &[&str]) -> RunArgs {
+        let mut argv = vec!["dflash-supervise"];
+        argv.extend_from_slice(extra);
+        Cli::try_parse_from(argv).unwrap().run
+    }
+
+    fn given(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn saved() -> SavedRun {
+        SavedRun::of(&args(&["--data", "demo", "--steps", "3", "--max-seq-len", "64", "--block-size", "8"]))
+    }
+
+    #[test]
+    fn without_flags_the_saved_settings_are_used() {
+        let (m, notes) = merge(saved(), &SavedRun::of(&args(&[])), &[]).unwrap();
+        assert_eq!(m.steps, Some(3));
+        assert_eq!(m.max_seq_len, 64, "a default value not given on the command line does not count");
+        assert_eq!(m.block_size, Some(8));
+        assert!(notes.is_empty());
+    }
+
+    #[test]
+    fn given_steps_and_lr_win_over_the_saved_ones() {
+        let now = SavedRun::of(&args(&["--steps", "6", "--lr", "1e-3", "--max-bad-lines", "50"]));
+        let (m, notes) = merge(saved(), &now, &given(&["steps", "lr", "max_bad_lines"])).unwrap();
+        assert_eq!(m.steps, Some(6));
+        assert_eq!(m.lr, Some(1e-3));
+        assert_eq!(m.max_bad_lines, 50);
+        assert_eq!(notes.len(), 3, "{notes:?}");
+        assert!(notes.iter().any(|n| n == "--steps 6 replaces this run's 3"), "{notes:?}");
+    }
+
+    #[test]
+    fn a_given_setting_that_would_change_the_run_is_refused_unless_it_is_the_same() {
+        let now = SavedRun::of(&args(&["--block-size", "4"]));
+        let e = merge(saved(), &now, &given(&["block_size"])).unwrap_err();
+        assert!(e.contains("--block-size 4 differs from this run's 8") && e.contains("--steps"), "{e}");
+        let now = SavedRun::of(&args(&["--max-seq-len", "32"]));
+        let e = merge(saved(), &now, &given(&["max_seq_len"])).unwrap_err();
+        assert!(e.contains("--max-seq-len 32 differs from this run's 64"), "{e}");
+        let now = SavedRun::of(&args(&["--data", "/other.jsonl"]));
+        assert!(merge(saved(), &now, &given(&["data"])).unwrap_err().contains("--data /other.jsonl differs from this run's demo"));
+        // The same value again is fine.
+        let now = SavedRun::of(&args(&["--block-size", "8", "--max-seq-len", "64"]));
+        merge(saved(), &now, &given(&["block_size", "max_seq_len"])).unwrap();
+    }
 }

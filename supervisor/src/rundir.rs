@@ -105,6 +105,14 @@ impl RunDir {
                     "already holds a run (state.json); choose a new --run-dir or remove the old one".into(),
                 ));
             }
+            let mut entries = fs::read_dir(&path).map_err(|e| usage(format!("cannot read it: {e} (expected a new or empty directory)")))?;
+            if let Some(first) = entries.next() {
+                let first = first.map(|e| e.file_name().to_string_lossy().into_owned()).unwrap_or_default();
+                return Err(usage(format!(
+                    "is not empty (it holds {first}, and no state.json of a run) and would be overwritten; \
+                     expected a new or empty directory (--resume DIR continues a stopped run)"
+                )));
+            }
         }
         fs::create_dir_all(path.join(LOGS_DIR))
             .map_err(|e| usage(format!("cannot create it: {e} (expected a writable directory)")))?;

@@ -10,8 +10,15 @@
 //!
 //! A drafter that (re)joins after step 0 gets the current weights and optimizer state
 //! from a surviving member through a shared state slot; commits wait while it joins, so it
-//! joins exactly at the step it was given. If no member survives, the weights are gone:
-//! the run stops rather than carry on with fresh ones.
+//! joins exactly at the step it was given.
+//!
+//! Every few steps one member also writes its state into a supervisor-owned snapshot slot
+//! (two of them, used in turn: the newer one becomes current only once it is complete, so
+//! a death while writing leaves the older intact). If no member survives, the group rolls
+//! back to the newest of that snapshot, the newest checkpoint and the run's start: the
+//! batches committed after it go back to the queue in their order, the step counter and
+//! the LR schedule follow the rolled-back step, and restarted drafters load that state.
+//! `--max-rollbacks` bounds how often.
 //!
 //! [`FromWorker::Grads`]: dflash_shared::protocol::FromWorker::Grads
 
@@ -49,14 +56,36 @@ pub struct TrainerConfig {
     pub checkpoints_dir: std::path::PathBuf,
     /// Resuming: the checkpoint (step, directory) the first ranks load.
     pub resume: Option<(u64, std::path::PathBuf)>,
+    /// Snapshot every N committed steps; `None`: as often as keeps the snapshot's cost
+    /// under 2 % of the step time.
+    pub snapshot_every: Option<u64>,
+    /// Rollbacks allowed before the run gives up.
+    pub max_rollbacks: u32,
+}
+
+/// Share of the step time the automatic snapshot interval spends on snapshots.
+const SNAPSHOT_BUDGET: f64 = 0.02;
+
+/// Where the first members of the group get their state at `restore_step`.
+#[derive(Debug, Clone, PartialEq)]
+enum Restore {
+    Fresh,
+    Snapshot { slot: u32 },
+    Checkpoint { dir: std::path::PathBuf },
 }
 
 /// What the dispatcher must do for the trainer.
 #[derive(Debug)]
 pub enum Action {
     Send(usize, ToWorker),
-    /// Acknowledge `batch_id` held by `holder` in `input`: it reached the optimizer.
-    Consume { worker: usize, holder: Holder, input: SlotRef, batch_id: u64 },
+    /// Acknowledge `batch_id` held by `holder` in `input`: it reached the optimizer in
+    /// committed step `step`.
+    Consume { worker: usize, holder: Holder, input: SlotRef, batch_id: u64, step: u64 },
+    /// Every drafter died: the group goes back from step `from` to `to`, and `batches`
+    /// (committed after `to`, in commit order) go back to the front of the queue.
+    Rollback { from: u64, to: u64, batches: Vec<u64> },
+    /// Batches consumed at or before this step can no longer be rolled back.
+    Covered(u64),
     /// Stop the run: the step limit is reached.
     Done,
     /// Stop the run: training cannot go on.
@@ -88,6 +117,23 @@ pub struct TrainProgress {
     pub slot_accuracy: Vec<f64>,
     pub members: usize,
     pub exported: Option<String>,
+    /// The step of the current rollback snapshot and what one costs (ms).
+    #[serde(default)]
+    pub snapshot_step: Option<u64>,
+    #[serde(default)]
+    pub snapshot_ms: Option<f64>,
+    /// Rollbacks so far (every drafter died and the group went back to a saved state).
+    #[serde(default)]
+    pub rollbacks: u32,
+}
+
+fn ordinal(n: u32) -> String {
+    match (n % 10, n % 100) {
+        (1, r) if r != 11 => format!("{n}st"),
+        (2, r) if r != 12 => format!("{n}nd"),
+        (3, r) if r != 13 => format!("{n}rd"),
+        _ => format!("{n}th"),
+    }
 }
 
 pub struct Trainer {
@@ -113,6 +159,23 @@ pub struct Trainer {
     frozen: bool,
     /// Step of the last checkpoint asked for.
     checkpointed: u64,
+    /// The newest complete checkpoint (step, directory).
+    last_checkpoint: Option<(u64, std::path::PathBuf)>,
+    /// How the first members load their state, and at which step.
+    restore: Restore,
+    restore_step: u64,
+    /// The run's own start (fresh, or the resumed checkpoint): the oldest rollback target.
+    base: (u64, Restore),
+    /// The current snapshot (slot, step), and the one being written (donor, slot, step).
+    snapshot: Option<(u32, u64)>,
+    snapshot_asked: Option<(usize, u32, u64)>,
+    /// Measured: milliseconds per snapshot and per step (moving averages).
+    snapshot_ms: Option<f64>,
+    step_ms: Option<f64>,
+    last_commit: Option<Instant>,
+    /// Batches of each committed step that a rollback may still take back.
+    lineage: BTreeMap<u64, Vec<u64>>,
+    rollbacks: u32,
     pub progress: TrainProgress,
 }
 
@@ -120,16 +183,38 @@ impl Trainer {
     pub fn new(cfg: TrainerConfig, run_dir: &Path) -> Result<Trainer, Error> {
         let params = ParamLayout::new(&cfg.drafter).total;
         let grads_geometry = PoolGeometry { name: "grads".into(), slots: 2 * cfg.max_ranks.max(1), slot_bytes: params as u64 * 4 };
-        let state_geometry = PoolGeometry { name: "drafter-state".into(), slots: 1, slot_bytes: state_bytes(params) };
+        // Slot 0: a joining rank's state; 1 and 2: the rollback snapshot, double-buffered.
+        let state_geometry = PoolGeometry { name: "drafter-state".into(), slots: 3, slot_bytes: state_bytes(params) };
         let mk = |g: &PoolGeometry| PoolMap::create(g.clone()).map_err(|e| Error::Internal(format!("cannot create the {} pool: {e}", g.name)));
         let (grads_fd, grads_map) = mk(&grads_geometry)?;
         let (state_fd, state_map) = mk(&state_geometry)?;
-        let log = OpenOptions::new()
+        let mut log = OpenOptions::new()
             .create(true)
             .append(true)
             .open(run_dir.join("train.jsonl"))
             .map_err(|e| Error::Internal(format!("cannot create train.jsonl: {e}")))?;
+        let base = match &cfg.resume {
+            Some((step, dir)) => {
+                // A resumed run goes back to its checkpoint: steps after it in train.jsonl
+                // belong to an abandoned lineage.
+                let line = serde_json::json!({"t": unix_ms(), "rollback": {"to": step, "resume": true}});
+                let _ = writeln!(log, "{line}");
+                (*step, Restore::Checkpoint { dir: dir.clone() })
+            }
+            None => (0, Restore::Fresh),
+        };
         Ok(Trainer {
+            restore: base.1.clone(),
+            restore_step: base.0,
+            last_checkpoint: cfg.resume.clone(),
+            base,
+            snapshot: None,
+            snapshot_asked: None,
+            snapshot_ms: None,
+            step_ms: None,
+            last_commit: None,
+            lineage: BTreeMap::new(),
+            rollbacks: 0,
             free_ranks: (0..cfg.max_ranks.max(1)).collect(),
             committed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
             checkpointed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
@@ -156,7 +241,7 @@ impl Trainer {
     /// Bytes of shared memory for a drafter config and rank count (for the start-up check).
     pub fn shared_bytes(drafter: &DrafterConfig, ranks: u32) -> u64 {
         let p = ParamLayout::new(drafter).total as u64;
-        2 * ranks.max(1) as u64 * p * 4 + state_bytes(p as usize) + 2 * 4096
+        2 * ranks.max(1) as u64 * p * 4 + 3 * state_bytes(p as usize) + 2 * 4096
     }
 
     pub fn inherit_fds(&self) -> Vec<RawFd> {
@@ -186,7 +271,10 @@ impl Trainer {
             rank,
             target_layer_ids: self.cfg.target_layer_ids.clone(),
             num_target_layers: self.cfg.num_target_layers,
-            checkpoint: self.cfg.resume.as_ref().map(|(_, d)| d.display().to_string()),
+            checkpoint: match &self.restore {
+                Restore::Checkpoint { dir } => Some(dir.display().to_string()),
+                _ => None,
+            },
             init,
         }))
     }
@@ -200,15 +288,22 @@ impl Trainer {
         out.push(Action::Send(worker, self.setup(rank, init)));
     }
 
+    /// How a member that starts at `restore_step` loads its state.
+    fn restore_init(&self) -> Init {
+        match &self.restore {
+            Restore::Fresh => Init::Fresh,
+            Restore::Snapshot { slot } => Init::FromState { step: self.restore_step, slot: *slot },
+            Restore::Checkpoint { .. } => Init::FromCheckpoint { step: self.restore_step },
+        }
+    }
+
     /// A drafter connected (after it got the pools).
     pub fn on_ready(&mut self, worker: usize, holder: Holder) -> Vec<Action> {
         let mut out = Vec::new();
-        let base = self.cfg.resume.as_ref().map_or(0, |(s, _)| *s);
-        if self.committed == base && self.joining.is_none() {
-            // Nothing applied since the start: the group's weights are the fresh ones (or
-            // the resumed checkpoint's), which every rank can load by itself.
-            let init = if base == 0 { Init::Fresh } else { Init::FromCheckpoint { step: base } };
-            self.add_member(worker, holder, init, &mut out);
+        if self.committed == self.restore_step && self.joining.is_none() {
+            // Nothing applied since the start or the last rollback: every rank can load
+            // the group's state by itself (fresh, a checkpoint, or the snapshot).
+            self.add_member(worker, holder, self.restore_init(), &mut out);
         } else if self.members.is_empty() {
             out.push(Action::Failed(self.lost_message()));
         } else {
@@ -216,6 +311,63 @@ impl Trainer {
             self.start_join(&mut out);
         }
         out
+    }
+
+    /// Every member is gone and steps were committed since `restore_step`: go back to the
+    /// newest state that survived them (snapshot, checkpoint, or the run's start).
+    fn rollback(&mut self, out: &mut Vec<Action>) {
+        if self.frozen || self.committed == self.restore_step {
+            return;
+        }
+        self.rollbacks += 1;
+        if self.rollbacks > self.cfg.max_rollbacks {
+            self.frozen = true;
+            out.push(Action::Failed(format!(
+                "every drafter died for the {} time (at step {}), more than --max-rollbacks {}: a crash that recurs is not recovered by rolling back (see the drafters' logs)",
+                ordinal(self.rollbacks),
+                self.committed,
+                self.cfg.max_rollbacks
+            )));
+            return;
+        }
+        let from = self.committed;
+        let mut candidates = vec![self.base.clone()];
+        if let Some((slot, step)) = self.snapshot {
+            candidates.push((step, Restore::Snapshot { slot }));
+        }
+        if let Some((step, dir)) = &self.last_checkpoint {
+            candidates.push((*step, Restore::Checkpoint { dir: dir.clone() }));
+        }
+        let (to, restore) = candidates.into_iter().filter(|(s, _)| *s <= from).max_by_key(|(s, _)| *s).expect("the run's start is a candidate");
+        let batches: Vec<u64> = self.lineage.split_off(&(to + 1)).into_values().flatten().collect();
+        let what = match &restore {
+            Restore::Fresh => "the run's fresh start".to_string(),
+            Restore::Snapshot { .. } => "the snapshot".to_string(),
+            Restore::Checkpoint { dir } => format!("the checkpoint {}", dir.display()),
+        };
+        log::warn!(
+            "every drafter died after step {from}: rolling back to step {to} ({what}); {} batch(es) committed since go back to the queue (rollback {} of at most {})",
+            batches.len(),
+            self.rollbacks,
+            self.cfg.max_rollbacks
+        );
+        let line = serde_json::json!({"t": unix_ms(), "rollback": {"from": from, "to": to, "batches": batches.len(), "source": what}});
+        let _ = writeln!(self.log, "{line}");
+        self.pending.clear();
+        self.joining = None;
+        self.snapshot_asked = None;
+        self.committed = to;
+        self.checkpointed = self.last_checkpoint.as_ref().map_or(self.base.0, |(s, _)| *s).min(to);
+        self.restore = restore;
+        self.restore_step = to;
+        self.progress.step = to;
+        self.progress.rollbacks = self.rollbacks;
+        self.last_commit = None;
+        out.push(Action::Rollback { from, to, batches });
+        // Drafters that came up while no member could give them the state load it now.
+        for (w, h) in std::mem::take(&mut self.queue) {
+            self.add_member(w, h, self.restore_init(), out);
+        }
     }
 
     fn lost_message(&self) -> String {
@@ -238,11 +390,31 @@ impl Trainer {
         let Some(&(joiner, _)) = self.queue.front() else { return };
         let Some((&donor, _)) = self.members.iter().next() else { return };
         self.joining = Some((joiner, donor));
-        out.push(Action::Send(donor, ToWorker::Snapshot { step: self.committed }));
+        out.push(Action::Send(donor, ToWorker::Snapshot { step: self.committed, slot: 0 }));
     }
 
-    pub fn on_snapshot_done(&mut self, worker: usize, step: u64) -> Vec<Action> {
+    pub fn on_snapshot_done(&mut self, worker: usize, step: u64, slot: u32, ms: f64) -> Vec<Action> {
         let mut out = Vec::new();
+        if slot != 0 {
+            match self.snapshot_asked {
+                Some((donor, s, at)) if donor == worker && s == slot && at == step => {
+                    self.snapshot_asked = None;
+                    if self.snapshot_ms.is_none() {
+                        log::info!("snapshot of the training state: {ms:.1} ms (taken {})", self.snapshot_policy());
+                    }
+                    self.snapshot_ms = Some(self.snapshot_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
+                    self.progress.snapshot_step = Some(step);
+                    self.progress.snapshot_ms = self.snapshot_ms;
+                    self.snapshot = Some((slot, step));
+                    self.cover(step, &mut out);
+                }
+                // The answer to a request from before a rollback (or from a dead donor's
+                // time): the slot it names was not made current.
+                _ if self.members.contains_key(&worker) => {}
+                _ => out.push(Action::Violation(worker, "SnapshotDone from a drafter that was not asked for one".into())),
+            }
+            return out;
+        }
         match self.joining {
             // The donor answers in the order it was asked, and applies every committed
             // step before a later request: a reply for an older step answers a request
@@ -255,7 +427,7 @@ impl Trainer {
                 }
                 self.joining = None;
                 let (_, holder) = self.queue.pop_front().expect("the joiner is queued");
-                self.add_member(joiner, holder, Init::FromState { step }, &mut out);
+                self.add_member(joiner, holder, Init::FromState { step, slot: 0 }, &mut out);
                 self.start_join(&mut out);
                 self.try_commit(&mut out);
             }
@@ -289,18 +461,62 @@ impl Trainer {
         }
         self.pending.remove(&worker);
         self.queue.retain(|(w, _)| *w != worker);
+        if self.snapshot_asked.is_some_and(|(donor, ..)| donor == worker) {
+            // Its half-written slot never becomes current.
+            self.snapshot_asked = None;
+        }
         if let Some((joiner, donor)) = self.joining {
             if joiner == worker || donor == worker {
                 self.joining = None;
-                if donor == worker && self.members.is_empty() && self.committed > 0 {
-                    out.push(Action::Failed(self.lost_message()));
-                    return out;
-                }
-                self.start_join(&mut out);
             }
+        }
+        if self.members.is_empty() {
+            self.rollback(&mut out);
+        } else {
+            self.start_join(&mut out);
         }
         self.try_commit(&mut out);
         out
+    }
+
+    /// Batches consumed up to `step` are safe from any rollback: forget them.
+    fn cover(&mut self, step: u64, out: &mut Vec<Action>) {
+        let newer = self.lineage.split_off(&(step + 1));
+        self.lineage = newer;
+        out.push(Action::Covered(step));
+    }
+
+    fn snapshot_policy(&self) -> String {
+        match self.cfg.snapshot_every {
+            Some(n) => format!("every {n} steps, --snapshot-every"),
+            None => format!("every {} steps, to stay under {:.0}% of the step time", self.snapshot_interval(), SNAPSHOT_BUDGET * 100.0),
+        }
+    }
+
+    /// Steps between snapshots: --snapshot-every, or what keeps their cost under the budget.
+    fn snapshot_interval(&self) -> u64 {
+        match (self.cfg.snapshot_every, self.snapshot_ms, self.step_ms) {
+            (Some(n), _, _) => n.max(1),
+            (None, Some(snap), Some(step)) if step > 0.0 => ((snap / (SNAPSHOT_BUDGET * step)).ceil() as u64).clamp(1, 100_000),
+            // Not measured yet: take one at once, to measure it.
+            _ => 1,
+        }
+    }
+
+    /// After committing `step`: ask one member for a snapshot when one is due.
+    fn maybe_snapshot(&mut self, step: u64, out: &mut Vec<Action>) {
+        if self.snapshot_asked.is_some() {
+            return;
+        }
+        let last = self.snapshot.map_or(self.restore_step, |(_, s)| s);
+        if step < last + self.snapshot_interval() {
+            return;
+        }
+        let Some(&donor) = self.members.keys().next() else { return };
+        // The slot that is not current.
+        let slot = if self.snapshot.is_some_and(|(s, _)| s == 1) { 2 } else { 1 };
+        self.snapshot_asked = Some((donor, slot, step));
+        out.push(Action::Send(donor, ToWorker::Snapshot { step, slot }));
     }
 
     /// The end of the data: when every batch not yet consumed is already in a pending
@@ -346,15 +562,24 @@ impl Trainer {
             .collect();
         let lr = lr_at(step - 1, self.cfg.lr, self.cfg.warmup_steps, self.cfg.total_steps);
         let mut stats = StepStats::default();
+        let mut batches = Vec::new();
         for (&w, p) in std::mem::take(&mut self.pending).iter() {
-            out.push(Action::Consume { worker: w, holder: p.holder, input: p.input, batch_id: p.batch_id });
+            out.push(Action::Consume { worker: w, holder: p.holder, input: p.input, batch_id: p.batch_id, step });
+            batches.push(p.batch_id);
             stats.merge(&p.stats);
+        }
+        self.lineage.insert(step, batches);
+        let now = Instant::now();
+        if let Some(t) = self.last_commit.replace(now) {
+            let ms = (now - t).as_secs_f64() * 1e3;
+            self.step_ms = Some(self.step_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
         }
         for &w in self.members.keys() {
             out.push(Action::Send(w, ToWorker::Reduce { step, slots: slots.clone(), lr }));
         }
         self.committed = step;
         self.record(step, lr, slots.len(), &stats);
+        self.maybe_snapshot(step, out);
         if self.cfg.checkpoint_every.is_some_and(|n| n > 0 && step % n == 0) {
             out.extend(self.checkpoint());
         }
@@ -424,9 +649,20 @@ impl Trainer {
         }
     }
 
-    /// A checkpoint is complete: keep the newest `keep_checkpoints`.
-    pub fn on_checkpointed(&mut self, dir: String, step: u64) {
+    /// A checkpoint is complete: a rollback target from now on; keep the newest
+    /// `keep_checkpoints`.
+    pub fn on_checkpointed(&mut self, dir: String, step: u64) -> Vec<Action> {
         log::info!("checkpoint of step {step} written to {dir}");
+        let mut out = Vec::new();
+        if step <= self.committed && self.last_checkpoint.as_ref().is_none_or(|(s, _)| *s <= step) {
+            self.last_checkpoint = Some((step, dir.clone().into()));
+            self.cover(step, &mut out);
+        }
+        self.prune_checkpoints();
+        out
+    }
+
+    fn prune_checkpoints(&mut self) {
         let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) else { return };
         let mut done: Vec<std::path::PathBuf> = entries
             .flatten()

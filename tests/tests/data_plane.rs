@@ -69,9 +69,9 @@ fn chaos_random_sigkills_lose_and_duplicate_nothing() {
         x ^= x << 17;
         x
     };
-    // drafter-0 is spared: the trained weights live only in the drafters' memory (no
-    // checkpoint yet), so killing every drafter at once ends the run by design (tested in
-    // training.rs). drafter-1 dies again and again and rejoins from drafter-0's state.
+    // drafter-1 dies again and again and rejoins from drafter-0's state; drafter-0 is
+    // spared so that the run makes progress at this rate of kills (losing both drafters
+    // rolls the group back: tests/recovery.rs).
     let names = ["target-0", "target-1", "drafter-1", "target-0"];
     let mut kills = 0;
     let deadline = Instant::now() + T;
@@ -82,7 +82,9 @@ fn chaos_random_sigkills_lose_and_duplicate_nothing() {
         let Some(st) = sup.state() else { continue };
         let name = names[(next() % 4) as usize];
         if let Some(pid) = worker(&st, name)["pid"].as_u64() {
-            if st["phase"] == "running" {
+            // Not near the end of the data: a kill that lands after the stop began is an
+            // unclean stop (exit 3), rightly, and state.json lags a little.
+            if st["phase"] == "running" && st["batches_consumed"].as_u64().unwrap_or(0) < 80 {
                 signal(pid as u32, Signal::SIGKILL);
                 kills += 1;
             }

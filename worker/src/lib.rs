@@ -3,8 +3,9 @@
 //! The supervisor starts it with `--control NAME` and its identity in the environment
 //! (`DFLASH_ROLE`, `DFLASH_RANK`, `DFLASH_GPU`, ...). It connects back over ipc-channel,
 //! says hello, and runs its role loop, heartbeating as it makes progress. It exits 0 when
-//! asked to shut down (control message or SIGTERM), and exits when the control channel
-//! closes: a worker never outlives its supervisor.
+//! the supervisor asks it to shut down (SIGTERM, SIGINT and SIGHUP only count before it is
+//! connected: after that, the supervisor's stop order does), and exits when the control
+//! channel closes: a worker never outlives its supervisor.
 //!
 //! Two tools for people come with it: `inspect` (the tapped hidden states of one token
 //! sequence, to check parity with a PyTorch stack) and `tiny-target` (writes the built-in
@@ -145,6 +146,14 @@ fn serve(control: Option<String>) -> i32 {
         Err(e) if e.downcast_ref::<plane::Permanent>().is_some() => {
             let why = e.downcast_ref::<plane::Permanent>().map(|p| p.0.clone()).unwrap_or_default();
             eprintln!("dflash-worker {}: error: cannot compute on device {} (permanent, do not restart): {why}", id.name, id.gpu);
+            exit_codes::WORKER_PERMANENT
+        }
+        Err(e) if e.downcast_ref::<plane::BadModel>().is_some() || e.downcast_ref::<model::ModelError>().is_some() => {
+            let why = match e.downcast_ref::<plane::BadModel>() {
+                Some(b) => b.0.clone(),
+                None => e.downcast_ref::<model::ModelError>().map(|m| m.to_string()).unwrap_or_default(),
+            };
+            eprintln!("dflash-worker {}: error: cannot load the target model (permanent, do not restart): {why}", id.name);
             exit_codes::WORKER_PERMANENT
         }
         Err(e) => {

@@ -84,12 +84,22 @@ impl Loaded {
 }
 
 /// Why the target could not be loaded; `permanent`: restarting cannot help (no usable
-/// GPU), so the worker exits with [`exit_codes::WORKER_PERMANENT`].
+/// GPU), so the worker exits with [`exit_codes::WORKER_PERMANENT`]; `model`: the model
+/// directory itself is bad (also permanent).
 #[derive(Debug)]
 pub struct LoadError {
     pub msg: String,
     pub permanent: bool,
+    pub model: bool,
 }
+
+/// The target model cannot be loaded: a missing, truncated or corrupt checkpoint file, an
+/// unsupported dtype, a shape that disagrees with config.json, or a model other than the
+/// one the supervisor described. Restarting cannot fix it, so the worker exits with
+/// [`exit_codes::WORKER_PERMANENT`].
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadModel(pub String);
 
 /// A failure that restarting this worker cannot fix: its one line says why.
 #[derive(Debug, thiserror::Error)]
@@ -144,19 +154,20 @@ impl Plane {
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::Builder::new().name("load-target".into()).spawn(move || {
                 let taps: Vec<usize> = capture.tap_ids.iter().map(|&t| t as usize).collect();
-                let fail = |msg: String| LoadError { msg, permanent: false };
-                let r = Target::load(&dir, &taps).map_err(|e| fail(e.to_string())).and_then(|t| {
+                let fail = |msg: String| LoadError { msg, permanent: false, model: false };
+                let bad_model = |msg: String| LoadError { msg, permanent: true, model: true };
+                let r = Target::load(&dir, &taps).map_err(|e| bad_model(e.to_string())).and_then(|t| {
                     if t.cfg.fingerprint() != capture.target || t.cfg.hidden_size != capture.hidden as usize {
-                        return Err(fail(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display())));
+                        return Err(bad_model(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display())));
                     }
                     match gpu::open_device(gpu) {
                         Ok(None) => Ok(Loaded::Cpu(Box::new(t))),
                         Ok(Some(dev)) => match GpuTarget::new(dev, &t, max_tokens) {
                             Ok(g) => Ok(Loaded::Gpu(Box::new(g))),
-                            Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true }),
+                            Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true, model: false }),
                             Err(e) => Err(fail(format!("putting the target on the device: {e}"))),
                         },
-                        Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true }),
+                        Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true, model: false }),
                         Err(e) => Err(fail(e.to_string())),
                     }
                 });
@@ -194,6 +205,7 @@ impl Plane {
                     self.target = TargetModel::Ready(Box::new(loaded));
                     return Ok(Some(msg));
                 }
+                Ok(Err(e)) if e.model => return Err(BadModel(e.msg).into()),
                 Ok(Err(e)) if e.permanent => return Err(Permanent(e.msg).into()),
                 Ok(Err(e)) => bail!("loading the target: {}", e.msg),
                 Err(std::sync::mpsc::TryRecvError::Empty) => {}

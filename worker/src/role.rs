@@ -10,7 +10,7 @@ use anyhow::Context;
 use dflash_shared::exit_codes;
 use dflash_shared::protocol::{connect, FromWorker, ToWorker};
 use ipc_channel::{IpcError, TryRecvError};
-use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 
 use crate::plane::{Delivery, Plane, Pools};
 use crate::train::Rank;
@@ -28,8 +28,12 @@ fn install_signal_flags() -> anyhow::Result<Flags> {
         usr1: Arc::new(AtomicBool::new(false)),
         usr2: Arc::new(AtomicBool::new(false)),
     };
+    // Caught, never acted on by themselves (see `run`): a SIGTERM sent to the whole process
+    // group or cgroup (Slurm, systemd) also reaches the supervisor, which stops the run
+    // with its final checkpoint and then orders every worker to stop.
     signal_hook::flag::register(SIGTERM, f.stop.clone())?;
     signal_hook::flag::register(SIGINT, f.stop.clone())?;
+    signal_hook::flag::register(SIGHUP, f.stop.clone())?;
     signal_hook::flag::register(SIGUSR1, f.usr1.clone())?;
     signal_hook::flag::register(SIGUSR2, f.usr2.clone())?;
     Ok(f)
@@ -48,6 +52,11 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
         id.gpu,
         id.restart_count
     );
+    if flags.stop.swap(false, Ordering::Relaxed) {
+        // The supervisor signals a worker that is not connected yet when it stops; now
+        // that this one is, it gets (or already has) the stop order on the channel.
+        println!("stop signal received while connecting: waiting for the supervisor's stop order");
+    }
     let mut plane = Plane::new(id.name.role, id.gpu.parse().ok());
     let mut seq = 0u64;
     let mut last_beat = Instant::now();
@@ -90,10 +99,12 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                     println!("step {step}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
                 }
             }
-            Ok(ToWorker::Snapshot { .. }) => {
+            Ok(ToWorker::Snapshot { slot, .. }) => {
                 let rank = plane.rank.as_ref().ok_or_else(|| anyhow::anyhow!("a snapshot request before the training setup"))?;
-                rank.snapshot()?;
-                if up.send(FromWorker::SnapshotDone { step: rank.step }).is_err() {
+                let t = std::time::Instant::now();
+                rank.snapshot(slot)?;
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                if up.send(FromWorker::SnapshotDone { step: rank.step, slot, ms }).is_err() {
                     return orphaned();
                 }
             }
@@ -124,9 +135,11 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                 return Ok(exit_codes::WORKER_ORPHANED);
             }
         }
-        if flags.stop.load(Ordering::Relaxed) {
-            println!("stop signal received: exiting after {} batches", plane.stats.batches);
-            return Ok(exit_codes::SUCCESS);
+        if flags.stop.swap(false, Ordering::Relaxed) {
+            // While the supervisor is alive, it decides when the run stops: it got the same
+            // signal (or will forward its stop), checkpoints, then sends Shutdown. If it is
+            // gone, the closed channel ends this worker (WORKER_ORPHANED).
+            println!("stop signal received: the supervisor is alive, so working on until its stop order (after {} batches)", plane.stats.batches);
         }
         for (flag, sig) in [(&flags.usr1, "SIGUSR1"), (&flags.usr2, "SIGUSR2")] {
             if flag.swap(false, Ordering::Relaxed) {

@@ -100,7 +100,7 @@ impl Rank {
         };
         match r.setup.init {
             Init::Fresh => {}
-            Init::FromState { step } => r.load_state(step)?,
+            Init::FromState { step, slot } => r.load_state(step, slot)?,
             Init::FromCheckpoint { step } => {
                 let dir = r.setup.checkpoint.clone().ok_or_else(|| anyhow!("resume without a checkpoint directory"))?;
                 r.load_checkpoint(Path::new(&dir), step)?;
@@ -216,11 +216,14 @@ impl Rank {
         Ok(Applied { skipped: false })
     }
 
-    /// Write parameters, Adam moments and step into the state slot.
-    pub fn snapshot(&self) -> anyhow::Result<()> {
-        // SAFETY: the supervisor asks one rank at a time, and the joiner reads only after
-        // our SnapshotDone.
-        let dst = unsafe { self.state.payload_mut(0) };
+    /// Write parameters, Adam moments and step into state slot `slot`.
+    pub fn snapshot(&self, slot: u32) -> anyhow::Result<()> {
+        if slot >= self.state.geometry().slots {
+            bail!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots);
+        }
+        // SAFETY: the supervisor asks one rank at a time per slot, and nobody reads the slot
+        // until our SnapshotDone (a rollback reads only the slot of the last one).
+        let dst = unsafe { self.state.payload_mut(slot) };
         let n = self.params.len();
         if (dst.len() as u64) < dflash_shared::drafter::state_bytes(n) {
             bail!("state slot too small");
@@ -234,9 +237,12 @@ impl Rank {
         Ok(())
     }
 
-    fn load_state(&mut self, step: u64) -> anyhow::Result<()> {
+    fn load_state(&mut self, step: u64, slot: u32) -> anyhow::Result<()> {
+        if slot >= self.state.geometry().slots {
+            bail!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots);
+        }
         // SAFETY: written by the donor before the supervisor sent us Init::FromState.
-        let src = unsafe { self.state.payload(0) };
+        let src = unsafe { self.state.payload(slot) };
         let at = u64::from_le_bytes(src[..8].try_into().expect("8 bytes"));
         if at != step {
             bail!("the state slot holds step {at}, expected {step}");

@@ -24,6 +24,11 @@ impl Dispatcher {
                     .then_some(Peer { name: w.name, holder: l.id, pid: l.pid, tx })
             })
             .collect();
+        if let Some(e) = self.pipeline.ledger_failed() {
+            log::error!("{e}");
+            self.begin_stop(StopReason::TrainingFailed(e));
+            return;
+        }
         self.pipeline.pump(&peers);
         let tail = self.trainer.flush_tail(self.pipeline.remaining());
         self.execute(tail);
@@ -43,8 +48,8 @@ impl Dispatcher {
                         let _ = tx.send(msg);
                     }
                 }
-                Action::Consume { worker, holder, input, batch_id } => {
-                    if let Err(e) = self.pipeline.consume(self.workers[worker].name, holder, input, batch_id) {
+                Action::Consume { worker, holder, input, batch_id, step } => {
+                    if let Err(e) = self.pipeline.consume(self.workers[worker].name, holder, input, batch_id, Some(step)) {
                         log::error!("committed batch {batch_id} could not be recorded: {e}");
                     }
                     self.dirty = true;
@@ -58,6 +63,15 @@ impl Dispatcher {
                     self.begin_stop(StopReason::TrainingFailed(msg));
                 }
                 Action::Violation(w, msg) => self.violation(w, &msg),
+                Action::Rollback { from, to, batches } => {
+                    if let Err(e) = self.pipeline.rollback(from, to, &batches) {
+                        log::error!("{e}");
+                        self.begin_stop(StopReason::TrainingFailed(e));
+                    }
+                    self.run.event("rollback", super::obj(serde_json::json!({"from": from, "to": to, "batches": batches.len()})));
+                    self.dirty = true;
+                }
+                Action::Covered(step) => self.pipeline.covered(step),
                 Action::Checkpoint { worker, step, dir } => {
                     let meta = self.pipeline.consumed_summary().to_string();
                     if let Some(tx) = self.workers[worker].life.as_ref().and_then(|l| l.to_worker.as_ref()) {

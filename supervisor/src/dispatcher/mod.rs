@@ -444,13 +444,14 @@ impl Dispatcher {
                 }
                 Err(e) => Err(format!("gradients of an invalid batch: {e}")),
             },
-            FromWorker::SnapshotDone { step } => {
-                let actions = self.trainer.on_snapshot_done(worker, step);
+            FromWorker::SnapshotDone { step, slot, ms } => {
+                let actions = self.trainer.on_snapshot_done(worker, step, slot, ms);
                 self.execute(actions);
                 Ok(())
             }
             FromWorker::Checkpointed { dir, step } => {
-                self.trainer.on_checkpointed(dir.clone(), step);
+                let actions = self.trainer.on_checkpointed(dir.clone(), step);
+                self.execute(actions);
                 self.run.event("checkpoint", obj(json!({"worker": name.to_string(), "step": step, "dir": dir})));
                 Ok(())
             }

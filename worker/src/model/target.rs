@@ -10,33 +10,7 @@ use super::weights::{ModelError, Weights};
 use crate::compute::cpu::Cpu;
 use crate::compute::{rope_inv_freq, Backend, Heads, KeySpan};
 
-/// Every tensor of the first `layers` decoder layers plus embeddings, final norm and
-/// (untied) lm_head, with shapes from the config.
-pub fn expected_tensors(cfg: &TargetConfig, layers: usize) -> Vec<(String, Vec<usize>)> {
-    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
-    let (qd, kd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h]), ("model.norm.weight".into(), vec![h])];
-    if !cfg.tie_word_embeddings {
-        v.push(("lm_head.weight".into(), vec![cfg.vocab_size, h]));
-    }
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        v.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        v.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        v.push((format!("{p}.self_attn.q_proj.weight"), vec![qd, h]));
-        v.push((format!("{p}.self_attn.k_proj.weight"), vec![kd, h]));
-        v.push((format!("{p}.self_attn.v_proj.weight"), vec![kd, h]));
-        v.push((format!("{p}.self_attn.o_proj.weight"), vec![h, qd]));
-        if cfg.arch == Arch::Qwen3 {
-            v.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
-            v.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
-        }
-        v.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-        v.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-        v.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
-    }
-    v
-}
+pub use dflash_shared::model_config::expected_tensors;
 
 pub(crate) struct Layer {
     pub(crate) ln1: Vec<f32>,
@@ -81,7 +55,7 @@ impl Target {
             }
         }
         let known: std::collections::HashSet<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
-        w.check_no_extra(&|n: &str| known.contains(n) || n == "lm_head.weight" || n.ends_with("rotary_emb.inv_freq"))?;
+        w.check_no_extra(&|n: &str| known.contains(n) || dflash_shared::model_config::is_ignorable_tensor(n))?;
         let shape = |name: &str| all.iter().find(|(n, _)| n == name).map(|(_, s)| s.clone()).unwrap_or_default();
         let get = |name: &str| w.get(name, &shape(name));
         let last = taps.iter().copied().max().unwrap_or(0);
