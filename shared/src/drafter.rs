@@ -127,6 +127,10 @@ pub struct StepStats {
     pub compute_ms: f64,
     #[serde(default)]
     pub optimizer_ms: f64,
+    /// The rank's loss or gradient is not finite: the step's average is not either, and
+    /// every rank skips the update.
+    #[serde(default)]
+    pub nonfinite: bool,
 }
 
 impl StepStats {
@@ -153,6 +157,7 @@ impl StepStats {
         self.blocks += o.blocks;
         self.tokens += o.tokens;
         self.anchors += o.anchors;
+        self.nonfinite |= o.nonfinite;
         // Ranks run in parallel: a step takes as long as its slowest rank.
         self.wait_ms = self.wait_ms.max(o.wait_ms);
         self.compute_ms = self.compute_ms.max(o.compute_ms);

@@ -5,6 +5,7 @@
 //! both sides, and the test workers, can depend on it cheaply.
 
 pub mod batch;
+pub mod checkpoint;
 pub mod devices;
 pub mod drafter;
 pub mod env;

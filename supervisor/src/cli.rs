@@ -223,6 +223,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 5, help_heading = "Training")]
     pub max_rollbacks: u32,
 
+    /// This many steps in a row skipped for a non-finite loss or gradient stop the run
+    /// (exit 1, naming the likely cause and the newest checkpoint from before them).
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Training")]
+    pub max_skipped_steps: u64,
+
     /// Continue the run in RUN_DIR from its newest checkpoint, with its saved model,
     /// data and training settings (devices and the other flags come from this command).
     /// --steps, --lr, --warmup-ratio and --max-bad-lines given here win over the saved

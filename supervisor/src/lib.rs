@@ -407,6 +407,7 @@ fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &Target
         resume: None,
         snapshot_every: args.snapshot_every,
         max_rollbacks: args.max_rollbacks,
+        max_skipped_steps: args.max_skipped_steps,
     })
 }
 

@@ -61,6 +61,8 @@ pub struct TrainerConfig {
     pub snapshot_every: Option<u64>,
     /// Rollbacks allowed before the run gives up.
     pub max_rollbacks: u32,
+    /// Consecutive steps skipped for a non-finite gradient before the run gives up.
+    pub max_skipped_steps: u64,
 }
 
 /// Share of the step time the automatic snapshot interval spends on snapshots.
@@ -125,6 +127,9 @@ pub struct TrainProgress {
     /// Rollbacks so far (every drafter died and the group went back to a saved state).
     #[serde(default)]
     pub rollbacks: u32,
+    /// Steps whose update was skipped (non-finite loss or gradient).
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 fn ordinal(n: u32) -> String {
@@ -176,6 +181,9 @@ pub struct Trainer {
     /// Batches of each committed step that a rollback may still take back.
     lineage: BTreeMap<u64, Vec<u64>>,
     rollbacks: u32,
+    /// Consecutive skipped steps, and the newest checkpoint from before they began.
+    skipped_in_a_row: u64,
+    good_checkpoint: Option<u64>,
     pub progress: TrainProgress,
 }
 
@@ -215,6 +223,8 @@ impl Trainer {
             last_commit: None,
             lineage: BTreeMap::new(),
             rollbacks: 0,
+            skipped_in_a_row: 0,
+            good_checkpoint: None,
             free_ranks: (0..cfg.max_ranks.max(1)).collect(),
             committed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
             checkpointed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
@@ -336,7 +346,10 @@ impl Trainer {
             candidates.push((step, Restore::Snapshot { slot }));
         }
         if let Some((step, dir)) = &self.last_checkpoint {
-            candidates.push((*step, Restore::Checkpoint { dir: dir.clone() }));
+            match dflash_shared::checkpoint::verify(dir) {
+                Ok(_) => candidates.push((*step, Restore::Checkpoint { dir: dir.clone() })),
+                Err(e) => log::warn!("not rolling back to the checkpoint of step {step}: {e}"),
+            }
         }
         let (to, restore) = candidates.into_iter().filter(|(s, _)| *s <= from).max_by_key(|(s, _)| *s).expect("the run's start is a candidate");
         let batches: Vec<u64> = self.lineage.split_off(&(to + 1)).into_values().flatten().collect();
@@ -579,6 +592,27 @@ impl Trainer {
         }
         self.committed = step;
         self.record(step, lr, slots.len(), &stats);
+        if stats.nonfinite {
+            if self.skipped_in_a_row == 0 {
+                self.good_checkpoint = self.last_checkpoint.as_ref().map(|(s, _)| *s);
+            }
+            self.skipped_in_a_row += 1;
+            self.progress.skipped_steps += 1;
+            if self.skipped_in_a_row >= self.cfg.max_skipped_steps.max(1) {
+                self.frozen = true;
+                let good = match self.good_checkpoint {
+                    Some(s) => format!("the newest checkpoint from before them is step {s} ({})", self.cfg.checkpoints_dir.join(format!("step-{s:08}")).display()),
+                    None => "no checkpoint was written before them".into(),
+                };
+                out.push(Action::Failed(format!(
+                    "{} steps in a row had a non-finite loss or gradient and were skipped (--max-skipped-steps {}): the learning rate (--lr {}) is likely too high, or the target's weights or hidden states are not finite; {good}",
+                    self.skipped_in_a_row, self.cfg.max_skipped_steps, self.cfg.lr
+                )));
+                return;
+            }
+        } else {
+            self.skipped_in_a_row = 0;
+        }
         self.maybe_snapshot(step, out);
         if self.cfg.checkpoint_every.is_some_and(|n| n > 0 && step % n == 0) {
             out.extend(self.checkpoint());
@@ -596,6 +630,7 @@ impl Trainer {
             "lr": lr, "members": self.members.len(), "contributors": contributors,
             "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
             "wait_ms": s.wait_ms, "compute_ms": s.compute_ms, "optimizer_ms": s.optimizer_ms,
+            "skipped": s.nonfinite,
         });
         let _ = writeln!(self.log, "{line}");
         self.progress.step = step;
@@ -685,5 +720,14 @@ impl Trainer {
 
     pub fn committed(&self) -> u64 {
         self.committed
+    }
+
+    /// The newest step a complete checkpoint holds (the run's start when none).
+    pub fn saved_step(&self) -> u64 {
+        self.last_checkpoint.as_ref().map_or(self.base.0, |(s, _)| *s)
+    }
+
+    pub fn checkpoints_dir(&self) -> &Path {
+        &self.cfg.checkpoints_dir
     }
 }

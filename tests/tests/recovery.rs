@@ -173,3 +173,56 @@ fn both_drafters_killed_again_and_again_at_random_instants_lose_nothing() {
     let a = assert_completed_clean(&mut sup, 40);
     assert!(a["rollbacks"].as_u64().unwrap() >= 1, "{a}");
 }
+
+#[test]
+fn a_stop_that_cannot_save_exits_non_zero_and_says_which_steps_were_lost() {
+    let mut sup = Sup::start_real(&[
+        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--max-seq-len", "64", "--token-budget", "512", "--checkpoint-every", "1000",
+    ]);
+    sup.wait_state("step 5", T, |s| step_of(s) >= 5);
+    // The only drafter dies as the stop begins: nothing can write the stop checkpoint.
+    kill_drafters(&sup);
+    sup.signal(Signal::SIGTERM);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "{err}");
+    let line = err.lines().find(|l| l.contains("were not saved in a checkpoint")).unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("steps 1..") && line.contains("no checkpoint was written"), "{line}");
+}
+
+/// A target whose embedding holds NaN: every step's loss is NaN and skipped.
+#[test]
+fn steps_skipped_again_and_again_stop_the_run_and_name_the_cause() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    let st = std::process::Command::new(bin("dflash-worker")).arg("tiny-target").arg("--out").arg(&target).status().unwrap();
+    assert!(st.success());
+    let path = target.join("model.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
+    for (n, _, _, data) in tensors.iter_mut() {
+        if n.contains("embed_tokens") {
+            // bf16 NaN in every element.
+            for c in data.chunks_exact_mut(2) {
+                c.copy_from_slice(&0x7FC0u16.to_le_bytes());
+            }
+        }
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> =
+        tensors.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let t = target.display().to_string();
+    let mut sup = Sup::start_real(&[
+        "--gpus", "cpu:2", "--target", &t, "--data", "demo", "--epochs", "50", "--max-seq-len", "64", "--token-budget", "512",
+        "--max-skipped-steps", "4",
+    ]);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("4 steps in a row had a non-finite loss or gradient") && err.contains("not finite"), "{err}");
+    let s = steps(&sup.run_dir);
+    assert_eq!(s.len(), 4, "it stops at the 4th skipped step");
+    assert!(s.iter().all(|l| l["skipped"] == true));
+}

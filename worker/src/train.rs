@@ -151,6 +151,9 @@ impl Rank {
             None => self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g),
         };
         stats.wait_ms = wait_ms;
+        // What every rank's update check will find in the sum (told to the supervisor,
+        // which stops a run whose steps are all skipped).
+        stats.nonfinite = !stats.loss_sum.is_finite() || !g.iter().all(|x| x.is_finite());
         stats.compute_ms = started.elapsed().as_secs_f64() * 1e3;
         stats.optimizer_ms = self.last_optimizer_ms;
         let slot = self.rank_slot(self.step + 1);
@@ -264,6 +267,9 @@ impl Rank {
     /// `dflash-supervise export-check` runs it on. Atomic: written beside `dir`, synced,
     /// then renamed into place.
     pub fn export(&self, dir: &Path) -> anyhow::Result<()> {
+        if !self.params.iter().all(|x| x.is_finite()) {
+            bail!("the drafter's weights at step {} are not finite: not exported", self.step);
+        }
         let c = &self.drafter.cfg;
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
@@ -313,6 +319,9 @@ impl Rank {
 impl Rank {
     /// Write `dir` atomically (temporary directory, fsync, rename).
     pub fn checkpoint(&self, dir: &Path, meta: &str) -> anyhow::Result<()> {
+        if !self.params.iter().chain(&self.opt.m).chain(&self.opt.v).all(|x| x.is_finite()) {
+            bail!("the training state at step {} is not finite: no checkpoint written (the newest finite one stays the newest)", self.step);
+        }
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
@@ -325,7 +334,8 @@ impl Rank {
             .iter()
             .map(|(k, b)| Ok((*k, safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], b)?)))
             .collect::<Result<_, safetensors::SafeTensorError>>()?;
-        safetensors::serialize_to_file(views, None, &tmp.join("state.safetensors"))?;
+        safetensors::serialize_to_file(views, None, &tmp.join(dflash_shared::checkpoint::STATE_FILE))?;
+        let state_sum = dflash_shared::checkpoint::checksum_hex(&std::fs::read(tmp.join(dflash_shared::checkpoint::STATE_FILE))?);
         let supervisor: serde_json::Value = serde_json::from_str(meta).context("checkpoint metadata")?;
         let meta = serde_json::json!({
             "step": self.step,
@@ -333,6 +343,7 @@ impl Rank {
             "drafter": self.drafter.cfg,
             "seed": self.setup.seed,
             "supervisor": supervisor,
+            "checksums": {dflash_shared::checkpoint::STATE_FILE: state_sum},
         });
         let mut f = std::fs::File::create(tmp.join("meta.json"))?;
         f.write_all(serde_json::to_string_pretty(&meta)?.as_bytes())?;
@@ -347,6 +358,8 @@ impl Rank {
     }
 
     fn load_checkpoint(&mut self, dir: &Path, step: u64) -> anyhow::Result<()> {
+        // Checksums and finiteness first: a checkpoint that changed on disk is refused.
+        dflash_shared::checkpoint::verify(dir).map_err(|e| anyhow!("checkpoint refused: {e}"))?;
         let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).with_context(|| format!("{}/meta.json", dir.display()))?)?;
         if meta["step"].as_u64() != Some(step) {
             bail!("{}: checkpoint of step {:?}, expected {step}", dir.display(), meta["step"]);

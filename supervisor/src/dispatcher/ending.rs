@@ -97,6 +97,21 @@ impl Dispatcher {
                 }
             }
         };
+        // Steps that no checkpoint holds are lost to a --resume: say which, and never
+        // call such a run a success.
+        let (committed, saved) = (self.trainer.committed(), self.trainer.saved_step());
+        let code = if committed > saved {
+            let from = if saved > 0 {
+                format!("continue from the checkpoint of step {saved} with: dflash-supervise --resume {}", self.run.path.display())
+            } else {
+                "no checkpoint was written: a new run starts from scratch".into()
+            };
+            eprintln!("dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}", saved + 1);
+            // Lost work outranks an unclean stop: the run failed.
+            if code == exit_codes::SUCCESS || code == exit_codes::UNCLEAN_STOP { exit_codes::RUN_FAILED } else { code }
+        } else {
+            code
+        };
         let phase = if code == exit_codes::SUCCESS { "stopped" } else { "failed" };
         if let Err(e) = self.run.write_state(&self.snapshot(phase, Some(code))) {
             log::warn!("cannot write state.json: {e}");
