@@ -201,6 +201,17 @@ impl Trainer {
             .append(true)
             .open(run_dir.join("train.jsonl"))
             .map_err(|e| Error::Internal(format!("cannot create train.jsonl: {e}")))?;
+        // Temporary directories of checkpoints (and exports) a crash interrupted: never
+        // complete.
+        for dir in [cfg.checkpoints_dir.as_path(), run_dir] {
+            let Ok(entries) = std::fs::read_dir(dir) else { continue };
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().contains(".tmp-") {
+                    log::info!("removing {}, a checkpoint a crash left unfinished", e.path().display());
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
         let base = match &cfg.resume {
             Some((step, dir)) => {
                 // A resumed run goes back to its checkpoint: steps after it in train.jsonl
@@ -384,8 +395,9 @@ impl Trainer {
     }
 
     fn lost_message(&self) -> String {
-        let resume = if self.checkpointed > 0 {
-            format!("; continue from the checkpoint of step {} with --resume RUN_DIR", self.checkpointed)
+        let saved = self.saved_step();
+        let resume = if saved > 0 {
+            format!("; continue from the checkpoint of step {saved} with --resume RUN_DIR")
         } else {
             "; no checkpoint was written yet (see --checkpoint-every)".into()
         };
@@ -672,10 +684,37 @@ impl Trainer {
         out
     }
 
+    /// Bytes a checkpoint takes on disk (parameters and two Adam moments, f32, plus JSON).
+    fn checkpoint_bytes(&self) -> u64 {
+        ParamLayout::new(&self.cfg.drafter).total as u64 * 12 + 64 * 1024
+    }
+
+    /// Whether the disk has room for the next checkpoint; warns while there is room for
+    /// fewer than three more.
+    fn room_for_checkpoint(&self) -> bool {
+        let Ok(st) = nix::sys::statvfs::statvfs(&self.cfg.checkpoints_dir) else { return true };
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        let need = self.checkpoint_bytes();
+        if free < need + need / 10 {
+            log::error!(
+                "not enough free space in {} for the checkpoint of step {} (needs {}, {} free): not written; free space, then it is written at the next checkpoint or at the stop",
+                self.cfg.checkpoints_dir.display(),
+                self.committed,
+                crate::pipeline::human(need),
+                crate::pipeline::human(free)
+            );
+            return false;
+        }
+        if free < 3 * need {
+            log::warn!("the disk of {} has room for fewer than 3 more checkpoints ({} free, {} each)", self.cfg.checkpoints_dir.display(), crate::pipeline::human(free), crate::pipeline::human(need));
+        }
+        true
+    }
+
     /// A checkpoint of the last committed step, by one member.
     pub fn checkpoint(&mut self) -> Vec<Action> {
         match self.members.keys().next() {
-            Some(&w) if self.committed > self.checkpointed => {
+            Some(&w) if self.committed > self.checkpointed && self.room_for_checkpoint() => {
                 self.checkpointed = self.committed;
                 let dir = self.cfg.checkpoints_dir.join(format!("step-{:08}", self.committed));
                 vec![Action::Checkpoint { worker: w, step: self.committed, dir }]

@@ -93,9 +93,14 @@ fn stop_then_resume_continues_to_the_same_step_count_without_retraining_a_batch(
     assert!(ckpts.contains(&format!("step-{stopped_at:08}")), "a checkpoint of the last step is written at the stop: {ckpts:?}");
     assert!(stopped_at < 30);
 
+    // What a crash mid-write leaves: temporary directories, removed at the next start.
+    let leftover = sup.run_dir.join("checkpoints").join("step-00000099.tmp-4242");
+    fs::create_dir_all(&leftover).unwrap();
+    fs::create_dir_all(sup.run_dir.join("drafter.tmp-4242")).unwrap();
     let out = supervise(&["--gpus", "cpu:3", "--resume", sup.run_dir.to_str().unwrap()], None);
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(!leftover.exists() && !sup.run_dir.join("drafter.tmp-4242").exists(), "{err}");
     assert!(err.contains(&format!("from the checkpoint of step {stopped_at}")), "{err}");
     assert!(err.contains("drafter (step 30) written to"), "{err}");
     let lines = read_jsonl(&sup.run_dir.join("train.jsonl"));
