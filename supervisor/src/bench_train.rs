@@ -38,6 +38,13 @@ pub fn run(json: bool, steps: u64) -> Result<i32, Error> {
         println!("  target forward alone      {:>9.0} tokens/s", out["target_tokens_per_s"]);
         println!("  drafter step alone        {:>9.0} tokens/s", out["drafter_tokens_per_s"]);
         println!("  whole pipeline (cpu:2)    {:>9.0} tokens/s", out["pipeline_tokens_per_s"]);
+        println!(
+            "  rollback snapshot         {:>9.2} ms every {} step(s) of {:.0} ms: {:.2}% of step time (goal < 2%)",
+            out["snapshot_ms"],
+            out["snapshot_every_steps"],
+            out["step_ms"],
+            out["snapshot_share_of_step_time"] * 100.0
+        );
         println!("  pipeline / slowest stage  {:>9.2}   (target >= 0.95)", out["pipeline_vs_slowest_stage"]);
     }
     Ok(0)
@@ -97,7 +104,8 @@ fn measure(exe: &std::path::Path, worker: &std::path::Path, tmp: &std::path::Pat
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("train.jsonl"))
         .map_err(|e| fail("train.jsonl", e))?
         .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|l| l.get("step").is_some())
         .collect();
     // From the first commit to the last: start-up (loading, first batch) is not throughput.
     let (first, last) = (lines.first().ok_or_else(|| fail("train.jsonl", "empty"))?, lines.last().expect("non-empty"));
@@ -111,5 +119,16 @@ fn measure(exe: &std::path::Path, worker: &std::path::Path, tmp: &std::path::Pat
     m.insert("pipeline_tokens_per_s".into(), pipeline);
     m.insert("pipeline_vs_slowest_stage".into(), pipeline / t.min(d));
     m.insert("batches".into(), steps as f64);
+    // The rollback snapshot's cost: its time over the steps between two snapshots.
+    let state: serde_json::Value = std::fs::read_to_string(run_dir.join("state.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or_default();
+    let step_ms = 1000.0 * secs / (lines.len().max(2) - 1) as f64;
+    let (snap_ms, every) = (state["train"]["snapshot_ms"].as_f64().unwrap_or(0.0), state["train"]["snapshot_every"].as_f64().unwrap_or(1.0));
+    m.insert("step_ms".into(), step_ms);
+    m.insert("snapshot_ms".into(), snap_ms);
+    m.insert("snapshot_every_steps".into(), every);
+    m.insert("snapshot_share_of_step_time".into(), snap_ms / (every.max(1.0) * step_ms.max(1e-9)));
     Ok(m)
 }

@@ -124,6 +124,9 @@ pub struct TrainProgress {
     pub snapshot_step: Option<u64>,
     #[serde(default)]
     pub snapshot_ms: Option<f64>,
+    /// Steps between snapshots (--snapshot-every, or the measured interval).
+    #[serde(default)]
+    pub snapshot_every: u64,
     /// Rollbacks so far (every drafter died and the group went back to a saved state).
     #[serde(default)]
     pub rollbacks: u32,
@@ -430,6 +433,7 @@ impl Trainer {
                     self.snapshot_ms = Some(self.snapshot_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
                     self.progress.snapshot_step = Some(step);
                     self.progress.snapshot_ms = self.snapshot_ms;
+                    self.progress.snapshot_every = self.snapshot_interval();
                     self.snapshot = Some((slot, step));
                     self.cover(step, &mut out);
                 }

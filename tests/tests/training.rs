@@ -136,10 +136,13 @@ fn bench_train_prints_stage_and_pipeline_throughput() {
     let out = supervise(&["bench", "train", "--json", "--steps", "3"], None);
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    for k in ["target_tokens_per_s", "drafter_tokens_per_s", "pipeline_tokens_per_s", "pipeline_vs_slowest_stage"] {
+    for k in ["target_tokens_per_s", "drafter_tokens_per_s", "pipeline_tokens_per_s", "pipeline_vs_slowest_stage", "snapshot_ms", "step_ms"] {
         let x = v[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {v}"));
         assert!(x.is_finite() && x > 0.0, "{k} = {x}");
     }
+    // The snapshot's share is its cost over the steps between snapshots.
+    let share = v["snapshot_ms"].as_f64().unwrap() / (v["snapshot_every_steps"].as_f64().unwrap() * v["step_ms"].as_f64().unwrap());
+    assert!((v["snapshot_share_of_step_time"].as_f64().unwrap() - share).abs() < 1e-12, "{v}");
 }
 
 #[test]
