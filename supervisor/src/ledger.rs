@@ -39,7 +39,7 @@ impl Ledger {
         let path = run_dir.join(LEDGER_FILE);
         // A previous supervisor killed mid-write (or a full disk) may have left a last line
         // without its newline: end it, and mark it so the audit sets it aside.
-        let torn = std::fs::read(&path).is_ok_and(|b| !b.is_empty() && b.last() != Some(&b'\n'));
+        let torn = last_byte(&path).is_some_and(|b| b != b'\n');
         let file = OpenOptions::new().create(true).append(true).open(&path)?;
         let mut l = Ledger { file, failed: None, torn };
         if torn {
@@ -185,6 +185,20 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
     Ok(a)
 }
 
+/// The last byte of a regular file (`None` for an empty or missing one, or a device).
+fn last_byte(path: &Path) -> Option<u8> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = File::open(path).ok()?;
+    let len = f.metadata().ok().filter(|m| m.is_file())?.len();
+    if len == 0 {
+        return None;
+    }
+    f.seek(SeekFrom::Start(len - 1)).ok()?;
+    let mut b = [0u8; 1];
+    f.read_exact(&mut b).ok()?;
+    Some(b[0])
+}
+
 /// `dflash-supervise ledger`.
 pub fn run(args: crate::cli::LedgerArgs) -> Result<i32, Error> {
     let run = crate::rundir::ExistingRun::open(args.run_dir.as_deref())?;
@@ -265,6 +279,18 @@ mod tests {
         // Garbage elsewhere is still an error.
         std::fs::write(&path, "{\"ev\":\"load\",\"batch\":0}\nnot json\n{\"ev\":\"load\",\"batch\":1}\n").unwrap();
         assert!(audit(&path).unwrap_err().to_string().contains(":2: not a ledger record"));
+    }
+
+    #[test]
+    fn a_failed_append_is_remembered_so_the_run_stops_taking_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        // Every write to /dev/full fails with ENOSPC, as on a full disk.
+        std::os::unix::fs::symlink("/dev/full", dir.path().join(LEDGER_FILE)).unwrap();
+        let mut l = Ledger::create(dir.path()).unwrap();
+        assert!(l.failed().is_none());
+        l.record("load", 0, "loader", json!({}));
+        let e = l.failed().expect("the append failed").to_string();
+        assert!(e.contains("cannot append to ledger.jsonl"), "{e}");
     }
 
     #[test]
