@@ -166,7 +166,24 @@ pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Resum
         .unwrap_or_default();
     done.retain(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")) && p.join("meta.json").is_file());
     done.sort();
-    let checkpoint = done.pop().ok_or_else(|| usage("no checkpoint in it yet (expected checkpoints/step-N/ with meta.json)".into()))?;
+    if done.is_empty() {
+        return Err(usage("no checkpoint in it yet (expected checkpoints/step-N/ with meta.json)".into()));
+    }
+    // The newest checkpoint that verifies (checksums, finite values); a changed or damaged
+    // one is passed over with a warning rather than loaded, or looped on.
+    let mut refused = Vec::new();
+    let checkpoint = loop {
+        let Some(c) = done.pop() else {
+            return Err(usage(format!("no checkpoint verifies: {}", refused.join("; "))));
+        };
+        match dflash_shared::checkpoint::verify(&c) {
+            Ok(_) => break c,
+            Err(e) => {
+                log::warn!("not resuming from {}: {e}; trying the one before it", c.display());
+                refused.push(e);
+            }
+        }
+    };
     let meta: serde_json::Value = std::fs::read_to_string(checkpoint.join("meta.json"))
         .ok()
         .and_then(|t| serde_json::from_str(&t).ok())

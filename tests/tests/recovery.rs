@@ -226,3 +226,34 @@ fn steps_skipped_again_and_again_stop_the_run_and_name_the_cause() {
     assert_eq!(s.len(), 4, "it stops at the 4th skipped step");
     assert!(s.iter().all(|l| l["skipped"] == true));
 }
+
+#[test]
+fn a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_it() {
+    let args = [
+        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--steps", "24", "--checkpoint-every", "4", "--keep-checkpoints", "3",
+        "--max-seq-len", "64", "--token-budget", "512",
+    ];
+    let mut sup = Sup::start_real(&args);
+    sup.wait_state("step 9", T, |s| step_of(s) >= 9);
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    let mut ckpts: Vec<u64> = std::fs::read_dir(sup.run_dir.join("checkpoints"))
+        .unwrap()
+        .filter_map(|e| e.unwrap().file_name().to_string_lossy().strip_prefix("step-").and_then(|n| n.parse().ok()))
+        .collect();
+    ckpts.sort();
+    let (newest, before) = (ckpts[ckpts.len() - 1], ckpts[ckpts.len() - 2]);
+    // Truncate the newest checkpoint's tensors.
+    let f = sup.run_dir.join("checkpoints").join(format!("step-{newest:08}")).join("state.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len / 2).unwrap();
+    let out = supervise(&["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains(&format!("not resuming from {}", f.parent().unwrap().display())), "{err}");
+    assert!(err.contains(&format!("from the checkpoint of step {before}")), "{err}");
+    assert_eq!(steps(&sup.run_dir).last().unwrap()["step"], 24);
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    assert_eq!((a["duplicated"].as_u64(), a["lost"].as_u64()), (Some(0), Some(0)), "{a}");
+}
