@@ -180,6 +180,15 @@ fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
         Some(dir) => Some(resume::prepare(&dir, &mut args, given)?),
         None => None,
     };
+    if let (Some(r), Some(n)) = (&resume, args.steps) {
+        if n <= r.step {
+            return Err(Error::Usage(format!(
+                "--resume {}: its checkpoint is at step {}, and --steps is {n}: nothing to train (expected a larger --steps)",
+                r.dir.display(),
+                r.step
+            )));
+        }
+    }
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;

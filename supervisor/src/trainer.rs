@@ -697,6 +697,8 @@ impl Trainer {
     /// fewer than three more.
     fn room_for_checkpoint(&self) -> bool {
         let Ok(st) = nix::sys::statvfs::statvfs(&self.cfg.checkpoints_dir) else { return true };
+        // The field types differ between platforms (u64 here).
+        #[allow(clippy::unnecessary_cast)]
         let free = st.blocks_available() as u64 * st.fragment_size() as u64;
         let need = self.checkpoint_bytes();
         if free < need + need / 10 {

@@ -129,6 +129,14 @@ fn resume_refuses_what_cannot_be_resumed() {
     let out = supervise(&["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()], None);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no checkpoint in it yet"), "{}", String::from_utf8_lossy(&out.stderr));
+    // A run that already reached its --steps: nothing to train, said so (it used to train
+    // one step more).
+    let mut done = Sup::start_real(&["--gpus", "cpu:2", "--data", "demo", "--steps", "3", "--max-seq-len", "64", "--token-budget", "512"]);
+    assert_eq!(done.wait_exit(T).code(), Some(0), "{}", done.stderr());
+    let out = supervise(&["--gpus", "cpu:2", "--resume", done.run_dir.to_str().unwrap()], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("checkpoint is at step 3, and --steps is 3: nothing to train"), "{err}");
 }
 
 #[test]
