@@ -9,6 +9,16 @@ use std::path::Path;
 pub const STATE_FILE: &str = "state.safetensors";
 pub const META_FILE: &str = "meta.json";
 
+/// The step of a checkpoint directory named `step-N` (zero-padded); `None` for anything
+/// else, such as the temporary `step-N.tmp-PID` of a checkpoint being written.
+pub fn step_of_dir(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
 /// The checksum meta.json records for a file's bytes (hex).
 pub fn checksum_hex(bytes: &[u8]) -> String {
     format!("{:016x}", crate::batch::checksum(bytes))
@@ -67,6 +77,14 @@ mod tests {
         std::fs::write(dir.join(STATE_FILE), &bytes).unwrap();
         let sums = if meta_checksum { serde_json::json!({STATE_FILE: checksum_hex(&bytes)}) } else { serde_json::Value::Null };
         std::fs::write(dir.join(META_FILE), serde_json::json!({"step": 7, "checksums": sums}).to_string()).unwrap();
+    }
+
+    #[test]
+    fn only_complete_checkpoint_directory_names_have_a_step() {
+        assert_eq!(step_of_dir("step-00000012"), Some(12));
+        for n in ["step-00000012.tmp-77", "step-00000012.replaced-9", "step-", "steps-1", "step-1a"] {
+            assert_eq!(step_of_dir(n), None, "{n}");
+        }
     }
 
     #[test]

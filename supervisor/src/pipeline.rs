@@ -184,6 +184,7 @@ pub struct Pipeline {
     replay: std::collections::VecDeque<TokenBatch>,
     /// Sent through again and not yet turned into hidden states.
     replay_outstanding: std::collections::BTreeSet<u64>,
+    failed: Option<String>,
 }
 
 impl Pipeline {
@@ -209,6 +210,7 @@ impl Pipeline {
             consumed_step: HashMap::new(),
             replay: std::collections::VecDeque::new(),
             replay_outstanding: std::collections::BTreeSet::new(),
+            failed: None,
         })
     }
 
@@ -458,9 +460,12 @@ impl Pipeline {
                     self.ledger.record("replay", b.batch_id, "supervisor", json!({"rows": b.rows(), "tokens": b.tokens()}));
                 }
                 Err(e) => {
-                    // It fitted the first time; the slot size has not changed.
-                    log::error!("batch {} no longer fits a token slot: {e}", b.batch_id);
+                    // It fitted the first time and the slot size has not changed: this
+                    // cannot happen, but if it did the batch could not be trained again.
                     let _ = self.tokens.table.cancel(LOADER, g.slot, g.gen);
+                    self.replay_outstanding.remove(&b.batch_id);
+                    self.failed = Some(format!("batch {} sent through again no longer fits a token slot: {e}", b.batch_id));
+                    return;
                 }
             }
         }
@@ -472,8 +477,12 @@ impl Pipeline {
         self.ledger.rollback(None, step, &[]);
     }
 
-    /// Why no more batches may be taken: the ledger cannot be written.
+    /// Why no more batches may be taken: the ledger cannot be written, or a batch could
+    /// not be sent through again.
     pub fn ledger_failed(&self) -> Option<String> {
+        if let Some(e) = &self.failed {
+            return Some(e.clone());
+        }
         self.ledger.failed().map(|e| format!("{e}: the run stops taking batches, since it cannot record them (free space, then --resume)"))
     }
 
@@ -558,9 +567,11 @@ impl Pipeline {
             // After a rollback, drafters get the batches sent through again before any
             // newer one, so the group sees them in their order; unless that would stall
             // the targets (no free hidden-state slot to make them in).
+            // A target still writing a hidden-state slot will hand it in, and a free slot
+            // lets one start: only when neither is left would waiting stall everything.
             if pool == PoolId::Hidden
                 && self.replay_outstanding.first().is_some_and(|&m| next > m)
-                && p.table.count(SlotState::Free) > 0
+                && (p.table.count(SlotState::Free) > 0 || p.table.count(SlotState::Writing) > 0)
             {
                 return;
             }
@@ -587,6 +598,8 @@ impl Pipeline {
     pub fn end(&mut self) {
         let mut held = self.tokens.table.batches_held();
         held.extend(self.hidden.table.batches_held());
+        // Rolled back and waiting for a token slot: in the pipeline too.
+        held.extend(self.replay.iter().map(|b| b.batch_id));
         held.sort_unstable();
         held.dedup();
         // Batches leaving the token pool into a half-written hidden slot are READING

@@ -164,7 +164,8 @@ pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Resum
     let mut done: Vec<PathBuf> = std::fs::read_dir(&ckpts)
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
-    done.retain(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")) && p.join("meta.json").is_file());
+    // Complete checkpoints only: `step-N`, not a `step-N.tmp-PID` a crash left behind.
+    done.retain(|p| p.file_name().is_some_and(|n| dflash_shared::checkpoint::step_of_dir(&n.to_string_lossy()).is_some()) && p.join("meta.json").is_file());
     done.sort();
     if done.is_empty() {
         return Err(usage("no checkpoint in it yet (expected checkpoints/step-N/ with meta.json)".into()));

@@ -165,8 +165,9 @@ pub struct Trainer {
     window_steps: u64,
     /// The run is stopping: no more steps commit (the export reflects the last one).
     frozen: bool,
-    /// Step of the last checkpoint asked for.
+    /// Step of the last checkpoint asked for, and of whom (until it is complete).
     checkpointed: u64,
+    checkpoint_asked: Option<(usize, u64)>,
     /// The newest complete checkpoint (step, directory).
     last_checkpoint: Option<(u64, std::path::PathBuf)>,
     /// How the first members load their state, and at which step.
@@ -236,6 +237,7 @@ impl Trainer {
             step_ms: None,
             last_commit: None,
             lineage: BTreeMap::new(),
+            checkpoint_asked: None,
             rollbacks: 0,
             skipped_in_a_row: 0,
             good_checkpoint: None,
@@ -383,8 +385,11 @@ impl Trainer {
         self.pending.clear();
         self.joining = None;
         self.snapshot_asked = None;
+        self.checkpoint_asked = None;
+        self.skipped_in_a_row = 0;
         self.committed = to;
-        self.checkpointed = self.last_checkpoint.as_ref().map_or(self.base.0, |(s, _)| *s).min(to);
+        self.set_aside_checkpoints_after(to);
+        self.checkpointed = self.saved_step().min(to);
         self.restore = restore;
         self.restore_step = to;
         self.progress.step = to;
@@ -394,6 +399,41 @@ impl Trainer {
         // Drafters that came up while no member could give them the state load it now.
         for (w, h) in std::mem::take(&mut self.queue) {
             self.add_member(w, h, self.restore_init(), out);
+        }
+    }
+
+    /// Checkpoints of steps after `to` belong to the abandoned lineage: move them out of
+    /// `checkpoints/` (to `abandoned-checkpoints/`), so that neither a later checkpoint of
+    /// the same step number nor a `--resume` meets them, and forget them.
+    fn set_aside_checkpoints_after(&mut self, to: u64) {
+        let aside = self.cfg.checkpoints_dir.with_file_name("abandoned-checkpoints");
+        if let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let step = dflash_shared::checkpoint::step_of_dir(&name);
+                if step.is_some_and(|s| s > to) {
+                    let _ = std::fs::create_dir_all(&aside);
+                    let dst = aside.join(format!("{name}-{}", unix_ms()));
+                    match std::fs::rename(e.path(), &dst) {
+                        Ok(()) => log::info!("{} belongs to the abandoned lineage: moved to {}", e.path().display(), dst.display()),
+                        Err(err) => log::warn!("cannot move {} aside: {err}", e.path().display()),
+                    }
+                }
+            }
+        }
+        if self.last_checkpoint.as_ref().is_some_and(|(s, _)| *s > to) {
+            // The newest complete checkpoint left, if any.
+            let mut left: Vec<(u64, std::path::PathBuf)> = std::fs::read_dir(&self.cfg.checkpoints_dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| {
+                    let s = dflash_shared::checkpoint::step_of_dir(&e.file_name().to_string_lossy())?;
+                    e.path().join("meta.json").is_file().then(|| (s, e.path()))
+                })
+                .collect();
+            left.sort();
+            self.last_checkpoint = left.pop().or_else(|| self.cfg.resume.clone());
         }
     }
 
@@ -493,6 +533,11 @@ impl Trainer {
         if self.snapshot_asked.is_some_and(|(donor, ..)| donor == worker) {
             // Its half-written slot never becomes current.
             self.snapshot_asked = None;
+        }
+        if self.checkpoint_asked.is_some_and(|(w, _)| w == worker) {
+            // Its checkpoint will never be complete: ask again (at the next one, or the stop).
+            self.checkpoint_asked = None;
+            self.checkpointed = self.saved_step();
         }
         if let Some((joiner, donor)) = self.joining {
             if joiner == worker || donor == worker {
@@ -722,6 +767,7 @@ impl Trainer {
         match self.members.keys().next() {
             Some(&w) if self.committed > self.checkpointed && self.room_for_checkpoint() => {
                 self.checkpointed = self.committed;
+                self.checkpoint_asked = Some((w, self.committed));
                 let dir = self.cfg.checkpoints_dir.join(format!("step-{:08}", self.committed));
                 vec![Action::Checkpoint { worker: w, step: self.committed, dir }]
             }
@@ -731,15 +777,18 @@ impl Trainer {
 
     /// A checkpoint is complete: a rollback target from now on; keep the newest
     /// `keep_checkpoints`.
-    pub fn on_checkpointed(&mut self, dir: String, step: u64) -> Vec<Action> {
+    pub fn on_checkpointed(&mut self, dir: String, step: u64) {
         log::info!("checkpoint of step {step} written to {dir}");
-        let mut out = Vec::new();
+        if self.checkpoint_asked.is_some_and(|(_, s)| s == step) {
+            self.checkpoint_asked = None;
+        }
+        // A rollback target from now on. It does not end the rollback window of the
+        // batches before it (only a snapshot does): the checkpoint may fail its check when
+        // a rollback needs it, and the group then goes back further.
         if step <= self.committed && self.last_checkpoint.as_ref().is_none_or(|(s, _)| *s <= step) {
             self.last_checkpoint = Some((step, dir.clone().into()));
-            self.cover(step, &mut out);
         }
         self.prune_checkpoints();
-        out
     }
 
     fn prune_checkpoints(&mut self) {
@@ -747,7 +796,7 @@ impl Trainer {
         let mut done: Vec<std::path::PathBuf> = entries
             .flatten()
             .map(|e| e.path())
-            .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")) && p.join("meta.json").exists())
+            .filter(|p| p.file_name().is_some_and(|n| dflash_shared::checkpoint::step_of_dir(&n.to_string_lossy()).is_some()) && p.join("meta.json").exists())
             .collect();
         done.sort();
         let keep = self.cfg.keep_checkpoints.max(1);

@@ -257,3 +257,37 @@ fn a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_it() {
     assert_eq!(code, 0, "{a}");
     assert_eq!((a["duplicated"].as_u64(), a["lost"].as_u64()), (Some(0), Some(0)), "{a}");
 }
+
+/// The newest checkpoint is damaged on disk when every drafter dies: the group goes back
+/// further (here to its start, since no snapshot is due yet), sets the abandoned lineage's
+/// checkpoints aside, trains every batch again, and writes the same step numbers anew.
+#[test]
+fn a_checkpoint_damaged_before_a_rollback_sends_the_group_further_back_and_loses_nothing() {
+    let mut sup = Sup::start_real(&[
+        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--steps", "24", "--checkpoint-every", "10", "--keep-checkpoints", "5",
+        "--snapshot-every", "1000", "--max-seq-len", "64", "--token-budget", "512",
+    ]);
+    let ck = sup.run_dir.join("checkpoints").join("step-00000010");
+    wait_for("the checkpoint of step 10", T, || ck.join("meta.json").is_file().then_some(()));
+    let f = ck.join("state.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 7).unwrap();
+    kill_drafters(&sup);
+    let a = assert_completed_clean(&mut sup, 24);
+    assert!(a["rollbacks"].as_u64().unwrap() >= 1, "{a}");
+    let err = sup.stderr();
+    assert!(err.contains("not rolling back to the checkpoint of step 10"), "{err}");
+    let rb = rollbacks(&sup.run_dir);
+    assert_eq!(rb[0]["to"], 0, "back to the start: {rb:?}");
+    // Set aside, then written again by the new lineage.
+    assert!(std::fs::read_dir(sup.run_dir.join("abandoned-checkpoints")).unwrap().count() >= 1);
+    assert_eq!(dflash_shared_verify(&ck), Some(10), "step 10 written anew and valid");
+}
+
+/// The step of a checkpoint whose meta.json and tensors are intact.
+fn dflash_shared_verify(dir: &Path) -> Option<u64> {
+    let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).ok()?).ok()?;
+    let bytes = std::fs::read(dir.join("state.safetensors")).ok()?;
+    safetensors::SafeTensors::deserialize(&bytes).ok()?;
+    meta["step"].as_u64()
+}

@@ -350,7 +350,13 @@ impl Rank {
         f.sync_all()?;
         std::fs::File::open(tmp.join("state.safetensors"))?.sync_all()?;
         std::fs::File::open(&tmp)?.sync_all()?;
+        // A checkpoint of the same step number from before a rollback: replaced.
+        let old = dir.with_extension(format!("replaced-{}", std::process::id()));
+        if dir.exists() {
+            std::fs::rename(dir, &old).with_context(|| format!("moving the previous {} aside", dir.display()))?;
+        }
         std::fs::rename(&tmp, dir).map_err(|e| anyhow!("renaming {} to {}: {e}", tmp.display(), dir.display()))?;
+        let _ = std::fs::remove_dir_all(&old);
         if let Some(parent) = dir.parent() {
             std::fs::File::open(parent)?.sync_all()?;
         }

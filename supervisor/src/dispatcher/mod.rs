@@ -450,8 +450,7 @@ impl Dispatcher {
                 Ok(())
             }
             FromWorker::Checkpointed { dir, step } => {
-                let actions = self.trainer.on_checkpointed(dir.clone(), step);
-                self.execute(actions);
+                self.trainer.on_checkpointed(dir.clone(), step);
                 self.run.event("checkpoint", obj(json!({"worker": name.to_string(), "step": step, "dir": dir})));
                 Ok(())
             }
