@@ -95,6 +95,9 @@ pub enum Action {
     Violation(usize, String),
     /// Ask `worker` to checkpoint `step` into `dir` (the dispatcher adds what was consumed).
     Checkpoint { worker: usize, step: u64, dir: std::path::PathBuf },
+    /// No drafter is left to write the stop checkpoint, but the snapshot holds the last
+    /// committed step: write it from the snapshot (see [`Trainer::checkpoint_from_snapshot`]).
+    CheckpointFromSnapshot { step: u64, dir: std::path::PathBuf },
 }
 
 struct Member {
@@ -725,12 +728,83 @@ impl Trainer {
     pub fn export(&mut self, dir: &Path) -> Vec<Action> {
         self.frozen = true;
         let mut out = self.checkpoint();
+        if self.members.is_empty() && self.committed > self.saved_step() && self.snapshot.is_some_and(|(_, s)| s == self.committed) {
+            self.checkpointed = self.committed;
+            let dir = self.cfg.checkpoints_dir.join(format!("step-{:08}", self.committed));
+            out.push(Action::CheckpointFromSnapshot { step: self.committed, dir });
+        }
         if let Some(&w) = self.members.keys().next() {
             if self.committed > 0 {
                 out.push(Action::Send(w, ToWorker::Export { dir: dir.display().to_string() }));
             }
         }
         out
+    }
+
+    /// Write the current snapshot as a checkpoint of `step` into `dir`, in the format a
+    /// drafter writes (state.safetensors with params/adam_m/adam_v, meta.json with its
+    /// checksum), atomically. For a stop with no drafter left.
+    pub fn checkpoint_from_snapshot(&mut self, step: u64, dir: &Path, supervisor_meta: &str) -> Result<(), String> {
+        let Some((slot, at)) = self.snapshot.filter(|&(_, s)| s == step) else {
+            return Err(format!("no snapshot of step {step}"));
+        };
+        // SAFETY: the snapshot slot is current and no drafter is left to write into it.
+        let src = unsafe { self._state_map.payload(slot) };
+        let n = ParamLayout::new(&self.cfg.drafter).total;
+        let (head, body) = src.split_at(64);
+        let (state_step, adam_step) = (u64::from_le_bytes(head[..8].try_into().expect("8 bytes")), u64::from_le_bytes(head[8..16].try_into().expect("8 bytes")));
+        if state_step != at {
+            return Err(format!("the snapshot slot holds step {state_step}, expected {at}"));
+        }
+        let body = &body[..3 * n * 4];
+        if !body.chunks_exact(4).all(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite()) {
+            return Err(format!("the training state at step {step} is not finite: no checkpoint written"));
+        }
+        // safetensors: header length, JSON header (padded to 8 bytes), then the data; the
+        // three tensors lie in the slot in this order already.
+        let mut header = serde_json::json!({}).as_object().cloned().expect("object");
+        for (i, name) in ["params", "adam_m", "adam_v"].iter().enumerate() {
+            header.insert((*name).into(), serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [i * n * 4, (i + 1) * n * 4]}));
+        }
+        let mut h = serde_json::Value::Object(header).to_string();
+        while h.len() % 8 != 0 {
+            h.push(' ');
+        }
+        let mut bytes = Vec::with_capacity(8 + h.len() + body.len());
+        bytes.extend((h.len() as u64).to_le_bytes());
+        bytes.extend(h.as_bytes());
+        bytes.extend(body);
+        let supervisor: serde_json::Value = serde_json::from_str(supervisor_meta).map_err(|e| e.to_string())?;
+        let meta = serde_json::json!({
+            "step": step,
+            "adam_step": adam_step,
+            "drafter": self.cfg.drafter,
+            "seed": self.cfg.seed,
+            "supervisor": supervisor,
+            "written_from": "the supervisor's snapshot",
+            "checksums": {dflash_shared::checkpoint::STATE_FILE: dflash_shared::checkpoint::checksum_hex(&bytes)},
+        });
+        let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let _ = std::fs::remove_dir_all(&tmp);
+            std::fs::create_dir_all(&tmp)?;
+            for (name, data) in [(dflash_shared::checkpoint::STATE_FILE, bytes.as_slice()), (dflash_shared::checkpoint::META_FILE, serde_json::to_string_pretty(&meta)?.as_bytes())] {
+                let mut f = File::create(tmp.join(name))?;
+                f.write_all(data)?;
+                f.sync_all()?;
+            }
+            std::fs::rename(&tmp, dir)?;
+            if let Some(parent) = dir.parent() {
+                File::open(parent)?.sync_all()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_dir_all(&tmp);
+            format!("writing {}: {e}", dir.display())
+        })?;
+        self.on_checkpointed(dir.display().to_string(), step);
+        Ok(())
     }
 
     /// Bytes a checkpoint takes on disk (parameters and two Adam moments, f32, plus JSON).

@@ -178,6 +178,8 @@ fn both_drafters_killed_again_and_again_at_random_instants_lose_nothing() {
 fn a_stop_that_cannot_save_exits_non_zero_and_says_which_steps_were_lost() {
     let mut sup = Sup::start_real(&[
         "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--max-seq-len", "64", "--token-budget", "512", "--checkpoint-every", "1000",
+        // No snapshot either (the first would be due at step 1000).
+        "--snapshot-every", "1000",
     ]);
     sup.wait_state("step 5", T, |s| step_of(s) >= 5);
     // The only drafter dies as the stop begins: nothing can write the stop checkpoint.
@@ -290,4 +292,33 @@ fn dflash_shared_verify(dir: &Path) -> Option<u64> {
     let bytes = std::fs::read(dir.join("state.safetensors")).ok()?;
     safetensors::SafeTensors::deserialize(&bytes).ok()?;
     meta["step"].as_u64()
+}
+
+/// No drafter is left at the stop (its restart budget is spent), but the supervisor's
+/// snapshot holds the last committed step: the stop checkpoint is written from it, and the
+/// run resumes from there.
+#[test]
+fn with_no_drafter_left_the_stop_checkpoint_is_written_from_the_snapshot() {
+    let mut sup = Sup::start_real(&[
+        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--steps", "20", "--max-seq-len", "64", "--token-budget", "512",
+        "--checkpoint-every", "1000", "--max-restarts", "0",
+    ]);
+    sup.wait_state("step 5", T, |s| step_of(s) >= 5);
+    kill_drafters(&sup);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "the restart budget is spent: {err}");
+    assert!(!err.contains("were not saved"), "{err}");
+    let last = steps(&sup.run_dir).last().unwrap()["step"].as_u64().unwrap();
+    let rb = rollbacks(&sup.run_dir);
+    let at = rb.last().map_or(last, |r| r["to"].as_u64().unwrap());
+    let dir = sup.run_dir.join("checkpoints").join(format!("step-{at:08}"));
+    let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap_or_else(|e| panic!("{}: {e}\n{err}", dir.display()))).unwrap();
+    assert_eq!(meta["written_from"], "the supervisor's snapshot");
+    let out = supervise(&["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()], None);
+    let e2 = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{e2}");
+    assert!(e2.contains(&format!("from the checkpoint of step {at}")), "{e2}");
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
 }

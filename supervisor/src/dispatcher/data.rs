@@ -72,6 +72,13 @@ impl Dispatcher {
                     self.dirty = true;
                 }
                 Action::Covered(step) => self.pipeline.covered(step),
+                Action::CheckpointFromSnapshot { step, dir } => {
+                    let meta = self.pipeline.consumed_summary().to_string();
+                    match self.trainer.checkpoint_from_snapshot(step, &dir, &meta) {
+                        Ok(()) => self.run.event("checkpoint", super::obj(serde_json::json!({"worker": "supervisor", "step": step, "dir": dir.display().to_string()}))),
+                        Err(e) => log::error!("no drafter is left to write the stop checkpoint, and the snapshot cannot be written instead: {e}"),
+                    }
+                }
                 Action::Checkpoint { worker, step, dir } => {
                     let meta = self.pipeline.consumed_summary().to_string();
                     if let Some(tx) = self.workers[worker].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
