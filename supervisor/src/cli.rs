@@ -34,6 +34,15 @@ pub enum Command {
     Logs(LogsArgs),
     /// Show the workers of a run: pid, state, restarts.
     Status(StatusArgs),
+    /// Write a run's report: one self-contained HTML page (summary, loss and acceptance per
+    /// step, worker lifelines) that opens anywhere without network. Prints its path.
+    Report {
+        /// Run directory. Default: the newest run under ./runs.
+        run_dir: Option<PathBuf>,
+        /// Where to write it. Default: RUN_DIR/report.html.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
     /// Audit a run's batch ledger: produced, consumed once, in flight, lost, duplicated.
     /// Exits 1 if any batch was lost or reached an optimizer twice.
     Ledger(LedgerArgs),

@@ -29,6 +29,7 @@ pub mod reaper;
 pub mod report;
 pub mod restart;
 pub mod resume;
+pub mod run_report;
 pub mod rundir;
 pub mod status;
 pub mod telemetry;
@@ -68,6 +69,7 @@ pub fn main() -> i32 {
         None => run(cli.run, &given),
         Some(Command::Logs(a)) => logs::run(a),
         Some(Command::Status(a)) => status::run(a),
+        Some(Command::Report { run_dir, out }) => run_report::run(run_dir, out),
         Some(Command::Ledger(a)) => ledger::run(a),
         Some(Command::Gpus { json }) => gpus::run(json),
         Some(Command::Prepare(a)) => preflight::prepare(a),

@@ -118,6 +118,11 @@ impl Dispatcher {
         }
         self.run.event("run_end", obj(json!({"reason": reason.describe(), "exit_code": code})));
         log::info!("run ended ({}); exit code {code}", reason.describe());
+        let report = self.run.path.join("report.html");
+        match crate::run_report::write(&self.run.path, &report) {
+            Ok(()) => eprintln!("dflash-supervise: report written to {}", report.display()),
+            Err(e) => log::warn!("cannot write the report: {e}"),
+        }
         match &self.trainer.progress.exported {
             Some(dir) => eprintln!("dflash-supervise: drafter (step {}) written to {dir}", self.trainer.progress.step),
             None if self.trainer.committed() == 0 => eprintln!("dflash-supervise: no training step was committed; no drafter written"),
