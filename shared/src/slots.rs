@@ -185,12 +185,17 @@ impl SlotTable {
     /// READY → READING for `holder`, oldest (or redelivered) first.
     pub fn deliver(&mut self, holder: Holder) -> Option<Grant> {
         let i = self.ready.pop_front()?;
+        Some(self.hand_out(i, holder))
+    }
+
+    /// A READY slot taken off the queue → READING for `holder`.
+    fn hand_out(&mut self, i: u32, holder: Holder) -> Grant {
         let s = &mut self.slots[i as usize];
         debug_assert_eq!(s.state, SlotState::Ready);
         s.state = SlotState::Reading;
         s.holder = Some(holder);
         s.gen += 1;
-        Some(Grant { slot: i, gen: s.gen, len: s.len, batch_id: s.batch_id })
+        Grant { slot: i, gen: s.gen, len: s.len, batch_id: s.batch_id }
     }
 
     /// The lowest batch id READY: what [`deliver_lowest`](Self::deliver_lowest) hands out.
@@ -205,12 +210,7 @@ impl SlotTable {
     pub fn deliver_lowest(&mut self, holder: Holder) -> Option<Grant> {
         let pos = (0..self.ready.len()).min_by_key(|&p| self.slots[self.ready[p] as usize].batch_id)?;
         let i = self.ready.remove(pos).expect("in range");
-        let s = &mut self.slots[i as usize];
-        debug_assert_eq!(s.state, SlotState::Ready);
-        s.state = SlotState::Reading;
-        s.holder = Some(holder);
-        s.gen += 1;
-        Some(Grant { slot: i, gen: s.gen, len: s.len, batch_id: s.batch_id })
+        Some(self.hand_out(i, holder))
     }
 
     /// Every READY slot → FREE, undelivered (a rollback recomputes them in order);

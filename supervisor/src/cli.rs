@@ -436,6 +436,13 @@ pub struct StatusArgs {
     pub json: bool,
 }
 
+/// The run options of a command line without its program name (for unit tests).
+#[cfg(test)]
+pub(crate) fn run_args(extra: &[&str]) -> RunArgs {
+    let argv = std::iter::once("dflash-supervise").chain(extra.iter().copied());
+    Cli::try_parse_from(argv).expect("a valid test command line").run
+}
+
 fn parse_spec(s: &str) -> Result<DeviceSpec, String> {
     s.parse::<DeviceSpec>().map_err(|e| e.to_string())
 }

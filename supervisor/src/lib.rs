@@ -464,12 +464,9 @@ fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
 
     fn args(extra: &[&str]) -> RunArgs {
-        let mut argv = vec!["dflash-supervise"];
-        argv.extend_from_slice(extra);
-        Cli::try_parse_from(argv).unwrap().run
+        crate::cli::run_args(extra)
     }
 
     fn names(p: &[(WorkerName, Device)]) -> Vec<String> {

@@ -90,7 +90,8 @@ impl PipelineConfig {
     }
 }
 
-fn mem_available() -> Option<u64> {
+/// The kernel's estimate of memory available without swapping (`MemAvailable`).
+pub(crate) fn mem_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;

@@ -200,13 +200,9 @@ pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Resum
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::Cli;
-    use clap::Parser;
 
     fn args(extra: &[&str]) -> RunArgs {
-        let mut argv = vec!["dflash-supervise"];
-        argv.extend_from_slice(extra);
-        Cli::try_parse_from(argv).unwrap().run
+        crate::cli::run_args(extra)
     }
 
     fn given(ids: &[&str]) -> Vec<String> {

@@ -171,7 +171,7 @@ pub fn estimate_memory(
 /// Refuse a run whose workers cannot fit in the memory available now (the same 80 % rule
 /// as the shared-memory pools).
 pub fn check_memory(e: &MemoryEstimate, plan: &[(WorkerName, Device)], drafter: &DrafterConfig) -> Result<(), Error> {
-    let Some(avail) = mem_available() else { return Ok(()) };
+    let Some(avail) = crate::pipeline::mem_available() else { return Ok(()) };
     check_memory_against(e, plan, drafter, avail)
 }
 
@@ -208,24 +208,13 @@ fn check_memory_against(e: &MemoryEstimate, plan: &[(WorkerName, Device)], draft
     )))
 }
 
-fn mem_available() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cli::Cli;
-    use clap::Parser;
     use dflash_shared::model_config::TINY_CONFIG;
 
     fn args(extra: &[&str]) -> RunArgs {
-        let mut argv = vec!["dflash-supervise"];
-        argv.extend_from_slice(extra);
-        Cli::try_parse_from(argv).unwrap().run
+        crate::cli::run_args(extra)
     }
 
     fn refused(extra: &[&str], needles: &[&str]) {
