@@ -34,14 +34,23 @@ pub enum Command {
     Logs(LogsArgs),
     /// Show the workers of a run: pid, state, restarts.
     Status(StatusArgs),
-    /// Write a run's report: one self-contained HTML page (summary, loss and acceptance per
-    /// step, worker lifelines) that opens anywhere without network. Prints its path.
+    /// Write a run's report: one self-contained XHTML page with inline SVG (summary; loss,
+    /// acceptance and per-slot accuracy per step with the learning rate; tokens/s; per-GPU
+    /// utilisation, memory, power, temperature and SM clock with throttle reasons and XIDs;
+    /// pool fill and the bottleneck hint; phase timings; batch composition; worker
+    /// lifelines) that opens anywhere without network. Works on finished, crashed and live
+    /// runs; names the series it cannot draw and why. Prints its path.
     Report {
         /// Run directory. Default: the newest run under ./runs.
         run_dir: Option<PathBuf>,
         /// Where to write it. Default: RUN_DIR/report.html.
         #[arg(long, value_name = "FILE")]
         out: Option<PathBuf>,
+        /// Keep the page current: rewrite it at every new metrics window (and worker
+        /// event) of a live run, until the run ends or Ctrl-C. On a run that has ended it
+        /// writes once.
+        #[arg(long)]
+        watch: bool,
     },
     /// Audit a run's batch ledger: produced, consumed once, in flight, lost, duplicated.
     /// Exits 1 if any batch was lost or reached an optimizer twice.

@@ -69,7 +69,7 @@ pub fn main() -> i32 {
         None => run(cli.run, &given),
         Some(Command::Logs(a)) => logs::run(a),
         Some(Command::Status(a)) => status::run(a),
-        Some(Command::Report { run_dir, out }) => run_report::run(run_dir, out),
+        Some(Command::Report { run_dir, out, watch }) => run_report::run(run_dir, out, watch),
         Some(Command::Ledger(a)) => ledger::run(a),
         Some(Command::Gpus { json }) => gpus::run(json),
         Some(Command::Prepare(a)) => preflight::prepare(a),

@@ -111,7 +111,19 @@ pub fn human(bytes: u64) -> String {
 
 /// From the loader thread.
 pub enum LoaderEvent {
-    Produced { slot: u32, gen: u64, len: u64, batch_id: u64, rows: usize, tokens: u64, lengths: Vec<u32>, seq_len: u32, batch: Box<TokenBatch> },
+    Produced {
+        slot: u32,
+        gen: u64,
+        len: u64,
+        batch_id: u64,
+        rows: usize,
+        tokens: u64,
+        lengths: Vec<u32>,
+        seq_len: u32,
+        batch: Box<TokenBatch>,
+        /// Bad dataset lines skipped so far.
+        bad_lines: u64,
+    },
     Done { position: Position, bad: BadLines },
     Failed(String),
 }
@@ -165,6 +177,8 @@ pub struct Pipeline {
     prefetch: usize,
     loader_tx: Option<Sender<Grant>>,
     loader_done: Option<Position>,
+    /// Bad dataset lines the loader skipped so far.
+    bad_lines: u64,
     produced: u64,
     consumed: HashSet<u64>,
     /// Consumed by the run this one resumes.
@@ -199,6 +213,7 @@ impl Pipeline {
             prefetch: cfg.prefetch.max(1),
             loader_tx: None,
             loader_done: None,
+            bad_lines: 0,
             produced: 0,
             consumed: HashSet::new(),
             consumed_before: HashSet::new(),
@@ -254,6 +269,7 @@ impl Pipeline {
                                     lengths: b.lengths.clone(),
                                     seq_len: b.seq_len,
                                     batch: Box::new(b),
+                                    bad_lines: loader.bad.total,
                                 },
                                 Err(e) => LoaderEvent::Failed(format!("batch {} does not fit a token slot: {e}", b.batch_id)),
                             }
@@ -275,7 +291,8 @@ impl Pipeline {
     /// A loader event; `Err` is bad input that ends the run.
     pub fn on_loader(&mut self, ev: LoaderEvent) -> Result<(), String> {
         match ev {
-            LoaderEvent::Produced { slot, gen, len, batch_id, rows, tokens, lengths, seq_len, batch } => {
+            LoaderEvent::Produced { slot, gen, len, batch_id, rows, tokens, lengths, seq_len, batch, bad_lines } => {
+                self.bad_lines = bad_lines;
                 // Kept until no rollback can need it again.
                 self.retained.insert(batch_id, *batch);
                 self.health.batch(&lengths, seq_len);
@@ -292,6 +309,7 @@ impl Pipeline {
             LoaderEvent::Done { position, bad } => {
                 self.loader_tx = None;
                 self.loader_done = Some(position);
+                self.bad_lines = bad.total;
                 // Hand back the slots it held for batches that will never come.
                 for i in 0..self.tokens.table.len() as u32 {
                     let s = self.tokens.table.slot(i).clone();
@@ -334,6 +352,11 @@ impl Pipeline {
     /// Once the loader is done: how many batches are not consumed yet.
     pub fn remaining(&self) -> Option<u64> {
         self.loader_done.map(|_| self.produced - self.consumed.len() as u64)
+    }
+
+    /// Bad dataset lines the loader skipped so far.
+    pub fn bad_lines(&self) -> u64 {
+        self.bad_lines
     }
 
     pub fn progress(&self) -> (u64, u64) {

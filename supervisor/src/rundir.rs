@@ -44,6 +44,9 @@ pub struct RunState {
     /// Batches consumed by drafters so far.
     #[serde(default)]
     pub batches_consumed: u64,
+    /// Bad dataset lines the loader skipped so far (absent in runs of older versions).
+    #[serde(default)]
+    pub bad_lines: Option<u64>,
     /// The drafter's training: last committed step and its figures.
     #[serde(default)]
     pub train: Option<crate::trainer::TrainProgress>,

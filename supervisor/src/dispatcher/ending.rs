@@ -20,6 +20,7 @@ impl Dispatcher {
             exit_code,
             batches_produced: self.pipeline.progress().1,
             batches_consumed: self.pipeline.progress().0,
+            bad_lines: Some(self.pipeline.bad_lines()),
             train: Some(self.trainer.progress.clone()),
             metrics: self.metrics.latest.clone(),
             workers: self

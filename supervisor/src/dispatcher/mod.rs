@@ -256,7 +256,12 @@ impl Dispatcher {
         log::info!("run dir {}; starting {}", self.run.path.display(), names.join(", "));
         log::info!("{}", self.pipeline.describe());
         log::info!("{}", self.trainer.describe());
-        self.run.event("run_start", obj(json!({"workers": names, "pid": std::process::id()})));
+        self.run.event("run_start", obj(json!({
+                "workers": names,
+                "pid": std::process::id(),
+                "gpu_metrics": self.cfg.gpu_metrics,
+                "metrics_interval_s": self.cfg.metrics_interval.as_secs_f64(),
+            })));
         if let Some(loader) = self.loader.take() {
             if let Err(e) = self.pipeline.start_loader(loader, self.tx.clone()) {
                 log::error!("{e}");
