@@ -465,7 +465,8 @@ impl Run {
                 .chain(train.iter().filter_map(|l| l["t"].as_f64()))
                 .fold(t0, f64::max),
         };
-        let live = crate::rundir::ExistingRun::open(Some(dir)).map(|r| r.supervisor_alive()).unwrap_or(false);
+        // The supervisor writes the report of its run after its run_end, still holding the lock.
+        let live = ended.is_none() && crate::rundir::ExistingRun::open(Some(dir)).map(|r| r.supervisor_alive()).unwrap_or(false);
         Run { dir: dir.to_path_buf(), state, train, steps, events, metrics, torn, t0, t1: t1.max(t0 + 1.0), live, ended }
     }
 
@@ -698,7 +699,9 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
         return absent.note("GPU utilisation, memory, power, temperature, SM clock", why_no_gpu(run));
     }
     let gpu = |m: &Value, idx: u64| -> Value { m["gpu"]["gpus"].as_array().and_then(|a| a.iter().find(|g| g["index"] == idx)).cloned().unwrap_or_default() };
-    let color = |i: usize| PALETTE[i % PALETTE.len()];
+    // No red: that is the XIDs'.
+    const GPU_COLORS: [&str; 9] = ["#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#333333"];
+    let color = |i: usize| GPU_COLORS[i % GPU_COLORS.len()];
     // (gpu, seconds, window length, reasons) and (gpu, seconds, code)
     let mut throttles: Vec<(u64, f64, f64, String)> = Vec::new();
     let mut xids: Vec<(u64, f64, u64)> = Vec::new();
@@ -859,19 +862,24 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
     let mut out = c.render(&|_| String::new());
     // The bottleneck hint over time: one coloured band per window.
     let mut hints: Vec<String> = Vec::new();
-    let per_window: Vec<(f64, f64, Option<usize>)> = run
+    let per_window: Vec<(f64, f64, Option<(usize, String)>)> = run
         .metrics
         .iter()
         .filter_map(|m| {
             let t = run.secs(&m["time"])?;
-            let h = m["pipeline"]["bottleneck_hint"].as_str().map(|h| match hints.iter().position(|x| x == h) {
-                Some(i) => i,
-                None => {
-                    hints.push(h.to_string());
-                    hints.len() - 1
+            let text = m["pipeline"]["bottleneck_hint"].as_str();
+            // One colour per kind of hint: its figures do not count.
+            let h = text.map(|h| {
+                let kind = without_figures(h);
+                match hints.iter().position(|x| *x == kind) {
+                    Some(i) => i,
+                    None => {
+                        hints.push(kind);
+                        hints.len() - 1
+                    }
                 }
             });
-            Some((t, m["window_s"].as_f64().unwrap_or(0.0), h))
+            Some((t, m["window_s"].as_f64().unwrap_or(0.0), h.zip(text.map(String::from))))
         })
         .collect();
     let mut c = Chart::new("bottleneck", "Bottleneck hint per metrics window", XAxis::Time, run.time_range(), "");
@@ -885,7 +893,7 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
         for (t, w, h) in &per_window {
             let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
             let (color, text) = match h {
-                Some(i) => (hint_color(*i), hints[*i].as_str()),
+                Some((i, text)) => (hint_color(*i), text.as_str()),
                 None => ("#dddddd", ""),
             };
             let _ = write!(
@@ -900,6 +908,24 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
         }
         s
     }));
+    out
+}
+
+/// "targets blocked 60% on ..." → "targets blocked N% on ...".
+fn without_figures(s: &str) -> String {
+    let mut out = String::new();
+    let mut in_num = false;
+    for c in s.chars() {
+        if c.is_ascii_digit() || (in_num && c == '.') {
+            if !in_num {
+                out.push('N');
+            }
+            in_num = true;
+        } else {
+            in_num = false;
+            out.push(c);
+        }
+    }
     out
 }
 
