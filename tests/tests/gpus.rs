@@ -244,10 +244,13 @@ fn bench_telemetry_prints_the_sampler_cost_and_the_supervisor_cpu_with_8_gpus() 
 fn host_device_targets_feed_the_pipeline_and_the_drafter_learns() {
     let tmp = tempfile::tempdir().unwrap();
     let lib = fake_nvml();
-    let s = script(tmp.path(), "");
+    let s = tmp.path().join("nvml.json");
+    let dev = |u: &str| format!(r#"{{"name": "Fake H200", "uuid": "GPU-{u}", "memory_total": 150323855360}}"#);
+    fs::write(&s, format!(r#"{{"driver": "550.54.15", "devices": [{}, {}, {}]}}"#, dev("aaaa"), dev("bbbb"), dev("cccc"))).unwrap();
     let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("DFLASH_DEVICE", "host")];
+    // Two drafter ranks: their device-computed weight checksums are compared every step.
     let mut sup = Sup::start_real_env(
-        &["--gpus", "0-1", "--data", "demo", "--steps", "5", "--max-seq-len", "16", "--token-budget", "128", "--no-gpu-metrics", "--metrics-interval", "200ms"],
+        &["--gpus", "0-2", "--targets", "1", "--data", "demo", "--steps", "5", "--max-seq-len", "16", "--token-budget", "128", "--no-gpu-metrics", "--metrics-interval", "200ms"],
         &env,
     );
     let status = sup.wait_exit(Duration::from_secs(120));
@@ -263,6 +266,12 @@ fn host_device_targets_feed_the_pipeline_and_the_drafter_learns() {
     let loss: Vec<f64> = steps.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
     assert!(loss.iter().all(|l| l.is_finite() && *l > 0.0), "{loss:?}");
     assert!(loss[3..].iter().sum::<f64>() < loss[..2].iter().sum::<f64>(), "the drafter learns from device-computed taps: {loss:?}");
+    assert!(sup.log("drafter-1").contains("computing on host device"));
+    // The optimizer ran on the device: the final checkpoint's state came back from it,
+    // with the device's Adam step count (5 applied steps, none skipped).
+    let meta: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sup.run_dir.join("checkpoints").join(format!("step-{:08}", 5)).join("meta.json")).unwrap()).unwrap();
+    assert_eq!((meta["step"].as_u64(), meta["adam_step"].as_u64()), (Some(5), Some(5)), "{meta}");
     // The target's device memory reaches metrics.jsonl (its arena: in use within reserved).
     let m = metrics(&sup).into_iter().rev().find_map(|m| m["pipeline"]["cuda_memory_by_worker"].get("target-0").cloned());
     let m = m.unwrap_or_else(|| panic!("no cuda_memory_by_worker.target-0 in metrics.jsonl"));

@@ -324,7 +324,7 @@ impl Plane {
                     return Ok(FromWorker::Ack { input: d.slot, batch_id: d.batch_id });
                 }
                 let rank = self.rank.as_mut().ok_or_else(|| anyhow!("a batch to train before the training setup"))?;
-                let params = rank.params_checksum();
+                let params = rank.params_checksum()?;
                 let stats = rank.compute(&view)?;
                 self.stats.batches += 1;
                 self.stats.tokens += view.tokens.tokens();

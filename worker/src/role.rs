@@ -95,12 +95,12 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
             Ok(ToWorker::Reduce { step, slots, lr }) => {
                 let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a step to apply before the training setup"))?;
                 let applied = rank.reduce(step, &slots, lr)?;
-                if applied.skipped {
-                    println!("step {step}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
+                if let Some(skipped) = applied.skipped {
+                    println!("step {skipped}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
                 }
             }
             Ok(ToWorker::Snapshot { slot, .. }) => {
-                let rank = plane.rank.as_ref().ok_or_else(|| anyhow::anyhow!("a snapshot request before the training setup"))?;
+                let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a snapshot request before the training setup"))?;
                 let t = std::time::Instant::now();
                 rank.snapshot(slot)?;
                 let ms = t.elapsed().as_secs_f64() * 1e3;
@@ -109,7 +109,7 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                 }
             }
             Ok(ToWorker::Checkpoint { dir, step, meta }) => {
-                let rank = plane.rank.as_ref().ok_or_else(|| anyhow::anyhow!("a checkpoint request before the training setup"))?;
+                let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a checkpoint request before the training setup"))?;
                 if rank.step != step {
                     anyhow::bail!("asked to checkpoint step {step}, but this rank is at step {}", rank.step);
                 }
@@ -119,7 +119,7 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                 }
             }
             Ok(ToWorker::Export { dir }) => {
-                let rank = plane.rank.as_ref().ok_or_else(|| anyhow::anyhow!("an export request before the training setup"))?;
+                let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("an export request before the training setup"))?;
                 rank.export(std::path::Path::new(&dir)).with_context(|| format!("exporting the drafter to {dir}"))?;
                 println!("drafter exported to {dir} at step {}", rank.step);
                 if up.send(FromWorker::Exported { dir, step: rank.step }).is_err() {

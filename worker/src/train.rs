@@ -21,8 +21,10 @@ use crate::model::weights::Weights;
 pub struct Rank {
     pub setup: TrainSetup,
     drafter: Drafter,
-    /// Forward and backward on this device when the worker has one (the optimizer and
-    /// the gradient exchange stay on the host).
+    /// Forward, backward and optimizer on this device when the worker has one (the
+    /// gradient exchange stays on the host). The device then holds the training state,
+    /// and `params`/`opt` are its host copy, brought up to date by [`Rank::sync_host`]
+    /// for snapshots, checkpoints and the export.
     device: Option<Box<GpuDrafter>>,
     frozen: Frozen,
     params: Vec<f32>,
@@ -44,9 +46,11 @@ pub struct Rank {
     max_position_embeddings: Option<u64>,
 }
 
-/// Outcome of one applied step.
+/// What applying a step found out.
 pub struct Applied {
-    pub skipped: bool,
+    /// A step whose gradient was not finite, so the weights were left as they were: this
+    /// one on the CPU; on a device the previous one, whose outcome arrives a step later.
+    pub skipped: Option<u64>,
 }
 
 fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
@@ -106,6 +110,9 @@ impl Rank {
                 r.load_checkpoint(Path::new(&dir), step)?;
             }
         }
+        if let Some(dev) = r.device.as_mut() {
+            dev.load(&r.params, &r.opt.m, &r.opt.v, r.opt.step).map_err(|e| anyhow!("putting the training state on the device: {e}"))?;
+        }
         Ok(r)
     }
 
@@ -118,10 +125,35 @@ impl Rank {
         self.params.len()
     }
 
-    /// Checksum of the current weights (ranks compare it at every step).
-    pub fn params_checksum(&self) -> u64 {
-        let bytes: Vec<u8> = self.params.iter().flat_map(|v| v.to_le_bytes()).collect();
-        dflash_shared::batch::checksum(&bytes)
+    /// Checksum of the current weights (ranks compare it at every step), computed where
+    /// the weights are.
+    pub fn params_checksum(&mut self) -> anyhow::Result<u64> {
+        match self.device.as_mut() {
+            Some(dev) => dev.params_hash().map_err(|e| anyhow!("the weights' checksum on the device: {e}")),
+            None => Ok(crate::gpu::ops::params_hash(&self.params)),
+        }
+    }
+
+    /// Bring the host copy of the training state up to date with the device's.
+    fn sync_host(&mut self) -> anyhow::Result<()> {
+        let Some(dev) = self.device.as_mut() else { return Ok(()) };
+        let last = dev.drain().map_err(|e| anyhow!("reading the last step's outcome: {e}"))?;
+        if let Some(skipped) = last.and_then(|o| self.note_outcome(o)) {
+            println!("step {skipped}: non-finite gradient, step skipped ({} so far)", self.skipped_steps);
+        }
+        let Some(dev) = self.device.as_mut() else { return Ok(()) };
+        self.opt.step = dev.fetch(&mut self.params, &mut self.opt.m, &mut self.opt.v).map_err(|e| anyhow!("copying the training state from the device: {e}"))?;
+        Ok(())
+    }
+
+    fn note_outcome(&mut self, o: crate::gpu::drafter::StepOutcome) -> Option<u64> {
+        if o.skipped {
+            self.skipped_steps += 1;
+            Some(o.step)
+        } else {
+            self.last_grad_norm = o.grad_norm;
+            None
+        }
     }
 
     /// Gradient of one hidden-state batch for step `self.step + 1`, into this rank's slot.
@@ -147,7 +179,7 @@ impl Rank {
         let (samples, anchors) = batch_samples(&self.drafter, tb, &taps, self.setup.seed);
         let mut g = vec![0f32; self.params.len()];
         let mut stats = match self.device.as_mut() {
-            Some(dev) => dev.train_batch(&self.params, &samples, &anchors, &mut g).map_err(|e| anyhow!("drafter step on the device: {e}"))?,
+            Some(dev) => dev.train_batch(&samples, &anchors, &mut g).map_err(|e| anyhow!("drafter step on the device: {e}"))?,
             None => self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g),
         };
         stats.wait_ms = wait_ms;
@@ -205,25 +237,31 @@ impl Rank {
         sum.iter_mut().for_each(|x| *x *= inv);
         self.step = step;
         self.awaiting = false;
+        if let Some(dev) = self.device.as_mut() {
+            // Norm, clip, skip and AdamW on the device, with no wait for any of them.
+            let before = dev.apply(step, &sum, self.setup.clip as f32, lr as f32, &self.opt.hyper()).map_err(|e| anyhow!("applying step {step} on the device: {e}"))?;
+            return Ok(Applied { skipped: before.and_then(|o| self.note_outcome(o)) });
+        }
         // A non-finite gradient never reaches the weights.
         let Some(norm) = grad_norm(&sum) else {
             self.skipped_steps += 1;
-            return Ok(Applied { skipped: true });
+            return Ok(Applied { skipped: Some(step) });
         };
-        if norm > self.setup.clip {
+        if self.setup.clip > 0.0 && norm > self.setup.clip {
             let s = (self.setup.clip / norm) as f32;
             sum.iter_mut().for_each(|x| *x *= s);
         }
         self.opt.update(&mut self.params, &sum, lr as f32);
         self.last_grad_norm = norm;
-        Ok(Applied { skipped: false })
+        Ok(Applied { skipped: None })
     }
 
     /// Write parameters, Adam moments and step into state slot `slot`.
-    pub fn snapshot(&self, slot: u32) -> anyhow::Result<()> {
+    pub fn snapshot(&mut self, slot: u32) -> anyhow::Result<()> {
         if slot >= self.state.geometry().slots {
             bail!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots);
         }
+        self.sync_host()?;
         // SAFETY: the supervisor asks one rank at a time per slot, and nobody reads the slot
         // until our SnapshotDone (a rollback reads only the slot of the last one).
         let dst = unsafe { self.state.payload_mut(slot) };
@@ -266,7 +304,8 @@ impl Rank {
     /// ([`MODULE_FILE`]) and the parity probe ([`PROBE_FILE`]) that
     /// `dflash-supervise export-check` runs it on. Atomic: written beside `dir`, synced,
     /// then renamed into place.
-    pub fn export(&self, dir: &Path) -> anyhow::Result<()> {
+    pub fn export(&mut self, dir: &Path) -> anyhow::Result<()> {
+        self.sync_host()?;
         if !self.params.iter().all(|x| x.is_finite()) {
             bail!("the drafter's weights at step {} are not finite: not exported", self.step);
         }
@@ -318,7 +357,8 @@ impl Rank {
 /// Checkpoint files: the flat parameter buffer and Adam moments (f32), and meta.json.
 impl Rank {
     /// Write `dir` atomically (temporary directory, fsync, rename).
-    pub fn checkpoint(&self, dir: &Path, meta: &str) -> anyhow::Result<()> {
+    pub fn checkpoint(&mut self, dir: &Path, meta: &str) -> anyhow::Result<()> {
+        self.sync_host()?;
         if !self.params.iter().chain(&self.opt.m).chain(&self.opt.v).all(|x| x.is_finite()) {
             bail!("the training state at step {} is not finite: no checkpoint written (the newest finite one stays the newest)", self.step);
         }

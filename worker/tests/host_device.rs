@@ -436,6 +436,7 @@ fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
         DSlice { ptr: p, bytes: 8 }
     };
     let flag = put_i32(&mut o, &[0]);
+    let t = put_i32(&mut o, &[0]);
     let mut cpu_p = p0.clone();
     let mut opt = AdamW::new(n);
     let clip = 1.0f64;
@@ -462,12 +463,14 @@ fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
             None => false,
         };
         assert_eq!(applied, step != 2);
-        let t = opt.step as i32;
-        let (c1, c2) = (1.0 - 0.9f32.powi(t), 1.0 - 0.999f32.powi(t));
-        o.adamw(gp, gm, gv, gg, acc, flag, clip as f32, 1e-3, 0.9, 0.999, 1e-8, 0.0, c1, c2).unwrap();
+        o.adam_count(t, flag).unwrap();
+        o.adamw(gp, gm, gv, gg, acc, flag, t, clip as f32, 1e-3, &opt.hyper()).unwrap();
         let mut nf = [0i32];
         o.dev.download(Stream::Compute, flag, bytemuck_i32(&mut nf)).unwrap();
         assert_eq!(nf[0] != 0, step == 2, "the non-finite flag at step {step}");
+        let mut tt = [0i32];
+        o.dev.download(Stream::Compute, t, bytemuck_i32(&mut tt)).unwrap();
+        assert_eq!(tt[0] as u64, opt.step, "the device's Adam step count counts only applied steps");
         assert_close(&format!("adamw step {step}"), &get(&mut o, gp), &cpu_p, 1e-5);
         assert_close(&format!("adam m step {step}"), &get(&mut o, gm), &opt.m, 1e-5);
     }
@@ -627,8 +630,10 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let mut want = vec![0f32; p.len()];
     let ws = d.train_batch(&p, &frozen, &samples, &anchors, &mut want);
     let mut gpu = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let zeros = vec![0f32; p.len()];
+    gpu.load(&p, &zeros, &zeros, 0).unwrap();
     let mut got = vec![f32::NAN; p.len()];
-    let gs = gpu.train_batch(&p, &samples, &anchors, &mut got).unwrap();
+    let gs = gpu.train_batch(&samples, &anchors, &mut got).unwrap();
     let (wl, gl) = (ws.loss_sum / ws.weight_sum, gs.loss_sum / gs.weight_sum);
     eprintln!("drafter loss: cpu {wl:.6}, device {gl:.6}");
     assert!((wl - gl).abs() < 1e-5 * wl.abs(), "loss {gl} vs {wl}");
@@ -641,12 +646,59 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
         assert_eq!(r.start, *off);
         assert_close(&format!("drafter gradient {name}"), &got[r.clone()], &want[r], 2e-4);
     }
+    // The optimizer on the device: three steps, the second with a NaN in its gradient,
+    // against the CPU's clip and AdamW on the same gradients. The device reports each
+    // step's outcome a step later (the last one when drained).
+    use dflash_worker::gpu::ops::params_hash;
+    use dflash_worker::model::drafter::{grad_norm, AdamW};
+    assert_eq!(gpu.params_hash().unwrap(), params_hash(&p), "the device's checksum of the weights is the host's");
+    let (mut cpu_p, mut opt) = (p.clone(), AdamW::new(p.len()));
+    let (clip, lr) = (1.0f32, 1e-2f32);
+    let mut outcomes = Vec::new();
+    let mut norms = Vec::new();
+    for step in 1..=3u64 {
+        let mut g = vec![0f32; p.len()];
+        gpu.train_batch(&samples, &anchors, &mut g).unwrap();
+        if step == 2 {
+            g[17] = f32::NAN;
+        }
+        let before = gpu.apply(step, &g, clip, lr, &opt.hyper()).unwrap();
+        assert_eq!(before.map(|o| o.step), (step > 1).then_some(step - 1), "the outcome of the step before arrives with this one");
+        outcomes.extend(before);
+        if let Some(norm) = grad_norm(&g) {
+            if norm > clip as f64 {
+                g.iter_mut().for_each(|x| *x *= (clip as f64 / norm) as f32);
+            }
+            opt.update(&mut cpu_p, &g, lr);
+            norms.push(norm);
+        }
+    }
+    outcomes.extend(gpu.drain().unwrap());
+    assert_eq!(outcomes.iter().map(|o| (o.step, o.skipped)).collect::<Vec<_>>(), [(1, false), (2, true), (3, false)]);
+    for (o, want) in outcomes.iter().filter(|o| !o.skipped).zip(&norms) {
+        assert!((o.grad_norm - want).abs() <= 1e-5 * want, "step {}: device norm {} vs {want}", o.step, o.grad_norm);
+    }
+    let n = p.len();
+    let (mut dp, mut dm, mut dv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let t = gpu.fetch(&mut dp, &mut dm, &mut dv).unwrap();
+    assert_eq!(t, opt.step, "the skipped step is not counted");
+    assert_eq!(t, 2);
+    assert_close("device AdamW weights after 3 steps", &dp, &cpu_p, 1e-5);
+    assert_close("device Adam m", &dm, &opt.m, 1e-5);
+    assert_close("device Adam v", &dv, &opt.v, 1e-5);
+    assert!(rel_err(&dp, &p) > 1e-4, "the weights moved");
+    let h = gpu.params_hash().unwrap();
+    assert_eq!(h, params_hash(&dp));
+    assert_ne!(h, params_hash(&p));
+    let mut flipped = dp.clone();
+    flipped[n / 2] = f32::from_bits(flipped[n / 2].to_bits() ^ 1);
+    assert_ne!(params_hash(&flipped), h, "one flipped bit changes the checksum");
     // A sample larger than the room asked for is refused, not overrun.
     let long_taps = rand_vec(&mut rng, 40 * c.n_taps * c.hidden, 1.0);
     let long_ids: Vec<u32> = (0..40).collect();
     let long_mask = vec![1u8; 40];
     let s = Sample { taps: &long_taps, ids: &long_ids, mask: &long_mask };
-    let err = gpu.train_batch(&p, &[s], &[vec![0, 5]], &mut got).unwrap_err();
+    let err = gpu.train_batch(&[s], &[vec![0, 5]], &mut got).unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 32")));
 }
 

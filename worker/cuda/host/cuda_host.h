@@ -113,6 +113,7 @@ inline float atomicAdd(float* a, float v) { return std::atomic_ref<float>(*a).fe
 inline double atomicAdd(double* a, double v) { return std::atomic_ref<double>(*a).fetch_add(v); }
 inline int atomicAdd(int* a, int v) { return std::atomic_ref<int>(*a).fetch_add(v); }
 inline unsigned atomicAdd(unsigned* a, unsigned v) { return std::atomic_ref<unsigned>(*a).fetch_add(v); }
+inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) { return std::atomic_ref<unsigned long long>(*a).fetch_add(v); }
 inline int atomicExch(int* a, int v) { return std::atomic_ref<int>(*a).exchange(v); }
 inline float atomicExch(float* a, float v) { return std::atomic_ref<float>(*a).exchange(v); }
 inline int atomicOr(int* a, int v) { return std::atomic_ref<int>(*a).fetch_or(v); }

@@ -76,15 +76,78 @@ struct Work {
     dctx_pre: DSlice,
 }
 
+/// The optimizer on the device: fp32 master weights (`GpuDrafter::params`) with their Adam
+/// moments, the averaged gradient of the step being applied, and the step's norm, skip
+/// flag, Adam step count and the weights' checksum.
+struct Opt {
+    m: DSlice,
+    v: DSlice,
+    gsum: DSlice,
+    /// Σg² (one f64).
+    acc: DSlice,
+    /// Set when the gradient is not finite (one i32).
+    flag: DSlice,
+    /// Adam's step count (one i32).
+    t: DSlice,
+    /// [`super::ops::params_hash`] of the weights (one u64).
+    hash: DSlice,
+}
+
+/// What the device said about an applied step, read a step later.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    pub step: u64,
+    /// The gradient was not finite: weights and moments were left as they were.
+    pub skipped: bool,
+    /// The averaged gradient's norm before clipping (NaN when skipped).
+    pub grad_norm: f64,
+}
+
+/// One page of pinned host memory that the step's flag and norm are copied into, behind
+/// an event, so the host never waits for the optimizer.
+struct Readback {
+    ptr: *mut u8,
+}
+
+const READBACK: usize = 4096;
+
+impl Readback {
+    fn new() -> Readback {
+        let layout = std::alloc::Layout::from_size_align(READBACK, READBACK).expect("one page");
+        // SAFETY: a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        Readback { ptr }
+    }
+}
+
+impl Drop for Readback {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout; the device that registered it was
+        // dropped first (it is declared before us in GpuDrafter) and unregistered it.
+        unsafe { std::alloc::dealloc(self.ptr, std::alloc::Layout::from_size_align(READBACK, READBACK).expect("one page")) };
+    }
+}
+
+// SAFETY: the page is only touched through &mut GpuDrafter.
+unsafe impl Send for Readback {}
+
 pub struct GpuDrafter {
     d: Drafter,
+    // Declared before `readback`: the device unregisters the page before it is freed.
     ops: Ops,
+    readback: Readback,
+    /// The step whose outcome is on its way into `readback`, and the event behind it.
+    pending: Option<(u64, super::Event)>,
     _arena: Arena,
     embed: DSlice,
     lm_head: DSlice,
     params: DSlice,
     grads: DSlice,
     inv_freq: DSlice,
+    opt: Opt,
     saved: Vec<Saved>,
     w: Work,
     max_len: usize,
@@ -100,14 +163,17 @@ impl GpuDrafter {
         let mut dry = Arena::dry();
         Self::place(dev.as_mut(), &mut dry, d, frozen, s, m)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
-        let (embed, lm_head, params, grads, inv_freq, saved, w) = Self::place(dev.as_mut(), &mut arena, d, frozen, s, m)?;
-        Ok(GpuDrafter { d: Drafter::new(d.cfg.clone()), ops: Ops::new(dev), _arena: arena, embed, lm_head, params, grads, inv_freq, saved, w, max_len: s, max_rows: m })
+        let (embed, lm_head, params, grads, inv_freq, opt, saved, w) = Self::place(dev.as_mut(), &mut arena, d, frozen, s, m)?;
+        let readback = Readback::new();
+        // SAFETY: the page lives as long as the device (see the field order).
+        unsafe { dev.register_host(readback.ptr, READBACK)? };
+        Ok(GpuDrafter { d: Drafter::new(d.cfg.clone()), ops: Ops::new(dev), readback, pending: None, _arena: arena, embed, lm_head, params, grads, inv_freq, opt, saved, w, max_len: s, max_rows: m })
     }
 
     /// Lay out (and, in a real arena, fill) everything for rows of `s` positions and `m`
     /// block rows.
     #[allow(clippy::type_complexity)]
-    fn place(dv: &mut dyn Device, arena: &mut Arena, d: &Drafter, frozen: &Frozen, s: usize, m: usize) -> Result<(DSlice, DSlice, DSlice, DSlice, DSlice, Vec<Saved>, Work)> {
+    fn place(dv: &mut dyn Device, arena: &mut Arena, d: &Drafter, frozen: &Frozen, s: usize, m: usize) -> Result<(DSlice, DSlice, DSlice, DSlice, DSlice, Opt, Vec<Saved>, Work)> {
         let c = &d.cfg;
         let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
@@ -120,6 +186,15 @@ impl GpuDrafter {
         let params = f(d.layout.total, "parameters")?;
         let grads = f(d.layout.total, "gradients")?;
         let inv_freq = f(d.inv_freq.len(), "rope inv_freq")?;
+        let opt = Opt {
+            m: f(d.layout.total, "adam m")?,
+            v: f(d.layout.total, "adam v")?,
+            gsum: f(d.layout.total, "averaged gradient")?,
+            acc: f(2, "gradient sumsq")?,
+            flag: f(1, "non-finite flag")?,
+            t: f(1, "adam step")?,
+            hash: f(2, "weights checksum")?,
+        };
         let mut saved = Vec::new();
         for l in 0..c.layers {
             let mut g = |n: usize, what: &str| f(n, &format!("layer {l} {what}"));
@@ -182,22 +257,95 @@ impl GpuDrafter {
         arena.fill_f32(dv, embed, &frozen.embed, false)?;
         arena.fill_f32(dv, lm_head, &frozen.lm_head, false)?;
         arena.fill_f32(dv, inv_freq, &d.inv_freq, false)?;
-        Ok((embed, lm_head, params, grads, inv_freq, saved, w))
+        Ok((embed, lm_head, params, grads, inv_freq, opt, saved, w))
     }
 
     pub fn describe(&self) -> String {
         self.ops.dev.describe()
     }
 
-    /// Forward and backward over one batch at parameters `p`: writes the gradient of
-    /// `Σ w·CE / total_weight` into `grads` (overwriting) and returns the batch's
+    /// Put the training state on the device: weights, Adam moments and step count. What
+    /// was on its way back from the last step is dropped.
+    pub fn load(&mut self, params: &[f32], m: &[f32], v: &[f32], adam_step: u64) -> Result<()> {
+        self.drain()?;
+        let o = &self.opt;
+        let dev = &mut self.ops.dev;
+        dev.upload(Stream::Compute, self.params, f32_bytes(params))?;
+        dev.upload(Stream::Compute, o.m, f32_bytes(m))?;
+        dev.upload(Stream::Compute, o.v, f32_bytes(v))?;
+        dev.upload(Stream::Compute, o.t, i32_bytes(&[adam_step as i32]))?;
+        dev.sync()
+    }
+
+    /// The training state back from the device (weights, moments, Adam step count).
+    pub fn fetch(&mut self, params: &mut [f32], m: &mut [f32], v: &mut [f32]) -> Result<u64> {
+        let o = &self.opt;
+        let dev = &mut self.ops.dev;
+        dev.download(Stream::Compute, self.params, f32_bytes_mut(params))?;
+        dev.download(Stream::Compute, o.m, f32_bytes_mut(m))?;
+        dev.download(Stream::Compute, o.v, f32_bytes_mut(v))?;
+        let mut t = [0u8; 4];
+        dev.download(Stream::Compute, o.t.sub(1, 0..4), &mut t)?;
+        Ok(i32::from_le_bytes(t) as u64)
+    }
+
+    /// The weights' checksum ([`super::ops::params_hash`]), computed on the device.
+    pub fn params_hash(&mut self) -> Result<u64> {
+        self.ops.dev.memset_zero(Stream::Compute, self.opt.hash)?;
+        self.ops.params_hash(self.opt.hash, self.params)?;
+        let mut h = [0u8; 8];
+        self.ops.dev.download(Stream::Compute, self.opt.hash, &mut h)?;
+        Ok(u64::from_le_bytes(h))
+    }
+
+    /// Apply step `step` with the averaged gradient `g`: the norm, the clip to `clip`
+    /// and AdamW all on the device, and a non-finite gradient leaves everything as it was
+    /// (the `adamw` kernel checks the device's flag; the host does not wait for it). The
+    /// step's outcome comes back by an asynchronous copy; this returns the previous
+    /// step's, which has long arrived.
+    pub fn apply(&mut self, step: u64, g: &[f32], clip: f32, lr: f32, hyper: &super::ops::AdamHyper) -> Result<Option<StepOutcome>> {
+        let before = self.drain()?;
+        let o = &self.opt;
+        let (p, gsum, acc, flag, t) = (self.params, o.gsum, o.acc, o.flag, o.t);
+        let (m, v) = (o.m, o.v);
+        self.ops.dev.upload(Stream::Compute, gsum, f32_bytes(g))?;
+        self.ops.dev.memset_zero(Stream::Compute, acc)?;
+        self.ops.dev.memset_zero(Stream::Compute, flag)?;
+        self.ops.sumsq(gsum, acc, flag)?;
+        self.ops.adam_count(t, flag)?;
+        self.ops.adamw(p, m, v, gsum, acc, flag, t, clip, lr, hyper)?;
+        // SAFETY: the page is registered, and nothing reads it before the event (`drain`).
+        unsafe {
+            self.ops.dev.download_async(Stream::Compute, flag.sub(1, 0..4), self.readback.ptr)?;
+            self.ops.dev.download_async(Stream::Compute, acc.sub(1, 0..8), self.readback.ptr.add(8))?;
+        }
+        let e = self.ops.dev.record(Stream::Compute)?;
+        self.pending = Some((step, e));
+        Ok(before)
+    }
+
+    /// Wait for the last applied step's outcome (it is usually there already).
+    pub fn drain(&mut self) -> Result<Option<StepOutcome>> {
+        let Some((step, e)) = self.pending.take() else { return Ok(None) };
+        self.ops.dev.sync_event(e)?;
+        self.ops.dev.release_event(e);
+        self.ops.dev.host_access(self.readback.ptr, 16, false)?;
+        let mut b = [0u8; 16];
+        // SAFETY: the copies into the page completed (the event above).
+        unsafe { std::ptr::copy_nonoverlapping(self.readback.ptr, b.as_mut_ptr(), 16) };
+        let skipped = i32::from_le_bytes(b[..4].try_into().expect("4 bytes")) != 0;
+        let sumsq = f64::from_le_bytes(b[8..].try_into().expect("8 bytes"));
+        Ok(Some(StepOutcome { step, skipped, grad_norm: if skipped { f64::NAN } else { sumsq.sqrt() } }))
+    }
+
+    /// Forward and backward over one batch at the device's weights: writes the gradient
+    /// of `Σ w·CE / total_weight` into `grads` (overwriting) and returns the batch's
     /// statistics, as [`Drafter::train_batch`] does (which adds into its `grads`).
-    pub fn train_batch(&mut self, p: &[f32], samples: &[Sample], anchors: &[Vec<usize>], grads: &mut [f32]) -> Result<StepStats> {
+    pub fn train_batch(&mut self, samples: &[Sample], anchors: &[Vec<usize>], grads: &mut [f32]) -> Result<StepStats> {
         let d = &self.d;
         let bs = d.cfg.block_size;
         let total_weight: f64 = samples.iter().zip(anchors).map(|(s, an)| an.iter().map(|&a| (1..bs).map(|k| d.slot_weight(a, k, s.mask)).sum::<f64>()).sum::<f64>()).sum();
         let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], ..Default::default() };
-        self.ops.dev.upload(Stream::Compute, self.params, f32_bytes(p))?;
         self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
         if total_weight > 0.0 {
             for (s, an) in samples.iter().zip(anchors) {

@@ -229,10 +229,15 @@ impl Ops {
         self.launch("sumsq", grid_for(n).min(1024), BLOCK, &[Arg::RW(acc), Arg::RW(nonfinite), Arg::R(g), Arg::I64(n as i64)])
     }
 
-    /// Clip by the norm in `acc` to `max_norm` (0: no clip) and apply AdamW, unless
-    /// `nonfinite` is set. `c1`, `c2`: the bias corrections 1 − βᵗ.
+    /// One more Adam step in the device counter `t` (one i32) unless `nonfinite` is set.
+    pub fn adam_count(&mut self, t: DSlice, nonfinite: DSlice) -> Result<()> {
+        self.launch("adam_count", 1, 32, &[Arg::RW(t), Arg::R(nonfinite)])
+    }
+
+    /// Clip by the norm in `acc` to `max_norm` (0: no clip) and apply AdamW at the step
+    /// count in `t` (after [`adam_count`](Self::adam_count)), unless `nonfinite` is set.
     #[allow(clippy::too_many_arguments)]
-    pub fn adamw(&mut self, p: DSlice, m: DSlice, v: DSlice, g: DSlice, acc: DSlice, nonfinite: DSlice, max_norm: f32, lr: f32, b1: f32, b2: f32, eps: f32, wd: f32, c1: f32, c2: f32) -> Result<()> {
+    pub fn adamw(&mut self, p: DSlice, m: DSlice, v: DSlice, g: DSlice, acc: DSlice, nonfinite: DSlice, t: DSlice, max_norm: f32, lr: f32, opt: &AdamHyper) -> Result<()> {
         let n = p.len_f32();
         self.launch(
             "adamw",
@@ -246,17 +251,45 @@ impl Ops {
                 Arg::I64(n as i64),
                 Arg::R(acc),
                 Arg::R(nonfinite),
+                Arg::R(t),
                 Arg::F32(max_norm),
                 Arg::F32(lr),
-                Arg::F32(b1),
-                Arg::F32(b2),
-                Arg::F32(eps),
-                Arg::F32(wd),
-                Arg::F32(c1),
-                Arg::F32(c2),
+                Arg::F32(opt.beta1),
+                Arg::F32(opt.beta2),
+                Arg::F32(opt.eps),
+                Arg::F32(opt.weight_decay),
             ],
         )
     }
+
+    /// [`params_hash`] of `p` added into `acc` (one u64; zero it first).
+    pub fn params_hash(&mut self, acc: DSlice, p: DSlice) -> Result<()> {
+        let n = p.len_f32();
+        self.launch("params_hash", grid_for(n).min(1024), BLOCK, &[Arg::RW(acc), Arg::R(p), Arg::I64(n as i64)])
+    }
+}
+
+/// AdamW's constants.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamHyper {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The weights' checksum that the `params_hash` kernel computes: Σᵢ splitmix64(bits(pᵢ)
+/// << 32 ^ i), wrapping. Order-free, so the device's grid does not change it; one flipped
+/// bit anywhere changes it.
+pub fn params_hash(p: &[f32]) -> u64 {
+    p.iter().enumerate().fold(0u64, |s, (i, x)| s.wrapping_add(splitmix64(((x.to_bits() as u64) << 32) ^ i as u64)))
 }
 
 fn check_heads(qh: usize, kvh: usize, hd: usize) -> Result<()> {

@@ -533,11 +533,16 @@ impl AdamW {
         AdamW { m: vec![0.0; n], v: vec![0.0; n], step: 0, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
     }
 
+    pub fn hyper(&self) -> crate::gpu::ops::AdamHyper {
+        crate::gpu::ops::AdamHyper { beta1: self.beta1, beta2: self.beta2, eps: self.eps, weight_decay: self.weight_decay }
+    }
+
     pub fn update(&mut self, p: &mut [f32], g: &[f32], lr: f32) {
         self.step += 1;
         let (b1, b2) = (self.beta1, self.beta2);
-        let c1 = 1.0 - b1.powi(self.step as i32);
-        let c2 = 1.0 - b2.powi(self.step as i32);
+        // Bias corrections in f64, rounded once: what the device's `adamw` kernel computes.
+        let c1 = (1.0 - (b1 as f64).powf(self.step as f64)) as f32;
+        let c2 = (1.0 - (b2 as f64).powf(self.step as f64)) as f32;
         for i in 0..p.len() {
             self.m[i] = b1 * self.m[i] + (1.0 - b1) * g[i];
             self.v[i] = b2 * self.v[i] + (1.0 - b2) * g[i] * g[i];
