@@ -733,7 +733,8 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
     let gib = 1073741824.0;
     // (id, title, unit, [(metric, stat, class, dashed, scale, label)], fixed range)
     type Line = (&'static str, &'static str, &'static str, bool, f64, &'static str);
-    let panels: [(&str, &str, &str, Vec<Line>, Option<(f64, f64)>); 5] = [
+    type Panel = (&'static str, &'static str, &'static str, Vec<Line>, Option<(f64, f64)>);
+    let panels: [Panel; 5] = [
         ("util", "GPU utilisation (mean of the window)", "%", vec![("util_gpu_pct", "mean", "gpu-util", false, 1.0, "")], Some((0.0, 100.0))),
         (
             "mem",
@@ -862,7 +863,9 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
     let mut out = c.render(&|_| String::new());
     // The bottleneck hint over time: one coloured band per window.
     let mut hints: Vec<String> = Vec::new();
-    let per_window: Vec<(f64, f64, Option<(usize, String)>)> = run
+    /// (seconds, window length, the hint's kind and text)
+    type HintWindow = (f64, f64, Option<(usize, String)>);
+    let per_window: Vec<HintWindow> = run
         .metrics
         .iter()
         .filter_map(|m| {
@@ -1259,5 +1262,59 @@ pub fn run(dir: Option<PathBuf>, out: Option<PathBuf>, watch: bool) -> Result<i3
             eprintln!("dflash-supervise: the run has ended; {} is final", out.display());
             return Ok(0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(d.path().join(name), text).unwrap();
+        }
+        d
+    }
+
+    const STATE: &str = r#"{"started_at": "2026-01-01T00:00:00.000Z", "started_at_unix_ms": 1767225600000, "phase": "running",
+        "workers": [{"name": "target-0", "gpu": "0", "restarts": 0}, {"name": "drafter-0", "gpu": "1", "restarts": 0}]}"#;
+    const NO_GPU_WINDOW: &str =
+        r#"{"time": "2026-01-01T00:00:10.000Z", "window_s": 10.0, "gpu": {"samples": 0, "gpus": []}, "pipeline": {"tokens_per_s_trained": 100.0}}"#;
+
+    #[test]
+    fn an_empty_run_dir_renders_and_names_every_missing_series() {
+        let d = run_dir(&[]);
+        let page = render(d.path());
+        for series in ["loss and acceptance", "tokens/s", "GPU utilisation", "pool fill", "phase timings", "batch composition", "worker lifelines"] {
+            assert!(page.contains(&format!(r#"<li data-series="{series}"#)), "{series} is not named: {page}");
+        }
+        assert!(page.contains("metrics.jsonl is empty or missing"));
+        assert!(page.contains("did not end cleanly"));
+    }
+
+    #[test]
+    fn the_reason_for_no_gpu_series_is_the_run_s() {
+        let off = r#"{"event": "run_start", "time": "2026-01-01T00:00:00.000Z", "gpu_metrics": false}"#;
+        let d = run_dir(&[("state.json", STATE), ("events.jsonl", off), ("metrics.jsonl", NO_GPU_WINDOW)]);
+        let page = render(d.path());
+        assert!(page.contains("GPU metrics were turned off (--no-gpu-metrics)"), "{page}");
+        let on = r#"{"event": "run_start", "time": "2026-01-01T00:00:00.000Z", "gpu_metrics": true}"#;
+        let log = "2026-01-01T00:00:00.100Z WARN  GPU metrics are off: the NVIDIA driver is not loaded. Lost: utilisation\n";
+        let d = run_dir(&[("state.json", STATE), ("events.jsonl", on), ("metrics.jsonl", NO_GPU_WINDOW), ("supervisor.log", log)]);
+        assert!(render(d.path()).contains("GPU metrics are off: the NVIDIA driver is not loaded"));
+        let cpu = STATE.replace(r#""gpu": "0""#, r#""gpu": "cpu""#).replace(r#""gpu": "1""#, r#""gpu": "cpu""#);
+        let d = run_dir(&[("state.json", &cpu), ("events.jsonl", on), ("metrics.jsonl", NO_GPU_WINDOW)]);
+        assert!(render(d.path()).contains("every worker ran on CPU"));
+    }
+
+    #[test]
+    fn weighted_percentiles_and_figures() {
+        let (m, p10, p90) = weighted_stats(&[(100.0, 9.0), (0.0, 1.0), (f64::NAN, 5.0)]).unwrap();
+        assert!((m - 90.0).abs() < 1e-9 && p10 == 0.0 && p90 == 100.0);
+        assert_eq!(without_figures("targets blocked 60% on a full pool: add 2.5 drafters"), "targets blocked N% on a full pool: add N drafters");
+        assert_eq!(fmt_dur(65.0), "1m05s");
+        assert_eq!(fmt_dur(7380.0), "2h03m");
+        assert_eq!(range([0.3, 7.8], true), (0.0, 8.0));
     }
 }
