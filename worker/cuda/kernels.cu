@@ -341,11 +341,14 @@ extern "C" __global__ void ce_chunk_grad(float* logits, const float* run_max, co
 }
 
 // ---------------------------------------------------------------------------------------
-// Optimizer: gradient norm and AdamW without a host sync. `sumsq` accumulates Σg² (f64)
-// and raises `nonfinite` on any NaN/inf; `adamw` clips by the norm and updates, or leaves
-// weights and moments untouched when `nonfinite` is set (the host learns a step later).
+// Optimizer: gradient norm and AdamW without a host sync. `sumsq` writes each block's
+// share of the sum of g^2 and raises `nonfinite` on any NaN/inf; `sumsq_finish` adds the
+// shares in block order. No float atomics: the same gradient gives the same norm to the
+// bit on every rank, so ranks that clip by it keep bit-identical weights. `adamw` clips by
+// the norm and updates, or leaves weights and moments untouched when `nonfinite` is set
+// (the host learns a step later).
 
-extern "C" __global__ void sumsq(double* acc, int* nonfinite, const float* g, long n) {
+extern "C" __global__ void sumsq(double* partials, int* nonfinite, const float* g, long n) {
     __shared__ float sh[32];
     float s = 0.0f;
     int bad = 0;
@@ -356,7 +359,15 @@ extern "C" __global__ void sumsq(double* acc, int* nonfinite, const float* g, lo
     }
     if (bad) atomicExch(nonfinite, 1);
     s = block_sum(s, sh);
-    if (threadIdx.x == 0) atomicAdd(acc, (double)s);
+    if (threadIdx.x == 0) partials[blockIdx.x] = (double)s;
+}
+
+// acc = partials[0] + partials[1] + ... in that order; grid 1.
+extern "C" __global__ void sumsq_finish(double* acc, const double* partials, int blocks) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    double s = 0.0;
+    for (int b = 0; b < blocks; ++b) s += partials[b];
+    *acc = s;
 }
 
 // The Adam step count, on the device: one more unless this step is skipped. Launched

@@ -437,6 +437,7 @@ fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
     };
     let flag = put_i32(&mut o, &[0]);
     let t = put_i32(&mut o, &[0]);
+    let partials = put(&mut o, &vec![0.0; 2 * dflash_worker::gpu::ops::SUMSQ_BLOCKS]);
     let mut cpu_p = p0.clone();
     let mut opt = AdamW::new(n);
     let clip = 1.0f64;
@@ -449,7 +450,13 @@ fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
         let gg = put(&mut o, &g);
         o.dev.memset_zero(Stream::Compute, acc).unwrap();
         o.dev.memset_zero(Stream::Compute, flag).unwrap();
-        o.sumsq(gg, acc, flag).unwrap();
+        o.sumsq(gg, partials, acc, flag).unwrap();
+        if let Some(norm) = grad_norm(&g) {
+            let mut a = [0u8; 8];
+            o.dev.download(Stream::Compute, acc, &mut a).unwrap();
+            let dn = f64::from_le_bytes(a).sqrt();
+            assert!((dn - norm).abs() <= 1e-6 * norm, "device norm {dn} vs {norm}");
+        }
         // The host's view: the CPU reference (clip when the norm exceeds 1, skip when not finite).
         let applied = match grad_norm(&g) {
             Some(norm) => {

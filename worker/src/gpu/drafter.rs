@@ -83,8 +83,9 @@ struct Opt {
     m: DSlice,
     v: DSlice,
     gsum: DSlice,
-    /// Σg² (one f64).
+    /// Σg² (one f64), and each block's share of it.
     acc: DSlice,
+    partials: DSlice,
     /// Set when the gradient is not finite (one i32).
     flag: DSlice,
     /// Adam's step count (one i32).
@@ -191,6 +192,7 @@ impl GpuDrafter {
             v: f(d.layout.total, "adam v")?,
             gsum: f(d.layout.total, "averaged gradient")?,
             acc: f(2, "gradient sumsq")?,
+            partials: f(2 * super::ops::SUMSQ_BLOCKS, "gradient sumsq partials")?,
             flag: f(1, "non-finite flag")?,
             t: f(1, "adam step")?,
             hash: f(2, "weights checksum")?,
@@ -306,12 +308,11 @@ impl GpuDrafter {
     pub fn apply(&mut self, step: u64, g: &[f32], clip: f32, lr: f32, hyper: &super::ops::AdamHyper) -> Result<Option<StepOutcome>> {
         let before = self.drain()?;
         let o = &self.opt;
-        let (p, gsum, acc, flag, t) = (self.params, o.gsum, o.acc, o.flag, o.t);
+        let (p, gsum, acc, partials, flag, t) = (self.params, o.gsum, o.acc, o.partials, o.flag, o.t);
         let (m, v) = (o.m, o.v);
         self.ops.dev.upload(Stream::Compute, gsum, f32_bytes(g))?;
-        self.ops.dev.memset_zero(Stream::Compute, acc)?;
         self.ops.dev.memset_zero(Stream::Compute, flag)?;
-        self.ops.sumsq(gsum, acc, flag)?;
+        self.ops.sumsq(gsum, partials, acc, flag)?;
         self.ops.adam_count(t, flag)?;
         self.ops.adamw(p, m, v, gsum, acc, flag, t, clip, lr, hyper)?;
         // SAFETY: the page is registered, and nothing reads it before the event (`drain`).

@@ -6,6 +6,8 @@
 use super::{Arg, DSlice, Device, Gemm, Result, Stream};
 
 const BLOCK: u32 = 256;
+/// Most blocks `sumsq` uses (the f64 partials it needs).
+pub const SUMSQ_BLOCKS: usize = 1024;
 /// Attention: 4 warps per block, one per (query row, head).
 const ATTN_BLOCK: u32 = 128;
 
@@ -223,10 +225,17 @@ impl Ops {
         )
     }
 
-    /// Σg² into `acc` (one f64, accumulated) and `nonfinite` (one i32, set on NaN/inf).
-    pub fn sumsq(&mut self, g: DSlice, acc: DSlice, nonfinite: DSlice) -> Result<()> {
+    /// Σg² into `acc` (one f64, overwritten) and `nonfinite` (one i32, set on NaN/inf;
+    /// zero it first), through `partials` ([`SUMSQ_BLOCKS`] f64s): each block's share,
+    /// then their sum in block order, so the result does not depend on scheduling.
+    pub fn sumsq(&mut self, g: DSlice, partials: DSlice, acc: DSlice, nonfinite: DSlice) -> Result<()> {
         let n = g.len_f32();
-        self.launch("sumsq", grid_for(n).min(1024), BLOCK, &[Arg::RW(acc), Arg::RW(nonfinite), Arg::R(g), Arg::I64(n as i64)])
+        let blocks = grid_for(n).min(SUMSQ_BLOCKS as u32);
+        if partials.bytes < blocks as usize * 8 {
+            return Err(super::GpuError::Invalid(format!("sumsq: {} bytes of partials for {blocks} blocks", partials.bytes)));
+        }
+        self.launch("sumsq", blocks, BLOCK, &[Arg::W(partials), Arg::RW(nonfinite), Arg::R(g), Arg::I64(n as i64)])?;
+        self.launch("sumsq_finish", 1, 32, &[Arg::W(acc), Arg::R(partials), Arg::I32(blocks as i32)])
     }
 
     /// One more Adam step in the device counter `t` (one i32) unless `nonfinite` is set.
