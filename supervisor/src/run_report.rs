@@ -698,7 +698,10 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
     if samples == 0 || indices.is_empty() {
         return absent.note("GPU utilisation, memory, power, temperature, SM clock", why_no_gpu(run));
     }
-    let gpu = |m: &Value, idx: u64| -> Value { m["gpu"]["gpus"].as_array().and_then(|a| a.iter().find(|g| g["index"] == idx)).cloned().unwrap_or_default() };
+    static NONE: Value = Value::Null;
+    fn gpu(m: &Value, idx: u64) -> &Value {
+        m["gpu"]["gpus"].as_array().and_then(|a| a.iter().find(|g| g["index"] == idx)).unwrap_or(&NONE)
+    }
     // No red: that is the XIDs'.
     const GPU_COLORS: [&str; 9] = ["#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#333333"];
     let color = |i: usize| GPU_COLORS[i % GPU_COLORS.len()];
