@@ -37,7 +37,7 @@ use ipc_channel::ipc::IpcSender;
 use nix::sys::signal::Signal;
 use serde_json::json;
 
-use crate::process::{describe_status, signal_group, Pidfd, Spawner};
+use crate::process::{describe_status, GroupLeader, Spawner};
 use crate::reaper::Reaper;
 use crate::report::Report;
 use crate::restart::backoff;
@@ -124,7 +124,8 @@ impl WState {
 struct Life {
     id: LifeId,
     pid: u32,
-    pidfd: Arc<Pidfd>,
+    /// The process and its group; signal the group only through it.
+    process: Arc<GroupLeader>,
     started: Instant,
     started_wall: String,
     server_name: String,
@@ -341,7 +342,7 @@ impl Dispatcher {
                 log::info!("forwarding {} to every worker", signal.as_str());
                 for w in &self.workers {
                     if let Some(l) = &w.life {
-                        signal_group(l.pid, signal);
+                        l.process.signal_group(signal);
                     }
                 }
                 self.run.event("signal_forwarded", obj(json!({"signal": signal.as_str()})));
@@ -378,7 +379,7 @@ impl Dispatcher {
                 "{name} speaks control protocol v{}, this supervisor v{PROTOCOL_VERSION}: the worker binary {bin} comes from another version of dflash-supervise",
                 hello.protocol
             );
-            let _ = l.pidfd.signal(Signal::SIGKILL);
+            let _ = l.process.signal(Signal::SIGKILL);
             l.killed_for = Some("incompatible control protocol".into());
             log::error!("{msg}");
             self.begin_stop(StopReason::Fatal(msg));
@@ -488,10 +489,10 @@ impl Dispatcher {
             if l.killed_for.is_none() {
                 l.killed_for = Some(why.to_string());
             }
-            if let Err(e) = l.pidfd.signal(Signal::SIGKILL) {
+            if let Err(e) = l.process.signal(Signal::SIGKILL) {
                 log::warn!("cannot kill {name} (pid {}): {e}", l.pid);
             }
-            signal_group(l.pid, Signal::SIGKILL);
+            l.process.signal_group(Signal::SIGKILL);
         }
     }
 
@@ -706,7 +707,7 @@ impl Dispatcher {
         let sent = l.to_worker.as_ref().is_some_and(|tx| tx.send(ToWorker::Shutdown { reason: reason.into() }).is_ok());
         if !sent {
             // Not connected (yet): the signal is the only way to ask.
-            signal_group(l.pid, Signal::SIGTERM);
+            l.process.signal_group(Signal::SIGTERM);
         }
     }
 

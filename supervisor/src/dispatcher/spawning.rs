@@ -8,12 +8,11 @@ use std::time::{Duration, Instant};
 use dflash_shared::env;
 use dflash_shared::protocol::FromWorker;
 use ipc_channel::ipc::IpcOneShotServer;
-use nix::sys::signal::Signal;
 use serde_json::json;
 
 use super::{obj, Dispatcher, Event, Life, StopReason, WState};
 use crate::control;
-use crate::process::{signal_group, Pidfd, SpawnSpec};
+use crate::process::{GroupLeader, SpawnSpec};
 use crate::rundir::now_rfc3339;
 use crate::worker_log::Tag;
 
@@ -60,9 +59,10 @@ impl Dispatcher {
             .spawn(spec)
             .map_err(|e| format!("cannot start {} ({}): {e}", w.name, self.cfg.worker_bin.display()))?;
         let pid = child.id();
-        let pidfd = match Pidfd::open(pid) {
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let process = match GroupLeader::new(child) {
             Ok(p) => Arc::new(p),
-            Err(e) => {
+            Err((mut child, e)) => {
                 let _ = child.kill();
                 let _ = child.wait();
                 return Err(format!("cannot open a pidfd for {} (pid {pid}): {e}", w.name));
@@ -72,8 +72,8 @@ impl Dispatcher {
             r.watch(pid);
         }
         for (stream, tag) in [
-            (child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Tag::Stdout),
-            (child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Tag::Stderr),
+            (stdout.map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Tag::Stdout),
+            (stderr.map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Tag::Stderr),
         ] {
             if let Some(stream) = stream {
                 if let Err(e) = w.log.pump(stream, tag) {
@@ -82,20 +82,21 @@ impl Dispatcher {
             }
         }
         control::serve(server, worker, id, self.tx.clone());
-        let (tx, fd, reaper) = (self.tx.clone(), pidfd.clone(), self.reaper.clone());
+        let (tx, waited, reaper) = (self.tx.clone(), process.clone(), self.reaper.clone());
         thread::Builder::new()
             .name(format!("waiter-{pid}"))
             .spawn(move || {
-                if let Err(e) = fd.wait_exit() {
-                    log::error!("waiting on pidfd of pid {pid}: {e}");
-                }
-                // The leader is a zombie until reaped, so its pid (= the group id) cannot
-                // be reused yet: killing the group here cannot hit a stranger.
-                signal_group(pid, Signal::SIGKILL);
-                if let Some(r) = reaper {
-                    r.unwatch(pid);
-                }
-                match child.wait() {
+                // Kills what is left of the group and reaps the leader under the lock
+                // that every signal to the group takes: no group signal can follow the
+                // reap (the pid, hence the group id, may be reused after it).
+                let reaped = waited.wait_and_reap(|| {
+                    // Before the reap: once reaped the group id may be reused, and the
+                    // reaper must not kill it then.
+                    if let Some(r) = reaper {
+                        r.unwatch(pid);
+                    }
+                });
+                match reaped {
                     Ok(status) => {
                         let _ = tx.send(Event::Exited { worker, life: id, status });
                     }
@@ -114,7 +115,7 @@ impl Dispatcher {
         w.life = Some(Life {
             id,
             pid,
-            pidfd,
+            process,
             started: now,
             started_wall: now_rfc3339(),
             server_name,
