@@ -51,6 +51,8 @@ pub enum Reject {
     StaleGen { slot: u32, got: u64, current: u64 },
     #[error("slot {slot}: length {len} exceeds the slot capacity {capacity}")]
     TooLong { slot: u32, len: u64, capacity: u64 },
+    #[error("slot {slot}: committed with length 0 (an empty payload is not a batch)")]
+    Empty { slot: u32 },
     #[error("slot {slot}: batch {got} acknowledged, but the slot holds batch {held}")]
     WrongBatch { slot: u32, got: u64, held: u64 },
 }
@@ -149,7 +151,10 @@ impl SlotTable {
     /// message touching two pools is applied to both or to neither.)
     pub fn check_commit(&self, holder: Holder, slot: u32, gen: u64, len: u64) -> Result<(), Reject> {
         self.check(holder, slot, gen, SlotState::Writing)?;
-        if len > self.capacity || len == 0 {
+        if len == 0 {
+            return Err(Reject::Empty { slot });
+        }
+        if len > self.capacity {
             return Err(Reject::TooLong { slot, len, capacity: self.capacity });
         }
         Ok(())
@@ -292,7 +297,8 @@ mod tests {
     fn happy_path_and_generations() {
         let mut t = SlotTable::new(2, 100);
         let w = t.lease(7).unwrap();
-        assert_eq!(t.commit(7, w.slot, w.gen, 0, 1), Err(Reject::TooLong { slot: w.slot, len: 0, capacity: 100 }));
+        assert_eq!(t.commit(7, w.slot, w.gen, 0, 1), Err(Reject::Empty { slot: w.slot }));
+        assert!(t.commit(7, w.slot, w.gen, 0, 1).unwrap_err().to_string().contains("length 0"));
         assert_eq!(t.commit(7, w.slot, w.gen, 101, 1), Err(Reject::TooLong { slot: w.slot, len: 101, capacity: 100 }));
         assert_eq!(t.commit(8, w.slot, w.gen, 10, 1), Err(Reject::WrongOwner { slot: w.slot }));
         assert!(matches!(t.commit(7, 5, w.gen, 10, 1), Err(Reject::OutOfRange { .. })));
