@@ -10,6 +10,36 @@
 //! memfd is sealed against shrinking and growing, so no worker can truncate it under the
 //! supervisor (which would turn the supervisor's next access into SIGBUS). A memfd has no
 //! name in /dev/shm: it vanishes with the last process that maps it.
+//!
+//! # Who sees which bytes, and why (sync points)
+//!
+//! Payload bytes are plain memory, written with no atomics. Another process sees them
+//! only because a message ordered after the writes reaches it before it reads: a control
+//! message (ipc-channel: a `sendmsg` by the writer after its last write, a `recvmsg` by the
+//! reader before its first read; the kernel orders the two), or an in-process channel
+//! between the supervisor's threads. Every such edge is marked `sync point` where it
+//! happens:
+//!
+//! 1. loader thread writes a token slot → `LoaderEvent::Produced` (mpsc) → dispatcher
+//!    (`supervisor/src/pipeline.rs`, `start_loader`);
+//! 2. the supervisor writes a header ([`PoolMap::publish`]: fields Relaxed, state Release)
+//!    → then sends `Deliver`/`Lease` → the worker receives it and loads the state with
+//!    Acquire before it trusts gen/len/batch_id (`worker/src/plane.rs`, `check_header`);
+//! 3. a target writes a hidden-state slot (on a GPU: after the event behind its last
+//!    device-to-host copy) → `Commit` → the supervisor marks it READY and delivers it
+//!    (`worker/src/plane.rs`, `work`; `supervisor/src/pipeline.rs`, `deliver`);
+//! 4. a reader is done with a slot → `Ack`/`Grads` → only then may the supervisor lease
+//!    it to a writer again (write-after-read; `worker/src/plane.rs`, `work`);
+//! 5. a drafter writes its gradient slot → `Grads` → the supervisor sends `Reduce`
+//!    naming every member's slot → each member reads them all (`worker/src/train.rs`,
+//!    `supervisor/src/trainer.rs`); a drafter writes the state slot → `SnapshotDone` →
+//!    the supervisor or a rejoining rank reads it (`supervisor/src/trainer.rs`,
+//!    `checkpoint_from_snapshot`).
+//!
+//! The header's Release/Acquire pair orders only the header's own fields (so a worker
+//! that sees the state also sees the gen/len/batch_id stored before it); it does not
+//! publish payload bytes, and no process spins on a header to learn that a payload is
+//! ready.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -35,6 +65,23 @@ pub struct SlotHeader {
     pub batch_id: AtomicU64,
 }
 
+/// Bytes of one header in the memfd: the layout every process (of this version) assumes.
+pub const SLOT_HEADER_BYTES: usize = 32;
+
+// The layout, pinned: headers are packed at a 32-byte stride from offset 0 of a
+// page-aligned mapping, so each is 8-byte aligned and none straddles a page; a change to
+// `SlotHeader` must change this (and the protocol version) on purpose.
+const _: () = {
+    assert!(std::mem::size_of::<SlotHeader>() == SLOT_HEADER_BYTES);
+    assert!(std::mem::align_of::<SlotHeader>() == 8);
+    assert!(PAGE as usize % SLOT_HEADER_BYTES == 0);
+    assert!(std::mem::offset_of!(SlotHeader, state) == 0);
+    assert!(std::mem::offset_of!(SlotHeader, owner_pid) == 4);
+    assert!(std::mem::offset_of!(SlotHeader, gen) == 8);
+    assert!(std::mem::offset_of!(SlotHeader, len) == 16);
+    assert!(std::mem::offset_of!(SlotHeader, batch_id) == 24);
+};
+
 /// Shape of one pool; travels to workers in the control protocol.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolGeometry {
@@ -47,7 +94,7 @@ pub struct PoolGeometry {
 
 impl PoolGeometry {
     pub fn header_bytes(&self) -> u64 {
-        round_up(self.slots as u64 * std::mem::size_of::<SlotHeader>() as u64, PAGE)
+        round_up(self.slots as u64 * SLOT_HEADER_BYTES as u64, PAGE)
     }
 
     fn stride(&self) -> u64 {
@@ -174,17 +221,24 @@ impl PoolMap {
         h.gen.store(gen, Ordering::Relaxed);
         h.len.store(len, Ordering::Relaxed);
         h.batch_id.store(batch_id, Ordering::Relaxed);
+        // sync point (header): Release pairs with the Acquire load of `state` in a worker's
+        // header check (worker/src/plane.rs, check_header): the fields above are visible
+        // to whoever sees this state. The payload is not published by this store but by
+        // the Deliver/Lease message the supervisor sends after it (module docs, edge 2).
         h.state.store(state as u32, Ordering::Release);
     }
 
-    /// The payload of `slot`.
+    /// The payload of `slot`. Panics if `slot` is out of range.
     ///
     /// # Safety
     /// The caller holds `slot` for reading (a delivery it has not acknowledged), so no
-    /// one writes these bytes while the slice lives.
+    /// one writes these bytes while the slice lives, and it received the message that
+    /// handed it the slot after the writer's last write (a sync point: module docs).
     pub unsafe fn payload(&self, slot: u32) -> &[u8] {
+        assert!(slot < self.geometry.slots, "slot {slot} out of range");
         let off = self.geometry.slot_offset(slot) as usize;
-        // SAFETY: in bounds of our mapping by construction of the geometry.
+        // SAFETY: in range (checked above), so in bounds of our mapping by construction of
+        // the geometry.
         unsafe { std::slice::from_raw_parts(self.base.add(off), self.geometry.slot_bytes as usize) }
     }
 
@@ -192,7 +246,8 @@ impl PoolMap {
     ///
     /// # Safety
     /// The caller holds `slot` for writing (a lease it has not committed), so no one else
-    /// reads or writes these bytes while the slice lives.
+    /// reads or writes these bytes while the slice lives. Its writes reach a reader only
+    /// through the message it sends after them (a sync point: module docs).
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn payload_mut(&self, slot: u32) -> &mut [u8] {
         assert!(slot < self.geometry.slots, "slot {slot} out of range");
@@ -232,6 +287,33 @@ mod tests {
         assert_eq!(g.slot_offset(0), 4096);
         assert_eq!(g.slot_offset(1), 4096 + 8192);
         assert_eq!(g.total_bytes(), 4096 + 3 * 8192);
+    }
+
+    #[test]
+    fn header_layout_is_what_the_geometry_assumes() {
+        assert_eq!(std::mem::size_of::<SlotHeader>(), SLOT_HEADER_BYTES);
+        let g = PoolGeometry { name: "t".into(), slots: 128, slot_bytes: 1 };
+        assert_eq!(g.header_bytes(), 4096, "128 headers of 32 bytes fill one page");
+        let g = PoolGeometry { name: "t".into(), slots: 129, slot_bytes: 1 };
+        assert_eq!(g.header_bytes(), 8192);
+    }
+
+    #[test]
+    #[should_panic(expected = "slot 2 out of range")]
+    fn payload_of_a_slot_out_of_range_panics() {
+        let g = PoolGeometry { name: "t".into(), slots: 2, slot_bytes: 100 };
+        let (_fd, map) = PoolMap::create(g).unwrap();
+        // SAFETY: single-threaded test; it must panic before touching memory.
+        let _ = unsafe { map.payload(2) };
+    }
+
+    #[test]
+    #[should_panic(expected = "slot 5 out of range")]
+    fn payload_mut_of_a_slot_out_of_range_panics() {
+        let g = PoolGeometry { name: "t".into(), slots: 2, slot_bytes: 100 };
+        let (_fd, map) = PoolMap::create(g).unwrap();
+        // SAFETY: single-threaded test; it must panic before touching memory.
+        let _ = unsafe { map.payload_mut(5) };
     }
 
     #[test]

@@ -278,6 +278,9 @@ impl Pipeline {
                         Err(e) => LoaderEvent::Failed(e.to_string()),
                     };
                     let last = !matches!(ev, LoaderEvent::Produced { .. });
+                    // sync point (pool edge 1): the token slot's bytes written above reach
+                    // the dispatcher thread, and through its Deliver a target, only because
+                    // this send follows the last write.
                     if events.send(Event::Loader(ev)).is_err() || last {
                         break;
                     }
@@ -477,6 +480,8 @@ impl Pipeline {
             // SAFETY: the slot was just leased to LOADER (WRITING): no worker reads it.
             let buf = unsafe { self.tokens.map.payload_mut(g.slot) };
             let b = self.replay.pop_front().expect("front exists");
+            // Written on the dispatcher thread itself; it reaches a target through the
+            // Deliver that `deliver` sends later (sync point, pool edge 2).
             match b.encode_into(buf) {
                 Ok(len) => {
                     self.tokens.table.commit(LOADER, g.slot, g.gen, len as u64, b.batch_id).expect("leased just now");
@@ -556,6 +561,9 @@ impl Pipeline {
         {
             let Some(g) = self.hidden.table.lease(p.holder) else { break };
             self.hidden.publish(g.slot, p.pid);
+            // sync point (pool edges 2 and 4): the header is published before the lease is
+            // sent, and the slot's previous reader acknowledged it (its last read) before
+            // the slot was free to lease: the target writes after both.
             let _ = p.tx.send(ToWorker::Lease { slot: self.hidden.fref(&g) });
         }
         self.deliver(PoolId::Hidden, &drafters);
@@ -610,6 +618,9 @@ impl Pipeline {
             let g = p.table.deliver_lowest(peer.holder).expect("a batch is ready");
             p.publish(g.slot, peer.pid);
             let slot = p.fref(&g);
+            // sync point (pool edges 2 and 3): the payload was complete before its writer's
+            // Commit (or the loader's Produced) reached us, and the header is published
+            // above; the consumer reads both only after receiving this message.
             let _ = peer.tx.send(ToWorker::Deliver { slot, len: g.len, batch_id: g.batch_id });
             *self.served.entry(peer.holder).or_default() += 1;
             self.health.served(&peer.name.to_string());

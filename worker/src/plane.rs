@@ -273,6 +273,8 @@ impl Plane {
         let pools = self.pools.as_ref().ok_or_else(|| anyhow!("a batch arrived before the pools"))?;
         let map = pools.map(d.slot.pool);
         check_header(map, &d)?;
+        // sync point (pool edge 2/3): the Deliver that queued `d` was received after the
+        // writer's Commit reached the supervisor, which came after the writer's last write.
         // SAFETY: the supervisor delivered this slot to us (READING, checked above) and
         // writes it again only after our ack or our death.
         let payload = unsafe { &map.payload(d.slot.slot)[..d.len as usize] };
@@ -303,6 +305,9 @@ impl Plane {
                 let len = seal_hidden(buf, &layout) as u64;
                 self.stats.batches += 1;
                 self.stats.tokens += tokens.tokens();
+                // sync point (pool edges 3 and 4): the caller sends this Commit after every
+                // write to the output slot (on a GPU, after the event behind the last copy)
+                // and after the last read of the input slot, which it releases.
                 Ok(FromWorker::Commit { output: out, len, batch_id: d.batch_id, input: Some(d.slot), wait_ms: 0.0, compute_ms: 0.0 })
             }
             Role::Drafter => {
@@ -321,6 +326,7 @@ impl Plane {
                 if !self.consumed.insert(d.batch_id) {
                     self.stats.duplicates += 1;
                     println!("batch {} delivered twice: dropped the copy", d.batch_id);
+                    // sync point (pool edge 4): sent after our last read of the slot.
                     return Ok(FromWorker::Ack { input: d.slot, batch_id: d.batch_id });
                 }
                 let rank = self.rank.as_mut().ok_or_else(|| anyhow!("a batch to train before the training setup"))?;
@@ -328,6 +334,8 @@ impl Plane {
                 let stats = rank.compute(&view)?;
                 self.stats.batches += 1;
                 self.stats.tokens += view.tokens.tokens();
+                // sync point (pool edges 4 and 5): the caller sends this after our last read
+                // of the hidden-state slot and our last write to our gradient slot.
                 Ok(FromWorker::Grads { step: rank.step + 1, input: d.slot, batch_id: d.batch_id, stats, params })
             }
         }
@@ -342,6 +350,8 @@ fn check_header(map: &PoolMap, d: &Delivery) -> anyhow::Result<()> {
         bail!("slot {} out of range", d.slot.slot);
     }
     let h = map.header(d.slot.slot);
+    // sync point (header): pairs with the Release store in PoolMap::publish, so gen, len
+    // and batch_id below are the ones stored with this state.
     let state = h.state.load(Ordering::Acquire);
     let gen = h.gen.load(Ordering::Relaxed);
     let expected = if d.len == 0 { SlotState::Writing } else { SlotState::Reading };
