@@ -132,8 +132,8 @@ fn bad_acks_restart_only_the_offender_and_lose_nothing() {
 #[test]
 fn bad_commits_restart_only_the_offender_and_lose_nothing() {
     let mut sup = Sup::start(
-        &["--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--demo-samples", "200", "--max-seq-len", "32", "--token-budget", "256"],
-        "target-0@0=bad-commit:too-long;target-1@0=bad-commit:stale-gen",
+        &["--gpus", "cpu:5", "--targets", "3", "--data", "demo", "--demo-samples", "200", "--max-seq-len", "32", "--token-budget", "256"],
+        "target-0@0=bad-commit:too-long;target-1@0=bad-commit:stale-gen;target-2@0=bad-commit:empty",
     );
     let status = sup.wait_exit(T);
     assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
@@ -141,6 +141,9 @@ fn bad_commits_restart_only_the_offender_and_lose_nothing() {
     let why = violation_reasons(&sup);
     assert!(why["target-0"].contains("exceeds the slot capacity"), "{why:?}");
     assert!(why["target-1"].contains("stale generation"), "{why:?}");
+    // An empty commit has its own reason, not "exceeds the slot capacity".
+    assert!(why["target-2"].contains("length 0"), "{why:?}");
+    assert!(!why["target-2"].contains("exceeds"), "{why:?}");
     let st = sup.state().unwrap();
     assert_eq!(worker(&st, "drafter-0")["restarts"], 0);
     assert_eq!(worker(&st, "drafter-1")["restarts"], 0);

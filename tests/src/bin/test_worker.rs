@@ -18,7 +18,13 @@
 //! - `bad-ack:KIND`      on its first delivery, acknowledge it wrongly: KIND is
 //!   stale-gen, out-of-range, wrong-slot or wrong-batch
 //! - `bad-commit:KIND`   (a target) once it has a delivery and a lease, commit wrongly:
-//!   too-long or stale-gen
+//!   too-long, empty (length 0) or stale-gen
+//!
+//! A rule that names no known action, or an action whose value is missing or wrong (a
+//! typo in a test), is an error: the whole spec is checked, every worker's rules, before
+//! anything else, and a worker given a bad spec exits with WORKER_PERMANENT, so the run
+//! stops instead of carrying on with an idle worker. `dflash-test-worker --check-behavior
+//! SPEC` checks a spec alone (the e2e harness runs it before every run it starts).
 //!
 //! It never consumes batches it is given (unless told to misuse them).
 //! With no rule for the current life it execs the real worker named by
@@ -33,29 +39,85 @@ use dflash_shared::protocol::{connect, FromWorker, Hello, ToWorker};
 use dflash_shared::{env, exit_codes};
 use ipc_channel::ipc::{self, IpcSender};
 
-fn actions() -> Vec<(String, Option<String>)> {
-    let me = format!("{}-{}", var(env::ROLE), var(env::RANK));
-    let restart = var(env::RESTART_COUNT);
-    let spec = std::env::var("DFLASH_TEST_BEHAVIOR").unwrap_or_default();
-    let mut out = Vec::new();
+/// What an action's value must be.
+enum Takes {
+    Nothing,
+    Number,
+    OneOf(&'static [&'static str]),
+}
+
+/// Every action this worker knows.
+const ACTIONS: &[(&str, Takes)] = &[
+    ("crash", Takes::Number),
+    ("crash-after", Takes::Number),
+    ("hang-after", Takes::Number),
+    ("ignore-stop", Takes::Nothing),
+    ("grandchild", Takes::Nothing),
+    ("chatty", Takes::Number),
+    ("second-hello", Takes::Nothing),
+    ("heartbeat-first", Takes::Nothing),
+    ("wrong-version", Takes::Nothing),
+    ("exit-early", Takes::Number),
+    ("bad-ack", Takes::OneOf(&["stale-gen", "out-of-range", "wrong-slot", "wrong-batch"])),
+    ("bad-commit", Takes::OneOf(&["too-long", "empty", "stale-gen"])),
+];
+
+struct Rule {
+    name: String,
+    life: Option<String>,
+    actions: Vec<(String, Option<String>)>,
+}
+
+/// Parse and check a whole `DFLASH_TEST_BEHAVIOR` spec.
+fn parse_spec(spec: &str) -> Result<Vec<Rule>, String> {
+    let mut rules = Vec::new();
     for rule in spec.split(';').filter(|r| !r.trim().is_empty()) {
-        let (who, what) = rule.split_once('=').expect("rule WORKER[@RESTART]=ACTION");
+        let (who, what) = rule.split_once('=').ok_or_else(|| format!("rule '{rule}' is not WORKER[@RESTART]=ACTION"))?;
         let (name, life) = match who.split_once('@') {
-            Some((n, l)) => (n, Some(l)),
-            None => (who, None),
+            Some((n, l)) => (n.trim(), Some(l.trim())),
+            None => (who.trim(), None),
         };
-        if name.trim() != me || life.is_some_and(|l| l.trim() != restart) {
-            continue;
+        let Some((role, rank)) = name.rsplit_once('-') else { return Err(format!("rule '{rule}': '{name}' is not ROLE-RANK")) };
+        if !matches!(role, "target" | "drafter") || rank.parse::<u32>().is_err() {
+            return Err(format!("rule '{rule}': '{name}' is not target-N or drafter-N"));
         }
+        if life.is_some_and(|l| l.parse::<u32>().is_err()) {
+            return Err(format!("rule '{rule}': the restart after '@' is not a number"));
+        }
+        let mut actions = Vec::new();
         for a in what.split(',') {
             let (k, v) = match a.split_once(':') {
                 Some((k, v)) => (k.trim().to_string(), Some(v.trim().to_string())),
                 None => (a.trim().to_string(), None),
             };
-            out.push((k, v));
+            let Some((_, takes)) = ACTIONS.iter().find(|(known, _)| *known == k) else {
+                let known: Vec<&str> = ACTIONS.iter().map(|(k, _)| *k).collect();
+                return Err(format!("rule '{rule}': unknown action '{k}' (known: {})", known.join(", ")));
+            };
+            match (takes, v.as_deref()) {
+                (Takes::Nothing, None) => {}
+                (Takes::Number, Some(n)) if n.parse::<u64>().is_ok() => {}
+                (Takes::OneOf(kinds), Some(kind)) if kinds.contains(&kind) => {}
+                (Takes::Nothing, Some(_)) => return Err(format!("rule '{rule}': action '{k}' takes no value")),
+                (Takes::Number, _) => return Err(format!("rule '{rule}': action '{k}' takes a number ({k}:N)")),
+                (Takes::OneOf(kinds), _) => return Err(format!("rule '{rule}': action '{k}' takes one of {}", kinds.join(", "))),
+            }
+            actions.push((k, v));
         }
+        rules.push(Rule { name: name.to_string(), life: life.map(str::to_string), actions });
     }
-    out
+    Ok(rules)
+}
+
+/// This life's actions, from a checked spec.
+fn actions(rules: Vec<Rule>) -> Vec<(String, Option<String>)> {
+    let me = format!("{}-{}", var(env::ROLE), var(env::RANK));
+    let restart = var(env::RESTART_COUNT);
+    rules
+        .into_iter()
+        .filter(|r| r.name == me && r.life.as_ref().is_none_or(|l| *l == restart))
+        .flat_map(|r| r.actions)
+        .collect()
 }
 
 fn var(k: &str) -> String {
@@ -75,6 +137,17 @@ fn has(acts: &[(String, Option<String>)], key: &str) -> bool {
 }
 
 fn main() {
+    let mut args = std::env::args().skip(1);
+    if args.next().as_deref() == Some("--check-behavior") {
+        let spec = args.next().unwrap_or_default();
+        match parse_spec(&spec) {
+            Ok(_) => std::process::exit(0),
+            Err(e) => {
+                eprintln!("bad DFLASH_TEST_BEHAVIOR: {e}");
+                std::process::exit(exit_codes::USAGE);
+            }
+        }
+    }
     // Tools (like writing the tiny target) are the real worker's business.
     if std::env::args().nth(1).is_some_and(|a| a != "--control") {
         use std::os::unix::process::CommandExt;
@@ -83,7 +156,15 @@ fn main() {
         let err = std::process::Command::new(real).args(std::env::args_os().skip(1)).exec();
         panic!("exec of dflash-worker failed: {err}");
     }
-    let acts = actions();
+    let rules = match parse_spec(&var("DFLASH_TEST_BEHAVIOR")) {
+        Ok(r) => r,
+        Err(e) => {
+            // Loud: a permanent failure stops the run with this line as its reason.
+            eprintln!("bad DFLASH_TEST_BEHAVIOR: {e}");
+            std::process::exit(exit_codes::WORKER_PERMANENT);
+        }
+    };
+    let acts = actions(rules);
     // No rule for this life: be the real worker (same pid, same arguments).
     if acts.is_empty() {
         if let Some(real) = std::env::var_os("DFLASH_TEST_REAL_WORKER") {
@@ -163,7 +244,8 @@ fn main() {
                     "stale-gen" => (dflash_shared::protocol::SlotRef { gen: slot.gen - 1, ..slot }, batch_id),
                     "out-of-range" => (dflash_shared::protocol::SlotRef { slot: 9999, ..slot }, batch_id),
                     "wrong-slot" => (dflash_shared::protocol::SlotRef { slot: slot.slot + 1, ..slot }, batch_id),
-                    _ => (slot, batch_id + 1000),
+                    "wrong-batch" => (slot, batch_id + 1000),
+                    other => unreachable!("bad-ack:{other} passed the spec check"),
                 };
                 println!("sending a bad ack ({kind})");
                 up.send(FromWorker::Ack { input: slot, batch_id }).unwrap();
@@ -173,7 +255,9 @@ fn main() {
                 let output: dflash_shared::protocol::SlotRef = output;
                 let (output, len) = match kind {
                     "too-long" => (output, u64::MAX),
-                    _ => (dflash_shared::protocol::SlotRef { gen: output.gen + 7, ..output }, 100),
+                    "empty" => (output, 0),
+                    "stale-gen" => (dflash_shared::protocol::SlotRef { gen: output.gen + 7, ..output }, 100),
+                    other => unreachable!("bad-commit:{other} passed the spec check"),
                 };
                 println!("sending a bad commit ({kind})");
                 up.send(FromWorker::Commit { output, len, batch_id, input: Some(input), wait_ms: 0.0, compute_ms: 0.0 }).unwrap();

@@ -31,6 +31,13 @@ pub fn test_worker() -> PathBuf {
     bin("dflash-test-worker")
 }
 
+/// Panic unless the test worker accepts `spec` (`DFLASH_TEST_BEHAVIOR`): a typo in a test
+/// must fail it here, not give a worker that idles.
+pub fn check_behavior(spec: &str) {
+    let out = Command::new(test_worker()).args(["--check-behavior", spec]).output().expect("run dflash-test-worker");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr).trim());
+}
+
 /// Poll `f` every 20 ms until it returns Some or `timeout` passes; panic naming `what`.
 pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + timeout;
@@ -92,6 +99,7 @@ impl Sup {
         let mut cmd = Command::new(bin("dflash-supervise"));
         cmd.args(args).arg("--run-dir").arg(&run_dir);
         if let Some(b) = behavior {
+            check_behavior(b);
             cmd.arg("--worker-bin").arg(test_worker()).env("DFLASH_TEST_BEHAVIOR", b);
             if args.contains(&"--data") {
                 // Workers without a rule do real work, so data flows around the offenders.
