@@ -20,20 +20,51 @@ fn events_of<'a>(events: &'a [Value], kind: &str, worker: &str) -> Vec<&'a Value
     events.iter().filter(|e| e["event"] == kind && e["worker"] == worker).collect()
 }
 
-fn millis(t: &Value) -> u128 {
-    let t = humantime_ms(t.as_str().unwrap());
-    t
+fn millis(t: &Value) -> i128 {
+    rfc3339_ms(t.as_str().unwrap())
 }
 
-/// Milliseconds since the epoch of an RFC 3339 UTC time like 2026-11-30T10:17:05.123Z.
-fn humantime_ms(s: &str) -> u128 {
-    // Only the time of day matters for differences within one test.
-    let tod = &s[11..23];
-    let (h, rest) = tod.split_at(2);
-    let (m, rest) = rest[1..].split_at(2);
-    let (sec, ms) = rest[1..].split_at(2);
-    let n = |x: &str| x.parse::<u128>().unwrap();
-    ((n(h) * 60 + n(m)) * 60 + n(sec)) * 1000 + n(&ms[1..])
+/// Milliseconds since the Unix epoch of an RFC 3339 UTC time like
+/// 2026-11-30T10:17:05.123Z (what the run's events carry): date and time, so differences
+/// across midnight (or a month's or year's end) come out right.
+fn rfc3339_ms(s: &str) -> i128 {
+    let bad = || panic!("not an RFC 3339 UTC time with milliseconds: {s:?}");
+    let b = s.as_bytes();
+    if b.len() != 24 || b[4] != b'-' || b[7] != b'-' || b[10] != b'T' || b[13] != b':' || b[16] != b':' || b[19] != b'.' || b[23] != b'Z' {
+        bad();
+    }
+    let n = |r: std::ops::Range<usize>| -> i128 { s[r].parse().unwrap_or_else(|_| bad()) };
+    let (y, mo, d) = (n(0..4), n(5..7), n(8..10));
+    let (h, mi, sec, ms) = (n(11..13), n(14..16), n(17..19), n(20..23));
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
+        bad();
+    }
+    // Days from 1970-01-01 to y-mo-d in the proleptic Gregorian calendar (H. Hinnant's
+    // days_from_civil).
+    let y = if mo <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * ((mo + 9) % 12) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    ((days * 24 + h) * 60 + mi) * 60_000 + sec * 1000 + ms
+}
+
+#[test]
+fn event_times_are_parsed_with_their_date() {
+    assert_eq!(rfc3339_ms("1970-01-01T00:00:00.000Z"), 0);
+    assert_eq!(rfc3339_ms("2000-03-01T00:00:00.001Z"), 951_868_800_001);
+    // Across midnight, a month's end and a year's end: 1 ms apart, not -86 399 999.
+    assert_eq!(rfc3339_ms("2026-12-01T00:00:00.000Z") - rfc3339_ms("2026-11-30T23:59:59.999Z"), 1);
+    assert_eq!(rfc3339_ms("2027-01-01T00:00:00.020Z") - rfc3339_ms("2026-12-31T23:59:59.990Z"), 30);
+    assert_eq!(rfc3339_ms("2028-03-01T00:00:00.000Z") - rfc3339_ms("2028-02-28T00:00:00.000Z"), 2 * 86_400_000);
+    // What the supervisor writes now parses to now.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i128;
+    let run = Sup::start_real(&["--gpus", "cpu:2"]);
+    run.wait_running(2);
+    let spawn = run.events().into_iter().find(|e| e["event"] == "spawn").expect("a spawn event");
+    let t = millis(&spawn["time"]);
+    assert!((now - 1000..now + 120_000).contains(&t), "spawn at {t} ms, test started at {now} ms");
 }
 
 #[test]
@@ -113,7 +144,7 @@ fn kill_9_restarts_that_worker_alone_and_fast() {
     assert_eq!(exit["signal"], "SIGKILL");
     let spawn = events_of(&ev, "spawn", "target-0")[1];
     let gap = millis(&spawn["time"]) - millis(&exit["time"]);
-    assert!(gap <= 100, "replacement spawned {gap} ms after the death");
+    assert!((0..=100).contains(&gap), "replacement spawned {gap} ms after the death");
     assert_eq!(events_of(&ev, "restart", "target-0")[0]["delay_ms"], 0);
 }
 
@@ -273,4 +304,44 @@ fn time_limit_ends_the_run_with_exit_0() {
     let status = sup.wait_exit(T);
     assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
     assert!(sup.events().iter().any(|e| e["event"] == "stop" && e["reason"] == "time limit reached"));
+}
+
+#[test]
+fn a_typo_in_a_test_workers_behaviour_is_an_error() {
+    let check = |spec: &str| {
+        let out = std::process::Command::new(test_worker()).args(["--check-behavior", spec]).output().unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    assert_eq!(check("drafter-0@0=crash:3;target-1=bad-commit:empty,ignore-stop").0, Some(0));
+    for (spec, says) in [
+        ("drafter-0=crahs:3", "unknown action 'crahs'"),
+        ("drafter-0=crash", "takes a number"),
+        ("drafter-0=ignore-stop:1", "takes no value"),
+        ("target-0=bad-commit:too-lng", "takes one of"),
+        ("target-0=bad-ack:stale", "takes one of"),
+        ("drafter-0@x=crash:3", "restart after '@'"),
+        ("draftr-0=crash:3", "not target-N or drafter-N"),
+        ("drafter-0", "WORKER[@RESTART]=ACTION"),
+    ] {
+        let (code, stderr) = check(spec);
+        assert_eq!(code, Some(dflash_shared::exit_codes::USAGE), "{spec} was accepted");
+        assert!(stderr.contains(says), "{spec}: {stderr}");
+    }
+    // The harness refuses it before starting anything.
+    let refused = std::panic::catch_unwind(|| Sup::start(&["--gpus", "cpu:2"], "drafter-0=hang-afer:200"));
+    assert!(refused.is_err(), "the harness started a run with a misspelt action");
+}
+
+#[test]
+fn a_worker_given_a_misspelt_action_stops_the_run() {
+    // Past the harness's check (as if a test set the variable itself): the worker refuses
+    // the spec as a permanent failure, so the run stops and says why, instead of idling.
+    let worker_bin = test_worker();
+    let mut sup = Sup::start_real_env(
+        &["--gpus", "cpu:2", "--worker-bin", worker_bin.to_str().unwrap()],
+        &[("DFLASH_TEST_BEHAVIOR", "drafter-0=hang-afer:200")],
+    );
+    let status = sup.wait_exit(T);
+    assert_ne!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    assert!(sup.stderr().contains("unknown action 'hang-afer'") || sup.log("drafter-0").contains("unknown action 'hang-afer'"), "stderr:\n{}\nlog:\n{}", sup.stderr(), sup.log("drafter-0"));
 }
