@@ -110,9 +110,11 @@ pub enum ToWorker {
     Lease { slot: SlotRef },
     /// Drafters: join the data-parallel group and train.
     Train(Box<crate::drafter::TrainSetup>),
-    /// Drafters: step `step` is committed: average the gradient slots listed, clip, and
-    /// apply the optimizer with learning rate `lr`.
-    Reduce { step: u64, slots: Vec<u32>, lr: f64 },
+    /// Drafters: step `step` is committed: sum the gradient slots listed (each rank's
+    /// unnormalised gradient of Σ w·CE), divide by `weight_sum` (Σ w over those ranks'
+    /// batches, so the step is the gradient of Σ_r num_r / Σ_r den_r: one normalisation
+    /// across ranks), clip, and apply the optimizer with learning rate `lr`.
+    Reduce { step: u64, slots: Vec<u32>, lr: f64, weight_sum: f64 },
     /// Drafters: write your state (at `step`) into state slot `slot`: slot 0 for a joining
     /// rank, 1 and 2 for the supervisor's double-buffered snapshot that a rollback restores.
     Snapshot { step: u64, slot: u32 },

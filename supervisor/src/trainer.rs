@@ -652,7 +652,7 @@ impl Trainer {
             self.step_ms = Some(self.step_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
         }
         for &w in self.members.keys() {
-            out.push(Action::Send(w, ToWorker::Reduce { step, slots: slots.clone(), lr }));
+            out.push(Action::Send(w, ToWorker::Reduce { step, slots: slots.clone(), lr, weight_sum: stats.weight_sum }));
         }
         self.committed = step;
         self.record(step, lr, slots.len(), &stats);

@@ -66,7 +66,7 @@ pub fn run(spec_path: &Path) -> Result<(), String> {
     for (b, taps) in spec.batches.iter().zip(&hidden) {
         let (samples, anchors) = batch_samples(&d, b, taps, spec.seed);
         let mut g = vec![0f32; p.len()];
-        d.train_batch(&p, &frozen, &samples, &anchors, &mut g);
+        d.train_batch(&p, &frozen, &samples, &anchors, d.total_weight(&samples, &anchors), &mut g);
         if let Some(norm) = grad_norm(&g) {
             if norm > 1.0 {
                 g.iter_mut().for_each(|x| *x /= norm as f32);

@@ -222,7 +222,7 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     let sample = Sample { taps: &taps, ids: &ids, mask: &mask };
     let mut grads = vec![0f32; p.len()];
     let t0 = Instant::now();
-    drafter.train_batch(&p, &frozen, std::slice::from_ref(&sample), std::slice::from_ref(&anchors), &mut grads);
+    drafter.train_batch(&p, &frozen, std::slice::from_ref(&sample), std::slice::from_ref(&anchors), 1.0, &mut grads);
     let drafter_s = t0.elapsed().as_secs_f64();
 
     let (device, device_note) = match measure_device(&target, &ids, model_flops, tokens as f64 / best) {

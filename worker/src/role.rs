@@ -92,9 +92,9 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
                 );
                 plane.rank = Some(rank);
             }
-            Ok(ToWorker::Reduce { step, slots, lr }) => {
+            Ok(ToWorker::Reduce { step, slots, lr, weight_sum }) => {
                 let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a step to apply before the training setup"))?;
-                let applied = rank.reduce(step, &slots, lr)?;
+                let applied = rank.reduce(step, &slots, lr, weight_sum)?;
                 if let Some(skipped) = applied.skipped {
                     println!("step {skipped}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
                 }

@@ -14,7 +14,7 @@ use dflash_shared::pool::PoolMap;
 use crate::export::{export_config, probe_batch, write_safetensors, DRAFTER_MODULE, MODULE_FILE, PROBE_FILE};
 use crate::gpu::drafter::GpuDrafter;
 use crate::gpu::GpuError;
-use crate::model::drafter::{batch_samples, grad_norm, AdamW, Drafter, Frozen};
+use crate::model::drafter::{batch_samples, grad_norm, reduce_slots, AdamW, Drafter, Frozen};
 use crate::plane::Permanent;
 use crate::model::weights::Weights;
 
@@ -179,8 +179,9 @@ impl Rank {
         let (samples, anchors) = batch_samples(&self.drafter, tb, &taps, self.setup.seed);
         let mut g = vec![0f32; self.params.len()];
         let mut stats = match self.device.as_mut() {
-            Some(dev) => dev.train_batch(&samples, &anchors, &mut g).map_err(|e| anyhow!("drafter step on the device: {e}"))?,
-            None => self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, &mut g),
+            // Unnormalised (denominator 1): the step divides by every rank's weight sum.
+            Some(dev) => dev.train_batch(&samples, &anchors, 1.0, &mut g).map_err(|e| anyhow!("drafter step on the device: {e}"))?,
+            None => self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, 1.0, &mut g),
         };
         stats.wait_ms = wait_ms;
         // What every rank's update check will find in the sum (told to the supervisor,
@@ -204,19 +205,20 @@ impl Rank {
         self.setup.rank * 2 + (step % 2) as u32
     }
 
-    /// Apply committed step `step`: average `slots`, clip, AdamW.
-    pub fn reduce(&mut self, step: u64, slots: &[u32], lr: f64) -> anyhow::Result<Applied> {
+    /// Apply committed step `step`: sum `slots`, divide by `weight_sum` (the loss weights
+    /// of all their batches), clip, AdamW.
+    pub fn reduce(&mut self, step: u64, slots: &[u32], lr: f64, weight_sum: f64) -> anyhow::Result<Applied> {
         if step != self.step + 1 {
             bail!("asked to apply step {step}, but this rank is at step {}", self.step);
         }
         let started = std::time::Instant::now();
-        let r = self.apply(step, slots, lr);
+        let r = self.apply(step, slots, lr, weight_sum);
         self.last_optimizer_ms = started.elapsed().as_secs_f64() * 1e3;
         self.idle_since = std::time::Instant::now();
         r
     }
 
-    fn apply(&mut self, step: u64, slots: &[u32], lr: f64) -> anyhow::Result<Applied> {
+    fn apply(&mut self, step: u64, slots: &[u32], lr: f64, weight_sum: f64) -> anyhow::Result<Applied> {
         if slots.is_empty() {
             bail!("step {step} lists no gradient slot");
         }
@@ -233,8 +235,7 @@ impl Rank {
                 *a += v;
             }
         }
-        let inv = 1.0 / slots.len() as f32;
-        sum.iter_mut().for_each(|x| *x *= inv);
+        reduce_slots(&mut sum, weight_sum);
         self.step = step;
         self.awaiting = false;
         if let Some(dev) = self.device.as_mut() {

@@ -184,7 +184,7 @@ fn loss_and_every_parameter_gradient_match_candle_autograd() {
     let f = fixture();
     assert!(f.anchors.iter().all(|a| !a.is_empty()), "{:?}", f.anchors);
     let mut grads = vec![0f32; f.p.len()];
-    let stats = f.d.train_batch(&f.p, &f.frozen, &f.samples(), &f.anchors, &mut grads);
+    let stats = f.d.train_batch(&f.p, &f.frozen, &f.samples(), &f.anchors, f.d.total_weight(&f.samples(), &f.anchors), &mut grads);
     let vars: std::collections::HashMap<String, Var> = f
         .d
         .layout
@@ -214,7 +214,7 @@ fn loss_and_every_parameter_gradient_match_candle_autograd() {
 fn gradients_match_finite_differences() {
     let f = fixture();
     let mut grads = vec![0f32; f.p.len()];
-    f.d.train_batch(&f.p, &f.frozen, &f.samples(), &f.anchors, &mut grads);
+    f.d.train_batch(&f.p, &f.frozen, &f.samples(), &f.anchors, f.d.total_weight(&f.samples(), &f.anchors), &mut grads);
     let mut p = f.p.clone();
     let eps = 2e-3f32;
     for name in ["fc.weight", "layers.0.self_attn.k_proj.weight", "layers.1.mlp.up_proj.weight", "layers.1.self_attn.q_norm.weight", "norm.weight"] {
@@ -281,7 +281,8 @@ fn the_anchor_itself_and_other_blocks_are_never_visible() {
     let first_block_loss = |ids: &[u32]| d2.loss(&pp, &frozen, &[Sample { taps: &taps, ids, mask: &mask }], &[vec![1usize]]);
     let both = |ids: &[u32]| {
         let mut g = vec![0f32; d2.layout.total];
-        let st = d2.train_batch(&pp, &frozen, &[Sample { taps: &taps, ids, mask: &mask }], &[vec![1usize, 6]], &mut g);
+        let batch = [Sample { taps: &taps, ids, mask: &mask }];
+        let st = d2.train_batch(&pp, &frozen, &batch, &[vec![1usize, 6]], d2.total_weight(&batch, &[vec![1usize, 6]]), &mut g);
         (st.slot_correct, st.loss_sum)
     };
     assert_ne!(both(&ids).1, both(&ids2).1, "block 2's own terms do change");
@@ -297,7 +298,7 @@ fn training_on_a_fixed_batch_drives_the_loss_down() {
     let first = f.d.loss(&p, &f.frozen, &f.samples(), &f.anchors);
     for step in 0..60 {
         let mut g = vec![0f32; p.len()];
-        f.d.train_batch(&p, &f.frozen, &f.samples(), &f.anchors, &mut g);
+        f.d.train_batch(&p, &f.frozen, &f.samples(), &f.anchors, f.d.total_weight(&f.samples(), &f.anchors), &mut g);
         let norm = grad_norm(&g).expect("finite gradient");
         if norm > 1.0 {
             g.iter_mut().for_each(|x| *x /= norm as f32);
@@ -308,4 +309,61 @@ fn training_on_a_fixed_batch_drives_the_loss_down() {
     assert!(last < first * 0.5, "loss {first} -> {last}");
     assert!(lr_at(0, 1.0, 4, Some(100)) < lr_at(3, 1.0, 4, Some(100)));
     assert!(lr_at(99, 1.0, 4, Some(100)) < 0.01);
+}
+
+/// Data-parallel ranks with very different numbers of supervised tokens: each rank's
+/// unnormalised gradient, summed and divided once by the ranks' total loss weight (what
+/// the group's step does), is the gradient one process gets from the union of the
+/// batches. The per-rank normalisation it replaces (each rank divides by its own weight,
+/// then the ranks are averaged) is not, by a wide margin.
+#[test]
+fn ranks_with_very_different_supervised_counts_step_like_one_process_on_the_union() {
+    use dflash_worker::model::drafter::reduce_slots;
+    let f = fixture();
+    let c = f.d.cfg.clone();
+    // Rank A: three long rows, nearly all supervised. Rank B: one row with a single
+    // supervised position.
+    let lens_a = [30usize, 28, 25];
+    let taps_a: Vec<Vec<f32>> = lens_a.iter().enumerate().map(|(i, &l)| rand(l * c.n_taps * c.hidden, 40 + i as u64, 1.0)).collect();
+    let ids_a: Vec<Vec<u32>> = lens_a.iter().enumerate().map(|(i, &l)| (0..l).map(|t| ((t * 11 + i * 5) % 38) as u32).collect()).collect();
+    let masks_a: Vec<Vec<u8>> = lens_a.iter().map(|&l| (0..l).map(|t| (t > 0) as u8).collect()).collect();
+    let taps_b = vec![rand(12 * c.n_taps * c.hidden, 50, 1.0)];
+    let ids_b = vec![(0..12).map(|t| ((t * 13 + 1) % 38) as u32).collect::<Vec<u32>>()];
+    let masks_b = vec![(0..12).map(|t| (t == 6) as u8).collect::<Vec<u8>>()];
+    let samples = |taps: &[Vec<f32>], ids: &[Vec<u32>], masks: &[Vec<u8>]| -> Vec<(Vec<f32>, Vec<u32>, Vec<u8>)> {
+        (0..taps.len()).map(|i| (taps[i].clone(), ids[i].clone(), masks[i].clone())).collect()
+    };
+    let (a, b) = (samples(&taps_a, &ids_a, &masks_a), samples(&taps_b, &ids_b, &masks_b));
+    let mut rng = Rng::new(77);
+    let anchors_a: Vec<Vec<usize>> = masks_a.iter().map(|m| f.d.sample_anchors(m, &mut rng)).collect();
+    let anchors_b: Vec<Vec<usize>> = vec![vec![5]];
+    let n = f.p.len();
+    let (mut ga, mut gb) = (vec![0f32; n], vec![0f32; n]);
+    let sa = f.d.train_batch(&f.p, &f.frozen, &as_samples(&a), &anchors_a, 1.0, &mut ga);
+    let sb = f.d.train_batch(&f.p, &f.frozen, &as_samples(&b), &anchors_b, 1.0, &mut gb);
+    assert!(sa.weight_sum > 10.0 * sb.weight_sum && sb.weight_sum > 0.0, "rank weights {} and {}", sa.weight_sum, sb.weight_sum);
+
+    // The group's step: the slots summed, divided once by Σ weights.
+    let mut step: Vec<f32> = ga.iter().zip(&gb).map(|(x, y)| x + y).collect();
+    reduce_slots(&mut step, sa.weight_sum + sb.weight_sum);
+    // One process on the union.
+    let union: Vec<_> = a.iter().chain(&b).cloned().collect();
+    let anchors_u: Vec<Vec<usize>> = anchors_a.iter().chain(&anchors_b).cloned().collect();
+    let mut gu = vec![0f32; n];
+    let su = f.d.train_batch(&f.p, &f.frozen, &as_samples(&union), &anchors_u, f.d.total_weight(&as_samples(&union), &anchors_u), &mut gu);
+    let scale = gu.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let err = step.iter().zip(&gu).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale;
+    eprintln!("group step vs union: max relative error {err:.2e}");
+    assert!(err < 1e-5, "group step vs one process on the union: {err}");
+    let loss_group = (sa.loss_sum + sb.loss_sum) / (sa.weight_sum + sb.weight_sum);
+    assert!((loss_group - su.loss_sum / su.weight_sum).abs() < 1e-9 * loss_group.abs());
+    // The old per-rank normalisation weighs rank B's one token as much as all of A's.
+    let old: Vec<f32> = ga.iter().zip(&gb).map(|(x, y)| 0.5 * (x / sa.weight_sum as f32 + y / sb.weight_sum as f32)).collect();
+    let old_err = old.iter().zip(&gu).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale;
+    eprintln!("per-rank normalisation vs union: {old_err:.2e}");
+    assert!(old_err > 0.1, "the test tells the two normalisations apart: {old_err}");
+}
+
+fn as_samples(v: &[(Vec<f32>, Vec<u32>, Vec<u8>)]) -> Vec<Sample<'_>> {
+    v.iter().map(|(t, i, m)| Sample { taps: t, ids: i, mask: m }).collect()
 }

@@ -635,12 +635,13 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let samples: Vec<Sample> = (0..2).map(|i| Sample { taps: &taps[i], ids: &ids[i], mask: &masks[i] }).collect();
 
     let mut want = vec![0f32; p.len()];
-    let ws = d.train_batch(&p, &frozen, &samples, &anchors, &mut want);
+    let tw = d.total_weight(&samples, &anchors);
+    let ws = d.train_batch(&p, &frozen, &samples, &anchors, tw, &mut want);
     let mut gpu = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
     let zeros = vec![0f32; p.len()];
     gpu.load(&p, &zeros, &zeros, 0).unwrap();
     let mut got = vec![f32::NAN; p.len()];
-    let gs = gpu.train_batch(&samples, &anchors, &mut got).unwrap();
+    let gs = gpu.train_batch(&samples, &anchors, tw, &mut got).unwrap();
     let (wl, gl) = (ws.loss_sum / ws.weight_sum, gs.loss_sum / gs.weight_sum);
     eprintln!("drafter loss: cpu {wl:.6}, device {gl:.6}");
     assert!((wl - gl).abs() < 1e-5 * wl.abs(), "loss {gl} vs {wl}");
@@ -665,7 +666,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let mut norms = Vec::new();
     for step in 1..=3u64 {
         let mut g = vec![0f32; p.len()];
-        gpu.train_batch(&samples, &anchors, &mut g).unwrap();
+        gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();
         if step == 2 {
             g[17] = f32::NAN;
         }
@@ -705,7 +706,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let long_ids: Vec<u32> = (0..40).collect();
     let long_mask = vec![1u8; 40];
     let s = Sample { taps: &long_taps, ids: &long_ids, mask: &long_mask };
-    let err = gpu.train_batch(&[s], &[vec![0, 5]], &mut got).unwrap_err();
+    let err = gpu.train_batch(&[s], &[vec![0, 5]], 1.0, &mut got).unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 32")));
 }
 

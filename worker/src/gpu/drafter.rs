@@ -340,12 +340,12 @@ impl GpuDrafter {
     }
 
     /// Forward and backward over one batch at the device's weights: writes the gradient
-    /// of `Σ w·CE / total_weight` into `grads` (overwriting) and returns the batch's
+    /// of `Σ w·CE / denominator` into `grads` (overwriting) and returns the batch's
     /// statistics, as [`Drafter::train_batch`] does (which adds into its `grads`).
-    pub fn train_batch(&mut self, samples: &[Sample], anchors: &[Vec<usize>], grads: &mut [f32]) -> Result<StepStats> {
+    pub fn train_batch(&mut self, samples: &[Sample], anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> Result<StepStats> {
         let d = &self.d;
         let bs = d.cfg.block_size;
-        let total_weight: f64 = samples.iter().zip(anchors).map(|(s, an)| an.iter().map(|&a| (1..bs).map(|k| d.slot_weight(a, k, s.mask)).sum::<f64>()).sum::<f64>()).sum();
+        let total_weight = d.total_weight(samples, anchors);
         let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], ..Default::default() };
         self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
         if total_weight > 0.0 {
@@ -353,7 +353,7 @@ impl GpuDrafter {
                 if an.is_empty() {
                     continue;
                 }
-                let st = self.sample(s, an, total_weight)?;
+                let st = self.sample(s, an, denominator)?;
                 stats.merge(&st);
             }
         }
@@ -365,7 +365,7 @@ impl GpuDrafter {
         self.params.f32s(self.d.layout.range(name))
     }
 
-    fn sample(&mut self, s: &Sample, anchors: &[usize], total_weight: f64) -> Result<StepStats> {
+    fn sample(&mut self, s: &Sample, anchors: &[usize], denominator: f64) -> Result<StepStats> {
         let c = self.d.cfg.clone();
         let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
         let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
@@ -459,7 +459,7 @@ impl GpuDrafter {
         if n > 0 {
             let idx: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
             let labels: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
-            let scale: Vec<f32> = rows.iter().map(|r| (r.2 / total_weight) as f32).collect();
+            let scale: Vec<f32> = rows.iter().map(|r| (r.2 / denominator) as f32).collect();
             ops.dev.upload(Stream::Compute, w.rows, u32_bytes(&idx))?;
             ops.dev.upload(Stream::Compute, w.labels, i32_bytes(&labels))?;
             ops.dev.upload(Stream::Compute, w.scale, f32_bytes(&scale))?;

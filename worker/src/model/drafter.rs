@@ -176,15 +176,23 @@ impl Drafter {
         (-((k - 1) as f64) / self.cfg.gamma).exp()
     }
 
-    /// Forward and backward over one batch: adds the gradient of
-    /// `Σ w·CE / total_weight` to `grads` and returns the batch's statistics. `anchors[i]`
-    /// are the anchors of sample `i` (see [`sample_anchors`](Self::sample_anchors)).
-    pub fn train_batch(&self, p: &[f32], frozen: &Frozen, samples: &[Sample], anchors: &[Vec<usize>], grads: &mut [f32]) -> StepStats {
-        let total_weight: f64 = samples
+    /// Σ w over the trained slots of a batch: the loss's denominator.
+    pub fn total_weight(&self, samples: &[Sample], anchors: &[Vec<usize>]) -> f64 {
+        samples
             .iter()
             .zip(anchors)
             .map(|(s, an)| an.iter().map(|&a| (1..self.cfg.block_size).map(|k| self.slot_weight(a, k, s.mask)).sum::<f64>()).sum::<f64>())
-            .sum();
+            .sum()
+    }
+
+    /// Forward and backward over one batch: adds the gradient of `Σ w·CE / denominator`
+    /// to `grads` and returns the batch's statistics. A rank passes 1 (the unnormalised
+    /// sum; the step divides by the weight sum of every rank's batch); one process training
+    /// alone passes [`total_weight`](Self::total_weight). `anchors[i]` are the anchors of
+    /// sample `i` (see [`sample_anchors`](Self::sample_anchors)).
+    #[allow(clippy::too_many_arguments)]
+    pub fn train_batch(&self, p: &[f32], frozen: &Frozen, samples: &[Sample], anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> StepStats {
+        let total_weight = self.total_weight(samples, anchors);
         let mut stats = StepStats {
             slot_correct: vec![0; self.cfg.block_size],
             slot_total: vec![0; self.cfg.block_size],
@@ -197,7 +205,7 @@ impl Drafter {
             if an.is_empty() {
                 continue;
             }
-            let st = self.sample_step(p, frozen, s, an, total_weight, Some(&mut *grads));
+            let st = self.sample_step(p, frozen, s, an, denominator, Some(&mut *grads));
             stats.merge(&st);
         }
         stats
@@ -205,11 +213,7 @@ impl Drafter {
 
     /// Loss of one batch without gradients (for tests and evaluation).
     pub fn loss(&self, p: &[f32], frozen: &Frozen, samples: &[Sample], anchors: &[Vec<usize>]) -> f64 {
-        let total_weight: f64 = samples
-            .iter()
-            .zip(anchors)
-            .map(|(s, an)| an.iter().map(|&a| (1..self.cfg.block_size).map(|k| self.slot_weight(a, k, s.mask)).sum::<f64>()).sum::<f64>())
-            .sum();
+        let total_weight = self.total_weight(samples, anchors);
         samples
             .iter()
             .zip(anchors)
@@ -550,6 +554,17 @@ impl AdamW {
             let vhat = self.v[i] / c2;
             p[i] -= lr * (mhat / (vhat.sqrt() + self.eps) + self.weight_decay * p[i]);
         }
+    }
+}
+
+/// The step's gradient from the committed slots' sum: divided by the loss weights of all
+/// their batches, so that a rank with few supervised tokens weighs each of them as much as
+/// a busy rank does (the gradient of Σ_r num_r / Σ_r den_r, which is what one process
+/// training on the union of the batches gets). No weight at all: the sum is zero anyway.
+pub fn reduce_slots(sum: &mut [f32], weight_sum: f64) {
+    if weight_sum > 0.0 {
+        let inv = (1.0 / weight_sum) as f32;
+        sum.iter_mut().for_each(|x| *x *= inv);
     }
 }
 
