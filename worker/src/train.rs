@@ -167,21 +167,22 @@ impl Rank {
         }
         let tb = &view.tokens;
         let seq = tb.seq_len as usize;
-        let taps: Vec<Vec<f32>> = tb
-            .lengths
-            .iter()
-            .enumerate()
-            .map(|(r, &len)| {
-                let bytes = &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2];
-                bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-            })
-            .collect();
-        let (samples, anchors) = batch_samples(&self.drafter, tb, &taps, self.setup.seed);
+        // Each row's taps, as the slot holds them (bf16).
+        let raw: Vec<&[u8]> = tb.lengths.iter().enumerate().map(|(r, &len)| &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2]).collect();
         let mut g = vec![0f32; self.params.len()];
+        // Unnormalised gradients (denominator 1): the step divides by every rank's weight sum.
         let mut stats = match self.device.as_mut() {
-            // Unnormalised (denominator 1): the step divides by every rank's weight sum.
-            Some(dev) => dev.train_batch(&samples, &anchors, 1.0, &mut g).map_err(|e| anyhow!("drafter step on the device: {e}"))?,
-            None => self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, 1.0, &mut g),
+            Some(dev) => {
+                // The device widens the bf16 taps itself.
+                let none = vec![Vec::new(); raw.len()];
+                let (samples, anchors) = batch_samples(&self.drafter, tb, &none, self.setup.seed);
+                dev.train_batch_bf16(&samples, &raw, &anchors, 1.0, &mut g).map_err(|e| anyhow!("drafter step on the device: {e}"))?
+            }
+            None => {
+                let taps: Vec<Vec<f32>> = raw.iter().map(|bytes| bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()).collect();
+                let (samples, anchors) = batch_samples(&self.drafter, tb, &taps, self.setup.seed);
+                self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, 1.0, &mut g)
+            }
         };
         stats.wait_ms = wait_ms;
         // What every rank's update check will find in the sum (told to the supervisor,

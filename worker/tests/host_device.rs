@@ -654,6 +654,22 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
         assert_eq!(r.start, *off);
         assert_close(&format!("drafter gradient {name}"), &got[r.clone()], &want[r], 2e-4);
     }
+    // The same batch as a drafter receives it, bf16 bytes from the slot, widened on the
+    // device: exactly the f32 path on the widened values.
+    let taps16: Vec<Vec<u8>> = taps.iter().map(|t| t.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect()).collect();
+    let widened: Vec<Vec<f32>> = taps.iter().map(|t| t.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect()).collect();
+    let wide: Vec<Sample> = (0..2).map(|i| Sample { taps: &widened[i], ids: &ids[i], mask: &masks[i] }).collect();
+    let bare: Vec<Sample> = (0..2).map(|i| Sample { taps: &[], ids: &ids[i], mask: &masks[i] }).collect();
+    let raw: Vec<&[u8]> = taps16.iter().map(|t| t.as_slice()).collect();
+    let (mut g32, mut g16) = (vec![0f32; p.len()], vec![0f32; p.len()]);
+    let s32 = gpu.train_batch(&wide, &anchors, tw, &mut g32).unwrap();
+    let s16 = gpu.train_batch_bf16(&bare, &raw, &anchors, tw, &mut g16).unwrap();
+    assert_eq!(s16.loss_sum, s32.loss_sum);
+    assert!(g16.iter().zip(&g32).all(|(a, b)| a.to_bits() == b.to_bits()), "bf16 taps widened on the device give the f32 path's gradient to the bit");
+    assert!(rel_err(&g16, &got) > 0.0, "and differ from the unrounded taps' (the rounding is real)");
+    let short: Vec<&[u8]> = vec![&taps16[0][..10], &taps16[1]];
+    assert!(matches!(gpu.train_batch_bf16(&bare, &short, &anchors, tw, &mut g16), Err(GpuError::Invalid(m)) if m.contains("bytes of bf16 taps")));
+
     // The optimizer on the device: three steps, the second with a NaN in its gradient,
     // against the CPU's clip and AdamW on the same gradients. The device reports each
     // step's outcome a step later (the last one when drained).

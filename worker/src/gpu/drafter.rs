@@ -40,6 +40,8 @@ struct Saved {
 
 struct Work {
     taps: DSlice,
+    /// The taps as they arrive from the hidden-state slot (bf16), cast on the device.
+    taps16: DSlice,
     ctx_pre: DSlice,
     ctx: DSlice,
     ctx_rstd: DSlice,
@@ -223,6 +225,7 @@ impl GpuDrafter {
         }
         let w = Work {
             taps: f(s * c.n_taps * h, "taps")?,
+            taps16: f((s * c.n_taps * h).div_ceil(2), "taps bf16")?,
             ctx_pre: f(s * h, "ctx_pre")?,
             ctx: f(s * h, "ctx")?,
             ctx_rstd: f(s, "ctx_rstd")?,
@@ -343,17 +346,32 @@ impl GpuDrafter {
     /// of `Σ w·CE / denominator` into `grads` (overwriting) and returns the batch's
     /// statistics, as [`Drafter::train_batch`] does (which adds into its `grads`).
     pub fn train_batch(&mut self, samples: &[Sample], anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> Result<StepStats> {
+        self.batch(samples, None, anchors, denominator, grads)
+    }
+
+    /// [`train_batch`](Self::train_batch) with each sample's taps as the bf16 bytes of the
+    /// hidden-state slot (`taps16[i]`: `[len, n_taps × hidden]` bf16, little-endian):
+    /// copied as they are, half the bytes of f32, and widened on the device, with no
+    /// pass over them on the host. The samples' own `taps` are not read.
+    pub fn train_batch_bf16(&mut self, samples: &[Sample], taps16: &[&[u8]], anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> Result<StepStats> {
+        if taps16.len() != samples.len() {
+            return Err(GpuError::Invalid(format!("{} bf16 tap rows for {} samples", taps16.len(), samples.len())));
+        }
+        self.batch(samples, Some(taps16), anchors, denominator, grads)
+    }
+
+    fn batch(&mut self, samples: &[Sample], taps16: Option<&[&[u8]]>, anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> Result<StepStats> {
         let d = &self.d;
         let bs = d.cfg.block_size;
         let total_weight = d.total_weight(samples, anchors);
         let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], ..Default::default() };
         self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
         if total_weight > 0.0 {
-            for (s, an) in samples.iter().zip(anchors) {
+            for (i, (s, an)) in samples.iter().zip(anchors).enumerate() {
                 if an.is_empty() {
                     continue;
                 }
-                let st = self.sample(s, an, denominator)?;
+                let st = self.sample(s, taps16.map(|t| t[i]), an, denominator)?;
                 stats.merge(&st);
             }
         }
@@ -365,7 +383,7 @@ impl GpuDrafter {
         self.params.f32s(self.d.layout.range(name))
     }
 
-    fn sample(&mut self, s: &Sample, anchors: &[usize], denominator: f64) -> Result<StepStats> {
+    fn sample(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], denominator: f64) -> Result<StepStats> {
         let c = self.d.cfg.clone();
         let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
         let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
@@ -385,7 +403,22 @@ impl GpuDrafter {
         let ops = &mut self.ops;
 
         // Inputs: taps, block token ids and positions, key positions, spans.
-        ops.dev.upload(Stream::Compute, w.taps, f32_bytes(s.taps))?;
+        let width = slen * c.n_taps * h;
+        match taps16 {
+            Some(raw) => {
+                if raw.len() != width * 2 {
+                    return Err(GpuError::Invalid(format!("{} bytes of bf16 taps for {slen} positions × {} taps × {h}", raw.len(), c.n_taps)));
+                }
+                ops.dev.upload(Stream::Compute, w.taps16, raw)?;
+                ops.bf16_to_f32(w.taps.f32s(0..width), w.taps16.sub(2, 0..width))?;
+            }
+            None => {
+                if s.taps.len() != width {
+                    return Err(GpuError::Invalid(format!("{} tap values for {slen} positions × {} taps × {h}", s.taps.len(), c.n_taps)));
+                }
+                ops.dev.upload(Stream::Compute, w.taps, f32_bytes(s.taps))?;
+            }
+        }
         let mut block_ids = Vec::with_capacity(m);
         let mut block_pos = Vec::with_capacity(m);
         for &a in anchors {
