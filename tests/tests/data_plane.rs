@@ -53,15 +53,25 @@ fn demo_data_flows_through_targets_to_drafters_exactly_once_and_balanced() {
     assert!(new.iter().all(|f| !f.to_string_lossy().contains("dflash")), "{new:?}");
 }
 
+/// Kills in the chaos test, and consumed batches between two of them.
+const CHAOS_KILLS: u64 = 12;
+const CHAOS_EVERY: u64 = 4;
+
 #[test]
 fn chaos_random_sigkills_lose_and_duplicate_nothing() {
+    // Paced by progress, not by wall time: a kill lands only once the run has consumed
+    // CHAOS_EVERY more batches since the last one and the victim is back up, so a slow
+    // (loaded) machine gets fewer kills per second, never more kills per batch. The run
+    // has several times the batches the kills need, so the last kill lands long before
+    // the data runs out (a kill after the stop began would rightly be an unclean stop).
+    let started = Instant::now();
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--epochs", "3", "--demo-samples", "256",
+        "--gpus", "cpu:4", "--targets", "2", "--data", "demo", "--epochs", "3", "--demo-samples", "512",
         "--max-seq-len", "32", "--token-budget", "256",
         "--max-restarts", "10000", "--stable-after", "50ms", "--hang-timeout", "20s",
     ]);
     sup.wait_running(4);
-    // A small deterministic generator for which worker and when.
+    // A small deterministic generator for which worker.
     let mut x: u64 = 0x2545_F491_4F6C_DD1D;
     let mut next = move || {
         x ^= x << 13;
@@ -70,34 +80,48 @@ fn chaos_random_sigkills_lose_and_duplicate_nothing() {
         x
     };
     // drafter-1 dies again and again and rejoins from drafter-0's state; drafter-0 is
-    // spared so that the run makes progress at this rate of kills (losing both drafters
-    // rolls the group back: tests/recovery.rs).
+    // spared so that the run makes progress (losing both drafters rolls the group back:
+    // tests/recovery.rs).
     let names = ["target-0", "target-1", "drafter-1", "target-0"];
-    let mut kills = 0;
-    let deadline = Instant::now() + T;
-    while sup.child.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "chaos run did not finish; stderr:\n{}", sup.stderr());
-        // Pace the chaos: a random pause of 10..80 ms between kills.
-        std::thread::sleep(Duration::from_millis(10 + next() % 70));
-        let Some(st) = sup.state() else { continue };
+    let consumed = |s: &Value| s["batches_consumed"].as_u64().unwrap_or(0);
+    let (mut kills, mut kill_at) = (0, CHAOS_EVERY);
+    // Each kill hits a process not killed before (state.json may lag behind a death).
+    let mut killed = std::collections::HashSet::new();
+    while kills < CHAOS_KILLS {
         let name = names[(next() % 4) as usize];
-        if let Some(pid) = worker(&st, name)["pid"].as_u64() {
-            // Not near the end of the data: a kill that lands after the stop began is an
-            // unclean stop (exit 3), rightly, and state.json lags a little.
-            if st["phase"] == "running" && st["batches_consumed"].as_u64().unwrap_or(0) < 80 {
-                signal(pid as u32, Signal::SIGKILL);
-                kills += 1;
+        let what = format!("kill {} of {CHAOS_KILLS}: {kill_at} batches consumed and {name} running", kills + 1);
+        let deadline = Instant::now() + T;
+        let (st, pid) = loop {
+            if let Some(status) = sup.child.try_wait().unwrap() {
+                panic!("the run ended ({status}) after {kills} kills, before {what}; stderr:\n{}", sup.stderr());
             }
-        }
+            if let Some(st) = sup.state() {
+                let w = worker(&st, name);
+                if st["phase"] == "running" && consumed(&st) >= kill_at && w["state"] == "running" {
+                    if let Some(pid) = w["pid"].as_u64().filter(|p| !killed.contains(p)) {
+                        break (st, pid as u32);
+                    }
+                }
+            }
+            assert!(Instant::now() < deadline, "no progress in {T:?} waiting for {what}; state: {:?}\nstderr:\n{}", sup.state(), sup.stderr());
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        signal(pid, Signal::SIGKILL);
+        killed.insert(pid as u64);
+        kills += 1;
+        kill_at = consumed(&st) + CHAOS_EVERY;
     }
     let status = sup.wait_exit(T);
     assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
-    assert!(kills >= 10, "only {kills} kills landed: the run was too short to test anything");
     let a = assert_clean_ledger(&sup);
+    assert!(
+        a["produced"].as_u64().unwrap() >= 2 * CHAOS_KILLS * CHAOS_EVERY,
+        "the run was too short for its kills to land well before its end: {a}"
+    );
     assert!(a["requeued"].as_u64().unwrap() > 0, "no kill caught a batch in flight: {a}");
     let restarts: u64 = sup.state().unwrap()["workers"].as_array().unwrap().iter().map(|w| w["restarts"].as_u64().unwrap()).sum();
-    assert!(restarts > 0);
-    eprintln!("chaos: {kills} kills, {restarts} restarts, ledger {a}");
+    assert_eq!(restarts, kills, "every kill is one restart");
+    eprintln!("chaos: {kills} kills, {restarts} restarts in {:.1}s, ledger {a}", started.elapsed().as_secs_f64());
 }
 
 fn violation_reasons(sup: &Sup) -> HashMap<String, String> {
