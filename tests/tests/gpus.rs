@@ -304,3 +304,26 @@ fn a_gpu_worker_without_cuda_stops_the_run_with_the_missing_library_named() {
     assert!(events.iter().any(|e| e["event"] == "give_up" && e["permanent"] == true), "{events:?}");
     assert!(sup.log("target-0").contains("permanent, do not restart") || sup.log("drafter-0").contains("permanent, do not restart"));
 }
+
+/// `bench compute` on a device (the host device here; a GPU in scripts/gpu_check.sh):
+/// the target forward, the drafter step and the device optimizer run there, and the
+/// device→host copy into a pinned pool slot is measured against a plain pinned buffer in
+/// the same run.
+#[test]
+fn host_device_bench_compute_measures_the_drafter_step_the_optimizer_and_the_pinned_slot_copy() {
+    let out = supervise_env(&["bench", "compute", "--json", "--target", "qwen3:64x1", "--tokens", "16"], &[("DFLASH_DEVICE", "host")]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let d = &v["device"];
+    assert!(d["name"].as_str().unwrap().starts_with("host device"), "{v}");
+    for k in ["target_forward_s", "drafter_step_s", "drafter_tflops", "optimizer_ms", "slot_copy_gb_s", "pinned_copy_gb_s"] {
+        let x = d[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {d}"));
+        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+    }
+    assert_eq!(d["copy_bytes"], 4 << 20);
+    let ratio = d["slot_copy_gb_s"].as_f64().unwrap() / d["pinned_copy_gb_s"].as_f64().unwrap();
+    assert!((d["slot_vs_pinned"].as_f64().unwrap() - ratio).abs() < 1e-9 * ratio, "{d}");
+    // No bf16 peak is known for the host device: no MFU is made up.
+    assert!(d["mfu"].is_null() && d["drafter_mfu"].is_null(), "{d}");
+    assert!(v["device_note"].is_null());
+}

@@ -56,6 +56,19 @@ pub struct DeviceFigures {
     pub mfu: Option<f64>,
     /// Device forward tokens/s over the CPU backend's, same shape, same run.
     pub vs_cpu: f64,
+    /// One drafter training step (forward and backward) on the device, same batch as the
+    /// CPU's, and its model FLOP utilisation.
+    pub drafter_step_s: f64,
+    pub drafter_tflops: f64,
+    pub drafter_mfu: Option<f64>,
+    /// The device optimizer over the drafter's parameters (norm, clip, AdamW), ms.
+    pub optimizer_ms: f64,
+    /// Device→host copies of `copy_bytes` into a shared-memory mapping pinned as the pools'
+    /// slots are, and into a plain pinned buffer, GB/s; their ratio (goal ≥ 0.8).
+    pub copy_bytes: usize,
+    pub slot_copy_gb_s: f64,
+    pub pinned_copy_gb_s: f64,
+    pub slot_vs_pinned: f64,
 }
 
 /// Dense (no sparsity) bf16 tensor-core peak by device name, TFLOP/s, from NVIDIA's data
@@ -67,14 +80,29 @@ pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
     table.iter().find(|(k, _)| n.contains(k)).map(|(_, v)| *v)
 }
 
-fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f64) -> Result<Option<DeviceFigures>, String> {
-    let dev = match std::env::var("DFLASH_DEVICE").as_deref() {
+fn open_device() -> Result<Option<Box<dyn crate::gpu::Device>>, String> {
+    Ok(Some(match std::env::var("DFLASH_DEVICE").as_deref() {
         Ok("host") => Box::new(crate::gpu::host::HostDevice::new()) as Box<dyn crate::gpu::Device>,
         _ => match crate::gpu::cuda::missing_library() {
             Some(_) => return Ok(None),
             None => Box::new(crate::gpu::cuda::CudaDevice::open().map_err(|e| e.to_string())?),
         },
-    };
+    }))
+}
+
+/// What the device part measures besides the target: the drafter step of the CPU
+/// measurement, on the device.
+struct DrafterCase<'a> {
+    drafter: &'a Drafter,
+    frozen: &'a Frozen,
+    params: &'a [f32],
+    sample: Sample<'a>,
+    anchors: &'a [usize],
+    flops: f64,
+}
+
+fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f64, dc: &DrafterCase) -> Result<Option<DeviceFigures>, String> {
+    let Some(dev) = open_device()? else { return Ok(None) };
     let mut g = crate::gpu::target::GpuTarget::new(dev, target, ids.len()).map_err(|e| e.to_string())?;
     g.forward_taps(&ids[..ids.len().min(64)]).map_err(|e| e.to_string())?;
     let mut best = f64::INFINITY;
@@ -85,10 +113,124 @@ fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f6
         best = best.min(t0.elapsed().as_secs_f64());
     }
     let name = g.describe();
+    drop(g);
     let tflops = flops / best / 1e12;
     let peak = peak_bf16_tflops(&name);
     let tokens_per_s = ids.len() as f64 / best;
-    Ok(Some(DeviceFigures { name, target_forward_s: best, target_tokens_per_s: tokens_per_s, target_tflops: tflops, peak_bf16_tflops: peak, mfu: peak.map(|p| tflops / p), vs_cpu: tokens_per_s / cpu_tokens_per_s }))
+
+    // The drafter step and the optimizer, on a device of their own (as a drafter worker has).
+    let dev = open_device()?.ok_or("the device went away")?;
+    let mut gd = crate::gpu::drafter::GpuDrafter::new(dev, dc.drafter, dc.frozen, dc.sample.ids.len()).map_err(|e| e.to_string())?;
+    let n = dc.params.len();
+    let zeros = vec![0f32; n];
+    gd.load(dc.params, &zeros, &zeros, 0).map_err(|e| e.to_string())?;
+    let mut grads = vec![0f32; n];
+    let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
+    let mut drafter_best = f64::INFINITY;
+    let mut opt_best = f64::INFINITY;
+    let hyper = crate::model::drafter::AdamW::new(0).hyper();
+    for step in 1..=3 {
+        let t0 = Instant::now();
+        // train_batch ends with the gradient's synchronous download.
+        gd.train_batch(samples, &anchors, 1.0, &mut grads).map_err(|e| e.to_string())?;
+        drafter_best = drafter_best.min(t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        gd.apply(step, &grads, 1.0, 1e-4, &hyper).map_err(|e| e.to_string())?;
+        gd.drain().map_err(|e| e.to_string())?;
+        opt_best = opt_best.min(t0.elapsed().as_secs_f64());
+    }
+    drop(gd);
+    let drafter_tflops = dc.flops / drafter_best / 1e12;
+
+    let dev = open_device()?.ok_or("the device went away")?;
+    let (copy_bytes, slot, pinned) = measure_copies(dev)?;
+    Ok(Some(DeviceFigures {
+        name,
+        target_forward_s: best,
+        target_tokens_per_s: tokens_per_s,
+        target_tflops: tflops,
+        peak_bf16_tflops: peak,
+        mfu: peak.map(|p| tflops / p),
+        vs_cpu: tokens_per_s / cpu_tokens_per_s,
+        drafter_step_s: drafter_best,
+        drafter_tflops,
+        drafter_mfu: peak.map(|p| drafter_tflops / p),
+        optimizer_ms: opt_best * 1e3,
+        copy_bytes,
+        slot_copy_gb_s: slot,
+        pinned_copy_gb_s: pinned,
+        slot_vs_pinned: slot / pinned,
+    }))
+}
+
+/// Device→host copy rate into a shared-memory mapping (a memfd mapped shared, as the
+/// pools are) pinned with `register_host`, against a plain page-aligned heap buffer
+/// pinned the same way: best of five copies of 64 MiB each (4 MiB on the host device).
+fn measure_copies(mut dev: Box<dyn crate::gpu::Device>) -> Result<(usize, f64, f64), String> {
+    use crate::gpu::{DSlice, Stream};
+    let bytes: usize = if dev.describe().starts_with("host device") { 4 << 20 } else { 64 << 20 };
+    let src = DSlice { ptr: dev.alloc(bytes).map_err(|e| e.to_string())?, bytes };
+    // A hidden-state pool of one slot, mapped as a worker maps it (header read-only,
+    // slots read-write), pinned as a target pins its output pool.
+    use std::os::fd::AsRawFd;
+    let geometry = dflash_shared::pool::PoolGeometry { name: "bench".into(), slots: 1, slot_bytes: bytes as u64 };
+    let (fd, _owner) = dflash_shared::pool::PoolMap::create(geometry.clone()).map_err(|e| format!("creating a pool: {e}"))?;
+    let pool = dflash_shared::pool::PoolMap::open(fd.as_raw_fd(), geometry).map_err(|e| format!("mapping the pool: {e}"))?;
+    let (slots_ptr, slots_len) = pool.slots_mapping();
+    let slot = slots_ptr;
+    let layout = std::alloc::Layout::from_size_align(bytes, 4096).map_err(|e| e.to_string())?;
+    // SAFETY: non-zero size; freed below after the device is gone.
+    let plain = unsafe { std::alloc::alloc_zeroed(layout) };
+    if plain.is_null() {
+        return Err("out of host memory".into());
+    }
+    let time = |dev: &mut Box<dyn crate::gpu::Device>, dst: *mut u8| -> Result<f64, String> {
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            // SAFETY: dst is registered, `bytes` long, and not touched until the event.
+            unsafe { dev.download_async(Stream::Copy, src, dst) }.map_err(|e| e.to_string())?;
+            let e = dev.record(Stream::Copy).map_err(|e| e.to_string())?;
+            dev.sync_event(e).map_err(|e| e.to_string())?;
+            dev.release_event(e);
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        dev.host_access(dst, bytes, false).map_err(|e| e.to_string())?;
+        Ok(bytes as f64 / best / 1e9)
+    };
+    let result = (|| {
+        // SAFETY: both ranges stay mapped until after the device is dropped.
+        unsafe { dev.register_host(slots_ptr, slots_len) }.map_err(|e| e.to_string())?;
+        unsafe { dev.register_host(plain, bytes) }.map_err(|e| e.to_string())?;
+        let (mut s, mut p) = (0f64, 0f64);
+        // Alternate, so that neither gets the warmer caches or clocks.
+        for _ in 0..2 {
+            s = s.max(time(&mut dev, slot)?);
+            p = p.max(time(&mut dev, plain)?);
+        }
+        Ok::<_, String>((bytes, s, p))
+    })();
+    drop(dev);
+    drop(pool);
+    // SAFETY: allocated above; the device that pinned it is gone.
+    unsafe { std::alloc::dealloc(plain, layout) };
+    result
+}
+
+/// Model FLOPs of one drafter step on one sample of `t` positions with `anchors`: the
+/// forward's GEMMs and attention, and the backward's (twice the forward's, except that
+/// `fc` needs no input gradient and the frozen lm_head no weight gradient). The logits
+/// the loss recomputes in its backward are not counted (model FLOPs, not hardware).
+pub fn drafter_step_flops(c: &DrafterConfig, t: usize, anchors: &[usize], supervised_rows: usize) -> f64 {
+    let (h, qd, kd, inter) = (c.hidden as f64, (c.q_heads * c.head_dim) as f64, (c.kv_heads * c.head_dim) as f64, c.intermediate as f64);
+    let (t, m) = (t as f64, (anchors.len() * c.block_size) as f64);
+    let fc = 2.0 * t * (c.n_taps as f64 * h) * h * 2.0;
+    let layer_gemm = 2.0 * (m * h * qd + 2.0 * (t + m) * h * kd + m * qd * h + 3.0 * m * h * inter) * 3.0;
+    // Each block row sees the context before its anchor and its own block.
+    let keys: f64 = anchors.iter().map(|&a| (a + c.block_size) as f64 * c.block_size as f64).sum();
+    let attn = 2.0 * 2.0 * keys * qd * 3.0;
+    let lm_head = 2.0 * supervised_rows as f64 * h * c.vocab as f64 * 2.0;
+    fc + c.layers as f64 * (layer_gemm + attn) + lm_head
 }
 
 /// A built-in shape `qwen3:HIDDENxLAYERS` (heads of 64, a quarter as many KV heads, MLP
@@ -141,6 +283,15 @@ pub fn print_figures(f: &Figures) {
         (Some(d), _) => {
             let mfu = d.mfu.map_or("MFU: peak unknown for this device".to_string(), |m| format!("{:.1} % MFU of {:.0} TFLOP/s bf16", m * 100.0, d.peak_bf16_tflops.unwrap_or(0.0)));
             println!("  device {}: target forward {:.0} tokens/s, {:.2} TFLOP/s, {mfu}; {:.1}x the CPU backend", d.name, d.target_tokens_per_s, d.target_tflops, d.vs_cpu);
+            let dmfu = d.drafter_mfu.map_or(String::new(), |m| format!(", {:.1} % MFU (goal >= 35 %)", m * 100.0));
+            println!("    drafter step {:.3} s, {:.2} TFLOP/s{dmfu}; optimizer {:.2} ms", d.drafter_step_s, d.drafter_tflops, d.optimizer_ms);
+            println!(
+                "    copy {} MiB device->host: pinned slot {:.2} GB/s, plain pinned buffer {:.2} GB/s, ratio {:.2} (goal >= 0.8)",
+                d.copy_bytes >> 20,
+                d.slot_copy_gb_s,
+                d.pinned_copy_gb_s,
+                d.slot_vs_pinned
+            );
         }
         (None, note) => println!("  no GPU measured ({}): the figures below are the CPU reference backend's", note.as_deref().unwrap_or("none")),
     }
@@ -225,7 +376,9 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     drafter.train_batch(&p, &frozen, std::slice::from_ref(&sample), std::slice::from_ref(&anchors), 1.0, &mut grads);
     let drafter_s = t0.elapsed().as_secs_f64();
 
-    let (device, device_note) = match measure_device(&target, &ids, model_flops, tokens as f64 / best) {
+    let supervised = anchors.iter().map(|&a| (1..dcfg.block_size).filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0).count()).sum();
+    let dc = DrafterCase { drafter: &drafter, frozen: &frozen, params: &p, sample, anchors: &anchors, flops: drafter_step_flops(&dcfg, tokens, &anchors, supervised) };
+    let (device, device_note) = match measure_device(&target, &ids, model_flops, tokens as f64 / best, &dc) {
         Ok(Some(d)) => (Some(d), None),
         Ok(None) => (None, Some(crate::gpu::cuda::missing_library().unwrap_or_default())),
         Err(e) => (None, Some(format!("the device could not be measured: {e}"))),
