@@ -71,7 +71,7 @@ pub enum Command {
     /// stored at export and compared with the Rust drafter's output. Exits 1 over the
     /// tolerance or with missing/unexpected tensors, 2 when DIR is not an export or
     /// Python, torch or transformers is missing.
-    ExportCheck(crate::export_check::ExportCheckArgs),
+    ExportCheck(crate::commands::export_check::ExportCheckArgs),
     /// Benchmarks that print figures and ratios against baselines measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -313,7 +313,7 @@ pub struct RunArgs {
 
     /// Serve the latest metrics window for Prometheus at http://ADDR/metrics. A bare port
     /// (9400) listens on loopback only; give 0.0.0.0:9400 to listen on every interface.
-    #[arg(long, value_name = "ADDR", value_parser = crate::prometheus::parse_addr, help_heading = "Telemetry")]
+    #[arg(long, value_name = "ADDR", value_parser = crate::telemetry::prometheus::parse_addr, help_heading = "Telemetry")]
     pub prometheus: Option<std::net::SocketAddr>,
 
     /// Do not sample GPUs through NVML.

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use dflash_supervisor::chat::Chat;
-use dflash_supervisor::loader::{DataSource, Loader, LoaderConfig};
+use dflash_supervisor::data::chat::Chat;
+use dflash_supervisor::data::loader::{DataSource, Loader, LoaderConfig};
 
 fn ci() -> bool {
     std::env::var_os("CI").is_some()
@@ -17,7 +17,7 @@ fn ci() -> bool {
 
 /// The Qwen3 tokenizer directory, or `None` (a skip, which fails under CI).
 fn tokenizer_dir() -> Option<PathBuf> {
-    let d = dflash_supervisor::preflight::test_tokenizer_dir();
+    let d = dflash_supervisor::data::preflight::test_tokenizer_dir();
     if d.join("tokenizer.json").is_file() {
         return Some(d);
     }
@@ -138,7 +138,7 @@ fn loader(source: PathBuf, chat: Option<Arc<Chat>>) -> Loader {
 fn prepare_output_gives_the_same_batches_as_the_chat_data_and_reports_the_preflight() {
     let Some(dir) = tokenizer_dir() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let mut lines = dflash_supervisor::preflight::synthetic_conversations(60, 11);
+    let mut lines = dflash_supervisor::data::preflight::synthetic_conversations(60, 11);
     lines.insert(5, r#"{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}"#.into());
     lines.insert(9, r#"{"conversations": [{"from": "human", "value": "only a question"}]}"#.into());
     lines.insert(12, lines[20].clone());
@@ -204,7 +204,7 @@ fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
     let Some(dir) = tokenizer_dir() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let good = tmp.path().join("chat.jsonl");
-    std::fs::write(&good, dflash_supervisor::preflight::synthetic_conversations(3, 1).join("\n")).unwrap();
+    std::fs::write(&good, dflash_supervisor::data::preflight::synthetic_conversations(3, 1).join("\n")).unwrap();
     let copy = |name: &str, edit: &dyn Fn(&Path)| -> PathBuf {
         let d = tmp.path().join(name);
         std::fs::create_dir_all(&d).unwrap();
@@ -293,7 +293,7 @@ fn a_preflight_limited_to_n_lines_reads_exactly_n_even_with_parallel_read_ahead(
     let tmp = tempfile::tempdir().unwrap();
     // 400 lines, every third pre-tokenized and every seventh bad; chat data is read ahead
     // 256 lines at a time.
-    let chat_lines = dflash_supervisor::preflight::synthetic_conversations(400, 3);
+    let chat_lines = dflash_supervisor::data::preflight::synthetic_conversations(400, 3);
     let lines: Vec<String> = (0..400)
         .map(|i| match i {
             i if i % 7 == 0 => "not json".to_string(),
@@ -317,7 +317,7 @@ fn a_preflight_limited_to_n_lines_reads_exactly_n_even_with_parallel_read_ahead(
         chat: Some(chat),
         chat_error: None,
     };
-    let r = dflash_supervisor::preflight::scan(&cfg, Some(300), 1, |_| Ok(())).unwrap();
+    let r = dflash_supervisor::data::preflight::scan(&cfg, Some(300), 1, |_| Ok(())).unwrap();
     let dropped: u64 = r.dropped.values().sum();
     assert_eq!((r.lines, r.kept + dropped, r.complete), (300, 300, false), "{r:?}");
     assert_eq!(r.dropped["not JSON"], (0..300).filter(|i| i % 7 == 0).count() as u64);
@@ -325,10 +325,10 @@ fn a_preflight_limited_to_n_lines_reads_exactly_n_even_with_parallel_read_ahead(
     let share = r.bytes_share.unwrap();
     assert!((share - head as f64 / std::fs::metadata(&file).unwrap().len() as f64).abs() < 1e-9, "{share}");
     // All of it: complete, every line.
-    let all = dflash_supervisor::preflight::scan(&cfg, None, 1, |_| Ok(())).unwrap();
+    let all = dflash_supervisor::data::preflight::scan(&cfg, None, 1, |_| Ok(())).unwrap();
     assert_eq!((all.lines, all.complete, all.bytes_share), (400, true, Some(1.0)));
     // A limit above the data is the whole data.
-    let over = dflash_supervisor::preflight::scan(&cfg, Some(5000), 1, |_| Ok(())).unwrap();
+    let over = dflash_supervisor::data::preflight::scan(&cfg, Some(5000), 1, |_| Ok(())).unwrap();
     assert_eq!((over.lines, over.complete), (400, true));
 }
 

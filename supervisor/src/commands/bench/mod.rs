@@ -1,0 +1,7 @@
+//! `dflash-supervise bench ...`: measurements on this machine (`bench prepare` is in
+//! [`super::prepare`]).
+
+pub mod compute;
+pub mod ipc;
+pub mod telemetry;
+pub mod train;

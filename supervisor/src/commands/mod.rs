@@ -1,0 +1,10 @@
+//! The subcommands other than a run: each reads a run directory or the machine and prints.
+
+pub mod bench;
+pub mod export_check;
+pub mod gpus;
+pub mod ledger;
+pub mod logs;
+pub mod prepare;
+pub mod report;
+pub mod status;

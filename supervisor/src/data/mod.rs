@@ -1,0 +1,10 @@
+//! The data plane: the loader (files, stdin, demo data; chat data through the target's
+//! own template), the pipeline that moves batches through the shared-memory slot pools to
+//! the workers, the ledger that proves every batch reached the optimizer once, and the
+//! preflight report.
+
+pub mod chat;
+pub mod ledger;
+pub mod loader;
+pub mod pipeline;
+pub mod preflight;

@@ -1,0 +1,645 @@
+//! The data plane as the supervisor sees it: two slot pools in shared memory (token
+//! batches, hidden-state batches), their state machines, the loader thread, credits, and
+//! the ledger. The dispatcher owns the one [`Pipeline`] and calls it on every event, so
+//! slot state changes are as serialised as everything else the supervisor decides.
+//!
+//! Credits: each consumer holds up to `prefetch` deliveries and each target up to
+//! `prefetch` output leases, granted ahead, so a worker finishing a batch finds the next
+//! one (and a place to write its output) already waiting: no round trip per batch.
+//!
+//! Deaths: when a worker is gone (pidfd) and its control channel drained, [`release`]
+//! puts the batches it was reading back at the front of their queue (generation bumped, so
+//! anything it might still have said about them is stale) and frees the slots it was
+//! writing; the token batch behind a half-written hidden batch is one it was reading, so it
+//! is reissued by the same rule.
+//!
+//! [`release`]: Pipeline::release
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::Path;
+use std::sync::mpsc::{self, Sender};
+use std::sync::Arc;
+use std::thread;
+
+use dflash_shared::batch::{CaptureSpec, TokenBatch};
+use dflash_shared::pool::{PoolGeometry, PoolMap};
+use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
+use dflash_shared::slots::{Grant, Holder, SlotState, SlotTable};
+use dflash_shared::{Role, WorkerName};
+use ipc_channel::ipc::IpcSender;
+use serde_json::json;
+
+use crate::run::dispatcher::Event;
+use crate::error::Error;
+use crate::data::ledger::Ledger;
+use crate::data::loader::{BadLines, Loader, Position};
+use crate::telemetry::queue_health::{PoolView, QueueHealth};
+
+/// The loader thread's holder id (worker lives start at 1).
+const LOADER: Holder = 0;
+/// Token slots the loader may fill ahead.
+const LOADER_AHEAD: usize = 2;
+
+#[derive(Debug, Clone)]
+pub struct PipelineConfig {
+    pub token_slots: u32,
+    pub hidden_slots: u32,
+    pub prefetch: usize,
+    pub token_budget: u32,
+    pub capture: CaptureSpec,
+}
+
+impl PipelineConfig {
+    pub fn geometries(&self) -> (PoolGeometry, PoolGeometry) {
+        let budget = self.token_budget as u64;
+        let tokens = PoolGeometry { name: "tokens".into(), slots: self.token_slots, slot_bytes: 24 + budget * 9 };
+        let hidden = PoolGeometry {
+            name: "hidden".into(),
+            slots: self.hidden_slots,
+            slot_bytes: self.capture.max_batch_bytes(budget),
+        };
+        (tokens, hidden)
+    }
+
+    /// Bytes of shared memory the pools take.
+    pub fn total_bytes(&self) -> u64 {
+        let (t, h) = self.geometries();
+        t.total_bytes() + h.total_bytes()
+    }
+
+    /// Refuse pools (plus `extra` bytes of other shared memory) that do not fit: better
+    /// a clear error now than an OOM kill later.
+    pub fn check_memory(&self, extra: u64) -> Result<(), Error> {
+        let need = self.total_bytes() + extra;
+        let Some(avail) = mem_available() else { return Ok(()) };
+        if need > avail / 10 * 8 {
+            let (t, h) = self.geometries();
+            return Err(Error::Usage(format!(
+                "shared-memory pools need {} ({} token slots × {}, {} hidden-state slots × {}) but only {} is available; \
+                 expected at most 80% of it: lower --token-budget or --hidden-slots",
+                human(need),
+                t.slots,
+                human(t.slot_bytes),
+                h.slots,
+                human(h.slot_bytes),
+                human(avail)
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The kernel's estimate of memory available without swapping (`MemAvailable`).
+pub(crate) fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[u]) }
+}
+
+/// From the loader thread.
+pub enum LoaderEvent {
+    Produced {
+        slot: u32,
+        gen: u64,
+        len: u64,
+        batch_id: u64,
+        rows: usize,
+        tokens: u64,
+        lengths: Vec<u32>,
+        seq_len: u32,
+        batch: Box<TokenBatch>,
+        /// Bad dataset lines skipped so far.
+        bad_lines: u64,
+    },
+    Done { position: Position, bad: BadLines },
+    Failed(String),
+}
+
+/// A connected worker that may be given work.
+pub struct Peer<'a> {
+    pub name: WorkerName,
+    pub holder: Holder,
+    pub pid: u32,
+    pub tx: &'a IpcSender<ToWorker>,
+}
+
+struct Pool {
+    id: PoolId,
+    fd: OwnedFd,
+    map: Arc<PoolMap>,
+    table: SlotTable,
+}
+
+impl Pool {
+    fn new(id: PoolId, geometry: PoolGeometry) -> Result<Pool, Error> {
+        let name = geometry.name.clone();
+        let slots = geometry.slots;
+        let bytes = geometry.slot_bytes;
+        let (fd, map) = PoolMap::create(geometry)
+            .map_err(|e| Error::Internal(format!("cannot create the {name} pool in shared memory: {e}")))?;
+        Ok(Pool { id, fd, map: Arc::new(map), table: SlotTable::new(slots, bytes) })
+    }
+
+    /// Mirror the table's view of `slot` into the shared header.
+    fn publish(&self, slot: u32, pid: u32) {
+        let s = self.table.slot(slot);
+        self.map.publish(slot, s.state, pid, s.gen, s.len, s.batch_id);
+    }
+
+    fn publish_all(&self) {
+        for i in 0..self.table.len() as u32 {
+            self.publish(i, 0);
+        }
+    }
+
+    fn fref(&self, g: &Grant) -> SlotRef {
+        SlotRef { pool: self.id, slot: g.slot, gen: g.gen }
+    }
+}
+
+pub struct Pipeline {
+    tokens: Pool,
+    hidden: Pool,
+    capture: CaptureSpec,
+    prefetch: usize,
+    loader_tx: Option<Sender<Grant>>,
+    loader_done: Option<Position>,
+    /// Bad dataset lines the loader skipped so far.
+    bad_lines: u64,
+    produced: u64,
+    consumed: HashSet<u64>,
+    /// Consumed by the run this one resumes.
+    consumed_before: HashSet<u64>,
+    hidden_seen: HashSet<u64>,
+    /// Batches given to each worker life, to balance load.
+    served: HashMap<Holder, u64>,
+    /// Real tokens of each batch not consumed yet (for per-worker tokens/s).
+    batch_tokens: HashMap<u64, u64>,
+    /// Queue health of the current metrics window.
+    pub health: QueueHealth,
+    ledger: Ledger,
+    /// Every batch a rollback may still send through again (produced, and not consumed
+    /// in a step that a snapshot or checkpoint covers), with the step it was consumed in.
+    retained: HashMap<u64, TokenBatch>,
+    consumed_step: HashMap<u64, u64>,
+    /// Batches a rollback sent back, written into token slots ahead of the loader's.
+    replay: std::collections::VecDeque<TokenBatch>,
+    /// Sent through again and not yet turned into hidden states.
+    replay_outstanding: std::collections::BTreeSet<u64>,
+    failed: Option<String>,
+}
+
+impl Pipeline {
+    pub fn new(cfg: &PipelineConfig, run_dir: &Path) -> Result<Pipeline, Error> {
+        let (tg, hg) = cfg.geometries();
+        let ledger = Ledger::create(run_dir).map_err(|e| Error::Internal(format!("cannot create the ledger: {e}")))?;
+        Ok(Pipeline {
+            tokens: Pool::new(PoolId::Tokens, tg)?,
+            hidden: Pool::new(PoolId::Hidden, hg)?,
+            capture: cfg.capture.clone(),
+            prefetch: cfg.prefetch.max(1),
+            loader_tx: None,
+            loader_done: None,
+            bad_lines: 0,
+            produced: 0,
+            consumed: HashSet::new(),
+            consumed_before: HashSet::new(),
+            hidden_seen: HashSet::new(),
+            served: HashMap::new(),
+            batch_tokens: HashMap::new(),
+            health: QueueHealth::default(),
+            ledger,
+            retained: HashMap::new(),
+            consumed_step: HashMap::new(),
+            replay: std::collections::VecDeque::new(),
+            replay_outstanding: std::collections::BTreeSet::new(),
+            failed: None,
+        })
+    }
+
+    /// Pool fds every worker inherits.
+    pub fn inherit_fds(&self) -> Vec<RawFd> {
+        vec![self.tokens.fd.as_raw_fd(), self.hidden.fd.as_raw_fd()]
+    }
+
+    pub fn pools_message(&self) -> ToWorker {
+        let info = |p: &Pool| PoolInfo { id: p.id, fd: p.fd.as_raw_fd(), geometry: p.map.geometry().clone() };
+        ToWorker::Pools { pools: vec![info(&self.tokens), info(&self.hidden)], capture: self.capture.clone() }
+    }
+
+    pub fn describe(&self) -> String {
+        let g = |p: &Pool| format!("{} × {}", p.table.len(), human(p.map.geometry().slot_bytes));
+        format!("pools: tokens {}, hidden states {}", g(&self.tokens), g(&self.hidden))
+    }
+
+    /// Run `loader` on a thread of its own: it fills the token slots it is granted.
+    pub fn start_loader(&mut self, mut loader: Loader, events: Sender<Event>) -> Result<(), Error> {
+        let (tx, rx) = mpsc::channel::<Grant>();
+        let map = self.tokens.map.clone();
+        thread::Builder::new()
+            .name("loader".into())
+            .spawn(move || {
+                for grant in rx {
+                    let ev = match loader.next_batch() {
+                        Ok(Some(b)) => {
+                            // SAFETY: the loader holds this slot (WRITING, granted to LOADER)
+                            // until it reports it produced.
+                            let buf = unsafe { map.payload_mut(grant.slot) };
+                            match b.encode_into(buf) {
+                                Ok(len) => LoaderEvent::Produced {
+                                    slot: grant.slot,
+                                    gen: grant.gen,
+                                    len: len as u64,
+                                    batch_id: b.batch_id,
+                                    rows: b.rows(),
+                                    tokens: b.tokens(),
+                                    lengths: b.lengths.clone(),
+                                    seq_len: b.seq_len,
+                                    batch: Box::new(b),
+                                    bad_lines: loader.bad.total,
+                                },
+                                Err(e) => LoaderEvent::Failed(format!("batch {} does not fit a token slot: {e}", b.batch_id)),
+                            }
+                        }
+                        Ok(None) => LoaderEvent::Done { position: loader.position(), bad: loader.bad.clone() },
+                        Err(e) => LoaderEvent::Failed(e.to_string()),
+                    };
+                    let last = !matches!(ev, LoaderEvent::Produced { .. });
+                    // sync point (pool edge 1): the token slot's bytes written above reach
+                    // the dispatcher thread, and through its Deliver a target, only because
+                    // this send follows the last write.
+                    if events.send(Event::Loader(ev)).is_err() || last {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| Error::Internal(format!("cannot start the loader thread: {e}")))?;
+        self.loader_tx = Some(tx);
+        Ok(())
+    }
+
+    /// A loader event; `Err` is bad input that ends the run.
+    pub fn on_loader(&mut self, ev: LoaderEvent) -> Result<(), String> {
+        match ev {
+            LoaderEvent::Produced { slot, gen, len, batch_id, rows, tokens, lengths, seq_len, batch, bad_lines } => {
+                self.bad_lines = bad_lines;
+                // Kept until no rollback can need it again.
+                self.retained.insert(batch_id, *batch);
+                self.health.batch(&lengths, seq_len);
+                self.batch_tokens.insert(batch_id, tokens);
+                self.tokens
+                    .table
+                    .commit(LOADER, slot, gen, len, batch_id)
+                    .map_err(|e| format!("loader: {e}"))?;
+                self.tokens.publish(slot, std::process::id());
+                self.produced += 1;
+                self.ledger.record("load", batch_id, "loader", json!({"rows": rows, "tokens": tokens}));
+                Ok(())
+            }
+            LoaderEvent::Done { position, bad } => {
+                self.loader_tx = None;
+                self.loader_done = Some(position);
+                self.bad_lines = bad.total;
+                // Hand back the slots it held for batches that will never come.
+                for i in 0..self.tokens.table.len() as u32 {
+                    let s = self.tokens.table.slot(i).clone();
+                    if s.holder == Some(LOADER) && s.state == SlotState::Writing {
+                        let _ = self.tokens.table.cancel(LOADER, i, s.gen);
+                        self.tokens.publish(i, 0);
+                    }
+                }
+                let lines = if bad.lines > 0 { format!("; {}", bad.summary()) } else { String::new() };
+                log::info!("loader done: {} batches over {} epoch(s){lines}", position.batches, position.epoch);
+                Ok(())
+            }
+            LoaderEvent::Failed(msg) => {
+                self.loader_tx = None;
+                Err(msg)
+            }
+        }
+    }
+
+    /// Every batch the loader will ever make has been consumed.
+    pub fn finished(&self) -> bool {
+        self.loader_done.is_some() && self.consumed.len() as u64 == self.produced
+    }
+
+    /// Which batches reached the optimizer, compactly: every id below `below`, plus
+    /// `extra`. Goes into checkpoints so a resumed run skips exactly those.
+    pub fn consumed_summary(&self) -> serde_json::Value {
+        let mut ids: Vec<u64> = self.consumed.iter().copied().chain(self.consumed_before.iter().copied()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        let below = ids.iter().enumerate().take_while(|(i, id)| *i as u64 == **id).count();
+        json!({"consumed_below": below, "consumed_extra": ids[below..].to_vec()})
+    }
+
+    /// Batches a previous run consumed (resuming): kept for the next checkpoint.
+    pub fn set_consumed_before(&mut self, ids: std::collections::HashSet<u64>) {
+        self.consumed_before = ids;
+    }
+
+    /// Once the loader is done: how many batches are not consumed yet.
+    pub fn remaining(&self) -> Option<u64> {
+        self.loader_done.map(|_| self.produced - self.consumed.len() as u64)
+    }
+
+    /// Bad dataset lines the loader skipped so far.
+    pub fn bad_lines(&self) -> u64 {
+        self.bad_lines
+    }
+
+    pub fn progress(&self) -> (u64, u64) {
+        (self.consumed.len() as u64, self.produced)
+    }
+
+    /// A target finished a batch: its output is complete and its input consumed.
+    pub fn on_commit(&mut self, peer: &Peer, output: SlotRef, len: u64, batch_id: u64, input: Option<SlotRef>) -> Result<(), String> {
+        if peer.name.role != Role::Target {
+            return Err("a drafter committed an output slot".into());
+        }
+        let input = input.ok_or("commit names no input slot")?;
+        if output.pool != PoolId::Hidden || input.pool != PoolId::Tokens {
+            return Err(format!("commit of {:?} from {:?}: expected hidden-state output from a token input", output.pool, input.pool));
+        }
+        // Check both before changing either: they change together.
+        self.tokens.table.check_ack(peer.holder, input.slot, input.gen, batch_id).map_err(|e| format!("input: {e}"))?;
+        self.hidden.table.check_commit(peer.holder, output.slot, output.gen, len).map_err(|e| format!("output: {e}"))?;
+        self.tokens.table.ack(peer.holder, input.slot, input.gen, batch_id).expect("checked");
+        self.tokens.publish(input.slot, 0);
+        let name = peer.name.to_string();
+        if !self.hidden_seen.insert(batch_id) {
+            self.hidden.table.cancel(peer.holder, output.slot, output.gen).expect("checked");
+            self.hidden.publish(output.slot, 0);
+            self.ledger.record("duplicate", batch_id, &name, json!({"pool": "hidden"}));
+            return Ok(());
+        }
+        self.hidden.table.commit(peer.holder, output.slot, output.gen, len, batch_id).expect("checked");
+        self.replay_outstanding.remove(&batch_id);
+        let tokens = self.batch_tokens.get(&batch_id).copied().unwrap_or(0);
+        self.health.tokens(&name, tokens);
+        self.hidden.publish(output.slot, 0);
+        self.ledger.record("hidden", batch_id, &name, json!({"bytes": len}));
+        Ok(())
+    }
+
+    /// A drafter consumed a batch.
+    pub fn on_ack(&mut self, peer: &Peer, input: SlotRef, batch_id: u64) -> Result<(), String> {
+        self.check_consume(peer.name, peer.holder, input, batch_id)?;
+        self.consume(peer.name, peer.holder, input, batch_id, None)
+    }
+
+    /// Would [`consume`](Self::consume) accept this?
+    pub fn check_consume(&self, name: WorkerName, holder: Holder, input: SlotRef, batch_id: u64) -> Result<(), String> {
+        if name.role != Role::Drafter || input.pool != PoolId::Hidden {
+            return Err(format!("{:?} slot reported consumed by a {}: only drafters consume, hidden-state slots", input.pool, name.role));
+        }
+        self.hidden.table.check_ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())
+    }
+
+    /// `batch_id`, delivered to `holder`, reached the optimizer (in committed step `step`):
+    /// free its slot.
+    pub fn consume(&mut self, name: WorkerName, holder: Holder, input: SlotRef, batch_id: u64, step: Option<u64>) -> Result<(), String> {
+        self.hidden.table.ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())?;
+        self.hidden.publish(input.slot, 0);
+        let name = name.to_string();
+        if let Some(tokens) = self.batch_tokens.remove(&batch_id) {
+            self.health.tokens(&name, tokens);
+        }
+        if self.consumed.insert(batch_id) {
+            match step {
+                Some(s) => {
+                    self.consumed_step.insert(batch_id, s);
+                    self.ledger.record("consumed", batch_id, &name, json!({"step": s}));
+                }
+                None => {
+                    self.retained.remove(&batch_id);
+                    self.ledger.record("consumed", batch_id, &name, json!({}));
+                }
+            }
+        } else {
+            self.ledger.record("duplicate", batch_id, &name, json!({"pool": "consumed"}));
+        }
+        Ok(())
+    }
+
+    /// The drafter group rolled back from step `from` to `to`: `batches` (committed after
+    /// `to`, in commit order) were consumed in an abandoned lineage. They go through the
+    /// pipeline again, ahead of anything the loader makes from now on.
+    pub fn rollback(&mut self, from: u64, to: u64, batches: &[u64]) -> Result<(), String> {
+        self.ledger.rollback(Some(from), to, batches);
+        // Hidden states made of newer batches and not delivered yet are made again after
+        // the rolled-back ones, so that the group trains on everything in batch order.
+        let recalled = self.hidden.table.withdraw_ready();
+        self.hidden.publish_all();
+        for &b in &recalled {
+            self.ledger.record("requeue", b, "supervisor", json!({"pool": "hidden", "why": "rollback"}));
+        }
+        let mut again: Vec<u64> = batches.iter().chain(&recalled).copied().collect();
+        again.sort_unstable();
+        again.dedup();
+        for b in again {
+            let batch = self.retained.get(&b).cloned().ok_or_else(|| format!("rollback to step {to}: batch {b} was not kept, it cannot be trained again"))?;
+            self.consumed.remove(&b);
+            self.consumed_step.remove(&b);
+            self.hidden_seen.remove(&b);
+            self.batch_tokens.insert(b, batch.tokens());
+            self.replay_outstanding.insert(b);
+            self.replay.push_back(batch);
+        }
+        Ok(())
+    }
+
+    /// Batches consumed at or before `step` are out of any rollback's reach.
+    pub fn covered(&mut self, step: u64) {
+        let done: Vec<u64> = self.consumed_step.iter().filter(|(_, &s)| s <= step).map(|(&b, _)| b).collect();
+        for b in done {
+            self.consumed_step.remove(&b);
+            self.retained.remove(&b);
+        }
+    }
+
+    /// Write rolled-back batches into free token slots, READY before anything the loader
+    /// commits later.
+    fn replay_batches(&mut self) {
+        while !self.replay.is_empty() {
+            let Some(g) = self.tokens.table.lease(LOADER) else { return };
+            // SAFETY: the slot was just leased to LOADER (WRITING): no worker reads it.
+            let buf = unsafe { self.tokens.map.payload_mut(g.slot) };
+            let b = self.replay.pop_front().expect("front exists");
+            // Written on the dispatcher thread itself; it reaches a target through the
+            // Deliver that `deliver` sends later (sync point, pool edge 2).
+            match b.encode_into(buf) {
+                Ok(len) => {
+                    self.tokens.table.commit(LOADER, g.slot, g.gen, len as u64, b.batch_id).expect("leased just now");
+                    self.tokens.publish(g.slot, std::process::id());
+                    self.ledger.record("replay", b.batch_id, "supervisor", json!({"rows": b.rows(), "tokens": b.tokens()}));
+                }
+                Err(e) => {
+                    // It fitted the first time and the slot size has not changed: this
+                    // cannot happen, but if it did the batch could not be trained again.
+                    let _ = self.tokens.table.cancel(LOADER, g.slot, g.gen);
+                    self.replay_outstanding.remove(&b.batch_id);
+                    self.failed = Some(format!("batch {} sent through again no longer fits a token slot: {e}", b.batch_id));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Resuming from the checkpoint of `step`: what the previous run consumed after it is
+    /// an abandoned lineage.
+    pub fn record_resume(&mut self, step: u64) {
+        self.ledger.rollback(None, step, &[]);
+    }
+
+    /// Why no more batches may be taken: the ledger cannot be written, or a batch could
+    /// not be sent through again.
+    pub fn ledger_failed(&self) -> Option<String> {
+        if let Some(e) = &self.failed {
+            return Some(e.clone());
+        }
+        self.ledger.failed().map(|e| format!("{e}: the run stops taking batches, since it cannot record them (free space, then --resume)"))
+    }
+
+    /// A worker life is over (pidfd said so, channel drained): take back its slots.
+    /// Returns how many batches went back to their queue.
+    pub fn release(&mut self, name: WorkerName, holder: Holder) -> usize {
+        let mut requeued = 0;
+        let who = name.to_string();
+        for pool in [&mut self.tokens, &mut self.hidden] {
+            let r = pool.table.release_holder(holder);
+            for &b in &r.redelivered {
+                let p = if pool.id == PoolId::Tokens { "tokens" } else { "hidden" };
+                self.ledger.record("requeue", b, &who, json!({"pool": p}));
+            }
+            requeued += r.redelivered.len();
+            pool.publish_all();
+        }
+        self.served.remove(&holder);
+        requeued
+    }
+
+    /// Grant whatever can be granted: token slots to the loader, token batches and output
+    /// leases to targets, hidden-state batches to drafters.
+    pub fn pump(&mut self, peers: &[Peer]) {
+        if self.ledger.failed().is_some() {
+            return;
+        }
+        self.replay_batches();
+        if let Some(tx) = &self.loader_tx {
+            while self.tokens.table.held(LOADER, SlotState::Writing) < LOADER_AHEAD {
+                let Some(g) = self.tokens.table.lease(LOADER) else { break };
+                self.tokens.publish(g.slot, std::process::id());
+                if tx.send(g).is_err() {
+                    break;
+                }
+            }
+        }
+        let targets: Vec<&Peer> = peers.iter().filter(|p| p.name.role == Role::Target).collect();
+        let drafters: Vec<&Peer> = peers.iter().filter(|p| p.name.role == Role::Drafter).collect();
+        self.observe_health(&targets, &drafters);
+        self.deliver(PoolId::Tokens, &targets);
+        // Output leases for targets.
+        while let Some(p) = targets
+            .iter()
+            .filter(|p| self.hidden.table.held(p.holder, SlotState::Writing) < self.prefetch)
+            .min_by_key(|p| self.hidden.table.held(p.holder, SlotState::Writing))
+        {
+            let Some(g) = self.hidden.table.lease(p.holder) else { break };
+            self.hidden.publish(g.slot, p.pid);
+            // sync point (pool edges 2 and 4): the header is published before the lease is
+            // sent, and the slot's previous reader acknowledged it (its last read) before
+            // the slot was free to lease: the target writes after both.
+            let _ = p.tx.send(ToWorker::Lease { slot: self.hidden.fref(&g) });
+        }
+        self.deliver(PoolId::Hidden, &drafters);
+    }
+
+    fn observe_health(&mut self, targets: &[&Peer], drafters: &[&Peer]) {
+        let (t, h, k) = (&self.tokens.table, &self.hidden.table, self.prefetch);
+        let free = |tb: &SlotTable| tb.count(SlotState::Free) > 0;
+        let ready = |tb: &SlotTable| tb.count(SlotState::Ready);
+        let tokens = PoolView {
+            ready: ready(t),
+            slots: t.len(),
+            producer_blocked: self.loader_tx.is_some() && t.held(LOADER, SlotState::Writing) < LOADER_AHEAD && !free(t),
+            consumer_starved: ready(t) == 0 && targets.iter().any(|p| t.held(p.holder, SlotState::Reading) < k),
+        };
+        let hidden = PoolView {
+            ready: ready(h),
+            slots: h.len(),
+            producer_blocked: !free(h) && targets.iter().any(|p| h.held(p.holder, SlotState::Writing) < k),
+            consumer_starved: ready(h) == 0 && drafters.iter().any(|p| h.held(p.holder, SlotState::Reading) < k),
+        };
+        self.health.observe(tokens, hidden);
+    }
+
+    /// Hand READY batches of `pool` to the least-loaded consumers with credit left.
+    fn deliver(&mut self, pool: PoolId, consumers: &[&Peer]) {
+        loop {
+            let p = match pool {
+                PoolId::Tokens => &mut self.tokens,
+                PoolId::Hidden => &mut self.hidden,
+            };
+            let Some(next) = p.table.peek_lowest() else { return };
+            // After a rollback, drafters get the batches sent through again before any
+            // newer one, so the group sees them in their order; unless that would stall
+            // the targets (no free hidden-state slot to make them in).
+            // A target still writing a hidden-state slot will hand it in, and a free slot
+            // lets one start: only when neither is left would waiting stall everything.
+            if pool == PoolId::Hidden
+                && self.replay_outstanding.first().is_some_and(|&m| next > m)
+                && (p.table.count(SlotState::Free) > 0 || p.table.count(SlotState::Writing) > 0)
+            {
+                return;
+            }
+            let served = &self.served;
+            let Some(peer) = consumers
+                .iter()
+                .filter(|c| p.table.held(c.holder, SlotState::Reading) < self.prefetch)
+                .min_by_key(|c| (p.table.held(c.holder, SlotState::Reading), served.get(&c.holder).copied().unwrap_or(0)))
+            else {
+                return;
+            };
+            let g = p.table.deliver_lowest(peer.holder).expect("a batch is ready");
+            p.publish(g.slot, peer.pid);
+            let slot = p.fref(&g);
+            // sync point (pool edges 2 and 3): the payload was complete before its writer's
+            // Commit (or the loader's Produced) reached us, and the header is published
+            // above; the consumer reads both only after receiving this message.
+            let _ = peer.tx.send(ToWorker::Deliver { slot, len: g.len, batch_id: g.batch_id });
+            *self.served.entry(peer.holder).or_default() += 1;
+            self.health.served(&peer.name.to_string());
+            let ev = if pool == PoolId::Tokens { "to_target" } else { "to_drafter" };
+            self.ledger.record(ev, g.batch_id, &peer.name.to_string(), json!({}));
+        }
+    }
+
+    /// The run is over: record what is still held.
+    pub fn end(&mut self) {
+        let mut held = self.tokens.table.batches_held();
+        held.extend(self.hidden.table.batches_held());
+        // Rolled back and waiting for a token slot: in the pipeline too.
+        held.extend(self.replay.iter().map(|b| b.batch_id));
+        held.sort_unstable();
+        held.dedup();
+        // Batches leaving the token pool into a half-written hidden slot are READING
+        // until committed, so `held` is everything produced and not consumed.
+        let pos = self.loader_done.map(|p| json!({"epoch": p.epoch, "batches": p.batches}));
+        self.ledger.end(&held, self.loader_done.is_some(), json!({"loader_position": pos, "produced": self.produced}));
+    }
+}

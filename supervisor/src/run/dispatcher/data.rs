@@ -1,0 +1,91 @@
+//! The dispatcher's side of the data plane and of training: grants after every event,
+//! and carrying out what the trainer decided.
+
+use dflash_shared::protocol::ToWorker;
+
+use super::{Dispatcher, Phase, StopReason};
+use crate::data::pipeline::Peer;
+use crate::training::trainer::Action;
+
+impl Dispatcher {
+    /// Grant slots and batches to the workers that can take them; end the run when all
+    /// data is consumed.
+    pub(super) fn pump(&mut self) {
+        if !matches!(self.phase, Phase::Running) {
+            return;
+        }
+        let peers: Vec<Peer> = self
+            .workers
+            .iter()
+            .filter_map(|w| {
+                let l = w.life.as_ref()?;
+                let tx = l.to_worker.as_ref()?;
+                (l.killed_for.is_none() && l.exited.is_none() && !l.asked_to_stop)
+                    .then_some(Peer { name: w.name, holder: l.id, pid: l.pid, tx })
+            })
+            .collect();
+        if let Some(e) = self.pipeline.ledger_failed() {
+            log::error!("{e}");
+            self.begin_stop(StopReason::TrainingFailed(e));
+            return;
+        }
+        self.pipeline.pump(&peers);
+        let tail = self.trainer.flush_tail(self.pipeline.remaining());
+        self.execute(tail);
+        if self.pipeline.finished() {
+            let (consumed, _) = self.pipeline.progress();
+            log::info!("all {consumed} batches consumed: stopping");
+            self.begin_stop(StopReason::DataDone);
+        }
+    }
+
+    /// Carry out what the trainer decided.
+    pub(super) fn execute(&mut self, actions: Vec<Action>) {
+        for a in actions {
+            match a {
+                Action::Send(w, msg) => {
+                    if let Some(tx) = self.workers[w].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
+                        let _ = tx.send(msg);
+                    }
+                }
+                Action::Consume { worker, holder, input, batch_id, step } => {
+                    if let Err(e) = self.pipeline.consume(self.workers[worker].name, holder, input, batch_id, Some(step)) {
+                        log::error!("committed batch {batch_id} could not be recorded: {e}");
+                    }
+                    self.dirty = true;
+                }
+                Action::Done => {
+                    log::info!("step limit reached: stopping");
+                    self.begin_stop(StopReason::StepsDone);
+                }
+                Action::Failed(msg) => {
+                    log::error!("{msg}");
+                    self.begin_stop(StopReason::TrainingFailed(msg));
+                }
+                Action::Violation(w, msg) => self.violation(w, &msg),
+                Action::Rollback { from, to, batches } => {
+                    if let Err(e) = self.pipeline.rollback(from, to, &batches) {
+                        log::error!("{e}");
+                        self.begin_stop(StopReason::TrainingFailed(e));
+                    }
+                    self.run.event("rollback", super::obj(serde_json::json!({"from": from, "to": to, "batches": batches.len()})));
+                    self.dirty = true;
+                }
+                Action::Covered(step) => self.pipeline.covered(step),
+                Action::CheckpointFromSnapshot { step, dir } => {
+                    let meta = self.pipeline.consumed_summary().to_string();
+                    match self.trainer.checkpoint_from_snapshot(step, &dir, &meta) {
+                        Ok(()) => self.run.event("checkpoint", super::obj(serde_json::json!({"worker": "supervisor", "step": step, "dir": dir.display().to_string()}))),
+                        Err(e) => log::error!("no drafter is left to write the stop checkpoint, and the snapshot cannot be written instead: {e}"),
+                    }
+                }
+                Action::Checkpoint { worker, step, dir } => {
+                    let meta = self.pipeline.consumed_summary().to_string();
+                    if let Some(tx) = self.workers[worker].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
+                        let _ = tx.send(ToWorker::Checkpoint { dir: dir.display().to_string(), step, meta });
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,134 @@
+//! What the run looks like from outside: `state.json` while it runs, and the exit code,
+//! report and records when it ends.
+
+use std::time::{Duration, Instant};
+
+use dflash_shared::exit_codes;
+use serde_json::json;
+
+use super::{obj, Dispatcher, Phase, StopReason};
+use crate::run::rundir::{RunState, WorkerState};
+
+impl Dispatcher {
+    fn snapshot(&self, phase: &str, exit_code: Option<i32>) -> RunState {
+        RunState {
+            run_dir: self.run.path.clone(),
+            supervisor_pid: std::process::id(),
+            started_at: self.started_wall.clone(),
+            started_at_unix_ms: self.started_unix_ms,
+            phase: phase.into(),
+            exit_code,
+            batches_produced: self.pipeline.progress().1,
+            batches_consumed: self.pipeline.progress().0,
+            bad_lines: Some(self.pipeline.bad_lines()),
+            train: Some(self.trainer.progress.clone()),
+            metrics: self.metrics.latest.clone(),
+            workers: self
+                .workers
+                .iter()
+                .map(|w| WorkerState {
+                    name: w.name.to_string(),
+                    role: w.name.role.to_string(),
+                    rank: w.name.rank,
+                    gpu: w.device.to_string(),
+                    pid: w.life.as_ref().map(|l| l.pid),
+                    state: w.state.as_str().into(),
+                    restarts: w.restarts,
+                    started_at: w.life.as_ref().map(|l| l.started_wall.clone()),
+                    last_exit: w.last_exit.clone(),
+                    log: w.log_path.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    pub(super) fn flush_state(&mut self) {
+        // Worker changes are written at once; batch progress alone at most once a second.
+        let progress = self.pipeline.progress();
+        let stale = progress != self.written_progress && self.written_at.elapsed() >= Duration::from_secs(1);
+        if !self.dirty && !stale {
+            return;
+        }
+        self.dirty = false;
+        self.written_progress = progress;
+        self.written_at = Instant::now();
+        let phase = match self.phase {
+            Phase::Running => "running",
+            _ => "stopping",
+        };
+        if let Err(e) = self.run.write_state(&self.snapshot(phase, None)) {
+            log::warn!("cannot write state.json: {e}");
+        }
+    }
+
+    /// Every worker is gone: decide the exit code, say why, record it.
+    pub(super) fn finish(mut self) -> i32 {
+        self.write_metrics();
+        crate::telemetry::console::status(None);
+        let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
+        let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
+        self.pipeline.end();
+        let code = match &reason {
+            StopReason::GaveUp(report) => {
+                eprint!("{}", report.render());
+                exit_codes::RUN_FAILED
+            }
+            StopReason::Fatal(_) => exit_codes::INTERNAL,
+            StopReason::BadInput(msg) => {
+                eprintln!("dflash-supervise: error: {msg}");
+                exit_codes::USAGE
+            }
+            StopReason::Interrupted => exit_codes::INTERRUPTED,
+            StopReason::TrainingFailed(msg) => {
+                eprintln!("dflash-supervise: run failed: {msg}");
+                exit_codes::RUN_FAILED
+            }
+            StopReason::Requested(_) | StopReason::TimeLimit | StopReason::DataDone | StopReason::StepsDone => {
+                if all_clean {
+                    exit_codes::SUCCESS
+                } else {
+                    let bad: Vec<String> = self
+                        .workers
+                        .iter()
+                        .filter(|w| w.unclean_stop)
+                        .map(|w| format!("{} ({})", w.name, w.last_exit.as_deref().unwrap_or("never started")))
+                        .collect();
+                    log::warn!("not every worker stopped cleanly: {}", bad.join(", "));
+                    exit_codes::UNCLEAN_STOP
+                }
+            }
+        };
+        // Steps that no checkpoint holds are lost to a --resume: say which, and never
+        // call such a run a success.
+        let (committed, saved) = (self.trainer.committed(), self.trainer.saved_step());
+        let code = if committed > saved {
+            let from = if saved > 0 {
+                format!("continue from the checkpoint of step {saved} with: dflash-supervise --resume {}", self.run.path.display())
+            } else {
+                "no checkpoint was written: a new run starts from scratch".into()
+            };
+            eprintln!("dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}", saved + 1);
+            // Lost work outranks an unclean stop: the run failed.
+            if code == exit_codes::SUCCESS || code == exit_codes::UNCLEAN_STOP { exit_codes::RUN_FAILED } else { code }
+        } else {
+            code
+        };
+        let phase = if code == exit_codes::SUCCESS { "stopped" } else { "failed" };
+        if let Err(e) = self.run.write_state(&self.snapshot(phase, Some(code))) {
+            log::warn!("cannot write state.json: {e}");
+        }
+        self.run.event("run_end", obj(json!({"reason": reason.describe(), "exit_code": code})));
+        log::info!("run ended ({}); exit code {code}", reason.describe());
+        let report = self.run.path.join("report.html");
+        match crate::telemetry::report::write(&self.run.path, &report) {
+            Ok(()) => eprintln!("dflash-supervise: report written to {}", report.display()),
+            Err(e) => log::warn!("cannot write the report: {e}"),
+        }
+        match &self.trainer.progress.exported {
+            Some(dir) => eprintln!("dflash-supervise: drafter (step {}) written to {dir}", self.trainer.progress.step),
+            None if self.trainer.committed() == 0 => eprintln!("dflash-supervise: no training step was committed; no drafter written"),
+            None => eprintln!("dflash-supervise: the drafter (step {}) could not be written: no drafter was left to write it", self.trainer.committed()),
+        }
+        code
+    }
+}

@@ -1,0 +1,78 @@
+//! The dispatcher's side of the metrics windows: what goes into each window of
+//! `metrics.jsonl` (schema in [`crate::telemetry::metrics`]) and the live status line.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use super::Dispatcher;
+use crate::run::rundir::now_rfc3339;
+use crate::telemetry::metrics::status_line;
+
+impl Dispatcher {
+    /// On a terminal, redraw the live status line once a second: the latest window's
+    /// rates with the training figures of this moment.
+    pub(super) fn refresh_status(&mut self) {
+        if !crate::telemetry::console::live() || self.metrics.status_at.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.metrics.status_at = Instant::now();
+        let mut w = self.metrics.latest.clone().unwrap_or_else(|| json!({}));
+        let t = &self.trainer.progress;
+        if t.step > 0 {
+            w["train"] = json!({"step": t.step, "loss": t.loss, "acceptance": t.acceptance});
+        }
+        w["restarts"] = self.workers.iter().map(|w| w.restarts as u64).sum::<u64>().into();
+        crate::telemetry::console::status(Some(status_line(&w)));
+    }
+
+    /// Close the current window: write it and start the next.
+    pub(super) fn write_metrics(&mut self) {
+        let secs = self.metrics.started.elapsed().as_secs_f64().max(1e-9);
+        let names = |pid: u32| self.workers.iter().find(|w| w.life.as_ref().is_some_and(|l| l.pid == pid)).map(|w| w.name.to_string());
+        let gpu = self.metrics.gpu.take(&names);
+        let (consumed, produced) = self.pipeline.progress();
+        let t = &self.trainer.progress;
+        let train = (t.step > 0).then(|| {
+            json!({"step": t.step, "steps_per_s": (t.step.saturating_sub(self.metrics.last_step)) as f64 / secs,
+                   "loss": t.loss, "acceptance": t.acceptance})
+        });
+        let workers: serde_json::Map<String, serde_json::Value> = self
+            .workers
+            .iter()
+            .map(|w| (w.name.to_string(), json!({"state": w.state.as_str(), "pid": w.life.as_ref().map(|l| l.pid), "restarts": w.restarts})))
+            .collect();
+        let pipeline = self.pipeline.health.take(secs);
+        if let Some(hint) = pipeline["bottleneck_hint"].as_str() {
+            log::info!("bottleneck: {hint}");
+        }
+        let record = json!({
+            "time": now_rfc3339(),
+            "window_s": secs,
+            "gpu": gpu,
+            "pipeline": pipeline,
+            "batches": {"produced": produced, "consumed": consumed,
+                        "consumed_per_s": consumed.saturating_sub(self.metrics.last_consumed) as f64 / secs},
+            "train": train,
+            "restarts": self.workers.iter().map(|w| w.restarts as u64).sum::<u64>(),
+            "workers": workers,
+        });
+        if let Some(f) = self.metrics.file.as_mut() {
+            let _ = writeln!(f, "{record}");
+        }
+        if let Some(p) = &self.cfg.prometheus {
+            p.update(&record);
+        }
+        crate::telemetry::console::status(Some(status_line(&record)));
+        if !crate::telemetry::console::live() {
+            // Not a terminal: one plain line per window instead of the live status line.
+            log::info!("{}", status_line(&record));
+        }
+        self.metrics.last_consumed = consumed;
+        self.metrics.last_step = t.step;
+        self.metrics.started = Instant::now();
+        self.metrics.latest = Some(record);
+        self.dirty = true;
+    }
+}

@@ -1,0 +1,761 @@
+//! The dispatcher: the one owner of the supervisor's state.
+//!
+//! # Theory of operation
+//!
+//! Everything that can happen to a run arrives as an [`Event`] on one channel: a signal
+//! (from the signal thread), a worker connecting or sending a message (from its control
+//! thread), a worker exiting (from its waiter thread, which blocks on the worker's pidfd).
+//! Timers (hang detection, restart backoff, the stop deadline, the time limit) are checked
+//! each time the loop wakes, at least every [`TICK`]. Only the dispatcher reads or writes
+//! the worker table, so every decision sees one consistent picture and there are no locks
+//! around it; helper threads own nothing but their fds.
+//!
+//! Each start of a worker is a *life* with a unique [`LifeId`]. Events carry it, so a late
+//! event from a previous life (a control thread noticing a closed channel after the
+//! replacement started) is recognised and dropped.
+//!
+//! A worker is only ever declared dead by its pidfd. A hang (no heartbeat for
+//! `--hang-timeout`) or a protocol violation sends SIGKILL through the pidfd and records
+//! why; the exit that follows is handled like any other death. A death is acted on (slots
+//! reclaimed, restart decided) only once the dead worker's control channel has been read
+//! to its end too, so a commit or ack it sent just before dying is never lost or
+//! misread as stale ([`DRAIN_GRACE`] bounds the wait).
+//!
+//! The data plane ([`Pipeline`]) is driven from here: after every event the dispatcher
+//! grants what can be granted, and it stops the run once the loader is done and every
+//! batch has been consumed.
+
+use std::path::PathBuf;
+use std::process::ExitStatus;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
+use dflash_shared::{Device, Role, WorkerName};
+use ipc_channel::ipc::IpcSender;
+use nix::sys::signal::Signal;
+use serde_json::json;
+
+use crate::run::process::{describe_status, GroupLeader, Spawner};
+use crate::run::reaper::Reaper;
+use crate::run::root_cause::Report;
+use crate::run::restart::backoff;
+use crate::run::rundir::{now_rfc3339, unix_ms, RunDir};
+use crate::run::worker_log::{Rotation, Tag, WorkerLog};
+use crate::data::loader::Loader;
+use crate::data::pipeline::{LoaderEvent, Peer, Pipeline};
+use crate::training::trainer::Trainer;
+use crate::error::Error;
+use crate::run::control;
+
+mod data;
+mod metrics;
+mod ending;
+mod spawning;
+
+/// Longest the loop sleeps without looking at its timers.
+const TICK: Duration = Duration::from_millis(50);
+/// How long a dead worker's control channel may stay open before its death is handled
+/// anyway (something it forked may still hold the socket).
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
+
+pub type LifeId = u64;
+
+pub enum Event {
+    Signal(i32),
+    Connected { worker: usize, life: LifeId, hello: Hello },
+    Message { worker: usize, life: LifeId, msg: FromWorker },
+    /// The control channel ended. `malformed`: the worker broke the protocol.
+    ChannelLost { worker: usize, life: LifeId, reason: String, malformed: bool },
+    Exited { worker: usize, life: LifeId, status: ExitStatus },
+    Loader(LoaderEvent),
+    GpuSamples(Vec<crate::telemetry::nvml::GpuSample>),
+}
+
+pub struct Config {
+    pub plan: Vec<(WorkerName, Device)>,
+    pub worker_bin: PathBuf,
+    /// The target model directory workers load.
+    pub target_dir: PathBuf,
+    pub hang_timeout: Duration,
+    pub max_restarts: u32,
+    pub stable_after: Duration,
+    pub stop_timeout: Duration,
+    pub time_limit: Option<Duration>,
+    pub tee: bool,
+    pub log_max_size: u64,
+    pub log_backups: u32,
+    pub gpu_metrics: bool,
+    pub prometheus: Option<crate::telemetry::prometheus::Exporter>,
+    pub gpu_sample_interval: Duration,
+    pub metrics_interval: Duration,
+}
+
+/// What the run feeds its workers.
+pub struct Data {
+    pub pipeline: Pipeline,
+    pub loader: Loader,
+    pub trainer: Trainer,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum WState {
+    Starting,
+    Running,
+    Stopping,
+    Backoff(Instant),
+    Exited,
+    Failed,
+}
+
+impl WState {
+    fn as_str(self) -> &'static str {
+        match self {
+            WState::Starting => "starting",
+            WState::Running => "running",
+            WState::Stopping => "stopping",
+            WState::Backoff(_) => "backoff",
+            WState::Exited => "exited",
+            WState::Failed => "failed",
+        }
+    }
+}
+
+struct Life {
+    id: LifeId,
+    pid: u32,
+    /// The process and its group; signal the group only through it.
+    process: Arc<GroupLeader>,
+    started: Instant,
+    started_wall: String,
+    server_name: String,
+    to_worker: Option<IpcSender<ToWorker>>,
+    connected: bool,
+    last_beat: Instant,
+    /// Set when the supervisor killed this life, with the reason.
+    killed_for: Option<String>,
+    asked_to_stop: bool,
+    channel_closed: bool,
+    /// The process is gone; waiting for its control channel to drain.
+    exited: Option<(ExitStatus, Instant)>,
+}
+
+struct Worker {
+    name: WorkerName,
+    device: Device,
+    log: WorkerLog,
+    log_path: PathBuf,
+    life: Option<Life>,
+    state: WState,
+    restarts: u32,
+    consecutive_failures: u32,
+    last_exit: Option<String>,
+    /// A stop found this worker's process and it did not end the way a stop asks (exit 0
+    /// after the request): it had to be killed, or failed. A worker with no process when
+    /// the stop came (waiting to restart) has nothing to stop and is not counted.
+    unclean_stop: bool,
+}
+
+enum Phase {
+    Running,
+    Stopping { deadline: Instant },
+    Killing,
+}
+
+enum StopReason {
+    Requested(String),
+    TimeLimit,
+    GaveUp(Box<Report>),
+    Fatal(String),
+    BadInput(String),
+    Interrupted,
+    DataDone,
+    StepsDone,
+    TrainingFailed(String),
+}
+
+pub struct Dispatcher {
+    cfg: Config,
+    run: RunDir,
+    workers: Vec<Worker>,
+    phase: Phase,
+    stop_reason: Option<StopReason>,
+    tx: Sender<Event>,
+    rx: Receiver<Event>,
+    spawner: Spawner,
+    reaper: Option<Arc<Reaper>>,
+    next_life: LifeId,
+    started: Instant,
+    started_wall: String,
+    started_unix_ms: u64,
+    dirty: bool,
+    pipeline: Pipeline,
+    loader: Option<Loader>,
+    trainer: Trainer,
+    written_progress: (u64, u64),
+    written_at: Instant,
+    metrics: crate::telemetry::metrics::Metrics,
+}
+
+impl Dispatcher {
+    pub fn new(cfg: Config, run: RunDir, reaper: Option<Reaper>, data: Data) -> Result<Dispatcher, Error> {
+        let metrics = crate::telemetry::metrics::Metrics::new(&run.path);
+        let (tx, rx) = mpsc::channel();
+        let spawner = Spawner::start().map_err(|e| Error::Internal(format!("cannot start spawner thread: {e}")))?;
+        let mut workers = Vec::new();
+        for &(name, device) in &cfg.plan {
+            let log_path = run.worker_log(&name.to_string());
+            let tee = cfg.tee.then(|| format!("[{name}]"));
+            let rotation = Rotation { max_size: cfg.log_max_size, backups: cfg.log_backups };
+            let log = WorkerLog::open(&log_path, rotation, tee)
+                .map_err(|e| Error::Internal(format!("cannot open {}: {e}", log_path.display())))?;
+            workers.push(Worker {
+                name,
+                device,
+                log,
+                log_path,
+                life: None,
+                state: WState::Starting,
+                restarts: 0,
+                consecutive_failures: 0,
+                last_exit: None,
+                unclean_stop: false,
+            });
+        }
+        Ok(Dispatcher {
+            cfg,
+            run,
+            workers,
+            phase: Phase::Running,
+            stop_reason: None,
+            tx,
+            rx,
+            spawner,
+            reaper: reaper.map(Arc::new),
+            next_life: 1,
+            started: Instant::now(),
+            started_wall: now_rfc3339(),
+            started_unix_ms: unix_ms(),
+            dirty: true,
+            pipeline: data.pipeline,
+            loader: Some(data.loader),
+            trainer: data.trainer,
+            written_progress: (0, 0),
+            written_at: Instant::now(),
+            metrics,
+        })
+    }
+
+    /// A sender for event sources outside the dispatcher (the signal thread).
+    pub fn events(&self) -> Sender<Event> {
+        self.tx.clone()
+    }
+
+    /// Run until every worker is gone; returns the process exit code.
+    pub fn run(mut self) -> i32 {
+        let names: Vec<String> = self.workers.iter().map(|w| format!("{} on {}", w.name, w.device)).collect();
+        log::info!("run dir {}; starting {}", self.run.path.display(), names.join(", "));
+        log::info!("{}", self.pipeline.describe());
+        log::info!("{}", self.trainer.describe());
+        self.run.event("run_start", obj(json!({
+                "workers": names,
+                "pid": std::process::id(),
+                "gpu_metrics": self.cfg.gpu_metrics,
+                "metrics_interval_s": self.cfg.metrics_interval.as_secs_f64(),
+            })));
+        if let Some(loader) = self.loader.take() {
+            if let Err(e) = self.pipeline.start_loader(loader, self.tx.clone()) {
+                log::error!("{e}");
+                self.begin_stop(StopReason::Fatal(e.to_string()));
+            }
+        }
+        for i in 0..self.workers.len() {
+            self.spawn(i);
+        }
+        if self.cfg.gpu_metrics {
+            let mut gpus: Vec<u32> = self.workers.iter().filter_map(|w| if let Device::Gpu(g) = w.device { Some(g) } else { None }).collect();
+            gpus.sort_unstable();
+            gpus.dedup();
+            crate::telemetry::nvml::start(gpus, self.cfg.gpu_sample_interval, self.tx.clone());
+        }
+        loop {
+            self.flush_state();
+            if self.finished() {
+                break;
+            }
+            match self.rx.recv_timeout(TICK) {
+                Ok(ev) => self.handle(ev),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => unreachable!("the dispatcher holds a sender"),
+            }
+            self.on_timers(Instant::now());
+            self.pump();
+        }
+        self.finish()
+    }
+
+    fn finished(&self) -> bool {
+        !matches!(self.phase, Phase::Running) && self.workers.iter().all(|w| w.life.is_none())
+    }
+
+    fn handle(&mut self, ev: Event) {
+        match ev {
+            Event::Signal(sig) => self.on_signal(sig),
+            Event::Connected { worker, life, hello } => self.on_connected(worker, life, hello),
+            Event::Message { worker, life, msg } => self.on_message(worker, life, msg),
+            Event::ChannelLost { worker, life, reason, malformed } => {
+                let Some(l) = self.live(worker, life) else { return };
+                l.channel_closed = true;
+                l.to_worker = None;
+                if let Some((status, _)) = l.exited {
+                    self.finish_exit(worker, status);
+                    return;
+                }
+                if malformed {
+                    self.violation(worker, &reason);
+                } else {
+                    if matches!(self.phase, Phase::Running) {
+                        log::info!("{}: {reason}", self.workers[worker].name);
+                    }
+                }
+            }
+            Event::Exited { worker, life, status } => self.on_exit(worker, life, status),
+            Event::GpuSamples(samples) => self.metrics.gpu.add(&samples),
+            Event::Loader(ev) => {
+                if let Err(msg) = self.pipeline.on_loader(ev) {
+                    log::error!("{msg}");
+                    self.begin_stop(StopReason::BadInput(msg));
+                }
+            }
+        }
+    }
+
+    /// The current life of `worker` if it is `life`.
+    fn live(&mut self, worker: usize, life: LifeId) -> Option<&mut Life> {
+        self.workers[worker].life.as_mut().filter(|l| l.id == life)
+    }
+
+    fn on_signal(&mut self, sig: i32) {
+        let Ok(signal) = Signal::try_from(sig) else { return };
+        match signal {
+            Signal::SIGUSR1 | Signal::SIGUSR2 => {
+                log::info!("forwarding {} to every worker", signal.as_str());
+                for w in &self.workers {
+                    if let Some(l) = &w.life {
+                        l.process.signal_group(signal);
+                    }
+                }
+                self.run.event("signal_forwarded", obj(json!({"signal": signal.as_str()})));
+            }
+            _ => match self.phase {
+                Phase::Running => {
+                    log::info!(
+                        "{} received: stopping workers (up to {} before they are killed; Ctrl-C again to kill now)",
+                        signal.as_str(),
+                        humantime::format_duration(self.cfg.stop_timeout)
+                    );
+                    self.begin_stop(StopReason::Requested(format!("{} received", signal.as_str())));
+                }
+                _ => {
+                    log::warn!("{} received again: killing every worker now", signal.as_str());
+                    // A give-up or fatal error stays the reason: its report matters more.
+                    if !matches!(self.stop_reason, Some(StopReason::GaveUp(_) | StopReason::Fatal(_))) {
+                        self.stop_reason = Some(StopReason::Interrupted);
+                    }
+                    self.kill_all("second stop signal");
+                }
+            },
+        }
+    }
+
+    fn on_connected(&mut self, worker: usize, life: LifeId, hello: Hello) {
+        let stopping = !matches!(self.phase, Phase::Running);
+        let name = self.workers[worker].name;
+        let bin = self.cfg.worker_bin.display().to_string();
+        let pools = self.pipeline.pools_message();
+        let Some(l) = self.live(worker, life) else { return };
+        if hello.protocol != PROTOCOL_VERSION {
+            let msg = format!(
+                "{name} speaks control protocol v{}, this supervisor v{PROTOCOL_VERSION}: the worker binary {bin} comes from another version of dflash-supervise",
+                hello.protocol
+            );
+            let _ = l.process.signal(Signal::SIGKILL);
+            l.killed_for = Some("incompatible control protocol".into());
+            log::error!("{msg}");
+            self.begin_stop(StopReason::Fatal(msg));
+            return;
+        }
+        if hello.worker != name.to_string() {
+            let why = format!("said hello as '{}'", hello.worker);
+            self.violation(worker, &why);
+            return;
+        }
+        l.connected = true;
+        l.last_beat = Instant::now();
+        if hello.to_worker.send(pools).is_err() {
+            log::warn!("{name}: cannot send the pool description; its channel is closed");
+        }
+        l.to_worker = Some(hello.to_worker);
+        let pid = l.pid;
+        if hello.pid != pid {
+            log::info!("{name}: hello from pid {} (spawned pid {pid}; a wrapper?)", hello.pid);
+        }
+        self.workers[worker].state = WState::Running;
+        self.dirty = true;
+        log::info!("{name} ready (pid {pid})");
+        if stopping {
+            self.ask_to_stop(worker, "the run is stopping");
+        } else if name.role == Role::Drafter {
+            let actions = self.trainer.on_ready(worker, life);
+            self.execute(actions);
+        }
+    }
+
+    fn on_message(&mut self, worker: usize, life: LifeId, msg: FromWorker) {
+        let name = self.workers[worker].name;
+        let Some(l) = self.live(worker, life) else { return };
+        l.last_beat = Instant::now();
+        let (holder, pid) = (l.id, l.pid);
+        let result: Result<(), String> = match msg {
+            FromWorker::Heartbeat { .. } => Ok(()),
+            FromWorker::DeviceMemory(m) => {
+                self.pipeline.health.device_memory(&name.to_string(), m);
+                Ok(())
+            }
+            FromWorker::Commit { output, len, batch_id, input, wait_ms, compute_ms } => {
+                let Some(tx) = l.to_worker.clone() else { return };
+                let peer = Peer { name, holder, pid, tx: &tx };
+                let r = self.pipeline.on_commit(&peer, output, len, batch_id, input);
+                if r.is_ok() {
+                    let w = name.to_string();
+                    self.pipeline.health.phase(&w, "wait", wait_ms);
+                    self.pipeline.health.phase(&w, "forward", compute_ms);
+                }
+                r
+            }
+            FromWorker::Ack { input, batch_id } => {
+                let Some(tx) = l.to_worker.clone() else { return };
+                let peer = Peer { name, holder, pid, tx: &tx };
+                self.pipeline.on_ack(&peer, input, batch_id)
+            }
+            FromWorker::Grads { step, input, batch_id, stats, params } => match self.pipeline.check_consume(name, holder, input, batch_id) {
+                Ok(()) => {
+                    let w = name.to_string();
+                    self.pipeline.health.phase(&w, "wait", stats.wait_ms);
+                    self.pipeline.health.phase(&w, "forward_backward", stats.compute_ms);
+                    self.pipeline.health.phase(&w, "optimizer", stats.optimizer_ms);
+                    let actions = self.trainer.on_grads(worker, step, input, batch_id, stats, params);
+                    self.execute(actions);
+                    Ok(())
+                }
+                Err(e) => Err(format!("gradients of an invalid batch: {e}")),
+            },
+            FromWorker::SnapshotDone { step, slot, ms } => {
+                let actions = self.trainer.on_snapshot_done(worker, step, slot, ms);
+                self.execute(actions);
+                Ok(())
+            }
+            FromWorker::Checkpointed { dir, step } => {
+                self.trainer.on_checkpointed(dir.clone(), step);
+                self.run.event("checkpoint", obj(json!({"worker": name.to_string(), "step": step, "dir": dir})));
+                Ok(())
+            }
+            FromWorker::Exported { dir, step } => {
+                self.trainer.on_exported(dir, step);
+                self.dirty = true;
+                Ok(())
+            }
+            other => {
+                Err(format!("sent {} after its hello", variant(&other)))
+            }
+        };
+        if let Err(why) = result {
+            self.violation(worker, &why);
+        }
+    }
+
+    /// A worker broke the control protocol: log it and restart that worker alone.
+    fn violation(&mut self, worker: usize, why: &str) {
+        let name = self.workers[worker].name;
+        log::error!("{name} broke the control protocol ({why}): killing it");
+        self.workers[worker].log.line(Tag::Supervisor, &format!("protocol violation: {why}; killing"));
+        self.run.event("protocol_violation", obj(json!({"worker": name.to_string(), "reason": why})));
+        self.kill(worker, &format!("protocol violation: {why}"));
+    }
+
+    fn kill(&mut self, worker: usize, why: &str) {
+        let name = self.workers[worker].name;
+        if let Some(l) = self.workers[worker].life.as_mut() {
+            if l.killed_for.is_none() {
+                l.killed_for = Some(why.to_string());
+            }
+            if let Err(e) = l.process.signal(Signal::SIGKILL) {
+                log::warn!("cannot kill {name} (pid {}): {e}", l.pid);
+            }
+            l.process.signal_group(Signal::SIGKILL);
+        }
+    }
+
+    fn on_exit(&mut self, worker: usize, life: LifeId, status: ExitStatus) {
+        let Some(l) = self.live(worker, life) else { return };
+        if l.connected && !l.channel_closed {
+            // Read what it said before dying first (see the module docs).
+            l.exited = Some((status, Instant::now()));
+            return;
+        }
+        self.finish_exit(worker, status);
+    }
+
+    /// The current life of `worker` is over: reclaim its slots, then restart or record.
+    fn finish_exit(&mut self, worker: usize, status: ExitStatus) {
+        let w = &mut self.workers[worker];
+        let Some(l) = w.life.take() else { return };
+        let requeued = self.pipeline.release(w.name, l.id);
+        if requeued > 0 && matches!(self.phase, Phase::Running) {
+            log::info!("{}: {requeued} batch(es) it held go back to their queue", w.name);
+        }
+        if w.name.role == Role::Drafter {
+            let actions = self.trainer.on_gone(worker);
+            self.execute(actions);
+        }
+        let w = &mut self.workers[worker];
+        let uptime = l.started.elapsed();
+        let desc = describe_status(&status);
+        let why = l.killed_for.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
+        w.log.line(Tag::Supervisor, &format!("pid {} {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64()));
+        w.last_exit = Some(format!("{desc}{why}"));
+        if !l.connected {
+            control::abandon(&l.server_name);
+        }
+        let name = w.name.to_string();
+        let (code, sig) = {
+            use std::os::unix::process::ExitStatusExt;
+            (status.code(), status.signal())
+        };
+        let sig_name = sig.and_then(|s| Signal::try_from(s).ok()).map(|s| s.as_str());
+        self.run.event(
+            "exit",
+            obj(json!({"worker": name, "pid": l.pid, "status": desc, "code": code, "signal": sig_name,
+                       "uptime_s": uptime.as_secs_f64(), "killed_for": l.killed_for})),
+        );
+        self.dirty = true;
+        if matches!(self.phase, Phase::Running) && code == Some(dflash_shared::exit_codes::WORKER_PERMANENT) {
+            self.on_permanent_failure(worker, l.pid);
+        } else if matches!(self.phase, Phase::Running) {
+            log::warn!("{name} (pid {}) {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64());
+            self.on_failure(worker, l.pid, uptime);
+        } else {
+            let w = &mut self.workers[worker];
+            w.unclean_stop = !(status.success() && l.asked_to_stop && l.killed_for.is_none());
+            if w.state != WState::Failed {
+                w.state = WState::Exited;
+            }
+            log::info!("{name} (pid {}) {desc}{why}", l.pid);
+        }
+    }
+
+    /// The worker exited saying it can never work here (e.g. no usable GPU): restarting
+    /// would only spend the budget. Stop the run with its own one-line reason.
+    fn on_permanent_failure(&mut self, worker: usize, pid: u32) {
+        let w = &mut self.workers[worker];
+        w.state = WState::Failed;
+        // Its reason is its last "error:" line; the log pump may still be writing it.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let reason = loop {
+            // The worker marks that line (an older "error:" line may be a previous life's).
+            let found = w.log.tail(20).into_iter().rev().find(|l| l.contains("(permanent, do not restart)")).and_then(|l| l.split_once("error: ").map(|(_, r)| r.to_string()));
+            match found {
+                Some(r) => break r,
+                None if Instant::now() >= deadline => break format!("see {}", w.log_path.display()),
+                None => std::thread::sleep(Duration::from_millis(10)),
+            }
+        };
+        let name = w.name.to_string();
+        self.run.event("give_up", obj(json!({"worker": name, "pid": pid, "restarts": w.restarts, "permanent": true, "last_exit": reason})));
+        let device = match w.device {
+            Device::Gpu(i) => format!("GPU {i}"),
+            Device::Cpu => "its CPU".to_string(),
+        };
+        let msg = format!("{name} cannot run on {device} and was not restarted: {reason}");
+        log::error!("{msg}");
+        self.begin_stop(StopReason::TrainingFailed(msg));
+    }
+
+    fn on_failure(&mut self, worker: usize, pid: u32, uptime: Duration) {
+        let max = self.cfg.max_restarts;
+        let w = &mut self.workers[worker];
+        if w.restarts >= max {
+            w.state = WState::Failed;
+            let report = Report {
+                worker: w.name.to_string(),
+                device: w.device.to_string(),
+                last_exit: w.last_exit.clone().unwrap_or_default(),
+                restarts: w.restarts,
+                max_restarts: max,
+                log_path: w.log_path.clone(),
+                log_tail: w.log.tail(20),
+            };
+            self.run.event("give_up", obj(json!({"worker": report.worker, "pid": pid, "restarts": report.restarts,
+                                                  "last_exit": report.last_exit})));
+            log::error!("{} failed again after {} restarts: giving up, stopping the run", report.worker, report.restarts);
+            self.begin_stop(StopReason::GaveUp(Box::new(report)));
+            return;
+        }
+        if uptime >= self.cfg.stable_after {
+            w.consecutive_failures = 0;
+        }
+        let delay = backoff(w.consecutive_failures);
+        w.consecutive_failures += 1;
+        w.restarts += 1;
+        let name = w.name.to_string();
+        self.run.event("restart", obj(json!({"worker": name, "pid": pid, "restarts": w.restarts,
+                                              "delay_ms": delay.as_millis() as u64})));
+        if delay.is_zero() {
+            self.spawn(worker);
+        } else {
+            log::info!("restarting {name} in {} (restart {} of {max})", humantime::format_duration(delay), w.restarts);
+            w.state = WState::Backoff(Instant::now() + delay);
+        }
+    }
+
+    fn on_timers(&mut self, now: Instant) {
+        if self.metrics.due(now, self.cfg.metrics_interval) {
+            self.write_metrics();
+        }
+        self.refresh_status();
+        match self.phase {
+            Phase::Running | Phase::Stopping { .. } | Phase::Killing
+                if self.workers.iter().any(|w| w.life.as_ref().is_some_and(|l| l.exited.is_some_and(|(_, t)| now.duration_since(t) > DRAIN_GRACE))) =>
+            {
+                for i in 0..self.workers.len() {
+                    let late = self.workers[i].life.as_ref().and_then(|l| l.exited).filter(|(_, t)| now.duration_since(*t) > DRAIN_GRACE);
+                    if let Some((status, _)) = late {
+                        log::warn!("{}: its control channel stayed open {} after it died; handling the death anyway", self.workers[i].name, humantime::format_duration(DRAIN_GRACE));
+                        self.finish_exit(i, status);
+                    }
+                }
+            }
+            Phase::Running => {
+                if let Some(limit) = self.cfg.time_limit {
+                    if now.duration_since(self.started) >= limit {
+                        log::info!("time limit {} reached: stopping", humantime::format_duration(limit));
+                        self.begin_stop(StopReason::TimeLimit);
+                        return;
+                    }
+                }
+                for i in 0..self.workers.len() {
+                    if let WState::Backoff(at) = self.workers[i].state {
+                        if now >= at {
+                            self.spawn(i);
+                        }
+                    }
+                    let hang = self.cfg.hang_timeout;
+                    let Some(l) = self.workers[i].life.as_ref() else { continue };
+                    let silent = now.saturating_duration_since(l.last_beat);
+                    if l.killed_for.is_none() && l.exited.is_none() && silent > hang {
+                        let (name, pid) = (self.workers[i].name, l.pid);
+                        let what = if l.connected { "no heartbeat" } else { "no hello" };
+                        log::warn!("{name} (pid {pid}) hung: {what} for {:.1}s; killing it", silent.as_secs_f64());
+                        self.run.event("hang", obj(json!({"worker": name.to_string(), "pid": pid,
+                                                           "silent_s": silent.as_secs_f64()})));
+                        self.kill(i, &format!("hung: {what} for {}", humantime::format_duration(hang)));
+                    }
+                }
+            }
+            Phase::Stopping { deadline } if now >= deadline => {
+                let left: Vec<String> = self.workers.iter().filter(|w| w.life.is_some()).map(|w| w.name.to_string()).collect();
+                log::warn!(
+                    "{} did not stop within --stop-timeout {}: killing",
+                    left.join(", "),
+                    humantime::format_duration(self.cfg.stop_timeout)
+                );
+                self.kill_all("did not stop within --stop-timeout");
+            }
+            _ => {}
+        }
+    }
+
+    fn begin_stop(&mut self, reason: StopReason) {
+        if self.stop_reason.is_none() {
+            self.stop_reason = Some(reason);
+        }
+        if !matches!(self.phase, Phase::Running) {
+            return;
+        }
+        self.phase = Phase::Stopping { deadline: Instant::now() + self.cfg.stop_timeout };
+        self.run.event("stop", obj(json!({"reason": self.stop_reason.as_ref().map(StopReason::describe)})));
+        // The drafter is written before anyone is asked to stop: the exporting rank reads
+        // the request first, then its shutdown.
+        let export = self.trainer.export(&self.run.path.join("drafter"));
+        self.execute(export);
+        for i in 0..self.workers.len() {
+            if let WState::Backoff(_) = self.workers[i].state {
+                self.workers[i].state = WState::Exited;
+            }
+            self.ask_to_stop(i, "the run is stopping");
+        }
+        self.dirty = true;
+    }
+
+    fn ask_to_stop(&mut self, worker: usize, reason: &str) {
+        let w = &mut self.workers[worker];
+        let Some(l) = w.life.as_mut() else { return };
+        l.asked_to_stop = true;
+        if w.state != WState::Failed {
+            w.state = WState::Stopping;
+        }
+        let sent = l.to_worker.as_ref().is_some_and(|tx| tx.send(ToWorker::Shutdown { reason: reason.into() }).is_ok());
+        if !sent {
+            // Not connected (yet): the signal is the only way to ask.
+            l.process.signal_group(Signal::SIGTERM);
+        }
+    }
+
+    fn kill_all(&mut self, why: &str) {
+        self.phase = Phase::Killing;
+        for i in 0..self.workers.len() {
+            self.kill(i, why);
+        }
+        self.dirty = true;
+    }
+
+}
+
+impl StopReason {
+    fn describe(&self) -> String {
+        match self {
+            StopReason::Requested(s) => s.clone(),
+            StopReason::TimeLimit => "time limit reached".into(),
+            StopReason::GaveUp(r) => format!("{} spent its restart budget", r.worker),
+            StopReason::Fatal(s) => s.clone(),
+            StopReason::BadInput(s) => s.clone(),
+            StopReason::Interrupted => "killed by a second stop signal".into(),
+            StopReason::DataDone => "all data consumed".into(),
+            StopReason::StepsDone => "step limit reached".into(),
+            StopReason::TrainingFailed(s) => s.clone(),
+        }
+    }
+}
+
+fn variant(m: &FromWorker) -> &'static str {
+    match m {
+        FromWorker::Hello(_) => "a second Hello",
+        FromWorker::Heartbeat { .. } => "Heartbeat",
+        FromWorker::DeviceMemory(_) => "DeviceMemory",
+        FromWorker::Abandon => "Abandon",
+        FromWorker::Commit { .. } => "Commit",
+        FromWorker::Ack { .. } => "Ack",
+        FromWorker::Grads { .. } => "Grads",
+        FromWorker::SnapshotDone { .. } => "SnapshotDone",
+        FromWorker::Exported { .. } => "Exported",
+        FromWorker::Checkpointed { .. } => "Checkpointed",
+    }
+}
+
+fn obj(v: serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    match v {
+        serde_json::Value::Object(m) => m,
+        _ => serde_json::Map::new(),
+    }
+}

@@ -1,0 +1,434 @@
+//! A training run: from the command line to the workers and back.
+//!
+//! [`run`] checks every flag and input, lays out the run directory and the data plane, and
+//! hands over to the [`dispatcher`], the one owner of the run's state. The dispatcher's
+//! helpers live beside it: [`process`] (spawning into process groups, pidfds),
+//! [`control`] (one control channel per worker life), [`restart`] (backoff),
+//! [`reaper`] (no process outlives a killed supervisor), [`worker_log`], [`rundir`]
+//! (state.json, events.jsonl) and [`root_cause`] (the report when the budget is spent).
+
+pub mod config_file;
+pub mod control;
+pub mod dispatcher;
+pub mod process;
+pub mod reaper;
+pub mod restart;
+pub mod root_cause;
+pub mod rundir;
+pub mod target_check;
+pub mod validate;
+pub mod worker_log;
+
+use std::path::{Path, PathBuf};
+
+use dflash_shared::batch::{CaptureSpec, DTYPE_BF16};
+use dflash_shared::drafter::DrafterConfig;
+use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
+use dflash_shared::{Device, DeviceSpec, Role, WorkerName};
+
+use crate::cli::RunArgs;
+use crate::data::{loader, pipeline, preflight};
+use crate::error::Error;
+use crate::telemetry::{console, gpus, prometheus};
+use crate::training::{resume, trainer};
+
+/// Which worker runs where: targets first, then drafters, ranks from 0 in device order.
+pub fn plan(args: &RunArgs, gpu_count: &mut dyn FnMut() -> Result<u32, String>) -> Result<Vec<(WorkerName, Device)>, Error> {
+    let mut cached: Option<Result<u32, String>> = None;
+    let mut probe = move || cached.get_or_insert_with(&mut *gpu_count).clone();
+    let resolve = |spec: &DeviceSpec, flag: &str, gpus: &mut dyn FnMut() -> Result<u32, String>| {
+        let n = match spec {
+            DeviceSpec::Cpu(_) => Ok(0),
+            _ => gpus(),
+        };
+        spec.resolve(n.as_ref().copied().map_err(String::as_str), flag).map_err(Error::Usage)
+    };
+    let (targets, drafters) = match (&args.target_gpus, &args.drafter_gpus) {
+        (Some(t), Some(d)) => (resolve(t, "--target-gpus", &mut probe)?, resolve(d, "--drafter-gpus", &mut probe)?),
+        _ => {
+            let spec = match &args.gpus {
+                Some(s) => s.clone(),
+                None => match probe() {
+                    Ok(n) if n > 0 => DeviceSpec::All,
+                    _ => DeviceSpec::Cpu(2),
+                },
+            };
+            let flag = if args.gpus.is_some() { "--gpus" } else { "default devices" };
+            let devices = resolve(&spec, flag, &mut probe)?;
+            let n = args.targets as usize;
+            if n == 0 {
+                return Err(Error::Usage(
+                    "--targets 0: at least one target worker is needed (expected 1 or more)".into(),
+                ));
+            }
+            if n >= devices.len() {
+                return Err(Error::Usage(format!(
+                    "--targets {n} leaves no drafter among {} device(s) (expected fewer targets than devices; \
+                     to share one GPU give --target-gpus 0 --drafter-gpus 0)",
+                    devices.len()
+                )));
+            }
+            (devices[..n].to_vec(), devices[n..].to_vec())
+        }
+    };
+    let named = |role, devs: Vec<Device>| {
+        devs.into_iter().enumerate().map(move |(rank, d)| (WorkerName { role, rank: rank as u32 }, d))
+    };
+    Ok(named(Role::Target, targets).chain(named(Role::Drafter, drafters)).collect())
+}
+
+fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
+    use std::os::unix::fs::PermissionsExt;
+    let (path, what) = match given {
+        Some(p) => (p.to_path_buf(), format!("--worker-bin {}", p.display())),
+        None => {
+            let exe = std::env::current_exe()
+                .map_err(|e| Error::Internal(format!("cannot find where dflash-supervise runs from: {e}")))?;
+            let p = exe.with_file_name("dflash-worker");
+            let what = format!("dflash-worker beside dflash-supervise ({})", p.display());
+            (p, what)
+        }
+    };
+    let meta = std::fs::metadata(&path).map_err(|e| {
+        Error::Usage(format!("{what}: {e} (expected the dflash-worker program; install both binaries or pass --worker-bin PATH)"))
+    })?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        return Err(Error::Usage(format!("{what}: not an executable file (expected the dflash-worker program)")));
+    }
+    path.canonicalize().map_err(|e| Error::Usage(format!("{what}: {e}")))
+}
+
+pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
+    if let Some(path) = args.config.clone() {
+        config_file::apply(&path, &mut args)?;
+    }
+    let resume = match args.resume.clone() {
+        Some(dir) => Some(resume::prepare(&dir, &mut args, given)?),
+        None => None,
+    };
+    if let (Some(r), Some(n)) = (&resume, args.steps) {
+        if n <= r.step {
+            return Err(Error::Usage(format!(
+                "--resume {}: its checkpoint is at step {}, and --steps is {n}: nothing to train (expected a larger --steps)",
+                r.dir.display(),
+                r.step
+            )));
+        }
+    }
+    validate::check_flags(&args)?;
+    let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
+    let plan = plan(&args, &mut gpus::gpu_count)?;
+    if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
+        log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward and backward; the optimizer step stays on the CPU");
+    }
+    let target_cfg = target_config(&args.target)?;
+    if args.target != "tiny" {
+        target_check::check(Path::new(&args.target), &target_cfg).map_err(|e| Error::Usage(format!("--target {}: {e}", args.target)))?;
+    }
+    let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
+    let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
+    let shared_bytes = trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks);
+    pipeline_cfg.check_memory(shared_bytes)?;
+    let estimate = validate::estimate_memory(
+        &trainer_cfg.drafter,
+        &target_cfg,
+        &pipeline_cfg.capture.tap_ids,
+        &plan,
+        args.max_seq_len,
+        pipeline_cfg.total_bytes() + shared_bytes,
+    );
+    validate::check_memory(&estimate, &plan, &trainer_cfg.drafter)?;
+    let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32;
+    let preflight = preflight::at_start(&loader_cfg, args.preflight_lines, drafters)?;
+    let run_dir = match &resume {
+        Some(r) => rundir::RunDir::reopen(&r.dir)?,
+        None => rundir::RunDir::create(args.run_dir.as_deref())?,
+    };
+    // On --resume too: the settings as merged with this command line's are the run's now.
+    resume::SavedRun::of(&args).save(&run_dir.path)?;
+    if let Some(p) = &preflight {
+        p.write_json(&run_dir.path.join("preflight.json"))?;
+    }
+    trainer_cfg.checkpoints_dir = run_dir.path.join("checkpoints");
+    std::fs::create_dir_all(&trainer_cfg.checkpoints_dir)
+        .map_err(|e| Error::Internal(format!("cannot create {}: {e}", trainer_cfg.checkpoints_dir.display())))?;
+    let mut loader = loader::Loader::new(loader_cfg);
+    let mut pipeline = pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?;
+    if let Some(r) = &resume {
+        log::info!("resuming {} from the checkpoint of step {} ({} batches already consumed)", r.dir.display(), r.step, r.consumed.len());
+        loader.skip_consumed(r.consumed.clone());
+        pipeline.set_consumed_before(r.consumed.clone());
+        // The ledger's lineage goes back to the checkpoint too.
+        pipeline.record_resume(r.step);
+        trainer_cfg.resume = Some((r.step, r.checkpoint.clone()));
+    }
+    let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
+    let data = dispatcher::Data {
+        pipeline,
+        loader,
+        trainer: trainer::Trainer::new(trainer_cfg, &run_dir.path)?,
+    };
+    let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
+    console::to_file(&sup_log).map_err(|e| Error::Internal(format!("cannot write {}: {e}", sup_log.display())))?;
+    let reaper = std::env::current_exe().and_then(|exe| reaper::Reaper::start(&exe));
+    let reaper = match reaper {
+        Ok(r) => Some(r),
+        Err(e) => {
+            log::warn!("cannot start the reaper ({e}): if the supervisor is killed, processes forked by workers may outlive it");
+            None
+        }
+    };
+    let cfg = dispatcher::Config {
+        plan,
+        worker_bin,
+        target_dir,
+        hang_timeout: args.hang_timeout,
+        max_restarts: args.max_restarts,
+        stable_after: args.stable_after,
+        stop_timeout: args.stop_timeout,
+        time_limit: args.time_limit,
+        tee: args.tee,
+        log_max_size: args.log_max_size,
+        log_backups: args.log_backups,
+        gpu_metrics: !args.no_gpu_metrics,
+        prometheus: match &args.prometheus {
+            Some(a) => {
+                let e = prometheus::Exporter::start(*a)?;
+                log::info!("Prometheus metrics at http://{}/metrics", e.addr);
+                Some(e)
+            }
+            None => None,
+        },
+        gpu_sample_interval: args.gpu_sample_interval,
+        metrics_interval: args.metrics_interval,
+    };
+    let d = dispatcher::Dispatcher::new(cfg, run_dir, reaper, data)?;
+    start_signal_thread(d.events())?;
+    Ok(d.run())
+}
+
+/// The target's config: the built-in tiny one, or DIR/config.json.
+fn target_config(target: &str) -> Result<TargetConfig, Error> {
+    if target == "tiny" {
+        return TargetConfig::parse(dflash_shared::model_config::TINY_CONFIG).map_err(Error::Internal);
+    }
+    TargetConfig::load(std::path::Path::new(target)).map_err(|e| Error::Usage(format!("--target {target}: {e}")))
+}
+
+/// The directory workers load the target from; the tiny target is written into the run
+/// dir first (by the worker binary: the supervisor links no model code).
+fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<PathBuf, Error> {
+    if target != "tiny" {
+        return std::fs::canonicalize(target).map_err(|e| Error::Usage(format!("--target {target}: {e}")));
+    }
+    let dir = run_dir.join("target");
+    let out = std::process::Command::new(worker_bin)
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&dir)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| Error::Internal(format!("cannot run {} tiny-target: {e}", worker_bin.display())))?;
+    if !out.status.success() {
+        return Err(Error::Internal(format!(
+            "{} tiny-target failed: {}",
+            worker_bin.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(dir)
+}
+
+/// The loader and pool settings, checked before anything starts.
+fn data_config(
+    args: &RunArgs,
+    plan: &[(WorkerName, Device)],
+    target: &TargetConfig,
+) -> Result<(loader::LoaderConfig, pipeline::PipelineConfig), Error> {
+    let source = loader::parse_source(&args.data, args.demo_samples).map_err(Error::Usage)?;
+    if matches!(source, loader::DataSource::Demo { .. }) && args.demo_samples == 0 {
+        return Err(Error::Usage("--demo-samples 0: expected at least 1".into()));
+    }
+    let token_budget = args.token_budget.unwrap_or(if args.target == "tiny" { 2048 } else { 4096 });
+    for (flag, v) in [("--token-budget", token_budget as u64), ("--max-seq-len", args.max_seq_len as u64), ("--prefetch", args.prefetch as u64), ("--shuffle-window", args.shuffle_window as u64)] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
+        }
+    }
+    let mut loader_cfg = loader::LoaderConfig {
+        source,
+        vocab_size: Some(target.vocab_size as u32),
+        token_budget,
+        max_seq_len: args.max_seq_len,
+        seed: args.seed,
+        epochs: args.epochs,
+        max_bad_lines: args.max_bad_lines,
+        shuffle_window: args.shuffle_window,
+        max_line_bytes: 16 << 20,
+        chat: None,
+        chat_error: None,
+    };
+    let target_dir = (args.target != "tiny").then(|| std::path::Path::new(&args.target));
+    if args.tokenizer.is_some() || matches!(loader_cfg.source, loader::DataSource::Files(_) | loader::DataSource::Stdin) {
+        (loader_cfg.chat, loader_cfg.chat_error) = preflight::load_chat(args.tokenizer.as_deref(), target_dir)?;
+    }
+    loader_cfg.check().map_err(Error::Usage)?;
+    let targets = plan.iter().filter(|(n, _)| n.role == Role::Target).count() as u32;
+    let workers = plan.len() as u32;
+    let pipeline_cfg = pipeline::PipelineConfig {
+        token_slots: args.token_slots.unwrap_or(2 * targets + 4),
+        hidden_slots: args.hidden_slots.unwrap_or(2 * workers + 2),
+        prefetch: args.prefetch,
+        token_budget,
+        capture: capture_spec(args, target)?,
+    };
+    for (flag, v) in [("--token-slots", pipeline_cfg.token_slots), ("--hidden-slots", pipeline_cfg.hidden_slots)] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
+        }
+    }
+    Ok((loader_cfg, pipeline_cfg))
+}
+
+/// The drafter and its optimisation, from the target and the flags.
+fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &TargetConfig, capture: &CaptureSpec) -> Result<trainer::TrainerConfig, Error> {
+    let tiny = args.target == "tiny";
+    let layers = args.draft_layers.unwrap_or_else(|| default_draft_layers(target.num_hidden_layers));
+    let block = args.block_size.unwrap_or(if tiny { 8 } else { 16 });
+    let anchors = args.max_anchors.unwrap_or(if tiny { 32 } else { 512 });
+    for (flag, v) in [("--draft-layers", layers), ("--block-size", block.saturating_sub(1)), ("--max-anchors", anchors)] {
+        if v == 0 {
+            return Err(Error::Usage(format!("{flag}: expected at least {}", if flag == "--block-size" { 2 } else { 1 })));
+        }
+    }
+    let lr = args.lr.unwrap_or(if tiny { 3e-3 } else { 6e-4 });
+    if !(lr > 0.0 && lr.is_finite()) {
+        return Err(Error::Usage(format!("--lr {lr}: expected a positive learning rate")));
+    }
+    let warmup_ratio = args.warmup_ratio.unwrap_or(0.04);
+    if !(0.0..1.0).contains(&warmup_ratio) {
+        return Err(Error::Usage(format!("--warmup-ratio {warmup_ratio}: expected a fraction in [0, 1)")));
+    }
+    if args.steps == Some(0) {
+        return Err(Error::Usage("--steps 0: expected at least 1".into()));
+    }
+    let mut drafter = DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
+    if let Some(g) = args.gamma {
+        if !(g > 0.0 && g.is_finite()) {
+            return Err(Error::Usage(format!("--gamma {g}: expected a positive number")));
+        }
+        drafter.gamma = g;
+    }
+    if let Some(id) = args.mask_token_id {
+        if id as usize >= target.vocab_size {
+            return Err(Error::Usage(format!("--mask-token-id {id}: expected an id below the target's vocabulary size {}", target.vocab_size)));
+        }
+        drafter.mask_token_id = id;
+    }
+    Ok(trainer::TrainerConfig {
+        drafter,
+        lr,
+        warmup_steps: args.steps.map_or(0, |n| (n as f64 * warmup_ratio).ceil() as u64),
+        total_steps: args.steps,
+        steps_limit: args.steps,
+        clip: 1.0,
+        seed: args.seed,
+        max_ranks: plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32,
+        target_layer_ids: capture.tap_ids.clone(),
+        num_target_layers: target.num_hidden_layers,
+        checkpoint_every: (args.checkpoint_every > 0).then_some(args.checkpoint_every),
+        keep_checkpoints: args.keep_checkpoints,
+        checkpoints_dir: PathBuf::new(),
+        resume: None,
+        snapshot_every: args.snapshot_every,
+        max_rollbacks: args.max_rollbacks,
+        max_skipped_steps: args.max_skipped_steps,
+    })
+}
+
+/// Which layers are tapped, of which target, in what shape: stamped on every batch.
+fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Error> {
+    let n = target.num_hidden_layers;
+    let taps = match &args.taps {
+        Some(t) => t.clone(),
+        None => {
+            let layers = args.draft_layers.unwrap_or_else(|| default_draft_layers(n));
+            if layers == 0 {
+                return Err(Error::Usage("--draft-layers 0: expected at least 1".into()));
+            }
+            target_layer_ids(n, layers)
+        }
+    };
+    if let Some(bad) = taps.iter().find(|&&t| t as usize >= n) {
+        return Err(Error::Usage(format!("--taps: layer {bad} does not exist (the target has {n} layers, ids 0..{})", n - 1)));
+    }
+    if taps.is_empty() {
+        return Err(Error::Usage("--taps: expected at least one layer id".into()));
+    }
+    Ok(CaptureSpec { tap_ids: taps, hidden: target.hidden_size as u32, dtype: DTYPE_BF16, target: target.fingerprint() })
+}
+
+fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result<(), Error> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
+        .map_err(|e| Error::Internal(format!("cannot install signal handlers: {e}")))?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                if tx.send(dispatcher::Event::Signal(sig)).is_err() {
+                    break;
+                }
+            }
+        })
+        .map_err(|e| Error::Internal(format!("cannot start signal thread: {e}")))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> RunArgs {
+        crate::cli::run_args(extra)
+    }
+
+    fn names(p: &[(WorkerName, Device)]) -> Vec<String> {
+        p.iter().map(|(n, d)| format!("{n}@{d}")).collect()
+    }
+
+    #[test]
+    fn cpu_split_by_targets() {
+        let p = plan(&args(&["--gpus", "cpu:3", "--targets", "1"]), &mut || panic!("NVML asked for cpu")).unwrap();
+        assert_eq!(names(&p), ["target-0@cpu", "drafter-0@cpu", "drafter-1@cpu"]);
+    }
+
+    #[test]
+    fn gpus_split_first_n_are_targets() {
+        let p = plan(&args(&["--gpus", "0-7", "--targets", "2"]), &mut || Ok(8)).unwrap();
+        assert_eq!(names(&p)[..3], ["target-0@0", "target-1@1", "drafter-0@2"]);
+        assert_eq!(p.len(), 8);
+    }
+
+    #[test]
+    fn explicit_roles_may_share_a_gpu() {
+        let p = plan(&args(&["--target-gpus", "0", "--drafter-gpus", "0,1"]), &mut || Ok(2)).unwrap();
+        assert_eq!(names(&p), ["target-0@0", "drafter-0@0", "drafter-1@1"]);
+    }
+
+    #[test]
+    fn default_is_all_gpus_or_two_cpu_workers() {
+        assert_eq!(plan(&args(&[]), &mut || Ok(4)).unwrap().len(), 4);
+        let p = plan(&args(&[]), &mut || Err("no NVIDIA driver found".into())).unwrap();
+        assert_eq!(names(&p), ["target-0@cpu", "drafter-0@cpu"]);
+    }
+
+    #[test]
+    fn too_many_targets_and_missing_driver_are_usage_errors() {
+        let e = plan(&args(&["--gpus", "cpu:3", "--targets", "3"]), &mut || Ok(0)).unwrap_err();
+        assert!(e.to_string().contains("--targets 3 leaves no drafter"), "{e}");
+        assert_eq!(e.exit_code(), 2);
+        let e = plan(&args(&["--gpus", "0-7"]), &mut || Err("no NVIDIA driver found".into())).unwrap_err();
+        assert!(e.to_string().contains("cpu:N"), "{e}");
+    }
+}

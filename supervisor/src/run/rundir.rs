@@ -1,0 +1,274 @@
+//! The run directory: its layout, the lock that says a supervisor owns it, `state.json`
+//! (rewritten atomically on every change) and `events.jsonl` (append-only).
+//!
+//! ```text
+//! RUN_DIR/
+//!   .lock             flock held by the live supervisor (status/logs test it)
+//!   state.json        live state: run phase and every worker's pid, state, restarts
+//!   events.jsonl      one JSON object per spawn, exit, hang, restart, give-up, stop
+//!   supervisor.log    the supervisor's own log
+//!   logs/<worker>.log every worker's stdout/stderr, timestamped and tagged, rotated
+//! ```
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+
+pub const STATE_FILE: &str = "state.json";
+pub const EVENTS_FILE: &str = "events.jsonl";
+pub const SUPERVISOR_LOG: &str = "supervisor.log";
+pub const LOCK_FILE: &str = ".lock";
+pub const LOGS_DIR: &str = "logs";
+/// Where runs go when `--run-dir` is not given, relative to the working directory.
+pub const DEFAULT_RUNS: &str = "runs";
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct RunState {
+    pub run_dir: PathBuf,
+    pub supervisor_pid: u32,
+    pub started_at: String,
+    pub started_at_unix_ms: u64,
+    /// running | stopping | stopped | failed
+    pub phase: String,
+    /// Set once the supervisor has decided how it exits.
+    pub exit_code: Option<i32>,
+    /// Batches the loader has put in the pipeline so far.
+    #[serde(default)]
+    pub batches_produced: u64,
+    /// Batches consumed by drafters so far.
+    #[serde(default)]
+    pub batches_consumed: u64,
+    /// Bad dataset lines the loader skipped so far (absent in runs of older versions).
+    #[serde(default)]
+    pub bad_lines: Option<u64>,
+    /// The drafter's training: last committed step and its figures.
+    #[serde(default)]
+    pub train: Option<crate::training::trainer::TrainProgress>,
+    /// The latest metrics window (the last line of metrics.jsonl).
+    #[serde(default)]
+    pub metrics: Option<serde_json::Value>,
+    pub workers: Vec<WorkerState>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct WorkerState {
+    pub name: String,
+    pub role: String,
+    pub rank: u32,
+    /// GPU index, or "cpu".
+    pub gpu: String,
+    /// The live process, if any.
+    pub pid: Option<u32>,
+    /// starting | running | stopping | backoff | exited | failed
+    pub state: String,
+    pub restarts: u32,
+    pub started_at: Option<String>,
+    pub last_exit: Option<String>,
+    pub log: PathBuf,
+}
+
+pub fn now_rfc3339() -> String {
+    humantime::format_rfc3339_millis(SystemTime::now()).to_string()
+}
+
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// A run directory owned by this supervisor for as long as the value lives.
+pub struct RunDir {
+    pub path: PathBuf,
+    _lock: File,
+    events: File,
+}
+
+impl RunDir {
+    /// Create (or adopt an empty) run dir and take its lock.
+    pub fn create(path: Option<&Path>) -> Result<RunDir, Error> {
+        let path = match path {
+            Some(p) => p.to_path_buf(),
+            None => default_run_dir(),
+        };
+        let usage = |what: String| Error::Usage(format!("--run-dir {}: {what}", path.display()));
+        if path.exists() {
+            if !path.is_dir() {
+                return Err(usage("exists and is not a directory (expected a new or empty directory)".into()));
+            }
+            if path.join(STATE_FILE).exists() {
+                return Err(usage(
+                    "already holds a run (state.json); choose a new --run-dir or remove the old one".into(),
+                ));
+            }
+            let mut entries = fs::read_dir(&path).map_err(|e| usage(format!("cannot read it: {e} (expected a new or empty directory)")))?;
+            if let Some(first) = entries.next() {
+                let first = first.map(|e| e.file_name().to_string_lossy().into_owned()).unwrap_or_default();
+                return Err(usage(format!(
+                    "is not empty (it holds {first}, and no state.json of a run) and would be overwritten; \
+                     expected a new or empty directory (--resume DIR continues a stopped run)"
+                )));
+            }
+        }
+        fs::create_dir_all(path.join(LOGS_DIR))
+            .map_err(|e| usage(format!("cannot create it: {e} (expected a writable directory)")))?;
+        let path = path
+            .canonicalize()
+            .map_err(|e| usage(format!("cannot resolve it: {e}")))?;
+        RunDir::take(path, "another supervisor is using it", &usage)
+    }
+
+    /// Take over the run dir of a stopped run (`--resume`): its logs, events and ledger
+    /// are appended to.
+    pub fn reopen(path: &Path) -> Result<RunDir, Error> {
+        let usage = |what: String| Error::Usage(format!("--resume {}: {what}", path.display()));
+        if !path.join(STATE_FILE).is_file() {
+            return Err(usage("not a dflash-supervise run directory (no state.json in it)".into()));
+        }
+        let path = path.canonicalize().map_err(|e| usage(format!("cannot resolve it: {e}")))?;
+        fs::create_dir_all(path.join(LOGS_DIR)).map_err(|e| usage(format!("cannot write in it: {e}")))?;
+        RunDir::take(path, "its supervisor is still running (expected a stopped run)", &usage)
+    }
+
+    /// Lock the run dir for this supervisor and open its event log.
+    fn take(path: PathBuf, busy: &str, usage: &dyn Fn(String) -> Error) -> Result<RunDir, Error> {
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path.join(LOCK_FILE))
+            .map_err(|e| usage(format!("cannot write in it: {e} (expected a writable directory)")))?;
+        // SAFETY: flock on a file descriptor we own.
+        if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(usage(busy.to_string()));
+        }
+        let events = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path.join(EVENTS_FILE))
+            .map_err(|e| usage(format!("cannot write in it: {e}")))?;
+        Ok(RunDir { path, _lock: lock, events })
+    }
+
+    pub fn worker_log(&self, name: &str) -> PathBuf {
+        worker_log_path(&self.path, name)
+    }
+
+    /// Append one event. The caller's fields come first; `time` is added.
+    pub fn event(&mut self, event: &str, mut fields: serde_json::Map<String, serde_json::Value>) {
+        let mut obj = serde_json::Map::new();
+        obj.insert("time".into(), now_rfc3339().into());
+        obj.insert("event".into(), event.into());
+        obj.append(&mut fields);
+        let mut line = serde_json::Value::Object(obj).to_string();
+        line.push('\n');
+        if let Err(e) = self.events.write_all(line.as_bytes()) {
+            log::warn!("cannot append to {}: {e}", self.path.join(EVENTS_FILE).display());
+        }
+    }
+
+    /// Replace state.json atomically: write a temporary file, then rename over.
+    pub fn write_state(&self, state: &RunState) -> io::Result<()> {
+        let tmp = self.path.join(".state.json.tmp");
+        let mut f = File::create(&tmp)?;
+        serde_json::to_writer_pretty(&mut f, state)?;
+        f.write_all(b"\n")?;
+        // No fsync: state.json describes live processes; after a machine crash it is stale
+        // anyway, and fsync on every change would put disk latency on the restart path.
+        drop(f);
+        fs::rename(&tmp, self.path.join(STATE_FILE))
+    }
+}
+
+pub fn worker_log_path(run_dir: &Path, name: &str) -> PathBuf {
+    run_dir.join(LOGS_DIR).join(format!("{name}.log"))
+}
+
+fn default_run_dir() -> PathBuf {
+    // 2026-11-30T10:17:05Z -> 20261130-101705
+    let ts = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    let compact: String = ts.chars().filter(|c| c.is_ascii_digit()).collect();
+    let base = Path::new(DEFAULT_RUNS).join(format!("{}-{}", &compact[..8], &compact[8..14]));
+    if !base.exists() {
+        return base;
+    }
+    (1..)
+        .map(|i| PathBuf::from(format!("{}-{i}", base.display())))
+        .find(|p| !p.exists())
+        .expect("an unused run dir name")
+}
+
+/// A run dir opened by `logs` or `status`.
+pub struct ExistingRun {
+    pub path: PathBuf,
+}
+
+impl ExistingRun {
+    /// `dir` if given, else the newest run under ./runs.
+    pub fn open(dir: Option<&Path>) -> Result<ExistingRun, Error> {
+        match dir {
+            Some(d) => {
+                if !d.is_dir() {
+                    return Err(Error::Usage(format!(
+                        "--run-dir {}: no such directory (expected a run directory made by dflash-supervise)",
+                        d.display()
+                    )));
+                }
+                if !d.join(STATE_FILE).is_file() {
+                    return Err(Error::Usage(format!(
+                        "--run-dir {}: not a dflash-supervise run directory (no state.json in it)",
+                        d.display()
+                    )));
+                }
+                Ok(ExistingRun { path: d.to_path_buf() })
+            }
+            None => newest_run(Path::new(DEFAULT_RUNS)).map(|path| ExistingRun { path }),
+        }
+    }
+
+    pub fn state(&self) -> Result<RunState, Error> {
+        let p = self.path.join(STATE_FILE);
+        let text = fs::read_to_string(&p)
+            .map_err(|e| Error::Usage(format!("{}: cannot read: {e}", p.display())))?;
+        serde_json::from_str(&text).map_err(|e| {
+            Error::Usage(format!("{}: not a dflash-supervise state file: {e}", p.display()))
+        })
+    }
+
+    /// Whether a supervisor still holds the run's lock.
+    pub fn supervisor_alive(&self) -> bool {
+        let Ok(f) = File::open(self.path.join(LOCK_FILE)) else {
+            return false;
+        };
+        // SAFETY: flock on a file descriptor we own; a shared lock we get is dropped with `f`.
+        let got = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0;
+        !got
+    }
+}
+
+fn newest_run(runs: &Path) -> Result<PathBuf, Error> {
+    let none = || {
+        Error::Usage(format!(
+            "no run found under {}/ (expected --run-dir DIR, or a run started from this directory)",
+            runs.display()
+        ))
+    };
+    let entries = fs::read_dir(runs).map_err(|_| none())?;
+    let mut best: Option<(u64, PathBuf)> = None;
+    for e in entries.flatten() {
+        let p = e.path();
+        let Ok(text) = fs::read_to_string(p.join(STATE_FILE)) else { continue };
+        let Ok(st) = serde_json::from_str::<RunState>(&text) else { continue };
+        if best.as_ref().is_none_or(|(t, _)| st.started_at_unix_ms > *t) {
+            best = Some((st.started_at_unix_ms, p));
+        }
+    }
+    best.map(|(_, p)| p).ok_or_else(none)
+}

@@ -1,0 +1,54 @@
+//! What NVML says about the machine's GPUs. The supervisor is the only process that loads
+//! NVML; it is loaded at run time, so a machine without the NVIDIA driver runs fine.
+
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::Nvml;
+
+/// Overrides the NVML library path (e.g. a fake NVML for tests, or an unusual install).
+pub const NVML_LIBRARY_ENV: &str = "DFLASH_NVML_LIBRARY";
+
+pub fn init() -> Result<Nvml, String> {
+    let r = match std::env::var_os(NVML_LIBRARY_ENV) {
+        Some(p) => Nvml::builder().lib_path(&p).init(),
+        None => Nvml::init(),
+    };
+    r.map_err(|e| match e {
+        NvmlError::LibloadingError(_) => "no NVIDIA driver found (libnvidia-ml.so.1 could not be loaded)".to_string(),
+        NvmlError::DriverNotLoaded => "the NVIDIA driver is not loaded".to_string(),
+        NvmlError::NoPermission => "no permission to query the NVIDIA driver".to_string(),
+        other => format!("NVML failed to initialise: {other}"),
+    })
+}
+
+/// How many GPUs NVML reports, or why it cannot say.
+pub fn gpu_count() -> Result<u32, String> {
+    init()?.device_count().map_err(|e| format!("NVML could not count GPUs: {e}"))
+}
+
+/// One GPU as NVML describes it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct GpuInfo {
+    pub index: u32,
+    pub name: String,
+    pub uuid: String,
+    pub memory_total_bytes: Option<u64>,
+}
+
+/// Every GPU NVML reports, with the driver version.
+pub fn list() -> Result<(String, Vec<GpuInfo>), String> {
+    let nvml = init()?;
+    let driver = nvml.sys_driver_version().unwrap_or_else(|e| format!("unknown ({e})"));
+    let n = nvml.device_count().map_err(|e| format!("NVML could not count GPUs: {e}"))?;
+    let mut out = Vec::new();
+    for index in 0..n {
+        let d = nvml.device_by_index(index).map_err(|e| format!("NVML could not open GPU {index}: {e}"))?;
+        out.push(GpuInfo {
+            index,
+            name: d.name().unwrap_or_else(|e| format!("unknown ({e})")),
+            uuid: d.uuid().unwrap_or_else(|e| format!("unknown ({e})")),
+            memory_total_bytes: d.memory_info().ok().map(|m| m.total),
+        });
+    }
+    Ok((driver, out))
+}
+

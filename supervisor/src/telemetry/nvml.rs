@@ -1,0 +1,246 @@
+//! GPU telemetry: a sampler thread that reads every GPU in use through NVML (the only
+//! process that loads NVML is the supervisor), and the windows the dispatcher aggregates
+//! samples into for `metrics.jsonl`.
+//!
+//! Every metric degrades on its own: one that fails is `null` in that sample and asked
+//! again at the next one. NVML missing or failing to start gives one warning naming what
+//! is lost and why, and the run goes on.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
+use serde::Serialize;
+
+use crate::run::dispatcher::Event;
+
+/// One reading of one GPU; `None` where that metric could not be read.
+#[derive(Debug, Clone, Default)]
+pub struct GpuSample {
+    pub index: u32,
+    pub util_gpu_pct: Option<f64>,
+    pub util_mem_pct: Option<f64>,
+    pub mem_used_bytes: Option<f64>,
+    pub mem_total_bytes: Option<f64>,
+    pub power_w: Option<f64>,
+    pub power_limit_w: Option<f64>,
+    pub energy_j: Option<f64>,
+    pub temp_c: Option<f64>,
+    pub sm_clock_mhz: Option<f64>,
+    pub mem_clock_mhz: Option<f64>,
+    pub pcie_tx_bytes_per_s: Option<f64>,
+    pub pcie_rx_bytes_per_s: Option<f64>,
+    pub ecc_corrected_volatile: Option<f64>,
+    pub ecc_uncorrected_volatile: Option<f64>,
+    /// Why the clocks are held down (NVML's throttle / clock-event reasons), by name.
+    pub throttle_reasons: Option<Vec<String>>,
+    /// Memory of each compute process on the GPU, by pid.
+    pub processes: Option<Vec<(u32, u64)>>,
+    /// Critical XID errors reported since the previous sample.
+    pub xids: Vec<u64>,
+}
+
+/// Start the sampler for `gpus`; samples arrive as [`Event::GpuSamples`].
+pub fn start(gpus: Vec<u32>, interval: Duration, tx: Sender<Event>) {
+    if gpus.is_empty() {
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("nvml-sampler".into()).spawn(move || {
+        let nvml = match crate::telemetry::gpus::init() {
+            Ok(n) => n,
+            Err(why) => {
+                log::warn!(
+                    "GPU metrics are off: {why}. Lost: utilisation, memory, power, energy, temperature, clocks and per-process memory \
+                     of GPUs {gpus:?}; the run goes on (--no-gpu-metrics silences this)"
+                );
+                return;
+            }
+        };
+        let xid_events = xid_event_set(&nvml, &gpus);
+        loop {
+            let t0 = Instant::now();
+            let mut samples: Vec<GpuSample> = gpus.iter().map(|&i| sample(&nvml, i)).collect();
+            if let Some(set) = &xid_events {
+                // Non-blocking: whatever arrived since the last sample.
+                while let Ok(ev) = set.wait(0) {
+                    let gpu = ev.device.index().ok();
+                    let code = match ev.event_data {
+                        Some(nvml_wrapper::enums::event::XidError::Value(v)) => v,
+                        _ => 0,
+                    };
+                    log::warn!("GPU {}: XID {code} (a critical GPU error)", gpu.map_or("?".into(), |g| g.to_string()));
+                    if let Some(s) = samples.iter_mut().find(|s| Some(s.index) == gpu) {
+                        s.xids.push(code);
+                    }
+                }
+            }
+            if tx.send(Event::GpuSamples(samples)).is_err() {
+                return;
+            }
+            std::thread::sleep(interval.saturating_sub(t0.elapsed()));
+        }
+    });
+    if let Err(e) = spawned {
+        log::warn!("GPU metrics are off: cannot start the sampler thread: {e}");
+    }
+}
+
+/// One reading of GPU `index` (also what `bench telemetry` times).
+pub fn sample_one(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
+    sample(nvml, index)
+}
+
+/// An event set that reports critical XID errors of `gpus` (None if NVML cannot).
+fn xid_event_set<'a>(nvml: &'a nvml_wrapper::Nvml, gpus: &[u32]) -> Option<nvml_wrapper::EventSet<'a>> {
+    use nvml_wrapper::bitmasks::event::EventTypes;
+    let mut set = nvml.create_event_set().ok()?;
+    for &i in gpus {
+        let d = nvml.device_by_index(i).ok()?;
+        set = match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
+            Ok(s) => s,
+            Err(e) => {
+                log::warn!("GPU {i}: XID events unavailable ({}); the other metrics go on", e.error);
+                return None;
+            }
+        };
+    }
+    Some(set)
+}
+
+fn sample(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
+    let mut s = GpuSample { index, ..Default::default() };
+    let Ok(d) = nvml.device_by_index(index) else { return s };
+    if let Ok(u) = d.utilization_rates() {
+        s.util_gpu_pct = Some(u.gpu as f64);
+        s.util_mem_pct = Some(u.memory as f64);
+    }
+    if let Ok(m) = d.memory_info() {
+        s.mem_used_bytes = Some(m.used as f64);
+        s.mem_total_bytes = Some(m.total as f64);
+    }
+    s.power_w = d.power_usage().ok().map(|mw| mw as f64 / 1000.0);
+    s.power_limit_w = d.enforced_power_limit().ok().map(|mw| mw as f64 / 1000.0);
+    s.energy_j = d.total_energy_consumption().ok().map(|mj| mj as f64 / 1000.0);
+    s.temp_c = d.temperature(TemperatureSensor::Gpu).ok().map(|c| c as f64);
+    s.sm_clock_mhz = d.clock_info(Clock::SM).ok().map(|c| c as f64);
+    s.mem_clock_mhz = d.clock_info(Clock::Memory).ok().map(|c| c as f64);
+    use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, PcieUtilCounter};
+    s.pcie_tx_bytes_per_s = d.pcie_throughput(PcieUtilCounter::Send).ok().map(|kb| kb as f64 * 1024.0);
+    s.pcie_rx_bytes_per_s = d.pcie_throughput(PcieUtilCounter::Receive).ok().map(|kb| kb as f64 * 1024.0);
+    s.ecc_corrected_volatile = d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile).ok().map(|n| n as f64);
+    s.ecc_uncorrected_volatile = d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile).ok().map(|n| n as f64);
+    s.throttle_reasons = d.current_throttle_reasons().ok().map(|r| r.iter_names().map(|(n, _)| n.to_ascii_lowercase()).collect());
+    s.processes = d.running_compute_processes().ok().map(|ps| {
+        ps.iter()
+            .map(|p| {
+                let used = match p.used_gpu_memory {
+                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => b,
+                    nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
+                };
+                (p.pid, used)
+            })
+            .collect()
+    });
+    s
+}
+
+/// Mean and max of the readings of one metric in a window; `null` when none succeeded.
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+pub struct Stat {
+    pub mean: f64,
+    pub max: f64,
+    pub samples: u32,
+}
+
+#[derive(Default)]
+struct Acc {
+    sum: f64,
+    max: f64,
+    n: u32,
+}
+
+impl Acc {
+    fn add(&mut self, v: Option<f64>) {
+        if let Some(v) = v {
+            self.max = if self.n == 0 { v } else { self.max.max(v) };
+            self.sum += v;
+            self.n += 1;
+        }
+    }
+    fn stat(&self) -> Option<Stat> {
+        (self.n > 0).then(|| Stat { mean: self.sum / self.n as f64, max: self.max, samples: self.n })
+    }
+}
+
+const METRICS: [&str; 14] = [
+    "util_gpu_pct", "util_mem_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "power_limit_w", "energy_j", "temp_c",
+    "sm_clock_mhz", "mem_clock_mhz", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s", "ecc_corrected_volatile", "ecc_uncorrected_volatile",
+];
+
+/// GPU readings of one metrics window.
+#[derive(Default)]
+pub struct GpuWindow {
+    acc: BTreeMap<u32, BTreeMap<&'static str, Acc>>,
+    processes: BTreeMap<u32, BTreeMap<u32, u64>>,
+    throttle: BTreeMap<u32, std::collections::BTreeSet<String>>,
+    xids: BTreeMap<u32, Vec<u64>>,
+    samples: u32,
+}
+
+impl GpuWindow {
+    pub fn add(&mut self, samples: &[GpuSample]) {
+        self.samples += 1;
+        for s in samples {
+            let a = self.acc.entry(s.index).or_default();
+            let vals = [
+                s.util_gpu_pct, s.util_mem_pct, s.mem_used_bytes, s.mem_total_bytes, s.power_w, s.power_limit_w, s.energy_j, s.temp_c,
+                s.sm_clock_mhz, s.mem_clock_mhz, s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s, s.ecc_corrected_volatile,
+                s.ecc_uncorrected_volatile,
+            ];
+            self.xids.entry(s.index).or_default().extend(s.xids.iter().copied());
+            if let Some(r) = &s.throttle_reasons {
+                self.throttle.entry(s.index).or_default().extend(r.iter().cloned());
+            }
+            for (k, v) in METRICS.iter().zip(vals) {
+                a.entry(k).or_default().add(v);
+            }
+            if let Some(ps) = &s.processes {
+                let m = self.processes.entry(s.index).or_default();
+                for &(pid, used) in ps {
+                    let e = m.entry(pid).or_default();
+                    *e = (*e).max(used);
+                }
+            }
+        }
+    }
+
+    /// The window as JSON, worker names for pids from `names`; resets the window.
+    pub fn take(&mut self, names: &dyn Fn(u32) -> Option<String>) -> serde_json::Value {
+        let gpus: Vec<serde_json::Value> = self
+            .acc
+            .iter()
+            .map(|(index, a)| {
+                let mut o = serde_json::Map::new();
+                o.insert("index".into(), (*index).into());
+                for k in METRICS {
+                    o.insert(k.into(), serde_json::to_value(a.get(k).and_then(Acc::stat)).unwrap_or_default());
+                }
+                let procs: serde_json::Map<String, serde_json::Value> = self
+                    .processes
+                    .get(index)
+                    .into_iter()
+                    .flatten()
+                    .map(|(pid, used)| (names(*pid).unwrap_or_else(|| format!("pid {pid}")), (*used).into()))
+                    .collect();
+                o.insert("process_mem_bytes".into(), procs.into());
+                o.insert("throttle_reasons".into(), serde_json::to_value(self.throttle.get(index)).unwrap_or_default());
+                o.insert("xid_errors".into(), serde_json::to_value(self.xids.get(index).cloned().unwrap_or_default()).unwrap_or_default());
+                serde_json::Value::Object(o)
+            })
+            .collect();
+        let v = serde_json::json!({"samples": self.samples, "gpus": gpus});
+        *self = GpuWindow::default();
+        v
+    }
+}

@@ -1,0 +1,1275 @@
+//! `dflash-supervise report`: a run's story in one self-contained XHTML page with inline
+//! SVG (no script, no network): a summary table, loss and acceptance (with the per-slot
+//! accuracy) per step with the learning rate, trained tokens/s, per-GPU utilisation,
+//! memory, power, temperature and SM clock with throttle reasons and XIDs marked, pool
+//! fill and the bottleneck hint, phase timings per worker, batch composition, and worker
+//! lifelines on a shared time axis. It reads whatever the run wrote, so it works on a
+//! finished, a crashed (last line cut off) or a live run; a series the run did not record
+//! is named on the page with the reason, never an error. `--watch` rewrites the page at
+//! every new metrics window until the run ends.
+//!
+//! The SVG is written by hand (a few hundred lines below): the page must be strict XML
+//! with stable classes and `data-*` attributes on every point and marker, which the tests
+//! and any script read back, and a plotting crate's SVG backend gives neither.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::error::Error;
+
+/// Every JSON line of a file that parses (a line a crash cut off is skipped), and whether
+/// one did not.
+fn read_jsonl(path: &Path) -> (Vec<Value>, bool) {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut torn = false;
+    let lines = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .filter_map(|l| match serde_json::from_str(l) {
+            Ok(v) => Some(v),
+            Err(_) => {
+                torn = true;
+                None
+            }
+        })
+        .collect();
+    (lines, torn)
+}
+
+/// The committed steps of the final lineage: a rollback line drops the steps after its
+/// target (they were trained again).
+pub fn lineage_steps(train: &[Value]) -> Vec<Value> {
+    let mut out: Vec<Value> = Vec::new();
+    for l in train {
+        if let Some(to) = l["rollback"]["to"].as_u64() {
+            out.retain(|s| s["step"].as_u64().is_some_and(|n| n <= to));
+        } else if l.get("step").is_some() {
+            out.push(l.clone());
+        }
+    }
+    out
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
+fn ms_of(t: &Value) -> Option<f64> {
+    humantime::parse_rfc3339(t.as_str()?).ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_secs_f64() * 1e3)
+}
+
+/// A figure for a table cell: integers as they are, others with 4 significant digits.
+fn fmt_num(v: f64) -> String {
+    if !v.is_finite() {
+        return "–".into();
+    }
+    let a = v.abs();
+    if a >= 1e9 {
+        format!("{:.2}G", v / 1e9)
+    } else if a >= 1e6 {
+        format!("{:.2}M", v / 1e6)
+    } else if a >= 1e4 {
+        format!("{:.1}k", v / 1e3)
+    } else if v.fract() == 0.0 {
+        format!("{v:.0}")
+    } else if a >= 100.0 {
+        format!("{v:.1}")
+    } else if a >= 1.0 {
+        format!("{v:.3}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+/// "1m05s", "2h03m", "4.2s".
+fn fmt_dur(s: f64) -> String {
+    if s < 10.0 && s.fract().abs() > 1e-9 {
+        return format!("{s:.1}s");
+    }
+    let s = s.round() as u64;
+    match (s / 3600, (s / 60) % 60, s % 60) {
+        (0, 0, sec) => format!("{sec}s"),
+        (0, m, 0) => format!("{m}m"),
+        (0, m, sec) => format!("{m}m{sec:02}s"),
+        (h, 0, _) => format!("{h}h"),
+        (h, m, _) => format!("{h}h{m:02}m"),
+    }
+}
+
+/// Weighted mean and weighted p10/p90 of (value, weight) pairs.
+fn weighted_stats(v: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
+    let mut v: Vec<(f64, f64)> = v.iter().copied().filter(|(x, w)| x.is_finite() && *w > 0.0).collect();
+    let total: f64 = v.iter().map(|p| p.1).sum();
+    if v.is_empty() || total <= 0.0 {
+        return None;
+    }
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mean = v.iter().map(|(x, w)| x * w).sum::<f64>() / total;
+    let q = |p: f64| {
+        let mut acc = 0.0;
+        for (x, w) in &v {
+            acc += w;
+            if acc >= p * total {
+                return *x;
+            }
+        }
+        v[v.len() - 1].0
+    };
+    Some((mean, q(0.1), q(0.9)))
+}
+
+// ----------------------------------------------------------------------------------------
+// Charts
+
+const W: f64 = 900.0;
+const PALETTE: [&str; 10] = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
+
+fn nice_step(span: f64, n: f64) -> f64 {
+    let raw = (span / n).max(1e-12);
+    let mag = 10f64.powf(raw.log10().floor());
+    let f = raw / mag;
+    (if f <= 1.0 {
+        1.0
+    } else if f <= 2.0 {
+        2.0
+    } else if f <= 5.0 {
+        5.0
+    } else {
+        10.0
+    }) * mag
+}
+
+/// A value range that covers `vals`, rounded out to tick steps (from 0 when `zero`).
+fn range(vals: impl IntoIterator<Item = f64>, zero: bool) -> (f64, f64) {
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for v in vals.into_iter().filter(|v| v.is_finite()) {
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    if !lo.is_finite() {
+        return (0.0, 1.0);
+    }
+    if zero {
+        lo = lo.min(0.0);
+        hi = hi.max(0.0);
+    }
+    if hi - lo < 1e-12 * hi.abs().max(1e-12) {
+        let d = if hi.abs() > 0.0 { hi.abs() * 0.1 } else { 1.0 };
+        (lo, hi) = if zero && lo >= 0.0 { (0.0, hi + d) } else { (lo - d, hi + d) };
+    }
+    let st = nice_step(hi - lo, 4.0);
+    ((lo / st).floor() * st, (hi / st).ceil() * st)
+}
+
+fn ticks(lo: f64, hi: f64, n: f64) -> (Vec<f64>, f64) {
+    let st = nice_step(hi - lo, n);
+    let mut t = (lo / st).ceil() * st;
+    let mut out = Vec::new();
+    while t <= hi + st * 1e-6 && out.len() < 50 {
+        out.push(if t.abs() < st * 1e-9 { 0.0 } else { t });
+        t += st;
+    }
+    (out, st)
+}
+
+fn tick_label(v: f64, step: f64) -> String {
+    if v.abs() >= 1e4 {
+        return fmt_num(v);
+    }
+    let d = if step >= 1.0 { 0 } else { (-step.log10()).ceil().clamp(0.0, 8.0) as usize };
+    format!("{v:.d$}")
+}
+
+fn time_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    const STEPS: [f64; 21] =
+        [0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0, 7200.0, 10800.0, 21600.0, 43200.0, 86400.0];
+    let st = STEPS.iter().copied().find(|s| (hi - lo) / s <= 8.0).unwrap_or(86400.0);
+    let mut t = (lo / st).ceil() * st;
+    let mut out = Vec::new();
+    while t <= hi + st * 1e-6 && out.len() < 50 {
+        out.push(t);
+        t += st;
+    }
+    out
+}
+
+/// Where a chart's data lands on its SVG.
+struct Frame {
+    x: (f64, f64),
+    yl: (f64, f64),
+    yr: (f64, f64),
+    left: f64,
+    right: f64,
+    top: f64,
+    bottom: f64,
+}
+
+impl Frame {
+    fn px(&self, x: f64) -> f64 {
+        self.left + (x - self.x.0) / (self.x.1 - self.x.0).max(1e-12) * (self.right - self.left)
+    }
+    fn py(&self, y: f64) -> f64 {
+        self.bottom - (y - self.yl.0) / (self.yl.1 - self.yl.0).max(1e-300) * (self.bottom - self.top)
+    }
+    fn pyr(&self, y: f64) -> f64 {
+        self.bottom - (y - self.yr.0) / (self.yr.1 - self.yr.0).max(1e-300) * (self.bottom - self.top)
+    }
+}
+
+struct Series {
+    name: String,
+    /// `class` of its polyline (and of its points when `dots`); `attrs` are added to both.
+    class: String,
+    attrs: String,
+    color: String,
+    pts: Vec<(f64, f64)>,
+    right: bool,
+    dash: Option<&'static str>,
+    /// One `<circle class=.. data-step=.. data-value=..>` per point.
+    dots: bool,
+}
+
+impl Series {
+    fn new(name: impl Into<String>, class: &str, color: &str, pts: Vec<(f64, f64)>) -> Series {
+        Series { name: name.into(), class: class.into(), attrs: String::new(), color: color.into(), pts, right: false, dash: None, dots: false }
+    }
+    fn attrs(mut self, a: String) -> Series {
+        self.attrs = a;
+        self
+    }
+    fn right(mut self) -> Series {
+        self.right = true;
+        self
+    }
+    fn dash(mut self, d: &'static str) -> Series {
+        self.dash = Some(d);
+        self
+    }
+    fn dots(mut self) -> Series {
+        self.dots = true;
+        self
+    }
+}
+
+enum XAxis {
+    Steps,
+    /// Seconds since the run started.
+    Time,
+}
+
+struct Chart {
+    id: String,
+    title: String,
+    x_axis: XAxis,
+    x: (f64, f64),
+    y_label: String,
+    yl: Option<(f64, f64)>,
+    y_right: Option<(String, (f64, f64))>,
+    series: Vec<Series>,
+    /// Legend entries without a line (colour, name).
+    legend_extra: Vec<(String, String)>,
+    plot_h: f64,
+    left: f64,
+    y_ticks: bool,
+}
+
+impl Chart {
+    fn new(id: &str, title: impl Into<String>, x_axis: XAxis, x: (f64, f64), y_label: impl Into<String>) -> Chart {
+        Chart {
+            id: id.into(),
+            title: title.into(),
+            x_axis,
+            x,
+            y_label: y_label.into(),
+            yl: None,
+            y_right: None,
+            series: Vec::new(),
+            legend_extra: Vec::new(),
+            plot_h: 150.0,
+            left: 64.0,
+            y_ticks: true,
+        }
+    }
+
+    /// The SVG, with `extra` drawn over the plot (markers, bars).
+    fn render(&self, extra: &dyn Fn(&Frame) -> String) -> String {
+        let yl = self.yl.unwrap_or_else(|| range(self.series.iter().filter(|s| !s.right).flat_map(|s| s.pts.iter().map(|p| p.1)), true));
+        let right = if self.y_right.is_some() { W - 64.0 } else { W - 24.0 };
+        // Legend rows above the plot.
+        let mut items: Vec<(String, Option<&'static str>, String)> =
+            self.series.iter().filter(|s| !s.name.is_empty()).map(|s| (s.color.clone(), s.dash, s.name.clone())).collect();
+        items.extend(self.legend_extra.iter().map(|(c, n)| (c.clone(), None, n.clone())));
+        let mut legend = String::new();
+        let (mut lx, mut row) = (self.left, 0.0);
+        for (color, dash, name) in &items {
+            let w = 26.0 + name.chars().count() as f64 * 6.3 + 14.0;
+            if lx + w > right && lx > self.left {
+                lx = self.left;
+                row += 1.0;
+            }
+            let y = 36.0 + row * 15.0;
+            let d = dash.map(|d| format!(r#" stroke-dasharray="{d}""#)).unwrap_or_default();
+            let _ = write!(
+                legend,
+                r#"<line x1="{lx:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="2.5"{d}/><text x="{:.1}" y="{y:.1}" font-size="11">{}</text>"#,
+                y - 4.0,
+                lx + 20.0,
+                y - 4.0,
+                lx + 24.0,
+                esc(name)
+            );
+            lx += w;
+        }
+        let top = if items.is_empty() { 30.0 } else { 46.0 + row * 15.0 };
+        let bottom = top + self.plot_h;
+        let height = bottom + 36.0;
+        let f = Frame { x: self.x, yl, yr: self.y_right.as_ref().map_or((0.0, 1.0), |r| r.1), left: self.left, right, top, bottom };
+        let mut s = format!(
+            r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{}" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif">"#,
+            esc(&self.id)
+        );
+        let _ = write!(s, r#"<text x="{:.1}" y="16" font-size="13" font-weight="bold">{}</text>{legend}"#, self.left, esc(&self.title));
+        let _ = write!(s, r##"<rect x="{:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##, f.left, f.right - f.left, self.plot_h);
+        if self.y_ticks {
+            let (ts, st) = ticks(yl.0, yl.1, 4.0);
+            for t in ts {
+                let y = f.py(t);
+                let _ = write!(
+                    s,
+                    r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{:.1}" y="{:.1}" font-size="10" text-anchor="end">{}</text>"##,
+                    f.left,
+                    f.right,
+                    f.left - 4.0,
+                    y + 3.5,
+                    tick_label(t, st)
+                );
+            }
+            let _ = write!(
+                s,
+                r#"<text transform="translate(12 {:.1}) rotate(-90)" font-size="11" text-anchor="middle">{}</text>"#,
+                (top + bottom) / 2.0,
+                esc(&self.y_label)
+            );
+        }
+        if let Some((label, r)) = &self.y_right {
+            let (ts, st) = ticks(r.0, r.1, 4.0);
+            for t in ts {
+                let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="10">{}</text>"#, f.right + 4.0, f.pyr(t) + 3.5, tick_label(t, st));
+            }
+            let _ = write!(
+                s,
+                r#"<text transform="translate({:.1} {:.1}) rotate(90)" font-size="11" text-anchor="middle">{}</text>"#,
+                W - 8.0,
+                (top + bottom) / 2.0,
+                esc(label)
+            );
+        }
+        let (xticks, xlabel): (Vec<(f64, String)>, &str) = match self.x_axis {
+            XAxis::Steps => {
+                let (ts, st) = ticks(self.x.0, self.x.1, 8.0);
+                (ts.into_iter().filter(|t| t.fract() == 0.0).map(|t| (t, tick_label(t, st.max(1.0)))).collect(), "step")
+            }
+            XAxis::Time => (time_ticks(self.x.0, self.x.1).into_iter().map(|t| (t, fmt_dur(t))).collect(), "time since the run started"),
+        };
+        for (t, label) in xticks {
+            let x = f.px(t);
+            let _ = write!(
+                s,
+                r##"<line x1="{x:.1}" y1="{bottom:.1}" x2="{x:.1}" y2="{:.1}" stroke="#999"/><text x="{x:.1}" y="{:.1}" font-size="10" text-anchor="middle">{label}</text>"##,
+                bottom + 4.0,
+                bottom + 15.0
+            );
+        }
+        let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">{xlabel}</text>"#, (f.left + f.right) / 2.0, bottom + 30.0);
+        for se in &self.series {
+            let y = |v: f64| if se.right { f.pyr(v) } else { f.py(v) };
+            let d = se.dash.map(|d| format!(r#" stroke-dasharray="{d}""#)).unwrap_or_default();
+            // A missing value breaks the line.
+            for seg in se.pts.split(|p| !p.1.is_finite() || !p.0.is_finite()).filter(|g| !g.is_empty()) {
+                let pts: Vec<String> = seg.iter().map(|(a, b)| format!("{:.1},{:.1}", f.px(*a), y(*b))).collect();
+                let _ = write!(
+                    s,
+                    r#"<polyline class="{}"{} fill="none" stroke="{}" stroke-width="1.5"{d} points="{}"/>"#,
+                    esc(&se.class),
+                    se.attrs,
+                    se.color,
+                    pts.join(" ")
+                );
+            }
+            if se.dots {
+                for (a, b) in se.pts.iter().filter(|p| p.1.is_finite()) {
+                    let _ = write!(
+                        s,
+                        r#"<circle class="{}" data-step="{a}" data-value="{b:.6e}"{} cx="{:.1}" cy="{:.1}" r="1.6" fill="{}"/>"#,
+                        esc(&se.class),
+                        se.attrs,
+                        f.px(*a),
+                        y(*b),
+                        se.color
+                    );
+                }
+            }
+        }
+        s.push_str(&extra(&f));
+        s.push_str("</svg>");
+        s
+    }
+}
+
+// ----------------------------------------------------------------------------------------
+// The run
+
+struct Run {
+    dir: PathBuf,
+    state: Value,
+    train: Vec<Value>,
+    steps: Vec<Value>,
+    events: Vec<Value>,
+    metrics: Vec<Value>,
+    torn: Vec<&'static str>,
+    /// Unix ms of the start, and of the end of what was recorded.
+    t0: f64,
+    t1: f64,
+    live: bool,
+    ended: Option<Value>,
+}
+
+impl Run {
+    fn read(dir: &Path) -> Run {
+        let state: Value = std::fs::read_to_string(dir.join("state.json")).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+        let (train, train_torn) = read_jsonl(&dir.join("train.jsonl"));
+        let (events, events_torn) = read_jsonl(&dir.join("events.jsonl"));
+        let (metrics, metrics_torn) = read_jsonl(&dir.join("metrics.jsonl"));
+        let mut torn = Vec::new();
+        for (t, name) in [(train_torn, "train.jsonl"), (events_torn, "events.jsonl"), (metrics_torn, "metrics.jsonl")] {
+            if t {
+                torn.push(name);
+            }
+        }
+        let steps = lineage_steps(&train);
+        let ended = events.iter().rev().find(|e| e["event"] == "run_end").cloned();
+        let t0 = state["started_at_unix_ms"]
+            .as_f64()
+            .or_else(|| events.iter().filter_map(|e| ms_of(&e["time"])).reduce(f64::min))
+            .or_else(|| metrics.first().and_then(|m| ms_of(&m["time"])))
+            .unwrap_or(0.0);
+        let t1 = match ended.as_ref().and_then(|e| ms_of(&e["time"])) {
+            Some(t) => t,
+            None => events
+                .iter()
+                .filter_map(|e| ms_of(&e["time"]))
+                .chain(metrics.iter().filter_map(|m| ms_of(&m["time"])))
+                .chain(train.iter().filter_map(|l| l["t"].as_f64()))
+                .fold(t0, f64::max),
+        };
+        // The supervisor writes the report of its run after its run_end, still holding the lock.
+        let live = ended.is_none() && crate::run::rundir::ExistingRun::open(Some(dir)).map(|r| r.supervisor_alive()).unwrap_or(false);
+        Run { dir: dir.to_path_buf(), state, train, steps, events, metrics, torn, t0, t1: t1.max(t0 + 1.0), live, ended }
+    }
+
+    /// Seconds since the start, of an RFC 3339 time.
+    fn secs(&self, t: &Value) -> Option<f64> {
+        ms_of(t).map(|ms| (ms - self.t0) / 1e3)
+    }
+
+    fn time_range(&self) -> (f64, f64) {
+        (0.0, (self.t1 - self.t0) / 1e3)
+    }
+
+    /// (seconds since start, window) of each metrics window with `f`'s value.
+    fn windows(&self, f: impl Fn(&Value) -> Option<f64>) -> Vec<(f64, f64)> {
+        self.metrics.iter().filter_map(|m| Some((self.secs(&m["time"])?, f(m).unwrap_or(f64::NAN)))).collect()
+    }
+
+    fn start_event(&self) -> Option<&Value> {
+        self.events.iter().find(|e| e["event"] == "run_start")
+    }
+}
+
+/// What the page leaves out, and why.
+#[derive(Default)]
+struct Absent(Vec<(String, String)>);
+
+impl Absent {
+    /// Note the absence; the paragraph to put where the plot would be.
+    fn note(&mut self, series: &str, why: impl Into<String>) -> String {
+        let why = why.into();
+        let p = format!(r#"<p class="absent" data-series="{}">{}: not shown: {}</p>"#, esc(series), esc(series), esc(&why));
+        self.0.push((series.into(), why));
+        p
+    }
+}
+
+/// Why the run has no GPU samples.
+fn why_no_gpu(run: &Run) -> String {
+    if run.metrics.is_empty() {
+        return "no metrics window written yet (metrics.jsonl is empty; the first is written after --metrics-interval)".into();
+    }
+    if run.start_event().is_some_and(|e| e["gpu_metrics"] == false) {
+        return "no GPU samples: GPU metrics were turned off (--no-gpu-metrics)".into();
+    }
+    let workers = run.state["workers"].as_array().cloned().unwrap_or_default();
+    if !workers.is_empty() && workers.iter().all(|w| w["gpu"] == "cpu") {
+        return "no GPU samples: every worker ran on CPU (no NVIDIA GPU, or --gpus cpu:N)".into();
+    }
+    let log = std::fs::read_to_string(run.dir.join("supervisor.log")).unwrap_or_default();
+    if let Some(l) = log.lines().find(|l| l.contains("GPU metrics are off")) {
+        let why = l.split_once("GPU metrics are off").map_or(l, |(_, w)| w).trim_start_matches(':').trim();
+        return format!("no GPU samples: GPU metrics are off: {why}");
+    }
+    "no GPU samples in metrics.jsonl (NVML gave none)".into()
+}
+
+fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
+    let st = &run.state;
+    let audit = crate::data::ledger::audit(&run.dir.join(crate::data::ledger::LEDGER_FILE)).ok();
+    let last = run.steps.last();
+    // (class, label, shown, machine-readable value)
+    let mut rows: Vec<(&str, &str, String, String)> = Vec::new();
+    let mut row = |class: &'static str, label: &'static str, shown: String, value: String| rows.push((class, label, shown, value));
+    let id = run.dir.file_name().map_or(run.dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    row("run-id", "run", format!("{id} ({})", run.dir.display()), id);
+    let started = st["started_at"].as_str().unwrap_or("?").to_string();
+    row("started", "started", started.clone(), started);
+    let dur = (run.t1 - run.t0) / 1e3;
+    let so_far = if run.ended.is_some() { "" } else { " (so far)" };
+    row("duration", "duration", format!("{}{so_far}", fmt_dur(dur)), format!("{dur:.3}"));
+    let (ended, code) = match &run.ended {
+        Some(e) => (format!("ended: {} (exit code {})", e["reason"].as_str().unwrap_or("?"), e["exit_code"]), e["exit_code"].to_string()),
+        None if run.live => ("still running (a supervisor holds the run's lock): a snapshot of now".into(), "null".into()),
+        None => ("did not end cleanly (no run_end event: the supervisor was killed or crashed)".into(), "null".into()),
+    };
+    row("ended", "exit status and reason", format!("{ended}; state {}", st["phase"].as_str().unwrap_or("?")), code);
+    let steps = last.and_then(|l| l["step"].as_u64()).unwrap_or(0);
+    row("steps", "steps", steps.to_string(), steps.to_string());
+    let consumed = st["batches_consumed"].as_u64().unwrap_or(0);
+    row("batches", "batches", format!("{consumed} consumed of {} loaded", st["batches_produced"].as_u64().unwrap_or(0)), consumed.to_string());
+    let tokens: u64 = run.steps.iter().filter_map(|s| s["tokens"].as_u64()).sum();
+    row("tokens", "tokens trained", fmt_num(tokens as f64), tokens.to_string());
+    match tps {
+        Some((m, p10, p90)) => row(
+            "tokens-per-s",
+            "trained tokens/s (over metrics windows)",
+            format!("mean {} · p10 {} · p90 {}", fmt_num(m), fmt_num(p10), fmt_num(p90)),
+            format!("{m:.3} {p10:.3} {p90:.3}"),
+        ),
+        None => row("tokens-per-s", "trained tokens/s", "– (no metrics window yet)".into(), String::new()),
+    }
+    let workers = st["workers"].as_array().cloned().unwrap_or_default();
+    row(
+        "restarts",
+        "restarts per worker",
+        workers.iter().map(|w| format!("{} {}", w["name"].as_str().unwrap_or("?"), w["restarts"])).collect::<Vec<_>>().join(", "),
+        workers.iter().map(|w| format!("{}={}", w["name"].as_str().unwrap_or("?"), w["restarts"])).collect::<Vec<_>>().join(","),
+    );
+    let rollbacks = run.train.iter().filter(|l| l["rollback"]["from"].is_u64()).count();
+    row("rollbacks", "rollbacks", rollbacks.to_string(), rollbacks.to_string());
+    let skipped = st["train"]["skipped_steps"].as_u64().unwrap_or(0);
+    row("skipped-steps", "skipped steps", skipped.to_string(), skipped.to_string());
+    let ckpts = run.events.iter().filter(|e| e["event"] == "checkpoint").count();
+    row("checkpoints", "checkpoints written", ckpts.to_string(), ckpts.to_string());
+    match st["bad_lines"].as_u64() {
+        Some(n) => row("bad-lines", "bad data lines", n.to_string(), n.to_string()),
+        None => row("bad-lines", "bad data lines", "– (not recorded in state.json)".into(), String::new()),
+    }
+    let (loss, acc) = last.map_or((f64::NAN, f64::NAN), |l| (l["loss"].as_f64().unwrap_or(f64::NAN), l["acceptance"].as_f64().unwrap_or(f64::NAN)));
+    row("final-loss", "final loss", if loss.is_finite() { format!("{loss:.4}") } else { "–".into() }, format!("{loss:e}"));
+    row("final-acceptance", "final acceptance", if acc.is_finite() { format!("{acc:.3}") } else { "–".into() }, format!("{acc:e}"));
+    match &audit {
+        Some(a) => row(
+            "ledger",
+            "ledger audit",
+            format!(
+                "{} produced, {} consumed once, {} lost, {} duplicated, {} in flight{}",
+                a.produced,
+                a.consumed_once,
+                a.lost,
+                a.duplicated,
+                a.in_flight,
+                if a.lost == 0 && a.duplicated == 0 { " (ok)" } else { " (FAILED)" }
+            ),
+            format!("{} {} {} {} {}", a.produced, a.consumed_once, a.lost, a.duplicated, a.in_flight),
+        ),
+        None => row("ledger", "ledger audit", "unreadable".into(), String::new()),
+    }
+    if let Some(d) = st["train"]["exported"].as_str() {
+        row("exported", "drafter exported to", d.to_string(), d.to_string());
+    }
+    let mut h = String::from(r#"<table class="summary">"#);
+    for (class, label, shown, value) in rows {
+        let _ = write!(h, r#"<tr><th>{}</th><td class="{class}" data-value="{}">{}</td></tr>"#, esc(label), esc(&value), esc(&shown));
+    }
+    h.push_str("</table>");
+    h
+}
+
+fn training(run: &Run, absent: &mut Absent) -> String {
+    let steps = &run.steps;
+    if steps.is_empty() {
+        return absent.note("loss and acceptance", "no training step was committed");
+    }
+    let xs: Vec<f64> = steps.iter().map(|l| l["step"].as_f64().unwrap_or(0.0)).collect();
+    let x = (xs[0].min(xs[xs.len() - 1]), xs[xs.len() - 1].max(xs[0] + 1.0));
+    let series = |k: &str| -> Vec<(f64, f64)> { steps.iter().zip(&xs).map(|(l, x)| (*x, l[k].as_f64().unwrap_or(f64::NAN))).collect() };
+    let rollbacks: Vec<(u64, u64)> = run.train.iter().filter_map(|l| Some((l["rollback"]["from"].as_u64()?, l["rollback"]["to"].as_u64()?))).collect();
+    let rollback_marks = |f: &Frame| {
+        let mut s = String::new();
+        for (from, to) in &rollbacks {
+            let _ = write!(
+                s,
+                r##"<line class="rollback" data-from="{from}" data-to="{to}" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#34495e" stroke-dasharray="2 2"><title>rollback from step {from} to step {to}</title></line>"##,
+                f.top,
+                f.bottom,
+                x = f.px(*to as f64)
+            );
+        }
+        s
+    };
+    let mut out = String::new();
+    let lr = series("lr");
+    let mut c = Chart::new("loss", "Loss per step, learning rate on the right axis", XAxis::Steps, x, "loss");
+    c.series.push(Series::new("loss", "loss", "#c0392b", series("loss")).dots());
+    if lr.iter().any(|p| p.1.is_finite()) {
+        c.y_right = Some(("learning rate".into(), range(lr.iter().map(|p| p.1), true)));
+        c.series.push(Series::new("learning rate", "lr", "#7d7d7d", lr).right().dash("4 3"));
+    }
+    if !rollbacks.is_empty() {
+        c.legend_extra.push(("#34495e".into(), "rollback (dotted: steps after it were trained again)".into()));
+    }
+    out.push_str(&c.render(&rollback_marks));
+
+    let mut c = Chart::new("acceptance", "Acceptance length proxy per step, per-slot accuracy on the right axis", XAxis::Steps, x, "acceptance");
+    c.series.push(Series::new("acceptance", "acceptance", "#1f4e9c", series("acceptance")).dots());
+    let slots = steps.iter().filter_map(|l| l["slot_accuracy"].as_array().map(|a| a.len())).max().unwrap_or(0);
+    if slots > 0 {
+        c.y_right = Some(("per-slot accuracy".into(), (0.0, 1.0)));
+        for i in 0..slots {
+            let pts = steps.iter().zip(&xs).map(|(l, x)| (*x, l["slot_accuracy"][i].as_f64().unwrap_or(f64::NAN))).collect();
+            // Slot 1 (the first drafted token) darkest.
+            let shade = 30 + (i * 170 / slots.max(1)) as u32;
+            let color = format!("rgb({shade},{},{})", 120 + shade / 2, 80 + shade / 3);
+            c.series.push(Series::new(format!("slot {}", i + 1), "slot-accuracy", &color, pts).attrs(format!(r#" data-slot="{}""#, i + 1)).right());
+        }
+    }
+    out.push_str(&c.render(&rollback_marks));
+    if slots == 0 {
+        out.push_str(&absent.note("per-slot accuracy", "train.jsonl has no slot_accuracy"));
+    }
+    out
+}
+
+fn throughput(run: &Run, absent: &mut Absent) -> String {
+    if run.metrics.is_empty() {
+        return absent.note("tokens/s", why_no_metrics(run));
+    }
+    let mut c = Chart::new("tokens-per-s", "Tokens/s: trained in total, and per worker (targets: tokens processed)", XAxis::Time, run.time_range(), "tokens/s");
+    c.series.push(Series::new("trained, total", "tps-total", "#111", run.windows(|m| m["pipeline"]["tokens_per_s_trained"].as_f64())));
+    let workers: BTreeSet<String> =
+        run.metrics.iter().filter_map(|m| m["pipeline"]["tokens_per_s_by_worker"].as_object()).flat_map(|o| o.keys().cloned()).collect();
+    for (i, w) in workers.iter().enumerate() {
+        let pts = run.windows(|m| m["pipeline"]["tokens_per_s_by_worker"][w].as_f64());
+        let s = Series::new(w.clone(), "tps-worker", PALETTE[i % PALETTE.len()], pts).attrs(format!(r#" data-worker="{}""#, esc(w)));
+        c.series.push(if w.starts_with("target") { s.dash("5 3") } else { s });
+    }
+    c.render(&|_| String::new())
+}
+
+fn why_no_metrics(run: &Run) -> String {
+    if run.live {
+        "no metrics window written yet (the first is written after --metrics-interval)".into()
+    } else {
+        "metrics.jsonl is empty or missing (the run ended before its first metrics window)".into()
+    }
+}
+
+fn gpus(run: &Run, absent: &mut Absent) -> String {
+    let samples: u64 = run.metrics.iter().filter_map(|m| m["gpu"]["samples"].as_u64()).sum();
+    let indices: Vec<u64> = run
+        .metrics
+        .iter()
+        .flat_map(|m| m["gpu"]["gpus"].as_array().cloned().unwrap_or_default())
+        .filter_map(|g| g["index"].as_u64())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    if samples == 0 || indices.is_empty() {
+        return absent.note("GPU utilisation, memory, power, temperature, SM clock", why_no_gpu(run));
+    }
+    static NONE: Value = Value::Null;
+    fn gpu(m: &Value, idx: u64) -> &Value {
+        m["gpu"]["gpus"].as_array().and_then(|a| a.iter().find(|g| g["index"] == idx)).unwrap_or(&NONE)
+    }
+    // No red: that is the XIDs'.
+    const GPU_COLORS: [&str; 9] = ["#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#333333"];
+    let color = |i: usize| GPU_COLORS[i % GPU_COLORS.len()];
+    // (gpu, seconds, window length, reasons) and (gpu, seconds, code)
+    let mut throttles: Vec<(u64, f64, f64, String)> = Vec::new();
+    let mut xids: Vec<(u64, f64, u64)> = Vec::new();
+    for m in &run.metrics {
+        let Some(t) = run.secs(&m["time"]) else { continue };
+        for &idx in &indices {
+            let g = gpu(m, idx);
+            let reasons: Vec<&str> = g["throttle_reasons"].as_array().into_iter().flatten().filter_map(|r| r.as_str()).collect();
+            if !reasons.is_empty() {
+                throttles.push((idx, t, m["window_s"].as_f64().unwrap_or(0.0), reasons.join(", ")));
+            }
+            xids.extend(g["xid_errors"].as_array().into_iter().flatten().filter_map(|x| x.as_u64()).map(|x| (idx, t, x)));
+        }
+    }
+    let xid_lines = |f: &Frame| {
+        let mut s = String::new();
+        for (idx, t, code) in &xids {
+            let _ = write!(
+                s,
+                r##"<line class="xid-line" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#c0392b" stroke-width="1.5" stroke-dasharray="3 2"><title>GPU {idx}: XID {code} in the window ending at {}</title></line>"##,
+                f.top,
+                f.bottom,
+                fmt_dur(*t),
+                x = f.px(*t)
+            );
+        }
+        s
+    };
+    let gib = 1073741824.0;
+    // (id, title, unit, [(metric, stat, class, dashed, scale, label)], fixed range)
+    type Line = (&'static str, &'static str, &'static str, bool, f64, &'static str);
+    type Panel = (&'static str, &'static str, &'static str, Vec<Line>, Option<(f64, f64)>);
+    let panels: [Panel; 5] = [
+        ("util", "GPU utilisation (mean of the window)", "%", vec![("util_gpu_pct", "mean", "gpu-util", false, 1.0, "")], Some((0.0, 100.0))),
+        (
+            "mem",
+            "GPU memory used (max of the window), dashed: total",
+            "GiB",
+            vec![("mem_used_bytes", "max", "gpu-mem-used", false, 1.0 / gib, ""), ("mem_total_bytes", "max", "gpu-mem-total", true, 1.0 / gib, " total")],
+            None,
+        ),
+        (
+            "power",
+            "GPU power (mean of the window), dashed: its limit",
+            "W",
+            vec![("power_w", "mean", "gpu-power", false, 1.0, ""), ("power_limit_w", "max", "gpu-power-limit", true, 1.0, " limit")],
+            None,
+        ),
+        ("temp", "GPU temperature (max of the window)", "°C", vec![("temp_c", "max", "gpu-temp", false, 1.0, "")], None),
+        ("sm-clock", "SM clock (mean of the window)", "MHz", vec![("sm_clock_mhz", "mean", "gpu-sm-clock", false, 1.0, "")], None),
+    ];
+    let mut out = String::new();
+    for (id, title, unit, lines, yl) in panels {
+        let mut c = Chart::new(&format!("gpu-{id}"), title, XAxis::Time, run.time_range(), unit);
+        c.plot_h = 110.0;
+        let mut missing: Vec<u64> = Vec::new();
+        for (gi, &idx) in indices.iter().enumerate() {
+            for &(metric, stat, class, dashed, scale, label) in &lines {
+                let pts = run.windows(|m| gpu(m, idx)[metric][stat].as_f64().map(|v| v * scale));
+                if !pts.iter().any(|p| p.1.is_finite()) {
+                    if !dashed {
+                        missing.push(idx);
+                    }
+                    continue;
+                }
+                let name = if dashed { String::new() } else { format!("GPU {idx}{label}") };
+                let s = Series::new(name, class, color(gi), pts).attrs(format!(r#" data-gpu="{idx}""#));
+                c.series.push(if dashed { s.dash("6 3") } else { s });
+            }
+        }
+        if !missing.is_empty() {
+            let which = missing.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ");
+            out.push_str(&absent.note(&format!("{title} of GPU {which}"), "NVML did not report it"));
+        }
+        if c.series.is_empty() {
+            continue;
+        }
+        c.yl = yl.or_else(|| Some(range(c.series.iter().flat_map(|s| s.pts.iter().map(|p| p.1)), true)));
+        if !xids.is_empty() {
+            c.legend_extra.push(("#c0392b".into(), "XID error".into()));
+        }
+        out.push_str(&c.render(&xid_lines));
+    }
+    // One lane per GPU: the windows with a throttle reason, and the XIDs.
+    let row_h = 20.0;
+    let mut c = Chart::new("gpu-events", "Throttle reasons and XID errors per GPU", XAxis::Time, run.time_range(), "");
+    c.left = 110.0;
+    c.y_ticks = false;
+    c.plot_h = row_h * indices.len() as f64;
+    c.legend_extra.push(("#e67e22".into(), "a throttle (clock-event) reason in the window".into()));
+    c.legend_extra.push(("#c0392b".into(), "XID error".into()));
+    out.push_str(&c.render(&|f: &Frame| {
+        let mut s = String::new();
+        for (i, idx) in indices.iter().enumerate() {
+            let y = f.top + row_h * i as f64;
+            let _ = write!(s, r#"<text x="4" y="{:.1}" font-size="12">GPU {idx}</text>"#, y + 14.0);
+            for (_, t, w, what) in throttles.iter().filter(|x| x.0 == *idx) {
+                let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
+                let _ = write!(
+                    s,
+                    r##"<rect class="throttle" data-gpu="{idx}" data-t="{t:.3}" data-reasons="{}" x="{a:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="#e67e22" fill-opacity="0.75"><title>GPU {idx} throttled ({}) in the window ending at {}</title></rect>"##,
+                    esc(what),
+                    y + 3.0,
+                    (b - a).max(2.0),
+                    row_h - 6.0,
+                    esc(what),
+                    fmt_dur(*t)
+                );
+            }
+            for (_, t, code) in xids.iter().filter(|x| x.0 == *idx) {
+                let (x, yc) = (f.px(*t), y + row_h / 2.0);
+                let _ = write!(
+                    s,
+                    r##"<path class="xid" data-gpu="{idx}" data-code="{code}" data-t="{t:.3}" d="M{x:.1} {:.1} L{:.1} {yc:.1} L{x:.1} {:.1} L{:.1} {yc:.1} Z" fill="#c0392b"><title>GPU {idx}: XID {code} in the window ending at {}</title></path>"##,
+                    yc - 7.0,
+                    x + 7.0,
+                    yc + 7.0,
+                    x - 7.0,
+                    fmt_dur(*t)
+                );
+            }
+        }
+        s
+    }));
+    let kinds: BTreeSet<&str> = throttles.iter().flat_map(|t| t.3.split(", ")).collect();
+    let _ = write!(
+        out,
+        "<p>Throttle reasons seen: {}. XID errors: {}.</p>",
+        if kinds.is_empty() { "none".to_string() } else { esc(&kinds.into_iter().collect::<Vec<_>>().join(", ")) },
+        if xids.is_empty() {
+            "none".to_string()
+        } else {
+            esc(&xids.iter().map(|(g, t, c)| format!("GPU {g} XID {c} at {}", fmt_dur(*t))).collect::<Vec<_>>().join(", "))
+        }
+    );
+    out
+}
+
+fn pools(run: &Run, absent: &mut Absent) -> String {
+    if run.metrics.is_empty() {
+        return absent.note("pool fill and bottleneck hint", why_no_metrics(run));
+    }
+    let mut c = Chart::new("pools", "Pool fill, producers blocked and consumers starved (share of the window)", XAxis::Time, run.time_range(), "%");
+    c.yl = Some((0.0, 100.0));
+    for (pool, label, color) in [("tokens_pool", "token pool", "#1f77b4"), ("hidden_pool", "hidden-state pool", "#ff7f0e")] {
+        for (key, what, class, dash) in [
+            ("fill_ratio", "fill", "pool-fill", None),
+            ("producers_blocked_share", "producers blocked", "pool-blocked", Some("6 3")),
+            ("consumers_starved_share", "consumers starved", "pool-starved", Some("1 3")),
+        ] {
+            let pts = run.windows(|m| m["pipeline"][pool][key].as_f64().map(|v| v * 100.0));
+            let s = Series::new(format!("{label}: {what}"), class, color, pts).attrs(format!(r#" data-pool="{pool}""#));
+            c.series.push(match dash {
+                Some(d) => s.dash(d),
+                None => s,
+            });
+        }
+    }
+    let mut out = c.render(&|_| String::new());
+    // The bottleneck hint over time: one coloured band per window.
+    let mut hints: Vec<String> = Vec::new();
+    /// (seconds, window length, the hint's kind and text)
+    type HintWindow = (f64, f64, Option<(usize, String)>);
+    let per_window: Vec<HintWindow> = run
+        .metrics
+        .iter()
+        .filter_map(|m| {
+            let t = run.secs(&m["time"])?;
+            let text = m["pipeline"]["bottleneck_hint"].as_str();
+            // One colour per kind of hint: its figures do not count.
+            let h = text.map(|h| {
+                let kind = without_figures(h);
+                match hints.iter().position(|x| *x == kind) {
+                    Some(i) => i,
+                    None => {
+                        hints.push(kind);
+                        hints.len() - 1
+                    }
+                }
+            });
+            Some((t, m["window_s"].as_f64().unwrap_or(0.0), h.zip(text.map(String::from))))
+        })
+        .collect();
+    let mut c = Chart::new("bottleneck", "Bottleneck hint per metrics window", XAxis::Time, run.time_range(), "");
+    c.plot_h = 22.0;
+    c.y_ticks = false;
+    let hint_color = |i: usize| PALETTE[(i + 3) % PALETTE.len()];
+    c.legend_extra = hints.iter().enumerate().map(|(i, h)| (hint_color(i).to_string(), h.clone())).collect();
+    c.legend_extra.push(("#dddddd".into(), "no hint (balanced)".into()));
+    out.push_str(&c.render(&|f: &Frame| {
+        let mut s = String::new();
+        for (t, w, h) in &per_window {
+            let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
+            let (color, text) = match h {
+                Some((i, text)) => (hint_color(*i), text.as_str()),
+                None => ("#dddddd", ""),
+            };
+            let _ = write!(
+                s,
+                r#"<rect class="hint" data-t="{t:.3}" data-hint="{}" x="{a:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{color}"><title>{}</title></rect>"#,
+                esc(text),
+                f.top,
+                (b - a).max(1.0),
+                f.bottom - f.top,
+                esc(if text.is_empty() { "no hint" } else { text })
+            );
+        }
+        s
+    }));
+    out
+}
+
+/// "targets blocked 60% on ..." → "targets blocked N% on ...".
+fn without_figures(s: &str) -> String {
+    let mut out = String::new();
+    let mut in_num = false;
+    for c in s.chars() {
+        if c.is_ascii_digit() || (in_num && c == '.') {
+            if !in_num {
+                out.push('N');
+            }
+            in_num = true;
+        } else {
+            in_num = false;
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// One stacked bar per worker: the mean milliseconds of each phase per batch.
+fn phases(run: &Run, absent: &mut Absent) -> String {
+    // worker -> phase -> (sum of ms × window, sum of window)
+    let mut acc: BTreeMap<String, BTreeMap<String, (f64, f64)>> = BTreeMap::new();
+    for m in &run.metrics {
+        let w = m["window_s"].as_f64().unwrap_or(1.0).max(1e-6);
+        for (worker, ph) in m["pipeline"]["phase_ms_by_worker"].as_object().into_iter().flatten() {
+            for (p, ms) in ph.as_object().into_iter().flatten() {
+                if let Some(ms) = ms.as_f64() {
+                    let e = acc.entry(worker.clone()).or_default().entry(p.clone()).or_default();
+                    e.0 += ms * w;
+                    e.1 += w;
+                }
+            }
+        }
+    }
+    if acc.is_empty() {
+        return absent.note("phase timings", if run.metrics.is_empty() { why_no_metrics(run) } else { "no worker reported phase timings yet".into() });
+    }
+    const ORDER: [&str; 6] = ["wait", "forward", "forward_backward", "backward", "exchange", "optimizer"];
+    let mut names: Vec<String> = acc.values().flat_map(|p| p.keys().cloned()).collect::<BTreeSet<_>>().into_iter().collect();
+    names.sort_by_key(|n| (ORDER.iter().position(|o| o == n).unwrap_or(ORDER.len()), n.clone()));
+    let color = |n: &str| match n {
+        "wait" => "#bdc3c7",
+        "forward" => "#3498db",
+        "forward_backward" => "#8e44ad",
+        "backward" => "#9b59b6",
+        "optimizer" => "#e67e22",
+        _ => PALETTE[names.iter().position(|x| x == n).unwrap_or(0) % PALETTE.len()],
+    };
+    let mean = |w: &str, p: &str| acc[w].get(p).map_or(0.0, |(s, n)| s / n);
+    let max_total = acc.keys().map(|w| names.iter().map(|p| mean(w, p)).sum::<f64>()).fold(0.0f64, f64::max).max(1e-9);
+    let (row, left, right) = (24.0, 110.0, W - 90.0);
+    let legend_y = 36.0;
+    let height = 50.0 + row * acc.len() as f64 + 30.0;
+    let mut s = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="phases" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif"><text x="{left}" y="16" font-size="13" font-weight="bold">Mean time per batch by phase and worker (ms, stacked)</text>"#
+    );
+    let mut lx = left;
+    for n in &names {
+        let _ = write!(s, r#"<rect x="{lx:.1}" y="{:.1}" width="14" height="10" fill="{}"/><text x="{:.1}" y="{legend_y}" font-size="11">{}</text>"#, legend_y - 9.0, color(n), lx + 18.0, esc(n));
+        lx += 30.0 + n.len() as f64 * 6.3;
+    }
+    for (i, w) in acc.keys().enumerate() {
+        let y = 50.0 + row * i as f64;
+        let _ = write!(s, r#"<text x="4" y="{:.1}" font-size="12">{}</text>"#, y + 14.0, esc(w));
+        let mut x = left;
+        for p in &names {
+            let ms = mean(w, p);
+            if ms <= 0.0 {
+                continue;
+            }
+            let width = ms / max_total * (right - left);
+            let _ = write!(
+                s,
+                r#"<rect class="phase" data-worker="{}" data-phase="{}" data-ms="{ms:.3}" x="{x:.1}" y="{y:.1}" width="{width:.2}" height="18" fill="{}"><title>{}: {} {:.2} ms</title></rect>"#,
+                esc(w),
+                esc(p),
+                color(p),
+                esc(w),
+                esc(p),
+                ms
+            );
+            x += width;
+        }
+        let total: f64 = names.iter().map(|p| mean(w, p)).sum();
+        let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="11">{} ms</text>"#, x + 4.0, y + 13.0, fmt_num(total));
+    }
+    s.push_str("</svg>");
+    s
+}
+
+fn composition(run: &Run, absent: &mut Absent) -> String {
+    let mut buckets: BTreeMap<String, u64> = BTreeMap::new();
+    for m in &run.metrics {
+        for (k, v) in m["pipeline"]["length_buckets"].as_object().into_iter().flatten() {
+            *buckets.entry(k.clone()).or_default() += v.as_u64().unwrap_or(0);
+        }
+    }
+    if buckets.values().all(|n| *n == 0) {
+        return absent.note(
+            "batch composition",
+            if run.metrics.is_empty() { why_no_metrics(run) } else { "no batch was loaded in any metrics window".into() },
+        );
+    }
+    // "<=64", "<=128", ..., ">1024": by the number in the label.
+    let mut keys: Vec<(String, u64)> = buckets.into_iter().collect();
+    let num = |k: &str| -> (u8, u64) { (k.starts_with('>') as u8, k.trim_start_matches(['<', '>', '=']).parse().unwrap_or(u64::MAX)) };
+    keys.sort_by_key(|(k, _)| num(k));
+    let max = keys.iter().map(|k| k.1).max().unwrap_or(1).max(1) as f64;
+    let total: u64 = keys.iter().map(|k| k.1).sum();
+    let (left, right, top, bottom) = (64.0, W / 2.0 - 10.0, 30.0, 170.0);
+    let height = bottom + 40.0;
+    let mut s = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="length-buckets" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif"><text x="{left}" y="16" font-size="13" font-weight="bold">Sequence lengths of the batches loaded ({total} samples)</text>"#
+    );
+    let _ = write!(s, r##"<rect x="{left}" y="{top}" width="{}" height="{}" fill="#fcfcfc" stroke="#999"/>"##, right - left, bottom - top);
+    let bw = (right - left) / keys.len() as f64;
+    for (i, (k, n)) in keys.iter().enumerate() {
+        let h = *n as f64 / max * (bottom - top - 14.0);
+        let x = left + bw * i as f64;
+        let _ = write!(
+            s,
+            r##"<rect class="bucket" data-bucket="{}" data-count="{n}" x="{:.1}" y="{:.1}" width="{:.1}" height="{h:.1}" fill="#5dade2"><title>{}: {n}</title></rect><text x="{:.1}" y="{:.1}" font-size="10" text-anchor="middle">{}</text><text x="{:.1}" y="{:.1}" font-size="10" text-anchor="middle">{n}</text>"##,
+            esc(k),
+            x + bw * 0.1,
+            bottom - h,
+            bw * 0.8,
+            esc(k),
+            x + bw / 2.0,
+            bottom + 13.0,
+            esc(k),
+            x + bw / 2.0,
+            bottom - h - 3.0
+        );
+    }
+    let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">tokens per sample (bucket)</text>"#, (left + right) / 2.0, bottom + 30.0);
+    // Padding efficiency over time, on the right half.
+    let pad = run.windows(|m| m["pipeline"]["padding_efficiency"].as_f64().map(|v| v * 100.0));
+    let f = Frame { x: run.time_range(), yl: (0.0, 100.0), yr: (0.0, 1.0), left: W / 2.0 + 50.0, right: W - 24.0, top, bottom };
+    let mean = weighted_stats(&run.metrics.iter().filter_map(|m| Some((m["pipeline"]["padding_efficiency"].as_f64()? * 100.0, m["window_s"].as_f64()?))).collect::<Vec<_>>());
+    let _ = write!(
+        s,
+        r##"<text x="{:.1}" y="16" font-size="13" font-weight="bold">Padding efficiency{}</text><rect x="{:.1}" y="{top}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##,
+        f.left,
+        mean.map_or(String::new(), |m| format!(" (mean {:.1} %)", m.0)),
+        f.left,
+        f.right - f.left,
+        bottom - top
+    );
+    for t in [0.0, 25.0, 50.0, 75.0, 100.0] {
+        let _ = write!(s, r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{:.1}" y="{:.1}" font-size="10" text-anchor="end">{t}</text>"##, f.left, f.right, f.left - 4.0, f.py(t) + 3.5, y = f.py(t));
+    }
+    let _ = write!(s, r#"<text transform="translate({:.1} {:.1}) rotate(-90)" font-size="11" text-anchor="middle">% real tokens</text>"#, f.left - 34.0, (top + bottom) / 2.0);
+    for t in time_ticks(f.x.0, f.x.1) {
+        let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="10" text-anchor="middle">{}</text>"#, f.px(t), bottom + 13.0, fmt_dur(t));
+    }
+    let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">time since the run started</text>"#, (f.left + f.right) / 2.0, bottom + 30.0);
+    for seg in pad.split(|p| !p.1.is_finite()).filter(|g| !g.is_empty()) {
+        let pts: Vec<String> = seg.iter().map(|(a, b)| format!("{:.1},{:.1}", f.px(*a), f.py(*b))).collect();
+        let _ = write!(s, r##"<polyline class="padding-efficiency" fill="none" stroke="#1e8449" stroke-width="1.5" points="{}"/>"##, pts.join(" "));
+    }
+    s.push_str("</svg>");
+    s
+}
+
+/// One row per worker: spawns, exits (code or signal), hangs, restarts, rollbacks and the
+/// stop on the shared time axis.
+fn lifelines(run: &Run, absent: &mut Absent) -> String {
+    let mut workers: Vec<String> = run.events.iter().filter_map(|e| e["worker"].as_str().map(String::from)).collect();
+    workers.sort();
+    workers.dedup();
+    if workers.is_empty() {
+        return absent.note("worker lifelines", "no worker event recorded in events.jsonl");
+    }
+    let row_h = 24.0;
+    let mut c = Chart::new("lifelines", "Worker lifelines", XAxis::Time, run.time_range(), "");
+    c.left = 110.0;
+    c.y_ticks = false;
+    c.plot_h = row_h * workers.len() as f64;
+    for (name, color) in [("spawn", "#27ae60"), ("exit", "#c0392b"), ("hang", "#e67e22"), ("restart", "#8e44ad"), ("rollback / stop", "#34495e")] {
+        c.legend_extra.push((color.into(), name.into()));
+    }
+    c.render(&|f: &Frame| {
+        let mut s = String::new();
+        for (i, w) in workers.iter().enumerate() {
+            let y = f.top + row_h * (i as f64 + 0.5);
+            let _ = write!(s, r##"<text x="4" y="{:.1}" font-size="12">{}</text><line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#ccc"/>"##, y + 4.0, esc(w), f.left, f.right);
+            // Up: from each spawn to the next exit.
+            let mut up_from: Option<f64> = None;
+            for e in run.events.iter().filter(|e| e["worker"].as_str() == Some(w.as_str())) {
+                let Some(t) = run.secs(&e["time"]) else { continue };
+                let ev = e["event"].as_str().unwrap_or("");
+                match ev {
+                    "spawn" => up_from = Some(t),
+                    "exit" => {
+                        if let Some(a) = up_from.take() {
+                            let _ = write!(s, r##"<line class="up" x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#27ae60" stroke-width="3" stroke-opacity="0.35"/>"##, f.px(a), f.px(t));
+                        }
+                    }
+                    _ => {}
+                }
+                let (color, rect) = match ev {
+                    "spawn" => ("#27ae60", false),
+                    "exit" => ("#c0392b", true),
+                    "hang" => ("#e67e22", true),
+                    "restart" => ("#8e44ad", false),
+                    _ => ("#555", false),
+                };
+                let what = match (e["code"].as_i64(), e["signal"].as_str()) {
+                    (Some(c), _) => format!("{ev} (exit code {c})"),
+                    (_, Some(sig)) => format!("{ev} ({sig})"),
+                    _ => ev.to_string(),
+                };
+                let title = format!("<title>{} {} at {}</title>", esc(w), esc(&what), esc(e["time"].as_str().unwrap_or("")));
+                if rect {
+                    let _ = write!(s, r#"<rect class="ev-{ev}" x="{:.1}" y="{:.1}" width="6" height="12" fill="{color}">{title}</rect>"#, f.px(t) - 3.0, y - 6.0);
+                } else {
+                    let _ = write!(s, r#"<circle class="ev-{ev}" cx="{:.1}" cy="{y:.1}" r="4" fill="{color}">{title}</circle>"#, f.px(t));
+                }
+            }
+            if let Some(a) = up_from {
+                let _ = write!(s, r##"<line class="up" x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#27ae60" stroke-width="3" stroke-opacity="0.35"/>"##, f.px(a), f.right);
+            }
+        }
+        // Run-wide events (rollbacks, the stop, the end) as vertical marks.
+        for e in run.events.iter().filter(|e| matches!(e["event"].as_str(), Some("rollback" | "stop" | "run_end"))) {
+            if let Some(t) = run.secs(&e["time"]) {
+                let ev = e["event"].as_str().unwrap_or("");
+                let why = e["reason"].as_str().map(|r| format!(": {r}")).unwrap_or_default();
+                let _ = write!(
+                    s,
+                    r##"<line class="ev-{ev}" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#34495e" stroke-dasharray="2 2"><title>{ev}{}</title></line>"##,
+                    f.top,
+                    f.bottom,
+                    esc(&why),
+                    x = f.px(t)
+                );
+            }
+        }
+        s
+    })
+}
+
+/// The page of the run in `run`.
+pub fn render(dir: &Path) -> String {
+    let run = Run::read(dir);
+    let mut absent = Absent::default();
+    let tps = weighted_stats(
+        &run.metrics.iter().filter_map(|m| Some((m["pipeline"]["tokens_per_s_trained"].as_f64()?, m["window_s"].as_f64()?))).collect::<Vec<_>>(),
+    );
+    let sections = [
+        ("Training", training(&run, &mut absent)),
+        ("Throughput", throughput(&run, &mut absent)),
+        ("GPUs", gpus(&run, &mut absent)),
+        ("Pipeline: pools and bottleneck", pools(&run, &mut absent)),
+        ("Phase timings", phases(&run, &mut absent)),
+        ("Batch composition", composition(&run, &mut absent)),
+        ("Worker lifelines", lifelines(&run, &mut absent)),
+    ];
+    let mut h = String::new();
+    let _ = write!(
+        h,
+        "<!DOCTYPE html>\n<html xmlns=\"http://www.w3.org/1999/xhtml\"><head><meta charset=\"utf-8\"/><title>dflash-supervise report: {}</title>\
+         <style>body{{font-family:sans-serif;margin:20px;max-width:940px}}th{{text-align:left;font-weight:normal;color:#555;padding:2px 12px 2px 0}}\
+         td{{padding:2px 10px;border-bottom:1px solid #eee}}h2{{margin-top:28px;border-bottom:1px solid #ccc}}h3{{margin:14px 0 4px}}\
+         svg{{display:block;margin:6px 0}}.absent{{color:#a04000}}.note{{color:#555;font-size:90%}}</style></head><body>\
+         <h1>dflash-supervise run report</h1>",
+        esc(&run.dir.display().to_string())
+    );
+    let _ = write!(
+        h,
+        r#"<p class="note">Written {} from {}{}.</p>"#,
+        crate::run::rundir::now_rfc3339(),
+        esc(&run.dir.display().to_string()),
+        if run.live { " while the run was live" } else { "" }
+    );
+    h.push_str(&summary(&run, tps));
+    for (title, body) in &sections {
+        let _ = write!(h, "<h2>{}</h2>{body}", esc(title));
+    }
+    h.push_str(r#"<h2>Not shown</h2><ul class="not-shown">"#);
+    if absent.0.is_empty() && run.torn.is_empty() {
+        h.push_str("<li>nothing: every series the report draws was recorded</li>");
+    }
+    for (series, why) in &absent.0 {
+        let _ = write!(h, r#"<li data-series="{}">{}: {}</li>"#, esc(series), esc(series), esc(why));
+    }
+    for f in &run.torn {
+        let _ = write!(h, "<li>{f}: a line cut off by a crash was skipped</li>");
+    }
+    h.push_str("</ul></body></html>\n");
+    h
+}
+
+/// Write the report of the run in `run` to `out` (atomically: readers never see half a page).
+pub fn write(run: &Path, out: &Path) -> Result<(), Error> {
+    let page = render(run);
+    let tmp = out.with_extension(format!("html.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, page).and_then(|_| std::fs::rename(&tmp, out)).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::Usage(format!("--out {}: {e}", out.display()))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        for (name, text) in files {
+            std::fs::write(d.path().join(name), text).unwrap();
+        }
+        d
+    }
+
+    const STATE: &str = r#"{"started_at": "2026-01-01T00:00:00.000Z", "started_at_unix_ms": 1767225600000, "phase": "running",
+        "workers": [{"name": "target-0", "gpu": "0", "restarts": 0}, {"name": "drafter-0", "gpu": "1", "restarts": 0}]}"#;
+    const NO_GPU_WINDOW: &str =
+        r#"{"time": "2026-01-01T00:00:10.000Z", "window_s": 10.0, "gpu": {"samples": 0, "gpus": []}, "pipeline": {"tokens_per_s_trained": 100.0}}"#;
+
+    #[test]
+    fn an_empty_run_dir_renders_and_names_every_missing_series() {
+        let d = run_dir(&[]);
+        let page = render(d.path());
+        for series in ["loss and acceptance", "tokens/s", "GPU utilisation", "pool fill", "phase timings", "batch composition", "worker lifelines"] {
+            assert!(page.contains(&format!(r#"<li data-series="{series}"#)), "{series} is not named: {page}");
+        }
+        assert!(page.contains("metrics.jsonl is empty or missing"));
+        assert!(page.contains("did not end cleanly"));
+    }
+
+    #[test]
+    fn the_reason_for_no_gpu_series_is_the_run_s() {
+        let off = r#"{"event": "run_start", "time": "2026-01-01T00:00:00.000Z", "gpu_metrics": false}"#;
+        let d = run_dir(&[("state.json", STATE), ("events.jsonl", off), ("metrics.jsonl", NO_GPU_WINDOW)]);
+        let page = render(d.path());
+        assert!(page.contains("GPU metrics were turned off (--no-gpu-metrics)"), "{page}");
+        let on = r#"{"event": "run_start", "time": "2026-01-01T00:00:00.000Z", "gpu_metrics": true}"#;
+        let log = "2026-01-01T00:00:00.100Z WARN  GPU metrics are off: the NVIDIA driver is not loaded. Lost: utilisation\n";
+        let d = run_dir(&[("state.json", STATE), ("events.jsonl", on), ("metrics.jsonl", NO_GPU_WINDOW), ("supervisor.log", log)]);
+        assert!(render(d.path()).contains("GPU metrics are off: the NVIDIA driver is not loaded"));
+        let cpu = STATE.replace(r#""gpu": "0""#, r#""gpu": "cpu""#).replace(r#""gpu": "1""#, r#""gpu": "cpu""#);
+        let d = run_dir(&[("state.json", &cpu), ("events.jsonl", on), ("metrics.jsonl", NO_GPU_WINDOW)]);
+        assert!(render(d.path()).contains("every worker ran on CPU"));
+    }
+
+    #[test]
+    fn weighted_percentiles_and_figures() {
+        let (m, p10, p90) = weighted_stats(&[(100.0, 9.0), (0.0, 1.0), (f64::NAN, 5.0)]).unwrap();
+        assert!((m - 90.0).abs() < 1e-9 && p10 == 0.0 && p90 == 100.0);
+        assert_eq!(without_figures("targets blocked 60% on a full pool: add 2.5 drafters"), "targets blocked N% on a full pool: add N drafters");
+        assert_eq!(fmt_dur(65.0), "1m05s");
+        assert_eq!(fmt_dur(7380.0), "2h03m");
+        assert_eq!(range([0.3, 7.8], true), (0.0, 8.0));
+    }
+}

@@ -1,0 +1,901 @@
+//! The data-parallel drafter group, coordinated by the supervisor.
+//!
+//! Each drafter rank computes the gradient of one batch into its slot of a shared
+//! gradient pool and reports it ([`FromWorker::Grads`]). When every member has reported
+//! step s, the step is *committed*: the batches behind it are recorded as consumed (the
+//! supervisor acknowledges them on the ranks' behalf, so a batch is consumed exactly when
+//! its gradient is part of a committed step), and every member is told to apply the
+//! average of the listed slots. A member that dies before the commit is left out and its
+//! batch goes back to the queue; the step commits over the others.
+//!
+//! A drafter that (re)joins after step 0 gets the current weights and optimizer state
+//! from a surviving member through a shared state slot; commits wait while it joins, so it
+//! joins exactly at the step it was given.
+//!
+//! Every few steps one member also writes its state into a supervisor-owned snapshot slot
+//! (two of them, used in turn: the newer one becomes current only once it is complete, so
+//! a death while writing leaves the older intact). If no member survives, the group rolls
+//! back to the newest of that snapshot, the newest checkpoint and the run's start: the
+//! batches committed after it go back to the queue in their order, the step counter and
+//! the LR schedule follow the rolled-back step, and restarted drafters load that state.
+//! `--max-rollbacks` bounds how often.
+//!
+//! [`FromWorker::Grads`]: dflash_shared::protocol::FromWorker::Grads
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::Path;
+use std::time::Instant;
+
+use dflash_shared::drafter::{lr_at, state_bytes, DrafterConfig, Init, ParamLayout, StepStats, TrainSetup};
+use dflash_shared::pool::{PoolGeometry, PoolMap};
+use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
+use dflash_shared::slots::Holder;
+use serde::Serialize;
+
+use crate::error::Error;
+use crate::run::rundir::unix_ms;
+
+#[derive(Debug, Clone)]
+pub struct TrainerConfig {
+    pub drafter: DrafterConfig,
+    pub lr: f64,
+    pub warmup_steps: u64,
+    pub total_steps: Option<u64>,
+    pub steps_limit: Option<u64>,
+    pub clip: f64,
+    pub seed: u64,
+    pub max_ranks: u32,
+    pub target_layer_ids: Vec<u32>,
+    pub num_target_layers: usize,
+    /// Checkpoint every N committed steps (and always when the run stops).
+    pub checkpoint_every: Option<u64>,
+    pub keep_checkpoints: usize,
+    pub checkpoints_dir: std::path::PathBuf,
+    /// Resuming: the checkpoint (step, directory) the first ranks load.
+    pub resume: Option<(u64, std::path::PathBuf)>,
+    /// Snapshot every N committed steps; `None`: as often as keeps the snapshot's cost
+    /// under 2 % of the step time.
+    pub snapshot_every: Option<u64>,
+    /// Rollbacks allowed before the run gives up.
+    pub max_rollbacks: u32,
+    /// Consecutive steps skipped for a non-finite gradient before the run gives up.
+    pub max_skipped_steps: u64,
+}
+
+/// Share of the step time the automatic snapshot interval spends on snapshots.
+const SNAPSHOT_BUDGET: f64 = 0.02;
+
+/// Where the first members of the group get their state at `restore_step`.
+#[derive(Debug, Clone, PartialEq)]
+enum Restore {
+    Fresh,
+    Snapshot { slot: u32 },
+    Checkpoint { dir: std::path::PathBuf },
+}
+
+/// What the dispatcher must do for the trainer.
+#[derive(Debug)]
+pub enum Action {
+    Send(usize, ToWorker),
+    /// Acknowledge `batch_id` held by `holder` in `input`: it reached the optimizer in
+    /// committed step `step`.
+    Consume { worker: usize, holder: Holder, input: SlotRef, batch_id: u64, step: u64 },
+    /// Every drafter died: the group goes back from step `from` to `to`, and `batches`
+    /// (committed after `to`, in commit order) go back to the front of the queue.
+    Rollback { from: u64, to: u64, batches: Vec<u64> },
+    /// Batches consumed at or before this step can no longer be rolled back.
+    Covered(u64),
+    /// Stop the run: the step limit is reached.
+    Done,
+    /// Stop the run: training cannot go on.
+    Failed(String),
+    Violation(usize, String),
+    /// Ask `worker` to checkpoint `step` into `dir` (the dispatcher adds what was consumed).
+    Checkpoint { worker: usize, step: u64, dir: std::path::PathBuf },
+    /// No drafter is left to write the stop checkpoint, but the snapshot holds the last
+    /// committed step: write it from the snapshot (see [`Trainer::checkpoint_from_snapshot`]).
+    CheckpointFromSnapshot { step: u64, dir: std::path::PathBuf },
+}
+
+struct Member {
+    rank: u32,
+    holder: Holder,
+}
+
+struct Pending {
+    holder: Holder,
+    params: u64,
+    input: SlotRef,
+    batch_id: u64,
+    stats: StepStats,
+}
+
+/// The latest committed step, for status and the run's end.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
+pub struct TrainProgress {
+    pub step: u64,
+    pub loss: f64,
+    pub acceptance: f64,
+    pub slot_accuracy: Vec<f64>,
+    pub members: usize,
+    pub exported: Option<String>,
+    /// The step of the current rollback snapshot and what one costs (ms).
+    #[serde(default)]
+    pub snapshot_step: Option<u64>,
+    #[serde(default)]
+    pub snapshot_ms: Option<f64>,
+    /// Steps between snapshots (--snapshot-every, or the measured interval).
+    #[serde(default)]
+    pub snapshot_every: u64,
+    /// Rollbacks so far (every drafter died and the group went back to a saved state).
+    #[serde(default)]
+    pub rollbacks: u32,
+    /// Steps whose update was skipped (non-finite loss or gradient).
+    #[serde(default)]
+    pub skipped_steps: u64,
+}
+
+fn ordinal(n: u32) -> String {
+    match (n % 10, n % 100) {
+        (1, r) if r != 11 => format!("{n}st"),
+        (2, r) if r != 12 => format!("{n}nd"),
+        (3, r) if r != 13 => format!("{n}rd"),
+        _ => format!("{n}th"),
+    }
+}
+
+pub struct Trainer {
+    cfg: TrainerConfig,
+    grads_fd: OwnedFd,
+    grads_geometry: PoolGeometry,
+    _grads_map: PoolMap,
+    state_fd: OwnedFd,
+    state_geometry: PoolGeometry,
+    _state_map: PoolMap,
+    members: BTreeMap<usize, Member>,
+    free_ranks: BTreeSet<u32>,
+    committed: u64,
+    pending: BTreeMap<usize, Pending>,
+    /// (joiner, donor) while a snapshot is being taken.
+    joining: Option<(usize, usize)>,
+    queue: VecDeque<(usize, Holder)>,
+    log: File,
+    window: StepStats,
+    window_start: Instant,
+    window_steps: u64,
+    /// The run is stopping: no more steps commit (the export reflects the last one).
+    frozen: bool,
+    /// Step of the last checkpoint asked for, and of whom (until it is complete).
+    checkpointed: u64,
+    checkpoint_asked: Option<(usize, u64)>,
+    /// The newest complete checkpoint (step, directory).
+    last_checkpoint: Option<(u64, std::path::PathBuf)>,
+    /// How the first members load their state, and at which step.
+    restore: Restore,
+    restore_step: u64,
+    /// The run's own start (fresh, or the resumed checkpoint): the oldest rollback target.
+    base: (u64, Restore),
+    /// The current snapshot (slot, step), and the one being written (donor, slot, step).
+    snapshot: Option<(u32, u64)>,
+    snapshot_asked: Option<(usize, u32, u64)>,
+    /// Measured: milliseconds per snapshot and per step (moving averages).
+    snapshot_ms: Option<f64>,
+    step_ms: Option<f64>,
+    last_commit: Option<Instant>,
+    /// Batches of each committed step that a rollback may still take back.
+    lineage: BTreeMap<u64, Vec<u64>>,
+    rollbacks: u32,
+    /// Consecutive skipped steps, and the newest checkpoint from before they began.
+    skipped_in_a_row: u64,
+    good_checkpoint: Option<u64>,
+    pub progress: TrainProgress,
+}
+
+impl Trainer {
+    pub fn new(cfg: TrainerConfig, run_dir: &Path) -> Result<Trainer, Error> {
+        let params = ParamLayout::new(&cfg.drafter).total;
+        let grads_geometry = PoolGeometry { name: "grads".into(), slots: 2 * cfg.max_ranks.max(1), slot_bytes: params as u64 * 4 };
+        // Slot 0: a joining rank's state; 1 and 2: the rollback snapshot, double-buffered.
+        let state_geometry = PoolGeometry { name: "drafter-state".into(), slots: 3, slot_bytes: state_bytes(params) };
+        let mk = |g: &PoolGeometry| PoolMap::create(g.clone()).map_err(|e| Error::Internal(format!("cannot create the {} pool: {e}", g.name)));
+        let (grads_fd, grads_map) = mk(&grads_geometry)?;
+        let (state_fd, state_map) = mk(&state_geometry)?;
+        let mut log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(run_dir.join("train.jsonl"))
+            .map_err(|e| Error::Internal(format!("cannot create train.jsonl: {e}")))?;
+        // Temporary directories of checkpoints (and exports) a crash interrupted: never
+        // complete.
+        for dir in [cfg.checkpoints_dir.as_path(), run_dir] {
+            let Ok(entries) = std::fs::read_dir(dir) else { continue };
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().contains(".tmp-") {
+                    log::info!("removing {}, a checkpoint a crash left unfinished", e.path().display());
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let base = match &cfg.resume {
+            Some((step, dir)) => {
+                // A resumed run goes back to its checkpoint: steps after it in train.jsonl
+                // belong to an abandoned lineage.
+                let line = serde_json::json!({"t": unix_ms(), "rollback": {"to": step, "resume": true}});
+                let _ = writeln!(log, "{line}");
+                (*step, Restore::Checkpoint { dir: dir.clone() })
+            }
+            None => (0, Restore::Fresh),
+        };
+        Ok(Trainer {
+            restore: base.1.clone(),
+            restore_step: base.0,
+            last_checkpoint: cfg.resume.clone(),
+            base,
+            snapshot: None,
+            snapshot_asked: None,
+            snapshot_ms: None,
+            step_ms: None,
+            last_commit: None,
+            lineage: BTreeMap::new(),
+            checkpoint_asked: None,
+            rollbacks: 0,
+            skipped_in_a_row: 0,
+            good_checkpoint: None,
+            free_ranks: (0..cfg.max_ranks.max(1)).collect(),
+            committed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
+            checkpointed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
+            cfg,
+            grads_fd,
+            grads_geometry,
+            _grads_map: grads_map,
+            state_fd,
+            state_geometry,
+            _state_map: state_map,
+            members: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            joining: None,
+            queue: VecDeque::new(),
+            log,
+            window: StepStats::default(),
+            window_start: Instant::now(),
+            window_steps: 0,
+            frozen: false,
+            progress: TrainProgress::default(),
+        })
+    }
+
+    /// Bytes of shared memory for a drafter config and rank count (for the start-up check).
+    pub fn shared_bytes(drafter: &DrafterConfig, ranks: u32) -> u64 {
+        let p = ParamLayout::new(drafter).total as u64;
+        2 * ranks.max(1) as u64 * p * 4 + 3 * state_bytes(p as usize) + 2 * 4096
+    }
+
+    pub fn inherit_fds(&self) -> Vec<RawFd> {
+        vec![self.grads_fd.as_raw_fd(), self.state_fd.as_raw_fd()]
+    }
+
+    pub fn describe(&self) -> String {
+        let p = ParamLayout::new(&self.cfg.drafter).total;
+        let c = &self.cfg.drafter;
+        format!(
+            "drafter: {} layers, {p} parameters, block {}, up to {} anchors, γ {}, lr {}",
+            c.layers, c.block_size, c.max_anchors, c.gamma, self.cfg.lr
+        )
+    }
+
+    fn setup(&self, rank: u32, init: Init) -> ToWorker {
+        let info = |id, fd: &OwnedFd, g: &PoolGeometry| PoolInfo { id, fd: fd.as_raw_fd(), geometry: g.clone() };
+        ToWorker::Train(Box::new(TrainSetup {
+            drafter: self.cfg.drafter.clone(),
+            lr: self.cfg.lr,
+            warmup_steps: self.cfg.warmup_steps,
+            total_steps: self.cfg.total_steps,
+            clip: self.cfg.clip,
+            seed: self.cfg.seed,
+            grads: info(PoolId::Hidden, &self.grads_fd, &self.grads_geometry),
+            state: info(PoolId::Hidden, &self.state_fd, &self.state_geometry),
+            rank,
+            target_layer_ids: self.cfg.target_layer_ids.clone(),
+            num_target_layers: self.cfg.num_target_layers,
+            checkpoint: match &self.restore {
+                Restore::Checkpoint { dir } => Some(dir.display().to_string()),
+                _ => None,
+            },
+            init,
+        }))
+    }
+
+    fn add_member(&mut self, worker: usize, holder: Holder, init: Init, out: &mut Vec<Action>) {
+        let Some(rank) = self.free_ranks.pop_first() else {
+            out.push(Action::Failed("more drafter ranks than gradient slots".into()));
+            return;
+        };
+        self.members.insert(worker, Member { rank, holder });
+        out.push(Action::Send(worker, self.setup(rank, init)));
+    }
+
+    /// How a member that starts at `restore_step` loads its state.
+    fn restore_init(&self) -> Init {
+        match &self.restore {
+            Restore::Fresh => Init::Fresh,
+            Restore::Snapshot { slot } => Init::FromState { step: self.restore_step, slot: *slot },
+            Restore::Checkpoint { .. } => Init::FromCheckpoint { step: self.restore_step },
+        }
+    }
+
+    /// A drafter connected (after it got the pools).
+    pub fn on_ready(&mut self, worker: usize, holder: Holder) -> Vec<Action> {
+        let mut out = Vec::new();
+        if self.committed == self.restore_step && self.joining.is_none() {
+            // Nothing applied since the start or the last rollback: every rank can load
+            // the group's state by itself (fresh, a checkpoint, or the snapshot).
+            self.add_member(worker, holder, self.restore_init(), &mut out);
+        } else if self.members.is_empty() {
+            out.push(Action::Failed(self.lost_message()));
+        } else {
+            self.queue.push_back((worker, holder));
+            self.start_join(&mut out);
+        }
+        out
+    }
+
+    /// Every member is gone and steps were committed since `restore_step`: go back to the
+    /// newest state that survived them (snapshot, checkpoint, or the run's start).
+    fn rollback(&mut self, out: &mut Vec<Action>) {
+        if self.frozen || self.committed == self.restore_step {
+            return;
+        }
+        self.rollbacks += 1;
+        if self.rollbacks > self.cfg.max_rollbacks {
+            self.frozen = true;
+            out.push(Action::Failed(format!(
+                "every drafter died for the {} time (at step {}), more than --max-rollbacks {}: a crash that recurs is not recovered by rolling back (see the drafters' logs)",
+                ordinal(self.rollbacks),
+                self.committed,
+                self.cfg.max_rollbacks
+            )));
+            return;
+        }
+        let from = self.committed;
+        let mut candidates = vec![self.base.clone()];
+        if let Some((slot, step)) = self.snapshot {
+            candidates.push((step, Restore::Snapshot { slot }));
+        }
+        if let Some((step, dir)) = &self.last_checkpoint {
+            match dflash_shared::checkpoint::verify(dir) {
+                Ok(_) => candidates.push((*step, Restore::Checkpoint { dir: dir.clone() })),
+                Err(e) => log::warn!("not rolling back to the checkpoint of step {step}: {e}"),
+            }
+        }
+        let (to, restore) = candidates.into_iter().filter(|(s, _)| *s <= from).max_by_key(|(s, _)| *s).expect("the run's start is a candidate");
+        let batches: Vec<u64> = self.lineage.split_off(&(to + 1)).into_values().flatten().collect();
+        let what = match &restore {
+            Restore::Fresh => "the run's fresh start".to_string(),
+            Restore::Snapshot { .. } => "the snapshot".to_string(),
+            Restore::Checkpoint { dir } => format!("the checkpoint {}", dir.display()),
+        };
+        log::warn!(
+            "every drafter died after step {from}: rolling back to step {to} ({what}); {} batch(es) committed since go back to the queue (rollback {} of at most {})",
+            batches.len(),
+            self.rollbacks,
+            self.cfg.max_rollbacks
+        );
+        let line = serde_json::json!({"t": unix_ms(), "rollback": {"from": from, "to": to, "batches": batches.len(), "source": what}});
+        let _ = writeln!(self.log, "{line}");
+        self.pending.clear();
+        self.joining = None;
+        self.snapshot_asked = None;
+        self.checkpoint_asked = None;
+        self.skipped_in_a_row = 0;
+        self.committed = to;
+        self.set_aside_checkpoints_after(to);
+        self.checkpointed = self.saved_step().min(to);
+        self.restore = restore;
+        self.restore_step = to;
+        self.progress.step = to;
+        self.progress.rollbacks = self.rollbacks;
+        self.last_commit = None;
+        out.push(Action::Rollback { from, to, batches });
+        // Drafters that came up while no member could give them the state load it now.
+        for (w, h) in std::mem::take(&mut self.queue) {
+            self.add_member(w, h, self.restore_init(), out);
+        }
+    }
+
+    /// Checkpoints of steps after `to` belong to the abandoned lineage: move them out of
+    /// `checkpoints/` (to `abandoned-checkpoints/`), so that neither a later checkpoint of
+    /// the same step number nor a `--resume` meets them, and forget them.
+    fn set_aside_checkpoints_after(&mut self, to: u64) {
+        let aside = self.cfg.checkpoints_dir.with_file_name("abandoned-checkpoints");
+        if let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) {
+            for e in entries.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let step = dflash_shared::checkpoint::step_of_dir(&name);
+                if step.is_some_and(|s| s > to) {
+                    let _ = std::fs::create_dir_all(&aside);
+                    let dst = aside.join(format!("{name}-{}", unix_ms()));
+                    match std::fs::rename(e.path(), &dst) {
+                        Ok(()) => log::info!("{} belongs to the abandoned lineage: moved to {}", e.path().display(), dst.display()),
+                        Err(err) => log::warn!("cannot move {} aside: {err}", e.path().display()),
+                    }
+                }
+            }
+        }
+        if self.last_checkpoint.as_ref().is_some_and(|(s, _)| *s > to) {
+            // The newest complete checkpoint left, if any.
+            let mut left: Vec<(u64, std::path::PathBuf)> = std::fs::read_dir(&self.cfg.checkpoints_dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| {
+                    let s = dflash_shared::checkpoint::step_of_dir(&e.file_name().to_string_lossy())?;
+                    e.path().join("meta.json").is_file().then(|| (s, e.path()))
+                })
+                .collect();
+            left.sort();
+            self.last_checkpoint = left.pop().or_else(|| self.cfg.resume.clone());
+        }
+    }
+
+    fn lost_message(&self) -> String {
+        let saved = self.saved_step();
+        let resume = if saved > 0 {
+            format!("; continue from the checkpoint of step {saved} with --resume RUN_DIR")
+        } else {
+            "; no checkpoint was written yet (see --checkpoint-every)".into()
+        };
+        format!("every drafter died after step {}: the newer weights lived only in their memory{resume}", self.committed)
+    }
+
+    /// Ask a member for a snapshot for the next joiner in line. Commits wait while a join
+    /// is in progress, so every snapshot taken until the next commit holds the same
+    /// bytes: a joiner still reading the slot while the next one is written reads the
+    /// same values either way.
+    fn start_join(&mut self, out: &mut Vec<Action>) {
+        if self.joining.is_some() {
+            return;
+        }
+        let Some(&(joiner, _)) = self.queue.front() else { return };
+        let Some((&donor, _)) = self.members.iter().next() else { return };
+        self.joining = Some((joiner, donor));
+        out.push(Action::Send(donor, ToWorker::Snapshot { step: self.committed, slot: 0 }));
+    }
+
+    pub fn on_snapshot_done(&mut self, worker: usize, step: u64, slot: u32, ms: f64) -> Vec<Action> {
+        let mut out = Vec::new();
+        if slot != 0 {
+            match self.snapshot_asked {
+                Some((donor, s, at)) if donor == worker && s == slot && at == step => {
+                    self.snapshot_asked = None;
+                    if self.snapshot_ms.is_none() {
+                        log::info!("snapshot of the training state: {ms:.1} ms (taken {})", self.snapshot_policy());
+                    }
+                    self.snapshot_ms = Some(self.snapshot_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
+                    self.progress.snapshot_step = Some(step);
+                    self.progress.snapshot_ms = self.snapshot_ms;
+                    self.progress.snapshot_every = self.snapshot_interval();
+                    self.snapshot = Some((slot, step));
+                    self.cover(step, &mut out);
+                }
+                // The answer to a request from before a rollback (or from a dead donor's
+                // time): the slot it names was not made current.
+                _ if self.members.contains_key(&worker) => {}
+                _ => out.push(Action::Violation(worker, "SnapshotDone from a drafter that was not asked for one".into())),
+            }
+            return out;
+        }
+        match self.joining {
+            // The donor answers in the order it was asked, and applies every committed
+            // step before a later request: a reply for an older step answers a request
+            // whose joiner died before a commit. The reply to this one is still coming.
+            Some((_, donor)) if donor == worker && step < self.committed => {}
+            Some((joiner, donor)) if donor == worker => {
+                if step != self.committed {
+                    out.push(Action::Violation(worker, format!("snapshot at step {step}, expected {}", self.committed)));
+                    return out;
+                }
+                self.joining = None;
+                let (_, holder) = self.queue.pop_front().expect("the joiner is queued");
+                self.add_member(joiner, holder, Init::FromState { step, slot: 0 }, &mut out);
+                self.start_join(&mut out);
+                self.try_commit(&mut out);
+            }
+            // A reply to a request whose joiner has died since: nothing to do.
+            _ if self.members.contains_key(&worker) => {}
+            _ => out.push(Action::Violation(worker, "SnapshotDone from a drafter that was not asked for one".into())),
+        }
+        out
+    }
+
+    pub fn on_grads(&mut self, worker: usize, step: u64, input: SlotRef, batch_id: u64, stats: StepStats, params: u64) -> Vec<Action> {
+        let mut out = Vec::new();
+        let Some(m) = self.members.get(&worker) else {
+            out.push(Action::Violation(worker, "gradients from a drafter that is not in the training group".into()));
+            return out;
+        };
+        if step != self.committed + 1 || self.pending.contains_key(&worker) {
+            out.push(Action::Violation(worker, format!("gradients for step {step}, expected step {} once", self.committed + 1)));
+            return out;
+        }
+        self.pending.insert(worker, Pending { holder: m.holder, params, input, batch_id, stats });
+        self.try_commit(&mut out);
+        out
+    }
+
+    /// A drafter's life is over.
+    pub fn on_gone(&mut self, worker: usize) -> Vec<Action> {
+        let mut out = Vec::new();
+        if let Some(m) = self.members.remove(&worker) {
+            self.free_ranks.insert(m.rank);
+        }
+        self.pending.remove(&worker);
+        self.queue.retain(|(w, _)| *w != worker);
+        if self.snapshot_asked.is_some_and(|(donor, ..)| donor == worker) {
+            // Its half-written slot never becomes current.
+            self.snapshot_asked = None;
+        }
+        if self.checkpoint_asked.is_some_and(|(w, _)| w == worker) {
+            // Its checkpoint will never be complete: ask again (at the next one, or the stop).
+            self.checkpoint_asked = None;
+            self.checkpointed = self.saved_step();
+        }
+        if let Some((joiner, donor)) = self.joining {
+            if joiner == worker || donor == worker {
+                self.joining = None;
+            }
+        }
+        if self.members.is_empty() {
+            self.rollback(&mut out);
+        } else {
+            self.start_join(&mut out);
+        }
+        self.try_commit(&mut out);
+        out
+    }
+
+    /// Batches consumed up to `step` are safe from any rollback: forget them.
+    fn cover(&mut self, step: u64, out: &mut Vec<Action>) {
+        let newer = self.lineage.split_off(&(step + 1));
+        self.lineage = newer;
+        out.push(Action::Covered(step));
+    }
+
+    fn snapshot_policy(&self) -> String {
+        match self.cfg.snapshot_every {
+            Some(n) => format!("every {n} steps, --snapshot-every"),
+            None => format!("every {} steps, to stay under {:.0}% of the step time", self.snapshot_interval(), SNAPSHOT_BUDGET * 100.0),
+        }
+    }
+
+    /// Steps between snapshots: --snapshot-every, or what keeps their cost under the budget.
+    fn snapshot_interval(&self) -> u64 {
+        match (self.cfg.snapshot_every, self.snapshot_ms, self.step_ms) {
+            (Some(n), _, _) => n.max(1),
+            (None, Some(snap), Some(step)) if step > 0.0 => ((snap / (SNAPSHOT_BUDGET * step)).ceil() as u64).clamp(1, 100_000),
+            // Not measured yet: take one at once, to measure it.
+            _ => 1,
+        }
+    }
+
+    /// After committing `step`: ask one member for a snapshot when one is due.
+    fn maybe_snapshot(&mut self, step: u64, out: &mut Vec<Action>) {
+        if self.snapshot_asked.is_some() {
+            return;
+        }
+        let last = self.snapshot.map_or(self.restore_step, |(_, s)| s);
+        if step < last + self.snapshot_interval() {
+            return;
+        }
+        let Some(&donor) = self.members.keys().next() else { return };
+        // The slot that is not current.
+        let slot = if self.snapshot.is_some_and(|(s, _)| s == 1) { 2 } else { 1 };
+        self.snapshot_asked = Some((donor, slot, step));
+        out.push(Action::Send(donor, ToWorker::Snapshot { step, slot }));
+    }
+
+    /// The end of the data: when every batch not yet consumed is already in a pending
+    /// gradient (`remaining` = batches produced and not consumed, once the loader is
+    /// done), the members still waiting will never get one: commit the last step over
+    /// those who have a gradient.
+    pub fn flush_tail(&mut self, remaining: Option<u64>) -> Vec<Action> {
+        let mut out = Vec::new();
+        if remaining.is_some_and(|r| r > 0 && r == self.pending.len() as u64) {
+            self.commit(&mut out);
+        }
+        out
+    }
+
+    fn try_commit(&mut self, out: &mut Vec<Action>) {
+        if !self.members.keys().all(|w| self.pending.contains_key(w)) {
+            return;
+        }
+        self.commit(out);
+    }
+
+    /// Commit step `committed + 1` over the members with a pending gradient; every
+    /// member applies it.
+    fn commit(&mut self, out: &mut Vec<Action>) {
+        if self.frozen || self.joining.is_some() || self.members.is_empty() || self.pending.is_empty() {
+            return;
+        }
+        let step = self.committed + 1;
+        let sums: BTreeSet<u64> = self.pending.values().map(|p| p.params).collect();
+        if sums.len() > 1 {
+            self.frozen = true;
+            out.push(Action::Failed(format!(
+                "the drafter ranks hold different weights at step {}: data-parallel training diverged",
+                self.committed
+            )));
+            return;
+        }
+        let slots: Vec<u32> = self
+            .members
+            .iter()
+            .filter(|(w, _)| self.pending.contains_key(w))
+            .map(|(_, m)| m.rank * 2 + (step % 2) as u32)
+            .collect();
+        let lr = lr_at(step - 1, self.cfg.lr, self.cfg.warmup_steps, self.cfg.total_steps);
+        let mut stats = StepStats::default();
+        let mut batches = Vec::new();
+        for (&w, p) in std::mem::take(&mut self.pending).iter() {
+            out.push(Action::Consume { worker: w, holder: p.holder, input: p.input, batch_id: p.batch_id, step });
+            batches.push(p.batch_id);
+            stats.merge(&p.stats);
+        }
+        self.lineage.insert(step, batches);
+        let now = Instant::now();
+        if let Some(t) = self.last_commit.replace(now) {
+            let ms = (now - t).as_secs_f64() * 1e3;
+            self.step_ms = Some(self.step_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
+        }
+        for &w in self.members.keys() {
+            out.push(Action::Send(w, ToWorker::Reduce { step, slots: slots.clone(), lr, weight_sum: stats.weight_sum }));
+        }
+        self.committed = step;
+        self.record(step, lr, slots.len(), &stats);
+        if stats.nonfinite {
+            if self.skipped_in_a_row == 0 {
+                self.good_checkpoint = self.last_checkpoint.as_ref().map(|(s, _)| *s);
+            }
+            self.skipped_in_a_row += 1;
+            self.progress.skipped_steps += 1;
+            if self.skipped_in_a_row >= self.cfg.max_skipped_steps.max(1) {
+                self.frozen = true;
+                let good = match self.good_checkpoint {
+                    Some(s) => format!("the newest checkpoint from before them is step {s} ({})", self.cfg.checkpoints_dir.join(format!("step-{s:08}")).display()),
+                    None => "no checkpoint was written before them".into(),
+                };
+                out.push(Action::Failed(format!(
+                    "{} steps in a row had a non-finite loss or gradient and were skipped (--max-skipped-steps {}): the learning rate (--lr {}) is likely too high, or the target's weights or hidden states are not finite; {good}",
+                    self.skipped_in_a_row, self.cfg.max_skipped_steps, self.cfg.lr
+                )));
+                return;
+            }
+        } else {
+            self.skipped_in_a_row = 0;
+        }
+        self.maybe_snapshot(step, out);
+        if self.cfg.checkpoint_every.is_some_and(|n| n > 0 && step % n == 0) {
+            out.extend(self.checkpoint());
+        }
+        if self.cfg.steps_limit.is_some_and(|n| step >= n) {
+            self.frozen = true;
+            out.push(Action::Done);
+        }
+    }
+
+    fn record(&mut self, step: u64, lr: f64, contributors: usize, s: &StepStats) {
+        let acc: Vec<f64> = s.slot_correct.iter().zip(&s.slot_total).skip(1).map(|(c, t)| if *t > 0 { *c as f64 / *t as f64 } else { 0.0 }).collect();
+        let line = serde_json::json!({
+            "t": unix_ms(), "step": step, "loss": s.loss(), "acceptance": s.acceptance(), "slot_accuracy": acc,
+            "lr": lr, "members": self.members.len(), "contributors": contributors,
+            "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
+            "wait_ms": s.wait_ms, "compute_ms": s.compute_ms, "optimizer_ms": s.optimizer_ms,
+            "skipped": s.nonfinite,
+        });
+        let _ = writeln!(self.log, "{line}");
+        self.progress.step = step;
+        self.progress.loss = s.loss();
+        self.progress.acceptance = s.acceptance();
+        self.progress.slot_accuracy = acc;
+        self.progress.members = self.members.len();
+        self.window.merge(s);
+        self.window_steps += 1;
+        let secs = self.window_start.elapsed().as_secs_f64();
+        if secs >= 5.0 || step == 1 {
+            let w = &self.window;
+            let acc1 = if w.slot_total.len() > 1 && w.slot_total[1] > 0 { w.slot_correct[1] as f64 / w.slot_total[1] as f64 } else { 0.0 };
+            log::info!(
+                "step {step}: loss {:.4}, acceptance {:.2}, acc@1 {:.2}, {:.0} tokens/s, {} drafter(s), lr {:.2e}",
+                w.loss(),
+                w.acceptance(),
+                acc1,
+                w.tokens as f64 / secs.max(1e-9),
+                self.members.len(),
+                lr
+            );
+            self.window = StepStats::default();
+            self.window_start = Instant::now();
+            self.window_steps = 0;
+        }
+    }
+
+    /// Ask one member to write the drafter to `dir` (the run is ending): from now on no
+    /// step commits, so what is written is the last committed step.
+    pub fn export(&mut self, dir: &Path) -> Vec<Action> {
+        self.frozen = true;
+        let mut out = self.checkpoint();
+        if self.members.is_empty() && self.committed > self.saved_step() && self.snapshot.is_some_and(|(_, s)| s == self.committed) {
+            self.checkpointed = self.committed;
+            let dir = self.cfg.checkpoints_dir.join(format!("step-{:08}", self.committed));
+            out.push(Action::CheckpointFromSnapshot { step: self.committed, dir });
+        }
+        if let Some(&w) = self.members.keys().next() {
+            if self.committed > 0 {
+                out.push(Action::Send(w, ToWorker::Export { dir: dir.display().to_string() }));
+            }
+        }
+        out
+    }
+
+    /// Write the current snapshot as a checkpoint of `step` into `dir`, in the format a
+    /// drafter writes (state.safetensors with params/adam_m/adam_v, meta.json with its
+    /// checksum), atomically. For a stop with no drafter left.
+    pub fn checkpoint_from_snapshot(&mut self, step: u64, dir: &Path, supervisor_meta: &str) -> Result<(), String> {
+        let Some((slot, at)) = self.snapshot.filter(|&(_, s)| s == step) else {
+            return Err(format!("no snapshot of step {step}"));
+        };
+        // SAFETY: the snapshot slot is current and no drafter is left to write into it.
+        let src = unsafe { self._state_map.payload(slot) };
+        let n = ParamLayout::new(&self.cfg.drafter).total;
+        let (head, body) = src.split_at(64);
+        let (state_step, adam_step) = (u64::from_le_bytes(head[..8].try_into().expect("8 bytes")), u64::from_le_bytes(head[8..16].try_into().expect("8 bytes")));
+        if state_step != at {
+            return Err(format!("the snapshot slot holds step {state_step}, expected {at}"));
+        }
+        let body = &body[..3 * n * 4];
+        if !body.chunks_exact(4).all(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite()) {
+            return Err(format!("the training state at step {step} is not finite: no checkpoint written"));
+        }
+        // safetensors: header length, JSON header (padded to 8 bytes), then the data; the
+        // three tensors lie in the slot in this order already.
+        let mut header = serde_json::json!({}).as_object().cloned().expect("object");
+        for (i, name) in ["params", "adam_m", "adam_v"].iter().enumerate() {
+            header.insert((*name).into(), serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [i * n * 4, (i + 1) * n * 4]}));
+        }
+        let mut h = serde_json::Value::Object(header).to_string();
+        while h.len() % 8 != 0 {
+            h.push(' ');
+        }
+        let mut bytes = Vec::with_capacity(8 + h.len() + body.len());
+        bytes.extend((h.len() as u64).to_le_bytes());
+        bytes.extend(h.as_bytes());
+        bytes.extend(body);
+        let supervisor: serde_json::Value = serde_json::from_str(supervisor_meta).map_err(|e| e.to_string())?;
+        let meta = serde_json::json!({
+            "step": step,
+            "adam_step": adam_step,
+            "drafter": self.cfg.drafter,
+            "seed": self.cfg.seed,
+            "supervisor": supervisor,
+            "written_from": "the supervisor's snapshot",
+            "checksums": {dflash_shared::checkpoint::STATE_FILE: dflash_shared::checkpoint::checksum_hex(&bytes)},
+        });
+        let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+        let write = || -> std::io::Result<()> {
+            let _ = std::fs::remove_dir_all(&tmp);
+            std::fs::create_dir_all(&tmp)?;
+            for (name, data) in [(dflash_shared::checkpoint::STATE_FILE, bytes.as_slice()), (dflash_shared::checkpoint::META_FILE, serde_json::to_string_pretty(&meta)?.as_bytes())] {
+                let mut f = File::create(tmp.join(name))?;
+                f.write_all(data)?;
+                f.sync_all()?;
+            }
+            std::fs::rename(&tmp, dir)?;
+            if let Some(parent) = dir.parent() {
+                File::open(parent)?.sync_all()?;
+            }
+            Ok(())
+        };
+        write().map_err(|e| {
+            let _ = std::fs::remove_dir_all(&tmp);
+            format!("writing {}: {e}", dir.display())
+        })?;
+        self.on_checkpointed(dir.display().to_string(), step);
+        Ok(())
+    }
+
+    /// Bytes a checkpoint takes on disk (parameters and two Adam moments, f32, plus JSON).
+    fn checkpoint_bytes(&self) -> u64 {
+        ParamLayout::new(&self.cfg.drafter).total as u64 * 12 + 64 * 1024
+    }
+
+    /// Whether the disk has room for the next checkpoint; warns while there is room for
+    /// fewer than three more.
+    fn room_for_checkpoint(&self) -> bool {
+        let Ok(st) = nix::sys::statvfs::statvfs(&self.cfg.checkpoints_dir) else { return true };
+        // The field types differ between platforms (u64 here).
+        #[allow(clippy::unnecessary_cast)]
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        let need = self.checkpoint_bytes();
+        if free < need + need / 10 {
+            log::error!(
+                "not enough free space in {} for the checkpoint of step {} (needs {}, {} free): not written; free space, then it is written at the next checkpoint or at the stop",
+                self.cfg.checkpoints_dir.display(),
+                self.committed,
+                crate::data::pipeline::human(need),
+                crate::data::pipeline::human(free)
+            );
+            return false;
+        }
+        if free < 3 * need {
+            log::warn!("the disk of {} has room for fewer than 3 more checkpoints ({} free, {} each)", self.cfg.checkpoints_dir.display(), crate::data::pipeline::human(free), crate::data::pipeline::human(need));
+        }
+        true
+    }
+
+    /// A checkpoint of the last committed step, by one member.
+    pub fn checkpoint(&mut self) -> Vec<Action> {
+        match self.members.keys().next() {
+            Some(&w) if self.committed > self.checkpointed && self.room_for_checkpoint() => {
+                self.checkpointed = self.committed;
+                self.checkpoint_asked = Some((w, self.committed));
+                let dir = self.cfg.checkpoints_dir.join(format!("step-{:08}", self.committed));
+                vec![Action::Checkpoint { worker: w, step: self.committed, dir }]
+            }
+            _ => vec![],
+        }
+    }
+
+    /// A checkpoint is complete: a rollback target from now on; keep the newest
+    /// `keep_checkpoints`.
+    pub fn on_checkpointed(&mut self, dir: String, step: u64) {
+        log::info!("checkpoint of step {step} written to {dir}");
+        if self.checkpoint_asked.is_some_and(|(_, s)| s == step) {
+            self.checkpoint_asked = None;
+        }
+        // A rollback target from now on. It does not end the rollback window of the
+        // batches before it (only a snapshot does): the checkpoint may fail its check when
+        // a rollback needs it, and the group then goes back further.
+        if step <= self.committed && self.last_checkpoint.as_ref().is_none_or(|(s, _)| *s <= step) {
+            self.last_checkpoint = Some((step, dir.clone().into()));
+        }
+        self.prune_checkpoints();
+    }
+
+    fn prune_checkpoints(&mut self) {
+        let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) else { return };
+        let mut done: Vec<std::path::PathBuf> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.file_name().is_some_and(|n| dflash_shared::checkpoint::step_of_dir(&n.to_string_lossy()).is_some()) && p.join("meta.json").exists())
+            .collect();
+        done.sort();
+        let keep = self.cfg.keep_checkpoints.max(1);
+        if done.len() > keep {
+            for old in &done[..done.len() - keep] {
+                let _ = std::fs::remove_dir_all(old);
+            }
+        }
+    }
+
+    pub fn on_exported(&mut self, dir: String, step: u64) {
+        log::info!("drafter at step {step} written to {dir}");
+        self.progress.exported = Some(dir);
+    }
+
+    pub fn committed(&self) -> u64 {
+        self.committed
+    }
+
+    /// The newest step a complete checkpoint holds (the run's start when none).
+    pub fn saved_step(&self) -> u64 {
+        self.last_checkpoint.as_ref().map_or(self.base.0, |(s, _)| *s)
+    }
+
+    pub fn checkpoints_dir(&self) -> &Path {
+        &self.cfg.checkpoints_dir
+    }
+}
