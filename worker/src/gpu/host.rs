@@ -406,6 +406,14 @@ fn read_only_range(lo: u64, len: u64) -> Option<String> {
 /// # Safety
 /// The operands must cover [`Gemm::extents`].
 pub unsafe fn host_sgemm(g: &Gemm) {
+    sgemm_colmajor(g, gemm::Parallelism::None)
+}
+
+/// [`Gemm`] (cuBLAS's column-major contract, f32 operands) through the `gemm` crate.
+///
+/// # Safety
+/// As for [`host_sgemm`].
+pub unsafe fn sgemm_colmajor(g: &Gemm, par: gemm::Parallelism) {
     let (m, n, k) = (g.m, g.n, g.k);
     if m == 0 || n == 0 {
         return;
@@ -443,6 +451,6 @@ pub unsafe fn host_sgemm(g: &Gemm) {
         false,
         false,
         false,
-        gemm::Parallelism::None,
+        par,
     );
 }

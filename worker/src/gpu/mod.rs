@@ -13,6 +13,7 @@
 //! the target forward on it. Device memory comes from one [`Arena`] per worker, allocated
 //! once and sub-allocated, with its own counters.
 
+pub mod cpu;
 pub mod cuda;
 pub mod drafter;
 pub mod host;

@@ -1,0 +1,636 @@
+// The device parity tests: every kernel and the device models against the CPU reference.
+// Included by host_device.rs (the host device, or a GPU) and cpu_device.rs (the CPU device),
+// each of which defines `device()`.
+
+use dflash_shared::rng::Rng;
+use dflash_worker::compute::cpu::Cpu;
+use dflash_worker::compute::{Backend, Heads, KeySpan};
+use dflash_worker::gpu::ops::Ops;
+use dflash_worker::gpu::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
+
+fn rand_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale).collect()
+}
+
+#[allow(dead_code)]
+fn on_gpu() -> bool {
+    std::env::var("DFLASH_TEST_DEVICE").as_deref() == Ok("cuda")
+}
+
+fn ops() -> Ops {
+    Ops::new(device())
+}
+
+fn put(o: &mut Ops, v: &[f32]) -> DSlice {
+    let p = o.dev.alloc(v.len() * 4).unwrap();
+    let s = DSlice { ptr: p, bytes: v.len() * 4 };
+    o.dev.upload(Stream::Compute, s, f32_bytes(v)).unwrap();
+    s
+}
+
+fn put_i32(o: &mut Ops, v: &[i32]) -> DSlice {
+    let p = o.dev.alloc(v.len() * 4).unwrap();
+    let s = DSlice { ptr: p, bytes: v.len() * 4 };
+    o.dev.upload(Stream::Compute, s, i32_bytes(v)).unwrap();
+    s
+}
+
+fn get(o: &mut Ops, s: DSlice) -> Vec<f32> {
+    let mut v = vec![0f32; s.bytes / 4];
+    o.dev.download(Stream::Compute, s, f32_bytes_mut(&mut v)).unwrap();
+    v
+}
+
+/// Largest |a − b| relative to the largest |b| (or 1 for tiny references).
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite output");
+    let e = rel_err(got, want);
+    eprintln!("{what}: max relative error {e:.2e} (tolerance {tol:.0e})");
+    assert!(e <= tol, "{what}: max relative error {e:e} > {tol:e}");
+}
+
+// f32 tolerances: the device sums in another order (warp trees, GEMM blocking) and uses
+// f32 where the CPU uses f64 for a few reductions.
+const TOL: f32 = 2e-5;
+
+#[test]
+fn host_device_matmul_and_its_backward_match_the_cpu_backend() {
+    let mut rng = Rng::new(1);
+    let (m, k, n) = (37, 53, 29);
+    let (x, w, dy) = (rand_vec(&mut rng, m * k, 1.0), rand_vec(&mut rng, n * k, 1.0), rand_vec(&mut rng, m * n, 1.0));
+    let cpu = Cpu::with_threads(1);
+    let mut y = vec![0f32; m * n];
+    cpu.matmul(&x, &w, &mut y, m, k, n);
+    let (mut dx, mut dw) = (rand_vec(&mut rng, m * k, 1.0), rand_vec(&mut rng, n * k, 1.0));
+    let (dx0, dw0) = (dx.clone(), dw.clone());
+    cpu.matmul_backward(&dy, &x, &w, Some(&mut dx), Some(&mut dw), m, k, n);
+
+    let mut o = ops();
+    let (gx, gw, gdy) = (put(&mut o, &x), put(&mut o, &w), put(&mut o, &dy));
+    let gy = put(&mut o, &vec![f32::NAN; m * n]);
+    o.matmul(gx, gw, gy, m, k, n).unwrap();
+    assert_close("matmul", &get(&mut o, gy), &y, TOL);
+    let (gdx, gdw) = (put(&mut o, &dx0), put(&mut o, &dw0));
+    o.matmul_backward(gdy, gx, gw, Some(gdx), Some(gdw), m, k, n).unwrap();
+    assert_close("matmul dx (accumulated)", &get(&mut o, gdx), &dx, TOL);
+    assert_close("matmul dw (accumulated)", &get(&mut o, gdw), &dw, TOL);
+}
+
+type SgemmFn = unsafe extern "C" fn(i32, i32, i32, i32, i32, i32, f32, *const f32, i32, *const f32, i32, f32, *mut f32, i32);
+
+/// cblas_sgemm from the system's OpenBLAS (Debian: libopenblas0), the reference for the
+/// column-major convention.
+fn openblas_sgemm() -> Option<SgemmFn> {
+    for name in ["libopenblas.so.0", "libopenblas.so", "libblas.so.3"] {
+        let c = std::ffi::CString::new(name).unwrap();
+        // SAFETY: dlopen/dlsym of a BLAS library; the symbol has cblas_sgemm's C signature.
+        unsafe {
+            let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW);
+            if h.is_null() {
+                continue;
+            }
+            let f = libc::dlsym(h, c"cblas_sgemm".as_ptr());
+            if !f.is_null() {
+                return Some(std::mem::transmute::<*mut libc::c_void, SgemmFn>(f));
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn host_device_gemm_honours_the_cublas_contract_like_openblas() {
+    let Some(sgemm) = openblas_sgemm() else {
+        assert!(std::env::var_os("CI").is_none(), "OpenBLAS (cblas_sgemm) not found; .ci/run installs libopenblas0");
+        eprintln!("skipped: no OpenBLAS on this machine (apt install libopenblas0)");
+        return;
+    };
+    let mut rng = Rng::new(2);
+    let mut cases = 0;
+    for &(ta, tb) in &[(false, false), (true, false), (false, true), (true, true)] {
+        for &(m, n, k, pad, alpha, beta) in &[(7usize, 5usize, 3usize, 0usize, 1.0f32, 0.0f32), (33, 17, 65, 3, 0.5, 1.0), (1, 40, 9, 1, -2.0, 0.25), (16, 1, 1, 0, 1.0, -1.0)] {
+            let (ar, ac) = if ta { (k, m) } else { (m, k) };
+            let (br, bc) = if tb { (n, k) } else { (k, n) };
+            let (lda, ldb, ldc) = (ar + pad, br + 2 * pad, m + pad);
+            let a = rand_vec(&mut rng, lda * ac, 1.0);
+            let b = rand_vec(&mut rng, ldb * bc, 1.0);
+            let c0 = rand_vec(&mut rng, ldc * n, 1.0);
+            let mut want = c0.clone();
+            // CblasColMajor = 102, CblasNoTrans = 111, CblasTrans = 112.
+            let t = |x: bool| if x { 112 } else { 111 };
+            // SAFETY: buffers sized for their leading dimensions.
+            unsafe { sgemm(102, t(ta), t(tb), m as i32, n as i32, k as i32, alpha, a.as_ptr(), lda as i32, b.as_ptr(), ldb as i32, beta, want.as_mut_ptr(), ldc as i32) };
+            let mut o = ops();
+            let (ga, gb, gc) = (put(&mut o, &a), put(&mut o, &b), put(&mut o, &c0));
+            let g = Gemm { transa: ta, transb: tb, m, n, k, alpha, a: ga, lda, b: gb, ldb, beta, c: gc, ldc, bf16_inputs: false };
+            o.dev.gemm(Stream::Compute, &g).unwrap();
+            let got = get(&mut o, gc);
+            assert_close(&format!("gemm ta={ta} tb={tb} {m}x{n}x{k} ld+{pad} α={alpha} β={beta}"), &got, &want, 1e-5);
+            // Padding rows of C (beyond m in each column) are untouched.
+            for j in 0..n {
+                for i in m..ldc {
+                    assert_eq!(got[i + j * ldc], c0[i + j * ldc], "row {i} of column {j} is padding");
+                }
+            }
+            cases += 1;
+        }
+    }
+    assert_eq!(cases, 16);
+    // bf16 inputs (f32 output and accumulation, as cublasGemmEx with CUDA_R_16BF): the
+    // product of the widened operands.
+    for &(ta, tb) in &[(true, false), (false, true)] {
+        let (m, n, k) = (19usize, 23usize, 37usize);
+        let (lda, ldb, ldc) = (if ta { k } else { m }, if tb { n } else { k }, m);
+        let a16: Vec<half::bf16> = rand_vec(&mut rng, lda * if ta { m } else { k }, 2.0).into_iter().map(half::bf16::from_f32).collect();
+        let b16: Vec<half::bf16> = rand_vec(&mut rng, ldb * if tb { k } else { n }, 2.0).into_iter().map(half::bf16::from_f32).collect();
+        let (a32, b32): (Vec<f32>, Vec<f32>) = (a16.iter().map(|x| x.to_f32()).collect(), b16.iter().map(|x| x.to_f32()).collect());
+        let mut want = vec![0f32; ldc * n];
+        let t = |x: bool| if x { 112 } else { 111 };
+        // SAFETY: buffers sized for their leading dimensions.
+        unsafe { sgemm(102, t(ta), t(tb), m as i32, n as i32, k as i32, 1.0, a32.as_ptr(), lda as i32, b32.as_ptr(), ldb as i32, 0.0, want.as_mut_ptr(), ldc as i32) };
+        let mut o = ops();
+        let up16 = |o: &mut Ops, v: &[half::bf16]| {
+            let p = o.dev.alloc(v.len() * 2).unwrap();
+            let s = DSlice { ptr: p, bytes: v.len() * 2 };
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            o.dev.upload(Stream::Compute, s, &bytes).unwrap();
+            s
+        };
+        let (ga, gb) = (up16(&mut o, &a16), up16(&mut o, &b16));
+        let gc = put(&mut o, &vec![f32::NAN; ldc * n]);
+        let g = Gemm { transa: ta, transb: tb, m, n, k, alpha: 1.0, a: ga, lda, b: gb, ldb, beta: 0.0, c: gc, ldc, bf16_inputs: true };
+        o.dev.gemm(Stream::Compute, &g).unwrap();
+        assert_close(&format!("gemm bf16 inputs ta={ta} tb={tb}"), &get(&mut o, gc), &want, 1e-5);
+        // A bf16 operand is half the bytes: a buffer sized for f32 of half the elements is too short.
+        let short = Gemm { a: DSlice { ptr: ga.ptr, bytes: ga.bytes - 2 }, ..g };
+        assert!(matches!(o.dev.gemm(Stream::Compute, &short), Err(GpuError::Invalid(_))));
+    }
+    // A leading dimension below the row count, or a buffer too short, is refused.
+    let mut o = ops();
+    let s = put(&mut o, &[0.0; 16]);
+    let bad = Gemm { transa: false, transb: false, m: 4, n: 4, k: 4, alpha: 1.0, a: s, lda: 3, b: s, ldb: 4, beta: 0.0, c: s, ldc: 4, bf16_inputs: false };
+    assert!(matches!(o.dev.gemm(Stream::Compute, &bad), Err(GpuError::Invalid(_))));
+    let short = Gemm { lda: 4, m: 5, ldc: 5, ..bad };
+    assert!(matches!(o.dev.gemm(Stream::Compute, &short), Err(GpuError::Invalid(_))));
+}
+
+#[test]
+fn host_device_rmsnorm_forward_and_backward_match_the_cpu_backend() {
+    let mut rng = Rng::new(3);
+    // 300: more than one pass of a 256-thread block; 16: one partial warp-sized row.
+    for &(rows, d) in &[(5usize, 300usize), (9, 16), (3, 64)] {
+        let x = rand_vec(&mut rng, rows * d, 2.0);
+        let w = rand_vec(&mut rng, d, 1.0);
+        let dy = rand_vec(&mut rng, rows * d, 1.0);
+        let cpu = Cpu::with_threads(1);
+        let mut y = vec![0f32; rows * d];
+        let rstd = cpu.rmsnorm(&x, &w, &mut y, d, 1e-6);
+        let dx0 = rand_vec(&mut rng, rows * d, 1.0);
+        let (mut dx, mut dw) = (dx0.clone(), vec![0.5f32; d]);
+        cpu.rmsnorm_backward(&dy, &x, &w, &rstd, &mut dx, Some(&mut dw), d);
+
+        let mut o = ops();
+        let (gx, gw, gdy) = (put(&mut o, &x), put(&mut o, &w), put(&mut o, &dy));
+        let (gy, gr) = (put(&mut o, &vec![0.0; rows * d]), put(&mut o, &vec![0.0; rows]));
+        o.rmsnorm(gx, gw, gy, gr, rows, d, 1e-6).unwrap();
+        assert_close(&format!("rmsnorm {rows}x{d}"), &get(&mut o, gy), &y, TOL);
+        assert_close(&format!("rmsnorm rstd {rows}x{d}"), &get(&mut o, gr), &rstd, TOL);
+        let (gdx, gdw) = (put(&mut o, &dx0), put(&mut o, &vec![0.5; d]));
+        o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d).unwrap();
+        assert_close(&format!("rmsnorm dx {rows}x{d}"), &get(&mut o, gdx), &dx, 1e-4);
+        assert_close(&format!("rmsnorm dw {rows}x{d}"), &get(&mut o, gdw), &dw, 1e-4);
+        // In place (y = x), as the target's q/k norms run.
+        o.rmsnorm(gx, gw, gx, gr, rows, d, 1e-6).unwrap();
+        assert_close(&format!("rmsnorm in place {rows}x{d}"), &get(&mut o, gx), &y, TOL);
+    }
+}
+
+#[test]
+fn host_device_rope_and_its_inverse_match_the_cpu_backend() {
+    let mut rng = Rng::new(4);
+    let (rows, heads, hd) = (11, 3, 32);
+    let x = rand_vec(&mut rng, rows * heads * hd, 1.0);
+    let positions: Vec<usize> = (0..rows).map(|i| i * 7 + 3).collect();
+    let scaling = dflash_shared::model_config::RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 64.0 };
+    let inv_freq = dflash_worker::compute::rope_inv_freq(hd, 500000.0, Some(&scaling));
+    let cpu = Cpu::with_threads(1);
+    let mut o = ops();
+    let (gx, gp, gf) = (put(&mut o, &x), put_i32(&mut o, &positions.iter().map(|&p| p as i32).collect::<Vec<_>>()), put(&mut o, &inv_freq));
+    for inverse in [false, true] {
+        let mut want = x.clone();
+        // A YaRN-like cos/sin scale, which the kernel must apply as the CPU does.
+        cpu.rope(&mut want, heads, hd, &positions, &inv_freq, 1.25, inverse);
+        o.dev.upload(Stream::Compute, gx, f32_bytes(&x)).unwrap();
+        o.rope(gx, gp, gf, rows, heads, hd, 1.25, inverse).unwrap();
+        assert_close(&format!("rope inverse={inverse}"), &get(&mut o, gx), &want, 1e-5);
+    }
+    // Forward then inverse is the identity.
+    o.dev.upload(Stream::Compute, gx, f32_bytes(&x)).unwrap();
+    o.rope(gx, gp, gf, rows, heads, hd, 1.0, false).unwrap();
+    o.rope(gx, gp, gf, rows, heads, hd, 1.0, true).unwrap();
+    assert_close("rope round trip", &get(&mut o, gx), &x, 1e-5);
+}
+
+#[test]
+fn host_device_swiglu_add_embed_copy_and_casts_match_the_cpu() {
+    let mut rng = Rng::new(5);
+    let n = 1000;
+    let (g, u, dout) = (rand_vec(&mut rng, n, 4.0), rand_vec(&mut rng, n, 2.0), rand_vec(&mut rng, n, 1.0));
+    let cpu = Cpu::with_threads(1);
+    let mut out = vec![0f32; n];
+    cpu.swiglu(&g, &u, &mut out);
+    let (mut dg, mut du) = (vec![0.25f32; n], vec![-0.5f32; n]);
+    cpu.swiglu_backward(&dout, &g, &u, &mut dg, &mut du);
+    let mut o = ops();
+    let (gg, gu, gd) = (put(&mut o, &g), put(&mut o, &u), put(&mut o, &dout));
+    let go = put(&mut o, &vec![0.0; n]);
+    o.swiglu(gg, gu, go).unwrap();
+    assert_close("swiglu", &get(&mut o, go), &out, 1e-6);
+    let (gdg, gdu) = (put(&mut o, &vec![0.25; n]), put(&mut o, &vec![-0.5; n]));
+    o.swiglu_backward(gd, gg, gu, gdg, gdu).unwrap();
+    assert_close("swiglu dgate", &get(&mut o, gdg), &dg, 1e-6);
+    assert_close("swiglu dup", &get(&mut o, gdu), &du, 1e-6);
+
+    o.add(go, gu).unwrap();
+    let sum: Vec<f32> = out.iter().zip(&u).map(|(a, b)| a + b).collect();
+    assert_eq!(get(&mut o, go), sum, "add is exact");
+
+    // Embedding gather, with an out-of-range id clamped to the last row.
+    let (vocab, h) = (10, 40);
+    let table = rand_vec(&mut rng, vocab * h, 1.0);
+    let ids = [3u32, 0, 9, 25];
+    let gt = put(&mut o, &table);
+    let gi = {
+        let p = o.dev.alloc(16).unwrap();
+        let s = DSlice { ptr: p, bytes: 16 };
+        o.dev.upload(Stream::Compute, s, u32_bytes(&ids)).unwrap();
+        s
+    };
+    let ge = put(&mut o, &vec![0.0; ids.len() * h]);
+    o.embed(ge, gt, gi, ids.len(), h, vocab).unwrap();
+    let want: Vec<f32> = ids.iter().flat_map(|&i| table[(i as usize).min(vocab - 1) * h..][..h].to_vec()).collect();
+    assert_eq!(get(&mut o, ge), want, "embedding gather is exact");
+
+    // Columns 5..25 of a [4, 40] matrix into columns 10..30 of a [4, 50] one.
+    let gdst = put(&mut o, &vec![0.0; 4 * 50]);
+    o.copy_cols(gdst, ge, 4, 20, 50, 10, 40, 5).unwrap();
+    let got = get(&mut o, gdst);
+    for r in 0..4 {
+        for c in 0..50 {
+            let want = if (10..30).contains(&c) { want[r * 40 + c - 10 + 5] } else { 0.0 };
+            assert_eq!(got[r * 50 + c], want, "copy_cols row {r} col {c}");
+        }
+    }
+
+    // f32 → bf16 rounds to nearest even exactly as the `half` crate does; back is exact.
+    let mut vals = rand_vec(&mut rng, 500, 100.0);
+    vals.extend([0.0, -0.0, 1.0, f32::INFINITY, f32::NEG_INFINITY, 1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, f32::MAX, 1e-40]);
+    let gv = put(&mut o, &vals);
+    let gb = {
+        let p = o.dev.alloc(vals.len() * 2).unwrap();
+        DSlice { ptr: p, bytes: vals.len() * 2 }
+    };
+    o.f32_to_bf16(gb, gv).unwrap();
+    let mut bits = vec![0u8; vals.len() * 2];
+    o.dev.download(Stream::Compute, gb, &mut bits).unwrap();
+    for (i, v) in vals.iter().enumerate() {
+        let got = u16::from_le_bytes([bits[2 * i], bits[2 * i + 1]]);
+        assert_eq!(got, half::bf16::from_f32(*v).to_bits(), "bf16 of {v}");
+    }
+    let gback = put(&mut o, &vec![0.0; vals.len()]);
+    o.bf16_to_f32(gback, gb).unwrap();
+    let back = get(&mut o, gback);
+    for (b, v) in back.iter().zip(&vals) {
+        assert_eq!(b.to_bits(), half::bf16::from_f32(*v).to_f32().to_bits());
+    }
+}
+
+fn spans_i32(spans: &[KeySpan]) -> Vec<i32> {
+    spans.iter().flat_map(|s| [s.a.start as i32, s.a.end as i32, s.b.start as i32, s.b.end as i32]).collect()
+}
+
+fn check_attention(name: &str, tq: usize, tk: usize, spans: &[KeySpan], h: Heads, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let (qw, kw) = (h.q_heads * h.head_dim, h.kv_heads * h.head_dim);
+    let (q, k, v, dout) = (rand_vec(&mut rng, tq * qw, 1.5), rand_vec(&mut rng, tk * kw, 1.5), rand_vec(&mut rng, tk * kw, 1.0), rand_vec(&mut rng, tq * qw, 1.0));
+    let cpu = Cpu::with_threads(1);
+    let mut out = vec![0f32; tq * qw];
+    let saved = cpu.attention(&q, &k, &v, &mut out, spans, h);
+    let (mut dq, mut dk, mut dv) = (vec![0.1f32; tq * qw], vec![0.2f32; tk * kw], vec![0.3f32; tk * kw]);
+    cpu.attention_backward(&dout, &q, &k, &v, &saved, spans, h, &mut dq, &mut dk, &mut dv);
+
+    let mut o = ops();
+    let (gq, gk, gv, gd) = (put(&mut o, &q), put(&mut o, &k), put(&mut o, &v), put(&mut o, &dout));
+    let gs = put_i32(&mut o, &spans_i32(spans));
+    let (go, gl) = (put(&mut o, &vec![f32::NAN; tq * qw]), put(&mut o, &vec![0.0; tq * h.q_heads]));
+    o.attention(gq, gk, gv, go, gl, gs, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    assert_close(&format!("{name} attention"), &get(&mut o, go), &out, 1e-5);
+    let (gdq, gdk, gdv) = (put(&mut o, &vec![0.1; tq * qw]), put(&mut o, &vec![0.2; tk * kw]), put(&mut o, &vec![0.3; tk * kw]));
+    o.attention_backward(gd, go, gl, gq, gk, gv, gs, gdq, gdk, gdv, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    assert_close(&format!("{name} attention dq"), &get(&mut o, gdq), &dq, 1e-4);
+    assert_close(&format!("{name} attention dk"), &get(&mut o, gdk), &dk, 1e-4);
+    assert_close(&format!("{name} attention dv"), &get(&mut o, gdv), &dv, 1e-4);
+}
+
+#[test]
+fn host_device_causal_attention_with_gqa_matches_the_cpu_backend() {
+    let t = 23;
+    let spans: Vec<KeySpan> = (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect();
+    check_attention("causal hd=40 (lanes partly idle)", t, t, &spans, Heads { q_heads: 4, kv_heads: 2, head_dim: 40 }, 6);
+    check_attention("causal hd=96 (3 values per lane)", t, t, &spans, Heads { q_heads: 3, kv_heads: 1, head_dim: 96 }, 7);
+}
+
+#[test]
+fn host_device_dflash_block_attention_matches_the_cpu_backend() {
+    // Context of 20 positions, then 3 blocks of 4: a block sees the context before its
+    // anchor and itself; the block at anchor 0 sees no context; no block sees another.
+    let (slen, bs, anchors) = (20usize, 4usize, [0usize, 7, 15]);
+    let tq = anchors.len() * bs;
+    let spans: Vec<KeySpan> = (0..tq).map(|i| KeySpan { a: 0..anchors[i / bs], b: slen + (i / bs) * bs..slen + (i / bs + 1) * bs }).collect();
+    check_attention("dflash blocks", tq, slen + tq, &spans, Heads { q_heads: 4, kv_heads: 2, head_dim: 32 }, 8);
+    // A row with no key at all outputs zeros (and its backward adds nothing).
+    let empty = vec![KeySpan { a: 0..0, b: 0..0 }, KeySpan { a: 0..2, b: 0..0 }];
+    check_attention("a row without keys", 2, 2, &empty, Heads { q_heads: 2, kv_heads: 2, head_dim: 32 }, 9);
+}
+
+#[test]
+fn host_device_chunked_cross_entropy_matches_the_cpu_backend() {
+    let mut rng = Rng::new(10);
+    let (n, h, vocab, chunk) = (6usize, 48usize, 700usize, 256usize);
+    let hn = rand_vec(&mut rng, n * h, 1.0);
+    let lm = rand_vec(&mut rng, vocab * h, 0.5);
+    let rows: Vec<(usize, u32, f64)> = (0..n).map(|i| (i, ((i * 131 + 7) % vocab) as u32, 0.5 + i as f64)).collect();
+    let total: f64 = rows.iter().map(|r| r.2).sum::<f64>() * 1.5;
+    let cpu = Cpu::with_threads(1);
+    let mut dhn = vec![0f32; n * h];
+    let want = dflash_worker::model::drafter::lm_head_ce(&cpu, &hn, h, &lm, vocab, &rows, total, Some(&mut dhn));
+
+    let mut o = ops();
+    let (ghn, glm) = (put(&mut o, &hn), put(&mut o, &lm));
+    let labels = put_i32(&mut o, &rows.iter().map(|r| r.1 as i32).collect::<Vec<_>>());
+    let scale = put(&mut o, &rows.iter().map(|r| (r.2 / total) as f32).collect::<Vec<_>>());
+    let (mx, sm, bv, bi, ll) = (put(&mut o, &vec![f32::NEG_INFINITY; n]), put(&mut o, &vec![0.0; n]), put(&mut o, &vec![f32::NEG_INFINITY; n]), put_i32(&mut o, &vec![0; n]), put(&mut o, &vec![0.0; n]));
+    let logits = put(&mut o, &vec![0.0; n * chunk]);
+    for start in (0..vocab).step_by(chunk) {
+        let cw = chunk.min(vocab - start);
+        let l = logits.f32s(0..n * cw);
+        o.matmul(ghn, glm.f32s(start * h..(start + cw) * h), l, n, h, cw).unwrap();
+        o.ce_chunk_stats(mx, sm, bv, bi, ll, l, labels, n, cw, start).unwrap();
+    }
+    let (m, s, lab) = (get(&mut o, mx), get(&mut o, sm), get(&mut o, ll));
+    let mut best = vec![0i32; n];
+    o.dev.download(Stream::Compute, bi, bytemuck_i32(&mut best)).unwrap();
+    let ce: Vec<f32> = (0..n).map(|r| m[r] + s[r].ln() - lab[r]).collect();
+    let want_ce: Vec<f32> = want.iter().map(|w| w.0 as f32).collect();
+    assert_close("cross-entropy", &ce, &want_ce, 1e-5);
+    for (r, w) in want.iter().enumerate() {
+        assert_eq!(best[r] == rows[r].1 as i32, w.1, "argmax == label for row {r}");
+    }
+    // The gradient: every chunk turned into scale·(softmax − onehot), then dhn = g · W.
+    let gdhn = put(&mut o, &vec![0.0; n * h]);
+    for start in (0..vocab).step_by(chunk) {
+        let cw = chunk.min(vocab - start);
+        let l = logits.f32s(0..n * cw);
+        let w = glm.f32s(start * h..(start + cw) * h);
+        o.matmul(ghn, w, l, n, h, cw).unwrap();
+        o.ce_chunk_grad(l, mx, sm, labels, scale, n, cw, start).unwrap();
+        // dhn (n×h) += g (n×cw) · W (cw×h): the backward of y = x·Wᵀ with respect to x.
+        o.matmul_backward(l, ghn, w, Some(gdhn), None, n, h, cw).unwrap();
+    }
+    assert_close("cross-entropy gradient", &get(&mut o, gdhn), &dhn, 1e-4);
+}
+
+fn bytemuck_i32(v: &mut [i32]) -> &mut [u8] {
+    // SAFETY: i32 has no padding; any bytes are a valid i32.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4) }
+}
+
+#[test]
+fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
+    use dflash_worker::model::drafter::{grad_norm, AdamW};
+    let mut rng = Rng::new(11);
+    let n = 3000;
+    let p0 = rand_vec(&mut rng, n, 1.0);
+    let mut o = ops();
+    let (gp, gm, gv) = (put(&mut o, &p0), put(&mut o, &vec![0.0; n]), put(&mut o, &vec![0.0; n]));
+    let acc = {
+        let p = o.dev.alloc(8).unwrap();
+        DSlice { ptr: p, bytes: 8 }
+    };
+    let flag = put_i32(&mut o, &[0]);
+    let t = put_i32(&mut o, &[0]);
+    let partials = put(&mut o, &vec![0.0; 2 * dflash_worker::gpu::ops::SUMSQ_BLOCKS]);
+    let mut cpu_p = p0.clone();
+    let mut opt = AdamW::new(n);
+    let clip = 1.0f64;
+    for step in 0..4 {
+        // Step 2 carries a NaN: the device leaves weights and moments as they were.
+        let mut g = rand_vec(&mut rng, n, if step == 1 { 0.01 } else { 0.2 });
+        if step == 2 {
+            g[1234] = f32::NAN;
+        }
+        let gg = put(&mut o, &g);
+        o.dev.memset_zero(Stream::Compute, acc).unwrap();
+        o.dev.memset_zero(Stream::Compute, flag).unwrap();
+        o.sumsq(gg, partials, acc, flag).unwrap();
+        if let Some(norm) = grad_norm(&g) {
+            let mut a = [0u8; 8];
+            o.dev.download(Stream::Compute, acc, &mut a).unwrap();
+            let dn = f64::from_le_bytes(a).sqrt();
+            assert!((dn - norm).abs() <= 1e-6 * norm, "device norm {dn} vs {norm}");
+        }
+        // The host's view: the CPU reference (clip when the norm exceeds 1, skip when not finite).
+        let applied = match grad_norm(&g) {
+            Some(norm) => {
+                let mut g2 = g.clone();
+                if norm > clip {
+                    g2.iter_mut().for_each(|x| *x *= (clip / norm) as f32);
+                }
+                opt.update(&mut cpu_p, &g2, 1e-3);
+                true
+            }
+            None => false,
+        };
+        assert_eq!(applied, step != 2);
+        o.adam_count(t, flag).unwrap();
+        o.adamw(gp, gm, gv, gg, acc, flag, t, clip as f32, 1e-3, &opt.hyper()).unwrap();
+        let mut nf = [0i32];
+        o.dev.download(Stream::Compute, flag, bytemuck_i32(&mut nf)).unwrap();
+        assert_eq!(nf[0] != 0, step == 2, "the non-finite flag at step {step}");
+        let mut tt = [0i32];
+        o.dev.download(Stream::Compute, t, bytemuck_i32(&mut tt)).unwrap();
+        assert_eq!(tt[0] as u64, opt.step, "the device's Adam step count counts only applied steps");
+        assert_close(&format!("adamw step {step}"), &get(&mut o, gp), &cpu_p, 1e-5);
+        assert_close(&format!("adam m step {step}"), &get(&mut o, gm), &opt.m, 1e-5);
+    }
+}
+
+const QWEN3: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":64,"num_hidden_layers":4,
+  "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"intermediate_size":96,"rms_norm_eps":1e-6,"rope_theta":1000000.0,
+  "vocab_size":300,"tie_word_embeddings":true}"#;
+const LLAMA: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":48,"num_hidden_layers":3,
+  "num_attention_heads":6,"num_key_value_heads":2,"intermediate_size":96,"rms_norm_eps":1e-5,"rope_theta":500000.0,
+  "rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":64},
+  "vocab_size":500,"tie_word_embeddings":false}"#;
+
+#[test]
+fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
+    use dflash_worker::gpu::target::GpuTarget;
+    use dflash_worker::model::target::Target;
+    for (name, cfg, taps) in [("qwen3", QWEN3, vec![0usize, 2, 3]), ("llama", LLAMA, vec![1usize, 2])] {
+        let tmp = tempfile::tempdir().unwrap();
+        dflash_worker::model::tiny::write_random(tmp.path(), cfg, 21).unwrap();
+        let cpu = Target::load(tmp.path(), &taps).unwrap();
+        let mut gpu = GpuTarget::new(device(), &cpu, 40).unwrap();
+        assert_eq!(gpu.describe(), device().describe());
+        for len in [40usize, 17, 1] {
+            let tokens: Vec<u32> = (0..len as u32).map(|i| (i * 37 + 5) % 300).collect();
+            let want = cpu.forward_taps(&tokens);
+            let got = gpu.forward_taps(&tokens).unwrap();
+            // The device GEMMs take bf16 activations (the CPU target keeps f32): relative
+            // error up to a few bf16 ulps (2⁻⁸ = 3.9e-3) through the layers.
+            assert_close(&format!("{name} target forward (bf16 GEMM inputs), {len} tokens, taps {taps:?}"), &got, &want, 2e-2);
+        }
+        let st = gpu.arena_stats();
+        assert!(st.in_use > 0 && st.in_use <= st.reserved && st.peak == st.in_use && st.alloc_failures == 0, "{st:?}");
+        let err = gpu.forward_taps(&[1; 41]).unwrap_err();
+        assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 40")));
+    }
+}
+
+#[test]
+fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
+    use dflash_shared::drafter::DrafterConfig;
+    use dflash_worker::gpu::drafter::GpuDrafter;
+    use dflash_worker::model::drafter::{Drafter, Frozen, Sample};
+    // Vocabulary over one 4096-column chunk, heads of 40 (lanes partly idle), GQA.
+    let c = DrafterConfig {
+        hidden: 48,
+        layers: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 40,
+        intermediate: 72,
+        vocab: 4200,
+        eps: 1e-6,
+        rope_theta: 1000000.0,
+        rope_scaling: None,
+        n_taps: 2,
+        block_size: 4,
+        max_anchors: 5,
+        mask_token_id: 4199,
+        gamma: 4.0,
+    };
+    let d = Drafter::new(c.clone());
+    let mut rng = Rng::new(12);
+    let mut p = d.init_params(3);
+    for (i, x) in p.iter_mut().enumerate() {
+        *x += ((i * 7919) % 13) as f32 * 0.003;
+    }
+    let frozen = Frozen { embed: rand_vec(&mut rng, c.vocab * c.hidden, 1.0), lm_head: rand_vec(&mut rng, c.vocab * c.hidden, 0.5) };
+    let lens = [23usize, 11];
+    let taps: Vec<Vec<f32>> = lens.iter().map(|&l| rand_vec(&mut rng, l * c.n_taps * c.hidden, 1.0)).collect();
+    let ids: Vec<Vec<u32>> = lens.iter().enumerate().map(|(i, &l)| (0..l).map(|t| ((t * 977 + i * 31) % 4190) as u32).collect()).collect();
+    let masks: Vec<Vec<u8>> = lens.iter().map(|&l| (0..l).map(|t| (t % 7 != 3) as u8).collect()).collect();
+    let anchors: Vec<Vec<usize>> = masks.iter().map(|m| d.sample_anchors(m, &mut rng)).collect();
+    assert!(anchors.iter().all(|a| !a.is_empty()));
+    let samples: Vec<Sample> = (0..2).map(|i| Sample { taps: &taps[i], ids: &ids[i], mask: &masks[i] }).collect();
+
+    let mut want = vec![0f32; p.len()];
+    let tw = d.total_weight(&samples, &anchors);
+    let ws = d.train_batch(&p, &frozen, &samples, &anchors, tw, &mut want);
+    let mut gpu = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let zeros = vec![0f32; p.len()];
+    gpu.load(&p, &zeros, &zeros, 0).unwrap();
+    let mut got = vec![f32::NAN; p.len()];
+    let gs = gpu.train_batch(&samples, &anchors, tw, &mut got).unwrap();
+    let (wl, gl) = (ws.loss_sum / ws.weight_sum, gs.loss_sum / gs.weight_sum);
+    eprintln!("drafter loss: cpu {wl:.6}, device {gl:.6}");
+    assert!((wl - gl).abs() < 1e-5 * wl.abs(), "loss {gl} vs {wl}");
+    assert_eq!((gs.slot_total.clone(), gs.blocks, gs.tokens, gs.anchors), (ws.slot_total.clone(), ws.blocks, ws.tokens, ws.anchors));
+    assert_eq!(gs.slot_correct, ws.slot_correct);
+    assert!((gs.accept_sum - ws.accept_sum).abs() < 1e-9);
+    // Every parameter's gradient, tensor by tensor.
+    for (name, _, off) in &d.layout.entries {
+        let r = d.layout.range(name);
+        assert_eq!(r.start, *off);
+        assert_close(&format!("drafter gradient {name}"), &got[r.clone()], &want[r], 2e-4);
+    }
+    // The same batch as a drafter receives it, bf16 bytes from the slot, widened on the
+    // device: exactly the f32 path on the widened values.
+    let taps16: Vec<Vec<u8>> = taps.iter().map(|t| t.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect()).collect();
+    let widened: Vec<Vec<f32>> = taps.iter().map(|t| t.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect()).collect();
+    let wide: Vec<Sample> = (0..2).map(|i| Sample { taps: &widened[i], ids: &ids[i], mask: &masks[i] }).collect();
+    let bare: Vec<Sample> = (0..2).map(|i| Sample { taps: &[], ids: &ids[i], mask: &masks[i] }).collect();
+    let raw: Vec<&[u8]> = taps16.iter().map(|t| t.as_slice()).collect();
+    let (mut g32, mut g16) = (vec![0f32; p.len()], vec![0f32; p.len()]);
+    let s32 = gpu.train_batch(&wide, &anchors, tw, &mut g32).unwrap();
+    let s16 = gpu.train_batch_bf16(&bare, &raw, &anchors, tw, &mut g16).unwrap();
+    assert_eq!(s16.loss_sum, s32.loss_sum);
+    assert!(g16.iter().zip(&g32).all(|(a, b)| a.to_bits() == b.to_bits()), "bf16 taps widened on the device give the f32 path's gradient to the bit");
+    assert!(rel_err(&g16, &got) > 0.0, "and differ from the unrounded taps' (the rounding is real)");
+    let short: Vec<&[u8]> = vec![&taps16[0][..10], &taps16[1]];
+    assert!(matches!(gpu.train_batch_bf16(&bare, &short, &anchors, tw, &mut g16), Err(GpuError::Invalid(m)) if m.contains("bytes of bf16 taps")));
+
+    // The optimizer on the device: three steps, the second with a NaN in its gradient,
+    // against the CPU's clip and AdamW on the same gradients. The device reports each
+    // step's outcome a step later (the last one when drained).
+    use dflash_worker::gpu::ops::params_hash;
+    use dflash_worker::model::drafter::{grad_norm, AdamW};
+    assert_eq!(gpu.params_hash().unwrap(), params_hash(&p), "the device's checksum of the weights is the host's");
+    let (mut cpu_p, mut opt) = (p.clone(), AdamW::new(p.len()));
+    let (clip, lr) = (1.0f32, 1e-2f32);
+    let mut outcomes = Vec::new();
+    let mut norms = Vec::new();
+    for step in 1..=3u64 {
+        let mut g = vec![0f32; p.len()];
+        gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();
+        if step == 2 {
+            g[17] = f32::NAN;
+        }
+        let before = gpu.apply(step, &g, clip, lr, &opt.hyper()).unwrap();
+        assert_eq!(before.map(|o| o.step), (step > 1).then_some(step - 1), "the outcome of the step before arrives with this one");
+        outcomes.extend(before);
+        if let Some(norm) = grad_norm(&g) {
+            if norm > clip as f64 {
+                g.iter_mut().for_each(|x| *x *= (clip as f64 / norm) as f32);
+            }
+            opt.update(&mut cpu_p, &g, lr);
+            norms.push(norm);
+        }
+    }
+    outcomes.extend(gpu.drain().unwrap());
+    assert_eq!(outcomes.iter().map(|o| (o.step, o.skipped)).collect::<Vec<_>>(), [(1, false), (2, true), (3, false)]);
+    for (o, want) in outcomes.iter().filter(|o| !o.skipped).zip(&norms) {
+        assert!((o.grad_norm - want).abs() <= 1e-5 * want, "step {}: device norm {} vs {want}", o.step, o.grad_norm);
+    }
+    let n = p.len();
+    let (mut dp, mut dm, mut dv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    let t = gpu.fetch(&mut dp, &mut dm, &mut dv).unwrap();
+    assert_eq!(t, opt.step, "the skipped step is not counted");
+    assert_eq!(t, 2);
+    assert_close("device AdamW weights after 3 steps", &dp, &cpu_p, 1e-5);
+    assert_close("device Adam m", &dm, &opt.m, 1e-5);
+    assert_close("device Adam v", &dv, &opt.v, 1e-5);
+    assert!(rel_err(&dp, &p) > 1e-4, "the weights moved");
+    let h = gpu.params_hash().unwrap();
+    assert_eq!(h, params_hash(&dp));
+    assert_ne!(h, params_hash(&p));
+    let mut flipped = dp.clone();
+    flipped[n / 2] = f32::from_bits(flipped[n / 2].to_bits() ^ 1);
+    assert_ne!(params_hash(&flipped), h, "one flipped bit changes the checksum");
+    // A sample larger than the room asked for is refused, not overrun.
+    let long_taps = rand_vec(&mut rng, 40 * c.n_taps * c.hidden, 1.0);
+    let long_ids: Vec<u32> = (0..40).collect();
+    let long_mask = vec![1u8; 40];
+    let s = Sample { taps: &long_taps, ids: &long_ids, mask: &long_mask };
+    let err = gpu.train_batch(&[s], &[vec![0, 5]], 1.0, &mut got).unwrap_err();
+    assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 32")));
+}
+
