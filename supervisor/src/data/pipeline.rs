@@ -30,7 +30,6 @@ use dflash_shared::{Role, WorkerName};
 use ipc_channel::ipc::IpcSender;
 use serde_json::json;
 
-use crate::run::dispatcher::Event;
 use crate::error::Error;
 use crate::data::ledger::Ledger;
 use crate::data::loader::{BadLines, Loader, Position};
@@ -246,7 +245,7 @@ impl Pipeline {
     }
 
     /// Run `loader` on a thread of its own: it fills the token slots it is granted.
-    pub fn start_loader(&mut self, mut loader: Loader, events: Sender<Event>) -> Result<(), Error> {
+    pub fn start_loader<E: From<LoaderEvent> + Send + 'static>(&mut self, mut loader: Loader, events: Sender<E>) -> Result<(), Error> {
         let (tx, rx) = mpsc::channel::<Grant>();
         let map = self.tokens.map.clone();
         thread::Builder::new()
@@ -281,7 +280,7 @@ impl Pipeline {
                     // sync point (pool edge 1): the token slot's bytes written above reach
                     // the dispatcher thread, and through its Deliver a target, only because
                     // this send follows the last write.
-                    if events.send(Event::Loader(ev)).is_err() || last {
+                    if events.send(E::from(ev)).is_err() || last {
                         break;
                     }
                 }

@@ -1,50 +1,62 @@
 //! The supervisor's end of one worker life's control channel: a thread that waits for the
-//! worker to connect, then forwards every message to the dispatcher as an [`Event`].
+//! worker to connect, then forwards every message as a [`ControlEvent`] (the dispatcher
+//! wraps it in its own event type, so this module does not know the dispatcher).
 
 use std::sync::mpsc::Sender;
 use std::thread;
 
-use dflash_shared::protocol::FromWorker;
+use dflash_shared::protocol::{FromWorker, Hello};
 use ipc_channel::ipc::{IpcOneShotServer, IpcSender};
 use ipc_channel::IpcError;
 
-use crate::run::dispatcher::{Event, LifeId};
+/// One start of a worker; unique over the run, so a late event from a previous life is
+/// recognised.
+pub type LifeId = u64;
+
+/// What a worker life's control channel says.
+#[derive(Debug)]
+pub enum ControlEvent {
+    Connected { worker: usize, life: LifeId, hello: Hello },
+    Message { worker: usize, life: LifeId, msg: FromWorker },
+    /// The control channel ended. `malformed`: the worker broke the protocol.
+    ChannelLost { worker: usize, life: LifeId, reason: String, malformed: bool },
+}
 
 /// Start the thread. It ends when the worker's connection closes, when the first message
 /// is not a hello, or when [`abandon`] wakes it because the worker died before connecting.
-pub fn serve(server: IpcOneShotServer<FromWorker>, worker: usize, life: LifeId, tx: Sender<Event>) {
+pub fn serve<E: From<ControlEvent> + Send + 'static>(server: IpcOneShotServer<FromWorker>, worker: usize, life: LifeId, tx: Sender<E>) {
     let spawned = thread::Builder::new().name(format!("control-{worker}")).spawn(move || {
-        let lost = |reason: String, malformed: bool| Event::ChannelLost { worker, life, reason, malformed };
+        let lost = |reason: String, malformed: bool| ControlEvent::ChannelLost { worker, life, reason, malformed };
         let (rx, first) = match server.accept() {
             Ok(v) => v,
             Err(e) => {
                 let malformed = matches!(e, IpcError::SerializationError(_));
-                let _ = tx.send(lost(format!("control connection failed: {e}"), malformed));
+                let _ = tx.send(E::from(lost(format!("control connection failed: {e}"), malformed)));
                 return;
             }
         };
         match first {
             FromWorker::Hello(hello) => {
-                if tx.send(Event::Connected { worker, life, hello }).is_err() {
+                if tx.send(E::from(ControlEvent::Connected { worker, life, hello })).is_err() {
                     return;
                 }
             }
             FromWorker::Abandon => return,
             other => {
-                let _ = tx.send(lost(format!("first control message was {other:?}, expected Hello"), true));
+                let _ = tx.send(E::from(lost(format!("first control message was {other:?}, expected Hello"), true)));
                 return;
             }
         }
         loop {
             let event = match rx.recv() {
-                Ok(msg) => Event::Message { worker, life, msg },
+                Ok(msg) => ControlEvent::Message { worker, life, msg },
                 Err(IpcError::Disconnected) => lost("control channel closed".into(), false),
                 Err(IpcError::SerializationError(e)) => lost(format!("malformed control message: {e}"), true),
                 Err(IpcError::Io(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(IpcError::Io(e)) => lost(format!("control channel error: {e}"), false),
             };
-            let last = !matches!(event, Event::Message { .. });
-            if tx.send(event).is_err() || last {
+            let last = !matches!(event, ControlEvent::Message { .. });
+            if tx.send(E::from(event)).is_err() || last {
                 return;
             }
         }

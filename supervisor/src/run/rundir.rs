@@ -49,11 +49,36 @@ pub struct RunState {
     pub bad_lines: Option<u64>,
     /// The drafter's training: last committed step and its figures.
     #[serde(default)]
-    pub train: Option<crate::training::trainer::TrainProgress>,
+    pub train: Option<TrainProgress>,
     /// The latest metrics window (the last line of metrics.jsonl).
     #[serde(default)]
     pub metrics: Option<serde_json::Value>,
     pub workers: Vec<WorkerState>,
+}
+
+/// The latest committed step, for status and the run's end.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct TrainProgress {
+    pub step: u64,
+    pub loss: f64,
+    pub acceptance: f64,
+    pub slot_accuracy: Vec<f64>,
+    pub members: usize,
+    pub exported: Option<String>,
+    /// The step of the current rollback snapshot and what one costs (ms).
+    #[serde(default)]
+    pub snapshot_step: Option<u64>,
+    #[serde(default)]
+    pub snapshot_ms: Option<f64>,
+    /// Steps between snapshots (--snapshot-every, or the measured interval).
+    #[serde(default)]
+    pub snapshot_every: u64,
+    /// Rollbacks so far (every drafter died and the group went back to a saved state).
+    #[serde(default)]
+    pub rollbacks: u32,
+    /// Steps whose update was skipped (non-finite loss or gradient).
+    #[serde(default)]
+    pub skipped_steps: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
 use serde::Serialize;
 
-use crate::run::dispatcher::Event;
 
 /// One reading of one GPU; `None` where that metric could not be read.
 #[derive(Debug, Clone, Default)]
@@ -41,8 +40,13 @@ pub struct GpuSample {
     pub xids: Vec<u64>,
 }
 
-/// Start the sampler for `gpus`; samples arrive as [`Event::GpuSamples`].
-pub fn start(gpus: Vec<u32>, interval: Duration, tx: Sender<Event>) {
+/// One round of samples, one per GPU, as the sampler thread sends it.
+#[derive(Debug)]
+pub struct GpuSamples(pub Vec<GpuSample>);
+
+/// Start the sampler for `gpus`; each round arrives as [`GpuSamples`] (which the receiver
+/// wraps in its own event type).
+pub fn start<E: From<GpuSamples> + Send + 'static>(gpus: Vec<u32>, interval: Duration, tx: Sender<E>) {
     if gpus.is_empty() {
         return;
     }
@@ -75,7 +79,7 @@ pub fn start(gpus: Vec<u32>, interval: Duration, tx: Sender<Event>) {
                     }
                 }
             }
-            if tx.send(Event::GpuSamples(samples)).is_err() {
+            if tx.send(E::from(GpuSamples(samples))).is_err() {
                 return;
             }
             std::thread::sleep(interval.saturating_sub(t0.elapsed()));

@@ -33,10 +33,9 @@ use dflash_shared::drafter::{lr_at, state_bytes, DrafterConfig, Init, ParamLayou
 use dflash_shared::pool::{PoolGeometry, PoolMap};
 use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
 use dflash_shared::slots::Holder;
-use serde::Serialize;
 
 use crate::error::Error;
-use crate::run::rundir::unix_ms;
+use crate::run::rundir::{unix_ms, TrainProgress};
 
 #[derive(Debug, Clone)]
 pub struct TrainerConfig {
@@ -111,31 +110,6 @@ struct Pending {
     input: SlotRef,
     batch_id: u64,
     stats: StepStats,
-}
-
-/// The latest committed step, for status and the run's end.
-#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq)]
-pub struct TrainProgress {
-    pub step: u64,
-    pub loss: f64,
-    pub acceptance: f64,
-    pub slot_accuracy: Vec<f64>,
-    pub members: usize,
-    pub exported: Option<String>,
-    /// The step of the current rollback snapshot and what one costs (ms).
-    #[serde(default)]
-    pub snapshot_step: Option<u64>,
-    #[serde(default)]
-    pub snapshot_ms: Option<f64>,
-    /// Steps between snapshots (--snapshot-every, or the measured interval).
-    #[serde(default)]
-    pub snapshot_every: u64,
-    /// Rollbacks so far (every drafter died and the group went back to a saved state).
-    #[serde(default)]
-    pub rollbacks: u32,
-    /// Steps whose update was skipped (non-finite loss or gradient).
-    #[serde(default)]
-    pub skipped_steps: u64,
 }
 
 fn ordinal(n: u32) -> String {

@@ -45,6 +45,8 @@ use crate::run::rundir::{now_rfc3339, unix_ms, RunDir};
 use crate::run::worker_log::{Rotation, Tag, WorkerLog};
 use crate::data::loader::Loader;
 use crate::data::pipeline::{LoaderEvent, Peer, Pipeline};
+use crate::run::control::ControlEvent;
+use crate::telemetry::nvml::GpuSamples;
 use crate::training::trainer::Trainer;
 use crate::error::Error;
 use crate::run::control;
@@ -60,17 +62,33 @@ const TICK: Duration = Duration::from_millis(50);
 /// anyway (something it forked may still hold the socket).
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
-pub type LifeId = u64;
+pub use crate::run::control::LifeId;
 
+/// Everything the dispatcher reacts to. Each source owns its event type; this wraps them.
 pub enum Event {
     Signal(i32),
-    Connected { worker: usize, life: LifeId, hello: Hello },
-    Message { worker: usize, life: LifeId, msg: FromWorker },
-    /// The control channel ended. `malformed`: the worker broke the protocol.
-    ChannelLost { worker: usize, life: LifeId, reason: String, malformed: bool },
+    Control(ControlEvent),
     Exited { worker: usize, life: LifeId, status: ExitStatus },
     Loader(LoaderEvent),
-    GpuSamples(Vec<crate::telemetry::nvml::GpuSample>),
+    GpuSamples(GpuSamples),
+}
+
+impl From<ControlEvent> for Event {
+    fn from(e: ControlEvent) -> Event {
+        Event::Control(e)
+    }
+}
+
+impl From<LoaderEvent> for Event {
+    fn from(e: LoaderEvent) -> Event {
+        Event::Loader(e)
+    }
+}
+
+impl From<GpuSamples> for Event {
+    fn from(e: GpuSamples) -> Event {
+        Event::GpuSamples(e)
+    }
 }
 
 pub struct Config {
@@ -302,9 +320,9 @@ impl Dispatcher {
     fn handle(&mut self, ev: Event) {
         match ev {
             Event::Signal(sig) => self.on_signal(sig),
-            Event::Connected { worker, life, hello } => self.on_connected(worker, life, hello),
-            Event::Message { worker, life, msg } => self.on_message(worker, life, msg),
-            Event::ChannelLost { worker, life, reason, malformed } => {
+            Event::Control(ControlEvent::Connected { worker, life, hello }) => self.on_connected(worker, life, hello),
+            Event::Control(ControlEvent::Message { worker, life, msg }) => self.on_message(worker, life, msg),
+            Event::Control(ControlEvent::ChannelLost { worker, life, reason, malformed }) => {
                 let Some(l) = self.live(worker, life) else { return };
                 l.channel_closed = true;
                 l.to_worker = None;
@@ -321,7 +339,7 @@ impl Dispatcher {
                 }
             }
             Event::Exited { worker, life, status } => self.on_exit(worker, life, status),
-            Event::GpuSamples(samples) => self.metrics.gpu.add(&samples),
+            Event::GpuSamples(GpuSamples(samples)) => self.metrics.gpu.add(&samples),
             Event::Loader(ev) => {
                 if let Err(msg) = self.pipeline.on_loader(ev) {
                     log::error!("{msg}");
