@@ -371,10 +371,18 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     let mask = vec![1u8; tokens];
     let anchors = drafter.sample_anchors(&mask, &mut rng);
     let sample = Sample { taps: &taps, ids: &ids, mask: &mask };
+    // The step as a CPU drafter worker runs it: the device model on the CPU device.
+    let mut cpu_model = crate::gpu::drafter::GpuDrafter::new(Box::new(crate::gpu::cpu::CpuDevice::new()), &drafter, &frozen, tokens).map_err(|e| e.to_string())?;
+    let zeros = vec![0f32; p.len()];
+    cpu_model.load(&p, &zeros, &zeros, 0).map_err(|e| e.to_string())?;
     let mut grads = vec![0f32; p.len()];
-    let t0 = Instant::now();
-    drafter.train_batch(&p, &frozen, std::slice::from_ref(&sample), std::slice::from_ref(&anchors), 1.0, &mut grads);
-    let drafter_s = t0.elapsed().as_secs_f64();
+    let mut drafter_s = f64::INFINITY;
+    for _ in 0..2 {
+        let t0 = Instant::now();
+        cpu_model.train_batch(std::slice::from_ref(&sample), std::slice::from_ref(&anchors), 1.0, &mut grads).map_err(|e| e.to_string())?;
+        drafter_s = drafter_s.min(t0.elapsed().as_secs_f64());
+    }
+    drop(cpu_model);
 
     let supervised = anchors.iter().map(|&a| (1..dcfg.block_size).filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0).count()).sum();
     let dc = DrafterCase { drafter: &drafter, frozen: &frozen, params: &p, sample, anchors: &anchors, flops: drafter_step_flops(&dcfg, tokens, &anchors, supervised) };

@@ -14,18 +14,18 @@ use dflash_shared::pool::PoolMap;
 use crate::export::{export_config, probe_batch, write_safetensors, DRAFTER_MODULE, MODULE_FILE, PROBE_FILE};
 use crate::gpu::drafter::GpuDrafter;
 use crate::gpu::GpuError;
-use crate::model::drafter::{batch_samples, grad_norm, reduce_slots, AdamW, Drafter, Frozen};
+use crate::model::drafter::{batch_samples, reduce_slots, AdamW, Drafter, Frozen};
 use crate::plane::Permanent;
 use crate::model::weights::Weights;
 
 pub struct Rank {
     pub setup: TrainSetup,
     drafter: Drafter,
-    /// Forward, backward and optimizer on this device when the worker has one (the
-    /// gradient exchange stays on the host). The device then holds the training state,
-    /// and `params`/`opt` are its host copy, brought up to date by [`Rank::sync_host`]
-    /// for snapshots, checkpoints and the export.
-    device: Option<Box<GpuDrafter>>,
+    /// The drafter's forward, backward and optimizer, on the worker's device: its GPU, or
+    /// the CPU device (one model for every backend). The gradient exchange stays on the
+    /// host. The device holds the training state; `params`/`opt` are its host copy,
+    /// brought up to date by [`Rank::sync_host`] for snapshots, checkpoints and the export.
+    model: Box<GpuDrafter>,
     frozen: Frozen,
     params: Vec<f32>,
     opt: AdamW,
@@ -48,8 +48,8 @@ pub struct Rank {
 
 /// What applying a step found out.
 pub struct Applied {
-    /// A step whose gradient was not finite, so the weights were left as they were: this
-    /// one on the CPU; on a device the previous one, whose outcome arrives a step later.
+    /// A step whose gradient was not finite, so the weights were left as they were: the
+    /// previous one, whose outcome the device sends back a step later.
     pub skipped: Option<u64>,
 }
 
@@ -72,18 +72,19 @@ impl Rank {
             bail!("gradient slots hold {} bytes, the drafter needs {}", grads.geometry().slot_bytes, n * 4);
         }
         let frozen = Frozen { embed, lm_head };
-        let device = match crate::gpu::open_device(gpu) {
-            Ok(None) => None,
-            Ok(Some(dev)) => match GpuDrafter::new(dev, &drafter, &frozen, max_tokens) {
-                Ok(g) => Some(Box::new(g)),
-                Err(e @ GpuError::Unavailable(_)) => return Err(Permanent(e.to_string()).into()),
-                Err(e) => bail!("putting the drafter on the device: {e}"),
-            },
+        let dev = match crate::gpu::open_device(gpu) {
+            Ok(None) => Box::new(crate::gpu::cpu::CpuDevice::new()),
+            Ok(Some(dev)) => dev,
             Err(e @ GpuError::Unavailable(_)) => return Err(Permanent(e.to_string()).into()),
             Err(e) => bail!("{e}"),
         };
+        let model = match GpuDrafter::new(dev, &drafter, &frozen, max_tokens) {
+            Ok(g) => Box::new(g),
+            Err(e @ GpuError::Unavailable(_)) => return Err(Permanent(e.to_string()).into()),
+            Err(e) => bail!("putting the drafter on {}: {e}", if gpu.is_some() { "the device" } else { "the CPU" }),
+        };
         let mut r = Rank {
-            device,
+            model,
             params: drafter.init_params(setup.seed),
             opt: AdamW::new(n),
             drafter,
@@ -110,15 +111,13 @@ impl Rank {
                 r.load_checkpoint(Path::new(&dir), step)?;
             }
         }
-        if let Some(dev) = r.device.as_mut() {
-            dev.load(&r.params, &r.opt.m, &r.opt.v, r.opt.step).map_err(|e| anyhow!("putting the training state on the device: {e}"))?;
-        }
+        r.model.load(&r.params, &r.opt.m, &r.opt.v, r.opt.step).map_err(|e| anyhow!("putting the training state on the device: {e}"))?;
         Ok(r)
     }
 
     /// Where the forward and backward run.
     pub fn compute_device(&self) -> String {
-        self.device.as_ref().map_or("the CPU".to_string(), |d| d.describe())
+        self.model.describe()
     }
 
     pub fn param_count(&self) -> usize {
@@ -128,21 +127,16 @@ impl Rank {
     /// Checksum of the current weights (ranks compare it at every step), computed where
     /// the weights are.
     pub fn params_checksum(&mut self) -> anyhow::Result<u64> {
-        match self.device.as_mut() {
-            Some(dev) => dev.params_hash().map_err(|e| anyhow!("the weights' checksum on the device: {e}")),
-            None => Ok(crate::gpu::ops::params_hash(&self.params)),
-        }
+        self.model.params_hash().map_err(|e| anyhow!("the weights' checksum on the device: {e}"))
     }
 
     /// Bring the host copy of the training state up to date with the device's.
     fn sync_host(&mut self) -> anyhow::Result<()> {
-        let Some(dev) = self.device.as_mut() else { return Ok(()) };
-        let last = dev.drain().map_err(|e| anyhow!("reading the last step's outcome: {e}"))?;
+        let last = self.model.drain().map_err(|e| anyhow!("reading the last step's outcome: {e}"))?;
         if let Some(skipped) = last.and_then(|o| self.note_outcome(o)) {
             println!("step {skipped}: non-finite gradient, step skipped ({} so far)", self.skipped_steps);
         }
-        let Some(dev) = self.device.as_mut() else { return Ok(()) };
-        self.opt.step = dev.fetch(&mut self.params, &mut self.opt.m, &mut self.opt.v).map_err(|e| anyhow!("copying the training state from the device: {e}"))?;
+        self.opt.step = self.model.fetch(&mut self.params, &mut self.opt.m, &mut self.opt.v).map_err(|e| anyhow!("copying the training state from the device: {e}"))?;
         Ok(())
     }
 
@@ -171,19 +165,10 @@ impl Rank {
         let raw: Vec<&[u8]> = tb.lengths.iter().enumerate().map(|(r, &len)| &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2]).collect();
         let mut g = vec![0f32; self.params.len()];
         // Unnormalised gradients (denominator 1): the step divides by every rank's weight sum.
-        let mut stats = match self.device.as_mut() {
-            Some(dev) => {
-                // The device widens the bf16 taps itself.
-                let none = vec![Vec::new(); raw.len()];
-                let (samples, anchors) = batch_samples(&self.drafter, tb, &none, self.setup.seed);
-                dev.train_batch_bf16(&samples, &raw, &anchors, 1.0, &mut g).map_err(|e| anyhow!("drafter step on the device: {e}"))?
-            }
-            None => {
-                let taps: Vec<Vec<f32>> = raw.iter().map(|bytes| bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()).collect();
-                let (samples, anchors) = batch_samples(&self.drafter, tb, &taps, self.setup.seed);
-                self.drafter.train_batch(&self.params, &self.frozen, &samples, &anchors, 1.0, &mut g)
-            }
-        };
+        // The device widens the bf16 taps itself.
+        let none = vec![Vec::new(); raw.len()];
+        let (samples, anchors) = batch_samples(&self.drafter, tb, &none, self.setup.seed);
+        let mut stats = self.model.train_batch_bf16(&samples, &raw, &anchors, 1.0, &mut g).map_err(|e| anyhow!("drafter step on {}: {e}", self.model.describe()))?;
         stats.wait_ms = wait_ms;
         // What every rank's update check will find in the sum (told to the supervisor,
         // which stops a run whose steps are all skipped).
@@ -239,23 +224,10 @@ impl Rank {
         reduce_slots(&mut sum, weight_sum);
         self.step = step;
         self.awaiting = false;
-        if let Some(dev) = self.device.as_mut() {
-            // Norm, clip, skip and AdamW on the device, with no wait for any of them.
-            let before = dev.apply(step, &sum, self.setup.clip as f32, lr as f32, &self.opt.hyper()).map_err(|e| anyhow!("applying step {step} on the device: {e}"))?;
-            return Ok(Applied { skipped: before.and_then(|o| self.note_outcome(o)) });
-        }
-        // A non-finite gradient never reaches the weights.
-        let Some(norm) = grad_norm(&sum) else {
-            self.skipped_steps += 1;
-            return Ok(Applied { skipped: Some(step) });
-        };
-        if self.setup.clip > 0.0 && norm > self.setup.clip {
-            let s = (self.setup.clip / norm) as f32;
-            sum.iter_mut().for_each(|x| *x *= s);
-        }
-        self.opt.update(&mut self.params, &sum, lr as f32);
-        self.last_grad_norm = norm;
-        Ok(Applied { skipped: None })
+        // Norm, clip, skip of a non-finite gradient, and AdamW, on the device with no wait
+        // for any of them.
+        let before = self.model.apply(step, &sum, self.setup.clip as f32, lr as f32, &self.opt.hyper()).map_err(|e| anyhow!("applying step {step} on the device: {e}"))?;
+        Ok(Applied { skipped: before.and_then(|o| self.note_outcome(o)) })
     }
 
     /// Write parameters, Adam moments and step into state slot `slot`.

@@ -1,5 +1,5 @@
 //! The GPU compute path, below the models: a device layer (memory, copies, two streams and
-//! events, kernel launches, GEMM) with two implementations, and the typed ops on top of it.
+//! events, kernel launches, GEMM) with three implementations, and the typed ops on top of it.
 //!
 //! - [`cuda::CudaDevice`]: a real GPU through cudarc (driver, NVRTC, cuBLAS), every library
 //!   loaded at run time, so the worker builds and runs where there is no CUDA at all.
@@ -9,8 +9,11 @@
 //!   runs every kernel and all of this host code for real. `DFLASH_DEVICE=host` selects it
 //!   in a worker (tests only; it is not a user feature).
 //!
+//! - [`cpu::CpuDevice`]: the CPU itself, with a Rust counterpart of every kernel: what CPU
+//!   drafter workers train with, so that one drafter model serves every backend.
+//!
 //! [`ops::Ops`] wraps a device with one typed method per kernel; [`target::GpuTarget`] is
-//! the target forward on it. Device memory comes from one [`Arena`] per worker, allocated
+//! the target forward on it, [`drafter::GpuDrafter`] the drafter's step and optimizer. Device memory comes from one [`Arena`] per worker, allocated
 //! once and sub-allocated, with its own counters.
 
 pub mod cpu;

@@ -5,6 +5,11 @@
 //! norm; logits by the frozen target lm_head, computed in vocabulary chunks so the full
 //! logits never exist. Explicit forward and backward; the trainable parameters live in
 //! one flat buffer so the optimizer, the all-reduce and checkpoints treat them as one.
+//!
+//! This is the reference implementation, on host slices, checked against candle autograd
+//! and finite differences (`tests/drafter.rs`). Workers train with the device model
+//! ([`crate::gpu::drafter::GpuDrafter`]) on their GPU or on the CPU device, which the
+//! parity tests check against this one.
 
 use dflash_shared::drafter::{DrafterConfig, ParamLayout, StepStats};
 use dflash_shared::rng::Rng;
