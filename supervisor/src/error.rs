@@ -1,22 +1,136 @@
-//! The supervisor's errors and the exit code each maps to.
+//! The supervisor's errors, typed by what failed and keeping the error that caused them,
+//! and the one place where they, and the way a run ended, become exit codes.
+//!
+//! Every error prints as one line: what was being done, to which input or path, and why
+//! (its source's own text at the end). `main` prints it and exits with
+//! [`Error::exit_code`]; a run that got going ends with [`RunEnd::exit_code`]. Both use the
+//! codes of [`dflash_shared::exit_codes`], which the README documents.
+
+use std::path::PathBuf;
 
 use dflash_shared::exit_codes;
 
+/// A source kept as it is: an I/O, JSON, NVML, tokenizer... error, or a reason in words.
+pub type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// Bad flags or input. The message is one line naming the input and what was expected.
+    /// A flag out of range, or flags that contradict each other: one line naming the flag
+    /// and what was expected (exit 2).
     #[error("{0}")]
-    Usage(String),
-    /// The supervisor itself cannot go on.
-    #[error("{0}")]
-    Internal(String),
+    Flag(String),
+    /// An input named on the command line (a file, a directory, an address, a run) that
+    /// cannot be used: which one, and why (exit 2).
+    #[error("{input}: {source}")]
+    Input { input: String, source: Source },
+    /// The data cannot be read or has too many bad lines (exit 2).
+    #[error(transparent)]
+    Data(#[from] crate::data::loader::LoaderError),
+    /// Something a command needs is not on this machine (NVML, a GPU, Python) (exit 2).
+    #[error("{what}: {source}")]
+    Unavailable { what: String, source: Source },
+    /// The supervisor's own work failed: what it was doing, where, and the OS's reason
+    /// (exit 4).
+    #[error("{what} {}: {source}", path.display())]
+    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    /// A thread, the spawner or a signal handler could not be started (exit 4).
+    #[error("cannot start {what}: {source}")]
+    Start { what: String, source: std::io::Error },
+    /// JSON the supervisor writes could not be encoded (exit 4).
+    #[error("{what}: {source}")]
+    Json { what: &'static str, source: serde_json::Error },
+    /// A shared-memory pool could not be created (exit 4).
+    #[error("cannot create the {pool} pool in shared memory: {source}")]
+    SharedMemory { pool: String, source: Source },
+    /// A program the supervisor runs for itself failed (the worker's `tiny-target`, a
+    /// benchmark's helper) (exit 4).
+    #[error("{program} failed: {detail}")]
+    Helper { program: String, detail: String },
+    /// A benchmark could not measure (exit 4).
+    #[error("bench {bench}: {what}: {source}")]
+    Bench { bench: &'static str, what: String, source: Source },
 }
 
 impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::Usage(_) => exit_codes::USAGE,
-            Error::Internal(_) => exit_codes::INTERNAL,
+            Error::Flag(_) | Error::Input { .. } | Error::Data(_) | Error::Unavailable { .. } => exit_codes::USAGE,
+            Error::Io { .. } | Error::Start { .. } | Error::SharedMemory { .. } | Error::Json { .. } | Error::Helper { .. } | Error::Bench { .. } => {
+                exit_codes::INTERNAL
+            }
         }
+    }
+
+    /// An input that cannot be used, for a reason or an error.
+    pub fn input(input: impl Into<String>, source: impl Into<Source>) -> Error {
+        Error::Input { input: input.into(), source: source.into() }
+    }
+
+    pub fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Error {
+        Error::Io { what, path: path.into(), source }
+    }
+
+    pub fn start(what: impl Into<String>, source: std::io::Error) -> Error {
+        Error::Start { what: what.into(), source }
+    }
+
+    pub fn json(what: &'static str, source: serde_json::Error) -> Error {
+        Error::Json { what, source }
+    }
+}
+
+/// How a run that got going ended, as far as its exit code goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunEnd {
+    /// Stopped by request, time limit, step limit or the end of the data; every worker
+    /// stopped as asked.
+    Clean,
+    /// As `Clean`, but some worker had to be killed or exited non-zero.
+    UncleanStop,
+    /// A worker spent its restart budget, could never run here, training failed, or
+    /// committed steps were not saved.
+    Failed,
+    /// Bad input found while running (the data).
+    BadInput,
+    /// The supervisor could not go on (a worker that cannot start, another protocol).
+    Internal,
+    /// A second stop signal killed every worker.
+    Interrupted,
+}
+
+impl RunEnd {
+    pub fn exit_code(self) -> i32 {
+        match self {
+            RunEnd::Clean => exit_codes::SUCCESS,
+            RunEnd::UncleanStop => exit_codes::UNCLEAN_STOP,
+            RunEnd::Failed => exit_codes::RUN_FAILED,
+            RunEnd::BadInput => exit_codes::USAGE,
+            RunEnd::Internal => exit_codes::INTERNAL,
+            RunEnd::Interrupted => exit_codes::INTERRUPTED,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_keep_their_source_and_map_to_the_documented_codes() {
+        let io = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "denied");
+        let e = Error::io("cannot write", "/r/state.json", io);
+        assert_eq!(e.to_string(), "cannot write /r/state.json: denied");
+        let src = std::error::Error::source(&e).expect("the io error is kept");
+        assert_eq!(src.downcast_ref::<std::io::Error>().map(|e| e.kind()), Some(std::io::ErrorKind::PermissionDenied));
+        assert_eq!(e.exit_code(), 4);
+        let e = Error::input("--data x.jsonl", std::io::Error::from(std::io::ErrorKind::NotFound));
+        assert!(std::error::Error::source(&e).is_some());
+        assert_eq!(e.exit_code(), 2);
+        assert_eq!(Error::Flag("--steps 0: expected at least 1".into()).exit_code(), 2);
+        let codes: Vec<i32> = [RunEnd::Clean, RunEnd::Failed, RunEnd::BadInput, RunEnd::UncleanStop, RunEnd::Internal, RunEnd::Interrupted]
+            .iter()
+            .map(|r| r.exit_code())
+            .collect();
+        assert_eq!(codes, [0, 1, 2, 3, 4, 130]);
     }
 }

@@ -60,18 +60,18 @@ fn not_an_export(dir: &Path) -> Option<String> {
 
 pub fn run(a: ExportCheckArgs) -> Result<i32, Error> {
     if !(a.tolerance.is_finite() && a.tolerance > 0.0) {
-        return Err(Error::Usage(format!("--tolerance {} must be a positive number", a.tolerance)));
+        return Err(Error::Flag(format!("--tolerance {} must be a positive number", a.tolerance)));
     }
     if let Some(why) = not_an_export(&a.dir) {
-        return Err(Error::Usage(why));
+        return Err(Error::input(a.dir.display().to_string(), why));
     }
     let py = python();
     let status = Command::new(&py).arg("-c").arg(CHECK_SCRIPT).arg(&a.dir).arg(format!("{:e}", a.tolerance)).status();
     match status {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Usage(format!(
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Flag(format!(
             "{py} not found: export-check runs Python with torch and transformers (install Python 3, then `python3 -m pip install torch transformers`; or set DFLASH_PYTHON)"
         ))),
-        Err(e) => Err(Error::Usage(format!("cannot run {py}: {e}"))),
+        Err(e) => Err(Error::input(format!("cannot run {py}"), e)),
         Ok(s) => match s.code() {
             Some(c @ (exit_codes::SUCCESS | exit_codes::RUN_FAILED | exit_codes::USAGE)) => Ok(c),
             Some(c) => {

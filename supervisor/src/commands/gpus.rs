@@ -8,7 +8,7 @@ pub fn run(json: bool) -> Result<i32, crate::error::Error> {
     if json {
         let v = match &r {
             Ok((driver, gpus)) => serde_json::json!({"driver": driver, "gpus": gpus}),
-            Err(e) => serde_json::json!({"driver": null, "gpus": [], "error": e}),
+            Err(e) => serde_json::json!({"driver": null, "gpus": [], "error": e.to_string()}),
         };
         println!("{v:#}");
         return Ok(dflash_shared::exit_codes::SUCCESS);

@@ -8,7 +8,7 @@ pub fn run(args: crate::cli::LedgerArgs) -> Result<i32, Error> {
     let run = crate::run::rundir::ExistingRun::open(args.run_dir.as_deref())?;
     let a = audit(&run.path.join(LEDGER_FILE))?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&a).map_err(|e| Error::Internal(e.to_string()))?);
+        println!("{}", serde_json::to_string_pretty(&a).map_err(|e| Error::json("the ledger audit", e))?);
     } else {
         println!("ledger of {}", run.path.display());
         println!("  produced         {}", a.produced);

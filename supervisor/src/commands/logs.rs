@@ -25,9 +25,9 @@ pub fn run(args: LogsArgs) -> Result<i32, Error> {
         known.clone()
     } else {
         let w = args.worker.clone().unwrap_or_default();
-        w.parse::<WorkerName>().map_err(|e| Error::Usage(e.to_string()))?;
+        w.parse::<WorkerName>().map_err(|e| Error::input(w.to_string(), e))?;
         if !known.contains(&w) {
-            return Err(Error::Usage(format!(
+            return Err(Error::Flag(format!(
                 "no worker '{w}' in run {} (expected one of: {})",
                 run.path.display(),
                 known.join(", ")
@@ -37,7 +37,7 @@ pub fn run(args: LogsArgs) -> Result<i32, Error> {
     };
     let logs_dir = run.path.join(crate::run::rundir::LOGS_DIR);
     if !logs_dir.is_dir() {
-        return Err(Error::Usage(format!(
+        return Err(Error::Flag(format!(
             "{}: no such directory, so no worker log to show (expected the logs/ of run {}; was it moved or deleted?)",
             logs_dir.display(),
             run.path.display()
@@ -73,7 +73,7 @@ pub fn run(args: LogsArgs) -> Result<i32, Error> {
 }
 
 fn broken(e: io::Error) -> Error {
-    Error::Internal(format!("cannot write to stdout: {e}"))
+    Error::io("cannot write to", "stdout", e)
 }
 
 fn write_line(out: &mut impl Write, prefix: Option<&str>, line: &str) -> Result<(), Error> {

@@ -15,16 +15,16 @@ use crate::error::Error;
 /// `dflash-supervise prepare`.
 pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
     let source = match a.data.as_str() {
-        "demo" => return Err(Error::Usage("prepare --data demo: the demo data is generated; expected a JSONL file, a directory or -".into())),
-        s => loader::parse_source(s, 0).map_err(Error::Usage)?,
+        "demo" => return Err(Error::Flag("prepare --data demo: the demo data is generated; expected a JSONL file, a directory or -".into())),
+        s => loader::parse_source(s, 0)?,
     };
     if !a.target.is_dir() {
-        return Err(Error::Usage(format!("--target {}: not a directory (expected the target model's Hugging Face directory)", a.target.display())));
+        return Err(Error::Flag(format!("--target {}: not a directory (expected the target model's Hugging Face directory)", a.target.display())));
     }
     let vocab = match dflash_shared::model_config::TargetConfig::load(&a.target) {
         Ok(c) => Some(c.vocab_size as u32),
         Err(_) if !a.target.join("config.json").exists() => None,
-        Err(e) => return Err(Error::Usage(format!("--target {e}"))),
+        Err(e) => return Err(Error::input("--target", e)),
     };
     let (chat, chat_error) = load_chat(a.tokenizer.as_deref(), Some(&a.target))?;
     let cfg = LoaderConfig {
@@ -40,9 +40,9 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
         chat,
         chat_error,
     };
-    cfg.check().map_err(Error::Usage)?;
+    cfg.check()?;
     let tmp = tmp_path(&a.out);
-    let file = std::fs::File::create(&tmp).map_err(|e| Error::Usage(format!("--out {}: {e}", a.out.display())))?;
+    let file = std::fs::File::create(&tmp).map_err(|e| Error::input(format!("--out {}", a.out.display()), e))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
     let started = Instant::now();
     let out_name = a.out.display().to_string();
@@ -55,9 +55,9 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
     let finish = |r: Result<Report, Error>| -> Result<Report, Error> {
         let r = r?;
         r.check()?;
-        let f = w.into_inner().map_err(|e| Error::Internal(format!("writing {}: {e}", tmp.display())))?;
-        f.sync_all().map_err(|e| Error::Internal(format!("writing {}: {e}", tmp.display())))?;
-        std::fs::rename(&tmp, &a.out).map_err(|e| Error::Usage(format!("--out {}: {e}", a.out.display())))?;
+        let f = w.into_inner().map_err(|e| Error::io("cannot write", &tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| Error::io("cannot write", &tmp, e))?;
+        std::fs::rename(&tmp, &a.out).map_err(|e| Error::input(format!("--out {}", a.out.display()), e))?;
         Ok(r)
     };
     let report = match finish(result) {
@@ -85,10 +85,10 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
 /// `dflash-supervise bench prepare`.
 pub fn bench(json: bool, tokenizer: Option<PathBuf>, conversations: usize) -> Result<i32, Error> {
     let dir = tokenizer.unwrap_or_else(test_tokenizer_dir);
-    let chat = Arc::new(Chat::load(&dir).map_err(|e| Error::Usage(format!("--tokenizer {e} (fetch the test tokenizer with scripts/fetch_test_assets.sh)")))?);
+    let chat = Arc::new(Chat::load(&dir).map_err(|e| Error::input("--tokenizer (fetch the test tokenizer with scripts/fetch_test_assets.sh)", e))?);
     let lines = synthetic_conversations(conversations.max(1), 7);
     let tmp = std::env::temp_dir().join(format!("dflash-bench-prepare-{}.jsonl", std::process::id()));
-    write_atomic(&tmp, (lines.join("\n") + "\n").as_bytes()).map_err(|e| Error::Internal(format!("{}: {e}", tmp.display())))?;
+    write_atomic(&tmp, (lines.join("\n") + "\n").as_bytes()).map_err(|e| Error::io("cannot write", &tmp, e))?;
     let cfg = LoaderConfig {
         source: DataSource::Files(vec![tmp.clone()]),
         vocab_size: None,
@@ -106,7 +106,7 @@ pub fn bench(json: bool, tokenizer: Option<PathBuf>, conversations: usize) -> Re
     let t0 = Instant::now();
     let mut one_tokens = 0u64;
     for l in &lines {
-        let p = loader::parse_line(l.as_bytes(), &cfg).map_err(|b| Error::Internal(format!("bench data: {}", b.reason)))?;
+        let p = loader::parse_line(l.as_bytes(), &cfg).map_err(|b| Error::Bench { bench: "prepare", what: "bench data".into(), source: b.reason.into() })?;
         one_tokens += p.len as u64;
     }
     let one = t0.elapsed().as_secs_f64();

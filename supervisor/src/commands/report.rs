@@ -29,7 +29,7 @@ pub fn run(dir: Option<PathBuf>, out: Option<PathBuf>, watch: bool) -> Result<i3
     use std::sync::atomic::{AtomicBool, Ordering};
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone()).map_err(|e| Error::Internal(format!("signal handler: {e}")))?;
+        signal_hook::flag::register(sig, stop.clone()).map_err(|e| Error::start("signal handlers", e))?;
     }
     eprintln!("dflash-supervise: rewriting {} at every metrics window until the run ends (Ctrl-C stops)", out.display());
     let mut seen = files_signature(&run.path);

@@ -13,9 +13,9 @@ pub fn run(args: StatusArgs) -> Result<i32, Error> {
     let state = run.state()?;
     let alive = run.supervisor_alive();
     if args.json {
-        let mut v = serde_json::to_value(&state).map_err(|e| Error::Internal(e.to_string()))?;
+        let mut v = serde_json::to_value(&state).map_err(|e| Error::json("the run state", e))?;
         v["supervisor_alive"] = alive.into();
-        println!("{}", serde_json::to_string_pretty(&v).map_err(|e| Error::Internal(e.to_string()))?);
+        println!("{}", serde_json::to_string_pretty(&v).map_err(|e| Error::json("the run state", e))?);
         return Ok(exit_codes::SUCCESS);
     }
     println!("run:        {}", state.run_dir.display());

@@ -118,7 +118,7 @@ pub struct Audit {
 
 pub fn audit(path: &Path) -> Result<Audit, Error> {
     let text = std::fs::read_to_string(path)
-        .map_err(|e| Error::Usage(format!("{}: cannot read the ledger: {e}", path.display())))?;
+        .map_err(|e| Error::input(format!("{}: cannot read the ledger", path.display()), e))?;
     let mut produced = BTreeSet::new();
     // The lineage of the current weights: (step, batch) per consumption.
     let mut lineage: Vec<(Option<u64>, u64)> = Vec::new();
@@ -139,7 +139,7 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
                     a.torn_lines += 1;
                     continue;
                 }
-                return Err(Error::Usage(format!("{}:{}: not a ledger record: {e}", path.display(), i + 1)));
+                return Err(Error::input(format!("{}:{}: not a ledger record", path.display(), i + 1), e));
             }
         };
         let batch = v["batch"].as_u64();

@@ -54,6 +54,10 @@ pub const DEMO_VOCAB: u32 = 512;
 pub enum LoaderError {
     #[error("--data {path}: {source}")]
     Io { path: String, source: io::Error },
+    #[error("--data {path}: {source} (expected a JSONL file, a directory of .jsonl files, '-' or 'demo')")]
+    NotData { path: String, source: io::Error },
+    #[error("--data {path}: no .jsonl files in this directory")]
+    NoJsonl { path: String },
     #[error("--data {what}: {count} bad lines, more than --max-bad-lines {max} (reasons: {reasons})")]
     TooManyBad { what: String, count: u64, max: u64, reasons: String },
     #[error("--data {what}: no usable sample ({stats}); expected JSONL lines like {{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}}")]
@@ -133,18 +137,19 @@ impl BadLines {
 
 impl LoaderConfig {
     /// Check the source exists before anything starts. Returns a display name.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), crate::error::Error> {
+        use crate::error::Error;
         if self.max_seq_len > self.token_budget {
-            return Err(format!(
+            return Err(Error::Flag(format!(
                 "--max-seq-len {} exceeds --token-budget {} (expected a sequence to fit in one batch)",
                 self.max_seq_len, self.token_budget
-            ));
+            )));
         }
         if self.epochs == 0 {
-            return Err("--epochs 0: expected at least 1".into());
+            return Err(Error::Flag("--epochs 0: expected at least 1".into()));
         }
         if self.source == DataSource::Stdin && self.epochs > 1 {
-            return Err(format!("--data - with --epochs {}: stdin can be read once (expected --epochs 1, or a file)", self.epochs));
+            return Err(Error::Flag(format!("--data - with --epochs {}: stdin can be read once (expected --epochs 1, or a file)", self.epochs)));
         }
         Ok(())
     }
@@ -160,22 +165,22 @@ impl LoaderConfig {
 }
 
 /// Resolve `--data`: `demo`, `-`, a JSONL file, or a directory of `*.jsonl` files.
-pub fn parse_source(s: &str, demo_samples: usize) -> Result<DataSource, String> {
+pub fn parse_source(s: &str, demo_samples: usize) -> Result<DataSource, LoaderError> {
     match s {
         "demo" => Ok(DataSource::Demo { samples: demo_samples }),
         "-" => Ok(DataSource::Stdin),
         path => {
             let p = Path::new(path);
-            let meta = std::fs::metadata(p).map_err(|e| format!("--data {path}: {e} (expected a JSONL file, a directory of .jsonl files, '-' or 'demo')"))?;
+            let meta = std::fs::metadata(p).map_err(|source| LoaderError::NotData { path: path.into(), source })?;
             if meta.is_dir() {
                 let mut files: Vec<PathBuf> = std::fs::read_dir(p)
-                    .map_err(|e| format!("--data {path}: {e}"))?
+                    .map_err(|source| LoaderError::Io { path: path.into(), source })?
                     .filter_map(|e| e.ok().map(|e| e.path()))
                     .filter(|f| f.extension().is_some_and(|x| x == "jsonl") && f.is_file())
                     .collect();
                 files.sort();
                 if files.is_empty() {
-                    return Err(format!("--data {path}: no .jsonl files in this directory"));
+                    return Err(LoaderError::NoJsonl { path: path.into() });
                 }
                 Ok(DataSource::Files(files))
             } else {
@@ -710,7 +715,7 @@ mod tests {
 
     #[test]
     fn missing_dataset_names_the_path() {
-        let e = parse_source("/nonexistent/data.jsonl", 10).unwrap_err();
+        let e = parse_source("/nonexistent/data.jsonl", 10).unwrap_err().to_string();
         assert!(e.contains("/nonexistent/data.jsonl") && e.contains("expected"), "{e}");
     }
 

@@ -74,7 +74,7 @@ impl PipelineConfig {
         let Some(avail) = mem_available() else { return Ok(()) };
         if need > avail / 10 * 8 {
             let (t, h) = self.geometries();
-            return Err(Error::Usage(format!(
+            return Err(Error::Flag(format!(
                 "shared-memory pools need {} ({} token slots × {}, {} hidden-state slots × {}) but only {} is available; \
                  expected at most 80% of it: lower --token-budget or --hidden-slots",
                 human(need),
@@ -148,7 +148,7 @@ impl Pool {
         let slots = geometry.slots;
         let bytes = geometry.slot_bytes;
         let (fd, map) = PoolMap::create(geometry)
-            .map_err(|e| Error::Internal(format!("cannot create the {name} pool in shared memory: {e}")))?;
+            .map_err(|e| Error::SharedMemory { pool: name, source: e.into() })?;
         Ok(Pool { id, fd, map: Arc::new(map), table: SlotTable::new(slots, bytes) })
     }
 
@@ -204,7 +204,7 @@ pub struct Pipeline {
 impl Pipeline {
     pub fn new(cfg: &PipelineConfig, run_dir: &Path) -> Result<Pipeline, Error> {
         let (tg, hg) = cfg.geometries();
-        let ledger = Ledger::create(run_dir).map_err(|e| Error::Internal(format!("cannot create the ledger: {e}")))?;
+        let ledger = Ledger::create(run_dir).map_err(|e| Error::io("cannot create the ledger in", run_dir, e))?;
         Ok(Pipeline {
             tokens: Pool::new(PoolId::Tokens, tg)?,
             hidden: Pool::new(PoolId::Hidden, hg)?,
@@ -285,7 +285,7 @@ impl Pipeline {
                     }
                 }
             })
-            .map_err(|e| Error::Internal(format!("cannot start the loader thread: {e}")))?;
+            .map_err(|e| Error::start("loader thread", e))?;
         self.loader_tx = Some(tx);
         Ok(())
     }

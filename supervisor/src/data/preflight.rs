@@ -17,7 +17,7 @@ use crate::data::loader::{self, DataSource, JsonlStream, LoaderConfig, Sample};
 /// reported with each chat line, since pre-tokenized data needs no template).
 pub fn load_chat(explicit: Option<&Path>, target: Option<&Path>) -> Result<(Option<Arc<Chat>>, Option<String>), Error> {
     if let Some(dir) = explicit {
-        return Chat::load(dir).map(|c| (Some(Arc::new(c)), None)).map_err(|e| Error::Usage(format!("--tokenizer {e}")));
+        return Chat::load(dir).map(|c| (Some(Arc::new(c)), None)).map_err(|e| Error::input("--tokenizer", e));
     }
     match target {
         Some(dir) if dir.join("tokenizer.json").is_file() => match Chat::load(dir) {
@@ -81,13 +81,13 @@ pub const UNSUPERVISED: &str = "no two consecutive supervised tokens";
 /// lines, calling `keep` for each sample a run would train on, in input order.
 pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: impl FnMut(&Sample) -> std::io::Result<()>) -> Result<Report, Error> {
     let data = cfg.describe();
-    let mut stream = JsonlStream::new(&cfg.source).map_err(|e| Error::Usage(e.to_string()))?;
+    let mut stream = JsonlStream::new(&cfg.source)?;
     stream.line_limit = limit;
     let mut bad = loader::BadLines::default();
     let mut lengths = Vec::new();
     let (mut truncated, mut tokens, mut supervised, mut no_supervised, mut dup, mut chat, mut missing) = (0, 0, 0, 0, 0, 0, 0);
     let mut seen = HashSet::new();
-    while let Some(p) = stream.next_parsed(&mut bad, cfg).map_err(|e| Error::Usage(e.to_string()))? {
+    while let Some(p) = stream.next_parsed(&mut bad, cfg)? {
         if p.chat {
             chat += 1;
             missing += u64::from(p.marker_missing);
@@ -99,7 +99,7 @@ pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: imp
         }
         // What a run trains on is cut at --max-seq-len; `keep` gets the whole sample.
         truncated += u64::from(p.sample.ids.len() > p.len);
-        keep(&p.sample).map_err(|e| Error::Internal(format!("writing the prepared samples: {e}")))?;
+        keep(&p.sample).map_err(|e| Error::io("cannot write the prepared samples to", "--out", e))?;
         let s = &p.truncated();
         tokens += s.ids.len() as u64;
         supervised += s.mask.iter().map(|&m| m as u64).sum::<u64>();
@@ -171,7 +171,7 @@ impl Report {
     pub fn check(&self) -> Result<(), Error> {
         if self.kept == 0 {
             let reasons: Vec<String> = self.dropped.iter().map(|(r, n)| format!("{r}: {n}")).collect();
-            return Err(Error::Usage(format!(
+            return Err(Error::Flag(format!(
                 "--data {}: no usable sample, nothing would be supervised ({} lines read{}{}); expected lines with input_ids and loss_mask, or chat with assistant replies",
                 self.data,
                 self.lines,
@@ -241,8 +241,8 @@ impl Report {
     }
 
     pub fn write_json(&self, path: &Path) -> Result<(), Error> {
-        let text = serde_json::to_string_pretty(self).map_err(|e| Error::Internal(e.to_string()))?;
-        write_atomic(path, text.as_bytes()).map_err(|e| Error::Internal(format!("cannot write {}: {e}", path.display())))
+        let text = serde_json::to_string_pretty(self).map_err(|e| Error::json("the preflight report", e))?;
+        write_atomic(path, text.as_bytes()).map_err(|e| Error::io("cannot write", path, e))
     }
 }
 

@@ -29,11 +29,11 @@ struct Drafter {
 
 /// Fill every setting the command line left unset from `path`.
 pub fn apply(path: &Path, args: &mut RunArgs) -> Result<(), Error> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::Usage(format!("--config {}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path).map_err(|e| Error::input(format!("--config {}", path.display()), e))?;
     let f: File = toml::from_str(&text).map_err(|e| {
         let line = e.span().map(|sp| text[..sp.start.min(text.len())].lines().count().max(1));
         let msg = format!("{}{}", line.map(|l| format!("line {l}: ")).unwrap_or_default(), e.message().trim().replace('\n', " "));
-        Error::Usage(format!("--config {}: {msg} (expected a [drafter] section with layers, block_size, max_anchors, lr, warmup_ratio, steps, gamma, mask_token_id)", path.display()))
+        Error::Flag(format!("--config {}: {msg} (expected a [drafter] section with layers, block_size, max_anchors, lr, warmup_ratio, steps, gamma, mask_token_id)", path.display()))
     })?;
     let Some(d) = f.drafter else { return Ok(()) };
     args.draft_layers = args.draft_layers.or(d.layers);

@@ -33,15 +33,16 @@ use crate::telemetry::{console, gpus, prometheus};
 use crate::training::{resume, trainer};
 
 /// Which worker runs where: targets first, then drafters, ranks from 0 in device order.
-pub fn plan(args: &RunArgs, gpu_count: &mut dyn FnMut() -> Result<u32, String>) -> Result<Vec<(WorkerName, Device)>, Error> {
+pub fn plan(args: &RunArgs, gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>) -> Result<Vec<(WorkerName, Device)>, Error> {
+    // Asked once; only its answer or its reason in words is needed after that.
     let mut cached: Option<Result<u32, String>> = None;
-    let mut probe = move || cached.get_or_insert_with(&mut *gpu_count).clone();
+    let mut probe = move || cached.get_or_insert_with(|| gpu_count().map_err(|e| e.to_string())).clone();
     let resolve = |spec: &DeviceSpec, flag: &str, gpus: &mut dyn FnMut() -> Result<u32, String>| {
         let n = match spec {
             DeviceSpec::Cpu(_) => Ok(0),
             _ => gpus(),
         };
-        spec.resolve(n.as_ref().copied().map_err(String::as_str), flag).map_err(Error::Usage)
+        spec.resolve(n.as_ref().copied().map_err(String::as_str), flag).map_err(Error::Flag)
     };
     let (targets, drafters) = match (&args.target_gpus, &args.drafter_gpus) {
         (Some(t), Some(d)) => (resolve(t, "--target-gpus", &mut probe)?, resolve(d, "--drafter-gpus", &mut probe)?),
@@ -57,12 +58,12 @@ pub fn plan(args: &RunArgs, gpu_count: &mut dyn FnMut() -> Result<u32, String>) 
             let devices = resolve(&spec, flag, &mut probe)?;
             let n = args.targets as usize;
             if n == 0 {
-                return Err(Error::Usage(
+                return Err(Error::Flag(
                     "--targets 0: at least one target worker is needed (expected 1 or more)".into(),
                 ));
             }
             if n >= devices.len() {
-                return Err(Error::Usage(format!(
+                return Err(Error::Flag(format!(
                     "--targets {n} leaves no drafter among {} device(s) (expected fewer targets than devices; \
                      to share one GPU give --target-gpus 0 --drafter-gpus 0)",
                     devices.len()
@@ -83,19 +84,19 @@ fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
         Some(p) => (p.to_path_buf(), format!("--worker-bin {}", p.display())),
         None => {
             let exe = std::env::current_exe()
-                .map_err(|e| Error::Internal(format!("cannot find where dflash-supervise runs from: {e}")))?;
+                .map_err(|e| Error::io("cannot find where dflash-supervise runs from:", "/proc/self/exe", e))?;
             let p = exe.with_file_name("dflash-worker");
             let what = format!("dflash-worker beside dflash-supervise ({})", p.display());
             (p, what)
         }
     };
     let meta = std::fs::metadata(&path).map_err(|e| {
-        Error::Usage(format!("{what}: {e} (expected the dflash-worker program; install both binaries or pass --worker-bin PATH)"))
+        Error::input(format!("{what} (expected the dflash-worker program; install both binaries or pass --worker-bin PATH)"), e)
     })?;
     if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
-        return Err(Error::Usage(format!("{what}: not an executable file (expected the dflash-worker program)")));
+        return Err(Error::Flag(format!("{what}: not an executable file (expected the dflash-worker program)")));
     }
-    path.canonicalize().map_err(|e| Error::Usage(format!("{what}: {e}")))
+    path.canonicalize().map_err(|e| Error::input(what, e))
 }
 
 pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
@@ -108,7 +109,7 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     };
     if let (Some(r), Some(n)) = (&resume, args.steps) {
         if n <= r.step {
-            return Err(Error::Usage(format!(
+            return Err(Error::Flag(format!(
                 "--resume {}: its checkpoint is at step {}, and --steps is {n}: nothing to train (expected a larger --steps)",
                 r.dir.display(),
                 r.step
@@ -123,7 +124,7 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     }
     let target_cfg = target_config(&args.target)?;
     if args.target != "tiny" {
-        target_check::check(Path::new(&args.target), &target_cfg).map_err(|e| Error::Usage(format!("--target {}: {e}", args.target)))?;
+        target_check::check(Path::new(&args.target), &target_cfg).map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     }
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
@@ -151,7 +152,7 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     }
     trainer_cfg.checkpoints_dir = run_dir.path.join("checkpoints");
     std::fs::create_dir_all(&trainer_cfg.checkpoints_dir)
-        .map_err(|e| Error::Internal(format!("cannot create {}: {e}", trainer_cfg.checkpoints_dir.display())))?;
+        .map_err(|e| Error::io("cannot create", &trainer_cfg.checkpoints_dir, e))?;
     let mut loader = loader::Loader::new(loader_cfg);
     let mut pipeline = pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?;
     if let Some(r) = &resume {
@@ -169,7 +170,7 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
         trainer: trainer::Trainer::new(trainer_cfg, &run_dir.path)?,
     };
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
-    console::to_file(&sup_log).map_err(|e| Error::Internal(format!("cannot write {}: {e}", sup_log.display())))?;
+    console::to_file(&sup_log).map_err(|e| Error::io("cannot write", &sup_log, e))?;
     let reaper = std::env::current_exe().and_then(|exe| reaper::Reaper::start(&exe));
     let reaper = match reaper {
         Ok(r) => Some(r),
@@ -210,16 +211,16 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
 /// The target's config: the built-in tiny one, or DIR/config.json.
 fn target_config(target: &str) -> Result<TargetConfig, Error> {
     if target == "tiny" {
-        return TargetConfig::parse(dflash_shared::model_config::TINY_CONFIG).map_err(Error::Internal);
+        return Ok(TargetConfig::parse(dflash_shared::model_config::TINY_CONFIG).expect("the built-in tiny config parses"));
     }
-    TargetConfig::load(std::path::Path::new(target)).map_err(|e| Error::Usage(format!("--target {target}: {e}")))
+    TargetConfig::load(std::path::Path::new(target)).map_err(|e| Error::input(format!("--target {target}"), e))
 }
 
 /// The directory workers load the target from; the tiny target is written into the run
 /// dir first (by the worker binary: the supervisor links no model code).
 fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<PathBuf, Error> {
     if target != "tiny" {
-        return std::fs::canonicalize(target).map_err(|e| Error::Usage(format!("--target {target}: {e}")));
+        return std::fs::canonicalize(target).map_err(|e| Error::input(format!("--target {target}"), e));
     }
     let dir = run_dir.join("target");
     let out = std::process::Command::new(worker_bin)
@@ -228,13 +229,12 @@ fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<Pat
         .arg(&dir)
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| Error::Internal(format!("cannot run {} tiny-target: {e}", worker_bin.display())))?;
+        .map_err(|e| Error::io("cannot run tiny-target of", worker_bin, e))?;
     if !out.status.success() {
-        return Err(Error::Internal(format!(
-            "{} tiny-target failed: {}",
-            worker_bin.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+        return Err(Error::Helper {
+            program: format!("{} tiny-target", worker_bin.display()),
+            detail: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
     }
     Ok(dir)
 }
@@ -245,14 +245,14 @@ fn data_config(
     plan: &[(WorkerName, Device)],
     target: &TargetConfig,
 ) -> Result<(loader::LoaderConfig, pipeline::PipelineConfig), Error> {
-    let source = loader::parse_source(&args.data, args.demo_samples).map_err(Error::Usage)?;
+    let source = loader::parse_source(&args.data, args.demo_samples)?;
     if matches!(source, loader::DataSource::Demo { .. }) && args.demo_samples == 0 {
-        return Err(Error::Usage("--demo-samples 0: expected at least 1".into()));
+        return Err(Error::Flag("--demo-samples 0: expected at least 1".into()));
     }
     let token_budget = args.token_budget.unwrap_or(if args.target == "tiny" { 2048 } else { 4096 });
     for (flag, v) in [("--token-budget", token_budget as u64), ("--max-seq-len", args.max_seq_len as u64), ("--prefetch", args.prefetch as u64), ("--shuffle-window", args.shuffle_window as u64)] {
         if v == 0 {
-            return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
+            return Err(Error::Flag(format!("{flag} 0: expected at least 1")));
         }
     }
     let mut loader_cfg = loader::LoaderConfig {
@@ -272,7 +272,7 @@ fn data_config(
     if args.tokenizer.is_some() || matches!(loader_cfg.source, loader::DataSource::Files(_) | loader::DataSource::Stdin) {
         (loader_cfg.chat, loader_cfg.chat_error) = preflight::load_chat(args.tokenizer.as_deref(), target_dir)?;
     }
-    loader_cfg.check().map_err(Error::Usage)?;
+    loader_cfg.check()?;
     let targets = plan.iter().filter(|(n, _)| n.role == Role::Target).count() as u32;
     let workers = plan.len() as u32;
     let pipeline_cfg = pipeline::PipelineConfig {
@@ -284,7 +284,7 @@ fn data_config(
     };
     for (flag, v) in [("--token-slots", pipeline_cfg.token_slots), ("--hidden-slots", pipeline_cfg.hidden_slots)] {
         if v == 0 {
-            return Err(Error::Usage(format!("{flag} 0: expected at least 1")));
+            return Err(Error::Flag(format!("{flag} 0: expected at least 1")));
         }
     }
     Ok((loader_cfg, pipeline_cfg))
@@ -298,30 +298,30 @@ fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &Target
     let anchors = args.max_anchors.unwrap_or(if tiny { 32 } else { 512 });
     for (flag, v) in [("--draft-layers", layers), ("--block-size", block.saturating_sub(1)), ("--max-anchors", anchors)] {
         if v == 0 {
-            return Err(Error::Usage(format!("{flag}: expected at least {}", if flag == "--block-size" { 2 } else { 1 })));
+            return Err(Error::Flag(format!("{flag}: expected at least {}", if flag == "--block-size" { 2 } else { 1 })));
         }
     }
     let lr = args.lr.unwrap_or(if tiny { 3e-3 } else { 6e-4 });
     if !(lr > 0.0 && lr.is_finite()) {
-        return Err(Error::Usage(format!("--lr {lr}: expected a positive learning rate")));
+        return Err(Error::Flag(format!("--lr {lr}: expected a positive learning rate")));
     }
     let warmup_ratio = args.warmup_ratio.unwrap_or(0.04);
     if !(0.0..1.0).contains(&warmup_ratio) {
-        return Err(Error::Usage(format!("--warmup-ratio {warmup_ratio}: expected a fraction in [0, 1)")));
+        return Err(Error::Flag(format!("--warmup-ratio {warmup_ratio}: expected a fraction in [0, 1)")));
     }
     if args.steps == Some(0) {
-        return Err(Error::Usage("--steps 0: expected at least 1".into()));
+        return Err(Error::Flag("--steps 0: expected at least 1".into()));
     }
     let mut drafter = DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
     if let Some(g) = args.gamma {
         if !(g > 0.0 && g.is_finite()) {
-            return Err(Error::Usage(format!("--gamma {g}: expected a positive number")));
+            return Err(Error::Flag(format!("--gamma {g}: expected a positive number")));
         }
         drafter.gamma = g;
     }
     if let Some(id) = args.mask_token_id {
         if id as usize >= target.vocab_size {
-            return Err(Error::Usage(format!("--mask-token-id {id}: expected an id below the target's vocabulary size {}", target.vocab_size)));
+            return Err(Error::Flag(format!("--mask-token-id {id}: expected an id below the target's vocabulary size {}", target.vocab_size)));
         }
         drafter.mask_token_id = id;
     }
@@ -354,16 +354,16 @@ fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Er
         None => {
             let layers = args.draft_layers.unwrap_or_else(|| default_draft_layers(n));
             if layers == 0 {
-                return Err(Error::Usage("--draft-layers 0: expected at least 1".into()));
+                return Err(Error::Flag("--draft-layers 0: expected at least 1".into()));
             }
             target_layer_ids(n, layers)
         }
     };
     if let Some(bad) = taps.iter().find(|&&t| t as usize >= n) {
-        return Err(Error::Usage(format!("--taps: layer {bad} does not exist (the target has {n} layers, ids 0..{})", n - 1)));
+        return Err(Error::Flag(format!("--taps: layer {bad} does not exist (the target has {n} layers, ids 0..{})", n - 1)));
     }
     if taps.is_empty() {
-        return Err(Error::Usage("--taps: expected at least one layer id".into()));
+        return Err(Error::Flag("--taps: expected at least one layer id".into()));
     }
     Ok(CaptureSpec { tap_ids: taps, hidden: target.hidden_size as u32, dtype: DTYPE_BF16, target: target.fingerprint() })
 }
@@ -371,7 +371,7 @@ fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Er
 fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result<(), Error> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
-        .map_err(|e| Error::Internal(format!("cannot install signal handlers: {e}")))?;
+        .map_err(|e| Error::start("signal handlers", e))?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
@@ -381,7 +381,7 @@ fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result
                 }
             }
         })
-        .map_err(|e| Error::Internal(format!("cannot start signal thread: {e}")))?;
+        .map_err(|e| Error::start("signal thread", e))?;
     Ok(())
 }
 
@@ -419,7 +419,7 @@ mod tests {
     #[test]
     fn default_is_all_gpus_or_two_cpu_workers() {
         assert_eq!(plan(&args(&[]), &mut || Ok(4)).unwrap().len(), 4);
-        let p = plan(&args(&[]), &mut || Err("no NVIDIA driver found".into())).unwrap();
+        let p = plan(&args(&[]), &mut || Err(gpus::NvmlUnavailable::NotLoaded)).unwrap();
         assert_eq!(names(&p), ["target-0@cpu", "drafter-0@cpu"]);
     }
 
@@ -428,7 +428,7 @@ mod tests {
         let e = plan(&args(&["--gpus", "cpu:3", "--targets", "3"]), &mut || Ok(0)).unwrap_err();
         assert!(e.to_string().contains("--targets 3 leaves no drafter"), "{e}");
         assert_eq!(e.exit_code(), 2);
-        let e = plan(&args(&["--gpus", "0-7"]), &mut || Err("no NVIDIA driver found".into())).unwrap_err();
+        let e = plan(&args(&["--gpus", "0-7"]), &mut || Err(gpus::NvmlUnavailable::NotLoaded)).unwrap_err();
         assert!(e.to_string().contains("cpu:N"), "{e}");
     }
 }

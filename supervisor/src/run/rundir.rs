@@ -123,7 +123,7 @@ impl RunDir {
             Some(p) => p.to_path_buf(),
             None => default_run_dir(),
         };
-        let usage = |what: String| Error::Usage(format!("--run-dir {}: {what}", path.display()));
+        let usage = |what: String| Error::Flag(format!("--run-dir {}: {what}", path.display()));
         if path.exists() {
             if !path.is_dir() {
                 return Err(usage("exists and is not a directory (expected a new or empty directory)".into()));
@@ -153,7 +153,7 @@ impl RunDir {
     /// Take over the run dir of a stopped run (`--resume`): its logs, events and ledger
     /// are appended to.
     pub fn reopen(path: &Path) -> Result<RunDir, Error> {
-        let usage = |what: String| Error::Usage(format!("--resume {}: {what}", path.display()));
+        let usage = |what: String| Error::Flag(format!("--resume {}: {what}", path.display()));
         if !path.join(STATE_FILE).is_file() {
             return Err(usage("not a dflash-supervise run directory (no state.json in it)".into()));
         }
@@ -241,13 +241,13 @@ impl ExistingRun {
         match dir {
             Some(d) => {
                 if !d.is_dir() {
-                    return Err(Error::Usage(format!(
+                    return Err(Error::Flag(format!(
                         "--run-dir {}: no such directory (expected a run directory made by dflash-supervise)",
                         d.display()
                     )));
                 }
                 if !d.join(STATE_FILE).is_file() {
-                    return Err(Error::Usage(format!(
+                    return Err(Error::Flag(format!(
                         "--run-dir {}: not a dflash-supervise run directory (no state.json in it)",
                         d.display()
                     )));
@@ -261,9 +261,9 @@ impl ExistingRun {
     pub fn state(&self) -> Result<RunState, Error> {
         let p = self.path.join(STATE_FILE);
         let text = fs::read_to_string(&p)
-            .map_err(|e| Error::Usage(format!("{}: cannot read: {e}", p.display())))?;
+            .map_err(|e| Error::input(format!("{}: cannot read", p.display()), e))?;
         serde_json::from_str(&text).map_err(|e| {
-            Error::Usage(format!("{}: not a dflash-supervise state file: {e}", p.display()))
+            Error::input(format!("{}: not a dflash-supervise state file", p.display()), e)
         })
     }
 
@@ -280,7 +280,7 @@ impl ExistingRun {
 
 fn newest_run(runs: &Path) -> Result<PathBuf, Error> {
     let none = || {
-        Error::Usage(format!(
+        Error::Flag(format!(
             "no run found under {}/ (expected --run-dir DIR, or a run started from this directory)",
             runs.display()
         ))

@@ -25,7 +25,7 @@ pub const MAX_LR: f64 = 1.0;
 /// Every flag's range, before the run starts. (Flags whose checks need the target or the
 /// devices — `--taps`, `--mask-token-id`, `--targets` — are checked where those are known.)
 pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
-    let bad = |flag: &str, value: String, expected: &str| Err(Error::Usage(format!("{flag} {value}: expected {expected}")));
+    let bad = |flag: &str, value: String, expected: &str| Err(Error::Flag(format!("{flag} {value}: expected {expected}")));
     let dur = |d: Duration| humantime::format_duration(d).to_string();
     if a.hang_timeout < MIN_HANG_TIMEOUT {
         return bad("--hang-timeout", dur(a.hang_timeout), "at least 1s (workers beat every tenth of it; a shorter one kills healthy workers)");
@@ -199,7 +199,7 @@ fn check_memory_against(e: &MemoryEstimate, plan: &[(WorkerName, Device)], draft
     if cpu_targets > 0 {
         parts.push(format!("{cpu_targets} CPU target(s) of {} each", human(e.target)));
     }
-    Err(Error::Usage(format!(
+    Err(Error::Flag(format!(
         "the workers need about {} ({}) but only {} is available; expected at most 80% of it: \
          lower --max-anchors, --block-size, --draft-layers or --max-seq-len, or use fewer workers",
         human(e.total),

@@ -29,8 +29,8 @@ pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
 
 impl Exporter {
     pub fn start(addr: SocketAddr) -> Result<Exporter, Error> {
-        let listener = TcpListener::bind(addr).map_err(|e| Error::Usage(format!("--prometheus {addr}: cannot listen: {e}")))?;
-        let addr = listener.local_addr().map_err(|e| Error::Internal(e.to_string()))?;
+        let listener = TcpListener::bind(addr).map_err(|e| Error::input(format!("--prometheus {addr}: cannot listen"), e))?;
+        let addr = listener.local_addr().map_err(|e| Error::start("the Prometheus listener", e))?;
         let text = Arc::new(Mutex::new("# HELP dflash_up 1 while the supervisor runs.\n# TYPE dflash_up gauge\ndflash_up 1\n".to_string()));
         let shared = text.clone();
         std::thread::Builder::new()
@@ -62,7 +62,7 @@ impl Exporter {
                     );
                 }
             })
-            .map_err(|e| Error::Internal(format!("cannot start the Prometheus thread: {e}")))?;
+            .map_err(|e| Error::start("Prometheus thread", e))?;
         Ok(Exporter { text, addr })
     }
 

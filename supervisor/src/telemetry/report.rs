@@ -1216,7 +1216,7 @@ pub fn write(run: &Path, out: &Path) -> Result<(), Error> {
     let tmp = out.with_extension(format!("html.{}.tmp", std::process::id()));
     std::fs::write(&tmp, page).and_then(|_| std::fs::rename(&tmp, out)).map_err(|e| {
         let _ = std::fs::remove_file(&tmp);
-        Error::Usage(format!("--out {}: {e}", out.display()))
+        Error::input(format!("--out {}", out.display()), e)
     })
 }
 

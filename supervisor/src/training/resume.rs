@@ -82,8 +82,8 @@ impl SavedRun {
     }
 
     pub fn save(&self, run_dir: &Path) -> Result<(), Error> {
-        let text = serde_json::to_string_pretty(self).map_err(|e| Error::Internal(e.to_string()))?;
-        std::fs::write(run_dir.join(RUN_FILE), text).map_err(|e| Error::Internal(format!("cannot write {RUN_FILE}: {e}")))
+        let text = serde_json::to_string_pretty(self).map_err(|e| Error::json("the run settings", e))?;
+        std::fs::write(run_dir.join(RUN_FILE), text).map_err(|e| Error::io("cannot write", run_dir.join(RUN_FILE), e))
     }
 }
 
@@ -151,7 +151,7 @@ const OPTIONAL: [&str; 10] =
 /// Load `dir`'s saved settings into `args` (flags given on this command line, `given`,
 /// win where they may, see [`merge`]) and find its newest complete checkpoint.
 pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Resume, Error> {
-    let usage = |msg: String| Error::Usage(format!("--resume {}: {msg}", dir.display()));
+    let usage = |msg: String| Error::Flag(format!("--resume {}: {msg}", dir.display()));
     let text = std::fs::read_to_string(dir.join(RUN_FILE))
         .map_err(|e| usage(format!("cannot read {RUN_FILE}: {e} (expected the run directory of a dflash-supervise run)")))?;
     let saved: SavedRun = serde_json::from_str(&text).map_err(|e| usage(format!("{RUN_FILE} is not valid: {e}")))?;

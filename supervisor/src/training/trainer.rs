@@ -121,6 +121,21 @@ fn ordinal(n: u32) -> String {
     }
 }
 
+/// Why the supervisor could not write a checkpoint from its snapshot.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotCheckpointError {
+    #[error("no snapshot of step {step}")]
+    NoSnapshot { step: u64 },
+    #[error("the snapshot slot holds step {held}, expected {expected}")]
+    WrongStep { held: u64, expected: u64 },
+    #[error("the training state at step {step} is not finite: no checkpoint written")]
+    NotFinite { step: u64 },
+    #[error("the supervisor's checkpoint metadata is not JSON: {0}")]
+    Meta(#[source] serde_json::Error),
+    #[error("writing {}: {source}", dir.display())]
+    Write { dir: std::path::PathBuf, source: std::io::Error },
+}
+
 pub struct Trainer {
     cfg: TrainerConfig,
     grads_fd: OwnedFd,
@@ -174,14 +189,14 @@ impl Trainer {
         let grads_geometry = PoolGeometry { name: "grads".into(), slots: 2 * cfg.max_ranks.max(1), slot_bytes: params as u64 * 4 };
         // Slot 0: a joining rank's state; 1 and 2: the rollback snapshot, double-buffered.
         let state_geometry = PoolGeometry { name: "drafter-state".into(), slots: 3, slot_bytes: state_bytes(params) };
-        let mk = |g: &PoolGeometry| PoolMap::create(g.clone()).map_err(|e| Error::Internal(format!("cannot create the {} pool: {e}", g.name)));
+        let mk = |g: &PoolGeometry| PoolMap::create(g.clone()).map_err(|e| Error::SharedMemory { pool: g.name.clone(), source: e.into() });
         let (grads_fd, grads_map) = mk(&grads_geometry)?;
         let (state_fd, state_map) = mk(&state_geometry)?;
         let mut log = OpenOptions::new()
             .create(true)
             .append(true)
             .open(run_dir.join("train.jsonl"))
-            .map_err(|e| Error::Internal(format!("cannot create train.jsonl: {e}")))?;
+            .map_err(|e| Error::io("cannot create", run_dir.join("train.jsonl"), e))?;
         // Temporary directories of checkpoints (and exports) a crash interrupted: never
         // complete.
         for dir in [cfg.checkpoints_dir.as_path(), run_dir] {
@@ -718,9 +733,9 @@ impl Trainer {
     /// Write the current snapshot as a checkpoint of `step` into `dir`, in the format a
     /// drafter writes (state.safetensors with params/adam_m/adam_v, meta.json with its
     /// checksum), atomically. For a stop with no drafter left.
-    pub fn checkpoint_from_snapshot(&mut self, step: u64, dir: &Path, supervisor_meta: &str) -> Result<(), String> {
+    pub fn checkpoint_from_snapshot(&mut self, step: u64, dir: &Path, supervisor_meta: &str) -> Result<(), SnapshotCheckpointError> {
         let Some((slot, at)) = self.snapshot.filter(|&(_, s)| s == step) else {
-            return Err(format!("no snapshot of step {step}"));
+            return Err(SnapshotCheckpointError::NoSnapshot { step });
         };
         // SAFETY: the snapshot slot is current and no drafter is left to write into it.
         let src = unsafe { self._state_map.payload(slot) };
@@ -728,11 +743,11 @@ impl Trainer {
         let (head, body) = src.split_at(64);
         let (state_step, adam_step) = (u64::from_le_bytes(head[..8].try_into().expect("8 bytes")), u64::from_le_bytes(head[8..16].try_into().expect("8 bytes")));
         if state_step != at {
-            return Err(format!("the snapshot slot holds step {state_step}, expected {at}"));
+            return Err(SnapshotCheckpointError::WrongStep { held: state_step, expected: at });
         }
         let body = &body[..3 * n * 4];
         if !body.chunks_exact(4).all(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite()) {
-            return Err(format!("the training state at step {step} is not finite: no checkpoint written"));
+            return Err(SnapshotCheckpointError::NotFinite { step });
         }
         // safetensors: header length, JSON header (padded to 8 bytes), then the data; the
         // three tensors lie in the slot in this order already.
@@ -748,7 +763,7 @@ impl Trainer {
         bytes.extend((h.len() as u64).to_le_bytes());
         bytes.extend(h.as_bytes());
         bytes.extend(body);
-        let supervisor: serde_json::Value = serde_json::from_str(supervisor_meta).map_err(|e| e.to_string())?;
+        let supervisor: serde_json::Value = serde_json::from_str(supervisor_meta).map_err(SnapshotCheckpointError::Meta)?;
         let meta = serde_json::json!({
             "step": step,
             "adam_step": adam_step,
@@ -775,7 +790,7 @@ impl Trainer {
         };
         write().map_err(|e| {
             let _ = std::fs::remove_dir_all(&tmp);
-            format!("writing {}: {e}", dir.display())
+            SnapshotCheckpointError::Write { dir: dir.to_path_buf(), source: e }
         })?;
         self.on_checkpointed(dir.display().to_string(), step);
         Ok(())

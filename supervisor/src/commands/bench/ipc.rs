@@ -153,7 +153,7 @@ pub fn run(json: bool, quick: bool) -> Result<i32, Error> {
 }
 
 fn fail(what: &str, e: &dyn std::fmt::Display) -> Error {
-    Error::Internal(format!("bench ipc: {what}: {e}"))
+    Error::Bench { bench: "ipc", what: what.to_string(), source: e.to_string().into() }
 }
 
 fn pct(v: &[u64], p: usize) -> f64 {

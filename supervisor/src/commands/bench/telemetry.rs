@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use crate::error::Error;
 
 fn fail(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Internal(format!("bench telemetry: {what}: {e}"))
+    Error::Bench { bench: "telemetry", what: what.to_string(), source: e.to_string().into() }
 }
 
 /// CPU seconds (user + system) of a process so far.
@@ -57,10 +57,10 @@ fn supervisor_cpu(seconds: u64, extra: &[&str]) -> Result<f64, Error> {
 }
 
 pub fn run(json: bool, seconds: u64) -> Result<i32, Error> {
-    let nvml = crate::telemetry::gpus::init().map_err(|e| Error::Usage(format!("bench telemetry needs NVML and a GPU: {e}")))?;
+    let nvml = crate::telemetry::gpus::init().map_err(|e| Error::Unavailable { what: "bench telemetry needs NVML and a GPU".into(), source: e.into() })?;
     let n = nvml.device_count().map_err(|e| fail("counting GPUs", e))?;
     if n == 0 {
-        return Err(Error::Usage("bench telemetry needs at least one GPU (NVML reports none)".into()));
+        return Err(Error::Unavailable { what: "bench telemetry needs at least one GPU".into(), source: "NVML reports none".into() });
     }
     let rounds = 200;
     let t = Instant::now();

@@ -18,7 +18,7 @@ use crate::error::Error;
 use crate::data::loader::{DataSource, Loader, LoaderConfig};
 
 fn fail(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Internal(format!("bench train: {what}: {e}"))
+    Error::Bench { bench: "train", what: what.to_string(), source: e.to_string().into() }
 }
 
 pub fn run(json: bool, steps: u64) -> Result<i32, Error> {

@@ -7,6 +7,7 @@ use dflash_shared::exit_codes;
 use serde_json::json;
 
 use super::{obj, Dispatcher, Phase, StopReason};
+use crate::error::RunEnd;
 use crate::run::rundir::{RunState, WorkerState};
 
 impl Dispatcher {
@@ -68,24 +69,24 @@ impl Dispatcher {
         let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
         let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
         self.pipeline.end();
-        let code = match &reason {
+        let end = match &reason {
             StopReason::GaveUp(report) => {
                 eprint!("{}", report.render());
-                exit_codes::RUN_FAILED
+                RunEnd::Failed
             }
-            StopReason::Fatal(_) => exit_codes::INTERNAL,
+            StopReason::Fatal(_) => RunEnd::Internal,
             StopReason::BadInput(msg) => {
                 eprintln!("dflash-supervise: error: {msg}");
-                exit_codes::USAGE
+                RunEnd::BadInput
             }
-            StopReason::Interrupted => exit_codes::INTERRUPTED,
+            StopReason::Interrupted => RunEnd::Interrupted,
             StopReason::TrainingFailed(msg) => {
                 eprintln!("dflash-supervise: run failed: {msg}");
-                exit_codes::RUN_FAILED
+                RunEnd::Failed
             }
             StopReason::Requested(_) | StopReason::TimeLimit | StopReason::DataDone | StopReason::StepsDone => {
                 if all_clean {
-                    exit_codes::SUCCESS
+                    RunEnd::Clean
                 } else {
                     let bad: Vec<String> = self
                         .workers
@@ -94,14 +95,14 @@ impl Dispatcher {
                         .map(|w| format!("{} ({})", w.name, w.last_exit.as_deref().unwrap_or("never started")))
                         .collect();
                     log::warn!("not every worker stopped cleanly: {}", bad.join(", "));
-                    exit_codes::UNCLEAN_STOP
+                    RunEnd::UncleanStop
                 }
             }
         };
         // Steps that no checkpoint holds are lost to a --resume: say which, and never
         // call such a run a success.
         let (committed, saved) = (self.trainer.committed(), self.trainer.saved_step());
-        let code = if committed > saved {
+        let end = if committed > saved {
             let from = if saved > 0 {
                 format!("continue from the checkpoint of step {saved} with: dflash-supervise --resume {}", self.run.path.display())
             } else {
@@ -109,10 +110,11 @@ impl Dispatcher {
             };
             eprintln!("dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}", saved + 1);
             // Lost work outranks an unclean stop: the run failed.
-            if code == exit_codes::SUCCESS || code == exit_codes::UNCLEAN_STOP { exit_codes::RUN_FAILED } else { code }
+            if matches!(end, RunEnd::Clean | RunEnd::UncleanStop) { RunEnd::Failed } else { end }
         } else {
-            code
+            end
         };
+        let code = end.exit_code();
         let phase = if code == exit_codes::SUCCESS { "stopped" } else { "failed" };
         if let Err(e) = self.run.write_state(&self.snapshot(phase, Some(code))) {
             log::warn!("cannot write state.json: {e}");

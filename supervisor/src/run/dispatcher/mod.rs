@@ -220,14 +220,14 @@ impl Dispatcher {
     pub fn new(cfg: Config, run: RunDir, reaper: Option<Reaper>, data: Data) -> Result<Dispatcher, Error> {
         let metrics = crate::telemetry::metrics::Metrics::new(&run.path);
         let (tx, rx) = mpsc::channel();
-        let spawner = Spawner::start().map_err(|e| Error::Internal(format!("cannot start spawner thread: {e}")))?;
+        let spawner = Spawner::start().map_err(|e| Error::start("spawner thread", e))?;
         let mut workers = Vec::new();
         for &(name, device) in &cfg.plan {
             let log_path = run.worker_log(&name.to_string());
             let tee = cfg.tee.then(|| format!("[{name}]"));
             let rotation = Rotation { max_size: cfg.log_max_size, backups: cfg.log_backups };
             let log = WorkerLog::open(&log_path, rotation, tee)
-                .map_err(|e| Error::Internal(format!("cannot open {}: {e}", log_path.display())))?;
+                .map_err(|e| Error::io("cannot open", &log_path, e))?;
             workers.push(Worker {
                 name,
                 device,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use dflash_shared::env;
+use dflash_shared::{env, WorkerName};
 use dflash_shared::protocol::FromWorker;
 use ipc_channel::ipc::IpcOneShotServer;
 use serde_json::json;
@@ -16,11 +16,25 @@ use crate::run::process::{GroupLeader, SpawnSpec};
 use crate::run::rundir::now_rfc3339;
 use crate::run::worker_log::Tag;
 
+/// Why a worker life could not be started: the run cannot go on (exit 4).
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error("cannot open a control channel for {worker}: {source}")]
+    Channel { worker: WorkerName, source: std::io::Error },
+    #[error("cannot start {worker} ({}): {source}", program.display())]
+    Start { worker: WorkerName, program: std::path::PathBuf, source: std::io::Error },
+    #[error("cannot open a pidfd for {worker} (pid {pid}): {source}")]
+    Pidfd { worker: WorkerName, pid: u32, source: std::io::Error },
+    #[error("cannot start a waiter thread: {0}")]
+    Waiter(#[source] std::io::Error),
+}
+
 impl Dispatcher {
     pub(super) fn spawn(&mut self, worker: usize) {
         match self.try_spawn(worker) {
             Ok(()) => {}
-            Err(msg) => {
+            Err(e) => {
+                let msg = e.to_string();
                 log::error!("{msg}");
                 self.workers[worker].state = WState::Failed;
                 self.begin_stop(StopReason::Fatal(msg));
@@ -29,13 +43,13 @@ impl Dispatcher {
         self.dirty = true;
     }
 
-    fn try_spawn(&mut self, worker: usize) -> Result<(), String> {
+    fn try_spawn(&mut self, worker: usize) -> Result<(), SpawnError> {
         let id = self.next_life;
         self.next_life += 1;
         let heartbeat = (self.cfg.hang_timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1));
         let w = &mut self.workers[worker];
         let (server, server_name) = IpcOneShotServer::<FromWorker>::new()
-            .map_err(|e| format!("cannot open a control channel for {}: {e}", w.name))?;
+            .map_err(|source| SpawnError::Channel { worker: w.name, source })?;
         let spec = SpawnSpec {
             program: self.cfg.worker_bin.clone(),
             inherit_fds: self.pipeline.inherit_fds().into_iter().chain(self.trainer.inherit_fds()).collect(),
@@ -57,7 +71,7 @@ impl Dispatcher {
         let mut child = self
             .spawner
             .spawn(spec)
-            .map_err(|e| format!("cannot start {} ({}): {e}", w.name, self.cfg.worker_bin.display()))?;
+            .map_err(|source| SpawnError::Start { worker: w.name, program: self.cfg.worker_bin.clone(), source })?;
         let pid = child.id();
         let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
         let process = match GroupLeader::new(child) {
@@ -65,7 +79,7 @@ impl Dispatcher {
             Err((mut child, e)) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("cannot open a pidfd for {} (pid {pid}): {e}", w.name));
+                return Err(SpawnError::Pidfd { worker: w.name, pid, source: e });
             }
         };
         if let Some(r) = &self.reaper {
@@ -103,7 +117,7 @@ impl Dispatcher {
                     Err(e) => log::error!("cannot reap pid {pid}: {e}"),
                 }
             })
-            .map_err(|e| format!("cannot start a waiter thread: {e}"))?;
+            .map_err(SpawnError::Waiter)?;
         let now = Instant::now();
         w.log.line(Tag::Supervisor, &format!("started pid {pid} on {} (restart {})", w.device, w.restarts));
         self.run.event("spawn", obj(json!({"worker": w.name.to_string(), "pid": pid,
