@@ -18,10 +18,8 @@ impl Dispatcher {
             .workers
             .iter()
             .filter_map(|w| {
-                let l = w.life.as_ref()?;
-                let tx = l.to_worker.as_ref()?;
-                (l.killed_for.is_none() && l.exited.is_none() && !l.asked_to_stop)
-                    .then_some(Peer { name: w.name, holder: l.id, pid: l.pid, tx })
+                let l = w.status.life()?;
+                Some(Peer { name: w.name, holder: l.id, pid: l.pid, tx: l.takes_work()? })
             })
             .collect();
         if let Some(e) = self.pipeline.ledger_failed() {
@@ -44,7 +42,7 @@ impl Dispatcher {
         for a in actions {
             match a {
                 Action::Send(w, msg) => {
-                    if let Some(tx) = self.workers[w].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
+                    if let Some(tx) = self.workers[w].status.life().and_then(|l| l.to_worker()) {
                         let _ = tx.send(msg);
                     }
                 }
@@ -81,7 +79,7 @@ impl Dispatcher {
                 }
                 Action::Checkpoint { worker, step, dir } => {
                     let meta = self.pipeline.consumed_summary().to_string();
-                    if let Some(tx) = self.workers[worker].life.as_ref().and_then(|l| l.to_worker.as_ref()) {
+                    if let Some(tx) = self.workers[worker].status.life().and_then(|l| l.to_worker()) {
                         let _ = tx.send(ToWorker::Checkpoint { dir: dir.display().to_string(), step, meta });
                     }
                 }

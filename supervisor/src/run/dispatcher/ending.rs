@@ -32,10 +32,10 @@ impl Dispatcher {
                     role: w.name.role.to_string(),
                     rank: w.name.rank,
                     gpu: w.device.to_string(),
-                    pid: w.life.as_ref().map(|l| l.pid),
-                    state: w.state.as_str().into(),
+                    pid: w.status.life().map(|l| l.pid),
+                    state: w.status.as_str().into(),
                     restarts: w.restarts,
-                    started_at: w.life.as_ref().map(|l| l.started_wall.clone()),
+                    started_at: w.status.life().map(|l| l.started_wall.clone()),
                     last_exit: w.last_exit.clone(),
                     log: w.log_path.clone(),
                 })

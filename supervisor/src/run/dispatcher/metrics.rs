@@ -30,7 +30,7 @@ impl Dispatcher {
     /// Close the current window: write it and start the next.
     pub(super) fn write_metrics(&mut self) {
         let secs = self.metrics.started.elapsed().as_secs_f64().max(1e-9);
-        let names = |pid: u32| self.workers.iter().find(|w| w.life.as_ref().is_some_and(|l| l.pid == pid)).map(|w| w.name.to_string());
+        let names = |pid: u32| self.workers.iter().find(|w| w.status.life().is_some_and(|l| l.pid == pid)).map(|w| w.name.to_string());
         let gpu = self.metrics.gpu.take(&names);
         let (consumed, produced) = self.pipeline.progress();
         let t = &self.trainer.progress;
@@ -41,7 +41,7 @@ impl Dispatcher {
         let workers: serde_json::Map<String, serde_json::Value> = self
             .workers
             .iter()
-            .map(|w| (w.name.to_string(), json!({"state": w.state.as_str(), "pid": w.life.as_ref().map(|l| l.pid), "restarts": w.restarts})))
+            .map(|w| (w.name.to_string(), json!({"state": w.status.as_str(), "pid": w.status.life().map(|l| l.pid), "restarts": w.restarts})))
             .collect();
         let pipeline = self.pipeline.health.take(secs);
         if let Some(hint) = pipeline["bottleneck_hint"].as_str() {

@@ -33,11 +33,11 @@ use std::time::{Duration, Instant};
 
 use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
 use dflash_shared::{Device, Role, WorkerName};
-use ipc_channel::ipc::IpcSender;
 use nix::sys::signal::Signal;
 use serde_json::json;
 
-use crate::run::process::{describe_status, GroupLeader, Spawner};
+use crate::run::process::{describe_status, Spawner};
+use life::{Life, Status};
 use crate::run::reaper::Reaper;
 use crate::run::root_cause::Report;
 use crate::run::restart::backoff;
@@ -52,6 +52,7 @@ use crate::error::Error;
 use crate::run::control;
 
 mod data;
+mod life;
 mod metrics;
 mod ending;
 mod spawning;
@@ -117,55 +118,12 @@ pub struct Data {
     pub trainer: Trainer,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum WState {
-    Starting,
-    Running,
-    Stopping,
-    Backoff(Instant),
-    Exited,
-    Failed,
-}
-
-impl WState {
-    fn as_str(self) -> &'static str {
-        match self {
-            WState::Starting => "starting",
-            WState::Running => "running",
-            WState::Stopping => "stopping",
-            WState::Backoff(_) => "backoff",
-            WState::Exited => "exited",
-            WState::Failed => "failed",
-        }
-    }
-}
-
-struct Life {
-    id: LifeId,
-    pid: u32,
-    /// The process and its group; signal the group only through it.
-    process: Arc<GroupLeader>,
-    started: Instant,
-    started_wall: String,
-    server_name: String,
-    to_worker: Option<IpcSender<ToWorker>>,
-    connected: bool,
-    last_beat: Instant,
-    /// Set when the supervisor killed this life, with the reason.
-    killed_for: Option<String>,
-    asked_to_stop: bool,
-    channel_closed: bool,
-    /// The process is gone; waiting for its control channel to drain.
-    exited: Option<(ExitStatus, Instant)>,
-}
-
 struct Worker {
     name: WorkerName,
     device: Device,
     log: WorkerLog,
     log_path: PathBuf,
-    life: Option<Life>,
-    state: WState,
+    status: Status,
     restarts: u32,
     consecutive_failures: u32,
     last_exit: Option<String>,
@@ -233,8 +191,7 @@ impl Dispatcher {
                 device,
                 log,
                 log_path,
-                life: None,
-                state: WState::Starting,
+                status: Status::NotStarted,
                 restarts: 0,
                 consecutive_failures: 0,
                 last_exit: None,
@@ -314,7 +271,7 @@ impl Dispatcher {
     }
 
     fn finished(&self) -> bool {
-        !matches!(self.phase, Phase::Running) && self.workers.iter().all(|w| w.life.is_none())
+        !matches!(self.phase, Phase::Running) && self.workers.iter().all(|w| w.status.life().is_none())
     }
 
     fn handle(&mut self, ev: Event) {
@@ -324,9 +281,7 @@ impl Dispatcher {
             Event::Control(ControlEvent::Message { worker, life, msg }) => self.on_message(worker, life, msg),
             Event::Control(ControlEvent::ChannelLost { worker, life, reason, malformed }) => {
                 let Some(l) = self.live(worker, life) else { return };
-                l.channel_closed = true;
-                l.to_worker = None;
-                if let Some((status, _)) = l.exited {
+                if let Some(status) = l.channel_lost() {
                     self.finish_exit(worker, status);
                     return;
                 }
@@ -351,7 +306,7 @@ impl Dispatcher {
 
     /// The current life of `worker` if it is `life`.
     fn live(&mut self, worker: usize, life: LifeId) -> Option<&mut Life> {
-        self.workers[worker].life.as_mut().filter(|l| l.id == life)
+        self.workers[worker].status.life_mut().filter(|l| l.id == life)
     }
 
     fn on_signal(&mut self, sig: i32) {
@@ -360,7 +315,7 @@ impl Dispatcher {
             Signal::SIGUSR1 | Signal::SIGUSR2 => {
                 log::info!("forwarding {} to every worker", signal.as_str());
                 for w in &self.workers {
-                    if let Some(l) = &w.life {
+                    if let Some(l) = w.status.life() {
                         l.process.signal_group(signal);
                     }
                 }
@@ -399,7 +354,7 @@ impl Dispatcher {
                 hello.protocol
             );
             let _ = l.process.signal(Signal::SIGKILL);
-            l.killed_for = Some("incompatible control protocol".into());
+            l.mark_killed("incompatible control protocol");
             log::error!("{msg}");
             self.begin_stop(StopReason::Fatal(msg));
             return;
@@ -409,17 +364,15 @@ impl Dispatcher {
             self.violation(worker, &why);
             return;
         }
-        l.connected = true;
         l.last_beat = Instant::now();
         if hello.to_worker.send(pools).is_err() {
             log::warn!("{name}: cannot send the pool description; its channel is closed");
         }
-        l.to_worker = Some(hello.to_worker);
+        l.connect(hello.to_worker);
         let pid = l.pid;
         if hello.pid != pid {
             log::info!("{name}: hello from pid {} (spawned pid {pid}; a wrapper?)", hello.pid);
         }
-        self.workers[worker].state = WState::Running;
         self.dirty = true;
         log::info!("{name} ready (pid {pid})");
         if stopping {
@@ -442,7 +395,7 @@ impl Dispatcher {
                 Ok(())
             }
             FromWorker::Commit { output, len, batch_id, input, wait_ms, compute_ms } => {
-                let Some(tx) = l.to_worker.clone() else { return };
+                let Some(tx) = l.to_worker().cloned() else { return };
                 let peer = Peer { name, holder, pid, tx: &tx };
                 let r = self.pipeline.on_commit(&peer, output, len, batch_id, input);
                 if r.is_ok() {
@@ -453,7 +406,7 @@ impl Dispatcher {
                 r
             }
             FromWorker::Ack { input, batch_id } => {
-                let Some(tx) = l.to_worker.clone() else { return };
+                let Some(tx) = l.to_worker().cloned() else { return };
                 let peer = Peer { name, holder, pid, tx: &tx };
                 self.pipeline.on_ack(&peer, input, batch_id)
             }
@@ -504,10 +457,8 @@ impl Dispatcher {
 
     fn kill(&mut self, worker: usize, why: &str) {
         let name = self.workers[worker].name;
-        if let Some(l) = self.workers[worker].life.as_mut() {
-            if l.killed_for.is_none() {
-                l.killed_for = Some(why.to_string());
-            }
+        if let Some(l) = self.workers[worker].status.life_mut() {
+            l.mark_killed(why);
             if let Err(e) = l.process.signal(Signal::SIGKILL) {
                 log::warn!("cannot kill {name} (pid {}): {e}", l.pid);
             }
@@ -517,18 +468,20 @@ impl Dispatcher {
 
     fn on_exit(&mut self, worker: usize, life: LifeId, status: ExitStatus) {
         let Some(l) = self.live(worker, life) else { return };
-        if l.connected && !l.channel_closed {
-            // Read what it said before dying first (see the module docs).
-            l.exited = Some((status, Instant::now()));
-            return;
+        // A connected life's channel is read to its end first (see the module docs).
+        if l.exited(status, Instant::now()) {
+            self.finish_exit(worker, status);
         }
-        self.finish_exit(worker, status);
     }
 
     /// The current life of `worker` is over: reclaim its slots, then restart or record.
     fn finish_exit(&mut self, worker: usize, status: ExitStatus) {
         let w = &mut self.workers[worker];
-        let Some(l) = w.life.take() else { return };
+        if !matches!(w.status, Status::Live(_)) {
+            return;
+        }
+        // Until decided below (restart, backoff, failed), a worker with no life has exited.
+        let Status::Live(l) = std::mem::replace(&mut w.status, Status::Exited) else { unreachable!("checked above") };
         let requeued = self.pipeline.release(w.name, l.id);
         if requeued > 0 && matches!(self.phase, Phase::Running) {
             log::info!("{}: {requeued} batch(es) it held go back to their queue", w.name);
@@ -540,10 +493,11 @@ impl Dispatcher {
         let w = &mut self.workers[worker];
         let uptime = l.started.elapsed();
         let desc = describe_status(&status);
-        let why = l.killed_for.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
+        let killed_for = l.killed_for().map(String::from);
+        let why = killed_for.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
         w.log.line(Tag::Supervisor, &format!("pid {} {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64()));
         w.last_exit = Some(format!("{desc}{why}"));
-        if !l.connected {
+        if !l.connected() {
             control::abandon(&l.server_name);
         }
         let name = w.name.to_string();
@@ -555,7 +509,7 @@ impl Dispatcher {
         self.run.event(
             "exit",
             obj(json!({"worker": name, "pid": l.pid, "status": desc, "code": code, "signal": sig_name,
-                       "uptime_s": uptime.as_secs_f64(), "killed_for": l.killed_for})),
+                       "uptime_s": uptime.as_secs_f64(), "killed_for": killed_for})),
         );
         self.dirty = true;
         if matches!(self.phase, Phase::Running) && code == Some(dflash_shared::exit_codes::WORKER_PERMANENT) {
@@ -565,10 +519,7 @@ impl Dispatcher {
             self.on_failure(worker, l.pid, uptime);
         } else {
             let w = &mut self.workers[worker];
-            w.unclean_stop = !(status.success() && l.asked_to_stop && l.killed_for.is_none());
-            if w.state != WState::Failed {
-                w.state = WState::Exited;
-            }
+            w.unclean_stop = !(status.success() && l.asked_to_stop() && killed_for.is_none());
             log::info!("{name} (pid {}) {desc}{why}", l.pid);
         }
     }
@@ -577,7 +528,7 @@ impl Dispatcher {
     /// would only spend the budget. Stop the run with its own one-line reason.
     fn on_permanent_failure(&mut self, worker: usize, pid: u32) {
         let w = &mut self.workers[worker];
-        w.state = WState::Failed;
+        w.status = Status::Failed;
         // Its reason is its last "error:" line; the log pump may still be writing it.
         let deadline = Instant::now() + Duration::from_secs(2);
         let reason = loop {
@@ -604,7 +555,7 @@ impl Dispatcher {
         let max = self.cfg.max_restarts;
         let w = &mut self.workers[worker];
         if w.restarts >= max {
-            w.state = WState::Failed;
+            w.status = Status::Failed;
             let report = Report {
                 worker: w.name.to_string(),
                 device: w.device.to_string(),
@@ -633,7 +584,7 @@ impl Dispatcher {
             self.spawn(worker);
         } else {
             log::info!("restarting {name} in {} (restart {} of {max})", humantime::format_duration(delay), w.restarts);
-            w.state = WState::Backoff(Instant::now() + delay);
+            w.status = Status::Backoff { until: Instant::now() + delay };
         }
     }
 
@@ -644,10 +595,10 @@ impl Dispatcher {
         self.refresh_status();
         match self.phase {
             Phase::Running | Phase::Stopping { .. } | Phase::Killing
-                if self.workers.iter().any(|w| w.life.as_ref().is_some_and(|l| l.exited.is_some_and(|(_, t)| now.duration_since(t) > DRAIN_GRACE))) =>
+                if self.workers.iter().any(|w| w.status.life().and_then(Life::died).is_some_and(|(_, t)| now.duration_since(t) > DRAIN_GRACE)) =>
             {
                 for i in 0..self.workers.len() {
-                    let late = self.workers[i].life.as_ref().and_then(|l| l.exited).filter(|(_, t)| now.duration_since(*t) > DRAIN_GRACE);
+                    let late = self.workers[i].status.life().and_then(Life::died).filter(|(_, t)| now.duration_since(*t) > DRAIN_GRACE);
                     if let Some((status, _)) = late {
                         log::warn!("{}: its control channel stayed open {} after it died; handling the death anyway", self.workers[i].name, humantime::format_duration(DRAIN_GRACE));
                         self.finish_exit(i, status);
@@ -663,17 +614,17 @@ impl Dispatcher {
                     }
                 }
                 for i in 0..self.workers.len() {
-                    if let WState::Backoff(at) = self.workers[i].state {
-                        if now >= at {
+                    if let Status::Backoff { until } = self.workers[i].status {
+                        if now >= until {
                             self.spawn(i);
                         }
                     }
                     let hang = self.cfg.hang_timeout;
-                    let Some(l) = self.workers[i].life.as_ref() else { continue };
+                    let Some(l) = self.workers[i].status.life() else { continue };
                     let silent = now.saturating_duration_since(l.last_beat);
-                    if l.killed_for.is_none() && l.exited.is_none() && silent > hang {
+                    if l.watched() && silent > hang {
                         let (name, pid) = (self.workers[i].name, l.pid);
-                        let what = if l.connected { "no heartbeat" } else { "no hello" };
+                        let what = if l.connected() { "no heartbeat" } else { "no hello" };
                         log::warn!("{name} (pid {pid}) hung: {what} for {:.1}s; killing it", silent.as_secs_f64());
                         self.run.event("hang", obj(json!({"worker": name.to_string(), "pid": pid,
                                                            "silent_s": silent.as_secs_f64()})));
@@ -682,7 +633,7 @@ impl Dispatcher {
                 }
             }
             Phase::Stopping { deadline } if now >= deadline => {
-                let left: Vec<String> = self.workers.iter().filter(|w| w.life.is_some()).map(|w| w.name.to_string()).collect();
+                let left: Vec<String> = self.workers.iter().filter(|w| w.status.life().is_some()).map(|w| w.name.to_string()).collect();
                 log::warn!(
                     "{} did not stop within --stop-timeout {}: killing",
                     left.join(", "),
@@ -708,8 +659,8 @@ impl Dispatcher {
         let export = self.trainer.export(&self.run.path.join("drafter"));
         self.execute(export);
         for i in 0..self.workers.len() {
-            if let WState::Backoff(_) = self.workers[i].state {
-                self.workers[i].state = WState::Exited;
+            if let Status::Backoff { .. } = self.workers[i].status {
+                self.workers[i].status = Status::Exited;
             }
             self.ask_to_stop(i, "the run is stopping");
         }
@@ -718,12 +669,9 @@ impl Dispatcher {
 
     fn ask_to_stop(&mut self, worker: usize, reason: &str) {
         let w = &mut self.workers[worker];
-        let Some(l) = w.life.as_mut() else { return };
-        l.asked_to_stop = true;
-        if w.state != WState::Failed {
-            w.state = WState::Stopping;
-        }
-        let sent = l.to_worker.as_ref().is_some_and(|tx| tx.send(ToWorker::Shutdown { reason: reason.into() }).is_ok());
+        let Some(l) = w.status.life_mut() else { return };
+        l.mark_asked_to_stop();
+        let sent = l.to_worker().is_some_and(|tx| tx.send(ToWorker::Shutdown { reason: reason.into() }).is_ok());
         if !sent {
             // Not connected (yet): the signal is the only way to ask.
             l.process.signal_group(Signal::SIGTERM);

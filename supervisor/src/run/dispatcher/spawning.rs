@@ -10,7 +10,8 @@ use dflash_shared::protocol::FromWorker;
 use ipc_channel::ipc::IpcOneShotServer;
 use serde_json::json;
 
-use super::{obj, Dispatcher, Event, Life, StopReason, WState};
+use super::life::{Life, LifeState, Status};
+use super::{obj, Dispatcher, Event, StopReason};
 use crate::run::control;
 use crate::run::process::{GroupLeader, SpawnSpec};
 use crate::run::rundir::now_rfc3339;
@@ -36,7 +37,7 @@ impl Dispatcher {
             Err(e) => {
                 let msg = e.to_string();
                 log::error!("{msg}");
-                self.workers[worker].state = WState::Failed;
+                self.workers[worker].status = Status::Failed;
                 self.begin_stop(StopReason::Fatal(msg));
             }
         }
@@ -125,21 +126,15 @@ impl Dispatcher {
         if w.restarts > 0 {
             log::info!("{} restarted as pid {pid} (restart {} of {})", w.name, w.restarts, self.cfg.max_restarts);
         }
-        w.state = WState::Starting;
-        w.life = Some(Life {
+        w.status = Status::Live(Life {
             id,
             pid,
             process,
             started: now,
             started_wall: now_rfc3339(),
             server_name,
-            to_worker: None,
-            connected: false,
             last_beat: now,
-            killed_for: None,
-            asked_to_stop: false,
-            channel_closed: false,
-            exited: None,
+            state: LifeState::Starting,
         });
         Ok(())
     }

@@ -1,0 +1,205 @@
+//! Where a worker is: between lives ([`Status`]) and within one ([`LifeState`]). Each
+//! variant carries the data that exists in that state and nothing else, so a state that
+//! cannot happen (a channel to a worker that never said hello, a drained life that still
+//! takes work) cannot be written.
+
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::Instant;
+
+use dflash_shared::protocol::ToWorker;
+use ipc_channel::ipc::IpcSender;
+
+use super::LifeId;
+use crate::run::process::GroupLeader;
+
+/// A worker between and within its lives.
+pub(super) enum Status {
+    /// Not started yet.
+    NotStarted,
+    /// A process of this worker exists (or has just ended and is being drained).
+    Live(Life),
+    /// Waiting to be restarted at `until`.
+    Backoff { until: Instant },
+    /// Stopped with the run.
+    Exited,
+    /// Will not run again: its restart budget is spent, it can never run here, or it
+    /// could not be started.
+    Failed,
+}
+
+/// One start of a worker.
+pub(super) struct Life {
+    pub id: LifeId,
+    pub pid: u32,
+    /// The process and its group; signal the group only through it.
+    pub process: Arc<GroupLeader>,
+    pub started: Instant,
+    pub started_wall: String,
+    /// Its control channel's one-shot server, woken by `control::abandon` if the worker
+    /// dies before connecting.
+    pub server_name: String,
+    pub last_beat: Instant,
+    pub state: LifeState,
+}
+
+pub(super) enum LifeState {
+    /// Spawned; no hello yet.
+    Starting,
+    /// Said hello and takes work. `to_worker` is `None` once its control channel closed.
+    Ready { to_worker: Option<IpcSender<ToWorker>> },
+    /// Asked to stop: by a Shutdown message when `connected`, else by SIGTERM.
+    Stopping { to_worker: Option<IpcSender<ToWorker>>, connected: bool },
+    /// Killed by the supervisor for `reason`; its pidfd says when it is gone.
+    Killed { reason: String, to_worker: Option<IpcSender<ToWorker>>, connected: bool, asked_to_stop: bool },
+    /// The process is gone (`status`, seen at `since`); its control channel, still open, is
+    /// read to its end before the death is handled. Only a connected life drains.
+    Draining { status: ExitStatus, since: Instant, killed_for: Option<String>, asked_to_stop: bool },
+}
+
+impl Status {
+    pub fn life(&self) -> Option<&Life> {
+        match self {
+            Status::Live(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    pub fn life_mut(&mut self) -> Option<&mut Life> {
+        match self {
+            Status::Live(l) => Some(l),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Status::NotStarted => "starting",
+            Status::Live(l) => l.state.as_str(),
+            Status::Backoff { .. } => "backoff",
+            Status::Exited => "exited",
+            Status::Failed => "failed",
+        }
+    }
+}
+
+impl Life {
+    /// The channel to send orders on, while the worker can read them.
+    pub fn to_worker(&self) -> Option<&IpcSender<ToWorker>> {
+        match &self.state {
+            LifeState::Ready { to_worker } | LifeState::Stopping { to_worker, .. } | LifeState::Killed { to_worker, .. } => to_worker.as_ref(),
+            LifeState::Starting | LifeState::Draining { .. } => None,
+        }
+    }
+
+    /// The channel, only while the worker takes new work.
+    pub fn takes_work(&self) -> Option<&IpcSender<ToWorker>> {
+        match &self.state {
+            LifeState::Ready { to_worker } => to_worker.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// Whether it said hello.
+    pub fn connected(&self) -> bool {
+        match &self.state {
+            LifeState::Starting => false,
+            LifeState::Ready { .. } | LifeState::Draining { .. } => true,
+            LifeState::Stopping { connected, .. } | LifeState::Killed { connected, .. } => *connected,
+        }
+    }
+
+    pub fn killed_for(&self) -> Option<&str> {
+        match &self.state {
+            LifeState::Killed { reason, .. } => Some(reason),
+            LifeState::Draining { killed_for, .. } => killed_for.as_deref(),
+            _ => None,
+        }
+    }
+
+    pub fn asked_to_stop(&self) -> bool {
+        match &self.state {
+            LifeState::Stopping { .. } => true,
+            LifeState::Killed { asked_to_stop, .. } | LifeState::Draining { asked_to_stop, .. } => *asked_to_stop,
+            LifeState::Starting | LifeState::Ready { .. } => false,
+        }
+    }
+
+    /// The process is still there and the supervisor has not killed it: the hang watch
+    /// applies.
+    pub fn watched(&self) -> bool {
+        !matches!(self.state, LifeState::Killed { .. } | LifeState::Draining { .. })
+    }
+
+    /// When it died, if it is draining.
+    pub fn died(&self) -> Option<(ExitStatus, Instant)> {
+        match &self.state {
+            LifeState::Draining { status, since, .. } => Some((*status, *since)),
+            _ => None,
+        }
+    }
+
+    /// It said hello with this channel.
+    pub fn connect(&mut self, to_worker: IpcSender<ToWorker>) {
+        self.state = LifeState::Ready { to_worker: Some(to_worker) };
+    }
+
+    /// The supervisor killed it (the first reason is kept). Nothing changes for a life
+    /// that is already dead.
+    pub fn mark_killed(&mut self, why: &str) {
+        let state = std::mem::replace(&mut self.state, LifeState::Starting);
+        self.state = match state {
+            LifeState::Starting => LifeState::Killed { reason: why.into(), to_worker: None, connected: false, asked_to_stop: false },
+            LifeState::Ready { to_worker } => LifeState::Killed { reason: why.into(), to_worker, connected: true, asked_to_stop: false },
+            LifeState::Stopping { to_worker, connected } => LifeState::Killed { reason: why.into(), to_worker, connected, asked_to_stop: true },
+            s @ (LifeState::Killed { .. } | LifeState::Draining { .. }) => s,
+        };
+    }
+
+    /// It was asked to stop.
+    pub fn mark_asked_to_stop(&mut self) {
+        match &mut self.state {
+            LifeState::Starting => self.state = LifeState::Stopping { to_worker: None, connected: false },
+            LifeState::Ready { to_worker } => self.state = LifeState::Stopping { to_worker: to_worker.take(), connected: true },
+            LifeState::Killed { asked_to_stop, .. } | LifeState::Draining { asked_to_stop, .. } => *asked_to_stop = true,
+            LifeState::Stopping { .. } => {}
+        }
+    }
+
+    /// Its control channel ended. Returns the exit status if it had already died (the
+    /// drain is over).
+    pub fn channel_lost(&mut self) -> Option<ExitStatus> {
+        match &mut self.state {
+            LifeState::Ready { to_worker } | LifeState::Stopping { to_worker, .. } | LifeState::Killed { to_worker, .. } => {
+                *to_worker = None;
+                None
+            }
+            LifeState::Draining { status, .. } => Some(*status),
+            LifeState::Starting => None,
+        }
+    }
+
+    /// The process is gone. Returns `true` when the death can be handled now, `false` when
+    /// its open channel is drained first.
+    pub fn exited(&mut self, status: ExitStatus, now: Instant) -> bool {
+        if !self.connected() || self.to_worker().is_none() {
+            return true;
+        }
+        let (killed_for, asked_to_stop) = (self.killed_for().map(String::from), self.asked_to_stop());
+        self.state = LifeState::Draining { status, since: now, killed_for, asked_to_stop };
+        false
+    }
+}
+
+impl LifeState {
+    fn as_str(&self) -> &'static str {
+        match self {
+            LifeState::Starting => "starting",
+            LifeState::Ready { .. } => "running",
+            LifeState::Stopping { .. } => "stopping",
+            LifeState::Killed { asked_to_stop: true, .. } | LifeState::Draining { asked_to_stop: true, .. } => "stopping",
+            LifeState::Killed { connected: false, .. } => "starting",
+            LifeState::Killed { .. } | LifeState::Draining { .. } => "running",
+        }
+    }
+}
