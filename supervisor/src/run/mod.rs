@@ -203,13 +203,14 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
     };
-    let d = dispatcher::Dispatcher::new(cfg, run_dir, reaper, data)?;
+    let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
+    let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
     start_signal_thread(d.events())?;
     Ok(d.run())
 }
 
 /// The target's config: the built-in tiny one, or DIR/config.json.
-fn target_config(target: &str) -> Result<TargetConfig, Error> {
+pub(crate) fn target_config(target: &str) -> Result<TargetConfig, Error> {
     if target == "tiny" {
         return Ok(TargetConfig::parse(dflash_shared::model_config::TINY_CONFIG).expect("the built-in tiny config parses"));
     }
@@ -240,7 +241,7 @@ fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<Pat
 }
 
 /// The loader and pool settings, checked before anything starts.
-fn data_config(
+pub(crate) fn data_config(
     args: &RunArgs,
     plan: &[(WorkerName, Device)],
     target: &TargetConfig,
@@ -291,7 +292,7 @@ fn data_config(
 }
 
 /// The drafter and its optimisation, from the target and the flags.
-fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &TargetConfig, capture: &CaptureSpec) -> Result<trainer::TrainerConfig, Error> {
+pub(crate) fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &TargetConfig, capture: &CaptureSpec) -> Result<trainer::TrainerConfig, Error> {
     let tiny = args.target == "tiny";
     let layers = args.draft_layers.unwrap_or_else(|| default_draft_layers(target.num_hidden_layers));
     let block = args.block_size.unwrap_or(if tiny { 8 } else { 16 });

@@ -1,7 +1,7 @@
 //! What the run looks like from outside: `state.json` while it runs, and the exit code,
 //! report and records when it ends.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use dflash_shared::exit_codes;
 use serde_json::json;
@@ -46,13 +46,13 @@ impl Dispatcher {
     pub(super) fn flush_state(&mut self) {
         // Worker changes are written at once; batch progress alone at most once a second.
         let progress = self.pipeline.progress();
-        let stale = progress != self.written_progress && self.written_at.elapsed() >= Duration::from_secs(1);
+        let stale = progress != self.written_progress && self.now.saturating_duration_since(self.written_at) >= Duration::from_secs(1);
         if !self.dirty && !stale {
             return;
         }
         self.dirty = false;
         self.written_progress = progress;
-        self.written_at = Instant::now();
+        self.written_at = self.now;
         let phase = match self.phase {
             Phase::Running => "running",
             _ => "stopping",

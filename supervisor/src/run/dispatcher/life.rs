@@ -11,7 +11,7 @@ use dflash_shared::protocol::ToWorker;
 use ipc_channel::ipc::IpcSender;
 
 use super::LifeId;
-use crate::run::process::GroupLeader;
+use super::launcher::Process;
 
 /// A worker between and within its lives.
 pub(super) enum Status {
@@ -33,7 +33,7 @@ pub(super) struct Life {
     pub id: LifeId,
     pub pid: u32,
     /// The process and its group; signal the group only through it.
-    pub process: Arc<GroupLeader>,
+    pub process: Arc<dyn Process>,
     pub started: Instant,
     pub started_wall: String,
     /// Its control channel's one-shot server, woken by `control::abandon` if the worker

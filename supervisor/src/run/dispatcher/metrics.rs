@@ -2,7 +2,7 @@
 //! `metrics.jsonl` (schema in [`crate::telemetry::metrics`]) and the live status line.
 
 use std::io::Write;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::json;
 
@@ -14,10 +14,10 @@ impl Dispatcher {
     /// On a terminal, redraw the live status line once a second: the latest window's
     /// rates with the training figures of this moment.
     pub(super) fn refresh_status(&mut self) {
-        if !crate::telemetry::console::live() || self.metrics.status_at.elapsed() < Duration::from_secs(1) {
+        if !crate::telemetry::console::live() || self.now.saturating_duration_since(self.metrics.status_at) < Duration::from_secs(1) {
             return;
         }
-        self.metrics.status_at = Instant::now();
+        self.metrics.status_at = self.now;
         let mut w = self.metrics.latest.clone().unwrap_or_else(|| json!({}));
         let t = &self.trainer.progress;
         if t.step > 0 {
@@ -29,7 +29,7 @@ impl Dispatcher {
 
     /// Close the current window: write it and start the next.
     pub(super) fn write_metrics(&mut self) {
-        let secs = self.metrics.started.elapsed().as_secs_f64().max(1e-9);
+        let secs = self.now.saturating_duration_since(self.metrics.started).as_secs_f64().max(1e-9);
         let names = |pid: u32| self.workers.iter().find(|w| w.status.life().is_some_and(|l| l.pid == pid)).map(|w| w.name.to_string());
         let gpu = self.metrics.gpu.take(&names);
         let (consumed, produced) = self.pipeline.progress();
@@ -71,7 +71,7 @@ impl Dispatcher {
         }
         self.metrics.last_consumed = consumed;
         self.metrics.last_step = t.step;
-        self.metrics.started = Instant::now();
+        self.metrics.started = self.now;
         self.metrics.latest = Some(record);
         self.dirty = true;
     }

@@ -21,6 +21,11 @@
 //! to its end too, so a commit or ack it sent just before dying is never lost or
 //! misread as stale ([`DRAIN_GRACE`] bounds the wait).
 //!
+//! The dispatcher touches processes only through a [`launcher::Launcher`] (start a life)
+//! and the [`launcher::Process`] it returns (signal it), and reads time only from the
+//! `now` of each turn of its loop (`step`). Its unit tests (`tests.rs`)
+//! put a scripted launcher there and feed events at exact times: no process, no sleep.
+//!
 //! The data plane ([`Pipeline`]) is driven from here: after every event the dispatcher
 //! grants what can be granted, and it stops the run once the loader is done and every
 //! batch has been consumed.
@@ -28,7 +33,6 @@
 use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
@@ -36,9 +40,9 @@ use dflash_shared::{Device, Role, WorkerName};
 use nix::sys::signal::Signal;
 use serde_json::json;
 
-use crate::run::process::{describe_status, Spawner};
+use crate::run::process::describe_status;
+use launcher::Launcher;
 use life::{Life, Status};
-use crate::run::reaper::Reaper;
 use crate::run::root_cause::Report;
 use crate::run::restart::backoff;
 use crate::run::rundir::{now_rfc3339, unix_ms, RunDir};
@@ -52,10 +56,13 @@ use crate::error::Error;
 use crate::run::control;
 
 mod data;
+pub mod launcher;
 mod life;
 mod metrics;
 mod ending;
 mod spawning;
+#[cfg(test)]
+mod tests;
 
 /// Longest the loop sleeps without looking at its timers.
 const TICK: Duration = Duration::from_millis(50);
@@ -159,8 +166,9 @@ pub struct Dispatcher {
     stop_reason: Option<StopReason>,
     tx: Sender<Event>,
     rx: Receiver<Event>,
-    spawner: Spawner,
-    reaper: Option<Arc<Reaper>>,
+    launcher: Box<dyn Launcher>,
+    /// The time of the event or timer being handled: the dispatcher's only clock.
+    now: Instant,
     next_life: LifeId,
     started: Instant,
     started_wall: String,
@@ -175,10 +183,9 @@ pub struct Dispatcher {
 }
 
 impl Dispatcher {
-    pub fn new(cfg: Config, run: RunDir, reaper: Option<Reaper>, data: Data) -> Result<Dispatcher, Error> {
+    pub fn new(cfg: Config, run: RunDir, data: Data, launcher: Box<dyn Launcher>) -> Result<Dispatcher, Error> {
         let metrics = crate::telemetry::metrics::Metrics::new(&run.path);
         let (tx, rx) = mpsc::channel();
-        let spawner = Spawner::start().map_err(|e| Error::start("spawner thread", e))?;
         let mut workers = Vec::new();
         for &(name, device) in &cfg.plan {
             let log_path = run.worker_log(&name.to_string());
@@ -206,8 +213,8 @@ impl Dispatcher {
             stop_reason: None,
             tx,
             rx,
-            spawner,
-            reaper: reaper.map(Arc::new),
+            launcher,
+            now: Instant::now(),
             next_life: 1,
             started: Instant::now(),
             started_wall: now_rfc3339(),
@@ -229,6 +236,39 @@ impl Dispatcher {
 
     /// Run until every worker is gone; returns the process exit code.
     pub fn run(mut self) -> i32 {
+        self.start(Instant::now());
+        loop {
+            self.flush_state();
+            if self.finished() {
+                break;
+            }
+            let ev = match self.rx.recv_timeout(TICK) {
+                Ok(ev) => Some(ev),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => unreachable!("the dispatcher holds a sender"),
+            };
+            self.step(ev, Instant::now());
+        }
+        self.finish()
+    }
+
+    /// One turn of the loop at `now`: the event, if one came, then the timers, then the
+    /// grants. `now` is the dispatcher's only clock.
+    fn step(&mut self, ev: Option<Event>, now: Instant) {
+        self.now = now;
+        if let Some(ev) = ev {
+            self.handle(ev);
+        }
+        self.on_timers(now);
+        self.pump();
+    }
+
+    /// Record the start, start the loader and every worker, and the GPU sampler.
+    fn start(&mut self, now: Instant) {
+        self.now = now;
+        self.started = now;
+        self.written_at = now;
+        self.metrics.restart(now);
         let names: Vec<String> = self.workers.iter().map(|w| format!("{} on {}", w.name, w.device)).collect();
         log::info!("run dir {}; starting {}", self.run.path.display(), names.join(", "));
         log::info!("{}", self.pipeline.describe());
@@ -254,20 +294,6 @@ impl Dispatcher {
             gpus.dedup();
             crate::telemetry::nvml::start(gpus, self.cfg.gpu_sample_interval, self.tx.clone());
         }
-        loop {
-            self.flush_state();
-            if self.finished() {
-                break;
-            }
-            match self.rx.recv_timeout(TICK) {
-                Ok(ev) => self.handle(ev),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => unreachable!("the dispatcher holds a sender"),
-            }
-            self.on_timers(Instant::now());
-            self.pump();
-        }
-        self.finish()
     }
 
     fn finished(&self) -> bool {
@@ -347,6 +373,7 @@ impl Dispatcher {
         let name = self.workers[worker].name;
         let bin = self.cfg.worker_bin.display().to_string();
         let pools = self.pipeline.pools_message();
+        let now = self.now;
         let Some(l) = self.live(worker, life) else { return };
         if hello.protocol != PROTOCOL_VERSION {
             let msg = format!(
@@ -364,7 +391,7 @@ impl Dispatcher {
             self.violation(worker, &why);
             return;
         }
-        l.last_beat = Instant::now();
+        l.last_beat = now;
         if hello.to_worker.send(pools).is_err() {
             log::warn!("{name}: cannot send the pool description; its channel is closed");
         }
@@ -385,8 +412,9 @@ impl Dispatcher {
 
     fn on_message(&mut self, worker: usize, life: LifeId, msg: FromWorker) {
         let name = self.workers[worker].name;
+        let now = self.now;
         let Some(l) = self.live(worker, life) else { return };
-        l.last_beat = Instant::now();
+        l.last_beat = now;
         let (holder, pid) = (l.id, l.pid);
         let result: Result<(), String> = match msg {
             FromWorker::Heartbeat { .. } => Ok(()),
@@ -467,9 +495,10 @@ impl Dispatcher {
     }
 
     fn on_exit(&mut self, worker: usize, life: LifeId, status: ExitStatus) {
+        let now = self.now;
         let Some(l) = self.live(worker, life) else { return };
         // A connected life's channel is read to its end first (see the module docs).
-        if l.exited(status, Instant::now()) {
+        if l.exited(status, now) {
             self.finish_exit(worker, status);
         }
     }
@@ -491,7 +520,7 @@ impl Dispatcher {
             self.execute(actions);
         }
         let w = &mut self.workers[worker];
-        let uptime = l.started.elapsed();
+        let uptime = self.now.saturating_duration_since(l.started);
         let desc = describe_status(&status);
         let killed_for = l.killed_for().map(String::from);
         let why = killed_for.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
@@ -584,7 +613,7 @@ impl Dispatcher {
             self.spawn(worker);
         } else {
             log::info!("restarting {name} in {} (restart {} of {max})", humantime::format_duration(delay), w.restarts);
-            w.status = Status::Backoff { until: Instant::now() + delay };
+            w.status = Status::Backoff { until: self.now + delay };
         }
     }
 
@@ -652,7 +681,7 @@ impl Dispatcher {
         if !matches!(self.phase, Phase::Running) {
             return;
         }
-        self.phase = Phase::Stopping { deadline: Instant::now() + self.cfg.stop_timeout };
+        self.phase = Phase::Stopping { deadline: self.now + self.cfg.stop_timeout };
         self.run.event("stop", obj(json!({"reason": self.stop_reason.as_ref().map(StopReason::describe)})));
         // The drafter is written before anyone is asked to stop: the exporting rank reads
         // the request first, then its shutdown.

@@ -1,0 +1,390 @@
+//! The dispatcher fed scripted events: a launcher that starts nothing, events made by the
+//! test, and time only through the `now` of each step. No process, no sleep, exact times.
+
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+use std::sync::{Arc, Mutex};
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
+use ipc_channel::ipc::{self, IpcReceiver};
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+use super::launcher::{Launch, Launched, Launcher, Process, SpawnError};
+use super::life::{LifeState, Status};
+use super::*;
+use crate::data::loader::Loader;
+use crate::run::rundir::EVENTS_FILE;
+
+/// What the fake processes saw: launches `(worker, life, pid)` and signals `(pid, signal,
+/// to the group)`.
+#[derive(Default)]
+struct Seen {
+    launches: Vec<(usize, LifeId, u32)>,
+    signals: Vec<(u32, Signal, bool)>,
+}
+
+struct FakeProcess {
+    pid: u32,
+    seen: Arc<Mutex<Seen>>,
+}
+
+impl Process for FakeProcess {
+    fn signal(&self, sig: Signal) -> std::io::Result<()> {
+        self.seen.lock().unwrap().signals.push((self.pid, sig, false));
+        Ok(())
+    }
+
+    fn signal_group(&self, sig: Signal) {
+        self.seen.lock().unwrap().signals.push((self.pid, sig, true));
+    }
+}
+
+struct FakeLauncher {
+    seen: Arc<Mutex<Seen>>,
+    next_pid: u32,
+}
+
+impl Launcher for FakeLauncher {
+    fn launch(&mut self, l: Launch, _events: &Sender<Event>) -> Result<Launched, SpawnError> {
+        self.next_pid += 1;
+        let pid = self.next_pid;
+        self.seen.lock().unwrap().launches.push((l.worker, l.life, pid));
+        Ok(Launched { pid, process: Arc::new(FakeProcess { pid, seen: self.seen.clone() }), server_name: String::new() })
+    }
+
+    fn abandon(&mut self, _server_name: &str) {}
+}
+
+struct Harness {
+    d: Dispatcher,
+    seen: Arc<Mutex<Seen>>,
+    t0: Instant,
+    _dir: tempfile::TempDir,
+}
+
+/// A dispatcher for `flags` (a run's command line), started at `t0`.
+fn harness(flags: &[&str]) -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    let run_path = dir.path().join("run");
+    let args = crate::cli::run_args(flags);
+    let plan = crate::run::plan(&args, &mut || Ok(0)).unwrap();
+    let target = crate::run::target_config("tiny").unwrap();
+    let (loader_cfg, pipeline_cfg) = crate::run::data_config(&args, &plan, &target).unwrap();
+    let mut trainer_cfg = crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
+    let run = RunDir::create(Some(&run_path)).unwrap();
+    trainer_cfg.checkpoints_dir = run.path.join("checkpoints");
+    std::fs::create_dir_all(&trainer_cfg.checkpoints_dir).unwrap();
+    let data = Data {
+        pipeline: Pipeline::new(&pipeline_cfg, &run.path).unwrap(),
+        loader: Loader::new(loader_cfg),
+        trainer: Trainer::new(trainer_cfg, &run.path).unwrap(),
+    };
+    let cfg = Config {
+        plan,
+        worker_bin: "/nonexistent/dflash-worker".into(),
+        target_dir: dir.path().into(),
+        hang_timeout: args.hang_timeout,
+        max_restarts: args.max_restarts,
+        stable_after: args.stable_after,
+        stop_timeout: args.stop_timeout,
+        time_limit: args.time_limit,
+        tee: false,
+        log_max_size: args.log_max_size,
+        log_backups: args.log_backups,
+        gpu_metrics: false,
+        prometheus: None,
+        gpu_sample_interval: args.gpu_sample_interval,
+        metrics_interval: args.metrics_interval,
+    };
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let launcher = FakeLauncher { seen: seen.clone(), next_pid: 1000 };
+    let mut d = Dispatcher::new(cfg, run, data, Box::new(launcher)).unwrap();
+    let t0 = Instant::now();
+    d.start(t0);
+    Harness { d, seen, t0, _dir: dir }
+}
+
+const TARGET: usize = 0;
+const DRAFTER: usize = 1;
+
+fn exit_code(code: i32) -> ExitStatus {
+    ExitStatus::from_raw(code << 8)
+}
+
+fn killed_by(sig: Signal) -> ExitStatus {
+    ExitStatus::from_raw(sig as i32)
+}
+
+impl Harness {
+    fn at(&self, ms: u64) -> Instant {
+        self.t0 + Duration::from_millis(ms)
+    }
+
+    fn step(&mut self, ev: Option<Event>, ms: u64) {
+        let now = self.at(ms);
+        self.d.step(ev, now);
+    }
+
+    /// Only the timers run at `ms`.
+    fn tick(&mut self, ms: u64) {
+        self.step(None, ms);
+    }
+
+    fn life(&self, worker: usize) -> Option<LifeId> {
+        self.d.workers[worker].status.life().map(|l| l.id)
+    }
+
+    fn pid(&self, worker: usize) -> u32 {
+        self.d.workers[worker].status.life().expect("a live worker").pid
+    }
+
+    fn launches(&self, worker: usize) -> usize {
+        self.seen.lock().unwrap().launches.iter().filter(|(w, ..)| *w == worker).count()
+    }
+
+    fn signals(&self, pid: u32) -> Vec<(Signal, bool)> {
+        self.seen.lock().unwrap().signals.iter().filter(|(p, ..)| *p == pid).map(|&(_, s, g)| (s, g)).collect()
+    }
+
+    /// The current life of `worker` says hello; returns what the dispatcher sends it.
+    fn connect(&mut self, worker: usize, ms: u64) -> IpcReceiver<ToWorker> {
+        let (tx, rx) = ipc::channel().unwrap();
+        let life = self.life(worker).expect("a live worker");
+        let hello = Hello {
+            protocol: PROTOCOL_VERSION,
+            pid: self.pid(worker),
+            worker: self.d.workers[worker].name.to_string(),
+            restart_count: self.d.workers[worker].restarts,
+            to_worker: tx,
+        };
+        self.step(Some(Event::Control(ControlEvent::Connected { worker, life, hello })), ms);
+        rx
+    }
+
+    fn message(&mut self, worker: usize, life: LifeId, msg: FromWorker, ms: u64) {
+        self.step(Some(Event::Control(ControlEvent::Message { worker, life, msg })), ms);
+    }
+
+    /// The current life of `worker` ends with `status`; a connected one's channel closes
+    /// after it.
+    fn exit(&mut self, worker: usize, status: ExitStatus, ms: u64) {
+        let life = self.life(worker).expect("a live worker");
+        let connected = self.d.workers[worker].status.life().is_some_and(|l| l.connected());
+        self.step(Some(Event::Exited { worker, life, status }), ms);
+        if connected {
+            let lost = ControlEvent::ChannelLost { worker, life, reason: "control channel closed".into(), malformed: false };
+            self.step(Some(Event::Control(lost)), ms);
+        }
+    }
+
+    fn signal(&mut self, sig: Signal, ms: u64) {
+        self.step(Some(Event::Signal(sig as i32)), ms);
+    }
+
+    /// The records of `kind` in events.jsonl.
+    fn events(&self, kind: &str) -> Vec<Value> {
+        let text = std::fs::read_to_string(self.d.run.path.join(EVENTS_FILE)).unwrap();
+        text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).filter(|v| v["event"] == kind).collect()
+    }
+
+    fn status(&self, worker: usize) -> &'static str {
+        self.d.workers[worker].status.as_str()
+    }
+}
+
+/// Everything `rx` holds now.
+fn received(rx: &IpcReceiver<ToWorker>) -> Vec<ToWorker> {
+    std::iter::from_fn(|| rx.try_recv().ok()).collect()
+}
+
+fn is_shutdown(m: &ToWorker) -> bool {
+    matches!(m, ToWorker::Shutdown { .. })
+}
+
+#[test]
+fn backoff_doubles_from_an_immediate_restart_and_resets_once_a_life_lasts_stable_after() {
+    let mut h = harness(&["--gpus", "cpu:2", "--stable-after", "10s", "--max-restarts", "20"]);
+    assert_eq!(h.launches(TARGET), 1);
+    // (time of the exit, when the next life must start): 0 s, then 1, 2, 4 s later.
+    for (exit_at, restart_at) in [(0, 0), (0, 1000), (1000, 3000), (3000, 7000)] {
+        let before = h.launches(TARGET);
+        h.exit(TARGET, exit_code(1), exit_at);
+        if restart_at > exit_at {
+            assert_eq!(h.status(TARGET), "backoff");
+            h.tick(restart_at - 1);
+            assert_eq!(h.launches(TARGET), before, "restarted 1 ms early (exit at {exit_at} ms)");
+            h.tick(restart_at);
+        }
+        assert_eq!(h.launches(TARGET), before + 1, "not restarted at {restart_at} ms");
+    }
+    // Up 1 ms less than --stable-after: the backoff goes on doubling (8 s).
+    h.exit(TARGET, exit_code(1), 7000 + 9_999);
+    h.tick(16_999 + 7_999);
+    assert_eq!(h.status(TARGET), "backoff");
+    h.tick(16_999 + 8_000);
+    // Up exactly --stable-after: reset, the restart is immediate again, then 1 s.
+    h.exit(TARGET, exit_code(1), 24_999 + 10_000);
+    assert_eq!(h.status(TARGET), "starting");
+    h.exit(TARGET, exit_code(1), 34_999);
+    assert_eq!(h.status(TARGET), "backoff");
+    let delays: Vec<u64> = h.events("restart").iter().map(|e| e["delay_ms"].as_u64().unwrap()).collect();
+    assert_eq!(delays, [0, 1000, 2000, 4000, 8000, 0, 1000]);
+    assert_eq!(h.d.workers[TARGET].restarts, 7);
+    assert_eq!(h.launches(DRAFTER), 1, "only the failed worker restarts");
+}
+
+#[test]
+fn a_hang_is_detected_once_silence_exceeds_hang_timeout_and_a_heartbeat_restarts_the_clock() {
+    let mut h = harness(&["--gpus", "cpu:2", "--hang-timeout", "5s"]);
+    let (target_pid, drafter_pid) = (h.pid(TARGET), h.pid(DRAFTER));
+    let _rx = h.connect(TARGET, 0);
+    let life = h.life(TARGET).unwrap();
+    h.message(TARGET, life, FromWorker::Heartbeat { seq: 1 }, 3000);
+    // The drafter never says hello: silent since its spawn at 0.
+    h.tick(5000);
+    assert!(h.signals(drafter_pid).is_empty(), "killed at exactly --hang-timeout");
+    h.tick(5001);
+    assert_eq!(h.signals(drafter_pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+    let drafter = h.d.workers[DRAFTER].status.life().unwrap();
+    assert_eq!(drafter.killed_for(), Some("hung: no hello for 5s"));
+    assert!(h.signals(target_pid).is_empty(), "its heartbeat at 3 s counts");
+    h.tick(8000);
+    assert!(h.signals(target_pid).is_empty());
+    h.tick(8001);
+    assert_eq!(h.signals(target_pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+    assert_eq!(h.d.workers[TARGET].status.life().unwrap().killed_for(), Some("hung: no heartbeat for 5s"));
+    let hangs: Vec<String> = h.events("hang").iter().map(|e| e["worker"].as_str().unwrap().to_string()).collect();
+    assert_eq!(hangs, ["drafter-0", "target-0"]);
+    // Killed once: the next ticks do not kill again; the exit that follows restarts it.
+    h.tick(20_000);
+    assert_eq!(h.signals(target_pid).len(), 2);
+    h.exit(TARGET, killed_by(Signal::SIGKILL), 20_001);
+    assert_eq!(h.launches(TARGET), 2);
+    let exit = h.events("exit").pop().unwrap();
+    assert_eq!(exit["killed_for"], "hung: no heartbeat for 5s");
+}
+
+#[test]
+fn the_restart_budget_spent_stops_the_run_with_a_report_naming_the_worker() {
+    let mut h = harness(&["--gpus", "cpu:2", "--max-restarts", "2"]);
+    h.exit(TARGET, exit_code(3), 0);
+    h.exit(TARGET, exit_code(3), 10);
+    h.tick(1010);
+    assert_eq!(h.launches(TARGET), 3);
+    assert!(matches!(h.d.phase, Phase::Running));
+    let drafter_pid = h.pid(DRAFTER);
+    h.exit(TARGET, exit_code(3), 2000);
+    assert_eq!(h.status(TARGET), "failed");
+    assert_eq!(h.launches(TARGET), 3, "no restart past the budget");
+    let Some(StopReason::GaveUp(report)) = &h.d.stop_reason else { panic!("the run did not give up") };
+    assert_eq!((report.worker.as_str(), report.restarts, report.max_restarts), ("target-0", 2, 2));
+    assert_eq!(report.last_exit, "exit code 3");
+    assert!(report.render().contains("target-0 kept failing and spent its restart budget (--max-restarts 2)"), "{}", report.render());
+    let give_up = h.events("give_up");
+    assert_eq!((give_up.len(), give_up[0]["restarts"].as_u64()), (1, Some(2)));
+    // The drafter, not connected, is asked to stop by SIGTERM to its group.
+    assert_eq!(h.signals(drafter_pid), [(Signal::SIGTERM, true)]);
+    h.exit(DRAFTER, exit_code(0), 2100);
+    assert!(h.d.finished());
+    assert_eq!(h.d.finish(), dflash_shared::exit_codes::RUN_FAILED);
+}
+
+#[test]
+fn a_second_stop_signal_kills_every_worker_at_once_and_exits_130() {
+    let mut h = harness(&["--gpus", "cpu:2", "--stop-timeout", "60s"]);
+    let rx: Vec<_> = [TARGET, DRAFTER].iter().map(|&w| h.connect(w, 0)).collect();
+    let pids = [h.pid(TARGET), h.pid(DRAFTER)];
+    h.signal(Signal::SIGINT, 100);
+    assert!(matches!(h.d.phase, Phase::Stopping { .. }));
+    for r in &rx {
+        assert!(received(r).iter().any(is_shutdown), "a connected worker is asked by message");
+    }
+    assert!(pids.iter().all(|&p| h.signals(p).is_empty()));
+    h.signal(Signal::SIGINT, 200);
+    assert!(matches!(h.d.phase, Phase::Killing));
+    for p in pids {
+        assert_eq!(h.signals(p), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+    }
+    h.exit(TARGET, killed_by(Signal::SIGKILL), 210);
+    h.exit(DRAFTER, killed_by(Signal::SIGKILL), 210);
+    assert!(h.d.finished());
+    assert_eq!(h.d.finish(), dflash_shared::exit_codes::INTERRUPTED);
+}
+
+#[test]
+fn a_death_during_the_stop_is_not_restarted_and_makes_the_stop_unclean() {
+    let mut h = harness(&["--gpus", "cpu:2", "--stop-timeout", "60s"]);
+    let _rx: Vec<_> = [TARGET, DRAFTER].iter().map(|&w| h.connect(w, 0)).collect();
+    h.signal(Signal::SIGTERM, 100);
+    assert_eq!(h.status(TARGET), "stopping");
+    // It dies (exit 1) while stopping; its channel is read to its end first.
+    let life = h.life(TARGET).unwrap();
+    h.step(Some(Event::Exited { worker: TARGET, life, status: exit_code(1) }), 500);
+    assert!(matches!(h.d.workers[TARGET].status.life().unwrap().state, LifeState::Draining { .. }));
+    h.step(Some(Event::Control(ControlEvent::ChannelLost { worker: TARGET, life, reason: "closed".into(), malformed: false })), 500);
+    assert_eq!(h.status(TARGET), "exited");
+    assert_eq!(h.launches(TARGET), 1, "no restart during a stop");
+    assert!(h.events("restart").is_empty());
+    h.exit(DRAFTER, exit_code(0), 600);
+    assert_eq!(h.d.finish(), dflash_shared::exit_codes::UNCLEAN_STOP);
+}
+
+#[test]
+fn the_stop_timeout_kills_what_is_left_at_exactly_its_deadline() {
+    let mut h = harness(&["--gpus", "cpu:2", "--stop-timeout", "30s"]);
+    let _rx: Vec<_> = [TARGET, DRAFTER].iter().map(|&w| h.connect(w, 0)).collect();
+    h.signal(Signal::SIGTERM, 1000);
+    h.exit(DRAFTER, exit_code(0), 2000);
+    let target_pid = h.pid(TARGET);
+    h.tick(30_999);
+    assert!(h.signals(target_pid).is_empty());
+    h.tick(31_000);
+    assert_eq!(h.signals(target_pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+    h.exit(TARGET, killed_by(Signal::SIGKILL), 31_001);
+    assert_eq!(h.d.finish(), dflash_shared::exit_codes::UNCLEAN_STOP);
+}
+
+#[test]
+fn events_of_a_previous_life_are_dropped() {
+    let mut h = harness(&["--gpus", "cpu:2", "--hang-timeout", "5s"]);
+    let _rx = h.connect(TARGET, 0);
+    let old = h.life(TARGET).unwrap();
+    h.exit(TARGET, exit_code(1), 100);
+    let new = h.life(TARGET).unwrap();
+    assert_ne!(old, new);
+    let new_pid = h.pid(TARGET);
+    // Late events from the old life: each would kill, restart or connect the new one.
+    let (tx, _old_rx) = ipc::channel().unwrap();
+    let hello = Hello { protocol: PROTOCOL_VERSION, pid: 1, worker: "someone-else".into(), restart_count: 0, to_worker: tx };
+    h.step(Some(Event::Control(ControlEvent::Connected { worker: TARGET, life: old, hello })), 200);
+    h.message(TARGET, old, FromWorker::Heartbeat { seq: 9 }, 4000);
+    h.step(Some(Event::Control(ControlEvent::ChannelLost { worker: TARGET, life: old, reason: "garbage".into(), malformed: true })), 300);
+    h.step(Some(Event::Exited { worker: TARGET, life: old, status: exit_code(1) }), 400);
+    assert!(h.signals(new_pid).is_empty(), "a stale event touched the new life");
+    assert_eq!((h.launches(TARGET), h.d.workers[TARGET].restarts), (2, 1));
+    assert!(h.events("protocol_violation").is_empty());
+    assert_eq!(h.status(TARGET), "starting");
+    // The stale heartbeat at 4 s did not feed the new life's hang clock (spawned at 100).
+    h.tick(5101);
+    assert_eq!(h.signals(new_pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+}
+
+#[test]
+fn a_worker_breaking_the_protocol_is_killed_and_restarted_alone() {
+    let mut h = harness(&["--gpus", "cpu:2"]);
+    let _rx = h.connect(TARGET, 0);
+    let (life, pid) = (h.life(TARGET).unwrap(), h.pid(TARGET));
+    // A second hello after the first is out of protocol.
+    let (tx, _r) = ipc::channel().unwrap();
+    let hello = Hello { protocol: PROTOCOL_VERSION, pid, worker: "target-0".into(), restart_count: 0, to_worker: tx };
+    h.message(TARGET, life, FromWorker::Hello(hello), 10);
+    assert_eq!(h.signals(pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+    assert_eq!(h.events("protocol_violation")[0]["reason"], "sent a second Hello after its hello");
+    h.exit(TARGET, killed_by(Signal::SIGKILL), 20);
+    assert_eq!(h.launches(TARGET), 2);
+    assert_eq!(h.launches(DRAFTER), 1);
+    assert!(matches!(h.d.workers[DRAFTER].status, Status::Live(_)));
+}
