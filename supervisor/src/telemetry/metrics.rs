@@ -54,6 +54,12 @@ impl Metrics {
         }
     }
 
+    /// Start the first window at `now`.
+    pub fn restart(&mut self, now: Instant) {
+        self.started = now;
+        self.status_at = now;
+    }
+
     pub fn due(&self, now: Instant, every: Duration) -> bool {
         now.duration_since(self.started) >= every
     }

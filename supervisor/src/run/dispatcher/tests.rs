@@ -388,3 +388,105 @@ fn a_worker_breaking_the_protocol_is_killed_and_restarted_alone() {
     assert_eq!(h.launches(DRAFTER), 1);
     assert!(matches!(h.d.workers[DRAFTER].status, Status::Live(_)));
 }
+
+const DRAFTER_1: usize = 2;
+
+impl Harness {
+    /// Hand the dispatcher the loader thread's next event (the loader is real; a deadline
+    /// turns a loader that never answers into a failure, no sleep).
+    fn next_loader_event(&mut self, ms: u64) {
+        let ev = self.d.rx.recv_timeout(Duration::from_secs(30)).expect("the loader produced nothing for 30 s");
+        assert!(matches!(ev, Event::Loader(_)), "only the loader sends events in these tests");
+        self.step(Some(ev), ms);
+    }
+
+    /// Run the target: feed the loader until the target holds `n` batches, then commit
+    /// each into a hidden-state slot it was leased.
+    fn target_commits(&mut self, target_rx: &IpcReceiver<ToWorker>, n: usize, ms: u64) -> Vec<u64> {
+        let (mut inputs, mut leases) = (Vec::new(), Vec::new());
+        while inputs.len() < n || leases.len() < n {
+            for m in received(target_rx) {
+                match m {
+                    ToWorker::Deliver { slot, batch_id, .. } => inputs.push((slot, batch_id)),
+                    ToWorker::Lease { slot } => leases.push(slot),
+                    _ => {}
+                }
+            }
+            if inputs.len() < n || leases.len() < n {
+                self.next_loader_event(ms);
+            }
+        }
+        let life = self.life(TARGET).unwrap();
+        let mut ids = Vec::new();
+        for (&(input, batch_id), &output) in inputs.iter().zip(&leases).take(n) {
+            let commit = FromWorker::Commit { output, len: 64, batch_id, input: Some(input), wait_ms: 0.0, compute_ms: 1.0 };
+            self.message(TARGET, life, commit, ms);
+            ids.push(batch_id);
+        }
+        ids
+    }
+}
+
+/// The hidden-state batches delivered to a drafter so far: `(slot, batch_id)`.
+fn deliveries(msgs: &[ToWorker]) -> Vec<(dflash_shared::protocol::SlotRef, u64)> {
+    msgs.iter().filter_map(|m| if let ToWorker::Deliver { slot, batch_id, .. } = m { Some((*slot, *batch_id)) } else { None }).collect()
+}
+
+fn grads(step: u64, (input, batch_id): (dflash_shared::protocol::SlotRef, u64)) -> FromWorker {
+    let stats = dflash_shared::drafter::StepStats { loss_sum: 2.0, weight_sum: 4.0, tokens: 16, ..Default::default() };
+    FromWorker::Grads { step, input, batch_id, stats, params: 7 }
+}
+
+#[test]
+fn a_step_waits_for_every_member_and_commits_once_a_member_that_never_sent_dies() {
+    let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8"]);
+    let target_rx = h.connect(TARGET, 0);
+    let (d0, d1) = (h.connect(DRAFTER, 0), h.connect(DRAFTER_1, 0));
+    h.target_commits(&target_rx, 2, 10);
+    let (got0, got1) = (received(&d0), received(&d1));
+    let (b0, b1) = (deliveries(&got0), deliveries(&got1));
+    assert!(!b0.is_empty() && !b1.is_empty(), "each drafter gets a batch: {b0:?} {b1:?}");
+    let d0_life = h.life(DRAFTER).unwrap();
+    h.message(DRAFTER, d0_life, grads(1, b0[0]), 20);
+    assert_eq!(h.d.trainer.committed(), 0, "committed before every member sent its gradients");
+    // drafter-1 dies holding its batch, before sending gradients for step 1.
+    h.exit(DRAFTER_1, exit_code(1), 30);
+    assert_eq!(h.d.trainer.committed(), 1, "the step waits for a dead member");
+    let reduces: Vec<(u64, usize, f64)> = received(&d0)
+        .into_iter()
+        .filter_map(|m| if let ToWorker::Reduce { step, slots, weight_sum, .. } = m { Some((step, slots.len(), weight_sum)) } else { None })
+        .collect();
+    assert_eq!(reduces, [(1, 1, 4.0)], "step 1 over the surviving member's gradient alone");
+    assert_eq!(h.d.pipeline.progress().0, 1, "its batch was consumed");
+    let ledger = std::fs::read_to_string(h.d.run.path.join(crate::data::ledger::LEDGER_FILE)).unwrap();
+    let requeued = ledger.lines().filter(|l| l.contains("\"requeue\"") && l.contains(&format!("\"batch\":{}", b1[0].1))).count();
+    assert_eq!(requeued, 1, "the dead member's batch goes back to its queue:\n{ledger}");
+}
+
+#[test]
+fn a_restarted_drafter_rejoins_with_a_surviving_ranks_state_at_the_committed_step() {
+    let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8"]);
+    let target_rx = h.connect(TARGET, 0);
+    let (d0, d1) = (h.connect(DRAFTER, 0), h.connect(DRAFTER_1, 0));
+    let rank_of = |msgs: &[ToWorker]| msgs.iter().find_map(|m| if let ToWorker::Train(s) = m { Some((s.rank, s.init)) } else { None });
+    h.target_commits(&target_rx, 2, 10);
+    let (got0, got1) = (received(&d0), received(&d1));
+    let (rank0, rank1) = (rank_of(&got0).unwrap().0, rank_of(&got1).unwrap().0);
+    assert_ne!(rank0, rank1);
+    let (l0, l1) = (h.life(DRAFTER).unwrap(), h.life(DRAFTER_1).unwrap());
+    h.message(DRAFTER, l0, grads(1, deliveries(&got0)[0]), 20);
+    h.message(DRAFTER_1, l1, grads(1, deliveries(&got1)[0]), 20);
+    assert_eq!(h.d.trainer.committed(), 1);
+    h.exit(DRAFTER_1, exit_code(1), 30);
+    assert_eq!(h.launches(DRAFTER_1), 2, "the first failure restarts at once");
+    let _ = received(&d0);
+    let d1_again = h.connect(DRAFTER_1, 40);
+    // The survivor is asked for its state at the committed step, into the join slot.
+    let asked: Vec<(u64, u32)> =
+        received(&d0).into_iter().filter_map(|m| if let ToWorker::Snapshot { step, slot } = m { Some((step, slot)) } else { None }).collect();
+    assert_eq!(asked, [(1, 0)]);
+    assert_eq!(rank_of(&received(&d1_again)), None, "no setup before the state is there");
+    h.message(DRAFTER, l0, FromWorker::SnapshotDone { step: 1, slot: 0, ms: 1.0 }, 50);
+    let (rank, init) = rank_of(&received(&d1_again)).expect("the joiner gets its setup");
+    assert_eq!((rank, init), (rank1, dflash_shared::drafter::Init::FromState { step: 1, slot: 0 }));
+}
