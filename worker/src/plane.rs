@@ -64,24 +64,13 @@ pub struct Stats {
 enum TargetModel {
     Absent,
     Loading(std::sync::mpsc::Receiver<Result<Loaded, LoadError>>),
-    Ready(Box<Loaded>),
+    Ready(Loaded),
 }
 
 /// The target, computing on the CPU backend or on a device.
-enum Loaded {
-    Cpu(Box<Target>),
-    /// (The host copy of the weights is dropped once they are on the device.)
-    Gpu(Box<GpuTarget>),
-}
-
-impl Loaded {
-    fn shape(&self) -> (&dflash_shared::model_config::TargetConfig, &[usize]) {
-        match self {
-            Loaded::Cpu(t) => (&t.cfg, &t.taps),
-            Loaded::Gpu(g) => (&g.cfg, &g.taps),
-        }
-    }
-}
+/// The target on its device: the GPU, or the CPU device when the worker has none (the
+/// host copy of the weights is dropped once they are on the device).
+type Loaded = Box<GpuTarget>;
 
 /// Why the target could not be loaded; `permanent`: restarting cannot help (no usable
 /// GPU), so the worker exits with [`exit_codes::WORKER_PERMANENT`]; `model`: the model
@@ -161,9 +150,13 @@ impl Plane {
                         return Err(bad_model(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display())));
                     }
                     match gpu::open_device(gpu) {
-                        Ok(None) => Ok(Loaded::Cpu(Box::new(t))),
+                        // No GPU: the same device target, on the CPU device (f32).
+                        Ok(None) => match GpuTarget::new(Box::new(gpu::cpu::CpuDevice::new()), &t, max_tokens) {
+                            Ok(g) => Ok(Box::new(g)),
+                            Err(e) => Err(fail(format!("putting the target on the CPU device: {e}"))),
+                        },
                         Ok(Some(dev)) => match GpuTarget::new(dev, &t, max_tokens) {
-                            Ok(g) => Ok(Loaded::Gpu(Box::new(g))),
+                            Ok(g) => Ok(Box::new(g)),
                             Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true, model: false }),
                             Err(e) => Err(fail(format!("putting the target on the device: {e}"))),
                         },
@@ -183,8 +176,8 @@ impl Plane {
     pub fn poll_model(&mut self) -> anyhow::Result<Option<String>> {
         if let TargetModel::Loading(rx) = &self.target {
             match rx.try_recv() {
-                Ok(Ok(mut loaded)) => {
-                    let (cfg, taps) = loaded.shape();
+                Ok(Ok(mut g)) => {
+                    let (cfg, taps) = (&g.cfg, &g.taps);
                     let mut msg = format!(
                         "target loaded: {:?}, {} layers (running {}), hidden {}, taps {:?}",
                         cfg.arch,
@@ -193,16 +186,15 @@ impl Plane {
                         cfg.hidden_size,
                         taps
                     );
-                    if let Loaded::Gpu(g) = &mut loaded {
-                        let pools = self.pools.as_ref().ok_or_else(|| anyhow!("the target loaded before the pools"))?;
-                        let (ptr, len) = pools.hidden.slots_mapping();
-                        // SAFETY: the hidden pool stays mapped as long as `self.pools`,
-                        // which is dropped after the target (field order in Plane).
-                        unsafe { g.register_host(ptr, len) }.map_err(|e| anyhow!("pinning the hidden-state pool: {e}"))?;
-                        let st = g.arena_stats();
-                        msg.push_str(&format!("; computing on {} ({:.1} MiB of device memory, room for {} tokens a row)", g.describe(), st.reserved as f64 / (1 << 20) as f64, g.max_tokens));
-                    }
-                    self.target = TargetModel::Ready(Box::new(loaded));
+                    let pools = self.pools.as_ref().ok_or_else(|| anyhow!("the target loaded before the pools"))?;
+                    let (ptr, len) = pools.hidden.slots_mapping();
+                    // SAFETY: the hidden pool stays mapped as long as `self.pools`, which is
+                    // dropped after the target (field order in Plane).
+                    unsafe { g.register_host(ptr, len) }.map_err(|e| anyhow!("pinning the hidden-state pool: {e}"))?;
+                    let st = g.arena_stats();
+                    let mem = if g.device_memory().is_some() { "device memory" } else { "host memory" };
+                    msg.push_str(&format!("; computing on {} ({:.1} MiB of {mem}, room for {} tokens a row)", g.describe(), st.reserved as f64 / (1 << 20) as f64, g.max_tokens));
+                    self.target = TargetModel::Ready(g);
                     return Ok(Some(msg));
                 }
                 Ok(Err(e)) if e.model => return Err(BadModel(e.msg).into()),
@@ -231,10 +223,7 @@ impl Plane {
     /// Device memory of a target computing on a device.
     pub fn device_memory(&self) -> Option<dflash_shared::protocol::DeviceMemory> {
         match &self.target {
-            TargetModel::Ready(l) => match l.as_ref() {
-                Loaded::Gpu(g) => Some(g.device_memory()),
-                Loaded::Cpu(_) => None,
-            },
+            TargetModel::Ready(g) => g.device_memory(),
             _ => None,
         }
     }
@@ -290,17 +279,12 @@ impl Plane {
                 // nobody reads it before our commit.
                 let buf = unsafe { pools.hidden.payload_mut(out.slot) };
                 let layout = write_hidden_header(buf, &pools.capture, &tokens)?;
-                let TargetModel::Ready(target) = &mut self.target else { bail!("the target is not loaded") };
+                let TargetModel::Ready(g) = &mut self.target else { bail!("the target is not loaded") };
                 let hidden = &mut buf[layout.hidden_offset..][..layout.hidden_len];
-                match target.as_mut() {
-                    Loaded::Cpu(t) => write_hidden_states(t, &tokens, hidden),
-                    Loaded::Gpu(g) => {
-                        if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
-                            // No copy may still be landing in the slot when we give it up.
-                            let _ = g.sync();
-                            bail!("target forward on the device: {e}");
-                        }
-                    }
+                if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
+                    // No copy may still be landing in the slot when we give it up.
+                    let _ = g.sync();
+                    bail!("target forward on {}: {e}", g.describe());
                 }
                 let len = seal_hidden(buf, &layout) as u64;
                 self.stats.batches += 1;
@@ -367,7 +351,8 @@ fn check_header(map: &PoolMap, d: &Delivery) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The device's version of [`write_hidden_states`]: each row's taps are cast to bf16 on
+/// Run the target over each row and store its tapped hidden states as bf16, row-major
+/// `[rows × seq_len, taps × hidden]` (padding positions zero): each row's taps are cast to bf16 on
 /// the device and copied straight into the (pinned) slot on the copy stream while the
 /// next row computes; the slot is sealed only after the event behind the last copy.
 fn write_hidden_states_gpu(g: &mut GpuTarget, tokens: &TokenBatch, out: &mut [u8]) -> gpu::Result<()> {
@@ -391,18 +376,3 @@ fn write_hidden_states_gpu(g: &mut GpuTarget, tokens: &TokenBatch, out: &mut [u8
     Ok(())
 }
 
-/// Run the target over each row and store its tapped hidden states as bf16, row-major
-/// `[rows × seq_len, taps × hidden]`; padding positions are zero.
-fn write_hidden_states(target: &Target, tokens: &TokenBatch, out: &mut [u8]) {
-    let width = target.taps.len() * target.cfg.hidden_size;
-    let seq = tokens.seq_len as usize;
-    out.fill(0);
-    for (r, &len) in tokens.lengths.iter().enumerate() {
-        let ids = &tokens.input_ids[r * seq..r * seq + len as usize];
-        let states = target.forward_taps(ids);
-        let dst = &mut out[r * seq * width * 2..(r * seq + len as usize) * width * 2];
-        for (d, v) in dst.chunks_exact_mut(2).zip(&states) {
-            d.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes());
-        }
-    }
-}

@@ -100,6 +100,12 @@ fn check(name: &str, base: &str, rope: &str) {
     let err = ours.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
     eprintln!("{name}: max error / max |ref| = {err:.2e}");
     assert!(err <= 2e-4, "{name}: taps differ from transformers' hidden_states by {err:.2e} of their scale");
+    // What a CPU target worker computes: the device target on the CPU device.
+    let mut worker = dflash_worker::gpu::target::GpuTarget::new(Box::new(dflash_worker::gpu::cpu::CpuDevice::new()), &target, tokens.len()).unwrap();
+    let w = worker.forward_taps(&tokens).unwrap();
+    let err = w.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+    eprintln!("{name}: CPU worker's path, max error / max |ref| = {err:.2e}");
+    assert!(err <= 2e-4, "{name}: the CPU worker's taps differ from transformers' by {err:.2e} of their scale");
 }
 
 #[test]

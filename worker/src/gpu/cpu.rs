@@ -540,6 +540,10 @@ impl Device for CpuDevice {
     }
 
     fn release_event(&mut self, _e: Event) {}
+
+    fn is_cpu(&self) -> bool {
+        true
+    }
 }
 
 impl CpuDevice {

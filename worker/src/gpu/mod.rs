@@ -216,6 +216,12 @@ pub trait Device: Send {
     fn sync_event(&mut self, e: Event) -> Result<()>;
     /// Block the host until both streams are idle.
     fn sync(&mut self) -> Result<()>;
+    /// The CPU device: host memory, f32 GEMMs (a GPU's models keep bf16 weights for its
+    /// tensor cores; the CPU's keep f32, as the reference models do), and no device memory
+    /// worth reporting.
+    fn is_cpu(&self) -> bool {
+        false
+    }
     /// The event is not needed any more (its slot is reused; a GPU event is destroyed
     /// once it has completed).
     fn release_event(&mut self, e: Event);

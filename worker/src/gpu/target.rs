@@ -56,6 +56,8 @@ pub struct GpuTarget {
     layers: Vec<Layer>,
     inv_freq: DSlice,
     rope_scale: f32,
+    /// Projection weights and GEMM inputs in bf16 (a GPU), or f32 (the CPU device).
+    bf16: bool,
     a: Acts,
     /// Per staging buffer: the event after its last copy to the host.
     stage_free: [Option<super::Event>; 2],
@@ -68,11 +70,12 @@ impl GpuTarget {
         let c = target.cfg.clone();
         let t = max_tokens.max(1);
         let what = format!("the target (weights of {} layers, activations for {t} tokens)", target.layers.len());
+        let bf16 = !dev.is_cpu();
         let mut dry = Arena::dry();
-        place(dev.as_mut(), &mut dry, target, t)?;
+        place(dev.as_mut(), &mut dry, target, t, bf16)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
-        let (embed, inv_freq, layers, a) = place(dev.as_mut(), &mut arena, target, t)?;
-        Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops: Ops::new(dev), arena, embed, layers, inv_freq, rope_scale: target.rope_scale, a, stage_free: [None, None], next_stage: 0 })
+        let (embed, inv_freq, layers, a) = place(dev.as_mut(), &mut arena, target, t, bf16)?;
+        Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops: Ops::new(dev), arena, embed, layers, inv_freq, rope_scale: target.rope_scale, bf16, a, stage_free: [None, None], next_stage: 0 })
     }
 
     pub fn describe(&self) -> String {
@@ -83,11 +86,15 @@ impl GpuTarget {
         self.arena.stats
     }
 
-    /// The arena's counters and the device's free/total memory (no device sync).
-    pub fn device_memory(&self) -> dflash_shared::protocol::DeviceMemory {
+    /// The arena's counters and the device's free/total memory (no device sync); none on
+    /// the CPU device.
+    pub fn device_memory(&self) -> Option<dflash_shared::protocol::DeviceMemory> {
+        if self.ops.dev.is_cpu() {
+            return None;
+        }
         let s = self.arena.stats;
         let (free, total) = self.ops.dev.mem_info().unwrap_or((0, 0));
-        dflash_shared::protocol::DeviceMemory { reserved: s.reserved, in_use: s.in_use, peak: s.peak, alloc_failures: s.alloc_failures, free: free as u64, total: total as u64 }
+        Some(dflash_shared::protocol::DeviceMemory { reserved: s.reserved, in_use: s.in_use, peak: s.peak, alloc_failures: s.alloc_failures, free: free as u64, total: total as u64 })
     }
 
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
@@ -181,15 +188,23 @@ impl GpuTarget {
         let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
         ops.embed(x, self.embed, a.ids.f32s(0..t), t, h, c.vocab_size)?;
         let last = self.taps.iter().copied().max().unwrap_or(0);
-        // GEMMs take bf16 inputs (weights stored bf16, the activation cast just before) and
-        // accumulate in f32: tensor cores on a GPU.
-        let xb = |n: usize| a.xb.sub(2, 0..n);
+        // On a GPU, GEMMs take bf16 inputs (weights stored bf16, the activation cast just
+        // before) and accumulate in f32: tensor cores. On the CPU device, f32 throughout.
+        let bf16 = self.bf16;
+        let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| -> Result<()> {
+            if bf16 {
+                let xb = a.xb.sub(2, 0..m * k);
+                ops.f32_to_bf16(xb, x)?;
+                ops.matmul_bf16(xb, w, y, m, k, n)
+            } else {
+                ops.matmul(x, w, y, m, k, n)
+            }
+        };
         for (li, l) in self.layers.iter().enumerate().take(last + 1) {
             ops.rmsnorm(x, l.ln1, n1, rstd.f32s(0..t), t, h, eps)?;
-            ops.f32_to_bf16(xb(t * h), n1)?;
-            ops.matmul_bf16(xb(t * h), l.wq, q, t, h, qd)?;
-            ops.matmul_bf16(xb(t * h), l.wk, k, t, h, kd)?;
-            ops.matmul_bf16(xb(t * h), l.wv, v, t, h, kd)?;
+            mm(ops, n1, l.wq, q, t, h, qd)?;
+            mm(ops, n1, l.wk, k, t, h, kd)?;
+            mm(ops, n1, l.wv, v, t, h, kd)?;
             if let Some((qn, kn)) = l.qk_norm {
                 ops.rmsnorm(q, qn, q, rstd.f32s(0..t * nh), t * nh, hd, eps)?;
                 ops.rmsnorm(k, kn, k, rstd.f32s(0..t * nkv), t * nkv, hd, eps)?;
@@ -197,16 +212,13 @@ impl GpuTarget {
             ops.rope(q, a.pos, self.inv_freq, t, nh, hd, self.rope_scale, false)?;
             ops.rope(k, a.pos, self.inv_freq, t, nkv, hd, self.rope_scale, false)?;
             ops.attention(q, k, v, att, lse, a.spans, t, nh, nkv, hd)?;
-            ops.f32_to_bf16(xb(t * qd), att)?;
-            ops.matmul_bf16(xb(t * qd), l.wo, o, t, qd, h)?;
+            mm(ops, att, l.wo, o, t, qd, h)?;
             ops.add(x, o)?;
             ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
-            ops.f32_to_bf16(xb(t * h), n1)?;
-            ops.matmul_bf16(xb(t * h), l.gate, g, t, h, inter)?;
-            ops.matmul_bf16(xb(t * h), l.up, u, t, h, inter)?;
+            mm(ops, n1, l.gate, g, t, h, inter)?;
+            mm(ops, n1, l.up, u, t, h, inter)?;
             ops.swiglu(g, u, act)?;
-            ops.f32_to_bf16(xb(t * inter), act)?;
-            ops.matmul_bf16(xb(t * inter), l.down, o, t, inter, h)?;
+            mm(ops, act, l.down, o, t, inter, h)?;
             ops.add(x, o)?;
             for (ti, &tap) in self.taps.iter().enumerate() {
                 if tap == li {
@@ -219,9 +231,9 @@ impl GpuTarget {
 }
 
 /// Lay out (and, in a real arena, fill) the target's weights and activations for `t`
-/// tokens: the projection matrices in bf16 (a checkpoint's bf16 weights are exact in bf16
-/// again: the CPU target widened them), everything else f32.
-fn place(d: &mut dyn Device, arena: &mut Arena, target: &Target, t: usize) -> Result<(DSlice, DSlice, Vec<Layer>, Acts)> {
+/// tokens: the projection matrices in bf16 when `bf16` (a checkpoint's bf16 weights are
+/// exact in bf16 again: the CPU target widened them), everything else f32.
+fn place(d: &mut dyn Device, arena: &mut Arena, target: &Target, t: usize, bf16: bool) -> Result<(DSlice, DSlice, Vec<Layer>, Acts)> {
     let c = &target.cfg;
     let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
@@ -244,14 +256,14 @@ fn place(d: &mut dyn Device, arena: &mut Arena, target: &Target, t: usize) -> Re
         layers.push(Layer {
             ln1: put(d, arena, &l.ln1, &n("input_layernorm"), false)?,
             ln2: put(d, arena, &l.ln2, &n("post_attention_layernorm"), false)?,
-            wq: put(d, arena, &l.wq, &n("q_proj"), true)?,
-            wk: put(d, arena, &l.wk, &n("k_proj"), true)?,
-            wv: put(d, arena, &l.wv, &n("v_proj"), true)?,
-            wo: put(d, arena, &l.wo, &n("o_proj"), true)?,
+            wq: put(d, arena, &l.wq, &n("q_proj"), bf16)?,
+            wk: put(d, arena, &l.wk, &n("k_proj"), bf16)?,
+            wv: put(d, arena, &l.wv, &n("v_proj"), bf16)?,
+            wo: put(d, arena, &l.wo, &n("o_proj"), bf16)?,
             qk_norm,
-            gate: put(d, arena, &l.gate, &n("gate_proj"), true)?,
-            up: put(d, arena, &l.up, &n("up_proj"), true)?,
-            down: put(d, arena, &l.down, &n("down_proj"), true)?,
+            gate: put(d, arena, &l.gate, &n("gate_proj"), bf16)?,
+            up: put(d, arena, &l.up, &n("up_proj"), bf16)?,
+            down: put(d, arena, &l.down, &n("down_proj"), bf16)?,
         });
     }
     let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
