@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::Context;
 use dflash_shared::exit_codes;
 use dflash_shared::protocol::{connect, FromWorker, ToWorker};
+use ipc_channel::ipc::IpcSender;
 use ipc_channel::{IpcError, TryRecvError};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
 
@@ -58,119 +59,173 @@ pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
         println!("stop signal received while connecting: waiting for the supervisor's stop order");
     }
     let mut plane = Plane::new(id.name.role, id.gpu.parse().ok());
-    let mut seq = 0u64;
-    let mut last_beat = Instant::now();
-    let mut last_progress = Instant::now();
-    let orphaned = || {
-        eprintln!("control channel closed: the supervisor is gone; exiting");
-        Ok(exit_codes::WORKER_ORPHANED)
-    };
+    let mut clock = Beats { seq: 0, last_beat: Instant::now(), last_progress: Instant::now() };
     loop {
         // While the model loads, look for it often; otherwise wait for work up to a beat.
         let wait = if plane.loading() { id.heartbeat.min(std::time::Duration::from_millis(5)) } else { id.heartbeat };
         let msg = if plane.ready() { down.try_recv() } else { down.try_recv_timeout(wait) };
-        match msg {
-            Ok(ToWorker::Shutdown { reason }) => {
-                println!("shutdown requested ({reason}): exiting after {} batches", plane.stats.batches);
-                return Ok(exit_codes::SUCCESS);
-            }
-            Ok(ToWorker::Pools { pools, capture }) => plane.set_pools(Pools::open(&pools, capture)?)?,
-            Ok(ToWorker::Deliver { slot, len, batch_id }) => plane.deliver(Delivery { slot, len, batch_id }),
-            Ok(ToWorker::Lease { slot }) => plane.lease(slot),
-            Ok(ToWorker::Train(setup)) => {
-                let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
-                    .map(std::path::PathBuf::from)
-                    .ok_or_else(|| anyhow::anyhow!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR))?;
-                let rank = Rank::new(*setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?).context("setting up training")?;
-                println!(
-                    "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}",
-                    rank.setup.rank,
-                    rank.step,
-                    rank.param_count(),
-                    rank.setup.init,
-                    rank.compute_device()
-                );
-                plane.rank = Some(rank);
-            }
-            Ok(ToWorker::Reduce { step, slots, lr, weight_sum }) => {
-                let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a step to apply before the training setup"))?;
-                let applied = rank.reduce(step, &slots, lr, weight_sum)?;
-                if let Some(skipped) = applied.skipped {
-                    println!("step {skipped}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
-                }
-            }
-            Ok(ToWorker::Snapshot { slot, .. }) => {
-                let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a snapshot request before the training setup"))?;
-                let t = std::time::Instant::now();
-                rank.snapshot(slot)?;
-                let ms = t.elapsed().as_secs_f64() * 1e3;
-                if up.send(FromWorker::SnapshotDone { step: rank.step, slot, ms }).is_err() {
-                    return orphaned();
-                }
-            }
-            Ok(ToWorker::Checkpoint { dir, step, meta }) => {
-                let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a checkpoint request before the training setup"))?;
-                if rank.step != step {
-                    anyhow::bail!("asked to checkpoint step {step}, but this rank is at step {}", rank.step);
-                }
-                rank.checkpoint(std::path::Path::new(&dir), &meta).with_context(|| format!("writing checkpoint {dir}"))?;
-                if up.send(FromWorker::Checkpointed { dir, step }).is_err() {
-                    return orphaned();
-                }
-            }
-            Ok(ToWorker::Export { dir }) => {
-                let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("an export request before the training setup"))?;
-                rank.export(std::path::Path::new(&dir)).with_context(|| format!("exporting the drafter to {dir}"))?;
-                println!("drafter exported to {dir} at step {}", rank.step);
-                if up.send(FromWorker::Exported { dir, step: rank.step }).is_err() {
-                    return orphaned();
-                }
-            }
-            Err(TryRecvError::Empty) => {}
+        let flow = match msg {
+            Ok(order) => obey(order, &mut plane, &up, id)?,
+            Err(TryRecvError::Empty) => Flow::Go,
             // A signal (SIGUSR1, SIGTERM) interrupted the wait: handled just below.
-            Err(TryRecvError::IpcError(IpcError::Io(e))) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(TryRecvError::IpcError(IpcError::Disconnected)) => return orphaned(),
+            Err(TryRecvError::IpcError(IpcError::Io(e))) if e.kind() == std::io::ErrorKind::Interrupted => Flow::Go,
+            Err(TryRecvError::IpcError(IpcError::Disconnected)) => Flow::Orphaned,
             Err(e) => {
                 eprintln!("control channel failed ({e}); exiting");
+                Flow::Exit(exit_codes::WORKER_ORPHANED)
+            }
+        };
+        let flow = match flow {
+            Flow::Go => {
+                report_signals(&flags, &plane);
+                work(&mut plane, &up, &mut clock, id)?
+            }
+            other => other,
+        };
+        match flow {
+            Flow::Go => {}
+            Flow::Exit(code) => return Ok(code),
+            Flow::Orphaned => {
+                eprintln!("control channel closed: the supervisor is gone; exiting");
                 return Ok(exit_codes::WORKER_ORPHANED);
             }
         }
-        if flags.stop.swap(false, Ordering::Relaxed) {
-            // While the supervisor is alive, it decides when the run stops: it got the same
-            // signal (or will forward its stop), checkpoints, then sends Shutdown. If it is
-            // gone, the closed channel ends this worker (WORKER_ORPHANED).
-            println!("stop signal received: the supervisor is alive, so working on until its stop order (after {} batches)", plane.stats.batches);
+    }
+}
+
+/// What the worker loop does next.
+enum Flow {
+    Go,
+    Exit(i32),
+    /// The supervisor is gone (its channel closed).
+    Orphaned,
+}
+
+/// When the last heartbeat and progress line were.
+struct Beats {
+    seq: u64,
+    last_beat: Instant,
+    last_progress: Instant,
+}
+
+/// Carry out one order of the supervisor.
+fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Identity) -> anyhow::Result<Flow> {
+    let tell = |m: FromWorker| if up.send(m).is_err() { Flow::Orphaned } else { Flow::Go };
+    Ok(match order {
+        ToWorker::Shutdown { reason } => {
+            println!("shutdown requested ({reason}): exiting after {} batches", plane.stats.batches);
+            Flow::Exit(exit_codes::SUCCESS)
         }
-        for (flag, sig) in [(&flags.usr1, "SIGUSR1"), (&flags.usr2, "SIGUSR2")] {
-            if flag.swap(false, Ordering::Relaxed) {
-                println!("{sig} received (pre-emption notice); nothing to checkpoint yet");
+        ToWorker::Pools { pools, capture } => {
+            plane.set_pools(Pools::open(&pools, capture)?)?;
+            Flow::Go
+        }
+        ToWorker::Deliver { slot, len, batch_id } => {
+            plane.deliver(Delivery { slot, len, batch_id });
+            Flow::Go
+        }
+        ToWorker::Lease { slot } => {
+            plane.lease(slot);
+            Flow::Go
+        }
+        ToWorker::Train(setup) => {
+            join_training(*setup, plane, id)?;
+            Flow::Go
+        }
+        ToWorker::Reduce { step, slots, lr, weight_sum } => {
+            let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a step to apply before the training setup"))?;
+            let applied = rank.reduce(step, &slots, lr, weight_sum)?;
+            if let Some(skipped) = applied.skipped {
+                println!("step {skipped}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
             }
+            Flow::Go
         }
-        if let Some(msg) = plane.poll_model()? {
-            println!("{msg}");
+        ToWorker::Snapshot { slot, .. } => {
+            let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a snapshot request before the training setup"))?;
+            let t = std::time::Instant::now();
+            rank.snapshot(slot)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            tell(FromWorker::SnapshotDone { step: rank.step, slot, ms })
         }
-        if plane.ready() {
-            let report = plane.step()?;
-            if up.send(report).is_err() {
-                return orphaned();
+        ToWorker::Checkpoint { dir, step, meta } => {
+            let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a checkpoint request before the training setup"))?;
+            if rank.step != step {
+                anyhow::bail!("asked to checkpoint step {step}, but this rank is at step {}", rank.step);
             }
+            rank.checkpoint(std::path::Path::new(&dir), &meta).with_context(|| format!("writing checkpoint {dir}"))?;
+            tell(FromWorker::Checkpointed { dir, step })
         }
-        if last_progress.elapsed() >= PROGRESS_EVERY {
-            last_progress = Instant::now();
-            let s = &plane.stats;
-            println!("{} batches, {} tokens so far", s.batches, s.tokens);
+        ToWorker::Export { dir } => {
+            let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("an export request before the training setup"))?;
+            rank.export(std::path::Path::new(&dir)).with_context(|| format!("exporting the drafter to {dir}"))?;
+            println!("drafter exported to {dir} at step {}", rank.step);
+            tell(FromWorker::Exported { dir, step: rank.step })
         }
-        if last_beat.elapsed() >= id.heartbeat {
-            last_beat = Instant::now();
-            seq += 1;
-            if up.send(FromWorker::Heartbeat { seq }).is_err() {
-                return orphaned();
-            }
-            if let Some(m) = plane.device_memory() {
-                if up.send(FromWorker::DeviceMemory(m)).is_err() {
-                    return orphaned();
-                }
+    })
+}
+
+/// Become a rank of the drafter group with `setup`.
+fn join_training(setup: dflash_shared::drafter::TrainSetup, plane: &mut Plane, id: &Identity) -> anyhow::Result<()> {
+    let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
+        .map(std::path::PathBuf::from)
+        .ok_or_else(|| anyhow::anyhow!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR))?;
+    let rank = Rank::new(setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?).context("setting up training")?;
+    println!(
+        "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}",
+        rank.setup.rank,
+        rank.step,
+        rank.param_count(),
+        rank.setup.init,
+        rank.compute_device()
+    );
+    plane.rank = Some(rank);
+    Ok(())
+}
+
+/// Say what the signals that arrived mean for a connected worker (it stops only when
+/// the supervisor says so).
+fn report_signals(flags: &Flags, plane: &Plane) {
+    if flags.stop.swap(false, Ordering::Relaxed) {
+        // While the supervisor is alive, it decides when the run stops: it got the same
+        // signal (or will forward its stop), checkpoints, then sends Shutdown. If it is
+        // gone, the closed channel ends this worker (WORKER_ORPHANED).
+        println!("stop signal received: the supervisor is alive, so working on until its stop order (after {} batches)", plane.stats.batches);
+    }
+    for (flag, sig) in [(&flags.usr1, "SIGUSR1"), (&flags.usr2, "SIGUSR2")] {
+        if flag.swap(false, Ordering::Relaxed) {
+            println!("{sig} received (pre-emption notice); nothing to checkpoint yet");
+        }
+    }
+}
+
+/// Load the model, do a batch's work when there is one, and keep the supervisor told
+/// (heartbeat, device memory, a progress line).
+fn work(plane: &mut Plane, up: &IpcSender<FromWorker>, clock: &mut Beats, id: &Identity) -> anyhow::Result<Flow> {
+    if let Some(msg) = plane.poll_model()? {
+        println!("{msg}");
+    }
+    if plane.ready() {
+        let report = plane.step()?;
+        if up.send(report).is_err() {
+            return Ok(Flow::Orphaned);
+        }
+    }
+    if clock.last_progress.elapsed() >= PROGRESS_EVERY {
+        clock.last_progress = Instant::now();
+        let s = &plane.stats;
+        println!("{} batches, {} tokens so far", s.batches, s.tokens);
+    }
+    if clock.last_beat.elapsed() >= id.heartbeat {
+        clock.last_beat = Instant::now();
+        clock.seq += 1;
+        if up.send(FromWorker::Heartbeat { seq: clock.seq }).is_err() {
+            return Ok(Flow::Orphaned);
+        }
+        if let Some(m) = plane.device_memory() {
+            if up.send(FromWorker::DeviceMemory(m)).is_err() {
+                return Ok(Flow::Orphaned);
             }
         }
     }
+    Ok(Flow::Go)
 }

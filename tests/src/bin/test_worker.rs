@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dflash_shared::protocol::{connect, FromWorker, Hello, ToWorker};
+use dflash_shared::protocol::{connect, FromWorker, Hello, SlotRef, ToWorker};
 use dflash_shared::{env, exit_codes};
 use ipc_channel::ipc::{self, IpcSender};
 
@@ -136,43 +136,12 @@ fn has(acts: &[(String, Option<String>)], key: &str) -> bool {
     acts.iter().any(|(k, _)| k == key)
 }
 
+type Acts = Vec<(String, Option<String>)>;
+
 fn main() {
-    let mut args = std::env::args().skip(1);
-    if args.next().as_deref() == Some("--check-behavior") {
-        let spec = args.next().unwrap_or_default();
-        match parse_spec(&spec) {
-            Ok(_) => std::process::exit(0),
-            Err(e) => {
-                eprintln!("bad DFLASH_TEST_BEHAVIOR: {e}");
-                std::process::exit(exit_codes::USAGE);
-            }
-        }
-    }
-    // Tools (like writing the tiny target) are the real worker's business.
-    if std::env::args().nth(1).is_some_and(|a| a != "--control") {
-        use std::os::unix::process::CommandExt;
-        let me = std::env::current_exe().expect("current exe");
-        let real = me.with_file_name("dflash-worker");
-        let err = std::process::Command::new(real).args(std::env::args_os().skip(1)).exec();
-        panic!("exec of dflash-worker failed: {err}");
-    }
-    let rules = match parse_spec(&var("DFLASH_TEST_BEHAVIOR")) {
-        Ok(r) => r,
-        Err(e) => {
-            // Loud: a permanent failure stops the run with this line as its reason.
-            eprintln!("bad DFLASH_TEST_BEHAVIOR: {e}");
-            std::process::exit(exit_codes::WORKER_PERMANENT);
-        }
-    };
-    let acts = actions(rules);
-    // No rule for this life: be the real worker (same pid, same arguments).
-    if acts.is_empty() {
-        if let Some(real) = std::env::var_os("DFLASH_TEST_REAL_WORKER") {
-            use std::os::unix::process::CommandExt;
-            let err = std::process::Command::new(real).args(std::env::args_os().skip(1)).exec();
-            panic!("exec of the real worker failed: {err}");
-        }
-    }
+    check_behavior_and_exit();
+    exec_the_real_worker_for_tools();
+    let acts = this_lifes_actions();
     let name = format!("{}-{}", var(env::ROLE), var(env::RANK));
     let restart: u32 = var(env::RESTART_COUNT).parse().unwrap_or(0);
     let control = std::env::args().nth(2).expect("--control NAME");
@@ -182,95 +151,184 @@ fn main() {
     if let Some(code) = arg(&acts, "exit-early") {
         std::process::exit(code as i32);
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let usr1 = Arc::new(AtomicBool::new(false));
-    if has(&acts, "ignore-stop") {
-        // SAFETY: installing SIG_IGN runs no handler code.
-        unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
-    } else {
-        signal_hook::flag::register(libc::SIGTERM, stop.clone()).unwrap();
-    }
-    signal_hook::flag::register(libc::SIGUSR1, usr1.clone()).unwrap();
+    let signals = Signals::install(&acts);
+    let (up, down) = say_hello(&acts, &control, &name, restart);
+    misbehave_after_hello(&acts, &up, &name, restart);
+    serve(&acts, &up, &down, &signals, hb);
+}
 
-    let (up, down) = if has(&acts, "heartbeat-first") || has(&acts, "wrong-version") {
-        let up = IpcSender::<FromWorker>::connect(control).unwrap();
-        let (to_worker, down) = ipc::channel::<ToWorker>().unwrap();
-        if has(&acts, "heartbeat-first") {
-            up.send(FromWorker::Heartbeat { seq: 0 }).unwrap();
-            // Keep the downward channel open so this worker lives until the supervisor
-            // reacts, instead of exiting on its own first.
-            std::mem::forget(to_worker);
-        } else {
-            let hello = Hello { protocol: 999, pid: std::process::id(), worker: name.clone(), restart_count: restart, to_worker };
-            up.send(FromWorker::Hello(hello)).unwrap();
+/// `--check-behavior SPEC` (run by the harness before every run): exit 0 when the spec
+/// is valid, 2 with the reason when not.
+fn check_behavior_and_exit() {
+    let mut args = std::env::args().skip(1);
+    if args.next().as_deref() != Some("--check-behavior") {
+        return;
+    }
+    let spec = args.next().unwrap_or_default();
+    match parse_spec(&spec) {
+        Ok(_) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("bad DFLASH_TEST_BEHAVIOR: {e}");
+            std::process::exit(exit_codes::USAGE);
         }
-        (up, down)
-    } else {
-        connect(&control, &name, restart).expect("connect to supervisor")
+    }
+}
+
+/// Tools (like writing the tiny target) are the real worker's business.
+fn exec_the_real_worker_for_tools() {
+    if std::env::args().nth(1).is_some_and(|a| a != "--control") {
+        use std::os::unix::process::CommandExt;
+        let me = std::env::current_exe().expect("current exe");
+        let real = me.with_file_name("dflash-worker");
+        let err = std::process::Command::new(real).args(std::env::args_os().skip(1)).exec();
+        panic!("exec of dflash-worker failed: {err}");
+    }
+}
+
+/// The actions of the rules that apply to this life. With none, and a real worker named,
+/// this process becomes the real worker (same pid, same arguments).
+fn this_lifes_actions() -> Acts {
+    let rules = match parse_spec(&var("DFLASH_TEST_BEHAVIOR")) {
+        Ok(r) => r,
+        Err(e) => {
+            // Loud: a permanent failure stops the run with this line as its reason.
+            eprintln!("bad DFLASH_TEST_BEHAVIOR: {e}");
+            std::process::exit(exit_codes::WORKER_PERMANENT);
+        }
     };
-    if let Some(code) = arg(&acts, "crash") {
+    let acts = actions(rules);
+    if acts.is_empty() {
+        if let Some(real) = std::env::var_os("DFLASH_TEST_REAL_WORKER") {
+            use std::os::unix::process::CommandExt;
+            let err = std::process::Command::new(real).args(std::env::args_os().skip(1)).exec();
+            panic!("exec of the real worker failed: {err}");
+        }
+    }
+    acts
+}
+
+/// SIGTERM (unless `ignore-stop`) and SIGUSR1, as flags the loop looks at.
+struct Signals {
+    stop: Arc<AtomicBool>,
+    usr1: Arc<AtomicBool>,
+}
+
+impl Signals {
+    fn install(acts: &Acts) -> Signals {
+        let stop = Arc::new(AtomicBool::new(false));
+        let usr1 = Arc::new(AtomicBool::new(false));
+        if has(acts, "ignore-stop") {
+            // SAFETY: installing SIG_IGN runs no handler code.
+            unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+        } else {
+            signal_hook::flag::register(libc::SIGTERM, stop.clone()).unwrap();
+        }
+        signal_hook::flag::register(libc::SIGUSR1, usr1.clone()).unwrap();
+        Signals { stop, usr1 }
+    }
+}
+
+/// Connect to the supervisor: a proper hello, or the broken openings a rule asks for.
+fn say_hello(acts: &Acts, control: &str, name: &str, restart: u32) -> (IpcSender<FromWorker>, ipc::IpcReceiver<ToWorker>) {
+    if !has(acts, "heartbeat-first") && !has(acts, "wrong-version") {
+        return connect(control, name, restart).expect("connect to supervisor");
+    }
+    let up = IpcSender::<FromWorker>::connect(control.to_string()).unwrap();
+    let (to_worker, down) = ipc::channel::<ToWorker>().unwrap();
+    if has(acts, "heartbeat-first") {
+        up.send(FromWorker::Heartbeat { seq: 0 }).unwrap();
+        // Keep the downward channel open so this worker lives until the supervisor
+        // reacts, instead of exiting on its own first.
+        std::mem::forget(to_worker);
+    } else {
+        let hello = Hello { protocol: 999, pid: std::process::id(), worker: name.to_string(), restart_count: restart, to_worker };
+        up.send(FromWorker::Hello(hello)).unwrap();
+    }
+    (up, down)
+}
+
+/// What a rule does at once after the hello: crash, fork, chatter, a second hello.
+fn misbehave_after_hello(acts: &Acts, up: &IpcSender<FromWorker>, name: &str, restart: u32) {
+    if let Some(code) = arg(acts, "crash") {
         eprintln!("crashing on purpose with exit code {code}");
         std::process::exit(code as i32);
     }
-    if has(&acts, "grandchild") {
+    if has(acts, "grandchild") {
         let g = std::process::Command::new("sleep").arg("1000").spawn().expect("spawn sleep");
         println!("grandchild pid {}", g.id());
         std::mem::forget(g);
     }
-    if let Some(n) = arg(&acts, "chatty") {
+    if let Some(n) = arg(acts, "chatty") {
         for i in 0..n {
             println!("chatty {i}");
             std::thread::sleep(Duration::from_millis(1));
         }
     }
-    if has(&acts, "second-hello") {
-        let (to_worker, _keep) = ipc::channel::<ToWorker>().unwrap();
-        let hello = Hello { protocol: dflash_shared::protocol::PROTOCOL_VERSION, pid: std::process::id(), worker: name.clone(), restart_count: restart, to_worker };
+    if has(acts, "second-hello") {
+        let (to_worker, keep) = ipc::channel::<ToWorker>().unwrap();
+        let hello = Hello { protocol: dflash_shared::protocol::PROTOCOL_VERSION, pid: std::process::id(), worker: name.to_string(), restart_count: restart, to_worker };
         up.send(FromWorker::Hello(hello)).unwrap();
-        std::mem::forget(_keep);
+        std::mem::forget(keep);
     }
-    let started = Instant::now();
-    let crash_after = arg(&acts, "crash-after").map(Duration::from_millis);
-    let hang_after = arg(&acts, "hang-after").map(Duration::from_millis);
-    let ignore_stop = has(&acts, "ignore-stop");
-    let mut seq = 0;
-    let (bad_ack, bad_commit) = (text(&acts, "bad-ack"), text(&acts, "bad-commit"));
-    let (mut delivery, mut lease, mut misbehaved) = (None, None, false);
-    loop {
-        if !misbehaved {
-            if let (Some(kind), Some((slot, batch_id))) = (bad_ack, delivery) {
-                let slot: dflash_shared::protocol::SlotRef = slot;
-                let (slot, batch_id) = match kind {
-                    "stale-gen" => (dflash_shared::protocol::SlotRef { gen: slot.gen - 1, ..slot }, batch_id),
-                    "out-of-range" => (dflash_shared::protocol::SlotRef { slot: 9999, ..slot }, batch_id),
-                    "wrong-slot" => (dflash_shared::protocol::SlotRef { slot: slot.slot + 1, ..slot }, batch_id),
-                    "wrong-batch" => (slot, batch_id + 1000),
-                    other => unreachable!("bad-ack:{other} passed the spec check"),
-                };
-                println!("sending a bad ack ({kind})");
-                up.send(FromWorker::Ack { input: slot, batch_id }).unwrap();
-                misbehaved = true;
-            }
-            if let (Some(kind), Some((input, batch_id)), Some(output)) = (bad_commit, delivery, lease) {
-                let output: dflash_shared::protocol::SlotRef = output;
-                let (output, len) = match kind {
-                    "too-long" => (output, u64::MAX),
-                    "empty" => (output, 0),
-                    "stale-gen" => (dflash_shared::protocol::SlotRef { gen: output.gen + 7, ..output }, 100),
-                    other => unreachable!("bad-commit:{other} passed the spec check"),
-                };
-                println!("sending a bad commit ({kind})");
-                up.send(FromWorker::Commit { output, len, batch_id, input: Some(input), wait_ms: 0.0, compute_ms: 0.0 }).unwrap();
-                misbehaved = true;
-            }
+}
+
+/// The first delivered batch and the first leased slot, for `bad-ack` and `bad-commit`.
+#[derive(Default)]
+struct Slots {
+    delivery: Option<(SlotRef, u64)>,
+    lease: Option<SlotRef>,
+    misbehaved: bool,
+}
+
+impl Slots {
+    /// Send the bad ack or commit a rule asks for, once its slots are known.
+    fn misbehave(&mut self, acts: &Acts, up: &IpcSender<FromWorker>) {
+        if self.misbehaved {
+            return;
         }
+        if let (Some(kind), Some((slot, batch_id))) = (text(acts, "bad-ack"), self.delivery) {
+            let (slot, batch_id) = match kind {
+                "stale-gen" => (SlotRef { gen: slot.gen - 1, ..slot }, batch_id),
+                "out-of-range" => (SlotRef { slot: 9999, ..slot }, batch_id),
+                "wrong-slot" => (SlotRef { slot: slot.slot + 1, ..slot }, batch_id),
+                "wrong-batch" => (slot, batch_id + 1000),
+                other => unreachable!("bad-ack:{other} passed the spec check"),
+            };
+            println!("sending a bad ack ({kind})");
+            up.send(FromWorker::Ack { input: slot, batch_id }).unwrap();
+            self.misbehaved = true;
+        }
+        if let (Some(kind), Some((input, batch_id)), Some(output)) = (text(acts, "bad-commit"), self.delivery, self.lease) {
+            let (output, len) = match kind {
+                "too-long" => (output, u64::MAX),
+                "empty" => (output, 0),
+                "stale-gen" => (SlotRef { gen: output.gen + 7, ..output }, 100),
+                other => unreachable!("bad-commit:{other} passed the spec check"),
+            };
+            println!("sending a bad commit ({kind})");
+            up.send(FromWorker::Commit { output, len, batch_id, input: Some(input), wait_ms: 0.0, compute_ms: 0.0 }).unwrap();
+            self.misbehaved = true;
+        }
+    }
+}
+
+/// Heartbeat every `hb` and obey (or not, as the rules say) until told to stop.
+fn serve(acts: &Acts, up: &IpcSender<FromWorker>, down: &ipc::IpcReceiver<ToWorker>, signals: &Signals, hb: Duration) -> ! {
+    let started = Instant::now();
+    let crash_after = arg(acts, "crash-after").map(Duration::from_millis);
+    let hang_after = arg(acts, "hang-after").map(Duration::from_millis);
+    let ignore_stop = has(acts, "ignore-stop");
+    let mut seq = 0;
+    let mut slots = Slots::default();
+    loop {
+        slots.misbehave(acts, up);
         match down.try_recv_timeout(hb) {
             Ok(ToWorker::Pools { .. } | ToWorker::Train(_) | ToWorker::Reduce { .. } | ToWorker::Snapshot { .. } | ToWorker::Export { .. } | ToWorker::Checkpoint { .. }) => {}
             Ok(ToWorker::Deliver { slot, batch_id, .. }) => {
-                delivery.get_or_insert((slot, batch_id));
+                slots.delivery.get_or_insert((slot, batch_id));
             }
             Ok(ToWorker::Lease { slot }) => {
-                lease.get_or_insert(slot);
+                slots.lease.get_or_insert(slot);
             }
             Ok(ToWorker::Shutdown { reason }) => {
                 if ignore_stop {
@@ -288,11 +346,11 @@ fn main() {
                 std::process::exit(exit_codes::WORKER_ORPHANED);
             }
         }
-        if stop.load(Ordering::Relaxed) {
+        if signals.stop.load(Ordering::Relaxed) {
             println!("SIGTERM: exiting");
             std::process::exit(0);
         }
-        if usr1.swap(false, Ordering::Relaxed) {
+        if signals.usr1.swap(false, Ordering::Relaxed) {
             println!("got SIGUSR1");
         }
         if crash_after.is_some_and(|d| started.elapsed() >= d) {

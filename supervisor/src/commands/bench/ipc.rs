@@ -308,116 +308,160 @@ pub fn peer(server: &str) -> i32 {
 }
 
 fn peer_loop(server: &str) -> io::Result<()> {
-    let up = IpcSender::<Report>::connect(server.to_string())?;
-    let (to_peer, cmds): (IpcSender<Cmd>, IpcReceiver<Cmd>) = ipc::channel()?;
-    up.send(Report::Hello { to_peer }).map_err(io::Error::other)?;
-    let recv = || cmds.recv().map_err(io::Error::other);
-    let Cmd::Setup(setup) = recv()? else { return Err(io::Error::other("expected setup first")) };
-    let pools: Vec<PoolMap> = setup.pools.into_iter().map(|(fd, g)| PoolMap::open(fd, g)).collect::<io::Result<_>>()?;
-    let futex_map = PoolMap::open(setup.futex.0, setup.futex.1)?;
-    // SAFETY: the futex page's payload is shared by the two peers, accessed only through
-    // this atomic.
-    let word: &AtomicU32 = unsafe { &*(futex_map.payload_mut(0).as_mut_ptr() as *const AtomicU32) };
-    let send = |r: Report| up.send(r).map_err(io::Error::other);
+    let peer = BenchPeer::connect(server)?;
     loop {
-        match recv()? {
+        match peer.recv()? {
             Cmd::Quit => return Ok(()),
-            Cmd::Produce { pool, size, iters } => {
-                let src = vec![0xA5u8; size as usize];
-                let mut free: Vec<u32> = vec![1, 0];
-                let t = Instant::now();
-                for _ in 0..iters {
-                    while free.is_empty() {
-                        if let Cmd::Free { slot } = recv()? {
-                            free.push(slot);
-                        }
-                    }
-                    let slot = free.pop().expect("a free slot");
-                    // SAFETY: the relay handed this slot back to us; the consumer is done with it.
-                    unsafe { pools[pool].payload_mut(slot)[..size as usize].copy_from_slice(&src) };
-                    send(Report::Committed { pool, slot, len: size })?;
-                }
-                while free.len() < 2 {
-                    if let Cmd::Free { slot } = recv()? {
-                        free.push(slot);
-                    }
-                }
-                send(Report::Done { secs: t.elapsed().as_secs_f64(), samples_ns: vec![] })?;
-            }
-            Cmd::Deliver { pool, slot, len } => {
-                // SAFETY: delivered to us; the producer does not touch it until our ack.
-                let sum = read_every_byte(unsafe { &pools[pool].payload(slot)[..len as usize] });
-                send(Report::Acked { pool, slot, sum })?;
-            }
-            Cmd::SendBytes { size, iters } => {
-                let tx = setup.bytes_tx.as_ref().ok_or_else(|| io::Error::other("no bytes sender"))?;
-                let src = vec![0xA5u8; size as usize];
-                let mut credits = 2;
-                let t = Instant::now();
-                for _ in 0..iters {
-                    while credits == 0 {
-                        if let Cmd::Free { .. } = recv()? {
-                            credits += 1;
-                        }
-                    }
-                    tx.send(&src)?;
-                    credits -= 1;
-                }
-                while credits < 2 {
-                    if let Cmd::Free { .. } = recv()? {
-                        credits += 1;
-                    }
-                }
-                send(Report::Done { secs: t.elapsed().as_secs_f64(), samples_ns: vec![] })?;
-            }
-            Cmd::RecvBytes { iters } => {
-                let rx = setup.bytes_rx.as_ref().ok_or_else(|| io::Error::other("no bytes receiver"))?;
-                for _ in 0..iters {
-                    let v = rx.recv().map_err(io::Error::other)?;
-                    send(Report::Acked { pool: usize::MAX, slot: 0, sum: read_every_byte(&v) })?;
-                }
-                send(Report::Done { secs: 0.0, samples_ns: vec![] })?;
-            }
-            Cmd::Handoff { iters } => {
-                let mut samples = Vec::with_capacity(iters as usize);
-                for i in 0..iters {
-                    let t = Instant::now();
-                    // SAFETY: slot 0 of the small pool is ours between Free and Committed.
-                    unsafe { pools[SMALL_POOL].payload_mut(0).fill(i as u8) };
-                    send(Report::Committed { pool: SMALL_POOL, slot: 0, len: SMALL })?;
-                    while !matches!(recv()?, Cmd::Free { .. }) {}
-                    samples.push(t.elapsed().as_nanos() as u64);
-                }
-                send(Report::Done { secs: 0.0, samples_ns: samples })?;
-            }
-            Cmd::Futex { iters, leader } => {
-                let mut samples = Vec::with_capacity(iters as usize);
-                for _ in 0..iters {
-                    if leader {
-                        let t = Instant::now();
-                        word.store(1, Ordering::Release);
-                        futex_wake(word);
-                        while word.load(Ordering::Acquire) != 2 {
-                            futex_wait(word, 1);
-                        }
-                        samples.push(t.elapsed().as_nanos() as u64);
-                    } else {
-                        loop {
-                            let v = word.load(Ordering::Acquire);
-                            if v == 1 {
-                                break;
-                            }
-                            futex_wait(word, v);
-                        }
-                        word.store(2, Ordering::Release);
-                        futex_wake(word);
-                    }
-                }
-                // The word is left at 2: resetting it here could race the leader's last
-                // look at it and leave the leader waiting for a 2 that never comes back.
-                send(Report::Done { secs: 0.0, samples_ns: samples })?;
-            }
+            Cmd::Produce { pool, size, iters } => peer.produce(pool, size, iters)?,
+            Cmd::Deliver { pool, slot, len } => peer.consume(pool, slot, len)?,
+            Cmd::SendBytes { size, iters } => peer.send_bytes(size, iters)?,
+            Cmd::RecvBytes { iters } => peer.recv_bytes(iters)?,
+            Cmd::Handoff { iters } => peer.handoff(iters)?,
+            Cmd::Futex { iters, leader } => peer.futex(iters, leader)?,
             Cmd::Setup(_) | Cmd::Free { .. } => {}
         }
+    }
+}
+
+/// The measuring process's end: the pools it maps and its channels to the relay.
+struct BenchPeer {
+    up: IpcSender<Report>,
+    cmds: IpcReceiver<Cmd>,
+    pools: Vec<PoolMap>,
+    futex_map: PoolMap,
+    bytes_tx: Option<IpcBytesSender>,
+    bytes_rx: Option<IpcBytesReceiver>,
+}
+
+impl BenchPeer {
+    /// Say hello to the relay and map what its setup names.
+    fn connect(server: &str) -> io::Result<BenchPeer> {
+        let up = IpcSender::<Report>::connect(server.to_string())?;
+        let (to_peer, cmds): (IpcSender<Cmd>, IpcReceiver<Cmd>) = ipc::channel()?;
+        up.send(Report::Hello { to_peer }).map_err(io::Error::other)?;
+        let Cmd::Setup(setup) = cmds.recv().map_err(io::Error::other)? else { return Err(io::Error::other("expected setup first")) };
+        let pools: Vec<PoolMap> = setup.pools.into_iter().map(|(fd, g)| PoolMap::open(fd, g)).collect::<io::Result<_>>()?;
+        let futex_map = PoolMap::open(setup.futex.0, setup.futex.1)?;
+        Ok(BenchPeer { up, cmds, pools, futex_map, bytes_tx: setup.bytes_tx, bytes_rx: setup.bytes_rx })
+    }
+
+    fn recv(&self) -> io::Result<Cmd> {
+        self.cmds.recv().map_err(io::Error::other)
+    }
+
+    fn send(&self, r: Report) -> io::Result<()> {
+        self.up.send(r).map_err(io::Error::other)
+    }
+
+    /// Wait for the relay to hand back one credit (a slot, or room for a message).
+    fn freed(&self) -> io::Result<u32> {
+        loop {
+            if let Cmd::Free { slot } = self.recv()? {
+                return Ok(slot);
+            }
+        }
+    }
+
+    /// Write `iters` batches of `size` bytes into two slots of `pool` in turn.
+    fn produce(&self, pool: usize, size: u64, iters: u32) -> io::Result<()> {
+        let src = vec![0xA5u8; size as usize];
+        let mut free: Vec<u32> = vec![1, 0];
+        let t = Instant::now();
+        for _ in 0..iters {
+            if free.is_empty() {
+                free.push(self.freed()?);
+            }
+            let slot = free.pop().expect("a free slot");
+            // SAFETY: the relay handed this slot back to us; the consumer is done with it.
+            unsafe { self.pools[pool].payload_mut(slot)[..size as usize].copy_from_slice(&src) };
+            self.send(Report::Committed { pool, slot, len: size })?;
+        }
+        while free.len() < 2 {
+            free.push(self.freed()?);
+        }
+        self.send(Report::Done { secs: t.elapsed().as_secs_f64(), samples_ns: vec![] })
+    }
+
+    /// Read every byte of a delivered slot, then ack it.
+    fn consume(&self, pool: usize, slot: u32, len: u64) -> io::Result<()> {
+        // SAFETY: delivered to us; the producer does not touch it until our ack.
+        let sum = read_every_byte(unsafe { &self.pools[pool].payload(slot)[..len as usize] });
+        self.send(Report::Acked { pool, slot, sum })
+    }
+
+    /// Send `iters` messages of `size` bytes through the ipc byte channel, two in flight.
+    fn send_bytes(&self, size: u64, iters: u32) -> io::Result<()> {
+        let tx = self.bytes_tx.as_ref().ok_or_else(|| io::Error::other("no bytes sender"))?;
+        let src = vec![0xA5u8; size as usize];
+        let mut credits = 2;
+        let t = Instant::now();
+        for _ in 0..iters {
+            if credits == 0 {
+                self.freed()?;
+                credits += 1;
+            }
+            tx.send(&src)?;
+            credits -= 1;
+        }
+        while credits < 2 {
+            self.freed()?;
+            credits += 1;
+        }
+        self.send(Report::Done { secs: t.elapsed().as_secs_f64(), samples_ns: vec![] })
+    }
+
+    fn recv_bytes(&self, iters: u32) -> io::Result<()> {
+        let rx = self.bytes_rx.as_ref().ok_or_else(|| io::Error::other("no bytes receiver"))?;
+        for _ in 0..iters {
+            let v = rx.recv().map_err(io::Error::other)?;
+            self.send(Report::Acked { pool: usize::MAX, slot: 0, sum: read_every_byte(&v) })?;
+        }
+        self.send(Report::Done { secs: 0.0, samples_ns: vec![] })
+    }
+
+    /// Round trips of one small slot: write, commit, wait for it back.
+    fn handoff(&self, iters: u32) -> io::Result<()> {
+        let mut samples = Vec::with_capacity(iters as usize);
+        for i in 0..iters {
+            let t = Instant::now();
+            // SAFETY: slot 0 of the small pool is ours between Free and Committed.
+            unsafe { self.pools[SMALL_POOL].payload_mut(0).fill(i as u8) };
+            self.send(Report::Committed { pool: SMALL_POOL, slot: 0, len: SMALL })?;
+            self.freed()?;
+            samples.push(t.elapsed().as_nanos() as u64);
+        }
+        self.send(Report::Done { secs: 0.0, samples_ns: samples })
+    }
+
+    /// Futex ping-pong on a shared word: the floor of any cross-process hand-off.
+    fn futex(&self, iters: u32, leader: bool) -> io::Result<()> {
+        // SAFETY: the futex page's payload is shared by the two peers, accessed only
+        // through this atomic.
+        let word: &AtomicU32 = unsafe { &*(self.futex_map.payload_mut(0).as_mut_ptr() as *const AtomicU32) };
+        let mut samples = Vec::with_capacity(iters as usize);
+        for _ in 0..iters {
+            if leader {
+                let t = Instant::now();
+                word.store(1, Ordering::Release);
+                futex_wake(word);
+                while word.load(Ordering::Acquire) != 2 {
+                    futex_wait(word, 1);
+                }
+                samples.push(t.elapsed().as_nanos() as u64);
+            } else {
+                loop {
+                    let v = word.load(Ordering::Acquire);
+                    if v == 1 {
+                        break;
+                    }
+                    futex_wait(word, v);
+                }
+                word.store(2, Ordering::Release);
+                futex_wake(word);
+            }
+        }
+        // The word is left at 2: resetting it here could race the leader's last look at
+        // it and leave the leader waiting for a 2 that never comes back.
+        self.send(Report::Done { secs: 0.0, samples_ns: samples })
     }
 }
