@@ -23,9 +23,10 @@ pub enum Error {
     /// cannot be used: which one, and why (exit 2).
     #[error("{input}: {source}")]
     Input { input: String, source: Source },
-    /// The data cannot be read or has too many bad lines (exit 2).
-    #[error(transparent)]
-    Data(#[from] crate::data::loader::LoaderError),
+    /// The data cannot be read or has too many bad lines (exit 2). The source is the
+    /// loader's own error (`data::loader::LoaderError`, which converts into this).
+    #[error("{0}")]
+    Data(Source),
     /// Something a command needs is not on this machine (NVML, a GPU, Python) (exit 2).
     #[error("{what}: {source}")]
     Unavailable { what: String, source: Source },

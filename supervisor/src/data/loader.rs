@@ -64,6 +64,12 @@ pub enum LoaderError {
     Empty { what: String, stats: String },
 }
 
+impl From<LoaderError> for crate::error::Error {
+    fn from(e: LoaderError) -> crate::error::Error {
+        crate::error::Error::Data(Box::new(e))
+    }
+}
+
 /// Where the loader is: enough to resume it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Position {
