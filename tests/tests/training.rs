@@ -173,6 +173,18 @@ fn bench_compute_reports_the_forward_per_op_against_bare_gemms() {
     }
     let sum: f64 = ops.values().map(|x| x.as_f64().unwrap()).sum();
     assert!(sum <= v["target_forward_s"].as_f64().unwrap() * 1.001, "ops {sum} s > forward {}", v["target_forward_s"]);
+    // The reference target, measured beside the worker's path, and the drafter step's kernels.
+    assert!(v["reference_gflops"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    let dops = v["drafter_op_seconds"].as_object().unwrap();
+    for op in ["gemm", "attention_fwd", "attention_bwd", "ce_chunk_stats", "adamw"] {
+        if op == "adamw" {
+            assert!(!dops.contains_key(op), "the step alone is timed, not the optimizer: {dops:?}");
+            continue;
+        }
+        assert!(dops.get(op).and_then(|x| x.as_f64()).is_some_and(|x| x > 0.0), "{op} missing in {dops:?}");
+    }
+    let dsum: f64 = dops.values().map(|x| x.as_f64().unwrap()).sum();
+    assert!(dsum <= v["drafter_step_s"].as_f64().unwrap() * 1.001, "drafter ops {dsum} s > step {}", v["drafter_step_s"]);
 
     let out = supervise(&["bench", "compute", "--target", "gpt2:12"], None);
     assert_eq!(out.status.code(), Some(2));

@@ -25,6 +25,8 @@ pub struct Figures {
     pub threads: usize,
     pub shape: String,
     pub tokens: usize,
+    /// The target forward as a CPU target worker runs it (the device target on the CPU
+    /// device).
     pub target_forward_s: f64,
     pub target_tokens_per_s: f64,
     pub target_gflops: f64,
@@ -32,12 +34,19 @@ pub struct Figures {
     pub gemm_gflops: f64,
     /// `target_gflops / gemm_gflops` (goal ≥ 0.7).
     pub forward_vs_gemm: f64,
-    /// Seconds per op over one forward.
+    /// Seconds per op over one forward (the CPU device's kernels and GEMMs).
     pub op_seconds: BTreeMap<String, f64>,
+    /// The reference target (host slices, `src/model/target.rs`), same tokens.
+    pub reference_forward_s: f64,
+    pub reference_gflops: f64,
+    /// Seconds per op of the reference forward.
+    pub reference_op_seconds: BTreeMap<String, f64>,
     pub drafter_step_s: f64,
     pub drafter_tokens_per_s: f64,
     pub drafter_layers: usize,
     pub drafter_rows: usize,
+    /// Seconds per kernel (and "gemm") of that step on the CPU device.
+    pub drafter_op_seconds: BTreeMap<String, f64>,
     /// The same target forward on a device, when there is one (or DFLASH_DEVICE=host).
     pub device: Option<DeviceFigures>,
     /// Why there are no device figures.
@@ -293,18 +302,24 @@ pub fn print_figures(f: &Figures) {
                 d.slot_vs_pinned
             );
         }
-        (None, note) => println!("  no GPU measured ({}): the figures below are the CPU reference backend's", note.as_deref().unwrap_or("none")),
+        (None, note) => println!("  no GPU measured ({}): the figures below are the CPU backend's", note.as_deref().unwrap_or("none")),
     }
-    println!("  target forward            {:>9.0} tokens/s  {:>7.2} GFLOP/s  ({:.3} s)", f.target_tokens_per_s, f.target_gflops, f.target_forward_s);
+    println!("  target forward (CPU worker) {:>7.0} tokens/s  {:>7.2} GFLOP/s  ({:.3} s)", f.target_tokens_per_s, f.target_gflops, f.target_forward_s);
     println!("  bare GEMM, same shapes    {:>27.2} GFLOP/s", f.gemm_gflops);
     println!("  forward / GEMM            {:>9.2}   (goal >= 0.7)", f.forward_vs_gemm);
     for (op, s) in &f.op_seconds {
         println!("    {op:<12} {:>8.1} ms  {:>5.1} %", s * 1e3, 100.0 * s / f.target_forward_s.max(1e-12));
     }
+    println!("  reference target forward  {:>27.2} GFLOP/s  ({:.3} s)", f.reference_gflops, f.reference_forward_s);
     println!(
         "  drafter step ({} layers, {} block rows)  {:>9.0} tokens/s  ({:.3} s)",
         f.drafter_layers, f.drafter_rows, f.drafter_tokens_per_s, f.drafter_step_s
     );
+    let mut ops: Vec<_> = f.drafter_op_seconds.iter().collect();
+    ops.sort_by(|a, b| b.1.total_cmp(a.1));
+    for (op, s) in ops.into_iter().take(6) {
+        println!("    {op:<16} {:>8.1} ms  {:>5.1} %", s * 1e3, 100.0 * s / f.drafter_step_s.max(1e-12));
+    }
 }
 
 fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
@@ -356,8 +371,42 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         }
         gemm_best = gemm_best.min(t0.elapsed().as_secs_f64());
     }
-    let target_gflops = model_flops / best / 1e9;
+    let reference_gflops = model_flops / best / 1e9;
     let gemm_gflops = gemm_flops / gemm_best / 1e9;
+
+    // The forward as a CPU target worker runs it: the device target on the CPU device, its
+    // kernels and GEMMs timed by the device.
+    let mut worker = crate::gpu::target::GpuTarget::new(Box::new(crate::gpu::cpu::CpuDevice::new()), &target, tokens).map_err(|e| e.to_string())?;
+    worker.forward_taps(&ids[..tokens.min(64)]).map_err(|e| e.to_string())?;
+    let mut worker_best = f64::INFINITY;
+    let mut worker_ops = Vec::new();
+    for _ in 0..3 {
+        worker.take_kernel_seconds();
+        let t0 = Instant::now();
+        std::hint::black_box(worker.forward_taps(&ids).map_err(|e| e.to_string())?);
+        let s = t0.elapsed().as_secs_f64();
+        if s < worker_best {
+            worker_best = s;
+            worker_ops = worker.take_kernel_seconds();
+        }
+    }
+    drop(worker);
+    let target_gflops = model_flops / worker_best / 1e9;
+    // Kernel names as the op names of the reference's breakdown.
+    let mut op_seconds = BTreeMap::new();
+    for (k, v) in worker_ops {
+        let op = match k.as_str() {
+            "gemm" => "matmul",
+            "attention_fwd" => "attention",
+            "rmsnorm_fwd" => "rmsnorm",
+            "swiglu_fwd" => "swiglu",
+            "add_inplace" => "residual",
+            "embed_gather" => "embed",
+            "copy_cols" => "taps",
+            other => other,
+        };
+        *op_seconds.entry(op.to_string()).or_insert(0.0) += v;
+    }
 
     // One drafter step (2 layers, blocks of 16, up to 64 anchors) on the target's taps.
     let dcfg = DrafterConfig::for_target(&cfg, 2, 1, 16, 64);
@@ -377,10 +426,16 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     cpu_model.load(&p, &zeros, &zeros, 0).map_err(|e| e.to_string())?;
     let mut grads = vec![0f32; p.len()];
     let mut drafter_s = f64::INFINITY;
+    let mut drafter_op_seconds = BTreeMap::new();
     for _ in 0..2 {
+        cpu_model.take_kernel_seconds();
         let t0 = Instant::now();
         cpu_model.train_batch(std::slice::from_ref(&sample), std::slice::from_ref(&anchors), 1.0, &mut grads).map_err(|e| e.to_string())?;
-        drafter_s = drafter_s.min(t0.elapsed().as_secs_f64());
+        let s = t0.elapsed().as_secs_f64();
+        if s < drafter_s {
+            drafter_s = s;
+            drafter_op_seconds = cpu_model.take_kernel_seconds().into_iter().collect();
+        }
     }
     drop(cpu_model);
 
@@ -398,15 +453,19 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         threads,
         shape: shape.into(),
         tokens,
-        target_forward_s: best,
-        target_tokens_per_s: tokens as f64 / best,
+        target_forward_s: worker_best,
+        target_tokens_per_s: tokens as f64 / worker_best,
         target_gflops,
         gemm_gflops,
         forward_vs_gemm: target_gflops / gemm_gflops,
-        op_seconds: op_times.secs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        op_seconds,
+        reference_forward_s: best,
+        reference_gflops,
+        reference_op_seconds: op_times.secs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
         drafter_step_s: drafter_s,
         drafter_tokens_per_s: tokens as f64 / drafter_s,
         drafter_layers: dcfg.layers,
         drafter_rows: anchors.len() * dcfg.block_size,
+        drafter_op_seconds,
     })
 }

@@ -21,6 +21,8 @@ use crate::model::drafter::exp_neg;
 pub struct CpuDevice {
     allocations: Vec<(*mut u8, std::alloc::Layout)>,
     threads: usize,
+    /// Seconds per kernel name since the last `take_kernel_seconds`.
+    seconds: std::collections::BTreeMap<String, f64>,
 }
 
 // SAFETY: the allocations are owned by this value and only reached through &mut self.
@@ -34,7 +36,7 @@ impl Default for CpuDevice {
 
 impl CpuDevice {
     pub fn new() -> CpuDevice {
-        CpuDevice { allocations: Vec::new(), threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) }
+        CpuDevice { allocations: Vec::new(), threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), seconds: Default::default() }
     }
 
     fn par(&self, work: usize) -> gemm::Parallelism {
@@ -223,7 +225,57 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn launch(&mut self, _s: Stream, kernel: &str, grid: u32, _block: u32, args: &[Arg]) -> Result<()> {
+    fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        let r = self.run_kernel(s, kernel, grid, block, args);
+        if r.is_ok() {
+            match self.seconds.get_mut(kernel) {
+                Some(v) => *v += t0.elapsed().as_secs_f64(),
+                None => {
+                    self.seconds.insert(kernel.to_string(), t0.elapsed().as_secs_f64());
+                }
+            }
+        }
+        r
+    }
+
+    fn gemm(&mut self, _s: Stream, g: &Gemm) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        let r = self.run_gemm(g);
+        *self.seconds.entry("gemm".to_string()).or_default() += t0.elapsed().as_secs_f64();
+        r
+    }
+
+    fn take_kernel_seconds(&mut self) -> Vec<(String, f64)> {
+        std::mem::take(&mut self.seconds).into_iter().collect()
+    }
+
+    fn record(&mut self, _s: Stream) -> Result<Event> {
+        // Everything already happened in call order.
+        Ok(Event(0))
+    }
+
+    fn wait(&mut self, _s: Stream, _e: Event) -> Result<()> {
+        Ok(())
+    }
+
+    fn sync_event(&mut self, _e: Event) -> Result<()> {
+        Ok(())
+    }
+
+    fn sync(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    fn release_event(&mut self, _e: Event) {}
+
+    fn is_cpu(&self) -> bool {
+        true
+    }
+}
+
+impl CpuDevice {
+    fn run_kernel(&mut self, _s: Stream, kernel: &str, grid: u32, _block: u32, args: &[Arg]) -> Result<()> {
         let a = Args { kernel, args };
         a.check_aliasing()?;
         let rows = grid as usize;
@@ -503,7 +555,7 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn gemm(&mut self, _s: Stream, g: &Gemm) -> Result<()> {
+    fn run_gemm(&mut self, g: &Gemm) -> Result<()> {
         g.validate()?;
         let work = g.m * g.n * g.k;
         if g.bf16_inputs {
@@ -522,37 +574,16 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn record(&mut self, _s: Stream) -> Result<Event> {
-        // Everything already happened in call order.
-        Ok(Event(0))
-    }
-
-    fn wait(&mut self, _s: Stream, _e: Event) -> Result<()> {
-        Ok(())
-    }
-
-    fn sync_event(&mut self, _e: Event) -> Result<()> {
-        Ok(())
-    }
-
-    fn sync(&mut self) -> Result<()> {
-        Ok(())
-    }
-
-    fn release_event(&mut self, _e: Event) {}
-
-    fn is_cpu(&self) -> bool {
-        true
-    }
-}
-
-impl CpuDevice {
-    /// `attention_fwd`: one (query row, head) at a time over its two key spans, with the
-    /// online softmax of the kernel; rows split across threads.
+    /// `attention_fwd` as GEMMs: consecutive query rows that share their second key span
+    /// (any 64 rows of a causal sequence; the rows of one DFlash block) form a tile, and
+    /// each (tile, head) is `S = Q·Kᵀ` over the union of the tile's keys, the keys a row may
+    /// not see masked, a softmax that keeps each row's log-sum-exp, and `O = P·V`. Tiles
+    /// are handed to the threads from a shared counter.
     ///
     /// # Safety
     /// As for [`Device::launch`]'s arms.
     unsafe fn attention_fwd(&self, a: &Args) -> Result<()> {
+        use crate::compute::cpu::sgemm;
         let (tq, qh, kvh, hd) = (a.usize(6)?, a.usize(7)?, a.usize(8)?, a.usize(9)?);
         let (out, lse) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?));
         let (q, k, v, spans) = (rd::<f32>(a.buf(2)?), rd::<f32>(a.buf(3)?), rd::<f32>(a.buf(4)?), rd::<i32>(a.buf(5)?));
@@ -561,55 +592,109 @@ impl CpuDevice {
         need(a.kernel, "lse", lse.len(), tq * qh)?;
         need(a.kernel, "spans", spans.len(), 4 * tq)?;
         let keys = k.len().min(v.len()) / kw.max(1);
-        if spans[..4 * tq].iter().any(|&x| x < 0 || x as usize > keys) {
-            return Err(GpuError::Invalid(format!("{}: a key span reaches past the {keys} keys", a.kernel)));
+        if spans[..4 * tq].chunks_exact(2).any(|r| r[0] < 0 || r[1] < r[0] || r[1] as usize > keys) {
+            return Err(GpuError::Invalid(format!("{}: a key span is empty-reversed or reaches past the {keys} keys", a.kernel)));
         }
+        let span = |row: usize, r: usize| spans[4 * row + 2 * r] as usize..spans[4 * row + 2 * r + 1] as usize;
+        let mut tiles = Vec::new();
+        let mut lo = 0;
+        while lo < tq {
+            let mut hi = lo + 1;
+            while hi < tq && hi - lo < 64 && span(hi, 1) == span(lo, 1) {
+                hi += 1;
+            }
+            tiles.push(lo..hi);
+            lo = hi;
+        }
+        let jobs: Vec<(std::ops::Range<usize>, usize)> = tiles.iter().flat_map(|t| (0..qh).map(move |h| (t.clone(), h))).collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let group = qh / kvh;
         let (outp, lsep) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
-        par_ranges(self.threads, tq, |rows| {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let run = || {
             let (outp, lsep) = (outp, lsep);
-            let mut acc = vec![0f32; hd];
-            for row in rows {
-                for head in 0..qh {
-                    let kh = head / group;
-                    let qr = &q[row * qw + head * hd..row * qw + (head + 1) * hd];
-                    acc.iter_mut().for_each(|x| *x = 0.0);
-                    let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-                    for r in 0..2 {
-                        let (lo, hi) = (spans[4 * row + 2 * r] as usize, spans[4 * row + 2 * r + 1] as usize);
-                        for key in lo..hi {
-                            let kr = &k[key * kw + kh * hd..key * kw + (kh + 1) * hd];
-                            let s = crate::compute::cpu::dot(qr, kr) * scale;
-                            let m_new = m.max(s);
-                            let corr = exp_neg(m - m_new);
-                            let p = exp_neg(s - m_new);
-                            l = l * corr + p;
-                            let vr = &v[key * kw + kh * hd..key * kw + (kh + 1) * hd];
-                            for (x, y) in acc.iter_mut().zip(vr) {
-                                *x = *x * corr + p * y;
-                            }
-                            m = m_new;
+            let mut sc: Vec<f32> = Vec::new();
+            while let Some((tile, head)) = jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                let kh = head / group;
+                let rows = tile.len();
+                let a_lo = tile.clone().map(|r| span(r, 0).start).min().unwrap_or(0);
+                let a_hi = tile.clone().map(|r| span(r, 0).end).max().unwrap_or(0).max(a_lo);
+                let b = span(tile.start, 1);
+                let (ka, nk) = (a_hi - a_lo, a_hi - a_lo + b.len());
+                sc.clear();
+                sc.resize(rows * nk, 0.0);
+                let qp = q[tile.start * qw + head * hd..].as_ptr();
+                // SAFETY (the GEMMs): every operand lies inside the buffers checked above;
+                // this job alone writes rows `tile` of head `head` in out and lse.
+                if ka > 0 {
+                    sgemm(gemm::Parallelism::None, rows, ka, hd, sc.as_mut_ptr(), nk, 1, false, qp, qw, 1, k[a_lo * kw + kh * hd..].as_ptr(), 1, kw as isize);
+                }
+                if !b.is_empty() {
+                    sgemm(gemm::Parallelism::None, rows, b.len(), hd, sc.as_mut_ptr().add(ka), nk, 1, false, qp, qw, 1, k[b.start * kw + kh * hd..].as_ptr(), 1, kw as isize);
+                }
+                for (r, srow) in sc.chunks_exact_mut(nk).enumerate() {
+                    let own = span(tile.start + r, 0);
+                    let mut max = f32::NEG_INFINITY;
+                    for (c, sv) in srow.iter_mut().enumerate() {
+                        if c >= ka || own.contains(&(a_lo + c)) {
+                            *sv *= scale;
+                            max = max.max(*sv);
+                        } else {
+                            *sv = f32::NEG_INFINITY;
                         }
                     }
-                    let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-                    // SAFETY: this thread owns rows `rows` of out and lse.
-                    let o = std::slice::from_raw_parts_mut(outp.0.add(row * qw + head * hd), hd);
-                    o.iter_mut().zip(&acc).for_each(|(o, x)| *o = x * inv);
-                    *lsep.0.add(row * qh + head) = if l > 0.0 { m + l.ln() } else { f32::NEG_INFINITY };
+                    let at = (tile.start + r) * qh + head;
+                    if max == f32::NEG_INFINITY {
+                        // No key: output 0, log-sum-exp −∞.
+                        srow.fill(0.0);
+                        *lsep.0.add(at) = f32::NEG_INFINITY;
+                        continue;
+                    }
+                    srow.iter_mut().for_each(|sv| *sv = exp_neg(*sv - max));
+                    let sum: f32 = srow.iter().sum();
+                    let inv = 1.0 / sum;
+                    srow.iter_mut().for_each(|sv| *sv *= inv);
+                    *lsep.0.add(at) = max + sum.ln();
+                }
+                let op = outp.0.add(tile.start * qw + head * hd);
+                if ka > 0 {
+                    sgemm(gemm::Parallelism::None, rows, hd, ka, op, qw, 1, false, sc.as_ptr(), nk, 1, v[a_lo * kw + kh * hd..].as_ptr(), kw as isize, 1);
+                }
+                if !b.is_empty() {
+                    sgemm(gemm::Parallelism::None, rows, hd, b.len(), op, qw, 1, ka > 0, sc.as_ptr().add(ka), nk, 1, v[b.start * kw + kh * hd..].as_ptr(), kw as isize, 1);
+                }
+                if nk == 0 {
+                    for r in tile.clone() {
+                        std::slice::from_raw_parts_mut(outp.0.add(r * qw + head * hd), hd).fill(0.0);
+                        *lsep.0.add(r * qh + head) = f32::NEG_INFINITY;
+                    }
                 }
             }
-        });
+        };
+        let threads = self.threads.min(jobs.len()).max(1);
+        if threads == 1 || tq * qw < (1 << 12) {
+            run();
+        } else {
+            std::thread::scope(|s| {
+                for _ in 0..threads {
+                    s.spawn(run);
+                }
+            });
+        }
         Ok(())
     }
 
-    /// `attention_bwd` from the saved log-sum-exp. Work is split by KV head: each thread
-    /// owns its KV heads' columns of dk and dv and the dq of the query heads that read them,
-    /// and adds into them in row order — the same bits on every run.
+    /// `attention_bwd` from the saved log-sum-exp, as GEMMs over the forward's tiles: per
+    /// (tile, head) the probabilities are recomputed (`P = exp(S − lse)`), `dP = dO·Vᵀ`,
+    /// `dS = P∘(dP − rowsum(dO∘O))·scale`, then `dQ += dS·K`, `dK += dSᵀ·Q`, `dV += Pᵀ·dO`.
+    /// Work is split by KV head: each thread owns its KV heads' rows of dk and dv and the
+    /// dq of the query heads that read them, and adds into them tile after tile in order —
+    /// the same bits on every run.
     ///
     /// # Safety
     /// As for [`Device::launch`]'s arms.
     unsafe fn attention_bwd(&self, a: &Args) -> Result<()> {
+        use crate::compute::cpu::{dot, sgemm};
         let (tq, qh, kvh, hd) = (a.usize(10)?, a.usize(11)?, a.usize(12)?, a.usize(13)?);
         let (dq, dk, dv) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?), wr::<f32>(a.buf(2)?));
         let (dout, out, lse) = (rd::<f32>(a.buf(3)?), rd::<f32>(a.buf(4)?), rd::<f32>(a.buf(5)?));
@@ -619,47 +704,86 @@ impl CpuDevice {
         need(a.kernel, "lse", lse.len(), tq * qh)?;
         need(a.kernel, "spans", spans.len(), 4 * tq)?;
         let keys = k.len().min(v.len()).min(dk.len()).min(dv.len()) / kw.max(1);
-        if spans[..4 * tq].iter().any(|&x| x < 0 || x as usize > keys) {
-            return Err(GpuError::Invalid(format!("{}: a key span reaches past the {keys} keys", a.kernel)));
+        if spans[..4 * tq].chunks_exact(2).any(|r| r[0] < 0 || r[1] < r[0] || r[1] as usize > keys) {
+            return Err(GpuError::Invalid(format!("{}: a key span is reversed or reaches past the {keys} keys", a.kernel)));
+        }
+        let span = |row: usize, r: usize| spans[4 * row + 2 * r] as usize..spans[4 * row + 2 * r + 1] as usize;
+        let mut tiles = Vec::new();
+        let mut lo = 0;
+        while lo < tq {
+            let mut hi = lo + 1;
+            while hi < tq && hi - lo < 64 && span(hi, 1) == span(lo, 1) {
+                hi += 1;
+            }
+            tiles.push(lo..hi);
+            lo = hi;
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let group = qh / kvh;
         let (dqp, dkp, dvp) = (Shared(dq.as_mut_ptr()), Shared(dk.as_mut_ptr()), Shared(dv.as_mut_ptr()));
+        let none = gemm::Parallelism::None;
         par_ranges(self.threads, kvh, |khs| {
             let (dqp, dkp, dvp) = (dqp, dkp, dvp);
-            let mut dqv = vec![0f32; hd];
+            let (mut p, mut ds) = (Vec::<f32>::new(), Vec::<f32>::new());
             for kh in khs {
-                for row in 0..tq {
+                for tile in &tiles {
+                    let rows = tile.len();
+                    let a_lo = tile.clone().map(|r| span(r, 0).start).min().unwrap_or(0);
+                    let a_hi = tile.clone().map(|r| span(r, 0).end).max().unwrap_or(0).max(a_lo);
+                    let b = span(tile.start, 1);
+                    let (ka, nk) = (a_hi - a_lo, a_hi - a_lo + b.len());
+                    if nk == 0 {
+                        continue;
+                    }
                     for head in kh * group..(kh + 1) * group {
-                        let lv = lse[row * qh + head];
-                        if lv == f32::NEG_INFINITY {
-                            continue;
+                        p.clear();
+                        p.resize(rows * nk, 0.0);
+                        ds.clear();
+                        ds.resize(rows * nk, 0.0);
+                        let qp = q[tile.start * qw + head * hd..].as_ptr();
+                        let gp = dout[tile.start * qw + head * hd..].as_ptr();
+                        // S into p, dP into ds: the key ranges side by side.
+                        for (ko, kn, col) in [(a_lo, ka, 0usize), (b.start, b.len(), ka)] {
+                            if kn == 0 {
+                                continue;
+                            }
+                            sgemm(none, rows, kn, hd, p.as_mut_ptr().add(col), nk, 1, false, qp, qw, 1, k[ko * kw + kh * hd..].as_ptr(), 1, kw as isize);
+                            sgemm(none, rows, kn, hd, ds.as_mut_ptr().add(col), nk, 1, false, gp, qw, 1, v[ko * kw + kh * hd..].as_ptr(), 1, kw as isize);
                         }
-                        let at = row * qw + head * hd;
-                        let (qr, go, orow) = (&q[at..at + hd], &dout[at..at + hd], &out[at..at + hd]);
-                        let dd = crate::compute::cpu::dot(go, orow);
-                        dqv.iter_mut().for_each(|x| *x = 0.0);
-                        for r in 0..2 {
-                            let (lo, hi) = (spans[4 * row + 2 * r] as usize, spans[4 * row + 2 * r + 1] as usize);
-                            for key in lo..hi {
-                                let ko = key * kw + kh * hd;
-                                let (kr, vr) = (&k[ko..ko + hd], &v[ko..ko + hd]);
-                                let s = crate::compute::cpu::dot(qr, kr) * scale;
-                                let dp = crate::compute::cpu::dot(go, vr);
-                                let p = exp_neg(s - lv);
-                                let ds = p * (dp - dd) * scale;
-                                // SAFETY: this thread owns KV head kh's columns of dk and dv.
-                                let (dkr, dvr) = (std::slice::from_raw_parts_mut(dkp.0.add(ko), hd), std::slice::from_raw_parts_mut(dvp.0.add(ko), hd));
-                                for d in 0..hd {
-                                    dqv[d] += ds * kr[d];
-                                    dkr[d] += ds * qr[d];
-                                    dvr[d] += p * go[d];
+                        for r in 0..rows {
+                            let row = tile.start + r;
+                            let l = lse[row * qh + head];
+                            let (prow, drow) = (&mut p[r * nk..(r + 1) * nk], &mut ds[r * nk..(r + 1) * nk]);
+                            if l == f32::NEG_INFINITY {
+                                prow.fill(0.0);
+                                drow.fill(0.0);
+                                continue;
+                            }
+                            let at = row * qw + head * hd;
+                            let dd = dot(&dout[at..at + hd], &out[at..at + hd]);
+                            let own = span(row, 0);
+                            for c in 0..nk {
+                                if c < ka && !own.contains(&(a_lo + c)) {
+                                    prow[c] = 0.0;
+                                    drow[c] = 0.0;
+                                } else {
+                                    let pc = exp_neg(prow[c] * scale - l);
+                                    prow[c] = pc;
+                                    drow[c] = pc * (drow[c] - dd) * scale;
                                 }
                             }
                         }
-                        // SAFETY: query head `head` reads KV head kh only: this thread's.
-                        let dqr = std::slice::from_raw_parts_mut(dqp.0.add(at), hd);
-                        dqr.iter_mut().zip(&dqv).for_each(|(d, x)| *d += x);
+                        // SAFETY: dq rows `tile` of head `head`, and dk/dv of KV head kh, are
+                        // this thread's alone.
+                        let dqo = dqp.0.add(tile.start * qw + head * hd);
+                        for (ko, kn, col) in [(a_lo, ka, 0usize), (b.start, b.len(), ka)] {
+                            if kn == 0 {
+                                continue;
+                            }
+                            sgemm(none, rows, hd, kn, dqo, qw, 1, true, ds.as_ptr().add(col), nk, 1, k[ko * kw + kh * hd..].as_ptr(), kw as isize, 1);
+                            sgemm(none, kn, hd, rows, dkp.0.add(ko * kw + kh * hd), kw, 1, true, ds.as_ptr().add(col), 1, nk as isize, qp, qw as isize, 1);
+                            sgemm(none, kn, hd, rows, dvp.0.add(ko * kw + kh * hd), kw, 1, true, p.as_ptr().add(col), 1, nk as isize, gp, qw as isize, 1);
+                        }
                     }
                 }
             }

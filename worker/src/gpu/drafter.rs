@@ -269,6 +269,11 @@ impl GpuDrafter {
         self.ops.dev.describe()
     }
 
+    /// The device's per-kernel seconds since the last call (the CPU device measures them).
+    pub fn take_kernel_seconds(&mut self) -> Vec<(String, f64)> {
+        self.ops.dev.take_kernel_seconds()
+    }
+
     /// Put the training state on the device: weights, Adam moments and step count. What
     /// was on its way back from the last step is dropped.
     pub fn load(&mut self, params: &[f32], m: &[f32], v: &[f32], adam_step: u64) -> Result<()> {

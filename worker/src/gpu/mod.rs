@@ -222,6 +222,11 @@ pub trait Device: Send {
     fn is_cpu(&self) -> bool {
         false
     }
+    /// Seconds spent in each kernel (and "gemm") since the last call, where the device
+    /// measures them (the CPU device, for `bench compute`); empty elsewhere.
+    fn take_kernel_seconds(&mut self) -> Vec<(String, f64)> {
+        Vec::new()
+    }
     /// The event is not needed any more (its slot is reused; a GPU event is destroyed
     /// once it has completed).
     fn release_event(&mut self, e: Event);

@@ -82,6 +82,11 @@ impl GpuTarget {
         self.ops.dev.describe()
     }
 
+    /// The device's per-kernel seconds since the last call (the CPU device measures them).
+    pub fn take_kernel_seconds(&mut self) -> Vec<(String, f64)> {
+        self.ops.dev.take_kernel_seconds()
+    }
+
     pub fn arena_stats(&self) -> ArenaStats {
         self.arena.stats
     }
