@@ -17,6 +17,15 @@ use crate::model::drafter::{Drafter, Frozen, Sample};
 /// Vocabulary columns per cross-entropy chunk.
 const CHUNK: usize = 4096;
 
+/// One sample's sizes: context positions, blocks, block rows, and keys (context + rows).
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    slen: usize,
+    nb: usize,
+    m: usize,
+    tk: usize,
+}
+
 struct Saved {
     h_in: DSlice,
     x: DSlice,
@@ -388,26 +397,41 @@ impl GpuDrafter {
         self.params.f32s(self.d.layout.range(name))
     }
 
+    /// One sample's forward, loss and backward, its gradient added into `grads`.
     fn sample(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], denominator: f64) -> Result<StepStats> {
+        let bs = self.d.cfg.block_size;
+        let (slen, nb) = (s.ids.len(), anchors.len());
+        let m = nb * bs;
+        if slen > self.max_len || m > self.max_rows {
+            return Err(GpuError::Invalid(format!("a sample of {slen} positions and {nb} blocks; room for {} and {}", self.max_len, self.max_rows / bs)));
+        }
+        let dims = Dims { slen, nb, m, tk: slen + m };
+        self.inputs(s, taps16, anchors, dims)?;
+        self.forward(dims)?;
+        let (stats, supervised) = self.loss(s, anchors, dims, denominator)?;
+        self.backward(dims, supervised)?;
+        Ok(stats)
+    }
+
+    /// The sample's inputs on the device: taps, block token ids and positions, key
+    /// positions, and each block row's key spans.
+    #[allow(unused_variables)]
+    fn inputs(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], dims: Dims) -> Result<()> {
         let c = self.d.cfg.clone();
         let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
         let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
         let eps = c.eps as f32;
-        let slen = s.ids.len();
-        let nb = anchors.len();
-        let m = nb * bs;
-        let tk = slen + m;
-        if slen > self.max_len || m > self.max_rows {
-            return Err(GpuError::Invalid(format!("a sample of {slen} positions and {nb} blocks; room for {} and {}", self.max_len, self.max_rows / bs)));
-        }
+        let Dims { slen, nb, m, tk } = dims;
         let w = &self.w;
         let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
         let pw = self.params;
         let gw = self.grads;
         let layers = self.d.layers.clone();
         let ops = &mut self.ops;
-
-        // Inputs: taps, block token ids and positions, key positions, spans.
+        let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
+        let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
+        let spans_d = w.spans.f32s(0..4 * m);
+        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         let width = slen * c.n_taps * h;
         match taps16 {
             Some(raw) => {
@@ -441,10 +465,28 @@ impl GpuDrafter {
         ops.dev.upload(Stream::Compute, w.block_pos, i32_bytes(&block_pos))?;
         ops.dev.upload(Stream::Compute, w.key_pos, i32_bytes(&key_pos))?;
         ops.dev.upload(Stream::Compute, w.spans, i32_bytes(&spans))?;
+        Ok(())
+    }
+
+    /// The forward: the context, the block embeddings, every layer (keeping what the
+    /// backward needs) and the final norm into `hn`.
+    #[allow(unused_variables)]
+    fn forward(&mut self, dims: Dims) -> Result<()> {
+        let c = self.d.cfg.clone();
+        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
+        let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
+        let eps = c.eps as f32;
+        let Dims { slen, nb, m, tk } = dims;
+        let w = &self.w;
+        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
+        let pw = self.params;
+        let gw = self.grads;
+        let layers = self.d.layers.clone();
+        let ops = &mut self.ops;
         let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
         let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
         let spans_d = w.spans.f32s(0..4 * m);
-
+        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         // Context: hidden_norm(fc(taps)).
         ops.matmul(taps, fc, ctx_pre, slen, c.n_taps * h, h)?;
         ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
@@ -480,9 +522,31 @@ impl GpuDrafter {
             ops.matmul(act, p(&li.down), o, m, inter, h)?;
             ops.add(hcur, o)?;
         }
-        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         ops.rmsnorm(hcur, fnorm, hn, rstd_f, m, h, eps)?;
 
+        Ok(())
+    }
+
+    /// The loss over the weighted slots through the frozen lm_head, a vocabulary chunk at
+    /// a time, with its gradient with respect to `hn` (in `dxrows`, for the returned
+    /// number of supervised rows), and the step's statistics.
+    #[allow(unused_variables)]
+    fn loss(&mut self, s: &Sample, anchors: &[usize], dims: Dims, denominator: f64) -> Result<(StepStats, usize)> {
+        let c = self.d.cfg.clone();
+        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
+        let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
+        let eps = c.eps as f32;
+        let Dims { slen, nb, m, tk } = dims;
+        let w = &self.w;
+        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
+        let pw = self.params;
+        let gw = self.grads;
+        let layers = self.d.layers.clone();
+        let ops = &mut self.ops;
+        let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
+        let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
+        let spans_d = w.spans.f32s(0..4 * m);
+        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         // Loss over the weighted slots: their rows gathered, the vocabulary in chunks.
         let rows: Vec<(usize, u32, f64)> = (0..m)
             .filter_map(|i| {
@@ -547,6 +611,29 @@ impl GpuDrafter {
             stats.blocks += 1;
         }
 
+        Ok((stats, n))
+    }
+
+    /// The backward from the loss's gradient (`supervised` rows in `dxrows`) through the
+    /// final norm, every layer in reverse and the context projection, into `grads`.
+    #[allow(unused_variables)]
+    fn backward(&mut self, dims: Dims, supervised: usize) -> Result<()> {
+        let n = supervised;
+        let c = self.d.cfg.clone();
+        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
+        let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
+        let eps = c.eps as f32;
+        let Dims { slen, nb, m, tk } = dims;
+        let w = &self.w;
+        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
+        let pw = self.params;
+        let gw = self.grads;
+        let layers = self.d.layers.clone();
+        let ops = &mut self.ops;
+        let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
+        let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
+        let spans_d = w.spans.f32s(0..4 * m);
+        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         // Backward.
         let dhn = w.o.f32s(0..m * h);
         ops.dev.memset_zero(Stream::Compute, dhn)?;
@@ -600,6 +687,6 @@ impl GpuDrafter {
         ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
         ops.rmsnorm_backward(dctx, ctx_pre, hnorm, ctx_rstd, dctx_pre, Some(g("hidden_norm.weight")), slen, h)?;
         ops.matmul_backward(dctx_pre, taps, fc, None, Some(g("fc.weight")), slen, c.n_taps * h, h)?;
-        Ok(stats)
+        Ok(())
     }
 }
