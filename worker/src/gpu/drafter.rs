@@ -17,6 +17,54 @@ use crate::model::drafter::{Drafter, Frozen, Sample};
 /// Vocabulary columns per cross-entropy chunk.
 const CHUNK: usize = 4096;
 
+const NONE: DSlice = DSlice { ptr: 0, bytes: 0 };
+
+/// A weight for a GEMM: its f32 master copy and its bf16 copy (whichever the device uses;
+/// the other may be [`NONE`]).
+#[derive(Clone, Copy)]
+struct W {
+    f: DSlice,
+    b: DSlice,
+}
+
+/// Mixed precision: on a GPU every GEMM takes bf16 inputs (the weights' bf16 copies, the
+/// activation or incoming gradient cast just before into the scratch buffers) and
+/// accumulates in f32, on tensor cores; the CPU device keeps f32 throughout.
+#[derive(Clone, Copy)]
+struct Mixed {
+    bf16: bool,
+    xb: DSlice,
+    yb: DSlice,
+}
+
+impl Mixed {
+    /// `y = x · wᵀ` (`x` m×k, `w` n×k).
+    #[allow(clippy::too_many_arguments)]
+    fn mm(&self, ops: &mut Ops, x: DSlice, w: W, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
+        if !self.bf16 {
+            return ops.matmul(x, w.f, y, m, k, n);
+        }
+        let xb = self.xb.sub(2, 0..m * k);
+        ops.f32_to_bf16(xb, x)?;
+        ops.matmul_bf16(xb, w.b, y, m, k, n)
+    }
+
+    /// Backward of [`mm`](Self::mm): `dx += dy · w`, `dw += dyᵀ · x`.
+    #[allow(clippy::too_many_arguments)]
+    fn mm_back(&self, ops: &mut Ops, dy: DSlice, x: DSlice, w: W, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize) -> Result<()> {
+        if !self.bf16 {
+            return ops.matmul_backward(dy, x, w.f, dx, dw, m, k, n);
+        }
+        let yb = self.yb.sub(2, 0..m * n);
+        ops.f32_to_bf16(yb, dy)?;
+        let xb = self.xb.sub(2, 0..m * k);
+        if dw.is_some() {
+            ops.f32_to_bf16(xb, x)?;
+        }
+        ops.matmul_backward_bf16(yb, xb, w.b, dx, dw, m, k, n)
+    }
+}
+
 /// One sample's sizes: context positions, blocks, block rows, and keys (context + rows).
 #[derive(Debug, Clone, Copy)]
 struct Dims {
@@ -155,15 +203,35 @@ pub struct GpuDrafter {
     pending: Option<(u64, super::Event)>,
     _arena: Arena,
     embed: DSlice,
+    /// The frozen lm_head: f32 on the CPU device, bf16 (`lm16`) on a GPU.
     lm_head: DSlice,
+    lm16: DSlice,
     params: DSlice,
+    /// The weights' bf16 copy for the GEMMs (a GPU), refreshed after every update.
+    params16: DSlice,
     grads: DSlice,
     inv_freq: DSlice,
     opt: Opt,
     saved: Vec<Saved>,
     w: Work,
+    mixed: Mixed,
     max_len: usize,
     max_rows: usize,
+}
+
+/// What [`GpuDrafter::place`] lays out.
+struct Placed {
+    embed: DSlice,
+    lm_head: DSlice,
+    lm16: DSlice,
+    params: DSlice,
+    params16: DSlice,
+    grads: DSlice,
+    inv_freq: DSlice,
+    opt: Opt,
+    saved: Vec<Saved>,
+    w: Work,
+    mixed: Mixed,
 }
 
 impl GpuDrafter {
@@ -172,20 +240,39 @@ impl GpuDrafter {
     pub fn new(mut dev: Box<dyn Device>, d: &Drafter, frozen: &Frozen, max_len: usize) -> Result<GpuDrafter> {
         let (s, m) = (max_len.max(1), (d.cfg.max_anchors * d.cfg.block_size).max(1));
         let what = format!("the drafter (rows of up to {s} tokens, {} blocks)", d.cfg.max_anchors);
+        let bf16 = !dev.is_cpu();
         let mut dry = Arena::dry();
-        Self::place(dev.as_mut(), &mut dry, d, frozen, s, m)?;
+        Self::place(dev.as_mut(), &mut dry, d, frozen, s, m, bf16)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
-        let (embed, lm_head, params, grads, inv_freq, opt, saved, w) = Self::place(dev.as_mut(), &mut arena, d, frozen, s, m)?;
+        let pl = Self::place(dev.as_mut(), &mut arena, d, frozen, s, m, bf16)?;
         let readback = Readback::new();
         // SAFETY: the page lives as long as the device (see the field order).
         unsafe { dev.register_host(readback.ptr, READBACK)? };
-        Ok(GpuDrafter { d: Drafter::new(d.cfg.clone()), ops: Ops::new(dev), readback, pending: None, _arena: arena, embed, lm_head, params, grads, inv_freq, opt, saved, w, max_len: s, max_rows: m })
+        Ok(GpuDrafter {
+            d: Drafter::new(d.cfg.clone()),
+            ops: Ops::new(dev),
+            readback,
+            pending: None,
+            _arena: arena,
+            embed: pl.embed,
+            lm_head: pl.lm_head,
+            lm16: pl.lm16,
+            params: pl.params,
+            params16: pl.params16,
+            grads: pl.grads,
+            inv_freq: pl.inv_freq,
+            opt: pl.opt,
+            saved: pl.saved,
+            w: pl.w,
+            mixed: pl.mixed,
+            max_len: s,
+            max_rows: m,
+        })
     }
 
     /// Lay out (and, in a real arena, fill) everything for rows of `s` positions and `m`
     /// block rows.
-    #[allow(clippy::type_complexity)]
-    fn place(dv: &mut dyn Device, arena: &mut Arena, d: &Drafter, frozen: &Frozen, s: usize, m: usize) -> Result<(DSlice, DSlice, DSlice, DSlice, DSlice, Opt, Vec<Saved>, Work)> {
+    fn place(dv: &mut dyn Device, arena: &mut Arena, d: &Drafter, frozen: &Frozen, s: usize, m: usize, bf16: bool) -> Result<Placed> {
         let c = &d.cfg;
         let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
@@ -194,8 +281,12 @@ impl GpuDrafter {
         let cw = CHUNK.min(c.vocab);
         let mut f = |n: usize, name: &str| arena.alloc_f32(dv, n.max(1), name);
         let embed = f(frozen.embed.len(), "embed_tokens")?;
-        let lm_head = f(frozen.lm_head.len(), "lm_head")?;
+        let (lm_head, lm16) = if bf16 { (NONE, f(frozen.lm_head.len().div_ceil(2), "lm_head (bf16)")?) } else { (f(frozen.lm_head.len(), "lm_head")?, NONE) };
         let params = f(d.layout.total, "parameters")?;
+        let params16 = if bf16 { f(d.layout.total.div_ceil(2), "parameters (bf16)")? } else { NONE };
+        // GEMM inputs and incoming gradients, cast to bf16: the largest of any GEMM.
+        let widest = (s * c.n_taps * h).max((s + m) * h.max(qd).max(kd).max(inter)).max(n_ce * cw.max(h));
+        let mixed = if bf16 { Mixed { bf16, xb: f(widest.div_ceil(2), "bf16 GEMM inputs")?, yb: f(widest.div_ceil(2), "bf16 GEMM gradients")? } } else { Mixed { bf16, xb: NONE, yb: NONE } };
         let grads = f(d.layout.total, "gradients")?;
         let inv_freq = f(d.inv_freq.len(), "rope inv_freq")?;
         let opt = Opt {
@@ -269,9 +360,13 @@ impl GpuDrafter {
             dctx_pre: f(s * h, "dctx_pre")?,
         };
         arena.fill_f32(dv, embed, &frozen.embed, false)?;
-        arena.fill_f32(dv, lm_head, &frozen.lm_head, false)?;
+        if bf16 {
+            arena.fill_f32(dv, lm16, &frozen.lm_head, true)?;
+        } else {
+            arena.fill_f32(dv, lm_head, &frozen.lm_head, false)?;
+        }
         arena.fill_f32(dv, inv_freq, &d.inv_freq, false)?;
-        Ok((embed, lm_head, params, grads, inv_freq, opt, saved, w))
+        Ok(Placed { embed, lm_head, lm16, params, params16, grads, inv_freq, opt, saved, w, mixed })
     }
 
     pub fn describe(&self) -> String {
@@ -293,7 +388,16 @@ impl GpuDrafter {
         dev.upload(Stream::Compute, o.m, f32_bytes(m))?;
         dev.upload(Stream::Compute, o.v, f32_bytes(v))?;
         dev.upload(Stream::Compute, o.t, i32_bytes(&[adam_step as i32]))?;
-        dev.sync()
+        self.refresh_bf16()?;
+        self.ops.dev.sync()
+    }
+
+    /// The weights' bf16 copy, after they changed (a GPU's GEMMs read it).
+    fn refresh_bf16(&mut self) -> Result<()> {
+        if self.mixed.bf16 {
+            self.ops.f32_to_bf16(self.params16, self.params)?;
+        }
+        Ok(())
     }
 
     /// The training state back from the device (weights, moments, Adam step count).
@@ -332,6 +436,7 @@ impl GpuDrafter {
         self.ops.sumsq(gsum, partials, acc, flag)?;
         self.ops.adam_count(t, flag)?;
         self.ops.adamw(p, m, v, gsum, acc, flag, t, clip, lr, hyper)?;
+        self.refresh_bf16()?;
         // SAFETY: the page is registered, and nothing reads it before the event (`drain`).
         unsafe {
             self.ops.dev.download_async(Stream::Compute, flag.sub(1, 0..4), self.readback.ptr)?;
@@ -393,9 +498,16 @@ impl GpuDrafter {
         Ok(stats)
     }
 
-    fn pr(&self, name: &str) -> DSlice {
-        self.params.f32s(self.d.layout.range(name))
+    /// Parameter `name` as a GEMM weight.
+    fn pr(&self, name: &str) -> W {
+        self.pw(&self.d.layout.range(name))
     }
+
+    /// Parameters `r` as a GEMM weight.
+    fn pw(&self, r: &std::ops::Range<usize>) -> W {
+        W { f: self.params.f32s(r.clone()), b: if self.mixed.bf16 { self.params16.sub(2, r.clone()) } else { NONE } }
+    }
+
 
     /// One sample's forward, loss and backward, its gradient added into `grads`.
     fn sample(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], denominator: f64) -> Result<StepStats> {
@@ -423,8 +535,19 @@ impl GpuDrafter {
         let eps = c.eps as f32;
         let Dims { slen, nb, m, tk } = dims;
         let w = &self.w;
-        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
+        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight").f, self.pr("norm.weight").f);
         let pw = self.params;
+        let (mx, p16, lm32, lm16) = (self.mixed, self.params16, self.lm_head, self.lm16);
+        // A parameter range, and vocabulary rows of the lm_head, as GEMM weights.
+        let pp = |r: &std::ops::Range<usize>| W { f: pw.f32s(r.clone()), b: if mx.bf16 { p16.sub(2, r.clone()) } else { NONE } };
+        let lmw = |start: usize, cw: usize| {
+            let r = start * h..(start + cw) * h;
+            if mx.bf16 {
+                W { f: NONE, b: lm16.sub(2, r) }
+            } else {
+                W { f: lm32.f32s(r), b: NONE }
+            }
+        };
         let gw = self.grads;
         let layers = self.d.layers.clone();
         let ops = &mut self.ops;
@@ -478,8 +601,19 @@ impl GpuDrafter {
         let eps = c.eps as f32;
         let Dims { slen, nb, m, tk } = dims;
         let w = &self.w;
-        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
+        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight").f, self.pr("norm.weight").f);
         let pw = self.params;
+        let (mx, p16, lm32, lm16) = (self.mixed, self.params16, self.lm_head, self.lm16);
+        // A parameter range, and vocabulary rows of the lm_head, as GEMM weights.
+        let pp = |r: &std::ops::Range<usize>| W { f: pw.f32s(r.clone()), b: if mx.bf16 { p16.sub(2, r.clone()) } else { NONE } };
+        let lmw = |start: usize, cw: usize| {
+            let r = start * h..(start + cw) * h;
+            if mx.bf16 {
+                W { f: NONE, b: lm16.sub(2, r) }
+            } else {
+                W { f: lm32.f32s(r), b: NONE }
+            }
+        };
         let gw = self.grads;
         let layers = self.d.layers.clone();
         let ops = &mut self.ops;
@@ -488,7 +622,7 @@ impl GpuDrafter {
         let spans_d = w.spans.f32s(0..4 * m);
         let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         // Context: hidden_norm(fc(taps)).
-        ops.matmul(taps, fc, ctx_pre, slen, c.n_taps * h, h)?;
+        mx.mm(ops, taps, fc, ctx_pre, slen, c.n_taps * h, h)?;
         ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
         // Block inputs: the frozen embedding of [token at anchor, MASK, ...].
         ops.embed(hcur, self.embed, w.block_ids.f32s(0..m), m, h, c.vocab)?;
@@ -499,27 +633,27 @@ impl GpuDrafter {
             let (k_pre, k, v) = (sv.k_pre.f32s(0..tk * kd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
             ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
             ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
-            ops.matmul(x, p(&li.wq), q_pre, m, h, qd)?;
-            ops.matmul(ctx, p(&li.wk), k_pre.f32s(0..slen * kd), slen, h, kd)?;
-            ops.matmul(x, p(&li.wk), k_pre.f32s(slen * kd..tk * kd), m, h, kd)?;
-            ops.matmul(ctx, p(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
-            ops.matmul(x, p(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)?;
+            mx.mm(ops, x, pp(&li.wq), q_pre, m, h, qd)?;
+            mx.mm(ops, ctx, pp(&li.wk), k_pre.f32s(0..slen * kd), slen, h, kd)?;
+            mx.mm(ops, x, pp(&li.wk), k_pre.f32s(slen * kd..tk * kd), m, h, kd)?;
+            mx.mm(ops, ctx, pp(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
+            mx.mm(ops, x, pp(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)?;
             ops.rmsnorm(q_pre, p(&li.qn), q, sv.q_rstd.f32s(0..m * qh), m * qh, hd, eps)?;
             ops.rmsnorm(k_pre, p(&li.kn), k, sv.k_rstd.f32s(0..tk * kvh), tk * kvh, hd, eps)?;
             ops.rope(q, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, self.d.rope_scale, false)?;
             ops.rope(k, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, self.d.rope_scale, false)?;
             ops.attention(q, k, v, att, sv.lse.f32s(0..m * qh), spans_d, m, qh, kvh, hd)?;
-            ops.matmul(att, p(&li.wo), o, m, qd, h)?;
+            mx.mm(ops, att, pp(&li.wo), o, m, qd, h)?;
             ops.add(hcur, o)?;
             let h_mid = sv.h_mid.f32s(0..m * h);
             ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
             let x2 = sv.x2.f32s(0..m * h);
             ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
             let (g, u, act) = (sv.g.f32s(0..m * inter), sv.u.f32s(0..m * inter), sv.act.f32s(0..m * inter));
-            ops.matmul(x2, p(&li.gate), g, m, h, inter)?;
-            ops.matmul(x2, p(&li.up), u, m, h, inter)?;
+            mx.mm(ops, x2, pp(&li.gate), g, m, h, inter)?;
+            mx.mm(ops, x2, pp(&li.up), u, m, h, inter)?;
             ops.swiglu(g, u, act)?;
-            ops.matmul(act, p(&li.down), o, m, inter, h)?;
+            mx.mm(ops, act, pp(&li.down), o, m, inter, h)?;
             ops.add(hcur, o)?;
         }
         ops.rmsnorm(hcur, fnorm, hn, rstd_f, m, h, eps)?;
@@ -538,8 +672,19 @@ impl GpuDrafter {
         let eps = c.eps as f32;
         let Dims { slen, nb, m, tk } = dims;
         let w = &self.w;
-        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
+        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight").f, self.pr("norm.weight").f);
         let pw = self.params;
+        let (mx, p16, lm32, lm16) = (self.mixed, self.params16, self.lm_head, self.lm16);
+        // A parameter range, and vocabulary rows of the lm_head, as GEMM weights.
+        let pp = |r: &std::ops::Range<usize>| W { f: pw.f32s(r.clone()), b: if mx.bf16 { p16.sub(2, r.clone()) } else { NONE } };
+        let lmw = |start: usize, cw: usize| {
+            let r = start * h..(start + cw) * h;
+            if mx.bf16 {
+                W { f: NONE, b: lm16.sub(2, r) }
+            } else {
+                W { f: lm32.f32s(r), b: NONE }
+            }
+        };
         let gw = self.grads;
         let layers = self.d.layers.clone();
         let ops = &mut self.ops;
@@ -567,8 +712,8 @@ impl GpuDrafter {
             ops.dev.upload(Stream::Compute, w.scale, f32_bytes(&scale))?;
             let (xr, labels_d, scale_d) = (w.xrows.f32s(0..n * h), w.labels.f32s(0..n), w.scale.f32s(0..n));
             ops.embed(xr, hn, w.rows.f32s(0..n), n, h, m)?;
-            let [mx, sm, bv, bi, ll] = w.ce.map(|b| b.f32s(0..n));
-            ops.dev.upload(Stream::Compute, mx, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
+            let [rmax, sm, bv, bi, ll] = w.ce.map(|b| b.f32s(0..n));
+            ops.dev.upload(Stream::Compute, rmax, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
             ops.dev.memset_zero(Stream::Compute, sm)?;
             ops.dev.upload(Stream::Compute, bv, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
             ops.dev.memset_zero(Stream::Compute, bi)?;
@@ -576,11 +721,11 @@ impl GpuDrafter {
             for start in (0..c.vocab).step_by(CHUNK) {
                 let cw = CHUNK.min(c.vocab - start);
                 let l = w.logits.f32s(0..n * cw);
-                ops.matmul(xr, self.lm_head.f32s(start * h..(start + cw) * h), l, n, h, cw)?;
-                ops.ce_chunk_stats(mx, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
+                mx.mm(ops, xr, lmw(start, cw), l, n, h, cw)?;
+                ops.ce_chunk_stats(rmax, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
             }
             let (mut vmax, mut vsum, mut vll, mut vbi) = (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-            ops.dev.download(Stream::Compute, mx, f32_bytes_mut(&mut vmax))?;
+            ops.dev.download(Stream::Compute, rmax, f32_bytes_mut(&mut vmax))?;
             ops.dev.download(Stream::Compute, sm, f32_bytes_mut(&mut vsum))?;
             ops.dev.download(Stream::Compute, ll, f32_bytes_mut(&mut vll))?;
             ops.dev.download(Stream::Compute, bi, f32_bytes_mut(&mut vbi))?;
@@ -599,10 +744,10 @@ impl GpuDrafter {
             for start in (0..c.vocab).step_by(CHUNK) {
                 let cw = CHUNK.min(c.vocab - start);
                 let l = w.logits.f32s(0..n * cw);
-                let lm = self.lm_head.f32s(start * h..(start + cw) * h);
-                ops.matmul(xr, lm, l, n, h, cw)?;
-                ops.ce_chunk_grad(l, mx, sm, labels_d, scale_d, n, cw, start)?;
-                ops.matmul_backward(l, xr, lm, Some(dxr), None, n, h, cw)?;
+                let lm = lmw(start, cw);
+                mx.mm(ops, xr, lm, l, n, h, cw)?;
+                ops.ce_chunk_grad(l, rmax, sm, labels_d, scale_d, n, cw, start)?;
+                mx.mm_back(ops, l, xr, lm, Some(dxr), None, n, h, cw)?;
             }
         }
         for a in 0..nb {
@@ -625,8 +770,19 @@ impl GpuDrafter {
         let eps = c.eps as f32;
         let Dims { slen, nb, m, tk } = dims;
         let w = &self.w;
-        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight"), self.pr("norm.weight"));
+        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight").f, self.pr("norm.weight").f);
         let pw = self.params;
+        let (mx, p16, lm32, lm16) = (self.mixed, self.params16, self.lm_head, self.lm16);
+        // A parameter range, and vocabulary rows of the lm_head, as GEMM weights.
+        let pp = |r: &std::ops::Range<usize>| W { f: pw.f32s(r.clone()), b: if mx.bf16 { p16.sub(2, r.clone()) } else { NONE } };
+        let lmw = |start: usize, cw: usize| {
+            let r = start * h..(start + cw) * h;
+            if mx.bf16 {
+                W { f: NONE, b: lm16.sub(2, r) }
+            } else {
+                W { f: lm32.f32s(r), b: NONE }
+            }
+        };
         let gw = self.grads;
         let layers = self.d.layers.clone();
         let ops = &mut self.ops;
@@ -657,10 +813,10 @@ impl GpuDrafter {
                 ops.dev.memset_zero(Stream::Compute, b)?;
             }
             // MLP branch.
-            ops.matmul_backward(dh, act, p(&li.down), Some(dact), Some(gr(&li.down)), m, inter, h)?;
+            mx.mm_back(ops, dh, act, pp(&li.down), Some(dact), Some(gr(&li.down)), m, inter, h)?;
             ops.swiglu_backward(dact, gt, u, dg, du)?;
-            ops.matmul_backward(dg, x2, p(&li.gate), Some(dx2), Some(gr(&li.gate)), m, h, inter)?;
-            ops.matmul_backward(du, x2, p(&li.up), Some(dx2), Some(gr(&li.up)), m, h, inter)?;
+            mx.mm_back(ops, dg, x2, pp(&li.gate), Some(dx2), Some(gr(&li.gate)), m, h, inter)?;
+            mx.mm_back(ops, du, x2, pp(&li.up), Some(dx2), Some(gr(&li.up)), m, h, inter)?;
             ops.rmsnorm_backward(dx2, h_mid, p(&li.ln2), sv.rstd2.f32s(0..m), dh, Some(gr(&li.ln2)), m, h)?;
             // Attention branch.
             let (datt, dq, dk, dv) = (w.datt.f32s(0..m * qd), w.dq.f32s(0..m * qd), w.dk.f32s(0..tk * kd), w.dv.f32s(0..tk * kd));
@@ -669,24 +825,24 @@ impl GpuDrafter {
                 ops.dev.memset_zero(Stream::Compute, b)?;
             }
             let (att, q, k, v) = (sv.att.f32s(0..m * qd), sv.q.f32s(0..m * qd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
-            ops.matmul_backward(dh, att, p(&li.wo), Some(datt), Some(gr(&li.wo)), m, qd, h)?;
+            mx.mm_back(ops, dh, att, pp(&li.wo), Some(datt), Some(gr(&li.wo)), m, qd, h)?;
             ops.attention_backward(datt, att, sv.lse.f32s(0..m * qh), q, k, v, spans_d, dq, dk, dv, m, qh, kvh, hd)?;
             ops.rope(dq, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, self.d.rope_scale, true)?;
             ops.rope(dk, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, self.d.rope_scale, true)?;
             ops.rmsnorm_backward(dq, sv.q_pre.f32s(0..m * qd), p(&li.qn), sv.q_rstd.f32s(0..m * qh), dq_pre, Some(gr(&li.qn)), m * qh, hd)?;
             ops.rmsnorm_backward(dk, sv.k_pre.f32s(0..tk * kd), p(&li.kn), sv.k_rstd.f32s(0..tk * kvh), dk_pre, Some(gr(&li.kn)), tk * kvh, hd)?;
-            ops.matmul_backward(dq_pre, x, p(&li.wq), Some(dx), Some(gr(&li.wq)), m, h, qd)?;
-            ops.matmul_backward(dk_pre.f32s(slen * kd..tk * kd), x, p(&li.wk), Some(dx), Some(gr(&li.wk)), m, h, kd)?;
-            ops.matmul_backward(dk_pre.f32s(0..slen * kd), ctx, p(&li.wk), Some(dctx), Some(gr(&li.wk)), slen, h, kd)?;
-            ops.matmul_backward(dv.f32s(slen * kd..tk * kd), x, p(&li.wv), Some(dx), Some(gr(&li.wv)), m, h, kd)?;
-            ops.matmul_backward(dv.f32s(0..slen * kd), ctx, p(&li.wv), Some(dctx), Some(gr(&li.wv)), slen, h, kd)?;
+            mx.mm_back(ops, dq_pre, x, pp(&li.wq), Some(dx), Some(gr(&li.wq)), m, h, qd)?;
+            mx.mm_back(ops, dk_pre.f32s(slen * kd..tk * kd), x, pp(&li.wk), Some(dx), Some(gr(&li.wk)), m, h, kd)?;
+            mx.mm_back(ops, dk_pre.f32s(0..slen * kd), ctx, pp(&li.wk), Some(dctx), Some(gr(&li.wk)), slen, h, kd)?;
+            mx.mm_back(ops, dv.f32s(slen * kd..tk * kd), x, pp(&li.wv), Some(dx), Some(gr(&li.wv)), m, h, kd)?;
+            mx.mm_back(ops, dv.f32s(0..slen * kd), ctx, pp(&li.wv), Some(dctx), Some(gr(&li.wv)), slen, h, kd)?;
             ops.rmsnorm_backward(dx, h_in, p(&li.ln1), sv.rstd1.f32s(0..m), dh, Some(gr(&li.ln1)), m, h)?;
         }
         // The block embeddings are frozen: dh stops here. The context goes back to fc.
         let dctx_pre = w.dctx_pre.f32s(0..slen * h);
         ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
         ops.rmsnorm_backward(dctx, ctx_pre, hnorm, ctx_rstd, dctx_pre, Some(g("hidden_norm.weight")), slen, h)?;
-        ops.matmul_backward(dctx_pre, taps, fc, None, Some(g("fc.weight")), slen, c.n_taps * h, h)?;
+        mx.mm_back(ops, dctx_pre, taps, fc, None, Some(g("fc.weight")), slen, c.n_taps * h, h)?;
         Ok(())
     }
 }

@@ -50,14 +50,26 @@ impl Ops {
     /// Backward of [`matmul`](Self::matmul): `dx += dy · w`, `dw += dyᵀ · x`.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_backward(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize) -> Result<()> {
+        self.matmul_backward_ex(dy, x, w, dx, dw, m, k, n, false)
+    }
+
+    /// [`matmul_backward`](Self::matmul_backward) with `dy`, `x` and `w` in bf16 (`dx`
+    /// and `dw` f32, f32 accumulation).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_backward_bf16(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize) -> Result<()> {
+        self.matmul_backward_ex(dy, x, w, dx, dw, m, k, n, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_backward_ex(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize, bf16_inputs: bool) -> Result<()> {
         if let Some(dx) = dx {
             // column-major dxᵀ[k,m] += w_c[k,n] · dy_c[n,m]
-            let g = Gemm { transa: false, transb: false, m: k, n: m, k: n, alpha: 1.0, a: w, lda: k, b: dy, ldb: n, beta: 1.0, c: dx, ldc: k, bf16_inputs: false };
+            let g = Gemm { transa: false, transb: false, m: k, n: m, k: n, alpha: 1.0, a: w, lda: k, b: dy, ldb: n, beta: 1.0, c: dx, ldc: k, bf16_inputs };
             self.dev.gemm(self.stream, &g)?;
         }
         if let Some(dw) = dw {
             // column-major dwᵀ[k,n] += x_c[k,m] · (dy_c[n,m])ᵀ
-            let g = Gemm { transa: false, transb: true, m: k, n, k: m, alpha: 1.0, a: x, lda: k, b: dy, ldb: n, beta: 1.0, c: dw, ldc: k, bf16_inputs: false };
+            let g = Gemm { transa: false, transb: true, m: k, n, k: m, alpha: 1.0, a: x, lda: k, b: dy, ldb: n, beta: 1.0, c: dw, ldc: k, bf16_inputs };
             self.dev.gemm(self.stream, &g)?;
         }
         Ok(())

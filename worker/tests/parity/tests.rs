@@ -556,16 +556,24 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let mut got = vec![f32::NAN; p.len()];
     let gs = gpu.train_batch(&samples, &anchors, tw, &mut got).unwrap();
     let (wl, gl) = (ws.loss_sum / ws.weight_sum, gs.loss_sum / gs.weight_sum);
-    eprintln!("drafter loss: cpu {wl:.6}, device {gl:.6}");
-    assert!((wl - gl).abs() < 1e-5 * wl.abs(), "loss {gl} vs {wl}");
+    // The CPU device computes in f32 as the reference does; a GPU (and the host device
+    // standing in for one) feeds its GEMMs bf16 (2⁻⁸ relative rounding of each input),
+    // accumulating in f32.
+    let bf16 = !device().is_cpu();
+    let (loss_tol, grad_tol) = if bf16 { (2e-3, 5e-2) } else { (1e-5, 2e-4) };
+    eprintln!("drafter loss: cpu {wl:.6}, device {gl:.6} ({})", if bf16 { "bf16 GEMMs" } else { "f32" });
+    assert!((wl - gl).abs() < loss_tol * wl.abs(), "loss {gl} vs {wl}");
     assert_eq!((gs.slot_total.clone(), gs.blocks, gs.tokens, gs.anchors), (ws.slot_total.clone(), ws.blocks, ws.tokens, ws.anchors));
-    assert_eq!(gs.slot_correct, ws.slot_correct);
-    assert!((gs.accept_sum - ws.accept_sum).abs() < 1e-9);
+    if !bf16 {
+        // (In bf16 a near tie between two logits may resolve the other way.)
+        assert_eq!(gs.slot_correct, ws.slot_correct);
+        assert!((gs.accept_sum - ws.accept_sum).abs() < 1e-9);
+    }
     // Every parameter's gradient, tensor by tensor.
     for (name, _, off) in &d.layout.entries {
         let r = d.layout.range(name);
         assert_eq!(r.start, *off);
-        assert_close(&format!("drafter gradient {name}"), &got[r.clone()], &want[r], 2e-4);
+        assert_close(&format!("drafter gradient {name}"), &got[r.clone()], &want[r], grad_tol);
     }
     // The same batch as a drafter receives it, bf16 bytes from the slot, widened on the
     // device: exactly the f32 path on the widened values.
@@ -579,7 +587,12 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let s16 = gpu.train_batch_bf16(&bare, &raw, &anchors, tw, &mut g16).unwrap();
     assert_eq!(s16.loss_sum, s32.loss_sum);
     assert!(g16.iter().zip(&g32).all(|(a, b)| a.to_bits() == b.to_bits()), "bf16 taps widened on the device give the f32 path's gradient to the bit");
-    assert!(rel_err(&g16, &got) > 0.0, "and differ from the unrounded taps' (the rounding is real)");
+    if bf16 {
+        // The context GEMM rounds its input to bf16 anyway: the same as the unrounded taps.
+        assert_eq!(rel_err(&g16, &got), 0.0);
+    } else {
+        assert!(rel_err(&g16, &got) > 0.0, "and differ from the unrounded taps' (the rounding is real)");
+    }
     let short: Vec<&[u8]> = vec![&taps16[0][..10], &taps16[1]];
     assert!(matches!(gpu.train_batch_bf16(&bare, &short, &anchors, tw, &mut g16), Err(GpuError::Invalid(m)) if m.contains("bytes of bf16 taps")));
 
