@@ -40,7 +40,9 @@ impl CpuDevice {
     }
 
     fn par(&self, work: usize) -> gemm::Parallelism {
-        if self.threads > 1 && work >= (1 << 20) {
+        // Below this a product takes about a millisecond on one core, and handing it to
+        // threads (while the other workers on the machine want the cores too) costs more.
+        if self.threads > 1 && work >= (1 << 22) {
             gemm::Parallelism::Rayon(self.threads)
         } else {
             gemm::Parallelism::None
@@ -146,6 +148,16 @@ fn need(kernel: &str, what: &str, have: usize, want: usize) -> Result<()> {
         return Err(GpuError::Invalid(format!("{kernel}: {what} holds {have} elements, the launch needs {want}")));
     }
     Ok(())
+}
+
+/// Multiply-adds of an attention call below which it runs on one thread (starting threads
+/// costs more than they save).
+const PAR_WORK: usize = 1 << 22;
+
+/// Multiply-adds of an attention over `tq` rows of width `qw` (the two products with each
+/// key a row sees).
+fn attention_work(tq: usize, qw: usize, span: &impl Fn(usize, usize) -> std::ops::Range<usize>) -> usize {
+    (0..tq).map(|r| span(r, 0).len() + span(r, 1).len()).sum::<usize>() * qw * 2
 }
 
 /// Run `f(range)` over `0..n` split into one contiguous range per thread.
@@ -672,7 +684,7 @@ impl CpuDevice {
             }
         };
         let threads = self.threads.min(jobs.len()).max(1);
-        if threads == 1 || tq * qw < (1 << 12) {
+        if threads == 1 || attention_work(tq, qw, &span) < PAR_WORK {
             run();
         } else {
             std::thread::scope(|s| {
@@ -722,7 +734,8 @@ impl CpuDevice {
         let group = qh / kvh;
         let (dqp, dkp, dvp) = (Shared(dq.as_mut_ptr()), Shared(dk.as_mut_ptr()), Shared(dv.as_mut_ptr()));
         let none = gemm::Parallelism::None;
-        par_ranges(self.threads, kvh, |khs| {
+        let threads = if attention_work(tq, qw, &span) < PAR_WORK { 1 } else { self.threads };
+        par_ranges(threads, kvh, |khs| {
             let (dqp, dkp, dvp) = (dqp, dkp, dvp);
             let (mut p, mut ds) = (Vec::<f32>::new(), Vec::<f32>::new());
             for kh in khs {
