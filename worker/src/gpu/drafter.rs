@@ -65,6 +65,61 @@ impl Mixed {
     }
 }
 
+/// What every part of a sample's step reads: the drafter's sizes, the sample's, the
+/// parameters as GEMM weights and the work buffers' slices for this sample.
+#[derive(Clone, Copy)]
+struct Locals {
+    h: usize,
+    hd: usize,
+    bs: usize,
+    inter: usize,
+    qd: usize,
+    kd: usize,
+    qh: usize,
+    kvh: usize,
+    eps: f32,
+    slen: usize,
+    nb: usize,
+    m: usize,
+    tk: usize,
+    fc: W,
+    hnorm: DSlice,
+    fnorm: DSlice,
+    /// Parameters and gradients (f32), and the bf16 copy of the parameters.
+    pw: DSlice,
+    gw: DSlice,
+    p16: DSlice,
+    mx: Mixed,
+    lm32: DSlice,
+    lm16: DSlice,
+    taps: DSlice,
+    ctx_pre: DSlice,
+    ctx: DSlice,
+    ctx_rstd: DSlice,
+    hcur: DSlice,
+    o: DSlice,
+    spans_d: DSlice,
+    hn: DSlice,
+    rstd_f: DSlice,
+}
+
+impl Locals {
+    /// Parameters `r` as a GEMM weight.
+    fn pp(&self, r: &std::ops::Range<usize>) -> W {
+        W { f: self.pw.f32s(r.clone()), b: if self.mx.bf16 { self.p16.sub(2, r.clone()) } else { NONE } }
+    }
+
+    /// Vocabulary rows `start..start + cw` of the frozen lm_head as a GEMM weight.
+    fn lmw(&self, start: usize, cw: usize) -> W {
+        let r = start * self.h..(start + cw) * self.h;
+        if self.mx.bf16 {
+            W { f: NONE, b: self.lm16.sub(2, r) }
+        } else {
+            W { f: self.lm32.f32s(r), b: NONE }
+        }
+    }
+}
+
 /// One sample's sizes: context positions, blocks, block rows, and keys (context + rows).
 #[derive(Debug, Clone, Copy)]
 struct Dims {
@@ -498,6 +553,47 @@ impl GpuDrafter {
         Ok(stats)
     }
 
+    /// The sizes and slices of a sample of `dims` (see [`Locals`]).
+    fn locals(&self, dims: Dims) -> Locals {
+        let c = &self.d.cfg;
+        let (h, hd) = (c.hidden, c.head_dim);
+        let Dims { slen, nb, m, tk } = dims;
+        let w = &self.w;
+        Locals {
+            h,
+            hd,
+            bs: c.block_size,
+            inter: c.intermediate,
+            qd: c.q_heads * hd,
+            kd: c.kv_heads * hd,
+            qh: c.q_heads,
+            kvh: c.kv_heads,
+            eps: c.eps as f32,
+            slen,
+            nb,
+            m,
+            tk,
+            fc: self.pr("fc.weight"),
+            hnorm: self.pr("hidden_norm.weight").f,
+            fnorm: self.pr("norm.weight").f,
+            pw: self.params,
+            gw: self.grads,
+            p16: self.params16,
+            mx: self.mixed,
+            lm32: self.lm_head,
+            lm16: self.lm16,
+            taps: w.taps.f32s(0..slen * c.n_taps * h),
+            ctx_pre: w.ctx_pre.f32s(0..slen * h),
+            ctx: w.ctx.f32s(0..slen * h),
+            ctx_rstd: w.ctx_rstd.f32s(0..slen),
+            hcur: w.hcur.f32s(0..m * h),
+            o: w.o.f32s(0..m * h),
+            spans_d: w.spans.f32s(0..4 * m),
+            hn: w.hn.f32s(0..m * h),
+            rstd_f: w.rstd_f.f32s(0..m),
+        }
+    }
+
     /// Parameter `name` as a GEMM weight.
     fn pr(&self, name: &str) -> W {
         self.pw(&self.d.layout.range(name))
@@ -527,34 +623,12 @@ impl GpuDrafter {
 
     /// The sample's inputs on the device: taps, block token ids and positions, key
     /// positions, and each block row's key spans.
-    #[allow(unused_variables)]
     fn inputs(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], dims: Dims) -> Result<()> {
         let c = self.d.cfg.clone();
-        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
-        let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
-        let eps = c.eps as f32;
-        let Dims { slen, nb, m, tk } = dims;
+        let lc = self.locals(dims);
+        let Locals { h, bs, slen, m, .. } = lc;
         let w = &self.w;
-        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight").f, self.pr("norm.weight").f);
-        let pw = self.params;
-        let (mx, p16, lm32, lm16) = (self.mixed, self.params16, self.lm_head, self.lm16);
-        // A parameter range, and vocabulary rows of the lm_head, as GEMM weights.
-        let pp = |r: &std::ops::Range<usize>| W { f: pw.f32s(r.clone()), b: if mx.bf16 { p16.sub(2, r.clone()) } else { NONE } };
-        let lmw = |start: usize, cw: usize| {
-            let r = start * h..(start + cw) * h;
-            if mx.bf16 {
-                W { f: NONE, b: lm16.sub(2, r) }
-            } else {
-                W { f: lm32.f32s(r), b: NONE }
-            }
-        };
-        let gw = self.grads;
-        let layers = self.d.layers.clone();
         let ops = &mut self.ops;
-        let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
-        let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
-        let spans_d = w.spans.f32s(0..4 * m);
-        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         let width = slen * c.n_taps * h;
         match taps16 {
             Some(raw) => {
@@ -593,34 +667,13 @@ impl GpuDrafter {
 
     /// The forward: the context, the block embeddings, every layer (keeping what the
     /// backward needs) and the final norm into `hn`.
-    #[allow(unused_variables)]
     fn forward(&mut self, dims: Dims) -> Result<()> {
         let c = self.d.cfg.clone();
-        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
-        let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
-        let eps = c.eps as f32;
-        let Dims { slen, nb, m, tk } = dims;
+        let lc = self.locals(dims);
+        let Locals { h, hd, inter, qd, kd, qh, kvh, eps, slen, m, tk, fc, hnorm, fnorm, pw, mx, taps, ctx_pre, ctx, ctx_rstd, hcur, o, spans_d, hn, rstd_f, .. } = lc;
         let w = &self.w;
-        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight").f, self.pr("norm.weight").f);
-        let pw = self.params;
-        let (mx, p16, lm32, lm16) = (self.mixed, self.params16, self.lm_head, self.lm16);
-        // A parameter range, and vocabulary rows of the lm_head, as GEMM weights.
-        let pp = |r: &std::ops::Range<usize>| W { f: pw.f32s(r.clone()), b: if mx.bf16 { p16.sub(2, r.clone()) } else { NONE } };
-        let lmw = |start: usize, cw: usize| {
-            let r = start * h..(start + cw) * h;
-            if mx.bf16 {
-                W { f: NONE, b: lm16.sub(2, r) }
-            } else {
-                W { f: lm32.f32s(r), b: NONE }
-            }
-        };
-        let gw = self.grads;
         let layers = self.d.layers.clone();
         let ops = &mut self.ops;
-        let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
-        let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
-        let spans_d = w.spans.f32s(0..4 * m);
-        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         // Context: hidden_norm(fc(taps)).
         mx.mm(ops, taps, fc, ctx_pre, slen, c.n_taps * h, h)?;
         ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
@@ -633,27 +686,27 @@ impl GpuDrafter {
             let (k_pre, k, v) = (sv.k_pre.f32s(0..tk * kd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
             ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
             ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
-            mx.mm(ops, x, pp(&li.wq), q_pre, m, h, qd)?;
-            mx.mm(ops, ctx, pp(&li.wk), k_pre.f32s(0..slen * kd), slen, h, kd)?;
-            mx.mm(ops, x, pp(&li.wk), k_pre.f32s(slen * kd..tk * kd), m, h, kd)?;
-            mx.mm(ops, ctx, pp(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
-            mx.mm(ops, x, pp(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)?;
+            mx.mm(ops, x, lc.pp(&li.wq), q_pre, m, h, qd)?;
+            mx.mm(ops, ctx, lc.pp(&li.wk), k_pre.f32s(0..slen * kd), slen, h, kd)?;
+            mx.mm(ops, x, lc.pp(&li.wk), k_pre.f32s(slen * kd..tk * kd), m, h, kd)?;
+            mx.mm(ops, ctx, lc.pp(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
+            mx.mm(ops, x, lc.pp(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)?;
             ops.rmsnorm(q_pre, p(&li.qn), q, sv.q_rstd.f32s(0..m * qh), m * qh, hd, eps)?;
             ops.rmsnorm(k_pre, p(&li.kn), k, sv.k_rstd.f32s(0..tk * kvh), tk * kvh, hd, eps)?;
             ops.rope(q, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, self.d.rope_scale, false)?;
             ops.rope(k, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, self.d.rope_scale, false)?;
             ops.attention(q, k, v, att, sv.lse.f32s(0..m * qh), spans_d, m, qh, kvh, hd)?;
-            mx.mm(ops, att, pp(&li.wo), o, m, qd, h)?;
+            mx.mm(ops, att, lc.pp(&li.wo), o, m, qd, h)?;
             ops.add(hcur, o)?;
             let h_mid = sv.h_mid.f32s(0..m * h);
             ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
             let x2 = sv.x2.f32s(0..m * h);
             ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
             let (g, u, act) = (sv.g.f32s(0..m * inter), sv.u.f32s(0..m * inter), sv.act.f32s(0..m * inter));
-            mx.mm(ops, x2, pp(&li.gate), g, m, h, inter)?;
-            mx.mm(ops, x2, pp(&li.up), u, m, h, inter)?;
+            mx.mm(ops, x2, lc.pp(&li.gate), g, m, h, inter)?;
+            mx.mm(ops, x2, lc.pp(&li.up), u, m, h, inter)?;
             ops.swiglu(g, u, act)?;
-            mx.mm(ops, act, pp(&li.down), o, m, inter, h)?;
+            mx.mm(ops, act, lc.pp(&li.down), o, m, inter, h)?;
             ops.add(hcur, o)?;
         }
         ops.rmsnorm(hcur, fnorm, hn, rstd_f, m, h, eps)?;
@@ -664,34 +717,12 @@ impl GpuDrafter {
     /// The loss over the weighted slots through the frozen lm_head, a vocabulary chunk at
     /// a time, with its gradient with respect to `hn` (in `dxrows`, for the returned
     /// number of supervised rows), and the step's statistics.
-    #[allow(unused_variables)]
     fn loss(&mut self, s: &Sample, anchors: &[usize], dims: Dims, denominator: f64) -> Result<(StepStats, usize)> {
         let c = self.d.cfg.clone();
-        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
-        let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
-        let eps = c.eps as f32;
-        let Dims { slen, nb, m, tk } = dims;
+        let lc = self.locals(dims);
+        let Locals { h, bs, slen, nb, m, mx, hn, .. } = lc;
         let w = &self.w;
-        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight").f, self.pr("norm.weight").f);
-        let pw = self.params;
-        let (mx, p16, lm32, lm16) = (self.mixed, self.params16, self.lm_head, self.lm16);
-        // A parameter range, and vocabulary rows of the lm_head, as GEMM weights.
-        let pp = |r: &std::ops::Range<usize>| W { f: pw.f32s(r.clone()), b: if mx.bf16 { p16.sub(2, r.clone()) } else { NONE } };
-        let lmw = |start: usize, cw: usize| {
-            let r = start * h..(start + cw) * h;
-            if mx.bf16 {
-                W { f: NONE, b: lm16.sub(2, r) }
-            } else {
-                W { f: lm32.f32s(r), b: NONE }
-            }
-        };
-        let gw = self.grads;
-        let layers = self.d.layers.clone();
         let ops = &mut self.ops;
-        let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
-        let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
-        let spans_d = w.spans.f32s(0..4 * m);
-        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         // Loss over the weighted slots: their rows gathered, the vocabulary in chunks.
         let rows: Vec<(usize, u32, f64)> = (0..m)
             .filter_map(|i| {
@@ -721,7 +752,7 @@ impl GpuDrafter {
             for start in (0..c.vocab).step_by(CHUNK) {
                 let cw = CHUNK.min(c.vocab - start);
                 let l = w.logits.f32s(0..n * cw);
-                mx.mm(ops, xr, lmw(start, cw), l, n, h, cw)?;
+                mx.mm(ops, xr, lc.lmw(start, cw), l, n, h, cw)?;
                 ops.ce_chunk_stats(rmax, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
             }
             let (mut vmax, mut vsum, mut vll, mut vbi) = (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
@@ -744,7 +775,7 @@ impl GpuDrafter {
             for start in (0..c.vocab).step_by(CHUNK) {
                 let cw = CHUNK.min(c.vocab - start);
                 let l = w.logits.f32s(0..n * cw);
-                let lm = lmw(start, cw);
+                let lm = lc.lmw(start, cw);
                 mx.mm(ops, xr, lm, l, n, h, cw)?;
                 ops.ce_chunk_grad(l, rmax, sm, labels_d, scale_d, n, cw, start)?;
                 mx.mm_back(ops, l, xr, lm, Some(dxr), None, n, h, cw)?;
@@ -761,35 +792,14 @@ impl GpuDrafter {
 
     /// The backward from the loss's gradient (`supervised` rows in `dxrows`) through the
     /// final norm, every layer in reverse and the context projection, into `grads`.
-    #[allow(unused_variables)]
     fn backward(&mut self, dims: Dims, supervised: usize) -> Result<()> {
         let n = supervised;
         let c = self.d.cfg.clone();
-        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
-        let (qd, kd, qh, kvh) = (c.q_heads * hd, c.kv_heads * hd, c.q_heads, c.kv_heads);
-        let eps = c.eps as f32;
-        let Dims { slen, nb, m, tk } = dims;
+        let lc = self.locals(dims);
+        let Locals { h, hd, inter, qd, kd, qh, kvh, slen, m, tk, fc, hnorm, fnorm, pw, gw, mx, taps, ctx_pre, ctx, ctx_rstd, hcur, spans_d, rstd_f, .. } = lc;
         let w = &self.w;
-        let (fc, hnorm, fnorm) = (self.pr("fc.weight"), self.pr("hidden_norm.weight").f, self.pr("norm.weight").f);
-        let pw = self.params;
-        let (mx, p16, lm32, lm16) = (self.mixed, self.params16, self.lm_head, self.lm16);
-        // A parameter range, and vocabulary rows of the lm_head, as GEMM weights.
-        let pp = |r: &std::ops::Range<usize>| W { f: pw.f32s(r.clone()), b: if mx.bf16 { p16.sub(2, r.clone()) } else { NONE } };
-        let lmw = |start: usize, cw: usize| {
-            let r = start * h..(start + cw) * h;
-            if mx.bf16 {
-                W { f: NONE, b: lm16.sub(2, r) }
-            } else {
-                W { f: lm32.f32s(r), b: NONE }
-            }
-        };
-        let gw = self.grads;
         let layers = self.d.layers.clone();
         let ops = &mut self.ops;
-        let (taps, ctx_pre, ctx, ctx_rstd) = (w.taps.f32s(0..slen * c.n_taps * h), w.ctx_pre.f32s(0..slen * h), w.ctx.f32s(0..slen * h), w.ctx_rstd.f32s(0..slen));
-        let (hcur, o) = (w.hcur.f32s(0..m * h), w.o.f32s(0..m * h));
-        let spans_d = w.spans.f32s(0..4 * m);
-        let (hn, rstd_f) = (w.hn.f32s(0..m * h), w.rstd_f.f32s(0..m));
         // Backward.
         let dhn = w.o.f32s(0..m * h);
         ops.dev.memset_zero(Stream::Compute, dhn)?;
@@ -813,10 +823,10 @@ impl GpuDrafter {
                 ops.dev.memset_zero(Stream::Compute, b)?;
             }
             // MLP branch.
-            mx.mm_back(ops, dh, act, pp(&li.down), Some(dact), Some(gr(&li.down)), m, inter, h)?;
+            mx.mm_back(ops, dh, act, lc.pp(&li.down), Some(dact), Some(gr(&li.down)), m, inter, h)?;
             ops.swiglu_backward(dact, gt, u, dg, du)?;
-            mx.mm_back(ops, dg, x2, pp(&li.gate), Some(dx2), Some(gr(&li.gate)), m, h, inter)?;
-            mx.mm_back(ops, du, x2, pp(&li.up), Some(dx2), Some(gr(&li.up)), m, h, inter)?;
+            mx.mm_back(ops, dg, x2, lc.pp(&li.gate), Some(dx2), Some(gr(&li.gate)), m, h, inter)?;
+            mx.mm_back(ops, du, x2, lc.pp(&li.up), Some(dx2), Some(gr(&li.up)), m, h, inter)?;
             ops.rmsnorm_backward(dx2, h_mid, p(&li.ln2), sv.rstd2.f32s(0..m), dh, Some(gr(&li.ln2)), m, h)?;
             // Attention branch.
             let (datt, dq, dk, dv) = (w.datt.f32s(0..m * qd), w.dq.f32s(0..m * qd), w.dk.f32s(0..tk * kd), w.dv.f32s(0..tk * kd));
@@ -825,17 +835,17 @@ impl GpuDrafter {
                 ops.dev.memset_zero(Stream::Compute, b)?;
             }
             let (att, q, k, v) = (sv.att.f32s(0..m * qd), sv.q.f32s(0..m * qd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
-            mx.mm_back(ops, dh, att, pp(&li.wo), Some(datt), Some(gr(&li.wo)), m, qd, h)?;
+            mx.mm_back(ops, dh, att, lc.pp(&li.wo), Some(datt), Some(gr(&li.wo)), m, qd, h)?;
             ops.attention_backward(datt, att, sv.lse.f32s(0..m * qh), q, k, v, spans_d, dq, dk, dv, m, qh, kvh, hd)?;
             ops.rope(dq, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, self.d.rope_scale, true)?;
             ops.rope(dk, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, self.d.rope_scale, true)?;
             ops.rmsnorm_backward(dq, sv.q_pre.f32s(0..m * qd), p(&li.qn), sv.q_rstd.f32s(0..m * qh), dq_pre, Some(gr(&li.qn)), m * qh, hd)?;
             ops.rmsnorm_backward(dk, sv.k_pre.f32s(0..tk * kd), p(&li.kn), sv.k_rstd.f32s(0..tk * kvh), dk_pre, Some(gr(&li.kn)), tk * kvh, hd)?;
-            mx.mm_back(ops, dq_pre, x, pp(&li.wq), Some(dx), Some(gr(&li.wq)), m, h, qd)?;
-            mx.mm_back(ops, dk_pre.f32s(slen * kd..tk * kd), x, pp(&li.wk), Some(dx), Some(gr(&li.wk)), m, h, kd)?;
-            mx.mm_back(ops, dk_pre.f32s(0..slen * kd), ctx, pp(&li.wk), Some(dctx), Some(gr(&li.wk)), slen, h, kd)?;
-            mx.mm_back(ops, dv.f32s(slen * kd..tk * kd), x, pp(&li.wv), Some(dx), Some(gr(&li.wv)), m, h, kd)?;
-            mx.mm_back(ops, dv.f32s(0..slen * kd), ctx, pp(&li.wv), Some(dctx), Some(gr(&li.wv)), slen, h, kd)?;
+            mx.mm_back(ops, dq_pre, x, lc.pp(&li.wq), Some(dx), Some(gr(&li.wq)), m, h, qd)?;
+            mx.mm_back(ops, dk_pre.f32s(slen * kd..tk * kd), x, lc.pp(&li.wk), Some(dx), Some(gr(&li.wk)), m, h, kd)?;
+            mx.mm_back(ops, dk_pre.f32s(0..slen * kd), ctx, lc.pp(&li.wk), Some(dctx), Some(gr(&li.wk)), slen, h, kd)?;
+            mx.mm_back(ops, dv.f32s(slen * kd..tk * kd), x, lc.pp(&li.wv), Some(dx), Some(gr(&li.wv)), m, h, kd)?;
+            mx.mm_back(ops, dv.f32s(0..slen * kd), ctx, lc.pp(&li.wv), Some(dctx), Some(gr(&li.wv)), slen, h, kd)?;
             ops.rmsnorm_backward(dx, h_in, p(&li.ln1), sv.rstd1.f32s(0..m), dh, Some(gr(&li.ln1)), m, h)?;
         }
         // The block embeddings are frozen: dh stops here. The context goes back to fc.
