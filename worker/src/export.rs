@@ -164,7 +164,7 @@ pub fn probe_batch(d: &Drafter, frozen: &Frozen, params: &[f32], seed: u64) -> R
     ])
 }
 
-pub fn write_safetensors(tensors: &[Tensor], path: &Path) -> anyhow::Result<()> {
+pub fn write_safetensors(tensors: &[Tensor], path: &Path) -> crate::error::Result<()> {
     let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
         .iter()
         .map(|t| Ok((t.name, safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?)))

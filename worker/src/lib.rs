@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod bench_ops;
 pub mod compute;
+pub mod error;
 pub mod export;
 pub mod gpu;
 mod identity;
@@ -143,22 +144,11 @@ fn serve(control: Option<String>) -> i32 {
     };
     match role::run(&control, &id) {
         Ok(code) => code,
-        Err(e) if e.downcast_ref::<plane::Permanent>().is_some() => {
-            let why = e.downcast_ref::<plane::Permanent>().map(|p| p.0.clone()).unwrap_or_default();
-            eprintln!("dflash-worker {}: error: cannot compute on device {} (permanent, do not restart): {why}", id.name, id.gpu);
-            exit_codes::WORKER_PERMANENT
-        }
-        Err(e) if e.downcast_ref::<plane::BadModel>().is_some() || e.downcast_ref::<model::ModelError>().is_some() => {
-            let why = match e.downcast_ref::<plane::BadModel>() {
-                Some(b) => b.0.clone(),
-                None => e.downcast_ref::<model::ModelError>().map(|m| m.to_string()).unwrap_or_default(),
-            };
-            eprintln!("dflash-worker {}: error: cannot load the target model (permanent, do not restart): {why}", id.name);
-            exit_codes::WORKER_PERMANENT
-        }
+        // The one place a failure becomes an exit code (error.rs): permanent ones are marked
+        // so in the line the supervisor reads.
         Err(e) => {
-            eprintln!("dflash-worker {}: error: {e:#}", id.name);
-            1
+            eprintln!("{}", e.line(&id.name.to_string(), &id.gpu));
+            e.exit_code()
         }
     }
 }

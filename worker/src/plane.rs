@@ -4,7 +4,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 
-use anyhow::{anyhow, bail, Context};
+use crate::error::{Result, WorkerError};
 use dflash_shared::batch::{seal_hidden, write_hidden_header, CaptureSpec, HiddenView, TokenBatch};
 use dflash_shared::pool::PoolMap;
 use dflash_shared::protocol::{FromWorker, PoolId, PoolInfo, SlotRef};
@@ -22,10 +22,10 @@ pub struct Pools {
 }
 
 impl Pools {
-    pub fn open(infos: &[PoolInfo], capture: CaptureSpec) -> anyhow::Result<Pools> {
+    pub fn open(infos: &[PoolInfo], capture: CaptureSpec) -> Result<Pools> {
         let find = |id: PoolId| {
-            let i = infos.iter().find(|p| p.id == id).ok_or_else(|| anyhow!("the supervisor sent no {id:?} pool"))?;
-            PoolMap::open(i.fd, i.geometry.clone()).with_context(|| format!("mapping the {id:?} pool (fd {})", i.fd))
+            let i = infos.iter().find(|p| p.id == id).ok_or_else(|| WorkerError::Protocol(format!("the supervisor sent no {id:?} pool")))?;
+            PoolMap::open(i.fd, i.geometry.clone()).map_err(WorkerError::io(format!("mapping the {id:?} pool (fd {})", i.fd)))
         };
         Ok(Pools { tokens: find(PoolId::Tokens)?, hidden: find(PoolId::Hidden)?, capture })
     }
@@ -63,7 +63,7 @@ pub struct Stats {
 /// while a large checkpoint is read.
 enum TargetModel {
     Absent,
-    Loading(std::sync::mpsc::Receiver<Result<Loaded, LoadError>>),
+    Loading(std::sync::mpsc::Receiver<std::result::Result<Loaded, LoadError>>),
     Ready(Loaded),
 }
 
@@ -82,18 +82,6 @@ pub struct LoadError {
     pub model: bool,
 }
 
-/// The target model cannot be loaded: a missing, truncated or corrupt checkpoint file, an
-/// unsupported dtype, a shape that disagrees with config.json, or a model other than the
-/// one the supervisor described. Restarting cannot fix it, so the worker exits with
-/// [`exit_codes::WORKER_PERMANENT`].
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct BadModel(pub String);
-
-/// A failure that restarting this worker cannot fix: its one line says why.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct Permanent(pub String);
 
 pub struct Plane {
     role: Role,
@@ -131,11 +119,11 @@ impl Plane {
         }
     }
 
-    pub fn set_pools(&mut self, pools: Pools) -> anyhow::Result<()> {
+    pub fn set_pools(&mut self, pools: Pools) -> Result<()> {
         if self.role == Role::Target {
             let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
                 .map(std::path::PathBuf::from)
-                .ok_or_else(|| anyhow!("{} is not set: which target model?", dflash_shared::env::TARGET_DIR))?;
+                .ok_or_else(|| WorkerError::Protocol(format!("{} is not set: which target model?", dflash_shared::env::TARGET_DIR)))?;
             let capture = pools.capture.clone();
             // Room on the device for the longest row a hidden-state slot can hold.
             let max_tokens = pools.max_row_tokens();
@@ -173,7 +161,7 @@ impl Plane {
     }
 
     /// Pick up the target model once its loading thread is done.
-    pub fn poll_model(&mut self) -> anyhow::Result<Option<String>> {
+    pub fn poll_model(&mut self) -> Result<Option<String>> {
         if let TargetModel::Loading(rx) = &self.target {
             match rx.try_recv() {
                 Ok(Ok(mut g)) => {
@@ -186,22 +174,22 @@ impl Plane {
                         cfg.hidden_size,
                         taps
                     );
-                    let pools = self.pools.as_ref().ok_or_else(|| anyhow!("the target loaded before the pools"))?;
+                    let pools = self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("the target loaded before the pools".into()))?;
                     let (ptr, len) = pools.hidden.slots_mapping();
                     // SAFETY: the hidden pool stays mapped as long as `self.pools`, which is
                     // dropped after the target (field order in Plane).
-                    unsafe { g.register_host(ptr, len) }.map_err(|e| anyhow!("pinning the hidden-state pool: {e}"))?;
+                    unsafe { g.register_host(ptr, len) }.map_err(WorkerError::device("pinning the hidden-state pool"))?;
                     let st = g.arena_stats();
                     let mem = if g.device_memory().is_some() { "device memory" } else { "host memory" };
                     msg.push_str(&format!("; computing on {} ({:.1} MiB of {mem}, room for {} tokens a row)", g.describe(), st.reserved as f64 / (1 << 20) as f64, g.max_tokens));
                     self.target = TargetModel::Ready(g);
                     return Ok(Some(msg));
                 }
-                Ok(Err(e)) if e.model => return Err(BadModel(e.msg).into()),
-                Ok(Err(e)) if e.permanent => return Err(Permanent(e.msg).into()),
-                Ok(Err(e)) => bail!("loading the target: {}", e.msg),
+                Ok(Err(e)) if e.model => return Err(WorkerError::BadModel(e.msg)),
+                Ok(Err(e)) if e.permanent => return Err(WorkerError::Permanent(e.msg)),
+                Ok(Err(e)) => return Err(WorkerError::Invalid(format!("loading the target: {}", e.msg))),
                 Err(std::sync::mpsc::TryRecvError::Empty) => {}
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => bail!("the target loading thread died"),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(WorkerError::Invalid("the target loading thread died".into())),
             }
         }
         Ok(None)
@@ -216,8 +204,8 @@ impl Plane {
     }
 
     /// [`Pools::max_row_tokens`], once the pools are known.
-    pub fn max_row_tokens(&self) -> anyhow::Result<usize> {
-        Ok(self.pools.as_ref().ok_or_else(|| anyhow!("the training setup arrived before the pools"))?.max_row_tokens())
+    pub fn max_row_tokens(&self) -> Result<usize> {
+        Ok(self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("the training setup arrived before the pools".into()))?.max_row_tokens())
     }
 
     /// Device memory of a target computing on a device.
@@ -244,7 +232,7 @@ impl Plane {
     }
 
     /// Do one unit of work; returns the message that reports it.
-    pub fn step(&mut self) -> anyhow::Result<FromWorker> {
+    pub fn step(&mut self) -> Result<FromWorker> {
         let started = std::time::Instant::now();
         let wait_ms = started.duration_since(self.idle_since).as_secs_f64() * 1e3;
         let r = self.work();
@@ -257,9 +245,9 @@ impl Plane {
         }
     }
 
-    fn work(&mut self) -> anyhow::Result<FromWorker> {
-        let d = self.deliveries.pop_front().ok_or_else(|| anyhow!("no delivery"))?;
-        let pools = self.pools.as_ref().ok_or_else(|| anyhow!("a batch arrived before the pools"))?;
+    fn work(&mut self) -> Result<FromWorker> {
+        let d = self.deliveries.pop_front().ok_or_else(|| WorkerError::Protocol("no delivery".into()))?;
+        let pools = self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("a batch arrived before the pools".into()))?;
         let map = pools.map(d.slot.pool);
         check_header(map, &d)?;
         // sync point (pool edge 2/3): the Deliver that queued `d` was received after the
@@ -269,22 +257,22 @@ impl Plane {
         let payload = unsafe { &map.payload(d.slot.slot)[..d.len as usize] };
         match self.role {
             Role::Target => {
-                let out = self.leases.pop_front().ok_or_else(|| anyhow!("no output lease"))?;
-                let tokens = TokenBatch::decode(payload).with_context(|| format!("token batch {}", d.batch_id))?;
+                let out = self.leases.pop_front().ok_or_else(|| WorkerError::Protocol("no output lease".into()))?;
+                let tokens = TokenBatch::decode(payload).map_err(WorkerError::format(format!("token batch {}", d.batch_id)))?;
                 if tokens.batch_id != d.batch_id {
-                    bail!("slot {} holds batch {}, expected {}", d.slot.slot, tokens.batch_id, d.batch_id);
+                    return Err(WorkerError::Protocol(format!("slot {} holds batch {}, expected {}", d.slot.slot, tokens.batch_id, d.batch_id)));
                 }
                 check_header(&pools.hidden, &Delivery { slot: out, len: 0, batch_id: 0 })?;
                 // SAFETY: the supervisor leased this slot to us (WRITING, checked above);
                 // nobody reads it before our commit.
                 let buf = unsafe { pools.hidden.payload_mut(out.slot) };
-                let layout = write_hidden_header(buf, &pools.capture, &tokens)?;
-                let TargetModel::Ready(g) = &mut self.target else { bail!("the target is not loaded") };
+                let layout = write_hidden_header(buf, &pools.capture, &tokens).map_err(WorkerError::format(format!("hidden-state batch {} header", d.batch_id)))?;
+                let TargetModel::Ready(g) = &mut self.target else { return Err(WorkerError::Protocol("a batch to run before the target is loaded".into())) };
                 let hidden = &mut buf[layout.hidden_offset..][..layout.hidden_len];
                 if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
                     // No copy may still be landing in the slot when we give it up.
                     let _ = g.sync();
-                    bail!("target forward on {}: {e}", g.describe());
+                    return Err(WorkerError::device(format!("target forward on {}", g.describe()))(e));
                 }
                 let len = seal_hidden(buf, &layout) as u64;
                 self.stats.batches += 1;
@@ -295,17 +283,15 @@ impl Plane {
                 Ok(FromWorker::Commit { output: out, len, batch_id: d.batch_id, input: Some(d.slot), wait_ms: 0.0, compute_ms: 0.0 })
             }
             Role::Drafter => {
-                let view = HiddenView::parse(payload).with_context(|| format!("hidden-state batch {}", d.batch_id))?;
+                let view = HiddenView::parse(payload).map_err(WorkerError::format(format!("hidden-state batch {}", d.batch_id)))?;
                 if view.spec != pools.capture {
-                    bail!(
+                    return Err(WorkerError::Invalid(format!(
                         "hidden-state batch {} was captured as {:?}, but this run trains on {:?}: refusing to train on the wrong layers",
-                        d.batch_id,
-                        view.spec,
-                        pools.capture
-                    );
+                        d.batch_id, view.spec, pools.capture
+                    )));
                 }
                 if view.tokens.batch_id != d.batch_id {
-                    bail!("slot {} holds batch {}, expected {}", d.slot.slot, view.tokens.batch_id, d.batch_id);
+                    return Err(WorkerError::Protocol(format!("slot {} holds batch {}, expected {}", d.slot.slot, view.tokens.batch_id, d.batch_id)));
                 }
                 if !self.consumed.insert(d.batch_id) {
                     self.stats.duplicates += 1;
@@ -313,7 +299,7 @@ impl Plane {
                     // sync point (pool edge 4): sent after our last read of the slot.
                     return Ok(FromWorker::Ack { input: d.slot, batch_id: d.batch_id });
                 }
-                let rank = self.rank.as_mut().ok_or_else(|| anyhow!("a batch to train before the training setup"))?;
+                let rank = self.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a batch to train before the training setup".into()))?;
                 let params = rank.params_checksum()?;
                 let stats = rank.compute(&view)?;
                 self.stats.batches += 1;
@@ -329,9 +315,9 @@ impl Plane {
 /// The slot header, written by the supervisor before it told us, must agree with the
 /// message: anything else is a supervisor bug or a stale message, and using the slot
 /// would read someone else's batch.
-fn check_header(map: &PoolMap, d: &Delivery) -> anyhow::Result<()> {
+fn check_header(map: &PoolMap, d: &Delivery) -> Result<()> {
     if d.slot.slot >= map.geometry().slots {
-        bail!("slot {} out of range", d.slot.slot);
+        return Err(WorkerError::Protocol(format!("slot {} out of range", d.slot.slot)));
     }
     let h = map.header(d.slot.slot);
     // sync point (header): pairs with the Release store in PoolMap::publish, so gen, len
@@ -340,12 +326,12 @@ fn check_header(map: &PoolMap, d: &Delivery) -> anyhow::Result<()> {
     let gen = h.gen.load(Ordering::Relaxed);
     let expected = if d.len == 0 { SlotState::Writing } else { SlotState::Reading };
     if state != expected as u32 || gen != d.slot.gen {
-        bail!("slot {} header says state {state} gen {gen}, expected {expected:?} gen {}", d.slot.slot, d.slot.gen);
+        return Err(WorkerError::Protocol(format!("slot {} header says state {state} gen {gen}, expected {expected:?} gen {}", d.slot.slot, d.slot.gen)));
     }
     if d.len > 0 {
         let (len, batch) = (h.len.load(Ordering::Relaxed), h.batch_id.load(Ordering::Relaxed));
         if len != d.len || batch != d.batch_id || len > map.geometry().slot_bytes {
-            bail!("slot {} header says batch {batch} of {len} bytes, expected batch {} of {}", d.slot.slot, d.batch_id, d.len);
+            return Err(WorkerError::Protocol(format!("slot {} header says batch {batch} of {len} bytes, expected batch {} of {}", d.slot.slot, d.batch_id, d.len)));
         }
     }
     Ok(())

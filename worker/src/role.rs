@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::Context;
+use crate::error::{Result, While, WorkerError};
 use dflash_shared::exit_codes;
 use dflash_shared::protocol::{connect, FromWorker, ToWorker};
 use ipc_channel::ipc::IpcSender;
@@ -23,7 +23,7 @@ struct Flags {
     usr2: Arc<AtomicBool>,
 }
 
-fn install_signal_flags() -> anyhow::Result<Flags> {
+fn install_signal_flags() -> Result<Flags> {
     let f = Flags {
         stop: Arc::new(AtomicBool::new(false)),
         usr1: Arc::new(AtomicBool::new(false)),
@@ -32,21 +32,19 @@ fn install_signal_flags() -> anyhow::Result<Flags> {
     // Caught, never acted on by themselves (see `run`): a SIGTERM sent to the whole process
     // group or cgroup (Slurm, systemd) also reaches the supervisor, which stops the run
     // with its final checkpoint and then orders every worker to stop.
-    signal_hook::flag::register(SIGTERM, f.stop.clone())?;
-    signal_hook::flag::register(SIGINT, f.stop.clone())?;
-    signal_hook::flag::register(SIGHUP, f.stop.clone())?;
-    signal_hook::flag::register(SIGUSR1, f.usr1.clone())?;
-    signal_hook::flag::register(SIGUSR2, f.usr2.clone())?;
+    for (sig, flag) in [(SIGTERM, &f.stop), (SIGINT, &f.stop), (SIGHUP, &f.stop), (SIGUSR1, &f.usr1), (SIGUSR2, &f.usr2)] {
+        signal_hook::flag::register(sig, flag.clone()).map_err(WorkerError::io(format!("installing the handler of signal {sig}")))?;
+    }
     Ok(f)
 }
 
 /// How often a progress line is printed.
 const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
-pub fn run(control: &str, id: &Identity) -> anyhow::Result<i32> {
-    let flags = install_signal_flags().context("installing signal handlers")?;
+pub fn run(control: &str, id: &Identity) -> Result<i32> {
+    let flags = install_signal_flags()?;
     let name = id.name.to_string();
-    let (up, down) = connect(control, &name, id.restart_count).context("connecting to the supervisor")?;
+    let (up, down) = connect(control, &name, id.restart_count).map_err(WorkerError::format("connecting to the supervisor"))?;
     println!(
         "dflash-worker {name} (pid {}) on device {}, restart {}: connected",
         std::process::id(),
@@ -109,7 +107,7 @@ struct Beats {
 }
 
 /// Carry out one order of the supervisor.
-fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Identity) -> anyhow::Result<Flow> {
+fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Identity) -> Result<Flow> {
     let tell = |m: FromWorker| if up.send(m).is_err() { Flow::Orphaned } else { Flow::Go };
     Ok(match order {
         ToWorker::Shutdown { reason } => {
@@ -133,7 +131,7 @@ fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Ide
             Flow::Go
         }
         ToWorker::Reduce { step, slots, lr, weight_sum } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a step to apply before the training setup"))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a step to apply before the training setup".into()))?;
             let applied = rank.reduce(step, &slots, lr, weight_sum)?;
             if let Some(skipped) = applied.skipped {
                 println!("step {skipped}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
@@ -141,23 +139,23 @@ fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Ide
             Flow::Go
         }
         ToWorker::Snapshot { slot, .. } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a snapshot request before the training setup"))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a snapshot request before the training setup".into()))?;
             let t = std::time::Instant::now();
             rank.snapshot(slot)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
             tell(FromWorker::SnapshotDone { step: rank.step, slot, ms })
         }
         ToWorker::Checkpoint { dir, step, meta } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("a checkpoint request before the training setup"))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a checkpoint request before the training setup".into()))?;
             if rank.step != step {
-                anyhow::bail!("asked to checkpoint step {step}, but this rank is at step {}", rank.step);
+                return Err(WorkerError::Protocol(format!("asked to checkpoint step {step}, but this rank is at step {}", rank.step)));
             }
-            rank.checkpoint(std::path::Path::new(&dir), &meta).with_context(|| format!("writing checkpoint {dir}"))?;
+            rank.checkpoint(std::path::Path::new(&dir), &meta).during(|| format!("writing checkpoint {dir}"))?;
             tell(FromWorker::Checkpointed { dir, step })
         }
         ToWorker::Export { dir } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| anyhow::anyhow!("an export request before the training setup"))?;
-            rank.export(std::path::Path::new(&dir)).with_context(|| format!("exporting the drafter to {dir}"))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("an export request before the training setup".into()))?;
+            rank.export(std::path::Path::new(&dir)).during(|| format!("exporting the drafter to {dir}"))?;
             println!("drafter exported to {dir} at step {}", rank.step);
             tell(FromWorker::Exported { dir, step: rank.step })
         }
@@ -165,11 +163,11 @@ fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Ide
 }
 
 /// Become a rank of the drafter group with `setup`.
-fn join_training(setup: dflash_shared::drafter::TrainSetup, plane: &mut Plane, id: &Identity) -> anyhow::Result<()> {
+fn join_training(setup: dflash_shared::drafter::TrainSetup, plane: &mut Plane, id: &Identity) -> Result<()> {
     let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
         .map(std::path::PathBuf::from)
-        .ok_or_else(|| anyhow::anyhow!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR))?;
-    let rank = Rank::new(setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?).context("setting up training")?;
+        .ok_or_else(|| WorkerError::Protocol(format!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR)))?;
+    let rank = Rank::new(setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?).during(|| "setting up training".into())?;
     println!(
         "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}",
         rank.setup.rank,
@@ -200,7 +198,7 @@ fn report_signals(flags: &Flags, plane: &Plane) {
 
 /// Load the model, do a batch's work when there is one, and keep the supervisor told
 /// (heartbeat, device memory, a progress line).
-fn work(plane: &mut Plane, up: &IpcSender<FromWorker>, clock: &mut Beats, id: &Identity) -> anyhow::Result<Flow> {
+fn work(plane: &mut Plane, up: &IpcSender<FromWorker>, clock: &mut Beats, id: &Identity) -> Result<Flow> {
     if let Some(msg) = plane.poll_model()? {
         println!("{msg}");
     }

@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use anyhow::{anyhow, bail, Context};
+use crate::error::{Result, WorkerError};
 use dflash_shared::batch::HiddenView;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
@@ -15,7 +15,6 @@ use crate::export::{export_config, probe_batch, write_safetensors, DRAFTER_MODUL
 use crate::gpu::drafter::GpuDrafter;
 use crate::gpu::GpuError;
 use crate::model::drafter::{batch_samples, reduce_slots, AdamW, Drafter, Frozen};
-use crate::plane::Permanent;
 use crate::model::weights::Weights;
 
 pub struct Rank {
@@ -59,29 +58,29 @@ fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
 
 impl Rank {
     /// `gpu`: the worker's GPU, if any; `max_tokens`: the longest row a batch can hold.
-    pub fn new(setup: TrainSetup, target_dir: &Path, gpu: Option<u32>, max_tokens: usize) -> anyhow::Result<Rank> {
+    pub fn new(setup: TrainSetup, target_dir: &Path, gpu: Option<u32>, max_tokens: usize) -> Result<Rank> {
         let drafter = Drafter::new(setup.drafter.clone());
         let c = &setup.drafter;
         let w = Weights::open(target_dir)?;
         let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
         let lm_head = if w.contains("lm_head.weight") { w.get("lm_head.weight", &[c.vocab, c.hidden])? } else { embed.clone() };
-        let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone()).context("mapping the gradient pool")?;
-        let state = PoolMap::open(setup.state.fd, setup.state.geometry.clone()).context("mapping the state slot")?;
+        let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone()).map_err(WorkerError::io("mapping the gradient pool"))?;
+        let state = PoolMap::open(setup.state.fd, setup.state.geometry.clone()).map_err(WorkerError::io("mapping the state slot"))?;
         let n = drafter.layout.total;
         if grads.geometry().slot_bytes < n as u64 * 4 {
-            bail!("gradient slots hold {} bytes, the drafter needs {}", grads.geometry().slot_bytes, n * 4);
+            return Err(WorkerError::Protocol(format!("gradient slots hold {} bytes, the drafter needs {}", grads.geometry().slot_bytes, n * 4)));
         }
         let frozen = Frozen { embed, lm_head };
         let dev = match crate::gpu::open_device(gpu) {
             Ok(None) => Box::new(crate::gpu::cpu::CpuDevice::new()),
             Ok(Some(dev)) => dev,
-            Err(e @ GpuError::Unavailable(_)) => return Err(Permanent(e.to_string()).into()),
-            Err(e) => bail!("{e}"),
+            Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
+            Err(e) => return Err(WorkerError::device("opening the device")(e)),
         };
         let model = match GpuDrafter::new(dev, &drafter, &frozen, max_tokens) {
             Ok(g) => Box::new(g),
-            Err(e @ GpuError::Unavailable(_)) => return Err(Permanent(e.to_string()).into()),
-            Err(e) => bail!("putting the drafter on {}: {e}", if gpu.is_some() { "the device" } else { "the CPU" }),
+            Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
+            Err(e) => return Err(WorkerError::device(format!("putting the drafter on {}", if gpu.is_some() { "the device" } else { "the CPU" }))(e)),
         };
         let mut r = Rank {
             model,
@@ -107,11 +106,11 @@ impl Rank {
             Init::Fresh => {}
             Init::FromState { step, slot } => r.load_state(step, slot)?,
             Init::FromCheckpoint { step } => {
-                let dir = r.setup.checkpoint.clone().ok_or_else(|| anyhow!("resume without a checkpoint directory"))?;
+                let dir = r.setup.checkpoint.clone().ok_or_else(|| WorkerError::Protocol("resume without a checkpoint directory".into()))?;
                 r.load_checkpoint(Path::new(&dir), step)?;
             }
         }
-        r.model.load(&r.params, &r.opt.m, &r.opt.v, r.opt.step).map_err(|e| anyhow!("putting the training state on the device: {e}"))?;
+        r.model.load(&r.params, &r.opt.m, &r.opt.v, r.opt.step).map_err(WorkerError::device("putting the training state on the device"))?;
         Ok(r)
     }
 
@@ -126,17 +125,17 @@ impl Rank {
 
     /// Checksum of the current weights (ranks compare it at every step), computed where
     /// the weights are.
-    pub fn params_checksum(&mut self) -> anyhow::Result<u64> {
-        self.model.params_hash().map_err(|e| anyhow!("the weights' checksum on the device: {e}"))
+    pub fn params_checksum(&mut self) -> Result<u64> {
+        self.model.params_hash().map_err(WorkerError::device("the weights' checksum on the device"))
     }
 
     /// Bring the host copy of the training state up to date with the device's.
-    fn sync_host(&mut self) -> anyhow::Result<()> {
-        let last = self.model.drain().map_err(|e| anyhow!("reading the last step's outcome: {e}"))?;
+    fn sync_host(&mut self) -> Result<()> {
+        let last = self.model.drain().map_err(WorkerError::device("reading the last step's outcome"))?;
         if let Some(skipped) = last.and_then(|o| self.note_outcome(o)) {
             println!("step {skipped}: non-finite gradient, step skipped ({} so far)", self.skipped_steps);
         }
-        self.opt.step = self.model.fetch(&mut self.params, &mut self.opt.m, &mut self.opt.v).map_err(|e| anyhow!("copying the training state from the device: {e}"))?;
+        self.opt.step = self.model.fetch(&mut self.params, &mut self.opt.m, &mut self.opt.v).map_err(WorkerError::device("copying the training state from the device"))?;
         Ok(())
     }
 
@@ -151,13 +150,13 @@ impl Rank {
     }
 
     /// Gradient of one hidden-state batch for step `self.step + 1`, into this rank's slot.
-    pub fn compute(&mut self, view: &HiddenView) -> anyhow::Result<StepStats> {
+    pub fn compute(&mut self, view: &HiddenView) -> Result<StepStats> {
         let started = std::time::Instant::now();
         let wait_ms = started.duration_since(self.idle_since).as_secs_f64() * 1e3;
         let c = &self.drafter.cfg;
         let width = view.spec.tap_ids.len() * view.spec.hidden as usize;
         if view.spec.tap_ids.len() != c.n_taps || view.spec.hidden as usize != c.hidden {
-            bail!("batch has {} taps × {}, the drafter expects {} × {}", view.spec.tap_ids.len(), view.spec.hidden, c.n_taps, c.hidden);
+            return Err(WorkerError::Invalid(format!("batch has {} taps × {}, the drafter expects {} × {}", view.spec.tap_ids.len(), view.spec.hidden, c.n_taps, c.hidden)));
         }
         let tb = &view.tokens;
         let seq = tb.seq_len as usize;
@@ -168,7 +167,7 @@ impl Rank {
         // The device widens the bf16 taps itself.
         let none = vec![Vec::new(); raw.len()];
         let (samples, anchors) = batch_samples(&self.drafter, tb, &none, self.setup.seed);
-        let mut stats = self.model.train_batch_bf16(&samples, &raw, &anchors, 1.0, &mut g).map_err(|e| anyhow!("drafter step on {}: {e}", self.model.describe()))?;
+        let mut stats = self.model.train_batch_bf16(&samples, &raw, &anchors, 1.0, &mut g).map_err(WorkerError::device(format!("drafter step on {}", self.model.describe())))?;
         stats.wait_ms = wait_ms;
         // What every rank's update check will find in the sum (told to the supervisor,
         // which stops a run whose steps are all skipped).
@@ -193,9 +192,9 @@ impl Rank {
 
     /// Apply committed step `step`: sum `slots`, divide by `weight_sum` (the loss weights
     /// of all their batches), clip, AdamW.
-    pub fn reduce(&mut self, step: u64, slots: &[u32], lr: f64, weight_sum: f64) -> anyhow::Result<Applied> {
+    pub fn reduce(&mut self, step: u64, slots: &[u32], lr: f64, weight_sum: f64) -> Result<Applied> {
         if step != self.step + 1 {
-            bail!("asked to apply step {step}, but this rank is at step {}", self.step);
+            return Err(WorkerError::Protocol(format!("asked to apply step {step}, but this rank is at step {}", self.step)));
         }
         let started = std::time::Instant::now();
         let r = self.apply(step, slots, lr, weight_sum);
@@ -204,15 +203,15 @@ impl Rank {
         r
     }
 
-    fn apply(&mut self, step: u64, slots: &[u32], lr: f64, weight_sum: f64) -> anyhow::Result<Applied> {
+    fn apply(&mut self, step: u64, slots: &[u32], lr: f64, weight_sum: f64) -> Result<Applied> {
         if slots.is_empty() {
-            bail!("step {step} lists no gradient slot");
+            return Err(WorkerError::Protocol(format!("step {step} lists no gradient slot")));
         }
         let n = self.params.len();
         let mut sum = vec![0f32; n];
         for &s in slots {
             if s >= self.grads.geometry().slots {
-                bail!("gradient slot {s} out of range");
+                return Err(WorkerError::Protocol(format!("gradient slot {s} out of range")));
             }
             // SAFETY: the committed slots are not written until every rank has sent its
             // gradient for the next step (see `compute`).
@@ -226,14 +225,14 @@ impl Rank {
         self.awaiting = false;
         // Norm, clip, skip of a non-finite gradient, and AdamW, on the device with no wait
         // for any of them.
-        let before = self.model.apply(step, &sum, self.setup.clip as f32, lr as f32, &self.opt.hyper()).map_err(|e| anyhow!("applying step {step} on the device: {e}"))?;
+        let before = self.model.apply(step, &sum, self.setup.clip as f32, lr as f32, &self.opt.hyper()).map_err(WorkerError::device(format!("applying step {step} on the device")))?;
         Ok(Applied { skipped: before.and_then(|o| self.note_outcome(o)) })
     }
 
     /// Write parameters, Adam moments and step into state slot `slot`.
-    pub fn snapshot(&mut self, slot: u32) -> anyhow::Result<()> {
+    pub fn snapshot(&mut self, slot: u32) -> Result<()> {
         if slot >= self.state.geometry().slots {
-            bail!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots);
+            return Err(WorkerError::Protocol(format!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots)));
         }
         self.sync_host()?;
         // SAFETY: the supervisor asks one rank at a time per slot, and nobody reads the slot
@@ -241,7 +240,7 @@ impl Rank {
         let dst = unsafe { self.state.payload_mut(slot) };
         let n = self.params.len();
         if (dst.len() as u64) < dflash_shared::drafter::state_bytes(n) {
-            bail!("state slot too small");
+            return Err(WorkerError::Protocol("state slot too small".into()));
         }
         dst[..8].copy_from_slice(&self.step.to_le_bytes());
         dst[8..16].copy_from_slice(&self.opt.step.to_le_bytes());
@@ -252,15 +251,15 @@ impl Rank {
         Ok(())
     }
 
-    fn load_state(&mut self, step: u64, slot: u32) -> anyhow::Result<()> {
+    fn load_state(&mut self, step: u64, slot: u32) -> Result<()> {
         if slot >= self.state.geometry().slots {
-            bail!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots);
+            return Err(WorkerError::Protocol(format!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots)));
         }
         // SAFETY: written by the donor before the supervisor sent us Init::FromState.
         let src = unsafe { self.state.payload(slot) };
         let at = u64::from_le_bytes(src[..8].try_into().expect("8 bytes"));
         if at != step {
-            bail!("the state slot holds step {at}, expected {step}");
+            return Err(WorkerError::Protocol(format!("the state slot holds step {at}, expected {step}")));
         }
         self.opt.step = u64::from_le_bytes(src[8..16].try_into().expect("8 bytes"));
         let n = self.params.len();
@@ -278,19 +277,19 @@ impl Rank {
     /// ([`MODULE_FILE`]) and the parity probe ([`PROBE_FILE`]) that
     /// `dflash-supervise export-check` runs it on. Atomic: written beside `dir`, synced,
     /// then renamed into place.
-    pub fn export(&mut self, dir: &Path) -> anyhow::Result<()> {
+    pub fn export(&mut self, dir: &Path) -> Result<()> {
         self.sync_host()?;
         if !self.params.iter().all(|x| x.is_finite()) {
-            bail!("the drafter's weights at step {} are not finite: not exported", self.step);
+            return Err(WorkerError::Invalid(format!("the drafter's weights at step {} are not finite: not exported", self.step)));
         }
         let c = &self.drafter.cfg;
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        std::fs::create_dir_all(&tmp).map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
         let config = export_config(c, self.step, self.setup.num_target_layers, &self.setup.target_layer_ids, self.max_position_embeddings);
         // The weights as exported (bf16), back in f32: the probe runs on exactly these.
         let rounded: Vec<f32> = self.params.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
-        let probe = probe_batch(&self.drafter, &self.frozen, &rounded, self.setup.seed).map_err(|e| anyhow!("computing the export's parity probe: {e}"))?;
+        let probe = probe_batch(&self.drafter, &self.frozen, &rounded, self.setup.seed).map_err(|e| WorkerError::Invalid(format!("computing the export's parity probe: {e}")))?;
         drop(rounded);
         write_safetensors(&probe, &tmp.join(PROBE_FILE))?;
         std::fs::write(tmp.join(MODULE_FILE), DRAFTER_MODULE)?;
@@ -308,7 +307,7 @@ impl Rank {
         let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
             .iter()
             .map(|(n, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?)))
-            .collect::<Result<_, safetensors::SafeTensorError>>()?;
+            .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
         let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
         safetensors::serialize_to_file(views, Some(meta), &tmp.join("model.safetensors"))?;
         let mut f = std::fs::File::create(tmp.join("config.json"))?;
@@ -320,9 +319,9 @@ impl Rank {
         let old = dir.with_extension("old");
         let _ = std::fs::remove_dir_all(&old);
         if dir.exists() {
-            std::fs::rename(dir, &old).with_context(|| format!("moving the previous {} aside", dir.display()))?;
+            std::fs::rename(dir, &old).map_err(WorkerError::io(format!("moving the previous {} aside", dir.display())))?;
         }
-        std::fs::rename(&tmp, dir).map_err(|e| anyhow!("renaming {} to {}: {e}", tmp.display(), dir.display()))?;
+        std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!("renaming {} to {}", tmp.display(), dir.display())))?;
         let _ = std::fs::remove_dir_all(&old);
         Ok(())
     }
@@ -331,14 +330,14 @@ impl Rank {
 /// Checkpoint files: the flat parameter buffer and Adam moments (f32), and meta.json.
 impl Rank {
     /// Write `dir` atomically (temporary directory, fsync, rename).
-    pub fn checkpoint(&mut self, dir: &Path, meta: &str) -> anyhow::Result<()> {
+    pub fn checkpoint(&mut self, dir: &Path, meta: &str) -> Result<()> {
         self.sync_host()?;
         if !self.params.iter().chain(&self.opt.m).chain(&self.opt.v).all(|x| x.is_finite()) {
-            bail!("the training state at step {} is not finite: no checkpoint written (the newest finite one stays the newest)", self.step);
+            return Err(WorkerError::Invalid(format!("the training state at step {} is not finite: no checkpoint written (the newest finite one stays the newest)", self.step)));
         }
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        std::fs::create_dir_all(&tmp).map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
         let n = self.params.len();
         let bufs: Vec<(&str, Vec<u8>)> = [("params", &self.params), ("adam_m", &self.opt.m), ("adam_v", &self.opt.v)]
             .into_iter()
@@ -347,10 +346,10 @@ impl Rank {
         let views: Vec<(&str, safetensors::tensor::TensorView)> = bufs
             .iter()
             .map(|(k, b)| Ok((*k, safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], b)?)))
-            .collect::<Result<_, safetensors::SafeTensorError>>()?;
+            .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
         safetensors::serialize_to_file(views, None, &tmp.join(dflash_shared::checkpoint::STATE_FILE))?;
         let state_sum = dflash_shared::checkpoint::checksum_hex(&std::fs::read(tmp.join(dflash_shared::checkpoint::STATE_FILE))?);
-        let supervisor: serde_json::Value = serde_json::from_str(meta).context("checkpoint metadata")?;
+        let supervisor: serde_json::Value = serde_json::from_str(meta).map_err(WorkerError::format("checkpoint metadata"))?;
         let meta = serde_json::json!({
             "step": self.step,
             "adam_step": self.opt.step,
@@ -367,9 +366,9 @@ impl Rank {
         // A checkpoint of the same step number from before a rollback: replaced.
         let old = dir.with_extension(format!("replaced-{}", std::process::id()));
         if dir.exists() {
-            std::fs::rename(dir, &old).with_context(|| format!("moving the previous {} aside", dir.display()))?;
+            std::fs::rename(dir, &old).map_err(WorkerError::io(format!("moving the previous {} aside", dir.display())))?;
         }
-        std::fs::rename(&tmp, dir).map_err(|e| anyhow!("renaming {} to {}: {e}", tmp.display(), dir.display()))?;
+        std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!("renaming {} to {}", tmp.display(), dir.display())))?;
         let _ = std::fs::remove_dir_all(&old);
         if let Some(parent) = dir.parent() {
             std::fs::File::open(parent)?.sync_all()?;
@@ -377,24 +376,25 @@ impl Rank {
         Ok(())
     }
 
-    fn load_checkpoint(&mut self, dir: &Path, step: u64) -> anyhow::Result<()> {
+    fn load_checkpoint(&mut self, dir: &Path, step: u64) -> Result<()> {
         // Checksums and finiteness first: a checkpoint that changed on disk is refused.
-        dflash_shared::checkpoint::verify(dir).map_err(|e| anyhow!("checkpoint refused: {e}"))?;
-        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).with_context(|| format!("{}/meta.json", dir.display()))?)?;
+        dflash_shared::checkpoint::verify(dir).map_err(|e| WorkerError::Invalid(format!("checkpoint refused: {e}")))?;
+        let text = std::fs::read_to_string(dir.join("meta.json")).map_err(WorkerError::io(format!("{}/meta.json", dir.display())))?;
+        let meta: serde_json::Value = serde_json::from_str(&text).map_err(WorkerError::format(format!("{}/meta.json", dir.display())))?;
         if meta["step"].as_u64() != Some(step) {
-            bail!("{}: checkpoint of step {:?}, expected {step}", dir.display(), meta["step"]);
+            return Err(WorkerError::Invalid(format!("{}: checkpoint of step {:?}, expected {step}", dir.display(), meta["step"])));
         }
         let saved: dflash_shared::drafter::DrafterConfig = serde_json::from_value(meta["drafter"].clone())?;
         if saved != self.drafter.cfg {
-            bail!("{}: the checkpoint's drafter ({saved:?}) is not the one this run trains", dir.display());
+            return Err(WorkerError::Invalid(format!("{}: the checkpoint's drafter ({saved:?}) is not the one this run trains", dir.display())));
         }
-        let bytes = std::fs::read(dir.join("state.safetensors")).with_context(|| format!("{}/state.safetensors", dir.display()))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{}/state.safetensors: {e}", dir.display()))?;
+        let bytes = std::fs::read(dir.join("state.safetensors")).map_err(WorkerError::io(format!("{}/state.safetensors", dir.display())))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(WorkerError::format(format!("{}/state.safetensors", dir.display())))?;
         let n = self.params.len();
         for (name, dst) in [("params", &mut self.params), ("adam_m", &mut self.opt.m), ("adam_v", &mut self.opt.v)] {
-            let t = st.tensor(name).map_err(|e| anyhow!("{}/state.safetensors: {name}: {e}", dir.display()))?;
+            let t = st.tensor(name).map_err(WorkerError::format(format!("{}/state.safetensors: {name}", dir.display())))?;
             if t.shape() != [n] {
-                bail!("{}: {name} has shape {:?}, expected [{n}]", dir.display(), t.shape());
+                return Err(WorkerError::Invalid(format!("{}: {name} has shape {:?}, expected [{n}]", dir.display(), t.shape())));
             }
             for (d, v) in dst.iter_mut().zip(f32s(t.data())) {
                 *d = v;

@@ -1,0 +1,157 @@
+//! The worker's failures, typed and keeping their sources. [`WorkerError::exit_code`] is
+//! the one place they become exit codes: a failure that restarting cannot fix (no usable
+//! GPU, a bad target model) is [`exit_codes::WORKER_PERMANENT`], which the supervisor
+//! reads as "stop the run with this line"; anything else is 1, a crash it restarts.
+
+use dflash_shared::exit_codes;
+
+use crate::gpu::GpuError;
+use crate::model::ModelError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// Restarting cannot help: the worker's GPU is unusable (a library missing, too old, a
+    /// model larger than the device).
+    #[error("{0}")]
+    Permanent(String),
+    /// The target model cannot be loaded: a missing, truncated or corrupt checkpoint file,
+    /// an unsupported dtype, a shape that disagrees with config.json, or a model other than
+    /// the one the supervisor described.
+    #[error("{0}")]
+    BadModel(String),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The supervisor asked for something this worker cannot do in its state (a step out of
+    /// order, an order before the training setup, a slot that does not match its header).
+    #[error("{0}")]
+    Protocol(String),
+    /// The training state or a batch is not what it must be (a checkpoint of another
+    /// drafter, weights that are not finite, a batch captured from other layers).
+    #[error("{0}")]
+    Invalid(String),
+    #[error("{what}: {source}")]
+    Device {
+        what: String,
+        #[source]
+        source: GpuError,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Bytes that do not parse: JSON, safetensors, a batch in a slot.
+    #[error("{what}: {source}")]
+    Format {
+        what: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// Another failure, with what the worker was doing when it happened.
+    #[error("{what}: {source}")]
+    While {
+        what: String,
+        #[source]
+        source: Box<WorkerError>,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, WorkerError>;
+
+// Bare `?` on these names the kind of operation; the caller adds what it was doing with
+// [`While::during`].
+impl From<std::io::Error> for WorkerError {
+    fn from(source: std::io::Error) -> Self {
+        WorkerError::Io { what: "file I/O".into(), source }
+    }
+}
+
+impl From<safetensors::SafeTensorError> for WorkerError {
+    fn from(source: safetensors::SafeTensorError) -> Self {
+        WorkerError::Format { what: "safetensors".into(), source: Box::new(source) }
+    }
+}
+
+impl From<serde_json::Error> for WorkerError {
+    fn from(source: serde_json::Error) -> Self {
+        WorkerError::Format { what: "JSON".into(), source: Box::new(source) }
+    }
+}
+
+impl WorkerError {
+    /// The innermost failure, under the `While` contexts.
+    pub fn root(&self) -> &WorkerError {
+        match self {
+            WorkerError::While { source, .. } => source.root(),
+            e => e,
+        }
+    }
+
+    pub fn exit_code(&self) -> i32 {
+        match self.root() {
+            WorkerError::Permanent(_) | WorkerError::BadModel(_) | WorkerError::Model(_) => exit_codes::WORKER_PERMANENT,
+            _ => 1,
+        }
+    }
+
+    /// The line a worker prints before it exits with [`exit_code`](Self::exit_code); a
+    /// permanent one is marked so, which the supervisor looks for.
+    pub fn line(&self, name: &str, gpu: &str) -> String {
+        match self.root() {
+            WorkerError::Permanent(why) => format!("dflash-worker {name}: error: cannot compute on device {gpu} (permanent, do not restart): {why}"),
+            WorkerError::BadModel(why) => format!("dflash-worker {name}: error: cannot load the target model (permanent, do not restart): {why}"),
+            WorkerError::Model(e) => format!("dflash-worker {name}: error: cannot load the target model (permanent, do not restart): {e}"),
+            _ => format!("dflash-worker {name}: error: {self}"),
+        }
+    }
+
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> WorkerError {
+        let what = what.into();
+        move |source| WorkerError::Io { what, source }
+    }
+
+    pub fn device(what: impl Into<String>) -> impl FnOnce(GpuError) -> WorkerError {
+        let what = what.into();
+        move |source| WorkerError::Device { what, source }
+    }
+
+    pub fn format<E: std::error::Error + Send + Sync + 'static>(what: impl Into<String>) -> impl FnOnce(E) -> WorkerError {
+        let what = what.into();
+        move |source| WorkerError::Format { what, source: Box::new(source) }
+    }
+}
+
+/// Say what the worker was doing when a failure happened, keeping the failure as the source.
+pub trait While<T> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T, E: Into<WorkerError>> While<T> for std::result::Result<T, E> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|e| WorkerError::While { what: what(), source: Box::new(e.into()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permanent_failures_keep_their_code_and_mark_under_any_context() {
+        let e: Result<()> = Err(WorkerError::Permanent("libcuda.so.1 not found".into()));
+        let e = e.during(|| "setting up training".into()).unwrap_err();
+        assert_eq!(e.exit_code(), exit_codes::WORKER_PERMANENT);
+        assert!(e.line("drafter-0", "1").contains("(permanent, do not restart): libcuda.so.1 not found"));
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
+        let e = WorkerError::io("reading meta.json")(io);
+        assert_eq!(e.exit_code(), 1);
+        assert_eq!(e.to_string(), "reading meta.json: gone");
+        // The source stays reachable.
+        let src = std::error::Error::source(&e).unwrap();
+        assert_eq!(src.downcast_ref::<std::io::Error>().unwrap().kind(), std::io::ErrorKind::NotFound);
+        let e: Result<()> = Err(WorkerError::Protocol("step 3 before step 2".into()));
+        let e = e.during(|| "applying".into()).unwrap_err();
+        assert_eq!((e.exit_code(), e.to_string()), (1, "applying: step 3 before step 2".to_string()));
+    }
+}
