@@ -134,7 +134,10 @@ fn a_finished_run_writes_its_report_with_one_loss_point_per_step_and_the_figures
     let mean = windows.iter().map(|(x, w)| x * w).sum::<f64>() / windows.iter().map(|p| p.1).sum::<f64>();
     let tps: Vec<f64> = cell(&html, "tokens-per-s").split(' ').map(|x| x.parse().unwrap()).collect();
     assert!((tps[0] - mean).abs() <= 1e-3 * mean.max(1.0), "{tps:?} vs mean {mean}");
-    assert!(tps[1] <= tps[0] && tps[0] <= tps[2], "p10 <= mean <= p90: {tps:?}");
+    // (A mean need not lie between p10 and p90 of a few uneven windows: only the
+    // percentiles' order and range are certain.)
+    let (lo, hi) = windows.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), (x, _)| (a.min(*x), b.max(*x)));
+    assert!(lo - 1e-3 <= tps[1] && tps[1] <= tps[2] && tps[2] <= hi + 1e-3, "min {lo} <= p10 <= p90 <= max {hi}: {tps:?}");
     assert!(html.contains("ended: step limit reached (exit code 0)"), "{html}");
 
     // Series from metrics.jsonl; GPU ones are absent and say why.
