@@ -177,8 +177,11 @@ pub struct TrainSetup {
     pub total_steps: Option<u64>,
     pub clip: f64,
     pub seed: u64,
-    /// Gradient buffers: pool fd and geometry (slot `2r + step % 2` belongs to rank r).
+    /// Gradient buffers of the shared-memory collective: pool fd and geometry (slot
+    /// `2r + step % 2` belongs to rank r; see [`GRAD_SLOT_HEADER`]).
     pub grads: crate::protocol::PoolInfo,
+    /// How the ranks exchange gradients.
+    pub collective: CollectiveKind,
     /// One slot holding a rank's full state (parameters, Adam moments, step) for a joiner.
     pub state: crate::protocol::PoolInfo,
     /// This rank's index (its two gradient slots are `2·rank` and `2·rank + 1`).
@@ -189,6 +192,29 @@ pub struct TrainSetup {
     pub target_layer_ids: Vec<u32>,
     pub num_target_layers: usize,
     pub init: Init,
+}
+
+/// Bytes at the start of each gradient slot before the gradient: the stamp that says
+/// which (epoch, step) the slot holds, and the rank's loss-weight sum.
+pub const GRAD_SLOT_HEADER: u64 = 64;
+
+/// The drafter group's gradient exchange (both behind the worker's `Collective`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CollectiveKind {
+    /// Through the supervisor's shared gradient pool, summed on the host: CPU workers,
+    /// and GPU groups without NCCL.
+    Shm,
+    /// NCCL on the GPUs (all-reduce of device buffers).
+    Nccl,
+}
+
+impl CollectiveKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::Shm => "shared memory",
+            CollectiveKind::Nccl => "NCCL",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
@@ -30,10 +30,18 @@ pub enum FromWorker {
     Commit { output: SlotRef, len: u64, batch_id: u64, input: Option<SlotRef>, wait_ms: f64, compute_ms: f64 },
     /// A delivered batch was consumed (for a drafter: it reached the optimizer).
     Ack { input: SlotRef, batch_id: u64 },
-    /// A drafter rank wrote the gradient of `batch_id` for `step` into its buffer.
-    /// `params` is a checksum of the weights the gradient was taken at: every rank of a
-    /// step must report the same one, or the ranks have diverged.
+    /// A drafter rank computed the gradient of `batch_id` for `step` and holds it until
+    /// the step commits; it contributes it to every epoch's all-reduce of `step` (see
+    /// [`ToWorker::Group`]). `params` is a checksum of the weights the gradient was taken
+    /// at: every rank of a step must report the same one, or the ranks have diverged.
     Grads { step: u64, input: SlotRef, batch_id: u64, stats: crate::drafter::StepStats, params: u64 },
+    /// The all-reduce of `step` in group epoch `epoch` completed on this rank: it holds the
+    /// sum of the epoch's gradients and of their loss weights (`weight_sum`). `ms`: from
+    /// posting its own gradient to completion (waiting for the slowest rank included).
+    Reduced { step: u64, epoch: u64, weight_sum: f64, ms: f64 },
+    /// NCCL groups: the unique id that the first rank of `epoch` created, for the supervisor
+    /// to relay to the other ranks (it loads no CUDA library itself).
+    GroupId { epoch: u64, id: Vec<u8> },
     /// State slot `slot` now holds this rank's state at `step`; writing it took `ms`.
     SnapshotDone { step: u64, slot: u32, ms: f64 },
     /// The drafter was written (HF format) to `dir` at `step`.
@@ -110,11 +118,20 @@ pub enum ToWorker {
     Lease { slot: SlotRef },
     /// Drafters: join the data-parallel group and train.
     Train(Box<crate::drafter::TrainSetup>),
-    /// Drafters: step `step` is committed: sum the gradient slots listed (each rank's
-    /// unnormalised gradient of Σ w·CE), divide by `weight_sum` (Σ w over those ranks'
-    /// batches, so the step is the gradient of Σ_r num_r / Σ_r den_r: one normalisation
-    /// across ranks), clip, and apply the optimizer with learning rate `lr`.
-    Reduce { step: u64, slots: Vec<u32>, lr: f64, weight_sum: f64 },
+    /// Drafters: membership epoch `epoch` of the group has these ranks (ascending; a rank's
+    /// index in the list is its place in the collective). Abort any reduction of an older
+    /// epoch (`ncclCommAbort` on NCCL) and all-reduce the gradient held for the next step
+    /// again, in this epoch. `id`: the NCCL unique id, relayed (see [`FromWorker::GroupId`]).
+    Group { epoch: u64, ranks: Vec<u32>, id: Option<Vec<u8>> },
+    /// Drafters: step `step` is committed. Apply the sum that the all-reduce of epoch
+    /// `epoch` produced (each rank's unnormalised gradient of Σ w·CE), divided by
+    /// `weight_sum` (Σ w over the epoch's batches, so the step is the gradient of
+    /// Σ_r num_r / Σ_r den_r: one normalisation across ranks; the rank checks it against
+    /// its own all-reduced sum), clipped, with learning rate `lr`.
+    Apply { step: u64, epoch: u64, lr: f64, weight_sum: f64 },
+    /// Drafters: the data is at its end and no batch will come for `step`: contribute
+    /// nothing (a zero gradient of weight 0) so the ranks that have one can commit it.
+    Abstain { step: u64 },
     /// Drafters: write your state (at `step`) into state slot `slot`: slot 0 for a joining
     /// rank, 1 and 2 for the supervisor's double-buffered snapshot that a rollback restores.
     Snapshot { step: u64, slot: u32 },

@@ -241,6 +241,19 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 5, help_heading = "Training")]
     pub max_rollbacks: u32,
 
+    /// How the drafter ranks exchange gradients: nccl (all-reduce on the GPUs; needs
+    /// libnccl.so.2, e.g. pip install nvidia-nccl-cu13, or DFLASH_NCCL_LIB), shm (through
+    /// the supervisor's shared memory, summed on the host), or auto (nccl when two or more
+    /// drafters are on GPUs, else shm).
+    #[arg(long, value_name = "KIND", default_value = "auto", value_parser = ["auto", "shm", "nccl"], help_heading = "Training")]
+    pub collective: String,
+
+    /// An all-reduce that every drafter rank has entered and that has not completed after
+    /// this long is declared hung: the group aborts it and forms again (three times in a
+    /// row for one step stop the run).
+    #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration, help_heading = "Training")]
+    pub collective_timeout: std::time::Duration,
+
     /// This many steps in a row skipped for a non-finite loss or gradient stop the run
     /// (exit 1, naming the likely cause and the newest checkpoint from before them).
     #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Training")]

@@ -13,6 +13,7 @@
 
 pub mod bench;
 pub mod bench_ops;
+pub mod collective;
 pub mod compute;
 pub mod error;
 pub mod export;

@@ -59,8 +59,15 @@ pub fn run(control: &str, id: &Identity) -> Result<i32> {
     let mut plane = Plane::new(id.name.role, id.gpu.parse().ok());
     let mut clock = Beats { seq: 0, last_beat: Instant::now(), last_progress: Instant::now() };
     loop {
-        // While the model loads, look for it often; otherwise wait for work up to a beat.
-        let wait = if plane.loading() { id.heartbeat.min(std::time::Duration::from_millis(5)) } else { id.heartbeat };
+        // While the model loads, look for it often, and for the others' gradients while an
+        // all-reduce is in flight; otherwise wait for work up to a beat.
+        let wait = if plane.loading() {
+            id.heartbeat.min(std::time::Duration::from_millis(5))
+        } else if plane.rank.as_ref().is_some_and(|r| r.reducing()) {
+            id.heartbeat.min(std::time::Duration::from_millis(1))
+        } else {
+            id.heartbeat
+        };
         let msg = if plane.ready() { down.try_recv() } else { down.try_recv_timeout(wait) };
         let flow = match msg {
             Ok(order) => obey(order, &mut plane, &up, id)?,
@@ -130,9 +137,23 @@ fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Ide
             join_training(*setup, plane, id)?;
             Flow::Go
         }
-        ToWorker::Reduce { step, slots, lr, weight_sum } => {
+        ToWorker::Group { epoch, ranks, id } => {
+            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a group epoch before the training setup".into()))?;
+            match rank.group(epoch, &ranks, id.as_deref())? {
+                crate::collective::Formed::Created(id) => tell(FromWorker::GroupId { epoch, id }),
+                _ => Flow::Go,
+            }
+        }
+        ToWorker::Abstain { step } => {
+            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("an abstention before the training setup".into()))?;
+            if rank.abstain(step)? {
+                println!("step {step}: no batch left for this rank: contributing nothing");
+            }
+            Flow::Go
+        }
+        ToWorker::Apply { step, epoch, lr, weight_sum } => {
             let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a step to apply before the training setup".into()))?;
-            let applied = rank.reduce(step, &slots, lr, weight_sum)?;
+            let applied = rank.reduce(step, epoch, lr, weight_sum)?;
             if let Some(skipped) = applied.skipped {
                 println!("step {skipped}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
             }
@@ -169,12 +190,13 @@ fn join_training(setup: dflash_shared::drafter::TrainSetup, plane: &mut Plane, i
         .ok_or_else(|| WorkerError::Protocol(format!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR)))?;
     let rank = Rank::new(setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?).during(|| "setting up training".into())?;
     println!(
-        "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}",
+        "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}, gradients exchanged through {}",
         rank.setup.rank,
         rank.step,
         rank.param_count(),
         rank.setup.init,
-        rank.compute_device()
+        rank.compute_device(),
+        rank.collective().name()
     );
     plane.rank = Some(rank);
     Ok(())
@@ -206,6 +228,13 @@ fn work(plane: &mut Plane, up: &IpcSender<FromWorker>, clock: &mut Beats, id: &I
         let report = plane.step()?;
         if up.send(report).is_err() {
             return Ok(Flow::Orphaned);
+        }
+    }
+    if let Some(rank) = plane.rank.as_mut() {
+        if let Some(d) = rank.poll_reduce()? {
+            if up.send(FromWorker::Reduced { step: d.step, epoch: d.epoch, weight_sum: d.weight_sum, ms: d.ms }).is_err() {
+                return Ok(Flow::Orphaned);
+            }
         }
     }
     if clock.last_progress.elapsed() >= PROGRESS_EVERY {

@@ -1,12 +1,15 @@
-//! One drafter rank of the data-parallel group: computes the gradient of each batch into
-//! its slot of the shared gradient pool, and applies a step when the supervisor commits
-//! it (the average of the slots it lists: every rank sums the same slots in the same
-//! order, so the weights stay bit-identical across ranks).
+//! One drafter rank of the data-parallel group: computes the gradient of each batch,
+//! all-reduces it with the other ranks of the current membership epoch through its
+//! [`Collective`] (again in every new epoch until the step commits), and applies the
+//! step when the supervisor commits it. Every rank sums the same gradients in the same
+//! order, so the weights stay bit-identical across ranks.
 
 use std::io::Write;
 use std::path::Path;
 
+use crate::collective::{nccl::NcclCollective, shm::ShmCollective, Collective, Formed, Reduced};
 use crate::error::{Result, WorkerError};
+use dflash_shared::drafter::CollectiveKind;
 use dflash_shared::batch::HiddenView;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
@@ -14,21 +17,24 @@ use dflash_shared::pool::PoolMap;
 use crate::export::{export_config, probe_batch, write_safetensors, DRAFTER_MODULE, MODULE_FILE, PROBE_FILE};
 use crate::gpu::drafter::GpuDrafter;
 use crate::gpu::GpuError;
-use crate::model::drafter::{batch_samples, reduce_slots, AdamW, Drafter, Frozen};
+use crate::model::drafter::{batch_samples, AdamW, Drafter, Frozen};
 use crate::model::weights::Weights;
 
 pub struct Rank {
     pub setup: TrainSetup,
     drafter: Drafter,
     /// The drafter's forward, backward and optimizer, on the worker's device: its GPU, or
-    /// the CPU device (one model for every backend). The gradient exchange stays on the
-    /// host. The device holds the training state; `params`/`opt` are its host copy,
+    /// the CPU device (one model for every backend). The device holds the training state; `params`/`opt` are its host copy,
     /// brought up to date by [`Rank::sync_host`] for snapshots, checkpoints and the export.
     model: Box<GpuDrafter>,
     frozen: Frozen,
     params: Vec<f32>,
     opt: AdamW,
-    grads: PoolMap,
+    /// The gradient exchange with the other ranks.
+    coll: Box<dyn Collective>,
+    /// The current membership epoch, and the (step, epoch) whose all-reduce was reported.
+    epoch: Option<u64>,
+    reported: Option<(u64, u64)>,
     state: PoolMap,
     /// Last step applied.
     pub step: u64,
@@ -64,12 +70,8 @@ impl Rank {
         let w = Weights::open(target_dir)?;
         let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
         let lm_head = if w.contains("lm_head.weight") { w.get("lm_head.weight", &[c.vocab, c.hidden])? } else { embed.clone() };
-        let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone()).map_err(WorkerError::io("mapping the gradient pool"))?;
         let state = PoolMap::open(setup.state.fd, setup.state.geometry.clone()).map_err(WorkerError::io("mapping the state slot"))?;
         let n = drafter.layout.total;
-        if grads.geometry().slot_bytes < n as u64 * 4 {
-            return Err(WorkerError::Protocol(format!("gradient slots hold {} bytes, the drafter needs {}", grads.geometry().slot_bytes, n * 4)));
-        }
         let frozen = Frozen { embed, lm_head };
         let dev = match crate::gpu::open_device(gpu) {
             Ok(None) => Box::new(crate::gpu::cpu::CpuDevice::new()),
@@ -77,10 +79,17 @@ impl Rank {
             Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
             Err(e) => return Err(WorkerError::device("opening the device")(e)),
         };
-        let model = match GpuDrafter::new(dev, &drafter, &frozen, max_tokens) {
+        let mut model = match GpuDrafter::new(dev, &drafter, &frozen, max_tokens) {
             Ok(g) => Box::new(g),
             Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
             Err(e) => return Err(WorkerError::device(format!("putting the drafter on {}", if gpu.is_some() { "the device" } else { "the CPU" }))(e)),
+        };
+        let coll: Box<dyn Collective> = match setup.collective {
+            CollectiveKind::Shm => {
+                let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone()).map_err(WorkerError::io("mapping the gradient pool"))?;
+                Box::new(ShmCollective::new(grads, setup.rank, n)?)
+            }
+            CollectiveKind::Nccl => Box::new(NcclCollective::new(setup.rank, n, &mut model)?),
         };
         let mut r = Rank {
             model,
@@ -88,7 +97,9 @@ impl Rank {
             opt: AdamW::new(n),
             drafter,
             frozen,
-            grads,
+            coll,
+            epoch: None,
+            reported: None,
             state,
             step: 0,
             awaiting: false,
@@ -162,71 +173,99 @@ impl Rank {
         let seq = tb.seq_len as usize;
         // Each row's taps, as the slot holds them (bf16).
         let raw: Vec<&[u8]> = tb.lengths.iter().enumerate().map(|(r, &len)| &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2]).collect();
-        let mut g = vec![0f32; self.params.len()];
         // Unnormalised gradients (denominator 1): the step divides by every rank's weight sum.
-        // The device widens the bf16 taps itself.
+        // The device widens the bf16 taps itself, and keeps the gradient for the collective.
         let none = vec![Vec::new(); raw.len()];
         let (samples, anchors) = batch_samples(&self.drafter, tb, &none, self.setup.seed);
-        let mut stats = self.model.train_batch_bf16(&samples, &raw, &anchors, 1.0, &mut g).map_err(WorkerError::device(format!("drafter step on {}", self.model.describe())))?;
+        let mut stats = self.model.train_batch_bf16_on_device(&samples, &raw, &anchors, 1.0).map_err(WorkerError::device(format!("drafter step on {}", self.model.describe())))?;
         stats.wait_ms = wait_ms;
+        let finite = self.coll.contribute(self.step + 1, stats.weight_sum, &mut self.model)?;
         // What every rank's update check will find in the sum (told to the supervisor,
-        // which stops a run whose steps are all skipped).
-        stats.nonfinite = !stats.loss_sum.is_finite() || !g.iter().all(|x| x.is_finite());
+        // which stops a run whose steps are all skipped). A device collective does not
+        // look at the gradient on the host: the device's check counts it a step later.
+        stats.nonfinite = !stats.loss_sum.is_finite() || finite == Some(false);
         stats.compute_ms = started.elapsed().as_secs_f64() * 1e3;
         stats.optimizer_ms = self.last_optimizer_ms;
-        let slot = self.rank_slot(self.step + 1);
-        // SAFETY: this rank owns its two gradient slots; the other ranks read the slot of
-        // step s only between the commit of s and their own gradient for s + 1, which the
-        // commit of s + 1 (and so our next write to this slot at s + 2) waits for.
-        let dst = unsafe { self.grads.payload_mut(slot) };
-        for (d, v) in dst.chunks_exact_mut(4).zip(&g) {
-            d.copy_from_slice(&v.to_le_bytes());
-        }
         self.awaiting = true;
         Ok(stats)
     }
 
-    fn rank_slot(&self, step: u64) -> u32 {
-        self.setup.rank * 2 + (step % 2) as u32
+    /// The data is at its end and no batch comes for `step`: contribute a zero gradient
+    /// of weight 0, so the ranks that have one can commit it. Ignored when this rank has a
+    /// gradient already, or the order is stale.
+    pub fn abstain(&mut self, step: u64) -> Result<bool> {
+        if self.awaiting || step != self.step + 1 {
+            return Ok(false);
+        }
+        self.model.zero_grads().map_err(WorkerError::device("a zero gradient"))?;
+        self.coll.contribute(step, 0.0, &mut self.model)?;
+        self.awaiting = true;
+        Ok(true)
     }
 
-    /// Apply committed step `step`: sum `slots`, divide by `weight_sum` (the loss weights
-    /// of all their batches), clip, AdamW.
-    pub fn reduce(&mut self, step: u64, slots: &[u32], lr: f64, weight_sum: f64) -> Result<Applied> {
+    /// Membership epoch `epoch` of `ranks`: what is in flight in an older one is void, and
+    /// the held gradient is reduced again in this one.
+    pub fn group(&mut self, epoch: u64, ranks: &[u32], id: Option<&[u8]>) -> Result<Formed> {
+        if self.epoch.is_some_and(|e| e > epoch) {
+            return Err(WorkerError::Protocol(format!("group epoch {epoch} after epoch {}", self.epoch.unwrap_or(0))));
+        }
+        self.epoch = Some(epoch);
+        self.coll.form(epoch, ranks, id)
+    }
+
+    /// Is an all-reduce of this rank's gradient in flight (not yet reported)?
+    pub fn reducing(&self) -> bool {
+        self.awaiting && self.epoch.is_some() && self.reported.is_none_or(|(s, e)| s != self.step + 1 || Some(e) != self.epoch)
+    }
+
+    /// Drive the all-reduce; `Some` once, when it completes in the current epoch.
+    pub fn poll_reduce(&mut self) -> Result<Option<Reduced>> {
+        if !self.reducing() {
+            return Ok(None);
+        }
+        if test_death_due(self.setup.rank, self.step + 1) {
+            // A test's kill in the middle of the all-reduce: once every other rank waits
+            // for this one, which dies with its gradient written and not posted.
+            if !self.coll.peers_waiting() {
+                return Ok(None);
+            }
+            println!("test fault: dying in the all-reduce of step {}", self.step + 1);
+            // SAFETY: signalling ourselves.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let r = self.coll.poll(&mut self.model)?;
+        match r {
+            Some(d) if Some(d.epoch) == self.epoch && d.step == self.step + 1 => {
+                self.reported = Some((d.step, d.epoch));
+                Ok(Some(d))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Apply committed step `step` (reduced in epoch `epoch`): the all-reduced gradient
+    /// divided by `weight_sum` (the loss weights of all its batches), clipped, AdamW.
+    pub fn reduce(&mut self, step: u64, epoch: u64, lr: f64, weight_sum: f64) -> Result<Applied> {
         if step != self.step + 1 {
             return Err(WorkerError::Protocol(format!("asked to apply step {step}, but this rank is at step {}", self.step)));
         }
+        if self.reported != Some((step, epoch)) {
+            return Err(WorkerError::Protocol(format!("step {step} committed in epoch {epoch}, but this rank reported {:?}", self.reported)));
+        }
         let started = std::time::Instant::now();
-        let r = self.apply(step, slots, lr, weight_sum);
-        self.last_optimizer_ms = started.elapsed().as_secs_f64() * 1e3;
-        self.idle_since = std::time::Instant::now();
-        r
-    }
-
-    fn apply(&mut self, step: u64, slots: &[u32], lr: f64, weight_sum: f64) -> Result<Applied> {
-        if slots.is_empty() {
-            return Err(WorkerError::Protocol(format!("step {step} lists no gradient slot")));
-        }
-        let n = self.params.len();
-        let mut sum = vec![0f32; n];
-        for &s in slots {
-            if s >= self.grads.geometry().slots {
-                return Err(WorkerError::Protocol(format!("gradient slot {s} out of range")));
-            }
-            // SAFETY: the committed slots are not written until every rank has sent its
-            // gradient for the next step (see `compute`).
-            let src = unsafe { &self.grads.payload(s)[..n * 4] };
-            for (a, v) in sum.iter_mut().zip(f32s(src)) {
-                *a += v;
-            }
-        }
-        reduce_slots(&mut sum, weight_sum);
-        self.step = step;
-        self.awaiting = false;
         // Norm, clip, skip of a non-finite gradient, and AdamW, on the device with no wait
         // for any of them.
-        let before = self.model.apply(step, &sum, self.setup.clip as f32, lr as f32, &self.opt.hyper()).map_err(WorkerError::device(format!("applying step {step} on the device")))?;
+        let before = self.coll.apply(step, weight_sum, self.setup.clip as f32, lr as f32, &self.opt.hyper(), &mut self.model)?;
+        self.step = step;
+        self.awaiting = false;
+        self.last_optimizer_ms = started.elapsed().as_secs_f64() * 1e3;
+        self.idle_since = std::time::Instant::now();
         Ok(Applied { skipped: before.and_then(|o| self.note_outcome(o)) })
+    }
+
+    /// How this rank exchanges gradients.
+    pub fn collective(&self) -> CollectiveKind {
+        self.coll.kind()
     }
 
     /// Write parameters, Adam moments and step into state slot `slot`.
@@ -404,4 +443,12 @@ impl Rank {
         self.step = step;
         Ok(())
     }
+}
+
+/// Tests only: `DFLASH_TEST_DIE_IN_ALLREDUCE=RANK:STEP` kills rank RANK (in its first life)
+/// in the middle of step STEP's all-reduce. Not a user feature.
+fn test_death_due(rank: u32, step: u64) -> bool {
+    let Ok(v) = std::env::var("DFLASH_TEST_DIE_IN_ALLREDUCE") else { return false };
+    let first_life = std::env::var(dflash_shared::env::RESTART_COUNT).is_ok_and(|c| c == "0");
+    first_life && v.split_once(':').is_some_and(|(r, s)| r.parse() == Ok(rank) && s.parse() == Ok(step))
 }

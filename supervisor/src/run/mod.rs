@@ -22,7 +22,7 @@ pub mod worker_log;
 use std::path::{Path, PathBuf};
 
 use dflash_shared::batch::{CaptureSpec, DTYPE_BF16};
-use dflash_shared::drafter::DrafterConfig;
+use dflash_shared::drafter::{CollectiveKind, DrafterConfig};
 use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
 use dflash_shared::{Device, DeviceSpec, Role, WorkerName};
 
@@ -120,7 +120,7 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
-        log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward and backward; the optimizer step stays on the CPU");
+        log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
     }
     let target_cfg = target_config(&args.target)?;
     if args.target != "tiny" {
@@ -128,7 +128,7 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     }
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
-    let shared_bytes = trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks);
+    let shared_bytes = trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks, trainer_cfg.collective);
     pipeline_cfg.check_memory(shared_bytes)?;
     let estimate = validate::estimate_memory(
         &trainer_cfg.drafter,
@@ -326,7 +326,23 @@ pub(crate) fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], targ
         }
         drafter.mask_token_id = id;
     }
+    let gpu_drafters = plan.iter().filter(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Gpu(_))).count();
+    let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
+    // The host device (tests) computes in host memory: no NCCL there.
+    let host_device = std::env::var_os("DFLASH_DEVICE").is_some_and(|v| !v.is_empty());
+    let collective = match args.collective.as_str() {
+        "shm" => CollectiveKind::Shm,
+        "nccl" if gpu_drafters < drafters || host_device => {
+            let why = if host_device { "the drafters run on the host device (DFLASH_DEVICE)".to_string() } else { format!("{} of the {drafters} drafters are CPU workers", drafters - gpu_drafters) };
+            return Err(Error::Flag(format!("--collective nccl: NCCL all-reduces GPU buffers, but {why}; use --collective shm (or auto)")));
+        }
+        "nccl" => CollectiveKind::Nccl,
+        _ if gpu_drafters >= 2 && !host_device => CollectiveKind::Nccl,
+        _ => CollectiveKind::Shm,
+    };
     Ok(trainer::TrainerConfig {
+        collective,
+        collective_timeout: args.collective_timeout,
         drafter,
         lr,
         warmup_steps: args.steps.map_or(0, |n| (n as f64 * warmup_ratio).ceil() as u64),

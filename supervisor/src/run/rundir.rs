@@ -79,6 +79,10 @@ pub struct TrainProgress {
     /// Steps whose update was skipped (non-finite loss or gradient).
     #[serde(default)]
     pub skipped_steps: u64,
+    /// The drafter group's membership epoch (it changes with every death, join and
+    /// rollback).
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

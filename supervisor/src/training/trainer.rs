@@ -1,12 +1,18 @@
 //! The data-parallel drafter group, coordinated by the supervisor.
 //!
-//! Each drafter rank computes the gradient of one batch into its slot of a shared
-//! gradient pool and reports it ([`FromWorker::Grads`]). When every member has reported
-//! step s, the step is *committed*: the batches behind it are recorded as consumed (the
-//! supervisor acknowledges them on the ranks' behalf, so a batch is consumed exactly when
-//! its gradient is part of a committed step), and every member is told to apply the
-//! average of the listed slots. A member that dies before the commit is left out and its
-//! batch goes back to the queue; the step commits over the others.
+//! Each drafter rank computes the gradient of one batch, reports it ([`FromWorker::Grads`])
+//! and all-reduces it with the other members through its collective (shared memory, or
+//! NCCL on GPUs), reporting [`FromWorker::Reduced`]. Membership comes in *epochs*: every
+//! change (a death, a join, a rollback) starts a new one ([`ToWorker::Group`]), which
+//! aborts the all-reduce in flight, and the members reduce the gradients they hold again.
+//! When every member has reduced step s in the current epoch, the step is *committed*:
+//! the batches behind it are recorded as consumed (the supervisor acknowledges them on
+//! the ranks' behalf, so a batch is consumed exactly when its gradient is part of a
+//! committed step), and every member applies the sum ([`ToWorker::Apply`]). A member
+//! that dies before the commit is left out and its batch goes back to the queue; the
+//! step commits over the others, reduced again in the next epoch. An all-reduce that
+//! every member entered and that does not complete within `--collective-timeout` is
+//! aborted the same way.
 //!
 //! A drafter that (re)joins after step 0 gets the current weights and optimizer state
 //! from a surviving member through a shared state slot; commits wait while it joins, so it
@@ -21,6 +27,9 @@
 //! `--max-rollbacks` bounds how often.
 //!
 //! [`FromWorker::Grads`]: dflash_shared::protocol::FromWorker::Grads
+//! [`FromWorker::Reduced`]: dflash_shared::protocol::FromWorker::Reduced
+//! [`ToWorker::Group`]: dflash_shared::protocol::ToWorker::Group
+//! [`ToWorker::Apply`]: dflash_shared::protocol::ToWorker::Apply
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::{File, OpenOptions};
@@ -29,7 +38,7 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::time::Instant;
 
-use dflash_shared::drafter::{lr_at, state_bytes, DrafterConfig, Init, ParamLayout, StepStats, TrainSetup};
+use dflash_shared::drafter::{lr_at, state_bytes, CollectiveKind, DrafterConfig, Init, ParamLayout, StepStats, TrainSetup, GRAD_SLOT_HEADER};
 use dflash_shared::pool::{PoolGeometry, PoolMap};
 use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
 use dflash_shared::slots::Holder;
@@ -40,6 +49,10 @@ use crate::run::rundir::{unix_ms, TrainProgress};
 #[derive(Debug, Clone)]
 pub struct TrainerConfig {
     pub drafter: DrafterConfig,
+    /// How the ranks exchange gradients.
+    pub collective: CollectiveKind,
+    /// An all-reduce every member entered that has not completed after this is aborted.
+    pub collective_timeout: std::time::Duration,
     pub lr: f64,
     pub warmup_steps: u64,
     pub total_steps: Option<u64>,
@@ -87,6 +100,8 @@ pub enum Action {
     Rollback { from: u64, to: u64, batches: Vec<u64> },
     /// Batches consumed at or before this step can no longer be rolled back.
     Covered(u64),
+    /// Record this in the run's events.jsonl.
+    Event(&'static str, serde_json::Map<String, serde_json::Value>),
     /// Stop the run: the step limit is reached.
     Done,
     /// Stop the run: training cannot go on.
@@ -151,6 +166,18 @@ pub struct Trainer {
     /// (joiner, donor) while a snapshot is being taken.
     joining: Option<(usize, usize)>,
     queue: VecDeque<(usize, Holder)>,
+    /// The membership epoch, and the members that reduced step `committed + 1` in it (with
+    /// the loss-weight sum their all-reduce found).
+    epoch: u64,
+    reduced: BTreeMap<usize, f64>,
+    /// Members told to contribute nothing to step `committed + 1` (the data's end).
+    abstained: BTreeSet<usize>,
+    /// When every member had entered the all-reduce of the current epoch, and how many
+    /// epochs in a row aborted a hung one.
+    all_posted_at: Option<Instant>,
+    hung_in_a_row: u32,
+    /// All-reduce times of the last commit's members (ms), for the log.
+    reduce_ms: Vec<f64>,
     log: File,
     window: StepStats,
     window_start: Instant,
@@ -186,7 +213,7 @@ pub struct Trainer {
 impl Trainer {
     pub fn new(cfg: TrainerConfig, run_dir: &Path) -> Result<Trainer, Error> {
         let params = ParamLayout::new(&cfg.drafter).total;
-        let grads_geometry = PoolGeometry { name: "grads".into(), slots: 2 * cfg.max_ranks.max(1), slot_bytes: params as u64 * 4 };
+        let grads_geometry = PoolGeometry { name: "grads".into(), slots: 2 * cfg.max_ranks.max(1), slot_bytes: Self::grad_slot_bytes(params, cfg.collective) };
         // Slot 0: a joining rank's state; 1 and 2: the rollback snapshot, double-buffered.
         let state_geometry = PoolGeometry { name: "drafter-state".into(), slots: 3, slot_bytes: state_bytes(params) };
         let mk = |g: &PoolGeometry| PoolMap::create(g.clone()).map_err(|e| Error::SharedMemory { pool: g.name.clone(), source: e.into() });
@@ -247,6 +274,12 @@ impl Trainer {
             pending: BTreeMap::new(),
             joining: None,
             queue: VecDeque::new(),
+            epoch: 0,
+            reduced: BTreeMap::new(),
+            abstained: BTreeSet::new(),
+            all_posted_at: None,
+            hung_in_a_row: 0,
+            reduce_ms: Vec::new(),
             log,
             window: StepStats::default(),
             window_start: Instant::now(),
@@ -257,9 +290,18 @@ impl Trainer {
     }
 
     /// Bytes of shared memory for a drafter config and rank count (for the start-up check).
-    pub fn shared_bytes(drafter: &DrafterConfig, ranks: u32) -> u64 {
-        let p = ParamLayout::new(drafter).total as u64;
-        2 * ranks.max(1) as u64 * p * 4 + 3 * state_bytes(p as usize) + 2 * 4096
+    pub fn shared_bytes(drafter: &DrafterConfig, ranks: u32, collective: CollectiveKind) -> u64 {
+        let p = ParamLayout::new(drafter).total;
+        2 * ranks.max(1) as u64 * Self::grad_slot_bytes(p, collective) + 3 * state_bytes(p) + 2 * 4096
+    }
+
+    /// A gradient slot: the stamp and the gradient for the shared-memory collective; NCCL
+    /// ranks keep their gradients on their GPUs and use none.
+    fn grad_slot_bytes(params: usize, collective: CollectiveKind) -> u64 {
+        match collective {
+            CollectiveKind::Shm => GRAD_SLOT_HEADER + params as u64 * 4,
+            CollectiveKind::Nccl => GRAD_SLOT_HEADER,
+        }
     }
 
     pub fn inherit_fds(&self) -> Vec<RawFd> {
@@ -285,6 +327,7 @@ impl Trainer {
             clip: self.cfg.clip,
             seed: self.cfg.seed,
             grads: info(PoolId::Hidden, &self.grads_fd, &self.grads_geometry),
+            collective: self.cfg.collective,
             state: info(PoolId::Hidden, &self.state_fd, &self.state_geometry),
             rank,
             target_layer_ids: self.cfg.target_layer_ids.clone(),
@@ -306,6 +349,110 @@ impl Trainer {
         out.push(Action::Send(worker, self.setup(rank, init)));
     }
 
+    /// The members changed (`why`): start the next membership epoch. The all-reduce in
+    /// flight is void; the members reduce the gradients they hold again in the new epoch.
+    fn new_epoch(&mut self, why: &str, out: &mut Vec<Action>) {
+        if self.members.is_empty() {
+            return;
+        }
+        self.epoch += 1;
+        let in_flight: Vec<u32> = self.pending.keys().filter(|w| !self.reduced.contains_key(w)).filter_map(|w| self.members.get(w).map(|m| m.rank)).collect();
+        let reduced_before = self.reduced.len();
+        self.reduced.clear();
+        self.all_posted_at = None;
+        let ranks = self.ranks();
+        let fields = serde_json::json!({
+            "epoch": self.epoch, "ranks": ranks, "why": why, "step": self.committed + 1,
+            "held": self.pending.len(), "in_flight": in_flight, "reduced_before": reduced_before,
+        });
+        if let serde_json::Value::Object(fields) = fields {
+            out.push(Action::Event("group_epoch", fields));
+        }
+        self.progress.epoch = self.epoch;
+        log::info!("drafter group epoch {}: ranks {ranks:?} ({why})", self.epoch);
+        for &w in self.members.keys() {
+            out.push(Action::Send(w, ToWorker::Group { epoch: self.epoch, ranks: ranks.clone(), id: None }));
+        }
+    }
+
+    /// The members' ranks, ascending (a rank's place in the collective).
+    fn ranks(&self) -> Vec<u32> {
+        let mut r: Vec<u32> = self.members.values().map(|m| m.rank).collect();
+        r.sort_unstable();
+        r
+    }
+
+    /// NCCL: the first rank of `epoch` created its communicator's id: relay it.
+    pub fn on_group_id(&mut self, worker: usize, epoch: u64, id: Vec<u8>) -> Vec<Action> {
+        let mut out = Vec::new();
+        let ranks = self.ranks();
+        match self.members.get(&worker) {
+            Some(m) if epoch == self.epoch && ranks.first() == Some(&m.rank) => {
+                for &w in self.members.keys().filter(|&&w| w != worker) {
+                    out.push(Action::Send(w, ToWorker::Group { epoch, ranks: ranks.clone(), id: Some(id.clone()) }));
+                }
+            }
+            // For an epoch that is over: nobody needs it.
+            Some(_) if epoch < self.epoch => {}
+            _ => out.push(Action::Violation(worker, format!("an NCCL id for epoch {epoch} from a drafter that is not its first rank"))),
+        }
+        out
+    }
+
+    /// A member's all-reduce of `step` in `epoch` completed.
+    pub fn on_reduced(&mut self, worker: usize, step: u64, epoch: u64, weight_sum: f64, ms: f64) -> Vec<Action> {
+        let mut out = Vec::new();
+        if !self.members.contains_key(&worker) {
+            out.push(Action::Violation(worker, "an all-reduce from a drafter that is not in the training group".into()));
+            return out;
+        }
+        if epoch > self.epoch || (epoch == self.epoch && step != self.committed + 1) {
+            out.push(Action::Violation(worker, format!("reduced step {step} in epoch {epoch}, expected step {} in epoch {}", self.committed + 1, self.epoch)));
+            return out;
+        }
+        if epoch < self.epoch {
+            // Overtaken by a newer epoch: it reduces again there.
+            return out;
+        }
+        if !self.pending.contains_key(&worker) && !self.abstained.contains(&worker) {
+            out.push(Action::Violation(worker, format!("reduced step {step} without a gradient for it")));
+            return out;
+        }
+        self.reduced.insert(worker, weight_sum);
+        self.reduce_ms.push(ms);
+        self.try_commit(&mut out);
+        out
+    }
+
+    /// The collective's watchdog: an all-reduce that every member entered and that has
+    /// not completed after `--collective-timeout` is aborted by a new epoch of the same
+    /// members; three in a row for one step stop the run.
+    pub fn watchdog(&mut self, now: Instant) -> Vec<Action> {
+        let mut out = Vec::new();
+        let entered = !self.members.is_empty() && self.members.keys().all(|w| self.pending.contains_key(w) || self.abstained.contains(w));
+        if !entered || self.frozen || self.joining.is_some() || self.reduced.len() == self.members.len() {
+            self.all_posted_at = None;
+            return out;
+        }
+        let since = *self.all_posted_at.get_or_insert(now);
+        if now.saturating_duration_since(since) < self.cfg.collective_timeout {
+            return out;
+        }
+        self.hung_in_a_row += 1;
+        let late: Vec<u32> = self.members.iter().filter(|(w, _)| !self.reduced.contains_key(w)).map(|(_, m)| m.rank).collect();
+        let what = format!("the all-reduce of step {} hung for {} (--collective-timeout) on ranks {late:?}", self.committed + 1, humantime::format_duration(self.cfg.collective_timeout));
+        if self.hung_in_a_row >= 3 {
+            self.frozen = true;
+            out.push(Action::Failed(format!("{what}, the third time in a row: the group cannot exchange gradients (see the drafters' logs; NCCL_DEBUG=INFO says more on NCCL)")));
+            return out;
+        }
+        log::warn!("{what}: aborting it and forming the group again");
+        self.new_epoch(&what, &mut out);
+        // The members enter the new epoch's all-reduce at once: its deadline starts now.
+        self.all_posted_at = Some(now);
+        out
+    }
+
     /// How a member that starts at `restore_step` loads its state.
     fn restore_init(&self) -> Init {
         match &self.restore {
@@ -322,6 +469,7 @@ impl Trainer {
             // Nothing applied since the start or the last rollback: every rank can load
             // the group's state by itself (fresh, a checkpoint, or the snapshot).
             self.add_member(worker, holder, self.restore_init(), &mut out);
+            self.new_epoch("a drafter started", &mut out);
         } else if self.members.is_empty() {
             out.push(Action::Failed(self.lost_message()));
         } else {
@@ -375,6 +523,8 @@ impl Trainer {
         let line = serde_json::json!({"t": unix_ms(), "rollback": {"from": from, "to": to, "batches": batches.len(), "source": what}});
         let _ = writeln!(self.log, "{line}");
         self.pending.clear();
+        self.reduced.clear();
+        self.abstained.clear();
         self.joining = None;
         self.snapshot_asked = None;
         self.checkpoint_asked = None;
@@ -392,6 +542,7 @@ impl Trainer {
         for (w, h) in std::mem::take(&mut self.queue) {
             self.add_member(w, h, self.restore_init(), out);
         }
+        self.new_epoch(&format!("rolled back to step {to}"), out);
     }
 
     /// Checkpoints of steps after `to` belong to the abandoned lineage: move them out of
@@ -489,6 +640,8 @@ impl Trainer {
                 self.joining = None;
                 let (_, holder) = self.queue.pop_front().expect("the joiner is queued");
                 self.add_member(joiner, holder, Init::FromState { step, slot: 0 }, &mut out);
+                let rank = self.members.get(&joiner).map_or(0, |m| m.rank);
+                self.new_epoch(&format!("rank {rank} joined at step {step}"), &mut out);
                 self.start_join(&mut out);
                 self.try_commit(&mut out);
             }
@@ -510,6 +663,8 @@ impl Trainer {
             return out;
         }
         self.pending.insert(worker, Pending { holder: m.holder, params, input, batch_id, stats });
+        // Its batch came before the order to abstain reached it: it reduces its gradient.
+        self.abstained.remove(&worker);
         self.try_commit(&mut out);
         out
     }
@@ -517,10 +672,13 @@ impl Trainer {
     /// A drafter's life is over.
     pub fn on_gone(&mut self, worker: usize) -> Vec<Action> {
         let mut out = Vec::new();
-        if let Some(m) = self.members.remove(&worker) {
+        let left = self.members.remove(&worker);
+        if let Some(m) = &left {
             self.free_ranks.insert(m.rank);
         }
         self.pending.remove(&worker);
+        self.reduced.remove(&worker);
+        self.abstained.remove(&worker);
         self.queue.retain(|(w, _)| *w != worker);
         if self.snapshot_asked.is_some_and(|(donor, ..)| donor == worker) {
             // Its half-written slot never becomes current.
@@ -539,6 +697,9 @@ impl Trainer {
         if self.members.is_empty() {
             self.rollback(&mut out);
         } else {
+            if let Some(m) = left {
+                self.new_epoch(&format!("rank {} left", m.rank), &mut out);
+            }
             self.start_join(&mut out);
         }
         self.try_commit(&mut out);
@@ -591,14 +752,25 @@ impl Trainer {
     /// those who have a gradient.
     pub fn flush_tail(&mut self, remaining: Option<u64>) -> Vec<Action> {
         let mut out = Vec::new();
-        if remaining.is_some_and(|r| r > 0 && r == self.pending.len() as u64) {
-            self.commit(&mut out);
+        if self.frozen || self.joining.is_some() || !remaining.is_some_and(|r| r > 0 && r == self.pending.len() as u64) {
+            return out;
         }
+        // The members with no batch contribute nothing (the all-reduce needs every member).
+        let step = self.committed + 1;
+        let idle: Vec<usize> = self.members.keys().filter(|w| !self.pending.contains_key(w) && !self.abstained.contains(w)).copied().collect();
+        for w in idle {
+            self.abstained.insert(w);
+            out.push(Action::Send(w, ToWorker::Abstain { step }));
+        }
+        self.try_commit(&mut out);
         out
     }
 
+    /// Commit once every member holds a gradient (or abstains) and has reduced it in the
+    /// current epoch.
     fn try_commit(&mut self, out: &mut Vec<Action>) {
-        if !self.members.keys().all(|w| self.pending.contains_key(w)) {
+        let all = |set: &dyn Fn(&usize) -> bool| self.members.keys().all(set);
+        if self.pending.is_empty() || !all(&|w| self.pending.contains_key(w) || self.abstained.contains(w)) || !all(&|w| self.reduced.contains_key(w)) {
             return;
         }
         self.commit(out);
@@ -620,20 +792,31 @@ impl Trainer {
             )));
             return;
         }
-        let slots: Vec<u32> = self
-            .members
-            .iter()
-            .filter(|(w, _)| self.pending.contains_key(w))
-            .map(|(_, m)| m.rank * 2 + (step % 2) as u32)
-            .collect();
+        let contributors = self.pending.len();
         let lr = lr_at(step - 1, self.cfg.lr, self.cfg.warmup_steps, self.cfg.total_steps);
         let mut stats = StepStats::default();
+        for p in self.pending.values() {
+            stats.merge(&p.stats);
+        }
+        // Every member's all-reduce must have summed exactly the committed batches' weights.
+        if let Some((&w, &found)) = self.reduced.iter().find(|(_, &r)| (r - stats.weight_sum).abs() > 1e-9 * stats.weight_sum.abs().max(1.0)) {
+            self.frozen = true;
+            let name = self.members.get(&w).map_or(String::from("?"), |m| m.rank.to_string());
+            out.push(Action::Failed(format!(
+                "rank {name}'s all-reduce of step {step} (epoch {}) summed loss weights {found}, the members' batches {}: the ranks reduced different memberships",
+                self.epoch, stats.weight_sum
+            )));
+            return;
+        }
         let mut batches = Vec::new();
         for (&w, p) in std::mem::take(&mut self.pending).iter() {
             out.push(Action::Consume { worker: w, holder: p.holder, input: p.input, batch_id: p.batch_id, step });
             batches.push(p.batch_id);
-            stats.merge(&p.stats);
         }
+        self.reduced.clear();
+        self.abstained.clear();
+        self.all_posted_at = None;
+        self.hung_in_a_row = 0;
         self.lineage.insert(step, batches);
         let now = Instant::now();
         if let Some(t) = self.last_commit.replace(now) {
@@ -641,10 +824,10 @@ impl Trainer {
             self.step_ms = Some(self.step_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
         }
         for &w in self.members.keys() {
-            out.push(Action::Send(w, ToWorker::Reduce { step, slots: slots.clone(), lr, weight_sum: stats.weight_sum }));
+            out.push(Action::Send(w, ToWorker::Apply { step, epoch: self.epoch, lr, weight_sum: stats.weight_sum }));
         }
         self.committed = step;
-        self.record(step, lr, slots.len(), &stats);
+        self.record(step, lr, contributors, &stats);
         if stats.nonfinite {
             if self.skipped_in_a_row == 0 {
                 self.good_checkpoint = self.last_checkpoint.as_ref().map(|(s, _)| *s);
@@ -680,12 +863,14 @@ impl Trainer {
         let acc: Vec<f64> = s.slot_correct.iter().zip(&s.slot_total).skip(1).map(|(c, t)| if *t > 0 { *c as f64 / *t as f64 } else { 0.0 }).collect();
         let line = serde_json::json!({
             "t": unix_ms(), "step": step, "loss": s.loss(), "acceptance": s.acceptance(), "slot_accuracy": acc,
-            "lr": lr, "members": self.members.len(), "contributors": contributors,
+            "lr": lr, "members": self.members.len(), "contributors": contributors, "epoch": self.epoch,
+            "reduce_ms": self.reduce_ms.iter().copied().fold(0.0, f64::max),
             "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
             "wait_ms": s.wait_ms, "compute_ms": s.compute_ms, "optimizer_ms": s.optimizer_ms,
             "skipped": s.nonfinite,
         });
         let _ = writeln!(self.log, "{line}");
+        self.reduce_ms.clear();
         self.progress.step = step;
         self.progress.loss = s.loss();
         self.progress.acceptance = s.acceptance();

@@ -117,6 +117,14 @@ impl Device for CudaDevice {
         self.name.clone()
     }
 
+    fn event_done(&mut self, e: Event) -> Result<bool> {
+        Ok(self.events.get(e)?.is_complete())
+    }
+
+    fn cuda_handles(&self) -> Option<(Arc<CudaContext>, cudarc::driver::sys::CUstream)> {
+        Some((self.ctx.clone(), self.streams[0].cu_stream()))
+    }
+
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
         let s = self.streams[0].clone();
         let buf = s.alloc_zeros::<u8>(bytes).map_err(|e| GpuError::OutOfMemory(format!("{bytes} bytes: {e:?}")))?;

@@ -197,6 +197,10 @@ struct Opt {
     m: DSlice,
     v: DSlice,
     gsum: DSlice,
+    /// The group's unnormalised gradient sum as a device collective leaves it (NCCL
+    /// all-reduces `grads` into it), and a 1.0 for the GEMM that scales it into `gsum`.
+    gred: DSlice,
+    one: DSlice,
     /// Σg² (one f64), and each block's share of it.
     acc: DSlice,
     partials: DSlice,
@@ -303,6 +307,7 @@ impl GpuDrafter {
         let readback = Readback::new();
         // SAFETY: the page lives as long as the device (see the field order).
         unsafe { dev.register_host(readback.ptr, READBACK)? };
+        dev.upload(Stream::Compute, pl.opt.one, f32_bytes(&[1.0]))?;
         Ok(GpuDrafter {
             d: Drafter::new(d.cfg.clone()),
             ops: Ops::new(dev),
@@ -348,6 +353,8 @@ impl GpuDrafter {
             m: f(d.layout.total, "adam m")?,
             v: f(d.layout.total, "adam v")?,
             gsum: f(d.layout.total, "averaged gradient")?,
+            gred: f(d.layout.total, "all-reduced gradient")?,
+            one: f(1, "the constant 1")?,
             acc: f(2, "gradient sumsq")?,
             partials: f(2 * super::ops::SUMSQ_BLOCKS, "gradient sumsq partials")?,
             flag: f(1, "non-finite flag")?,
@@ -483,10 +490,48 @@ impl GpuDrafter {
     /// step's, which has long arrived.
     pub fn apply(&mut self, step: u64, g: &[f32], clip: f32, lr: f32, hyper: &super::ops::AdamHyper) -> Result<Option<StepOutcome>> {
         let before = self.drain()?;
+        self.ops.dev.upload(Stream::Compute, self.opt.gsum, f32_bytes(g))?;
+        self.optimize(step, clip, lr, hyper)?;
+        Ok(before)
+    }
+
+    /// [`apply`](Self::apply) for a gradient that a device collective summed into the
+    /// reduce buffer ([`Self::reduce_buffers`]): scaled by `1 / weight_sum` on the device
+    /// (a GEMM with the constant 1, as [`crate::model::drafter::reduce_slots`] scales the
+    /// host sum) and applied, with no host copy of it.
+    pub fn apply_reduced(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &super::ops::AdamHyper) -> Result<Option<StepOutcome>> {
+        let before = self.drain()?;
+        let (n, o) = (self.d.layout.total, &self.opt);
+        let alpha = if weight_sum > 0.0 { (1.0 / weight_sum) as f32 } else { 1.0 };
+        let g = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha, a: o.gred, lda: n, b: o.one, ldb: 1, beta: 0.0, c: o.gsum, ldc: n, bf16_inputs: false };
+        self.ops.dev.gemm(Stream::Compute, &g)?;
+        self.optimize(step, clip, lr, hyper)?;
+        Ok(before)
+    }
+
+    /// This rank's gradient (the last batch's) and the buffer a device collective sums
+    /// the group's into; both hold the drafter's parameter count of f32.
+    pub fn reduce_buffers(&self) -> (DSlice, DSlice) {
+        (self.grads, self.opt.gred)
+    }
+
+    /// The device, for a collective that works on its buffers and streams.
+    pub fn device(&mut self) -> &mut dyn Device {
+        self.ops.dev.as_mut()
+    }
+
+    /// This rank's gradient (the last batch's) into `dst` (the parameter count of f32,
+    /// little-endian: a shared-memory gradient slot).
+    pub fn grads_to_host(&mut self, dst: &mut [u8]) -> Result<()> {
+        self.ops.dev.download(Stream::Compute, self.grads, dst)
+    }
+
+    /// Norm, clip, the skip of a non-finite gradient and AdamW over `gsum`, and the
+    /// asynchronous readback of the outcome.
+    fn optimize(&mut self, step: u64, clip: f32, lr: f32, hyper: &super::ops::AdamHyper) -> Result<()> {
         let o = &self.opt;
         let (p, gsum, acc, partials, flag, t) = (self.params, o.gsum, o.acc, o.partials, o.flag, o.t);
         let (m, v) = (o.m, o.v);
-        self.ops.dev.upload(Stream::Compute, gsum, f32_bytes(g))?;
         self.ops.dev.memset_zero(Stream::Compute, flag)?;
         self.ops.sumsq(gsum, partials, acc, flag)?;
         self.ops.adam_count(t, flag)?;
@@ -499,7 +544,7 @@ impl GpuDrafter {
         }
         let e = self.ops.dev.record(Stream::Compute)?;
         self.pending = Some((step, e));
-        Ok(before)
+        Ok(())
     }
 
     /// Wait for the last applied step's outcome (it is usually there already).
@@ -520,7 +565,7 @@ impl GpuDrafter {
     /// of `Σ w·CE / denominator` into `grads` (overwriting) and returns the batch's
     /// statistics, as [`Drafter::train_batch`] does (which adds into its `grads`).
     pub fn train_batch(&mut self, samples: &[Sample], anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> Result<StepStats> {
-        self.batch(samples, None, anchors, denominator, grads)
+        self.batch(samples, None, anchors, denominator, Some(grads))
     }
 
     /// [`train_batch`](Self::train_batch) with each sample's taps as the bf16 bytes of the
@@ -531,10 +576,25 @@ impl GpuDrafter {
         if taps16.len() != samples.len() {
             return Err(GpuError::Invalid(format!("{} bf16 tap rows for {} samples", taps16.len(), samples.len())));
         }
-        self.batch(samples, Some(taps16), anchors, denominator, grads)
+        self.batch(samples, Some(taps16), anchors, denominator, Some(grads))
     }
 
-    fn batch(&mut self, samples: &[Sample], taps16: Option<&[&[u8]]>, anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> Result<StepStats> {
+    /// [`train_batch_bf16`](Self::train_batch_bf16) that leaves the gradient on the
+    /// device, for a collective to take from there ([`Self::reduce_buffers`],
+    /// [`Self::grads_to_host`]).
+    pub fn train_batch_bf16_on_device(&mut self, samples: &[Sample], taps16: &[&[u8]], anchors: &[Vec<usize>], denominator: f64) -> Result<StepStats> {
+        if taps16.len() != samples.len() {
+            return Err(GpuError::Invalid(format!("{} bf16 tap rows for {} samples", taps16.len(), samples.len())));
+        }
+        self.batch(samples, Some(taps16), anchors, denominator, None)
+    }
+
+    /// No batch for this step: a zero gradient (a rank that abstains from a step).
+    pub fn zero_grads(&mut self) -> Result<()> {
+        self.ops.dev.memset_zero(Stream::Compute, self.grads)
+    }
+
+    fn batch(&mut self, samples: &[Sample], taps16: Option<&[&[u8]]>, anchors: &[Vec<usize>], denominator: f64, grads: Option<&mut [f32]>) -> Result<StepStats> {
         let d = &self.d;
         let bs = d.cfg.block_size;
         let total_weight = d.total_weight(samples, anchors);
@@ -549,7 +609,9 @@ impl GpuDrafter {
                 stats.merge(&st);
             }
         }
-        self.ops.dev.download(Stream::Compute, self.grads, f32_bytes_mut(grads))?;
+        if let Some(grads) = grads {
+            self.ops.dev.download(Stream::Compute, self.grads, f32_bytes_mut(grads))?;
+        }
         Ok(stats)
     }
 

@@ -230,6 +230,17 @@ pub trait Device: Send {
     /// The event is not needed any more (its slot is reused; a GPU event is destroyed
     /// once it has completed).
     fn release_event(&mut self, e: Event);
+    /// Has `e` completed? Never blocks on a GPU; devices that run their queues at once
+    /// wait for it.
+    fn event_done(&mut self, e: Event) -> Result<bool> {
+        self.sync_event(e)?;
+        Ok(true)
+    }
+    /// A real GPU's context and raw compute stream, for a library that works on them
+    /// directly (NCCL); `None` on the host and CPU devices.
+    fn cuda_handles(&self) -> Option<(std::sync::Arc<cudarc::driver::CudaContext>, cudarc::driver::sys::CUstream)> {
+        None
+    }
 }
 
 /// Event slots reused once released, so a long run does not accumulate events.

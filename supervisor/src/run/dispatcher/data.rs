@@ -30,6 +30,8 @@ impl Dispatcher {
         self.pipeline.pump(&peers);
         let tail = self.trainer.flush_tail(self.pipeline.remaining());
         self.execute(tail);
+        let hung = self.trainer.watchdog(self.now);
+        self.execute(hung);
         if self.pipeline.finished() {
             let (consumed, _) = self.pipeline.progress();
             log::info!("all {consumed} batches consumed: stopping");
@@ -70,6 +72,7 @@ impl Dispatcher {
                     self.dirty = true;
                 }
                 Action::Covered(step) => self.pipeline.covered(step),
+                Action::Event(kind, fields) => self.run.event(kind, fields),
                 Action::CheckpointFromSnapshot { step, dir } => {
                     let meta = self.pipeline.consumed_summary().to_string();
                     match self.trainer.checkpoint_from_snapshot(step, &dir, &meta) {

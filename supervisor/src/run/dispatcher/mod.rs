@@ -450,6 +450,17 @@ impl Dispatcher {
                 }
                 Err(e) => Err(format!("gradients of an invalid batch: {e}")),
             },
+            FromWorker::Reduced { step, epoch, weight_sum, ms } => {
+                self.pipeline.health.phase(&name.to_string(), "all_reduce", ms);
+                let actions = self.trainer.on_reduced(worker, step, epoch, weight_sum, ms);
+                self.execute(actions);
+                Ok(())
+            }
+            FromWorker::GroupId { epoch, id } => {
+                let actions = self.trainer.on_group_id(worker, epoch, id);
+                self.execute(actions);
+                Ok(())
+            }
             FromWorker::SnapshotDone { step, slot, ms } => {
                 let actions = self.trainer.on_snapshot_done(worker, step, slot, ms);
                 self.execute(actions);
@@ -743,6 +754,8 @@ fn variant(m: &FromWorker) -> &'static str {
         FromWorker::Ack { .. } => "Ack",
         FromWorker::Grads { .. } => "Grads",
         FromWorker::SnapshotDone { .. } => "SnapshotDone",
+        FromWorker::Reduced { .. } => "Reduced",
+        FromWorker::GroupId { .. } => "GroupId",
         FromWorker::Exported { .. } => "Exported",
         FromWorker::Checkpointed { .. } => "Checkpointed",
     }

@@ -437,26 +437,50 @@ fn grads(step: u64, (input, batch_id): (dflash_shared::protocol::SlotRef, u64)) 
     FromWorker::Grads { step, input, batch_id, stats, params: 7 }
 }
 
+/// The group epochs a drafter was told of: `(epoch, ranks, id)`.
+fn epochs(msgs: &[ToWorker]) -> Vec<(u64, Vec<u32>, Option<Vec<u8>>)> {
+    msgs.iter().filter_map(|m| if let ToWorker::Group { epoch, ranks, id } = m { Some((*epoch, ranks.clone(), id.clone())) } else { None }).collect()
+}
+
+/// The steps a drafter was told to apply: `(step, epoch, weight_sum)`.
+fn applies(msgs: &[ToWorker]) -> Vec<(u64, u64, f64)> {
+    msgs.iter().filter_map(|m| if let ToWorker::Apply { step, epoch, weight_sum, .. } = m { Some((*step, *epoch, *weight_sum)) } else { None }).collect()
+}
+
+fn reduced(step: u64, epoch: u64, weight_sum: f64) -> FromWorker {
+    FromWorker::Reduced { step, epoch, weight_sum, ms: 1.0 }
+}
+
 #[test]
-fn a_step_waits_for_every_member_and_commits_once_a_member_that_never_sent_dies() {
+fn a_step_waits_for_every_member_and_commits_in_the_next_epoch_once_a_member_that_never_sent_dies() {
     let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8"]);
     let target_rx = h.connect(TARGET, 0);
     let (d0, d1) = (h.connect(DRAFTER, 0), h.connect(DRAFTER_1, 0));
     h.target_commits(&target_rx, 2, 10);
     let (got0, got1) = (received(&d0), received(&d1));
+    let (e0, e1) = (epochs(&got0), epochs(&got1));
+    let both = e0.last().expect("drafter-0 is told of the group").clone();
+    assert_eq!(both.1.len(), 2, "the second drafter's start makes an epoch of both: {e0:?}");
+    assert_eq!(e1.last(), Some(&both), "both are told the same epoch");
     let (b0, b1) = (deliveries(&got0), deliveries(&got1));
     assert!(!b0.is_empty() && !b1.is_empty(), "each drafter gets a batch: {b0:?} {b1:?}");
     let d0_life = h.life(DRAFTER).unwrap();
     h.message(DRAFTER, d0_life, grads(1, b0[0]), 20);
     assert_eq!(h.d.trainer.committed(), 0, "committed before every member sent its gradients");
-    // drafter-1 dies holding its batch, before sending gradients for step 1.
+    // drafter-1 dies holding its batch, before sending gradients for step 1: drafter-0's
+    // all-reduce of the epoch of both never completes, and a new epoch aborts it.
     h.exit(DRAFTER_1, exit_code(1), 30);
-    assert_eq!(h.d.trainer.committed(), 1, "the step waits for a dead member");
-    let reduces: Vec<(u64, usize, f64)> = received(&d0)
-        .into_iter()
-        .filter_map(|m| if let ToWorker::Reduce { step, slots, weight_sum, .. } = m { Some((step, slots.len(), weight_sum)) } else { None })
-        .collect();
-    assert_eq!(reduces, [(1, 1, 4.0)], "step 1 over the surviving member's gradient alone");
+    assert_eq!(h.d.trainer.committed(), 0, "no commit before the survivor reduced again");
+    let got = received(&d0);
+    let next = epochs(&got);
+    assert_eq!(next.len(), 1, "{next:?}");
+    assert!(next[0].0 > both.0 && next[0].1.len() == 1, "an epoch of the survivor alone: {next:?}");
+    // A late completion of the old epoch is ignored; the new one commits.
+    h.message(DRAFTER, d0_life, reduced(1, both.0, 8.0), 35);
+    assert_eq!(h.d.trainer.committed(), 0, "an all-reduce of an epoch that is over never commits");
+    h.message(DRAFTER, d0_life, reduced(1, next[0].0, 4.0), 40);
+    assert_eq!(h.d.trainer.committed(), 1);
+    assert_eq!(applies(&received(&d0)), [(1, next[0].0, 4.0)], "step 1 over the surviving member's gradient alone");
     assert_eq!(h.d.pipeline.progress().0, 1, "its batch was consumed");
     let ledger = std::fs::read_to_string(h.d.run.path.join(crate::data::ledger::LEDGER_FILE)).unwrap();
     let requeued = ledger.lines().filter(|l| l.contains("\"requeue\"") && l.contains(&format!("\"batch\":{}", b1[0].1))).count();
@@ -476,6 +500,10 @@ fn a_restarted_drafter_rejoins_with_a_surviving_ranks_state_at_the_committed_ste
     let (l0, l1) = (h.life(DRAFTER).unwrap(), h.life(DRAFTER_1).unwrap());
     h.message(DRAFTER, l0, grads(1, deliveries(&got0)[0]), 20);
     h.message(DRAFTER_1, l1, grads(1, deliveries(&got1)[0]), 20);
+    let epoch = epochs(&got0).last().unwrap().0;
+    h.message(DRAFTER, l0, reduced(1, epoch, 8.0), 20);
+    assert_eq!(h.d.trainer.committed(), 0, "one member has not reduced yet");
+    h.message(DRAFTER_1, l1, reduced(1, epoch, 8.0), 20);
     assert_eq!(h.d.trainer.committed(), 1);
     h.exit(DRAFTER_1, exit_code(1), 30);
     assert_eq!(h.launches(DRAFTER_1), 2, "the first failure restarts at once");
@@ -487,6 +515,56 @@ fn a_restarted_drafter_rejoins_with_a_surviving_ranks_state_at_the_committed_ste
     assert_eq!(asked, [(1, 0)]);
     assert_eq!(rank_of(&received(&d1_again)), None, "no setup before the state is there");
     h.message(DRAFTER, l0, FromWorker::SnapshotDone { step: 1, slot: 0, ms: 1.0 }, 50);
-    let (rank, init) = rank_of(&received(&d1_again)).expect("the joiner gets its setup");
+    let joined = received(&d1_again);
+    let (rank, init) = rank_of(&joined).expect("the joiner gets its setup");
     assert_eq!((rank, init), (rank1, dflash_shared::drafter::Init::FromState { step: 1, slot: 0 }));
+    // Then both are told of the epoch that has them both again.
+    let (mine, theirs) = (epochs(&joined), epochs(&received(&d0)));
+    assert_eq!(mine.last().map(|e| e.1.len()), Some(2), "{mine:?}");
+    assert_eq!(mine.last(), theirs.last());
+    assert!(mine.last().unwrap().0 > epoch);
+}
+
+#[test]
+fn an_all_reduce_that_found_other_loss_weights_than_the_members_batches_stops_the_run() {
+    let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8"]);
+    let target_rx = h.connect(TARGET, 0);
+    let (d0, d1) = (h.connect(DRAFTER, 0), h.connect(DRAFTER_1, 0));
+    h.target_commits(&target_rx, 2, 10);
+    let (got0, got1) = (received(&d0), received(&d1));
+    let (l0, l1) = (h.life(DRAFTER).unwrap(), h.life(DRAFTER_1).unwrap());
+    h.message(DRAFTER, l0, grads(1, deliveries(&got0)[0]), 20);
+    h.message(DRAFTER_1, l1, grads(1, deliveries(&got1)[0]), 20);
+    let epoch = epochs(&got0).last().unwrap().0;
+    h.message(DRAFTER, l0, reduced(1, epoch, 8.0), 20);
+    // 4.0: drafter-1 summed its own batch alone.
+    h.message(DRAFTER_1, l1, reduced(1, epoch, 4.0), 20);
+    assert_eq!(h.d.trainer.committed(), 0, "nothing is applied");
+    assert!(applies(&received(&d0)).is_empty());
+    assert!(matches!(h.d.phase, Phase::Stopping { .. }), "the run stops");
+}
+
+#[test]
+fn an_all_reduce_every_member_entered_that_hangs_is_aborted_by_a_new_epoch_and_the_third_stops_the_run() {
+    let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8", "--collective-timeout", "10s"]);
+    let target_rx = h.connect(TARGET, 0);
+    let (d0, d1) = (h.connect(DRAFTER, 0), h.connect(DRAFTER_1, 0));
+    h.target_commits(&target_rx, 2, 10);
+    let (got0, got1) = (received(&d0), received(&d1));
+    let first = epochs(&got0).last().unwrap().0;
+    let (l0, l1) = (h.life(DRAFTER).unwrap(), h.life(DRAFTER_1).unwrap());
+    h.message(DRAFTER, l0, grads(1, deliveries(&got0)[0]), 20);
+    h.tick(60_000);
+    assert!(epochs(&received(&d0)).is_empty(), "waiting for a member that has no gradient yet is not a hang");
+    h.message(DRAFTER_1, l1, grads(1, deliveries(&got1)[0]), 60_000);
+    h.tick(69_000);
+    assert!(epochs(&received(&d0)).is_empty(), "not hung yet");
+    h.tick(71_000);
+    let again = epochs(&received(&d0));
+    assert_eq!(again.iter().map(|e| (e.0, e.1.len())).collect::<Vec<_>>(), [(first + 1, 2)], "the same members, a new epoch");
+    assert!(!matches!(h.d.phase, Phase::Stopping { .. }));
+    h.tick(82_000);
+    h.tick(93_000);
+    assert!(matches!(h.d.phase, Phase::Stopping { .. }), "the third hang of one step stops the run");
+    assert_eq!(h.d.trainer.committed(), 0);
 }

@@ -1,0 +1,92 @@
+//! The drafter group's gradient exchange, behind one interface with two implementations:
+//! [`shm::ShmCollective`] (the supervisor's shared gradient pool, summed on the host: CPU
+//! workers, and GPU groups without NCCL) and [`nccl::NcclCollective`] (NCCL all-reduce
+//! of device buffers, the library loaded at run time).
+//!
+//! The protocol around it is the same for both, and the supervisor drives it:
+//! - Membership comes in epochs ([`ToWorker::Group`]): every change of the group's ranks
+//!   (a death, a join, a rollback) starts a new epoch, which aborts whatever reduction of
+//!   an older epoch is in flight (`ncclCommAbort` on NCCL; on shared memory the sum simply
+//!   stops waiting for the old epoch's ranks).
+//! - A rank computes the gradient of its batch for the next step and holds it until the
+//!   step commits ([`Collective::contribute`]); it all-reduces it in the current epoch
+//!   ([`Collective::poll`], driven from the worker's loop, which keeps beating and
+//!   reading orders meanwhile) and reports [`FromWorker::Reduced`].
+//! - The supervisor commits the step once every rank of the epoch has reduced it
+//!   ([`ToWorker::Apply`]); a rank that dies before that leaves the step uncommitted, its
+//!   batch goes back to the queue, and the survivors reduce the gradients they still hold
+//!   again in the next epoch.
+//!
+//! [`ToWorker::Group`]: dflash_shared::protocol::ToWorker::Group
+//! [`ToWorker::Apply`]: dflash_shared::protocol::ToWorker::Apply
+//! [`FromWorker::Reduced`]: dflash_shared::protocol::FromWorker::Reduced
+
+pub mod nccl;
+pub mod shm;
+
+use dflash_shared::drafter::CollectiveKind;
+
+use crate::error::Result;
+use crate::gpu::drafter::{GpuDrafter, StepOutcome};
+use crate::gpu::ops::AdamHyper;
+
+/// What forming an epoch asks of the supervisor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Formed {
+    /// Nothing: the epoch is usable (shared memory, or a one-rank NCCL group).
+    Ready,
+    /// This rank is the epoch's first: relay this NCCL unique id to the others.
+    Created(Vec<u8>),
+    /// Waiting for the id the first rank created (relayed by the supervisor).
+    AwaitingId,
+}
+
+/// A completed all-reduce: the sum of the epoch's gradients is where [`Collective::apply`]
+/// reads it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reduced {
+    pub step: u64,
+    pub epoch: u64,
+    /// Σ of the epoch's loss weights.
+    pub weight_sum: f64,
+    /// From posting this rank's gradient to completion.
+    pub ms: f64,
+}
+
+pub trait Collective {
+    fn kind(&self) -> CollectiveKind;
+
+    /// Start membership epoch `epoch` of `ranks` (ascending; this rank among them): abort
+    /// what is in flight in an older epoch. `id`: the NCCL unique id, once relayed.
+    fn form(&mut self, epoch: u64, ranks: &[u32], id: Option<&[u8]>) -> Result<Formed>;
+
+    /// This rank's gradient for `step` is in the model's gradient buffer, with its loss
+    /// weight: hold it (it is reduced in every epoch until the step commits). Returns
+    /// whether every element is finite, where that costs nothing (the shared-memory
+    /// collective reads it anyway); `None` where it would cost a device sync.
+    fn contribute(&mut self, step: u64, weight: f64, model: &mut GpuDrafter) -> Result<Option<bool>>;
+
+    /// Drive the all-reduce of the held gradient in the current epoch; `Some` once it is
+    /// complete (again after every new epoch).
+    fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>>;
+
+    /// Apply committed step `step`: the sum of the last completed all-reduce divided by
+    /// `weight_sum`, clipped to `clip`, AdamW with `lr`. Returns the previous step's
+    /// outcome (see [`GpuDrafter::apply`]).
+    fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>>;
+
+    /// Have all the other ranks of the epoch posted the held step (so they wait for this
+    /// one)? For tests that kill a rank in the middle of an all-reduce; a collective that
+    /// cannot tell says yes.
+    fn peers_waiting(&self) -> bool {
+        true
+    }
+}
+
+/// `(epoch, step)` as one word, for the shared-memory stamps (32 bits each).
+pub(crate) fn pack(epoch: u64, step: u64) -> Result<u64> {
+    if epoch >= 1 << 32 || step >= 1 << 32 {
+        return Err(crate::error::WorkerError::Protocol(format!("epoch {epoch} or step {step} past 2^32")));
+    }
+    Ok(epoch << 32 | step)
+}

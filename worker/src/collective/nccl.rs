@@ -1,0 +1,399 @@
+//! The NCCL collective: GPU ranks all-reduce their gradients on the GPUs, device buffer to
+//! device buffer, on the compute stream behind the backward that produced them.
+//!
+//! NCCL is loaded at run time, by path, from the first of: `DFLASH_NCCL_LIB`, the
+//! loader's path (`libnccl.so.2`, `libnccl.so`), and the `nvidia/nccl/lib` directory of
+//! the Python installations on the machine (PyPI's `nvidia-nccl-cu13`, which PyTorch
+//! installs too). cudarc's own NCCL loader only tries names like `libnccl.so` and
+//! `libnccl.so.13`, never NCCL 2's soname `libnccl.so.2`, so a machine with NCCL from PyPI
+//! or a runtime-only package would not be found by it; the few entry points this needs
+//! are bound here instead.
+//!
+//! The unique id of each epoch is created by the epoch's first rank and relayed by the
+//! supervisor (which loads no CUDA library). Communicators are created on a helper thread
+//! (`ncclCommInitRank` blocks until every rank has joined), so the worker's loop keeps
+//! beating and can move to a newer epoch while one is being built; a communicator of an
+//! epoch that was superseded is aborted as soon as it exists. A new epoch aborts the old
+//! communicator (`ncclCommAbort`), which also ends an all-reduce that waits for a rank
+//! that died.
+
+use std::ffi::{c_char, c_int, c_void};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use dflash_shared::drafter::CollectiveKind;
+
+use super::{Collective, Formed, Reduced};
+use crate::error::{Result, WorkerError};
+use crate::gpu::drafter::{GpuDrafter, StepOutcome};
+use crate::gpu::ops::AdamHyper;
+use crate::gpu::{DSlice, Event, Stream};
+
+type Comm = *mut c_void;
+const ID_BYTES: usize = 128;
+// From nccl.h: ncclResult_t, ncclDataType_t, ncclRedOp_t.
+const SUCCESS: c_int = 0;
+const IN_PROGRESS: c_int = 7;
+const FLOAT32: c_int = 7;
+const FLOAT64: c_int = 8;
+const SUM: c_int = 0;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId {
+    internal: [c_char; ID_BYTES],
+}
+
+/// The entry points of libnccl this uses.
+pub struct Lib {
+    pub path: PathBuf,
+    get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
+    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
+    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int,
+    comm_abort: unsafe extern "C" fn(Comm) -> c_int,
+    comm_get_async_error: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
+    get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    _lib: libloading::Library,
+}
+
+/// Where NCCL is looked for, in order.
+pub fn candidates() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Some(p) = std::env::var_os("DFLASH_NCCL_LIB") {
+        out.push(PathBuf::from(p));
+    }
+    out.push("libnccl.so.2".into());
+    out.push("libnccl.so".into());
+    let mut roots: Vec<PathBuf> = ["/usr/lib", "/usr/local/lib", "/opt/conda/lib"].iter().map(PathBuf::from).collect();
+    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
+        if let Some(v) = std::env::var_os(var) {
+            roots.push(Path::new(&v).join("lib"));
+        }
+    }
+    if let Some(h) = std::env::var_os("HOME") {
+        roots.push(Path::new(&h).join(".local/lib"));
+    }
+    for root in roots {
+        let Ok(entries) = std::fs::read_dir(&root) else { continue };
+        let mut pythons: Vec<PathBuf> = entries.flatten().map(|e| e.path()).filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python3"))).collect();
+        pythons.sort();
+        for py in pythons {
+            for site in ["site-packages", "dist-packages"] {
+                let lib = py.join(site).join("nvidia/nccl/lib/libnccl.so.2");
+                if lib.is_file() {
+                    out.push(lib);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Load NCCL (once per process), or say which paths were tried.
+pub fn load() -> std::result::Result<&'static Lib, String> {
+    static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let tried = candidates();
+        for path in &tried {
+            // SAFETY: loading NCCL runs its initialisers, which only set up its own state.
+            let Ok(lib) = (unsafe { libloading::Library::new(path) }) else { continue };
+            // SAFETY: the symbols have these C signatures in every NCCL 2 (nccl.h).
+            let bound = unsafe {
+                (|| -> std::result::Result<Lib, libloading::Error> {
+                    Ok(Lib {
+                        path: path.clone(),
+                        get_version: *lib.get(b"ncclGetVersion\0")?,
+                        get_unique_id: *lib.get(b"ncclGetUniqueId\0")?,
+                        comm_init_rank: *lib.get(b"ncclCommInitRank\0")?,
+                        all_reduce: *lib.get(b"ncclAllReduce\0")?,
+                        comm_abort: *lib.get(b"ncclCommAbort\0")?,
+                        comm_get_async_error: *lib.get(b"ncclCommGetAsyncError\0")?,
+                        get_error_string: *lib.get(b"ncclGetErrorString\0")?,
+                        _lib: lib,
+                    })
+                })()
+            };
+            return bound.map_err(|e| format!("{} is not a usable NCCL: {e}", path.display()));
+        }
+        let names: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
+        Err(format!(
+            "NCCL (libnccl.so.2) not found; tried {} and nvidia/nccl/lib under the Python installations (pip install nvidia-nccl-cu13, or set DFLASH_NCCL_LIB=/path/to/libnccl.so.2; --collective shm exchanges gradients through host memory instead)",
+            names.join(", ")
+        ))
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+impl Lib {
+    fn check(&self, what: &str, r: c_int) -> Result<()> {
+        if r == SUCCESS {
+            return Ok(());
+        }
+        // SAFETY: NCCL returns a static string for every result code.
+        let msg = unsafe { std::ffi::CStr::from_ptr((self.get_error_string)(r)) }.to_string_lossy().into_owned();
+        Err(WorkerError::Device { what: what.into(), source: crate::gpu::GpuError::Failed(format!("NCCL error {r}: {msg}")) })
+    }
+
+    /// NCCL's version as (major, minor, patch).
+    pub fn version(&self) -> Result<(u32, u32, u32)> {
+        let mut v: c_int = 0;
+        // SAFETY: writes one int.
+        self.check("ncclGetVersion", unsafe { (self.get_version)(&mut v) })?;
+        let v = v as u32;
+        // NCCL_VERSION(X,Y,Z): X*10000 + Y*100 + Z since 2.9, X*1000 + Y*100 + Z before.
+        Ok(if v >= 10000 { (v / 10000, v % 10000 / 100, v % 100) } else { (v / 1000, v % 1000 / 100, v % 100) })
+    }
+
+    /// A new unique id for a communicator (the first rank of an epoch makes it). Needs no
+    /// GPU: it names the first rank's bootstrap socket.
+    pub fn unique_id(&self) -> Result<Vec<u8>> {
+        let mut id = UniqueId { internal: [0; ID_BYTES] };
+        // SAFETY: writes the 128-byte id.
+        self.check("ncclGetUniqueId", unsafe { (self.get_unique_id)(&mut id) })?;
+        Ok(id.internal.iter().map(|&c| c as u8).collect())
+    }
+}
+
+/// The communicator of one epoch, as far as it got.
+enum CommState {
+    None,
+    /// Waiting for the first rank's id.
+    AwaitingId,
+    /// `ncclCommInitRank` running on a helper thread.
+    Building(Receiver<std::result::Result<usize, c_int>>),
+    Ready(Comm),
+}
+
+pub struct NcclCollective {
+    lib: &'static Lib,
+    rank: u32,
+    n: usize,
+    epoch: Option<(u64, Vec<u32>)>,
+    comm: CommState,
+    /// The epoch's id, to build its communicator with at the next poll.
+    pending_id: Option<Vec<u8>>,
+    /// Communicators of superseded epochs still being built: aborted once they exist.
+    abandoned: Vec<Receiver<std::result::Result<usize, c_int>>>,
+    /// The held gradient's step and loss weight.
+    held: Option<(u64, f64)>,
+    /// The all-reduce in flight: started when, and the event behind it.
+    launched: Option<(Instant, Event)>,
+    /// Two f64 on the device: the loss weight, all-reduced in place.
+    weight: DSlice,
+    done: Option<Reduced>,
+}
+
+// SAFETY: the communicator handles are only used from the worker's thread.
+unsafe impl Send for NcclCollective {}
+
+impl NcclCollective {
+    /// For a GPU drafter (`model` on a CUDA device) of `n` parameters.
+    pub fn new(rank: u32, n: usize, model: &mut GpuDrafter) -> Result<NcclCollective> {
+        let lib = load().map_err(WorkerError::Permanent)?;
+        let (major, minor, _) = lib.version()?;
+        if (major, minor) < (2, 18) {
+            return Err(WorkerError::Permanent(format!("{} is NCCL {major}.{minor}: 2.18 or newer is needed", lib.path.display())));
+        }
+        let dev = model.device();
+        if dev.cuda_handles().is_none() {
+            return Err(WorkerError::Permanent(format!("the NCCL collective needs a GPU; this drafter computes on {}", dev.describe())));
+        }
+        let ptr = dev.alloc(16).map_err(WorkerError::device("the loss weight's buffer"))?;
+        Ok(NcclCollective {
+            lib,
+            rank,
+            n,
+            epoch: None,
+            comm: CommState::None,
+            pending_id: None,
+            abandoned: Vec::new(),
+            held: None,
+            launched: None,
+            weight: DSlice { ptr, bytes: 16 },
+            done: None,
+        })
+    }
+
+    fn abort(&mut self) {
+        match std::mem::replace(&mut self.comm, CommState::None) {
+            // SAFETY: a communicator of ours; abort also ends its collectives in flight.
+            CommState::Ready(c) => unsafe {
+                (self.lib.comm_abort)(c);
+            },
+            CommState::Building(rx) => self.abandoned.push(rx),
+            _ => {}
+        }
+        self.pending_id = None;
+        self.launched = None;
+        self.done = None;
+    }
+
+    fn reap_abandoned(&mut self) {
+        let lib = self.lib;
+        self.abandoned.retain(|rx| match rx.try_recv() {
+            Ok(Ok(c)) => {
+                // SAFETY: built for an epoch that is over: nobody uses it.
+                unsafe { (lib.comm_abort)(c as Comm) };
+                false
+            }
+            Ok(Err(_)) | Err(TryRecvError::Disconnected) => false,
+            Err(TryRecvError::Empty) => true,
+        });
+    }
+
+    fn build(&mut self, id: &[u8], model: &mut GpuDrafter) -> Result<()> {
+        let Some((epoch, ranks)) = &self.epoch else { return Ok(()) };
+        if id.len() != ID_BYTES {
+            return Err(WorkerError::Protocol(format!("epoch {epoch}: an NCCL id of {} bytes, expected {ID_BYTES}", id.len())));
+        }
+        let mut uid = UniqueId { internal: [0; ID_BYTES] };
+        for (d, &b) in uid.internal.iter_mut().zip(id) {
+            *d = b as c_char;
+        }
+        let nranks = ranks.len() as c_int;
+        let me = ranks.iter().position(|&r| r == self.rank).expect("checked in form") as c_int;
+        let (ctx, _) = model.device().cuda_handles().expect("checked in new");
+        let init = self.lib.comm_init_rank;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name(format!("nccl-init-{epoch}"))
+            .spawn(move || {
+                let r = match ctx.bind_to_thread() {
+                    Ok(()) => {
+                        let mut comm: Comm = std::ptr::null_mut();
+                        // SAFETY: blocks until every rank of the epoch has called it.
+                        let r = unsafe { init(&mut comm, nranks, uid, me) };
+                        if r == SUCCESS { Ok(comm as usize) } else { Err(r) }
+                    }
+                    Err(_) => Err(-1),
+                };
+                let _ = tx.send(r);
+            })
+            .map_err(WorkerError::io("starting the NCCL init thread"))?;
+        self.comm = CommState::Building(rx);
+        Ok(())
+    }
+}
+
+impl Drop for NcclCollective {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+impl Collective for NcclCollective {
+    fn kind(&self) -> CollectiveKind {
+        CollectiveKind::Nccl
+    }
+
+    fn form(&mut self, epoch: u64, ranks: &[u32], id: Option<&[u8]>) -> Result<Formed> {
+        if !ranks.contains(&self.rank) {
+            return Err(WorkerError::Protocol(format!("epoch {epoch} of ranks {ranks:?} does not include this rank ({})", self.rank)));
+        }
+        let same = self.epoch.as_ref().is_some_and(|(e, _)| *e == epoch);
+        if !same {
+            self.abort();
+            self.epoch = Some((epoch, ranks.to_vec()));
+            self.comm = CommState::AwaitingId;
+        }
+        if !matches!(self.comm, CommState::AwaitingId) {
+            return Ok(Formed::Ready);
+        }
+        match id {
+            Some(id) => {
+                self.pending_id = Some(id.to_vec());
+                Ok(Formed::Ready)
+            }
+            None if ranks[0] == self.rank => {
+                let id = self.lib.unique_id()?;
+                self.pending_id = Some(id.clone());
+                Ok(Formed::Created(id))
+            }
+            None => Ok(Formed::AwaitingId),
+        }
+    }
+
+    fn contribute(&mut self, step: u64, weight: f64, _model: &mut GpuDrafter) -> Result<Option<bool>> {
+        self.held = Some((step, weight));
+        self.launched = None;
+        self.done = None;
+        Ok(None)
+    }
+
+    fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>> {
+        self.reap_abandoned();
+        if let Some(d) = self.done {
+            return Ok(Some(d));
+        }
+        if let Some(id) = self.pending_id.take() {
+            self.build(&id, model)?;
+        }
+        if let CommState::Building(rx) = &self.comm {
+            match rx.try_recv() {
+                Ok(Ok(c)) => self.comm = CommState::Ready(c as Comm),
+                Ok(Err(r)) => {
+                    self.comm = CommState::None;
+                    return self.lib.check("ncclCommInitRank", r).map(|_| None);
+                }
+                Err(TryRecvError::Empty) => return Ok(None),
+                Err(TryRecvError::Disconnected) => return Err(WorkerError::Protocol("the NCCL init thread died".into())),
+            }
+        }
+        let CommState::Ready(comm) = self.comm else { return Ok(None) };
+        let (Some((step, w)), Some((epoch, _))) = (self.held, self.epoch.as_ref()) else { return Ok(None) };
+        let epoch = *epoch;
+        let mut err: c_int = SUCCESS;
+        // SAFETY: a live communicator of ours.
+        self.lib.check("ncclCommGetAsyncError", unsafe { (self.lib.comm_get_async_error)(comm, &mut err) })?;
+        if err != SUCCESS && err != IN_PROGRESS {
+            return self.lib.check("an NCCL collective", err).map(|_| None);
+        }
+        let dev_err = |what: &'static str| WorkerError::device(what);
+        match self.launched {
+            None => {
+                let (grads, gred) = model.reduce_buffers();
+                let dev = model.device();
+                dev.upload(Stream::Compute, self.weight, &w.to_le_bytes()).map_err(dev_err("the loss weight to the device"))?;
+                let (_, stream) = dev.cuda_handles().expect("checked in new");
+                // SAFETY: device buffers of `n` f32 (and one f64) that live as long as the
+                // drafter; queued on the compute stream behind the backward that wrote
+                // `grads`, and before anything that reads `gred`.
+                unsafe {
+                    self.lib.check("ncclAllReduce (gradient)", (self.lib.all_reduce)(grads.ptr as *const c_void, gred.ptr as *mut c_void, self.n, FLOAT32, SUM, comm, stream.cast()))?;
+                    self.lib.check("ncclAllReduce (loss weight)", (self.lib.all_reduce)(self.weight.ptr as *const c_void, self.weight.ptr as *mut c_void, 1, FLOAT64, SUM, comm, stream.cast()))?;
+                }
+                let e = dev.record(Stream::Compute).map_err(dev_err("an event behind the all-reduce"))?;
+                self.launched = Some((Instant::now(), e));
+                Ok(None)
+            }
+            Some((t, e)) => {
+                let dev = model.device();
+                if !dev.event_done(e).map_err(dev_err("the all-reduce's event"))? {
+                    return Ok(None);
+                }
+                dev.release_event(e);
+                let mut b = [0u8; 8];
+                dev.download(Stream::Compute, self.weight.sub(1, 0..8), &mut b).map_err(dev_err("the all-reduced loss weight"))?;
+                let d = Reduced { step, epoch, weight_sum: f64::from_le_bytes(b), ms: t.elapsed().as_secs_f64() * 1e3 };
+                self.done = Some(d);
+                Ok(Some(d))
+            }
+        }
+    }
+
+    fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>> {
+        let d = self.done.ok_or_else(|| WorkerError::Protocol(format!("step {step} committed before this rank's all-reduce completed")))?;
+        if d.step != step {
+            return Err(WorkerError::Protocol(format!("step {step} committed, but this rank reduced step {}", d.step)));
+        }
+        super::shm::check_weight(d.weight_sum, weight_sum)?;
+        self.held = None;
+        self.launched = None;
+        self.done = None;
+        model.apply_reduced(step, d.weight_sum, clip, lr, hyper).map_err(WorkerError::device(format!("applying step {step} on the device")))
+    }
+}
