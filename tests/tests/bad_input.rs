@@ -58,6 +58,8 @@ fn bad_flags_and_values() {
     expect_usage_error(&["--gpus", "cpu:2", "--hidden-slots", "0"], &["--hidden-slots 0"]);
     expect_usage_error(&["--gpus", "cpu:2", "--taps", "1,6"], &["--taps", "layer 6 does not exist", "6 layers"]);
     expect_usage_error(&["--gpus", "cpu:2", "--target", "/nonexistent/model"], &["--target /nonexistent/model", "config.json"]);
+    expect_usage_error(&["--gpus", "cpu:3", "--collective", "nccl"], &["--collective nccl", "2 of the 2 drafters are CPU workers", "--collective shm"]);
+    expect_usage_error(&["--gpus", "cpu:3", "--collective", "mpi"], &["mpi", "--collective"]);
 }
 
 #[test]

@@ -76,17 +76,28 @@ pub fn candidates() -> Vec<PathBuf> {
     if let Some(h) = std::env::var_os("HOME") {
         roots.push(Path::new(&h).join(".local/lib"));
     }
+    let mut sites = Vec::new();
     for root in roots {
         let Ok(entries) = std::fs::read_dir(&root) else { continue };
         let mut pythons: Vec<PathBuf> = entries.flatten().map(|e| e.path()).filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python3"))).collect();
         pythons.sort();
         for py in pythons {
-            for site in ["site-packages", "dist-packages"] {
-                let lib = py.join(site).join("nvidia/nccl/lib/libnccl.so.2");
-                if lib.is_file() {
-                    out.push(lib);
-                }
-            }
+            sites.push(py.join("site-packages"));
+            sites.push(py.join("dist-packages"));
+        }
+    }
+    // The python3 on the PATH knows its own (pyenv, conda, a venv not activated here).
+    if let Ok(o) = std::process::Command::new("python3")
+        .args(["-c", "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))"])
+        .stderr(std::process::Stdio::null())
+        .output()
+    {
+        sites.extend(String::from_utf8_lossy(&o.stdout).lines().map(PathBuf::from));
+    }
+    for site in sites {
+        let lib = site.join("nvidia/nccl/lib/libnccl.so.2");
+        if lib.is_file() && !out.contains(&lib) {
+            out.push(lib);
         }
     }
     out

@@ -652,3 +652,73 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 32")));
 }
 
+
+/// What a device collective relies on: the gradient left on the device is the one the host
+/// path downloads, and a sum all-reduced into the device's reduce buffer, scaled there by
+/// 1/Σw, steps the weights exactly as the host's scaled sum does.
+#[test]
+fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
+    use dflash_shared::drafter::DrafterConfig;
+    use dflash_worker::gpu::drafter::GpuDrafter;
+    use dflash_worker::gpu::{f32_bytes, Stream};
+    use dflash_worker::model::drafter::{reduce_slots, AdamW, Drafter, Frozen, Sample};
+    let c = DrafterConfig {
+        hidden: 32,
+        layers: 1,
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 16,
+        intermediate: 40,
+        vocab: 300,
+        eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        n_taps: 2,
+        block_size: 4,
+        max_anchors: 3,
+        mask_token_id: 299,
+        gamma: 4.0,
+    };
+    let d = Drafter::new(c.clone());
+    let mut rng = Rng::new(5);
+    let p = d.init_params(9);
+    let frozen = Frozen { embed: rand_vec(&mut rng, c.vocab * c.hidden, 1.0), lm_head: rand_vec(&mut rng, c.vocab * c.hidden, 0.5) };
+    let len = 19;
+    let taps16: Vec<u8> = rand_vec(&mut rng, len * c.n_taps * c.hidden, 1.0).iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
+    let ids: Vec<u32> = (0..len).map(|t| (t * 37 % 290) as u32).collect();
+    let mask: Vec<u8> = (0..len).map(|t| (t % 5 != 2) as u8).collect();
+    let anchors = vec![d.sample_anchors(&mask, &mut rng)];
+    let samples = [Sample { taps: &[], ids: &ids, mask: &mask }];
+    let raw = [taps16.as_slice()];
+    let n = p.len();
+    let zeros = vec![0f32; n];
+    let mut host = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let mut dev = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    host.load(&p, &zeros, &zeros, 0).unwrap();
+    dev.load(&p, &zeros, &zeros, 0).unwrap();
+    let mut g = vec![0f32; n];
+    let s1 = host.train_batch_bf16(&samples, &raw, &anchors, 1.0, &mut g).unwrap();
+    let s2 = dev.train_batch_bf16_on_device(&samples, &raw, &anchors, 1.0).unwrap();
+    assert_eq!(s1.loss_sum, s2.loss_sum);
+    let mut kept = vec![0u8; n * 4];
+    dev.grads_to_host(&mut kept).unwrap();
+    assert!(kept.chunks_exact(4).zip(&g).all(|(b, v)| b == v.to_le_bytes()), "the gradient left on the device is the downloaded one");
+    // Two ranks' worth: this gradient and a scaled copy, with their loss weights.
+    let other: Vec<f32> = g.iter().map(|x| x * -0.5).collect();
+    let sum: Vec<f32> = g.iter().zip(&other).map(|(a, b)| a + b).collect();
+    let weight = s1.weight_sum + 3.0;
+    let (_, gred) = dev.reduce_buffers();
+    dev.device().upload(Stream::Compute, gred, f32_bytes(&sum)).unwrap();
+    let opt = AdamW::new(n);
+    let mut scaled = sum.clone();
+    reduce_slots(&mut scaled, weight);
+    host.apply(1, &scaled, 1.0, 1e-2, &opt.hyper()).unwrap();
+    dev.apply_reduced(1, weight, 1.0, 1e-2, &opt.hyper()).unwrap();
+    let (a, b) = (host.drain().unwrap().unwrap(), dev.drain().unwrap().unwrap());
+    assert_eq!((a.skipped, a.grad_norm.to_bits()), (b.skipped, b.grad_norm.to_bits()), "the same norm: {a:?} {b:?}");
+    let (mut pa, mut pb, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+    host.fetch(&mut pa, &mut m, &mut v).unwrap();
+    dev.fetch(&mut pb, &mut m, &mut v).unwrap();
+    assert!(pa.iter().zip(&pb).all(|(x, y)| x.to_bits() == y.to_bits()), "the weights after the step are the same to the bit");
+    assert!(rel_err(&pa, &p) > 1e-5, "and they moved");
+}
