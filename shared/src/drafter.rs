@@ -206,6 +206,8 @@ pub enum CollectiveKind {
     Shm,
     /// NCCL on the GPUs (all-reduce of device buffers).
     Nccl,
+    /// A group of one rank: its own gradient is the sum, taken on its device.
+    Local,
 }
 
 impl CollectiveKind {
@@ -213,6 +215,7 @@ impl CollectiveKind {
         match self {
             CollectiveKind::Shm => "shared memory",
             CollectiveKind::Nccl => "NCCL",
+            CollectiveKind::Local => "nothing (one rank)",
         }
     }
 }

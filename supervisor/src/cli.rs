@@ -243,8 +243,8 @@ pub struct RunArgs {
 
     /// How the drafter ranks exchange gradients: nccl (all-reduce on the GPUs; needs
     /// libnccl.so.2, e.g. pip install nvidia-nccl-cu13, or DFLASH_NCCL_LIB), shm (through
-    /// the supervisor's shared memory, summed on the host), or auto (nccl when two or more
-    /// drafters are on GPUs, else shm).
+    /// the supervisor's shared memory, summed on the host), or auto (nothing to exchange
+    /// with one drafter; nccl when two or more drafters are on GPUs; else shm).
     #[arg(long, value_name = "KIND", default_value = "auto", value_parser = ["auto", "shm", "nccl"], help_heading = "Training")]
     pub collective: String,
 

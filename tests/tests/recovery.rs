@@ -270,7 +270,9 @@ fn a_checkpoint_damaged_before_a_rollback_sends_the_group_further_back_and_loses
         "--snapshot-every", "1000", "--max-seq-len", "64", "--token-budget", "512",
     ]);
     let ck = sup.run_dir.join("checkpoints").join("step-00000010");
-    wait_for("the checkpoint of step 10", T, || ck.join("meta.json").is_file().then_some(()));
+    // Complete on disk and known to the supervisor (a drafter killed between its rename and
+    // its report leaves a checkpoint the supervisor never heard of, and never rolls back to).
+    wait_for("the checkpoint of step 10", T, || sup.events().iter().any(|e| e["event"] == "checkpoint" && e["step"] == 10).then_some(()));
     let f = ck.join("state.safetensors");
     let len = std::fs::metadata(&f).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 7).unwrap();

@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::path::Path;
 
-use crate::collective::{nccl::NcclCollective, shm::ShmCollective, Collective, Formed, Reduced};
+use crate::collective::{local::LocalCollective, nccl::NcclCollective, shm::ShmCollective, Collective, Formed, Reduced};
 use crate::error::{Result, WorkerError};
 use dflash_shared::drafter::CollectiveKind;
 use dflash_shared::batch::HiddenView;
@@ -89,7 +89,8 @@ impl Rank {
                 let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone()).map_err(WorkerError::io("mapping the gradient pool"))?;
                 Box::new(ShmCollective::new(grads, setup.rank, n)?)
             }
-            CollectiveKind::Nccl => Box::new(NcclCollective::new(setup.rank, n, &mut model)?),
+            CollectiveKind::Nccl => Box::new(NcclCollective::new(setup.rank, &mut model)?),
+            CollectiveKind::Local => Box::new(LocalCollective::new(setup.rank)),
         };
         let mut r = Rank {
             model,

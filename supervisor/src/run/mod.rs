@@ -337,6 +337,7 @@ pub(crate) fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], targ
             return Err(Error::Flag(format!("--collective nccl: NCCL all-reduces GPU buffers, but {why}; use --collective shm (or auto)")));
         }
         "nccl" => CollectiveKind::Nccl,
+        _ if drafters == 1 => CollectiveKind::Local,
         _ if gpu_drafters >= 2 && !host_device => CollectiveKind::Nccl,
         _ => CollectiveKind::Shm,
     };

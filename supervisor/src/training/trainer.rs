@@ -296,11 +296,11 @@ impl Trainer {
     }
 
     /// A gradient slot: the stamp and the gradient for the shared-memory collective; NCCL
-    /// ranks keep their gradients on their GPUs and use none.
+    /// ranks and a lone rank keep their gradients on their devices and use none.
     fn grad_slot_bytes(params: usize, collective: CollectiveKind) -> u64 {
         match collective {
             CollectiveKind::Shm => GRAD_SLOT_HEADER + params as u64 * 4,
-            CollectiveKind::Nccl => GRAD_SLOT_HEADER,
+            CollectiveKind::Nccl | CollectiveKind::Local => GRAD_SLOT_HEADER,
         }
     }
 

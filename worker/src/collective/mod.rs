@@ -1,7 +1,8 @@
 //! The drafter group's gradient exchange, behind one interface with two implementations:
 //! [`shm::ShmCollective`] (the supervisor's shared gradient pool, summed on the host: CPU
 //! workers, and GPU groups without NCCL) and [`nccl::NcclCollective`] (NCCL all-reduce
-//! of device buffers, the library loaded at run time).
+//! of device buffers, the library loaded at run time); and a third for a group of one
+//! rank, [`local::LocalCollective`], which needs no exchange at all.
 //!
 //! The protocol around it is the same for both, and the supervisor drives it:
 //! - Membership comes in epochs ([`ToWorker::Group`]): every change of the group's ranks
@@ -21,6 +22,7 @@
 //! [`ToWorker::Apply`]: dflash_shared::protocol::ToWorker::Apply
 //! [`FromWorker::Reduced`]: dflash_shared::protocol::FromWorker::Reduced
 
+pub mod local;
 pub mod nccl;
 pub mod shm;
 

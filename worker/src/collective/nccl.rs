@@ -1,5 +1,8 @@
 //! The NCCL collective: GPU ranks all-reduce their gradients on the GPUs, device buffer to
-//! device buffer, on the compute stream behind the backward that produced them.
+//! device buffer, bucket by bucket on the copy stream, each bucket behind the event the
+//! backward recorded once it had finished it (so the all-reduce of the last layers runs
+//! while the backward of the first ones does, as DDP overlaps them), and the optimizer
+//! behind the last bucket's reduction: ordered by events, with no host sync.
 //!
 //! NCCL is loaded at run time, by path, from the first of: `DFLASH_NCCL_LIB`, the
 //! loader's path (`libnccl.so.2`, `libnccl.so`), and the `nvidia/nccl/lib` directory of
@@ -182,7 +185,6 @@ enum CommState {
 pub struct NcclCollective {
     lib: &'static Lib,
     rank: u32,
-    n: usize,
     epoch: Option<(u64, Vec<u32>)>,
     comm: CommState,
     /// The epoch's id, to build its communicator with at the next poll.
@@ -191,7 +193,8 @@ pub struct NcclCollective {
     abandoned: Vec<Receiver<std::result::Result<usize, c_int>>>,
     /// The held gradient's step and loss weight.
     held: Option<(u64, f64)>,
-    /// The all-reduce in flight: started when, and the event behind it.
+    /// The all-reduce in flight: started when, and the event behind it on the copy stream
+    /// (the optimizer waits for it; an epoch's abort forgets it).
     launched: Option<(Instant, Event)>,
     /// Two f64 on the device: the loss weight, all-reduced in place.
     weight: DSlice,
@@ -202,8 +205,8 @@ pub struct NcclCollective {
 unsafe impl Send for NcclCollective {}
 
 impl NcclCollective {
-    /// For a GPU drafter (`model` on a CUDA device) of `n` parameters.
-    pub fn new(rank: u32, n: usize, model: &mut GpuDrafter) -> Result<NcclCollective> {
+    /// For a GPU drafter (`model` on a CUDA device).
+    pub fn new(rank: u32, model: &mut GpuDrafter) -> Result<NcclCollective> {
         let lib = load().map_err(WorkerError::Permanent)?;
         let (major, minor, _) = lib.version()?;
         if (major, minor) < (2, 18) {
@@ -217,7 +220,6 @@ impl NcclCollective {
         Ok(NcclCollective {
             lib,
             rank,
-            n,
             epoch: None,
             comm: CommState::None,
             pending_id: None,
@@ -366,18 +368,27 @@ impl Collective for NcclCollective {
         let dev_err = |what: &'static str| WorkerError::device(what);
         match self.launched {
             None => {
-                let (grads, gred) = model.reduce_buffers();
+                let lib = self.lib;
                 let dev = model.device();
-                dev.upload(Stream::Compute, self.weight, &w.to_le_bytes()).map_err(dev_err("the loss weight to the device"))?;
-                let (_, stream) = dev.cuda_handles().expect("checked in new");
-                // SAFETY: device buffers of `n` f32 (and one f64) that live as long as the
-                // drafter; queued on the compute stream behind the backward that wrote
-                // `grads`, and before anything that reads `gred`.
-                unsafe {
-                    self.lib.check("ncclAllReduce (gradient)", (self.lib.all_reduce)(grads.ptr as *const c_void, gred.ptr as *mut c_void, self.n, FLOAT32, SUM, comm, stream.cast()))?;
-                    self.lib.check("ncclAllReduce (loss weight)", (self.lib.all_reduce)(self.weight.ptr as *const c_void, self.weight.ptr as *mut c_void, 1, FLOAT64, SUM, comm, stream.cast()))?;
-                }
-                let e = dev.record(Stream::Compute).map_err(dev_err("an event behind the all-reduce"))?;
+                let (_, streams) = dev.cuda_handles().expect("checked in new");
+                let copy = streams[Stream::Copy.index()];
+                dev.upload(Stream::Copy, self.weight, &w.to_le_bytes()).map_err(dev_err("the loss weight to the device"))?;
+                // SAFETY: one f64 on the device that lives as long as this collective.
+                lib.check("ncclAllReduce (loss weight)", unsafe { (lib.all_reduce)(self.weight.ptr as *const c_void, self.weight.ptr as *mut c_void, 1, FLOAT64, SUM, comm, copy.cast()) })?;
+                // Every rank issues the same buckets in the same order (the layout's).
+                let e = model
+                    .reduce_buckets(Stream::Copy, |_, g, r| {
+                        // SAFETY: a range of the gradient and the same range of the reduce
+                        // buffer, both alive as long as the drafter; queued on the copy
+                        // stream behind the event of the backward that finished it.
+                        let rc = unsafe { (lib.all_reduce)(g.ptr as *const c_void, r.ptr as *mut c_void, g.bytes / 4, FLOAT32, SUM, comm, copy.cast()) };
+                        if rc == SUCCESS {
+                            Ok(())
+                        } else {
+                            Err(crate::gpu::GpuError::Failed(format!("ncclAllReduce of a gradient bucket: NCCL error {rc}")))
+                        }
+                    })
+                    .map_err(dev_err("the gradient's all-reduce"))?;
                 self.launched = Some((Instant::now(), e));
                 Ok(None)
             }
@@ -386,9 +397,8 @@ impl Collective for NcclCollective {
                 if !dev.event_done(e).map_err(dev_err("the all-reduce's event"))? {
                     return Ok(None);
                 }
-                dev.release_event(e);
                 let mut b = [0u8; 8];
-                dev.download(Stream::Compute, self.weight.sub(1, 0..8), &mut b).map_err(dev_err("the all-reduced loss weight"))?;
+                dev.download(Stream::Copy, self.weight.sub(1, 0..8), &mut b).map_err(dev_err("the all-reduced loss weight"))?;
                 let d = Reduced { step, epoch, weight_sum: f64::from_le_bytes(b), ms: t.elapsed().as_secs_f64() * 1e3 };
                 self.done = Some(d);
                 Ok(Some(d))
@@ -403,8 +413,8 @@ impl Collective for NcclCollective {
         }
         super::shm::check_weight(d.weight_sum, weight_sum)?;
         self.held = None;
-        self.launched = None;
+        let after = self.launched.take().map(|(_, e)| e);
         self.done = None;
-        model.apply_reduced(step, d.weight_sum, clip, lr, hyper).map_err(WorkerError::device(format!("applying step {step} on the device")))
+        model.apply_reduced(step, d.weight_sum, clip, lr, hyper, after).map_err(WorkerError::device(format!("applying step {step} on the device")))
     }
 }

@@ -121,8 +121,8 @@ impl Device for CudaDevice {
         Ok(self.events.get(e)?.is_complete())
     }
 
-    fn cuda_handles(&self) -> Option<(Arc<CudaContext>, cudarc::driver::sys::CUstream)> {
-        Some((self.ctx.clone(), self.streams[0].cu_stream()))
+    fn cuda_handles(&self) -> Option<(Arc<CudaContext>, [cudarc::driver::sys::CUstream; 2])> {
+        Some((self.ctx.clone(), [self.streams[0].cu_stream(), self.streams[1].cu_stream()]))
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {

@@ -276,6 +276,11 @@ pub struct GpuDrafter {
     mixed: Mixed,
     max_len: usize,
     max_rows: usize,
+    /// The last batch's gradient buckets, in the order backward finished them: each
+    /// parameter range and an event on the compute stream behind its last write (recorded
+    /// during the last sample's backward, so a collective can reduce a bucket while the
+    /// rest of the backward runs).
+    buckets: Vec<(std::ops::Range<usize>, super::Event)>,
 }
 
 /// What [`GpuDrafter::place`] lays out.
@@ -308,7 +313,7 @@ impl GpuDrafter {
         // SAFETY: the page lives as long as the device (see the field order).
         unsafe { dev.register_host(readback.ptr, READBACK)? };
         dev.upload(Stream::Compute, pl.opt.one, f32_bytes(&[1.0]))?;
-        Ok(GpuDrafter {
+        let mut g = GpuDrafter {
             d: Drafter::new(d.cfg.clone()),
             ops: Ops::new(dev),
             readback,
@@ -327,7 +332,16 @@ impl GpuDrafter {
             mixed: pl.mixed,
             max_len: s,
             max_rows: m,
-        })
+            buckets: Vec::new(),
+        };
+        // Each bucket of the gradient (and of the reduce buffer) is its own region to the
+        // host device's race detector: a collective reads one while the backward writes
+        // the next.
+        for (k, r) in g.bucket_plan().into_iter().enumerate() {
+            g.ops.dev.track(g.grads.f32s(r.clone()), &format!("gradients (bucket {k})"));
+            g.ops.dev.track(g.opt.gred.f32s(r), &format!("all-reduced gradients (bucket {k})"));
+        }
+        Ok(g)
     }
 
     /// Lay out (and, in a real arena, fill) everything for rows of `s` positions and `m`
@@ -499,8 +513,12 @@ impl GpuDrafter {
     /// reduce buffer ([`Self::reduce_buffers`]): scaled by `1 / weight_sum` on the device
     /// (a GEMM with the constant 1, as [`crate::model::drafter::reduce_slots`] scales the
     /// host sum) and applied, with no host copy of it.
-    pub fn apply_reduced(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &super::ops::AdamHyper) -> Result<Option<StepOutcome>> {
+    pub fn apply_reduced(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &super::ops::AdamHyper, after: Option<super::Event>) -> Result<Option<StepOutcome>> {
         let before = self.drain()?;
+        if let Some(e) = after {
+            self.ops.dev.wait(Stream::Compute, e)?;
+            self.ops.dev.release_event(e);
+        }
         let (n, o) = (self.d.layout.total, &self.opt);
         let alpha = if weight_sum > 0.0 { (1.0 / weight_sum) as f32 } else { 1.0 };
         let g = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha, a: o.gred, lda: n, b: o.one, ldb: 1, beta: 0.0, c: o.gsum, ldc: n, bf16_inputs: false };
@@ -513,6 +531,57 @@ impl GpuDrafter {
     /// the group's into; both hold the drafter's parameter count of f32.
     pub fn reduce_buffers(&self) -> (DSlice, DSlice) {
         (self.grads, self.opt.gred)
+    }
+
+    fn release_buckets(&mut self) {
+        for (_, e) in self.buckets.drain(..) {
+            self.ops.dev.release_event(e);
+        }
+    }
+
+    /// Reduce the last batch's gradient bucket by bucket on `stream`, each as soon as the
+    /// backward has finished it: `reduce(device, bucket of the gradient, the same range of
+    /// the reduce buffer)` is queued on `stream` behind the bucket's event, so on a GPU it
+    /// runs while the rest of the backward does. Buckets cover every parameter exactly
+    /// once, the same on every rank; without the backward's events (a zero gradient, or
+    /// no sample) each waits for everything queued so far. Returns an event on `stream` behind the last one:
+    /// give it to [`apply_reduced`](Self::apply_reduced).
+    pub fn reduce_buckets(&mut self, stream: Stream, mut reduce: impl FnMut(&mut dyn Device, DSlice, DSlice) -> Result<()>) -> Result<super::Event> {
+        let mut buckets = std::mem::take(&mut self.buckets);
+        if buckets.is_empty() {
+            for r in self.bucket_plan() {
+                buckets.push((r, self.ops.dev.record(Stream::Compute)?));
+            }
+        }
+        let (grads, gred) = (self.grads, self.opt.gred);
+        let dev = self.ops.dev.as_mut();
+        let mut result = Ok(());
+        for (r, e) in buckets {
+            if result.is_ok() {
+                result = dev.wait(stream, e).and_then(|_| reduce(dev, grads.f32s(r.clone()), gred.f32s(r)));
+            }
+            dev.release_event(e);
+        }
+        result?;
+        dev.record(stream)
+    }
+
+    /// A one-rank group's "all-reduce": its gradient copied into the reduce buffer on the
+    /// copy stream, bucket by bucket behind the backward (a GEMM with the constant 1, so
+    /// every device has it). Returns the event for [`apply_reduced`](Self::apply_reduced).
+    pub fn reduce_alone(&mut self) -> Result<super::Event> {
+        let one = self.opt.one;
+        self.reduce_buckets(Stream::Copy, |dev, g, r| {
+            let n = g.bytes / 4;
+            let gemm = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha: 1.0, a: g, lda: n.max(1), b: one, ldb: 1, beta: 0.0, c: r, ldc: n.max(1), bf16_inputs: false };
+            dev.gemm(Stream::Copy, &gemm)
+        })
+    }
+
+    /// The parameter ranges of the last batch's buckets, in the order backward finished
+    /// them (for tests and the benchmark).
+    pub fn bucket_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        self.buckets.iter().map(|(r, _)| r.clone()).collect()
     }
 
     /// The device, for a collective that works on its buffers and streams.
@@ -599,13 +668,15 @@ impl GpuDrafter {
         let bs = d.cfg.block_size;
         let total_weight = d.total_weight(samples, anchors);
         let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], ..Default::default() };
+        self.release_buckets();
         self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
         if total_weight > 0.0 {
+            let last = anchors.iter().rposition(|a| !a.is_empty());
             for (i, (s, an)) in samples.iter().zip(anchors).enumerate() {
                 if an.is_empty() {
                     continue;
                 }
-                let st = self.sample(s, taps16.map(|t| t[i]), an, denominator)?;
+                let st = self.sample(s, taps16.map(|t| t[i]), an, denominator, Some(i) == last)?;
                 stats.merge(&st);
             }
         }
@@ -668,7 +739,7 @@ impl GpuDrafter {
 
 
     /// One sample's forward, loss and backward, its gradient added into `grads`.
-    fn sample(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], denominator: f64) -> Result<StepStats> {
+    fn sample(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], denominator: f64, last: bool) -> Result<StepStats> {
         let bs = self.d.cfg.block_size;
         let (slen, nb) = (s.ids.len(), anchors.len());
         let m = nb * bs;
@@ -679,7 +750,7 @@ impl GpuDrafter {
         self.inputs(s, taps16, anchors, dims)?;
         self.forward(dims)?;
         let (stats, supervised) = self.loss(s, anchors, dims, denominator)?;
-        self.backward(dims, supervised)?;
+        self.backward(dims, supervised, last)?;
         Ok(stats)
     }
 
@@ -854,13 +925,14 @@ impl GpuDrafter {
 
     /// The backward from the loss's gradient (`supervised` rows in `dxrows`) through the
     /// final norm, every layer in reverse and the context projection, into `grads`.
-    fn backward(&mut self, dims: Dims, supervised: usize) -> Result<()> {
+    fn backward(&mut self, dims: Dims, supervised: usize, buckets: bool) -> Result<()> {
         let n = supervised;
         let c = self.d.cfg.clone();
         let lc = self.locals(dims);
         let Locals { h, hd, inter, qd, kd, qh, kvh, slen, m, tk, fc, hnorm, fnorm, pw, gw, mx, taps, ctx_pre, ctx, ctx_rstd, hcur, spans_d, rstd_f, .. } = lc;
         let w = &self.w;
         let layers = self.d.layers.clone();
+        let mut plan = self.bucket_plan().into_iter();
         let ops = &mut self.ops;
         // Backward.
         let dhn = w.o.f32s(0..m * h);
@@ -871,7 +943,17 @@ impl GpuDrafter {
         let dh = w.dh.f32s(0..m * h);
         ops.dev.memset_zero(Stream::Compute, dh)?;
         let g = |name: &str| gw.f32s(self.d.layout.range(name));
+        let mut done: Vec<(std::ops::Range<usize>, super::Event)> = Vec::new();
+        // The plan's next bucket is final (the last sample's backward wrote it last).
+        let mut bucket = |ops: &mut Ops| -> Result<()> {
+            let range = plan.next().expect("one bucket per point of the backward");
+            if buckets {
+                done.push((range, ops.dev.record(Stream::Compute)?));
+            }
+            Ok(())
+        };
         ops.rmsnorm_backward(dhn, hcur, fnorm, rstd_f, dh, Some(g("norm.weight")), m, h)?;
+        bucket(ops)?;
         let dctx = w.dctx.f32s(0..slen * h);
         ops.dev.memset_zero(Stream::Compute, dctx)?;
         for (li, sv) in layers.iter().zip(&self.saved).rev() {
@@ -909,12 +991,29 @@ impl GpuDrafter {
             mx.mm_back(ops, dv.f32s(slen * kd..tk * kd), x, lc.pp(&li.wv), Some(dx), Some(gr(&li.wv)), m, h, kd)?;
             mx.mm_back(ops, dv.f32s(0..slen * kd), ctx, lc.pp(&li.wv), Some(dctx), Some(gr(&li.wv)), slen, h, kd)?;
             ops.rmsnorm_backward(dx, h_in, p(&li.ln1), sv.rstd1.f32s(0..m), dh, Some(gr(&li.ln1)), m, h)?;
+            bucket(ops)?;
         }
         // The block embeddings are frozen: dh stops here. The context goes back to fc.
         let dctx_pre = w.dctx_pre.f32s(0..slen * h);
         ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
         ops.rmsnorm_backward(dctx, ctx_pre, hnorm, ctx_rstd, dctx_pre, Some(g("hidden_norm.weight")), slen, h)?;
         mx.mm_back(ops, dctx_pre, taps, fc, None, Some(g("fc.weight")), slen, c.n_taps * h, h)?;
+        bucket(ops)?;
+        self.buckets = done;
         Ok(())
+    }
+
+    /// The gradient's buckets in the order the backward finishes them: the final norm,
+    /// each layer from the last, then the context projection (fc and hidden_norm).
+    /// Together they cover every parameter once; every rank has the same.
+    pub fn bucket_plan(&self) -> Vec<std::ops::Range<usize>> {
+        let lay = &self.d.layout;
+        let span = |ranges: &[std::ops::Range<usize>]| ranges.iter().map(|r| r.start).min().unwrap_or(0)..ranges.iter().map(|r| r.end).max().unwrap_or(0);
+        let mut plan = vec![lay.range("norm.weight")];
+        for li in self.d.layers.iter().rev() {
+            plan.push(span(&[li.ln1.clone(), li.wq.clone(), li.wk.clone(), li.wv.clone(), li.wo.clone(), li.qn.clone(), li.kn.clone(), li.ln2.clone(), li.gate.clone(), li.up.clone(), li.down.clone()]));
+        }
+        plan.push(span(&[lay.range("fc.weight"), lay.range("hidden_norm.weight")]));
+        plan
     }
 }

@@ -236,9 +236,9 @@ pub trait Device: Send {
         self.sync_event(e)?;
         Ok(true)
     }
-    /// A real GPU's context and raw compute stream, for a library that works on them
-    /// directly (NCCL); `None` on the host and CPU devices.
-    fn cuda_handles(&self) -> Option<(std::sync::Arc<cudarc::driver::CudaContext>, cudarc::driver::sys::CUstream)> {
+    /// A real GPU's context and raw streams (indexed by [`Stream::index`]), for a library
+    /// that works on them directly (NCCL); `None` on the host and CPU devices.
+    fn cuda_handles(&self) -> Option<(std::sync::Arc<cudarc::driver::CudaContext>, [cudarc::driver::sys::CUstream; 2])> {
         None
     }
 }

@@ -713,7 +713,7 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     let mut scaled = sum.clone();
     reduce_slots(&mut scaled, weight);
     host.apply(1, &scaled, 1.0, 1e-2, &opt.hyper()).unwrap();
-    dev.apply_reduced(1, weight, 1.0, 1e-2, &opt.hyper()).unwrap();
+    dev.apply_reduced(1, weight, 1.0, 1e-2, &opt.hyper(), None).unwrap();
     let (a, b) = (host.drain().unwrap().unwrap(), dev.drain().unwrap().unwrap());
     assert_eq!((a.skipped, a.grad_norm.to_bits()), (b.skipped, b.grad_norm.to_bits()), "the same norm: {a:?} {b:?}");
     let (mut pa, mut pb, mut m, mut v) = (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
@@ -721,4 +721,45 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     dev.fetch(&mut pb, &mut m, &mut v).unwrap();
     assert!(pa.iter().zip(&pb).all(|(x, y)| x.to_bits() == y.to_bits()), "the weights after the step are the same to the bit");
     assert!(rel_err(&pa, &p) > 1e-5, "and they moved");
+
+    // Buckets: two samples, events recorded in the last one's backward only. They follow
+    // the plan (final norm, layers from the last, the context projection), cover every
+    // parameter once, and a one-rank reduction through them on the copy stream, ordered
+    // only by those events (the host device's race detector checks it), steps the weights
+    // like the host path.
+    let ids2: Vec<u32> = (0..len).map(|t| (t * 13 % 290) as u32).collect();
+    let two = [Sample { taps: &[], ids: &ids, mask: &mask }, Sample { taps: &[], ids: &ids2, mask: &mask }];
+    let raw2 = [taps16.as_slice(), taps16.as_slice()];
+    let anchors2 = vec![anchors[0].clone(), anchors[0].clone()];
+    host.load(&p, &zeros, &zeros, 0).unwrap();
+    dev.load(&p, &zeros, &zeros, 0).unwrap();
+    let s1 = host.train_batch_bf16(&two, &raw2, &anchors2, 1.0, &mut g).unwrap();
+    dev.train_batch_bf16_on_device(&two, &raw2, &anchors2, 1.0).unwrap();
+    let plan = dev.bucket_plan();
+    assert_eq!(dev.bucket_ranges(), plan, "one event per bucket of the plan, in its order");
+    assert_eq!(plan.len(), c.layers + 2);
+    let mut covered: Vec<std::ops::Range<usize>> = plan.clone();
+    covered.sort_by_key(|r| r.start);
+    assert_eq!(covered.first().unwrap().start, 0);
+    assert!(covered.windows(2).all(|w| w[0].end == w[1].start) && covered.last().unwrap().end == n, "every parameter once: {covered:?}");
+    assert_eq!(plan[0], d.layout.range("norm.weight"), "the final norm's gradient is finished first");
+    let e = dev.reduce_alone().unwrap();
+    let mut scaled = g.clone();
+    reduce_slots(&mut scaled, s1.weight_sum);
+    host.apply(1, &scaled, 1.0, 1e-2, &opt.hyper()).unwrap();
+    dev.apply_reduced(1, s1.weight_sum, 1.0, 1e-2, &opt.hyper(), Some(e)).unwrap();
+    host.drain().unwrap();
+    dev.drain().unwrap();
+    host.fetch(&mut pa, &mut m, &mut v).unwrap();
+    dev.fetch(&mut pb, &mut m, &mut v).unwrap();
+    assert!(pa.iter().zip(&pb).all(|(x, y)| x.to_bits() == y.to_bits()), "bucketed: the same weights to the bit");
+    // Without the events, a copy of the gradient on the copy stream races the backward
+    // that writes it: the host device (which runs streams concurrently) refuses it.
+    if !device().is_cpu() {
+        dev.train_batch_bf16_on_device(&two, &raw2, &anchors2, 1.0).unwrap();
+        let (gr, red) = dev.reduce_buffers();
+        let copy = dflash_worker::gpu::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha: 1.0, a: gr, lda: n, b: gr.f32s(0..1), ldb: 1, beta: 0.0, c: red, ldc: n, bf16_inputs: false };
+        let err = dev.device().gemm(Stream::Copy, &copy).and_then(|_| dev.device().sync()).unwrap_err().to_string();
+        assert!(err.contains("race") || err.contains("not ordered") || err.contains("written"), "{err}");
+    }
 }

@@ -1,0 +1,74 @@
+//! A group of one rank (a run with one drafter): the sum is its own gradient, copied into
+//! the device's reduce buffer bucket by bucket behind the backward, as a device collective
+//! would all-reduce it, with no trip through host memory. The epochs, the commit and the
+//! rollback around it are the same as for the others.
+
+use dflash_shared::drafter::CollectiveKind;
+
+use super::{Collective, Formed, Reduced};
+use crate::error::{Result, WorkerError};
+use crate::gpu::drafter::{GpuDrafter, StepOutcome};
+use crate::gpu::ops::AdamHyper;
+use crate::gpu::Event;
+
+pub struct LocalCollective {
+    rank: u32,
+    epoch: Option<u64>,
+    /// The held gradient's step and loss weight.
+    held: Option<(u64, f64)>,
+    /// The completed copy, and the event behind it (the optimizer waits for it).
+    done: Option<(Reduced, Event)>,
+}
+
+impl LocalCollective {
+    pub fn new(rank: u32) -> LocalCollective {
+        LocalCollective { rank, epoch: None, held: None, done: None }
+    }
+}
+
+impl Collective for LocalCollective {
+    fn kind(&self) -> CollectiveKind {
+        CollectiveKind::Local
+    }
+
+    fn form(&mut self, epoch: u64, ranks: &[u32], _id: Option<&[u8]>) -> Result<Formed> {
+        if ranks != [self.rank] {
+            return Err(WorkerError::Protocol(format!("epoch {epoch} of ranks {ranks:?} for a group of one rank ({})", self.rank)));
+        }
+        self.epoch = Some(epoch);
+        // The copy of an older epoch is still good (it is this rank's gradient), but it is
+        // reported again for the new one.
+        if let Some((d, _)) = self.done.as_mut() {
+            d.epoch = epoch;
+        }
+        Ok(Formed::Ready)
+    }
+
+    fn contribute(&mut self, step: u64, weight: f64, _model: &mut GpuDrafter) -> Result<Option<bool>> {
+        self.held = Some((step, weight));
+        self.done = None;
+        Ok(None)
+    }
+
+    fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>> {
+        if let Some((d, _)) = self.done {
+            return Ok(Some(d));
+        }
+        let (Some((step, weight)), Some(epoch)) = (self.held, self.epoch) else { return Ok(None) };
+        let t = std::time::Instant::now();
+        let e = model.reduce_alone().map_err(WorkerError::device("copying the gradient into the reduce buffer"))?;
+        let d = Reduced { step, epoch, weight_sum: weight, ms: t.elapsed().as_secs_f64() * 1e3 };
+        self.done = Some((d, e));
+        Ok(Some(d))
+    }
+
+    fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>> {
+        let (d, e) = self.done.take().ok_or_else(|| WorkerError::Protocol(format!("step {step} committed before this rank's reduction completed")))?;
+        if d.step != step {
+            return Err(WorkerError::Protocol(format!("step {step} committed, but this rank reduced step {}", d.step)));
+        }
+        super::shm::check_weight(d.weight_sum, weight_sum)?;
+        self.held = None;
+        model.apply_reduced(step, d.weight_sum, clip, lr, hyper, Some(e)).map_err(WorkerError::device(format!("applying step {step} on the device")))
+    }
+}
