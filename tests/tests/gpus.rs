@@ -317,13 +317,22 @@ fn host_device_bench_compute_measures_the_drafter_step_the_optimizer_and_the_pin
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let d = &v["device"];
     assert!(d["name"].as_str().unwrap().starts_with("host device"), "{v}");
-    for k in ["target_forward_s", "drafter_step_s", "drafter_tflops", "optimizer_ms", "slot_copy_gb_s", "pinned_copy_gb_s"] {
+    for k in ["target_forward_s", "drafter_step_s", "drafter_tflops", "optimizer_ms", "slot_copy_gb_s", "pinned_copy_gb_s", "all_reduce_ms", "step_with_all_reduce_s"] {
         let x = d[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {d}"));
         assert!(x.is_finite() && x > 0.0, "{k} = {x}");
     }
     assert_eq!(d["copy_bytes"], 4 << 20);
     let ratio = d["slot_copy_gb_s"].as_f64().unwrap() / d["pinned_copy_gb_s"].as_f64().unwrap();
     assert!((d["slot_vs_pinned"].as_f64().unwrap() - ratio).abs() < 1e-9 * ratio, "{d}");
+    // No NCCL on the host device: the one-rank reduction is the device copy, bucket by
+    // bucket; the step with it takes at least as long as the step alone.
+    assert_eq!(d["all_reduce"], "device copy, 1 rank, no NCCL", "{d}");
+    let overlap = d["all_reduce_overlap"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&overlap), "{d}");
+    assert!(d["step_with_all_reduce_s"].as_f64().unwrap() >= d["drafter_step_s"].as_f64().unwrap() * 0.5, "{d}");
+    for k in ["shm_all_reduce_ms", "shm_all_reduce_gb_s"] {
+        assert!(v[k].as_f64().is_some_and(|x| x > 0.0 && x.is_finite()), "{k}: {v}");
+    }
     // No bf16 peak is known for the host device: no MFU is made up.
     assert!(d["mfu"].is_null() && d["drafter_mfu"].is_null(), "{d}");
     assert!(v["device_note"].is_null());

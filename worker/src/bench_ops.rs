@@ -47,6 +47,10 @@ pub struct Figures {
     pub drafter_rows: usize,
     /// Seconds per kernel (and "gemm") of that step on the CPU device.
     pub drafter_op_seconds: BTreeMap<String, f64>,
+    /// The shared-memory all-reduce (CPU workers' collective) of that drafter's gradient
+    /// between two ranks over one pool, ms, and the gradient bytes it reads per second.
+    pub shm_all_reduce_ms: f64,
+    pub shm_all_reduce_gb_s: f64,
     /// The same target forward on a device, when there is one (or DFLASH_DEVICE=host).
     pub device: Option<DeviceFigures>,
     /// Why there are no device figures.
@@ -78,6 +82,14 @@ pub struct DeviceFigures {
     pub slot_copy_gb_s: f64,
     pub pinned_copy_gb_s: f64,
     pub slot_vs_pinned: f64,
+    /// The drafter's gradient reduction on the device, bucket by bucket on the copy
+    /// stream: which collective ("NCCL, 1 rank", or "device copy, 1 rank, no NCCL" where NCCL
+    /// is not there), its time alone (ms), the step with it overlapped (s), and the share
+    /// of the reduction hidden behind the backward: (step + reduction − both) / reduction.
+    pub all_reduce: String,
+    pub all_reduce_ms: f64,
+    pub step_with_all_reduce_s: f64,
+    pub all_reduce_overlap: f64,
 }
 
 /// Dense (no sparsity) bf16 tensor-core peak by device name, TFLOP/s, from NVIDIA's data
@@ -148,6 +160,7 @@ fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f6
         gd.drain().map_err(|e| e.to_string())?;
         opt_best = opt_best.min(t0.elapsed().as_secs_f64());
     }
+    let (all_reduce, all_reduce_ms, step_with_all_reduce_s, all_reduce_overlap) = measure_reduction(&mut gd, dc)?;
     drop(gd);
     let drafter_tflops = dc.flops / drafter_best / 1e12;
 
@@ -169,7 +182,90 @@ fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f6
         slot_copy_gb_s: slot,
         pinned_copy_gb_s: pinned,
         slot_vs_pinned: slot / pinned,
+        all_reduce,
+        all_reduce_ms,
+        step_with_all_reduce_s,
+        all_reduce_overlap,
     }))
+}
+
+/// The drafter step with its gradient reduction (NCCL with one rank where NCCL loads, the
+/// one-rank device copy elsewhere): (collective, reduction alone in ms, the step with the
+/// reduction overlapped in s, the overlap share). Best of three each.
+fn measure_reduction(gd: &mut crate::gpu::drafter::GpuDrafter, dc: &DrafterCase) -> Result<(String, f64, f64, f64), String> {
+    use crate::collective::{local::LocalCollective, nccl::NcclCollective, Collective, Formed};
+    let e = |e: crate::error::WorkerError| e.to_string();
+    let mut coll: Box<dyn Collective> = match NcclCollective::new(0, gd) {
+        Ok(c) => Box::new(c),
+        Err(_) => Box::new(LocalCollective::new(0)),
+    };
+    let name = match coll.kind() {
+        dflash_shared::drafter::CollectiveKind::Nccl => "NCCL, 1 rank",
+        _ => "device copy, 1 rank, no NCCL",
+    };
+    if let Formed::Created(id) = coll.form(1, &[0], None).map_err(e)? {
+        coll.form(1, &[0], Some(&id)).map_err(e)?;
+    }
+    let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
+    let sync = |gd: &mut crate::gpu::drafter::GpuDrafter| gd.device().sync().map_err(|e| e.to_string());
+    let reduce = |coll: &mut Box<dyn Collective>, gd: &mut crate::gpu::drafter::GpuDrafter, step: u64| -> Result<(), String> {
+        coll.contribute(step, 1.0, gd).map_err(e)?;
+        while coll.poll(gd).map_err(e)?.is_none() {
+            std::thread::yield_now();
+        }
+        sync(gd)
+    };
+    let (mut step_s, mut red_s, mut both_s) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+    for step in 1..=3u64 {
+        let t0 = Instant::now();
+        gd.train_batch_on_device(samples, &anchors, 1.0).map_err(|e| e.to_string())?;
+        sync(gd)?;
+        step_s = step_s.min(t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        reduce(&mut coll, gd, step)?;
+        red_s = red_s.min(t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        gd.train_batch_on_device(samples, &anchors, 1.0).map_err(|e| e.to_string())?;
+        reduce(&mut coll, gd, step)?;
+        both_s = both_s.min(t0.elapsed().as_secs_f64());
+    }
+    let overlap = ((step_s + red_s - both_s) / red_s.max(1e-12)).clamp(0.0, 1.0);
+    Ok((name.to_string(), red_s * 1e3, both_s, overlap))
+}
+
+/// The shared-memory all-reduce of `n` f32 between two ranks over one pool (as two CPU
+/// drafter workers run it): best of three, ms, and gradient GB/s read.
+fn measure_shm_all_reduce(n: usize) -> Result<(f64, f64), String> {
+    use crate::collective::{shm::ShmCollective, Collective};
+    use dflash_shared::pool::{PoolGeometry, PoolMap};
+    use std::os::fd::AsRawFd;
+    let e = |e: crate::error::WorkerError| e.to_string();
+    let g = PoolGeometry { name: "grads".into(), slots: 4, slot_bytes: dflash_shared::drafter::GRAD_SLOT_HEADER + n as u64 * 4 };
+    let (fd, _map) = PoolMap::create(g.clone()).map_err(|e| e.to_string())?;
+    let mut ranks: Vec<ShmCollective> = (0..2).map(|r| ShmCollective::new(PoolMap::open(fd.as_raw_fd(), g.clone()).map_err(|e| e.to_string())?, r, n).map_err(e)).collect::<Result<_, _>>()?;
+    for r in ranks.iter_mut() {
+        r.form(1, &[0, 1], None).map_err(e)?;
+    }
+    let grad: Vec<f32> = (0..n).map(|i| (i % 97) as f32 * 1e-3).collect();
+    let mut best = f64::INFINITY;
+    for step in 1..=3u64 {
+        let t0 = Instant::now();
+        for r in ranks.iter_mut() {
+            r.contribute_host(step, 1.0, &grad).map_err(e)?;
+        }
+        let mut done = [false; 2];
+        while !done.iter().all(|d| *d) {
+            for (i, r) in ranks.iter_mut().enumerate() {
+                done[i] |= r.progress().map_err(e)?.is_some();
+            }
+        }
+        best = best.min(t0.elapsed().as_secs_f64());
+        for r in ranks.iter_mut() {
+            r.take_sum(step, 2.0).map_err(e)?;
+        }
+    }
+    // Each rank writes its gradient and reads both.
+    Ok((best * 1e3, (6 * n * 4) as f64 / best / 1e9))
 }
 
 /// Device→host copy rate into a shared-memory mapping (a memfd mapped shared, as the
@@ -301,6 +397,13 @@ pub fn print_figures(f: &Figures) {
                 d.pinned_copy_gb_s,
                 d.slot_vs_pinned
             );
+            println!(
+                "    gradient reduction ({}): {:.2} ms alone; step with it {:.3} s; {:.0} % of it hidden behind the backward",
+                d.all_reduce,
+                d.all_reduce_ms,
+                d.step_with_all_reduce_s,
+                d.all_reduce_overlap * 100.0
+            );
         }
         (None, note) => println!("  no GPU measured ({}): the figures below are the CPU backend's", note.as_deref().unwrap_or("none")),
     }
@@ -320,6 +423,7 @@ pub fn print_figures(f: &Figures) {
     for (op, s) in ops.into_iter().take(6) {
         println!("    {op:<16} {:>8.1} ms  {:>5.1} %", s * 1e3, 100.0 * s / f.drafter_step_s.max(1e-12));
     }
+    println!("  shared-memory all-reduce of its gradient, 2 ranks  {:>7.2} ms  ({:.2} GB/s)", f.shm_all_reduce_ms, f.shm_all_reduce_gb_s);
 }
 
 fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
@@ -438,6 +542,7 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         }
     }
     drop(cpu_model);
+    let (shm_all_reduce_ms, shm_all_reduce_gb_s) = measure_shm_all_reduce(p.len())?;
 
     let supervised = anchors.iter().map(|&a| (1..dcfg.block_size).filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0).count()).sum();
     let dc = DrafterCase { drafter: &drafter, frozen: &frozen, params: &p, sample, anchors: &anchors, flops: drafter_step_flops(&dcfg, tokens, &anchors, supervised) };
@@ -467,5 +572,7 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         drafter_layers: dcfg.layers,
         drafter_rows: anchors.len() * dcfg.block_size,
         drafter_op_seconds,
+        shm_all_reduce_ms,
+        shm_all_reduce_gb_s,
     })
 }

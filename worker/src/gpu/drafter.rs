@@ -658,6 +658,11 @@ impl GpuDrafter {
         self.batch(samples, Some(taps16), anchors, denominator, None)
     }
 
+    /// [`train_batch`](Self::train_batch) that leaves the gradient on the device.
+    pub fn train_batch_on_device(&mut self, samples: &[Sample], anchors: &[Vec<usize>], denominator: f64) -> Result<StepStats> {
+        self.batch(samples, None, anchors, denominator, None)
+    }
+
     /// No batch for this step: a zero gradient (a rank that abstains from a step).
     pub fn zero_grads(&mut self) -> Result<()> {
         self.ops.dev.memset_zero(Stream::Compute, self.grads)
