@@ -3,7 +3,9 @@
 #   1. parity: every CUDA kernel and the GPU target forward against the CPU backend, on the
 #      GPU (the host_device test executable with DFLASH_TEST_DEVICE=cuda);
 #   2. a short pipeline with a target and a drafter sharing GPU 0, NVML telemetry on, then
-#      the same with --no-gpu-metrics: step time with and without telemetry;
+#      the same with --no-gpu-metrics: step time with and without telemetry; then the same
+#      drafter as a one-rank NCCL group (--collective nccl: NCCL's communicator, bucketed
+#      all-reduce and device-side apply; a one-GPU machine cannot run two ranks);
 #   3. isolation: /proc/<pid>/maps of a running supervisor and its workers; the supervisor
 #      maps no CUDA library (libcuda, libcudart, libcublas, libnvrtc) and maps NVML, no
 #      worker maps NVML;
@@ -58,6 +60,21 @@ PY
             echo "FAIL pipeline (telemetry $mode):"; tail -5 "$d.out"; fail=1
         fi
     done
+
+    echo "== 2b. the drafter as a one-rank NCCL group"
+    d=$(mktemp -d)/run
+    if "$sup" --target-gpus 0 --drafter-gpus 0 --collective nccl --data demo --steps 20 --run-dir "$d" >"$d.out" 2>&1; then
+        python3 - "$d/train.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"step"' in l]
+ms = sorted(r.get("reduce_ms", 0) for r in rows[2:])
+print(f"ok   NCCL one-rank group: {len(rows)} steps, final loss {rows[-1]['loss']:.3f}, all-reduce median {ms[len(ms) // 2] if ms else 0:.2f} ms")
+PY
+    elif grep -q "libnccl" "$d.out"; then
+        echo "skip NCCL is not installed here: $(grep -o 'NCCL (libnccl.so.2) not found[^;]*' "$d.out" | head -1)"
+    else
+        echo "FAIL NCCL one-rank group:"; tail -5 "$d.out"; fail=1
+    fi
 fi
 
 echo "== 3. isolation: which process maps which library"
