@@ -23,6 +23,9 @@ use crate::model::weights::Weights;
 pub struct Rank {
     pub setup: TrainSetup,
     drafter: Drafter,
+    /// The gradient exchange with the other ranks. Declared (so dropped) before `model`:
+    /// an NCCL communicator is aborted while its GPU context is still alive.
+    coll: Box<dyn Collective>,
     /// The drafter's forward, backward and optimizer, on the worker's device: its GPU, or
     /// the CPU device (one model for every backend). The device holds the training state; `params`/`opt` are its host copy,
     /// brought up to date by [`Rank::sync_host`] for snapshots, checkpoints and the export.
@@ -30,8 +33,6 @@ pub struct Rank {
     frozen: Frozen,
     params: Vec<f32>,
     opt: AdamW,
-    /// The gradient exchange with the other ranks.
-    coll: Box<dyn Collective>,
     /// The current membership epoch, and the (step, epoch) whose all-reduce was reported.
     epoch: Option<u64>,
     reported: Option<(u64, u64)>,
