@@ -89,9 +89,10 @@ pub struct Plane {
     /// Declared (so dropped) before `pools`: a device target unpins the hidden pool's
     /// mapping when it is dropped, which must happen while the mapping exists.
     target: TargetModel,
-    pools: Option<Pools>,
     /// Drafters: this rank of the data-parallel group, once the supervisor says train.
+    /// Declared before `pools` too: its device has the hidden pool's mapping pinned.
     pub rank: Option<Rank>,
+    pools: Option<Pools>,
     deliveries: VecDeque<Delivery>,
     leases: VecDeque<SlotRef>,
     /// Batch ids this life has consumed: a second delivery of one is acknowledged
@@ -204,6 +205,12 @@ impl Plane {
     }
 
     /// [`Pools::max_row_tokens`], once the pools are known.
+    /// The hidden-state pool's slots (where a drafter's batches are), once the pools are
+    /// known.
+    pub fn hidden_rows(&self) -> Result<(*mut u8, usize)> {
+        Ok(self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("the training setup before the pools".into()))?.hidden.slots_mapping())
+    }
+
     pub fn max_row_tokens(&self) -> Result<usize> {
         Ok(self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("the training setup arrived before the pools".into()))?.max_row_tokens())
     }

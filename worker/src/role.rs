@@ -188,7 +188,9 @@ fn join_training(setup: dflash_shared::drafter::TrainSetup, plane: &mut Plane, i
     let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
         .map(std::path::PathBuf::from)
         .ok_or_else(|| WorkerError::Protocol(format!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR)))?;
-    let rank = Rank::new(setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?).during(|| "setting up training".into())?;
+    // SAFETY: the hidden pool stays mapped as long as `plane.pools`, which is dropped after
+    // the rank (field order in Plane).
+    let rank = unsafe { Rank::new(setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?, plane.hidden_rows()?) }.during(|| "setting up training".into())?;
     println!(
         "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}, gradients exchanged through {}",
         rank.setup.rank,

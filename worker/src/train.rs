@@ -64,8 +64,13 @@ fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
 }
 
 impl Rank {
-    /// `gpu`: the worker's GPU, if any; `max_tokens`: the longest row a batch can hold.
-    pub fn new(setup: TrainSetup, target_dir: &Path, gpu: Option<u32>, max_tokens: usize) -> Result<Rank> {
+    /// `gpu`: the worker's GPU, if any; `max_tokens`: the longest row a batch can hold;
+    /// `rows`: the hidden-state pool's slots, which the batches are read from (pinned on
+    /// the device, so each row's copy overlaps the compute of the one before).
+    ///
+    /// # Safety
+    /// `rows` must stay mapped while the rank lives.
+    pub unsafe fn new(setup: TrainSetup, target_dir: &Path, gpu: Option<u32>, max_tokens: usize, rows: (*mut u8, usize)) -> Result<Rank> {
         let drafter = Drafter::new(setup.drafter.clone());
         let c = &setup.drafter;
         let w = Weights::open(target_dir)?;
@@ -85,6 +90,8 @@ impl Rank {
             Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
             Err(e) => return Err(WorkerError::device(format!("putting the drafter on {}", if gpu.is_some() { "the device" } else { "the CPU" }))(e)),
         };
+        // SAFETY: the caller keeps the mapping for the rank's life.
+        unsafe { model.register_host(rows.0, rows.1) }.map_err(WorkerError::device("pinning the hidden-state pool"))?;
         let coll: Box<dyn Collective> = match setup.collective {
             CollectiveKind::Shm => {
                 let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone()).map_err(WorkerError::io("mapping the gradient pool"))?;

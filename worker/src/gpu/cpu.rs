@@ -227,6 +227,11 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    unsafe fn upload_async(&mut self, _s: Stream, dst: DSlice, src: *const u8) -> Result<()> {
+        std::ptr::copy_nonoverlapping(src, dst.ptr as *mut u8, dst.bytes);
+        Ok(())
+    }
+
     unsafe fn register_host(&mut self, _ptr: *mut u8, _bytes: usize) -> Result<()> {
         Ok(())
     }

@@ -169,6 +169,13 @@ impl Device for CudaDevice {
         cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr, st).map_err(|e| failed("cuMemcpyDtoHAsync", e))
     }
 
+    unsafe fn upload_async(&mut self, s: Stream, dst: DSlice, src: *const u8) -> Result<()> {
+        self.bind()?;
+        let st = self.stream(s).cu_stream();
+        let src = std::slice::from_raw_parts(src, dst.bytes);
+        cudarc::driver::result::memcpy_htod_async(dst.ptr, src, st).map_err(|e| failed("cuMemcpyHtoDAsync", e))
+    }
+
     unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()> {
         self.ctx.bind_to_thread().map_err(|e| failed("binding the context", e))?;
         cudarc::driver::sys::cuMemHostRegister_v2(ptr.cast(), bytes, cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE)

@@ -153,7 +153,9 @@ struct Saved {
 struct Work {
     taps: DSlice,
     /// The taps as they arrive from the hidden-state slot (bf16), cast on the device.
-    taps16: DSlice,
+    /// Two staging buffers for bf16 taps: the next sample's are copied in (copy stream)
+    /// while the current one computes.
+    taps16: [DSlice; 2],
     ctx_pre: DSlice,
     ctx: DSlice,
     ctx_rstd: DSlice,
@@ -283,6 +285,14 @@ pub struct GpuDrafter {
     buckets: Vec<(std::ops::Range<usize>, super::Event)>,
 }
 
+/// Where a sample's taps come from.
+enum Taps {
+    /// The sample's own f32 taps, uploaded on the compute stream.
+    F32,
+    /// Staging buffer b, filled by the copy stream behind the event.
+    Staged(usize, super::Event),
+}
+
 /// What [`GpuDrafter::place`] lays out.
 struct Placed {
     embed: DSlice,
@@ -401,7 +411,7 @@ impl GpuDrafter {
         }
         let w = Work {
             taps: f(s * c.n_taps * h, "taps")?,
-            taps16: f((s * c.n_taps * h).div_ceil(2), "taps bf16")?,
+            taps16: [f((s * c.n_taps * h).div_ceil(2), "taps bf16 (0)")?, f((s * c.n_taps * h).div_ceil(2), "taps bf16 (1)")?],
             ctx_pre: f(s * h, "ctx_pre")?,
             ctx: f(s * h, "ctx")?,
             ctx_rstd: f(s, "ctx_rstd")?,
@@ -525,6 +535,15 @@ impl GpuDrafter {
         self.ops.dev.gemm(Stream::Compute, &g)?;
         self.optimize(step, clip, lr, hyper)?;
         Ok(before)
+    }
+
+    /// Pin host memory the batches' rows are read from (the hidden-state pool's mapping),
+    /// so that their copies to the device are truly asynchronous.
+    ///
+    /// # Safety
+    /// The range must stay mapped while this drafter lives.
+    pub unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()> {
+        self.ops.dev.register_host(ptr, bytes)
     }
 
     /// This rank's gradient (the last batch's) and the buffer a device collective sums
@@ -676,13 +695,51 @@ impl GpuDrafter {
         self.release_buckets();
         self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
         if total_weight > 0.0 {
-            let last = anchors.iter().rposition(|a| !a.is_empty());
-            for (i, (s, an)) in samples.iter().zip(anchors).enumerate() {
-                if an.is_empty() {
-                    continue;
+            let order: Vec<usize> = (0..samples.len()).filter(|&i| !anchors[i].is_empty()).collect();
+            if let Some(t16) = taps16 {
+                let row = self.d.cfg.n_taps * self.d.cfg.hidden * 2;
+                if let Some(&i) = order.iter().find(|&&i| t16[i].len() != samples[i].ids.len() * row) {
+                    return Err(GpuError::Invalid(format!("{} bytes of bf16 taps for {} positions × {} taps × {}", t16[i].len(), samples[i].ids.len(), self.d.cfg.n_taps, self.d.cfg.hidden)));
                 }
-                let st = self.sample(s, taps16.map(|t| t[i]), an, denominator, Some(i) == last)?;
-                stats.merge(&st);
+            }
+            // With bf16 rows (from the slot), sample k + 1's taps are copied on the copy
+            // stream into the other staging buffer while sample k computes: `loaded[b]`
+            // says buffer b holds its sample's taps, `free[b]` that the compute stream has
+            // widened them (so it may be overwritten).
+            let mut loaded: [Option<super::Event>; 2] = [None, None];
+            let mut free: [Option<super::Event>; 2] = [None, None];
+            let mut run = || -> Result<()> {
+                if let (Some(t16), Some(&first)) = (taps16, order.first()) {
+                    loaded[0] = Some(self.stage(0, t16[first], None)?);
+                }
+                for (k, &i) in order.iter().enumerate() {
+                    if let (Some(t16), Some(&next)) = (taps16, order.get(k + 1)) {
+                        let b = (k + 1) % 2;
+                        loaded[b] = Some(self.stage(b, t16[next], free[b].take())?);
+                    }
+                    let taps = match taps16 {
+                        Some(_) => Taps::Staged(k % 2, loaded[k % 2].take().expect("staged before")),
+                        None => Taps::F32,
+                    };
+                    let (st, freed) = self.sample(&samples[i], taps, &anchors[i], denominator, Some(&i) == order.last())?;
+                    free[k % 2] = freed;
+                    stats.merge(&st);
+                }
+                Ok(())
+            };
+            let r = run();
+            for e in loaded.into_iter().chain(free).flatten() {
+                self.ops.dev.release_event(e);
+            }
+            r?;
+            if taps16.is_some() {
+                // The rows belong to the caller (a slot it gives back after this): every copy
+                // from them is over before this returns (long since, on a GPU: each was
+                // waited for by the compute stream).
+                let e = self.ops.dev.record(Stream::Copy)?;
+                let r = self.ops.dev.sync_event(e);
+                self.ops.dev.release_event(e);
+                r?;
             }
         }
         if let Some(grads) = grads {
@@ -743,8 +800,24 @@ impl GpuDrafter {
     }
 
 
-    /// One sample's forward, loss and backward, its gradient added into `grads`.
-    fn sample(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], denominator: f64, last: bool) -> Result<StepStats> {
+    /// Copy one row of bf16 taps into staging buffer `b` on the copy stream, after `free`
+    /// (the compute stream done with what the buffer held); an event behind the copy.
+    fn stage(&mut self, b: usize, raw: &[u8], free: Option<super::Event>) -> Result<super::Event> {
+        let dev = &mut self.ops.dev;
+        if let Some(e) = free {
+            let r = dev.wait(Stream::Copy, e);
+            dev.release_event(e);
+            r?;
+        }
+        // SAFETY: `raw` is borrowed for the whole batch, which waits for this copy (and
+        // every other) before it returns.
+        unsafe { dev.upload_async(Stream::Copy, self.w.taps16[b].sub(1, 0..raw.len()), raw.as_ptr())? };
+        dev.record(Stream::Copy)
+    }
+
+    /// One sample's forward, loss and backward, its gradient added into `grads`. Returns
+    /// an event behind the last read of its staging buffer, if it had one.
+    fn sample(&mut self, s: &Sample, taps: Taps, anchors: &[usize], denominator: f64, last: bool) -> Result<(StepStats, Option<super::Event>)> {
         let bs = self.d.cfg.block_size;
         let (slen, nb) = (s.ids.len(), anchors.len());
         let m = nb * bs;
@@ -752,37 +825,49 @@ impl GpuDrafter {
             return Err(GpuError::Invalid(format!("a sample of {slen} positions and {nb} blocks; room for {} and {}", self.max_len, self.max_rows / bs)));
         }
         let dims = Dims { slen, nb, m, tk: slen + m };
-        self.inputs(s, taps16, anchors, dims)?;
-        self.forward(dims)?;
-        let (stats, supervised) = self.loss(s, anchors, dims, denominator)?;
-        self.backward(dims, supervised, last)?;
-        Ok(stats)
+        let freed = self.inputs(s, taps, anchors, dims)?;
+        let r = (|| {
+            self.forward(dims)?;
+            let (stats, supervised) = self.loss(s, anchors, dims, denominator)?;
+            self.backward(dims, supervised, last)?;
+            Ok(stats)
+        })();
+        match r {
+            Ok(stats) => Ok((stats, freed)),
+            Err(e) => {
+                if let Some(f) = freed {
+                    self.ops.dev.release_event(f);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// The sample's inputs on the device: taps, block token ids and positions, key
     /// positions, and each block row's key spans.
-    fn inputs(&mut self, s: &Sample, taps16: Option<&[u8]>, anchors: &[usize], dims: Dims) -> Result<()> {
+    fn inputs(&mut self, s: &Sample, taps: Taps, anchors: &[usize], dims: Dims) -> Result<Option<super::Event>> {
         let c = self.d.cfg.clone();
         let lc = self.locals(dims);
         let Locals { h, bs, slen, m, .. } = lc;
         let w = &self.w;
         let ops = &mut self.ops;
         let width = slen * c.n_taps * h;
-        match taps16 {
-            Some(raw) => {
-                if raw.len() != width * 2 {
-                    return Err(GpuError::Invalid(format!("{} bytes of bf16 taps for {slen} positions × {} taps × {h}", raw.len(), c.n_taps)));
-                }
-                ops.dev.upload(Stream::Compute, w.taps16, raw)?;
-                ops.bf16_to_f32(w.taps.f32s(0..width), w.taps16.sub(2, 0..width))?;
+        let freed = match taps {
+            Taps::Staged(b, loaded) => {
+                let r = ops.dev.wait(Stream::Compute, loaded);
+                ops.dev.release_event(loaded);
+                r?;
+                ops.bf16_to_f32(w.taps.f32s(0..width), w.taps16[b].sub(2, 0..width))?;
+                Some(ops.dev.record(Stream::Compute)?)
             }
-            None => {
+            Taps::F32 => {
                 if s.taps.len() != width {
                     return Err(GpuError::Invalid(format!("{} tap values for {slen} positions × {} taps × {h}", s.taps.len(), c.n_taps)));
                 }
                 ops.dev.upload(Stream::Compute, w.taps, f32_bytes(s.taps))?;
+                None
             }
-        }
+        };
         let mut block_ids = Vec::with_capacity(m);
         let mut block_pos = Vec::with_capacity(m);
         for &a in anchors {
@@ -800,7 +885,7 @@ impl GpuDrafter {
         ops.dev.upload(Stream::Compute, w.block_pos, i32_bytes(&block_pos))?;
         ops.dev.upload(Stream::Compute, w.key_pos, i32_bytes(&key_pos))?;
         ops.dev.upload(Stream::Compute, w.spans, i32_bytes(&spans))?;
-        Ok(())
+        Ok(freed)
     }
 
     /// The forward: the context, the block embeddings, every layer (keeping what the

@@ -257,6 +257,14 @@ impl Device for HostDevice {
         Ok(())
     }
 
+    unsafe fn upload_async(&mut self, s: Stream, dst: DSlice, src: *const u8) -> Result<()> {
+        let seq = self.op(s);
+        self.access(s.index(), seq, DSlice { ptr: src as u64, bytes: dst.bytes }, false, "an async upload")?;
+        self.access(s.index(), seq, dst, true, "an async upload")?;
+        std::ptr::copy_nonoverlapping(src, dst.ptr as *mut u8, dst.bytes);
+        Ok(())
+    }
+
     unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()> {
         // cuMemHostRegister without CU_MEMHOSTREGISTER_READ_ONLY fails on pages the process
         // maps read-only: refuse them here too, so the mistake shows without a GPU.

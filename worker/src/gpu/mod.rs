@@ -194,6 +194,14 @@ pub trait Device: Send {
     /// `dst` must point to `src.bytes` bytes registered with `register_host` that nobody
     /// touches until that event has completed.
     unsafe fn download_async(&mut self, s: Stream, src: DSlice, dst: *mut u8) -> Result<()>;
+    /// Registered (pinned) host memory → device, asynchronously on `s` (from pageable
+    /// memory a GPU's driver stages it first, still correct): the bytes are read by the
+    /// time an event recorded after it has completed.
+    ///
+    /// # Safety
+    /// `src` must point to `dst.bytes` readable bytes that nobody changes until that event
+    /// has completed.
+    unsafe fn upload_async(&mut self, s: Stream, dst: DSlice, src: *const u8) -> Result<()>;
     /// Pin host memory for async copies (`cuMemHostRegister`).
     ///
     /// # Safety

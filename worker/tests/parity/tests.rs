@@ -753,6 +753,20 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     host.fetch(&mut pa, &mut m, &mut v).unwrap();
     dev.fetch(&mut pb, &mut m, &mut v).unwrap();
     assert!(pa.iter().zip(&pb).all(|(x, y)| x.to_bits() == y.to_bits()), "bucketed: the same weights to the bit");
+    // Three rows, so the staging buffers are each used again: the rows copied on the copy
+    // stream while the sample before computes give the f32 path's gradient to the bit.
+    let taps16b: Vec<u8> = rand_vec(&mut rng, len * c.n_taps * c.hidden, 1.0).iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
+    let widen = |b: &[u8]| -> Vec<f32> { b.chunks_exact(2).map(|p| half::bf16::from_le_bytes([p[0], p[1]]).to_f32()).collect() };
+    let (wa, wb) = (widen(&taps16), widen(&taps16b));
+    let three16 = [taps16.as_slice(), taps16b.as_slice(), taps16.as_slice()];
+    let three_bare = [Sample { taps: &[], ids: &ids, mask: &mask }, Sample { taps: &[], ids: &ids2, mask: &mask }, Sample { taps: &[], ids: &ids2, mask: &mask }];
+    let three_wide = [Sample { taps: &wa, ids: &ids, mask: &mask }, Sample { taps: &wb, ids: &ids2, mask: &mask }, Sample { taps: &wa, ids: &ids2, mask: &mask }];
+    let anchors3 = vec![anchors[0].clone(); 3];
+    let (mut g16, mut g32) = (vec![0f32; n], vec![0f32; n]);
+    let a16 = dev.train_batch_bf16(&three_bare, &three16, &anchors3, 1.0, &mut g16).unwrap();
+    let a32 = dev.train_batch(&three_wide, &anchors3, 1.0, &mut g32).unwrap();
+    assert_eq!(a16.loss_sum, a32.loss_sum);
+    assert!(g16.iter().zip(&g32).all(|(x, y)| x.to_bits() == y.to_bits()), "staged rows: the same gradient to the bit");
     // Without the events, a copy of the gradient on the copy stream races the backward
     // that writes it: the host device (which runs streams concurrently) refuses it.
     if !device().is_cpu() {
