@@ -63,11 +63,8 @@ impl Collective for LocalCollective {
     }
 
     fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>> {
-        let (d, e) = self.done.take().ok_or_else(|| WorkerError::Protocol(format!("step {step} committed before this rank's reduction completed")))?;
-        if d.step != step {
-            return Err(WorkerError::Protocol(format!("step {step} committed, but this rank reduced step {}", d.step)));
-        }
-        super::shm::check_weight(d.weight_sum, weight_sum)?;
+        let d = super::check_commit(self.done.map(|(d, _)| d), step, weight_sum)?;
+        let (_, e) = self.done.take().expect("checked just above");
         self.held = None;
         model.apply_reduced(step, d.weight_sum, clip, lr, hyper, Some(e)).map_err(WorkerError::device(format!("applying step {step} on the device")))
     }

@@ -85,6 +85,34 @@ pub trait Collective {
     }
 }
 
+/// An epoch's membership as every collective needs it: ascending ranks, this one among them.
+pub(crate) fn check_ranks(epoch: u64, ranks: &[u32], me: u32) -> Result<()> {
+    if !ranks.contains(&me) {
+        return Err(crate::error::WorkerError::Protocol(format!("epoch {epoch} of ranks {ranks:?} does not include this rank ({me})")));
+    }
+    if !ranks.windows(2).all(|w| w[0] < w[1]) {
+        return Err(crate::error::WorkerError::Protocol(format!("epoch {epoch}: ranks {ranks:?} are not ascending")));
+    }
+    Ok(())
+}
+
+/// The step a collective reduced must be the one committed, with the same loss weights.
+pub(crate) fn check_commit(reduced: Option<Reduced>, step: u64, weight_sum: f64) -> Result<Reduced> {
+    let d = reduced.ok_or_else(|| crate::error::WorkerError::Protocol(format!("step {step} committed before this rank's all-reduce completed")))?;
+    if d.step != step {
+        return Err(crate::error::WorkerError::Protocol(format!("step {step} committed, but this rank reduced step {}", d.step)));
+    }
+    // The supervisor's Σ of the step's loss weights must be the one the ranks all-reduced:
+    // anything else means they reduced another membership than the one committed.
+    if (d.weight_sum - weight_sum).abs() > 1e-9 * weight_sum.abs().max(1.0) {
+        return Err(crate::error::WorkerError::Protocol(format!(
+            "the committed step's loss weights sum to {weight_sum}, the all-reduce to {}: another membership was reduced",
+            d.weight_sum
+        )));
+    }
+    Ok(d)
+}
+
 /// `(epoch, step)` as one word, for the shared-memory stamps (32 bits each).
 pub(crate) fn pack(epoch: u64, step: u64) -> Result<u64> {
     if epoch >= 1 << 32 || step >= 1 << 32 {

@@ -304,9 +304,7 @@ impl Collective for NcclCollective {
     }
 
     fn form(&mut self, epoch: u64, ranks: &[u32], id: Option<&[u8]>) -> Result<Formed> {
-        if !ranks.contains(&self.rank) {
-            return Err(WorkerError::Protocol(format!("epoch {epoch} of ranks {ranks:?} does not include this rank ({})", self.rank)));
-        }
+        super::check_ranks(epoch, ranks, self.rank)?;
         let same = self.epoch.as_ref().is_some_and(|(e, _)| *e == epoch);
         if !same {
             self.abort();
@@ -407,11 +405,7 @@ impl Collective for NcclCollective {
     }
 
     fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>> {
-        let d = self.done.ok_or_else(|| WorkerError::Protocol(format!("step {step} committed before this rank's all-reduce completed")))?;
-        if d.step != step {
-            return Err(WorkerError::Protocol(format!("step {step} committed, but this rank reduced step {}", d.step)));
-        }
-        super::shm::check_weight(d.weight_sum, weight_sum)?;
+        let d = super::check_commit(self.done, step, weight_sum)?;
         self.held = None;
         let after = self.launched.take().map(|(_, e)| e);
         self.done = None;

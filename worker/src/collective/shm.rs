@@ -150,11 +150,7 @@ impl ShmCollective {
     /// The last completed sum, divided by `weight_sum` (after checking it against the
     /// all-reduced one); the held gradient is released.
     pub fn take_sum(&mut self, step: u64, weight_sum: f64) -> Result<&[f32]> {
-        let d = self.done.ok_or_else(|| WorkerError::Protocol(format!("step {step} committed before this rank's all-reduce completed")))?;
-        if d.step != step {
-            return Err(WorkerError::Protocol(format!("step {step} committed, but this rank reduced step {}", d.step)));
-        }
-        check_weight(d.weight_sum, weight_sum)?;
+        let d = super::check_commit(self.done, step, weight_sum)?;
         reduce_slots(&mut self.sum, d.weight_sum);
         self.held = None;
         self.posted = None;
@@ -163,27 +159,13 @@ impl ShmCollective {
     }
 }
 
-/// The supervisor's Σ of the step's loss weights must be the one the ranks all-reduced:
-/// anything else means they reduced another membership than the one committed.
-pub(crate) fn check_weight(reduced: f64, committed: f64) -> Result<()> {
-    if (reduced - committed).abs() > 1e-9 * committed.abs().max(1.0) {
-        return Err(WorkerError::Protocol(format!("the committed step's loss weights sum to {committed}, the all-reduce to {reduced}: another membership was reduced")));
-    }
-    Ok(())
-}
-
 impl Collective for ShmCollective {
     fn kind(&self) -> CollectiveKind {
         CollectiveKind::Shm
     }
 
     fn form(&mut self, epoch: u64, ranks: &[u32], _id: Option<&[u8]>) -> Result<Formed> {
-        if !ranks.contains(&self.rank) {
-            return Err(WorkerError::Protocol(format!("epoch {epoch} of ranks {ranks:?} does not include this rank ({})", self.rank)));
-        }
-        if !ranks.windows(2).all(|w| w[0] < w[1]) {
-            return Err(WorkerError::Protocol(format!("epoch {epoch}: ranks {ranks:?} are not ascending")));
-        }
+        super::check_ranks(epoch, ranks, self.rank)?;
         for &r in ranks {
             self.slot(r, 1)?;
         }
