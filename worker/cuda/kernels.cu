@@ -69,6 +69,19 @@ __device__ void block_argmax(float v, int idx, float* shv, int* shi, float* out_
     __syncthreads();
 }
 
+// Activations are f32 or bf16 (its bits in an unsigned short; the GPU target keeps its
+// activations in bf16). Kernels that take either are templates over the storage type,
+// computing in f32: `ld` widens (exact), `st` rounds to nearest even.
+__device__ __forceinline__ unsigned short to_bf16(float x) {
+    const unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN stays a quiet NaN
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float ld(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float ld(const unsigned short* p, long i) { return __uint_as_float(((unsigned)p[i]) << 16); }
+__device__ __forceinline__ void st(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(unsigned short* p, long i, float v) { p[i] = to_bf16(v); }
+
 // e^x for x <= 0, flushed to 0 below 1e-30 as the CPU backend does (no subnormals).
 __device__ __forceinline__ float exp_neg(float x) { return x < -69.0f ? 0.0f : expf(x); }
 
@@ -76,12 +89,14 @@ __device__ __forceinline__ float exp_neg(float x) { return x < -69.0f ? 0.0f : e
 // Embedding, casts, elementwise
 
 // out[i, :] = table[min(ids[i], vocab - 1), :]; grid: rows.
-extern "C" __global__ void embed_gather(float* out, const float* table, const unsigned* ids, int h, int vocab) {
+template <typename T> __device__ void embed_gather_t(T* out, const T* table, const unsigned* ids, int h, int vocab) {
     const int row = blockIdx.x;
     unsigned id = ids[row];
     if (id >= (unsigned)vocab) id = vocab - 1;
     for (int j = threadIdx.x; j < h; j += blockDim.x) out[(long)row * h + j] = table[(long)id * h + j];
 }
+extern "C" __global__ void embed_gather(float* out, const float* table, const unsigned* ids, int h, int vocab) { embed_gather_t(out, table, ids, h, vocab); }
+extern "C" __global__ void embed_gather_bf16(unsigned short* out, const unsigned short* table, const unsigned* ids, int h, int vocab) { embed_gather_t(out, table, ids, h, vocab); }
 
 // dst[idx[i], :] += src[i, :] (rows of idx distinct); grid: rows of src.
 extern "C" __global__ void scatter_add_rows(float* dst, const float* src, const unsigned* idx, int h) {
@@ -98,34 +113,38 @@ extern "C" __global__ void bf16_to_f32(float* out, const unsigned short* in, lon
 
 // f32 -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN.
 extern "C" __global__ void f32_to_bf16(unsigned short* out, const float* in, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const unsigned u = __float_as_uint(in[i]);
-        unsigned short r;
-        if ((u & 0x7fffffffu) > 0x7f800000u) r = (unsigned short)((u >> 16) | 0x40u);
-        else r = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-        out[i] = r;
-    }
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) out[i] = to_bf16(in[i]);
 }
 
 // x += y
-extern "C" __global__ void add_inplace(float* x, const float* y, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] += y[i];
+template <typename T> __device__ void add_inplace_t(T* x, const T* y, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) st(x, i, ld(x, i) + ld(y, i));
 }
+extern "C" __global__ void add_inplace(float* x, const float* y, long n) { add_inplace_t(x, y, n); }
+extern "C" __global__ void add_inplace_bf16(unsigned short* x, const unsigned short* y, long n) { add_inplace_t(x, y, n); }
 
 // dst[r, dst_off + j] = src[r, src_off + j] for j < width; grid: rows.
-extern "C" __global__ void copy_cols(float* dst, const float* src, int width, int dst_stride, int dst_off, int src_stride, int src_off) {
+template <typename T> __device__ void copy_cols_t(T* dst, const T* src, int width, int dst_stride, int dst_off, int src_stride, int src_off) {
     const long r = blockIdx.x;
     for (int j = threadIdx.x; j < width; j += blockDim.x) dst[r * dst_stride + dst_off + j] = src[r * src_stride + src_off + j];
 }
+extern "C" __global__ void copy_cols(float* dst, const float* src, int width, int dst_stride, int dst_off, int src_stride, int src_off) {
+    copy_cols_t(dst, src, width, dst_stride, dst_off, src_stride, src_off);
+}
+extern "C" __global__ void copy_cols_bf16(unsigned short* dst, const unsigned short* src, int width, int dst_stride, int dst_off, int src_stride, int src_off) {
+    copy_cols_t(dst, src, width, dst_stride, dst_off, src_stride, src_off);
+}
 
 // out = silu(gate) * up
-extern "C" __global__ void swiglu_fwd(float* out, const float* gate, const float* up, long n) {
+template <typename T> __device__ void swiglu_fwd_t(T* out, const T* gate, const T* up, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const float g = gate[i];
+        const float g = ld(gate, i);
         const float s = 1.0f / (1.0f + expf(-g));
-        out[i] = g * s * up[i];
+        st(out, i, g * s * ld(up, i));
     }
 }
+extern "C" __global__ void swiglu_fwd(float* out, const float* gate, const float* up, long n) { swiglu_fwd_t(out, gate, up, n); }
+extern "C" __global__ void swiglu_fwd_bf16(unsigned short* out, const unsigned short* gate, const unsigned short* up, long n) { swiglu_fwd_t(out, gate, up, n); }
 
 // dgate += dout·up·s·(1 + g(1 − s)), dup += dout·g·s
 extern "C" __global__ void swiglu_bwd(float* dgate, float* dup, const float* dout, const float* gate, const float* up, long n) {
@@ -140,18 +159,20 @@ extern "C" __global__ void swiglu_bwd(float* dgate, float* dup, const float* dou
 // ---------------------------------------------------------------------------------------
 // RMSNorm (one block per row)
 
-// y = x · rstd · w, rstd = 1/sqrt(mean(x²) + eps)
-extern "C" __global__ void rmsnorm_fwd(float* y, float* rstd, const float* x, const float* w, int d, float eps) {
+// y = x · rstd · w, rstd = 1/sqrt(mean(x²) + eps) (y may be x)
+template <typename T> __device__ void rmsnorm_fwd_t(T* y, float* rstd, const T* x, const float* w, int d, float eps) {
     __shared__ float sh[32];
     const long row = blockIdx.x;
-    const float* xr = x + row * d;
+    const T* xr = x + row * d;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) ss += ld(xr, i) * ld(xr, i);
     ss = block_sum(ss, sh);
     const float r = rsqrtf(ss / (float)d + eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) y[row * d + i] = xr[i] * r * w[i];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) st(y, row * d + i, ld(xr, i) * r * w[i]);
     if (threadIdx.x == 0) rstd[row] = r;
 }
+extern "C" __global__ void rmsnorm_fwd(float* y, float* rstd, const float* x, const float* w, int d, float eps) { rmsnorm_fwd_t(y, rstd, x, w, d, eps); }
+extern "C" __global__ void rmsnorm_fwd_bf16(unsigned short* y, float* rstd, const unsigned short* x, const float* w, int d, float eps) { rmsnorm_fwd_t(y, rstd, x, w, d, eps); }
 
 // dx += r·dy·w − x·r³·mean(dy·w·x); dw += dy·x·r (atomically, across rows) if dw is given.
 extern "C" __global__ void rmsnorm_bwd(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd, int d) {
@@ -171,7 +192,7 @@ extern "C" __global__ void rmsnorm_bwd(float* dx, float* dw, const float* dy, co
 
 // ---------------------------------------------------------------------------------------
 // Rotary embedding (rotate-half), in place; row i at position pos[i]. grid: rows.
-extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads, int head_dim, float scale, int inverse) {
+template <typename T> __device__ void rope_t(T* x, const int* pos, const float* inv_freq, int heads, int head_dim, float scale, int inverse) {
     const long row = blockIdx.x;
     const int half = head_dim / 2;
     const float p = (float)pos[row];
@@ -182,12 +203,14 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
         s *= scale;
         c *= scale;
         if (inverse) s = -s;
-        float* base = x + row * (long)heads * head_dim + (long)h * head_dim;
-        const float x1 = base[i], x2 = base[i + half];
-        base[i] = x1 * c - x2 * s;
-        base[i + half] = x2 * c + x1 * s;
+        T* base = x + row * (long)heads * head_dim + (long)h * head_dim;
+        const float x1 = ld(base, i), x2 = ld(base, i + half);
+        st(base, i, x1 * c - x2 * s);
+        st(base, i + half, x2 * c + x1 * s);
     }
 }
+extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq, int heads, int head_dim, float scale, int inverse) { rope_t(x, pos, inv_freq, heads, head_dim, scale, inverse); }
+extern "C" __global__ void rope_bf16(unsigned short* x, const int* pos, const float* inv_freq, int heads, int head_dim, float scale, int inverse) { rope_t(x, pos, inv_freq, heads, head_dim, scale, inverse); }
 
 // ---------------------------------------------------------------------------------------
 // Attention over explicit key spans, flash style: one warp per (query row, head), keys
@@ -199,7 +222,7 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
 
 #define ATTN_MAX_PER_LANE 8
 
-extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
+template <typename T> __device__ void attention_fwd_t(T* out, float* lse, const T* q, const T* k, const T* v, const int* spans, int tq, int qh, int kvh, int hd) {
     const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int lane = threadIdx.x & 31;
     if (warp >= tq * qh) return;  // whole warps only: tq·qh rounds to warps
@@ -210,28 +233,28 @@ extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q,
     float qv[ATTN_MAX_PER_LANE], acc[ATTN_MAX_PER_LANE];
     for (int e = 0; e < per; ++e) {
         const int d = lane + 32 * e;
-        qv[e] = d < hd ? q[row * qw + (long)head * hd + d] : 0.0f;
+        qv[e] = d < hd ? ld(q, row * qw + (long)head * hd + d) : 0.0f;
         acc[e] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
     for (int r = 0; r < 2; ++r) {
         const int lo = spans[4 * row + 2 * r], hi = spans[4 * row + 2 * r + 1];
         for (int key = lo; key < hi; ++key) {
-            const float* kr = k + key * kw + (long)kh * hd;
+            const T* kr = k + key * kw + (long)kh * hd;
             float s = 0.0f;
             for (int e = 0; e < per; ++e) {
                 const int d = lane + 32 * e;
-                if (d < hd) s += qv[e] * kr[d];
+                if (d < hd) s += qv[e] * ld(kr, d);
             }
             s = warp_sum(s) * scale;
             const float m_new = fmaxf(m, s);
             const float corr = exp_neg(m - m_new);
             const float p = exp_neg(s - m_new);
             l = l * corr + p;
-            const float* vr = v + key * kw + (long)kh * hd;
+            const T* vr = v + key * kw + (long)kh * hd;
             for (int e = 0; e < per; ++e) {
                 const int d = lane + 32 * e;
-                acc[e] = acc[e] * corr + (d < hd ? p * vr[d] : 0.0f);
+                acc[e] = acc[e] * corr + (d < hd ? p * ld(vr, d) : 0.0f);
             }
             m = m_new;
         }
@@ -239,9 +262,15 @@ extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q,
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     for (int e = 0; e < per; ++e) {
         const int d = lane + 32 * e;
-        if (d < hd) out[row * qw + (long)head * hd + d] = acc[e] * inv;
+        if (d < hd) st(out, row * qw + (long)head * hd + d, acc[e] * inv);
     }
     if (lane == 0) lse[(long)row * qh + head] = l > 0.0f ? m + logf(l) : NEG_INF;
+}
+extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
 }
 
 // Backward of attention_fwd from its saved lse (flash-attention-2 style): the

@@ -291,8 +291,60 @@ impl Device for CpuDevice {
     }
 }
 
+/// The bf16 kernels (a GPU target's activations) and which of their arguments are bf16:
+/// on the CPU device each runs as its f32 kernel on widened copies, its bf16 outputs
+/// rounded once at the end (nearest even), as the CUDA kernels compute in f32 and round
+/// on store.
+const BF16_KERNELS: [(&str, &str, &[usize]); 7] = [
+    ("embed_gather_bf16", "embed_gather", &[0, 1]),
+    ("add_inplace_bf16", "add_inplace", &[0, 1]),
+    ("copy_cols_bf16", "copy_cols", &[0, 1]),
+    ("swiglu_fwd_bf16", "swiglu_fwd", &[0, 1, 2]),
+    ("rmsnorm_fwd_bf16", "rmsnorm_fwd", &[0, 2]),
+    ("rope_bf16", "rope", &[0]),
+    ("attention_fwd_bf16", "attention_fwd", &[0, 2, 3, 4]),
+];
+
 impl CpuDevice {
-    fn run_kernel(&mut self, _s: Stream, kernel: &str, grid: u32, _block: u32, args: &[Arg]) -> Result<()> {
+    /// Run a bf16 kernel as its f32 one (see [`BF16_KERNELS`]).
+    fn via_f32(&mut self, s: Stream, (kernel, f32_kernel, bf16): (&str, &str, &[usize]), grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        let mut wide: Vec<(usize, Vec<f32>)> = Vec::new();
+        let mut args2 = args.to_vec();
+        for &i in bf16 {
+            let buf = match args.get(i) {
+                Some(Arg::R(b) | Arg::W(b) | Arg::RW(b)) => *b,
+                other => return Err(GpuError::Invalid(format!("{kernel}: argument {i} should be a bf16 buffer, is {other:?}"))),
+            };
+            // SAFETY: the argument is this device's memory of `buf.bytes` bytes.
+            let bits = unsafe { std::slice::from_raw_parts(buf.ptr as *const u16, buf.bytes / 2) };
+            wide.push((i, bits.iter().map(|b| f32::from_bits((*b as u32) << 16)).collect()));
+        }
+        // One temporary per buffer, even where two arguments name one buffer (in place).
+        for (i, v) in wide.iter_mut() {
+            let d = DSlice { ptr: v.as_mut_ptr() as u64, bytes: v.len() * 4 };
+            args2[*i] = match args[*i] {
+                Arg::R(_) => Arg::R(d),
+                Arg::W(_) => Arg::W(d),
+                _ => Arg::RW(d),
+            };
+        }
+        self.run_kernel(s, f32_kernel, grid, block, &args2)?;
+        for (i, v) in &wide {
+            if let Arg::W(b) | Arg::RW(b) = args[*i] {
+                // SAFETY: as above; written by this kernel only.
+                let bits = unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut u16, b.bytes / 2) };
+                for (o, x) in bits.iter_mut().zip(v) {
+                    *o = half::bf16::from_f32(*x).to_bits();
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run_kernel(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        if let Some(&entry) = BF16_KERNELS.iter().find(|(k, ..)| *k == kernel) {
+            return self.via_f32(s, entry, grid, block, args);
+        }
         let a = Args { kernel, args };
         a.check_aliasing()?;
         let rows = grid as usize;
@@ -574,20 +626,24 @@ impl CpuDevice {
 
     fn run_gemm(&mut self, g: &Gemm) -> Result<()> {
         g.validate()?;
-        let work = g.m * g.n * g.k;
-        if g.bf16_inputs {
-            let (ea, eb, _) = g.extents();
-            // bf16 → f32 is exact: the product is the f32 GEMM of the widened operands.
-            // SAFETY: A and B cover their extents in bf16 (validated above).
-            let widen = |s: DSlice, n: usize| -> Vec<f32> { unsafe { rd::<u16>(DSlice { ptr: s.ptr, bytes: n * 2 }) }.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
-            let (a, b) = (widen(g.a, ea), widen(g.b, eb));
-            let wide = Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*g };
-            // SAFETY: the widened copies cover the same extents in f32.
-            unsafe { super::host::sgemm_colmajor(&wide, self.par(work)) };
-        } else {
-            // SAFETY: every operand covers its extent (validated above).
-            unsafe { super::host::sgemm_colmajor(g, self.par(work)) };
-        }
+        let par = self.par(g.m * g.n * g.k);
+        let run = |g: &Gemm| {
+            if g.bf16_inputs {
+                let (ea, eb, _) = g.extents();
+                // bf16 → f32 is exact: the product is the f32 GEMM of the widened operands.
+                // SAFETY: A and B cover their extents in bf16 (validated above).
+                let widen = |s: DSlice, n: usize| -> Vec<f32> { unsafe { rd::<u16>(DSlice { ptr: s.ptr, bytes: n * 2 }) }.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
+                let (a, b) = (widen(g.a, ea), widen(g.b, eb));
+                let wide = Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*g };
+                // SAFETY: the widened copies cover the same extents in f32.
+                unsafe { super::host::sgemm_colmajor(&wide, par) };
+            } else {
+                // SAFETY: every operand covers its extent (validated above).
+                unsafe { super::host::sgemm_colmajor(g, par) };
+            }
+        };
+        // SAFETY: validated above.
+        unsafe { g.with_f32_output(run) };
         Ok(())
     }
 

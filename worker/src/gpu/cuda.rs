@@ -256,7 +256,7 @@ impl Device for CudaDevice {
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
         if g.bf16_inputs {
             use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
-            // SAFETY: as below; bf16 A and B, f32 C, f32 accumulation (tensor cores).
+            // SAFETY: as below; bf16 A and B, f32 or bf16 C, f32 accumulation (tensor cores).
             return unsafe {
                 cudarc::cublas::result::set_stream(*self.blas.handle(), st as _).map_err(|e| failed("cublasSetStream", e))?;
                 cudarc::cublas::result::gemm_ex(
@@ -275,7 +275,7 @@ impl Device for CudaDevice {
                     g.ldb as i32,
                     (&g.beta as *const f32).cast(),
                     g.c.ptr as *mut std::ffi::c_void,
-                    cudaDataType_t::CUDA_R_32F,
+                    if g.bf16_output { cudaDataType_t::CUDA_R_16BF } else { cudaDataType_t::CUDA_R_32F },
                     g.ldc as i32,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -531,7 +531,7 @@ impl GpuDrafter {
         }
         let (n, o) = (self.d.layout.total, &self.opt);
         let alpha = if weight_sum > 0.0 { (1.0 / weight_sum) as f32 } else { 1.0 };
-        let g = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha, a: o.gred, lda: n, b: o.one, ldb: 1, beta: 0.0, c: o.gsum, ldc: n, bf16_inputs: false };
+        let g = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha, a: o.gred, lda: n, b: o.one, ldb: 1, beta: 0.0, c: o.gsum, ldc: n, bf16_inputs: false, bf16_output: false };
         self.ops.dev.gemm(Stream::Compute, &g)?;
         self.optimize(step, clip, lr, hyper)?;
         Ok(before)
@@ -592,7 +592,7 @@ impl GpuDrafter {
         let one = self.opt.one;
         self.reduce_buckets(Stream::Copy, |dev, g, r| {
             let n = g.bytes / 4;
-            let gemm = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha: 1.0, a: g, lda: n.max(1), b: one, ldb: 1, beta: 0.0, c: r, ldc: n.max(1), bf16_inputs: false };
+            let gemm = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha: 1.0, a: g, lda: n.max(1), b: one, ldb: 1, beta: 0.0, c: r, ldc: n.max(1), bf16_inputs: false, bf16_output: false };
             dev.gemm(Stream::Copy, &gemm)
         })
     }

@@ -155,6 +155,23 @@ fn stream_name(slot: usize) -> &'static str {
     ["the compute stream", "the copy stream", "the host"][slot]
 }
 
+/// A GEMM with f32 C on the host: bf16 A and B are widened first (exact, so the product is
+/// the f32 GEMM of the widened operands).
+///
+/// # Safety
+/// Every operand covers its extent (`Gemm::validate`).
+unsafe fn host_gemm(g: &Gemm) {
+    if g.bf16_inputs {
+        let (ea, eb, _) = g.extents();
+        let widen = |s: DSlice, n: usize| -> Vec<f32> { std::slice::from_raw_parts(s.ptr as *const u16, n).iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
+        let (a, b) = (widen(g.a, ea), widen(g.b, eb));
+        let wide = Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*g };
+        host_sgemm(&wide);
+    } else {
+        host_sgemm(g);
+    }
+}
+
 fn race(me: &Access, write: bool, region: &str, other: &Access, how: &str) -> GpuError {
     GpuError::Race(format!(
         "{} on {} {} {region}, {how} by {} on {} with no event or sync ordering them",
@@ -348,19 +365,9 @@ impl Device for HostDevice {
         let e = g.input_bytes();
         self.access(s.index(), seq, DSlice { ptr: g.a.ptr, bytes: ea * e }, false, "a GEMM")?;
         self.access(s.index(), seq, DSlice { ptr: g.b.ptr, bytes: eb * e }, false, "a GEMM")?;
-        self.access(s.index(), seq, DSlice { ptr: g.c.ptr, bytes: ec * 4 }, true, "a GEMM")?;
-        if g.bf16_inputs {
-            // bf16 → f32 is exact: the product is the f32 GEMM of the widened operands.
-            // SAFETY: A and B cover their extents in bf16 (validated above).
-            let widen = |s: DSlice, n: usize| -> Vec<f32> { unsafe { std::slice::from_raw_parts(s.ptr as *const u16, n) }.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
-            let (a, b) = (widen(g.a, ea), widen(g.b, eb));
-            let wide = Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*g };
-            // SAFETY: the widened copies cover the same extents in f32.
-            unsafe { host_sgemm(&wide) };
-        } else {
-            // SAFETY: every operand covers its extent (validated above).
-            unsafe { host_sgemm(g) };
-        }
+        self.access(s.index(), seq, DSlice { ptr: g.c.ptr, bytes: ec * g.output_bytes() }, true, "a GEMM")?;
+        // SAFETY: every operand covers its extent (validated above).
+        unsafe { g.with_f32_output(|g| host_gemm(g)) };
         Ok(())
     }
 

@@ -105,8 +105,11 @@ pub struct Gemm {
     pub beta: f32,
     pub c: DSlice,
     pub ldc: usize,
-    /// A and B hold bf16 (C is f32, accumulation f32: tensor cores on a GPU).
+    /// A and B hold bf16 (accumulation f32: tensor cores on a GPU).
     pub bf16_inputs: bool,
+    /// C holds bf16 (read for `beta` and written, rounded to nearest even, from the f32
+    /// result); only with bf16 inputs.
+    pub bf16_output: bool,
 }
 
 impl Gemm {
@@ -134,12 +137,43 @@ impl Gemm {
         if self.lda < ar.max(1) || self.ldb < br.max(1) || self.ldc < self.m.max(1) {
             return Err(GpuError::Invalid(format!("gemm: leading dimension below the row count ({self:?})")));
         }
+        if self.bf16_output && !self.bf16_inputs {
+            return Err(GpuError::Invalid(format!("gemm: a bf16 output needs bf16 inputs ({self:?})")));
+        }
         let (ea, eb, ec) = self.extents();
         let e = self.input_bytes();
-        if ea * e > self.a.bytes || eb * e > self.b.bytes || ec * 4 > self.c.bytes {
-            return Err(GpuError::Invalid(format!("gemm: an operand is shorter than its shape (needs {ea}, {eb}, {ec} f32) ({self:?})")));
+        if ea * e > self.a.bytes || eb * e > self.b.bytes || ec * self.output_bytes() > self.c.bytes {
+            return Err(GpuError::Invalid(format!("gemm: an operand is shorter than its shape (needs {ea}, {eb}, {ec} elements) ({self:?})")));
         }
         Ok(())
+    }
+
+    /// Bytes per element of C.
+    pub fn output_bytes(&self) -> usize {
+        if self.bf16_output {
+            2
+        } else {
+            4
+        }
+    }
+
+    /// Run a host GEMM routine that writes f32 C on this GEMM: directly, or for a bf16 C
+    /// through an f32 copy of it, rounded back once at the end (as cuBLAS rounds its f32
+    /// result).
+    ///
+    /// # Safety
+    /// The operands cover their extents (`validate`).
+    pub unsafe fn with_f32_output(&self, run: impl FnOnce(&Gemm)) {
+        if !self.bf16_output {
+            return run(self);
+        }
+        let (_, _, ec) = self.extents();
+        let bits = std::slice::from_raw_parts_mut(self.c.ptr as *mut u16, ec);
+        let mut c: Vec<f32> = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
+        run(&Gemm { c: DSlice { ptr: c.as_mut_ptr() as u64, bytes: ec * 4 }, bf16_output: false, ..*self });
+        for (o, x) in bits.iter_mut().zip(&c) {
+            *o = half::bf16::from_f32(*x).to_bits();
+        }
     }
 }
 

@@ -23,27 +23,56 @@ fn row_block(d: usize) -> u32 {
 pub struct Ops {
     pub dev: Box<dyn Device>,
     pub stream: Stream,
+    /// Activations in bf16: the forward ops that a target uses (embedding, RMSNorm, RoPE,
+    /// attention, SwiGLU, the residual add, the tap copy) take and write bf16 activations
+    /// (their `_bf16` kernels; weights of norms, positions, rstd and lse stay f32), and
+    /// [`matmul_act`](Self::matmul_act) is bf16 in and out.
+    pub act16: bool,
 }
 
 impl Ops {
     pub fn new(dev: Box<dyn Device>) -> Ops {
-        Ops { dev, stream: Stream::Compute }
+        Ops { dev, stream: Stream::Compute, act16: false }
     }
 
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
         self.dev.launch(self.stream, kernel, grid, block, args)
     }
 
+    /// A forward activation kernel: its bf16 variant when activations are bf16.
+    fn launch_act(&mut self, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+        if self.act16 {
+            self.launch(&format!("{kernel}_bf16"), grid, block, args)
+        } else {
+            self.launch(kernel, grid, block, args)
+        }
+    }
+
+    /// Elements of an activation buffer.
+    fn act_len(&self, s: DSlice) -> usize {
+        s.bytes / if self.act16 { 2 } else { 4 }
+    }
+
+    /// [`matmul`](Self::matmul) on activations: with bf16 activations, bf16 `x`, `w` and
+    /// `y` (f32 accumulation, one rounding of the result); else f32.
+    pub fn matmul_act(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
+        if !self.act16 {
+            return self.matmul(x, w, y, m, k, n);
+        }
+        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: true, bf16_output: true };
+        self.dev.gemm(self.stream, &g)
+    }
+
     /// `y[m,n] = x[m,k] · w[n,k]ᵀ` (row-major), as one cuBLAS-convention GEMM:
     /// column-major `yᵀ = op(w)·xᵀ` with `op = T`.
     pub fn matmul(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
-        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: false };
+        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: false, bf16_output: false };
         self.dev.gemm(self.stream, &g)
     }
 
     /// [`matmul`](Self::matmul) with `x` and `w` in bf16 (`y` f32, f32 accumulation).
     pub fn matmul_bf16(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
-        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: true };
+        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: true, bf16_output: false };
         self.dev.gemm(self.stream, &g)
     }
 
@@ -64,12 +93,12 @@ impl Ops {
     fn matmul_backward_ex(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize, bf16_inputs: bool) -> Result<()> {
         if let Some(dx) = dx {
             // column-major dxᵀ[k,m] += w_c[k,n] · dy_c[n,m]
-            let g = Gemm { transa: false, transb: false, m: k, n: m, k: n, alpha: 1.0, a: w, lda: k, b: dy, ldb: n, beta: 1.0, c: dx, ldc: k, bf16_inputs };
+            let g = Gemm { transa: false, transb: false, m: k, n: m, k: n, alpha: 1.0, a: w, lda: k, b: dy, ldb: n, beta: 1.0, c: dx, ldc: k, bf16_inputs, bf16_output: false };
             self.dev.gemm(self.stream, &g)?;
         }
         if let Some(dw) = dw {
             // column-major dwᵀ[k,n] += x_c[k,m] · (dy_c[n,m])ᵀ
-            let g = Gemm { transa: false, transb: true, m: k, n, k: m, alpha: 1.0, a: x, lda: k, b: dy, ldb: n, beta: 1.0, c: dw, ldc: k, bf16_inputs };
+            let g = Gemm { transa: false, transb: true, m: k, n, k: m, alpha: 1.0, a: x, lda: k, b: dy, ldb: n, beta: 1.0, c: dw, ldc: k, bf16_inputs, bf16_output: false };
             self.dev.gemm(self.stream, &g)?;
         }
         Ok(())
@@ -77,7 +106,7 @@ impl Ops {
 
     /// `out[i,:] = table[ids[i],:]` (ids: u32, clamped to the vocabulary).
     pub fn embed(&mut self, out: DSlice, table: DSlice, ids: DSlice, rows: usize, h: usize, vocab: usize) -> Result<()> {
-        self.launch("embed_gather", rows as u32, row_block(h), &[Arg::W(out), Arg::R(table), Arg::R(ids), Arg::I32(h as i32), Arg::I32(vocab as i32)])
+        self.launch_act("embed_gather", rows as u32, row_block(h), &[Arg::W(out), Arg::R(table), Arg::R(ids), Arg::I32(h as i32), Arg::I32(vocab as i32)])
     }
 
     /// `dst[idx[i], :] += src[i, :]` for `rows` rows (idx: u32, distinct).
@@ -88,7 +117,7 @@ impl Ops {
     /// RMSNorm of `rows` rows of width `d`; writes `y` and the reciprocal RMS per row.
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm(&mut self, x: DSlice, w: DSlice, y: DSlice, rstd: DSlice, rows: usize, d: usize, eps: f32) -> Result<()> {
-        self.launch("rmsnorm_fwd", rows as u32, row_block(d), &[Arg::W(y), Arg::W(rstd), Arg::R(x), Arg::R(w), Arg::I32(d as i32), Arg::F32(eps)])
+        self.launch_act("rmsnorm_fwd", rows as u32, row_block(d), &[Arg::W(y), Arg::W(rstd), Arg::R(x), Arg::R(w), Arg::I32(d as i32), Arg::F32(eps)])
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -100,7 +129,7 @@ impl Ops {
     /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.
     #[allow(clippy::too_many_arguments)]
     pub fn rope(&mut self, x: DSlice, pos: DSlice, inv_freq: DSlice, rows: usize, heads: usize, head_dim: usize, scale: f32, inverse: bool) -> Result<()> {
-        self.launch(
+        self.launch_act(
             "rope",
             rows as u32,
             row_block(heads * head_dim / 2),
@@ -109,8 +138,8 @@ impl Ops {
     }
 
     pub fn swiglu(&mut self, gate: DSlice, up: DSlice, out: DSlice) -> Result<()> {
-        let n = out.len_f32();
-        self.launch("swiglu_fwd", grid_for(n), BLOCK, &[Arg::W(out), Arg::R(gate), Arg::R(up), Arg::I64(n as i64)])
+        let n = self.act_len(out);
+        self.launch_act("swiglu_fwd", grid_for(n), BLOCK, &[Arg::W(out), Arg::R(gate), Arg::R(up), Arg::I64(n as i64)])
     }
 
     pub fn swiglu_backward(&mut self, dout: DSlice, gate: DSlice, up: DSlice, dgate: DSlice, dup: DSlice) -> Result<()> {
@@ -120,14 +149,14 @@ impl Ops {
 
     /// `x += y`
     pub fn add(&mut self, x: DSlice, y: DSlice) -> Result<()> {
-        let n = x.len_f32();
-        self.launch("add_inplace", grid_for(n), BLOCK, &[Arg::RW(x), Arg::R(y), Arg::I64(n as i64)])
+        let n = self.act_len(x);
+        self.launch_act("add_inplace", grid_for(n), BLOCK, &[Arg::RW(x), Arg::R(y), Arg::I64(n as i64)])
     }
 
     /// `dst[r, dst_off..dst_off+width] = src[r, src_off..src_off+width]` for `rows` rows.
     #[allow(clippy::too_many_arguments)]
     pub fn copy_cols(&mut self, dst: DSlice, src: DSlice, rows: usize, width: usize, dst_stride: usize, dst_off: usize, src_stride: usize, src_off: usize) -> Result<()> {
-        self.launch(
+        self.launch_act(
             "copy_cols",
             rows as u32,
             row_block(width),
@@ -152,7 +181,7 @@ impl Ops {
         check_heads(qh, kvh, hd)?;
         let warps = tq * qh;
         let grid = (warps * 32).div_ceil(ATTN_BLOCK as usize).max(1) as u32;
-        self.launch(
+        self.launch_act(
             "attention_fwd",
             grid,
             ATTN_BLOCK,

@@ -40,10 +40,9 @@ struct Acts {
     u: DSlice,
     act: DSlice,
     out: DSlice,
-    /// Two bf16 staging buffers for the copy to the host, used in turn.
+    /// Two bf16 staging buffers for the copy to the host, used in turn (with bf16
+    /// activations the taps are written straight into them).
     stage: [DSlice; 2],
-    /// The bf16 copy of a GEMM's input activation.
-    xb: DSlice,
 }
 
 pub struct GpuTarget {
@@ -56,7 +55,8 @@ pub struct GpuTarget {
     layers: Vec<Layer>,
     inv_freq: DSlice,
     rope_scale: f32,
-    /// Projection weights and GEMM inputs in bf16 (a GPU), or f32 (the CPU device).
+    /// Weights of the projections and the embedding, and every activation, in bf16 (a
+    /// GPU), or f32 (the CPU device).
     bf16: bool,
     a: Acts,
     /// Per staging buffer: the event after its last copy to the host.
@@ -75,7 +75,9 @@ impl GpuTarget {
         place(dev.as_mut(), &mut dry, target, t, bf16)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
         let (embed, inv_freq, layers, a) = place(dev.as_mut(), &mut arena, target, t, bf16)?;
-        Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops: Ops::new(dev), arena, embed, layers, inv_freq, rope_scale: target.rope_scale, bf16, a, stage_free: [None, None], next_stage: 0 })
+        let mut ops = Ops::new(dev);
+        ops.act16 = bf16;
+        Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops, arena, embed, layers, inv_freq, rope_scale: target.rope_scale, bf16, a, stage_free: [None, None], next_stage: 0 })
     }
 
     pub fn describe(&self) -> String {
@@ -108,10 +110,18 @@ impl GpuTarget {
         if t == 0 {
             return Ok(Vec::new());
         }
-        self.compute(tokens)?;
         let width = self.taps.len() * self.cfg.hidden_size;
+        self.compute(tokens, self.a.out)?;
         let mut out = vec![0f32; t * width];
-        self.ops.dev.download(Stream::Compute, self.a.out.f32s(0..t * width), f32_bytes_mut(&mut out))?;
+        if self.bf16 {
+            let mut bits = vec![0u8; t * width * 2];
+            self.ops.dev.download(Stream::Compute, self.a.out.sub(2, 0..t * width), &mut bits)?;
+            for (o, b) in out.iter_mut().zip(bits.chunks_exact(2)) {
+                *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        } else {
+            self.ops.dev.download(Stream::Compute, self.a.out.f32s(0..t * width), f32_bytes_mut(&mut out))?;
+        }
         Ok(out)
     }
 
@@ -124,8 +134,9 @@ impl GpuTarget {
     }
 
     /// The taps of one sequence as bf16 into registered host memory at `dst`
-    /// (`tokens × taps × hidden × 2` bytes), asynchronously: cast on the compute stream,
-    /// copied on the copy stream behind an event, so the next sequence computes while
+    /// (`tokens × taps × hidden × 2` bytes), asynchronously: written in bf16 into a staging
+    /// buffer on the compute stream (cast there from f32 on the CPU device), copied on the
+    /// copy stream behind an event, so the next sequence computes while
     /// this one is copied. Returns the event after the copy; the bytes are there once
     /// [`finish`](Self::finish) has waited for it. The event stays valid until the call
     /// after next (its staging buffer's turn comes again): wait for the last one only.
@@ -137,7 +148,6 @@ impl GpuTarget {
         if t == 0 {
             return Ok(None);
         }
-        self.compute(tokens)?;
         let n = t * self.taps.len() * self.cfg.hidden_size;
         let i = self.next_stage;
         self.next_stage = 1 - i;
@@ -147,7 +157,12 @@ impl GpuTarget {
             self.ops.dev.release_event(e);
         }
         let stage = self.a.stage[i].sub(2, 0..n);
-        self.ops.f32_to_bf16(stage, self.a.out.f32s(0..n))?;
+        if self.bf16 {
+            self.compute(tokens, stage)?;
+        } else {
+            self.compute(tokens, self.a.out)?;
+            self.ops.f32_to_bf16(stage, self.a.out.f32s(0..n))?;
+        }
         let cast = self.ops.dev.record(Stream::Compute)?;
         self.ops.dev.wait(Stream::Copy, cast)?;
         self.ops.dev.release_event(cast);
@@ -173,8 +188,9 @@ impl GpuTarget {
         self.ops.dev.host_access(ptr, bytes, true)
     }
 
-    /// The forward into `a.out` (`[t, taps × hidden]` f32 on the device).
-    fn compute(&mut self, tokens: &[u32]) -> Result<()> {
+    /// The forward, its taps into `out` (`[t, taps × hidden]` activations: bf16 on a GPU,
+    /// f32 on the CPU device).
+    fn compute(&mut self, tokens: &[u32], out: DSlice) -> Result<()> {
         let t = tokens.len();
         if t > self.max_tokens {
             return Err(super::GpuError::Invalid(format!("{t} tokens, room for {}", self.max_tokens)));
@@ -188,23 +204,17 @@ impl GpuTarget {
         let a = &self.a;
         let ops = &mut self.ops;
         ops.dev.upload(Stream::Compute, a.ids, u32_bytes(tokens))?;
-        let (x, n1, q, k, v) = (a.x.f32s(0..t * h), a.n1.f32s(0..t * h), a.q.f32s(0..t * qd), a.k.f32s(0..t * kd), a.v.f32s(0..t * kd));
-        let (att, o, g, u, act) = (a.att.f32s(0..t * qd), a.o.f32s(0..t * h), a.g.f32s(0..t * inter), a.u.f32s(0..t * inter), a.act.f32s(0..t * inter));
+        // On a GPU every activation is bf16 and the GEMMs are bf16 in and out with f32
+        // accumulation (tensor cores); the kernels compute in f32 and round on store. On
+        // the CPU device, f32 throughout.
+        let act = |s: DSlice, n: usize| if self.bf16 { s.sub(2, 0..n) } else { s.f32s(0..n) };
+        let (x, n1, q, k, v) = (act(a.x, t * h), act(a.n1, t * h), act(a.q, t * qd), act(a.k, t * kd), act(a.v, t * kd));
+        let (att, o, g, u, sw) = (act(a.att, t * qd), act(a.o, t * h), act(a.g, t * inter), act(a.u, t * inter), act(a.act, t * inter));
         let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
+        let out = act(out, t * width);
         ops.embed(x, self.embed, a.ids.f32s(0..t), t, h, c.vocab_size)?;
         let last = self.taps.iter().copied().max().unwrap_or(0);
-        // On a GPU, GEMMs take bf16 inputs (weights stored bf16, the activation cast just
-        // before) and accumulate in f32: tensor cores. On the CPU device, f32 throughout.
-        let bf16 = self.bf16;
-        let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| -> Result<()> {
-            if bf16 {
-                let xb = a.xb.sub(2, 0..m * k);
-                ops.f32_to_bf16(xb, x)?;
-                ops.matmul_bf16(xb, w, y, m, k, n)
-            } else {
-                ops.matmul(x, w, y, m, k, n)
-            }
-        };
+        let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| ops.matmul_act(x, w, y, m, k, n);
         for (li, l) in self.layers.iter().enumerate().take(last + 1) {
             ops.rmsnorm(x, l.ln1, n1, rstd.f32s(0..t), t, h, eps)?;
             mm(ops, n1, l.wq, q, t, h, qd)?;
@@ -222,12 +232,12 @@ impl GpuTarget {
             ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
             mm(ops, n1, l.gate, g, t, h, inter)?;
             mm(ops, n1, l.up, u, t, h, inter)?;
-            ops.swiglu(g, u, act)?;
-            mm(ops, act, l.down, o, t, inter, h)?;
+            ops.swiglu(g, u, sw)?;
+            mm(ops, sw, l.down, o, t, inter, h)?;
             ops.add(x, o)?;
             for (ti, &tap) in self.taps.iter().enumerate() {
                 if tap == li {
-                    ops.copy_cols(a.out, x, t, h, width, ti * h, h, 0)?;
+                    ops.copy_cols(out, x, t, h, width, ti * h, h, 0)?;
                 }
             }
         }
@@ -236,20 +246,20 @@ impl GpuTarget {
 }
 
 /// Lay out (and, in a real arena, fill) the target's weights and activations for `t`
-/// tokens: the projection matrices in bf16 when `bf16` (a checkpoint's bf16 weights are
-/// exact in bf16 again: the CPU target widened them), everything else f32.
+/// tokens: when `bf16`, the embedding, the projection matrices (a checkpoint's bf16
+/// weights are exact in bf16 again: the CPU target widened them) and the activations in
+/// bf16; norm weights, rope frequencies, rstd and lse f32 always.
 fn place(d: &mut dyn Device, arena: &mut Arena, target: &Target, t: usize, bf16: bool) -> Result<(DSlice, DSlice, Vec<Layer>, Acts)> {
     let c = &target.cfg;
     let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
     let width = target.taps.len() * h;
-    let widest = h.max(qd).max(inter);
     let put = |d: &mut dyn Device, arena: &mut Arena, v: &[f32], name: &str, bf16: bool| -> Result<DSlice> {
         let s = arena.alloc(d, v.len() * if bf16 { 2 } else { 4 }, name)?;
         arena.fill_f32(d, s, v, bf16)?;
         Ok(s)
     };
-    let embed = put(d, arena, &target.embed, "embed_tokens", false)?;
+    let embed = put(d, arena, &target.embed, "embed_tokens", bf16)?;
     let inv_freq = put(d, arena, &target.inv_freq, "rope inv_freq", false)?;
     let mut layers = Vec::new();
     for (i, l) in target.layers.iter().enumerate() {
@@ -272,25 +282,26 @@ fn place(d: &mut dyn Device, arena: &mut Arena, target: &Target, t: usize, bf16:
         });
     }
     let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
+    // An activation of n elements: half the f32s in bf16.
+    let an = |n: usize| if bf16 { n.div_ceil(2) } else { n };
     let a = Acts {
         ids: f(t, "token ids")?,
         pos: f(t, "positions")?,
         spans: f(4 * t, "causal spans")?,
-        x: f(t * h, "residual")?,
-        n1: f(t * h, "normed")?,
+        x: f(an(t * h), "residual")?,
+        n1: f(an(t * h), "normed")?,
         rstd: f(t * qd / hd, "rstd")?,
-        q: f(t * qd, "q")?,
-        k: f(t * kd, "k")?,
-        v: f(t * kd, "v")?,
-        att: f(t * qd, "attention out")?,
+        q: f(an(t * qd), "q")?,
+        k: f(an(t * kd), "k")?,
+        v: f(an(t * kd), "v")?,
+        att: f(an(t * qd), "attention out")?,
         lse: f(t * c.num_attention_heads, "attention lse")?,
-        o: f(t * h, "projection out")?,
-        g: f(t * inter, "gate")?,
-        u: f(t * inter, "up")?,
-        act: f(t * inter, "swiglu")?,
-        out: f(t * width, "taps")?,
+        o: f(an(t * h), "projection out")?,
+        g: f(an(t * inter), "gate")?,
+        u: f(an(t * inter), "up")?,
+        act: f(an(t * inter), "swiglu")?,
+        out: f(an(t * width), "taps")?,
         stage: [f(t * width / 2 + 1, "bf16 staging 0")?, f(t * width / 2 + 1, "bf16 staging 1")?],
-        xb: f((t * widest).div_ceil(2), "bf16 GEMM input")?,
     };
     // Positions and causal spans depend only on the row index: once, for all lengths.
     let pos: Vec<i32> = (0..t as i32).collect();
