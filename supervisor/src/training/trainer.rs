@@ -1073,3 +1073,78 @@ impl Trainer {
         &self.cfg.checkpoints_dir
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflash_shared::protocol::{PoolId, SlotRef};
+
+    fn trainer(flags: &[&str]) -> (Trainer, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let args = crate::cli::run_args(flags);
+        let plan = crate::run::plan(&args, &mut || Ok(0)).unwrap();
+        let target = crate::run::target_config("tiny").unwrap();
+        let (_, pipeline_cfg) = crate::run::data_config(&args, &plan, &target).unwrap();
+        let mut cfg = crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
+        cfg.checkpoints_dir = dir.path().join("checkpoints");
+        std::fs::create_dir_all(&cfg.checkpoints_dir).unwrap();
+        (Trainer::new(cfg, dir.path()).unwrap(), dir)
+    }
+
+    fn stats(weight: f64) -> StepStats {
+        StepStats { loss_sum: 2.0 * weight, weight_sum: weight, tokens: 8, ..Default::default() }
+    }
+
+    fn slot(i: u32) -> SlotRef {
+        SlotRef { pool: PoolId::Hidden, slot: i, gen: 1 }
+    }
+
+    fn sends(out: &[Action]) -> Vec<(usize, &ToWorker)> {
+        out.iter().filter_map(|a| if let Action::Send(w, m) = a { Some((*w, m)) } else { None }).collect()
+    }
+
+    /// Two members (workers 1 and 2) in the epoch of both; returns that epoch.
+    fn two_members(t: &mut Trainer) -> u64 {
+        t.on_ready(1, 11);
+        let out = t.on_ready(2, 12);
+        let epochs: Vec<u64> = sends(&out).iter().filter_map(|(_, m)| if let ToWorker::Group { epoch, ranks, .. } = m { (ranks.len() == 2).then_some(*epoch) } else { None }).collect();
+        assert_eq!(epochs.len(), 2, "both are told of the epoch of both: {out:?}");
+        epochs[0]
+    }
+
+    #[test]
+    fn at_the_data_end_a_member_without_a_batch_abstains_and_the_step_commits_over_the_others() {
+        let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
+        let epoch = two_members(&mut t);
+        assert!(t.on_grads(1, 1, slot(0), 100, stats(3.0), 7).is_empty(), "no commit with one member");
+        assert!(t.flush_tail(Some(2)).is_empty(), "batches left that no member holds: nobody abstains");
+        let out = t.flush_tail(Some(1));
+        assert!(matches!(sends(&out)[..], [(2, ToWorker::Abstain { step: 1 })]), "{out:?}");
+        assert!(t.flush_tail(Some(1)).is_empty(), "told once");
+        assert!(t.on_reduced(1, 1, epoch, 3.0, 1.0).is_empty());
+        assert_eq!(t.committed(), 0, "the abstaining member has not reduced yet");
+        let out = t.on_reduced(2, 1, epoch, 3.0, 1.0);
+        assert_eq!(t.committed(), 1);
+        let applies: Vec<(usize, u64, f64)> = sends(&out).iter().filter_map(|(w, m)| if let ToWorker::Apply { step, weight_sum, .. } = m { Some((*w, *step, *weight_sum)) } else { None }).collect();
+        assert_eq!(applies, [(1, 1, 3.0), (2, 1, 3.0)], "both apply the one batch's step");
+        let consumed: Vec<u64> = out.iter().filter_map(|a| if let Action::Consume { batch_id, .. } = a { Some(*batch_id) } else { None }).collect();
+        assert_eq!(consumed, [100]);
+    }
+
+    #[test]
+    fn a_batch_that_reaches_an_abstaining_member_first_is_reduced_with_the_step() {
+        let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
+        let epoch = two_members(&mut t);
+        t.on_grads(1, 1, slot(0), 100, stats(3.0), 7);
+        t.flush_tail(Some(1));
+        // Its gradient was on its way before the order to abstain arrived (the rank ignores
+        // that order when it holds a gradient).
+        t.on_grads(2, 1, slot(1), 101, stats(4.0), 7);
+        t.on_reduced(1, 1, epoch, 7.0, 1.0);
+        let out = t.on_reduced(2, 1, epoch, 7.0, 1.0);
+        assert_eq!(t.committed(), 1);
+        let mut consumed: Vec<u64> = out.iter().filter_map(|a| if let Action::Consume { batch_id, .. } = a { Some(*batch_id) } else { None }).collect();
+        consumed.sort();
+        assert_eq!(consumed, [100, 101]);
+    }
+}
