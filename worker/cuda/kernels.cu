@@ -213,52 +213,99 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
 extern "C" __global__ void rope_bf16(unsigned short* x, const int* pos, const float* inv_freq, int heads, int head_dim, float scale, int inverse) { rope_t(x, pos, inv_freq, heads, head_dim, scale, inverse); }
 
 // ---------------------------------------------------------------------------------------
-// Attention over explicit key spans, flash style: one warp per (query row, head), keys
-// visited once with an online softmax, so the scores are never stored. Query row i sees
-// keys [spans[4i], spans[4i+1]) and [spans[4i+2], spans[4i+3]) (a causal prefix, or for a
-// DFlash block the context before its anchor and the block itself). q/out: [tq, qh·hd];
-// k/v: [tk, kvh·hd]; lse: [tq, qh] (−inf for a row with no key, whose output is 0).
-// hd <= 256. Block: 128 threads (4 warps).
+// Attention over explicit key spans, flash style: keys visited once with an online
+// softmax, so the scores are never stored. Query row i sees keys [spans[4i], spans[4i+1])
+// and [spans[4i+2], spans[4i+3]) (a causal prefix, or for a DFlash block the context
+// before its anchor and the block itself). q/out: [tq, qh·hd]; k/v: [tk, kvh·hd]; lse:
+// [tq, qh] (−inf for a row with no key, whose output is 0). hd <= 256. The backward: one
+// warp per (query row, head), blocks of 128 threads (4 warps).
 
 #define ATTN_MAX_PER_LANE 8
 
+// The forward is tiled: a block is ATTN_ROWS consecutive query rows of one head, one warp
+// per row, and the keys any of them sees go through shared memory ATTN_TILE at a time, so
+// the block reads each key and value once instead of once per row. In a tile two lanes
+// score each key (half the head dims each), a row's new maximum and sum come from one
+// warp reduction per tile, and each lane then adds the tile's weighted values into its
+// dims of the output. Grid: ceil(tq / ATTN_ROWS) · qh blocks of 32 · ATTN_ROWS threads.
+#define ATTN_ROWS 8
+#define ATTN_TILE 16
+#define ATTN_MAX_HD 256
+
 template <typename T> __device__ void attention_fwd_t(T* out, float* lse, const T* q, const T* k, const T* v, const int* spans, int tq, int qh, int kvh, int hd) {
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (warp >= tq * qh) return;  // whole warps only: tq·qh rounds to warps
-    const int row = warp / qh, head = warp % qh, kh = head / (qh / kvh);
+    // Keys and values of one tile (rows padded by one float against bank conflicts), each
+    // warp's query row, and each warp's weights of the tile's keys.
+    __shared__ float ks[ATTN_TILE][ATTN_MAX_HD + 1];
+    __shared__ float vs[ATTN_TILE][ATTN_MAX_HD + 1];
+    __shared__ float qs[ATTN_ROWS][ATTN_MAX_HD];
+    __shared__ float ps[ATTN_ROWS][ATTN_TILE];
+    __shared__ int range[4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * ATTN_ROWS;
+    const int row = first + warp, kh = head / (qh / kvh);
+    const bool active = row < tq;
     const long qw = (long)qh * hd, kw = (long)kvh * hd;
     const float scale = rsqrtf((float)hd);
-    const int per = (hd + 31) / 32;
-    float qv[ATTN_MAX_PER_LANE], acc[ATTN_MAX_PER_LANE];
-    for (int e = 0; e < per; ++e) {
-        const int d = lane + 32 * e;
-        qv[e] = d < hd ? ld(q, row * qw + (long)head * hd + d) : 0.0f;
-        acc[e] = 0.0f;
-    }
-    float m = NEG_INF, l = 0.0f;
-    for (int r = 0; r < 2; ++r) {
-        const int lo = spans[4 * row + 2 * r], hi = spans[4 * row + 2 * r + 1];
-        for (int key = lo; key < hi; ++key) {
-            const T* kr = k + key * kw + (long)kh * hd;
-            float s = 0.0f;
-            for (int e = 0; e < per; ++e) {
-                const int d = lane + 32 * e;
-                if (d < hd) s += qv[e] * ld(kr, d);
+    const int per = (hd + 31) / 32, half = (hd + 1) / 2;
+    float acc[ATTN_MAX_PER_LANE];
+    for (int e = 0; e < per; ++e) acc[e] = 0.0f;
+    for (int d = lane; d < hd; d += 32) qs[warp][d] = active ? ld(q, row * qw + (long)head * hd + d) : 0.0f;
+    // The union of the block's rows' spans, per span.
+    if (threadIdx.x == 0) {
+        for (int r = 0; r < 2; ++r) {
+            int lo = 0x7fffffff, hi = 0;
+            for (int i = first; i < first + ATTN_ROWS && i < tq; ++i) {
+                const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
+                if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
             }
-            s = warp_sum(s) * scale;
-            const float m_new = fmaxf(m, s);
-            const float corr = exp_neg(m - m_new);
-            const float p = exp_neg(s - m_new);
-            l = l * corr + p;
-            const T* vr = v + key * kw + (long)kh * hd;
-            for (int e = 0; e < per; ++e) {
-                const int d = lane + 32 * e;
-                acc[e] = acc[e] * corr + (d < hd ? p * ld(vr, d) : 0.0f);
-            }
-            m = m_new;
+            range[2 * r] = lo;
+            range[2 * r + 1] = hi;
         }
     }
+    __syncthreads();
+    float m = NEG_INF, l = 0.0f;
+    for (int r = 0; r < 2; ++r) {
+        const int lo = range[2 * r], hi = range[2 * r + 1];
+        const int mine_lo = active ? spans[4 * row + 2 * r] : 0, mine_hi = active ? spans[4 * row + 2 * r + 1] : 0;
+        for (int t0 = lo; t0 < hi; t0 += ATTN_TILE) {
+            for (int i = threadIdx.x; i < ATTN_TILE * hd; i += blockDim.x) {
+                const int j = i / hd, d = i % hd, key = t0 + j;
+                const bool in = key < hi;
+                ks[j][d] = in ? ld(k, key * kw + (long)kh * hd + d) : 0.0f;
+                vs[j][d] = in ? ld(v, key * kw + (long)kh * hd + d) : 0.0f;
+            }
+            __syncthreads();
+            // Lanes j and j + 16 score key t0 + j, each over half of the dims.
+            const int j = lane & (ATTN_TILE - 1), part = lane >> 4;
+            const int key = t0 + j;
+            float s = 0.0f;
+            for (int d = part * half; d < (part + 1) * half && d < hd; ++d) s += qs[warp][d] * ks[j][d];
+            s += __shfl_xor_sync(FULL_MASK, s, 16);
+            const bool valid = active && key >= mine_lo && key < mine_hi;
+            s = valid ? s * scale : NEG_INF;
+            const float m_tile = warp_max(s);
+            if (m_tile != NEG_INF) {
+                const float m_new = fmaxf(m, m_tile);
+                const float corr = exp_neg(m - m_new);
+                const float p = valid ? exp_neg(s - m_new) : 0.0f;
+                // Lanes j and j + 16 hold the same p: count each key once.
+                l = l * corr + warp_sum(part == 0 ? p : 0.0f);
+                if (part == 0) ps[warp][j] = p;
+                __syncwarp();
+                for (int e = 0; e < per; ++e) {
+                    const int d = lane + 32 * e;
+                    float a = 0.0f;
+                    if (d < hd)
+                        for (int jj = 0; jj < ATTN_TILE; ++jj) a += ps[warp][jj] * vs[jj][d];
+                    acc[e] = acc[e] * corr + a;
+                }
+                m = m_new;
+                __syncwarp();
+            }
+            __syncthreads();
+        }
+    }
+    if (!active) return;
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
     for (int e = 0; e < per; ++e) {
         const int d = lane + 32 * e;

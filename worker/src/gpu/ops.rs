@@ -8,8 +8,10 @@ use super::{Arg, DSlice, Device, Gemm, Result, Stream};
 const BLOCK: u32 = 256;
 /// Most blocks `sumsq` uses (the f64 partials it needs).
 pub const SUMSQ_BLOCKS: usize = 1024;
-/// Attention: 4 warps per block, one per (query row, head).
+/// Attention backward: 4 warps per block, one per (query row, head).
 const ATTN_BLOCK: u32 = 128;
+/// Attention forward: query rows per block (`ATTN_ROWS` in kernels.cu), a warp each.
+const ATTN_FWD_ROWS: usize = 8;
 
 fn grid_for(n: usize) -> u32 {
     (n.div_ceil(BLOCK as usize)).clamp(1, 65535) as u32
@@ -179,12 +181,12 @@ impl Ops {
     #[allow(clippy::too_many_arguments)]
     pub fn attention(&mut self, q: DSlice, k: DSlice, v: DSlice, out: DSlice, lse: DSlice, spans: DSlice, tq: usize, qh: usize, kvh: usize, hd: usize) -> Result<()> {
         check_heads(qh, kvh, hd)?;
-        let warps = tq * qh;
-        let grid = (warps * 32).div_ceil(ATTN_BLOCK as usize).max(1) as u32;
+        // Tiled: ATTN_FWD_ROWS query rows of one head per block, a warp each (kernels.cu).
+        let grid = (tq.div_ceil(ATTN_FWD_ROWS) * qh).max(1) as u32;
         self.launch_act(
             "attention_fwd",
             grid,
-            ATTN_BLOCK,
+            32 * ATTN_FWD_ROWS as u32,
             &[Arg::W(out), Arg::W(lse), Arg::R(q), Arg::R(k), Arg::R(v), Arg::R(spans), Arg::I32(tq as i32), Arg::I32(qh as i32), Arg::I32(kvh as i32), Arg::I32(hd as i32)],
         )
     }

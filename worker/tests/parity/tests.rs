@@ -344,6 +344,11 @@ fn host_device_causal_attention_with_gqa_matches_the_cpu_backend() {
     let spans: Vec<KeySpan> = (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect();
     check_attention("causal hd=40 (lanes partly idle)", t, t, &spans, Heads { q_heads: 4, kv_heads: 2, head_dim: 40 }, 6);
     check_attention("causal hd=96 (3 values per lane)", t, t, &spans, Heads { q_heads: 3, kv_heads: 1, head_dim: 96 }, 7);
+    // The forward's tiles: 70 rows (9 blocks of 8, the last partly empty) over 5 tiles of
+    // keys, at the largest head dim the kernels take.
+    let t = 70;
+    let spans: Vec<KeySpan> = (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect();
+    check_attention("causal hd=256, 70 rows", t, t, &spans, Heads { q_heads: 2, kv_heads: 1, head_dim: 256 }, 11);
 }
 
 #[test]
