@@ -132,6 +132,9 @@ pub enum ToWorker {
     /// Drafters: the data is at its end and no batch will come for `step`: contribute
     /// nothing (a zero gradient of weight 0) so the ranks that have one can commit it.
     Abstain { step: u64 },
+    /// Drafters: the order to abstain from `step` is withdrawn (a rank holding the step's
+    /// batches died, so they come back): drop the zero contribution and take batches.
+    Withdraw { step: u64 },
     /// Drafters: write your state (at `step`) into state slot `slot`: slot 0 for a joining
     /// rank, 1 and 2 for the supervisor's double-buffered snapshot that a rollback restores.
     Snapshot { step: u64, slot: u32 },

@@ -263,6 +263,8 @@ template <typename T> __device__ void attention_fwd_t(T* out, float* lse, const 
         }
     }
     __syncthreads();
+    // A row whose scores are all NaN (a NaN query) is skipped like a row without keys:
+    // output 0, lse −inf, as the CPU backend's softmax gives it.
     float m = NEG_INF, l = 0.0f;
     for (int r = 0; r < 2; ++r) {
         const int lo = range[2 * r], hi = range[2 * r + 1];

@@ -151,6 +151,13 @@ fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Ide
             }
             Flow::Go
         }
+        ToWorker::Withdraw { step } => {
+            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a withdrawal before the training setup".into()))?;
+            if rank.withdraw(step) {
+                println!("step {step}: abstention withdrawn: taking batches again");
+            }
+            Flow::Go
+        }
         ToWorker::Apply { step, epoch, lr, weight_sum } => {
             let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a step to apply before the training setup".into()))?;
             let applied = rank.reduce(step, epoch, lr, weight_sum)?;

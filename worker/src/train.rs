@@ -41,6 +41,8 @@ pub struct Rank {
     pub step: u64,
     /// Gradients computed for `step + 1`, waiting for the commit.
     pub awaiting: bool,
+    /// What it holds for `step + 1` is an abstention (a zero gradient), not a batch's.
+    abstained: bool,
     pub skipped_steps: u64,
     /// Norm of the last averaged gradient, before clipping.
     pub last_grad_norm: f64,
@@ -112,6 +114,7 @@ impl Rank {
             state,
             step: 0,
             awaiting: false,
+            abstained: false,
             skipped_steps: 0,
             last_grad_norm: 0.0,
             idle_since: std::time::Instant::now(),
@@ -209,7 +212,20 @@ impl Rank {
         self.model.zero_grads().map_err(WorkerError::device("a zero gradient"))?;
         self.coll.contribute(step, 0.0, &mut self.model)?;
         self.awaiting = true;
+        self.abstained = true;
         Ok(true)
+    }
+
+    /// The abstention from `step` is withdrawn: drop the zero contribution (the
+    /// supervisor has started a new epoch, so no sum of it is ever used) and take batches.
+    pub fn withdraw(&mut self, step: u64) -> bool {
+        if !(self.abstained && self.awaiting && step == self.step + 1) {
+            return false;
+        }
+        self.abstained = false;
+        self.awaiting = false;
+        self.reported = None;
+        true
     }
 
     /// Membership epoch `epoch` of `ranks`: what is in flight in an older one is void, and
@@ -267,6 +283,7 @@ impl Rank {
         let before = self.coll.apply(step, weight_sum, self.setup.clip as f32, lr as f32, &self.opt.hyper(), &mut self.model)?;
         self.step = step;
         self.awaiting = false;
+        self.abstained = false;
         self.last_optimizer_ms = started.elapsed().as_secs_f64() * 1e3;
         self.idle_since = std::time::Instant::now();
         Ok(Applied { skipped: before.and_then(|o| self.note_outcome(o)) })

@@ -357,6 +357,11 @@ impl Pipeline {
     }
 
     /// Bad dataset lines the loader skipped so far.
+    /// Hidden-state batches delivered to `holder` and not yet consumed.
+    pub fn delivered_to(&self, holder: Holder) -> u64 {
+        self.hidden.table.held(holder, dflash_shared::slots::SlotState::Reading) as u64
+    }
+
     pub fn bad_lines(&self) -> u64 {
         self.bad_lines
     }

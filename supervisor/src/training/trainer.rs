@@ -699,6 +699,12 @@ impl Trainer {
         } else {
             if let Some(m) = left {
                 self.new_epoch(&format!("rank {} left", m.rank), &mut out);
+                // Its batch goes back to the queue: the members told to abstain may get
+                // it (or another) after all.
+                let step = self.committed + 1;
+                for w in std::mem::take(&mut self.abstained) {
+                    out.push(Action::Send(w, ToWorker::Withdraw { step }));
+                }
             }
             self.start_join(&mut out);
         }
@@ -746,13 +752,16 @@ impl Trainer {
         out.push(Action::Send(donor, ToWorker::Snapshot { step, slot }));
     }
 
-    /// The end of the data: when every batch not yet consumed is already in a pending
-    /// gradient (`remaining` = batches produced and not consumed, once the loader is
-    /// done), the members still waiting will never get one: commit the last step over
-    /// those who have a gradient.
-    pub fn flush_tail(&mut self, remaining: Option<u64>) -> Vec<Action> {
+    /// The end of the data: when every batch not yet consumed is in the hands of a member
+    /// that holds a gradient for the step (its pending batch, or one delivered ahead that
+    /// it takes after the commit; `remaining` = batches produced and not consumed, once the
+    /// loader is done; `delivered(holder)`: batches delivered to that life), the members
+    /// without one will not get one for this step: they abstain, so it commits over those
+    /// who have one.
+    pub fn flush_tail(&mut self, remaining: Option<u64>, delivered: &dyn Fn(Holder) -> u64) -> Vec<Action> {
         let mut out = Vec::new();
-        if self.frozen || self.joining.is_some() || !remaining.is_some_and(|r| r > 0 && r == self.pending.len() as u64) {
+        let held: u64 = self.pending.values().map(|p| delivered(p.holder)).sum();
+        if self.frozen || self.joining.is_some() || self.pending.is_empty() || !remaining.is_some_and(|r| r > 0 && r == held) {
             return out;
         }
         // The members with no batch contribute nothing (the all-reduce needs every member).
@@ -1099,6 +1108,11 @@ mod tests {
         SlotRef { pool: PoolId::Hidden, slot: i, gen: 1 }
     }
 
+    /// Each life holds one delivered batch (the pending one).
+    fn one_each(_: Holder) -> u64 {
+        1
+    }
+
     fn sends(out: &[Action]) -> Vec<(usize, &ToWorker)> {
         out.iter().filter_map(|a| if let Action::Send(w, m) = a { Some((*w, m)) } else { None }).collect()
     }
@@ -1117,10 +1131,10 @@ mod tests {
         let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
         let epoch = two_members(&mut t);
         assert!(t.on_grads(1, 1, slot(0), 100, stats(3.0), 7).is_empty(), "no commit with one member");
-        assert!(t.flush_tail(Some(2)).is_empty(), "batches left that no member holds: nobody abstains");
-        let out = t.flush_tail(Some(1));
+        assert!(t.flush_tail(Some(2), &one_each).is_empty(), "a batch left that no member holds: nobody abstains");
+        let out = t.flush_tail(Some(1), &one_each);
         assert!(matches!(sends(&out)[..], [(2, ToWorker::Abstain { step: 1 })]), "{out:?}");
-        assert!(t.flush_tail(Some(1)).is_empty(), "told once");
+        assert!(t.flush_tail(Some(1), &one_each).is_empty(), "told once");
         assert!(t.on_reduced(1, 1, epoch, 3.0, 1.0).is_empty());
         assert_eq!(t.committed(), 0, "the abstaining member has not reduced yet");
         let out = t.on_reduced(2, 1, epoch, 3.0, 1.0);
@@ -1132,11 +1146,47 @@ mod tests {
     }
 
     #[test]
+    fn a_member_that_holds_the_last_two_batches_lets_the_idle_one_abstain() {
+        // Worker 1 has its gradient for step 1 and a second batch delivered ahead, which it
+        // takes only after the commit: worker 2 will get nothing for step 1.
+        let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
+        let epoch = two_members(&mut t);
+        t.on_grads(1, 1, slot(0), 100, stats(3.0), 7);
+        let two = |h: Holder| if h == 11 { 2 } else { 0 };
+        let out = t.flush_tail(Some(2), &two);
+        assert!(matches!(sends(&out)[..], [(2, ToWorker::Abstain { step: 1 })]), "{out:?}");
+        t.on_reduced(1, 1, epoch, 3.0, 1.0);
+        t.on_reduced(2, 1, epoch, 3.0, 1.0);
+        assert_eq!(t.committed(), 1);
+    }
+
+    #[test]
+    fn when_the_member_with_the_last_batch_dies_the_abstentions_are_withdrawn_and_the_batch_trains_elsewhere() {
+        let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
+        let epoch = two_members(&mut t);
+        t.on_grads(1, 1, slot(0), 100, stats(3.0), 7);
+        t.flush_tail(Some(1), &one_each);
+        t.on_reduced(2, 1, epoch, 3.0, 1.0);
+        // Worker 1 dies holding batch 100, which goes back to the queue.
+        let out = t.on_gone(1);
+        assert_eq!(t.committed(), 0);
+        let s = sends(&out);
+        assert!(s.iter().any(|(w, m)| *w == 2 && matches!(m, ToWorker::Withdraw { step: 1 })), "{out:?}");
+        let next = s.iter().find_map(|(_, m)| if let ToWorker::Group { epoch, ranks, .. } = m { Some((*epoch, ranks.clone())) } else { None }).unwrap();
+        assert_eq!(next.1.len(), 1);
+        assert!(t.flush_tail(Some(1), &one_each).is_empty(), "the batch is nobody's now: nobody abstains");
+        // Worker 2 gets the batch back, trains on it and reduces it alone.
+        t.on_grads(2, 1, slot(1), 100, stats(3.0), 7);
+        let out = t.on_reduced(2, 1, next.0, 3.0, 1.0);
+        assert_eq!(t.committed(), 1, "{out:?}");
+    }
+
+    #[test]
     fn a_batch_that_reaches_an_abstaining_member_first_is_reduced_with_the_step() {
         let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
         let epoch = two_members(&mut t);
         t.on_grads(1, 1, slot(0), 100, stats(3.0), 7);
-        t.flush_tail(Some(1));
+        t.flush_tail(Some(1), &one_each);
         // Its gradient was on its way before the order to abstain arrived (the rank ignores
         // that order when it holds a gradient).
         t.on_grads(2, 1, slot(1), 101, stats(4.0), 7);

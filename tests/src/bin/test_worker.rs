@@ -323,7 +323,7 @@ fn serve(acts: &Acts, up: &IpcSender<FromWorker>, down: &ipc::IpcReceiver<ToWork
     loop {
         slots.misbehave(acts, up);
         match down.try_recv_timeout(hb) {
-            Ok(ToWorker::Pools { .. } | ToWorker::Train(_) | ToWorker::Group { .. } | ToWorker::Apply { .. } | ToWorker::Abstain { .. } | ToWorker::Snapshot { .. } | ToWorker::Export { .. } | ToWorker::Checkpoint { .. }) => {}
+            Ok(ToWorker::Pools { .. } | ToWorker::Train(_) | ToWorker::Group { .. } | ToWorker::Apply { .. } | ToWorker::Abstain { .. } | ToWorker::Withdraw { .. } | ToWorker::Snapshot { .. } | ToWorker::Export { .. } | ToWorker::Checkpoint { .. }) => {}
             Ok(ToWorker::Deliver { slot, batch_id, .. }) => {
                 slots.delivery.get_or_insert((slot, batch_id));
             }

@@ -18,11 +18,13 @@ pub struct LocalCollective {
     held: Option<(u64, f64)>,
     /// The completed copy, and the event behind it (the optimizer waits for it).
     done: Option<(Reduced, Event)>,
+    /// An event a new contribution left behind, released at the next poll.
+    stale: Option<Event>,
 }
 
 impl LocalCollective {
     pub fn new(rank: u32) -> LocalCollective {
-        LocalCollective { rank, epoch: None, held: None, done: None }
+        LocalCollective { rank, epoch: None, held: None, done: None, stale: None }
     }
 }
 
@@ -46,11 +48,16 @@ impl Collective for LocalCollective {
 
     fn contribute(&mut self, step: u64, weight: f64, _model: &mut GpuDrafter) -> Result<Option<bool>> {
         self.held = Some((step, weight));
-        self.done = None;
+        if let Some((_, e)) = self.done.take() {
+            self.stale = Some(e);
+        }
         Ok(None)
     }
 
     fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>> {
+        if let Some(e) = self.stale.take() {
+            model.device().release_event(e);
+        }
         if let Some((d, _)) = self.done {
             return Ok(Some(d));
         }

@@ -199,6 +199,12 @@ pub struct NcclCollective {
     /// Two f64 on the device: the loss weight, all-reduced in place.
     weight: DSlice,
     done: Option<Reduced>,
+    /// Events of all-reduces an abort or a new contribution left behind: released at the
+    /// next poll (which has the device).
+    stale: Vec<Event>,
+    /// The communicator failed (a peer died, or the network): it was aborted here, and the
+    /// rank waits for the supervisor's next epoch (a death's, or the watchdog's).
+    failed: bool,
 }
 
 // SAFETY: the communicator handles are only used from the worker's thread.
@@ -228,6 +234,8 @@ impl NcclCollective {
             launched: None,
             weight: DSlice { ptr, bytes: 16 },
             done: None,
+            stale: Vec::new(),
+            failed: false,
         })
     }
 
@@ -241,7 +249,7 @@ impl NcclCollective {
             _ => {}
         }
         self.pending_id = None;
-        self.launched = None;
+        self.stale.extend(self.launched.take().map(|(_, e)| e));
         self.done = None;
     }
 
@@ -308,6 +316,7 @@ impl Collective for NcclCollective {
         let same = self.epoch.as_ref().is_some_and(|(e, _)| *e == epoch);
         if !same {
             self.abort();
+            self.failed = false;
             self.epoch = Some((epoch, ranks.to_vec()));
             self.comm = CommState::AwaitingId;
         }
@@ -330,15 +339,21 @@ impl Collective for NcclCollective {
 
     fn contribute(&mut self, step: u64, weight: f64, _model: &mut GpuDrafter) -> Result<Option<bool>> {
         self.held = Some((step, weight));
-        self.launched = None;
+        self.stale.extend(self.launched.take().map(|(_, e)| e));
         self.done = None;
         Ok(None)
     }
 
     fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>> {
         self.reap_abandoned();
+        for e in self.stale.drain(..) {
+            model.device().release_event(e);
+        }
         if let Some(d) = self.done {
             return Ok(Some(d));
+        }
+        if self.failed {
+            return Ok(None);
         }
         if let Some(id) = self.pending_id.take() {
             self.build(&id, model)?;
@@ -361,7 +376,13 @@ impl Collective for NcclCollective {
         // SAFETY: a live communicator of ours.
         self.lib.check("ncclCommGetAsyncError", unsafe { (self.lib.comm_get_async_error)(comm, &mut err) })?;
         if err != SUCCESS && err != IN_PROGRESS {
-            return self.lib.check("an NCCL collective", err).map(|_| None);
+            // Most often a peer died: the supervisor's next epoch (or its watchdog's) forms
+            // the group again, so this rank waits for it rather than dying too.
+            let why = self.lib.check("an NCCL collective", err).err().map(|e| e.to_string()).unwrap_or_default();
+            println!("NCCL communicator of epoch {epoch} failed ({why}): aborted; waiting for the next epoch");
+            self.abort();
+            self.failed = true;
+            return Ok(None);
         }
         let dev_err = |what: &'static str| WorkerError::device(what);
         match self.launched {

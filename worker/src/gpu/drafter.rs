@@ -696,6 +696,9 @@ impl GpuDrafter {
         self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
         if total_weight > 0.0 {
             let order: Vec<usize> = (0..samples.len()).filter(|&i| !anchors[i].is_empty()).collect();
+            if let Some(&i) = order.iter().find(|&&i| samples[i].ids.len() > self.max_len) {
+                return Err(GpuError::Invalid(format!("a sample of {} positions; room for {}", samples[i].ids.len(), self.max_len)));
+            }
             if let Some(t16) = taps16 {
                 let row = self.d.cfg.n_taps * self.d.cfg.hidden * 2;
                 if let Some(&i) = order.iter().find(|&&i| t16[i].len() != samples[i].ids.len() * row) {

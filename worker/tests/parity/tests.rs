@@ -886,3 +886,30 @@ fn host_device_bf16_activation_ops_round_the_f32_ops_once() {
     o16.matmul_act(xh, wh, yh, m, kk, n).unwrap();
     check("matmul", &get16(&mut o16, yh), &want, 2.0);
 }
+
+/// A NaN in a query row: every backend treats the row as the CPU backend's softmax does
+/// (all its scores NaN: no key kept, output 0), and the other rows are not touched. The
+/// per-key GPU loop before the tiled forward made the row NaN instead; the NaN is still in
+/// the activations the query came from, so the step is still caught as non-finite.
+#[test]
+fn host_device_attention_treats_a_nan_query_row_as_the_cpu_backend_does() {
+    let mut rng = Rng::new(13);
+    let (t, h) = (20usize, Heads { q_heads: 2, kv_heads: 1, head_dim: 32 });
+    let (qw, kw) = (h.q_heads * h.head_dim, h.kv_heads * h.head_dim);
+    let mut q = rand_vec(&mut rng, t * qw, 1.0);
+    q[3 * qw + 5] = f32::NAN;
+    let (k, v) = (rand_vec(&mut rng, t * kw, 1.0), rand_vec(&mut rng, t * kw, 1.0));
+    let spans: Vec<KeySpan> = (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect();
+    let mut want = vec![0f32; t * qw];
+    Cpu::with_threads(1).attention(&q, &k, &v, &mut want, &spans, h);
+    let mut o = ops();
+    let (gq, gk, gv, gs) = (put(&mut o, &q), put(&mut o, &k), put(&mut o, &v), put_i32(&mut o, &spans_i32(&spans)));
+    let (go, gl) = (put(&mut o, &vec![f32::NAN; t * qw]), put(&mut o, &vec![0.0; t * h.q_heads]));
+    o.attention(gq, gk, gv, go, gl, gs, t, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    let got = get(&mut o, go);
+    let head0 = |v: &[f32], r: usize| v[r * qw..r * qw + h.head_dim].to_vec();
+    assert!(head0(&want, 3).iter().all(|x| *x == 0.0), "the CPU backend's row: {:?}", head0(&want, 3));
+    assert_eq!(head0(&got, 3), head0(&want, 3), "the device's row 3, head 0");
+    assert!(got.iter().all(|x| x.is_finite()), "every other value written and finite");
+    assert_close("attention with a NaN query row", &got, &want, 1e-5);
+}

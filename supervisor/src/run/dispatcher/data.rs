@@ -28,7 +28,8 @@ impl Dispatcher {
             return;
         }
         self.pipeline.pump(&peers);
-        let tail = self.trainer.flush_tail(self.pipeline.remaining());
+        let pipeline = &self.pipeline;
+        let tail = self.trainer.flush_tail(pipeline.remaining(), &|holder| pipeline.delivered_to(holder));
         self.execute(tail);
         let hung = self.trainer.watchdog(self.now);
         self.execute(hung);
