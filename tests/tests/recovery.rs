@@ -181,10 +181,15 @@ fn a_stop_that_cannot_save_exits_non_zero_and_says_which_steps_were_lost() {
         // No snapshot either (the first would be due at step 1000).
         "--snapshot-every", "1000",
     ]);
-    sup.wait_state("step 5", T, |s| step_of(s) >= 5);
-    // The only drafter dies as the stop begins: nothing can write the stop checkpoint.
-    kill_drafters(&sup);
+    let st = sup.wait_state("step 5", T, |s| step_of(s) >= 5);
+    // The only drafter dies once the stop has begun: nothing can write the stop checkpoint.
+    // Frozen first, so that it neither writes it nor dies before the stop (a death seen
+    // first would roll the group back to its start, and then there is nothing to save).
+    let drafter = pid_of(&st, "drafter-0");
+    signal(drafter, Signal::SIGSTOP);
     sup.signal(Signal::SIGTERM);
+    sup.wait_state("the stop to begin", T, |s| s["phase"] == "stopping");
+    signal(drafter, Signal::SIGKILL);
     let status = sup.wait_exit(T);
     let err = sup.stderr();
     assert_eq!(status.code(), Some(1), "{err}");
