@@ -90,11 +90,14 @@ struct Follower {
     file: Option<File>,
     ino: u64,
     partial: Vec<u8>,
+    /// Inodes of the files already printed whole (the newest few): a rotation racing the
+    /// reads renames files under us, and none may be printed twice.
+    done: std::collections::VecDeque<u64>,
 }
 
 impl Follower {
     fn new(path: PathBuf, prefix: Option<String>) -> Follower {
-        Follower { path, prefix, file: None, ino: 0, partial: Vec::new() }
+        Follower { path, prefix, file: None, ino: 0, partial: Vec::new(), done: std::collections::VecDeque::new() }
     }
 
     /// Open the log and return its last `n` lines; following continues from exactly there.
@@ -110,13 +113,24 @@ impl Follower {
             self.ino = f.metadata().map(|m| m.ino()).unwrap_or(0);
             self.file = Some(f);
         }
+        // A rotation while we read renames the files under us (each keeps its inode): read
+        // every file once by inode, or the log just read would come again as `.1`.
+        let mut seen = std::collections::HashSet::from([self.ino]);
         let mut k = 1;
         while lines.len() < n {
-            let Ok(bytes) = fs::read(backup_path(&self.path, k)) else { break };
+            let Ok(mut f) = File::open(backup_path(&self.path, k)) else { break };
+            k += 1;
+            let ino = f.metadata().map(|m| m.ino()).unwrap_or(0);
+            if !seen.insert(ino) {
+                continue;
+            }
+            let mut bytes = Vec::new();
+            if f.read_to_end(&mut bytes).is_err() {
+                break;
+            }
             let mut older = lines_of(&bytes);
             older.append(&mut lines);
             lines = older;
-            k += 1;
         }
         let skip = lines.len().saturating_sub(n);
         lines.split_off(skip)
@@ -132,6 +146,13 @@ impl Follower {
             self.partial = rest;
         }
         Ok(())
+    }
+
+    fn mark_done(&mut self, ino: u64) {
+        self.done.push_back(ino);
+        if self.done.len() > 64 {
+            self.done.pop_front();
+        }
     }
 
     fn flush_partial(&mut self, out: &mut impl Write) -> Result<(), Error> {
@@ -169,15 +190,23 @@ impl Follower {
             // once since the last poll, the files between it and the new log are backups
             // newer than it: print them oldest first.
             self.flush_partial(out)?;
+            self.mark_done(self.ino);
             let old = (1..).take_while(|&k| backup_path(&self.path, k).exists()).find(|&k| {
                 fs::metadata(backup_path(&self.path, k)).map(|m| m.ino() == self.ino).unwrap_or(false)
             });
             match old {
                 Some(k) => {
                     for j in (1..k).rev() {
-                        if let Ok(bytes) = fs::read(backup_path(&self.path, j)) {
+                        let Ok(mut f) = File::open(backup_path(&self.path, j)) else { continue };
+                        let ino = f.metadata().map(|m| m.ino()).unwrap_or(0);
+                        if self.done.contains(&ino) {
+                            continue;
+                        }
+                        let mut bytes = Vec::new();
+                        if f.read_to_end(&mut bytes).is_ok() {
                             self.emit(&bytes, out)?;
                             self.flush_partial(out)?;
+                            self.mark_done(ino);
                         }
                     }
                 }
