@@ -627,23 +627,8 @@ impl CpuDevice {
     fn run_gemm(&mut self, g: &Gemm) -> Result<()> {
         g.validate()?;
         let par = self.par(g.m * g.n * g.k);
-        let run = |g: &Gemm| {
-            if g.bf16_inputs {
-                let (ea, eb, _) = g.extents();
-                // bf16 → f32 is exact: the product is the f32 GEMM of the widened operands.
-                // SAFETY: A and B cover their extents in bf16 (validated above).
-                let widen = |s: DSlice, n: usize| -> Vec<f32> { unsafe { rd::<u16>(DSlice { ptr: s.ptr, bytes: n * 2 }) }.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
-                let (a, b) = (widen(g.a, ea), widen(g.b, eb));
-                let wide = Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*g };
-                // SAFETY: the widened copies cover the same extents in f32.
-                unsafe { super::host::sgemm_colmajor(&wide, par) };
-            } else {
-                // SAFETY: every operand covers its extent (validated above).
-                unsafe { super::host::sgemm_colmajor(g, par) };
-            }
-        };
-        // SAFETY: validated above.
-        unsafe { g.with_f32_output(run) };
+        // SAFETY: validated above; the widened copies cover the same extents in f32.
+        unsafe { g.with_f32_output(|g| g.with_f32_inputs(|g| super::host::sgemm_colmajor(g, par))) };
         Ok(())
     }
 

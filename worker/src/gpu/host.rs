@@ -155,23 +155,6 @@ fn stream_name(slot: usize) -> &'static str {
     ["the compute stream", "the copy stream", "the host"][slot]
 }
 
-/// A GEMM with f32 C on the host: bf16 A and B are widened first (exact, so the product is
-/// the f32 GEMM of the widened operands).
-///
-/// # Safety
-/// Every operand covers its extent (`Gemm::validate`).
-unsafe fn host_gemm(g: &Gemm) {
-    if g.bf16_inputs {
-        let (ea, eb, _) = g.extents();
-        let widen = |s: DSlice, n: usize| -> Vec<f32> { std::slice::from_raw_parts(s.ptr as *const u16, n).iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
-        let (a, b) = (widen(g.a, ea), widen(g.b, eb));
-        let wide = Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*g };
-        host_sgemm(&wide);
-    } else {
-        host_sgemm(g);
-    }
-}
-
 fn race(me: &Access, write: bool, region: &str, other: &Access, how: &str) -> GpuError {
     GpuError::Race(format!(
         "{} on {} {} {region}, {how} by {} on {} with no event or sync ordering them",
@@ -367,7 +350,7 @@ impl Device for HostDevice {
         self.access(s.index(), seq, DSlice { ptr: g.b.ptr, bytes: eb * e }, false, "a GEMM")?;
         self.access(s.index(), seq, DSlice { ptr: g.c.ptr, bytes: ec * g.output_bytes() }, true, "a GEMM")?;
         // SAFETY: every operand covers its extent (validated above).
-        unsafe { g.with_f32_output(|g| host_gemm(g)) };
+        unsafe { g.with_f32_output(|g| g.with_f32_inputs(|g| host_sgemm(g))) };
         Ok(())
     }
 

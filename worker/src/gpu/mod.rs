@@ -157,6 +157,21 @@ impl Gemm {
         }
     }
 
+    /// Run a host f32 GEMM routine on this GEMM: directly, or with bf16 A and B widened
+    /// first (exact, so the product is the f32 GEMM of the widened operands).
+    ///
+    /// # Safety
+    /// The operands cover their extents (`validate`).
+    pub unsafe fn with_f32_inputs(&self, run: impl FnOnce(&Gemm)) {
+        if !self.bf16_inputs {
+            return run(self);
+        }
+        let (ea, eb, _) = self.extents();
+        let widen = |s: DSlice, n: usize| -> Vec<f32> { std::slice::from_raw_parts(s.ptr as *const u16, n).iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
+        let (a, b) = (widen(self.a, ea), widen(self.b, eb));
+        run(&Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*self });
+    }
+
     /// Run a host GEMM routine that writes f32 C on this GEMM: directly, or for a bf16 C
     /// through an f32 copy of it, rounded back once at the end (as cuBLAS rounds its f32
     /// result).

@@ -58,24 +58,25 @@ impl Ops {
     /// [`matmul`](Self::matmul) on activations: with bf16 activations, bf16 `x`, `w` and
     /// `y` (f32 accumulation, one rounding of the result); else f32.
     pub fn matmul_act(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
-        if !self.act16 {
-            return self.matmul(x, w, y, m, k, n);
-        }
-        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: true, bf16_output: true };
+        self.linear(x, w, y, m, k, n, self.act16, self.act16)
+    }
+
+    /// `y = x · wᵀ` as one cuBLAS-convention GEMM, with bf16 inputs and/or output.
+    #[allow(clippy::too_many_arguments)]
+    fn linear(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize, bf16_inputs: bool, bf16_output: bool) -> Result<()> {
+        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs, bf16_output };
         self.dev.gemm(self.stream, &g)
     }
 
     /// `y[m,n] = x[m,k] · w[n,k]ᵀ` (row-major), as one cuBLAS-convention GEMM:
     /// column-major `yᵀ = op(w)·xᵀ` with `op = T`.
     pub fn matmul(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
-        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: false, bf16_output: false };
-        self.dev.gemm(self.stream, &g)
+        self.linear(x, w, y, m, k, n, false, false)
     }
 
     /// [`matmul`](Self::matmul) with `x` and `w` in bf16 (`y` f32, f32 accumulation).
     pub fn matmul_bf16(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
-        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs: true, bf16_output: false };
-        self.dev.gemm(self.stream, &g)
+        self.linear(x, w, y, m, k, n, true, false)
     }
 
     /// Backward of [`matmul`](Self::matmul): `dx += dy · w`, `dw += dyᵀ · x`.
