@@ -4,8 +4,9 @@
 //   * by NVRTC at run time, for the GPU's compute capability (worker/src/gpu/nvrtc.rs);
 //   * as C++ by the host compiler, with cuda/host/cuda_host.h supplying the CUDA built-ins,
 //     for the host device that runs every kernel on the CPU in CI (worker/src/gpu/host.rs).
-// So: no inline PTX, no CUDA headers (bf16 is converted by hand, round-to-nearest-even),
-// block sizes a multiple of 32, and every warp collective with all 32 lanes present.
+// So: no inline PTX, no CUDA headers (bf16 is converted by hand, round-to-nearest-even;
+// tensor cores through a WMMA subset defined below), block sizes a multiple of 32, and
+// every warp collective with all 32 lanes present.
 //
 // Layouts match the CPU backend (worker/src/compute): row-major f32 activations, a linear
 // layer's weight [out, in]. Ops that the CPU backend accumulates into (`+=`) accumulate here.
@@ -84,6 +85,53 @@ __device__ __forceinline__ void st(unsigned short* p, long i, float v) { p[i] = 
 
 // e^x for x <= 0, flushed to 0 below 1e-30 as the CPU backend does (no subnormals).
 __device__ __forceinline__ float exp_neg(float x) { return x < -69.0f ? 0.0f : expf(x); }
+
+// ---------------------------------------------------------------------------------------
+// Tensor cores: the subset of the WMMA API (nvcuda::wmma, mma.h) the kernels use, 16×16×16
+// tiles of bf16 A and B with f32 accumulators. NVRTC ships no mma.h, so under NVRTC the
+// same names are defined here over the compiler's WMMA built-ins that mma.h wraps (the
+// layout codes are mma.h's: 0 row-major, 1 column-major; for mma, 2·[A col] + [B col]).
+// The host device gets them from cuda_host.h. A fragment's elements are touched only
+// through these calls.
+#ifdef __CUDACC_RTC__
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+struct bf16 {};
+enum layout_t { mem_row_major, mem_col_major };
+template <class Use, int M, int N, int K, class T, class Layout = void> struct fragment;
+template <class Use, class Layout> struct fragment<Use, 16, 16, 16, bf16, Layout> { int x[4]; };
+template <> struct fragment<accumulator, 16, 16, 16, float, void> { float x[8]; };
+template <class L> struct is_col { enum { value = 0 }; };
+template <> struct is_col<col_major> { enum { value = 1 }; };
+
+__device__ __forceinline__ void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {
+    for (int i = 0; i < 8; ++i) f.x[i] = v;
+}
+template <class L> __device__ __forceinline__ void load_matrix_sync(fragment<matrix_a, 16, 16, 16, bf16, L>& f, const unsigned short* p, unsigned ldm) {
+    __mma_bf16_m16n16k16_ld_a(f.x, (const int*)p, ldm, is_col<L>::value);
+}
+template <class L> __device__ __forceinline__ void load_matrix_sync(fragment<matrix_b, 16, 16, 16, bf16, L>& f, const unsigned short* p, unsigned ldm) {
+    __mma_bf16_m16n16k16_ld_b(f.x, (const int*)p, ldm, is_col<L>::value);
+}
+__device__ __forceinline__ void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
+    if (l == mem_col_major) __hmma_m16n16k16_ld_c_f32(f.x, p, ldm, 1);  // the built-ins take the layout as a constant
+    else __hmma_m16n16k16_ld_c_f32(f.x, p, ldm, 0);
+}
+__device__ __forceinline__ void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
+    if (l == mem_col_major) __hmma_m16n16k16_st_c_f32(p, (float*)f.x, ldm, 1);
+    else __hmma_m16n16k16_st_c_f32(p, (float*)f.x, ldm, 0);
+}
+template <class LA, class LB>
+__device__ __forceinline__ void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, bf16, LA>& a,
+                                         const fragment<matrix_b, 16, 16, 16, bf16, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+    __mma_bf16_m16n16k16_mma_f32(d.x, a.x, b.x, c.x, 2 * is_col<LA>::value + is_col<LB>::value, 0);
+}
+}  // namespace wmma
+#endif
 
 // ---------------------------------------------------------------------------------------
 // Embedding, casts, elementwise
@@ -318,8 +366,127 @@ template <typename T> __device__ void attention_fwd_t(T* out, float* lse, const 
 extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
     attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
 }
+
+// The bf16 forward (the GPU target's) on tensor cores: a block is one warp and
+// ATTN_MMA_ROWS = 16 query rows of one head. Per tile of 16 keys: S = Q·Kᵀ by WMMA (the
+// head dims padded with zeros to a multiple of 16), the online softmax on S with two
+// lanes per row (8 keys each), then O = O·corr + P·V by WMMA with P rounded to bf16 (as
+// flash-attention does; the row sums l stay f32). O lives in shared memory in f32 between
+// tiles, because which accumulator element is which row is the GPU's secret. Same
+// spans, masking, NaN-row and empty-row rules as attention_fwd_t. Static shared memory:
+// ~43 KB (of the 48 KB a kernel may have without opting in).
+#define ATTN_MMA_ROWS 16
+#define ATTN_MMA_LD (ATTN_MAX_HD + 8)   // bf16 rows: a multiple of 8 elements, off the banks' period
+#define ATTN_MMA_OLD (ATTN_MAX_HD + 4)  // f32 rows: a multiple of 4
+
 extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
-    attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+    __shared__ __align__(32) unsigned short qs[ATTN_MMA_ROWS][ATTN_MMA_LD];
+    __shared__ __align__(32) unsigned short ks[16][ATTN_MMA_LD];
+    __shared__ __align__(32) unsigned short vs[16][ATTN_MMA_LD];
+    __shared__ __align__(32) float os[ATTN_MMA_ROWS][ATTN_MMA_OLD];
+    __shared__ __align__(32) float ss[ATTN_MMA_ROWS][16];
+    __shared__ __align__(32) unsigned short ps[ATTN_MMA_ROWS][16];
+    __shared__ float corr_s[ATTN_MMA_ROWS];
+    __shared__ float inv_s[ATTN_MMA_ROWS];
+    __shared__ int range[4];
+    const int lane = threadIdx.x & 31;
+    const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * ATTN_MMA_ROWS;
+    const int kh = head / (qh / kvh);
+    const long qw = (long)qh * hd, kw = (long)kvh * hd;
+    const int hp = (hd + 15) & ~15;
+    const float scale = rsqrtf((float)hd);
+    for (int i = lane; i < ATTN_MMA_ROWS * hp; i += 32) {
+        const int r = i / hp, d = i % hp, row = first + r;
+        qs[r][d] = row < tq && d < hd ? q[row * qw + (long)head * hd + d] : (unsigned short)0;
+        os[r][d] = 0.0f;
+    }
+    if (lane == 0) {
+        for (int r = 0; r < 2; ++r) {
+            int lo = 0x7fffffff, hi = 0;
+            for (int i = first; i < first + ATTN_MMA_ROWS && i < tq; ++i) {
+                const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
+                if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
+            }
+            range[2 * r] = lo;
+            range[2 * r + 1] = hi;
+        }
+    }
+    __syncwarp();
+    // This lane's row of the block, and which 8 keys of a tile it scores.
+    const int r = lane >> 1, part = lane & 1, row = first + r;
+    const bool active = row < tq;
+    float m = NEG_INF, l = 0.0f;
+    for (int sp = 0; sp < 2; ++sp) {
+        const int lo = range[2 * sp], hi = range[2 * sp + 1];
+        const int mine_lo = active ? spans[4 * row + 2 * sp] : 0, mine_hi = active ? spans[4 * row + 2 * sp + 1] : 0;
+        for (int t0 = lo; t0 < hi; t0 += 16) {
+            for (int i = lane; i < 16 * hp; i += 32) {
+                const int j = i / hp, d = i % hp, key = t0 + j;
+                const bool in = key < hi && d < hd;
+                ks[j][d] = in ? k[key * kw + (long)kh * hd + d] : (unsigned short)0;
+                vs[j][d] = in ? v[key * kw + (long)kh * hd + d] : (unsigned short)0;
+            }
+            __syncwarp();
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
+            wmma::fill_fragment(s, 0.0f);
+            for (int c = 0; c < hp; c += 16) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, wmma::bf16, wmma::row_major> a;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, wmma::bf16, wmma::col_major> b;  // Kᵀ: K's rows are its columns
+                wmma::load_matrix_sync(a, &qs[0][c], ATTN_MMA_LD);
+                wmma::load_matrix_sync(b, &ks[0][c], ATTN_MMA_LD);
+                wmma::mma_sync(s, a, b, s);
+            }
+            wmma::store_matrix_sync(&ss[0][0], s, 16, wmma::mem_row_major);
+            __syncwarp();
+            float sv[8];
+            unsigned valid = 0;
+            float mt = NEG_INF;
+            for (int e = 0; e < 8; ++e) {
+                const int key = t0 + part * 8 + e;
+                if (active && key >= mine_lo && key < mine_hi) valid |= 1u << e;
+                sv[e] = (valid >> e) & 1u ? ss[r][part * 8 + e] * scale : NEG_INF;
+                mt = fmaxf(mt, sv[e]);
+            }
+            mt = fmaxf(mt, __shfl_xor_sync(FULL_MASK, mt, 1));
+            float corr = 1.0f, sum = 0.0f;
+            if (mt != NEG_INF) {
+                const float m_new = fmaxf(m, mt);
+                corr = exp_neg(m - m_new);
+                for (int e = 0; e < 8; ++e) {
+                    const float p = (valid >> e) & 1u ? exp_neg(sv[e] - m_new) : 0.0f;
+                    sum += p;
+                    ps[r][part * 8 + e] = to_bf16(p);
+                }
+                m = m_new;
+            } else {
+                for (int e = 0; e < 8; ++e) ps[r][part * 8 + e] = 0;
+            }
+            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+            l = l * corr + sum;
+            if (part == 0) corr_s[r] = corr;
+            __syncwarp();
+            for (int i = lane; i < ATTN_MMA_ROWS * hp; i += 32) os[i / hp][i % hp] *= corr_s[i / hp];
+            __syncwarp();
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, wmma::bf16, wmma::row_major> pa;
+            wmma::load_matrix_sync(pa, &ps[0][0], 16);
+            for (int c = 0; c < hp; c += 16) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, wmma::bf16, wmma::row_major> vb;
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+                wmma::load_matrix_sync(vb, &vs[0][c], ATTN_MMA_LD);
+                wmma::load_matrix_sync(o, &os[0][c], ATTN_MMA_OLD, wmma::mem_row_major);
+                wmma::mma_sync(o, pa, vb, o);
+                wmma::store_matrix_sync(&os[0][c], o, ATTN_MMA_OLD, wmma::mem_row_major);
+            }
+            __syncwarp();
+        }
+    }
+    if (part == 0) inv_s[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    if (part == 0 && active) lse[(long)row * qh + head] = l > 0.0f ? m + logf(l) : NEG_INF;
+    __syncwarp();
+    for (int i = lane; i < ATTN_MMA_ROWS * hd; i += 32) {
+        const int rr = i / hd, d = i % hd;
+        if (first + rr < tq) st(out, (first + rr) * qw + (long)head * hd + d, os[rr][d] * inv_s[rr]);
+    }
 }
 
 // Backward of attention_fwd from its saved lse (flash-attention-2 style): the

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 struct uint3 {
     unsigned x, y, z;
@@ -44,7 +45,7 @@ uint64_t warp_exchange(uint64_t mine, int src);
 #define __forceinline__ inline
 #define __noinline__
 #define __restrict__ __restrict
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
 // One block runs at a time, so a function-local static is that block's shared memory.
 #define __shared__ static
@@ -168,3 +169,75 @@ inline __nv_bfloat16 __float2bfloat16(float f) {
     return r;
 }
 inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float(((unsigned)b.x) << 16); }
+
+// The subset of the WMMA API (CUDA's nvcuda::wmma, mma.h) that kernels.cu uses: 16×16×16
+// tiles, bf16 A and B, f32 accumulators. Under NVRTC, kernels.cu defines the same names
+// over the compiler's WMMA built-ins (mma.h is not among NVRTC's own headers). Here each
+// thread of the warp holds the whole tile: a load is done by every lane from the memory
+// as it is when that lane gets there, so a tile written by the warp and loaded without a
+// __syncwarp in between loads the other lanes' parts unwritten, as it would on a GPU. A
+// store is shared out: lane l writes the elements l, l + 32, ..., so the stored tile is
+// whole only after a __syncwarp. `mma_sync` computes in f32, k in order. Kernels touch a
+// fragment only through these calls (their element layout is the GPU's secret).
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+// bf16 elements, as the kernels store them: the bits in an unsigned short.
+struct bf16 {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment;
+template <class Use, class Layout>
+struct fragment<Use, 16, 16, 16, bf16, Layout> {
+    float x[256];  // [row][col] of the tile, widened (exactly) from bf16
+};
+template <>
+struct fragment<accumulator, 16, 16, 16, float, void> {
+    float x[256];  // [row][col]
+};
+
+namespace detail {
+inline float widen(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+// Element (r, c) of a tile at p: row-major rows ldm apart, or column-major columns.
+template <class T>
+inline T at(const T* p, int r, int c, unsigned ldm, bool col) { return col ? p[(long)c * ldm + r] : p[(long)r * ldm + c]; }
+}  // namespace detail
+
+inline void fill_fragment(fragment<accumulator, 16, 16, 16, float>& f, float v) {
+    for (float& e : f.x) e = v;
+}
+template <class Use, class Layout>
+inline void load_matrix_sync(fragment<Use, 16, 16, 16, bf16, Layout>& f, const unsigned short* p, unsigned ldm) {
+    const bool col = std::is_same<Layout, col_major>::value;
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = detail::widen(detail::at(p, r, c, ldm, col));
+}
+inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const float* p, unsigned ldm, layout_t l) {
+    for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = detail::at(p, r, c, ldm, l == mem_col_major);
+}
+inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
+    for (int i = hd::lane_id(); i < 256; i += 32) {
+        const int r = i / 16, c = i % 16;
+        if (l == mem_col_major) p[(long)c * ldm + r] = f.x[i];
+        else p[(long)r * ldm + c] = f.x[i];
+    }
+}
+// d = a · b + c (d may be c).
+template <class LA, class LB>
+inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment<matrix_a, 16, 16, 16, bf16, LA>& a,
+                     const fragment<matrix_b, 16, 16, 16, bf16, LB>& b, const fragment<accumulator, 16, 16, 16, float>& c) {
+    float out[256];
+    for (int r = 0; r < 16; ++r)
+        for (int n = 0; n < 16; ++n) {
+            float s = c.x[r * 16 + n];
+            for (int k = 0; k < 16; ++k) s += a.x[r * 16 + k] * b.x[k * 16 + n];
+            out[r * 16 + n] = s;
+        }
+    std::memcpy(d.x, out, sizeof out);
+}
+}  // namespace wmma
