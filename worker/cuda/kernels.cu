@@ -261,125 +261,57 @@ extern "C" __global__ void rope(float* x, const int* pos, const float* inv_freq,
 extern "C" __global__ void rope_bf16(unsigned short* x, const int* pos, const float* inv_freq, int heads, int head_dim, float scale, int inverse) { rope_t(x, pos, inv_freq, heads, head_dim, scale, inverse); }
 
 // ---------------------------------------------------------------------------------------
-// Attention over explicit key spans, flash style: keys visited once with an online
-// softmax, so the scores are never stored. Query row i sees keys [spans[4i], spans[4i+1])
-// and [spans[4i+2], spans[4i+3]) (a causal prefix, or for a DFlash block the context
-// before its anchor and the block itself). q/out: [tq, qh·hd]; k/v: [tk, kvh·hd]; lse:
-// [tq, qh] (−inf for a row with no key, whose output is 0). hd <= 256. The backward: one
-// warp per (query row, head), blocks of 128 threads (4 warps).
-
-#define ATTN_MAX_PER_LANE 8
-
-// The forward is tiled: a block is ATTN_ROWS consecutive query rows of one head, one warp
-// per row, and the keys any of them sees go through shared memory ATTN_TILE at a time, so
-// the block reads each key and value once instead of once per row. In a tile two lanes
-// score each key (half the head dims each), a row's new maximum and sum come from one
-// warp reduction per tile, and each lane then adds the tile's weighted values into its
-// dims of the output. Grid: ceil(tq / ATTN_ROWS) · qh blocks of 32 · ATTN_ROWS threads.
-#define ATTN_ROWS 8
-#define ATTN_TILE 16
+// Attention over explicit key spans, flash style on tensor cores: keys visited once with an
+// online softmax, so the scores are never stored. Query row i sees keys [spans[4i],
+// spans[4i+1]) and [spans[4i+2], spans[4i+3]) (a causal prefix, or for a DFlash block the
+// context before its anchor and the block itself). q/out: [tq, qh·hd]; k/v: [tk, kvh·hd];
+// lse: [tq, qh] (−inf for a row with no key, whose output is 0). hd <= 256.
+//
+// A block is one warp and ATTN_MMA_ROWS = 16 query rows of one head. Q (and in the
+// backward dO) is staged in shared memory as bf16, keys and values 16 at a time, the head
+// dims padded with zeros to a multiple of 16; every product is a 16×16×16 WMMA with bf16
+// inputs and f32 accumulation. The softmax runs in f32 with two lanes per row (8 keys of a
+// tile each); the probabilities (and in the backward dS) are rounded to bf16 for their
+// product, as flash-attention does, while the row sums stay f32. Accumulators that
+// outlive a tile (O) live in f32 shared memory, since which fragment element is which row
+// is the GPU's secret. Static shared memory stays under the 48 KB a kernel may have
+// without opting in. Grid: ceil(tq / 16) · qh blocks of 32 threads.
 #define ATTN_MAX_HD 256
-
-template <typename T> __device__ void attention_fwd_t(T* out, float* lse, const T* q, const T* k, const T* v, const int* spans, int tq, int qh, int kvh, int hd) {
-    // Keys and values of one tile (rows padded by one float against bank conflicts), each
-    // warp's query row, and each warp's weights of the tile's keys.
-    __shared__ float ks[ATTN_TILE][ATTN_MAX_HD + 1];
-    __shared__ float vs[ATTN_TILE][ATTN_MAX_HD + 1];
-    __shared__ float qs[ATTN_ROWS][ATTN_MAX_HD];
-    __shared__ float ps[ATTN_ROWS][ATTN_TILE];
-    __shared__ int range[4];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * ATTN_ROWS;
-    const int row = first + warp, kh = head / (qh / kvh);
-    const bool active = row < tq;
-    const long qw = (long)qh * hd, kw = (long)kvh * hd;
-    const float scale = rsqrtf((float)hd);
-    const int per = (hd + 31) / 32, half = (hd + 1) / 2;
-    float acc[ATTN_MAX_PER_LANE];
-    for (int e = 0; e < per; ++e) acc[e] = 0.0f;
-    for (int d = lane; d < hd; d += 32) qs[warp][d] = active ? ld(q, row * qw + (long)head * hd + d) : 0.0f;
-    // The union of the block's rows' spans, per span.
-    if (threadIdx.x == 0) {
-        for (int r = 0; r < 2; ++r) {
-            int lo = 0x7fffffff, hi = 0;
-            for (int i = first; i < first + ATTN_ROWS && i < tq; ++i) {
-                const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
-                if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
-            }
-            range[2 * r] = lo;
-            range[2 * r + 1] = hi;
-        }
-    }
-    __syncthreads();
-    // A row whose scores are all NaN (a NaN query) is skipped like a row without keys:
-    // output 0, lse −inf, as the CPU backend's softmax gives it.
-    float m = NEG_INF, l = 0.0f;
-    for (int r = 0; r < 2; ++r) {
-        const int lo = range[2 * r], hi = range[2 * r + 1];
-        const int mine_lo = active ? spans[4 * row + 2 * r] : 0, mine_hi = active ? spans[4 * row + 2 * r + 1] : 0;
-        for (int t0 = lo; t0 < hi; t0 += ATTN_TILE) {
-            for (int i = threadIdx.x; i < ATTN_TILE * hd; i += blockDim.x) {
-                const int j = i / hd, d = i % hd, key = t0 + j;
-                const bool in = key < hi;
-                ks[j][d] = in ? ld(k, key * kw + (long)kh * hd + d) : 0.0f;
-                vs[j][d] = in ? ld(v, key * kw + (long)kh * hd + d) : 0.0f;
-            }
-            __syncthreads();
-            // Lanes j and j + 16 score key t0 + j, each over half of the dims.
-            const int j = lane & (ATTN_TILE - 1), part = lane >> 4;
-            const int key = t0 + j;
-            float s = 0.0f;
-            for (int d = part * half; d < (part + 1) * half && d < hd; ++d) s += qs[warp][d] * ks[j][d];
-            s += __shfl_xor_sync(FULL_MASK, s, 16);
-            const bool valid = active && key >= mine_lo && key < mine_hi;
-            s = valid ? s * scale : NEG_INF;
-            const float m_tile = warp_max(s);
-            if (m_tile != NEG_INF) {
-                const float m_new = fmaxf(m, m_tile);
-                const float corr = exp_neg(m - m_new);
-                const float p = valid ? exp_neg(s - m_new) : 0.0f;
-                // Lanes j and j + 16 hold the same p: count each key once.
-                l = l * corr + warp_sum(part == 0 ? p : 0.0f);
-                if (part == 0) ps[warp][j] = p;
-                __syncwarp();
-                for (int e = 0; e < per; ++e) {
-                    const int d = lane + 32 * e;
-                    float a = 0.0f;
-                    if (d < hd)
-                        for (int jj = 0; jj < ATTN_TILE; ++jj) a += ps[warp][jj] * vs[jj][d];
-                    acc[e] = acc[e] * corr + a;
-                }
-                m = m_new;
-                __syncwarp();
-            }
-            __syncthreads();
-        }
-    }
-    if (!active) return;
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int e = 0; e < per; ++e) {
-        const int d = lane + 32 * e;
-        if (d < hd) st(out, row * qw + (long)head * hd + d, acc[e] * inv);
-    }
-    if (lane == 0) lse[(long)row * qh + head] = l > 0.0f ? m + logf(l) : NEG_INF;
-}
-extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
-    attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
-}
-
-// The bf16 forward (the GPU target's) on tensor cores: a block is one warp and
-// ATTN_MMA_ROWS = 16 query rows of one head. Per tile of 16 keys: S = Q·Kᵀ by WMMA (the
-// head dims padded with zeros to a multiple of 16), the online softmax on S with two
-// lanes per row (8 keys each), then O = O·corr + P·V by WMMA with P rounded to bf16 (as
-// flash-attention does; the row sums l stay f32). O lives in shared memory in f32 between
-// tiles, because which accumulator element is which row is the GPU's secret. Same
-// spans, masking, NaN-row and empty-row rules as attention_fwd_t. Static shared memory:
-// ~43 KB (of the 48 KB a kernel may have without opting in).
 #define ATTN_MMA_ROWS 16
 #define ATTN_MMA_LD (ATTN_MAX_HD + 8)   // bf16 rows: a multiple of 8 elements, off the banks' period
 #define ATTN_MMA_OLD (ATTN_MAX_HD + 4)  // f32 rows: a multiple of 4
 
-extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, wmma::bf16, wmma::row_major> frag_a_row;
+typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, wmma::bf16, wmma::col_major> frag_a_col;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, wmma::bf16, wmma::row_major> frag_b_row;
+typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, wmma::bf16, wmma::col_major> frag_b_col;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> frag_acc;
+
+// Rows [row0, row0 + 16) of head `h` of x (rows `w` apart, `n` rows in all) into a
+// [16][ATTN_MMA_LD] bf16 tile, zero beyond `n`, beyond `hd`, and where `keep` says no.
+template <typename T> __device__ __forceinline__ void attn_stage(unsigned short (*dst)[ATTN_MMA_LD], const T* x, int row0, int n, long w, int h, int hd, int hp, const float* keep) {
+    const int lane = threadIdx.x & 31;
+    for (int i = lane; i < 16 * hp; i += 32) {
+        const int r = i / hp, d = i % hp, row = row0 + r;
+        const bool in = row < n && d < hd && (keep == 0 || keep[r] != NEG_INF);
+        dst[r][d] = in ? to_bf16(ld(x, row * w + (long)h * hd + d)) : (unsigned short)0;
+    }
+}
+
+// The union of the spans of rows [first, first + 16) (of tq): [lo, hi) per span.
+__device__ __forceinline__ void attn_range(int* range, const int* spans, int first, int tq) {
+    for (int r = 0; r < 2; ++r) {
+        int lo = 0x7fffffff, hi = 0;
+        for (int i = first; i < first + ATTN_MMA_ROWS && i < tq; ++i) {
+            const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
+            if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
+        }
+        range[2 * r] = lo;
+        range[2 * r + 1] = hi;
+    }
+}
+
+template <typename T> __device__ void attention_fwd_t(T* out, float* lse, const T* q, const T* k, const T* v, const int* spans, int tq, int qh, int kvh, int hd) {
     __shared__ __align__(32) unsigned short qs[ATTN_MMA_ROWS][ATTN_MMA_LD];
     __shared__ __align__(32) unsigned short ks[16][ATTN_MMA_LD];
     __shared__ __align__(32) unsigned short vs[16][ATTN_MMA_LD];
@@ -395,22 +327,9 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
     const long qw = (long)qh * hd, kw = (long)kvh * hd;
     const int hp = (hd + 15) & ~15;
     const float scale = rsqrtf((float)hd);
-    for (int i = lane; i < ATTN_MMA_ROWS * hp; i += 32) {
-        const int r = i / hp, d = i % hp, row = first + r;
-        qs[r][d] = row < tq && d < hd ? q[row * qw + (long)head * hd + d] : (unsigned short)0;
-        os[r][d] = 0.0f;
-    }
-    if (lane == 0) {
-        for (int r = 0; r < 2; ++r) {
-            int lo = 0x7fffffff, hi = 0;
-            for (int i = first; i < first + ATTN_MMA_ROWS && i < tq; ++i) {
-                const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
-                if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
-            }
-            range[2 * r] = lo;
-            range[2 * r + 1] = hi;
-        }
-    }
+    attn_stage(qs, q, first, tq, qw, head, hd, hp, (const float*)0);
+    for (int i = lane; i < ATTN_MMA_ROWS * hp; i += 32) os[i / hp][i % hp] = 0.0f;
+    if (lane == 0) attn_range(range, spans, first, tq);
     __syncwarp();
     // This lane's row of the block, and which 8 keys of a tile it scores.
     const int r = lane >> 1, part = lane & 1, row = first + r;
@@ -420,24 +339,22 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
         const int lo = range[2 * sp], hi = range[2 * sp + 1];
         const int mine_lo = active ? spans[4 * row + 2 * sp] : 0, mine_hi = active ? spans[4 * row + 2 * sp + 1] : 0;
         for (int t0 = lo; t0 < hi; t0 += 16) {
-            for (int i = lane; i < 16 * hp; i += 32) {
-                const int j = i / hp, d = i % hp, key = t0 + j;
-                const bool in = key < hi && d < hd;
-                ks[j][d] = in ? k[key * kw + (long)kh * hd + d] : (unsigned short)0;
-                vs[j][d] = in ? v[key * kw + (long)kh * hd + d] : (unsigned short)0;
-            }
+            attn_stage(ks, k, t0, hi, kw, kh, hd, hp, (const float*)0);
+            attn_stage(vs, v, t0, hi, kw, kh, hd, hp, (const float*)0);
             __syncwarp();
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
+            frag_acc s;
             wmma::fill_fragment(s, 0.0f);
             for (int c = 0; c < hp; c += 16) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, wmma::bf16, wmma::row_major> a;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, wmma::bf16, wmma::col_major> b;  // Kᵀ: K's rows are its columns
+                frag_a_row a;
+                frag_b_col b;  // Kᵀ: K's rows are its columns
                 wmma::load_matrix_sync(a, &qs[0][c], ATTN_MMA_LD);
                 wmma::load_matrix_sync(b, &ks[0][c], ATTN_MMA_LD);
                 wmma::mma_sync(s, a, b, s);
             }
             wmma::store_matrix_sync(&ss[0][0], s, 16, wmma::mem_row_major);
             __syncwarp();
+            // A row whose scores are all NaN (a NaN query) is skipped like a row without
+            // keys: output 0, lse −inf, as the CPU backend's softmax gives it.
             float sv[8];
             unsigned valid = 0;
             float mt = NEG_INF;
@@ -467,11 +384,11 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
             __syncwarp();
             for (int i = lane; i < ATTN_MMA_ROWS * hp; i += 32) os[i / hp][i % hp] *= corr_s[i / hp];
             __syncwarp();
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, wmma::bf16, wmma::row_major> pa;
+            frag_a_row pa;
             wmma::load_matrix_sync(pa, &ps[0][0], 16);
             for (int c = 0; c < hp; c += 16) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, wmma::bf16, wmma::row_major> vb;
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> o;
+                frag_b_row vb;
+                frag_acc o;
                 wmma::load_matrix_sync(vb, &vs[0][c], ATTN_MMA_LD);
                 wmma::load_matrix_sync(o, &os[0][c], ATTN_MMA_OLD, wmma::mem_row_major);
                 wmma::mma_sync(o, pa, vb, o);
@@ -488,58 +405,130 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
         if (first + rr < tq) st(out, (first + rr) * qw + (long)head * hd + d, os[rr][d] * inv_s[rr]);
     }
 }
+extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
 
 // Backward of attention_fwd from its saved lse (flash-attention-2 style): the
-// probabilities are recomputed, never read back. dq += ..., dk += ..., dv += ...
-// (dk and dv atomically: keys are shared by many queries).
+// probabilities are recomputed, never read back; dq += ..., dk += ..., dv += .... Same
+// blocks as the forward. Per tile of 16 keys: S = Q·Kᵀ and dP = dO·Vᵀ, then per row
+// P = exp(S·scale − lse) and dS = P ∘ (dP − D)·scale with D = Σ dO ∘ O (f32), then
+// dQ += dS·K, dK += dSᵀ·Q and dV += Pᵀ·dO, 16 head dims at a time through a 16×16 f32
+// scratch tile: dq's rows belong to this block alone (plain adds), keys are shared by
+// many blocks (atomic adds). A row with lse −inf (no key, or a NaN query) takes no part:
+// its Q and dO are staged as zeros, so a NaN in it reaches no key's gradient.
 extern "C" __global__ void attention_bwd(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
-    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    __shared__ __align__(32) unsigned short qs[ATTN_MMA_ROWS][ATTN_MMA_LD];
+    __shared__ __align__(32) unsigned short dos[ATTN_MMA_ROWS][ATTN_MMA_LD];
+    __shared__ __align__(32) unsigned short ks[16][ATTN_MMA_LD];
+    __shared__ __align__(32) unsigned short vs[16][ATTN_MMA_LD];
+    __shared__ __align__(32) float ss[ATTN_MMA_ROWS][16];
+    __shared__ __align__(32) float dps[ATTN_MMA_ROWS][16];
+    __shared__ __align__(32) float scr[16][16];
+    __shared__ __align__(32) unsigned short ps[ATTN_MMA_ROWS][16];
+    __shared__ __align__(32) unsigned short dss[ATTN_MMA_ROWS][16];
+    __shared__ float ls[ATTN_MMA_ROWS];
+    __shared__ int range[4];
     const int lane = threadIdx.x & 31;
-    if (warp >= tq * qh) return;
-    const int row = warp / qh, head = warp % qh, kh = head / (qh / kvh);
+    const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * ATTN_MMA_ROWS;
+    const int kh = head / (qh / kvh);
     const long qw = (long)qh * hd, kw = (long)kvh * hd;
+    const int hp = (hd + 15) & ~15;
     const float scale = rsqrtf((float)hd);
-    const int per = (hd + 31) / 32;
-    const float L = lse[(long)row * qh + head];
-    if (L == NEG_INF) return;
-    float qv[ATTN_MAX_PER_LANE], go[ATTN_MAX_PER_LANE], dqv[ATTN_MAX_PER_LANE];
+    const int r = lane >> 1, part = lane & 1, row = first + r;
+    const bool active = row < tq;
+    // D of this lane's row (f32, from the f32 dO and O), its lse; then Q and dO staged.
     float D = 0.0f;
-    for (int e = 0; e < per; ++e) {
-        const int d = lane + 32 * e;
-        const long at = row * qw + (long)head * hd + d;
-        qv[e] = d < hd ? q[at] : 0.0f;
-        go[e] = d < hd ? dout[at] : 0.0f;
-        D += d < hd ? go[e] * out[at] : 0.0f;
-        dqv[e] = 0.0f;
-    }
-    D = warp_sum(D);
-    for (int r = 0; r < 2; ++r) {
-        const int lo = spans[4 * row + 2 * r], hi = spans[4 * row + 2 * r + 1];
-        for (int key = lo; key < hi; ++key) {
-            const float* kr = k + key * kw + (long)kh * hd;
-            const float* vr = v + key * kw + (long)kh * hd;
-            float s = 0.0f, dp = 0.0f;
-            for (int e = 0; e < per; ++e) {
-                const int d = lane + 32 * e;
-                if (d < hd) { s += qv[e] * kr[d]; dp += go[e] * vr[d]; }
+    const float L = active ? lse[(long)row * qh + head] : NEG_INF;
+    if (active && L != NEG_INF)
+        for (int d = part; d < hd; d += 2) D += dout[row * qw + (long)head * hd + d] * out[row * qw + (long)head * hd + d];
+    D += __shfl_xor_sync(FULL_MASK, D, 1);
+    if (part == 0) ls[r] = L;
+    if (lane == 0) attn_range(range, spans, first, tq);
+    __syncwarp();
+    attn_stage(qs, q, first, tq, qw, head, hd, hp, ls);
+    attn_stage(dos, dout, first, tq, qw, head, hd, hp, ls);
+    __syncwarp();
+    for (int sp = 0; sp < 2; ++sp) {
+        const int lo = range[2 * sp], hi = range[2 * sp + 1];
+        const int mine_lo = active ? spans[4 * row + 2 * sp] : 0, mine_hi = active ? spans[4 * row + 2 * sp + 1] : 0;
+        for (int t0 = lo; t0 < hi; t0 += 16) {
+            attn_stage(ks, k, t0, hi, kw, kh, hd, hp, (const float*)0);
+            attn_stage(vs, v, t0, hi, kw, kh, hd, hp, (const float*)0);
+            __syncwarp();
+            frag_acc s, dp;
+            wmma::fill_fragment(s, 0.0f);
+            wmma::fill_fragment(dp, 0.0f);
+            for (int c = 0; c < hp; c += 16) {
+                frag_a_row a;
+                frag_b_col b;
+                wmma::load_matrix_sync(a, &qs[0][c], ATTN_MMA_LD);
+                wmma::load_matrix_sync(b, &ks[0][c], ATTN_MMA_LD);
+                wmma::mma_sync(s, a, b, s);
+                wmma::load_matrix_sync(a, &dos[0][c], ATTN_MMA_LD);
+                wmma::load_matrix_sync(b, &vs[0][c], ATTN_MMA_LD);
+                wmma::mma_sync(dp, a, b, dp);
             }
-            s = warp_sum(s) * scale;
-            dp = warp_sum(dp);
-            const float p = exp_neg(s - L);
-            const float ds = p * (dp - D) * scale;
-            for (int e = 0; e < per; ++e) {
-                const int d = lane + 32 * e;
-                if (d < hd) {
-                    dqv[e] += ds * kr[d];
-                    atomicAdd(&dk[key * kw + (long)kh * hd + d], ds * qv[e]);
-                    atomicAdd(&dv[key * kw + (long)kh * hd + d], p * go[e]);
+            wmma::store_matrix_sync(&ss[0][0], s, 16, wmma::mem_row_major);
+            wmma::store_matrix_sync(&dps[0][0], dp, 16, wmma::mem_row_major);
+            __syncwarp();
+            for (int e = 0; e < 8; ++e) {
+                const int j = part * 8 + e, key = t0 + j;
+                const bool valid = active && L != NEG_INF && key >= mine_lo && key < mine_hi;
+                const float p = valid ? exp_neg(ss[r][j] * scale - L) : 0.0f;
+                ps[r][j] = to_bf16(p);
+                dss[r][j] = to_bf16(valid ? p * (dps[r][j] - D) * scale : 0.0f);
+            }
+            __syncwarp();
+            frag_a_row ds_a;  // dS, for dQ
+            frag_a_col dst_a;  // dSᵀ, for dK: dS stored row-major is dSᵀ column-major
+            frag_a_col pt_a;   // Pᵀ, for dV
+            wmma::load_matrix_sync(ds_a, &dss[0][0], 16);
+            wmma::load_matrix_sync(dst_a, &dss[0][0], 16);
+            wmma::load_matrix_sync(pt_a, &ps[0][0], 16);
+            for (int c = 0; c < hp; c += 16) {
+                frag_b_row b;
+                frag_acc f;
+                // dQ rows first..first+15, dims c..c+15.
+                wmma::fill_fragment(f, 0.0f);
+                wmma::load_matrix_sync(b, &ks[0][c], ATTN_MMA_LD);
+                wmma::mma_sync(f, ds_a, b, f);
+                wmma::store_matrix_sync(&scr[0][0], f, 16, wmma::mem_row_major);
+                __syncwarp();
+                for (int i = lane; i < 256; i += 32) {
+                    const int rr = i >> 4, d = c + (i & 15);
+                    if (first + rr < tq && d < hd) dq[(first + rr) * qw + (long)head * hd + d] += scr[rr][i & 15];
                 }
+                __syncwarp();
+                // dK of keys t0..t0+15.
+                wmma::fill_fragment(f, 0.0f);
+                wmma::load_matrix_sync(b, &qs[0][c], ATTN_MMA_LD);
+                wmma::mma_sync(f, dst_a, b, f);
+                wmma::store_matrix_sync(&scr[0][0], f, 16, wmma::mem_row_major);
+                __syncwarp();
+                for (int i = lane; i < 256; i += 32) {
+                    const int j = i >> 4, d = c + (i & 15), key = t0 + j;
+                    const float x = scr[j][i & 15];
+                    if (key < hi && d < hd && x != 0.0f) atomicAdd(&dk[key * kw + (long)kh * hd + d], x);
+                }
+                __syncwarp();
+                // dV of keys t0..t0+15.
+                wmma::fill_fragment(f, 0.0f);
+                wmma::load_matrix_sync(b, &dos[0][c], ATTN_MMA_LD);
+                wmma::mma_sync(f, pt_a, b, f);
+                wmma::store_matrix_sync(&scr[0][0], f, 16, wmma::mem_row_major);
+                __syncwarp();
+                for (int i = lane; i < 256; i += 32) {
+                    const int j = i >> 4, d = c + (i & 15), key = t0 + j;
+                    const float x = scr[j][i & 15];
+                    if (key < hi && d < hd && x != 0.0f) atomicAdd(&dv[key * kw + (long)kh * hd + d], x);
+                }
+                __syncwarp();
             }
         }
-    }
-    for (int e = 0; e < per; ++e) {
-        const int d = lane + 32 * e;
-        if (d < hd) dq[row * qw + (long)head * hd + d] += dqv[e];
     }
 }
 

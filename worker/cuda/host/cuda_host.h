@@ -176,8 +176,8 @@ inline float __bfloat162float(__nv_bfloat16 b) { return __uint_as_float(((unsign
 // thread of the warp holds the whole tile: a load is done by every lane from the memory
 // as it is when that lane gets there, so a tile written by the warp and loaded without a
 // __syncwarp in between loads the other lanes' parts unwritten, as it would on a GPU. A
-// store is shared out: lane l writes the elements l, l + 32, ..., so the stored tile is
-// whole only after a __syncwarp. `mma_sync` computes in f32, k in order. Kernels touch a
+// store is shared out between the lanes as on a GPU, so the stored tile is whole only
+// after a __syncwarp. `mma_sync` computes in f32, k in order. Kernels touch a
 // fragment only through these calls (their element layout is the GPU's secret).
 namespace wmma {
 struct matrix_a {};
@@ -220,11 +220,15 @@ inline void load_matrix_sync(fragment<accumulator, 16, 16, 16, float>& f, const 
     for (int r = 0; r < 16; ++r)
         for (int c = 0; c < 16; ++c) f.x[r * 16 + c] = detail::at(p, r, c, ldm, l == mem_col_major);
 }
+// Each lane stores the 8 elements that it holds in the accumulator layout of sm_80's
+// mma.m16n8k16 (rows l/4 and l/4 + 8, columns 2·(l%4) + {0, 1} and 8 more), so a lane
+// that then reads the tile in any other order reads elements other lanes store.
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t l) {
-    for (int i = hd::lane_id(); i < 256; i += 32) {
-        const int r = i / 16, c = i % 16;
-        if (l == mem_col_major) p[(long)c * ldm + r] = f.x[i];
-        else p[(long)r * ldm + c] = f.x[i];
+    const int lane = hd::lane_id();
+    for (int e = 0; e < 8; ++e) {
+        const int r = lane / 4 + 8 * (e >> 2), c = 2 * (lane % 4) + (e & 1) + 8 * ((e >> 1) & 1);
+        if (l == mem_col_major) p[(long)c * ldm + r] = f.x[r * 16 + c];
+        else p[(long)r * ldm + c] = f.x[r * 16 + c];
     }
 }
 // d = a · b + c (d may be c).

@@ -9,12 +9,14 @@ const BLOCK: u32 = 256;
 /// Most blocks `sumsq` uses (the f64 partials it needs).
 pub const SUMSQ_BLOCKS: usize = 1024;
 /// Attention backward: 4 warps per block, one per (query row, head).
-const ATTN_BLOCK: u32 = 128;
-/// Attention forward: query rows per block (`ATTN_ROWS` in kernels.cu), a warp each.
-const ATTN_FWD_ROWS: usize = 8;
-/// The bf16 attention forward on tensor cores: query rows per block of one warp
-/// (`ATTN_MMA_ROWS` in kernels.cu).
+/// Attention, forward and backward, on tensor cores: query rows of one head per block of
+/// one warp (`ATTN_MMA_ROWS` in kernels.cu).
 const ATTN_MMA_ROWS: usize = 16;
+
+/// Blocks of one warp, ATTN_MMA_ROWS query rows of one head each.
+fn attention_grid(tq: usize, qh: usize) -> u32 {
+    (tq.div_ceil(ATTN_MMA_ROWS) * qh).max(1) as u32
+}
 
 fn grid_for(n: usize) -> u32 {
     (n.div_ceil(BLOCK as usize)).clamp(1, 65535) as u32
@@ -185,14 +187,10 @@ impl Ops {
     #[allow(clippy::too_many_arguments)]
     pub fn attention(&mut self, q: DSlice, k: DSlice, v: DSlice, out: DSlice, lse: DSlice, spans: DSlice, tq: usize, qh: usize, kvh: usize, hd: usize) -> Result<()> {
         check_heads(qh, kvh, hd)?;
-        // f32: ATTN_FWD_ROWS query rows of one head per block, a warp each; bf16 (tensor
-        // cores): one warp per ATTN_MMA_ROWS query rows (kernels.cu).
-        let (rows, block) = if self.act16 { (ATTN_MMA_ROWS, 32) } else { (ATTN_FWD_ROWS, 32 * ATTN_FWD_ROWS as u32) };
-        let grid = (tq.div_ceil(rows) * qh).max(1) as u32;
         self.launch_act(
             "attention_fwd",
-            grid,
-            block,
+            attention_grid(tq, qh),
+            32,
             &[Arg::W(out), Arg::W(lse), Arg::R(q), Arg::R(k), Arg::R(v), Arg::R(spans), Arg::I32(tq as i32), Arg::I32(qh as i32), Arg::I32(kvh as i32), Arg::I32(hd as i32)],
         )
     }
@@ -217,11 +215,10 @@ impl Ops {
         hd: usize,
     ) -> Result<()> {
         check_heads(qh, kvh, hd)?;
-        let grid = (tq * qh * 32).div_ceil(ATTN_BLOCK as usize).max(1) as u32;
         self.launch(
             "attention_bwd",
-            grid,
-            ATTN_BLOCK,
+            attention_grid(tq, qh),
+            32,
             &[
                 Arg::RW(dq),
                 Arg::RW(dk),
