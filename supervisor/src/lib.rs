@@ -45,6 +45,13 @@ pub fn main() -> i32 {
         .map(|id| id.as_str().to_string())
         .collect();
     console::init();
+    // The commands that print a listing or a table (`status | head`) end quietly when the
+    // reader goes, as Unix tools do, instead of panicking on the write. A run, `logs -f`
+    // (which handles it) and the helper processes keep SIGPIPE ignored.
+    if !matches!(cli.command, None | Some(Command::Logs(_)) | Some(Command::BenchPeer { .. }) | Some(Command::Reap)) {
+        // SAFETY: restoring the default disposition of one signal, before any thread starts.
+        let _ = unsafe { nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl) };
+    }
     let result = match cli.command {
         None => run::run(cli.run, &given),
         Some(Command::Logs(a)) => commands::logs::run(a),
@@ -65,7 +72,7 @@ pub fn main() -> i32 {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("dflash-supervise: error: {e}");
+            crate::say!("dflash-supervise: error: {e}");
             e.exit_code()
         }
     }
@@ -82,7 +89,7 @@ fn clap_exit(e: clap::Error) -> i32 {
         _ => {
             let text = e.render().to_string();
             let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid command line");
-            eprintln!("dflash-supervise: {first} (see --help)");
+            crate::say!("dflash-supervise: {first} (see --help)");
             exit_codes::USAGE
         }
     }

@@ -306,6 +306,37 @@ fn a_gpu_worker_without_cuda_stops_the_run_with_the_missing_library_named() {
     assert!(sup.log("target-0").contains("permanent, do not restart") || sup.log("drafter-0").contains("permanent, do not restart"));
 }
 
+/// A driver older than the build's CUDA: cudarc finds a function missing on first use and
+/// panics. The worker turns that into a permanent failure naming the function, and the
+/// run stops with it instead of spending its restarts on a crash that repeats.
+#[test]
+fn a_gpu_worker_on_a_too_old_cuda_stops_the_run_with_the_missing_function_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let libs = tmp.path().join("libs");
+    fs::create_dir(&libs).unwrap();
+    for name in ["libcuda.so", "libcuda.so.1", "libcublas.so", "libnvrtc.so"] {
+        std::os::unix::fs::symlink(fake_cuda(), libs.join(name)).unwrap();
+    }
+    let lib = fake_nvml();
+    let s = script(tmp.path(), "");
+    let path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(p) if !p.is_empty() => format!("{}:{p}", libs.display()),
+        _ => libs.display().to_string(),
+    };
+    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("LD_LIBRARY_PATH", path.as_str())];
+    let mut sup = Sup::start_real_env(&["--gpus", "0-1", "--max-restarts", "50", "--no-gpu-metrics"], &env);
+    let status = sup.wait_exit(Duration::from_secs(60));
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "{err}");
+    let line = err.lines().find(|l| l.starts_with("dflash-supervise: run failed:")).unwrap_or_default();
+    assert!(line.contains("was not restarted") && line.contains("lacks a function this build calls") && line.contains("CUDA 13.0"), "{err}");
+    let events = sup.events();
+    assert_eq!(events.iter().filter(|e| e["event"] == "restart").count(), 0, "a permanent failure spends no restart: {events:?}");
+    let logs = sup.log("target-0") + &sup.log("drafter-0");
+    assert!(logs.contains("permanent, do not restart") && !logs.contains("Missing symbol") && logs.contains("(cu"), "{logs}");
+    assert!(!logs.contains("panicked"), "no backtrace: {logs}");
+}
+
 /// `bench compute` on a device (the host device here; a GPU in scripts/gpu_check.sh):
 /// the target forward, the drafter step and the device optimizer run there, and the
 /// device→host copy into a pinned pool slot is measured against a plain pinned buffer in

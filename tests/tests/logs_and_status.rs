@@ -227,3 +227,42 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_gets_plain_lines() {
     assert!(text.contains("\r\x1b[K"), "the status line is redrawn in place: {text:?}");
     assert!(text.contains("| restarts 0"), "{text:?}");
 }
+
+/// A pipe whose reader is already gone: every write to it fails (EPIPE).
+fn closed_pipe() -> Stdio {
+    let (reader, writer) = nix::unistd::pipe().unwrap();
+    drop(reader);
+    Stdio::from(writer)
+}
+
+#[test]
+fn a_run_whose_stderr_reader_is_gone_still_ends_with_its_state_report_and_exit_code() {
+    // `dflash-supervise ... 2>&1 | tee run.log`, and tee dies with the Ctrl-C that stops
+    // the run: the run's last lines meet a closed pipe. (Rust's eprintln! panics there.)
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let mut child = Command::new(bin("dflash-supervise"))
+        .args(["--gpus", "cpu:2", "--data", "demo", "--steps", "3", "--run-dir"])
+        .arg(&run)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(closed_pipe())
+        .spawn()
+        .unwrap();
+    let status = wait_for("the run to end", Duration::from_secs(60), || child.try_wait().unwrap());
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    let state: serde_json::Value = serde_json::from_str(&fs::read_to_string(run.join("state.json")).unwrap()).unwrap();
+    assert_eq!((state["phase"].as_str(), state["exit_code"].as_i64()), (Some("stopped"), Some(0)), "{state}");
+    assert!(run.join("report.html").exists(), "the report is written");
+    assert!(!fs::read_to_string(run.join("supervisor.log")).unwrap().contains("panicked"));
+
+    // A listing into a reader that is gone (`status | head -1` once head has quit) ends
+    // quietly by SIGPIPE, as Unix tools do, not with a panic and a backtrace.
+    for args in [&["status", "--run-dir"][..], &["ledger", "--run-dir"][..]] {
+        let out = Command::new(bin("dflash-supervise")).args(args).arg(&run).stdin(Stdio::null()).stdout(closed_pipe()).stderr(Stdio::piped()).output().unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.signal(), Some(Signal::SIGPIPE as i32), "{args:?}: {:?} {err}", out.status);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

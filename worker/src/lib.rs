@@ -143,6 +143,7 @@ fn serve(control: Option<String>) -> i32 {
             return exit_codes::USAGE;
         }
     };
+    missing_symbol_is_permanent(&id.name.to_string(), &id.gpu);
     match role::run(&control, &id) {
         Ok(code) => code,
         // The one place a failure becomes an exit code (error.rs): permanent ones are marked
@@ -152,6 +153,26 @@ fn serve(control: Option<String>) -> i32 {
             e.exit_code()
         }
     }
+}
+
+/// cudarc loads CUDA's libraries at run time and resolves each function on first use,
+/// panicking ("Missing symbol cuX: ...") on one the installed library lacks: a driver or
+/// CUDA older than the 13.0 this build binds. That is no crash to restart (it repeats on
+/// every start), so the worker says so on the line the supervisor reads and exits as a
+/// permanent failure. Any other panic goes to the default hook.
+fn missing_symbol_is_permanent(name: &str, gpu: &str) {
+    let (name, gpu) = (name.to_string(), gpu.to_string());
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("");
+        if let Some(what) = msg.strip_prefix("Missing symbol ") {
+            let why = format!("the installed CUDA library lacks a function this build calls ({what}); it needs an NVIDIA driver and CUDA libraries for CUDA 13.0 or newer");
+            let _ = std::io::Write::write_fmt(&mut std::io::stderr().lock(), format_args!("{}\n", error::WorkerError::Permanent(why).line(&name, &gpu)));
+            std::process::exit(exit_codes::WORKER_PERMANENT);
+        }
+        default(info);
+    }));
 }
 
 fn inspect(target: &str, tokens: &[u32], taps: Option<Vec<usize>>, out: &std::path::Path) -> Result<(), String> {

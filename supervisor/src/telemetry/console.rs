@@ -37,6 +37,21 @@ pub fn status(line: Option<String>) {
 
 static LOGGER: OnceLock<Logger> = OnceLock::new();
 
+/// Write to stderr as `eprint!` does, except that a stderr gone away (a `| tee` that died
+/// with the Ctrl-C that stops the run, an ssh session dropped) is not a panic: the run
+/// still ends with its state, its report and its documented exit code.
+pub fn say(args: std::fmt::Arguments) {
+    let _ = std::io::stderr().lock().write_fmt(args);
+}
+
+/// `eprintln!` through [`say`].
+#[macro_export]
+macro_rules! say {
+    ($($t:tt)*) => {
+        $crate::telemetry::console::say(format_args!("{}\n", format_args!($($t)*)))
+    };
+}
+
 pub fn init() {
     use std::io::IsTerminal;
     let logger = LOGGER.get_or_init(|| Logger {

@@ -27,6 +27,14 @@ pub fn fake_nvml() -> PathBuf {
     p
 }
 
+/// The fake CUDA library (tests/fake-cuda): `cuInit` and no other function.
+pub fn fake_cuda() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let p = exe.parent().and_then(Path::parent).expect("target dir").join("libdflash_fake_cuda.so");
+    assert!(p.exists(), "{} is missing: build the workspace first", p.display());
+    p
+}
+
 pub fn test_worker() -> PathBuf {
     bin("dflash-test-worker")
 }

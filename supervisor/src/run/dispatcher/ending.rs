@@ -71,17 +71,17 @@ impl Dispatcher {
         self.pipeline.end();
         let end = match &reason {
             StopReason::GaveUp(report) => {
-                eprint!("{}", report.render());
+                crate::telemetry::console::say(format_args!("{}", report.render()));
                 RunEnd::Failed
             }
             StopReason::Fatal(_) => RunEnd::Internal,
             StopReason::BadInput(msg) => {
-                eprintln!("dflash-supervise: error: {msg}");
+                crate::say!("dflash-supervise: error: {msg}");
                 RunEnd::BadInput
             }
             StopReason::Interrupted => RunEnd::Interrupted,
             StopReason::TrainingFailed(msg) => {
-                eprintln!("dflash-supervise: run failed: {msg}");
+                crate::say!("dflash-supervise: run failed: {msg}");
                 RunEnd::Failed
             }
             StopReason::Requested(_) | StopReason::TimeLimit | StopReason::DataDone | StopReason::StepsDone => {
@@ -108,7 +108,7 @@ impl Dispatcher {
             } else {
                 "no checkpoint was written: a new run starts from scratch".into()
             };
-            eprintln!("dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}", saved + 1);
+            crate::say!("dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}", saved + 1);
             // Lost work outranks an unclean stop: the run failed.
             if matches!(end, RunEnd::Clean | RunEnd::UncleanStop) { RunEnd::Failed } else { end }
         } else {
@@ -123,13 +123,13 @@ impl Dispatcher {
         log::info!("run ended ({}); exit code {code}", reason.describe());
         let report = self.run.path.join("report.html");
         match crate::telemetry::report::write(&self.run.path, &report) {
-            Ok(()) => eprintln!("dflash-supervise: report written to {}", report.display()),
+            Ok(()) => crate::say!("dflash-supervise: report written to {}", report.display()),
             Err(e) => log::warn!("cannot write the report: {e}"),
         }
         match &self.trainer.progress.exported {
-            Some(dir) => eprintln!("dflash-supervise: drafter (step {}) written to {dir}", self.trainer.progress.step),
-            None if self.trainer.committed() == 0 => eprintln!("dflash-supervise: no training step was committed; no drafter written"),
-            None => eprintln!("dflash-supervise: the drafter (step {}) could not be written: no drafter was left to write it", self.trainer.committed()),
+            Some(dir) => crate::say!("dflash-supervise: drafter (step {}) written to {dir}", self.trainer.progress.step),
+            None if self.trainer.committed() == 0 => crate::say!("dflash-supervise: no training step was committed; no drafter written"),
+            None => crate::say!("dflash-supervise: the drafter (step {}) could not be written: no drafter was left to write it", self.trainer.committed()),
         }
         code
     }
