@@ -47,9 +47,10 @@ pub fn verify(dir: &Path) -> Result<u64, String> {
 /// Every value of a safetensors file whose tensors are all f32 is finite.
 fn check_finite_f32(bytes: &[u8]) -> Result<(), String> {
     let n = bytes.get(..8).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize).ok_or("truncated (no header)")?;
-    let header = bytes.get(8..8 + n).ok_or("truncated (header)")?;
+    let end = n.checked_add(8).ok_or("header length out of range")?;
+    let header = bytes.get(8..end).ok_or("truncated (header)")?;
     let h: serde_json::Value = serde_json::from_slice(header).map_err(|e| format!("header is not JSON: {e}"))?;
-    let data = &bytes[8 + n..];
+    let data = &bytes[end..];
     for (name, t) in h.as_object().into_iter().flatten().filter(|(k, _)| *k != "__metadata__") {
         if t["dtype"] != "F32" {
             return Err(format!("tensor {name} is {}, expected F32", t["dtype"]));
@@ -106,6 +107,12 @@ mod tests {
         // NaN, with a valid checksum.
         write(d.path(), &[1.0, f32::NAN], true);
         assert!(verify(d.path()).unwrap_err().contains("non-finite"));
+        // A header length that overflows (no checksum to catch it): refused, not a panic.
+        write(d.path(), &[1.0, 2.0], false);
+        let mut b = std::fs::read(&p).unwrap();
+        b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        std::fs::write(&p, &b).unwrap();
+        assert!(verify(d.path()).unwrap_err().contains("header length out of range"));
         // Missing.
         std::fs::remove_file(&p).unwrap();
         assert!(verify(d.path()).unwrap_err().contains(STATE_FILE));

@@ -469,9 +469,16 @@ fn parse_spec(s: &str) -> Result<DeviceSpec, String> {
     s.parse::<DeviceSpec>().map_err(|e| e.to_string())
 }
 
+/// The longest duration a flag takes: a bound far beyond any run, so that adding one to
+/// the clock cannot overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(1000 * 24 * 3600);
+
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim())
-        .map_err(|e| format!("{e} (expected a duration such as 500ms, 30s, 5m or 2h)"))
+    let d = humantime::parse_duration(s.trim()).map_err(|e| format!("{e} (expected a duration such as 500ms, 30s, 5m or 2h)"))?;
+    if d > MAX_DURATION {
+        return Err(format!("'{}' is too long (expected at most 1000days)", s.trim()));
+    }
+    Ok(d)
 }
 
 /// Sizes: plain bytes, or with K/M/G (powers of 1024; "KiB", "MB" and friends also read as
@@ -521,6 +528,9 @@ mod tests {
     fn durations() {
         assert_eq!(parse_duration("60s").unwrap(), Duration::from_secs(60));
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("1000days").unwrap(), MAX_DURATION);
+        assert!(parse_duration("300000000000y").unwrap_err().contains("too long"));
+        assert!(parse_duration("1001days").unwrap_err().contains("at most 1000days"));
         assert!(parse_duration("soon").unwrap_err().contains("expected a duration"));
     }
 }

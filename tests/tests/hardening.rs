@@ -71,10 +71,10 @@ fn absurd_flags_are_refused_with_the_flag_and_what_is_expected() {
 fn a_drafter_that_cannot_fit_in_memory_is_refused_before_start() {
     let tmp = tempfile::tempdir().unwrap();
     let rd = tmp.path().join("run");
-    // 1000 layers with 256-token blocks for 1024 anchors: terabytes of activations. (Were it
+    // 64 layers with 256-token blocks for 1024 anchors: far more activations than memory. (Were it
     // accepted, --steps 1 and --max-restarts 0 end the run at the drafter's first failure.)
     expect_usage_error(
-        &["--gpus", "cpu:2", "--data", "demo", "--steps", "1", "--max-restarts", "0", "--run-dir", rd.to_str().unwrap(), "--taps", "1,4", "--draft-layers", "1000",
+        &["--gpus", "cpu:2", "--data", "demo", "--steps", "1", "--max-restarts", "0", "--run-dir", rd.to_str().unwrap(), "--taps", "1,4", "--draft-layers", "64",
           "--block-size", "256", "--max-anchors", "1024"],
         &["the workers need about", "available", "--max-anchors 1024 × --block-size 256", "--draft-layers"],
     );

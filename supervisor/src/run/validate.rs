@@ -15,6 +15,9 @@ use crate::data::pipeline::human;
 /// The largest `--block-size`: DFlash uses 8 to 16; every block position is a row of
 /// activations per anchor, so a block far past that only exhausts memory.
 pub const MAX_BLOCK_SIZE: usize = 256;
+/// The most drafter layers a run takes (DFlash drafters have 1 to 8; each layer taps one
+/// target layer, so a larger number is a typo).
+pub const MAX_DRAFT_LAYERS: usize = 64;
 /// The shortest `--hang-timeout`: workers beat every tenth of it (at least every 20 ms), and
 /// loading the target or a training step must fit in it.
 pub const MIN_HANG_TIMEOUT: Duration = Duration::from_secs(1);
@@ -59,6 +62,9 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
         if n == 0 {
             return bad("--draft-layers", "0".into(), "at least 1");
         }
+        if n > MAX_DRAFT_LAYERS {
+            return bad("--draft-layers", n.to_string(), &format!("at most {MAX_DRAFT_LAYERS} (DFlash drafters have 1 to 8)"));
+        }
     }
     let tiny = a.target == "tiny";
     let (block, block_given) = match a.block_size {
@@ -77,6 +83,9 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
     }
     if a.max_anchors == Some(0) {
         return bad("--max-anchors", "0".into(), "at least 1");
+    }
+    if let Some(n) = a.max_anchors.filter(|&n| n as u64 > a.max_seq_len as u64) {
+        return bad("--max-anchors", n.to_string(), &format!("at most --max-seq-len {} (an anchor is a position of a sample)", a.max_seq_len));
     }
     if let Some(lr) = a.lr {
         if !(lr > 0.0 && lr.is_finite() && lr <= MAX_LR) {
@@ -261,6 +270,8 @@ mod tests {
         refused(&["--time-limit", "0s"], &["--time-limit 0s"]);
         refused(&["--epochs", "0"], &["--epochs 0"]);
         refused(&["--draft-layers", "0"], &["--draft-layers 0"]);
+        refused(&["--draft-layers", "18446744073709551615"], &["--draft-layers 18446744073709551615", "at most 64"]);
+        refused(&["--max-anchors", "100000000", "--max-seq-len", "512"], &["--max-anchors 100000000", "at most --max-seq-len 512"]);
         refused(&["--token-budget", "0"], &["--token-budget 0"]);
         refused(&["--token-slots", "0"], &["--token-slots 0"]);
         refused(&["--prefetch", "0"], &["--prefetch 0"]);
