@@ -302,3 +302,18 @@ fn flags_given_with_resume_win_or_are_refused() {
     let saved: serde_json::Value = serde_json::from_str(&fs::read_to_string(rd.join("run.json")).unwrap()).unwrap();
     assert_eq!(saved["steps"], 6, "run.json holds the run's settings as now: {saved}");
 }
+
+#[test]
+fn a_loader_that_panics_ends_the_run_with_one_line_instead_of_a_hang() {
+    // A bug in the loader or in a tokenizer meeting a line it cannot handle panics on the
+    // loader's thread. The run ends (exit 2) saying which batch, with every batch that was
+    // made accounted for; before, it waited forever for a loader that was gone.
+    let mut sup = Sup::start_real_env(&["--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--steps", "40"], &[("DFLASH_TEST_LOADER_PANIC", "3")]);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(2), "{err}");
+    assert!(err.contains("the data loader failed while making batch 3") && err.contains("test fault: the loader panics at batch 3"), "{err}");
+    let out = Command::new(bin("dflash-supervise")).args(["ledger", "--json", "--run-dir"]).arg(&sup.run_dir).output().unwrap();
+    let a: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert_eq!((a["lost"].as_u64(), a["duplicated"].as_u64()), (Some(0), Some(0)), "{a}");
+}

@@ -248,11 +248,36 @@ impl Pipeline {
     pub fn start_loader<E: From<LoaderEvent> + Send + 'static>(&mut self, mut loader: Loader, events: Sender<E>) -> Result<(), Error> {
         let (tx, rx) = mpsc::channel::<Grant>();
         let map = self.tokens.map.clone();
+        // Tests make the loader panic at its Nth batch, to see the run end on it.
+        let panic_at: Option<u64> = std::env::var("DFLASH_TEST_LOADER_PANIC").ok().and_then(|v| v.parse().ok());
         thread::Builder::new()
             .name("loader".into())
             .spawn(move || {
-                for grant in rx {
-                    let ev = match loader.next_batch() {
+                for (made, grant) in rx.into_iter().enumerate() {
+                    // A panic while reading or tokenizing (a bug here or in a tokenizer or
+                    // chat template meeting a line it cannot handle) ends the run with one
+                    // line saying where, instead of leaving it waiting for a loader that
+                    // is gone.
+                    let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        if panic_at == Some(made as u64) {
+                            panic!("test fault: the loader panics at batch {made}");
+                        }
+                        loader.next_batch()
+                    }));
+                    let next = match next {
+                        Ok(r) => r,
+                        Err(p) => {
+                            let what = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("a panic");
+                            let at = loader.position();
+                            let ev = LoaderEvent::Failed(format!(
+                                "the data loader failed while making batch {} (epoch {}): {what} (a bug in the loader or in the tokenizer on this data; please report it)",
+                                at.batches, at.epoch
+                            ));
+                            let _ = events.send(E::from(ev));
+                            break;
+                        }
+                    };
+                    let ev = match next {
                         Ok(Some(b)) => {
                             // SAFETY: the loader holds this slot (WRITING, granted to LOADER)
                             // until it reports it produced.
