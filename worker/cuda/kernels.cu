@@ -103,8 +103,9 @@ struct col_major {};
 struct bf16 {};
 enum layout_t { mem_row_major, mem_col_major };
 template <class Use, int M, int N, int K, class T, class Layout = void> struct fragment;
-template <class Use, class Layout> struct fragment<Use, 16, 16, 16, bf16, Layout> { int x[4]; };
-template <> struct fragment<accumulator, 16, 16, 16, float, void> { float x[8]; };
+// Aligned to 8 bytes as mma.h's fragments are ("required for compiler implementation").
+template <class Use, class Layout> struct __align__(8) fragment<Use, 16, 16, 16, bf16, Layout> { int x[4]; };
+template <> struct __align__(8) fragment<accumulator, 16, 16, 16, float, void> { float x[8]; };
 template <class L> struct is_col { enum { value = 0 }; };
 template <> struct is_col<col_major> { enum { value = 1 }; };
 
