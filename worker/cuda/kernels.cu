@@ -413,6 +413,21 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
     attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
 }
 
+// One 16×16 tile of a gradient in the backward: a · b (b: 16 rows of a staged tile, from
+// its column), through the scratch tile, each element (i, j) then handed to add(i, j, x)
+// by one lane. The warp syncs before the scratch is read and again before it is reused.
+template <class FA, class Add> __device__ __forceinline__ void attn_grad_tile(const FA& a, const unsigned short* b, float (*scr)[16], Add add) {
+    frag_b_row fb;
+    frag_acc f;
+    wmma::fill_fragment(f, 0.0f);
+    wmma::load_matrix_sync(fb, b, ATTN_MMA_LD);
+    wmma::mma_sync(f, a, fb, f);
+    wmma::store_matrix_sync(&scr[0][0], f, 16, wmma::mem_row_major);
+    __syncwarp();
+    for (int i = threadIdx.x & 31; i < 256; i += 32) add(i >> 4, i & 15, scr[i >> 4][i & 15]);
+    __syncwarp();
+}
+
 // Backward of attention_fwd from its saved lse (flash-attention-2 style): the
 // probabilities are recomputed, never read back; dq += ..., dk += ..., dv += .... Same
 // blocks as the forward. Per tile of 16 keys: S = Q·Kᵀ and dP = dO·Vᵀ, then per row
@@ -491,43 +506,20 @@ extern "C" __global__ void attention_bwd(float* dq, float* dk, float* dv, const 
             wmma::load_matrix_sync(dst_a, &dss[0][0], 16);
             wmma::load_matrix_sync(pt_a, &ps[0][0], 16);
             for (int c = 0; c < hp; c += 16) {
-                frag_b_row b;
-                frag_acc f;
-                // dQ rows first..first+15, dims c..c+15.
-                wmma::fill_fragment(f, 0.0f);
-                wmma::load_matrix_sync(b, &ks[0][c], ATTN_MMA_LD);
-                wmma::mma_sync(f, ds_a, b, f);
-                wmma::store_matrix_sync(&scr[0][0], f, 16, wmma::mem_row_major);
-                __syncwarp();
-                for (int i = lane; i < 256; i += 32) {
-                    const int rr = i >> 4, d = c + (i & 15);
-                    if (first + rr < tq && d < hd) dq[(first + rr) * qw + (long)head * hd + d] += scr[rr][i & 15];
-                }
-                __syncwarp();
-                // dK of keys t0..t0+15.
-                wmma::fill_fragment(f, 0.0f);
-                wmma::load_matrix_sync(b, &qs[0][c], ATTN_MMA_LD);
-                wmma::mma_sync(f, dst_a, b, f);
-                wmma::store_matrix_sync(&scr[0][0], f, 16, wmma::mem_row_major);
-                __syncwarp();
-                for (int i = lane; i < 256; i += 32) {
-                    const int j = i >> 4, d = c + (i & 15), key = t0 + j;
-                    const float x = scr[j][i & 15];
+                // dQ rows first..first+15, dims c..c+15: this block's alone.
+                attn_grad_tile(ds_a, &ks[0][c], scr, [&](int i, int j, float x) {
+                    const int d = c + j;
+                    if (first + i < tq && d < hd) dq[(first + i) * qw + (long)head * hd + d] += x;
+                });
+                // dK and dV of keys t0..t0+15: shared with other blocks.
+                attn_grad_tile(dst_a, &qs[0][c], scr, [&](int i, int j, float x) {
+                    const int key = t0 + i, d = c + j;
                     if (key < hi && d < hd && x != 0.0f) atomicAdd(&dk[key * kw + (long)kh * hd + d], x);
-                }
-                __syncwarp();
-                // dV of keys t0..t0+15.
-                wmma::fill_fragment(f, 0.0f);
-                wmma::load_matrix_sync(b, &dos[0][c], ATTN_MMA_LD);
-                wmma::mma_sync(f, pt_a, b, f);
-                wmma::store_matrix_sync(&scr[0][0], f, 16, wmma::mem_row_major);
-                __syncwarp();
-                for (int i = lane; i < 256; i += 32) {
-                    const int j = i >> 4, d = c + (i & 15), key = t0 + j;
-                    const float x = scr[j][i & 15];
+                });
+                attn_grad_tile(pt_a, &dos[0][c], scr, [&](int i, int j, float x) {
+                    const int key = t0 + i, d = c + j;
                     if (key < hi && d < hd && x != 0.0f) atomicAdd(&dv[key * kw + (long)kh * hd + d], x);
-                }
-                __syncwarp();
+                });
             }
         }
     }
