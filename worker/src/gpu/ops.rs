@@ -8,7 +8,6 @@ use super::{Arg, DSlice, Device, Gemm, Result, Stream};
 const BLOCK: u32 = 256;
 /// Most blocks `sumsq` uses (the f64 partials it needs).
 pub const SUMSQ_BLOCKS: usize = 1024;
-/// Attention backward: 4 warps per block, one per (query row, head).
 /// Attention, forward and backward, on tensor cores: query rows of one head per block of
 /// one warp (`ATTN_MMA_ROWS` in kernels.cu).
 const ATTN_MMA_ROWS: usize = 16;
