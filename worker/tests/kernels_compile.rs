@@ -13,9 +13,18 @@ fn find_nvrtc() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("DFLASH_NVRTC_LIB") {
         return Some(PathBuf::from(p));
     }
-    let out = Command::new("python3").args(["-c", "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))"]).output().ok()?;
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
+        ])
+        .output()
+        .ok()?;
     for dir in String::from_utf8_lossy(&out.stdout).lines() {
-        for rel in ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"] {
+        for rel in [
+            "nvidia/cu13/lib/libnvrtc.so.13",
+            "nvidia/cuda_nvrtc/lib/libnvrtc.so.12",
+        ] {
             let p = PathBuf::from(dir).join(rel);
             if p.exists() {
                 return Some(p);
@@ -27,10 +36,13 @@ fn find_nvrtc() -> Option<PathBuf> {
 
 #[test]
 fn kernels_compile_with_nvrtc_for_sm_80_sm_90_and_sm_100() {
-    let required = std::env::var_os("CI").is_some() || std::env::var("DFLASH_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    let required = std::env::var_os("CI").is_some()
+        || std::env::var("DFLASH_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
     let Some(lib) = find_nvrtc() else {
         assert!(!required, "NVRTC not found (DFLASH_NVRTC_LIB, or pip install nvidia-cuda-nvrtc); .ci/run installs it");
-        eprintln!("skipped: NVRTC not found (pip install nvidia-cuda-nvrtc, or set DFLASH_NVRTC_LIB)");
+        eprintln!(
+            "skipped: NVRTC not found (pip install nvidia-cuda-nvrtc, or set DFLASH_NVRTC_LIB)"
+        );
         return;
     };
     std::env::set_var("DFLASH_NVRTC_LIB", &lib);
@@ -40,23 +52,80 @@ fn kernels_compile_with_nvrtc_for_sm_80_sm_90_and_sm_100() {
     assert!(names.len() >= 16, "{names:?}");
     let cache = tempfile::tempdir().unwrap();
     for arch in ["sm_80", "sm_90", "sm_100"] {
-        let (ptx, cached) = nvrtc::compile_cached(nvrtc::KERNELS_CU, arch, cache.path()).unwrap_or_else(|e| panic!("{arch}: {e}"));
-        assert!(!cached, "{arch}: first compile cannot come from an empty cache");
-        assert!(ptx.contains(&format!(".target {arch}")), "{arch}: PTX for another target");
+        let (out, cached) = nvrtc::compile_cached(nvrtc::KERNELS_CU, arch, cache.path())
+            .unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert!(
+            !cached,
+            "{arch}: first compile cannot come from an empty cache"
+        );
+        let ptx = &out.ptx;
+        assert!(
+            ptx.contains(&format!(".target {arch}")),
+            "{arch}: PTX for another target"
+        );
         for k in &names {
-            assert!(ptx.contains(&format!(".entry {k}(")), "{arch}: kernel {k} missing from the PTX");
+            assert!(
+                ptx.contains(&format!(".entry {k}(")),
+                "{arch}: kernel {k} missing from the PTX"
+            );
         }
+        // The CUBIN the worker loads: an ELF for the CUDA machine (EM_CUDA = 190) whose
+        // e_flags name this architecture (bits 8..16 from ELF ABI 8), holding every kernel.
+        let cubin = &out.cubin;
+        assert!(
+            cubin.starts_with(b"\x7fELF") && u16::from_le_bytes([cubin[18], cubin[19]]) == 190,
+            "{arch}: not a CUBIN"
+        );
+        let flags = u32::from_le_bytes(cubin[48..52].try_into().unwrap());
+        let sm = if cubin[8] >= 8 {
+            (flags >> 8) & 0xff
+        } else {
+            flags & 0xff
+        };
+        assert_eq!(
+            format!("sm_{sm}"),
+            arch,
+            "{arch}: the CUBIN's e_flags {flags:#x}"
+        );
+        for k in &names {
+            assert!(
+                cubin
+                    .windows(k.len() + 2)
+                    .any(|w| w[0] == 0 && &w[1..=k.len()] == k.as_bytes() && w[k.len() + 1] == 0),
+                "{arch}: kernel {k} missing from the CUBIN"
+            );
+        }
+        eprintln!(
+            "{arch}: PTX ISA {:?}, CUBIN {} KB",
+            out.ptx_isa(),
+            cubin.len() / 1024
+        );
         // Second time: from the cache, the same text.
         let (again, cached) = nvrtc::compile_cached(nvrtc::KERNELS_CU, arch, cache.path()).unwrap();
-        assert!(cached && again == ptx, "{arch}: not served from the cache");
+        assert!(cached && again == out, "{arch}: not served from the cache");
     }
     // Three architectures, three entries; a changed source is a new key.
-    assert_eq!(std::fs::read_dir(cache.path()).unwrap().filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "ptx")).count(), 3);
+    assert_eq!(
+        std::fs::read_dir(cache.path())
+            .unwrap()
+            .filter(|e| e
+                .as_ref()
+                .unwrap()
+                .path()
+                .extension()
+                .is_some_and(|x| x == "ptx"))
+            .count(),
+        3
+    );
     let changed = format!("{}\n// changed\n", nvrtc::KERNELS_CU);
     let (_, cached) = nvrtc::compile_cached(&changed, "sm_90", cache.path()).unwrap();
     assert!(!cached, "a changed source must not hit the old entry");
 
     // A compile error comes back with NVRTC's log, naming the line.
-    let err = nvrtc::compile("extern \"C\" __global__ void broken(float* x) { x[0] = undefined_name; }", "sm_90").unwrap_err();
+    let err = nvrtc::compile(
+        "extern \"C\" __global__ void broken(float* x) { x[0] = undefined_name; }",
+        "sm_90",
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("undefined_name"), "{err}");
 }

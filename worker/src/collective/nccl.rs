@@ -4,10 +4,10 @@
 //! while the backward of the first ones does, as DDP overlaps them), and the optimizer
 //! behind the last bucket's reduction: ordered by events, with no host sync.
 //!
-//! NCCL is loaded at run time, by path, from the first of: `DFLASH_NCCL_LIB`, the
-//! loader's path (`libnccl.so.2`, `libnccl.so`), and the `nvidia/nccl/lib` directory of
-//! the Python installations on the machine (PyPI's `nvidia-nccl-cu13`, which PyTorch
-//! installs too). cudarc's own NCCL loader only tries names like `libnccl.so` and
+//! NCCL is loaded at run time as every CUDA library is ([`crate::gpu::libs`]): from the
+//! first of `DFLASH_NCCL_LIB`, the loader's path (`libnccl.so.2`, `libnccl.so`), and the
+//! `nvidia/nccl/lib` directory of the Python installations on the machine (PyPI's
+//! `nvidia-nccl-cu13`, which PyTorch installs too). cudarc's own NCCL loader only tries names like `libnccl.so` and
 //! `libnccl.so.13`, never NCCL 2's soname `libnccl.so.2`, so a machine with NCCL from PyPI
 //! or a runtime-only package would not be found by it; the few entry points this needs
 //! are bound here instead.
@@ -21,7 +21,7 @@
 //! that died.
 
 use std::ffi::{c_char, c_int, c_void};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -31,6 +31,7 @@ use dflash_shared::drafter::CollectiveKind;
 use super::{Collective, Formed, Reduced};
 use crate::error::{Result, WorkerError};
 use crate::gpu::drafter::{GpuDrafter, StepOutcome};
+use crate::gpu::libs::{self, CudaLib};
 use crate::gpu::ops::AdamHyper;
 use crate::gpu::{DSlice, Event, Stream};
 
@@ -55,88 +56,77 @@ pub struct Lib {
     get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
     get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
     comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
-    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> c_int,
+    all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        Comm,
+        *mut c_void,
+    ) -> c_int,
     comm_abort: unsafe extern "C" fn(Comm) -> c_int,
     comm_get_async_error: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
     get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
-    _lib: libloading::Library,
 }
 
-/// Where NCCL is looked for, in order.
-pub fn candidates() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Some(p) = std::env::var_os("DFLASH_NCCL_LIB") {
-        out.push(PathBuf::from(p));
-    }
-    out.push("libnccl.so.2".into());
-    out.push("libnccl.so".into());
-    let mut roots: Vec<PathBuf> = ["/usr/lib", "/usr/local/lib", "/opt/conda/lib"].iter().map(PathBuf::from).collect();
-    for var in ["VIRTUAL_ENV", "CONDA_PREFIX"] {
-        if let Some(v) = std::env::var_os(var) {
-            roots.push(Path::new(&v).join("lib"));
-        }
-    }
-    if let Some(h) = std::env::var_os("HOME") {
-        roots.push(Path::new(&h).join(".local/lib"));
-    }
-    let mut sites = Vec::new();
-    for root in roots {
-        let Ok(entries) = std::fs::read_dir(&root) else { continue };
-        let mut pythons: Vec<PathBuf> = entries.flatten().map(|e| e.path()).filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python3"))).collect();
-        pythons.sort();
-        for py in pythons {
-            sites.push(py.join("site-packages"));
-            sites.push(py.join("dist-packages"));
-        }
-    }
-    // The python3 on the PATH knows its own (pyenv, conda, a venv not activated here).
-    if let Ok(o) = std::process::Command::new("python3")
-        .args(["-c", "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))"])
-        .stderr(std::process::Stdio::null())
-        .output()
-    {
-        sites.extend(String::from_utf8_lossy(&o.stdout).lines().map(PathBuf::from));
-    }
-    for site in sites {
-        let lib = site.join("nvidia/nccl/lib/libnccl.so.2");
-        if lib.is_file() && !out.contains(&lib) {
-            out.push(lib);
-        }
-    }
-    out
-}
-
-/// Load NCCL (once per process), or say which paths were tried.
+/// Load NCCL (once per process), as every CUDA library is found ([`crate::gpu::libs`]),
+/// or say which paths were tried.
 pub fn load() -> std::result::Result<&'static Lib, String> {
     static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
     LIB.get_or_init(|| {
-        let tried = candidates();
-        for path in &tried {
-            // SAFETY: loading NCCL runs its initialisers, which only set up its own state.
-            let Ok(lib) = (unsafe { libloading::Library::new(path) }) else { continue };
-            // SAFETY: the symbols have these C signatures in every NCCL 2 (nccl.h).
-            let bound = unsafe {
-                (|| -> std::result::Result<Lib, libloading::Error> {
-                    Ok(Lib {
-                        path: path.clone(),
-                        get_version: *lib.get(b"ncclGetVersion\0")?,
-                        get_unique_id: *lib.get(b"ncclGetUniqueId\0")?,
-                        comm_init_rank: *lib.get(b"ncclCommInitRank\0")?,
-                        all_reduce: *lib.get(b"ncclAllReduce\0")?,
-                        comm_abort: *lib.get(b"ncclCommAbort\0")?,
-                        comm_get_async_error: *lib.get(b"ncclCommGetAsyncError\0")?,
-                        get_error_string: *lib.get(b"ncclGetErrorString\0")?,
-                        _lib: lib,
-                    })
-                })()
-            };
-            return bound.map_err(|e| format!("{} is not a usable NCCL: {e}", path.display()));
+        let loaded = libs::open(CudaLib::Nccl).map_err(|e| {
+            format!("{e} (--collective shm exchanges gradients through host memory instead)")
+        })?;
+        let sym = |name: &str| {
+            loaded.symbol(name).ok_or_else(|| {
+                format!(
+                    "{} is not a usable NCCL: it lacks {name}",
+                    loaded.path.display()
+                )
+            })
+        };
+        // SAFETY: the symbols have these C signatures in every NCCL 2 (nccl.h).
+        unsafe {
+            Ok(Lib {
+                path: loaded.path.clone(),
+                get_version: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*mut c_int) -> c_int,
+                >(sym("ncclGetVersion")?),
+                get_unique_id: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*mut UniqueId) -> c_int,
+                >(sym("ncclGetUniqueId")?),
+                comm_init_rank: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
+                >(sym("ncclCommInitRank")?),
+                all_reduce: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(
+                        *const c_void,
+                        *mut c_void,
+                        usize,
+                        c_int,
+                        c_int,
+                        Comm,
+                        *mut c_void,
+                    ) -> c_int,
+                >(sym("ncclAllReduce")?),
+                comm_abort: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(Comm) -> c_int>(
+                    sym("ncclCommAbort")?,
+                ),
+                comm_get_async_error: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
+                >(sym("ncclCommGetAsyncError")?),
+                get_error_string: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(c_int) -> *const c_char,
+                >(sym("ncclGetErrorString")?),
+            })
         }
-        let names: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
-        Err(format!(
-            "NCCL (libnccl.so.2) not found; tried {} and nvidia/nccl/lib under the Python installations (pip install nvidia-nccl-cu13, or set DFLASH_NCCL_LIB=/path/to/libnccl.so.2; --collective shm exchanges gradients through host memory instead)",
-            names.join(", ")
-        ))
     })
     .as_ref()
     .map_err(Clone::clone)
@@ -148,8 +138,13 @@ impl Lib {
             return Ok(());
         }
         // SAFETY: NCCL returns a static string for every result code.
-        let msg = unsafe { std::ffi::CStr::from_ptr((self.get_error_string)(r)) }.to_string_lossy().into_owned();
-        Err(WorkerError::Device { what: what.into(), source: crate::gpu::GpuError::Failed(format!("NCCL error {r}: {msg}")) })
+        let msg = unsafe { std::ffi::CStr::from_ptr((self.get_error_string)(r)) }
+            .to_string_lossy()
+            .into_owned();
+        Err(WorkerError::Device {
+            what: what.into(),
+            source: crate::gpu::GpuError::Failed(format!("NCCL error {r}: {msg}")),
+        })
     }
 
     /// NCCL's version as (major, minor, patch).
@@ -159,13 +154,19 @@ impl Lib {
         self.check("ncclGetVersion", unsafe { (self.get_version)(&mut v) })?;
         let v = v as u32;
         // NCCL_VERSION(X,Y,Z): X*10000 + Y*100 + Z since 2.9, X*1000 + Y*100 + Z before.
-        Ok(if v >= 10000 { (v / 10000, v % 10000 / 100, v % 100) } else { (v / 1000, v % 1000 / 100, v % 100) })
+        Ok(if v >= 10000 {
+            (v / 10000, v % 10000 / 100, v % 100)
+        } else {
+            (v / 1000, v % 1000 / 100, v % 100)
+        })
     }
 
     /// A new unique id for a communicator (the first rank of an epoch makes it). Needs no
     /// GPU: it names the first rank's bootstrap socket.
     pub fn unique_id(&self) -> Result<Vec<u8>> {
-        let mut id = UniqueId { internal: [0; ID_BYTES] };
+        let mut id = UniqueId {
+            internal: [0; ID_BYTES],
+        };
         // SAFETY: writes the 128-byte id.
         self.check("ncclGetUniqueId", unsafe { (self.get_unique_id)(&mut id) })?;
         Ok(id.internal.iter().map(|&c| c as u8).collect())
@@ -216,13 +217,21 @@ impl NcclCollective {
         let lib = load().map_err(WorkerError::Permanent)?;
         let (major, minor, _) = lib.version()?;
         if (major, minor) < (2, 18) {
-            return Err(WorkerError::Permanent(format!("{} is NCCL {major}.{minor}: 2.18 or newer is needed", lib.path.display())));
+            return Err(WorkerError::Permanent(format!(
+                "{} is NCCL {major}.{minor}: 2.18 or newer is needed",
+                lib.path.display()
+            )));
         }
         let dev = model.device();
         if dev.cuda_handles().is_none() {
-            return Err(WorkerError::Permanent(format!("the NCCL collective needs a GPU; this drafter computes on {}", dev.describe())));
+            return Err(WorkerError::Permanent(format!(
+                "the NCCL collective needs a GPU; this drafter computes on {}",
+                dev.describe()
+            )));
         }
-        let ptr = dev.alloc(16).map_err(WorkerError::device("the loss weight's buffer"))?;
+        let ptr = dev
+            .alloc(16)
+            .map_err(WorkerError::device("the loss weight's buffer"))?;
         Ok(NcclCollective {
             lib,
             rank,
@@ -267,16 +276,26 @@ impl NcclCollective {
     }
 
     fn build(&mut self, id: &[u8], model: &mut GpuDrafter) -> Result<()> {
-        let Some((epoch, ranks)) = &self.epoch else { return Ok(()) };
+        let Some((epoch, ranks)) = &self.epoch else {
+            return Ok(());
+        };
         if id.len() != ID_BYTES {
-            return Err(WorkerError::Protocol(format!("epoch {epoch}: an NCCL id of {} bytes, expected {ID_BYTES}", id.len())));
+            return Err(WorkerError::Protocol(format!(
+                "epoch {epoch}: an NCCL id of {} bytes, expected {ID_BYTES}",
+                id.len()
+            )));
         }
-        let mut uid = UniqueId { internal: [0; ID_BYTES] };
+        let mut uid = UniqueId {
+            internal: [0; ID_BYTES],
+        };
         for (d, &b) in uid.internal.iter_mut().zip(id) {
             *d = b as c_char;
         }
         let nranks = ranks.len() as c_int;
-        let me = ranks.iter().position(|&r| r == self.rank).expect("checked in form") as c_int;
+        let me = ranks
+            .iter()
+            .position(|&r| r == self.rank)
+            .expect("checked in form") as c_int;
         let (ctx, _) = model.device().cuda_handles().expect("checked in new");
         let init = self.lib.comm_init_rank;
         let (tx, rx) = std::sync::mpsc::channel();
@@ -288,7 +307,11 @@ impl NcclCollective {
                         let mut comm: Comm = std::ptr::null_mut();
                         // SAFETY: blocks until every rank of the epoch has called it.
                         let r = unsafe { init(&mut comm, nranks, uid, me) };
-                        if r == SUCCESS { Ok(comm as usize) } else { Err(r) }
+                        if r == SUCCESS {
+                            Ok(comm as usize)
+                        } else {
+                            Err(r)
+                        }
                     }
                     Err(_) => Err(-1),
                 };
@@ -337,7 +360,12 @@ impl Collective for NcclCollective {
         }
     }
 
-    fn contribute(&mut self, step: u64, weight: f64, _model: &mut GpuDrafter) -> Result<Option<bool>> {
+    fn contribute(
+        &mut self,
+        step: u64,
+        weight: f64,
+        _model: &mut GpuDrafter,
+    ) -> Result<Option<bool>> {
         self.held = Some((step, weight));
         self.stale.extend(self.launched.take().map(|(_, e)| e));
         self.done = None;
@@ -366,19 +394,32 @@ impl Collective for NcclCollective {
                     return self.lib.check("ncclCommInitRank", r).map(|_| None);
                 }
                 Err(TryRecvError::Empty) => return Ok(None),
-                Err(TryRecvError::Disconnected) => return Err(WorkerError::Protocol("the NCCL init thread died".into())),
+                Err(TryRecvError::Disconnected) => {
+                    return Err(WorkerError::Protocol("the NCCL init thread died".into()))
+                }
             }
         }
-        let CommState::Ready(comm) = self.comm else { return Ok(None) };
-        let (Some((step, w)), Some((epoch, _))) = (self.held, self.epoch.as_ref()) else { return Ok(None) };
+        let CommState::Ready(comm) = self.comm else {
+            return Ok(None);
+        };
+        let (Some((step, w)), Some((epoch, _))) = (self.held, self.epoch.as_ref()) else {
+            return Ok(None);
+        };
         let epoch = *epoch;
         let mut err: c_int = SUCCESS;
         // SAFETY: a live communicator of ours.
-        self.lib.check("ncclCommGetAsyncError", unsafe { (self.lib.comm_get_async_error)(comm, &mut err) })?;
+        self.lib.check("ncclCommGetAsyncError", unsafe {
+            (self.lib.comm_get_async_error)(comm, &mut err)
+        })?;
         if err != SUCCESS && err != IN_PROGRESS {
             // Most often a peer died: the supervisor's next epoch (or its watchdog's) forms
             // the group again, so this rank waits for it rather than dying too.
-            let why = self.lib.check("an NCCL collective", err).err().map(|e| e.to_string()).unwrap_or_default();
+            let why = self
+                .lib
+                .check("an NCCL collective", err)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
             println!("NCCL communicator of epoch {epoch} failed ({why}): aborted; waiting for the next epoch");
             self.abort();
             self.failed = true;
@@ -391,20 +432,43 @@ impl Collective for NcclCollective {
                 let dev = model.device();
                 let (_, streams) = dev.cuda_handles().expect("checked in new");
                 let copy = streams[Stream::Copy.index()];
-                dev.upload(Stream::Copy, self.weight, &w.to_le_bytes()).map_err(dev_err("the loss weight to the device"))?;
+                dev.upload(Stream::Copy, self.weight, &w.to_le_bytes())
+                    .map_err(dev_err("the loss weight to the device"))?;
                 // SAFETY: one f64 on the device that lives as long as this collective.
-                lib.check("ncclAllReduce (loss weight)", unsafe { (lib.all_reduce)(self.weight.ptr as *const c_void, self.weight.ptr as *mut c_void, 1, FLOAT64, SUM, comm, copy.cast()) })?;
+                lib.check("ncclAllReduce (loss weight)", unsafe {
+                    (lib.all_reduce)(
+                        self.weight.ptr as *const c_void,
+                        self.weight.ptr as *mut c_void,
+                        1,
+                        FLOAT64,
+                        SUM,
+                        comm,
+                        copy.cast(),
+                    )
+                })?;
                 // Every rank issues the same buckets in the same order (the layout's).
                 let e = model
                     .reduce_buckets(Stream::Copy, |_, g, r| {
                         // SAFETY: a range of the gradient and the same range of the reduce
                         // buffer, both alive as long as the drafter; queued on the copy
                         // stream behind the event of the backward that finished it.
-                        let rc = unsafe { (lib.all_reduce)(g.ptr as *const c_void, r.ptr as *mut c_void, g.bytes / 4, FLOAT32, SUM, comm, copy.cast()) };
+                        let rc = unsafe {
+                            (lib.all_reduce)(
+                                g.ptr as *const c_void,
+                                r.ptr as *mut c_void,
+                                g.bytes / 4,
+                                FLOAT32,
+                                SUM,
+                                comm,
+                                copy.cast(),
+                            )
+                        };
                         if rc == SUCCESS {
                             Ok(())
                         } else {
-                            Err(crate::gpu::GpuError::Failed(format!("ncclAllReduce of a gradient bucket: NCCL error {rc}")))
+                            Err(crate::gpu::GpuError::Failed(format!(
+                                "ncclAllReduce of a gradient bucket: NCCL error {rc}"
+                            )))
                         }
                     })
                     .map_err(dev_err("the gradient's all-reduce"))?;
@@ -413,23 +477,44 @@ impl Collective for NcclCollective {
             }
             Some((t, e)) => {
                 let dev = model.device();
-                if !dev.event_done(e).map_err(dev_err("the all-reduce's event"))? {
+                if !dev
+                    .event_done(e)
+                    .map_err(dev_err("the all-reduce's event"))?
+                {
                     return Ok(None);
                 }
                 let mut b = [0u8; 8];
-                dev.download(Stream::Copy, self.weight.sub(1, 0..8), &mut b).map_err(dev_err("the all-reduced loss weight"))?;
-                let d = Reduced { step, epoch, weight_sum: f64::from_le_bytes(b), ms: t.elapsed().as_secs_f64() * 1e3 };
+                dev.download(Stream::Copy, self.weight.sub(1, 0..8), &mut b)
+                    .map_err(dev_err("the all-reduced loss weight"))?;
+                let d = Reduced {
+                    step,
+                    epoch,
+                    weight_sum: f64::from_le_bytes(b),
+                    ms: t.elapsed().as_secs_f64() * 1e3,
+                };
                 self.done = Some(d);
                 Ok(Some(d))
             }
         }
     }
 
-    fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>> {
+    fn apply(
+        &mut self,
+        step: u64,
+        weight_sum: f64,
+        clip: f32,
+        lr: f32,
+        hyper: &AdamHyper,
+        model: &mut GpuDrafter,
+    ) -> Result<Option<StepOutcome>> {
         let d = super::check_commit(self.done, step, weight_sum)?;
         self.held = None;
         let after = self.launched.take().map(|(_, e)| e);
         self.done = None;
-        model.apply_reduced(step, d.weight_sum, clip, lr, hyper, after).map_err(WorkerError::device(format!("applying step {step} on the device")))
+        model
+            .apply_reduced(step, d.weight_sum, clip, lr, hyper, after)
+            .map_err(WorkerError::device(format!(
+                "applying step {step} on the device"
+            )))
     }
 }

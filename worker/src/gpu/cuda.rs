@@ -11,7 +11,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
+};
 
 use super::{Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Result, Stream};
 
@@ -21,34 +23,78 @@ fn failed(what: &str, e: impl std::fmt::Debug) -> GpuError {
 
 /// Which CUDA library is missing, if any, with where it was looked for.
 pub fn missing_library() -> Option<String> {
-    let look = "on the loader's path (LD_LIBRARY_PATH, ldconfig)";
-    // SAFETY: each call only tries to dlopen its library.
+    use super::libs::{open, CudaLib};
+    for lib in [CudaLib::Driver, CudaLib::Cublas] {
+        if let Err(e) = open(lib) {
+            return Some(e.to_string());
+        }
+    }
+    // SAFETY: each call only tries to dlopen its library (found above by its soname).
     unsafe {
         if !cudarc::driver::sys::is_culib_present() {
-            return Some(format!("libcuda.so.1 (the NVIDIA driver) not found {look}"));
+            return Some(
+                "libcuda was loaded, but not under a soname cudarc looks for (libcuda.so.1)".into(),
+            );
         }
         if !cudarc::cublas::sys::is_culib_present() {
-            return Some(format!("libcublas.so (cuBLAS) not found {look}"));
+            return Some(
+                "cuBLAS was loaded, but not under a soname cudarc looks for (libcublas.so.13)"
+                    .into(),
+            );
         }
     }
     super::nvrtc::load().err().map(|e| e.to_string())
 }
 
+/// `major.minor` of a CUDA version number (12080 → "12.8").
+fn cuda_version(v: i32) -> String {
+    format!("{}.{}", v / 1000, v % 1000 / 10)
+}
+
+/// The newest PTX ISA a driver of CUDA `v` compiles (PTX ISA 8.x came with CUDA 12.x,
+/// 9.x with 13.x; the PTX ISA release notes).
+pub fn driver_ptx_isa(v: i32) -> (u32, u32) {
+    let (major, minor) = ((v / 1000) as u32, (v % 1000 / 10) as u32);
+    match major {
+        13.. => (9, minor),
+        12 => match minor {
+            0..=5 => (8, minor),
+            6 => (8, 5),
+            7 | 8 => (8, 7),
+            _ => (8, 8),
+        },
+        11 => (7, minor),
+        _ => (6, 0),
+    }
+}
+
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     streams: [Arc<CudaStream>; 2],
-    blas: cudarc::cublas::CudaBlas,
+    /// One cuBLAS handle per stream: a handle's workspace is shared by all its GEMMs, so
+    /// one handle serving both streams could run two GEMMs at once on one workspace.
+    blas: [cudarc::cublas::CudaBlas; 2],
     functions: HashMap<String, CudaFunction>,
-    /// The backing of every `alloc` (the arena's), kept alive here.
-    memory: Vec<CudaSlice<u8>>,
+    /// The backing of every `alloc` (the arena's): `cuMemAlloc`, not stream-ordered, so
+    /// both streams may use it at once.
+    memory: Vec<DevPtr>,
     registered: Vec<*mut u8>,
     events: EventTable<CudaEvent>,
     name: String,
+    /// What was loaded from where, with versions (printed at start).
+    pub libraries: Vec<String>,
 }
 
 // SAFETY: cudarc's handles are Send; the raw pointers are host ranges registered with the
 // driver, only used as addresses.
 unsafe impl Send for CudaDevice {}
+
+/// How the kernels were loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelImage {
+    Cubin,
+    Ptx,
+}
 
 impl CudaDevice {
     /// The worker's GPU (ordinal 0: `CUDA_VISIBLE_DEVICES` names only it).
@@ -60,41 +106,108 @@ impl CudaDevice {
             use cudarc::driver::sys::CUresult;
             let msg = format!("cannot open the GPU (cuInit/cuDevicePrimaryCtxRetain): {e:?}");
             // Out of memory or held by another process (exclusive mode): may pass later.
-            if matches!(e.0, CUresult::CUDA_ERROR_OUT_OF_MEMORY | CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE) {
+            if matches!(
+                e.0,
+                CUresult::CUDA_ERROR_OUT_OF_MEMORY | CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE
+            ) {
                 GpuError::Failed(msg)
             } else {
                 GpuError::Unavailable(msg)
             }
         })?;
-        let (major, minor) = ctx.compute_capability().map_err(|e| failed("compute capability", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| failed("compute capability", e))?;
         let name = ctx.name().unwrap_or_else(|_| "GPU".into());
         if major < 8 {
-            return Err(GpuError::Unavailable(format!("{name} is sm_{major}{minor}: the kernels need sm_80 or newer (bf16, f64 atomics)")));
+            return Err(GpuError::Unavailable(format!(
+                "{name} is sm_{major}{minor}: the kernels need sm_80 or newer (bf16, f64 atomics)"
+            )));
         }
-        let compute = ctx.new_stream().map_err(|e| failed("creating the compute stream", e))?;
-        let copy = ctx.new_stream().map_err(|e| failed("creating the copy stream", e))?;
-        let blas = cudarc::cublas::CudaBlas::new(compute.clone()).map_err(|e| failed("creating the cuBLAS handle", e))?;
+        let compute = ctx
+            .new_stream()
+            .map_err(|e| failed("creating the compute stream", e))?;
+        let copy = ctx
+            .new_stream()
+            .map_err(|e| failed("creating the copy stream", e))?;
+        let blas = [
+            cudarc::cublas::CudaBlas::new(compute.clone())
+                .map_err(|e| failed("creating the compute stream's cuBLAS handle", e))?,
+            cudarc::cublas::CudaBlas::new(copy.clone())
+                .map_err(|e| failed("creating the copy stream's cuBLAS handle", e))?,
+        ];
         let arch = format!("sm_{major}{minor}");
-        // A compile or load failure repeats on every restart (e.g. an NVRTC newer than the
-        // driver: CUDA_ERROR_UNSUPPORTED_PTX_VERSION): permanent.
-        let permanent = |e: GpuError| match e {
-            GpuError::Failed(m) => GpuError::Unavailable(m),
-            other => other,
-        };
-        let (ptx, _) = super::nvrtc::compile_cached(super::nvrtc::KERNELS_CU, &arch, &super::nvrtc::cache_dir()).map_err(permanent)?;
-        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(|e| GpuError::Unavailable(format!("loading the kernels for {arch} (driver older than NVRTC?): {e:?}")))?;
+        let mut driver = 0;
+        // SAFETY: writes one int.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) }
+            .result()
+            .map_err(|e| failed("cuDriverGetVersion", e))?;
+        let (module, image) = load_kernels(&ctx, &arch, driver)?;
         let mut functions = HashMap::new();
         for k in super::nvrtc::kernel_names(super::nvrtc::KERNELS_CU) {
-            let f = module.load_function(&k).map_err(|e| failed(&format!("kernel {k}"), e))?;
+            let f = module
+                .load_function(&k)
+                .map_err(|e| failed(&format!("kernel {k}"), e))?;
             functions.insert(k, f);
         }
-        Ok(CudaDevice { ctx, streams: [compute, copy], blas, functions, memory: Vec::new(), registered: Vec::new(), events: EventTable::default(), name: format!("{name} ({arch})") })
+        let mut blas_version = 0;
+        // SAFETY: a live handle; writes one int.
+        let blas_version = match unsafe {
+            cudarc::cublas::sys::cublasGetVersion_v2(*blas[0].handle(), &mut blas_version)
+        } {
+            cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => format!(
+                "{}.{}.{}",
+                blas_version / 10000,
+                blas_version % 10000 / 100,
+                blas_version % 100
+            ),
+            other => format!("version unknown: {other:?}"),
+        };
+        let nvrtc = super::nvrtc::version()
+            .map(|(a, b)| format!("{a}.{b}"))
+            .unwrap_or_else(|e| e.to_string());
+        let nccl = crate::collective::nccl::load()
+            .ok()
+            .and_then(|l| l.version().ok())
+            .map(|(a, b, c)| format!("{a}.{b}.{c}"))
+            .unwrap_or_else(|| "optional".into());
+        use super::libs::CudaLib;
+        let mut libraries = super::libs::report(&[
+            (
+                CudaLib::Driver,
+                format!("driver for CUDA {}", cuda_version(driver)),
+            ),
+            (CudaLib::Cublas, blas_version),
+            (CudaLib::Nvrtc, nvrtc),
+            (CudaLib::Nccl, nccl),
+        ]);
+        libraries.push(format!(
+            "kernels: {} for {arch}",
+            if image == KernelImage::Cubin {
+                "CUBIN"
+            } else {
+                "PTX (JIT-compiled by the driver)"
+            }
+        ));
+        Ok(CudaDevice {
+            ctx,
+            streams: [compute, copy],
+            blas,
+            functions,
+            memory: Vec::new(),
+            registered: Vec::new(),
+            events: EventTable::default(),
+            name: format!("{name} ({arch})"),
+            libraries,
+        })
     }
 
     /// The raw (`result`/`sys`) calls do not bind the context themselves; the worker may
     /// load on one thread and compute on another.
     fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| failed("cuCtxSetCurrent", e))
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| failed("cuCtxSetCurrent", e))
     }
 
     fn stream(&self, s: Stream) -> &Arc<CudaStream> {
@@ -102,9 +215,79 @@ impl CudaDevice {
     }
 }
 
+/// The kernels for `arch`: the CUBIN, which any driver that knows the GPU runs; the PTX
+/// only when the CUBIN is refused, and then with both versions named when the driver is
+/// older than the PTX. A compile or load failure repeats on every restart: permanent.
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    arch: &str,
+    driver: i32,
+) -> Result<(Arc<cudarc::driver::CudaModule>, KernelImage)> {
+    let permanent = |e: GpuError| match e {
+        GpuError::Failed(m) => GpuError::Unavailable(m),
+        other => other,
+    };
+    let (kernels, _) =
+        super::nvrtc::compile_cached(super::nvrtc::KERNELS_CU, arch, &super::nvrtc::cache_dir())
+            .map_err(permanent)?;
+    let cubin_err = if kernels.cubin.is_empty() {
+        "NVRTC made no CUBIN".to_string()
+    } else {
+        match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(kernels.cubin.clone())) {
+            Ok(m) => return Ok((m, KernelImage::Cubin)),
+            Err(e) => format!("{e:?}"),
+        }
+    };
+    let isa = kernels
+        .ptx_isa()
+        .map(|(a, b)| format!("{a}.{b}"))
+        .unwrap_or_else(|| "?".into());
+    let nvrtc = super::nvrtc::version()
+        .map(|(a, b)| format!("{a}.{b}"))
+        .unwrap_or_else(|_| "?".into());
+    match ctx.load_module(cudarc::nvrtc::Ptx::from_src(kernels.ptx)) {
+        Ok(m) => {
+            println!("the kernels' CUBIN for {arch} was refused ({cubin_err}); loaded their PTX (ISA {isa}) instead");
+            Ok((m, KernelImage::Ptx))
+        }
+        Err(e) => {
+            let (dm, dn) = driver_ptx_isa(driver);
+            Err(GpuError::Unavailable(format!(
+                "cannot load the kernels for {arch}: the CUBIN was refused ({cubin_err}), and the PTX (ISA {isa}, from NVRTC {nvrtc}) too ({e:?}); this driver is for CUDA {} and takes PTX up to ISA {dm}.{dn}: update the driver, or use an NVRTC no newer than CUDA {} (DFLASH_NVRTC_LIB)",
+                cuda_version(driver),
+                cuda_version(driver)
+            )))
+        }
+    }
+}
+
+/// A GEMM's sizes as cuBLAS takes them (`int`): a size that does not fit is refused, never
+/// truncated (a parameter count as the `n` of an n×1×1 GEMM can pass 2^31).
+pub fn cublas_dims(g: &Gemm) -> Result<[i32; 6]> {
+    let c = |v: usize, what: &str| {
+        i32::try_from(v).map_err(|_| {
+            GpuError::Invalid(format!(
+                "gemm: {what} = {v} exceeds cuBLAS's int range ({g:?})"
+            ))
+        })
+    };
+    Ok([
+        c(g.m, "m")?,
+        c(g.n, "n")?,
+        c(g.k, "k")?,
+        c(g.lda, "lda")?,
+        c(g.ldb, "ldb")?,
+        c(g.ldc, "ldc")?,
+    ])
+}
+
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         let _ = self.ctx.synchronize();
+        for p in self.memory.drain(..) {
+            // SAFETY: allocated in `alloc`; both streams are idle.
+            let _ = unsafe { cudarc::driver::result::free_sync(p) };
+        }
         for p in self.registered.drain(..) {
             // SAFETY: registered in `register_host`.
             unsafe { cudarc::driver::sys::cuMemHostUnregister(p.cast()) };
@@ -118,69 +301,106 @@ impl Device for CudaDevice {
     }
 
     fn event_done(&mut self, e: Event) -> Result<bool> {
-        Ok(self.events.get(e)?.is_complete())
+        // Not ready is "not yet"; any other error (a failed kernel or all-reduce, sticky) is
+        // an error, not a wait that never ends.
+        self.events
+            .get(e)?
+            .try_is_complete()
+            .map_err(|e| failed("cuEventQuery", e))
     }
 
     fn cuda_handles(&self) -> Option<(Arc<CudaContext>, [cudarc::driver::sys::CUstream; 2])> {
-        Some((self.ctx.clone(), [self.streams[0].cu_stream(), self.streams[1].cu_stream()]))
+        Some((
+            self.ctx.clone(),
+            [self.streams[0].cu_stream(), self.streams[1].cu_stream()],
+        ))
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
-        let s = self.streams[0].clone();
-        let buf = s.alloc_zeros::<u8>(bytes).map_err(|e| GpuError::OutOfMemory(format!("{bytes} bytes: {e:?}")))?;
-        let ptr = {
-            let (p, _guard) = cudarc::driver::DevicePtr::device_ptr(&buf, &s);
-            p
-        };
-        self.memory.push(buf);
+        self.bind()?;
+        // cuMemAlloc, not cuMemAllocAsync: memory from a stream-ordered allocation may only
+        // be used on another stream once ordered after it, and the arena serves both.
+        // SAFETY: a plain allocation, freed in Drop.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes.max(1)) }
+            .map_err(|e| GpuError::OutOfMemory(format!("{bytes} bytes: {e:?}")))?;
+        self.memory.push(ptr);
+        // Zeroed before anything may use it (fresh device memory is garbage).
+        let st = self.streams[0].cu_stream();
+        // SAFETY: the allocation just made.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, st) }
+            .map_err(|e| failed("cuMemsetD8Async", e))?;
+        self.streams[0]
+            .synchronize()
+            .map_err(|e| failed("cuStreamSynchronize", e))?;
         Ok(ptr)
     }
 
     fn mem_info(&self) -> Result<(usize, usize)> {
-        self.ctx.mem_get_info().map_err(|e| failed("cuMemGetInfo", e))
+        self.ctx
+            .mem_get_info()
+            .map_err(|e| failed("cuMemGetInfo", e))
     }
 
     fn upload(&mut self, s: Stream, dst: DSlice, src: &[u8]) -> Result<()> {
         self.bind()?;
         if src.len() > dst.bytes {
-            return Err(GpuError::Invalid(format!("upload of {} bytes into {}", src.len(), dst.bytes)));
+            return Err(GpuError::Invalid(format!(
+                "upload of {} bytes into {}",
+                src.len(),
+                dst.bytes
+            )));
         }
         let st = self.stream(s).cu_stream();
         // SAFETY: dst is device memory of at least src.len() bytes; a pageable source is
         // staged by the driver before the call returns.
-        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr, src, st) }.map_err(|e| failed("cuMemcpyHtoDAsync", e))
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr, src, st) }
+            .map_err(|e| failed("cuMemcpyHtoDAsync", e))
     }
 
     fn download(&mut self, s: Stream, src: DSlice, dst: &mut [u8]) -> Result<()> {
         self.bind()?;
         if dst.len() > src.bytes {
-            return Err(GpuError::Invalid(format!("download of {} bytes from {}", dst.len(), src.bytes)));
+            return Err(GpuError::Invalid(format!(
+                "download of {} bytes from {}",
+                dst.len(),
+                src.bytes
+            )));
         }
         let st = self.stream(s).clone();
         // SAFETY: src is device memory of at least dst.len() bytes.
-        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr, st.cu_stream()) }.map_err(|e| failed("cuMemcpyDtoHAsync", e))?;
-        st.synchronize().map_err(|e| failed("cuStreamSynchronize", e))
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr, st.cu_stream()) }
+            .map_err(|e| failed("cuMemcpyDtoHAsync", e))?;
+        st.synchronize()
+            .map_err(|e| failed("cuStreamSynchronize", e))
     }
 
     unsafe fn download_async(&mut self, s: Stream, src: DSlice, dst: *mut u8) -> Result<()> {
         self.bind()?;
         let st = self.stream(s).cu_stream();
         let dst = std::slice::from_raw_parts_mut(dst, src.bytes);
-        cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr, st).map_err(|e| failed("cuMemcpyDtoHAsync", e))
+        cudarc::driver::result::memcpy_dtoh_async(dst, src.ptr, st)
+            .map_err(|e| failed("cuMemcpyDtoHAsync", e))
     }
 
     unsafe fn upload_async(&mut self, s: Stream, dst: DSlice, src: *const u8) -> Result<()> {
         self.bind()?;
         let st = self.stream(s).cu_stream();
         let src = std::slice::from_raw_parts(src, dst.bytes);
-        cudarc::driver::result::memcpy_htod_async(dst.ptr, src, st).map_err(|e| failed("cuMemcpyHtoDAsync", e))
+        cudarc::driver::result::memcpy_htod_async(dst.ptr, src, st)
+            .map_err(|e| failed("cuMemcpyHtoDAsync", e))
     }
 
     unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(|e| failed("binding the context", e))?;
-        cudarc::driver::sys::cuMemHostRegister_v2(ptr.cast(), bytes, cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE)
-            .result()
-            .map_err(|e| failed("cuMemHostRegister", e))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| failed("binding the context", e))?;
+        cudarc::driver::sys::cuMemHostRegister_v2(
+            ptr.cast(),
+            bytes,
+            cudarc::driver::sys::CU_MEMHOSTREGISTER_PORTABLE,
+        )
+        .result()
+        .map_err(|e| failed("cuMemHostRegister", e))?;
         self.registered.push(ptr);
         Ok(())
     }
@@ -189,15 +409,27 @@ impl Device for CudaDevice {
         self.bind()?;
         let st = self.stream(s).cu_stream();
         // SAFETY: dst is device memory.
-        unsafe { cudarc::driver::result::memset_d8_async(dst.ptr, 0, dst.bytes, st) }.map_err(|e| failed("cuMemsetD8Async", e))
+        unsafe { cudarc::driver::result::memset_d8_async(dst.ptr, 0, dst.bytes, st) }
+            .map_err(|e| failed("cuMemsetD8Async", e))
     }
 
-    fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+    fn launch(
+        &mut self,
+        s: Stream,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if grid == 0 {
             // Nothing to do (cuLaunchKernel would reject a zero grid); as the host device.
             return Ok(());
         }
-        let f = self.functions.get(kernel).ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?.clone();
+        let f = self
+            .functions
+            .get(kernel)
+            .ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?
+            .clone();
         let stream = self.stream(s).clone();
         // Every argument's value lives in one of these until the launch is queued.
         let mut ptrs: Vec<u64> = Vec::new();
@@ -241,7 +473,11 @@ impl Device for CudaDevice {
                 }
             }
         }
-        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: the arguments match the kernel's parameters (the ops layer's contract,
         // checked against the CPU backend on the host device).
         unsafe { b.launch(cfg) }.map_err(|e| failed(&format!("launching {kernel}"), e))?;
@@ -251,32 +487,37 @@ impl Device for CudaDevice {
     fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()> {
         self.bind()?;
         g.validate()?;
+        let [m, n, k, lda, ldb, ldc] = cublas_dims(g)?;
         use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        let st = self.stream(s).cu_stream();
+        // The stream's own handle, bound to it once at creation.
+        let handle = *self.blas[s.index()].handle();
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
         if g.bf16_inputs {
             use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType_t};
             // SAFETY: as below; bf16 A and B, f32 or bf16 C, f32 accumulation (tensor cores).
             return unsafe {
-                cudarc::cublas::result::set_stream(*self.blas.handle(), st as _).map_err(|e| failed("cublasSetStream", e))?;
                 cudarc::cublas::result::gemm_ex(
-                    *self.blas.handle(),
+                    handle,
                     op(g.transa),
                     op(g.transb),
-                    g.m as i32,
-                    g.n as i32,
-                    g.k as i32,
+                    m,
+                    n,
+                    k,
                     (&g.alpha as *const f32).cast(),
                     g.a.ptr as *const std::ffi::c_void,
                     cudaDataType_t::CUDA_R_16BF,
-                    g.lda as i32,
+                    lda,
                     g.b.ptr as *const std::ffi::c_void,
                     cudaDataType_t::CUDA_R_16BF,
-                    g.ldb as i32,
+                    ldb,
                     (&g.beta as *const f32).cast(),
                     g.c.ptr as *mut std::ffi::c_void,
-                    if g.bf16_output { cudaDataType_t::CUDA_R_16BF } else { cudaDataType_t::CUDA_R_32F },
-                    g.ldc as i32,
+                    if g.bf16_output {
+                        cudaDataType_t::CUDA_R_16BF
+                    } else {
+                        cudaDataType_t::CUDA_R_32F
+                    },
+                    ldc,
                     cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
@@ -285,45 +526,51 @@ impl Device for CudaDevice {
         }
         // SAFETY: operands validated against their shapes; the handle is bound to `s`.
         unsafe {
-            cudarc::cublas::result::set_stream(*self.blas.handle(), st as _).map_err(|e| failed("cublasSetStream", e))?;
             cudarc::cublas::result::sgemm(
-                *self.blas.handle(),
+                handle,
                 op(g.transa),
                 op(g.transb),
-                g.m as i32,
-                g.n as i32,
-                g.k as i32,
+                m,
+                n,
+                k,
                 &g.alpha,
                 g.a.ptr as *const f32,
-                g.lda as i32,
+                lda,
                 g.b.ptr as *const f32,
-                g.ldb as i32,
+                ldb,
                 &g.beta,
                 g.c.ptr as *mut f32,
-                g.ldc as i32,
+                ldc,
             )
         }
         .map_err(|e| failed("cublasSgemm", e))
     }
 
     fn record(&mut self, s: Stream) -> Result<Event> {
-        let e = self.stream(s).record_event(None).map_err(|e| failed("cuEventRecord", e))?;
+        let e = self
+            .stream(s)
+            .record_event(None)
+            .map_err(|e| failed("cuEventRecord", e))?;
         Ok(self.events.insert(e))
     }
 
     fn wait(&mut self, s: Stream, e: Event) -> Result<()> {
         let ev = self.events.get(e)?;
-        self.stream(s).wait(ev).map_err(|e| failed("cuStreamWaitEvent", e))
+        self.stream(s)
+            .wait(ev)
+            .map_err(|e| failed("cuStreamWaitEvent", e))
     }
 
     fn sync_event(&mut self, e: Event) -> Result<()> {
         let ev = self.events.get(e)?;
-        ev.synchronize().map_err(|e| failed("cuEventSynchronize", e))
+        ev.synchronize()
+            .map_err(|e| failed("cuEventSynchronize", e))
     }
 
     fn sync(&mut self) -> Result<()> {
         for s in &self.streams {
-            s.synchronize().map_err(|e| failed("cuStreamSynchronize", e))?;
+            s.synchronize()
+                .map_err(|e| failed("cuStreamSynchronize", e))?;
         }
         Ok(())
     }

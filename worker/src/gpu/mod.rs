@@ -20,6 +20,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod drafter;
 pub mod host;
+pub mod libs;
 pub mod nvrtc;
 pub mod ops;
 pub mod target;

@@ -5,11 +5,17 @@
 //! `$DFLASH_KERNEL_CACHE`, else `$XDG_CACHE_HOME/dflash-supervise/kernels`, else
 //! `~/.cache/dflash-supervise/kernels`; entries are written whole (temporary file, rename).
 //!
-//! NVRTC is found by the dynamic loader (`libnvrtc.so*`); `DFLASH_NVRTC_LIB=PATH` loads
-//! that file first (tests use the library from PyPI's `nvidia-cuda-nvrtc` wheel).
+//! NVRTC is found as every CUDA library is ([`super::libs`]): `DFLASH_NVRTC_LIB`, the
+//! loader's path, PyPI's `nvidia-cuda-nvrtc` wheel.
+//!
+//! Each compile makes both a CUBIN for the device's own architecture (what the worker
+//! loads: a driver runs a CUBIN of its GPU's architecture whatever CUDA release made it)
+//! and the PTX (the fallback: a driver only takes PTX of an ISA no newer than its own CUDA
+//! release, so NVRTC 13.2's PTX fails on a 12.x driver).
 
 use std::path::{Path, PathBuf};
 
+use super::libs::{self, CudaLib};
 use super::GpuError;
 
 /// The kernels, as compiled for both the GPU and the host device.
@@ -17,27 +23,22 @@ pub const KERNELS_CU: &str = include_str!("../../cuda/kernels.cu");
 
 /// FNV-1a, 64 bits: a hash that is the same in every build (unlike std's).
 pub fn source_hash(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
-/// Load NVRTC: `DFLASH_NVRTC_LIB` first if set, then whatever the loader finds. Returns
-/// where it looked, for the error when it finds nothing.
+/// Load NVRTC (see the module docs), where cudarc then finds it.
 pub fn load() -> Result<(), GpuError> {
-    if let Some(path) = std::env::var_os("DFLASH_NVRTC_LIB") {
-        let c = std::ffi::CString::new(path.as_encoded_bytes()).map_err(|_| GpuError::Invalid("DFLASH_NVRTC_LIB holds a NUL".into()))?;
-        // SAFETY: dlopen of a library by path; it stays loaded for the process's life, so
-        // cudarc's own dlopen of its soname finds this one.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-        if h.is_null() {
-            return Err(GpuError::Unavailable(format!("libnvrtc: DFLASH_NVRTC_LIB={} cannot be loaded", path.to_string_lossy())));
-        }
-    }
-    // SAFETY: only tries to dlopen the library.
+    libs::open(CudaLib::Nvrtc)
+        .map(|_| ())
+        .map_err(|e| GpuError::Unavailable(e.to_string()))?;
+    // SAFETY: only tries to dlopen the library (the one opened above, by its soname).
     if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         Ok(())
     } else {
         Err(GpuError::Unavailable(
-            "libnvrtc (CUDA's run-time compiler) not found: looked for libnvrtc.so, libnvrtc.so.13, libnvrtc.so.12 on the loader's path (LD_LIBRARY_PATH, ldconfig); set DFLASH_NVRTC_LIB=PATH to name it".into(),
+            "NVRTC was loaded, but not under a soname cudarc looks for (libnvrtc.so.13)".into(),
         ))
     }
 }
@@ -46,58 +47,154 @@ pub fn version() -> Result<(i32, i32), GpuError> {
     load()?;
     let (mut major, mut minor) = (0, 0);
     // SAFETY: NVRTC is loaded; the call writes two ints.
-    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }.result().map_err(|e| GpuError::Failed(format!("nvrtcVersion: {e:?}")))?;
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| GpuError::Failed(format!("nvrtcVersion: {e:?}")))?;
     Ok((major, minor))
 }
 
-/// Compile the kernels for `arch` (e.g. `sm_90`) to PTX.
-pub fn compile(src: &str, arch: &str) -> Result<String, GpuError> {
-    load()?;
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
-        name: Some("kernels.cu".into()),
-        ..Default::default()
-    };
-    match cudarc::nvrtc::compile_ptx_with_opts(src, opts) {
-        Ok(ptx) => Ok(ptx.to_src()),
-        Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => Err(GpuError::Failed(format!("NVRTC failed for {arch}:\n{}", log.to_string_lossy()))),
-        Err(e) => Err(GpuError::Failed(format!("NVRTC failed for {arch}: {e:?}"))),
+/// What NVRTC made of the kernels for one architecture.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Compiled {
+    pub ptx: String,
+    /// The CUBIN (an ELF for `arch`), when `arch` is a real architecture (`sm_XY`).
+    pub cubin: Vec<u8>,
+}
+
+impl Compiled {
+    /// The PTX ISA version it was written in (`.version 9.2` → (9, 2)).
+    pub fn ptx_isa(&self) -> Option<(u32, u32)> {
+        let v = self
+            .ptx
+            .lines()
+            .find_map(|l| l.trim().strip_prefix(".version"))?
+            .trim();
+        let (a, b) = v.split_once('.')?;
+        Some((a.parse().ok()?, b.parse().ok()?))
     }
+}
+
+fn nvrtc_failed(what: &str, arch: &str, e: impl std::fmt::Debug) -> GpuError {
+    GpuError::Failed(format!("NVRTC {what} for {arch}: {e:?}"))
+}
+
+/// Compile the kernels for `arch` (e.g. `sm_90`): PTX and CUBIN.
+pub fn compile(src: &str, arch: &str) -> Result<Compiled, GpuError> {
+    use cudarc::nvrtc::{result, sys};
+    load()?;
+    let c_src = std::ffi::CString::new(src)
+        .map_err(|_| GpuError::Invalid("the kernel source holds a NUL".into()))?;
+    let prog = result::create_program(&c_src, Some(c"kernels.cu"))
+        .map_err(|e| nvrtc_failed("nvrtcCreateProgram", arch, e))?;
+    let opts = [format!("--gpu-architecture={arch}"), "--std=c++17".into()];
+    // SAFETY: a program just created; destroyed below on every path.
+    let out = unsafe {
+        let r = (|| {
+            if result::compile_program(prog, &opts).is_err() {
+                let log =
+                    result::get_program_log(prog).map_err(|e| nvrtc_failed("log", arch, e))?;
+                let log: Vec<u8> = log
+                    .iter()
+                    .take_while(|&&c| c != 0)
+                    .map(|&c| c as u8)
+                    .collect();
+                return Err(GpuError::Failed(format!(
+                    "NVRTC failed for {arch}:\n{}",
+                    String::from_utf8_lossy(&log)
+                )));
+            }
+            let ptx = result::get_ptx(prog).map_err(|e| nvrtc_failed("nvrtcGetPTX", arch, e))?;
+            let ptx: Vec<u8> = ptx
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
+            let mut n = 0usize;
+            let mut cubin = Vec::new();
+            // A virtual architecture (compute_XY) has no CUBIN: NVRTC says so by size 0.
+            if sys::nvrtcGetCUBINSize(prog, &mut n).result().is_ok() && n > 0 {
+                cubin = vec![0u8; n];
+                sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr().cast())
+                    .result()
+                    .map_err(|e| nvrtc_failed("nvrtcGetCUBIN", arch, e))?;
+            }
+            Ok(Compiled {
+                ptx: String::from_utf8_lossy(&ptx).into_owned(),
+                cubin,
+            })
+        })();
+        let _ = result::destroy_program(prog);
+        r
+    }?;
+    Ok(out)
 }
 
 pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("DFLASH_KERNEL_CACHE") {
         return PathBuf::from(d);
     }
-    let base = std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")));
-    base.unwrap_or_else(std::env::temp_dir).join("dflash-supervise").join("kernels")
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")));
+    base.unwrap_or_else(std::env::temp_dir)
+        .join("dflash-supervise")
+        .join("kernels")
 }
 
-/// PTX of `src` for `arch`, from the cache in `dir` or compiled and stored there. Returns
-/// the PTX and whether it came from the cache. A cache that cannot be written is not an
-/// error (the PTX is still returned).
-pub fn compile_cached(src: &str, arch: &str, dir: &Path) -> Result<(String, bool), GpuError> {
+/// The kernels for `arch`, from the cache in `dir` or compiled and stored there (PTX and
+/// CUBIN side by side). Returns them and whether they came from the cache. A cache that
+/// cannot be written is not an error (the result is still returned).
+pub fn compile_cached(src: &str, arch: &str, dir: &Path) -> Result<(Compiled, bool), GpuError> {
     let (major, minor) = version()?;
-    let file = dir.join(format!("kernels-{:016x}-{arch}-nvrtc{major}.{minor}.ptx", source_hash(src)));
-    if let Ok(ptx) = std::fs::read_to_string(&file) {
-        if ptx.contains(".entry") {
-            return Ok((ptx, true));
+    let stem = format!(
+        "kernels-{:016x}-{arch}-nvrtc{major}.{minor}",
+        source_hash(src)
+    );
+    let (ptx_file, cubin_file) = (
+        dir.join(format!("{stem}.ptx")),
+        dir.join(format!("{stem}.cubin")),
+    );
+    if let (Ok(ptx), Ok(cubin)) = (
+        std::fs::read_to_string(&ptx_file),
+        std::fs::read(&cubin_file),
+    ) {
+        // A real architecture always has its CUBIN (an ELF), a virtual one an empty file.
+        let cubin_ok = cubin.is_empty() == arch.starts_with("compute_")
+            && (cubin.is_empty() || cubin.starts_with(b"\x7fELF"));
+        if ptx.contains(".entry") && cubin_ok {
+            return Ok((Compiled { ptx, cubin }, true));
         }
     }
-    let ptx = compile(src, arch)?;
+    let out = compile(src, arch)?;
     if std::fs::create_dir_all(dir).is_ok() {
-        let tmp = dir.join(format!(".{}.{}.tmp", file.file_name().and_then(|n| n.to_str()).unwrap_or("kernels"), std::process::id()));
-        if std::fs::write(&tmp, &ptx).is_ok() && std::fs::rename(&tmp, &file).is_err() {
-            let _ = std::fs::remove_file(&tmp);
+        // The CUBIN first: an entry counts once its PTX is there.
+        for (file, bytes) in [
+            (&cubin_file, out.cubin.as_slice()),
+            (&ptx_file, out.ptx.as_bytes()),
+        ] {
+            let tmp = dir.join(format!(
+                ".{}.{}.tmp",
+                file.file_name()
+                    .and_then(|n| n.to_str())
+                    .unwrap_or("kernels"),
+                std::process::id()
+            ));
+            if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, file).is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
         }
     }
-    Ok((ptx, false))
+    Ok((out, false))
 }
 
 /// Names of the kernels in the source (its `extern "C" __global__` functions).
 pub fn kernel_names(src: &str) -> Vec<String> {
     src.lines()
         .filter_map(|l| l.trim_start().strip_prefix("extern \"C\" __global__ void "))
-        .map(|rest| rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect())
+        .map(|rest| {
+            rest.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        })
         .collect()
 }

@@ -1,0 +1,410 @@
+//! The production GPU path (`gpu/cuda.rs`: cudarc's context, streams, events, copies,
+//! module load, launches, cuBLAS) over the emulated CUDA stack of tests/emu-cuda: every
+//! device parity test (parity/tests.rs) with `CudaDevice` as the device, plus the GPU
+//! risks the emulated driver can show without a GPU (old drivers and PTX, stream-ordered
+//! memory, a cuBLAS handle shared by two streams, errors that must not read as "not done").
+//!
+//! The emulated libraries are found next to this test's executable (target/<profile>/,
+//! built by `cargo build --workspace`, which scripts/test.sh runs first) and named to the
+//! worker by the same overrides a user has: `DFLASH_CUDA_LIB`, `DFLASH_CUBLAS_LIB`,
+//! `DFLASH_NCCL_LIB`. NVRTC (PyPI's nvidia-cuda-nvrtc) compiles the kernels, as on a GPU;
+//! without it these tests fail under CI and fall back to the host device elsewhere.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Once;
+
+use dflash_worker::gpu::cuda::{cublas_dims, CudaDevice};
+use dflash_worker::gpu::{Arg, Device};
+
+/// target/<profile>/ (this executable is target/<profile>/deps/emulated_cuda-HASH).
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>/deps")
+        .to_path_buf()
+}
+
+fn emu_libs() -> (PathBuf, PathBuf) {
+    let dir = target_dir();
+    let (cuda, cublas) = (
+        dir.join("libdflash_emu_cuda.so"),
+        dir.join("libdflash_emu_cublas.so"),
+    );
+    assert!(cuda.is_file() && cublas.is_file(), "the emulated CUDA stack is not built ({} / {}): cargo build -p dflash-emu-cuda -p dflash-emu-cublas", cuda.display(), cublas.display());
+    (cuda, cublas)
+}
+
+fn nvrtc_present() -> bool {
+    dflash_worker::gpu::nvrtc::load().is_ok()
+}
+
+fn required() -> bool {
+    std::env::var_os("CI").is_some()
+        || std::env::var("DFLASH_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
+}
+
+/// Point the worker's library search at the emulated stack (once, before any CUDA call).
+fn use_emulated_stack() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let (cuda, cublas) = emu_libs();
+        std::env::set_var("DFLASH_CUDA_LIB", &cuda);
+        std::env::set_var("DFLASH_CUBLAS_LIB", &cublas);
+        std::env::set_var("DFLASH_NCCL_LIB", &cuda);
+        std::env::set_var("DFLASH_TEST_DEVICE", "cuda");
+        std::env::set_var("DFLASH_KERNEL_CACHE", target_dir().join("emu-kernel-cache"));
+    });
+}
+
+/// The device under test: `CudaDevice` over the emulated driver.
+fn device() -> Box<dyn Device> {
+    use_emulated_stack();
+    if !nvrtc_present() {
+        assert!(
+            !required(),
+            "NVRTC not found (pip install nvidia-cuda-nvrtc); .ci/run installs it"
+        );
+        eprintln!("NVRTC not found: this test runs on the host device instead of the emulated GPU");
+        return Box::new(dflash_worker::gpu::host::HostDevice::new());
+    }
+    Box::new(CudaDevice::open().unwrap_or_else(|e| panic!("opening the emulated GPU: {e}")))
+}
+
+include!("parity/tests.rs");
+
+/// Run this test again in a child process with `env` (the emulated machine is set per
+/// process); the child runs `body`. Returns the child's success and its output.
+fn in_child(test: &str, env: &[(&str, &str)], body: impl FnOnce()) -> Option<(bool, String)> {
+    if std::env::var("DFLASH_EMU_CHILD").as_deref() == Ok(test) {
+        body();
+        return None;
+    }
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args(["--exact", test, "--nocapture", "--test-threads", "1"])
+        .env("DFLASH_EMU_CHILD", test);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().expect("running the child test");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some((out.status.success(), text))
+}
+
+fn skip_without_nvrtc() -> bool {
+    use_emulated_stack();
+    if nvrtc_present() {
+        return false;
+    }
+    assert!(
+        !required(),
+        "NVRTC not found (pip install nvidia-cuda-nvrtc); .ci/run installs it"
+    );
+    eprintln!("skipped: NVRTC not found");
+    true
+}
+
+#[test]
+fn emulated_a_driver_older_than_nvrtc_runs_the_cubin() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    // CUDA 12.8 takes PTX up to ISA 8.7; NVRTC 13.x writes 9.x. The CUBIN loads anyway.
+    let child = in_child(
+        "emulated_a_driver_older_than_nvrtc_runs_the_cubin",
+        &[("DFLASH_EMU_DRIVER_VERSION", "12080")],
+        || {
+            let dev = CudaDevice::open().unwrap_or_else(|e| panic!("a 12.8 driver: {e}"));
+            for l in &dev.libraries {
+                println!("library: {l}");
+            }
+            let mut o = dflash_worker::gpu::ops::Ops::new(Box::new(dev));
+            let a = put(&mut o, &[1.0, 2.0, 3.0]);
+            let b = put(&mut o, &[10.0, 20.0, 30.0]);
+            o.add(b, a).unwrap();
+            assert_eq!(get(&mut o, b), vec![11.0, 22.0, 33.0]);
+        },
+    );
+    if let Some((ok, out)) = child {
+        assert!(ok, "{out}");
+        assert!(
+            out.contains("kernels: CUBIN for sm_90"),
+            "the kernels were loaded as CUBIN: {out}"
+        );
+        assert!(
+            out.contains("driver for CUDA 12.8"),
+            "the driver's version is reported: {out}"
+        );
+        for lib in ["libdflash_emu_cuda.so", "libdflash_emu_cublas.so"] {
+            assert!(
+                out.contains(lib),
+                "where each library came from is reported ({lib}): {out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn emulated_an_old_driver_that_refuses_the_cubin_names_both_versions() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let child = in_child(
+        "emulated_an_old_driver_that_refuses_the_cubin_names_both_versions",
+        &[
+            ("DFLASH_EMU_DRIVER_VERSION", "12040"),
+            ("DFLASH_EMU_REFUSE_CUBIN", "1"),
+        ],
+        || {
+            let err = CudaDevice::open()
+                .err()
+                .expect("a 12.4 driver that takes neither image");
+            println!("error: {err}");
+        },
+    );
+    if let Some((ok, out)) = child {
+        assert!(ok, "{out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.find("error: GPU").map(|i| &l[i..]))
+            .unwrap_or_else(|| panic!("no error line: {out}"));
+        assert!(
+            line.contains("GPU unavailable"),
+            "a permanent failure: {line}"
+        );
+        assert!(
+            line.contains("CUDA 12.4") && line.contains("up to ISA 8.4"),
+            "the driver's version: {line}"
+        );
+        assert!(
+            line.contains("PTX (ISA 9.") && line.contains("from NVRTC 13."),
+            "the PTX's and NVRTC's versions: {line}"
+        );
+        assert!(
+            line.contains("CUDA_ERROR_UNSUPPORTED_PTX_VERSION")
+                && line.contains("CUDA_ERROR_NO_BINARY_FOR_GPU"),
+            "both refusals: {line}"
+        );
+    }
+}
+
+#[test]
+fn emulated_a_refused_cubin_falls_back_to_ptx_on_a_new_driver() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let child = in_child(
+        "emulated_a_refused_cubin_falls_back_to_ptx_on_a_new_driver",
+        &[("DFLASH_EMU_REFUSE_CUBIN", "1")],
+        || {
+            let dev = CudaDevice::open().unwrap_or_else(|e| panic!("PTX on a current driver: {e}"));
+            println!("{}", dev.libraries.join("\n"));
+        },
+    );
+    if let Some((ok, out)) = child {
+        assert!(ok, "{out}");
+        assert!(
+            out.contains("was refused") && out.contains("loaded their PTX"),
+            "the fallback is said: {out}"
+        );
+        assert!(out.contains("kernels: PTX"), "{out}");
+    }
+}
+
+#[test]
+fn emulated_arena_memory_is_usable_on_both_streams_at_once() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    // Stream-ordered memory (cuMemAllocAsync on the compute stream) used on the copy stream
+    // with nothing between would be refused by the driver (and is undefined on a GPU).
+    let mut dev = device();
+    let p = dev.alloc(4096).unwrap();
+    let buf = DSlice {
+        ptr: p,
+        bytes: 4096,
+    };
+    let bytes: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+    dev.upload(dflash_worker::gpu::Stream::Copy, buf, &bytes)
+        .unwrap();
+    let mut back = vec![0u8; 4096];
+    dev.download(dflash_worker::gpu::Stream::Copy, buf, &mut back)
+        .unwrap();
+    assert_eq!(back, bytes);
+    // Fresh memory is zeroed by alloc before anyone uses it (the driver's is NaN garbage).
+    let q = dev.alloc(256).unwrap();
+    let mut z = vec![1u8; 256];
+    dev.download(
+        dflash_worker::gpu::Stream::Copy,
+        DSlice { ptr: q, bytes: 256 },
+        &mut z,
+    )
+    .unwrap();
+    assert!(z.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn emulated_gemms_on_both_streams_use_a_handle_each() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    // The copy stream's reduction GEMM beside the compute stream's: one handle for both
+    // would share its workspace between two GEMMs that may run at once (refused by the
+    // emulated cuBLAS).
+    let mut dev = device();
+    let mk = |dev: &mut Box<dyn Device>, v: &[f32]| {
+        let p = dev.alloc(v.len() * 4).unwrap();
+        let s = DSlice {
+            ptr: p,
+            bytes: v.len() * 4,
+        };
+        dev.upload(
+            dflash_worker::gpu::Stream::Compute,
+            s,
+            dflash_worker::gpu::f32_bytes(v),
+        )
+        .unwrap();
+        s
+    };
+    let (a, b) = (
+        mk(&mut dev, &[1.0, 2.0, 3.0, 4.0]),
+        mk(&mut dev, &[1.0, 0.0, 0.0, 1.0]),
+    );
+    let (c1, c2) = (mk(&mut dev, &[0.0; 4]), mk(&mut dev, &[0.0; 4]));
+    let g = |c: DSlice| Gemm {
+        transa: false,
+        transb: false,
+        m: 2,
+        n: 2,
+        k: 2,
+        alpha: 1.0,
+        a,
+        lda: 2,
+        b,
+        ldb: 2,
+        beta: 0.0,
+        c,
+        ldc: 2,
+        bf16_inputs: false,
+        bf16_output: false,
+    };
+    dev.sync().unwrap();
+    dev.gemm(dflash_worker::gpu::Stream::Compute, &g(c1))
+        .unwrap();
+    dev.gemm(dflash_worker::gpu::Stream::Copy, &g(c2)).unwrap();
+    dev.gemm(dflash_worker::gpu::Stream::Compute, &g(c1))
+        .unwrap();
+    dev.sync().unwrap();
+    for c in [c1, c2] {
+        let mut v = vec![0f32; 4];
+        dev.download(
+            dflash_worker::gpu::Stream::Compute,
+            c,
+            dflash_worker::gpu::f32_bytes_mut(&mut v),
+        )
+        .unwrap();
+        assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0], "A·I = A");
+    }
+}
+
+#[test]
+fn emulated_a_failed_kernel_is_an_error_of_its_event_not_a_wait() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let child = in_child(
+        "emulated_a_failed_kernel_is_an_error_of_its_event_not_a_wait",
+        &[],
+        || {
+            let mut dev = device();
+            let p = dev.alloc(256).unwrap();
+            let ok = DSlice { ptr: p, bytes: 256 };
+            // An address that is no device memory: the kernel faults (asynchronously, sticky).
+            let bad = DSlice {
+                ptr: 0x10,
+                bytes: 256,
+            };
+            dev.launch(
+                dflash_worker::gpu::Stream::Compute,
+                "add_inplace",
+                1,
+                64,
+                &[Arg::RW(ok), Arg::R(bad), Arg::I64(64)],
+            )
+            .unwrap();
+            let e = dev.record(dflash_worker::gpu::Stream::Compute).unwrap();
+            // Polled as a worker's loop polls an all-reduce: an error within a bounded number of
+            // polls, never "not done yet" forever.
+            let mut outcome = None;
+            for _ in 0..10_000 {
+                match dev.event_done(e) {
+                    Ok(true) => panic!("a faulted stream's event reads as complete"),
+                    Ok(false) => std::thread::yield_now(),
+                    Err(err) => {
+                        outcome = Some(err);
+                        break;
+                    }
+                }
+            }
+            let err = outcome.expect("the event of a faulted stream stayed 'not done'");
+            println!("event error: {err}");
+        },
+    );
+    if let Some((ok, out)) = child {
+        assert!(ok, "{out}");
+        assert!(
+            out.contains("event error:") && out.contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{out}"
+        );
+        assert!(
+            out.contains("kernel add_inplace parameter 1"),
+            "the driver names the faulting parameter: {out}"
+        );
+    }
+}
+
+#[test]
+fn gemm_sizes_beyond_cublas_int_are_refused_not_truncated() {
+    let s = DSlice {
+        ptr: 0,
+        bytes: usize::MAX,
+    };
+    let big = Gemm {
+        transa: false,
+        transb: false,
+        m: 1 << 31,
+        n: 1,
+        k: 1,
+        alpha: 1.0,
+        a: s,
+        lda: 1 << 31,
+        b: s,
+        ldb: 1,
+        beta: 0.0,
+        c: s,
+        ldc: 1 << 31,
+        bf16_inputs: false,
+        bf16_output: false,
+    };
+    let err = cublas_dims(&big).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("m = 2147483648 exceeds cuBLAS's int range"),
+        "{err}"
+    );
+    let fits = Gemm {
+        m: (1 << 31) - 1,
+        lda: (1 << 31) - 1,
+        ldc: (1 << 31) - 1,
+        ..big
+    };
+    assert_eq!(
+        cublas_dims(&fits).unwrap(),
+        [i32::MAX, 1, 1, i32::MAX, 1, i32::MAX]
+    );
+}
