@@ -50,12 +50,51 @@ struct UniqueId {
     internal: [c_char; ID_BYTES],
 }
 
+/// `ncclConfig_t` as NCCL 2.18 laid it out. NCCL reads a config by the size and version it
+/// carries and gives the fields after them their defaults, so a newer NCCL takes it too.
+#[repr(C)]
+struct Config {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const c_char,
+    split_share: c_int,
+}
+
+impl Config {
+    /// NCCL_CONFIG_INITIALIZER of 2.18 with `blocking = 0`.
+    fn non_blocking() -> Config {
+        const UNDEF: c_int = c_int::MIN;
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: 0xcafe_beef,
+            version: 21800,
+            blocking: 0,
+            cga_cluster_size: UNDEF,
+            min_ctas: UNDEF,
+            max_ctas: UNDEF,
+            net_name: std::ptr::null(),
+            split_share: UNDEF,
+        }
+    }
+}
+
+type InitConfig = unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *const Config) -> c_int;
+
+const INVALID_ARGUMENT: c_int = 4;
+
 /// The entry points of libnccl this uses.
 pub struct Lib {
     pub path: PathBuf,
     get_version: unsafe extern "C" fn(*mut c_int) -> c_int,
     get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
     comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
+    /// `ncclCommInitRankConfig` (NCCL 2.14+): a non-blocking init that can be aborted.
+    comm_init_rank_config: Option<InitConfig>,
     all_reduce: unsafe extern "C" fn(
         *const c_void,
         *mut c_void,
@@ -102,6 +141,9 @@ pub fn load() -> std::result::Result<&'static Lib, String> {
                     *mut c_void,
                     unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
                 >(sym("ncclCommInitRank")?),
+                comm_init_rank_config: loaded
+                    .symbol("ncclCommInitRankConfig")
+                    .map(|f| std::mem::transmute::<*mut c_void, InitConfig>(f)),
                 all_reduce: std::mem::transmute::<
                     *mut c_void,
                     unsafe extern "C" fn(
@@ -147,6 +189,34 @@ impl Lib {
         })
     }
 
+    /// The result of a call on a non-blocking communicator: `ncclInProgress` means "still
+    /// being queued", and no other call may come before it settles (NCCL's rule), so wait
+    /// for the communicator's state to leave it (bounded: a queueing that takes a minute
+    /// is an error, never a hang).
+    ///
+    /// # Safety
+    /// `comm` is a live communicator of ours.
+    unsafe fn settled(&self, comm: Comm, rc: c_int) -> c_int {
+        if rc != IN_PROGRESS {
+            return rc;
+        }
+        let deadline = Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let mut err: c_int = SUCCESS;
+            let r = (self.comm_get_async_error)(comm, &mut err);
+            if r != SUCCESS {
+                return r;
+            }
+            if err != IN_PROGRESS {
+                return err;
+            }
+            if Instant::now() > deadline {
+                return IN_PROGRESS;
+            }
+            std::thread::yield_now();
+        }
+    }
+
     /// NCCL's version as (major, minor, patch).
     pub fn version(&self) -> Result<(u32, u32, u32)> {
         let mut v: c_int = 0;
@@ -178,7 +248,11 @@ enum CommState {
     None,
     /// Waiting for the first rank's id.
     AwaitingId,
-    /// `ncclCommInitRank` running on a helper thread.
+    /// `ncclCommInitRankConfig` (non-blocking) returned: the ranks join in the background
+    /// (`ncclCommGetAsyncError` says when), and an abort ends it at any time.
+    Joining(Comm),
+    /// The fallback where NCCL has no non-blocking init: `ncclCommInitRank` on a helper
+    /// thread (it blocks until every rank has joined, and cannot be aborted before).
     Building(Receiver<std::result::Result<usize, c_int>>),
     Ready(Comm),
 }
@@ -254,6 +328,10 @@ impl NcclCollective {
             CommState::Ready(c) => unsafe {
                 (self.lib.comm_abort)(c);
             },
+            // SAFETY: a communicator of ours; aborting a non-blocking init is allowed.
+            CommState::Joining(c) => unsafe {
+                (self.lib.comm_abort)(c);
+            },
             CommState::Building(rx) => self.abandoned.push(rx),
             _ => {}
         }
@@ -297,6 +375,24 @@ impl NcclCollective {
             .position(|&r| r == self.rank)
             .expect("checked in form") as c_int;
         let (ctx, _) = model.device().cuda_handles().expect("checked in new");
+        if let Some(init) = self.lib.comm_init_rank_config {
+            ctx.bind_to_thread().map_err(|e| WorkerError::Device {
+                what: "binding the CUDA context for ncclCommInitRankConfig".into(),
+                source: crate::gpu::GpuError::Failed(format!("{e:?}")),
+            })?;
+            let mut comm: Comm = std::ptr::null_mut();
+            let config = Config::non_blocking();
+            // SAFETY: returns at once (blocking = 0); the communicator joins in the background.
+            match unsafe { init(&mut comm, nranks, uid, me, &config) } {
+                SUCCESS | IN_PROGRESS => {
+                    self.comm = CommState::Joining(comm);
+                    return Ok(());
+                }
+                // An NCCL that does not take this config: the blocking init below.
+                INVALID_ARGUMENT => println!("ncclCommInitRankConfig refused a non-blocking config (NCCL error 4); joining with the blocking ncclCommInitRank instead"),
+                r => return self.lib.check("ncclCommInitRankConfig", r),
+            }
+        }
         let init = self.lib.comm_init_rank;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
@@ -364,10 +460,18 @@ impl Collective for NcclCollective {
         &mut self,
         step: u64,
         weight: f64,
-        _model: &mut GpuDrafter,
+        model: &mut GpuDrafter,
     ) -> Result<Option<bool>> {
         self.held = Some((step, weight));
-        self.stale.extend(self.launched.take().map(|(_, e)| e));
+        if let Some((_, e)) = self.launched.take() {
+            // The all-reduce left behind may still read the gradient and write the reduce
+            // buffer on the copy stream: what the compute stream does next waits for it.
+            model
+                .device()
+                .wait(Stream::Compute, e)
+                .map_err(WorkerError::device("waiting for an abandoned all-reduce"))?;
+            self.stale.push(e);
+        }
         self.done = None;
         Ok(None)
     }
@@ -375,7 +479,12 @@ impl Collective for NcclCollective {
     fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>> {
         self.reap_abandoned();
         for e in self.stale.drain(..) {
-            model.device().release_event(e);
+            // An all-reduce an abort left behind: the compute stream waits for it (aborted
+            // kernels end) before it writes what that all-reduce read.
+            let dev = model.device();
+            let r = dev.wait(Stream::Compute, e);
+            dev.release_event(e);
+            r.map_err(WorkerError::device("waiting for an aborted all-reduce"))?;
         }
         if let Some(d) = self.done {
             return Ok(Some(d));
@@ -385,6 +494,29 @@ impl Collective for NcclCollective {
         }
         if let Some(id) = self.pending_id.take() {
             self.build(&id, model)?;
+        }
+        if let CommState::Joining(c) = self.comm {
+            let mut err: c_int = SUCCESS;
+            // SAFETY: a communicator of ours, joining.
+            self.lib.check("ncclCommGetAsyncError", unsafe {
+                (self.lib.comm_get_async_error)(c, &mut err)
+            })?;
+            match err {
+                SUCCESS => self.comm = CommState::Ready(c),
+                IN_PROGRESS => return Ok(None),
+                _ => {
+                    let why = self
+                        .lib
+                        .check("joining the communicator", err)
+                        .err()
+                        .map(|e| e.to_string())
+                        .unwrap_or_default();
+                    println!("NCCL communicator of epoch {} failed while its ranks joined ({why}): aborted; waiting for the next epoch", self.epoch.as_ref().map_or(0, |e| e.0));
+                    self.abort();
+                    self.failed = true;
+                    return Ok(None);
+                }
+            }
         }
         if let CommState::Building(rx) = &self.comm {
             match rx.try_recv() {
@@ -436,14 +568,17 @@ impl Collective for NcclCollective {
                     .map_err(dev_err("the loss weight to the device"))?;
                 // SAFETY: one f64 on the device that lives as long as this collective.
                 lib.check("ncclAllReduce (loss weight)", unsafe {
-                    (lib.all_reduce)(
-                        self.weight.ptr as *const c_void,
-                        self.weight.ptr as *mut c_void,
-                        1,
-                        FLOAT64,
-                        SUM,
+                    lib.settled(
                         comm,
-                        copy.cast(),
+                        (lib.all_reduce)(
+                            self.weight.ptr as *const c_void,
+                            self.weight.ptr as *mut c_void,
+                            1,
+                            FLOAT64,
+                            SUM,
+                            comm,
+                            copy.cast(),
+                        ),
                     )
                 })?;
                 // Every rank issues the same buckets in the same order (the layout's).
@@ -453,14 +588,17 @@ impl Collective for NcclCollective {
                         // buffer, both alive as long as the drafter; queued on the copy
                         // stream behind the event of the backward that finished it.
                         let rc = unsafe {
-                            (lib.all_reduce)(
-                                g.ptr as *const c_void,
-                                r.ptr as *mut c_void,
-                                g.bytes / 4,
-                                FLOAT32,
-                                SUM,
+                            lib.settled(
                                 comm,
-                                copy.cast(),
+                                (lib.all_reduce)(
+                                    g.ptr as *const c_void,
+                                    r.ptr as *mut c_void,
+                                    g.bytes / 4,
+                                    FLOAT32,
+                                    SUM,
+                                    comm,
+                                    copy.cast(),
+                                ),
                             )
                         };
                         if rc == SUCCESS {
@@ -483,6 +621,26 @@ impl Collective for NcclCollective {
                 {
                     return Ok(None);
                 }
+                // An all-reduce that ended because the communicator failed (a peer gone)
+                // completes its event too: its sums are not sums.
+                let mut err: c_int = SUCCESS;
+                // SAFETY: a live communicator of ours.
+                self.lib.check("ncclCommGetAsyncError", unsafe {
+                    (self.lib.comm_get_async_error)(comm, &mut err)
+                })?;
+                if err != SUCCESS && err != IN_PROGRESS {
+                    let why = self
+                        .lib
+                        .check("an NCCL collective", err)
+                        .err()
+                        .map(|e| e.to_string())
+                        .unwrap_or_default();
+                    println!("NCCL communicator of epoch {epoch} failed during step {step}'s all-reduce ({why}): aborted; waiting for the next epoch");
+                    self.abort();
+                    self.failed = true;
+                    return Ok(None);
+                }
+                let dev = model.device();
                 let mut b = [0u8; 8];
                 dev.download(Stream::Copy, self.weight.sub(1, 0..8), &mut b)
                     .map_err(dev_err("the all-reduced loss weight"))?;

@@ -40,8 +40,15 @@ pub struct DSlice {
 impl DSlice {
     /// Elements `range` of this buffer, read as `elem`-byte values.
     pub fn sub(&self, elem: usize, range: std::ops::Range<usize>) -> DSlice {
-        assert!(range.start <= range.end && range.end * elem <= self.bytes, "sub-slice {range:?} of {} bytes", self.bytes);
-        DSlice { ptr: self.ptr + (range.start * elem) as u64, bytes: (range.end - range.start) * elem }
+        assert!(
+            range.start <= range.end && range.end * elem <= self.bytes,
+            "sub-slice {range:?} of {} bytes",
+            self.bytes
+        );
+        DSlice {
+            ptr: self.ptr + (range.start * elem) as u64,
+            bytes: (range.end - range.start) * elem,
+        }
     }
 
     /// f32 elements `range`.
@@ -116,10 +123,28 @@ pub struct Gemm {
 impl Gemm {
     /// Elements each operand must hold: (A, B, C).
     pub fn extents(&self) -> (usize, usize, usize) {
-        let ext = |rows: usize, cols: usize, ld: usize| if rows == 0 || cols == 0 { 0 } else { (rows - 1) + (cols - 1) * ld + 1 };
-        let (ar, ac) = if self.transa { (self.k, self.m) } else { (self.m, self.k) };
-        let (br, bc) = if self.transb { (self.n, self.k) } else { (self.k, self.n) };
-        (ext(ar, ac, self.lda), ext(br, bc, self.ldb), ext(self.m, self.n, self.ldc))
+        let ext = |rows: usize, cols: usize, ld: usize| {
+            if rows == 0 || cols == 0 {
+                0
+            } else {
+                (rows - 1) + (cols - 1) * ld + 1
+            }
+        };
+        let (ar, ac) = if self.transa {
+            (self.k, self.m)
+        } else {
+            (self.m, self.k)
+        };
+        let (br, bc) = if self.transb {
+            (self.n, self.k)
+        } else {
+            (self.k, self.n)
+        };
+        (
+            ext(ar, ac, self.lda),
+            ext(br, bc, self.ldb),
+            ext(self.m, self.n, self.ldc),
+        )
     }
 
     /// Bytes per element of A and B.
@@ -134,16 +159,24 @@ impl Gemm {
     /// Check shapes and leading dimensions against the buffers, as cuBLAS would reject them
     /// (and more: a GPU does not check that a buffer is long enough).
     pub fn validate(&self) -> Result<()> {
-        let (ar, br) = (if self.transa { self.k } else { self.m }, if self.transb { self.n } else { self.k });
+        let (ar, br) = (
+            if self.transa { self.k } else { self.m },
+            if self.transb { self.n } else { self.k },
+        );
         if self.lda < ar.max(1) || self.ldb < br.max(1) || self.ldc < self.m.max(1) {
-            return Err(GpuError::Invalid(format!("gemm: leading dimension below the row count ({self:?})")));
+            return Err(GpuError::Invalid(format!(
+                "gemm: leading dimension below the row count ({self:?})"
+            )));
         }
         if self.bf16_output && !self.bf16_inputs {
-            return Err(GpuError::Invalid(format!("gemm: a bf16 output needs bf16 inputs ({self:?})")));
+            return Err(GpuError::Invalid(format!(
+                "gemm: a bf16 output needs bf16 inputs ({self:?})"
+            )));
         }
         let (ea, eb, ec) = self.extents();
         let e = self.input_bytes();
-        if ea * e > self.a.bytes || eb * e > self.b.bytes || ec * self.output_bytes() > self.c.bytes {
+        if ea * e > self.a.bytes || eb * e > self.b.bytes || ec * self.output_bytes() > self.c.bytes
+        {
             return Err(GpuError::Invalid(format!("gemm: an operand is shorter than its shape (needs {ea}, {eb}, {ec} elements) ({self:?})")));
         }
         Ok(())
@@ -168,9 +201,25 @@ impl Gemm {
             return run(self);
         }
         let (ea, eb, _) = self.extents();
-        let widen = |s: DSlice, n: usize| -> Vec<f32> { std::slice::from_raw_parts(s.ptr as *const u16, n).iter().map(|&b| f32::from_bits((b as u32) << 16)).collect() };
+        let widen = |s: DSlice, n: usize| -> Vec<f32> {
+            std::slice::from_raw_parts(s.ptr as *const u16, n)
+                .iter()
+                .map(|&b| f32::from_bits((b as u32) << 16))
+                .collect()
+        };
         let (a, b) = (widen(self.a, ea), widen(self.b, eb));
-        run(&Gemm { a: DSlice { ptr: a.as_ptr() as u64, bytes: ea * 4 }, b: DSlice { ptr: b.as_ptr() as u64, bytes: eb * 4 }, bf16_inputs: false, ..*self });
+        run(&Gemm {
+            a: DSlice {
+                ptr: a.as_ptr() as u64,
+                bytes: ea * 4,
+            },
+            b: DSlice {
+                ptr: b.as_ptr() as u64,
+                bytes: eb * 4,
+            },
+            bf16_inputs: false,
+            ..*self
+        });
     }
 
     /// Run a host GEMM routine that writes f32 C on this GEMM: directly, or for a bf16 C
@@ -185,8 +234,18 @@ impl Gemm {
         }
         let (_, _, ec) = self.extents();
         let bits = std::slice::from_raw_parts_mut(self.c.ptr as *mut u16, ec);
-        let mut c: Vec<f32> = bits.iter().map(|&b| f32::from_bits((b as u32) << 16)).collect();
-        run(&Gemm { c: DSlice { ptr: c.as_mut_ptr() as u64, bytes: ec * 4 }, bf16_output: false, ..*self });
+        let mut c: Vec<f32> = bits
+            .iter()
+            .map(|&b| f32::from_bits((b as u32) << 16))
+            .collect();
+        run(&Gemm {
+            c: DSlice {
+                ptr: c.as_mut_ptr() as u64,
+                bytes: ec * 4,
+            },
+            bf16_output: false,
+            ..*self
+        });
         for (o, x) in bits.iter_mut().zip(&c) {
             *o = half::bf16::from_f32(*x).to_bits();
         }
@@ -264,7 +323,14 @@ pub trait Device: Send {
     }
     fn memset_zero(&mut self, s: Stream, dst: DSlice) -> Result<()>;
     /// Launch `kernel` with `grid` blocks of `block` threads (x only).
-    fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()>;
+    fn launch(
+        &mut self,
+        s: Stream,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()>;
     fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()>;
     /// Record an event on `s` behind everything queued on it so far.
     fn record(&mut self, s: Stream) -> Result<Event>;
@@ -296,7 +362,12 @@ pub trait Device: Send {
     }
     /// A real GPU's context and raw streams (indexed by [`Stream::index`]), for a library
     /// that works on them directly (NCCL); `None` on the host and CPU devices.
-    fn cuda_handles(&self) -> Option<(std::sync::Arc<cudarc::driver::CudaContext>, [cudarc::driver::sys::CUstream; 2])> {
+    fn cuda_handles(
+        &self,
+    ) -> Option<(
+        std::sync::Arc<cudarc::driver::CudaContext>,
+        [cudarc::driver::sys::CUstream; 2],
+    )> {
         None
     }
 }
@@ -309,7 +380,10 @@ pub struct EventTable<T> {
 
 impl<T> Default for EventTable<T> {
     fn default() -> Self {
-        EventTable { slots: Vec::new(), free: Vec::new() }
+        EventTable {
+            slots: Vec::new(),
+            free: Vec::new(),
+        }
     }
 }
 
@@ -328,7 +402,10 @@ impl<T> EventTable<T> {
     }
 
     pub fn get(&self, e: Event) -> Result<&T> {
-        self.slots.get(e.0).and_then(|s| s.as_ref()).ok_or_else(|| GpuError::Invalid(format!("no event {} (released?)", e.0)))
+        self.slots
+            .get(e.0)
+            .and_then(|s| s.as_ref())
+            .ok_or_else(|| GpuError::Invalid(format!("no event {} (released?)", e.0)))
     }
 
     pub fn release(&mut self, e: Event) {
@@ -375,7 +452,15 @@ impl Arena {
     pub fn for_model(dev: &mut dyn Device, size: usize, what: &str) -> Result<Arena> {
         let (free, total) = dev.mem_info()?;
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
-        let say = || format!("{what} needs {:.2} GiB of device memory, {:.2} GiB of {:.2} GiB are free on {}", gib(size), gib(free), gib(total), dev.describe());
+        let say = || {
+            format!(
+                "{what} needs {:.2} GiB of device memory, {:.2} GiB of {:.2} GiB are free on {}",
+                gib(size),
+                gib(free),
+                gib(total),
+                dev.describe()
+            )
+        };
         // More than the whole device: it can never fit. More than is free now (another
         // worker on the GPU, a predecessor still tearing down): a restart may find room.
         if total > 0 && size > total {
@@ -389,12 +474,27 @@ impl Arena {
 
     pub fn new(dev: &mut dyn Device, size: usize) -> Result<Arena> {
         let base = dev.alloc(size)?;
-        Ok(Arena { base, size, top: 0, dry: false, stats: ArenaStats { reserved: size as u64, ..Default::default() } })
+        Ok(Arena {
+            base,
+            size,
+            top: 0,
+            dry: false,
+            stats: ArenaStats {
+                reserved: size as u64,
+                ..Default::default()
+            },
+        })
     }
 
     /// An arena that only measures: allocations bump its size and nothing else.
     pub fn dry() -> Arena {
-        Arena { base: 0, size: usize::MAX, top: 0, dry: true, stats: ArenaStats::default() }
+        Arena {
+            base: 0,
+            size: usize::MAX,
+            top: 0,
+            dry: true,
+            stats: ArenaStats::default(),
+        }
     }
 
     /// Copy `bytes` into `dst` (on the compute stream), unless this arena only measures.
@@ -412,7 +512,10 @@ impl Arena {
             return Ok(());
         }
         if bf16 {
-            let bits: Vec<u8> = v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
+            let bits: Vec<u8> = v
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect();
             dev.upload(Stream::Compute, dst, &bits)
         } else {
             dev.upload(Stream::Compute, dst, f32_bytes(v))
@@ -423,12 +526,18 @@ impl Arena {
         let start = self.top.div_ceil(256) * 256;
         if start + bytes > self.size {
             self.stats.alloc_failures += 1;
-            return Err(GpuError::OutOfMemory(format!("{name}: {bytes} bytes asked, {} of {} in use", self.top, self.size)));
+            return Err(GpuError::OutOfMemory(format!(
+                "{name}: {bytes} bytes asked, {} of {} in use",
+                self.top, self.size
+            )));
         }
         self.top = start + bytes;
         self.stats.in_use = self.top as u64;
         self.stats.peak = self.stats.peak.max(self.stats.in_use);
-        let s = DSlice { ptr: self.base + start as u64, bytes };
+        let s = DSlice {
+            ptr: self.base + start as u64,
+            bytes,
+        };
         if !self.dry {
             dev.track(s, name);
         }
@@ -476,10 +585,21 @@ pub fn open_device(gpu: Option<u32>) -> Result<Option<Box<dyn Device>>> {
     match std::env::var("DFLASH_DEVICE").ok().as_deref() {
         Some("host") => Ok(Some(Box::new(host::HostDevice::new()))),
         Some("cpu") => Ok(None),
-        Some(other) if !other.is_empty() => Err(GpuError::Invalid(format!("DFLASH_DEVICE={other}: expected host or cpu"))),
+        Some(other) if !other.is_empty() => Err(GpuError::Invalid(format!(
+            "DFLASH_DEVICE={other}: expected host or cpu"
+        ))),
         _ => match gpu {
             None => Ok(None),
-            Some(_) => Ok(Some(Box::new(cuda::CudaDevice::open()?))),
+            Some(_) => {
+                let dev = cuda::CudaDevice::open()?;
+                // Which files and versions this worker runs on: the first thing to check when
+                // a GPU run fails (into the worker's log).
+                println!("GPU: {}", dev.describe());
+                for l in &dev.libraries {
+                    println!("  {l}");
+                }
+                Ok(Some(Box::new(dev)))
+            }
         },
     }
 }

@@ -1,0 +1,307 @@
+//! Whole runs on four emulated GPUs: the fake NVML reports them to the supervisor, and the
+//! workers run the production GPU path (`gpu/cuda.rs` over cudarc, `collective/nccl.rs`)
+//! over the emulated CUDA stack (tests/emu-cuda: driver, cuBLAS, NCCL across processes),
+//! found through the overrides a user has (`DFLASH_CUDA_LIB`, `DFLASH_CUBLAS_LIB`,
+//! `DFLASH_NCCL_LIB`). One target and three drafters in one NCCL group.
+//!
+//! The kernels are compiled by NVRTC (PyPI's nvidia-cuda-nvrtc): without it these tests
+//! skip on a laptop and fail under CI.
+
+mod common;
+
+use std::fs;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(240);
+
+fn target_dir() -> PathBuf {
+    bin("dflash-supervise").parent().unwrap().to_path_buf()
+}
+
+/// NVRTC where the worker looks for it (its override, or a PyPI wheel).
+fn nvrtc_present() -> bool {
+    if std::env::var_os("DFLASH_NVRTC_LIB").is_some() {
+        return true;
+    }
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
+        ])
+        .output();
+    out.map(|o| {
+        String::from_utf8_lossy(&o.stdout).lines().any(|d| {
+            PathBuf::from(d)
+                .join("nvidia/cu13/lib/libnvrtc.so.13")
+                .exists()
+        })
+    })
+    .unwrap_or(false)
+}
+
+fn skip() -> bool {
+    if nvrtc_present() {
+        return false;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "NVRTC not found (pip install nvidia-cuda-nvrtc); .ci/run installs it"
+    );
+    eprintln!("skipped: NVRTC not found (pip install nvidia-cuda-nvrtc)");
+    true
+}
+
+/// The environment of a run on `n` emulated GPUs: (key, value) pairs, the NVML script
+/// written into `dir`.
+fn emulated(dir: &std::path::Path, n: usize) -> Vec<(String, String)> {
+    let t = target_dir();
+    let (cuda, cublas) = (
+        t.join("libdflash_emu_cuda.so"),
+        t.join("libdflash_emu_cublas.so"),
+    );
+    assert!(
+        cuda.exists() && cublas.exists(),
+        "the emulated CUDA stack is not built: cargo build --workspace"
+    );
+    let devs: Vec<String> = (0..n)
+        .map(|i| {
+            format!(
+                r#"{{"name": "Fake H200", "uuid": "GPU-{i:04}", "memory_total": 150323855360}}"#
+            )
+        })
+        .collect();
+    let script = dir.join("nvml.json");
+    fs::write(
+        &script,
+        format!(
+            r#"{{"driver": "580.65.06", "devices": [{}]}}"#,
+            devs.join(", ")
+        ),
+    )
+    .unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    vec![
+        ("DFLASH_NVML_LIBRARY".into(), s(&fake_nvml())),
+        ("DFLASH_FAKE_NVML".into(), s(&script)),
+        ("DFLASH_CUDA_LIB".into(), s(&cuda)),
+        ("DFLASH_CUBLAS_LIB".into(), s(&cublas)),
+        ("DFLASH_NCCL_LIB".into(), s(&cuda)),
+        ("DFLASH_KERNEL_CACHE".into(), s(&t.join("emu-kernel-cache"))),
+    ]
+}
+
+fn start(args: &[&str], env: &[(String, String)]) -> Sup {
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    Sup::start_real_env(args, &env)
+}
+
+const RUN: [&str; 10] = [
+    "--targets",
+    "1",
+    "--data",
+    "demo",
+    "--max-seq-len",
+    "16",
+    "--token-budget",
+    "128",
+    "--stable-after",
+    "200ms",
+];
+
+fn steps(sup: &Sup) -> Vec<Value> {
+    read_jsonl(&sup.run_dir.join("train.jsonl"))
+}
+
+fn maps(pid: u32) -> String {
+    fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default()
+}
+
+#[test]
+fn four_emulated_gpus_train_in_one_nccl_group_like_the_cpu_run_and_keep_cuda_out_of_the_supervisor()
+{
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let env = emulated(tmp.path(), 4);
+    let mut args = vec![
+        "--gpus",
+        "0-3",
+        "--steps",
+        "6",
+        "--gpu-sample-interval",
+        "200ms",
+    ];
+    args.extend(RUN);
+    let mut sup = start(&args, &env);
+
+    // Isolation, while it runs: the supervisor maps NVML and no CUDA library; each worker
+    // maps the (emulated) CUDA libraries and not NVML.
+    let st = sup.wait_state("every worker running", T, |s| {
+        s["workers"]
+            .as_array()
+            .is_some_and(|w| w.len() == 4 && w.iter().all(|w| w["state"] == "running"))
+    });
+    let sup_maps = maps(sup.pid());
+    assert!(
+        sup_maps.contains("libdflash_fake_nvml.so"),
+        "the supervisor samples NVML"
+    );
+    assert!(
+        !sup_maps.contains("libdflash_emu_cu")
+            && !sup_maps.contains("libcuda")
+            && !sup_maps.contains("libcublas")
+            && !sup_maps.contains("libnvrtc"),
+        "the supervisor maps no CUDA library"
+    );
+    for name in ["target-0", "drafter-0", "drafter-1", "drafter-2"] {
+        let pid = pid_of(&st, name);
+        // A worker maps its CUDA libraries once it has opened its GPU.
+        let m = wait_for(&format!("{name} opened its GPU"), T, || {
+            let m = maps(pid);
+            (m.contains("libdflash_emu_cuda.so") || !pid_alive(pid)).then_some(m)
+        });
+        assert!(
+            m.contains("libdflash_emu_cuda.so")
+                && m.contains("libdflash_emu_cublas.so")
+                && m.contains("libnvrtc"),
+            "{name} maps the CUDA libraries"
+        );
+        assert!(
+            !m.contains("fake_nvml") && !m.contains("libnvidia-ml"),
+            "{name} maps no NVML"
+        );
+    }
+
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "{}", sup.stderr());
+    for name in ["drafter-0", "drafter-1", "drafter-2"] {
+        let log = sup.log(name);
+        assert!(
+            log.contains("GPU: Emulated GPU (host device)")
+                && log.contains("kernels: CUBIN for sm_90"),
+            "{name}: {log}"
+        );
+        assert!(
+            log.contains("NCCL: ") && log.contains("libdflash_emu_cuda.so (2.30.7)"),
+            "{name} reports where NCCL came from: {log}"
+        );
+        assert!(
+            log.contains("gradients exchanged through NCCL"),
+            "{name}: {log}"
+        );
+    }
+    let (code, audit) = sup.ledger();
+    assert_eq!(code, 0, "{audit}");
+    assert_eq!(
+        (audit["lost"].as_u64(), audit["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{audit}"
+    );
+    let gpu = steps(&sup);
+    assert_eq!(gpu.len(), 6);
+    // Every committed step passed the supervisor's check that all ranks hold the same
+    // weights (their device checksums), or the run would have failed "diverged".
+    assert!(
+        gpu.iter().all(|s| s["members"] == 3),
+        "three ranks throughout: {gpu:?}"
+    );
+    assert!(!sup.stderr().contains("diverged"));
+
+    // The same run on CPU workers: the same batches per step (the dispatcher hands them out
+    // in order), so the same losses up to bf16 (the GPU drafter's GEMMs take bf16 inputs).
+    let mut args = vec!["--gpus", "cpu:4", "--steps", "6"];
+    args.extend(RUN);
+    let mut cpu = Sup::start_real(&args);
+    assert_eq!(cpu.wait_exit(T).code(), Some(0), "{}", cpu.stderr());
+    let cpu = steps(&cpu);
+    let mut compared = 0;
+    for (g, c) in gpu.iter().zip(&cpu) {
+        if g["tokens"] != c["tokens"] || g["contributors"] != c["contributors"] {
+            continue; // another set of batches in this step (a loaded machine's order)
+        }
+        let (lg, lc) = (g["loss"].as_f64().unwrap(), c["loss"].as_f64().unwrap());
+        assert!(
+            (lg - lc).abs() <= 0.02 * lc,
+            "step {}: loss {lg} on the emulated GPUs, {lc} on CPUs (tolerance 2%)",
+            g["step"]
+        );
+        compared += 1;
+    }
+    assert!(
+        compared >= 4,
+        "at least 4 of 6 steps trained the same batches: {gpu:?} {cpu:?}"
+    );
+}
+
+#[test]
+fn an_emulated_gpu_drafter_killed_in_an_nccl_all_reduce_leaves_the_step_to_the_survivors() {
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut env = emulated(tmp.path(), 4);
+    env.push(("DFLASH_TEST_DIE_IN_ALLREDUCE".into(), "1:4".into()));
+    let mut args = vec![
+        "--gpus",
+        "0-3",
+        "--steps",
+        "8",
+        "--epochs",
+        "50",
+        "--no-gpu-metrics",
+    ];
+    args.extend(RUN);
+    let mut sup = start(&args, &env);
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "{}", sup.stderr());
+    let logs = sup.log("drafter-0") + &sup.log("drafter-1") + &sup.log("drafter-2");
+    assert!(
+        logs.contains("test fault: dying in the all-reduce of step 4"),
+        "{logs}"
+    );
+    let epochs: Vec<Value> = sup
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "group_epoch")
+        .collect();
+    let left = epochs
+        .iter()
+        .find(|e| e["why"] == "rank 1 left")
+        .unwrap_or_else(|| panic!("no epoch after rank 1 left: {epochs:?}"));
+    assert_eq!(left["ranks"], serde_json::json!([0, 2]), "{left}");
+    assert!(
+        epochs.iter().any(|e| e["why"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("rank 1 joined"))),
+        "the killed rank rejoined: {epochs:?}"
+    );
+    let (code, audit) = sup.ledger();
+    assert_eq!(code, 0, "{audit}");
+    assert_eq!(
+        (audit["lost"].as_u64(), audit["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{audit}"
+    );
+    assert!(
+        audit["requeued"].as_u64().unwrap() >= 1,
+        "the dead rank's batch went back: {audit}"
+    );
+    let st = steps(&sup);
+    let numbers: Vec<u64> = st.iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(
+        numbers,
+        (1..=8).collect::<Vec<_>>(),
+        "every step committed once"
+    );
+    let contributions: u64 = st.iter().map(|s| s["contributors"].as_u64().unwrap()).sum();
+    assert_eq!(
+        audit["consumed_once"].as_u64().unwrap(),
+        contributions,
+        "a batch is consumed exactly when its gradient is in a committed step: {audit}"
+    );
+}
