@@ -12,7 +12,7 @@ use dflash_shared::slots::SlotState;
 use dflash_shared::Role;
 
 use crate::gpu::{self, target::GpuTarget, GpuError};
-use crate::model::target::Target;
+use crate::model::target::{Load, Target};
 use crate::train::Rank;
 
 pub struct Pools {
@@ -24,10 +24,19 @@ pub struct Pools {
 impl Pools {
     pub fn open(infos: &[PoolInfo], capture: CaptureSpec) -> Result<Pools> {
         let find = |id: PoolId| {
-            let i = infos.iter().find(|p| p.id == id).ok_or_else(|| WorkerError::Protocol(format!("the supervisor sent no {id:?} pool")))?;
-            PoolMap::open(i.fd, i.geometry.clone()).map_err(WorkerError::io(format!("mapping the {id:?} pool (fd {})", i.fd)))
+            let i = infos.iter().find(|p| p.id == id).ok_or_else(|| {
+                WorkerError::Protocol(format!("the supervisor sent no {id:?} pool"))
+            })?;
+            PoolMap::open(i.fd, i.geometry.clone()).map_err(WorkerError::io(format!(
+                "mapping the {id:?} pool (fd {})",
+                i.fd
+            )))
         };
-        Ok(Pools { tokens: find(PoolId::Tokens)?, hidden: find(PoolId::Hidden)?, capture })
+        Ok(Pools {
+            tokens: find(PoolId::Tokens)?,
+            hidden: find(PoolId::Hidden)?,
+            capture,
+        })
     }
 
     /// The longest row (tokens) a hidden-state slot can hold: what a device must have
@@ -82,7 +91,6 @@ pub struct LoadError {
     pub model: bool,
 }
 
-
 pub struct Plane {
     role: Role,
     gpu: Option<u32>,
@@ -124,7 +132,12 @@ impl Plane {
         if self.role == Role::Target {
             let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
                 .map(std::path::PathBuf::from)
-                .ok_or_else(|| WorkerError::Protocol(format!("{} is not set: which target model?", dflash_shared::env::TARGET_DIR)))?;
+                .ok_or_else(|| {
+                    WorkerError::Protocol(format!(
+                        "{} is not set: which target model?",
+                        dflash_shared::env::TARGET_DIR
+                    ))
+                })?;
             let capture = pools.capture.clone();
             // Room on the device for the longest row a hidden-state slot can hold.
             let max_tokens = pools.max_row_tokens();
@@ -134,23 +147,35 @@ impl Plane {
                 let taps: Vec<usize> = capture.tap_ids.iter().map(|&t| t as usize).collect();
                 let fail = |msg: String| LoadError { msg, permanent: false, model: false };
                 let bad_model = |msg: String| LoadError { msg, permanent: true, model: true };
-                let r = Target::load(&dir, &taps).map_err(|e| bad_model(e.to_string())).and_then(|t| {
+                // The device first: a GPU reads the weights as bf16 straight from the
+                // checkpoint's mapping, the CPU device computes with an f32 copy.
+                let dev = match gpu::open_device(gpu) {
+                    Ok(d) => d,
+                    Err(e @ GpuError::Unavailable(_)) => {
+                        let _ = tx.send(Err(LoadError { msg: e.to_string(), permanent: true, model: false }));
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(fail(e.to_string())));
+                        return;
+                    }
+                };
+                let how = if dev.is_some() { Load::Mapped } else { Load::F32 };
+                let r = Target::load_as(&dir, &taps, how).map_err(|e| bad_model(e.to_string())).and_then(|t| {
                     if t.cfg.fingerprint() != capture.target || t.cfg.hidden_size != capture.hidden as usize {
                         return Err(bad_model(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display())));
                     }
-                    match gpu::open_device(gpu) {
+                    match dev {
                         // No GPU: the same device target, on the CPU device (f32).
-                        Ok(None) => match GpuTarget::new(Box::new(gpu::cpu::CpuDevice::new()), &t, max_tokens) {
+                        None => match GpuTarget::new(Box::new(gpu::cpu::CpuDevice::new()), &t, max_tokens) {
                             Ok(g) => Ok(Box::new(g)),
                             Err(e) => Err(fail(format!("putting the target on the CPU device: {e}"))),
                         },
-                        Ok(Some(dev)) => match GpuTarget::new(dev, &t, max_tokens) {
+                        Some(dev) => match GpuTarget::new(dev, &t, max_tokens) {
                             Ok(g) => Ok(Box::new(g)),
                             Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true, model: false }),
                             Err(e) => Err(fail(format!("putting the target on the device: {e}"))),
                         },
-                        Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true, model: false }),
-                        Err(e) => Err(fail(e.to_string())),
                     }
                 });
                 let _ = tx.send(r);
@@ -175,22 +200,43 @@ impl Plane {
                         cfg.hidden_size,
                         taps
                     );
-                    let pools = self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("the target loaded before the pools".into()))?;
+                    let pools = self.pools.as_ref().ok_or_else(|| {
+                        WorkerError::Protocol("the target loaded before the pools".into())
+                    })?;
                     let (ptr, len) = pools.hidden.slots_mapping();
                     // SAFETY: the hidden pool stays mapped as long as `self.pools`, which is
                     // dropped after the target (field order in Plane).
-                    unsafe { g.register_host(ptr, len) }.map_err(WorkerError::device("pinning the hidden-state pool"))?;
+                    unsafe { g.register_host(ptr, len) }
+                        .map_err(WorkerError::device("pinning the hidden-state pool"))?;
                     let st = g.arena_stats();
-                    let mem = if g.device_memory().is_some() { "device memory" } else { "host memory" };
-                    msg.push_str(&format!("; computing on {} ({:.1} MiB of {mem}, room for {} tokens a row)", g.describe(), st.reserved as f64 / (1 << 20) as f64, g.max_tokens));
+                    let mem = if g.device_memory().is_some() {
+                        "device memory"
+                    } else {
+                        "host memory"
+                    };
+                    msg.push_str(&format!(
+                        "; computing on {} ({:.1} MiB of {mem}, room for {} tokens a row)",
+                        g.describe(),
+                        st.reserved as f64 / (1 << 20) as f64,
+                        g.max_tokens
+                    ));
                     self.target = TargetModel::Ready(g);
                     return Ok(Some(msg));
                 }
                 Ok(Err(e)) if e.model => return Err(WorkerError::BadModel(e.msg)),
                 Ok(Err(e)) if e.permanent => return Err(WorkerError::Permanent(e.msg)),
-                Ok(Err(e)) => return Err(WorkerError::Invalid(format!("loading the target: {}", e.msg))),
+                Ok(Err(e)) => {
+                    return Err(WorkerError::Invalid(format!(
+                        "loading the target: {}",
+                        e.msg
+                    )))
+                }
                 Err(std::sync::mpsc::TryRecvError::Empty) => {}
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(WorkerError::Invalid("the target loading thread died".into())),
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    return Err(WorkerError::Invalid(
+                        "the target loading thread died".into(),
+                    ))
+                }
             }
         }
         Ok(None)
@@ -208,11 +254,22 @@ impl Plane {
     /// The hidden-state pool's slots (where a drafter's batches are), once the pools are
     /// known.
     pub fn hidden_rows(&self) -> Result<(*mut u8, usize)> {
-        Ok(self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("the training setup before the pools".into()))?.hidden.slots_mapping())
+        Ok(self
+            .pools
+            .as_ref()
+            .ok_or_else(|| WorkerError::Protocol("the training setup before the pools".into()))?
+            .hidden
+            .slots_mapping())
     }
 
     pub fn max_row_tokens(&self) -> Result<usize> {
-        Ok(self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("the training setup arrived before the pools".into()))?.max_row_tokens())
+        Ok(self
+            .pools
+            .as_ref()
+            .ok_or_else(|| {
+                WorkerError::Protocol("the training setup arrived before the pools".into())
+            })?
+            .max_row_tokens())
     }
 
     /// Device memory of a target computing on a device.
@@ -234,7 +291,9 @@ impl Plane {
             && !self.deliveries.is_empty()
             && match self.role {
                 Role::Drafter => self.rank.as_ref().is_some_and(|r| !r.awaiting),
-                Role::Target => !self.leases.is_empty() && matches!(self.target, TargetModel::Ready(_)),
+                Role::Target => {
+                    !self.leases.is_empty() && matches!(self.target, TargetModel::Ready(_))
+                }
             }
     }
 
@@ -245,16 +304,33 @@ impl Plane {
         let r = self.work();
         self.idle_since = std::time::Instant::now();
         match r? {
-            FromWorker::Commit { output, len, batch_id, input, .. } => {
-                Ok(FromWorker::Commit { output, len, batch_id, input, wait_ms, compute_ms: started.elapsed().as_secs_f64() * 1e3 })
-            }
+            FromWorker::Commit {
+                output,
+                len,
+                batch_id,
+                input,
+                ..
+            } => Ok(FromWorker::Commit {
+                output,
+                len,
+                batch_id,
+                input,
+                wait_ms,
+                compute_ms: started.elapsed().as_secs_f64() * 1e3,
+            }),
             other => Ok(other),
         }
     }
 
     fn work(&mut self) -> Result<FromWorker> {
-        let d = self.deliveries.pop_front().ok_or_else(|| WorkerError::Protocol("no delivery".into()))?;
-        let pools = self.pools.as_ref().ok_or_else(|| WorkerError::Protocol("a batch arrived before the pools".into()))?;
+        let d = self
+            .deliveries
+            .pop_front()
+            .ok_or_else(|| WorkerError::Protocol("no delivery".into()))?;
+        let pools = self
+            .pools
+            .as_ref()
+            .ok_or_else(|| WorkerError::Protocol("a batch arrived before the pools".into()))?;
         let map = pools.map(d.slot.pool);
         check_header(map, &d)?;
         // sync point (pool edge 2/3): the Deliver that queued `d` was received after the
@@ -264,22 +340,45 @@ impl Plane {
         let payload = unsafe { &map.payload(d.slot.slot)[..d.len as usize] };
         match self.role {
             Role::Target => {
-                let out = self.leases.pop_front().ok_or_else(|| WorkerError::Protocol("no output lease".into()))?;
-                let tokens = TokenBatch::decode(payload).map_err(WorkerError::format(format!("token batch {}", d.batch_id)))?;
+                let out = self
+                    .leases
+                    .pop_front()
+                    .ok_or_else(|| WorkerError::Protocol("no output lease".into()))?;
+                let tokens = TokenBatch::decode(payload)
+                    .map_err(WorkerError::format(format!("token batch {}", d.batch_id)))?;
                 if tokens.batch_id != d.batch_id {
-                    return Err(WorkerError::Protocol(format!("slot {} holds batch {}, expected {}", d.slot.slot, tokens.batch_id, d.batch_id)));
+                    return Err(WorkerError::Protocol(format!(
+                        "slot {} holds batch {}, expected {}",
+                        d.slot.slot, tokens.batch_id, d.batch_id
+                    )));
                 }
-                check_header(&pools.hidden, &Delivery { slot: out, len: 0, batch_id: 0 })?;
+                check_header(
+                    &pools.hidden,
+                    &Delivery {
+                        slot: out,
+                        len: 0,
+                        batch_id: 0,
+                    },
+                )?;
                 // SAFETY: the supervisor leased this slot to us (WRITING, checked above);
                 // nobody reads it before our commit.
                 let buf = unsafe { pools.hidden.payload_mut(out.slot) };
-                let layout = write_hidden_header(buf, &pools.capture, &tokens).map_err(WorkerError::format(format!("hidden-state batch {} header", d.batch_id)))?;
-                let TargetModel::Ready(g) = &mut self.target else { return Err(WorkerError::Protocol("a batch to run before the target is loaded".into())) };
+                let layout = write_hidden_header(buf, &pools.capture, &tokens).map_err(
+                    WorkerError::format(format!("hidden-state batch {} header", d.batch_id)),
+                )?;
+                let TargetModel::Ready(g) = &mut self.target else {
+                    return Err(WorkerError::Protocol(
+                        "a batch to run before the target is loaded".into(),
+                    ));
+                };
                 let hidden = &mut buf[layout.hidden_offset..][..layout.hidden_len];
                 if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
                     // No copy may still be landing in the slot when we give it up.
                     let _ = g.sync();
-                    return Err(WorkerError::device(format!("target forward on {}", g.describe()))(e));
+                    return Err(WorkerError::device(format!(
+                        "target forward on {}",
+                        g.describe()
+                    ))(e));
                 }
                 let len = seal_hidden(buf, &layout) as u64;
                 self.stats.batches += 1;
@@ -287,10 +386,20 @@ impl Plane {
                 // sync point (pool edges 3 and 4): the caller sends this Commit after every
                 // write to the output slot (on a GPU, after the event behind the last copy)
                 // and after the last read of the input slot, which it releases.
-                Ok(FromWorker::Commit { output: out, len, batch_id: d.batch_id, input: Some(d.slot), wait_ms: 0.0, compute_ms: 0.0 })
+                Ok(FromWorker::Commit {
+                    output: out,
+                    len,
+                    batch_id: d.batch_id,
+                    input: Some(d.slot),
+                    wait_ms: 0.0,
+                    compute_ms: 0.0,
+                })
             }
             Role::Drafter => {
-                let view = HiddenView::parse(payload).map_err(WorkerError::format(format!("hidden-state batch {}", d.batch_id)))?;
+                let view = HiddenView::parse(payload).map_err(WorkerError::format(format!(
+                    "hidden-state batch {}",
+                    d.batch_id
+                )))?;
                 if view.spec != pools.capture {
                     return Err(WorkerError::Invalid(format!(
                         "hidden-state batch {} was captured as {:?}, but this run trains on {:?}: refusing to train on the wrong layers",
@@ -298,22 +407,36 @@ impl Plane {
                     )));
                 }
                 if view.tokens.batch_id != d.batch_id {
-                    return Err(WorkerError::Protocol(format!("slot {} holds batch {}, expected {}", d.slot.slot, view.tokens.batch_id, d.batch_id)));
+                    return Err(WorkerError::Protocol(format!(
+                        "slot {} holds batch {}, expected {}",
+                        d.slot.slot, view.tokens.batch_id, d.batch_id
+                    )));
                 }
                 if !self.consumed.insert(d.batch_id) {
                     self.stats.duplicates += 1;
                     println!("batch {} delivered twice: dropped the copy", d.batch_id);
                     // sync point (pool edge 4): sent after our last read of the slot.
-                    return Ok(FromWorker::Ack { input: d.slot, batch_id: d.batch_id });
+                    return Ok(FromWorker::Ack {
+                        input: d.slot,
+                        batch_id: d.batch_id,
+                    });
                 }
-                let rank = self.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a batch to train before the training setup".into()))?;
+                let rank = self.rank.as_mut().ok_or_else(|| {
+                    WorkerError::Protocol("a batch to train before the training setup".into())
+                })?;
                 let params = rank.params_checksum()?;
                 let stats = rank.compute(&view)?;
                 self.stats.batches += 1;
                 self.stats.tokens += view.tokens.tokens();
                 // sync point (pool edges 4 and 5): the caller sends this after our last read
                 // of the hidden-state slot and our last write to our gradient slot.
-                Ok(FromWorker::Grads { step: rank.step + 1, input: d.slot, batch_id: d.batch_id, stats, params })
+                Ok(FromWorker::Grads {
+                    step: rank.step + 1,
+                    input: d.slot,
+                    batch_id: d.batch_id,
+                    stats,
+                    params,
+                })
             }
         }
     }
@@ -324,21 +447,37 @@ impl Plane {
 /// would read someone else's batch.
 fn check_header(map: &PoolMap, d: &Delivery) -> Result<()> {
     if d.slot.slot >= map.geometry().slots {
-        return Err(WorkerError::Protocol(format!("slot {} out of range", d.slot.slot)));
+        return Err(WorkerError::Protocol(format!(
+            "slot {} out of range",
+            d.slot.slot
+        )));
     }
     let h = map.header(d.slot.slot);
     // sync point (header): pairs with the Release store in PoolMap::publish, so gen, len
     // and batch_id below are the ones stored with this state.
     let state = h.state.load(Ordering::Acquire);
     let gen = h.gen.load(Ordering::Relaxed);
-    let expected = if d.len == 0 { SlotState::Writing } else { SlotState::Reading };
+    let expected = if d.len == 0 {
+        SlotState::Writing
+    } else {
+        SlotState::Reading
+    };
     if state != expected as u32 || gen != d.slot.gen {
-        return Err(WorkerError::Protocol(format!("slot {} header says state {state} gen {gen}, expected {expected:?} gen {}", d.slot.slot, d.slot.gen)));
+        return Err(WorkerError::Protocol(format!(
+            "slot {} header says state {state} gen {gen}, expected {expected:?} gen {}",
+            d.slot.slot, d.slot.gen
+        )));
     }
     if d.len > 0 {
-        let (len, batch) = (h.len.load(Ordering::Relaxed), h.batch_id.load(Ordering::Relaxed));
+        let (len, batch) = (
+            h.len.load(Ordering::Relaxed),
+            h.batch_id.load(Ordering::Relaxed),
+        );
         if len != d.len || batch != d.batch_id || len > map.geometry().slot_bytes {
-            return Err(WorkerError::Protocol(format!("slot {} header says batch {batch} of {len} bytes, expected batch {} of {}", d.slot.slot, d.batch_id, d.len)));
+            return Err(WorkerError::Protocol(format!(
+                "slot {} header says batch {batch} of {len} bytes, expected batch {} of {}",
+                d.slot.slot, d.batch_id, d.len
+            )));
         }
     }
     Ok(())
@@ -348,7 +487,11 @@ fn check_header(map: &PoolMap, d: &Delivery) -> Result<()> {
 /// `[rows × seq_len, taps × hidden]` (padding positions zero): each row's taps are cast to bf16 on
 /// the device and copied straight into the (pinned) slot on the copy stream while the
 /// next row computes; the slot is sealed only after the event behind the last copy.
-fn write_hidden_states_gpu(g: &mut GpuTarget, tokens: &TokenBatch, out: &mut [u8]) -> gpu::Result<()> {
+fn write_hidden_states_gpu(
+    g: &mut GpuTarget,
+    tokens: &TokenBatch,
+    out: &mut [u8],
+) -> gpu::Result<()> {
     let width = g.taps.len() * g.cfg.hidden_size;
     let seq = tokens.seq_len as usize;
     g.host_write(out.as_ptr(), out.len())?;
@@ -368,4 +511,3 @@ fn write_hidden_states_gpu(g: &mut GpuTarget, tokens: &TokenBatch, out: &mut [u8
     }
     Ok(())
 }
-

@@ -266,3 +266,54 @@ fn a_transformers_5_config_taps_the_same_states_as_its_transformers_4_layout() {
     let diff = c.iter().zip(&a).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     assert!(diff > 1e-3, "theta 10000 vs 500000 with llama3 scaling must differ ({diff})");
 }
+
+/// Every tensor of the checkpoint widened to f32 (exact), written back in place.
+fn rewrite_as_f32(dir: &Path) {
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let wide: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            assert_eq!(v.dtype(), safetensors::Dtype::BF16);
+            let data = v.data().chunks_exact(2).flat_map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32().to_le_bytes()).collect();
+            (name, v.shape().to_vec(), data)
+        })
+        .collect();
+    let views: HashMap<String, safetensors::tensor::TensorView> =
+        wide.iter().map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+}
+
+/// A device target reads the projections and the embedding as bf16 straight from the
+/// checkpoint's mapping through a pinned staging buffer (an 8B model would otherwise be
+/// 32 GB of f32 on the host, then narrowed again): the host keeps only the norms, and the
+/// taps are bit for bit those of the target placed from the f32 copy, for a bf16 and an f32
+/// checkpoint. On the host device, whose ordering checks cover the staging buffer's reuse.
+#[test]
+fn a_device_target_reads_its_weights_from_the_checkpoint_mapping_without_an_f32_copy() {
+    use dflash_worker::gpu::host::HostDevice;
+    use dflash_worker::gpu::target::GpuTarget;
+    use dflash_worker::model::target::Load;
+    for f32_checkpoint in [false, true] {
+        let tmp = tempfile::tempdir().unwrap();
+        tiny::write_random(tmp.path(), LLAMA, 9).unwrap();
+        if f32_checkpoint {
+            rewrite_as_f32(tmp.path());
+        }
+        let full = Target::load_as(tmp.path(), &[0, 2], Load::F32).unwrap();
+        let mapped = Target::load_as(tmp.path(), &[0, 2], Load::Mapped).unwrap();
+        assert!(
+            mapped.host_weight_bytes() * 50 < full.host_weight_bytes(),
+            "the mapped target keeps the norms only: {} of {} bytes",
+            mapped.host_weight_bytes(),
+            full.host_weight_bytes()
+        );
+        let tokens: Vec<u32> = (0..24u32).map(|i| (i * 31 + 7) % 500).collect();
+        let mut a = GpuTarget::new(Box::new(HostDevice::new()), &full, 24).unwrap();
+        let mut b = GpuTarget::new(Box::new(HostDevice::new()), &mapped, 24).unwrap();
+        let (ta, tb) = (a.forward_taps(&tokens).unwrap(), b.forward_taps(&tokens).unwrap());
+        assert!(ta.iter().all(|x| x.is_finite()));
+        assert!(ta.iter().zip(&tb).all(|(x, y)| x.to_bits() == y.to_bits()), "f32 checkpoint {f32_checkpoint}: the same weights on the device");
+    }
+}

@@ -486,6 +486,11 @@ impl Arena {
         })
     }
 
+    /// Does this arena only measure?
+    pub fn is_dry(&self) -> bool {
+        self.dry
+    }
+
     /// An arena that only measures: allocations bump its size and nothing else.
     pub fn dry() -> Arena {
         Arena {

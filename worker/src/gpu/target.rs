@@ -7,8 +7,11 @@
 use dflash_shared::model_config::TargetConfig;
 
 use super::ops::Ops;
-use super::{f32_bytes_mut, i32_bytes, u32_bytes, Arena, ArenaStats, DSlice, Device, Result, Stream};
-use crate::model::target::Target;
+use super::{
+    f32_bytes_mut, i32_bytes, u32_bytes, Arena, ArenaStats, DSlice, Device, GpuError, Result,
+    Stream,
+};
+use crate::model::target::{matrix_name, Target};
 
 struct Layer {
     ln1: DSlice,
@@ -62,6 +65,9 @@ pub struct GpuTarget {
     /// Per staging buffer: the event after its last copy to the host.
     stage_free: [Option<super::Event>; 2],
     next_stage: usize,
+    /// The pinned staging buffer the weights came through (registered with the device):
+    /// declared after `ops`, so it is freed after the device.
+    _pinned: Vec<u8>,
 }
 
 impl GpuTarget {
@@ -69,15 +75,34 @@ impl GpuTarget {
     pub fn new(mut dev: Box<dyn Device>, target: &Target, max_tokens: usize) -> Result<GpuTarget> {
         let c = target.cfg.clone();
         let t = max_tokens.max(1);
-        let what = format!("the target (weights of {} layers, activations for {t} tokens)", target.layers.len());
+        let what = format!(
+            "the target (weights of {} layers, activations for {t} tokens)",
+            target.layers.len()
+        );
         let bf16 = !dev.is_cpu();
         let mut dry = Arena::dry();
         place(dev.as_mut(), &mut dry, target, t, bf16)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
-        let (embed, inv_freq, layers, a) = place(dev.as_mut(), &mut arena, target, t, bf16)?;
+        let (embed, inv_freq, layers, a, pinned) =
+            place(dev.as_mut(), &mut arena, target, t, bf16)?;
         let mut ops = Ops::new(dev);
         ops.act16 = bf16;
-        Ok(GpuTarget { cfg: c, taps: target.taps.clone(), max_tokens: t, ops, arena, embed, layers, inv_freq, rope_scale: target.rope_scale, bf16, a, stage_free: [None, None], next_stage: 0 })
+        Ok(GpuTarget {
+            cfg: c,
+            taps: target.taps.clone(),
+            max_tokens: t,
+            ops,
+            arena,
+            embed,
+            layers,
+            inv_freq,
+            rope_scale: target.rope_scale,
+            bf16,
+            a,
+            stage_free: [None, None],
+            next_stage: 0,
+            _pinned: pinned,
+        })
     }
 
     pub fn describe(&self) -> String {
@@ -101,7 +126,14 @@ impl GpuTarget {
         }
         let s = self.arena.stats;
         let (free, total) = self.ops.dev.mem_info().unwrap_or((0, 0));
-        Some(dflash_shared::protocol::DeviceMemory { reserved: s.reserved, in_use: s.in_use, peak: s.peak, alloc_failures: s.alloc_failures, free: free as u64, total: total as u64 })
+        Some(dflash_shared::protocol::DeviceMemory {
+            reserved: s.reserved,
+            in_use: s.in_use,
+            peak: s.peak,
+            alloc_failures: s.alloc_failures,
+            free: free as u64,
+            total: total as u64,
+        })
     }
 
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
@@ -115,12 +147,18 @@ impl GpuTarget {
         let mut out = vec![0f32; t * width];
         if self.bf16 {
             let mut bits = vec![0u8; t * width * 2];
-            self.ops.dev.download(Stream::Compute, self.a.out.sub(2, 0..t * width), &mut bits)?;
+            self.ops
+                .dev
+                .download(Stream::Compute, self.a.out.sub(2, 0..t * width), &mut bits)?;
             for (o, b) in out.iter_mut().zip(bits.chunks_exact(2)) {
                 *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         } else {
-            self.ops.dev.download(Stream::Compute, self.a.out.f32s(0..t * width), f32_bytes_mut(&mut out))?;
+            self.ops.dev.download(
+                Stream::Compute,
+                self.a.out.f32s(0..t * width),
+                f32_bytes_mut(&mut out),
+            )?;
         }
         Ok(out)
     }
@@ -143,7 +181,11 @@ impl GpuTarget {
     ///
     /// # Safety
     /// `dst` must be registered and nobody may touch those bytes before `finish`.
-    pub unsafe fn forward_taps_into(&mut self, tokens: &[u32], dst: *mut u8) -> Result<Option<super::Event>> {
+    pub unsafe fn forward_taps_into(
+        &mut self,
+        tokens: &[u32],
+        dst: *mut u8,
+    ) -> Result<Option<super::Event>> {
         let t = tokens.len();
         if t == 0 {
             return Ok(None);
@@ -193,7 +235,10 @@ impl GpuTarget {
     fn compute(&mut self, tokens: &[u32], out: DSlice) -> Result<()> {
         let t = tokens.len();
         if t > self.max_tokens {
-            return Err(super::GpuError::Invalid(format!("{t} tokens, room for {}", self.max_tokens)));
+            return Err(super::GpuError::Invalid(format!(
+                "{t} tokens, room for {}",
+                self.max_tokens
+            )));
         }
         let c = &self.cfg;
         let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
@@ -207,14 +252,34 @@ impl GpuTarget {
         // On a GPU every activation is bf16 and the GEMMs are bf16 in and out with f32
         // accumulation (tensor cores); the kernels compute in f32 and round on store. On
         // the CPU device, f32 throughout.
-        let act = |s: DSlice, n: usize| if self.bf16 { s.sub(2, 0..n) } else { s.f32s(0..n) };
-        let (x, n1, q, k, v) = (act(a.x, t * h), act(a.n1, t * h), act(a.q, t * qd), act(a.k, t * kd), act(a.v, t * kd));
-        let (att, o, g, u, sw) = (act(a.att, t * qd), act(a.o, t * h), act(a.g, t * inter), act(a.u, t * inter), act(a.act, t * inter));
+        let act = |s: DSlice, n: usize| {
+            if self.bf16 {
+                s.sub(2, 0..n)
+            } else {
+                s.f32s(0..n)
+            }
+        };
+        let (x, n1, q, k, v) = (
+            act(a.x, t * h),
+            act(a.n1, t * h),
+            act(a.q, t * qd),
+            act(a.k, t * kd),
+            act(a.v, t * kd),
+        );
+        let (att, o, g, u, sw) = (
+            act(a.att, t * qd),
+            act(a.o, t * h),
+            act(a.g, t * inter),
+            act(a.u, t * inter),
+            act(a.act, t * inter),
+        );
         let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
         let out = act(out, t * width);
         ops.embed(x, self.embed, a.ids.f32s(0..t), t, h, c.vocab_size)?;
         let last = self.taps.iter().copied().max().unwrap_or(0);
-        let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| ops.matmul_act(x, w, y, m, k, n);
+        let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| {
+            ops.matmul_act(x, w, y, m, k, n)
+        };
         for (li, l) in self.layers.iter().enumerate().take(last + 1) {
             ops.rmsnorm(x, l.ln1, n1, rstd.f32s(0..t), t, h, eps)?;
             mm(ops, n1, l.wq, q, t, h, qd)?;
@@ -249,36 +314,134 @@ impl GpuTarget {
 /// tokens: when `bf16`, the embedding, the projection matrices (a checkpoint's bf16
 /// weights are exact in bf16 again: the CPU target widened them) and the activations in
 /// bf16; norm weights, rope frequencies, rstd and lse f32 always.
-fn place(d: &mut dyn Device, arena: &mut Arena, target: &Target, t: usize, bf16: bool) -> Result<(DSlice, DSlice, Vec<Layer>, Acts)> {
+#[allow(clippy::type_complexity)]
+fn place(
+    d: &mut dyn Device,
+    arena: &mut Arena,
+    target: &Target,
+    t: usize,
+    bf16: bool,
+) -> Result<(DSlice, DSlice, Vec<Layer>, Acts, Vec<u8>)> {
     let c = &target.cfg;
     let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
     let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
     let width = target.taps.len() * h;
-    let put = |d: &mut dyn Device, arena: &mut Arena, v: &[f32], name: &str, bf16: bool| -> Result<DSlice> {
+    let put = |d: &mut dyn Device,
+               arena: &mut Arena,
+               v: &[f32],
+               name: &str,
+               bf16: bool|
+     -> Result<DSlice> {
         let s = arena.alloc(d, v.len() * if bf16 { 2 } else { 4 }, name)?;
         arena.fill_f32(d, s, v, bf16)?;
         Ok(s)
     };
-    let embed = put(d, arena, &target.embed, "embed_tokens", bf16)?;
+    // A matrix in bf16: from the host's f32 copy, or (Load::Mapped) straight from the
+    // checkpoint's mapping through the pinned staging buffer.
+    let mut staging = match &target.mapped {
+        Some(_) if !arena.is_dry() => Some(Staging::new(d, target)?),
+        _ => None,
+    };
+    let shapes = if target.mapped.is_some() {
+        dflash_shared::model_config::expected_tensors(c, c.num_hidden_layers)
+    } else {
+        Vec::new()
+    };
+    let mut matrix = |d: &mut dyn Device,
+                      arena: &mut Arena,
+                      v: &[f32],
+                      tensor: &str,
+                      name: &str|
+     -> Result<DSlice> {
+        let Some(w) = &target.mapped else {
+            return put(d, arena, v, name, bf16);
+        };
+        let shape = shapes
+            .iter()
+            .find(|(n, _)| n == tensor)
+            .map(|(_, s)| s.clone())
+            .unwrap_or_default();
+        let (dtype, bytes) = w
+            .raw(tensor, &shape)
+            .map_err(|e| GpuError::Invalid(e.to_string()))?;
+        let n = shape.iter().product::<usize>();
+        let s = arena.alloc(d, n * 2, name)?;
+        if let Some(st) = staging.as_mut() {
+            st.upload(d, s, dtype, bytes)?;
+        }
+        Ok(s)
+    };
+    let embed = matrix(
+        d,
+        arena,
+        &target.embed,
+        crate::model::target::EMBED,
+        "embed_tokens",
+    )?;
     let inv_freq = put(d, arena, &target.inv_freq, "rope inv_freq", false)?;
     let mut layers = Vec::new();
     for (i, l) in target.layers.iter().enumerate() {
         let n = |s: &str| format!("layer {i} {s}");
         let qk_norm = match (&l.q_norm, &l.k_norm) {
-            (Some(qn), Some(kn)) => Some((put(d, arena, qn, &n("q_norm"), false)?, put(d, arena, kn, &n("k_norm"), false)?)),
+            (Some(qn), Some(kn)) => Some((
+                put(d, arena, qn, &n("q_norm"), false)?,
+                put(d, arena, kn, &n("k_norm"), false)?,
+            )),
             _ => None,
         };
         layers.push(Layer {
             ln1: put(d, arena, &l.ln1, &n("input_layernorm"), false)?,
             ln2: put(d, arena, &l.ln2, &n("post_attention_layernorm"), false)?,
-            wq: put(d, arena, &l.wq, &n("q_proj"), bf16)?,
-            wk: put(d, arena, &l.wk, &n("k_proj"), bf16)?,
-            wv: put(d, arena, &l.wv, &n("v_proj"), bf16)?,
-            wo: put(d, arena, &l.wo, &n("o_proj"), bf16)?,
+            wq: matrix(
+                d,
+                arena,
+                &l.wq,
+                &matrix_name(i, "self_attn.q_proj"),
+                &n("q_proj"),
+            )?,
+            wk: matrix(
+                d,
+                arena,
+                &l.wk,
+                &matrix_name(i, "self_attn.k_proj"),
+                &n("k_proj"),
+            )?,
+            wv: matrix(
+                d,
+                arena,
+                &l.wv,
+                &matrix_name(i, "self_attn.v_proj"),
+                &n("v_proj"),
+            )?,
+            wo: matrix(
+                d,
+                arena,
+                &l.wo,
+                &matrix_name(i, "self_attn.o_proj"),
+                &n("o_proj"),
+            )?,
             qk_norm,
-            gate: put(d, arena, &l.gate, &n("gate_proj"), bf16)?,
-            up: put(d, arena, &l.up, &n("up_proj"), bf16)?,
-            down: put(d, arena, &l.down, &n("down_proj"), bf16)?,
+            gate: matrix(
+                d,
+                arena,
+                &l.gate,
+                &matrix_name(i, "mlp.gate_proj"),
+                &n("gate_proj"),
+            )?,
+            up: matrix(
+                d,
+                arena,
+                &l.up,
+                &matrix_name(i, "mlp.up_proj"),
+                &n("up_proj"),
+            )?,
+            down: matrix(
+                d,
+                arena,
+                &l.down,
+                &matrix_name(i, "mlp.down_proj"),
+                &n("down_proj"),
+            )?,
         });
     }
     let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
@@ -301,12 +464,131 @@ fn place(d: &mut dyn Device, arena: &mut Arena, target: &Target, t: usize, bf16:
         u: f(an(t * inter), "up")?,
         act: f(an(t * inter), "swiglu")?,
         out: f(an(t * width), "taps")?,
-        stage: [f(t * width / 2 + 1, "bf16 staging 0")?, f(t * width / 2 + 1, "bf16 staging 1")?],
+        stage: [
+            f(t * width / 2 + 1, "bf16 staging 0")?,
+            f(t * width / 2 + 1, "bf16 staging 1")?,
+        ],
     };
     // Positions and causal spans depend only on the row index: once, for all lengths.
     let pos: Vec<i32> = (0..t as i32).collect();
     let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
     arena.fill(d, a.pos, i32_bytes(&pos))?;
     arena.fill(d, a.spans, i32_bytes(&spans))?;
-    Ok((embed, inv_freq, layers, a))
+    let pinned = match staging {
+        Some(st) => st.finish(d)?,
+        None => Vec::new(),
+    };
+    Ok((embed, inv_freq, layers, a, pinned))
+}
+
+/// Host → device copies of a checkpoint's matrices as bf16, through two halves of one
+/// pinned buffer in turn: a half is refilled (a bf16 tensor's bytes copied from the
+/// mapping, an f32 or f16 one narrowed to bf16) once the device has read it, while the
+/// other half's copy runs. Nothing of the model is widened to f32 on the host.
+struct Staging {
+    buf: Vec<u8>,
+    half: usize,
+    busy: [Option<super::Event>; 2],
+    next: usize,
+}
+
+impl Staging {
+    /// Room for the largest matrix, up to 2 × 32 MiB, registered with the device (the
+    /// registration lasts as long as the device).
+    fn new(d: &mut dyn Device, target: &Target) -> Result<Staging> {
+        let c = &target.cfg;
+        let largest = (c.vocab_size * c.hidden_size)
+            .max(c.intermediate_size * c.hidden_size)
+            .max(c.num_attention_heads * c.head_dim * c.hidden_size);
+        let half = (largest * 2).clamp(4096, 32 << 20).div_ceil(256) * 256;
+        let mut buf = vec![0u8; 2 * half];
+        // SAFETY: the buffer is kept by the GpuTarget, after (dropped after) its device.
+        unsafe { d.register_host(buf.as_mut_ptr(), buf.len())? };
+        // Each half is its own range for the host device's ordering checks.
+        for h in 0..2 {
+            d.track(
+                DSlice {
+                    ptr: buf[h * half..].as_ptr() as u64,
+                    bytes: half,
+                },
+                &format!("weights staging {h}"),
+            );
+        }
+        Ok(Staging {
+            buf,
+            half,
+            busy: [None, None],
+            next: 0,
+        })
+    }
+
+    fn upload(
+        &mut self,
+        d: &mut dyn Device,
+        dst: DSlice,
+        dtype: safetensors::Dtype,
+        src: &[u8],
+    ) -> Result<()> {
+        use safetensors::Dtype;
+        let width = match dtype {
+            Dtype::BF16 | Dtype::F16 => 2,
+            _ => 4,
+        };
+        let n = src.len() / width;
+        if n * 2 != dst.bytes {
+            return Err(GpuError::Invalid(format!(
+                "a matrix of {n} elements for {} bytes of bf16",
+                dst.bytes
+            )));
+        }
+        let per = self.half / 2; // elements per half
+        for start in (0..n).step_by(per) {
+            let m = per.min(n - start);
+            let h = self.next;
+            self.next ^= 1;
+            if let Some(e) = self.busy[h].take() {
+                let r = d.sync_event(e);
+                d.release_event(e);
+                r?;
+            }
+            let base = self.buf[h * self.half..].as_mut_ptr();
+            d.host_access(base, m * 2, true)?;
+            let out = &mut self.buf[h * self.half..h * self.half + m * 2];
+            let chunk = &src[start * width..(start + m) * width];
+            match dtype {
+                Dtype::BF16 => out.copy_from_slice(chunk),
+                Dtype::F16 => {
+                    for (o, b) in out.chunks_exact_mut(2).zip(chunk.chunks_exact(2)) {
+                        o.copy_from_slice(
+                            &half::bf16::from_f32(half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                                .to_le_bytes(),
+                        );
+                    }
+                }
+                _ => {
+                    for (o, b) in out.chunks_exact_mut(2).zip(chunk.chunks_exact(4)) {
+                        o.copy_from_slice(
+                            &half::bf16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                                .to_le_bytes(),
+                        );
+                    }
+                }
+            }
+            // SAFETY: pinned memory that is not touched again before `busy[h]` completes.
+            unsafe { d.upload_async(Stream::Compute, dst.sub(2, start..start + m), out.as_ptr())? };
+            self.busy[h] = Some(d.record(Stream::Compute)?);
+        }
+        Ok(())
+    }
+
+    /// Wait for the last copies. The buffer is registered for the device's life (as
+    /// `register_host` requires): its owner keeps it until after the device.
+    fn finish(mut self, d: &mut dyn Device) -> Result<Vec<u8>> {
+        for e in self.busy.iter_mut().filter_map(Option::take) {
+            let r = d.sync_event(e);
+            d.release_event(e);
+            r?;
+        }
+        Ok(self.buf)
+    }
 }

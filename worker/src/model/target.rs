@@ -26,6 +26,46 @@ pub(crate) struct Layer {
     pub(crate) down: Vec<f32>,
 }
 
+/// How much of a checkpoint [`Target::load_as`] reads into host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Load {
+    /// Every tensor widened to f32 (the CPU target computes with them).
+    F32,
+    /// Only the norm weights; the embedding and the projections stay in the checkpoint's
+    /// mapping, for a device to copy as bf16 straight from it (an 8B model would be 32 GB of
+    /// f32 on the host otherwise). Such a target has no host forward.
+    Mapped,
+}
+
+/// The embedding's tensor name.
+pub(crate) const EMBED: &str = "model.embed_tokens.weight";
+
+/// The name of layer `l`'s matrix `m` (`self_attn.q_proj`, `mlp.down_proj`, ...).
+pub(crate) fn matrix_name(l: usize, m: &str) -> String {
+    format!("model.layers.{l}.{m}.weight")
+}
+
+impl Target {
+    /// Bytes of weights this target holds in host memory.
+    pub fn host_weight_bytes(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [
+                    &l.ln1, &l.ln2, &l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down,
+                ]
+                .iter()
+                .map(|v| v.len())
+                .sum::<usize>()
+                    + l.q_norm.as_ref().map_or(0, Vec::len)
+                    + l.k_norm.as_ref().map_or(0, Vec::len)
+            })
+            .sum();
+        (l + self.embed.len()) * 4
+    }
+}
+
 pub struct Target {
     pub cfg: TargetConfig,
     pub taps: Vec<usize>,
@@ -34,53 +74,107 @@ pub struct Target {
     pub(crate) inv_freq: Vec<f32>,
     /// Rotary cos/sin scale (YaRN's attention factor; else 1).
     pub(crate) rope_scale: f32,
+    /// With [`Load::Mapped`]: the checkpoint, where the embedding and the projection
+    /// matrices (empty in `embed` and `layers`) are read from.
+    pub(crate) mapped: Option<Weights>,
     cpu: Cpu,
 }
 
 impl Target {
     /// Load the layers needed for `taps` (all tensors of the checkpoint are checked).
     pub fn load(dir: &Path, taps: &[usize]) -> Result<Target, ModelError> {
-        let cfg = TargetConfig::load(dir).map_err(|e| ModelError { path: e.path, msg: e.msg })?;
+        Target::load_as(dir, taps, Load::F32)
+    }
+
+    /// [`load`](Self::load), keeping in host memory what `how` says.
+    pub fn load_as(dir: &Path, taps: &[usize], how: Load) -> Result<Target, ModelError> {
+        let cfg = TargetConfig::load(dir).map_err(|e| ModelError {
+            path: e.path,
+            msg: e.msg,
+        })?;
         let w = Weights::open(dir)?;
         if let Some(&bad) = taps.iter().find(|&&t| t >= cfg.num_hidden_layers) {
             return Err(ModelError {
                 path: dir.display().to_string(),
-                msg: format!("tap {bad} does not exist: the target has {} layers (0..{})", cfg.num_hidden_layers, cfg.num_hidden_layers - 1),
+                msg: format!(
+                    "tap {bad} does not exist: the target has {} layers (0..{})",
+                    cfg.num_hidden_layers,
+                    cfg.num_hidden_layers - 1
+                ),
             });
         }
         let all = expected_tensors(&cfg, cfg.num_hidden_layers);
         for (name, _) in &all {
             if !w.contains(name) {
-                return Err(ModelError { path: dir.display().to_string(), msg: format!("missing tensor {name}") });
+                return Err(ModelError {
+                    path: dir.display().to_string(),
+                    msg: format!("missing tensor {name}"),
+                });
             }
         }
         let known: std::collections::HashSet<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
-        w.check_no_extra(&|n: &str| known.contains(n) || dflash_shared::model_config::is_ignorable_tensor(n))?;
-        let shape = |name: &str| all.iter().find(|(n, _)| n == name).map(|(_, s)| s.clone()).unwrap_or_default();
+        w.check_no_extra(&|n: &str| {
+            known.contains(n) || dflash_shared::model_config::is_ignorable_tensor(n)
+        })?;
+        let shape = |name: &str| {
+            all.iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, s)| s.clone())
+                .unwrap_or_default()
+        };
         let get = |name: &str| w.get(name, &shape(name));
+        // A matrix a device reads from the mapping: checked here (shape, dtype), not read.
+        let big = |name: &str| -> Result<Vec<f32>, ModelError> {
+            match how {
+                Load::F32 => get(name),
+                Load::Mapped => w.raw(name, &shape(name)).map(|_| Vec::new()),
+            }
+        };
         let last = taps.iter().copied().max().unwrap_or(0);
         let mut layers = Vec::new();
         for l in 0..=last {
             let p = format!("model.layers.{l}");
             let g = |s: &str| get(&format!("{p}.{s}"));
+            let b = |s: &str| big(&format!("{p}.{s}"));
             layers.push(Layer {
                 ln1: g("input_layernorm.weight")?,
                 ln2: g("post_attention_layernorm.weight")?,
-                wq: g("self_attn.q_proj.weight")?,
-                wk: g("self_attn.k_proj.weight")?,
-                wv: g("self_attn.v_proj.weight")?,
-                wo: g("self_attn.o_proj.weight")?,
-                q_norm: if cfg.arch == Arch::Qwen3 { Some(g("self_attn.q_norm.weight")?) } else { None },
-                k_norm: if cfg.arch == Arch::Qwen3 { Some(g("self_attn.k_norm.weight")?) } else { None },
-                gate: g("mlp.gate_proj.weight")?,
-                up: g("mlp.up_proj.weight")?,
-                down: g("mlp.down_proj.weight")?,
+                wq: b("self_attn.q_proj.weight")?,
+                wk: b("self_attn.k_proj.weight")?,
+                wv: b("self_attn.v_proj.weight")?,
+                wo: b("self_attn.o_proj.weight")?,
+                q_norm: if cfg.arch == Arch::Qwen3 {
+                    Some(g("self_attn.q_norm.weight")?)
+                } else {
+                    None
+                },
+                k_norm: if cfg.arch == Arch::Qwen3 {
+                    Some(g("self_attn.k_norm.weight")?)
+                } else {
+                    None
+                },
+                gate: b("mlp.gate_proj.weight")?,
+                up: b("mlp.up_proj.weight")?,
+                down: b("mlp.down_proj.weight")?,
             });
         }
-        let embed = get("model.embed_tokens.weight")?;
+        let embed = big(EMBED)?;
         let inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
-        let rope_scale = cfg.rope_scaling.as_ref().map_or(1.0, |s| s.attention_factor()) as f32;
-        Ok(Target { cfg, taps: taps.to_vec(), embed, layers, inv_freq, rope_scale, cpu: Cpu::new() })
+        let rope_scale = cfg
+            .rope_scaling
+            .as_ref()
+            .map_or(1.0, |s| s.attention_factor()) as f32;
+        let mapped = (how == Load::Mapped).then_some(w);
+        Ok(Target {
+            cfg,
+            taps: taps.to_vec(),
+            embed,
+            layers,
+            inv_freq,
+            rope_scale,
+            mapped,
+            cpu: Cpu::new(),
+        })
     }
 
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
@@ -91,10 +185,18 @@ impl Target {
     /// [`forward_taps`](Self::forward_taps), adding each op's wall time to `times` when
     /// given (for `bench compute`).
     pub fn forward_taps_timed(&self, tokens: &[u32], mut times: Option<&mut OpTimes>) -> Vec<f32> {
+        assert!(
+            self.mapped.is_none(),
+            "a target loaded for a device (Load::Mapped) has no host weights to compute with"
+        );
         let c = &self.cfg;
         let (t, h, hd) = (tokens.len(), c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let heads = Heads { q_heads: nh, kv_heads: nkv, head_dim: hd };
+        let heads = Heads {
+            q_heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+        };
         let eps = c.rms_norm_eps as f32;
         let cpu = &self.cpu;
         let mut x = Vec::with_capacity(t * h);
@@ -103,38 +205,101 @@ impl Target {
             x.extend_from_slice(&self.embed[tok * h..(tok + 1) * h]);
         }
         let positions: Vec<usize> = (0..t).collect();
-        let spans: Vec<KeySpan> = (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect();
+        let spans: Vec<KeySpan> = (0..t)
+            .map(|i| KeySpan {
+                a: 0..i + 1,
+                b: 0..0,
+            })
+            .collect();
         let width = self.taps.len() * h;
         let mut out = vec![0f32; t * width];
-        let (mut n1, mut q, mut k, mut v) = (vec![0.0; t * h], vec![0.0; t * nh * hd], vec![0.0; t * nkv * hd], vec![0.0; t * nkv * hd]);
+        let (mut n1, mut q, mut k, mut v) = (
+            vec![0.0; t * h],
+            vec![0.0; t * nh * hd],
+            vec![0.0; t * nkv * hd],
+            vec![0.0; t * nkv * hd],
+        );
         let (mut att, mut o) = (vec![0.0; t * nh * hd], vec![0.0; t * h]);
-        let (mut g, mut u, mut act) = (vec![0.0; t * c.intermediate_size], vec![0.0; t * c.intermediate_size], vec![0.0; t * c.intermediate_size]);
+        let (mut g, mut u, mut act) = (
+            vec![0.0; t * c.intermediate_size],
+            vec![0.0; t * c.intermediate_size],
+            vec![0.0; t * c.intermediate_size],
+        );
         for (li, l) in self.layers.iter().enumerate() {
-            timed(&mut times, "rmsnorm", || cpu.rmsnorm(&x, &l.ln1, &mut n1, h, eps));
-            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.wq, &mut q, t, h, nh * hd));
-            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.wk, &mut k, t, h, nkv * hd));
-            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.wv, &mut v, t, h, nkv * hd));
+            timed(&mut times, "rmsnorm", || {
+                cpu.rmsnorm(&x, &l.ln1, &mut n1, h, eps)
+            });
+            timed(&mut times, "matmul", || {
+                cpu.matmul(&n1, &l.wq, &mut q, t, h, nh * hd)
+            });
+            timed(&mut times, "matmul", || {
+                cpu.matmul(&n1, &l.wk, &mut k, t, h, nkv * hd)
+            });
+            timed(&mut times, "matmul", || {
+                cpu.matmul(&n1, &l.wv, &mut v, t, h, nkv * hd)
+            });
             if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
                 let q0 = q.clone();
-                timed(&mut times, "rmsnorm", || cpu.rmsnorm(&q0, qn, &mut q, hd, eps));
+                timed(&mut times, "rmsnorm", || {
+                    cpu.rmsnorm(&q0, qn, &mut q, hd, eps)
+                });
                 let k0 = k.clone();
-                timed(&mut times, "rmsnorm", || cpu.rmsnorm(&k0, kn, &mut k, hd, eps));
+                timed(&mut times, "rmsnorm", || {
+                    cpu.rmsnorm(&k0, kn, &mut k, hd, eps)
+                });
             }
-            timed(&mut times, "rope", || cpu.rope(&mut q, nh, hd, &positions, &self.inv_freq, self.rope_scale, false));
-            timed(&mut times, "rope", || cpu.rope(&mut k, nkv, hd, &positions, &self.inv_freq, self.rope_scale, false));
-            timed(&mut times, "attention", || cpu.attention(&q, &k, &v, &mut att, &spans, heads));
-            timed(&mut times, "matmul", || cpu.matmul(&att, &l.wo, &mut o, t, nh * hd, h));
-            timed(&mut times, "residual", || x.iter_mut().zip(&o).for_each(|(a, b)| *a += b));
-            timed(&mut times, "rmsnorm", || cpu.rmsnorm(&x, &l.ln2, &mut n1, h, eps));
-            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.gate, &mut g, t, h, c.intermediate_size));
-            timed(&mut times, "matmul", || cpu.matmul(&n1, &l.up, &mut u, t, h, c.intermediate_size));
+            timed(&mut times, "rope", || {
+                cpu.rope(
+                    &mut q,
+                    nh,
+                    hd,
+                    &positions,
+                    &self.inv_freq,
+                    self.rope_scale,
+                    false,
+                )
+            });
+            timed(&mut times, "rope", || {
+                cpu.rope(
+                    &mut k,
+                    nkv,
+                    hd,
+                    &positions,
+                    &self.inv_freq,
+                    self.rope_scale,
+                    false,
+                )
+            });
+            timed(&mut times, "attention", || {
+                cpu.attention(&q, &k, &v, &mut att, &spans, heads)
+            });
+            timed(&mut times, "matmul", || {
+                cpu.matmul(&att, &l.wo, &mut o, t, nh * hd, h)
+            });
+            timed(&mut times, "residual", || {
+                x.iter_mut().zip(&o).for_each(|(a, b)| *a += b)
+            });
+            timed(&mut times, "rmsnorm", || {
+                cpu.rmsnorm(&x, &l.ln2, &mut n1, h, eps)
+            });
+            timed(&mut times, "matmul", || {
+                cpu.matmul(&n1, &l.gate, &mut g, t, h, c.intermediate_size)
+            });
+            timed(&mut times, "matmul", || {
+                cpu.matmul(&n1, &l.up, &mut u, t, h, c.intermediate_size)
+            });
             timed(&mut times, "swiglu", || cpu.swiglu(&g, &u, &mut act));
-            timed(&mut times, "matmul", || cpu.matmul(&act, &l.down, &mut o, t, c.intermediate_size, h));
-            timed(&mut times, "residual", || x.iter_mut().zip(&o).for_each(|(a, b)| *a += b));
+            timed(&mut times, "matmul", || {
+                cpu.matmul(&act, &l.down, &mut o, t, c.intermediate_size, h)
+            });
+            timed(&mut times, "residual", || {
+                x.iter_mut().zip(&o).for_each(|(a, b)| *a += b)
+            });
             for (ti, &tap) in self.taps.iter().enumerate() {
                 if tap == li {
                     for r in 0..t {
-                        out[r * width + ti * h..r * width + (ti + 1) * h].copy_from_slice(&x[r * h..(r + 1) * h]);
+                        out[r * width + ti * h..r * width + (ti + 1) * h]
+                            .copy_from_slice(&x[r * h..(r + 1) * h]);
                     }
                 }
             }

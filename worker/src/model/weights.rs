@@ -16,7 +16,10 @@ pub struct ModelError {
 }
 
 fn err(path: &Path, msg: impl Into<String>) -> ModelError {
-    ModelError { path: path.display().to_string(), msg: msg.into() }
+    ModelError {
+        path: path.display().to_string(),
+        msg: msg.into(),
+    }
 }
 
 pub struct Weights {
@@ -33,10 +36,18 @@ impl Weights {
         let files: Vec<PathBuf> = if single.exists() {
             vec![single]
         } else if index_path.exists() {
-            let text = std::fs::read_to_string(&index_path).map_err(|e| err(&index_path, format!("cannot read: {e}")))?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(&index_path, format!("not valid JSON: {e}")))?;
-            let map = v["weight_map"].as_object().ok_or_else(|| err(&index_path, "no weight_map object"))?;
-            let mut files: Vec<PathBuf> = map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+            let text = std::fs::read_to_string(&index_path)
+                .map_err(|e| err(&index_path, format!("cannot read: {e}")))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| err(&index_path, format!("not valid JSON: {e}")))?;
+            let map = v["weight_map"]
+                .as_object()
+                .ok_or_else(|| err(&index_path, "no weight_map object"))?;
+            let mut files: Vec<PathBuf> = map
+                .values()
+                .filter_map(|f| f.as_str())
+                .map(|f| dir.join(f))
+                .collect();
             files.sort();
             files.dedup();
             files
@@ -49,7 +60,8 @@ impl Weights {
             let f = File::open(&path).map_err(|e| err(&path, format!("cannot open: {e}")))?;
             // SAFETY: the checkpoint is read-only input; nobody is expected to rewrite it
             // while the run loads it.
-            let mmap = unsafe { Mmap::map(&f) }.map_err(|e| err(&path, format!("cannot map: {e}")))?;
+            let mmap =
+                unsafe { Mmap::map(&f) }.map_err(|e| err(&path, format!("cannot map: {e}")))?;
             let st = SafeTensors::deserialize(&mmap)
                 .map_err(|e| err(&path, format!("truncated or corrupt safetensors file: {e}")))?;
             for name in st.names() {
@@ -59,7 +71,11 @@ impl Weights {
             }
             shards.push((path, mmap));
         }
-        Ok(Weights { dir: dir.to_path_buf(), shards, index })
+        Ok(Weights {
+            dir: dir.to_path_buf(),
+            shards,
+            index,
+        })
     }
 
     pub fn names(&self) -> impl Iterator<Item = &str> {
@@ -72,21 +88,88 @@ impl Weights {
 
     /// The tensor as f32, checked against `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let &i = self.index.get(name).ok_or_else(|| err(&self.dir, format!("missing tensor {name} (shape {shape:?})")))?;
+        let &i = self.index.get(name).ok_or_else(|| {
+            err(
+                &self.dir,
+                format!("missing tensor {name} (shape {shape:?})"),
+            )
+        })?;
         let (path, mmap) = &self.shards[i];
-        let st = SafeTensors::deserialize(mmap).map_err(|e| err(path, format!("truncated or corrupt safetensors file: {e}")))?;
-        let view = st.tensor(name).map_err(|e| err(path, format!("{name}: {e}")))?;
+        let st = SafeTensors::deserialize(mmap)
+            .map_err(|e| err(path, format!("truncated or corrupt safetensors file: {e}")))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| err(path, format!("{name}: {e}")))?;
         if view.shape() != shape {
-            return Err(err(path, format!("tensor {name} has shape {:?}, expected {shape:?} from config.json", view.shape())));
+            return Err(err(
+                path,
+                format!(
+                    "tensor {name} has shape {:?}, expected {shape:?} from config.json",
+                    view.shape()
+                ),
+            ));
         }
         let data = view.data();
         let out = match view.dtype() {
-            Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::BF16 => data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::F16 => data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            other => return Err(err(path, format!("tensor {name} has dtype {other:?}; expected bf16, f16 or f32"))),
+            Dtype::F32 => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(err(
+                    path,
+                    format!("tensor {name} has dtype {other:?}; expected bf16, f16 or f32"),
+                ))
+            }
         };
         Ok(out)
+    }
+
+    /// The tensor's bytes as stored (little-endian, no copy) and its dtype, checked against
+    /// `shape`: what a device reads straight from the checkpoint's mapping.
+    pub fn raw(&self, name: &str, shape: &[usize]) -> Result<(Dtype, &[u8]), ModelError> {
+        let &i = self.index.get(name).ok_or_else(|| {
+            err(
+                &self.dir,
+                format!("missing tensor {name} (shape {shape:?})"),
+            )
+        })?;
+        let (path, mmap) = &self.shards[i];
+        let st = SafeTensors::deserialize(mmap)
+            .map_err(|e| err(path, format!("truncated or corrupt safetensors file: {e}")))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| err(path, format!("{name}: {e}")))?;
+        if view.shape() != shape {
+            return Err(err(
+                path,
+                format!(
+                    "tensor {name} has shape {:?}, expected {shape:?} from config.json",
+                    view.shape()
+                ),
+            ));
+        }
+        match view.dtype() {
+            d @ (Dtype::F32 | Dtype::BF16 | Dtype::F16) => {
+                let (start, len) = (
+                    view.data().as_ptr() as usize - mmap.as_ptr() as usize,
+                    view.data().len(),
+                );
+                Ok((d, &mmap[start..start + len]))
+            }
+            other => Err(err(
+                path,
+                format!("tensor {name} has dtype {other:?}; expected bf16, f16 or f32"),
+            )),
+        }
     }
 
     /// Refuse tensors the architecture does not know (a checkpoint of another model).
