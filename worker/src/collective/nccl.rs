@@ -340,6 +340,28 @@ impl NcclCollective {
         self.done = None;
     }
 
+    /// The communicator failed with NCCL result `err` (`when`: where, for the log): it is
+    /// aborted, and this rank waits for the supervisor's next epoch (a death's, or the
+    /// watchdog's) rather than dying too. Returns what `poll` returns then.
+    fn fail(&mut self, err: c_int, when: &str) -> Option<Reduced> {
+        let why = self
+            .lib
+            .check("an NCCL collective", err)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        let epoch = self.epoch.as_ref().map_or(0, |e| e.0);
+        let when = if when.is_empty() {
+            String::new()
+        } else {
+            format!(" {when}")
+        };
+        println!("NCCL communicator of epoch {epoch} failed{when} ({why}): aborted; waiting for the next epoch");
+        self.abort();
+        self.failed = true;
+        None
+    }
+
     fn reap_abandoned(&mut self) {
         let lib = self.lib;
         self.abandoned.retain(|rx| match rx.try_recv() {
@@ -505,16 +527,7 @@ impl Collective for NcclCollective {
                 SUCCESS => self.comm = CommState::Ready(c),
                 IN_PROGRESS => return Ok(None),
                 _ => {
-                    let why = self
-                        .lib
-                        .check("joining the communicator", err)
-                        .err()
-                        .map(|e| e.to_string())
-                        .unwrap_or_default();
-                    println!("NCCL communicator of epoch {} failed while its ranks joined ({why}): aborted; waiting for the next epoch", self.epoch.as_ref().map_or(0, |e| e.0));
-                    self.abort();
-                    self.failed = true;
-                    return Ok(None);
+                    return Ok(self.fail(err, "while its ranks joined"));
                 }
             }
         }
@@ -546,16 +559,7 @@ impl Collective for NcclCollective {
         if err != SUCCESS && err != IN_PROGRESS {
             // Most often a peer died: the supervisor's next epoch (or its watchdog's) forms
             // the group again, so this rank waits for it rather than dying too.
-            let why = self
-                .lib
-                .check("an NCCL collective", err)
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default();
-            println!("NCCL communicator of epoch {epoch} failed ({why}): aborted; waiting for the next epoch");
-            self.abort();
-            self.failed = true;
-            return Ok(None);
+            return Ok(self.fail(err, ""));
         }
         let dev_err = |what: &'static str| WorkerError::device(what);
         match self.launched {
@@ -629,16 +633,7 @@ impl Collective for NcclCollective {
                     (self.lib.comm_get_async_error)(comm, &mut err)
                 })?;
                 if err != SUCCESS && err != IN_PROGRESS {
-                    let why = self
-                        .lib
-                        .check("an NCCL collective", err)
-                        .err()
-                        .map(|e| e.to_string())
-                        .unwrap_or_default();
-                    println!("NCCL communicator of epoch {epoch} failed during step {step}'s all-reduce ({why}): aborted; waiting for the next epoch");
-                    self.abort();
-                    self.failed = true;
-                    return Ok(None);
+                    return Ok(self.fail(err, &format!("during step {step}'s all-reduce")));
                 }
                 let dev = model.device();
                 let mut b = [0u8; 8];

@@ -51,23 +51,6 @@ fn cuda_version(v: i32) -> String {
     format!("{}.{}", v / 1000, v % 1000 / 10)
 }
 
-/// The newest PTX ISA a driver of CUDA `v` compiles (PTX ISA 8.x came with CUDA 12.x,
-/// 9.x with 13.x; the PTX ISA release notes).
-pub fn driver_ptx_isa(v: i32) -> (u32, u32) {
-    let (major, minor) = ((v / 1000) as u32, (v % 1000 / 10) as u32);
-    match major {
-        13.. => (9, minor),
-        12 => match minor {
-            0..=5 => (8, minor),
-            6 => (8, 5),
-            7 | 8 => (8, 7),
-            _ => (8, 8),
-        },
-        11 => (7, minor),
-        _ => (6, 0),
-    }
-}
-
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     streams: [Arc<CudaStream>; 2],
@@ -251,9 +234,8 @@ fn load_kernels(
             Ok((m, KernelImage::Ptx))
         }
         Err(e) => {
-            let (dm, dn) = driver_ptx_isa(driver);
             Err(GpuError::Unavailable(format!(
-                "cannot load the kernels for {arch}: the CUBIN was refused ({cubin_err}), and the PTX (ISA {isa}, from NVRTC {nvrtc}) too ({e:?}); this driver is for CUDA {} and takes PTX up to ISA {dm}.{dn}: update the driver, or use an NVRTC no newer than CUDA {} (DFLASH_NVRTC_LIB)",
+                "cannot load the kernels for {arch}: the CUBIN was refused ({cubin_err}), and the PTX (ISA {isa}, from NVRTC {nvrtc}) too ({e:?}); this driver is for CUDA {}: update the driver, or use an NVRTC no newer than CUDA {} (DFLASH_NVRTC_LIB)",
                 cuda_version(driver),
                 cuda_version(driver)
             )))

@@ -88,33 +88,8 @@ impl Weights {
 
     /// The tensor as f32, checked against `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let &i = self.index.get(name).ok_or_else(|| {
-            err(
-                &self.dir,
-                format!("missing tensor {name} (shape {shape:?})"),
-            )
-        })?;
-        let (path, mmap) = &self.shards[i];
-        let st = SafeTensors::deserialize(mmap)
-            .map_err(|e| err(path, format!("truncated or corrupt safetensors file: {e}")))?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| err(path, format!("{name}: {e}")))?;
-        if view.shape() != shape {
-            return Err(err(
-                path,
-                format!(
-                    "tensor {name} has shape {:?}, expected {shape:?} from config.json",
-                    view.shape()
-                ),
-            ));
-        }
-        let data = view.data();
-        let out = match view.dtype() {
-            Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
+        let (dtype, data) = self.raw(name, shape)?;
+        Ok(match dtype {
             Dtype::BF16 => data
                 .chunks_exact(2)
                 .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
@@ -123,14 +98,12 @@ impl Weights {
                 .chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
-            other => {
-                return Err(err(
-                    path,
-                    format!("tensor {name} has dtype {other:?}; expected bf16, f16 or f32"),
-                ))
-            }
-        };
-        Ok(out)
+            // raw() returns f32, bf16 or f16 only.
+            _ => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        })
     }
 
     /// The tensor's bytes as stored (little-endian, no copy) and its dtype, checked against
