@@ -5,8 +5,12 @@
 //   * as C++ by the host compiler, with cuda/host/cuda_host.h supplying the CUDA built-ins,
 //     for the host device that runs every kernel on the CPU in CI (worker/src/gpu/host.rs).
 // So: no inline PTX, no CUDA headers (bf16 is converted by hand, round-to-nearest-even;
-// tensor cores through a WMMA subset defined below), block sizes a multiple of 32, and
-// every warp collective with all 32 lanes present.
+// tensor cores through a WMMA subset defined below), block sizes a multiple of 32,
+// every warp collective with all 32 lanes present, and no __shared__ variable declared
+// inside a template: a template's shared memory is declared at namespace scope (on a GPU
+// the same thing: each kernel that uses it has its own, per block). The host device
+// poisons shared memory before each block through a section that GCC does not give the
+// statics of a template's instantiations; cuda_host.h refuses one.
 //
 // Layouts match the CPU backend (worker/src/compute): row-major f32 activations, a linear
 // layer's weight [out, in]. Ops that the CPU backend accumulates into (`+=`) accumulate here.
@@ -209,13 +213,13 @@ extern "C" __global__ void swiglu_bwd(float* dgate, float* dup, const float* dou
 // RMSNorm (one block per row)
 
 // y = x · rstd · w, rstd = 1/sqrt(mean(x²) + eps) (y may be x)
+__shared__ float rmsnorm_fwd_sh[32];  // rmsnorm_fwd_t's (no __shared__ in a template)
 template <typename T> __device__ void rmsnorm_fwd_t(T* y, float* rstd, const T* x, const float* w, int d, float eps) {
-    __shared__ float sh[32];
     const long row = blockIdx.x;
     const T* xr = x + row * d;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) ss += ld(xr, i) * ld(xr, i);
-    ss = block_sum(ss, sh);
+    ss = block_sum(ss, rmsnorm_fwd_sh);
     const float r = rsqrtf(ss / (float)d + eps);
     for (int i = threadIdx.x; i < d; i += blockDim.x) st(y, row * d + i, ld(xr, i) * r * w[i]);
     if (threadIdx.x == 0) rstd[row] = r;
@@ -312,16 +316,21 @@ __device__ __forceinline__ void attn_range(int* range, const int* spans, int fir
     }
 }
 
+// attention_fwd_t's shared memory (no __shared__ in a template).
+namespace attention_fwd_shared {
+__shared__ __align__(32) unsigned short qs[ATTN_MMA_ROWS][ATTN_MMA_LD];
+__shared__ __align__(32) unsigned short ks[16][ATTN_MMA_LD];
+__shared__ __align__(32) unsigned short vs[16][ATTN_MMA_LD];
+__shared__ __align__(32) float os[ATTN_MMA_ROWS][ATTN_MMA_OLD];
+__shared__ __align__(32) float ss[ATTN_MMA_ROWS][16];
+__shared__ __align__(32) unsigned short ps[ATTN_MMA_ROWS][16];
+__shared__ float corr_s[ATTN_MMA_ROWS];
+__shared__ float inv_s[ATTN_MMA_ROWS];
+__shared__ int range[4];
+}  // namespace attention_fwd_shared
+
 template <typename T> __device__ void attention_fwd_t(T* out, float* lse, const T* q, const T* k, const T* v, const int* spans, int tq, int qh, int kvh, int hd) {
-    __shared__ __align__(32) unsigned short qs[ATTN_MMA_ROWS][ATTN_MMA_LD];
-    __shared__ __align__(32) unsigned short ks[16][ATTN_MMA_LD];
-    __shared__ __align__(32) unsigned short vs[16][ATTN_MMA_LD];
-    __shared__ __align__(32) float os[ATTN_MMA_ROWS][ATTN_MMA_OLD];
-    __shared__ __align__(32) float ss[ATTN_MMA_ROWS][16];
-    __shared__ __align__(32) unsigned short ps[ATTN_MMA_ROWS][16];
-    __shared__ float corr_s[ATTN_MMA_ROWS];
-    __shared__ float inv_s[ATTN_MMA_ROWS];
-    __shared__ int range[4];
+    using namespace attention_fwd_shared;
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * ATTN_MMA_ROWS;
     const int kh = head / (qh / kvh);

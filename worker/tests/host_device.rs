@@ -139,3 +139,191 @@ fn host_device_refuses_to_pin_read_only_pages() {
     // SAFETY: unmapping what we mapped.
     unsafe { libc::munmap(base, 2 * page) };
 }
+
+// The host device's schedule (cuda/host/runtime.cpp): how a launch orders its blocks and
+// threads, drawn from a seed, and the poisoned shared memory each block starts with.
+extern "C" {
+    fn dflash_hd_set_schedule(order: *const std::ffi::c_char, seed: u64) -> std::ffi::c_int;
+    fn dflash_hd_last_schedule(threads: *mut u32, nthreads: usize, blocks: *mut u64, nblocks: usize) -> std::ffi::c_int;
+    fn dflash_hd_keep_shared(copy: *mut *const u8) -> usize;
+}
+
+/// This thread's launches under `order` (ascending, reverse, random, mixed) and `seed`,
+/// numbered from 0 again, until dropped (then the environment's schedule again).
+struct Schedule;
+
+impl Schedule {
+    fn set(order: &str, seed: u64) -> Schedule {
+        let c = std::ffi::CString::new(order).unwrap();
+        // SAFETY: a NUL-terminated string; the call only sets this thread's schedule.
+        assert_eq!(unsafe { dflash_hd_set_schedule(c.as_ptr(), seed) }, 0, "order {order}");
+        Schedule
+    }
+}
+
+impl Drop for Schedule {
+    fn drop(&mut self) {
+        // SAFETY: null: back to the environment's schedule.
+        unsafe { dflash_hd_set_schedule(std::ptr::null(), 0) };
+    }
+}
+
+/// How this thread's last launch ran: its threads' order (0 ascending, 1 reverse, 2
+/// random), the first block's thread order, and its blocks' order.
+fn last_schedule(threads: usize, blocks: usize) -> (i32, Vec<u32>, Vec<u64>) {
+    let (mut t, mut b) = (vec![u32::MAX; threads], vec![u64::MAX; blocks]);
+    // SAFETY: buffers of the lengths given.
+    let order = unsafe { dflash_hd_last_schedule(t.as_mut_ptr(), t.len(), b.as_mut_ptr(), b.len()) };
+    (order, t, b)
+}
+
+/// Every launch runs its blocks in a shuffled order and resumes its threads in ascending,
+/// reversed or shuffled order (DFLASH_HD_ORDER; mixed: one of them per launch), all drawn
+/// from the seed (DFLASH_HD_SEED), so that a kernel that depends on an order a GPU does
+/// not keep fails here, and does so again on the same seed.
+#[test]
+fn host_device_runs_blocks_and_threads_in_orders_drawn_from_the_seed() {
+    if on_gpu() {
+        return;
+    }
+    let mut o = ops();
+    // add_inplace over 8 blocks of 256 threads.
+    let (a, b) = (put(&mut o, &[1.0; 2048]), put(&mut o, &[0.0; 2048]));
+    let run = |o: &mut Ops| -> (i32, Vec<u32>, Vec<u64>) {
+        o.add(b, a).unwrap();
+        last_schedule(256, 8)
+    };
+    let ascending: Vec<u32> = (0..256).collect();
+    let mut block_orders = std::collections::HashSet::new();
+    for seed in 1..=4 {
+        for (name, want) in [("ascending", 0), ("reverse", 1), ("random", 2)] {
+            let _s = Schedule::set(name, seed);
+            let (order, threads, blocks) = run(&mut o);
+            assert_eq!(order, want, "{name}");
+            let mut sorted = threads.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, ascending, "{name}: every thread once");
+            match name {
+                "ascending" => assert_eq!(threads, ascending),
+                "reverse" => assert!(threads.iter().rev().eq(ascending.iter())),
+                _ => assert!(threads != ascending && !threads.iter().rev().eq(ascending.iter()), "{name}: shuffled"),
+            }
+            let mut sorted = blocks.clone();
+            sorted.sort_unstable();
+            assert_eq!(sorted, (0..8).collect::<Vec<u64>>(), "{name}: every block once");
+            block_orders.insert(blocks);
+        }
+    }
+    assert!(block_orders.len() >= 4 && !block_orders.contains(&(0..8).collect::<Vec<u64>>()), "blocks shuffled, per seed: {block_orders:?}");
+    // Mixed: each of the three from launch to launch; the same seed, the same launches.
+    let mixed = |o: &mut Ops, seed: u64| -> Vec<(i32, Vec<u32>, Vec<u64>)> {
+        let _s = Schedule::set("mixed", seed);
+        (0..12).map(|_| run(o)).collect()
+    };
+    let first = mixed(&mut o, 9);
+    let orders: std::collections::HashSet<i32> = first.iter().map(|r| r.0).collect();
+    assert_eq!(orders.len(), 3, "{orders:?}");
+    assert_eq!(mixed(&mut o, 9), first, "the same seed runs the same schedule");
+    assert_ne!(mixed(&mut o, 10), first);
+    // 4 seeds × 3 orders, then 3 × 12 mixed: every launch added once, whatever its order.
+    assert!(get(&mut o, b).iter().all(|x| *x == 48.0), "every launch added once");
+    let bad = std::ffi::CString::new("backwards").unwrap();
+    // SAFETY: a NUL-terminated string.
+    assert_eq!(unsafe { dflash_hd_set_schedule(bad.as_ptr(), 1) }, 1);
+}
+
+/// Float atomics add in the order the blocks run: RMSNorm's weight gradient, summed over
+/// rows (one block each) of very different magnitudes, comes out with other low bits from
+/// seed to seed (as on a GPU from run to run), and with the same bits from the same seed.
+/// Each is the CPU backend's sum to rounding.
+#[test]
+fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
+    if on_gpu() {
+        return;
+    }
+    let mut rng = Rng::new(41);
+    let (rows, d) = (16usize, 32usize);
+    let x = rand_vec(&mut rng, rows * d, 1.0);
+    let w = rand_vec(&mut rng, d, 1.0);
+    // Row r's terms are about 100^(r % 4): in f32, the small ones' share of a sum with
+    // the large ones depends on which come first.
+    let dy: Vec<f32> = rand_vec(&mut rng, rows * d, 1.0).iter().enumerate().map(|(i, v)| v * 100f32.powi((i / d % 4) as i32)).collect();
+    let cpu = Cpu::with_threads(1);
+    let mut y = vec![0f32; rows * d];
+    let rstd = cpu.rmsnorm(&x, &w, &mut y, d, 1e-6);
+    let (mut dx, mut want) = (vec![0f32; rows * d], vec![0f32; d]);
+    cpu.rmsnorm_backward(&dy, &x, &w, &rstd, &mut dx, Some(&mut want), d);
+    let mut o = ops();
+    let (gx, gw, gdy, gr) = (put(&mut o, &x), put(&mut o, &w), put(&mut o, &dy), put(&mut o, &rstd));
+    let mut dw_of = |seed: u64| -> Vec<u32> {
+        let _s = Schedule::set("mixed", seed);
+        let (gdx, gdw) = (put(&mut o, &vec![0.0; rows * d]), put(&mut o, &vec![0.0; d]));
+        o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d).unwrap();
+        let dw = get(&mut o, gdw);
+        assert_close(&format!("rmsnorm dw, seed {seed}"), &dw, &want, 1e-5);
+        dw.iter().map(|v| v.to_bits()).collect()
+    };
+    let runs: Vec<Vec<u32>> = (1..=6).map(&mut dw_of).collect();
+    let distinct: std::collections::HashSet<&Vec<u32>> = runs.iter().collect();
+    eprintln!("{} different weight gradients (to the bit) from 6 seeds", distinct.len());
+    assert!(distinct.len() >= 2, "the order of the float atomics never changed");
+    assert_eq!(dw_of(3), runs[2], "the same seed, the same sum");
+}
+
+/// Every block starts with its shared memory poisoned (0xFF bytes: NaN as f32 and bf16),
+/// not with what the last block left there, so a kernel that reads shared memory it did
+/// not write in this block reads NaN. block_sum's shared memory: RMSNorm over 256 threads
+/// writes 8 of its 32 floats (one per warp), over 32 threads one, and after a launch only
+/// what its last block wrote is not the poison. The templates' shared memory (the f32
+/// and bf16 attention forward) is in the poisoned section too.
+#[test]
+fn host_device_poisons_shared_memory_before_every_block() {
+    if on_gpu() {
+        return;
+    }
+    // The words of the shared memory that are not the poison, as this thread's last launch
+    // left it (a copy: other tests' launches write the same shared memory).
+    let unpoisoned = || -> usize {
+        let mut copy = std::ptr::null();
+        // SAFETY: this thread's copy, valid until its next launch.
+        let shared = unsafe {
+            let len = dflash_hd_keep_shared(&mut copy);
+            assert!(len >= 80 << 10, "every kernel's shared memory: {len} bytes");
+            std::slice::from_raw_parts(copy, len)
+        };
+        shared.chunks_exact(4).filter(|w| *w != [0xFF; 4]).count()
+    };
+    let mut copy = std::ptr::null();
+    // SAFETY: writes a pointer; from here this thread's launches keep a copy.
+    unsafe { dflash_hd_keep_shared(&mut copy) };
+    assert!(f32::from_bits(u32::MAX).is_nan() && half::bf16::from_bits(u16::MAX).is_nan());
+    let mut o = ops();
+    let mut rng = Rng::new(42);
+    for (d, warps) in [(256usize, 8usize), (32, 1), (256, 8)] {
+        let rows = 3;
+        let x = rand_vec(&mut rng, rows * d, 1.0);
+        let w = rand_vec(&mut rng, d, 1.0);
+        let mut want = vec![0f32; rows * d];
+        Cpu::with_threads(1).rmsnorm(&x, &w, &mut want, d, 1e-6);
+        let (gx, gw, gy, gr) = (put(&mut o, &x), put(&mut o, &w), put(&mut o, &vec![0.0; rows * d]), put(&mut o, &vec![0.0; rows]));
+        o.rmsnorm(gx, gw, gy, gr, rows, d, 1e-6).unwrap();
+        assert_eq!(unpoisoned(), warps, "rmsnorm over {d} threads: only what the last block wrote");
+        assert_close(&format!("rmsnorm over {d} threads, from poisoned shared memory"), &get(&mut o, gy), &want, TOL);
+    }
+    // The attention forward, f32 and bf16: a template, whose shared memory is declared at
+    // namespace scope to be in the poisoned section (cuda_host.h refuses it in a template).
+    for act16 in [false, true] {
+        let mut o = ops();
+        o.act16 = act16;
+        let (t, hd) = (5usize, 32usize);
+        let q = rand_vec(&mut rng, t * hd, 1.0);
+        let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
+        let act = |o: &mut Ops, v: &[f32]| if act16 { put16(o, v) } else { put(o, v) };
+        let (gq, go) = (act(&mut o, &q), act(&mut o, &vec![0.0; t * hd]));
+        let (gs, gl) = (put_i32(&mut o, &spans), put(&mut o, &vec![0.0; t]));
+        o.attention(gq, gq, gq, go, gl, gs, t, 1, 1, hd).unwrap();
+        let n = unpoisoned();
+        // The staged Q, K and V (16 rows of 32 bf16 each), O (16 × 32 f32) and more.
+        assert!(n >= 3 * 16 * 32 / 2 + 16 * 32, "attention (bf16 activations: {act16}): {n} words written");
+    }
+}

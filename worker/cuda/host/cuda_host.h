@@ -3,14 +3,17 @@
 // Every thread of a block is live at once (a fiber with its own stack); `__syncthreads`
 // is a real barrier over all of them and warp collectives exchange through a per-warp
 // barrier, so a missing barrier or a wrong lane index shows up here as it would on a GPU.
-// Blocks run one after another (shared memory is a function-local static: one block owns
-// it at a time).
+// Blocks run one after another (shared memory is a static: one block owns it at a time),
+// in a shuffled order, their threads resumed in a varying order, and every block starts
+// with its shared memory poisoned (runtime.cpp: the schedule), so a kernel that works
+// only in one order, or reads shared memory it did not write, fails here.
 #pragma once
 
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 #include <type_traits>
 
 struct uint3 {
@@ -47,8 +50,22 @@ uint64_t warp_exchange(uint64_t mine, int src);
 #define __restrict__ __restrict
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
-// One block runs at a time, so a function-local static is that block's shared memory.
-#define __shared__ static
+// One block runs at a time, so a static is that block's shared memory. All of them go in
+// one section, which the launcher fills with 0xFF bytes before each block (runtime.cpp,
+// poison_shared): on a GPU, shared memory starts as whatever the SM's last block left
+// there, so a read of shared memory that this block did not write reads NaN here (as f32
+// and as bf16; -1 as an integer), not zeros or the last block's values. GCC (12 at
+// least) silently gives the statics of a template's instantiations no section, so a
+// __shared__ variable inside a template is refused (GCC's name of an instantiated
+// function ends in "[with T = ...]"; at namespace scope it is "top level"): kernels.cu
+// declares a template's at namespace scope.
+namespace hd {
+constexpr bool in_template(std::string_view pretty_function) { return pretty_function.find("[with ") != std::string_view::npos; }
+}  // namespace hd
+#define __shared__                                                                                         \
+    static_assert(!hd::in_template(__PRETTY_FUNCTION__), "__shared__ in a template: the host device cannot " \
+                                                          "poison it; declare it at namespace scope");       \
+    static __attribute__((section("hd_shared")))
 
 inline void __syncthreads() { hd::syncthreads(); }
 
@@ -109,7 +126,9 @@ inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0
 inline int __all_sync(unsigned m, int pred) { return __ballot_sync(m, pred) == 0xffffffffu; }
 inline void __syncwarp(unsigned = 0xffffffffu) { (void)hd::warp_exchange(0, hd::lane_id()); }
 
-// Atomics on plain memory, through std::atomic_ref (C++20).
+// Atomics on plain memory, through std::atomic_ref (C++20). They land in the order the
+// threads and blocks run, which the schedule varies from launch to launch (runtime.cpp),
+// so the low bits of a float sum vary as on a GPU.
 inline float atomicAdd(float* a, float v) { return std::atomic_ref<float>(*a).fetch_add(v); }
 inline double atomicAdd(double* a, double v) { return std::atomic_ref<double>(*a).fetch_add(v); }
 inline int atomicAdd(int* a, int v) { return std::atomic_ref<int>(*a).fetch_add(v); }

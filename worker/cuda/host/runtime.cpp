@@ -1,7 +1,8 @@
 // The host device's kernel launcher: worker/cuda/kernels.cu compiled as C++ (with
 // cuda_host.h), running a launch's blocks one after another, every thread of a block
-// live at once as a fiber. Called from Rust (worker/src/gpu/host.rs) with the
-// same packed arguments cuLaunchKernel takes: an array of pointers to each argument.
+// live at once as a fiber, in an order drawn from a seed (the schedule, below). Called
+// from Rust (worker/src/gpu/host.rs) with the same packed arguments cuLaunchKernel
+// takes: an array of pointers to each argument.
 
 // Fibers switch with _setjmp/_longjmp between their own stacks (no signal-mask syscall
 // per switch, unlike swapcontext); the fortified longjmp would refuse another stack.
@@ -15,9 +16,12 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -25,7 +29,18 @@
 #include <utility>
 #include <vector>
 
+// In an unnamed namespace, where no function is COMDAT (inline ones otherwise are): GCC
+// refuses to put a COMDAT function's statics in the one section that cuda_host.h gives
+// every __shared__ variable, next to the others.
+namespace {
 #include "../kernels.cu"
+}  // namespace
+
+// Every __shared__ variable of kernels.cu, from the first to the last (the linker brackets
+// a section whose name is an identifier with these two symbols). Hidden: a shared library
+// with a host device of its own (tests/emu-cuda) poisons its own section, not one that
+// another module exports under the same name.
+extern "C" __attribute__((visibility("hidden"))) unsigned char __start_hd_shared[], __stop_hd_shared[];
 
 namespace hd {
 
@@ -34,13 +49,124 @@ thread_local uint3 block_idx;
 dim3 block_dim;
 dim3 grid_dim;
 
+// ---------------------------------------------------------------------------------------
+// The schedule. On a GPU the warps of a block, and the blocks of a grid, run in no order
+// that a kernel may count on, and float atomics add in the order they arrive; a kernel
+// that is right in one order only would pass here every time if every launch ran its
+// fibers 0..N-1 and its blocks 0..n-1. So a launch runs its blocks in a shuffled order
+// and resumes its threads in one of three orders: ascending, reversed, or shuffled (anew
+// for every block). DFLASH_HD_ORDER picks one (ascending|reverse|random), or mixed, the
+// default: one of the three per launch. DFLASH_HD_SEED (a decimal u64, else kDefaultSeed)
+// seeds the shuffles and the picks. Both are read once. A launch's draws depend only on
+// the seed and on the number of launches its thread made before it, so a run repeats
+// exactly, test by test (each test is a thread), and a failure the host device detects
+// itself names the schedule to repeat it with.
+enum class Order { ascending, reverse, random, mixed };
+constexpr const char* kOrderNames[] = {"ascending", "reverse", "random", "mixed"};
+constexpr uint64_t kDefaultSeed = 0x5eed;
+
+struct Schedule {
+    Order order = Order::mixed;
+    uint64_t seed = kDefaultSeed;
+};
+
+static bool parse_order(const char* s, Order* o) {
+    for (int i = 0; i < 4; ++i)
+        if (std::strcmp(s, kOrderNames[i]) == 0) {
+            *o = (Order)i;
+            return true;
+        }
+    return false;
+}
+
+// splitmix64's finalizer: a bijection of 64-bit words in which every bit moves every other.
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// splitmix64: plenty for shuffles, and the same sequence from a seed on every machine
+// (std::shuffle's distributions are the library's own).
+struct Rng {
+    uint64_t s;
+    uint64_t next() { return mix64(s += 0x9E3779B97F4A7C15ull); }
+    // Uniform in [0, n): the high word of a 128-bit product (Lemire; bias below n / 2^64).
+    uint64_t below(uint64_t n) { return (uint64_t)(((unsigned __int128)next() * n) >> 64); }
+    template <class T>
+    void shuffle(std::vector<T>& v) {
+        for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[below(i)]);
+    }
+};
+
+// The environment's schedule, or why it is refused (every launch then fails with that).
+struct EnvSchedule {
+    Schedule s;
+    std::string error;
+};
+
+static EnvSchedule read_env_schedule() {
+    EnvSchedule e;
+    if (const char* o = std::getenv("DFLASH_HD_ORDER"); o && *o && !parse_order(o, &e.s.order))
+        e.error = std::string("DFLASH_HD_ORDER=") + o + ": expected ascending, reverse, random or mixed";
+    if (const char* v = std::getenv("DFLASH_HD_SEED"); v && *v) {
+        char* end = nullptr;
+        errno = 0;
+        const unsigned long long x = std::strtoull(v, &end, 10);
+        // strtoull also takes blanks, a sign, and wraps a negative number around.
+        if (*v < '0' || *v > '9' || *end || errno) e.error = std::string("DFLASH_HD_SEED=") + v + ": expected a decimal 64-bit unsigned integer";
+        else e.s.seed = x;
+    }
+    return e;
+}
+
+static const EnvSchedule& env_schedule() {
+    static const EnvSchedule& e = *new EnvSchedule(read_env_schedule());  // leaked, as g_launch
+    return e;
+}
+
+// The calling thread's own schedule once a test set one (dflash_hd_set_schedule), the
+// launches it made (numbered from 0), how its last one ran (dflash_hd_last_schedule), and
+// the shared memory its last one left, when a test asked for it (dflash_hd_keep_shared).
+thread_local bool t_schedule_set = false;
+thread_local Schedule t_schedule;
+thread_local uint64_t t_launches = 0;
+thread_local Order t_last_order = Order::mixed;
+thread_local std::vector<unsigned> t_last_threads;
+thread_local std::vector<unsigned long long> t_last_blocks;
+thread_local bool t_keep_shared = false;
+thread_local std::vector<unsigned char> t_last_shared;
+
+// What a launch drew: the order of its threads (never mixed), and the draws still to come.
+struct Draw {
+    Schedule s;
+    uint64_t launch;
+    Order order;
+    Rng rng;
+};
+
+static Draw draw_schedule(const Schedule& s) {
+    const uint64_t launch = t_launches++;
+    Draw d{s, launch, s.order, Rng{mix64(s.seed ^ mix64(launch))}};
+    if (d.order == Order::mixed) d.order = (Order)d.rng.below(3);
+    return d;
+}
+
+// Before each block: every kernel's shared memory to 0xFF bytes (see cuda_host.h). All
+// of it, not just the running kernel's, as the section does not say which is whose; at
+// the few tens of KiB the attention kernels take, a block's fibers cost far more.
+static void poison_shared() { std::memset(__start_hd_shared, 0xFF, (size_t)(__stop_hd_shared - __start_hd_shared)); }
+
+// ---------------------------------------------------------------------------------------
+// Fibers and barriers.
+
 // Every thread of a block is a fiber (ucontext) with its own stack, all of them live at
 // once and interleaved on one OS thread: a thread runs until it reaches a barrier, a warp
 // collective or its end, then the next one runs. So a barrier really waits for every
 // thread of the block, shared memory is really shared, and a read of shared memory that
-// a missing __syncthreads leaves unordered sees the other threads' writes not done yet,
-// deterministically. (OS threads per GPU thread were tried first: on a 2-core CI machine
-// their context switches made a forward take seconds.)
+// a missing __syncthreads leaves unordered sees other threads' writes not done yet
+// (which ones, the schedule decides). (OS threads per GPU thread were tried first: on a
+// 2-core CI machine their context switches made a forward take seconds.)
 constexpr size_t kStack = 128 * 1024;
 
 struct Bar;
@@ -76,10 +202,28 @@ struct Launch {
     jmp_buf scheduler;
     ucontext_t scheduler_ctx;
     unsigned current = 0;
+    // The threads in the order the scheduler resumes them, and the blocks in the order
+    // they run (linear indices); the kernel and its schedule, for messages.
+    std::vector<unsigned> order;
+    std::vector<unsigned long long> blocks;
+    const char* kernel = nullptr;
+    Schedule schedule;
+    uint64_t launch = 0;
+    Order thread_order = Order::ascending;
 };
 
 // Never destroyed: leaked on purpose so nothing runs at process exit.
 static Launch& g_launch = *new Launch;
+
+// Where the running block stands and how to repeat its schedule, for a failure's message.
+static std::string where() {
+    const Launch& L = g_launch;
+    char b[320];
+    std::snprintf(b, sizeof b, "%s, block (%u, %u, %u), threads resumed in %s order; launch %llu of its thread under DFLASH_HD_ORDER=%s DFLASH_HD_SEED=%llu",
+                  L.kernel, block_idx.x, block_idx.y, block_idx.z, kOrderNames[(int)L.thread_order], (unsigned long long)L.launch,
+                  kOrderNames[(int)L.schedule.order], (unsigned long long)L.schedule.seed);
+    return b;
+}
 
 static void yield_to_scheduler() {
     Launch& L = g_launch;
@@ -115,7 +259,7 @@ uint64_t warp_exchange(uint64_t mine, int src) {
     const unsigned warp = L.current / 32, lane = L.current % 32;
     if (L.warp_bars[warp].exited > 0) {
         // Undefined on a GPU (a full-mask collective with lanes gone): refuse it here.
-        std::fprintf(stderr, "host device: a warp collective after some lanes of the warp returned (warp %u)\n", warp);
+        std::fprintf(stderr, "host device: a warp collective after some lanes of the warp returned (warp %u; %s)\n", warp, where().c_str());
         std::abort();
     }
     uint64_t* slots = &L.warp_slots[warp * 32];
@@ -169,16 +313,25 @@ static void resume(unsigned t) {
     }
 }
 
-// Run every block of the launch, one after another.
-static void run_blocks(unsigned long long blocks) {
+// Run every block of the launch, one after another, in the order drawn, each from
+// poisoned shared memory, its threads resumed in the order drawn.
+static void run_blocks(unsigned long long blocks, Draw& d) {
     Launch& L = g_launch;
     const dim3 gd = grid_dim;
-    for (unsigned long long blk = 0; blk < blocks; ++blk) {
+    L.blocks.resize(blocks);
+    std::iota(L.blocks.begin(), L.blocks.end(), 0ull);
+    d.rng.shuffle(L.blocks);
+    L.order.resize(L.threads);
+    for (unsigned i = 0; i < L.threads; ++i) L.order[i] = d.order == Order::reverse ? L.threads - 1 - i : i;
+    for (const unsigned long long blk : L.blocks) {
+        if (d.order == Order::random) d.rng.shuffle(L.order);
+        if (blk == L.blocks[0]) t_last_threads = L.order;
+        poison_shared();
         prepare_fibers();
         block_idx = uint3{(unsigned)(blk % gd.x), (unsigned)((blk / gd.x) % gd.y), (unsigned)(blk / ((unsigned long long)gd.x * gd.y))};
         for (;;) {
             unsigned live = 0, ran = 0;
-            for (unsigned t = 0; t < L.threads; ++t) {
+            for (const unsigned t : L.order) {
                 Fiber& f = L.fibers[t];
                 if (f.done) continue;
                 ++live;
@@ -189,7 +342,7 @@ static void run_blocks(unsigned long long blocks) {
             }
             if (live == 0) break;
             if (ran == 0) {
-                std::fprintf(stderr, "host device: every live thread of a block waits at a barrier that can never open\n");
+                std::fprintf(stderr, "host device: every live thread of a block waits at a barrier that can never open (%s)\n", where().c_str());
                 std::abort();
             }
         }
@@ -259,8 +412,18 @@ int dflash_hd_launch(int index, const unsigned* grid, const unsigned* block, voi
     }
     const unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
     if (blocks == 0) return 0;
+    const hd::EnvSchedule& env = hd::env_schedule();
+    if (!hd::t_schedule_set && !env.error.empty()) {
+        std::snprintf(err, errlen, "%s", env.error.c_str());
+        return 1;
+    }
+    hd::Draw d = hd::draw_schedule(hd::t_schedule_set ? hd::t_schedule : env.s);
     std::lock_guard<std::mutex> g(hd::g_launch_mutex);
     hd::Launch& L = hd::g_launch;
+    L.kernel = hd::g_kernels[index].name;
+    L.schedule = d.s;
+    L.launch = d.launch;
+    L.thread_order = d.order;
     L.entry = hd::g_kernels[index].entry;
     L.args = args;
     L.threads = threads;
@@ -277,7 +440,43 @@ int dflash_hd_launch(int index, const unsigned* grid, const unsigned* block, voi
     }
     L.warp_bars.resize(std::max<size_t>(L.warp_bars.size(), threads / 32));
     L.warp_slots.resize(std::max<size_t>(L.warp_slots.size(), threads));
-    hd::run_blocks(blocks);
+    hd::run_blocks(blocks, d);
+    hd::t_last_order = d.order;
+    hd::t_last_blocks = L.blocks;
+    // Under the lock: another thread's launch would write the same shared memory.
+    if (hd::t_keep_shared) hd::t_last_shared.assign(__start_hd_shared, __stop_hd_shared);
     return 0;
+}
+
+// For tests. The calling thread's launches from its next one on run under this schedule
+// (`order`: ascending, reverse, random or mixed), numbered from 0 again; `order` null:
+// under the environment's again. Returns 0, or 1 for an order it does not know.
+int dflash_hd_set_schedule(const char* order, unsigned long long seed) {
+    hd::Order o = hd::Order::mixed;
+    if (order && !hd::parse_order(order, &o)) return 1;
+    hd::t_schedule_set = order != nullptr;
+    hd::t_schedule = hd::Schedule{o, seed};
+    hd::t_launches = 0;
+    return 0;
+}
+
+// For tests: how the calling thread's last launch ran. Returns the order its threads
+// were resumed in (0 ascending, 1 reverse, 2 random; -1 before any launch), and copies
+// that order for its first block into threads[..nthreads] and the order its blocks ran
+// in (linear indices) into blocks[..nblocks], as much of them as there is room for.
+int dflash_hd_last_schedule(unsigned* threads, size_t nthreads, unsigned long long* blocks, size_t nblocks) {
+    if (hd::t_last_order == hd::Order::mixed) return -1;
+    std::copy_n(hd::t_last_threads.begin(), std::min(nthreads, hd::t_last_threads.size()), threads);
+    std::copy_n(hd::t_last_blocks.begin(), std::min(nblocks, hd::t_last_blocks.size()), blocks);
+    return (int)hd::t_last_order;
+}
+
+// For tests: from now on, each launch of the calling thread keeps a copy of the shared
+// memory of every kernel (which each block starts with poisoned) as its last block left
+// it. Returns the copy that the last launch kept, and its size.
+size_t dflash_hd_keep_shared(const unsigned char** copy) {
+    hd::t_keep_shared = true;
+    *copy = hd::t_last_shared.data();
+    return hd::t_last_shared.size();
 }
 }
