@@ -48,11 +48,51 @@ fn rel_err(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max) / scale
 }
 
+thread_local! {
+    /// Failed comparisons of the running test, while it collects them (see [`all_checks`]).
+    static FAILED: std::cell::RefCell<Option<Vec<String>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Until the returned guard is dropped, a failed tolerance check is printed and kept rather
+/// than ending the test, so one run (on a GPU: one row of scripts/gpu_check.sh per test)
+/// shows every comparison that fails, not only the first; the guard fails the test at its
+/// end with all of them.
+#[must_use]
+fn all_checks() -> AllChecks {
+    FAILED.with(|f| *f.borrow_mut() = Some(Vec::new()));
+    AllChecks
+}
+
+struct AllChecks;
+
+impl Drop for AllChecks {
+    fn drop(&mut self) {
+        let failed = FAILED.with(|f| f.borrow_mut().take()).unwrap_or_default();
+        if !failed.is_empty() && !std::thread::panicking() {
+            panic!("{} comparison(s) failed:\n  {}", failed.len(), failed.join("\n  "));
+        }
+    }
+}
+
+/// A tolerance check: kept when the test collects its failures, else an assertion.
+fn check(ok: bool, msg: impl FnOnce() -> String) {
+    if ok {
+        return;
+    }
+    let msg = msg();
+    let kept = FAILED.with(|f| f.borrow_mut().as_mut().map(|v| v.push(msg.clone())).is_some());
+    if kept {
+        eprintln!("FAILED: {msg}");
+    } else {
+        panic!("{msg}");
+    }
+}
+
 fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    assert!(got.iter().all(|x| x.is_finite()), "{what}: non-finite output");
+    check(got.iter().all(|x| x.is_finite()), || format!("{what}: non-finite output"));
     let e = rel_err(got, want);
     eprintln!("{what}: max relative error {e:.2e} (tolerance {tol:.0e})");
-    assert!(e <= tol, "{what}: max relative error {e:e} > {tol:e}");
+    check(e <= tol, || format!("{what}: max relative error {e:e} > {tol:e}"));
 }
 
 // f32 tolerances: the device sums in another order (warp trees, GEMM blocking) and uses
@@ -72,7 +112,7 @@ const ATOMIC_TOL: f32 = 1e-5;
 /// atomics), within [`ATOMIC_TOL`] on a GPU or the host device.
 fn assert_same_gradient(what: &str, got: &[f32], want: &[f32]) {
     if device().is_cpu() {
-        assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: not the same to the bit");
+        check(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), || format!("{what}: not the same to the bit"));
     } else {
         assert_close(what, got, want, ATOMIC_TOL);
     }
@@ -80,6 +120,7 @@ fn assert_same_gradient(what: &str, got: &[f32], want: &[f32]) {
 
 #[test]
 fn host_device_matmul_and_its_backward_match_the_cpu_backend() {
+    let _checks = all_checks();
     let mut rng = Rng::new(1);
     let (m, k, n) = (37, 53, 29);
     let (x, w, dy) = (rand_vec(&mut rng, m * k, 1.0), rand_vec(&mut rng, n * k, 1.0), rand_vec(&mut rng, m * n, 1.0));
@@ -125,6 +166,7 @@ fn openblas_sgemm() -> Option<SgemmFn> {
 
 #[test]
 fn host_device_gemm_honours_the_cublas_contract_like_openblas() {
+    let _checks = all_checks();
     let Some(sgemm) = openblas_sgemm() else {
         assert!(std::env::var_os("CI").is_none(), "OpenBLAS (cblas_sgemm) not found; .ci/run installs libopenblas0");
         eprintln!("skipped: no OpenBLAS on this machine (apt install libopenblas0)");
@@ -201,6 +243,7 @@ fn host_device_gemm_honours_the_cublas_contract_like_openblas() {
 
 #[test]
 fn host_device_rmsnorm_forward_and_backward_match_the_cpu_backend() {
+    let _checks = all_checks();
     let mut rng = Rng::new(3);
     // 300: more than one pass of a 256-thread block; 16: one partial warp-sized row.
     for &(rows, d) in &[(5usize, 300usize), (9, 16), (3, 64)] {
@@ -232,6 +275,7 @@ fn host_device_rmsnorm_forward_and_backward_match_the_cpu_backend() {
 
 #[test]
 fn host_device_rope_and_its_inverse_match_the_cpu_backend() {
+    let _checks = all_checks();
     let mut rng = Rng::new(4);
     let (rows, heads, hd) = (11, 3, 32);
     let x = rand_vec(&mut rng, rows * heads * hd, 1.0);
@@ -258,6 +302,7 @@ fn host_device_rope_and_its_inverse_match_the_cpu_backend() {
 
 #[test]
 fn host_device_swiglu_add_embed_copy_and_casts_match_the_cpu() {
+    let _checks = all_checks();
     let mut rng = Rng::new(5);
     let n = 1000;
     let (g, u, dout) = (rand_vec(&mut rng, n, 4.0), rand_vec(&mut rng, n, 2.0), rand_vec(&mut rng, n, 1.0));
@@ -378,6 +423,7 @@ fn check_attention(name: &str, tq: usize, tk: usize, spans: &[KeySpan], h: Heads
 
 #[test]
 fn host_device_causal_attention_with_gqa_matches_the_cpu_backend() {
+    let _checks = all_checks();
     let t = 23;
     let spans: Vec<KeySpan> = (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect();
     check_attention("causal hd=40 (lanes partly idle)", t, t, &spans, Heads { q_heads: 4, kv_heads: 2, head_dim: 40 }, 6);
@@ -391,6 +437,7 @@ fn host_device_causal_attention_with_gqa_matches_the_cpu_backend() {
 
 #[test]
 fn host_device_dflash_block_attention_matches_the_cpu_backend() {
+    let _checks = all_checks();
     // Context of 20 positions, then 3 blocks of 4: a block sees the context before its
     // anchor and itself; the block at anchor 0 sees no context; no block sees another.
     let (slen, bs, anchors) = (20usize, 4usize, [0usize, 7, 15]);
@@ -404,6 +451,7 @@ fn host_device_dflash_block_attention_matches_the_cpu_backend() {
 
 #[test]
 fn host_device_chunked_cross_entropy_matches_the_cpu_backend() {
+    let _checks = all_checks();
     let mut rng = Rng::new(10);
     let (n, h, vocab, chunk) = (6usize, 48usize, 700usize, 256usize);
     let hn = rand_vec(&mut rng, n * h, 1.0);
@@ -456,6 +504,7 @@ fn bytemuck_i32(v: &mut [i32]) -> &mut [u8] {
 
 #[test]
 fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
+    let _checks = all_checks();
     use dflash_worker::model::drafter::{grad_norm, AdamW};
     let mut rng = Rng::new(11);
     let n = 3000;
@@ -524,6 +573,7 @@ const LLAMA: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama
 
 #[test]
 fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
+    let _checks = all_checks();
     use dflash_worker::gpu::target::GpuTarget;
     use dflash_worker::model::target::Target;
     for (name, cfg, taps) in [("qwen3", QWEN3, vec![0usize, 2, 3]), ("llama", LLAMA, vec![1usize, 2])] {
@@ -555,6 +605,7 @@ fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
 
 #[test]
 fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
+    let _checks = all_checks();
     use dflash_shared::drafter::DrafterConfig;
     use dflash_worker::gpu::drafter::GpuDrafter;
     use dflash_worker::model::drafter::{Drafter, Frozen, Sample};
@@ -702,6 +753,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
 /// 1/Σw, steps the weights exactly as the host's scaled sum does.
 #[test]
 fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
+    let _checks = all_checks();
     use dflash_shared::drafter::DrafterConfig;
     use dflash_worker::gpu::drafter::GpuDrafter;
     use dflash_worker::gpu::{f32_bytes, Stream};
@@ -836,6 +888,7 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
 /// for attention and the GEMM, whose sums may run in another order there).
 #[test]
 fn host_device_bf16_activation_ops_round_the_f32_ops_once() {
+    let _checks = all_checks();
     let bf = |v: &[f32]| -> Vec<f32> { v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect() };
     let mut rng = Rng::new(31);
     let (t, h, nh, nkv, hd, inter) = (9usize, 64usize, 4usize, 2usize, 16usize, 48usize);
@@ -928,6 +981,7 @@ fn host_device_bf16_activation_ops_round_the_f32_ops_once() {
 /// the activations the query came from, so the step is still caught as non-finite.
 #[test]
 fn host_device_attention_treats_a_nan_query_row_as_the_cpu_backend_does() {
+    let _checks = all_checks();
     let mut rng = Rng::new(13);
     let (t, h) = (20usize, Heads { q_heads: 2, kv_heads: 1, head_dim: 32 });
     let (qw, kw) = (h.q_heads * h.head_dim, h.kv_heads * h.head_dim);
@@ -1030,6 +1084,7 @@ fn check_attention_bf16(name: &str, tq: usize, tk: usize, spans: &[KeySpan], h: 
 
 #[test]
 fn host_device_bf16_attention_on_tensor_cores_matches_the_cpu_backend() {
+    let _checks = all_checks();
     // 70 causal rows: 5 blocks of 16 rows (the last partly empty) over up to 5 tiles of
     // 16 keys, at the largest head dim; then head dims that are no multiple of 16 (zero
     // padding), with GQA.
