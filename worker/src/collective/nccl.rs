@@ -296,6 +296,13 @@ impl NcclCollective {
                 lib.path.display()
             )));
         }
+        // Loaded only by drafters that use it: where it came from, beside the GPU's libraries
+        // (on stderr: `bench compute --json` owns stdout).
+        eprintln!(
+            "  NCCL: {} ({major}.{minor}.{})",
+            lib.path.display(),
+            lib.version()?.2
+        );
         let dev = model.device();
         if dev.cuda_handles().is_none() {
             return Err(WorkerError::Permanent(format!(

@@ -149,11 +149,6 @@ impl CudaDevice {
         let nvrtc = super::nvrtc::version()
             .map(|(a, b)| format!("{a}.{b}"))
             .unwrap_or_else(|e| e.to_string());
-        let nccl = crate::collective::nccl::load()
-            .ok()
-            .and_then(|l| l.version().ok())
-            .map(|(a, b, c)| format!("{a}.{b}.{c}"))
-            .unwrap_or_else(|| "optional".into());
         use super::libs::CudaLib;
         let mut libraries = super::libs::report(&[
             (
@@ -162,7 +157,6 @@ impl CudaDevice {
             ),
             (CudaLib::Cublas, blas_version),
             (CudaLib::Nvrtc, nvrtc),
-            (CudaLib::Nccl, nccl),
         ]);
         libraries.push(format!(
             "kernels: {} for {arch}",

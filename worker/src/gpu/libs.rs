@@ -275,11 +275,12 @@ fn file_of(h: *mut c_void, lib: CudaLib) -> Option<PathBuf> {
     }
 }
 
-/// One line per library: where it was loaded from, or why it was not.
+/// One line per library of `versions` (each with its version): where it was loaded from,
+/// or why it was not.
 pub fn report(versions: &[(CudaLib, String)]) -> Vec<String> {
-    CudaLib::ALL
+    versions
         .iter()
-        .map(|&l| {
+        .map(|&(l, _)| {
             let v = versions
                 .iter()
                 .find(|(k, _)| *k == l)
