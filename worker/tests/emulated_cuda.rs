@@ -178,7 +178,8 @@ fn emulated_an_old_driver_that_refuses_the_cubin_names_both_versions() {
             "a permanent failure: {line}"
         );
         assert!(
-            line.contains("this driver is for CUDA 12.4") && line.contains("no newer than CUDA 12.4"),
+            line.contains("this driver is for CUDA 12.4")
+                && line.contains("no newer than CUDA 12.4"),
             "the driver's version: {line}"
         );
         assert!(
