@@ -305,3 +305,179 @@ fn an_emulated_gpu_drafter_killed_in_an_nccl_all_reduce_leaves_the_step_to_the_s
         "a batch is consumed exactly when its gradient is in a committed step: {audit}"
     );
 }
+
+/// The whole pipeline through the GPU code path with every device operation checked for
+/// stream order (`DFLASH_CHECK_STREAMS=1`: a copy not ordered after the compute it reads,
+/// or the host touching a pinned slot before its copy's event, would fail the worker with
+/// both sides named): the target's weights in the arena, its forward's kernels and GEMMs,
+/// the bf16 cast, the copy stream into the pinned slot behind an event; the drafters'
+/// forward and backward on the device, their NCCL all-reduce — and the drafter learns.
+#[test]
+fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut env = emulated(tmp.path(), 3);
+    env.push(("DFLASH_CHECK_STREAMS".into(), "1".into()));
+    // Two drafter ranks: their device-computed weight checksums are compared every step.
+    let mut sup = start(
+        &[
+            "--gpus",
+            "0-2",
+            "--targets",
+            "1",
+            "--data",
+            "demo",
+            "--steps",
+            "5",
+            "--max-seq-len",
+            "16",
+            "--token-budget",
+            "128",
+            "--no-gpu-metrics",
+            "--metrics-interval",
+            "200ms",
+        ],
+        &env,
+    );
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "{}", sup.stderr());
+    for name in ["target-0", "drafter-0", "drafter-1"] {
+        let log = sup.log(name);
+        assert!(
+            log.contains("streams: every operation checked for stream order")
+                && log.contains("(stream-checked)"),
+            "{name} computes on the checked emulated GPU: {log}"
+        );
+    }
+    let (code, audit) = sup.ledger();
+    assert_eq!(code, 0, "{audit}");
+    let steps = steps(&sup);
+    assert_eq!(steps.len(), 5);
+    let loss: Vec<f64> = steps.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
+    assert!(loss.iter().all(|l| l.is_finite() && *l > 0.0), "{loss:?}");
+    assert!(
+        loss[3..].iter().sum::<f64>() < loss[..2].iter().sum::<f64>(),
+        "the drafter learns from device-computed taps: {loss:?}"
+    );
+    // The optimizer ran on the device: the final checkpoint's state came back from it,
+    // with the device's Adam step count (5 applied steps, none skipped).
+    let meta: Value = serde_json::from_str(
+        &fs::read_to_string(
+            sup.run_dir
+                .join("checkpoints")
+                .join(format!("step-{:08}", 5))
+                .join("meta.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (meta["step"].as_u64(), meta["adam_step"].as_u64()),
+        (Some(5), Some(5)),
+        "{meta}"
+    );
+    // The target's device memory reaches metrics.jsonl (its arena: in use within reserved).
+    let metrics = read_jsonl(&sup.run_dir.join("metrics.jsonl"));
+    let m = metrics.into_iter().rev().find_map(|m| {
+        m["pipeline"]["cuda_memory_by_worker"]
+            .get("target-0")
+            .cloned()
+    });
+    let m = m.unwrap_or_else(|| panic!("no cuda_memory_by_worker.target-0 in metrics.jsonl"));
+    let (reserved, in_use, peak) = (
+        m["reserved"].as_u64().unwrap(),
+        m["in_use"].as_u64().unwrap(),
+        m["peak"].as_u64().unwrap(),
+    );
+    assert!(
+        reserved > 0
+            && in_use > 0
+            && in_use <= reserved
+            && peak >= in_use
+            && m["alloc_failures"] == 0,
+        "{m}"
+    );
+}
+
+/// `bench compute` on a GPU — here the emulated one: the target forward, the drafter step
+/// and the device optimizer run there, the device→host copy into a pinned pool slot is
+/// measured against a plain pinned buffer in the same run, and the one-rank gradient
+/// reduction goes through NCCL.
+#[test]
+fn bench_compute_on_an_emulated_gpu_measures_the_drafter_step_the_optimizer_and_the_pinned_slot_copy(
+) {
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let env = emulated(tmp.path(), 1);
+    let mut c = std::process::Command::new(bin("dflash-supervise"));
+    c.args([
+        "bench",
+        "compute",
+        "--json",
+        "--target",
+        "qwen3:64x1",
+        "--tokens",
+        "16",
+    ]);
+    for (k, v) in &env {
+        c.env(k, v);
+    }
+    let out = c.output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    let d = &v["device"];
+    assert!(
+        d["name"].as_str().unwrap().starts_with("Emulated GPU"),
+        "{v}"
+    );
+    for k in [
+        "target_forward_s",
+        "drafter_step_s",
+        "drafter_tflops",
+        "optimizer_ms",
+        "slot_copy_gb_s",
+        "pinned_copy_gb_s",
+        "all_reduce_ms",
+        "step_with_all_reduce_s",
+    ] {
+        let x = d[k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{k} missing in {d}"));
+        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+    }
+    // The copy measured is a GPU's (64 MiB), not the host device's small one.
+    assert_eq!(d["copy_bytes"], 64 << 20, "{d}");
+    let ratio = d["slot_copy_gb_s"].as_f64().unwrap() / d["pinned_copy_gb_s"].as_f64().unwrap();
+    assert!(
+        (d["slot_vs_pinned"].as_f64().unwrap() - ratio).abs() < 1e-9 * ratio,
+        "{d}"
+    );
+    // NCCL as a one-rank group, bucket by bucket; the step with it takes at least about
+    // as long as the step alone.
+    assert_eq!(d["all_reduce"], "NCCL, 1 rank", "{d}");
+    let overlap = d["all_reduce_overlap"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&overlap), "{d}");
+    assert!(
+        d["step_with_all_reduce_s"].as_f64().unwrap()
+            >= d["drafter_step_s"].as_f64().unwrap() * 0.5,
+        "{d}"
+    );
+    for k in ["shm_all_reduce_ms", "shm_all_reduce_gb_s"] {
+        assert!(
+            v[k].as_f64().is_some_and(|x| x > 0.0 && x.is_finite()),
+            "{k}: {v}"
+        );
+    }
+    // No bf16 peak is known for the emulated GPU: no MFU is made up.
+    assert!(d["mfu"].is_null() && d["drafter_mfu"].is_null(), "{d}");
+}

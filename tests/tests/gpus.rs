@@ -235,50 +235,6 @@ fn bench_telemetry_prints_the_sampler_cost_and_the_supervisor_cpu_with_8_gpus() 
     assert!(String::from_utf8_lossy(&out.stderr).contains("bench telemetry needs NVML and a GPU"));
 }
 
-/// Workers on GPUs compute on the device. Here the device is the host device (the CUDA
-/// kernels compiled for the CPU, selected by DFLASH_DEVICE=host): the whole pipeline runs
-/// through the GPU code path — the target's weights in the arena, its forward's kernels
-/// and GEMMs, the bf16 cast, the copy stream into the pinned slot behind an event; the
-/// drafter's forward and backward on the device — and the drafter learns.
-#[test]
-fn host_device_targets_feed_the_pipeline_and_the_drafter_learns() {
-    let tmp = tempfile::tempdir().unwrap();
-    let lib = fake_nvml();
-    let s = tmp.path().join("nvml.json");
-    let dev = |u: &str| format!(r#"{{"name": "Fake H200", "uuid": "GPU-{u}", "memory_total": 150323855360}}"#);
-    fs::write(&s, format!(r#"{{"driver": "550.54.15", "devices": [{}, {}, {}]}}"#, dev("aaaa"), dev("bbbb"), dev("cccc"))).unwrap();
-    let env = [("DFLASH_NVML_LIBRARY", lib.to_str().unwrap()), ("DFLASH_FAKE_NVML", s.to_str().unwrap()), ("DFLASH_DEVICE", "host")];
-    // Two drafter ranks: their device-computed weight checksums are compared every step.
-    let mut sup = Sup::start_real_env(
-        &["--gpus", "0-2", "--targets", "1", "--data", "demo", "--steps", "5", "--max-seq-len", "16", "--token-budget", "128", "--no-gpu-metrics", "--metrics-interval", "200ms"],
-        &env,
-    );
-    // The host device runs every kernel as CPU fibers: ~40 s alone, more beside other tests.
-    let status = sup.wait_exit(Duration::from_secs(240));
-    assert_eq!(status.code(), Some(0), "{}", sup.stderr());
-    let log = sup.log("target-0");
-    assert!(log.contains("computing on host device"), "{log}");
-    let log = sup.log("drafter-0");
-    assert!(log.contains("computing on host device"), "the drafter's forward and backward run on the device too: {log}");
-    let (code, audit) = sup.ledger();
-    assert_eq!(code, 0, "{audit}");
-    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
-    assert_eq!(steps.len(), 5);
-    let loss: Vec<f64> = steps.iter().map(|s| s["loss"].as_f64().unwrap()).collect();
-    assert!(loss.iter().all(|l| l.is_finite() && *l > 0.0), "{loss:?}");
-    assert!(loss[3..].iter().sum::<f64>() < loss[..2].iter().sum::<f64>(), "the drafter learns from device-computed taps: {loss:?}");
-    assert!(sup.log("drafter-1").contains("computing on host device"));
-    // The optimizer ran on the device: the final checkpoint's state came back from it,
-    // with the device's Adam step count (5 applied steps, none skipped).
-    let meta: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(sup.run_dir.join("checkpoints").join(format!("step-{:08}", 5)).join("meta.json")).unwrap()).unwrap();
-    assert_eq!((meta["step"].as_u64(), meta["adam_step"].as_u64()), (Some(5), Some(5)), "{meta}");
-    // The target's device memory reaches metrics.jsonl (its arena: in use within reserved).
-    let m = metrics(&sup).into_iter().rev().find_map(|m| m["pipeline"]["cuda_memory_by_worker"].get("target-0").cloned());
-    let m = m.unwrap_or_else(|| panic!("no cuda_memory_by_worker.target-0 in metrics.jsonl"));
-    let (reserved, in_use, peak) = (m["reserved"].as_u64().unwrap(), m["in_use"].as_u64().unwrap(), m["peak"].as_u64().unwrap());
-    assert!(reserved > 0 && in_use > 0 && in_use <= reserved && peak >= in_use && m["alloc_failures"] == 0, "{m}");
-}
 
 /// A target on a GPU that cannot use it (here: no libcuda at all) exits with the
 /// "permanent" code and one line naming the library; the supervisor stops the run with
@@ -337,34 +293,3 @@ fn a_gpu_worker_on_a_too_old_cuda_stops_the_run_with_the_missing_function_named(
     assert!(!logs.contains("panicked"), "no backtrace: {logs}");
 }
 
-/// `bench compute` on a device (the host device here; a GPU in scripts/gpu_check.sh):
-/// the target forward, the drafter step and the device optimizer run there, and the
-/// device→host copy into a pinned pool slot is measured against a plain pinned buffer in
-/// the same run.
-#[test]
-fn host_device_bench_compute_measures_the_drafter_step_the_optimizer_and_the_pinned_slot_copy() {
-    let out = supervise_env(&["bench", "compute", "--json", "--target", "qwen3:64x1", "--tokens", "16"], &[("DFLASH_DEVICE", "host")]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let d = &v["device"];
-    assert!(d["name"].as_str().unwrap().starts_with("host device"), "{v}");
-    for k in ["target_forward_s", "drafter_step_s", "drafter_tflops", "optimizer_ms", "slot_copy_gb_s", "pinned_copy_gb_s", "all_reduce_ms", "step_with_all_reduce_s"] {
-        let x = d[k].as_f64().unwrap_or_else(|| panic!("{k} missing in {d}"));
-        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
-    }
-    assert_eq!(d["copy_bytes"], 4 << 20);
-    let ratio = d["slot_copy_gb_s"].as_f64().unwrap() / d["pinned_copy_gb_s"].as_f64().unwrap();
-    assert!((d["slot_vs_pinned"].as_f64().unwrap() - ratio).abs() < 1e-9 * ratio, "{d}");
-    // No NCCL on the host device: the one-rank reduction is the device copy, bucket by
-    // bucket; the step with it takes at least as long as the step alone.
-    assert_eq!(d["all_reduce"], "device copy, 1 rank, no NCCL", "{d}");
-    let overlap = d["all_reduce_overlap"].as_f64().unwrap();
-    assert!((0.0..=1.0).contains(&overlap), "{d}");
-    assert!(d["step_with_all_reduce_s"].as_f64().unwrap() >= d["drafter_step_s"].as_f64().unwrap() * 0.5, "{d}");
-    for k in ["shm_all_reduce_ms", "shm_all_reduce_gb_s"] {
-        assert!(v[k].as_f64().is_some_and(|x| x > 0.0 && x.is_finite()), "{k}: {v}");
-    }
-    // No bf16 peak is known for the host device: no MFU is made up.
-    assert!(d["mfu"].is_null() && d["drafter_mfu"].is_null(), "{d}");
-    assert!(v["device_note"].is_null());
-}

@@ -2,7 +2,11 @@
 //! process. The target forward over one sequence, per op and as a whole, as tokens/s and
 //! GFLOP/s; a bare GEMM over exactly the forward's matrix shapes, as the baseline the
 //! forward's rate is compared with (the GEMMs are most of its FLOPs); and one drafter
-//! training step on the same shapes.
+//! training step on the same shapes. `--target ops:qwen3-8b` (or `ops:tiny`) measures
+//! single ops on the device instead, at a model's real shapes: attention forward and
+//! backward (causal and DFlash blocks), the target's GEMMs, the chunked cross-entropy, a
+//! shallow target forward and a drafter step, each with TFLOP/s and its share of the bf16
+//! peak ([`run_ops`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -51,7 +55,7 @@ pub struct Figures {
     /// between two ranks over one pool, ms, and the gradient bytes it reads per second.
     pub shm_all_reduce_ms: f64,
     pub shm_all_reduce_gb_s: f64,
-    /// The same target forward on a device, when there is one (or DFLASH_DEVICE=host).
+    /// The same target forward on a device, when there is one.
     pub device: Option<DeviceFigures>,
     /// Why there are no device figures.
     pub device_note: Option<String>,
@@ -101,14 +105,12 @@ pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
     table.iter().find(|(k, _)| n.contains(k)).map(|(_, v)| *v)
 }
 
+/// The GPU, if CUDA is there (a real driver, or the tests' emulated one).
 fn open_device() -> Result<Option<Box<dyn crate::gpu::Device>>, String> {
-    Ok(Some(match std::env::var("DFLASH_DEVICE").as_deref() {
-        Ok("host") => Box::new(crate::gpu::host::HostDevice::new()) as Box<dyn crate::gpu::Device>,
-        _ => match crate::gpu::cuda::missing_library() {
-            Some(_) => return Ok(None),
-            None => Box::new(crate::gpu::cuda::CudaDevice::open().map_err(|e| e.to_string())?),
-        },
-    }))
+    if crate::gpu::cuda::missing_library().is_some() {
+        return Ok(None);
+    }
+    Ok(Some(Box::new(crate::gpu::cuda::CudaDevice::open().map_err(|e| e.to_string())?)))
 }
 
 /// What the device part measures besides the target: the drafter step of the CPU
@@ -360,6 +362,9 @@ pub fn shape_config(spec: &str) -> Result<String, String> {
 }
 
 pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), String> {
+    if let Some(preset) = target.strip_prefix("ops:") {
+        return run_ops(preset, json);
+    }
     let tmp;
     let (dir, shape): (PathBuf, String) = if Path::new(target).is_dir() {
         (PathBuf::from(target), target.to_string())
@@ -575,4 +580,532 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         shm_all_reduce_ms,
         shm_all_reduce_gb_s,
     })
+}
+
+// ---------------------------------------------------------------------------------------
+// `--target ops:PRESET`: single ops at a model's real shapes, on a device (the GPU, the
+// emulated GPU of the tests). Each op is timed on the device alone:
+// one warm-up, then as many repetitions as fit in about 0.2 s (at least one), with the
+// device synchronised around them, so launch latency is amortised but never hidden.
+
+/// The shapes of a preset: a target's attention and MLP, the drafter's blocks and loss.
+#[derive(Debug, Clone, Serialize)]
+pub struct OpsShape {
+    pub name: String,
+    pub hidden: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    /// Sequence lengths of the attention benchmarks (causal and DFlash blocks).
+    pub seq: Vec<usize>,
+    /// Rows (tokens) of the target GEMM benchmarks.
+    pub gemm_rows: usize,
+    pub block_size: usize,
+    /// Blocks per sequence of the DFlash attention, the loss and the drafter step.
+    pub anchors: usize,
+    /// Layers of the target forward (a random checkpoint of this depth).
+    pub forward_layers: usize,
+    pub forward_tokens: Vec<usize>,
+    /// The forward's vocabulary: only the embedding gather reads it, at a cost that does
+    /// not depend on its size, so the checkpoint is written with a small one.
+    pub forward_vocab: usize,
+    pub drafter_layers: usize,
+    /// Context tokens of the drafter step.
+    pub drafter_seq: usize,
+}
+
+/// `qwen3-8b`: Qwen3-8B (hidden 4096, 32 query and 8 KV heads of 128, MLP 12288,
+/// vocabulary 151,936) at a run's defaults (rows of 1024 tokens, 4096 per batch, 512
+/// blocks of 16). `tiny`: the same ops at shapes an emulated GPU (the host CPU) runs in
+/// seconds; head dim 128 still.
+pub fn ops_preset(name: &str) -> Option<OpsShape> {
+    let s = match name {
+        "qwen3-8b" => OpsShape {
+            name: name.into(),
+            hidden: 4096,
+            q_heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            intermediate: 12288,
+            vocab: 151_936,
+            seq: vec![1024, 4096],
+            gemm_rows: 4096,
+            block_size: 16,
+            anchors: 512,
+            forward_layers: 2,
+            forward_tokens: vec![1024, 4096],
+            forward_vocab: 8192,
+            drafter_layers: 2,
+            drafter_seq: 1024,
+        },
+        "tiny" => OpsShape {
+            name: name.into(),
+            hidden: 512,
+            q_heads: 4,
+            kv_heads: 1,
+            head_dim: 128,
+            intermediate: 1024,
+            vocab: 3000,
+            seq: vec![64, 128],
+            gemm_rows: 128,
+            block_size: 4,
+            anchors: 8,
+            forward_layers: 2,
+            forward_tokens: vec![64],
+            forward_vocab: 512,
+            drafter_layers: 1,
+            drafter_seq: 64,
+        },
+        _ => return None,
+    };
+    Some(s)
+}
+
+impl OpsShape {
+    fn config_json(&self, layers: usize, vocab: usize) -> String {
+        format!(
+            r#"{{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":{},"num_hidden_layers":{layers},
+            "num_attention_heads":{},"num_key_value_heads":{},"head_dim":{},"intermediate_size":{},"rms_norm_eps":1e-6,
+            "rope_theta":1000000.0,"vocab_size":{vocab},"tie_word_embeddings":true}}"#,
+            self.hidden, self.q_heads, self.kv_heads, self.head_dim, self.intermediate
+        )
+    }
+
+    /// `anchors` block starts spread evenly over `seq` tokens (each block fits).
+    fn anchors_for(&self, seq: usize) -> Vec<usize> {
+        let room = seq.saturating_sub(self.block_size).max(1);
+        let n = self.anchors.min(room);
+        let mut a: Vec<usize> = (0..n).map(|i| i * room / n).collect();
+        a.dedup();
+        a
+    }
+}
+
+/// One measured op.
+#[derive(Debug, Serialize)]
+pub struct OpRow {
+    pub op: String,
+    pub shape: String,
+    /// Seconds per call on the device.
+    pub seconds: Option<f64>,
+    pub reps: usize,
+    /// FLOPs per call as counted in `note` (model FLOPs unless said otherwise).
+    pub flops: f64,
+    pub tflops: Option<f64>,
+    /// Share of the device's dense bf16 peak, in percent, when the peak is known.
+    pub pct_peak: Option<f64>,
+    pub note: String,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct OpsFigures {
+    pub preset: OpsShape,
+    pub device: String,
+    pub peak_bf16_tflops: Option<f64>,
+    pub rows: Vec<OpRow>,
+    pub seconds: f64,
+}
+
+/// Deterministic values in [-scale, scale): a pool of 64 Ki drawn once, tiled, so that
+/// gigabytes of operands cost no more than a copy.
+fn pattern(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    let pool: Vec<f32> = (0..(1usize << 16).min(n.max(1))).map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale).collect();
+    (0..n).map(|i| pool[i % pool.len()]).collect()
+}
+
+/// Device buffers of one micro-benchmark: allocated (zeroed) and optionally filled.
+struct Bufs<'a> {
+    dev: &'a mut dyn crate::gpu::Device,
+    seed: u64,
+}
+
+impl Bufs<'_> {
+    fn zeros(&mut self, bytes: usize) -> Result<crate::gpu::DSlice, String> {
+        let ptr = self.dev.alloc(bytes.max(4)).map_err(|e| e.to_string())?;
+        Ok(crate::gpu::DSlice { ptr, bytes })
+    }
+    /// `n` values, f32 or bf16.
+    fn random(&mut self, n: usize, bf16: bool, scale: f32) -> Result<crate::gpu::DSlice, String> {
+        self.seed += 1;
+        let v = pattern(n, self.seed, scale);
+        let s = self.zeros(n * if bf16 { 2 } else { 4 })?;
+        let bytes: Vec<u8> = if bf16 { v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect() } else { crate::gpu::f32_bytes(&v).to_vec() };
+        self.dev.upload(crate::gpu::Stream::Compute, s, &bytes).map_err(|e| e.to_string())?;
+        Ok(s)
+    }
+    fn i32s(&mut self, v: &[i32]) -> Result<crate::gpu::DSlice, String> {
+        let s = self.zeros(v.len() * 4)?;
+        self.dev.upload(crate::gpu::Stream::Compute, s, crate::gpu::i32_bytes(v)).map_err(|e| e.to_string())?;
+        Ok(s)
+    }
+}
+
+/// Seconds per call of `f` on the device and the repetitions timed (see above).
+fn time_on_device(ops: &mut crate::gpu::ops::Ops, mut f: impl FnMut(&mut crate::gpu::ops::Ops) -> crate::gpu::Result<()>) -> Result<(f64, usize), String> {
+    let e = |e: crate::gpu::GpuError| e.to_string();
+    f(ops).map_err(e)?;
+    ops.dev.sync().map_err(e)?;
+    let t0 = Instant::now();
+    f(ops).map_err(e)?;
+    ops.dev.sync().map_err(e)?;
+    let one = t0.elapsed().as_secs_f64();
+    let reps = ((0.2 / one.max(1e-9)).ceil() as usize).clamp(1, 50);
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        f(ops).map_err(e)?;
+    }
+    ops.dev.sync().map_err(e)?;
+    Ok((t0.elapsed().as_secs_f64() / reps as f64, reps))
+}
+
+struct RowSink {
+    rows: Vec<OpRow>,
+    peak: Option<f64>,
+}
+
+impl RowSink {
+    fn push(&mut self, op: &str, shape: String, flops: f64, note: &str, r: Result<(f64, usize), String>) {
+        let (seconds, reps, error) = match r {
+            Ok((s, n)) => (Some(s), n, None),
+            Err(e) => (None, 0, Some(e)),
+        };
+        let tflops = seconds.map(|s| flops / s.max(1e-12) / 1e12);
+        let pct_peak = tflops.zip(self.peak).map(|(t, p)| 100.0 * t / p);
+        self.rows.push(OpRow { op: op.into(), shape, seconds, reps, flops, tflops, pct_peak, note: note.into(), error });
+    }
+}
+
+/// Causal spans (`[0, i + 1)`) of `t` rows, or DFlash's: block row `i` of anchor `a`
+/// sees the context `[0, a)` and its own block (keys after the `ctx` context keys).
+fn causal_spans(t: usize) -> Vec<i32> {
+    (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect()
+}
+fn block_spans(ctx: usize, anchors: &[usize], bs: usize) -> Vec<i32> {
+    (0..anchors.len() * bs)
+        .flat_map(|i| {
+            let n = i / bs;
+            [0, anchors[n] as i32, (ctx + n * bs) as i32, (ctx + (n + 1) * bs) as i32]
+        })
+        .collect()
+}
+/// Keys seen by every query row of those spans, summed.
+fn span_keys(spans: &[i32]) -> f64 {
+    spans.chunks_exact(4).map(|s| ((s[1] - s[0]) + (s[3] - s[2])) as f64).sum()
+}
+
+/// The attention, the GEMM and the loss micro-benchmarks on one device.
+fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut RowSink) -> Result<(), String> {
+    use crate::gpu::ops::Ops;
+    let mut ops = Ops::new(dev);
+    let (qh, kvh, hd, h) = (p.q_heads, p.kv_heads, p.head_dim, p.hidden);
+    let (qd, kd) = (qh * hd, kvh * hd);
+    let heads = format!("{qh}/{kvh} heads of {hd}");
+    let mut seed = 100;
+    // Attention: causal over t tokens (the target's, bf16), and DFlash's blocks over a
+    // context of t tokens (the drafter's, f32 in and out, bf16 products), each forward
+    // and backward. Model FLOPs: QKᵀ and PV forward; four products backward (dQ, dK, dV
+    // and dP; the recomputed QKᵀ not counted).
+    for &t in &p.seq {
+        let anchors = p.anchors_for(t);
+        let m = anchors.len() * p.block_size;
+        for (kind, tq, tk, spans) in [("causal", t, t, causal_spans(t)), ("dflash", m, t + m, block_spans(t, &anchors, p.block_size))] {
+            let keys = span_keys(&spans);
+            let fwd_flops = 4.0 * keys * qd as f64;
+            let shape = if kind == "causal" { format!("{t} tokens, {heads}") } else { format!("{} blocks of {} over {t} tokens, {heads}", anchors.len(), p.block_size) };
+            let mut b = Bufs { dev: ops.dev.as_mut(), seed };
+            let bufs = (|| -> Result<_, String> {
+                let sp = b.i32s(&spans)?;
+                let f32s = [b.random(tq * qd, false, 1.0)?, b.random(tk * kd, false, 1.0)?, b.random(tk * kd, false, 1.0)?, b.zeros(tq * qd * 4)?, b.zeros(tq * qh * 4)?];
+                let bf16s = [b.random(tq * qd, true, 1.0)?, b.random(tk * kd, true, 1.0)?, b.random(tk * kd, true, 1.0)?, b.zeros(tq * qd * 2)?];
+                let grads = [b.random(tq * qd, false, 1.0)?, b.zeros(tq * qd * 4)?, b.zeros(tk * kd * 4)?, b.zeros(tk * kd * 4)?];
+                Ok((sp, f32s, bf16s, grads))
+            })();
+            seed = b.seed;
+            let (sp, [q, k, v, out, lse], [q16, k16, v16, out16], [dout, dq, dk, dv]) = match bufs {
+                Ok(x) => x,
+                Err(e) => {
+                    sink.push(&format!("attention {kind} forward"), shape.clone(), fwd_flops, "", Err(e.clone()));
+                    sink.push(&format!("attention {kind} backward"), shape, 2.0 * fwd_flops, "", Err(e));
+                    continue;
+                }
+            };
+            if kind == "causal" {
+                ops.act16 = true;
+                let r = time_on_device(&mut ops, |o| o.attention(q16, k16, v16, out16, lse, sp, tq, qh, kvh, hd));
+                ops.act16 = false;
+                sink.push("attention causal forward", shape.clone(), fwd_flops, "the target's kernel: bf16 in and out", r);
+            } else {
+                let r = time_on_device(&mut ops, |o| o.attention(q, k, v, out, lse, sp, tq, qh, kvh, hd));
+                sink.push("attention dflash forward", shape.clone(), fwd_flops, "the drafter's kernel: f32 in and out, bf16 products", r);
+            }
+            // The backward needs the forward's output and log-sum-exp (f32).
+            let r = ops.attention(q, k, v, out, lse, sp, tq, qh, kvh, hd).map_err(|e| e.to_string()).and_then(|_| time_on_device(&mut ops, |o| o.attention_backward(dout, out, lse, q, k, v, sp, dq, dk, dv, tq, qh, kvh, hd)));
+            sink.push(&format!("attention {kind} backward"), shape, 2.0 * fwd_flops, "dQ, dK, dV (f32, accumulated); 4 products counted", r);
+        }
+    }
+
+    // The target's GEMMs over one batch's tokens, bf16 in and out (f32 accumulation).
+    let m = p.gemm_rows;
+    let gemms = [("q_proj", h, qd), ("k_proj", h, kd), ("v_proj", h, kd), ("o_proj", qd, h), ("gate_proj", h, p.intermediate), ("up_proj", h, p.intermediate), ("down_proj", p.intermediate, h)];
+    for (name, k, n) in gemms {
+        let mut b = Bufs { dev: ops.dev.as_mut(), seed };
+        let bufs = (|| Ok::<_, String>((b.random(m * k, true, 1.0)?, b.random(n * k, true, 0.05)?, b.zeros(m * n * 2)?)))();
+        seed = b.seed;
+        let flops = 2.0 * (m * k * n) as f64;
+        let shape = format!("{m}x{k} · ({n}x{k})ᵀ");
+        let r = bufs.and_then(|(x, w, y)| {
+            ops.act16 = true;
+            let r = time_on_device(&mut ops, |o| o.matmul_act(x, w, y, m, k, n));
+            ops.act16 = false;
+            r
+        });
+        sink.push(&format!("gemm {name}"), shape, flops, "cuBLAS bf16 in and out", r);
+    }
+
+    // The drafter's loss through the frozen lm_head, a vocabulary chunk at a time, as
+    // `GpuDrafter::loss` runs it: forward (cast, logits GEMM, chunk statistics), then
+    // backward (cast, the logits again, softmax gradient, cast, dX GEMM).
+    let n = p.anchors * (p.block_size - 1);
+    let v = p.vocab;
+    let cw = 4096.min(v);
+    let mut b = Bufs { dev: ops.dev.as_mut(), seed };
+    let bufs = (|| -> Result<_, String> {
+        let labels: Vec<i32> = (0..n).map(|i| ((i * 7919) % v) as i32).collect();
+        Ok((
+            b.random(n * h, false, 1.0)?,
+            b.zeros(n * h * 2)?,
+            b.random(v * h, true, 0.05)?,
+            b.zeros(n * cw * 4)?,
+            b.zeros(n * cw * 2)?,
+            [b.zeros(n * 4)?, b.zeros(n * 4)?, b.zeros(n * 4)?, b.zeros(n * 4)?, b.zeros(n * 4)?],
+            b.i32s(&labels)?,
+            b.random(n, false, 1e-3)?,
+            b.zeros(n * h * 4)?,
+        ))
+    })();
+    let shape = format!("{n} rows x {h} over {v} tokens, chunks of {cw}");
+    match bufs {
+        Err(e) => {
+            sink.push("cross_entropy forward", shape.clone(), 2.0 * (n * h * v) as f64, "", Err(e.clone()));
+            sink.push("cross_entropy backward", shape, 4.0 * (n * h * v) as f64, "", Err(e));
+        }
+        Ok((x, xb, lm16, logits, lb, [rmax, rsum, bv, bi, ll], labels, scale, dx)) => {
+            let chunk = |start: usize| (cw.min(v - start), lm16.sub(2, start * h..(start + cw.min(v - start)) * h));
+            let neg_inf = vec![f32::NEG_INFINITY; n];
+            let fwd = |o: &mut Ops| -> crate::gpu::Result<()> {
+                o.dev.upload(crate::gpu::Stream::Compute, rmax, crate::gpu::f32_bytes(&neg_inf))?;
+                o.dev.memset_zero(crate::gpu::Stream::Compute, rsum)?;
+                o.dev.upload(crate::gpu::Stream::Compute, bv, crate::gpu::f32_bytes(&neg_inf))?;
+                for start in (0..v).step_by(cw) {
+                    let (w, lm) = chunk(start);
+                    o.f32_to_bf16(xb, x)?;
+                    o.matmul_bf16(xb, lm, logits.f32s(0..n * w), n, h, w)?;
+                    o.ce_chunk_stats(rmax, rsum, bv, bi, ll, logits.f32s(0..n * w), labels, n, w, start)?;
+                }
+                Ok(())
+            };
+            let r = time_on_device(&mut ops, fwd);
+            let ok = r.is_ok();
+            sink.push("cross_entropy forward", shape.clone(), 2.0 * (n * h * v) as f64, "logits GEMM (bf16, f32 out) and the chunk's max/sum/argmax", r);
+            let bwd = |o: &mut Ops| -> crate::gpu::Result<()> {
+                for start in (0..v).step_by(cw) {
+                    let (w, lm) = chunk(start);
+                    let l = logits.f32s(0..n * w);
+                    o.f32_to_bf16(xb, x)?;
+                    o.matmul_bf16(xb, lm, l, n, h, w)?;
+                    o.ce_chunk_grad(l, rmax, rsum, labels, scale, n, w, start)?;
+                    o.f32_to_bf16(lb.sub(2, 0..n * w), l)?;
+                    o.matmul_backward_bf16(lb.sub(2, 0..n * w), xb, lm, Some(dx), None, n, h, w)?;
+                }
+                Ok(())
+            };
+            let r = if ok { time_on_device(&mut ops, bwd) } else { Err("the forward failed".into()) };
+            sink.push("cross_entropy backward", shape, 4.0 * (n * h * v) as f64, "hardware FLOPs: the logits recomputed and dX", r);
+        }
+    }
+    Ok(())
+}
+
+/// The target forward of `p.forward_layers` layers of the preset's shape (random bf16
+/// weights), as a target worker runs it: taps written to a staging buffer and copied
+/// into pinned host memory behind an event, the next sequence computing meanwhile.
+fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
+    let layers = p.forward_layers;
+    let dir = std::env::temp_dir().join(format!("dflash-bench-ops-{}-{}", p.name, std::process::id()));
+    let written = crate::model::tiny::write_random(&dir, &p.config_json(layers, p.forward_vocab), 11).map_err(|e| format!("writing the {layers}-layer checkpoint: {e}"));
+    let target = written.and_then(|_| Target::load(&dir, &[layers - 1]).map_err(|e| e.to_string()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let target = target?;
+    let tmax = p.forward_tokens.iter().copied().max().unwrap_or(1);
+    let dev = open_device()?.ok_or("no device")?;
+    let mut g = crate::gpu::target::GpuTarget::new(dev, &target, tmax).map_err(|e| e.to_string())?;
+    let (h, qd, kd, inter) = (p.hidden, p.q_heads * p.head_dim, p.kv_heads * p.head_dim, p.intermediate);
+    let width = h; // one tap, the last layer's output
+    let bytes = tmax * width * 2;
+    let layout = std::alloc::Layout::from_size_align(bytes.max(1).next_multiple_of(4096), 4096).map_err(|e| e.to_string())?;
+    // SAFETY: non-zero size; freed below once the device is gone.
+    let pinned = unsafe { std::alloc::alloc_zeroed(layout) };
+    if pinned.is_null() {
+        return Err("out of host memory".into());
+    }
+    let result = (|| -> Result<(), String> {
+        // SAFETY: the buffer outlives `g` (dropped before it is freed).
+        unsafe { g.register_host(pinned, layout.size()) }.map_err(|e| e.to_string())?;
+        let mut rng = Rng::new(5);
+        for &t in &p.forward_tokens {
+            let ids: Vec<u32> = (0..t).map(|_| rng.below(p.forward_vocab as u64) as u32).collect();
+            let gemm = 2.0 * (t * (h * qd + 2 * h * kd + qd * h + 3 * h * inter)) as f64;
+            let attn = 4.0 * (t * (t + 1) / 2) as f64 * qd as f64;
+            let flops = (gemm + attn) * layers as f64;
+            let mut run = |n: usize| -> Result<f64, String> {
+                let t0 = Instant::now();
+                let mut last = None;
+                for _ in 0..n {
+                    // SAFETY: `pinned` is registered and only read after `finish`.
+                    last = unsafe { g.forward_taps_into(&ids, pinned) }.map_err(|e| e.to_string())?;
+                }
+                if let Some(e) = last {
+                    g.finish(e, pinned, t * width * 2).map_err(|e| e.to_string())?;
+                }
+                Ok(t0.elapsed().as_secs_f64() / n as f64)
+            };
+            let r = run(1).and_then(|one| {
+                let reps = ((0.3 / one.max(1e-9)).ceil() as usize).clamp(2, 20);
+                run(reps).map(|s| (s, reps))
+            });
+            sink.push("target forward", format!("{layers} layer(s), {t} tokens"), flops, "GEMMs and causal attention; taps copied to pinned memory, overlapped", r);
+        }
+        Ok(())
+    })();
+    drop(g);
+    // SAFETY: allocated above; the device that registered it is gone.
+    unsafe { std::alloc::dealloc(pinned, layout) };
+    result
+}
+
+/// One drafter training step (forward and backward, the gradient left on the device) of
+/// `p.drafter_layers` layers at the preset's shape, over one sample of `p.drafter_seq`
+/// tokens with `p.anchors` blocks.
+fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
+    let cfg = TargetConfig::parse(&p.config_json(p.drafter_layers.max(1), p.vocab))?;
+    let n_taps = p.drafter_layers.max(1);
+    let dcfg = DrafterConfig::for_target(&cfg, p.drafter_layers, n_taps, p.block_size, p.anchors);
+    let drafter = Drafter::new(dcfg.clone());
+    let s = p.drafter_seq;
+    let shape = format!("{} layer(s), {} tap(s), {s} tokens, {} blocks of {}, vocabulary {}", dcfg.layers, n_taps, dcfg.max_anchors.min(s - 1), p.block_size, p.vocab);
+    let params = drafter.init_params(3);
+    let frozen = Frozen { embed: pattern(p.vocab * p.hidden, 21, 0.05), lm_head: pattern(p.vocab * p.hidden, 22, 0.05) };
+    let taps = pattern(s * n_taps * p.hidden, 23, 1.0);
+    let mut rng = Rng::new(9);
+    let ids: Vec<u32> = (0..s).map(|_| rng.below(p.vocab as u64) as u32).collect();
+    let mask = vec![1u8; s];
+    let anchors = drafter.sample_anchors(&mask, &mut rng);
+    let supervised = anchors.iter().map(|&a| (1..dcfg.block_size).filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0).count()).sum();
+    let flops = drafter_step_flops(&dcfg, s, &anchors, supervised);
+    let dev = open_device()?.ok_or("no device")?;
+    let r = (|| -> Result<(f64, usize), String> {
+        let e = |e: crate::gpu::GpuError| e.to_string();
+        let mut gd = crate::gpu::drafter::GpuDrafter::new(dev, &drafter, &frozen, s).map_err(e)?;
+        let zeros = vec![0f32; params.len()];
+        gd.load(&params, &zeros, &zeros, 0).map_err(e)?;
+        let sample = [Sample { taps: &taps, ids: &ids, mask: &mask }];
+        let anchors = [anchors.clone()];
+        let step = |gd: &mut crate::gpu::drafter::GpuDrafter| -> Result<f64, String> {
+            let t0 = Instant::now();
+            gd.train_batch_on_device(&sample, &anchors, 1.0).map_err(e)?;
+            gd.device().sync().map_err(e)?;
+            Ok(t0.elapsed().as_secs_f64())
+        };
+        step(&mut gd)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            best = best.min(step(&mut gd)?);
+        }
+        Ok((best, 3))
+    })();
+    sink.push("drafter step", shape, flops, "forward and backward (model FLOPs, drafter_step_flops); f32 taps uploaded; best of 3", r);
+    Ok(())
+}
+
+pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
+    let p = ops_preset(preset).ok_or_else(|| format!("--target ops:{preset}: unknown preset (ops:qwen3-8b, ops:tiny)"))?;
+    let t0 = Instant::now();
+    let dev = match open_device() {
+        Ok(Some(d)) => d,
+        Ok(None) => return Err(format!("ops:{preset} measures ops on a GPU, and none can be used here: {}", crate::gpu::cuda::missing_library().unwrap_or_default())),
+        Err(e) => return Err(format!("ops:{preset}: opening the GPU: {e}")),
+    };
+    let device = dev.describe();
+    let peak = peak_bf16_tflops(&device);
+    let mut sink = RowSink { rows: Vec::new(), peak };
+    let fail = |sink: &mut RowSink, op: &str, r: Result<(), String>| {
+        if let Err(e) = r {
+            sink.push(op, String::new(), 0.0, "", Err(e));
+        }
+    };
+    let r = measure_kernels(&p, dev, &mut sink);
+    fail(&mut sink, "kernels", r);
+    let r = measure_forward(&p, &mut sink);
+    fail(&mut sink, "target forward", r);
+    let r = measure_drafter(&p, &mut sink);
+    fail(&mut sink, "drafter step", r);
+    let f = OpsFigures { preset: p, device, peak_bf16_tflops: peak, rows: sink.rows, seconds: t0.elapsed().as_secs_f64() };
+    if json {
+        println!("{}", serde_json::to_string(&f).map_err(|e| e.to_string())?);
+    } else {
+        let peak = f.peak_bf16_tflops.map_or("peak unknown for this device".to_string(), |p| format!("bf16 peak {p:.0} TFLOP/s"));
+        println!("bench compute ops:{}: {} ({peak}), {:.1} s", f.preset.name, f.device, f.seconds);
+        println!("  {:<26} {:<56} {:>10} {:>9} {:>7}", "op", "shape", "ms", "TFLOP/s", "% peak");
+        for r in &f.rows {
+            match (&r.error, r.seconds) {
+                (None, Some(s)) => println!(
+                    "  {:<26} {:<56} {:>10.3} {:>9.3} {:>7}",
+                    r.op,
+                    r.shape,
+                    s * 1e3,
+                    r.tflops.unwrap_or(0.0),
+                    r.pct_peak.map_or("-".into(), |p| format!("{p:.1}"))
+                ),
+                (e, _) => println!("  {:<26} {:<56} FAILED: {}", r.op, r.shape, e.as_deref().unwrap_or("?")),
+            }
+        }
+    }
+    if f.rows.iter().any(|r| r.error.is_some()) {
+        return Err(format!("{} of {} ops failed", f.rows.iter().filter(|r| r.error.is_some()).count(), f.rows.len()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_qwen3_8b_preset_has_the_model_and_run_shapes() {
+        let p = ops_preset("qwen3-8b").unwrap();
+        assert_eq!((p.hidden, p.q_heads, p.kv_heads, p.head_dim, p.intermediate, p.vocab), (4096, 32, 8, 128, 12288, 151_936));
+        let cfg = TargetConfig::parse(&p.config_json(2, p.vocab)).unwrap();
+        assert_eq!((cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads), (4096, 8));
+        for &t in &p.seq {
+            let a = p.anchors_for(t);
+            assert_eq!(a.len(), 512, "{t} tokens");
+            assert!(a.windows(2).all(|w| w[0] < w[1]) && a.last().unwrap() + p.block_size <= t, "{t}: {a:?}");
+        }
+        assert!(ops_preset("tiny").is_some() && ops_preset("gpt2").is_none());
+    }
+
+    #[test]
+    fn attention_flops_count_the_keys_each_row_sees() {
+        // Causal: row i sees i + 1 keys.
+        assert_eq!(span_keys(&causal_spans(4)), 10.0);
+        // Blocks of 2 at anchors 3 and 5 over 8 context tokens: each row sees its anchor's
+        // context and its own block; the block's keys come after the context's.
+        let s = block_spans(8, &[3, 5], 2);
+        assert_eq!(s, vec![0, 3, 8, 10, 0, 3, 8, 10, 0, 5, 10, 12, 0, 5, 10, 12]);
+        assert_eq!(span_keys(&s), 2.0 * (3.0 + 2.0) + 2.0 * (5.0 + 2.0));
+    }
 }

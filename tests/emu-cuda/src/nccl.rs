@@ -413,7 +413,18 @@ fn all_reduce(st: &CommState, op: u64, send: u64, recv: u64, bytes: usize, ty: T
         let data = if r == st.rank {
             mine.clone()
         } else {
-            std::fs::read(st.data_file(r, op)).unwrap_or_default()
+            match std::fs::read(st.data_file(r, op)) {
+                Ok(d) => d,
+                Err(_) => {
+                    // It posted, then left (its communicator was destroyed): a peer gone.
+                    say(format!(
+                        "rank {r} left while rank {} reads all-reduce {op}",
+                        st.rank
+                    ));
+                    st.error.store(REMOTE_ERROR, Ordering::SeqCst);
+                    return;
+                }
+            }
         };
         if data.len() != bytes {
             say(format!("rank {} all-reduce {op}: rank {r} posted {} bytes, this rank {bytes} (a count that differs between ranks)", st.rank, data.len()));

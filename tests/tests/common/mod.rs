@@ -15,23 +15,43 @@ pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     let dir = exe.parent().and_then(Path::parent).expect("target dir");
     let p = dir.join(name);
-    assert!(p.exists(), "{} is missing: build the workspace first (cargo build --workspace)", p.display());
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace first (cargo build --workspace)",
+        p.display()
+    );
     p
 }
 
 /// The fake NVML library (tests/fake-nvml), for GPU code paths without a GPU.
 pub fn fake_nvml() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    let p = exe.parent().and_then(Path::parent).expect("target dir").join("libdflash_fake_nvml.so");
-    assert!(p.exists(), "{} is missing: build the workspace first", p.display());
+    let p = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("libdflash_fake_nvml.so");
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace first",
+        p.display()
+    );
     p
 }
 
 /// The fake CUDA library (tests/fake-cuda): `cuInit` and no other function.
 pub fn fake_cuda() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
-    let p = exe.parent().and_then(Path::parent).expect("target dir").join("libdflash_fake_cuda.so");
-    assert!(p.exists(), "{} is missing: build the workspace first", p.display());
+    let p = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("libdflash_fake_cuda.so");
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace first",
+        p.display()
+    );
     p
 }
 
@@ -42,8 +62,15 @@ pub fn test_worker() -> PathBuf {
 /// Panic unless the test worker accepts `spec` (`DFLASH_TEST_BEHAVIOR`): a typo in a test
 /// must fail it here, not give a worker that idles.
 pub fn check_behavior(spec: &str) {
-    let out = Command::new(test_worker()).args(["--check-behavior", spec]).output().expect("run dflash-test-worker");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr).trim());
+    let out = Command::new(test_worker())
+        .args(["--check-behavior", spec])
+        .output()
+        .expect("run dflash-test-worker");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
 }
 
 /// Poll `f` every 20 ms until it returns Some or `timeout` passes; panic naming `what`.
@@ -62,8 +89,12 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<
 
 /// Alive and not a zombie.
 pub fn pid_alive(pid: u32) -> bool {
-    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
-    let state = stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
     !matches!(state, Some('Z') | Some('X') | None)
 }
 
@@ -108,7 +139,9 @@ impl Sup {
         cmd.args(args).arg("--run-dir").arg(&run_dir);
         if let Some(b) = behavior {
             check_behavior(b);
-            cmd.arg("--worker-bin").arg(test_worker()).env("DFLASH_TEST_BEHAVIOR", b);
+            cmd.arg("--worker-bin")
+                .arg(test_worker())
+                .env("DFLASH_TEST_BEHAVIOR", b);
             if args.contains(&"--data") {
                 // Workers without a rule do real work, so data flows around the offenders.
                 cmd.env("DFLASH_TEST_REAL_WORKER", bin("dflash-worker"));
@@ -127,7 +160,13 @@ impl Sup {
             .stderr(fs::File::create(tmp.path().join("stderr")).unwrap());
         let mut child = cmd.spawn().expect("start dflash-supervise");
         let stdin = child.stdin.take();
-        Sup { child, stdin, tmp, run_dir, status: None }
+        Sup {
+            child,
+            stdin,
+            tmp,
+            run_dir,
+            status: None,
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -152,7 +191,15 @@ impl Sup {
 
     /// `dflash-supervise ledger --json` of this run: (exit code, audit).
     pub fn ledger(&self) -> (i32, Value) {
-        let out = supervise(&["ledger", "--run-dir", self.run_dir.to_str().unwrap(), "--json"], None);
+        let out = supervise(
+            &[
+                "ledger",
+                "--run-dir",
+                self.run_dir.to_str().unwrap(),
+                "--json",
+            ],
+            None,
+        );
         let v = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
         (out.status.code().unwrap_or(-1), v)
     }
@@ -163,11 +210,17 @@ impl Sup {
     }
 
     pub fn log(&self, worker: &str) -> String {
-        fs::read_to_string(self.run_dir.join("logs").join(format!("{worker}.log"))).unwrap_or_default()
+        fs::read_to_string(self.run_dir.join("logs").join(format!("{worker}.log")))
+            .unwrap_or_default()
     }
 
     /// Wait until state.json satisfies `pred`; returns that state.
-    pub fn wait_state(&self, what: &str, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+    pub fn wait_state(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(s) = self.state() {
@@ -188,17 +241,23 @@ impl Sup {
 
     /// Wait until every worker is running (connected and heartbeating).
     pub fn wait_running(&self, n: usize) -> Value {
-        self.wait_state(&format!("{n} workers running"), Duration::from_secs(20), |s| {
-            let ws = s["workers"].as_array().unwrap();
-            ws.len() == n && ws.iter().all(|w| w["state"] == "running")
-        })
+        self.wait_state(
+            &format!("{n} workers running"),
+            Duration::from_secs(20),
+            |s| {
+                let ws = s["workers"].as_array().unwrap();
+                ws.len() == n && ws.iter().all(|w| w["state"] == "running")
+            },
+        )
     }
 
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
         if let Some(s) = self.status {
             return s;
         }
-        let s = wait_for("the supervisor to exit", timeout, || self.child.try_wait().unwrap());
+        let s = wait_for("the supervisor to exit", timeout, || {
+            self.child.try_wait().unwrap()
+        });
         self.status = Some(s);
         s
     }
@@ -210,15 +269,26 @@ impl Sup {
 
 /// Every JSON line of a file (none if it does not exist yet).
 pub fn read_jsonl(path: &Path) -> Vec<Value> {
-    fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+    fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
 }
 
 pub fn worker<'a>(state: &'a Value, name: &str) -> &'a Value {
-    state["workers"].as_array().unwrap().iter().find(|w| w["name"] == name).unwrap_or_else(|| panic!("no {name} in {state}"))
+    state["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["name"] == name)
+        .unwrap_or_else(|| panic!("no {name} in {state}"))
 }
 
 pub fn pid_of(state: &Value, name: &str) -> u32 {
-    worker(state, name)["pid"].as_u64().unwrap_or_else(|| panic!("{name} has no pid in {state}")) as u32
+    worker(state, name)["pid"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{name} has no pid in {state}")) as u32
 }
 
 impl Drop for Sup {

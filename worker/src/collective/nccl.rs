@@ -578,7 +578,7 @@ impl Collective for NcclCollective {
                 dev.upload(Stream::Copy, self.weight, &w.to_le_bytes())
                     .map_err(dev_err("the loss weight to the device"))?;
                 // SAFETY: one f64 on the device that lives as long as this collective.
-                lib.check("ncclAllReduce (loss weight)", unsafe {
+                let rc = unsafe {
                     lib.settled(
                         comm,
                         (lib.all_reduce)(
@@ -591,36 +591,48 @@ impl Collective for NcclCollective {
                             copy.cast(),
                         ),
                     )
-                })?;
+                };
+                if rc != SUCCESS {
+                    // A communicator that failed (a peer gone) refuses the next call too.
+                    return Ok(self.fail(rc, &format!("queueing step {step}'s all-reduce")));
+                }
                 // Every rank issues the same buckets in the same order (the layout's).
-                let e = model
-                    .reduce_buckets(Stream::Copy, |_, g, r| {
-                        // SAFETY: a range of the gradient and the same range of the reduce
-                        // buffer, both alive as long as the drafter; queued on the copy
-                        // stream behind the event of the backward that finished it.
-                        let rc = unsafe {
-                            lib.settled(
+                let refused = std::cell::Cell::new(SUCCESS);
+                let e = model.reduce_buckets(Stream::Copy, |_, g, r| {
+                    // SAFETY: a range of the gradient and the same range of the reduce
+                    // buffer, both alive as long as the drafter; queued on the copy
+                    // stream behind the event of the backward that finished it.
+                    let rc = unsafe {
+                        lib.settled(
+                            comm,
+                            (lib.all_reduce)(
+                                g.ptr as *const c_void,
+                                r.ptr as *mut c_void,
+                                g.bytes / 4,
+                                FLOAT32,
+                                SUM,
                                 comm,
-                                (lib.all_reduce)(
-                                    g.ptr as *const c_void,
-                                    r.ptr as *mut c_void,
-                                    g.bytes / 4,
-                                    FLOAT32,
-                                    SUM,
-                                    comm,
-                                    copy.cast(),
-                                ),
-                            )
-                        };
-                        if rc == SUCCESS {
-                            Ok(())
-                        } else {
-                            Err(crate::gpu::GpuError::Failed(format!(
-                                "ncclAllReduce of a gradient bucket: NCCL error {rc}"
-                            )))
-                        }
-                    })
-                    .map_err(dev_err("the gradient's all-reduce"))?;
+                                copy.cast(),
+                            ),
+                        )
+                    };
+                    if rc == SUCCESS {
+                        Ok(())
+                    } else {
+                        refused.set(rc);
+                        Err(crate::gpu::GpuError::Failed(format!(
+                            "ncclAllReduce of a gradient bucket: NCCL error {rc}"
+                        )))
+                    }
+                });
+                let e = match e {
+                    Err(_) if refused.get() != SUCCESS => {
+                        return Ok(
+                            self.fail(refused.get(), &format!("queueing step {step}'s all-reduce"))
+                        );
+                    }
+                    r => r.map_err(dev_err("the gradient's all-reduce"))?,
+                };
                 self.launched = Some((Instant::now(), e));
                 Ok(None)
             }

@@ -5,16 +5,17 @@
 //! - Kernels are `cuda/kernels.cu` compiled as C++ (build.rs) and launched through
 //!   `dflash_hd_launch` with cuLaunchKernel-style packed arguments.
 //! - Operations run when they are queued, in program order; what makes the two streams
-//!   real is a race detector with a vector clock per stream (and one for the host):
-//!   every access to a tracked buffer must be ordered after the last write to it (and a
-//!   write after every read since) by stream order, an event wait, or a host sync.
-//!   Otherwise the operation fails with [`GpuError::Race`] naming both sides, which is
-//!   how a copy that is not ordered after the compute it reads fails a test.
+//!   real is the stream-order checker ([`super::race`]): every access to a tracked buffer
+//!   must be ordered after the last write to it (and a write after every read since) by
+//!   stream order, an event wait, or a host sync. Otherwise the operation fails with
+//!   [`GpuError::Race`] naming both sides, which is how a copy that is not ordered after
+//!   the compute it reads fails a test.
 //! - GEMMs follow cuBLAS's column-major contract, computed by the `gemm` crate.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 
+use super::race::{Clock, RaceDetector};
 use super::{Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Result, Stream};
 
 extern "C" {
@@ -23,10 +24,6 @@ extern "C" {
     fn dflash_hd_kernel_sig(i: c_int) -> *const c_char;
     fn dflash_hd_launch(index: c_int, grid: *const u32, block: *const u32, args: *mut *mut c_void, err: *mut c_char, errlen: usize) -> c_int;
 }
-
-/// Clock slots: the two streams, then the host.
-const HOST: usize = 2;
-type Clock = [u64; 3];
 
 /// The kernels the host device can launch: name → (index, parameter kinds, one letter
 /// each: p pointer, i 4-byte integer, l 8-byte integer, f float, d double).
@@ -52,27 +49,10 @@ fn arg_kind(a: &Arg) -> char {
     }
 }
 
-#[derive(Debug, Clone)]
-struct Access {
-    clock_slot: usize,
-    seq: u64,
-    what: String,
-}
-
-#[derive(Debug)]
-struct Region {
-    end: u64,
-    name: String,
-    last_write: Option<Access>,
-    reads: Vec<Access>,
-}
-
 pub struct HostDevice {
     kernels: HashMap<String, (i32, String)>,
     allocations: Vec<(*mut u8, std::alloc::Layout)>,
-    /// Tracked ranges by start address (non-overlapping).
-    regions: BTreeMap<u64, Region>,
-    clocks: [Clock; 3],
+    race: RaceDetector,
     pub events: EventTable<Clock>,
     /// Operations run, per kind (for tests).
     pub launches: u64,
@@ -91,7 +71,7 @@ impl Default for HostDevice {
 
 impl HostDevice {
     pub fn new() -> HostDevice {
-        HostDevice { kernels: kernel_table(), allocations: Vec::new(), regions: BTreeMap::new(), clocks: [[0; 3]; 3], events: EventTable::default(), launches: 0, memory_limit: None }
+        HostDevice { kernels: kernel_table(), allocations: Vec::new(), race: RaceDetector::default(), events: EventTable::default(), launches: 0, memory_limit: None }
     }
 
     /// A host device that reports `bytes` of device memory and refuses to allocate more.
@@ -100,70 +80,6 @@ impl HostDevice {
         d.memory_limit = Some(bytes);
         d
     }
-
-    /// Check and record one access by `slot` (a stream or the host) at sequence `seq`.
-    fn access(&mut self, slot: usize, seq: u64, buf: DSlice, write: bool, what: &str) -> Result<()> {
-        if buf.bytes == 0 {
-            return Ok(());
-        }
-        let clock = self.clocks[slot];
-        let (lo, hi) = (buf.ptr, buf.ptr + buf.bytes as u64);
-        let first = self.regions.range(..=lo).next_back().map(|(k, _)| *k).unwrap_or(lo);
-        let me = Access { clock_slot: slot, seq, what: what.to_string() };
-        for (_, r) in self.regions.range_mut(first..hi) {
-            if r.end <= lo {
-                continue;
-            }
-            let ordered = |a: &Access| a.clock_slot == slot || clock[a.clock_slot] >= a.seq;
-            if let Some(w) = &r.last_write {
-                if !ordered(w) {
-                    return Err(race(&me, write, &r.name, w, "written"));
-                }
-            }
-            if write {
-                if let Some(rd) = r.reads.iter().find(|a| !ordered(a)) {
-                    return Err(race(&me, write, &r.name, rd, "read"));
-                }
-                r.last_write = Some(me.clone());
-                r.reads.clear();
-            } else {
-                r.reads.retain(|a| a.clock_slot != slot);
-                r.reads.push(me.clone());
-            }
-        }
-        Ok(())
-    }
-
-    /// Start an operation on `s`: its sequence number. Whatever the host did before
-    /// queueing it (including the syncs it waited for) is ordered before it.
-    fn op(&mut self, s: Stream) -> u64 {
-        let i = s.index();
-        let host = self.clocks[HOST];
-        self.merge_into(i, host);
-        self.clocks[i][i] += 1;
-        self.clocks[i][i]
-    }
-
-    fn merge_into(&mut self, slot: usize, c: Clock) {
-        for (a, b) in self.clocks[slot].iter_mut().zip(c) {
-            *a = (*a).max(b);
-        }
-    }
-}
-
-fn stream_name(slot: usize) -> &'static str {
-    ["the compute stream", "the copy stream", "the host"][slot]
-}
-
-fn race(me: &Access, write: bool, region: &str, other: &Access, how: &str) -> GpuError {
-    GpuError::Race(format!(
-        "{} on {} {} {region}, {how} by {} on {} with no event or sync ordering them",
-        me.what,
-        stream_name(me.clock_slot),
-        if write { "writes" } else { "reads" },
-        other.what,
-        stream_name(other.clock_slot)
-    ))
 }
 
 impl Drop for HostDevice {
@@ -207,30 +123,15 @@ impl Device for HostDevice {
     }
 
     fn track(&mut self, buf: DSlice, name: &str) {
-        if buf.bytes == 0 {
-            return;
-        }
-        let (lo, hi) = (buf.ptr, buf.ptr + buf.bytes as u64);
-        // Carve [lo, hi) out of whatever overlaps it, keeping the rest of those regions.
-        let overlapping: Vec<u64> = self.regions.range(..hi).filter(|(k, r)| r.end > lo && **k < hi).map(|(k, _)| *k).collect();
-        for k in overlapping {
-            let r = self.regions.remove(&k).expect("listed");
-            if k < lo {
-                self.regions.insert(k, Region { end: lo, name: r.name.clone(), last_write: r.last_write.clone(), reads: r.reads.clone() });
-            }
-            if r.end > hi {
-                self.regions.insert(hi, Region { end: r.end, name: r.name.clone(), last_write: r.last_write.clone(), reads: r.reads.clone() });
-            }
-        }
-        self.regions.insert(lo, Region { end: hi, name: name.to_string(), last_write: None, reads: Vec::new() });
+        self.race.track(buf, name);
     }
 
     fn upload(&mut self, s: Stream, dst: DSlice, src: &[u8]) -> Result<()> {
         if src.len() > dst.bytes {
             return Err(GpuError::Invalid(format!("upload of {} bytes into {}", src.len(), dst.bytes)));
         }
-        let seq = self.op(s);
-        self.access(s.index(), seq, DSlice { ptr: dst.ptr, bytes: src.len() }, true, "an upload")?;
+        let seq = self.race.op(s);
+        self.race.on_stream(s, seq, DSlice { ptr: dst.ptr, bytes: src.len() }, true, "an upload")?;
         // SAFETY: dst is device (= host) memory of at least src.len() bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr as *mut u8, src.len()) };
         Ok(())
@@ -240,27 +141,26 @@ impl Device for HostDevice {
         if dst.len() > src.bytes {
             return Err(GpuError::Invalid(format!("download of {} bytes from {}", dst.len(), src.bytes)));
         }
-        let seq = self.op(s);
-        self.access(s.index(), seq, DSlice { ptr: src.ptr, bytes: dst.len() }, false, "a download")?;
+        let seq = self.race.op(s);
+        self.race.on_stream(s, seq, DSlice { ptr: src.ptr, bytes: dst.len() }, false, "a download")?;
         // SAFETY: as in upload.
         unsafe { std::ptr::copy_nonoverlapping(src.ptr as *const u8, dst.as_mut_ptr(), dst.len()) };
-        let c = self.clocks[s.index()];
-        self.merge_into(HOST, c);
+        self.race.host_waited_for(s);
         Ok(())
     }
 
     unsafe fn download_async(&mut self, s: Stream, src: DSlice, dst: *mut u8) -> Result<()> {
-        let seq = self.op(s);
-        self.access(s.index(), seq, src, false, "an async download")?;
-        self.access(s.index(), seq, DSlice { ptr: dst as u64, bytes: src.bytes }, true, "an async download")?;
+        let seq = self.race.op(s);
+        self.race.on_stream(s, seq, src, false, "an async download")?;
+        self.race.on_stream(s, seq, DSlice { ptr: dst as u64, bytes: src.bytes }, true, "an async download")?;
         std::ptr::copy_nonoverlapping(src.ptr as *const u8, dst, src.bytes);
         Ok(())
     }
 
     unsafe fn upload_async(&mut self, s: Stream, dst: DSlice, src: *const u8) -> Result<()> {
-        let seq = self.op(s);
-        self.access(s.index(), seq, DSlice { ptr: src as u64, bytes: dst.bytes }, false, "an async upload")?;
-        self.access(s.index(), seq, dst, true, "an async upload")?;
+        let seq = self.race.op(s);
+        self.race.on_stream(s, seq, DSlice { ptr: src as u64, bytes: dst.bytes }, false, "an async upload")?;
+        self.race.on_stream(s, seq, dst, true, "an async upload")?;
         std::ptr::copy_nonoverlapping(src, dst.ptr as *mut u8, dst.bytes);
         Ok(())
     }
@@ -276,14 +176,12 @@ impl Device for HostDevice {
     }
 
     fn host_access(&mut self, ptr: *const u8, bytes: usize, write: bool) -> Result<()> {
-        self.clocks[HOST][HOST] += 1;
-        let seq = self.clocks[HOST][HOST];
-        self.access(HOST, seq, DSlice { ptr: ptr as u64, bytes }, write, "the host")
+        self.race.host_access(DSlice { ptr: ptr as u64, bytes }, write)
     }
 
     fn memset_zero(&mut self, s: Stream, dst: DSlice) -> Result<()> {
-        let seq = self.op(s);
-        self.access(s.index(), seq, dst, true, "a memset")?;
+        let seq = self.race.op(s);
+        self.race.on_stream(s, seq, dst, true, "a memset")?;
         // SAFETY: dst is device (= host) memory.
         unsafe { std::ptr::write_bytes(dst.ptr as *mut u8, 0, dst.bytes) };
         Ok(())
@@ -300,19 +198,7 @@ impl Device for HostDevice {
         if let Some((i, (want, a))) = sig.chars().zip(args).enumerate().find(|(_, (want, a))| arg_kind(a) != *want) {
             return Err(GpuError::Invalid(format!("{kernel}: parameter {i} is of kind '{want}', given {a:?}")));
         }
-        let seq = self.op(s);
-        let what = format!("kernel {kernel}");
-        // Reads first, then writes: an argument both read and written counts as a write.
-        for a in args {
-            if let Arg::R(b) = a {
-                self.access(s.index(), seq, *b, false, &what)?;
-            }
-        }
-        for a in args {
-            if let Arg::W(b) | Arg::RW(b) = a {
-                self.access(s.index(), seq, *b, true, &what)?;
-            }
-        }
+        self.race.launch(s, kernel, args)?;
         // Each argument in its own 8-byte cell; scalars narrower than 8 bytes sit in the
         // low bytes (little-endian), which is where the kernel's parameter reads them.
         let mut cells: Vec<u64> = args
@@ -343,37 +229,31 @@ impl Device for HostDevice {
 
     fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()> {
         g.validate()?;
-        let seq = self.op(s);
-        let (ea, eb, ec) = g.extents();
-        let e = g.input_bytes();
-        self.access(s.index(), seq, DSlice { ptr: g.a.ptr, bytes: ea * e }, false, "a GEMM")?;
-        self.access(s.index(), seq, DSlice { ptr: g.b.ptr, bytes: eb * e }, false, "a GEMM")?;
-        self.access(s.index(), seq, DSlice { ptr: g.c.ptr, bytes: ec * g.output_bytes() }, true, "a GEMM")?;
+        self.race.gemm(s, g)?;
         // SAFETY: every operand covers its extent (validated above).
         unsafe { g.with_f32_output(|g| g.with_f32_inputs(|g| host_sgemm(g))) };
         Ok(())
     }
 
     fn record(&mut self, s: Stream) -> Result<Event> {
-        Ok(self.events.insert(self.clocks[s.index()]))
+        Ok(self.events.insert(self.race.record(s)))
     }
 
     fn wait(&mut self, s: Stream, e: Event) -> Result<()> {
         let c = *self.events.get(e)?;
-        self.merge_into(s.index(), c);
+        self.race.wait(s, c);
         Ok(())
     }
 
     fn sync_event(&mut self, e: Event) -> Result<()> {
         let c = *self.events.get(e)?;
-        self.merge_into(HOST, c);
+        self.race.host_waited(c);
         Ok(())
     }
 
     fn sync(&mut self) -> Result<()> {
-        let (a, b) = (self.clocks[0], self.clocks[1]);
-        self.merge_into(HOST, a);
-        self.merge_into(HOST, b);
+        self.race.host_waited_for(Stream::Compute);
+        self.race.host_waited_for(Stream::Copy);
         Ok(())
     }
 

@@ -6,8 +6,9 @@
 //! - [`host::HostDevice`]: the same kernels (`cuda/kernels.cu`, compiled as C++) run on the
 //!   CPU, every block's threads at once; streams are ordered queues with a race detector;
 //!   GEMMs honour cuBLAS's column-major contract. It exists so that CI, which has no GPU,
-//!   runs every kernel and all of this host code for real. `DFLASH_DEVICE=host` selects it
-//!   in a worker (tests only; it is not a user feature).
+//!   runs every kernel and all of this host code for real, in-process (the parity tests).
+//!   A worker's GPU is always [`cuda::CudaDevice`]: the tests give workers the emulated CUDA
+//!   stack (tests/emu-cuda) instead, so there is one GPU code path in the worker.
 //!
 //! - [`cpu::CpuDevice`]: the CPU itself, with a Rust counterpart of every kernel: what CPU
 //!   drafter workers train with, so that one drafter model serves every backend.
@@ -23,6 +24,7 @@ pub mod host;
 pub mod libs;
 pub mod nvrtc;
 pub mod ops;
+pub mod race;
 pub mod target;
 
 use std::fmt;
@@ -585,13 +587,15 @@ pub fn u32_bytes(v: &[u32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
 }
 
-/// Which device a worker computes on, from `DFLASH_DEVICE` (tests) and its GPU.
+/// Which device a worker computes on: its GPU (`CudaDevice`, over whichever CUDA driver
+/// the library search finds: a real one, or the tests' emulated one), or none (the CPU
+/// device). `DFLASH_DEVICE=cpu` forces the CPU; `DFLASH_CHECK_STREAMS=1` puts the GPU
+/// behind the stream-order checker ([`race::Checked`]: the tests run every e2e GPU run so).
 pub fn open_device(gpu: Option<u32>) -> Result<Option<Box<dyn Device>>> {
     match std::env::var("DFLASH_DEVICE").ok().as_deref() {
-        Some("host") => Ok(Some(Box::new(host::HostDevice::new()))),
         Some("cpu") => Ok(None),
         Some(other) if !other.is_empty() => Err(GpuError::Invalid(format!(
-            "DFLASH_DEVICE={other}: expected host or cpu"
+            "DFLASH_DEVICE={other}: expected cpu (a worker's GPU is CUDA's; the tests' emulated one is chosen by DFLASH_CUDA_LIB and DFLASH_CUBLAS_LIB)"
         ))),
         _ => match gpu {
             None => Ok(None),
@@ -602,6 +606,10 @@ pub fn open_device(gpu: Option<u32>) -> Result<Option<Box<dyn Device>>> {
                 println!("GPU: {}", dev.describe());
                 for l in &dev.libraries {
                     println!("  {l}");
+                }
+                if std::env::var("DFLASH_CHECK_STREAMS").is_ok_and(|v| v == "1") {
+                    println!("  streams: every operation checked for stream order (DFLASH_CHECK_STREAMS=1)");
+                    return Ok(Some(Box::new(race::Checked::new(Box::new(dev)))));
                 }
                 Ok(Some(Box::new(dev)))
             }
