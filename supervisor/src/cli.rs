@@ -419,7 +419,8 @@ pub enum BenchCommand {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
-        /// A Hugging Face model directory, or a built-in shape `qwen3:HIDDENxLAYERS`.
+        /// A Hugging Face model directory, a built-in shape `qwen3:HIDDENxLAYERS`, or
+        /// `ops:qwen3-8b` / `ops:tiny`: single ops on the GPU at those shapes.
         #[arg(long, value_name = "DIR|SHAPE", default_value = "qwen3:768x5")]
         target: String,
         /// Tokens in the measured sequence.

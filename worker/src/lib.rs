@@ -72,7 +72,8 @@ enum Command {
     /// whole against bare GEMMs of its shapes, and one drafter step.
     #[command(hide = true)]
     BenchOps {
-        /// A Hugging Face model directory, or a shape `qwen3:HIDDENxLAYERS`.
+        /// A Hugging Face model directory, a shape `qwen3:HIDDENxLAYERS`, or `ops:qwen3-8b` /
+        /// `ops:tiny` (single ops on the GPU at those shapes).
         #[arg(long, value_name = "DIR|SHAPE", default_value = "qwen3:768x5")]
         target: String,
         /// Tokens in the measured sequence.

@@ -318,7 +318,7 @@ unsafe fn gemm(
         Err(_) => return NOT_INITIALIZED,
     };
     {
-        let mut last = handle.last.lock().unwrap();
+        let last = handle.last.lock().unwrap();
         if let Some((s, seq)) = *last {
             if s != sid && clock.get(s) < seq {
                 return refuse(
@@ -327,7 +327,6 @@ unsafe fn gemm(
                 );
             }
         }
-        *last = None; // set below once queued
     }
     let d = driver();
     let used = |p: u64,
