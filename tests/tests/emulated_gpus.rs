@@ -116,6 +116,18 @@ fn steps(sup: &Sup) -> Vec<Value> {
     read_jsonl(&sup.run_dir.join("train.jsonl"))
 }
 
+/// The ledger's audit, which must pass with nothing lost or duplicated.
+fn clean_ledger(sup: &Sup) -> Value {
+    let (code, audit) = sup.ledger();
+    assert_eq!(code, 0, "{audit}");
+    assert_eq!(
+        (audit["lost"].as_u64(), audit["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{audit}"
+    );
+    audit
+}
+
 fn maps(pid: u32) -> String {
     fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default()
 }
@@ -195,13 +207,7 @@ fn four_emulated_gpus_train_in_one_nccl_group_like_the_cpu_run_and_keep_cuda_out
             "{name}: {log}"
         );
     }
-    let (code, audit) = sup.ledger();
-    assert_eq!(code, 0, "{audit}");
-    assert_eq!(
-        (audit["lost"].as_u64(), audit["duplicated"].as_u64()),
-        (Some(0), Some(0)),
-        "{audit}"
-    );
+    clean_ledger(&sup);
     let gpu = steps(&sup);
     assert_eq!(gpu.len(), 6);
     // Every committed step passed the supervisor's check that all ranks hold the same
@@ -280,13 +286,7 @@ fn an_emulated_gpu_drafter_killed_in_an_nccl_all_reduce_leaves_the_step_to_the_s
             .is_some_and(|w| w.starts_with("rank 1 joined"))),
         "the killed rank rejoined: {epochs:?}"
     );
-    let (code, audit) = sup.ledger();
-    assert_eq!(code, 0, "{audit}");
-    assert_eq!(
-        (audit["lost"].as_u64(), audit["duplicated"].as_u64()),
-        (Some(0), Some(0)),
-        "{audit}"
-    );
+    let audit = clean_ledger(&sup);
     assert!(
         audit["requeued"].as_u64().unwrap() >= 1,
         "the dead rank's batch went back: {audit}"
@@ -351,8 +351,7 @@ fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
             "{name} computes on the checked emulated GPU: {log}"
         );
     }
-    let (code, audit) = sup.ledger();
-    assert_eq!(code, 0, "{audit}");
+    clean_ledger(&sup);
     let steps = steps(&sup);
     assert_eq!(steps.len(), 5);
     let loss: Vec<f64> = steps.iter().map(|s| s["loss"].as_f64().unwrap()).collect();

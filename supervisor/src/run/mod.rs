@@ -329,16 +329,16 @@ pub(crate) fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], targ
     let gpu_drafters = plan.iter().filter(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Gpu(_))).count();
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
     // DFLASH_DEVICE=cpu (tests) makes GPU workers compute on the CPU: no NCCL there.
-    let host_device = std::env::var_os("DFLASH_DEVICE").is_some_and(|v| !v.is_empty());
+    let cpu_forced = std::env::var_os("DFLASH_DEVICE").is_some_and(|v| !v.is_empty());
     let collective = match args.collective.as_str() {
         "shm" => CollectiveKind::Shm,
-        "nccl" if gpu_drafters < drafters || host_device => {
-            let why = if host_device { "the drafters compute on the CPU (DFLASH_DEVICE)".to_string() } else { format!("{} of the {drafters} drafters are CPU workers", drafters - gpu_drafters) };
+        "nccl" if gpu_drafters < drafters || cpu_forced => {
+            let why = if cpu_forced { "the drafters compute on the CPU (DFLASH_DEVICE)".to_string() } else { format!("{} of the {drafters} drafters are CPU workers", drafters - gpu_drafters) };
             return Err(Error::Flag(format!("--collective nccl: NCCL all-reduces GPU buffers, but {why}; use --collective shm (or auto)")));
         }
         "nccl" => CollectiveKind::Nccl,
         _ if drafters == 1 => CollectiveKind::Local,
-        _ if gpu_drafters >= 2 && !host_device => CollectiveKind::Nccl,
+        _ if gpu_drafters >= 2 && !cpu_forced => CollectiveKind::Nccl,
         _ => CollectiveKind::Shm,
     };
     Ok(trainer::TrainerConfig {

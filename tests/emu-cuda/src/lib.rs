@@ -289,6 +289,15 @@ fn with_ctx() -> Result<&'static Driver, CUresult> {
     Ok(d)
 }
 
+/// The driver, if `dev` is one of its devices.
+fn device_of(dev: c_int) -> Result<&'static Driver, CUresult> {
+    let d = initialised()?;
+    if dev < 0 || dev >= d.devices {
+        return Err(ERROR_INVALID_DEVICE);
+    }
+    Ok(d)
+}
+
 macro_rules! tri {
     ($e:expr) => {
         match $e {
@@ -330,10 +339,7 @@ pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(dev: *mut c_int, ordinal: c_int) -> CUresult {
-    let d = tri!(initialised());
-    if ordinal < 0 || ordinal >= d.devices {
-        return ERROR_INVALID_DEVICE;
-    }
+    tri!(device_of(ordinal));
     *dev = ordinal;
     SUCCESS
 }
@@ -386,10 +392,7 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, _dev: 
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut u64, dev: c_int) -> CUresult {
-    let d = tri!(initialised());
-    if dev < 0 || dev >= d.devices {
-        return ERROR_INVALID_DEVICE;
-    }
+    tri!(device_of(dev));
     *ctx = PRIMARY_CTX;
     SUCCESS
 }
