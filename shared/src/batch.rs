@@ -63,7 +63,10 @@ impl TokenBatch {
     pub fn encode_into(&self, buf: &mut [u8]) -> Result<usize, BatchError> {
         let need = self.encoded_len();
         if need > buf.len() {
-            return Err(BatchError::TooBig { need, have: buf.len() });
+            return Err(BatchError::TooBig {
+                need,
+                have: buf.len(),
+            });
         }
         let mut w = Writer { buf, pos: 0 };
         w.bytes(TOKEN_MAGIC);
@@ -101,18 +104,33 @@ fn token_section_len(rows: usize, seq_len: usize) -> usize {
     rows * 4 + rows * seq_len * 5
 }
 
-fn read_tokens(r: &mut Reader, batch_id: u64, rows: usize, seq_len: u32) -> Result<TokenBatch, BatchError> {
-    let cells = rows.checked_mul(seq_len as usize).ok_or(BatchError::Truncated("size overflow"))?;
+fn read_tokens(
+    r: &mut Reader,
+    batch_id: u64,
+    rows: usize,
+    seq_len: u32,
+) -> Result<TokenBatch, BatchError> {
+    let cells = rows
+        .checked_mul(seq_len as usize)
+        .ok_or(BatchError::Truncated("size overflow"))?;
     if token_section_len(rows, seq_len as usize) > r.buf.len().saturating_sub(r.pos) {
         return Err(BatchError::Truncated("token section"));
     }
     let lengths: Vec<u32> = (0..rows).map(|_| r.u32()).collect::<Result<_, _>>()?;
     if let Some(&bad) = lengths.iter().find(|&&l| l > seq_len || l == 0) {
-        return Err(BatchError::Inconsistent(format!("row length {bad} outside 1..={seq_len}")));
+        return Err(BatchError::Inconsistent(format!(
+            "row length {bad} outside 1..={seq_len}"
+        )));
     }
     let input_ids = (0..cells).map(|_| r.u32()).collect::<Result<_, _>>()?;
     let loss_mask = r.take(cells, "loss mask")?.to_vec();
-    Ok(TokenBatch { batch_id, seq_len, lengths, input_ids, loss_mask })
+    Ok(TokenBatch {
+        batch_id,
+        seq_len,
+        lengths,
+        input_ids,
+        loss_mask,
+    })
 }
 
 /// What the hidden states are: which layers of which target, in what shape. A drafter
@@ -135,7 +153,9 @@ impl CaptureSpec {
 
     /// Largest hidden-state batch for a token budget (rows × padded length ≤ budget).
     pub fn max_batch_bytes(&self, token_budget: u64) -> u64 {
-        HiddenLayout::header_len(self.tap_ids.len()) as u64 + token_budget * 4 + token_budget * 5
+        HiddenLayout::header_len(self.tap_ids.len()) as u64
+            + token_budget * 4
+            + token_budget * 5
             + token_budget * self.bytes_per_token()
             + 8
     }
@@ -156,16 +176,27 @@ impl HiddenLayout {
     pub fn new(spec: &CaptureSpec, rows: usize, seq_len: usize) -> HiddenLayout {
         let hidden_offset = Self::header_len(spec.tap_ids.len()) + token_section_len(rows, seq_len);
         let hidden_len = rows * seq_len * spec.bytes_per_token() as usize;
-        HiddenLayout { hidden_offset, hidden_len, total: hidden_offset + hidden_len + 8 }
+        HiddenLayout {
+            hidden_offset,
+            hidden_len,
+            total: hidden_offset + hidden_len + 8,
+        }
     }
 }
 
 /// Write the header and tokens of a hidden-state batch for `tokens`; the caller then fills
 /// `buf[layout.hidden_offset..][..layout.hidden_len]` and calls [`seal_hidden`].
-pub fn write_hidden_header(buf: &mut [u8], spec: &CaptureSpec, tokens: &TokenBatch) -> Result<HiddenLayout, BatchError> {
+pub fn write_hidden_header(
+    buf: &mut [u8],
+    spec: &CaptureSpec,
+    tokens: &TokenBatch,
+) -> Result<HiddenLayout, BatchError> {
     let layout = HiddenLayout::new(spec, tokens.rows(), tokens.seq_len as usize);
     if layout.total > buf.len() {
-        return Err(BatchError::TooBig { need: layout.total, have: buf.len() });
+        return Err(BatchError::TooBig {
+            need: layout.total,
+            have: buf.len(),
+        });
     }
     let mut w = Writer { buf, pos: 0 };
     w.bytes(HIDDEN_MAGIC);
@@ -218,7 +249,12 @@ impl<'a> HiddenView<'a> {
             return Err(BatchError::Inconsistent(format!("{n_taps} taps")));
         }
         let tap_ids = (0..n_taps).map(|_| r.u32()).collect::<Result<_, _>>()?;
-        let spec = CaptureSpec { tap_ids, hidden, dtype, target };
+        let spec = CaptureSpec {
+            tap_ids,
+            hidden,
+            dtype,
+            target,
+        };
         let tokens = read_tokens(&mut r, batch_id, rows, seq_len)?;
         let layout = HiddenLayout::new(&spec, rows, seq_len as usize);
         let data = r.take(layout.hidden_len, "hidden states")?;
@@ -226,7 +262,11 @@ impl<'a> HiddenView<'a> {
         if checksum(data) != stored {
             return Err(BatchError::Checksum);
         }
-        Ok(HiddenView { spec, tokens, hidden: data })
+        Ok(HiddenView {
+            spec,
+            tokens,
+            hidden: data,
+        })
     }
 }
 
@@ -271,16 +311,24 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], BatchError> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or(BatchError::Truncated(what))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or(BatchError::Truncated(what))?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
     }
     fn u32(&mut self) -> Result<u32, BatchError> {
-        Ok(u32::from_le_bytes(self.take(4, "u32")?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4, "u32")?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64, BatchError> {
-        Ok(u64::from_le_bytes(self.take(8, "u64")?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8, "u64")?.try_into().expect("8 bytes"),
+        ))
     }
 }
 
@@ -305,20 +353,37 @@ mod tests {
         let n = b.encode_into(&mut buf).unwrap();
         assert_eq!(n, b.encoded_len());
         assert_eq!(TokenBatch::decode(&buf[..n]).unwrap(), b);
-        assert!(matches!(TokenBatch::decode(&buf[..n - 1]), Err(BatchError::Truncated(_))));
-        assert!(matches!(b.encode_into(&mut [0u8; 10]), Err(BatchError::TooBig { .. })));
+        assert!(matches!(
+            TokenBatch::decode(&buf[..n - 1]),
+            Err(BatchError::Truncated(_))
+        ));
+        assert!(matches!(
+            b.encode_into(&mut [0u8; 10]),
+            Err(BatchError::TooBig { .. })
+        ));
         buf[0] = b'X';
-        assert_eq!(TokenBatch::decode(&buf[..n]), Err(BatchError::BadMagic("token")));
+        assert_eq!(
+            TokenBatch::decode(&buf[..n]),
+            Err(BatchError::BadMagic("token"))
+        );
     }
 
     #[test]
     fn hidden_batch_round_trip_and_corruption() {
-        let spec = CaptureSpec { tap_ids: vec![1, 3], hidden: 4, dtype: DTYPE_BF16, target: 7 };
+        let spec = CaptureSpec {
+            tap_ids: vec![1, 3],
+            hidden: 4,
+            dtype: DTYPE_BF16,
+            target: 7,
+        };
         let b = tb();
         let mut buf = vec![0u8; spec.max_batch_bytes(6) as usize];
         let layout = write_hidden_header(&mut buf, &spec, &b).unwrap();
         assert_eq!(layout.hidden_len, 6 * 2 * 4 * 2);
-        for (i, x) in buf[layout.hidden_offset..][..layout.hidden_len].iter_mut().enumerate() {
+        for (i, x) in buf[layout.hidden_offset..][..layout.hidden_len]
+            .iter_mut()
+            .enumerate()
+        {
             *x = i as u8;
         }
         let n = seal_hidden(&mut buf, &layout);
@@ -328,6 +393,9 @@ mod tests {
         assert_eq!(v.tokens, b);
         assert_eq!(v.hidden.len(), layout.hidden_len);
         buf[layout.hidden_offset + 5] ^= 1;
-        assert!(matches!(HiddenView::parse(&buf[..n]), Err(BatchError::Checksum)));
+        assert!(matches!(
+            HiddenView::parse(&buf[..n]),
+            Err(BatchError::Checksum)
+        ));
     }
 }

@@ -53,7 +53,9 @@ pub struct DeviceSpecError {
 }
 
 fn bad(reason: impl Into<String>) -> DeviceSpecError {
-    DeviceSpecError { reason: reason.into() }
+    DeviceSpecError {
+        reason: reason.into(),
+    }
 }
 
 fn parse_index(s: &str, what: &str) -> Result<u32, DeviceSpecError> {
@@ -61,9 +63,14 @@ fn parse_index(s: &str, what: &str) -> Result<u32, DeviceSpecError> {
     if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
         return Err(bad(format!("'{s}' is not a GPU index ({what})")));
     }
-    let v: u32 = s.parse().map_err(|_| bad(format!("GPU index '{s}' is too large")))?;
+    let v: u32 = s
+        .parse()
+        .map_err(|_| bad(format!("GPU index '{s}' is too large")))?;
     if v >= MAX_DEVICES {
-        return Err(bad(format!("GPU index {v} is too large (at most {})", MAX_DEVICES - 1)));
+        return Err(bad(format!(
+            "GPU index {v} is too large (at most {})",
+            MAX_DEVICES - 1
+        )));
     }
     Ok(v)
 }
@@ -88,7 +95,9 @@ impl FromStr for DeviceSpec {
                 return Err(bad("cpu:0 asks for no workers; N must be at least 1"));
             }
             if n > MAX_DEVICES {
-                return Err(bad(format!("cpu:{n} is too many workers (at most {MAX_DEVICES})")));
+                return Err(bad(format!(
+                    "cpu:{n} is too many workers (at most {MAX_DEVICES})"
+                )));
             }
             return Ok(DeviceSpec::Cpu(n));
         }
@@ -137,11 +146,21 @@ impl DeviceSpec {
                 Ok(n) => Ok((0..n).map(Device::Gpu).collect()),
             },
             DeviceSpec::Gpus(list) => {
-                let shown = list.iter().map(|g| g.to_string()).collect::<Vec<_>>().join(",");
+                let shown = list
+                    .iter()
+                    .map(|g| g.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",");
                 let n = gpus.map_err(|why| no_gpu(&shown, why))?;
                 if let Some(g) = list.iter().find(|&&g| g >= n) {
-                    let have = if n == 0 { "no GPU".to_string() } else { format!("{n} GPU(s), 0-{}", n - 1) };
-                    return Err(format!("{flag} {shown}: GPU {g} does not exist (NVML reports {have})"));
+                    let have = if n == 0 {
+                        "no GPU".to_string()
+                    } else {
+                        format!("{n} GPU(s), 0-{}", n - 1)
+                    };
+                    return Err(format!(
+                        "{flag} {shown}: GPU {g} does not exist (NVML reports {have})"
+                    ));
                 }
                 Ok(list.iter().map(|&g| Device::Gpu(g)).collect())
             }
@@ -195,15 +214,29 @@ mod tests {
     #[test]
     fn resolve_checks_the_machine() {
         let spec: DeviceSpec = "0-7".parse().unwrap();
-        let e = spec.resolve(Err("no NVIDIA driver found"), "--gpus").unwrap_err();
-        assert!(e.contains("no NVIDIA driver") && e.contains("cpu:N") && e.contains("0,1,2"), "{e}");
+        let e = spec
+            .resolve(Err("no NVIDIA driver found"), "--gpus")
+            .unwrap_err();
+        assert!(
+            e.contains("no NVIDIA driver") && e.contains("cpu:N") && e.contains("0,1,2"),
+            "{e}"
+        );
         let e = spec.resolve(Ok(4), "--gpus").unwrap_err();
-        assert!(e.contains("GPU 4 does not exist") && e.contains("0-3"), "{e}");
+        assert!(
+            e.contains("GPU 4 does not exist") && e.contains("0-3"),
+            "{e}"
+        );
         assert_eq!(spec.resolve(Ok(8), "--gpus").unwrap().len(), 8);
-        assert_eq!(DeviceSpec::All.resolve(Ok(2), "--gpus").unwrap(), vec![Device::Gpu(0), Device::Gpu(1)]);
+        assert_eq!(
+            DeviceSpec::All.resolve(Ok(2), "--gpus").unwrap(),
+            vec![Device::Gpu(0), Device::Gpu(1)]
+        );
         assert!(DeviceSpec::All.resolve(Ok(0), "--gpus").is_err());
         assert!(DeviceSpec::All.resolve(Err("x"), "--gpus").is_err());
-        assert_eq!(DeviceSpec::Cpu(2).resolve(Err("x"), "--gpus").unwrap(), vec![Device::Cpu, Device::Cpu]);
+        assert_eq!(
+            DeviceSpec::Cpu(2).resolve(Err("x"), "--gpus").unwrap(),
+            vec![Device::Cpu, Device::Cpu]
+        );
     }
 
     #[test]

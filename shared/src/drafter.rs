@@ -36,7 +36,10 @@ impl ParamLayout {
     pub fn new(c: &DrafterConfig) -> ParamLayout {
         let (h, hd, i) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
-        let mut e: Vec<(String, Vec<usize>)> = vec![("fc.weight".into(), vec![h, c.n_taps * h]), ("hidden_norm.weight".into(), vec![h])];
+        let mut e: Vec<(String, Vec<usize>)> = vec![
+            ("fc.weight".into(), vec![h, c.n_taps * h]),
+            ("hidden_norm.weight".into(), vec![h]),
+        ];
         for l in 0..c.layers {
             let p = format!("layers.{l}");
             e.push((format!("{p}.input_layernorm.weight"), vec![h]));
@@ -62,18 +65,31 @@ impl ParamLayout {
                 r
             })
             .collect();
-        ParamLayout { entries, total: off }
+        ParamLayout {
+            entries,
+            total: off,
+        }
     }
 
     pub fn range(&self, name: &str) -> std::ops::Range<usize> {
-        let (_, s, off) = self.entries.iter().find(|(n, _, _)| n == name).unwrap_or_else(|| panic!("no parameter {name}"));
+        let (_, s, off) = self
+            .entries
+            .iter()
+            .find(|(n, _, _)| n == name)
+            .unwrap_or_else(|| panic!("no parameter {name}"));
         *off..*off + s.iter().product::<usize>()
     }
 }
 
 impl DrafterConfig {
     /// The drafter for a target, with DFLASH.md's defaults for what is not given.
-    pub fn for_target(t: &crate::model_config::TargetConfig, layers: usize, n_taps: usize, block_size: usize, max_anchors: usize) -> DrafterConfig {
+    pub fn for_target(
+        t: &crate::model_config::TargetConfig,
+        layers: usize,
+        n_taps: usize,
+        block_size: usize,
+        max_anchors: usize,
+    ) -> DrafterConfig {
         DrafterConfig {
             hidden: t.hidden_size,
             layers,
@@ -89,7 +105,11 @@ impl DrafterConfig {
             block_size,
             max_anchors,
             // Qwen3 reserves 151669; a small vocabulary uses its last id.
-            mask_token_id: if t.vocab_size > 151669 { 151669 } else { (t.vocab_size - 1) as u32 },
+            mask_token_id: if t.vocab_size > 151669 {
+                151669
+            } else {
+                (t.vocab_size - 1) as u32
+            },
             gamma: default_gamma(block_size),
         }
     }
@@ -135,11 +155,19 @@ pub struct StepStats {
 
 impl StepStats {
     pub fn loss(&self) -> f64 {
-        if self.weight_sum > 0.0 { self.loss_sum / self.weight_sum } else { 0.0 }
+        if self.weight_sum > 0.0 {
+            self.loss_sum / self.weight_sum
+        } else {
+            0.0
+        }
     }
 
     pub fn acceptance(&self) -> f64 {
-        if self.blocks > 0 { self.accept_sum / self.blocks as f64 } else { 0.0 }
+        if self.blocks > 0 {
+            self.accept_sum / self.blocks as f64
+        } else {
+            0.0
+        }
     }
 
     pub fn merge(&mut self, o: &StepStats) {
@@ -164,7 +192,6 @@ impl StepStats {
         self.optimizer_ms = self.optimizer_ms.max(o.optimizer_ms);
     }
 }
-
 
 /// Everything a drafter rank needs to train, sent by the supervisor once it is a member
 /// of the data-parallel group.

@@ -17,18 +17,32 @@ pub enum RopeScaling {
     /// Positions divided by `factor`.
     Linear { factor: f64 },
     /// Llama 3 frequency-dependent scaling.
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: f64,
+    },
     /// YaRN: frequencies blended between interpolated and original by a linear ramp over
     /// the dimensions, and cos/sin scaled by `attention_factor` (resolved from `factor`,
     /// `mscale` and `mscale_all_dim` as transformers does when the config omits it).
-    Yarn { factor: f64, original_max_position_embeddings: f64, beta_fast: f64, beta_slow: f64, attention_factor: f64, truncate: bool },
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
 }
 
 impl RopeScaling {
     /// What rotary embeddings multiply cos and sin by (1 but for YaRN).
     pub fn attention_factor(&self) -> f64 {
         match self {
-            RopeScaling::Yarn { attention_factor, .. } => *attention_factor,
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => *attention_factor,
             _ => 1.0,
         }
     }
@@ -62,14 +76,25 @@ impl TargetConfig {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ConfigError {
             path: path.display().to_string(),
-            msg: format!("cannot read: {e} (expected a Hugging Face model directory with config.json)"),
+            msg: format!(
+                "cannot read: {e} (expected a Hugging Face model directory with config.json)"
+            ),
         })?;
-        TargetConfig::parse(&text).map_err(|msg| ConfigError { path: path.display().to_string(), msg })
+        TargetConfig::parse(&text).map_err(|msg| ConfigError {
+            path: path.display().to_string(),
+            msg,
+        })
     }
 
     pub fn parse(text: &str) -> Result<TargetConfig, String> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
-        let archs: Vec<&str> = v["architectures"].as_array().into_iter().flatten().filter_map(|a| a.as_str()).collect();
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+        let archs: Vec<&str> = v["architectures"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a.as_str())
+            .collect();
         let model_type = v["model_type"].as_str().unwrap_or("");
         let arch = if archs.contains(&"Qwen3ForCausalLM") || model_type == "qwen3" {
             Arch::Qwen3
@@ -81,7 +106,10 @@ impl TargetConfig {
             ));
         };
         let num = |k: &str| -> Result<usize, String> {
-            v[k].as_u64().map(|n| n as usize).filter(|&n| n > 0).ok_or_else(|| format!("{k} is missing or not a positive integer"))
+            v[k].as_u64()
+                .map(|n| n as usize)
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("{k} is missing or not a positive integer"))
         };
         let float = |k: &str, default: Option<f64>| -> Result<f64, String> {
             match (v[k].as_f64(), default) {
@@ -101,30 +129,47 @@ impl TargetConfig {
             _ => num("num_key_value_heads")?,
         };
         if heads % kv_heads != 0 {
-            return Err(format!("num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"));
+            return Err(format!(
+                "num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            ));
         }
         let head_dim = if v.get("head_dim").is_none() && arch == Arch::Qwen3 {
             128
         } else if v["head_dim"].is_null() {
             if hidden_size % heads != 0 {
-                return Err(format!("hidden_size {hidden_size} is not a multiple of num_attention_heads {heads}"));
+                return Err(format!(
+                    "hidden_size {hidden_size} is not a multiple of num_attention_heads {heads}"
+                ));
             }
             hidden_size / heads
         } else {
             num("head_dim")?
         };
         if head_dim % 2 != 0 {
-            return Err(format!("head_dim {head_dim} is odd; rotary embeddings need an even head_dim"));
+            return Err(format!(
+                "head_dim {head_dim} is odd; rotary embeddings need an even head_dim"
+            ));
         }
         if v["attention_bias"].as_bool() == Some(true) || v["mlp_bias"].as_bool() == Some(true) {
-            return Err("attention_bias/mlp_bias = true is not supported (expected bias-free projections)".into());
+            return Err(
+                "attention_bias/mlp_bias = true is not supported (expected bias-free projections)"
+                    .into(),
+            );
         }
         if let Some(act) = v["hidden_act"].as_str().or(v["hidden_activation"].as_str()) {
             if act != "silu" && act != "swish" {
-                return Err(format!("hidden_act {act:?} is not supported (expected silu)"));
+                return Err(format!(
+                    "hidden_act {act:?} is not supported (expected silu)"
+                ));
             }
         }
-        if v["partial_rotary_factor"].as_f64().is_some_and(|p| p != 1.0) || v["rope_parameters"]["partial_rotary_factor"].as_f64().is_some_and(|p| p != 1.0) {
+        if v["partial_rotary_factor"]
+            .as_f64()
+            .is_some_and(|p| p != 1.0)
+            || v["rope_parameters"]["partial_rotary_factor"]
+                .as_f64()
+                .is_some_and(|p| p != 1.0)
+        {
             return Err("partial_rotary_factor other than 1 is not supported (expected rotary embeddings over the whole head)".into());
         }
         if v["use_sliding_window"].as_bool() == Some(true) {
@@ -137,17 +182,27 @@ impl TargetConfig {
         // transformers 5 may key rope_parameters by layer type; these models have full
         // attention only, so one set of parameters, and every layer type must agree.
         if let Some(full) = rp.get("full_attention").filter(|f| f.is_object()) {
-            if let Some((k, _)) = rp.as_object().into_iter().flatten().find(|(_, p)| *p != full) {
+            if let Some((k, _)) = rp
+                .as_object()
+                .into_iter()
+                .flatten()
+                .find(|(_, p)| *p != full)
+            {
                 return Err(format!("rope_parameters.{k} differs from rope_parameters.full_attention (expected one set of rotary parameters)"));
             }
             rp = full;
-        } else if rp.as_object().is_some_and(|o| !o.is_empty() && o.values().all(|x| x.is_object())) {
+        } else if rp
+            .as_object()
+            .is_some_and(|o| !o.is_empty() && o.values().all(|x| x.is_object()))
+        {
             return Err("rope_parameters holds no rope_type or rope_theta and no full_attention entry (expected the rotary parameters)".into());
         }
         let (theta_field, scaling_field, scaling) = if rp.is_object() {
             if let (Some(a), Some(b)) = (v["rope_theta"].as_f64(), rp["rope_theta"].as_f64()) {
                 if a != b {
-                    return Err(format!("rope_theta {a} and rope_parameters.rope_theta {b} disagree"));
+                    return Err(format!(
+                        "rope_theta {a} and rope_parameters.rope_theta {b} disagree"
+                    ));
                 }
             }
             if !v["rope_scaling"].is_null() && v["rope_scaling"] != *rp {
@@ -159,7 +214,11 @@ impl TargetConfig {
         } else {
             ("rope_theta", "rope_scaling", &v["rope_scaling"])
         };
-        let rope_theta = match if rp.is_object() { rp["rope_theta"].as_f64().or(v["rope_theta"].as_f64()) } else { v["rope_theta"].as_f64() } {
+        let rope_theta = match if rp.is_object() {
+            rp["rope_theta"].as_f64().or(v["rope_theta"].as_f64())
+        } else {
+            v["rope_theta"].as_f64()
+        } {
             Some(t) if t > 0.0 => t,
             Some(_) => return Err(format!("{theta_field} is not a positive number")),
             // transformers' default for both Qwen3Config and LlamaConfig.
@@ -169,8 +228,14 @@ impl TargetConfig {
         let rope_scaling = match scaling {
             serde_json::Value::Null => None,
             s => {
-                let kind = s["rope_type"].as_str().or(s["type"].as_str()).unwrap_or("default");
-                let f = |k: &str| s[k].as_f64().ok_or_else(|| format!("{scaling_field}.{k} is missing"));
+                let kind = s["rope_type"]
+                    .as_str()
+                    .or(s["type"].as_str())
+                    .unwrap_or("default");
+                let f = |k: &str| {
+                    s[k].as_f64()
+                        .ok_or_else(|| format!("{scaling_field}.{k} is missing"))
+                };
                 match kind {
                     "default" => None,
                     "linear" => Some(RopeScaling::Linear { factor: f("factor")? }),
@@ -254,7 +319,11 @@ pub const TINY_CONFIG: &str = r#"{
 /// Drafter depth DFlash uses for a target of `n_layers` (and so the number of taps): the
 /// public recipe's 5 for real targets, 2 for tiny ones where 5 taps would repeat layers.
 pub fn default_draft_layers(n_layers: usize) -> usize {
-    if n_layers >= 12 { 5 } else { 2 }
+    if n_layers >= 12 {
+        5
+    } else {
+        2
+    }
 }
 
 /// DFlash's default taps: `L` layers spread over the target's depth (see DFLASH.md).
@@ -264,7 +333,9 @@ pub fn target_layer_ids(n_layers: usize, taps: usize) -> Vec<u32> {
         return vec![(n_layers / 2) as u32];
     }
     let span = n_layers as f64 - 4.0;
-    (0..taps).map(|i| (1.0 + i as f64 * span / (taps - 1) as f64).round() as u32).collect()
+    (0..taps)
+        .map(|i| (1.0 + i as f64 * span / (taps - 1) as f64).round() as u32)
+        .collect()
 }
 
 /// Every tensor of the first `layers` decoder layers plus embeddings, final norm and
@@ -274,7 +345,13 @@ pub fn target_layer_ids(n_layers: usize, taps: usize) -> Vec<u32> {
 pub fn expected_tensors(cfg: &TargetConfig, layers: usize) -> Vec<(String, Vec<usize>)> {
     let (h, hd, i) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
     let (qd, kd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
-    let mut v = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h]), ("model.norm.weight".into(), vec![h])];
+    let mut v = vec![
+        (
+            "model.embed_tokens.weight".to_string(),
+            vec![cfg.vocab_size, h],
+        ),
+        ("model.norm.weight".into(), vec![h]),
+    ];
     if !cfg.tie_word_embeddings {
         v.push(("lm_head.weight".into(), vec![cfg.vocab_size, h]));
     }
@@ -321,7 +398,15 @@ mod tests {
                 "rope_scaling":null,"vocab_size":151936,"tie_word_embeddings":true}"#,
         )
         .unwrap();
-        assert_eq!((q.arch, q.head_dim, q.num_key_value_heads, q.tie_word_embeddings), (Arch::Qwen3, 128, 8, true));
+        assert_eq!(
+            (
+                q.arch,
+                q.head_dim,
+                q.num_key_value_heads,
+                q.tie_word_embeddings
+            ),
+            (Arch::Qwen3, 128, 8, true)
+        );
         let l = TargetConfig::parse(
             r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"num_hidden_layers":16,"num_attention_heads":32,
                 "num_key_value_heads":8,"intermediate_size":8192,"rms_norm_eps":1e-5,"rope_theta":500000,"vocab_size":128256,
@@ -336,11 +421,32 @@ mod tests {
     #[test]
     fn absent_fields_take_the_transformers_defaults_of_the_architecture() {
         let q = TargetConfig::parse(r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":32,"intermediate_size":8,"vocab_size":10}"#).unwrap();
-        assert_eq!((q.head_dim, q.num_key_value_heads, q.rms_norm_eps, q.rope_theta, q.tie_word_embeddings), (128, 32, 1e-6, 10000.0, false));
+        assert_eq!(
+            (
+                q.head_dim,
+                q.num_key_value_heads,
+                q.rms_norm_eps,
+                q.rope_theta,
+                q.tie_word_embeddings
+            ),
+            (128, 32, 1e-6, 10000.0, false)
+        );
         let l = TargetConfig::parse(r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10}"#).unwrap();
-        assert_eq!((l.head_dim, l.num_key_value_heads, l.rms_norm_eps, l.tie_word_embeddings), (16, 4, 1e-6, false));
+        assert_eq!(
+            (
+                l.head_dim,
+                l.num_key_value_heads,
+                l.rms_norm_eps,
+                l.tie_word_embeddings
+            ),
+            (16, 4, 1e-6, false)
+        );
         let q = TargetConfig::parse(r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":null,"head_dim":null,"intermediate_size":8,"vocab_size":10}"#).unwrap();
-        assert_eq!((q.head_dim, q.num_key_value_heads), (16, 4), "explicit nulls: derived");
+        assert_eq!(
+            (q.head_dim, q.num_key_value_heads),
+            (16, 4),
+            "explicit nulls: derived"
+        );
     }
 
     #[test]
@@ -350,37 +456,90 @@ mod tests {
         let v5 = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#)).unwrap();
         assert_eq!(v4.rope_theta, 500000.0);
         assert_eq!(v5.rope_theta, 500000.0, "not the 10000 fallback");
-        assert!(matches!(v5.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0));
-        assert_eq!(v4.fingerprint(), v5.fingerprint(), "the same model either way");
+        assert!(
+            matches!(v5.rope_scaling, Some(RopeScaling::Llama3 { factor, .. }) if factor == 8.0)
+        );
+        assert_eq!(
+            v4.fingerprint(),
+            v5.fingerprint(),
+            "the same model either way"
+        );
         // Qwen3 as transformers 5 saves it: default rope type, theta 1e6.
-        let q = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"rope_theta":1000000.0,"rope_type":"default"}}}}"#)).unwrap();
+        let q = TargetConfig::parse(&format!(
+            r#"{{{base},"rope_parameters":{{"rope_theta":1000000.0,"rope_type":"default"}}}}"#
+        ))
+        .unwrap();
         assert_eq!((q.rope_theta, q.rope_scaling.is_none()), (1000000.0, true));
         // Keyed by layer type (transformers 5): the full-attention entry.
         let keyed = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"full_attention":{{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}}}"#)).unwrap();
         assert_eq!(keyed.fingerprint(), v4.fingerprint());
-        let mixed = format!(r#"{{{base},"rope_parameters":{{"full_attention":{{"rope_theta":1e6,"rope_type":"default"}},"sliding_attention":{{"rope_theta":1e4,"rope_type":"default"}}}}}}"#);
-        assert!(TargetConfig::parse(&mixed).unwrap_err().contains("rope_parameters.sliding_attention differs"));
+        let mixed = format!(
+            r#"{{{base},"rope_parameters":{{"full_attention":{{"rope_theta":1e6,"rope_type":"default"}},"sliding_attention":{{"rope_theta":1e4,"rope_type":"default"}}}}}}"#
+        );
+        assert!(TargetConfig::parse(&mixed)
+            .unwrap_err()
+            .contains("rope_parameters.sliding_attention differs"));
         let unknown = format!(r#"{{{base},"rope_parameters":{{"other":{{"rope_theta":1e6}}}}}}"#);
-        assert!(TargetConfig::parse(&unknown).unwrap_err().contains("no full_attention"));
+        assert!(TargetConfig::parse(&unknown)
+            .unwrap_err()
+            .contains("no full_attention"));
         // Neither layout: transformers' default.
-        assert_eq!(TargetConfig::parse(&format!("{{{base}}}")).unwrap().rope_theta, 10000.0);
+        assert_eq!(
+            TargetConfig::parse(&format!("{{{base}}}"))
+                .unwrap()
+                .rope_theta,
+            10000.0
+        );
     }
 
     #[test]
     fn bad_configs_say_what_is_wrong() {
         for (text, needle) in [
             ("{", "not valid JSON"),
-            (r#"{"architectures":["GPT2LMHeadModel"]}"#, "unsupported architecture"),
-            (r#"{"model_type":"llama","hidden_size":64}"#, "num_attention_heads is missing"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":3,"intermediate_size":8,"vocab_size":10}"#, "not a multiple"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"yarn","factor":4}}"#, "rope_scaling.original_max_position_embeddings is missing"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"longrope","factor":4}}"#, "rope_scaling.rope_type \"longrope\" is not supported"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"partial_rotary_factor":0.5}"#, "partial_rotary_factor"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"dynamic","rope_theta":1e4,"factor":2}}"#, "rope_parameters.rope_type \"dynamic\""),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_theta":5e5,"rope_parameters":{"rope_type":"default","rope_theta":1e6}}"#, "disagree"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"linear","rope_theta":1e4}}"#, "rope_parameters.factor is missing"),
-            (r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"hidden_act":"gelu"}"#, "hidden_act \"gelu\""),
-            (r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"intermediate_size":8,"vocab_size":10,"use_sliding_window":true}"#, "use_sliding_window"),
+            (
+                r#"{"architectures":["GPT2LMHeadModel"]}"#,
+                "unsupported architecture",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64}"#,
+                "num_attention_heads is missing",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":3,"intermediate_size":8,"vocab_size":10}"#,
+                "not a multiple",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"yarn","factor":4}}"#,
+                "rope_scaling.original_max_position_embeddings is missing",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_scaling":{"rope_type":"longrope","factor":4}}"#,
+                "rope_scaling.rope_type \"longrope\" is not supported",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"partial_rotary_factor":0.5}"#,
+                "partial_rotary_factor",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"dynamic","rope_theta":1e4,"factor":2}}"#,
+                "rope_parameters.rope_type \"dynamic\"",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_theta":5e5,"rope_parameters":{"rope_type":"default","rope_theta":1e6}}"#,
+                "disagree",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"rope_parameters":{"rope_type":"linear","rope_theta":1e4}}"#,
+                "rope_parameters.factor is missing",
+            ),
+            (
+                r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"hidden_act":"gelu"}"#,
+                "hidden_act \"gelu\"",
+            ),
+            (
+                r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"intermediate_size":8,"vocab_size":10,"use_sliding_window":true}"#,
+                "use_sliding_window",
+            ),
         ] {
             let e = TargetConfig::parse(text).unwrap_err();
             assert!(e.contains(needle), "{text}: {e}");

@@ -86,7 +86,16 @@ mod tests {
 
     #[test]
     fn bad_names_are_rejected() {
-        for s in ["", "target", "target-", "worker-1", "drafter--1", "drafter-+1", "drafter-x", "Target-0"] {
+        for s in [
+            "",
+            "target",
+            "target-",
+            "worker-1",
+            "drafter--1",
+            "drafter-+1",
+            "drafter-x",
+            "Target-0",
+        ] {
             assert!(s.parse::<WorkerName>().is_err(), "{s} parsed");
         }
     }

@@ -128,9 +128,12 @@ impl PoolMap {
     /// Supervisor: create the memfd, size and seal it, map it pre-faulted.
     pub fn create(geometry: PoolGeometry) -> io::Result<(OwnedFd, PoolMap)> {
         let total = geometry.total_bytes();
-        let name = std::ffi::CString::new(format!("dflash-{}", geometry.name)).map_err(io::Error::other)?;
+        let name = std::ffi::CString::new(format!("dflash-{}", geometry.name))
+            .map_err(io::Error::other)?;
         // SAFETY: memfd_create with a valid C string; the fd we get is ours.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        let fd = unsafe {
+            libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING)
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -175,14 +178,22 @@ impl PoolMap {
         let flags = libc::MAP_SHARED | libc::MAP_POPULATE;
         // SAFETY: mapping a file we hold, of exactly its size; checked for MAP_FAILED.
         let base = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, fd, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags,
+                fd,
+                0,
+            )
         };
         if base == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
         if !supervisor {
             // SAFETY: the header pages are the start of our own mapping.
-            let r = unsafe { libc::mprotect(base, geometry.header_bytes() as usize, libc::PROT_READ) };
+            let r =
+                unsafe { libc::mprotect(base, geometry.header_bytes() as usize, libc::PROT_READ) };
             if r != 0 {
                 let e = io::Error::last_os_error();
                 // SAFETY: unmapping what we just mapped.
@@ -190,7 +201,11 @@ impl PoolMap {
                 return Err(e);
             }
         }
-        Ok(PoolMap { geometry, base: base as *mut u8, len })
+        Ok(PoolMap {
+            geometry,
+            base: base as *mut u8,
+            len,
+        })
     }
 
     pub fn geometry(&self) -> &PoolGeometry {
@@ -215,7 +230,15 @@ impl PoolMap {
     /// Supervisor only: mirror a slot's state into its header. The payload length and
     /// batch id are stored first and the state last with Release, so a reader that sees
     /// the state with Acquire also sees the rest.
-    pub fn publish(&self, slot: u32, state: SlotState, owner_pid: u32, gen: u64, len: u64, batch_id: u64) {
+    pub fn publish(
+        &self,
+        slot: u32,
+        state: SlotState,
+        owner_pid: u32,
+        gen: u64,
+        len: u64,
+        batch_id: u64,
+    ) {
         let h = self.header(slot);
         h.owner_pid.store(owner_pid, Ordering::Relaxed);
         h.gen.store(gen, Ordering::Relaxed);
@@ -253,7 +276,9 @@ impl PoolMap {
         assert!(slot < self.geometry.slots, "slot {slot} out of range");
         let off = self.geometry.slot_offset(slot) as usize;
         // SAFETY: in bounds; exclusivity is the caller's promise above.
-        unsafe { std::slice::from_raw_parts_mut(self.base.add(off), self.geometry.slot_bytes as usize) }
+        unsafe {
+            std::slice::from_raw_parts_mut(self.base.add(off), self.geometry.slot_bytes as usize)
+        }
     }
 }
 
@@ -282,7 +307,11 @@ mod tests {
 
     #[test]
     fn geometry_is_page_aligned() {
-        let g = PoolGeometry { name: "t".into(), slots: 3, slot_bytes: 5000 };
+        let g = PoolGeometry {
+            name: "t".into(),
+            slots: 3,
+            slot_bytes: 5000,
+        };
         assert_eq!(g.header_bytes(), 4096);
         assert_eq!(g.slot_offset(0), 4096);
         assert_eq!(g.slot_offset(1), 4096 + 8192);
@@ -292,16 +321,32 @@ mod tests {
     #[test]
     fn header_layout_is_what_the_geometry_assumes() {
         assert_eq!(std::mem::size_of::<SlotHeader>(), SLOT_HEADER_BYTES);
-        let g = PoolGeometry { name: "t".into(), slots: 128, slot_bytes: 1 };
-        assert_eq!(g.header_bytes(), 4096, "128 headers of 32 bytes fill one page");
-        let g = PoolGeometry { name: "t".into(), slots: 129, slot_bytes: 1 };
+        let g = PoolGeometry {
+            name: "t".into(),
+            slots: 128,
+            slot_bytes: 1,
+        };
+        assert_eq!(
+            g.header_bytes(),
+            4096,
+            "128 headers of 32 bytes fill one page"
+        );
+        let g = PoolGeometry {
+            name: "t".into(),
+            slots: 129,
+            slot_bytes: 1,
+        };
         assert_eq!(g.header_bytes(), 8192);
     }
 
     #[test]
     #[should_panic(expected = "slot 2 out of range")]
     fn payload_of_a_slot_out_of_range_panics() {
-        let g = PoolGeometry { name: "t".into(), slots: 2, slot_bytes: 100 };
+        let g = PoolGeometry {
+            name: "t".into(),
+            slots: 2,
+            slot_bytes: 100,
+        };
         let (_fd, map) = PoolMap::create(g).unwrap();
         // SAFETY: single-threaded test; it must panic before touching memory.
         let _ = unsafe { map.payload(2) };
@@ -310,7 +355,11 @@ mod tests {
     #[test]
     #[should_panic(expected = "slot 5 out of range")]
     fn payload_mut_of_a_slot_out_of_range_panics() {
-        let g = PoolGeometry { name: "t".into(), slots: 2, slot_bytes: 100 };
+        let g = PoolGeometry {
+            name: "t".into(),
+            slots: 2,
+            slot_bytes: 100,
+        };
         let (_fd, map) = PoolMap::create(g).unwrap();
         // SAFETY: single-threaded test; it must panic before touching memory.
         let _ = unsafe { map.payload_mut(5) };
@@ -318,7 +367,11 @@ mod tests {
 
     #[test]
     fn sealed_memfd_is_shared_and_cannot_be_resized() {
-        let g = PoolGeometry { name: "t".into(), slots: 2, slot_bytes: 100 };
+        let g = PoolGeometry {
+            name: "t".into(),
+            slots: 2,
+            slot_bytes: 100,
+        };
         let (fd, sup) = PoolMap::create(g.clone()).unwrap();
         let worker = PoolMap::open(fd.as_raw_fd(), g).unwrap();
         // SAFETY: single-threaded test; nobody else touches slot 1.
@@ -327,7 +380,13 @@ mod tests {
         sup.publish(1, SlotState::Ready, 42, 7, 5, 99);
         let h = worker.header(1);
         assert_eq!(h.state.load(Ordering::Acquire), SlotState::Ready as u32);
-        assert_eq!((h.gen.load(Ordering::Relaxed), h.batch_id.load(Ordering::Relaxed)), (7, 99));
+        assert_eq!(
+            (
+                h.gen.load(Ordering::Relaxed),
+                h.batch_id.load(Ordering::Relaxed)
+            ),
+            (7, 99)
+        );
         // SAFETY: ftruncate on our fd; it must be refused by the seals.
         assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 0) }, 0);
         assert_ne!(unsafe { libc::ftruncate(fd.as_raw_fd(), 1 << 30) }, 0);

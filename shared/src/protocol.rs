@@ -27,18 +27,36 @@ pub enum FromWorker {
     /// A leased output slot now holds batch `batch_id` (`len` bytes). A target names the
     /// input slot it consumed to make it: both change together or not at all.
     /// `wait_ms` / `compute_ms`: host-side time waiting for this batch and computing it.
-    Commit { output: SlotRef, len: u64, batch_id: u64, input: Option<SlotRef>, wait_ms: f64, compute_ms: f64 },
+    Commit {
+        output: SlotRef,
+        len: u64,
+        batch_id: u64,
+        input: Option<SlotRef>,
+        wait_ms: f64,
+        compute_ms: f64,
+    },
     /// A delivered batch was consumed (for a drafter: it reached the optimizer).
     Ack { input: SlotRef, batch_id: u64 },
     /// A drafter rank computed the gradient of `batch_id` for `step` and holds it until
     /// the step commits; it contributes it to every epoch's all-reduce of `step` (see
     /// [`ToWorker::Group`]). `params` is a checksum of the weights the gradient was taken
     /// at: every rank of a step must report the same one, or the ranks have diverged.
-    Grads { step: u64, input: SlotRef, batch_id: u64, stats: crate::drafter::StepStats, params: u64 },
+    Grads {
+        step: u64,
+        input: SlotRef,
+        batch_id: u64,
+        stats: crate::drafter::StepStats,
+        params: u64,
+    },
     /// The all-reduce of `step` in group epoch `epoch` completed on this rank: it holds the
     /// sum of the epoch's gradients and of their loss weights (`weight_sum`). `ms`: from
     /// posting its own gradient to completion (waiting for the slowest rank included).
-    Reduced { step: u64, epoch: u64, weight_sum: f64, ms: f64 },
+    Reduced {
+        step: u64,
+        epoch: u64,
+        weight_sum: f64,
+        ms: f64,
+    },
     /// NCCL groups: the unique id that the first rank of `epoch` created, for the supervisor
     /// to relay to the other ranks (it loads no CUDA library itself).
     GroupId { epoch: u64, id: Vec<u8> },
@@ -110,10 +128,17 @@ pub struct Hello {
 pub enum ToWorker {
     /// Sent once, right after the hello: the shared-memory pools and the capture spec of
     /// the hidden states.
-    Pools { pools: Vec<PoolInfo>, capture: crate::batch::CaptureSpec },
+    Pools {
+        pools: Vec<PoolInfo>,
+        capture: crate::batch::CaptureSpec,
+    },
     /// Read this batch (READING slot held by you), then [`FromWorker::Ack`] or, for a
     /// target, [`FromWorker::Commit`] it.
-    Deliver { slot: SlotRef, len: u64, batch_id: u64 },
+    Deliver {
+        slot: SlotRef,
+        len: u64,
+        batch_id: u64,
+    },
     /// Write your next output here (WRITING slot held by you).
     Lease { slot: SlotRef },
     /// Drafters: join the data-parallel group and train.
@@ -122,13 +147,22 @@ pub enum ToWorker {
     /// index in the list is its place in the collective). Abort any reduction of an older
     /// epoch (`ncclCommAbort` on NCCL) and all-reduce the gradient held for the next step
     /// again, in this epoch. `id`: the NCCL unique id, relayed (see [`FromWorker::GroupId`]).
-    Group { epoch: u64, ranks: Vec<u32>, id: Option<Vec<u8>> },
+    Group {
+        epoch: u64,
+        ranks: Vec<u32>,
+        id: Option<Vec<u8>>,
+    },
     /// Drafters: step `step` is committed. Apply the sum that the all-reduce of epoch
     /// `epoch` produced (each rank's unnormalised gradient of Σ w·CE), divided by
     /// `weight_sum` (Σ w over the epoch's batches, so the step is the gradient of
     /// Σ_r num_r / Σ_r den_r: one normalisation across ranks; the rank checks it against
     /// its own all-reduced sum), clipped, with learning rate `lr`.
-    Apply { step: u64, epoch: u64, lr: f64, weight_sum: f64 },
+    Apply {
+        step: u64,
+        epoch: u64,
+        lr: f64,
+        weight_sum: f64,
+    },
     /// Drafters: the data is at its end and no batch will come for `step`: contribute
     /// nothing (a zero gradient of weight 0) so the ranks that have one can commit it.
     Abstain { step: u64 },
@@ -142,7 +176,11 @@ pub enum ToWorker {
     Export { dir: String },
     /// Drafters: write a checkpoint of your state at `step` to `dir` (atomically), with
     /// the supervisor's part (`meta`, JSON: what was consumed), then report Checkpointed.
-    Checkpoint { dir: String, step: u64, meta: String },
+    Checkpoint {
+        dir: String,
+        step: u64,
+        meta: String,
+    },
     /// Finish the current unit of work (write a checkpoint if there is one to write) and
     /// exit 0.
     Shutdown { reason: String },
@@ -155,7 +193,10 @@ pub fn connect(
     server: &str,
     worker: &str,
     restart_count: u32,
-) -> std::io::Result<(IpcSender<FromWorker>, ipc_channel::ipc::IpcReceiver<ToWorker>)> {
+) -> std::io::Result<(
+    IpcSender<FromWorker>,
+    ipc_channel::ipc::IpcReceiver<ToWorker>,
+)> {
     let up = IpcSender::<FromWorker>::connect(server.to_string())?;
     let (to_worker, down) = ipc_channel::ipc::channel::<ToWorker>()?;
     up.send(FromWorker::Hello(Hello {

@@ -44,7 +44,11 @@ pub enum Reject {
     #[error("slot {slot} is out of range (pool has {slots} slots)")]
     OutOfRange { slot: u32, slots: u32 },
     #[error("slot {slot} is {state:?}, expected {expected:?}")]
-    WrongState { slot: u32, state: SlotState, expected: SlotState },
+    WrongState {
+        slot: u32,
+        state: SlotState,
+        expected: SlotState,
+    },
     #[error("slot {slot} is not held by this worker")]
     WrongOwner { slot: u32 },
     #[error("slot {slot}: stale generation {got} (current {current})")]
@@ -87,7 +91,13 @@ impl SlotTable {
     pub fn new(slots: u32, capacity: u64) -> SlotTable {
         SlotTable {
             slots: (0..slots)
-                .map(|_| Slot { state: SlotState::Free, holder: None, gen: 0, len: 0, batch_id: 0 })
+                .map(|_| Slot {
+                    state: SlotState::Free,
+                    holder: None,
+                    gen: 0,
+                    len: 0,
+                    batch_id: 0,
+                })
                 .collect(),
             capacity,
             ready: VecDeque::new(),
@@ -116,7 +126,10 @@ impl SlotTable {
 
     /// Slots `holder` has in `state`.
     pub fn held(&self, holder: Holder, state: SlotState) -> usize {
-        self.slots.iter().filter(|s| s.holder == Some(holder) && s.state == state).count()
+        self.slots
+            .iter()
+            .filter(|s| s.holder == Some(holder) && s.state == state)
+            .count()
     }
 
     /// FREE → WRITING for `holder`.
@@ -127,19 +140,38 @@ impl SlotTable {
         s.holder = Some(holder);
         s.gen += 1;
         s.len = 0;
-        Some(Grant { slot: i as u32, gen: s.gen, len: 0, batch_id: 0 })
+        Some(Grant {
+            slot: i as u32,
+            gen: s.gen,
+            len: 0,
+            batch_id: 0,
+        })
     }
 
-    fn check(&self, holder: Holder, slot: u32, gen: u64, expected: SlotState) -> Result<(), Reject> {
-        let s = self
-            .slots
-            .get(slot as usize)
-            .ok_or(Reject::OutOfRange { slot, slots: self.slots.len() as u32 })?;
+    fn check(
+        &self,
+        holder: Holder,
+        slot: u32,
+        gen: u64,
+        expected: SlotState,
+    ) -> Result<(), Reject> {
+        let s = self.slots.get(slot as usize).ok_or(Reject::OutOfRange {
+            slot,
+            slots: self.slots.len() as u32,
+        })?;
         if s.gen != gen {
-            return Err(Reject::StaleGen { slot, got: gen, current: s.gen });
+            return Err(Reject::StaleGen {
+                slot,
+                got: gen,
+                current: s.gen,
+            });
         }
         if s.state != expected {
-            return Err(Reject::WrongState { slot, state: s.state, expected });
+            return Err(Reject::WrongState {
+                slot,
+                state: s.state,
+                expected,
+            });
         }
         if s.holder != Some(holder) {
             return Err(Reject::WrongOwner { slot });
@@ -149,19 +181,36 @@ impl SlotTable {
 
     /// Would [`commit`](Self::commit) accept this? (Checked before anything changes, so a
     /// message touching two pools is applied to both or to neither.)
-    pub fn check_commit(&self, holder: Holder, slot: u32, gen: u64, len: u64) -> Result<(), Reject> {
+    pub fn check_commit(
+        &self,
+        holder: Holder,
+        slot: u32,
+        gen: u64,
+        len: u64,
+    ) -> Result<(), Reject> {
         self.check(holder, slot, gen, SlotState::Writing)?;
         if len == 0 {
             return Err(Reject::Empty { slot });
         }
         if len > self.capacity {
-            return Err(Reject::TooLong { slot, len, capacity: self.capacity });
+            return Err(Reject::TooLong {
+                slot,
+                len,
+                capacity: self.capacity,
+            });
         }
         Ok(())
     }
 
     /// WRITING → READY: the payload of `batch_id` is complete.
-    pub fn commit(&mut self, holder: Holder, slot: u32, gen: u64, len: u64, batch_id: u64) -> Result<(), Reject> {
+    pub fn commit(
+        &mut self,
+        holder: Holder,
+        slot: u32,
+        gen: u64,
+        len: u64,
+        batch_id: u64,
+    ) -> Result<(), Reject> {
         self.check_commit(holder, slot, gen, len)?;
         let s = &mut self.slots[slot as usize];
         s.state = SlotState::Ready;
@@ -200,12 +249,20 @@ impl SlotTable {
         s.state = SlotState::Reading;
         s.holder = Some(holder);
         s.gen += 1;
-        Grant { slot: i, gen: s.gen, len: s.len, batch_id: s.batch_id }
+        Grant {
+            slot: i,
+            gen: s.gen,
+            len: s.len,
+            batch_id: s.batch_id,
+        }
     }
 
     /// The lowest batch id READY: what [`deliver_lowest`](Self::deliver_lowest) hands out.
     pub fn peek_lowest(&self) -> Option<u64> {
-        self.ready.iter().map(|&i| self.slots[i as usize].batch_id).min()
+        self.ready
+            .iter()
+            .map(|&i| self.slots[i as usize].batch_id)
+            .min()
     }
 
     /// READY → READING for `holder`, lowest batch id first. Batch ids count batches in the
@@ -213,7 +270,8 @@ impl SlotTable {
     /// oldest-first order of [`deliver`](Self::deliver), and it also puts batches that a
     /// rollback sent through again back in their place.
     pub fn deliver_lowest(&mut self, holder: Holder) -> Option<Grant> {
-        let pos = (0..self.ready.len()).min_by_key(|&p| self.slots[self.ready[p] as usize].batch_id)?;
+        let pos =
+            (0..self.ready.len()).min_by_key(|&p| self.slots[self.ready[p] as usize].batch_id)?;
         let i = self.ready.remove(pos).expect("in range");
         Some(self.hand_out(i, holder))
     }
@@ -232,17 +290,33 @@ impl SlotTable {
         out
     }
 
-    pub fn check_ack(&self, holder: Holder, slot: u32, gen: u64, batch_id: u64) -> Result<(), Reject> {
+    pub fn check_ack(
+        &self,
+        holder: Holder,
+        slot: u32,
+        gen: u64,
+        batch_id: u64,
+    ) -> Result<(), Reject> {
         self.check(holder, slot, gen, SlotState::Reading)?;
         let held = self.slots[slot as usize].batch_id;
         if held != batch_id {
-            return Err(Reject::WrongBatch { slot, got: batch_id, held });
+            return Err(Reject::WrongBatch {
+                slot,
+                got: batch_id,
+                held,
+            });
         }
         Ok(())
     }
 
     /// READING → FREE: the batch was consumed.
-    pub fn ack(&mut self, holder: Holder, slot: u32, gen: u64, batch_id: u64) -> Result<(), Reject> {
+    pub fn ack(
+        &mut self,
+        holder: Holder,
+        slot: u32,
+        gen: u64,
+        batch_id: u64,
+    ) -> Result<(), Reject> {
         self.check_ack(holder, slot, gen, batch_id)?;
         let s = &mut self.slots[slot as usize];
         s.state = SlotState::Free;
@@ -297,18 +371,47 @@ mod tests {
     fn happy_path_and_generations() {
         let mut t = SlotTable::new(2, 100);
         let w = t.lease(7).unwrap();
-        assert_eq!(t.commit(7, w.slot, w.gen, 0, 1), Err(Reject::Empty { slot: w.slot }));
-        assert!(t.commit(7, w.slot, w.gen, 0, 1).unwrap_err().to_string().contains("length 0"));
-        assert_eq!(t.commit(7, w.slot, w.gen, 101, 1), Err(Reject::TooLong { slot: w.slot, len: 101, capacity: 100 }));
-        assert_eq!(t.commit(8, w.slot, w.gen, 10, 1), Err(Reject::WrongOwner { slot: w.slot }));
-        assert!(matches!(t.commit(7, 5, w.gen, 10, 1), Err(Reject::OutOfRange { .. })));
+        assert_eq!(
+            t.commit(7, w.slot, w.gen, 0, 1),
+            Err(Reject::Empty { slot: w.slot })
+        );
+        assert!(t
+            .commit(7, w.slot, w.gen, 0, 1)
+            .unwrap_err()
+            .to_string()
+            .contains("length 0"));
+        assert_eq!(
+            t.commit(7, w.slot, w.gen, 101, 1),
+            Err(Reject::TooLong {
+                slot: w.slot,
+                len: 101,
+                capacity: 100
+            })
+        );
+        assert_eq!(
+            t.commit(8, w.slot, w.gen, 10, 1),
+            Err(Reject::WrongOwner { slot: w.slot })
+        );
+        assert!(matches!(
+            t.commit(7, 5, w.gen, 10, 1),
+            Err(Reject::OutOfRange { .. })
+        ));
         t.commit(7, w.slot, w.gen, 10, 1).unwrap();
         let r = t.deliver(9).unwrap();
         assert_eq!((r.slot, r.len, r.batch_id), (w.slot, 10, 1));
-        assert!(matches!(t.ack(9, r.slot, w.gen, 1), Err(Reject::StaleGen { .. })));
-        assert!(matches!(t.ack(9, r.slot, r.gen, 2), Err(Reject::WrongBatch { .. })));
+        assert!(matches!(
+            t.ack(9, r.slot, w.gen, 1),
+            Err(Reject::StaleGen { .. })
+        ));
+        assert!(matches!(
+            t.ack(9, r.slot, r.gen, 2),
+            Err(Reject::WrongBatch { .. })
+        ));
         t.ack(9, r.slot, r.gen, 1).unwrap();
-        assert!(matches!(t.ack(9, r.slot, r.gen, 1), Err(Reject::StaleGen { .. })));
+        assert!(matches!(
+            t.ack(9, r.slot, r.gen, 1),
+            Err(Reject::StaleGen { .. })
+        ));
         assert_eq!(t.count(SlotState::Free), 2);
     }
 
@@ -325,6 +428,9 @@ mod tests {
         assert_eq!(rel.redelivered, vec![0]);
         assert_eq!(t.peek_ready(), Some(0));
         // The dead holder's old grant is now stale.
-        assert!(matches!(t.ack(2, a.slot, a.gen, 0), Err(Reject::StaleGen { .. })));
+        assert!(matches!(
+            t.ack(2, a.slot, a.gen, 0),
+            Err(Reject::StaleGen { .. })
+        ));
     }
 }

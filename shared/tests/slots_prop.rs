@@ -61,14 +61,20 @@ impl Pipeline {
     }
 
     fn first(t: &SlotTable, h: Holder, st: SlotState) -> Option<(u32, u64, u64)> {
-        t.slots().iter().enumerate().find(|(_, s)| s.holder == Some(h) && s.state == st).map(|(i, s)| (i as u32, s.gen, s.batch_id))
+        t.slots()
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.holder == Some(h) && s.state == st)
+            .map(|(i, s)| (i as u32, s.gen, s.batch_id))
     }
 
     fn apply(&mut self, op: &Op) {
         match *op {
             Op::Load => {
                 if let Some(g) = self.tokens.lease(LOADER) {
-                    self.tokens.commit(LOADER, g.slot, g.gen, 8, self.next_batch).unwrap();
+                    self.tokens
+                        .commit(LOADER, g.slot, g.gen, 8, self.next_batch)
+                        .unwrap();
                     self.next_batch += 1;
                 }
             }
@@ -84,9 +90,10 @@ impl Pipeline {
             }
             Op::TargetFinish(i) => {
                 let h = self.targets[i];
-                let (Some((ts, tg, batch)), Some((hs, hg, _))) =
-                    (Self::first(&self.tokens, h, SlotState::Reading), Self::first(&self.hidden, h, SlotState::Writing))
-                else {
+                let (Some((ts, tg, batch)), Some((hs, hg, _))) = (
+                    Self::first(&self.tokens, h, SlotState::Reading),
+                    Self::first(&self.hidden, h, SlotState::Writing),
+                ) else {
                     return;
                 };
                 // Both checks before either change: the commit is atomic across pools.
@@ -108,7 +115,11 @@ impl Pipeline {
                 }
             }
             Op::Kill(i) => {
-                let slot = if i < 2 { &mut self.targets[i] } else { &mut self.drafters[i - 2] };
+                let slot = if i < 2 {
+                    &mut self.targets[i]
+                } else {
+                    &mut self.drafters[i - 2]
+                };
                 let dead = *slot;
                 *slot = self.next_holder;
                 self.next_holder += 1;
@@ -117,7 +128,11 @@ impl Pipeline {
             }
             Op::Garbage { kind, slot, hidden } => {
                 let before = (self.tokens.slots().to_vec(), self.hidden.slots().to_vec());
-                let t = if hidden { &mut self.hidden } else { &mut self.tokens };
+                let t = if hidden {
+                    &mut self.hidden
+                } else {
+                    &mut self.tokens
+                };
                 let s = t.slot(slot).clone();
                 // Requests that must be refused: from someone who does not hold the slot,
                 // with a stale generation, or for a slot that does not exist.
@@ -129,7 +144,10 @@ impl Pipeline {
                 assert!(t.ack(h, slot, gen, s.batch_id).is_err());
                 assert!(t.commit(h, slot, gen, 8, 0).is_err());
                 assert!(t.cancel(h, slot, gen).is_err());
-                assert_eq!(before, (self.tokens.slots().to_vec(), self.hidden.slots().to_vec()));
+                assert_eq!(
+                    before,
+                    (self.tokens.slots().to_vec(), self.hidden.slots().to_vec())
+                );
             }
         }
     }
@@ -137,7 +155,12 @@ impl Pipeline {
     /// Every batch produced so far is in exactly one place.
     fn check(&self) {
         let mut place: HashMap<u64, u32> = HashMap::new();
-        for b in self.tokens.batches_held().into_iter().chain(self.hidden.batches_held()) {
+        for b in self
+            .tokens
+            .batches_held()
+            .into_iter()
+            .chain(self.hidden.batches_held())
+        {
             *place.entry(b).or_default() += 1;
         }
         for (&b, &n) in &self.consumed {
@@ -145,15 +168,30 @@ impl Pipeline {
             *place.entry(b).or_default() += 1;
         }
         for b in 0..self.next_batch {
-            assert_eq!(place.get(&b).copied().unwrap_or(0), 1, "batch {b} is in {:?} places", place.get(&b));
+            assert_eq!(
+                place.get(&b).copied().unwrap_or(0),
+                1,
+                "batch {b} is in {:?} places",
+                place.get(&b)
+            );
         }
-        assert_eq!(place.len() as u64, self.next_batch, "unknown batch ids appeared");
+        assert_eq!(
+            place.len() as u64,
+            self.next_batch,
+            "unknown batch ids appeared"
+        );
     }
 
     fn drain(&mut self) {
         for _ in 0..1000 {
             for i in 0..2 {
-                for op in [Op::TargetTake(i), Op::TargetLease(i), Op::TargetFinish(i), Op::DrafterTake(i), Op::DrafterFinish(i)] {
+                for op in [
+                    Op::TargetTake(i),
+                    Op::TargetLease(i),
+                    Op::TargetFinish(i),
+                    Op::DrafterTake(i),
+                    Op::DrafterFinish(i),
+                ] {
                     self.apply(&op);
                 }
             }

@@ -18,9 +18,16 @@ use dflash_shared::DeviceSpec;
 ///   dflash-supervise logs --all -f
 ///   dflash-supervise status --json
 #[derive(Debug, Parser)]
-#[command(name = "dflash-supervise", version, args_conflicts_with_subcommands = true, verbatim_doc_comment)]
-#[command(after_help = "Exit codes: 0 ok, 1 run failed (restart budget spent), 2 bad input, \
-3 unclean stop (a worker had to be killed), 4 internal error, 130 killed by a second Ctrl-C.")]
+#[command(
+    name = "dflash-supervise",
+    version,
+    args_conflicts_with_subcommands = true,
+    verbatim_doc_comment
+)]
+#[command(
+    after_help = "Exit codes: 0 ok, 1 run failed (restart budget spent), 2 bad input, \
+3 unclean stop (a worker had to be killed), 4 internal error, 130 killed by a second Ctrl-C."
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -154,7 +161,12 @@ pub struct RunArgs {
     pub hang_timeout: Duration,
 
     /// How many times one worker may be restarted in this run before the run gives up.
-    #[arg(long, value_name = "N", default_value_t = 10, help_heading = "Restarts")]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 10,
+        help_heading = "Restarts"
+    )]
     pub max_restarts: u32,
 
     /// A worker that stays up this long is healthy again: its restart backoff resets to
@@ -172,12 +184,22 @@ pub struct RunArgs {
     /// The frozen target model: a Hugging Face directory (config.json + model.safetensors
     /// or shards; Qwen3 or Llama), or tiny (a small built-in model with random weights,
     /// written to RUN_DIR/target).
-    #[arg(long, value_name = "DIR", default_value = "tiny", help_heading = "Model")]
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "tiny",
+        help_heading = "Model"
+    )]
     pub target: String,
 
     /// Target layers to tap, e.g. 1,9,17,25,33 (default: DFlash's spread of
     /// --draft-layers taps over the target's depth).
-    #[arg(long, value_name = "IDS", value_delimiter = ',', help_heading = "Model")]
+    #[arg(
+        long,
+        value_name = "IDS",
+        value_delimiter = ',',
+        help_heading = "Model"
+    )]
     pub taps: Option<Vec<u32>>,
 
     /// Drafter depth, which is also the number of taps (default: 5, or 2 for targets
@@ -223,7 +245,12 @@ pub struct RunArgs {
 
     /// Write a checkpoint (weights, optimizer state, what was consumed) every N steps;
     /// one is always written when the run stops. 0: only at the stop.
-    #[arg(long, value_name = "N", default_value_t = 100, help_heading = "Training")]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 100,
+        help_heading = "Training"
+    )]
     pub checkpoint_every: u64,
 
     /// Checkpoints kept (the newest).
@@ -263,7 +290,12 @@ pub struct RunArgs {
     /// data and training settings (devices and the other flags come from this command).
     /// --steps, --lr, --warmup-ratio and --max-bad-lines given here win over the saved
     /// ones; another saved setting given with a different value is refused.
-    #[arg(long, value_name = "RUN_DIR", help_heading = "Training", conflicts_with = "run_dir")]
+    #[arg(
+        long,
+        value_name = "RUN_DIR",
+        help_heading = "Training",
+        conflicts_with = "run_dir"
+    )]
     pub resume: Option<PathBuf>,
 
     /// Training data: a JSONL file, a directory of .jsonl files, - for stdin, or demo
@@ -271,7 +303,12 @@ pub struct RunArgs {
     /// "loss_mask": [...]} (loss_mask optional: all ones), a chat {"messages": [{"role",
     /// "content"}]} or ShareGPT {"conversations": [{"from", "value"}]}; chat lines are
     /// rendered with the target's chat template and only the assistant replies are trained.
-    #[arg(long, value_name = "SOURCE", default_value = "demo", help_heading = "Data")]
+    #[arg(
+        long,
+        value_name = "SOURCE",
+        default_value = "demo",
+        help_heading = "Data"
+    )]
     pub data: String,
 
     /// Tokenizer and chat template for chat data: a directory with tokenizer.json and
@@ -463,7 +500,9 @@ pub struct StatusArgs {
 #[cfg(test)]
 pub(crate) fn run_args(extra: &[&str]) -> RunArgs {
     let argv = std::iter::once("dflash-supervise").chain(extra.iter().copied());
-    Cli::try_parse_from(argv).expect("a valid test command line").run
+    Cli::try_parse_from(argv)
+        .expect("a valid test command line")
+        .run
 }
 
 fn parse_spec(s: &str) -> Result<DeviceSpec, String> {
@@ -475,9 +514,13 @@ fn parse_spec(s: &str) -> Result<DeviceSpec, String> {
 pub const MAX_DURATION: Duration = Duration::from_secs(1000 * 24 * 3600);
 
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s.trim()).map_err(|e| format!("{e} (expected a duration such as 500ms, 30s, 5m or 2h)"))?;
+    let d = humantime::parse_duration(s.trim())
+        .map_err(|e| format!("{e} (expected a duration such as 500ms, 30s, 5m or 2h)"))?;
     if d > MAX_DURATION {
-        return Err(format!("'{}' is too long (expected at most 1000days)", s.trim()));
+        return Err(format!(
+            "'{}' is too long (expected at most 1000days)",
+            s.trim()
+        ));
     }
     Ok(d)
 }
@@ -489,7 +532,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let expected = "expected a size such as 4096, 500K or 64MiB";
-    let n: u64 = num.parse().map_err(|_| format!("'{s}' is not a size ({expected})"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size ({expected})"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
@@ -497,7 +542,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "g" | "gb" | "gib" => 1 << 30,
         other => return Err(format!("unknown size unit '{other}' ({expected})")),
     };
-    let v = n.checked_mul(mult).ok_or_else(|| format!("'{s}' is too large"))?;
+    let v = n
+        .checked_mul(mult)
+        .ok_or_else(|| format!("'{s}' is too large"))?;
     if v == 0 {
         return Err(format!("'{s}': size must be above zero ({expected})"));
     }
@@ -521,7 +568,9 @@ mod tests {
         assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
         assert_eq!(parse_size("1g").unwrap(), 1 << 30);
         assert!(parse_size("0").is_err());
-        assert!(parse_size("12parsecs").unwrap_err().contains("unknown size unit"));
+        assert!(parse_size("12parsecs")
+            .unwrap_err()
+            .contains("unknown size unit"));
         assert!(parse_size("lots").is_err());
     }
 
@@ -530,8 +579,14 @@ mod tests {
         assert_eq!(parse_duration("60s").unwrap(), Duration::from_secs(60));
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse_duration("1000days").unwrap(), MAX_DURATION);
-        assert!(parse_duration("300000000000y").unwrap_err().contains("too long"));
-        assert!(parse_duration("1001days").unwrap_err().contains("at most 1000days"));
-        assert!(parse_duration("soon").unwrap_err().contains("expected a duration"));
+        assert!(parse_duration("300000000000y")
+            .unwrap_err()
+            .contains("too long"));
+        assert!(parse_duration("1001days")
+            .unwrap_err()
+            .contains("at most 1000days"));
+        assert!(parse_duration("soon")
+            .unwrap_err()
+            .contains("expected a duration"));
     }
 }

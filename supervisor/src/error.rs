@@ -33,13 +33,23 @@ pub enum Error {
     /// The supervisor's own work failed: what it was doing, where, and the OS's reason
     /// (exit 4).
     #[error("{what} {}: {source}", path.display())]
-    Io { what: &'static str, path: PathBuf, source: std::io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     /// A thread, the spawner or a signal handler could not be started (exit 4).
     #[error("cannot start {what}: {source}")]
-    Start { what: String, source: std::io::Error },
+    Start {
+        what: String,
+        source: std::io::Error,
+    },
     /// JSON the supervisor writes could not be encoded (exit 4).
     #[error("{what}: {source}")]
-    Json { what: &'static str, source: serde_json::Error },
+    Json {
+        what: &'static str,
+        source: serde_json::Error,
+    },
     /// A shared-memory pool could not be created (exit 4).
     #[error("cannot create the {pool} pool in shared memory: {source}")]
     SharedMemory { pool: String, source: Source },
@@ -49,30 +59,49 @@ pub enum Error {
     Helper { program: String, detail: String },
     /// A benchmark could not measure (exit 4).
     #[error("bench {bench}: {what}: {source}")]
-    Bench { bench: &'static str, what: String, source: Source },
+    Bench {
+        bench: &'static str,
+        what: String,
+        source: Source,
+    },
 }
 
 impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::Flag(_) | Error::Input { .. } | Error::Data(_) | Error::Unavailable { .. } => exit_codes::USAGE,
-            Error::Io { .. } | Error::Start { .. } | Error::SharedMemory { .. } | Error::Json { .. } | Error::Helper { .. } | Error::Bench { .. } => {
-                exit_codes::INTERNAL
+            Error::Flag(_) | Error::Input { .. } | Error::Data(_) | Error::Unavailable { .. } => {
+                exit_codes::USAGE
             }
+            Error::Io { .. }
+            | Error::Start { .. }
+            | Error::SharedMemory { .. }
+            | Error::Json { .. }
+            | Error::Helper { .. }
+            | Error::Bench { .. } => exit_codes::INTERNAL,
         }
     }
 
     /// An input that cannot be used, for a reason or an error.
     pub fn input(input: impl Into<String>, source: impl Into<Source>) -> Error {
-        Error::Input { input: input.into(), source: source.into() }
+        Error::Input {
+            input: input.into(),
+            source: source.into(),
+        }
     }
 
     pub fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Error {
-        Error::Io { what, path: path.into(), source }
+        Error::Io {
+            what,
+            path: path.into(),
+            source,
+        }
     }
 
     pub fn start(what: impl Into<String>, source: std::io::Error) -> Error {
-        Error::Start { what: what.into(), source }
+        Error::Start {
+            what: what.into(),
+            source,
+        }
     }
 
     pub fn json(what: &'static str, source: serde_json::Error) -> Error {
@@ -122,16 +151,32 @@ mod tests {
         let e = Error::io("cannot write", "/r/state.json", io);
         assert_eq!(e.to_string(), "cannot write /r/state.json: denied");
         let src = std::error::Error::source(&e).expect("the io error is kept");
-        assert_eq!(src.downcast_ref::<std::io::Error>().map(|e| e.kind()), Some(std::io::ErrorKind::PermissionDenied));
+        assert_eq!(
+            src.downcast_ref::<std::io::Error>().map(|e| e.kind()),
+            Some(std::io::ErrorKind::PermissionDenied)
+        );
         assert_eq!(e.exit_code(), 4);
-        let e = Error::input("--data x.jsonl", std::io::Error::from(std::io::ErrorKind::NotFound));
+        let e = Error::input(
+            "--data x.jsonl",
+            std::io::Error::from(std::io::ErrorKind::NotFound),
+        );
         assert!(std::error::Error::source(&e).is_some());
         assert_eq!(e.exit_code(), 2);
-        assert_eq!(Error::Flag("--steps 0: expected at least 1".into()).exit_code(), 2);
-        let codes: Vec<i32> = [RunEnd::Clean, RunEnd::Failed, RunEnd::BadInput, RunEnd::UncleanStop, RunEnd::Internal, RunEnd::Interrupted]
-            .iter()
-            .map(|r| r.exit_code())
-            .collect();
+        assert_eq!(
+            Error::Flag("--steps 0: expected at least 1".into()).exit_code(),
+            2
+        );
+        let codes: Vec<i32> = [
+            RunEnd::Clean,
+            RunEnd::Failed,
+            RunEnd::BadInput,
+            RunEnd::UncleanStop,
+            RunEnd::Internal,
+            RunEnd::Interrupted,
+        ]
+        .iter()
+        .map(|r| r.exit_code())
+        .collect();
         assert_eq!(codes, [0, 1, 2, 3, 4, 130]);
     }
 }

@@ -41,31 +41,55 @@ pub fn main() -> i32 {
     // Which run flags were typed (not defaults): a resumed run lets those win or refuses them.
     let given: Vec<String> = matches
         .ids()
-        .filter(|id| matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+        .filter(|id| {
+            matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
+        })
         .map(|id| id.as_str().to_string())
         .collect();
     console::init();
     // The commands that print a listing or a table (`status | head`) end quietly when the
     // reader goes, as Unix tools do, instead of panicking on the write. A run, `logs -f`
     // (which handles it) and the helper processes keep SIGPIPE ignored.
-    if !matches!(cli.command, None | Some(Command::Logs(_)) | Some(Command::BenchPeer { .. }) | Some(Command::Reap)) {
+    if !matches!(
+        cli.command,
+        None | Some(Command::Logs(_)) | Some(Command::BenchPeer { .. }) | Some(Command::Reap)
+    ) {
         // SAFETY: restoring the default disposition of one signal, before any thread starts.
-        let _ = unsafe { nix::sys::signal::signal(nix::sys::signal::Signal::SIGPIPE, nix::sys::signal::SigHandler::SigDfl) };
+        let _ = unsafe {
+            nix::sys::signal::signal(
+                nix::sys::signal::Signal::SIGPIPE,
+                nix::sys::signal::SigHandler::SigDfl,
+            )
+        };
     }
     let result = match cli.command {
         None => run::run(cli.run, &given),
         Some(Command::Logs(a)) => commands::logs::run(a),
         Some(Command::Status(a)) => commands::status::run(a),
-        Some(Command::Report { run_dir, out, watch }) => commands::report::run(run_dir, out, watch),
+        Some(Command::Report {
+            run_dir,
+            out,
+            watch,
+        }) => commands::report::run(run_dir, out, watch),
         Some(Command::Ledger(a)) => commands::ledger::run(a),
         Some(Command::Gpus { json }) => commands::gpus::run(json),
         Some(Command::Prepare(a)) => commands::prepare::prepare(a),
         Some(Command::ExportCheck(a)) => commands::export_check::run(a),
-        Some(Command::Bench(BenchCommand::Prepare { json, tokenizer, conversations })) => commands::prepare::bench(json, tokenizer, conversations),
+        Some(Command::Bench(BenchCommand::Prepare {
+            json,
+            tokenizer,
+            conversations,
+        })) => commands::prepare::bench(json, tokenizer, conversations),
         Some(Command::Bench(BenchCommand::Ipc { json, quick })) => bench::ipc::run(json, quick),
-        Some(Command::Bench(BenchCommand::Compute { json, target, tokens })) => bench::compute::run(json, &target, tokens),
+        Some(Command::Bench(BenchCommand::Compute {
+            json,
+            target,
+            tokens,
+        })) => bench::compute::run(json, &target, tokens),
         Some(Command::Bench(BenchCommand::Train { json, steps })) => bench::train::run(json, steps),
-        Some(Command::Bench(BenchCommand::Telemetry { json, seconds })) => bench::telemetry::run(json, seconds),
+        Some(Command::Bench(BenchCommand::Telemetry { json, seconds })) => {
+            bench::telemetry::run(json, seconds)
+        }
         Some(Command::BenchPeer { server }) => Ok(bench::ipc::peer(&server)),
         Some(Command::Reap) => Ok(reaper::run()),
     };
@@ -88,10 +112,12 @@ fn clap_exit(e: clap::Error) -> i32 {
         }
         _ => {
             let text = e.render().to_string();
-            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid command line");
+            let first = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid command line");
             crate::say!("dflash-supervise: {first} (see --help)");
             exit_codes::USAGE
         }
     }
 }
-

@@ -22,12 +22,17 @@ fn tokenizer_dir() -> Option<PathBuf> {
         return Some(d);
     }
     assert!(!ci(), "{} is missing: under CI this test may not skip (.ci/run runs scripts/fetch_test_assets.sh)", d.display());
-    eprintln!("skipping: no Qwen3 tokenizer at {} (run scripts/fetch_test_assets.sh)", d.display());
+    eprintln!(
+        "skipping: no Qwen3 tokenizer at {} (run scripts/fetch_test_assets.sh)",
+        d.display()
+    );
     None
 }
 
 fn data(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
 }
 
 fn reference() -> serde_json::Value {
@@ -35,7 +40,10 @@ fn reference() -> serde_json::Value {
 }
 
 fn has_transformers() -> bool {
-    Command::new("python3").args(["-c", "import transformers"]).output().is_ok_and(|o| o.status.success())
+    Command::new("python3")
+        .args(["-c", "import transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 #[test]
@@ -54,9 +62,17 @@ fn token_ids_equal_transformers_apply_chat_template() {
             .arg(data("chat_conversations.json"))
             .output()
             .unwrap();
-        assert!(out.status.success(), "chat_reference.py: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "chat_reference.py: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let live: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(live["samples"], want["samples"], "the checked-in reference differs from transformers {}", live["transformers"]);
+        assert_eq!(
+            live["samples"], want["samples"],
+            "the checked-in reference differs from transformers {}",
+            live["transformers"]
+        );
         want = live;
     } else {
         assert!(!ci(), "transformers is missing: under CI the reference must be generated live (.ci/run installs it)");
@@ -66,22 +82,39 @@ fn token_ids_equal_transformers_apply_chat_template() {
     for (i, s) in samples.iter().enumerate() {
         let msgs = s["messages"].as_array().unwrap().clone();
         let got = chat.encode(msgs).unwrap();
-        let ids: Vec<u32> = s["input_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
-        assert_eq!(got.ids, ids, "conversation {i}: token ids differ from transformers'");
+        let ids: Vec<u32> = s["input_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            got.ids, ids,
+            "conversation {i}: token ids differ from transformers'"
+        );
         assert_eq!(got.mask.len(), ids.len());
     }
 }
 
 /// The visible reply as the Qwen3 template keeps it: the text after `</think>`.
 fn visible(content: &str) -> &str {
-    content.rsplit("</think>").next().unwrap().trim_matches('\n')
+    content
+        .rsplit("</think>")
+        .next()
+        .unwrap()
+        .trim_matches('\n')
 }
 
 #[test]
 fn loss_mask_is_one_exactly_on_assistant_replies_and_their_end_of_turn_token() {
     let Some(dir) = tokenizer_dir() else { return };
     let chat = Chat::load(&dir).unwrap();
-    for (i, s) in reference()["samples"].as_array().unwrap().iter().enumerate() {
+    for (i, s) in reference()["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+    {
         let msgs = s["messages"].as_array().unwrap().clone();
         let enc = chat.encode(msgs.clone()).unwrap();
         // Runs of supervised tokens.
@@ -94,22 +127,50 @@ fn loss_mask_is_one_exactly_on_assistant_replies_and_their_end_of_turn_token() {
                 }
             }
         }
-        let replies: Vec<&str> = msgs.iter().filter(|m| m["role"] == "assistant").map(|m| m["content"].as_str().unwrap()).collect();
-        assert_eq!(runs.len(), replies.len(), "conversation {i}: one supervised run per assistant turn");
+        let replies: Vec<&str> = msgs
+            .iter()
+            .filter(|m| m["role"] == "assistant")
+            .map(|m| m["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            runs.len(),
+            replies.len(),
+            "conversation {i}: one supervised run per assistant turn"
+        );
         for (r, reply) in runs.iter().zip(&replies) {
             let text = chat.decode(&enc.ids[r.0..r.1]);
-            assert!(text.ends_with("<|im_end|>"), "conversation {i}: run {text:?} does not end with the end-of-turn token");
-            assert!(text.contains(visible(reply)), "conversation {i}: run {text:?} lacks the reply {:?}", visible(reply));
-            assert!(!text.contains("<|im_start|>"), "conversation {i}: a header is supervised: {text:?}");
+            assert!(
+                text.ends_with("<|im_end|>"),
+                "conversation {i}: run {text:?} does not end with the end-of-turn token"
+            );
+            assert!(
+                text.contains(visible(reply)),
+                "conversation {i}: run {text:?} lacks the reply {:?}",
+                visible(reply)
+            );
+            assert!(
+                !text.contains("<|im_start|>"),
+                "conversation {i}: a header is supervised: {text:?}"
+            );
             // What precedes a run is the assistant header, unsupervised.
             let before = chat.decode(&enc.ids[..r.0]);
-            assert!(before.ends_with("<|im_start|>assistant\n"), "conversation {i}: {before:?}");
+            assert!(
+                before.ends_with("<|im_start|>assistant\n"),
+                "conversation {i}: {before:?}"
+            );
         }
         // Nothing of the system and user turns is supervised.
-        let supervised: String = runs.iter().map(|r| chat.decode(&enc.ids[r.0..r.1])).collect();
+        let supervised: String = runs
+            .iter()
+            .map(|r| chat.decode(&enc.ids[r.0..r.1]))
+            .collect();
         for m in msgs.iter().filter(|m| m["role"] != "assistant") {
             let c = m["content"].as_str().unwrap().trim();
-            assert!(!supervised.contains(c), "conversation {i}: {} content {c:?} is supervised", m["role"]);
+            assert!(
+                !supervised.contains(c),
+                "conversation {i}: {} content {c:?} is supervised",
+                m["role"]
+            );
         }
     }
 }
@@ -140,7 +201,10 @@ fn prepare_output_gives_the_same_batches_as_the_chat_data_and_reports_the_prefli
     let tmp = tempfile::tempdir().unwrap();
     let mut lines = dflash_supervisor::data::preflight::synthetic_conversations(60, 11);
     lines.insert(5, r#"{"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]}"#.into());
-    lines.insert(9, r#"{"conversations": [{"from": "human", "value": "only a question"}]}"#.into());
+    lines.insert(
+        9,
+        r#"{"conversations": [{"from": "human", "value": "only a question"}]}"#.into(),
+    );
     lines.insert(12, lines[20].clone());
     lines.insert(14, "not json".into());
     let chat_file = tmp.path().join("chat.jsonl");
@@ -154,14 +218,27 @@ fn prepare_output_gives_the_same_batches_as_the_chat_data_and_reports_the_prefli
         .arg(&chat_file)
         .arg("--out")
         .arg(&out)
-        .args(["--max-seq-len", "256", "--token-budget", "2048", "--drafters", "2", "--report"])
+        .args([
+            "--max-seq-len",
+            "256",
+            "--token-budget",
+            "2048",
+            "--drafters",
+            "2",
+            "--report",
+        ])
         .arg(&report)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "prepare failed: {stdout}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "prepare failed: {stdout}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert!(stdout.contains("data preflight:"), "{stdout}");
-    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     assert_eq!(r["lines"], 64);
     assert_eq!(r["kept"], 61, "{r}");
     assert_eq!(r["dropped"]["unknown role"], 1);
@@ -170,17 +247,36 @@ fn prepare_output_gives_the_same_batches_as_the_chat_data_and_reports_the_prefli
     assert_eq!(r["duplicates"], 1);
     assert_eq!(r["chat_samples"], 61);
     assert_eq!(r["marker_missing"], 0);
-    assert!(r["truncated"].as_u64().unwrap() > 0, "synthetic conversations are longer than 256 tokens: {r}");
+    assert!(
+        r["truncated"].as_u64().unwrap() > 0,
+        "synthetic conversations are longer than 256 tokens: {r}"
+    );
     assert_eq!(r["lengths"]["max"], 256);
     let share = r["supervised_share"].as_f64().unwrap();
     assert!(share > 0.3 && share < 0.95, "{share}");
-    assert_eq!(r["steps_per_epoch"].as_u64().unwrap(), r["batches_per_epoch"].as_u64().unwrap().div_ceil(2));
+    assert_eq!(
+        r["steps_per_epoch"].as_u64().unwrap(),
+        r["batches_per_epoch"].as_u64().unwrap().div_ceil(2)
+    );
     let prepared = std::fs::read_to_string(&out).unwrap();
     assert_eq!(prepared.lines().count(), 61);
     // Written whole: a later run may choose a longer --max-seq-len.
-    let longest = prepared.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["input_ids"].as_array().unwrap().len()).max().unwrap();
+    let longest = prepared
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["input_ids"]
+                .as_array()
+                .unwrap()
+                .len()
+        })
+        .max()
+        .unwrap();
     assert!(longest > 256, "{longest}");
-    assert!(!std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-")));
+    assert!(!std::fs::read_dir(tmp.path()).unwrap().any(|e| e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .contains(".tmp-")));
 
     // The same batches, ids and masks, from the chat data and from its preparation.
     let chat = Arc::new(Chat::load(&dir).unwrap());
@@ -204,7 +300,11 @@ fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
     let Some(dir) = tokenizer_dir() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let good = tmp.path().join("chat.jsonl");
-    std::fs::write(&good, dflash_supervisor::data::preflight::synthetic_conversations(3, 1).join("\n")).unwrap();
+    std::fs::write(
+        &good,
+        dflash_supervisor::data::preflight::synthetic_conversations(3, 1).join("\n"),
+    )
+    .unwrap();
     let copy = |name: &str, edit: &dyn Fn(&Path)| -> PathBuf {
         let d = tmp.path().join(name);
         std::fs::create_dir_all(&d).unwrap();
@@ -214,9 +314,19 @@ fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
         edit(&d);
         d
     };
-    let missing = copy("missing", &|d| std::fs::remove_file(d.join("tokenizer.json")).unwrap());
-    let corrupt = copy("corrupt", &|d| std::fs::write(d.join("tokenizer.json"), "{\"model\": 3}").unwrap());
-    let unparsable = copy("unparsable", &|d| std::fs::write(d.join("chat_template.jinja"), "{% for m in messages %}{{ m.content }").unwrap());
+    let missing = copy("missing", &|d| {
+        std::fs::remove_file(d.join("tokenizer.json")).unwrap()
+    });
+    let corrupt = copy("corrupt", &|d| {
+        std::fs::write(d.join("tokenizer.json"), "{\"model\": 3}").unwrap()
+    });
+    let unparsable = copy("unparsable", &|d| {
+        std::fs::write(
+            d.join("chat_template.jinja"),
+            "{% for m in messages %}{{ m.content }",
+        )
+        .unwrap()
+    });
     let raising = copy("raising", &|d| {
         // Renders the probe conversations, refuses any conversation with "refuse" in it.
         let t = "{% for m in messages %}{% if 'refuse' in m.content %}{{ raise_exception('refused') }}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
@@ -224,10 +334,28 @@ fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
     });
     let out = tmp.path().join("out.jsonl");
     let run = |tok: &Path, data: &Path| {
-        let o = supervise().args(["prepare", "--target"]).arg(&dir).arg("--tokenizer").arg(tok).arg("--data").arg(data).arg("--out").arg(&out).output().unwrap();
-        (o.status.code(), String::from_utf8_lossy(&o.stderr).trim().to_string(), String::from_utf8_lossy(&o.stdout).to_string())
+        let o = supervise()
+            .args(["prepare", "--target"])
+            .arg(&dir)
+            .arg("--tokenizer")
+            .arg(tok)
+            .arg("--data")
+            .arg(data)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).trim().to_string(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+        )
     };
-    for (tok, want) in [(&missing, "tokenizer.json: missing"), (&corrupt, "not a readable Hugging Face tokenizer"), (&unparsable, "does not parse")] {
+    for (tok, want) in [
+        (&missing, "tokenizer.json: missing"),
+        (&corrupt, "not a readable Hugging Face tokenizer"),
+        (&unparsable, "does not parse"),
+    ] {
         let (code, err, _) = run(tok, &good);
         assert_eq!(code, Some(2), "{err}");
         assert_eq!(err.lines().count(), 1, "one line: {err}");
@@ -251,7 +379,12 @@ fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
     .unwrap();
     let (code, err, stdout) = run(&raising, &mixed);
     assert_eq!(code, Some(0), "{err}");
-    for reason in ["chat template failed to render: 1", "message content is not a string: 1", "messages is not a list: 1", "empty conversation: 1"] {
+    for reason in [
+        "chat template failed to render: 1",
+        "message content is not a string: 1",
+        "messages is not a list: 1",
+        "empty conversation: 1",
+    ] {
         assert!(stdout.contains(reason), "{reason} not in {stdout}");
     }
     assert_eq!(std::fs::read_to_string(&out).unwrap().lines().count(), 1);
@@ -274,17 +407,35 @@ fn bad_tokenizers_templates_and_data_are_one_line_errors_and_leave_no_output() {
     .unwrap();
     let (code, err, stdout) = run(&odd, &two);
     assert_eq!(code, Some(0), "{err}");
-    assert!(stdout.contains("warning: the chat template's assistant marker") && stdout.contains("not found in 1 of 2 conversations"), "{stdout}");
-    assert!(stdout.contains("no two consecutive supervised tokens: 1"), "{stdout}");
+    assert!(
+        stdout.contains("warning: the chat template's assistant marker")
+            && stdout.contains("not found in 1 of 2 conversations"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("no two consecutive supervised tokens: 1"),
+        "{stdout}"
+    );
     std::fs::remove_file(&out).unwrap();
     // Nothing supervised: exit 2, one line, no output file.
     let none = tmp.path().join("none.jsonl");
-    std::fs::write(&none, r#"{"conversations": [{"from": "human", "value": "q"}]}"#).unwrap();
+    std::fs::write(
+        &none,
+        r#"{"conversations": [{"from": "human", "value": "q"}]}"#,
+    )
+    .unwrap();
     let (code, err, _) = run(&dir, &none);
     assert_eq!(code, Some(2));
-    assert!(err.contains("nothing would be supervised") && err.contains("no assistant turn: 1"), "{err}");
+    assert!(
+        err.contains("nothing would be supervised") && err.contains("no assistant turn: 1"),
+        "{err}"
+    );
     assert!(!out.exists());
-    assert!(!std::fs::read_dir(tmp.path()).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().contains(".tmp-")));
+    assert!(!std::fs::read_dir(tmp.path()).unwrap().any(|e| e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .contains(".tmp-")));
 }
 
 #[test]
@@ -297,7 +448,9 @@ fn a_preflight_limited_to_n_lines_reads_exactly_n_even_with_parallel_read_ahead(
     let lines: Vec<String> = (0..400)
         .map(|i| match i {
             i if i % 7 == 0 => "not json".to_string(),
-            i if i % 3 == 0 => r#"{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}"#.to_string(),
+            i if i % 3 == 0 => {
+                r#"{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}"#.to_string()
+            }
             i => chat_lines[i].clone(),
         })
         .collect();
@@ -319,14 +472,27 @@ fn a_preflight_limited_to_n_lines_reads_exactly_n_even_with_parallel_read_ahead(
     };
     let r = dflash_supervisor::data::preflight::scan(&cfg, Some(300), 1, |_| Ok(())).unwrap();
     let dropped: u64 = r.dropped.values().sum();
-    assert_eq!((r.lines, r.kept + dropped, r.complete), (300, 300, false), "{r:?}");
-    assert_eq!(r.dropped["not JSON"], (0..300).filter(|i| i % 7 == 0).count() as u64);
+    assert_eq!(
+        (r.lines, r.kept + dropped, r.complete),
+        (300, 300, false),
+        "{r:?}"
+    );
+    assert_eq!(
+        r.dropped["not JSON"],
+        (0..300).filter(|i| i % 7 == 0).count() as u64
+    );
     let head: usize = lines[..300].iter().map(|l| l.len() + 1).sum();
     let share = r.bytes_share.unwrap();
-    assert!((share - head as f64 / std::fs::metadata(&file).unwrap().len() as f64).abs() < 1e-9, "{share}");
+    assert!(
+        (share - head as f64 / std::fs::metadata(&file).unwrap().len() as f64).abs() < 1e-9,
+        "{share}"
+    );
     // All of it: complete, every line.
     let all = dflash_supervisor::data::preflight::scan(&cfg, None, 1, |_| Ok(())).unwrap();
-    assert_eq!((all.lines, all.complete, all.bytes_share), (400, true, Some(1.0)));
+    assert_eq!(
+        (all.lines, all.complete, all.bytes_share),
+        (400, true, Some(1.0))
+    );
     // A limit above the data is the whole data.
     let over = dflash_supervisor::data::preflight::scan(&cfg, Some(5000), 1, |_| Ok(())).unwrap();
     assert_eq!((over.lines, over.complete), (400, true));
@@ -335,16 +501,39 @@ fn a_preflight_limited_to_n_lines_reads_exactly_n_even_with_parallel_read_ahead(
 #[test]
 fn bench_prepare_prints_throughput_and_its_ratios() {
     let Some(dir) = tokenizer_dir() else { return };
-    let o = supervise().args(["bench", "prepare", "--json", "--conversations", "200", "--tokenizer"]).arg(&dir).output().unwrap();
+    let o = supervise()
+        .args([
+            "bench",
+            "prepare",
+            "--json",
+            "--conversations",
+            "200",
+            "--tokenizer",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
     assert_eq!(f("conversations"), 200.0);
     // ~700 tokens per synthetic conversation.
     assert!(f("tokens") > 200.0 * 300.0, "{v}");
-    for k in ["one_thread_tokens_per_s", "loader_tokens_per_s", "one_thread_conversations_per_s", "loader_conversations_per_s"] {
+    for k in [
+        "one_thread_tokens_per_s",
+        "loader_tokens_per_s",
+        "one_thread_conversations_per_s",
+        "loader_conversations_per_s",
+    ] {
         assert!(f(k) > 0.0, "{k}: {v}");
     }
-    assert!((f("loader_vs_goal") - f("loader_tokens_per_s") / 145_000.0).abs() < 1e-9 * f("loader_vs_goal").max(1.0));
-    assert!((f("loader_tokens_per_s") / f("loader_conversations_per_s") - f("tokens") / 200.0).abs() < 1.0, "both rates count the same data: {v}");
+    assert!(
+        (f("loader_vs_goal") - f("loader_tokens_per_s") / 145_000.0).abs()
+            < 1e-9 * f("loader_vs_goal").max(1.0)
+    );
+    assert!(
+        (f("loader_tokens_per_s") / f("loader_conversations_per_s") - f("tokens") / 200.0).abs()
+            < 1.0,
+        "both rates count the same data: {v}"
+    );
 }

@@ -28,22 +28,35 @@ fn modules(dir: &Path, prefix: &[String], out: &mut BTreeMap<String, String>) {
 }
 
 fn node(m: &str) -> String {
-    COLLAPSED.iter().find(|c| m == **c || m.starts_with(&format!("{c}::"))).map_or(m.to_string(), |c| c.to_string())
+    COLLAPSED
+        .iter()
+        .find(|c| m == **c || m.starts_with(&format!("{c}::")))
+        .map_or(m.to_string(), |c| c.to_string())
 }
 
 /// `crate::...` and `crate::{a, b::c}` paths in `src`, without comments and tests.
 fn crate_paths(src: &str) -> Vec<String> {
     let src = src.split("#[cfg(test)]").next().unwrap();
-    let code: String = src.lines().map(|l| l.split("//").next().unwrap()).collect::<Vec<_>>().join("\n");
+    let code: String = src
+        .lines()
+        .map(|l| l.split("//").next().unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
     let mut out = Vec::new();
     let mut rest = code.as_str();
     while let Some(i) = rest.find("crate::") {
         rest = &rest[i + "crate::".len()..];
         if let Some(group) = rest.strip_prefix('{') {
             let end = group.find('}').unwrap_or(group.len());
-            out.extend(group[..end].split(',').map(|p| p.split_whitespace().next().unwrap_or("").to_string()));
+            out.extend(
+                group[..end]
+                    .split(',')
+                    .map(|p| p.split_whitespace().next().unwrap_or("").to_string()),
+            );
         } else {
-            let end = rest.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')).unwrap_or(rest.len());
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+                .unwrap_or(rest.len());
             out.push(rest[..end].trim_end_matches(':').to_string());
         }
     }
@@ -64,13 +77,18 @@ fn cycles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> {
         }
         seen
     };
-    let all: BTreeMap<String, BTreeSet<String>> = edges.keys().map(|n| (n.clone(), reach(n))).collect();
+    let all: BTreeMap<String, BTreeSet<String>> =
+        edges.keys().map(|n| (n.clone(), reach(n))).collect();
     let mut found: Vec<BTreeSet<String>> = Vec::new();
     for (n, r) in &all {
         if !r.contains(n) {
             continue;
         }
-        let comp: BTreeSet<String> = r.iter().filter(|m| all.get(*m).is_some_and(|mr| mr.contains(n))).cloned().collect();
+        let comp: BTreeSet<String> = r
+            .iter()
+            .filter(|m| all.get(*m).is_some_and(|mr| mr.contains(n)))
+            .cloned()
+            .collect();
         if !found.contains(&comp) {
             found.push(comp);
         }
@@ -81,11 +99,22 @@ fn cycles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> {
 #[test]
 fn the_supervisor_has_no_module_cycles() {
     let mut mods = BTreeMap::new();
-    modules(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), &[], &mut mods);
-    assert!(mods.contains_key("run::dispatcher") && mods.contains_key("data::pipeline"), "{:?}", mods.keys());
+    modules(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &[],
+        &mut mods,
+    );
+    assert!(
+        mods.contains_key("run::dispatcher") && mods.contains_key("data::pipeline"),
+        "{:?}",
+        mods.keys()
+    );
     let resolve = |p: &str| {
         let parts: Vec<&str> = p.split("::").collect();
-        (1..=parts.len()).rev().map(|n| parts[..n].join("::")).find(|m| mods.contains_key(m))
+        (1..=parts.len())
+            .rev()
+            .map(|n| parts[..n].join("::"))
+            .find(|m| mods.contains_key(m))
     };
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for (m, src) in &mods {
@@ -98,20 +127,27 @@ fn the_supervisor_has_no_module_cycles() {
             }
         }
     }
-    assert!(edges["run::dispatcher"].contains("data::pipeline"), "the scan sees the dispatcher's imports");
+    assert!(
+        edges["run::dispatcher"].contains("data::pipeline"),
+        "the scan sees the dispatcher's imports"
+    );
     let found = cycles(&edges);
     assert!(found.is_empty(), "module cycles: {found:?}");
 }
 
 #[test]
 fn a_cycle_is_found() {
-    let edges: BTreeMap<String, BTreeSet<String>> = [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]
-        .iter()
-        .fold(BTreeMap::new(), |mut m, (x, y)| {
-            m.entry(x.to_string()).or_default().insert(y.to_string());
-            m
-        });
+    let edges: BTreeMap<String, BTreeSet<String>> =
+        [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]
+            .iter()
+            .fold(BTreeMap::new(), |mut m, (x, y)| {
+                m.entry(x.to_string()).or_default().insert(y.to_string());
+                m
+            });
     let found = cycles(&edges);
     assert_eq!(found.len(), 1);
-    assert_eq!(found[0].iter().map(String::as_str).collect::<Vec<_>>(), ["a", "b", "c"]);
+    assert_eq!(
+        found[0].iter().map(String::as_str).collect::<Vec<_>>(),
+        ["a", "b", "c"]
+    );
 }

@@ -33,16 +33,27 @@ fn bad_gpu_specs() {
     expect_usage_error(&["--gpus", "7-3"], &["7-3", "expected"]);
     expect_usage_error(&["--gpus", "x"], &["'x'", "expected"]);
     expect_usage_error(&["--gpus", "cpu:0"], &["cpu:0", "at least 1"]);
-    expect_usage_error(&["--gpus", "cpu:3", "--targets", "3"], &["--targets 3", "no drafter"]);
+    expect_usage_error(
+        &["--gpus", "cpu:3", "--targets", "3"],
+        &["--targets 3", "no drafter"],
+    );
     expect_usage_error(&["--gpus", "cpu:2", "--targets", "0"], &["--targets 0"]);
 }
 
 #[test]
 fn gpus_without_a_driver_suggest_cpu_workers() {
     let env = [("DFLASH_NVML_LIBRARY", "/nonexistent/libnvidia-ml.so.1")];
-    expect_usage_error_env(&["--gpus", "0-7"], &["--gpus 0,1,2,3,4,5,6,7", "no NVIDIA driver", "cpu:N"], &env);
+    expect_usage_error_env(
+        &["--gpus", "0-7"],
+        &["--gpus 0,1,2,3,4,5,6,7", "no NVIDIA driver", "cpu:N"],
+        &env,
+    );
     expect_usage_error_env(&["--gpus", "all"], &["no NVIDIA driver", "cpu:N"], &env);
-    expect_usage_error_env(&["--target-gpus", "0", "--drafter-gpus", "0"], &["--target-gpus 0", "cpu:N"], &env);
+    expect_usage_error_env(
+        &["--target-gpus", "0", "--drafter-gpus", "0"],
+        &["--target-gpus 0", "cpu:N"],
+        &env,
+    );
 }
 
 #[test]
@@ -51,15 +62,58 @@ fn bad_flags_and_values() {
     expect_usage_error(&["--log-max-size", "12parsecs"], &["12parsecs", "size"]);
     expect_usage_error(&["--max-restarts", "-1"], &["-1"]);
     expect_usage_error(&["--frobnicate"], &["--frobnicate"]);
-    expect_usage_error(&["--gpus", "cpu:2", "--worker-bin", "/nonexistent/dflash-worker"], &["/nonexistent/dflash-worker", "expected"]);
-    expect_usage_error(&["--gpus", "cpu:2", "--data", "/nonexistent/d.jsonl"], &["--data /nonexistent/d.jsonl", "expected"]);
-    expect_usage_error(&["--gpus", "cpu:2", "--max-seq-len", "8192", "--token-budget", "4096"], &["--max-seq-len 8192", "--token-budget 4096"]);
-    expect_usage_error(&["--gpus", "cpu:2", "--data", "-", "--epochs", "2"], &["stdin", "--epochs 1"]);
-    expect_usage_error(&["--gpus", "cpu:2", "--hidden-slots", "0"], &["--hidden-slots 0"]);
-    expect_usage_error(&["--gpus", "cpu:2", "--taps", "1,6"], &["--taps", "layer 6 does not exist", "6 layers"]);
-    expect_usage_error(&["--gpus", "cpu:2", "--target", "/nonexistent/model"], &["--target /nonexistent/model", "config.json"]);
-    expect_usage_error(&["--gpus", "cpu:3", "--collective", "nccl"], &["--collective nccl", "2 of the 2 drafters are CPU workers", "--collective shm"]);
-    expect_usage_error(&["--gpus", "cpu:3", "--collective", "mpi"], &["mpi", "--collective"]);
+    expect_usage_error(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--worker-bin",
+            "/nonexistent/dflash-worker",
+        ],
+        &["/nonexistent/dflash-worker", "expected"],
+    );
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--data", "/nonexistent/d.jsonl"],
+        &["--data /nonexistent/d.jsonl", "expected"],
+    );
+    expect_usage_error(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--max-seq-len",
+            "8192",
+            "--token-budget",
+            "4096",
+        ],
+        &["--max-seq-len 8192", "--token-budget 4096"],
+    );
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--data", "-", "--epochs", "2"],
+        &["stdin", "--epochs 1"],
+    );
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--hidden-slots", "0"],
+        &["--hidden-slots 0"],
+    );
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--taps", "1,6"],
+        &["--taps", "layer 6 does not exist", "6 layers"],
+    );
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--target", "/nonexistent/model"],
+        &["--target /nonexistent/model", "config.json"],
+    );
+    expect_usage_error(
+        &["--gpus", "cpu:3", "--collective", "nccl"],
+        &[
+            "--collective nccl",
+            "2 of the 2 drafters are CPU workers",
+            "--collective shm",
+        ],
+    );
+    expect_usage_error(
+        &["--gpus", "cpu:3", "--collective", "mpi"],
+        &["mpi", "--collective"],
+    );
 }
 
 #[test]
@@ -76,13 +130,22 @@ fn unwritable_or_used_run_dirs() {
     let file = tmp.path().join("a-file");
     fs::write(&file, "x").unwrap();
     let under_file = file.join("run");
-    expect_usage_error(&["--gpus", "cpu:2", "--run-dir", under_file.to_str().unwrap()], &["--run-dir", "a-file/run", "expected"]);
-    expect_usage_error(&["--gpus", "cpu:2", "--run-dir", file.to_str().unwrap()], &["not a directory"]);
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--run-dir", under_file.to_str().unwrap()],
+        &["--run-dir", "a-file/run", "expected"],
+    );
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--run-dir", file.to_str().unwrap()],
+        &["not a directory"],
+    );
 
     let used = tmp.path().join("used");
     fs::create_dir(&used).unwrap();
     fs::write(used.join("state.json"), "{}").unwrap();
-    expect_usage_error(&["--gpus", "cpu:2", "--run-dir", used.to_str().unwrap()], &["already holds a run"]);
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--run-dir", used.to_str().unwrap()],
+        &["already holds a run"],
+    );
 }
 
 #[test]
@@ -90,18 +153,47 @@ fn logs_and_status_reject_what_is_not_there() {
     let tmp = tempfile::tempdir().unwrap();
     let rd = tmp.path().join("run");
     let out = supervise(
-        &["--gpus", "cpu:2", "--time-limit", "200ms", "--max-seq-len", "32", "--token-budget", "256", "--run-dir", rd.to_str().unwrap(),
-          "--worker-bin", bin("dflash-worker").to_str().unwrap()],
+        &[
+            "--gpus",
+            "cpu:2",
+            "--time-limit",
+            "200ms",
+            "--max-seq-len",
+            "32",
+            "--token-budget",
+            "256",
+            "--run-dir",
+            rd.to_str().unwrap(),
+            "--worker-bin",
+            bin("dflash-worker").to_str().unwrap(),
+        ],
         None,
     );
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let rd = rd.to_str().unwrap();
-    expect_usage_error(&["logs", "--run-dir", rd, "drafter-9"], &["drafter-9", "target-0, drafter-0"]);
-    expect_usage_error(&["logs", "--run-dir", rd, "nonsense"], &["nonsense", "<role>-<rank>"]);
+    expect_usage_error(
+        &["logs", "--run-dir", rd, "drafter-9"],
+        &["drafter-9", "target-0, drafter-0"],
+    );
+    expect_usage_error(
+        &["logs", "--run-dir", rd, "nonsense"],
+        &["nonsense", "<role>-<rank>"],
+    );
     let empty = tmp.path().join("empty");
     fs::create_dir(&empty).unwrap();
-    expect_usage_error(&["logs", "--run-dir", empty.to_str().unwrap(), "target-0"], &["not a dflash-supervise run"]);
-    expect_usage_error(&["status", "--run-dir", "/nonexistent/run"], &["/nonexistent/run", "no such directory"]);
+    expect_usage_error(
+        &["logs", "--run-dir", empty.to_str().unwrap(), "target-0"],
+        &["not a dflash-supervise run"],
+    );
+    expect_usage_error(
+        &["status", "--run-dir", "/nonexistent/run"],
+        &["/nonexistent/run", "no such directory"],
+    );
     let out = supervise(&["status"], Some(tmp.path()));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no run found under runs/"));

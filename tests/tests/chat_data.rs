@@ -14,12 +14,18 @@ use common::*;
 fn tokenizer_dir() -> Option<PathBuf> {
     let d = match std::env::var_os("DFLASH_QWEN3_TOKENIZER") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer"),
+        None => {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer")
+        }
     };
     if d.join("tokenizer.json").is_file() {
         return Some(d);
     }
-    assert!(std::env::var_os("CI").is_none(), "{} is missing: under CI this test may not skip (.ci/run fetches it)", d.display());
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{} is missing: under CI this test may not skip (.ci/run fetches it)",
+        d.display()
+    );
     eprintln!("skipping: no Qwen3 tokenizer at {}", d.display());
     None
 }
@@ -36,7 +42,14 @@ fn a_run_trains_on_chat_data_with_the_targets_own_template() {
     std::fs::create_dir_all(&target).unwrap();
     let cfg = tmp.path().join("config.json");
     std::fs::write(&cfg, CONFIG).unwrap();
-    let st = Command::new(bin("dflash-worker")).arg("tiny-target").arg("--out").arg(&target).arg("--config").arg(&cfg).status().unwrap();
+    let st = Command::new(bin("dflash-worker"))
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&target)
+        .arg("--config")
+        .arg(&cfg)
+        .status()
+        .unwrap();
     assert!(st.success());
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(tok.join(f), target.join(f)).unwrap();
@@ -44,7 +57,10 @@ fn a_run_trains_on_chat_data_with_the_targets_own_template() {
     let mut lines = Vec::new();
     for i in 0..24 {
         let q = format!("Question {i}: what is {i} times {i}?");
-        let a = format!("{i} times {i} is {}. Multiplying a number by itself squares it.", i * i);
+        let a = format!(
+            "{i} times {i} is {}. Multiplying a number by itself squares it.",
+            i * i
+        );
         lines.push(if i % 2 == 0 {
             serde_json::json!({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]})
         } else {
@@ -52,28 +68,66 @@ fn a_run_trains_on_chat_data_with_the_targets_own_template() {
         }
         .to_string());
     }
-    lines.insert(3, r#"{"conversations": [{"from": "bot", "value": "?"}]}"#.into());
+    lines.insert(
+        3,
+        r#"{"conversations": [{"from": "bot", "value": "?"}]}"#.into(),
+    );
     let data = tmp.path().join("chat.jsonl");
     std::fs::write(&data, lines.join("\n") + "\n").unwrap();
     let (t, d) = (target.display().to_string(), data.display().to_string());
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--target", &t, "--data", &d, "--steps", "3", "--max-seq-len", "96", "--token-budget", "512",
-        "--block-size", "4", "--max-anchors", "8", "--draft-layers", "1",
+        "--gpus",
+        "cpu:2",
+        "--target",
+        &t,
+        "--data",
+        &d,
+        "--steps",
+        "3",
+        "--max-seq-len",
+        "96",
+        "--token-budget",
+        "512",
+        "--block-size",
+        "4",
+        "--max-anchors",
+        "8",
+        "--draft-layers",
+        "1",
     ]);
     let status = sup.wait_exit(Duration::from_secs(300));
     let err = sup.stderr();
     assert_eq!(status.code(), Some(0), "{err}");
-    assert!(err.contains("data preflight:") && err.contains("25 read, 24 kept, 1 dropped (unknown role: 1)"), "{err}");
-    let pre: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(sup.run_dir.join("preflight.json")).unwrap()).unwrap();
-    assert_eq!((pre["chat_samples"].as_u64(), pre["marker_missing"].as_u64()), (Some(24), Some(0)), "{pre}");
+    assert!(
+        err.contains("data preflight:")
+            && err.contains("25 read, 24 kept, 1 dropped (unknown role: 1)"),
+        "{err}"
+    );
+    let pre: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(sup.run_dir.join("preflight.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (pre["chat_samples"].as_u64(), pre["marker_missing"].as_u64()),
+        (Some(24), Some(0)),
+        "{pre}"
+    );
     assert_eq!(pre["assistant_header"], "<|im_start|>assistant\n");
     let share = pre["supervised_share"].as_f64().unwrap();
-    assert!(share > 0.2 && share < 0.8, "the assistant replies only: {share}");
+    assert!(
+        share > 0.2 && share < 0.8,
+        "the assistant replies only: {share}"
+    );
     let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
     assert_eq!(steps.len(), 3, "three committed steps");
-    assert!(steps.iter().all(|s| s["loss"].as_f64().is_some_and(f64::is_finite)));
+    assert!(steps
+        .iter()
+        .all(|s| s["loss"].as_f64().is_some_and(f64::is_finite)));
     let (code, a) = sup.ledger();
     assert_eq!(code, 0, "ledger audit failed: {a}");
-    assert_eq!((a["lost"].as_u64(), a["duplicated"].as_u64()), (Some(0), Some(0)), "{a}");
+    assert_eq!(
+        (a["lost"].as_u64(), a["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
     assert!(a["consumed_once"].as_u64().unwrap() >= 3, "{a}");
 }

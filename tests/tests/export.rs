@@ -17,13 +17,20 @@ use common::*;
 const TOLERANCE: f64 = 1e-3;
 
 fn python() -> String {
-    std::env::var("DFLASH_PYTHON").ok().filter(|p| !p.trim().is_empty()).unwrap_or_else(|| "python3".into())
+    std::env::var("DFLASH_PYTHON")
+        .ok()
+        .filter(|p| !p.trim().is_empty())
+        .unwrap_or_else(|| "python3".into())
 }
 
 /// True when torch and transformers import; false (skip) on a laptop without them; a
 /// failure under CI.
 fn have_torch_transformers(test: &str) -> bool {
-    let ok = Command::new(python()).args(["-c", "import torch, transformers"]).output().map(|o| o.status.success()).unwrap_or(false);
+    let ok = Command::new(python())
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
     if !ok {
         assert!(std::env::var_os("CI").is_none(), "torch/transformers missing for {}: under CI this test may not skip (.ci/run installs them)", python());
         eprintln!("SKIPPED {test}: Python torch and transformers are not installed (python3 -m pip install torch transformers)");
@@ -34,7 +41,10 @@ fn have_torch_transformers(test: &str) -> bool {
 /// `dflash-supervise export-check DIR`, with transformers' module cache kept in `scratch`.
 fn export_check(dir: &Path, scratch: &Path, python: Option<&Path>) -> Output {
     let mut cmd = Command::new(bin("dflash-supervise"));
-    cmd.arg("export-check").arg(dir).env("HF_MODULES_CACHE", scratch.join("hf-modules")).env("HF_HUB_OFFLINE", "1");
+    cmd.arg("export-check")
+        .arg(dir)
+        .env("HF_MODULES_CACHE", scratch.join("hf-modules"))
+        .env("HF_HUB_OFFLINE", "1");
     if let Some(p) = python {
         cmd.env("DFLASH_PYTHON", p);
     }
@@ -42,29 +52,65 @@ fn export_check(dir: &Path, scratch: &Path, python: Option<&Path>) -> Output {
 }
 
 fn text(o: &Output) -> String {
-    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
 }
 
 /// The error figure of the verdict line (`ok: max relative error 3.1e-07 ...`).
 fn error_figure(o: &Output) -> f64 {
     let out = String::from_utf8_lossy(&o.stdout);
-    let line = out.lines().find(|l| l.starts_with("ok: max relative error ") || l.starts_with("FAIL: max relative error ")).unwrap_or_else(|| panic!("no verdict line: {}", text(o)));
-    line.split_whitespace().nth(4).and_then(|x| x.parse().ok()).unwrap_or_else(|| panic!("no number in {line:?}"))
+    let line = out
+        .lines()
+        .find(|l| {
+            l.starts_with("ok: max relative error ") || l.starts_with("FAIL: max relative error ")
+        })
+        .unwrap_or_else(|| panic!("no verdict line: {}", text(o)));
+    line.split_whitespace()
+        .nth(4)
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no number in {line:?}"))
 }
 
 /// Train a few steps (demo data) against `target` (None: the built-in tiny target) and
 /// return the run (its export is RUN_DIR/drafter).
 fn train(target: Option<&Path>) -> Sup {
-    let mut args = vec!["--gpus", "cpu:2", "--data", "demo", "--steps", "4", "--max-seq-len", "64", "--token-budget", "512"];
+    let mut args = vec![
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--steps",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+    ];
     let t;
     if let Some(p) = target {
         t = p.display().to_string();
         args.extend(["--target", &t]);
     }
     let mut sup = Sup::start_real(&args);
-    assert_eq!(sup.wait_exit(Duration::from_secs(120)).code(), Some(0), "{}", sup.stderr());
-    for f in ["config.json", "model.safetensors", "probe.safetensors", "dflash_drafter.py"] {
-        assert!(sup.run_dir.join("drafter").join(f).is_file(), "the export holds {f}");
+    assert_eq!(
+        sup.wait_exit(Duration::from_secs(120)).code(),
+        Some(0),
+        "{}",
+        sup.stderr()
+    );
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "probe.safetensors",
+        "dflash_drafter.py",
+    ] {
+        assert!(
+            sup.run_dir.join("drafter").join(f).is_file(),
+            "the export holds {f}"
+        );
     }
     sup
 }
@@ -85,21 +131,44 @@ fn edit_weights(dir: &Path, edit: impl Fn(&str, Vec<f32>) -> Option<Vec<f32>>) {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut out: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, view) in st.tensors() {
-        assert_eq!(view.dtype(), safetensors::Dtype::BF16, "{name} is exported as bf16");
-        let vals: Vec<f32> = view.data().chunks_exact(2).map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)).collect();
+        assert_eq!(
+            view.dtype(),
+            safetensors::Dtype::BF16,
+            "{name} is exported as bf16"
+        );
+        let vals: Vec<f32> = view
+            .data()
+            .chunks_exact(2)
+            .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+            .collect();
         if let Some(v) = edit(&name, vals) {
-            out.push((name, view.shape().to_vec(), v.iter().flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes()).collect()));
+            out.push((
+                name,
+                view.shape().to_vec(),
+                v.iter()
+                    .flat_map(|x| ((x.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+            ));
         }
     }
-    let views: Vec<(String, safetensors::tensor::TensorView)> =
-        out.iter().map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b).unwrap())).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = out
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)
+                    .unwrap(),
+            )
+        })
+        .collect();
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
     safetensors::serialize_to_file(views, Some(meta), &path).unwrap();
 }
 
 fn edit_config(dir: &Path, edit: impl Fn(&mut serde_json::Value)) {
     let path = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     edit(&mut v);
     std::fs::write(&path, serde_json::to_string_pretty(&v).unwrap()).unwrap();
 }
@@ -111,9 +180,17 @@ fn the_export_loads_with_transformers_and_matches_the_rust_drafter() {
     }
     let sup = train(None);
     let export = sup.run_dir.join("drafter");
-    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap()).unwrap();
-    assert_eq!(config["auto_map"]["AutoModel"], "dflash_drafter.DFlashDraftModel");
-    assert_eq!(config["layer_types"].as_array().map(Vec::len), config["num_hidden_layers"].as_u64().map(|n| n as usize));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        config["auto_map"]["AutoModel"],
+        "dflash_drafter.DFlashDraftModel"
+    );
+    assert_eq!(
+        config["layer_types"].as_array().map(Vec::len),
+        config["num_hidden_layers"].as_u64().map(|n| n as usize)
+    );
     assert_eq!(config["use_sliding_window"], false);
     assert_eq!(config["hidden_act"], "silu");
 
@@ -121,27 +198,56 @@ fn the_export_loads_with_transformers_and_matches_the_rust_drafter() {
     let ok = export_check(&export, scratch.path(), None);
     let out = text(&ok);
     assert_eq!(ok.status.code(), Some(0), "{out}");
-    assert!(out.contains("loaded DFlashDraftModel") && out.contains("no missing, unexpected or mismatched keys"), "{out}");
-    assert!(out.contains("explicit mask: max relative error") && out.contains("mask from anchors: max relative error"), "{out}");
+    assert!(
+        out.contains("loaded DFlashDraftModel")
+            && out.contains("no missing, unexpected or mismatched keys"),
+        "{out}"
+    );
+    assert!(
+        out.contains("explicit mask: max relative error")
+            && out.contains("mask from anchors: max relative error"),
+        "{out}"
+    );
     let err = error_figure(&ok);
-    assert!(err < TOLERANCE, "export-check error {err:e} is over {TOLERANCE:e}: {out}");
+    assert!(
+        err < TOLERANCE,
+        "export-check error {err:e} is over {TOLERANCE:e}: {out}"
+    );
     eprintln!("export-check on the tiny target: max relative error {err:e}");
 
     // One tensor changed by 25 %: the export no longer computes what was trained.
     let bad = copy_dir(&export, &scratch.path().join("perturbed"));
-    edit_weights(&bad, |n, v| Some(if n == "layers.0.self_attn.o_proj.weight" { v.iter().map(|x| x * 1.25).collect() } else { v }));
+    edit_weights(&bad, |n, v| {
+        Some(if n == "layers.0.self_attn.o_proj.weight" {
+            v.iter().map(|x| x * 1.25).collect()
+        } else {
+            v
+        })
+    });
     let o = export_check(&bad, scratch.path(), None);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
     let bad_err = error_figure(&o);
-    assert!(bad_err > TOLERANCE, "a perturbed o_proj must fail the gate: {}", text(&o));
-    assert!(text(&o).contains("FAIL: max relative error"), "{}", text(&o));
+    assert!(
+        bad_err > TOLERANCE,
+        "a perturbed o_proj must fail the gate: {}",
+        text(&o)
+    );
+    assert!(
+        text(&o).contains("FAIL: max relative error"),
+        "{}",
+        text(&o)
+    );
 
     // A tensor missing from the file: transformers would initialise it at random.
     let bad = copy_dir(&export, &scratch.path().join("missing"));
     edit_weights(&bad, |n, v| (n != "hidden_norm.weight").then_some(v));
     let o = export_check(&bad, scratch.path(), None);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("missing keys: hidden_norm.weight"), "{}", text(&o));
+    assert!(
+        text(&o).contains("missing keys: hidden_norm.weight"),
+        "{}",
+        text(&o)
+    );
 
     // A tensor the model does not have.
     let bad = copy_dir(&export, &scratch.path().join("extra"));
@@ -151,14 +257,26 @@ fn the_export_loads_with_transformers_and_matches_the_rust_drafter() {
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let mut tensors: Vec<(String, safetensors::tensor::TensorView)> = st.tensors();
         let extra = st.tensor("norm.weight").unwrap();
-        tensors.push(("lm_head.weight".to_string(), safetensors::tensor::TensorView::new(extra.dtype(), extra.shape().to_vec(), extra.data()).unwrap()));
+        tensors.push((
+            "lm_head.weight".to_string(),
+            safetensors::tensor::TensorView::new(
+                extra.dtype(),
+                extra.shape().to_vec(),
+                extra.data(),
+            )
+            .unwrap(),
+        ));
         let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
         let data = safetensors::serialize(tensors, Some(meta)).unwrap();
         std::fs::write(&path, data).unwrap();
     }
     let o = export_check(&bad, scratch.path(), None);
     assert_eq!(o.status.code(), Some(1), "{}", text(&o));
-    assert!(text(&o).contains("unexpected keys: lm_head.weight"), "{}", text(&o));
+    assert!(
+        text(&o).contains("unexpected keys: lm_head.weight"),
+        "{}",
+        text(&o)
+    );
 
     // Not an export: one line, exit 2.
     let o = export_check(&sup.run_dir, scratch.path(), None);
@@ -169,22 +287,43 @@ fn the_export_loads_with_transformers_and_matches_the_rust_drafter() {
 
     // A Python without torch/transformers: exit 2 naming what is missing and how to install it.
     let wrapper = scratch.path().join("bare-python");
-    std::fs::write(&wrapper, format!("#!/bin/sh\nexec {} -S -E \"$@\"\n", python())).unwrap();
+    std::fs::write(
+        &wrapper,
+        format!("#!/bin/sh\nexec {} -S -E \"$@\"\n", python()),
+    )
+    .unwrap();
     std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let bare_has_torch = Command::new(&wrapper).args(["-c", "import torch"]).output().map(|o| o.status.success()).unwrap_or(true);
+    let bare_has_torch = Command::new(&wrapper)
+        .args(["-c", "import torch"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(true);
     if bare_has_torch {
-        eprintln!("(torch imports without site-packages here: the missing-package case is not exercised)");
+        eprintln!(
+            "(torch imports without site-packages here: the missing-package case is not exercised)"
+        );
     } else {
         let o = export_check(&export, scratch.path(), Some(&wrapper));
         assert_eq!(o.status.code(), Some(2), "{}", text(&o));
         let stderr = String::from_utf8_lossy(&o.stderr).to_string();
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
-        assert!(stderr.contains("torch") && stderr.contains("pip install torch transformers"), "{stderr}");
+        assert!(
+            stderr.contains("torch") && stderr.contains("pip install torch transformers"),
+            "{stderr}"
+        );
     }
     // No Python at all.
-    let o = export_check(&export, scratch.path(), Some(Path::new("/nonexistent/python3")));
+    let o = export_check(
+        &export,
+        scratch.path(),
+        Some(Path::new("/nonexistent/python3")),
+    );
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("not found"), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("not found"),
+        "{}",
+        text(&o)
+    );
 }
 
 /// A target with scaled rope (`scaling` as its config.json gives it): the export carries the
@@ -196,7 +335,12 @@ fn scaled_rope_export_matches(kind: &str, scaling: serde_json::Value) {
     }
     let scratch = tempfile::tempdir().unwrap();
     let target = scratch.path().join("target");
-    let st = Command::new(bin("dflash-worker")).arg("tiny-target").arg("--out").arg(&target).status().unwrap();
+    let st = Command::new(bin("dflash-worker"))
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&target)
+        .status()
+        .unwrap();
     assert!(st.success());
     edit_config(&target, |v| {
         v["rope_scaling"] = scaling.clone();
@@ -204,11 +348,20 @@ fn scaled_rope_export_matches(kind: &str, scaling: serde_json::Value) {
     });
     let sup = train(Some(&target));
     let export = sup.run_dir.join("drafter");
-    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap()).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(export.join("config.json")).unwrap())
+            .unwrap();
     for (k, want) in scaling.as_object().unwrap() {
-        assert_eq!(&config["rope_scaling"][k], want, "rope_scaling.{k} exported as trained: {}", config["rope_scaling"]);
+        assert_eq!(
+            &config["rope_scaling"][k], want,
+            "rope_scaling.{k} exported as trained: {}",
+            config["rope_scaling"]
+        );
     }
-    assert_eq!(config["max_position_embeddings"], 256, "the target's max_position_embeddings");
+    assert_eq!(
+        config["max_position_embeddings"], 256,
+        "the target's max_position_embeddings"
+    );
     let ok = export_check(&export, scratch.path(), None);
     assert_eq!(ok.status.code(), Some(0), "{}", text(&ok));
     let err = error_figure(&ok);
@@ -218,7 +371,12 @@ fn scaled_rope_export_matches(kind: &str, scaling: serde_json::Value) {
     let unscaled = copy_dir(&export, &scratch.path().join("unscaled"));
     edit_config(&unscaled, |v| v["rope_scaling"] = serde_json::Value::Null);
     let o = export_check(&unscaled, scratch.path(), None);
-    assert_eq!(o.status.code(), Some(1), "without its rope scaling the export must fail: {}", text(&o));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "without its rope scaling the export must fail: {}",
+        text(&o)
+    );
     assert!(error_figure(&o) > TOLERANCE);
 }
 
@@ -249,10 +407,19 @@ fn the_drafter_module_agrees_with_transformers() {
     if !have_torch_transformers("drafter module unit checks") {
         return;
     }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/python/test_dflash_drafter.py");
-    let o = Command::new(python()).arg(&script).env("HF_HUB_OFFLINE", "1").output().unwrap();
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/python/test_dflash_drafter.py");
+    let o = Command::new(python())
+        .arg(&script)
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
     let out = text(&o);
     assert!(o.status.success(), "{out}");
-    assert!(out.contains("ok: llama3 inv_freq equals transformers'") && out.contains("all checks passed"), "{out}");
+    assert!(
+        out.contains("ok: llama3 inv_freq equals transformers'")
+            && out.contains("all checks passed"),
+        "{out}"
+    );
     assert!(!out.contains("FAIL"), "{out}");
 }

@@ -10,14 +10,19 @@ use std::time::Duration;
 const MARGIN: Duration = Duration::from_secs(60);
 
 fn secs(v: &str) -> Duration {
-    let n = v.strip_suffix('s').unwrap_or_else(|| panic!("period '{v}' is not in seconds (Ns)"));
+    let n = v
+        .strip_suffix('s')
+        .unwrap_or_else(|| panic!("period '{v}' is not in seconds (Ns)"));
     Duration::from_secs(n.parse().unwrap_or_else(|_| panic!("period '{v}'")))
 }
 
 /// period × terminate-after of a slow-timeout table; None if it never kills.
 fn kill_limit(t: &toml::Value) -> Option<Duration> {
     let period = secs(t["period"].as_str().expect("slow-timeout.period"));
-    let after = t.get("terminate-after")?.as_integer().expect("terminate-after") as u32;
+    let after = t
+        .get("terminate-after")?
+        .as_integer()
+        .expect("terminate-after") as u32;
     Some(period * after)
 }
 
@@ -30,7 +35,9 @@ fn binaries(filter: &str) -> Vec<String> {
             let f = f.trim();
             f.strip_prefix("binary(")
                 .and_then(|f| f.strip_suffix(')'))
-                .unwrap_or_else(|| panic!("filter '{filter}': only binary(NAME) | ... is understood here"))
+                .unwrap_or_else(|| {
+                    panic!("filter '{filter}': only binary(NAME) | ... is understood here")
+                })
                 .to_string()
         })
         .collect()
@@ -39,18 +46,34 @@ fn binaries(filter: &str) -> Vec<String> {
 /// The kill limit of test binary `bin` in `profile`: the profile's overrides, then the
 /// default profile's, then the profile's own slow-timeout, then the default's.
 fn kill_limit_of(cfg: &toml::Value, profile: &str, bin: &str) -> Option<Duration> {
-    let p = |name: &str| cfg["profile"].get(name).cloned().unwrap_or(toml::Value::Table(Default::default()));
+    let p = |name: &str| {
+        cfg["profile"]
+            .get(name)
+            .cloned()
+            .unwrap_or(toml::Value::Table(Default::default()))
+    };
     let (this, default) = (p(profile), p("default"));
     for prof in [&this, &default] {
-        for o in prof.get("overrides").and_then(|o| o.as_array()).into_iter().flatten() {
-            if let (Some(filter), Some(st)) = (o.get("filter").and_then(|f| f.as_str()), o.get("slow-timeout")) {
+        for o in prof
+            .get("overrides")
+            .and_then(|o| o.as_array())
+            .into_iter()
+            .flatten()
+        {
+            if let (Some(filter), Some(st)) = (
+                o.get("filter").and_then(|f| f.as_str()),
+                o.get("slow-timeout"),
+            ) {
                 if binaries(filter).iter().any(|b| b == bin) {
                     return kill_limit(st);
                 }
             }
         }
     }
-    let st = this.get("slow-timeout").or(default.get("slow-timeout")).expect("a slow-timeout");
+    let st = this
+        .get("slow-timeout")
+        .or(default.get("slow-timeout"))
+        .expect("a slow-timeout");
     kill_limit(st)
 }
 
@@ -68,7 +91,8 @@ fn longest_deadline(src: &str) -> Option<Duration> {
 #[test]
 fn every_test_binary_reaches_its_own_deadline_before_nextest_kills_it() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let cfg: toml::Value = toml::from_str(&fs::read_to_string(root.join(".config/nextest.toml")).unwrap()).unwrap();
+    let cfg: toml::Value =
+        toml::from_str(&fs::read_to_string(root.join(".config/nextest.toml")).unwrap()).unwrap();
     let mut checked = 0;
     for entry in fs::read_dir(root.join("tests/tests")).unwrap() {
         let path = entry.unwrap().path();
@@ -79,9 +103,13 @@ fn every_test_binary_reaches_its_own_deadline_before_nextest_kills_it() {
         if bin == "nextest_config" {
             continue; // this file's durations are examples, not deadlines
         }
-        let Some(deadline) = longest_deadline(&fs::read_to_string(&path).unwrap()) else { continue };
+        let Some(deadline) = longest_deadline(&fs::read_to_string(&path).unwrap()) else {
+            continue;
+        };
         for profile in ["default", "ci"] {
-            let Some(limit) = kill_limit_of(&cfg, profile, &bin) else { continue };
+            let Some(limit) = kill_limit_of(&cfg, profile, &bin) else {
+                continue;
+            };
             assert!(
                 deadline + MARGIN <= limit,
                 "{bin}: its own deadline is {deadline:?}, nextest kills it at {limit:?} in profile {profile}: raise its kill limit in .config/nextest.toml to at least {:?}",
@@ -90,7 +118,10 @@ fn every_test_binary_reaches_its_own_deadline_before_nextest_kills_it() {
             checked += 1;
         }
     }
-    assert!(checked >= 10, "sanity: only {checked} binary/profile pairs had deadlines");
+    assert!(
+        checked >= 10,
+        "sanity: only {checked} binary/profile pairs had deadlines"
+    );
 }
 
 #[test]
@@ -106,8 +137,22 @@ fn the_checks_own_reading_of_the_config_is_right() {
         "#,
     )
     .unwrap();
-    assert_eq!(kill_limit_of(&cfg, "default", "fast"), Some(Duration::from_secs(120)));
-    assert_eq!(kill_limit_of(&cfg, "default", "slower"), Some(Duration::from_secs(180)));
-    assert_eq!(kill_limit_of(&cfg, "ci", "slow"), Some(Duration::from_secs(180)));
-    assert_eq!(longest_deadline("const T: Duration = Duration::from_secs(120); x(Duration::from_secs(20))"), Some(Duration::from_secs(120)));
+    assert_eq!(
+        kill_limit_of(&cfg, "default", "fast"),
+        Some(Duration::from_secs(120))
+    );
+    assert_eq!(
+        kill_limit_of(&cfg, "default", "slower"),
+        Some(Duration::from_secs(180))
+    );
+    assert_eq!(
+        kill_limit_of(&cfg, "ci", "slow"),
+        Some(Duration::from_secs(180))
+    );
+    assert_eq!(
+        longest_deadline(
+            "const T: Duration = Duration::from_secs(120); x(Duration::from_secs(20))"
+        ),
+        Some(Duration::from_secs(120))
+    );
 }

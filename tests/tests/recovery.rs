@@ -19,7 +19,10 @@ const T: Duration = Duration::from_secs(240);
 struct Lcg(u64);
 impl Lcg {
     fn below(&mut self, n: u64) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.0 >> 33) % n
     }
 }
@@ -30,11 +33,17 @@ fn step_of(s: &Value) -> u64 {
 
 /// The committed-step lines of train.jsonl (rollback lines have no "step").
 fn steps(run: &Path) -> Vec<Value> {
-    read_jsonl(&run.join("train.jsonl")).into_iter().filter(|l| l.get("step").is_some()).collect()
+    read_jsonl(&run.join("train.jsonl"))
+        .into_iter()
+        .filter(|l| l.get("step").is_some())
+        .collect()
 }
 
 fn rollbacks(run: &Path) -> Vec<Value> {
-    read_jsonl(&run.join("train.jsonl")).into_iter().filter_map(|l| l.get("rollback").cloned()).collect()
+    read_jsonl(&run.join("train.jsonl"))
+        .into_iter()
+        .filter_map(|l| l.get("rollback").cloned())
+        .collect()
 }
 
 /// Exit 0 at step `n`, and the lineage audit is clean.
@@ -45,7 +54,11 @@ fn assert_completed_clean(sup: &mut Sup, n: u64) -> Value {
     assert_eq!(s.last().unwrap()["step"], n, "the run ends at --steps");
     let (code, a) = sup.ledger();
     assert_eq!(code, 0, "ledger audit: {a}");
-    assert_eq!((a["duplicated"].as_u64(), a["lost"].as_u64()), (Some(0), Some(0)), "{a}");
+    assert_eq!(
+        (a["duplicated"].as_u64(), a["lost"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
     a
 }
 
@@ -64,7 +77,18 @@ fn kill_drafters(sup: &Sup) {
 #[test]
 fn losing_both_drafters_rolls_back_and_the_run_completes_with_a_clean_lineage() {
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:3", "--data", "demo", "--epochs", "50", "--steps", "30", "--max-seq-len", "64", "--token-budget", "512",
+        "--gpus",
+        "cpu:3",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "30",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
     ]);
     sup.wait_state("training to reach step 6", T, |s| step_of(s) >= 6);
     kill_drafters(&sup);
@@ -73,17 +97,33 @@ fn losing_both_drafters_rolls_back_and_the_run_completes_with_a_clean_lineage() 
     let rb = rollbacks(&sup.run_dir);
     assert!(!rb.is_empty(), "train.jsonl records the rollback");
     let r = &rb[0];
-    assert!(r["to"].as_u64().unwrap() <= r["from"].as_u64().unwrap(), "{r}");
-    assert!(sup.stderr().contains("rolling back to step"), "{}", sup.stderr());
-    assert!(!sup.stderr().contains("every drafter died after step") || sup.stderr().contains("rolling back"));
+    assert!(
+        r["to"].as_u64().unwrap() <= r["from"].as_u64().unwrap(),
+        "{r}"
+    );
+    assert!(
+        sup.stderr().contains("rolling back to step"),
+        "{}",
+        sup.stderr()
+    );
+    assert!(
+        !sup.stderr().contains("every drafter died after step")
+            || sup.stderr().contains("rolling back")
+    );
     // Every step of the final lineage appears; steps after a rollback's target repeat.
-    let numbers: Vec<u64> = steps(&sup.run_dir).iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    let numbers: Vec<u64> = steps(&sup.run_dir)
+        .iter()
+        .map(|s| s["step"].as_u64().unwrap())
+        .collect();
     let distinct: std::collections::BTreeSet<u64> = numbers.iter().copied().collect();
     assert_eq!(distinct, (1..=30).collect(), "{numbers:?}");
 }
 
 fn params_of(run: &Path, step: u64) -> Vec<u8> {
-    let p = run.join("checkpoints").join(format!("step-{step:08}")).join("state.safetensors");
+    let p = run
+        .join("checkpoints")
+        .join(format!("step-{step:08}"))
+        .join("state.safetensors");
     let bytes = std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     st.tensor("params").unwrap().data().to_vec()
@@ -92,10 +132,27 @@ fn params_of(run: &Path, step: u64) -> Vec<u8> {
 #[test]
 fn one_drafter_killed_ten_times_ends_bit_identical_to_an_undisturbed_run() {
     let args = [
-        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--steps", "40", "--checkpoint-every", "0", "--seed", "3",
-        "--max-seq-len", "48", "--token-budget", "384",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "40",
+        "--checkpoint-every",
+        "0",
+        "--seed",
+        "3",
+        "--max-seq-len",
+        "48",
+        "--token-budget",
+        "384",
         // The kills are deliberate: restart at once rather than back off.
-        "--stable-after", "200ms", "--max-rollbacks", "20",
+        "--stable-after",
+        "200ms",
+        "--max-rollbacks",
+        "20",
     ];
     let mut calm = Sup::start_real(&args);
     assert_completed_clean(&mut calm, 40);
@@ -110,27 +167,49 @@ fn one_drafter_killed_ten_times_ends_bit_identical_to_an_undisturbed_run() {
         if at >= 38 {
             break;
         }
-        let s = sup.wait_state(&format!("step {at} before kill {kill}"), T, |s| step_of(s) >= at);
+        let s = sup.wait_state(&format!("step {at} before kill {kill}"), T, |s| {
+            step_of(s) >= at
+        });
         last = step_of(&s);
         kill_drafters(&sup);
         // Its replacement is up before the next kill.
         sup.wait_state("the drafter to be restarted", T, |s| {
-            s["workers"].as_array().unwrap().iter().any(|w| w["role"] == "drafter" && w["state"] == "running" && w["restarts"].as_u64().unwrap_or(0) > kill)
+            s["workers"].as_array().unwrap().iter().any(|w| {
+                w["role"] == "drafter"
+                    && w["state"] == "running"
+                    && w["restarts"].as_u64().unwrap_or(0) > kill
+            })
         });
     }
     let a = assert_completed_clean(&mut sup, 40);
     assert!(a["rollbacks"].as_u64().unwrap() >= 5, "{a}");
-    assert!(params_of(&sup.run_dir, 40) == want, "the final weights differ from the undisturbed run's");
+    assert!(
+        params_of(&sup.run_dir, 40) == want,
+        "the final weights differ from the undisturbed run's"
+    );
 }
 
 #[test]
 fn rollbacks_are_bounded_by_max_rollbacks() {
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--max-seq-len", "64", "--token-budget", "512", "--max-rollbacks", "1",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+        "--max-rollbacks",
+        "1",
     ]);
     sup.wait_state("step 3", T, |s| step_of(s) >= 3);
     kill_drafters(&sup);
-    sup.wait_state("the first rollback, then step 4", T, |s| s["train"]["rollbacks"] == 1 && step_of(s) >= 4);
+    sup.wait_state("the first rollback, then step 4", T, |s| {
+        s["train"]["rollbacks"] == 1 && step_of(s) >= 4
+    });
     kill_drafters(&sup);
     let status = sup.wait_exit(T);
     let err = sup.stderr();
@@ -141,9 +220,25 @@ fn rollbacks_are_bounded_by_max_rollbacks() {
 #[test]
 fn both_drafters_killed_again_and_again_at_random_instants_lose_nothing() {
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:3", "--data", "demo", "--epochs", "50", "--steps", "40", "--max-seq-len", "48", "--token-budget", "384",
+        "--gpus",
+        "cpu:3",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "40",
+        "--max-seq-len",
+        "48",
+        "--token-budget",
+        "384",
         // A snapshot after every step: kills land during snapshots too.
-        "--snapshot-every", "1", "--stable-after", "200ms", "--max-rollbacks", "20",
+        "--snapshot-every",
+        "1",
+        "--stable-after",
+        "200ms",
+        "--max-rollbacks",
+        "20",
     ]);
     let mut rng = Lcg(11);
     let mut last = 0;
@@ -152,13 +247,30 @@ fn both_drafters_killed_again_and_again_at_random_instants_lose_nothing() {
         if at >= 36 {
             break;
         }
-        let s = sup.wait_state(&format!("step {at} before kill {kill}"), T, |s| step_of(s) >= at);
+        let s = sup.wait_state(&format!("step {at} before kill {kill}"), T, |s| {
+            step_of(s) >= at
+        });
         last = step_of(&s);
         // Sometimes one first, then the other a moment later (a cascading failure).
         let st = sup.state().unwrap();
-        let restarts = |s: &Value| -> u64 { s["workers"].as_array().unwrap().iter().filter(|w| w["role"] == "drafter").map(|w| w["restarts"].as_u64().unwrap_or(0)).sum() };
+        let restarts = |s: &Value| -> u64 {
+            s["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|w| w["role"] == "drafter")
+                .map(|w| w["restarts"].as_u64().unwrap_or(0))
+                .sum()
+        };
         let before = restarts(&st);
-        let drafters: Vec<u32> = st["workers"].as_array().unwrap().iter().filter(|w| w["role"] == "drafter").filter_map(|w| w["pid"].as_u64()).map(|p| p as u32).collect();
+        let drafters: Vec<u32> = st["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["role"] == "drafter")
+            .filter_map(|w| w["pid"].as_u64())
+            .map(|p| p as u32)
+            .collect();
         for (i, pid) in drafters.iter().enumerate() {
             signal(*pid, Signal::SIGKILL);
             if i == 0 && rng.below(2) == 0 {
@@ -167,7 +279,13 @@ fn both_drafters_killed_again_and_again_at_random_instants_lose_nothing() {
         }
         sup.wait_state("both drafters restarted", T, |s| {
             restarts(s) >= before + 2
-                && s["workers"].as_array().unwrap().iter().filter(|w| w["role"] == "drafter" && w["state"] == "running").count() == 2
+                && s["workers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|w| w["role"] == "drafter" && w["state"] == "running")
+                    .count()
+                    == 2
         });
     }
     let a = assert_completed_clean(&mut sup, 40);
@@ -177,9 +295,21 @@ fn both_drafters_killed_again_and_again_at_random_instants_lose_nothing() {
 #[test]
 fn a_stop_that_cannot_save_exits_non_zero_and_says_which_steps_were_lost() {
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--max-seq-len", "64", "--token-budget", "512", "--checkpoint-every", "1000",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+        "--checkpoint-every",
+        "1000",
         // No snapshot either (the first would be due at step 1000).
-        "--snapshot-every", "1000",
+        "--snapshot-every",
+        "1000",
     ]);
     let st = sup.wait_state("step 5", T, |s| step_of(s) >= 5);
     // The only drafter dies once the stop has begun: nothing can write the stop checkpoint.
@@ -193,8 +323,14 @@ fn a_stop_that_cannot_save_exits_non_zero_and_says_which_steps_were_lost() {
     let status = sup.wait_exit(T);
     let err = sup.stderr();
     assert_eq!(status.code(), Some(1), "{err}");
-    let line = err.lines().find(|l| l.contains("were not saved in a checkpoint")).unwrap_or_else(|| panic!("{err}"));
-    assert!(line.contains("steps 1..") && line.contains("no checkpoint was written"), "{line}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("were not saved in a checkpoint"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("steps 1..") && line.contains("no checkpoint was written"),
+        "{line}"
+    );
 }
 
 /// A target whose embedding holds NaN: every step's loss is NaN and skipped.
@@ -202,13 +338,21 @@ fn a_stop_that_cannot_save_exits_non_zero_and_says_which_steps_were_lost() {
 fn steps_skipped_again_and_again_stop_the_run_and_name_the_cause() {
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    let st = std::process::Command::new(bin("dflash-worker")).arg("tiny-target").arg("--out").arg(&target).status().unwrap();
+    let st = std::process::Command::new(bin("dflash-worker"))
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&target)
+        .status()
+        .unwrap();
     assert!(st.success());
     let path = target.join("model.safetensors");
     let bytes = std::fs::read(&path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> =
-        st.tensors().into_iter().map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec())).collect();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .collect();
     for (n, _, _, data) in tensors.iter_mut() {
         if n.contains("embed_tokens") {
             // bf16 NaN in every element.
@@ -217,18 +361,41 @@ fn steps_skipped_again_and_again_stop_the_run_and_name_the_cause() {
             }
         }
     }
-    let views: Vec<(String, safetensors::tensor::TensorView)> =
-        tensors.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
     safetensors::serialize_to_file(views, None, &path).unwrap();
     let t = target.display().to_string();
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--target", &t, "--data", "demo", "--epochs", "50", "--max-seq-len", "64", "--token-budget", "512",
-        "--max-skipped-steps", "4",
+        "--gpus",
+        "cpu:2",
+        "--target",
+        &t,
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+        "--max-skipped-steps",
+        "4",
     ]);
     let status = sup.wait_exit(T);
     let err = sup.stderr();
     assert_eq!(status.code(), Some(1), "{err}");
-    assert!(err.contains("4 steps in a row had a non-finite loss or gradient") && err.contains("not finite"), "{err}");
+    assert!(
+        err.contains("4 steps in a row had a non-finite loss or gradient")
+            && err.contains("not finite"),
+        "{err}"
+    );
     let s = steps(&sup.run_dir);
     assert_eq!(s.len(), 4, "it stops at the 4th skipped step");
     assert!(s.iter().all(|l| l["skipped"] == true));
@@ -237,8 +404,22 @@ fn steps_skipped_again_and_again_stop_the_run_and_name_the_cause() {
 #[test]
 fn a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_it() {
     let args = [
-        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--steps", "24", "--checkpoint-every", "4", "--keep-checkpoints", "3",
-        "--max-seq-len", "64", "--token-budget", "512",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "24",
+        "--checkpoint-every",
+        "4",
+        "--keep-checkpoints",
+        "3",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
     ];
     let mut sup = Sup::start_real(&args);
     sup.wait_state("step 9", T, |s| step_of(s) >= 9);
@@ -246,23 +427,54 @@ fn a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_it() {
     assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
     let mut ckpts: Vec<u64> = std::fs::read_dir(sup.run_dir.join("checkpoints"))
         .unwrap()
-        .filter_map(|e| e.unwrap().file_name().to_string_lossy().strip_prefix("step-").and_then(|n| n.parse().ok()))
+        .filter_map(|e| {
+            e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .strip_prefix("step-")
+                .and_then(|n| n.parse().ok())
+        })
         .collect();
     ckpts.sort();
     let (newest, before) = (ckpts[ckpts.len() - 1], ckpts[ckpts.len() - 2]);
     // Truncate the newest checkpoint's tensors.
-    let f = sup.run_dir.join("checkpoints").join(format!("step-{newest:08}")).join("state.safetensors");
+    let f = sup
+        .run_dir
+        .join("checkpoints")
+        .join(format!("step-{newest:08}"))
+        .join("state.safetensors");
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len / 2).unwrap();
-    let out = supervise(&["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()], None);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let out = supervise(
+        &["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()],
+        None,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{err}");
-    assert!(err.contains(&format!("not resuming from {}", f.parent().unwrap().display())), "{err}");
-    assert!(err.contains(&format!("from the checkpoint of step {before}")), "{err}");
+    assert!(
+        err.contains(&format!(
+            "not resuming from {}",
+            f.parent().unwrap().display()
+        )),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("from the checkpoint of step {before}")),
+        "{err}"
+    );
     assert_eq!(steps(&sup.run_dir).last().unwrap()["step"], 24);
     let (code, a) = sup.ledger();
     assert_eq!(code, 0, "{a}");
-    assert_eq!((a["duplicated"].as_u64(), a["lost"].as_u64()), (Some(0), Some(0)), "{a}");
+    assert_eq!(
+        (a["duplicated"].as_u64(), a["lost"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
 }
 
 /// The newest checkpoint is damaged on disk when every drafter dies: the group goes back
@@ -271,31 +483,70 @@ fn a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_it() {
 #[test]
 fn a_checkpoint_damaged_before_a_rollback_sends_the_group_further_back_and_loses_nothing() {
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--steps", "24", "--checkpoint-every", "10", "--keep-checkpoints", "5",
-        "--snapshot-every", "1000", "--max-seq-len", "64", "--token-budget", "512",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "24",
+        "--checkpoint-every",
+        "10",
+        "--keep-checkpoints",
+        "5",
+        "--snapshot-every",
+        "1000",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
     ]);
     let ck = sup.run_dir.join("checkpoints").join("step-00000010");
     // Complete on disk and known to the supervisor (a drafter killed between its rename and
     // its report leaves a checkpoint the supervisor never heard of, and never rolls back to).
-    wait_for("the checkpoint of step 10", T, || sup.events().iter().any(|e| e["event"] == "checkpoint" && e["step"] == 10).then_some(()));
+    wait_for("the checkpoint of step 10", T, || {
+        sup.events()
+            .iter()
+            .any(|e| e["event"] == "checkpoint" && e["step"] == 10)
+            .then_some(())
+    });
     let f = ck.join("state.safetensors");
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 7).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len - 7)
+        .unwrap();
     kill_drafters(&sup);
     let a = assert_completed_clean(&mut sup, 24);
     assert!(a["rollbacks"].as_u64().unwrap() >= 1, "{a}");
     let err = sup.stderr();
-    assert!(err.contains("not rolling back to the checkpoint of step 10"), "{err}");
+    assert!(
+        err.contains("not rolling back to the checkpoint of step 10"),
+        "{err}"
+    );
     let rb = rollbacks(&sup.run_dir);
     assert_eq!(rb[0]["to"], 0, "back to the start: {rb:?}");
     // Set aside, then written again by the new lineage.
-    assert!(std::fs::read_dir(sup.run_dir.join("abandoned-checkpoints")).unwrap().count() >= 1);
-    assert_eq!(dflash_shared_verify(&ck), Some(10), "step 10 written anew and valid");
+    assert!(
+        std::fs::read_dir(sup.run_dir.join("abandoned-checkpoints"))
+            .unwrap()
+            .count()
+            >= 1
+    );
+    assert_eq!(
+        dflash_shared_verify(&ck),
+        Some(10),
+        "step 10 written anew and valid"
+    );
 }
 
 /// The step of a checkpoint whose meta.json and tensors are intact.
 fn dflash_shared_verify(dir: &Path) -> Option<u64> {
-    let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).ok()?).ok()?;
+    let meta: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).ok()?).ok()?;
     let bytes = std::fs::read(dir.join("state.safetensors")).ok()?;
     safetensors::SafeTensors::deserialize(&bytes).ok()?;
     meta["step"].as_u64()
@@ -307,8 +558,22 @@ fn dflash_shared_verify(dir: &Path) -> Option<u64> {
 #[test]
 fn with_no_drafter_left_the_stop_checkpoint_is_written_from_the_snapshot() {
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--data", "demo", "--epochs", "50", "--steps", "20", "--max-seq-len", "64", "--token-budget", "512",
-        "--checkpoint-every", "1000", "--max-restarts", "0",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "20",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+        "--checkpoint-every",
+        "1000",
+        "--max-restarts",
+        "0",
     ]);
     sup.wait_state("step 5", T, |s| step_of(s) >= 5);
     kill_drafters(&sup);
@@ -316,16 +581,31 @@ fn with_no_drafter_left_the_stop_checkpoint_is_written_from_the_snapshot() {
     let err = sup.stderr();
     assert_eq!(status.code(), Some(1), "the restart budget is spent: {err}");
     assert!(!err.contains("were not saved"), "{err}");
-    let last = steps(&sup.run_dir).last().unwrap()["step"].as_u64().unwrap();
+    let last = steps(&sup.run_dir).last().unwrap()["step"]
+        .as_u64()
+        .unwrap();
     let rb = rollbacks(&sup.run_dir);
     let at = rb.last().map_or(last, |r| r["to"].as_u64().unwrap());
-    let dir = sup.run_dir.join("checkpoints").join(format!("step-{at:08}"));
-    let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap_or_else(|e| panic!("{}: {e}\n{err}", dir.display()))).unwrap();
+    let dir = sup
+        .run_dir
+        .join("checkpoints")
+        .join(format!("step-{at:08}"));
+    let meta: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("meta.json"))
+            .unwrap_or_else(|e| panic!("{}: {e}\n{err}", dir.display())),
+    )
+    .unwrap();
     assert_eq!(meta["written_from"], "the supervisor's snapshot");
-    let out = supervise(&["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()], None);
+    let out = supervise(
+        &["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()],
+        None,
+    );
     let e2 = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{e2}");
-    assert!(e2.contains(&format!("from the checkpoint of step {at}")), "{e2}");
+    assert!(
+        e2.contains(&format!("from the checkpoint of step {at}")),
+        "{e2}"
+    );
     let (code, a) = sup.ledger();
     assert_eq!(code, 0, "{a}");
 }
@@ -339,24 +619,55 @@ fn a_full_disk_stops_the_run_cleanly_and_the_ledger_still_audits() {
     let tmp = tempfile::tempdir().unwrap();
     let m = tmp.path().join("m");
     std::fs::create_dir_all(&m).unwrap();
-    let mounted = std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(&m).status().is_ok_and(|s| s.success());
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+        .arg(&m)
+        .status()
+        .is_ok_and(|s| s.success());
     if !mounted {
-        assert!(std::env::var_os("CI").is_none(), "cannot mount a tmpfs (needs root): under CI this test may not skip");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "cannot mount a tmpfs (needs root): under CI this test may not skip"
+        );
         eprintln!("skipping: cannot mount a tmpfs here (needs root)");
         return;
     }
     struct Unmount(std::path::PathBuf);
     impl Drop for Unmount {
         fn drop(&mut self) {
-            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
         }
     }
     let _guard = Unmount(m.clone());
     let target = tmp.path().join("target");
-    assert!(std::process::Command::new(bin("dflash-worker")).arg("tiny-target").arg("--out").arg(&target).status().unwrap().success());
+    assert!(std::process::Command::new(bin("dflash-worker"))
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&target)
+        .status()
+        .unwrap()
+        .success());
     let run = m.join("run");
     let out = std::process::Command::new(bin("dflash-supervise"))
-        .args(["--gpus", "cpu:2", "--data", "demo", "--epochs", "100", "--steps", "5000", "--checkpoint-every", "1000", "--max-seq-len", "64", "--token-budget", "512"])
+        .args([
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--epochs",
+            "100",
+            "--steps",
+            "5000",
+            "--checkpoint-every",
+            "1000",
+            "--max-seq-len",
+            "64",
+            "--token-budget",
+            "512",
+        ])
         .arg("--target")
         .arg(&target)
         .arg("--run-dir")
@@ -365,58 +676,131 @@ fn a_full_disk_stops_the_run_cleanly_and_the_ledger_still_audits() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(err.contains("cannot append to ledger.jsonl") && err.contains("the run stops taking batches"), "{err}");
+    assert!(
+        err.contains("cannot append to ledger.jsonl")
+            && err.contains("the run stops taking batches"),
+        "{err}"
+    );
     assert!(err.contains("were not saved in a checkpoint"), "{err}");
     // Room again: the audit sets the torn line aside, and nothing was lost or doubled.
-    assert!(std::process::Command::new("mount").args(["-o", "remount,size=8m"]).arg(&m).status().unwrap().success());
-    let out = std::process::Command::new(bin("dflash-supervise")).args(["ledger", "--json", "--run-dir"]).arg(&run).output().unwrap();
-    let a: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    assert!(std::process::Command::new("mount")
+        .args(["-o", "remount,size=8m"])
+        .arg(&m)
+        .status()
+        .unwrap()
+        .success());
+    let out = std::process::Command::new(bin("dflash-supervise"))
+        .args(["ledger", "--json", "--run-dir"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    let a: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
     assert_eq!(out.status.code(), Some(0), "{a}");
-    assert_eq!((a["lost"].as_u64(), a["duplicated"].as_u64()), (Some(0), Some(0)), "{a}");
+    assert_eq!(
+        (a["lost"].as_u64(), a["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
     assert!(a["consumed_once"].as_u64().unwrap() > 0, "{a}");
 }
 
 /// The group's epoch changes (events.jsonl), in order.
 fn epochs(sup: &Sup) -> Vec<Value> {
-    sup.events().into_iter().filter(|e| e["event"] == "group_epoch").collect()
+    sup.events()
+        .into_iter()
+        .filter(|e| e["event"] == "group_epoch")
+        .collect()
 }
 
 #[test]
-fn a_rank_killed_in_the_middle_of_an_all_reduce_leaves_the_step_to_the_survivors_in_the_next_epoch() {
+fn a_rank_killed_in_the_middle_of_an_all_reduce_leaves_the_step_to_the_survivors_in_the_next_epoch()
+{
     // Rank 1 dies in step 5's all-reduce once both other ranks have posted their gradient
     // and wait for it: the step is not committed with it, its batch goes back to the
     // queue, and the survivors reduce their own again in a new epoch.
     let mut sup = Sup::start_real_env(
-        &["--gpus", "cpu:4", "--data", "demo", "--epochs", "50", "--steps", "12", "--max-seq-len", "48", "--token-budget", "384", "--stable-after", "200ms"],
+        &[
+            "--gpus",
+            "cpu:4",
+            "--data",
+            "demo",
+            "--epochs",
+            "50",
+            "--steps",
+            "12",
+            "--max-seq-len",
+            "48",
+            "--token-budget",
+            "384",
+            "--stable-after",
+            "200ms",
+        ],
         &[("DFLASH_TEST_DIE_IN_ALLREDUCE", "1:5")],
     );
     let a = assert_completed_clean(&mut sup, 12);
     let log = sup.log("drafter-1") + &sup.log("drafter-2") + &sup.log("drafter-0");
-    assert!(log.contains("test fault: dying in the all-reduce of step 5"), "{log}");
+    assert!(
+        log.contains("test fault: dying in the all-reduce of step 5"),
+        "{log}"
+    );
     let ep = epochs(&sup);
-    let abort = ep.iter().find(|e| e["why"] == "rank 1 left").unwrap_or_else(|| panic!("no epoch after rank 1 left: {ep:?}"));
+    let abort = ep
+        .iter()
+        .find(|e| e["why"] == "rank 1 left")
+        .unwrap_or_else(|| panic!("no epoch after rank 1 left: {ep:?}"));
     assert_eq!(abort["step"], 5, "{abort}");
-    let mut waiting: Vec<u64> = abort["in_flight"].as_array().unwrap().iter().map(|r| r.as_u64().unwrap()).collect();
+    let mut waiting: Vec<u64> = abort["in_flight"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r.as_u64().unwrap())
+        .collect();
     waiting.sort();
-    assert_eq!(waiting, [0, 2], "both survivors were in the middle of the all-reduce: {abort}");
+    assert_eq!(
+        waiting,
+        [0, 2],
+        "both survivors were in the middle of the all-reduce: {abort}"
+    );
     assert_eq!(abort["ranks"], serde_json::json!([0, 2]), "{abort}");
-    let s5 = steps(&sup.run_dir).into_iter().find(|s| s["step"] == 5).unwrap();
-    assert!(s5["epoch"].as_u64().unwrap() >= abort["epoch"].as_u64().unwrap(), "{s5}");
+    let s5 = steps(&sup.run_dir)
+        .into_iter()
+        .find(|s| s["step"] == 5)
+        .unwrap();
+    assert!(
+        s5["epoch"].as_u64().unwrap() >= abort["epoch"].as_u64().unwrap(),
+        "{s5}"
+    );
     // Step 5 commits in a later epoch than the abort. It holds the survivors' two
     // batches, unless the restarted rank 1 joined in time to train on a batch of its
     // own for it (a new life with a new batch, in an epoch after the abort): on a loaded
     // machine either may come first.
     let rejoined = ep.iter().any(|e| {
-        e["why"].as_str().unwrap_or("").starts_with("rank 1 joined") && e["step"] == 5
+        e["why"].as_str().unwrap_or("").starts_with("rank 1 joined")
+            && e["step"] == 5
             && e["epoch"].as_u64() > abort["epoch"].as_u64()
             && e["epoch"].as_u64() <= s5["epoch"].as_u64()
     });
     let expect = if rejoined { 3 } else { 2 };
     assert_eq!(s5["contributors"], expect, "step 5 holds the batches of the members of its epoch (rank 1 rejoined in time: {rejoined}): {s5} {ep:?}");
-    assert!(a["requeued"].as_u64().unwrap() >= 1, "the dead rank's batch went back: {a}");
-    let contributions: u64 = steps(&sup.run_dir).iter().map(|s| s["contributors"].as_u64().unwrap()).sum();
-    assert_eq!(a["consumed_once"].as_u64().unwrap(), contributions, "a batch is consumed exactly when its gradient is in a committed step: {a}");
-    assert_eq!(steps(&sup.run_dir).last().unwrap()["members"], 3, "rank 1 is back by the end");
+    assert!(
+        a["requeued"].as_u64().unwrap() >= 1,
+        "the dead rank's batch went back: {a}"
+    );
+    let contributions: u64 = steps(&sup.run_dir)
+        .iter()
+        .map(|s| s["contributors"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        a["consumed_once"].as_u64().unwrap(),
+        contributions,
+        "a batch is consumed exactly when its gradient is in a committed step: {a}"
+    );
+    assert_eq!(
+        steps(&sup.run_dir).last().unwrap()["members"],
+        3,
+        "rank 1 is back by the end"
+    );
 }
 
 #[test]
@@ -426,33 +810,72 @@ fn ranks_killed_one_at_a_time_at_random_instants_while_the_others_reduce_lose_no
     // commit; the epochs abort those, and the ledger audit proves every batch reached the
     // weights exactly once.
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:4", "--data", "demo", "--epochs", "50", "--steps", "40", "--max-seq-len", "48", "--token-budget", "384",
-        "--stable-after", "200ms", "--max-rollbacks", "20",
+        "--gpus",
+        "cpu:4",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "40",
+        "--max-seq-len",
+        "48",
+        "--token-budget",
+        "384",
+        "--stable-after",
+        "200ms",
+        "--max-rollbacks",
+        "20",
     ]);
     let mut rng = Lcg(5);
     let mut last = 0;
-    let restarts = |s: &Value| -> u64 { s["workers"].as_array().unwrap().iter().filter(|w| w["role"] == "drafter").map(|w| w["restarts"].as_u64().unwrap_or(0)).sum() };
+    let restarts = |s: &Value| -> u64 {
+        s["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["role"] == "drafter")
+            .map(|w| w["restarts"].as_u64().unwrap_or(0))
+            .sum()
+    };
     for kill in 0..8 {
         let at = last + 1 + rng.below(3);
         if at >= 37 {
             break;
         }
-        let s = sup.wait_state(&format!("step {at} before kill {kill}"), T, |s| step_of(s) >= at);
+        let s = sup.wait_state(&format!("step {at} before kill {kill}"), T, |s| {
+            step_of(s) >= at
+        });
         last = step_of(&s);
         let before = restarts(&s);
         let victim = format!("drafter-{}", rng.below(3));
         signal(pid_of(&s, &victim), Signal::SIGKILL);
         sup.wait_state(&format!("{victim} restarted"), T, |s| {
-            restarts(s) > before && s["workers"].as_array().unwrap().iter().filter(|w| w["role"] == "drafter" && w["state"] == "running").count() == 3
+            restarts(s) > before
+                && s["workers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|w| w["role"] == "drafter" && w["state"] == "running")
+                    .count()
+                    == 3
         });
     }
     let a = assert_completed_clean(&mut sup, 40);
     let st = steps(&sup.run_dir);
-    let numbers: std::collections::BTreeSet<u64> = st.iter().map(|s| s["step"].as_u64().unwrap()).collect();
-    assert_eq!(numbers, (1..=40).collect(), "every step committed once in the final lineage");
+    let numbers: std::collections::BTreeSet<u64> =
+        st.iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(
+        numbers,
+        (1..=40).collect(),
+        "every step committed once in the final lineage"
+    );
     let contributions: u64 = st.iter().map(|s| s["contributors"].as_u64().unwrap()).sum();
     assert_eq!(a["consumed_once"].as_u64().unwrap(), contributions, "{a}");
-    let left = epochs(&sup).iter().filter(|e| e["why"].as_str().is_some_and(|w| w.ends_with(" left"))).count();
+    let left = epochs(&sup)
+        .iter()
+        .filter(|e| e["why"].as_str().is_some_and(|w| w.ends_with(" left")))
+        .count();
     assert!(left >= 4, "the kills changed the group's epoch: {left}");
     assert!(!sup.stderr().contains("diverged"));
 }

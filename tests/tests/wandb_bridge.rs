@@ -10,7 +10,11 @@ use std::time::Duration;
 use common::*;
 
 fn python_has_wandb() -> bool {
-    Command::new("python3").args(["-c", "import wandb"]).output().map(|o| o.status.success()).unwrap_or(false)
+    Command::new("python3")
+        .args(["-c", "import wandb"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
 }
 
 #[test]
@@ -20,8 +24,26 @@ fn the_bridge_logs_every_window_and_step_offline() {
         eprintln!("SKIPPED wandb bridge test: the wandb Python package is not installed (pip install wandb)");
         return;
     }
-    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--data", "demo", "--steps", "6", "--metrics-interval", "200ms", "--max-seq-len", "64", "--token-budget", "512"]);
-    assert_eq!(sup.wait_exit(Duration::from_secs(60)).code(), Some(0), "{}", sup.stderr());
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--steps",
+        "6",
+        "--metrics-interval",
+        "200ms",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+    ]);
+    assert_eq!(
+        sup.wait_exit(Duration::from_secs(60)).code(),
+        Some(0),
+        "{}",
+        sup.stderr()
+    );
     let windows = read_jsonl(&sup.run_dir.join("metrics.jsonl")).len();
     let wandb_dir = tempfile::tempdir().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/wandb_bridge.py");
@@ -34,19 +56,33 @@ fn the_bridge_logs_every_window_and_step_offline() {
         .env("WANDB_SILENT", "true")
         .output()
         .unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     assert!(out.status.success(), "{stdout}{stderr}");
-    assert!(stdout.contains(&format!("logged {} records", 6 + windows)), "6 steps and {windows} windows: {stdout}");
+    assert!(
+        stdout.contains(&format!("logged {} records", 6 + windows)),
+        "6 steps and {windows} windows: {stdout}"
+    );
     let runs: Vec<_> = std::fs::read_dir(wandb_dir.path().join("wandb"))
         .unwrap()
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with("offline-run-"))
         .collect();
     assert_eq!(runs.len(), 1, "one offline W&B run");
-    let has_data = std::fs::read_dir(runs[0].path()).unwrap().flatten().any(|e| e.file_name().to_string_lossy().ends_with(".wandb"));
+    let has_data = std::fs::read_dir(runs[0].path())
+        .unwrap()
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().ends_with(".wandb"));
     assert!(has_data, "the offline run holds a .wandb log");
     // A directory that is not a run: a clear error, exit 2.
-    let out = Command::new("python3").arg(&script).arg(wandb_dir.path()).env("WANDB_MODE", "offline").output().unwrap();
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(wandb_dir.path())
+        .env("WANDB_MODE", "offline")
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a dflash-supervise run directory"));
 }

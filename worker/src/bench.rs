@@ -31,13 +31,22 @@ pub struct Figures {
 }
 
 pub fn run(spec_path: &Path) -> Result<(), String> {
-    let text = std::fs::read_to_string(spec_path).map_err(|e| format!("--spec {}: {e}", spec_path.display()))?;
-    let spec: Spec = serde_json::from_str(&text).map_err(|e| format!("--spec {}: {e}", spec_path.display()))?;
+    let text = std::fs::read_to_string(spec_path)
+        .map_err(|e| format!("--spec {}: {e}", spec_path.display()))?;
+    let spec: Spec =
+        serde_json::from_str(&text).map_err(|e| format!("--spec {}: {e}", spec_path.display()))?;
     let target = Target::load(&spec.target_dir, &spec.taps).map_err(|e| e.to_string())?;
     let c = &spec.drafter;
     let w = Weights::open(&spec.target_dir).map_err(|e| e.to_string())?;
-    let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden]).map_err(|e| e.to_string())?;
-    let lm_head = if w.contains("lm_head.weight") { w.get("lm_head.weight", &[c.vocab, c.hidden]).map_err(|e| e.to_string())? } else { embed.clone() };
+    let embed = w
+        .get("model.embed_tokens.weight", &[c.vocab, c.hidden])
+        .map_err(|e| e.to_string())?;
+    let lm_head = if w.contains("lm_head.weight") {
+        w.get("lm_head.weight", &[c.vocab, c.hidden])
+            .map_err(|e| e.to_string())?
+    } else {
+        embed.clone()
+    };
     let frozen = Frozen { embed, lm_head };
     let tokens: u64 = spec.batches.iter().map(|b| b.tokens()).sum();
 
@@ -51,7 +60,11 @@ pub fn run(spec_path: &Path) -> Result<(), String> {
             .iter()
             .enumerate()
             .map(|(r, &len)| {
-                target.forward_taps(&b.input_ids[r * seq..r * seq + len as usize]).into_iter().map(|v| half::bf16::from_f32(v).to_f32()).collect()
+                target
+                    .forward_taps(&b.input_ids[r * seq..r * seq + len as usize])
+                    .into_iter()
+                    .map(|v| half::bf16::from_f32(v).to_f32())
+                    .collect()
             })
             .collect();
         hidden.push(rows);
@@ -66,7 +79,14 @@ pub fn run(spec_path: &Path) -> Result<(), String> {
     for (b, taps) in spec.batches.iter().zip(&hidden) {
         let (samples, anchors) = batch_samples(&d, b, taps, spec.seed);
         let mut g = vec![0f32; p.len()];
-        d.train_batch(&p, &frozen, &samples, &anchors, d.total_weight(&samples, &anchors), &mut g);
+        d.train_batch(
+            &p,
+            &frozen,
+            &samples,
+            &anchors,
+            d.total_weight(&samples, &anchors),
+            &mut g,
+        );
         if let Some(norm) = grad_norm(&g) {
             if norm > 1.0 {
                 g.iter_mut().for_each(|x| *x /= norm as f32);
@@ -75,7 +95,11 @@ pub fn run(spec_path: &Path) -> Result<(), String> {
         }
     }
     let drafter_s = t1.elapsed().as_secs_f64();
-    let f = Figures { tokens, target_tokens_per_s: tokens as f64 / target_s, drafter_tokens_per_s: tokens as f64 / drafter_s };
+    let f = Figures {
+        tokens,
+        target_tokens_per_s: tokens as f64 / target_s,
+        drafter_tokens_per_s: tokens as f64 / drafter_s,
+    };
     println!("{}", serde_json::to_string(&f).map_err(|e| e.to_string())?);
     Ok(())
 }

@@ -101,7 +101,14 @@ pub struct DeviceFigures {
 /// B200 2250 (dense, half of the 4.5 PF sparse figure); L40S 362.
 pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
     let n = name.to_ascii_uppercase();
-    let table: [(&str, f64); 6] = [("H100 PCIE", 756.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0), ("B200", 2250.0), ("L40S", 362.0)];
+    let table: [(&str, f64); 6] = [
+        ("H100 PCIE", 756.0),
+        ("H100", 989.4),
+        ("H200", 989.4),
+        ("A100", 312.0),
+        ("B200", 2250.0),
+        ("L40S", 362.0),
+    ];
     table.iter().find(|(k, _)| n.contains(k)).map(|(_, v)| *v)
 }
 
@@ -110,7 +117,9 @@ fn open_device() -> Result<Option<Box<dyn crate::gpu::Device>>, String> {
     if crate::gpu::cuda::missing_library().is_some() {
         return Ok(None);
     }
-    Ok(Some(Box::new(crate::gpu::cuda::CudaDevice::open().map_err(|e| e.to_string())?)))
+    Ok(Some(Box::new(
+        crate::gpu::cuda::CudaDevice::open().map_err(|e| e.to_string())?,
+    )))
 }
 
 /// What the device part measures besides the target: the drafter step of the CPU
@@ -124,10 +133,20 @@ struct DrafterCase<'a> {
     flops: f64,
 }
 
-fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f64, dc: &DrafterCase) -> Result<Option<DeviceFigures>, String> {
-    let Some(dev) = open_device()? else { return Ok(None) };
-    let mut g = crate::gpu::target::GpuTarget::new(dev, target, ids.len()).map_err(|e| e.to_string())?;
-    g.forward_taps(&ids[..ids.len().min(64)]).map_err(|e| e.to_string())?;
+fn measure_device(
+    target: &Target,
+    ids: &[u32],
+    flops: f64,
+    cpu_tokens_per_s: f64,
+    dc: &DrafterCase,
+) -> Result<Option<DeviceFigures>, String> {
+    let Some(dev) = open_device()? else {
+        return Ok(None);
+    };
+    let mut g =
+        crate::gpu::target::GpuTarget::new(dev, target, ids.len()).map_err(|e| e.to_string())?;
+    g.forward_taps(&ids[..ids.len().min(64)])
+        .map_err(|e| e.to_string())?;
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let t0 = Instant::now();
@@ -143,10 +162,13 @@ fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f6
 
     // The drafter step and the optimizer, on a device of their own (as a drafter worker has).
     let dev = open_device()?.ok_or("the device went away")?;
-    let mut gd = crate::gpu::drafter::GpuDrafter::new(dev, dc.drafter, dc.frozen, dc.sample.ids.len()).map_err(|e| e.to_string())?;
+    let mut gd =
+        crate::gpu::drafter::GpuDrafter::new(dev, dc.drafter, dc.frozen, dc.sample.ids.len())
+            .map_err(|e| e.to_string())?;
     let n = dc.params.len();
     let zeros = vec![0f32; n];
-    gd.load(dc.params, &zeros, &zeros, 0).map_err(|e| e.to_string())?;
+    gd.load(dc.params, &zeros, &zeros, 0)
+        .map_err(|e| e.to_string())?;
     let mut grads = vec![0f32; n];
     let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
     let mut drafter_best = f64::INFINITY;
@@ -155,14 +177,17 @@ fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f6
     for step in 1..=3 {
         let t0 = Instant::now();
         // train_batch ends with the gradient's synchronous download.
-        gd.train_batch(samples, &anchors, 1.0, &mut grads).map_err(|e| e.to_string())?;
+        gd.train_batch(samples, &anchors, 1.0, &mut grads)
+            .map_err(|e| e.to_string())?;
         drafter_best = drafter_best.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
-        gd.apply(step, &grads, 1.0, 1e-4, &hyper).map_err(|e| e.to_string())?;
+        gd.apply(step, &grads, 1.0, 1e-4, &hyper)
+            .map_err(|e| e.to_string())?;
         gd.drain().map_err(|e| e.to_string())?;
         opt_best = opt_best.min(t0.elapsed().as_secs_f64());
     }
-    let (all_reduce, all_reduce_ms, step_with_all_reduce_s, all_reduce_overlap) = measure_reduction(&mut gd, dc)?;
+    let (all_reduce, all_reduce_ms, step_with_all_reduce_s, all_reduce_overlap) =
+        measure_reduction(&mut gd, dc)?;
     drop(gd);
     let drafter_tflops = dc.flops / drafter_best / 1e12;
 
@@ -194,7 +219,10 @@ fn measure_device(target: &Target, ids: &[u32], flops: f64, cpu_tokens_per_s: f6
 /// The drafter step with its gradient reduction (NCCL with one rank where NCCL loads, the
 /// one-rank device copy elsewhere): (collective, reduction alone in ms, the step with the
 /// reduction overlapped in s, the overlap share). Best of three each.
-fn measure_reduction(gd: &mut crate::gpu::drafter::GpuDrafter, dc: &DrafterCase) -> Result<(String, f64, f64, f64), String> {
+fn measure_reduction(
+    gd: &mut crate::gpu::drafter::GpuDrafter,
+    dc: &DrafterCase,
+) -> Result<(String, f64, f64, f64), String> {
     use crate::collective::{local::LocalCollective, nccl::NcclCollective, Collective, Formed};
     let e = |e: crate::error::WorkerError| e.to_string();
     let mut coll: Box<dyn Collective> = match NcclCollective::new(0, gd) {
@@ -209,8 +237,12 @@ fn measure_reduction(gd: &mut crate::gpu::drafter::GpuDrafter, dc: &DrafterCase)
         coll.form(1, &[0], Some(&id)).map_err(e)?;
     }
     let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
-    let sync = |gd: &mut crate::gpu::drafter::GpuDrafter| gd.device().sync().map_err(|e| e.to_string());
-    let reduce = |coll: &mut Box<dyn Collective>, gd: &mut crate::gpu::drafter::GpuDrafter, step: u64| -> Result<(), String> {
+    let sync =
+        |gd: &mut crate::gpu::drafter::GpuDrafter| gd.device().sync().map_err(|e| e.to_string());
+    let reduce = |coll: &mut Box<dyn Collective>,
+                  gd: &mut crate::gpu::drafter::GpuDrafter,
+                  step: u64|
+     -> Result<(), String> {
         coll.contribute(step, 1.0, gd).map_err(e)?;
         while coll.poll(gd).map_err(e)?.is_none() {
             std::thread::yield_now();
@@ -220,14 +252,16 @@ fn measure_reduction(gd: &mut crate::gpu::drafter::GpuDrafter, dc: &DrafterCase)
     let (mut step_s, mut red_s, mut both_s) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
     for step in 1..=3u64 {
         let t0 = Instant::now();
-        gd.train_batch_on_device(samples, &anchors, 1.0).map_err(|e| e.to_string())?;
+        gd.train_batch_on_device(samples, &anchors, 1.0)
+            .map_err(|e| e.to_string())?;
         sync(gd)?;
         step_s = step_s.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
         reduce(&mut coll, gd, step)?;
         red_s = red_s.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
-        gd.train_batch_on_device(samples, &anchors, 1.0).map_err(|e| e.to_string())?;
+        gd.train_batch_on_device(samples, &anchors, 1.0)
+            .map_err(|e| e.to_string())?;
         reduce(&mut coll, gd, step)?;
         both_s = both_s.min(t0.elapsed().as_secs_f64());
     }
@@ -242,9 +276,22 @@ fn measure_shm_all_reduce(n: usize) -> Result<(f64, f64), String> {
     use dflash_shared::pool::{PoolGeometry, PoolMap};
     use std::os::fd::AsRawFd;
     let e = |e: crate::error::WorkerError| e.to_string();
-    let g = PoolGeometry { name: "grads".into(), slots: 4, slot_bytes: dflash_shared::drafter::GRAD_SLOT_HEADER + n as u64 * 4 };
+    let g = PoolGeometry {
+        name: "grads".into(),
+        slots: 4,
+        slot_bytes: dflash_shared::drafter::GRAD_SLOT_HEADER + n as u64 * 4,
+    };
     let (fd, _map) = PoolMap::create(g.clone()).map_err(|e| e.to_string())?;
-    let mut ranks: Vec<ShmCollective> = (0..2).map(|r| ShmCollective::new(PoolMap::open(fd.as_raw_fd(), g.clone()).map_err(|e| e.to_string())?, r, n).map_err(e)).collect::<Result<_, _>>()?;
+    let mut ranks: Vec<ShmCollective> = (0..2)
+        .map(|r| {
+            ShmCollective::new(
+                PoolMap::open(fd.as_raw_fd(), g.clone()).map_err(|e| e.to_string())?,
+                r,
+                n,
+            )
+            .map_err(e)
+        })
+        .collect::<Result<_, _>>()?;
     for r in ranks.iter_mut() {
         r.form(1, &[0, 1], None).map_err(e)?;
     }
@@ -275,14 +322,27 @@ fn measure_shm_all_reduce(n: usize) -> Result<(f64, f64), String> {
 /// pinned the same way: best of five copies of 64 MiB each (4 MiB on the host device).
 fn measure_copies(mut dev: Box<dyn crate::gpu::Device>) -> Result<(usize, f64, f64), String> {
     use crate::gpu::{DSlice, Stream};
-    let bytes: usize = if dev.describe().starts_with("host device") { 4 << 20 } else { 64 << 20 };
-    let src = DSlice { ptr: dev.alloc(bytes).map_err(|e| e.to_string())?, bytes };
+    let bytes: usize = if dev.describe().starts_with("host device") {
+        4 << 20
+    } else {
+        64 << 20
+    };
+    let src = DSlice {
+        ptr: dev.alloc(bytes).map_err(|e| e.to_string())?,
+        bytes,
+    };
     // A hidden-state pool of one slot, mapped as a worker maps it (header read-only,
     // slots read-write), pinned as a target pins its output pool.
     use std::os::fd::AsRawFd;
-    let geometry = dflash_shared::pool::PoolGeometry { name: "bench".into(), slots: 1, slot_bytes: bytes as u64 };
-    let (fd, _owner) = dflash_shared::pool::PoolMap::create(geometry.clone()).map_err(|e| format!("creating a pool: {e}"))?;
-    let pool = dflash_shared::pool::PoolMap::open(fd.as_raw_fd(), geometry).map_err(|e| format!("mapping the pool: {e}"))?;
+    let geometry = dflash_shared::pool::PoolGeometry {
+        name: "bench".into(),
+        slots: 1,
+        slot_bytes: bytes as u64,
+    };
+    let (fd, _owner) = dflash_shared::pool::PoolMap::create(geometry.clone())
+        .map_err(|e| format!("creating a pool: {e}"))?;
+    let pool = dflash_shared::pool::PoolMap::open(fd.as_raw_fd(), geometry)
+        .map_err(|e| format!("mapping the pool: {e}"))?;
     let (slots_ptr, slots_len) = pool.slots_mapping();
     let slot = slots_ptr;
     let layout = std::alloc::Layout::from_size_align(bytes, 4096).map_err(|e| e.to_string())?;
@@ -302,7 +362,8 @@ fn measure_copies(mut dev: Box<dyn crate::gpu::Device>) -> Result<(usize, f64, f
             dev.release_event(e);
             best = best.min(t0.elapsed().as_secs_f64());
         }
-        dev.host_access(dst, bytes, false).map_err(|e| e.to_string())?;
+        dev.host_access(dst, bytes, false)
+            .map_err(|e| e.to_string())?;
         Ok(bytes as f64 / best / 1e9)
     };
     let result = (|| {
@@ -328,13 +389,27 @@ fn measure_copies(mut dev: Box<dyn crate::gpu::Device>) -> Result<(usize, f64, f
 /// forward's GEMMs and attention, and the backward's (twice the forward's, except that
 /// `fc` needs no input gradient and the frozen lm_head no weight gradient). The logits
 /// the loss recomputes in its backward are not counted (model FLOPs, not hardware).
-pub fn drafter_step_flops(c: &DrafterConfig, t: usize, anchors: &[usize], supervised_rows: usize) -> f64 {
-    let (h, qd, kd, inter) = (c.hidden as f64, (c.q_heads * c.head_dim) as f64, (c.kv_heads * c.head_dim) as f64, c.intermediate as f64);
+pub fn drafter_step_flops(
+    c: &DrafterConfig,
+    t: usize,
+    anchors: &[usize],
+    supervised_rows: usize,
+) -> f64 {
+    let (h, qd, kd, inter) = (
+        c.hidden as f64,
+        (c.q_heads * c.head_dim) as f64,
+        (c.kv_heads * c.head_dim) as f64,
+        c.intermediate as f64,
+    );
     let (t, m) = (t as f64, (anchors.len() * c.block_size) as f64);
     let fc = 2.0 * t * (c.n_taps as f64 * h) * h * 2.0;
-    let layer_gemm = 2.0 * (m * h * qd + 2.0 * (t + m) * h * kd + m * qd * h + 3.0 * m * h * inter) * 3.0;
+    let layer_gemm =
+        2.0 * (m * h * qd + 2.0 * (t + m) * h * kd + m * qd * h + 3.0 * m * h * inter) * 3.0;
     // Each block row sees the context before its anchor and its own block.
-    let keys: f64 = anchors.iter().map(|&a| (a + c.block_size) as f64 * c.block_size as f64).sum();
+    let keys: f64 = anchors
+        .iter()
+        .map(|&a| (a + c.block_size) as f64 * c.block_size as f64)
+        .sum();
     let attn = 2.0 * 2.0 * keys * qd * 3.0;
     let lm_head = 2.0 * supervised_rows as f64 * h * c.vocab as f64 * 2.0;
     fc + c.layers as f64 * (layer_gemm + attn) + lm_head
@@ -348,7 +423,9 @@ pub fn shape_config(spec: &str) -> Result<String, String> {
     let (h, l) = rest.split_once('x').ok_or_else(err)?;
     let (h, l): (usize, usize) = (h.parse().map_err(|_| err())?, l.parse().map_err(|_| err())?);
     if h == 0 || h % 64 != 0 || l == 0 {
-        return Err(format!("--target {spec}: hidden must be a positive multiple of 64 and layers positive"));
+        return Err(format!(
+            "--target {spec}: hidden must be a positive multiple of 64 and layers positive"
+        ));
     }
     let heads = h / 64;
     let kv = (heads / 4).max(1);
@@ -371,7 +448,8 @@ pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), String> {
     } else {
         let cfg = shape_config(target)?;
         tmp = std::env::temp_dir().join(format!("dflash-bench-ops-{}", std::process::id()));
-        crate::model::tiny::write_random(&tmp, &cfg, 7).map_err(|e| format!("writing the {target} checkpoint: {e}"))?;
+        crate::model::tiny::write_random(&tmp, &cfg, 7)
+            .map_err(|e| format!("writing the {target} checkpoint: {e}"))?;
         (tmp.clone(), target.to_string())
     };
     let result = measure(&dir, &shape, tokens);
@@ -388,13 +466,29 @@ pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), String> {
 }
 
 pub fn print_figures(f: &Figures) {
-    println!("bench compute: backend {} ({} threads), target {}, {} tokens", f.backend, f.threads, f.shape, f.tokens);
+    println!(
+        "bench compute: backend {} ({} threads), target {}, {} tokens",
+        f.backend, f.threads, f.shape, f.tokens
+    );
     match (&f.device, &f.device_note) {
         (Some(d), _) => {
-            let mfu = d.mfu.map_or("MFU: peak unknown for this device".to_string(), |m| format!("{:.1} % MFU of {:.0} TFLOP/s bf16", m * 100.0, d.peak_bf16_tflops.unwrap_or(0.0)));
+            let mfu = d
+                .mfu
+                .map_or("MFU: peak unknown for this device".to_string(), |m| {
+                    format!(
+                        "{:.1} % MFU of {:.0} TFLOP/s bf16",
+                        m * 100.0,
+                        d.peak_bf16_tflops.unwrap_or(0.0)
+                    )
+                });
             println!("  device {}: target forward {:.0} tokens/s, {:.2} TFLOP/s, {mfu}; {:.1}x the CPU backend", d.name, d.target_tokens_per_s, d.target_tflops, d.vs_cpu);
-            let dmfu = d.drafter_mfu.map_or(String::new(), |m| format!(", {:.1} % MFU (goal >= 35 %)", m * 100.0));
-            println!("    drafter step {:.3} s, {:.2} TFLOP/s{dmfu}; optimizer {:.2} ms", d.drafter_step_s, d.drafter_tflops, d.optimizer_ms);
+            let dmfu = d.drafter_mfu.map_or(String::new(), |m| {
+                format!(", {:.1} % MFU (goal >= 35 %)", m * 100.0)
+            });
+            println!(
+                "    drafter step {:.3} s, {:.2} TFLOP/s{dmfu}; optimizer {:.2} ms",
+                d.drafter_step_s, d.drafter_tflops, d.optimizer_ms
+            );
             println!(
                 "    copy {} MiB device->host: pinned slot {:.2} GB/s, plain pinned buffer {:.2} GB/s, ratio {:.2} (goal >= 0.8)",
                 d.copy_bytes >> 20,
@@ -410,15 +504,34 @@ pub fn print_figures(f: &Figures) {
                 d.all_reduce_overlap * 100.0
             );
         }
-        (None, note) => println!("  no GPU measured ({}): the figures below are the CPU backend's", note.as_deref().unwrap_or("none")),
+        (None, note) => println!(
+            "  no GPU measured ({}): the figures below are the CPU backend's",
+            note.as_deref().unwrap_or("none")
+        ),
     }
-    println!("  target forward (CPU worker) {:>7.0} tokens/s  {:>7.2} GFLOP/s  ({:.3} s)", f.target_tokens_per_s, f.target_gflops, f.target_forward_s);
-    println!("  bare GEMM, same shapes    {:>27.2} GFLOP/s", f.gemm_gflops);
-    println!("  forward / GEMM            {:>9.2}   (goal >= 0.7)", f.forward_vs_gemm);
+    println!(
+        "  target forward (CPU worker) {:>7.0} tokens/s  {:>7.2} GFLOP/s  ({:.3} s)",
+        f.target_tokens_per_s, f.target_gflops, f.target_forward_s
+    );
+    println!(
+        "  bare GEMM, same shapes    {:>27.2} GFLOP/s",
+        f.gemm_gflops
+    );
+    println!(
+        "  forward / GEMM            {:>9.2}   (goal >= 0.7)",
+        f.forward_vs_gemm
+    );
     for (op, s) in &f.op_seconds {
-        println!("    {op:<12} {:>8.1} ms  {:>5.1} %", s * 1e3, 100.0 * s / f.target_forward_s.max(1e-12));
+        println!(
+            "    {op:<12} {:>8.1} ms  {:>5.1} %",
+            s * 1e3,
+            100.0 * s / f.target_forward_s.max(1e-12)
+        );
     }
-    println!("  reference target forward  {:>27.2} GFLOP/s  ({:.3} s)", f.reference_gflops, f.reference_forward_s);
+    println!(
+        "  reference target forward  {:>27.2} GFLOP/s  ({:.3} s)",
+        f.reference_gflops, f.reference_forward_s
+    );
     println!(
         "  drafter step ({} layers, {} block rows)  {:>9.0} tokens/s  ({:.3} s)",
         f.drafter_layers, f.drafter_rows, f.drafter_tokens_per_s, f.drafter_step_s
@@ -426,9 +539,16 @@ pub fn print_figures(f: &Figures) {
     let mut ops: Vec<_> = f.drafter_op_seconds.iter().collect();
     ops.sort_by(|a, b| b.1.total_cmp(a.1));
     for (op, s) in ops.into_iter().take(6) {
-        println!("    {op:<16} {:>8.1} ms  {:>5.1} %", s * 1e3, 100.0 * s / f.drafter_step_s.max(1e-12));
+        println!(
+            "    {op:<16} {:>8.1} ms  {:>5.1} %",
+            s * 1e3,
+            100.0 * s / f.drafter_step_s.max(1e-12)
+        );
     }
-    println!("  shared-memory all-reduce of its gradient, 2 ranks  {:>7.2} ms  ({:.2} GB/s)", f.shm_all_reduce_ms, f.shm_all_reduce_gb_s);
+    println!(
+        "  shared-memory all-reduce of its gradient, 2 ranks  {:>7.2} ms  ({:.2} GB/s)",
+        f.shm_all_reduce_ms, f.shm_all_reduce_gb_s
+    );
 }
 
 fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
@@ -436,9 +556,13 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     let layers = cfg.num_hidden_layers;
     let target = Target::load(dir, &[layers - 1]).map_err(|e| e.to_string())?;
     let mut rng = Rng::new(1);
-    let ids: Vec<u32> = (0..tokens).map(|_| rng.below(cfg.vocab_size as u64) as u32).collect();
+    let ids: Vec<u32> = (0..tokens)
+        .map(|_| rng.below(cfg.vocab_size as u64) as u32)
+        .collect();
     let cpu = Cpu::new();
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
 
     // Warm up (page in the weights, start the thread pool), then the best of three.
     target.forward_taps(&ids[..tokens.min(64)]);
@@ -457,8 +581,20 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     let (t, h, hd, inter) = (tokens, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
     let (qd, kd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
     // The forward's GEMMs (m = tokens): q, k, v, o, gate, up, down.
-    let gemms = [(h, qd), (h, kd), (h, kd), (qd, h), (h, inter), (h, inter), (inter, h)];
-    let gemm_flops: f64 = gemms.iter().map(|&(k, n)| 2.0 * (t * k * n) as f64).sum::<f64>() * layers as f64;
+    let gemms = [
+        (h, qd),
+        (h, kd),
+        (h, kd),
+        (qd, h),
+        (h, inter),
+        (h, inter),
+        (inter, h),
+    ];
+    let gemm_flops: f64 = gemms
+        .iter()
+        .map(|&(k, n)| 2.0 * (t * k * n) as f64)
+        .sum::<f64>()
+        * layers as f64;
     // Causal attention: QKᵀ and PV over t(t+1)/2 pairs per head.
     let attn_flops = 2.0 * 2.0 * (t * (t + 1) / 2) as f64 * qd as f64 * layers as f64;
     let model_flops = gemm_flops + attn_flops;
@@ -466,8 +602,12 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     // The baseline: the same GEMMs, bare, on random operands.
     let mut operands = Vec::new();
     for &(k, n) in &gemms {
-        let x: Vec<f32> = (0..t * k).map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5).collect();
-        let w: Vec<f32> = (0..n * k).map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5).collect();
+        let x: Vec<f32> = (0..t * k)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect();
         operands.push((x, w, vec![0f32; t * n], k, n));
     }
     let mut gemm_best = f64::INFINITY;
@@ -485,8 +625,15 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
 
     // The forward as a CPU target worker runs it: the device target on the CPU device, its
     // kernels and GEMMs timed by the device.
-    let mut worker = crate::gpu::target::GpuTarget::new(Box::new(crate::gpu::cpu::CpuDevice::new()), &target, tokens).map_err(|e| e.to_string())?;
-    worker.forward_taps(&ids[..tokens.min(64)]).map_err(|e| e.to_string())?;
+    let mut worker = crate::gpu::target::GpuTarget::new(
+        Box::new(crate::gpu::cpu::CpuDevice::new()),
+        &target,
+        tokens,
+    )
+    .map_err(|e| e.to_string())?;
+    worker
+        .forward_taps(&ids[..tokens.min(64)])
+        .map_err(|e| e.to_string())?;
     let mut worker_best = f64::INFINITY;
     let mut worker_ops = Vec::new();
     for _ in 0..3 {
@@ -522,24 +669,50 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     let drafter = Drafter::new(dcfg.clone());
     let p = drafter.init_params(3);
     let w = Weights::open(dir).map_err(|e| e.to_string())?;
-    let embed = w.get("model.embed_tokens.weight", &[cfg.vocab_size, h]).map_err(|e| e.to_string())?;
-    let lm_head = if w.contains("lm_head.weight") { w.get("lm_head.weight", &[cfg.vocab_size, h]).map_err(|e| e.to_string())? } else { embed.clone() };
+    let embed = w
+        .get("model.embed_tokens.weight", &[cfg.vocab_size, h])
+        .map_err(|e| e.to_string())?;
+    let lm_head = if w.contains("lm_head.weight") {
+        w.get("lm_head.weight", &[cfg.vocab_size, h])
+            .map_err(|e| e.to_string())?
+    } else {
+        embed.clone()
+    };
     let frozen = Frozen { embed, lm_head };
     let taps = target.forward_taps(&ids);
     let mask = vec![1u8; tokens];
     let anchors = drafter.sample_anchors(&mask, &mut rng);
-    let sample = Sample { taps: &taps, ids: &ids, mask: &mask };
+    let sample = Sample {
+        taps: &taps,
+        ids: &ids,
+        mask: &mask,
+    };
     // The step as a CPU drafter worker runs it: the device model on the CPU device.
-    let mut cpu_model = crate::gpu::drafter::GpuDrafter::new(Box::new(crate::gpu::cpu::CpuDevice::new()), &drafter, &frozen, tokens).map_err(|e| e.to_string())?;
+    let mut cpu_model = crate::gpu::drafter::GpuDrafter::new(
+        Box::new(crate::gpu::cpu::CpuDevice::new()),
+        &drafter,
+        &frozen,
+        tokens,
+    )
+    .map_err(|e| e.to_string())?;
     let zeros = vec![0f32; p.len()];
-    cpu_model.load(&p, &zeros, &zeros, 0).map_err(|e| e.to_string())?;
+    cpu_model
+        .load(&p, &zeros, &zeros, 0)
+        .map_err(|e| e.to_string())?;
     let mut grads = vec![0f32; p.len()];
     let mut drafter_s = f64::INFINITY;
     let mut drafter_op_seconds = BTreeMap::new();
     for _ in 0..2 {
         cpu_model.take_kernel_seconds();
         let t0 = Instant::now();
-        cpu_model.train_batch(std::slice::from_ref(&sample), std::slice::from_ref(&anchors), 1.0, &mut grads).map_err(|e| e.to_string())?;
+        cpu_model
+            .train_batch(
+                std::slice::from_ref(&sample),
+                std::slice::from_ref(&anchors),
+                1.0,
+                &mut grads,
+            )
+            .map_err(|e| e.to_string())?;
         let s = t0.elapsed().as_secs_f64();
         if s < drafter_s {
             drafter_s = s;
@@ -549,13 +722,31 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     drop(cpu_model);
     let (shm_all_reduce_ms, shm_all_reduce_gb_s) = measure_shm_all_reduce(p.len())?;
 
-    let supervised = anchors.iter().map(|&a| (1..dcfg.block_size).filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0).count()).sum();
-    let dc = DrafterCase { drafter: &drafter, frozen: &frozen, params: &p, sample, anchors: &anchors, flops: drafter_step_flops(&dcfg, tokens, &anchors, supervised) };
-    let (device, device_note) = match measure_device(&target, &ids, model_flops, tokens as f64 / best, &dc) {
-        Ok(Some(d)) => (Some(d), None),
-        Ok(None) => (None, Some(crate::gpu::cuda::missing_library().unwrap_or_default())),
-        Err(e) => (None, Some(format!("the device could not be measured: {e}"))),
+    let supervised = anchors
+        .iter()
+        .map(|&a| {
+            (1..dcfg.block_size)
+                .filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0)
+                .count()
+        })
+        .sum();
+    let dc = DrafterCase {
+        drafter: &drafter,
+        frozen: &frozen,
+        params: &p,
+        sample,
+        anchors: &anchors,
+        flops: drafter_step_flops(&dcfg, tokens, &anchors, supervised),
     };
+    let (device, device_note) =
+        match measure_device(&target, &ids, model_flops, tokens as f64 / best, &dc) {
+            Ok(Some(d)) => (Some(d), None),
+            Ok(None) => (
+                None,
+                Some(crate::gpu::cuda::missing_library().unwrap_or_default()),
+            ),
+            Err(e) => (None, Some(format!("the device could not be measured: {e}"))),
+        };
     Ok(Figures {
         device,
         device_note,
@@ -571,7 +762,11 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         op_seconds,
         reference_forward_s: best,
         reference_gflops,
-        reference_op_seconds: op_times.secs.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+        reference_op_seconds: op_times
+            .secs
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
         drafter_step_s: drafter_s,
         drafter_tokens_per_s: tokens as f64 / drafter_s,
         drafter_layers: dcfg.layers,
@@ -713,7 +908,9 @@ pub struct OpsFigures {
 /// gigabytes of operands cost no more than a copy.
 fn pattern(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut rng = Rng::new(seed);
-    let pool: Vec<f32> = (0..(1usize << 16).min(n.max(1))).map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale).collect();
+    let pool: Vec<f32> = (0..(1usize << 16).min(n.max(1)))
+        .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)
+        .collect();
     (0..n).map(|i| pool[i % pool.len()]).collect()
 }
 
@@ -733,19 +930,32 @@ impl Bufs<'_> {
         self.seed += 1;
         let v = pattern(n, self.seed, scale);
         let s = self.zeros(n * if bf16 { 2 } else { 4 })?;
-        let bytes: Vec<u8> = if bf16 { v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect() } else { crate::gpu::f32_bytes(&v).to_vec() };
-        self.dev.upload(crate::gpu::Stream::Compute, s, &bytes).map_err(|e| e.to_string())?;
+        let bytes: Vec<u8> = if bf16 {
+            v.iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect()
+        } else {
+            crate::gpu::f32_bytes(&v).to_vec()
+        };
+        self.dev
+            .upload(crate::gpu::Stream::Compute, s, &bytes)
+            .map_err(|e| e.to_string())?;
         Ok(s)
     }
     fn i32s(&mut self, v: &[i32]) -> Result<crate::gpu::DSlice, String> {
         let s = self.zeros(v.len() * 4)?;
-        self.dev.upload(crate::gpu::Stream::Compute, s, crate::gpu::i32_bytes(v)).map_err(|e| e.to_string())?;
+        self.dev
+            .upload(crate::gpu::Stream::Compute, s, crate::gpu::i32_bytes(v))
+            .map_err(|e| e.to_string())?;
         Ok(s)
     }
 }
 
 /// Seconds per call of `f` on the device and the repetitions timed (see above).
-fn time_on_device(ops: &mut crate::gpu::ops::Ops, mut f: impl FnMut(&mut crate::gpu::ops::Ops) -> crate::gpu::Result<()>) -> Result<(f64, usize), String> {
+fn time_on_device(
+    ops: &mut crate::gpu::ops::Ops,
+    mut f: impl FnMut(&mut crate::gpu::ops::Ops) -> crate::gpu::Result<()>,
+) -> Result<(f64, usize), String> {
     let e = |e: crate::gpu::GpuError| e.to_string();
     f(ops).map_err(e)?;
     ops.dev.sync().map_err(e)?;
@@ -768,14 +978,31 @@ struct RowSink {
 }
 
 impl RowSink {
-    fn push(&mut self, op: &str, shape: String, flops: f64, note: &str, r: Result<(f64, usize), String>) {
+    fn push(
+        &mut self,
+        op: &str,
+        shape: String,
+        flops: f64,
+        note: &str,
+        r: Result<(f64, usize), String>,
+    ) {
         let (seconds, reps, error) = match r {
             Ok((s, n)) => (Some(s), n, None),
             Err(e) => (None, 0, Some(e)),
         };
         let tflops = seconds.map(|s| flops / s.max(1e-12) / 1e12);
         let pct_peak = tflops.zip(self.peak).map(|(t, p)| 100.0 * t / p);
-        self.rows.push(OpRow { op: op.into(), shape, seconds, reps, flops, tflops, pct_peak, note: note.into(), error });
+        self.rows.push(OpRow {
+            op: op.into(),
+            shape,
+            seconds,
+            reps,
+            flops,
+            tflops,
+            pct_peak,
+            note: note.into(),
+            error,
+        });
     }
 }
 
@@ -788,17 +1015,29 @@ fn block_spans(ctx: usize, anchors: &[usize], bs: usize) -> Vec<i32> {
     (0..anchors.len() * bs)
         .flat_map(|i| {
             let n = i / bs;
-            [0, anchors[n] as i32, (ctx + n * bs) as i32, (ctx + (n + 1) * bs) as i32]
+            [
+                0,
+                anchors[n] as i32,
+                (ctx + n * bs) as i32,
+                (ctx + (n + 1) * bs) as i32,
+            ]
         })
         .collect()
 }
 /// Keys seen by every query row of those spans, summed.
 fn span_keys(spans: &[i32]) -> f64 {
-    spans.chunks_exact(4).map(|s| ((s[1] - s[0]) + (s[3] - s[2])) as f64).sum()
+    spans
+        .chunks_exact(4)
+        .map(|s| ((s[1] - s[0]) + (s[3] - s[2])) as f64)
+        .sum()
 }
 
 /// The attention, the GEMM and the loss micro-benchmarks on one device.
-fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut RowSink) -> Result<(), String> {
+fn measure_kernels(
+    p: &OpsShape,
+    dev: Box<dyn crate::gpu::Device>,
+    sink: &mut RowSink,
+) -> Result<(), String> {
     use crate::gpu::ops::Ops;
     let mut ops = Ops::new(dev);
     let (qh, kvh, hd, h) = (p.q_heads, p.kv_heads, p.head_dim, p.hidden);
@@ -812,48 +1051,138 @@ fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut Ro
     for &t in &p.seq {
         let anchors = p.anchors_for(t);
         let m = anchors.len() * p.block_size;
-        for (kind, tq, tk, spans) in [("causal", t, t, causal_spans(t)), ("dflash", m, t + m, block_spans(t, &anchors, p.block_size))] {
+        for (kind, tq, tk, spans) in [
+            ("causal", t, t, causal_spans(t)),
+            ("dflash", m, t + m, block_spans(t, &anchors, p.block_size)),
+        ] {
             let keys = span_keys(&spans);
             let fwd_flops = 4.0 * keys * qd as f64;
-            let shape = if kind == "causal" { format!("{t} tokens, {heads}") } else { format!("{} blocks of {} over {t} tokens, {heads}", anchors.len(), p.block_size) };
-            let mut b = Bufs { dev: ops.dev.as_mut(), seed };
+            let shape = if kind == "causal" {
+                format!("{t} tokens, {heads}")
+            } else {
+                format!(
+                    "{} blocks of {} over {t} tokens, {heads}",
+                    anchors.len(),
+                    p.block_size
+                )
+            };
+            let mut b = Bufs {
+                dev: ops.dev.as_mut(),
+                seed,
+            };
             let bufs = (|| -> Result<_, String> {
                 let sp = b.i32s(&spans)?;
-                let f32s = [b.random(tq * qd, false, 1.0)?, b.random(tk * kd, false, 1.0)?, b.random(tk * kd, false, 1.0)?, b.zeros(tq * qd * 4)?, b.zeros(tq * qh * 4)?];
-                let bf16s = [b.random(tq * qd, true, 1.0)?, b.random(tk * kd, true, 1.0)?, b.random(tk * kd, true, 1.0)?, b.zeros(tq * qd * 2)?];
-                let grads = [b.random(tq * qd, false, 1.0)?, b.zeros(tq * qd * 4)?, b.zeros(tk * kd * 4)?, b.zeros(tk * kd * 4)?];
+                let f32s = [
+                    b.random(tq * qd, false, 1.0)?,
+                    b.random(tk * kd, false, 1.0)?,
+                    b.random(tk * kd, false, 1.0)?,
+                    b.zeros(tq * qd * 4)?,
+                    b.zeros(tq * qh * 4)?,
+                ];
+                let bf16s = [
+                    b.random(tq * qd, true, 1.0)?,
+                    b.random(tk * kd, true, 1.0)?,
+                    b.random(tk * kd, true, 1.0)?,
+                    b.zeros(tq * qd * 2)?,
+                ];
+                let grads = [
+                    b.random(tq * qd, false, 1.0)?,
+                    b.zeros(tq * qd * 4)?,
+                    b.zeros(tk * kd * 4)?,
+                    b.zeros(tk * kd * 4)?,
+                ];
                 Ok((sp, f32s, bf16s, grads))
             })();
             seed = b.seed;
             let (sp, [q, k, v, out, lse], [q16, k16, v16, out16], [dout, dq, dk, dv]) = match bufs {
                 Ok(x) => x,
                 Err(e) => {
-                    sink.push(&format!("attention {kind} forward"), shape.clone(), fwd_flops, "", Err(e.clone()));
-                    sink.push(&format!("attention {kind} backward"), shape, 2.0 * fwd_flops, "", Err(e));
+                    sink.push(
+                        &format!("attention {kind} forward"),
+                        shape.clone(),
+                        fwd_flops,
+                        "",
+                        Err(e.clone()),
+                    );
+                    sink.push(
+                        &format!("attention {kind} backward"),
+                        shape,
+                        2.0 * fwd_flops,
+                        "",
+                        Err(e),
+                    );
                     continue;
                 }
             };
             if kind == "causal" {
                 ops.act16 = true;
-                let r = time_on_device(&mut ops, |o| o.attention(q16, k16, v16, out16, lse, sp, tq, qh, kvh, hd));
+                let r = time_on_device(&mut ops, |o| {
+                    o.attention(q16, k16, v16, out16, lse, sp, tq, qh, kvh, hd)
+                });
                 ops.act16 = false;
-                sink.push("attention causal forward", shape.clone(), fwd_flops, "the target's kernel: bf16 in and out", r);
+                sink.push(
+                    "attention causal forward",
+                    shape.clone(),
+                    fwd_flops,
+                    "the target's kernel: bf16 in and out",
+                    r,
+                );
             } else {
-                let r = time_on_device(&mut ops, |o| o.attention(q, k, v, out, lse, sp, tq, qh, kvh, hd));
-                sink.push("attention dflash forward", shape.clone(), fwd_flops, "the drafter's kernel: f32 in and out, bf16 products", r);
+                let r = time_on_device(&mut ops, |o| {
+                    o.attention(q, k, v, out, lse, sp, tq, qh, kvh, hd)
+                });
+                sink.push(
+                    "attention dflash forward",
+                    shape.clone(),
+                    fwd_flops,
+                    "the drafter's kernel: f32 in and out, bf16 products",
+                    r,
+                );
             }
             // The backward needs the forward's output and log-sum-exp (f32).
-            let r = ops.attention(q, k, v, out, lse, sp, tq, qh, kvh, hd).map_err(|e| e.to_string()).and_then(|_| time_on_device(&mut ops, |o| o.attention_backward(dout, out, lse, q, k, v, sp, dq, dk, dv, tq, qh, kvh, hd)));
-            sink.push(&format!("attention {kind} backward"), shape, 2.0 * fwd_flops, "dQ, dK, dV (f32, accumulated); 4 products counted", r);
+            let r = ops
+                .attention(q, k, v, out, lse, sp, tq, qh, kvh, hd)
+                .map_err(|e| e.to_string())
+                .and_then(|_| {
+                    time_on_device(&mut ops, |o| {
+                        o.attention_backward(
+                            dout, out, lse, q, k, v, sp, dq, dk, dv, tq, qh, kvh, hd,
+                        )
+                    })
+                });
+            sink.push(
+                &format!("attention {kind} backward"),
+                shape,
+                2.0 * fwd_flops,
+                "dQ, dK, dV (f32, accumulated); 4 products counted",
+                r,
+            );
         }
     }
 
     // The target's GEMMs over one batch's tokens, bf16 in and out (f32 accumulation).
     let m = p.gemm_rows;
-    let gemms = [("q_proj", h, qd), ("k_proj", h, kd), ("v_proj", h, kd), ("o_proj", qd, h), ("gate_proj", h, p.intermediate), ("up_proj", h, p.intermediate), ("down_proj", p.intermediate, h)];
+    let gemms = [
+        ("q_proj", h, qd),
+        ("k_proj", h, kd),
+        ("v_proj", h, kd),
+        ("o_proj", qd, h),
+        ("gate_proj", h, p.intermediate),
+        ("up_proj", h, p.intermediate),
+        ("down_proj", p.intermediate, h),
+    ];
     for (name, k, n) in gemms {
-        let mut b = Bufs { dev: ops.dev.as_mut(), seed };
-        let bufs = (|| Ok::<_, String>((b.random(m * k, true, 1.0)?, b.random(n * k, true, 0.05)?, b.zeros(m * n * 2)?)))();
+        let mut b = Bufs {
+            dev: ops.dev.as_mut(),
+            seed,
+        };
+        let bufs = (|| {
+            Ok::<_, String>((
+                b.random(m * k, true, 1.0)?,
+                b.random(n * k, true, 0.05)?,
+                b.zeros(m * n * 2)?,
+            ))
+        })();
         seed = b.seed;
         let flops = 2.0 * (m * k * n) as f64;
         let shape = format!("{m}x{k} · ({n}x{k})ᵀ");
@@ -863,7 +1192,13 @@ fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut Ro
             ops.act16 = false;
             r
         });
-        sink.push(&format!("gemm {name}"), shape, flops, "cuBLAS bf16 in and out", r);
+        sink.push(
+            &format!("gemm {name}"),
+            shape,
+            flops,
+            "cuBLAS bf16 in and out",
+            r,
+        );
     }
 
     // The drafter's loss through the frozen lm_head, a vocabulary chunk at a time, as
@@ -872,7 +1207,10 @@ fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut Ro
     let n = p.anchors * (p.block_size - 1);
     let v = p.vocab;
     let cw = 4096.min(v);
-    let mut b = Bufs { dev: ops.dev.as_mut(), seed };
+    let mut b = Bufs {
+        dev: ops.dev.as_mut(),
+        seed,
+    };
     let bufs = (|| -> Result<_, String> {
         let labels: Vec<i32> = (0..n).map(|i| ((i * 7919) % v) as i32).collect();
         Ok((
@@ -881,7 +1219,13 @@ fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut Ro
             b.random(v * h, true, 0.05)?,
             b.zeros(n * cw * 4)?,
             b.zeros(n * cw * 2)?,
-            [b.zeros(n * 4)?, b.zeros(n * 4)?, b.zeros(n * 4)?, b.zeros(n * 4)?, b.zeros(n * 4)?],
+            [
+                b.zeros(n * 4)?,
+                b.zeros(n * 4)?,
+                b.zeros(n * 4)?,
+                b.zeros(n * 4)?,
+                b.zeros(n * 4)?,
+            ],
             b.i32s(&labels)?,
             b.random(n, false, 1e-3)?,
             b.zeros(n * h * 4)?,
@@ -890,27 +1234,69 @@ fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut Ro
     let shape = format!("{n} rows x {h} over {v} tokens, chunks of {cw}");
     match bufs {
         Err(e) => {
-            sink.push("cross_entropy forward", shape.clone(), 2.0 * (n * h * v) as f64, "", Err(e.clone()));
-            sink.push("cross_entropy backward", shape, 4.0 * (n * h * v) as f64, "", Err(e));
+            sink.push(
+                "cross_entropy forward",
+                shape.clone(),
+                2.0 * (n * h * v) as f64,
+                "",
+                Err(e.clone()),
+            );
+            sink.push(
+                "cross_entropy backward",
+                shape,
+                4.0 * (n * h * v) as f64,
+                "",
+                Err(e),
+            );
         }
         Ok((x, xb, lm16, logits, lb, [rmax, rsum, bv, bi, ll], labels, scale, dx)) => {
-            let chunk = |start: usize| (cw.min(v - start), lm16.sub(2, start * h..(start + cw.min(v - start)) * h));
+            let chunk = |start: usize| {
+                (
+                    cw.min(v - start),
+                    lm16.sub(2, start * h..(start + cw.min(v - start)) * h),
+                )
+            };
             let neg_inf = vec![f32::NEG_INFINITY; n];
             let fwd = |o: &mut Ops| -> crate::gpu::Result<()> {
-                o.dev.upload(crate::gpu::Stream::Compute, rmax, crate::gpu::f32_bytes(&neg_inf))?;
+                o.dev.upload(
+                    crate::gpu::Stream::Compute,
+                    rmax,
+                    crate::gpu::f32_bytes(&neg_inf),
+                )?;
                 o.dev.memset_zero(crate::gpu::Stream::Compute, rsum)?;
-                o.dev.upload(crate::gpu::Stream::Compute, bv, crate::gpu::f32_bytes(&neg_inf))?;
+                o.dev.upload(
+                    crate::gpu::Stream::Compute,
+                    bv,
+                    crate::gpu::f32_bytes(&neg_inf),
+                )?;
                 for start in (0..v).step_by(cw) {
                     let (w, lm) = chunk(start);
                     o.f32_to_bf16(xb, x)?;
                     o.matmul_bf16(xb, lm, logits.f32s(0..n * w), n, h, w)?;
-                    o.ce_chunk_stats(rmax, rsum, bv, bi, ll, logits.f32s(0..n * w), labels, n, w, start)?;
+                    o.ce_chunk_stats(
+                        rmax,
+                        rsum,
+                        bv,
+                        bi,
+                        ll,
+                        logits.f32s(0..n * w),
+                        labels,
+                        n,
+                        w,
+                        start,
+                    )?;
                 }
                 Ok(())
             };
             let r = time_on_device(&mut ops, fwd);
             let ok = r.is_ok();
-            sink.push("cross_entropy forward", shape.clone(), 2.0 * (n * h * v) as f64, "logits GEMM (bf16, f32 out) and the chunk's max/sum/argmax", r);
+            sink.push(
+                "cross_entropy forward",
+                shape.clone(),
+                2.0 * (n * h * v) as f64,
+                "logits GEMM (bf16, f32 out) and the chunk's max/sum/argmax",
+                r,
+            );
             let bwd = |o: &mut Ops| -> crate::gpu::Result<()> {
                 for start in (0..v).step_by(cw) {
                     let (w, lm) = chunk(start);
@@ -923,8 +1309,18 @@ fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut Ro
                 }
                 Ok(())
             };
-            let r = if ok { time_on_device(&mut ops, bwd) } else { Err("the forward failed".into()) };
-            sink.push("cross_entropy backward", shape, 4.0 * (n * h * v) as f64, "hardware FLOPs: the logits recomputed and dX", r);
+            let r = if ok {
+                time_on_device(&mut ops, bwd)
+            } else {
+                Err("the forward failed".into())
+            };
+            sink.push(
+                "cross_entropy backward",
+                shape,
+                4.0 * (n * h * v) as f64,
+                "hardware FLOPs: the logits recomputed and dX",
+                r,
+            );
         }
     }
     Ok(())
@@ -935,18 +1331,31 @@ fn measure_kernels(p: &OpsShape, dev: Box<dyn crate::gpu::Device>, sink: &mut Ro
 /// into pinned host memory behind an event, the next sequence computing meanwhile.
 fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
     let layers = p.forward_layers;
-    let dir = std::env::temp_dir().join(format!("dflash-bench-ops-{}-{}", p.name, std::process::id()));
-    let written = crate::model::tiny::write_random(&dir, &p.config_json(layers, p.forward_vocab), 11).map_err(|e| format!("writing the {layers}-layer checkpoint: {e}"));
+    let dir = std::env::temp_dir().join(format!(
+        "dflash-bench-ops-{}-{}",
+        p.name,
+        std::process::id()
+    ));
+    let written =
+        crate::model::tiny::write_random(&dir, &p.config_json(layers, p.forward_vocab), 11)
+            .map_err(|e| format!("writing the {layers}-layer checkpoint: {e}"));
     let target = written.and_then(|_| Target::load(&dir, &[layers - 1]).map_err(|e| e.to_string()));
     let _ = std::fs::remove_dir_all(&dir);
     let target = target?;
     let tmax = p.forward_tokens.iter().copied().max().unwrap_or(1);
     let dev = open_device()?.ok_or("no device")?;
-    let mut g = crate::gpu::target::GpuTarget::new(dev, &target, tmax).map_err(|e| e.to_string())?;
-    let (h, qd, kd, inter) = (p.hidden, p.q_heads * p.head_dim, p.kv_heads * p.head_dim, p.intermediate);
+    let mut g =
+        crate::gpu::target::GpuTarget::new(dev, &target, tmax).map_err(|e| e.to_string())?;
+    let (h, qd, kd, inter) = (
+        p.hidden,
+        p.q_heads * p.head_dim,
+        p.kv_heads * p.head_dim,
+        p.intermediate,
+    );
     let width = h; // one tap, the last layer's output
     let bytes = tmax * width * 2;
-    let layout = std::alloc::Layout::from_size_align(bytes.max(1).next_multiple_of(4096), 4096).map_err(|e| e.to_string())?;
+    let layout = std::alloc::Layout::from_size_align(bytes.max(1).next_multiple_of(4096), 4096)
+        .map_err(|e| e.to_string())?;
     // SAFETY: non-zero size; freed below once the device is gone.
     let pinned = unsafe { std::alloc::alloc_zeroed(layout) };
     if pinned.is_null() {
@@ -957,7 +1366,9 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
         unsafe { g.register_host(pinned, layout.size()) }.map_err(|e| e.to_string())?;
         let mut rng = Rng::new(5);
         for &t in &p.forward_tokens {
-            let ids: Vec<u32> = (0..t).map(|_| rng.below(p.forward_vocab as u64) as u32).collect();
+            let ids: Vec<u32> = (0..t)
+                .map(|_| rng.below(p.forward_vocab as u64) as u32)
+                .collect();
             let gemm = 2.0 * (t * (h * qd + 2 * h * kd + qd * h + 3 * h * inter)) as f64;
             let attn = 4.0 * (t * (t + 1) / 2) as f64 * qd as f64;
             let flops = (gemm + attn) * layers as f64;
@@ -966,10 +1377,12 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
                 let mut last = None;
                 for _ in 0..n {
                     // SAFETY: `pinned` is registered and only read after `finish`.
-                    last = unsafe { g.forward_taps_into(&ids, pinned) }.map_err(|e| e.to_string())?;
+                    last =
+                        unsafe { g.forward_taps_into(&ids, pinned) }.map_err(|e| e.to_string())?;
                 }
                 if let Some(e) = last {
-                    g.finish(e, pinned, t * width * 2).map_err(|e| e.to_string())?;
+                    g.finish(e, pinned, t * width * 2)
+                        .map_err(|e| e.to_string())?;
                 }
                 Ok(t0.elapsed().as_secs_f64() / n as f64)
             };
@@ -977,7 +1390,13 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
                 let reps = ((0.3 / one.max(1e-9)).ceil() as usize).clamp(2, 20);
                 run(reps).map(|s| (s, reps))
             });
-            sink.push("target forward", format!("{layers} layer(s), {t} tokens"), flops, "GEMMs and causal attention; taps copied to pinned memory, overlapped", r);
+            sink.push(
+                "target forward",
+                format!("{layers} layer(s), {t} tokens"),
+                flops,
+                "GEMMs and causal attention; taps copied to pinned memory, overlapped",
+                r,
+            );
         }
         Ok(())
     })();
@@ -996,15 +1415,32 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
     let dcfg = DrafterConfig::for_target(&cfg, p.drafter_layers, n_taps, p.block_size, p.anchors);
     let drafter = Drafter::new(dcfg.clone());
     let s = p.drafter_seq;
-    let shape = format!("{} layer(s), {} tap(s), {s} tokens, {} blocks of {}, vocabulary {}", dcfg.layers, n_taps, dcfg.max_anchors.min(s - 1), p.block_size, p.vocab);
+    let shape = format!(
+        "{} layer(s), {} tap(s), {s} tokens, {} blocks of {}, vocabulary {}",
+        dcfg.layers,
+        n_taps,
+        dcfg.max_anchors.min(s - 1),
+        p.block_size,
+        p.vocab
+    );
     let params = drafter.init_params(3);
-    let frozen = Frozen { embed: pattern(p.vocab * p.hidden, 21, 0.05), lm_head: pattern(p.vocab * p.hidden, 22, 0.05) };
+    let frozen = Frozen {
+        embed: pattern(p.vocab * p.hidden, 21, 0.05),
+        lm_head: pattern(p.vocab * p.hidden, 22, 0.05),
+    };
     let taps = pattern(s * n_taps * p.hidden, 23, 1.0);
     let mut rng = Rng::new(9);
     let ids: Vec<u32> = (0..s).map(|_| rng.below(p.vocab as u64) as u32).collect();
     let mask = vec![1u8; s];
     let anchors = drafter.sample_anchors(&mask, &mut rng);
-    let supervised = anchors.iter().map(|&a| (1..dcfg.block_size).filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0).count()).sum();
+    let supervised = anchors
+        .iter()
+        .map(|&a| {
+            (1..dcfg.block_size)
+                .filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0)
+                .count()
+        })
+        .sum();
     let flops = drafter_step_flops(&dcfg, s, &anchors, supervised);
     let dev = open_device()?.ok_or("no device")?;
     let r = (|| -> Result<(f64, usize), String> {
@@ -1012,11 +1448,16 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
         let mut gd = crate::gpu::drafter::GpuDrafter::new(dev, &drafter, &frozen, s).map_err(e)?;
         let zeros = vec![0f32; params.len()];
         gd.load(&params, &zeros, &zeros, 0).map_err(e)?;
-        let sample = [Sample { taps: &taps, ids: &ids, mask: &mask }];
+        let sample = [Sample {
+            taps: &taps,
+            ids: &ids,
+            mask: &mask,
+        }];
         let anchors = [anchors.clone()];
         let step = |gd: &mut crate::gpu::drafter::GpuDrafter| -> Result<f64, String> {
             let t0 = Instant::now();
-            gd.train_batch_on_device(&sample, &anchors, 1.0).map_err(e)?;
+            gd.train_batch_on_device(&sample, &anchors, 1.0)
+                .map_err(e)?;
             gd.device().sync().map_err(e)?;
             Ok(t0.elapsed().as_secs_f64())
         };
@@ -1027,21 +1468,36 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
         }
         Ok((best, 3))
     })();
-    sink.push("drafter step", shape, flops, "forward and backward (model FLOPs, drafter_step_flops); f32 taps uploaded; best of 3", r);
+    sink.push(
+        "drafter step",
+        shape,
+        flops,
+        "forward and backward (model FLOPs, drafter_step_flops); f32 taps uploaded; best of 3",
+        r,
+    );
     Ok(())
 }
 
 pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
-    let p = ops_preset(preset).ok_or_else(|| format!("--target ops:{preset}: unknown preset (ops:qwen3-8b, ops:tiny)"))?;
+    let p = ops_preset(preset)
+        .ok_or_else(|| format!("--target ops:{preset}: unknown preset (ops:qwen3-8b, ops:tiny)"))?;
     let t0 = Instant::now();
     let dev = match open_device() {
         Ok(Some(d)) => d,
-        Ok(None) => return Err(format!("ops:{preset} measures ops on a GPU, and none can be used here: {}", crate::gpu::cuda::missing_library().unwrap_or_default())),
+        Ok(None) => {
+            return Err(format!(
+                "ops:{preset} measures ops on a GPU, and none can be used here: {}",
+                crate::gpu::cuda::missing_library().unwrap_or_default()
+            ))
+        }
         Err(e) => return Err(format!("ops:{preset}: opening the GPU: {e}")),
     };
     let device = dev.describe();
     let peak = peak_bf16_tflops(&device);
-    let mut sink = RowSink { rows: Vec::new(), peak };
+    let mut sink = RowSink {
+        rows: Vec::new(),
+        peak,
+    };
     let fail = |sink: &mut RowSink, op: &str, r: Result<(), String>| {
         if let Err(e) = r {
             sink.push(op, String::new(), 0.0, "", Err(e));
@@ -1053,13 +1509,29 @@ pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
     fail(&mut sink, "target forward", r);
     let r = measure_drafter(&p, &mut sink);
     fail(&mut sink, "drafter step", r);
-    let f = OpsFigures { preset: p, device, peak_bf16_tflops: peak, rows: sink.rows, seconds: t0.elapsed().as_secs_f64() };
+    let f = OpsFigures {
+        preset: p,
+        device,
+        peak_bf16_tflops: peak,
+        rows: sink.rows,
+        seconds: t0.elapsed().as_secs_f64(),
+    };
     if json {
         println!("{}", serde_json::to_string(&f).map_err(|e| e.to_string())?);
     } else {
-        let peak = f.peak_bf16_tflops.map_or("peak unknown for this device".to_string(), |p| format!("bf16 peak {p:.0} TFLOP/s"));
-        println!("bench compute ops:{}: {} ({peak}), {:.1} s", f.preset.name, f.device, f.seconds);
-        println!("  {:<26} {:<56} {:>10} {:>9} {:>7}", "op", "shape", "ms", "TFLOP/s", "% peak");
+        let peak = f
+            .peak_bf16_tflops
+            .map_or("peak unknown for this device".to_string(), |p| {
+                format!("bf16 peak {p:.0} TFLOP/s")
+            });
+        println!(
+            "bench compute ops:{}: {} ({peak}), {:.1} s",
+            f.preset.name, f.device, f.seconds
+        );
+        println!(
+            "  {:<26} {:<56} {:>10} {:>9} {:>7}",
+            "op", "shape", "ms", "TFLOP/s", "% peak"
+        );
         for r in &f.rows {
             match (&r.error, r.seconds) {
                 (None, Some(s)) => println!(
@@ -1070,12 +1542,21 @@ pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
                     r.tflops.unwrap_or(0.0),
                     r.pct_peak.map_or("-".into(), |p| format!("{p:.1}"))
                 ),
-                (e, _) => println!("  {:<26} {:<56} FAILED: {}", r.op, r.shape, e.as_deref().unwrap_or("?")),
+                (e, _) => println!(
+                    "  {:<26} {:<56} FAILED: {}",
+                    r.op,
+                    r.shape,
+                    e.as_deref().unwrap_or("?")
+                ),
             }
         }
     }
     if f.rows.iter().any(|r| r.error.is_some()) {
-        return Err(format!("{} of {} ops failed", f.rows.iter().filter(|r| r.error.is_some()).count(), f.rows.len()));
+        return Err(format!(
+            "{} of {} ops failed",
+            f.rows.iter().filter(|r| r.error.is_some()).count(),
+            f.rows.len()
+        ));
     }
     Ok(())
 }
@@ -1087,13 +1568,32 @@ mod tests {
     #[test]
     fn the_qwen3_8b_preset_has_the_model_and_run_shapes() {
         let p = ops_preset("qwen3-8b").unwrap();
-        assert_eq!((p.hidden, p.q_heads, p.kv_heads, p.head_dim, p.intermediate, p.vocab), (4096, 32, 8, 128, 12288, 151_936));
+        assert_eq!(
+            (
+                p.hidden,
+                p.q_heads,
+                p.kv_heads,
+                p.head_dim,
+                p.intermediate,
+                p.vocab
+            ),
+            (4096, 32, 8, 128, 12288, 151_936)
+        );
         let cfg = TargetConfig::parse(&p.config_json(2, p.vocab)).unwrap();
-        assert_eq!((cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads), (4096, 8));
+        assert_eq!(
+            (
+                cfg.num_attention_heads * cfg.head_dim,
+                cfg.num_key_value_heads
+            ),
+            (4096, 8)
+        );
         for &t in &p.seq {
             let a = p.anchors_for(t);
             assert_eq!(a.len(), 512, "{t} tokens");
-            assert!(a.windows(2).all(|w| w[0] < w[1]) && a.last().unwrap() + p.block_size <= t, "{t}: {a:?}");
+            assert!(
+                a.windows(2).all(|w| w[0] < w[1]) && a.last().unwrap() + p.block_size <= t,
+                "{t}: {a:?}"
+            );
         }
         assert!(ops_preset("tiny").is_some() && ops_preset("gpt2").is_none());
     }
@@ -1105,7 +1605,10 @@ mod tests {
         // Blocks of 2 at anchors 3 and 5 over 8 context tokens: each row sees its anchor's
         // context and its own block; the block's keys come after the context's.
         let s = block_spans(8, &[3, 5], 2);
-        assert_eq!(s, vec![0, 3, 8, 10, 0, 3, 8, 10, 0, 5, 10, 12, 0, 5, 10, 12]);
+        assert_eq!(
+            s,
+            vec![0, 3, 8, 10, 0, 3, 8, 10, 0, 5, 10, 12, 0, 5, 10, 12]
+        );
         assert_eq!(span_keys(&s), 2.0 * (3.0 + 2.0) + 2.0 * (5.0 + 2.0));
     }
 }

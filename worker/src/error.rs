@@ -63,19 +63,28 @@ pub type Result<T> = std::result::Result<T, WorkerError>;
 // [`While::during`].
 impl From<std::io::Error> for WorkerError {
     fn from(source: std::io::Error) -> Self {
-        WorkerError::Io { what: "file I/O".into(), source }
+        WorkerError::Io {
+            what: "file I/O".into(),
+            source,
+        }
     }
 }
 
 impl From<safetensors::SafeTensorError> for WorkerError {
     fn from(source: safetensors::SafeTensorError) -> Self {
-        WorkerError::Format { what: "safetensors".into(), source: Box::new(source) }
+        WorkerError::Format {
+            what: "safetensors".into(),
+            source: Box::new(source),
+        }
     }
 }
 
 impl From<serde_json::Error> for WorkerError {
     fn from(source: serde_json::Error) -> Self {
-        WorkerError::Format { what: "JSON".into(), source: Box::new(source) }
+        WorkerError::Format {
+            what: "JSON".into(),
+            source: Box::new(source),
+        }
     }
 }
 
@@ -90,7 +99,9 @@ impl WorkerError {
 
     pub fn exit_code(&self) -> i32 {
         match self.root() {
-            WorkerError::Permanent(_) | WorkerError::BadModel(_) | WorkerError::Model(_) => exit_codes::WORKER_PERMANENT,
+            WorkerError::Permanent(_) | WorkerError::BadModel(_) | WorkerError::Model(_) => {
+                exit_codes::WORKER_PERMANENT
+            }
             _ => 1,
         }
     }
@@ -116,9 +127,14 @@ impl WorkerError {
         move |source| WorkerError::Device { what, source }
     }
 
-    pub fn format<E: std::error::Error + Send + Sync + 'static>(what: impl Into<String>) -> impl FnOnce(E) -> WorkerError {
+    pub fn format<E: std::error::Error + Send + Sync + 'static>(
+        what: impl Into<String>,
+    ) -> impl FnOnce(E) -> WorkerError {
         let what = what.into();
-        move |source| WorkerError::Format { what, source: Box::new(source) }
+        move |source| WorkerError::Format {
+            what,
+            source: Box::new(source),
+        }
     }
 }
 
@@ -129,7 +145,10 @@ pub trait While<T> {
 
 impl<T, E: Into<WorkerError>> While<T> for std::result::Result<T, E> {
     fn during(self, what: impl FnOnce() -> String) -> Result<T> {
-        self.map_err(|e| WorkerError::While { what: what(), source: Box::new(e.into()) })
+        self.map_err(|e| WorkerError::While {
+            what: what(),
+            source: Box::new(e.into()),
+        })
     }
 }
 
@@ -142,16 +161,24 @@ mod tests {
         let e: Result<()> = Err(WorkerError::Permanent("libcuda.so.1 not found".into()));
         let e = e.during(|| "setting up training".into()).unwrap_err();
         assert_eq!(e.exit_code(), exit_codes::WORKER_PERMANENT);
-        assert!(e.line("drafter-0", "1").contains("(permanent, do not restart): libcuda.so.1 not found"));
+        assert!(e
+            .line("drafter-0", "1")
+            .contains("(permanent, do not restart): libcuda.so.1 not found"));
         let io = std::io::Error::new(std::io::ErrorKind::NotFound, "gone");
         let e = WorkerError::io("reading meta.json")(io);
         assert_eq!(e.exit_code(), 1);
         assert_eq!(e.to_string(), "reading meta.json: gone");
         // The source stays reachable.
         let src = std::error::Error::source(&e).unwrap();
-        assert_eq!(src.downcast_ref::<std::io::Error>().unwrap().kind(), std::io::ErrorKind::NotFound);
+        assert_eq!(
+            src.downcast_ref::<std::io::Error>().unwrap().kind(),
+            std::io::ErrorKind::NotFound
+        );
         let e: Result<()> = Err(WorkerError::Protocol("step 3 before step 2".into()));
         let e = e.during(|| "applying".into()).unwrap_err();
-        assert_eq!((e.exit_code(), e.to_string()), (1, "applying: step 3 before step 2".to_string()));
+        assert_eq!(
+            (e.exit_code(), e.to_string()),
+            (1, "applying: step 3 before step 2".to_string())
+        );
     }
 }

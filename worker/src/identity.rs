@@ -18,24 +18,37 @@ pub enum IdentityError {
     #[error("environment variable {0} is not set (dflash-worker is started by dflash-supervise)")]
     Missing(&'static str),
     #[error("environment variable {var}={value:?}: expected {expected}")]
-    Invalid { var: &'static str, value: String, expected: &'static str },
+    Invalid {
+        var: &'static str,
+        value: String,
+        expected: &'static str,
+    },
 }
 
 fn var(name: &'static str) -> Result<String, IdentityError> {
     std::env::var(name).map_err(|_| IdentityError::Missing(name))
 }
 
-fn number<T: std::str::FromStr>(name: &'static str, expected: &'static str) -> Result<T, IdentityError> {
+fn number<T: std::str::FromStr>(
+    name: &'static str,
+    expected: &'static str,
+) -> Result<T, IdentityError> {
     let v = var(name)?;
-    v.trim().parse().map_err(|_| IdentityError::Invalid { var: name, value: v, expected })
+    v.trim().parse().map_err(|_| IdentityError::Invalid {
+        var: name,
+        value: v,
+        expected,
+    })
 }
 
 impl Identity {
     pub fn from_env() -> Result<Identity, IdentityError> {
         let role = var(env::ROLE)?;
-        let role = role
-            .parse()
-            .map_err(|_| IdentityError::Invalid { var: env::ROLE, value: role, expected: "target or drafter" })?;
+        let role = role.parse().map_err(|_| IdentityError::Invalid {
+            var: env::ROLE,
+            value: role,
+            expected: "target or drafter",
+        })?;
         let rank = number(env::RANK, "a rank (0, 1, ...)")?;
         let heartbeat_ms: u64 = number(env::HEARTBEAT_MS, "milliseconds")?;
         Ok(Identity {

@@ -34,7 +34,11 @@ pub use identity::Identity;
 /// A DFlash worker process. Started by dflash-supervise (with --control); the
 /// subcommands are tools for people.
 #[derive(Debug, Parser)]
-#[command(name = "dflash-worker", version, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "dflash-worker",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -103,20 +107,40 @@ pub fn main() -> i32 {
                 return exit_codes::SUCCESS;
             }
             let text = e.render().to_string();
-            let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid command line");
+            let first = text
+                .lines()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or("invalid command line");
             eprintln!("dflash-worker: {first} (see --help)");
             return exit_codes::USAGE;
         }
     };
     match cli.command {
-        Some(Command::Inspect { target, tokens, taps, out }) => tool(inspect(&target, &tokens, taps, &out)),
+        Some(Command::Inspect {
+            target,
+            tokens,
+            taps,
+            out,
+        }) => tool(inspect(&target, &tokens, taps, &out)),
         Some(Command::BenchCompute { spec }) => tool(bench::run(&spec)),
-        Some(Command::BenchOps { target, tokens, json }) => tool(bench_ops::run(&target, tokens, json)),
-        Some(Command::TinyTarget { out, config: None }) => tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display()))),
-        Some(Command::TinyTarget { out, config: Some(c) }) => tool(
+        Some(Command::BenchOps {
+            target,
+            tokens,
+            json,
+        }) => tool(bench_ops::run(&target, tokens, json)),
+        Some(Command::TinyTarget { out, config: None }) => {
+            tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display())))
+        }
+        Some(Command::TinyTarget {
+            out,
+            config: Some(c),
+        }) => tool(
             std::fs::read_to_string(&c)
                 .map_err(|e| format!("--config {}: {e}", c.display()))
-                .and_then(|text| model::tiny::write_random(&out, &text, 1).map_err(|e| format!("--out {}: {e}", out.display()))),
+                .and_then(|text| {
+                    model::tiny::write_random(&out, &text, 1)
+                        .map_err(|e| format!("--out {}: {e}", out.display()))
+                }),
         ),
         None => serve(cli.control),
     }
@@ -166,17 +190,29 @@ fn missing_symbol_is_permanent(name: &str, gpu: &str) {
     let default = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         let p = info.payload();
-        let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("");
+        let msg = p
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| p.downcast_ref::<&str>().copied())
+            .unwrap_or("");
         if let Some(what) = msg.strip_prefix("Missing symbol ") {
             let why = format!("the installed CUDA library lacks a function this build calls ({what}); it needs an NVIDIA driver and CUDA libraries for CUDA 13.0 or newer");
-            let _ = std::io::Write::write_fmt(&mut std::io::stderr().lock(), format_args!("{}\n", error::WorkerError::Permanent(why).line(&name, &gpu)));
+            let _ = std::io::Write::write_fmt(
+                &mut std::io::stderr().lock(),
+                format_args!("{}\n", error::WorkerError::Permanent(why).line(&name, &gpu)),
+            );
             std::process::exit(exit_codes::WORKER_PERMANENT);
         }
         default(info);
     }));
 }
 
-fn inspect(target: &str, tokens: &[u32], taps: Option<Vec<usize>>, out: &std::path::Path) -> Result<(), String> {
+fn inspect(
+    target: &str,
+    tokens: &[u32],
+    taps: Option<Vec<usize>>,
+    out: &std::path::Path,
+) -> Result<(), String> {
     use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
     let tmp;
     let dir = if target == "tiny" {
@@ -188,21 +224,38 @@ fn inspect(target: &str, tokens: &[u32], taps: Option<Vec<usize>>, out: &std::pa
     };
     let cfg = TargetConfig::load(dir).map_err(|e| e.to_string())?;
     let taps = taps.unwrap_or_else(|| {
-        target_layer_ids(cfg.num_hidden_layers, default_draft_layers(cfg.num_hidden_layers)).into_iter().map(|t| t as usize).collect()
+        target_layer_ids(
+            cfg.num_hidden_layers,
+            default_draft_layers(cfg.num_hidden_layers),
+        )
+        .into_iter()
+        .map(|t| t as usize)
+        .collect()
     });
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        return Err(format!("--tokens: id {bad} is not below the vocab size {}", cfg.vocab_size));
+        return Err(format!(
+            "--tokens: id {bad} is not below the vocab size {}",
+            cfg.vocab_size
+        ));
     }
     let t = model::target::Target::load(dir, &taps).map_err(|e| e.to_string())?;
     let hidden = t.forward_taps(tokens);
     let bytes: Vec<u8> = hidden.iter().flat_map(|v| v.to_le_bytes()).collect();
     let shape = vec![tokens.len(), taps.len() * cfg.hidden_size];
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &bytes).map_err(|e| e.to_string())?;
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &bytes)
+        .map_err(|e| e.to_string())?;
     let meta = std::collections::HashMap::from([("taps".to_string(), format!("{taps:?}"))]);
-    safetensors::serialize_to_file([("hidden", view)], Some(meta), out).map_err(|e| format!("--out {}: {e}", out.display()))?;
+    safetensors::serialize_to_file([("hidden", view)], Some(meta), out)
+        .map_err(|e| format!("--out {}: {e}", out.display()))?;
     if target == "tiny" {
         let _ = std::fs::remove_dir_all(dir);
     }
-    println!("wrote {} ({} tokens × {} taps × {} hidden) taps {taps:?}", out.display(), tokens.len(), taps.len(), cfg.hidden_size);
+    println!(
+        "wrote {} ({} tokens × {} taps × {} hidden) taps {taps:?}",
+        out.display(),
+        tokens.len(),
+        taps.len(),
+        cfg.hidden_size
+    );
     Ok(())
 }

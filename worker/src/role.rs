@@ -32,8 +32,16 @@ fn install_signal_flags() -> Result<Flags> {
     // Caught, never acted on by themselves (see `run`): a SIGTERM sent to the whole process
     // group or cgroup (Slurm, systemd) also reaches the supervisor, which stops the run
     // with its final checkpoint and then orders every worker to stop.
-    for (sig, flag) in [(SIGTERM, &f.stop), (SIGINT, &f.stop), (SIGHUP, &f.stop), (SIGUSR1, &f.usr1), (SIGUSR2, &f.usr2)] {
-        signal_hook::flag::register(sig, flag.clone()).map_err(WorkerError::io(format!("installing the handler of signal {sig}")))?;
+    for (sig, flag) in [
+        (SIGTERM, &f.stop),
+        (SIGINT, &f.stop),
+        (SIGHUP, &f.stop),
+        (SIGUSR1, &f.usr1),
+        (SIGUSR2, &f.usr2),
+    ] {
+        signal_hook::flag::register(sig, flag.clone()).map_err(WorkerError::io(format!(
+            "installing the handler of signal {sig}"
+        )))?;
     }
     Ok(f)
 }
@@ -44,7 +52,8 @@ const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 pub fn run(control: &str, id: &Identity) -> Result<i32> {
     let flags = install_signal_flags()?;
     let name = id.name.to_string();
-    let (up, down) = connect(control, &name, id.restart_count).map_err(WorkerError::format("connecting to the supervisor"))?;
+    let (up, down) = connect(control, &name, id.restart_count)
+        .map_err(WorkerError::format("connecting to the supervisor"))?;
     println!(
         "dflash-worker {name} (pid {}) on device {}, restart {}: connected",
         std::process::id(),
@@ -57,7 +66,11 @@ pub fn run(control: &str, id: &Identity) -> Result<i32> {
         println!("stop signal received while connecting: waiting for the supervisor's stop order");
     }
     let mut plane = Plane::new(id.name.role, id.gpu.parse().ok());
-    let mut clock = Beats { seq: 0, last_beat: Instant::now(), last_progress: Instant::now() };
+    let mut clock = Beats {
+        seq: 0,
+        last_beat: Instant::now(),
+        last_progress: Instant::now(),
+    };
     loop {
         // While the model loads, look for it often, and for the others' gradients while an
         // all-reduce is in flight; otherwise wait for work up to a beat.
@@ -68,12 +81,20 @@ pub fn run(control: &str, id: &Identity) -> Result<i32> {
         } else {
             id.heartbeat
         };
-        let msg = if plane.ready() { down.try_recv() } else { down.try_recv_timeout(wait) };
+        let msg = if plane.ready() {
+            down.try_recv()
+        } else {
+            down.try_recv_timeout(wait)
+        };
         let flow = match msg {
             Ok(order) => obey(order, &mut plane, &up, id)?,
             Err(TryRecvError::Empty) => Flow::Go,
             // A signal (SIGUSR1, SIGTERM) interrupted the wait: handled just below.
-            Err(TryRecvError::IpcError(IpcError::Io(e))) if e.kind() == std::io::ErrorKind::Interrupted => Flow::Go,
+            Err(TryRecvError::IpcError(IpcError::Io(e)))
+                if e.kind() == std::io::ErrorKind::Interrupted =>
+            {
+                Flow::Go
+            }
             Err(TryRecvError::IpcError(IpcError::Disconnected)) => Flow::Orphaned,
             Err(e) => {
                 eprintln!("control channel failed ({e}); exiting");
@@ -114,19 +135,41 @@ struct Beats {
 }
 
 /// Carry out one order of the supervisor.
-fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Identity) -> Result<Flow> {
-    let tell = |m: FromWorker| if up.send(m).is_err() { Flow::Orphaned } else { Flow::Go };
+fn obey(
+    order: ToWorker,
+    plane: &mut Plane,
+    up: &IpcSender<FromWorker>,
+    id: &Identity,
+) -> Result<Flow> {
+    let tell = |m: FromWorker| {
+        if up.send(m).is_err() {
+            Flow::Orphaned
+        } else {
+            Flow::Go
+        }
+    };
     Ok(match order {
         ToWorker::Shutdown { reason } => {
-            println!("shutdown requested ({reason}): exiting after {} batches", plane.stats.batches);
+            println!(
+                "shutdown requested ({reason}): exiting after {} batches",
+                plane.stats.batches
+            );
             Flow::Exit(exit_codes::SUCCESS)
         }
         ToWorker::Pools { pools, capture } => {
             plane.set_pools(Pools::open(&pools, capture)?)?;
             Flow::Go
         }
-        ToWorker::Deliver { slot, len, batch_id } => {
-            plane.deliver(Delivery { slot, len, batch_id });
+        ToWorker::Deliver {
+            slot,
+            len,
+            batch_id,
+        } => {
+            plane.deliver(Delivery {
+                slot,
+                len,
+                batch_id,
+            });
             Flow::Go
         }
         ToWorker::Lease { slot } => {
@@ -138,66 +181,118 @@ fn obey(order: ToWorker, plane: &mut Plane, up: &IpcSender<FromWorker>, id: &Ide
             Flow::Go
         }
         ToWorker::Group { epoch, ranks, id } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a group epoch before the training setup".into()))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| {
+                WorkerError::Protocol("a group epoch before the training setup".into())
+            })?;
             match rank.group(epoch, &ranks, id.as_deref())? {
                 crate::collective::Formed::Created(id) => tell(FromWorker::GroupId { epoch, id }),
                 _ => Flow::Go,
             }
         }
         ToWorker::Abstain { step } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("an abstention before the training setup".into()))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| {
+                WorkerError::Protocol("an abstention before the training setup".into())
+            })?;
             if rank.abstain(step)? {
                 println!("step {step}: no batch left for this rank: contributing nothing");
             }
             Flow::Go
         }
         ToWorker::Withdraw { step } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a withdrawal before the training setup".into()))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| {
+                WorkerError::Protocol("a withdrawal before the training setup".into())
+            })?;
             if rank.withdraw(step) {
                 println!("step {step}: abstention withdrawn: taking batches again");
             }
             Flow::Go
         }
-        ToWorker::Apply { step, epoch, lr, weight_sum } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a step to apply before the training setup".into()))?;
+        ToWorker::Apply {
+            step,
+            epoch,
+            lr,
+            weight_sum,
+        } => {
+            let rank = plane.rank.as_mut().ok_or_else(|| {
+                WorkerError::Protocol("a step to apply before the training setup".into())
+            })?;
             let applied = rank.reduce(step, epoch, lr, weight_sum)?;
             if let Some(skipped) = applied.skipped {
-                println!("step {skipped}: non-finite gradient, step skipped ({} so far)", rank.skipped_steps);
+                println!(
+                    "step {skipped}: non-finite gradient, step skipped ({} so far)",
+                    rank.skipped_steps
+                );
             }
             Flow::Go
         }
         ToWorker::Snapshot { slot, .. } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a snapshot request before the training setup".into()))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| {
+                WorkerError::Protocol("a snapshot request before the training setup".into())
+            })?;
             let t = std::time::Instant::now();
             rank.snapshot(slot)?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
-            tell(FromWorker::SnapshotDone { step: rank.step, slot, ms })
+            tell(FromWorker::SnapshotDone {
+                step: rank.step,
+                slot,
+                ms,
+            })
         }
         ToWorker::Checkpoint { dir, step, meta } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("a checkpoint request before the training setup".into()))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| {
+                WorkerError::Protocol("a checkpoint request before the training setup".into())
+            })?;
             if rank.step != step {
-                return Err(WorkerError::Protocol(format!("asked to checkpoint step {step}, but this rank is at step {}", rank.step)));
+                return Err(WorkerError::Protocol(format!(
+                    "asked to checkpoint step {step}, but this rank is at step {}",
+                    rank.step
+                )));
             }
-            rank.checkpoint(std::path::Path::new(&dir), &meta).during(|| format!("writing checkpoint {dir}"))?;
+            rank.checkpoint(std::path::Path::new(&dir), &meta)
+                .during(|| format!("writing checkpoint {dir}"))?;
             tell(FromWorker::Checkpointed { dir, step })
         }
         ToWorker::Export { dir } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| WorkerError::Protocol("an export request before the training setup".into()))?;
-            rank.export(std::path::Path::new(&dir)).during(|| format!("exporting the drafter to {dir}"))?;
+            let rank = plane.rank.as_mut().ok_or_else(|| {
+                WorkerError::Protocol("an export request before the training setup".into())
+            })?;
+            rank.export(std::path::Path::new(&dir))
+                .during(|| format!("exporting the drafter to {dir}"))?;
             println!("drafter exported to {dir} at step {}", rank.step);
-            tell(FromWorker::Exported { dir, step: rank.step })
+            tell(FromWorker::Exported {
+                dir,
+                step: rank.step,
+            })
         }
     })
 }
 
 /// Become a rank of the drafter group with `setup`.
-fn join_training(setup: dflash_shared::drafter::TrainSetup, plane: &mut Plane, id: &Identity) -> Result<()> {
+fn join_training(
+    setup: dflash_shared::drafter::TrainSetup,
+    plane: &mut Plane,
+    id: &Identity,
+) -> Result<()> {
     let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
         .map(std::path::PathBuf::from)
-        .ok_or_else(|| WorkerError::Protocol(format!("{} is not set: where are the frozen embeddings?", dflash_shared::env::TARGET_DIR)))?;
+        .ok_or_else(|| {
+            WorkerError::Protocol(format!(
+                "{} is not set: where are the frozen embeddings?",
+                dflash_shared::env::TARGET_DIR
+            ))
+        })?;
     // SAFETY: the hidden pool stays mapped as long as `plane.pools`, which is dropped after
     // the rank (field order in Plane).
-    let rank = unsafe { Rank::new(setup, &dir, id.gpu.parse().ok(), plane.max_row_tokens()?, plane.hidden_rows()?) }.during(|| "setting up training".into())?;
+    let rank = unsafe {
+        Rank::new(
+            setup,
+            &dir,
+            id.gpu.parse().ok(),
+            plane.max_row_tokens()?,
+            plane.hidden_rows()?,
+        )
+    }
+    .during(|| "setting up training".into())?;
     println!(
         "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}, gradients exchanged through {}",
         rank.setup.rank,
@@ -229,7 +324,12 @@ fn report_signals(flags: &Flags, plane: &Plane) {
 
 /// Load the model, do a batch's work when there is one, and keep the supervisor told
 /// (heartbeat, device memory, a progress line).
-fn work(plane: &mut Plane, up: &IpcSender<FromWorker>, clock: &mut Beats, id: &Identity) -> Result<Flow> {
+fn work(
+    plane: &mut Plane,
+    up: &IpcSender<FromWorker>,
+    clock: &mut Beats,
+    id: &Identity,
+) -> Result<Flow> {
     if let Some(msg) = plane.poll_model()? {
         println!("{msg}");
     }
@@ -241,7 +341,15 @@ fn work(plane: &mut Plane, up: &IpcSender<FromWorker>, clock: &mut Beats, id: &I
     }
     if let Some(rank) = plane.rank.as_mut() {
         if let Some(d) = rank.poll_reduce()? {
-            if up.send(FromWorker::Reduced { step: d.step, epoch: d.epoch, weight_sum: d.weight_sum, ms: d.ms }).is_err() {
+            if up
+                .send(FromWorker::Reduced {
+                    step: d.step,
+                    epoch: d.epoch,
+                    weight_sum: d.weight_sum,
+                    ms: d.ms,
+                })
+                .is_err()
+            {
                 return Ok(Flow::Orphaned);
             }
         }

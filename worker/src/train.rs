@@ -7,14 +7,18 @@
 use std::io::Write;
 use std::path::Path;
 
-use crate::collective::{local::LocalCollective, nccl::NcclCollective, shm::ShmCollective, Collective, Formed, Reduced};
+use crate::collective::{
+    local::LocalCollective, nccl::NcclCollective, shm::ShmCollective, Collective, Formed, Reduced,
+};
 use crate::error::{Result, WorkerError};
-use dflash_shared::drafter::CollectiveKind;
 use dflash_shared::batch::HiddenView;
+use dflash_shared::drafter::CollectiveKind;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
 
-use crate::export::{export_config, probe_batch, write_safetensors, DRAFTER_MODULE, MODULE_FILE, PROBE_FILE};
+use crate::export::{
+    export_config, probe_batch, write_safetensors, DRAFTER_MODULE, MODULE_FILE, PROBE_FILE,
+};
 use crate::gpu::drafter::GpuDrafter;
 use crate::gpu::GpuError;
 use crate::model::drafter::{batch_samples, AdamW, Drafter, Frozen};
@@ -62,7 +66,9 @@ pub struct Applied {
 }
 
 fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
-    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
 }
 
 impl Rank {
@@ -72,13 +78,24 @@ impl Rank {
     ///
     /// # Safety
     /// `rows` must stay mapped while the rank lives.
-    pub unsafe fn new(setup: TrainSetup, target_dir: &Path, gpu: Option<u32>, max_tokens: usize, rows: (*mut u8, usize)) -> Result<Rank> {
+    pub unsafe fn new(
+        setup: TrainSetup,
+        target_dir: &Path,
+        gpu: Option<u32>,
+        max_tokens: usize,
+        rows: (*mut u8, usize),
+    ) -> Result<Rank> {
         let drafter = Drafter::new(setup.drafter.clone());
         let c = &setup.drafter;
         let w = Weights::open(target_dir)?;
         let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
-        let lm_head = if w.contains("lm_head.weight") { w.get("lm_head.weight", &[c.vocab, c.hidden])? } else { embed.clone() };
-        let state = PoolMap::open(setup.state.fd, setup.state.geometry.clone()).map_err(WorkerError::io("mapping the state slot"))?;
+        let lm_head = if w.contains("lm_head.weight") {
+            w.get("lm_head.weight", &[c.vocab, c.hidden])?
+        } else {
+            embed.clone()
+        };
+        let state = PoolMap::open(setup.state.fd, setup.state.geometry.clone())
+            .map_err(WorkerError::io("mapping the state slot"))?;
         let n = drafter.layout.total;
         let frozen = Frozen { embed, lm_head };
         let dev = match crate::gpu::open_device(gpu) {
@@ -90,13 +107,24 @@ impl Rank {
         let mut model = match GpuDrafter::new(dev, &drafter, &frozen, max_tokens) {
             Ok(g) => Box::new(g),
             Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
-            Err(e) => return Err(WorkerError::device(format!("putting the drafter on {}", if gpu.is_some() { "the device" } else { "the CPU" }))(e)),
+            Err(e) => {
+                return Err(WorkerError::device(format!(
+                    "putting the drafter on {}",
+                    if gpu.is_some() {
+                        "the device"
+                    } else {
+                        "the CPU"
+                    }
+                ))(e))
+            }
         };
         // SAFETY: the caller keeps the mapping for the rank's life.
-        unsafe { model.register_host(rows.0, rows.1) }.map_err(WorkerError::device("pinning the hidden-state pool"))?;
+        unsafe { model.register_host(rows.0, rows.1) }
+            .map_err(WorkerError::device("pinning the hidden-state pool"))?;
         let coll: Box<dyn Collective> = match setup.collective {
             CollectiveKind::Shm => {
-                let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone()).map_err(WorkerError::io("mapping the gradient pool"))?;
+                let grads = PoolMap::open(setup.grads.fd, setup.grads.geometry.clone())
+                    .map_err(WorkerError::io("mapping the gradient pool"))?;
                 Box::new(ShmCollective::new(grads, setup.rank, n)?)
             }
             CollectiveKind::Nccl => Box::new(NcclCollective::new(setup.rank, &mut model)?),
@@ -129,11 +157,17 @@ impl Rank {
             Init::Fresh => {}
             Init::FromState { step, slot } => r.load_state(step, slot)?,
             Init::FromCheckpoint { step } => {
-                let dir = r.setup.checkpoint.clone().ok_or_else(|| WorkerError::Protocol("resume without a checkpoint directory".into()))?;
+                let dir = r.setup.checkpoint.clone().ok_or_else(|| {
+                    WorkerError::Protocol("resume without a checkpoint directory".into())
+                })?;
                 r.load_checkpoint(Path::new(&dir), step)?;
             }
         }
-        r.model.load(&r.params, &r.opt.m, &r.opt.v, r.opt.step).map_err(WorkerError::device("putting the training state on the device"))?;
+        r.model
+            .load(&r.params, &r.opt.m, &r.opt.v, r.opt.step)
+            .map_err(WorkerError::device(
+                "putting the training state on the device",
+            ))?;
         Ok(r)
     }
 
@@ -149,16 +183,29 @@ impl Rank {
     /// Checksum of the current weights (ranks compare it at every step), computed where
     /// the weights are.
     pub fn params_checksum(&mut self) -> Result<u64> {
-        self.model.params_hash().map_err(WorkerError::device("the weights' checksum on the device"))
+        self.model
+            .params_hash()
+            .map_err(WorkerError::device("the weights' checksum on the device"))
     }
 
     /// Bring the host copy of the training state up to date with the device's.
     fn sync_host(&mut self) -> Result<()> {
-        let last = self.model.drain().map_err(WorkerError::device("reading the last step's outcome"))?;
+        let last = self
+            .model
+            .drain()
+            .map_err(WorkerError::device("reading the last step's outcome"))?;
         if let Some(skipped) = last.and_then(|o| self.note_outcome(o)) {
-            println!("step {skipped}: non-finite gradient, step skipped ({} so far)", self.skipped_steps);
+            println!(
+                "step {skipped}: non-finite gradient, step skipped ({} so far)",
+                self.skipped_steps
+            );
         }
-        self.opt.step = self.model.fetch(&mut self.params, &mut self.opt.m, &mut self.opt.v).map_err(WorkerError::device("copying the training state from the device"))?;
+        self.opt.step = self
+            .model
+            .fetch(&mut self.params, &mut self.opt.m, &mut self.opt.v)
+            .map_err(WorkerError::device(
+                "copying the training state from the device",
+            ))?;
         Ok(())
     }
 
@@ -179,19 +226,40 @@ impl Rank {
         let c = &self.drafter.cfg;
         let width = view.spec.tap_ids.len() * view.spec.hidden as usize;
         if view.spec.tap_ids.len() != c.n_taps || view.spec.hidden as usize != c.hidden {
-            return Err(WorkerError::Invalid(format!("batch has {} taps × {}, the drafter expects {} × {}", view.spec.tap_ids.len(), view.spec.hidden, c.n_taps, c.hidden)));
+            return Err(WorkerError::Invalid(format!(
+                "batch has {} taps × {}, the drafter expects {} × {}",
+                view.spec.tap_ids.len(),
+                view.spec.hidden,
+                c.n_taps,
+                c.hidden
+            )));
         }
         let tb = &view.tokens;
         let seq = tb.seq_len as usize;
         // Each row's taps, as the slot holds them (bf16).
-        let raw: Vec<&[u8]> = tb.lengths.iter().enumerate().map(|(r, &len)| &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2]).collect();
+        let raw: Vec<&[u8]> = tb
+            .lengths
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| {
+                &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2]
+            })
+            .collect();
         // Unnormalised gradients (denominator 1): the step divides by every rank's weight sum.
         // The device widens the bf16 taps itself, and keeps the gradient for the collective.
         let none = vec![Vec::new(); raw.len()];
         let (samples, anchors) = batch_samples(&self.drafter, tb, &none, self.setup.seed);
-        let mut stats = self.model.train_batch_bf16_on_device(&samples, &raw, &anchors, 1.0).map_err(WorkerError::device(format!("drafter step on {}", self.model.describe())))?;
+        let mut stats = self
+            .model
+            .train_batch_bf16_on_device(&samples, &raw, &anchors, 1.0)
+            .map_err(WorkerError::device(format!(
+                "drafter step on {}",
+                self.model.describe()
+            )))?;
         stats.wait_ms = wait_ms;
-        let finite = self.coll.contribute(self.step + 1, stats.weight_sum, &mut self.model)?;
+        let finite = self
+            .coll
+            .contribute(self.step + 1, stats.weight_sum, &mut self.model)?;
         // What every rank's update check will find in the sum (told to the supervisor,
         // which stops a run whose steps are all skipped). A device collective does not
         // look at the gradient on the host: the device's check counts it a step later.
@@ -209,7 +277,9 @@ impl Rank {
         if self.awaiting || step != self.step + 1 {
             return Ok(false);
         }
-        self.model.zero_grads().map_err(WorkerError::device("a zero gradient"))?;
+        self.model
+            .zero_grads()
+            .map_err(WorkerError::device("a zero gradient"))?;
         self.coll.contribute(step, 0.0, &mut self.model)?;
         self.awaiting = true;
         self.abstained = true;
@@ -232,7 +302,10 @@ impl Rank {
     /// the held gradient is reduced again in this one.
     pub fn group(&mut self, epoch: u64, ranks: &[u32], id: Option<&[u8]>) -> Result<Formed> {
         if self.epoch.is_some_and(|e| e > epoch) {
-            return Err(WorkerError::Protocol(format!("group epoch {epoch} after epoch {}", self.epoch.unwrap_or(0))));
+            return Err(WorkerError::Protocol(format!(
+                "group epoch {epoch} after epoch {}",
+                self.epoch.unwrap_or(0)
+            )));
         }
         self.epoch = Some(epoch);
         self.coll.form(epoch, ranks, id)
@@ -240,7 +313,11 @@ impl Rank {
 
     /// Is an all-reduce of this rank's gradient in flight (not yet reported)?
     pub fn reducing(&self) -> bool {
-        self.awaiting && self.epoch.is_some() && self.reported.is_none_or(|(s, e)| s != self.step + 1 || Some(e) != self.epoch)
+        self.awaiting
+            && self.epoch.is_some()
+            && self
+                .reported
+                .is_none_or(|(s, e)| s != self.step + 1 || Some(e) != self.epoch)
     }
 
     /// Drive the all-reduce; `Some` once, when it completes in the current epoch.
@@ -254,7 +331,10 @@ impl Rank {
             if !self.coll.peers_waiting() {
                 return Ok(None);
             }
-            println!("test fault: dying in the all-reduce of step {}", self.step + 1);
+            println!(
+                "test fault: dying in the all-reduce of step {}",
+                self.step + 1
+            );
             // SAFETY: signalling ourselves.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
@@ -272,21 +352,36 @@ impl Rank {
     /// divided by `weight_sum` (the loss weights of all its batches), clipped, AdamW.
     pub fn reduce(&mut self, step: u64, epoch: u64, lr: f64, weight_sum: f64) -> Result<Applied> {
         if step != self.step + 1 {
-            return Err(WorkerError::Protocol(format!("asked to apply step {step}, but this rank is at step {}", self.step)));
+            return Err(WorkerError::Protocol(format!(
+                "asked to apply step {step}, but this rank is at step {}",
+                self.step
+            )));
         }
         if self.reported != Some((step, epoch)) {
-            return Err(WorkerError::Protocol(format!("step {step} committed in epoch {epoch}, but this rank reported {:?}", self.reported)));
+            return Err(WorkerError::Protocol(format!(
+                "step {step} committed in epoch {epoch}, but this rank reported {:?}",
+                self.reported
+            )));
         }
         let started = std::time::Instant::now();
         // Norm, clip, skip of a non-finite gradient, and AdamW, on the device with no wait
         // for any of them.
-        let before = self.coll.apply(step, weight_sum, self.setup.clip as f32, lr as f32, &self.opt.hyper(), &mut self.model)?;
+        let before = self.coll.apply(
+            step,
+            weight_sum,
+            self.setup.clip as f32,
+            lr as f32,
+            &self.opt.hyper(),
+            &mut self.model,
+        )?;
         self.step = step;
         self.awaiting = false;
         self.abstained = false;
         self.last_optimizer_ms = started.elapsed().as_secs_f64() * 1e3;
         self.idle_since = std::time::Instant::now();
-        Ok(Applied { skipped: before.and_then(|o| self.note_outcome(o)) })
+        Ok(Applied {
+            skipped: before.and_then(|o| self.note_outcome(o)),
+        })
     }
 
     /// How this rank exchanges gradients.
@@ -297,7 +392,10 @@ impl Rank {
     /// Write parameters, Adam moments and step into state slot `slot`.
     pub fn snapshot(&mut self, slot: u32) -> Result<()> {
         if slot >= self.state.geometry().slots {
-            return Err(WorkerError::Protocol(format!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots)));
+            return Err(WorkerError::Protocol(format!(
+                "state slot {slot} does not exist ({} slots)",
+                self.state.geometry().slots
+            )));
         }
         self.sync_host()?;
         // SAFETY: the supervisor asks one rank at a time per slot, and nobody reads the slot
@@ -310,7 +408,13 @@ impl Rank {
         dst[..8].copy_from_slice(&self.step.to_le_bytes());
         dst[8..16].copy_from_slice(&self.opt.step.to_le_bytes());
         let body = &mut dst[64..];
-        for (i, v) in self.params.iter().chain(&self.opt.m).chain(&self.opt.v).enumerate() {
+        for (i, v) in self
+            .params
+            .iter()
+            .chain(&self.opt.m)
+            .chain(&self.opt.v)
+            .enumerate()
+        {
             body[i * 4..i * 4 + 4].copy_from_slice(&v.to_le_bytes());
         }
         Ok(())
@@ -318,13 +422,18 @@ impl Rank {
 
     fn load_state(&mut self, step: u64, slot: u32) -> Result<()> {
         if slot >= self.state.geometry().slots {
-            return Err(WorkerError::Protocol(format!("state slot {slot} does not exist ({} slots)", self.state.geometry().slots)));
+            return Err(WorkerError::Protocol(format!(
+                "state slot {slot} does not exist ({} slots)",
+                self.state.geometry().slots
+            )));
         }
         // SAFETY: written by the donor before the supervisor sent us Init::FromState.
         let src = unsafe { self.state.payload(slot) };
         let at = u64::from_le_bytes(src[..8].try_into().expect("8 bytes"));
         if at != step {
-            return Err(WorkerError::Protocol(format!("the state slot holds step {at}, expected {step}")));
+            return Err(WorkerError::Protocol(format!(
+                "the state slot holds step {at}, expected {step}"
+            )));
         }
         self.opt.step = u64::from_le_bytes(src[8..16].try_into().expect("8 bytes"));
         let n = self.params.len();
@@ -345,16 +454,33 @@ impl Rank {
     pub fn export(&mut self, dir: &Path) -> Result<()> {
         self.sync_host()?;
         if !self.params.iter().all(|x| x.is_finite()) {
-            return Err(WorkerError::Invalid(format!("the drafter's weights at step {} are not finite: not exported", self.step)));
+            return Err(WorkerError::Invalid(format!(
+                "the drafter's weights at step {} are not finite: not exported",
+                self.step
+            )));
         }
         let c = &self.drafter.cfg;
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
-        let config = export_config(c, self.step, self.setup.num_target_layers, &self.setup.target_layer_ids, self.max_position_embeddings);
+        std::fs::create_dir_all(&tmp)
+            .map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
+        let config = export_config(
+            c,
+            self.step,
+            self.setup.num_target_layers,
+            &self.setup.target_layer_ids,
+            self.max_position_embeddings,
+        );
         // The weights as exported (bf16), back in f32: the probe runs on exactly these.
-        let rounded: Vec<f32> = self.params.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect();
-        let probe = probe_batch(&self.drafter, &self.frozen, &rounded, self.setup.seed).map_err(|e| WorkerError::Invalid(format!("computing the export's parity probe: {e}")))?;
+        let rounded: Vec<f32> = self
+            .params
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .collect();
+        let probe =
+            probe_batch(&self.drafter, &self.frozen, &rounded, self.setup.seed).map_err(|e| {
+                WorkerError::Invalid(format!("computing the export's parity probe: {e}"))
+            })?;
         drop(rounded);
         write_safetensors(&probe, &tmp.join(PROBE_FILE))?;
         std::fs::write(tmp.join(MODULE_FILE), DRAFTER_MODULE)?;
@@ -365,13 +491,21 @@ impl Rank {
             .iter()
             .map(|(n, s, off)| {
                 let len: usize = s.iter().product();
-                let bytes = self.params[*off..off + len].iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+                let bytes = self.params[*off..off + len]
+                    .iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect();
                 (n.clone(), s.clone(), bytes)
             })
             .collect();
         let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
             .iter()
-            .map(|(n, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?)))
+            .map(|(n, s, b)| {
+                Ok((
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?,
+                ))
+            })
             .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
         let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
         safetensors::serialize_to_file(views, Some(meta), &tmp.join("model.safetensors"))?;
@@ -384,9 +518,16 @@ impl Rank {
         let old = dir.with_extension("old");
         let _ = std::fs::remove_dir_all(&old);
         if dir.exists() {
-            std::fs::rename(dir, &old).map_err(WorkerError::io(format!("moving the previous {} aside", dir.display())))?;
+            std::fs::rename(dir, &old).map_err(WorkerError::io(format!(
+                "moving the previous {} aside",
+                dir.display()
+            )))?;
         }
-        std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!("renaming {} to {}", tmp.display(), dir.display())))?;
+        std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!(
+            "renaming {} to {}",
+            tmp.display(),
+            dir.display()
+        )))?;
         let _ = std::fs::remove_dir_all(&old);
         Ok(())
     }
@@ -397,24 +538,47 @@ impl Rank {
     /// Write `dir` atomically (temporary directory, fsync, rename).
     pub fn checkpoint(&mut self, dir: &Path, meta: &str) -> Result<()> {
         self.sync_host()?;
-        if !self.params.iter().chain(&self.opt.m).chain(&self.opt.v).all(|x| x.is_finite()) {
+        if !self
+            .params
+            .iter()
+            .chain(&self.opt.m)
+            .chain(&self.opt.v)
+            .all(|x| x.is_finite())
+        {
             return Err(WorkerError::Invalid(format!("the training state at step {} is not finite: no checkpoint written (the newest finite one stays the newest)", self.step)));
         }
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp).map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
+        std::fs::create_dir_all(&tmp)
+            .map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
         let n = self.params.len();
-        let bufs: Vec<(&str, Vec<u8>)> = [("params", &self.params), ("adam_m", &self.opt.m), ("adam_v", &self.opt.v)]
-            .into_iter()
-            .map(|(k, v)| (k, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
-            .collect();
+        let bufs: Vec<(&str, Vec<u8>)> = [
+            ("params", &self.params),
+            ("adam_m", &self.opt.m),
+            ("adam_v", &self.opt.v),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
         let views: Vec<(&str, safetensors::tensor::TensorView)> = bufs
             .iter()
-            .map(|(k, b)| Ok((*k, safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], b)?)))
+            .map(|(k, b)| {
+                Ok((
+                    *k,
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], b)?,
+                ))
+            })
             .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
-        safetensors::serialize_to_file(views, None, &tmp.join(dflash_shared::checkpoint::STATE_FILE))?;
-        let state_sum = dflash_shared::checkpoint::checksum_hex(&std::fs::read(tmp.join(dflash_shared::checkpoint::STATE_FILE))?);
-        let supervisor: serde_json::Value = serde_json::from_str(meta).map_err(WorkerError::format("checkpoint metadata"))?;
+        safetensors::serialize_to_file(
+            views,
+            None,
+            &tmp.join(dflash_shared::checkpoint::STATE_FILE),
+        )?;
+        let state_sum = dflash_shared::checkpoint::checksum_hex(&std::fs::read(
+            tmp.join(dflash_shared::checkpoint::STATE_FILE),
+        )?);
+        let supervisor: serde_json::Value =
+            serde_json::from_str(meta).map_err(WorkerError::format("checkpoint metadata"))?;
         let meta = serde_json::json!({
             "step": self.step,
             "adam_step": self.opt.step,
@@ -431,9 +595,16 @@ impl Rank {
         // A checkpoint of the same step number from before a rollback: replaced.
         let old = dir.with_extension(format!("replaced-{}", std::process::id()));
         if dir.exists() {
-            std::fs::rename(dir, &old).map_err(WorkerError::io(format!("moving the previous {} aside", dir.display())))?;
+            std::fs::rename(dir, &old).map_err(WorkerError::io(format!(
+                "moving the previous {} aside",
+                dir.display()
+            )))?;
         }
-        std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!("renaming {} to {}", tmp.display(), dir.display())))?;
+        std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!(
+            "renaming {} to {}",
+            tmp.display(),
+            dir.display()
+        )))?;
         let _ = std::fs::remove_dir_all(&old);
         if let Some(parent) = dir.parent() {
             std::fs::File::open(parent)?.sync_all()?;
@@ -443,23 +614,49 @@ impl Rank {
 
     fn load_checkpoint(&mut self, dir: &Path, step: u64) -> Result<()> {
         // Checksums and finiteness first: a checkpoint that changed on disk is refused.
-        dflash_shared::checkpoint::verify(dir).map_err(|e| WorkerError::Invalid(format!("checkpoint refused: {e}")))?;
-        let text = std::fs::read_to_string(dir.join("meta.json")).map_err(WorkerError::io(format!("{}/meta.json", dir.display())))?;
-        let meta: serde_json::Value = serde_json::from_str(&text).map_err(WorkerError::format(format!("{}/meta.json", dir.display())))?;
+        dflash_shared::checkpoint::verify(dir)
+            .map_err(|e| WorkerError::Invalid(format!("checkpoint refused: {e}")))?;
+        let text = std::fs::read_to_string(dir.join("meta.json"))
+            .map_err(WorkerError::io(format!("{}/meta.json", dir.display())))?;
+        let meta: serde_json::Value = serde_json::from_str(&text)
+            .map_err(WorkerError::format(format!("{}/meta.json", dir.display())))?;
         if meta["step"].as_u64() != Some(step) {
-            return Err(WorkerError::Invalid(format!("{}: checkpoint of step {:?}, expected {step}", dir.display(), meta["step"])));
+            return Err(WorkerError::Invalid(format!(
+                "{}: checkpoint of step {:?}, expected {step}",
+                dir.display(),
+                meta["step"]
+            )));
         }
-        let saved: dflash_shared::drafter::DrafterConfig = serde_json::from_value(meta["drafter"].clone())?;
+        let saved: dflash_shared::drafter::DrafterConfig =
+            serde_json::from_value(meta["drafter"].clone())?;
         if saved != self.drafter.cfg {
-            return Err(WorkerError::Invalid(format!("{}: the checkpoint's drafter ({saved:?}) is not the one this run trains", dir.display())));
+            return Err(WorkerError::Invalid(format!(
+                "{}: the checkpoint's drafter ({saved:?}) is not the one this run trains",
+                dir.display()
+            )));
         }
-        let bytes = std::fs::read(dir.join("state.safetensors")).map_err(WorkerError::io(format!("{}/state.safetensors", dir.display())))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(WorkerError::format(format!("{}/state.safetensors", dir.display())))?;
+        let bytes = std::fs::read(dir.join("state.safetensors")).map_err(WorkerError::io(
+            format!("{}/state.safetensors", dir.display()),
+        ))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(WorkerError::format(
+            format!("{}/state.safetensors", dir.display()),
+        ))?;
         let n = self.params.len();
-        for (name, dst) in [("params", &mut self.params), ("adam_m", &mut self.opt.m), ("adam_v", &mut self.opt.v)] {
-            let t = st.tensor(name).map_err(WorkerError::format(format!("{}/state.safetensors: {name}", dir.display())))?;
+        for (name, dst) in [
+            ("params", &mut self.params),
+            ("adam_m", &mut self.opt.m),
+            ("adam_v", &mut self.opt.v),
+        ] {
+            let t = st.tensor(name).map_err(WorkerError::format(format!(
+                "{}/state.safetensors: {name}",
+                dir.display()
+            )))?;
             if t.shape() != [n] {
-                return Err(WorkerError::Invalid(format!("{}: {name} has shape {:?}, expected [{n}]", dir.display(), t.shape())));
+                return Err(WorkerError::Invalid(format!(
+                    "{}: {name} has shape {:?}, expected [{n}]",
+                    dir.display(),
+                    t.shape()
+                )));
             }
             for (d, v) in dst.iter_mut().zip(f32s(t.data())) {
                 *d = v;
@@ -474,7 +671,11 @@ impl Rank {
 /// Tests only: `DFLASH_TEST_DIE_IN_ALLREDUCE=RANK:STEP` kills rank RANK (in its first life)
 /// in the middle of step STEP's all-reduce. Not a user feature.
 fn test_death_due(rank: u32, step: u64) -> bool {
-    let Ok(v) = std::env::var("DFLASH_TEST_DIE_IN_ALLREDUCE") else { return false };
+    let Ok(v) = std::env::var("DFLASH_TEST_DIE_IN_ALLREDUCE") else {
+        return false;
+    };
     let first_life = std::env::var(dflash_shared::env::RESTART_COUNT).is_ok_and(|c| c == "0");
-    first_life && v.split_once(':').is_some_and(|(r, s)| r.parse() == Ok(rank) && s.parse() == Ok(step))
+    first_life
+        && v.split_once(':')
+            .is_some_and(|(r, s)| r.parse() == Ok(rank) && s.parse() == Ok(step))
 }

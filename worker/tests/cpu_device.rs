@@ -20,10 +20,18 @@ fn cpu_device_has_every_kernel() {
     assert!(names.len() >= 20, "{names:?}");
     for k in names {
         let err = d.launch(Stream::Compute, &k, 1, 32, &[]).unwrap_err();
-        assert!(matches!(&err, GpuError::Invalid(m) if m.contains(": argument ") && !m.contains("no kernel")), "{k}: {err}");
+        assert!(
+            matches!(&err, GpuError::Invalid(m) if m.contains(": argument ") && !m.contains("no kernel")),
+            "{k}: {err}"
+        );
     }
-    let err = d.launch(Stream::Compute, "no_such_kernel", 1, 32, &[]).unwrap_err();
-    assert!(matches!(&err, GpuError::Invalid(m) if m.contains("no kernel named")), "{err}");
+    let err = d
+        .launch(Stream::Compute, "no_such_kernel", 1, 32, &[])
+        .unwrap_err();
+    assert!(
+        matches!(&err, GpuError::Invalid(m) if m.contains("no kernel named")),
+        "{err}"
+    );
 }
 
 /// A kernel that writes a buffer overlapping another of its arguments is refused (the
@@ -33,9 +41,39 @@ fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
     use dflash_worker::gpu::{Arg, DSlice, Device, GpuError, Stream};
     let mut d = dflash_worker::gpu::cpu::CpuDevice::new();
     let p = d.alloc(64 * 4).unwrap();
-    let (x, y) = (DSlice { ptr: p, bytes: 32 * 4 }, DSlice { ptr: p + 16 * 4, bytes: 32 * 4 });
-    let err = d.launch(Stream::Compute, "add_inplace", 1, 32, &[Arg::RW(x), Arg::R(y), Arg::I64(32)]).unwrap_err();
-    assert!(matches!(&err, GpuError::Invalid(m) if m.contains("overlaps")), "{err}");
-    let y = DSlice { ptr: p + 32 * 4, bytes: 32 * 4 };
-    d.launch(Stream::Compute, "add_inplace", 1, 32, &[Arg::RW(x), Arg::R(y), Arg::I64(32)]).unwrap();
+    let (x, y) = (
+        DSlice {
+            ptr: p,
+            bytes: 32 * 4,
+        },
+        DSlice {
+            ptr: p + 16 * 4,
+            bytes: 32 * 4,
+        },
+    );
+    let err = d
+        .launch(
+            Stream::Compute,
+            "add_inplace",
+            1,
+            32,
+            &[Arg::RW(x), Arg::R(y), Arg::I64(32)],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, GpuError::Invalid(m) if m.contains("overlaps")),
+        "{err}"
+    );
+    let y = DSlice {
+        ptr: p + 32 * 4,
+        bytes: 32 * 4,
+    };
+    d.launch(
+        Stream::Compute,
+        "add_inplace",
+        1,
+        32,
+        &[Arg::RW(x), Arg::R(y), Arg::I64(32)],
+    )
+    .unwrap();
 }

@@ -11,7 +11,9 @@ use dflash_worker::gpu::host::HostDevice;
 /// (scripts/gpu_check.sh runs this same binary that way on a GPU machine).
 fn device() -> Box<dyn dflash_worker::gpu::Device> {
     match std::env::var("DFLASH_TEST_DEVICE").as_deref() {
-        Ok("cuda") => Box::new(dflash_worker::gpu::cuda::CudaDevice::open().expect("opening the GPU")),
+        Ok("cuda") => {
+            Box::new(dflash_worker::gpu::cuda::CudaDevice::open().expect("opening the GPU"))
+        }
         _ => Box::new(HostDevice::new()),
     }
 }
@@ -31,7 +33,10 @@ fn host_device_race_detector_catches_copies_not_ordered_after_compute() {
     // The copy stream reads b, written by the compute stream, without waiting for it.
     let mut host = vec![0u8; 256];
     let err = o.dev.download(Stream::Copy, b, &mut host).unwrap_err();
-    assert!(matches!(&err, GpuError::Race(m) if m.contains("copy stream") && m.contains("add_inplace")), "{err}");
+    assert!(
+        matches!(&err, GpuError::Race(m) if m.contains("copy stream") && m.contains("add_inplace")),
+        "{err}"
+    );
     // Ordered by an event, the same copy is fine and sees the sum.
     let e = o.dev.record(Stream::Compute).unwrap();
     o.dev.wait(Stream::Copy, e).unwrap();
@@ -47,9 +52,16 @@ fn host_device_race_detector_catches_copies_not_ordered_after_compute() {
     unsafe { o.dev.register_host(pinned.as_mut_ptr(), 256).unwrap() };
     let e = o.dev.record(Stream::Compute).unwrap();
     o.dev.wait(Stream::Copy, e).unwrap();
-    unsafe { o.dev.download_async(Stream::Copy, b, pinned.as_mut_ptr()).unwrap() };
+    unsafe {
+        o.dev
+            .download_async(Stream::Copy, b, pinned.as_mut_ptr())
+            .unwrap()
+    };
     let err = o.dev.memset_zero(Stream::Compute, b).unwrap_err();
-    assert!(matches!(&err, GpuError::Race(m) if m.contains("read")), "{err}");
+    assert!(
+        matches!(&err, GpuError::Race(m) if m.contains("read")),
+        "{err}"
+    );
     let done = o.dev.record(Stream::Copy).unwrap();
     o.dev.sync_event(done).unwrap();
     o.dev.memset_zero(Stream::Compute, b).unwrap();
@@ -63,9 +75,16 @@ fn host_device_race_detector_catches_copies_not_ordered_after_compute() {
     o.add(b, a).unwrap();
     let e = o.dev.record(Stream::Compute).unwrap();
     o.dev.wait(Stream::Copy, e).unwrap();
-    unsafe { o.dev.download_async(Stream::Copy, b, pinned.as_mut_ptr()).unwrap() };
+    unsafe {
+        o.dev
+            .download_async(Stream::Copy, b, pinned.as_mut_ptr())
+            .unwrap()
+    };
     let err = o.dev.host_access(pinned.as_ptr(), 256, false).unwrap_err();
-    assert!(matches!(&err, GpuError::Race(m) if m.contains("the host")), "{err}");
+    assert!(
+        matches!(&err, GpuError::Race(m) if m.contains("the host")),
+        "{err}"
+    );
     let done = o.dev.record(Stream::Copy).unwrap();
     o.dev.sync_event(done).unwrap();
     o.dev.host_access(pinned.as_ptr(), 256, false).unwrap();
@@ -79,16 +98,42 @@ fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
     }
     let mut o = ops();
     let a = put(&mut o, &[0.0; 8]);
-    let err = o.dev.launch(Stream::Compute, "no_such_kernel", 1, 32, &[]).unwrap_err();
+    let err = o
+        .dev
+        .launch(Stream::Compute, "no_such_kernel", 1, 32, &[])
+        .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("no_such_kernel")));
-    let err = o.dev.launch(Stream::Compute, "add_inplace", 1, 32, &[dflash_worker::gpu::Arg::RW(a)]).unwrap_err();
+    let err = o
+        .dev
+        .launch(
+            Stream::Compute,
+            "add_inplace",
+            1,
+            32,
+            &[dflash_worker::gpu::Arg::RW(a)],
+        )
+        .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("takes 3 arguments")));
-    let args = [dflash_worker::gpu::Arg::RW(a), dflash_worker::gpu::Arg::R(a), dflash_worker::gpu::Arg::I64(8)];
-    let err = o.dev.launch(Stream::Compute, "add_inplace", 1, 48, &args).unwrap_err();
+    let args = [
+        dflash_worker::gpu::Arg::RW(a),
+        dflash_worker::gpu::Arg::R(a),
+        dflash_worker::gpu::Arg::I64(8),
+    ];
+    let err = o
+        .dev
+        .launch(Stream::Compute, "add_inplace", 1, 48, &args)
+        .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("multiple of 32")));
     // `long n` given as a 4-byte integer: fine on the host by luck, garbage on a GPU.
-    let narrow = [dflash_worker::gpu::Arg::RW(a), dflash_worker::gpu::Arg::R(a), dflash_worker::gpu::Arg::I32(8)];
-    let err = o.dev.launch(Stream::Compute, "add_inplace", 1, 32, &narrow).unwrap_err();
+    let narrow = [
+        dflash_worker::gpu::Arg::RW(a),
+        dflash_worker::gpu::Arg::R(a),
+        dflash_worker::gpu::Arg::I32(8),
+    ];
+    let err = o
+        .dev
+        .launch(Stream::Compute, "add_inplace", 1, 32, &narrow)
+        .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("parameter 2 is of kind 'l'")));
     // Every kernel of kernels.cu is in the host device's table.
     let table = dflash_worker::gpu::host::kernel_table();
@@ -98,7 +143,6 @@ fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
     assert!(table.len() >= 16, "{table:?}");
 }
 
-
 #[test]
 fn host_device_a_model_that_does_not_fit_is_a_permanent_failure_with_the_figures() {
     use dflash_worker::gpu::target::GpuTarget;
@@ -107,12 +151,21 @@ fn host_device_a_model_that_does_not_fit_is_a_permanent_failure_with_the_figures
     dflash_worker::model::tiny::write_random(tmp.path(), QWEN3, 21).unwrap();
     let cpu = Target::load(tmp.path(), &[3]).unwrap();
     // 256 KiB of "device memory": the weights alone need more.
-    let err = GpuTarget::new(Box::new(HostDevice::with_memory(256 << 10)), &cpu, 64).err().expect("it cannot fit");
-    assert!(matches!(&err, GpuError::Unavailable(m) if m.contains("the target") && m.contains("GiB of device memory") && m.contains("0.00 GiB of 0.00 GiB")), "{err}");
+    let err = GpuTarget::new(Box::new(HostDevice::with_memory(256 << 10)), &cpu, 64)
+        .err()
+        .expect("it cannot fit");
+    assert!(
+        matches!(&err, GpuError::Unavailable(m) if m.contains("the target") && m.contains("GiB of device memory") && m.contains("0.00 GiB of 0.00 GiB")),
+        "{err}"
+    );
     // With enough, the same target is placed, and the arena stays within the device.
     let mut g = GpuTarget::new(Box::new(HostDevice::with_memory(16 << 20)), &cpu, 64).unwrap();
     let st = g.arena_stats();
-    assert!(st.reserved <= 16 << 20 && g.device_memory().unwrap().total == 16 << 20 && g.device_memory().unwrap().free < 16 << 20);
+    assert!(
+        st.reserved <= 16 << 20
+            && g.device_memory().unwrap().total == 16 << 20
+            && g.device_memory().unwrap().free < 16 << 20
+    );
     assert_eq!(g.forward_taps(&[1, 2, 3]).unwrap().len(), 3 * 64);
 }
 
@@ -127,13 +180,25 @@ fn host_device_refuses_to_pin_read_only_pages() {
     let mut o = ops();
     let page = 4096;
     // SAFETY: an anonymous private mapping of two pages, unmapped at the end.
-    let base = unsafe { libc::mmap(std::ptr::null_mut(), 2 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            2 * page,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
     assert_ne!(base, libc::MAP_FAILED);
     // SAFETY: the first page of our own mapping.
     assert_eq!(unsafe { libc::mprotect(base, page, libc::PROT_READ) }, 0);
     let p = base as *mut u8;
     let err = unsafe { o.dev.register_host(p, 2 * page) }.unwrap_err();
-    assert!(matches!(&err, GpuError::Invalid(m) if m.contains("read-only")), "{err}");
+    assert!(
+        matches!(&err, GpuError::Invalid(m) if m.contains("read-only")),
+        "{err}"
+    );
     // The writable page alone is fine.
     unsafe { o.dev.register_host(p.add(page), page) }.unwrap();
     // SAFETY: unmapping what we mapped.
@@ -144,7 +209,12 @@ fn host_device_refuses_to_pin_read_only_pages() {
 // threads, drawn from a seed, and the poisoned shared memory each block starts with.
 extern "C" {
     fn dflash_hd_set_schedule(order: *const std::ffi::c_char, seed: u64) -> std::ffi::c_int;
-    fn dflash_hd_last_schedule(threads: *mut u32, nthreads: usize, blocks: *mut u64, nblocks: usize) -> std::ffi::c_int;
+    fn dflash_hd_last_schedule(
+        threads: *mut u32,
+        nthreads: usize,
+        blocks: *mut u64,
+        nblocks: usize,
+    ) -> std::ffi::c_int;
     fn dflash_hd_keep_shared(copy: *mut *const u8) -> usize;
 }
 
@@ -156,7 +226,11 @@ impl Schedule {
     fn set(order: &str, seed: u64) -> Schedule {
         let c = std::ffi::CString::new(order).unwrap();
         // SAFETY: a NUL-terminated string; the call only sets this thread's schedule.
-        assert_eq!(unsafe { dflash_hd_set_schedule(c.as_ptr(), seed) }, 0, "order {order}");
+        assert_eq!(
+            unsafe { dflash_hd_set_schedule(c.as_ptr(), seed) },
+            0,
+            "order {order}"
+        );
         Schedule
     }
 }
@@ -173,7 +247,8 @@ impl Drop for Schedule {
 fn last_schedule(threads: usize, blocks: usize) -> (i32, Vec<u32>, Vec<u64>) {
     let (mut t, mut b) = (vec![u32::MAX; threads], vec![u64::MAX; blocks]);
     // SAFETY: buffers of the lengths given.
-    let order = unsafe { dflash_hd_last_schedule(t.as_mut_ptr(), t.len(), b.as_mut_ptr(), b.len()) };
+    let order =
+        unsafe { dflash_hd_last_schedule(t.as_mut_ptr(), t.len(), b.as_mut_ptr(), b.len()) };
     (order, t, b)
 }
 
@@ -206,15 +281,25 @@ fn host_device_runs_blocks_and_threads_in_orders_drawn_from_the_seed() {
             match name {
                 "ascending" => assert_eq!(threads, ascending),
                 "reverse" => assert!(threads.iter().rev().eq(ascending.iter())),
-                _ => assert!(threads != ascending && !threads.iter().rev().eq(ascending.iter()), "{name}: shuffled"),
+                _ => assert!(
+                    threads != ascending && !threads.iter().rev().eq(ascending.iter()),
+                    "{name}: shuffled"
+                ),
             }
             let mut sorted = blocks.clone();
             sorted.sort_unstable();
-            assert_eq!(sorted, (0..8).collect::<Vec<u64>>(), "{name}: every block once");
+            assert_eq!(
+                sorted,
+                (0..8).collect::<Vec<u64>>(),
+                "{name}: every block once"
+            );
             block_orders.insert(blocks);
         }
     }
-    assert!(block_orders.len() >= 4 && !block_orders.contains(&(0..8).collect::<Vec<u64>>()), "blocks shuffled, per seed: {block_orders:?}");
+    assert!(
+        block_orders.len() >= 4 && !block_orders.contains(&(0..8).collect::<Vec<u64>>()),
+        "blocks shuffled, per seed: {block_orders:?}"
+    );
     // Mixed: each of the three from launch to launch; the same seed, the same launches.
     let mixed = |o: &mut Ops, seed: u64| -> Vec<(i32, Vec<u32>, Vec<u64>)> {
         let _s = Schedule::set("mixed", seed);
@@ -223,10 +308,17 @@ fn host_device_runs_blocks_and_threads_in_orders_drawn_from_the_seed() {
     let first = mixed(&mut o, 9);
     let orders: std::collections::HashSet<i32> = first.iter().map(|r| r.0).collect();
     assert_eq!(orders.len(), 3, "{orders:?}");
-    assert_eq!(mixed(&mut o, 9), first, "the same seed runs the same schedule");
+    assert_eq!(
+        mixed(&mut o, 9),
+        first,
+        "the same seed runs the same schedule"
+    );
     assert_ne!(mixed(&mut o, 10), first);
     // 4 seeds × 3 orders, then 3 × 12 mixed: every launch added once, whatever its order.
-    assert!(get(&mut o, b).iter().all(|x| *x == 48.0), "every launch added once");
+    assert!(
+        get(&mut o, b).iter().all(|x| *x == 48.0),
+        "every launch added once"
+    );
     let bad = std::ffi::CString::new("backwards").unwrap();
     // SAFETY: a NUL-terminated string.
     assert_eq!(unsafe { dflash_hd_set_schedule(bad.as_ptr(), 1) }, 1);
@@ -247,26 +339,45 @@ fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
     let w = rand_vec(&mut rng, d, 1.0);
     // Row r's terms are about 100^(r % 4): in f32, the small ones' share of a sum with
     // the large ones depends on which come first.
-    let dy: Vec<f32> = rand_vec(&mut rng, rows * d, 1.0).iter().enumerate().map(|(i, v)| v * 100f32.powi((i / d % 4) as i32)).collect();
+    let dy: Vec<f32> = rand_vec(&mut rng, rows * d, 1.0)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * 100f32.powi((i / d % 4) as i32))
+        .collect();
     let cpu = Cpu::with_threads(1);
     let mut y = vec![0f32; rows * d];
     let rstd = cpu.rmsnorm(&x, &w, &mut y, d, 1e-6);
     let (mut dx, mut want) = (vec![0f32; rows * d], vec![0f32; d]);
     cpu.rmsnorm_backward(&dy, &x, &w, &rstd, &mut dx, Some(&mut want), d);
     let mut o = ops();
-    let (gx, gw, gdy, gr) = (put(&mut o, &x), put(&mut o, &w), put(&mut o, &dy), put(&mut o, &rstd));
+    let (gx, gw, gdy, gr) = (
+        put(&mut o, &x),
+        put(&mut o, &w),
+        put(&mut o, &dy),
+        put(&mut o, &rstd),
+    );
     let mut dw_of = |seed: u64| -> Vec<u32> {
         let _s = Schedule::set("mixed", seed);
-        let (gdx, gdw) = (put(&mut o, &vec![0.0; rows * d]), put(&mut o, &vec![0.0; d]));
-        o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d).unwrap();
+        let (gdx, gdw) = (
+            put(&mut o, &vec![0.0; rows * d]),
+            put(&mut o, &vec![0.0; d]),
+        );
+        o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d)
+            .unwrap();
         let dw = get(&mut o, gdw);
         assert_close(&format!("rmsnorm dw, seed {seed}"), &dw, &want, 1e-5);
         dw.iter().map(|v| v.to_bits()).collect()
     };
     let runs: Vec<Vec<u32>> = (1..=6).map(&mut dw_of).collect();
     let distinct: std::collections::HashSet<&Vec<u32>> = runs.iter().collect();
-    eprintln!("{} different weight gradients (to the bit) from 6 seeds", distinct.len());
-    assert!(distinct.len() >= 2, "the order of the float atomics never changed");
+    eprintln!(
+        "{} different weight gradients (to the bit) from 6 seeds",
+        distinct.len()
+    );
+    assert!(
+        distinct.len() >= 2,
+        "the order of the float atomics never changed"
+    );
     assert_eq!(dw_of(3), runs[2], "the same seed, the same sum");
 }
 
@@ -305,10 +416,24 @@ fn host_device_poisons_shared_memory_before_every_block() {
         let w = rand_vec(&mut rng, d, 1.0);
         let mut want = vec![0f32; rows * d];
         Cpu::with_threads(1).rmsnorm(&x, &w, &mut want, d, 1e-6);
-        let (gx, gw, gy, gr) = (put(&mut o, &x), put(&mut o, &w), put(&mut o, &vec![0.0; rows * d]), put(&mut o, &vec![0.0; rows]));
+        let (gx, gw, gy, gr) = (
+            put(&mut o, &x),
+            put(&mut o, &w),
+            put(&mut o, &vec![0.0; rows * d]),
+            put(&mut o, &vec![0.0; rows]),
+        );
         o.rmsnorm(gx, gw, gy, gr, rows, d, 1e-6).unwrap();
-        assert_eq!(unpoisoned(), warps, "rmsnorm over {d} threads: only what the last block wrote");
-        assert_close(&format!("rmsnorm over {d} threads, from poisoned shared memory"), &get(&mut o, gy), &want, TOL);
+        assert_eq!(
+            unpoisoned(),
+            warps,
+            "rmsnorm over {d} threads: only what the last block wrote"
+        );
+        assert_close(
+            &format!("rmsnorm over {d} threads, from poisoned shared memory"),
+            &get(&mut o, gy),
+            &want,
+            TOL,
+        );
     }
     // The attention forward, f32 and bf16: a template, whose shared memory is declared at
     // namespace scope to be in the poisoned section (cuda_host.h refuses it in a template).
@@ -324,6 +449,9 @@ fn host_device_poisons_shared_memory_before_every_block() {
         o.attention(gq, gq, gq, go, gl, gs, t, 1, 1, hd).unwrap();
         let n = unpoisoned();
         // The staged Q, K and V (16 rows of 32 bf16 each), O (16 × 32 f32) and more.
-        assert!(n >= 3 * 16 * 32 / 2 + 16 * 32, "attention (bf16 activations: {act16}): {n} words written");
+        assert!(
+            n >= 3 * 16 * 32 / 2 + 16 * 32,
+            "attention (bf16 activations: {act16}): {n} words written"
+        );
     }
 }

@@ -8,7 +8,9 @@ use dflash_worker::compute::{rope_inv_freq, Backend, Heads, KeySpan};
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
     let mut r = Rng::new(seed);
-    (0..n).map(|_| (r.next_u64() % 20001) as f32 / 10000.0 - 1.0).collect()
+    (0..n)
+        .map(|_| (r.next_u64() % 20001) as f32 / 10000.0 - 1.0)
+        .collect()
 }
 
 fn t(v: &[f32], shape: &[usize]) -> Tensor {
@@ -20,14 +22,22 @@ fn var(v: &[f32], shape: &[usize]) -> Var {
 }
 
 fn flat(x: &Tensor) -> Vec<f32> {
-    x.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1().unwrap()
+    x.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: lengths");
     let scale = b.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= tol * scale, "{what}[{i}]: ours {x} vs reference {y} (scale {scale})");
+        assert!(
+            (x - y).abs() <= tol * scale,
+            "{what}[{i}]: ours {x} vs reference {y} (scale {scale})"
+        );
     }
 }
 
@@ -39,13 +49,25 @@ fn finite_diff(x: &[f32], analytic: &[f32], r: &[f32], f: impl Fn(&[f32]) -> Vec
     for i in idx {
         let orig = x[i];
         x[i] = orig + eps;
-        let up: f64 = f(&x).iter().zip(r).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
+        let up: f64 = f(&x)
+            .iter()
+            .zip(r)
+            .map(|(a, b)| (*a as f64) * (*b as f64))
+            .sum();
         x[i] = orig - eps;
-        let down: f64 = f(&x).iter().zip(r).map(|(a, b)| (*a as f64) * (*b as f64)).sum();
+        let down: f64 = f(&x)
+            .iter()
+            .zip(r)
+            .map(|(a, b)| (*a as f64) * (*b as f64))
+            .sum();
         x[i] = orig;
         let num = ((up - down) / (2.0 * eps as f64)) as f32;
         let tol = 2e-2 * (1.0 + num.abs().max(analytic[i].abs()));
-        assert!((num - analytic[i]).abs() <= tol, "{what}[{i}]: analytic {} vs numeric {num}", analytic[i]);
+        assert!(
+            (num - analytic[i]).abs() <= tol,
+            "{what}[{i}]: analytic {} vs numeric {num}",
+            analytic[i]
+        );
     }
 }
 
@@ -59,7 +81,12 @@ fn matmul_forward_and_backward() {
     let (xv, wv) = (var(&x, &[m, k]), var(&w, &[n, k]));
     let yr = xv.as_tensor().matmul(&wv.as_tensor().t().unwrap()).unwrap();
     close(&y, &flat(&yr), 1e-5, "matmul");
-    let grads = (yr * t(&r, &[m, n])).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads = (yr * t(&r, &[m, n]))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let (mut dx, mut dw) = (vec![0.0; m * k], vec![0.0; n * k]);
     cpu.matmul_backward(&r, &x, &w, Some(&mut dx), Some(&mut dw), m, k, n);
     close(&dx, &flat(grads.get(&xv).unwrap()), 1e-5, "dx");
@@ -95,16 +122,27 @@ fn rmsnorm_forward_and_backward() {
     let (xv, wv) = (var(&x, &[rows, d]), var(&w, &[d]));
     let yr = rmsnorm_ref(xv.as_tensor(), wv.as_tensor(), eps);
     close(&y, &flat(&yr), 1e-5, "rmsnorm");
-    let grads = (yr * t(&r, &[rows, d])).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads = (yr * t(&r, &[rows, d]))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let (mut dx, mut dw) = (vec![0.0; rows * d], vec![0.0; d]);
     cpu.rmsnorm_backward(&r, &x, &w, &rstd, &mut dx, Some(&mut dw), d);
     close(&dx, &flat(grads.get(&xv).unwrap()), 1e-4, "dx");
     close(&dw, &flat(grads.get(&wv).unwrap()), 1e-4, "dw");
-    finite_diff(&x, &dx, &r, |x| {
-        let mut y = vec![0.0; rows * d];
-        cpu.rmsnorm(x, &w, &mut y, d, eps as f32);
-        y
-    }, "rmsnorm dx");
+    finite_diff(
+        &x,
+        &dx,
+        &r,
+        |x| {
+            let mut y = vec![0.0; rows * d];
+            cpu.rmsnorm(x, &w, &mut y, d, eps as f32);
+            y
+        },
+        "rmsnorm dx",
+    );
 }
 
 #[test]
@@ -155,7 +193,12 @@ fn swiglu_forward_and_backward() {
     let silu = (gt / (gt.neg().unwrap().exp().unwrap() + 1.0).unwrap()).unwrap();
     let yr = (silu * uv.as_tensor()).unwrap();
     close(&out, &flat(&yr), 1e-5, "swiglu");
-    let grads = (yr * t(&r, &[n])).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads = (yr * t(&r, &[n]))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let (mut dg, mut du) = (vec![0.0; n], vec![0.0; n]);
     cpu.swiglu_backward(&r, &g, &u, &mut dg, &mut du);
     close(&dg, &flat(grads.get(&gv).unwrap()), 1e-5, "dgate");
@@ -181,18 +224,29 @@ fn attention_ref(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, h: Heads) ->
 
 fn softmax_ref(s: &Tensor) -> Tensor {
     // The max is a constant shift (detached): softmax is unchanged by it.
-    let e = s.broadcast_sub(&s.max_keepdim(D::Minus1).unwrap().detach()).unwrap().exp().unwrap();
+    let e = s
+        .broadcast_sub(&s.max_keepdim(D::Minus1).unwrap().detach())
+        .unwrap()
+        .exp()
+        .unwrap();
     e.broadcast_div(&e.sum_keepdim(D::Minus1).unwrap()).unwrap()
 }
 
 #[test]
 fn masked_gqa_attention_forward_and_backward() {
     let cpu = Cpu::with_threads(2);
-    let h = Heads { q_heads: 4, kv_heads: 2, head_dim: 8 };
+    let h = Heads {
+        q_heads: 4,
+        kv_heads: 2,
+        head_dim: 8,
+    };
     let (tq, tk) = (6, 10);
     // DFlash-like spans: a context prefix and a block of its own per query.
     let spans: Vec<KeySpan> = (0..tq)
-        .map(|i| KeySpan { a: 0..(i + 1).min(4), b: 4 + (i / 3) * 3..4 + (i / 3) * 3 + 3 })
+        .map(|i| KeySpan {
+            a: 0..(i + 1).min(4),
+            b: 4 + (i / 3) * 3..4 + (i / 3) * 3 + 3,
+        })
         .collect();
     let (q, k, v) = (rand(tq * 32, 13), rand(tk * 16, 14), rand(tk * 16, 15));
     let r = rand(tq * 32, 16);
@@ -205,25 +259,46 @@ fn masked_gqa_attention_forward_and_backward() {
         }
     }
     let (qv, kv, vv) = (var(&q, &[tq, 32]), var(&k, &[tk, 16]), var(&v, &[tk, 16]));
-    let yr = attention_ref(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &t(&mask, &[tq, tk]), h);
+    let yr = attention_ref(
+        qv.as_tensor(),
+        kv.as_tensor(),
+        vv.as_tensor(),
+        &t(&mask, &[tq, tk]),
+        h,
+    );
     close(&out, &flat(&yr), 1e-4, "attention");
-    let grads = (yr * t(&r, &[tq, 32])).unwrap().sum_all().unwrap().backward().unwrap();
+    let grads = (yr * t(&r, &[tq, 32]))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
     cpu.attention_backward(&r, &q, &k, &v, &saved, &spans, h, &mut dq, &mut dk, &mut dv);
     close(&dq, &flat(grads.get(&qv).unwrap()), 1e-4, "dq");
     close(&dk, &flat(grads.get(&kv).unwrap()), 1e-4, "dk");
     close(&dv, &flat(grads.get(&vv).unwrap()), 1e-4, "dv");
-    finite_diff(&k, &dk, &r, |k| {
-        let mut o = vec![0.0; tq * 32];
-        cpu.attention(&q, k, &v, &mut o, &spans, h);
-        o
-    }, "attention dk");
+    finite_diff(
+        &k,
+        &dk,
+        &r,
+        |k| {
+            let mut o = vec![0.0; tq * 32];
+            cpu.attention(&q, k, &v, &mut o, &spans, h);
+            o
+        },
+        "attention dk",
+    );
 }
 
 #[test]
 fn fully_masked_rows_output_zero_and_pass_no_gradient() {
     let cpu = Cpu::new();
-    let h = Heads { q_heads: 2, kv_heads: 1, head_dim: 4 };
+    let h = Heads {
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+    };
     let spans = vec![KeySpan { a: 0..0, b: 0..0 }, KeySpan { a: 0..2, b: 0..0 }];
     let (q, k, v) = (rand(16, 17), rand(8, 18), rand(8, 19));
     let mut out = vec![1.0; 16];
@@ -231,6 +306,8 @@ fn fully_masked_rows_output_zero_and_pass_no_gradient() {
     assert!(out[..8].iter().all(|&x| x == 0.0));
     let (mut dq, mut dk, mut dv) = (vec![0.0; 16], vec![0.0; 8], vec![0.0; 8]);
     let dout: Vec<f32> = (0..16).map(|i| if i < 8 { 1.0 } else { 0.0 }).collect();
-    cpu.attention_backward(&dout, &q, &k, &v, &saved, &spans, h, &mut dq, &mut dk, &mut dv);
+    cpu.attention_backward(
+        &dout, &q, &k, &v, &saved, &spans, h, &mut dq, &mut dk, &mut dv,
+    );
     assert!(dq.iter().chain(&dk).chain(&dv).all(|&x| x == 0.0));
 }

@@ -11,7 +11,10 @@ use dflash_worker::model::tiny;
 
 fn rms(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
-    x.broadcast_mul(&(ms + eps).unwrap().sqrt().unwrap().recip().unwrap()).unwrap().broadcast_mul(w).unwrap()
+    x.broadcast_mul(&(ms + eps).unwrap().sqrt().unwrap().recip().unwrap())
+        .unwrap()
+        .broadcast_mul(w)
+        .unwrap()
 }
 
 fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
@@ -24,17 +27,29 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
 
 /// Independent forward with candle: returns hidden_states[id + 1] for every layer id.
 fn reference(dir: &Path, tokens: &[u32], inv_freq: &[f32]) -> Vec<Tensor> {
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let n = |k: &str| cfg[k].as_u64().unwrap() as usize;
-    let (h, nh, nkv, layers) = (n("hidden_size"), n("num_attention_heads"), n("num_key_value_heads"), n("num_hidden_layers"));
-    let hd = cfg["head_dim"].as_u64().map(|x| x as usize).unwrap_or(h / nh);
+    let (h, nh, nkv, layers) = (
+        n("hidden_size"),
+        n("num_attention_heads"),
+        n("num_key_value_heads"),
+        n("num_hidden_layers"),
+    );
+    let hd = cfg["head_dim"]
+        .as_u64()
+        .map(|x| x as usize)
+        .unwrap_or(h / nh);
     let eps = cfg["rms_norm_eps"].as_f64().unwrap();
     let qwen = cfg["model_type"] == "qwen3";
-    let w: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let w: HashMap<String, Tensor> =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
     let g = |name: &str| w[name].to_dtype(DType::F32).unwrap();
     let t = tokens.len();
     let ids = Tensor::from_slice(tokens, t, &Device::Cpu).unwrap();
-    let mut x = g("model.embed_tokens.weight").index_select(&ids, 0).unwrap();
+    let mut x = g("model.embed_tokens.weight")
+        .index_select(&ids, 0)
+        .unwrap();
     let mut cos = Vec::new();
     let mut sin = Vec::new();
     for p in 0..t {
@@ -57,11 +72,18 @@ fn reference(dir: &Path, tokens: &[u32], inv_freq: &[f32]) -> Vec<Tensor> {
     let mut outs = Vec::new();
     for l in 0..layers {
         let p = format!("model.layers.{l}");
-        let lin = |x: &Tensor, name: &str| x.matmul(&g(&format!("{p}.{name}")).t().unwrap()).unwrap();
+        let lin =
+            |x: &Tensor, name: &str| x.matmul(&g(&format!("{p}.{name}")).t().unwrap()).unwrap();
         let n1 = rms(&x, &g(&format!("{p}.input_layernorm.weight")), eps);
-        let mut q = lin(&n1, "self_attn.q_proj.weight").reshape((t, nh, hd)).unwrap();
-        let mut k = lin(&n1, "self_attn.k_proj.weight").reshape((t, nkv, hd)).unwrap();
-        let v = lin(&n1, "self_attn.v_proj.weight").reshape((t, nkv, hd)).unwrap();
+        let mut q = lin(&n1, "self_attn.q_proj.weight")
+            .reshape((t, nh, hd))
+            .unwrap();
+        let mut k = lin(&n1, "self_attn.k_proj.weight")
+            .reshape((t, nkv, hd))
+            .unwrap();
+        let v = lin(&n1, "self_attn.v_proj.weight")
+            .reshape((t, nkv, hd))
+            .unwrap();
         if qwen {
             q = rms(&q, &g(&format!("{p}.self_attn.q_norm.weight")), eps);
             k = rms(&k, &g(&format!("{p}.self_attn.k_norm.weight")), eps);
@@ -93,7 +115,11 @@ fn check_against_reference(dir: &Path, taps: &[usize]) {
     let target = Target::load(dir, taps).unwrap();
     let tokens: Vec<u32> = (0..17).map(|i| (i * 37 + 5) % 500).collect();
     let ours = target.forward_taps(&tokens);
-    let inv = dflash_worker::compute::rope_inv_freq(target.cfg.head_dim, target.cfg.rope_theta, target.cfg.rope_scaling.as_ref());
+    let inv = dflash_worker::compute::rope_inv_freq(
+        target.cfg.head_dim,
+        target.cfg.rope_theta,
+        target.cfg.rope_scaling.as_ref(),
+    );
     let refs = reference(dir, &tokens, &inv);
     let h = target.cfg.hidden_size;
     let width = taps.len() * h;
@@ -103,7 +129,10 @@ fn check_against_reference(dir: &Path, taps: &[usize]) {
         for row in 0..tokens.len() {
             for c in 0..h {
                 let (a, b) = (ours[row * width + ti * h + c], r[row * h + c]);
-                assert!((a - b).abs() <= 2e-4 * scale, "tap {tap} token {row} channel {c}: ours {a} vs candle {b}");
+                assert!(
+                    (a - b).abs() <= 2e-4 * scale,
+                    "tap {tap} token {row} channel {c}: ours {a} vs candle {b}"
+                );
             }
         }
     }
@@ -133,15 +162,28 @@ fn llama_target_with_rope_scaling_and_untied_head_matches_candle() {
 fn the_target_is_deterministic_and_taps_are_prefixes_of_the_residual_stream() {
     let tmp = tempfile::tempdir().unwrap();
     tiny::write(tmp.path()).unwrap();
-    let a = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4]);
-    let b = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4]);
+    let a = Target::load(tmp.path(), &[1, 3])
+        .unwrap()
+        .forward_taps(&[1, 2, 3, 4]);
+    let b = Target::load(tmp.path(), &[1, 3])
+        .unwrap()
+        .forward_taps(&[1, 2, 3, 4]);
     assert_eq!(a, b);
     // Causal: the states of a prefix do not depend on what follows (up to the GEMM's
     // summation order, which may change with the number of rows).
-    let c = Target::load(tmp.path(), &[1, 3]).unwrap().forward_taps(&[1, 2, 3, 4, 9, 9]);
+    let c = Target::load(tmp.path(), &[1, 3])
+        .unwrap()
+        .forward_taps(&[1, 2, 3, 4, 9, 9]);
     let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = c[..a.len()].iter().zip(&a).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(worst <= 1e-5 * scale, "prefix states changed by {worst} (scale {scale})");
+    let worst = c[..a.len()]
+        .iter()
+        .zip(&a)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        worst <= 1e-5 * scale,
+        "prefix states changed by {worst} (scale {scale})"
+    );
 }
 
 fn rewrite_without(dir: &Path, drop: &str, reshape: Option<(&str, Vec<usize>)>) {
@@ -164,41 +206,83 @@ fn rewrite_without(dir: &Path, drop: &str, reshape: Option<(&str, Vec<usize>)>) 
     }
     let views: HashMap<String, safetensors::tensor::TensorView> = keep
         .iter()
-        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
 
 #[test]
 fn bad_checkpoints_name_the_file_and_the_problem() {
-    let err = |dir: &Path| Target::load(dir, &[1]).err().expect("load must fail").to_string();
+    let err = |dir: &Path| {
+        Target::load(dir, &[1])
+            .err()
+            .expect("load must fail")
+            .to_string()
+    };
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path();
 
     tiny::write(d).unwrap();
     rewrite_without(d, "model.layers.4.mlp.up_proj.weight", None);
-    assert!(err(d).contains("missing tensor model.layers.4.mlp.up_proj.weight"), "{}", err(d));
+    assert!(
+        err(d).contains("missing tensor model.layers.4.mlp.up_proj.weight"),
+        "{}",
+        err(d)
+    );
 
     tiny::write(d).unwrap();
-    rewrite_without(d, "", Some(("model.layers.0.mlp.up_proj.weight", vec![64, 64])));
+    rewrite_without(
+        d,
+        "",
+        Some(("model.layers.0.mlp.up_proj.weight", vec![64, 64])),
+    );
     let e = err(d);
-    assert!(e.contains("model.layers.0.mlp.up_proj.weight has shape [64, 64], expected [128, 64]") && e.contains("model.safetensors"), "{e}");
+    assert!(
+        e.contains("model.layers.0.mlp.up_proj.weight has shape [64, 64], expected [128, 64]")
+            && e.contains("model.safetensors"),
+        "{e}"
+    );
 
     tiny::write(d).unwrap();
-    let len = std::fs::metadata(d.join("model.safetensors")).unwrap().len();
-    let f = std::fs::OpenOptions::new().write(true).open(d.join("model.safetensors")).unwrap();
+    let len = std::fs::metadata(d.join("model.safetensors"))
+        .unwrap()
+        .len();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.join("model.safetensors"))
+        .unwrap();
     f.set_len(len / 2).unwrap();
-    assert!(err(d).contains("truncated or corrupt safetensors"), "{}", err(d));
+    assert!(
+        err(d).contains("truncated or corrupt safetensors"),
+        "{}",
+        err(d)
+    );
 
     tiny::write(d).unwrap();
-    std::fs::write(d.join("config.json"), r#"{"architectures":["MistralForCausalLM"]}"#).unwrap();
+    std::fs::write(
+        d.join("config.json"),
+        r#"{"architectures":["MistralForCausalLM"]}"#,
+    )
+    .unwrap();
     let e = err(d);
-    assert!(e.contains("config.json") && e.contains("unsupported architecture"), "{e}");
+    assert!(
+        e.contains("config.json") && e.contains("unsupported architecture"),
+        "{e}"
+    );
     std::fs::write(d.join("config.json"), "{not json").unwrap();
     assert!(err(d).contains("not valid JSON"));
 
     tiny::write(d).unwrap();
-    assert!(Target::load(d, &[6]).err().unwrap().to_string().contains("tap 6 does not exist"));
+    assert!(Target::load(d, &[6])
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("tap 6 does not exist"));
 
     let empty = tempfile::tempdir().unwrap();
     std::fs::write(empty.path().join("config.json"), tiny::CONFIG).unwrap();
@@ -217,22 +301,36 @@ fn inspect_writes_the_tapped_hidden_states_of_a_sequence() {
         .arg(&out)
         .output()
         .unwrap();
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let bytes = std::fs::read(&out).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let h = st.tensor("hidden").unwrap();
     assert_eq!(h.shape(), &[4, 2 * 64]);
-    let got: Vec<f32> = h.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
-    let want = Target::load(&tmp.path().join("m"), &[0, 4]).unwrap().forward_taps(&[5, 6, 7, 8]);
+    let got: Vec<f32> = h
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let want = Target::load(&tmp.path().join("m"), &[0, 4])
+        .unwrap()
+        .forward_taps(&[5, 6, 7, 8]);
     assert_eq!(got, want);
     // A token id outside the vocabulary is a clear error, exit 2.
     let bad = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-worker"))
-        .args(["inspect", "--target", "tiny", "--tokens", "1,99999", "--out"])
+        .args([
+            "inspect", "--target", "tiny", "--tokens", "1,99999", "--out",
+        ])
         .arg(&out)
         .output()
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("id 99999 is not below the vocab size 512"));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("id 99999 is not below the vocab size 512")
+    );
 }
 
 /// transformers 5 saves the rotary settings under `rope_parameters`; the taps of such a
@@ -250,21 +348,38 @@ fn a_transformers_5_config_taps_the_same_states_as_its_transformers_4_layout() {
     o.remove("rope_scaling");
     o.insert("rope_parameters".into(), rp);
     let v5 = tempfile::tempdir().unwrap();
-    std::fs::copy(v4.path().join("model.safetensors"), v5.path().join("model.safetensors")).unwrap();
+    std::fs::copy(
+        v4.path().join("model.safetensors"),
+        v5.path().join("model.safetensors"),
+    )
+    .unwrap();
     std::fs::write(v5.path().join("config.json"), cfg.to_string()).unwrap();
     let tokens: Vec<u32> = (0..24).map(|i| (i * 13 + 1) % 500).collect();
-    let a = Target::load(v4.path(), &[0, 2]).unwrap().forward_taps(&tokens);
-    let b = Target::load(v5.path(), &[0, 2]).unwrap().forward_taps(&tokens);
+    let a = Target::load(v4.path(), &[0, 2])
+        .unwrap()
+        .forward_taps(&tokens);
+    let b = Target::load(v5.path(), &[0, 2])
+        .unwrap()
+        .forward_taps(&tokens);
     assert_eq!(a, b);
     // The fallback the old reader used: different states after the first position.
     let o = cfg.as_object_mut().unwrap();
     o.remove("rope_parameters");
     std::fs::write(v5.path().join("config.json"), cfg.to_string()).unwrap();
-    let c = Target::load(v5.path(), &[0, 2]).unwrap().forward_taps(&tokens);
+    let c = Target::load(v5.path(), &[0, 2])
+        .unwrap()
+        .forward_taps(&tokens);
     let width = 2 * 48;
     assert_eq!(&c[..width], &a[..width], "position 0 has no rotation");
-    let diff = c.iter().zip(&a).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    assert!(diff > 1e-3, "theta 10000 vs 500000 with llama3 scaling must differ ({diff})");
+    let diff = c
+        .iter()
+        .zip(&a)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        diff > 1e-3,
+        "theta 10000 vs 500000 with llama3 scaling must differ ({diff})"
+    );
 }
 
 /// Every tensor of the checkpoint widened to f32 (exact), written back in place.
@@ -276,12 +391,28 @@ fn rewrite_as_f32(dir: &Path) {
         .into_iter()
         .map(|(name, v)| {
             assert_eq!(v.dtype(), safetensors::Dtype::BF16);
-            let data = v.data().chunks_exact(2).flat_map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32().to_le_bytes()).collect();
+            let data = v
+                .data()
+                .chunks_exact(2)
+                .flat_map(|b| {
+                    half::bf16::from_le_bytes([b[0], b[1]])
+                        .to_f32()
+                        .to_le_bytes()
+                })
+                .collect();
             (name, v.shape().to_vec(), data)
         })
         .collect();
-    let views: HashMap<String, safetensors::tensor::TensorView> =
-        wide.iter().map(|(n, s, b)| (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())).collect();
+    let views: HashMap<String, safetensors::tensor::TensorView> = wide
+        .iter()
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                    .unwrap(),
+            )
+        })
+        .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
 
@@ -312,8 +443,14 @@ fn a_device_target_reads_its_weights_from_the_checkpoint_mapping_without_an_f32_
         let tokens: Vec<u32> = (0..24u32).map(|i| (i * 31 + 7) % 500).collect();
         let mut a = GpuTarget::new(Box::new(HostDevice::new()), &full, 24).unwrap();
         let mut b = GpuTarget::new(Box::new(HostDevice::new()), &mapped, 24).unwrap();
-        let (ta, tb) = (a.forward_taps(&tokens).unwrap(), b.forward_taps(&tokens).unwrap());
+        let (ta, tb) = (
+            a.forward_taps(&tokens).unwrap(),
+            b.forward_taps(&tokens).unwrap(),
+        );
         assert!(ta.iter().all(|x| x.is_finite()));
-        assert!(ta.iter().zip(&tb).all(|(x, y)| x.to_bits() == y.to_bits()), "f32 checkpoint {f32_checkpoint}: the same weights on the device");
+        assert!(
+            ta.iter().zip(&tb).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "f32 checkpoint {f32_checkpoint}: the same weights on the device"
+        );
     }
 }

@@ -38,7 +38,10 @@ json.dump({"rope_type": kind, "attention_factor": float(af), "inv_freq": None if
 "#;
 
 fn python_ok() -> bool {
-    let ok = Command::new("python3").args(["-c", "import torch, transformers, numpy"]).output().is_ok_and(|o| o.status.success());
+    let ok = Command::new("python3")
+        .args(["-c", "import torch, transformers, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
     if !ok {
         assert!(std::env::var_os("CI").is_none(), "python3 with torch and transformers is missing: under CI this test may not skip (.ci/run installs them)");
         eprintln!("skipping: python3 with torch and transformers is not installed");
@@ -77,35 +80,73 @@ fn check(name: &str, base: &str, rope: &str) {
         .arg(&out)
         .output()
         .unwrap();
-    assert!(o.status.success(), "{name}: transformers failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{name}: transformers failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let meta: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     // Rope tables.
     let scaling = target.cfg.rope_scaling.as_ref();
     let af = scaling.map_or(1.0, |s| s.attention_factor());
     let want_af = meta["attention_factor"].as_f64().unwrap();
-    assert!((af - want_af).abs() <= 1e-6 * want_af.abs(), "{name}: attention factor {af} vs transformers {want_af}");
+    assert!(
+        (af - want_af).abs() <= 1e-6 * want_af.abs(),
+        "{name}: attention factor {af} vs transformers {want_af}"
+    );
     if let Some(inv) = meta["inv_freq"].as_array() {
-        let mine = dflash_worker::compute::rope_inv_freq(target.cfg.head_dim, target.cfg.rope_theta, scaling);
+        let mine = dflash_worker::compute::rope_inv_freq(
+            target.cfg.head_dim,
+            target.cfg.rope_theta,
+            scaling,
+        );
         assert_eq!(mine.len(), inv.len(), "{name}");
         for (i, (a, b)) in mine.iter().zip(inv).enumerate() {
             let b = b.as_f64().unwrap() as f32;
-            assert!((a - b).abs() <= 2e-6 * b.abs().max(1e-30), "{name}: inv_freq[{i}] {a} vs transformers {b}");
+            assert!(
+                (a - b).abs() <= 2e-6 * b.abs().max(1e-30),
+                "{name}: inv_freq[{i}] {a} vs transformers {b}"
+            );
         }
     }
     // Taps.
     let bytes = std::fs::read(&out).unwrap();
-    let theirs: Vec<f32> = bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let theirs: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     assert_eq!(theirs.len(), ours.len(), "{name}");
     let scale = theirs.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
-    let err = ours.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+    let err = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale;
     eprintln!("{name}: max error / max |ref| = {err:.2e}");
-    assert!(err <= 2e-4, "{name}: taps differ from transformers' hidden_states by {err:.2e} of their scale");
+    assert!(
+        err <= 2e-4,
+        "{name}: taps differ from transformers' hidden_states by {err:.2e} of their scale"
+    );
     // What a CPU target worker computes: the device target on the CPU device.
-    let mut worker = dflash_worker::gpu::target::GpuTarget::new(Box::new(dflash_worker::gpu::cpu::CpuDevice::new()), &target, tokens.len()).unwrap();
+    let mut worker = dflash_worker::gpu::target::GpuTarget::new(
+        Box::new(dflash_worker::gpu::cpu::CpuDevice::new()),
+        &target,
+        tokens.len(),
+    )
+    .unwrap();
     let w = worker.forward_taps(&tokens).unwrap();
-    let err = w.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+    let err = w
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale;
     eprintln!("{name}: CPU worker's path, max error / max |ref| = {err:.2e}");
-    assert!(err <= 2e-4, "{name}: the CPU worker's taps differ from transformers' by {err:.2e} of their scale");
+    assert!(
+        err <= 2e-4,
+        "{name}: the CPU worker's taps differ from transformers' by {err:.2e} of their scale"
+    );
 }
 
 #[test]
@@ -114,10 +155,26 @@ fn taps_equal_transformers_for_every_rope_layout_and_scaling() {
         return;
     }
     let cases: &[(&str, &str, &str)] = &[
-        ("qwen3 default, transformers 4 layout", BASE_QWEN3, r#""rope_theta":1000000.0,"rope_scaling":null"#),
-        ("qwen3 with absent fields (transformers' defaults)", BASE_QWEN3_DEFAULTS, r#""max_position_embeddings":4096"#),
-        ("qwen3 default, transformers 5 layout", BASE_QWEN3, r#""rope_parameters":{"rope_type":"default","rope_theta":1000000.0}"#),
-        ("qwen3 yarn, transformers 4 layout", BASE_QWEN3, r#""rope_theta":1000000.0,"rope_scaling":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32}"#),
+        (
+            "qwen3 default, transformers 4 layout",
+            BASE_QWEN3,
+            r#""rope_theta":1000000.0,"rope_scaling":null"#,
+        ),
+        (
+            "qwen3 with absent fields (transformers' defaults)",
+            BASE_QWEN3_DEFAULTS,
+            r#""max_position_embeddings":4096"#,
+        ),
+        (
+            "qwen3 default, transformers 5 layout",
+            BASE_QWEN3,
+            r#""rope_parameters":{"rope_type":"default","rope_theta":1000000.0}"#,
+        ),
+        (
+            "qwen3 yarn, transformers 4 layout",
+            BASE_QWEN3,
+            r#""rope_theta":1000000.0,"rope_scaling":{"rope_type":"yarn","factor":4.0,"original_max_position_embeddings":32}"#,
+        ),
         (
             "llama yarn with mscale, transformers 5 layout",
             BASE_LLAMA,
@@ -133,7 +190,11 @@ fn taps_equal_transformers_for_every_rope_layout_and_scaling() {
             BASE_LLAMA,
             r#""rope_parameters":{"rope_type":"llama3","rope_theta":500000.0,"factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":64}"#,
         ),
-        ("llama linear, transformers 4 layout", BASE_LLAMA, r#""rope_theta":10000.0,"rope_scaling":{"type":"linear","factor":2.0}"#),
+        (
+            "llama linear, transformers 4 layout",
+            BASE_LLAMA,
+            r#""rope_theta":10000.0,"rope_scaling":{"type":"linear","factor":2.0}"#,
+        ),
     ];
     for (name, base, rope) in cases {
         check(name, base, rope);
@@ -152,6 +213,10 @@ fn yarn_changes_the_taps_well_beyond_the_parity_tolerance() {
     let b = Target::load(tmp.path(), &[2]).unwrap();
     let tokens: Vec<u32> = (0..64).map(|i| (i * 7) % 300).collect();
     let (x, y) = (a.forward_taps(&tokens), b.forward_taps(&tokens));
-    let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+    let diff = x
+        .iter()
+        .zip(&y)
+        .map(|(p, q)| (p - q).abs())
+        .fold(0f32, f32::max);
     assert!(diff > 1e-2, "YaRN must change the taps ({diff})");
 }

@@ -24,7 +24,12 @@ pub const CHECK_SCRIPT: &str = include_str!("../../python/export_check.py");
 pub const DEFAULT_TOLERANCE: f64 = 1e-3;
 
 /// Files every export holds.
-const EXPORT_FILES: [&str; 4] = ["config.json", "model.safetensors", "probe.safetensors", "dflash_drafter.py"];
+const EXPORT_FILES: [&str; 4] = [
+    "config.json",
+    "model.safetensors",
+    "probe.safetensors",
+    "dflash_drafter.py",
+];
 
 #[derive(Debug, clap::Args)]
 pub struct ExportCheckArgs {
@@ -38,15 +43,25 @@ pub struct ExportCheckArgs {
 
 /// The Python interpreter: `$DFLASH_PYTHON`, else `python3`.
 fn python() -> String {
-    std::env::var("DFLASH_PYTHON").ok().filter(|p| !p.trim().is_empty()).unwrap_or_else(|| "python3".to_string())
+    std::env::var("DFLASH_PYTHON")
+        .ok()
+        .filter(|p| !p.trim().is_empty())
+        .unwrap_or_else(|| "python3".to_string())
 }
 
 /// Why `dir` is not an export, if it is not one.
 fn not_an_export(dir: &Path) -> Option<String> {
     if !dir.is_dir() {
-        return Some(format!("{}: no such directory (expected an export, e.g. RUN_DIR/drafter)", dir.display()));
+        return Some(format!(
+            "{}: no such directory (expected an export, e.g. RUN_DIR/drafter)",
+            dir.display()
+        ));
     }
-    let absent: Vec<&str> = EXPORT_FILES.iter().copied().filter(|f| !dir.join(f).is_file()).collect();
+    let absent: Vec<&str> = EXPORT_FILES
+        .iter()
+        .copied()
+        .filter(|f| !dir.join(f).is_file())
+        .collect();
     if !absent.is_empty() {
         return Some(format!(
             "{}: not a dflash-supervise export (no {}; exports written by this version hold {})",
@@ -60,13 +75,21 @@ fn not_an_export(dir: &Path) -> Option<String> {
 
 pub fn run(a: ExportCheckArgs) -> Result<i32, Error> {
     if !(a.tolerance.is_finite() && a.tolerance > 0.0) {
-        return Err(Error::Flag(format!("--tolerance {} must be a positive number", a.tolerance)));
+        return Err(Error::Flag(format!(
+            "--tolerance {} must be a positive number",
+            a.tolerance
+        )));
     }
     if let Some(why) = not_an_export(&a.dir) {
         return Err(Error::input(a.dir.display().to_string(), why));
     }
     let py = python();
-    let status = Command::new(&py).arg("-c").arg(CHECK_SCRIPT).arg(&a.dir).arg(format!("{:e}", a.tolerance)).status();
+    let status = Command::new(&py)
+        .arg("-c")
+        .arg(CHECK_SCRIPT)
+        .arg(&a.dir)
+        .arg(format!("{:e}", a.tolerance))
+        .status();
     match status {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Error::Flag(format!(
             "{py} not found: export-check runs Python with torch and transformers (install Python 3, then `python3 -m pip install torch transformers`; or set DFLASH_PYTHON)"
@@ -97,12 +120,20 @@ mod tests {
         assert!(why.contains("no such directory"), "{why}");
         std::fs::write(tmp.path().join("config.json"), "{}").unwrap();
         let why = not_an_export(tmp.path()).unwrap();
-        assert!(why.contains("no model.safetensors, probe.safetensors, dflash_drafter.py") && !why.contains('\n'), "{why}");
+        assert!(
+            why.contains("no model.safetensors, probe.safetensors, dflash_drafter.py")
+                && !why.contains('\n'),
+            "{why}"
+        );
         for f in EXPORT_FILES {
             std::fs::write(tmp.path().join(f), "").unwrap();
         }
         assert!(not_an_export(tmp.path()).is_none());
-        let e = run(ExportCheckArgs { dir: tmp.path().to_path_buf(), tolerance: -1.0 }).unwrap_err();
+        let e = run(ExportCheckArgs {
+            dir: tmp.path().to_path_buf(),
+            tolerance: -1.0,
+        })
+        .unwrap_err();
         assert_eq!(e.exit_code(), exit_codes::USAGE);
     }
 }

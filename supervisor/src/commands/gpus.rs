@@ -17,7 +17,10 @@ pub fn run(json: bool) -> Result<i32, crate::error::Error> {
         Ok((driver, gpus)) => {
             println!("NVIDIA driver {driver}, {} GPU(s)", gpus.len());
             for g in gpus {
-                let mem = g.memory_total_bytes.map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)).unwrap_or_else(|| "memory unknown".into());
+                let mem = g
+                    .memory_total_bytes
+                    .map(|b| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64))
+                    .unwrap_or_else(|| "memory unknown".into());
                 println!("  {}  {}  {}  {mem}", g.index, g.name, g.uuid);
             }
         }

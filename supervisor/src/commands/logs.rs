@@ -25,7 +25,8 @@ pub fn run(args: LogsArgs) -> Result<i32, Error> {
         known.clone()
     } else {
         let w = args.worker.clone().unwrap_or_default();
-        w.parse::<WorkerName>().map_err(|e| Error::input(w.to_string(), e))?;
+        w.parse::<WorkerName>()
+            .map_err(|e| Error::input(w.to_string(), e))?;
         if !known.contains(&w) {
             return Err(Error::Flag(format!(
                 "no worker '{w}' in run {} (expected one of: {})",
@@ -45,7 +46,12 @@ pub fn run(args: LogsArgs) -> Result<i32, Error> {
     }
     let mut followers: Vec<Follower> = names
         .iter()
-        .map(|n| Follower::new(worker_log_path(&run.path, n), args.all.then(|| format!("[{n}] "))))
+        .map(|n| {
+            Follower::new(
+                worker_log_path(&run.path, n),
+                args.all.then(|| format!("[{n}] ")),
+            )
+        })
         .collect();
     let stdout = io::stdout();
     let mut out = stdout.lock();
@@ -81,7 +87,10 @@ fn write_line(out: &mut impl Write, prefix: Option<&str>, line: &str) -> Result<
 }
 
 fn lines_of(bytes: &[u8]) -> Vec<String> {
-    String::from_utf8_lossy(bytes).lines().map(str::to_string).collect()
+    String::from_utf8_lossy(bytes)
+        .lines()
+        .map(str::to_string)
+        .collect()
 }
 
 struct Follower {
@@ -97,7 +106,14 @@ struct Follower {
 
 impl Follower {
     fn new(path: PathBuf, prefix: Option<String>) -> Follower {
-        Follower { path, prefix, file: None, ino: 0, partial: Vec::new(), done: std::collections::VecDeque::new() }
+        Follower {
+            path,
+            prefix,
+            file: None,
+            ino: 0,
+            partial: Vec::new(),
+            done: std::collections::VecDeque::new(),
+        }
     }
 
     /// Open the log and return its last `n` lines; following continues from exactly there.
@@ -118,7 +134,9 @@ impl Follower {
         let mut seen = std::collections::HashSet::from([self.ino]);
         let mut k = 1;
         while lines.len() < n {
-            let Ok(mut f) = File::open(backup_path(&self.path, k)) else { break };
+            let Ok(mut f) = File::open(backup_path(&self.path, k)) else {
+                break;
+            };
             k += 1;
             let ino = f.metadata().map(|m| m.ino()).unwrap_or(0);
             if !seen.insert(ino) {
@@ -174,9 +192,15 @@ impl Follower {
     /// Print what was appended since the last call, following a rotation if one happened.
     fn poll(&mut self, out: &mut impl Write) -> Result<(), Error> {
         self.drain(out)?;
-        let Ok(meta) = fs::metadata(&self.path) else { return Ok(()) };
+        let Ok(meta) = fs::metadata(&self.path) else {
+            return Ok(());
+        };
         if self.file.is_some() && meta.ino() == self.ino {
-            let pos = self.file.as_mut().and_then(|f| f.stream_position().ok()).unwrap_or(0);
+            let pos = self
+                .file
+                .as_mut()
+                .and_then(|f| f.stream_position().ok())
+                .unwrap_or(0);
             if meta.len() < pos {
                 // Truncated in place: start again from the top.
                 if let Some(f) = self.file.as_mut() {
@@ -191,13 +215,19 @@ impl Follower {
             // newer than it: print them oldest first.
             self.flush_partial(out)?;
             self.mark_done(self.ino);
-            let old = (1..).take_while(|&k| backup_path(&self.path, k).exists()).find(|&k| {
-                fs::metadata(backup_path(&self.path, k)).map(|m| m.ino() == self.ino).unwrap_or(false)
-            });
+            let old = (1..)
+                .take_while(|&k| backup_path(&self.path, k).exists())
+                .find(|&k| {
+                    fs::metadata(backup_path(&self.path, k))
+                        .map(|m| m.ino() == self.ino)
+                        .unwrap_or(false)
+                });
             match old {
                 Some(k) => {
                     for j in (1..k).rev() {
-                        let Ok(mut f) = File::open(backup_path(&self.path, j)) else { continue };
+                        let Ok(mut f) = File::open(backup_path(&self.path, j)) else {
+                            continue;
+                        };
                         let ino = f.metadata().map(|m| m.ino()).unwrap_or(0);
                         if self.done.contains(&ino) {
                             continue;

@@ -9,7 +9,9 @@ use std::time::Instant;
 use crate::cli::PrepareArgs;
 use crate::data::chat::Chat;
 use crate::data::loader::{self, DataSource, LoaderConfig};
-use crate::data::preflight::{load_chat, scan, synthetic_conversations, test_tokenizer_dir, tmp_path, write_atomic, Report};
+use crate::data::preflight::{
+    load_chat, scan, synthetic_conversations, test_tokenizer_dir, tmp_path, write_atomic, Report,
+};
 use crate::error::Error;
 
 /// `dflash-supervise prepare`.
@@ -19,7 +21,10 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
         s => loader::parse_source(s, 0)?,
     };
     if !a.target.is_dir() {
-        return Err(Error::Flag(format!("--target {}: not a directory (expected the target model's Hugging Face directory)", a.target.display())));
+        return Err(Error::Flag(format!(
+            "--target {}: not a directory (expected the target model's Hugging Face directory)",
+            a.target.display()
+        )));
     }
     let vocab = match dflash_shared::model_config::TargetConfig::load(&a.target) {
         Ok(c) => Some(c.vocab_size as u32),
@@ -42,22 +47,30 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
     };
     cfg.check()?;
     let tmp = tmp_path(&a.out);
-    let file = std::fs::File::create(&tmp).map_err(|e| Error::input(format!("--out {}", a.out.display()), e))?;
+    let file = std::fs::File::create(&tmp)
+        .map_err(|e| Error::input(format!("--out {}", a.out.display()), e))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
     let started = Instant::now();
     let out_name = a.out.display().to_string();
     let result = scan(&cfg, None, a.drafters.max(1), |s| {
-        serde_json::to_writer(&mut w, &serde_json::json!({"input_ids": s.ids, "loss_mask": s.mask}))
-            .map_err(std::io::Error::from)
-            .and_then(|_| w.write_all(b"\n"))
-            .map_err(|e| std::io::Error::new(e.kind(), format!("--out {out_name}: {e}")))
+        serde_json::to_writer(
+            &mut w,
+            &serde_json::json!({"input_ids": s.ids, "loss_mask": s.mask}),
+        )
+        .map_err(std::io::Error::from)
+        .and_then(|_| w.write_all(b"\n"))
+        .map_err(|e| std::io::Error::new(e.kind(), format!("--out {out_name}: {e}")))
     });
     let finish = |r: Result<Report, Error>| -> Result<Report, Error> {
         let r = r?;
         r.check()?;
-        let f = w.into_inner().map_err(|e| Error::io("cannot write", &tmp, e.into_error()))?;
-        f.sync_all().map_err(|e| Error::io("cannot write", &tmp, e))?;
-        std::fs::rename(&tmp, &a.out).map_err(|e| Error::input(format!("--out {}", a.out.display()), e))?;
+        let f = w
+            .into_inner()
+            .map_err(|e| Error::io("cannot write", &tmp, e.into_error()))?;
+        f.sync_all()
+            .map_err(|e| Error::io("cannot write", &tmp, e))?;
+        std::fs::rename(&tmp, &a.out)
+            .map_err(|e| Error::input(format!("--out {}", a.out.display()), e))?;
         Ok(r)
     };
     let report = match finish(result) {
@@ -85,10 +98,17 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
 /// `dflash-supervise bench prepare`.
 pub fn bench(json: bool, tokenizer: Option<PathBuf>, conversations: usize) -> Result<i32, Error> {
     let dir = tokenizer.unwrap_or_else(test_tokenizer_dir);
-    let chat = Arc::new(Chat::load(&dir).map_err(|e| Error::input("--tokenizer (fetch the test tokenizer with scripts/fetch_test_assets.sh)", e))?);
+    let chat = Arc::new(Chat::load(&dir).map_err(|e| {
+        Error::input(
+            "--tokenizer (fetch the test tokenizer with scripts/fetch_test_assets.sh)",
+            e,
+        )
+    })?);
     let lines = synthetic_conversations(conversations.max(1), 7);
-    let tmp = std::env::temp_dir().join(format!("dflash-bench-prepare-{}.jsonl", std::process::id()));
-    write_atomic(&tmp, (lines.join("\n") + "\n").as_bytes()).map_err(|e| Error::io("cannot write", &tmp, e))?;
+    let tmp =
+        std::env::temp_dir().join(format!("dflash-bench-prepare-{}.jsonl", std::process::id()));
+    write_atomic(&tmp, (lines.join("\n") + "\n").as_bytes())
+        .map_err(|e| Error::io("cannot write", &tmp, e))?;
     let cfg = LoaderConfig {
         source: DataSource::Files(vec![tmp.clone()]),
         vocab_size: None,
@@ -106,7 +126,11 @@ pub fn bench(json: bool, tokenizer: Option<PathBuf>, conversations: usize) -> Re
     let t0 = Instant::now();
     let mut one_tokens = 0u64;
     for l in &lines {
-        let p = loader::parse_line(l.as_bytes(), &cfg).map_err(|b| Error::Bench { bench: "prepare", what: "bench data".into(), source: b.reason.into() })?;
+        let p = loader::parse_line(l.as_bytes(), &cfg).map_err(|b| Error::Bench {
+            bench: "prepare",
+            what: "bench data".into(),
+            source: b.reason.into(),
+        })?;
         one_tokens += p.len as u64;
     }
     let one = t0.elapsed().as_secs_f64();
@@ -134,10 +158,26 @@ pub fn bench(json: bool, tokenizer: Option<PathBuf>, conversations: usize) -> Re
         println!("{out}");
     } else {
         println!("chat preparation ({} conversations, {} tokens, Qwen3 tokenizer + chat template, {} cores)", lines.len(), one_tokens, cores);
-        println!("  one thread            {:>9.0} conversations/s {:>10.0} tokens/s", out["one_thread_conversations_per_s"].as_f64().unwrap_or(0.0), out["one_thread_tokens_per_s"].as_f64().unwrap_or(0.0));
-        println!("  loader (all cores)    {:>9.0} conversations/s {:>10.0} tokens/s", out["loader_conversations_per_s"].as_f64().unwrap_or(0.0), out["loader_tokens_per_s"].as_f64().unwrap_or(0.0));
-        println!("  loader / one thread   {:>9.2}", out["loader_vs_one_thread"].as_f64().unwrap_or(0.0));
-        println!("  loader / goal         {:>9.2}   (goal: 145000 tokens/s, 10x an 8-GPU run's 14.5K)", out["loader_vs_goal"].as_f64().unwrap_or(0.0));
+        println!(
+            "  one thread            {:>9.0} conversations/s {:>10.0} tokens/s",
+            out["one_thread_conversations_per_s"]
+                .as_f64()
+                .unwrap_or(0.0),
+            out["one_thread_tokens_per_s"].as_f64().unwrap_or(0.0)
+        );
+        println!(
+            "  loader (all cores)    {:>9.0} conversations/s {:>10.0} tokens/s",
+            out["loader_conversations_per_s"].as_f64().unwrap_or(0.0),
+            out["loader_tokens_per_s"].as_f64().unwrap_or(0.0)
+        );
+        println!(
+            "  loader / one thread   {:>9.2}",
+            out["loader_vs_one_thread"].as_f64().unwrap_or(0.0)
+        );
+        println!(
+            "  loader / goal         {:>9.2}   (goal: 145000 tokens/s, 10x an 8-GPU run's 14.5K)",
+            out["loader_vs_goal"].as_f64().unwrap_or(0.0)
+        );
     }
     Ok(0)
 }

@@ -9,7 +9,11 @@ use crate::telemetry::report::write;
 fn files_signature(dir: &Path) -> Vec<Option<(u64, std::time::SystemTime)>> {
     ["metrics.jsonl", "events.jsonl"]
         .iter()
-        .map(|f| std::fs::metadata(dir.join(f)).ok().map(|m| (m.len(), m.modified().unwrap_or(std::time::UNIX_EPOCH))))
+        .map(|f| {
+            std::fs::metadata(dir.join(f))
+                .ok()
+                .map(|m| (m.len(), m.modified().unwrap_or(std::time::UNIX_EPOCH)))
+        })
         .collect()
 }
 
@@ -29,14 +33,21 @@ pub fn run(dir: Option<PathBuf>, out: Option<PathBuf>, watch: bool) -> Result<i3
     use std::sync::atomic::{AtomicBool, Ordering};
     let stop = std::sync::Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(sig, stop.clone()).map_err(|e| Error::start("signal handlers", e))?;
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| Error::start("signal handlers", e))?;
     }
-    eprintln!("dflash-supervise: rewriting {} at every metrics window until the run ends (Ctrl-C stops)", out.display());
+    eprintln!(
+        "dflash-supervise: rewriting {} at every metrics window until the run ends (Ctrl-C stops)",
+        out.display()
+    );
     let mut seen = files_signature(&run.path);
     loop {
         std::thread::sleep(std::time::Duration::from_millis(200));
         if stop.load(Ordering::Relaxed) {
-            eprintln!("dflash-supervise: stopped watching; {} holds the last snapshot", out.display());
+            eprintln!(
+                "dflash-supervise: stopped watching; {} holds the last snapshot",
+                out.display()
+            );
             return Ok(0);
         }
         // Read liveness first: a run that ends between the two reads still gets its last write.
@@ -47,7 +58,10 @@ pub fn run(dir: Option<PathBuf>, out: Option<PathBuf>, watch: bool) -> Result<i3
             write(&run.path, &out)?;
         }
         if !alive {
-            eprintln!("dflash-supervise: the run has ended; {} is final", out.display());
+            eprintln!(
+                "dflash-supervise: the run has ended; {} is final",
+                out.display()
+            );
             return Ok(0);
         }
     }

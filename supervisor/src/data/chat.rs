@@ -29,7 +29,11 @@ pub struct Chat {
 
 impl std::fmt::Debug for Chat {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Chat").field("dir", &self.dir).field("header", &self.header).field("end", &self.end).finish()
+        f.debug_struct("Chat")
+            .field("dir", &self.dir)
+            .field("header", &self.header)
+            .field("end", &self.end)
+            .finish()
     }
 }
 
@@ -50,20 +54,31 @@ pub struct Bad {
 }
 
 fn bad(reason: &'static str) -> Bad {
-    Bad { reason, detail: None }
+    Bad {
+        reason,
+        detail: None,
+    }
 }
 
 /// The conversation in a JSONL object, as messages with a `role` and a string `content`;
 /// `Ok(None)` when the object holds neither `messages` nor `conversations`.
-pub fn conversation(obj: &serde_json::Map<String, serde_json::Value>) -> Result<Option<Vec<serde_json::Value>>, Bad> {
+pub fn conversation(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Option<Vec<serde_json::Value>>, Bad> {
     let msgs = if let Some(m) = obj.get("messages") {
         let list = m.as_array().ok_or(bad("messages is not a list"))?;
         let mut out = Vec::with_capacity(list.len());
         for msg in list {
             let o = msg.as_object().ok_or(bad("a message is not an object"))?;
-            let role = o.get("role").and_then(|r| r.as_str()).ok_or(bad("a message has no string role"))?;
+            let role = o
+                .get("role")
+                .and_then(|r| r.as_str())
+                .ok_or(bad("a message has no string role"))?;
             if !matches!(role, "system" | "user" | "assistant") {
-                return Err(Bad { reason: "unknown role", detail: Some(format!("role {role:?}; expected system, user or assistant")) });
+                return Err(Bad {
+                    reason: "unknown role",
+                    detail: Some(format!("role {role:?}; expected system, user or assistant")),
+                });
             }
             if !o.get("content").is_some_and(|c| c.is_string()) {
                 return Err(bad("message content is not a string"));
@@ -76,17 +91,28 @@ pub fn conversation(obj: &serde_json::Map<String, serde_json::Value>) -> Result<
         let list = c.as_array().ok_or(bad("conversations is not a list"))?;
         let mut out = Vec::with_capacity(list.len());
         for turn in list {
-            let o = turn.as_object().ok_or(bad("a conversation turn is not an object"))?;
-            let from = o.get("from").and_then(|r| r.as_str()).ok_or(bad("a conversation turn has no string from"))?;
+            let o = turn
+                .as_object()
+                .ok_or(bad("a conversation turn is not an object"))?;
+            let from = o
+                .get("from")
+                .and_then(|r| r.as_str())
+                .ok_or(bad("a conversation turn has no string from"))?;
             let role = match from {
                 "human" | "user" => "user",
                 "gpt" | "assistant" => "assistant",
                 "system" => "system",
                 other => {
-                    return Err(Bad { reason: "unknown role", detail: Some(format!("from {other:?}; expected human, gpt or system")) })
+                    return Err(Bad {
+                        reason: "unknown role",
+                        detail: Some(format!("from {other:?}; expected human, gpt or system")),
+                    })
                 }
             };
-            let value = o.get("value").and_then(|v| v.as_str()).ok_or(bad("conversation value is not a string"))?;
+            let value = o
+                .get("value")
+                .and_then(|v| v.as_str())
+                .ok_or(bad("conversation value is not a string"))?;
             out.push(serde_json::json!({"role": role, "content": value}));
         }
         out
@@ -109,13 +135,22 @@ impl Chat {
     pub fn load(dir: &Path) -> Result<Chat, String> {
         let tok_path = dir.join("tokenizer.json");
         if !tok_path.is_file() {
-            return Err(format!("{}: missing (expected the target's Hugging Face tokenizer, or --tokenizer DIR)", tok_path.display()));
+            return Err(format!(
+                "{}: missing (expected the target's Hugging Face tokenizer, or --tokenizer DIR)",
+                tok_path.display()
+            ));
         }
-        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
-            .map_err(|e| format!("{}: not a readable Hugging Face tokenizer: {}", tok_path.display(), one_line(&e.to_string())))?;
+        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| {
+            format!(
+                "{}: not a readable Hugging Face tokenizer: {}",
+                tok_path.display(),
+                one_line(&e.to_string())
+            )
+        })?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
-            Ok(text) => serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", cfg_path.display()))?,
+            Ok(text) => serde_json::from_str(&text)
+                .map_err(|e| format!("{}: not valid JSON: {e}", cfg_path.display()))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
             Err(e) => return Err(format!("{}: {e}", cfg_path.display())),
         };
@@ -142,7 +177,15 @@ impl Chat {
             }
         };
         let mut special = BTreeMap::new();
-        for k in ["bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"] {
+        for k in [
+            "bos_token",
+            "eos_token",
+            "unk_token",
+            "pad_token",
+            "sep_token",
+            "cls_token",
+            "mask_token",
+        ] {
             let v = &cfg[k];
             if let Some(s) = v.as_str().or(v["content"].as_str()) {
                 special.insert(k.to_string(), s.to_string());
@@ -153,13 +196,28 @@ impl Chat {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<Value, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        });
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<Value, minijinja::Error> {
+                Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+            },
+        );
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat", template)
-            .map_err(|e| format!("{}: the chat template does not parse: {}", dir.display(), one_line(&e.to_string())))?;
-        let mut chat = Chat { tokenizer, env, special, header: String::new(), end: String::new(), dir: dir.to_path_buf() };
+        env.add_template_owned("chat", template).map_err(|e| {
+            format!(
+                "{}: the chat template does not parse: {}",
+                dir.display(),
+                one_line(&e.to_string())
+            )
+        })?;
+        let mut chat = Chat {
+            tokenizer,
+            env,
+            special,
+            header: String::new(),
+            end: String::new(),
+            dir: dir.to_path_buf(),
+        };
         chat.find_markers()?;
         Ok(chat)
     }
@@ -168,7 +226,13 @@ impl Chat {
     /// marker is the first token the template writes after an assistant reply.
     fn find_markers(&mut self) -> Result<(), String> {
         let user = serde_json::json!([{"role": "user", "content": "Hello"}]);
-        let what = |e: minijinja::Error| format!("{}: the chat template fails on a one-turn conversation: {}", self.dir.display(), one_line(&e.to_string()));
+        let what = |e: minijinja::Error| {
+            format!(
+                "{}: the chat template fails on a one-turn conversation: {}",
+                self.dir.display(),
+                one_line(&e.to_string())
+            )
+        };
         let base = self.render(&user, false).map_err(what)?;
         let gen = self.render(&user, true).map_err(what)?;
         let header = gen.strip_prefix(&base).filter(|h| !h.is_empty()).ok_or_else(|| {
@@ -177,12 +241,23 @@ impl Chat {
         const SENTINEL: &str = "DFlashSentinelReply";
         let probe = serde_json::json!([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": SENTINEL}]);
         let text = self.render(&probe, false).map_err(what)?;
-        let at = text.find(SENTINEL).ok_or_else(|| format!("{}: the chat template drops the assistant's reply", self.dir.display()))?;
+        let at = text.find(SENTINEL).ok_or_else(|| {
+            format!(
+                "{}: the chat template drops the assistant's reply",
+                self.dir.display()
+            )
+        })?;
         if !text[..at].contains(header) {
-            return Err(format!("{}: the assistant header {header:?} does not precede the assistant's reply", self.dir.display()));
+            return Err(format!(
+                "{}: the assistant header {header:?} does not precede the assistant's reply",
+                self.dir.display()
+            ));
         }
         let rest = &text[at + SENTINEL.len()..];
-        let enc = self.tokenizer.encode(rest, false).map_err(|e| format!("{}: tokenizing: {e}", self.dir.display()))?;
+        let enc = self
+            .tokenizer
+            .encode(rest, false)
+            .map_err(|e| format!("{}: tokenizing: {e}", self.dir.display()))?;
         let end = match enc.get_offsets().first().and_then(|&(s, e)| rest.get(s..e)) {
             Some(t) if !t.is_empty() => t.to_string(),
             _ => return Err(format!("{}: the chat template writes nothing after an assistant reply (no end-of-turn marker)", self.dir.display())),
@@ -192,9 +267,17 @@ impl Chat {
         Ok(())
     }
 
-    fn render(&self, messages: &serde_json::Value, add_generation_prompt: bool) -> Result<String, minijinja::Error> {
+    fn render(
+        &self,
+        messages: &serde_json::Value,
+        add_generation_prompt: bool,
+    ) -> Result<String, minijinja::Error> {
         let tmpl = self.env.get_template("chat")?;
-        let mut ctx: BTreeMap<&str, Value> = self.special.iter().map(|(k, v)| (k.as_str(), Value::from(v.as_str()))).collect();
+        let mut ctx: BTreeMap<&str, Value> = self
+            .special
+            .iter()
+            .map(|(k, v)| (k.as_str(), Value::from(v.as_str())))
+            .collect();
         ctx.insert("messages", Value::from_serialize(messages));
         ctx.insert("tools", Value::from(()));
         ctx.insert("documents", Value::from(()));
@@ -206,12 +289,18 @@ impl Chat {
     pub fn encode(&self, messages: Vec<serde_json::Value>) -> Result<Encoded, Bad> {
         let text = self
             .render(&serde_json::Value::Array(messages), false)
-            .map_err(|e| Bad { reason: "chat template failed to render", detail: Some(one_line(&e.to_string())) })?;
+            .map_err(|e| Bad {
+                reason: "chat template failed to render",
+                detail: Some(one_line(&e.to_string())),
+            })?;
         let spans = self.spans(&text);
         let enc = self
             .tokenizer
             .encode(text.as_str(), false)
-            .map_err(|e| Bad { reason: "tokenizer failed", detail: Some(one_line(&e.to_string())) })?;
+            .map_err(|e| Bad {
+                reason: "tokenizer failed",
+                detail: Some(one_line(&e.to_string())),
+            })?;
         let ids = enc.get_ids().to_vec();
         let mut mask = Vec::with_capacity(ids.len());
         let mut si = 0;
@@ -221,7 +310,11 @@ impl Chat {
             }
             mask.push(u8::from(si < spans.len() && spans[si].0 <= start));
         }
-        Ok(Encoded { ids, mask, marker_found: !spans.is_empty() })
+        Ok(Encoded {
+            ids,
+            mask,
+            marker_found: !spans.is_empty(),
+        })
     }
 
     /// Byte ranges of the supervised spans of a rendering, in order.
@@ -230,7 +323,9 @@ impl Chat {
         let mut from = 0;
         while let Some(at) = text[from..].find(&self.header) {
             let start = from + at + self.header.len();
-            let end = text[start..].find(&self.end).map_or(text.len(), |e| start + e + self.end.len());
+            let end = text[start..]
+                .find(&self.end)
+                .map_or(text.len(), |e| start + e + self.end.len());
             spans.push((start, end));
             from = end;
         }
@@ -253,7 +348,11 @@ fn one_line(s: &str) -> String {
 
 /// Python's `json.dumps(x, ensure_ascii=False, indent=indent)` as transformers' `tojson`
 /// filter does it (minijinja's own escapes HTML characters, which transformers does not).
-fn tojson(v: Value, indent: Option<usize>, kwargs: minijinja::value::Kwargs) -> Result<Value, minijinja::Error> {
+fn tojson(
+    v: Value,
+    indent: Option<usize>,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<Value, minijinja::Error> {
     // `tojson(indent=2)` as Jinja templates write it, or `tojson(2)`.
     let indent = match kwargs.get::<Option<usize>>("indent")? {
         Some(i) => Some(i),
@@ -265,11 +364,20 @@ fn tojson(v: Value, indent: Option<usize>, kwargs: minijinja::value::Kwargs) -> 
     Ok(Value::from_safe_string(out))
 }
 
-fn py_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) -> Result<(), minijinja::Error> {
+fn py_json(
+    v: &Value,
+    indent: Option<usize>,
+    depth: usize,
+    out: &mut String,
+) -> Result<(), minijinja::Error> {
     use minijinja::value::ValueKind as K;
     let (sep, open_pad, close_pad) = match indent {
         None => (", ".to_string(), String::new(), String::new()),
-        Some(n) => (format!(",\n{}", " ".repeat(n * (depth + 1))), format!("\n{}", " ".repeat(n * (depth + 1))), format!("\n{}", " ".repeat(n * depth))),
+        Some(n) => (
+            format!(",\n{}", " ".repeat(n * (depth + 1))),
+            format!("\n{}", " ".repeat(n * (depth + 1))),
+            format!("\n{}", " ".repeat(n * depth)),
+        ),
     };
     match v.kind() {
         K::Undefined | K::None => out.push_str("null"),
@@ -284,7 +392,9 @@ fn py_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) -> 
                 out.push_str(&f.to_string())
             }
         }
-        K::String => out.push_str(&serde_json::to_string(v.as_str().unwrap_or_default()).unwrap_or_default()),
+        K::String => {
+            out.push_str(&serde_json::to_string(v.as_str().unwrap_or_default()).unwrap_or_default())
+        }
         K::Map => {
             let keys: Vec<Value> = v.try_iter()?.collect();
             if keys.is_empty() {
@@ -321,7 +431,12 @@ fn py_json(v: &Value, indent: Option<usize>, depth: usize, out: &mut String) -> 
             out.push_str(&close_pad);
             out.push(']');
         }
-        _ => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: cannot write a {} as JSON", v.kind()))),
+        _ => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: cannot write a {} as JSON", v.kind()),
+            ))
+        }
     }
     Ok(())
 }
@@ -332,16 +447,38 @@ mod tests {
 
     #[test]
     fn roles_and_shapes_are_checked_with_reasons() {
-        let obj = |s: &str| serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(s).unwrap();
+        let obj = |s: &str| {
+            serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(s).unwrap()
+        };
         let reason = |s: &str| conversation(&obj(s)).unwrap_err().reason;
-        assert_eq!(reason(r#"{"messages": {"role": "user"}}"#), "messages is not a list");
-        assert_eq!(reason(r#"{"messages": [{"role": "tool", "content": "x"}]}"#), "unknown role");
-        assert_eq!(reason(r#"{"messages": [{"role": "user", "content": 3}]}"#), "message content is not a string");
+        assert_eq!(
+            reason(r#"{"messages": {"role": "user"}}"#),
+            "messages is not a list"
+        );
+        assert_eq!(
+            reason(r#"{"messages": [{"role": "tool", "content": "x"}]}"#),
+            "unknown role"
+        );
+        assert_eq!(
+            reason(r#"{"messages": [{"role": "user", "content": 3}]}"#),
+            "message content is not a string"
+        );
         assert_eq!(reason(r#"{"messages": []}"#), "empty conversation");
-        assert_eq!(reason(r#"{"messages": [{"role": "user", "content": "hi"}]}"#), "no assistant turn");
-        assert_eq!(reason(r#"{"conversations": [{"from": "bot", "value": "x"}]}"#), "unknown role");
-        assert_eq!(reason(r#"{"conversations": [{"from": "gpt", "value": null}]}"#), "conversation value is not a string");
-        assert!(conversation(&obj(r#"{"input_ids": [1]}"#)).unwrap().is_none());
+        assert_eq!(
+            reason(r#"{"messages": [{"role": "user", "content": "hi"}]}"#),
+            "no assistant turn"
+        );
+        assert_eq!(
+            reason(r#"{"conversations": [{"from": "bot", "value": "x"}]}"#),
+            "unknown role"
+        );
+        assert_eq!(
+            reason(r#"{"conversations": [{"from": "gpt", "value": null}]}"#),
+            "conversation value is not a string"
+        );
+        assert!(conversation(&obj(r#"{"input_ids": [1]}"#))
+            .unwrap()
+            .is_none());
         let c = conversation(&obj(r#"{"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}"#))
             .unwrap()
             .unwrap();
@@ -352,12 +489,30 @@ mod tests {
     #[test]
     fn tojson_writes_what_python_json_dumps_writes() {
         // Insertion order, as Python dicts keep it.
-        let v = minijinja::Environment::new().compile_expression(r#"{"name": "f", "args": [1, 2.0, "<é>", none, true], "e": {}}"#).unwrap().eval(()).unwrap();
-        assert_eq!(tojson(v.clone(), None, minijinja::value::Kwargs::from_iter(std::iter::empty::<(&str, Value)>())).unwrap().to_string(), r#"{"name": "f", "args": [1, 2.0, "<é>", null, true], "e": {}}"#);
+        let v = minijinja::Environment::new()
+            .compile_expression(r#"{"name": "f", "args": [1, 2.0, "<é>", none, true], "e": {}}"#)
+            .unwrap()
+            .eval(())
+            .unwrap();
+        assert_eq!(
+            tojson(
+                v.clone(),
+                None,
+                minijinja::value::Kwargs::from_iter(std::iter::empty::<(&str, Value)>())
+            )
+            .unwrap()
+            .to_string(),
+            r#"{"name": "f", "args": [1, 2.0, "<é>", null, true], "e": {}}"#
+        );
         let env = minijinja::Environment::new();
         let mut env = env;
         env.add_filter("tojson", tojson);
-        let indented = env.render_str("{{ x|tojson(indent=2) }}", minijinja::context! { x => Value::from_serialize(serde_json::json!({"a": [1]})) }).unwrap();
+        let indented = env
+            .render_str(
+                "{{ x|tojson(indent=2) }}",
+                minijinja::context! { x => Value::from_serialize(serde_json::json!({"a": [1]})) },
+            )
+            .unwrap();
         assert_eq!(indented, "{\n  \"a\": [\n    1\n  ]\n}");
     }
 }

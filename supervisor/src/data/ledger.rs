@@ -41,7 +41,11 @@ impl Ledger {
         // without its newline: end it, and mark it so the audit sets it aside.
         let torn = last_byte(&path).is_some_and(|b| b != b'\n');
         let file = OpenOptions::new().create(true).append(true).open(&path)?;
-        let mut l = Ledger { file, failed: None, torn };
+        let mut l = Ledger {
+            file,
+            failed: None,
+            torn,
+        };
         if torn {
             l.write(&json!({"t": unix_ms(), "ev": "torn"}));
         }
@@ -54,7 +58,9 @@ impl Ledger {
     }
 
     pub fn rollback(&mut self, from: Option<u64>, to: u64, batches: &[u64]) {
-        self.write(&json!({"t": unix_ms(), "ev": "rollback", "from": from, "to": to, "batches": batches}));
+        self.write(
+            &json!({"t": unix_ms(), "ev": "rollback", "from": from, "to": to, "batches": batches}),
+        );
     }
 
     pub fn record(&mut self, ev: &str, batch: u64, worker: &str, extra: Value) {
@@ -76,7 +82,11 @@ impl Ledger {
     fn write(&mut self, v: &Value) {
         // One write per record, unbuffered: a supervisor killed with SIGKILL loses nothing
         // it had already recorded.
-        let mut line = if self.torn { "\n".to_string() } else { String::new() };
+        let mut line = if self.torn {
+            "\n".to_string()
+        } else {
+            String::new()
+        };
         line.push_str(&v.to_string());
         line.push('\n');
         match self.file.write_all(line.as_bytes()) {
@@ -134,12 +144,17 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
             Err(e) => {
                 // Cut short by a crash: the file's last line, or one the next supervisor
                 // marked as torn.
-                let marked = lines.get(i + 1).is_some_and(|n| n.contains(r#""ev":"torn""#));
+                let marked = lines
+                    .get(i + 1)
+                    .is_some_and(|n| n.contains(r#""ev":"torn""#));
                 if (i + 1 == lines.len() && !text.ends_with('\n')) || marked {
                     a.torn_lines += 1;
                     continue;
                 }
-                return Err(Error::input(format!("{}:{}: not a ledger record", path.display(), i + 1), e));
+                return Err(Error::input(
+                    format!("{}:{}: not a ledger record", path.display(), i + 1),
+                    e,
+                ));
             }
         };
         let batch = v["batch"].as_u64();
@@ -158,7 +173,14 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
             ("requeue", Some(_)) => a.requeued += 1,
             ("duplicate", Some(_)) => a.duplicates_dropped += 1,
             ("end", _) => {
-                end_in_flight = Some(v["in_flight"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect());
+                end_in_flight = Some(
+                    v["in_flight"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(Value::as_u64)
+                        .collect(),
+                );
             }
             _ => {}
         }
@@ -211,7 +233,9 @@ mod tests {
 
     #[test]
     fn a_batch_consumed_again_after_a_rollback_is_once_in_the_lineage_but_twice_in_one_is_not() {
-        let load: Vec<String> = (0..4).map(|b| format!(r#"{{"ev":"load","batch":{b}}}"#)).collect();
+        let load: Vec<String> = (0..4)
+            .map(|b| format!(r#"{{"ev":"load","batch":{b}}}"#))
+            .collect();
         let c = |b: u64, s: u64| format!(r#"{{"ev":"consumed","batch":{b},"step":{s}}}"#);
         let mut ok: Vec<String> = load.clone();
         // Steps 1-3 consume 0, 1, 2; every drafter dies; rollback to step 1: 1 and 2 again.
@@ -220,14 +244,31 @@ mod tests {
         ok.extend([c(1, 2), c(2, 3), c(3, 4)]);
         ok.push(r#"{"ev":"end","in_flight":[]}"#.into());
         let a = audit_of(&ok.iter().map(String::as_str).collect::<Vec<_>>());
-        assert_eq!((a.consumed_once, a.duplicated, a.lost, a.rollbacks, a.abandoned), (4, 0, 0, 1, 2), "{a:?}");
+        assert_eq!(
+            (
+                a.consumed_once,
+                a.duplicated,
+                a.lost,
+                a.rollbacks,
+                a.abandoned
+            ),
+            (4, 0, 0, 1, 2),
+            "{a:?}"
+        );
         // Without the rollback record the same consumptions are duplicates.
-        let no_rollback: Vec<&str> = ok.iter().map(String::as_str).filter(|l| !l.contains("rollback")).collect();
+        let no_rollback: Vec<&str> = ok
+            .iter()
+            .map(String::as_str)
+            .filter(|l| !l.contains("rollback"))
+            .collect();
         assert_eq!(audit_of(&no_rollback).duplicated, 2);
         // Twice in one lineage (after the rollback) is a duplicate.
         let mut twice = ok.clone();
         twice.insert(twice.len() - 1, c(3, 5));
-        assert_eq!(audit_of(&twice.iter().map(String::as_str).collect::<Vec<_>>()).duplicated, 1);
+        assert_eq!(
+            audit_of(&twice.iter().map(String::as_str).collect::<Vec<_>>()).duplicated,
+            1
+        );
         // Abandoned and never consumed again: lost.
         let mut lost: Vec<String> = load.clone();
         lost.extend([c(0, 1), c(1, 2), c(2, 3), c(3, 4)]);
@@ -242,7 +283,11 @@ mod tests {
     fn a_torn_last_line_is_set_aside_and_a_reopened_ledger_marks_it() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(LEDGER_FILE);
-        std::fs::write(&path, "{\"ev\":\"load\",\"batch\":0}\n{\"ev\":\"consumed\",\"batch\":0,\"st").unwrap();
+        std::fs::write(
+            &path,
+            "{\"ev\":\"load\",\"batch\":0}\n{\"ev\":\"consumed\",\"batch\":0,\"st",
+        )
+        .unwrap();
         let a = audit(&path).unwrap();
         assert_eq!((a.produced, a.torn_lines, a.consumed_once), (1, 1, 0));
         // A supervisor that opens it again ends the torn line and marks it; later records
@@ -252,8 +297,15 @@ mod tests {
         let a = audit(&path).unwrap();
         assert_eq!((a.torn_lines, a.consumed_once), (1, 1), "{a:?}");
         // Garbage elsewhere is still an error.
-        std::fs::write(&path, "{\"ev\":\"load\",\"batch\":0}\nnot json\n{\"ev\":\"load\",\"batch\":1}\n").unwrap();
-        assert!(audit(&path).unwrap_err().to_string().contains(":2: not a ledger record"));
+        std::fs::write(
+            &path,
+            "{\"ev\":\"load\",\"batch\":0}\nnot json\n{\"ev\":\"load\",\"batch\":1}\n",
+        )
+        .unwrap();
+        assert!(audit(&path)
+            .unwrap_err()
+            .to_string()
+            .contains(":2: not a ledger record"));
     }
 
     #[test]
@@ -281,7 +333,17 @@ mod tests {
             r#"{"ev":"consumed","batch":1}"#,
             r#"{"ev":"end","in_flight":[2]}"#,
         ]);
-        assert_eq!((a.produced, a.consumed_once, a.duplicated, a.in_flight, a.lost, a.requeued), (4, 1, 1, 1, 1, 1));
+        assert_eq!(
+            (
+                a.produced,
+                a.consumed_once,
+                a.duplicated,
+                a.in_flight,
+                a.lost,
+                a.requeued
+            ),
+            (4, 1, 1, 1, 1, 1)
+        );
         let live = audit_of(&[r#"{"ev":"load","batch":0}"#]);
         assert_eq!((live.in_flight, live.lost, live.ended), (1, 0, false));
     }

@@ -19,7 +19,9 @@ use serde::Serialize;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DataSource {
     /// Deterministic synthetic sequences with learnable structure.
-    Demo { samples: usize },
+    Demo {
+        samples: usize,
+    },
     Stdin,
     Files(Vec<PathBuf>),
 }
@@ -58,8 +60,15 @@ pub enum LoaderError {
     NotData { path: String, source: io::Error },
     #[error("--data {path}: no .jsonl files in this directory")]
     NoJsonl { path: String },
-    #[error("--data {what}: {count} bad lines, more than --max-bad-lines {max} (reasons: {reasons})")]
-    TooManyBad { what: String, count: u64, max: u64, reasons: String },
+    #[error(
+        "--data {what}: {count} bad lines, more than --max-bad-lines {max} (reasons: {reasons})"
+    )]
+    TooManyBad {
+        what: String,
+        count: u64,
+        max: u64,
+        reasons: String,
+    },
     #[error("--data {what}: no usable sample ({stats}); expected JSONL lines like {{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}}")]
     Empty { what: String, stats: String },
 }
@@ -96,7 +105,9 @@ pub(crate) struct Parsed {
 impl Parsed {
     /// DFlash anchors need two consecutive supervised tokens.
     pub(crate) fn usable(&self) -> bool {
-        self.sample.mask[..self.len].windows(2).any(|w| w[0] == 1 && w[1] == 1)
+        self.sample.mask[..self.len]
+            .windows(2)
+            .any(|w| w[0] == 1 && w[1] == 1)
     }
 
     /// The sample as a run trains on it: cut at --max-seq-len.
@@ -133,11 +144,27 @@ impl BadLines {
     }
 
     pub fn summary(&self) -> String {
-        let mut parts: Vec<String> = self.by_reason.iter().map(|(r, n)| format!("{r}: {n}")).collect();
+        let mut parts: Vec<String> = self
+            .by_reason
+            .iter()
+            .map(|(r, n)| format!("{r}: {n}"))
+            .collect();
         if self.unsupervised > 0 {
-            parts.push(format!("no two consecutive supervised tokens: {}", self.unsupervised));
+            parts.push(format!(
+                "no two consecutive supervised tokens: {}",
+                self.unsupervised
+            ));
         }
-        format!("{} lines read, {} bad{}", self.lines, self.total, if parts.is_empty() { String::new() } else { format!("; {}", parts.join(", ")) })
+        format!(
+            "{} lines read, {} bad{}",
+            self.lines,
+            self.total,
+            if parts.is_empty() {
+                String::new()
+            } else {
+                format!("; {}", parts.join(", "))
+            }
+        )
     }
 }
 
@@ -173,14 +200,22 @@ impl LoaderConfig {
 /// Resolve `--data`: `demo`, `-`, a JSONL file, or a directory of `*.jsonl` files.
 pub fn parse_source(s: &str, demo_samples: usize) -> Result<DataSource, LoaderError> {
     match s {
-        "demo" => Ok(DataSource::Demo { samples: demo_samples }),
+        "demo" => Ok(DataSource::Demo {
+            samples: demo_samples,
+        }),
         "-" => Ok(DataSource::Stdin),
         path => {
             let p = Path::new(path);
-            let meta = std::fs::metadata(p).map_err(|source| LoaderError::NotData { path: path.into(), source })?;
+            let meta = std::fs::metadata(p).map_err(|source| LoaderError::NotData {
+                path: path.into(),
+                source,
+            })?;
             if meta.is_dir() {
                 let mut files: Vec<PathBuf> = std::fs::read_dir(p)
-                    .map_err(|source| LoaderError::Io { path: path.into(), source })?
+                    .map_err(|source| LoaderError::Io {
+                        path: path.into(),
+                        source,
+                    })?
                     .filter_map(|e| e.ok().map(|e| e.path()))
                     .filter(|f| f.extension().is_some_and(|x| x == "jsonl") && f.is_file())
                     .collect();
@@ -199,7 +234,11 @@ pub fn parse_source(s: &str, demo_samples: usize) -> Result<DataSource, LoaderEr
 /// One epoch's stream of samples.
 trait SampleStream {
     /// The next usable sample; `Ok(None)` at the end of the epoch.
-    fn next(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError>;
+    fn next(
+        &mut self,
+        bad: &mut BadLines,
+        cfg: &LoaderConfig,
+    ) -> Result<Option<Sample>, LoaderError>;
 }
 
 struct DemoStream {
@@ -208,7 +247,11 @@ struct DemoStream {
 }
 
 impl SampleStream for DemoStream {
-    fn next(&mut self, _bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError> {
+    fn next(
+        &mut self,
+        _bad: &mut BadLines,
+        cfg: &LoaderConfig,
+    ) -> Result<Option<Sample>, LoaderError> {
         if self.left == 0 {
             return Ok(None);
         }
@@ -235,7 +278,11 @@ fn demo_sample(rng: &mut Rng, max_len: u32) -> Sample {
         } else {
             pos = (pos + 1) % DEMO_CYCLE.len();
             let noisy = rng.below(100) < 3;
-            ids.push(if noisy { rng.below(vocab) as u32 } else { DEMO_CYCLE[pos] });
+            ids.push(if noisy {
+                rng.below(vocab) as u32
+            } else {
+                DEMO_CYCLE[pos]
+            });
             mask.push(1);
         }
     }
@@ -288,24 +335,41 @@ impl JsonlStream {
             DataSource::Files(files) => {
                 for f in files {
                     let name = f.display().to_string();
-                    let file = File::open(f).map_err(|e| LoaderError::Io { path: name.clone(), source: e })?;
+                    let file = File::open(f).map_err(|e| LoaderError::Io {
+                        path: name.clone(),
+                        source: e,
+                    })?;
                     total_bytes = total_bytes.map(|t| t + file.metadata().map_or(0, |m| m.len()));
                     readers.push_back((name, Box::new(file)));
                 }
             }
             DataSource::Demo { .. } => unreachable!("demo data is generated"),
         }
-        Ok(JsonlStream { readers, current: None, buf: Vec::new(), ahead: VecDeque::new(), bytes_read: 0, total_bytes, line_limit: None })
+        Ok(JsonlStream {
+            readers,
+            current: None,
+            buf: Vec::new(),
+            ahead: VecDeque::new(),
+            bytes_read: 0,
+            total_bytes,
+            line_limit: None,
+        })
     }
 
     /// The next non-blank raw line as (file:line, bytes), or a bad over-long line.
-    fn next_raw(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<RawLine>, LoaderError> {
+    fn next_raw(
+        &mut self,
+        bad: &mut BadLines,
+        cfg: &LoaderConfig,
+    ) -> Result<Option<RawLine>, LoaderError> {
         loop {
             if self.line_limit.is_some_and(|l| bad.lines >= l) {
                 return Ok(None);
             }
             if self.current.is_none() {
-                let Some((name, r)) = self.readers.pop_front() else { return Ok(None) };
+                let Some((name, r)) = self.readers.pop_front() else {
+                    return Ok(None);
+                };
                 self.current = Some((name, BufReader::with_capacity(1 << 16, r), 0));
             }
             let (name, reader, line_no) = self.current.as_mut().expect("current reader");
@@ -315,7 +379,10 @@ impl JsonlStream {
                 .by_ref()
                 .take(cap)
                 .read_until(b'\n', &mut self.buf)
-                .map_err(|e| LoaderError::Io { path: name.clone(), source: e })?;
+                .map_err(|e| LoaderError::Io {
+                    path: name.clone(),
+                    source: e,
+                })?;
             if n == 0 {
                 self.current = None;
                 continue;
@@ -328,14 +395,24 @@ impl JsonlStream {
                 let mut sink = Vec::new();
                 loop {
                     sink.clear();
-                    let m = reader.by_ref().take(1 << 20).read_until(b'\n', &mut sink).unwrap_or(0);
+                    let m = reader
+                        .by_ref()
+                        .take(1 << 20)
+                        .read_until(b'\n', &mut sink)
+                        .unwrap_or(0);
                     self.bytes_read += m as u64;
                     if m == 0 || sink.last() == Some(&b'\n') {
                         break;
                     }
                 }
                 bad.lines += 1;
-                return Ok(Some((whence, Err(Bad { reason: "line too long", detail: Some(format!("longer than {} bytes", cfg.max_line_bytes)) }))));
+                return Ok(Some((
+                    whence,
+                    Err(Bad {
+                        reason: "line too long",
+                        detail: Some(format!("longer than {} bytes", cfg.max_line_bytes)),
+                    }),
+                )));
             }
             if *line_no == 1 && self.buf.starts_with(b"\xEF\xBB\xBF") {
                 // A UTF-8 byte-order mark (written by some Windows editors) opens the file.
@@ -360,7 +437,9 @@ impl JsonlStream {
                 None => break,
             }
         }
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(8);
         let parse = |r: &RawLine| match &r.1 {
             Ok(text) => parse_line(text, cfg),
             Err(b) => Err(b.clone()),
@@ -370,8 +449,14 @@ impl JsonlStream {
         } else {
             let per = raw.len().div_ceil(threads);
             std::thread::scope(|sc| {
-                let parts: Vec<_> = raw.chunks(per).map(|c| sc.spawn(move || c.iter().map(parse).collect::<Vec<_>>())).collect();
-                parts.into_iter().flat_map(|h| h.join().expect("a parsing thread panicked")).collect()
+                let parts: Vec<_> = raw
+                    .chunks(per)
+                    .map(|c| sc.spawn(move || c.iter().map(parse).collect::<Vec<_>>()))
+                    .collect();
+                parts
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("a parsing thread panicked"))
+                    .collect()
             })
         };
         self.ahead.extend(raw.into_iter().map(|r| r.0).zip(parsed));
@@ -379,12 +464,18 @@ impl JsonlStream {
     }
 
     /// The next good line (usable for training or not); bad lines are counted on the way.
-    pub(crate) fn next_parsed(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Parsed>, LoaderError> {
+    pub(crate) fn next_parsed(
+        &mut self,
+        bad: &mut BadLines,
+        cfg: &LoaderConfig,
+    ) -> Result<Option<Parsed>, LoaderError> {
         loop {
             if self.ahead.is_empty() {
                 self.fill(bad, cfg)?;
             }
-            let Some((whence, r)) = self.ahead.pop_front() else { return Ok(None) };
+            let Some((whence, r)) = self.ahead.pop_front() else {
+                return Ok(None);
+            };
             match r {
                 Ok(p) => return Ok(Some(p)),
                 Err(b) => bad.bad(&whence, b.reason, b.detail.as_deref()),
@@ -394,7 +485,12 @@ impl JsonlStream {
                     what: cfg.describe(),
                     count: bad.total,
                     max: cfg.max_bad_lines,
-                    reasons: bad.by_reason.iter().map(|(r, n)| format!("{r}: {n}")).collect::<Vec<_>>().join(", "),
+                    reasons: bad
+                        .by_reason
+                        .iter()
+                        .map(|(r, n)| format!("{r}: {n}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
                 });
             }
         }
@@ -402,7 +498,11 @@ impl JsonlStream {
 }
 
 impl SampleStream for JsonlStream {
-    fn next(&mut self, bad: &mut BadLines, cfg: &LoaderConfig) -> Result<Option<Sample>, LoaderError> {
+    fn next(
+        &mut self,
+        bad: &mut BadLines,
+        cfg: &LoaderConfig,
+    ) -> Result<Option<Sample>, LoaderError> {
         while let Some(p) = self.next_parsed(bad, cfg)? {
             if p.usable() {
                 return Ok(Some(p.truncated()));
@@ -430,7 +530,11 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
             };
             let chat = cfg.chat.as_ref().ok_or_else(|| Bad {
                 reason: "chat sample but no usable tokenizer",
-                detail: Some(cfg.chat_error.clone().unwrap_or_else(|| "give --tokenizer DIR".into())),
+                detail: Some(
+                    cfg.chat_error
+                        .clone()
+                        .unwrap_or_else(|| "give --tokenizer DIR".into()),
+                ),
             })?;
             let enc = chat.encode(messages)?;
             if let Some(v) = cfg.vocab_size {
@@ -442,16 +546,28 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
         }
     };
     let len = ids.len().min(cfg.max_seq_len as usize);
-    Ok(Parsed { sample: Sample { ids, mask }, len, chat, marker_missing })
+    Ok(Parsed {
+        sample: Sample { ids, mask },
+        len,
+        chat,
+        marker_missing,
+    })
 }
 
 pub(crate) use crate::data::chat::Bad;
 
 fn bad(reason: &'static str) -> Bad {
-    Bad { reason, detail: None }
+    Bad {
+        reason,
+        detail: None,
+    }
 }
 
-fn parse_tokens(ids: &serde_json::Value, mask: Option<&serde_json::Value>, cfg: &LoaderConfig) -> Result<(Vec<u32>, Vec<u8>), Bad> {
+fn parse_tokens(
+    ids: &serde_json::Value,
+    mask: Option<&serde_json::Value>,
+    cfg: &LoaderConfig,
+) -> Result<(Vec<u32>, Vec<u8>), Bad> {
     let ids = ids.as_array().ok_or(bad("input_ids is not a list"))?;
     if ids.is_empty() {
         return Err(bad("empty input_ids"));
@@ -515,7 +631,10 @@ impl Loader {
     }
 
     pub fn position(&self) -> Position {
-        Position { epoch: self.epoch, batches: self.next_id }
+        Position {
+            epoch: self.epoch,
+            batches: self.next_id,
+        }
     }
 
     /// Resume: never emit these batch ids again (they reached the optimizer already).
@@ -572,11 +691,17 @@ impl Loader {
             let end_of_epoch = self.window.len() < self.cfg.shuffle_window;
             self.samples_this_epoch += self.window.len() as u64;
             let window = std::mem::take(&mut self.window);
-            let mut rng = Rng::new(self.cfg.seed.wrapping_mul(1_000_003) ^ ((self.epoch as u64) << 32) ^ self.next_id);
-            self.pending.extend(make_batches(window, self.cfg.token_budget, &mut rng));
+            let mut rng = Rng::new(
+                self.cfg.seed.wrapping_mul(1_000_003) ^ ((self.epoch as u64) << 32) ^ self.next_id,
+            );
+            self.pending
+                .extend(make_batches(window, self.cfg.token_budget, &mut rng));
             if end_of_epoch {
                 if self.samples_this_epoch == 0 {
-                    return Err(LoaderError::Empty { what: self.cfg.describe(), stats: self.bad.summary() });
+                    return Err(LoaderError::Empty {
+                        what: self.cfg.describe(),
+                        stats: self.bad.summary(),
+                    });
                 }
                 self.stream = None;
                 self.epoch += 1;
@@ -620,7 +745,13 @@ fn pack(rows: Vec<Sample>) -> TokenBatch {
         loss_mask[i * seq_len..i * seq_len + r.mask.len()].copy_from_slice(&r.mask);
         lengths.push(r.ids.len() as u32);
     }
-    TokenBatch { batch_id: 0, seq_len: seq_len as u32, lengths, input_ids, loss_mask }
+    TokenBatch {
+        batch_id: 0,
+        seq_len: seq_len as u32,
+        lengths,
+        input_ids,
+        loss_mask,
+    }
 }
 
 #[cfg(test)]
@@ -678,7 +809,12 @@ mod tests {
         ]);
         let mut l = Loader::new(cfg(src));
         let batches = all(&mut l);
-        let reasons: Vec<(&str, u64)> = l.bad.by_reason.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let reasons: Vec<(&str, u64)> = l
+            .bad
+            .by_reason
+            .iter()
+            .map(|(k, v)| (k.as_str(), *v))
+            .collect();
         assert_eq!(
             reasons,
             [
@@ -706,7 +842,10 @@ mod tests {
         let mut c = cfg(src);
         c.max_bad_lines = 2;
         let e = Loader::new(c).next_batch().unwrap_err().to_string();
-        assert!(e.contains("3 bad lines, more than --max-bad-lines 2") && e.contains("not JSON: 3"), "{e}");
+        assert!(
+            e.contains("3 bad lines, more than --max-bad-lines 2") && e.contains("not JSON: 3"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -721,8 +860,13 @@ mod tests {
 
     #[test]
     fn missing_dataset_names_the_path() {
-        let e = parse_source("/nonexistent/data.jsonl", 10).unwrap_err().to_string();
-        assert!(e.contains("/nonexistent/data.jsonl") && e.contains("expected"), "{e}");
+        let e = parse_source("/nonexistent/data.jsonl", 10)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("/nonexistent/data.jsonl") && e.contains("expected"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -743,7 +887,13 @@ mod tests {
             rows += b.rows();
         }
         assert_eq!(rows, 150, "50 samples × 3 epochs");
-        assert_eq!(l.position(), Position { epoch: 3, batches: batches.len() as u64 });
+        assert_eq!(
+            l.position(),
+            Position {
+                epoch: 3,
+                batches: batches.len() as u64
+            }
+        );
     }
 
     #[test]
@@ -774,7 +924,10 @@ mod tests {
         c.shuffle_window = 200;
         let batches = all(&mut Loader::new(c));
         let real: u64 = batches.iter().map(|b| b.tokens()).sum();
-        let padded: u64 = batches.iter().map(|b| b.rows() as u64 * b.seq_len as u64).sum();
+        let padded: u64 = batches
+            .iter()
+            .map(|b| b.rows() as u64 * b.seq_len as u64)
+            .sum();
         let eff = real as f64 / padded as f64;
         assert!(eff > 0.9, "padding efficiency {eff:.2}");
     }

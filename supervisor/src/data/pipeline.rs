@@ -30,9 +30,9 @@ use dflash_shared::{Role, WorkerName};
 use ipc_channel::ipc::IpcSender;
 use serde_json::json;
 
-use crate::error::Error;
 use crate::data::ledger::Ledger;
 use crate::data::loader::{BadLines, Loader, Position};
+use crate::error::Error;
 use crate::telemetry::queue_health::{PoolView, QueueHealth};
 
 /// The loader thread's holder id (worker lives start at 1).
@@ -52,7 +52,11 @@ pub struct PipelineConfig {
 impl PipelineConfig {
     pub fn geometries(&self) -> (PoolGeometry, PoolGeometry) {
         let budget = self.token_budget as u64;
-        let tokens = PoolGeometry { name: "tokens".into(), slots: self.token_slots, slot_bytes: 24 + budget * 9 };
+        let tokens = PoolGeometry {
+            name: "tokens".into(),
+            slots: self.token_slots,
+            slot_bytes: 24 + budget * 9,
+        };
         let hidden = PoolGeometry {
             name: "hidden".into(),
             slots: self.hidden_slots,
@@ -71,7 +75,9 @@ impl PipelineConfig {
     /// a clear error now than an OOM kill later.
     pub fn check_memory(&self, extra: u64) -> Result<(), Error> {
         let need = self.total_bytes() + extra;
-        let Some(avail) = mem_available() else { return Ok(()) };
+        let Some(avail) = mem_available() else {
+            return Ok(());
+        };
         if need > avail / 10 * 8 {
             let (t, h) = self.geometries();
             return Err(Error::Flag(format!(
@@ -105,7 +111,11 @@ pub fn human(bytes: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{bytes} B") } else { format!("{v:.1} {}", UNITS[u]) }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
 }
 
 /// From the loader thread.
@@ -123,7 +133,10 @@ pub enum LoaderEvent {
         /// Bad dataset lines skipped so far.
         bad_lines: u64,
     },
-    Done { position: Position, bad: BadLines },
+    Done {
+        position: Position,
+        bad: BadLines,
+    },
     Failed(String),
 }
 
@@ -147,15 +160,23 @@ impl Pool {
         let name = geometry.name.clone();
         let slots = geometry.slots;
         let bytes = geometry.slot_bytes;
-        let (fd, map) = PoolMap::create(geometry)
-            .map_err(|e| Error::SharedMemory { pool: name, source: e.into() })?;
-        Ok(Pool { id, fd, map: Arc::new(map), table: SlotTable::new(slots, bytes) })
+        let (fd, map) = PoolMap::create(geometry).map_err(|e| Error::SharedMemory {
+            pool: name,
+            source: e.into(),
+        })?;
+        Ok(Pool {
+            id,
+            fd,
+            map: Arc::new(map),
+            table: SlotTable::new(slots, bytes),
+        })
     }
 
     /// Mirror the table's view of `slot` into the shared header.
     fn publish(&self, slot: u32, pid: u32) {
         let s = self.table.slot(slot);
-        self.map.publish(slot, s.state, pid, s.gen, s.len, s.batch_id);
+        self.map
+            .publish(slot, s.state, pid, s.gen, s.len, s.batch_id);
     }
 
     fn publish_all(&self) {
@@ -165,7 +186,11 @@ impl Pool {
     }
 
     fn fref(&self, g: &Grant) -> SlotRef {
-        SlotRef { pool: self.id, slot: g.slot, gen: g.gen }
+        SlotRef {
+            pool: self.id,
+            slot: g.slot,
+            gen: g.gen,
+        }
     }
 }
 
@@ -204,7 +229,8 @@ pub struct Pipeline {
 impl Pipeline {
     pub fn new(cfg: &PipelineConfig, run_dir: &Path) -> Result<Pipeline, Error> {
         let (tg, hg) = cfg.geometries();
-        let ledger = Ledger::create(run_dir).map_err(|e| Error::io("cannot create the ledger in", run_dir, e))?;
+        let ledger = Ledger::create(run_dir)
+            .map_err(|e| Error::io("cannot create the ledger in", run_dir, e))?;
         Ok(Pipeline {
             tokens: Pool::new(PoolId::Tokens, tg)?,
             hidden: Pool::new(PoolId::Hidden, hg)?,
@@ -235,21 +261,38 @@ impl Pipeline {
     }
 
     pub fn pools_message(&self) -> ToWorker {
-        let info = |p: &Pool| PoolInfo { id: p.id, fd: p.fd.as_raw_fd(), geometry: p.map.geometry().clone() };
-        ToWorker::Pools { pools: vec![info(&self.tokens), info(&self.hidden)], capture: self.capture.clone() }
+        let info = |p: &Pool| PoolInfo {
+            id: p.id,
+            fd: p.fd.as_raw_fd(),
+            geometry: p.map.geometry().clone(),
+        };
+        ToWorker::Pools {
+            pools: vec![info(&self.tokens), info(&self.hidden)],
+            capture: self.capture.clone(),
+        }
     }
 
     pub fn describe(&self) -> String {
         let g = |p: &Pool| format!("{} × {}", p.table.len(), human(p.map.geometry().slot_bytes));
-        format!("pools: tokens {}, hidden states {}", g(&self.tokens), g(&self.hidden))
+        format!(
+            "pools: tokens {}, hidden states {}",
+            g(&self.tokens),
+            g(&self.hidden)
+        )
     }
 
     /// Run `loader` on a thread of its own: it fills the token slots it is granted.
-    pub fn start_loader<E: From<LoaderEvent> + Send + 'static>(&mut self, mut loader: Loader, events: Sender<E>) -> Result<(), Error> {
+    pub fn start_loader<E: From<LoaderEvent> + Send + 'static>(
+        &mut self,
+        mut loader: Loader,
+        events: Sender<E>,
+    ) -> Result<(), Error> {
         let (tx, rx) = mpsc::channel::<Grant>();
         let map = self.tokens.map.clone();
         // Tests make the loader panic at its Nth batch, to see the run end on it.
-        let panic_at: Option<u64> = std::env::var("DFLASH_TEST_LOADER_PANIC").ok().and_then(|v| v.parse().ok());
+        let panic_at: Option<u64> = std::env::var("DFLASH_TEST_LOADER_PANIC")
+            .ok()
+            .and_then(|v| v.parse().ok());
         thread::Builder::new()
             .name("loader".into())
             .spawn(move || {
@@ -318,7 +361,18 @@ impl Pipeline {
     /// A loader event; `Err` is bad input that ends the run.
     pub fn on_loader(&mut self, ev: LoaderEvent) -> Result<(), String> {
         match ev {
-            LoaderEvent::Produced { slot, gen, len, batch_id, rows, tokens, lengths, seq_len, batch, bad_lines } => {
+            LoaderEvent::Produced {
+                slot,
+                gen,
+                len,
+                batch_id,
+                rows,
+                tokens,
+                lengths,
+                seq_len,
+                batch,
+                bad_lines,
+            } => {
                 self.bad_lines = bad_lines;
                 // Kept until no rollback can need it again.
                 self.retained.insert(batch_id, *batch);
@@ -330,7 +384,12 @@ impl Pipeline {
                     .map_err(|e| format!("loader: {e}"))?;
                 self.tokens.publish(slot, std::process::id());
                 self.produced += 1;
-                self.ledger.record("load", batch_id, "loader", json!({"rows": rows, "tokens": tokens}));
+                self.ledger.record(
+                    "load",
+                    batch_id,
+                    "loader",
+                    json!({"rows": rows, "tokens": tokens}),
+                );
                 Ok(())
             }
             LoaderEvent::Done { position, bad } => {
@@ -345,8 +404,16 @@ impl Pipeline {
                         self.tokens.publish(i, 0);
                     }
                 }
-                let lines = if bad.lines > 0 { format!("; {}", bad.summary()) } else { String::new() };
-                log::info!("loader done: {} batches over {} epoch(s){lines}", position.batches, position.epoch);
+                let lines = if bad.lines > 0 {
+                    format!("; {}", bad.summary())
+                } else {
+                    String::new()
+                };
+                log::info!(
+                    "loader done: {} batches over {} epoch(s){lines}",
+                    position.batches,
+                    position.epoch
+                );
                 Ok(())
             }
             LoaderEvent::Failed(msg) => {
@@ -364,10 +431,19 @@ impl Pipeline {
     /// Which batches reached the optimizer, compactly: every id below `below`, plus
     /// `extra`. Goes into checkpoints so a resumed run skips exactly those.
     pub fn consumed_summary(&self) -> serde_json::Value {
-        let mut ids: Vec<u64> = self.consumed.iter().copied().chain(self.consumed_before.iter().copied()).collect();
+        let mut ids: Vec<u64> = self
+            .consumed
+            .iter()
+            .copied()
+            .chain(self.consumed_before.iter().copied())
+            .collect();
         ids.sort_unstable();
         ids.dedup();
-        let below = ids.iter().enumerate().take_while(|(i, id)| *i as u64 == **id).count();
+        let below = ids
+            .iter()
+            .enumerate()
+            .take_while(|(i, id)| *i as u64 == **id)
+            .count();
         json!({"consumed_below": below, "consumed_extra": ids[below..].to_vec()})
     }
 
@@ -378,13 +454,16 @@ impl Pipeline {
 
     /// Once the loader is done: how many batches are not consumed yet.
     pub fn remaining(&self) -> Option<u64> {
-        self.loader_done.map(|_| self.produced - self.consumed.len() as u64)
+        self.loader_done
+            .map(|_| self.produced - self.consumed.len() as u64)
     }
 
     /// Bad dataset lines the loader skipped so far.
     /// Hidden-state batches delivered to `holder` and not yet consumed.
     pub fn delivered_to(&self, holder: Holder) -> u64 {
-        self.hidden.table.held(holder, dflash_shared::slots::SlotState::Reading) as u64
+        self.hidden
+            .table
+            .held(holder, dflash_shared::slots::SlotState::Reading) as u64
     }
 
     pub fn bad_lines(&self) -> u64 {
@@ -396,32 +475,59 @@ impl Pipeline {
     }
 
     /// A target finished a batch: its output is complete and its input consumed.
-    pub fn on_commit(&mut self, peer: &Peer, output: SlotRef, len: u64, batch_id: u64, input: Option<SlotRef>) -> Result<(), String> {
+    pub fn on_commit(
+        &mut self,
+        peer: &Peer,
+        output: SlotRef,
+        len: u64,
+        batch_id: u64,
+        input: Option<SlotRef>,
+    ) -> Result<(), String> {
         if peer.name.role != Role::Target {
             return Err("a drafter committed an output slot".into());
         }
         let input = input.ok_or("commit names no input slot")?;
         if output.pool != PoolId::Hidden || input.pool != PoolId::Tokens {
-            return Err(format!("commit of {:?} from {:?}: expected hidden-state output from a token input", output.pool, input.pool));
+            return Err(format!(
+                "commit of {:?} from {:?}: expected hidden-state output from a token input",
+                output.pool, input.pool
+            ));
         }
         // Check both before changing either: they change together.
-        self.tokens.table.check_ack(peer.holder, input.slot, input.gen, batch_id).map_err(|e| format!("input: {e}"))?;
-        self.hidden.table.check_commit(peer.holder, output.slot, output.gen, len).map_err(|e| format!("output: {e}"))?;
-        self.tokens.table.ack(peer.holder, input.slot, input.gen, batch_id).expect("checked");
+        self.tokens
+            .table
+            .check_ack(peer.holder, input.slot, input.gen, batch_id)
+            .map_err(|e| format!("input: {e}"))?;
+        self.hidden
+            .table
+            .check_commit(peer.holder, output.slot, output.gen, len)
+            .map_err(|e| format!("output: {e}"))?;
+        self.tokens
+            .table
+            .ack(peer.holder, input.slot, input.gen, batch_id)
+            .expect("checked");
         self.tokens.publish(input.slot, 0);
         let name = peer.name.to_string();
         if !self.hidden_seen.insert(batch_id) {
-            self.hidden.table.cancel(peer.holder, output.slot, output.gen).expect("checked");
+            self.hidden
+                .table
+                .cancel(peer.holder, output.slot, output.gen)
+                .expect("checked");
             self.hidden.publish(output.slot, 0);
-            self.ledger.record("duplicate", batch_id, &name, json!({"pool": "hidden"}));
+            self.ledger
+                .record("duplicate", batch_id, &name, json!({"pool": "hidden"}));
             return Ok(());
         }
-        self.hidden.table.commit(peer.holder, output.slot, output.gen, len, batch_id).expect("checked");
+        self.hidden
+            .table
+            .commit(peer.holder, output.slot, output.gen, len, batch_id)
+            .expect("checked");
         self.replay_outstanding.remove(&batch_id);
         let tokens = self.batch_tokens.get(&batch_id).copied().unwrap_or(0);
         self.health.tokens(&name, tokens);
         self.hidden.publish(output.slot, 0);
-        self.ledger.record("hidden", batch_id, &name, json!({"bytes": len}));
+        self.ledger
+            .record("hidden", batch_id, &name, json!({"bytes": len}));
         Ok(())
     }
 
@@ -432,17 +538,39 @@ impl Pipeline {
     }
 
     /// Would [`consume`](Self::consume) accept this?
-    pub fn check_consume(&self, name: WorkerName, holder: Holder, input: SlotRef, batch_id: u64) -> Result<(), String> {
+    pub fn check_consume(
+        &self,
+        name: WorkerName,
+        holder: Holder,
+        input: SlotRef,
+        batch_id: u64,
+    ) -> Result<(), String> {
         if name.role != Role::Drafter || input.pool != PoolId::Hidden {
-            return Err(format!("{:?} slot reported consumed by a {}: only drafters consume, hidden-state slots", input.pool, name.role));
+            return Err(format!(
+                "{:?} slot reported consumed by a {}: only drafters consume, hidden-state slots",
+                input.pool, name.role
+            ));
         }
-        self.hidden.table.check_ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())
+        self.hidden
+            .table
+            .check_ack(holder, input.slot, input.gen, batch_id)
+            .map_err(|e| e.to_string())
     }
 
     /// `batch_id`, delivered to `holder`, reached the optimizer (in committed step `step`):
     /// free its slot.
-    pub fn consume(&mut self, name: WorkerName, holder: Holder, input: SlotRef, batch_id: u64, step: Option<u64>) -> Result<(), String> {
-        self.hidden.table.ack(holder, input.slot, input.gen, batch_id).map_err(|e| e.to_string())?;
+    pub fn consume(
+        &mut self,
+        name: WorkerName,
+        holder: Holder,
+        input: SlotRef,
+        batch_id: u64,
+        step: Option<u64>,
+    ) -> Result<(), String> {
+        self.hidden
+            .table
+            .ack(holder, input.slot, input.gen, batch_id)
+            .map_err(|e| e.to_string())?;
         self.hidden.publish(input.slot, 0);
         let name = name.to_string();
         if let Some(tokens) = self.batch_tokens.remove(&batch_id) {
@@ -452,7 +580,8 @@ impl Pipeline {
             match step {
                 Some(s) => {
                     self.consumed_step.insert(batch_id, s);
-                    self.ledger.record("consumed", batch_id, &name, json!({"step": s}));
+                    self.ledger
+                        .record("consumed", batch_id, &name, json!({"step": s}));
                 }
                 None => {
                     self.retained.remove(&batch_id);
@@ -460,7 +589,8 @@ impl Pipeline {
                 }
             }
         } else {
-            self.ledger.record("duplicate", batch_id, &name, json!({"pool": "consumed"}));
+            self.ledger
+                .record("duplicate", batch_id, &name, json!({"pool": "consumed"}));
         }
         Ok(())
     }
@@ -475,13 +605,20 @@ impl Pipeline {
         let recalled = self.hidden.table.withdraw_ready();
         self.hidden.publish_all();
         for &b in &recalled {
-            self.ledger.record("requeue", b, "supervisor", json!({"pool": "hidden", "why": "rollback"}));
+            self.ledger.record(
+                "requeue",
+                b,
+                "supervisor",
+                json!({"pool": "hidden", "why": "rollback"}),
+            );
         }
         let mut again: Vec<u64> = batches.iter().chain(&recalled).copied().collect();
         again.sort_unstable();
         again.dedup();
         for b in again {
-            let batch = self.retained.get(&b).cloned().ok_or_else(|| format!("rollback to step {to}: batch {b} was not kept, it cannot be trained again"))?;
+            let batch = self.retained.get(&b).cloned().ok_or_else(|| {
+                format!("rollback to step {to}: batch {b} was not kept, it cannot be trained again")
+            })?;
             self.consumed.remove(&b);
             self.consumed_step.remove(&b);
             self.hidden_seen.remove(&b);
@@ -494,7 +631,12 @@ impl Pipeline {
 
     /// Batches consumed at or before `step` are out of any rollback's reach.
     pub fn covered(&mut self, step: u64) {
-        let done: Vec<u64> = self.consumed_step.iter().filter(|(_, &s)| s <= step).map(|(&b, _)| b).collect();
+        let done: Vec<u64> = self
+            .consumed_step
+            .iter()
+            .filter(|(_, &s)| s <= step)
+            .map(|(&b, _)| b)
+            .collect();
         for b in done {
             self.consumed_step.remove(&b);
             self.retained.remove(&b);
@@ -505,7 +647,9 @@ impl Pipeline {
     /// commits later.
     fn replay_batches(&mut self) {
         while !self.replay.is_empty() {
-            let Some(g) = self.tokens.table.lease(LOADER) else { return };
+            let Some(g) = self.tokens.table.lease(LOADER) else {
+                return;
+            };
             // SAFETY: the slot was just leased to LOADER (WRITING): no worker reads it.
             let buf = unsafe { self.tokens.map.payload_mut(g.slot) };
             let b = self.replay.pop_front().expect("front exists");
@@ -513,16 +657,27 @@ impl Pipeline {
             // Deliver that `deliver` sends later (sync point, pool edge 2).
             match b.encode_into(buf) {
                 Ok(len) => {
-                    self.tokens.table.commit(LOADER, g.slot, g.gen, len as u64, b.batch_id).expect("leased just now");
+                    self.tokens
+                        .table
+                        .commit(LOADER, g.slot, g.gen, len as u64, b.batch_id)
+                        .expect("leased just now");
                     self.tokens.publish(g.slot, std::process::id());
-                    self.ledger.record("replay", b.batch_id, "supervisor", json!({"rows": b.rows(), "tokens": b.tokens()}));
+                    self.ledger.record(
+                        "replay",
+                        b.batch_id,
+                        "supervisor",
+                        json!({"rows": b.rows(), "tokens": b.tokens()}),
+                    );
                 }
                 Err(e) => {
                     // It fitted the first time and the slot size has not changed: this
                     // cannot happen, but if it did the batch could not be trained again.
                     let _ = self.tokens.table.cancel(LOADER, g.slot, g.gen);
                     self.replay_outstanding.remove(&b.batch_id);
-                    self.failed = Some(format!("batch {} sent through again no longer fits a token slot: {e}", b.batch_id));
+                    self.failed = Some(format!(
+                        "batch {} sent through again no longer fits a token slot: {e}",
+                        b.batch_id
+                    ));
                     return;
                 }
             }
@@ -552,7 +707,11 @@ impl Pipeline {
         for pool in [&mut self.tokens, &mut self.hidden] {
             let r = pool.table.release_holder(holder);
             for &b in &r.redelivered {
-                let p = if pool.id == PoolId::Tokens { "tokens" } else { "hidden" };
+                let p = if pool.id == PoolId::Tokens {
+                    "tokens"
+                } else {
+                    "hidden"
+                };
                 self.ledger.record("requeue", b, &who, json!({"pool": p}));
             }
             requeued += r.redelivered.len();
@@ -571,15 +730,23 @@ impl Pipeline {
         self.replay_batches();
         if let Some(tx) = &self.loader_tx {
             while self.tokens.table.held(LOADER, SlotState::Writing) < LOADER_AHEAD {
-                let Some(g) = self.tokens.table.lease(LOADER) else { break };
+                let Some(g) = self.tokens.table.lease(LOADER) else {
+                    break;
+                };
                 self.tokens.publish(g.slot, std::process::id());
                 if tx.send(g).is_err() {
                     break;
                 }
             }
         }
-        let targets: Vec<&Peer> = peers.iter().filter(|p| p.name.role == Role::Target).collect();
-        let drafters: Vec<&Peer> = peers.iter().filter(|p| p.name.role == Role::Drafter).collect();
+        let targets: Vec<&Peer> = peers
+            .iter()
+            .filter(|p| p.name.role == Role::Target)
+            .collect();
+        let drafters: Vec<&Peer> = peers
+            .iter()
+            .filter(|p| p.name.role == Role::Drafter)
+            .collect();
         self.observe_health(&targets, &drafters);
         self.deliver(PoolId::Tokens, &targets);
         // Output leases for targets.
@@ -588,12 +755,16 @@ impl Pipeline {
             .filter(|p| self.hidden.table.held(p.holder, SlotState::Writing) < self.prefetch)
             .min_by_key(|p| self.hidden.table.held(p.holder, SlotState::Writing))
         {
-            let Some(g) = self.hidden.table.lease(p.holder) else { break };
+            let Some(g) = self.hidden.table.lease(p.holder) else {
+                break;
+            };
             self.hidden.publish(g.slot, p.pid);
             // sync point (pool edges 2 and 4): the header is published before the lease is
             // sent, and the slot's previous reader acknowledged it (its last read) before
             // the slot was free to lease: the target writes after both.
-            let _ = p.tx.send(ToWorker::Lease { slot: self.hidden.fref(&g) });
+            let _ = p.tx.send(ToWorker::Lease {
+                slot: self.hidden.fref(&g),
+            });
         }
         self.deliver(PoolId::Hidden, &drafters);
     }
@@ -605,14 +776,25 @@ impl Pipeline {
         let tokens = PoolView {
             ready: ready(t),
             slots: t.len(),
-            producer_blocked: self.loader_tx.is_some() && t.held(LOADER, SlotState::Writing) < LOADER_AHEAD && !free(t),
-            consumer_starved: ready(t) == 0 && targets.iter().any(|p| t.held(p.holder, SlotState::Reading) < k),
+            producer_blocked: self.loader_tx.is_some()
+                && t.held(LOADER, SlotState::Writing) < LOADER_AHEAD
+                && !free(t),
+            consumer_starved: ready(t) == 0
+                && targets
+                    .iter()
+                    .any(|p| t.held(p.holder, SlotState::Reading) < k),
         };
         let hidden = PoolView {
             ready: ready(h),
             slots: h.len(),
-            producer_blocked: !free(h) && targets.iter().any(|p| h.held(p.holder, SlotState::Writing) < k),
-            consumer_starved: ready(h) == 0 && drafters.iter().any(|p| h.held(p.holder, SlotState::Reading) < k),
+            producer_blocked: !free(h)
+                && targets
+                    .iter()
+                    .any(|p| h.held(p.holder, SlotState::Writing) < k),
+            consumer_starved: ready(h) == 0
+                && drafters
+                    .iter()
+                    .any(|p| h.held(p.holder, SlotState::Reading) < k),
         };
         self.health.observe(tokens, hidden);
     }
@@ -624,7 +806,9 @@ impl Pipeline {
                 PoolId::Tokens => &mut self.tokens,
                 PoolId::Hidden => &mut self.hidden,
             };
-            let Some(next) = p.table.peek_lowest() else { return };
+            let Some(next) = p.table.peek_lowest() else {
+                return;
+            };
             // After a rollback, drafters get the batches sent through again before any
             // newer one, so the group sees them in their order; unless that would stall
             // the targets (no free hidden-state slot to make them in).
@@ -640,21 +824,38 @@ impl Pipeline {
             let Some(peer) = consumers
                 .iter()
                 .filter(|c| p.table.held(c.holder, SlotState::Reading) < self.prefetch)
-                .min_by_key(|c| (p.table.held(c.holder, SlotState::Reading), served.get(&c.holder).copied().unwrap_or(0)))
+                .min_by_key(|c| {
+                    (
+                        p.table.held(c.holder, SlotState::Reading),
+                        served.get(&c.holder).copied().unwrap_or(0),
+                    )
+                })
             else {
                 return;
             };
-            let g = p.table.deliver_lowest(peer.holder).expect("a batch is ready");
+            let g = p
+                .table
+                .deliver_lowest(peer.holder)
+                .expect("a batch is ready");
             p.publish(g.slot, peer.pid);
             let slot = p.fref(&g);
             // sync point (pool edges 2 and 3): the payload was complete before its writer's
             // Commit (or the loader's Produced) reached us, and the header is published
             // above; the consumer reads both only after receiving this message.
-            let _ = peer.tx.send(ToWorker::Deliver { slot, len: g.len, batch_id: g.batch_id });
+            let _ = peer.tx.send(ToWorker::Deliver {
+                slot,
+                len: g.len,
+                batch_id: g.batch_id,
+            });
             *self.served.entry(peer.holder).or_default() += 1;
             self.health.served(&peer.name.to_string());
-            let ev = if pool == PoolId::Tokens { "to_target" } else { "to_drafter" };
-            self.ledger.record(ev, g.batch_id, &peer.name.to_string(), json!({}));
+            let ev = if pool == PoolId::Tokens {
+                "to_target"
+            } else {
+                "to_drafter"
+            };
+            self.ledger
+                .record(ev, g.batch_id, &peer.name.to_string(), json!({}));
         }
     }
 
@@ -668,7 +869,13 @@ impl Pipeline {
         held.dedup();
         // Batches leaving the token pool into a half-written hidden slot are READING
         // until committed, so `held` is everything produced and not consumed.
-        let pos = self.loader_done.map(|p| json!({"epoch": p.epoch, "batches": p.batches}));
-        self.ledger.end(&held, self.loader_done.is_some(), json!({"loader_position": pos, "produced": self.produced}));
+        let pos = self
+            .loader_done
+            .map(|p| json!({"epoch": p.epoch, "batches": p.batches}));
+        self.ledger.end(
+            &held,
+            self.loader_done.is_some(),
+            json!({"loader_position": pos, "produced": self.produced}),
+        );
     }
 }

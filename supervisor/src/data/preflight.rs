@@ -9,23 +9,40 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::data::chat::Chat;
-use crate::error::Error;
 use crate::data::loader::{self, DataSource, JsonlStream, LoaderConfig, Sample};
+use crate::error::Error;
 
 /// The tokenizer and chat template for chat data: `--tokenizer DIR` (an error there is
 /// exit 2), else the target directory when it has a `tokenizer.json` (an error there is
 /// reported with each chat line, since pre-tokenized data needs no template).
-pub fn load_chat(explicit: Option<&Path>, target: Option<&Path>) -> Result<(Option<Arc<Chat>>, Option<String>), Error> {
+pub fn load_chat(
+    explicit: Option<&Path>,
+    target: Option<&Path>,
+) -> Result<(Option<Arc<Chat>>, Option<String>), Error> {
     if let Some(dir) = explicit {
-        return Chat::load(dir).map(|c| (Some(Arc::new(c)), None)).map_err(|e| Error::input("--tokenizer", e));
+        return Chat::load(dir)
+            .map(|c| (Some(Arc::new(c)), None))
+            .map_err(|e| Error::input("--tokenizer", e));
     }
     match target {
         Some(dir) if dir.join("tokenizer.json").is_file() => match Chat::load(dir) {
             Ok(c) => Ok((Some(Arc::new(c)), None)),
             Err(e) => Ok((None, Some(e))),
         },
-        Some(dir) => Ok((None, Some(format!("{} has no tokenizer.json; give --tokenizer DIR", dir.display())))),
-        None => Ok((None, Some("the built-in tiny target has no tokenizer; give --target DIR or --tokenizer DIR".into()))),
+        Some(dir) => Ok((
+            None,
+            Some(format!(
+                "{} has no tokenizer.json; give --tokenizer DIR",
+                dir.display()
+            )),
+        )),
+        None => Ok((
+            None,
+            Some(
+                "the built-in tiny target has no tokenizer; give --target DIR or --tokenizer DIR"
+                    .into(),
+            ),
+        )),
     }
 }
 
@@ -79,13 +96,26 @@ pub const UNSUPERVISED: &str = "no two consecutive supervised tokens";
 
 /// Read the data as the run would (same parsing, truncation and drop rules), up to `limit`
 /// lines, calling `keep` for each sample a run would train on, in input order.
-pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: impl FnMut(&Sample) -> std::io::Result<()>) -> Result<Report, Error> {
+pub fn scan(
+    cfg: &LoaderConfig,
+    limit: Option<u64>,
+    drafters: u32,
+    mut keep: impl FnMut(&Sample) -> std::io::Result<()>,
+) -> Result<Report, Error> {
     let data = cfg.describe();
     let mut stream = JsonlStream::new(&cfg.source)?;
     stream.line_limit = limit;
     let mut bad = loader::BadLines::default();
     let mut lengths = Vec::new();
-    let (mut truncated, mut tokens, mut supervised, mut no_supervised, mut dup, mut chat, mut missing) = (0, 0, 0, 0, 0, 0, 0);
+    let (
+        mut truncated,
+        mut tokens,
+        mut supervised,
+        mut no_supervised,
+        mut dup,
+        mut chat,
+        mut missing,
+    ) = (0, 0, 0, 0, 0, 0, 0);
     let mut seen = HashSet::new();
     while let Some(p) = stream.next_parsed(&mut bad, cfg)? {
         if p.chat {
@@ -99,7 +129,8 @@ pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: imp
         }
         // What a run trains on is cut at --max-seq-len; `keep` gets the whole sample.
         truncated += u64::from(p.sample.ids.len() > p.len);
-        keep(&p.sample).map_err(|e| Error::io("cannot write the prepared samples to", "--out", e))?;
+        keep(&p.sample)
+            .map_err(|e| Error::io("cannot write the prepared samples to", "--out", e))?;
         let s = &p.truncated();
         tokens += s.ids.len() as u64;
         supervised += s.mask.iter().map(|&m| m as u64).sum::<u64>();
@@ -112,8 +143,15 @@ pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: imp
         }
     }
     // Stopped by the line limit with bytes left: a sample of the data.
-    let complete = !(limit.is_some_and(|l| bad.lines >= l) && stream.total_bytes.is_none_or(|t| stream.bytes_read < t));
-    let bytes_share = stream.total_bytes.map(|t| if complete || t == 0 { 1.0 } else { stream.bytes_read as f64 / t as f64 });
+    let complete = !(limit.is_some_and(|l| bad.lines >= l)
+        && stream.total_bytes.is_none_or(|t| stream.bytes_read < t));
+    let bytes_share = stream.total_bytes.map(|t| {
+        if complete || t == 0 {
+            1.0
+        } else {
+            stream.bytes_read as f64 / t as f64
+        }
+    });
     let batches = estimate_batches(&lengths, cfg.token_budget);
     let batches = match bytes_share {
         Some(s) if s > 0.0 && !complete => (batches as f64 / s).round() as u64,
@@ -132,12 +170,22 @@ pub fn scan(cfg: &LoaderConfig, limit: Option<u64>, drafters: u32, mut keep: imp
         lines: bad.lines,
         kept: lengths.len() as u64,
         dropped,
-        lengths: (!lengths.is_empty()).then(|| Lengths { min: lengths[0], p50: pct(0.5), p90: pct(0.9), p99: pct(0.99), max: *lengths.last().expect("non-empty") }),
+        lengths: (!lengths.is_empty()).then(|| Lengths {
+            min: lengths[0],
+            p50: pct(0.5),
+            p90: pct(0.9),
+            p99: pct(0.99),
+            max: *lengths.last().expect("non-empty"),
+        }),
         max_seq_len: cfg.max_seq_len,
         truncated,
         tokens,
         supervised_tokens: supervised,
-        supervised_share: if tokens > 0 { supervised as f64 / tokens as f64 } else { 0.0 },
+        supervised_share: if tokens > 0 {
+            supervised as f64 / tokens as f64
+        } else {
+            0.0
+        },
         no_supervised_token: no_supervised,
         duplicates: dup,
         chat_samples: chat,
@@ -170,7 +218,11 @@ impl Report {
     /// Exit 2 with one line when a run would have nothing to train on.
     pub fn check(&self) -> Result<(), Error> {
         if self.kept == 0 {
-            let reasons: Vec<String> = self.dropped.iter().map(|(r, n)| format!("{r}: {n}")).collect();
+            let reasons: Vec<String> = self
+                .dropped
+                .iter()
+                .map(|(r, n)| format!("{r}: {n}"))
+                .collect();
             return Err(Error::Flag(format!(
                 "--data {}: no usable sample, nothing would be supervised ({} lines read{}{}); expected lines with input_ids and loss_mask, or chat with assistant replies",
                 self.data,
@@ -194,7 +246,10 @@ impl Report {
             ));
         }
         if self.kept > 0 && self.duplicates * 10 > self.kept {
-            w.push(format!("{} of {} kept samples repeat an earlier one", self.duplicates, self.kept));
+            w.push(format!(
+                "{} of {} kept samples repeat an earlier one",
+                self.duplicates, self.kept
+            ));
         }
         w
     }
@@ -203,14 +258,28 @@ impl Report {
         let mut t = String::new();
         let scope = match (self.complete, self.bytes_share) {
             (true, _) => "all lines".to_string(),
-            (false, Some(s)) => format!("the first {} lines, {:.1}% of the bytes", self.lines, s * 100.0),
+            (false, Some(s)) => format!(
+                "the first {} lines, {:.1}% of the bytes",
+                self.lines,
+                s * 100.0
+            ),
             (false, None) => format!("the first {} lines", self.lines),
         };
         t += &format!("data preflight: {} ({scope})\n", self.data);
         let dropped: u64 = self.dropped.values().sum();
-        t += &format!("  samples        {} read, {} kept, {} dropped", self.lines, self.kept, dropped);
+        t += &format!(
+            "  samples        {} read, {} kept, {} dropped",
+            self.lines, self.kept, dropped
+        );
         if !self.dropped.is_empty() {
-            t += &format!(" ({})", self.dropped.iter().map(|(r, n)| format!("{r}: {n}")).collect::<Vec<_>>().join(", "));
+            t += &format!(
+                " ({})",
+                self.dropped
+                    .iter()
+                    .map(|(r, n)| format!("{r}: {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
         }
         t += "\n";
         if let Some(l) = &self.lengths {
@@ -224,7 +293,10 @@ impl Report {
         );
         t += &format!("  duplicates     {}\n", self.duplicates);
         if self.chat_samples > 0 {
-            t += &format!("  chat           {} conversations rendered with the chat template\n", self.chat_samples);
+            t += &format!(
+                "  chat           {} conversations rendered with the chat template\n",
+                self.chat_samples
+            );
         }
         t += &format!(
             "  per epoch      ~{} batches at --token-budget {}, ~{} steps with {} drafter{}\n",
@@ -241,7 +313,8 @@ impl Report {
     }
 
     pub fn write_json(&self, path: &Path) -> Result<(), Error> {
-        let text = serde_json::to_string_pretty(self).map_err(|e| Error::json("the preflight report", e))?;
+        let text = serde_json::to_string_pretty(self)
+            .map_err(|e| Error::json("the preflight report", e))?;
         write_atomic(path, text.as_bytes()).map_err(|e| Error::io("cannot write", path, e))
     }
 }
@@ -255,7 +328,9 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 pub(crate) fn tmp_path(path: &Path) -> PathBuf {
-    let name = path.file_name().map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
+    let name = path
+        .file_name()
+        .map_or_else(|| "out".into(), |n| n.to_string_lossy().into_owned());
     path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
 }
 
@@ -273,14 +348,57 @@ pub fn at_start(cfg: &LoaderConfig, lines: u64, drafters: u32) -> Result<Option<
     Ok(Some(r))
 }
 
-
 /// Synthetic chat lines for `bench prepare`: multi-turn, system prompts, code, non-ASCII,
 /// `<think>` blocks; about 700 tokens each, a little above the public DFlash training data.
 pub fn synthetic_conversations(n: usize, seed: u64) -> Vec<String> {
     const WORDS: &[&str] = &[
-        "the", "model", "drafter", "token", "block", "attention", "because", "answer", "prime", "number", "function", "returns", "value",
-        "first", "second", "then", "so", "we", "compute", "sum", "of", "each", "step", "gradient", "learning", "rate", "is", "a", "in",
-        "écoute", "größer", "数据", "训练", "模型", "🙂", "x", "=", "+", "(", ")", "42", "3.14", "let", "fn", "return", "if", "else",
+        "the",
+        "model",
+        "drafter",
+        "token",
+        "block",
+        "attention",
+        "because",
+        "answer",
+        "prime",
+        "number",
+        "function",
+        "returns",
+        "value",
+        "first",
+        "second",
+        "then",
+        "so",
+        "we",
+        "compute",
+        "sum",
+        "of",
+        "each",
+        "step",
+        "gradient",
+        "learning",
+        "rate",
+        "is",
+        "a",
+        "in",
+        "écoute",
+        "größer",
+        "数据",
+        "训练",
+        "模型",
+        "🙂",
+        "x",
+        "=",
+        "+",
+        "(",
+        ")",
+        "42",
+        "3.14",
+        "let",
+        "fn",
+        "return",
+        "if",
+        "else",
     ];
     let mut rng = dflash_shared::rng::Rng::new(seed);
     let text = |words: usize, rng: &mut dflash_shared::rng::Rng| -> String {
@@ -338,7 +456,8 @@ pub fn synthetic_conversations(n: usize, seed: u64) -> Vec<String> {
 pub fn test_tokenizer_dir() -> PathBuf {
     match std::env::var_os("DFLASH_QWEN3_TOKENIZER") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer"),
+        None => {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer")
+        }
     }
 }
-

@@ -29,7 +29,8 @@ struct Drafter {
 
 /// Fill every setting the command line left unset from `path`.
 pub fn apply(path: &Path, args: &mut RunArgs) -> Result<(), Error> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::input(format!("--config {}", path.display()), e))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::input(format!("--config {}", path.display()), e))?;
     let f: File = toml::from_str(&text).map_err(|e| {
         let line = e.span().map(|sp| text[..sp.start.min(text.len())].lines().count().max(1));
         let msg = format!("{}{}", line.map(|l| format!("line {l}: ")).unwrap_or_default(), e.message().trim().replace('\n', " "));

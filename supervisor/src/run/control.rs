@@ -16,51 +16,91 @@ pub type LifeId = u64;
 /// What a worker life's control channel says.
 #[derive(Debug)]
 pub enum ControlEvent {
-    Connected { worker: usize, life: LifeId, hello: Hello },
-    Message { worker: usize, life: LifeId, msg: FromWorker },
+    Connected {
+        worker: usize,
+        life: LifeId,
+        hello: Hello,
+    },
+    Message {
+        worker: usize,
+        life: LifeId,
+        msg: FromWorker,
+    },
     /// The control channel ended. `malformed`: the worker broke the protocol.
-    ChannelLost { worker: usize, life: LifeId, reason: String, malformed: bool },
+    ChannelLost {
+        worker: usize,
+        life: LifeId,
+        reason: String,
+        malformed: bool,
+    },
 }
 
 /// Start the thread. It ends when the worker's connection closes, when the first message
 /// is not a hello, or when [`abandon`] wakes it because the worker died before connecting.
-pub fn serve<E: From<ControlEvent> + Send + 'static>(server: IpcOneShotServer<FromWorker>, worker: usize, life: LifeId, tx: Sender<E>) {
-    let spawned = thread::Builder::new().name(format!("control-{worker}")).spawn(move || {
-        let lost = |reason: String, malformed: bool| ControlEvent::ChannelLost { worker, life, reason, malformed };
-        let (rx, first) = match server.accept() {
-            Ok(v) => v,
-            Err(e) => {
-                let malformed = matches!(e, IpcError::SerializationError(_));
-                let _ = tx.send(E::from(lost(format!("control connection failed: {e}"), malformed)));
-                return;
-            }
-        };
-        match first {
-            FromWorker::Hello(hello) => {
-                if tx.send(E::from(ControlEvent::Connected { worker, life, hello })).is_err() {
+pub fn serve<E: From<ControlEvent> + Send + 'static>(
+    server: IpcOneShotServer<FromWorker>,
+    worker: usize,
+    life: LifeId,
+    tx: Sender<E>,
+) {
+    let spawned = thread::Builder::new()
+        .name(format!("control-{worker}"))
+        .spawn(move || {
+            let lost = |reason: String, malformed: bool| ControlEvent::ChannelLost {
+                worker,
+                life,
+                reason,
+                malformed,
+            };
+            let (rx, first) = match server.accept() {
+                Ok(v) => v,
+                Err(e) => {
+                    let malformed = matches!(e, IpcError::SerializationError(_));
+                    let _ = tx.send(E::from(lost(
+                        format!("control connection failed: {e}"),
+                        malformed,
+                    )));
+                    return;
+                }
+            };
+            match first {
+                FromWorker::Hello(hello) => {
+                    if tx
+                        .send(E::from(ControlEvent::Connected {
+                            worker,
+                            life,
+                            hello,
+                        }))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                FromWorker::Abandon => return,
+                other => {
+                    let _ = tx.send(E::from(lost(
+                        format!("first control message was {other:?}, expected Hello"),
+                        true,
+                    )));
                     return;
                 }
             }
-            FromWorker::Abandon => return,
-            other => {
-                let _ = tx.send(E::from(lost(format!("first control message was {other:?}, expected Hello"), true)));
-                return;
+            loop {
+                let event = match rx.recv() {
+                    Ok(msg) => ControlEvent::Message { worker, life, msg },
+                    Err(IpcError::Disconnected) => lost("control channel closed".into(), false),
+                    Err(IpcError::SerializationError(e)) => {
+                        lost(format!("malformed control message: {e}"), true)
+                    }
+                    Err(IpcError::Io(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(IpcError::Io(e)) => lost(format!("control channel error: {e}"), false),
+                };
+                let last = !matches!(event, ControlEvent::Message { .. });
+                if tx.send(E::from(event)).is_err() || last {
+                    return;
+                }
             }
-        }
-        loop {
-            let event = match rx.recv() {
-                Ok(msg) => ControlEvent::Message { worker, life, msg },
-                Err(IpcError::Disconnected) => lost("control channel closed".into(), false),
-                Err(IpcError::SerializationError(e)) => lost(format!("malformed control message: {e}"), true),
-                Err(IpcError::Io(e)) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(IpcError::Io(e)) => lost(format!("control channel error: {e}"), false),
-            };
-            let last = !matches!(event, ControlEvent::Message { .. });
-            if tx.send(E::from(event)).is_err() || last {
-                return;
-            }
-        }
-    });
+        });
     if let Err(e) = spawned {
         log::error!("cannot start control thread: {e}");
     }

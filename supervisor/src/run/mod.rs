@@ -33,19 +33,30 @@ use crate::telemetry::{console, gpus, prometheus};
 use crate::training::{resume, trainer};
 
 /// Which worker runs where: targets first, then drafters, ranks from 0 in device order.
-pub fn plan(args: &RunArgs, gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>) -> Result<Vec<(WorkerName, Device)>, Error> {
+pub fn plan(
+    args: &RunArgs,
+    gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>,
+) -> Result<Vec<(WorkerName, Device)>, Error> {
     // Asked once; only its answer or its reason in words is needed after that.
     let mut cached: Option<Result<u32, String>> = None;
-    let mut probe = move || cached.get_or_insert_with(|| gpu_count().map_err(|e| e.to_string())).clone();
+    let mut probe = move || {
+        cached
+            .get_or_insert_with(|| gpu_count().map_err(|e| e.to_string()))
+            .clone()
+    };
     let resolve = |spec: &DeviceSpec, flag: &str, gpus: &mut dyn FnMut() -> Result<u32, String>| {
         let n = match spec {
             DeviceSpec::Cpu(_) => Ok(0),
             _ => gpus(),
         };
-        spec.resolve(n.as_ref().copied().map_err(String::as_str), flag).map_err(Error::Flag)
+        spec.resolve(n.as_ref().copied().map_err(String::as_str), flag)
+            .map_err(Error::Flag)
     };
     let (targets, drafters) = match (&args.target_gpus, &args.drafter_gpus) {
-        (Some(t), Some(d)) => (resolve(t, "--target-gpus", &mut probe)?, resolve(d, "--drafter-gpus", &mut probe)?),
+        (Some(t), Some(d)) => (
+            resolve(t, "--target-gpus", &mut probe)?,
+            resolve(d, "--drafter-gpus", &mut probe)?,
+        ),
         _ => {
             let spec = match &args.gpus {
                 Some(s) => s.clone(),
@@ -54,7 +65,11 @@ pub fn plan(args: &RunArgs, gpu_count: &mut dyn FnMut() -> Result<u32, gpus::Nvm
                     _ => DeviceSpec::Cpu(2),
                 },
             };
-            let flag = if args.gpus.is_some() { "--gpus" } else { "default devices" };
+            let flag = if args.gpus.is_some() {
+                "--gpus"
+            } else {
+                "default devices"
+            };
             let devices = resolve(&spec, flag, &mut probe)?;
             let n = args.targets as usize;
             if n == 0 {
@@ -73,9 +88,19 @@ pub fn plan(args: &RunArgs, gpu_count: &mut dyn FnMut() -> Result<u32, gpus::Nvm
         }
     };
     let named = |role, devs: Vec<Device>| {
-        devs.into_iter().enumerate().map(move |(rank, d)| (WorkerName { role, rank: rank as u32 }, d))
+        devs.into_iter().enumerate().map(move |(rank, d)| {
+            (
+                WorkerName {
+                    role,
+                    rank: rank as u32,
+                },
+                d,
+            )
+        })
     };
-    Ok(named(Role::Target, targets).chain(named(Role::Drafter, drafters)).collect())
+    Ok(named(Role::Target, targets)
+        .chain(named(Role::Drafter, drafters))
+        .collect())
 }
 
 fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
@@ -83,8 +108,13 @@ fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
     let (path, what) = match given {
         Some(p) => (p.to_path_buf(), format!("--worker-bin {}", p.display())),
         None => {
-            let exe = std::env::current_exe()
-                .map_err(|e| Error::io("cannot find where dflash-supervise runs from:", "/proc/self/exe", e))?;
+            let exe = std::env::current_exe().map_err(|e| {
+                Error::io(
+                    "cannot find where dflash-supervise runs from:",
+                    "/proc/self/exe",
+                    e,
+                )
+            })?;
             let p = exe.with_file_name("dflash-worker");
             let what = format!("dflash-worker beside dflash-supervise ({})", p.display());
             (p, what)
@@ -94,7 +124,9 @@ fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
         Error::input(format!("{what} (expected the dflash-worker program; install both binaries or pass --worker-bin PATH)"), e)
     })?;
     if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
-        return Err(Error::Flag(format!("{what}: not an executable file (expected the dflash-worker program)")));
+        return Err(Error::Flag(format!(
+            "{what}: not an executable file (expected the dflash-worker program)"
+        )));
     }
     path.canonicalize().map_err(|e| Error::input(what, e))
 }
@@ -124,11 +156,16 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     }
     let target_cfg = target_config(&args.target)?;
     if args.target != "tiny" {
-        target_check::check(Path::new(&args.target), &target_cfg).map_err(|e| Error::input(format!("--target {}", args.target), e))?;
+        target_check::check(Path::new(&args.target), &target_cfg)
+            .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     }
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
-    let shared_bytes = trainer::Trainer::shared_bytes(&trainer_cfg.drafter, trainer_cfg.max_ranks, trainer_cfg.collective);
+    let shared_bytes = trainer::Trainer::shared_bytes(
+        &trainer_cfg.drafter,
+        trainer_cfg.max_ranks,
+        trainer_cfg.collective,
+    );
     pipeline_cfg.check_memory(shared_bytes)?;
     let estimate = validate::estimate_memory(
         &trainer_cfg.drafter,
@@ -156,7 +193,12 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     let mut loader = loader::Loader::new(loader_cfg);
     let mut pipeline = pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?;
     if let Some(r) = &resume {
-        log::info!("resuming {} from the checkpoint of step {} ({} batches already consumed)", r.dir.display(), r.step, r.consumed.len());
+        log::info!(
+            "resuming {} from the checkpoint of step {} ({} batches already consumed)",
+            r.dir.display(),
+            r.step,
+            r.consumed.len()
+        );
         loader.skip_consumed(r.consumed.clone());
         pipeline.set_consumed_before(r.consumed.clone());
         // The ledger's lineage goes back to the checkpoint too.
@@ -212,16 +254,21 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
 /// The target's config: the built-in tiny one, or DIR/config.json.
 pub(crate) fn target_config(target: &str) -> Result<TargetConfig, Error> {
     if target == "tiny" {
-        return Ok(TargetConfig::parse(dflash_shared::model_config::TINY_CONFIG).expect("the built-in tiny config parses"));
+        return Ok(
+            TargetConfig::parse(dflash_shared::model_config::TINY_CONFIG)
+                .expect("the built-in tiny config parses"),
+        );
     }
-    TargetConfig::load(std::path::Path::new(target)).map_err(|e| Error::input(format!("--target {target}"), e))
+    TargetConfig::load(std::path::Path::new(target))
+        .map_err(|e| Error::input(format!("--target {target}"), e))
 }
 
 /// The directory workers load the target from; the tiny target is written into the run
 /// dir first (by the worker binary: the supervisor links no model code).
 fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<PathBuf, Error> {
     if target != "tiny" {
-        return std::fs::canonicalize(target).map_err(|e| Error::input(format!("--target {target}"), e));
+        return std::fs::canonicalize(target)
+            .map_err(|e| Error::input(format!("--target {target}"), e));
     }
     let dir = run_dir.join("target");
     let out = std::process::Command::new(worker_bin)
@@ -250,8 +297,15 @@ pub(crate) fn data_config(
     if matches!(source, loader::DataSource::Demo { .. }) && args.demo_samples == 0 {
         return Err(Error::Flag("--demo-samples 0: expected at least 1".into()));
     }
-    let token_budget = args.token_budget.unwrap_or(if args.target == "tiny" { 2048 } else { 4096 });
-    for (flag, v) in [("--token-budget", token_budget as u64), ("--max-seq-len", args.max_seq_len as u64), ("--prefetch", args.prefetch as u64), ("--shuffle-window", args.shuffle_window as u64)] {
+    let token_budget = args
+        .token_budget
+        .unwrap_or(if args.target == "tiny" { 2048 } else { 4096 });
+    for (flag, v) in [
+        ("--token-budget", token_budget as u64),
+        ("--max-seq-len", args.max_seq_len as u64),
+        ("--prefetch", args.prefetch as u64),
+        ("--shuffle-window", args.shuffle_window as u64),
+    ] {
         if v == 0 {
             return Err(Error::Flag(format!("{flag} 0: expected at least 1")));
         }
@@ -270,8 +324,14 @@ pub(crate) fn data_config(
         chat_error: None,
     };
     let target_dir = (args.target != "tiny").then(|| std::path::Path::new(&args.target));
-    if args.tokenizer.is_some() || matches!(loader_cfg.source, loader::DataSource::Files(_) | loader::DataSource::Stdin) {
-        (loader_cfg.chat, loader_cfg.chat_error) = preflight::load_chat(args.tokenizer.as_deref(), target_dir)?;
+    if args.tokenizer.is_some()
+        || matches!(
+            loader_cfg.source,
+            loader::DataSource::Files(_) | loader::DataSource::Stdin
+        )
+    {
+        (loader_cfg.chat, loader_cfg.chat_error) =
+            preflight::load_chat(args.tokenizer.as_deref(), target_dir)?;
     }
     loader_cfg.check()?;
     let targets = plan.iter().filter(|(n, _)| n.role == Role::Target).count() as u32;
@@ -283,7 +343,10 @@ pub(crate) fn data_config(
         token_budget,
         capture: capture_spec(args, target)?,
     };
-    for (flag, v) in [("--token-slots", pipeline_cfg.token_slots), ("--hidden-slots", pipeline_cfg.hidden_slots)] {
+    for (flag, v) in [
+        ("--token-slots", pipeline_cfg.token_slots),
+        ("--hidden-slots", pipeline_cfg.hidden_slots),
+    ] {
         if v == 0 {
             return Err(Error::Flag(format!("{flag} 0: expected at least 1")));
         }
@@ -292,48 +355,82 @@ pub(crate) fn data_config(
 }
 
 /// The drafter and its optimisation, from the target and the flags.
-pub(crate) fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], target: &TargetConfig, capture: &CaptureSpec) -> Result<trainer::TrainerConfig, Error> {
+pub(crate) fn trainer_config(
+    args: &RunArgs,
+    plan: &[(WorkerName, Device)],
+    target: &TargetConfig,
+    capture: &CaptureSpec,
+) -> Result<trainer::TrainerConfig, Error> {
     let tiny = args.target == "tiny";
-    let layers = args.draft_layers.unwrap_or_else(|| default_draft_layers(target.num_hidden_layers));
+    let layers = args
+        .draft_layers
+        .unwrap_or_else(|| default_draft_layers(target.num_hidden_layers));
     let block = args.block_size.unwrap_or(if tiny { 8 } else { 16 });
     let anchors = args.max_anchors.unwrap_or(if tiny { 32 } else { 512 });
-    for (flag, v) in [("--draft-layers", layers), ("--block-size", block.saturating_sub(1)), ("--max-anchors", anchors)] {
+    for (flag, v) in [
+        ("--draft-layers", layers),
+        ("--block-size", block.saturating_sub(1)),
+        ("--max-anchors", anchors),
+    ] {
         if v == 0 {
-            return Err(Error::Flag(format!("{flag}: expected at least {}", if flag == "--block-size" { 2 } else { 1 })));
+            return Err(Error::Flag(format!(
+                "{flag}: expected at least {}",
+                if flag == "--block-size" { 2 } else { 1 }
+            )));
         }
     }
     let lr = args.lr.unwrap_or(if tiny { 3e-3 } else { 6e-4 });
     if !(lr > 0.0 && lr.is_finite()) {
-        return Err(Error::Flag(format!("--lr {lr}: expected a positive learning rate")));
+        return Err(Error::Flag(format!(
+            "--lr {lr}: expected a positive learning rate"
+        )));
     }
     let warmup_ratio = args.warmup_ratio.unwrap_or(0.04);
     if !(0.0..1.0).contains(&warmup_ratio) {
-        return Err(Error::Flag(format!("--warmup-ratio {warmup_ratio}: expected a fraction in [0, 1)")));
+        return Err(Error::Flag(format!(
+            "--warmup-ratio {warmup_ratio}: expected a fraction in [0, 1)"
+        )));
     }
     if args.steps == Some(0) {
         return Err(Error::Flag("--steps 0: expected at least 1".into()));
     }
-    let mut drafter = DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
+    let mut drafter =
+        DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
     if let Some(g) = args.gamma {
         if !(g > 0.0 && g.is_finite()) {
-            return Err(Error::Flag(format!("--gamma {g}: expected a positive number")));
+            return Err(Error::Flag(format!(
+                "--gamma {g}: expected a positive number"
+            )));
         }
         drafter.gamma = g;
     }
     if let Some(id) = args.mask_token_id {
         if id as usize >= target.vocab_size {
-            return Err(Error::Flag(format!("--mask-token-id {id}: expected an id below the target's vocabulary size {}", target.vocab_size)));
+            return Err(Error::Flag(format!(
+                "--mask-token-id {id}: expected an id below the target's vocabulary size {}",
+                target.vocab_size
+            )));
         }
         drafter.mask_token_id = id;
     }
-    let gpu_drafters = plan.iter().filter(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Gpu(_))).count();
+    let gpu_drafters = plan
+        .iter()
+        .filter(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Gpu(_)))
+        .count();
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
     // DFLASH_DEVICE=cpu (tests) makes GPU workers compute on the CPU: no NCCL there.
     let cpu_forced = std::env::var_os("DFLASH_DEVICE").is_some_and(|v| !v.is_empty());
     let collective = match args.collective.as_str() {
         "shm" => CollectiveKind::Shm,
         "nccl" if gpu_drafters < drafters || cpu_forced => {
-            let why = if cpu_forced { "the drafters compute on the CPU (DFLASH_DEVICE)".to_string() } else { format!("{} of the {drafters} drafters are CPU workers", drafters - gpu_drafters) };
+            let why = if cpu_forced {
+                "the drafters compute on the CPU (DFLASH_DEVICE)".to_string()
+            } else {
+                format!(
+                    "{} of the {drafters} drafters are CPU workers",
+                    drafters - gpu_drafters
+                )
+            };
             return Err(Error::Flag(format!("--collective nccl: NCCL all-reduces GPU buffers, but {why}; use --collective shm (or auto)")));
         }
         "nccl" => CollectiveKind::Nccl,
@@ -346,7 +443,9 @@ pub(crate) fn trainer_config(args: &RunArgs, plan: &[(WorkerName, Device)], targ
         collective_timeout: args.collective_timeout,
         drafter,
         lr,
-        warmup_steps: args.steps.map_or(0, |n| (n as f64 * warmup_ratio).ceil() as u64),
+        warmup_steps: args
+            .steps
+            .map_or(0, |n| (n as f64 * warmup_ratio).ceil() as u64),
         total_steps: args.steps,
         steps_limit: args.steps,
         clip: 1.0,
@@ -378,18 +477,27 @@ fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Er
         }
     };
     if let Some(bad) = taps.iter().find(|&&t| t as usize >= n) {
-        return Err(Error::Flag(format!("--taps: layer {bad} does not exist (the target has {n} layers, ids 0..{})", n - 1)));
+        return Err(Error::Flag(format!(
+            "--taps: layer {bad} does not exist (the target has {n} layers, ids 0..{})",
+            n - 1
+        )));
     }
     if taps.is_empty() {
         return Err(Error::Flag("--taps: expected at least one layer id".into()));
     }
-    Ok(CaptureSpec { tap_ids: taps, hidden: target.hidden_size as u32, dtype: DTYPE_BF16, target: target.fingerprint() })
+    Ok(CaptureSpec {
+        tap_ids: taps,
+        hidden: target.hidden_size as u32,
+        dtype: DTYPE_BF16,
+        target: target.fingerprint(),
+    })
 }
 
 fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result<(), Error> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
-        .map_err(|e| Error::start("signal handlers", e))?;
+    let mut signals =
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
+            .map_err(|e| Error::start("signal handlers", e))?;
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
@@ -417,8 +525,14 @@ mod tests {
 
     #[test]
     fn cpu_split_by_targets() {
-        let p = plan(&args(&["--gpus", "cpu:3", "--targets", "1"]), &mut || panic!("NVML asked for cpu")).unwrap();
-        assert_eq!(names(&p), ["target-0@cpu", "drafter-0@cpu", "drafter-1@cpu"]);
+        let p = plan(&args(&["--gpus", "cpu:3", "--targets", "1"]), &mut || {
+            panic!("NVML asked for cpu")
+        })
+        .unwrap();
+        assert_eq!(
+            names(&p),
+            ["target-0@cpu", "drafter-0@cpu", "drafter-1@cpu"]
+        );
     }
 
     #[test]
@@ -430,7 +544,11 @@ mod tests {
 
     #[test]
     fn explicit_roles_may_share_a_gpu() {
-        let p = plan(&args(&["--target-gpus", "0", "--drafter-gpus", "0,1"]), &mut || Ok(2)).unwrap();
+        let p = plan(
+            &args(&["--target-gpus", "0", "--drafter-gpus", "0,1"]),
+            &mut || Ok(2),
+        )
+        .unwrap();
         assert_eq!(names(&p), ["target-0@0", "drafter-0@0", "drafter-1@1"]);
     }
 
@@ -444,9 +562,15 @@ mod tests {
     #[test]
     fn too_many_targets_and_missing_driver_are_usage_errors() {
         let e = plan(&args(&["--gpus", "cpu:3", "--targets", "3"]), &mut || Ok(0)).unwrap_err();
-        assert!(e.to_string().contains("--targets 3 leaves no drafter"), "{e}");
+        assert!(
+            e.to_string().contains("--targets 3 leaves no drafter"),
+            "{e}"
+        );
         assert_eq!(e.exit_code(), 2);
-        let e = plan(&args(&["--gpus", "0-7"]), &mut || Err(gpus::NvmlUnavailable::NotLoaded)).unwrap_err();
+        let e = plan(&args(&["--gpus", "0-7"]), &mut || {
+            Err(gpus::NvmlUnavailable::NotLoaded)
+        })
+        .unwrap_err();
         assert!(e.to_string().contains("cpu:N"), "{e}");
     }
 }

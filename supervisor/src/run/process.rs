@@ -39,11 +39,13 @@ impl Spawner {
         let (tx, rx) = mpsc::channel::<Request>();
         // The thread must outlive every worker it forks; it ends only when the supervisor
         // drops the Spawner, after every worker is gone.
-        thread::Builder::new().name("spawner".into()).spawn(move || {
-            for (spec, reply) in rx {
-                let _ = reply.send(spawn_now(spec));
-            }
-        })?;
+        thread::Builder::new()
+            .name("spawner".into())
+            .spawn(move || {
+                for (spec, reply) in rx {
+                    let _ = reply.send(spawn_now(spec));
+                }
+            })?;
         Ok(Spawner { tx })
     }
 
@@ -52,7 +54,8 @@ impl Spawner {
         self.tx
             .send((spec, tx))
             .map_err(|_| io::Error::other("spawner thread is gone"))?;
-        rx.recv().map_err(|_| io::Error::other("spawner thread is gone"))?
+        rx.recv()
+            .map_err(|_| io::Error::other("spawner thread is gone"))?
     }
 }
 
@@ -70,7 +73,14 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
     // calls (prctl, getppid, close_range, fcntl) and builds an io::Error from a raw errno (no allocation).
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
                 return Err(io::Error::last_os_error());
             }
             // The supervisor may have died between fork and prctl: then nobody would send
@@ -81,7 +91,12 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
             // Nothing but stdio and the pools crosses exec: a descriptor inherited by
             // accident (ipc-channel accepts control connections without close-on-exec)
             // would keep another worker's channel open after that worker dies.
-            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC);
+            libc::syscall(
+                libc::SYS_close_range,
+                3u32,
+                u32::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            );
             for &fd in &inherit {
                 dflash_shared::pool::inherit_fd(fd)?;
             }
@@ -130,7 +145,11 @@ impl Pidfd {
     /// Block until the process has exited (the pidfd turns readable).
     pub fn wait_exit(&self) -> io::Result<()> {
         loop {
-            let mut p = libc::pollfd { fd: self.0.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            let mut p = libc::pollfd {
+                fd: self.0.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
             // SAFETY: one valid pollfd, no timeout.
             let r = unsafe { libc::poll(&mut p, 1, -1) };
             if r >= 0 {
@@ -182,7 +201,11 @@ impl GroupLeader {
     pub fn new(child: Child) -> Result<GroupLeader, (Child, io::Error)> {
         let pid = child.id();
         match Pidfd::open(pid) {
-            Ok(pidfd) => Ok(GroupLeader { pid, pidfd, leader: Mutex::new(Some(child)) }),
+            Ok(pidfd) => Ok(GroupLeader {
+                pid,
+                pidfd,
+                leader: Mutex::new(Some(child)),
+            }),
             Err(e) => Err((child, e)),
         }
     }
@@ -214,12 +237,18 @@ impl GroupLeader {
     /// [`signal_group`]: GroupLeader::signal_group
     pub fn wait_and_reap(&self, before_reap: impl FnOnce()) -> io::Result<ExitStatus> {
         if let Err(e) = self.pidfd.wait_exit() {
-            log::error!("waiting on the pidfd of pid {}: {e}; waiting with waitid", self.pid);
+            log::error!(
+                "waiting on the pidfd of pid {}: {e}; waiting with waitid",
+                self.pid
+            );
             wait_no_reap(self.pid)?;
         }
         let mut leader = self.leader.lock().unwrap_or_else(|e| e.into_inner());
         let Some(mut child) = leader.take() else {
-            return Err(io::Error::other(format!("pid {} was reaped already", self.pid)));
+            return Err(io::Error::other(format!(
+                "pid {} was reaped already",
+                self.pid
+            )));
         };
         // The leader is a zombie until the wait below, so its pid (= the group id) cannot
         // be reused yet: killing the group here cannot hit a stranger.
@@ -235,7 +264,14 @@ fn wait_no_reap(pid: u32) -> io::Result<()> {
     loop {
         // SAFETY: zeroed siginfo is a valid out-parameter; plain syscall.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        let r = unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT) };
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
         if r == 0 {
             return Ok(());
         }
@@ -252,8 +288,17 @@ pub fn describe_status(status: &ExitStatus) -> String {
     if let Some(code) = status.code() {
         format!("exit code {code}")
     } else if let Some(sig) = status.signal() {
-        let name = Signal::try_from(sig).map(|s| s.as_str().to_string()).unwrap_or_else(|_| format!("signal {sig}"));
-        format!("killed by signal {name}{}", if status.core_dumped() { " (core dumped)" } else { "" })
+        let name = Signal::try_from(sig)
+            .map(|s| s.as_str().to_string())
+            .unwrap_or_else(|_| format!("signal {sig}"));
+        format!(
+            "killed by signal {name}{}",
+            if status.core_dumped() {
+                " (core dumped)"
+            } else {
+                ""
+            }
+        )
     } else {
         format!("{status}")
     }
@@ -266,7 +311,11 @@ mod tests {
     use std::sync::Arc;
 
     fn sleeper() -> GroupLeader {
-        let child = Command::new("sleep").arg("1000").process_group(0).spawn().expect("spawn sleep");
+        let child = Command::new("sleep")
+            .arg("1000")
+            .process_group(0)
+            .spawn()
+            .expect("spawn sleep");
         GroupLeader::new(child).map_err(|(_, e)| e).expect("pidfd")
     }
 
@@ -280,7 +329,11 @@ mod tests {
             thread::spawn(move || {
                 g.wait_and_reap(|| {
                     // Under the reap's lock, before the reap: the group still exists.
-                    assert!(nix::sys::signal::killpg(nix::unistd::Pid::from_raw(g.pid() as i32), None).is_ok());
+                    assert!(nix::sys::signal::killpg(
+                        nix::unistd::Pid::from_raw(g.pid() as i32),
+                        None
+                    )
+                    .is_ok());
                 })
             })
         };
@@ -307,7 +360,11 @@ mod tests {
                     let was_reaped = reaped.load(std::sync::atomic::Ordering::SeqCst);
                     let r = g.signal_group(Signal::SIGCONT);
                     if was_reaped {
-                        assert_eq!(r, GroupSignal::LeaderReaped, "signalled a reaped leader's group");
+                        assert_eq!(
+                            r,
+                            GroupSignal::LeaderReaped,
+                            "signalled a reaped leader's group"
+                        );
                         return;
                     }
                 })

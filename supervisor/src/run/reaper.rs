@@ -32,7 +32,9 @@ impl Reaper {
         let stdin = child.stdin.take().expect("piped stdin");
         // The child is never waited for: it outlives us by design, or exits when we do.
         std::mem::forget(child);
-        Ok(Reaper { stdin: Mutex::new(stdin) })
+        Ok(Reaper {
+            stdin: Mutex::new(stdin),
+        })
     }
 
     pub fn watch(&self, pgid: u32) {
@@ -54,7 +56,13 @@ use std::os::unix::process::CommandExt;
 
 /// Body of `dflash-supervise __reap`.
 pub fn run() -> i32 {
-    for sig in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP, Signal::SIGUSR1, Signal::SIGUSR2] {
+    for sig in [
+        Signal::SIGINT,
+        Signal::SIGTERM,
+        Signal::SIGHUP,
+        Signal::SIGUSR1,
+        Signal::SIGUSR2,
+    ] {
         // SAFETY: installing SIG_IGN has no handler code to be unsafe in.
         unsafe {
             let _ = signal(sig, SigHandler::SigIgn);
@@ -64,7 +72,9 @@ pub fn run() -> i32 {
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
         let (op, num) = line.split_at(line.len().min(1));
-        let Ok(pgid) = num.trim().parse::<u32>() else { continue };
+        let Ok(pgid) = num.trim().parse::<u32>() else {
+            continue;
+        };
         match op {
             "+" => {
                 groups.insert(pgid);

@@ -130,24 +130,35 @@ impl RunDir {
         let usage = |what: String| Error::Flag(format!("--run-dir {}: {what}", path.display()));
         if path.exists() {
             if !path.is_dir() {
-                return Err(usage("exists and is not a directory (expected a new or empty directory)".into()));
+                return Err(usage(
+                    "exists and is not a directory (expected a new or empty directory)".into(),
+                ));
             }
             if path.join(STATE_FILE).exists() {
                 return Err(usage(
                     "already holds a run (state.json); choose a new --run-dir or remove the old one".into(),
                 ));
             }
-            let mut entries = fs::read_dir(&path).map_err(|e| usage(format!("cannot read it: {e} (expected a new or empty directory)")))?;
+            let mut entries = fs::read_dir(&path).map_err(|e| {
+                usage(format!(
+                    "cannot read it: {e} (expected a new or empty directory)"
+                ))
+            })?;
             if let Some(first) = entries.next() {
-                let first = first.map(|e| e.file_name().to_string_lossy().into_owned()).unwrap_or_default();
+                let first = first
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .unwrap_or_default();
                 return Err(usage(format!(
                     "is not empty (it holds {first}, and no state.json of a run) and would be overwritten; \
                      expected a new or empty directory (--resume DIR continues a stopped run)"
                 )));
             }
         }
-        fs::create_dir_all(path.join(LOGS_DIR))
-            .map_err(|e| usage(format!("cannot create it: {e} (expected a writable directory)")))?;
+        fs::create_dir_all(path.join(LOGS_DIR)).map_err(|e| {
+            usage(format!(
+                "cannot create it: {e} (expected a writable directory)"
+            ))
+        })?;
         let path = path
             .canonicalize()
             .map_err(|e| usage(format!("cannot resolve it: {e}")))?;
@@ -159,11 +170,20 @@ impl RunDir {
     pub fn reopen(path: &Path) -> Result<RunDir, Error> {
         let usage = |what: String| Error::Flag(format!("--resume {}: {what}", path.display()));
         if !path.join(STATE_FILE).is_file() {
-            return Err(usage("not a dflash-supervise run directory (no state.json in it)".into()));
+            return Err(usage(
+                "not a dflash-supervise run directory (no state.json in it)".into(),
+            ));
         }
-        let path = path.canonicalize().map_err(|e| usage(format!("cannot resolve it: {e}")))?;
-        fs::create_dir_all(path.join(LOGS_DIR)).map_err(|e| usage(format!("cannot write in it: {e}")))?;
-        RunDir::take(path, "its supervisor is still running (expected a stopped run)", &usage)
+        let path = path
+            .canonicalize()
+            .map_err(|e| usage(format!("cannot resolve it: {e}")))?;
+        fs::create_dir_all(path.join(LOGS_DIR))
+            .map_err(|e| usage(format!("cannot write in it: {e}")))?;
+        RunDir::take(
+            path,
+            "its supervisor is still running (expected a stopped run)",
+            &usage,
+        )
     }
 
     /// Lock the run dir for this supervisor and open its event log.
@@ -173,7 +193,11 @@ impl RunDir {
             .truncate(false)
             .write(true)
             .open(path.join(LOCK_FILE))
-            .map_err(|e| usage(format!("cannot write in it: {e} (expected a writable directory)")))?;
+            .map_err(|e| {
+                usage(format!(
+                    "cannot write in it: {e} (expected a writable directory)"
+                ))
+            })?;
         // SAFETY: flock on a file descriptor we own.
         if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             return Err(usage(busy.to_string()));
@@ -183,7 +207,11 @@ impl RunDir {
             .append(true)
             .open(path.join(EVENTS_FILE))
             .map_err(|e| usage(format!("cannot write in it: {e}")))?;
-        Ok(RunDir { path, _lock: lock, events })
+        Ok(RunDir {
+            path,
+            _lock: lock,
+            events,
+        })
     }
 
     pub fn worker_log(&self, name: &str) -> PathBuf {
@@ -199,7 +227,10 @@ impl RunDir {
         let mut line = serde_json::Value::Object(obj).to_string();
         line.push('\n');
         if let Err(e) = self.events.write_all(line.as_bytes()) {
-            log::warn!("cannot append to {}: {e}", self.path.join(EVENTS_FILE).display());
+            log::warn!(
+                "cannot append to {}: {e}",
+                self.path.join(EVENTS_FILE).display()
+            );
         }
     }
 
@@ -256,7 +287,9 @@ impl ExistingRun {
                         d.display()
                     )));
                 }
-                Ok(ExistingRun { path: d.to_path_buf() })
+                Ok(ExistingRun {
+                    path: d.to_path_buf(),
+                })
             }
             None => newest_run(Path::new(DEFAULT_RUNS)).map(|path| ExistingRun { path }),
         }
@@ -267,7 +300,10 @@ impl ExistingRun {
         let text = fs::read_to_string(&p)
             .map_err(|e| Error::input(format!("{}: cannot read", p.display()), e))?;
         serde_json::from_str(&text).map_err(|e| {
-            Error::input(format!("{}: not a dflash-supervise state file", p.display()), e)
+            Error::input(
+                format!("{}: not a dflash-supervise state file", p.display()),
+                e,
+            )
         })
     }
 
@@ -293,9 +329,16 @@ fn newest_run(runs: &Path) -> Result<PathBuf, Error> {
     let mut best: Option<(u64, PathBuf)> = None;
     for e in entries.flatten() {
         let p = e.path();
-        let Ok(text) = fs::read_to_string(p.join(STATE_FILE)) else { continue };
-        let Ok(st) = serde_json::from_str::<RunState>(&text) else { continue };
-        if best.as_ref().is_none_or(|(t, _)| st.started_at_unix_ms > *t) {
+        let Ok(text) = fs::read_to_string(p.join(STATE_FILE)) else {
+            continue;
+        };
+        let Ok(st) = serde_json::from_str::<RunState>(&text) else {
+            continue;
+        };
+        if best
+            .as_ref()
+            .is_none_or(|(t, _)| st.started_at_unix_ms > *t)
+        {
             best = Some((st.started_at_unix_ms, p));
         }
     }

@@ -34,12 +34,21 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     if !index.exists() {
         return Err(format!("{}: no model.safetensors or model.safetensors.index.json (expected a Hugging Face model directory)", dir.display()));
     }
-    let text = std::fs::read_to_string(&index).map_err(|e| format!("{}: cannot read: {e}", index.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: not valid JSON: {e}", index.display()))?;
-    let map = v["weight_map"].as_object().ok_or_else(|| format!("{}: no weight_map object (expected {{\"weight_map\": {{tensor: shard file}}}})", index.display()))?;
+    let text = std::fs::read_to_string(&index)
+        .map_err(|e| format!("{}: cannot read: {e}", index.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| format!("{}: not valid JSON: {e}", index.display()))?;
+    let map = v["weight_map"].as_object().ok_or_else(|| {
+        format!(
+            "{}: no weight_map object (expected {{\"weight_map\": {{tensor: shard file}}}})",
+            index.display()
+        )
+    })?;
     let mut files: Vec<PathBuf> = Vec::new();
     for (name, f) in map {
-        let f = f.as_str().ok_or_else(|| format!("{}: weight_map[{name}] is not a file name", index.display()))?;
+        let f = f
+            .as_str()
+            .ok_or_else(|| format!("{}: weight_map[{name}] is not a file name", index.display()))?;
         files.push(dir.join(f));
     }
     files.sort();
@@ -48,7 +57,11 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
         return Err(format!("{}: weight_map lists no shard", index.display()));
     }
     if let Some(missing) = files.iter().find(|p| !p.is_file()) {
-        return Err(format!("{}: missing (listed in {})", missing.display(), index.display()));
+        return Err(format!(
+            "{}: missing (listed in {})",
+            missing.display(),
+            index.display()
+        ));
     }
     Ok(files)
 }
@@ -68,29 +81,49 @@ fn dtype_size(dtype: &str) -> Option<u64> {
 pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, String> {
     let fail = |msg: String| format!("{}: {msg}", path.display());
     let mut f = File::open(path).map_err(|e| fail(format!("cannot open: {e}")))?;
-    let size = f.metadata().map_err(|e| fail(format!("cannot stat: {e}")))?.len();
+    let size = f
+        .metadata()
+        .map_err(|e| fail(format!("cannot stat: {e}")))?
+        .len();
     let mut len = [0u8; 8];
     if size < 8 || f.read_exact(&mut len).is_err() {
-        return Err(fail(format!("truncated safetensors file ({size} bytes; expected an 8-byte header length first)")));
+        return Err(fail(format!(
+            "truncated safetensors file ({size} bytes; expected an 8-byte header length first)"
+        )));
     }
     let n = u64::from_le_bytes(len);
     if n > MAX_HEADER {
-        return Err(fail(format!("not a safetensors file (header length {n} bytes; expected at most {MAX_HEADER})")));
+        return Err(fail(format!(
+            "not a safetensors file (header length {n} bytes; expected at most {MAX_HEADER})"
+        )));
     }
     if 8 + n > size {
-        return Err(fail(format!("truncated safetensors file: its header alone is {n} bytes but the file has {size}")));
+        return Err(fail(format!(
+            "truncated safetensors file: its header alone is {n} bytes but the file has {size}"
+        )));
     }
     let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header).map_err(|e| fail(format!("cannot read the header: {e}")))?;
-    let v: serde_json::Value = serde_json::from_slice(&header).map_err(|e| fail(format!("corrupt safetensors header: {e}")))?;
-    let obj = v.as_object().ok_or_else(|| fail("corrupt safetensors header: not a JSON object".into()))?;
+    f.read_exact(&mut header)
+        .map_err(|e| fail(format!("cannot read the header: {e}")))?;
+    let v: serde_json::Value = serde_json::from_slice(&header)
+        .map_err(|e| fail(format!("corrupt safetensors header: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| fail("corrupt safetensors header: not a JSON object".into()))?;
     let mut out = HashMap::new();
     for (name, t) in obj {
         if name == "__metadata__" {
             continue;
         }
-        let bad = |what: &str| fail(format!("corrupt safetensors header: tensor {name} has {what}"));
-        let dtype = t["dtype"].as_str().ok_or_else(|| bad("no dtype"))?.to_string();
+        let bad = |what: &str| {
+            fail(format!(
+                "corrupt safetensors header: tensor {name} has {what}"
+            ))
+        };
+        let dtype = t["dtype"]
+            .as_str()
+            .ok_or_else(|| bad("no dtype"))?
+            .to_string();
         let shape: Vec<usize> = t["shape"]
             .as_array()
             .ok_or_else(|| bad("no shape"))?
@@ -98,13 +131,21 @@ pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, String> {
             .map(|d| d.as_u64().map(|d| d as usize))
             .collect::<Option<_>>()
             .ok_or_else(|| bad("a shape that is not a list of sizes"))?;
-        let offs = t["data_offsets"].as_array().ok_or_else(|| bad("no data_offsets"))?;
-        let (a, b) = match (offs.first().and_then(|x| x.as_u64()), offs.get(1).and_then(|x| x.as_u64()), offs.len()) {
+        let offs = t["data_offsets"]
+            .as_array()
+            .ok_or_else(|| bad("no data_offsets"))?;
+        let (a, b) = match (
+            offs.first().and_then(|x| x.as_u64()),
+            offs.get(1).and_then(|x| x.as_u64()),
+            offs.len(),
+        ) {
             (Some(a), Some(b), 2) if a <= b => (a, b),
             _ => return Err(bad("data_offsets that are not [begin, end]")),
         };
         if let Some(sz) = dtype_size(&dtype) {
-            let numel = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
+            let numel = shape
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
             if numel.and_then(|n| n.checked_mul(sz)) != Some(b - a) {
                 return Err(fail(format!(
                     "corrupt safetensors header: tensor {name} ({dtype} {shape:?}) has {} bytes of data",
@@ -112,9 +153,19 @@ pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, String> {
                 )));
             }
         }
-        out.insert(name.clone(), TensorInfo { dtype, shape, offsets: (a, b) });
+        out.insert(
+            name.clone(),
+            TensorInfo {
+                dtype,
+                shape,
+                offsets: (a, b),
+            },
+        );
     }
-    let mut spans: Vec<(u64, u64, &str)> = out.iter().map(|(n, t)| (t.offsets.0, t.offsets.1, n.as_str())).collect();
+    let mut spans: Vec<(u64, u64, &str)> = out
+        .iter()
+        .map(|(n, t)| (t.offsets.0, t.offsets.1, n.as_str()))
+        .collect();
     spans.sort();
     let mut end = 0u64;
     for (a, b, name) in spans {
@@ -125,8 +176,14 @@ pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, String> {
     }
     let data = size - 8 - n;
     if data != end {
-        let what = if data < end { "truncated safetensors file" } else { "corrupt safetensors file" };
-        return Err(fail(format!("{what}: the header describes {end} bytes of tensor data but the file holds {data}")));
+        let what = if data < end {
+            "truncated safetensors file"
+        } else {
+            "corrupt safetensors file"
+        };
+        return Err(fail(format!(
+            "{what}: the header describes {end} bytes of tensor data but the file holds {data}"
+        )));
     }
     Ok(out)
 }
@@ -138,28 +195,47 @@ pub fn check(dir: &Path, cfg: &TargetConfig) -> Result<(), String> {
     for (i, path) in files.iter().enumerate() {
         for (name, info) in read_header(path)? {
             if let Some((j, _)) = found.insert(name.clone(), (i, info)) {
-                return Err(format!("{}: tensor {name} also appears in {}", path.display(), files[j].display()));
+                return Err(format!(
+                    "{}: tensor {name} also appears in {}",
+                    path.display(),
+                    files[j].display()
+                ));
             }
         }
     }
     let expected = expected_tensors(cfg, cfg.num_hidden_layers);
     // A tied model's spare lm_head is read by the drafters when it is there.
-    let lm_head = ("lm_head.weight".to_string(), vec![cfg.vocab_size, cfg.hidden_size]);
+    let lm_head = (
+        "lm_head.weight".to_string(),
+        vec![cfg.vocab_size, cfg.hidden_size],
+    );
     let spare = (cfg.tie_word_embeddings && found.contains_key(&lm_head.0)).then_some(&lm_head);
     for (name, shape) in expected.iter().chain(spare) {
         let Some((i, t)) = found.get(name) else {
-            return Err(format!("{}: missing tensor {name} (shape {shape:?} from config.json)", dir.display()));
+            return Err(format!(
+                "{}: missing tensor {name} (shape {shape:?} from config.json)",
+                dir.display()
+            ));
         };
         let path = files[*i].display();
         if &t.shape != shape {
-            return Err(format!("{path}: tensor {name} has shape {:?}, expected {shape:?} from config.json", t.shape));
+            return Err(format!(
+                "{path}: tensor {name} has shape {:?}, expected {shape:?} from config.json",
+                t.shape
+            ));
         }
         if !matches!(t.dtype.as_str(), "BF16" | "F16" | "F32") {
-            return Err(format!("{path}: tensor {name} has dtype {}; expected bf16, f16 or f32", t.dtype));
+            return Err(format!(
+                "{path}: tensor {name} has dtype {}; expected bf16, f16 or f32",
+                t.dtype
+            ));
         }
     }
     let known: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
-    let mut extra: Vec<&String> = found.keys().filter(|n| !known.contains(n.as_str()) && !is_ignorable_tensor(n)).collect();
+    let mut extra: Vec<&String> = found
+        .keys()
+        .filter(|n| !known.contains(n.as_str()) && !is_ignorable_tensor(n))
+        .collect();
     extra.sort();
     if let Some(first) = extra.first() {
         return Err(format!(
@@ -182,7 +258,10 @@ mod tests {
         let mut off = 0u64;
         for (name, dtype, shape) in tensors {
             let n = shape.iter().product::<usize>() as u64 * dtype_size(dtype).unwrap_or(1);
-            header.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}));
+            header.insert(
+                name.to_string(),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}),
+            );
             off += n;
         }
         let mut h = serde_json::Value::Object(header).to_string().into_bytes();
@@ -203,8 +282,13 @@ mod tests {
         (dir, cfg, all)
     }
 
-    fn with<'a>(all: &'a [(String, Vec<usize>)], dtype: &'static str) -> Vec<(&'a str, &'static str, Vec<usize>)> {
-        all.iter().map(|(n, s)| (n.as_str(), dtype, s.clone())).collect()
+    fn with<'a>(
+        all: &'a [(String, Vec<usize>)],
+        dtype: &'static str,
+    ) -> Vec<(&'a str, &'static str, Vec<usize>)> {
+        all.iter()
+            .map(|(n, s)| (n.as_str(), dtype, s.clone()))
+            .collect()
     }
 
     #[test]
@@ -222,12 +306,19 @@ mod tests {
             .map(|(n, _)| (n.clone(), "s1.safetensors".into()))
             .chain(b.iter().map(|(n, _)| (n.clone(), "s2.safetensors".into())))
             .collect();
-        std::fs::write(dir.path().join("model.safetensors.index.json"), serde_json::json!({"weight_map": map}).to_string()).unwrap();
+        std::fs::write(
+            dir.path().join("model.safetensors.index.json"),
+            serde_json::json!({"weight_map": map}).to_string(),
+        )
+        .unwrap();
         check(dir.path(), &cfg).unwrap();
         // A missing shard is named.
         std::fs::remove_file(dir.path().join("s2.safetensors")).unwrap();
         let e = check(dir.path(), &cfg).unwrap_err();
-        assert!(e.contains("s2.safetensors: missing (listed in") && e.contains("index.json"), "{e}");
+        assert!(
+            e.contains("s2.safetensors: missing (listed in") && e.contains("index.json"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -238,23 +329,37 @@ mod tests {
         let bytes = std::fs::read(&file).unwrap();
         std::fs::write(&file, &bytes[..bytes.len() - 100]).unwrap();
         let e = check(dir.path(), &cfg).unwrap_err();
-        assert!(e.starts_with(&file.display().to_string()) && e.contains("truncated safetensors file"), "{e}");
+        assert!(
+            e.starts_with(&file.display().to_string()) && e.contains("truncated safetensors file"),
+            "{e}"
+        );
         std::fs::write(&file, &bytes[..5]).unwrap();
         assert!(check(dir.path(), &cfg).unwrap_err().contains("truncated"));
         std::fs::write(&file, b"\xff\xff\xff\xff\xff\xff\xff\xffjunk").unwrap();
-        assert!(check(dir.path(), &cfg).unwrap_err().contains("not a safetensors file"));
+        assert!(check(dir.path(), &cfg)
+            .unwrap_err()
+            .contains("not a safetensors file"));
 
         let mut ts = with(&all, "BF16");
         ts[3].1 = "I8";
         write(&file, &ts);
         let e = check(dir.path(), &cfg).unwrap_err();
-        assert!(e.contains(&format!("tensor {} has dtype I8; expected bf16, f16 or f32", ts[3].0)), "{e}");
+        assert!(
+            e.contains(&format!(
+                "tensor {} has dtype I8; expected bf16, f16 or f32",
+                ts[3].0
+            )),
+            "{e}"
+        );
 
         let mut ts = with(&all, "BF16");
         ts[4].2 = vec![7, 7];
         write(&file, &ts);
         let e = check(dir.path(), &cfg).unwrap_err();
-        assert!(e.contains(&format!("tensor {} has shape [7, 7], expected", ts[4].0)), "{e}");
+        assert!(
+            e.contains(&format!("tensor {} has shape [7, 7], expected", ts[4].0)),
+            "{e}"
+        );
 
         let ts = with(&all[1..], "BF16");
         write(&file, &ts);
@@ -264,11 +369,18 @@ mod tests {
         let mut ts = with(&all, "BF16");
         ts.push(("lm_head.weight", "BF16", vec![512, 63]));
         write(&file, &ts);
-        assert!(check(dir.path(), &cfg).unwrap_err().contains("tensor lm_head.weight has shape [512, 63]"), "a tied model's spare lm_head is checked");
+        assert!(
+            check(dir.path(), &cfg)
+                .unwrap_err()
+                .contains("tensor lm_head.weight has shape [512, 63]"),
+            "a tied model's spare lm_head is checked"
+        );
 
         let mut ts = with(&all, "BF16");
         ts.push(("model.layers.99.mlp.up_proj.weight", "BF16", vec![2, 2]));
         write(&file, &ts);
-        assert!(check(dir.path(), &cfg).unwrap_err().contains("1 unexpected tensor(s), e.g. model.layers.99"));
+        assert!(check(dir.path(), &cfg)
+            .unwrap_err()
+            .contains("1 unexpected tensor(s), e.g. model.layers.99"));
     }
 }

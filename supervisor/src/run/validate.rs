@@ -9,8 +9,8 @@ use dflash_shared::model_config::{expected_tensors, TargetConfig};
 use dflash_shared::{Device, Role, WorkerName};
 
 use crate::cli::RunArgs;
-use crate::error::Error;
 use crate::data::pipeline::human;
+use crate::error::Error;
 
 /// The largest `--block-size`: DFlash uses 8 to 16; every block position is a row of
 /// activations per anchor, so a block far past that only exhausts memory.
@@ -28,10 +28,16 @@ pub const MAX_LR: f64 = 1.0;
 /// Every flag's range, before the run starts. (Flags whose checks need the target or the
 /// devices — `--taps`, `--mask-token-id`, `--targets` — are checked where those are known.)
 pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
-    let bad = |flag: &str, value: String, expected: &str| Err(Error::Flag(format!("{flag} {value}: expected {expected}")));
+    let bad = |flag: &str, value: String, expected: &str| {
+        Err(Error::Flag(format!("{flag} {value}: expected {expected}")))
+    };
     let dur = |d: Duration| humantime::format_duration(d).to_string();
     if a.hang_timeout < MIN_HANG_TIMEOUT {
-        return bad("--hang-timeout", dur(a.hang_timeout), "at least 1s (workers beat every tenth of it; a shorter one kills healthy workers)");
+        return bad(
+            "--hang-timeout",
+            dur(a.hang_timeout),
+            "at least 1s (workers beat every tenth of it; a shorter one kills healthy workers)",
+        );
     }
     for (flag, d) in [
         ("--stop-timeout", a.stop_timeout),
@@ -44,16 +50,28 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
         }
     }
     if a.time_limit.is_some_and(|d| d.is_zero()) {
-        return bad("--time-limit", "0s".into(), "a duration above zero (or no --time-limit to run until stopped)");
+        return bad(
+            "--time-limit",
+            "0s".into(),
+            "a duration above zero (or no --time-limit to run until stopped)",
+        );
     }
     if a.keep_checkpoints == 0 {
-        return bad("--keep-checkpoints", "0".into(), "at least 1 (the newest checkpoint is what --resume continues from)");
+        return bad(
+            "--keep-checkpoints",
+            "0".into(),
+            "at least 1 (the newest checkpoint is what --resume continues from)",
+        );
     }
     if a.steps == Some(0) {
         return bad("--steps", "0".into(), "at least 1");
     }
     if a.max_seq_len < 2 {
-        return bad("--max-seq-len", a.max_seq_len.to_string(), "at least 2 (a sample needs a context and a token to predict)");
+        return bad(
+            "--max-seq-len",
+            a.max_seq_len.to_string(),
+            "at least 2 (a sample needs a context and a token to predict)",
+        );
     }
     if a.epochs == 0 {
         return bad("--epochs", "0".into(), "at least 1");
@@ -63,7 +81,11 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
             return bad("--draft-layers", "0".into(), "at least 1");
         }
         if n > MAX_DRAFT_LAYERS {
-            return bad("--draft-layers", n.to_string(), &format!("at most {MAX_DRAFT_LAYERS} (DFlash drafters have 1 to 8)"));
+            return bad(
+                "--draft-layers",
+                n.to_string(),
+                &format!("at most {MAX_DRAFT_LAYERS} (DFlash drafters have 1 to 8)"),
+            );
         }
     }
     let tiny = a.target == "tiny";
@@ -71,25 +93,55 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
         Some(b) => (b, true),
         None => (if tiny { 8 } else { 16 }, false),
     };
-    let shown = if block_given { block.to_string() } else { format!("{block} (the default)") };
+    let shown = if block_given {
+        block.to_string()
+    } else {
+        format!("{block} (the default)")
+    };
     if block < 2 {
-        return bad("--block-size", shown, "at least 2 (a block is the anchor token and the tokens drafted after it)");
+        return bad(
+            "--block-size",
+            shown,
+            "at least 2 (a block is the anchor token and the tokens drafted after it)",
+        );
     }
     if block > MAX_BLOCK_SIZE {
-        return bad("--block-size", shown, &format!("at most {MAX_BLOCK_SIZE} (DFlash uses 8 to 16)"));
+        return bad(
+            "--block-size",
+            shown,
+            &format!("at most {MAX_BLOCK_SIZE} (DFlash uses 8 to 16)"),
+        );
     }
     if block as u64 > a.max_seq_len as u64 {
-        return bad("--block-size", shown, &format!("at most --max-seq-len {} (a block must fit in a sample)", a.max_seq_len));
+        return bad(
+            "--block-size",
+            shown,
+            &format!(
+                "at most --max-seq-len {} (a block must fit in a sample)",
+                a.max_seq_len
+            ),
+        );
     }
     if a.max_anchors == Some(0) {
         return bad("--max-anchors", "0".into(), "at least 1");
     }
     if let Some(n) = a.max_anchors.filter(|&n| n as u64 > a.max_seq_len as u64) {
-        return bad("--max-anchors", n.to_string(), &format!("at most --max-seq-len {} (an anchor is a position of a sample)", a.max_seq_len));
+        return bad(
+            "--max-anchors",
+            n.to_string(),
+            &format!(
+                "at most --max-seq-len {} (an anchor is a position of a sample)",
+                a.max_seq_len
+            ),
+        );
     }
     if let Some(lr) = a.lr {
         if !(lr > 0.0 && lr.is_finite() && lr <= MAX_LR) {
-            return bad("--lr", format!("{lr:?}"), "a learning rate above 0 and at most 1 (the public recipe uses 6e-4)");
+            return bad(
+                "--lr",
+                format!("{lr:?}"),
+                "a learning rate above 0 and at most 1 (the public recipe uses 6e-4)",
+            );
         }
     }
     if let Some(w) = a.warmup_ratio {
@@ -99,15 +151,26 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
     }
     if let Some(g) = a.gamma {
         if !(g > 0.0 && g.is_finite()) {
-            return bad("--gamma", g.to_string(), "a positive number (7 for blocks of 16)");
+            return bad(
+                "--gamma",
+                g.to_string(),
+                "a positive number (7 for blocks of 16)",
+            );
         }
     }
-    for (flag, v) in [("--token-slots", a.token_slots), ("--hidden-slots", a.hidden_slots)] {
+    for (flag, v) in [
+        ("--token-slots", a.token_slots),
+        ("--hidden-slots", a.hidden_slots),
+    ] {
         if v == Some(0) {
             return bad(flag, "0".into(), "at least 1");
         }
     }
-    for (flag, v) in [("--token-budget", a.token_budget.map(u64::from)), ("--prefetch", Some(a.prefetch as u64)), ("--shuffle-window", Some(a.shuffle_window as u64))] {
+    for (flag, v) in [
+        ("--token-budget", a.token_budget.map(u64::from)),
+        ("--prefetch", Some(a.prefetch as u64)),
+        ("--shuffle-window", Some(a.shuffle_window as u64)),
+    ] {
         if v == Some(0) {
             return bad(flag, "0".into(), "at least 1");
         }
@@ -146,14 +209,23 @@ pub fn estimate_memory(
     let params = ParamLayout::new(drafter).total as u64;
     let drafter_state = params * 4 * f;
     let table = (drafter.vocab * drafter.hidden) as u64 * f;
-    let drafter_frozen = if target.tie_word_embeddings { table } else { 2 * table };
+    let drafter_frozen = if target.tie_word_embeddings {
+        table
+    } else {
+        2 * table
+    };
     // One sample: its anchors' blocks (m rows) through every layer, kept for the backward
     // (hidden-sized: x, q, attention, o, residual, norms; intermediate-sized: gate, up,
     // act), one vocabulary chunk of logits per row, and the context (taps, projection).
-    let (h, inter, qd) = (drafter.hidden as u64, drafter.intermediate as u64, (drafter.q_heads * drafter.head_dim) as u64);
+    let (h, inter, qd) = (
+        drafter.hidden as u64,
+        drafter.intermediate as u64,
+        (drafter.q_heads * drafter.head_dim) as u64,
+    );
     let anchors = (drafter.max_anchors as u64).min(max_seq_len as u64);
     let m = anchors * drafter.block_size as u64;
-    let per_row = drafter.layers as u64 * (4 * h + 3 * qd + 3 * inter) + (drafter.vocab as u64).min(4096);
+    let per_row =
+        drafter.layers as u64 * (4 * h + 3 * qd + 3 * inter) + (drafter.vocab as u64).min(4096);
     let context = max_seq_len as u64 * (drafter.n_taps as u64 + 2) * h;
     let drafter_activations = (m * per_row + context) * f;
     let last = taps.iter().copied().max().unwrap_or(0) as usize;
@@ -164,38 +236,79 @@ pub fn estimate_memory(
         .sum::<u64>()
         * f;
     let row = max_seq_len as u64;
-    let target_act = row * (6 * target.hidden_size as u64 + 3 * target.intermediate_size as u64 + taps.len() as u64 * target.hidden_size as u64) * f;
+    let target_act = row
+        * (6 * target.hidden_size as u64
+            + 3 * target.intermediate_size as u64
+            + taps.len() as u64 * target.hidden_size as u64)
+        * f;
     let target_bytes = target_weights + target_act;
     let mut total = shared;
     for (name, dev) in plan {
         let cpu = matches!(dev, Device::Cpu);
         total += match name.role {
-            Role::Drafter => drafter_state + if cpu { drafter_frozen + drafter_activations } else { 0 },
-            Role::Target => if cpu { target_bytes } else { 0 },
+            Role::Drafter => {
+                drafter_state
+                    + if cpu {
+                        drafter_frozen + drafter_activations
+                    } else {
+                        0
+                    }
+            }
+            Role::Target => {
+                if cpu {
+                    target_bytes
+                } else {
+                    0
+                }
+            }
         };
     }
-    MemoryEstimate { params, drafter_state, drafter_frozen, drafter_activations, target: target_bytes, total }
+    MemoryEstimate {
+        params,
+        drafter_state,
+        drafter_frozen,
+        drafter_activations,
+        target: target_bytes,
+        total,
+    }
 }
 
 /// Refuse a run whose workers cannot fit in the memory available now (the same 80 % rule
 /// as the shared-memory pools).
-pub fn check_memory(e: &MemoryEstimate, plan: &[(WorkerName, Device)], drafter: &DrafterConfig) -> Result<(), Error> {
-    let Some(avail) = crate::data::pipeline::mem_available() else { return Ok(()) };
+pub fn check_memory(
+    e: &MemoryEstimate,
+    plan: &[(WorkerName, Device)],
+    drafter: &DrafterConfig,
+) -> Result<(), Error> {
+    let Some(avail) = crate::data::pipeline::mem_available() else {
+        return Ok(());
+    };
     check_memory_against(e, plan, drafter, avail)
 }
 
-fn check_memory_against(e: &MemoryEstimate, plan: &[(WorkerName, Device)], drafter: &DrafterConfig, avail: u64) -> Result<(), Error> {
+fn check_memory_against(
+    e: &MemoryEstimate,
+    plan: &[(WorkerName, Device)],
+    drafter: &DrafterConfig,
+    avail: u64,
+) -> Result<(), Error> {
     if e.total <= avail / 10 * 8 {
         return Ok(());
     }
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
-    let cpu_targets = plan.iter().filter(|(n, d)| n.role == Role::Target && matches!(d, Device::Cpu)).count();
+    let cpu_targets = plan
+        .iter()
+        .filter(|(n, d)| n.role == Role::Target && matches!(d, Device::Cpu))
+        .count();
     let mut parts = vec![format!(
         "{drafters} drafter(s) of {} parameters ({} each in weights, gradients and Adam moments",
         e.params,
         human(e.drafter_state)
     )];
-    if plan.iter().any(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Cpu)) {
+    if plan
+        .iter()
+        .any(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Cpu))
+    {
         parts[0].push_str(&format!(
             ", {} of frozen embeddings, {} of activations for --max-anchors {} × --block-size {}",
             human(e.drafter_frozen),
@@ -206,7 +319,10 @@ fn check_memory_against(e: &MemoryEstimate, plan: &[(WorkerName, Device)], draft
     }
     parts[0].push(')');
     if cpu_targets > 0 {
-        parts.push(format!("{cpu_targets} CPU target(s) of {} each", human(e.target)));
+        parts.push(format!(
+            "{cpu_targets} CPU target(s) of {} each",
+            human(e.target)
+        ));
     }
     Err(Error::Flag(format!(
         "the workers need about {} ({}) but only {} is available; expected at most 80% of it: \
@@ -240,18 +356,50 @@ mod tests {
     fn defaults_and_test_settings_pass() {
         check_flags(&args(&[])).unwrap();
         check_flags(&args(&["--target", "/some/model"])).unwrap();
-        check_flags(&args(&["--hang-timeout", "1s", "--stable-after", "50ms", "--time-limit", "200ms", "--max-seq-len", "16"])).unwrap();
-        check_flags(&args(&["--checkpoint-every", "0", "--block-size", "256", "--lr", "1", "--warmup-ratio", "0"])).unwrap();
+        check_flags(&args(&[
+            "--hang-timeout",
+            "1s",
+            "--stable-after",
+            "50ms",
+            "--time-limit",
+            "200ms",
+            "--max-seq-len",
+            "16",
+        ]))
+        .unwrap();
+        check_flags(&args(&[
+            "--checkpoint-every",
+            "0",
+            "--block-size",
+            "256",
+            "--lr",
+            "1",
+            "--warmup-ratio",
+            "0",
+        ]))
+        .unwrap();
     }
 
     #[test]
     fn absurd_flags_are_refused_with_the_flag_and_the_range() {
-        refused(&["--hang-timeout", "0s"], &["--hang-timeout 0s", "at least 1s"]);
+        refused(
+            &["--hang-timeout", "0s"],
+            &["--hang-timeout 0s", "at least 1s"],
+        );
         refused(&["--hang-timeout", "500ms"], &["--hang-timeout 500ms"]);
-        refused(&["--block-size", "100000"], &["--block-size 100000", "at most 256"]);
+        refused(
+            &["--block-size", "100000"],
+            &["--block-size 100000", "at most 256"],
+        );
         refused(&["--block-size", "1"], &["--block-size 1", "at least 2"]);
-        refused(&["--block-size", "64", "--max-seq-len", "32"], &["--block-size 64", "--max-seq-len 32"]);
-        refused(&["--max-seq-len", "4"], &["--block-size 8 (the default)", "--max-seq-len 4"]);
+        refused(
+            &["--block-size", "64", "--max-seq-len", "32"],
+            &["--block-size 64", "--max-seq-len 32"],
+        );
+        refused(
+            &["--max-seq-len", "4"],
+            &["--block-size 8 (the default)", "--max-seq-len 4"],
+        );
         refused(&["--max-anchors", "0"], &["--max-anchors 0", "at least 1"]);
         refused(&["--lr", "1e20"], &["--lr 1e20", "at most 1"]);
         refused(&["--lr", "0"], &["--lr 0"]);
@@ -262,24 +410,53 @@ mod tests {
         refused(&["--gamma", "0"], &["--gamma 0", "positive"]);
         refused(&["--gamma", "inf"], &["--gamma inf"]);
         refused(&["--steps", "0"], &["--steps 0"]);
-        refused(&["--keep-checkpoints", "0"], &["--keep-checkpoints 0", "at least 1"]);
-        refused(&["--stop-timeout", "0s"], &["--stop-timeout 0s", "above zero"]);
+        refused(
+            &["--keep-checkpoints", "0"],
+            &["--keep-checkpoints 0", "at least 1"],
+        );
+        refused(
+            &["--stop-timeout", "0s"],
+            &["--stop-timeout 0s", "above zero"],
+        );
         refused(&["--stable-after", "0s"], &["--stable-after 0s"]);
-        refused(&["--gpu-sample-interval", "0s"], &["--gpu-sample-interval 0s"]);
+        refused(
+            &["--gpu-sample-interval", "0s"],
+            &["--gpu-sample-interval 0s"],
+        );
         refused(&["--metrics-interval", "0ms"], &["--metrics-interval 0s"]);
         refused(&["--time-limit", "0s"], &["--time-limit 0s"]);
         refused(&["--epochs", "0"], &["--epochs 0"]);
         refused(&["--draft-layers", "0"], &["--draft-layers 0"]);
-        refused(&["--draft-layers", "18446744073709551615"], &["--draft-layers 18446744073709551615", "at most 64"]);
-        refused(&["--max-anchors", "100000000", "--max-seq-len", "512"], &["--max-anchors 100000000", "at most --max-seq-len 512"]);
+        refused(
+            &["--draft-layers", "18446744073709551615"],
+            &["--draft-layers 18446744073709551615", "at most 64"],
+        );
+        refused(
+            &["--max-anchors", "100000000", "--max-seq-len", "512"],
+            &["--max-anchors 100000000", "at most --max-seq-len 512"],
+        );
         refused(&["--token-budget", "0"], &["--token-budget 0"]);
         refused(&["--token-slots", "0"], &["--token-slots 0"]);
         refused(&["--prefetch", "0"], &["--prefetch 0"]);
     }
 
     fn tiny_plan(drafters: u32) -> Vec<(WorkerName, Device)> {
-        let mut p = vec![(WorkerName { role: Role::Target, rank: 0 }, Device::Cpu)];
-        p.extend((0..drafters).map(|rank| (WorkerName { role: Role::Drafter, rank }, Device::Cpu)));
+        let mut p = vec![(
+            WorkerName {
+                role: Role::Target,
+                rank: 0,
+            },
+            Device::Cpu,
+        )];
+        p.extend((0..drafters).map(|rank| {
+            (
+                WorkerName {
+                    role: Role::Drafter,
+                    rank,
+                },
+                Device::Cpu,
+            )
+        }));
         p
     }
 
@@ -290,14 +467,24 @@ mod tests {
         let e = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 1000);
         let params = ParamLayout::new(&d).total as u64;
         assert_eq!(e.params, params);
-        assert_eq!(e.drafter_state, params * 16, "weights, grads and two moments, f32");
+        assert_eq!(
+            e.drafter_state,
+            params * 16,
+            "weights, grads and two moments, f32"
+        );
         assert_eq!(e.drafter_frozen, 512 * 64 * 4, "tied: one table");
         assert!(e.drafter_activations >= 32 * 8 * (64 + 512) * 4, "{e:?}");
-        assert_eq!(e.total, 1000 + e.drafter_state + e.drafter_frozen + e.drafter_activations + e.target);
+        assert_eq!(
+            e.total,
+            1000 + e.drafter_state + e.drafter_frozen + e.drafter_activations + e.target
+        );
         // The tiny run fits in a few MiB; two drafters cost two ranks.
         assert!(e.total < 64 << 20, "{e:?}");
         let two = estimate_memory(&d, &t, &[1, 4], &tiny_plan(2), 64, 1000);
-        assert_eq!(two.total - e.total, e.drafter_state + e.drafter_frozen + e.drafter_activations);
+        assert_eq!(
+            two.total - e.total,
+            e.drafter_state + e.drafter_frozen + e.drafter_activations
+        );
         check_memory_against(&e, &tiny_plan(1), &d, 1 << 30).unwrap();
     }
 
@@ -312,6 +499,11 @@ mod tests {
         let err = check_memory_against(&e, &plan, &d, 4 << 30).unwrap_err();
         let msg = err.to_string();
         assert_eq!(err.exit_code(), 2);
-        assert!(msg.contains("--max-anchors 4096 × --block-size 256") && msg.contains("available") && !msg.contains('\n'), "{msg}");
+        assert!(
+            msg.contains("--max-anchors 4096 × --block-size 256")
+                && msg.contains("available")
+                && !msg.contains('\n'),
+            "{msg}"
+        );
     }
 }

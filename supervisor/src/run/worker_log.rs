@@ -52,7 +52,11 @@ pub struct WorkerLog {
 }
 
 impl WorkerLog {
-    pub fn open(path: &Path, rotation: Rotation, tee_prefix: Option<String>) -> io::Result<WorkerLog> {
+    pub fn open(
+        path: &Path,
+        rotation: Rotation,
+        tee_prefix: Option<String>,
+    ) -> io::Result<WorkerLog> {
         let file = OpenOptions::new().create(true).append(true).open(path)?;
         let size = file.metadata()?.len();
         Ok(WorkerLog {
@@ -98,7 +102,11 @@ impl WorkerLog {
     }
 
     /// Copy `stream` into the log line by line on a thread of its own, until EOF.
-    pub fn pump(&self, stream: impl Read + Send + 'static, tag: Tag) -> io::Result<thread::JoinHandle<()>> {
+    pub fn pump(
+        &self,
+        stream: impl Read + Send + 'static,
+        tag: Tag,
+    ) -> io::Result<thread::JoinHandle<()>> {
         let log = self.clone();
         thread::Builder::new()
             .name(format!("log-{}", tag.as_str()))
@@ -134,7 +142,10 @@ impl Inner {
             }
         }
         fs::rename(&self.path, backup_path(&self.path, 1))?;
-        self.file = OpenOptions::new().create(true).append(true).open(&self.path)?;
+        self.file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)?;
         self.size = 0;
         Ok(())
     }
@@ -153,7 +164,11 @@ pub fn tail_lines(path: &Path, n: usize, max_backups: u32) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     let mut idx = 0u32;
     loop {
-        let p = if idx == 0 { path.to_path_buf() } else { backup_path(path, idx) };
+        let p = if idx == 0 {
+            path.to_path_buf()
+        } else {
+            backup_path(path, idx)
+        };
         let Ok(text) = fs::read(&p) else { break };
         let text = String::from_utf8_lossy(&text);
         let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
@@ -186,7 +201,15 @@ mod tests {
     fn lines_are_tagged_and_rotation_keeps_every_line_in_order() {
         let d = tmpdir("rot");
         let path = d.join("w.log");
-        let log = WorkerLog::open(&path, Rotation { max_size: 400, backups: 3 }, None).unwrap();
+        let log = WorkerLog::open(
+            &path,
+            Rotation {
+                max_size: 400,
+                backups: 3,
+            },
+            None,
+        )
+        .unwrap();
         for i in 0..60 {
             log.line(Tag::Stdout, &format!("line {i}"));
         }
@@ -205,7 +228,10 @@ mod tests {
             .collect();
         // Consecutive, ending at 59: nothing lost or reordered within the kept backups.
         assert_eq!(*nums.last().unwrap(), 59);
-        assert!(nums[0] > 0, "the oldest lines fell off with the oldest backup");
+        assert!(
+            nums[0] > 0,
+            "the oldest lines fell off with the oldest backup"
+        );
         assert!(nums.windows(2).all(|w| w[1] == w[0] + 1), "{nums:?}");
         assert_eq!(tail_lines(&path, 3, 3).len(), 3);
         assert!(tail_lines(&path, 3, 3)[2].ends_with("line 59"));
@@ -215,11 +241,22 @@ mod tests {
     fn pump_splits_lines_and_marks_stderr() {
         let d = tmpdir("pump");
         let path = d.join("w.log");
-        let log = WorkerLog::open(&path, Rotation { max_size: 1 << 20, backups: 1 }, None).unwrap();
-        log.pump(io::Cursor::new(b"a\nb\r\nno newline at end".to_vec()), Tag::Stderr)
-            .unwrap()
-            .join()
-            .unwrap();
+        let log = WorkerLog::open(
+            &path,
+            Rotation {
+                max_size: 1 << 20,
+                backups: 1,
+            },
+            None,
+        )
+        .unwrap();
+        log.pump(
+            io::Cursor::new(b"a\nb\r\nno newline at end".to_vec()),
+            Tag::Stderr,
+        )
+        .unwrap()
+        .join()
+        .unwrap();
         let lines = tail_lines(&path, 10, 0);
         assert_eq!(lines.len(), 3);
         assert!(lines[0].ends_with(" stderr a"));

@@ -23,7 +23,9 @@ pub fn live() -> bool {
 
 /// Replace the live status line (`None` clears it). No-op when stderr is not a terminal.
 pub fn status(line: Option<String>) {
-    let Some(l) = LOGGER.get().filter(|l| l.tty) else { return };
+    let Some(l) = LOGGER.get().filter(|l| l.tty) else {
+        return;
+    };
     if let Ok(mut s) = l.status.lock() {
         let mut err = std::io::stderr().lock();
         let _ = write!(err, "\r\x1b[K");
@@ -66,7 +68,10 @@ pub fn init() {
 
 /// Also write to this file from now on.
 pub fn to_file(path: &Path) -> std::io::Result<()> {
-    let f = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
     if let Some(l) = LOGGER.get() {
         if let Ok(mut g) = l.file.lock() {
             *g = Some(f);

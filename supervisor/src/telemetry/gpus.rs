@@ -54,11 +54,15 @@ pub struct GpuInfo {
 /// Every GPU NVML reports, with the driver version.
 pub fn list() -> Result<(String, Vec<GpuInfo>), NvmlUnavailable> {
     let nvml = init()?;
-    let driver = nvml.sys_driver_version().unwrap_or_else(|e| format!("unknown ({e})"));
+    let driver = nvml
+        .sys_driver_version()
+        .unwrap_or_else(|e| format!("unknown ({e})"));
     let n = nvml.device_count().map_err(NvmlUnavailable::Count)?;
     let mut out = Vec::new();
     for index in 0..n {
-        let d = nvml.device_by_index(index).map_err(|source| NvmlUnavailable::Open { index, source })?;
+        let d = nvml
+            .device_by_index(index)
+            .map_err(|source| NvmlUnavailable::Open { index, source })?;
         out.push(GpuInfo {
             index,
             name: d.name().unwrap_or_else(|e| format!("unknown ({e})")),
@@ -68,4 +72,3 @@ pub fn list() -> Result<(String, Vec<GpuInfo>), NvmlUnavailable> {
     }
     Ok((driver, out))
 }
-

@@ -39,7 +39,10 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new(run_dir: &Path) -> Metrics {
-        let file = OpenOptions::new().create(true).append(true).open(run_dir.join(METRICS_FILE));
+        let file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(run_dir.join(METRICS_FILE));
         if let Err(e) = &file {
             log::warn!("cannot write {METRICS_FILE}: {e}; metrics go only to state.json");
         }
@@ -79,12 +82,25 @@ pub fn status_line(w: &serde_json::Value) -> String {
     }
     let tps: f64 = w["pipeline"]["tokens_per_s_by_worker"]
         .as_object()
-        .map(|m| m.iter().filter(|(k, _)| k.starts_with("drafter")).filter_map(|(_, v)| v.as_f64()).sum())
+        .map(|m| {
+            m.iter()
+                .filter(|(k, _)| k.starts_with("drafter"))
+                .filter_map(|(_, v)| v.as_f64())
+                .sum()
+        })
         .unwrap_or(0.0);
     parts.push(format!("{tps:.0} tok/s"));
-    let utils: Vec<f64> = w["gpu"]["gpus"].as_array().into_iter().flatten().filter_map(|g| g["util_gpu_pct"]["mean"].as_f64()).collect();
+    let utils: Vec<f64> = w["gpu"]["gpus"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|g| g["util_gpu_pct"]["mean"].as_f64())
+        .collect();
     if !utils.is_empty() {
-        parts.push(format!("GPU {:.0}%", utils.iter().sum::<f64>() / utils.len() as f64));
+        parts.push(format!(
+            "GPU {:.0}%",
+            utils.iter().sum::<f64>() / utils.len() as f64
+        ));
     }
     if let Some(f) = w["pipeline"]["hidden_pool"]["fill_ratio"].as_f64() {
         parts.push(format!("hidden pool {:.0}% full", f * 100.0));

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
 use serde::Serialize;
 
-
 /// One reading of one GPU; `None` where that metric could not be read.
 #[derive(Debug, Clone, Default)]
 pub struct GpuSample {
@@ -46,7 +45,11 @@ pub struct GpuSamples(pub Vec<GpuSample>);
 
 /// Start the sampler for `gpus`; each round arrives as [`GpuSamples`] (which the receiver
 /// wraps in its own event type).
-pub fn start<E: From<GpuSamples> + Send + 'static>(gpus: Vec<u32>, interval: Duration, tx: Sender<E>) {
+pub fn start<E: From<GpuSamples> + Send + 'static>(
+    gpus: Vec<u32>,
+    interval: Duration,
+    tx: Sender<E>,
+) {
     if gpus.is_empty() {
         return;
     }
@@ -96,7 +99,10 @@ pub fn sample_one(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
 }
 
 /// An event set that reports critical XID errors of `gpus` (None if NVML cannot).
-fn xid_event_set<'a>(nvml: &'a nvml_wrapper::Nvml, gpus: &[u32]) -> Option<nvml_wrapper::EventSet<'a>> {
+fn xid_event_set<'a>(
+    nvml: &'a nvml_wrapper::Nvml,
+    gpus: &[u32],
+) -> Option<nvml_wrapper::EventSet<'a>> {
     use nvml_wrapper::bitmasks::event::EventTypes;
     let mut set = nvml.create_event_set().ok()?;
     for &i in gpus {
@@ -104,7 +110,10 @@ fn xid_event_set<'a>(nvml: &'a nvml_wrapper::Nvml, gpus: &[u32]) -> Option<nvml_
         set = match d.register_events(EventTypes::CRITICAL_XID_ERROR, set) {
             Ok(s) => s,
             Err(e) => {
-                log::warn!("GPU {i}: XID events unavailable ({}); the other metrics go on", e.error);
+                log::warn!(
+                    "GPU {i}: XID events unavailable ({}); the other metrics go on",
+                    e.error
+                );
                 return None;
             }
         };
@@ -113,8 +122,13 @@ fn xid_event_set<'a>(nvml: &'a nvml_wrapper::Nvml, gpus: &[u32]) -> Option<nvml_
 }
 
 fn sample(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
-    let mut s = GpuSample { index, ..Default::default() };
-    let Ok(d) = nvml.device_by_index(index) else { return s };
+    let mut s = GpuSample {
+        index,
+        ..Default::default()
+    };
+    let Ok(d) = nvml.device_by_index(index) else {
+        return s;
+    };
     if let Ok(u) = d.utilization_rates() {
         s.util_gpu_pct = Some(u.gpu as f64);
         s.util_mem_pct = Some(u.memory as f64);
@@ -125,16 +139,35 @@ fn sample(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
     }
     s.power_w = d.power_usage().ok().map(|mw| mw as f64 / 1000.0);
     s.power_limit_w = d.enforced_power_limit().ok().map(|mw| mw as f64 / 1000.0);
-    s.energy_j = d.total_energy_consumption().ok().map(|mj| mj as f64 / 1000.0);
+    s.energy_j = d
+        .total_energy_consumption()
+        .ok()
+        .map(|mj| mj as f64 / 1000.0);
     s.temp_c = d.temperature(TemperatureSensor::Gpu).ok().map(|c| c as f64);
     s.sm_clock_mhz = d.clock_info(Clock::SM).ok().map(|c| c as f64);
     s.mem_clock_mhz = d.clock_info(Clock::Memory).ok().map(|c| c as f64);
     use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, PcieUtilCounter};
-    s.pcie_tx_bytes_per_s = d.pcie_throughput(PcieUtilCounter::Send).ok().map(|kb| kb as f64 * 1024.0);
-    s.pcie_rx_bytes_per_s = d.pcie_throughput(PcieUtilCounter::Receive).ok().map(|kb| kb as f64 * 1024.0);
-    s.ecc_corrected_volatile = d.total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile).ok().map(|n| n as f64);
-    s.ecc_uncorrected_volatile = d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile).ok().map(|n| n as f64);
-    s.throttle_reasons = d.current_throttle_reasons().ok().map(|r| r.iter_names().map(|(n, _)| n.to_ascii_lowercase()).collect());
+    s.pcie_tx_bytes_per_s = d
+        .pcie_throughput(PcieUtilCounter::Send)
+        .ok()
+        .map(|kb| kb as f64 * 1024.0);
+    s.pcie_rx_bytes_per_s = d
+        .pcie_throughput(PcieUtilCounter::Receive)
+        .ok()
+        .map(|kb| kb as f64 * 1024.0);
+    s.ecc_corrected_volatile = d
+        .total_ecc_errors(MemoryError::Corrected, EccCounter::Volatile)
+        .ok()
+        .map(|n| n as f64);
+    s.ecc_uncorrected_volatile = d
+        .total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)
+        .ok()
+        .map(|n| n as f64);
+    s.throttle_reasons = d.current_throttle_reasons().ok().map(|r| {
+        r.iter_names()
+            .map(|(n, _)| n.to_ascii_lowercase())
+            .collect()
+    });
     s.processes = d.running_compute_processes().ok().map(|ps| {
         ps.iter()
             .map(|p| {
@@ -173,13 +206,29 @@ impl Acc {
         }
     }
     fn stat(&self) -> Option<Stat> {
-        (self.n > 0).then(|| Stat { mean: self.sum / self.n as f64, max: self.max, samples: self.n })
+        (self.n > 0).then(|| Stat {
+            mean: self.sum / self.n as f64,
+            max: self.max,
+            samples: self.n,
+        })
     }
 }
 
 const METRICS: [&str; 14] = [
-    "util_gpu_pct", "util_mem_pct", "mem_used_bytes", "mem_total_bytes", "power_w", "power_limit_w", "energy_j", "temp_c",
-    "sm_clock_mhz", "mem_clock_mhz", "pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s", "ecc_corrected_volatile", "ecc_uncorrected_volatile",
+    "util_gpu_pct",
+    "util_mem_pct",
+    "mem_used_bytes",
+    "mem_total_bytes",
+    "power_w",
+    "power_limit_w",
+    "energy_j",
+    "temp_c",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "pcie_tx_bytes_per_s",
+    "pcie_rx_bytes_per_s",
+    "ecc_corrected_volatile",
+    "ecc_uncorrected_volatile",
 ];
 
 /// GPU readings of one metrics window.
@@ -198,13 +247,30 @@ impl GpuWindow {
         for s in samples {
             let a = self.acc.entry(s.index).or_default();
             let vals = [
-                s.util_gpu_pct, s.util_mem_pct, s.mem_used_bytes, s.mem_total_bytes, s.power_w, s.power_limit_w, s.energy_j, s.temp_c,
-                s.sm_clock_mhz, s.mem_clock_mhz, s.pcie_tx_bytes_per_s, s.pcie_rx_bytes_per_s, s.ecc_corrected_volatile,
+                s.util_gpu_pct,
+                s.util_mem_pct,
+                s.mem_used_bytes,
+                s.mem_total_bytes,
+                s.power_w,
+                s.power_limit_w,
+                s.energy_j,
+                s.temp_c,
+                s.sm_clock_mhz,
+                s.mem_clock_mhz,
+                s.pcie_tx_bytes_per_s,
+                s.pcie_rx_bytes_per_s,
+                s.ecc_corrected_volatile,
                 s.ecc_uncorrected_volatile,
             ];
-            self.xids.entry(s.index).or_default().extend(s.xids.iter().copied());
+            self.xids
+                .entry(s.index)
+                .or_default()
+                .extend(s.xids.iter().copied());
             if let Some(r) = &s.throttle_reasons {
-                self.throttle.entry(s.index).or_default().extend(r.iter().cloned());
+                self.throttle
+                    .entry(s.index)
+                    .or_default()
+                    .extend(r.iter().cloned());
             }
             for (k, v) in METRICS.iter().zip(vals) {
                 a.entry(k).or_default().add(v);
@@ -228,18 +294,33 @@ impl GpuWindow {
                 let mut o = serde_json::Map::new();
                 o.insert("index".into(), (*index).into());
                 for k in METRICS {
-                    o.insert(k.into(), serde_json::to_value(a.get(k).and_then(Acc::stat)).unwrap_or_default());
+                    o.insert(
+                        k.into(),
+                        serde_json::to_value(a.get(k).and_then(Acc::stat)).unwrap_or_default(),
+                    );
                 }
                 let procs: serde_json::Map<String, serde_json::Value> = self
                     .processes
                     .get(index)
                     .into_iter()
                     .flatten()
-                    .map(|(pid, used)| (names(*pid).unwrap_or_else(|| format!("pid {pid}")), (*used).into()))
+                    .map(|(pid, used)| {
+                        (
+                            names(*pid).unwrap_or_else(|| format!("pid {pid}")),
+                            (*used).into(),
+                        )
+                    })
                     .collect();
                 o.insert("process_mem_bytes".into(), procs.into());
-                o.insert("throttle_reasons".into(), serde_json::to_value(self.throttle.get(index)).unwrap_or_default());
-                o.insert("xid_errors".into(), serde_json::to_value(self.xids.get(index).cloned().unwrap_or_default()).unwrap_or_default());
+                o.insert(
+                    "throttle_reasons".into(),
+                    serde_json::to_value(self.throttle.get(index)).unwrap_or_default(),
+                );
+                o.insert(
+                    "xid_errors".into(),
+                    serde_json::to_value(self.xids.get(index).cloned().unwrap_or_default())
+                        .unwrap_or_default(),
+                );
                 serde_json::Value::Object(o)
             })
             .collect();

@@ -24,14 +24,24 @@ pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
     if let Ok(port) = t.parse::<u16>() {
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
-    s.trim().parse().map_err(|_| format!("'{s}' is not a port or an address with a port (expected e.g. 9400 or 0.0.0.0:9400)"))
+    s.trim().parse().map_err(|_| {
+        format!(
+            "'{s}' is not a port or an address with a port (expected e.g. 9400 or 0.0.0.0:9400)"
+        )
+    })
 }
 
 impl Exporter {
     pub fn start(addr: SocketAddr) -> Result<Exporter, Error> {
-        let listener = TcpListener::bind(addr).map_err(|e| Error::input(format!("--prometheus {addr}: cannot listen"), e))?;
-        let addr = listener.local_addr().map_err(|e| Error::start("the Prometheus listener", e))?;
-        let text = Arc::new(Mutex::new("# HELP dflash_up 1 while the supervisor runs.\n# TYPE dflash_up gauge\ndflash_up 1\n".to_string()));
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| Error::input(format!("--prometheus {addr}: cannot listen"), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::start("the Prometheus listener", e))?;
+        let text = Arc::new(Mutex::new(
+            "# HELP dflash_up 1 while the supervisor runs.\n# TYPE dflash_up gauge\ndflash_up 1\n"
+                .to_string(),
+        ));
         let shared = text.clone();
         std::thread::Builder::new()
             .name("prometheus".into())
@@ -77,11 +87,18 @@ struct Out(String);
 
 impl Out {
     fn family(&mut self, name: &str, kind: &str, help: &str) {
-        self.0.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        self.0
+            .push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
     }
     fn sample(&mut self, name: &str, labels: &[(&str, &str)], v: Option<f64>) {
-        let Some(v) = v.filter(|v| v.is_finite()) else { return };
-        let l = labels.iter().map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\""))).collect::<Vec<_>>().join(",");
+        let Some(v) = v.filter(|v| v.is_finite()) else {
+            return;
+        };
+        let l = labels
+            .iter()
+            .map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
+            .collect::<Vec<_>>()
+            .join(",");
         if l.is_empty() {
             self.0.push_str(&format!("{name} {v}\n"));
         } else {
@@ -97,74 +114,226 @@ pub fn render(w: &Value) -> String {
     o.sample("dflash_up", &[], Some(1.0));
     let gpus = w["gpu"]["gpus"].as_array().cloned().unwrap_or_default();
     let gpu_metrics: [(&str, &str, &str, &str, f64); 10] = [
-        ("util_gpu_pct", "dflash_gpu_utilization_ratio", "gauge", "GPU busy share over the window (mean).", 0.01),
-        ("util_mem_pct", "dflash_gpu_memory_bandwidth_utilization_ratio", "gauge", "GPU memory-controller busy share (mean).", 0.01),
-        ("mem_used_bytes", "dflash_gpu_memory_used_bytes", "gauge", "GPU memory in use (max over the window).", 1.0),
-        ("mem_total_bytes", "dflash_gpu_memory_total_bytes", "gauge", "GPU memory size.", 1.0),
-        ("power_w", "dflash_gpu_power_watts", "gauge", "GPU power draw (mean).", 1.0),
-        ("power_limit_w", "dflash_gpu_power_limit_watts", "gauge", "Enforced GPU power limit.", 1.0),
-        ("energy_j", "dflash_gpu_energy_joules_total", "counter", "GPU energy since the driver loaded.", 1.0),
-        ("temp_c", "dflash_gpu_temperature_celsius", "gauge", "GPU temperature (max over the window).", 1.0),
-        ("sm_clock_mhz", "dflash_gpu_sm_clock_hertz", "gauge", "SM clock (mean).", 1e6),
-        ("mem_clock_mhz", "dflash_gpu_memory_clock_hertz", "gauge", "Memory clock (mean).", 1e6),
+        (
+            "util_gpu_pct",
+            "dflash_gpu_utilization_ratio",
+            "gauge",
+            "GPU busy share over the window (mean).",
+            0.01,
+        ),
+        (
+            "util_mem_pct",
+            "dflash_gpu_memory_bandwidth_utilization_ratio",
+            "gauge",
+            "GPU memory-controller busy share (mean).",
+            0.01,
+        ),
+        (
+            "mem_used_bytes",
+            "dflash_gpu_memory_used_bytes",
+            "gauge",
+            "GPU memory in use (max over the window).",
+            1.0,
+        ),
+        (
+            "mem_total_bytes",
+            "dflash_gpu_memory_total_bytes",
+            "gauge",
+            "GPU memory size.",
+            1.0,
+        ),
+        (
+            "power_w",
+            "dflash_gpu_power_watts",
+            "gauge",
+            "GPU power draw (mean).",
+            1.0,
+        ),
+        (
+            "power_limit_w",
+            "dflash_gpu_power_limit_watts",
+            "gauge",
+            "Enforced GPU power limit.",
+            1.0,
+        ),
+        (
+            "energy_j",
+            "dflash_gpu_energy_joules_total",
+            "counter",
+            "GPU energy since the driver loaded.",
+            1.0,
+        ),
+        (
+            "temp_c",
+            "dflash_gpu_temperature_celsius",
+            "gauge",
+            "GPU temperature (max over the window).",
+            1.0,
+        ),
+        (
+            "sm_clock_mhz",
+            "dflash_gpu_sm_clock_hertz",
+            "gauge",
+            "SM clock (mean).",
+            1e6,
+        ),
+        (
+            "mem_clock_mhz",
+            "dflash_gpu_memory_clock_hertz",
+            "gauge",
+            "Memory clock (mean).",
+            1e6,
+        ),
     ];
     for (key, name, kind, help, scale) in gpu_metrics {
         o.family(name, kind, help);
-        let pick = if key == "mem_used_bytes" || key == "temp_c" || kind == "counter" { "max" } else { "mean" };
+        let pick = if key == "mem_used_bytes" || key == "temp_c" || kind == "counter" {
+            "max"
+        } else {
+            "mean"
+        };
         for g in &gpus {
             let idx = g["index"].as_u64().unwrap_or(0).to_string();
-            o.sample(name, &[("gpu", &idx)], g[key][pick].as_f64().map(|v| v * scale));
+            o.sample(
+                name,
+                &[("gpu", &idx)],
+                g[key][pick].as_f64().map(|v| v * scale),
+            );
         }
     }
     let p = &w["pipeline"];
     for (key, name, help) in [
-        ("fill_ratio", "dflash_pool_fill_ratio", "Share of slots holding a ready batch (time-weighted)."),
-        ("producers_blocked_share", "dflash_pool_producers_blocked_ratio", "Share of time a producer waited for a free slot."),
-        ("consumers_starved_share", "dflash_pool_consumers_starved_ratio", "Share of time a consumer waited for a batch."),
+        (
+            "fill_ratio",
+            "dflash_pool_fill_ratio",
+            "Share of slots holding a ready batch (time-weighted).",
+        ),
+        (
+            "producers_blocked_share",
+            "dflash_pool_producers_blocked_ratio",
+            "Share of time a producer waited for a free slot.",
+        ),
+        (
+            "consumers_starved_share",
+            "dflash_pool_consumers_starved_ratio",
+            "Share of time a consumer waited for a batch.",
+        ),
     ] {
         o.family(name, "gauge", help);
         for pool in ["tokens", "hidden"] {
-            o.sample(name, &[("pool", pool)], p[format!("{pool}_pool")][key].as_f64());
+            o.sample(
+                name,
+                &[("pool", pool)],
+                p[format!("{pool}_pool")][key].as_f64(),
+            );
         }
     }
-    o.family("dflash_worker_tokens_per_second", "gauge", "Tokens each worker processed per second over the window.");
+    o.family(
+        "dflash_worker_tokens_per_second",
+        "gauge",
+        "Tokens each worker processed per second over the window.",
+    );
     if let Some(m) = p["tokens_per_s_by_worker"].as_object() {
         for (wk, v) in m {
-            o.sample("dflash_worker_tokens_per_second", &[("worker", wk)], v.as_f64());
+            o.sample(
+                "dflash_worker_tokens_per_second",
+                &[("worker", wk)],
+                v.as_f64(),
+            );
         }
     }
     o.family("dflash_cuda_memory_bytes", "gauge", "Device memory of each GPU worker: its arena (reserved, in_use, peak) and the device's free and total.");
     if let Some(m) = p["cuda_memory_by_worker"].as_object() {
         for (wk, v) in m {
             for kind in ["reserved", "in_use", "peak", "free", "total"] {
-                o.sample("dflash_cuda_memory_bytes", &[("worker", wk), ("kind", kind)], v[kind].as_f64());
+                o.sample(
+                    "dflash_cuda_memory_bytes",
+                    &[("worker", wk), ("kind", kind)],
+                    v[kind].as_f64(),
+                );
             }
         }
     }
-    o.family("dflash_cuda_alloc_failures_total", "counter", "Arena requests of each GPU worker that could not be served.");
+    o.family(
+        "dflash_cuda_alloc_failures_total",
+        "counter",
+        "Arena requests of each GPU worker that could not be served.",
+    );
     if let Some(m) = p["cuda_memory_by_worker"].as_object() {
         for (wk, v) in m {
-            o.sample("dflash_cuda_alloc_failures_total", &[("worker", wk)], v["alloc_failures"].as_f64());
+            o.sample(
+                "dflash_cuda_alloc_failures_total",
+                &[("worker", wk)],
+                v["alloc_failures"].as_f64(),
+            );
         }
     }
-    o.family("dflash_padding_efficiency_ratio", "gauge", "Real tokens over padded tokens of the window's batches.");
-    o.sample("dflash_padding_efficiency_ratio", &[], p["padding_efficiency"].as_f64());
-    o.family("dflash_worker_restarts_total", "counter", "Restarts of each worker in this run.");
+    o.family(
+        "dflash_padding_efficiency_ratio",
+        "gauge",
+        "Real tokens over padded tokens of the window's batches.",
+    );
+    o.sample(
+        "dflash_padding_efficiency_ratio",
+        &[],
+        p["padding_efficiency"].as_f64(),
+    );
+    o.family(
+        "dflash_worker_restarts_total",
+        "counter",
+        "Restarts of each worker in this run.",
+    );
     if let Some(m) = w["workers"].as_object() {
         for (wk, v) in m {
-            o.sample("dflash_worker_restarts_total", &[("worker", wk)], v["restarts"].as_f64());
+            o.sample(
+                "dflash_worker_restarts_total",
+                &[("worker", wk)],
+                v["restarts"].as_f64(),
+            );
         }
     }
-    o.family("dflash_batches_produced_total", "counter", "Batches the loader put in the pipeline.");
-    o.sample("dflash_batches_produced_total", &[], w["batches"]["produced"].as_f64());
-    o.family("dflash_batches_consumed_total", "counter", "Batches that reached the optimizer.");
-    o.sample("dflash_batches_consumed_total", &[], w["batches"]["consumed"].as_f64());
-    o.family("dflash_train_steps_total", "counter", "Committed optimizer steps.");
+    o.family(
+        "dflash_batches_produced_total",
+        "counter",
+        "Batches the loader put in the pipeline.",
+    );
+    o.sample(
+        "dflash_batches_produced_total",
+        &[],
+        w["batches"]["produced"].as_f64(),
+    );
+    o.family(
+        "dflash_batches_consumed_total",
+        "counter",
+        "Batches that reached the optimizer.",
+    );
+    o.sample(
+        "dflash_batches_consumed_total",
+        &[],
+        w["batches"]["consumed"].as_f64(),
+    );
+    o.family(
+        "dflash_train_steps_total",
+        "counter",
+        "Committed optimizer steps.",
+    );
     o.sample("dflash_train_steps_total", &[], w["train"]["step"].as_f64());
-    o.family("dflash_train_loss", "gauge", "Loss of the last committed step.");
+    o.family(
+        "dflash_train_loss",
+        "gauge",
+        "Loss of the last committed step.",
+    );
     o.sample("dflash_train_loss", &[], w["train"]["loss"].as_f64());
-    o.family("dflash_train_acceptance_length", "gauge", "Acceptance-length proxy of the last committed step.");
-    o.sample("dflash_train_acceptance_length", &[], w["train"]["acceptance"].as_f64());
+    o.family(
+        "dflash_train_acceptance_length",
+        "gauge",
+        "Acceptance-length proxy of the last committed step.",
+    );
+    o.sample(
+        "dflash_train_acceptance_length",
+        &[],
+        w["train"]["acceptance"].as_f64(),
+    );
     o.0
 }
 
@@ -176,7 +345,10 @@ mod tests {
     fn addresses() {
         assert_eq!(parse_addr("9400").unwrap().to_string(), "127.0.0.1:9400");
         assert_eq!(parse_addr(":9400").unwrap().to_string(), "127.0.0.1:9400");
-        assert_eq!(parse_addr("0.0.0.0:9400").unwrap().to_string(), "0.0.0.0:9400");
+        assert_eq!(
+            parse_addr("0.0.0.0:9400").unwrap().to_string(),
+            "0.0.0.0:9400"
+        );
         assert!(parse_addr("localhost").unwrap_err().contains("expected"));
     }
 
@@ -186,9 +358,18 @@ mod tests {
                    "sm_clock_mhz": {"mean": 1980.0, "max": 1980.0}}]},
                    "pipeline": {"hidden_pool": {"fill_ratio": 0.5}}, "workers": {"drafter-0": {"restarts": 2}}});
         let t = render(&w);
-        assert!(t.contains("dflash_gpu_utilization_ratio{gpu=\"1\"} 0.4\n"), "{t}");
-        assert!(t.contains("dflash_gpu_sm_clock_hertz{gpu=\"1\"} 1980000000\n"), "{t}");
-        assert!(!t.contains("dflash_gpu_temperature_celsius{"), "unavailable metrics are left out: {t}");
+        assert!(
+            t.contains("dflash_gpu_utilization_ratio{gpu=\"1\"} 0.4\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("dflash_gpu_sm_clock_hertz{gpu=\"1\"} 1980000000\n"),
+            "{t}"
+        );
+        assert!(
+            !t.contains("dflash_gpu_temperature_celsius{"),
+            "unavailable metrics are left out: {t}"
+        );
         assert!(t.contains("dflash_pool_fill_ratio{pool=\"hidden\"} 0.5\n"));
         assert!(t.contains("dflash_worker_restarts_total{worker=\"drafter-0\"} 2\n"));
         assert!(t.contains("# TYPE dflash_gpu_energy_joules_total counter\n"));

@@ -90,7 +90,12 @@ impl QueueHealth {
     }
 
     pub fn phase(&mut self, worker: &str, phase: &'static str, ms: f64) {
-        let e = self.phases.entry(worker.to_string()).or_default().entry(phase).or_default();
+        let e = self
+            .phases
+            .entry(worker.to_string())
+            .or_default()
+            .entry(phase)
+            .or_default();
         e.0 += ms;
         e.1 += 1;
     }
@@ -113,23 +118,37 @@ impl QueueHealth {
         let entropy = if total == 0 {
             0.0
         } else {
-            -self.lengths.values().map(|&c| c as f64 / total as f64).map(|p| p * p.log2()).sum::<f64>()
+            -self
+                .lengths
+                .values()
+                .map(|&c| c as f64 / total as f64)
+                .map(|p| p * p.log2())
+                .sum::<f64>()
         };
         // Max over min of batches per worker, within each role.
         let mut by_role: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
         for (w, n) in &self.served {
-            by_role.entry(w.split('-').next().unwrap_or("")).or_default().push(*n);
+            by_role
+                .entry(w.split('-').next().unwrap_or(""))
+                .or_default()
+                .push(*n);
         }
         let balance: BTreeMap<&str, Option<f64>> = by_role
             .into_iter()
             .map(|(role, v)| {
-                let (hi, lo) = (v.iter().max().copied().unwrap_or(0), v.iter().min().copied().unwrap_or(0));
+                let (hi, lo) = (
+                    v.iter().max().copied().unwrap_or(0),
+                    v.iter().min().copied().unwrap_or(0),
+                );
                 (role, (lo > 0).then(|| hi as f64 / lo as f64))
             })
             .collect();
         let hint = self.hint();
-        let tokens_per_s: serde_json::Map<String, serde_json::Value> =
-            self.tokens_by_worker.iter().map(|(w, n)| (w.clone(), (*n as f64 / window_s.max(1e-9)).into())).collect();
+        let tokens_per_s: serde_json::Map<String, serde_json::Value> = self
+            .tokens_by_worker
+            .iter()
+            .map(|(w, n)| (w.clone(), (*n as f64 / window_s.max(1e-9)).into()))
+            .collect();
         let v = json!({
             "tokens_pool": pool(&self.pools[0]),
             "hidden_pool": pool(&self.pools[1]),
@@ -146,7 +165,11 @@ impl QueueHealth {
             }).collect::<BTreeMap<_, _>>(),
             "cuda_memory_by_worker": self.device_memory,
         });
-        *self = QueueHealth { last: self.last, device_memory: std::mem::take(&mut self.device_memory), ..QueueHealth::default() };
+        *self = QueueHealth {
+            last: self.last,
+            device_memory: std::mem::take(&mut self.device_memory),
+            ..QueueHealth::default()
+        };
         v
     }
 
@@ -157,11 +180,20 @@ impl QueueHealth {
         let targets_blocked = share(hid, hid.producers_blocked);
         let targets_idle = share(tok, tok.consumers_starved);
         if drafters_idle > 0.5 && targets_idle > 0.5 {
-            Some(format!("targets idle {:.0}% waiting for token batches: the data loader is the bottleneck", targets_idle * 100.0))
+            Some(format!(
+                "targets idle {:.0}% waiting for token batches: the data loader is the bottleneck",
+                targets_idle * 100.0
+            ))
         } else if drafters_idle > 0.5 {
-            Some(format!("drafters idle {:.0}% waiting for hidden states: add targets", drafters_idle * 100.0))
+            Some(format!(
+                "drafters idle {:.0}% waiting for hidden states: add targets",
+                drafters_idle * 100.0
+            ))
         } else if targets_blocked > 0.5 {
-            Some(format!("targets blocked {:.0}% on a full hidden-state pool: add drafters", targets_blocked * 100.0))
+            Some(format!(
+                "targets blocked {:.0}% on a full hidden-state pool: add drafters",
+                targets_blocked * 100.0
+            ))
         } else {
             None
         }
@@ -183,8 +215,18 @@ mod tests {
         q.served("drafter-1");
         std::thread::sleep(std::time::Duration::from_millis(5));
         q.observe(
-            PoolView { ready: 2, slots: 4, producer_blocked: false, consumer_starved: false },
-            PoolView { ready: 0, slots: 4, producer_blocked: false, consumer_starved: true },
+            PoolView {
+                ready: 2,
+                slots: 4,
+                producer_blocked: false,
+                consumer_starved: false,
+            },
+            PoolView {
+                ready: 0,
+                slots: 4,
+                producer_blocked: false,
+                consumer_starved: true,
+            },
         );
         let v = q.take(1.0);
         assert_eq!(v["length_buckets"]["<=16"], 1);
@@ -195,7 +237,10 @@ mod tests {
         assert_eq!(v["balance_max_over_min"]["drafter"], 3.0);
         assert!((v["tokens_pool"]["fill_ratio"].as_f64().unwrap() - 0.5).abs() < 1e-9);
         assert_eq!(v["hidden_pool"]["consumers_starved_share"], 1.0);
-        assert!(v["bottleneck_hint"].as_str().unwrap().contains("drafters idle 100%"));
+        assert!(v["bottleneck_hint"]
+            .as_str()
+            .unwrap()
+            .contains("drafters idle 100%"));
         // The window resets.
         assert_eq!(q.take(1.0)["batches_per_worker"], json!({}));
     }

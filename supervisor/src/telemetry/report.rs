@@ -54,11 +54,17 @@ pub fn lineage_steps(train: &[Value]) -> Vec<Value> {
 }
 
 fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 fn ms_of(t: &Value) -> Option<f64> {
-    humantime::parse_rfc3339(t.as_str()?).ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_secs_f64() * 1e3)
+    humantime::parse_rfc3339(t.as_str()?)
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_secs_f64() * 1e3)
 }
 
 /// A figure for a table cell: integers as they are, others with 4 significant digits.
@@ -101,7 +107,11 @@ fn fmt_dur(s: f64) -> String {
 
 /// Weighted mean and weighted p10/p90 of (value, weight) pairs.
 fn weighted_stats(v: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
-    let mut v: Vec<(f64, f64)> = v.iter().copied().filter(|(x, w)| x.is_finite() && *w > 0.0).collect();
+    let mut v: Vec<(f64, f64)> = v
+        .iter()
+        .copied()
+        .filter(|(x, w)| x.is_finite() && *w > 0.0)
+        .collect();
     let total: f64 = v.iter().map(|p| p.1).sum();
     if v.is_empty() || total <= 0.0 {
         return None;
@@ -125,7 +135,10 @@ fn weighted_stats(v: &[(f64, f64)]) -> Option<(f64, f64, f64)> {
 // Charts
 
 const W: f64 = 900.0;
-const PALETTE: [&str; 10] = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"];
+const PALETTE: [&str; 10] = [
+    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    "#bcbd22", "#7f7f7f",
+];
 
 fn nice_step(span: f64, n: f64) -> f64 {
     let raw = (span / n).max(1e-12);
@@ -158,7 +171,11 @@ fn range(vals: impl IntoIterator<Item = f64>, zero: bool) -> (f64, f64) {
     }
     if hi - lo < 1e-12 * hi.abs().max(1e-12) {
         let d = if hi.abs() > 0.0 { hi.abs() * 0.1 } else { 1.0 };
-        (lo, hi) = if zero && lo >= 0.0 { (0.0, hi + d) } else { (lo - d, hi + d) };
+        (lo, hi) = if zero && lo >= 0.0 {
+            (0.0, hi + d)
+        } else {
+            (lo - d, hi + d)
+        };
     }
     let st = nice_step(hi - lo, 4.0);
     ((lo / st).floor() * st, (hi / st).ceil() * st)
@@ -179,14 +196,24 @@ fn tick_label(v: f64, step: f64) -> String {
     if v.abs() >= 1e4 {
         return fmt_num(v);
     }
-    let d = if step >= 1.0 { 0 } else { (-step.log10()).ceil().clamp(0.0, 8.0) as usize };
+    let d = if step >= 1.0 {
+        0
+    } else {
+        (-step.log10()).ceil().clamp(0.0, 8.0) as usize
+    };
     format!("{v:.d$}")
 }
 
 fn time_ticks(lo: f64, hi: f64) -> Vec<f64> {
-    const STEPS: [f64; 21] =
-        [0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0, 7200.0, 10800.0, 21600.0, 43200.0, 86400.0];
-    let st = STEPS.iter().copied().find(|s| (hi - lo) / s <= 8.0).unwrap_or(86400.0);
+    const STEPS: [f64; 21] = [
+        0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0,
+        3600.0, 7200.0, 10800.0, 21600.0, 43200.0, 86400.0,
+    ];
+    let st = STEPS
+        .iter()
+        .copied()
+        .find(|s| (hi - lo) / s <= 8.0)
+        .unwrap_or(86400.0);
     let mut t = (lo / st).ceil() * st;
     let mut out = Vec::new();
     while t <= hi + st * 1e-6 && out.len() < 50 {
@@ -212,10 +239,12 @@ impl Frame {
         self.left + (x - self.x.0) / (self.x.1 - self.x.0).max(1e-12) * (self.right - self.left)
     }
     fn py(&self, y: f64) -> f64 {
-        self.bottom - (y - self.yl.0) / (self.yl.1 - self.yl.0).max(1e-300) * (self.bottom - self.top)
+        self.bottom
+            - (y - self.yl.0) / (self.yl.1 - self.yl.0).max(1e-300) * (self.bottom - self.top)
     }
     fn pyr(&self, y: f64) -> f64 {
-        self.bottom - (y - self.yr.0) / (self.yr.1 - self.yr.0).max(1e-300) * (self.bottom - self.top)
+        self.bottom
+            - (y - self.yr.0) / (self.yr.1 - self.yr.0).max(1e-300) * (self.bottom - self.top)
     }
 }
 
@@ -234,7 +263,16 @@ struct Series {
 
 impl Series {
     fn new(name: impl Into<String>, class: &str, color: &str, pts: Vec<(f64, f64)>) -> Series {
-        Series { name: name.into(), class: class.into(), attrs: String::new(), color: color.into(), pts, right: false, dash: None, dots: false }
+        Series {
+            name: name.into(),
+            class: class.into(),
+            attrs: String::new(),
+            color: color.into(),
+            pts,
+            right: false,
+            dash: None,
+            dots: false,
+        }
     }
     fn attrs(mut self, a: String) -> Series {
         self.attrs = a;
@@ -277,7 +315,13 @@ struct Chart {
 }
 
 impl Chart {
-    fn new(id: &str, title: impl Into<String>, x_axis: XAxis, x: (f64, f64), y_label: impl Into<String>) -> Chart {
+    fn new(
+        id: &str,
+        title: impl Into<String>,
+        x_axis: XAxis,
+        x: (f64, f64),
+        y_label: impl Into<String>,
+    ) -> Chart {
         Chart {
             id: id.into(),
             title: title.into(),
@@ -296,12 +340,32 @@ impl Chart {
 
     /// The SVG, with `extra` drawn over the plot (markers, bars).
     fn render(&self, extra: &dyn Fn(&Frame) -> String) -> String {
-        let yl = self.yl.unwrap_or_else(|| range(self.series.iter().filter(|s| !s.right).flat_map(|s| s.pts.iter().map(|p| p.1)), true));
-        let right = if self.y_right.is_some() { W - 64.0 } else { W - 24.0 };
+        let yl = self.yl.unwrap_or_else(|| {
+            range(
+                self.series
+                    .iter()
+                    .filter(|s| !s.right)
+                    .flat_map(|s| s.pts.iter().map(|p| p.1)),
+                true,
+            )
+        });
+        let right = if self.y_right.is_some() {
+            W - 64.0
+        } else {
+            W - 24.0
+        };
         // Legend rows above the plot.
-        let mut items: Vec<(String, Option<&'static str>, String)> =
-            self.series.iter().filter(|s| !s.name.is_empty()).map(|s| (s.color.clone(), s.dash, s.name.clone())).collect();
-        items.extend(self.legend_extra.iter().map(|(c, n)| (c.clone(), None, n.clone())));
+        let mut items: Vec<(String, Option<&'static str>, String)> = self
+            .series
+            .iter()
+            .filter(|s| !s.name.is_empty())
+            .map(|s| (s.color.clone(), s.dash, s.name.clone()))
+            .collect();
+        items.extend(
+            self.legend_extra
+                .iter()
+                .map(|(c, n)| (c.clone(), None, n.clone())),
+        );
         let mut legend = String::new();
         let (mut lx, mut row) = (self.left, 0.0);
         for (color, dash, name) in &items {
@@ -311,7 +375,9 @@ impl Chart {
                 row += 1.0;
             }
             let y = 36.0 + row * 15.0;
-            let d = dash.map(|d| format!(r#" stroke-dasharray="{d}""#)).unwrap_or_default();
+            let d = dash
+                .map(|d| format!(r#" stroke-dasharray="{d}""#))
+                .unwrap_or_default();
             let _ = write!(
                 legend,
                 r#"<line x1="{lx:.1}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{color}" stroke-width="2.5"{d}/><text x="{:.1}" y="{y:.1}" font-size="11">{}</text>"#,
@@ -323,16 +389,39 @@ impl Chart {
             );
             lx += w;
         }
-        let top = if items.is_empty() { 30.0 } else { 46.0 + row * 15.0 };
+        let top = if items.is_empty() {
+            30.0
+        } else {
+            46.0 + row * 15.0
+        };
         let bottom = top + self.plot_h;
         let height = bottom + 36.0;
-        let f = Frame { x: self.x, yl, yr: self.y_right.as_ref().map_or((0.0, 1.0), |r| r.1), left: self.left, right, top, bottom };
+        let f = Frame {
+            x: self.x,
+            yl,
+            yr: self.y_right.as_ref().map_or((0.0, 1.0), |r| r.1),
+            left: self.left,
+            right,
+            top,
+            bottom,
+        };
         let mut s = format!(
             r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{}" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif">"#,
             esc(&self.id)
         );
-        let _ = write!(s, r#"<text x="{:.1}" y="16" font-size="13" font-weight="bold">{}</text>{legend}"#, self.left, esc(&self.title));
-        let _ = write!(s, r##"<rect x="{:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##, f.left, f.right - f.left, self.plot_h);
+        let _ = write!(
+            s,
+            r#"<text x="{:.1}" y="16" font-size="13" font-weight="bold">{}</text>{legend}"#,
+            self.left,
+            esc(&self.title)
+        );
+        let _ = write!(
+            s,
+            r##"<rect x="{:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##,
+            f.left,
+            f.right - f.left,
+            self.plot_h
+        );
         if self.y_ticks {
             let (ts, st) = ticks(yl.0, yl.1, 4.0);
             for t in ts {
@@ -357,7 +446,13 @@ impl Chart {
         if let Some((label, r)) = &self.y_right {
             let (ts, st) = ticks(r.0, r.1, 4.0);
             for t in ts {
-                let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="10">{}</text>"#, f.right + 4.0, f.pyr(t) + 3.5, tick_label(t, st));
+                let _ = write!(
+                    s,
+                    r#"<text x="{:.1}" y="{:.1}" font-size="10">{}</text>"#,
+                    f.right + 4.0,
+                    f.pyr(t) + 3.5,
+                    tick_label(t, st)
+                );
             }
             let _ = write!(
                 s,
@@ -370,9 +465,21 @@ impl Chart {
         let (xticks, xlabel): (Vec<(f64, String)>, &str) = match self.x_axis {
             XAxis::Steps => {
                 let (ts, st) = ticks(self.x.0, self.x.1, 8.0);
-                (ts.into_iter().filter(|t| t.fract() == 0.0).map(|t| (t, tick_label(t, st.max(1.0)))).collect(), "step")
+                (
+                    ts.into_iter()
+                        .filter(|t| t.fract() == 0.0)
+                        .map(|t| (t, tick_label(t, st.max(1.0))))
+                        .collect(),
+                    "step",
+                )
             }
-            XAxis::Time => (time_ticks(self.x.0, self.x.1).into_iter().map(|t| (t, fmt_dur(t))).collect(), "time since the run started"),
+            XAxis::Time => (
+                time_ticks(self.x.0, self.x.1)
+                    .into_iter()
+                    .map(|t| (t, fmt_dur(t)))
+                    .collect(),
+                "time since the run started",
+            ),
         };
         for (t, label) in xticks {
             let x = f.px(t);
@@ -383,13 +490,28 @@ impl Chart {
                 bottom + 15.0
             );
         }
-        let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">{xlabel}</text>"#, (f.left + f.right) / 2.0, bottom + 30.0);
+        let _ = write!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">{xlabel}</text>"#,
+            (f.left + f.right) / 2.0,
+            bottom + 30.0
+        );
         for se in &self.series {
             let y = |v: f64| if se.right { f.pyr(v) } else { f.py(v) };
-            let d = se.dash.map(|d| format!(r#" stroke-dasharray="{d}""#)).unwrap_or_default();
+            let d = se
+                .dash
+                .map(|d| format!(r#" stroke-dasharray="{d}""#))
+                .unwrap_or_default();
             // A missing value breaks the line.
-            for seg in se.pts.split(|p| !p.1.is_finite() || !p.0.is_finite()).filter(|g| !g.is_empty()) {
-                let pts: Vec<String> = seg.iter().map(|(a, b)| format!("{:.1},{:.1}", f.px(*a), y(*b))).collect();
+            for seg in se
+                .pts
+                .split(|p| !p.1.is_finite() || !p.0.is_finite())
+                .filter(|g| !g.is_empty())
+            {
+                let pts: Vec<String> = seg
+                    .iter()
+                    .map(|(a, b)| format!("{:.1},{:.1}", f.px(*a), y(*b)))
+                    .collect();
                 let _ = write!(
                     s,
                     r#"<polyline class="{}"{} fill="none" stroke="{}" stroke-width="1.5"{d} points="{}"/>"#,
@@ -439,21 +561,37 @@ struct Run {
 
 impl Run {
     fn read(dir: &Path) -> Run {
-        let state: Value = std::fs::read_to_string(dir.join("state.json")).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+        let state: Value = std::fs::read_to_string(dir.join("state.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
         let (train, train_torn) = read_jsonl(&dir.join("train.jsonl"));
         let (events, events_torn) = read_jsonl(&dir.join("events.jsonl"));
         let (metrics, metrics_torn) = read_jsonl(&dir.join("metrics.jsonl"));
         let mut torn = Vec::new();
-        for (t, name) in [(train_torn, "train.jsonl"), (events_torn, "events.jsonl"), (metrics_torn, "metrics.jsonl")] {
+        for (t, name) in [
+            (train_torn, "train.jsonl"),
+            (events_torn, "events.jsonl"),
+            (metrics_torn, "metrics.jsonl"),
+        ] {
             if t {
                 torn.push(name);
             }
         }
         let steps = lineage_steps(&train);
-        let ended = events.iter().rev().find(|e| e["event"] == "run_end").cloned();
+        let ended = events
+            .iter()
+            .rev()
+            .find(|e| e["event"] == "run_end")
+            .cloned();
         let t0 = state["started_at_unix_ms"]
             .as_f64()
-            .or_else(|| events.iter().filter_map(|e| ms_of(&e["time"])).reduce(f64::min))
+            .or_else(|| {
+                events
+                    .iter()
+                    .filter_map(|e| ms_of(&e["time"]))
+                    .reduce(f64::min)
+            })
             .or_else(|| metrics.first().and_then(|m| ms_of(&m["time"])))
             .unwrap_or(0.0);
         let t1 = match ended.as_ref().and_then(|e| ms_of(&e["time"])) {
@@ -466,8 +604,23 @@ impl Run {
                 .fold(t0, f64::max),
         };
         // The supervisor writes the report of its run after its run_end, still holding the lock.
-        let live = ended.is_none() && crate::run::rundir::ExistingRun::open(Some(dir)).map(|r| r.supervisor_alive()).unwrap_or(false);
-        Run { dir: dir.to_path_buf(), state, train, steps, events, metrics, torn, t0, t1: t1.max(t0 + 1.0), live, ended }
+        let live = ended.is_none()
+            && crate::run::rundir::ExistingRun::open(Some(dir))
+                .map(|r| r.supervisor_alive())
+                .unwrap_or(false);
+        Run {
+            dir: dir.to_path_buf(),
+            state,
+            train,
+            steps,
+            events,
+            metrics,
+            torn,
+            t0,
+            t1: t1.max(t0 + 1.0),
+            live,
+            ended,
+        }
     }
 
     /// Seconds since the start, of an RFC 3339 time.
@@ -481,7 +634,10 @@ impl Run {
 
     /// (seconds since start, window) of each metrics window with `f`'s value.
     fn windows(&self, f: impl Fn(&Value) -> Option<f64>) -> Vec<(f64, f64)> {
-        self.metrics.iter().filter_map(|m| Some((self.secs(&m["time"])?, f(m).unwrap_or(f64::NAN)))).collect()
+        self.metrics
+            .iter()
+            .filter_map(|m| Some((self.secs(&m["time"])?, f(m).unwrap_or(f64::NAN))))
+            .collect()
     }
 
     fn start_event(&self) -> Option<&Value> {
@@ -497,7 +653,12 @@ impl Absent {
     /// Note the absence; the paragraph to put where the plot would be.
     fn note(&mut self, series: &str, why: impl Into<String>) -> String {
         let why = why.into();
-        let p = format!(r#"<p class="absent" data-series="{}">{}: not shown: {}</p>"#, esc(series), esc(series), esc(&why));
+        let p = format!(
+            r#"<p class="absent" data-series="{}">{}: not shown: {}</p>"#,
+            esc(series),
+            esc(series),
+            esc(&why)
+        );
         self.0.push((series.into(), why));
         p
     }
@@ -517,7 +678,11 @@ fn why_no_gpu(run: &Run) -> String {
     }
     let log = std::fs::read_to_string(run.dir.join("supervisor.log")).unwrap_or_default();
     if let Some(l) = log.lines().find(|l| l.contains("GPU metrics are off")) {
-        let why = l.split_once("GPU metrics are off").map_or(l, |(_, w)| w).trim_start_matches(':').trim();
+        let why = l
+            .split_once("GPU metrics are off")
+            .map_or(l, |(_, w)| w)
+            .trim_start_matches(':')
+            .trim();
         return format!("no GPU samples: GPU metrics are off: {why}");
     }
     "no GPU samples in metrics.jsonl (NVML gave none)".into()
@@ -529,55 +694,167 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
     let last = run.steps.last();
     // (class, label, shown, machine-readable value)
     let mut rows: Vec<(&str, &str, String, String)> = Vec::new();
-    let mut row = |class: &'static str, label: &'static str, shown: String, value: String| rows.push((class, label, shown, value));
-    let id = run.dir.file_name().map_or(run.dir.display().to_string(), |n| n.to_string_lossy().into_owned());
+    let mut row = |class: &'static str, label: &'static str, shown: String, value: String| {
+        rows.push((class, label, shown, value))
+    };
+    let id = run
+        .dir
+        .file_name()
+        .map_or(run.dir.display().to_string(), |n| {
+            n.to_string_lossy().into_owned()
+        });
     row("run-id", "run", format!("{id} ({})", run.dir.display()), id);
     let started = st["started_at"].as_str().unwrap_or("?").to_string();
     row("started", "started", started.clone(), started);
     let dur = (run.t1 - run.t0) / 1e3;
     let so_far = if run.ended.is_some() { "" } else { " (so far)" };
-    row("duration", "duration", format!("{}{so_far}", fmt_dur(dur)), format!("{dur:.3}"));
+    row(
+        "duration",
+        "duration",
+        format!("{}{so_far}", fmt_dur(dur)),
+        format!("{dur:.3}"),
+    );
     let (ended, code) = match &run.ended {
-        Some(e) => (format!("ended: {} (exit code {})", e["reason"].as_str().unwrap_or("?"), e["exit_code"]), e["exit_code"].to_string()),
-        None if run.live => ("still running (a supervisor holds the run's lock): a snapshot of now".into(), "null".into()),
-        None => ("did not end cleanly (no run_end event: the supervisor was killed or crashed)".into(), "null".into()),
+        Some(e) => (
+            format!(
+                "ended: {} (exit code {})",
+                e["reason"].as_str().unwrap_or("?"),
+                e["exit_code"]
+            ),
+            e["exit_code"].to_string(),
+        ),
+        None if run.live => (
+            "still running (a supervisor holds the run's lock): a snapshot of now".into(),
+            "null".into(),
+        ),
+        None => (
+            "did not end cleanly (no run_end event: the supervisor was killed or crashed)".into(),
+            "null".into(),
+        ),
     };
-    row("ended", "exit status and reason", format!("{ended}; state {}", st["phase"].as_str().unwrap_or("?")), code);
+    row(
+        "ended",
+        "exit status and reason",
+        format!("{ended}; state {}", st["phase"].as_str().unwrap_or("?")),
+        code,
+    );
     let steps = last.and_then(|l| l["step"].as_u64()).unwrap_or(0);
     row("steps", "steps", steps.to_string(), steps.to_string());
     let consumed = st["batches_consumed"].as_u64().unwrap_or(0);
-    row("batches", "batches", format!("{consumed} consumed of {} loaded", st["batches_produced"].as_u64().unwrap_or(0)), consumed.to_string());
+    row(
+        "batches",
+        "batches",
+        format!(
+            "{consumed} consumed of {} loaded",
+            st["batches_produced"].as_u64().unwrap_or(0)
+        ),
+        consumed.to_string(),
+    );
     let tokens: u64 = run.steps.iter().filter_map(|s| s["tokens"].as_u64()).sum();
-    row("tokens", "tokens trained", fmt_num(tokens as f64), tokens.to_string());
+    row(
+        "tokens",
+        "tokens trained",
+        fmt_num(tokens as f64),
+        tokens.to_string(),
+    );
     match tps {
         Some((m, p10, p90)) => row(
             "tokens-per-s",
             "trained tokens/s (over metrics windows)",
-            format!("mean {} · p10 {} · p90 {}", fmt_num(m), fmt_num(p10), fmt_num(p90)),
+            format!(
+                "mean {} · p10 {} · p90 {}",
+                fmt_num(m),
+                fmt_num(p10),
+                fmt_num(p90)
+            ),
             format!("{m:.3} {p10:.3} {p90:.3}"),
         ),
-        None => row("tokens-per-s", "trained tokens/s", "– (no metrics window yet)".into(), String::new()),
+        None => row(
+            "tokens-per-s",
+            "trained tokens/s",
+            "– (no metrics window yet)".into(),
+            String::new(),
+        ),
     }
     let workers = st["workers"].as_array().cloned().unwrap_or_default();
     row(
         "restarts",
         "restarts per worker",
-        workers.iter().map(|w| format!("{} {}", w["name"].as_str().unwrap_or("?"), w["restarts"])).collect::<Vec<_>>().join(", "),
-        workers.iter().map(|w| format!("{}={}", w["name"].as_str().unwrap_or("?"), w["restarts"])).collect::<Vec<_>>().join(","),
+        workers
+            .iter()
+            .map(|w| format!("{} {}", w["name"].as_str().unwrap_or("?"), w["restarts"]))
+            .collect::<Vec<_>>()
+            .join(", "),
+        workers
+            .iter()
+            .map(|w| format!("{}={}", w["name"].as_str().unwrap_or("?"), w["restarts"]))
+            .collect::<Vec<_>>()
+            .join(","),
     );
-    let rollbacks = run.train.iter().filter(|l| l["rollback"]["from"].is_u64()).count();
-    row("rollbacks", "rollbacks", rollbacks.to_string(), rollbacks.to_string());
+    let rollbacks = run
+        .train
+        .iter()
+        .filter(|l| l["rollback"]["from"].is_u64())
+        .count();
+    row(
+        "rollbacks",
+        "rollbacks",
+        rollbacks.to_string(),
+        rollbacks.to_string(),
+    );
     let skipped = st["train"]["skipped_steps"].as_u64().unwrap_or(0);
-    row("skipped-steps", "skipped steps", skipped.to_string(), skipped.to_string());
-    let ckpts = run.events.iter().filter(|e| e["event"] == "checkpoint").count();
-    row("checkpoints", "checkpoints written", ckpts.to_string(), ckpts.to_string());
+    row(
+        "skipped-steps",
+        "skipped steps",
+        skipped.to_string(),
+        skipped.to_string(),
+    );
+    let ckpts = run
+        .events
+        .iter()
+        .filter(|e| e["event"] == "checkpoint")
+        .count();
+    row(
+        "checkpoints",
+        "checkpoints written",
+        ckpts.to_string(),
+        ckpts.to_string(),
+    );
     match st["bad_lines"].as_u64() {
         Some(n) => row("bad-lines", "bad data lines", n.to_string(), n.to_string()),
-        None => row("bad-lines", "bad data lines", "– (not recorded in state.json)".into(), String::new()),
+        None => row(
+            "bad-lines",
+            "bad data lines",
+            "– (not recorded in state.json)".into(),
+            String::new(),
+        ),
     }
-    let (loss, acc) = last.map_or((f64::NAN, f64::NAN), |l| (l["loss"].as_f64().unwrap_or(f64::NAN), l["acceptance"].as_f64().unwrap_or(f64::NAN)));
-    row("final-loss", "final loss", if loss.is_finite() { format!("{loss:.4}") } else { "–".into() }, format!("{loss:e}"));
-    row("final-acceptance", "final acceptance", if acc.is_finite() { format!("{acc:.3}") } else { "–".into() }, format!("{acc:e}"));
+    let (loss, acc) = last.map_or((f64::NAN, f64::NAN), |l| {
+        (
+            l["loss"].as_f64().unwrap_or(f64::NAN),
+            l["acceptance"].as_f64().unwrap_or(f64::NAN),
+        )
+    });
+    row(
+        "final-loss",
+        "final loss",
+        if loss.is_finite() {
+            format!("{loss:.4}")
+        } else {
+            "–".into()
+        },
+        format!("{loss:e}"),
+    );
+    row(
+        "final-acceptance",
+        "final acceptance",
+        if acc.is_finite() {
+            format!("{acc:.3}")
+        } else {
+            "–".into()
+        },
+        format!("{acc:e}"),
+    );
     match &audit {
         Some(a) => row(
             "ledger",
@@ -589,18 +866,36 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
                 a.lost,
                 a.duplicated,
                 a.in_flight,
-                if a.lost == 0 && a.duplicated == 0 { " (ok)" } else { " (FAILED)" }
+                if a.lost == 0 && a.duplicated == 0 {
+                    " (ok)"
+                } else {
+                    " (FAILED)"
+                }
             ),
-            format!("{} {} {} {} {}", a.produced, a.consumed_once, a.lost, a.duplicated, a.in_flight),
+            format!(
+                "{} {} {} {} {}",
+                a.produced, a.consumed_once, a.lost, a.duplicated, a.in_flight
+            ),
         ),
         None => row("ledger", "ledger audit", "unreadable".into(), String::new()),
     }
     if let Some(d) = st["train"]["exported"].as_str() {
-        row("exported", "drafter exported to", d.to_string(), d.to_string());
+        row(
+            "exported",
+            "drafter exported to",
+            d.to_string(),
+            d.to_string(),
+        );
     }
     let mut h = String::from(r#"<table class="summary">"#);
     for (class, label, shown, value) in rows {
-        let _ = write!(h, r#"<tr><th>{}</th><td class="{class}" data-value="{}">{}</td></tr>"#, esc(label), esc(&value), esc(&shown));
+        let _ = write!(
+            h,
+            r#"<tr><th>{}</th><td class="{class}" data-value="{}">{}</td></tr>"#,
+            esc(label),
+            esc(&value),
+            esc(&shown)
+        );
     }
     h.push_str("</table>");
     h
@@ -611,10 +906,31 @@ fn training(run: &Run, absent: &mut Absent) -> String {
     if steps.is_empty() {
         return absent.note("loss and acceptance", "no training step was committed");
     }
-    let xs: Vec<f64> = steps.iter().map(|l| l["step"].as_f64().unwrap_or(0.0)).collect();
-    let x = (xs[0].min(xs[xs.len() - 1]), xs[xs.len() - 1].max(xs[0] + 1.0));
-    let series = |k: &str| -> Vec<(f64, f64)> { steps.iter().zip(&xs).map(|(l, x)| (*x, l[k].as_f64().unwrap_or(f64::NAN))).collect() };
-    let rollbacks: Vec<(u64, u64)> = run.train.iter().filter_map(|l| Some((l["rollback"]["from"].as_u64()?, l["rollback"]["to"].as_u64()?))).collect();
+    let xs: Vec<f64> = steps
+        .iter()
+        .map(|l| l["step"].as_f64().unwrap_or(0.0))
+        .collect();
+    let x = (
+        xs[0].min(xs[xs.len() - 1]),
+        xs[xs.len() - 1].max(xs[0] + 1.0),
+    );
+    let series = |k: &str| -> Vec<(f64, f64)> {
+        steps
+            .iter()
+            .zip(&xs)
+            .map(|(l, x)| (*x, l[k].as_f64().unwrap_or(f64::NAN)))
+            .collect()
+    };
+    let rollbacks: Vec<(u64, u64)> = run
+        .train
+        .iter()
+        .filter_map(|l| {
+            Some((
+                l["rollback"]["from"].as_u64()?,
+                l["rollback"]["to"].as_u64()?,
+            ))
+        })
+        .collect();
     let rollback_marks = |f: &Frame| {
         let mut s = String::new();
         for (from, to) in &rollbacks {
@@ -630,28 +946,61 @@ fn training(run: &Run, absent: &mut Absent) -> String {
     };
     let mut out = String::new();
     let lr = series("lr");
-    let mut c = Chart::new("loss", "Loss per step, learning rate on the right axis", XAxis::Steps, x, "loss");
-    c.series.push(Series::new("loss", "loss", "#c0392b", series("loss")).dots());
+    let mut c = Chart::new(
+        "loss",
+        "Loss per step, learning rate on the right axis",
+        XAxis::Steps,
+        x,
+        "loss",
+    );
+    c.series
+        .push(Series::new("loss", "loss", "#c0392b", series("loss")).dots());
     if lr.iter().any(|p| p.1.is_finite()) {
         c.y_right = Some(("learning rate".into(), range(lr.iter().map(|p| p.1), true)));
-        c.series.push(Series::new("learning rate", "lr", "#7d7d7d", lr).right().dash("4 3"));
+        c.series.push(
+            Series::new("learning rate", "lr", "#7d7d7d", lr)
+                .right()
+                .dash("4 3"),
+        );
     }
     if !rollbacks.is_empty() {
-        c.legend_extra.push(("#34495e".into(), "rollback (dotted: steps after it were trained again)".into()));
+        c.legend_extra.push((
+            "#34495e".into(),
+            "rollback (dotted: steps after it were trained again)".into(),
+        ));
     }
     out.push_str(&c.render(&rollback_marks));
 
-    let mut c = Chart::new("acceptance", "Acceptance length proxy per step, per-slot accuracy on the right axis", XAxis::Steps, x, "acceptance");
-    c.series.push(Series::new("acceptance", "acceptance", "#1f4e9c", series("acceptance")).dots());
-    let slots = steps.iter().filter_map(|l| l["slot_accuracy"].as_array().map(|a| a.len())).max().unwrap_or(0);
+    let mut c = Chart::new(
+        "acceptance",
+        "Acceptance length proxy per step, per-slot accuracy on the right axis",
+        XAxis::Steps,
+        x,
+        "acceptance",
+    );
+    c.series
+        .push(Series::new("acceptance", "acceptance", "#1f4e9c", series("acceptance")).dots());
+    let slots = steps
+        .iter()
+        .filter_map(|l| l["slot_accuracy"].as_array().map(|a| a.len()))
+        .max()
+        .unwrap_or(0);
     if slots > 0 {
         c.y_right = Some(("per-slot accuracy".into(), (0.0, 1.0)));
         for i in 0..slots {
-            let pts = steps.iter().zip(&xs).map(|(l, x)| (*x, l["slot_accuracy"][i].as_f64().unwrap_or(f64::NAN))).collect();
+            let pts = steps
+                .iter()
+                .zip(&xs)
+                .map(|(l, x)| (*x, l["slot_accuracy"][i].as_f64().unwrap_or(f64::NAN)))
+                .collect();
             // Slot 1 (the first drafted token) darkest.
             let shade = 30 + (i * 170 / slots.max(1)) as u32;
             let color = format!("rgb({shade},{},{})", 120 + shade / 2, 80 + shade / 3);
-            c.series.push(Series::new(format!("slot {}", i + 1), "slot-accuracy", &color, pts).attrs(format!(r#" data-slot="{}""#, i + 1)).right());
+            c.series.push(
+                Series::new(format!("slot {}", i + 1), "slot-accuracy", &color, pts)
+                    .attrs(format!(r#" data-slot="{}""#, i + 1))
+                    .right(),
+            );
         }
     }
     out.push_str(&c.render(&rollback_marks));
@@ -665,14 +1014,34 @@ fn throughput(run: &Run, absent: &mut Absent) -> String {
     if run.metrics.is_empty() {
         return absent.note("tokens/s", why_no_metrics(run));
     }
-    let mut c = Chart::new("tokens-per-s", "Tokens/s: trained in total, and per worker (targets: tokens processed)", XAxis::Time, run.time_range(), "tokens/s");
-    c.series.push(Series::new("trained, total", "tps-total", "#111", run.windows(|m| m["pipeline"]["tokens_per_s_trained"].as_f64())));
-    let workers: BTreeSet<String> =
-        run.metrics.iter().filter_map(|m| m["pipeline"]["tokens_per_s_by_worker"].as_object()).flat_map(|o| o.keys().cloned()).collect();
+    let mut c = Chart::new(
+        "tokens-per-s",
+        "Tokens/s: trained in total, and per worker (targets: tokens processed)",
+        XAxis::Time,
+        run.time_range(),
+        "tokens/s",
+    );
+    c.series.push(Series::new(
+        "trained, total",
+        "tps-total",
+        "#111",
+        run.windows(|m| m["pipeline"]["tokens_per_s_trained"].as_f64()),
+    ));
+    let workers: BTreeSet<String> = run
+        .metrics
+        .iter()
+        .filter_map(|m| m["pipeline"]["tokens_per_s_by_worker"].as_object())
+        .flat_map(|o| o.keys().cloned())
+        .collect();
     for (i, w) in workers.iter().enumerate() {
         let pts = run.windows(|m| m["pipeline"]["tokens_per_s_by_worker"][w].as_f64());
-        let s = Series::new(w.clone(), "tps-worker", PALETTE[i % PALETTE.len()], pts).attrs(format!(r#" data-worker="{}""#, esc(w)));
-        c.series.push(if w.starts_with("target") { s.dash("5 3") } else { s });
+        let s = Series::new(w.clone(), "tps-worker", PALETTE[i % PALETTE.len()], pts)
+            .attrs(format!(r#" data-worker="{}""#, esc(w)));
+        c.series.push(if w.starts_with("target") {
+            s.dash("5 3")
+        } else {
+            s
+        });
     }
     c.render(&|_| String::new())
 }
@@ -686,7 +1055,11 @@ fn why_no_metrics(run: &Run) -> String {
 }
 
 fn gpus(run: &Run, absent: &mut Absent) -> String {
-    let samples: u64 = run.metrics.iter().filter_map(|m| m["gpu"]["samples"].as_u64()).sum();
+    let samples: u64 = run
+        .metrics
+        .iter()
+        .filter_map(|m| m["gpu"]["samples"].as_u64())
+        .sum();
     let indices: Vec<u64> = run
         .metrics
         .iter()
@@ -696,27 +1069,55 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
         .into_iter()
         .collect();
     if samples == 0 || indices.is_empty() {
-        return absent.note("GPU utilisation, memory, power, temperature, SM clock", why_no_gpu(run));
+        return absent.note(
+            "GPU utilisation, memory, power, temperature, SM clock",
+            why_no_gpu(run),
+        );
     }
     static NONE: Value = Value::Null;
     fn gpu(m: &Value, idx: u64) -> &Value {
-        m["gpu"]["gpus"].as_array().and_then(|a| a.iter().find(|g| g["index"] == idx)).unwrap_or(&NONE)
+        m["gpu"]["gpus"]
+            .as_array()
+            .and_then(|a| a.iter().find(|g| g["index"] == idx))
+            .unwrap_or(&NONE)
     }
     // No red: that is the XIDs'.
-    const GPU_COLORS: [&str; 9] = ["#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#333333"];
+    const GPU_COLORS: [&str; 9] = [
+        "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+        "#333333",
+    ];
     let color = |i: usize| GPU_COLORS[i % GPU_COLORS.len()];
     // (gpu, seconds, window length, reasons) and (gpu, seconds, code)
     let mut throttles: Vec<(u64, f64, f64, String)> = Vec::new();
     let mut xids: Vec<(u64, f64, u64)> = Vec::new();
     for m in &run.metrics {
-        let Some(t) = run.secs(&m["time"]) else { continue };
+        let Some(t) = run.secs(&m["time"]) else {
+            continue;
+        };
         for &idx in &indices {
             let g = gpu(m, idx);
-            let reasons: Vec<&str> = g["throttle_reasons"].as_array().into_iter().flatten().filter_map(|r| r.as_str()).collect();
+            let reasons: Vec<&str> = g["throttle_reasons"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|r| r.as_str())
+                .collect();
             if !reasons.is_empty() {
-                throttles.push((idx, t, m["window_s"].as_f64().unwrap_or(0.0), reasons.join(", ")));
+                throttles.push((
+                    idx,
+                    t,
+                    m["window_s"].as_f64().unwrap_or(0.0),
+                    reasons.join(", "),
+                ));
             }
-            xids.extend(g["xid_errors"].as_array().into_iter().flatten().filter_map(|x| x.as_u64()).map(|x| (idx, t, x)));
+            xids.extend(
+                g["xid_errors"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| (idx, t, x)),
+            );
         }
     }
     let xid_lines = |f: &Frame| {
@@ -735,30 +1136,94 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
     };
     let gib = 1073741824.0;
     // (id, title, unit, [(metric, stat, class, dashed, scale, label)], fixed range)
-    type Line = (&'static str, &'static str, &'static str, bool, f64, &'static str);
-    type Panel = (&'static str, &'static str, &'static str, Vec<Line>, Option<(f64, f64)>);
+    type Line = (
+        &'static str,
+        &'static str,
+        &'static str,
+        bool,
+        f64,
+        &'static str,
+    );
+    type Panel = (
+        &'static str,
+        &'static str,
+        &'static str,
+        Vec<Line>,
+        Option<(f64, f64)>,
+    );
     let panels: [Panel; 5] = [
-        ("util", "GPU utilisation (mean of the window)", "%", vec![("util_gpu_pct", "mean", "gpu-util", false, 1.0, "")], Some((0.0, 100.0))),
+        (
+            "util",
+            "GPU utilisation (mean of the window)",
+            "%",
+            vec![("util_gpu_pct", "mean", "gpu-util", false, 1.0, "")],
+            Some((0.0, 100.0)),
+        ),
         (
             "mem",
             "GPU memory used (max of the window), dashed: total",
             "GiB",
-            vec![("mem_used_bytes", "max", "gpu-mem-used", false, 1.0 / gib, ""), ("mem_total_bytes", "max", "gpu-mem-total", true, 1.0 / gib, " total")],
+            vec![
+                (
+                    "mem_used_bytes",
+                    "max",
+                    "gpu-mem-used",
+                    false,
+                    1.0 / gib,
+                    "",
+                ),
+                (
+                    "mem_total_bytes",
+                    "max",
+                    "gpu-mem-total",
+                    true,
+                    1.0 / gib,
+                    " total",
+                ),
+            ],
             None,
         ),
         (
             "power",
             "GPU power (mean of the window), dashed: its limit",
             "W",
-            vec![("power_w", "mean", "gpu-power", false, 1.0, ""), ("power_limit_w", "max", "gpu-power-limit", true, 1.0, " limit")],
+            vec![
+                ("power_w", "mean", "gpu-power", false, 1.0, ""),
+                (
+                    "power_limit_w",
+                    "max",
+                    "gpu-power-limit",
+                    true,
+                    1.0,
+                    " limit",
+                ),
+            ],
             None,
         ),
-        ("temp", "GPU temperature (max of the window)", "°C", vec![("temp_c", "max", "gpu-temp", false, 1.0, "")], None),
-        ("sm-clock", "SM clock (mean of the window)", "MHz", vec![("sm_clock_mhz", "mean", "gpu-sm-clock", false, 1.0, "")], None),
+        (
+            "temp",
+            "GPU temperature (max of the window)",
+            "°C",
+            vec![("temp_c", "max", "gpu-temp", false, 1.0, "")],
+            None,
+        ),
+        (
+            "sm-clock",
+            "SM clock (mean of the window)",
+            "MHz",
+            vec![("sm_clock_mhz", "mean", "gpu-sm-clock", false, 1.0, "")],
+            None,
+        ),
     ];
     let mut out = String::new();
     for (id, title, unit, lines, yl) in panels {
-        let mut c = Chart::new(&format!("gpu-{id}"), title, XAxis::Time, run.time_range(), unit);
+        let mut c = Chart::new(
+            &format!("gpu-{id}"),
+            title,
+            XAxis::Time,
+            run.time_range(),
+            unit,
+        );
         c.plot_h = 110.0;
         let mut missing: Vec<u64> = Vec::new();
         for (gi, &idx) in indices.iter().enumerate() {
@@ -770,19 +1235,35 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
                     }
                     continue;
                 }
-                let name = if dashed { String::new() } else { format!("GPU {idx}{label}") };
-                let s = Series::new(name, class, color(gi), pts).attrs(format!(r#" data-gpu="{idx}""#));
+                let name = if dashed {
+                    String::new()
+                } else {
+                    format!("GPU {idx}{label}")
+                };
+                let s =
+                    Series::new(name, class, color(gi), pts).attrs(format!(r#" data-gpu="{idx}""#));
                 c.series.push(if dashed { s.dash("6 3") } else { s });
             }
         }
         if !missing.is_empty() {
-            let which = missing.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(", ");
-            out.push_str(&absent.note(&format!("{title} of GPU {which}"), "NVML did not report it"));
+            let which = missing
+                .iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(", ");
+            out.push_str(
+                &absent.note(&format!("{title} of GPU {which}"), "NVML did not report it"),
+            );
         }
         if c.series.is_empty() {
             continue;
         }
-        c.yl = yl.or_else(|| Some(range(c.series.iter().flat_map(|s| s.pts.iter().map(|p| p.1)), true)));
+        c.yl = yl.or_else(|| {
+            Some(range(
+                c.series.iter().flat_map(|s| s.pts.iter().map(|p| p.1)),
+                true,
+            ))
+        });
         if !xids.is_empty() {
             c.legend_extra.push(("#c0392b".into(), "XID error".into()));
         }
@@ -790,11 +1271,20 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
     }
     // One lane per GPU: the windows with a throttle reason, and the XIDs.
     let row_h = 20.0;
-    let mut c = Chart::new("gpu-events", "Throttle reasons and XID errors per GPU", XAxis::Time, run.time_range(), "");
+    let mut c = Chart::new(
+        "gpu-events",
+        "Throttle reasons and XID errors per GPU",
+        XAxis::Time,
+        run.time_range(),
+        "",
+    );
     c.left = 110.0;
     c.y_ticks = false;
     c.plot_h = row_h * indices.len() as f64;
-    c.legend_extra.push(("#e67e22".into(), "a throttle (clock-event) reason in the window".into()));
+    c.legend_extra.push((
+        "#e67e22".into(),
+        "a throttle (clock-event) reason in the window".into(),
+    ));
     c.legend_extra.push(("#c0392b".into(), "XID error".into()));
     out.push_str(&c.render(&|f: &Frame| {
         let mut s = String::new();
@@ -833,11 +1323,19 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
     let _ = write!(
         out,
         "<p>Throttle reasons seen: {}. XID errors: {}.</p>",
-        if kinds.is_empty() { "none".to_string() } else { esc(&kinds.into_iter().collect::<Vec<_>>().join(", ")) },
+        if kinds.is_empty() {
+            "none".to_string()
+        } else {
+            esc(&kinds.into_iter().collect::<Vec<_>>().join(", "))
+        },
         if xids.is_empty() {
             "none".to_string()
         } else {
-            esc(&xids.iter().map(|(g, t, c)| format!("GPU {g} XID {c} at {}", fmt_dur(*t))).collect::<Vec<_>>().join(", "))
+            esc(&xids
+                .iter()
+                .map(|(g, t, c)| format!("GPU {g} XID {c} at {}", fmt_dur(*t)))
+                .collect::<Vec<_>>()
+                .join(", "))
         }
     );
     out
@@ -847,16 +1345,36 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
     if run.metrics.is_empty() {
         return absent.note("pool fill and bottleneck hint", why_no_metrics(run));
     }
-    let mut c = Chart::new("pools", "Pool fill, producers blocked and consumers starved (share of the window)", XAxis::Time, run.time_range(), "%");
+    let mut c = Chart::new(
+        "pools",
+        "Pool fill, producers blocked and consumers starved (share of the window)",
+        XAxis::Time,
+        run.time_range(),
+        "%",
+    );
     c.yl = Some((0.0, 100.0));
-    for (pool, label, color) in [("tokens_pool", "token pool", "#1f77b4"), ("hidden_pool", "hidden-state pool", "#ff7f0e")] {
+    for (pool, label, color) in [
+        ("tokens_pool", "token pool", "#1f77b4"),
+        ("hidden_pool", "hidden-state pool", "#ff7f0e"),
+    ] {
         for (key, what, class, dash) in [
             ("fill_ratio", "fill", "pool-fill", None),
-            ("producers_blocked_share", "producers blocked", "pool-blocked", Some("6 3")),
-            ("consumers_starved_share", "consumers starved", "pool-starved", Some("1 3")),
+            (
+                "producers_blocked_share",
+                "producers blocked",
+                "pool-blocked",
+                Some("6 3"),
+            ),
+            (
+                "consumers_starved_share",
+                "consumers starved",
+                "pool-starved",
+                Some("1 3"),
+            ),
         ] {
             let pts = run.windows(|m| m["pipeline"][pool][key].as_f64().map(|v| v * 100.0));
-            let s = Series::new(format!("{label}: {what}"), class, color, pts).attrs(format!(r#" data-pool="{pool}""#));
+            let s = Series::new(format!("{label}: {what}"), class, color, pts)
+                .attrs(format!(r#" data-pool="{pool}""#));
             c.series.push(match dash {
                 Some(d) => s.dash(d),
                 None => s,
@@ -885,15 +1403,30 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
                     }
                 }
             });
-            Some((t, m["window_s"].as_f64().unwrap_or(0.0), h.zip(text.map(String::from))))
+            Some((
+                t,
+                m["window_s"].as_f64().unwrap_or(0.0),
+                h.zip(text.map(String::from)),
+            ))
         })
         .collect();
-    let mut c = Chart::new("bottleneck", "Bottleneck hint per metrics window", XAxis::Time, run.time_range(), "");
+    let mut c = Chart::new(
+        "bottleneck",
+        "Bottleneck hint per metrics window",
+        XAxis::Time,
+        run.time_range(),
+        "",
+    );
     c.plot_h = 22.0;
     c.y_ticks = false;
     let hint_color = |i: usize| PALETTE[(i + 3) % PALETTE.len()];
-    c.legend_extra = hints.iter().enumerate().map(|(i, h)| (hint_color(i).to_string(), h.clone())).collect();
-    c.legend_extra.push(("#dddddd".into(), "no hint (balanced)".into()));
+    c.legend_extra = hints
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (hint_color(i).to_string(), h.clone()))
+        .collect();
+    c.legend_extra
+        .push(("#dddddd".into(), "no hint (balanced)".into()));
     out.push_str(&c.render(&|f: &Frame| {
         let mut s = String::new();
         for (t, w, h) in &per_window {
@@ -941,10 +1474,18 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
     let mut acc: BTreeMap<String, BTreeMap<String, (f64, f64)>> = BTreeMap::new();
     for m in &run.metrics {
         let w = m["window_s"].as_f64().unwrap_or(1.0).max(1e-6);
-        for (worker, ph) in m["pipeline"]["phase_ms_by_worker"].as_object().into_iter().flatten() {
+        for (worker, ph) in m["pipeline"]["phase_ms_by_worker"]
+            .as_object()
+            .into_iter()
+            .flatten()
+        {
             for (p, ms) in ph.as_object().into_iter().flatten() {
                 if let Some(ms) = ms.as_f64() {
-                    let e = acc.entry(worker.clone()).or_default().entry(p.clone()).or_default();
+                    let e = acc
+                        .entry(worker.clone())
+                        .or_default()
+                        .entry(p.clone())
+                        .or_default();
                     e.0 += ms * w;
                     e.1 += w;
                 }
@@ -952,11 +1493,35 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
         }
     }
     if acc.is_empty() {
-        return absent.note("phase timings", if run.metrics.is_empty() { why_no_metrics(run) } else { "no worker reported phase timings yet".into() });
+        return absent.note(
+            "phase timings",
+            if run.metrics.is_empty() {
+                why_no_metrics(run)
+            } else {
+                "no worker reported phase timings yet".into()
+            },
+        );
     }
-    const ORDER: [&str; 6] = ["wait", "forward", "forward_backward", "backward", "exchange", "optimizer"];
-    let mut names: Vec<String> = acc.values().flat_map(|p| p.keys().cloned()).collect::<BTreeSet<_>>().into_iter().collect();
-    names.sort_by_key(|n| (ORDER.iter().position(|o| o == n).unwrap_or(ORDER.len()), n.clone()));
+    const ORDER: [&str; 6] = [
+        "wait",
+        "forward",
+        "forward_backward",
+        "backward",
+        "exchange",
+        "optimizer",
+    ];
+    let mut names: Vec<String> = acc
+        .values()
+        .flat_map(|p| p.keys().cloned())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    names.sort_by_key(|n| {
+        (
+            ORDER.iter().position(|o| o == n).unwrap_or(ORDER.len()),
+            n.clone(),
+        )
+    });
     let color = |n: &str| match n {
         "wait" => "#bdc3c7",
         "forward" => "#3498db",
@@ -966,7 +1531,11 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
         _ => PALETTE[names.iter().position(|x| x == n).unwrap_or(0) % PALETTE.len()],
     };
     let mean = |w: &str, p: &str| acc[w].get(p).map_or(0.0, |(s, n)| s / n);
-    let max_total = acc.keys().map(|w| names.iter().map(|p| mean(w, p)).sum::<f64>()).fold(0.0f64, f64::max).max(1e-9);
+    let max_total = acc
+        .keys()
+        .map(|w| names.iter().map(|p| mean(w, p)).sum::<f64>())
+        .fold(0.0f64, f64::max)
+        .max(1e-9);
     let (row, left, right) = (24.0, 110.0, W - 90.0);
     let legend_y = 36.0;
     let height = 50.0 + row * acc.len() as f64 + 30.0;
@@ -975,12 +1544,24 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
     );
     let mut lx = left;
     for n in &names {
-        let _ = write!(s, r#"<rect x="{lx:.1}" y="{:.1}" width="14" height="10" fill="{}"/><text x="{:.1}" y="{legend_y}" font-size="11">{}</text>"#, legend_y - 9.0, color(n), lx + 18.0, esc(n));
+        let _ = write!(
+            s,
+            r#"<rect x="{lx:.1}" y="{:.1}" width="14" height="10" fill="{}"/><text x="{:.1}" y="{legend_y}" font-size="11">{}</text>"#,
+            legend_y - 9.0,
+            color(n),
+            lx + 18.0,
+            esc(n)
+        );
         lx += 30.0 + n.len() as f64 * 6.3;
     }
     for (i, w) in acc.keys().enumerate() {
         let y = 50.0 + row * i as f64;
-        let _ = write!(s, r#"<text x="4" y="{:.1}" font-size="12">{}</text>"#, y + 14.0, esc(w));
+        let _ = write!(
+            s,
+            r#"<text x="4" y="{:.1}" font-size="12">{}</text>"#,
+            y + 14.0,
+            esc(w)
+        );
         let mut x = left;
         for p in &names {
             let ms = mean(w, p);
@@ -1001,7 +1582,13 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
             x += width;
         }
         let total: f64 = names.iter().map(|p| mean(w, p)).sum();
-        let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="11">{} ms</text>"#, x + 4.0, y + 13.0, fmt_num(total));
+        let _ = write!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" font-size="11">{} ms</text>"#,
+            x + 4.0,
+            y + 13.0,
+            fmt_num(total)
+        );
     }
     s.push_str("</svg>");
     s
@@ -1010,19 +1597,34 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
 fn composition(run: &Run, absent: &mut Absent) -> String {
     let mut buckets: BTreeMap<String, u64> = BTreeMap::new();
     for m in &run.metrics {
-        for (k, v) in m["pipeline"]["length_buckets"].as_object().into_iter().flatten() {
+        for (k, v) in m["pipeline"]["length_buckets"]
+            .as_object()
+            .into_iter()
+            .flatten()
+        {
             *buckets.entry(k.clone()).or_default() += v.as_u64().unwrap_or(0);
         }
     }
     if buckets.values().all(|n| *n == 0) {
         return absent.note(
             "batch composition",
-            if run.metrics.is_empty() { why_no_metrics(run) } else { "no batch was loaded in any metrics window".into() },
+            if run.metrics.is_empty() {
+                why_no_metrics(run)
+            } else {
+                "no batch was loaded in any metrics window".into()
+            },
         );
     }
     // "<=64", "<=128", ..., ">1024": by the number in the label.
     let mut keys: Vec<(String, u64)> = buckets.into_iter().collect();
-    let num = |k: &str| -> (u8, u64) { (k.starts_with('>') as u8, k.trim_start_matches(['<', '>', '=']).parse().unwrap_or(u64::MAX)) };
+    let num = |k: &str| -> (u8, u64) {
+        (
+            k.starts_with('>') as u8,
+            k.trim_start_matches(['<', '>', '='])
+                .parse()
+                .unwrap_or(u64::MAX),
+        )
+    };
     keys.sort_by_key(|(k, _)| num(k));
     let max = keys.iter().map(|k| k.1).max().unwrap_or(1).max(1) as f64;
     let total: u64 = keys.iter().map(|k| k.1).sum();
@@ -1031,7 +1633,12 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
     let mut s = format!(
         r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="length-buckets" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif"><text x="{left}" y="16" font-size="13" font-weight="bold">Sequence lengths of the batches loaded ({total} samples)</text>"#
     );
-    let _ = write!(s, r##"<rect x="{left}" y="{top}" width="{}" height="{}" fill="#fcfcfc" stroke="#999"/>"##, right - left, bottom - top);
+    let _ = write!(
+        s,
+        r##"<rect x="{left}" y="{top}" width="{}" height="{}" fill="#fcfcfc" stroke="#999"/>"##,
+        right - left,
+        bottom - top
+    );
     let bw = (right - left) / keys.len() as f64;
     for (i, (k, n)) in keys.iter().enumerate() {
         let h = *n as f64 / max * (bottom - top - 14.0);
@@ -1051,11 +1658,38 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
             bottom - h - 3.0
         );
     }
-    let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">tokens per sample (bucket)</text>"#, (left + right) / 2.0, bottom + 30.0);
+    let _ = write!(
+        s,
+        r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">tokens per sample (bucket)</text>"#,
+        (left + right) / 2.0,
+        bottom + 30.0
+    );
     // Padding efficiency over time, on the right half.
-    let pad = run.windows(|m| m["pipeline"]["padding_efficiency"].as_f64().map(|v| v * 100.0));
-    let f = Frame { x: run.time_range(), yl: (0.0, 100.0), yr: (0.0, 1.0), left: W / 2.0 + 50.0, right: W - 24.0, top, bottom };
-    let mean = weighted_stats(&run.metrics.iter().filter_map(|m| Some((m["pipeline"]["padding_efficiency"].as_f64()? * 100.0, m["window_s"].as_f64()?))).collect::<Vec<_>>());
+    let pad = run.windows(|m| {
+        m["pipeline"]["padding_efficiency"]
+            .as_f64()
+            .map(|v| v * 100.0)
+    });
+    let f = Frame {
+        x: run.time_range(),
+        yl: (0.0, 100.0),
+        yr: (0.0, 1.0),
+        left: W / 2.0 + 50.0,
+        right: W - 24.0,
+        top,
+        bottom,
+    };
+    let mean = weighted_stats(
+        &run.metrics
+            .iter()
+            .filter_map(|m| {
+                Some((
+                    m["pipeline"]["padding_efficiency"].as_f64()? * 100.0,
+                    m["window_s"].as_f64()?,
+                ))
+            })
+            .collect::<Vec<_>>(),
+    );
     let _ = write!(
         s,
         r##"<text x="{:.1}" y="16" font-size="13" font-weight="bold">Padding efficiency{}</text><rect x="{:.1}" y="{top}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##,
@@ -1066,16 +1700,47 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
         bottom - top
     );
     for t in [0.0, 25.0, 50.0, 75.0, 100.0] {
-        let _ = write!(s, r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{:.1}" y="{:.1}" font-size="10" text-anchor="end">{t}</text>"##, f.left, f.right, f.left - 4.0, f.py(t) + 3.5, y = f.py(t));
+        let _ = write!(
+            s,
+            r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#e4e4e4"/><text x="{:.1}" y="{:.1}" font-size="10" text-anchor="end">{t}</text>"##,
+            f.left,
+            f.right,
+            f.left - 4.0,
+            f.py(t) + 3.5,
+            y = f.py(t)
+        );
     }
-    let _ = write!(s, r#"<text transform="translate({:.1} {:.1}) rotate(-90)" font-size="11" text-anchor="middle">% real tokens</text>"#, f.left - 34.0, (top + bottom) / 2.0);
+    let _ = write!(
+        s,
+        r#"<text transform="translate({:.1} {:.1}) rotate(-90)" font-size="11" text-anchor="middle">% real tokens</text>"#,
+        f.left - 34.0,
+        (top + bottom) / 2.0
+    );
     for t in time_ticks(f.x.0, f.x.1) {
-        let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="10" text-anchor="middle">{}</text>"#, f.px(t), bottom + 13.0, fmt_dur(t));
+        let _ = write!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" font-size="10" text-anchor="middle">{}</text>"#,
+            f.px(t),
+            bottom + 13.0,
+            fmt_dur(t)
+        );
     }
-    let _ = write!(s, r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">time since the run started</text>"#, (f.left + f.right) / 2.0, bottom + 30.0);
+    let _ = write!(
+        s,
+        r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">time since the run started</text>"#,
+        (f.left + f.right) / 2.0,
+        bottom + 30.0
+    );
     for seg in pad.split(|p| !p.1.is_finite()).filter(|g| !g.is_empty()) {
-        let pts: Vec<String> = seg.iter().map(|(a, b)| format!("{:.1},{:.1}", f.px(*a), f.py(*b))).collect();
-        let _ = write!(s, r##"<polyline class="padding-efficiency" fill="none" stroke="#1e8449" stroke-width="1.5" points="{}"/>"##, pts.join(" "));
+        let pts: Vec<String> = seg
+            .iter()
+            .map(|(a, b)| format!("{:.1},{:.1}", f.px(*a), f.py(*b)))
+            .collect();
+        let _ = write!(
+            s,
+            r##"<polyline class="padding-efficiency" fill="none" stroke="#1e8449" stroke-width="1.5" points="{}"/>"##,
+            pts.join(" ")
+        );
     }
     s.push_str("</svg>");
     s
@@ -1084,18 +1749,37 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
 /// One row per worker: spawns, exits (code or signal), hangs, restarts, rollbacks and the
 /// stop on the shared time axis.
 fn lifelines(run: &Run, absent: &mut Absent) -> String {
-    let mut workers: Vec<String> = run.events.iter().filter_map(|e| e["worker"].as_str().map(String::from)).collect();
+    let mut workers: Vec<String> = run
+        .events
+        .iter()
+        .filter_map(|e| e["worker"].as_str().map(String::from))
+        .collect();
     workers.sort();
     workers.dedup();
     if workers.is_empty() {
-        return absent.note("worker lifelines", "no worker event recorded in events.jsonl");
+        return absent.note(
+            "worker lifelines",
+            "no worker event recorded in events.jsonl",
+        );
     }
     let row_h = 24.0;
-    let mut c = Chart::new("lifelines", "Worker lifelines", XAxis::Time, run.time_range(), "");
+    let mut c = Chart::new(
+        "lifelines",
+        "Worker lifelines",
+        XAxis::Time,
+        run.time_range(),
+        "",
+    );
     c.left = 110.0;
     c.y_ticks = false;
     c.plot_h = row_h * workers.len() as f64;
-    for (name, color) in [("spawn", "#27ae60"), ("exit", "#c0392b"), ("hang", "#e67e22"), ("restart", "#8e44ad"), ("rollback / stop", "#34495e")] {
+    for (name, color) in [
+        ("spawn", "#27ae60"),
+        ("exit", "#c0392b"),
+        ("hang", "#e67e22"),
+        ("restart", "#8e44ad"),
+        ("rollback / stop", "#34495e"),
+    ] {
         c.legend_extra.push((color.into(), name.into()));
     }
     c.render(&|f: &Frame| {
@@ -1164,7 +1848,15 @@ pub fn render(dir: &Path) -> String {
     let run = Run::read(dir);
     let mut absent = Absent::default();
     let tps = weighted_stats(
-        &run.metrics.iter().filter_map(|m| Some((m["pipeline"]["tokens_per_s_trained"].as_f64()?, m["window_s"].as_f64()?))).collect::<Vec<_>>(),
+        &run.metrics
+            .iter()
+            .filter_map(|m| {
+                Some((
+                    m["pipeline"]["tokens_per_s_trained"].as_f64()?,
+                    m["window_s"].as_f64()?,
+                ))
+            })
+            .collect::<Vec<_>>(),
     );
     let sections = [
         ("Training", training(&run, &mut absent)),
@@ -1190,7 +1882,11 @@ pub fn render(dir: &Path) -> String {
         r#"<p class="note">Written {} from {}{}.</p>"#,
         crate::run::rundir::now_rfc3339(),
         esc(&run.dir.display().to_string()),
-        if run.live { " while the run was live" } else { "" }
+        if run.live {
+            " while the run was live"
+        } else {
+            ""
+        }
     );
     h.push_str(&summary(&run, tps));
     for (title, body) in &sections {
@@ -1201,7 +1897,13 @@ pub fn render(dir: &Path) -> String {
         h.push_str("<li>nothing: every series the report draws was recorded</li>");
     }
     for (series, why) in &absent.0 {
-        let _ = write!(h, r#"<li data-series="{}">{}: {}</li>"#, esc(series), esc(series), esc(why));
+        let _ = write!(
+            h,
+            r#"<li data-series="{}">{}: {}</li>"#,
+            esc(series),
+            esc(series),
+            esc(why)
+        );
     }
     for f in &run.torn {
         let _ = write!(h, "<li>{f}: a line cut off by a crash was skipped</li>");
@@ -1214,10 +1916,12 @@ pub fn render(dir: &Path) -> String {
 pub fn write(run: &Path, out: &Path) -> Result<(), Error> {
     let page = render(run);
     let tmp = out.with_extension(format!("html.{}.tmp", std::process::id()));
-    std::fs::write(&tmp, page).and_then(|_| std::fs::rename(&tmp, out)).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        Error::input(format!("--out {}", out.display()), e)
-    })
+    std::fs::write(&tmp, page)
+        .and_then(|_| std::fs::rename(&tmp, out))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::input(format!("--out {}", out.display()), e)
+        })
 }
 
 #[cfg(test)]
@@ -1234,15 +1938,25 @@ mod tests {
 
     const STATE: &str = r#"{"started_at": "2026-01-01T00:00:00.000Z", "started_at_unix_ms": 1767225600000, "phase": "running",
         "workers": [{"name": "target-0", "gpu": "0", "restarts": 0}, {"name": "drafter-0", "gpu": "1", "restarts": 0}]}"#;
-    const NO_GPU_WINDOW: &str =
-        r#"{"time": "2026-01-01T00:00:10.000Z", "window_s": 10.0, "gpu": {"samples": 0, "gpus": []}, "pipeline": {"tokens_per_s_trained": 100.0}}"#;
+    const NO_GPU_WINDOW: &str = r#"{"time": "2026-01-01T00:00:10.000Z", "window_s": 10.0, "gpu": {"samples": 0, "gpus": []}, "pipeline": {"tokens_per_s_trained": 100.0}}"#;
 
     #[test]
     fn an_empty_run_dir_renders_and_names_every_missing_series() {
         let d = run_dir(&[]);
         let page = render(d.path());
-        for series in ["loss and acceptance", "tokens/s", "GPU utilisation", "pool fill", "phase timings", "batch composition", "worker lifelines"] {
-            assert!(page.contains(&format!(r#"<li data-series="{series}"#)), "{series} is not named: {page}");
+        for series in [
+            "loss and acceptance",
+            "tokens/s",
+            "GPU utilisation",
+            "pool fill",
+            "phase timings",
+            "batch composition",
+            "worker lifelines",
+        ] {
+            assert!(
+                page.contains(&format!(r#"<li data-series="{series}"#)),
+                "{series} is not named: {page}"
+            );
         }
         assert!(page.contains("metrics.jsonl is empty or missing"));
         assert!(page.contains("did not end cleanly"));
@@ -1250,16 +1964,36 @@ mod tests {
 
     #[test]
     fn the_reason_for_no_gpu_series_is_the_run_s() {
-        let off = r#"{"event": "run_start", "time": "2026-01-01T00:00:00.000Z", "gpu_metrics": false}"#;
-        let d = run_dir(&[("state.json", STATE), ("events.jsonl", off), ("metrics.jsonl", NO_GPU_WINDOW)]);
+        let off =
+            r#"{"event": "run_start", "time": "2026-01-01T00:00:00.000Z", "gpu_metrics": false}"#;
+        let d = run_dir(&[
+            ("state.json", STATE),
+            ("events.jsonl", off),
+            ("metrics.jsonl", NO_GPU_WINDOW),
+        ]);
         let page = render(d.path());
-        assert!(page.contains("GPU metrics were turned off (--no-gpu-metrics)"), "{page}");
-        let on = r#"{"event": "run_start", "time": "2026-01-01T00:00:00.000Z", "gpu_metrics": true}"#;
+        assert!(
+            page.contains("GPU metrics were turned off (--no-gpu-metrics)"),
+            "{page}"
+        );
+        let on =
+            r#"{"event": "run_start", "time": "2026-01-01T00:00:00.000Z", "gpu_metrics": true}"#;
         let log = "2026-01-01T00:00:00.100Z WARN  GPU metrics are off: the NVIDIA driver is not loaded. Lost: utilisation\n";
-        let d = run_dir(&[("state.json", STATE), ("events.jsonl", on), ("metrics.jsonl", NO_GPU_WINDOW), ("supervisor.log", log)]);
+        let d = run_dir(&[
+            ("state.json", STATE),
+            ("events.jsonl", on),
+            ("metrics.jsonl", NO_GPU_WINDOW),
+            ("supervisor.log", log),
+        ]);
         assert!(render(d.path()).contains("GPU metrics are off: the NVIDIA driver is not loaded"));
-        let cpu = STATE.replace(r#""gpu": "0""#, r#""gpu": "cpu""#).replace(r#""gpu": "1""#, r#""gpu": "cpu""#);
-        let d = run_dir(&[("state.json", &cpu), ("events.jsonl", on), ("metrics.jsonl", NO_GPU_WINDOW)]);
+        let cpu = STATE
+            .replace(r#""gpu": "0""#, r#""gpu": "cpu""#)
+            .replace(r#""gpu": "1""#, r#""gpu": "cpu""#);
+        let d = run_dir(&[
+            ("state.json", &cpu),
+            ("events.jsonl", on),
+            ("metrics.jsonl", NO_GPU_WINDOW),
+        ]);
         assert!(render(d.path()).contains("every worker ran on CPU"));
     }
 
@@ -1267,7 +2001,10 @@ mod tests {
     fn weighted_percentiles_and_figures() {
         let (m, p10, p90) = weighted_stats(&[(100.0, 9.0), (0.0, 1.0), (f64::NAN, 5.0)]).unwrap();
         assert!((m - 90.0).abs() < 1e-9 && p10 == 0.0 && p90 == 100.0);
-        assert_eq!(without_figures("targets blocked 60% on a full pool: add 2.5 drafters"), "targets blocked N% on a full pool: add N drafters");
+        assert_eq!(
+            without_figures("targets blocked 60% on a full pool: add 2.5 drafters"),
+            "targets blocked N% on a full pool: add N drafters"
+        );
         assert_eq!(fmt_dur(65.0), "1m05s");
         assert_eq!(fmt_dur(7380.0), "2h03m");
         assert_eq!(range([0.3, 7.8], true), (0.0, 8.0));

@@ -38,7 +38,10 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::time::Instant;
 
-use dflash_shared::drafter::{lr_at, state_bytes, CollectiveKind, DrafterConfig, Init, ParamLayout, StepStats, TrainSetup, GRAD_SLOT_HEADER};
+use dflash_shared::drafter::{
+    lr_at, state_bytes, CollectiveKind, DrafterConfig, Init, ParamLayout, StepStats, TrainSetup,
+    GRAD_SLOT_HEADER,
+};
 use dflash_shared::pool::{PoolGeometry, PoolMap};
 use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
 use dflash_shared::slots::Holder;
@@ -94,10 +97,20 @@ pub enum Action {
     Send(usize, ToWorker),
     /// Acknowledge `batch_id` held by `holder` in `input`: it reached the optimizer in
     /// committed step `step`.
-    Consume { worker: usize, holder: Holder, input: SlotRef, batch_id: u64, step: u64 },
+    Consume {
+        worker: usize,
+        holder: Holder,
+        input: SlotRef,
+        batch_id: u64,
+        step: u64,
+    },
     /// Every drafter died: the group goes back from step `from` to `to`, and `batches`
     /// (committed after `to`, in commit order) go back to the front of the queue.
-    Rollback { from: u64, to: u64, batches: Vec<u64> },
+    Rollback {
+        from: u64,
+        to: u64,
+        batches: Vec<u64>,
+    },
     /// Batches consumed at or before this step can no longer be rolled back.
     Covered(u64),
     /// Record this in the run's events.jsonl.
@@ -108,10 +121,17 @@ pub enum Action {
     Failed(String),
     Violation(usize, String),
     /// Ask `worker` to checkpoint `step` into `dir` (the dispatcher adds what was consumed).
-    Checkpoint { worker: usize, step: u64, dir: std::path::PathBuf },
+    Checkpoint {
+        worker: usize,
+        step: u64,
+        dir: std::path::PathBuf,
+    },
     /// No drafter is left to write the stop checkpoint, but the snapshot holds the last
     /// committed step: write it from the snapshot (see [`Trainer::checkpoint_from_snapshot`]).
-    CheckpointFromSnapshot { step: u64, dir: std::path::PathBuf },
+    CheckpointFromSnapshot {
+        step: u64,
+        dir: std::path::PathBuf,
+    },
 }
 
 struct Member {
@@ -148,7 +168,10 @@ pub enum SnapshotCheckpointError {
     #[error("the supervisor's checkpoint metadata is not JSON: {0}")]
     Meta(#[source] serde_json::Error),
     #[error("writing {}: {source}", dir.display())]
-    Write { dir: std::path::PathBuf, source: std::io::Error },
+    Write {
+        dir: std::path::PathBuf,
+        source: std::io::Error,
+    },
 }
 
 pub struct Trainer {
@@ -213,10 +236,23 @@ pub struct Trainer {
 impl Trainer {
     pub fn new(cfg: TrainerConfig, run_dir: &Path) -> Result<Trainer, Error> {
         let params = ParamLayout::new(&cfg.drafter).total;
-        let grads_geometry = PoolGeometry { name: "grads".into(), slots: 2 * cfg.max_ranks.max(1), slot_bytes: Self::grad_slot_bytes(params, cfg.collective) };
+        let grads_geometry = PoolGeometry {
+            name: "grads".into(),
+            slots: 2 * cfg.max_ranks.max(1),
+            slot_bytes: Self::grad_slot_bytes(params, cfg.collective),
+        };
         // Slot 0: a joining rank's state; 1 and 2: the rollback snapshot, double-buffered.
-        let state_geometry = PoolGeometry { name: "drafter-state".into(), slots: 3, slot_bytes: state_bytes(params) };
-        let mk = |g: &PoolGeometry| PoolMap::create(g.clone()).map_err(|e| Error::SharedMemory { pool: g.name.clone(), source: e.into() });
+        let state_geometry = PoolGeometry {
+            name: "drafter-state".into(),
+            slots: 3,
+            slot_bytes: state_bytes(params),
+        };
+        let mk = |g: &PoolGeometry| {
+            PoolMap::create(g.clone()).map_err(|e| Error::SharedMemory {
+                pool: g.name.clone(),
+                source: e.into(),
+            })
+        };
         let (grads_fd, grads_map) = mk(&grads_geometry)?;
         let (state_fd, state_map) = mk(&state_geometry)?;
         let mut log = OpenOptions::new()
@@ -227,10 +263,15 @@ impl Trainer {
         // Temporary directories of checkpoints (and exports) a crash interrupted: never
         // complete.
         for dir in [cfg.checkpoints_dir.as_path(), run_dir] {
-            let Ok(entries) = std::fs::read_dir(dir) else { continue };
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
             for e in entries.flatten() {
                 if e.file_name().to_string_lossy().contains(".tmp-") {
-                    log::info!("removing {}, a checkpoint a crash left unfinished", e.path().display());
+                    log::info!(
+                        "removing {}, a checkpoint a crash left unfinished",
+                        e.path().display()
+                    );
                     let _ = std::fs::remove_dir_all(e.path());
                 }
             }
@@ -239,7 +280,8 @@ impl Trainer {
             Some((step, dir)) => {
                 // A resumed run goes back to its checkpoint: steps after it in train.jsonl
                 // belong to an abandoned lineage.
-                let line = serde_json::json!({"t": unix_ms(), "rollback": {"to": step, "resume": true}});
+                let line =
+                    serde_json::json!({"t": unix_ms(), "rollback": {"to": step, "resume": true}});
                 let _ = writeln!(log, "{line}");
                 (*step, Restore::Checkpoint { dir: dir.clone() })
             }
@@ -292,7 +334,9 @@ impl Trainer {
     /// Bytes of shared memory for a drafter config and rank count (for the start-up check).
     pub fn shared_bytes(drafter: &DrafterConfig, ranks: u32, collective: CollectiveKind) -> u64 {
         let p = ParamLayout::new(drafter).total;
-        2 * ranks.max(1) as u64 * Self::grad_slot_bytes(p, collective) + 3 * state_bytes(p) + 2 * 4096
+        2 * ranks.max(1) as u64 * Self::grad_slot_bytes(p, collective)
+            + 3 * state_bytes(p)
+            + 2 * 4096
     }
 
     /// A gradient slot: the stamp and the gradient for the shared-memory collective; NCCL
@@ -318,7 +362,11 @@ impl Trainer {
     }
 
     fn setup(&self, rank: u32, init: Init) -> ToWorker {
-        let info = |id, fd: &OwnedFd, g: &PoolGeometry| PoolInfo { id, fd: fd.as_raw_fd(), geometry: g.clone() };
+        let info = |id, fd: &OwnedFd, g: &PoolGeometry| PoolInfo {
+            id,
+            fd: fd.as_raw_fd(),
+            geometry: g.clone(),
+        };
         ToWorker::Train(Box::new(TrainSetup {
             drafter: self.cfg.drafter.clone(),
             lr: self.cfg.lr,
@@ -342,7 +390,9 @@ impl Trainer {
 
     fn add_member(&mut self, worker: usize, holder: Holder, init: Init, out: &mut Vec<Action>) {
         let Some(rank) = self.free_ranks.pop_first() else {
-            out.push(Action::Failed("more drafter ranks than gradient slots".into()));
+            out.push(Action::Failed(
+                "more drafter ranks than gradient slots".into(),
+            ));
             return;
         };
         self.members.insert(worker, Member { rank, holder });
@@ -356,7 +406,12 @@ impl Trainer {
             return;
         }
         self.epoch += 1;
-        let in_flight: Vec<u32> = self.pending.keys().filter(|w| !self.reduced.contains_key(w)).filter_map(|w| self.members.get(w).map(|m| m.rank)).collect();
+        let in_flight: Vec<u32> = self
+            .pending
+            .keys()
+            .filter(|w| !self.reduced.contains_key(w))
+            .filter_map(|w| self.members.get(w).map(|m| m.rank))
+            .collect();
         let reduced_before = self.reduced.len();
         self.reduced.clear();
         self.all_posted_at = None;
@@ -369,9 +424,19 @@ impl Trainer {
             out.push(Action::Event("group_epoch", fields));
         }
         self.progress.epoch = self.epoch;
-        log::info!("drafter group epoch {}: ranks {ranks:?} ({why})", self.epoch);
+        log::info!(
+            "drafter group epoch {}: ranks {ranks:?} ({why})",
+            self.epoch
+        );
         for &w in self.members.keys() {
-            out.push(Action::Send(w, ToWorker::Group { epoch: self.epoch, ranks: ranks.clone(), id: None }));
+            out.push(Action::Send(
+                w,
+                ToWorker::Group {
+                    epoch: self.epoch,
+                    ranks: ranks.clone(),
+                    id: None,
+                },
+            ));
         }
     }
 
@@ -389,25 +454,52 @@ impl Trainer {
         match self.members.get(&worker) {
             Some(m) if epoch == self.epoch && ranks.first() == Some(&m.rank) => {
                 for &w in self.members.keys().filter(|&&w| w != worker) {
-                    out.push(Action::Send(w, ToWorker::Group { epoch, ranks: ranks.clone(), id: Some(id.clone()) }));
+                    out.push(Action::Send(
+                        w,
+                        ToWorker::Group {
+                            epoch,
+                            ranks: ranks.clone(),
+                            id: Some(id.clone()),
+                        },
+                    ));
                 }
             }
             // For an epoch that is over: nobody needs it.
             Some(_) if epoch < self.epoch => {}
-            _ => out.push(Action::Violation(worker, format!("an NCCL id for epoch {epoch} from a drafter that is not its first rank"))),
+            _ => out.push(Action::Violation(
+                worker,
+                format!("an NCCL id for epoch {epoch} from a drafter that is not its first rank"),
+            )),
         }
         out
     }
 
     /// A member's all-reduce of `step` in `epoch` completed.
-    pub fn on_reduced(&mut self, worker: usize, step: u64, epoch: u64, weight_sum: f64, ms: f64) -> Vec<Action> {
+    pub fn on_reduced(
+        &mut self,
+        worker: usize,
+        step: u64,
+        epoch: u64,
+        weight_sum: f64,
+        ms: f64,
+    ) -> Vec<Action> {
         let mut out = Vec::new();
         if !self.members.contains_key(&worker) {
-            out.push(Action::Violation(worker, "an all-reduce from a drafter that is not in the training group".into()));
+            out.push(Action::Violation(
+                worker,
+                "an all-reduce from a drafter that is not in the training group".into(),
+            ));
             return out;
         }
         if epoch > self.epoch || (epoch == self.epoch && step != self.committed + 1) {
-            out.push(Action::Violation(worker, format!("reduced step {step} in epoch {epoch}, expected step {} in epoch {}", self.committed + 1, self.epoch)));
+            out.push(Action::Violation(
+                worker,
+                format!(
+                    "reduced step {step} in epoch {epoch}, expected step {} in epoch {}",
+                    self.committed + 1,
+                    self.epoch
+                ),
+            ));
             return out;
         }
         if epoch < self.epoch {
@@ -415,7 +507,10 @@ impl Trainer {
             return out;
         }
         if !self.pending.contains_key(&worker) && !self.abstained.contains(&worker) {
-            out.push(Action::Violation(worker, format!("reduced step {step} without a gradient for it")));
+            out.push(Action::Violation(
+                worker,
+                format!("reduced step {step} without a gradient for it"),
+            ));
             return out;
         }
         self.reduced.insert(worker, weight_sum);
@@ -429,8 +524,16 @@ impl Trainer {
     /// members; three in a row for one step stop the run.
     pub fn watchdog(&mut self, now: Instant) -> Vec<Action> {
         let mut out = Vec::new();
-        let entered = !self.members.is_empty() && self.members.keys().all(|w| self.pending.contains_key(w) || self.abstained.contains(w));
-        if !entered || self.frozen || self.joining.is_some() || self.reduced.len() == self.members.len() {
+        let entered = !self.members.is_empty()
+            && self
+                .members
+                .keys()
+                .all(|w| self.pending.contains_key(w) || self.abstained.contains(w));
+        if !entered
+            || self.frozen
+            || self.joining.is_some()
+            || self.reduced.len() == self.members.len()
+        {
             self.all_posted_at = None;
             return out;
         }
@@ -439,8 +542,17 @@ impl Trainer {
             return out;
         }
         self.hung_in_a_row += 1;
-        let late: Vec<u32> = self.members.iter().filter(|(w, _)| !self.reduced.contains_key(w)).map(|(_, m)| m.rank).collect();
-        let what = format!("the all-reduce of step {} hung for {} (--collective-timeout) on ranks {late:?}", self.committed + 1, humantime::format_duration(self.cfg.collective_timeout));
+        let late: Vec<u32> = self
+            .members
+            .iter()
+            .filter(|(w, _)| !self.reduced.contains_key(w))
+            .map(|(_, m)| m.rank)
+            .collect();
+        let what = format!(
+            "the all-reduce of step {} hung for {} (--collective-timeout) on ranks {late:?}",
+            self.committed + 1,
+            humantime::format_duration(self.cfg.collective_timeout)
+        );
         if self.hung_in_a_row >= 3 {
             self.frozen = true;
             out.push(Action::Failed(format!("{what}, the third time in a row: the group cannot exchange gradients (see the drafters' logs; NCCL_DEBUG=INFO says more on NCCL)")));
@@ -457,8 +569,13 @@ impl Trainer {
     fn restore_init(&self) -> Init {
         match &self.restore {
             Restore::Fresh => Init::Fresh,
-            Restore::Snapshot { slot } => Init::FromState { step: self.restore_step, slot: *slot },
-            Restore::Checkpoint { .. } => Init::FromCheckpoint { step: self.restore_step },
+            Restore::Snapshot { slot } => Init::FromState {
+                step: self.restore_step,
+                slot: *slot,
+            },
+            Restore::Checkpoint { .. } => Init::FromCheckpoint {
+                step: self.restore_step,
+            },
         }
     }
 
@@ -507,8 +624,17 @@ impl Trainer {
                 Err(e) => log::warn!("not rolling back to the checkpoint of step {step}: {e}"),
             }
         }
-        let (to, restore) = candidates.into_iter().filter(|(s, _)| *s <= from).max_by_key(|(s, _)| *s).expect("the run's start is a candidate");
-        let batches: Vec<u64> = self.lineage.split_off(&(to + 1)).into_values().flatten().collect();
+        let (to, restore) = candidates
+            .into_iter()
+            .filter(|(s, _)| *s <= from)
+            .max_by_key(|(s, _)| *s)
+            .expect("the run's start is a candidate");
+        let batches: Vec<u64> = self
+            .lineage
+            .split_off(&(to + 1))
+            .into_values()
+            .flatten()
+            .collect();
         let what = match &restore {
             Restore::Fresh => "the run's fresh start".to_string(),
             Restore::Snapshot { .. } => "the snapshot".to_string(),
@@ -549,7 +675,10 @@ impl Trainer {
     /// `checkpoints/` (to `abandoned-checkpoints/`), so that neither a later checkpoint of
     /// the same step number nor a `--resume` meets them, and forget them.
     fn set_aside_checkpoints_after(&mut self, to: u64) {
-        let aside = self.cfg.checkpoints_dir.with_file_name("abandoned-checkpoints");
+        let aside = self
+            .cfg
+            .checkpoints_dir
+            .with_file_name("abandoned-checkpoints");
         if let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) {
             for e in entries.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
@@ -558,7 +687,11 @@ impl Trainer {
                     let _ = std::fs::create_dir_all(&aside);
                     let dst = aside.join(format!("{name}-{}", unix_ms()));
                     match std::fs::rename(e.path(), &dst) {
-                        Ok(()) => log::info!("{} belongs to the abandoned lineage: moved to {}", e.path().display(), dst.display()),
+                        Ok(()) => log::info!(
+                            "{} belongs to the abandoned lineage: moved to {}",
+                            e.path().display(),
+                            dst.display()
+                        ),
                         Err(err) => log::warn!("cannot move {} aside: {err}", e.path().display()),
                     }
                 }
@@ -566,15 +699,18 @@ impl Trainer {
         }
         if self.last_checkpoint.as_ref().is_some_and(|(s, _)| *s > to) {
             // The newest complete checkpoint left, if any.
-            let mut left: Vec<(u64, std::path::PathBuf)> = std::fs::read_dir(&self.cfg.checkpoints_dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .filter_map(|e| {
-                    let s = dflash_shared::checkpoint::step_of_dir(&e.file_name().to_string_lossy())?;
-                    e.path().join("meta.json").is_file().then(|| (s, e.path()))
-                })
-                .collect();
+            let mut left: Vec<(u64, std::path::PathBuf)> =
+                std::fs::read_dir(&self.cfg.checkpoints_dir)
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .filter_map(|e| {
+                        let s = dflash_shared::checkpoint::step_of_dir(
+                            &e.file_name().to_string_lossy(),
+                        )?;
+                        e.path().join("meta.json").is_file().then(|| (s, e.path()))
+                    })
+                    .collect();
             left.sort();
             self.last_checkpoint = left.pop().or_else(|| self.cfg.resume.clone());
         }
@@ -598,20 +734,39 @@ impl Trainer {
         if self.joining.is_some() {
             return;
         }
-        let Some(&(joiner, _)) = self.queue.front() else { return };
-        let Some((&donor, _)) = self.members.iter().next() else { return };
+        let Some(&(joiner, _)) = self.queue.front() else {
+            return;
+        };
+        let Some((&donor, _)) = self.members.iter().next() else {
+            return;
+        };
         self.joining = Some((joiner, donor));
-        out.push(Action::Send(donor, ToWorker::Snapshot { step: self.committed, slot: 0 }));
+        out.push(Action::Send(
+            donor,
+            ToWorker::Snapshot {
+                step: self.committed,
+                slot: 0,
+            },
+        ));
     }
 
-    pub fn on_snapshot_done(&mut self, worker: usize, step: u64, slot: u32, ms: f64) -> Vec<Action> {
+    pub fn on_snapshot_done(
+        &mut self,
+        worker: usize,
+        step: u64,
+        slot: u32,
+        ms: f64,
+    ) -> Vec<Action> {
         let mut out = Vec::new();
         if slot != 0 {
             match self.snapshot_asked {
                 Some((donor, s, at)) if donor == worker && s == slot && at == step => {
                     self.snapshot_asked = None;
                     if self.snapshot_ms.is_none() {
-                        log::info!("snapshot of the training state: {ms:.1} ms (taken {})", self.snapshot_policy());
+                        log::info!(
+                            "snapshot of the training state: {ms:.1} ms (taken {})",
+                            self.snapshot_policy()
+                        );
                     }
                     self.snapshot_ms = Some(self.snapshot_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
                     self.progress.snapshot_step = Some(step);
@@ -623,7 +778,10 @@ impl Trainer {
                 // The answer to a request from before a rollback (or from a dead donor's
                 // time): the slot it names was not made current.
                 _ if self.members.contains_key(&worker) => {}
-                _ => out.push(Action::Violation(worker, "SnapshotDone from a drafter that was not asked for one".into())),
+                _ => out.push(Action::Violation(
+                    worker,
+                    "SnapshotDone from a drafter that was not asked for one".into(),
+                )),
             }
             return out;
         }
@@ -634,7 +792,10 @@ impl Trainer {
             Some((_, donor)) if donor == worker && step < self.committed => {}
             Some((joiner, donor)) if donor == worker => {
                 if step != self.committed {
-                    out.push(Action::Violation(worker, format!("snapshot at step {step}, expected {}", self.committed)));
+                    out.push(Action::Violation(
+                        worker,
+                        format!("snapshot at step {step}, expected {}", self.committed),
+                    ));
                     return out;
                 }
                 self.joining = None;
@@ -647,22 +808,51 @@ impl Trainer {
             }
             // A reply to a request whose joiner has died since: nothing to do.
             _ if self.members.contains_key(&worker) => {}
-            _ => out.push(Action::Violation(worker, "SnapshotDone from a drafter that was not asked for one".into())),
+            _ => out.push(Action::Violation(
+                worker,
+                "SnapshotDone from a drafter that was not asked for one".into(),
+            )),
         }
         out
     }
 
-    pub fn on_grads(&mut self, worker: usize, step: u64, input: SlotRef, batch_id: u64, stats: StepStats, params: u64) -> Vec<Action> {
+    pub fn on_grads(
+        &mut self,
+        worker: usize,
+        step: u64,
+        input: SlotRef,
+        batch_id: u64,
+        stats: StepStats,
+        params: u64,
+    ) -> Vec<Action> {
         let mut out = Vec::new();
         let Some(m) = self.members.get(&worker) else {
-            out.push(Action::Violation(worker, "gradients from a drafter that is not in the training group".into()));
+            out.push(Action::Violation(
+                worker,
+                "gradients from a drafter that is not in the training group".into(),
+            ));
             return out;
         };
         if step != self.committed + 1 || self.pending.contains_key(&worker) {
-            out.push(Action::Violation(worker, format!("gradients for step {step}, expected step {} once", self.committed + 1)));
+            out.push(Action::Violation(
+                worker,
+                format!(
+                    "gradients for step {step}, expected step {} once",
+                    self.committed + 1
+                ),
+            ));
             return out;
         }
-        self.pending.insert(worker, Pending { holder: m.holder, params, input, batch_id, stats });
+        self.pending.insert(
+            worker,
+            Pending {
+                holder: m.holder,
+                params,
+                input,
+                batch_id,
+                stats,
+            },
+        );
         // Its batch came before the order to abstain reached it: it reduces its gradient.
         self.abstained.remove(&worker);
         self.try_commit(&mut out);
@@ -680,7 +870,10 @@ impl Trainer {
         self.reduced.remove(&worker);
         self.abstained.remove(&worker);
         self.queue.retain(|(w, _)| *w != worker);
-        if self.snapshot_asked.is_some_and(|(donor, ..)| donor == worker) {
+        if self
+            .snapshot_asked
+            .is_some_and(|(donor, ..)| donor == worker)
+        {
             // Its half-written slot never becomes current.
             self.snapshot_asked = None;
         }
@@ -722,7 +915,11 @@ impl Trainer {
     fn snapshot_policy(&self) -> String {
         match self.cfg.snapshot_every {
             Some(n) => format!("every {n} steps, --snapshot-every"),
-            None => format!("every {} steps, to stay under {:.0}% of the step time", self.snapshot_interval(), SNAPSHOT_BUDGET * 100.0),
+            None => format!(
+                "every {} steps, to stay under {:.0}% of the step time",
+                self.snapshot_interval(),
+                SNAPSHOT_BUDGET * 100.0
+            ),
         }
     }
 
@@ -730,7 +927,9 @@ impl Trainer {
     fn snapshot_interval(&self) -> u64 {
         match (self.cfg.snapshot_every, self.snapshot_ms, self.step_ms) {
             (Some(n), _, _) => n.max(1),
-            (None, Some(snap), Some(step)) if step > 0.0 => ((snap / (SNAPSHOT_BUDGET * step)).ceil() as u64).clamp(1, 100_000),
+            (None, Some(snap), Some(step)) if step > 0.0 => {
+                ((snap / (SNAPSHOT_BUDGET * step)).ceil() as u64).clamp(1, 100_000)
+            }
             // Not measured yet: take one at once, to measure it.
             _ => 1,
         }
@@ -745,9 +944,15 @@ impl Trainer {
         if step < last + self.snapshot_interval() {
             return;
         }
-        let Some(&donor) = self.members.keys().next() else { return };
+        let Some(&donor) = self.members.keys().next() else {
+            return;
+        };
         // The slot that is not current.
-        let slot = if self.snapshot.is_some_and(|(s, _)| s == 1) { 2 } else { 1 };
+        let slot = if self.snapshot.is_some_and(|(s, _)| s == 1) {
+            2
+        } else {
+            1
+        };
         self.snapshot_asked = Some((donor, slot, step));
         out.push(Action::Send(donor, ToWorker::Snapshot { step, slot }));
     }
@@ -758,15 +963,28 @@ impl Trainer {
     /// loader is done; `delivered(holder)`: batches delivered to that life), the members
     /// without one will not get one for this step: they abstain, so it commits over those
     /// who have one.
-    pub fn flush_tail(&mut self, remaining: Option<u64>, delivered: &dyn Fn(Holder) -> u64) -> Vec<Action> {
+    pub fn flush_tail(
+        &mut self,
+        remaining: Option<u64>,
+        delivered: &dyn Fn(Holder) -> u64,
+    ) -> Vec<Action> {
         let mut out = Vec::new();
         let held: u64 = self.pending.values().map(|p| delivered(p.holder)).sum();
-        if self.frozen || self.joining.is_some() || self.pending.is_empty() || !remaining.is_some_and(|r| r > 0 && r == held) {
+        if self.frozen
+            || self.joining.is_some()
+            || self.pending.is_empty()
+            || !remaining.is_some_and(|r| r > 0 && r == held)
+        {
             return out;
         }
         // The members with no batch contribute nothing (the all-reduce needs every member).
         let step = self.committed + 1;
-        let idle: Vec<usize> = self.members.keys().filter(|w| !self.pending.contains_key(w) && !self.abstained.contains(w)).copied().collect();
+        let idle: Vec<usize> = self
+            .members
+            .keys()
+            .filter(|w| !self.pending.contains_key(w) && !self.abstained.contains(w))
+            .copied()
+            .collect();
         for w in idle {
             self.abstained.insert(w);
             out.push(Action::Send(w, ToWorker::Abstain { step }));
@@ -779,7 +997,10 @@ impl Trainer {
     /// current epoch.
     fn try_commit(&mut self, out: &mut Vec<Action>) {
         let all = |set: &dyn Fn(&usize) -> bool| self.members.keys().all(set);
-        if self.pending.is_empty() || !all(&|w| self.pending.contains_key(w) || self.abstained.contains(w)) || !all(&|w| self.reduced.contains_key(w)) {
+        if self.pending.is_empty()
+            || !all(&|w| self.pending.contains_key(w) || self.abstained.contains(w))
+            || !all(&|w| self.reduced.contains_key(w))
+        {
             return;
         }
         self.commit(out);
@@ -788,7 +1009,11 @@ impl Trainer {
     /// Commit step `committed + 1` over the members with a pending gradient; every
     /// member applies it.
     fn commit(&mut self, out: &mut Vec<Action>) {
-        if self.frozen || self.joining.is_some() || self.members.is_empty() || self.pending.is_empty() {
+        if self.frozen
+            || self.joining.is_some()
+            || self.members.is_empty()
+            || self.pending.is_empty()
+        {
             return;
         }
         let step = self.committed + 1;
@@ -802,15 +1027,27 @@ impl Trainer {
             return;
         }
         let contributors = self.pending.len();
-        let lr = lr_at(step - 1, self.cfg.lr, self.cfg.warmup_steps, self.cfg.total_steps);
+        let lr = lr_at(
+            step - 1,
+            self.cfg.lr,
+            self.cfg.warmup_steps,
+            self.cfg.total_steps,
+        );
         let mut stats = StepStats::default();
         for p in self.pending.values() {
             stats.merge(&p.stats);
         }
         // Every member's all-reduce must have summed exactly the committed batches' weights.
-        if let Some((&w, &found)) = self.reduced.iter().find(|(_, &r)| (r - stats.weight_sum).abs() > 1e-9 * stats.weight_sum.abs().max(1.0)) {
+        if let Some((&w, &found)) = self
+            .reduced
+            .iter()
+            .find(|(_, &r)| (r - stats.weight_sum).abs() > 1e-9 * stats.weight_sum.abs().max(1.0))
+        {
             self.frozen = true;
-            let name = self.members.get(&w).map_or(String::from("?"), |m| m.rank.to_string());
+            let name = self
+                .members
+                .get(&w)
+                .map_or(String::from("?"), |m| m.rank.to_string());
             out.push(Action::Failed(format!(
                 "rank {name}'s all-reduce of step {step} (epoch {}) summed loss weights {found}, the members' batches {}: the ranks reduced different memberships",
                 self.epoch, stats.weight_sum
@@ -819,7 +1056,13 @@ impl Trainer {
         }
         let mut batches = Vec::new();
         for (&w, p) in std::mem::take(&mut self.pending).iter() {
-            out.push(Action::Consume { worker: w, holder: p.holder, input: p.input, batch_id: p.batch_id, step });
+            out.push(Action::Consume {
+                worker: w,
+                holder: p.holder,
+                input: p.input,
+                batch_id: p.batch_id,
+                step,
+            });
             batches.push(p.batch_id);
         }
         self.reduced.clear();
@@ -833,7 +1076,15 @@ impl Trainer {
             self.step_ms = Some(self.step_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
         }
         for &w in self.members.keys() {
-            out.push(Action::Send(w, ToWorker::Apply { step, epoch: self.epoch, lr, weight_sum: stats.weight_sum }));
+            out.push(Action::Send(
+                w,
+                ToWorker::Apply {
+                    step,
+                    epoch: self.epoch,
+                    lr,
+                    weight_sum: stats.weight_sum,
+                },
+            ));
         }
         self.committed = step;
         self.record(step, lr, contributors, &stats);
@@ -846,7 +1097,13 @@ impl Trainer {
             if self.skipped_in_a_row >= self.cfg.max_skipped_steps.max(1) {
                 self.frozen = true;
                 let good = match self.good_checkpoint {
-                    Some(s) => format!("the newest checkpoint from before them is step {s} ({})", self.cfg.checkpoints_dir.join(format!("step-{s:08}")).display()),
+                    Some(s) => format!(
+                        "the newest checkpoint from before them is step {s} ({})",
+                        self.cfg
+                            .checkpoints_dir
+                            .join(format!("step-{s:08}"))
+                            .display()
+                    ),
                     None => "no checkpoint was written before them".into(),
                 };
                 out.push(Action::Failed(format!(
@@ -859,7 +1116,11 @@ impl Trainer {
             self.skipped_in_a_row = 0;
         }
         self.maybe_snapshot(step, out);
-        if self.cfg.checkpoint_every.is_some_and(|n| n > 0 && step % n == 0) {
+        if self
+            .cfg
+            .checkpoint_every
+            .is_some_and(|n| n > 0 && step % n == 0)
+        {
             out.extend(self.checkpoint());
         }
         if self.cfg.steps_limit.is_some_and(|n| step >= n) {
@@ -869,7 +1130,13 @@ impl Trainer {
     }
 
     fn record(&mut self, step: u64, lr: f64, contributors: usize, s: &StepStats) {
-        let acc: Vec<f64> = s.slot_correct.iter().zip(&s.slot_total).skip(1).map(|(c, t)| if *t > 0 { *c as f64 / *t as f64 } else { 0.0 }).collect();
+        let acc: Vec<f64> = s
+            .slot_correct
+            .iter()
+            .zip(&s.slot_total)
+            .skip(1)
+            .map(|(c, t)| if *t > 0 { *c as f64 / *t as f64 } else { 0.0 })
+            .collect();
         let line = serde_json::json!({
             "t": unix_ms(), "step": step, "loss": s.loss(), "acceptance": s.acceptance(), "slot_accuracy": acc,
             "lr": lr, "members": self.members.len(), "contributors": contributors, "epoch": self.epoch,
@@ -890,7 +1157,11 @@ impl Trainer {
         let secs = self.window_start.elapsed().as_secs_f64();
         if secs >= 5.0 || step == 1 {
             let w = &self.window;
-            let acc1 = if w.slot_total.len() > 1 && w.slot_total[1] > 0 { w.slot_correct[1] as f64 / w.slot_total[1] as f64 } else { 0.0 };
+            let acc1 = if w.slot_total.len() > 1 && w.slot_total[1] > 0 {
+                w.slot_correct[1] as f64 / w.slot_total[1] as f64
+            } else {
+                0.0
+            };
             log::info!(
                 "step {step}: loss {:.4}, acceptance {:.2}, acc@1 {:.2}, {:.0} tokens/s, {} drafter(s), lr {:.2e}",
                 w.loss(),
@@ -911,14 +1182,28 @@ impl Trainer {
     pub fn export(&mut self, dir: &Path) -> Vec<Action> {
         self.frozen = true;
         let mut out = self.checkpoint();
-        if self.members.is_empty() && self.committed > self.saved_step() && self.snapshot.is_some_and(|(_, s)| s == self.committed) {
+        if self.members.is_empty()
+            && self.committed > self.saved_step()
+            && self.snapshot.is_some_and(|(_, s)| s == self.committed)
+        {
             self.checkpointed = self.committed;
-            let dir = self.cfg.checkpoints_dir.join(format!("step-{:08}", self.committed));
-            out.push(Action::CheckpointFromSnapshot { step: self.committed, dir });
+            let dir = self
+                .cfg
+                .checkpoints_dir
+                .join(format!("step-{:08}", self.committed));
+            out.push(Action::CheckpointFromSnapshot {
+                step: self.committed,
+                dir,
+            });
         }
         if let Some(&w) = self.members.keys().next() {
             if self.committed > 0 {
-                out.push(Action::Send(w, ToWorker::Export { dir: dir.display().to_string() }));
+                out.push(Action::Send(
+                    w,
+                    ToWorker::Export {
+                        dir: dir.display().to_string(),
+                    },
+                ));
             }
         }
         out
@@ -927,7 +1212,12 @@ impl Trainer {
     /// Write the current snapshot as a checkpoint of `step` into `dir`, in the format a
     /// drafter writes (state.safetensors with params/adam_m/adam_v, meta.json with its
     /// checksum), atomically. For a stop with no drafter left.
-    pub fn checkpoint_from_snapshot(&mut self, step: u64, dir: &Path, supervisor_meta: &str) -> Result<(), SnapshotCheckpointError> {
+    pub fn checkpoint_from_snapshot(
+        &mut self,
+        step: u64,
+        dir: &Path,
+        supervisor_meta: &str,
+    ) -> Result<(), SnapshotCheckpointError> {
         let Some((slot, at)) = self.snapshot.filter(|&(_, s)| s == step) else {
             return Err(SnapshotCheckpointError::NoSnapshot { step });
         };
@@ -935,12 +1225,21 @@ impl Trainer {
         let src = unsafe { self._state_map.payload(slot) };
         let n = ParamLayout::new(&self.cfg.drafter).total;
         let (head, body) = src.split_at(64);
-        let (state_step, adam_step) = (u64::from_le_bytes(head[..8].try_into().expect("8 bytes")), u64::from_le_bytes(head[8..16].try_into().expect("8 bytes")));
+        let (state_step, adam_step) = (
+            u64::from_le_bytes(head[..8].try_into().expect("8 bytes")),
+            u64::from_le_bytes(head[8..16].try_into().expect("8 bytes")),
+        );
         if state_step != at {
-            return Err(SnapshotCheckpointError::WrongStep { held: state_step, expected: at });
+            return Err(SnapshotCheckpointError::WrongStep {
+                held: state_step,
+                expected: at,
+            });
         }
         let body = &body[..3 * n * 4];
-        if !body.chunks_exact(4).all(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite()) {
+        if !body
+            .chunks_exact(4)
+            .all(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite())
+        {
             return Err(SnapshotCheckpointError::NotFinite { step });
         }
         // safetensors: header length, JSON header (padded to 8 bytes), then the data; the
@@ -957,7 +1256,8 @@ impl Trainer {
         bytes.extend((h.len() as u64).to_le_bytes());
         bytes.extend(h.as_bytes());
         bytes.extend(body);
-        let supervisor: serde_json::Value = serde_json::from_str(supervisor_meta).map_err(SnapshotCheckpointError::Meta)?;
+        let supervisor: serde_json::Value =
+            serde_json::from_str(supervisor_meta).map_err(SnapshotCheckpointError::Meta)?;
         let meta = serde_json::json!({
             "step": step,
             "adam_step": adam_step,
@@ -971,7 +1271,13 @@ impl Trainer {
         let write = || -> std::io::Result<()> {
             let _ = std::fs::remove_dir_all(&tmp);
             std::fs::create_dir_all(&tmp)?;
-            for (name, data) in [(dflash_shared::checkpoint::STATE_FILE, bytes.as_slice()), (dflash_shared::checkpoint::META_FILE, serde_json::to_string_pretty(&meta)?.as_bytes())] {
+            for (name, data) in [
+                (dflash_shared::checkpoint::STATE_FILE, bytes.as_slice()),
+                (
+                    dflash_shared::checkpoint::META_FILE,
+                    serde_json::to_string_pretty(&meta)?.as_bytes(),
+                ),
+            ] {
                 let mut f = File::create(tmp.join(name))?;
                 f.write_all(data)?;
                 f.sync_all()?;
@@ -984,7 +1290,10 @@ impl Trainer {
         };
         write().map_err(|e| {
             let _ = std::fs::remove_dir_all(&tmp);
-            SnapshotCheckpointError::Write { dir: dir.to_path_buf(), source: e }
+            SnapshotCheckpointError::Write {
+                dir: dir.to_path_buf(),
+                source: e,
+            }
         })?;
         self.on_checkpointed(dir.display().to_string(), step);
         Ok(())
@@ -998,7 +1307,9 @@ impl Trainer {
     /// Whether the disk has room for the next checkpoint; warns while there is room for
     /// fewer than three more.
     fn room_for_checkpoint(&self) -> bool {
-        let Ok(st) = nix::sys::statvfs::statvfs(&self.cfg.checkpoints_dir) else { return true };
+        let Ok(st) = nix::sys::statvfs::statvfs(&self.cfg.checkpoints_dir) else {
+            return true;
+        };
         // The field types differ between platforms (u64 here).
         #[allow(clippy::unnecessary_cast)]
         let free = st.blocks_available() as u64 * st.fragment_size() as u64;
@@ -1014,7 +1325,12 @@ impl Trainer {
             return false;
         }
         if free < 3 * need {
-            log::warn!("the disk of {} has room for fewer than 3 more checkpoints ({} free, {} each)", self.cfg.checkpoints_dir.display(), crate::data::pipeline::human(free), crate::data::pipeline::human(need));
+            log::warn!(
+                "the disk of {} has room for fewer than 3 more checkpoints ({} free, {} each)",
+                self.cfg.checkpoints_dir.display(),
+                crate::data::pipeline::human(free),
+                crate::data::pipeline::human(need)
+            );
         }
         true
     }
@@ -1025,8 +1341,15 @@ impl Trainer {
             Some(&w) if self.committed > self.checkpointed && self.room_for_checkpoint() => {
                 self.checkpointed = self.committed;
                 self.checkpoint_asked = Some((w, self.committed));
-                let dir = self.cfg.checkpoints_dir.join(format!("step-{:08}", self.committed));
-                vec![Action::Checkpoint { worker: w, step: self.committed, dir }]
+                let dir = self
+                    .cfg
+                    .checkpoints_dir
+                    .join(format!("step-{:08}", self.committed));
+                vec![Action::Checkpoint {
+                    worker: w,
+                    step: self.committed,
+                    dir,
+                }]
             }
             _ => vec![],
         }
@@ -1042,18 +1365,29 @@ impl Trainer {
         // A rollback target from now on. It does not end the rollback window of the
         // batches before it (only a snapshot does): the checkpoint may fail its check when
         // a rollback needs it, and the group then goes back further.
-        if step <= self.committed && self.last_checkpoint.as_ref().is_none_or(|(s, _)| *s <= step) {
+        if step <= self.committed
+            && self
+                .last_checkpoint
+                .as_ref()
+                .is_none_or(|(s, _)| *s <= step)
+        {
             self.last_checkpoint = Some((step, dir.clone().into()));
         }
         self.prune_checkpoints();
     }
 
     fn prune_checkpoints(&mut self) {
-        let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) else { return };
+        let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) else {
+            return;
+        };
         let mut done: Vec<std::path::PathBuf> = entries
             .flatten()
             .map(|e| e.path())
-            .filter(|p| p.file_name().is_some_and(|n| dflash_shared::checkpoint::step_of_dir(&n.to_string_lossy()).is_some()) && p.join("meta.json").exists())
+            .filter(|p| {
+                p.file_name().is_some_and(|n| {
+                    dflash_shared::checkpoint::step_of_dir(&n.to_string_lossy()).is_some()
+                }) && p.join("meta.json").exists()
+            })
             .collect();
         done.sort();
         let keep = self.cfg.keep_checkpoints.max(1);
@@ -1075,7 +1409,9 @@ impl Trainer {
 
     /// The newest step a complete checkpoint holds (the run's start when none).
     pub fn saved_step(&self) -> u64 {
-        self.last_checkpoint.as_ref().map_or(self.base.0, |(s, _)| *s)
+        self.last_checkpoint
+            .as_ref()
+            .map_or(self.base.0, |(s, _)| *s)
     }
 
     pub fn checkpoints_dir(&self) -> &Path {
@@ -1094,18 +1430,28 @@ mod tests {
         let plan = crate::run::plan(&args, &mut || Ok(0)).unwrap();
         let target = crate::run::target_config("tiny").unwrap();
         let (_, pipeline_cfg) = crate::run::data_config(&args, &plan, &target).unwrap();
-        let mut cfg = crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
+        let mut cfg =
+            crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
         cfg.checkpoints_dir = dir.path().join("checkpoints");
         std::fs::create_dir_all(&cfg.checkpoints_dir).unwrap();
         (Trainer::new(cfg, dir.path()).unwrap(), dir)
     }
 
     fn stats(weight: f64) -> StepStats {
-        StepStats { loss_sum: 2.0 * weight, weight_sum: weight, tokens: 8, ..Default::default() }
+        StepStats {
+            loss_sum: 2.0 * weight,
+            weight_sum: weight,
+            tokens: 8,
+            ..Default::default()
+        }
     }
 
     fn slot(i: u32) -> SlotRef {
-        SlotRef { pool: PoolId::Hidden, slot: i, gen: 1 }
+        SlotRef {
+            pool: PoolId::Hidden,
+            slot: i,
+            gen: 1,
+        }
     }
 
     /// Each life holds one delivered batch (the pending one).
@@ -1114,15 +1460,36 @@ mod tests {
     }
 
     fn sends(out: &[Action]) -> Vec<(usize, &ToWorker)> {
-        out.iter().filter_map(|a| if let Action::Send(w, m) = a { Some((*w, m)) } else { None }).collect()
+        out.iter()
+            .filter_map(|a| {
+                if let Action::Send(w, m) = a {
+                    Some((*w, m))
+                } else {
+                    None
+                }
+            })
+            .collect()
     }
 
     /// Two members (workers 1 and 2) in the epoch of both; returns that epoch.
     fn two_members(t: &mut Trainer) -> u64 {
         t.on_ready(1, 11);
         let out = t.on_ready(2, 12);
-        let epochs: Vec<u64> = sends(&out).iter().filter_map(|(_, m)| if let ToWorker::Group { epoch, ranks, .. } = m { (ranks.len() == 2).then_some(*epoch) } else { None }).collect();
-        assert_eq!(epochs.len(), 2, "both are told of the epoch of both: {out:?}");
+        let epochs: Vec<u64> = sends(&out)
+            .iter()
+            .filter_map(|(_, m)| {
+                if let ToWorker::Group { epoch, ranks, .. } = m {
+                    (ranks.len() == 2).then_some(*epoch)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        assert_eq!(
+            epochs.len(),
+            2,
+            "both are told of the epoch of both: {out:?}"
+        );
         epochs[0]
     }
 
@@ -1130,18 +1497,56 @@ mod tests {
     fn at_the_data_end_a_member_without_a_batch_abstains_and_the_step_commits_over_the_others() {
         let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
         let epoch = two_members(&mut t);
-        assert!(t.on_grads(1, 1, slot(0), 100, stats(3.0), 7).is_empty(), "no commit with one member");
-        assert!(t.flush_tail(Some(2), &one_each).is_empty(), "a batch left that no member holds: nobody abstains");
+        assert!(
+            t.on_grads(1, 1, slot(0), 100, stats(3.0), 7).is_empty(),
+            "no commit with one member"
+        );
+        assert!(
+            t.flush_tail(Some(2), &one_each).is_empty(),
+            "a batch left that no member holds: nobody abstains"
+        );
         let out = t.flush_tail(Some(1), &one_each);
-        assert!(matches!(sends(&out)[..], [(2, ToWorker::Abstain { step: 1 })]), "{out:?}");
+        assert!(
+            matches!(sends(&out)[..], [(2, ToWorker::Abstain { step: 1 })]),
+            "{out:?}"
+        );
         assert!(t.flush_tail(Some(1), &one_each).is_empty(), "told once");
         assert!(t.on_reduced(1, 1, epoch, 3.0, 1.0).is_empty());
-        assert_eq!(t.committed(), 0, "the abstaining member has not reduced yet");
+        assert_eq!(
+            t.committed(),
+            0,
+            "the abstaining member has not reduced yet"
+        );
         let out = t.on_reduced(2, 1, epoch, 3.0, 1.0);
         assert_eq!(t.committed(), 1);
-        let applies: Vec<(usize, u64, f64)> = sends(&out).iter().filter_map(|(w, m)| if let ToWorker::Apply { step, weight_sum, .. } = m { Some((*w, *step, *weight_sum)) } else { None }).collect();
-        assert_eq!(applies, [(1, 1, 3.0), (2, 1, 3.0)], "both apply the one batch's step");
-        let consumed: Vec<u64> = out.iter().filter_map(|a| if let Action::Consume { batch_id, .. } = a { Some(*batch_id) } else { None }).collect();
+        let applies: Vec<(usize, u64, f64)> = sends(&out)
+            .iter()
+            .filter_map(|(w, m)| {
+                if let ToWorker::Apply {
+                    step, weight_sum, ..
+                } = m
+                {
+                    Some((*w, *step, *weight_sum))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        assert_eq!(
+            applies,
+            [(1, 1, 3.0), (2, 1, 3.0)],
+            "both apply the one batch's step"
+        );
+        let consumed: Vec<u64> = out
+            .iter()
+            .filter_map(|a| {
+                if let Action::Consume { batch_id, .. } = a {
+                    Some(*batch_id)
+                } else {
+                    None
+                }
+            })
+            .collect();
         assert_eq!(consumed, [100]);
     }
 
@@ -1154,14 +1559,18 @@ mod tests {
         t.on_grads(1, 1, slot(0), 100, stats(3.0), 7);
         let two = |h: Holder| if h == 11 { 2 } else { 0 };
         let out = t.flush_tail(Some(2), &two);
-        assert!(matches!(sends(&out)[..], [(2, ToWorker::Abstain { step: 1 })]), "{out:?}");
+        assert!(
+            matches!(sends(&out)[..], [(2, ToWorker::Abstain { step: 1 })]),
+            "{out:?}"
+        );
         t.on_reduced(1, 1, epoch, 3.0, 1.0);
         t.on_reduced(2, 1, epoch, 3.0, 1.0);
         assert_eq!(t.committed(), 1);
     }
 
     #[test]
-    fn when_the_member_with_the_last_batch_dies_the_abstentions_are_withdrawn_and_the_batch_trains_elsewhere() {
+    fn when_the_member_with_the_last_batch_dies_the_abstentions_are_withdrawn_and_the_batch_trains_elsewhere(
+    ) {
         let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
         let epoch = two_members(&mut t);
         t.on_grads(1, 1, slot(0), 100, stats(3.0), 7);
@@ -1171,10 +1580,26 @@ mod tests {
         let out = t.on_gone(1);
         assert_eq!(t.committed(), 0);
         let s = sends(&out);
-        assert!(s.iter().any(|(w, m)| *w == 2 && matches!(m, ToWorker::Withdraw { step: 1 })), "{out:?}");
-        let next = s.iter().find_map(|(_, m)| if let ToWorker::Group { epoch, ranks, .. } = m { Some((*epoch, ranks.clone())) } else { None }).unwrap();
+        assert!(
+            s.iter()
+                .any(|(w, m)| *w == 2 && matches!(m, ToWorker::Withdraw { step: 1 })),
+            "{out:?}"
+        );
+        let next = s
+            .iter()
+            .find_map(|(_, m)| {
+                if let ToWorker::Group { epoch, ranks, .. } = m {
+                    Some((*epoch, ranks.clone()))
+                } else {
+                    None
+                }
+            })
+            .unwrap();
         assert_eq!(next.1.len(), 1);
-        assert!(t.flush_tail(Some(1), &one_each).is_empty(), "the batch is nobody's now: nobody abstains");
+        assert!(
+            t.flush_tail(Some(1), &one_each).is_empty(),
+            "the batch is nobody's now: nobody abstains"
+        );
         // Worker 2 gets the batch back, trains on it and reduces it alone.
         t.on_grads(2, 1, slot(1), 100, stats(3.0), 7);
         let out = t.on_reduced(2, 1, next.0, 3.0, 1.0);
@@ -1193,7 +1618,16 @@ mod tests {
         t.on_reduced(1, 1, epoch, 7.0, 1.0);
         let out = t.on_reduced(2, 1, epoch, 7.0, 1.0);
         assert_eq!(t.committed(), 1);
-        let mut consumed: Vec<u64> = out.iter().filter_map(|a| if let Action::Consume { batch_id, .. } = a { Some(*batch_id) } else { None }).collect();
+        let mut consumed: Vec<u64> = out
+            .iter()
+            .filter_map(|a| {
+                if let Action::Consume { batch_id, .. } = a {
+                    Some(*batch_id)
+                } else {
+                    None
+                }
+            })
+            .collect();
         consumed.sort();
         assert_eq!(consumed, [100, 101]);
     }

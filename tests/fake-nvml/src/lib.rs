@@ -23,8 +23,12 @@ const UNINITIALIZED: u32 = 1;
 fn script() -> serde_json::Value {
     use std::sync::Mutex;
     static CACHE: Mutex<Option<(std::time::SystemTime, u64, serde_json::Value)>> = Mutex::new(None);
-    let Some(path) = std::env::var_os("DFLASH_FAKE_NVML") else { return serde_json::Value::Null };
-    let Ok(meta) = std::fs::metadata(&path) else { return serde_json::Value::Null };
+    let Some(path) = std::env::var_os("DFLASH_FAKE_NVML") else {
+        return serde_json::Value::Null;
+    };
+    let Ok(meta) = std::fs::metadata(&path) else {
+        return serde_json::Value::Null;
+    };
     let key = (meta.modified().unwrap_or(std::time::UNIX_EPOCH), meta.len());
     let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((m, l, v)) = cache.as_ref() {
@@ -32,7 +36,10 @@ fn script() -> serde_json::Value {
             return v.clone();
         }
     }
-    let v = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str(&t).ok()).unwrap_or(serde_json::Value::Null);
+    let v = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .unwrap_or(serde_json::Value::Null);
     *cache = Some((key.0, key.1, v.clone()));
     v
 }
@@ -69,10 +76,16 @@ pub extern "C" fn nvmlInit_v2() -> u32 {
     if s.is_null() {
         return UNINITIALIZED;
     }
-    if let (Some(ok), Some(path)) = (s["init_ok_times"].as_u64(), std::env::var_os("DFLASH_FAKE_NVML")) {
+    if let (Some(ok), Some(path)) = (
+        s["init_ok_times"].as_u64(),
+        std::env::var_os("DFLASH_FAKE_NVML"),
+    ) {
         let mut counter = path;
         counter.push(".inits");
-        let n: u64 = std::fs::read_to_string(&counter).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0);
+        let n: u64 = std::fs::read_to_string(&counter)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
         let _ = std::fs::write(&counter, (n + 1).to_string());
         if n >= ok {
             return 9; // NVML_ERROR_DRIVER_NOT_LOADED
@@ -117,7 +130,9 @@ pub unsafe extern "C" fn nvmlDeviceGetName(handle: *mut u8, name: *mut c_char, l
     if let Some(c) = failing(&s, "nvmlDeviceGetName") {
         return c;
     }
-    let Some(d) = device(&s, handle) else { return INVALID_ARGUMENT };
+    let Some(d) = device(&s, handle) else {
+        return INVALID_ARGUMENT;
+    };
     // SAFETY: buffer from the caller.
     unsafe { write_str(name, len, d["name"].as_str().unwrap_or("Fake GPU")) }
 }
@@ -128,7 +143,9 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(handle: *mut u8, uuid: *mut c_char, l
     if let Some(c) = failing(&s, "nvmlDeviceGetUUID") {
         return c;
     }
-    let Some(d) = device(&s, handle) else { return INVALID_ARGUMENT };
+    let Some(d) = device(&s, handle) else {
+        return INVALID_ARGUMENT;
+    };
     // SAFETY: buffer from the caller.
     unsafe { write_str(uuid, len, d["uuid"].as_str().unwrap_or("GPU-fake")) }
 }
@@ -148,7 +165,9 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(handle: *mut u8, mem: *mut M
     if let Some(c) = failing(&s, "nvmlDeviceGetMemoryInfo_v2") {
         return c;
     }
-    let Some(d) = device(&s, handle) else { return INVALID_ARGUMENT };
+    let Some(d) = device(&s, handle) else {
+        return INVALID_ARGUMENT;
+    };
     let total = d["memory_total"].as_u64().unwrap_or(0);
     let used = d["memory_used"].as_u64().unwrap_or(0);
     // SAFETY: out-parameter supplied by the caller.
@@ -222,8 +241,14 @@ pub struct Utilization {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(handle: *mut u8, out: *mut Utilization) -> u32 {
-    let (g, m) = match (field(handle, "nvmlDeviceGetUtilizationRates", "util_gpu"), field(handle, "nvmlDeviceGetUtilizationRates", "util_mem")) {
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    handle: *mut u8,
+    out: *mut Utilization,
+) -> u32 {
+    let (g, m) = match (
+        field(handle, "nvmlDeviceGetUtilizationRates", "util_gpu"),
+        field(handle, "nvmlDeviceGetUtilizationRates", "util_mem"),
+    ) {
         (Ok(g), Ok(m)) => (g, m),
         (Err(c), _) | (_, Err(c)) => return c,
     };
@@ -236,36 +261,87 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(handle: *mut u8, out: *mu
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetTemperature(handle: *mut u8, _sensor: u32, out: *mut u32) -> u32 {
+pub unsafe extern "C" fn nvmlDeviceGetTemperature(
+    handle: *mut u8,
+    _sensor: u32,
+    out: *mut u32,
+) -> u32 {
     // SAFETY: out-parameter supplied by the caller.
-    unsafe { store(out, field(handle, "nvmlDeviceGetTemperature", "temp_c"), |v| v as u32) }
+    unsafe {
+        store(
+            out,
+            field(handle, "nvmlDeviceGetTemperature", "temp_c"),
+            |v| v as u32,
+        )
+    }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetClockInfo(handle: *mut u8, clock: u32, out: *mut u32) -> u32 {
     // NVML_CLOCK_SM = 1, NVML_CLOCK_MEM = 2
-    let key = if clock == 2 { "mem_clock_mhz" } else { "sm_clock_mhz" };
+    let key = if clock == 2 {
+        "mem_clock_mhz"
+    } else {
+        "sm_clock_mhz"
+    };
     // SAFETY: out-parameter supplied by the caller.
-    unsafe { store(out, field(handle, "nvmlDeviceGetClockInfo", key), |v| v as u32) }
+    unsafe {
+        store(out, field(handle, "nvmlDeviceGetClockInfo", key), |v| {
+            v as u32
+        })
+    }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetPcieThroughput(handle: *mut u8, counter: u32, out: *mut u32) -> u32 {
+pub unsafe extern "C" fn nvmlDeviceGetPcieThroughput(
+    handle: *mut u8,
+    counter: u32,
+    out: *mut u32,
+) -> u32 {
     // NVML_PCIE_UTIL_TX_BYTES = 0, NVML_PCIE_UTIL_RX_BYTES = 1
-    let key = if counter == 0 { "pcie_tx_kbps" } else { "pcie_rx_kbps" };
+    let key = if counter == 0 {
+        "pcie_tx_kbps"
+    } else {
+        "pcie_rx_kbps"
+    };
     // SAFETY: out-parameter supplied by the caller.
-    unsafe { store(out, field(handle, "nvmlDeviceGetPcieThroughput", key), |v| v as u32) }
+    unsafe {
+        store(
+            out,
+            field(handle, "nvmlDeviceGetPcieThroughput", key),
+            |v| v as u32,
+        )
+    }
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(handle: *mut u8, error_type: u32, _counter: u32, out: *mut u64) -> u32 {
+pub unsafe extern "C" fn nvmlDeviceGetTotalEccErrors(
+    handle: *mut u8,
+    error_type: u32,
+    _counter: u32,
+    out: *mut u64,
+) -> u32 {
     // NVML_MEMORY_ERROR_TYPE_CORRECTED = 0, UNCORRECTED = 1
-    let key = if error_type == 0 { "ecc_corrected" } else { "ecc_uncorrected" };
+    let key = if error_type == 0 {
+        "ecc_corrected"
+    } else {
+        "ecc_uncorrected"
+    };
     // SAFETY: out-parameter supplied by the caller.
-    unsafe { store(out, field(handle, "nvmlDeviceGetTotalEccErrors", key), |v| v) }
+    unsafe {
+        store(
+            out,
+            field(handle, "nvmlDeviceGetTotalEccErrors", key),
+            |v| v,
+        )
+    }
 }
 
-getter!(nvmlDeviceGetCurrentClocksThrottleReasons, "throttle_mask", u64);
+getter!(
+    nvmlDeviceGetCurrentClocksThrottleReasons,
+    "throttle_mask",
+    u64
+);
 
 #[repr(C)]
 pub struct ProcessInfo {
@@ -277,12 +353,18 @@ pub struct ProcessInfo {
 
 /// `"processes": [[pid, bytes], ...]` on a device.
 #[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(handle: *mut u8, count: *mut u32, infos: *mut ProcessInfo) -> u32 {
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    handle: *mut u8,
+    count: *mut u32,
+    infos: *mut ProcessInfo,
+) -> u32 {
     let s = script();
     if let Some(c) = failing(&s, "nvmlDeviceGetComputeRunningProcesses_v3") {
         return c;
     }
-    let Some(d) = device(&s, handle) else { return INVALID_ARGUMENT };
+    let Some(d) = device(&s, handle) else {
+        return INVALID_ARGUMENT;
+    };
     let procs: Vec<(u32, u64)> = d["processes"]
         .as_array()
         .into_iter()
@@ -296,7 +378,12 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(handle: *mut u8
             return if procs.is_empty() { SUCCESS } else { 7 }; // NVML_ERROR_INSUFFICIENT_SIZE
         }
         for (i, (pid, used)) in procs.iter().enumerate() {
-            *infos.add(i) = ProcessInfo { pid: *pid, used: *used, gpu_instance: 0, compute_instance: 0 };
+            *infos.add(i) = ProcessInfo {
+                pid: *pid,
+                used: *used,
+                gpu_instance: 0,
+                compute_instance: 0,
+            };
         }
         *count = procs.len() as u32;
     }
@@ -336,16 +423,32 @@ pub struct EventData {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn nvmlEventSetWait_v2(_set: *mut u8, data: *mut EventData, _timeout_ms: u32) -> u32 {
+pub unsafe extern "C" fn nvmlEventSetWait_v2(
+    _set: *mut u8,
+    data: *mut EventData,
+    _timeout_ms: u32,
+) -> u32 {
     let s = script();
-    let events: Vec<(u64, u64)> =
-        s["xid"].as_array().into_iter().flatten().filter_map(|e| Some((e[0].as_u64()?, e[1].as_u64()?))).collect();
+    let events: Vec<(u64, u64)> = s["xid"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|e| Some((e[0].as_u64()?, e[1].as_u64()?)))
+        .collect();
     let i = XIDS_DELIVERED.load(std::sync::atomic::Ordering::SeqCst);
-    let Some(&(gpu, code)) = events.get(i) else { return 10 }; // NVML_ERROR_TIMEOUT
+    let Some(&(gpu, code)) = events.get(i) else {
+        return 10;
+    }; // NVML_ERROR_TIMEOUT
     XIDS_DELIVERED.store(i + 1, std::sync::atomic::Ordering::SeqCst);
     // SAFETY: out-parameter supplied by the caller.
     unsafe {
-        *data = EventData { device: (gpu as usize + 1) as *mut u8, event_type: 8, event_data: code, gpu_instance: 0, compute_instance: 0 };
+        *data = EventData {
+            device: (gpu as usize + 1) as *mut u8,
+            event_type: 8,
+            event_data: code,
+            gpu_instance: 0,
+            compute_instance: 0,
+        };
     }
     SUCCESS
 }
@@ -357,7 +460,9 @@ pub extern "C" fn nvmlEventSetFree(_set: *mut u8) -> u32 {
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetIndex(handle: *mut u8, index: *mut u32) -> u32 {
-    let Some(i) = (handle as usize).checked_sub(1) else { return INVALID_ARGUMENT };
+    let Some(i) = (handle as usize).checked_sub(1) else {
+        return INVALID_ARGUMENT;
+    };
     // SAFETY: out-parameter supplied by the caller.
     unsafe { *index = i as u32 };
     SUCCESS

@@ -58,8 +58,14 @@ const ACTIONS: &[(&str, Takes)] = &[
     ("heartbeat-first", Takes::Nothing),
     ("wrong-version", Takes::Nothing),
     ("exit-early", Takes::Number),
-    ("bad-ack", Takes::OneOf(&["stale-gen", "out-of-range", "wrong-slot", "wrong-batch"])),
-    ("bad-commit", Takes::OneOf(&["too-long", "empty", "stale-gen"])),
+    (
+        "bad-ack",
+        Takes::OneOf(&["stale-gen", "out-of-range", "wrong-slot", "wrong-batch"]),
+    ),
+    (
+        "bad-commit",
+        Takes::OneOf(&["too-long", "empty", "stale-gen"]),
+    ),
 ];
 
 struct Rule {
@@ -72,17 +78,25 @@ struct Rule {
 fn parse_spec(spec: &str) -> Result<Vec<Rule>, String> {
     let mut rules = Vec::new();
     for rule in spec.split(';').filter(|r| !r.trim().is_empty()) {
-        let (who, what) = rule.split_once('=').ok_or_else(|| format!("rule '{rule}' is not WORKER[@RESTART]=ACTION"))?;
+        let (who, what) = rule
+            .split_once('=')
+            .ok_or_else(|| format!("rule '{rule}' is not WORKER[@RESTART]=ACTION"))?;
         let (name, life) = match who.split_once('@') {
             Some((n, l)) => (n.trim(), Some(l.trim())),
             None => (who.trim(), None),
         };
-        let Some((role, rank)) = name.rsplit_once('-') else { return Err(format!("rule '{rule}': '{name}' is not ROLE-RANK")) };
+        let Some((role, rank)) = name.rsplit_once('-') else {
+            return Err(format!("rule '{rule}': '{name}' is not ROLE-RANK"));
+        };
         if !matches!(role, "target" | "drafter") || rank.parse::<u32>().is_err() {
-            return Err(format!("rule '{rule}': '{name}' is not target-N or drafter-N"));
+            return Err(format!(
+                "rule '{rule}': '{name}' is not target-N or drafter-N"
+            ));
         }
         if life.is_some_and(|l| l.parse::<u32>().is_err()) {
-            return Err(format!("rule '{rule}': the restart after '@' is not a number"));
+            return Err(format!(
+                "rule '{rule}': the restart after '@' is not a number"
+            ));
         }
         let mut actions = Vec::new();
         for a in what.split(',') {
@@ -92,19 +106,37 @@ fn parse_spec(spec: &str) -> Result<Vec<Rule>, String> {
             };
             let Some((_, takes)) = ACTIONS.iter().find(|(known, _)| *known == k) else {
                 let known: Vec<&str> = ACTIONS.iter().map(|(k, _)| *k).collect();
-                return Err(format!("rule '{rule}': unknown action '{k}' (known: {})", known.join(", ")));
+                return Err(format!(
+                    "rule '{rule}': unknown action '{k}' (known: {})",
+                    known.join(", ")
+                ));
             };
             match (takes, v.as_deref()) {
                 (Takes::Nothing, None) => {}
                 (Takes::Number, Some(n)) if n.parse::<u64>().is_ok() => {}
                 (Takes::OneOf(kinds), Some(kind)) if kinds.contains(&kind) => {}
-                (Takes::Nothing, Some(_)) => return Err(format!("rule '{rule}': action '{k}' takes no value")),
-                (Takes::Number, _) => return Err(format!("rule '{rule}': action '{k}' takes a number ({k}:N)")),
-                (Takes::OneOf(kinds), _) => return Err(format!("rule '{rule}': action '{k}' takes one of {}", kinds.join(", "))),
+                (Takes::Nothing, Some(_)) => {
+                    return Err(format!("rule '{rule}': action '{k}' takes no value"))
+                }
+                (Takes::Number, _) => {
+                    return Err(format!(
+                        "rule '{rule}': action '{k}' takes a number ({k}:N)"
+                    ))
+                }
+                (Takes::OneOf(kinds), _) => {
+                    return Err(format!(
+                        "rule '{rule}': action '{k}' takes one of {}",
+                        kinds.join(", ")
+                    ))
+                }
             }
             actions.push((k, v));
         }
-        rules.push(Rule { name: name.to_string(), life: life.map(str::to_string), actions });
+        rules.push(Rule {
+            name: name.to_string(),
+            life: life.map(str::to_string),
+            actions,
+        });
     }
     Ok(rules)
 }
@@ -125,11 +157,15 @@ fn var(k: &str) -> String {
 }
 
 fn arg(acts: &[(String, Option<String>)], key: &str) -> Option<u64> {
-    acts.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_deref().unwrap_or("0").parse().expect("number"))
+    acts.iter()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_deref().unwrap_or("0").parse().expect("number"))
 }
 
 fn text<'a>(acts: &'a [(String, Option<String>)], key: &str) -> Option<&'a str> {
-    acts.iter().find(|(k, _)| k == key).and_then(|(_, v)| v.as_deref())
+    acts.iter()
+        .find(|(k, _)| k == key)
+        .and_then(|(_, v)| v.as_deref())
 }
 
 fn has(acts: &[(String, Option<String>)], key: &str) -> bool {
@@ -146,7 +182,10 @@ fn main() {
     let restart: u32 = var(env::RESTART_COUNT).parse().unwrap_or(0);
     let control = std::env::args().nth(2).expect("--control NAME");
     let hb = Duration::from_millis(var(env::HEARTBEAT_MS).parse().unwrap_or(100));
-    println!("test worker {name} pid {} restart {restart} actions {acts:?}", std::process::id());
+    println!(
+        "test worker {name} pid {} restart {restart} actions {acts:?}",
+        std::process::id()
+    );
 
     if let Some(code) = arg(&acts, "exit-early") {
         std::process::exit(code as i32);
@@ -180,7 +219,9 @@ fn exec_the_real_worker_for_tools() {
         use std::os::unix::process::CommandExt;
         let me = std::env::current_exe().expect("current exe");
         let real = me.with_file_name("dflash-worker");
-        let err = std::process::Command::new(real).args(std::env::args_os().skip(1)).exec();
+        let err = std::process::Command::new(real)
+            .args(std::env::args_os().skip(1))
+            .exec();
         panic!("exec of dflash-worker failed: {err}");
     }
 }
@@ -200,7 +241,9 @@ fn this_lifes_actions() -> Acts {
     if acts.is_empty() {
         if let Some(real) = std::env::var_os("DFLASH_TEST_REAL_WORKER") {
             use std::os::unix::process::CommandExt;
-            let err = std::process::Command::new(real).args(std::env::args_os().skip(1)).exec();
+            let err = std::process::Command::new(real)
+                .args(std::env::args_os().skip(1))
+                .exec();
             panic!("exec of the real worker failed: {err}");
         }
     }
@@ -229,7 +272,12 @@ impl Signals {
 }
 
 /// Connect to the supervisor: a proper hello, or the broken openings a rule asks for.
-fn say_hello(acts: &Acts, control: &str, name: &str, restart: u32) -> (IpcSender<FromWorker>, ipc::IpcReceiver<ToWorker>) {
+fn say_hello(
+    acts: &Acts,
+    control: &str,
+    name: &str,
+    restart: u32,
+) -> (IpcSender<FromWorker>, ipc::IpcReceiver<ToWorker>) {
     if !has(acts, "heartbeat-first") && !has(acts, "wrong-version") {
         return connect(control, name, restart).expect("connect to supervisor");
     }
@@ -241,7 +289,13 @@ fn say_hello(acts: &Acts, control: &str, name: &str, restart: u32) -> (IpcSender
         // reacts, instead of exiting on its own first.
         std::mem::forget(to_worker);
     } else {
-        let hello = Hello { protocol: 999, pid: std::process::id(), worker: name.to_string(), restart_count: restart, to_worker };
+        let hello = Hello {
+            protocol: 999,
+            pid: std::process::id(),
+            worker: name.to_string(),
+            restart_count: restart,
+            to_worker,
+        };
         up.send(FromWorker::Hello(hello)).unwrap();
     }
     (up, down)
@@ -254,7 +308,10 @@ fn misbehave_after_hello(acts: &Acts, up: &IpcSender<FromWorker>, name: &str, re
         std::process::exit(code as i32);
     }
     if has(acts, "grandchild") {
-        let g = std::process::Command::new("sleep").arg("1000").spawn().expect("spawn sleep");
+        let g = std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .expect("spawn sleep");
         println!("grandchild pid {}", g.id());
         std::mem::forget(g);
     }
@@ -266,7 +323,13 @@ fn misbehave_after_hello(acts: &Acts, up: &IpcSender<FromWorker>, name: &str, re
     }
     if has(acts, "second-hello") {
         let (to_worker, keep) = ipc::channel::<ToWorker>().unwrap();
-        let hello = Hello { protocol: dflash_shared::protocol::PROTOCOL_VERSION, pid: std::process::id(), worker: name.to_string(), restart_count: restart, to_worker };
+        let hello = Hello {
+            protocol: dflash_shared::protocol::PROTOCOL_VERSION,
+            pid: std::process::id(),
+            worker: name.to_string(),
+            restart_count: restart,
+            to_worker,
+        };
         up.send(FromWorker::Hello(hello)).unwrap();
         std::mem::forget(keep);
     }
@@ -288,32 +351,70 @@ impl Slots {
         }
         if let (Some(kind), Some((slot, batch_id))) = (text(acts, "bad-ack"), self.delivery) {
             let (slot, batch_id) = match kind {
-                "stale-gen" => (SlotRef { gen: slot.gen - 1, ..slot }, batch_id),
+                "stale-gen" => (
+                    SlotRef {
+                        gen: slot.gen - 1,
+                        ..slot
+                    },
+                    batch_id,
+                ),
                 "out-of-range" => (SlotRef { slot: 9999, ..slot }, batch_id),
-                "wrong-slot" => (SlotRef { slot: slot.slot + 1, ..slot }, batch_id),
+                "wrong-slot" => (
+                    SlotRef {
+                        slot: slot.slot + 1,
+                        ..slot
+                    },
+                    batch_id,
+                ),
                 "wrong-batch" => (slot, batch_id + 1000),
                 other => unreachable!("bad-ack:{other} passed the spec check"),
             };
             println!("sending a bad ack ({kind})");
-            up.send(FromWorker::Ack { input: slot, batch_id }).unwrap();
+            up.send(FromWorker::Ack {
+                input: slot,
+                batch_id,
+            })
+            .unwrap();
             self.misbehaved = true;
         }
-        if let (Some(kind), Some((input, batch_id)), Some(output)) = (text(acts, "bad-commit"), self.delivery, self.lease) {
+        if let (Some(kind), Some((input, batch_id)), Some(output)) =
+            (text(acts, "bad-commit"), self.delivery, self.lease)
+        {
             let (output, len) = match kind {
                 "too-long" => (output, u64::MAX),
                 "empty" => (output, 0),
-                "stale-gen" => (SlotRef { gen: output.gen + 7, ..output }, 100),
+                "stale-gen" => (
+                    SlotRef {
+                        gen: output.gen + 7,
+                        ..output
+                    },
+                    100,
+                ),
                 other => unreachable!("bad-commit:{other} passed the spec check"),
             };
             println!("sending a bad commit ({kind})");
-            up.send(FromWorker::Commit { output, len, batch_id, input: Some(input), wait_ms: 0.0, compute_ms: 0.0 }).unwrap();
+            up.send(FromWorker::Commit {
+                output,
+                len,
+                batch_id,
+                input: Some(input),
+                wait_ms: 0.0,
+                compute_ms: 0.0,
+            })
+            .unwrap();
             self.misbehaved = true;
         }
     }
 }
 
 /// Heartbeat every `hb` and obey (or not, as the rules say) until told to stop.
-fn serve(acts: &Acts, up: &IpcSender<FromWorker>, down: &ipc::IpcReceiver<ToWorker>, signals: &Signals, hb: Duration) -> ! {
+fn serve(
+    acts: &Acts,
+    up: &IpcSender<FromWorker>,
+    down: &ipc::IpcReceiver<ToWorker>,
+    signals: &Signals,
+    hb: Duration,
+) -> ! {
     let started = Instant::now();
     let crash_after = arg(acts, "crash-after").map(Duration::from_millis);
     let hang_after = arg(acts, "hang-after").map(Duration::from_millis);
@@ -323,7 +424,17 @@ fn serve(acts: &Acts, up: &IpcSender<FromWorker>, down: &ipc::IpcReceiver<ToWork
     loop {
         slots.misbehave(acts, up);
         match down.try_recv_timeout(hb) {
-            Ok(ToWorker::Pools { .. } | ToWorker::Train(_) | ToWorker::Group { .. } | ToWorker::Apply { .. } | ToWorker::Abstain { .. } | ToWorker::Withdraw { .. } | ToWorker::Snapshot { .. } | ToWorker::Export { .. } | ToWorker::Checkpoint { .. }) => {}
+            Ok(
+                ToWorker::Pools { .. }
+                | ToWorker::Train(_)
+                | ToWorker::Group { .. }
+                | ToWorker::Apply { .. }
+                | ToWorker::Abstain { .. }
+                | ToWorker::Withdraw { .. }
+                | ToWorker::Snapshot { .. }
+                | ToWorker::Export { .. }
+                | ToWorker::Checkpoint { .. },
+            ) => {}
             Ok(ToWorker::Deliver { slot, batch_id, .. }) => {
                 slots.delivery.get_or_insert((slot, batch_id));
             }

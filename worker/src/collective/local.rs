@@ -24,7 +24,13 @@ pub struct LocalCollective {
 
 impl LocalCollective {
     pub fn new(rank: u32) -> LocalCollective {
-        LocalCollective { rank, epoch: None, held: None, done: None, stale: None }
+        LocalCollective {
+            rank,
+            epoch: None,
+            held: None,
+            done: None,
+            stale: None,
+        }
     }
 }
 
@@ -35,7 +41,10 @@ impl Collective for LocalCollective {
 
     fn form(&mut self, epoch: u64, ranks: &[u32], _id: Option<&[u8]>) -> Result<Formed> {
         if ranks != [self.rank] {
-            return Err(WorkerError::Protocol(format!("epoch {epoch} of ranks {ranks:?} for a group of one rank ({})", self.rank)));
+            return Err(WorkerError::Protocol(format!(
+                "epoch {epoch} of ranks {ranks:?} for a group of one rank ({})",
+                self.rank
+            )));
         }
         self.epoch = Some(epoch);
         // The copy of an older epoch is still good (it is this rank's gradient), but it is
@@ -46,7 +55,12 @@ impl Collective for LocalCollective {
         Ok(Formed::Ready)
     }
 
-    fn contribute(&mut self, step: u64, weight: f64, _model: &mut GpuDrafter) -> Result<Option<bool>> {
+    fn contribute(
+        &mut self,
+        step: u64,
+        weight: f64,
+        _model: &mut GpuDrafter,
+    ) -> Result<Option<bool>> {
         self.held = Some((step, weight));
         if let Some((_, e)) = self.done.take() {
             self.stale = Some(e);
@@ -61,18 +75,39 @@ impl Collective for LocalCollective {
         if let Some((d, _)) = self.done {
             return Ok(Some(d));
         }
-        let (Some((step, weight)), Some(epoch)) = (self.held, self.epoch) else { return Ok(None) };
+        let (Some((step, weight)), Some(epoch)) = (self.held, self.epoch) else {
+            return Ok(None);
+        };
         let t = std::time::Instant::now();
-        let e = model.reduce_alone().map_err(WorkerError::device("copying the gradient into the reduce buffer"))?;
-        let d = Reduced { step, epoch, weight_sum: weight, ms: t.elapsed().as_secs_f64() * 1e3 };
+        let e = model.reduce_alone().map_err(WorkerError::device(
+            "copying the gradient into the reduce buffer",
+        ))?;
+        let d = Reduced {
+            step,
+            epoch,
+            weight_sum: weight,
+            ms: t.elapsed().as_secs_f64() * 1e3,
+        };
         self.done = Some((d, e));
         Ok(Some(d))
     }
 
-    fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>> {
+    fn apply(
+        &mut self,
+        step: u64,
+        weight_sum: f64,
+        clip: f32,
+        lr: f32,
+        hyper: &AdamHyper,
+        model: &mut GpuDrafter,
+    ) -> Result<Option<StepOutcome>> {
         let d = super::check_commit(self.done.map(|(d, _)| d), step, weight_sum)?;
         let (_, e) = self.done.take().expect("checked just above");
         self.held = None;
-        model.apply_reduced(step, d.weight_sum, clip, lr, hyper, Some(e)).map_err(WorkerError::device(format!("applying step {step} on the device")))
+        model
+            .apply_reduced(step, d.weight_sum, clip, lr, hyper, Some(e))
+            .map_err(WorkerError::device(format!(
+                "applying step {step} on the device"
+            )))
     }
 }

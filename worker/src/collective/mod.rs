@@ -66,7 +66,12 @@ pub trait Collective {
     /// weight: hold it (it is reduced in every epoch until the step commits). Returns
     /// whether every element is finite, where that costs nothing (the shared-memory
     /// collective reads it anyway); `None` where it would cost a device sync.
-    fn contribute(&mut self, step: u64, weight: f64, model: &mut GpuDrafter) -> Result<Option<bool>>;
+    fn contribute(
+        &mut self,
+        step: u64,
+        weight: f64,
+        model: &mut GpuDrafter,
+    ) -> Result<Option<bool>>;
 
     /// Drive the all-reduce of the held gradient in the current epoch; `Some` once it is
     /// complete (again after every new epoch).
@@ -75,7 +80,15 @@ pub trait Collective {
     /// Apply committed step `step`: the sum of the last completed all-reduce divided by
     /// `weight_sum`, clipped to `clip`, AdamW with `lr`. Returns the previous step's
     /// outcome (see [`GpuDrafter::apply`]).
-    fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>>;
+    fn apply(
+        &mut self,
+        step: u64,
+        weight_sum: f64,
+        clip: f32,
+        lr: f32,
+        hyper: &AdamHyper,
+        model: &mut GpuDrafter,
+    ) -> Result<Option<StepOutcome>>;
 
     /// Have all the other ranks of the epoch posted the held step (so they wait for this
     /// one)? For tests that kill a rank in the middle of an all-reduce; a collective that
@@ -88,19 +101,34 @@ pub trait Collective {
 /// An epoch's membership as every collective needs it: ascending ranks, this one among them.
 pub(crate) fn check_ranks(epoch: u64, ranks: &[u32], me: u32) -> Result<()> {
     if !ranks.contains(&me) {
-        return Err(crate::error::WorkerError::Protocol(format!("epoch {epoch} of ranks {ranks:?} does not include this rank ({me})")));
+        return Err(crate::error::WorkerError::Protocol(format!(
+            "epoch {epoch} of ranks {ranks:?} does not include this rank ({me})"
+        )));
     }
     if !ranks.windows(2).all(|w| w[0] < w[1]) {
-        return Err(crate::error::WorkerError::Protocol(format!("epoch {epoch}: ranks {ranks:?} are not ascending")));
+        return Err(crate::error::WorkerError::Protocol(format!(
+            "epoch {epoch}: ranks {ranks:?} are not ascending"
+        )));
     }
     Ok(())
 }
 
 /// The step a collective reduced must be the one committed, with the same loss weights.
-pub(crate) fn check_commit(reduced: Option<Reduced>, step: u64, weight_sum: f64) -> Result<Reduced> {
-    let d = reduced.ok_or_else(|| crate::error::WorkerError::Protocol(format!("step {step} committed before this rank's all-reduce completed")))?;
+pub(crate) fn check_commit(
+    reduced: Option<Reduced>,
+    step: u64,
+    weight_sum: f64,
+) -> Result<Reduced> {
+    let d = reduced.ok_or_else(|| {
+        crate::error::WorkerError::Protocol(format!(
+            "step {step} committed before this rank's all-reduce completed"
+        ))
+    })?;
     if d.step != step {
-        return Err(crate::error::WorkerError::Protocol(format!("step {step} committed, but this rank reduced step {}", d.step)));
+        return Err(crate::error::WorkerError::Protocol(format!(
+            "step {step} committed, but this rank reduced step {}",
+            d.step
+        )));
     }
     // The supervisor's Σ of the step's loss weights must be the one the ranks all-reduced:
     // anything else means they reduced another membership than the one committed.
@@ -116,7 +144,9 @@ pub(crate) fn check_commit(reduced: Option<Reduced>, step: u64, weight_sum: f64)
 /// `(epoch, step)` as one word, for the shared-memory stamps (32 bits each).
 pub(crate) fn pack(epoch: u64, step: u64) -> Result<u64> {
     if epoch >= 1 << 32 || step >= 1 << 32 {
-        return Err(crate::error::WorkerError::Protocol(format!("epoch {epoch} or step {step} past 2^32")));
+        return Err(crate::error::WorkerError::Protocol(format!(
+            "epoch {epoch} or step {step} past 2^32"
+        )));
     }
     Ok(epoch << 32 | step)
 }

@@ -44,18 +44,37 @@ impl ShmCollective {
     pub fn new(pool: PoolMap, rank: u32, n: usize) -> Result<ShmCollective> {
         let g = pool.geometry();
         if g.slot_bytes < GRAD_SLOT_HEADER + n as u64 * 4 {
-            return Err(WorkerError::Protocol(format!("gradient slots hold {} bytes, the drafter needs {}", g.slot_bytes, GRAD_SLOT_HEADER + n as u64 * 4)));
+            return Err(WorkerError::Protocol(format!(
+                "gradient slots hold {} bytes, the drafter needs {}",
+                g.slot_bytes,
+                GRAD_SLOT_HEADER + n as u64 * 4
+            )));
         }
         if 2 * rank + 1 >= g.slots {
-            return Err(WorkerError::Protocol(format!("rank {rank} has no gradient slots ({} slots)", g.slots)));
+            return Err(WorkerError::Protocol(format!(
+                "rank {rank} has no gradient slots ({} slots)",
+                g.slots
+            )));
         }
-        Ok(ShmCollective { pool, rank, n, epoch: None, held: None, posted: None, sum: vec![0.0; n], done: None })
+        Ok(ShmCollective {
+            pool,
+            rank,
+            n,
+            epoch: None,
+            held: None,
+            posted: None,
+            sum: vec![0.0; n],
+            done: None,
+        })
     }
 
     fn slot(&self, rank: u32, step: u64) -> Result<u32> {
         let s = rank * 2 + (step % 2) as u32;
         if s >= self.pool.geometry().slots {
-            return Err(WorkerError::Protocol(format!("rank {rank} has no gradient slot ({} slots)", self.pool.geometry().slots)));
+            return Err(WorkerError::Protocol(format!(
+                "rank {rank} has no gradient slot ({} slots)",
+                self.pool.geometry().slots
+            )));
         }
         Ok(s)
     }
@@ -78,7 +97,12 @@ impl ShmCollective {
 
     /// Write this rank's gradient of `step` (taken from `grads`) and its loss weight into
     /// its slot, unstamped. Returns whether the gradient is finite.
-    fn write(&mut self, step: u64, weight: f64, grads: impl FnOnce(&mut [u8]) -> Result<()>) -> Result<bool> {
+    fn write(
+        &mut self,
+        step: u64,
+        weight: f64,
+        grads: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<bool> {
         let slot = self.slot(self.rank, step)?;
         self.stamp(slot).store(0, Ordering::Release);
         // SAFETY: the slot is this rank's; no rank reads it before the stamp below (the
@@ -88,7 +112,9 @@ impl ShmCollective {
         dst[8..16].copy_from_slice(&weight.to_le_bytes());
         let body = &mut dst[GRAD_SLOT_HEADER as usize..][..self.n * 4];
         grads(body)?;
-        let finite = body.chunks_exact(4).all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite());
+        let finite = body
+            .chunks_exact(4)
+            .all(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]).is_finite());
         self.held = Some(step);
         self.posted = None;
         self.done = None;
@@ -98,7 +124,11 @@ impl ShmCollective {
     /// The gradient of `step` given as host values (tests, and the benchmark's ranks).
     pub fn contribute_host(&mut self, step: u64, weight: f64, g: &[f32]) -> Result<bool> {
         if g.len() != self.n {
-            return Err(WorkerError::Invalid(format!("a gradient of {} values, the group reduces {}", g.len(), self.n)));
+            return Err(WorkerError::Invalid(format!(
+                "a gradient of {} values, the group reduces {}",
+                g.len(),
+                self.n
+            )));
         }
         self.write(step, weight, |body| {
             for (d, v) in body.chunks_exact_mut(4).zip(g) {
@@ -114,19 +144,28 @@ impl ShmCollective {
         if let Some(d) = self.done {
             return Ok(Some(d));
         }
-        let (Some(step), Some((epoch, ranks))) = (self.held, self.epoch.as_ref()) else { return Ok(None) };
+        let (Some(step), Some((epoch, ranks))) = (self.held, self.epoch.as_ref()) else {
+            return Ok(None);
+        };
         let (epoch, want) = (*epoch, pack(*epoch, step)?);
         let started = match self.posted {
             Some((stamp, t)) if stamp == want => t,
             _ => {
                 let t = Instant::now();
-                self.stamp(self.slot(self.rank, step)?).store(want, Ordering::Release);
+                self.stamp(self.slot(self.rank, step)?)
+                    .store(want, Ordering::Release);
                 self.posted = Some((want, t));
                 t
             }
         };
-        let slots: Vec<u32> = ranks.iter().map(|&r| self.slot(r, step)).collect::<Result<_>>()?;
-        if !slots.iter().all(|&s| self.stamp(s).load(Ordering::Acquire) == want) {
+        let slots: Vec<u32> = ranks
+            .iter()
+            .map(|&r| self.slot(r, step))
+            .collect::<Result<_>>()?;
+        if !slots
+            .iter()
+            .all(|&s| self.stamp(s).load(Ordering::Acquire) == want)
+        {
             return Ok(None);
         }
         let mut weight_sum = 0.0;
@@ -134,7 +173,9 @@ impl ShmCollective {
             // SAFETY: stamped for this epoch and step (Acquire above): complete, and not
             // rewritten before this rank reduced the next step (module docs).
             let src = unsafe { &self.pool.payload(s)[GRAD_SLOT_HEADER as usize..][..self.n * 4] };
-            let vals = src.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            let vals = src
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
             if i == 0 {
                 self.sum.iter_mut().zip(vals).for_each(|(a, v)| *a = v);
             } else {
@@ -142,7 +183,12 @@ impl ShmCollective {
             }
             weight_sum += self.weight(s);
         }
-        let d = Reduced { step, epoch, weight_sum, ms: started.elapsed().as_secs_f64() * 1e3 };
+        let d = Reduced {
+            step,
+            epoch,
+            weight_sum,
+            ms: started.elapsed().as_secs_f64() * 1e3,
+        };
         self.done = Some(d);
         Ok(Some(d))
     }
@@ -177,23 +223,51 @@ impl Collective for ShmCollective {
         Ok(Formed::Ready)
     }
 
-    fn contribute(&mut self, step: u64, weight: f64, model: &mut GpuDrafter) -> Result<Option<bool>> {
-        let finite = self.write(step, weight, |body| model.grads_to_host(body).map_err(WorkerError::device("copying the gradient into its slot")))?;
+    fn contribute(
+        &mut self,
+        step: u64,
+        weight: f64,
+        model: &mut GpuDrafter,
+    ) -> Result<Option<bool>> {
+        let finite = self.write(step, weight, |body| {
+            model
+                .grads_to_host(body)
+                .map_err(WorkerError::device("copying the gradient into its slot"))
+        })?;
         Ok(Some(finite))
     }
 
     fn peers_waiting(&self) -> bool {
-        let (Some(step), Some((epoch, ranks))) = (self.held, self.epoch.as_ref()) else { return false };
-        let Ok(want) = pack(*epoch, step) else { return false };
-        ranks.iter().filter(|&&r| r != self.rank).all(|&r| self.slot(r, step).is_ok_and(|s| self.stamp(s).load(Ordering::Acquire) == want))
+        let (Some(step), Some((epoch, ranks))) = (self.held, self.epoch.as_ref()) else {
+            return false;
+        };
+        let Ok(want) = pack(*epoch, step) else {
+            return false;
+        };
+        ranks.iter().filter(|&&r| r != self.rank).all(|&r| {
+            self.slot(r, step)
+                .is_ok_and(|s| self.stamp(s).load(Ordering::Acquire) == want)
+        })
     }
 
     fn poll(&mut self, _model: &mut GpuDrafter) -> Result<Option<Reduced>> {
         self.progress()
     }
 
-    fn apply(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &AdamHyper, model: &mut GpuDrafter) -> Result<Option<StepOutcome>> {
+    fn apply(
+        &mut self,
+        step: u64,
+        weight_sum: f64,
+        clip: f32,
+        lr: f32,
+        hyper: &AdamHyper,
+        model: &mut GpuDrafter,
+    ) -> Result<Option<StepOutcome>> {
         let g = self.take_sum(step, weight_sum)?;
-        model.apply(step, g, clip, lr, hyper).map_err(WorkerError::device(format!("applying step {step} on the device")))
+        model
+            .apply(step, g, clip, lr, hyper)
+            .map_err(WorkerError::device(format!(
+                "applying step {step} on the device"
+            )))
     }
 }

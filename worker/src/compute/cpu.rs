@@ -8,11 +8,17 @@ pub struct Cpu {
 
 impl Cpu {
     pub fn new() -> Cpu {
-        Cpu { threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) }
+        Cpu {
+            threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+        }
     }
 
     pub fn with_threads(threads: usize) -> Cpu {
-        Cpu { threads: threads.max(1) }
+        Cpu {
+            threads: threads.max(1),
+        }
     }
 
     /// How the `gemm` crate may split a product of `work` multiply-adds.
@@ -92,7 +98,27 @@ pub unsafe fn sgemm(
         return;
     }
     // gemm's contract: dst := alpha·dst + beta·lhs·rhs (alpha read only when read_dst).
-    gemm::gemm(m, n, k, dst, dst_cs, dst_rs as isize, accumulate, lhs, lhs_cs, lhs_rs as isize, rhs, rhs_cs, rhs_rs, 1.0, 1.0, false, false, false, par)
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        dst_cs,
+        dst_rs as isize,
+        accumulate,
+        lhs,
+        lhs_cs,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs,
+        rhs_rs,
+        1.0,
+        1.0,
+        false,
+        false,
+        false,
+        par,
+    )
 }
 
 /// A raw pointer handed to worker threads that write disjoint parts of one buffer.
@@ -105,24 +131,93 @@ fn sigmoid(x: f32) -> f32 {
 
 impl Backend for Cpu {
     fn matmul(&self, x: &[f32], w: &[f32], y: &mut [f32], m: usize, k: usize, n: usize) {
-        assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n), "matmul shapes");
+        assert_eq!(
+            (x.len(), w.len(), y.len()),
+            (m * k, n * k, m * n),
+            "matmul shapes"
+        );
         // y (row-major m×n) = x (row-major m×k) · wᵀ, where wᵀ is w read with swapped strides.
         let (yp, xp, wp) = (y.as_mut_ptr(), x.as_ptr(), w.as_ptr());
-        unsafe { sgemm(self.par(m * n * k), m, n, k, yp, n, 1, false, xp, k, 1, wp, 1, k as isize) };
+        unsafe {
+            sgemm(
+                self.par(m * n * k),
+                m,
+                n,
+                k,
+                yp,
+                n,
+                1,
+                false,
+                xp,
+                k,
+                1,
+                wp,
+                1,
+                k as isize,
+            )
+        };
     }
 
-    fn matmul_backward(&self, dy: &[f32], x: &[f32], w: &[f32], dx: Option<&mut [f32]>, dw: Option<&mut [f32]>, m: usize, k: usize, n: usize) {
-        assert_eq!((dy.len(), x.len(), w.len()), (m * n, m * k, n * k), "matmul_backward shapes");
+    fn matmul_backward(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        w: &[f32],
+        dx: Option<&mut [f32]>,
+        dw: Option<&mut [f32]>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) {
+        assert_eq!(
+            (dy.len(), x.len(), w.len()),
+            (m * n, m * k, n * k),
+            "matmul_backward shapes"
+        );
         let par = self.par(m * n * k);
         if let Some(dx) = dx {
             assert_eq!(dx.len(), m * k);
             // dx (m×k) += dy (m×n) · w (n×k)
-            unsafe { sgemm(par, m, k, n, dx.as_mut_ptr(), k, 1, true, dy.as_ptr(), n, 1, w.as_ptr(), k as isize, 1) };
+            unsafe {
+                sgemm(
+                    par,
+                    m,
+                    k,
+                    n,
+                    dx.as_mut_ptr(),
+                    k,
+                    1,
+                    true,
+                    dy.as_ptr(),
+                    n,
+                    1,
+                    w.as_ptr(),
+                    k as isize,
+                    1,
+                )
+            };
         }
         if let Some(dw) = dw {
             assert_eq!(dw.len(), n * k);
             // dw (n×k) += dyᵀ (n×m) · x (m×k)
-            unsafe { sgemm(par, n, k, m, dw.as_mut_ptr(), k, 1, true, dy.as_ptr(), 1, n as isize, x.as_ptr(), k as isize, 1) };
+            unsafe {
+                sgemm(
+                    par,
+                    n,
+                    k,
+                    m,
+                    dw.as_mut_ptr(),
+                    k,
+                    1,
+                    true,
+                    dy.as_ptr(),
+                    1,
+                    n as isize,
+                    x.as_ptr(),
+                    k as isize,
+                    1,
+                )
+            };
         }
     }
 
@@ -139,11 +234,31 @@ impl Backend for Cpu {
         rstd
     }
 
-    fn rmsnorm_backward(&self, dy: &[f32], x: &[f32], w: &[f32], rstd: &[f32], dx: &mut [f32], mut dw: Option<&mut [f32]>, d: usize) {
-        for (row, ((dyr, xr), dxr)) in dy.chunks_exact(d).zip(x.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).enumerate() {
+    fn rmsnorm_backward(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        w: &[f32],
+        rstd: &[f32],
+        dx: &mut [f32],
+        mut dw: Option<&mut [f32]>,
+        d: usize,
+    ) {
+        for (row, ((dyr, xr), dxr)) in dy
+            .chunks_exact(d)
+            .zip(x.chunks_exact(d))
+            .zip(dx.chunks_exact_mut(d))
+            .enumerate()
+        {
             let r = rstd[row];
             // g = dy * w; dx = r*g - x * r³ * mean(g*x)
-            let gx: f32 = dyr.iter().zip(w).zip(xr).map(|((a, b), c)| a * b * c).sum::<f32>() / d as f32;
+            let gx: f32 = dyr
+                .iter()
+                .zip(w)
+                .zip(xr)
+                .map(|((a, b), c)| a * b * c)
+                .sum::<f32>()
+                / d as f32;
             for i in 0..d {
                 dxr[i] += r * dyr[i] * w[i] - xr[i] * r * r * r * gx;
             }
@@ -155,7 +270,16 @@ impl Backend for Cpu {
         }
     }
 
-    fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, positions: &[usize], inv_freq: &[f32], scale: f32, inverse: bool) {
+    fn rope(
+        &self,
+        x: &mut [f32],
+        heads: usize,
+        head_dim: usize,
+        positions: &[usize],
+        inv_freq: &[f32],
+        scale: f32,
+        inverse: bool,
+    ) {
         let half = head_dim / 2;
         let sign = if inverse { -1.0 } else { 1.0 };
         for (row, &pos) in x.chunks_exact_mut(heads * head_dim).zip(positions) {
@@ -178,7 +302,14 @@ impl Backend for Cpu {
         }
     }
 
-    fn swiglu_backward(&self, dout: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+    fn swiglu_backward(
+        &self,
+        dout: &[f32],
+        gate: &[f32],
+        up: &[f32],
+        dgate: &mut [f32],
+        dup: &mut [f32],
+    ) {
         for i in 0..dout.len() {
             let (g, u, d) = (gate[i], up[i], dout[i]);
             let s = sigmoid(g);
@@ -187,7 +318,15 @@ impl Backend for Cpu {
         }
     }
 
-    fn attention(&self, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], spans: &[KeySpan], h: Heads) -> AttnSaved {
+    fn attention(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        spans: &[KeySpan],
+        h: Heads,
+    ) -> AttnSaved {
         let (hd, qw, kw) = (h.head_dim, h.q_heads * h.head_dim, h.kv_heads * h.head_dim);
         let group = h.q_heads / h.kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -214,22 +353,40 @@ impl Backend for Cpu {
             tiles.push(lo..hi);
             lo = hi;
         }
-        let jobs: Vec<(std::ops::Range<usize>, usize)> = tiles.iter().flat_map(|t| (0..h.q_heads).map(move |hh| (t.clone(), hh))).collect();
+        let jobs: Vec<(std::ops::Range<usize>, usize)> = tiles
+            .iter()
+            .flat_map(|t| (0..h.q_heads).map(move |hh| (t.clone(), hh)))
+            .collect();
         let outp = SendPtr(out.as_mut_ptr());
         let probsp = SendPtr(probs.as_mut_ptr());
         let work: usize = spans.iter().map(|s| s.len()).sum::<usize>() * qw;
-        let threads = if work < (1 << 16) { 1 } else { self.threads.min(jobs.len()).max(1) };
+        let threads = if work < (1 << 16) {
+            1
+        } else {
+            self.threads.min(jobs.len()).max(1)
+        };
         let next = std::sync::atomic::AtomicUsize::new(0);
         let run = || {
             let (outp, probsp) = (&outp, &probsp);
             let mut sc = Vec::new();
             loop {
                 let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some((tile, head)) = jobs.get(j) else { break };
+                let Some((tile, head)) = jobs.get(j) else {
+                    break;
+                };
                 let kvh = head / group;
                 let rows = tile.len();
-                let a_lo = spans[tile.clone()].iter().map(|s| s.a.start).min().unwrap_or(0);
-                let a_hi = spans[tile.clone()].iter().map(|s| s.a.end).max().unwrap_or(0).max(a_lo);
+                let a_lo = spans[tile.clone()]
+                    .iter()
+                    .map(|s| s.a.start)
+                    .min()
+                    .unwrap_or(0);
+                let a_hi = spans[tile.clone()]
+                    .iter()
+                    .map(|s| s.a.end)
+                    .max()
+                    .unwrap_or(0)
+                    .max(a_lo);
                 let b = spans[tile.start].b.clone();
                 let ka = a_hi - a_lo;
                 let nk = ka + b.len();
@@ -241,9 +398,39 @@ impl Backend for Cpu {
                 let qp = q[tile.start * qw + head * hd..].as_ptr();
                 // S[rows, nk] = Q[rows, hd] · K[keys, hd]ᵀ (two key ranges side by side)
                 unsafe {
-                    sgemm(gemm::Parallelism::None, rows, ka, hd, sc.as_mut_ptr(), nk, 1, false, qp, qw, 1, k[a_lo * kw + kvh * hd..].as_ptr(), 1, kw as isize);
+                    sgemm(
+                        gemm::Parallelism::None,
+                        rows,
+                        ka,
+                        hd,
+                        sc.as_mut_ptr(),
+                        nk,
+                        1,
+                        false,
+                        qp,
+                        qw,
+                        1,
+                        k[a_lo * kw + kvh * hd..].as_ptr(),
+                        1,
+                        kw as isize,
+                    );
                     if !b.is_empty() {
-                        sgemm(gemm::Parallelism::None, rows, b.len(), hd, sc.as_mut_ptr().add(ka), nk, 1, false, qp, qw, 1, k[b.start * kw + kvh * hd..].as_ptr(), 1, kw as isize);
+                        sgemm(
+                            gemm::Parallelism::None,
+                            rows,
+                            b.len(),
+                            hd,
+                            sc.as_mut_ptr().add(ka),
+                            nk,
+                            1,
+                            false,
+                            qp,
+                            qw,
+                            1,
+                            k[b.start * kw + kvh * hd..].as_ptr(),
+                            1,
+                            kw as isize,
+                        );
                     }
                 }
                 for (r, srow) in sc.chunks_exact_mut(nk).enumerate() {
@@ -263,24 +450,60 @@ impl Backend for Cpu {
                     if max == f32::NEG_INFINITY {
                         srow.fill(0.0);
                     } else {
-                        srow.iter_mut().for_each(|sv| *sv = crate::model::drafter::exp_neg(*sv - max));
+                        srow.iter_mut()
+                            .for_each(|sv| *sv = crate::model::drafter::exp_neg(*sv - max));
                         let sum: f32 = srow.iter().sum();
                         let inv = 1.0 / sum;
                         srow.iter_mut().for_each(|sv| *sv *= inv);
                     }
                     // This row's probabilities over its own keys, in KeySpan::keys order.
                     let off = offsets[(tile.start + r) * h.q_heads + head];
-                    let dst = unsafe { std::slice::from_raw_parts_mut(probsp.0.add(off), span.len()) };
+                    let dst =
+                        unsafe { std::slice::from_raw_parts_mut(probsp.0.add(off), span.len()) };
                     for (i, d) in dst.iter_mut().enumerate() {
-                        *d = if i < span.a.len() { srow[span.a.start + i - a_lo] } else { srow[ka + span.b.start + i - span.a.len() - b.start] };
+                        *d = if i < span.a.len() {
+                            srow[span.a.start + i - a_lo]
+                        } else {
+                            srow[ka + span.b.start + i - span.a.len() - b.start]
+                        };
                     }
                 }
                 // O[rows, hd] = P[rows, nk] · V[keys, hd]
                 unsafe {
                     let op = outp.0.add(tile.start * qw + head * hd);
-                    sgemm(gemm::Parallelism::None, rows, hd, ka, op, qw, 1, false, sc.as_ptr(), nk, 1, v[a_lo * kw + kvh * hd..].as_ptr(), kw as isize, 1);
+                    sgemm(
+                        gemm::Parallelism::None,
+                        rows,
+                        hd,
+                        ka,
+                        op,
+                        qw,
+                        1,
+                        false,
+                        sc.as_ptr(),
+                        nk,
+                        1,
+                        v[a_lo * kw + kvh * hd..].as_ptr(),
+                        kw as isize,
+                        1,
+                    );
                     if !b.is_empty() {
-                        sgemm(gemm::Parallelism::None, rows, hd, b.len(), op, qw, 1, ka > 0, sc.as_ptr().add(ka), nk, 1, v[b.start * kw + kvh * hd..].as_ptr(), kw as isize, 1);
+                        sgemm(
+                            gemm::Parallelism::None,
+                            rows,
+                            hd,
+                            b.len(),
+                            op,
+                            qw,
+                            1,
+                            ka > 0,
+                            sc.as_ptr().add(ka),
+                            nk,
+                            1,
+                            v[b.start * kw + kvh * hd..].as_ptr(),
+                            kw as isize,
+                            1,
+                        );
                     }
                 }
             }
@@ -297,7 +520,19 @@ impl Backend for Cpu {
         AttnSaved { probs, offsets }
     }
 
-    fn attention_backward(&self, dout: &[f32], q: &[f32], k: &[f32], v: &[f32], saved: &AttnSaved, spans: &[KeySpan], h: Heads, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) {
+    fn attention_backward(
+        &self,
+        dout: &[f32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        saved: &AttnSaved,
+        spans: &[KeySpan],
+        h: Heads,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) {
         let (hd, qw, kw) = (h.head_dim, h.q_heads * h.head_dim, h.kv_heads * h.head_dim);
         let group = h.q_heads / h.kv_heads;
         let scale = 1.0 / (hd as f32).sqrt();
@@ -316,7 +551,11 @@ impl Backend for Cpu {
                 let mut pdp = 0.0;
                 for (pj, kj) in p.iter().zip(span.keys()) {
                     let vrow = &v[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd];
-                    axpy(*pj, go, &mut dv[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd]);
+                    axpy(
+                        *pj,
+                        go,
+                        &mut dv[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd],
+                    );
                     let d = dot(go, vrow);
                     dp.push(d);
                     pdp += pj * d;
@@ -327,8 +566,16 @@ impl Backend for Cpu {
                     if ds == 0.0 {
                         continue;
                     }
-                    axpy(ds, &k[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd], &mut dq[qi * qw + head * hd..qi * qw + (head + 1) * hd]);
-                    axpy(ds, qv, &mut dk[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd]);
+                    axpy(
+                        ds,
+                        &k[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd],
+                        &mut dq[qi * qw + head * hd..qi * qw + (head + 1) * hd],
+                    );
+                    axpy(
+                        ds,
+                        qv,
+                        &mut dk[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd],
+                    );
                 }
             }
         }

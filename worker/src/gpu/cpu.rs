@@ -36,7 +36,13 @@ impl Default for CpuDevice {
 
 impl CpuDevice {
     pub fn new() -> CpuDevice {
-        CpuDevice { allocations: Vec::new(), threads: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1), seconds: Default::default() }
+        CpuDevice {
+            allocations: Vec::new(),
+            threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            seconds: Default::default(),
+        }
     }
 
     fn par(&self, work: usize) -> gemm::Parallelism {
@@ -67,7 +73,11 @@ struct Args<'a> {
 
 impl Args<'_> {
     fn bad(&self, i: usize, want: &str) -> GpuError {
-        GpuError::Invalid(format!("{}: argument {i} should be {want}, is {:?}", self.kernel, self.args.get(i)))
+        GpuError::Invalid(format!(
+            "{}: argument {i} should be {want}, is {:?}",
+            self.kernel,
+            self.args.get(i)
+        ))
     }
 
     fn buf(&self, i: usize) -> Result<DSlice> {
@@ -109,14 +119,27 @@ impl Args<'_> {
     fn check_aliasing(&self) -> Result<()> {
         let range = |b: &DSlice| b.ptr..b.ptr + b.bytes as u64;
         for (i, a) in self.args.iter().enumerate() {
-            let (Arg::W(w) | Arg::RW(w)) = a else { continue };
+            let (Arg::W(w) | Arg::RW(w)) = a else {
+                continue;
+            };
             for (j, b) in self.args.iter().enumerate() {
-                let (Arg::R(o) | Arg::W(o) | Arg::RW(o)) = b else { continue };
+                let (Arg::R(o) | Arg::W(o) | Arg::RW(o)) = b else {
+                    continue;
+                };
                 let (x, y) = (range(w), range(o));
                 // RMSNorm may run in place (y = x exactly), as the target's q/k norms do.
                 let in_place = self.kernel == "rmsnorm_fwd" && (i, j) == (0, 2) && w == o;
-                if i != j && !in_place && x.start < y.end && y.start < x.end && w.bytes > 0 && o.bytes > 0 {
-                    return Err(GpuError::Invalid(format!("{}: argument {i} is written and overlaps argument {j}", self.kernel)));
+                if i != j
+                    && !in_place
+                    && x.start < y.end
+                    && y.start < x.end
+                    && w.bytes > 0
+                    && o.bytes > 0
+                {
+                    return Err(GpuError::Invalid(format!(
+                        "{}: argument {i} is written and overlaps argument {j}",
+                        self.kernel
+                    )));
                 }
             }
         }
@@ -145,7 +168,9 @@ unsafe fn wr<'a, T>(b: DSlice) -> &'a mut [T] {
 
 fn need(kernel: &str, what: &str, have: usize, want: usize) -> Result<()> {
     if have < want {
-        return Err(GpuError::Invalid(format!("{kernel}: {what} holds {have} elements, the launch needs {want}")));
+        return Err(GpuError::Invalid(format!(
+            "{kernel}: {what} holds {have} elements, the launch needs {want}"
+        )));
     }
     Ok(())
 }
@@ -156,8 +181,16 @@ const PAR_WORK: usize = 1 << 22;
 
 /// Multiply-adds of an attention over `tq` rows of width `qw` (the two products with each
 /// key a row sees).
-fn attention_work(tq: usize, qw: usize, span: &impl Fn(usize, usize) -> std::ops::Range<usize>) -> usize {
-    (0..tq).map(|r| span(r, 0).len() + span(r, 1).len()).sum::<usize>() * qw * 2
+fn attention_work(
+    tq: usize,
+    qw: usize,
+    span: &impl Fn(usize, usize) -> std::ops::Range<usize>,
+) -> usize {
+    (0..tq)
+        .map(|r| span(r, 0).len() + span(r, 1).len())
+        .sum::<usize>()
+        * qw
+        * 2
 }
 
 /// Run `f(range)` over `0..n` split into one contiguous range per thread.
@@ -189,11 +222,14 @@ impl Device for CpuDevice {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
-        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256).map_err(|e| GpuError::Invalid(e.to_string()))?;
+        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256)
+            .map_err(|e| GpuError::Invalid(e.to_string()))?;
         // SAFETY: a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         if p.is_null() {
-            return Err(GpuError::OutOfMemory(format!("{bytes} bytes of host memory")));
+            return Err(GpuError::OutOfMemory(format!(
+                "{bytes} bytes of host memory"
+            )));
         }
         self.allocations.push((p, layout));
         Ok(p as DevPtr)
@@ -206,7 +242,11 @@ impl Device for CpuDevice {
 
     fn upload(&mut self, _s: Stream, dst: DSlice, src: &[u8]) -> Result<()> {
         if src.len() > dst.bytes {
-            return Err(GpuError::Invalid(format!("upload of {} bytes into {}", src.len(), dst.bytes)));
+            return Err(GpuError::Invalid(format!(
+                "upload of {} bytes into {}",
+                src.len(),
+                dst.bytes
+            )));
         }
         // SAFETY: dst is this device's memory of at least src.len() bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr as *mut u8, src.len()) };
@@ -215,7 +255,11 @@ impl Device for CpuDevice {
 
     fn download(&mut self, _s: Stream, src: DSlice, dst: &mut [u8]) -> Result<()> {
         if dst.len() > src.bytes {
-            return Err(GpuError::Invalid(format!("download of {} bytes from {}", dst.len(), src.bytes)));
+            return Err(GpuError::Invalid(format!(
+                "download of {} bytes from {}",
+                dst.len(),
+                src.bytes
+            )));
         }
         // SAFETY: as in upload.
         unsafe { std::ptr::copy_nonoverlapping(src.ptr as *const u8, dst.as_mut_ptr(), dst.len()) };
@@ -242,14 +286,22 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+    fn launch(
+        &mut self,
+        s: Stream,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let t0 = std::time::Instant::now();
         let r = self.run_kernel(s, kernel, grid, block, args);
         if r.is_ok() {
             match self.seconds.get_mut(kernel) {
                 Some(v) => *v += t0.elapsed().as_secs_f64(),
                 None => {
-                    self.seconds.insert(kernel.to_string(), t0.elapsed().as_secs_f64());
+                    self.seconds
+                        .insert(kernel.to_string(), t0.elapsed().as_secs_f64());
                 }
             }
         }
@@ -307,21 +359,40 @@ const BF16_KERNELS: [(&str, &str, &[usize]); 7] = [
 
 impl CpuDevice {
     /// Run a bf16 kernel as its f32 one (see [`BF16_KERNELS`]).
-    fn via_f32(&mut self, s: Stream, (kernel, f32_kernel, bf16): (&str, &str, &[usize]), grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+    fn via_f32(
+        &mut self,
+        s: Stream,
+        (kernel, f32_kernel, bf16): (&str, &str, &[usize]),
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         let mut wide: Vec<(usize, Vec<f32>)> = Vec::new();
         let mut args2 = args.to_vec();
         for &i in bf16 {
             let buf = match args.get(i) {
                 Some(Arg::R(b) | Arg::W(b) | Arg::RW(b)) => *b,
-                other => return Err(GpuError::Invalid(format!("{kernel}: argument {i} should be a bf16 buffer, is {other:?}"))),
+                other => {
+                    return Err(GpuError::Invalid(format!(
+                        "{kernel}: argument {i} should be a bf16 buffer, is {other:?}"
+                    )))
+                }
             };
             // SAFETY: the argument is this device's memory of `buf.bytes` bytes.
             let bits = unsafe { std::slice::from_raw_parts(buf.ptr as *const u16, buf.bytes / 2) };
-            wide.push((i, bits.iter().map(|b| f32::from_bits((*b as u32) << 16)).collect()));
+            wide.push((
+                i,
+                bits.iter()
+                    .map(|b| f32::from_bits((*b as u32) << 16))
+                    .collect(),
+            ));
         }
         // One temporary per buffer, even where two arguments name one buffer (in place).
         for (i, v) in wide.iter_mut() {
-            let d = DSlice { ptr: v.as_mut_ptr() as u64, bytes: v.len() * 4 };
+            let d = DSlice {
+                ptr: v.as_mut_ptr() as u64,
+                bytes: v.len() * 4,
+            };
             args2[*i] = match args[*i] {
                 Arg::R(_) => Arg::R(d),
                 Arg::W(_) => Arg::W(d),
@@ -332,7 +403,8 @@ impl CpuDevice {
         for (i, v) in &wide {
             if let Arg::W(b) | Arg::RW(b) = args[*i] {
                 // SAFETY: as above; written by this kernel only.
-                let bits = unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut u16, b.bytes / 2) };
+                let bits =
+                    unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut u16, b.bytes / 2) };
                 for (o, x) in bits.iter_mut().zip(v) {
                     *o = half::bf16::from_f32(*x).to_bits();
                 }
@@ -341,7 +413,14 @@ impl CpuDevice {
         Ok(())
     }
 
-    fn run_kernel(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+    fn run_kernel(
+        &mut self,
+        s: Stream,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if let Some(&entry) = BF16_KERNELS.iter().find(|(k, ..)| *k == kernel) {
             return self.via_f32(s, entry, grid, block, args);
         }
@@ -355,7 +434,11 @@ impl CpuDevice {
             match kernel {
                 "embed_gather" => {
                     let (h, vocab) = (a.usize(3)?, a.usize(4)?);
-                    let (out, table, ids) = (wr::<f32>(a.buf(0)?), rd::<f32>(a.buf(1)?), rd::<u32>(a.buf(2)?));
+                    let (out, table, ids) = (
+                        wr::<f32>(a.buf(0)?),
+                        rd::<f32>(a.buf(1)?),
+                        rd::<u32>(a.buf(2)?),
+                    );
                     need(kernel, "out", out.len(), rows * h)?;
                     need(kernel, "ids", ids.len(), rows)?;
                     need(kernel, "table", table.len(), vocab * h)?;
@@ -366,13 +449,20 @@ impl CpuDevice {
                 }
                 "scatter_add_rows" => {
                     let h = a.usize(3)?;
-                    let (dst, src, idx) = (wr::<f32>(a.buf(0)?), rd::<f32>(a.buf(1)?), rd::<u32>(a.buf(2)?));
+                    let (dst, src, idx) = (
+                        wr::<f32>(a.buf(0)?),
+                        rd::<f32>(a.buf(1)?),
+                        rd::<u32>(a.buf(2)?),
+                    );
                     need(kernel, "src", src.len(), rows * h)?;
                     need(kernel, "idx", idx.len(), rows)?;
                     for r in 0..rows {
                         let to = idx[r] as usize;
                         need(kernel, "dst", dst.len(), (to + 1) * h)?;
-                        for (d, s) in dst[to * h..(to + 1) * h].iter_mut().zip(&src[r * h..(r + 1) * h]) {
+                        for (d, s) in dst[to * h..(to + 1) * h]
+                            .iter_mut()
+                            .zip(&src[r * h..(r + 1) * h])
+                        {
                             *d += s;
                         }
                     }
@@ -403,20 +493,36 @@ impl CpuDevice {
                     x[..n].iter_mut().zip(y).for_each(|(x, y)| *x += y);
                 }
                 "copy_cols" => {
-                    let (width, ds, doff, ss, soff) = (a.usize(2)?, a.usize(3)?, a.usize(4)?, a.usize(5)?, a.usize(6)?);
+                    let (width, ds, doff, ss, soff) = (
+                        a.usize(2)?,
+                        a.usize(3)?,
+                        a.usize(4)?,
+                        a.usize(5)?,
+                        a.usize(6)?,
+                    );
                     let (dst, src) = (wr::<f32>(a.buf(0)?), rd::<f32>(a.buf(1)?));
                     if rows > 0 {
                         need(kernel, "dst", dst.len(), (rows - 1) * ds + doff + width)?;
                         need(kernel, "src", src.len(), (rows - 1) * ss + soff + width)?;
                     }
                     for r in 0..rows {
-                        dst[r * ds + doff..r * ds + doff + width].copy_from_slice(&src[r * ss + soff..r * ss + soff + width]);
+                        dst[r * ds + doff..r * ds + doff + width]
+                            .copy_from_slice(&src[r * ss + soff..r * ss + soff + width]);
                     }
                 }
                 "swiglu_fwd" => {
                     let n = a.usize(3)?;
-                    let (out, gate, up) = (wr::<f32>(a.buf(0)?), rd::<f32>(a.buf(1)?), rd::<f32>(a.buf(2)?));
-                    need(kernel, "buffers", out.len().min(gate.len()).min(up.len()), n)?;
+                    let (out, gate, up) = (
+                        wr::<f32>(a.buf(0)?),
+                        rd::<f32>(a.buf(1)?),
+                        rd::<f32>(a.buf(2)?),
+                    );
+                    need(
+                        kernel,
+                        "buffers",
+                        out.len().min(gate.len()).min(up.len()),
+                        n,
+                    )?;
                     for i in 0..n {
                         let g = gate[i];
                         let s = 1.0 / (1.0 + (-g).exp());
@@ -426,8 +532,22 @@ impl CpuDevice {
                 "swiglu_bwd" => {
                     let n = a.usize(5)?;
                     let (dgate, dup) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?));
-                    let (dout, gate, up) = (rd::<f32>(a.buf(2)?), rd::<f32>(a.buf(3)?), rd::<f32>(a.buf(4)?));
-                    need(kernel, "buffers", dgate.len().min(dup.len()).min(dout.len()).min(gate.len()).min(up.len()), n)?;
+                    let (dout, gate, up) = (
+                        rd::<f32>(a.buf(2)?),
+                        rd::<f32>(a.buf(3)?),
+                        rd::<f32>(a.buf(4)?),
+                    );
+                    need(
+                        kernel,
+                        "buffers",
+                        dgate
+                            .len()
+                            .min(dup.len())
+                            .min(dout.len())
+                            .min(gate.len())
+                            .min(up.len()),
+                        n,
+                    )?;
                     for i in 0..n {
                         let (g, u, d) = (gate[i], up[i], dout[i]);
                         let s = 1.0 / (1.0 + (-g).exp());
@@ -462,8 +582,18 @@ impl CpuDevice {
                     let d = a.usize(6)?;
                     let dx = wr::<f32>(a.buf(0)?);
                     let dw = a.opt_buf(1)?.map(|b| wr::<f32>(b));
-                    let (dy, x, w, rstd) = (rd::<f32>(a.buf(2)?), rd::<f32>(a.buf(3)?), rd::<f32>(a.buf(4)?), rd::<f32>(a.buf(5)?));
-                    need(kernel, "dx/dy/x", dx.len().min(dy.len()).min(x.len()), rows * d)?;
+                    let (dy, x, w, rstd) = (
+                        rd::<f32>(a.buf(2)?),
+                        rd::<f32>(a.buf(3)?),
+                        rd::<f32>(a.buf(4)?),
+                        rd::<f32>(a.buf(5)?),
+                    );
+                    need(
+                        kernel,
+                        "dx/dy/x",
+                        dx.len().min(dy.len()).min(x.len()),
+                        rows * d,
+                    )?;
                     need(kernel, "rstd", rstd.len(), rows)?;
                     need(kernel, "w", w.len(), d)?;
                     let mut dw = dw;
@@ -471,8 +601,15 @@ impl CpuDevice {
                         need(kernel, "dw", dw.len(), d)?;
                     }
                     for r in 0..rows {
-                        let (xr, gr, rs) = (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d], rstd[r]);
-                        let gx: f32 = gr.iter().zip(w).zip(xr).map(|((g, w), x)| g * w * x).sum::<f32>() / d as f32;
+                        let (xr, gr, rs) =
+                            (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d], rstd[r]);
+                        let gx: f32 = gr
+                            .iter()
+                            .zip(w)
+                            .zip(xr)
+                            .map(|((g, w), x)| g * w * x)
+                            .sum::<f32>()
+                            / d as f32;
                         for i in 0..d {
                             dx[r * d + i] += rs * gr[i] * w[i] - xr[i] * rs * rs * rs * gx;
                         }
@@ -484,8 +621,13 @@ impl CpuDevice {
                     }
                 }
                 "rope" => {
-                    let (heads, hd, scale, inverse) = (a.usize(3)?, a.usize(4)?, a.f32(5)?, a.int(6)? != 0);
-                    let (x, pos, inv_freq) = (wr::<f32>(a.buf(0)?), rd::<i32>(a.buf(1)?), rd::<f32>(a.buf(2)?));
+                    let (heads, hd, scale, inverse) =
+                        (a.usize(3)?, a.usize(4)?, a.f32(5)?, a.int(6)? != 0);
+                    let (x, pos, inv_freq) = (
+                        wr::<f32>(a.buf(0)?),
+                        rd::<i32>(a.buf(1)?),
+                        rd::<f32>(a.buf(2)?),
+                    );
                     let half = hd / 2;
                     need(kernel, "x", x.len(), rows * heads * hd)?;
                     need(kernel, "pos", pos.len(), rows)?;
@@ -512,10 +654,25 @@ impl CpuDevice {
                 "attention_bwd" => self.attention_bwd(&a)?,
                 "ce_chunk_stats" => {
                     let (cw, start) = (a.usize(7)?, a.usize(8)?);
-                    let (run_max, run_sum, best_v) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?), wr::<f32>(a.buf(2)?));
+                    let (run_max, run_sum, best_v) = (
+                        wr::<f32>(a.buf(0)?),
+                        wr::<f32>(a.buf(1)?),
+                        wr::<f32>(a.buf(2)?),
+                    );
                     let (best_i, label_logit) = (wr::<i32>(a.buf(3)?), wr::<f32>(a.buf(4)?));
                     let (logits, labels) = (rd::<f32>(a.buf(5)?), rd::<i32>(a.buf(6)?));
-                    need(kernel, "row stats", run_max.len().min(run_sum.len()).min(best_v.len()).min(best_i.len()).min(label_logit.len()).min(labels.len()), rows)?;
+                    need(
+                        kernel,
+                        "row stats",
+                        run_max
+                            .len()
+                            .min(run_sum.len())
+                            .min(best_v.len())
+                            .min(best_i.len())
+                            .min(label_logit.len())
+                            .min(labels.len()),
+                        rows,
+                    )?;
                     need(kernel, "logits", logits.len(), rows * cw)?;
                     for r in 0..rows {
                         let lr = &logits[r * cw..(r + 1) * cw];
@@ -543,8 +700,22 @@ impl CpuDevice {
                 "ce_chunk_grad" => {
                     let (cw, start) = (a.usize(5)?, a.usize(6)?);
                     let logits = wr::<f32>(a.buf(0)?);
-                    let (run_max, run_sum, labels, scale) = (rd::<f32>(a.buf(1)?), rd::<f32>(a.buf(2)?), rd::<i32>(a.buf(3)?), rd::<f32>(a.buf(4)?));
-                    need(kernel, "row stats", run_max.len().min(run_sum.len()).min(labels.len()).min(scale.len()), rows)?;
+                    let (run_max, run_sum, labels, scale) = (
+                        rd::<f32>(a.buf(1)?),
+                        rd::<f32>(a.buf(2)?),
+                        rd::<i32>(a.buf(3)?),
+                        rd::<f32>(a.buf(4)?),
+                    );
+                    need(
+                        kernel,
+                        "row stats",
+                        run_max
+                            .len()
+                            .min(run_sum.len())
+                            .min(labels.len())
+                            .min(scale.len()),
+                        rows,
+                    )?;
                     need(kernel, "logits", logits.len(), rows * cw)?;
                     for r in 0..rows {
                         let (m, inv, sc, lab) = (run_max[r], 1.0 / run_sum[r], scale[r], labels[r]);
@@ -557,7 +728,11 @@ impl CpuDevice {
                 }
                 "sumsq" => {
                     let n = a.usize(3)?;
-                    let (partials, nonfinite, g) = (wr::<f64>(a.buf(0)?), wr::<i32>(a.buf(1)?), rd::<f32>(a.buf(2)?));
+                    let (partials, nonfinite, g) = (
+                        wr::<f64>(a.buf(0)?),
+                        wr::<i32>(a.buf(1)?),
+                        rd::<f32>(a.buf(2)?),
+                    );
                     need(kernel, "partials", partials.len(), rows)?;
                     need(kernel, "g", g.len(), n)?;
                     // One share (the whole sum, in order), the others zero: sumsq_finish adds
@@ -593,15 +768,40 @@ impl CpuDevice {
                 }
                 "adamw" => {
                     let n = a.usize(4)?;
-                    let (p, m, v) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?), wr::<f32>(a.buf(2)?));
-                    let (g, acc, nonfinite, t) = (rd::<f32>(a.buf(3)?), rd::<f64>(a.buf(5)?), rd::<i32>(a.buf(6)?), rd::<i32>(a.buf(7)?));
-                    let (max_norm, lr, b1, b2, eps, wd) = (a.f32(8)?, a.f32(9)?, a.f32(10)?, a.f32(11)?, a.f32(12)?, a.f32(13)?);
-                    need(kernel, "buffers", p.len().min(m.len()).min(v.len()).min(g.len()), n)?;
+                    let (p, m, v) = (
+                        wr::<f32>(a.buf(0)?),
+                        wr::<f32>(a.buf(1)?),
+                        wr::<f32>(a.buf(2)?),
+                    );
+                    let (g, acc, nonfinite, t) = (
+                        rd::<f32>(a.buf(3)?),
+                        rd::<f64>(a.buf(5)?),
+                        rd::<i32>(a.buf(6)?),
+                        rd::<i32>(a.buf(7)?),
+                    );
+                    let (max_norm, lr, b1, b2, eps, wd) = (
+                        a.f32(8)?,
+                        a.f32(9)?,
+                        a.f32(10)?,
+                        a.f32(11)?,
+                        a.f32(12)?,
+                        a.f32(13)?,
+                    );
+                    need(
+                        kernel,
+                        "buffers",
+                        p.len().min(m.len()).min(v.len()).min(g.len()),
+                        n,
+                    )?;
                     if nonfinite[0] != 0 {
                         return Ok(());
                     }
                     let norm = acc[0].sqrt() as f32;
-                    let clip = if max_norm > 0.0 && norm > max_norm { max_norm / norm } else { 1.0 };
+                    let clip = if max_norm > 0.0 && norm > max_norm {
+                        max_norm / norm
+                    } else {
+                        1.0
+                    };
                     let c1 = (1.0 - (b1 as f64).powf(t[0] as f64)) as f32;
                     let c2 = (1.0 - (b2 as f64).powf(t[0] as f64)) as f32;
                     for i in 0..n {
@@ -618,7 +818,11 @@ impl CpuDevice {
                     need(kernel, "p", p.len(), n)?;
                     acc[0] = acc[0].wrapping_add(super::ops::params_hash(&p[..n]));
                 }
-                other => return Err(GpuError::Invalid(format!("no kernel named {other} on the CPU device"))),
+                other => {
+                    return Err(GpuError::Invalid(format!(
+                        "no kernel named {other} on the CPU device"
+                    )))
+                }
             }
         }
         Ok(())
@@ -628,7 +832,9 @@ impl CpuDevice {
         g.validate()?;
         let par = self.par(g.m * g.n * g.k);
         // SAFETY: validated above; the widened copies cover the same extents in f32.
-        unsafe { g.with_f32_output(|g| g.with_f32_inputs(|g| super::host::sgemm_colmajor(g, par))) };
+        unsafe {
+            g.with_f32_output(|g| g.with_f32_inputs(|g| super::host::sgemm_colmajor(g, par)))
+        };
         Ok(())
     }
 
@@ -644,16 +850,29 @@ impl CpuDevice {
         use crate::compute::cpu::sgemm;
         let (tq, qh, kvh, hd) = (a.usize(6)?, a.usize(7)?, a.usize(8)?, a.usize(9)?);
         let (out, lse) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?));
-        let (q, k, v, spans) = (rd::<f32>(a.buf(2)?), rd::<f32>(a.buf(3)?), rd::<f32>(a.buf(4)?), rd::<i32>(a.buf(5)?));
+        let (q, k, v, spans) = (
+            rd::<f32>(a.buf(2)?),
+            rd::<f32>(a.buf(3)?),
+            rd::<f32>(a.buf(4)?),
+            rd::<i32>(a.buf(5)?),
+        );
         let (qw, kw) = (qh * hd, kvh * hd);
         need(a.kernel, "q/out", q.len().min(out.len()), tq * qw)?;
         need(a.kernel, "lse", lse.len(), tq * qh)?;
         need(a.kernel, "spans", spans.len(), 4 * tq)?;
         let keys = k.len().min(v.len()) / kw.max(1);
-        if spans[..4 * tq].chunks_exact(2).any(|r| r[0] < 0 || r[1] < r[0] || r[1] as usize > keys) {
-            return Err(GpuError::Invalid(format!("{}: a key span is empty-reversed or reaches past the {keys} keys", a.kernel)));
+        if spans[..4 * tq]
+            .chunks_exact(2)
+            .any(|r| r[0] < 0 || r[1] < r[0] || r[1] as usize > keys)
+        {
+            return Err(GpuError::Invalid(format!(
+                "{}: a key span is empty-reversed or reaches past the {keys} keys",
+                a.kernel
+            )));
         }
-        let span = |row: usize, r: usize| spans[4 * row + 2 * r] as usize..spans[4 * row + 2 * r + 1] as usize;
+        let span = |row: usize, r: usize| {
+            spans[4 * row + 2 * r] as usize..spans[4 * row + 2 * r + 1] as usize
+        };
         let mut tiles = Vec::new();
         let mut lo = 0;
         while lo < tq {
@@ -664,7 +883,10 @@ impl CpuDevice {
             tiles.push(lo..hi);
             lo = hi;
         }
-        let jobs: Vec<(std::ops::Range<usize>, usize)> = tiles.iter().flat_map(|t| (0..qh).map(move |h| (t.clone(), h))).collect();
+        let jobs: Vec<(std::ops::Range<usize>, usize)> = tiles
+            .iter()
+            .flat_map(|t| (0..qh).map(move |h| (t.clone(), h)))
+            .collect();
         let scale = 1.0 / (hd as f32).sqrt();
         let group = qh / kvh;
         let (outp, lsep) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
@@ -672,11 +894,18 @@ impl CpuDevice {
         let run = || {
             let (outp, lsep) = (outp, lsep);
             let mut sc: Vec<f32> = Vec::new();
-            while let Some((tile, head)) = jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+            while let Some((tile, head)) =
+                jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+            {
                 let kh = head / group;
                 let rows = tile.len();
                 let a_lo = tile.clone().map(|r| span(r, 0).start).min().unwrap_or(0);
-                let a_hi = tile.clone().map(|r| span(r, 0).end).max().unwrap_or(0).max(a_lo);
+                let a_hi = tile
+                    .clone()
+                    .map(|r| span(r, 0).end)
+                    .max()
+                    .unwrap_or(0)
+                    .max(a_lo);
                 let b = span(tile.start, 1);
                 let (ka, nk) = (a_hi - a_lo, a_hi - a_lo + b.len());
                 sc.clear();
@@ -685,10 +914,40 @@ impl CpuDevice {
                 // SAFETY (the GEMMs): every operand lies inside the buffers checked above;
                 // this job alone writes rows `tile` of head `head` in out and lse.
                 if ka > 0 {
-                    sgemm(gemm::Parallelism::None, rows, ka, hd, sc.as_mut_ptr(), nk, 1, false, qp, qw, 1, k[a_lo * kw + kh * hd..].as_ptr(), 1, kw as isize);
+                    sgemm(
+                        gemm::Parallelism::None,
+                        rows,
+                        ka,
+                        hd,
+                        sc.as_mut_ptr(),
+                        nk,
+                        1,
+                        false,
+                        qp,
+                        qw,
+                        1,
+                        k[a_lo * kw + kh * hd..].as_ptr(),
+                        1,
+                        kw as isize,
+                    );
                 }
                 if !b.is_empty() {
-                    sgemm(gemm::Parallelism::None, rows, b.len(), hd, sc.as_mut_ptr().add(ka), nk, 1, false, qp, qw, 1, k[b.start * kw + kh * hd..].as_ptr(), 1, kw as isize);
+                    sgemm(
+                        gemm::Parallelism::None,
+                        rows,
+                        b.len(),
+                        hd,
+                        sc.as_mut_ptr().add(ka),
+                        nk,
+                        1,
+                        false,
+                        qp,
+                        qw,
+                        1,
+                        k[b.start * kw + kh * hd..].as_ptr(),
+                        1,
+                        kw as isize,
+                    );
                 }
                 for (r, srow) in sc.chunks_exact_mut(nk).enumerate() {
                     let own = span(tile.start + r, 0);
@@ -716,14 +975,45 @@ impl CpuDevice {
                 }
                 let op = outp.0.add(tile.start * qw + head * hd);
                 if ka > 0 {
-                    sgemm(gemm::Parallelism::None, rows, hd, ka, op, qw, 1, false, sc.as_ptr(), nk, 1, v[a_lo * kw + kh * hd..].as_ptr(), kw as isize, 1);
+                    sgemm(
+                        gemm::Parallelism::None,
+                        rows,
+                        hd,
+                        ka,
+                        op,
+                        qw,
+                        1,
+                        false,
+                        sc.as_ptr(),
+                        nk,
+                        1,
+                        v[a_lo * kw + kh * hd..].as_ptr(),
+                        kw as isize,
+                        1,
+                    );
                 }
                 if !b.is_empty() {
-                    sgemm(gemm::Parallelism::None, rows, hd, b.len(), op, qw, 1, ka > 0, sc.as_ptr().add(ka), nk, 1, v[b.start * kw + kh * hd..].as_ptr(), kw as isize, 1);
+                    sgemm(
+                        gemm::Parallelism::None,
+                        rows,
+                        hd,
+                        b.len(),
+                        op,
+                        qw,
+                        1,
+                        ka > 0,
+                        sc.as_ptr().add(ka),
+                        nk,
+                        1,
+                        v[b.start * kw + kh * hd..].as_ptr(),
+                        kw as isize,
+                        1,
+                    );
                 }
                 if nk == 0 {
                     for r in tile.clone() {
-                        std::slice::from_raw_parts_mut(outp.0.add(r * qw + head * hd), hd).fill(0.0);
+                        std::slice::from_raw_parts_mut(outp.0.add(r * qw + head * hd), hd)
+                            .fill(0.0);
                         *lsep.0.add(r * qh + head) = f32::NEG_INFINITY;
                     }
                 }
@@ -754,18 +1044,44 @@ impl CpuDevice {
     unsafe fn attention_bwd(&self, a: &Args) -> Result<()> {
         use crate::compute::cpu::{dot, sgemm};
         let (tq, qh, kvh, hd) = (a.usize(10)?, a.usize(11)?, a.usize(12)?, a.usize(13)?);
-        let (dq, dk, dv) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?), wr::<f32>(a.buf(2)?));
-        let (dout, out, lse) = (rd::<f32>(a.buf(3)?), rd::<f32>(a.buf(4)?), rd::<f32>(a.buf(5)?));
-        let (q, k, v, spans) = (rd::<f32>(a.buf(6)?), rd::<f32>(a.buf(7)?), rd::<f32>(a.buf(8)?), rd::<i32>(a.buf(9)?));
+        let (dq, dk, dv) = (
+            wr::<f32>(a.buf(0)?),
+            wr::<f32>(a.buf(1)?),
+            wr::<f32>(a.buf(2)?),
+        );
+        let (dout, out, lse) = (
+            rd::<f32>(a.buf(3)?),
+            rd::<f32>(a.buf(4)?),
+            rd::<f32>(a.buf(5)?),
+        );
+        let (q, k, v, spans) = (
+            rd::<f32>(a.buf(6)?),
+            rd::<f32>(a.buf(7)?),
+            rd::<f32>(a.buf(8)?),
+            rd::<i32>(a.buf(9)?),
+        );
         let (qw, kw) = (qh * hd, kvh * hd);
-        need(a.kernel, "q/dq/dout/out", q.len().min(dq.len()).min(dout.len()).min(out.len()), tq * qw)?;
+        need(
+            a.kernel,
+            "q/dq/dout/out",
+            q.len().min(dq.len()).min(dout.len()).min(out.len()),
+            tq * qw,
+        )?;
         need(a.kernel, "lse", lse.len(), tq * qh)?;
         need(a.kernel, "spans", spans.len(), 4 * tq)?;
         let keys = k.len().min(v.len()).min(dk.len()).min(dv.len()) / kw.max(1);
-        if spans[..4 * tq].chunks_exact(2).any(|r| r[0] < 0 || r[1] < r[0] || r[1] as usize > keys) {
-            return Err(GpuError::Invalid(format!("{}: a key span is reversed or reaches past the {keys} keys", a.kernel)));
+        if spans[..4 * tq]
+            .chunks_exact(2)
+            .any(|r| r[0] < 0 || r[1] < r[0] || r[1] as usize > keys)
+        {
+            return Err(GpuError::Invalid(format!(
+                "{}: a key span is reversed or reaches past the {keys} keys",
+                a.kernel
+            )));
         }
-        let span = |row: usize, r: usize| spans[4 * row + 2 * r] as usize..spans[4 * row + 2 * r + 1] as usize;
+        let span = |row: usize, r: usize| {
+            spans[4 * row + 2 * r] as usize..spans[4 * row + 2 * r + 1] as usize
+        };
         let mut tiles = Vec::new();
         let mut lo = 0;
         while lo < tq {
@@ -778,9 +1094,17 @@ impl CpuDevice {
         }
         let scale = 1.0 / (hd as f32).sqrt();
         let group = qh / kvh;
-        let (dqp, dkp, dvp) = (Shared(dq.as_mut_ptr()), Shared(dk.as_mut_ptr()), Shared(dv.as_mut_ptr()));
+        let (dqp, dkp, dvp) = (
+            Shared(dq.as_mut_ptr()),
+            Shared(dk.as_mut_ptr()),
+            Shared(dv.as_mut_ptr()),
+        );
         let none = gemm::Parallelism::None;
-        let threads = if attention_work(tq, qw, &span) < PAR_WORK { 1 } else { self.threads };
+        let threads = if attention_work(tq, qw, &span) < PAR_WORK {
+            1
+        } else {
+            self.threads
+        };
         par_ranges(threads, kvh, |khs| {
             let (dqp, dkp, dvp) = (dqp, dkp, dvp);
             let (mut p, mut ds) = (Vec::<f32>::new(), Vec::<f32>::new());
@@ -788,7 +1112,12 @@ impl CpuDevice {
                 for tile in &tiles {
                     let rows = tile.len();
                     let a_lo = tile.clone().map(|r| span(r, 0).start).min().unwrap_or(0);
-                    let a_hi = tile.clone().map(|r| span(r, 0).end).max().unwrap_or(0).max(a_lo);
+                    let a_hi = tile
+                        .clone()
+                        .map(|r| span(r, 0).end)
+                        .max()
+                        .unwrap_or(0)
+                        .max(a_lo);
                     let b = span(tile.start, 1);
                     let (ka, nk) = (a_hi - a_lo, a_hi - a_lo + b.len());
                     if nk == 0 {
@@ -806,13 +1135,44 @@ impl CpuDevice {
                             if kn == 0 {
                                 continue;
                             }
-                            sgemm(none, rows, kn, hd, p.as_mut_ptr().add(col), nk, 1, false, qp, qw, 1, k[ko * kw + kh * hd..].as_ptr(), 1, kw as isize);
-                            sgemm(none, rows, kn, hd, ds.as_mut_ptr().add(col), nk, 1, false, gp, qw, 1, v[ko * kw + kh * hd..].as_ptr(), 1, kw as isize);
+                            sgemm(
+                                none,
+                                rows,
+                                kn,
+                                hd,
+                                p.as_mut_ptr().add(col),
+                                nk,
+                                1,
+                                false,
+                                qp,
+                                qw,
+                                1,
+                                k[ko * kw + kh * hd..].as_ptr(),
+                                1,
+                                kw as isize,
+                            );
+                            sgemm(
+                                none,
+                                rows,
+                                kn,
+                                hd,
+                                ds.as_mut_ptr().add(col),
+                                nk,
+                                1,
+                                false,
+                                gp,
+                                qw,
+                                1,
+                                v[ko * kw + kh * hd..].as_ptr(),
+                                1,
+                                kw as isize,
+                            );
                         }
                         for r in 0..rows {
                             let row = tile.start + r;
                             let l = lse[row * qh + head];
-                            let (prow, drow) = (&mut p[r * nk..(r + 1) * nk], &mut ds[r * nk..(r + 1) * nk]);
+                            let (prow, drow) =
+                                (&mut p[r * nk..(r + 1) * nk], &mut ds[r * nk..(r + 1) * nk]);
                             if l == f32::NEG_INFINITY {
                                 prow.fill(0.0);
                                 drow.fill(0.0);
@@ -839,9 +1199,54 @@ impl CpuDevice {
                             if kn == 0 {
                                 continue;
                             }
-                            sgemm(none, rows, hd, kn, dqo, qw, 1, true, ds.as_ptr().add(col), nk, 1, k[ko * kw + kh * hd..].as_ptr(), kw as isize, 1);
-                            sgemm(none, kn, hd, rows, dkp.0.add(ko * kw + kh * hd), kw, 1, true, ds.as_ptr().add(col), 1, nk as isize, qp, qw as isize, 1);
-                            sgemm(none, kn, hd, rows, dvp.0.add(ko * kw + kh * hd), kw, 1, true, p.as_ptr().add(col), 1, nk as isize, gp, qw as isize, 1);
+                            sgemm(
+                                none,
+                                rows,
+                                hd,
+                                kn,
+                                dqo,
+                                qw,
+                                1,
+                                true,
+                                ds.as_ptr().add(col),
+                                nk,
+                                1,
+                                k[ko * kw + kh * hd..].as_ptr(),
+                                kw as isize,
+                                1,
+                            );
+                            sgemm(
+                                none,
+                                kn,
+                                hd,
+                                rows,
+                                dkp.0.add(ko * kw + kh * hd),
+                                kw,
+                                1,
+                                true,
+                                ds.as_ptr().add(col),
+                                1,
+                                nk as isize,
+                                qp,
+                                qw as isize,
+                                1,
+                            );
+                            sgemm(
+                                none,
+                                kn,
+                                hd,
+                                rows,
+                                dvp.0.add(ko * kw + kh * hd),
+                                kw,
+                                1,
+                                true,
+                                p.as_ptr().add(col),
+                                1,
+                                nk as isize,
+                                gp,
+                                qw as isize,
+                                1,
+                            );
                         }
                     }
                 }

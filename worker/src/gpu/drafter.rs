@@ -11,7 +11,9 @@
 use dflash_shared::drafter::StepStats;
 
 use super::ops::Ops;
-use super::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, DSlice, Device, GpuError, Result, Stream};
+use super::{
+    f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, DSlice, Device, GpuError, Result, Stream,
+};
 use crate::model::drafter::{Drafter, Frozen, Sample};
 
 /// Vocabulary columns per cross-entropy chunk.
@@ -40,7 +42,16 @@ struct Mixed {
 impl Mixed {
     /// `y = x · wᵀ` (`x` m×k, `w` n×k).
     #[allow(clippy::too_many_arguments)]
-    fn mm(&self, ops: &mut Ops, x: DSlice, w: W, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
+    fn mm(
+        &self,
+        ops: &mut Ops,
+        x: DSlice,
+        w: W,
+        y: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
         if !self.bf16 {
             return ops.matmul(x, w.f, y, m, k, n);
         }
@@ -51,7 +62,18 @@ impl Mixed {
 
     /// Backward of [`mm`](Self::mm): `dx += dy · w`, `dw += dyᵀ · x`.
     #[allow(clippy::too_many_arguments)]
-    fn mm_back(&self, ops: &mut Ops, dy: DSlice, x: DSlice, w: W, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize) -> Result<()> {
+    fn mm_back(
+        &self,
+        ops: &mut Ops,
+        dy: DSlice,
+        x: DSlice,
+        w: W,
+        dx: Option<DSlice>,
+        dw: Option<DSlice>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
         if !self.bf16 {
             return ops.matmul_backward(dy, x, w.f, dx, dw, m, k, n);
         }
@@ -106,16 +128,29 @@ struct Locals {
 impl Locals {
     /// Parameters `r` as a GEMM weight.
     fn pp(&self, r: &std::ops::Range<usize>) -> W {
-        W { f: self.pw.f32s(r.clone()), b: if self.mx.bf16 { self.p16.sub(2, r.clone()) } else { NONE } }
+        W {
+            f: self.pw.f32s(r.clone()),
+            b: if self.mx.bf16 {
+                self.p16.sub(2, r.clone())
+            } else {
+                NONE
+            },
+        }
     }
 
     /// Vocabulary rows `start..start + cw` of the frozen lm_head as a GEMM weight.
     fn lmw(&self, start: usize, cw: usize) -> W {
         let r = start * self.h..(start + cw) * self.h;
         if self.mx.bf16 {
-            W { f: NONE, b: self.lm16.sub(2, r) }
+            W {
+                f: NONE,
+                b: self.lm16.sub(2, r),
+            }
         } else {
-            W { f: self.lm32.f32s(r), b: NONE }
+            W {
+                f: self.lm32.f32s(r),
+                b: NONE,
+            }
         }
     }
 }
@@ -248,7 +283,12 @@ impl Drop for Readback {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this layout; the device that registered it was
         // dropped first (it is declared before us in GpuDrafter) and unregistered it.
-        unsafe { std::alloc::dealloc(self.ptr, std::alloc::Layout::from_size_align(READBACK, READBACK).expect("one page")) };
+        unsafe {
+            std::alloc::dealloc(
+                self.ptr,
+                std::alloc::Layout::from_size_align(READBACK, READBACK).expect("one page"),
+            )
+        };
     }
 }
 
@@ -311,9 +351,20 @@ struct Placed {
 impl GpuDrafter {
     /// Room for samples of up to `max_len` positions with up to the drafter's
     /// `max_anchors` blocks.
-    pub fn new(mut dev: Box<dyn Device>, d: &Drafter, frozen: &Frozen, max_len: usize) -> Result<GpuDrafter> {
-        let (s, m) = (max_len.max(1), (d.cfg.max_anchors * d.cfg.block_size).max(1));
-        let what = format!("the drafter (rows of up to {s} tokens, {} blocks)", d.cfg.max_anchors);
+    pub fn new(
+        mut dev: Box<dyn Device>,
+        d: &Drafter,
+        frozen: &Frozen,
+        max_len: usize,
+    ) -> Result<GpuDrafter> {
+        let (s, m) = (
+            max_len.max(1),
+            (d.cfg.max_anchors * d.cfg.block_size).max(1),
+        );
+        let what = format!(
+            "the drafter (rows of up to {s} tokens, {} blocks)",
+            d.cfg.max_anchors
+        );
         let bf16 = !dev.is_cpu();
         let mut dry = Arena::dry();
         Self::place(dev.as_mut(), &mut dry, d, frozen, s, m, bf16)?;
@@ -348,15 +399,28 @@ impl GpuDrafter {
         // host device's race detector: a collective reads one while the backward writes
         // the next.
         for (k, r) in g.bucket_plan().into_iter().enumerate() {
-            g.ops.dev.track(g.grads.f32s(r.clone()), &format!("gradients (bucket {k})"));
-            g.ops.dev.track(g.opt.gred.f32s(r), &format!("all-reduced gradients (bucket {k})"));
+            g.ops
+                .dev
+                .track(g.grads.f32s(r.clone()), &format!("gradients (bucket {k})"));
+            g.ops.dev.track(
+                g.opt.gred.f32s(r),
+                &format!("all-reduced gradients (bucket {k})"),
+            );
         }
         Ok(g)
     }
 
     /// Lay out (and, in a real arena, fill) everything for rows of `s` positions and `m`
     /// block rows.
-    fn place(dv: &mut dyn Device, arena: &mut Arena, d: &Drafter, frozen: &Frozen, s: usize, m: usize, bf16: bool) -> Result<Placed> {
+    fn place(
+        dv: &mut dyn Device,
+        arena: &mut Arena,
+        d: &Drafter,
+        frozen: &Frozen,
+        s: usize,
+        m: usize,
+        bf16: bool,
+    ) -> Result<Placed> {
         let c = &d.cfg;
         let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
@@ -365,12 +429,34 @@ impl GpuDrafter {
         let cw = CHUNK.min(c.vocab);
         let mut f = |n: usize, name: &str| arena.alloc_f32(dv, n.max(1), name);
         let embed = f(frozen.embed.len(), "embed_tokens")?;
-        let (lm_head, lm16) = if bf16 { (NONE, f(frozen.lm_head.len().div_ceil(2), "lm_head (bf16)")?) } else { (f(frozen.lm_head.len(), "lm_head")?, NONE) };
+        let (lm_head, lm16) = if bf16 {
+            (NONE, f(frozen.lm_head.len().div_ceil(2), "lm_head (bf16)")?)
+        } else {
+            (f(frozen.lm_head.len(), "lm_head")?, NONE)
+        };
         let params = f(d.layout.total, "parameters")?;
-        let params16 = if bf16 { f(d.layout.total.div_ceil(2), "parameters (bf16)")? } else { NONE };
+        let params16 = if bf16 {
+            f(d.layout.total.div_ceil(2), "parameters (bf16)")?
+        } else {
+            NONE
+        };
         // GEMM inputs and incoming gradients, cast to bf16: the largest of any GEMM.
-        let widest = (s * c.n_taps * h).max((s + m) * h.max(qd).max(kd).max(inter)).max(n_ce * cw.max(h));
-        let mixed = if bf16 { Mixed { bf16, xb: f(widest.div_ceil(2), "bf16 GEMM inputs")?, yb: f(widest.div_ceil(2), "bf16 GEMM gradients")? } } else { Mixed { bf16, xb: NONE, yb: NONE } };
+        let widest = (s * c.n_taps * h)
+            .max((s + m) * h.max(qd).max(kd).max(inter))
+            .max(n_ce * cw.max(h));
+        let mixed = if bf16 {
+            Mixed {
+                bf16,
+                xb: f(widest.div_ceil(2), "bf16 GEMM inputs")?,
+                yb: f(widest.div_ceil(2), "bf16 GEMM gradients")?,
+            }
+        } else {
+            Mixed {
+                bf16,
+                xb: NONE,
+                yb: NONE,
+            }
+        };
         let grads = f(d.layout.total, "gradients")?;
         let inv_freq = f(d.inv_freq.len(), "rope inv_freq")?;
         let opt = Opt {
@@ -411,7 +497,10 @@ impl GpuDrafter {
         }
         let w = Work {
             taps: f(s * c.n_taps * h, "taps")?,
-            taps16: [f((s * c.n_taps * h).div_ceil(2), "taps bf16 (0)")?, f((s * c.n_taps * h).div_ceil(2), "taps bf16 (1)")?],
+            taps16: [
+                f((s * c.n_taps * h).div_ceil(2), "taps bf16 (0)")?,
+                f((s * c.n_taps * h).div_ceil(2), "taps bf16 (1)")?,
+            ],
             ctx_pre: f(s * h, "ctx_pre")?,
             ctx: f(s * h, "ctx")?,
             ctx_rstd: f(s, "ctx_rstd")?,
@@ -429,7 +518,13 @@ impl GpuDrafter {
             xrows: f(n_ce * h, "ce x")?,
             dxrows: f(n_ce * h, "ce dx")?,
             logits: f(n_ce * cw, "ce logits")?,
-            ce: [f(n_ce, "ce max")?, f(n_ce, "ce sum")?, f(n_ce, "ce best")?, f(n_ce, "ce argmax")?, f(n_ce, "ce label logit")?],
+            ce: [
+                f(n_ce, "ce max")?,
+                f(n_ce, "ce sum")?,
+                f(n_ce, "ce best")?,
+                f(n_ce, "ce argmax")?,
+                f(n_ce, "ce label logit")?,
+            ],
             dh: f(m * h, "dh")?,
             dx: f(m * h, "dx")?,
             dx2: f(m * h, "dx2")?,
@@ -452,7 +547,19 @@ impl GpuDrafter {
             arena.fill_f32(dv, lm_head, &frozen.lm_head, false)?;
         }
         arena.fill_f32(dv, inv_freq, &d.inv_freq, false)?;
-        Ok(Placed { embed, lm_head, lm16, params, params16, grads, inv_freq, opt, saved, w, mixed })
+        Ok(Placed {
+            embed,
+            lm_head,
+            lm16,
+            params,
+            params16,
+            grads,
+            inv_freq,
+            opt,
+            saved,
+            w,
+            mixed,
+        })
     }
 
     pub fn describe(&self) -> String {
@@ -503,7 +610,9 @@ impl GpuDrafter {
         self.ops.dev.memset_zero(Stream::Compute, self.opt.hash)?;
         self.ops.params_hash(self.opt.hash, self.params)?;
         let mut h = [0u8; 8];
-        self.ops.dev.download(Stream::Compute, self.opt.hash, &mut h)?;
+        self.ops
+            .dev
+            .download(Stream::Compute, self.opt.hash, &mut h)?;
         Ok(u64::from_le_bytes(h))
     }
 
@@ -512,9 +621,18 @@ impl GpuDrafter {
     /// (the `adamw` kernel checks the device's flag; the host does not wait for it). The
     /// step's outcome comes back by an asynchronous copy; this returns the previous
     /// step's, which has long arrived.
-    pub fn apply(&mut self, step: u64, g: &[f32], clip: f32, lr: f32, hyper: &super::ops::AdamHyper) -> Result<Option<StepOutcome>> {
+    pub fn apply(
+        &mut self,
+        step: u64,
+        g: &[f32],
+        clip: f32,
+        lr: f32,
+        hyper: &super::ops::AdamHyper,
+    ) -> Result<Option<StepOutcome>> {
         let before = self.drain()?;
-        self.ops.dev.upload(Stream::Compute, self.opt.gsum, f32_bytes(g))?;
+        self.ops
+            .dev
+            .upload(Stream::Compute, self.opt.gsum, f32_bytes(g))?;
         self.optimize(step, clip, lr, hyper)?;
         Ok(before)
     }
@@ -523,15 +641,43 @@ impl GpuDrafter {
     /// reduce buffer ([`Self::reduce_buffers`]): scaled by `1 / weight_sum` on the device
     /// (a GEMM with the constant 1, as [`crate::model::drafter::reduce_slots`] scales the
     /// host sum) and applied, with no host copy of it.
-    pub fn apply_reduced(&mut self, step: u64, weight_sum: f64, clip: f32, lr: f32, hyper: &super::ops::AdamHyper, after: Option<super::Event>) -> Result<Option<StepOutcome>> {
+    pub fn apply_reduced(
+        &mut self,
+        step: u64,
+        weight_sum: f64,
+        clip: f32,
+        lr: f32,
+        hyper: &super::ops::AdamHyper,
+        after: Option<super::Event>,
+    ) -> Result<Option<StepOutcome>> {
         let before = self.drain()?;
         if let Some(e) = after {
             self.ops.dev.wait(Stream::Compute, e)?;
             self.ops.dev.release_event(e);
         }
         let (n, o) = (self.d.layout.total, &self.opt);
-        let alpha = if weight_sum > 0.0 { (1.0 / weight_sum) as f32 } else { 1.0 };
-        let g = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha, a: o.gred, lda: n, b: o.one, ldb: 1, beta: 0.0, c: o.gsum, ldc: n, bf16_inputs: false, bf16_output: false };
+        let alpha = if weight_sum > 0.0 {
+            (1.0 / weight_sum) as f32
+        } else {
+            1.0
+        };
+        let g = super::Gemm {
+            transa: false,
+            transb: false,
+            m: n,
+            n: 1,
+            k: 1,
+            alpha,
+            a: o.gred,
+            lda: n,
+            b: o.one,
+            ldb: 1,
+            beta: 0.0,
+            c: o.gsum,
+            ldc: n,
+            bf16_inputs: false,
+            bf16_output: false,
+        };
         self.ops.dev.gemm(Stream::Compute, &g)?;
         self.optimize(step, clip, lr, hyper)?;
         Ok(before)
@@ -565,7 +711,11 @@ impl GpuDrafter {
     /// once, the same on every rank; without the backward's events (a zero gradient, or
     /// no sample) each waits for everything queued so far. Returns an event on `stream` behind the last one:
     /// give it to [`apply_reduced`](Self::apply_reduced).
-    pub fn reduce_buckets(&mut self, stream: Stream, mut reduce: impl FnMut(&mut dyn Device, DSlice, DSlice) -> Result<()>) -> Result<super::Event> {
+    pub fn reduce_buckets(
+        &mut self,
+        stream: Stream,
+        mut reduce: impl FnMut(&mut dyn Device, DSlice, DSlice) -> Result<()>,
+    ) -> Result<super::Event> {
         let mut buckets = std::mem::take(&mut self.buckets);
         if buckets.is_empty() {
             for r in self.bucket_plan() {
@@ -577,7 +727,9 @@ impl GpuDrafter {
         let mut result = Ok(());
         for (r, e) in buckets {
             if result.is_ok() {
-                result = dev.wait(stream, e).and_then(|_| reduce(dev, grads.f32s(r.clone()), gred.f32s(r)));
+                result = dev
+                    .wait(stream, e)
+                    .and_then(|_| reduce(dev, grads.f32s(r.clone()), gred.f32s(r)));
             }
             dev.release_event(e);
         }
@@ -592,7 +744,23 @@ impl GpuDrafter {
         let one = self.opt.one;
         self.reduce_buckets(Stream::Copy, |dev, g, r| {
             let n = g.bytes / 4;
-            let gemm = super::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha: 1.0, a: g, lda: n.max(1), b: one, ldb: 1, beta: 0.0, c: r, ldc: n.max(1), bf16_inputs: false, bf16_output: false };
+            let gemm = super::Gemm {
+                transa: false,
+                transb: false,
+                m: n,
+                n: 1,
+                k: 1,
+                alpha: 1.0,
+                a: g,
+                lda: n.max(1),
+                b: one,
+                ldb: 1,
+                beta: 0.0,
+                c: r,
+                ldc: n.max(1),
+                bf16_inputs: false,
+                bf16_output: false,
+            };
             dev.gemm(Stream::Copy, &gemm)
         })
     }
@@ -616,19 +784,33 @@ impl GpuDrafter {
 
     /// Norm, clip, the skip of a non-finite gradient and AdamW over `gsum`, and the
     /// asynchronous readback of the outcome.
-    fn optimize(&mut self, step: u64, clip: f32, lr: f32, hyper: &super::ops::AdamHyper) -> Result<()> {
+    fn optimize(
+        &mut self,
+        step: u64,
+        clip: f32,
+        lr: f32,
+        hyper: &super::ops::AdamHyper,
+    ) -> Result<()> {
         let o = &self.opt;
-        let (p, gsum, acc, partials, flag, t) = (self.params, o.gsum, o.acc, o.partials, o.flag, o.t);
+        let (p, gsum, acc, partials, flag, t) =
+            (self.params, o.gsum, o.acc, o.partials, o.flag, o.t);
         let (m, v) = (o.m, o.v);
         self.ops.dev.memset_zero(Stream::Compute, flag)?;
         self.ops.sumsq(gsum, partials, acc, flag)?;
         self.ops.adam_count(t, flag)?;
-        self.ops.adamw(p, m, v, gsum, acc, flag, t, clip, lr, hyper)?;
+        self.ops
+            .adamw(p, m, v, gsum, acc, flag, t, clip, lr, hyper)?;
         self.refresh_bf16()?;
         // SAFETY: the page is registered, and nothing reads it before the event (`drain`).
         unsafe {
-            self.ops.dev.download_async(Stream::Compute, flag.sub(1, 0..4), self.readback.ptr)?;
-            self.ops.dev.download_async(Stream::Compute, acc.sub(1, 0..8), self.readback.ptr.add(8))?;
+            self.ops
+                .dev
+                .download_async(Stream::Compute, flag.sub(1, 0..4), self.readback.ptr)?;
+            self.ops.dev.download_async(
+                Stream::Compute,
+                acc.sub(1, 0..8),
+                self.readback.ptr.add(8),
+            )?;
         }
         let e = self.ops.dev.record(Stream::Compute)?;
         self.pending = Some((step, e));
@@ -637,7 +819,9 @@ impl GpuDrafter {
 
     /// Wait for the last applied step's outcome (it is usually there already).
     pub fn drain(&mut self) -> Result<Option<StepOutcome>> {
-        let Some((step, e)) = self.pending.take() else { return Ok(None) };
+        let Some((step, e)) = self.pending.take() else {
+            return Ok(None);
+        };
         self.ops.dev.sync_event(e)?;
         self.ops.dev.release_event(e);
         self.ops.dev.host_access(self.readback.ptr, 16, false)?;
@@ -646,13 +830,23 @@ impl GpuDrafter {
         unsafe { std::ptr::copy_nonoverlapping(self.readback.ptr, b.as_mut_ptr(), 16) };
         let skipped = i32::from_le_bytes(b[..4].try_into().expect("4 bytes")) != 0;
         let sumsq = f64::from_le_bytes(b[8..].try_into().expect("8 bytes"));
-        Ok(Some(StepOutcome { step, skipped, grad_norm: if skipped { f64::NAN } else { sumsq.sqrt() } }))
+        Ok(Some(StepOutcome {
+            step,
+            skipped,
+            grad_norm: if skipped { f64::NAN } else { sumsq.sqrt() },
+        }))
     }
 
     /// Forward and backward over one batch at the device's weights: writes the gradient
     /// of `Σ w·CE / denominator` into `grads` (overwriting) and returns the batch's
     /// statistics, as [`Drafter::train_batch`] does (which adds into its `grads`).
-    pub fn train_batch(&mut self, samples: &[Sample], anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> Result<StepStats> {
+    pub fn train_batch(
+        &mut self,
+        samples: &[Sample],
+        anchors: &[Vec<usize>],
+        denominator: f64,
+        grads: &mut [f32],
+    ) -> Result<StepStats> {
         self.batch(samples, None, anchors, denominator, Some(grads))
     }
 
@@ -660,9 +854,20 @@ impl GpuDrafter {
     /// hidden-state slot (`taps16[i]`: `[len, n_taps × hidden]` bf16, little-endian):
     /// copied as they are, half the bytes of f32, and widened on the device, with no
     /// pass over them on the host. The samples' own `taps` are not read.
-    pub fn train_batch_bf16(&mut self, samples: &[Sample], taps16: &[&[u8]], anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> Result<StepStats> {
+    pub fn train_batch_bf16(
+        &mut self,
+        samples: &[Sample],
+        taps16: &[&[u8]],
+        anchors: &[Vec<usize>],
+        denominator: f64,
+        grads: &mut [f32],
+    ) -> Result<StepStats> {
         if taps16.len() != samples.len() {
-            return Err(GpuError::Invalid(format!("{} bf16 tap rows for {} samples", taps16.len(), samples.len())));
+            return Err(GpuError::Invalid(format!(
+                "{} bf16 tap rows for {} samples",
+                taps16.len(),
+                samples.len()
+            )));
         }
         self.batch(samples, Some(taps16), anchors, denominator, Some(grads))
     }
@@ -670,15 +875,30 @@ impl GpuDrafter {
     /// [`train_batch_bf16`](Self::train_batch_bf16) that leaves the gradient on the
     /// device, for a collective to take from there ([`Self::reduce_buffers`],
     /// [`Self::grads_to_host`]).
-    pub fn train_batch_bf16_on_device(&mut self, samples: &[Sample], taps16: &[&[u8]], anchors: &[Vec<usize>], denominator: f64) -> Result<StepStats> {
+    pub fn train_batch_bf16_on_device(
+        &mut self,
+        samples: &[Sample],
+        taps16: &[&[u8]],
+        anchors: &[Vec<usize>],
+        denominator: f64,
+    ) -> Result<StepStats> {
         if taps16.len() != samples.len() {
-            return Err(GpuError::Invalid(format!("{} bf16 tap rows for {} samples", taps16.len(), samples.len())));
+            return Err(GpuError::Invalid(format!(
+                "{} bf16 tap rows for {} samples",
+                taps16.len(),
+                samples.len()
+            )));
         }
         self.batch(samples, Some(taps16), anchors, denominator, None)
     }
 
     /// [`train_batch`](Self::train_batch) that leaves the gradient on the device.
-    pub fn train_batch_on_device(&mut self, samples: &[Sample], anchors: &[Vec<usize>], denominator: f64) -> Result<StepStats> {
+    pub fn train_batch_on_device(
+        &mut self,
+        samples: &[Sample],
+        anchors: &[Vec<usize>],
+        denominator: f64,
+    ) -> Result<StepStats> {
         self.batch(samples, None, anchors, denominator, None)
     }
 
@@ -687,22 +907,48 @@ impl GpuDrafter {
         self.ops.dev.memset_zero(Stream::Compute, self.grads)
     }
 
-    fn batch(&mut self, samples: &[Sample], taps16: Option<&[&[u8]]>, anchors: &[Vec<usize>], denominator: f64, grads: Option<&mut [f32]>) -> Result<StepStats> {
+    fn batch(
+        &mut self,
+        samples: &[Sample],
+        taps16: Option<&[&[u8]]>,
+        anchors: &[Vec<usize>],
+        denominator: f64,
+        grads: Option<&mut [f32]>,
+    ) -> Result<StepStats> {
         let d = &self.d;
         let bs = d.cfg.block_size;
         let total_weight = d.total_weight(samples, anchors);
-        let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], ..Default::default() };
+        let mut stats = StepStats {
+            slot_correct: vec![0; bs],
+            slot_total: vec![0; bs],
+            ..Default::default()
+        };
         self.release_buckets();
         self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
         if total_weight > 0.0 {
-            let order: Vec<usize> = (0..samples.len()).filter(|&i| !anchors[i].is_empty()).collect();
+            let order: Vec<usize> = (0..samples.len())
+                .filter(|&i| !anchors[i].is_empty())
+                .collect();
             if let Some(&i) = order.iter().find(|&&i| samples[i].ids.len() > self.max_len) {
-                return Err(GpuError::Invalid(format!("a sample of {} positions; room for {}", samples[i].ids.len(), self.max_len)));
+                return Err(GpuError::Invalid(format!(
+                    "a sample of {} positions; room for {}",
+                    samples[i].ids.len(),
+                    self.max_len
+                )));
             }
             if let Some(t16) = taps16 {
                 let row = self.d.cfg.n_taps * self.d.cfg.hidden * 2;
-                if let Some(&i) = order.iter().find(|&&i| t16[i].len() != samples[i].ids.len() * row) {
-                    return Err(GpuError::Invalid(format!("{} bytes of bf16 taps for {} positions × {} taps × {}", t16[i].len(), samples[i].ids.len(), self.d.cfg.n_taps, self.d.cfg.hidden)));
+                if let Some(&i) = order
+                    .iter()
+                    .find(|&&i| t16[i].len() != samples[i].ids.len() * row)
+                {
+                    return Err(GpuError::Invalid(format!(
+                        "{} bytes of bf16 taps for {} positions × {} taps × {}",
+                        t16[i].len(),
+                        samples[i].ids.len(),
+                        self.d.cfg.n_taps,
+                        self.d.cfg.hidden
+                    )));
                 }
             }
             // With bf16 rows (from the slot), sample k + 1's taps are copied on the copy
@@ -721,10 +967,18 @@ impl GpuDrafter {
                         loaded[b] = Some(self.stage(b, t16[next], free[b].take())?);
                     }
                     let taps = match taps16 {
-                        Some(_) => Taps::Staged(k % 2, loaded[k % 2].take().expect("staged before")),
+                        Some(_) => {
+                            Taps::Staged(k % 2, loaded[k % 2].take().expect("staged before"))
+                        }
                         None => Taps::F32,
                     };
-                    let (st, freed) = self.sample(&samples[i], taps, &anchors[i], denominator, Some(&i) == order.last())?;
+                    let (st, freed) = self.sample(
+                        &samples[i],
+                        taps,
+                        &anchors[i],
+                        denominator,
+                        Some(&i) == order.last(),
+                    )?;
                     free[k % 2] = freed;
                     stats.merge(&st);
                 }
@@ -746,7 +1000,9 @@ impl GpuDrafter {
             }
         }
         if let Some(grads) = grads {
-            self.ops.dev.download(Stream::Compute, self.grads, f32_bytes_mut(grads))?;
+            self.ops
+                .dev
+                .download(Stream::Compute, self.grads, f32_bytes_mut(grads))?;
         }
         Ok(stats)
     }
@@ -799,9 +1055,15 @@ impl GpuDrafter {
 
     /// Parameters `r` as a GEMM weight.
     fn pw(&self, r: &std::ops::Range<usize>) -> W {
-        W { f: self.params.f32s(r.clone()), b: if self.mixed.bf16 { self.params16.sub(2, r.clone()) } else { NONE } }
+        W {
+            f: self.params.f32s(r.clone()),
+            b: if self.mixed.bf16 {
+                self.params16.sub(2, r.clone())
+            } else {
+                NONE
+            },
+        }
     }
-
 
     /// Copy one row of bf16 taps into staging buffer `b` on the copy stream, after `free`
     /// (the compute stream done with what the buffer held); an event behind the copy.
@@ -814,20 +1076,42 @@ impl GpuDrafter {
         }
         // SAFETY: `raw` is borrowed for the whole batch, which waits for this copy (and
         // every other) before it returns.
-        unsafe { dev.upload_async(Stream::Copy, self.w.taps16[b].sub(1, 0..raw.len()), raw.as_ptr())? };
+        unsafe {
+            dev.upload_async(
+                Stream::Copy,
+                self.w.taps16[b].sub(1, 0..raw.len()),
+                raw.as_ptr(),
+            )?
+        };
         dev.record(Stream::Copy)
     }
 
     /// One sample's forward, loss and backward, its gradient added into `grads`. Returns
     /// an event behind the last read of its staging buffer, if it had one.
-    fn sample(&mut self, s: &Sample, taps: Taps, anchors: &[usize], denominator: f64, last: bool) -> Result<(StepStats, Option<super::Event>)> {
+    fn sample(
+        &mut self,
+        s: &Sample,
+        taps: Taps,
+        anchors: &[usize],
+        denominator: f64,
+        last: bool,
+    ) -> Result<(StepStats, Option<super::Event>)> {
         let bs = self.d.cfg.block_size;
         let (slen, nb) = (s.ids.len(), anchors.len());
         let m = nb * bs;
         if slen > self.max_len || m > self.max_rows {
-            return Err(GpuError::Invalid(format!("a sample of {slen} positions and {nb} blocks; room for {} and {}", self.max_len, self.max_rows / bs)));
+            return Err(GpuError::Invalid(format!(
+                "a sample of {slen} positions and {nb} blocks; room for {} and {}",
+                self.max_len,
+                self.max_rows / bs
+            )));
         }
-        let dims = Dims { slen, nb, m, tk: slen + m };
+        let dims = Dims {
+            slen,
+            nb,
+            m,
+            tk: slen + m,
+        };
         let freed = self.inputs(s, taps, anchors, dims)?;
         let r = (|| {
             self.forward(dims)?;
@@ -848,7 +1132,13 @@ impl GpuDrafter {
 
     /// The sample's inputs on the device: taps, block token ids and positions, key
     /// positions, and each block row's key spans.
-    fn inputs(&mut self, s: &Sample, taps: Taps, anchors: &[usize], dims: Dims) -> Result<Option<super::Event>> {
+    fn inputs(
+        &mut self,
+        s: &Sample,
+        taps: Taps,
+        anchors: &[usize],
+        dims: Dims,
+    ) -> Result<Option<super::Event>> {
         let c = self.d.cfg.clone();
         let lc = self.locals(dims);
         let Locals { h, bs, slen, m, .. } = lc;
@@ -865,7 +1155,11 @@ impl GpuDrafter {
             }
             Taps::F32 => {
                 if s.taps.len() != width {
-                    return Err(GpuError::Invalid(format!("{} tap values for {slen} positions × {} taps × {h}", s.taps.len(), c.n_taps)));
+                    return Err(GpuError::Invalid(format!(
+                        "{} tap values for {slen} positions × {} taps × {h}",
+                        s.taps.len(),
+                        c.n_taps
+                    )));
                 }
                 ops.dev.upload(Stream::Compute, w.taps, f32_bytes(s.taps))?;
                 None
@@ -880,14 +1174,25 @@ impl GpuDrafter {
             }
         }
         let key_pos: Vec<i32> = (0..slen as i32).chain(block_pos.iter().copied()).collect();
-        let spans: Vec<i32> = (0..m).flat_map(|i| {
-            let n = i / bs;
-            [0, anchors[n] as i32, (slen + n * bs) as i32, (slen + (n + 1) * bs) as i32]
-        }).collect();
-        ops.dev.upload(Stream::Compute, w.block_ids, u32_bytes(&block_ids))?;
-        ops.dev.upload(Stream::Compute, w.block_pos, i32_bytes(&block_pos))?;
-        ops.dev.upload(Stream::Compute, w.key_pos, i32_bytes(&key_pos))?;
-        ops.dev.upload(Stream::Compute, w.spans, i32_bytes(&spans))?;
+        let spans: Vec<i32> = (0..m)
+            .flat_map(|i| {
+                let n = i / bs;
+                [
+                    0,
+                    anchors[n] as i32,
+                    (slen + n * bs) as i32,
+                    (slen + (n + 1) * bs) as i32,
+                ]
+            })
+            .collect();
+        ops.dev
+            .upload(Stream::Compute, w.block_ids, u32_bytes(&block_ids))?;
+        ops.dev
+            .upload(Stream::Compute, w.block_pos, i32_bytes(&block_pos))?;
+        ops.dev
+            .upload(Stream::Compute, w.key_pos, i32_bytes(&key_pos))?;
+        ops.dev
+            .upload(Stream::Compute, w.spans, i32_bytes(&spans))?;
         Ok(freed)
     }
 
@@ -896,7 +1201,34 @@ impl GpuDrafter {
     fn forward(&mut self, dims: Dims) -> Result<()> {
         let c = self.d.cfg.clone();
         let lc = self.locals(dims);
-        let Locals { h, hd, inter, qd, kd, qh, kvh, eps, slen, m, tk, fc, hnorm, fnorm, pw, mx, taps, ctx_pre, ctx, ctx_rstd, hcur, o, spans_d, hn, rstd_f, .. } = lc;
+        let Locals {
+            h,
+            hd,
+            inter,
+            qd,
+            kd,
+            qh,
+            kvh,
+            eps,
+            slen,
+            m,
+            tk,
+            fc,
+            hnorm,
+            fnorm,
+            pw,
+            mx,
+            taps,
+            ctx_pre,
+            ctx,
+            ctx_rstd,
+            hcur,
+            o,
+            spans_d,
+            hn,
+            rstd_f,
+            ..
+        } = lc;
         let w = &self.w;
         let layers = self.d.layers.clone();
         let ops = &mut self.ops;
@@ -908,27 +1240,102 @@ impl GpuDrafter {
 
         for (li, sv) in layers.iter().zip(&self.saved) {
             let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-            let (h_in, x, q_pre, q, att) = (sv.h_in.f32s(0..m * h), sv.x.f32s(0..m * h), sv.q_pre.f32s(0..m * qd), sv.q.f32s(0..m * qd), sv.att.f32s(0..m * qd));
-            let (k_pre, k, v) = (sv.k_pre.f32s(0..tk * kd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
+            let (h_in, x, q_pre, q, att) = (
+                sv.h_in.f32s(0..m * h),
+                sv.x.f32s(0..m * h),
+                sv.q_pre.f32s(0..m * qd),
+                sv.q.f32s(0..m * qd),
+                sv.att.f32s(0..m * qd),
+            );
+            let (k_pre, k, v) = (
+                sv.k_pre.f32s(0..tk * kd),
+                sv.k.f32s(0..tk * kd),
+                sv.v.f32s(0..tk * kd),
+            );
             ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
             ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
             mx.mm(ops, x, lc.pp(&li.wq), q_pre, m, h, qd)?;
-            mx.mm(ops, ctx, lc.pp(&li.wk), k_pre.f32s(0..slen * kd), slen, h, kd)?;
-            mx.mm(ops, x, lc.pp(&li.wk), k_pre.f32s(slen * kd..tk * kd), m, h, kd)?;
+            mx.mm(
+                ops,
+                ctx,
+                lc.pp(&li.wk),
+                k_pre.f32s(0..slen * kd),
+                slen,
+                h,
+                kd,
+            )?;
+            mx.mm(
+                ops,
+                x,
+                lc.pp(&li.wk),
+                k_pre.f32s(slen * kd..tk * kd),
+                m,
+                h,
+                kd,
+            )?;
             mx.mm(ops, ctx, lc.pp(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
             mx.mm(ops, x, lc.pp(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)?;
-            ops.rmsnorm(q_pre, p(&li.qn), q, sv.q_rstd.f32s(0..m * qh), m * qh, hd, eps)?;
-            ops.rmsnorm(k_pre, p(&li.kn), k, sv.k_rstd.f32s(0..tk * kvh), tk * kvh, hd, eps)?;
-            ops.rope(q, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, self.d.rope_scale, false)?;
-            ops.rope(k, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, self.d.rope_scale, false)?;
-            ops.attention(q, k, v, att, sv.lse.f32s(0..m * qh), spans_d, m, qh, kvh, hd)?;
+            ops.rmsnorm(
+                q_pre,
+                p(&li.qn),
+                q,
+                sv.q_rstd.f32s(0..m * qh),
+                m * qh,
+                hd,
+                eps,
+            )?;
+            ops.rmsnorm(
+                k_pre,
+                p(&li.kn),
+                k,
+                sv.k_rstd.f32s(0..tk * kvh),
+                tk * kvh,
+                hd,
+                eps,
+            )?;
+            ops.rope(
+                q,
+                w.block_pos.f32s(0..m),
+                self.inv_freq,
+                m,
+                qh,
+                hd,
+                self.d.rope_scale,
+                false,
+            )?;
+            ops.rope(
+                k,
+                w.key_pos.f32s(0..tk),
+                self.inv_freq,
+                tk,
+                kvh,
+                hd,
+                self.d.rope_scale,
+                false,
+            )?;
+            ops.attention(
+                q,
+                k,
+                v,
+                att,
+                sv.lse.f32s(0..m * qh),
+                spans_d,
+                m,
+                qh,
+                kvh,
+                hd,
+            )?;
             mx.mm(ops, att, lc.pp(&li.wo), o, m, qd, h)?;
             ops.add(hcur, o)?;
             let h_mid = sv.h_mid.f32s(0..m * h);
             ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
             let x2 = sv.x2.f32s(0..m * h);
             ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
-            let (g, u, act) = (sv.g.f32s(0..m * inter), sv.u.f32s(0..m * inter), sv.act.f32s(0..m * inter));
+            let (g, u, act) = (
+                sv.g.f32s(0..m * inter),
+                sv.u.f32s(0..m * inter),
+                sv.act.f32s(0..m * inter),
+            );
             mx.mm(ops, x2, lc.pp(&li.gate), g, m, h, inter)?;
             mx.mm(ops, x2, lc.pp(&li.up), u, m, h, inter)?;
             ops.swiglu(g, u, act)?;
@@ -943,10 +1350,25 @@ impl GpuDrafter {
     /// The loss over the weighted slots through the frozen lm_head, a vocabulary chunk at
     /// a time, with its gradient with respect to `hn` (in `dxrows`, for the returned
     /// number of supervised rows), and the step's statistics.
-    fn loss(&mut self, s: &Sample, anchors: &[usize], dims: Dims, denominator: f64) -> Result<(StepStats, usize)> {
+    fn loss(
+        &mut self,
+        s: &Sample,
+        anchors: &[usize],
+        dims: Dims,
+        denominator: f64,
+    ) -> Result<(StepStats, usize)> {
         let c = self.d.cfg.clone();
         let lc = self.locals(dims);
-        let Locals { h, bs, slen, nb, m, mx, hn, .. } = lc;
+        let Locals {
+            h,
+            bs,
+            slen,
+            nb,
+            m,
+            mx,
+            hn,
+            ..
+        } = lc;
         let w = &self.w;
         let ops = &mut self.ops;
         // Loss over the weighted slots: their rows gathered, the vocabulary in chunks.
@@ -957,7 +1379,13 @@ impl GpuDrafter {
                 (wgt > 0.0).then(|| (i, s.ids[anchors[n] + k], wgt))
             })
             .collect();
-        let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], tokens: slen as u64, anchors: nb as u64, ..Default::default() };
+        let mut stats = StepStats {
+            slot_correct: vec![0; bs],
+            slot_total: vec![0; bs],
+            tokens: slen as u64,
+            anchors: nb as u64,
+            ..Default::default()
+        };
         let n = rows.len();
         let mut correct = vec![false; m];
         if n > 0 {
@@ -965,14 +1393,25 @@ impl GpuDrafter {
             let labels: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
             let scale: Vec<f32> = rows.iter().map(|r| (r.2 / denominator) as f32).collect();
             ops.dev.upload(Stream::Compute, w.rows, u32_bytes(&idx))?;
-            ops.dev.upload(Stream::Compute, w.labels, i32_bytes(&labels))?;
-            ops.dev.upload(Stream::Compute, w.scale, f32_bytes(&scale))?;
-            let (xr, labels_d, scale_d) = (w.xrows.f32s(0..n * h), w.labels.f32s(0..n), w.scale.f32s(0..n));
+            ops.dev
+                .upload(Stream::Compute, w.labels, i32_bytes(&labels))?;
+            ops.dev
+                .upload(Stream::Compute, w.scale, f32_bytes(&scale))?;
+            let (xr, labels_d, scale_d) = (
+                w.xrows.f32s(0..n * h),
+                w.labels.f32s(0..n),
+                w.scale.f32s(0..n),
+            );
             ops.embed(xr, hn, w.rows.f32s(0..n), n, h, m)?;
             let [rmax, sm, bv, bi, ll] = w.ce.map(|b| b.f32s(0..n));
-            ops.dev.upload(Stream::Compute, rmax, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
+            ops.dev.upload(
+                Stream::Compute,
+                rmax,
+                f32_bytes(&vec![f32::NEG_INFINITY; n]),
+            )?;
             ops.dev.memset_zero(Stream::Compute, sm)?;
-            ops.dev.upload(Stream::Compute, bv, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
+            ops.dev
+                .upload(Stream::Compute, bv, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
             ops.dev.memset_zero(Stream::Compute, bi)?;
             ops.dev.memset_zero(Stream::Compute, ll)?;
             for start in (0..c.vocab).step_by(CHUNK) {
@@ -981,11 +1420,16 @@ impl GpuDrafter {
                 mx.mm(ops, xr, lc.lmw(start, cw), l, n, h, cw)?;
                 ops.ce_chunk_stats(rmax, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
             }
-            let (mut vmax, mut vsum, mut vll, mut vbi) = (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-            ops.dev.download(Stream::Compute, rmax, f32_bytes_mut(&mut vmax))?;
-            ops.dev.download(Stream::Compute, sm, f32_bytes_mut(&mut vsum))?;
-            ops.dev.download(Stream::Compute, ll, f32_bytes_mut(&mut vll))?;
-            ops.dev.download(Stream::Compute, bi, f32_bytes_mut(&mut vbi))?;
+            let (mut vmax, mut vsum, mut vll, mut vbi) =
+                (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            ops.dev
+                .download(Stream::Compute, rmax, f32_bytes_mut(&mut vmax))?;
+            ops.dev
+                .download(Stream::Compute, sm, f32_bytes_mut(&mut vsum))?;
+            ops.dev
+                .download(Stream::Compute, ll, f32_bytes_mut(&mut vll))?;
+            ops.dev
+                .download(Stream::Compute, bi, f32_bytes_mut(&mut vbi))?;
             for (r, &(i, label, wgt)) in rows.iter().enumerate() {
                 let ce = vmax[r] as f64 + (vsum[r] as f64).ln() - vll[r] as f64;
                 let ok = vbi[r].to_bits() as i32 == label as i32;
@@ -1008,7 +1452,11 @@ impl GpuDrafter {
             }
         }
         for a in 0..nb {
-            let run = (1..bs).take_while(|&k| self.d.slot_weight(anchors[a], k, s.mask) > 0.0 && correct[a * bs + k]).count();
+            let run = (1..bs)
+                .take_while(|&k| {
+                    self.d.slot_weight(anchors[a], k, s.mask) > 0.0 && correct[a * bs + k]
+                })
+                .count();
             stats.accept_sum += 1.0 + run as f64;
             stats.blocks += 1;
         }
@@ -1022,7 +1470,32 @@ impl GpuDrafter {
         let n = supervised;
         let c = self.d.cfg.clone();
         let lc = self.locals(dims);
-        let Locals { h, hd, inter, qd, kd, qh, kvh, slen, m, tk, fc, hnorm, fnorm, pw, gw, mx, taps, ctx_pre, ctx, ctx_rstd, hcur, spans_d, rstd_f, .. } = lc;
+        let Locals {
+            h,
+            hd,
+            inter,
+            qd,
+            kd,
+            qh,
+            kvh,
+            slen,
+            m,
+            tk,
+            fc,
+            hnorm,
+            fnorm,
+            pw,
+            gw,
+            mx,
+            taps,
+            ctx_pre,
+            ctx,
+            ctx_rstd,
+            hcur,
+            spans_d,
+            rstd_f,
+            ..
+        } = lc;
         let w = &self.w;
         let layers = self.d.layers.clone();
         let mut plan = self.bucket_plan().into_iter();
@@ -1052,45 +1525,246 @@ impl GpuDrafter {
         for (li, sv) in layers.iter().zip(&self.saved).rev() {
             let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
             let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
-            let (x, x2, h_in, h_mid) = (sv.x.f32s(0..m * h), sv.x2.f32s(0..m * h), sv.h_in.f32s(0..m * h), sv.h_mid.f32s(0..m * h));
-            let (gt, u, act) = (sv.g.f32s(0..m * inter), sv.u.f32s(0..m * inter), sv.act.f32s(0..m * inter));
-            let (dact, dg, du) = (w.dact.f32s(0..m * inter), w.dg.f32s(0..m * inter), w.du.f32s(0..m * inter));
+            let (x, x2, h_in, h_mid) = (
+                sv.x.f32s(0..m * h),
+                sv.x2.f32s(0..m * h),
+                sv.h_in.f32s(0..m * h),
+                sv.h_mid.f32s(0..m * h),
+            );
+            let (gt, u, act) = (
+                sv.g.f32s(0..m * inter),
+                sv.u.f32s(0..m * inter),
+                sv.act.f32s(0..m * inter),
+            );
+            let (dact, dg, du) = (
+                w.dact.f32s(0..m * inter),
+                w.dg.f32s(0..m * inter),
+                w.du.f32s(0..m * inter),
+            );
             let (dx2, dx) = (w.dx2.f32s(0..m * h), w.dx.f32s(0..m * h));
             for b in [dact, dg, du, dx2, dx] {
                 ops.dev.memset_zero(Stream::Compute, b)?;
             }
             // MLP branch.
-            mx.mm_back(ops, dh, act, lc.pp(&li.down), Some(dact), Some(gr(&li.down)), m, inter, h)?;
+            mx.mm_back(
+                ops,
+                dh,
+                act,
+                lc.pp(&li.down),
+                Some(dact),
+                Some(gr(&li.down)),
+                m,
+                inter,
+                h,
+            )?;
             ops.swiglu_backward(dact, gt, u, dg, du)?;
-            mx.mm_back(ops, dg, x2, lc.pp(&li.gate), Some(dx2), Some(gr(&li.gate)), m, h, inter)?;
-            mx.mm_back(ops, du, x2, lc.pp(&li.up), Some(dx2), Some(gr(&li.up)), m, h, inter)?;
-            ops.rmsnorm_backward(dx2, h_mid, p(&li.ln2), sv.rstd2.f32s(0..m), dh, Some(gr(&li.ln2)), m, h)?;
+            mx.mm_back(
+                ops,
+                dg,
+                x2,
+                lc.pp(&li.gate),
+                Some(dx2),
+                Some(gr(&li.gate)),
+                m,
+                h,
+                inter,
+            )?;
+            mx.mm_back(
+                ops,
+                du,
+                x2,
+                lc.pp(&li.up),
+                Some(dx2),
+                Some(gr(&li.up)),
+                m,
+                h,
+                inter,
+            )?;
+            ops.rmsnorm_backward(
+                dx2,
+                h_mid,
+                p(&li.ln2),
+                sv.rstd2.f32s(0..m),
+                dh,
+                Some(gr(&li.ln2)),
+                m,
+                h,
+            )?;
             // Attention branch.
-            let (datt, dq, dk, dv) = (w.datt.f32s(0..m * qd), w.dq.f32s(0..m * qd), w.dk.f32s(0..tk * kd), w.dv.f32s(0..tk * kd));
+            let (datt, dq, dk, dv) = (
+                w.datt.f32s(0..m * qd),
+                w.dq.f32s(0..m * qd),
+                w.dk.f32s(0..tk * kd),
+                w.dv.f32s(0..tk * kd),
+            );
             let (dq_pre, dk_pre) = (w.dq_pre.f32s(0..m * qd), w.dk_pre.f32s(0..tk * kd));
             for b in [datt, dq, dk, dv, dq_pre, dk_pre] {
                 ops.dev.memset_zero(Stream::Compute, b)?;
             }
-            let (att, q, k, v) = (sv.att.f32s(0..m * qd), sv.q.f32s(0..m * qd), sv.k.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
-            mx.mm_back(ops, dh, att, lc.pp(&li.wo), Some(datt), Some(gr(&li.wo)), m, qd, h)?;
-            ops.attention_backward(datt, att, sv.lse.f32s(0..m * qh), q, k, v, spans_d, dq, dk, dv, m, qh, kvh, hd)?;
-            ops.rope(dq, w.block_pos.f32s(0..m), self.inv_freq, m, qh, hd, self.d.rope_scale, true)?;
-            ops.rope(dk, w.key_pos.f32s(0..tk), self.inv_freq, tk, kvh, hd, self.d.rope_scale, true)?;
-            ops.rmsnorm_backward(dq, sv.q_pre.f32s(0..m * qd), p(&li.qn), sv.q_rstd.f32s(0..m * qh), dq_pre, Some(gr(&li.qn)), m * qh, hd)?;
-            ops.rmsnorm_backward(dk, sv.k_pre.f32s(0..tk * kd), p(&li.kn), sv.k_rstd.f32s(0..tk * kvh), dk_pre, Some(gr(&li.kn)), tk * kvh, hd)?;
-            mx.mm_back(ops, dq_pre, x, lc.pp(&li.wq), Some(dx), Some(gr(&li.wq)), m, h, qd)?;
-            mx.mm_back(ops, dk_pre.f32s(slen * kd..tk * kd), x, lc.pp(&li.wk), Some(dx), Some(gr(&li.wk)), m, h, kd)?;
-            mx.mm_back(ops, dk_pre.f32s(0..slen * kd), ctx, lc.pp(&li.wk), Some(dctx), Some(gr(&li.wk)), slen, h, kd)?;
-            mx.mm_back(ops, dv.f32s(slen * kd..tk * kd), x, lc.pp(&li.wv), Some(dx), Some(gr(&li.wv)), m, h, kd)?;
-            mx.mm_back(ops, dv.f32s(0..slen * kd), ctx, lc.pp(&li.wv), Some(dctx), Some(gr(&li.wv)), slen, h, kd)?;
-            ops.rmsnorm_backward(dx, h_in, p(&li.ln1), sv.rstd1.f32s(0..m), dh, Some(gr(&li.ln1)), m, h)?;
+            let (att, q, k, v) = (
+                sv.att.f32s(0..m * qd),
+                sv.q.f32s(0..m * qd),
+                sv.k.f32s(0..tk * kd),
+                sv.v.f32s(0..tk * kd),
+            );
+            mx.mm_back(
+                ops,
+                dh,
+                att,
+                lc.pp(&li.wo),
+                Some(datt),
+                Some(gr(&li.wo)),
+                m,
+                qd,
+                h,
+            )?;
+            ops.attention_backward(
+                datt,
+                att,
+                sv.lse.f32s(0..m * qh),
+                q,
+                k,
+                v,
+                spans_d,
+                dq,
+                dk,
+                dv,
+                m,
+                qh,
+                kvh,
+                hd,
+            )?;
+            ops.rope(
+                dq,
+                w.block_pos.f32s(0..m),
+                self.inv_freq,
+                m,
+                qh,
+                hd,
+                self.d.rope_scale,
+                true,
+            )?;
+            ops.rope(
+                dk,
+                w.key_pos.f32s(0..tk),
+                self.inv_freq,
+                tk,
+                kvh,
+                hd,
+                self.d.rope_scale,
+                true,
+            )?;
+            ops.rmsnorm_backward(
+                dq,
+                sv.q_pre.f32s(0..m * qd),
+                p(&li.qn),
+                sv.q_rstd.f32s(0..m * qh),
+                dq_pre,
+                Some(gr(&li.qn)),
+                m * qh,
+                hd,
+            )?;
+            ops.rmsnorm_backward(
+                dk,
+                sv.k_pre.f32s(0..tk * kd),
+                p(&li.kn),
+                sv.k_rstd.f32s(0..tk * kvh),
+                dk_pre,
+                Some(gr(&li.kn)),
+                tk * kvh,
+                hd,
+            )?;
+            mx.mm_back(
+                ops,
+                dq_pre,
+                x,
+                lc.pp(&li.wq),
+                Some(dx),
+                Some(gr(&li.wq)),
+                m,
+                h,
+                qd,
+            )?;
+            mx.mm_back(
+                ops,
+                dk_pre.f32s(slen * kd..tk * kd),
+                x,
+                lc.pp(&li.wk),
+                Some(dx),
+                Some(gr(&li.wk)),
+                m,
+                h,
+                kd,
+            )?;
+            mx.mm_back(
+                ops,
+                dk_pre.f32s(0..slen * kd),
+                ctx,
+                lc.pp(&li.wk),
+                Some(dctx),
+                Some(gr(&li.wk)),
+                slen,
+                h,
+                kd,
+            )?;
+            mx.mm_back(
+                ops,
+                dv.f32s(slen * kd..tk * kd),
+                x,
+                lc.pp(&li.wv),
+                Some(dx),
+                Some(gr(&li.wv)),
+                m,
+                h,
+                kd,
+            )?;
+            mx.mm_back(
+                ops,
+                dv.f32s(0..slen * kd),
+                ctx,
+                lc.pp(&li.wv),
+                Some(dctx),
+                Some(gr(&li.wv)),
+                slen,
+                h,
+                kd,
+            )?;
+            ops.rmsnorm_backward(
+                dx,
+                h_in,
+                p(&li.ln1),
+                sv.rstd1.f32s(0..m),
+                dh,
+                Some(gr(&li.ln1)),
+                m,
+                h,
+            )?;
             bucket(ops)?;
         }
         // The block embeddings are frozen: dh stops here. The context goes back to fc.
         let dctx_pre = w.dctx_pre.f32s(0..slen * h);
         ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
-        ops.rmsnorm_backward(dctx, ctx_pre, hnorm, ctx_rstd, dctx_pre, Some(g("hidden_norm.weight")), slen, h)?;
-        mx.mm_back(ops, dctx_pre, taps, fc, None, Some(g("fc.weight")), slen, c.n_taps * h, h)?;
+        ops.rmsnorm_backward(
+            dctx,
+            ctx_pre,
+            hnorm,
+            ctx_rstd,
+            dctx_pre,
+            Some(g("hidden_norm.weight")),
+            slen,
+            h,
+        )?;
+        mx.mm_back(
+            ops,
+            dctx_pre,
+            taps,
+            fc,
+            None,
+            Some(g("fc.weight")),
+            slen,
+            c.n_taps * h,
+            h,
+        )?;
         bucket(ops)?;
         self.buckets = done;
         Ok(())
@@ -1101,12 +1775,30 @@ impl GpuDrafter {
     /// Together they cover every parameter once; every rank has the same.
     pub fn bucket_plan(&self) -> Vec<std::ops::Range<usize>> {
         let lay = &self.d.layout;
-        let span = |ranges: &[std::ops::Range<usize>]| ranges.iter().map(|r| r.start).min().unwrap_or(0)..ranges.iter().map(|r| r.end).max().unwrap_or(0);
+        let span = |ranges: &[std::ops::Range<usize>]| {
+            ranges.iter().map(|r| r.start).min().unwrap_or(0)
+                ..ranges.iter().map(|r| r.end).max().unwrap_or(0)
+        };
         let mut plan = vec![lay.range("norm.weight")];
         for li in self.d.layers.iter().rev() {
-            plan.push(span(&[li.ln1.clone(), li.wq.clone(), li.wk.clone(), li.wv.clone(), li.wo.clone(), li.qn.clone(), li.kn.clone(), li.ln2.clone(), li.gate.clone(), li.up.clone(), li.down.clone()]));
+            plan.push(span(&[
+                li.ln1.clone(),
+                li.wq.clone(),
+                li.wk.clone(),
+                li.wv.clone(),
+                li.wo.clone(),
+                li.qn.clone(),
+                li.kn.clone(),
+                li.ln2.clone(),
+                li.gate.clone(),
+                li.up.clone(),
+                li.down.clone(),
+            ]));
         }
-        plan.push(span(&[lay.range("fc.weight"), lay.range("hidden_norm.weight")]));
+        plan.push(span(&[
+            lay.range("fc.weight"),
+            lay.range("hidden_norm.weight"),
+        ]));
         plan
     }
 }

@@ -22,7 +22,14 @@ extern "C" {
     fn dflash_hd_kernel_count() -> c_int;
     fn dflash_hd_kernel_name(i: c_int) -> *const c_char;
     fn dflash_hd_kernel_sig(i: c_int) -> *const c_char;
-    fn dflash_hd_launch(index: c_int, grid: *const u32, block: *const u32, args: *mut *mut c_void, err: *mut c_char, errlen: usize) -> c_int;
+    fn dflash_hd_launch(
+        index: c_int,
+        grid: *const u32,
+        block: *const u32,
+        args: *mut *mut c_void,
+        err: *mut c_char,
+        errlen: usize,
+    ) -> c_int;
 }
 
 /// The kernels the host device can launch: name → (index, parameter kinds, one letter
@@ -32,8 +39,18 @@ pub fn kernel_table() -> HashMap<String, (i32, String)> {
     unsafe {
         (0..dflash_hd_kernel_count())
             .map(|i| {
-                let name = CStr::from_ptr(dflash_hd_kernel_name(i)).to_string_lossy().into_owned();
-                (name, (i, CStr::from_ptr(dflash_hd_kernel_sig(i)).to_string_lossy().into_owned()))
+                let name = CStr::from_ptr(dflash_hd_kernel_name(i))
+                    .to_string_lossy()
+                    .into_owned();
+                (
+                    name,
+                    (
+                        i,
+                        CStr::from_ptr(dflash_hd_kernel_sig(i))
+                            .to_string_lossy()
+                            .into_owned(),
+                    ),
+                )
             })
             .collect()
     }
@@ -71,7 +88,14 @@ impl Default for HostDevice {
 
 impl HostDevice {
     pub fn new() -> HostDevice {
-        HostDevice { kernels: kernel_table(), allocations: Vec::new(), race: RaceDetector::default(), events: EventTable::default(), launches: 0, memory_limit: None }
+        HostDevice {
+            kernels: kernel_table(),
+            allocations: Vec::new(),
+            race: RaceDetector::default(),
+            events: EventTable::default(),
+            launches: 0,
+            memory_limit: None,
+        }
     }
 
     /// A host device that reports `bytes` of device memory and refuses to allocate more.
@@ -99,9 +123,13 @@ impl Device for HostDevice {
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
         let used: usize = self.allocations.iter().map(|(_, l)| l.size()).sum();
         if self.memory_limit.is_some_and(|limit| used + bytes > limit) {
-            return Err(GpuError::OutOfMemory(format!("{bytes} bytes asked, {used} of {} in use", self.memory_limit.unwrap_or(0))));
+            return Err(GpuError::OutOfMemory(format!(
+                "{bytes} bytes asked, {used} of {} in use",
+                self.memory_limit.unwrap_or(0)
+            )));
         }
-        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256).map_err(|e| GpuError::Invalid(e.to_string()))?;
+        let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256)
+            .map_err(|e| GpuError::Invalid(e.to_string()))?;
         // SAFETY: non-zero size. Zeroed: a fresh GPU allocation is not, but a test should
         // not depend on garbage either way.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -109,7 +137,13 @@ impl Device for HostDevice {
             return Err(GpuError::OutOfMemory(format!("{bytes} bytes")));
         }
         self.allocations.push((p, layout));
-        self.track(DSlice { ptr: p as u64, bytes }, "allocation");
+        self.track(
+            DSlice {
+                ptr: p as u64,
+                bytes,
+            },
+            "allocation",
+        );
         Ok(p as u64)
     }
 
@@ -128,10 +162,23 @@ impl Device for HostDevice {
 
     fn upload(&mut self, s: Stream, dst: DSlice, src: &[u8]) -> Result<()> {
         if src.len() > dst.bytes {
-            return Err(GpuError::Invalid(format!("upload of {} bytes into {}", src.len(), dst.bytes)));
+            return Err(GpuError::Invalid(format!(
+                "upload of {} bytes into {}",
+                src.len(),
+                dst.bytes
+            )));
         }
         let seq = self.race.op(s);
-        self.race.on_stream(s, seq, DSlice { ptr: dst.ptr, bytes: src.len() }, true, "an upload")?;
+        self.race.on_stream(
+            s,
+            seq,
+            DSlice {
+                ptr: dst.ptr,
+                bytes: src.len(),
+            },
+            true,
+            "an upload",
+        )?;
         // SAFETY: dst is device (= host) memory of at least src.len() bytes.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.ptr as *mut u8, src.len()) };
         Ok(())
@@ -139,10 +186,23 @@ impl Device for HostDevice {
 
     fn download(&mut self, s: Stream, src: DSlice, dst: &mut [u8]) -> Result<()> {
         if dst.len() > src.bytes {
-            return Err(GpuError::Invalid(format!("download of {} bytes from {}", dst.len(), src.bytes)));
+            return Err(GpuError::Invalid(format!(
+                "download of {} bytes from {}",
+                dst.len(),
+                src.bytes
+            )));
         }
         let seq = self.race.op(s);
-        self.race.on_stream(s, seq, DSlice { ptr: src.ptr, bytes: dst.len() }, false, "a download")?;
+        self.race.on_stream(
+            s,
+            seq,
+            DSlice {
+                ptr: src.ptr,
+                bytes: dst.len(),
+            },
+            false,
+            "a download",
+        )?;
         // SAFETY: as in upload.
         unsafe { std::ptr::copy_nonoverlapping(src.ptr as *const u8, dst.as_mut_ptr(), dst.len()) };
         self.race.host_waited_for(s);
@@ -151,15 +211,34 @@ impl Device for HostDevice {
 
     unsafe fn download_async(&mut self, s: Stream, src: DSlice, dst: *mut u8) -> Result<()> {
         let seq = self.race.op(s);
-        self.race.on_stream(s, seq, src, false, "an async download")?;
-        self.race.on_stream(s, seq, DSlice { ptr: dst as u64, bytes: src.bytes }, true, "an async download")?;
+        self.race
+            .on_stream(s, seq, src, false, "an async download")?;
+        self.race.on_stream(
+            s,
+            seq,
+            DSlice {
+                ptr: dst as u64,
+                bytes: src.bytes,
+            },
+            true,
+            "an async download",
+        )?;
         std::ptr::copy_nonoverlapping(src.ptr as *const u8, dst, src.bytes);
         Ok(())
     }
 
     unsafe fn upload_async(&mut self, s: Stream, dst: DSlice, src: *const u8) -> Result<()> {
         let seq = self.race.op(s);
-        self.race.on_stream(s, seq, DSlice { ptr: src as u64, bytes: dst.bytes }, false, "an async upload")?;
+        self.race.on_stream(
+            s,
+            seq,
+            DSlice {
+                ptr: src as u64,
+                bytes: dst.bytes,
+            },
+            false,
+            "an async upload",
+        )?;
         self.race.on_stream(s, seq, dst, true, "an async upload")?;
         std::ptr::copy_nonoverlapping(src, dst.ptr as *mut u8, dst.bytes);
         Ok(())
@@ -171,12 +250,24 @@ impl Device for HostDevice {
         if let Some(bad) = read_only_range(ptr as u64, bytes as u64) {
             return Err(GpuError::Invalid(format!("register_host: {bad} inside the range is mapped read-only (cuMemHostRegister would fail)")));
         }
-        self.track(DSlice { ptr: ptr as u64, bytes }, "pinned host memory");
+        self.track(
+            DSlice {
+                ptr: ptr as u64,
+                bytes,
+            },
+            "pinned host memory",
+        );
         Ok(())
     }
 
     fn host_access(&mut self, ptr: *const u8, bytes: usize, write: bool) -> Result<()> {
-        self.race.host_access(DSlice { ptr: ptr as u64, bytes }, write)
+        self.race.host_access(
+            DSlice {
+                ptr: ptr as u64,
+                bytes,
+            },
+            write,
+        )
     }
 
     fn memset_zero(&mut self, s: Stream, dst: DSlice) -> Result<()> {
@@ -187,16 +278,37 @@ impl Device for HostDevice {
         Ok(())
     }
 
-    fn launch(&mut self, s: Stream, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
-        let (index, sig) = self.kernels.get(kernel).ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?;
+    fn launch(
+        &mut self,
+        s: Stream,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let (index, sig) = self
+            .kernels
+            .get(kernel)
+            .ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?;
         let index = *index;
         if sig.len() != args.len() {
-            return Err(GpuError::Invalid(format!("{kernel} takes {} arguments, {} given", sig.len(), args.len())));
+            return Err(GpuError::Invalid(format!(
+                "{kernel} takes {} arguments, {} given",
+                sig.len(),
+                args.len()
+            )));
         }
         // A GPU launch copies each parameter's own size from the argument: a 4-byte value
         // for an 8-byte parameter would be read with garbage. Refuse it here.
-        if let Some((i, (want, a))) = sig.chars().zip(args).enumerate().find(|(_, (want, a))| arg_kind(a) != *want) {
-            return Err(GpuError::Invalid(format!("{kernel}: parameter {i} is of kind '{want}', given {a:?}")));
+        if let Some((i, (want, a))) = sig
+            .chars()
+            .zip(args)
+            .enumerate()
+            .find(|(_, (want, a))| arg_kind(a) != *want)
+        {
+            return Err(GpuError::Invalid(format!(
+                "{kernel}: parameter {i} is of kind '{want}', given {a:?}"
+            )));
         }
         self.race.launch(s, kernel, args)?;
         // Each argument in its own 8-byte cell; scalars narrower than 8 bytes sit in the
@@ -217,10 +329,21 @@ impl Device for HostDevice {
         let mut err = [0 as c_char; 256];
         // SAFETY: the kernel's parameters match `args` in count (checked) and in type (the
         // ops layer's contract); every buffer is host memory of the stated size.
-        let rc = unsafe { dflash_hd_launch(index, g.as_ptr(), b.as_ptr(), ptrs.as_mut_ptr(), err.as_mut_ptr(), err.len()) };
+        let rc = unsafe {
+            dflash_hd_launch(
+                index,
+                g.as_ptr(),
+                b.as_ptr(),
+                ptrs.as_mut_ptr(),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
         if rc != 0 {
             // SAFETY: the launcher wrote a NUL-terminated message.
-            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }
+                .to_string_lossy()
+                .into_owned();
             return Err(GpuError::Invalid(msg));
         }
         self.launches += 1;
@@ -271,7 +394,10 @@ fn read_only_range(lo: u64, len: u64) -> Option<String> {
         let mut f = line.split_whitespace();
         let (range, perms) = (f.next()?, f.next()?);
         let (a, b) = range.split_once('-')?;
-        let (a, b) = (u64::from_str_radix(a, 16).ok()?, u64::from_str_radix(b, 16).ok()?);
+        let (a, b) = (
+            u64::from_str_radix(a, 16).ok()?,
+            u64::from_str_radix(b, 16).ok()?,
+        );
         if a < hi && b > lo && !perms.contains('w') {
             return Some(format!("{:#x}..{:#x} ({perms})", a.max(lo), b.min(hi)));
         }
@@ -298,8 +424,16 @@ pub unsafe fn sgemm_colmajor(g: &Gemm, par: gemm::Parallelism) {
     }
     let c = g.c.ptr as *mut f32;
     // op(A) element (i, p): A[i + p·lda], or A[p + i·lda] transposed.
-    let (a_rs, a_cs) = if g.transa { (g.lda as isize, 1) } else { (1, g.lda as isize) };
-    let (b_rs, b_cs) = if g.transb { (g.ldb as isize, 1) } else { (1, g.ldb as isize) };
+    let (a_rs, a_cs) = if g.transa {
+        (g.lda as isize, 1)
+    } else {
+        (1, g.lda as isize)
+    };
+    let (b_rs, b_cs) = if g.transb {
+        (g.ldb as isize, 1)
+    } else {
+        (1, g.ldb as isize)
+    };
     if k == 0 || g.alpha == 0.0 {
         for j in 0..n {
             for i in 0..m {

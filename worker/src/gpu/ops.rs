@@ -38,7 +38,11 @@ pub struct Ops {
 
 impl Ops {
     pub fn new(dev: Box<dyn Device>) -> Ops {
-        Ops { dev, stream: Stream::Compute, act16: false }
+        Ops {
+            dev,
+            stream: Stream::Compute,
+            act16: false,
+        }
     }
 
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
@@ -61,136 +65,422 @@ impl Ops {
 
     /// [`matmul`](Self::matmul) on activations: with bf16 activations, bf16 `x`, `w` and
     /// `y` (f32 accumulation, one rounding of the result); else f32.
-    pub fn matmul_act(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
+    pub fn matmul_act(
+        &mut self,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
         self.linear(x, w, y, m, k, n, self.act16, self.act16)
     }
 
     /// `y = x · wᵀ` as one cuBLAS-convention GEMM, with bf16 inputs and/or output.
     #[allow(clippy::too_many_arguments)]
-    fn linear(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize, bf16_inputs: bool, bf16_output: bool) -> Result<()> {
-        let g = Gemm { transa: true, transb: false, m: n, n: m, k, alpha: 1.0, a: w, lda: k, b: x, ldb: k, beta: 0.0, c: y, ldc: n, bf16_inputs, bf16_output };
+    fn linear(
+        &mut self,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+        bf16_inputs: bool,
+        bf16_output: bool,
+    ) -> Result<()> {
+        let g = Gemm {
+            transa: true,
+            transb: false,
+            m: n,
+            n: m,
+            k,
+            alpha: 1.0,
+            a: w,
+            lda: k,
+            b: x,
+            ldb: k,
+            beta: 0.0,
+            c: y,
+            ldc: n,
+            bf16_inputs,
+            bf16_output,
+        };
         self.dev.gemm(self.stream, &g)
     }
 
     /// `y[m,n] = x[m,k] · w[n,k]ᵀ` (row-major), as one cuBLAS-convention GEMM:
     /// column-major `yᵀ = op(w)·xᵀ` with `op = T`.
-    pub fn matmul(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
+    pub fn matmul(
+        &mut self,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
         self.linear(x, w, y, m, k, n, false, false)
     }
 
     /// [`matmul`](Self::matmul) with `x` and `w` in bf16 (`y` f32, f32 accumulation).
-    pub fn matmul_bf16(&mut self, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize) -> Result<()> {
+    pub fn matmul_bf16(
+        &mut self,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
         self.linear(x, w, y, m, k, n, true, false)
     }
 
     /// Backward of [`matmul`](Self::matmul): `dx += dy · w`, `dw += dyᵀ · x`.
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_backward(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize) -> Result<()> {
+    pub fn matmul_backward(
+        &mut self,
+        dy: DSlice,
+        x: DSlice,
+        w: DSlice,
+        dx: Option<DSlice>,
+        dw: Option<DSlice>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
         self.matmul_backward_ex(dy, x, w, dx, dw, m, k, n, false)
     }
 
     /// [`matmul_backward`](Self::matmul_backward) with `dy`, `x` and `w` in bf16 (`dx`
     /// and `dw` f32, f32 accumulation).
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul_backward_bf16(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize) -> Result<()> {
+    pub fn matmul_backward_bf16(
+        &mut self,
+        dy: DSlice,
+        x: DSlice,
+        w: DSlice,
+        dx: Option<DSlice>,
+        dw: Option<DSlice>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
         self.matmul_backward_ex(dy, x, w, dx, dw, m, k, n, true)
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn matmul_backward_ex(&mut self, dy: DSlice, x: DSlice, w: DSlice, dx: Option<DSlice>, dw: Option<DSlice>, m: usize, k: usize, n: usize, bf16_inputs: bool) -> Result<()> {
+    fn matmul_backward_ex(
+        &mut self,
+        dy: DSlice,
+        x: DSlice,
+        w: DSlice,
+        dx: Option<DSlice>,
+        dw: Option<DSlice>,
+        m: usize,
+        k: usize,
+        n: usize,
+        bf16_inputs: bool,
+    ) -> Result<()> {
         if let Some(dx) = dx {
             // column-major dxᵀ[k,m] += w_c[k,n] · dy_c[n,m]
-            let g = Gemm { transa: false, transb: false, m: k, n: m, k: n, alpha: 1.0, a: w, lda: k, b: dy, ldb: n, beta: 1.0, c: dx, ldc: k, bf16_inputs, bf16_output: false };
+            let g = Gemm {
+                transa: false,
+                transb: false,
+                m: k,
+                n: m,
+                k: n,
+                alpha: 1.0,
+                a: w,
+                lda: k,
+                b: dy,
+                ldb: n,
+                beta: 1.0,
+                c: dx,
+                ldc: k,
+                bf16_inputs,
+                bf16_output: false,
+            };
             self.dev.gemm(self.stream, &g)?;
         }
         if let Some(dw) = dw {
             // column-major dwᵀ[k,n] += x_c[k,m] · (dy_c[n,m])ᵀ
-            let g = Gemm { transa: false, transb: true, m: k, n, k: m, alpha: 1.0, a: x, lda: k, b: dy, ldb: n, beta: 1.0, c: dw, ldc: k, bf16_inputs, bf16_output: false };
+            let g = Gemm {
+                transa: false,
+                transb: true,
+                m: k,
+                n,
+                k: m,
+                alpha: 1.0,
+                a: x,
+                lda: k,
+                b: dy,
+                ldb: n,
+                beta: 1.0,
+                c: dw,
+                ldc: k,
+                bf16_inputs,
+                bf16_output: false,
+            };
             self.dev.gemm(self.stream, &g)?;
         }
         Ok(())
     }
 
     /// `out[i,:] = table[ids[i],:]` (ids: u32, clamped to the vocabulary).
-    pub fn embed(&mut self, out: DSlice, table: DSlice, ids: DSlice, rows: usize, h: usize, vocab: usize) -> Result<()> {
-        self.launch_act("embed_gather", rows as u32, row_block(h), &[Arg::W(out), Arg::R(table), Arg::R(ids), Arg::I32(h as i32), Arg::I32(vocab as i32)])
+    pub fn embed(
+        &mut self,
+        out: DSlice,
+        table: DSlice,
+        ids: DSlice,
+        rows: usize,
+        h: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        self.launch_act(
+            "embed_gather",
+            rows as u32,
+            row_block(h),
+            &[
+                Arg::W(out),
+                Arg::R(table),
+                Arg::R(ids),
+                Arg::I32(h as i32),
+                Arg::I32(vocab as i32),
+            ],
+        )
     }
 
     /// `dst[idx[i], :] += src[i, :]` for `rows` rows (idx: u32, distinct).
-    pub fn scatter_add_rows(&mut self, dst: DSlice, src: DSlice, idx: DSlice, rows: usize, h: usize) -> Result<()> {
-        self.launch("scatter_add_rows", rows as u32, row_block(h), &[Arg::RW(dst), Arg::R(src), Arg::R(idx), Arg::I32(h as i32)])
+    pub fn scatter_add_rows(
+        &mut self,
+        dst: DSlice,
+        src: DSlice,
+        idx: DSlice,
+        rows: usize,
+        h: usize,
+    ) -> Result<()> {
+        self.launch(
+            "scatter_add_rows",
+            rows as u32,
+            row_block(h),
+            &[Arg::RW(dst), Arg::R(src), Arg::R(idx), Arg::I32(h as i32)],
+        )
     }
 
     /// RMSNorm of `rows` rows of width `d`; writes `y` and the reciprocal RMS per row.
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm(&mut self, x: DSlice, w: DSlice, y: DSlice, rstd: DSlice, rows: usize, d: usize, eps: f32) -> Result<()> {
-        self.launch_act("rmsnorm_fwd", rows as u32, row_block(d), &[Arg::W(y), Arg::W(rstd), Arg::R(x), Arg::R(w), Arg::I32(d as i32), Arg::F32(eps)])
+    pub fn rmsnorm(
+        &mut self,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        rstd: DSlice,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.launch_act(
+            "rmsnorm_fwd",
+            rows as u32,
+            row_block(d),
+            &[
+                Arg::W(y),
+                Arg::W(rstd),
+                Arg::R(x),
+                Arg::R(w),
+                Arg::I32(d as i32),
+                Arg::F32(eps),
+            ],
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_backward(&mut self, dy: DSlice, x: DSlice, w: DSlice, rstd: DSlice, dx: DSlice, dw: Option<DSlice>, rows: usize, d: usize) -> Result<()> {
+    pub fn rmsnorm_backward(
+        &mut self,
+        dy: DSlice,
+        x: DSlice,
+        w: DSlice,
+        rstd: DSlice,
+        dx: DSlice,
+        dw: Option<DSlice>,
+        rows: usize,
+        d: usize,
+    ) -> Result<()> {
         let dw = dw.map_or(Arg::Null, Arg::RW);
-        self.launch("rmsnorm_bwd", rows as u32, row_block(d), &[Arg::RW(dx), dw, Arg::R(dy), Arg::R(x), Arg::R(w), Arg::R(rstd), Arg::I32(d as i32)])
+        self.launch(
+            "rmsnorm_bwd",
+            rows as u32,
+            row_block(d),
+            &[
+                Arg::RW(dx),
+                dw,
+                Arg::R(dy),
+                Arg::R(x),
+                Arg::R(w),
+                Arg::R(rstd),
+                Arg::I32(d as i32),
+            ],
+        )
     }
 
     /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&mut self, x: DSlice, pos: DSlice, inv_freq: DSlice, rows: usize, heads: usize, head_dim: usize, scale: f32, inverse: bool) -> Result<()> {
+    pub fn rope(
+        &mut self,
+        x: DSlice,
+        pos: DSlice,
+        inv_freq: DSlice,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+        inverse: bool,
+    ) -> Result<()> {
         self.launch_act(
             "rope",
             rows as u32,
             row_block(heads * head_dim / 2),
-            &[Arg::RW(x), Arg::R(pos), Arg::R(inv_freq), Arg::I32(heads as i32), Arg::I32(head_dim as i32), Arg::F32(scale), Arg::I32(inverse as i32)],
+            &[
+                Arg::RW(x),
+                Arg::R(pos),
+                Arg::R(inv_freq),
+                Arg::I32(heads as i32),
+                Arg::I32(head_dim as i32),
+                Arg::F32(scale),
+                Arg::I32(inverse as i32),
+            ],
         )
     }
 
     pub fn swiglu(&mut self, gate: DSlice, up: DSlice, out: DSlice) -> Result<()> {
         let n = self.act_len(out);
-        self.launch_act("swiglu_fwd", grid_for(n), BLOCK, &[Arg::W(out), Arg::R(gate), Arg::R(up), Arg::I64(n as i64)])
+        self.launch_act(
+            "swiglu_fwd",
+            grid_for(n),
+            BLOCK,
+            &[Arg::W(out), Arg::R(gate), Arg::R(up), Arg::I64(n as i64)],
+        )
     }
 
-    pub fn swiglu_backward(&mut self, dout: DSlice, gate: DSlice, up: DSlice, dgate: DSlice, dup: DSlice) -> Result<()> {
+    pub fn swiglu_backward(
+        &mut self,
+        dout: DSlice,
+        gate: DSlice,
+        up: DSlice,
+        dgate: DSlice,
+        dup: DSlice,
+    ) -> Result<()> {
         let n = dout.len_f32();
-        self.launch("swiglu_bwd", grid_for(n), BLOCK, &[Arg::RW(dgate), Arg::RW(dup), Arg::R(dout), Arg::R(gate), Arg::R(up), Arg::I64(n as i64)])
+        self.launch(
+            "swiglu_bwd",
+            grid_for(n),
+            BLOCK,
+            &[
+                Arg::RW(dgate),
+                Arg::RW(dup),
+                Arg::R(dout),
+                Arg::R(gate),
+                Arg::R(up),
+                Arg::I64(n as i64),
+            ],
+        )
     }
 
     /// `x += y`
     pub fn add(&mut self, x: DSlice, y: DSlice) -> Result<()> {
         let n = self.act_len(x);
-        self.launch_act("add_inplace", grid_for(n), BLOCK, &[Arg::RW(x), Arg::R(y), Arg::I64(n as i64)])
+        self.launch_act(
+            "add_inplace",
+            grid_for(n),
+            BLOCK,
+            &[Arg::RW(x), Arg::R(y), Arg::I64(n as i64)],
+        )
     }
 
     /// `dst[r, dst_off..dst_off+width] = src[r, src_off..src_off+width]` for `rows` rows.
     #[allow(clippy::too_many_arguments)]
-    pub fn copy_cols(&mut self, dst: DSlice, src: DSlice, rows: usize, width: usize, dst_stride: usize, dst_off: usize, src_stride: usize, src_off: usize) -> Result<()> {
+    pub fn copy_cols(
+        &mut self,
+        dst: DSlice,
+        src: DSlice,
+        rows: usize,
+        width: usize,
+        dst_stride: usize,
+        dst_off: usize,
+        src_stride: usize,
+        src_off: usize,
+    ) -> Result<()> {
         self.launch_act(
             "copy_cols",
             rows as u32,
             row_block(width),
-            &[Arg::RW(dst), Arg::R(src), Arg::I32(width as i32), Arg::I32(dst_stride as i32), Arg::I32(dst_off as i32), Arg::I32(src_stride as i32), Arg::I32(src_off as i32)],
+            &[
+                Arg::RW(dst),
+                Arg::R(src),
+                Arg::I32(width as i32),
+                Arg::I32(dst_stride as i32),
+                Arg::I32(dst_off as i32),
+                Arg::I32(src_stride as i32),
+                Arg::I32(src_off as i32),
+            ],
         )
     }
 
     pub fn bf16_to_f32(&mut self, out: DSlice, input: DSlice) -> Result<()> {
         let n = out.len_f32();
-        self.launch("bf16_to_f32", grid_for(n), BLOCK, &[Arg::W(out), Arg::R(input), Arg::I64(n as i64)])
+        self.launch(
+            "bf16_to_f32",
+            grid_for(n),
+            BLOCK,
+            &[Arg::W(out), Arg::R(input), Arg::I64(n as i64)],
+        )
     }
 
     pub fn f32_to_bf16(&mut self, out: DSlice, input: DSlice) -> Result<()> {
         let n = input.len_f32();
-        self.launch("f32_to_bf16", grid_for(n), BLOCK, &[Arg::W(out), Arg::R(input), Arg::I64(n as i64)])
+        self.launch(
+            "f32_to_bf16",
+            grid_for(n),
+            BLOCK,
+            &[Arg::W(out), Arg::R(input), Arg::I64(n as i64)],
+        )
     }
 
     /// Attention of `tq` query rows over key spans (`spans`: 4 i32 per row, see
     /// kernels.cu); writes `out` and the log-sum-exp per (row, head) for the backward.
     #[allow(clippy::too_many_arguments)]
-    pub fn attention(&mut self, q: DSlice, k: DSlice, v: DSlice, out: DSlice, lse: DSlice, spans: DSlice, tq: usize, qh: usize, kvh: usize, hd: usize) -> Result<()> {
+    pub fn attention(
+        &mut self,
+        q: DSlice,
+        k: DSlice,
+        v: DSlice,
+        out: DSlice,
+        lse: DSlice,
+        spans: DSlice,
+        tq: usize,
+        qh: usize,
+        kvh: usize,
+        hd: usize,
+    ) -> Result<()> {
         check_heads(qh, kvh, hd)?;
         self.launch_act(
             "attention_fwd",
             attention_grid(tq, qh),
             32,
-            &[Arg::W(out), Arg::W(lse), Arg::R(q), Arg::R(k), Arg::R(v), Arg::R(spans), Arg::I32(tq as i32), Arg::I32(qh as i32), Arg::I32(kvh as i32), Arg::I32(hd as i32)],
+            &[
+                Arg::W(out),
+                Arg::W(lse),
+                Arg::R(q),
+                Arg::R(k),
+                Arg::R(v),
+                Arg::R(spans),
+                Arg::I32(tq as i32),
+                Arg::I32(qh as i32),
+                Arg::I32(kvh as i32),
+                Arg::I32(hd as i32),
+            ],
         )
     }
 
@@ -240,7 +530,19 @@ impl Ops {
     /// Fold one vocabulary chunk of logits (`[n, cw]`, ids `start..start+cw`) into each
     /// row's running max / Σexp / argmax / label logit (`labels`: i32 per row).
     #[allow(clippy::too_many_arguments)]
-    pub fn ce_chunk_stats(&mut self, run_max: DSlice, run_sum: DSlice, best_v: DSlice, best_i: DSlice, label_logit: DSlice, logits: DSlice, labels: DSlice, n: usize, cw: usize, start: usize) -> Result<()> {
+    pub fn ce_chunk_stats(
+        &mut self,
+        run_max: DSlice,
+        run_sum: DSlice,
+        best_v: DSlice,
+        best_i: DSlice,
+        label_logit: DSlice,
+        logits: DSlice,
+        labels: DSlice,
+        n: usize,
+        cw: usize,
+        start: usize,
+    ) -> Result<()> {
         self.launch(
             "ce_chunk_stats",
             n as u32,
@@ -261,26 +563,68 @@ impl Ops {
 
     /// Logits of a chunk → `scale[row]·(softmax − onehot(label))`, in place.
     #[allow(clippy::too_many_arguments)]
-    pub fn ce_chunk_grad(&mut self, logits: DSlice, run_max: DSlice, run_sum: DSlice, labels: DSlice, scale: DSlice, n: usize, cw: usize, start: usize) -> Result<()> {
+    pub fn ce_chunk_grad(
+        &mut self,
+        logits: DSlice,
+        run_max: DSlice,
+        run_sum: DSlice,
+        labels: DSlice,
+        scale: DSlice,
+        n: usize,
+        cw: usize,
+        start: usize,
+    ) -> Result<()> {
         self.launch(
             "ce_chunk_grad",
             n as u32,
             row_block(cw),
-            &[Arg::RW(logits), Arg::R(run_max), Arg::R(run_sum), Arg::R(labels), Arg::R(scale), Arg::I32(cw as i32), Arg::I32(start as i32)],
+            &[
+                Arg::RW(logits),
+                Arg::R(run_max),
+                Arg::R(run_sum),
+                Arg::R(labels),
+                Arg::R(scale),
+                Arg::I32(cw as i32),
+                Arg::I32(start as i32),
+            ],
         )
     }
 
     /// Σg² into `acc` (one f64, overwritten) and `nonfinite` (one i32, set on NaN/inf;
     /// zero it first), through `partials` ([`SUMSQ_BLOCKS`] f64s): each block's share,
     /// then their sum in block order, so the result does not depend on scheduling.
-    pub fn sumsq(&mut self, g: DSlice, partials: DSlice, acc: DSlice, nonfinite: DSlice) -> Result<()> {
+    pub fn sumsq(
+        &mut self,
+        g: DSlice,
+        partials: DSlice,
+        acc: DSlice,
+        nonfinite: DSlice,
+    ) -> Result<()> {
         let n = g.len_f32();
         let blocks = grid_for(n).min(SUMSQ_BLOCKS as u32);
         if partials.bytes < blocks as usize * 8 {
-            return Err(super::GpuError::Invalid(format!("sumsq: {} bytes of partials for {blocks} blocks", partials.bytes)));
+            return Err(super::GpuError::Invalid(format!(
+                "sumsq: {} bytes of partials for {blocks} blocks",
+                partials.bytes
+            )));
         }
-        self.launch("sumsq", blocks, BLOCK, &[Arg::W(partials), Arg::RW(nonfinite), Arg::R(g), Arg::I64(n as i64)])?;
-        self.launch("sumsq_finish", 1, 32, &[Arg::W(acc), Arg::R(partials), Arg::I32(blocks as i32)])
+        self.launch(
+            "sumsq",
+            blocks,
+            BLOCK,
+            &[
+                Arg::W(partials),
+                Arg::RW(nonfinite),
+                Arg::R(g),
+                Arg::I64(n as i64),
+            ],
+        )?;
+        self.launch(
+            "sumsq_finish",
+            1,
+            32,
+            &[Arg::W(acc), Arg::R(partials), Arg::I32(blocks as i32)],
+        )
     }
 
     /// One more Adam step in the device counter `t` (one i32) unless `nonfinite` is set.
@@ -291,7 +635,19 @@ impl Ops {
     /// Clip by the norm in `acc` to `max_norm` (0: no clip) and apply AdamW at the step
     /// count in `t` (after [`adam_count`](Self::adam_count)), unless `nonfinite` is set.
     #[allow(clippy::too_many_arguments)]
-    pub fn adamw(&mut self, p: DSlice, m: DSlice, v: DSlice, g: DSlice, acc: DSlice, nonfinite: DSlice, t: DSlice, max_norm: f32, lr: f32, opt: &AdamHyper) -> Result<()> {
+    pub fn adamw(
+        &mut self,
+        p: DSlice,
+        m: DSlice,
+        v: DSlice,
+        g: DSlice,
+        acc: DSlice,
+        nonfinite: DSlice,
+        t: DSlice,
+        max_norm: f32,
+        lr: f32,
+        opt: &AdamHyper,
+    ) -> Result<()> {
         let n = p.len_f32();
         self.launch(
             "adamw",
@@ -319,7 +675,12 @@ impl Ops {
     /// [`params_hash`] of `p` added into `acc` (one u64; zero it first).
     pub fn params_hash(&mut self, acc: DSlice, p: DSlice) -> Result<()> {
         let n = p.len_f32();
-        self.launch("params_hash", grid_for(n).min(1024), BLOCK, &[Arg::RW(acc), Arg::R(p), Arg::I64(n as i64)])
+        self.launch(
+            "params_hash",
+            grid_for(n).min(1024),
+            BLOCK,
+            &[Arg::RW(acc), Arg::R(p), Arg::I64(n as i64)],
+        )
     }
 }
 
@@ -343,7 +704,9 @@ fn splitmix64(mut z: u64) -> u64 {
 /// << 32 ^ i), wrapping. Order-free, so the device's grid does not change it; one flipped
 /// bit anywhere changes it.
 pub fn params_hash(p: &[f32]) -> u64 {
-    p.iter().enumerate().fold(0u64, |s, (i, x)| s.wrapping_add(splitmix64(((x.to_bits() as u64) << 32) ^ i as u64)))
+    p.iter().enumerate().fold(0u64, |s, (i, x)| {
+        s.wrapping_add(splitmix64(((x.to_bits() as u64) << 32) ^ i as u64))
+    })
 }
 
 fn check_heads(qh: usize, kvh: usize, hd: usize) -> Result<()> {

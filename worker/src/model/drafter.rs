@@ -52,15 +52,30 @@ pub struct Sample<'a> {
 /// The samples of a token batch, with their tapped hidden states `taps[row]`
 /// (`[len, n_taps × hidden]`), and this step's anchors for each: drawn from the batch id,
 /// so a batch gets the same anchors whichever rank trains it.
-pub fn batch_samples<'a>(d: &Drafter, b: &'a dflash_shared::batch::TokenBatch, taps: &'a [Vec<f32>], seed: u64) -> (Vec<Sample<'a>>, Vec<Vec<usize>>) {
+pub fn batch_samples<'a>(
+    d: &Drafter,
+    b: &'a dflash_shared::batch::TokenBatch,
+    taps: &'a [Vec<f32>],
+    seed: u64,
+) -> (Vec<Sample<'a>>, Vec<Vec<usize>>) {
     let seq = b.seq_len as usize;
     let mut rng = Rng::new(seed ^ b.batch_id.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     b.lengths
         .iter()
         .enumerate()
         .map(|(r, &len)| {
-            let (ids, mask) = (&b.input_ids[r * seq..r * seq + len as usize], &b.loss_mask[r * seq..r * seq + len as usize]);
-            (Sample { taps: &taps[r], ids, mask }, d.sample_anchors(mask, &mut rng))
+            let (ids, mask) = (
+                &b.input_ids[r * seq..r * seq + len as usize],
+                &b.loss_mask[r * seq..r * seq + len as usize],
+            );
+            (
+                Sample {
+                    taps: &taps[r],
+                    ids,
+                    mask,
+                },
+                d.sample_anchors(mask, &mut rng),
+            )
         })
         .unzip()
 }
@@ -135,8 +150,18 @@ impl Drafter {
             })
             .collect();
         let inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
-        let rope_scale = cfg.rope_scaling.as_ref().map_or(1.0, |s| s.attention_factor()) as f32;
-        Drafter { cfg, layout, layers, inv_freq, rope_scale, cpu: Cpu::new() }
+        let rope_scale = cfg
+            .rope_scaling
+            .as_ref()
+            .map_or(1.0, |s| s.attention_factor()) as f32;
+        Drafter {
+            cfg,
+            layout,
+            layers,
+            inv_freq,
+            rope_scale,
+            cpu: Cpu::new(),
+        }
     }
 
     /// Fresh parameters: norms at 1, projections uniform with a 1/√fan_in scale.
@@ -162,7 +187,9 @@ impl Drafter {
     /// replacement, sorted.
     pub fn sample_anchors(&self, mask: &[u8], rng: &mut Rng) -> Vec<usize> {
         let s = mask.len();
-        let mut valid: Vec<usize> = (0..s.saturating_sub(1)).filter(|&a| mask[a] == 1 && mask[a + 1] == 1).collect();
+        let mut valid: Vec<usize> = (0..s.saturating_sub(1))
+            .filter(|&a| mask[a] == 1 && mask[a + 1] == 1)
+            .collect();
         let w = self.cfg.max_anchors.min(valid.len());
         for i in 0..w {
             let j = i + rng.below((valid.len() - i) as u64) as usize;
@@ -186,7 +213,15 @@ impl Drafter {
         samples
             .iter()
             .zip(anchors)
-            .map(|(s, an)| an.iter().map(|&a| (1..self.cfg.block_size).map(|k| self.slot_weight(a, k, s.mask)).sum::<f64>()).sum::<f64>())
+            .map(|(s, an)| {
+                an.iter()
+                    .map(|&a| {
+                        (1..self.cfg.block_size)
+                            .map(|k| self.slot_weight(a, k, s.mask))
+                            .sum::<f64>()
+                    })
+                    .sum::<f64>()
+            })
             .sum()
     }
 
@@ -196,7 +231,15 @@ impl Drafter {
     /// alone passes [`total_weight`](Self::total_weight). `anchors[i]` are the anchors of
     /// sample `i` (see [`sample_anchors`](Self::sample_anchors)).
     #[allow(clippy::too_many_arguments)]
-    pub fn train_batch(&self, p: &[f32], frozen: &Frozen, samples: &[Sample], anchors: &[Vec<usize>], denominator: f64, grads: &mut [f32]) -> StepStats {
+    pub fn train_batch(
+        &self,
+        p: &[f32],
+        frozen: &Frozen,
+        samples: &[Sample],
+        anchors: &[Vec<usize>],
+        denominator: f64,
+        grads: &mut [f32],
+    ) -> StepStats {
         let total_weight = self.total_weight(samples, anchors);
         let mut stats = StepStats {
             slot_correct: vec![0; self.cfg.block_size],
@@ -217,13 +260,22 @@ impl Drafter {
     }
 
     /// Loss of one batch without gradients (for tests and evaluation).
-    pub fn loss(&self, p: &[f32], frozen: &Frozen, samples: &[Sample], anchors: &[Vec<usize>]) -> f64 {
+    pub fn loss(
+        &self,
+        p: &[f32],
+        frozen: &Frozen,
+        samples: &[Sample],
+        anchors: &[Vec<usize>],
+    ) -> f64 {
         let total_weight = self.total_weight(samples, anchors);
         samples
             .iter()
             .zip(anchors)
             .filter(|(_, an)| !an.is_empty())
-            .map(|(s, an)| self.sample_step(p, frozen, s, an, total_weight, None).loss_sum)
+            .map(|(s, an)| {
+                self.sample_step(p, frozen, s, an, total_weight, None)
+                    .loss_sum
+            })
             .sum::<f64>()
             / total_weight
     }
@@ -235,32 +287,64 @@ impl Drafter {
     /// hidden states `taps` (`[len, n_taps × hidden]`). Block `n` sits at positions
     /// `anchors[n] + k` and sees the context strictly before its anchor and itself. The
     /// same forward as training (used for the export's parity probe).
-    pub fn final_hidden(&self, p: &[f32], taps: &[f32], block_embeds: &[f32], anchors: &[usize]) -> Result<Vec<f32>, String> {
+    pub fn final_hidden(
+        &self,
+        p: &[f32],
+        taps: &[f32],
+        block_embeds: &[f32],
+        anchors: &[usize],
+    ) -> Result<Vec<f32>, String> {
         let c = &self.cfg;
         let width = c.n_taps * c.hidden;
         if p.len() != self.layout.total {
-            return Err(format!("{} parameters, the drafter has {}", p.len(), self.layout.total));
+            return Err(format!(
+                "{} parameters, the drafter has {}",
+                p.len(),
+                self.layout.total
+            ));
         }
         if taps.is_empty() || taps.len() % width != 0 {
-            return Err(format!("taps hold {} values, not a positive multiple of n_taps × hidden = {width}", taps.len()));
+            return Err(format!(
+                "taps hold {} values, not a positive multiple of n_taps × hidden = {width}",
+                taps.len()
+            ));
         }
         let slen = taps.len() / width;
         if block_embeds.len() != anchors.len() * c.block_size * c.hidden {
-            return Err(format!("{} block embedding values for {} blocks of {} × {}", block_embeds.len(), anchors.len(), c.block_size, c.hidden));
+            return Err(format!(
+                "{} block embedding values for {} blocks of {} × {}",
+                block_embeds.len(),
+                anchors.len(),
+                c.block_size,
+                c.hidden
+            ));
         }
         if let Some(a) = anchors.iter().find(|&&a| a >= slen) {
             return Err(format!("anchor {a} is past the {slen} context tokens"));
         }
-        Ok(self.forward(p, taps, slen, block_embeds.to_vec(), anchors).hn)
+        Ok(self
+            .forward(p, taps, slen, block_embeds.to_vec(), anchors)
+            .hn)
     }
 
     /// Forward of one sample up to the final norm, keeping what the backward needs.
-    fn forward(&self, p: &[f32], taps: &[f32], slen: usize, mut hcur: Vec<f32>, anchors: &[usize]) -> Forward {
+    fn forward(
+        &self,
+        p: &[f32],
+        taps: &[f32],
+        slen: usize,
+        mut hcur: Vec<f32>,
+        anchors: &[usize],
+    ) -> Forward {
         let c = &self.cfg;
         let cpu = &self.cpu;
         let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
-        let heads = Heads { q_heads: c.q_heads, kv_heads: c.kv_heads, head_dim: hd };
+        let heads = Heads {
+            q_heads: c.q_heads,
+            kv_heads: c.kv_heads,
+            head_dim: hd,
+        };
         let eps = c.eps as f32;
         let m = anchors.len() * bs;
         let tk = slen + m;
@@ -275,12 +359,18 @@ impl Drafter {
         let ctx_rstd = cpu.rmsnorm(&ctx_pre, w(&hn_r), &mut ctx, h, eps);
 
         // Block positions and what each block row sees.
-        let block_pos: Vec<usize> = anchors.iter().flat_map(|&a| (0..bs).map(move |k| a + k)).collect();
+        let block_pos: Vec<usize> = anchors
+            .iter()
+            .flat_map(|&a| (0..bs).map(move |k| a + k))
+            .collect();
         let key_pos: Vec<usize> = (0..slen).chain(block_pos.iter().copied()).collect();
         let spans: Vec<KeySpan> = (0..m)
             .map(|i| {
                 let n = i / bs;
-                KeySpan { a: 0..anchors[n], b: slen + n * bs..slen + (n + 1) * bs }
+                KeySpan {
+                    a: 0..anchors[n],
+                    b: slen + n * bs..slen + (n + 1) * bs,
+                }
             })
             .collect();
 
@@ -302,8 +392,24 @@ impl Drafter {
             let q_rstd = cpu.rmsnorm(&q_pre, w(&li.qn), &mut q, hd, eps);
             let mut k = vec![0f32; tk * kd];
             let k_rstd = cpu.rmsnorm(&k_pre, w(&li.kn), &mut k, hd, eps);
-            cpu.rope(&mut q, c.q_heads, hd, &block_pos, &self.inv_freq, self.rope_scale, false);
-            cpu.rope(&mut k, c.kv_heads, hd, &key_pos, &self.inv_freq, self.rope_scale, false);
+            cpu.rope(
+                &mut q,
+                c.q_heads,
+                hd,
+                &block_pos,
+                &self.inv_freq,
+                self.rope_scale,
+                false,
+            );
+            cpu.rope(
+                &mut k,
+                c.kv_heads,
+                hd,
+                &key_pos,
+                &self.inv_freq,
+                self.rope_scale,
+                false,
+            );
             let mut att = vec![0f32; m * qd];
             let attn_saved = cpu.attention(&q, &k, &v, &mut att, &spans, heads);
             let mut o = vec![0f32; m * h];
@@ -312,27 +418,73 @@ impl Drafter {
             let h_mid = hcur.clone();
             let mut x2 = vec![0f32; m * h];
             let rstd2 = cpu.rmsnorm(&hcur, w(&li.ln2), &mut x2, h, eps);
-            let (mut g, mut u, mut act) = (vec![0f32; m * inter], vec![0f32; m * inter], vec![0f32; m * inter]);
+            let (mut g, mut u, mut act) = (
+                vec![0f32; m * inter],
+                vec![0f32; m * inter],
+                vec![0f32; m * inter],
+            );
             cpu.matmul(&x2, w(&li.gate), &mut g, m, h, inter);
             cpu.matmul(&x2, w(&li.up), &mut u, m, h, inter);
             cpu.swiglu(&g, &u, &mut act);
             cpu.matmul(&act, w(&li.down), &mut o, m, inter, h);
             hcur.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            saved.push(LayerSaved { h_in, x, rstd1, q_pre, q_rstd, k_pre, k_rstd, q, k, v, att, attn_saved, h_mid, x2, rstd2, g, u, act });
+            saved.push(LayerSaved {
+                h_in,
+                x,
+                rstd1,
+                q_pre,
+                q_rstd,
+                k_pre,
+                k_rstd,
+                q,
+                k,
+                v,
+                att,
+                attn_saved,
+                h_mid,
+                x2,
+                rstd2,
+                g,
+                u,
+                act,
+            });
         }
         let norm_r = self.layout.range("norm.weight");
         let mut hn = vec![0f32; m * h];
         let rstd_f = cpu.rmsnorm(&hcur, w(&norm_r), &mut hn, h, eps);
-        Forward { ctx_pre, ctx, ctx_rstd, block_pos, key_pos, spans, saved, h_last: hcur, hn, rstd_f }
+        Forward {
+            ctx_pre,
+            ctx,
+            ctx_rstd,
+            block_pos,
+            key_pos,
+            spans,
+            saved,
+            h_last: hcur,
+            hn,
+            rstd_f,
+        }
     }
 
     #[allow(clippy::needless_range_loop)]
-    fn sample_step(&self, p: &[f32], frozen: &Frozen, s: &Sample, anchors: &[usize], total_weight: f64, grads: Option<&mut [f32]>) -> StepStats {
+    fn sample_step(
+        &self,
+        p: &[f32],
+        frozen: &Frozen,
+        s: &Sample,
+        anchors: &[usize],
+        total_weight: f64,
+        grads: Option<&mut [f32]>,
+    ) -> StepStats {
         let c = &self.cfg;
         let cpu = &self.cpu;
         let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
-        let heads = Heads { q_heads: c.q_heads, kv_heads: c.kv_heads, head_dim: hd };
+        let heads = Heads {
+            q_heads: c.q_heads,
+            kv_heads: c.kv_heads,
+            head_dim: hd,
+        };
         let slen = s.ids.len();
         let nb = anchors.len();
         let m = nb * bs;
@@ -344,16 +496,34 @@ impl Drafter {
         for (n, &a) in anchors.iter().enumerate() {
             for k in 0..bs {
                 let tok = if k == 0 { s.ids[a] } else { c.mask_token_id } as usize;
-                hcur[(n * bs + k) * h..(n * bs + k + 1) * h].copy_from_slice(&frozen.embed[tok * h..(tok + 1) * h]);
+                hcur[(n * bs + k) * h..(n * bs + k + 1) * h]
+                    .copy_from_slice(&frozen.embed[tok * h..(tok + 1) * h]);
             }
         }
-        let Forward { ctx_pre, ctx, ctx_rstd, block_pos, key_pos, spans, saved, h_last: hcur, hn, rstd_f } = self.forward(p, s.taps, slen, hcur, anchors);
+        let Forward {
+            ctx_pre,
+            ctx,
+            ctx_rstd,
+            block_pos,
+            key_pos,
+            spans,
+            saved,
+            h_last: hcur,
+            hn,
+            rstd_f,
+        } = self.forward(p, s.taps, slen, hcur, anchors);
         let fc = self.layout.range("fc.weight");
         let hn_r = self.layout.range("hidden_norm.weight");
         let norm_r = self.layout.range("norm.weight");
 
         // Loss over the weighted slots, in vocabulary chunks.
-        let mut stats = StepStats { slot_correct: vec![0; bs], slot_total: vec![0; bs], tokens: slen as u64, anchors: nb as u64, ..Default::default() };
+        let mut stats = StepStats {
+            slot_correct: vec![0; bs],
+            slot_total: vec![0; bs],
+            tokens: slen as u64,
+            anchors: nb as u64,
+            ..Default::default()
+        };
         let rows: Vec<(usize, u32, f64)> = (0..m)
             .filter_map(|i| {
                 let (n, k) = (i / bs, i % bs);
@@ -364,7 +534,16 @@ impl Drafter {
         let mut dhn = vec![0f32; m * h];
         let mut correct = vec![false; m];
         for chunk in rows.chunks(256) {
-            let res = lm_head_ce(cpu, &hn, h, &frozen.lm_head, c.vocab, chunk, total_weight, grads.is_some().then_some(&mut dhn[..]));
+            let res = lm_head_ce(
+                cpu,
+                &hn,
+                h,
+                &frozen.lm_head,
+                c.vocab,
+                chunk,
+                total_weight,
+                grads.is_some().then_some(&mut dhn[..]),
+            );
             for ((i, _, wgt), (ce, ok)) in chunk.iter().zip(res) {
                 stats.loss_sum += wgt * ce;
                 stats.weight_sum += wgt;
@@ -375,7 +554,11 @@ impl Drafter {
             }
         }
         for n in 0..nb {
-            let run = (1..bs).take_while(|&k| self.slot_weight(anchors[n], k, s.mask) > 0.0 && correct[n * bs + k]).count();
+            let run = (1..bs)
+                .take_while(|&k| {
+                    self.slot_weight(anchors[n], k, s.mask) > 0.0 && correct[n * bs + k]
+                })
+                .count();
             stats.accept_sum += 1.0 + run as f64;
             stats.blocks += 1;
         }
@@ -391,36 +574,194 @@ impl Drafter {
         for (li, sv) in self.layers.iter().zip(&saved).rev() {
             // MLP branch: h_out = h_mid + down(swiglu(gate(x2), up(x2))).
             let mut dact = vec![0f32; m * inter];
-            cpu.matmul_backward(&dh, &sv.act, w(&li.down), Some(&mut dact), Some(&mut grads[li.down.clone()]), m, inter, h);
+            cpu.matmul_backward(
+                &dh,
+                &sv.act,
+                w(&li.down),
+                Some(&mut dact),
+                Some(&mut grads[li.down.clone()]),
+                m,
+                inter,
+                h,
+            );
             let (mut dg, mut du) = (vec![0f32; m * inter], vec![0f32; m * inter]);
             cpu.swiglu_backward(&dact, &sv.g, &sv.u, &mut dg, &mut du);
             let mut dx2 = vec![0f32; m * h];
-            cpu.matmul_backward(&dg, &sv.x2, w(&li.gate), Some(&mut dx2), Some(&mut grads[li.gate.clone()]), m, h, inter);
-            cpu.matmul_backward(&du, &sv.x2, w(&li.up), Some(&mut dx2), Some(&mut grads[li.up.clone()]), m, h, inter);
-            cpu.rmsnorm_backward(&dx2, &sv.h_mid, w(&li.ln2), &sv.rstd2, &mut dh, Some(&mut grads[li.ln2.clone()]), h);
+            cpu.matmul_backward(
+                &dg,
+                &sv.x2,
+                w(&li.gate),
+                Some(&mut dx2),
+                Some(&mut grads[li.gate.clone()]),
+                m,
+                h,
+                inter,
+            );
+            cpu.matmul_backward(
+                &du,
+                &sv.x2,
+                w(&li.up),
+                Some(&mut dx2),
+                Some(&mut grads[li.up.clone()]),
+                m,
+                h,
+                inter,
+            );
+            cpu.rmsnorm_backward(
+                &dx2,
+                &sv.h_mid,
+                w(&li.ln2),
+                &sv.rstd2,
+                &mut dh,
+                Some(&mut grads[li.ln2.clone()]),
+                h,
+            );
             // Attention branch: h_mid = h_in + o_proj(attention).
             let mut datt = vec![0f32; m * qd];
-            cpu.matmul_backward(&dh, &sv.att, w(&li.wo), Some(&mut datt), Some(&mut grads[li.wo.clone()]), m, qd, h);
-            let (mut dq, mut dk, mut dv) = (vec![0f32; m * qd], vec![0f32; tk * kd], vec![0f32; tk * kd]);
-            cpu.attention_backward(&datt, &sv.q, &sv.k, &sv.v, &sv.attn_saved, &spans, heads, &mut dq, &mut dk, &mut dv);
-            cpu.rope(&mut dq, c.q_heads, hd, &block_pos, &self.inv_freq, self.rope_scale, true);
-            cpu.rope(&mut dk, c.kv_heads, hd, &key_pos, &self.inv_freq, self.rope_scale, true);
+            cpu.matmul_backward(
+                &dh,
+                &sv.att,
+                w(&li.wo),
+                Some(&mut datt),
+                Some(&mut grads[li.wo.clone()]),
+                m,
+                qd,
+                h,
+            );
+            let (mut dq, mut dk, mut dv) =
+                (vec![0f32; m * qd], vec![0f32; tk * kd], vec![0f32; tk * kd]);
+            cpu.attention_backward(
+                &datt,
+                &sv.q,
+                &sv.k,
+                &sv.v,
+                &sv.attn_saved,
+                &spans,
+                heads,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+            );
+            cpu.rope(
+                &mut dq,
+                c.q_heads,
+                hd,
+                &block_pos,
+                &self.inv_freq,
+                self.rope_scale,
+                true,
+            );
+            cpu.rope(
+                &mut dk,
+                c.kv_heads,
+                hd,
+                &key_pos,
+                &self.inv_freq,
+                self.rope_scale,
+                true,
+            );
             let mut dq_pre = vec![0f32; m * qd];
-            cpu.rmsnorm_backward(&dq, &sv.q_pre, w(&li.qn), &sv.q_rstd, &mut dq_pre, Some(&mut grads[li.qn.clone()]), hd);
+            cpu.rmsnorm_backward(
+                &dq,
+                &sv.q_pre,
+                w(&li.qn),
+                &sv.q_rstd,
+                &mut dq_pre,
+                Some(&mut grads[li.qn.clone()]),
+                hd,
+            );
             let mut dk_pre = vec![0f32; tk * kd];
-            cpu.rmsnorm_backward(&dk, &sv.k_pre, w(&li.kn), &sv.k_rstd, &mut dk_pre, Some(&mut grads[li.kn.clone()]), hd);
+            cpu.rmsnorm_backward(
+                &dk,
+                &sv.k_pre,
+                w(&li.kn),
+                &sv.k_rstd,
+                &mut dk_pre,
+                Some(&mut grads[li.kn.clone()]),
+                hd,
+            );
             let mut dx = vec![0f32; m * h];
-            cpu.matmul_backward(&dq_pre, &sv.x, w(&li.wq), Some(&mut dx), Some(&mut grads[li.wq.clone()]), m, h, qd);
-            cpu.matmul_backward(&dk_pre[slen * kd..], &sv.x, w(&li.wk), Some(&mut dx), Some(&mut grads[li.wk.clone()]), m, h, kd);
-            cpu.matmul_backward(&dk_pre[..slen * kd], &ctx, w(&li.wk), Some(&mut dctx), Some(&mut grads[li.wk.clone()]), slen, h, kd);
-            cpu.matmul_backward(&dv[slen * kd..], &sv.x, w(&li.wv), Some(&mut dx), Some(&mut grads[li.wv.clone()]), m, h, kd);
-            cpu.matmul_backward(&dv[..slen * kd], &ctx, w(&li.wv), Some(&mut dctx), Some(&mut grads[li.wv.clone()]), slen, h, kd);
-            cpu.rmsnorm_backward(&dx, &sv.h_in, w(&li.ln1), &sv.rstd1, &mut dh, Some(&mut grads[li.ln1.clone()]), h);
+            cpu.matmul_backward(
+                &dq_pre,
+                &sv.x,
+                w(&li.wq),
+                Some(&mut dx),
+                Some(&mut grads[li.wq.clone()]),
+                m,
+                h,
+                qd,
+            );
+            cpu.matmul_backward(
+                &dk_pre[slen * kd..],
+                &sv.x,
+                w(&li.wk),
+                Some(&mut dx),
+                Some(&mut grads[li.wk.clone()]),
+                m,
+                h,
+                kd,
+            );
+            cpu.matmul_backward(
+                &dk_pre[..slen * kd],
+                &ctx,
+                w(&li.wk),
+                Some(&mut dctx),
+                Some(&mut grads[li.wk.clone()]),
+                slen,
+                h,
+                kd,
+            );
+            cpu.matmul_backward(
+                &dv[slen * kd..],
+                &sv.x,
+                w(&li.wv),
+                Some(&mut dx),
+                Some(&mut grads[li.wv.clone()]),
+                m,
+                h,
+                kd,
+            );
+            cpu.matmul_backward(
+                &dv[..slen * kd],
+                &ctx,
+                w(&li.wv),
+                Some(&mut dctx),
+                Some(&mut grads[li.wv.clone()]),
+                slen,
+                h,
+                kd,
+            );
+            cpu.rmsnorm_backward(
+                &dx,
+                &sv.h_in,
+                w(&li.ln1),
+                &sv.rstd1,
+                &mut dh,
+                Some(&mut grads[li.ln1.clone()]),
+                h,
+            );
         }
         // The block embeddings are frozen: dh stops here. The context goes back to fc.
         let mut dctx_pre = vec![0f32; slen * h];
-        cpu.rmsnorm_backward(&dctx, &ctx_pre, w(&hn_r), &ctx_rstd, &mut dctx_pre, Some(&mut grads[hn_r.clone()]), h);
-        cpu.matmul_backward(&dctx_pre, s.taps, w(&fc), None, Some(&mut grads[fc.clone()]), slen, c.n_taps * h, h);
+        cpu.rmsnorm_backward(
+            &dctx,
+            &ctx_pre,
+            w(&hn_r),
+            &ctx_rstd,
+            &mut dctx_pre,
+            Some(&mut grads[hn_r.clone()]),
+            h,
+        );
+        cpu.matmul_backward(
+            &dctx_pre,
+            s.taps,
+            w(&fc),
+            None,
+            Some(&mut grads[fc.clone()]),
+            slen,
+            c.n_taps * h,
+            h,
+        );
         stats
     }
 }
@@ -429,7 +770,16 @@ impl Drafter {
 /// `lm_head`, visiting the vocabulary in chunks (each chunk's logits one GEMM): returns
 /// (CE, argmax == label) per row and, if asked, adds `w/total · dCE/dhn` into `dhn`.
 #[allow(clippy::too_many_arguments)]
-pub fn lm_head_ce(cpu: &Cpu, hn: &[f32], h: usize, lm_head: &[f32], vocab: usize, rows: &[(usize, u32, f64)], total: f64, dhn: Option<&mut [f32]>) -> Vec<(f64, bool)> {
+pub fn lm_head_ce(
+    cpu: &Cpu,
+    hn: &[f32],
+    h: usize,
+    lm_head: &[f32],
+    vocab: usize,
+    rows: &[(usize, u32, f64)],
+    total: f64,
+    dhn: Option<&mut [f32]>,
+) -> Vec<(f64, bool)> {
     const CHUNK: usize = 4096;
     let n = rows.len();
     let mut x = Vec::with_capacity(n * h);
@@ -484,13 +834,35 @@ pub fn lm_head_ce(cpu: &Cpu, hn: &[f32], h: usize, lm_head: &[f32], vocab: usize
                 let inv_sum = (1.0 / sum[r]) as f32;
                 for (j, v) in l[r * cw..(r + 1) * cw].iter_mut().enumerate() {
                     let pj = exp_neg(*v - max[r]) * inv_sum;
-                    let g = (pj - if start + j == label as usize { 1.0 } else { 0.0 }) * scale;
+                    let g =
+                        (pj - if start + j == label as usize {
+                            1.0
+                        } else {
+                            0.0
+                        }) * scale;
                     // Flush what would be subnormal: x86 FMAs on subnormals run ~100× slower.
                     *v = if g.abs() < 1e-30 { 0.0 } else { g };
                 }
             }
             // dx (n×h) += g (n×cw) · w (cw×h)
-            unsafe { crate::compute::cpu::sgemm(cpu.par(n * cw * h), n, h, cw, dx.as_mut_ptr(), h, 1, true, l.as_ptr(), cw, 1, w.as_ptr(), h as isize, 1) };
+            unsafe {
+                crate::compute::cpu::sgemm(
+                    cpu.par(n * cw * h),
+                    n,
+                    h,
+                    cw,
+                    dx.as_mut_ptr(),
+                    h,
+                    1,
+                    true,
+                    l.as_ptr(),
+                    cw,
+                    1,
+                    w.as_ptr(),
+                    h as isize,
+                    1,
+                )
+            };
         }
         for (r, &(i, _, _)) in rows.iter().enumerate() {
             axpy(1.0, &dx[r * h..(r + 1) * h], &mut dhn[i * h..(i + 1) * h]);
@@ -514,7 +886,10 @@ pub fn exp_neg(x: f32) -> f32 {
     let n = (xc * std::f32::consts::LOG2_E - 0.5) as i32;
     let nf = n as f32;
     let r = (xc - nf * LN2_HI) - nf * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
     let y = p * f32::from_bits(((n + 127) as u32) << 23);
     if x < -69.0 {
         0.0
@@ -539,11 +914,24 @@ pub struct AdamW {
 
 impl AdamW {
     pub fn new(n: usize) -> AdamW {
-        AdamW { m: vec![0.0; n], v: vec![0.0; n], step: 0, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        AdamW {
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            step: 0,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
     }
 
     pub fn hyper(&self) -> crate::gpu::ops::AdamHyper {
-        crate::gpu::ops::AdamHyper { beta1: self.beta1, beta2: self.beta2, eps: self.eps, weight_decay: self.weight_decay }
+        crate::gpu::ops::AdamHyper {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+        }
     }
 
     pub fn update(&mut self, p: &mut [f32], g: &[f32], lr: f32) {
@@ -604,7 +992,10 @@ mod tests {
         assert_eq!(exp_neg(0.0), 1.0);
         assert_eq!(exp_neg(-69.5), 0.0);
         assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
-        assert!(exp_neg(f32::NAN).is_nan(), "a NaN must reach the loss and the gradient-norm check");
+        assert!(
+            exp_neg(f32::NAN).is_nan(),
+            "a NaN must reach the loss and the gradient-norm check"
+        );
         assert!(exp_neg(-68.9) > 1e-30 && exp_neg(-68.9).is_normal());
     }
 }

@@ -6,17 +6,35 @@ use std::process::{Command, Stdio};
 use crate::error::Error;
 
 pub fn run(json: bool, target: &str, tokens: usize) -> Result<i32, Error> {
-    let exe = std::env::current_exe().map_err(|e| Error::Bench { bench: "compute", what: "finding dflash-supervise".into(), source: e.into() })?;
+    let exe = std::env::current_exe().map_err(|e| Error::Bench {
+        bench: "compute",
+        what: "finding dflash-supervise".into(),
+        source: e.into(),
+    })?;
     let worker = exe.with_file_name("dflash-worker");
     let mut cmd = Command::new(&worker);
-    cmd.arg("bench-ops").arg("--target").arg(target).arg("--tokens").arg(tokens.to_string());
+    cmd.arg("bench-ops")
+        .arg("--target")
+        .arg(target)
+        .arg("--tokens")
+        .arg(tokens.to_string());
     if json {
         cmd.arg("--json");
     }
-    let st = cmd.stdin(Stdio::null()).status().map_err(|e| Error::Bench { bench: "compute", what: format!("running {}", worker.display()), source: e.into() })?;
+    let st = cmd
+        .stdin(Stdio::null())
+        .status()
+        .map_err(|e| Error::Bench {
+            bench: "compute",
+            what: format!("running {}", worker.display()),
+            source: e.into(),
+        })?;
     match st.code() {
         Some(0) => Ok(0),
         Some(2) => Ok(2),
-        _ => Err(Error::Helper { program: format!("{} bench-ops", worker.display()), detail: st.to_string() }),
+        _ => Err(Error::Helper {
+            program: format!("{} bench-ops", worker.display()),
+            detail: st.to_string(),
+        }),
     }
 }

@@ -24,7 +24,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use dflash_shared::pool::{PoolGeometry, PoolMap};
-use ipc_channel::ipc::{self, IpcBytesReceiver, IpcBytesSender, IpcOneShotServer, IpcReceiver, IpcSender};
+use ipc_channel::ipc::{
+    self, IpcBytesReceiver, IpcBytesSender, IpcOneShotServer, IpcReceiver, IpcSender,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
@@ -38,19 +40,39 @@ enum Cmd {
     /// First command to each peer: what to map, and its end of the bytes channel.
     Setup(Setup),
     /// Producer: write `iters` batches of `size` bytes into pool `pool`.
-    Produce { pool: usize, size: u64, iters: u32 },
+    Produce {
+        pool: usize,
+        size: u64,
+        iters: u32,
+    },
     /// Producer: send `iters` messages of `size` bytes on the bytes channel.
-    SendBytes { size: u64, iters: u32 },
+    SendBytes {
+        size: u64,
+        iters: u32,
+    },
     /// Producer: `iters` round trips of a small batch through the small pool.
-    Handoff { iters: u32 },
+    Handoff {
+        iters: u32,
+    },
     /// Both: `iters` futex round trips; the leader starts each and times it.
-    Futex { iters: u32, leader: bool },
+    Futex {
+        iters: u32,
+        leader: bool,
+    },
     /// Producer: this slot (or, for bytes, this credit) is free again.
-    Free { slot: u32 },
+    Free {
+        slot: u32,
+    },
     /// Consumer: read this slot of pool `pool`.
-    Deliver { pool: usize, slot: u32, len: u64 },
+    Deliver {
+        pool: usize,
+        slot: u32,
+        len: u64,
+    },
     /// Consumer: read `iters` messages from the bytes channel.
-    RecvBytes { iters: u32 },
+    RecvBytes {
+        iters: u32,
+    },
     Quit,
 }
 
@@ -80,25 +102,60 @@ pub fn run(json: bool, quick: bool) -> Result<i32, Error> {
 
     let pools: Vec<(std::os::fd::OwnedFd, PoolMap)> = SIZES_MB
         .iter()
-        .map(|&mb| PoolGeometry { name: format!("bench{mb}"), slots: 2, slot_bytes: mb * MB })
-        .chain(std::iter::once(PoolGeometry { name: "bench-small".into(), slots: 1, slot_bytes: SMALL }))
+        .map(|&mb| PoolGeometry {
+            name: format!("bench{mb}"),
+            slots: 2,
+            slot_bytes: mb * MB,
+        })
+        .chain(std::iter::once(PoolGeometry {
+            name: "bench-small".into(),
+            slots: 1,
+            slot_bytes: SMALL,
+        }))
         .map(PoolMap::create)
         .collect::<io::Result<_>>()
         .map_err(|e| fail("creating pools", &e))?;
-    let (futex_fd, futex_map) = PoolMap::create(PoolGeometry { name: "bench-futex".into(), slots: 1, slot_bytes: 4096 })
-        .map_err(|e| fail("creating the futex page", &e))?;
-    let fds: Vec<RawFd> = pools.iter().map(|(fd, _)| fd.as_raw_fd()).chain([futex_fd.as_raw_fd()]).collect();
-    let geoms: Vec<(RawFd, PoolGeometry)> = pools.iter().map(|(fd, m)| (fd.as_raw_fd(), m.geometry().clone())).collect();
+    let (futex_fd, futex_map) = PoolMap::create(PoolGeometry {
+        name: "bench-futex".into(),
+        slots: 1,
+        slot_bytes: 4096,
+    })
+    .map_err(|e| fail("creating the futex page", &e))?;
+    let fds: Vec<RawFd> = pools
+        .iter()
+        .map(|(fd, _)| fd.as_raw_fd())
+        .chain([futex_fd.as_raw_fd()])
+        .collect();
+    let geoms: Vec<(RawFd, PoolGeometry)> = pools
+        .iter()
+        .map(|(fd, m)| (fd.as_raw_fd(), m.geometry().clone()))
+        .collect();
     let futex = (futex_fd.as_raw_fd(), futex_map.geometry().clone());
     let (bytes_tx, bytes_rx) = ipc::bytes_channel().map_err(|e| fail("bytes channel", &e))?;
 
     let (tx, rx) = mpsc::channel::<(bool, Report)>();
-    let producer = start_peer(&fds, true, tx.clone()).map_err(|e| fail("starting the producer", &e))?;
+    let producer =
+        start_peer(&fds, true, tx.clone()).map_err(|e| fail("starting the producer", &e))?;
     let consumer = start_peer(&fds, false, tx).map_err(|e| fail("starting the consumer", &e))?;
-    let setup = |bytes_tx, bytes_rx| Cmd::Setup(Setup { pools: geoms.clone(), futex: futex.clone(), bytes_tx, bytes_rx });
-    producer.send(setup(Some(bytes_tx), None)).map_err(|e| fail("setup", &e))?;
-    consumer.send(setup(None, Some(bytes_rx))).map_err(|e| fail("setup", &e))?;
-    let relay = Relay { producer, consumer, rx };
+    let setup = |bytes_tx, bytes_rx| {
+        Cmd::Setup(Setup {
+            pools: geoms.clone(),
+            futex: futex.clone(),
+            bytes_tx,
+            bytes_rx,
+        })
+    };
+    producer
+        .send(setup(Some(bytes_tx), None))
+        .map_err(|e| fail("setup", &e))?;
+    consumer
+        .send(setup(None, Some(bytes_rx)))
+        .map_err(|e| fail("setup", &e))?;
+    let relay = Relay {
+        producer,
+        consumer,
+        rx,
+    };
 
     for (i, &mb) in SIZES_MB.iter().enumerate() {
         let size = mb * MB;
@@ -124,18 +181,39 @@ pub fn run(json: bool, quick: bool) -> Result<i32, Error> {
 
     let r = |a: &str, b: &str| out[a] / out[b];
     let ratios = [
-        ("pool_vs_memcpy_64mb", r("pool_64mb_gbps", "memcpy_64mb_gbps")),
-        ("pool_vs_ipc_channel_64mb", r("pool_64mb_gbps", "ipc_channel_64mb_gbps")),
-        ("handoff_p50_vs_futex_rtt_p50", r("handoff_p50_us", "futex_rtt_p50_us")),
+        (
+            "pool_vs_memcpy_64mb",
+            r("pool_64mb_gbps", "memcpy_64mb_gbps"),
+        ),
+        (
+            "pool_vs_ipc_channel_64mb",
+            r("pool_64mb_gbps", "ipc_channel_64mb_gbps"),
+        ),
+        (
+            "handoff_p50_vs_futex_rtt_p50",
+            r("handoff_p50_us", "futex_rtt_p50_us"),
+        ),
     ];
     for (k, v) in ratios {
         out.insert(k.into(), v);
     }
     if json {
-        println!("{}", serde_json::to_string_pretty(&out).map_err(|e| fail("json", &e))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(|e| fail("json", &e))?
+        );
     } else {
-        println!("bench ipc ({} CPUs{}):", thread::available_parallelism().map(|n| n.get()).unwrap_or(1), if quick { ", quick" } else { "" });
-        println!("  memcpy 64 MiB, one core       {:>8.2} GB/s", out["memcpy_64mb_gbps"]);
+        println!(
+            "bench ipc ({} CPUs{}):",
+            thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            if quick { ", quick" } else { "" }
+        );
+        println!(
+            "  memcpy 64 MiB, one core       {:>8.2} GB/s",
+            out["memcpy_64mb_gbps"]
+        );
         for mb in SIZES_MB {
             println!(
                 "  {mb:>3} MiB batches: pool {:>7.2} GB/s   ipc-channel bytes {:>7.2} GB/s",
@@ -143,17 +221,36 @@ pub fn run(json: bool, quick: bool) -> Result<i32, Error> {
                 out[&format!("ipc_channel_{mb}mb_gbps")]
             );
         }
-        println!("  hand-off of a 4 KiB batch      p50 {:>7.1} us   p99 {:>7.1} us", out["handoff_p50_us"], out["handoff_p99_us"]);
-        println!("  bare futex round trip          p50 {:>7.1} us   p99 {:>7.1} us", out["futex_rtt_p50_us"], out["futex_rtt_p99_us"]);
-        println!("  pool / memcpy (64 MiB)         {:>7.2}   (target >= 0.8)", out["pool_vs_memcpy_64mb"]);
-        println!("  pool / ipc-channel (64 MiB)    {:>7.2}   (target >= 5)", out["pool_vs_ipc_channel_64mb"]);
-        println!("  hand-off p50 / futex RTT p50   {:>7.2}   (target <= 2)", out["handoff_p50_vs_futex_rtt_p50"]);
+        println!(
+            "  hand-off of a 4 KiB batch      p50 {:>7.1} us   p99 {:>7.1} us",
+            out["handoff_p50_us"], out["handoff_p99_us"]
+        );
+        println!(
+            "  bare futex round trip          p50 {:>7.1} us   p99 {:>7.1} us",
+            out["futex_rtt_p50_us"], out["futex_rtt_p99_us"]
+        );
+        println!(
+            "  pool / memcpy (64 MiB)         {:>7.2}   (target >= 0.8)",
+            out["pool_vs_memcpy_64mb"]
+        );
+        println!(
+            "  pool / ipc-channel (64 MiB)    {:>7.2}   (target >= 5)",
+            out["pool_vs_ipc_channel_64mb"]
+        );
+        println!(
+            "  hand-off p50 / futex RTT p50   {:>7.2}   (target <= 2)",
+            out["handoff_p50_vs_futex_rtt_p50"]
+        );
     }
     Ok(0)
 }
 
 fn fail(what: &str, e: &dyn std::fmt::Display) -> Error {
-    Error::Bench { bench: "ipc", what: what.to_string(), source: e.to_string().into() }
+    Error::Bench {
+        bench: "ipc",
+        what: what.to_string(),
+        source: e.to_string().into(),
+    }
 }
 
 fn pct(v: &[u64], p: usize) -> f64 {
@@ -185,13 +282,22 @@ fn read_every_byte(data: &[u8]) -> u64 {
     let mut chunks = data.chunks_exact(32);
     for c in &mut chunks {
         for (k, a) in acc.iter_mut().enumerate() {
-            *a = a.wrapping_add(u64::from_le_bytes(c[k * 8..k * 8 + 8].try_into().expect("8 bytes")));
+            *a = a.wrapping_add(u64::from_le_bytes(
+                c[k * 8..k * 8 + 8].try_into().expect("8 bytes"),
+            ));
         }
     }
-    acc.iter().fold(chunks.remainder().iter().map(|&b| b as u64).sum(), |x, &a| x.wrapping_add(a))
+    acc.iter().fold(
+        chunks.remainder().iter().map(|&b| b as u64).sum(),
+        |x, &a| x.wrapping_add(a),
+    )
 }
 
-fn start_peer(fds: &[RawFd], producer: bool, events: mpsc::Sender<(bool, Report)>) -> io::Result<IpcSender<Cmd>> {
+fn start_peer(
+    fds: &[RawFd],
+    producer: bool,
+    events: mpsc::Sender<(bool, Report)>,
+) -> io::Result<IpcSender<Cmd>> {
     let (server, name) = IpcOneShotServer::<Report>::new()?;
     let fds = fds.to_vec();
     let mut cmd = Command::new(std::env::current_exe()?);
@@ -203,13 +309,21 @@ fn start_peer(fds: &[RawFd], producer: bool, events: mpsc::Sender<(bool, Report)
                 dflash_shared::pool::inherit_fd(fd)?;
             }
             // Do not outlive the bench.
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+            libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            );
             Ok(())
         });
     }
     let mut child = cmd.spawn()?;
     let (rx, hello) = server.accept().map_err(io::Error::other)?;
-    let Report::Hello { to_peer } = hello else { return Err(io::Error::other("the peer did not say hello")) };
+    let Report::Hello { to_peer } = hello else {
+        return Err(io::Error::other("the peer did not say hello"));
+    };
     thread::spawn(move || {
         while let Ok(r) = rx.recv() {
             if events.send((producer, r)).is_err() {
@@ -230,7 +344,11 @@ struct Relay {
 
 impl Relay {
     fn send(&self, to_producer: bool, cmd: Cmd) -> Result<(), Error> {
-        let to = if to_producer { &self.producer } else { &self.consumer };
+        let to = if to_producer {
+            &self.producer
+        } else {
+            &self.consumer
+        };
         to.send(cmd).map_err(|e| fail("sending to a peer", &e))
     }
 
@@ -244,7 +362,9 @@ impl Relay {
                 .recv_timeout(Duration::from_secs(120))
                 .map_err(|e| fail("waiting for a peer", &e))?;
             match (from_producer, r) {
-                (true, Report::Committed { pool, slot, len }) => self.send(false, Cmd::Deliver { pool, slot, len })?,
+                (true, Report::Committed { pool, slot, len }) => {
+                    self.send(false, Cmd::Deliver { pool, slot, len })?
+                }
                 (false, Report::Acked { slot, .. }) => self.send(true, Cmd::Free { slot })?,
                 (true, Report::Done { secs, samples_ns }) => result = Some((secs, samples_ns)),
                 (false, Report::Done { .. }) => consumer_left = false,
@@ -275,8 +395,20 @@ impl Relay {
     }
 
     fn futex(&self, iters: u32) -> Result<Vec<u64>, Error> {
-        self.send(false, Cmd::Futex { iters, leader: false })?;
-        self.send(true, Cmd::Futex { iters, leader: true })?;
+        self.send(
+            false,
+            Cmd::Futex {
+                iters,
+                leader: false,
+            },
+        )?;
+        self.send(
+            true,
+            Cmd::Futex {
+                iters,
+                leader: true,
+            },
+        )?;
         Ok(self.until_done(true)?.1)
     }
 }
@@ -285,7 +417,13 @@ fn futex_wait(word: &AtomicU32, expected: u32) {
     // SAFETY: FUTEX_WAIT on a valid, aligned u32 in shared memory (not PRIVATE: the other
     // side is another process).
     unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, std::ptr::null::<libc::timespec>());
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            std::ptr::null::<libc::timespec>(),
+        );
     }
 }
 
@@ -338,11 +476,25 @@ impl BenchPeer {
     fn connect(server: &str) -> io::Result<BenchPeer> {
         let up = IpcSender::<Report>::connect(server.to_string())?;
         let (to_peer, cmds): (IpcSender<Cmd>, IpcReceiver<Cmd>) = ipc::channel()?;
-        up.send(Report::Hello { to_peer }).map_err(io::Error::other)?;
-        let Cmd::Setup(setup) = cmds.recv().map_err(io::Error::other)? else { return Err(io::Error::other("expected setup first")) };
-        let pools: Vec<PoolMap> = setup.pools.into_iter().map(|(fd, g)| PoolMap::open(fd, g)).collect::<io::Result<_>>()?;
+        up.send(Report::Hello { to_peer })
+            .map_err(io::Error::other)?;
+        let Cmd::Setup(setup) = cmds.recv().map_err(io::Error::other)? else {
+            return Err(io::Error::other("expected setup first"));
+        };
+        let pools: Vec<PoolMap> = setup
+            .pools
+            .into_iter()
+            .map(|(fd, g)| PoolMap::open(fd, g))
+            .collect::<io::Result<_>>()?;
         let futex_map = PoolMap::open(setup.futex.0, setup.futex.1)?;
-        Ok(BenchPeer { up, cmds, pools, futex_map, bytes_tx: setup.bytes_tx, bytes_rx: setup.bytes_rx })
+        Ok(BenchPeer {
+            up,
+            cmds,
+            pools,
+            futex_map,
+            bytes_tx: setup.bytes_tx,
+            bytes_rx: setup.bytes_rx,
+        })
     }
 
     fn recv(&self) -> io::Result<Cmd> {
@@ -374,12 +526,19 @@ impl BenchPeer {
             let slot = free.pop().expect("a free slot");
             // SAFETY: the relay handed this slot back to us; the consumer is done with it.
             unsafe { self.pools[pool].payload_mut(slot)[..size as usize].copy_from_slice(&src) };
-            self.send(Report::Committed { pool, slot, len: size })?;
+            self.send(Report::Committed {
+                pool,
+                slot,
+                len: size,
+            })?;
         }
         while free.len() < 2 {
             free.push(self.freed()?);
         }
-        self.send(Report::Done { secs: t.elapsed().as_secs_f64(), samples_ns: vec![] })
+        self.send(Report::Done {
+            secs: t.elapsed().as_secs_f64(),
+            samples_ns: vec![],
+        })
     }
 
     /// Read every byte of a delivered slot, then ack it.
@@ -391,7 +550,10 @@ impl BenchPeer {
 
     /// Send `iters` messages of `size` bytes through the ipc byte channel, two in flight.
     fn send_bytes(&self, size: u64, iters: u32) -> io::Result<()> {
-        let tx = self.bytes_tx.as_ref().ok_or_else(|| io::Error::other("no bytes sender"))?;
+        let tx = self
+            .bytes_tx
+            .as_ref()
+            .ok_or_else(|| io::Error::other("no bytes sender"))?;
         let src = vec![0xA5u8; size as usize];
         let mut credits = 2;
         let t = Instant::now();
@@ -407,16 +569,29 @@ impl BenchPeer {
             self.freed()?;
             credits += 1;
         }
-        self.send(Report::Done { secs: t.elapsed().as_secs_f64(), samples_ns: vec![] })
+        self.send(Report::Done {
+            secs: t.elapsed().as_secs_f64(),
+            samples_ns: vec![],
+        })
     }
 
     fn recv_bytes(&self, iters: u32) -> io::Result<()> {
-        let rx = self.bytes_rx.as_ref().ok_or_else(|| io::Error::other("no bytes receiver"))?;
+        let rx = self
+            .bytes_rx
+            .as_ref()
+            .ok_or_else(|| io::Error::other("no bytes receiver"))?;
         for _ in 0..iters {
             let v = rx.recv().map_err(io::Error::other)?;
-            self.send(Report::Acked { pool: usize::MAX, slot: 0, sum: read_every_byte(&v) })?;
+            self.send(Report::Acked {
+                pool: usize::MAX,
+                slot: 0,
+                sum: read_every_byte(&v),
+            })?;
         }
-        self.send(Report::Done { secs: 0.0, samples_ns: vec![] })
+        self.send(Report::Done {
+            secs: 0.0,
+            samples_ns: vec![],
+        })
     }
 
     /// Round trips of one small slot: write, commit, wait for it back.
@@ -426,18 +601,26 @@ impl BenchPeer {
             let t = Instant::now();
             // SAFETY: slot 0 of the small pool is ours between Free and Committed.
             unsafe { self.pools[SMALL_POOL].payload_mut(0).fill(i as u8) };
-            self.send(Report::Committed { pool: SMALL_POOL, slot: 0, len: SMALL })?;
+            self.send(Report::Committed {
+                pool: SMALL_POOL,
+                slot: 0,
+                len: SMALL,
+            })?;
             self.freed()?;
             samples.push(t.elapsed().as_nanos() as u64);
         }
-        self.send(Report::Done { secs: 0.0, samples_ns: samples })
+        self.send(Report::Done {
+            secs: 0.0,
+            samples_ns: samples,
+        })
     }
 
     /// Futex ping-pong on a shared word: the floor of any cross-process hand-off.
     fn futex(&self, iters: u32, leader: bool) -> io::Result<()> {
         // SAFETY: the futex page's payload is shared by the two peers, accessed only
         // through this atomic.
-        let word: &AtomicU32 = unsafe { &*(self.futex_map.payload_mut(0).as_mut_ptr() as *const AtomicU32) };
+        let word: &AtomicU32 =
+            unsafe { &*(self.futex_map.payload_mut(0).as_mut_ptr() as *const AtomicU32) };
         let mut samples = Vec::with_capacity(iters as usize);
         for _ in 0..iters {
             if leader {
@@ -462,6 +645,9 @@ impl BenchPeer {
         }
         // The word is left at 2: resetting it here could race the leader's last look at
         // it and leave the leader waiting for a 2 that never comes back.
-        self.send(Report::Done { secs: 0.0, samples_ns: samples })
+        self.send(Report::Done {
+            secs: 0.0,
+            samples_ns: samples,
+        })
     }
 }

@@ -9,7 +9,11 @@ use std::time::{Duration, Instant};
 use crate::error::Error;
 
 fn fail(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Bench { bench: "telemetry", what: what.to_string(), source: e.to_string().into() }
+    Error::Bench {
+        bench: "telemetry",
+        what: what.to_string(),
+        source: e.to_string().into(),
+    }
 }
 
 /// CPU seconds (user + system) of a process so far.
@@ -26,11 +30,30 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
 /// CPU use (% of one core) of a supervisor run on every GPU, pipeline idle.
 fn supervisor_cpu(seconds: u64, extra: &[&str]) -> Result<f64, Error> {
     let exe = std::env::current_exe().map_err(|e| fail("finding dflash-supervise", e))?;
-    let tmp = std::env::temp_dir().join(format!("dflash-bench-telemetry-{}-{}", std::process::id(), extra.len()));
+    let tmp = std::env::temp_dir().join(format!(
+        "dflash-bench-telemetry-{}-{}",
+        std::process::id(),
+        extra.len()
+    ));
     let _ = std::fs::remove_dir_all(&tmp);
     let mut child = Command::new(exe)
-        .args(["--gpus", "all", "--data", "-", "--gpu-sample-interval", "1s", "--metrics-interval", "1s"])
-        .args(["--time-limit", &format!("{seconds}s"), "--stop-timeout", "5s", "--run-dir"])
+        .args([
+            "--gpus",
+            "all",
+            "--data",
+            "-",
+            "--gpu-sample-interval",
+            "1s",
+            "--metrics-interval",
+            "1s",
+        ])
+        .args([
+            "--time-limit",
+            &format!("{seconds}s"),
+            "--stop-timeout",
+            "5s",
+            "--run-dir",
+        ])
         .arg(&tmp)
         .args(extra)
         .stdin(Stdio::piped())
@@ -46,10 +69,14 @@ fn supervisor_cpu(seconds: u64, extra: &[&str]) -> Result<f64, Error> {
     let (c0, t0) = (cpu_seconds(pid), Instant::now());
     std::thread::sleep(Duration::from_secs(seconds - 3));
     let (c1, wall) = (cpu_seconds(pid), t0.elapsed().as_secs_f64());
-    let status = child.wait().map_err(|e| fail("waiting for the supervisor", e))?;
+    let status = child
+        .wait()
+        .map_err(|e| fail("waiting for the supervisor", e))?;
     drop(idle_data);
     let _ = std::fs::remove_dir_all(&tmp);
-    let (Some(c0), Some(c1)) = (c0, c1) else { return Err(fail("reading the supervisor's CPU time", "it ended early")) };
+    let (Some(c0), Some(c1)) = (c0, c1) else {
+        return Err(fail("reading the supervisor's CPU time", "it ended early"));
+    };
     if !status.success() {
         return Err(fail("the measured run", format!("exited with {status}")));
     }
@@ -57,10 +84,16 @@ fn supervisor_cpu(seconds: u64, extra: &[&str]) -> Result<f64, Error> {
 }
 
 pub fn run(json: bool, seconds: u64) -> Result<i32, Error> {
-    let nvml = crate::telemetry::gpus::init().map_err(|e| Error::Unavailable { what: "bench telemetry needs NVML and a GPU".into(), source: e.into() })?;
+    let nvml = crate::telemetry::gpus::init().map_err(|e| Error::Unavailable {
+        what: "bench telemetry needs NVML and a GPU".into(),
+        source: e.into(),
+    })?;
     let n = nvml.device_count().map_err(|e| fail("counting GPUs", e))?;
     if n == 0 {
-        return Err(Error::Unavailable { what: "bench telemetry needs at least one GPU".into(), source: "NVML reports none".into() });
+        return Err(Error::Unavailable {
+            what: "bench telemetry needs at least one GPU".into(),
+            source: "NVML reports none".into(),
+        });
     }
     let rounds = 200;
     let t = Instant::now();
@@ -83,13 +116,19 @@ pub fn run(json: bool, seconds: u64) -> Result<i32, Error> {
     out.insert("supervisor_cpu_pct_without_gpu_metrics", without);
     out.insert("gpu_metrics_cpu_pct", with - without);
     if json {
-        println!("{}", serde_json::to_string_pretty(&out).map_err(|e| fail("json", e))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(|e| fail("json", e))?
+        );
     } else {
         println!("bench telemetry ({n} GPU(s), one worker each, sampling every 1 s):");
         println!("  NVML sampler                {per_sample_us:>8.1} us per GPU per sample");
         println!("  supervisor CPU              {cpu_pct:>8.2} % of one core");
         println!("  ... without GPU metrics     {without:>8.2} % (baseline, same run)");
-        println!("  GPU metrics cost            {:>8.2} % of one core   (target < 1%)", with - without);
+        println!(
+            "  GPU metrics cost            {:>8.2} % of one core   (target < 1%)",
+            with - without
+        );
     }
     Ok(0)
 }

@@ -14,11 +14,15 @@ use std::process::{Command, Stdio};
 use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::model_config::{TargetConfig, TINY_CONFIG};
 
-use crate::error::Error;
 use crate::data::loader::{DataSource, Loader, LoaderConfig};
+use crate::error::Error;
 
 fn fail(what: &str, e: impl std::fmt::Display) -> Error {
-    Error::Bench { bench: "train", what: what.to_string(), source: e.to_string().into() }
+    Error::Bench {
+        bench: "train",
+        what: what.to_string(),
+        source: e.to_string().into(),
+    }
 }
 
 pub fn run(json: bool, steps: u64) -> Result<i32, Error> {
@@ -32,12 +36,24 @@ pub fn run(json: bool, steps: u64) -> Result<i32, Error> {
     let _ = std::fs::remove_dir_all(&tmp);
     let out = result?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&out).map_err(|e| fail("json", e))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(|e| fail("json", e))?
+        );
     } else {
         println!("bench train (CPU, tiny target, 2-layer drafter, {steps} batches of up to 2048 tokens):");
-        println!("  target forward alone      {:>9.0} tokens/s", out["target_tokens_per_s"]);
-        println!("  drafter step alone        {:>9.0} tokens/s", out["drafter_tokens_per_s"]);
-        println!("  whole pipeline (cpu:2)    {:>9.0} tokens/s", out["pipeline_tokens_per_s"]);
+        println!(
+            "  target forward alone      {:>9.0} tokens/s",
+            out["target_tokens_per_s"]
+        );
+        println!(
+            "  drafter step alone        {:>9.0} tokens/s",
+            out["drafter_tokens_per_s"]
+        );
+        println!(
+            "  whole pipeline (cpu:2)    {:>9.0} tokens/s",
+            out["pipeline_tokens_per_s"]
+        );
         println!(
             "  rollback snapshot         {:>9.2} ms every {} step(s) of {:.0} ms: {:.2}% of step time (goal < 2%)",
             out["snapshot_ms"],
@@ -45,12 +61,20 @@ pub fn run(json: bool, steps: u64) -> Result<i32, Error> {
             out["step_ms"],
             out["snapshot_share_of_step_time"] * 100.0
         );
-        println!("  pipeline / slowest stage  {:>9.2}   (target >= 0.95)", out["pipeline_vs_slowest_stage"]);
+        println!(
+            "  pipeline / slowest stage  {:>9.2}   (target >= 0.95)",
+            out["pipeline_vs_slowest_stage"]
+        );
     }
     Ok(0)
 }
 
-fn measure(exe: &std::path::Path, worker: &std::path::Path, tmp: &std::path::Path, steps: u64) -> Result<BTreeMap<String, f64>, Error> {
+fn measure(
+    exe: &std::path::Path,
+    worker: &std::path::Path,
+    tmp: &std::path::Path,
+    steps: u64,
+) -> Result<BTreeMap<String, f64>, Error> {
     let target_cfg = TargetConfig::parse(TINY_CONFIG).map_err(|e| fail("tiny config", e))?;
     let mut loader = Loader::new(LoaderConfig {
         source: DataSource::Demo { samples: 1024 },
@@ -67,12 +91,25 @@ fn measure(exe: &std::path::Path, worker: &std::path::Path, tmp: &std::path::Pat
     });
     let mut batches = Vec::new();
     for _ in 0..steps {
-        batches.push(loader.next_batch().map_err(|e| fail("loader", e))?.ok_or_else(|| fail("loader", "ran out of demo data"))?);
+        batches.push(
+            loader
+                .next_batch()
+                .map_err(|e| fail("loader", e))?
+                .ok_or_else(|| fail("loader", "ran out of demo data"))?,
+        );
     }
     let target_dir = tmp.join("target");
-    let st = Command::new(worker).arg("tiny-target").arg("--out").arg(&target_dir).stdin(Stdio::null()).status();
+    let st = Command::new(worker)
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&target_dir)
+        .stdin(Stdio::null())
+        .status();
     if !st.map(|s| s.success()).unwrap_or(false) {
-        return Err(fail("writing the tiny target", format!("{} tiny-target failed", worker.display())));
+        return Err(fail(
+            "writing the tiny target",
+            format!("{} tiny-target failed", worker.display()),
+        ));
     }
     let spec = serde_json::json!({
         "target_dir": target_dir,
@@ -84,22 +121,56 @@ fn measure(exe: &std::path::Path, worker: &std::path::Path, tmp: &std::path::Pat
     });
     let spec_path = tmp.join("spec.json");
     std::fs::write(&spec_path, spec.to_string()).map_err(|e| fail("writing the spec", e))?;
-    let out = Command::new(worker).arg("bench-compute").arg("--spec").arg(&spec_path).stdin(Stdio::null()).output().map_err(|e| fail("running the baseline", e))?;
+    let out = Command::new(worker)
+        .arg("bench-compute")
+        .arg("--spec")
+        .arg(&spec_path)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| fail("running the baseline", e))?;
     if !out.status.success() {
-        return Err(fail("the in-process baseline", String::from_utf8_lossy(&out.stderr)));
+        return Err(fail(
+            "the in-process baseline",
+            String::from_utf8_lossy(&out.stderr),
+        ));
     }
-    let base: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| fail("baseline output", e))?;
+    let base: serde_json::Value =
+        serde_json::from_slice(&out.stdout).map_err(|e| fail("baseline output", e))?;
 
     let run_dir = tmp.join("run");
     let out = Command::new(exe)
-        .args(["--gpus", "cpu:2", "--target", "tiny", "--data", "demo", "--seed", "0", "--token-budget", "2048", "--max-seq-len", "1024"])
-        .args(["--epochs", "1000", "--checkpoint-every", "0", "--steps", &steps.to_string(), "--run-dir"])
+        .args([
+            "--gpus",
+            "cpu:2",
+            "--target",
+            "tiny",
+            "--data",
+            "demo",
+            "--seed",
+            "0",
+            "--token-budget",
+            "2048",
+            "--max-seq-len",
+            "1024",
+        ])
+        .args([
+            "--epochs",
+            "1000",
+            "--checkpoint-every",
+            "0",
+            "--steps",
+            &steps.to_string(),
+            "--run-dir",
+        ])
         .arg(&run_dir)
         .stdin(Stdio::null())
         .output()
         .map_err(|e| fail("running the pipeline", e))?;
     if !out.status.success() {
-        return Err(fail("the pipeline run", String::from_utf8_lossy(&out.stderr)));
+        return Err(fail(
+            "the pipeline run",
+            String::from_utf8_lossy(&out.stderr),
+        ));
     }
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("train.jsonl"))
         .map_err(|e| fail("train.jsonl", e))?
@@ -108,11 +179,20 @@ fn measure(exe: &std::path::Path, worker: &std::path::Path, tmp: &std::path::Pat
         .filter(|l| l.get("step").is_some())
         .collect();
     // From the first commit to the last: start-up (loading, first batch) is not throughput.
-    let (first, last) = (lines.first().ok_or_else(|| fail("train.jsonl", "empty"))?, lines.last().expect("non-empty"));
+    let (first, last) = (
+        lines.first().ok_or_else(|| fail("train.jsonl", "empty"))?,
+        lines.last().expect("non-empty"),
+    );
     let secs = (last["t"].as_f64().unwrap_or(0.0) - first["t"].as_f64().unwrap_or(0.0)) / 1000.0;
-    let tokens: f64 = lines[1..].iter().map(|l| l["tokens"].as_f64().unwrap_or(0.0)).sum();
+    let tokens: f64 = lines[1..]
+        .iter()
+        .map(|l| l["tokens"].as_f64().unwrap_or(0.0))
+        .sum();
     let pipeline = tokens / secs.max(1e-9);
-    let (t, d) = (base["target_tokens_per_s"].as_f64().unwrap_or(0.0), base["drafter_tokens_per_s"].as_f64().unwrap_or(0.0));
+    let (t, d) = (
+        base["target_tokens_per_s"].as_f64().unwrap_or(0.0),
+        base["drafter_tokens_per_s"].as_f64().unwrap_or(0.0),
+    );
     let mut m = BTreeMap::new();
     m.insert("target_tokens_per_s".into(), t);
     m.insert("drafter_tokens_per_s".into(), d);
@@ -125,10 +205,16 @@ fn measure(exe: &std::path::Path, worker: &std::path::Path, tmp: &std::path::Pat
         .and_then(|t| serde_json::from_str(&t).ok())
         .unwrap_or_default();
     let step_ms = 1000.0 * secs / (lines.len().max(2) - 1) as f64;
-    let (snap_ms, every) = (state["train"]["snapshot_ms"].as_f64().unwrap_or(0.0), state["train"]["snapshot_every"].as_f64().unwrap_or(1.0));
+    let (snap_ms, every) = (
+        state["train"]["snapshot_ms"].as_f64().unwrap_or(0.0),
+        state["train"]["snapshot_every"].as_f64().unwrap_or(1.0),
+    );
     m.insert("step_ms".into(), step_ms);
     m.insert("snapshot_ms".into(), snap_ms);
     m.insert("snapshot_every_steps".into(), every);
-    m.insert("snapshot_share_of_step_time".into(), snap_ms / (every.max(1.0) * step_ms.max(1e-9)));
+    m.insert(
+        "snapshot_share_of_step_time".into(),
+        snap_ms / (every.max(1.0) * step_ms.max(1e-9)),
+    );
     Ok(m)
 }

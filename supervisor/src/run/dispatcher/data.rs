@@ -19,7 +19,12 @@ impl Dispatcher {
             .iter()
             .filter_map(|w| {
                 let l = w.status.life()?;
-                Some(Peer { name: w.name, holder: l.id, pid: l.pid, tx: l.takes_work()? })
+                Some(Peer {
+                    name: w.name,
+                    holder: l.id,
+                    pid: l.pid,
+                    tx: l.takes_work()?,
+                })
             })
             .collect();
         if let Some(e) = self.pipeline.ledger_failed() {
@@ -29,7 +34,9 @@ impl Dispatcher {
         }
         self.pipeline.pump(&peers);
         let pipeline = &self.pipeline;
-        let tail = self.trainer.flush_tail(pipeline.remaining(), &|holder| pipeline.delivered_to(holder));
+        let tail = self.trainer.flush_tail(pipeline.remaining(), &|holder| {
+            pipeline.delivered_to(holder)
+        });
         self.execute(tail);
         let hung = self.trainer.watchdog(self.now);
         self.execute(hung);
@@ -49,8 +56,20 @@ impl Dispatcher {
                         let _ = tx.send(msg);
                     }
                 }
-                Action::Consume { worker, holder, input, batch_id, step } => {
-                    if let Err(e) = self.pipeline.consume(self.workers[worker].name, holder, input, batch_id, Some(step)) {
+                Action::Consume {
+                    worker,
+                    holder,
+                    input,
+                    batch_id,
+                    step,
+                } => {
+                    if let Err(e) = self.pipeline.consume(
+                        self.workers[worker].name,
+                        holder,
+                        input,
+                        batch_id,
+                        Some(step),
+                    ) {
                         log::error!("committed batch {batch_id} could not be recorded: {e}");
                     }
                     self.dirty = true;
@@ -69,7 +88,12 @@ impl Dispatcher {
                         log::error!("{e}");
                         self.begin_stop(StopReason::TrainingFailed(e));
                     }
-                    self.run.event("rollback", super::obj(serde_json::json!({"from": from, "to": to, "batches": batches.len()})));
+                    self.run.event(
+                        "rollback",
+                        super::obj(
+                            serde_json::json!({"from": from, "to": to, "batches": batches.len()}),
+                        ),
+                    );
                     self.dirty = true;
                 }
                 Action::Covered(step) => self.pipeline.covered(step),
@@ -83,8 +107,16 @@ impl Dispatcher {
                 }
                 Action::Checkpoint { worker, step, dir } => {
                     let meta = self.pipeline.consumed_summary().to_string();
-                    if let Some(tx) = self.workers[worker].status.life().and_then(|l| l.to_worker()) {
-                        let _ = tx.send(ToWorker::Checkpoint { dir: dir.display().to_string(), step, meta });
+                    if let Some(tx) = self.workers[worker]
+                        .status
+                        .life()
+                        .and_then(|l| l.to_worker())
+                    {
+                        let _ = tx.send(ToWorker::Checkpoint {
+                            dir: dir.display().to_string(),
+                            step,
+                            meta,
+                        });
                     }
                 }
             }

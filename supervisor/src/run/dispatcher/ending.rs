@@ -46,7 +46,8 @@ impl Dispatcher {
     pub(super) fn flush_state(&mut self) {
         // Worker changes are written at once; batch progress alone at most once a second.
         let progress = self.pipeline.progress();
-        let stale = progress != self.written_progress && self.now.saturating_duration_since(self.written_at) >= Duration::from_secs(1);
+        let stale = progress != self.written_progress
+            && self.now.saturating_duration_since(self.written_at) >= Duration::from_secs(1);
         if !self.dirty && !stale {
             return;
         }
@@ -67,7 +68,10 @@ impl Dispatcher {
         self.write_metrics();
         crate::telemetry::console::status(None);
         let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
-        let reason = self.stop_reason.take().unwrap_or(StopReason::Requested("stopped".into()));
+        let reason = self
+            .stop_reason
+            .take()
+            .unwrap_or(StopReason::Requested("stopped".into()));
         self.pipeline.end();
         let end = match &reason {
             StopReason::GaveUp(report) => {
@@ -84,7 +88,10 @@ impl Dispatcher {
                 crate::say!("dflash-supervise: run failed: {msg}");
                 RunEnd::Failed
             }
-            StopReason::Requested(_) | StopReason::TimeLimit | StopReason::DataDone | StopReason::StepsDone => {
+            StopReason::Requested(_)
+            | StopReason::TimeLimit
+            | StopReason::DataDone
+            | StopReason::StepsDone => {
                 if all_clean {
                     RunEnd::Clean
                 } else {
@@ -92,7 +99,13 @@ impl Dispatcher {
                         .workers
                         .iter()
                         .filter(|w| w.unclean_stop)
-                        .map(|w| format!("{} ({})", w.name, w.last_exit.as_deref().unwrap_or("never started")))
+                        .map(|w| {
+                            format!(
+                                "{} ({})",
+                                w.name,
+                                w.last_exit.as_deref().unwrap_or("never started")
+                            )
+                        })
                         .collect();
                     log::warn!("not every worker stopped cleanly: {}", bad.join(", "));
                     RunEnd::UncleanStop
@@ -108,18 +121,32 @@ impl Dispatcher {
             } else {
                 "no checkpoint was written: a new run starts from scratch".into()
             };
-            crate::say!("dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}", saved + 1);
+            crate::say!(
+                "dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}",
+                saved + 1
+            );
             // Lost work outranks an unclean stop: the run failed.
-            if matches!(end, RunEnd::Clean | RunEnd::UncleanStop) { RunEnd::Failed } else { end }
+            if matches!(end, RunEnd::Clean | RunEnd::UncleanStop) {
+                RunEnd::Failed
+            } else {
+                end
+            }
         } else {
             end
         };
         let code = end.exit_code();
-        let phase = if code == exit_codes::SUCCESS { "stopped" } else { "failed" };
+        let phase = if code == exit_codes::SUCCESS {
+            "stopped"
+        } else {
+            "failed"
+        };
         if let Err(e) = self.run.write_state(&self.snapshot(phase, Some(code))) {
             log::warn!("cannot write state.json: {e}");
         }
-        self.run.event("run_end", obj(json!({"reason": reason.describe(), "exit_code": code})));
+        self.run.event(
+            "run_end",
+            obj(json!({"reason": reason.describe(), "exit_code": code})),
+        );
         log::info!("run ended ({}); exit code {code}", reason.describe());
         let report = self.run.path.join("report.html");
         match crate::telemetry::report::write(&self.run.path, &report) {

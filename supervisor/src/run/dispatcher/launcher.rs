@@ -70,11 +70,22 @@ pub trait Launcher {
 #[derive(Debug, thiserror::Error)]
 pub enum SpawnError {
     #[error("cannot open a control channel for {worker}: {source}")]
-    Channel { worker: WorkerName, source: io::Error },
+    Channel {
+        worker: WorkerName,
+        source: io::Error,
+    },
     #[error("cannot start {worker} ({}): {source}", program.display())]
-    Start { worker: WorkerName, program: PathBuf, source: io::Error },
+    Start {
+        worker: WorkerName,
+        program: PathBuf,
+        source: io::Error,
+    },
     #[error("cannot open a pidfd for {worker} (pid {pid}): {source}")]
-    Pidfd { worker: WorkerName, pid: u32, source: io::Error },
+    Pidfd {
+        worker: WorkerName,
+        pid: u32,
+        source: io::Error,
+    },
     #[error("cannot start a waiter thread: {0}")]
     Waiter(#[source] io::Error),
 }
@@ -94,15 +105,26 @@ pub struct Processes {
 
 impl Processes {
     /// The launcher of a run: `reaper`, if it started, watches every worker's group.
-    pub fn new(cfg: &super::Config, run_dir: PathBuf, reaper: Option<Reaper>, data: &super::Data) -> Result<Processes, crate::error::Error> {
+    pub fn new(
+        cfg: &super::Config,
+        run_dir: PathBuf,
+        reaper: Option<Reaper>,
+        data: &super::Data,
+    ) -> Result<Processes, crate::error::Error> {
         Ok(Processes {
-            spawner: Spawner::start().map_err(|e| crate::error::Error::start("spawner thread", e))?,
+            spawner: Spawner::start()
+                .map_err(|e| crate::error::Error::start("spawner thread", e))?,
             reaper: reaper.map(Arc::new),
             worker_bin: cfg.worker_bin.clone(),
             target_dir: cfg.target_dir.clone(),
             run_dir,
             heartbeat: super::spawning::heartbeat(cfg.hang_timeout),
-            inherit_fds: data.pipeline.inherit_fds().into_iter().chain(data.trainer.inherit_fds()).collect(),
+            inherit_fds: data
+                .pipeline
+                .inherit_fds()
+                .into_iter()
+                .chain(data.trainer.inherit_fds())
+                .collect(),
         })
     }
 }
@@ -110,11 +132,18 @@ impl Processes {
 impl Launcher for Processes {
     fn launch(&mut self, l: Launch, events: &Sender<Event>) -> Result<Launched, SpawnError> {
         let (server, server_name) =
-            IpcOneShotServer::<FromWorker>::new().map_err(|source| SpawnError::Channel { worker: l.name, source })?;
+            IpcOneShotServer::<FromWorker>::new().map_err(|source| SpawnError::Channel {
+                worker: l.name,
+                source,
+            })?;
         let mut child = self
             .spawner
             .spawn(self.spec(&l, &server_name))
-            .map_err(|source| SpawnError::Start { worker: l.name, program: self.worker_bin.clone(), source })?;
+            .map_err(|source| SpawnError::Start {
+                worker: l.name,
+                program: self.worker_bin.clone(),
+                source,
+            })?;
         let pid = child.id();
         let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
         let process = match GroupLeader::new(child) {
@@ -122,25 +151,42 @@ impl Launcher for Processes {
             Err((mut child, source)) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(SpawnError::Pidfd { worker: l.name, pid, source });
+                return Err(SpawnError::Pidfd {
+                    worker: l.name,
+                    pid,
+                    source,
+                });
             }
         };
         if let Some(r) = &self.reaper {
             r.watch(pid);
         }
         for (stream, tag) in [
-            (stdout.map(|s| Box::new(s) as Box<dyn io::Read + Send>), Tag::Stdout),
-            (stderr.map(|s| Box::new(s) as Box<dyn io::Read + Send>), Tag::Stderr),
+            (
+                stdout.map(|s| Box::new(s) as Box<dyn io::Read + Send>),
+                Tag::Stdout,
+            ),
+            (
+                stderr.map(|s| Box::new(s) as Box<dyn io::Read + Send>),
+                Tag::Stderr,
+            ),
         ] {
             if let Some(stream) = stream {
                 if let Err(e) = l.log.pump(stream, tag) {
-                    log::error!("{}: cannot start a log thread ({e}); its output is lost", l.name);
+                    log::error!(
+                        "{}: cannot start a log thread ({e}); its output is lost",
+                        l.name
+                    );
                 }
             }
         }
         control::serve(server, l.worker, l.life, events.clone());
         self.watch_exit(l.worker, l.life, process.clone(), events.clone())?;
-        Ok(Launched { pid, process, server_name })
+        Ok(Launched {
+            pid,
+            process,
+            server_name,
+        })
     }
 
     fn abandon(&mut self, server_name: &str) {
@@ -160,10 +206,19 @@ impl Processes {
                 (env::GPU.into(), l.device.to_string()),
                 (env::RESTART_COUNT.into(), l.restarts.to_string()),
                 (env::RUN_DIR.into(), self.run_dir.display().to_string()),
-                (env::HEARTBEAT_MS.into(), self.heartbeat.as_millis().to_string()),
+                (
+                    env::HEARTBEAT_MS.into(),
+                    self.heartbeat.as_millis().to_string(),
+                ),
                 (env::CONTROL.into(), server_name.into()),
-                (env::TARGET_DIR.into(), self.target_dir.display().to_string()),
-                ("CUDA_VISIBLE_DEVICES".into(), l.device.cuda_visible_devices()),
+                (
+                    env::TARGET_DIR.into(),
+                    self.target_dir.display().to_string(),
+                ),
+                (
+                    "CUDA_VISIBLE_DEVICES".into(),
+                    l.device.cuda_visible_devices(),
+                ),
                 // NVML numbers GPUs by PCI bus; make CUDA agree so GPU i is the same board.
                 ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
             ],
@@ -171,7 +226,13 @@ impl Processes {
     }
 
     /// A thread that blocks on the process's pidfd and reports its exit.
-    fn watch_exit(&self, worker: usize, life: LifeId, process: Arc<GroupLeader>, tx: Sender<Event>) -> Result<(), SpawnError> {
+    fn watch_exit(
+        &self,
+        worker: usize,
+        life: LifeId,
+        process: Arc<GroupLeader>,
+        tx: Sender<Event>,
+    ) -> Result<(), SpawnError> {
         let (pid, reaper) = (process.pid(), self.reaper.clone());
         thread::Builder::new()
             .name(format!("waiter-{pid}"))
@@ -188,7 +249,11 @@ impl Processes {
                 });
                 match reaped {
                     Ok(status) => {
-                        let _ = tx.send(Event::Exited { worker, life, status });
+                        let _ = tx.send(Event::Exited {
+                            worker,
+                            life,
+                            status,
+                        });
                     }
                     Err(e) => log::error!("cannot reap pid {pid}: {e}"),
                 }

@@ -10,8 +10,8 @@ use std::time::Instant;
 use dflash_shared::protocol::ToWorker;
 use ipc_channel::ipc::IpcSender;
 
-use super::LifeId;
 use super::launcher::Process;
+use super::LifeId;
 
 /// A worker between and within its lives.
 pub(super) enum Status {
@@ -47,14 +47,29 @@ pub(super) enum LifeState {
     /// Spawned; no hello yet.
     Starting,
     /// Said hello and takes work. `to_worker` is `None` once its control channel closed.
-    Ready { to_worker: Option<IpcSender<ToWorker>> },
+    Ready {
+        to_worker: Option<IpcSender<ToWorker>>,
+    },
     /// Asked to stop: by a Shutdown message when `connected`, else by SIGTERM.
-    Stopping { to_worker: Option<IpcSender<ToWorker>>, connected: bool },
+    Stopping {
+        to_worker: Option<IpcSender<ToWorker>>,
+        connected: bool,
+    },
     /// Killed by the supervisor for `reason`; its pidfd says when it is gone.
-    Killed { reason: String, to_worker: Option<IpcSender<ToWorker>>, connected: bool, asked_to_stop: bool },
+    Killed {
+        reason: String,
+        to_worker: Option<IpcSender<ToWorker>>,
+        connected: bool,
+        asked_to_stop: bool,
+    },
     /// The process is gone (`status`, seen at `since`); its control channel, still open, is
     /// read to its end before the death is handled. Only a connected life drains.
-    Draining { status: ExitStatus, since: Instant, killed_for: Option<String>, asked_to_stop: bool },
+    Draining {
+        status: ExitStatus,
+        since: Instant,
+        killed_for: Option<String>,
+        asked_to_stop: bool,
+    },
 }
 
 impl Status {
@@ -87,7 +102,9 @@ impl Life {
     /// The channel to send orders on, while the worker can read them.
     pub fn to_worker(&self) -> Option<&IpcSender<ToWorker>> {
         match &self.state {
-            LifeState::Ready { to_worker } | LifeState::Stopping { to_worker, .. } | LifeState::Killed { to_worker, .. } => to_worker.as_ref(),
+            LifeState::Ready { to_worker }
+            | LifeState::Stopping { to_worker, .. }
+            | LifeState::Killed { to_worker, .. } => to_worker.as_ref(),
             LifeState::Starting | LifeState::Draining { .. } => None,
         }
     }
@@ -105,7 +122,9 @@ impl Life {
         match &self.state {
             LifeState::Starting => false,
             LifeState::Ready { .. } | LifeState::Draining { .. } => true,
-            LifeState::Stopping { connected, .. } | LifeState::Killed { connected, .. } => *connected,
+            LifeState::Stopping { connected, .. } | LifeState::Killed { connected, .. } => {
+                *connected
+            }
         }
     }
 
@@ -120,7 +139,9 @@ impl Life {
     pub fn asked_to_stop(&self) -> bool {
         match &self.state {
             LifeState::Stopping { .. } => true,
-            LifeState::Killed { asked_to_stop, .. } | LifeState::Draining { asked_to_stop, .. } => *asked_to_stop,
+            LifeState::Killed { asked_to_stop, .. } | LifeState::Draining { asked_to_stop, .. } => {
+                *asked_to_stop
+            }
             LifeState::Starting | LifeState::Ready { .. } => false,
         }
     }
@@ -128,7 +149,10 @@ impl Life {
     /// The process is still there and the supervisor has not killed it: the hang watch
     /// applies.
     pub fn watched(&self) -> bool {
-        !matches!(self.state, LifeState::Killed { .. } | LifeState::Draining { .. })
+        !matches!(
+            self.state,
+            LifeState::Killed { .. } | LifeState::Draining { .. }
+        )
     }
 
     /// When it died, if it is draining.
@@ -141,7 +165,9 @@ impl Life {
 
     /// It said hello with this channel.
     pub fn connect(&mut self, to_worker: IpcSender<ToWorker>) {
-        self.state = LifeState::Ready { to_worker: Some(to_worker) };
+        self.state = LifeState::Ready {
+            to_worker: Some(to_worker),
+        };
     }
 
     /// The supervisor killed it (the first reason is kept). Nothing changes for a life
@@ -149,9 +175,27 @@ impl Life {
     pub fn mark_killed(&mut self, why: &str) {
         let state = std::mem::replace(&mut self.state, LifeState::Starting);
         self.state = match state {
-            LifeState::Starting => LifeState::Killed { reason: why.into(), to_worker: None, connected: false, asked_to_stop: false },
-            LifeState::Ready { to_worker } => LifeState::Killed { reason: why.into(), to_worker, connected: true, asked_to_stop: false },
-            LifeState::Stopping { to_worker, connected } => LifeState::Killed { reason: why.into(), to_worker, connected, asked_to_stop: true },
+            LifeState::Starting => LifeState::Killed {
+                reason: why.into(),
+                to_worker: None,
+                connected: false,
+                asked_to_stop: false,
+            },
+            LifeState::Ready { to_worker } => LifeState::Killed {
+                reason: why.into(),
+                to_worker,
+                connected: true,
+                asked_to_stop: false,
+            },
+            LifeState::Stopping {
+                to_worker,
+                connected,
+            } => LifeState::Killed {
+                reason: why.into(),
+                to_worker,
+                connected,
+                asked_to_stop: true,
+            },
             s @ (LifeState::Killed { .. } | LifeState::Draining { .. }) => s,
         };
     }
@@ -159,9 +203,21 @@ impl Life {
     /// It was asked to stop.
     pub fn mark_asked_to_stop(&mut self) {
         match &mut self.state {
-            LifeState::Starting => self.state = LifeState::Stopping { to_worker: None, connected: false },
-            LifeState::Ready { to_worker } => self.state = LifeState::Stopping { to_worker: to_worker.take(), connected: true },
-            LifeState::Killed { asked_to_stop, .. } | LifeState::Draining { asked_to_stop, .. } => *asked_to_stop = true,
+            LifeState::Starting => {
+                self.state = LifeState::Stopping {
+                    to_worker: None,
+                    connected: false,
+                }
+            }
+            LifeState::Ready { to_worker } => {
+                self.state = LifeState::Stopping {
+                    to_worker: to_worker.take(),
+                    connected: true,
+                }
+            }
+            LifeState::Killed { asked_to_stop, .. } | LifeState::Draining { asked_to_stop, .. } => {
+                *asked_to_stop = true
+            }
             LifeState::Stopping { .. } => {}
         }
     }
@@ -170,7 +226,9 @@ impl Life {
     /// drain is over).
     pub fn channel_lost(&mut self) -> Option<ExitStatus> {
         match &mut self.state {
-            LifeState::Ready { to_worker } | LifeState::Stopping { to_worker, .. } | LifeState::Killed { to_worker, .. } => {
+            LifeState::Ready { to_worker }
+            | LifeState::Stopping { to_worker, .. }
+            | LifeState::Killed { to_worker, .. } => {
                 *to_worker = None;
                 None
             }
@@ -185,8 +243,14 @@ impl Life {
         if !self.connected() || self.to_worker().is_none() {
             return true;
         }
-        let (killed_for, asked_to_stop) = (self.killed_for().map(String::from), self.asked_to_stop());
-        self.state = LifeState::Draining { status, since: now, killed_for, asked_to_stop };
+        let (killed_for, asked_to_stop) =
+            (self.killed_for().map(String::from), self.asked_to_stop());
+        self.state = LifeState::Draining {
+            status,
+            since: now,
+            killed_for,
+            asked_to_stop,
+        };
         false
     }
 }
@@ -197,8 +261,17 @@ impl LifeState {
             LifeState::Starting => "starting",
             LifeState::Ready { .. } => "running",
             LifeState::Stopping { .. } => "stopping",
-            LifeState::Killed { asked_to_stop: true, .. } | LifeState::Draining { asked_to_stop: true, .. } => "stopping",
-            LifeState::Killed { connected: false, .. } => "starting",
+            LifeState::Killed {
+                asked_to_stop: true,
+                ..
+            }
+            | LifeState::Draining {
+                asked_to_stop: true,
+                ..
+            } => "stopping",
+            LifeState::Killed {
+                connected: false, ..
+            } => "starting",
             LifeState::Killed { .. } | LifeState::Draining { .. } => "running",
         }
     }

@@ -14,7 +14,9 @@ impl Dispatcher {
     /// On a terminal, redraw the live status line once a second: the latest window's
     /// rates with the training figures of this moment.
     pub(super) fn refresh_status(&mut self) {
-        if !crate::telemetry::console::live() || self.now.saturating_duration_since(self.metrics.status_at) < Duration::from_secs(1) {
+        if !crate::telemetry::console::live()
+            || self.now.saturating_duration_since(self.metrics.status_at) < Duration::from_secs(1)
+        {
             return;
         }
         self.metrics.status_at = self.now;
@@ -23,14 +25,28 @@ impl Dispatcher {
         if t.step > 0 {
             w["train"] = json!({"step": t.step, "loss": t.loss, "acceptance": t.acceptance});
         }
-        w["restarts"] = self.workers.iter().map(|w| w.restarts as u64).sum::<u64>().into();
+        w["restarts"] = self
+            .workers
+            .iter()
+            .map(|w| w.restarts as u64)
+            .sum::<u64>()
+            .into();
         crate::telemetry::console::status(Some(status_line(&w)));
     }
 
     /// Close the current window: write it and start the next.
     pub(super) fn write_metrics(&mut self) {
-        let secs = self.now.saturating_duration_since(self.metrics.started).as_secs_f64().max(1e-9);
-        let names = |pid: u32| self.workers.iter().find(|w| w.status.life().is_some_and(|l| l.pid == pid)).map(|w| w.name.to_string());
+        let secs = self
+            .now
+            .saturating_duration_since(self.metrics.started)
+            .as_secs_f64()
+            .max(1e-9);
+        let names = |pid: u32| {
+            self.workers
+                .iter()
+                .find(|w| w.status.life().is_some_and(|l| l.pid == pid))
+                .map(|w| w.name.to_string())
+        };
         let gpu = self.metrics.gpu.take(&names);
         let (consumed, produced) = self.pipeline.progress();
         let t = &self.trainer.progress;

@@ -40,26 +40,26 @@ use dflash_shared::{Device, Role, WorkerName};
 use nix::sys::signal::Signal;
 use serde_json::json;
 
-use crate::run::process::describe_status;
-use launcher::Launcher;
-use life::{Life, Status};
-use crate::run::root_cause::Report;
-use crate::run::restart::backoff;
-use crate::run::rundir::{now_rfc3339, unix_ms, RunDir};
-use crate::run::worker_log::{Rotation, Tag, WorkerLog};
 use crate::data::loader::Loader;
 use crate::data::pipeline::{LoaderEvent, Peer, Pipeline};
-use crate::run::control::ControlEvent;
-use crate::telemetry::nvml::GpuSamples;
-use crate::training::trainer::Trainer;
 use crate::error::Error;
 use crate::run::control;
+use crate::run::control::ControlEvent;
+use crate::run::process::describe_status;
+use crate::run::restart::backoff;
+use crate::run::root_cause::Report;
+use crate::run::rundir::{now_rfc3339, unix_ms, RunDir};
+use crate::run::worker_log::{Rotation, Tag, WorkerLog};
+use crate::telemetry::nvml::GpuSamples;
+use crate::training::trainer::Trainer;
+use launcher::Launcher;
+use life::{Life, Status};
 
 mod data;
+mod ending;
 pub mod launcher;
 mod life;
 mod metrics;
-mod ending;
 mod spawning;
 #[cfg(test)]
 mod tests;
@@ -76,7 +76,11 @@ pub use crate::run::control::LifeId;
 pub enum Event {
     Signal(i32),
     Control(ControlEvent),
-    Exited { worker: usize, life: LifeId, status: ExitStatus },
+    Exited {
+        worker: usize,
+        life: LifeId,
+        status: ExitStatus,
+    },
     Loader(LoaderEvent),
     GpuSamples(GpuSamples),
 }
@@ -183,14 +187,22 @@ pub struct Dispatcher {
 }
 
 impl Dispatcher {
-    pub fn new(cfg: Config, run: RunDir, data: Data, launcher: Box<dyn Launcher>) -> Result<Dispatcher, Error> {
+    pub fn new(
+        cfg: Config,
+        run: RunDir,
+        data: Data,
+        launcher: Box<dyn Launcher>,
+    ) -> Result<Dispatcher, Error> {
         let metrics = crate::telemetry::metrics::Metrics::new(&run.path);
         let (tx, rx) = mpsc::channel();
         let mut workers = Vec::new();
         for &(name, device) in &cfg.plan {
             let log_path = run.worker_log(&name.to_string());
             let tee = cfg.tee.then(|| format!("[{name}]"));
-            let rotation = Rotation { max_size: cfg.log_max_size, backups: cfg.log_backups };
+            let rotation = Rotation {
+                max_size: cfg.log_max_size,
+                backups: cfg.log_backups,
+            };
             let log = WorkerLog::open(&log_path, rotation, tee)
                 .map_err(|e| Error::io("cannot open", &log_path, e))?;
             workers.push(Worker {
@@ -245,7 +257,9 @@ impl Dispatcher {
             let ev = match self.rx.recv_timeout(TICK) {
                 Ok(ev) => Some(ev),
                 Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => unreachable!("the dispatcher holds a sender"),
+                Err(RecvTimeoutError::Disconnected) => {
+                    unreachable!("the dispatcher holds a sender")
+                }
             };
             self.step(ev, Instant::now());
         }
@@ -269,16 +283,27 @@ impl Dispatcher {
         self.started = now;
         self.written_at = now;
         self.metrics.restart(now);
-        let names: Vec<String> = self.workers.iter().map(|w| format!("{} on {}", w.name, w.device)).collect();
-        log::info!("run dir {}; starting {}", self.run.path.display(), names.join(", "));
+        let names: Vec<String> = self
+            .workers
+            .iter()
+            .map(|w| format!("{} on {}", w.name, w.device))
+            .collect();
+        log::info!(
+            "run dir {}; starting {}",
+            self.run.path.display(),
+            names.join(", ")
+        );
         log::info!("{}", self.pipeline.describe());
         log::info!("{}", self.trainer.describe());
-        self.run.event("run_start", obj(json!({
+        self.run.event(
+            "run_start",
+            obj(json!({
                 "workers": names,
                 "pid": std::process::id(),
                 "gpu_metrics": self.cfg.gpu_metrics,
                 "metrics_interval_s": self.cfg.metrics_interval.as_secs_f64(),
-            })));
+            })),
+        );
         if let Some(loader) = self.loader.take() {
             if let Err(e) = self.pipeline.start_loader(loader, self.tx.clone()) {
                 log::error!("{e}");
@@ -289,7 +314,17 @@ impl Dispatcher {
             self.spawn(i);
         }
         if self.cfg.gpu_metrics {
-            let mut gpus: Vec<u32> = self.workers.iter().filter_map(|w| if let Device::Gpu(g) = w.device { Some(g) } else { None }).collect();
+            let mut gpus: Vec<u32> = self
+                .workers
+                .iter()
+                .filter_map(|w| {
+                    if let Device::Gpu(g) = w.device {
+                        Some(g)
+                    } else {
+                        None
+                    }
+                })
+                .collect();
             gpus.sort_unstable();
             gpus.dedup();
             crate::telemetry::nvml::start(gpus, self.cfg.gpu_sample_interval, self.tx.clone());
@@ -297,16 +332,30 @@ impl Dispatcher {
     }
 
     fn finished(&self) -> bool {
-        !matches!(self.phase, Phase::Running) && self.workers.iter().all(|w| w.status.life().is_none())
+        !matches!(self.phase, Phase::Running)
+            && self.workers.iter().all(|w| w.status.life().is_none())
     }
 
     fn handle(&mut self, ev: Event) {
         match ev {
             Event::Signal(sig) => self.on_signal(sig),
-            Event::Control(ControlEvent::Connected { worker, life, hello }) => self.on_connected(worker, life, hello),
-            Event::Control(ControlEvent::Message { worker, life, msg }) => self.on_message(worker, life, msg),
-            Event::Control(ControlEvent::ChannelLost { worker, life, reason, malformed }) => {
-                let Some(l) = self.live(worker, life) else { return };
+            Event::Control(ControlEvent::Connected {
+                worker,
+                life,
+                hello,
+            }) => self.on_connected(worker, life, hello),
+            Event::Control(ControlEvent::Message { worker, life, msg }) => {
+                self.on_message(worker, life, msg)
+            }
+            Event::Control(ControlEvent::ChannelLost {
+                worker,
+                life,
+                reason,
+                malformed,
+            }) => {
+                let Some(l) = self.live(worker, life) else {
+                    return;
+                };
                 if let Some(status) = l.channel_lost() {
                     self.finish_exit(worker, status);
                     return;
@@ -319,7 +368,11 @@ impl Dispatcher {
                     }
                 }
             }
-            Event::Exited { worker, life, status } => self.on_exit(worker, life, status),
+            Event::Exited {
+                worker,
+                life,
+                status,
+            } => self.on_exit(worker, life, status),
             Event::GpuSamples(GpuSamples(samples)) => self.metrics.gpu.add(&samples),
             Event::Loader(ev) => {
                 if let Err(msg) = self.pipeline.on_loader(ev) {
@@ -332,11 +385,16 @@ impl Dispatcher {
 
     /// The current life of `worker` if it is `life`.
     fn live(&mut self, worker: usize, life: LifeId) -> Option<&mut Life> {
-        self.workers[worker].status.life_mut().filter(|l| l.id == life)
+        self.workers[worker]
+            .status
+            .life_mut()
+            .filter(|l| l.id == life)
     }
 
     fn on_signal(&mut self, sig: i32) {
-        let Ok(signal) = Signal::try_from(sig) else { return };
+        let Ok(signal) = Signal::try_from(sig) else {
+            return;
+        };
         match signal {
             Signal::SIGUSR1 | Signal::SIGUSR2 => {
                 log::info!("forwarding {} to every worker", signal.as_str());
@@ -345,7 +403,8 @@ impl Dispatcher {
                         l.process.signal_group(signal);
                     }
                 }
-                self.run.event("signal_forwarded", obj(json!({"signal": signal.as_str()})));
+                self.run
+                    .event("signal_forwarded", obj(json!({"signal": signal.as_str()})));
             }
             _ => match self.phase {
                 Phase::Running => {
@@ -354,12 +413,21 @@ impl Dispatcher {
                         signal.as_str(),
                         humantime::format_duration(self.cfg.stop_timeout)
                     );
-                    self.begin_stop(StopReason::Requested(format!("{} received", signal.as_str())));
+                    self.begin_stop(StopReason::Requested(format!(
+                        "{} received",
+                        signal.as_str()
+                    )));
                 }
                 _ => {
-                    log::warn!("{} received again: killing every worker now", signal.as_str());
+                    log::warn!(
+                        "{} received again: killing every worker now",
+                        signal.as_str()
+                    );
                     // A give-up or fatal error stays the reason: its report matters more.
-                    if !matches!(self.stop_reason, Some(StopReason::GaveUp(_) | StopReason::Fatal(_))) {
+                    if !matches!(
+                        self.stop_reason,
+                        Some(StopReason::GaveUp(_) | StopReason::Fatal(_))
+                    ) {
                         self.stop_reason = Some(StopReason::Interrupted);
                     }
                     self.kill_all("second stop signal");
@@ -374,7 +442,9 @@ impl Dispatcher {
         let bin = self.cfg.worker_bin.display().to_string();
         let pools = self.pipeline.pools_message();
         let now = self.now;
-        let Some(l) = self.live(worker, life) else { return };
+        let Some(l) = self.live(worker, life) else {
+            return;
+        };
         if hello.protocol != PROTOCOL_VERSION {
             let msg = format!(
                 "{name} speaks control protocol v{}, this supervisor v{PROTOCOL_VERSION}: the worker binary {bin} comes from another version of dflash-supervise",
@@ -398,7 +468,10 @@ impl Dispatcher {
         l.connect(hello.to_worker);
         let pid = l.pid;
         if hello.pid != pid {
-            log::info!("{name}: hello from pid {} (spawned pid {pid}; a wrapper?)", hello.pid);
+            log::info!(
+                "{name}: hello from pid {} (spawned pid {pid}; a wrapper?)",
+                hello.pid
+            );
         }
         self.dirty = true;
         log::info!("{name} ready (pid {pid})");
@@ -413,7 +486,9 @@ impl Dispatcher {
     fn on_message(&mut self, worker: usize, life: LifeId, msg: FromWorker) {
         let name = self.workers[worker].name;
         let now = self.now;
-        let Some(l) = self.live(worker, life) else { return };
+        let Some(l) = self.live(worker, life) else {
+            return;
+        };
         l.last_beat = now;
         let (holder, pid) = (l.id, l.pid);
         let result: Result<(), String> = match msg {
@@ -422,9 +497,23 @@ impl Dispatcher {
                 self.pipeline.health.device_memory(&name.to_string(), m);
                 Ok(())
             }
-            FromWorker::Commit { output, len, batch_id, input, wait_ms, compute_ms } => {
-                let Some(tx) = l.to_worker().cloned() else { return };
-                let peer = Peer { name, holder, pid, tx: &tx };
+            FromWorker::Commit {
+                output,
+                len,
+                batch_id,
+                input,
+                wait_ms,
+                compute_ms,
+            } => {
+                let Some(tx) = l.to_worker().cloned() else {
+                    return;
+                };
+                let peer = Peer {
+                    name,
+                    holder,
+                    pid,
+                    tx: &tx,
+                };
                 let r = self.pipeline.on_commit(&peer, output, len, batch_id, input);
                 if r.is_ok() {
                     let w = name.to_string();
@@ -434,24 +523,50 @@ impl Dispatcher {
                 r
             }
             FromWorker::Ack { input, batch_id } => {
-                let Some(tx) = l.to_worker().cloned() else { return };
-                let peer = Peer { name, holder, pid, tx: &tx };
+                let Some(tx) = l.to_worker().cloned() else {
+                    return;
+                };
+                let peer = Peer {
+                    name,
+                    holder,
+                    pid,
+                    tx: &tx,
+                };
                 self.pipeline.on_ack(&peer, input, batch_id)
             }
-            FromWorker::Grads { step, input, batch_id, stats, params } => match self.pipeline.check_consume(name, holder, input, batch_id) {
+            FromWorker::Grads {
+                step,
+                input,
+                batch_id,
+                stats,
+                params,
+            } => match self.pipeline.check_consume(name, holder, input, batch_id) {
                 Ok(()) => {
                     let w = name.to_string();
                     self.pipeline.health.phase(&w, "wait", stats.wait_ms);
-                    self.pipeline.health.phase(&w, "forward_backward", stats.compute_ms);
-                    self.pipeline.health.phase(&w, "optimizer", stats.optimizer_ms);
-                    let actions = self.trainer.on_grads(worker, step, input, batch_id, stats, params);
+                    self.pipeline
+                        .health
+                        .phase(&w, "forward_backward", stats.compute_ms);
+                    self.pipeline
+                        .health
+                        .phase(&w, "optimizer", stats.optimizer_ms);
+                    let actions = self
+                        .trainer
+                        .on_grads(worker, step, input, batch_id, stats, params);
                     self.execute(actions);
                     Ok(())
                 }
                 Err(e) => Err(format!("gradients of an invalid batch: {e}")),
             },
-            FromWorker::Reduced { step, epoch, weight_sum, ms } => {
-                self.pipeline.health.phase(&name.to_string(), "all_reduce", ms);
+            FromWorker::Reduced {
+                step,
+                epoch,
+                weight_sum,
+                ms,
+            } => {
+                self.pipeline
+                    .health
+                    .phase(&name.to_string(), "all_reduce", ms);
                 let actions = self.trainer.on_reduced(worker, step, epoch, weight_sum, ms);
                 self.execute(actions);
                 Ok(())
@@ -468,7 +583,10 @@ impl Dispatcher {
             }
             FromWorker::Checkpointed { dir, step } => {
                 self.trainer.on_checkpointed(dir.clone(), step);
-                self.run.event("checkpoint", obj(json!({"worker": name.to_string(), "step": step, "dir": dir})));
+                self.run.event(
+                    "checkpoint",
+                    obj(json!({"worker": name.to_string(), "step": step, "dir": dir})),
+                );
                 Ok(())
             }
             FromWorker::Exported { dir, step } => {
@@ -476,9 +594,7 @@ impl Dispatcher {
                 self.dirty = true;
                 Ok(())
             }
-            other => {
-                Err(format!("sent {} after its hello", variant(&other)))
-            }
+            other => Err(format!("sent {} after its hello", variant(&other))),
         };
         if let Err(why) = result {
             self.violation(worker, &why);
@@ -489,8 +605,14 @@ impl Dispatcher {
     fn violation(&mut self, worker: usize, why: &str) {
         let name = self.workers[worker].name;
         log::error!("{name} broke the control protocol ({why}): killing it");
-        self.workers[worker].log.line(Tag::Supervisor, &format!("protocol violation: {why}; killing"));
-        self.run.event("protocol_violation", obj(json!({"worker": name.to_string(), "reason": why})));
+        self.workers[worker].log.line(
+            Tag::Supervisor,
+            &format!("protocol violation: {why}; killing"),
+        );
+        self.run.event(
+            "protocol_violation",
+            obj(json!({"worker": name.to_string(), "reason": why})),
+        );
         self.kill(worker, &format!("protocol violation: {why}"));
     }
 
@@ -507,7 +629,9 @@ impl Dispatcher {
 
     fn on_exit(&mut self, worker: usize, life: LifeId, status: ExitStatus) {
         let now = self.now;
-        let Some(l) = self.live(worker, life) else { return };
+        let Some(l) = self.live(worker, life) else {
+            return;
+        };
         // A connected life's channel is read to its end first (see the module docs).
         if l.exited(status, now) {
             self.finish_exit(worker, status);
@@ -521,10 +645,15 @@ impl Dispatcher {
             return;
         }
         // Until decided below (restart, backoff, failed), a worker with no life has exited.
-        let Status::Live(l) = std::mem::replace(&mut w.status, Status::Exited) else { unreachable!("checked above") };
+        let Status::Live(l) = std::mem::replace(&mut w.status, Status::Exited) else {
+            unreachable!("checked above")
+        };
         let requeued = self.pipeline.release(w.name, l.id);
         if requeued > 0 && matches!(self.phase, Phase::Running) {
-            log::info!("{}: {requeued} batch(es) it held go back to their queue", w.name);
+            log::info!(
+                "{}: {requeued} batch(es) it held go back to their queue",
+                w.name
+            );
         }
         if w.name.role == Role::Drafter {
             let actions = self.trainer.on_gone(worker);
@@ -534,8 +663,18 @@ impl Dispatcher {
         let uptime = self.now.saturating_duration_since(l.started);
         let desc = describe_status(&status);
         let killed_for = l.killed_for().map(String::from);
-        let why = killed_for.as_deref().map(|r| format!(" ({r})")).unwrap_or_default();
-        w.log.line(Tag::Supervisor, &format!("pid {} {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64()));
+        let why = killed_for
+            .as_deref()
+            .map(|r| format!(" ({r})"))
+            .unwrap_or_default();
+        w.log.line(
+            Tag::Supervisor,
+            &format!(
+                "pid {} {desc}{why} after {:.1}s",
+                l.pid,
+                uptime.as_secs_f64()
+            ),
+        );
         w.last_exit = Some(format!("{desc}{why}"));
         if !l.connected() {
             control::abandon(&l.server_name);
@@ -545,17 +684,25 @@ impl Dispatcher {
             use std::os::unix::process::ExitStatusExt;
             (status.code(), status.signal())
         };
-        let sig_name = sig.and_then(|s| Signal::try_from(s).ok()).map(|s| s.as_str());
+        let sig_name = sig
+            .and_then(|s| Signal::try_from(s).ok())
+            .map(|s| s.as_str());
         self.run.event(
             "exit",
             obj(json!({"worker": name, "pid": l.pid, "status": desc, "code": code, "signal": sig_name,
                        "uptime_s": uptime.as_secs_f64(), "killed_for": killed_for})),
         );
         self.dirty = true;
-        if matches!(self.phase, Phase::Running) && code == Some(dflash_shared::exit_codes::WORKER_PERMANENT) {
+        if matches!(self.phase, Phase::Running)
+            && code == Some(dflash_shared::exit_codes::WORKER_PERMANENT)
+        {
             self.on_permanent_failure(worker, l.pid);
         } else if matches!(self.phase, Phase::Running) {
-            log::warn!("{name} (pid {}) {desc}{why} after {:.1}s", l.pid, uptime.as_secs_f64());
+            log::warn!(
+                "{name} (pid {}) {desc}{why} after {:.1}s",
+                l.pid,
+                uptime.as_secs_f64()
+            );
             self.on_failure(worker, l.pid, uptime);
         } else {
             let w = &mut self.workers[worker];
@@ -573,10 +720,18 @@ impl Dispatcher {
         let deadline = Instant::now() + Duration::from_secs(2);
         let reason = loop {
             // The worker marks that line (an older "error:" line may be a previous life's).
-            let found = w.log.tail(20).into_iter().rev().find(|l| l.contains("(permanent, do not restart)")).and_then(|l| l.split_once("error: ").map(|(_, r)| r.to_string()));
+            let found = w
+                .log
+                .tail(20)
+                .into_iter()
+                .rev()
+                .find(|l| l.contains("(permanent, do not restart)"))
+                .and_then(|l| l.split_once("error: ").map(|(_, r)| r.to_string()));
             match found {
                 Some(r) => break r,
-                None if Instant::now() >= deadline => break format!("see {}", w.log_path.display()),
+                None if Instant::now() >= deadline => {
+                    break format!("see {}", w.log_path.display())
+                }
                 None => std::thread::sleep(Duration::from_millis(10)),
             }
         };
@@ -605,9 +760,18 @@ impl Dispatcher {
                 log_path: w.log_path.clone(),
                 log_tail: w.log.tail(20),
             };
-            self.run.event("give_up", obj(json!({"worker": report.worker, "pid": pid, "restarts": report.restarts,
-                                                  "last_exit": report.last_exit})));
-            log::error!("{} failed again after {} restarts: giving up, stopping the run", report.worker, report.restarts);
+            self.run.event(
+                "give_up",
+                obj(
+                    json!({"worker": report.worker, "pid": pid, "restarts": report.restarts,
+                                                  "last_exit": report.last_exit}),
+                ),
+            );
+            log::error!(
+                "{} failed again after {} restarts: giving up, stopping the run",
+                report.worker,
+                report.restarts
+            );
             self.begin_stop(StopReason::GaveUp(Box::new(report)));
             return;
         }
@@ -618,13 +782,22 @@ impl Dispatcher {
         w.consecutive_failures += 1;
         w.restarts += 1;
         let name = w.name.to_string();
-        self.run.event("restart", obj(json!({"worker": name, "pid": pid, "restarts": w.restarts,
-                                              "delay_ms": delay.as_millis() as u64})));
+        self.run.event(
+            "restart",
+            obj(json!({"worker": name, "pid": pid, "restarts": w.restarts,
+                                              "delay_ms": delay.as_millis() as u64})),
+        );
         if delay.is_zero() {
             self.spawn(worker);
         } else {
-            log::info!("restarting {name} in {} (restart {} of {max})", humantime::format_duration(delay), w.restarts);
-            w.status = Status::Backoff { until: self.now + delay };
+            log::info!(
+                "restarting {name} in {} (restart {} of {max})",
+                humantime::format_duration(delay),
+                w.restarts
+            );
+            w.status = Status::Backoff {
+                until: self.now + delay,
+            };
         }
     }
 
@@ -635,10 +808,19 @@ impl Dispatcher {
         self.refresh_status();
         match self.phase {
             Phase::Running | Phase::Stopping { .. } | Phase::Killing
-                if self.workers.iter().any(|w| w.status.life().and_then(Life::died).is_some_and(|(_, t)| now.duration_since(t) > DRAIN_GRACE)) =>
+                if self.workers.iter().any(|w| {
+                    w.status
+                        .life()
+                        .and_then(Life::died)
+                        .is_some_and(|(_, t)| now.duration_since(t) > DRAIN_GRACE)
+                }) =>
             {
                 for i in 0..self.workers.len() {
-                    let late = self.workers[i].status.life().and_then(Life::died).filter(|(_, t)| now.duration_since(*t) > DRAIN_GRACE);
+                    let late = self.workers[i]
+                        .status
+                        .life()
+                        .and_then(Life::died)
+                        .filter(|(_, t)| now.duration_since(*t) > DRAIN_GRACE);
                     if let Some((status, _)) = late {
                         log::warn!("{}: its control channel stayed open {} after it died; handling the death anyway", self.workers[i].name, humantime::format_duration(DRAIN_GRACE));
                         self.finish_exit(i, status);
@@ -648,7 +830,10 @@ impl Dispatcher {
             Phase::Running => {
                 if let Some(limit) = self.cfg.time_limit {
                     if now.duration_since(self.started) >= limit {
-                        log::info!("time limit {} reached: stopping", humantime::format_duration(limit));
+                        log::info!(
+                            "time limit {} reached: stopping",
+                            humantime::format_duration(limit)
+                        );
                         self.begin_stop(StopReason::TimeLimit);
                         return;
                     }
@@ -660,20 +845,40 @@ impl Dispatcher {
                         }
                     }
                     let hang = self.cfg.hang_timeout;
-                    let Some(l) = self.workers[i].status.life() else { continue };
+                    let Some(l) = self.workers[i].status.life() else {
+                        continue;
+                    };
                     let silent = now.saturating_duration_since(l.last_beat);
                     if l.watched() && silent > hang {
                         let (name, pid) = (self.workers[i].name, l.pid);
-                        let what = if l.connected() { "no heartbeat" } else { "no hello" };
-                        log::warn!("{name} (pid {pid}) hung: {what} for {:.1}s; killing it", silent.as_secs_f64());
-                        self.run.event("hang", obj(json!({"worker": name.to_string(), "pid": pid,
-                                                           "silent_s": silent.as_secs_f64()})));
-                        self.kill(i, &format!("hung: {what} for {}", humantime::format_duration(hang)));
+                        let what = if l.connected() {
+                            "no heartbeat"
+                        } else {
+                            "no hello"
+                        };
+                        log::warn!(
+                            "{name} (pid {pid}) hung: {what} for {:.1}s; killing it",
+                            silent.as_secs_f64()
+                        );
+                        self.run.event(
+                            "hang",
+                            obj(json!({"worker": name.to_string(), "pid": pid,
+                                                           "silent_s": silent.as_secs_f64()})),
+                        );
+                        self.kill(
+                            i,
+                            &format!("hung: {what} for {}", humantime::format_duration(hang)),
+                        );
                     }
                 }
             }
             Phase::Stopping { deadline } if now >= deadline => {
-                let left: Vec<String> = self.workers.iter().filter(|w| w.status.life().is_some()).map(|w| w.name.to_string()).collect();
+                let left: Vec<String> = self
+                    .workers
+                    .iter()
+                    .filter(|w| w.status.life().is_some())
+                    .map(|w| w.name.to_string())
+                    .collect();
                 log::warn!(
                     "{} did not stop within --stop-timeout {}: killing",
                     left.join(", "),
@@ -692,8 +897,13 @@ impl Dispatcher {
         if !matches!(self.phase, Phase::Running) {
             return;
         }
-        self.phase = Phase::Stopping { deadline: self.now + self.cfg.stop_timeout };
-        self.run.event("stop", obj(json!({"reason": self.stop_reason.as_ref().map(StopReason::describe)})));
+        self.phase = Phase::Stopping {
+            deadline: self.now + self.cfg.stop_timeout,
+        };
+        self.run.event(
+            "stop",
+            obj(json!({"reason": self.stop_reason.as_ref().map(StopReason::describe)})),
+        );
         // The drafter is written before anyone is asked to stop: the exporting rank reads
         // the request first, then its shutdown.
         let export = self.trainer.export(&self.run.path.join("drafter"));
@@ -711,7 +921,12 @@ impl Dispatcher {
         let w = &mut self.workers[worker];
         let Some(l) = w.status.life_mut() else { return };
         l.mark_asked_to_stop();
-        let sent = l.to_worker().is_some_and(|tx| tx.send(ToWorker::Shutdown { reason: reason.into() }).is_ok());
+        let sent = l.to_worker().is_some_and(|tx| {
+            tx.send(ToWorker::Shutdown {
+                reason: reason.into(),
+            })
+            .is_ok()
+        });
         if !sent {
             // Not connected (yet): the signal is the only way to ask.
             l.process.signal_group(Signal::SIGTERM);
@@ -725,7 +940,6 @@ impl Dispatcher {
         }
         self.dirty = true;
     }
-
 }
 
 impl StopReason {

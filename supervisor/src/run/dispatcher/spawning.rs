@@ -31,14 +31,32 @@ impl Dispatcher {
         let id = self.next_life;
         self.next_life += 1;
         let w = &mut self.workers[worker];
-        let launch = Launch { worker, life: id, name: w.name, device: w.device, restarts: w.restarts, log: &mut w.log };
+        let launch = Launch {
+            worker,
+            life: id,
+            name: w.name,
+            device: w.device,
+            restarts: w.restarts,
+            log: &mut w.log,
+        };
         let launched = self.launcher.launch(launch, &self.tx)?;
         let pid = launched.pid;
-        w.log.line(Tag::Supervisor, &format!("started pid {pid} on {} (restart {})", w.device, w.restarts));
-        self.run.event("spawn", obj(json!({"worker": w.name.to_string(), "pid": pid,
-                                            "gpu": w.device.to_string(), "restart": w.restarts})));
+        w.log.line(
+            Tag::Supervisor,
+            &format!("started pid {pid} on {} (restart {})", w.device, w.restarts),
+        );
+        self.run.event(
+            "spawn",
+            obj(json!({"worker": w.name.to_string(), "pid": pid,
+                                            "gpu": w.device.to_string(), "restart": w.restarts})),
+        );
         if w.restarts > 0 {
-            log::info!("{} restarted as pid {pid} (restart {} of {})", w.name, w.restarts, self.cfg.max_restarts);
+            log::info!(
+                "{} restarted as pid {pid} (restart {} of {})",
+                w.name,
+                w.restarts,
+                self.cfg.max_restarts
+            );
         }
         w.status = Status::Live(Life {
             id,

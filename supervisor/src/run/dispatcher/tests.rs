@@ -3,8 +3,8 @@
 
 use std::os::unix::process::ExitStatusExt;
 use std::process::ExitStatus;
-use std::sync::{Arc, Mutex};
 use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
@@ -33,12 +33,20 @@ struct FakeProcess {
 
 impl Process for FakeProcess {
     fn signal(&self, sig: Signal) -> std::io::Result<()> {
-        self.seen.lock().unwrap().signals.push((self.pid, sig, false));
+        self.seen
+            .lock()
+            .unwrap()
+            .signals
+            .push((self.pid, sig, false));
         Ok(())
     }
 
     fn signal_group(&self, sig: Signal) {
-        self.seen.lock().unwrap().signals.push((self.pid, sig, true));
+        self.seen
+            .lock()
+            .unwrap()
+            .signals
+            .push((self.pid, sig, true));
     }
 }
 
@@ -51,8 +59,19 @@ impl Launcher for FakeLauncher {
     fn launch(&mut self, l: Launch, _events: &Sender<Event>) -> Result<Launched, SpawnError> {
         self.next_pid += 1;
         let pid = self.next_pid;
-        self.seen.lock().unwrap().launches.push((l.worker, l.life, pid));
-        Ok(Launched { pid, process: Arc::new(FakeProcess { pid, seen: self.seen.clone() }), server_name: String::new() })
+        self.seen
+            .lock()
+            .unwrap()
+            .launches
+            .push((l.worker, l.life, pid));
+        Ok(Launched {
+            pid,
+            process: Arc::new(FakeProcess {
+                pid,
+                seen: self.seen.clone(),
+            }),
+            server_name: String::new(),
+        })
     }
 
     fn abandon(&mut self, _server_name: &str) {}
@@ -73,7 +92,8 @@ fn harness(flags: &[&str]) -> Harness {
     let plan = crate::run::plan(&args, &mut || Ok(0)).unwrap();
     let target = crate::run::target_config("tiny").unwrap();
     let (loader_cfg, pipeline_cfg) = crate::run::data_config(&args, &plan, &target).unwrap();
-    let mut trainer_cfg = crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
+    let mut trainer_cfg =
+        crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
     let run = RunDir::create(Some(&run_path)).unwrap();
     trainer_cfg.checkpoints_dir = run.path.join("checkpoints");
     std::fs::create_dir_all(&trainer_cfg.checkpoints_dir).unwrap();
@@ -100,11 +120,19 @@ fn harness(flags: &[&str]) -> Harness {
         metrics_interval: args.metrics_interval,
     };
     let seen = Arc::new(Mutex::new(Seen::default()));
-    let launcher = FakeLauncher { seen: seen.clone(), next_pid: 1000 };
+    let launcher = FakeLauncher {
+        seen: seen.clone(),
+        next_pid: 1000,
+    };
     let mut d = Dispatcher::new(cfg, run, data, Box::new(launcher)).unwrap();
     let t0 = Instant::now();
     d.start(t0);
-    Harness { d, seen, t0, _dir: dir }
+    Harness {
+        d,
+        seen,
+        t0,
+        _dir: dir,
+    }
 }
 
 const TARGET: usize = 0;
@@ -138,15 +166,32 @@ impl Harness {
     }
 
     fn pid(&self, worker: usize) -> u32 {
-        self.d.workers[worker].status.life().expect("a live worker").pid
+        self.d.workers[worker]
+            .status
+            .life()
+            .expect("a live worker")
+            .pid
     }
 
     fn launches(&self, worker: usize) -> usize {
-        self.seen.lock().unwrap().launches.iter().filter(|(w, ..)| *w == worker).count()
+        self.seen
+            .lock()
+            .unwrap()
+            .launches
+            .iter()
+            .filter(|(w, ..)| *w == worker)
+            .count()
     }
 
     fn signals(&self, pid: u32) -> Vec<(Signal, bool)> {
-        self.seen.lock().unwrap().signals.iter().filter(|(p, ..)| *p == pid).map(|&(_, s, g)| (s, g)).collect()
+        self.seen
+            .lock()
+            .unwrap()
+            .signals
+            .iter()
+            .filter(|(p, ..)| *p == pid)
+            .map(|&(_, s, g)| (s, g))
+            .collect()
     }
 
     /// The current life of `worker` says hello; returns what the dispatcher sends it.
@@ -160,22 +205,47 @@ impl Harness {
             restart_count: self.d.workers[worker].restarts,
             to_worker: tx,
         };
-        self.step(Some(Event::Control(ControlEvent::Connected { worker, life, hello })), ms);
+        self.step(
+            Some(Event::Control(ControlEvent::Connected {
+                worker,
+                life,
+                hello,
+            })),
+            ms,
+        );
         rx
     }
 
     fn message(&mut self, worker: usize, life: LifeId, msg: FromWorker, ms: u64) {
-        self.step(Some(Event::Control(ControlEvent::Message { worker, life, msg })), ms);
+        self.step(
+            Some(Event::Control(ControlEvent::Message { worker, life, msg })),
+            ms,
+        );
     }
 
     /// The current life of `worker` ends with `status`; a connected one's channel closes
     /// after it.
     fn exit(&mut self, worker: usize, status: ExitStatus, ms: u64) {
         let life = self.life(worker).expect("a live worker");
-        let connected = self.d.workers[worker].status.life().is_some_and(|l| l.connected());
-        self.step(Some(Event::Exited { worker, life, status }), ms);
+        let connected = self.d.workers[worker]
+            .status
+            .life()
+            .is_some_and(|l| l.connected());
+        self.step(
+            Some(Event::Exited {
+                worker,
+                life,
+                status,
+            }),
+            ms,
+        );
         if connected {
-            let lost = ControlEvent::ChannelLost { worker, life, reason: "control channel closed".into(), malformed: false };
+            let lost = ControlEvent::ChannelLost {
+                worker,
+                life,
+                reason: "control channel closed".into(),
+                malformed: false,
+            };
             self.step(Some(Event::Control(lost)), ms);
         }
     }
@@ -187,7 +257,10 @@ impl Harness {
     /// The records of `kind` in events.jsonl.
     fn events(&self, kind: &str) -> Vec<Value> {
         let text = std::fs::read_to_string(self.d.run.path.join(EVENTS_FILE)).unwrap();
-        text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).filter(|v| v["event"] == kind).collect()
+        text.lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|v| v["event"] == kind)
+            .collect()
     }
 
     fn status(&self, worker: usize) -> &'static str {
@@ -206,7 +279,14 @@ fn is_shutdown(m: &ToWorker) -> bool {
 
 #[test]
 fn backoff_doubles_from_an_immediate_restart_and_resets_once_a_life_lasts_stable_after() {
-    let mut h = harness(&["--gpus", "cpu:2", "--stable-after", "10s", "--max-restarts", "20"]);
+    let mut h = harness(&[
+        "--gpus",
+        "cpu:2",
+        "--stable-after",
+        "10s",
+        "--max-restarts",
+        "20",
+    ]);
     assert_eq!(h.launches(TARGET), 1);
     // (time of the exit, when the next life must start): 0 s, then 1, 2, 4 s later.
     for (exit_at, restart_at) in [(0, 0), (0, 1000), (1000, 3000), (3000, 7000)] {
@@ -215,10 +295,18 @@ fn backoff_doubles_from_an_immediate_restart_and_resets_once_a_life_lasts_stable
         if restart_at > exit_at {
             assert_eq!(h.status(TARGET), "backoff");
             h.tick(restart_at - 1);
-            assert_eq!(h.launches(TARGET), before, "restarted 1 ms early (exit at {exit_at} ms)");
+            assert_eq!(
+                h.launches(TARGET),
+                before,
+                "restarted 1 ms early (exit at {exit_at} ms)"
+            );
             h.tick(restart_at);
         }
-        assert_eq!(h.launches(TARGET), before + 1, "not restarted at {restart_at} ms");
+        assert_eq!(
+            h.launches(TARGET),
+            before + 1,
+            "not restarted at {restart_at} ms"
+        );
     }
     // Up 1 ms less than --stable-after: the backoff goes on doubling (8 s).
     h.exit(TARGET, exit_code(1), 7000 + 9_999);
@@ -230,7 +318,11 @@ fn backoff_doubles_from_an_immediate_restart_and_resets_once_a_life_lasts_stable
     assert_eq!(h.status(TARGET), "starting");
     h.exit(TARGET, exit_code(1), 34_999);
     assert_eq!(h.status(TARGET), "backoff");
-    let delays: Vec<u64> = h.events("restart").iter().map(|e| e["delay_ms"].as_u64().unwrap()).collect();
+    let delays: Vec<u64> = h
+        .events("restart")
+        .iter()
+        .map(|e| e["delay_ms"].as_u64().unwrap())
+        .collect();
     assert_eq!(delays, [0, 1000, 2000, 4000, 8000, 0, 1000]);
     assert_eq!(h.d.workers[TARGET].restarts, 7);
     assert_eq!(h.launches(DRAFTER), 1, "only the failed worker restarts");
@@ -245,18 +337,37 @@ fn a_hang_is_detected_once_silence_exceeds_hang_timeout_and_a_heartbeat_restarts
     h.message(TARGET, life, FromWorker::Heartbeat { seq: 1 }, 3000);
     // The drafter never says hello: silent since its spawn at 0.
     h.tick(5000);
-    assert!(h.signals(drafter_pid).is_empty(), "killed at exactly --hang-timeout");
+    assert!(
+        h.signals(drafter_pid).is_empty(),
+        "killed at exactly --hang-timeout"
+    );
     h.tick(5001);
-    assert_eq!(h.signals(drafter_pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+    assert_eq!(
+        h.signals(drafter_pid),
+        [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]
+    );
     let drafter = h.d.workers[DRAFTER].status.life().unwrap();
     assert_eq!(drafter.killed_for(), Some("hung: no hello for 5s"));
-    assert!(h.signals(target_pid).is_empty(), "its heartbeat at 3 s counts");
+    assert!(
+        h.signals(target_pid).is_empty(),
+        "its heartbeat at 3 s counts"
+    );
     h.tick(8000);
     assert!(h.signals(target_pid).is_empty());
     h.tick(8001);
-    assert_eq!(h.signals(target_pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
-    assert_eq!(h.d.workers[TARGET].status.life().unwrap().killed_for(), Some("hung: no heartbeat for 5s"));
-    let hangs: Vec<String> = h.events("hang").iter().map(|e| e["worker"].as_str().unwrap().to_string()).collect();
+    assert_eq!(
+        h.signals(target_pid),
+        [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]
+    );
+    assert_eq!(
+        h.d.workers[TARGET].status.life().unwrap().killed_for(),
+        Some("hung: no heartbeat for 5s")
+    );
+    let hangs: Vec<String> = h
+        .events("hang")
+        .iter()
+        .map(|e| e["worker"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(hangs, ["drafter-0", "target-0"]);
     // Killed once: the next ticks do not kill again; the exit that follows restarts it.
     h.tick(20_000);
@@ -279,12 +390,26 @@ fn the_restart_budget_spent_stops_the_run_with_a_report_naming_the_worker() {
     h.exit(TARGET, exit_code(3), 2000);
     assert_eq!(h.status(TARGET), "failed");
     assert_eq!(h.launches(TARGET), 3, "no restart past the budget");
-    let Some(StopReason::GaveUp(report)) = &h.d.stop_reason else { panic!("the run did not give up") };
-    assert_eq!((report.worker.as_str(), report.restarts, report.max_restarts), ("target-0", 2, 2));
+    let Some(StopReason::GaveUp(report)) = &h.d.stop_reason else {
+        panic!("the run did not give up")
+    };
+    assert_eq!(
+        (report.worker.as_str(), report.restarts, report.max_restarts),
+        ("target-0", 2, 2)
+    );
     assert_eq!(report.last_exit, "exit code 3");
-    assert!(report.render().contains("target-0 kept failing and spent its restart budget (--max-restarts 2)"), "{}", report.render());
+    assert!(
+        report
+            .render()
+            .contains("target-0 kept failing and spent its restart budget (--max-restarts 2)"),
+        "{}",
+        report.render()
+    );
     let give_up = h.events("give_up");
-    assert_eq!((give_up.len(), give_up[0]["restarts"].as_u64()), (1, Some(2)));
+    assert_eq!(
+        (give_up.len(), give_up[0]["restarts"].as_u64()),
+        (1, Some(2))
+    );
     // The drafter, not connected, is asked to stop by SIGTERM to its group.
     assert_eq!(h.signals(drafter_pid), [(Signal::SIGTERM, true)]);
     h.exit(DRAFTER, exit_code(0), 2100);
@@ -300,13 +425,19 @@ fn a_second_stop_signal_kills_every_worker_at_once_and_exits_130() {
     h.signal(Signal::SIGINT, 100);
     assert!(matches!(h.d.phase, Phase::Stopping { .. }));
     for r in &rx {
-        assert!(received(r).iter().any(is_shutdown), "a connected worker is asked by message");
+        assert!(
+            received(r).iter().any(is_shutdown),
+            "a connected worker is asked by message"
+        );
     }
     assert!(pids.iter().all(|&p| h.signals(p).is_empty()));
     h.signal(Signal::SIGINT, 200);
     assert!(matches!(h.d.phase, Phase::Killing));
     for p in pids {
-        assert_eq!(h.signals(p), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+        assert_eq!(
+            h.signals(p),
+            [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]
+        );
     }
     h.exit(TARGET, killed_by(Signal::SIGKILL), 210);
     h.exit(DRAFTER, killed_by(Signal::SIGKILL), 210);
@@ -322,9 +453,27 @@ fn a_death_during_the_stop_is_not_restarted_and_makes_the_stop_unclean() {
     assert_eq!(h.status(TARGET), "stopping");
     // It dies (exit 1) while stopping; its channel is read to its end first.
     let life = h.life(TARGET).unwrap();
-    h.step(Some(Event::Exited { worker: TARGET, life, status: exit_code(1) }), 500);
-    assert!(matches!(h.d.workers[TARGET].status.life().unwrap().state, LifeState::Draining { .. }));
-    h.step(Some(Event::Control(ControlEvent::ChannelLost { worker: TARGET, life, reason: "closed".into(), malformed: false })), 500);
+    h.step(
+        Some(Event::Exited {
+            worker: TARGET,
+            life,
+            status: exit_code(1),
+        }),
+        500,
+    );
+    assert!(matches!(
+        h.d.workers[TARGET].status.life().unwrap().state,
+        LifeState::Draining { .. }
+    ));
+    h.step(
+        Some(Event::Control(ControlEvent::ChannelLost {
+            worker: TARGET,
+            life,
+            reason: "closed".into(),
+            malformed: false,
+        })),
+        500,
+    );
     assert_eq!(h.status(TARGET), "exited");
     assert_eq!(h.launches(TARGET), 1, "no restart during a stop");
     assert!(h.events("restart").is_empty());
@@ -342,7 +491,10 @@ fn the_stop_timeout_kills_what_is_left_at_exactly_its_deadline() {
     h.tick(30_999);
     assert!(h.signals(target_pid).is_empty());
     h.tick(31_000);
-    assert_eq!(h.signals(target_pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+    assert_eq!(
+        h.signals(target_pid),
+        [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]
+    );
     h.exit(TARGET, killed_by(Signal::SIGKILL), 31_001);
     assert_eq!(h.d.finish(), dflash_shared::exit_codes::UNCLEAN_STOP);
 }
@@ -358,18 +510,52 @@ fn events_of_a_previous_life_are_dropped() {
     let new_pid = h.pid(TARGET);
     // Late events from the old life: each would kill, restart or connect the new one.
     let (tx, _old_rx) = ipc::channel().unwrap();
-    let hello = Hello { protocol: PROTOCOL_VERSION, pid: 1, worker: "someone-else".into(), restart_count: 0, to_worker: tx };
-    h.step(Some(Event::Control(ControlEvent::Connected { worker: TARGET, life: old, hello })), 200);
+    let hello = Hello {
+        protocol: PROTOCOL_VERSION,
+        pid: 1,
+        worker: "someone-else".into(),
+        restart_count: 0,
+        to_worker: tx,
+    };
+    h.step(
+        Some(Event::Control(ControlEvent::Connected {
+            worker: TARGET,
+            life: old,
+            hello,
+        })),
+        200,
+    );
     h.message(TARGET, old, FromWorker::Heartbeat { seq: 9 }, 4000);
-    h.step(Some(Event::Control(ControlEvent::ChannelLost { worker: TARGET, life: old, reason: "garbage".into(), malformed: true })), 300);
-    h.step(Some(Event::Exited { worker: TARGET, life: old, status: exit_code(1) }), 400);
-    assert!(h.signals(new_pid).is_empty(), "a stale event touched the new life");
+    h.step(
+        Some(Event::Control(ControlEvent::ChannelLost {
+            worker: TARGET,
+            life: old,
+            reason: "garbage".into(),
+            malformed: true,
+        })),
+        300,
+    );
+    h.step(
+        Some(Event::Exited {
+            worker: TARGET,
+            life: old,
+            status: exit_code(1),
+        }),
+        400,
+    );
+    assert!(
+        h.signals(new_pid).is_empty(),
+        "a stale event touched the new life"
+    );
     assert_eq!((h.launches(TARGET), h.d.workers[TARGET].restarts), (2, 1));
     assert!(h.events("protocol_violation").is_empty());
     assert_eq!(h.status(TARGET), "starting");
     // The stale heartbeat at 4 s did not feed the new life's hang clock (spawned at 100).
     h.tick(5101);
-    assert_eq!(h.signals(new_pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
+    assert_eq!(
+        h.signals(new_pid),
+        [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]
+    );
 }
 
 #[test]
@@ -379,10 +565,22 @@ fn a_worker_breaking_the_protocol_is_killed_and_restarted_alone() {
     let (life, pid) = (h.life(TARGET).unwrap(), h.pid(TARGET));
     // A second hello after the first is out of protocol.
     let (tx, _r) = ipc::channel().unwrap();
-    let hello = Hello { protocol: PROTOCOL_VERSION, pid, worker: "target-0".into(), restart_count: 0, to_worker: tx };
+    let hello = Hello {
+        protocol: PROTOCOL_VERSION,
+        pid,
+        worker: "target-0".into(),
+        restart_count: 0,
+        to_worker: tx,
+    };
     h.message(TARGET, life, FromWorker::Hello(hello), 10);
-    assert_eq!(h.signals(pid), [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]);
-    assert_eq!(h.events("protocol_violation")[0]["reason"], "sent a second Hello after its hello");
+    assert_eq!(
+        h.signals(pid),
+        [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]
+    );
+    assert_eq!(
+        h.events("protocol_violation")[0]["reason"],
+        "sent a second Hello after its hello"
+    );
     h.exit(TARGET, killed_by(Signal::SIGKILL), 20);
     assert_eq!(h.launches(TARGET), 2);
     assert_eq!(h.launches(DRAFTER), 1);
@@ -395,8 +593,15 @@ impl Harness {
     /// Hand the dispatcher the loader thread's next event (the loader is real; a deadline
     /// turns a loader that never answers into a failure, no sleep).
     fn next_loader_event(&mut self, ms: u64) {
-        let ev = self.d.rx.recv_timeout(Duration::from_secs(30)).expect("the loader produced nothing for 30 s");
-        assert!(matches!(ev, Event::Loader(_)), "only the loader sends events in these tests");
+        let ev = self
+            .d
+            .rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the loader produced nothing for 30 s");
+        assert!(
+            matches!(ev, Event::Loader(_)),
+            "only the loader sends events in these tests"
+        );
         self.step(Some(ev), ms);
     }
 
@@ -419,7 +624,14 @@ impl Harness {
         let life = self.life(TARGET).unwrap();
         let mut ids = Vec::new();
         for (&(input, batch_id), &output) in inputs.iter().zip(&leases).take(n) {
-            let commit = FromWorker::Commit { output, len: 64, batch_id, input: Some(input), wait_ms: 0.0, compute_ms: 1.0 };
+            let commit = FromWorker::Commit {
+                output,
+                len: 64,
+                batch_id,
+                input: Some(input),
+                wait_ms: 0.0,
+                compute_ms: 1.0,
+            };
             self.message(TARGET, life, commit, ms);
             ids.push(batch_id);
         }
@@ -429,30 +641,77 @@ impl Harness {
 
 /// The hidden-state batches delivered to a drafter so far: `(slot, batch_id)`.
 fn deliveries(msgs: &[ToWorker]) -> Vec<(dflash_shared::protocol::SlotRef, u64)> {
-    msgs.iter().filter_map(|m| if let ToWorker::Deliver { slot, batch_id, .. } = m { Some((*slot, *batch_id)) } else { None }).collect()
+    msgs.iter()
+        .filter_map(|m| {
+            if let ToWorker::Deliver { slot, batch_id, .. } = m {
+                Some((*slot, *batch_id))
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 fn grads(step: u64, (input, batch_id): (dflash_shared::protocol::SlotRef, u64)) -> FromWorker {
-    let stats = dflash_shared::drafter::StepStats { loss_sum: 2.0, weight_sum: 4.0, tokens: 16, ..Default::default() };
-    FromWorker::Grads { step, input, batch_id, stats, params: 7 }
+    let stats = dflash_shared::drafter::StepStats {
+        loss_sum: 2.0,
+        weight_sum: 4.0,
+        tokens: 16,
+        ..Default::default()
+    };
+    FromWorker::Grads {
+        step,
+        input,
+        batch_id,
+        stats,
+        params: 7,
+    }
 }
 
 /// The group epochs a drafter was told of: `(epoch, ranks, id)`.
 fn epochs(msgs: &[ToWorker]) -> Vec<(u64, Vec<u32>, Option<Vec<u8>>)> {
-    msgs.iter().filter_map(|m| if let ToWorker::Group { epoch, ranks, id } = m { Some((*epoch, ranks.clone(), id.clone())) } else { None }).collect()
+    msgs.iter()
+        .filter_map(|m| {
+            if let ToWorker::Group { epoch, ranks, id } = m {
+                Some((*epoch, ranks.clone(), id.clone()))
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 /// The steps a drafter was told to apply: `(step, epoch, weight_sum)`.
 fn applies(msgs: &[ToWorker]) -> Vec<(u64, u64, f64)> {
-    msgs.iter().filter_map(|m| if let ToWorker::Apply { step, epoch, weight_sum, .. } = m { Some((*step, *epoch, *weight_sum)) } else { None }).collect()
+    msgs.iter()
+        .filter_map(|m| {
+            if let ToWorker::Apply {
+                step,
+                epoch,
+                weight_sum,
+                ..
+            } = m
+            {
+                Some((*step, *epoch, *weight_sum))
+            } else {
+                None
+            }
+        })
+        .collect()
 }
 
 fn reduced(step: u64, epoch: u64, weight_sum: f64) -> FromWorker {
-    FromWorker::Reduced { step, epoch, weight_sum, ms: 1.0 }
+    FromWorker::Reduced {
+        step,
+        epoch,
+        weight_sum,
+        ms: 1.0,
+    }
 }
 
 #[test]
-fn a_step_waits_for_every_member_and_commits_in_the_next_epoch_once_a_member_that_never_sent_dies() {
+fn a_step_waits_for_every_member_and_commits_in_the_next_epoch_once_a_member_that_never_sent_dies()
+{
     let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8"]);
     let target_rx = h.connect(TARGET, 0);
     let (d0, d1) = (h.connect(DRAFTER, 0), h.connect(DRAFTER_1, 0));
@@ -460,31 +719,64 @@ fn a_step_waits_for_every_member_and_commits_in_the_next_epoch_once_a_member_tha
     let (got0, got1) = (received(&d0), received(&d1));
     let (e0, e1) = (epochs(&got0), epochs(&got1));
     let both = e0.last().expect("drafter-0 is told of the group").clone();
-    assert_eq!(both.1.len(), 2, "the second drafter's start makes an epoch of both: {e0:?}");
+    assert_eq!(
+        both.1.len(),
+        2,
+        "the second drafter's start makes an epoch of both: {e0:?}"
+    );
     assert_eq!(e1.last(), Some(&both), "both are told the same epoch");
     let (b0, b1) = (deliveries(&got0), deliveries(&got1));
-    assert!(!b0.is_empty() && !b1.is_empty(), "each drafter gets a batch: {b0:?} {b1:?}");
+    assert!(
+        !b0.is_empty() && !b1.is_empty(),
+        "each drafter gets a batch: {b0:?} {b1:?}"
+    );
     let d0_life = h.life(DRAFTER).unwrap();
     h.message(DRAFTER, d0_life, grads(1, b0[0]), 20);
-    assert_eq!(h.d.trainer.committed(), 0, "committed before every member sent its gradients");
+    assert_eq!(
+        h.d.trainer.committed(),
+        0,
+        "committed before every member sent its gradients"
+    );
     // drafter-1 dies holding its batch, before sending gradients for step 1: drafter-0's
     // all-reduce of the epoch of both never completes, and a new epoch aborts it.
     h.exit(DRAFTER_1, exit_code(1), 30);
-    assert_eq!(h.d.trainer.committed(), 0, "no commit before the survivor reduced again");
+    assert_eq!(
+        h.d.trainer.committed(),
+        0,
+        "no commit before the survivor reduced again"
+    );
     let got = received(&d0);
     let next = epochs(&got);
     assert_eq!(next.len(), 1, "{next:?}");
-    assert!(next[0].0 > both.0 && next[0].1.len() == 1, "an epoch of the survivor alone: {next:?}");
+    assert!(
+        next[0].0 > both.0 && next[0].1.len() == 1,
+        "an epoch of the survivor alone: {next:?}"
+    );
     // A late completion of the old epoch is ignored; the new one commits.
     h.message(DRAFTER, d0_life, reduced(1, both.0, 8.0), 35);
-    assert_eq!(h.d.trainer.committed(), 0, "an all-reduce of an epoch that is over never commits");
+    assert_eq!(
+        h.d.trainer.committed(),
+        0,
+        "an all-reduce of an epoch that is over never commits"
+    );
     h.message(DRAFTER, d0_life, reduced(1, next[0].0, 4.0), 40);
     assert_eq!(h.d.trainer.committed(), 1);
-    assert_eq!(applies(&received(&d0)), [(1, next[0].0, 4.0)], "step 1 over the surviving member's gradient alone");
+    assert_eq!(
+        applies(&received(&d0)),
+        [(1, next[0].0, 4.0)],
+        "step 1 over the surviving member's gradient alone"
+    );
     assert_eq!(h.d.pipeline.progress().0, 1, "its batch was consumed");
-    let ledger = std::fs::read_to_string(h.d.run.path.join(crate::data::ledger::LEDGER_FILE)).unwrap();
-    let requeued = ledger.lines().filter(|l| l.contains("\"requeue\"") && l.contains(&format!("\"batch\":{}", b1[0].1))).count();
-    assert_eq!(requeued, 1, "the dead member's batch goes back to its queue:\n{ledger}");
+    let ledger =
+        std::fs::read_to_string(h.d.run.path.join(crate::data::ledger::LEDGER_FILE)).unwrap();
+    let requeued = ledger
+        .lines()
+        .filter(|l| l.contains("\"requeue\"") && l.contains(&format!("\"batch\":{}", b1[0].1)))
+        .count();
+    assert_eq!(
+        requeued, 1,
+        "the dead member's batch goes back to its queue:\n{ledger}"
+    );
 }
 
 #[test]
@@ -492,7 +784,15 @@ fn a_restarted_drafter_rejoins_with_a_surviving_ranks_state_at_the_committed_ste
     let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8"]);
     let target_rx = h.connect(TARGET, 0);
     let (d0, d1) = (h.connect(DRAFTER, 0), h.connect(DRAFTER_1, 0));
-    let rank_of = |msgs: &[ToWorker]| msgs.iter().find_map(|m| if let ToWorker::Train(s) = m { Some((s.rank, s.init)) } else { None });
+    let rank_of = |msgs: &[ToWorker]| {
+        msgs.iter().find_map(|m| {
+            if let ToWorker::Train(s) = m {
+                Some((s.rank, s.init))
+            } else {
+                None
+            }
+        })
+    };
     h.target_commits(&target_rx, 2, 10);
     let (got0, got1) = (received(&d0), received(&d1));
     let (rank0, rank1) = (rank_of(&got0).unwrap().0, rank_of(&got1).unwrap().0);
@@ -506,18 +806,49 @@ fn a_restarted_drafter_rejoins_with_a_surviving_ranks_state_at_the_committed_ste
     h.message(DRAFTER_1, l1, reduced(1, epoch, 8.0), 20);
     assert_eq!(h.d.trainer.committed(), 1);
     h.exit(DRAFTER_1, exit_code(1), 30);
-    assert_eq!(h.launches(DRAFTER_1), 2, "the first failure restarts at once");
+    assert_eq!(
+        h.launches(DRAFTER_1),
+        2,
+        "the first failure restarts at once"
+    );
     let _ = received(&d0);
     let d1_again = h.connect(DRAFTER_1, 40);
     // The survivor is asked for its state at the committed step, into the join slot.
-    let asked: Vec<(u64, u32)> =
-        received(&d0).into_iter().filter_map(|m| if let ToWorker::Snapshot { step, slot } = m { Some((step, slot)) } else { None }).collect();
+    let asked: Vec<(u64, u32)> = received(&d0)
+        .into_iter()
+        .filter_map(|m| {
+            if let ToWorker::Snapshot { step, slot } = m {
+                Some((step, slot))
+            } else {
+                None
+            }
+        })
+        .collect();
     assert_eq!(asked, [(1, 0)]);
-    assert_eq!(rank_of(&received(&d1_again)), None, "no setup before the state is there");
-    h.message(DRAFTER, l0, FromWorker::SnapshotDone { step: 1, slot: 0, ms: 1.0 }, 50);
+    assert_eq!(
+        rank_of(&received(&d1_again)),
+        None,
+        "no setup before the state is there"
+    );
+    h.message(
+        DRAFTER,
+        l0,
+        FromWorker::SnapshotDone {
+            step: 1,
+            slot: 0,
+            ms: 1.0,
+        },
+        50,
+    );
     let joined = received(&d1_again);
     let (rank, init) = rank_of(&joined).expect("the joiner gets its setup");
-    assert_eq!((rank, init), (rank1, dflash_shared::drafter::Init::FromState { step: 1, slot: 0 }));
+    assert_eq!(
+        (rank, init),
+        (
+            rank1,
+            dflash_shared::drafter::Init::FromState { step: 1, slot: 0 }
+        )
+    );
     // Then both are told of the epoch that has them both again.
     let (mine, theirs) = (epochs(&joined), epochs(&received(&d0)));
     assert_eq!(mine.last().map(|e| e.1.len()), Some(2), "{mine:?}");
@@ -545,8 +876,18 @@ fn an_all_reduce_that_found_other_loss_weights_than_the_members_batches_stops_th
 }
 
 #[test]
-fn an_all_reduce_every_member_entered_that_hangs_is_aborted_by_a_new_epoch_and_the_third_stops_the_run() {
-    let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8", "--collective-timeout", "10s"]);
+fn an_all_reduce_every_member_entered_that_hangs_is_aborted_by_a_new_epoch_and_the_third_stops_the_run(
+) {
+    let mut h = harness(&[
+        "--gpus",
+        "cpu:3",
+        "--targets",
+        "1",
+        "--hidden-slots",
+        "8",
+        "--collective-timeout",
+        "10s",
+    ]);
     let target_rx = h.connect(TARGET, 0);
     let (d0, d1) = (h.connect(DRAFTER, 0), h.connect(DRAFTER_1, 0));
     h.target_commits(&target_rx, 2, 10);
@@ -555,16 +896,26 @@ fn an_all_reduce_every_member_entered_that_hangs_is_aborted_by_a_new_epoch_and_t
     let (l0, l1) = (h.life(DRAFTER).unwrap(), h.life(DRAFTER_1).unwrap());
     h.message(DRAFTER, l0, grads(1, deliveries(&got0)[0]), 20);
     h.tick(60_000);
-    assert!(epochs(&received(&d0)).is_empty(), "waiting for a member that has no gradient yet is not a hang");
+    assert!(
+        epochs(&received(&d0)).is_empty(),
+        "waiting for a member that has no gradient yet is not a hang"
+    );
     h.message(DRAFTER_1, l1, grads(1, deliveries(&got1)[0]), 60_000);
     h.tick(69_000);
     assert!(epochs(&received(&d0)).is_empty(), "not hung yet");
     h.tick(71_000);
     let again = epochs(&received(&d0));
-    assert_eq!(again.iter().map(|e| (e.0, e.1.len())).collect::<Vec<_>>(), [(first + 1, 2)], "the same members, a new epoch");
+    assert_eq!(
+        again.iter().map(|e| (e.0, e.1.len())).collect::<Vec<_>>(),
+        [(first + 1, 2)],
+        "the same members, a new epoch"
+    );
     assert!(!matches!(h.d.phase, Phase::Stopping { .. }));
     h.tick(82_000);
     h.tick(93_000);
-    assert!(matches!(h.d.phase, Phase::Stopping { .. }), "the third hang of one step stops the run");
+    assert!(
+        matches!(h.d.phase, Phase::Stopping { .. }),
+        "the third hang of one step stops the run"
+    );
     assert_eq!(h.d.trainer.committed(), 0);
 }
