@@ -24,16 +24,121 @@ pub fn checksum_hex(bytes: &[u8]) -> String {
     format!("{:016x}", crate::batch::checksum(bytes))
 }
 
+/// The layout of a checkpoint this version writes (`"format"` in meta.json). A checkpoint
+/// without one was written before formats were recorded, and is read as format 1; one of a
+/// newer format is refused rather than misread.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// meta.json's checksum of itself: over the canonical serialisation (compact, keys sorted)
+/// of every other field.
+pub const META_CHECKSUM: &str = "meta_checksum";
+
+/// The checksum [`finish_meta`] records: of `meta` without its `meta_checksum`, serialised
+/// compactly. serde_json's `Map` is a `BTreeMap` here (no `preserve_order` feature in the
+/// workspace), so the keys come out sorted: the same text for the same fields, whatever
+/// order they were written in.
+fn meta_checksum(meta: &serde_json::Map<String, serde_json::Value>) -> String {
+    let mut rest = meta.clone();
+    rest.remove(META_CHECKSUM);
+    let text = serde_json::Value::Object(rest).to_string();
+    checksum_hex(text.as_bytes())
+}
+
+/// Finish a checkpoint's metadata (a JSON object): add `"format"` ([`FORMAT_VERSION`]) and
+/// `"meta_checksum"`, and return the text to write as meta.json.
+///
+/// The checksum is over the fields as a reader parses them back from that text (serde_json
+/// parses some floats a unit in the last place away from the value that was printed, so
+/// the value in memory is not what [`verify`] sees); the text itself prints the original
+/// values, whose digits are the ones that were parsed.
+pub fn finish_meta(meta: &serde_json::Value) -> serde_json::Result<String> {
+    let serde_json::Value::Object(mut m) = meta.clone() else {
+        return Err(<serde_json::Error as serde::ser::Error>::custom(
+            "checkpoint metadata is not a JSON object",
+        ));
+    };
+    m.remove(META_CHECKSUM);
+    m.insert("format".into(), FORMAT_VERSION.into());
+    let m = serde_json::Value::Object(m);
+    let read_back: serde_json::Value = serde_json::from_str(&serde_json::to_string(&m)?)?;
+    let sum = meta_checksum(read_back.as_object().expect("an object reads back as one"));
+    let serde_json::Value::Object(mut m) = m else {
+        unreachable!("built as an object")
+    };
+    m.insert(META_CHECKSUM.into(), sum.into());
+    serde_json::to_string_pretty(&serde_json::Value::Object(m))
+}
+
 /// Verify the checkpoint in `dir`; returns its step. Errors are one line naming the file.
-pub fn verify(dir: &Path) -> Result<u64, String> {
+///
+/// Checked: meta.json's format (absent: an older checkpoint, accepted; newer than
+/// [`FORMAT_VERSION`]: refused) and its own checksum (absent in older checkpoints), that the
+/// directory's name `step-N` agrees with its step, that it is a checkpoint of
+/// `expected_drafter` (meta.json's `drafter`, when one is given), and that
+/// state.safetensors matches its checksum and holds only finite values.
+pub fn verify(dir: &Path, expected_drafter: Option<&serde_json::Value>) -> Result<u64, String> {
     let meta_path = dir.join(META_FILE);
     let text =
         std::fs::read_to_string(&meta_path).map_err(|e| format!("{}: {e}", meta_path.display()))?;
     let meta: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| format!("{}: not valid JSON: {e}", meta_path.display()))?;
+    let fields = meta
+        .as_object()
+        .ok_or_else(|| format!("{}: not a JSON object", meta_path.display()))?;
+    match fields.get("format") {
+        None => {} // Written before formats were recorded: format 1.
+        Some(f) => match f.as_u64() {
+            Some(n) if n <= FORMAT_VERSION as u64 => {}
+            Some(n) => {
+                return Err(format!(
+                    "{}: written by a newer dflash-supervise (format {n}, this one reads {FORMAT_VERSION})",
+                    meta_path.display()
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "{}: format {f} is not a format number (expected {FORMAT_VERSION})",
+                    meta_path.display()
+                ))
+            }
+        },
+    }
+    // A checkpoint written before meta.json was checksummed has none.
+    if let Some(want) = fields.get(META_CHECKSUM) {
+        let got = meta_checksum(fields);
+        if want.as_str() != Some(got.as_str()) {
+            return Err(format!(
+                "{}: checksum {got}, it says {want} (meta.json changed after it was written)",
+                meta_path.display()
+            ));
+        }
+    }
     let step = meta["step"]
         .as_u64()
         .ok_or_else(|| format!("{}: no step", meta_path.display()))?;
+    if let Some(named) = dir
+        .file_name()
+        .and_then(|n| step_of_dir(&n.to_string_lossy()))
+    {
+        if named != step {
+            return Err(format!(
+                "{}: a checkpoint of step {step} in a directory named for step {named} (moved or copied over another one)",
+                meta_path.display()
+            ));
+        }
+    }
+    if let Some(want) = expected_drafter {
+        // As meta.json's copy went: printed and parsed (see `finish_meta`).
+        let want: serde_json::Value = serde_json::from_str(&want.to_string())
+            .map_err(|e| format!("the expected drafter config: {e}"))?;
+        if meta["drafter"] != want {
+            return Err(format!(
+                "{}: a checkpoint of another drafter ({}): not one of this run",
+                meta_path.display(),
+                drafter_difference(&meta["drafter"], &want)
+            ));
+        }
+    }
     let path = dir.join(STATE_FILE);
     let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     // A checkpoint written before checksums were recorded has none: the finiteness check
@@ -49,6 +154,33 @@ pub fn verify(dir: &Path) -> Result<u64, String> {
     }
     check_finite_f32(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(step)
+}
+
+/// How a checkpoint's drafter config differs from the expected one, in words: the first
+/// few fields that differ (`layers 3, this run's 2`).
+fn drafter_difference(got: &serde_json::Value, want: &serde_json::Value) -> String {
+    let (Some(g), Some(w)) = (got.as_object(), want.as_object()) else {
+        return if got.is_null() {
+            "it records no drafter config".into()
+        } else {
+            format!("drafter {got}")
+        };
+    };
+    let mut keys: Vec<&String> = g.keys().chain(w.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let shown = |v: Option<&serde_json::Value>| v.map_or("none".to_string(), |v| v.to_string());
+    let diffs: Vec<String> = keys
+        .into_iter()
+        .filter(|k| g.get(*k) != w.get(*k))
+        .map(|k| format!("{k} {}, this run's {}", shown(g.get(k)), shown(w.get(k))))
+        .collect();
+    let n = diffs.len();
+    let mut s = diffs.into_iter().take(3).collect::<Vec<_>>().join("; ");
+    if n > 3 {
+        s.push_str(&format!("; {} more", n - 3));
+    }
+    s
 }
 
 /// Every value of a safetensors file whose tensors are all f32 is finite.
@@ -136,31 +268,197 @@ mod tests {
     fn a_changed_truncated_or_non_finite_checkpoint_is_refused() {
         let d = tempfile::tempdir().unwrap();
         write(d.path(), &[1.0, -2.0, 3.5], true);
-        assert_eq!(verify(d.path()), Ok(7));
+        assert_eq!(verify(d.path(), None), Ok(7));
         // One flipped bit.
         let p = d.path().join(STATE_FILE);
         let mut b = std::fs::read(&p).unwrap();
         *b.last_mut().unwrap() ^= 1;
         std::fs::write(&p, &b).unwrap();
-        assert!(verify(d.path()).unwrap_err().contains("checksum"));
+        assert!(verify(d.path(), None).unwrap_err().contains("checksum"));
         // Truncated, without a checksum to catch it.
         write(d.path(), &[1.0, 2.0], false);
         let b = std::fs::read(&p).unwrap();
         std::fs::write(&p, &b[..b.len() - 3]).unwrap();
-        assert!(verify(d.path()).unwrap_err().contains("truncated"));
+        assert!(verify(d.path(), None).unwrap_err().contains("truncated"));
         // NaN, with a valid checksum.
         write(d.path(), &[1.0, f32::NAN], true);
-        assert!(verify(d.path()).unwrap_err().contains("non-finite"));
+        assert!(verify(d.path(), None).unwrap_err().contains("non-finite"));
         // A header length that overflows (no checksum to catch it): refused, not a panic.
         write(d.path(), &[1.0, 2.0], false);
         let mut b = std::fs::read(&p).unwrap();
         b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
         std::fs::write(&p, &b).unwrap();
-        assert!(verify(d.path())
+        assert!(verify(d.path(), None)
             .unwrap_err()
             .contains("header length out of range"));
         // Missing.
         std::fs::remove_file(&p).unwrap();
-        assert!(verify(d.path()).unwrap_err().contains(STATE_FILE));
+        assert!(verify(d.path(), None).unwrap_err().contains(STATE_FILE));
+    }
+
+    /// A checkpoint as the writers leave it: `step-N` with finished metadata.
+    fn finished(root: &Path, step: u64, drafter: serde_json::Value) -> std::path::PathBuf {
+        let dir = root.join(format!("step-{step:08}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        write(&dir, &[1.0, -2.0, 3.5], true);
+        let mut meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(META_FILE)).unwrap()).unwrap();
+        meta["step"] = step.into();
+        meta["drafter"] = drafter;
+        meta["supervisor"] = serde_json::json!({"consumed_below": 12, "consumed_extra": [14]});
+        std::fs::write(dir.join(META_FILE), finish_meta(&meta).unwrap()).unwrap();
+        dir
+    }
+
+    fn drafter(layers: u64) -> serde_json::Value {
+        serde_json::json!({"hidden": 64, "layers": layers, "eps": 1e-6, "rope_theta": 10000.0, "gamma": 4.0})
+    }
+
+    fn edit_meta(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+        let p = dir.join(META_FILE);
+        let mut meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        f(&mut meta);
+        std::fs::write(&p, serde_json::to_string_pretty(&meta).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn finished_metadata_records_its_format_and_checksum_and_verifies() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = finished(d.path(), 7, drafter(2));
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(META_FILE)).unwrap()).unwrap();
+        assert_eq!(meta["format"], FORMAT_VERSION);
+        assert!(meta[META_CHECKSUM].is_string(), "{meta}");
+        assert_eq!(verify(&dir, Some(&drafter(2))), Ok(7));
+        assert_eq!(verify(&dir, None), Ok(7));
+        // Finishing again (a writer handed finished metadata) gives the same text.
+        let again = finish_meta(&meta).unwrap();
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&again).unwrap(),
+            meta
+        );
+        assert!(finish_meta(&serde_json::json!([1, 2])).is_err());
+    }
+
+    #[test]
+    fn the_meta_checksum_holds_for_floats_that_do_not_parse_back_exactly() {
+        // serde_json's default float parser may land a unit in the last place away from
+        // the printed value: the checksum must be over what a reader parses.
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("step-00000003");
+        std::fs::create_dir_all(&dir).unwrap();
+        write(&dir, &[1.0], true);
+        let mut x: u64 = 0x1234_5678_9abc_def1;
+        let floats: Vec<f64> = (0..4000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let v = f64::from_bits(x);
+                if v.is_finite() {
+                    v
+                } else {
+                    (x >> 11) as f64 / 9007199254740992.0
+                }
+            })
+            .collect();
+        let meta = serde_json::json!({"step": 3, "floats": floats, "drafter": {"eps": 1e-6, "gamma": 0.1 + 0.2},
+            "checksums": {STATE_FILE: checksum_hex(&std::fs::read(dir.join(STATE_FILE)).unwrap())}});
+        std::fs::write(dir.join(META_FILE), finish_meta(&meta).unwrap()).unwrap();
+        assert_eq!(
+            verify(
+                &dir,
+                Some(&serde_json::json!({"eps": 1e-6, "gamma": 0.1 + 0.2}))
+            ),
+            Ok(3)
+        );
+    }
+
+    #[test]
+    fn a_checkpoint_of_a_newer_format_is_refused_and_an_older_one_accepted() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = finished(d.path(), 7, drafter(2));
+        // Format 99, its checksum made right again: refused for the format, not the checksum.
+        let mut meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(META_FILE)).unwrap()).unwrap();
+        meta.as_object_mut().unwrap().remove(META_CHECKSUM);
+        let mut text = finish_meta(&meta).unwrap();
+        text = text.replace(&format!("\"format\": {FORMAT_VERSION}"), "\"format\": 99");
+        let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let sum = meta_checksum(v.as_object().unwrap());
+        v[META_CHECKSUM] = sum.into();
+        std::fs::write(dir.join(META_FILE), v.to_string()).unwrap();
+        let e = verify(&dir, None).unwrap_err();
+        assert!(
+            e.contains("written by a newer dflash-supervise (format 99, this one reads 1)"),
+            "{e}"
+        );
+        // Without a format or a checksum (written before they were recorded): accepted.
+        edit_meta(&dir, |m| {
+            let o = m.as_object_mut().unwrap();
+            o.remove("format");
+            o.remove(META_CHECKSUM);
+        });
+        assert_eq!(verify(&dir, Some(&drafter(2))), Ok(7));
+        edit_meta(&dir, |m| m["format"] = "one".into());
+        assert!(verify(&dir, None)
+            .unwrap_err()
+            .contains("not a format number"));
+    }
+
+    #[test]
+    fn an_edited_consumed_count_is_refused_by_the_meta_checksum() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = finished(d.path(), 7, drafter(2));
+        edit_meta(&dir, |m| m["supervisor"]["consumed_below"] = 11.into());
+        let e = verify(&dir, None).unwrap_err();
+        assert!(
+            e.contains("meta.json changed after it was written") && e.contains(META_FILE),
+            "{e}"
+        );
+        // Only rewritten (another key order, pretty or not), it still verifies.
+        let dir = finished(d.path(), 8, drafter(2));
+        edit_meta(&dir, |_| {});
+        assert_eq!(verify(&dir, None), Ok(8));
+    }
+
+    #[test]
+    fn a_directory_named_for_another_step_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = finished(d.path(), 7, drafter(2));
+        let moved = d.path().join("step-00000009");
+        std::fs::rename(&dir, &moved).unwrap();
+        let e = verify(&moved, None).unwrap_err();
+        assert!(
+            e.contains("a checkpoint of step 7 in a directory named for step 9"),
+            "{e}"
+        );
+        // A directory not named as a checkpoint (a copy elsewhere) is not held to a name.
+        let elsewhere = d.path().join("copy");
+        std::fs::rename(&moved, &elsewhere).unwrap();
+        assert_eq!(verify(&elsewhere, None), Ok(7));
+    }
+
+    #[test]
+    fn a_checkpoint_of_another_drafter_is_refused_when_one_is_expected() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = finished(d.path(), 7, drafter(3));
+        let e = verify(&dir, Some(&drafter(2))).unwrap_err();
+        assert!(
+            e.contains("a checkpoint of another drafter (layers 3, this run's 2)"),
+            "{e}"
+        );
+        assert_eq!(
+            verify(&dir, None),
+            Ok(7),
+            "no drafter expected: not checked"
+        );
+        let old = d.path().join("old");
+        std::fs::create_dir_all(&old).unwrap();
+        write(&old, &[1.0], true);
+        assert!(verify(&old, Some(&drafter(2)))
+            .unwrap_err()
+            .contains("it records no drafter config"));
     }
 }

@@ -16,6 +16,7 @@ pub mod pool;
 pub mod protocol;
 pub mod rng;
 pub mod slots;
+pub mod threads;
 
 pub use devices::{Device, DeviceSpec, DeviceSpecError};
 pub use names::{Role, WorkerName, WorkerNameError};

@@ -62,6 +62,48 @@ pub struct TargetConfig {
     pub rope_scaling: Option<RopeScaling>,
     pub vocab_size: usize,
     pub tie_word_embeddings: bool,
+    /// The context length the target was trained for (`None` when config.json omits it).
+    /// Not part of the [`TargetConfig::fingerprint`]: it changes no computation.
+    #[serde(skip)]
+    pub max_position_embeddings: Option<usize>,
+}
+
+/// The largest value config.json's size fields may take: generous for any published model,
+/// but finite, so that a typo (or a hostile file) is refused before anything is sized by it
+/// (the list of expected tensors holds one entry per layer, the memory estimate multiplies
+/// these together).
+pub const SIZE_LIMITS: &[(&str, u64)] = &[
+    ("num_hidden_layers", 1024),
+    ("hidden_size", 131_072),
+    ("intermediate_size", 1 << 20),
+    ("num_attention_heads", 4096),
+    ("num_key_value_heads", 4096),
+    ("head_dim", 4096),
+    ("vocab_size", 1 << 24),
+    ("max_position_embeddings", 1 << 27),
+    ("num_experts", 4096),
+    ("num_local_experts", 4096),
+    ("num_experts_per_tok", 4096),
+];
+
+/// A size field of config.json above its [`SIZE_LIMITS`] entry: the field, its value and
+/// the accepted range.
+fn check_sizes(v: &serde_json::Value) -> Result<(), String> {
+    for &(field, max) in SIZE_LIMITS {
+        let Some(x) = v.get(field).filter(|x| x.is_number()) else {
+            continue;
+        };
+        let above = match x.as_u64() {
+            Some(n) => n > max,
+            // A float or a negative number: out of range if it is above the bound; the
+            // field's own parsing refuses whatever else is not a positive integer.
+            None => x.as_f64().is_some_and(|f| f > max as f64),
+        };
+        if above {
+            return Err(format!("{field} {x} is out of range (expected 1 to {max})"));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -105,6 +147,7 @@ impl TargetConfig {
                 "unsupported architecture {archs:?} (model_type {model_type:?}); expected Qwen3ForCausalLM or LlamaForCausalLM"
             ));
         };
+        check_sizes(&v)?;
         let num = |k: &str| -> Result<usize, String> {
             v[k].as_u64()
                 .map(|n| n as usize)
@@ -284,6 +327,10 @@ impl TargetConfig {
             rope_scaling,
             vocab_size: num("vocab_size")?,
             tie_word_embeddings: v["tie_word_embeddings"].as_bool().unwrap_or(false),
+            max_position_embeddings: match v.get("max_position_embeddings") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(_) => Some(num("max_position_embeddings")?),
+            },
         })
     }
 
@@ -490,6 +537,56 @@ mod tests {
                 .rope_theta,
             10000.0
         );
+    }
+
+    #[test]
+    fn sizes_are_bounded_before_anything_is_sized_by_them() {
+        let base = |field: &str, value: &str| {
+            let mut v: serde_json::Value = serde_json::from_str(TINY_CONFIG).unwrap();
+            v[field] = serde_json::from_str(value).unwrap();
+            v.to_string()
+        };
+        let t = TargetConfig::parse(&base("max_position_embeddings", "40960")).unwrap();
+        assert_eq!(t.max_position_embeddings, Some(40960));
+        assert_eq!(
+            TargetConfig::parse(TINY_CONFIG)
+                .unwrap()
+                .max_position_embeddings,
+            None
+        );
+        assert_eq!(
+            t.fingerprint(),
+            TargetConfig::parse(TINY_CONFIG).unwrap().fingerprint(),
+            "the context length changes no computation"
+        );
+        for (field, value, range) in [
+            ("num_hidden_layers", "1000000000", "1 to 1024"),
+            ("hidden_size", "131073", "1 to 131072"),
+            ("intermediate_size", "2097152", "1 to 1048576"),
+            ("num_attention_heads", "1e12", "1 to 4096"),
+            ("num_key_value_heads", "5000", "1 to 4096"),
+            ("head_dim", "8192", "1 to 4096"),
+            ("vocab_size", "18446744073709551615", "1 to 16777216"),
+            ("max_position_embeddings", "1000000000000", "1 to 134217728"),
+            ("num_experts", "100000", "1 to 4096"),
+            ("num_local_experts", "100000", "1 to 4096"),
+            ("num_experts_per_tok", "5000", "1 to 4096"),
+        ] {
+            let e = TargetConfig::parse(&base(field, value)).unwrap_err();
+            assert!(
+                e.starts_with(&format!("{field} "))
+                    && e.contains("out of range")
+                    && e.contains(range)
+                    && !e.contains('\n'),
+                "{field} {value}: {e}"
+            );
+        }
+        // At the bounds: accepted (a 1024-layer, 131072-wide model is not refused here).
+        let at = base("num_hidden_layers", "1024");
+        assert_eq!(TargetConfig::parse(&at).unwrap().num_hidden_layers, 1024);
+        assert!(TargetConfig::parse(&base("max_position_embeddings", "0"))
+            .unwrap_err()
+            .contains("max_position_embeddings is missing or not a positive integer"));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
@@ -62,14 +62,38 @@ pub enum FromWorker {
     GroupId { epoch: u64, id: Vec<u8> },
     /// State slot `slot` now holds this rank's state at `step`; writing it took `ms`.
     SnapshotDone { step: u64, slot: u32, ms: f64 },
-    /// The drafter was written (HF format) to `dir` at `step`.
-    Exported { dir: String, step: u64 },
     /// A checkpoint of `step` is complete in `dir`.
     Checkpointed { dir: String, step: u64 },
+    /// A checkpoint of `step` could not be written to `dir` (the disk is full, the
+    /// directory was replaced or removed, ...): the worker goes on, and the supervisor
+    /// decides (a write failure is not a crash to restart).
+    CheckpointFailed {
+        step: u64,
+        dir: String,
+        failure: WriteFailure,
+    },
     /// The worker's device memory: its arena's counters and the driver's free/total
     /// (host-side figures: reading them adds no GPU sync). Sent with heartbeats by
     /// workers that compute on a device.
     DeviceMemory(DeviceMemory),
+}
+
+/// Why a file could not be written: what was being done (with its path), the OS error's
+/// number when there is one, and its words.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteFailure {
+    /// What was being done, e.g. "creating /r/checkpoints/step-00000020.tmp-77".
+    pub doing: String,
+    /// `errno`, when the failure was the OS's.
+    pub os_error: Option<i32>,
+    /// The error's own words ("No space left on device (os error 28)").
+    pub words: String,
+}
+
+impl std::fmt::Display for WriteFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.doing, self.words)
+    }
 }
 
 /// A device worker's memory, in bytes (see [`FromWorker::DeviceMemory`]).
@@ -172,10 +196,9 @@ pub enum ToWorker {
     /// Drafters: write your state (at `step`) into state slot `slot`: slot 0 for a joining
     /// rank, 1 and 2 for the supervisor's double-buffered snapshot that a rollback restores.
     Snapshot { step: u64, slot: u32 },
-    /// Drafters: write the trained drafter to `dir` (HF format), then report Exported.
-    Export { dir: String },
     /// Drafters: write a checkpoint of your state at `step` to `dir` (atomically), with
-    /// the supervisor's part (`meta`, JSON: what was consumed), then report Checkpointed.
+    /// the supervisor's part (`meta`, JSON: what was consumed), then report Checkpointed
+    /// (or CheckpointFailed).
     Checkpoint {
         dir: String,
         step: u64,

@@ -73,6 +73,11 @@ pub enum Command {
     /// chat template), write it as pre-tokenized JSONL and print the data preflight report.
     /// Exits 2 when no sample would be supervised.
     Prepare(PrepareArgs),
+    /// Write the drafter of a checkpoint as the Hugging Face directory a run's end writes
+    /// (config.json, model.safetensors, model code, parity probe): a run directory's newest
+    /// checkpoint that verifies (into RUN_DIR/drafter), or one checkpoints/step-N. Exits 1
+    /// when it cannot be written, 2 when there is no checkpoint that verifies.
+    Export(crate::commands::export::ExportArgs),
     /// Check an exported drafter (RUN_DIR/drafter) the way users load it: transformers'
     /// AutoModel with trust_remote_code, on the CPU in float32, run on the probe batch
     /// stored at export and compared with the Rust drafter's output. Exits 1 over the
@@ -214,7 +219,12 @@ pub struct RunArgs {
 
     /// Loss decay γ (slot k weighs exp(-(k-1)/γ); default 7 for blocks of 16, 5 for 10,
     /// 4 for 8).
-    #[arg(long, value_name = "G", help_heading = "Training")]
+    #[arg(
+        long,
+        value_name = "G",
+        allow_hyphen_values = true,
+        help_heading = "Training"
+    )]
     pub gamma: Option<f64>,
 
     /// The token id of the MASK inputs (default: 151669 for Qwen3-size vocabularies, else
@@ -228,11 +238,21 @@ pub struct RunArgs {
 
     /// Peak learning rate (AdamW; linear warmup, then cosine to 0 over --steps).
     /// Default 6e-4 (the public recipe), 3e-3 for the tiny target.
-    #[arg(long, value_name = "LR", help_heading = "Training")]
+    #[arg(
+        long,
+        value_name = "LR",
+        allow_hyphen_values = true,
+        help_heading = "Training"
+    )]
     pub lr: Option<f64>,
 
     /// Share of --steps spent warming the learning rate up (default 0.04).
-    #[arg(long, value_name = "FRACTION", help_heading = "Training")]
+    #[arg(
+        long,
+        value_name = "FRACTION",
+        allow_hyphen_values = true,
+        help_heading = "Training"
+    )]
     pub warmup_ratio: Option<f64>,
 
     /// Tokens per draft block (default 16; 8 for the tiny target).
@@ -278,7 +298,7 @@ pub struct RunArgs {
     /// An all-reduce that every drafter rank has entered and that has not completed after
     /// this long is declared hung: the group aborts it and forms again (three times in a
     /// row for one step stop the run).
-    #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = humantime::parse_duration, help_heading = "Training")]
+    #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = parse_duration, help_heading = "Training")]
     pub collective_timeout: std::time::Duration,
 
     /// This many steps in a row skipped for a non-finite loss or gradient stop the run
@@ -286,10 +306,14 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Training")]
     pub max_skipped_steps: u64,
 
-    /// Continue the run in RUN_DIR from its newest checkpoint, with its saved model,
-    /// data and training settings (devices and the other flags come from this command).
-    /// --steps, --lr, --warmup-ratio and --max-bad-lines given here win over the saved
-    /// ones; another saved setting given with a different value is refused.
+    /// Continue the run in RUN_DIR from its newest checkpoint that verifies and is of its
+    /// drafter, with its saved model, data, training and operational settings (--tokenizer,
+    /// checkpoints, --time-limit, restarts, timeouts, pools; devices, --worker-bin and the
+    /// console, log and Prometheus flags come from this command). --steps, --lr,
+    /// --warmup-ratio, --max-bad-lines, --tokenizer and the operational flags given here win
+    /// over the saved ones; another saved setting given with a different value is refused,
+    /// and so is data, a tokenizer/chat template or a target whose files changed since the
+    /// run started (see --allow-changed-data).
     #[arg(
         long,
         value_name = "RUN_DIR",
@@ -297,6 +321,12 @@ pub struct RunArgs {
         conflicts_with = "run_dir"
     )]
     pub resume: Option<PathBuf>,
+
+    /// With --resume: continue even though the data, the tokenizer or chat template, or the
+    /// target's files changed since the run started (a warning names each change, and the
+    /// inputs as they are now are recorded for later resumes).
+    #[arg(long, help_heading = "Training", requires = "resume")]
+    pub allow_changed_data: bool,
 
     /// Training data: a JSONL file, a directory of .jsonl files, - for stdin, or demo
     /// (built-in synthetic data). Each line is pre-tokenized {"input_ids": [...],
@@ -559,6 +589,24 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn negative_numbers_reach_the_range_checks_instead_of_clap() {
+        // `--gamma -1` (with a space) is the flag's value, not an unknown flag `-1`: the
+        // range check then names it (issue 20 §9).
+        let a = run_args(&["--gamma", "-1", "--lr", "-0.5", "--warmup-ratio", "-1e-3"]);
+        assert_eq!(
+            (a.gamma, a.lr, a.warmup_ratio),
+            (Some(-1.0), Some(-0.5), Some(-1e-3))
+        );
+        let e = crate::run::validate::check_flags(&run_args(&["--gamma", "-1"])).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--gamma -1: expected a positive number (7 for blocks of 16)"
+        );
+        // A flag that takes no negative value still refuses `-1` as clap does.
+        assert!(Cli::try_parse_from(["dflash-supervise", "--max-restarts", "-1"]).is_err());
     }
 
     #[test]

@@ -57,6 +57,10 @@ pub enum Error {
     /// benchmark's helper) (exit 4).
     #[error("{program} failed: {detail}")]
     Helper { program: String, detail: String },
+    /// `export` could not write the drafter (a full disk, the worker's export tool failed)
+    /// (exit 1).
+    #[error("export: the drafter could not be written: {0}")]
+    Export(#[from] crate::commands::export::ExportError),
     /// A benchmark could not measure (exit 4).
     #[error("bench {bench}: {what}: {source}")]
     Bench {
@@ -72,6 +76,7 @@ impl Error {
             Error::Flag(_) | Error::Input { .. } | Error::Data(_) | Error::Unavailable { .. } => {
                 exit_codes::USAGE
             }
+            Error::Export(_) => exit_codes::RUN_FAILED,
             Error::Io { .. }
             | Error::Start { .. }
             | Error::SharedMemory { .. }

@@ -74,6 +74,7 @@ pub fn main() -> i32 {
         Some(Command::Ledger(a)) => commands::ledger::run(a),
         Some(Command::Gpus { json }) => commands::gpus::run(json),
         Some(Command::Prepare(a)) => commands::prepare::prepare(a),
+        Some(Command::Export(a)) => commands::export::run(a),
         Some(Command::ExportCheck(a)) => commands::export_check::run(a),
         Some(Command::Bench(BenchCommand::Prepare {
             json,

@@ -198,3 +198,69 @@ fn logs_and_status_reject_what_is_not_there() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no run found under runs/"));
 }
+
+/// A `--target` directory holding only a config.json: the tiny target's with `set` applied.
+fn target_with_config(tmp: &std::path::Path, set: &[(&str, serde_json::Value)]) -> String {
+    let dir = tmp.join("target");
+    fs::create_dir_all(&dir).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(dflash_shared::model_config::TINY_CONFIG).unwrap();
+    for (k, x) in set {
+        v[*k] = x.clone();
+    }
+    fs::write(dir.join("config.json"), v.to_string()).unwrap();
+    dir.to_str().unwrap().to_string()
+}
+
+#[test]
+fn issue_20_bounds_and_words() {
+    // §1: a zero --collective-timeout is refused like every other zero duration.
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--collective-timeout", "0s"],
+        &["--collective-timeout 0s", "above zero"],
+    );
+    // §9: a negative value reaches the range check (not clap's "unexpected argument").
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--gamma", "-1"],
+        &["--gamma -1: expected a positive number"],
+    );
+    expect_usage_error(&["--gpus", "cpu:2", "--lr", "-1e-3"], &["--lr -0.001"]);
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--warmup-ratio", "-0.1"],
+        &["--warmup-ratio -0.1", "[0, 1)"],
+    );
+    // §3: CPU workers far past the cores are refused before any is planned or started.
+    expect_usage_error(
+        &["--gpus", "cpu:1024"],
+        &["--gpus cpu:1024", "CPU workers on this machine", "at most"],
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    // §2: a config.json whose sizes would have the supervisor allocate by them until OOM
+    // is refused at once, naming the field, its value and the range.
+    let t = target_with_config(
+        tmp.path(),
+        &[("num_hidden_layers", 1_000_000_000u64.into())],
+    );
+    let started = std::time::Instant::now();
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--target", &t],
+        &[
+            "--target",
+            "config.json",
+            "num_hidden_layers 1000000000",
+            "expected 1 to 1024",
+        ],
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "refused quickly: {:?}",
+        started.elapsed()
+    );
+    // §8: --max-seq-len past the target's max_position_embeddings.
+    let t = target_with_config(tmp.path(), &[("max_position_embeddings", 64.into())]);
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--target", &t, "--max-seq-len", "128"],
+        &["--max-seq-len 128", "max_position_embeddings 64"],
+    );
+}

@@ -624,3 +624,84 @@ fn a_loader_that_panics_ends_the_run_with_one_line_instead_of_a_hang() {
         "{a}"
     );
 }
+
+#[test]
+fn a_second_supervisor_on_a_run_dir_in_use_is_told_another_supervisor_uses_it() {
+    // A supervisor running in it (state.json written).
+    let sup = Sup::start_real(&["--gpus", "cpu:2"]);
+    sup.wait_running(2);
+    let rd = sup.run_dir.to_str().unwrap().to_string();
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--data", "demo", "--run-dir", &rd],
+        &[&format!("--run-dir {rd}"), "another supervisor is using it"],
+    );
+    // A supervisor that has only just taken a new directory: its .lock held, nothing else.
+    let tmp = tempfile::tempdir().unwrap();
+    let fresh = tmp.path().join("fresh");
+    fs::create_dir(&fresh).unwrap();
+    let lock = fs::File::create(fresh.join(".lock")).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a file descriptor this test owns.
+    assert_eq!(
+        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) },
+        0
+    );
+    let err = expect_usage_error(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--run-dir",
+            fresh.to_str().unwrap(),
+        ],
+        &["another supervisor is using it"],
+    );
+    assert!(!err.contains("not empty"), "{err}");
+    drop(lock);
+}
+
+/// The pids of `pid`'s children, over all its threads.
+fn children(pid: u32) -> Vec<u32> {
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .flat_map(|t| {
+                    fs::read_to_string(t.path().join("children"))
+                        .unwrap_or_default()
+                        .split_whitespace()
+                        .filter_map(|p| p.parse().ok())
+                        .collect::<Vec<u32>>()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_killed_reaper_is_noticed_with_one_warning_and_the_run_goes_on() {
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2"]);
+    sup.wait_running(2);
+    let reaper = wait_for("the reaper process", T, || {
+        children(sup.pid()).into_iter().find(|p| {
+            fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| c.split(|&b| b == 0).any(|a| a == b"__reap"))
+        })
+    });
+    signal(reaper, Signal::SIGKILL);
+    let needle = format!("the reaper (pid {reaper}) was killed by SIGKILL");
+    wait_for("the warning about the reaper", T, || {
+        sup.stderr().contains(&needle).then_some(())
+    });
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    let err = sup.stderr();
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("the reaper")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("warning:")
+            && lines[0].contains("processes forked by workers are no longer killed"),
+        "{}",
+        lines[0]
+    );
+}

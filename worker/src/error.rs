@@ -117,6 +117,34 @@ impl WorkerError {
         }
     }
 
+    /// A file that could not be written, as the supervisor is told: the innermost I/O
+    /// failure with what was being done. `None` for any other failure.
+    pub fn write_failure(&self) -> Option<dflash_shared::protocol::WriteFailure> {
+        match self.root() {
+            WorkerError::Io { what, source } => Some(dflash_shared::protocol::WriteFailure {
+                doing: what.clone(),
+                os_error: source.raw_os_error(),
+                words: source.to_string(),
+            }),
+            WorkerError::Format { what, source } => {
+                // safetensors and JSON wrap the I/O error that stopped them.
+                let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+                while let Some(c) = cause {
+                    if let Some(io) = c.downcast_ref::<std::io::Error>() {
+                        return Some(dflash_shared::protocol::WriteFailure {
+                            doing: what.clone(),
+                            os_error: io.raw_os_error(),
+                            words: io.to_string(),
+                        });
+                    }
+                    cause = c.source();
+                }
+                None
+            }
+            _ => None,
+        }
+    }
+
     pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> WorkerError {
         let what = what.into();
         move |source| WorkerError::Io { what, source }

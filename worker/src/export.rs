@@ -12,7 +12,9 @@ use dflash_shared::model_config::RopeScaling;
 use dflash_shared::rng::Rng;
 use serde_json::{json, Value};
 
+use crate::error::{Result, WorkerError};
 use crate::model::drafter::{Drafter, Frozen};
+use crate::train::{sync_dir, write_synced};
 
 /// The model code, as transformers imports it from the export directory.
 pub const MODULE_FILE: &str = "dflash_drafter.py";
@@ -152,7 +154,7 @@ pub fn probe_batch(
     frozen: &Frozen,
     params: &[f32],
     seed: u64,
-) -> Result<Vec<Tensor>, String> {
+) -> std::result::Result<Vec<Tensor>, String> {
     let c = &d.cfg;
     let (h, bs, width) = (c.hidden, c.block_size, c.n_taps * c.hidden);
     let s = 2 * bs + 5;
@@ -226,7 +228,212 @@ pub fn probe_batch(
     ])
 }
 
-pub fn write_safetensors(tensors: &[Tensor], path: &Path) -> crate::error::Result<()> {
+pub fn write_safetensors(tensors: &[Tensor], path: &Path) -> Result<()> {
+    write_synced(path, &serialize(tensors)?)
+}
+
+/// What config.json of an export records beside the drafter's own config.
+pub struct ExportInfo<'a> {
+    pub step: u64,
+    /// The run's seed (the probe's inputs come from it).
+    pub seed: u64,
+    pub num_target_layers: usize,
+    pub target_layer_ids: &'a [u32],
+    /// The target's `max_position_embeddings`, when its config.json gives one.
+    pub max_position_embeddings: Option<u64>,
+}
+
+/// Write the drafter as a Hugging Face directory: config.json (Qwen3 fields, the DFlash
+/// fields and `auto_map`), model.safetensors (bf16, tensor names as in z-lab's DFlash
+/// draft model), the model code transformers loads with `trust_remote_code`
+/// ([`MODULE_FILE`]) and the parity probe ([`PROBE_FILE`]) that
+/// `dflash-supervise export-check` runs it on. Atomic: written beside `dir`, synced, then
+/// renamed into place; every failure names its path.
+pub fn write_hf_dir(
+    d: &Drafter,
+    frozen: &Frozen,
+    params: &[f32],
+    info: &ExportInfo,
+    dir: &Path,
+) -> Result<()> {
+    if !params.iter().all(|x| x.is_finite()) {
+        return Err(WorkerError::Invalid(format!(
+            "the drafter's weights at step {} are not finite: not exported",
+            info.step
+        )));
+    }
+    let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp)
+        .map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
+    let written = (|| -> Result<()> {
+        let config = export_config(
+            &d.cfg,
+            info.step,
+            info.num_target_layers,
+            info.target_layer_ids,
+            info.max_position_embeddings,
+        );
+        // The weights as exported (bf16), back in f32: the probe runs on exactly these.
+        let rounded: Vec<f32> = params
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .collect();
+        let probe = probe_batch(d, frozen, &rounded, info.seed).map_err(|e| {
+            WorkerError::Invalid(format!("computing the export's parity probe: {e}"))
+        })?;
+        drop(rounded);
+        write_synced(&tmp.join(PROBE_FILE), &serialize(&probe)?)?;
+        write_synced(&tmp.join(MODULE_FILE), DRAFTER_MODULE.as_bytes())?;
+        let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = d
+            .layout
+            .entries
+            .iter()
+            .map(|(n, s, off)| {
+                let len: usize = s.iter().product();
+                let bytes = params[*off..off + len]
+                    .iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect();
+                (n.clone(), s.clone(), bytes)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
+            .iter()
+            .map(|(n, s, b)| {
+                Ok((
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?,
+                ))
+            })
+            .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
+        let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+        let weights = safetensors::serialize(views, Some(meta))?;
+        drop(bufs);
+        write_synced(&tmp.join("model.safetensors"), &weights)?;
+        drop(weights);
+        write_synced(
+            &tmp.join("config.json"),
+            serde_json::to_string_pretty(&config)?.as_bytes(),
+        )?;
+        sync_dir(&tmp)
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    let old = dir.with_extension("old");
+    let _ = std::fs::remove_dir_all(&old);
+    if dir.exists() {
+        std::fs::rename(dir, &old).map_err(WorkerError::io(format!(
+            "moving the previous {} aside",
+            dir.display()
+        )))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!(
+        "renaming {} to {}",
+        tmp.display(),
+        dir.display()
+    )))?;
+    let _ = std::fs::remove_dir_all(&old);
+    if let Some(parent) = dir.parent() {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
+/// `dflash-worker export`: the drafter of checkpoint `checkpoint` (verified first) as the
+/// Hugging Face directory `out`, with the frozen embeddings of the target in `target`.
+/// Which target layers the drafter reads comes from the checkpoint (older checkpoints:
+/// `taps` and `num_target_layers` as given). Returns the checkpoint's step.
+pub fn from_checkpoint(
+    checkpoint: &Path,
+    target: &Path,
+    out: &Path,
+    taps: Option<&[u32]>,
+    num_target_layers: Option<usize>,
+) -> Result<u64> {
+    use dflash_shared::checkpoint::{META_FILE, STATE_FILE};
+    dflash_shared::checkpoint::verify(checkpoint, None)
+        .map_err(|e| WorkerError::Invalid(format!("checkpoint refused: {e}")))?;
+    let meta_path = checkpoint.join(META_FILE);
+    let text = std::fs::read_to_string(&meta_path)
+        .map_err(WorkerError::io(format!("reading {}", meta_path.display())))?;
+    let meta: Value = serde_json::from_str(&text)
+        .map_err(WorkerError::format(meta_path.display().to_string()))?;
+    let cfg: DrafterConfig = serde_json::from_value(meta["drafter"].clone())
+        .map_err(WorkerError::format(format!("{}: drafter", meta_path.display())))?;
+    let step = meta["step"].as_u64().unwrap_or(0);
+    let seed = meta["seed"].as_u64().unwrap_or(0);
+    let recorded = &meta["supervisor"]["export"];
+    let ids: Vec<u32> = match recorded["target_layer_ids"].as_array() {
+        Some(a) => a.iter().filter_map(|v| v.as_u64().map(|x| x as u32)).collect(),
+        None => taps.map(<[u32]>::to_vec).ok_or_else(|| {
+            WorkerError::Invalid(format!(
+                "{} does not record the target layers the drafter reads (a checkpoint of an older version): give --taps and --num-target-layers",
+                meta_path.display()
+            ))
+        })?,
+    };
+    let layers = recorded["num_target_layers"]
+        .as_u64()
+        .map(|n| n as usize)
+        .or(num_target_layers)
+        .ok_or_else(|| {
+            WorkerError::Invalid(format!(
+                "{} does not record the target's depth: give --num-target-layers",
+                meta_path.display()
+            ))
+        })?;
+    let d = Drafter::new(cfg);
+    let state_path = checkpoint.join(STATE_FILE);
+    let bytes = std::fs::read(&state_path)
+        .map_err(WorkerError::io(format!("reading {}", state_path.display())))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(WorkerError::format(state_path.display().to_string()))?;
+    let t = st
+        .tensor("params")
+        .map_err(WorkerError::format(format!("{}: params", state_path.display())))?;
+    let n = d.layout.total;
+    if t.shape() != [n] || t.data().len() != 4 * n {
+        return Err(WorkerError::Invalid(format!(
+            "{}: params has shape {:?}, expected [{n}] for the drafter meta.json describes",
+            state_path.display(),
+            t.shape()
+        )));
+    }
+    let params: Vec<f32> = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    drop(bytes);
+    let c = &d.cfg;
+    let w = crate::model::weights::Weights::open(target)?;
+    let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
+    let lm_head = if w.contains("lm_head.weight") {
+        w.get("lm_head.weight", &[c.vocab, c.hidden])?
+    } else {
+        embed.clone()
+    };
+    drop(w);
+    let frozen = Frozen { embed, lm_head };
+    let max_position_embeddings = std::fs::read_to_string(target.join("config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v["max_position_embeddings"].as_u64());
+    let info = ExportInfo {
+        step,
+        seed,
+        num_target_layers: layers,
+        target_layer_ids: &ids,
+        max_position_embeddings,
+    };
+    write_hf_dir(&d, &frozen, &params, &info, out)?;
+    Ok(step)
+}
+
+fn serialize(tensors: &[Tensor]) -> Result<Vec<u8>> {
     let views: Vec<(&str, safetensors::tensor::TensorView)> = tensors
         .iter()
         .map(|t| {
@@ -235,10 +442,9 @@ pub fn write_safetensors(tensors: &[Tensor], path: &Path) -> crate::error::Resul
                 safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.bytes)?,
             ))
         })
-        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(views, Some(meta), path)?;
-    Ok(())
+    Ok(safetensors::serialize(views, Some(meta))?)
 }
 
 #[cfg(test)]

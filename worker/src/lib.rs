@@ -86,6 +86,23 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write the drafter of a checkpoint (checkpoints/step-N of a run) as a Hugging Face
+    /// directory, with the parity probe (what `dflash-supervise export` runs).
+    Export {
+        /// The checkpoint directory (state.safetensors + meta.json); verified first.
+        #[arg(long, value_name = "DIR")]
+        checkpoint: PathBuf,
+        /// The run's target model directory (the frozen embeddings come from it).
+        #[arg(long, value_name = "DIR")]
+        target: PathBuf,
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+        /// For checkpoints that do not record them: the target layers the drafter reads.
+        #[arg(long, value_name = "IDS", value_delimiter = ',')]
+        taps: Option<Vec<u32>>,
+        #[arg(long, value_name = "N")]
+        num_target_layers: Option<usize>,
+    },
     /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR, or
     /// with --config a target of random weights for that config.json (tests use it).
     TinyTarget {
@@ -128,6 +145,23 @@ pub fn main() -> i32 {
             tokens,
             json,
         }) => tool(bench_ops::run(&target, tokens, json)),
+        Some(Command::Export {
+            checkpoint,
+            target,
+            out,
+            taps,
+            num_target_layers,
+        }) => tool(
+            export::from_checkpoint(
+                &checkpoint,
+                &target,
+                &out,
+                taps.as_deref(),
+                num_target_layers,
+            )
+            .map(|step| println!("drafter of step {step} written to {}", out.display()))
+            .map_err(|e| e.to_string()),
+        ),
         Some(Command::TinyTarget { out, config: None }) => {
             tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display())))
         }

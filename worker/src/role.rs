@@ -248,21 +248,18 @@ fn obey(
                     rank.step
                 )));
             }
-            rank.checkpoint(std::path::Path::new(&dir), &meta)
-                .during(|| format!("writing checkpoint {dir}"))?;
-            tell(FromWorker::Checkpointed { dir, step })
-        }
-        ToWorker::Export { dir } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| {
-                WorkerError::Protocol("an export request before the training setup".into())
-            })?;
-            rank.export(std::path::Path::new(&dir))
-                .during(|| format!("exporting the drafter to {dir}"))?;
-            println!("drafter exported to {dir} at step {}", rank.step);
-            tell(FromWorker::Exported {
-                dir,
-                step: rank.step,
-            })
+            match rank.checkpoint(std::path::Path::new(&dir), &meta) {
+                Ok(()) => tell(FromWorker::Checkpointed { dir, step }),
+                // A write that failed (a full disk, a directory replaced or removed) is the
+                // supervisor's to decide on: it is not a crash, and restarting would not help.
+                Err(e) => match e.write_failure() {
+                    Some(failure) => {
+                        eprintln!("checkpoint of step {step} not written: {failure}");
+                        tell(FromWorker::CheckpointFailed { step, dir, failure })
+                    }
+                    None => return Err(e).during(|| format!("writing checkpoint {dir}")),
+                },
+            }
         }
     })
 }

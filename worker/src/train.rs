@@ -16,9 +16,6 @@ use dflash_shared::drafter::CollectiveKind;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
 
-use crate::export::{
-    export_config, probe_batch, write_safetensors, DRAFTER_MODULE, MODULE_FILE, PROBE_FILE,
-};
 use crate::gpu::drafter::GpuDrafter;
 use crate::gpu::GpuError;
 use crate::model::drafter::{batch_samples, AdamW, Drafter, Frozen};
@@ -34,7 +31,6 @@ pub struct Rank {
     /// the CPU device (one model for every backend). The device holds the training state; `params`/`opt` are its host copy,
     /// brought up to date by [`Rank::sync_host`] for snapshots, checkpoints and the export.
     model: Box<GpuDrafter>,
-    frozen: Frozen,
     params: Vec<f32>,
     opt: AdamW,
     /// The current membership epoch, and the (step, epoch) whose all-reduce was reported.
@@ -54,8 +50,6 @@ pub struct Rank {
     /// long applying it took.
     idle_since: std::time::Instant,
     last_optimizer_ms: f64,
-    /// The target's `max_position_embeddings`, for the export's config.json.
-    max_position_embeddings: Option<u64>,
 }
 
 /// What applying a step found out.
@@ -135,7 +129,6 @@ impl Rank {
             params: drafter.init_params(setup.seed),
             opt: AdamW::new(n),
             drafter,
-            frozen,
             coll,
             epoch: None,
             reported: None,
@@ -147,10 +140,6 @@ impl Rank {
             last_grad_norm: 0.0,
             idle_since: std::time::Instant::now(),
             last_optimizer_ms: 0.0,
-            max_position_embeddings: std::fs::read_to_string(target_dir.join("config.json"))
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|v| v["max_position_embeddings"].as_u64()),
             setup,
         };
         match r.setup.init {
@@ -444,99 +433,21 @@ impl Rank {
         self.step = step;
         Ok(())
     }
-
-    /// Write the drafter as a Hugging Face directory: config.json (Qwen3 fields, the DFlash
-    /// fields and `auto_map`), model.safetensors (bf16, tensor names as in z-lab's DFlash
-    /// draft model), the model code transformers loads with `trust_remote_code`
-    /// ([`MODULE_FILE`]) and the parity probe ([`PROBE_FILE`]) that
-    /// `dflash-supervise export-check` runs it on. Atomic: written beside `dir`, synced,
-    /// then renamed into place.
-    pub fn export(&mut self, dir: &Path) -> Result<()> {
-        self.sync_host()?;
-        if !self.params.iter().all(|x| x.is_finite()) {
-            return Err(WorkerError::Invalid(format!(
-                "the drafter's weights at step {} are not finite: not exported",
-                self.step
-            )));
-        }
-        let c = &self.drafter.cfg;
-        let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp)
-            .map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
-        let config = export_config(
-            c,
-            self.step,
-            self.setup.num_target_layers,
-            &self.setup.target_layer_ids,
-            self.max_position_embeddings,
-        );
-        // The weights as exported (bf16), back in f32: the probe runs on exactly these.
-        let rounded: Vec<f32> = self
-            .params
-            .iter()
-            .map(|v| half::bf16::from_f32(*v).to_f32())
-            .collect();
-        let probe =
-            probe_batch(&self.drafter, &self.frozen, &rounded, self.setup.seed).map_err(|e| {
-                WorkerError::Invalid(format!("computing the export's parity probe: {e}"))
-            })?;
-        drop(rounded);
-        write_safetensors(&probe, &tmp.join(PROBE_FILE))?;
-        std::fs::write(tmp.join(MODULE_FILE), DRAFTER_MODULE)?;
-        let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = self
-            .drafter
-            .layout
-            .entries
-            .iter()
-            .map(|(n, s, off)| {
-                let len: usize = s.iter().product();
-                let bytes = self.params[*off..off + len]
-                    .iter()
-                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                    .collect();
-                (n.clone(), s.clone(), bytes)
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
-            .iter()
-            .map(|(n, s, b)| {
-                Ok((
-                    n.clone(),
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?,
-                ))
-            })
-            .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
-        let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-        safetensors::serialize_to_file(views, Some(meta), &tmp.join("model.safetensors"))?;
-        let mut f = std::fs::File::create(tmp.join("config.json"))?;
-        f.write_all(serde_json::to_string_pretty(&config)?.as_bytes())?;
-        f.sync_all()?;
-        for file in ["model.safetensors", PROBE_FILE, MODULE_FILE] {
-            std::fs::File::open(tmp.join(file))?.sync_all()?;
-        }
-        let old = dir.with_extension("old");
-        let _ = std::fs::remove_dir_all(&old);
-        if dir.exists() {
-            std::fs::rename(dir, &old).map_err(WorkerError::io(format!(
-                "moving the previous {} aside",
-                dir.display()
-            )))?;
-        }
-        std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!(
-            "renaming {} to {}",
-            tmp.display(),
-            dir.display()
-        )))?;
-        let _ = std::fs::remove_dir_all(&old);
-        Ok(())
-    }
 }
 
 /// Checkpoint files: the flat parameter buffer and Adam moments (f32), and meta.json.
 impl Rank {
-    /// Write `dir` atomically (temporary directory, fsync, rename).
+    /// Write `dir` atomically (temporary directory, fsync, rename). A failed write leaves
+    /// nothing behind (a half-written file would hold the space a full disk lacks).
     pub fn checkpoint(&mut self, dir: &Path, meta: &str) -> Result<()> {
+        let r = self.write_checkpoint(dir, meta);
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(dir.with_extension(format!("tmp-{}", std::process::id())));
+        }
+        r
+    }
+
+    fn write_checkpoint(&mut self, dir: &Path, meta: &str) -> Result<()> {
         self.sync_host()?;
         if !self
             .params
@@ -569,14 +480,12 @@ impl Rank {
                 ))
             })
             .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
-        safetensors::serialize_to_file(
-            views,
-            None,
-            &tmp.join(dflash_shared::checkpoint::STATE_FILE),
-        )?;
-        let state_sum = dflash_shared::checkpoint::checksum_hex(&std::fs::read(
-            tmp.join(dflash_shared::checkpoint::STATE_FILE),
-        )?);
+        let state = safetensors::serialize(views, None)?;
+        drop(bufs);
+        let state_path = tmp.join(dflash_shared::checkpoint::STATE_FILE);
+        write_synced(&state_path, &state)?;
+        let state_sum = dflash_shared::checkpoint::checksum_hex(&state);
+        drop(state);
         let supervisor: serde_json::Value =
             serde_json::from_str(meta).map_err(WorkerError::format("checkpoint metadata"))?;
         let meta = serde_json::json!({
@@ -587,11 +496,11 @@ impl Rank {
             "supervisor": supervisor,
             "checksums": {dflash_shared::checkpoint::STATE_FILE: state_sum},
         });
-        let mut f = std::fs::File::create(tmp.join("meta.json"))?;
-        f.write_all(serde_json::to_string_pretty(&meta)?.as_bytes())?;
-        f.sync_all()?;
-        std::fs::File::open(tmp.join("state.safetensors"))?.sync_all()?;
-        std::fs::File::open(&tmp)?.sync_all()?;
+        write_synced(
+            &tmp.join(dflash_shared::checkpoint::META_FILE),
+            dflash_shared::checkpoint::finish_meta(&meta)?.as_bytes(),
+        )?;
+        sync_dir(&tmp)?;
         // A checkpoint of the same step number from before a rollback: replaced.
         let old = dir.with_extension(format!("replaced-{}", std::process::id()));
         if dir.exists() {
@@ -607,14 +516,14 @@ impl Rank {
         )))?;
         let _ = std::fs::remove_dir_all(&old);
         if let Some(parent) = dir.parent() {
-            std::fs::File::open(parent)?.sync_all()?;
+            sync_dir(parent)?;
         }
         Ok(())
     }
 
     fn load_checkpoint(&mut self, dir: &Path, step: u64) -> Result<()> {
         // Checksums and finiteness first: a checkpoint that changed on disk is refused.
-        dflash_shared::checkpoint::verify(dir)
+        dflash_shared::checkpoint::verify(dir, None)
             .map_err(|e| WorkerError::Invalid(format!("checkpoint refused: {e}")))?;
         let text = std::fs::read_to_string(dir.join("meta.json"))
             .map_err(WorkerError::io(format!("{}/meta.json", dir.display())))?;
@@ -666,6 +575,22 @@ impl Rank {
         self.step = step;
         Ok(())
     }
+}
+
+/// Write `data` to `path` and fsync it; a failure names the path.
+pub(crate) fn write_synced(path: &Path, data: &[u8]) -> Result<()> {
+    let mut f = std::fs::File::create(path)
+        .map_err(WorkerError::io(format!("creating {}", path.display())))?;
+    f.write_all(data)
+        .and_then(|()| f.sync_all())
+        .map_err(WorkerError::io(format!("writing {}", path.display())))
+}
+
+/// fsync a directory (its entries are then on disk); a failure names it.
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(WorkerError::io(format!("syncing {}", dir.display())))
 }
 
 /// Tests only: `DFLASH_TEST_DIE_IN_ALLREDUCE=RANK:STEP` kills rank RANK (in its first life)

@@ -21,7 +21,7 @@ use std::path::Path;
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use crate::error::Error;
+use crate::error::{Error, Source};
 use crate::run::rundir::unix_ms;
 
 pub const LEDGER_FILE: &str = "ledger.jsonl";
@@ -127,32 +127,54 @@ pub struct Audit {
 }
 
 pub fn audit(path: &Path) -> Result<Audit, Error> {
-    let text = std::fs::read_to_string(path)
+    // Bytes, not text: a line that is not UTF-8 (a torn multi-byte character, a disk
+    // error) is named by its line like any other line that is not a record.
+    let bytes = std::fs::read(path)
         .map_err(|e| Error::input(format!("{}: cannot read the ledger", path.display()), e))?;
     let mut produced = BTreeSet::new();
     // The lineage of the current weights: (step, batch) per consumption.
     let mut lineage: Vec<(Option<u64>, u64)> = Vec::new();
     let mut a = Audit::default();
     let mut end_in_flight: Option<BTreeSet<u64>> = None;
-    let lines: Vec<&str> = text.lines().collect();
-    for (i, line) in lines.iter().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let v: Value = match serde_json::from_str(line) {
-            Ok(v) => v,
+    let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
+    let lines: Vec<&[u8]> = if bytes.is_empty() {
+        Vec::new()
+    } else {
+        body.split(|&b| b == b'\n')
+            .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
+            .collect()
+    };
+    for (i, raw) in lines.iter().enumerate() {
+        let parsed = std::str::from_utf8(raw)
+            .map_err(Source::from)
+            .and_then(|line| {
+                if line.trim().is_empty() {
+                    return Ok(None);
+                }
+                serde_json::from_str::<Value>(line)
+                    .map(Some)
+                    .map_err(Source::from)
+            });
+        let v: Value = match parsed {
+            Ok(Some(v)) => v,
+            Ok(None) => continue,
             Err(e) => {
                 // Cut short by a crash: the file's last line, or one the next supervisor
                 // marked as torn.
                 let marked = lines
                     .get(i + 1)
-                    .is_some_and(|n| n.contains(r#""ev":"torn""#));
-                if (i + 1 == lines.len() && !text.ends_with('\n')) || marked {
+                    .is_some_and(|n| n.windows(11).any(|w| w == br#""ev":"torn""#));
+                if (i + 1 == lines.len() && !bytes.ends_with(b"\n")) || marked {
                     a.torn_lines += 1;
                     continue;
                 }
+                let what = if std::str::from_utf8(raw).is_err() {
+                    "not UTF-8, so not a ledger record"
+                } else {
+                    "not a ledger record"
+                };
                 return Err(Error::input(
-                    format!("{}:{}: not a ledger record", path.display(), i + 1),
+                    format!("{}:{}: {what}", path.display(), i + 1),
                     e,
                 ));
             }
@@ -306,6 +328,33 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains(":2: not a ledger record"));
+    }
+
+    #[test]
+    fn a_line_that_is_not_utf8_is_named_by_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LEDGER_FILE);
+        let mut bytes = b"{\"ev\":\"load\",\"batch\":0}\n{\"ev\":\"load\",\"batch\":1}\n".to_vec();
+        bytes.extend_from_slice(b"{\"ev\":\"consumed\",\"worker\":\"\xff\xfe\"}\n");
+        bytes.extend_from_slice(b"{\"ev\":\"load\",\"batch\":2}\n");
+        std::fs::write(&path, &bytes).unwrap();
+        let e = audit(&path).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with(&format!("{}:3: not UTF-8", path.display())) && !msg.contains('\n'),
+            "{msg}"
+        );
+        // A last line cut inside a multi-byte character is torn, as any cut line is.
+        let mut torn =
+            b"{\"ev\":\"load\",\"batch\":0}\n{\"ev\":\"consumed\",\"worker\":\"\xc3".to_vec();
+        std::fs::write(&path, &torn).unwrap();
+        let a = audit(&path).unwrap();
+        assert_eq!((a.produced, a.torn_lines), (1, 1), "{a:?}");
+        // ... and once a reopened ledger marked it, it stays set aside.
+        torn.extend_from_slice(b"\n{\"t\":1,\"ev\":\"torn\"}\n");
+        std::fs::write(&path, &torn).unwrap();
+        assert_eq!(audit(&path).unwrap().torn_lines, 1);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! function of (data, flags, seed): a loader told to skip the first N batches continues
 //! exactly where a stopped run left off.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -110,6 +110,14 @@ impl Parsed {
             .any(|w| w[0] == 1 && w[1] == 1)
     }
 
+    /// Unusable only because --max-seq-len cut it: the whole sample has two consecutive
+    /// supervised tokens, the part a run keeps has none (a long prompt, the reply past it).
+    pub(crate) fn cut_by_max_seq_len(&self) -> bool {
+        self.len < self.sample.mask.len()
+            && !self.usable()
+            && self.sample.mask.windows(2).any(|w| w[0] == 1 && w[1] == 1)
+    }
+
     /// The sample as a run trains on it: cut at --max-seq-len.
     pub(crate) fn truncated(mut self) -> Sample {
         self.sample.ids.truncate(self.len);
@@ -125,7 +133,17 @@ pub struct BadLines {
     pub total: u64,
     /// Samples dropped because no two consecutive tokens are supervised (not an error).
     pub unsupervised: u64,
+    /// Samples dropped because their supervised tokens were past --max-seq-len (they had
+    /// two consecutive ones before the cut): a longer --max-seq-len would keep them.
+    pub cut_by_max_seq_len: u64,
+    /// The --max-seq-len that cut them.
+    pub max_seq_len: u32,
     pub lines: u64,
+}
+
+/// Why a sample whose supervised tokens --max-seq-len cut off is dropped.
+pub fn cut_reason(max_seq_len: u32) -> String {
+    format!("supervised tokens cut off by --max-seq-len {max_seq_len}")
 }
 
 /// How many bad lines are reported one by one.
@@ -143,6 +161,16 @@ impl BadLines {
         }
     }
 
+    /// Count a good line that cannot be trained on, by why.
+    pub(crate) fn unusable(&mut self, p: &Parsed, max_seq_len: u32) {
+        if p.cut_by_max_seq_len() {
+            self.cut_by_max_seq_len += 1;
+            self.max_seq_len = max_seq_len;
+        } else {
+            self.unsupervised += 1;
+        }
+    }
+
     pub fn summary(&self) -> String {
         let mut parts: Vec<String> = self
             .by_reason
@@ -153,6 +181,13 @@ impl BadLines {
             parts.push(format!(
                 "no two consecutive supervised tokens: {}",
                 self.unsupervised
+            ));
+        }
+        if self.cut_by_max_seq_len > 0 {
+            parts.push(format!(
+                "{}: {}",
+                cut_reason(self.max_seq_len),
+                self.cut_by_max_seq_len
             ));
         }
         format!(
@@ -211,15 +246,11 @@ pub fn parse_source(s: &str, demo_samples: usize) -> Result<DataSource, LoaderEr
                 source,
             })?;
             if meta.is_dir() {
-                let mut files: Vec<PathBuf> = std::fs::read_dir(p)
-                    .map_err(|source| LoaderError::Io {
-                        path: path.into(),
-                        source,
-                    })?
-                    .filter_map(|e| e.ok().map(|e| e.path()))
-                    .filter(|f| f.extension().is_some_and(|x| x == "jsonl") && f.is_file())
-                    .collect();
-                files.sort();
+                let (files, skipped) = list_jsonl(p).map_err(|source| LoaderError::Io {
+                    path: path.into(),
+                    source,
+                })?;
+                warn_skipped(path, &skipped);
                 if files.is_empty() {
                     return Err(LoaderError::NoJsonl { path: path.into() });
                 }
@@ -229,6 +260,85 @@ pub fn parse_source(s: &str, demo_samples: usize) -> Result<DataSource, LoaderEr
             }
         }
     }
+}
+
+/// One warning line per skipped entry, once per process (the run resolves `--data` more
+/// than once: for the loader and for the settings `--resume` reuses).
+fn warn_skipped(dir: &str, skipped: &[Skipped]) {
+    static WARNED: std::sync::Mutex<BTreeSet<PathBuf>> = std::sync::Mutex::new(BTreeSet::new());
+    let mut warned = WARNED.lock().unwrap_or_else(|p| p.into_inner());
+    for s in skipped {
+        if warned.insert(s.path.clone()) {
+            log::warn!(
+                "--data {dir}: skipping {}: {} (expected a regular .jsonl file)",
+                s.path.display(),
+                s.why
+            );
+        }
+    }
+}
+
+/// Why an entry named `*.jsonl` of a data directory is not read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SkipReason {
+    #[error("a symlink to nothing (its target is missing)")]
+    DanglingSymlink,
+    #[error("a FIFO (named pipe)")]
+    Fifo,
+    #[error("a directory")]
+    Directory,
+    #[error("a socket or device, not a file")]
+    Special,
+    #[error("cannot be looked at")]
+    Unreadable,
+}
+
+/// A `*.jsonl` entry of a data directory that is not read, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Skipped {
+    pub path: PathBuf,
+    pub why: SkipReason,
+}
+
+/// The `*.jsonl` regular files of a data directory (symlinks to files count), sorted, and
+/// the `*.jsonl` entries that are not read: dangling symlinks, FIFOs, directories, ...
+/// (sorted too). Entries with other names are not data and are not listed.
+pub fn list_jsonl(dir: &Path) -> io::Result<(Vec<PathBuf>, Vec<Skipped>)> {
+    let mut files = Vec::new();
+    let mut skipped = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let Ok(entry) = entry else { continue };
+        let path = entry.path();
+        if !path.extension().is_some_and(|x| x == "jsonl") {
+            continue;
+        }
+        // Through symlinks: a link to a file is read as that file.
+        let why = match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => {
+                files.push(path);
+                continue;
+            }
+            Ok(m) => {
+                use std::os::unix::fs::FileTypeExt;
+                let t = m.file_type();
+                if t.is_fifo() {
+                    SkipReason::Fifo
+                } else if t.is_dir() {
+                    SkipReason::Directory
+                } else {
+                    SkipReason::Special
+                }
+            }
+            Err(_) if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_symlink()) => {
+                SkipReason::DanglingSymlink
+            }
+            Err(_) => SkipReason::Unreadable,
+        };
+        skipped.push(Skipped { path, why });
+    }
+    files.sort();
+    skipped.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok((files, skipped))
 }
 
 /// One epoch's stream of samples.
@@ -448,16 +558,15 @@ impl JsonlStream {
             raw.iter().map(parse).collect()
         } else {
             let per = raw.len().div_ceil(threads);
-            std::thread::scope(|sc| {
-                let parts: Vec<_> = raw
-                    .chunks(per)
-                    .map(|c| sc.spawn(move || c.iter().map(parse).collect::<Vec<_>>()))
-                    .collect();
-                parts
-                    .into_iter()
-                    .flat_map(|h| h.join().expect("a parsing thread panicked"))
-                    .collect()
-            })
+            let parse = &parse;
+            // A chunk whose thread cannot be started (a thread limit) is parsed here.
+            dflash_shared::threads::scoped(
+                raw.chunks(per)
+                    .map(|c| move || c.iter().map(parse).collect::<Vec<_>>()),
+            )
+            .into_iter()
+            .flatten()
+            .collect()
         };
         self.ahead.extend(raw.into_iter().map(|r| r.0).zip(parsed));
         Ok(())
@@ -507,7 +616,7 @@ impl SampleStream for JsonlStream {
             if p.usable() {
                 return Ok(Some(p.truncated()));
             }
-            bad.unsupervised += 1;
+            bad.unusable(&p, cfg.max_seq_len);
         }
         Ok(None)
     }
@@ -856,6 +965,68 @@ mod tests {
         let (_f, src) = file(&[r#"{"input_ids": [1, 2], "loss_mask": [0, 0]}"#]);
         let e = Loader::new(cfg(src)).next_batch().unwrap_err().to_string();
         assert!(e.contains("no two consecutive supervised tokens: 1"), "{e}");
+    }
+
+    #[test]
+    fn replies_cut_off_by_max_seq_len_say_so() {
+        // max_seq_len 16: a 20-token prompt puts the whole reply past the cut.
+        let prompt = vec!["0"; 20].join(", ");
+        let ids = vec!["7"; 24].join(", ");
+        let cut = format!(r#"{{"input_ids": [{ids}], "loss_mask": [{prompt}, 1, 1, 1, 1]}}"#);
+        let (_f, src) = file(&[&cut, r#"{"input_ids": [1, 2, 3], "loss_mask": [1, 0, 1]}"#]);
+        let mut l = Loader::new(cfg(src));
+        let e = l.next_batch().unwrap_err().to_string();
+        assert_eq!((l.bad.cut_by_max_seq_len, l.bad.unsupervised), (1, 1));
+        assert!(
+            e.contains("supervised tokens cut off by --max-seq-len 16: 1")
+                && e.contains("no two consecutive supervised tokens: 1"),
+            "{e}"
+        );
+        // With room for the reply it trains.
+        let (_f, src) = file(&[&cut]);
+        let mut c = cfg(src);
+        c.max_seq_len = 24;
+        assert_eq!(all(&mut Loader::new(c)).len(), 1);
+    }
+
+    #[test]
+    fn a_data_directory_names_the_jsonl_entries_it_cannot_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::write(d.join("a.jsonl"), "{}\n").unwrap();
+        std::fs::write(d.join("notes.txt"), "not data").unwrap();
+        std::os::unix::fs::symlink(d.join("a.jsonl"), d.join("b.jsonl")).unwrap();
+        std::os::unix::fs::symlink(d.join("gone.jsonl"), d.join("c.jsonl")).unwrap();
+        nix::unistd::mkfifo(&d.join("d.jsonl"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        std::fs::create_dir(d.join("e.jsonl")).unwrap();
+        let (files, skipped) = list_jsonl(d).unwrap();
+        assert_eq!(files, [d.join("a.jsonl"), d.join("b.jsonl")]);
+        assert_eq!(
+            skipped,
+            [
+                Skipped {
+                    path: d.join("c.jsonl"),
+                    why: SkipReason::DanglingSymlink
+                },
+                Skipped {
+                    path: d.join("d.jsonl"),
+                    why: SkipReason::Fifo
+                },
+                Skipped {
+                    path: d.join("e.jsonl"),
+                    why: SkipReason::Directory
+                },
+            ]
+        );
+        assert_eq!(
+            SkipReason::DanglingSymlink.to_string(),
+            "a symlink to nothing (its target is missing)"
+        );
+        // The data source is what is left (never blocking on the FIFO).
+        match parse_source(d.to_str().unwrap(), 0).unwrap() {
+            DataSource::Files(f) => assert_eq!(f, files),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

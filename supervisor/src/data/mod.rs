@@ -8,3 +8,4 @@ pub mod ledger;
 pub mod loader;
 pub mod pipeline;
 pub mod preflight;
+pub mod spool;

@@ -123,7 +123,7 @@ pub fn scan(
             missing += u64::from(p.marker_missing);
         }
         if !p.usable() {
-            bad.unsupervised += 1;
+            bad.unusable(&p, cfg.max_seq_len);
             no_supervised += u64::from(!p.sample.mask[..p.len].contains(&1));
             continue;
         }
@@ -160,6 +160,9 @@ pub fn scan(
     let mut dropped = bad.by_reason.clone();
     if bad.unsupervised > 0 {
         dropped.insert(UNSUPERVISED.into(), bad.unsupervised);
+    }
+    if bad.cut_by_max_seq_len > 0 {
+        dropped.insert(loader::cut_reason(cfg.max_seq_len), bad.cut_by_max_seq_len);
     }
     lengths.sort_unstable();
     let pct = |p: f64| lengths[((lengths.len() - 1) as f64 * p).round() as usize];
@@ -459,5 +462,60 @@ pub fn test_tokenizer_dir() -> PathBuf {
         None => {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_whose_reply_max_seq_len_cut_off_are_reported_as_such() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("d.jsonl");
+        // --max-seq-len 8: the reply of the first sample starts at token 10.
+        let cut = format!(
+            r#"{{"input_ids": [{}], "loss_mask": [{}, 1, 1, 1]}}"#,
+            vec!["5"; 13].join(", "),
+            vec!["0"; 10].join(", ")
+        );
+        let lines = [
+            cut.as_str(),
+            r#"{"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}"#,
+            r#"{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let cfg = LoaderConfig {
+            source: DataSource::Files(vec![path]),
+            vocab_size: Some(100),
+            token_budget: 64,
+            max_seq_len: 8,
+            seed: 0,
+            epochs: 1,
+            max_bad_lines: 100,
+            shuffle_window: 8,
+            max_line_bytes: 1000,
+            chat: None,
+            chat_error: None,
+        };
+        let r = scan(&cfg, None, 1, |_| Ok(())).unwrap();
+        assert_eq!(r.kept, 1);
+        assert_eq!(
+            r.dropped
+                .iter()
+                .map(|(k, n)| (k.as_str(), *n))
+                .collect::<Vec<_>>(),
+            [
+                (UNSUPERVISED, 1),
+                ("supervised tokens cut off by --max-seq-len 8", 1)
+            ],
+            "{r:?}"
+        );
+        assert!(
+            r.text()
+                .contains("supervised tokens cut off by --max-seq-len 8: 1"),
+            "{}",
+            r.text()
+        );
     }
 }

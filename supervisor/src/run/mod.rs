@@ -103,7 +103,7 @@ pub fn plan(
         .collect())
 }
 
-fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
+pub(crate) fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
     use std::os::unix::fs::PermissionsExt;
     let (path, what) = match given {
         Some(p) => (p.to_path_buf(), format!("--worker-bin {}", p.display())),
@@ -139,15 +139,6 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
         Some(dir) => Some(resume::prepare(&dir, &mut args, given)?),
         None => None,
     };
-    if let (Some(r), Some(n)) = (&resume, args.steps) {
-        if n <= r.step {
-            return Err(Error::Flag(format!(
-                "--resume {}: its checkpoint is at step {}, and --steps is {n}: nothing to train (expected a larger --steps)",
-                r.dir.display(),
-                r.step
-            )));
-        }
-    }
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
@@ -161,6 +152,11 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     }
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
+    // The newest checkpoint that verifies and is of this drafter, beyond which --steps lies.
+    let resume = match resume {
+        Some(p) => Some(p.select(&trainer_cfg.drafter, args.steps)?),
+        None => None,
+    };
     let shared_bytes = trainer::Trainer::shared_bytes(
         &trainer_cfg.drafter,
         trainer_cfg.max_ranks,
@@ -183,7 +179,7 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
         None => rundir::RunDir::create(args.run_dir.as_deref())?,
     };
     // On --resume too: the settings as merged with this command line's are the run's now.
-    resume::SavedRun::of(&args).save(&run_dir.path)?;
+    resume::save(&args, resume.as_ref(), &run_dir.path)?;
     if let Some(p) = &preflight {
         p.write_json(&run_dir.path.join("preflight.json"))?;
     }
@@ -204,6 +200,7 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
         // The ledger's lineage goes back to the checkpoint too.
         pipeline.record_resume(r.step);
         trainer_cfg.resume = Some((r.step, r.checkpoint.clone()));
+        r.set_aside_refused();
     }
     let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
     let data = dispatcher::Data {

@@ -10,30 +10,52 @@
 use std::collections::BTreeSet;
 use std::io::{BufRead, Write};
 use std::path::Path;
-use std::process::{ChildStdin, Command, Stdio};
-use std::sync::Mutex;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use nix::sys::signal::{signal, SigHandler, Signal};
 
 pub struct Reaper {
+    /// The reaper process.
+    pub pid: u32,
     stdin: Mutex<ChildStdin>,
+    /// Set when this supervisor closes the reaper's stdin itself: its exit is then the
+    /// expected one, not a death to warn about.
+    closing: Arc<AtomicBool>,
 }
 
 impl Reaper {
     pub fn start(supervisor_exe: &Path) -> std::io::Result<Reaper> {
-        let mut child = Command::new(supervisor_exe)
-            .arg("__reap")
-            .stdin(Stdio::piped())
+        let mut cmd = Command::new(supervisor_exe);
+        cmd.arg("__reap")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             // Its own group: a terminal's Ctrl-C must not reach it.
-            .process_group(0)
-            .spawn()?;
+            .process_group(0);
+        Reaper::spawn(cmd, |why| log::warn!("{why}"))
+    }
+
+    /// Start `cmd` as the reaper, with a thread that waits for it: should it die while
+    /// this supervisor still needs it, `on_death` gets the one line that says so.
+    fn spawn(
+        mut cmd: Command,
+        on_death: impl FnOnce(String) + Send + 'static,
+    ) -> std::io::Result<Reaper> {
+        let mut child = cmd.stdin(Stdio::piped()).spawn()?;
         let stdin = child.stdin.take().expect("piped stdin");
-        // The child is never waited for: it outlives us by design, or exits when we do.
-        std::mem::forget(child);
+        let pid = child.id();
+        let closing = Arc::new(AtomicBool::new(false));
+        let watch = closing.clone();
+        // It outlives us by design when we are killed; while we run, this thread waits for
+        // it (and so reaps it).
+        std::thread::Builder::new()
+            .name("reaper-watch".into())
+            .spawn(move || watch_reaper(child, &watch, on_death))?;
         Ok(Reaper {
+            pid,
             stdin: Mutex::new(stdin),
+            closing,
         })
     }
 
@@ -49,6 +71,43 @@ impl Reaper {
         if let Ok(mut s) = self.stdin.lock() {
             let _ = s.write_all(line.as_bytes());
         }
+    }
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        // Closing stdin (the field, dropped after this) makes the reaper exit: expected.
+        self.closing.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Wait for the reaper; if it ends while the supervisor still holds its stdin open, say
+/// what is lost.
+fn watch_reaper(mut child: Child, closing: &AtomicBool, on_death: impl FnOnce(String)) {
+    let pid = child.id();
+    let status = child.wait();
+    if closing.load(Ordering::SeqCst) {
+        return;
+    }
+    let how = match status {
+        Ok(s) => describe(s),
+        Err(e) => format!("cannot be waited for ({e})"),
+    };
+    on_death(format!(
+        "the reaper (pid {pid}) {how}: if the supervisor is killed now, processes forked by \
+         workers are no longer killed with it (the workers themselves still are)"
+    ));
+}
+
+fn describe(s: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (s.code(), s.signal()) {
+        (_, Some(sig)) => match Signal::try_from(sig) {
+            Ok(name) => format!("was killed by {name}"),
+            Err(_) => format!("was killed by signal {sig}"),
+        },
+        (Some(code), None) => format!("exited with code {code}"),
+        (None, None) => "ended".into(),
     }
 }
 
@@ -91,4 +150,51 @@ pub fn run() -> i32 {
         }
     }
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    /// A stand-in reaper that lives until its stdin closes, as `__reap` does.
+    fn stand_in() -> Command {
+        let mut c = Command::new("sh");
+        c.args(["-c", "cat >/dev/null"]).stdout(Stdio::null());
+        c
+    }
+
+    #[test]
+    fn a_killed_reaper_is_noticed_and_its_lost_guarantee_named() {
+        let (tx, rx) = mpsc::channel();
+        let r = Reaper::spawn(stand_in(), move |why| tx.send(why).unwrap()).unwrap();
+        r.watch(4242);
+        // Killed as the OOM killer or a stray `kill -9` would.
+        let pid = nix::unistd::Pid::from_raw(r.pid as i32);
+        nix::sys::signal::kill(pid, Signal::SIGKILL).unwrap();
+        let why = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the reaper's death is noticed");
+        assert!(
+            why.starts_with(&format!("the reaper (pid {}) was killed by SIGKILL", r.pid))
+                && why.contains("processes forked by workers are no longer killed")
+                && !why.contains('\n'),
+            "{why}"
+        );
+        // Writing to a dead reaper is no error either (SIGPIPE is ignored in a run).
+        r.watch(4243);
+    }
+
+    #[test]
+    fn a_reaper_that_exits_because_the_supervisor_closed_it_is_not_a_death() {
+        let (tx, rx) = mpsc::channel::<String>();
+        let r = Reaper::spawn(stand_in(), move |why| tx.send(why).unwrap()).unwrap();
+        drop(r);
+        // The thread ends without a word: the sender is dropped unsent.
+        assert_eq!(
+            rx.recv_timeout(Duration::from_secs(10)),
+            Err(mpsc::RecvTimeoutError::Disconnected)
+        );
+    }
 }

@@ -65,6 +65,9 @@ pub struct TrainProgress {
     pub slot_accuracy: Vec<f64>,
     pub members: usize,
     pub exported: Option<String>,
+    /// The step the exported drafter holds.
+    #[serde(default)]
+    pub exported_step: Option<u64>,
     /// The step of the current rollback snapshot and what one costs (ms).
     #[serde(default)]
     pub snapshot_step: Option<u64>,
@@ -116,13 +119,17 @@ pub fn unix_ms() -> u64 {
 /// A run directory owned by this supervisor for as long as the value lives.
 pub struct RunDir {
     pub path: PathBuf,
-    _lock: File,
+    lock: File,
     events: File,
+    /// (device, inode) of the directory when it was taken.
+    identity: (u64, u64),
 }
 
 impl RunDir {
     /// Create (or adopt an empty) run dir and take its lock.
     pub fn create(path: Option<&Path>) -> Result<RunDir, Error> {
+        /// Why a run dir whose lock another supervisor holds is refused.
+        const BUSY: &str = "another supervisor is using it (expected a new or empty directory)";
         let path = match path {
             Some(p) => p.to_path_buf(),
             None => default_run_dir(),
@@ -133,6 +140,12 @@ impl RunDir {
                 return Err(usage(
                     "exists and is not a directory (expected a new or empty directory)".into(),
                 ));
+            }
+            // A supervisor that took this directory a moment ago has filled it already
+            // (its .lock, logs/, maybe state.json): say who holds it, not what it holds.
+            let live = ExistingRun { path: path.clone() };
+            if live.supervisor_alive() {
+                return Err(usage(BUSY.into()));
             }
             if path.join(STATE_FILE).exists() {
                 return Err(usage(
@@ -162,7 +175,7 @@ impl RunDir {
         let path = path
             .canonicalize()
             .map_err(|e| usage(format!("cannot resolve it: {e}")))?;
-        RunDir::take(path, "another supervisor is using it", &usage)
+        RunDir::take(path, BUSY, &usage)
     }
 
     /// Take over the run dir of a stopped run (`--resume`): its logs, events and ledger
@@ -207,11 +220,41 @@ impl RunDir {
             .append(true)
             .open(path.join(EVENTS_FILE))
             .map_err(|e| usage(format!("cannot write in it: {e}")))?;
+        let identity = fs::metadata(&path)
+            .map(|m| {
+                use std::os::unix::fs::MetadataExt;
+                (m.dev(), m.ino())
+            })
+            .map_err(|e| usage(format!("cannot stat it: {e}")))?;
         Ok(RunDir {
             path,
-            _lock: lock,
+            lock,
             events,
+            identity,
         })
+    }
+
+    /// Whether the directory at `path` is still the one taken, with the lock file this
+    /// supervisor holds in it. The reason in words when not.
+    pub fn still_there(&self) -> Result<(), String> {
+        use std::os::unix::fs::MetadataExt;
+        let dir = match fs::metadata(&self.path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err("was removed".into()),
+            Err(e) => return Err(format!("cannot be looked at ({e})")),
+        };
+        if (dir.dev(), dir.ino()) != self.identity {
+            return Err("was replaced by another directory".into());
+        }
+        let held = self
+            .lock
+            .metadata()
+            .map_err(|e| format!("has a lock file that cannot be looked at ({e})"))?;
+        match fs::metadata(self.path.join(LOCK_FILE)) {
+            Ok(m) if (m.dev(), m.ino()) == (held.dev(), held.ino()) => Ok(()),
+            Ok(_) => Err(format!("has another {LOCK_FILE} than the one this supervisor holds")),
+            Err(_) => Err(format!("lost its {LOCK_FILE} (removed)")),
+        }
     }
 
     pub fn worker_log(&self, name: &str) -> PathBuf {

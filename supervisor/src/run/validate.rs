@@ -2,11 +2,12 @@
 //! workers' memory fits the machine. Each failure is one line naming the flag and what
 //! was expected (exit 2).
 
+use std::path::Path;
 use std::time::Duration;
 
 use dflash_shared::drafter::{DrafterConfig, ParamLayout};
 use dflash_shared::model_config::{expected_tensors, TargetConfig};
-use dflash_shared::{Device, Role, WorkerName};
+use dflash_shared::{Device, DeviceSpec, Role, WorkerName};
 
 use crate::cli::RunArgs;
 use crate::data::pipeline::human;
@@ -24,6 +25,88 @@ pub const MIN_HANG_TIMEOUT: Duration = Duration::from_secs(1);
 /// The largest `--lr`: AdamW's step is about `lr` per parameter, so anything above 1
 /// destroys the weights in one step (and gives NaN losses).
 pub const MAX_LR: f64 = 1.0;
+
+/// The fewest CPU workers a run may always start, whatever the machine: the tests and
+/// demos run three or four workers on two cores.
+pub const MIN_CPU_WORKER_LIMIT: usize = 32;
+
+/// The most CPU workers a run starts on a machine with `cores` cores: 4 per core, and at
+/// least [`MIN_CPU_WORKER_LIMIT`]. Each is a process with its own threads and memory; past
+/// this a typo (`cpu:1000`) would only fork the machine to a standstill.
+pub fn max_cpu_workers(cores: usize) -> usize {
+    cores.saturating_mul(4).max(MIN_CPU_WORKER_LIMIT)
+}
+
+/// The cores this process may run on.
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Refuse more CPU workers than [`max_cpu_workers`], from the device flags themselves:
+/// before the plan, which holds one entry per worker.
+fn check_cpu_workers(a: &RunArgs, cores: usize) -> Result<(), Error> {
+    let cpu = |s: &Option<DeviceSpec>| match s {
+        Some(DeviceSpec::Cpu(n)) => *n as u64,
+        _ => 0,
+    };
+    let (asked, shown) = match (&a.target_gpus, &a.drafter_gpus) {
+        (Some(_), Some(_)) => {
+            let (t, d) = (cpu(&a.target_gpus), cpu(&a.drafter_gpus));
+            (
+                t + d,
+                format!(
+                    "--target-gpus cpu:{t} --drafter-gpus cpu:{d}: {} CPU workers",
+                    t + d
+                ),
+            )
+        }
+        _ => {
+            let n = cpu(&a.gpus);
+            (n, format!("--gpus cpu:{n}"))
+        }
+    };
+    let max = max_cpu_workers(cores);
+    if asked > max as u64 {
+        return Err(Error::Flag(format!(
+            "{shown}: expected at most {max} CPU workers on this machine \
+             (4 per core for its {cores} core(s), at least {MIN_CPU_WORKER_LIMIT})"
+        )));
+    }
+    Ok(())
+}
+
+/// The warning for `cpu_workers` CPU workers on `cores` cores, if they outnumber them.
+pub fn oversubscription(cpu_workers: usize, cores: usize) -> Option<String> {
+    (cpu_workers > cores).then(|| {
+        format!(
+            "{cpu_workers} CPU workers on {cores} core(s): they share the cores, so each \
+             runs slower than alone (expected at most {cores} for full speed)"
+        )
+    })
+}
+
+/// Warn (one line) when the plan's CPU workers outnumber the cores.
+pub fn warn_if_oversubscribed(plan: &[(WorkerName, Device)]) {
+    let cpu = plan
+        .iter()
+        .filter(|(_, d)| matches!(d, Device::Cpu))
+        .count();
+    if let Some(w) = oversubscription(cpu, cores()) {
+        log::warn!("{w}");
+    }
+}
+
+/// `--max-seq-len` against the target's context length (`max_position_embeddings`, when
+/// its config.json gives one): positions past it were never trained.
+pub fn check_context(max_seq_len: u32, target: &TargetConfig, dir: &str) -> Result<(), Error> {
+    match target.max_position_embeddings {
+        Some(m) if max_seq_len as u64 > m as u64 => Err(Error::Flag(format!(
+            "--max-seq-len {max_seq_len} exceeds the target's max_position_embeddings {m} \
+             ({dir}/config.json); expected at most {m}"
+        ))),
+        _ => Ok(()),
+    }
+}
 
 /// Every flag's range, before the run starts. (Flags whose checks need the target or the
 /// devices — `--taps`, `--mask-token-id`, `--targets` — are checked where those are known.)
@@ -44,6 +127,7 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
         ("--stable-after", a.stable_after),
         ("--gpu-sample-interval", a.gpu_sample_interval),
         ("--metrics-interval", a.metrics_interval),
+        ("--collective-timeout", a.collective_timeout),
     ] {
         if d.is_zero() {
             return bad(flag, dur(d), "a duration above zero, such as 500ms or 30s");
@@ -175,6 +259,14 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
             return bad(flag, "0".into(), "at least 1");
         }
     }
+    check_cpu_workers(a, cores())?;
+    if a.target != "tiny" {
+        // A config.json that cannot be read is refused where the target is loaded, with
+        // its own reason; here only its context length is of interest.
+        if let Ok(t) = TargetConfig::load(Path::new(&a.target)) {
+            check_context(a.max_seq_len, &t, &a.target)?;
+        }
+    }
     Ok(())
 }
 
@@ -274,12 +366,14 @@ pub fn estimate_memory(
 }
 
 /// Refuse a run whose workers cannot fit in the memory available now (the same 80 % rule
-/// as the shared-memory pools).
+/// as the shared-memory pools). Also warns, once every flag is known to be good, when the
+/// CPU workers outnumber the cores ([`warn_if_oversubscribed`]).
 pub fn check_memory(
     e: &MemoryEstimate,
     plan: &[(WorkerName, Device)],
     drafter: &DrafterConfig,
 ) -> Result<(), Error> {
+    warn_if_oversubscribed(plan);
     let Some(avail) = crate::data::pipeline::mem_available() else {
         return Ok(());
     };
@@ -424,6 +518,16 @@ mod tests {
             &["--gpu-sample-interval 0s"],
         );
         refused(&["--metrics-interval", "0ms"], &["--metrics-interval 0s"]);
+        refused(
+            &["--collective-timeout", "0s"],
+            &["--collective-timeout 0s", "above zero"],
+        );
+        refused(&["--gamma", "-1"], &["--gamma -1", "positive"]);
+        refused(&["--lr", "-1"], &["--lr -1", "above 0"]);
+        refused(
+            &["--warmup-ratio", "-0.5"],
+            &["--warmup-ratio -0.5", "[0, 1)"],
+        );
         refused(&["--time-limit", "0s"], &["--time-limit 0s"]);
         refused(&["--epochs", "0"], &["--epochs 0"]);
         refused(&["--draft-layers", "0"], &["--draft-layers 0"]);
@@ -438,6 +542,74 @@ mod tests {
         refused(&["--token-budget", "0"], &["--token-budget 0"]);
         refused(&["--token-slots", "0"], &["--token-slots 0"]);
         refused(&["--prefetch", "0"], &["--prefetch 0"]);
+    }
+
+    #[test]
+    fn cpu_workers_are_bounded_by_the_cores_and_warned_about_past_them() {
+        assert_eq!(max_cpu_workers(2), 32);
+        assert_eq!(max_cpu_workers(16), 64);
+        // The tests' cpu:3 and cpu:4 on two cores, and the limit itself, start.
+        for spec in ["cpu:3", "cpu:4", "cpu:32"] {
+            check_cpu_workers(&args(&["--gpus", spec]), 2).unwrap();
+        }
+        check_cpu_workers(&args(&["--gpus", "cpu:64"]), 16).unwrap();
+        let e = check_cpu_workers(&args(&["--gpus", "cpu:1000"]), 2).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("--gpus cpu:1000: expected at most 32 CPU workers")
+                && msg.contains("2 core(s)")
+                && !msg.contains('\n'),
+            "{msg}"
+        );
+        let e = check_cpu_workers(
+            &args(&["--target-gpus", "cpu:20", "--drafter-gpus", "cpu:20"]),
+            2,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--target-gpus cpu:20 --drafter-gpus cpu:20: 40 CPU workers")
+                && e.contains("at most 32"),
+            "{e}"
+        );
+        // GPUs are not CPU workers.
+        check_cpu_workers(&args(&["--gpus", "0-7"]), 2).unwrap();
+        // check_flags asks the machine's own cores.
+        refused(&["--gpus", "cpu:1000"], &["--gpus cpu:1000", "at most"]);
+
+        assert_eq!(oversubscription(2, 2), None);
+        let w = oversubscription(3, 2).expect("3 workers on 2 cores");
+        assert!(
+            w.starts_with("3 CPU workers on 2 core(s)") && !w.contains('\n'),
+            "{w}"
+        );
+    }
+
+    #[test]
+    fn max_seq_len_beyond_the_target_context_is_refused() {
+        let mut t = TargetConfig::parse(TINY_CONFIG).unwrap();
+        check_context(100_000, &t, "/m").unwrap();
+        t.max_position_embeddings = Some(512);
+        check_context(512, &t, "/m").unwrap();
+        let e = check_context(1024, &t, "/m").unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert_eq!(
+            e.to_string(),
+            "--max-seq-len 1024 exceeds the target's max_position_embeddings 512 \
+             (/m/config.json); expected at most 512"
+        );
+        // From check_flags, through the --target directory's config.json.
+        let dir = tempfile::tempdir().unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(TINY_CONFIG).unwrap();
+        v["max_position_embeddings"] = 256.into();
+        std::fs::write(dir.path().join("config.json"), v.to_string()).unwrap();
+        let d = dir.path().to_str().unwrap();
+        check_flags(&args(&["--target", d, "--max-seq-len", "256"])).unwrap();
+        refused(
+            &["--target", d, "--max-seq-len", "1024"],
+            &["--max-seq-len 1024", "max_position_embeddings 256"],
+        );
     }
 
     fn tiny_plan(drafters: u32) -> Vec<(WorkerName, Device)> {

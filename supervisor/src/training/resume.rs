@@ -1,8 +1,17 @@
 //! Saving a run's settings (`run.json`) and continuing it from its newest checkpoint.
+//!
+//! run.json holds what decides what a run computes (target, data, batching, drafter,
+//! schedule), its operational settings (checkpoints, limits, restarts, timeouts, pools,
+//! `--tokenizer`), and a fingerprint of its inputs taken at the run's start (the data, the
+//! tokenizer and chat template, the target's files). `--resume` restores the settings,
+//! refuses inputs that changed since (unless `--allow-changed-data`), and continues from
+//! the newest checkpoint that verifies and is of this run's drafter.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use dflash_shared::drafter::DrafterConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::cli::RunArgs;
@@ -10,7 +19,10 @@ use crate::error::Error;
 
 pub const RUN_FILE: &str = "run.json";
 
-/// The settings that decide what a run computes: a resumed run must use the same.
+/// Where a resume moves the newer checkpoints it refused (inside the run directory).
+pub const REFUSED_DIR: &str = "refused-checkpoints";
+
+/// The settings of a run: a resumed run uses the same (see [`merge`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SavedRun {
     pub target: String,
@@ -33,9 +45,80 @@ pub struct SavedRun {
     pub mask_token_id: Option<u32>,
     pub block_size: Option<usize>,
     pub max_anchors: Option<usize>,
+    // Operational settings. Absent from the run.json of an older version (`None`): then
+    // this command line's value holds. `tokenizer`, `time_limit`, `snapshot_every` and the
+    // slots are optional flags, so `None` may also be "not set".
+    /// `--tokenizer` as given (the files it names are fingerprinted in `inputs`).
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    #[serde(default)]
+    pub preflight_lines: Option<u64>,
+    #[serde(default)]
+    pub checkpoint_every: Option<u64>,
+    #[serde(default)]
+    pub keep_checkpoints: Option<usize>,
+    #[serde(default)]
+    pub snapshot_every: Option<u64>,
+    #[serde(default)]
+    pub max_rollbacks: Option<u32>,
+    #[serde(default)]
+    pub max_skipped_steps: Option<u64>,
+    #[serde(default)]
+    pub collective: Option<String>,
+    #[serde(default, with = "duration")]
+    pub collective_timeout: Option<Duration>,
+    #[serde(default, with = "duration")]
+    pub time_limit: Option<Duration>,
+    #[serde(default, with = "duration")]
+    pub hang_timeout: Option<Duration>,
+    #[serde(default)]
+    pub max_restarts: Option<u32>,
+    #[serde(default, with = "duration")]
+    pub stable_after: Option<Duration>,
+    #[serde(default, with = "duration")]
+    pub stop_timeout: Option<Duration>,
+    #[serde(default)]
+    pub token_slots: Option<u32>,
+    #[serde(default)]
+    pub hidden_slots: Option<u32>,
+    #[serde(default)]
+    pub prefetch: Option<usize>,
+    #[serde(default)]
+    pub log_max_size: Option<u64>,
+    #[serde(default)]
+    pub log_backups: Option<u32>,
+    #[serde(default, with = "duration")]
+    pub gpu_sample_interval: Option<Duration>,
+    #[serde(default, with = "duration")]
+    pub metrics_interval: Option<Duration>,
+    /// What the inputs were when the run started (absent from an older version's run.json:
+    /// then nothing is checked on resume, and they are recorded then).
+    #[serde(default)]
+    pub inputs: Option<Inputs>,
+}
+
+/// Durations in run.json as humantime writes them (`30s`, `5m`, `1h 30m`).
+mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&humantime::format_duration(*d).to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|s| humantime::parse_duration(&s).map_err(serde::de::Error::custom))
+            .transpose()
+    }
 }
 
 impl SavedRun {
+    /// The settings of a command line (without a fingerprint of the inputs: see [`save`]).
     pub fn of(a: &RunArgs) -> SavedRun {
         SavedRun {
             // A relative target or data path is kept as given: resume from the same place.
@@ -57,6 +140,28 @@ impl SavedRun {
             mask_token_id: a.mask_token_id,
             block_size: a.block_size,
             max_anchors: a.max_anchors,
+            tokenizer: a.tokenizer.clone(),
+            preflight_lines: Some(a.preflight_lines),
+            checkpoint_every: Some(a.checkpoint_every),
+            keep_checkpoints: Some(a.keep_checkpoints),
+            snapshot_every: a.snapshot_every,
+            max_rollbacks: Some(a.max_rollbacks),
+            max_skipped_steps: Some(a.max_skipped_steps),
+            collective: Some(a.collective.clone()),
+            collective_timeout: Some(a.collective_timeout),
+            time_limit: a.time_limit,
+            hang_timeout: Some(a.hang_timeout),
+            max_restarts: Some(a.max_restarts),
+            stable_after: Some(a.stable_after),
+            stop_timeout: Some(a.stop_timeout),
+            token_slots: a.token_slots,
+            hidden_slots: a.hidden_slots,
+            prefetch: Some(a.prefetch),
+            log_max_size: Some(a.log_max_size),
+            log_backups: Some(a.log_backups),
+            gpu_sample_interval: Some(a.gpu_sample_interval),
+            metrics_interval: Some(a.metrics_interval),
+            inputs: None,
         }
     }
 
@@ -79,6 +184,32 @@ impl SavedRun {
         a.mask_token_id = self.mask_token_id;
         a.block_size = self.block_size;
         a.max_anchors = self.max_anchors;
+        a.tokenizer = self.tokenizer;
+        a.snapshot_every = self.snapshot_every;
+        a.time_limit = self.time_limit;
+        a.token_slots = self.token_slots;
+        a.hidden_slots = self.hidden_slots;
+        fn set<T>(to: &mut T, saved: Option<T>) {
+            if let Some(v) = saved {
+                *to = v;
+            }
+        }
+        set(&mut a.preflight_lines, self.preflight_lines);
+        set(&mut a.checkpoint_every, self.checkpoint_every);
+        set(&mut a.keep_checkpoints, self.keep_checkpoints);
+        set(&mut a.max_rollbacks, self.max_rollbacks);
+        set(&mut a.max_skipped_steps, self.max_skipped_steps);
+        set(&mut a.collective, self.collective);
+        set(&mut a.collective_timeout, self.collective_timeout);
+        set(&mut a.hang_timeout, self.hang_timeout);
+        set(&mut a.max_restarts, self.max_restarts);
+        set(&mut a.stable_after, self.stable_after);
+        set(&mut a.stop_timeout, self.stop_timeout);
+        set(&mut a.prefetch, self.prefetch);
+        set(&mut a.log_max_size, self.log_max_size);
+        set(&mut a.log_backups, self.log_backups);
+        set(&mut a.gpu_sample_interval, self.gpu_sample_interval);
+        set(&mut a.metrics_interval, self.metrics_interval);
     }
 
     pub fn save(&self, run_dir: &Path) -> Result<(), Error> {
@@ -89,18 +220,63 @@ impl SavedRun {
     }
 }
 
-/// A checkpoint to continue from.
-pub struct Resume {
-    pub dir: PathBuf,
-    pub step: u64,
-    pub checkpoint: PathBuf,
-    pub consumed: HashSet<u64>,
+/// Write `run_dir`'s run.json: the settings of `args` (as merged with the saved ones on
+/// `--resume`) and the fingerprint of the inputs: of the run's start, taken now for a new
+/// run; on `--resume`, the one [`prepare`] checked (or the inputs as they are now, where
+/// `--allow-changed-data` accepted a change or an older run.json had none).
+pub fn save(args: &RunArgs, resume: Option<&Resume>, run_dir: &Path) -> Result<(), Error> {
+    let inputs = match resume {
+        Some(r) => r.inputs.clone(),
+        None => match Inputs::of(args) {
+            Ok(i) => Some(i),
+            Err(e) => {
+                log::warn!("cannot fingerprint the run's inputs ({e}): a --resume of this run will not check that they are unchanged");
+                None
+            }
+        },
+    };
+    SavedRun {
+        inputs,
+        ..SavedRun::of(args)
+    }
+    .save(run_dir)
 }
 
 /// Saved settings a resumed run may change: flags given with `--resume` win over them.
-/// (The step limit and the learning-rate schedule; the rest decide which batches exist
-/// and what the drafter is, so changing them would not continue the same run.)
-pub const OVERRIDABLE: [&str; 4] = ["steps", "lr", "warmup_ratio", "max_bad_lines"];
+/// The step limit and the learning-rate schedule, the bad-line budget, where the tokenizer
+/// is (its files are fingerprinted), and the operational settings: checkpoints, limits,
+/// restarts, timeouts, the collective, the pools, logs and telemetry. The rest decide which
+/// batches exist and what the drafter is, so changing them would not continue the same run.
+pub const OVERRIDABLE: [&str; 25] = [
+    "steps",
+    "lr",
+    "warmup_ratio",
+    "max_bad_lines",
+    "tokenizer",
+    "preflight_lines",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "snapshot_every",
+    "max_rollbacks",
+    "max_skipped_steps",
+    "collective",
+    "collective_timeout",
+    "time_limit",
+    "hang_timeout",
+    "max_restarts",
+    "stable_after",
+    "stop_timeout",
+    "token_slots",
+    "hidden_slots",
+    "prefetch",
+    "log_max_size",
+    "log_backups",
+    "gpu_sample_interval",
+    "metrics_interval",
+];
+
+/// Fields of [`SavedRun`] that are not settings: never compared with the command line.
+const NOT_SETTINGS: [&str; 1] = ["inputs"];
 
 /// Merge the settings given on this command line (`given`: the ids of the flags on it;
 /// an optional setting that has a value also counts, from a flag or `--config`) into the
@@ -119,6 +295,9 @@ pub fn merge(
     let now = to_map(now)?;
     let mut notes = Vec::new();
     for (key, value) in &now {
+        if NOT_SETTINGS.contains(&key.as_str()) {
+            continue;
+        }
         let optional = OPTIONAL.contains(&key.as_str());
         let is_given = if optional {
             !value.is_null()
@@ -150,10 +329,11 @@ pub fn merge(
         } else {
             return Err(format!(
                 "{flag} {} differs from this run's {} ({RUN_FILE}); a resumed run keeps its model, data and batching \
-                 (expected no {flag}, or the same value; only {} may change; or start a new run)",
+                 (expected no {flag}, or the same value; only --steps, --lr, --warmup-ratio, --max-bad-lines, \
+                 --tokenizer and the operational flags such as --time-limit or --checkpoint-every may change; \
+                 or start a new run)",
                 shown(value),
                 shown(&old),
-                OVERRIDABLE.map(|k| format!("--{}", k.replace('_', "-"))).join(", ")
             ));
         }
     }
@@ -162,9 +342,9 @@ pub fn merge(
     Ok((merged, notes))
 }
 
-/// Settings that are optional (`None`: the default for the target); the others always
-/// have a value, so only the command line tells whether one was given.
-const OPTIONAL: [&str; 10] = [
+/// Settings that are optional (`None`: the default, or not set); the others always have a
+/// value, so only the command line tells whether one was given.
+const OPTIONAL: [&str; 15] = [
     "taps",
     "draft_layers",
     "token_budget",
@@ -175,11 +355,539 @@ const OPTIONAL: [&str; 10] = [
     "mask_token_id",
     "block_size",
     "max_anchors",
+    "tokenizer",
+    "snapshot_every",
+    "time_limit",
+    "token_slots",
+    "hidden_slots",
 ];
 
+// ---------------------------------------------------------------------------------------
+// Fingerprints of the inputs.
+
+/// How much of each end of a data file is hashed.
+const END_BYTES: u64 = 1 << 20;
+
+/// What a run's inputs were: compared on `--resume`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Inputs {
+    pub data: DataPrint,
+    /// The tokenizer and chat template chat data is rendered with (`None`: none loaded).
+    #[serde(default)]
+    pub tokenizer: Option<TokenizerPrint>,
+    /// The target's files (`None`: the built-in tiny target).
+    #[serde(default)]
+    pub target: Option<TargetPrint>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum DataPrint {
+    /// The built-in demo data: its parameters.
+    Demo {
+        samples: usize,
+        seed: u64,
+    },
+    /// Standard input: nothing to compare.
+    Stdin,
+    /// A FIFO or device: read once, so only its path.
+    Stream {
+        path: String,
+    },
+    File {
+        file: FilePrint,
+    },
+    /// A directory: its `*.jsonl` files, sorted, as the loader reads them.
+    Directory {
+        path: String,
+        files: Vec<FilePrint>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FilePrint {
+    /// Absolute, symbolic links resolved.
+    pub path: String,
+    pub size: u64,
+    /// Modification time, RFC 3339 (nanoseconds).
+    pub modified: String,
+    /// Checksums of the first and of the last MiB.
+    pub first_mib: String,
+    pub last_mib: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenizerPrint {
+    /// Where it was (it may move: only the checksums are compared).
+    pub dir: String,
+    /// Checksum of tokenizer.json.
+    pub tokenizer_json: String,
+    /// Checksum of the chat template's text (`None`: none found).
+    pub chat_template: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TargetPrint {
+    pub dir: String,
+    /// Checksum of config.json.
+    pub config_json: String,
+    /// The file that describes the weights (model.safetensors.index.json, or the single
+    /// shard model.safetensors, whose header is hashed) and its checksum.
+    pub weights_file: Option<String>,
+    pub weights: Option<String>,
+}
+
+/// What changed, for the "expected the same ..." of the refusal.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Input {
+    Data,
+    Tokenizer,
+    Target,
+}
+
+impl Input {
+    fn name(self) -> &'static str {
+        match self {
+            Input::Data => "data",
+            Input::Tokenizer => "tokenizer and chat template",
+            Input::Target => "target",
+        }
+    }
+}
+
+fn hash(bytes: &[u8]) -> String {
+    dflash_shared::checkpoint::checksum_hex(bytes)
+}
+
+fn absolute(p: &Path) -> String {
+    p.canonicalize()
+        .or_else(|_| std::path::absolute(p))
+        .unwrap_or_else(|_| p.to_path_buf())
+        .display()
+        .to_string()
+}
+
+fn file_print(p: &Path) -> Result<FilePrint, String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let why = |e: std::io::Error| format!("the data file {} cannot be read: {e}", p.display());
+    let mut f = std::fs::File::open(p).map_err(why)?;
+    let meta = f.metadata().map_err(why)?;
+    let size = meta.len();
+    let modified = meta
+        .modified()
+        .map(|t| humantime::format_rfc3339_nanos(t).to_string())
+        .unwrap_or_default();
+    let mut first = Vec::new();
+    (&mut f)
+        .take(END_BYTES)
+        .read_to_end(&mut first)
+        .map_err(why)?;
+    let mut last = Vec::new();
+    f.seek(SeekFrom::Start(size.saturating_sub(END_BYTES)))
+        .map_err(why)?;
+    f.take(END_BYTES).read_to_end(&mut last).map_err(why)?;
+    Ok(FilePrint {
+        path: absolute(p),
+        size,
+        modified,
+        first_mib: hash(&first),
+        last_mib: hash(&last),
+    })
+}
+
+fn data_print(a: &RunArgs) -> Result<DataPrint, String> {
+    match a.data.as_str() {
+        "demo" => Ok(DataPrint::Demo {
+            samples: a.demo_samples,
+            seed: a.seed,
+        }),
+        "-" => Ok(DataPrint::Stdin),
+        path => {
+            let p = Path::new(path);
+            let meta =
+                std::fs::metadata(p).map_err(|e| format!("the data {path} cannot be read: {e}"))?;
+            if meta.is_dir() {
+                let files = match crate::data::loader::parse_source(path, a.demo_samples) {
+                    Ok(crate::data::loader::DataSource::Files(f)) => f,
+                    Ok(_) => Vec::new(),
+                    Err(e) => return Err(format!("the data directory {path}: {e}")),
+                };
+                Ok(DataPrint::Directory {
+                    path: absolute(p),
+                    files: files
+                        .iter()
+                        .map(|f| file_print(f))
+                        .collect::<Result<_, _>>()?,
+                })
+            } else if meta.is_file() {
+                Ok(DataPrint::File {
+                    file: file_print(p)?,
+                })
+            } else {
+                Ok(DataPrint::Stream { path: absolute(p) })
+            }
+        }
+    }
+}
+
+/// The directory chat data would be rendered with, as the run's data set-up loads it: the
+/// `--tokenizer`, else the target's directory when it has a tokenizer.json, for file or
+/// stdin data (`None`: none is loaded).
+fn tokenizer_dir(a: &RunArgs) -> Option<PathBuf> {
+    if let Some(t) = &a.tokenizer {
+        return Some(t.clone());
+    }
+    if a.data == "demo" || a.target == "tiny" {
+        return None;
+    }
+    let t = PathBuf::from(&a.target);
+    t.join("tokenizer.json").is_file().then_some(t)
+}
+
+/// The chat template's text as the chat loader finds it: chat_template.jinja, else
+/// tokenizer_config.json's `chat_template` (a string, or the list's "default").
+fn chat_template(dir: &Path) -> Option<String> {
+    if let Ok(t) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
+        return Some(t);
+    }
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?)
+            .ok()?;
+    match &cfg["chat_template"] {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|t| t["name"] == "default")
+            .and_then(|t| t["template"].as_str())
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+fn tokenizer_print(a: &RunArgs) -> Result<Option<TokenizerPrint>, String> {
+    let Some(dir) = tokenizer_dir(a) else {
+        return Ok(None);
+    };
+    let tok = dir.join("tokenizer.json");
+    let bytes =
+        std::fs::read(&tok).map_err(|e| format!("{} cannot be read: {e}", tok.display()))?;
+    Ok(Some(TokenizerPrint {
+        dir: absolute(&dir),
+        tokenizer_json: hash(&bytes),
+        chat_template: chat_template(&dir).map(|t| hash(t.as_bytes())),
+    }))
+}
+
+fn target_print(a: &RunArgs) -> Result<Option<TargetPrint>, String> {
+    if a.target == "tiny" {
+        return Ok(None);
+    }
+    let dir = Path::new(&a.target);
+    let read = |name: &str| {
+        let p = dir.join(name);
+        std::fs::read(&p).map_err(|e| format!("the target's {} cannot be read: {e}", p.display()))
+    };
+    let config_json = hash(&read("config.json")?);
+    let index = "model.safetensors.index.json";
+    let (weights_file, weights) = if dir.join(index).is_file() {
+        (Some(index.to_string()), Some(hash(&read(index)?)))
+    } else {
+        let single = dir.join("model.safetensors");
+        match safetensors_header(&single) {
+            Ok(h) => (Some("model.safetensors".to_string()), Some(hash(&h))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
+            Err(e) => {
+                return Err(format!(
+                    "the target's {} cannot be read: {e}",
+                    single.display()
+                ))
+            }
+        }
+    };
+    Ok(Some(TargetPrint {
+        dir: absolute(dir),
+        config_json,
+        weights_file,
+        weights,
+    }))
+}
+
+/// A safetensors file's length prefix and JSON header (what names, shapes and places the
+/// tensors), without the data.
+fn safetensors_header(p: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(p)?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)?;
+    let n = u64::from_le_bytes(len).min(256 << 20);
+    let mut out = len.to_vec();
+    (&mut f).take(n).read_to_end(&mut out)?;
+    Ok(out)
+}
+
+impl Inputs {
+    /// The inputs `a` names, as they are now.
+    pub fn of(a: &RunArgs) -> Result<Inputs, String> {
+        Ok(Inputs {
+            data: data_print(a)?,
+            tokenizer: tokenizer_print(a)?,
+            target: target_print(a)?,
+        })
+    }
+
+    /// What differs between these inputs (of the run's start) and those `a` names now, in
+    /// words, each with the input it concerns.
+    fn changes(&self, a: &RunArgs) -> Vec<(Input, String)> {
+        let mut out = Vec::new();
+        match data_print(a) {
+            Ok(now) => out.extend(data_change(&self.data, &now).map(|c| (Input::Data, c))),
+            Err(e) => out.push((Input::Data, e)),
+        }
+        match tokenizer_print(a) {
+            Ok(now) => out.extend(
+                tokenizer_change(self.tokenizer.as_ref(), now.as_ref())
+                    .map(|c| (Input::Tokenizer, c)),
+            ),
+            Err(e) => out.push((Input::Tokenizer, e)),
+        }
+        match target_print(a) {
+            Ok(now) => out.extend(
+                target_change(self.target.as_ref(), now.as_ref()).map(|c| (Input::Target, c)),
+            ),
+            Err(e) => out.push((Input::Target, e)),
+        }
+        out
+    }
+}
+
+fn describe(d: &DataPrint) -> String {
+    match d {
+        DataPrint::Demo { .. } => "the demo data".into(),
+        DataPrint::Stdin => "standard input".into(),
+        DataPrint::Stream { path } => format!("the stream {path}"),
+        DataPrint::File { file } => format!("the file {}", file.path),
+        DataPrint::Directory { path, .. } => format!("the directory {path}"),
+    }
+}
+
+/// How a file differs (same path): size, time, first or last MiB.
+fn file_details(old: &FilePrint, new: &FilePrint) -> Vec<String> {
+    let mut d = Vec::new();
+    if old.size != new.size {
+        d.push(format!("size {} → {}", old.size, new.size));
+    }
+    if old.modified != new.modified {
+        d.push(format!("modified {} → {}", old.modified, new.modified));
+    }
+    if old.first_mib != new.first_mib {
+        d.push("its first MiB differs".into());
+    }
+    if old.last_mib != new.last_mib && old.size > END_BYTES {
+        d.push("its last MiB differs".into());
+    }
+    d
+}
+
+fn data_change(old: &DataPrint, new: &DataPrint) -> Option<String> {
+    match (old, new) {
+        _ if old == new => None,
+        (DataPrint::Stdin, DataPrint::Stdin) => None,
+        (DataPrint::File { file: o }, DataPrint::File { file: n }) if o.path == n.path => {
+            Some(format!(
+                "the data file {} changed since the run started ({})",
+                n.path,
+                file_details(o, n).join(", ")
+            ))
+        }
+        (
+            DataPrint::Directory { path: p, files: fo },
+            DataPrint::Directory {
+                path: q,
+                files: fn_,
+            },
+        ) if p == q => {
+            let name = |f: &FilePrint| {
+                Path::new(&f.path)
+                    .file_name()
+                    .map_or(f.path.clone(), |n| n.to_string_lossy().into_owned())
+            };
+            let mut what = Vec::new();
+            for f in fn_only(fn_, fo) {
+                what.push(format!("{} added", name(f)));
+            }
+            for f in fn_only(fo, fn_) {
+                what.push(format!("{} removed", name(f)));
+            }
+            for o in fo {
+                if let Some(n) = fn_.iter().find(|n| n.path == o.path && *n != o) {
+                    what.push(format!("{}: {}", name(n), file_details(o, n).join(", ")));
+                }
+            }
+            let n = what.len();
+            let mut s = what.into_iter().take(3).collect::<Vec<_>>().join("; ");
+            if n > 3 {
+                s.push_str(&format!("; {} more", n - 3));
+            }
+            Some(format!(
+                "the data directory {q} changed since the run started ({s})"
+            ))
+        }
+        (DataPrint::Demo { .. }, DataPrint::Demo { .. }) => Some(format!(
+            "the demo data changed since the run started ({} → {})",
+            serde_json::to_string(old).unwrap_or_default(),
+            serde_json::to_string(new).unwrap_or_default()
+        )),
+        _ => Some(format!(
+            "the data is now {}, and was {} when the run started",
+            describe(new),
+            describe(old)
+        )),
+    }
+}
+
+/// The files of `a` whose path is not among `b`'s.
+fn fn_only<'a>(a: &'a [FilePrint], b: &[FilePrint]) -> impl Iterator<Item = &'a FilePrint> {
+    let b: HashSet<String> = b.iter().map(|f| f.path.clone()).collect();
+    a.iter().filter(move |f| !b.contains(&f.path))
+}
+
+fn tokenizer_change(old: Option<&TokenizerPrint>, new: Option<&TokenizerPrint>) -> Option<String> {
+    match (old, new) {
+        // No tokenizer at the start (pre-tokenized data, the tiny target): one that
+        // appeared since changes nothing that was computed.
+        (None, _) => None,
+        (Some(o), None) => Some(format!(
+            "the run started with the tokenizer of {}, and none is found now (expected --tokenizer DIR or a --target with tokenizer.json)",
+            o.dir
+        )),
+        (Some(o), Some(n)) => {
+            let mut what = Vec::new();
+            if o.tokenizer_json != n.tokenizer_json {
+                what.push(format!("{}/tokenizer.json", n.dir));
+            }
+            if o.chat_template != n.chat_template {
+                what.push(format!("the chat template of {}", n.dir));
+            }
+            if what.is_empty() {
+                return None;
+            }
+            let moved = if o.dir != n.dir {
+                format!("; the run started with {}", o.dir)
+            } else {
+                String::new()
+            };
+            Some(format!(
+                "{} changed since the run started{moved}",
+                what.join(" and ")
+            ))
+        }
+    }
+}
+
+fn target_change(old: Option<&TargetPrint>, new: Option<&TargetPrint>) -> Option<String> {
+    match (old, new) {
+        (None, None) => None,
+        (Some(o), Some(n)) => {
+            let mut what = Vec::new();
+            if o.config_json != n.config_json {
+                what.push("config.json".to_string());
+            }
+            if (&o.weights_file, &o.weights) != (&n.weights_file, &n.weights) {
+                what.push(n.weights_file.clone().or(o.weights_file.clone()).map_or(
+                    "its weights".into(),
+                    |f| {
+                        if f.ends_with("index.json") {
+                            f
+                        } else {
+                            format!("{f}'s header")
+                        }
+                    },
+                ));
+            }
+            (!what.is_empty()).then(|| {
+                format!(
+                    "the target {} changed since the run started ({} differ{})",
+                    n.dir,
+                    what.join(" and "),
+                    if what.len() == 1 { "s" } else { "" }
+                )
+            })
+        }
+        (o, n) => Some(format!(
+            "the target is now {}, and was {} when the run started",
+            n.map_or("the built-in tiny one".into(), |t| t.dir.clone()),
+            o.map_or("the built-in tiny one".into(), |t| t.dir.clone())
+        )),
+    }
+}
+
+/// Compare the inputs `a` names with those of the run's start (`saved`); returns the
+/// fingerprint to record from now on. A change is refused (one line naming it) unless
+/// `--allow-changed-data`, which continues with a warning per change.
+fn check_inputs(saved: Option<&Inputs>, a: &RunArgs) -> Result<Option<Inputs>, String> {
+    let Some(saved) = saved else {
+        log::info!("{RUN_FILE} holds no fingerprint of the inputs (a run started by an older dflash-supervise): they are not checked, and are recorded now");
+        return Ok(Inputs::of(a).ok());
+    };
+    let changes = saved.changes(a);
+    if changes.is_empty() {
+        return Ok(Some(saved.clone()));
+    }
+    if a.allow_changed_data {
+        for (what, c) in &changes {
+            log::warn!(
+                "--allow-changed-data: {c}; continuing with the {} as it is now",
+                what.name()
+            );
+        }
+        // From now on the inputs are those accepted here.
+        return Ok(Some(Inputs::of(a).unwrap_or_else(|_| saved.clone())));
+    }
+    let mut whats: Vec<&str> = Vec::new();
+    for (w, _) in &changes {
+        if !whats.contains(&w.name()) {
+            whats.push(w.name());
+        }
+    }
+    Err(format!(
+        "{}; expected the same {}, or --allow-changed-data to continue knowingly",
+        changes
+            .iter()
+            .map(|(_, c)| c.as_str())
+            .collect::<Vec<_>>()
+            .join("; "),
+        whats.join(" and ")
+    ))
+}
+
+// ---------------------------------------------------------------------------------------
+// The checkpoint to continue from.
+
+/// A stopped run to continue: its settings are loaded and its inputs checked; which
+/// checkpoint it continues from is chosen by [`Prepared::select`] once the drafter is known.
+pub struct Prepared {
+    pub dir: PathBuf,
+    /// Its complete checkpoints (`step-N` with a meta.json), oldest first.
+    candidates: Vec<(u64, PathBuf)>,
+    inputs: Option<Inputs>,
+}
+
+/// A checkpoint to continue from.
+pub struct Resume {
+    pub dir: PathBuf,
+    pub step: u64,
+    pub checkpoint: PathBuf,
+    pub consumed: HashSet<u64>,
+    /// The fingerprint of the inputs to record in run.json.
+    pub inputs: Option<Inputs>,
+    /// Newer checkpoints that were refused, set aside by [`Resume::set_aside_refused`].
+    pub refused: Vec<PathBuf>,
+}
+
 /// Load `dir`'s saved settings into `args` (flags given on this command line, `given`,
-/// win where they may, see [`merge`]) and find its newest complete checkpoint.
-pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Resume, Error> {
+/// win where they may, see [`merge`]), check that its inputs did not change since it
+/// started, and list its complete checkpoints.
+pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Prepared, Error> {
     let usage = |msg: String| Error::Flag(format!("--resume {}: {msg}", dir.display()));
     let text = std::fs::read_to_string(dir.join(RUN_FILE)).map_err(|e| {
         usage(format!(
@@ -188,71 +896,129 @@ pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Resum
     })?;
     let saved: SavedRun =
         serde_json::from_str(&text).map_err(|e| usage(format!("{RUN_FILE} is not valid: {e}")))?;
-    let (merged, notes) = merge(saved, &SavedRun::of(args), given).map_err(usage)?;
+    let (mut merged, notes) = merge(saved, &SavedRun::of(args), given).map_err(usage)?;
     for n in notes {
         log::info!("resuming with {n}");
     }
+    let saved_inputs = merged.inputs.take();
     merged.apply(args);
     let ckpts = dir.join("checkpoints");
-    let mut done: Vec<PathBuf> = std::fs::read_dir(&ckpts)
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
     // Complete checkpoints only: `step-N`, not a `step-N.tmp-PID` a crash left behind.
-    done.retain(|p| {
-        p.file_name()
-            .is_some_and(|n| dflash_shared::checkpoint::step_of_dir(&n.to_string_lossy()).is_some())
-            && p.join("meta.json").is_file()
-    });
-    done.sort();
-    if done.is_empty() {
+    let mut candidates: Vec<(u64, PathBuf)> = std::fs::read_dir(&ckpts)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let step = dflash_shared::checkpoint::step_of_dir(&e.file_name().to_string_lossy())?;
+            e.path()
+                .join("meta.json")
+                .is_file()
+                .then(|| (step, e.path()))
+        })
+        .collect();
+    candidates.sort();
+    if candidates.is_empty() {
         return Err(usage(
             "no checkpoint in it yet (expected checkpoints/step-N/ with meta.json)".into(),
         ));
     }
-    // The newest checkpoint that verifies (checksums, finite values); a changed or damaged
-    // one is passed over with a warning rather than loaded, or looped on.
-    let mut refused = Vec::new();
-    let checkpoint = loop {
-        let Some(c) = done.pop() else {
-            return Err(usage(format!(
-                "no checkpoint verifies: {}",
-                refused.join("; ")
-            )));
+    let inputs = check_inputs(saved_inputs.as_ref(), args).map_err(usage)?;
+    Ok(Prepared {
+        dir: dir.to_path_buf(),
+        candidates,
+        inputs,
+    })
+}
+
+impl Prepared {
+    /// The newest checkpoint that verifies (checksums, finite values, format, its step)
+    /// and is one of `drafter`: a changed, damaged, newer or foreign one is passed over
+    /// with a warning rather than loaded, or looped on. `steps`: the run's `--steps`,
+    /// which must lie beyond it.
+    pub fn select(self, drafter: &DrafterConfig, steps: Option<u64>) -> Result<Resume, Error> {
+        let dir = self.dir;
+        let usage = |msg: String| Error::Flag(format!("--resume {}: {msg}", dir.display()));
+        let expected = serde_json::to_value(drafter).ok();
+        let mut candidates = self.candidates;
+        let mut refused = Vec::new();
+        let mut reasons = Vec::new();
+        let (step, checkpoint) = loop {
+            let Some((_, c)) = candidates.pop() else {
+                return Err(usage(format!(
+                    "no checkpoint verifies: {}",
+                    reasons.join("; ")
+                )));
+            };
+            match dflash_shared::checkpoint::verify(&c, expected.as_ref()) {
+                Ok(step) => break (step, c),
+                Err(e) => {
+                    log::warn!(
+                        "not resuming from {}: {e}; trying the one before it",
+                        c.display()
+                    );
+                    reasons.push(e);
+                    refused.push(c);
+                }
+            }
         };
-        match dflash_shared::checkpoint::verify(&c) {
-            Ok(_) => break c,
-            Err(e) => {
-                log::warn!(
-                    "not resuming from {}: {e}; trying the one before it",
-                    c.display()
-                );
-                refused.push(e);
+        if let Some(n) = steps {
+            if n <= step {
+                return Err(usage(format!(
+                    "its checkpoint is at step {step}, and --steps is {n}: nothing to train (expected a larger --steps)"
+                )));
             }
         }
-    };
-    let meta: serde_json::Value = std::fs::read_to_string(checkpoint.join("meta.json"))
-        .ok()
-        .and_then(|t| serde_json::from_str(&t).ok())
-        .ok_or_else(|| usage(format!("{}/meta.json is not valid", checkpoint.display())))?;
-    let step = meta["step"]
-        .as_u64()
-        .ok_or_else(|| usage(format!("{}/meta.json has no step", checkpoint.display())))?;
-    let sup = &meta["supervisor"];
-    let below = sup["consumed_below"].as_u64().unwrap_or(0);
-    let mut consumed: HashSet<u64> = (0..below).collect();
-    consumed.extend(
-        sup["consumed_extra"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|v| v.as_u64()),
-    );
-    Ok(Resume {
-        dir: dir.to_path_buf(),
-        step,
-        checkpoint,
-        consumed,
-    })
+        let meta: serde_json::Value = std::fs::read_to_string(checkpoint.join("meta.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .ok_or_else(|| usage(format!("{}/meta.json is not valid", checkpoint.display())))?;
+        let sup = &meta["supervisor"];
+        let below = sup["consumed_below"].as_u64().unwrap_or(0);
+        let mut consumed: HashSet<u64> = (0..below).collect();
+        consumed.extend(
+            sup["consumed_extra"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_u64()),
+        );
+        Ok(Resume {
+            dir,
+            step,
+            checkpoint,
+            consumed,
+            inputs: self.inputs,
+            refused,
+        })
+    }
+}
+
+impl Resume {
+    /// Move the newer checkpoints that were refused out of `checkpoints/` (into
+    /// `RUN_DIR/refused-checkpoints/`): otherwise they would count among the newest
+    /// `--keep-checkpoints` and have the one this run continues from pruned, and every
+    /// later resume would meet them again. Call once the run directory is this
+    /// supervisor's (locked).
+    pub fn set_aside_refused(&self) {
+        if self.refused.is_empty() {
+            return;
+        }
+        let aside = self.dir.join(REFUSED_DIR);
+        let _ = std::fs::create_dir_all(&aside);
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
+        for c in &self.refused {
+            let name = c
+                .file_name()
+                .map_or("checkpoint".into(), |n| n.to_string_lossy().into_owned());
+            let dst = aside.join(format!("{name}-{ms}"));
+            match std::fs::rename(c, &dst) {
+                Ok(()) => log::warn!("{} set aside: moved to {}", c.display(), dst.display()),
+                Err(e) => log::warn!("cannot move {} aside: {e}", c.display()),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -334,5 +1100,459 @@ mod tests {
         // The same value again is fine.
         let now = SavedRun::of(&args(&["--block-size", "8", "--max-seq-len", "64"]));
         merge(saved(), &now, &given(&["block_size", "max_seq_len"])).unwrap();
+    }
+
+    #[test]
+    fn operational_settings_are_kept_on_resume_and_win_when_given_again() {
+        let saved = SavedRun::of(&args(&[
+            "--checkpoint-every",
+            "5",
+            "--keep-checkpoints",
+            "2",
+            "--time-limit",
+            "30s",
+            "--hang-timeout",
+            "10s",
+            "--max-restarts",
+            "3",
+            "--snapshot-every",
+            "4",
+            "--tokenizer",
+            "/tok",
+            "--prefetch",
+            "3",
+            "--collective",
+            "shm",
+            "--preflight-lines",
+            "0",
+        ]));
+        // Not given again: the saved ones hold.
+        let (m, notes) = merge(saved.clone(), &SavedRun::of(&args(&[])), &[]).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        let mut a = args(&[]);
+        m.apply(&mut a);
+        assert_eq!(a.checkpoint_every, 5);
+        assert_eq!(a.keep_checkpoints, 2);
+        assert_eq!(a.time_limit, Some(Duration::from_secs(30)));
+        assert_eq!(a.hang_timeout, Duration::from_secs(10));
+        assert_eq!(a.max_restarts, 3);
+        assert_eq!(a.snapshot_every, Some(4));
+        assert_eq!(a.tokenizer, Some(PathBuf::from("/tok")));
+        assert_eq!((a.prefetch, a.collective.as_str()), (3, "shm"));
+        assert_eq!(a.preflight_lines, 0);
+        // Given again: they win, each with a note.
+        let now = SavedRun::of(&args(&[
+            "--time-limit",
+            "2h",
+            "--checkpoint-every",
+            "7",
+            "--hang-timeout",
+            "90s",
+            "--tokenizer",
+            "/moved/tok",
+        ]));
+        let (m, notes) = merge(
+            saved,
+            &now,
+            &given(&[
+                "time_limit",
+                "checkpoint_every",
+                "hang_timeout",
+                "tokenizer",
+            ]),
+        )
+        .unwrap();
+        for n in [
+            "--time-limit 2h replaces this run's 30s",
+            "--checkpoint-every 7 replaces this run's 5",
+            "--hang-timeout 1m 30s replaces this run's 10s",
+            "--tokenizer /moved/tok replaces this run's /tok",
+        ] {
+            assert!(notes.iter().any(|x| x == n), "{n}: {notes:?}");
+        }
+        let mut a = args(&[]);
+        m.apply(&mut a);
+        assert_eq!(
+            (a.checkpoint_every, a.time_limit, a.keep_checkpoints),
+            (7, Some(Duration::from_secs(7200)), 2)
+        );
+    }
+
+    #[test]
+    fn a_run_json_of_an_older_version_still_loads_and_this_command_line_fills_the_rest() {
+        let old = r#"{"target": "tiny", "taps": null, "draft_layers": null, "data": "demo",
+            "token_budget": 512, "max_seq_len": 64, "seed": 0, "epochs": 20, "max_bad_lines": 10,
+            "shuffle_window": 4096, "demo_samples": 1024, "steps": 3, "lr": null,
+            "warmup_ratio": null, "block_size": null, "max_anchors": null}"#;
+        let saved: SavedRun = serde_json::from_str(old).unwrap();
+        assert!(saved.inputs.is_none() && saved.checkpoint_every.is_none());
+        let (m, _) = merge(saved.clone(), &SavedRun::of(&args(&[])), &[]).unwrap();
+        let mut a = args(&["--checkpoint-every", "9", "--time-limit", "1m"]);
+        m.apply(&mut a);
+        assert_eq!(a.steps, Some(3));
+        assert_eq!(a.checkpoint_every, 9, "nothing saved: this command line's");
+        assert_eq!(a.hang_timeout, Duration::from_secs(60), "the default");
+        let now = SavedRun::of(&args(&["--checkpoint-every", "9", "--time-limit", "1m"]));
+        let (m, notes) = merge(saved, &now, &given(&["checkpoint_every", "time_limit"])).unwrap();
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert_eq!(
+            (m.checkpoint_every, m.time_limit),
+            (Some(9), Some(Duration::from_secs(60)))
+        );
+    }
+
+    #[test]
+    fn run_json_keeps_durations_readable_and_reads_them_back() {
+        let d = tempfile::tempdir().unwrap();
+        let a = args(&["--time-limit", "90m", "--stop-timeout", "2s"]);
+        save(&a, None, d.path()).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(d.path().join(RUN_FILE)).unwrap())
+                .unwrap();
+        assert_eq!(v["time_limit"], "1h 30m");
+        assert_eq!(v["stop_timeout"], "2s");
+        assert_eq!(v["inputs"]["data"]["kind"], "demo", "{v}");
+        let back: SavedRun = serde_json::from_value(v).unwrap();
+        assert_eq!(back.time_limit, Some(Duration::from_secs(5400)));
+        assert_eq!(back.collective_timeout, Some(Duration::from_secs(300)));
+    }
+
+    fn data_args(data: &Path, extra: &[&str]) -> RunArgs {
+        let mut v = vec!["--data", data.to_str().unwrap()];
+        v.extend(extra);
+        args(&v)
+    }
+
+    fn lines(n: usize) -> String {
+        (0..n)
+            .map(|i| format!("{{\"input_ids\": [1, 2, 3, {}]}}\n", i % 500))
+            .collect()
+    }
+
+    #[test]
+    fn a_data_file_changed_in_place_is_refused_naming_it_unless_allowed() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("a.jsonl");
+        std::fs::write(&f, lines(20)).unwrap();
+        let mut a = data_args(&f, &[]);
+        let start = Inputs::of(&a).unwrap();
+        assert_eq!(check_inputs(Some(&start), &a), Ok(Some(start.clone())));
+        std::fs::write(&f, lines(25)).unwrap();
+        let e = check_inputs(Some(&start), &a).unwrap_err();
+        let abs = f.canonicalize().unwrap();
+        assert!(
+            e.contains(&format!(
+                "the data file {} changed since the run started (size {} → {}",
+                abs.display(),
+                lines(20).len(),
+                lines(25).len()
+            )) && e
+                .ends_with("expected the same data, or --allow-changed-data to continue knowingly"),
+            "{e}"
+        );
+        a.allow_changed_data = true;
+        let now = check_inputs(Some(&start), &a).unwrap().unwrap();
+        assert_ne!(now, start, "what was accepted is recorded");
+        assert_eq!(now, Inputs::of(&a).unwrap());
+    }
+
+    #[test]
+    fn a_data_file_of_the_same_size_and_time_with_other_bytes_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("a.jsonl");
+        std::fs::write(&f, lines(20)).unwrap();
+        let t = std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let set_time = || {
+            std::fs::File::options()
+                .write(true)
+                .open(&f)
+                .unwrap()
+                .set_modified(t)
+                .unwrap()
+        };
+        set_time();
+        let a = data_args(&f, &[]);
+        let start = Inputs::of(&a).unwrap();
+        std::fs::write(&f, lines(20).replace("[1, 2, 3,", "[1, 2, 4,")).unwrap();
+        set_time();
+        let e = check_inputs(Some(&start), &a).unwrap_err();
+        assert!(e.contains("(its first MiB differs)"), "{e}");
+        // Only touched: the time is named.
+        std::fs::write(&f, lines(20)).unwrap();
+        let e = check_inputs(Some(&start), &a).unwrap_err();
+        assert!(e.contains("(modified 2023-11-14T22:13:20"), "{e}");
+    }
+
+    #[test]
+    fn a_data_directory_with_a_file_added_is_refused_and_another_data_kind_named() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("a.jsonl"), lines(5)).unwrap();
+        std::fs::write(d.path().join("notes.txt"), "not data").unwrap();
+        let a = data_args(d.path(), &[]);
+        let start = Inputs::of(&a).unwrap();
+        std::fs::write(d.path().join("notes.txt"), "still not data").unwrap();
+        assert_eq!(check_inputs(Some(&start), &a), Ok(Some(start.clone())));
+        std::fs::write(d.path().join("b.jsonl"), lines(5)).unwrap();
+        let e = check_inputs(Some(&start), &a).unwrap_err();
+        assert!(
+            e.contains("changed since the run started (b.jsonl added)"),
+            "{e}"
+        );
+        let e = check_inputs(Some(&start), &args(&["--data", "demo"])).unwrap_err();
+        assert!(
+            e.contains("the data is now the demo data, and was the directory"),
+            "{e}"
+        );
+        // A data file that is gone.
+        let f = d.path().join("a.jsonl");
+        let a = data_args(&f, &[]);
+        let start = Inputs::of(&a).unwrap();
+        std::fs::remove_file(&f).unwrap();
+        let e = check_inputs(Some(&start), &a).unwrap_err();
+        assert!(e.contains("cannot be read"), "{e}");
+    }
+
+    #[test]
+    fn a_changed_tokenizer_chat_template_or_target_is_refused_but_a_moved_one_is_not() {
+        let d = tempfile::tempdir().unwrap();
+        let data = d.path().join("chat.jsonl");
+        std::fs::write(&data, lines(3)).unwrap();
+        let tok = d.path().join("tok");
+        std::fs::create_dir_all(&tok).unwrap();
+        std::fs::write(tok.join("tokenizer.json"), "{\"model\": {}}").unwrap();
+        std::fs::write(
+            tok.join("tokenizer_config.json"),
+            "{\"chat_template\": \"{{ messages }}\"}",
+        )
+        .unwrap();
+        let a = data_args(&data, &["--tokenizer", tok.to_str().unwrap()]);
+        let start = Inputs::of(&a).unwrap();
+        assert!(start.tokenizer.as_ref().unwrap().chat_template.is_some());
+        // Moved elsewhere, the same files: accepted.
+        let moved = d.path().join("tok2");
+        std::fs::rename(&tok, &moved).unwrap();
+        let b = data_args(&data, &["--tokenizer", moved.to_str().unwrap()]);
+        assert!(check_inputs(Some(&start), &b).is_ok());
+        std::fs::write(
+            moved.join("tokenizer_config.json"),
+            "{\"chat_template\": \"{{ messages }}!\"}",
+        )
+        .unwrap();
+        let e = check_inputs(Some(&start), &b).unwrap_err();
+        assert!(
+            e.contains("the chat template of")
+                && e.contains("changed since the run started")
+                && e.contains("expected the same tokenizer and chat template"),
+            "{e}"
+        );
+        // No tokenizer now where the run had one.
+        let e = check_inputs(Some(&start), &data_args(&data, &[])).unwrap_err();
+        assert!(e.contains("none is found now"), "{e}");
+
+        // The target: config.json and the single shard's header.
+        let target = d.path().join("model");
+        std::fs::create_dir_all(&target).unwrap();
+        std::fs::write(target.join("config.json"), "{\"hidden_size\": 64}").unwrap();
+        let header = b"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
+        let mut st = (header.len() as u64).to_le_bytes().to_vec();
+        st.extend(header);
+        st.extend(1f32.to_le_bytes());
+        std::fs::write(target.join("model.safetensors"), &st).unwrap();
+        let a = args(&["--data", "demo", "--target", target.to_str().unwrap()]);
+        let start = Inputs::of(&a).unwrap();
+        assert_eq!(
+            start.target.as_ref().unwrap().weights_file.as_deref(),
+            Some("model.safetensors")
+        );
+        assert!(start.tokenizer.is_none(), "demo data: no chat");
+        // The tensor data is not hashed, only the header.
+        let mut same_header = st.clone();
+        *same_header.last_mut().unwrap() ^= 1;
+        std::fs::write(target.join("model.safetensors"), &same_header).unwrap();
+        assert!(check_inputs(Some(&start), &a).is_ok());
+        std::fs::write(target.join("config.json"), "{\"hidden_size\": 32}").unwrap();
+        let e = check_inputs(Some(&start), &a).unwrap_err();
+        assert!(
+            e.contains("changed since the run started (config.json differs)")
+                && e.ends_with(
+                    "expected the same target, or --allow-changed-data to continue knowingly"
+                ),
+            "{e}"
+        );
+        // Without a fingerprint (an older run.json): nothing checked, the inputs recorded.
+        assert_eq!(check_inputs(None, &a), Ok(Some(Inputs::of(&a).unwrap())));
+    }
+
+    fn tiny_drafter(layers: usize) -> DrafterConfig {
+        let t = dflash_shared::model_config::TargetConfig::parse(
+            dflash_shared::model_config::TINY_CONFIG,
+        )
+        .unwrap();
+        DrafterConfig::for_target(&t, layers, 2, 8, 32)
+    }
+
+    /// A checkpoint as the writers leave it, with `below` batches consumed.
+    fn checkpoint(run: &Path, step: u64, drafter: &DrafterConfig, below: u64) -> PathBuf {
+        let dir = run.join("checkpoints").join(format!("step-{step:08}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let data: Vec<u8> = [0.5f32, -1.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let header = r#"{"params":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(header.as_bytes());
+        bytes.extend(&data);
+        std::fs::write(dir.join("state.safetensors"), &bytes).unwrap();
+        let meta = serde_json::json!({
+            "step": step,
+            "drafter": drafter,
+            "supervisor": {"consumed_below": below, "consumed_extra": []},
+            "checksums": {"state.safetensors": dflash_shared::checkpoint::checksum_hex(&bytes)},
+        });
+        std::fs::write(
+            dir.join("meta.json"),
+            dflash_shared::checkpoint::finish_meta(&meta).unwrap(),
+        )
+        .unwrap();
+        dir
+    }
+
+    fn resumable(run: &Path) {
+        save(&args(&["--data", "demo", "--steps", "20"]), None, run).unwrap();
+    }
+
+    fn edit_meta(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+        let p = dir.join("meta.json");
+        let mut m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        f(&mut m);
+        std::fs::write(&p, serde_json::to_string_pretty(&m).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn resume_passes_over_foreign_newer_edited_and_misnamed_checkpoints_for_the_one_before() {
+        let d = tempfile::tempdir().unwrap();
+        let run = d.path();
+        resumable(run);
+        let ours = tiny_drafter(2);
+        checkpoint(run, 4, &ours, 8);
+        // Newest first: another drafter's, a newer format, an edited consumed count, one
+        // in a directory named for another step.
+        let foreign = checkpoint(run, 16, &tiny_drafter(3), 32);
+        let newer = checkpoint(run, 12, &ours, 24);
+        edit_meta(&newer, |m| m["format"] = 99.into());
+        let edited = checkpoint(run, 10, &ours, 20);
+        edit_meta(&edited, |m| m["supervisor"]["consumed_below"] = 2.into());
+        let misnamed = checkpoint(run, 6, &ours, 12);
+        std::fs::rename(&misnamed, run.join("checkpoints").join("step-00000008")).unwrap();
+
+        let mut a = args(&[]);
+        let p = prepare(run, &mut a, &[]).unwrap();
+        assert_eq!(a.steps, Some(20));
+        let r = p.select(&ours, a.steps).unwrap();
+        assert_eq!(r.step, 4);
+        assert_eq!(r.consumed, (0..8).collect());
+        assert_eq!(r.refused.len(), 4, "{:?}", r.refused);
+        r.set_aside_refused();
+        let left: Vec<String> = std::fs::read_dir(run.join("checkpoints"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(left, ["step-00000004"], "the refused ones are set aside");
+        assert_eq!(std::fs::read_dir(run.join(REFUSED_DIR)).unwrap().count(), 4);
+        assert!(!foreign.exists());
+
+        // Each reason on its own, with no older checkpoint to fall back on: one line each.
+        for (make, want) in [
+            (
+                Box::new(|run: &Path| {
+                    checkpoint(run, 4, &tiny_drafter(3), 8);
+                }) as Box<dyn Fn(&Path)>,
+                "a checkpoint of another drafter (layers 3, this run's 2)",
+            ),
+            (
+                Box::new(|run: &Path| {
+                    let c = checkpoint(run, 4, &tiny_drafter(2), 8);
+                    edit_meta(&c, |m| m["format"] = 99.into());
+                }),
+                "written by a newer dflash-supervise (format 99, this one reads 1)",
+            ),
+            (
+                Box::new(|run: &Path| {
+                    let c = checkpoint(run, 4, &tiny_drafter(2), 8);
+                    edit_meta(&c, |m| m["supervisor"]["consumed_below"] = 9.into());
+                }),
+                "meta.json changed after it was written",
+            ),
+            (
+                Box::new(|run: &Path| {
+                    let c = checkpoint(run, 4, &tiny_drafter(2), 8);
+                    std::fs::rename(&c, run.join("checkpoints").join("step-00000005")).unwrap();
+                }),
+                "a checkpoint of step 4 in a directory named for step 5",
+            ),
+        ] {
+            let d = tempfile::tempdir().unwrap();
+            resumable(d.path());
+            make(d.path());
+            let p = prepare(d.path(), &mut args(&[]), &[]).unwrap();
+            let e = p
+                .select(&ours, Some(20))
+                .err()
+                .expect("refused")
+                .to_string();
+            assert!(
+                e.starts_with(&format!(
+                    "--resume {}: no checkpoint verifies:",
+                    d.path().display()
+                )) && e.contains(want),
+                "{want}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn resume_refuses_a_step_limit_the_checkpoint_has_reached() {
+        let d = tempfile::tempdir().unwrap();
+        resumable(d.path());
+        checkpoint(d.path(), 20, &tiny_drafter(2), 40);
+        let mut a = args(&[]);
+        let p = prepare(d.path(), &mut a, &[]).unwrap();
+        let e = p
+            .select(&tiny_drafter(2), a.steps)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("its checkpoint is at step 20, and --steps is 20: nothing to train"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn prepare_refuses_changed_data_before_any_checkpoint_is_chosen() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("a.jsonl");
+        std::fs::write(&f, lines(10)).unwrap();
+        let run = d.path().join("run");
+        std::fs::create_dir_all(&run).unwrap();
+        save(&data_args(&f, &["--steps", "20"]), None, &run).unwrap();
+        checkpoint(&run, 4, &tiny_drafter(2), 8);
+        std::fs::write(&f, lines(11)).unwrap();
+        let e = prepare(&run, &mut args(&[]), &[]).err().unwrap();
+        assert_eq!(e.exit_code(), 2);
+        let e = e.to_string();
+        assert!(
+            e.starts_with(&format!("--resume {}: the data file", run.display()))
+                && e.contains("--allow-changed-data"),
+            "{e}"
+        );
+        let mut a = args(&["--resume", run.to_str().unwrap(), "--allow-changed-data"]);
+        let r = prepare(&run, &mut a, &[])
+            .unwrap()
+            .select(&tiny_drafter(2), a.steps)
+            .unwrap();
+        assert_eq!(r.inputs, Some(Inputs::of(&a).unwrap()));
     }
 }

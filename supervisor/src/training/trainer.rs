@@ -619,7 +619,10 @@ impl Trainer {
             candidates.push((step, Restore::Snapshot { slot }));
         }
         if let Some((step, dir)) = &self.last_checkpoint {
-            match dflash_shared::checkpoint::verify(dir) {
+            match dflash_shared::checkpoint::verify(
+                dir,
+                serde_json::to_value(&self.cfg.drafter).ok().as_ref(),
+            ) {
                 Ok(_) => candidates.push((*step, Restore::Checkpoint { dir: dir.clone() })),
                 Err(e) => log::warn!("not rolling back to the checkpoint of step {step}: {e}"),
             }
@@ -1177,36 +1180,77 @@ impl Trainer {
         }
     }
 
-    /// Ask one member to write the drafter to `dir` (the run is ending): from now on no
-    /// step commits, so what is written is the last committed step.
-    pub fn export(&mut self, dir: &Path) -> Vec<Action> {
+    /// The run is stopping: from now on no step commits, and the last committed step is
+    /// checkpointed. By one member (which first copies its state into the snapshot slot,
+    /// so that its death while writing leaves the supervisor holding that step), or, with
+    /// no member left, from the snapshot when it is newer than the newest checkpoint. The
+    /// drafter is exported from that checkpoint once every worker has stopped.
+    pub fn stop_checkpoint(&mut self) -> Vec<Action> {
         self.frozen = true;
-        let mut out = self.checkpoint();
-        if self.members.is_empty()
-            && self.committed > self.saved_step()
-            && self.snapshot.is_some_and(|(_, s)| s == self.committed)
-        {
-            self.checkpointed = self.committed;
-            let dir = self
-                .cfg
-                .checkpoints_dir
-                .join(format!("step-{:08}", self.committed));
-            out.push(Action::CheckpointFromSnapshot {
-                step: self.committed,
-                dir,
-            });
-        }
-        if let Some(&w) = self.members.keys().next() {
-            if self.committed > 0 {
+        let mut out = Vec::new();
+        let held = self
+            .snapshot_asked
+            .map_or(self.snapshot.map(|(_, s)| s), |(_, _, at)| Some(at));
+        if self.committed > self.saved_step() && held.is_none_or(|s| s < self.committed) {
+            // A snapshot still being written (of an older step) is written again, in the
+            // same slot (not the current one), at the last step; otherwise the slot that
+            // is not current.
+            let (donor, slot) = match self.snapshot_asked {
+                Some((donor, slot, _)) => (Some(donor), slot),
+                None => (
+                    self.members.keys().next().copied(),
+                    if self.snapshot.is_some_and(|(s, _)| s == 1) {
+                        2
+                    } else {
+                        1
+                    },
+                ),
+            };
+            if let Some(donor) = donor.filter(|d| self.members.contains_key(d)) {
+                self.snapshot_asked = Some((donor, slot, self.committed));
                 out.push(Action::Send(
-                    w,
-                    ToWorker::Export {
-                        dir: dir.display().to_string(),
+                    donor,
+                    ToWorker::Snapshot {
+                        step: self.committed,
+                        slot,
                     },
                 ));
             }
         }
+        out.extend(self.checkpoint());
+        if self.members.is_empty() {
+            out.extend(self.checkpoint_held_snapshot());
+        }
         out
+    }
+
+    /// No drafter is left (the run has ended, or every one died during the stop): when the
+    /// snapshot holds a step newer than the newest checkpoint, write it as one.
+    pub fn checkpoint_held_snapshot(&mut self) -> Option<Action> {
+        let (_, step) = self.snapshot?;
+        if !self.members.is_empty() || step <= self.saved_step() || step > self.committed {
+            return None;
+        }
+        if self.checkpoint_asked.is_some() {
+            return None;
+        }
+        self.checkpointed = step;
+        let dir = self.cfg.checkpoints_dir.join(format!("step-{step:08}"));
+        Some(Action::CheckpointFromSnapshot { step, dir })
+    }
+
+    /// What a checkpoint's meta.json records for the export: the target layers the
+    /// drafter reads, out of how many.
+    pub fn export_meta(&self) -> serde_json::Value {
+        serde_json::json!({
+            "target_layer_ids": self.cfg.target_layer_ids,
+            "num_target_layers": self.cfg.num_target_layers,
+        })
+    }
+
+    /// The newest complete checkpoint (step, directory), if any.
+    pub fn last_checkpoint(&self) -> Option<&(u64, std::path::PathBuf)> {
+        self.last_checkpoint.as_ref()
     }
 
     /// Write the current snapshot as a checkpoint of `step` into `dir`, in the format a
@@ -1275,7 +1319,7 @@ impl Trainer {
                 (dflash_shared::checkpoint::STATE_FILE, bytes.as_slice()),
                 (
                     dflash_shared::checkpoint::META_FILE,
-                    serde_json::to_string_pretty(&meta)?.as_bytes(),
+                    dflash_shared::checkpoint::finish_meta(&meta)?.as_bytes(),
                 ),
             ] {
                 let mut f = File::create(tmp.join(name))?;
@@ -1314,6 +1358,18 @@ impl Trainer {
         #[allow(clippy::unnecessary_cast)]
         let free = st.blocks_available() as u64 * st.fragment_size() as u64;
         let need = self.checkpoint_bytes();
+        // A checkpoint makes a directory and three files (a temporary one included): with
+        // no inode left the write fails although `df` shows space.
+        #[allow(clippy::unnecessary_cast)]
+        let inodes = st.files_available() as u64;
+        if st.files() > 0 && inodes < 16 {
+            log::error!(
+                "no free inodes left on the filesystem of {} ({inodes} free) for the checkpoint of step {}: not written; delete files there, then it is written at the next checkpoint or at the stop",
+                self.cfg.checkpoints_dir.display(),
+                self.committed
+            );
+            return false;
+        }
         if free < need + need / 10 {
             log::error!(
                 "not enough free space in {} for the checkpoint of step {} (needs {}, {} free): not written; free space, then it is written at the next checkpoint or at the stop",
@@ -1353,6 +1409,16 @@ impl Trainer {
             }
             _ => vec![],
         }
+    }
+
+    /// The member asked for the checkpoint of `step` could not write it (see
+    /// [`ToWorker::Checkpoint`]): it is not a rollback target, and the next checkpoint
+    /// asks again.
+    pub fn on_checkpoint_failed(&mut self, step: u64) {
+        if self.checkpoint_asked.is_some_and(|(_, s)| s == step) {
+            self.checkpoint_asked = None;
+        }
+        self.checkpointed = self.saved_step();
     }
 
     /// A checkpoint is complete: a rollback target from now on; keep the newest
@@ -1401,6 +1467,7 @@ impl Trainer {
     pub fn on_exported(&mut self, dir: String, step: u64) {
         log::info!("drafter at step {step} written to {dir}");
         self.progress.exported = Some(dir);
+        self.progress.exported_step = Some(step);
     }
 
     pub fn committed(&self) -> u64 {

@@ -432,7 +432,6 @@ fn serve(
                 | ToWorker::Abstain { .. }
                 | ToWorker::Withdraw { .. }
                 | ToWorker::Snapshot { .. }
-                | ToWorker::Export { .. }
                 | ToWorker::Checkpoint { .. },
             ) => {}
             Ok(ToWorker::Deliver { slot, batch_id, .. }) => {

@@ -511,11 +511,9 @@ impl Backend for Cpu {
         if threads <= 1 {
             run();
         } else {
-            std::thread::scope(|s| {
-                for _ in 0..threads {
-                    s.spawn(run);
-                }
-            });
+            // Each thread pulls jobs until none is left; where a thread cannot be started
+            // (a thread limit), the calling thread pulls them instead.
+            dflash_shared::threads::scoped((0..threads).map(|_| run));
         }
         AttnSaved { probs, offsets }
     }

@@ -201,13 +201,12 @@ fn par_ranges(threads: usize, n: usize, f: impl Fn(std::ops::Range<usize>) + Syn
         return;
     }
     let per = n.div_ceil(t);
-    std::thread::scope(|s| {
-        for i in 0..t {
-            let r = (i * per).min(n)..((i + 1) * per).min(n);
-            let f = &f;
-            s.spawn(move || f(r));
-        }
-    });
+    let f = &f;
+    // A range whose thread cannot be started (a thread limit) runs on the calling thread.
+    dflash_shared::threads::scoped((0..t).map(|i| {
+        let r = (i * per).min(n)..((i + 1) * per).min(n);
+        move || f(r)
+    }));
 }
 
 /// A pointer that threads writing disjoint parts of one buffer share.
@@ -1023,11 +1022,9 @@ impl CpuDevice {
         if threads == 1 || attention_work(tq, qw, &span) < PAR_WORK {
             run();
         } else {
-            std::thread::scope(|s| {
-                for _ in 0..threads {
-                    s.spawn(run);
-                }
-            });
+            // Each thread pulls jobs until none is left; where a thread cannot be started
+            // (a thread limit), the calling thread pulls them instead.
+            dflash_shared::threads::scoped((0..threads).map(|_| run));
         }
         Ok(())
     }

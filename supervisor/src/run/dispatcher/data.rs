@@ -99,14 +99,20 @@ impl Dispatcher {
                 Action::Covered(step) => self.pipeline.covered(step),
                 Action::Event(kind, fields) => self.run.event(kind, fields),
                 Action::CheckpointFromSnapshot { step, dir } => {
-                    let meta = self.pipeline.consumed_summary().to_string();
+                    let meta = self.checkpoint_meta();
                     match self.trainer.checkpoint_from_snapshot(step, &dir, &meta) {
-                        Ok(()) => self.run.event("checkpoint", super::obj(serde_json::json!({"worker": "supervisor", "step": step, "dir": dir.display().to_string()}))),
-                        Err(e) => log::error!("no drafter is left to write the stop checkpoint, and the snapshot cannot be written instead: {e}"),
+                        Ok(()) => {
+                            log::info!("checkpoint of step {step} written from the supervisor's snapshot (no drafter was left to write it)");
+                            self.run.event("checkpoint", super::obj(serde_json::json!({"worker": "supervisor", "step": step, "dir": dir.display().to_string()})))
+                        }
+                        Err(e) => {
+                            self.trainer.on_checkpoint_failed(step);
+                            log::error!("no drafter is left to write the checkpoint of step {step}, and the supervisor's snapshot cannot be written instead: {e}")
+                        }
                     }
                 }
                 Action::Checkpoint { worker, step, dir } => {
-                    let meta = self.pipeline.consumed_summary().to_string();
+                    let meta = self.checkpoint_meta();
                     if let Some(tx) = self.workers[worker]
                         .status
                         .life()
@@ -121,5 +127,13 @@ impl Dispatcher {
                 }
             }
         }
+    }
+
+    /// The supervisor's part of a checkpoint's meta.json: which batches were consumed, and
+    /// what the export needs (the target layers the drafter reads).
+    fn checkpoint_meta(&self) -> String {
+        let mut meta = self.pipeline.consumed_summary();
+        meta["export"] = self.trainer.export_meta();
+        meta.to_string()
     }
 }

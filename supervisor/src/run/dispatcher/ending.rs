@@ -112,15 +112,27 @@ impl Dispatcher {
                 }
             }
         };
+        // What the supervisor still holds is written, and the newest checkpoint exported.
+        let export_failure = self.save_and_export();
         // Steps that no checkpoint holds are lost to a --resume: say which, and never
         // call such a run a success.
         let (committed, saved) = (self.trainer.committed(), self.trainer.saved_step());
-        let end = if committed > saved {
-            let from = if saved > 0 {
+        let kept = self
+            .trainer
+            .last_checkpoint()
+            .is_some_and(|(_, d)| d.join(dflash_shared::checkpoint::META_FILE).is_file());
+        let end = if committed > saved || (saved > 0 && !kept && self.run_dir_gone.is_some()) {
+            let from = if saved > 0 && kept {
                 format!("continue from the checkpoint of step {saved} with: dflash-supervise --resume {}", self.run.path.display())
+            } else if saved > 0 {
+                format!(
+                    "no checkpoint is left in {} (the newest, of step {saved}, is gone)",
+                    self.trainer.checkpoints_dir().display()
+                )
             } else {
                 "no checkpoint was written: a new run starts from scratch".into()
             };
+            let saved = if kept { saved } else { 0 };
             crate::say!(
                 "dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}",
                 saved + 1
@@ -133,6 +145,11 @@ impl Dispatcher {
             }
         } else {
             end
+        };
+        // A run never exits 0 with a checkpoint it has not exported.
+        let end = match (&export_failure, end) {
+            (Some(_), RunEnd::Clean | RunEnd::UncleanStop) => RunEnd::Failed,
+            (_, end) => end,
         };
         let code = end.exit_code();
         let phase = if code == exit_codes::SUCCESS {
@@ -153,10 +170,14 @@ impl Dispatcher {
             Ok(()) => crate::say!("dflash-supervise: report written to {}", report.display()),
             Err(e) => log::warn!("cannot write the report: {e}"),
         }
-        match &self.trainer.progress.exported {
-            Some(dir) => crate::say!("dflash-supervise: drafter (step {}) written to {dir}", self.trainer.progress.step),
-            None if self.trainer.committed() == 0 => crate::say!("dflash-supervise: no training step was committed; no drafter written"),
-            None => crate::say!("dflash-supervise: the drafter (step {}) could not be written: no drafter was left to write it", self.trainer.committed()),
+        match (&self.trainer.progress.exported, &export_failure) {
+            (_, Some(why)) => crate::say!("dflash-supervise: {why}"),
+            (Some(dir), None) => crate::say!(
+                "dflash-supervise: drafter (step {}) written to {dir}",
+                self.trainer.progress.exported_step.unwrap_or(self.trainer.progress.step)
+            ),
+            (None, None) if self.trainer.committed() == 0 => crate::say!("dflash-supervise: no training step was committed; no drafter written"),
+            (None, None) => crate::say!("dflash-supervise: no checkpoint holds the trained steps; no drafter written"),
         }
         code
     }

@@ -60,12 +60,18 @@ mod ending;
 pub mod launcher;
 mod life;
 mod metrics;
+mod saving;
 mod spawning;
 #[cfg(test)]
 mod tests;
 
 /// Longest the loop sleeps without looking at its timers.
 const TICK: Duration = Duration::from_millis(50);
+/// A wait for the next event this much longer than [`TICK`] means the supervisor was not
+/// running: see [`Dispatcher::resume_after_pause`].
+const PAUSE: Duration = Duration::from_secs(2);
+/// Events handled in one turn at most, before the timers.
+const MAX_EVENTS_PER_TURN: usize = 4096;
 /// How long a dead worker's control channel may stay open before its death is handled
 /// anyway (something it forked may still hold the socket).
 const DRAIN_GRACE: Duration = Duration::from_secs(2);
@@ -184,6 +190,9 @@ pub struct Dispatcher {
     written_progress: (u64, u64),
     written_at: Instant,
     metrics: crate::telemetry::metrics::Metrics,
+    /// When the run directory was last looked at, and why it is gone if it is.
+    run_dir_seen: Instant,
+    run_dir_gone: Option<String>,
 }
 
 impl Dispatcher {
@@ -238,6 +247,8 @@ impl Dispatcher {
             written_progress: (0, 0),
             written_at: Instant::now(),
             metrics,
+            run_dir_seen: Instant::now(),
+            run_dir_gone: None,
         })
     }
 
@@ -254,27 +265,66 @@ impl Dispatcher {
             if self.finished() {
                 break;
             }
-            let ev = match self.rx.recv_timeout(TICK) {
-                Ok(ev) => Some(ev),
-                Err(RecvTimeoutError::Timeout) => None,
+            let waited = Instant::now();
+            let mut evs = match self.rx.recv_timeout(TICK) {
+                Ok(ev) => vec![ev],
+                Err(RecvTimeoutError::Timeout) => vec![],
                 Err(RecvTimeoutError::Disconnected) => {
                     unreachable!("the dispatcher holds a sender")
                 }
             };
-            self.step(ev, Instant::now());
+            // Everything queued meanwhile, bounded so that timers still run under a flood.
+            while evs.len() < MAX_EVENTS_PER_TURN {
+                match self.rx.try_recv() {
+                    Ok(ev) => evs.push(ev),
+                    Err(_) => break,
+                }
+            }
+            let now = Instant::now();
+            let gap = now.saturating_duration_since(waited);
+            if gap > TICK + PAUSE {
+                self.resume_after_pause(gap, now);
+            }
+            self.step_all(evs, now);
         }
         self.finish()
     }
 
     /// One turn of the loop at `now`: the event, if one came, then the timers, then the
     /// grants. `now` is the dispatcher's only clock.
+    #[cfg(test)]
     fn step(&mut self, ev: Option<Event>, now: Instant) {
+        self.step_all(ev.into_iter().collect(), now);
+    }
+
+    /// One turn with every event that was queued (all of them before any timer: after a
+    /// pause, the heartbeats that waited in the queue count before the hang check).
+    fn step_all(&mut self, evs: Vec<Event>, now: Instant) {
         self.now = now;
-        if let Some(ev) = ev {
+        for ev in evs {
             self.handle(ev);
         }
         self.on_timers(now);
         self.pump();
+    }
+
+    /// The loop wakes at least every [`TICK`]: a much longer gap since the last turn means
+    /// the supervisor itself did not run (SIGSTOP, a stalled host), so nothing it saw of
+    /// its workers is current. Their hang timers (and the stop deadline) start again,
+    /// rather than healthy workers being killed as "hung".
+    fn resume_after_pause(&mut self, gap: Duration, now: Instant) {
+        log::warn!(
+            "the supervisor did not run for {:.1}s (stopped, or its machine stalled): restarting the workers' hang timers",
+            gap.as_secs_f64()
+        );
+        for w in &mut self.workers {
+            if let Some(l) = w.status.life_mut() {
+                l.last_beat = l.last_beat.max(now);
+            }
+        }
+        if let Phase::Stopping { deadline } = &mut self.phase {
+            *deadline += gap;
+        }
     }
 
     /// Record the start, start the loader and every worker, and the GPU sampler.
@@ -397,11 +447,26 @@ impl Dispatcher {
         };
         match signal {
             Signal::SIGUSR1 | Signal::SIGUSR2 => {
-                log::info!("forwarding {} to every worker", signal.as_str());
-                for w in &self.workers {
-                    if let Some(l) = w.status.life() {
-                        l.process.signal_group(signal);
-                    }
+                // Only to workers that said hello: one still starting may not have its
+                // handlers yet, and the signal's default action would kill it.
+                let (told, starting): (Vec<_>, Vec<_>) = self
+                    .workers
+                    .iter()
+                    .filter_map(|w| w.status.life().map(|l| (w, l)))
+                    .partition(|(_, l)| l.connected());
+                for (_, l) in &told {
+                    l.process.signal_group(signal);
+                }
+                let starting: Vec<String> = starting.iter().map(|(w, _)| w.name.to_string()).collect();
+                if starting.is_empty() {
+                    log::info!("forwarded {} to every worker", signal.as_str());
+                } else {
+                    log::info!(
+                        "forwarded {} to {} worker(s); not to {} (still starting)",
+                        signal.as_str(),
+                        told.len(),
+                        starting.join(", ")
+                    );
                 }
                 self.run
                     .event("signal_forwarded", obj(json!({"signal": signal.as_str()})));
@@ -589,9 +654,9 @@ impl Dispatcher {
                 );
                 Ok(())
             }
-            FromWorker::Exported { dir, step } => {
-                self.trainer.on_exported(dir, step);
-                self.dirty = true;
+            FromWorker::CheckpointFailed { step, dir, failure } => {
+                self.trainer.on_checkpoint_failed(step);
+                self.on_checkpoint_failed(name, step, &dir, &failure);
                 Ok(())
             }
             other => Err(format!("sent {} after its hello", variant(&other))),
@@ -828,6 +893,10 @@ impl Dispatcher {
                 }
             }
             Phase::Running => {
+                self.watch_run_dir();
+                if !matches!(self.phase, Phase::Running) {
+                    return;
+                }
                 if let Some(limit) = self.cfg.time_limit {
                     if now.duration_since(self.started) >= limit {
                         log::info!(
@@ -904,10 +973,10 @@ impl Dispatcher {
             "stop",
             obj(json!({"reason": self.stop_reason.as_ref().map(StopReason::describe)})),
         );
-        // The drafter is written before anyone is asked to stop: the exporting rank reads
-        // the request first, then its shutdown.
-        let export = self.trainer.export(&self.run.path.join("drafter"));
-        self.execute(export);
+        // The stop checkpoint is asked for before anyone is asked to stop: its rank reads
+        // the request first, then its shutdown. The drafter is exported from it at the end.
+        let save = self.trainer.stop_checkpoint();
+        self.execute(save);
         for i in 0..self.workers.len() {
             if let Status::Backoff { .. } = self.workers[i].status {
                 self.workers[i].status = Status::Exited;
@@ -970,7 +1039,7 @@ fn variant(m: &FromWorker) -> &'static str {
         FromWorker::SnapshotDone { .. } => "SnapshotDone",
         FromWorker::Reduced { .. } => "Reduced",
         FromWorker::GroupId { .. } => "GroupId",
-        FromWorker::Exported { .. } => "Exported",
+        FromWorker::CheckpointFailed { .. } => "CheckpointFailed",
         FromWorker::Checkpointed { .. } => "Checkpointed",
     }
 }

@@ -1,0 +1,116 @@
+//! What the run has trained, kept: a checkpoint that could not be written stops the run
+//! cleanly (it is no crash), the run directory is watched, and at the end the newest
+//! checkpoint (from a drafter, or from the supervisor's snapshot when none was left) is
+//! exported through the same path as `dflash-supervise export`.
+
+use std::time::Duration;
+
+use dflash_shared::protocol::WriteFailure;
+use dflash_shared::WorkerName;
+
+use super::{Dispatcher, StopReason};
+use crate::commands::export::export_checkpoint;
+
+/// How often the run directory is looked at.
+pub(super) const WATCH_EVERY: Duration = Duration::from_secs(1);
+
+/// What a user can do about a failed write, from its errno.
+pub fn advice(os_error: Option<i32>, dir: &std::path::Path) -> String {
+    let dir = dir.display();
+    match os_error {
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => format!(
+            "the filesystem of {dir} is full (space or inodes: see df -h and df -i); free some"
+        ),
+        Some(libc::ENOTDIR) | Some(libc::EEXIST) | Some(libc::ENOENT) => {
+            format!("{dir} is not the directory it was (replaced by a file, or removed?); put it back")
+        }
+        Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => {
+            format!("{dir} cannot be written (permissions, or a read-only filesystem); make it writable")
+        }
+        Some(libc::EIO) => format!("the disk of {dir} reports I/O errors; check it"),
+        _ => "fix that".to_string(),
+    }
+}
+
+impl Dispatcher {
+    /// A drafter could not write the checkpoint of `step`: say so once, on the console,
+    /// and stop the run cleanly. Another try would fail the same way, and treating it as a
+    /// crash would cost a rollback and a restart per checkpoint.
+    pub(super) fn on_checkpoint_failed(
+        &mut self,
+        who: WorkerName,
+        step: u64,
+        dir: &str,
+        failure: &WriteFailure,
+    ) {
+        self.run.event(
+            "checkpoint_failed",
+            super::obj(serde_json::json!({"worker": who.to_string(), "step": step, "dir": dir,
+                "doing": failure.doing, "os_error": failure.os_error, "error": failure.words})),
+        );
+        let what = advice(failure.os_error, self.trainer.checkpoints_dir());
+        let msg = format!(
+            "the checkpoint of step {step} could not be written ({failure}); {what}, then continue with: dflash-supervise --resume {}",
+            self.run.path.display()
+        );
+        if matches!(self.phase, super::Phase::Running) {
+            log::error!("{msg}: stopping the run");
+            self.begin_stop(StopReason::TrainingFailed(msg));
+        } else {
+            log::error!("{msg}");
+        }
+    }
+
+    /// The run directory still is the one this supervisor locked: its removal or
+    /// replacement (another inode) stops the run, since its ledger, events, logs and lock
+    /// would go to files nobody can find.
+    pub(super) fn watch_run_dir(&mut self) {
+        if self.now.saturating_duration_since(self.run_dir_seen) < WATCH_EVERY {
+            return;
+        }
+        self.run_dir_seen = self.now;
+        if self.run_dir_gone.is_some() {
+            return;
+        }
+        if let Err(why) = self.run.still_there() {
+            let msg = format!(
+                "the run directory {} {why} while the run was running: its ledger, events, logs and lock are gone with it",
+                self.run.path.display()
+            );
+            log::error!("{msg}; stopping the run");
+            self.run_dir_gone = Some(msg.clone());
+            self.begin_stop(StopReason::TrainingFailed(msg));
+        }
+    }
+
+    /// Every worker has stopped: write what the supervisor still holds (its snapshot, when
+    /// newer than the newest checkpoint), then export the newest checkpoint as the drafter.
+    /// Returns a failure to report (the run then does not exit 0).
+    pub(super) fn save_and_export(&mut self) -> Option<String> {
+        if let Some(a) = self.trainer.checkpoint_held_snapshot() {
+            self.execute(vec![a]);
+        }
+        let (step, checkpoint) = self.trainer.last_checkpoint().cloned()?;
+        if step == 0 || self.trainer.committed() == 0 && self.trainer.saved_step() == 0 {
+            return None;
+        }
+        if !checkpoint.join(dflash_shared::checkpoint::META_FILE).is_file() {
+            return Some(format!(
+                "the checkpoint of step {step} ({}) is gone: no drafter written",
+                checkpoint.display()
+            ));
+        }
+        let out = self.run.path.join("drafter");
+        match export_checkpoint(&self.cfg.worker_bin, &checkpoint, &self.cfg.target_dir, &out) {
+            Ok(written) => {
+                self.trainer.on_exported(out.display().to_string(), written);
+                self.dirty = true;
+                None
+            }
+            Err(e) => Some(format!(
+                "the drafter (step {step}) could not be written: {e}; the checkpoint is kept: write the drafter later with: dflash-supervise export {}",
+                self.run.path.display()
+            )),
+        }
+    }
+}

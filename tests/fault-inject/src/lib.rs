@@ -1,0 +1,155 @@
+//! `LD_PRELOAD=libdflash_fault_inject.so`: a fault at an exact instant, for the e2e tests.
+//!
+//! Configured by the environment of the process it is loaded into:
+//! - `DFLASH_FAULT_CALL`: `mkdir`, `open` (only opens that create a file) or `rename`;
+//! - `DFLASH_FAULT_PATH`: the fault fires when the call's path contains this text
+//!   (`rename`: its source or destination);
+//! - `DFLASH_FAULT_ACTION`: `errno:N` (the call fails with errno N, nothing done), `kill`
+//!   (the process SIGKILLs itself, nothing done) or `delay:MS` (then the call goes on);
+//! - `DFLASH_FAULT_IF_ENV` (optional): `NAME=VALUE`; only processes whose environment has
+//!   it are touched (e.g. `DFLASH_ROLE=drafter`), so the supervisor and the other workers
+//!   that inherit the preload run unharmed.
+//!
+//! Everything else goes to the real libc function (`dlsym(RTLD_NEXT)`).
+
+use std::ffi::{c_char, c_int, c_uint, CStr};
+use std::sync::OnceLock;
+
+enum Action {
+    Errno(c_int),
+    Kill,
+    Delay(u64),
+}
+
+struct Rule {
+    call: String,
+    path: String,
+    action: Action,
+}
+
+fn rule() -> Option<&'static Rule> {
+    static RULE: OnceLock<Option<Rule>> = OnceLock::new();
+    RULE.get_or_init(|| {
+        let call = std::env::var("DFLASH_FAULT_CALL").ok()?;
+        let path = std::env::var("DFLASH_FAULT_PATH").ok()?;
+        let action = std::env::var("DFLASH_FAULT_ACTION").ok()?;
+        if let Ok(cond) = std::env::var("DFLASH_FAULT_IF_ENV") {
+            let (k, v) = cond.split_once('=')?;
+            if std::env::var(k).ok()? != v {
+                return None;
+            }
+        }
+        let action = if action == "kill" {
+            Action::Kill
+        } else if let Some(n) = action.strip_prefix("errno:") {
+            Action::Errno(n.parse().ok()?)
+        } else if let Some(ms) = action.strip_prefix("delay:") {
+            Action::Delay(ms.parse().ok()?)
+        } else {
+            return None;
+        };
+        Some(Rule { call, path, action })
+    })
+    .as_ref()
+}
+
+/// Whether the call must fail (with errno set); kills or delays as the rule says.
+unsafe fn fault(call: &str, paths: &[*const c_char]) -> bool {
+    let Some(r) = rule() else { return false };
+    if r.call != call {
+        return false;
+    }
+    let hit = paths.iter().any(|&p| {
+        !p.is_null()
+            && CStr::from_ptr(p)
+                .to_str()
+                .is_ok_and(|s| s.contains(r.path.as_str()))
+    });
+    if !hit {
+        return false;
+    }
+    match r.action {
+        Action::Kill => {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+            false
+        }
+        Action::Errno(n) => {
+            *libc::__errno_location() = n;
+            true
+        }
+        Action::Delay(ms) => {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            false
+        }
+    }
+}
+
+unsafe fn real<F>(name: &CStr) -> F {
+    let f = libc::dlsym(libc::RTLD_NEXT, name.as_ptr());
+    assert!(!f.is_null(), "no {name:?} in libc");
+    std::mem::transmute_copy(&f)
+}
+
+/// # Safety
+/// As libc's `mkdir`.
+#[no_mangle]
+pub unsafe extern "C" fn mkdir(path: *const c_char, mode: libc::mode_t) -> c_int {
+    if fault("mkdir", &[path]) {
+        return -1;
+    }
+    let f: unsafe extern "C" fn(*const c_char, libc::mode_t) -> c_int = real(c"mkdir");
+    f(path, mode)
+}
+
+/// # Safety
+/// As libc's `rename`.
+#[no_mangle]
+pub unsafe extern "C" fn rename(from: *const c_char, to: *const c_char) -> c_int {
+    if fault("rename", &[from, to]) {
+        return -1;
+    }
+    let f: unsafe extern "C" fn(*const c_char, *const c_char) -> c_int = real(c"rename");
+    f(from, to)
+}
+
+// `open` is variadic in C; the mode is the third integer argument when O_CREAT is given,
+// which the x86-64 and aarch64 calling conventions pass as a plain third argument.
+macro_rules! open_like {
+    ($name:ident, $cname:literal) => {
+        /// # Safety
+        /// As libc's function of this name.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(path: *const c_char, flags: c_int, mode: c_uint) -> c_int {
+            if flags & libc::O_CREAT != 0 && fault("open", &[path]) {
+                return -1;
+            }
+            let f: unsafe extern "C" fn(*const c_char, c_int, c_uint) -> c_int = real($cname);
+            f(path, flags, mode)
+        }
+    };
+}
+open_like!(open, c"open");
+open_like!(open64, c"open64");
+
+macro_rules! openat_like {
+    ($name:ident, $cname:literal) => {
+        /// # Safety
+        /// As libc's function of this name.
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            dir: c_int,
+            path: *const c_char,
+            flags: c_int,
+            mode: c_uint,
+        ) -> c_int {
+            if flags & libc::O_CREAT != 0 && fault("open", &[path]) {
+                return -1;
+            }
+            let f: unsafe extern "C" fn(c_int, *const c_char, c_int, c_uint) -> c_int =
+                real($cname);
+            f(dir, path, flags, mode)
+        }
+    };
+}
+openat_like!(openat, c"openat");
+openat_like!(openat64, c"openat64");
