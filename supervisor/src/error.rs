@@ -61,6 +61,16 @@ pub enum Error {
     /// (exit 1).
     #[error("export: the drafter could not be written: {0}")]
     Export(#[from] crate::commands::export::ExportError),
+    /// A stop signal came while the run was starting: what the start had made is removed
+    /// (exit 130).
+    #[error("interrupted by {signal} while the run was starting: no worker was started{}", removed.as_ref().map(|p| format!("; removed the unfinished {}", p.display())).unwrap_or_default())]
+    Interrupted {
+        signal: &'static str,
+        removed: Option<PathBuf>,
+    },
+    /// `--data` could not be copied (a pipe or FIFO is read once, into the run dir).
+    #[error(transparent)]
+    Spool(#[from] crate::data::spool::SpoolError),
     /// A benchmark could not measure (exit 4).
     #[error("bench {bench}: {what}: {source}")]
     Bench {
@@ -77,6 +87,11 @@ impl Error {
                 exit_codes::USAGE
             }
             Error::Export(_) => exit_codes::RUN_FAILED,
+            Error::Interrupted { .. } => exit_codes::INTERRUPTED,
+            Error::Spool(crate::data::spool::SpoolError::Interrupted { .. }) => {
+                exit_codes::INTERRUPTED
+            }
+            Error::Spool(_) => exit_codes::USAGE,
             Error::Io { .. }
             | Error::Start { .. }
             | Error::SharedMemory { .. }

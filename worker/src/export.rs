@@ -264,7 +264,7 @@ pub fn write_hf_dir(
     }
     let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp)
+    std::fs::create_dir(&tmp)
         .map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
     let written = (|| -> Result<()> {
         let config = export_config(

@@ -460,7 +460,7 @@ impl Rank {
         }
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp)
+        std::fs::create_dir(&tmp)
             .map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
         let n = self.params.len();
         let bufs: Vec<(&str, Vec<u8>)> = [

@@ -49,16 +49,16 @@ pub fn export_checkpoint(
     target: &Path,
     out: &Path,
 ) -> Result<u64, ExportError> {
-    let output = std::process::Command::new(worker_bin)
-        .arg("export")
+    let mut cmd = std::process::Command::new(worker_bin);
+    cmd.arg("export")
         .arg("--checkpoint")
         .arg(checkpoint)
         .arg("--target")
         .arg(target)
         .arg("--out")
-        .arg(out)
-        .stdin(std::process::Stdio::null())
-        .output()
+        .arg(out);
+    // Loading a large target's embeddings takes seconds to minutes, never an hour.
+    let output = crate::run::output_within(&mut cmd, std::time::Duration::from_secs(3600))
         .map_err(|source| ExportError::Spawn {
             program: format!("{} export", worker_bin.display()),
             source,

@@ -309,7 +309,7 @@ pub fn list_jsonl(dir: &Path) -> io::Result<(Vec<PathBuf>, Vec<Skipped>)> {
     for entry in std::fs::read_dir(dir)? {
         let Ok(entry) = entry else { continue };
         let path = entry.path();
-        if !path.extension().is_some_and(|x| x == "jsonl") {
+        if path.extension().is_none_or(|x| x != "jsonl") {
             continue;
         }
         // Through symlinks: a link to a file is read as that file.

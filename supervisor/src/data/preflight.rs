@@ -477,7 +477,7 @@ mod tests {
         let cut = format!(
             r#"{{"input_ids": [{}], "loss_mask": [{}, 1, 1, 1]}}"#,
             vec!["5"; 13].join(", "),
-            vec!["0"; 10].join(", ")
+            ["0"; 10].join(", ")
         );
         let lines = [
             cut.as_str(),

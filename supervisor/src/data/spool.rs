@@ -1,4 +1,4 @@
-//! Data that can be read only once (stdin, a FIFO, a pipe such as `<(zcat data.gz)`) is
+//! Data that can be read only once (a FIFO, a pipe such as `<(zcat data.gz)`) is
 //! copied to a file first: the preflight, every epoch and a later `--resume` then read the
 //! same bytes. A run reads `--data` more than once (preflight, loader, epochs), and a
 //! second open of a pipe would wait forever or find it drained.
@@ -18,6 +18,12 @@ pub enum SpoolError {
         source_name: String,
         error: std::io::Error,
     },
+    /// A stop signal came while the copy waited for data.
+    #[error("--data {source_name}: interrupted by {signal} while reading it")]
+    Interrupted {
+        source_name: String,
+        signal: &'static str,
+    },
     #[error("--data {source_name}: cannot copy it to {}: {error}", path.display())]
     Write {
         source_name: String,
@@ -26,15 +32,13 @@ pub enum SpoolError {
     },
 }
 
-/// Whether `data` (as `--data` gives it) can only be read once: `-` (stdin), or a path
-/// that is neither a regular file nor a directory (a FIFO, `/dev/fd/N` of a pipe, a
-/// character device). Demo data and missing paths are not (the loader reports those).
+/// Whether `data` (as `--data` gives it) names a path that can only be read once: neither
+/// a regular file nor a directory (a FIFO, `/dev/fd/N` of a pipe or of `<(...)`, a
+/// character device). `-` (stdin) is not copied: the loader streams it, once (no
+/// preflight, one epoch). Demo data and missing paths are not (the loader reports those).
 pub fn reads_once(data: &str) -> bool {
     use std::os::unix::fs::FileTypeExt;
-    if data == "-" {
-        return true;
-    }
-    if data == "demo" {
+    if data == "-" || data == "demo" {
         return false;
     }
     match std::fs::metadata(data) {
@@ -43,6 +47,46 @@ pub fn reads_once(data: &str) -> bool {
             t.is_fifo() || t.is_char_device() || t.is_socket() || (!t.is_file() && !t.is_dir())
         }
         Err(_) => false,
+    }
+}
+
+/// Copy `data` to `to` (created new); returns the bytes copied. The copy runs on its own
+/// thread (opening a FIFO and reading a pipe block until a writer comes); `interrupted` is
+/// asked every 200 ms and a stop signal it names ends the wait.
+pub fn spool_interruptible(
+    data: &str,
+    to: &Path,
+    interrupted: &mut dyn FnMut() -> Option<&'static str>,
+) -> Result<u64, SpoolError> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (d, t) = (data.to_string(), to.to_path_buf());
+    std::thread::Builder::new()
+        .name("spool".into())
+        .spawn(move || {
+            let _ = tx.send(spool(&d, &t));
+        })
+        .map_err(|error| SpoolError::Read {
+            source_name: data.to_string(),
+            error,
+        })?;
+    loop {
+        match rx.recv_timeout(std::time::Duration::from_millis(200)) {
+            Ok(r) => return r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if let Some(signal) = interrupted() {
+                    return Err(SpoolError::Interrupted {
+                        source_name: data.to_string(),
+                        signal,
+                    });
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                return Err(SpoolError::Read {
+                    source_name: data.to_string(),
+                    error: std::io::Error::other("the copying thread ended"),
+                })
+            }
+        }
     }
 }
 
@@ -97,7 +141,7 @@ mod tests {
         assert!(!reads_once(file.to_str().unwrap()));
         assert!(!reads_once(d.path().to_str().unwrap()));
         assert!(!reads_once("demo"));
-        assert!(reads_once("-"));
+        assert!(!reads_once("-"), "stdin is streamed, not copied");
         let fifo = d.path().join("f");
         nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
         assert!(reads_once(fifo.to_str().unwrap()));

@@ -131,7 +131,97 @@ pub(crate) fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error>
     path.canonicalize().map_err(|e| Error::input(what, e))
 }
 
-pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
+/// What a start has made so far, undone when it fails or a stop signal comes first: a
+/// failed or interrupted start leaves no half-made run directory behind.
+struct Setup {
+    /// Installed first thing, so that a Ctrl-C during the start is seen (and handed to
+    /// the dispatcher's signal thread once the run is going).
+    signals: signal_hook::iterator::Signals,
+    /// A run directory this start created (or found empty), and a copy of `--data`.
+    created: Option<(PathBuf, bool)>,
+    spool: Option<PathBuf>,
+}
+
+impl Setup {
+    /// A stop signal that came during the start, if one did.
+    fn interrupted(&mut self) -> Option<&'static str> {
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+        let mut stop = None;
+        for sig in self.signals.pending() {
+            match sig {
+                SIGINT => stop = Some("SIGINT"),
+                SIGTERM => stop = Some("SIGTERM"),
+                SIGHUP => stop = Some("SIGHUP"),
+                // SIGUSR1/2: no worker to forward them to yet.
+                _ => log::info!("signal {sig} received while starting: no worker to forward it to"),
+            }
+        }
+        stop
+    }
+
+    fn check(&mut self) -> Result<(), Error> {
+        match self.interrupted() {
+            Some(signal) => Err(Error::Interrupted {
+                signal,
+                removed: self.created.as_ref().map(|(p, _)| p.clone()),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Remove what this start made.
+    fn undo(&mut self) {
+        if let Some(p) = self.spool.take() {
+            let _ = std::fs::remove_file(p);
+        }
+        if let Some((dir, existed)) = self.created.take() {
+            if existed {
+                // An empty directory the user made: emptied again, kept.
+                if let Ok(entries) = std::fs::read_dir(&dir) {
+                    for e in entries.flatten() {
+                        let p = e.path();
+                        let _ = if p.is_dir() {
+                            std::fs::remove_dir_all(&p)
+                        } else {
+                            std::fs::remove_file(&p)
+                        };
+                    }
+                }
+            } else {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
+    }
+}
+
+pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
+    let signals =
+        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
+            .map_err(|e| Error::start("signal handlers", e))?;
+    let mut setup = Setup {
+        signals,
+        created: None,
+        spool: None,
+    };
+    match start(args, given, &mut setup) {
+        Ok(d) => {
+            start_signal_thread(d.events(), setup.signals)?;
+            Ok(d.run())
+        }
+        Err(e) => {
+            setup.undo();
+            Err(e)
+        }
+    }
+}
+
+/// Everything before the dispatcher runs: flags, inputs, the run dir, the data plane.
+fn start(
+    mut args: RunArgs,
+    given: &[String],
+    setup: &mut Setup,
+) -> Result<dispatcher::Dispatcher, Error> {
     if let Some(path) = args.config.clone() {
         config_file::apply(&path, &mut args)?;
     }
@@ -139,6 +229,40 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
         Some(dir) => Some(resume::prepare(&dir, &mut args, given)?),
         None => None,
     };
+    if resume.is_none() && args.run_dir.is_none() {
+        args.run_dir = Some(rundir::default_run_dir());
+    }
+    // Data that can be read only once (stdin, a FIFO, a pipe) is copied first, beside
+    // the run dir, and moved into it once it exists: the preflight, every epoch and a
+    // --resume read the same bytes.
+    if crate::data::spool::reads_once(&args.data) {
+        let run_path = args.run_dir.clone().unwrap_or_default();
+        let parent = run_path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf();
+        std::fs::create_dir_all(&parent)
+            .map_err(|e| Error::io("cannot create", &parent, e))?;
+        let name = run_path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "run".into());
+        let tmp = parent.join(format!(".{name}.data-{}.jsonl", std::process::id()));
+        log::info!(
+            "--data {} can be read only once: copying it to {} (then RUN_DIR/{})",
+            args.data,
+            tmp.display(),
+            crate::data::spool::SPOOL_FILE
+        );
+        setup.spool = Some(tmp.clone());
+        let bytes = crate::data::spool::spool_interruptible(&args.data, &tmp, &mut || {
+            setup.interrupted()
+        })?;
+        log::info!("--data {}: {} copied", args.data, pipeline::human(bytes));
+        args.data = tmp.display().to_string();
+    }
+    setup.check()?;
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
@@ -173,11 +297,26 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     );
     validate::check_memory(&estimate, &plan, &trainer_cfg.drafter)?;
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32;
+    let mut loader_cfg = loader_cfg;
     let preflight = preflight::at_start(&loader_cfg, args.preflight_lines, drafters)?;
+    setup.check()?;
     let run_dir = match &resume {
         Some(r) => rundir::RunDir::reopen(&r.dir)?,
-        None => rundir::RunDir::create(args.run_dir.as_deref())?,
+        None => {
+            let path = args.run_dir.clone().unwrap_or_default();
+            let existed = path.is_dir();
+            let d = rundir::RunDir::create(Some(&path))?;
+            setup.created = Some((d.path.clone(), existed));
+            d
+        }
     };
+    if let Some(tmp) = setup.spool.clone() {
+        let to = run_dir.path.join(crate::data::spool::SPOOL_FILE);
+        std::fs::rename(&tmp, &to).map_err(|e| Error::io("cannot move the copy of --data to", &to, e))?;
+        setup.spool = None;
+        args.data = to.display().to_string();
+        loader_cfg.source = loader::DataSource::Files(vec![to]);
+    }
     // On --resume too: the settings as merged with this command line's are the run's now.
     resume::save(&args, resume.as_ref(), &run_dir.path)?;
     if let Some(p) = &preflight {
@@ -202,7 +341,9 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
         trainer_cfg.resume = Some((r.step, r.checkpoint.clone()));
         r.set_aside_refused();
     }
+    setup.check()?;
     let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
+    setup.check()?;
     let data = dispatcher::Data {
         pipeline,
         loader,
@@ -244,8 +385,8 @@ pub fn run(mut args: RunArgs, given: &[String]) -> Result<i32, Error> {
     };
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
-    start_signal_thread(d.events())?;
-    Ok(d.run())
+    setup.check()?;
+    Ok(d)
 }
 
 /// The target's config: the built-in tiny one, or DIR/config.json.
@@ -268,12 +409,9 @@ fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<Pat
             .map_err(|e| Error::input(format!("--target {target}"), e));
     }
     let dir = run_dir.join("target");
-    let out = std::process::Command::new(worker_bin)
-        .arg("tiny-target")
-        .arg("--out")
-        .arg(&dir)
-        .stdin(std::process::Stdio::null())
-        .output()
+    let mut cmd = std::process::Command::new(worker_bin);
+    cmd.arg("tiny-target").arg("--out").arg(&dir);
+    let out = output_within(&mut cmd, TINY_TARGET_TIMEOUT)
         .map_err(|e| Error::io("cannot run tiny-target of", worker_bin, e))?;
     if !out.status.success() {
         return Err(Error::Helper {
@@ -282,6 +420,57 @@ fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<Pat
         });
     }
     Ok(dir)
+}
+
+/// Writing the tiny target takes well under a second; a worker program that blocks (not a
+/// dflash-worker, or a wrapper waiting on something) must not hang the start.
+const TINY_TARGET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// Run `cmd` (stdin closed) to its end, or kill it after `limit` (an error saying so).
+pub(crate) fn output_within(
+    cmd: &mut std::process::Command,
+    limit: std::time::Duration,
+) -> std::io::Result<std::process::Output> {
+    use std::io::Read;
+    let mut child = cmd
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let drain = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out = drain(child.stdout.take().map(|r| Box::new(r) as Box<dyn Read + Send>));
+    let err = drain(child.stderr.take().map(|r| Box::new(r) as Box<dyn Read + Send>));
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break st;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "it did not finish within {} and was killed",
+                    humantime::format_duration(limit)
+                ),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    Ok(std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    })
 }
 
 /// The loader and pool settings, checked before anything starts.
@@ -490,11 +679,10 @@ fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Er
     })
 }
 
-fn start_signal_thread(tx: std::sync::mpsc::Sender<dispatcher::Event>) -> Result<(), Error> {
-    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
-    let mut signals =
-        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
-            .map_err(|e| Error::start("signal handlers", e))?;
+fn start_signal_thread(
+    tx: std::sync::mpsc::Sender<dispatcher::Event>,
+    mut signals: signal_hook::iterator::Signals,
+) -> Result<(), Error> {
     std::thread::Builder::new()
         .name("signals".into())
         .spawn(move || {

@@ -294,7 +294,7 @@ pub fn worker_log_path(run_dir: &Path, name: &str) -> PathBuf {
     run_dir.join(LOGS_DIR).join(format!("{name}.log"))
 }
 
-fn default_run_dir() -> PathBuf {
+pub fn default_run_dir() -> PathBuf {
     // 2026-11-30T10:17:05Z -> 20261130-101705
     let ts = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     let compact: String = ts.chars().filter(|c| c.is_ascii_digit()).collect();

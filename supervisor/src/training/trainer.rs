@@ -1185,6 +1185,12 @@ impl Trainer {
     /// so that its death while writing leaves the supervisor holding that step), or, with
     /// no member left, from the snapshot when it is newer than the newest checkpoint. The
     /// drafter is exported from that checkpoint once every worker has stopped.
+    /// The run is stopping and nothing can be saved (its directory is gone): no step
+    /// commits from now on, and nothing is written.
+    pub fn freeze(&mut self) {
+        self.frozen = true;
+    }
+
     pub fn stop_checkpoint(&mut self) -> Vec<Action> {
         self.frozen = true;
         let mut out = Vec::new();
@@ -1314,7 +1320,7 @@ impl Trainer {
         let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
         let write = || -> std::io::Result<()> {
             let _ = std::fs::remove_dir_all(&tmp);
-            std::fs::create_dir_all(&tmp)?;
+            std::fs::create_dir(&tmp)?;
             for (name, data) in [
                 (dflash_shared::checkpoint::STATE_FILE, bytes.as_slice()),
                 (
@@ -1468,6 +1474,11 @@ impl Trainer {
         log::info!("drafter at step {step} written to {dir}");
         self.progress.exported = Some(dir);
         self.progress.exported_step = Some(step);
+    }
+
+    /// The step this run (session) started from: 0, or the resumed checkpoint's.
+    pub fn base_step(&self) -> u64 {
+        self.base.0
     }
 
     pub fn committed(&self) -> u64 {

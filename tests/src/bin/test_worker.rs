@@ -15,6 +15,8 @@
 //! - `heartbeat-first`   open the connection with a Heartbeat instead of a Hello
 //! - `wrong-version`     say hello with protocol version 999
 //! - `exit-early:CODE`   exit with CODE before connecting
+//! - `hello-delay:MS`    wait MS milliseconds before installing signal handlers and
+//!   connecting (a worker still starting: a signal's default action applies to it)
 //! - `bad-ack:KIND`      on its first delivery, acknowledge it wrongly: KIND is
 //!   stale-gen, out-of-range, wrong-slot or wrong-batch
 //! - `bad-commit:KIND`   (a target) once it has a delivery and a lease, commit wrongly:
@@ -58,6 +60,7 @@ const ACTIONS: &[(&str, Takes)] = &[
     ("heartbeat-first", Takes::Nothing),
     ("wrong-version", Takes::Nothing),
     ("exit-early", Takes::Number),
+    ("hello-delay", Takes::Number),
     (
         "bad-ack",
         Takes::OneOf(&["stale-gen", "out-of-range", "wrong-slot", "wrong-batch"]),
@@ -189,6 +192,9 @@ fn main() {
 
     if let Some(code) = arg(&acts, "exit-early") {
         std::process::exit(code as i32);
+    }
+    if let Some(ms) = arg(&acts, "hello-delay") {
+        std::thread::sleep(Duration::from_millis(ms));
     }
     let signals = Signals::install(&acts);
     let (up, down) = say_hello(&acts, &control, &name, restart);

@@ -121,7 +121,9 @@ impl Dispatcher {
             .trainer
             .last_checkpoint()
             .is_some_and(|(_, d)| d.join(dflash_shared::checkpoint::META_FILE).is_file());
-        let end = if committed > saved || (saved > 0 && !kept && self.run_dir_gone.is_some()) {
+        let end = if self.run_dir_gone.is_some() {
+            end
+        } else if committed > saved {
             let from = if saved > 0 && kept {
                 format!("continue from the checkpoint of step {saved} with: dflash-supervise --resume {}", self.run.path.display())
             } else if saved > 0 {
@@ -157,6 +159,11 @@ impl Dispatcher {
         } else {
             "failed"
         };
+        if self.run_dir_gone.is_some() {
+            log::info!("run ended ({}); exit code {code}", reason.describe());
+            crate::say!("dflash-supervise: {}", export_failure.unwrap_or_default());
+            return code;
+        }
         if let Err(e) = self.run.write_state(&self.snapshot(phase, Some(code))) {
             log::warn!("cannot write state.json: {e}");
         }

@@ -148,7 +148,14 @@ struct Worker {
     /// after the request): it had to be killed, or failed. A worker with no process when
     /// the stop came (waiting to restart) has nothing to stop and is not counted.
     unclean_stop: bool,
+    /// Lives in a row that ended before their hello, and whether any life ever said it.
+    lives_without_hello: u32,
+    ever_connected: bool,
 }
+
+/// Lives in a row that end before saying hello, with no life of that worker ever
+/// connected, before the worker program is judged unable to start (exit 4).
+const NEVER_CONNECTED_LIVES: u32 = 3;
 
 enum Phase {
     Running,
@@ -224,6 +231,8 @@ impl Dispatcher {
                 consecutive_failures: 0,
                 last_exit: None,
                 unclean_stop: false,
+                lives_without_hello: 0,
+                ever_connected: false,
             });
         }
         Ok(Dispatcher {
@@ -532,6 +541,8 @@ impl Dispatcher {
         }
         l.connect(hello.to_worker);
         let pid = l.pid;
+        self.workers[worker].lives_without_hello = 0;
+        self.workers[worker].ever_connected = true;
         if hello.pid != pid {
             log::info!(
                 "{name}: hello from pid {} (spawned pid {pid}; a wrapper?)",
@@ -768,6 +779,23 @@ impl Dispatcher {
                 l.pid,
                 uptime.as_secs_f64()
             );
+            let w = &mut self.workers[worker];
+            if !l.connected() {
+                w.lives_without_hello += 1;
+            }
+            if !w.ever_connected && w.lives_without_hello >= NEVER_CONNECTED_LIVES {
+                w.status = Status::Failed;
+                let msg = format!(
+                    "{name}: the worker program {} ended {} times in a row without connecting to the supervisor (last: {desc}{why}); expected the dflash-worker of this dflash-supervise version (--worker-bin PATH); its output is in {}",
+                    self.cfg.worker_bin.display(),
+                    w.lives_without_hello,
+                    w.log_path.display()
+                );
+                log::error!("{msg}");
+                self.run.event("give_up", obj(json!({"worker": name, "pid": l.pid, "restarts": w.restarts, "never_connected": true, "last_exit": format!("{desc}{why}")})));
+                self.begin_stop(StopReason::Fatal(msg));
+                return;
+            }
             self.on_failure(worker, l.pid, uptime);
         } else {
             let w = &mut self.workers[worker];
@@ -975,8 +1003,13 @@ impl Dispatcher {
         );
         // The stop checkpoint is asked for before anyone is asked to stop: its rank reads
         // the request first, then its shutdown. The drafter is exported from it at the end.
-        let save = self.trainer.stop_checkpoint();
-        self.execute(save);
+        if self.run_dir_gone.is_some() {
+            // A checkpoint would make a new directory at its path: nothing is written.
+            self.trainer.freeze();
+        } else {
+            let save = self.trainer.stop_checkpoint();
+            self.execute(save);
+        }
         for i in 0..self.workers.len() {
             if let Status::Backoff { .. } = self.workers[i].status {
                 self.workers[i].status = Status::Exited;

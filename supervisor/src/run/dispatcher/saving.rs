@@ -87,6 +87,14 @@ impl Dispatcher {
     /// newer than the newest checkpoint), then export the newest checkpoint as the drafter.
     /// Returns a failure to report (the run then does not exit 0).
     pub(super) fn save_and_export(&mut self) -> Option<String> {
+        if let Some(gone) = &self.run_dir_gone {
+            let (base, committed) = (self.trainer.base_step(), self.trainer.committed());
+            return Some(if committed > base {
+                format!("{gone}: steps {}..{committed} of this session are lost, with every checkpoint and the export (nothing is written to a removed run directory)", base + 1)
+            } else {
+                format!("{gone}; nothing is written to a removed run directory")
+            });
+        }
         if let Some(a) = self.trainer.checkpoint_held_snapshot() {
             self.execute(vec![a]);
         }

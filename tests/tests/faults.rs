@@ -1,0 +1,477 @@
+//! Faults of issue 20's second round, end to end: stops that always save what the
+//! supervisor holds, checkpoint writes that fail (a fault-injection preload library fails,
+//! or kills at, one `mkdir` at an exact instant), the run directory removed under a run,
+//! data that can be read only once, a paused supervisor, signals during a start.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use nix::sys::signal::Signal;
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(120);
+
+/// The preload library (tests/fault-inject).
+fn fault_lib() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let p = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join("libdflash_fault_inject.so");
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace first",
+        p.display()
+    );
+    p
+}
+
+/// The environment that makes `call` on a path containing `path` do `action`, only in
+/// processes whose environment has `only_if` (NAME=VALUE), when given.
+fn fault_env(
+    call: &str,
+    path: &str,
+    action: &str,
+    only_if: Option<&str>,
+) -> Vec<(String, String)> {
+    let mut env = vec![
+        ("LD_PRELOAD".to_string(), fault_lib().display().to_string()),
+        ("DFLASH_FAULT_CALL".into(), call.into()),
+        ("DFLASH_FAULT_PATH".into(), path.into()),
+        ("DFLASH_FAULT_ACTION".into(), action.into()),
+    ];
+    if let Some(c) = only_if {
+        env.push(("DFLASH_FAULT_IF_ENV".into(), c.into()));
+    }
+    env
+}
+
+fn start_env(args: &[&str], env: &[(String, String)]) -> Sup {
+    let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    Sup::start_real_env(args, &e)
+}
+
+fn meta(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap()
+}
+
+fn checkpoints(run: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(run.join("checkpoints"))
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    v.retain(|p| p.join("meta.json").is_file());
+    v.sort();
+    v
+}
+
+/// The step the exported drafter holds (its config.json).
+fn exported_step(run: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(run.join("drafter").join("config.json")).ok()?;
+    let v: Value = serde_json::from_str(&text).ok()?;
+    v["dflash_training"]["step"].as_u64()
+}
+
+fn ledger_clean(sup: &Sup) {
+    let (code, audit) = sup.ledger();
+    assert_eq!(code, 0, "ledger: {audit}");
+}
+
+#[test]
+fn the_only_drafter_killed_while_writing_the_stop_checkpoint_leaves_its_step_saved_by_the_supervisor(
+) {
+    // Only the stop checkpoint is written (--checkpoint-every 0); the drafter kills itself
+    // at its mkdir of the temporary directory.
+    let env = fault_env("mkdir", ".tmp-", "kill", Some("DFLASH_ROLE=drafter"));
+    let mut sup = start_env(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--steps",
+            "6",
+            "--checkpoint-every",
+            "0",
+        ],
+        &env,
+    );
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    // The drafter did not stop as asked (it died): an unclean stop, but nothing is lost.
+    assert_eq!(status.code(), Some(3), "stderr:\n{err}");
+    assert!(!err.contains("were not saved"), "{err}");
+    let ck = checkpoints(&sup.run_dir);
+    assert_eq!(ck.len(), 1, "{ck:?}");
+    let m = meta(&ck[0]);
+    assert_eq!(m["step"], 6, "the last committed step, from the stop's snapshot");
+    assert_eq!(m["written_from"], "the supervisor's snapshot");
+    assert_eq!(exported_step(&sup.run_dir), Some(6), "stderr:\n{err}");
+    assert!(err.contains("drafter (step 6) written to"), "{err}");
+    ledger_clean(&sup);
+}
+
+#[test]
+fn a_full_disk_during_the_export_fails_the_run_and_export_writes_the_drafter_later() {
+    // ENOSPC on the export's temporary directory only (RUN/drafter.tmp-PID), in the export
+    // tool the supervisor runs after its workers stopped.
+    let env = fault_env("mkdir", "drafter.tmp-", "errno:28", None);
+    let mut sup = start_env(
+        &["--gpus", "cpu:2", "--data", "demo", "--steps", "4"],
+        &env,
+    );
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "a checkpoint not exported is no success:\n{err}"
+    );
+    assert!(
+        err.contains("the drafter (step 4) could not be written")
+            && err.contains("No space left on device")
+            && err.contains("dflash-supervise export"),
+        "{err}"
+    );
+    assert!(!sup.run_dir.join("drafter").exists());
+    assert_eq!(meta(checkpoints(&sup.run_dir).last().unwrap())["step"], 4);
+    // Later, with room on the disk: the same export from the command line.
+    let run = sup.run_dir.to_str().unwrap().to_string();
+    let out = supervise(&["export", &run], None);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("drafter (step 4)"));
+    assert_eq!(exported_step(&sup.run_dir), Some(4));
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "probe.safetensors",
+        "dflash_drafter.py",
+    ] {
+        assert!(sup.run_dir.join("drafter").join(f).is_file(), "{f}");
+    }
+    // Bad input to export: one line, exit 2.
+    let out = supervise(&["export", "/nonexistent/run"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(String::from_utf8_lossy(&out.stderr).trim().lines().count(), 1);
+}
+
+#[test]
+fn a_stop_while_the_only_drafter_waits_to_restart_still_saves_and_exports() {
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--demo-samples",
+        "200000",
+        "--snapshot-every",
+        "1",
+        "--checkpoint-every",
+        "0",
+    ]);
+    // A few steps (each one snapshotted), then kill the drafter as soon as it is up
+    // again, until it waits in a restart backoff (the first restart is at once). Each
+    // death rolls the group back to its snapshot.
+    sup.wait_state("three committed steps", T, |s| {
+        s["train"]["step"].as_u64().unwrap_or(0) >= 3
+    });
+    let mut killed = 0;
+    let st = loop {
+        let st = sup.wait_state("the drafter up, or waiting to restart", T, |s| {
+            let w = worker(s, "drafter-0");
+            w["state"] == "backoff" || (w["state"] == "running" && w["pid"].is_u64())
+        });
+        if worker(&st, "drafter-0")["state"] == "backoff" {
+            break st;
+        }
+        assert!(killed < 5, "the drafter never waited to restart: {st}");
+        signal(pid_of(&st, "drafter-0"), Signal::SIGKILL);
+        killed += 1;
+        let restarts = worker(&st, "drafter-0")["restarts"].as_u64().unwrap();
+        sup.wait_state("the drafter's death handled", T, |s| {
+            worker(s, "drafter-0")["restarts"].as_u64().unwrap() > restarts
+        });
+    };
+    sup.signal(Signal::SIGINT);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(0), "st {st}\nstderr:\n{err}");
+    let ck = checkpoints(&sup.run_dir);
+    let last = meta(ck.last().expect("a stop checkpoint"));
+    assert_eq!(last["written_from"], "the supervisor's snapshot");
+    let step = last["step"].as_u64().unwrap();
+    // Exit 0 above: no committed step is missing from it.
+    assert!(step >= 1, "{last}");
+    assert_eq!(exported_step(&sup.run_dir), Some(step), "stderr:\n{err}");
+    ledger_clean(&sup);
+}
+
+#[test]
+fn the_run_dir_removed_under_a_run_stops_it_with_a_line_that_says_so() {
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--demo-samples",
+        "200000",
+    ]);
+    sup.wait_state("a committed step", T, |s| {
+        s["train"]["step"].as_u64().unwrap_or(0) >= 1
+    });
+    std::fs::remove_dir_all(&sup.run_dir).unwrap();
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("{} was removed", sup.run_dir.display())),
+        "{err}"
+    );
+    assert!(err.contains("of this session are lost"), "{err}");
+    assert!(
+        !sup.run_dir.exists(),
+        "nothing recreates the removed directory (a checkpoint or the report there would be an orphan)"
+    );
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_written_stops_the_run_once_without_restarting_the_drafter() {
+    // The second periodic checkpoint (step 4) fails with ENOSPC: inodes ran out, say.
+    let env = fault_env(
+        "mkdir",
+        "step-00000004.tmp-",
+        "errno:28",
+        Some("DFLASH_ROLE=drafter"),
+    );
+    let mut sup = start_env(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--demo-samples",
+            "200000",
+            "--checkpoint-every",
+            "2",
+        ],
+        &env,
+    );
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("the checkpoint of step 4 could not be written")
+            && err.contains("No space left on device")
+            && err.contains("df -i")
+            && err.contains("--resume"),
+        "{err}"
+    );
+    let st = sup.state().unwrap();
+    assert_eq!(worker(&st, "drafter-0")["restarts"], 0, "{st}");
+    let events = sup.events();
+    assert!(!events.iter().any(|e| e["event"] == "rollback"));
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| e["event"] == "checkpoint_failed")
+            .count(),
+        1,
+        "the stop asks once more only for a newer step"
+    );
+    assert!(checkpoints(&sup.run_dir)
+        .iter()
+        .any(|c| c.ends_with("step-00000002")));
+    ledger_clean(&sup);
+}
+
+fn write_data(path: &Path, n: usize) {
+    // Pre-tokenized lines below the tiny target's vocabulary (512).
+    let mut text = String::new();
+    for i in 0..n {
+        let len = 40 + i % 30;
+        let ids: Vec<String> = (0..len).map(|k| ((i * 7 + k * 3) % 500).to_string()).collect();
+        text.push_str(&format!("{{\"input_ids\": [{}]}}\n", ids.join(",")));
+    }
+    std::fs::write(path, text).unwrap();
+}
+
+/// Batches the loader produced, from the ledger's `load` records.
+fn loaded(sup: &Sup) -> usize {
+    sup.ledger_records()
+        .iter()
+        .filter(|r| r["ev"] == "load")
+        .count()
+}
+
+#[test]
+fn a_fifo_as_data_is_read_once_and_every_sample_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data.jsonl");
+    write_data(&file, 400);
+    // The regular file: the reference.
+    let mut plain = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        file.to_str().unwrap(),
+        "--preflight-lines",
+        "50",
+    ]);
+    assert_eq!(plain.wait_exit(T).code(), Some(0), "{}", plain.stderr());
+    let want = loaded(&plain);
+    assert!(want > 0);
+    // The same bytes through a FIFO, read once.
+    let fifo = dir.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let writer = {
+        let (fifo, file) = (fifo.clone(), file.clone());
+        std::thread::spawn(move || {
+            let bytes = std::fs::read(file).unwrap();
+            std::fs::write(fifo, bytes).unwrap();
+        })
+    };
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        fifo.to_str().unwrap(),
+        "--preflight-lines",
+        "50",
+    ]);
+    let status = sup.wait_exit(T);
+    writer.join().unwrap();
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert_eq!(loaded(&sup), want, "every batch of the data, none lost");
+    ledger_clean(&sup);
+    let copy = sup.run_dir.join("data.jsonl");
+    assert_eq!(std::fs::read(&copy).unwrap(), std::fs::read(&file).unwrap());
+    let run: Value =
+        serde_json::from_str(&std::fs::read_to_string(sup.run_dir.join("run.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        run["data"].as_str().map(PathBuf::from),
+        Some(copy),
+        "a --resume reads the copy"
+    );
+}
+
+#[test]
+fn sigint_while_the_run_starts_removes_what_the_start_made() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let run_dir = dir.path().join("runs").join("r1");
+    let mut child = std::process::Command::new(bin("dflash-supervise"))
+        .args(["--gpus", "cpu:2", "--data", fifo.to_str().unwrap(), "--run-dir"])
+        .arg(&run_dir)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A writer that opens the FIFO and writes nothing: the start waits for the data.
+    let _writer = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&fifo)
+        .unwrap();
+    let parent = run_dir.parent().unwrap().to_path_buf();
+    wait_for("the copy of --data to begin", T, || {
+        std::fs::read_dir(&parent)
+            .ok()?
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().contains(".data-"))
+            .then_some(())
+    });
+    signal(child.id(), Signal::SIGINT);
+    let out = wait_for("the supervisor to exit", T, || {
+        child.try_wait().unwrap().map(|_| ())
+    });
+    let _ = out;
+    let output = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{err}");
+    assert!(err.contains("interrupted by SIGINT"), "{err}");
+    assert!(!run_dir.exists());
+    let left: Vec<_> = std::fs::read_dir(&parent)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
+fn a_paused_supervisor_kills_no_healthy_worker_as_hung() {
+    let sup = Sup::start(&["--gpus", "cpu:2", "--hang-timeout", "2s"], "target-0@99=crash:1");
+    sup.wait_running(2);
+    sup.signal(Signal::SIGSTOP);
+    // The pause itself is the fault: longer than the hang timeout.
+    std::thread::sleep(Duration::from_secs(4));
+    sup.signal(Signal::SIGCONT);
+    let log = sup.run_dir.join("supervisor.log");
+    wait_for("the supervisor to notice its pause", T, || {
+        std::fs::read_to_string(&log)
+            .ok()?
+            .contains("did not run for")
+            .then_some(())
+    });
+    // Heartbeats flow again: state.json is rewritten after the pause was handled.
+    let st = sup.wait_state("both workers still running", T, |s| {
+        s["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|w| w["state"] == "running")
+    });
+    assert!(
+        !sup.events().iter().any(|e| e["event"] == "hang"),
+        "{:?}",
+        sup.events()
+    );
+    for w in ["target-0", "drafter-0"] {
+        assert_eq!(worker(&st, w)["restarts"], 0, "{st}");
+    }
+}
+
+#[test]
+fn sigusr1_goes_only_to_workers_that_said_hello() {
+    let mut sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0@0=hello-delay:3000");
+    sup.wait_state("the target running, the drafter starting", T, |s| {
+        worker(s, "target-0")["state"] == "running" && worker(s, "drafter-0")["state"] == "starting"
+    });
+    sup.signal(Signal::SIGUSR1);
+    wait_for("the target to get SIGUSR1", T, || {
+        sup.log("target-0").contains("got SIGUSR1").then_some(())
+    });
+    let st = sup.wait_running(2);
+    assert_eq!(
+        worker(&st, "drafter-0")["restarts"],
+        0,
+        "a Slurm notice during a start costs no worker: {st}"
+    );
+    let log = std::fs::read_to_string(sup.run_dir.join("supervisor.log")).unwrap();
+    assert!(log.contains("not to drafter-0 (still starting)"), "{log}");
+    sup.signal(Signal::SIGINT);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+}
+
+#[test]
+fn a_worker_program_that_never_connects_ends_the_run_with_exit_4() {
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--worker-bin", "/bin/true"]);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(4), "{err}");
+    assert!(
+        err.contains("ended 3 times in a row without connecting") && err.contains("--worker-bin"),
+        "{err}"
+    );
+}
