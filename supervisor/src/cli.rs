@@ -77,7 +77,7 @@ pub enum Command {
     /// (config.json, model.safetensors, model code, parity probe): a run directory's newest
     /// checkpoint that verifies (into RUN_DIR/drafter), or one checkpoints/step-N. Exits 1
     /// when it cannot be written, 2 when there is no checkpoint that verifies.
-    Export(crate::commands::export::ExportArgs),
+    Export(ExportArgs),
     /// Check an exported drafter (RUN_DIR/drafter) the way users load it: transformers'
     /// AutoModel with trust_remote_code, on the CPU in float32, run on the probe batch
     /// stored at export and compared with the Rust drafter's output. Exits 1 over the
@@ -93,6 +93,23 @@ pub enum Command {
     /// Internal: the process that kills every worker group if the supervisor dies.
     #[command(name = "__reap", hide = true)]
     Reap,
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A run directory (its newest checkpoint that verifies) or one checkpoint directory
+    /// (RUN_DIR/checkpoints/step-N).
+    #[arg(value_name = "RUN_OR_CHECKPOINT")]
+    pub source: PathBuf,
+    /// Where the drafter goes (default: the run's drafter/ directory).
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// The run's target model directory, when it is no longer where run.json says.
+    #[arg(long, value_name = "DIR")]
+    pub target: Option<PathBuf>,
+    /// The worker program (default: dflash-worker beside dflash-supervise).
+    #[arg(long, value_name = "PATH")]
+    pub worker_bin: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -60,7 +60,7 @@ pub enum Error {
     /// `export` could not write the drafter (a full disk, the worker's export tool failed)
     /// (exit 1).
     #[error("export: the drafter could not be written: {0}")]
-    Export(#[from] crate::commands::export::ExportError),
+    Export(#[from] crate::export_tool::ExportError),
     /// A stop signal came while the run was starting: what the start had made is removed
     /// (exit 130).
     #[error("interrupted by {signal} while the run was starting: no worker was started{}", removed.as_ref().map(|p| format!("; removed the unfinished {}", p.display())).unwrap_or_default())]

@@ -17,6 +17,7 @@ pub mod cli;
 pub mod commands;
 pub mod data;
 pub mod error;
+pub mod export_tool;
 pub mod run;
 pub mod telemetry;
 pub mod training;

@@ -32,12 +32,7 @@ fn fault_lib() -> PathBuf {
 
 /// The environment that makes `call` on a path containing `path` do `action`, only in
 /// processes whose environment has `only_if` (NAME=VALUE), when given.
-fn fault_env(
-    call: &str,
-    path: &str,
-    action: &str,
-    only_if: Option<&str>,
-) -> Vec<(String, String)> {
+fn fault_env(call: &str, path: &str, action: &str, only_if: Option<&str>) -> Vec<(String, String)> {
     let mut env = vec![
         ("LD_PRELOAD".to_string(), fault_lib().display().to_string()),
         ("DFLASH_FAULT_CALL".into(), call.into()),
@@ -107,7 +102,10 @@ fn the_only_drafter_killed_while_writing_the_stop_checkpoint_leaves_its_step_sav
     let ck = checkpoints(&sup.run_dir);
     assert_eq!(ck.len(), 1, "{ck:?}");
     let m = meta(&ck[0]);
-    assert_eq!(m["step"], 6, "the last committed step, from the stop's snapshot");
+    assert_eq!(
+        m["step"], 6,
+        "the last committed step, from the stop's snapshot"
+    );
     assert_eq!(m["written_from"], "the supervisor's snapshot");
     assert_eq!(exported_step(&sup.run_dir), Some(6), "stderr:\n{err}");
     assert!(err.contains("drafter (step 6) written to"), "{err}");
@@ -119,10 +117,7 @@ fn a_full_disk_during_the_export_fails_the_run_and_export_writes_the_drafter_lat
     // ENOSPC on the export's temporary directory only (RUN/drafter.tmp-PID), in the export
     // tool the supervisor runs after its workers stopped.
     let env = fault_env("mkdir", "drafter.tmp-", "errno:28", None);
-    let mut sup = start_env(
-        &["--gpus", "cpu:2", "--data", "demo", "--steps", "4"],
-        &env,
-    );
+    let mut sup = start_env(&["--gpus", "cpu:2", "--data", "demo", "--steps", "4"], &env);
     let status = sup.wait_exit(T);
     let err = sup.stderr();
     assert_eq!(
@@ -160,7 +155,10 @@ fn a_full_disk_during_the_export_fails_the_run_and_export_writes_the_drafter_lat
     // Bad input to export: one line, exit 2.
     let out = supervise(&["export", "/nonexistent/run"], None);
     assert_eq!(out.status.code(), Some(2));
-    assert_eq!(String::from_utf8_lossy(&out.stderr).trim().lines().count(), 1);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr).trim().lines().count(),
+        1
+    );
 }
 
 #[test]
@@ -297,7 +295,9 @@ fn write_data(path: &Path, n: usize) {
     let mut text = String::new();
     for i in 0..n {
         let len = 40 + i % 30;
-        let ids: Vec<String> = (0..len).map(|k| ((i * 7 + k * 3) % 500).to_string()).collect();
+        let ids: Vec<String> = (0..len)
+            .map(|k| ((i * 7 + k * 3) % 500).to_string())
+            .collect();
         text.push_str(&format!("{{\"input_ids\": [{}]}}\n", ids.join(",")));
     }
     std::fs::write(path, text).unwrap();
@@ -371,7 +371,13 @@ fn sigint_while_the_run_starts_removes_what_the_start_made() {
     nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
     let run_dir = dir.path().join("runs").join("r1");
     let mut child = std::process::Command::new(bin("dflash-supervise"))
-        .args(["--gpus", "cpu:2", "--data", fifo.to_str().unwrap(), "--run-dir"])
+        .args([
+            "--gpus",
+            "cpu:2",
+            "--data",
+            fifo.to_str().unwrap(),
+            "--run-dir",
+        ])
         .arg(&run_dir)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
@@ -379,10 +385,7 @@ fn sigint_while_the_run_starts_removes_what_the_start_made() {
         .spawn()
         .unwrap();
     // A writer that opens the FIFO and writes nothing: the start waits for the data.
-    let _writer = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&fifo)
-        .unwrap();
+    let _writer = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
     let parent = run_dir.parent().unwrap().to_path_buf();
     wait_for("the copy of --data to begin", T, || {
         std::fs::read_dir(&parent)
@@ -392,10 +395,9 @@ fn sigint_while_the_run_starts_removes_what_the_start_made() {
             .then_some(())
     });
     signal(child.id(), Signal::SIGINT);
-    let out = wait_for("the supervisor to exit", T, || {
+    wait_for("the supervisor to exit", T, || {
         child.try_wait().unwrap().map(|_| ())
     });
-    let _ = out;
     let output = child.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{err}");
@@ -411,7 +413,10 @@ fn sigint_while_the_run_starts_removes_what_the_start_made() {
 
 #[test]
 fn a_paused_supervisor_kills_no_healthy_worker_as_hung() {
-    let sup = Sup::start(&["--gpus", "cpu:2", "--hang-timeout", "2s"], "target-0@99=crash:1");
+    let sup = Sup::start(
+        &["--gpus", "cpu:2", "--hang-timeout", "2s"],
+        "target-0@99=crash:1",
+    );
     sup.wait_running(2);
     sup.signal(Signal::SIGSTOP);
     // The pause itself is the fault: longer than the hang timeout.

@@ -264,8 +264,7 @@ pub fn write_hf_dir(
     }
     let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir(&tmp)
-        .map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
+    std::fs::create_dir(&tmp).map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
     let written = (|| -> Result<()> {
         let config = export_config(
             &d.cfg,
@@ -361,8 +360,9 @@ pub fn from_checkpoint(
         .map_err(WorkerError::io(format!("reading {}", meta_path.display())))?;
     let meta: Value = serde_json::from_str(&text)
         .map_err(WorkerError::format(meta_path.display().to_string()))?;
-    let cfg: DrafterConfig = serde_json::from_value(meta["drafter"].clone())
-        .map_err(WorkerError::format(format!("{}: drafter", meta_path.display())))?;
+    let cfg: DrafterConfig = serde_json::from_value(meta["drafter"].clone()).map_err(
+        WorkerError::format(format!("{}: drafter", meta_path.display())),
+    )?;
     let step = meta["step"].as_u64().unwrap_or(0);
     let seed = meta["seed"].as_u64().unwrap_or(0);
     let recorded = &meta["supervisor"]["export"];
@@ -391,9 +391,10 @@ pub fn from_checkpoint(
         .map_err(WorkerError::io(format!("reading {}", state_path.display())))?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(WorkerError::format(state_path.display().to_string()))?;
-    let t = st
-        .tensor("params")
-        .map_err(WorkerError::format(format!("{}: params", state_path.display())))?;
+    let t = st.tensor("params").map_err(WorkerError::format(format!(
+        "{}: params",
+        state_path.display()
+    )))?;
     let n = d.layout.total;
     if t.shape() != [n] || t.data().len() != 4 * n {
         return Err(WorkerError::Invalid(format!(

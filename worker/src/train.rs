@@ -442,7 +442,8 @@ impl Rank {
     pub fn checkpoint(&mut self, dir: &Path, meta: &str) -> Result<()> {
         let r = self.write_checkpoint(dir, meta);
         if r.is_err() {
-            let _ = std::fs::remove_dir_all(dir.with_extension(format!("tmp-{}", std::process::id())));
+            let _ =
+                std::fs::remove_dir_all(dir.with_extension(format!("tmp-{}", std::process::id())));
         }
         r
     }

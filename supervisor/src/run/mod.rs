@@ -196,9 +196,8 @@ impl Setup {
 
 pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
-    let signals =
-        signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
-            .map_err(|e| Error::start("signal handlers", e))?;
+    let signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
+        .map_err(|e| Error::start("signal handlers", e))?;
     let mut setup = Setup {
         signals,
         created: None,
@@ -242,8 +241,7 @@ fn start(
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."))
             .to_path_buf();
-        std::fs::create_dir_all(&parent)
-            .map_err(|e| Error::io("cannot create", &parent, e))?;
+        std::fs::create_dir_all(&parent).map_err(|e| Error::io("cannot create", &parent, e))?;
         let name = run_path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -256,9 +254,8 @@ fn start(
             crate::data::spool::SPOOL_FILE
         );
         setup.spool = Some(tmp.clone());
-        let bytes = crate::data::spool::spool_interruptible(&args.data, &tmp, &mut || {
-            setup.interrupted()
-        })?;
+        let bytes =
+            crate::data::spool::spool_interruptible(&args.data, &tmp, &mut || setup.interrupted())?;
         log::info!("--data {}: {} copied", args.data, pipeline::human(bytes));
         args.data = tmp.display().to_string();
     }
@@ -312,7 +309,8 @@ fn start(
     };
     if let Some(tmp) = setup.spool.clone() {
         let to = run_dir.path.join(crate::data::spool::SPOOL_FILE);
-        std::fs::rename(&tmp, &to).map_err(|e| Error::io("cannot move the copy of --data to", &to, e))?;
+        std::fs::rename(&tmp, &to)
+            .map_err(|e| Error::io("cannot move the copy of --data to", &to, e))?;
         setup.spool = None;
         args.data = to.display().to_string();
         loader_cfg.source = loader::DataSource::Files(vec![to]);
@@ -411,7 +409,7 @@ fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<Pat
     let dir = run_dir.join("target");
     let mut cmd = std::process::Command::new(worker_bin);
     cmd.arg("tiny-target").arg("--out").arg(&dir);
-    let out = output_within(&mut cmd, TINY_TARGET_TIMEOUT)
+    let out = crate::export_tool::output_within(&mut cmd, TINY_TARGET_TIMEOUT)
         .map_err(|e| Error::io("cannot run tiny-target of", worker_bin, e))?;
     if !out.status.success() {
         return Err(Error::Helper {
@@ -425,53 +423,6 @@ fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<Pat
 /// Writing the tiny target takes well under a second; a worker program that blocks (not a
 /// dflash-worker, or a wrapper waiting on something) must not hang the start.
 const TINY_TARGET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
-
-/// Run `cmd` (stdin closed) to its end, or kill it after `limit` (an error saying so).
-pub(crate) fn output_within(
-    cmd: &mut std::process::Command,
-    limit: std::time::Duration,
-) -> std::io::Result<std::process::Output> {
-    use std::io::Read;
-    let mut child = cmd
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    let drain = |r: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            if let Some(mut r) = r {
-                let _ = r.read_to_end(&mut buf);
-            }
-            buf
-        })
-    };
-    let out = drain(child.stdout.take().map(|r| Box::new(r) as Box<dyn Read + Send>));
-    let err = drain(child.stderr.take().map(|r| Box::new(r) as Box<dyn Read + Send>));
-    let deadline = std::time::Instant::now() + limit;
-    let status = loop {
-        if let Some(st) = child.try_wait()? {
-            break st;
-        }
-        if std::time::Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "it did not finish within {} and was killed",
-                    humantime::format_duration(limit)
-                ),
-            ));
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
-    Ok(std::process::Output {
-        status,
-        stdout: out.join().unwrap_or_default(),
-        stderr: err.join().unwrap_or_default(),
-    })
-}
 
 /// The loader and pool settings, checked before anything starts.
 pub(crate) fn data_config(

@@ -252,7 +252,9 @@ impl RunDir {
             .map_err(|e| format!("has a lock file that cannot be looked at ({e})"))?;
         match fs::metadata(self.path.join(LOCK_FILE)) {
             Ok(m) if (m.dev(), m.ino()) == (held.dev(), held.ino()) => Ok(()),
-            Ok(_) => Err(format!("has another {LOCK_FILE} than the one this supervisor holds")),
+            Ok(_) => Err(format!(
+                "has another {LOCK_FILE} than the one this supervisor holds"
+            )),
             Err(_) => Err(format!("lost its {LOCK_FILE} (removed)")),
         }
     }

@@ -181,10 +181,17 @@ impl Dispatcher {
             (_, Some(why)) => crate::say!("dflash-supervise: {why}"),
             (Some(dir), None) => crate::say!(
                 "dflash-supervise: drafter (step {}) written to {dir}",
-                self.trainer.progress.exported_step.unwrap_or(self.trainer.progress.step)
+                self.trainer
+                    .progress
+                    .exported_step
+                    .unwrap_or(self.trainer.progress.step)
             ),
-            (None, None) if self.trainer.committed() == 0 => crate::say!("dflash-supervise: no training step was committed; no drafter written"),
-            (None, None) => crate::say!("dflash-supervise: no checkpoint holds the trained steps; no drafter written"),
+            (None, None) if self.trainer.committed() == 0 => {
+                crate::say!("dflash-supervise: no training step was committed; no drafter written")
+            }
+            (None, None) => crate::say!(
+                "dflash-supervise: no checkpoint holds the trained steps; no drafter written"
+            ),
         }
         code
     }

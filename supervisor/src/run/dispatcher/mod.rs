@@ -466,7 +466,8 @@ impl Dispatcher {
                 for (_, l) in &told {
                     l.process.signal_group(signal);
                 }
-                let starting: Vec<String> = starting.iter().map(|(w, _)| w.name.to_string()).collect();
+                let starting: Vec<String> =
+                    starting.iter().map(|(w, _)| w.name.to_string()).collect();
                 if starting.is_empty() {
                     log::info!("forwarded {} to every worker", signal.as_str());
                 } else {

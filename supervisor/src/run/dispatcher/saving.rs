@@ -9,7 +9,7 @@ use dflash_shared::protocol::WriteFailure;
 use dflash_shared::WorkerName;
 
 use super::{Dispatcher, StopReason};
-use crate::commands::export::export_checkpoint;
+use crate::export_tool::export_checkpoint;
 
 /// How often the run directory is looked at.
 pub(super) const WATCH_EVERY: Duration = Duration::from_secs(1);
@@ -22,7 +22,9 @@ pub fn advice(os_error: Option<i32>, dir: &std::path::Path) -> String {
             "the filesystem of {dir} is full (space or inodes: see df -h and df -i); free some"
         ),
         Some(libc::ENOTDIR) | Some(libc::EEXIST) | Some(libc::ENOENT) => {
-            format!("{dir} is not the directory it was (replaced by a file, or removed?); put it back")
+            format!(
+                "{dir} is not the directory it was (replaced by a file, or removed?); put it back"
+            )
         }
         Some(libc::EACCES) | Some(libc::EPERM) | Some(libc::EROFS) => {
             format!("{dir} cannot be written (permissions, or a read-only filesystem); make it writable")
@@ -45,8 +47,10 @@ impl Dispatcher {
     ) {
         self.run.event(
             "checkpoint_failed",
-            super::obj(serde_json::json!({"worker": who.to_string(), "step": step, "dir": dir,
-                "doing": failure.doing, "os_error": failure.os_error, "error": failure.words})),
+            super::obj(
+                serde_json::json!({"worker": who.to_string(), "step": step, "dir": dir,
+                "doing": failure.doing, "os_error": failure.os_error, "error": failure.words}),
+            ),
         );
         let what = advice(failure.os_error, self.trainer.checkpoints_dir());
         let msg = format!(
@@ -102,7 +106,10 @@ impl Dispatcher {
         if step == 0 || self.trainer.committed() == 0 && self.trainer.saved_step() == 0 {
             return None;
         }
-        if !checkpoint.join(dflash_shared::checkpoint::META_FILE).is_file() {
+        if !checkpoint
+            .join(dflash_shared::checkpoint::META_FILE)
+            .is_file()
+        {
             return Some(format!(
                 "the checkpoint of step {step} ({}) is gone: no drafter written",
                 checkpoint.display()

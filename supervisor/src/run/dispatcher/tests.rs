@@ -288,6 +288,8 @@ fn backoff_doubles_from_an_immediate_restart_and_resets_once_a_life_lasts_stable
         "20",
     ]);
     assert_eq!(h.launches(TARGET), 1);
+    // A worker program that once connected: its later deaths are crashes to restart.
+    let _rx = h.connect(TARGET, 0);
     // (time of the exit, when the next life must start): 0 s, then 1, 2, 4 s later.
     for (exit_at, restart_at) in [(0, 0), (0, 1000), (1000, 3000), (3000, 7000)] {
         let before = h.launches(TARGET);
@@ -379,8 +381,31 @@ fn a_hang_is_detected_once_silence_exceeds_hang_timeout_and_a_heartbeat_restarts
 }
 
 #[test]
+fn a_worker_program_that_never_connects_stops_the_run_after_three_lives() {
+    let mut h = harness(&["--gpus", "cpu:2", "--max-restarts", "20"]);
+    h.exit(TARGET, exit_code(0), 0);
+    h.exit(TARGET, exit_code(0), 10);
+    h.tick(1010);
+    assert!(
+        matches!(h.d.phase, Phase::Running),
+        "two lives are not yet a verdict"
+    );
+    h.exit(TARGET, exit_code(0), 1020);
+    assert_eq!(h.status(TARGET), "failed");
+    let Some(StopReason::Fatal(msg)) = &h.d.stop_reason else {
+        panic!("the run did not stop")
+    };
+    assert!(
+        msg.contains("ended 3 times in a row without connecting") && msg.contains("--worker-bin"),
+        "{msg}"
+    );
+    assert_eq!(crate::error::RunEnd::Internal.exit_code(), 4);
+}
+
+#[test]
 fn the_restart_budget_spent_stops_the_run_with_a_report_naming_the_worker() {
     let mut h = harness(&["--gpus", "cpu:2", "--max-restarts", "2"]);
+    let _rx = h.connect(TARGET, 0);
     h.exit(TARGET, exit_code(3), 0);
     h.exit(TARGET, exit_code(3), 10);
     h.tick(1010);
