@@ -102,6 +102,9 @@ pub fn run(a: ExportArgs) -> Result<i32, Error> {
             ));
         }
     }
+    if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| Error::io("cannot create", parent, e))?;
+    }
     let worker_bin = crate::run::resolve_worker_bin(a.worker_bin.as_deref())?;
     let step = export_checkpoint(&worker_bin, &checkpoint, &target, &out)?;
     crate::say!(

@@ -964,7 +964,8 @@ impl Prepared {
         if let Some(n) = steps {
             if n <= step {
                 return Err(usage(format!(
-                    "its checkpoint is at step {step}, and --steps is {n}: nothing to train (expected a larger --steps)"
+                    "its checkpoint is at step {step}, and --steps is {n}: nothing to train (expected a larger --steps; to write the drafter of that checkpoint: dflash-supervise export {})",
+                    dir.display()
                 )));
             }
         }
