@@ -16,18 +16,7 @@ const T: Duration = Duration::from_secs(120);
 
 /// The preload library (tests/fault-inject).
 fn fault_lib() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let p = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target dir")
-        .join("libdflash_fault_inject.so");
-    assert!(
-        p.exists(),
-        "{} is missing: build the workspace first",
-        p.display()
-    );
-    p
+    cdylib("libdflash_fault_inject.so")
 }
 
 /// The environment that makes `call` on a path containing `path` do `action`, only in

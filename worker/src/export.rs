@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use crate::error::{Result, WorkerError};
 use crate::model::drafter::{Drafter, Frozen};
-use crate::train::{sync_dir, write_synced};
+use crate::train::{put_in_place, sync_dir, write_synced};
 
 /// The model code, as transformers imports it from the export directory.
 pub const MODULE_FILE: &str = "dflash_drafter.py";
@@ -321,24 +321,7 @@ pub fn write_hf_dir(
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    let old = dir.with_extension("old");
-    let _ = std::fs::remove_dir_all(&old);
-    if dir.exists() {
-        std::fs::rename(dir, &old).map_err(WorkerError::io(format!(
-            "moving the previous {} aside",
-            dir.display()
-        )))?;
-    }
-    std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!(
-        "renaming {} to {}",
-        tmp.display(),
-        dir.display()
-    )))?;
-    let _ = std::fs::remove_dir_all(&old);
-    if let Some(parent) = dir.parent() {
-        sync_dir(parent)?;
-    }
-    Ok(())
+    put_in_place(&tmp, dir, &dir.with_extension("old"))
 }
 
 /// `dflash-worker export`: the drafter of checkpoint `checkpoint` (verified first) as the

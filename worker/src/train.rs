@@ -503,23 +503,11 @@ impl Rank {
         )?;
         sync_dir(&tmp)?;
         // A checkpoint of the same step number from before a rollback: replaced.
-        let old = dir.with_extension(format!("replaced-{}", std::process::id()));
-        if dir.exists() {
-            std::fs::rename(dir, &old).map_err(WorkerError::io(format!(
-                "moving the previous {} aside",
-                dir.display()
-            )))?;
-        }
-        std::fs::rename(&tmp, dir).map_err(WorkerError::io(format!(
-            "renaming {} to {}",
-            tmp.display(),
-            dir.display()
-        )))?;
-        let _ = std::fs::remove_dir_all(&old);
-        if let Some(parent) = dir.parent() {
-            sync_dir(parent)?;
-        }
-        Ok(())
+        put_in_place(
+            &tmp,
+            dir,
+            &dir.with_extension(format!("replaced-{}", std::process::id())),
+        )
     }
 
     fn load_checkpoint(&mut self, dir: &Path, step: u64) -> Result<()> {
@@ -585,6 +573,28 @@ pub(crate) fn write_synced(path: &Path, data: &[u8]) -> Result<()> {
     f.write_all(data)
         .and_then(|()| f.sync_all())
         .map_err(WorkerError::io(format!("writing {}", path.display())))
+}
+
+/// Rename the finished `tmp` to `dir`, moving a previous `dir` aside to `old` first (and
+/// removing it after), then sync the parent so the rename is on disk.
+pub(crate) fn put_in_place(tmp: &Path, dir: &Path, old: &Path) -> Result<()> {
+    let _ = std::fs::remove_dir_all(old);
+    if dir.exists() {
+        std::fs::rename(dir, old).map_err(WorkerError::io(format!(
+            "moving the previous {} aside",
+            dir.display()
+        )))?;
+    }
+    std::fs::rename(tmp, dir).map_err(WorkerError::io(format!(
+        "renaming {} to {}",
+        tmp.display(),
+        dir.display()
+    )))?;
+    let _ = std::fs::remove_dir_all(old);
+    if let Some(parent) = dir.parent() {
+        sync_dir(parent)?;
+    }
+    Ok(())
 }
 
 /// fsync a directory (its entries are then on disk); a failure names it.

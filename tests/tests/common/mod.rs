@@ -23,6 +23,22 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// A library the workspace builds (a cdylib), beside the test executable's `deps/`.
+pub fn cdylib(file: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let p = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .join(file);
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace first",
+        p.display()
+    );
+    p
+}
+
 /// The fake NVML library (tests/fake-nvml), for GPU code paths without a GPU.
 pub fn fake_nvml() -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
