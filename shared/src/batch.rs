@@ -34,6 +34,31 @@ pub enum BatchError {
     Checksum,
 }
 
+/// Batch ids at or above this are held-out evaluation batches (`--eval-data`): bit 62
+/// set, the eval round in bits 24..62 and the batch's index in the eval set below. The
+/// loader's training ids never get there, so an id alone says which kind a batch is.
+pub const EVAL_BATCH_BASE: u64 = 1 << 62;
+const EVAL_INDEX_BITS: u32 = 24;
+
+/// Is `batch_id` a held-out evaluation batch?
+pub fn is_eval_batch(batch_id: u64) -> bool {
+    batch_id >= EVAL_BATCH_BASE
+}
+
+/// The id of eval batch `index` (its place in the eval set) in eval round `round`.
+pub fn eval_batch_id(round: u64, index: u64) -> u64 {
+    EVAL_BATCH_BASE | (round << EVAL_INDEX_BITS) | (index & ((1 << EVAL_INDEX_BITS) - 1))
+}
+
+/// (round, index) of an eval batch id.
+pub fn eval_batch_parts(batch_id: u64) -> (u64, u64) {
+    let b = batch_id & !EVAL_BATCH_BASE;
+    (b >> EVAL_INDEX_BITS, b & ((1 << EVAL_INDEX_BITS) - 1))
+}
+
+/// Eval batches in one eval set at most (the index bits).
+pub const MAX_EVAL_BATCHES: u64 = 1 << EVAL_INDEX_BITS;
+
 /// Padded rows of token ids with their loss masks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TokenBatch {
@@ -143,6 +168,19 @@ pub struct CaptureSpec {
     pub dtype: u32,
     /// Fingerprint of the target model (config and weights identity).
     pub target: u64,
+}
+
+/// In words, for logs: "taps [1, 2], hidden 64, bf16, target 00ab12cd34ef5678".
+impl std::fmt::Display for CaptureSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "taps {:?}, hidden {}, ", self.tap_ids, self.hidden)?;
+        if self.dtype == DTYPE_BF16 {
+            write!(f, "bf16")?;
+        } else {
+            write!(f, "dtype code {}", self.dtype)?;
+        }
+        write!(f, ", target {:016x}", self.target)
+    }
 }
 
 impl CaptureSpec {

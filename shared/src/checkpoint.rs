@@ -9,6 +9,16 @@ use std::path::Path;
 pub const STATE_FILE: &str = "state.safetensors";
 pub const META_FILE: &str = "meta.json";
 
+/// Where an export's parity probe lies: beside the export directory, not in it
+/// (`RUN_DIR/drafter` → `RUN_DIR/drafter.probe.safetensors`), so that the directory holds
+/// only what a model hub should receive. `dflash-supervise export-check` reads it.
+pub fn probe_path(export_dir: &Path) -> std::path::PathBuf {
+    let name = export_dir
+        .file_name()
+        .map_or("drafter".into(), |n| n.to_string_lossy().into_owned());
+    export_dir.with_file_name(format!("{name}.probe.safetensors"))
+}
+
 /// The step of a checkpoint directory named `step-N` (zero-padded); `None` for anything
 /// else, such as the temporary `step-N.tmp-PID` of a checkpoint being written.
 pub fn step_of_dir(name: &str) -> Option<u64> {

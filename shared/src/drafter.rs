@@ -259,6 +259,17 @@ pub enum Init {
     FromCheckpoint { step: u64 },
 }
 
+/// In words, for logs: "fresh", "from the state of step 12", "from checkpoint step 20".
+impl std::fmt::Display for Init {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Init::Fresh => write!(f, "fresh"),
+            Init::FromState { step, .. } => write!(f, "from the state of step {step}"),
+            Init::FromCheckpoint { step } => write!(f, "from checkpoint step {step}"),
+        }
+    }
+}
+
 /// Bytes of a state slot for `params` parameters: parameters, two Adam moments, step.
 pub fn state_bytes(params: usize) -> u64 {
     (params as u64) * 12 + 64
@@ -276,5 +287,40 @@ pub fn lr_at(step: u64, base: f64, warmup: u64, total: Option<u64>) -> f64 {
             base * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
         }
         _ => base,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inits_and_pools_and_slot_states_read_as_words_in_logs() {
+        assert_eq!(Init::Fresh.to_string(), "fresh");
+        assert_eq!(
+            Init::FromState { step: 12, slot: 0 }.to_string(),
+            "from the state of step 12"
+        );
+        assert_eq!(
+            Init::FromCheckpoint { step: 20 }.to_string(),
+            "from checkpoint step 20"
+        );
+        use crate::protocol::PoolId;
+        assert_eq!(
+            format!("the {} pool, a {} slot", PoolId::Tokens, PoolId::Hidden),
+            "the token pool, a hidden-state slot"
+        );
+        assert_eq!(crate::slots::SlotState::Reading.to_string(), "reading");
+        let spec = crate::batch::CaptureSpec {
+            tap_ids: vec![1, 2],
+            hidden: 64,
+            dtype: crate::batch::DTYPE_BF16,
+            target: 0xab,
+        };
+        assert_eq!(
+            spec.to_string(),
+            "taps [1, 2], hidden 64, bf16, target 00000000000000ab"
+        );
+        assert_eq!(crate::model_config::Arch::Qwen3.to_string(), "Qwen3");
     }
 }

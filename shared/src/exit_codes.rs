@@ -12,6 +12,11 @@ pub const UNCLEAN_STOP: i32 = 3;
 /// The supervisor itself could not go on: a worker binary that cannot be started, a
 /// control-protocol version mismatch, an I/O failure in the run dir.
 pub const INTERNAL: i32 = 4;
+/// Stopped before its end (SIGINT/SIGTERM/SIGHUP or `--time-limit`) with every worker
+/// stopped cleanly and the trained steps checkpointed: `--resume` continues it. A requeue
+/// loop (Slurm) resubmits on this code and stops on 0. 75 is sysexits' EX_TEMPFAIL ("try
+/// again later").
+pub const STOPPED_EARLY: i32 = 75;
 /// A second Ctrl-C (or SIGINT/SIGTERM during a stop): every worker was killed at once.
 pub const INTERRUPTED: i32 = 130;
 

@@ -12,6 +12,15 @@ pub enum Arch {
     Llama,
 }
 
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Arch::Qwen3 => "Qwen3",
+            Arch::Llama => "Llama",
+        })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum RopeScaling {
     /// Positions divided by `factor`.
@@ -373,16 +382,26 @@ pub fn default_draft_layers(n_layers: usize) -> usize {
     }
 }
 
-/// DFlash's default taps: `L` layers spread over the target's depth (see DFLASH.md).
-/// Tap `id` is the output of decoder layer `id` (HF `hidden_states[id + 1]`).
+/// DFlash's default taps: `L` layers spread over the target's depth, from layer 1 to
+/// layer `n - 3` (see DFLASH.md), ascending and distinct: a target too shallow for `L`
+/// distinct layers there gets fewer taps (a 4-layer target: `[1]`, not `[1, 1]`). Tap `id`
+/// is the output of decoder layer `id` (HF `hidden_states[id + 1]`).
 pub fn target_layer_ids(n_layers: usize, taps: usize) -> Vec<u32> {
+    if n_layers == 0 {
+        return Vec::new();
+    }
     if taps <= 1 {
         return vec![(n_layers / 2) as u32];
     }
-    let span = n_layers as f64 - 4.0;
-    (0..taps)
-        .map(|i| (1.0 + i as f64 * span / (taps - 1) as f64).round() as u32)
-        .collect()
+    // Targets under 4 layers: the span is empty, every tap is layer 1 (0 for one layer).
+    let first = 1.min(n_layers - 1) as f64;
+    let last = (n_layers as f64 - 3.0).max(first);
+    let mut ids: Vec<u32> = (0..taps)
+        .map(|i| (first + i as f64 * (last - first) / (taps - 1) as f64).round() as u32)
+        .collect();
+    // Ascending: equal ids are neighbours.
+    ids.dedup();
+    ids
 }
 
 /// Every tensor of the first `layers` decoder layers plus embeddings, final norm and
@@ -435,6 +454,26 @@ mod tests {
     fn tap_convention_matches_the_published_one() {
         assert_eq!(target_layer_ids(36, 5), vec![1, 9, 17, 25, 33]);
         assert_eq!(target_layer_ids(36, 1), vec![18]);
+        // The tiny target (6 layers) keeps its two taps.
+        assert_eq!(target_layer_ids(6, 2), vec![1, 3]);
+    }
+
+    #[test]
+    fn default_taps_of_a_shallow_target_are_distinct_layers_that_exist() {
+        assert_eq!(target_layer_ids(4, 2), vec![1], "not [1, 1]");
+        assert_eq!(target_layer_ids(6, 5), vec![1, 2, 3]);
+        assert_eq!(target_layer_ids(5, 2), vec![1, 2]);
+        assert_eq!(target_layer_ids(3, 2), vec![1]);
+        assert_eq!(target_layer_ids(2, 2), vec![1]);
+        assert_eq!(target_layer_ids(1, 2), vec![0]);
+        for n in 1..40 {
+            for taps in 1..8 {
+                let ids = target_layer_ids(n, taps);
+                assert!(!ids.is_empty() && ids.len() <= taps, "{n} {taps}: {ids:?}");
+                assert!(ids.windows(2).all(|w| w[0] < w[1]), "{n} {taps}: {ids:?}");
+                assert!(ids.iter().all(|&i| (i as usize) < n), "{n} {taps}: {ids:?}");
+            }
+        }
     }
 
     #[test]

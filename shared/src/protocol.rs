@@ -11,16 +11,18 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum FromWorker {
     /// First message on a new connection, exactly once.
     Hello(Hello),
-    /// "I am making progress." Sent from the worker's main loop, not from a side thread,
-    /// so a worker whose main loop is stuck stops sending them and is declared hung.
-    Heartbeat { seq: u64 },
+    /// "I am alive." Sent by a thread of its own that never waits for compute, so a
+    /// worker is declared hung (`--hang-timeout`) only when its process is wedged; `busy`:
+    /// the unit of work its compute loop is in, and for how long, which the supervisor
+    /// holds to `--step-timeout`.
+    Heartbeat { seq: u64, busy: Option<Busy> },
     /// Sent by the supervisor itself, never by a worker: wakes up the thread waiting for a
     /// worker that died before it connected.
     Abandon,
@@ -37,6 +39,15 @@ pub enum FromWorker {
     },
     /// A delivered batch was consumed (for a drafter: it reached the optimizer).
     Ack { input: SlotRef, batch_id: u64 },
+    /// A drafter evaluated the held-out batch `batch_id` (an eval batch id, see
+    /// [`crate::batch::is_eval_batch`]) forward only, at the weights of `step` (no
+    /// gradient, no all-reduce), and is done with its slot.
+    Evaluated {
+        input: SlotRef,
+        batch_id: u64,
+        step: u64,
+        stats: crate::drafter::StepStats,
+    },
     /// A drafter rank computed the gradient of `batch_id` for `step` and holds it until
     /// the step commits; it contributes it to every epoch's all-reduce of `step` (see
     /// [`ToWorker::Group`]). `params` is a checksum of the weights the gradient was taken
@@ -76,6 +87,59 @@ pub enum FromWorker {
     /// (host-side figures: reading them adds no GPU sync). Sent with heartbeats by
     /// workers that compute on a device.
     DeviceMemory(DeviceMemory),
+}
+
+impl FromWorker {
+    /// The message's name, for logs (a protocol violation names the message, not its
+    /// contents).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            FromWorker::Hello(_) => "Hello",
+            FromWorker::Heartbeat { .. } => "Heartbeat",
+            FromWorker::Abandon => "Abandon",
+            FromWorker::Commit { .. } => "Commit",
+            FromWorker::Ack { .. } => "Ack",
+            FromWorker::Evaluated { .. } => "Evaluated",
+            FromWorker::Grads { .. } => "Grads",
+            FromWorker::Reduced { .. } => "Reduced",
+            FromWorker::GroupId { .. } => "GroupId",
+            FromWorker::SnapshotDone { .. } => "SnapshotDone",
+            FromWorker::Checkpointed { .. } => "Checkpointed",
+            FromWorker::CheckpointFailed { .. } => "CheckpointFailed",
+            FromWorker::DeviceMemory(_) => "DeviceMemory",
+        }
+    }
+}
+
+/// A unit of work a worker's compute loop is in (see [`FromWorker::Heartbeat`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Work {
+    /// A drafter computing the gradient of training step `step` on batch `batch_id`.
+    Step { step: u64, batch_id: u64 },
+    /// A drafter applying the update of step `step`.
+    Update { step: u64 },
+    /// A target computing the hidden states of batch `batch_id`.
+    Batch { batch_id: u64 },
+    /// A drafter writing its state at `step` (a checkpoint or a snapshot).
+    Save { step: u64 },
+}
+
+impl std::fmt::Display for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Work::Step { step, batch_id } => write!(f, "step {step} (batch {batch_id})"),
+            Work::Update { step } => write!(f, "the update of step {step}"),
+            Work::Batch { batch_id } => write!(f, "batch {batch_id}"),
+            Work::Save { step } => write!(f, "saving the state of step {step}"),
+        }
+    }
+}
+
+/// What the compute loop is in and for how long (the worker's clock), as of a heartbeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Busy {
+    pub work: Work,
+    pub for_ms: u64,
 }
 
 /// Why a file could not be written: what was being done (with its path), the OS error's
@@ -118,6 +182,16 @@ pub enum PoolId {
     Tokens,
     /// Hidden-state batches: targets → drafters.
     Hidden,
+}
+
+/// In words, for logs: "token" or "hidden-state" (as in "the token pool").
+impl std::fmt::Display for PoolId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PoolId::Tokens => "token",
+            PoolId::Hidden => "hidden-state",
+        })
+    }
 }
 
 /// One slot under one generation, as granted by the supervisor.

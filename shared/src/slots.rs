@@ -26,6 +26,18 @@ pub enum SlotState {
     Reading = 3,
 }
 
+/// In words, for logs: "free", "writing", "ready", "reading".
+impl std::fmt::Display for SlotState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SlotState::Free => "free",
+            SlotState::Writing => "writing",
+            SlotState::Ready => "ready",
+            SlotState::Reading => "reading",
+        })
+    }
+}
+
 /// Who holds a slot: the supervisor's id for one worker life (or the loader).
 pub type Holder = u64;
 
@@ -274,6 +286,43 @@ impl SlotTable {
             (0..self.ready.len()).min_by_key(|&p| self.slots[self.ready[p] as usize].batch_id)?;
         let i = self.ready.remove(pos).expect("in range");
         Some(self.hand_out(i, holder))
+    }
+
+    /// The lowest READY batch id for which `pick` holds.
+    pub fn peek_lowest_where(&self, pick: impl Fn(u64) -> bool) -> Option<u64> {
+        self.ready
+            .iter()
+            .map(|&i| self.slots[i as usize].batch_id)
+            .filter(|&b| pick(b))
+            .min()
+    }
+
+    /// READY → READING for `holder`, the slot holding `batch_id`.
+    pub fn deliver_id(&mut self, holder: Holder, batch_id: u64) -> Option<Grant> {
+        let pos = (0..self.ready.len())
+            .find(|&p| self.slots[self.ready[p] as usize].batch_id == batch_id)?;
+        let i = self.ready.remove(pos).expect("in range");
+        Some(self.hand_out(i, holder))
+    }
+
+    /// READY slots whose batch `pick` chooses → FREE, undelivered; returns their batch
+    /// ids (the others stay READY in their order).
+    pub fn withdraw_ready_where(&mut self, pick: impl Fn(u64) -> bool) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut keep = VecDeque::with_capacity(self.ready.len());
+        for i in std::mem::take(&mut self.ready) {
+            let s = &mut self.slots[i as usize];
+            if pick(s.batch_id) {
+                s.state = SlotState::Free;
+                s.holder = None;
+                s.gen += 1;
+                out.push(s.batch_id);
+            } else {
+                keep.push_back(i);
+            }
+        }
+        self.ready = keep;
+        out
     }
 
     /// Every READY slot → FREE, undelivered (a rollback recomputes them in order);

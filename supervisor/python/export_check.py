@@ -3,7 +3,7 @@
 Loads DIR with transformers' AutoModel (trust_remote_code: the export's own
 dflash_drafter.py) on the CPU in float32, checks that every tensor of model.safetensors
 was used (no missing, unexpected or mismatched keys), runs the probe batch stored at export
-(probe.safetensors) with the explicit mask and again with the anchors (the module builds
+(DIR.probe.safetensors, beside the export) with the explicit mask and again with the anchors (the module builds
 DFlash's mask itself), and compares with the Rust drafter's output stored beside it.
 
 Exit 0: within tolerance. 1: over tolerance, keys missing/unexpected, or the model fails
@@ -16,10 +16,10 @@ import os
 import sys
 
 # Both sides compute in f32 from the same bf16 weights: only summation order differs.
-if len(sys.argv) != 3:
-    print("usage: export_check.py DIR TOLERANCE", file=sys.stderr)
+if len(sys.argv) != 4:
+    print("usage: export_check.py DIR PROBE TOLERANCE", file=sys.stderr)
     sys.exit(2)
-export_dir, tolerance = sys.argv[1], float(sys.argv[2])
+export_dir, probe_path, tolerance = sys.argv[1], sys.argv[2], float(sys.argv[3])
 
 missing = []
 for mod in ("torch", "transformers", "safetensors"):
@@ -54,14 +54,14 @@ if not auto:
     print(f"{export_dir}/config.json has no auto_map.AutoModel (not a dflash-supervise export, or one written before model code was exported)", file=sys.stderr)
     sys.exit(2)
 try:
-    probe = load_file(os.path.join(export_dir, "probe.safetensors"))
+    probe = load_file(probe_path)
 except Exception as e:
-    print(f"{export_dir}/probe.safetensors: {' '.join(str(e).split())}", file=sys.stderr)
+    print(f"{probe_path}: {' '.join(str(e).split())}", file=sys.stderr)
     sys.exit(2)
 needed = ("target_hidden", "noise_embedding", "position_ids", "anchors", "attention_mask", "hidden_states")
 absent = [k for k in needed if k not in probe]
 if absent:
-    print(f"{export_dir}/probe.safetensors lacks {', '.join(absent)}", file=sys.stderr)
+    print(f"{probe_path} lacks {', '.join(absent)}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -110,7 +110,7 @@ print(f"all {len(params)} tensors loaded (no missing, unexpected or mismatched k
 ref = probe["hidden_states"].to(torch.float32)
 scale = ref.abs().max().item()
 if not scale > 0:
-    print(f"{export_dir}/probe.safetensors: the reference output is all zeros", file=sys.stderr)
+    print(f"{probe_path}: the reference output is all zeros", file=sys.stderr)
     sys.exit(2)
 worst = 0.0
 with torch.no_grad():

@@ -25,8 +25,10 @@ use dflash_shared::DeviceSpec;
     verbatim_doc_comment
 )]
 #[command(
-    after_help = "Exit codes: 0 ok, 1 run failed (restart budget spent), 2 bad input, \
-3 unclean stop (a worker had to be killed), 4 internal error, 130 killed by a second Ctrl-C."
+    after_help = "Exit codes: 0 finished (steps or data done), 1 run failed, 2 bad input, \
+3 unclean stop (a worker had to be killed), 4 internal error, 75 stopped before the end \
+(signal or --time-limit; --resume continues it), 130 killed by a second Ctrl-C or \
+interrupted while starting."
 )]
 pub struct Cli {
     #[command(subcommand)]
@@ -177,10 +179,20 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Run")]
     pub time_limit: Option<Duration>,
 
-    /// A worker that sends no heartbeat for this long is killed and restarted.
+    /// A worker that sends no heartbeat for this long is killed and restarted. Heartbeats
+    /// come from a thread that never waits for compute: this catches a wedged process,
+    /// not a slow step (see --step-timeout).
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration,
           help_heading = "Restarts")]
     pub hang_timeout: Duration,
+
+    /// A worker whose unit of work (a drafter's training step, a target's batch, a
+    /// checkpoint write) has taken longer than this is declared hung, killed and
+    /// restarted. Default: the larger of 10m and 5 × the slowest of that worker's first 3
+    /// measured steps (10m until one is measured).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration,
+          help_heading = "Restarts")]
+    pub step_timeout: Option<Duration>,
 
     /// How many times one worker may be restarted in this run before the run gives up.
     #[arg(
@@ -198,8 +210,9 @@ pub struct RunArgs {
     pub stable_after: Duration,
 
     /// On SIGINT/SIGTERM, how long workers get to finish (and checkpoint) before they are
-    /// killed. A second Ctrl-C kills at once.
-    #[arg(long, value_name = "DURATION", default_value = "120s", value_parser = parse_duration,
+    /// killed. A second Ctrl-C kills at once. The default fits within Slurm's default
+    /// KillWait (30 s, the time between its SIGTERM and its SIGKILL).
+    #[arg(long, value_name = "DURATION", default_value = "25s", value_parser = parse_duration,
           help_heading = "Restarts")]
     pub stop_timeout: Duration,
 
@@ -214,7 +227,7 @@ pub struct RunArgs {
     )]
     pub target: String,
 
-    /// Target layers to tap, e.g. 1,9,17,25,33 (default: DFlash's spread of
+    /// Target layers to tap, distinct, e.g. 1,9,17,25,33 (default: DFlash's spread of
     /// --draft-layers taps over the target's depth).
     #[arg(
         long,
@@ -224,8 +237,9 @@ pub struct RunArgs {
     )]
     pub taps: Option<Vec<u32>>,
 
-    /// Drafter depth, which is also the number of taps (default: 5, or 2 for targets
-    /// under 12 layers).
+    /// Drafter depth, which is also the number of default taps (default: 5, or 2 for
+    /// targets under 12 layers); a target too shallow for that many distinct taps gets
+    /// fewer, said in one line.
     #[arg(long, value_name = "N", help_heading = "Model")]
     pub draft_layers: Option<usize>,
 
@@ -290,9 +304,23 @@ pub struct RunArgs {
     )]
     pub checkpoint_every: u64,
 
-    /// Checkpoints kept (the newest).
+    /// Checkpoints kept (the newest; checkpoints/best, the best by eval acceptance, is
+    /// kept besides).
     #[arg(long, value_name = "K", default_value_t = 3, help_heading = "Training")]
     pub keep_checkpoints: usize,
+
+    /// Held-out lines (a JSONL file in the formats --data takes: token lines, or chat /
+    /// ShareGPT lines rendered with the same tokenizer and template), evaluated whole every
+    /// --eval-every steps and at the last step: eval loss and acceptance length in
+    /// train.jsonl, the console, Prometheus and the report; checkpoints/best points at the
+    /// checkpoint with the best eval acceptance. Steps wait while an eval runs.
+    #[arg(long, value_name = "FILE", help_heading = "Training")]
+    pub eval_data: Option<PathBuf>,
+
+    /// Evaluate --eval-data every N steps (each such step is also checkpointed). Default:
+    /// --checkpoint-every (or only at the last step when that is 0).
+    #[arg(long, value_name = "N", help_heading = "Training")]
+    pub eval_every: Option<u64>,
 
     /// Snapshot the training state into supervisor-owned shared memory every N steps (what
     /// the group rolls back to if every drafter dies). Default: as often as keeps the
@@ -339,6 +367,17 @@ pub struct RunArgs {
     )]
     pub resume: Option<PathBuf>,
 
+    /// With --run-dir D: resume D when it holds a run, else start a new run there; one
+    /// command for a job that may be requeued (Slurm). A finished run exits 0 at once;
+    /// one stopped before its end (exit 75) continues from its newest checkpoint.
+    #[arg(
+        long,
+        help_heading = "Training",
+        requires = "run_dir",
+        conflicts_with = "resume"
+    )]
+    pub resume_if_exists: bool,
+
     /// With --resume: continue even though the data, the tokenizer or chat template, or the
     /// target's files changed since the run started (a warning names each change, and the
     /// inputs as they are now are recorded for later resumes).
@@ -380,11 +419,14 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 0, help_heading = "Data")]
     pub seed: u64,
 
-    /// Passes over the data; the run ends when the last batch is consumed.
-    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Data")]
-    pub epochs: u32,
+    /// Passes over the data; the run ends when the last batch is consumed. Default: 1, or
+    /// as many as --steps needs (the data is cycled, said at start); with both given,
+    /// --steps beyond what the epochs give is refused.
+    #[arg(long, value_name = "N", help_heading = "Data")]
+    pub epochs: Option<u32>,
 
-    /// More bad dataset lines than this stops the run (exit 2).
+    /// More bad dataset lines than this stops the run (exit 2); each distinct line
+    /// counts once, however many epochs read it.
     #[arg(long, value_name = "N", default_value_t = 10, help_heading = "Data")]
     pub max_bad_lines: u64,
 
@@ -488,10 +530,11 @@ pub enum BenchCommand {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
-        /// Tokenizer and chat template (default: $DFLASH_QWEN3_TOKENIZER or
-        /// target/test-assets/qwen3-tokenizer).
-        #[arg(long, value_name = "DIR")]
-        tokenizer: Option<PathBuf>,
+        /// Directory holding the tokenizer.json and chat template (tokenizer_config.json)
+        /// to measure, e.g. a Qwen3 model directory (scripts/fetch_test_assets.sh fetches
+        /// one into target/test-assets/qwen3-tokenizer).
+        #[arg(long, value_name = "DIR", required = true)]
+        tokenizer: PathBuf,
         /// Conversations to prepare.
         #[arg(long, default_value_t = 4000)]
         conversations: usize,

@@ -132,9 +132,11 @@ impl Error {
 /// How a run that got going ended, as far as its exit code goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RunEnd {
-    /// Stopped by request, time limit, step limit or the end of the data; every worker
-    /// stopped as asked.
+    /// Ended by its step limit or the end of the data; every worker stopped as asked.
     Clean,
+    /// Stopped before its end (a stop signal, the time limit); every worker stopped as
+    /// asked, so `--resume` continues it.
+    StoppedEarly,
     /// As `Clean`, but some worker had to be killed or exited non-zero.
     UncleanStop,
     /// A worker spent its restart budget, could never run here, training failed, or
@@ -152,6 +154,7 @@ impl RunEnd {
     pub fn exit_code(self) -> i32 {
         match self {
             RunEnd::Clean => exit_codes::SUCCESS,
+            RunEnd::StoppedEarly => exit_codes::STOPPED_EARLY,
             RunEnd::UncleanStop => exit_codes::UNCLEAN_STOP,
             RunEnd::Failed => exit_codes::RUN_FAILED,
             RunEnd::BadInput => exit_codes::USAGE,
@@ -192,11 +195,12 @@ mod tests {
             RunEnd::BadInput,
             RunEnd::UncleanStop,
             RunEnd::Internal,
+            RunEnd::StoppedEarly,
             RunEnd::Interrupted,
         ]
         .iter()
         .map(|r| r.exit_code())
         .collect();
-        assert_eq!(codes, [0, 1, 2, 3, 4, 130]);
+        assert_eq!(codes, [0, 1, 2, 3, 4, 75, 130]);
     }
 }

@@ -114,10 +114,17 @@ fn clap_exit(e: clap::Error) -> i32 {
         }
         _ => {
             let text = e.render().to_string();
-            let first = text
-                .lines()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("invalid command line");
+            let mut lines = text.lines().skip_while(|l| l.trim().is_empty());
+            let mut first = lines.next().unwrap_or("invalid command line").to_string();
+            if first.ends_with(':') {
+                // "the following required arguments were not provided:" and the indented
+                // lines naming them: one line.
+                let named: Vec<&str> = lines
+                    .take_while(|l| l.starts_with(' ') && !l.trim().is_empty())
+                    .map(str::trim)
+                    .collect();
+                first = format!("{first} {}", named.join(", "));
+            }
             crate::say!("dflash-supervise: {first} (see --help)");
             exit_codes::USAGE
         }

@@ -264,3 +264,66 @@ fn issue_20_bounds_and_words() {
         &["--max-seq-len 128", "max_position_embeddings 64"],
     );
 }
+
+#[test]
+fn prepare_of_chat_data_without_a_tokenizer_names_the_missing_tokenizer_json_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A model directory with a config.json and no tokenizer.json.
+    let t = target_with_config(tmp.path(), &[]);
+    let chat = tmp.path().join("chat.jsonl");
+    let line = r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}"#;
+    fs::write(&chat, [line; 6].join("\n") + "\n").unwrap();
+    let out = tmp.path().join("prepared.jsonl");
+    let (chat_s, out_s) = (chat.to_str().unwrap(), out.to_str().unwrap());
+    // One line (no per-line warnings before it), naming the file that is missing and the
+    // line that needs it.
+    expect_usage_error(
+        &[
+            "prepare", "--target", &t, "--data", chat_s, "--out", out_s,
+        ],
+        &[
+            &format!("--target {t}"),
+            &format!("{t} has no tokenizer.json"),
+            "--tokenizer DIR",
+            &format!("{chat_s}:1 is a chat conversation"),
+        ],
+    );
+    assert!(!out.exists(), "nothing written");
+    // Pre-tokenized lines need no tokenizer: the same command prepares them.
+    let tokens = tmp.path().join("tokens.jsonl");
+    let line = r#"{"input_ids": [1, 2, 3, 4], "loss_mask": [0, 1, 1, 1]}"#;
+    fs::write(&tokens, [line; 3].join("\n") + "\n").unwrap();
+    let o = supervise(
+        &[
+            "prepare",
+            "--target",
+            &t,
+            "--data",
+            tokens.to_str().unwrap(),
+            "--out",
+            out_s,
+        ],
+        None,
+    );
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(fs::read_to_string(&out).unwrap().lines().count(), 3);
+    // `bench prepare` has no default tokenizer (it was the build tree's).
+    let o = supervise(&["bench", "prepare", "--json"], None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--tokenizer <DIR>"), "{err}");
+    assert!(o.stdout.is_empty(), "nothing measured");
+}
+
+#[test]
+fn duplicate_taps_are_refused_naming_the_layer() {
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--taps", "1,1"],
+        &["--taps 1,1: layer 1 is given twice", "distinct"],
+    );
+}

@@ -101,25 +101,37 @@ fn train(target: Option<&Path>) -> Sup {
         "{}",
         sup.stderr()
     );
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "probe.safetensors",
-        "dflash_drafter.py",
-    ] {
-        assert!(
-            sup.run_dir.join("drafter").join(f).is_file(),
-            "the export holds {f}"
-        );
-    }
+    // The model directory holds only what a model hub should receive; the parity probe
+    // lies beside it.
+    let mut held: Vec<String> = std::fs::read_dir(sup.run_dir.join("drafter"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    held.sort();
+    assert_eq!(
+        held,
+        ["config.json", "dflash_drafter.py", "model.safetensors"],
+        "the export holds the model and nothing else"
+    );
+    assert!(
+        sup.run_dir.join("drafter.probe.safetensors").is_file(),
+        "the parity probe is beside the export"
+    );
     sup
 }
 
+/// A copy of an export, with the parity probe beside it.
 fn copy_dir(from: &Path, to: &Path) -> PathBuf {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap().flatten() {
         std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
+    std::fs::copy(
+        dflash_shared::checkpoint::probe_path(from),
+        dflash_shared::checkpoint::probe_path(to),
+    )
+    .unwrap();
     to.to_path_buf()
 }
 

@@ -136,7 +136,6 @@ fn a_full_disk_during_the_export_fails_the_run_and_export_writes_the_drafter_lat
     for f in [
         "config.json",
         "model.safetensors",
-        "probe.safetensors",
         "dflash_drafter.py",
     ] {
         assert!(sup.run_dir.join("drafter").join(f).is_file(), "{f}");

@@ -22,7 +22,7 @@ pub const MODULE_FILE: &str = "dflash_drafter.py";
 pub const MODEL_CLASS: &str = "DFlashDraftModel";
 pub const DRAFTER_MODULE: &str = include_str!("../python/dflash_drafter.py");
 /// The parity probe.
-pub const PROBE_FILE: &str = "probe.safetensors";
+pub use dflash_shared::checkpoint::probe_path;
 /// Rows of the probe batch and blocks per row.
 pub const PROBE_ROWS: usize = 2;
 pub const PROBE_BLOCKS: usize = 3;
@@ -246,9 +246,10 @@ pub struct ExportInfo<'a> {
 /// Write the drafter as a Hugging Face directory: config.json (Qwen3 fields, the DFlash
 /// fields and `auto_map`), model.safetensors (bf16, tensor names as in z-lab's DFlash
 /// draft model), the model code transformers loads with `trust_remote_code`
-/// ([`MODULE_FILE`]) and the parity probe ([`PROBE_FILE`]) that
+/// ([`MODULE_FILE`]); and, beside the directory ([`probe_path`]), the parity probe that
 /// `dflash-supervise export-check` runs it on. Atomic: written beside `dir`, synced, then
-/// renamed into place; every failure names its path.
+/// renamed into place (the directory first, then its probe); every failure names its
+/// path.
 pub fn write_hf_dir(
     d: &Drafter,
     frozen: &Frozen,
@@ -265,6 +266,8 @@ pub fn write_hf_dir(
     let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir(&tmp).map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
+    let probe_file = probe_path(dir);
+    let probe_tmp = probe_file.with_extension(format!("tmp-{}", std::process::id()));
     let written = (|| -> Result<()> {
         let config = export_config(
             &d.cfg,
@@ -282,7 +285,7 @@ pub fn write_hf_dir(
             WorkerError::Invalid(format!("computing the export's parity probe: {e}"))
         })?;
         drop(rounded);
-        write_synced(&tmp.join(PROBE_FILE), &serialize(&probe)?)?;
+        write_synced(&probe_tmp, &serialize(&probe)?)?;
         write_synced(&tmp.join(MODULE_FILE), DRAFTER_MODULE.as_bytes())?;
         let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = d
             .layout
@@ -319,9 +322,22 @@ pub fn write_hf_dir(
     })();
     if let Err(e) = written {
         let _ = std::fs::remove_dir_all(&tmp);
+        let _ = std::fs::remove_file(&probe_tmp);
         return Err(e);
     }
-    put_in_place(&tmp, dir, &dir.with_extension("old"))
+    if let Err(e) = put_in_place(&tmp, dir, &dir.with_extension("old")) {
+        let _ = std::fs::remove_file(&probe_tmp);
+        return Err(e);
+    }
+    std::fs::rename(&probe_tmp, &probe_file).map_err(WorkerError::io(format!(
+        "renaming {} to {}",
+        probe_tmp.display(),
+        probe_file.display()
+    )))?;
+    if let Some(parent) = probe_file.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent)?;
+    }
+    Ok(())
 }
 
 /// `dflash-worker export`: the drafter of checkpoint `checkpoint` (verified first) as the

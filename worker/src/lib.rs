@@ -13,6 +13,7 @@
 
 pub mod bench;
 pub mod bench_ops;
+mod busy;
 pub mod collective;
 pub mod compute;
 pub mod error;

@@ -5,14 +5,18 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 
 use crate::error::{Result, WorkerError};
-use dflash_shared::batch::{seal_hidden, write_hidden_header, CaptureSpec, HiddenView, TokenBatch};
+use dflash_shared::batch::{
+    eval_batch_parts, is_eval_batch, seal_hidden, write_hidden_header, CaptureSpec, HiddenView,
+    TokenBatch,
+};
 use dflash_shared::pool::PoolMap;
-use dflash_shared::protocol::{FromWorker, PoolId, PoolInfo, SlotRef};
+use dflash_shared::protocol::{FromWorker, PoolId, PoolInfo, SlotRef, Work};
 use dflash_shared::slots::SlotState;
 use dflash_shared::Role;
 
 use crate::gpu::{self, target::GpuTarget, GpuError};
 use crate::model::target::{Load, Target};
+use crate::busy::Busy;
 use crate::train::Rank;
 
 pub struct Pools {
@@ -25,10 +29,10 @@ impl Pools {
     pub fn open(infos: &[PoolInfo], capture: CaptureSpec) -> Result<Pools> {
         let find = |id: PoolId| {
             let i = infos.iter().find(|p| p.id == id).ok_or_else(|| {
-                WorkerError::Protocol(format!("the supervisor sent no {id:?} pool"))
+                WorkerError::Protocol(format!("the supervisor sent no {id} pool"))
             })?;
             PoolMap::open(i.fd, i.geometry.clone()).map_err(WorkerError::io(format!(
-                "mapping the {id:?} pool (fd {})",
+                "mapping the {id} pool (fd {})",
                 i.fd
             )))
         };
@@ -109,6 +113,10 @@ pub struct Plane {
     /// When the last unit of work ended (the wait for the next one starts there).
     idle_since: std::time::Instant,
     pub stats: Stats,
+    /// The unit of work being done, for the heartbeat thread.
+    pub busy: Busy,
+    /// Test-only: added to every drafter step (see [`crate::busy::TEST_STEP_DELAY_MS`]).
+    test_step_delay: Option<std::time::Duration>,
 }
 
 impl Plane {
@@ -125,6 +133,8 @@ impl Plane {
             consumed: HashSet::new(),
             idle_since: std::time::Instant::now(),
             stats: Stats::default(),
+            busy: Busy::default(),
+            test_step_delay: crate::busy::test_step_delay(),
         }
     }
 
@@ -193,7 +203,7 @@ impl Plane {
                 Ok(Ok(mut g)) => {
                     let (cfg, taps) = (&g.cfg, &g.taps);
                     let mut msg = format!(
-                        "target loaded: {:?}, {} layers (running {}), hidden {}, taps {:?}",
+                        "target loaded: {}, {} layers (running {}), hidden {}, taps {:?}",
                         cfg.arch,
                         cfg.num_hidden_layers,
                         taps.iter().max().map_or(0, |m| m + 1),
@@ -290,7 +300,12 @@ impl Plane {
         self.pools.is_some()
             && !self.deliveries.is_empty()
             && match self.role {
-                Role::Drafter => self.rank.as_ref().is_some_and(|r| !r.awaiting),
+                // A held-out eval batch is scored forward only, even while the rank holds
+                // the next step's gradient (the supervisor commits no step before an eval
+                // round is complete, so it is scored at the eval step's weights).
+                Role::Drafter => self.rank.as_ref().is_some_and(|r| {
+                    !r.awaiting || self.deliveries.iter().any(|d| is_eval_batch(d.batch_id))
+                }),
                 Role::Target => {
                     !self.leases.is_empty() && matches!(self.target, TargetModel::Ready(_))
                 }
@@ -323,10 +338,19 @@ impl Plane {
     }
 
     fn work(&mut self) -> Result<FromWorker> {
-        let d = self
-            .deliveries
-            .pop_front()
-            .ok_or_else(|| WorkerError::Protocol("no delivery".into()))?;
+        // A drafter's eval batches go first: they do not wait for the next commit.
+        let eval = match self.role {
+            Role::Drafter => self
+                .deliveries
+                .iter()
+                .position(|d| is_eval_batch(d.batch_id)),
+            Role::Target => None,
+        };
+        let d = match eval {
+            Some(i) => self.deliveries.remove(i),
+            None => self.deliveries.pop_front(),
+        }
+        .ok_or_else(|| WorkerError::Protocol("no delivery".into()))?;
         let pools = self
             .pools
             .as_ref()
@@ -340,6 +364,9 @@ impl Plane {
         let payload = unsafe { &map.payload(d.slot.slot)[..d.len as usize] };
         match self.role {
             Role::Target => {
+                let _busy = self.busy.enter(Work::Batch {
+                    batch_id: d.batch_id,
+                });
                 let out = self
                     .leases
                     .pop_front()
@@ -402,7 +429,7 @@ impl Plane {
                 )))?;
                 if view.spec != pools.capture {
                     return Err(WorkerError::Invalid(format!(
-                        "hidden-state batch {} was captured as {:?}, but this run trains on {:?}: refusing to train on the wrong layers",
+                        "hidden-state batch {} was captured as {}, but this run trains on {}: refusing to train on the wrong layers",
                         d.batch_id, view.spec, pools.capture
                     )));
                 }
@@ -411,6 +438,20 @@ impl Plane {
                         "slot {} holds batch {}, expected {}",
                         d.slot.slot, view.tokens.batch_id, d.batch_id
                     )));
+                }
+                if is_eval_batch(d.batch_id) {
+                    let rank = self.rank.as_mut().ok_or_else(|| {
+                        WorkerError::Protocol("an eval batch before the training setup".into())
+                    })?;
+                    let (_, index) = eval_batch_parts(d.batch_id);
+                    let stats = rank.evaluate(&view, index)?;
+                    // sync point (pool edge 4): sent after our last read of the slot.
+                    return Ok(FromWorker::Evaluated {
+                        input: d.slot,
+                        batch_id: d.batch_id,
+                        step: rank.step,
+                        stats,
+                    });
                 }
                 if !self.consumed.insert(d.batch_id) {
                     self.stats.duplicates += 1;
@@ -424,6 +465,13 @@ impl Plane {
                 let rank = self.rank.as_mut().ok_or_else(|| {
                     WorkerError::Protocol("a batch to train before the training setup".into())
                 })?;
+                let _busy = self.busy.enter(Work::Step {
+                    step: rank.step + 1,
+                    batch_id: d.batch_id,
+                });
+                if let Some(delay) = self.test_step_delay {
+                    std::thread::sleep(delay);
+                }
                 let params = rank.params_checksum()?;
                 let stats = rank.compute(&view)?;
                 self.stats.batches += 1;
@@ -464,8 +512,8 @@ fn check_header(map: &PoolMap, d: &Delivery) -> Result<()> {
     };
     if state != expected as u32 || gen != d.slot.gen {
         return Err(WorkerError::Protocol(format!(
-            "slot {} header says state {state} gen {gen}, expected {expected:?} gen {}",
-            d.slot.slot, d.slot.gen
+            "slot {} header says state {state} gen {gen}, expected state {} ({expected}) gen {}",
+            d.slot.slot, expected as u32, d.slot.gen
         )));
     }
     if d.len > 0 {

@@ -1,6 +1,7 @@
 //! The role loop: wait for work or a control message up to one heartbeat interval, do one
-//! unit of work when one is ready, report it, beat. Heartbeats come from this loop, not a
-//! side thread, so a worker stuck in its work stops beating and is declared hung.
+//! unit of work when one is ready, report it. Heartbeats come from a thread of their own
+//! (crate::busy), which puts in each the unit of work this loop is in: a slow step is not
+//! a hang, and the supervisor holds the step itself to `--step-timeout`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::time::Instant;
 
 use crate::error::{Result, While, WorkerError};
 use dflash_shared::exit_codes;
-use dflash_shared::protocol::{connect, FromWorker, ToWorker};
+use dflash_shared::protocol::{connect, FromWorker, ToWorker, Work};
 use ipc_channel::ipc::IpcSender;
 use ipc_channel::{IpcError, TryRecvError};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
@@ -66,9 +67,9 @@ pub fn run(control: &str, id: &Identity) -> Result<i32> {
         println!("stop signal received while connecting: waiting for the supervisor's stop order");
     }
     let mut plane = Plane::new(id.name.role, id.gpu.parse().ok());
+    crate::busy::start_heartbeats(up.clone(), plane.busy.clone(), id.heartbeat)?;
     let mut clock = Beats {
-        seq: 0,
-        last_beat: Instant::now(),
+        last_memory: Instant::now(),
         last_progress: Instant::now(),
     };
     loop {
@@ -127,10 +128,9 @@ enum Flow {
     Orphaned,
 }
 
-/// When the last heartbeat and progress line were.
+/// When the device memory was last reported and the last progress line printed.
 struct Beats {
-    seq: u64,
-    last_beat: Instant,
+    last_memory: Instant,
     last_progress: Instant,
 }
 
@@ -216,7 +216,10 @@ fn obey(
             let rank = plane.rank.as_mut().ok_or_else(|| {
                 WorkerError::Protocol("a step to apply before the training setup".into())
             })?;
-            let applied = rank.reduce(step, epoch, lr, weight_sum)?;
+            let applied = {
+                let _busy = plane.busy.enter(Work::Update { step });
+                rank.reduce(step, epoch, lr, weight_sum)?
+            };
             if let Some(skipped) = applied.skipped {
                 println!(
                     "step {skipped}: non-finite gradient, step skipped ({} so far)",
@@ -230,7 +233,9 @@ fn obey(
                 WorkerError::Protocol("a snapshot request before the training setup".into())
             })?;
             let t = std::time::Instant::now();
+            let busy = plane.busy.enter(Work::Save { step: rank.step });
             rank.snapshot(slot)?;
+            drop(busy);
             let ms = t.elapsed().as_secs_f64() * 1e3;
             tell(FromWorker::SnapshotDone {
                 step: rank.step,
@@ -248,7 +253,10 @@ fn obey(
                     rank.step
                 )));
             }
-            match rank.checkpoint(std::path::Path::new(&dir), &meta) {
+            let busy = plane.busy.enter(Work::Save { step });
+            let written = rank.checkpoint(std::path::Path::new(&dir), &meta);
+            drop(busy);
+            match written {
                 Ok(()) => tell(FromWorker::Checkpointed { dir, step }),
                 // A write that failed (a full disk, a directory replaced or removed) is the
                 // supervisor's to decide on: it is not a crash, and restarting would not help.
@@ -291,7 +299,7 @@ fn join_training(
     }
     .during(|| "setting up training".into())?;
     println!(
-        "training: rank {} joined at step {} ({} parameters, {:?}), computing on {}, gradients exchanged through {}",
+        "training: rank {} joined at step {} ({} parameters, {}), computing on {}, gradients exchanged through {}",
         rank.setup.rank,
         rank.step,
         rank.param_count(),
@@ -314,13 +322,15 @@ fn report_signals(flags: &Flags, plane: &Plane) {
     }
     for (flag, sig) in [(&flags.usr1, "SIGUSR1"), (&flags.usr2, "SIGUSR2")] {
         if flag.swap(false, Ordering::Relaxed) {
-            println!("{sig} received (pre-emption notice); nothing to checkpoint yet");
+            // The supervisor got the same signal: on SIGUSR1 it checkpoints at the next
+            // step; the worker itself has nothing to do.
+            println!("{sig} received: the supervisor decides what it means (SIGUSR1: a checkpoint at the next step)");
         }
     }
 }
 
 /// Load the model, do a batch's work when there is one, and keep the supervisor told
-/// (heartbeat, device memory, a progress line).
+/// (device memory, a progress line; the heartbeats have a thread of their own).
 fn work(
     plane: &mut Plane,
     up: &IpcSender<FromWorker>,
@@ -356,12 +366,8 @@ fn work(
         let s = &plane.stats;
         println!("{} batches, {} tokens so far", s.batches, s.tokens);
     }
-    if clock.last_beat.elapsed() >= id.heartbeat {
-        clock.last_beat = Instant::now();
-        clock.seq += 1;
-        if up.send(FromWorker::Heartbeat { seq: clock.seq }).is_err() {
-            return Ok(Flow::Orphaned);
-        }
+    if clock.last_memory.elapsed() >= id.heartbeat {
+        clock.last_memory = Instant::now();
         if let Some(m) = plane.device_memory() {
             if up.send(FromWorker::DeviceMemory(m)).is_err() {
                 return Ok(Flow::Orphaned);

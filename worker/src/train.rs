@@ -259,6 +259,49 @@ impl Rank {
         Ok(stats)
     }
 
+    /// Held-out evaluation of one hidden-state batch at the current weights (those of
+    /// `self.step`): the forward and loss of [`compute`](Self::compute) alone, with the
+    /// anchors drawn from `index` (the batch's place in the eval set, so every eval round
+    /// scores the same blocks). No gradient is written and nothing is contributed, so it
+    /// may run while this rank holds the gradient of the next step.
+    pub fn evaluate(&mut self, view: &HiddenView, index: u64) -> Result<StepStats> {
+        let started = std::time::Instant::now();
+        let c = &self.drafter.cfg;
+        let width = view.spec.tap_ids.len() * view.spec.hidden as usize;
+        if view.spec.tap_ids.len() != c.n_taps || view.spec.hidden as usize != c.hidden {
+            return Err(WorkerError::Invalid(format!(
+                "eval batch has {} taps × {}, the drafter expects {} × {}",
+                view.spec.tap_ids.len(),
+                view.spec.hidden,
+                c.n_taps,
+                c.hidden
+            )));
+        }
+        let mut tb = view.tokens.clone();
+        tb.batch_id = index;
+        let seq = tb.seq_len as usize;
+        let raw: Vec<&[u8]> = tb
+            .lengths
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| {
+                &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2]
+            })
+            .collect();
+        let none = vec![Vec::new(); raw.len()];
+        let (samples, anchors) = batch_samples(&self.drafter, &tb, &none, self.setup.seed);
+        let mut stats = self
+            .model
+            .eval_batch_bf16(&samples, &raw, &anchors)
+            .map_err(WorkerError::device(format!(
+                "drafter evaluation on {}",
+                self.model.describe()
+            )))?;
+        stats.nonfinite = !stats.loss_sum.is_finite();
+        stats.compute_ms = started.elapsed().as_secs_f64() * 1e3;
+        Ok(stats)
+    }
+
     /// The data is at its end and no batch comes for `step`: contribute a zero gradient
     /// of weight 0, so the ranks that have one can commit it. Ignored when this rank has a
     /// gradient already, or the order is stale.
@@ -348,8 +391,11 @@ impl Rank {
         }
         if self.reported != Some((step, epoch)) {
             return Err(WorkerError::Protocol(format!(
-                "step {step} committed in epoch {epoch}, but this rank reported {:?}",
-                self.reported
+                "step {step} committed in epoch {epoch}, but this rank reported {}",
+                match self.reported {
+                    Some((s, e)) => format!("step {s} in epoch {e}"),
+                    None => "no reduced gradient".into(),
+                }
             )));
         }
         let started = std::time::Instant::now();
@@ -520,7 +566,7 @@ impl Rank {
             .map_err(WorkerError::format(format!("{}/meta.json", dir.display())))?;
         if meta["step"].as_u64() != Some(step) {
             return Err(WorkerError::Invalid(format!(
-                "{}: checkpoint of step {:?}, expected {step}",
+                "{}: checkpoint of step {}, expected {step}",
                 dir.display(),
                 meta["step"]
             )));
@@ -529,8 +575,10 @@ impl Rank {
             serde_json::from_value(meta["drafter"].clone())?;
         if saved != self.drafter.cfg {
             return Err(WorkerError::Invalid(format!(
-                "{}: the checkpoint's drafter ({saved:?}) is not the one this run trains",
-                dir.display()
+                "{}: the checkpoint's drafter ({}) is not the one this run trains ({})",
+                dir.display(),
+                serde_json::to_string(&saved).unwrap_or_default(),
+                serde_json::to_string(&self.drafter.cfg).unwrap_or_default()
             )));
         }
         let bytes = std::fs::read(dir.join("state.safetensors")).map_err(WorkerError::io(

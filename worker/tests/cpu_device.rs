@@ -77,3 +77,108 @@ fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
     )
     .unwrap();
 }
+
+/// Held-out evaluation (`--eval-data`) is the training forward alone: on the same batch at
+/// the same weights, `eval_batch_bf16` gives exactly the statistics `train_batch_bf16_on_device`
+/// reports, and leaves the gradient that a rank holds for its next step as it was.
+#[test]
+fn eval_stats_are_the_training_forwards_on_the_same_batch_and_leave_the_gradient_alone() {
+    use dflash_shared::drafter::DrafterConfig;
+    use dflash_shared::rng::Rng;
+    use dflash_worker::gpu::drafter::GpuDrafter;
+    use dflash_worker::model::drafter::{Drafter, Frozen, Sample};
+    let c = DrafterConfig {
+        hidden: 32,
+        layers: 1,
+        q_heads: 2,
+        kv_heads: 1,
+        head_dim: 16,
+        intermediate: 48,
+        vocab: 300,
+        eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        n_taps: 2,
+        block_size: 4,
+        max_anchors: 4,
+        mask_token_id: 299,
+        gamma: 4.0,
+    };
+    let d = Drafter::new(c.clone());
+    let mut rng = Rng::new(5);
+    let mut rv = |n: usize, s: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| (rng.next_u64() % 2001) as f32 / 1000.0 * s - s)
+            .collect()
+    };
+    let frozen = Frozen {
+        embed: rv(c.vocab * c.hidden, 1.0),
+        lm_head: rv(c.vocab * c.hidden, 0.5),
+    };
+    let lens = [19usize, 9];
+    let taps16: Vec<Vec<u8>> = lens
+        .iter()
+        .map(|&l| {
+            rv(l * c.n_taps * c.hidden, 1.0)
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect()
+        })
+        .collect();
+    let ids: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&l| (0..l).map(|t| ((t * 37 + l) % 290) as u32).collect())
+        .collect();
+    let masks: Vec<Vec<u8>> = lens.iter().map(|&l| vec![1u8; l]).collect();
+    let mut arng = Rng::new(9);
+    let anchors: Vec<Vec<usize>> = masks
+        .iter()
+        .map(|m| d.sample_anchors(m, &mut arng))
+        .collect();
+    let bare: Vec<Sample> = (0..2)
+        .map(|i| Sample {
+            taps: &[],
+            ids: &ids[i],
+            mask: &masks[i],
+        })
+        .collect();
+    let raw: Vec<&[u8]> = taps16.iter().map(|t| t.as_slice()).collect();
+    let mut gpu = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let p = d.init_params(3);
+    let zeros = vec![0f32; p.len()];
+    gpu.load(&p, &zeros, &zeros, 0).unwrap();
+    let train = gpu
+        .train_batch_bf16_on_device(&bare, &raw, &anchors, 1.0)
+        .unwrap();
+    let mut held = vec![0u8; p.len() * 4];
+    gpu.grads_to_host(&mut held).unwrap();
+    let eval = gpu.eval_batch_bf16(&bare, &raw, &anchors).unwrap();
+    assert!(train.blocks > 0 && train.tokens == 28, "{train:?}");
+    assert_eq!(
+        (
+            eval.loss_sum,
+            eval.weight_sum,
+            eval.accept_sum,
+            eval.blocks,
+            eval.tokens,
+            eval.anchors,
+            &eval.slot_correct,
+            &eval.slot_total
+        ),
+        (
+            train.loss_sum,
+            train.weight_sum,
+            train.accept_sum,
+            train.blocks,
+            train.tokens,
+            train.anchors,
+            &train.slot_correct,
+            &train.slot_total
+        )
+    );
+    let mut after = vec![0u8; p.len() * 4];
+    gpu.grads_to_host(&mut after).unwrap();
+    assert!(held.iter().any(|&b| b != 0), "a gradient is held");
+    assert_eq!(after, held, "the eval left the held gradient as it was");
+    assert_eq!(gpu.params_hash().unwrap(), dflash_worker::gpu::ops::params_hash(&p));
+}

@@ -23,13 +23,9 @@ pub const CHECK_SCRIPT: &str = include_str!("../../python/export_check.py");
 /// changed tensor) shows as 1e-2 or more.
 pub const DEFAULT_TOLERANCE: f64 = 1e-3;
 
-/// Files every export holds.
-const EXPORT_FILES: [&str; 4] = [
-    "config.json",
-    "model.safetensors",
-    "probe.safetensors",
-    "dflash_drafter.py",
-];
+/// Files every export holds (its parity probe lies beside it:
+/// [`dflash_shared::checkpoint::probe_path`]).
+const EXPORT_FILES: [&str; 3] = ["config.json", "model.safetensors", "dflash_drafter.py"];
 
 #[derive(Debug, clap::Args)]
 pub struct ExportCheckArgs {
@@ -70,6 +66,14 @@ fn not_an_export(dir: &Path) -> Option<String> {
             EXPORT_FILES.join(", ")
         ));
     }
+    let probe = dflash_shared::checkpoint::probe_path(dir);
+    if !probe.is_file() {
+        return Some(format!(
+            "{}: no parity probe beside it (expected {}, which `dflash-supervise export` writes next to the drafter directory)",
+            dir.display(),
+            probe.display()
+        ));
+    }
     None
 }
 
@@ -88,6 +92,7 @@ pub fn run(a: ExportCheckArgs) -> Result<i32, Error> {
         .arg("-c")
         .arg(CHECK_SCRIPT)
         .arg(&a.dir)
+        .arg(dflash_shared::checkpoint::probe_path(&a.dir))
         .arg(format!("{:e}", a.tolerance))
         .status();
     match status {
@@ -121,13 +126,17 @@ mod tests {
         std::fs::write(tmp.path().join("config.json"), "{}").unwrap();
         let why = not_an_export(tmp.path()).unwrap();
         assert!(
-            why.contains("no model.safetensors, probe.safetensors, dflash_drafter.py")
+            why.contains("no model.safetensors, dflash_drafter.py")
                 && !why.contains('\n'),
             "{why}"
         );
         for f in EXPORT_FILES {
             std::fs::write(tmp.path().join(f), "").unwrap();
         }
+        // The probe lies beside the directory, and is needed.
+        let why = not_an_export(tmp.path()).unwrap();
+        assert!(why.contains(".probe.safetensors"), "{why}");
+        std::fs::write(dflash_shared::checkpoint::probe_path(tmp.path()), "").unwrap();
         assert!(not_an_export(tmp.path()).is_none());
         let e = run(ExportCheckArgs {
             dir: tmp.path().to_path_buf(),

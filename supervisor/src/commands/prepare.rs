@@ -10,7 +10,7 @@ use crate::cli::PrepareArgs;
 use crate::data::chat::Chat;
 use crate::data::loader::{self, DataSource, LoaderConfig};
 use crate::data::preflight::{
-    load_chat, scan, synthetic_conversations, test_tokenizer_dir, tmp_path, write_atomic, Report,
+    load_chat, scan, synthetic_conversations, tmp_path, write_atomic, Report,
 };
 use crate::error::Error;
 
@@ -46,6 +46,17 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
         chat_error,
     };
     cfg.check()?;
+    if let Some(why) = &cfg.chat_error {
+        // Chat data needs the tokenizer and template: say so at once, not with each line.
+        if let Some((whence, line)) = loader::first_line(&cfg.source) {
+            if loader::parse_line(&line, &cfg).is_err_and(|b| b.reason == loader::NO_TOKENIZER) {
+                return Err(Error::input(
+                    format!("--target {}", a.target.display()),
+                    format!("{why} ({whence} is a chat conversation: rendering it needs the tokenizer.json and chat template)"),
+                ));
+            }
+        }
+    }
     let tmp = tmp_path(&a.out);
     let file = std::fs::File::create(&tmp)
         .map_err(|e| Error::input(format!("--out {}", a.out.display()), e))?;
@@ -96,14 +107,11 @@ pub fn prepare(a: PrepareArgs) -> Result<i32, Error> {
 }
 
 /// `dflash-supervise bench prepare`.
-pub fn bench(json: bool, tokenizer: Option<PathBuf>, conversations: usize) -> Result<i32, Error> {
-    let dir = tokenizer.unwrap_or_else(test_tokenizer_dir);
-    let chat = Arc::new(Chat::load(&dir).map_err(|e| {
-        Error::input(
-            "--tokenizer (fetch the test tokenizer with scripts/fetch_test_assets.sh)",
-            e,
-        )
-    })?);
+pub fn bench(json: bool, tokenizer: PathBuf, conversations: usize) -> Result<i32, Error> {
+    let chat = Arc::new(
+        Chat::load(&tokenizer)
+            .map_err(|e| Error::input(format!("--tokenizer {}", tokenizer.display()), e))?,
+    );
     let lines = synthetic_conversations(conversations.max(1), 7);
     let tmp =
         std::env::temp_dir().join(format!("dflash-bench-prepare-{}.jsonl", std::process::id()));

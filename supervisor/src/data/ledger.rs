@@ -5,7 +5,9 @@
 //! One JSON object per line: `{"t": unix_ms, "ev": EVENT, "batch": ID, "worker": NAME, ...}`
 //! with EVENT one of `load`, `to_target`, `hidden`, `to_drafter`, `consumed` (with the
 //! committed `step`), `requeue`, `duplicate`, `replay` (a rolled-back batch sent through
-//! again); `{"ev": "rollback", "from": STEP, "to": STEP, "batches": [...]}` when the drafter
+//! again), `withdrawn` (a READY training batch taken out of a full pool to make room for
+//! an eval round: it goes through again after it), and for held-out eval batches (ids from
+//! 2^62, never training batches) `eval_load` and `evaluated`; `{"ev": "rollback", "from": STEP, "to": STEP, "batches": [...]}` when the drafter
 //! group went back to a saved state (every drafter died, or `--resume`); `{"ev": "torn"}`
 //! after a line a crash cut short; and a last line `{"ev": "end", "in_flight": [...],
 //! "loader_done": bool}` when the supervisor ends.

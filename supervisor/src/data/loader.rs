@@ -126,11 +126,26 @@ impl Parsed {
     }
 }
 
-/// Counts of skipped lines, by reason; the first few are kept with file:line.
+/// Counts of skipped lines, by reason; the first few are reported with file:line.
+///
+/// Each distinct line (file:line) counts once, however many epochs read it again: the
+/// budget (--max-bad-lines) is about the data, not about how often it is read. Good lines
+/// that cannot be trained on and the lines read are counted in the first pass only.
 #[derive(Debug, Default, Clone, Serialize)]
 pub struct BadLines {
+    /// Distinct bad lines, by reason.
     pub by_reason: BTreeMap<String, u64>,
+    /// Distinct bad lines (what --max-bad-lines bounds).
     pub total: u64,
+    /// Bad lines skipped again by a later epoch (already counted in `total`).
+    pub skipped_again: u64,
+    /// Which pass over the data this is (the epoch, from 0): counts of good lines are
+    /// taken in pass 0 only.
+    #[serde(skip)]
+    pub pass: u32,
+    /// The bad lines counted so far, as file:line (at most --max-bad-lines + 1 of them).
+    #[serde(skip)]
+    seen: std::collections::HashSet<String>,
     /// Samples dropped because no two consecutive tokens are supervised (not an error).
     pub unsupervised: u64,
     /// Samples dropped because their supervised tokens were past --max-seq-len (they had
@@ -150,7 +165,13 @@ pub fn cut_reason(max_seq_len: u32) -> String {
 const REPORT_FIRST: u64 = 5;
 
 impl BadLines {
+    /// A bad line at `whence` (file:line): counted and reported the first time it is met;
+    /// a later epoch meeting it again skips it without counting it again.
     fn bad(&mut self, whence: &str, reason: &str, detail: Option<&str>) {
+        if !self.seen.insert(whence.to_string()) {
+            self.skipped_again += 1;
+            return;
+        }
         self.total += 1;
         *self.by_reason.entry(reason.to_string()).or_default() += 1;
         if self.total <= REPORT_FIRST {
@@ -161,8 +182,18 @@ impl BadLines {
         }
     }
 
+    /// A non-blank line was read.
+    fn line_read(&mut self) {
+        if self.pass == 0 {
+            self.lines += 1;
+        }
+    }
+
     /// Count a good line that cannot be trained on, by why.
     pub(crate) fn unusable(&mut self, p: &Parsed, max_seq_len: u32) {
+        if self.pass > 0 {
+            return;
+        }
         if p.cut_by_max_seq_len() {
             self.cut_by_max_seq_len += 1;
             self.max_seq_len = max_seq_len;
@@ -191,13 +222,21 @@ impl BadLines {
             ));
         }
         format!(
-            "{} lines read, {} bad{}",
+            "{} lines read, {} bad{}{}",
             self.lines,
             self.total,
             if parts.is_empty() {
                 String::new()
             } else {
                 format!("; {}", parts.join(", "))
+            },
+            if self.skipped_again > 0 {
+                format!(
+                    " (later epochs skipped the same bad lines again {} times; each counts once against --max-bad-lines)",
+                    self.skipped_again
+                )
+            } else {
+                String::new()
             }
         )
     }
@@ -341,6 +380,52 @@ pub fn list_jsonl(dir: &Path) -> io::Result<(Vec<PathBuf>, Vec<Skipped>)> {
     Ok((files, skipped))
 }
 
+/// The first non-blank line of `source`, as (file:line, bytes), read without taking
+/// anything from a later read: a file's first line, or the first line stdin has already
+/// buffered (`None` when its first line is not all there yet, or there is no line).
+pub(crate) fn first_line(source: &DataSource) -> Option<(String, Vec<u8>)> {
+    match source {
+        DataSource::Demo { .. } => None,
+        DataSource::Stdin => {
+            // Peeked at, not consumed: the loader's reads of stdin get these bytes again.
+            let mut lock = io::stdin().lock();
+            let buf = lock.fill_buf().ok()?;
+            let buf = buf.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(buf);
+            buf.split_inclusive(|&b| b == b'\n')
+                .take_while(|l| l.ends_with(b"\n"))
+                .enumerate()
+                .find(|(_, l)| !l.iter().all(u8::is_ascii_whitespace))
+                .map(|(i, l)| (format!("<stdin>:{}", i + 1), l.to_vec()))
+        }
+        DataSource::Files(files) => {
+            for f in files {
+                let name = f.display().to_string();
+                let mut r = BufReader::new(File::open(f).ok()?);
+                let mut line_no = 0;
+                loop {
+                    let mut text = Vec::new();
+                    // A line up to 16 MiB.
+                    let n = (&mut r)
+                        .take(16 << 20)
+                        .read_until(b'\n', &mut text)
+                        .ok()?;
+                    if n == 0 {
+                        break;
+                    }
+                    line_no += 1;
+                    if line_no == 1 && text.starts_with(b"\xEF\xBB\xBF") {
+                        text.drain(..3);
+                    }
+                    if !text.iter().all(u8::is_ascii_whitespace) {
+                        return Some((format!("{name}:{line_no}"), text));
+                    }
+                }
+            }
+            None
+        }
+    }
+}
+
 /// One epoch's stream of samples.
 trait SampleStream {
     /// The next usable sample; `Ok(None)` at the end of the epoch.
@@ -425,6 +510,8 @@ pub(crate) struct JsonlStream {
     pub(crate) total_bytes: Option<u64>,
     /// Read no line past this many (the preflight's --preflight-lines).
     pub(crate) line_limit: Option<u64>,
+    /// Non-blank lines read so far.
+    pub(crate) lines_read: u64,
 }
 
 /// One raw line: where it is (file:line) and its bytes, or why it was refused unread.
@@ -463,6 +550,7 @@ impl JsonlStream {
             bytes_read: 0,
             total_bytes,
             line_limit: None,
+            lines_read: 0,
         })
     }
 
@@ -473,7 +561,7 @@ impl JsonlStream {
         cfg: &LoaderConfig,
     ) -> Result<Option<RawLine>, LoaderError> {
         loop {
-            if self.line_limit.is_some_and(|l| bad.lines >= l) {
+            if self.line_limit.is_some_and(|l| self.lines_read >= l) {
                 return Ok(None);
             }
             if self.current.is_none() {
@@ -515,7 +603,8 @@ impl JsonlStream {
                         break;
                     }
                 }
-                bad.lines += 1;
+                self.lines_read += 1;
+                bad.line_read();
                 return Ok(Some((
                     whence,
                     Err(Bad {
@@ -531,7 +620,8 @@ impl JsonlStream {
             if self.buf.iter().all(|b| b.is_ascii_whitespace()) {
                 continue;
             }
-            bad.lines += 1;
+            self.lines_read += 1;
+            bad.line_read();
             return Ok(Some((whence, Ok(std::mem::take(&mut self.buf)))));
         }
     }
@@ -638,7 +728,7 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
                 return Err(bad("no input_ids, messages or conversations"));
             };
             let chat = cfg.chat.as_ref().ok_or_else(|| Bad {
-                reason: "chat sample but no usable tokenizer",
+                reason: NO_TOKENIZER,
                 detail: Some(
                     cfg.chat_error
                         .clone()
@@ -664,6 +754,9 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
 }
 
 pub(crate) use crate::data::chat::Bad;
+
+/// Why a chat line is bad when there is no usable tokenizer and chat template.
+pub(crate) const NO_TOKENIZER: &str = "chat sample but no usable tokenizer";
 
 fn bad(reason: &'static str) -> Bad {
     Bad {
@@ -720,8 +813,13 @@ pub struct Loader {
     next_id: u64,
     pub bad: BadLines,
     samples_this_epoch: u64,
+    /// `bad.skipped_again` when this epoch began.
+    skipped_again_before: u64,
     /// Batch ids consumed by the run being resumed: generated again, not emitted.
     skip: std::collections::HashSet<u64>,
+    /// How many batches the first epoch was cut into, once it has been read (the exact
+    /// length of an epoch, which the LR schedule is refined to).
+    pub first_epoch_batches: Option<u64>,
 }
 
 impl Loader {
@@ -735,7 +833,9 @@ impl Loader {
             next_id: 0,
             bad: BadLines::default(),
             samples_this_epoch: 0,
+            skipped_again_before: 0,
             skip: std::collections::HashSet::new(),
+            first_epoch_batches: None,
         }
     }
 
@@ -789,6 +889,8 @@ impl Loader {
             if self.stream.is_none() {
                 self.stream = Some(self.open_epoch()?);
                 self.samples_this_epoch = 0;
+                self.bad.pass = self.epoch;
+                self.skipped_again_before = self.bad.skipped_again;
             }
             let stream = self.stream.as_mut().expect("stream");
             while self.window.len() < self.cfg.shuffle_window {
@@ -812,7 +914,20 @@ impl Loader {
                         stats: self.bad.summary(),
                     });
                 }
+                let again = self.bad.skipped_again - self.skipped_again_before;
+                if again > 0 {
+                    log::warn!(
+                        "epoch {}: skipped the same {again} bad line(s) again (each counts once against --max-bad-lines {}; {} so far)",
+                        self.epoch + 1,
+                        self.cfg.max_bad_lines,
+                        self.bad.total
+                    );
+                }
                 self.stream = None;
+                if self.epoch == 0 {
+                    // Ids are handed out in order: epoch 0 is ids 0..this.
+                    self.first_epoch_batches = Some(self.next_id + self.pending.len() as u64);
+                }
                 self.epoch += 1;
                 if self.cfg.source == DataSource::Stdin {
                     self.epoch = self.cfg.epochs;
@@ -955,6 +1070,46 @@ mod tests {
             e.contains("3 bad lines, more than --max-bad-lines 2") && e.contains("not JSON: 3"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_bad_line_counts_once_however_many_epochs_read_it() {
+        // 3 bad lines, a budget of 4: 5 epochs read them 15 times, and the run goes on.
+        let (_f, src) = file(&[
+            "x",
+            r#"{"input_ids": [1, 2, 3]}"#,
+            "y",
+            r#"{"input_ids": [1, 2], "loss_mask": [1, 0]}"#,
+            r#"{"input_ids": [4, 5, 6]}"#,
+            "z",
+        ]);
+        let mut c = cfg(src);
+        c.max_bad_lines = 4;
+        c.epochs = 5;
+        let mut l = Loader::new(c);
+        let rows: usize = all(&mut l).iter().map(|b| b.rows()).sum();
+        assert_eq!(rows, 2 * 5, "every good line in every epoch");
+        assert_eq!(l.bad.total, 3, "distinct bad lines");
+        assert_eq!(l.bad.by_reason["not JSON"], 3);
+        assert_eq!(l.bad.skipped_again, 3 * 4, "epochs 2 to 5 skip them again");
+        assert_eq!(
+            (l.bad.lines, l.bad.unsupervised),
+            (6, 1),
+            "the data's lines, not lines × epochs"
+        );
+        let s = l.bad.summary();
+        assert!(
+            s.starts_with("6 lines read, 3 bad; not JSON: 3")
+                && s.contains("skipped the same bad lines again 12 times"),
+            "{s}"
+        );
+        // A fourth distinct bad line is still one too many for a budget of 3.
+        let (_f, src) = file(&["x", r#"{"input_ids": [1, 2]}"#, "y", "z", "w"]);
+        let mut c = cfg(src);
+        c.max_bad_lines = 3;
+        c.epochs = 5;
+        let e = Loader::new(c).next_batch().unwrap_err().to_string();
+        assert!(e.contains("4 bad lines, more than --max-bad-lines 3"), "{e}");
     }
 
     #[test]

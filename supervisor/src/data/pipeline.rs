@@ -22,7 +22,7 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::Arc;
 use std::thread;
 
-use dflash_shared::batch::{CaptureSpec, TokenBatch};
+use dflash_shared::batch::{is_eval_batch, CaptureSpec, TokenBatch};
 use dflash_shared::pool::{PoolGeometry, PoolMap};
 use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
 use dflash_shared::slots::{Grant, Holder, SlotState, SlotTable};
@@ -118,6 +118,16 @@ pub fn human(bytes: u64) -> String {
     }
 }
 
+/// The newest READY training batch of `table` (what an eval round withdraws first).
+fn newest_ready_training(table: &SlotTable) -> Option<u64> {
+    table
+        .slots()
+        .iter()
+        .filter(|s| s.state == SlotState::Ready && !is_eval_batch(s.batch_id))
+        .map(|s| s.batch_id)
+        .max()
+}
+
 /// From the loader thread.
 pub enum LoaderEvent {
     Produced {
@@ -132,10 +142,13 @@ pub enum LoaderEvent {
         batch: Box<TokenBatch>,
         /// Bad dataset lines skipped so far.
         bad_lines: u64,
+        /// Batches of the first epoch, once it has been read.
+        first_epoch_batches: Option<u64>,
     },
     Done {
         position: Position,
         bad: BadLines,
+        first_epoch_batches: Option<u64>,
     },
     Failed(String),
 }
@@ -203,6 +216,8 @@ pub struct Pipeline {
     loader_done: Option<Position>,
     /// Bad dataset lines the loader skipped so far.
     bad_lines: u64,
+    /// Batches of the first epoch, once the loader has read it.
+    first_epoch_batches: Option<u64>,
     produced: u64,
     consumed: HashSet<u64>,
     /// Consumed by the run this one resumes.
@@ -224,6 +239,10 @@ pub struct Pipeline {
     /// Sent through again and not yet turned into hidden states.
     replay_outstanding: std::collections::BTreeSet<u64>,
     failed: Option<String>,
+    /// The eval round whose batches are in the pipeline (training traffic pauses while
+    /// it runs: see [`crate::training::eval`]), and its batches not yet in a token slot.
+    eval_round: Option<u64>,
+    eval_queue: std::collections::VecDeque<TokenBatch>,
 }
 
 impl Pipeline {
@@ -239,6 +258,7 @@ impl Pipeline {
             loader_tx: None,
             loader_done: None,
             bad_lines: 0,
+            first_epoch_batches: None,
             produced: 0,
             consumed: HashSet::new(),
             consumed_before: HashSet::new(),
@@ -252,7 +272,146 @@ impl Pipeline {
             replay: std::collections::VecDeque::new(),
             replay_outstanding: std::collections::BTreeSet::new(),
             failed: None,
+            eval_round: None,
+            eval_queue: std::collections::VecDeque::new(),
         })
+    }
+
+    /// Eval round `round` starts: its `batches` go in ahead of any training batch, and
+    /// training traffic pauses until [`end_eval`](Self::end_eval).
+    pub fn start_eval(&mut self, round: u64, batches: Vec<TokenBatch>) {
+        self.eval_round = Some(round);
+        self.eval_queue = batches.into();
+    }
+
+    /// The eval round is over (complete or dropped): training traffic resumes; what is
+    /// left of the round's batches is dropped as it comes by.
+    pub fn end_eval(&mut self) {
+        self.eval_round = None;
+        self.eval_queue.clear();
+        self.drop_stale_eval();
+    }
+
+    /// Eval batches of a round that is over, READY in either pool: freed.
+    fn drop_stale_eval(&mut self) {
+        for pool in [&mut self.tokens, &mut self.hidden] {
+            if !pool.table.withdraw_ready_where(is_eval_batch).is_empty() {
+                pool.publish_all();
+            }
+        }
+    }
+
+    /// A drafter scored eval batch `batch_id` (forward only): free its slot.
+    pub fn on_evaluated(
+        &mut self,
+        peer: &Peer,
+        input: SlotRef,
+        batch_id: u64,
+    ) -> Result<(), String> {
+        if !is_eval_batch(batch_id) {
+            return Err(format!(
+                "batch {batch_id} reported evaluated, but it is a training batch"
+            ));
+        }
+        self.check_consume(peer.name, peer.holder, input, batch_id)?;
+        self.hidden
+            .table
+            .ack(peer.holder, input.slot, input.gen, batch_id)
+            .map_err(|e| e.to_string())?;
+        self.hidden.publish(input.slot, 0);
+        self.ledger
+            .record("evaluated", batch_id, &peer.name.to_string(), json!({}));
+        Ok(())
+    }
+
+    /// Write the eval round's batches into free token slots; where none is free, READY
+    /// training token batches make room (they go through again after the round), and
+    /// where the hidden-state pool is full with no target writing, READY training hidden
+    /// batches do: nothing can take those before the round ends.
+    fn eval_batches(&mut self, targets: &[&Peer]) {
+        if !self.eval_queue.is_empty() && self.tokens.table.count(SlotState::Free) == 0 {
+            // One at a time, the newest: as little as possible goes through again.
+            let newest = newest_ready_training(&self.tokens.table);
+            let back = self
+                .tokens
+                .table
+                .withdraw_ready_where(|b| Some(b) == newest);
+            self.tokens.publish_all();
+            self.send_again(&back, "tokens");
+        }
+        while !self.eval_queue.is_empty() {
+            let Some(g) = self.tokens.table.lease(LOADER) else {
+                break;
+            };
+            // SAFETY: the slot was just leased to LOADER (WRITING): no worker reads it.
+            let buf = unsafe { self.tokens.map.payload_mut(g.slot) };
+            let b = self.eval_queue.pop_front().expect("not empty");
+            match b.encode_into(buf) {
+                Ok(len) => {
+                    self.tokens
+                        .table
+                        .commit(LOADER, g.slot, g.gen, len as u64, b.batch_id)
+                        .expect("leased just now");
+                    self.tokens.publish(g.slot, std::process::id());
+                    self.ledger.record(
+                        "eval_load",
+                        b.batch_id,
+                        "supervisor",
+                        json!({"rows": b.rows(), "tokens": b.tokens()}),
+                    );
+                }
+                Err(e) => {
+                    let _ = self.tokens.table.cancel(LOADER, g.slot, g.gen);
+                    self.failed = Some(format!(
+                        "eval batch of {} tokens does not fit a token slot: {e}",
+                        b.tokens()
+                    ));
+                    return;
+                }
+            }
+        }
+        let writing = targets
+            .iter()
+            .any(|p| self.hidden.table.held(p.holder, SlotState::Writing) > 0);
+        if self.hidden.table.count(SlotState::Free) == 0 && !writing {
+            let newest = newest_ready_training(&self.hidden.table);
+            let back = self
+                .hidden
+                .table
+                .withdraw_ready_where(|b| Some(b) == newest);
+            self.hidden.publish_all();
+            for b in &back {
+                self.hidden_seen.remove(b);
+            }
+            self.send_again(&back, "hidden");
+        }
+    }
+
+    /// Training batches withdrawn from `pool` to make room for an eval round: they go
+    /// through the targets again after it, in their order.
+    fn send_again(&mut self, batches: &[u64], pool: &str) {
+        for &b in batches {
+            self.ledger.record(
+                "withdrawn",
+                b,
+                "supervisor",
+                json!({"pool": pool, "why": "eval"}),
+            );
+            match self.retained.get(&b) {
+                Some(batch) => {
+                    self.replay_outstanding.insert(b);
+                    self.replay.push_back(batch.clone());
+                }
+                None => {
+                    self.failed = Some(format!(
+                        "batch {b}, set aside for an eval round, was not kept: it cannot be trained"
+                    ));
+                }
+            }
+        }
+        self.replay
+            .make_contiguous()
+            .sort_by_key(|b| b.batch_id);
     }
 
     /// Pool fds every worker inherits.
@@ -337,11 +496,12 @@ impl Pipeline {
                                     seq_len: b.seq_len,
                                     batch: Box::new(b),
                                     bad_lines: loader.bad.total,
+                                    first_epoch_batches: loader.first_epoch_batches,
                                 },
                                 Err(e) => LoaderEvent::Failed(format!("batch {} does not fit a token slot: {e}", b.batch_id)),
                             }
                         }
-                        Ok(None) => LoaderEvent::Done { position: loader.position(), bad: loader.bad.clone() },
+                        Ok(None) => LoaderEvent::Done { position: loader.position(), bad: loader.bad.clone(), first_epoch_batches: loader.first_epoch_batches },
                         Err(e) => LoaderEvent::Failed(e.to_string()),
                     };
                     let last = !matches!(ev, LoaderEvent::Produced { .. });
@@ -372,8 +532,10 @@ impl Pipeline {
                 seq_len,
                 batch,
                 bad_lines,
+                first_epoch_batches,
             } => {
                 self.bad_lines = bad_lines;
+                self.first_epoch_batches = self.first_epoch_batches.or(first_epoch_batches);
                 // Kept until no rollback can need it again.
                 self.retained.insert(batch_id, *batch);
                 self.health.batch(&lengths, seq_len);
@@ -392,7 +554,12 @@ impl Pipeline {
                 );
                 Ok(())
             }
-            LoaderEvent::Done { position, bad } => {
+            LoaderEvent::Done {
+                position,
+                bad,
+                first_epoch_batches,
+            } => {
+                self.first_epoch_batches = self.first_epoch_batches.or(first_epoch_batches);
                 self.loader_tx = None;
                 self.loader_done = Some(position);
                 self.bad_lines = bad.total;
@@ -421,6 +588,11 @@ impl Pipeline {
                 Err(msg)
             }
         }
+    }
+
+    /// How many batches the first epoch was cut into, once the loader has read it.
+    pub fn first_epoch_batches(&self) -> Option<u64> {
+        self.first_epoch_batches
     }
 
     /// Every batch the loader will ever make has been consumed.
@@ -489,7 +661,7 @@ impl Pipeline {
         let input = input.ok_or("commit names no input slot")?;
         if output.pool != PoolId::Hidden || input.pool != PoolId::Tokens {
             return Err(format!(
-                "commit of {:?} from {:?}: expected hidden-state output from a token input",
+                "commit of a {} slot from a {} slot: expected hidden-state output from a token input",
                 output.pool, input.pool
             ));
         }
@@ -547,7 +719,7 @@ impl Pipeline {
     ) -> Result<(), String> {
         if name.role != Role::Drafter || input.pool != PoolId::Hidden {
             return Err(format!(
-                "{:?} slot reported consumed by a {}: only drafters consume, hidden-state slots",
+                "a {} slot reported consumed by a {}: only drafters consume, hidden-state slots",
                 input.pool, name.role
             ));
         }
@@ -602,7 +774,11 @@ impl Pipeline {
         self.ledger.rollback(Some(from), to, batches);
         // Hidden states made of newer batches and not delivered yet are made again after
         // the rolled-back ones, so that the group trains on everything in batch order.
-        let recalled = self.hidden.table.withdraw_ready();
+        // (Eval batches are not training batches: the eval round ends with the rollback.)
+        let recalled = self
+            .hidden
+            .table
+            .withdraw_ready_where(|b| !is_eval_batch(b));
         self.hidden.publish_all();
         for &b in &recalled {
             self.ledger.record(
@@ -727,8 +903,19 @@ impl Pipeline {
         if self.ledger.failed().is_some() {
             return;
         }
-        self.replay_batches();
-        if let Some(tx) = &self.loader_tx {
+        let targets: Vec<&Peer> = peers
+            .iter()
+            .filter(|p| p.name.role == Role::Target)
+            .collect();
+        let eval = self.eval_round.is_some();
+        if eval {
+            // Training traffic pauses while an eval round runs: no new token batches.
+            self.eval_batches(&targets);
+        } else {
+            self.drop_stale_eval();
+            self.replay_batches();
+        }
+        if let (Some(tx), false) = (&self.loader_tx, eval) {
             while self.tokens.table.held(LOADER, SlotState::Writing) < LOADER_AHEAD {
                 let Some(g) = self.tokens.table.lease(LOADER) else {
                     break;
@@ -739,10 +926,6 @@ impl Pipeline {
                 }
             }
         }
-        let targets: Vec<&Peer> = peers
-            .iter()
-            .filter(|p| p.name.role == Role::Target)
-            .collect();
         let drafters: Vec<&Peer> = peers
             .iter()
             .filter(|p| p.name.role == Role::Drafter)
@@ -800,13 +983,17 @@ impl Pipeline {
     }
 
     /// Hand READY batches of `pool` to the least-loaded consumers with credit left.
+    /// While an eval round runs, only its batches move (with credits of their own: a
+    /// consumer's training credits may be held by batches it cannot take before the round
+    /// ends); otherwise only training batches.
     fn deliver(&mut self, pool: PoolId, consumers: &[&Peer]) {
+        let eval = self.eval_round.is_some();
         loop {
             let p = match pool {
                 PoolId::Tokens => &mut self.tokens,
                 PoolId::Hidden => &mut self.hidden,
             };
-            let Some(next) = p.table.peek_lowest() else {
+            let Some(next) = p.table.peek_lowest_where(|b| is_eval_batch(b) == eval) else {
                 return;
             };
             // After a rollback, drafters get the batches sent through again before any
@@ -815,18 +1002,30 @@ impl Pipeline {
             // A target still writing a hidden-state slot will hand it in, and a free slot
             // lets one start: only when neither is left would waiting stall everything.
             if pool == PoolId::Hidden
+                && !eval
                 && self.replay_outstanding.first().is_some_and(|&m| next > m)
                 && (p.table.count(SlotState::Free) > 0 || p.table.count(SlotState::Writing) > 0)
             {
                 return;
             }
             let served = &self.served;
+            let held = |h: Holder| {
+                p.table
+                    .slots()
+                    .iter()
+                    .filter(|s| {
+                        s.state == SlotState::Reading
+                            && s.holder == Some(h)
+                            && is_eval_batch(s.batch_id) == eval
+                    })
+                    .count()
+            };
             let Some(peer) = consumers
                 .iter()
-                .filter(|c| p.table.held(c.holder, SlotState::Reading) < self.prefetch)
+                .filter(|c| held(c.holder) < self.prefetch)
                 .min_by_key(|c| {
                     (
-                        p.table.held(c.holder, SlotState::Reading),
+                        held(c.holder),
                         served.get(&c.holder).copied().unwrap_or(0),
                     )
                 })
@@ -835,7 +1034,7 @@ impl Pipeline {
             };
             let g = p
                 .table
-                .deliver_lowest(peer.holder)
+                .deliver_id(peer.holder, next)
                 .expect("a batch is ready");
             p.publish(g.slot, peer.pid);
             let slot = p.fref(&g);

@@ -143,7 +143,7 @@ pub fn scan(
         }
     }
     // Stopped by the line limit with bytes left: a sample of the data.
-    let complete = !(limit.is_some_and(|l| bad.lines >= l)
+    let complete = !(limit.is_some_and(|l| stream.lines_read >= l)
         && stream.total_bytes.is_none_or(|t| stream.bytes_read < t));
     let bytes_share = stream.total_bytes.map(|t| {
         if complete || t == 0 {
@@ -455,7 +455,7 @@ pub fn synthetic_conversations(n: usize, seed: u64) -> Vec<String> {
         .collect()
 }
 
-/// The tokenizer the tests and `bench prepare` use by default.
+/// The tokenizer the tests use (`bench prepare` is given one with --tokenizer).
 pub fn test_tokenizer_dir() -> PathBuf {
     match std::env::var_os("DFLASH_QWEN3_TOKENIZER") {
         Some(d) => PathBuf::from(d),

@@ -79,7 +79,7 @@ pub fn serve<E: From<ControlEvent> + Send + 'static>(
                 FromWorker::Abandon => return,
                 other => {
                     let _ = tx.send(E::from(lost(
-                        format!("first control message was {other:?}, expected Hello"),
+                        format!("first control message was {}, expected Hello", other.kind()),
                         true,
                     )));
                     return;

@@ -30,7 +30,7 @@ use crate::cli::RunArgs;
 use crate::data::{loader, pipeline, preflight};
 use crate::error::Error;
 use crate::telemetry::{console, gpus, prometheus};
-use crate::training::{resume, trainer};
+use crate::training::{resume, schedule, trainer};
 
 /// Which worker runs where: targets first, then drafters, ranks from 0 in device order.
 pub fn plan(
@@ -204,9 +204,13 @@ pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
         spool: None,
     };
     match start(args, given, &mut setup) {
-        Ok(d) => {
+        Ok(Started::Run(d)) => {
             start_signal_thread(d.events(), setup.signals)?;
             Ok(d.run())
+        }
+        Ok(Started::Finished(msg)) => {
+            crate::say!("dflash-supervise: {msg}");
+            Ok(dflash_shared::exit_codes::SUCCESS)
         }
         Err(e) => {
             setup.undo();
@@ -215,14 +219,75 @@ pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
     }
 }
 
+/// What a start comes to.
+enum Started {
+    Run(dispatcher::Dispatcher),
+    /// `--resume` of a run that already ended by itself: nothing to do, said in words.
+    Finished(String),
+}
+
+/// The run directory of `--run-dir D --resume-if-exists`: `D` when it holds a run to
+/// resume (`Some`), else `None` (a new run is started there). A run that never wrote a
+/// checkpoint has nothing to resume: it is moved aside (`D.attempt-MS`) so that the new
+/// run can have `D`.
+fn existing_run(dir: &Path) -> Result<Option<PathBuf>, Error> {
+    if !dir.join(resume::RUN_FILE).is_file() {
+        log::info!(
+            "--resume-if-exists: no run in {} yet: starting one",
+            dir.display()
+        );
+        return Ok(None);
+    }
+    let has_checkpoint = std::fs::read_dir(dir.join("checkpoints"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|e| {
+            dflash_shared::checkpoint::step_of_dir(&e.file_name().to_string_lossy()).is_some()
+                && e.path().join(dflash_shared::checkpoint::META_FILE).is_file()
+        });
+    if has_checkpoint {
+        log::info!("--resume-if-exists: {} holds a run: resuming it", dir.display());
+        return Ok(Some(dir.to_path_buf()));
+    }
+    let existing = rundir::ExistingRun {
+        path: dir.to_path_buf(),
+    };
+    if existing.supervisor_alive() {
+        return Err(Error::Flag(format!(
+            "--run-dir {}: another supervisor is using it (expected a stopped run or a new directory)",
+            dir.display()
+        )));
+    }
+    let aside = PathBuf::from(format!("{}.attempt-{}", dir.display(), rundir::unix_ms()));
+    std::fs::rename(dir, &aside).map_err(|e| Error::io("cannot move aside", dir, e))?;
+    log::warn!(
+        "--resume-if-exists: {} holds a run that never wrote a checkpoint (stopped before its first step): moved to {} and starting anew",
+        dir.display(),
+        aside.display()
+    );
+    Ok(None)
+}
+
 /// Everything before the dispatcher runs: flags, inputs, the run dir, the data plane.
-fn start(
-    mut args: RunArgs,
-    given: &[String],
-    setup: &mut Setup,
-) -> Result<dispatcher::Dispatcher, Error> {
+fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Started, Error> {
     if let Some(path) = args.config.clone() {
         config_file::apply(&path, &mut args)?;
+    }
+    if args.resume_if_exists {
+        let dir = args.run_dir.clone().unwrap_or_default();
+        if let Some(d) = existing_run(&dir)? {
+            args.resume = Some(d);
+            args.run_dir = None;
+        }
+    }
+    if std::env::var_os("SLURM_JOB_ID").is_some() && args.stop_timeout > SLURM_KILL_WAIT {
+        log::warn!(
+            "--stop-timeout {} is longer than Slurm's default KillWait ({}s): Slurm may kill the run before its final checkpoint is written \
+             (use --stop-timeout 25s, or sbatch --signal=B:USR1@SECS so that a checkpoint is written before the stop)",
+            humantime::format_duration(args.stop_timeout),
+            SLURM_KILL_WAIT.as_secs()
+        );
     }
     let resume = match args.resume.clone() {
         Some(dir) => Some(resume::prepare(&dir, &mut args, given)?),
@@ -273,11 +338,19 @@ fn start(
     }
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
+    if let Some(path) = &args.eval_data {
+        trainer_cfg.eval = Some(eval_settings(path, &args, &loader_cfg, &pipeline_cfg, &plan)?);
+    }
     // The newest checkpoint that verifies and is of this drafter, beyond which --steps lies.
     let resume = match resume {
         Some(p) => Some(p.select(&trainer_cfg.drafter, args.steps)?),
         None => None,
     };
+    if let Some(r) = &resume {
+        if let Some(msg) = resume::finished(r, args.steps) {
+            return Ok(Started::Finished(msg));
+        }
+    }
     let shared_bytes = trainer::Trainer::shared_bytes(
         &trainer_cfg.drafter,
         trainer_cfg.max_ranks,
@@ -297,6 +370,27 @@ fn start(
     let mut loader_cfg = loader_cfg;
     let preflight = preflight::at_start(&loader_cfg, args.preflight_lines, drafters)?;
     setup.check()?;
+    let epoch = match (&preflight, &loader_cfg.source) {
+        (Some(p), _) => Some(schedule::EpochLength {
+            steps: p.steps_per_epoch,
+            complete: p.complete,
+        }),
+        (None, loader::DataSource::Demo { .. }) => Some(demo_epoch(&loader_cfg, drafters)?),
+        (None, _) => None,
+    };
+    let sched = schedule::Schedule::plan(
+        trainer_cfg.lr,
+        args.warmup_ratio.unwrap_or(DEFAULT_WARMUP_RATIO),
+        args.steps,
+        args.epochs,
+        epoch,
+        drafters,
+    )?;
+    log::info!("{}", sched.describe());
+    loader_cfg.epochs = sched.loader_epochs;
+    trainer_cfg.warmup_steps = sched.warmup_steps;
+    trainer_cfg.total_steps = sched.total_steps;
+    trainer_cfg.schedule = Some(sched);
     let run_dir = match &resume {
         Some(r) => rundir::RunDir::reopen(&r.dir)?,
         None => {
@@ -316,7 +410,8 @@ fn start(
         loader_cfg.source = loader::DataSource::Files(vec![to]);
     }
     // On --resume too: the settings as merged with this command line's are the run's now.
-    resume::save(&args, resume.as_ref(), &run_dir.path)?;
+    trainer_cfg.settings = resolved_settings(&args, &plan, &loader_cfg, &pipeline_cfg, &trainer_cfg);
+    resume::save(&args, resume.as_ref(), &run_dir.path, trainer_cfg.settings.clone())?;
     if let Some(p) = &preflight {
         p.write_json(&run_dir.path.join("preflight.json"))?;
     }
@@ -362,6 +457,7 @@ fn start(
         worker_bin,
         target_dir,
         hang_timeout: args.hang_timeout,
+        step_timeout: args.step_timeout,
         max_restarts: args.max_restarts,
         stable_after: args.stable_after,
         stop_timeout: args.stop_timeout,
@@ -384,7 +480,55 @@ fn start(
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
     setup.check()?;
-    Ok(d)
+    Ok(Started::Run(d))
+}
+
+/// `--eval-data`: the held-out set, read whole now (a bad file is refused before anything
+/// starts), and its interval: `--eval-every`, else `--checkpoint-every` (else only the
+/// last step). An eval round pauses training traffic, so the pools must hold more than
+/// what the consumers can keep while it runs (see [`crate::training::eval`]).
+fn eval_settings(
+    path: &Path,
+    args: &RunArgs,
+    loader_cfg: &loader::LoaderConfig,
+    pipeline_cfg: &pipeline::PipelineConfig,
+    plan: &[(dflash_shared::WorkerName, Device)],
+) -> Result<trainer::EvalSettings, Error> {
+    let count = |r: Role| plan.iter().filter(|(n, _)| n.role == r).count() as u64;
+    let (targets, drafters) = (count(Role::Target), count(Role::Drafter));
+    let k = pipeline_cfg.prefetch.max(1) as u64;
+    if (pipeline_cfg.hidden_slots as u64) <= drafters * k {
+        return Err(Error::Flag(format!(
+            "--eval-data with --hidden-slots {}: expected more than {} ({drafters} drafters × --prefetch {k}), or an eval round could find no slot to run in",
+            pipeline_cfg.hidden_slots,
+            drafters * k
+        )));
+    }
+    if (pipeline_cfg.token_slots as u64) <= targets * k {
+        return Err(Error::Flag(format!(
+            "--eval-data with --token-slots {}: expected more than {} ({targets} targets × --prefetch {k}), or an eval round could find no slot to run in",
+            pipeline_cfg.token_slots,
+            targets * k
+        )));
+    }
+    let set = crate::training::eval::EvalSet::load(path, loader_cfg)?;
+    let every = args
+        .eval_every
+        .or((args.checkpoint_every > 0).then_some(args.checkpoint_every))
+        .unwrap_or(u64::MAX);
+    log::info!(
+        "eval set {}: {} samples, {} tokens in {} batches, evaluated {} and at the last step",
+        path.display(),
+        set.rows,
+        set.tokens,
+        set.batches.len(),
+        if every == u64::MAX {
+            "only".to_string()
+        } else {
+            format!("every {every} steps")
+        }
+    );
+    Ok(trainer::EvalSettings { set, every })
 }
 
 /// The target's config: the built-in tiny one, or DIR/config.json.
@@ -453,7 +597,8 @@ pub(crate) fn data_config(
         token_budget,
         max_seq_len: args.max_seq_len,
         seed: args.seed,
-        epochs: args.epochs,
+        // The schedule sets it (cycling the data up to --steps): see `schedule::Schedule`.
+        epochs: args.epochs.unwrap_or(1),
         max_bad_lines: args.max_bad_lines,
         shuffle_window: args.shuffle_window,
         max_line_bytes: 16 << 20,
@@ -522,7 +667,7 @@ pub(crate) fn trainer_config(
             "--lr {lr}: expected a positive learning rate"
         )));
     }
-    let warmup_ratio = args.warmup_ratio.unwrap_or(0.04);
+    let warmup_ratio = args.warmup_ratio.unwrap_or(DEFAULT_WARMUP_RATIO);
     if !(0.0..1.0).contains(&warmup_ratio) {
         return Err(Error::Flag(format!(
             "--warmup-ratio {warmup_ratio}: expected a fraction in [0, 1)"
@@ -576,6 +721,7 @@ pub(crate) fn trainer_config(
         _ => CollectiveKind::Shm,
     };
     Ok(trainer::TrainerConfig {
+        eval: None,
         collective,
         collective_timeout: args.collective_timeout,
         drafter,
@@ -584,6 +730,9 @@ pub(crate) fn trainer_config(
             .steps
             .map_or(0, |n| (n as f64 * warmup_ratio).ceil() as u64),
         total_steps: args.steps,
+        // Set once the data's length is known (`start`).
+        schedule: None,
+        settings: serde_json::Value::Null,
         steps_limit: args.steps,
         clip: 1.0,
         seed: args.seed,
@@ -600,6 +749,73 @@ pub(crate) fn trainer_config(
     })
 }
 
+/// Every setting as this run uses it, defaults resolved: what run.json's `resolved`, each
+/// checkpoint's meta.json and the report show.
+fn resolved_settings(
+    args: &RunArgs,
+    plan: &[(WorkerName, Device)],
+    loader: &loader::LoaderConfig,
+    pipeline: &pipeline::PipelineConfig,
+    t: &trainer::TrainerConfig,
+) -> serde_json::Value {
+    let d = |x: std::time::Duration| humantime::format_duration(x).to_string();
+    serde_json::json!({
+        "workers": plan.iter().map(|(n, dev)| format!("{n}@{dev}")).collect::<Vec<_>>(),
+        "target": args.target,
+        "taps": pipeline.capture.tap_ids,
+        "num_target_layers": t.num_target_layers,
+        "drafter": t.drafter,
+        "lr": t.lr,
+        "schedule": t.schedule.as_ref().map(|s| s.to_json()),
+        "steps": t.steps_limit,
+        "clip": t.clip,
+        "seed": t.seed,
+        "data": args.data,
+        "epochs": if loader.epochs == schedule::CYCLE { serde_json::json!("cycled up to --steps") } else { serde_json::json!(loader.epochs) },
+        "token_budget": pipeline.token_budget,
+        "max_seq_len": loader.max_seq_len,
+        "shuffle_window": loader.shuffle_window,
+        "max_bad_lines": loader.max_bad_lines,
+        "collective": t.collective.name(),
+        "collective_timeout": d(t.collective_timeout),
+        "checkpoint_every": t.checkpoint_every,
+        "keep_checkpoints": t.keep_checkpoints,
+        "snapshot_every": t.snapshot_every.map_or(serde_json::json!("auto (under 2% of the step time)"), |n| serde_json::json!(n)),
+        "max_rollbacks": t.max_rollbacks,
+        "max_skipped_steps": t.max_skipped_steps,
+        "token_slots": pipeline.token_slots,
+        "hidden_slots": pipeline.hidden_slots,
+        "prefetch": pipeline.prefetch,
+        "hang_timeout": d(args.hang_timeout),
+        "max_restarts": args.max_restarts,
+        "stable_after": d(args.stable_after),
+        "stop_timeout": d(args.stop_timeout),
+        "time_limit": args.time_limit.map(d),
+    })
+}
+
+/// Slurm's default KillWait: the time between its SIGTERM and its SIGKILL.
+const SLURM_KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Share of the schedule spent warming up when --warmup-ratio is not given.
+pub const DEFAULT_WARMUP_RATIO: f64 = 0.04;
+
+/// The steps of one epoch of the demo data, counted by cutting it as the loader will.
+fn demo_epoch(cfg: &loader::LoaderConfig, drafters: u32) -> Result<schedule::EpochLength, Error> {
+    let mut one = loader::Loader::new(loader::LoaderConfig {
+        epochs: 1,
+        ..cfg.clone()
+    });
+    let mut batches = 0u64;
+    while one.next_batch()?.is_some() {
+        batches += 1;
+    }
+    Ok(schedule::EpochLength {
+        steps: batches.div_ceil(drafters.max(1) as u64),
+        complete: true,
+    })
+}
+
 /// Which layers are tapped, of which target, in what shape: stamped on every batch.
 fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Error> {
     let n = target.num_hidden_layers;
@@ -610,9 +826,32 @@ fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Er
             if layers == 0 {
                 return Err(Error::Flag("--draft-layers 0: expected at least 1".into()));
             }
-            target_layer_ids(n, layers)
+            let ids = target_layer_ids(n, layers);
+            if ids.len() < layers {
+                let asked = match args.draft_layers {
+                    Some(l) => format!("--draft-layers {l}"),
+                    None => format!("the default {layers} taps"),
+                };
+                let distinct = match ids.len() {
+                    1 => "1 distinct layer".to_string(),
+                    k => format!("{k} distinct layers"),
+                };
+                log::warn!(
+                    "{asked}: DFlash spreads taps over layers {}..{} of this {n}-layer target, which gives {distinct}: tapping {ids:?} (the drafter keeps {layers} layers; --taps chooses others)",
+                    ids.first().copied().unwrap_or(0),
+                    ids.last().copied().unwrap_or(0),
+                );
+            }
+            ids
         }
     };
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(dup) = taps.iter().find(|&&t| !seen.insert(t)) {
+        return Err(Error::Flag(format!(
+            "--taps {}: layer {dup} is given twice (expected distinct layer ids)",
+            taps.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+        )));
+    }
     if let Some(bad) = taps.iter().find(|&&t| t as usize >= n) {
         return Err(Error::Flag(format!(
             "--taps: layer {bad} does not exist (the target has {n} layers, ids 0..{})",
@@ -708,5 +947,43 @@ mod tests {
         })
         .unwrap_err();
         assert!(e.to_string().contains("cpu:N"), "{e}");
+    }
+
+    fn target_of(layers: usize) -> TargetConfig {
+        let text = dflash_shared::model_config::TINY_CONFIG.replace(
+            "\"num_hidden_layers\": 6",
+            &format!("\"num_hidden_layers\": {layers}"),
+        );
+        let t = TargetConfig::parse(&text).unwrap();
+        assert_eq!(t.num_hidden_layers, layers);
+        t
+    }
+
+    #[test]
+    fn a_shallow_targets_default_taps_are_distinct_and_the_drafter_reads_that_many() {
+        let a = args(&["--gpus", "cpu:2"]);
+        let four = target_of(4);
+        let c = capture_spec(&a, &four).unwrap();
+        assert_eq!(c.tap_ids, [1], "a 4-layer target: not [1, 1]");
+        let p = plan(&a, &mut || Ok(0)).unwrap();
+        let t = trainer_config(&a, &p, &four, &c).unwrap();
+        assert_eq!((t.drafter.n_taps, t.drafter.layers), (1, 2));
+        assert_eq!(t.target_layer_ids, [1]);
+        // The tiny target keeps its two.
+        let tiny = capture_spec(&a, &target_of(6)).unwrap();
+        assert_eq!(tiny.tap_ids, [1, 3]);
+        // --draft-layers 5 on 6 layers: three distinct taps.
+        let c = capture_spec(&args(&["--draft-layers", "5"]), &target_of(6)).unwrap();
+        assert_eq!(c.tap_ids, [1, 2, 3]);
+    }
+
+    #[test]
+    fn duplicate_taps_are_refused_naming_the_layer() {
+        let e = capture_spec(&args(&["--taps", "1,1"]), &target_of(6)).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert_eq!(
+            e.to_string(),
+            "--taps 1,1: layer 1 is given twice (expected distinct layer ids)"
+        );
     }
 }

@@ -60,6 +60,15 @@ pub struct RunState {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct TrainProgress {
     pub step: u64,
+    /// The last eval (`--eval-data`): its step, loss and acceptance; the best eval's step.
+    #[serde(default)]
+    pub eval_step: Option<u64>,
+    #[serde(default)]
+    pub eval_loss: Option<f64>,
+    #[serde(default)]
+    pub eval_acceptance: Option<f64>,
+    #[serde(default)]
+    pub best_step: Option<u64>,
     pub loss: f64,
     pub acceptance: f64,
     pub slot_accuracy: Vec<f64>,

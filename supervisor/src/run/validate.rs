@@ -115,11 +115,32 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
         Err(Error::Flag(format!("{flag} {value}: expected {expected}")))
     };
     let dur = |d: Duration| humantime::format_duration(d).to_string();
+    if let Some(n) = a.eval_every {
+        if a.eval_data.is_none() {
+            return Err(Error::Flag(format!(
+                "--eval-every {n}: there is nothing to evaluate; expected --eval-data FILE with it"
+            )));
+        }
+        if n == 0 {
+            return bad(
+                "--eval-every",
+                n.to_string(),
+                "a number of steps above 0 (leave it out to evaluate at every checkpoint)",
+            );
+        }
+    }
     if a.hang_timeout < MIN_HANG_TIMEOUT {
         return bad(
             "--hang-timeout",
             dur(a.hang_timeout),
             "at least 1s (workers beat every tenth of it; a shorter one kills healthy workers)",
+        );
+    }
+    if let Some(d) = a.step_timeout.filter(|d| d.is_zero()) {
+        return bad(
+            "--step-timeout",
+            dur(d),
+            "a duration above zero, such as 30m (a unit of work that takes longer is killed as hung)",
         );
     }
     for (flag, d) in [
@@ -157,7 +178,7 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
             "at least 2 (a sample needs a context and a token to predict)",
         );
     }
-    if a.epochs == 0 {
+    if a.epochs == Some(0) {
         return bad("--epochs", "0".into(), "at least 1");
     }
     if let Some(n) = a.draft_layers {
@@ -453,6 +474,8 @@ mod tests {
         check_flags(&args(&[
             "--hang-timeout",
             "1s",
+            "--step-timeout",
+            "1s",
             "--stable-after",
             "50ms",
             "--time-limit",
@@ -481,6 +504,10 @@ mod tests {
             &["--hang-timeout 0s", "at least 1s"],
         );
         refused(&["--hang-timeout", "500ms"], &["--hang-timeout 500ms"]);
+        refused(
+            &["--step-timeout", "0s"],
+            &["--step-timeout 0s", "above zero"],
+        );
         refused(
             &["--block-size", "100000"],
             &["--block-size 100000", "at most 256"],

@@ -15,6 +15,7 @@
 //!       bottleneck_hint, phase_ms_by_worker: {worker: {phase: ms}}}
 //! batches: {produced, consumed, consumed_per_s}
 //! train: {step, steps_per_s, loss, acceptance} | null
+//! eval: {step, loss, acceptance, best_step} | null (the last held-out eval, --eval-data)
 //! restarts: total over the run
 //! workers: {name: {state, pid, restarts, batches_served_share}}
 //! ```

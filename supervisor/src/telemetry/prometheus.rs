@@ -334,12 +334,57 @@ pub fn render(w: &Value) -> String {
         &[],
         w["train"]["acceptance"].as_f64(),
     );
+    if !w["eval"].is_null() {
+        o.family(
+            "dflash_eval_step",
+            "gauge",
+            "Step whose weights the last held-out eval (--eval-data) scored.",
+        );
+        o.sample("dflash_eval_step", &[], w["eval"]["step"].as_f64());
+        o.family(
+            "dflash_eval_loss",
+            "gauge",
+            "Loss over the whole held-out eval set, at the last eval.",
+        );
+        o.sample("dflash_eval_loss", &[], w["eval"]["loss"].as_f64());
+        o.family(
+            "dflash_eval_acceptance_length",
+            "gauge",
+            "Acceptance-length estimate over the whole held-out eval set, at the last eval.",
+        );
+        o.sample(
+            "dflash_eval_acceptance_length",
+            &[],
+            w["eval"]["acceptance"].as_f64(),
+        );
+        o.family(
+            "dflash_eval_best_step",
+            "gauge",
+            "Step of the best eval acceptance so far (checkpoints/best).",
+        );
+        o.sample("dflash_eval_best_step", &[], w["eval"]["best_step"].as_f64());
+    }
     o.0
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_last_eval_is_exported_when_there_is_one() {
+        let w = serde_json::json!({"eval": {"step": 4, "loss": 2.5, "acceptance": 1.75, "best_step": 2}});
+        let t = render(&w);
+        for line in [
+            "dflash_eval_step 4",
+            "dflash_eval_loss 2.5",
+            "dflash_eval_acceptance_length 1.75",
+            "dflash_eval_best_step 2",
+        ] {
+            assert!(t.lines().any(|l| l == line), "{line} in:\n{t}");
+        }
+        assert!(!render(&serde_json::json!({})).contains("dflash_eval"));
+    }
 
     #[test]
     fn addresses() {

@@ -53,6 +53,19 @@ pub fn lineage_steps(train: &[Value]) -> Vec<Value> {
     out
 }
 
+/// The held-out evals (`{"eval": {...}}` lines) of the final lineage, by step.
+pub fn lineage_evals(train: &[Value]) -> Vec<Value> {
+    let mut out: Vec<Value> = Vec::new();
+    for l in train {
+        if let Some(to) = l["rollback"]["to"].as_u64() {
+            out.retain(|e| e["step"].as_u64().is_some_and(|n| n <= to));
+        } else if l["eval"].is_object() {
+            out.push(l["eval"].clone());
+        }
+    }
+    out
+}
+
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
@@ -901,6 +914,46 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
     h
 }
 
+/// The settings as the run used them (run.json's `resolved`: defaults included), one row
+/// per setting, nested ones named by their path (`drafter.block_size`).
+fn settings(dir: &Path) -> String {
+    let resolved = std::fs::read_to_string(dir.join(crate::training::resume::RUN_FILE))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .map(|v| v["resolved"].clone())
+        .filter(|v| v.is_object());
+    let Some(resolved) = resolved else {
+        return r#"<h2>Settings</h2><p class="absent">run.json holds no resolved settings (a run of an older version)</p>"#.into();
+    };
+    fn flatten(prefix: &str, v: &Value, out: &mut Vec<(String, String)>) {
+        match v {
+            Value::Object(m) => {
+                for (k, x) in m {
+                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    flatten(&key, x, out);
+                }
+            }
+            Value::String(s) => out.push((prefix.into(), s.clone())),
+            Value::Null => out.push((prefix.into(), "-".into())),
+            other => out.push((prefix.into(), other.to_string())),
+        }
+    }
+    let mut rows = Vec::new();
+    flatten("", &resolved, &mut rows);
+    let mut h = String::from(r#"<h2>Settings</h2><p class="note">As the run used them, defaults included (run.json, "resolved").</p><table class="settings">"#);
+    for (k, v) in rows {
+        let _ = write!(
+            h,
+            r#"<tr><th>{}</th><td data-key="{}">{}</td></tr>"#,
+            esc(&k),
+            esc(&k),
+            esc(&v)
+        );
+    }
+    h.push_str("</table>");
+    h
+}
+
 fn training(run: &Run, absent: &mut Absent) -> String {
     let steps = &run.steps;
     if steps.is_empty() {
@@ -955,6 +1008,26 @@ fn training(run: &Run, absent: &mut Absent) -> String {
     );
     c.series
         .push(Series::new("loss", "loss", "#c0392b", series("loss")).dots());
+    // Held-out evals (--eval-data) beside the training curves, at their steps.
+    let evals = lineage_evals(&run.train);
+    let eval_series = |k: &str| -> Vec<(f64, f64)> {
+        evals
+            .iter()
+            .map(|e| {
+                (
+                    e["step"].as_f64().unwrap_or(f64::NAN),
+                    e[k].as_f64().unwrap_or(f64::NAN),
+                )
+            })
+            .collect()
+    };
+    if !evals.is_empty() {
+        c.series.push(
+            Series::new("eval loss", "eval-loss", "#e67e22", eval_series("loss"))
+                .dash("6 2")
+                .dots(),
+        );
+    }
     if lr.iter().any(|p| p.1.is_finite()) {
         c.y_right = Some(("learning rate".into(), range(lr.iter().map(|p| p.1), true)));
         c.series.push(
@@ -980,6 +1053,18 @@ fn training(run: &Run, absent: &mut Absent) -> String {
     );
     c.series
         .push(Series::new("acceptance", "acceptance", "#1f4e9c", series("acceptance")).dots());
+    if !evals.is_empty() {
+        c.series.push(
+            Series::new(
+                "eval acceptance",
+                "eval-acceptance",
+                "#16a085",
+                eval_series("acceptance"),
+            )
+            .dash("6 2")
+            .dots(),
+        );
+    }
     let slots = steps
         .iter()
         .filter_map(|l| l["slot_accuracy"].as_array().map(|a| a.len()))
@@ -1889,6 +1974,7 @@ pub fn render(dir: &Path) -> String {
         }
     );
     h.push_str(&summary(&run, tps));
+    h.push_str(&settings(&run.dir));
     for (title, body) in &sections {
         let _ = write!(h, "<h2>{}</h2>{body}", esc(title));
     }
@@ -1939,6 +2025,42 @@ mod tests {
     const STATE: &str = r#"{"started_at": "2026-01-01T00:00:00.000Z", "started_at_unix_ms": 1767225600000, "phase": "running",
         "workers": [{"name": "target-0", "gpu": "0", "restarts": 0}, {"name": "drafter-0", "gpu": "1", "restarts": 0}]}"#;
     const NO_GPU_WINDOW: &str = r#"{"time": "2026-01-01T00:00:10.000Z", "window_s": 10.0, "gpu": {"samples": 0, "gpus": []}, "pipeline": {"tokens_per_s_trained": 100.0}}"#;
+
+    #[test]
+    fn held_out_evals_are_drawn_beside_the_training_curves_in_the_final_lineage() {
+        let step = |s: u64| format!(r#"{{"step":{s},"loss":3.0,"acceptance":1.5,"lr":0.001}}"#);
+        let eval = |s: u64, a: f64| {
+            format!(r#"{{"t":1,"eval":{{"step":{s},"loss":2.0,"acceptance":{a}}}}}"#)
+        };
+        let lines = [
+            step(1),
+            step(2),
+            eval(2, 1.25),
+            step(3),
+            step(4),
+            eval(4, 1.75),
+            r#"{"rollback":{"from":4,"to":3}}"#.to_string(),
+            step(4),
+        ];
+        let d = run_dir(&[("train.jsonl", &lines.join("\n"))]);
+        let html = render(d.path());
+        for class in ["eval-loss", "eval-acceptance"] {
+            let dots = html
+                .matches(&format!(r#"<circle class="{class}" data-step="2""#))
+                .count();
+            assert_eq!(dots, 1, "the {class} point of step 2");
+            assert!(
+                !html.contains(&format!(r#"<circle class="{class}" data-step="4""#)),
+                "the {class} point of the rolled-back step 4"
+            );
+        }
+        let evals = lineage_evals(&read_jsonl(&d.path().join("train.jsonl")).0);
+        assert_eq!(evals.len(), 1, "the eval of the rolled-back step 4 is gone");
+        assert_eq!(evals[0]["step"], 2);
+        // The training steps are read as before: eval lines are not steps.
+        let steps = lineage_steps(&read_jsonl(&d.path().join("train.jsonl")).0);
+        assert_eq!(steps.len(), 4);
+    }
 
     #[test]
     fn an_empty_run_dir_renders_and_names_every_missing_series() {

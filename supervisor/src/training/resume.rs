@@ -32,7 +32,8 @@ pub struct SavedRun {
     pub token_budget: Option<u32>,
     pub max_seq_len: u32,
     pub seed: u64,
-    pub epochs: u32,
+    /// `None`: not given (one epoch, or the data cycled up to --steps).
+    pub epochs: Option<u32>,
     pub max_bad_lines: u64,
     pub shuffle_window: usize,
     pub demo_samples: usize,
@@ -46,8 +47,8 @@ pub struct SavedRun {
     pub block_size: Option<usize>,
     pub max_anchors: Option<usize>,
     // Operational settings. Absent from the run.json of an older version (`None`): then
-    // this command line's value holds. `tokenizer`, `time_limit`, `snapshot_every` and the
-    // slots are optional flags, so `None` may also be "not set".
+    // this command line's value holds. `tokenizer`, `time_limit`, `step_timeout`,
+    // `snapshot_every` and the slots are optional flags, so `None` may also be "not set".
     /// `--tokenizer` as given (the files it names are fingerprinted in `inputs`).
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
@@ -57,6 +58,12 @@ pub struct SavedRun {
     pub checkpoint_every: Option<u64>,
     #[serde(default)]
     pub keep_checkpoints: Option<usize>,
+    /// `--eval-data` and `--eval-every` (held-out evaluation): kept by a resume, and
+    /// replaced by one that gives them.
+    #[serde(default)]
+    pub eval_data: Option<PathBuf>,
+    #[serde(default)]
+    pub eval_every: Option<u64>,
     #[serde(default)]
     pub snapshot_every: Option<u64>,
     #[serde(default)]
@@ -71,6 +78,9 @@ pub struct SavedRun {
     pub time_limit: Option<Duration>,
     #[serde(default, with = "duration")]
     pub hang_timeout: Option<Duration>,
+    /// `--step-timeout` (optional: `None` is the default derived from measured steps).
+    #[serde(default, with = "duration")]
+    pub step_timeout: Option<Duration>,
     #[serde(default)]
     pub max_restarts: Option<u32>,
     #[serde(default, with = "duration")]
@@ -95,6 +105,12 @@ pub struct SavedRun {
     /// then nothing is checked on resume, and they are recorded then).
     #[serde(default)]
     pub inputs: Option<Inputs>,
+    /// Every setting as the run used it, defaults resolved (the fields above hold the
+    /// flags as given, `null` for a default): the learning rate and its schedule, the
+    /// drafter's sizes, taps, batching, pools, the collective. Written at each start; a
+    /// record, never read back as settings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved: Option<serde_json::Value>,
 }
 
 /// Durations in run.json as humantime writes them (`30s`, `5m`, `1h 30m`).
@@ -144,6 +160,8 @@ impl SavedRun {
             preflight_lines: Some(a.preflight_lines),
             checkpoint_every: Some(a.checkpoint_every),
             keep_checkpoints: Some(a.keep_checkpoints),
+            eval_data: a.eval_data.clone(),
+            eval_every: a.eval_every,
             snapshot_every: a.snapshot_every,
             max_rollbacks: Some(a.max_rollbacks),
             max_skipped_steps: Some(a.max_skipped_steps),
@@ -151,6 +169,7 @@ impl SavedRun {
             collective_timeout: Some(a.collective_timeout),
             time_limit: a.time_limit,
             hang_timeout: Some(a.hang_timeout),
+            step_timeout: a.step_timeout,
             max_restarts: Some(a.max_restarts),
             stable_after: Some(a.stable_after),
             stop_timeout: Some(a.stop_timeout),
@@ -162,6 +181,7 @@ impl SavedRun {
             gpu_sample_interval: Some(a.gpu_sample_interval),
             metrics_interval: Some(a.metrics_interval),
             inputs: None,
+            resolved: None,
         }
     }
 
@@ -185,8 +205,11 @@ impl SavedRun {
         a.block_size = self.block_size;
         a.max_anchors = self.max_anchors;
         a.tokenizer = self.tokenizer;
+        a.eval_data = self.eval_data;
+        a.eval_every = self.eval_every;
         a.snapshot_every = self.snapshot_every;
         a.time_limit = self.time_limit;
+        a.step_timeout = self.step_timeout;
         a.token_slots = self.token_slots;
         a.hidden_slots = self.hidden_slots;
         fn set<T>(to: &mut T, saved: Option<T>) {
@@ -224,7 +247,13 @@ impl SavedRun {
 /// `--resume`) and the fingerprint of the inputs: of the run's start, taken now for a new
 /// run; on `--resume`, the one [`prepare`] checked (or the inputs as they are now, where
 /// `--allow-changed-data` accepted a change or an older run.json had none).
-pub fn save(args: &RunArgs, resume: Option<&Resume>, run_dir: &Path) -> Result<(), Error> {
+/// `resolved`: every setting as the run uses it (see [`SavedRun::resolved`]).
+pub fn save(
+    args: &RunArgs,
+    resume: Option<&Resume>,
+    run_dir: &Path,
+    resolved: serde_json::Value,
+) -> Result<(), Error> {
     let inputs = match resume {
         Some(r) => r.inputs.clone(),
         None => match Inputs::of(args) {
@@ -237,6 +266,7 @@ pub fn save(args: &RunArgs, resume: Option<&Resume>, run_dir: &Path) -> Result<(
     };
     SavedRun {
         inputs,
+        resolved: Some(resolved),
         ..SavedRun::of(args)
     }
     .save(run_dir)
@@ -247,7 +277,9 @@ pub fn save(args: &RunArgs, resume: Option<&Resume>, run_dir: &Path) -> Result<(
 /// is (its files are fingerprinted), and the operational settings: checkpoints, limits,
 /// restarts, timeouts, the collective, the pools, logs and telemetry. The rest decide which
 /// batches exist and what the drafter is, so changing them would not continue the same run.
-pub const OVERRIDABLE: [&str; 25] = [
+pub const OVERRIDABLE: [&str; 28] = [
+    "eval_data",
+    "eval_every",
     "steps",
     "lr",
     "warmup_ratio",
@@ -263,6 +295,7 @@ pub const OVERRIDABLE: [&str; 25] = [
     "collective_timeout",
     "time_limit",
     "hang_timeout",
+    "step_timeout",
     "max_restarts",
     "stable_after",
     "stop_timeout",
@@ -276,7 +309,7 @@ pub const OVERRIDABLE: [&str; 25] = [
 ];
 
 /// Fields of [`SavedRun`] that are not settings: never compared with the command line.
-const NOT_SETTINGS: [&str; 1] = ["inputs"];
+const NOT_SETTINGS: [&str; 2] = ["inputs", "resolved"];
 
 /// Merge the settings given on this command line (`given`: the ids of the flags on it;
 /// an optional setting that has a value also counts, from a flag or `--config`) into the
@@ -344,8 +377,11 @@ pub fn merge(
 
 /// Settings that are optional (`None`: the default, or not set); the others always have a
 /// value, so only the command line tells whether one was given.
-const OPTIONAL: [&str; 15] = [
+const OPTIONAL: [&str; 19] = [
+    "eval_data",
+    "eval_every",
     "taps",
+    "epochs",
     "draft_layers",
     "token_budget",
     "steps",
@@ -358,6 +394,7 @@ const OPTIONAL: [&str; 15] = [
     "tokenizer",
     "snapshot_every",
     "time_limit",
+    "step_timeout",
     "token_slots",
     "hidden_slots",
 ];
@@ -994,6 +1031,53 @@ impl Prepared {
     }
 }
 
+/// Written into the run directory when a run ends by itself (its steps or its data
+/// done, exit 0): a `--resume` of it then says so instead of starting workers again.
+pub const FINISHED_FILE: &str = "finished.json";
+
+/// What a run's end records in [`FINISHED_FILE`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Finished {
+    /// The step of its last checkpoint (the one exported).
+    pub step: u64,
+    /// Why it ended, in words ("data done", "step limit reached").
+    pub reason: String,
+    /// Where its drafter was written.
+    pub drafter: Option<String>,
+}
+
+impl Finished {
+    pub fn write(&self, run_dir: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(run_dir.join(FINISHED_FILE), text)
+    }
+}
+
+/// `Some(words)` when `r` continues a run that already ended by itself at its newest
+/// checkpoint and `steps` asks for nothing beyond it: there is nothing to resume. A
+/// resume that does train (a larger `--steps`) removes the stale record.
+pub fn finished(r: &Resume, steps: Option<u64>) -> Option<String> {
+    let path = r.dir.join(FINISHED_FILE);
+    let f: Finished = serde_json::from_str(&std::fs::read_to_string(&path).ok()?).ok()?;
+    if f.step != r.step || steps.is_some_and(|n| n > f.step) {
+        let _ = std::fs::remove_file(&path);
+        return None;
+    }
+    let drafter = match &f.drafter {
+        Some(d) => format!("its drafter (step {}) is in {d}", f.step),
+        None => format!(
+            "write its drafter with: dflash-supervise export {}",
+            r.dir.display()
+        ),
+    };
+    Some(format!(
+        "{} already finished at step {} ({}): nothing to resume; {drafter} (to train on, give a larger --steps)",
+        r.dir.display(),
+        f.step,
+        f.reason
+    ))
+}
+
 impl Resume {
     /// Move the newer checkpoints that were refused out of `checkpoints/` (into
     /// `RUN_DIR/refused-checkpoints/`): otherwise they would count among the newest
@@ -1114,6 +1198,8 @@ mod tests {
             "30s",
             "--hang-timeout",
             "10s",
+            "--step-timeout",
+            "20m",
             "--max-restarts",
             "3",
             "--snapshot-every",
@@ -1136,6 +1222,7 @@ mod tests {
         assert_eq!(a.keep_checkpoints, 2);
         assert_eq!(a.time_limit, Some(Duration::from_secs(30)));
         assert_eq!(a.hang_timeout, Duration::from_secs(10));
+        assert_eq!(a.step_timeout, Some(Duration::from_secs(1200)));
         assert_eq!(a.max_restarts, 3);
         assert_eq!(a.snapshot_every, Some(4));
         assert_eq!(a.tokenizer, Some(PathBuf::from("/tok")));
@@ -1149,6 +1236,8 @@ mod tests {
             "7",
             "--hang-timeout",
             "90s",
+            "--step-timeout",
+            "1h",
             "--tokenizer",
             "/moved/tok",
         ]));
@@ -1167,6 +1256,7 @@ mod tests {
             "--time-limit 2h replaces this run's 30s",
             "--checkpoint-every 7 replaces this run's 5",
             "--hang-timeout 1m 30s replaces this run's 10s",
+            "--step-timeout 1h replaces this run's 20m",
             "--tokenizer /moved/tok replaces this run's /tok",
         ] {
             assert!(notes.iter().any(|x| x == n), "{n}: {notes:?}");
@@ -1206,7 +1296,7 @@ mod tests {
     fn run_json_keeps_durations_readable_and_reads_them_back() {
         let d = tempfile::tempdir().unwrap();
         let a = args(&["--time-limit", "90m", "--stop-timeout", "2s"]);
-        save(&a, None, d.path()).unwrap();
+        save(&a, None, d.path(), serde_json::Value::Null).unwrap();
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(d.path().join(RUN_FILE)).unwrap())
                 .unwrap();
@@ -1420,7 +1510,7 @@ mod tests {
     }
 
     fn resumable(run: &Path) {
-        save(&args(&["--data", "demo", "--steps", "20"]), None, run).unwrap();
+        save(&args(&["--data", "demo", "--steps", "20"]), None, run, serde_json::Value::Null).unwrap();
     }
 
     fn edit_meta(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
@@ -1538,7 +1628,7 @@ mod tests {
         std::fs::write(&f, lines(10)).unwrap();
         let run = d.path().join("run");
         std::fs::create_dir_all(&run).unwrap();
-        save(&data_args(&f, &["--steps", "20"]), None, &run).unwrap();
+        save(&data_args(&f, &["--steps", "20"]), None, &run, serde_json::Value::Null).unwrap();
         checkpoint(&run, 4, &tiny_drafter(2), 8);
         std::fs::write(&f, lines(11)).unwrap();
         let e = prepare(&run, &mut args(&[]), &[]).err().unwrap();

@@ -59,6 +59,12 @@ pub struct TrainerConfig {
     pub lr: f64,
     pub warmup_steps: u64,
     pub total_steps: Option<u64>,
+    /// Where `warmup_steps` and `total_steps` come from; refined once the first epoch is
+    /// cut ([`Trainer::refine_schedule`]).
+    pub schedule: Option<crate::training::schedule::Schedule>,
+    /// Every setting as the run uses it (defaults resolved), for run.json and each
+    /// checkpoint's meta.json.
+    pub settings: serde_json::Value,
     pub steps_limit: Option<u64>,
     pub clip: f64,
     pub seed: u64,
@@ -78,6 +84,14 @@ pub struct TrainerConfig {
     pub max_rollbacks: u32,
     /// Consecutive steps skipped for a non-finite gradient before the run gives up.
     pub max_skipped_steps: u64,
+    /// Held-out evaluation (`--eval-data`): the set, and every how many steps.
+    pub eval: Option<EvalSettings>,
+}
+
+#[derive(Debug, Clone)]
+pub struct EvalSettings {
+    pub set: crate::training::eval::EvalSet,
+    pub every: u64,
 }
 
 /// Share of the step time the automatic snapshot interval spends on snapshots.
@@ -132,6 +146,16 @@ pub enum Action {
         step: u64,
         dir: std::path::PathBuf,
     },
+    /// An eval round of the weights of `step` starts: put its `batches` into the
+    /// pipeline (and pause training traffic until [`Action::EvalEnd`]).
+    EvalStart {
+        round: u64,
+        step: u64,
+        batches: Vec<dflash_shared::batch::TokenBatch>,
+    },
+    /// The eval round is over (complete, or dropped by a rollback): training traffic
+    /// resumes.
+    EvalEnd,
 }
 
 struct Member {
@@ -184,11 +208,14 @@ pub struct Trainer {
     _state_map: PoolMap,
     members: BTreeMap<usize, Member>,
     free_ranks: BTreeSet<u32>,
+    /// A checkpoint was asked for (SIGUSR1): written at the next committed step.
+    checkpoint_requested: bool,
     committed: u64,
     pending: BTreeMap<usize, Pending>,
     /// (joiner, donor) while a snapshot is being taken.
     joining: Option<(usize, usize)>,
-    queue: VecDeque<(usize, Holder)>,
+    /// Drafters waiting to join: (worker, life, the rank its name asks for).
+    queue: VecDeque<(usize, Holder, u32)>,
     /// The membership epoch, and the members that reduced step `committed + 1` in it (with
     /// the loss-weight sum their all-reduce found).
     epoch: u64,
@@ -231,6 +258,10 @@ pub struct Trainer {
     skipped_in_a_row: u64,
     good_checkpoint: Option<u64>,
     pub progress: TrainProgress,
+    /// Held-out evaluation, with `--eval-data`.
+    eval: Option<Box<crate::training::eval::Evaluator>>,
+    /// The step limit was reached, and the run ends once the last eval round is in.
+    done_after_eval: bool,
 }
 
 impl Trainer {
@@ -287,6 +318,42 @@ impl Trainer {
             }
             None => (0, Restore::Fresh),
         };
+        let eval = cfg.eval.as_ref().map(|e| {
+            let mut ev = Box::new(crate::training::eval::Evaluator::new(
+                e.set.clone(),
+                e.every,
+            ));
+            // Resuming: the best eval of the lineage resumed (whose checkpoint is still
+            // there) stays the one to beat.
+            ev.linked = crate::training::eval::best_step(&cfg.checkpoints_dir);
+            let text = std::fs::read_to_string(run_dir.join("train.jsonl")).unwrap_or_default();
+            let mut evals: BTreeMap<u64, f64> = BTreeMap::new();
+            for v in text
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            {
+                if let (Some(step), Some(a)) =
+                    (v["eval"]["step"].as_u64(), v["eval"]["acceptance"].as_f64())
+                {
+                    evals.insert(step, a);
+                }
+            }
+            ev.best = evals
+                .into_iter()
+                .filter(|(s, _)| {
+                    *s <= base.0
+                        && cfg
+                            .checkpoints_dir
+                            .join(format!("step-{s:08}"))
+                            .join("meta.json")
+                            .is_file()
+                })
+                .fold(None, |b: Option<(u64, f64)>, (s, a)| match b {
+                    Some((_, ba)) if ba >= a => b,
+                    _ => Some((s, a)),
+                });
+            ev
+        });
         Ok(Trainer {
             restore: base.1.clone(),
             restore_step: base.0,
@@ -303,6 +370,7 @@ impl Trainer {
             skipped_in_a_row: 0,
             good_checkpoint: None,
             free_ranks: (0..cfg.max_ranks.max(1)).collect(),
+            checkpoint_requested: false,
             committed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
             checkpointed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
             cfg,
@@ -328,6 +396,8 @@ impl Trainer {
             window_steps: 0,
             frozen: false,
             progress: TrainProgress::default(),
+            eval,
+            done_after_eval: false,
         })
     }
 
@@ -388,12 +458,27 @@ impl Trainer {
         }))
     }
 
-    fn add_member(&mut self, worker: usize, holder: Holder, init: Init, out: &mut Vec<Action>) {
-        let Some(rank) = self.free_ranks.pop_first() else {
-            out.push(Action::Failed(
-                "more drafter ranks than gradient slots".into(),
-            ));
-            return;
+    /// `worker` joins as `rank` (the number in its name, drafter-N is rank N), or, should
+    /// that rank be taken, as the lowest free one, said in one line.
+    fn add_member(
+        &mut self,
+        worker: usize,
+        holder: Holder,
+        rank: u32,
+        init: Init,
+        out: &mut Vec<Action>,
+    ) {
+        let rank = if self.free_ranks.remove(&rank) {
+            rank
+        } else {
+            let Some(other) = self.free_ranks.pop_first() else {
+                out.push(Action::Failed(
+                    "more drafter ranks than gradient slots".into(),
+                ));
+                return;
+            };
+            log::warn!("drafter-{rank}: rank {rank} is taken; it joins as rank {other}");
+            other
         };
         self.members.insert(worker, Member { rank, holder });
         out.push(Action::Send(worker, self.setup(rank, init)));
@@ -580,17 +665,19 @@ impl Trainer {
     }
 
     /// A drafter connected (after it got the pools).
-    pub fn on_ready(&mut self, worker: usize, holder: Holder) -> Vec<Action> {
+    /// Drafter `worker` (life `holder`) is ready; `rank` is the number in its name
+    /// (drafter-N is rank N, in every life).
+    pub fn on_ready(&mut self, worker: usize, holder: Holder, rank: u32) -> Vec<Action> {
         let mut out = Vec::new();
         if self.committed == self.restore_step && self.joining.is_none() {
             // Nothing applied since the start or the last rollback: every rank can load
             // the group's state by itself (fresh, a checkpoint, or the snapshot).
-            self.add_member(worker, holder, self.restore_init(), &mut out);
+            self.add_member(worker, holder, rank, self.restore_init(), &mut out);
             self.new_epoch("a drafter started", &mut out);
         } else if self.members.is_empty() {
             out.push(Action::Failed(self.lost_message()));
         } else {
-            self.queue.push_back((worker, holder));
+            self.queue.push_back((worker, holder, rank));
             self.start_join(&mut out);
         }
         out
@@ -659,6 +746,22 @@ impl Trainer {
         self.checkpoint_asked = None;
         self.skipped_in_a_row = 0;
         self.committed = to;
+        if let Some(e) = self.eval.as_mut() {
+            if let Some(step) = e.rolled_back(to) {
+                log::warn!("eval of step {step} dropped: the group rolled back to step {to} (step {step} is evaluated again when it commits again)");
+                out.push(Action::EvalEnd);
+            }
+            if e.linked.is_some_and(|s| s > to) {
+                // Its checkpoint goes aside with the abandoned lineage.
+                let _ = std::fs::remove_file(
+                    self.cfg
+                        .checkpoints_dir
+                        .join(crate::training::eval::BEST_LINK),
+                );
+                e.linked = None;
+            }
+        }
+        self.done_after_eval = false;
         self.set_aside_checkpoints_after(to);
         self.checkpointed = self.saved_step().min(to);
         self.restore = restore;
@@ -668,8 +771,8 @@ impl Trainer {
         self.last_commit = None;
         out.push(Action::Rollback { from, to, batches });
         // Drafters that came up while no member could give them the state load it now.
-        for (w, h) in std::mem::take(&mut self.queue) {
-            self.add_member(w, h, self.restore_init(), out);
+        for (w, h, rank) in std::mem::take(&mut self.queue) {
+            self.add_member(w, h, rank, self.restore_init(), out);
         }
         self.new_epoch(&format!("rolled back to step {to}"), out);
     }
@@ -737,7 +840,7 @@ impl Trainer {
         if self.joining.is_some() {
             return;
         }
-        let Some(&(joiner, _)) = self.queue.front() else {
+        let Some(&(joiner, ..)) = self.queue.front() else {
             return;
         };
         let Some((&donor, _)) = self.members.iter().next() else {
@@ -802,8 +905,14 @@ impl Trainer {
                     return out;
                 }
                 self.joining = None;
-                let (_, holder) = self.queue.pop_front().expect("the joiner is queued");
-                self.add_member(joiner, holder, Init::FromState { step, slot: 0 }, &mut out);
+                let (_, holder, rank) = self.queue.pop_front().expect("the joiner is queued");
+                self.add_member(
+                    joiner,
+                    holder,
+                    rank,
+                    Init::FromState { step, slot: 0 },
+                    &mut out,
+                );
                 let rank = self.members.get(&joiner).map_or(0, |m| m.rank);
                 self.new_epoch(&format!("rank {rank} joined at step {step}"), &mut out);
                 self.start_join(&mut out);
@@ -872,7 +981,7 @@ impl Trainer {
         self.pending.remove(&worker);
         self.reduced.remove(&worker);
         self.abstained.remove(&worker);
-        self.queue.retain(|(w, _)| *w != worker);
+        self.queue.retain(|(w, ..)| *w != worker);
         if self
             .snapshot_asked
             .is_some_and(|(donor, ..)| donor == worker)
@@ -1012,7 +1121,9 @@ impl Trainer {
     /// Commit step `committed + 1` over the members with a pending gradient; every
     /// member applies it.
     fn commit(&mut self, out: &mut Vec<Action>) {
+        // While an eval round scores the weights of `committed`, nothing moves them.
         if self.frozen
+            || self.eval_running()
             || self.joining.is_some()
             || self.members.is_empty()
             || self.pending.is_empty()
@@ -1119,16 +1230,161 @@ impl Trainer {
             self.skipped_in_a_row = 0;
         }
         self.maybe_snapshot(step, out);
-        if self
+        let periodic = self
             .cfg
             .checkpoint_every
-            .is_some_and(|n| n > 0 && step % n == 0)
-        {
+            .is_some_and(|n| n > 0 && step % n == 0);
+        let last = self.cfg.steps_limit.is_some_and(|n| step >= n);
+        // An eval step is a checkpoint step too, so the best eval names a checkpoint; the
+        // last step is evaluated as well, so the last checkpoint is compared too.
+        let eval_step = self
+            .eval
+            .as_ref()
+            .is_some_and(|e| e.is_eval_step(step) || last);
+        if std::mem::take(&mut self.checkpoint_requested) || periodic || eval_step {
             out.extend(self.checkpoint());
         }
-        if self.cfg.steps_limit.is_some_and(|n| step >= n) {
+        if eval_step {
+            self.start_eval(out);
+        }
+        if last {
             self.frozen = true;
+            if self.eval_running() {
+                self.done_after_eval = true;
+            } else {
+                out.push(Action::Done);
+            }
+        }
+    }
+
+    /// Is an eval round running (so no step commits)?
+    pub fn eval_running(&self) -> bool {
+        self.eval.as_ref().is_some_and(|e| e.running().is_some())
+    }
+
+    /// Start an eval round of the weights of the last committed step (unless it was
+    /// evaluated already).
+    fn start_eval(&mut self, out: &mut Vec<Action>) {
+        let step = self.committed;
+        let Some(e) = self.eval.as_mut() else {
+            return;
+        };
+        if let Some((round, batches)) = e.start(step) {
+            log::info!(
+                "eval of step {step}: {} batches ({} tokens) of {}; steps wait until it is done",
+                batches.len(),
+                e.set.tokens,
+                e.set.path.display()
+            );
+            out.push(Action::EvalStart {
+                round,
+                step,
+                batches,
+            });
+        }
+    }
+
+    /// The data is consumed: the last step is evaluated too (and checkpointed, so it can
+    /// be the best). Returns true while that keeps the run going.
+    pub fn eval_at_end(&mut self, out: &mut Vec<Action>) -> bool {
+        let Some(e) = self.eval.as_ref() else {
+            return false;
+        };
+        if e.running().is_some() {
+            return true;
+        }
+        if self.committed == 0 || self.members.is_empty() || e.done.contains(&self.committed) {
+            return false;
+        }
+        out.extend(self.checkpoint());
+        self.start_eval(out);
+        self.eval_running()
+    }
+
+    /// A drafter scored eval batch `batch_id` at the weights of `step`. `Err`: a protocol
+    /// violation (the report is not of the weights the round scores).
+    pub fn on_evaluated(
+        &mut self,
+        batch_id: u64,
+        step: u64,
+        stats: &StepStats,
+    ) -> Result<Vec<Action>, String> {
+        let mut out = Vec::new();
+        let Some(e) = self.eval.as_mut() else {
+            return Err("an eval report, but this run has no --eval-data".into());
+        };
+        match e.report(batch_id, step, stats) {
+            crate::training::eval::Report::Wrong(why) => return Err(why),
+            crate::training::eval::Report::Stale => return Ok(out),
+            crate::training::eval::Report::Counted { done: false } => return Ok(out),
+            crate::training::eval::Report::Counted { done: true } => {}
+        }
+        let Some((r, best)) = e.finish() else {
+            return Ok(out);
+        };
+        let acc1 = r.slot_accuracy.first().copied().unwrap_or(0.0);
+        log::info!(
+            "eval at step {}: loss {:.4}, acceptance {:.2}, acc@1 {:.2} over {} batches ({} tokens, {} blocks) in {:.1} s{}",
+            r.step,
+            r.loss,
+            r.acceptance,
+            acc1,
+            r.batches,
+            r.tokens,
+            r.blocks,
+            r.ms / 1e3,
+            if best { ": the best so far" } else { "" }
+        );
+        let line = serde_json::json!({"t": unix_ms(), "eval": r.json()});
+        let _ = writeln!(self.log, "{line}");
+        self.progress.eval_step = Some(r.step);
+        self.progress.eval_loss = Some(r.loss);
+        self.progress.eval_acceptance = Some(r.acceptance);
+        if best {
+            self.progress.best_step = Some(r.step);
+            self.link_best_if_saved(r.step);
+        }
+        out.push(Action::EvalEnd);
+        self.try_commit(&mut out);
+        if std::mem::take(&mut self.done_after_eval) {
             out.push(Action::Done);
+        }
+        Ok(out)
+    }
+
+    /// Point `checkpoints/best` at `step` once its checkpoint is complete (else when it
+    /// is, [`Self::on_checkpointed`]).
+    fn link_best_if_saved(&mut self, step: u64) {
+        let Some(e) = self.eval.as_mut() else {
+            return;
+        };
+        if e.best.map(|(s, _)| s) != Some(step) || e.linked == Some(step) {
+            return;
+        }
+        let dir = self.cfg.checkpoints_dir.join(format!("step-{step:08}"));
+        if !dir.join("meta.json").is_file() {
+            return;
+        }
+        match crate::training::eval::link_best(&self.cfg.checkpoints_dir, step) {
+            Ok(()) => {
+                e.linked = Some(step);
+                log::info!(
+                    "best checkpoint by eval acceptance: {} -> {}",
+                    self.cfg
+                        .checkpoints_dir
+                        .join(crate::training::eval::BEST_LINK)
+                        .display(),
+                    dir.display()
+                );
+            }
+            Err(err) => log::warn!(
+                "cannot point {} at {}: {err}",
+                self.cfg
+                    .checkpoints_dir
+                    .join(crate::training::eval::BEST_LINK)
+                    .display(),
+                dir.display()
+            ),
         }
     }
 
@@ -1445,6 +1701,7 @@ impl Trainer {
         {
             self.last_checkpoint = Some((step, dir.clone().into()));
         }
+        self.link_best_if_saved(step);
         self.prune_checkpoints();
     }
 
@@ -1462,6 +1719,11 @@ impl Trainer {
             })
             .collect();
         done.sort();
+        // The best checkpoint by eval acceptance is never pruned (nor counted).
+        if let Some(best) = self.eval.as_ref().and_then(|e| e.linked) {
+            let name = format!("step-{best:08}");
+            done.retain(|p| p.file_name().is_none_or(|n| n.to_string_lossy() != name));
+        }
         let keep = self.cfg.keep_checkpoints.max(1);
         if done.len() > keep {
             for old in &done[..done.len() - keep] {
@@ -1479,6 +1741,37 @@ impl Trainer {
     /// The step this run (session) started from: 0, or the resumed checkpoint's.
     pub fn base_step(&self) -> u64 {
         self.base.0
+    }
+
+    /// The first epoch was cut into `batches` batches: a schedule whose length was
+    /// estimated from the data takes the exact one. Returns what changed, in words.
+    pub fn refine_schedule(&mut self, batches: u64) -> Option<String> {
+        let s = self.cfg.schedule.as_mut()?;
+        let msg = s.refine(batches)?;
+        self.cfg.warmup_steps = s.warmup_steps;
+        self.cfg.total_steps = s.total_steps;
+        Some(msg)
+    }
+
+    /// Write a checkpoint at the next committed step (a pre-emption notice). Returns that
+    /// step.
+    pub fn request_checkpoint(&mut self) -> u64 {
+        self.checkpoint_requested = true;
+        self.committed + 1
+    }
+
+    /// Every setting as the run uses it, the schedule as it stands now.
+    pub fn settings(&self) -> serde_json::Value {
+        let mut v = self.cfg.settings.clone();
+        if let (serde_json::Value::Object(m), Some(s)) = (&mut v, &self.cfg.schedule) {
+            m.insert("schedule".into(), s.to_json());
+        }
+        v
+    }
+
+    /// The learning-rate schedule as it stands (run.json, events).
+    pub fn schedule(&self) -> Option<&crate::training::schedule::Schedule> {
+        self.cfg.schedule.as_ref()
     }
 
     pub fn committed(&self) -> u64 {
@@ -1551,8 +1844,8 @@ mod tests {
 
     /// Two members (workers 1 and 2) in the epoch of both; returns that epoch.
     fn two_members(t: &mut Trainer) -> u64 {
-        t.on_ready(1, 11);
-        let out = t.on_ready(2, 12);
+        t.on_ready(1, 11, 0);
+        let out = t.on_ready(2, 12, 1);
         let epochs: Vec<u64> = sends(&out)
             .iter()
             .filter_map(|(_, m)| {

@@ -21,6 +21,9 @@
 //!   stale-gen, out-of-range, wrong-slot or wrong-batch
 //! - `bad-commit:KIND`   (a target) once it has a delivery and a lease, commit wrongly:
 //!   too-long, empty (length 0) or stale-gen
+//! - `real-after:WORKER` wait until the run's state.json shows WORKER (e.g. drafter-1)
+//!   running, i.e. connected (at most 50 s), then become the real worker
+//!   (`DFLASH_TEST_REAL_WORKER`): workers that connect in a chosen order
 //!
 //! A rule that names no known action, or an action whose value is missing or wrong (a
 //! typo in a test), is an error: the whole spec is checked, every worker's rules, before
@@ -46,6 +49,8 @@ enum Takes {
     Nothing,
     Number,
     OneOf(&'static [&'static str]),
+    /// A worker name: target-N or drafter-N.
+    Worker,
 }
 
 /// Every action this worker knows.
@@ -69,6 +74,7 @@ const ACTIONS: &[(&str, Takes)] = &[
         "bad-commit",
         Takes::OneOf(&["too-long", "empty", "stale-gen"]),
     ),
+    ("real-after", Takes::Worker),
 ];
 
 struct Rule {
@@ -118,6 +124,7 @@ fn parse_spec(spec: &str) -> Result<Vec<Rule>, String> {
                 (Takes::Nothing, None) => {}
                 (Takes::Number, Some(n)) if n.parse::<u64>().is_ok() => {}
                 (Takes::OneOf(kinds), Some(kind)) if kinds.contains(&kind) => {}
+                (Takes::Worker, Some(w)) if is_worker_name(w) => {}
                 (Takes::Nothing, Some(_)) => {
                     return Err(format!("rule '{rule}': action '{k}' takes no value"))
                 }
@@ -132,6 +139,11 @@ fn parse_spec(spec: &str) -> Result<Vec<Rule>, String> {
                         kinds.join(", ")
                     ))
                 }
+                (Takes::Worker, _) => {
+                    return Err(format!(
+                        "rule '{rule}': action '{k}' takes a worker name ({k}:drafter-N)"
+                    ))
+                }
             }
             actions.push((k, v));
         }
@@ -142,6 +154,36 @@ fn parse_spec(spec: &str) -> Result<Vec<Rule>, String> {
         });
     }
     Ok(rules)
+}
+
+/// `target-N` or `drafter-N`.
+fn is_worker_name(name: &str) -> bool {
+    name.rsplit_once('-').is_some_and(|(role, rank)| {
+        matches!(role, "target" | "drafter") && rank.parse::<u32>().is_ok()
+    })
+}
+
+/// `real-after:WORKER`: wait (at most 50 s) until the run's state.json shows `worker`
+/// running (connected).
+fn wait_until_running(worker: &str) {
+    let state = std::path::Path::new(&var(env::RUN_DIR)).join("state.json");
+    let deadline = Instant::now() + Duration::from_secs(50);
+    while Instant::now() < deadline {
+        let running = std::fs::read_to_string(&state)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .is_some_and(|s| {
+                s["workers"].as_array().is_some_and(|ws| {
+                    ws.iter()
+                        .any(|w| w["name"] == worker && w["state"] == "running")
+                })
+            });
+        if running {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("test worker: {worker} did not connect within 50 s; going on");
 }
 
 /// This life's actions, from a checked spec.
@@ -243,7 +285,11 @@ fn this_lifes_actions() -> Acts {
             std::process::exit(exit_codes::WORKER_PERMANENT);
         }
     };
-    let acts = actions(rules);
+    let mut acts = actions(rules);
+    if let Some(w) = text(&acts, "real-after").map(str::to_string) {
+        wait_until_running(&w);
+        acts.retain(|(k, _)| k != "real-after");
+    }
     if acts.is_empty() {
         if let Some(real) = std::env::var_os("DFLASH_TEST_REAL_WORKER") {
             use std::os::unix::process::CommandExt;
@@ -290,7 +336,7 @@ fn say_hello(
     let up = IpcSender::<FromWorker>::connect(control.to_string()).unwrap();
     let (to_worker, down) = ipc::channel::<ToWorker>().unwrap();
     if has(acts, "heartbeat-first") {
-        up.send(FromWorker::Heartbeat { seq: 0 }).unwrap();
+        up.send(FromWorker::Heartbeat { seq: 0, busy: None }).unwrap();
         // Keep the downward channel open so this worker lives until the supervisor
         // reacts, instead of exiting on its own first.
         std::mem::forget(to_worker);
@@ -480,7 +526,7 @@ fn serve(
             }
         }
         seq += 1;
-        if up.send(FromWorker::Heartbeat { seq }).is_err() {
+        if up.send(FromWorker::Heartbeat { seq, busy: None }).is_err() {
             std::process::exit(exit_codes::WORKER_ORPHANED);
         }
     }

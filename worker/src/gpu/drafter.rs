@@ -847,7 +847,7 @@ impl GpuDrafter {
         denominator: f64,
         grads: &mut [f32],
     ) -> Result<StepStats> {
-        self.batch(samples, None, anchors, denominator, Some(grads))
+        self.batch(samples, None, anchors, denominator, Some(grads), true)
     }
 
     /// [`train_batch`](Self::train_batch) with each sample's taps as the bf16 bytes of the
@@ -869,7 +869,7 @@ impl GpuDrafter {
                 samples.len()
             )));
         }
-        self.batch(samples, Some(taps16), anchors, denominator, Some(grads))
+        self.batch(samples, Some(taps16), anchors, denominator, Some(grads), true)
     }
 
     /// [`train_batch_bf16`](Self::train_batch_bf16) that leaves the gradient on the
@@ -889,7 +889,7 @@ impl GpuDrafter {
                 samples.len()
             )));
         }
-        self.batch(samples, Some(taps16), anchors, denominator, None)
+        self.batch(samples, Some(taps16), anchors, denominator, None, true)
     }
 
     /// [`train_batch`](Self::train_batch) that leaves the gradient on the device.
@@ -899,7 +899,27 @@ impl GpuDrafter {
         anchors: &[Vec<usize>],
         denominator: f64,
     ) -> Result<StepStats> {
-        self.batch(samples, None, anchors, denominator, None)
+        self.batch(samples, None, anchors, denominator, None, true)
+    }
+
+    /// The forward and loss of [`train_batch_bf16_on_device`](Self::train_batch_bf16_on_device)
+    /// alone (held-out evaluation): the same statistics at the device's weights, with no
+    /// backward, so the gradient buffer and its buckets (which a collective may be
+    /// reducing) are not touched.
+    pub fn eval_batch_bf16(
+        &mut self,
+        samples: &[Sample],
+        taps16: &[&[u8]],
+        anchors: &[Vec<usize>],
+    ) -> Result<StepStats> {
+        if taps16.len() != samples.len() {
+            return Err(GpuError::Invalid(format!(
+                "{} bf16 tap rows for {} samples",
+                taps16.len(),
+                samples.len()
+            )));
+        }
+        self.batch(samples, Some(taps16), anchors, 1.0, None, false)
     }
 
     /// No batch for this step: a zero gradient (a rank that abstains from a step).
@@ -914,6 +934,7 @@ impl GpuDrafter {
         anchors: &[Vec<usize>],
         denominator: f64,
         grads: Option<&mut [f32]>,
+        backward: bool,
     ) -> Result<StepStats> {
         let d = &self.d;
         let bs = d.cfg.block_size;
@@ -923,8 +944,10 @@ impl GpuDrafter {
             slot_total: vec![0; bs],
             ..Default::default()
         };
-        self.release_buckets();
-        self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
+        if backward {
+            self.release_buckets();
+            self.ops.dev.memset_zero(Stream::Compute, self.grads)?;
+        }
         if total_weight > 0.0 {
             let order: Vec<usize> = (0..samples.len())
                 .filter(|&i| !anchors[i].is_empty())
@@ -978,6 +1001,7 @@ impl GpuDrafter {
                         &anchors[i],
                         denominator,
                         Some(&i) == order.last(),
+                        backward,
                     )?;
                     free[k % 2] = freed;
                     stats.merge(&st);
@@ -1095,6 +1119,7 @@ impl GpuDrafter {
         anchors: &[usize],
         denominator: f64,
         last: bool,
+        backward: bool,
     ) -> Result<(StepStats, Option<super::Event>)> {
         let bs = self.d.cfg.block_size;
         let (slen, nb) = (s.ids.len(), anchors.len());
@@ -1116,7 +1141,9 @@ impl GpuDrafter {
         let r = (|| {
             self.forward(dims)?;
             let (stats, supervised) = self.loss(s, anchors, dims, denominator)?;
-            self.backward(dims, supervised, last)?;
+            if backward {
+                self.backward(dims, supervised, last)?;
+            }
             Ok(stats)
         })();
         match r {

@@ -368,7 +368,16 @@ impl Relay {
                 (false, Report::Acked { slot, .. }) => self.send(true, Cmd::Free { slot })?,
                 (true, Report::Done { secs, samples_ns }) => result = Some((secs, samples_ns)),
                 (false, Report::Done { .. }) => consumer_left = false,
-                (_, other) => return Err(fail("unexpected report", &format!("{other:?}"))),
+                (producer, other) => {
+                    let kind = match other {
+                        Report::Hello { .. } => "Hello",
+                        Report::Committed { .. } => "Committed",
+                        Report::Acked { .. } => "Acked",
+                        Report::Done { .. } => "Done",
+                    };
+                    let from = if producer { "the producer" } else { "the consumer" };
+                    return Err(fail("unexpected report", &format!("{kind} from {from}")));
+                }
             }
             if !consumer_left {
                 if let Some(r) = result.take() {

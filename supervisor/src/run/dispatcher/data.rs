@@ -41,6 +41,13 @@ impl Dispatcher {
         let hung = self.trainer.watchdog(self.now);
         self.execute(hung);
         if self.pipeline.finished() {
+            // With --eval-data the last step is evaluated before the run ends.
+            let mut out = Vec::new();
+            let evaluating = self.trainer.eval_at_end(&mut out);
+            self.execute(out);
+            if evaluating {
+                return;
+            }
             let (consumed, _) = self.pipeline.progress();
             log::info!("all {consumed} batches consumed: stopping");
             self.begin_stop(StopReason::DataDone);
@@ -97,6 +104,22 @@ impl Dispatcher {
                     self.dirty = true;
                 }
                 Action::Covered(step) => self.pipeline.covered(step),
+                Action::EvalStart {
+                    round,
+                    step,
+                    batches,
+                } => {
+                    self.run.event(
+                        "eval_start",
+                        super::obj(serde_json::json!({"step": step, "round": round, "batches": batches.len()})),
+                    );
+                    self.pipeline.start_eval(round, batches);
+                    self.dirty = true;
+                }
+                Action::EvalEnd => {
+                    self.pipeline.end_eval();
+                    self.dirty = true;
+                }
                 Action::Event(kind, fields) => self.run.event(kind, fields),
                 Action::CheckpointFromSnapshot { step, dir } => {
                     let meta = self.checkpoint_meta();
@@ -129,11 +152,13 @@ impl Dispatcher {
         }
     }
 
-    /// The supervisor's part of a checkpoint's meta.json: which batches were consumed, and
-    /// what the export needs (the target layers the drafter reads).
+    /// The supervisor's part of a checkpoint's meta.json: which batches were consumed,
+    /// what the export needs (the target layers the drafter reads), and every setting as
+    /// the run uses it.
     fn checkpoint_meta(&self) -> String {
         let mut meta = self.pipeline.consumed_summary();
         meta["export"] = self.trainer.export_meta();
+        meta["settings"] = self.trainer.settings();
         meta.to_string()
     }
 }

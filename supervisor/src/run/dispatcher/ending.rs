@@ -92,8 +92,11 @@ impl Dispatcher {
             | StopReason::TimeLimit
             | StopReason::DataDone
             | StopReason::StepsDone => {
-                if all_clean {
+                let finished = matches!(reason, StopReason::DataDone | StopReason::StepsDone);
+                if all_clean && finished {
                     RunEnd::Clean
+                } else if all_clean {
+                    RunEnd::StoppedEarly
                 } else {
                     let bad: Vec<String> = self
                         .workers
@@ -140,7 +143,7 @@ impl Dispatcher {
                 saved + 1
             );
             // Lost work outranks an unclean stop: the run failed.
-            if matches!(end, RunEnd::Clean | RunEnd::UncleanStop) {
+            if matches!(end, RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop) {
                 RunEnd::Failed
             } else {
                 end
@@ -150,11 +153,13 @@ impl Dispatcher {
         };
         // A run never exits 0 with a checkpoint it has not exported.
         let end = match (&export_failure, end) {
-            (Some(_), RunEnd::Clean | RunEnd::UncleanStop) => RunEnd::Failed,
+            (Some(_), RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop) => {
+                RunEnd::Failed
+            }
             (_, end) => end,
         };
         let code = end.exit_code();
-        let phase = if code == exit_codes::SUCCESS {
+        let phase = if code == exit_codes::SUCCESS || code == exit_codes::STOPPED_EARLY {
             "stopped"
         } else {
             "failed"
@@ -171,6 +176,16 @@ impl Dispatcher {
             "run_end",
             obj(json!({"reason": reason.describe(), "exit_code": code})),
         );
+        if end == RunEnd::Clean {
+            let f = crate::training::resume::Finished {
+                step: self.trainer.saved_step(),
+                reason: reason.describe(),
+                drafter: self.trainer.progress.exported.clone(),
+            };
+            if let Err(e) = f.write(&self.run.path) {
+                log::warn!("cannot write {}: {e}", crate::training::resume::FINISHED_FILE);
+            }
+        }
         log::info!("run ended ({}); exit code {code}", reason.describe());
         let report = self.run.path.join("report.html");
         match crate::telemetry::report::write(&self.run.path, &report) {
@@ -192,6 +207,21 @@ impl Dispatcher {
             (None, None) => crate::say!(
                 "dflash-supervise: no checkpoint holds the trained steps; no drafter written"
             ),
+        }
+        if end == RunEnd::StoppedEarly {
+            let saved = self.trainer.saved_step();
+            if saved > 0 {
+                crate::say!(
+                    "dflash-supervise: stopped at step {saved}, before the run's end (exit {code}); continue it with: dflash-supervise --resume {}",
+                    self.run.path.display()
+                );
+            } else {
+                crate::say!(
+                    "dflash-supervise: stopped before the run's end and before any step was trained (exit {code}); nothing to --resume: \
+                     start it again (with --run-dir {} --resume-if-exists the same command starts or resumes it)",
+                    self.run.path.display()
+                );
+            }
         }
         code
     }

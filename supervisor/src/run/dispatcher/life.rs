@@ -40,6 +40,9 @@ pub(super) struct Life {
     /// dies before connecting.
     pub server_name: String,
     pub last_beat: Instant,
+    /// The unit of work its compute loop is in, as its last heartbeat said (boxed: most
+    /// lives are between units most of the time).
+    pub in_work: Option<Box<super::steps::InWork>>,
     pub state: LifeState,
 }
 

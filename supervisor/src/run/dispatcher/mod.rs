@@ -62,6 +62,7 @@ mod life;
 mod metrics;
 mod saving;
 mod spawning;
+mod steps;
 #[cfg(test)]
 mod tests;
 
@@ -115,6 +116,8 @@ pub struct Config {
     /// The target model directory workers load.
     pub target_dir: PathBuf,
     pub hang_timeout: Duration,
+    /// `--step-timeout`; `None`: the default of [`steps::default_step_timeout`].
+    pub step_timeout: Option<Duration>,
     pub max_restarts: u32,
     pub stable_after: Duration,
     pub stop_timeout: Duration,
@@ -151,6 +154,8 @@ struct Worker {
     /// Lives in a row that ended before their hello, and whether any life ever said it.
     lives_without_hello: u32,
     ever_connected: bool,
+    /// What its units of work took (for `--step-timeout`).
+    steps: steps::StepTimes,
 }
 
 /// Lives in a row that end before saying hello, with no life of that worker ever
@@ -233,6 +238,7 @@ impl Dispatcher {
                 unclean_stop: false,
                 lives_without_hello: 0,
                 ever_connected: false,
+                steps: steps::StepTimes::default(),
             });
         }
         Ok(Dispatcher {
@@ -319,16 +325,19 @@ impl Dispatcher {
 
     /// The loop wakes at least every [`TICK`]: a much longer gap since the last turn means
     /// the supervisor itself did not run (SIGSTOP, a stalled host), so nothing it saw of
-    /// its workers is current. Their hang timers (and the stop deadline) start again,
-    /// rather than healthy workers being killed as "hung".
+    /// its workers is current. Their hang and step timers (and the stop deadline) start
+    /// again, rather than healthy workers being killed as "hung".
     fn resume_after_pause(&mut self, gap: Duration, now: Instant) {
         log::warn!(
-            "the supervisor did not run for {:.1}s (stopped, or its machine stalled): restarting the workers' hang timers",
+            "the supervisor did not run for {:.1}s (stopped, or its machine stalled): restarting the workers' hang and step timers",
             gap.as_secs_f64()
         );
         for w in &mut self.workers {
             if let Some(l) = w.status.life_mut() {
                 l.last_beat = l.last_beat.max(now);
+                if let Some(b) = &mut l.in_work {
+                    b.timer = b.timer.max(now);
+                }
             }
         }
         if let Phase::Stopping { deadline } = &mut self.phase {
@@ -438,6 +447,13 @@ impl Dispatcher {
                     log::error!("{msg}");
                     self.begin_stop(StopReason::BadInput(msg));
                 }
+                if let Some(batches) = self.pipeline.first_epoch_batches() {
+                    if let Some(msg) = self.trainer.refine_schedule(batches) {
+                        log::info!("{msg}");
+                        let schedule = self.trainer.schedule().map(|s| s.to_json());
+                        self.run.event("schedule", obj(json!({ "schedule": schedule })));
+                    }
+                }
             }
         }
     }
@@ -456,6 +472,14 @@ impl Dispatcher {
         };
         match signal {
             Signal::SIGUSR1 | Signal::SIGUSR2 => {
+                // SIGUSR1 is the usual pre-emption notice (Slurm's --signal=B:USR1@SECS):
+                // save the training state now, so the stop that follows loses nothing.
+                if signal == Signal::SIGUSR1 && matches!(self.phase, Phase::Running) {
+                    let step = self.trainer.request_checkpoint();
+                    log::info!("SIGUSR1 received (pre-emption notice): writing a checkpoint at step {step}, then training on");
+                    self.run
+                        .event("checkpoint_requested", obj(json!({"signal": "SIGUSR1", "step": step})));
+                }
                 // Only to workers that said hello: one still starting may not have its
                 // handlers yet, and the signal's default action would kill it.
                 let (told, starting): (Vec<_>, Vec<_>) = self
@@ -555,7 +579,7 @@ impl Dispatcher {
         if stopping {
             self.ask_to_stop(worker, "the run is stopping");
         } else if name.role == Role::Drafter {
-            let actions = self.trainer.on_ready(worker, life);
+            let actions = self.trainer.on_ready(worker, life, name.rank);
             self.execute(actions);
         }
     }
@@ -569,7 +593,11 @@ impl Dispatcher {
         l.last_beat = now;
         let (holder, pid) = (l.id, l.pid);
         let result: Result<(), String> = match msg {
-            FromWorker::Heartbeat { .. } => Ok(()),
+            FromWorker::Heartbeat { busy, .. } => {
+                let old = l.in_work.take().map(|b| *b);
+                l.in_work = steps::InWork::update(old, busy, now).map(Box::new);
+                Ok(())
+            }
             FromWorker::DeviceMemory(m) => {
                 self.pipeline.health.device_memory(&name.to_string(), m);
                 Ok(())
@@ -596,6 +624,7 @@ impl Dispatcher {
                     let w = name.to_string();
                     self.pipeline.health.phase(&w, "wait", wait_ms);
                     self.pipeline.health.phase(&w, "forward", compute_ms);
+                    self.step_took(worker, compute_ms);
                 }
                 r
             }
@@ -610,6 +639,40 @@ impl Dispatcher {
                     tx: &tx,
                 };
                 self.pipeline.on_ack(&peer, input, batch_id)
+            }
+            FromWorker::Evaluated {
+                input,
+                batch_id,
+                step,
+                stats,
+            } => {
+                let Some(tx) = l.to_worker().cloned() else {
+                    return;
+                };
+                let peer = Peer {
+                    name,
+                    holder,
+                    pid,
+                    tx: &tx,
+                };
+                // The slot stays held (a violation restarts the worker, and its death
+                // requeues the batch) unless the report is one the round takes.
+                match self
+                    .pipeline
+                    .check_consume(name, holder, input, batch_id)
+                    .and_then(|()| self.trainer.on_evaluated(batch_id, step, &stats))
+                {
+                    Ok(actions) => {
+                        let r = self.pipeline.on_evaluated(&peer, input, batch_id);
+                        self.pipeline
+                            .health
+                            .phase(&name.to_string(), "eval", stats.compute_ms);
+                        self.execute(actions);
+                        self.dirty = true;
+                        r
+                    }
+                    Err(e) => Err(format!("an invalid eval report: {e}")),
+                }
             }
             FromWorker::Grads {
                 step,
@@ -627,6 +690,7 @@ impl Dispatcher {
                     self.pipeline
                         .health
                         .phase(&w, "optimizer", stats.optimizer_ms);
+                    self.step_took(worker, stats.compute_ms);
                     let actions = self
                         .trainer
                         .on_grads(worker, step, input, batch_id, stats, params);
@@ -967,7 +1031,9 @@ impl Dispatcher {
                             i,
                             &format!("hung: {what} for {}", humantime::format_duration(hang)),
                         );
+                        continue;
                     }
+                    self.watch_step(i, now);
                 }
             }
             Phase::Stopping { deadline } if now >= deadline => {
@@ -1069,6 +1135,7 @@ fn variant(m: &FromWorker) -> &'static str {
         FromWorker::Abandon => "Abandon",
         FromWorker::Commit { .. } => "Commit",
         FromWorker::Ack { .. } => "Ack",
+        FromWorker::Evaluated { .. } => "Evaluated",
         FromWorker::Grads { .. } => "Grads",
         FromWorker::SnapshotDone { .. } => "SnapshotDone",
         FromWorker::Reduced { .. } => "Reduced",

@@ -66,6 +66,7 @@ impl Dispatcher {
             started_wall: now_rfc3339(),
             server_name: launched.server_name,
             last_beat: self.now,
+            in_work: None,
             state: LifeState::Starting,
         });
         Ok(())

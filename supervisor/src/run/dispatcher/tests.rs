@@ -107,6 +107,7 @@ fn harness(flags: &[&str]) -> Harness {
         worker_bin: "/nonexistent/dflash-worker".into(),
         target_dir: dir.path().into(),
         hang_timeout: args.hang_timeout,
+        step_timeout: args.step_timeout,
         max_restarts: args.max_restarts,
         stable_after: args.stable_after,
         stop_timeout: args.stop_timeout,
@@ -336,7 +337,7 @@ fn a_hang_is_detected_once_silence_exceeds_hang_timeout_and_a_heartbeat_restarts
     let (target_pid, drafter_pid) = (h.pid(TARGET), h.pid(DRAFTER));
     let _rx = h.connect(TARGET, 0);
     let life = h.life(TARGET).unwrap();
-    h.message(TARGET, life, FromWorker::Heartbeat { seq: 1 }, 3000);
+    h.message(TARGET, life, FromWorker::Heartbeat { seq: 1, busy: None }, 3000);
     // The drafter never says hello: silent since its spawn at 0.
     h.tick(5000);
     assert!(
@@ -550,7 +551,7 @@ fn events_of_a_previous_life_are_dropped() {
         })),
         200,
     );
-    h.message(TARGET, old, FromWorker::Heartbeat { seq: 9 }, 4000);
+    h.message(TARGET, old, FromWorker::Heartbeat { seq: 9, busy: None }, 4000);
     h.step(
         Some(Event::Control(ControlEvent::ChannelLost {
             worker: TARGET,
@@ -882,6 +883,36 @@ fn a_restarted_drafter_rejoins_with_a_surviving_ranks_state_at_the_committed_ste
 }
 
 #[test]
+fn a_drafters_rank_is_the_number_in_its_name_whatever_the_order_they_connect_in_and_after_a_restart(
+) {
+    let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8"]);
+    let _target_rx = h.connect(TARGET, 0);
+    let rank_of = |msgs: &[ToWorker]| {
+        msgs.iter().find_map(|m| {
+            if let ToWorker::Train(s) = m {
+                Some(s.rank)
+            } else {
+                None
+            }
+        })
+    };
+    // drafter-1 first, drafter-0 after it.
+    let d1 = h.connect(DRAFTER_1, 0);
+    let d0 = h.connect(DRAFTER, 10);
+    assert_eq!(h.d.workers[DRAFTER].name.to_string(), "drafter-0");
+    assert_eq!(h.d.workers[DRAFTER_1].name.to_string(), "drafter-1");
+    assert_eq!(rank_of(&received(&d0)), Some(0), "drafter-0 is rank 0");
+    assert_eq!(rank_of(&received(&d1)), Some(1), "drafter-1 is rank 1");
+    // drafter-0 dies and comes back: rank 0 again, not the rank that happens to be free.
+    h.exit(DRAFTER, exit_code(1), 20);
+    assert_eq!(h.launches(DRAFTER), 2, "the first failure restarts at once");
+    let d0_again = h.connect(DRAFTER, 30);
+    assert_eq!(rank_of(&received(&d0_again)), Some(0), "drafter-0 restarted");
+    let ranks: Vec<Vec<u32>> = epochs(&received(&d1)).into_iter().map(|e| e.1).collect();
+    assert_eq!(ranks.last(), Some(&vec![0, 1]), "{ranks:?}");
+}
+
+#[test]
 fn an_all_reduce_that_found_other_loss_weights_than_the_members_batches_stops_the_run() {
     let mut h = harness(&["--gpus", "cpu:3", "--targets", "1", "--hidden-slots", "8"]);
     let target_rx = h.connect(TARGET, 0);
@@ -943,4 +974,152 @@ fn an_all_reduce_every_member_entered_that_hangs_is_aborted_by_a_new_epoch_and_t
         "the third hang of one step stops the run"
     );
     assert_eq!(h.d.trainer.committed(), 0);
+}
+
+/// A heartbeat saying the compute loop has been in `work` for `for_ms`.
+fn busy_beat(work: dflash_shared::protocol::Work, for_ms: u64) -> FromWorker {
+    FromWorker::Heartbeat {
+        seq: 1,
+        busy: Some(dflash_shared::protocol::Busy { work, for_ms }),
+    }
+}
+
+const STEP_1: dflash_shared::protocol::Work = dflash_shared::protocol::Work::Step {
+    step: 1,
+    batch_id: 7,
+};
+
+impl Harness {
+    /// The drafter's heartbeats every second from `from` to `to` ms, in step 1 since `since`.
+    fn busy_beats(&mut self, since: u64, from: u64, to: u64) {
+        let life = self.life(DRAFTER).unwrap();
+        for ms in (from..=to).step_by(1000) {
+            self.message(DRAFTER, life, busy_beat(STEP_1, ms - since), ms);
+        }
+    }
+}
+
+#[test]
+fn a_step_longer_than_the_hang_timeout_is_said_once_and_one_over_the_step_timeout_is_killed_naming_both()
+{
+    let mut h = harness(&[
+        "--gpus",
+        "cpu:2",
+        "--hang-timeout",
+        "5s",
+        "--step-timeout",
+        "30s",
+    ]);
+    let _rx = h.connect(DRAFTER, 0);
+    let pid = h.pid(DRAFTER);
+    // In step 1 from 0 on, beating every second: alive, merely slow.
+    h.busy_beats(0, 1000, 5000);
+    assert!(h.events("slow_step").is_empty(), "not slow at exactly --hang-timeout");
+    h.tick(5001);
+    h.busy_beats(0, 6000, 30_000);
+    let slow = h.events("slow_step");
+    assert_eq!(slow.len(), 1, "said once: {slow:?}");
+    assert_eq!(slow[0]["work"], "step 1 (batch 7)");
+    assert!(h.signals(pid).is_empty(), "killed at exactly --step-timeout");
+    let log = std::fs::read_to_string(&h.d.workers[DRAFTER].log_path).unwrap();
+    assert!(
+        log.contains("drafter-0: step 1 (batch 7) has taken 5s so far (no step has finished yet); not a hang (--step-timeout 30s)"),
+        "{log}"
+    );
+    h.tick(30_001);
+    assert_eq!(
+        h.signals(pid),
+        [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]
+    );
+    let why = h.d.workers[DRAFTER]
+        .status
+        .life()
+        .unwrap()
+        .killed_for()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        why,
+        "hung: in step 1 (batch 7) for 30s, over --step-timeout 30s (no step has finished yet); \
+         if it is merely slow, raise --step-timeout, or make steps smaller (--token-budget or --max-anchors)"
+    );
+    let hang = h.events("hang").pop().unwrap();
+    assert_eq!(
+        (hang["worker"].as_str(), hang["step_timeout_s"].as_f64()),
+        (Some("drafter-0"), Some(30.0))
+    );
+    // Killed as a hang: restarted like one.
+    h.exit(DRAFTER, killed_by(Signal::SIGKILL), 30_002);
+    assert_eq!(h.launches(DRAFTER), 2);
+    assert_eq!(h.events("exit").pop().unwrap()["killed_for"], why.as_str());
+}
+
+#[test]
+fn by_default_a_step_is_held_to_ten_minutes_then_to_five_times_the_slowest_first_step() {
+    let mut h = harness(&["--gpus", "cpu:2", "--hang-timeout", "5s"]);
+    let _rx = h.connect(DRAFTER, 0);
+    let pid = h.pid(DRAFTER);
+    // Nothing measured: the floor, 10 minutes.
+    h.busy_beats(0, 1000, 600_000);
+    assert!(h.signals(pid).is_empty(), "killed before 10m");
+    h.tick(600_001);
+    assert_eq!(h.signals(pid).len(), 2, "not killed past 10m");
+    assert!(h.d.workers[DRAFTER].status.life().unwrap().killed_for().unwrap()
+        .contains("over --step-timeout 10m by default (no step has finished yet)"));
+    h.exit(DRAFTER, killed_by(Signal::SIGKILL), 600_002);
+    // The next life measured steps of 150 s, 190 s and 100 s (and a later one of 900 s,
+    // past the first three): 5 × 190 s.
+    let _rx = h.connect(DRAFTER, 600_500);
+    let pid = h.pid(DRAFTER);
+    for s in [150, 190, 100, 900] {
+        h.d.step_took(DRAFTER, s as f64 * 1e3);
+    }
+    let t = 601_000;
+    h.busy_beats(t, t + 1000, t + 950_000);
+    assert!(h.signals(pid).is_empty(), "killed before 5 × 190 s");
+    h.tick(t + 950_001);
+    assert_eq!(h.signals(pid).len(), 2);
+    assert!(h.d.workers[DRAFTER].status.life().unwrap().killed_for().unwrap()
+        .contains("for 15m 50s, over --step-timeout 15m 50s by default (the first steps took 2m 30s, 3m 10s, 1m 40s (the last of 4: 15m))"),
+        "{:?}", h.d.workers[DRAFTER].status.life().unwrap().killed_for());
+    // A slow step was said once, past 3 × 190 s.
+    let slow = h.events("slow_step");
+    assert_eq!(slow.len(), 2, "{slow:?}");
+    assert_eq!(slow[1]["busy_s"].as_f64().map(|s| s.round()), Some(571.0));
+}
+
+#[test]
+fn a_pause_of_the_supervisor_restarts_the_step_timer() {
+    let mut h = harness(&[
+        "--gpus",
+        "cpu:2",
+        "--hang-timeout",
+        "5s",
+        "--step-timeout",
+        "30s",
+    ]);
+    let _rx = h.connect(DRAFTER, 0);
+    let pid = h.pid(DRAFTER);
+    h.busy_beats(0, 1000, 20_000);
+    // The supervisor did not run from 20 s to 40 s; the heartbeats queued meanwhile say
+    // the step goes on.
+    let now = h.at(40_000);
+    h.d.resume_after_pause(Duration::from_secs(20), now);
+    h.busy_beats(0, 40_000, 70_000);
+    assert!(h.signals(pid).is_empty(), "killed less than 30 s after the pause");
+    h.tick(70_001);
+    assert_eq!(h.signals(pid).len(), 2);
+    assert!(h.d.workers[DRAFTER].status.life().unwrap().killed_for().unwrap()
+        .starts_with("hung: in step 1 (batch 7) for 1m 10s, over --step-timeout 30s"));
+}
+
+#[test]
+fn a_heartbeat_that_says_the_step_ended_stops_its_clock() {
+    let mut h = harness(&["--gpus", "cpu:2", "--step-timeout", "30s"]);
+    let _rx = h.connect(DRAFTER, 0);
+    let (pid, life) = (h.pid(DRAFTER), h.life(DRAFTER).unwrap());
+    h.busy_beats(0, 1000, 29_000);
+    h.message(DRAFTER, life, FromWorker::Heartbeat { seq: 2, busy: None }, 29_500);
+    h.tick(45_000);
+    assert!(h.signals(pid).is_empty(), "an idle worker is no slow step");
 }
