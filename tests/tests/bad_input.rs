@@ -171,7 +171,7 @@ fn logs_and_status_reject_what_is_not_there() {
     );
     assert_eq!(
         out.status.code(),
-        Some(0),
+        Some(75),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );

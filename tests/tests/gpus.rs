@@ -121,7 +121,7 @@ fn gpu_workers_get_their_gpu_and_bad_indices_are_refused() {
             sup.stderr()
         );
         sup.signal(Signal::SIGTERM);
-        assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
+        assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(75));
     }
 }
 
@@ -241,7 +241,7 @@ fn gpu_samples_land_in_metrics_and_a_failing_metric_is_asked_again() {
         "status --json carries the latest window"
     );
     sup.signal(Signal::SIGTERM);
-    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
+    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(75));
     assert!(!sup.stderr().contains("GPU metrics are off"));
 }
 
@@ -289,7 +289,7 @@ fn nvml_failing_after_start_gives_one_warning_and_the_run_goes_on() {
     );
     assert_eq!(metrics(&sup)[0]["gpu"]["samples"], 0);
     sup.signal(Signal::SIGTERM);
-    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
+    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(75));
 }
 
 fn http_get(addr: &str, path: &str) -> String {
@@ -382,7 +382,7 @@ fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
         }
     }
     sup.signal(Signal::SIGTERM);
-    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(0));
+    assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(75));
 }
 
 #[test]

@@ -502,7 +502,7 @@ fn sigterm_to_the_whole_group_still_ends_with_the_stop_checkpoint() {
     }
     let status = sup.wait_exit(T);
     let err = sup.stderr();
-    assert_eq!(status.code(), Some(0), "stderr:\n{err}");
+    assert_eq!(status.code(), Some(75), "stderr:\n{err}");
     let last = *steps(&sup.run_dir).last().unwrap();
     let ckpt = sup
         .run_dir
@@ -694,7 +694,7 @@ fn a_killed_reaper_is_noticed_with_one_warning_and_the_run_goes_on() {
         sup.stderr().contains(&needle).then_some(())
     });
     sup.signal(Signal::SIGTERM);
-    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
     let err = sup.stderr();
     let lines: Vec<&str> = err.lines().filter(|l| l.contains("the reaper")).collect();
     assert_eq!(lines.len(), 1, "{err}");

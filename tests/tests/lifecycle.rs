@@ -100,7 +100,7 @@ fn event_times_are_parsed_with_their_date() {
 }
 
 #[test]
-fn spawns_one_process_per_worker_with_its_identity_and_sigterm_exits_0() {
+fn spawns_one_process_per_worker_with_its_identity_and_sigterm_exits_75() {
     let mut sup = Sup::start_real(&["--gpus", "cpu:3", "--targets", "1"]);
     let st = sup.wait_running(3);
     let names: Vec<&str> = st["workers"]
@@ -162,13 +162,13 @@ fn spawns_one_process_per_worker_with_its_identity_and_sigterm_exits_0() {
     );
     sup.signal(Signal::SIGTERM);
     let status = sup.wait_exit(T);
-    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    assert_eq!(status.code(), Some(75), "stderr:\n{}", sup.stderr());
     for pid in pids {
         assert!(!pid_alive(pid), "worker {pid} outlived the run");
     }
     let st = sup.state().unwrap();
     assert_eq!(st["phase"], "stopped");
-    assert_eq!(st["exit_code"], 0);
+    assert_eq!(st["exit_code"], 75);
     let ev = sup.events();
     assert_eq!(ev.iter().filter(|e| e["event"] == "spawn").count(), 3);
     assert_eq!(
@@ -434,10 +434,10 @@ fn worker_dying_before_hello_is_restarted() {
 }
 
 #[test]
-fn time_limit_ends_the_run_with_exit_0() {
+fn time_limit_ends_the_run_with_exit_75() {
     let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--time-limit", "1s"]);
     let status = sup.wait_exit(T);
-    assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());
+    assert_eq!(status.code(), Some(75), "stderr:\n{}", sup.stderr());
     assert!(sup
         .events()
         .iter()

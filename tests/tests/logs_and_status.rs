@@ -135,7 +135,7 @@ fn logs_tail_and_follow_across_a_restart_then_stop_with_the_run() {
 
     // When the run ends, -f prints the last lines and exits 0 by itself.
     sup.signal(Signal::SIGTERM);
-    assert_eq!(sup.wait_exit(T).code(), Some(0));
+    assert_eq!(sup.wait_exit(T).code(), Some(75));
     let mut child = f;
     let status = wait_for("logs -f to end with the run", T, || {
         child.child.try_wait().unwrap()
@@ -198,7 +198,7 @@ fn logs_follow_survives_rotation_without_losing_a_line() {
 #[test]
 fn tee_prints_worker_lines_with_a_prefix() {
     let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--tee", "--time-limit", "1s"]);
-    assert_eq!(sup.wait_exit(T).code(), Some(0));
+    assert_eq!(sup.wait_exit(T).code(), Some(75));
     let out = sup.stdout();
     assert!(
         out.lines()
@@ -267,7 +267,7 @@ fn logs_and_status_default_to_the_newest_run_under_runs() {
         );
         assert_eq!(
             out.status.code(),
-            Some(0),
+            Some(75),
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );

@@ -424,7 +424,7 @@ fn a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_it() {
     let mut sup = Sup::start_real(&args);
     sup.wait_state("step 9", T, |s| step_of(s) >= 9);
     sup.signal(Signal::SIGTERM);
-    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
     let mut ckpts: Vec<u64> = std::fs::read_dir(sup.run_dir.join("checkpoints"))
         .unwrap()
         .filter_map(|e| {

@@ -326,7 +326,7 @@ fn a_run_on_gpus_that_throttle_and_report_an_xid_has_its_gpu_plots_and_markers()
         },
     );
     sup.signal(Signal::SIGTERM);
-    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
     let page = sup.run_dir.join("report.html");
     assert_parses(&page);
     let html = fs::read_to_string(&page).unwrap();
@@ -487,7 +487,7 @@ fn watch_rewrites_the_page_while_the_run_goes_on_and_stops_when_it_ends_or_on_ct
     assert_parses(&page2);
     // The run ends: the watcher writes the final page and exits by itself.
     sup.signal(Signal::SIGTERM);
-    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
     let st = wait_for("the watcher to exit after the run", T, || {
         w.try_wait().unwrap()
     });
@@ -497,7 +497,7 @@ fn watch_rewrites_the_page_while_the_run_goes_on_and_stops_when_it_ends_or_on_ct
     assert!(err.contains("the run has ended"), "{err}");
     assert_parses(&page);
     let html = fs::read_to_string(&page).unwrap();
-    assert_eq!(cell(&html, "ended"), "0", "ended cleanly");
+    assert_eq!(cell(&html, "ended"), "75", "stopped cleanly before its end");
     assert_eq!(
         cell(&html, "steps"),
         status_json(&sup.run_dir)["train"]["step"].to_string()

@@ -44,7 +44,14 @@ fn of_kind<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
 #[test]
 fn drafter_steps_longer_than_the_hang_timeout_are_no_hang_and_the_run_finishes() {
     // No restart allowed: a step killed as a hang ends the run (exit 1) at once.
-    let args = small_run(&["--steps", "2", "--hang-timeout", "2s", "--max-restarts", "0"]);
+    let args = small_run(&[
+        "--steps",
+        "2",
+        "--hang-timeout",
+        "2s",
+        "--max-restarts",
+        "0",
+    ]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut sup = Sup::start_real_env(&args, &[DELAY]);
     let status = sup.wait_exit(T);
@@ -62,13 +69,16 @@ fn drafter_steps_longer_than_the_hang_timeout_are_no_hang_and_the_run_finishes()
     let slow = of_kind(&ev, "slow_step");
     assert!(
         slow.iter()
-            .any(|e| e["worker"] == "drafter-0" && e["work"].as_str().unwrap().starts_with("step 1 ")),
+            .any(|e| e["worker"] == "drafter-0"
+                && e["work"].as_str().unwrap().starts_with("step 1 ")),
         "{ev:?}"
     );
     let log = std::fs::read_to_string(sup.run_dir.join("supervisor.log")).unwrap();
     assert!(
         log.contains("drafter-0: step 1 (batch ")
-            && log.contains("so far (no step has finished yet); not a hang (--step-timeout 10m by default)"),
+            && log.contains(
+                "so far (no step has finished yet); not a hang (--step-timeout 10m by default)"
+            ),
         "{log}"
     );
 }
@@ -89,7 +99,11 @@ fn a_step_over_the_step_timeout_is_killed_naming_the_step_time_and_the_flag() {
     let mut sup = Sup::start_real_env(&args, &[DELAY]);
     let status = sup.wait_exit(T);
     let err = sup.stderr();
-    assert_eq!(status.code(), Some(1), "the restart budget spent; stderr:\n{err}");
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "the restart budget spent; stderr:\n{err}"
+    );
     let ev = sup.events();
     let hangs = of_kind(&ev, "hang");
     assert_eq!(hangs.len(), 1, "{ev:?}");

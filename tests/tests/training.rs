@@ -171,7 +171,7 @@ fn stop_then_resume_continues_to_the_same_step_count_without_retraining_a_batch(
     sup.signal(Signal::SIGTERM);
     assert_eq!(
         sup.wait_exit(T).code(),
-        Some(0),
+        Some(75),
         "stderr:\n{}",
         sup.stderr()
     );
@@ -241,7 +241,7 @@ fn resume_refuses_what_cannot_be_resumed() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--resume /nonexistent/run"));
     // A run that never checkpointed (it trained nothing).
     let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--time-limit", "300ms"]);
-    assert_eq!(sup.wait_exit(T).code(), Some(0));
+    assert_eq!(sup.wait_exit(T).code(), Some(75));
     let out = supervise(
         &["--gpus", "cpu:2", "--resume", sup.run_dir.to_str().unwrap()],
         None,

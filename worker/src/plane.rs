@@ -14,9 +14,9 @@ use dflash_shared::protocol::{FromWorker, PoolId, PoolInfo, SlotRef, Work};
 use dflash_shared::slots::SlotState;
 use dflash_shared::Role;
 
+use crate::busy::Busy;
 use crate::gpu::{self, target::GpuTarget, GpuError};
 use crate::model::target::{Load, Target};
-use crate::busy::Busy;
 use crate::train::Rank;
 
 pub struct Pools {

@@ -336,7 +336,8 @@ fn say_hello(
     let up = IpcSender::<FromWorker>::connect(control.to_string()).unwrap();
     let (to_worker, down) = ipc::channel::<ToWorker>().unwrap();
     if has(acts, "heartbeat-first") {
-        up.send(FromWorker::Heartbeat { seq: 0, busy: None }).unwrap();
+        up.send(FromWorker::Heartbeat { seq: 0, busy: None })
+            .unwrap();
         // Keep the downward channel open so this worker lives until the supervisor
         // reacts, instead of exiting on its own first.
         std::mem::forget(to_worker);

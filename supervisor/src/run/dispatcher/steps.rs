@@ -79,11 +79,7 @@ impl StepTimes {
                     first.join(", ")
                 );
                 if self.count > self.first.len() as u64 {
-                    s.push_str(&format!(
-                        " (the last of {}: {})",
-                        self.count,
-                        shown(&last)
-                    ));
+                    s.push_str(&format!(" (the last of {}: {})", self.count, shown(&last)));
                 }
                 s
             }
@@ -245,7 +241,11 @@ mod tests {
     #[test]
     fn the_default_step_timeout_is_five_times_the_slowest_first_step_above_the_floor() {
         assert_eq!(default_step_timeout(Some(S(40))), S(600), "200s: the floor");
-        assert_eq!(default_step_timeout(Some(S(120))), S(600), "exactly the floor");
+        assert_eq!(
+            default_step_timeout(Some(S(120))),
+            S(600),
+            "exactly the floor"
+        );
         assert_eq!(default_step_timeout(Some(S(121))), S(605));
         assert_eq!(default_step_timeout(Some(S(95))), S(600));
         assert_eq!(default_step_timeout(Some(S(3600))), S(5 * 3600));
@@ -298,7 +298,10 @@ mod tests {
             batch_id: 6,
         };
         let c = InWork::update(Some(b), busy(next, 10), t0 + S(58)).unwrap();
-        assert_eq!((c.work, c.timer), (next, t0 + S(58) - Duration::from_millis(10)));
+        assert_eq!(
+            (c.work, c.timer),
+            (next, t0 + S(58) - Duration::from_millis(10))
+        );
         assert!(InWork::update(Some(c), None, t0 + S(59)).is_none());
     }
 }

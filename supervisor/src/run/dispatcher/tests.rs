@@ -337,7 +337,12 @@ fn a_hang_is_detected_once_silence_exceeds_hang_timeout_and_a_heartbeat_restarts
     let (target_pid, drafter_pid) = (h.pid(TARGET), h.pid(DRAFTER));
     let _rx = h.connect(TARGET, 0);
     let life = h.life(TARGET).unwrap();
-    h.message(TARGET, life, FromWorker::Heartbeat { seq: 1, busy: None }, 3000);
+    h.message(
+        TARGET,
+        life,
+        FromWorker::Heartbeat { seq: 1, busy: None },
+        3000,
+    );
     // The drafter never says hello: silent since its spawn at 0.
     h.tick(5000);
     assert!(
@@ -551,7 +556,12 @@ fn events_of_a_previous_life_are_dropped() {
         })),
         200,
     );
-    h.message(TARGET, old, FromWorker::Heartbeat { seq: 9, busy: None }, 4000);
+    h.message(
+        TARGET,
+        old,
+        FromWorker::Heartbeat { seq: 9, busy: None },
+        4000,
+    );
     h.step(
         Some(Event::Control(ControlEvent::ChannelLost {
             worker: TARGET,
@@ -907,7 +917,11 @@ fn a_drafters_rank_is_the_number_in_its_name_whatever_the_order_they_connect_in_
     h.exit(DRAFTER, exit_code(1), 20);
     assert_eq!(h.launches(DRAFTER), 2, "the first failure restarts at once");
     let d0_again = h.connect(DRAFTER, 30);
-    assert_eq!(rank_of(&received(&d0_again)), Some(0), "drafter-0 restarted");
+    assert_eq!(
+        rank_of(&received(&d0_again)),
+        Some(0),
+        "drafter-0 restarted"
+    );
     let ranks: Vec<Vec<u32>> = epochs(&received(&d1)).into_iter().map(|e| e.1).collect();
     assert_eq!(ranks.last(), Some(&vec![0, 1]), "{ranks:?}");
 }
@@ -1000,8 +1014,8 @@ impl Harness {
 }
 
 #[test]
-fn a_step_longer_than_the_hang_timeout_is_said_once_and_one_over_the_step_timeout_is_killed_naming_both()
-{
+fn a_step_longer_than_the_hang_timeout_is_said_once_and_one_over_the_step_timeout_is_killed_naming_both(
+) {
     let mut h = harness(&[
         "--gpus",
         "cpu:2",
@@ -1014,13 +1028,19 @@ fn a_step_longer_than_the_hang_timeout_is_said_once_and_one_over_the_step_timeou
     let pid = h.pid(DRAFTER);
     // In step 1 from 0 on, beating every second: alive, merely slow.
     h.busy_beats(0, 1000, 5000);
-    assert!(h.events("slow_step").is_empty(), "not slow at exactly --hang-timeout");
+    assert!(
+        h.events("slow_step").is_empty(),
+        "not slow at exactly --hang-timeout"
+    );
     h.tick(5001);
     h.busy_beats(0, 6000, 30_000);
     let slow = h.events("slow_step");
     assert_eq!(slow.len(), 1, "said once: {slow:?}");
     assert_eq!(slow[0]["work"], "step 1 (batch 7)");
-    assert!(h.signals(pid).is_empty(), "killed at exactly --step-timeout");
+    assert!(
+        h.signals(pid).is_empty(),
+        "killed at exactly --step-timeout"
+    );
     let log = std::fs::read_to_string(&h.d.workers[DRAFTER].log_path).unwrap();
     assert!(
         log.contains("drafter-0: step 1 (batch 7) has taken 5s so far (no step has finished yet); not a hang (--step-timeout 30s)"),
@@ -1064,7 +1084,12 @@ fn by_default_a_step_is_held_to_ten_minutes_then_to_five_times_the_slowest_first
     assert!(h.signals(pid).is_empty(), "killed before 10m");
     h.tick(600_001);
     assert_eq!(h.signals(pid).len(), 2, "not killed past 10m");
-    assert!(h.d.workers[DRAFTER].status.life().unwrap().killed_for().unwrap()
+    assert!(h.d.workers[DRAFTER]
+        .status
+        .life()
+        .unwrap()
+        .killed_for()
+        .unwrap()
         .contains("over --step-timeout 10m by default (no step has finished yet)"));
     h.exit(DRAFTER, killed_by(Signal::SIGKILL), 600_002);
     // The next life measured steps of 150 s, 190 s and 100 s (and a later one of 900 s,
@@ -1106,10 +1131,18 @@ fn a_pause_of_the_supervisor_restarts_the_step_timer() {
     let now = h.at(40_000);
     h.d.resume_after_pause(Duration::from_secs(20), now);
     h.busy_beats(0, 40_000, 70_000);
-    assert!(h.signals(pid).is_empty(), "killed less than 30 s after the pause");
+    assert!(
+        h.signals(pid).is_empty(),
+        "killed less than 30 s after the pause"
+    );
     h.tick(70_001);
     assert_eq!(h.signals(pid).len(), 2);
-    assert!(h.d.workers[DRAFTER].status.life().unwrap().killed_for().unwrap()
+    assert!(h.d.workers[DRAFTER]
+        .status
+        .life()
+        .unwrap()
+        .killed_for()
+        .unwrap()
         .starts_with("hung: in step 1 (batch 7) for 1m 10s, over --step-timeout 30s"));
 }
 
@@ -1119,7 +1152,12 @@ fn a_heartbeat_that_says_the_step_ended_stops_its_clock() {
     let _rx = h.connect(DRAFTER, 0);
     let (pid, life) = (h.pid(DRAFTER), h.life(DRAFTER).unwrap());
     h.busy_beats(0, 1000, 29_000);
-    h.message(DRAFTER, life, FromWorker::Heartbeat { seq: 2, busy: None }, 29_500);
+    h.message(
+        DRAFTER,
+        life,
+        FromWorker::Heartbeat { seq: 2, busy: None },
+        29_500,
+    );
     h.tick(45_000);
     assert!(h.signals(pid).is_empty(), "an idle worker is no slow step");
 }
