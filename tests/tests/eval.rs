@@ -76,9 +76,17 @@ fn eval_every_two_steps_scores_the_whole_eval_set_and_keeps_the_best_checkpoint(
     let err = sup.stderr();
     assert_eq!(status.code(), Some(0), "stderr:\n{err}");
     let lines = read_jsonl(&sup.run_dir.join("train.jsonl"));
-    let evals: Vec<&Value> = lines.iter().map(|l| &l["eval"]).filter(|e| e.is_object()).collect();
+    let evals: Vec<&Value> = lines
+        .iter()
+        .map(|l| &l["eval"])
+        .filter(|e| e.is_object())
+        .collect();
     let steps: Vec<u64> = evals.iter().map(|e| e["step"].as_u64().unwrap()).collect();
-    assert_eq!(steps, [2, 4, 6], "an eval every 2 steps, the last step's included:\n{evals:?}");
+    assert_eq!(
+        steps,
+        [2, 4, 6],
+        "an eval every 2 steps, the last step's included:\n{evals:?}"
+    );
     for e in &evals {
         // The whole eval set, every time.
         assert_eq!(e["tokens"].as_u64(), Some(eval_tokens), "{e}");
@@ -87,7 +95,10 @@ fn eval_every_two_steps_scores_the_whole_eval_set_and_keeps_the_best_checkpoint(
         assert!(e["acceptance"].as_f64().unwrap() >= 1.0, "{e}");
     }
     // The same eval set and anchors each time: the blocks scored are the same.
-    assert!(evals.iter().all(|e| e["blocks"] == evals[0]["blocks"]), "{evals:?}");
+    assert!(
+        evals.iter().all(|e| e["blocks"] == evals[0]["blocks"]),
+        "{evals:?}"
+    );
     // Training records are unchanged: one per step.
     assert_eq!(lines.iter().filter(|l| l.get("step").is_some()).count(), 6);
     // One console line per eval.
@@ -125,8 +136,14 @@ fn eval_every_two_steps_scores_the_whole_eval_set_and_keeps_the_best_checkpoint(
     let ckpts = sup.run_dir.join("checkpoints");
     let link = fs::read_link(ckpts.join("best")).expect("checkpoints/best is a link");
     assert_eq!(link, Path::new(&format!("step-{best:08}")));
-    assert!(ckpts.join("best").join("meta.json").is_file(), "it points at a checkpoint");
-    assert!(ckpts.join("step-00000006").join("meta.json").is_file(), "the newest is kept");
+    assert!(
+        ckpts.join("best").join("meta.json").is_file(),
+        "it points at a checkpoint"
+    );
+    assert!(
+        ckpts.join("step-00000006").join("meta.json").is_file(),
+        "the newest is kept"
+    );
     let mut dirs: Vec<String> = fs::read_dir(&ckpts)
         .unwrap()
         .flatten()
@@ -137,6 +154,16 @@ fn eval_every_two_steps_scores_the_whole_eval_set_and_keeps_the_best_checkpoint(
     let mut want = vec![format!("step-{best:08}"), "step-00000006".to_string()];
     want.dedup();
     assert_eq!(dirs, want, "pruned to the newest, the best kept besides");
+    // The report draws the evals beside the training curves, one point per eval.
+    let html = fs::read_to_string(sup.run_dir.join("report.html")).unwrap();
+    for class in ["eval-loss", "eval-acceptance"] {
+        for step in [2, 4, 6] {
+            assert!(
+                html.contains(&format!(r#"<circle class="{class}" data-step="{step}""#)),
+                "no {class} point at step {step} in the report"
+            );
+        }
+    }
 }
 
 #[test]
@@ -152,7 +179,10 @@ fn eval_flags_that_cannot_work_are_refused_with_one_line() {
             assert!(err.contains(n), "{args:?}: {err:?} does not mention {n:?}");
         }
     };
-    one_line(&["--gpus", "cpu:2", "--eval-every", "2"], &["--eval-every 2", "--eval-data"]);
+    one_line(
+        &["--gpus", "cpu:2", "--eval-every", "2"],
+        &["--eval-every 2", "--eval-data"],
+    );
     let missing = tmp.path().join("missing.jsonl");
     one_line(
         &["--gpus", "cpu:2", "--eval-data", missing.to_str().unwrap()],
@@ -167,7 +197,14 @@ fn eval_flags_that_cannot_work_are_refused_with_one_line() {
     let eval = tmp.path().join("eval.jsonl");
     token_lines(&eval, 2, 16, 0);
     one_line(
-        &["--gpus", "cpu:2", "--eval-data", eval.to_str().unwrap(), "--eval-every", "0"],
+        &[
+            "--gpus",
+            "cpu:2",
+            "--eval-data",
+            eval.to_str().unwrap(),
+            "--eval-every",
+            "0",
+        ],
         &["--eval-every 0", "above 0"],
     );
     // Nothing was started: no run directory left behind.
@@ -213,18 +250,37 @@ fn a_drafter_killed_during_an_eval_round_leaves_the_round_whole_and_the_ledger_c
     let err = sup.stderr();
     assert_eq!(status.code(), Some(0), "stderr:\n{err}");
     let lines = read_jsonl(&sup.run_dir.join("train.jsonl"));
-    let evals: Vec<&Value> = lines.iter().map(|l| &l["eval"]).filter(|e| e.is_object()).collect();
-    let last = lines.iter().filter_map(|l| l["step"].as_u64()).max().unwrap();
+    let evals: Vec<&Value> = lines
+        .iter()
+        .map(|l| &l["eval"])
+        .filter(|e| e.is_object())
+        .collect();
+    let last = lines
+        .iter()
+        .filter_map(|l| l["step"].as_u64())
+        .max()
+        .unwrap();
     let steps: Vec<u64> = evals.iter().map(|e| e["step"].as_u64().unwrap()).collect();
     assert_eq!(steps.first(), Some(&4), "{steps:?}");
-    assert_eq!(steps.last(), Some(&last), "the last step is evaluated at the data's end");
+    assert_eq!(
+        steps.last(),
+        Some(&last),
+        "the last step is evaluated at the data's end"
+    );
     for e in &evals {
-        assert_eq!(e["tokens"].as_u64(), Some(eval_tokens), "the whole set despite the kill: {e}");
+        assert_eq!(
+            e["tokens"].as_u64(),
+            Some(eval_tokens),
+            "the whole set despite the kill: {e}"
+        );
     }
     let (code, a) = sup.ledger();
     assert_eq!(code, 0, "{a}");
     assert_eq!(a["lost"], 0, "{a}");
     assert_eq!(a["duplicated"], 0, "{a}");
     let best = sup.run_dir.join("checkpoints").join("best");
-    assert!(best.join("meta.json").is_file(), "checkpoints/best points at a checkpoint");
+    assert!(
+        best.join("meta.json").is_file(),
+        "checkpoints/best points at a checkpoint"
+    );
 }

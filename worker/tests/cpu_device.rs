@@ -180,5 +180,8 @@ fn eval_stats_are_the_training_forwards_on_the_same_batch_and_leave_the_gradient
     gpu.grads_to_host(&mut after).unwrap();
     assert!(held.iter().any(|&b| b != 0), "a gradient is held");
     assert_eq!(after, held, "the eval left the held gradient as it was");
-    assert_eq!(gpu.params_hash().unwrap(), dflash_worker::gpu::ops::params_hash(&p));
+    assert_eq!(
+        gpu.params_hash().unwrap(),
+        dflash_worker::gpu::ops::params_hash(&p)
+    );
 }

@@ -409,9 +409,7 @@ impl Pipeline {
                 }
             }
         }
-        self.replay
-            .make_contiguous()
-            .sort_by_key(|b| b.batch_id);
+        self.replay.make_contiguous().sort_by_key(|b| b.batch_id);
     }
 
     /// Pool fds every worker inherits.
@@ -1023,12 +1021,7 @@ impl Pipeline {
             let Some(peer) = consumers
                 .iter()
                 .filter(|c| held(c.holder) < self.prefetch)
-                .min_by_key(|c| {
-                    (
-                        held(c.holder),
-                        served.get(&c.holder).copied().unwrap_or(0),
-                    )
-                })
+                .min_by_key(|c| (held(c.holder), served.get(&c.holder).copied().unwrap_or(0)))
             else {
                 return;
             };

@@ -221,7 +221,7 @@ pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
 
 /// What a start comes to.
 enum Started {
-    Run(dispatcher::Dispatcher),
+    Run(Box<dispatcher::Dispatcher>),
     /// `--resume` of a run that already ended by itself: nothing to do, said in words.
     Finished(String),
 }
@@ -339,7 +339,13 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     if let Some(path) = &args.eval_data {
-        trainer_cfg.eval = Some(eval_settings(path, &args, &loader_cfg, &pipeline_cfg, &plan)?);
+        trainer_cfg.eval = Some(eval_settings(
+            path,
+            &args,
+            &loader_cfg,
+            &pipeline_cfg,
+            &plan,
+        )?);
     }
     // The newest checkpoint that verifies and is of this drafter, beyond which --steps lies.
     let resume = match resume {
@@ -374,6 +380,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         (Some(p), _) => Some(schedule::EpochLength {
             steps: p.steps_per_epoch,
             complete: p.complete,
+            counted: false,
         }),
         (None, loader::DataSource::Demo { .. }) => Some(demo_epoch(&loader_cfg, drafters)?),
         (None, _) => None,
@@ -480,7 +487,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
     setup.check()?;
-    Ok(Started::Run(d))
+    Ok(Started::Run(Box::new(d)))
 }
 
 /// `--eval-data`: the held-out set, read whole now (a bad file is refused before anything
@@ -813,6 +820,7 @@ fn demo_epoch(cfg: &loader::LoaderConfig, drafters: u32) -> Result<schedule::Epo
     Ok(schedule::EpochLength {
         steps: batches.div_ceil(drafters.max(1) as u64),
         complete: true,
+        counted: true,
     })
 }
 

@@ -362,7 +362,11 @@ pub fn render(w: &Value) -> String {
             "gauge",
             "Step of the best eval acceptance so far (checkpoints/best).",
         );
-        o.sample("dflash_eval_best_step", &[], w["eval"]["best_step"].as_f64());
+        o.sample(
+            "dflash_eval_best_step",
+            &[],
+            w["eval"]["best_step"].as_f64(),
+        );
     }
     o.0
 }

@@ -929,7 +929,11 @@ fn settings(dir: &Path) -> String {
         match v {
             Value::Object(m) => {
                 for (k, x) in m {
-                    let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
                     flatten(&key, x, out);
                 }
             }
@@ -940,7 +944,9 @@ fn settings(dir: &Path) -> String {
     }
     let mut rows = Vec::new();
     flatten("", &resolved, &mut rows);
-    let mut h = String::from(r#"<h2>Settings</h2><p class="note">As the run used them, defaults included (run.json, "resolved").</p><table class="settings">"#);
+    let mut h = String::from(
+        r#"<h2>Settings</h2><p class="note">As the run used them, defaults included (run.json, "resolved").</p><table class="settings">"#,
+    );
     for (k, v) in rows {
         let _ = write!(
             h,

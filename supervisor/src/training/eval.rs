@@ -65,7 +65,11 @@ pub enum EvalDataError {
     #[error("--eval-data {path}: no usable sample (expected JSONL lines like {{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}}, or chat lines)")]
     Empty { path: String },
     #[error("--eval-data {path}: {batches} batches, more than the {max} an eval set may have")]
-    TooBig { path: String, batches: u64, max: u64 },
+    TooBig {
+        path: String,
+        batches: u64,
+        max: u64,
+    },
 }
 
 impl From<EvalDataError> for crate::error::Error {
@@ -331,8 +335,8 @@ impl Evaluator {
             ms: r.started.elapsed().as_secs_f64() * 1e3,
         };
         self.done.insert(r.step);
-        let best = result.acceptance.is_finite()
-            && self.best.is_none_or(|(_, a)| result.acceptance > a);
+        let best =
+            result.acceptance.is_finite() && self.best.is_none_or(|(_, a)| result.acceptance > a);
         if best {
             self.best = Some((r.step, result.acceptance));
         }
@@ -416,7 +420,10 @@ mod tests {
         assert_eq!(batches.len(), 2);
         assert!(e.start(2).is_none(), "one round at a time");
         let ids: Vec<u64> = batches.iter().map(|b| b.batch_id).collect();
-        assert!(matches!(e.report(ids[0], 3, &stats(1.0, 2.0)), Report::Wrong(_)));
+        assert!(matches!(
+            e.report(ids[0], 3, &stats(1.0, 2.0)),
+            Report::Wrong(_)
+        ));
         assert_eq!(
             e.report(ids[0], 2, &stats(1.0, 2.0)),
             Report::Counted { done: false }
@@ -482,11 +489,20 @@ mod tests {
         };
         let missing = d.path().join("nope.jsonl");
         let e = EvalSet::load(&missing, &cfg).unwrap_err().to_string();
-        assert!(e.starts_with(&format!("--eval-data {}: cannot read it", missing.display())), "{e}");
+        assert!(
+            e.starts_with(&format!(
+                "--eval-data {}: cannot read it",
+                missing.display()
+            )),
+            "{e}"
+        );
         let empty = d.path().join("empty.jsonl");
         std::fs::write(&empty, "").unwrap();
         let e = EvalSet::load(&empty, &cfg).unwrap_err().to_string();
-        assert!(e.contains("no usable sample") && e.contains("empty.jsonl"), "{e}");
+        assert!(
+            e.contains("no usable sample") && e.contains("empty.jsonl"),
+            "{e}"
+        );
         let lines = d.path().join("eval.jsonl");
         std::fs::write(
             &lines,

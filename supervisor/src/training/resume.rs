@@ -1510,7 +1510,13 @@ mod tests {
     }
 
     fn resumable(run: &Path) {
-        save(&args(&["--data", "demo", "--steps", "20"]), None, run, serde_json::Value::Null).unwrap();
+        save(
+            &args(&["--data", "demo", "--steps", "20"]),
+            None,
+            run,
+            serde_json::Value::Null,
+        )
+        .unwrap();
     }
 
     fn edit_meta(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
@@ -1628,7 +1634,13 @@ mod tests {
         std::fs::write(&f, lines(10)).unwrap();
         let run = d.path().join("run");
         std::fs::create_dir_all(&run).unwrap();
-        save(&data_args(&f, &["--steps", "20"]), None, &run, serde_json::Value::Null).unwrap();
+        save(
+            &data_args(&f, &["--steps", "20"]),
+            None,
+            &run,
+            serde_json::Value::Null,
+        )
+        .unwrap();
         checkpoint(&run, 4, &tiny_drafter(2), 8);
         std::fs::write(&f, lines(11)).unwrap();
         let e = prepare(&run, &mut args(&[]), &[]).err().unwrap();

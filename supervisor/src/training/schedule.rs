@@ -21,6 +21,8 @@ pub struct EpochLength {
     /// Every line was read (the estimate is then off only by how the shuffle windows cut
     /// batches, a few percent); otherwise it was extrapolated from the first lines.
     pub complete: bool,
+    /// Counted by cutting the epoch as the loader does (the demo data): exact.
+    pub counted: bool,
 }
 
 /// Where the schedule's length comes from.
@@ -100,7 +102,7 @@ impl Schedule {
                     Basis::Data {
                         epochs: k,
                         per_epoch,
-                        counted: false,
+                        counted: e.counted,
                     },
                 )
             }
@@ -225,7 +227,11 @@ mod tests {
     use dflash_shared::drafter::lr_at;
 
     fn est(steps: u64, complete: bool) -> Option<EpochLength> {
-        Some(EpochLength { steps, complete })
+        Some(EpochLength {
+            steps,
+            complete,
+            counted: false,
+        })
     }
 
     #[test]

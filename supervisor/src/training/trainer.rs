@@ -1769,6 +1769,11 @@ impl Trainer {
         v
     }
 
+    /// `--steps`, if given.
+    pub fn steps_limit(&self) -> Option<u64> {
+        self.cfg.steps_limit
+    }
+
     /// The learning-rate schedule as it stands (run.json, events).
     pub fn schedule(&self) -> Option<&crate::training::schedule::Schedule> {
         self.cfg.schedule.as_ref()

@@ -869,7 +869,14 @@ impl GpuDrafter {
                 samples.len()
             )));
         }
-        self.batch(samples, Some(taps16), anchors, denominator, Some(grads), true)
+        self.batch(
+            samples,
+            Some(taps16),
+            anchors,
+            denominator,
+            Some(grads),
+            true,
+        )
     }
 
     /// [`train_batch_bf16`](Self::train_batch_bf16) that leaves the gradient on the

@@ -208,6 +208,15 @@ impl Dispatcher {
                 "dflash-supervise: no checkpoint holds the trained steps; no drafter written"
             ),
         }
+        if let (StopReason::DataDone, Some(n)) = (&reason, self.trainer.steps_limit()) {
+            let at = self.trainer.committed();
+            if at < n {
+                crate::say!(
+                    "dflash-supervise: warning: the data ran out at step {at} of --steps {n}: the learning-rate schedule, which ends at step {n}, was cut short \
+                     (drop --epochs to cycle the data up to --steps, or give fewer --steps)"
+                );
+            }
+        }
         if end == RunEnd::StoppedEarly {
             let saved = self.trainer.saved_step();
             if saved > 0 {

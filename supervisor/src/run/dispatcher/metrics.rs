@@ -70,7 +70,7 @@ impl Dispatcher {
             "pipeline": pipeline,
             "batches": {"produced": produced, "consumed": consumed,
                         "consumed_per_s": consumed.saturating_sub(self.metrics.last_consumed) as f64 / secs},
-"train": train,
+        "train": train,
             "eval": t.eval_step.map(|step| json!({"step": step, "loss": t.eval_loss,
                     "acceptance": t.eval_acceptance, "best_step": t.best_step})),
             "restarts": self.workers.iter().map(|w| w.restarts as u64).sum::<u64>(),
