@@ -278,9 +278,7 @@ fn prepare_of_chat_data_without_a_tokenizer_names_the_missing_tokenizer_json_at_
     // One line (no per-line warnings before it), naming the file that is missing and the
     // line that needs it.
     expect_usage_error(
-        &[
-            "prepare", "--target", &t, "--data", chat_s, "--out", out_s,
-        ],
+        &["prepare", "--target", &t, "--data", chat_s, "--out", out_s],
         &[
             &format!("--target {t}"),
             &format!("{t} has no tokenizer.json"),

@@ -159,10 +159,21 @@ fn the_readme_cites_documents_and_licenses_the_repository_has() {
             continue;
         }
         links += 1;
-        assert!(root.join(target).is_file(), "README links {target}, which does not exist");
+        assert!(
+            root.join(target).is_file(),
+            "README links {target}, which does not exist"
+        );
     }
-    assert!(links >= 4, "the README links its docs and licenses ({links} links)");
-    for doc in ["docs/DESIGN.md", "docs/DFLASH.md", "LICENSE-MIT", "LICENSE-APACHE"] {
+    assert!(
+        links >= 4,
+        "the README links its docs and licenses ({links} links)"
+    );
+    for doc in [
+        "docs/DESIGN.md",
+        "docs/DFLASH.md",
+        "LICENSE-MIT",
+        "LICENSE-APACHE",
+    ] {
         assert!(readme.contains(doc), "the README cites {doc}");
     }
     // The licenses are the ones Cargo.toml declares.

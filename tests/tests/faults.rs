@@ -133,11 +133,7 @@ fn a_full_disk_during_the_export_fails_the_run_and_export_writes_the_drafter_lat
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("drafter (step 4)"));
     assert_eq!(exported_step(&sup.run_dir), Some(4));
-    for f in [
-        "config.json",
-        "model.safetensors",
-        "dflash_drafter.py",
-    ] {
+    for f in ["config.json", "model.safetensors", "dflash_drafter.py"] {
         assert!(sup.run_dir.join("drafter").join(f).is_file(), "{f}");
     }
     // Bad input to export: one line, exit 2.

@@ -409,6 +409,12 @@ fn protocol_violations_restart_only_the_offender() {
         .as_str()
         .unwrap()
         .contains("second Hello"));
+    // The message named in words, not its Rust Debug text ("Heartbeat { seq: 0, .. }").
+    let why = worker(&st, "drafter-1")["last_exit"].as_str().unwrap();
+    assert!(
+        why.contains("first control message was Heartbeat, expected Hello") && !why.contains('{'),
+        "{why}"
+    );
 }
 
 #[test]

@@ -62,6 +62,13 @@ fn expect_ok(o: &Output) -> String {
     e
 }
 
+/// A run stopped before its end (its time limit): exit 75, resumable.
+fn expect_stopped(o: &Output) -> String {
+    let e = stderr(o);
+    assert_eq!(o.status.code(), Some(75), "{e}");
+    e
+}
+
 /// Pre-tokenized lines for the tiny target (ids below its vocabulary of 512), of 24 to 63
 /// tokens, all supervised.
 fn jsonl(lines: usize, seed: u64) -> String {
@@ -211,8 +218,9 @@ fn a_resume_without_the_flags_keeps_the_saved_time_limit_checkpoint_interval_and
     first.extend(["--time-limit", "8s", "--checkpoint-every", "1"]);
     first.extend(["--keep-checkpoints", "50", "--hang-timeout", "45s"]);
     first.extend(["--run-dir", rds]);
-    first.extend(SMALL);
-    let err = expect_ok(&run(&first));
+    // Without --epochs: the data is cycled up to --steps.
+    first.extend(&SMALL[..4]);
+    let err = expect_stopped(&run(&first));
     assert!(err.contains("time limit 8s reached"), "{err}");
     let stopped = last_step(&rd);
     assert!(stopped >= 1, "it trained before its time limit: {err}");
@@ -235,7 +243,7 @@ fn a_resume_without_the_flags_keeps_the_saved_time_limit_checkpoint_interval_and
 
     // Resumed with none of them: the same time limit stops it again, and it checkpoints
     // every step and keeps them all (the defaults: one at the stop, three kept).
-    let err = expect_ok(&run(&["--gpus", "cpu:2", "--resume", rds]));
+    let err = expect_stopped(&run(&["--gpus", "cpu:2", "--resume", rds]));
     assert!(err.contains("time limit 8s reached"), "{err}");
     let end = last_step(&rd);
     assert!(
@@ -252,7 +260,7 @@ fn a_resume_without_the_flags_keeps_the_saved_time_limit_checkpoint_interval_and
     assert_eq!(saved["checkpoint_every"], 1, "{saved}");
 
     // Given again, an operational flag wins and says so.
-    let err = expect_ok(&run(&[
+    let err = expect_stopped(&run(&[
         "--gpus",
         "cpu:2",
         "--resume",

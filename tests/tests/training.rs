@@ -121,7 +121,9 @@ fn a_killed_drafter_rejoins_with_the_current_weights() {
     let st = sup.state().unwrap();
     signal(pid_of(&st, "drafter-1"), Signal::SIGKILL);
     wait_for("drafter-1 to rejoin from drafter-0's state", T, || {
-        sup.log("drafter-1").contains("FromState").then_some(())
+        sup.log("drafter-1")
+            .contains("from the state of step")
+            .then_some(())
     });
     let status = sup.wait_exit(T);
     assert_eq!(status.code(), Some(0), "stderr:\n{}", sup.stderr());

@@ -18,7 +18,9 @@ fn token_file(dir: &Path, lines: usize, len: usize) -> PathBuf {
     let p = dir.join("data.jsonl");
     let mut text = String::new();
     for i in 0..lines {
-        let ids: Vec<String> = (0..len).map(|j| ((i * 7 + j * 3) % 500 + 1).to_string()).collect();
+        let ids: Vec<String> = (0..len)
+            .map(|j| ((i * 7 + j * 3) % 500 + 1).to_string())
+            .collect();
         text.push_str(&format!("{{\"input_ids\": [{}]}}\n", ids.join(",")));
     }
     std::fs::write(&p, text).unwrap();
@@ -65,7 +67,10 @@ fn without_steps_the_learning_rate_warms_up_and_decays_over_the_data() {
     let code = sup.wait_exit(T).code();
     let err = sup.stderr();
     assert_eq!(code, Some(0), "{err}");
-    assert!(err.contains("schedule: peak lr"), "the schedule is printed at start: {err}");
+    assert!(
+        err.contains("schedule: peak lr"),
+        "the schedule is printed at start: {err}"
+    );
     let resolved = &run_json(&sup.run_dir)["resolved"];
     let total = resolved["schedule"]["total_steps"]
         .as_u64()
@@ -77,9 +82,19 @@ fn without_steps_the_learning_rate_warms_up_and_decays_over_the_data() {
     assert_eq!(total, n, "cosine to 0 at the last step the data gives");
     let peak = resolved["lr"].as_f64().unwrap();
     let lr = |i: usize| s[i]["lr"].as_f64().unwrap();
-    assert!(lr(0) < 0.75 * peak, "warmup: step 1 at lr {} of {peak}", lr(0));
-    let top = s.iter().map(|r| r["lr"].as_f64().unwrap()).fold(0.0, f64::max);
-    assert!((top - peak).abs() < 1e-9 * peak, "reaches the peak {peak}: {top}");
+    assert!(
+        lr(0) < 0.75 * peak,
+        "warmup: step 1 at lr {} of {peak}",
+        lr(0)
+    );
+    let top = s
+        .iter()
+        .map(|r| r["lr"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(
+        (top - peak).abs() < 1e-9 * peak,
+        "reaches the peak {peak}: {top}"
+    );
     assert!(
         lr(s.len() - 1) < 0.2 * peak,
         "decays to near 0 by the end: last lr {} of {peak}",
@@ -95,25 +110,59 @@ fn steps_beyond_the_data_are_refused_with_epochs_and_cycle_the_data_without() {
     let data = data.to_str().unwrap();
     let run = tmp.path().join("refused");
     let (code, err) = run_to_end(&[
-        "--gpus", "cpu:2", "--data", data, "--token-budget", "128", "--max-seq-len", "64", "--steps", "500", "--epochs", "1",
-        "--run-dir", run.to_str().unwrap(),
+        "--gpus",
+        "cpu:2",
+        "--data",
+        data,
+        "--token-budget",
+        "128",
+        "--max-seq-len",
+        "64",
+        "--steps",
+        "500",
+        "--epochs",
+        "1",
+        "--run-dir",
+        run.to_str().unwrap(),
     ]);
     assert_eq!(code, 2, "{err}");
-    let line = err.lines().find(|l| l.contains("--steps 500")).unwrap_or_else(|| panic!("{err}"));
-    assert!(line.contains("--epochs 1") && line.contains("about 10 steps"), "{line}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("--steps 500"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("--epochs 1") && line.contains("about 10 steps"),
+        "{line}"
+    );
     assert!(!run.exists(), "a refused start leaves no run directory");
 
     // Without --epochs the data is cycled up to --steps, said at start.
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--data", data, "--token-budget", "128", "--max-seq-len", "64", "--steps", "25",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        data,
+        "--token-budget",
+        "128",
+        "--max-seq-len",
+        "64",
+        "--steps",
+        "25",
     ]);
     let code = sup.wait_exit(T).code();
     let err = sup.stderr();
     assert_eq!(code, Some(0), "{err}");
     assert!(err.contains("cycled"), "{err}");
     let s = steps(&sup.run_dir);
-    assert_eq!(s.last().unwrap()["step"], 25, "--steps reached over 3 passes");
-    assert_eq!(run_json(&sup.run_dir)["resolved"]["schedule"]["total_steps"], 25);
+    assert_eq!(
+        s.last().unwrap()["step"],
+        25,
+        "--steps reached over 3 passes"
+    );
+    assert_eq!(
+        run_json(&sup.run_dir)["resolved"]["schedule"]["total_steps"],
+        25
+    );
     let (code, audit) = sup.ledger();
     assert_eq!(code, 0, "{audit}");
 }
@@ -121,13 +170,23 @@ fn steps_beyond_the_data_are_refused_with_epochs_and_cycle_the_data_without() {
 #[test]
 fn run_json_and_checkpoints_record_every_setting_as_used() {
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--data", "demo", "--demo-samples", "64", "--steps", "2",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--demo-samples",
+        "64",
+        "--steps",
+        "2",
     ]);
     let code = sup.wait_exit(T).code();
     assert_eq!(code, Some(0), "{}", sup.stderr());
     let saved = run_json(&sup.run_dir);
     // The flags as given keep their nulls (what a resume compares)...
-    assert!(saved["lr"].is_null() && saved["block_size"].is_null(), "{saved}");
+    assert!(
+        saved["lr"].is_null() && saved["block_size"].is_null(),
+        "{saved}"
+    );
     // ...and the resolved settings hold what the run used.
     let r = &saved["resolved"];
     assert_eq!(r["lr"], 3e-3, "the tiny target's default lr: {r}");
@@ -154,8 +213,19 @@ fn one_command_starts_resumes_after_a_requeue_and_ends_a_finished_run_at_once() 
     let data = token_file(tmp.path(), 400, 64);
     let run = tmp.path().join("run");
     let cmd: Vec<String> = [
-        "--gpus", "cpu:2", "--data", data.to_str().unwrap(), "--token-budget", "128", "--max-seq-len", "64",
-        "--checkpoint-every", "0", "--run-dir", run.to_str().unwrap(), "--resume-if-exists",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        data.to_str().unwrap(),
+        "--token-budget",
+        "128",
+        "--max-seq-len",
+        "64",
+        "--checkpoint-every",
+        "0",
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--resume-if-exists",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -168,7 +238,10 @@ fn one_command_starts_resumes_after_a_requeue_and_ends_a_finished_run_at_once() 
         .spawn()
         .unwrap();
     wait_for("step 3 of the first job", T, || {
-        steps(&run).last().and_then(|r| r["step"].as_u64()).filter(|&s| s >= 3)
+        steps(&run)
+            .last()
+            .and_then(|r| r["step"].as_u64())
+            .filter(|&s| s >= 3)
     });
     signal(child.id(), Signal::SIGTERM);
     let code = child.wait().unwrap().code();
@@ -184,7 +257,12 @@ fn one_command_starts_resumes_after_a_requeue_and_ends_a_finished_run_at_once() 
     assert_eq!(s.last().unwrap()["step"], 200, "{err}");
     assert!(stopped_at < 200);
     let out = supervise(&["ledger", "--run-dir", run.to_str().unwrap()], None);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 
     // Once more: the run is finished; nothing starts, nothing is rewritten.
     let events_before = read_jsonl(&run.join("events.jsonl")).len();
@@ -196,9 +274,16 @@ fn one_command_starts_resumes_after_a_requeue_and_ends_a_finished_run_at_once() 
     assert_eq!(code, 0, "{err}");
     assert!(err.contains("already finished at step 200"), "{err}");
     assert!(err.contains("drafter (step 200)"), "{err}");
-    assert_eq!(read_jsonl(&run.join("events.jsonl")).len(), events_before, "no worker started");
     assert_eq!(
-        std::fs::metadata(run.join("drafter/model.safetensors")).unwrap().modified().unwrap(),
+        read_jsonl(&run.join("events.jsonl")).len(),
+        events_before,
+        "no worker started"
+    );
+    assert_eq!(
+        std::fs::metadata(run.join("drafter/model.safetensors"))
+            .unwrap()
+            .modified()
+            .unwrap(),
         export_before,
         "the export is not rewritten"
     );
@@ -209,11 +294,22 @@ fn sigusr1_writes_a_checkpoint_at_the_next_step_and_training_goes_on() {
     let tmp = tempfile::tempdir().unwrap();
     let data = token_file(tmp.path(), 400, 64);
     let mut sup = Sup::start_real(&[
-        "--gpus", "cpu:2", "--data", data.to_str().unwrap(), "--token-budget", "128", "--max-seq-len", "64",
-        "--checkpoint-every", "0",
+        "--gpus",
+        "cpu:2",
+        "--data",
+        data.to_str().unwrap(),
+        "--token-budget",
+        "128",
+        "--max-seq-len",
+        "64",
+        "--checkpoint-every",
+        "0",
     ]);
     let at = wait_for("step 2", T, || {
-        steps(&sup.run_dir).last().and_then(|r| r["step"].as_u64()).filter(|&s| s >= 2)
+        steps(&sup.run_dir)
+            .last()
+            .and_then(|r| r["step"].as_u64())
+            .filter(|&s| s >= 2)
     });
     sup.signal(Signal::SIGUSR1);
     let ckpt = wait_for("a checkpoint after SIGUSR1", T, || {
@@ -227,7 +323,10 @@ fn sigusr1_writes_a_checkpoint_at_the_next_step_and_training_goes_on() {
             .map(|e| e.file_name().to_string_lossy().into_owned())
     });
     let step: u64 = ckpt.trim_start_matches("step-").parse().unwrap();
-    assert!(step > at, "checkpoint {ckpt} is of a step after the signal (step {at})");
+    assert!(
+        step > at,
+        "checkpoint {ckpt} is of a step after the signal (step {at})"
+    );
     // Training goes on past it.
     wait_for("training past the checkpoint", T, || {
         steps(&sup.run_dir)
@@ -247,13 +346,25 @@ fn sigusr1_writes_a_checkpoint_at_the_next_step_and_training_goes_on() {
 #[test]
 fn under_slurm_a_stop_timeout_beyond_killwait_is_warned_about() {
     let env = [("SLURM_JOB_ID", "4242")];
-    let base = ["--gpus", "cpu:2", "--data", "demo", "--demo-samples", "32", "--steps", "1"];
+    let base = [
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--demo-samples",
+        "32",
+        "--steps",
+        "1",
+    ];
     let mut args = base.to_vec();
     args.extend(["--stop-timeout", "120s"]);
     let mut sup = Sup::start_real_env(&args, &env);
     assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
     let err = sup.stderr();
-    let line = err.lines().find(|l| l.contains("KillWait")).unwrap_or_else(|| panic!("{err}"));
+    let line = err
+        .lines()
+        .find(|l| l.contains("KillWait"))
+        .unwrap_or_else(|| panic!("{err}"));
     assert!(line.contains("--stop-timeout 2m"), "{line}");
     // The default fits.
     let mut sup = Sup::start_real_env(&base, &env);
@@ -268,14 +379,28 @@ fn a_failed_start_leaves_nothing_behind_and_the_retry_with_the_same_run_dir_work
     let port = busy.local_addr().unwrap().port().to_string();
     let run = tmp.path().join("run");
     let args = [
-        "--gpus", "cpu:2", "--data", "demo", "--demo-samples", "32", "--steps", "1",
-        "--prometheus", &port, "--run-dir", run.to_str().unwrap(),
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--demo-samples",
+        "32",
+        "--steps",
+        "1",
+        "--prometheus",
+        &port,
+        "--run-dir",
+        run.to_str().unwrap(),
     ];
     let (code, err) = run_to_end(&args);
     assert_ne!(code, 0, "{err}");
     assert!(err.contains(&port), "the error names the port: {err}");
     assert!(!run.exists(), "the failed start removed its run directory");
-    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0, "nothing left beside it");
+    assert_eq!(
+        std::fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "nothing left beside it"
+    );
     drop(busy);
     let (code, err) = run_to_end(&args);
     assert_eq!(code, 0, "the retry with the same --run-dir: {err}");

@@ -126,8 +126,7 @@ mod tests {
         std::fs::write(tmp.path().join("config.json"), "{}").unwrap();
         let why = not_an_export(tmp.path()).unwrap();
         assert!(
-            why.contains("no model.safetensors, dflash_drafter.py")
-                && !why.contains('\n'),
+            why.contains("no model.safetensors, dflash_drafter.py") && !why.contains('\n'),
             "{why}"
         );
         for f in EXPORT_FILES {

@@ -405,10 +405,7 @@ pub(crate) fn first_line(source: &DataSource) -> Option<(String, Vec<u8>)> {
                 loop {
                     let mut text = Vec::new();
                     // A line up to 16 MiB.
-                    let n = (&mut r)
-                        .take(16 << 20)
-                        .read_until(b'\n', &mut text)
-                        .ok()?;
+                    let n = (&mut r).take(16 << 20).read_until(b'\n', &mut text).ok()?;
                     if n == 0 {
                         break;
                     }
@@ -1109,7 +1106,10 @@ mod tests {
         c.max_bad_lines = 3;
         c.epochs = 5;
         let e = Loader::new(c).next_batch().unwrap_err().to_string();
-        assert!(e.contains("4 bad lines, more than --max-bad-lines 3"), "{e}");
+        assert!(
+            e.contains("4 bad lines, more than --max-bad-lines 3"),
+            "{e}"
+        );
     }
 
     #[test]

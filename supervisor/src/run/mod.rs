@@ -244,10 +244,15 @@ fn existing_run(dir: &Path) -> Result<Option<PathBuf>, Error> {
         .flatten()
         .any(|e| {
             dflash_shared::checkpoint::step_of_dir(&e.file_name().to_string_lossy()).is_some()
-                && e.path().join(dflash_shared::checkpoint::META_FILE).is_file()
+                && e.path()
+                    .join(dflash_shared::checkpoint::META_FILE)
+                    .is_file()
         });
     if has_checkpoint {
-        log::info!("--resume-if-exists: {} holds a run: resuming it", dir.display());
+        log::info!(
+            "--resume-if-exists: {} holds a run: resuming it",
+            dir.display()
+        );
         return Ok(Some(dir.to_path_buf()));
     }
     let existing = rundir::ExistingRun {
@@ -417,8 +422,14 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         loader_cfg.source = loader::DataSource::Files(vec![to]);
     }
     // On --resume too: the settings as merged with this command line's are the run's now.
-    trainer_cfg.settings = resolved_settings(&args, &plan, &loader_cfg, &pipeline_cfg, &trainer_cfg);
-    resume::save(&args, resume.as_ref(), &run_dir.path, trainer_cfg.settings.clone())?;
+    trainer_cfg.settings =
+        resolved_settings(&args, &plan, &loader_cfg, &pipeline_cfg, &trainer_cfg);
+    resume::save(
+        &args,
+        resume.as_ref(),
+        &run_dir.path,
+        trainer_cfg.settings.clone(),
+    )?;
     if let Some(p) = &preflight {
         p.write_json(&run_dir.path.join("preflight.json"))?;
     }
@@ -793,7 +804,10 @@ fn resolved_settings(
         "token_slots": pipeline.token_slots,
         "hidden_slots": pipeline.hidden_slots,
         "prefetch": pipeline.prefetch,
+        "eval_data": args.eval_data,
+        "eval_every": t.eval.as_ref().map(|e| e.every),
         "hang_timeout": d(args.hang_timeout),
+        "step_timeout": args.step_timeout.map_or("10m, or 5 × the slowest of the first 3 steps".to_string(), d),
         "max_restarts": args.max_restarts,
         "stable_after": d(args.stable_after),
         "stop_timeout": d(args.stop_timeout),
@@ -857,7 +871,10 @@ fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Er
     if let Some(dup) = taps.iter().find(|&&t| !seen.insert(t)) {
         return Err(Error::Flag(format!(
             "--taps {}: layer {dup} is given twice (expected distinct layer ids)",
-            taps.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+            taps.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
         )));
     }
     if let Some(bad) = taps.iter().find(|&&t| t as usize >= n) {

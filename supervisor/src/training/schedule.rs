@@ -31,7 +31,11 @@ pub enum Basis {
     /// `--steps`; `cycled` when the data is read as often as it takes.
     Steps { cycled: bool },
     /// `epochs` × the steps of one epoch (estimated, then counted once an epoch is read).
-    Data { epochs: u32, per_epoch: u64, counted: bool },
+    Data {
+        epochs: u32,
+        per_epoch: u64,
+        counted: bool,
+    },
     /// Standard input: no length is known.
     Unknown,
 }
@@ -189,7 +193,11 @@ impl Schedule {
     pub fn to_json(&self) -> serde_json::Value {
         let (basis, epochs, per_epoch) = match &self.basis {
             Basis::Steps { cycled } => (
-                if *cycled { "steps, data cycled" } else { "steps" },
+                if *cycled {
+                    "steps, data cycled"
+                } else {
+                    "steps"
+                },
                 None,
                 None,
             ),
@@ -243,7 +251,11 @@ mod tests {
         // Warmup rises, the last step is near 0: not a constant rate.
         assert!(lr_at(0, s.lr, s.warmup_steps, s.total_steps) < 1e-3 * 0.5);
         assert!(lr_at(99, s.lr, s.warmup_steps, s.total_steps) < 1e-5);
-        assert!(s.describe().contains("5 epoch(s) × ~20 steps"), "{}", s.describe());
+        assert!(
+            s.describe().contains("5 epoch(s) × ~20 steps"),
+            "{}",
+            s.describe()
+        );
     }
 
     #[test]
@@ -265,7 +277,10 @@ mod tests {
         let e = Schedule::plan(1e-3, 0.04, Some(100), Some(1), est(3, true), 1).unwrap_err();
         assert_eq!(e.exit_code(), 2);
         let m = e.to_string();
-        assert!(m.contains("--steps 100") && m.contains("about 3 steps"), "{m}");
+        assert!(
+            m.contains("--steps 100") && m.contains("about 3 steps"),
+            "{m}"
+        );
         let s = Schedule::plan(1e-3, 0.04, Some(100), None, est(3, true), 1).unwrap();
         assert_eq!(s.loader_epochs, CYCLE);
         assert_eq!(s.total_steps, Some(100));

@@ -1870,6 +1870,91 @@ mod tests {
     }
 
     #[test]
+    fn no_step_commits_while_an_eval_round_scores_the_eval_steps_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = crate::cli::run_args(&["--gpus", "cpu:3", "--targets", "1"]);
+        let plan = crate::run::plan(&args, &mut || Ok(0)).unwrap();
+        let target = crate::run::target_config("tiny").unwrap();
+        let (_, pipeline_cfg) = crate::run::data_config(&args, &plan, &target).unwrap();
+        let mut cfg =
+            crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
+        cfg.checkpoints_dir = dir.path().join("checkpoints");
+        std::fs::create_dir_all(&cfg.checkpoints_dir).unwrap();
+        let b = dflash_shared::batch::TokenBatch {
+            batch_id: 0,
+            seq_len: 4,
+            lengths: vec![4],
+            input_ids: vec![1, 2, 3, 4],
+            loss_mask: vec![1; 4],
+        };
+        cfg.eval = Some(EvalSettings {
+            set: crate::training::eval::EvalSet {
+                path: "eval.jsonl".into(),
+                batches: vec![b.clone(), b],
+                tokens: 8,
+                rows: 2,
+            },
+            every: 1,
+        });
+        let mut t = Trainer::new(cfg, dir.path()).unwrap();
+        let epoch = two_members(&mut t);
+        let step = |t: &mut Trainer, n: u64| {
+            t.on_grads(1, n, slot(0), 2 * n, stats(3.0), 7);
+            t.on_grads(2, n, slot(1), 2 * n + 1, stats(3.0), 7);
+            t.on_reduced(1, n, epoch, 6.0, 1.0);
+            t.on_reduced(2, n, epoch, 6.0, 1.0)
+        };
+        let out = step(&mut t, 1);
+        assert_eq!(t.committed(), 1);
+        let ids: Vec<u64> = out
+            .iter()
+            .find_map(|a| match a {
+                Action::EvalStart {
+                    step: 1, batches, ..
+                } => Some(batches.iter().map(|b| b.batch_id).collect()),
+                _ => None,
+            })
+            .expect("an eval round of step 1 starts at its commit");
+        assert_eq!(ids.len(), 2);
+        assert!(ids.iter().all(|&b| dflash_shared::batch::is_eval_batch(b)));
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::Checkpoint { step: 1, .. })),
+            "an eval step is checkpointed: {out:?}"
+        );
+        // Step 2's gradients are all in and reduced: it waits for the round.
+        let out = step(&mut t, 2);
+        assert_eq!(t.committed(), 1, "committed during the eval round: {out:?}");
+        assert!(
+            t.on_evaluated(ids[0], 2, &stats(1.0)).is_err(),
+            "other weights"
+        );
+        assert!(t.on_evaluated(ids[0], 1, &stats(1.0)).unwrap().is_empty());
+        assert_eq!(t.committed(), 1, "one eval batch is still out");
+        let out = t.on_evaluated(ids[1], 1, &stats(1.0)).unwrap();
+        assert!(matches!(out.first(), Some(Action::EvalEnd)), "{out:?}");
+        assert_eq!(
+            t.committed(),
+            2,
+            "the held step commits once the round is in"
+        );
+        let log = std::fs::read_to_string(dir.path().join("train.jsonl")).unwrap();
+        let eval: Vec<serde_json::Value> = log
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["eval"].is_object())
+            .collect();
+        assert_eq!(eval.len(), 1);
+        assert_eq!(
+            (
+                eval[0]["eval"]["step"].as_u64(),
+                eval[0]["eval"]["tokens"].as_u64()
+            ),
+            (Some(1), Some(16))
+        );
+    }
+
+    #[test]
     fn at_the_data_end_a_member_without_a_batch_abstains_and_the_step_commits_over_the_others() {
         let (mut t, _dir) = trainer(&["--gpus", "cpu:3", "--targets", "1"]);
         let epoch = two_members(&mut t);

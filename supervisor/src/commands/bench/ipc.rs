@@ -375,7 +375,11 @@ impl Relay {
                         Report::Acked { .. } => "Acked",
                         Report::Done { .. } => "Done",
                     };
-                    let from = if producer { "the producer" } else { "the consumer" };
+                    let from = if producer {
+                        "the producer"
+                    } else {
+                        "the consumer"
+                    };
                     return Err(fail("unexpected report", &format!("{kind} from {from}")));
                 }
             }

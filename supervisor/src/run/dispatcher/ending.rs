@@ -143,7 +143,10 @@ impl Dispatcher {
                 saved + 1
             );
             // Lost work outranks an unclean stop: the run failed.
-            if matches!(end, RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop) {
+            if matches!(
+                end,
+                RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop
+            ) {
                 RunEnd::Failed
             } else {
                 end
@@ -153,9 +156,7 @@ impl Dispatcher {
         };
         // A run never exits 0 with a checkpoint it has not exported.
         let end = match (&export_failure, end) {
-            (Some(_), RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop) => {
-                RunEnd::Failed
-            }
+            (Some(_), RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop) => RunEnd::Failed,
             (_, end) => end,
         };
         let code = end.exit_code();
@@ -183,7 +184,10 @@ impl Dispatcher {
                 drafter: self.trainer.progress.exported.clone(),
             };
             if let Err(e) = f.write(&self.run.path) {
-                log::warn!("cannot write {}: {e}", crate::training::resume::FINISHED_FILE);
+                log::warn!(
+                    "cannot write {}: {e}",
+                    crate::training::resume::FINISHED_FILE
+                );
             }
         }
         log::info!("run ended ({}); exit code {code}", reason.describe());

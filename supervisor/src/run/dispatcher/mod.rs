@@ -451,7 +451,8 @@ impl Dispatcher {
                     if let Some(msg) = self.trainer.refine_schedule(batches) {
                         log::info!("{msg}");
                         let schedule = self.trainer.schedule().map(|s| s.to_json());
-                        self.run.event("schedule", obj(json!({ "schedule": schedule })));
+                        self.run
+                            .event("schedule", obj(json!({ "schedule": schedule })));
                     }
                 }
             }
@@ -477,8 +478,10 @@ impl Dispatcher {
                 if signal == Signal::SIGUSR1 && matches!(self.phase, Phase::Running) {
                     let step = self.trainer.request_checkpoint();
                     log::info!("SIGUSR1 received (pre-emption notice): writing a checkpoint at step {step}, then training on");
-                    self.run
-                        .event("checkpoint_requested", obj(json!({"signal": "SIGUSR1", "step": step})));
+                    self.run.event(
+                        "checkpoint_requested",
+                        obj(json!({"signal": "SIGUSR1", "step": step})),
+                    );
                 }
                 // Only to workers that said hello: one still starting may not have its
                 // handlers yet, and the signal's default action would kill it.
