@@ -398,7 +398,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         epoch,
         drafters,
     )?;
-    log::info!("{}", sched.describe());
+    let schedule_line = sched.describe();
     loader_cfg.epochs = sched.loader_epochs;
     trainer_cfg.warmup_steps = sched.warmup_steps;
     trainer_cfg.total_steps = sched.total_steps;
@@ -422,6 +422,8 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         loader_cfg.source = loader::DataSource::Files(vec![to]);
     }
     // On --resume too: the settings as merged with this command line's are the run's now.
+    // Said once the run directory is this run's: a start refused before then says only why.
+    log::info!("{schedule_line}");
     trainer_cfg.settings =
         resolved_settings(&args, &plan, &loader_cfg, &pipeline_cfg, &trainer_cfg);
     resume::save(
