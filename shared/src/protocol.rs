@@ -122,6 +122,11 @@ pub enum Work {
     Batch { batch_id: u64 },
     /// A drafter writing its state at `step` (a checkpoint or a snapshot).
     Save { step: u64 },
+    /// A drafter scoring held-out batch `batch_id` with the weights of `step`.
+    Eval { step: u64, batch_id: u64 },
+    /// A drafter joining the group (its setup), or forming group epoch `epoch` (NCCL
+    /// communicators): both wait on the other ranks.
+    Join { epoch: Option<u64> },
 }
 
 impl std::fmt::Display for Work {
@@ -131,6 +136,11 @@ impl std::fmt::Display for Work {
             Work::Update { step } => write!(f, "the update of step {step}"),
             Work::Batch { batch_id } => write!(f, "batch {batch_id}"),
             Work::Save { step } => write!(f, "saving the state of step {step}"),
+            Work::Eval { step, batch_id } => {
+                write!(f, "the eval of held-out batch {batch_id} at step {step}")
+            }
+            Work::Join { epoch: None } => write!(f, "joining the drafter group"),
+            Work::Join { epoch: Some(e) } => write!(f, "forming group epoch {e}"),
         }
     }
 }

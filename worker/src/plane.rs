@@ -444,6 +444,10 @@ impl Plane {
                         WorkerError::Protocol("an eval batch before the training setup".into())
                     })?;
                     let (_, index) = eval_batch_parts(d.batch_id);
+                    let _busy = self.busy.enter(Work::Eval {
+                        step: rank.step,
+                        batch_id: d.batch_id,
+                    });
                     let stats = rank.evaluate(&view, index)?;
                     // sync point (pool edge 4): sent after our last read of the slot.
                     return Ok(FromWorker::Evaluated {

@@ -177,10 +177,13 @@ fn obey(
             Flow::Go
         }
         ToWorker::Train(setup) => {
+            let busy = plane.busy.clone();
+            let _busy = busy.enter(Work::Join { epoch: None });
             join_training(*setup, plane, id)?;
             Flow::Go
         }
         ToWorker::Group { epoch, ranks, id } => {
+            let _busy = plane.busy.enter(Work::Join { epoch: Some(epoch) });
             let rank = plane.rank.as_mut().ok_or_else(|| {
                 WorkerError::Protocol("a group epoch before the training setup".into())
             })?;

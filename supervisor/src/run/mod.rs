@@ -398,6 +398,16 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         epoch,
         drafters,
     )?;
+    let mut sched = sched;
+    // A resume keeps its checkpoint's schedule unless this command changes it.
+    let changes_schedule = ["steps", "lr", "warmup_ratio"]
+        .iter()
+        .any(|f| given.iter().any(|g| g == f));
+    if let Some(saved) = resume.as_ref().and_then(|r| r.schedule.as_ref()) {
+        if !changes_schedule && sched.restore(saved) {
+            log::info!("resuming with the schedule of its checkpoint");
+        }
+    }
     let schedule_line = sched.describe();
     loader_cfg.epochs = sched.loader_epochs;
     trainer_cfg.warmup_steps = sched.warmup_steps;

@@ -919,6 +919,9 @@ pub struct Resume {
     pub inputs: Option<Inputs>,
     /// Newer checkpoints that were refused, set aside by [`Resume::set_aside_refused`].
     pub refused: Vec<PathBuf>,
+    /// The learning-rate schedule the checkpoint was trained under (its meta.json's
+    /// `supervisor.settings.schedule`; `None` from an older version).
+    pub schedule: Option<serde_json::Value>,
 }
 
 /// Load `dir`'s saved settings into `args` (flags given on this command line, `given`,
@@ -1020,6 +1023,7 @@ impl Prepared {
                 .flatten()
                 .filter_map(|v| v.as_u64()),
         );
+        let schedule = Some(sup["settings"]["schedule"].clone()).filter(|s| s.is_object());
         Ok(Resume {
             dir,
             step,
@@ -1027,6 +1031,7 @@ impl Prepared {
             consumed,
             inputs: self.inputs,
             refused,
+            schedule,
         })
     }
 }

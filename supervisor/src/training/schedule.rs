@@ -6,8 +6,9 @@
 //! the preflight (or counted, for the demo data) and refined to the exact count once the
 //! loader has cut the first epoch ([`Schedule::refine`]). Only standard input, read once
 //! and never ahead, has no known length: then the rate stays at its peak, and the start
-//! says so. `--steps` beyond what the given `--epochs` yield is refused; with `--epochs`
-//! not given, the data is cycled up to `--steps`.
+//! says so. `--steps` beyond what the given `--epochs` yield (by more than the estimate's
+//! margin, when the preflight read every line) is refused; with `--epochs` not given, the
+//! data is cycled up to `--steps`.
 
 use crate::error::Error;
 
@@ -91,8 +92,15 @@ impl Schedule {
                         }
                         (Some(n), k, Basis::Steps { cycled: false })
                     }
-                    None if n > per_epoch => (Some(n), CYCLE, Basis::Steps { cycled: true }),
-                    None => (Some(n), 1, Basis::Steps { cycled: false }),
+                    // Cycled even when one pass looks enough: the estimate may be a
+                    // little long, and the run stops at --steps anyway.
+                    None => (
+                        Some(n),
+                        CYCLE,
+                        Basis::Steps {
+                            cycled: n > per_epoch,
+                        },
+                    ),
                 }
             }
             // Standard input: read once, so one pass.
@@ -153,6 +161,35 @@ impl Schedule {
             before.map_or("-".into(), |b| b.to_string()),
             self.warmup_steps
         ))
+    }
+
+    /// A resumed run keeps the schedule its checkpoint was trained under (`saved`: the
+    /// checkpoint's `settings.schedule`): the same warmup and length, not a new estimate
+    /// (nor a constant rate turned into a cosine when stdin's copy became a file). Returns
+    /// whether it was restored.
+    pub fn restore(&mut self, saved: &serde_json::Value) -> bool {
+        let (Some(warmup), Some(total)) = (
+            saved["warmup_steps"].as_u64(),
+            saved.get("total_steps").map(|t| t.as_u64()),
+        ) else {
+            return false;
+        };
+        self.warmup_steps = warmup;
+        self.total_steps = total;
+        self.basis = match (
+            &self.basis,
+            saved["steps_per_epoch"].as_u64(),
+            saved["epochs"].as_u64(),
+        ) {
+            (Basis::Data { .. }, Some(per_epoch), Some(epochs)) => Basis::Data {
+                epochs: epochs as u32,
+                per_epoch,
+                counted: true,
+            },
+            (_, _, _) if total.is_none() => Basis::Unknown,
+            (b, _, _) => b.clone(),
+        };
+        true
     }
 
     /// The schedule in one line, as the start prints it.
@@ -285,13 +322,34 @@ mod tests {
         assert_eq!(s.loader_epochs, CYCLE);
         assert_eq!(s.total_steps, Some(100));
         assert!(s.describe().contains("cycled"), "{}", s.describe());
-        // Within the data: one epoch, as before.
+        // Within one pass by the estimate: still cycled (an estimate a little long must
+        // not end the run before --steps), and not said to be.
         let s = Schedule::plan(1e-3, 0.04, Some(3), None, est(3, true), 1).unwrap();
-        assert_eq!(s.loader_epochs, 1);
+        assert_eq!(s.loader_epochs, CYCLE);
+        assert!(!s.describe().contains("cycled"), "{}", s.describe());
         // An extrapolated estimate is not grounds to refuse.
         assert!(Schedule::plan(1e-3, 0.04, Some(100), Some(1), est(3, false), 1).is_ok());
         // A --steps within the margin of a complete estimate is kept.
         assert!(Schedule::plan(1e-3, 0.04, Some(12), Some(4), est(3, true), 1).is_ok());
+    }
+
+    #[test]
+    fn a_resume_keeps_the_schedule_of_its_checkpoint() {
+        let mut first = Schedule::plan(1e-3, 0.1, None, Some(2), est(10, false), 1).unwrap();
+        first.refine(13);
+        let saved = first.to_json();
+        // The resume estimates again (10 steps an epoch) but keeps the counted 13.
+        let mut again = Schedule::plan(1e-3, 0.1, None, Some(2), est(10, false), 1).unwrap();
+        assert!(again.restore(&saved));
+        assert_eq!((again.total_steps, again.warmup_steps), (Some(26), 3));
+        assert_eq!(again.refine(99), None, "already counted");
+        // A constant rate (stdin) stays constant, though the resume reads a file now.
+        let constant = Schedule::plan(1e-3, 0.1, None, None, None, 1)
+            .unwrap()
+            .to_json();
+        let mut file = Schedule::plan(1e-3, 0.1, None, None, est(10, true), 1).unwrap();
+        assert!(file.restore(&constant));
+        assert_eq!((file.total_steps, file.warmup_steps), (None, 0));
     }
 
     #[test]
