@@ -999,7 +999,21 @@ impl Trainer {
                 self.joining = None;
             }
         }
-        if self.members.is_empty() {
+        if self.members.is_empty() && self.done_after_eval {
+            // The last step is committed (and its checkpoint asked for, or written from
+            // the snapshot at the stop); only its eval was left. Rolling back would lose
+            // the step; the eval is dropped instead and the run ends.
+            let step = self.committed;
+            if let Some(e) = self.eval.as_mut() {
+                e.rolled_back(step.saturating_sub(1));
+            }
+            log::warn!(
+                "every drafter died during the eval of the last step {step}: that eval is dropped, and the run ends at step {step}"
+            );
+            self.done_after_eval = false;
+            out.push(Action::EvalEnd);
+            out.push(Action::Done);
+        } else if self.members.is_empty() {
             self.rollback(&mut out);
         } else {
             if let Some(m) = left {
@@ -1867,6 +1881,60 @@ mod tests {
             "both are told of the epoch of both: {out:?}"
         );
         epochs[0]
+    }
+
+    #[test]
+    fn every_drafter_dying_in_the_last_steps_eval_ends_the_run_at_that_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = crate::cli::run_args(&["--gpus", "cpu:3", "--targets", "1", "--steps", "1"]);
+        let plan = crate::run::plan(&args, &mut || Ok(0)).unwrap();
+        let target = crate::run::target_config("tiny").unwrap();
+        let (_, pipeline_cfg) = crate::run::data_config(&args, &plan, &target).unwrap();
+        let mut cfg =
+            crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
+        cfg.checkpoints_dir = dir.path().join("checkpoints");
+        std::fs::create_dir_all(&cfg.checkpoints_dir).unwrap();
+        let b = dflash_shared::batch::TokenBatch {
+            batch_id: 0,
+            seq_len: 4,
+            lengths: vec![4],
+            input_ids: vec![1, 2, 3, 4],
+            loss_mask: vec![1; 4],
+        };
+        cfg.eval = Some(EvalSettings {
+            set: crate::training::eval::EvalSet {
+                path: "eval.jsonl".into(),
+                batches: vec![b],
+                tokens: 4,
+                rows: 1,
+            },
+            every: 100,
+        });
+        let mut t = Trainer::new(cfg, dir.path()).unwrap();
+        let epoch = two_members(&mut t);
+        t.on_grads(1, 1, slot(0), 2, stats(3.0), 7);
+        t.on_grads(2, 1, slot(1), 3, stats(3.0), 7);
+        t.on_reduced(1, 1, epoch, 6.0, 1.0);
+        let out = t.on_reduced(2, 1, epoch, 6.0, 1.0);
+        assert_eq!(t.committed(), 1);
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, Action::EvalStart { step: 1, .. })),
+            "the last step is evaluated: {out:?}"
+        );
+        assert!(
+            !out.iter().any(|a| matches!(a, Action::Done)),
+            "Done waits for the eval"
+        );
+        assert!(t.on_gone(1).iter().all(|a| !matches!(a, Action::Failed(_))));
+        let out = t.on_gone(2);
+        assert!(
+            out.iter().any(|a| matches!(a, Action::Done))
+                && !out.iter().any(|a| matches!(a, Action::Failed(_))),
+            "the run ends at step 1, not failed by a rollback: {out:?}"
+        );
+        assert!(!t.eval_running());
+        assert_eq!(t.committed(), 1);
     }
 
     #[test]
