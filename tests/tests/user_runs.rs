@@ -290,6 +290,37 @@ fn one_command_starts_resumes_after_a_requeue_and_ends_a_finished_run_at_once() 
 }
 
 #[test]
+fn a_requeued_job_whose_run_reached_its_steps_exits_0_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let args = [
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--demo-samples",
+        "64",
+        "--steps",
+        "3",
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--resume-if-exists",
+    ];
+    let (code, err) = run_to_end(&args);
+    assert_eq!(code, 0, "{err}");
+    // The same command again (a requeue after the end): finished, not "nothing to train".
+    let (code, err) = run_to_end(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("already finished at step 3"), "{err}");
+    // A larger --steps trains on.
+    let mut more = args.to_vec();
+    more[7] = "5";
+    let (code, err) = run_to_end(&more);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(steps(&run).last().unwrap()["step"], 5, "{err}");
+}
+
+#[test]
 fn sigusr1_writes_a_checkpoint_at_the_next_step_and_training_goes_on() {
     let tmp = tempfile::tempdir().unwrap();
     let data = token_file(tmp.path(), 400, 64);

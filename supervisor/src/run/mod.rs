@@ -353,15 +353,19 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         )?);
     }
     // The newest checkpoint that verifies and is of this drafter, beyond which --steps lies.
+    // A run that already finished is said so (before --steps is compared with its step).
+    if let Some(p) = &resume {
+        if let Some(msg) = p
+            .newest_step()
+            .and_then(|step| resume::finished(&p.dir, step, args.steps))
+        {
+            return Ok(Started::Finished(msg));
+        }
+    }
     let resume = match resume {
         Some(p) => Some(p.select(&trainer_cfg.drafter, args.steps)?),
         None => None,
     };
-    if let Some(r) = &resume {
-        if let Some(msg) = resume::finished(r, args.steps) {
-            return Ok(Started::Finished(msg));
-        }
-    }
     let shared_bytes = trainer::Trainer::shared_bytes(
         &trainer_cfg.drafter,
         trainer_cfg.max_ranks,

@@ -971,6 +971,11 @@ pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Prepa
 }
 
 impl Prepared {
+    /// The step of the newest complete checkpoint (verified or not).
+    pub fn newest_step(&self) -> Option<u64> {
+        self.candidates.last().map(|(s, _)| *s)
+    }
+
     /// The newest checkpoint that verifies (checksums, finite values, format, its step)
     /// and is one of `drafter`: a changed, damaged, newer or foreign one is passed over
     /// with a warning rather than loaded, or looped on. `steps`: the run's `--steps`,
@@ -1058,13 +1063,13 @@ impl Finished {
     }
 }
 
-/// `Some(words)` when `r` continues a run that already ended by itself at its newest
-/// checkpoint and `steps` asks for nothing beyond it: there is nothing to resume. A
-/// resume that does train (a larger `--steps`) removes the stale record.
-pub fn finished(r: &Resume, steps: Option<u64>) -> Option<String> {
-    let path = r.dir.join(FINISHED_FILE);
+/// `Some(words)` when the run in `dir` already ended by itself at its newest checkpoint
+/// (of step `newest`) and `steps` asks for nothing beyond it: there is nothing to resume.
+/// A resume that does train (a larger `--steps`) removes the stale record.
+pub fn finished(dir: &Path, newest: u64, steps: Option<u64>) -> Option<String> {
+    let path = dir.join(FINISHED_FILE);
     let f: Finished = serde_json::from_str(&std::fs::read_to_string(&path).ok()?).ok()?;
-    if f.step != r.step || steps.is_some_and(|n| n > f.step) {
+    if f.step != newest || steps.is_some_and(|n| n > f.step) {
         let _ = std::fs::remove_file(&path);
         return None;
     }
@@ -1072,12 +1077,12 @@ pub fn finished(r: &Resume, steps: Option<u64>) -> Option<String> {
         Some(d) => format!("its drafter (step {}) is in {d}", f.step),
         None => format!(
             "write its drafter with: dflash-supervise export {}",
-            r.dir.display()
+            dir.display()
         ),
     };
     Some(format!(
         "{} already finished at step {} ({}): nothing to resume; {drafter} (to train on, give a larger --steps)",
-        r.dir.display(),
+        dir.display(),
         f.step,
         f.reason
     ))
