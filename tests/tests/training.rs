@@ -278,6 +278,22 @@ fn resume_refuses_what_cannot_be_resumed() {
         ],
         None,
     );
+    // It finished by itself: said so, exit 0, nothing started.
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("already finished at step 3"), "{err}");
+    // Without the record of its end (a run of an older version), --steps at the
+    // checkpoint's step is nothing to train: refused.
+    fs::remove_file(done.run_dir.join("finished.json")).unwrap();
+    let out = supervise(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--resume",
+            done.run_dir.to_str().unwrap(),
+        ],
+        None,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
