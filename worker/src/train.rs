@@ -208,32 +208,38 @@ impl Rank {
         }
     }
 
-    /// Gradient of one hidden-state batch for step `self.step + 1`, into this rank's slot.
-    pub fn compute(&mut self, view: &HiddenView) -> Result<StepStats> {
-        let started = std::time::Instant::now();
-        let wait_ms = started.duration_since(self.idle_since).as_secs_f64() * 1e3;
+    /// Each row's taps of a hidden-state batch, as the slot holds them (bf16), once its
+    /// capture is checked to be the drafter's (`what` names the batch in the error).
+    fn row_taps<'v>(&self, view: &'v HiddenView, what: &str) -> Result<Vec<&'v [u8]>> {
         let c = &self.drafter.cfg;
         let width = view.spec.tap_ids.len() * view.spec.hidden as usize;
         if view.spec.tap_ids.len() != c.n_taps || view.spec.hidden as usize != c.hidden {
             return Err(WorkerError::Invalid(format!(
-                "batch has {} taps × {}, the drafter expects {} × {}",
+                "{what} has {} taps × {}, the drafter expects {} × {}",
                 view.spec.tap_ids.len(),
                 view.spec.hidden,
                 c.n_taps,
                 c.hidden
             )));
         }
-        let tb = &view.tokens;
-        let seq = tb.seq_len as usize;
-        // Each row's taps, as the slot holds them (bf16).
-        let raw: Vec<&[u8]> = tb
+        let seq = view.tokens.seq_len as usize;
+        Ok(view
+            .tokens
             .lengths
             .iter()
             .enumerate()
             .map(|(r, &len)| {
                 &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2]
             })
-            .collect();
+            .collect())
+    }
+
+    /// Gradient of one hidden-state batch for step `self.step + 1`, into this rank's slot.
+    pub fn compute(&mut self, view: &HiddenView) -> Result<StepStats> {
+        let started = std::time::Instant::now();
+        let wait_ms = started.duration_since(self.idle_since).as_secs_f64() * 1e3;
+        let raw = self.row_taps(view, "batch")?;
+        let tb = &view.tokens;
         // Unnormalised gradients (denominator 1): the step divides by every rank's weight sum.
         // The device widens the bf16 taps itself, and keeps the gradient for the collective.
         let none = vec![Vec::new(); raw.len()];
@@ -266,28 +272,9 @@ impl Rank {
     /// may run while this rank holds the gradient of the next step.
     pub fn evaluate(&mut self, view: &HiddenView, index: u64) -> Result<StepStats> {
         let started = std::time::Instant::now();
-        let c = &self.drafter.cfg;
-        let width = view.spec.tap_ids.len() * view.spec.hidden as usize;
-        if view.spec.tap_ids.len() != c.n_taps || view.spec.hidden as usize != c.hidden {
-            return Err(WorkerError::Invalid(format!(
-                "eval batch has {} taps × {}, the drafter expects {} × {}",
-                view.spec.tap_ids.len(),
-                view.spec.hidden,
-                c.n_taps,
-                c.hidden
-            )));
-        }
+        let raw = self.row_taps(view, "eval batch")?;
         let mut tb = view.tokens.clone();
         tb.batch_id = index;
-        let seq = tb.seq_len as usize;
-        let raw: Vec<&[u8]> = tb
-            .lengths
-            .iter()
-            .enumerate()
-            .map(|(r, &len)| {
-                &view.hidden[r * seq * width * 2..(r * seq + len as usize) * width * 2]
-            })
-            .collect();
         let none = vec![Vec::new(); raw.len()];
         let (samples, anchors) = batch_samples(&self.drafter, &tb, &none, self.setup.seed);
         let mut stats = self
