@@ -113,12 +113,12 @@ pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
 }
 
 /// The GPU, if CUDA is there (a real driver, or the tests' emulated one).
-fn open_device() -> Result<Option<Box<dyn crate::gpu::Device>>, String> {
-    if crate::gpu::cuda::missing_library().is_some() {
+fn open_device() -> Result<Option<Box<dyn crate::device::Device>>, String> {
+    if crate::device::cuda::missing_library().is_some() {
         return Ok(None);
     }
     Ok(Some(Box::new(
-        crate::gpu::cuda::CudaDevice::open().map_err(|e| e.to_string())?,
+        crate::device::cuda::CudaDevice::open().map_err(|e| e.to_string())?,
     )))
 }
 
@@ -144,7 +144,7 @@ fn measure_device(
         return Ok(None);
     };
     let mut g =
-        crate::gpu::target::GpuTarget::new(dev, target, ids.len()).map_err(|e| e.to_string())?;
+        crate::device::target::GpuTarget::new(dev, target, ids.len()).map_err(|e| e.to_string())?;
     g.forward_taps(&ids[..ids.len().min(64)])
         .map_err(|e| e.to_string())?;
     let mut best = f64::INFINITY;
@@ -163,7 +163,7 @@ fn measure_device(
     // The drafter step and the optimizer, on a device of their own (as a drafter worker has).
     let dev = open_device()?.ok_or("the device went away")?;
     let mut gd =
-        crate::gpu::drafter::GpuDrafter::new(dev, dc.drafter, dc.frozen, dc.sample.ids.len())
+        crate::device::drafter::GpuDrafter::new(dev, dc.drafter, dc.frozen, dc.sample.ids.len())
             .map_err(|e| e.to_string())?;
     let n = dc.params.len();
     let zeros = vec![0f32; n];
@@ -220,7 +220,7 @@ fn measure_device(
 /// one-rank device copy elsewhere): (collective, reduction alone in ms, the step with the
 /// reduction overlapped in s, the overlap share). Best of three each.
 fn measure_reduction(
-    gd: &mut crate::gpu::drafter::GpuDrafter,
+    gd: &mut crate::device::drafter::GpuDrafter,
     dc: &DrafterCase,
 ) -> Result<(String, f64, f64, f64), String> {
     use crate::collective::{local::LocalCollective, nccl::NcclCollective, Collective, Formed};
@@ -238,9 +238,9 @@ fn measure_reduction(
     }
     let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
     let sync =
-        |gd: &mut crate::gpu::drafter::GpuDrafter| gd.device().sync().map_err(|e| e.to_string());
+        |gd: &mut crate::device::drafter::GpuDrafter| gd.device().sync().map_err(|e| e.to_string());
     let reduce = |coll: &mut Box<dyn Collective>,
-                  gd: &mut crate::gpu::drafter::GpuDrafter,
+                  gd: &mut crate::device::drafter::GpuDrafter,
                   step: u64|
      -> Result<(), String> {
         coll.contribute(step, 1.0, gd).map_err(e)?;
@@ -320,8 +320,8 @@ fn measure_shm_all_reduce(n: usize) -> Result<(f64, f64), String> {
 /// Device→host copy rate into a shared-memory mapping (a memfd mapped shared, as the
 /// pools are) pinned with `register_host`, against a plain page-aligned heap buffer
 /// pinned the same way: best of five copies of 64 MiB each (4 MiB on the host device).
-fn measure_copies(mut dev: Box<dyn crate::gpu::Device>) -> Result<(usize, f64, f64), String> {
-    use crate::gpu::{DSlice, Stream};
+fn measure_copies(mut dev: Box<dyn crate::device::Device>) -> Result<(usize, f64, f64), String> {
+    use crate::device::{DSlice, Stream};
     let bytes: usize = if dev.describe().starts_with("host device") {
         4 << 20
     } else {
@@ -351,7 +351,7 @@ fn measure_copies(mut dev: Box<dyn crate::gpu::Device>) -> Result<(usize, f64, f
     if plain.is_null() {
         return Err("out of host memory".into());
     }
-    let time = |dev: &mut Box<dyn crate::gpu::Device>, dst: *mut u8| -> Result<f64, String> {
+    let time = |dev: &mut Box<dyn crate::device::Device>, dst: *mut u8| -> Result<f64, String> {
         let mut best = f64::INFINITY;
         for _ in 0..5 {
             let t0 = Instant::now();
@@ -625,8 +625,8 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
 
     // The forward as a CPU target worker runs it: the device target on the CPU device, its
     // kernels and GEMMs timed by the device.
-    let mut worker = crate::gpu::target::GpuTarget::new(
-        Box::new(crate::gpu::cpu::CpuDevice::new()),
+    let mut worker = crate::device::target::GpuTarget::new(
+        Box::new(crate::device::cpu::CpuDevice::new()),
         &target,
         tokens,
     )
@@ -688,8 +688,8 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         mask: &mask,
     };
     // The step as a CPU drafter worker runs it: the device model on the CPU device.
-    let mut cpu_model = crate::gpu::drafter::GpuDrafter::new(
-        Box::new(crate::gpu::cpu::CpuDevice::new()),
+    let mut cpu_model = crate::device::drafter::GpuDrafter::new(
+        Box::new(crate::device::cpu::CpuDevice::new()),
         &drafter,
         &frozen,
         tokens,
@@ -743,7 +743,7 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
             Ok(Some(d)) => (Some(d), None),
             Ok(None) => (
                 None,
-                Some(crate::gpu::cuda::missing_library().unwrap_or_default()),
+                Some(crate::device::cuda::missing_library().unwrap_or_default()),
             ),
             Err(e) => (None, Some(format!("the device could not be measured: {e}"))),
         };
@@ -916,17 +916,17 @@ fn pattern(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 
 /// Device buffers of one micro-benchmark: allocated (zeroed) and optionally filled.
 struct Bufs<'a> {
-    dev: &'a mut dyn crate::gpu::Device,
+    dev: &'a mut dyn crate::device::Device,
     seed: u64,
 }
 
 impl Bufs<'_> {
-    fn zeros(&mut self, bytes: usize) -> Result<crate::gpu::DSlice, String> {
+    fn zeros(&mut self, bytes: usize) -> Result<crate::device::DSlice, String> {
         let ptr = self.dev.alloc(bytes.max(4)).map_err(|e| e.to_string())?;
-        Ok(crate::gpu::DSlice { ptr, bytes })
+        Ok(crate::device::DSlice { ptr, bytes })
     }
     /// `n` values, f32 or bf16.
-    fn random(&mut self, n: usize, bf16: bool, scale: f32) -> Result<crate::gpu::DSlice, String> {
+    fn random(&mut self, n: usize, bf16: bool, scale: f32) -> Result<crate::device::DSlice, String> {
         self.seed += 1;
         let v = pattern(n, self.seed, scale);
         let s = self.zeros(n * if bf16 { 2 } else { 4 })?;
@@ -935,17 +935,17 @@ impl Bufs<'_> {
                 .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
                 .collect()
         } else {
-            crate::gpu::f32_bytes(&v).to_vec()
+            crate::device::f32_bytes(&v).to_vec()
         };
         self.dev
-            .upload(crate::gpu::Stream::Compute, s, &bytes)
+            .upload(crate::device::Stream::Compute, s, &bytes)
             .map_err(|e| e.to_string())?;
         Ok(s)
     }
-    fn i32s(&mut self, v: &[i32]) -> Result<crate::gpu::DSlice, String> {
+    fn i32s(&mut self, v: &[i32]) -> Result<crate::device::DSlice, String> {
         let s = self.zeros(v.len() * 4)?;
         self.dev
-            .upload(crate::gpu::Stream::Compute, s, crate::gpu::i32_bytes(v))
+            .upload(crate::device::Stream::Compute, s, crate::device::i32_bytes(v))
             .map_err(|e| e.to_string())?;
         Ok(s)
     }
@@ -953,10 +953,10 @@ impl Bufs<'_> {
 
 /// Seconds per call of `f` on the device and the repetitions timed (see above).
 fn time_on_device(
-    ops: &mut crate::gpu::ops::Ops,
-    mut f: impl FnMut(&mut crate::gpu::ops::Ops) -> crate::gpu::Result<()>,
+    ops: &mut crate::device::ops::Ops,
+    mut f: impl FnMut(&mut crate::device::ops::Ops) -> crate::device::Result<()>,
 ) -> Result<(f64, usize), String> {
-    let e = |e: crate::gpu::GpuError| e.to_string();
+    let e = |e: crate::device::GpuError| e.to_string();
     f(ops).map_err(e)?;
     ops.dev.sync().map_err(e)?;
     let t0 = Instant::now();
@@ -1035,10 +1035,10 @@ fn span_keys(spans: &[i32]) -> f64 {
 /// The attention, the GEMM and the loss micro-benchmarks on one device.
 fn measure_kernels(
     p: &OpsShape,
-    dev: Box<dyn crate::gpu::Device>,
+    dev: Box<dyn crate::device::Device>,
     sink: &mut RowSink,
 ) -> Result<(), String> {
-    use crate::gpu::ops::Ops;
+    use crate::device::ops::Ops;
     let mut ops = Ops::new(dev);
     let (qh, kvh, hd, h) = (p.q_heads, p.kv_heads, p.head_dim, p.hidden);
     let (qd, kd) = (qh * hd, kvh * hd);
@@ -1257,17 +1257,17 @@ fn measure_kernels(
                 )
             };
             let neg_inf = vec![f32::NEG_INFINITY; n];
-            let fwd = |o: &mut Ops| -> crate::gpu::Result<()> {
+            let fwd = |o: &mut Ops| -> crate::device::Result<()> {
                 o.dev.upload(
-                    crate::gpu::Stream::Compute,
+                    crate::device::Stream::Compute,
                     rmax,
-                    crate::gpu::f32_bytes(&neg_inf),
+                    crate::device::f32_bytes(&neg_inf),
                 )?;
-                o.dev.memset_zero(crate::gpu::Stream::Compute, rsum)?;
+                o.dev.memset_zero(crate::device::Stream::Compute, rsum)?;
                 o.dev.upload(
-                    crate::gpu::Stream::Compute,
+                    crate::device::Stream::Compute,
                     bv,
-                    crate::gpu::f32_bytes(&neg_inf),
+                    crate::device::f32_bytes(&neg_inf),
                 )?;
                 for start in (0..v).step_by(cw) {
                     let (w, lm) = chunk(start);
@@ -1297,7 +1297,7 @@ fn measure_kernels(
                 "logits GEMM (bf16, f32 out) and the chunk's max/sum/argmax",
                 r,
             );
-            let bwd = |o: &mut Ops| -> crate::gpu::Result<()> {
+            let bwd = |o: &mut Ops| -> crate::device::Result<()> {
                 for start in (0..v).step_by(cw) {
                     let (w, lm) = chunk(start);
                     let l = logits.f32s(0..n * w);
@@ -1345,7 +1345,7 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
     let tmax = p.forward_tokens.iter().copied().max().unwrap_or(1);
     let dev = open_device()?.ok_or("no device")?;
     let mut g =
-        crate::gpu::target::GpuTarget::new(dev, &target, tmax).map_err(|e| e.to_string())?;
+        crate::device::target::GpuTarget::new(dev, &target, tmax).map_err(|e| e.to_string())?;
     let (h, qd, kd, inter) = (
         p.hidden,
         p.q_heads * p.head_dim,
@@ -1444,8 +1444,8 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
     let flops = drafter_step_flops(&dcfg, s, &anchors, supervised);
     let dev = open_device()?.ok_or("no device")?;
     let r = (|| -> Result<(f64, usize), String> {
-        let e = |e: crate::gpu::GpuError| e.to_string();
-        let mut gd = crate::gpu::drafter::GpuDrafter::new(dev, &drafter, &frozen, s).map_err(e)?;
+        let e = |e: crate::device::GpuError| e.to_string();
+        let mut gd = crate::device::drafter::GpuDrafter::new(dev, &drafter, &frozen, s).map_err(e)?;
         let zeros = vec![0f32; params.len()];
         gd.load(&params, &zeros, &zeros, 0).map_err(e)?;
         let sample = [Sample {
@@ -1454,7 +1454,7 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
             mask: &mask,
         }];
         let anchors = [anchors.clone()];
-        let step = |gd: &mut crate::gpu::drafter::GpuDrafter| -> Result<f64, String> {
+        let step = |gd: &mut crate::device::drafter::GpuDrafter| -> Result<f64, String> {
             let t0 = Instant::now();
             gd.train_batch_on_device(&sample, &anchors, 1.0)
                 .map_err(e)?;
@@ -1487,7 +1487,7 @@ pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
         Ok(None) => {
             return Err(format!(
                 "ops:{preset} measures ops on a GPU, and none can be used here: {}",
-                crate::gpu::cuda::missing_library().unwrap_or_default()
+                crate::device::cuda::missing_library().unwrap_or_default()
             ))
         }
         Err(e) => return Err(format!("ops:{preset}: opening the GPU: {e}")),

@@ -5,7 +5,7 @@
 
 use dflash_shared::exit_codes;
 
-use crate::gpu::GpuError;
+use crate::device::GpuError;
 use crate::model::ModelError;
 
 #[derive(Debug, thiserror::Error)]

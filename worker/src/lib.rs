@@ -18,7 +18,7 @@ pub mod collective;
 pub mod compute;
 pub mod error;
 pub mod export;
-pub mod gpu;
+pub mod device;
 mod identity;
 pub mod model;
 mod plane;

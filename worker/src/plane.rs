@@ -15,7 +15,7 @@ use dflash_shared::slots::SlotState;
 use dflash_shared::Role;
 
 use crate::busy::Busy;
-use crate::gpu::{self, target::GpuTarget, GpuError};
+use crate::device::{self, target::GpuTarget, GpuError};
 use crate::model::target::{Load, Target};
 use crate::train::Rank;
 
@@ -159,7 +159,7 @@ impl Plane {
                 let bad_model = |msg: String| LoadError { msg, permanent: true, model: true };
                 // The device first: a GPU reads the weights as bf16 straight from the
                 // checkpoint's mapping, the CPU device computes with an f32 copy.
-                let dev = match gpu::open_device(gpu) {
+                let dev = match device::open_device(gpu) {
                     Ok(d) => d,
                     Err(e @ GpuError::Unavailable(_)) => {
                         let _ = tx.send(Err(LoadError { msg: e.to_string(), permanent: true, model: false }));
@@ -177,7 +177,7 @@ impl Plane {
                     }
                     match dev {
                         // No GPU: the same device target, on the CPU device (f32).
-                        None => match GpuTarget::new(Box::new(gpu::cpu::CpuDevice::new()), &t, max_tokens) {
+                        None => match GpuTarget::new(Box::new(device::cpu::CpuDevice::new()), &t, max_tokens) {
                             Ok(g) => Ok(Box::new(g)),
                             Err(e) => Err(fail(format!("putting the target on the CPU device: {e}"))),
                         },
@@ -543,7 +543,7 @@ fn write_hidden_states_gpu(
     g: &mut GpuTarget,
     tokens: &TokenBatch,
     out: &mut [u8],
-) -> gpu::Result<()> {
+) -> device::Result<()> {
     let width = g.taps.len() * g.cfg.hidden_size;
     let seq = tokens.seq_len as usize;
     g.host_write(out.as_ptr(), out.len())?;

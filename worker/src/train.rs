@@ -16,8 +16,8 @@ use dflash_shared::drafter::CollectiveKind;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
 
-use crate::gpu::drafter::GpuDrafter;
-use crate::gpu::GpuError;
+use crate::device::drafter::GpuDrafter;
+use crate::device::GpuError;
 use crate::model::drafter::{batch_samples, AdamW, Drafter, Frozen};
 use crate::model::weights::Weights;
 
@@ -92,8 +92,8 @@ impl Rank {
             .map_err(WorkerError::io("mapping the state slot"))?;
         let n = drafter.layout.total;
         let frozen = Frozen { embed, lm_head };
-        let dev = match crate::gpu::open_device(gpu) {
-            Ok(None) => Box::new(crate::gpu::cpu::CpuDevice::new()),
+        let dev = match crate::device::open_device(gpu) {
+            Ok(None) => Box::new(crate::device::cpu::CpuDevice::new()),
             Ok(Some(dev)) => dev,
             Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
             Err(e) => return Err(WorkerError::device("opening the device")(e)),
@@ -198,7 +198,7 @@ impl Rank {
         Ok(())
     }
 
-    fn note_outcome(&mut self, o: crate::gpu::drafter::StepOutcome) -> Option<u64> {
+    fn note_outcome(&mut self, o: crate::device::drafter::StepOutcome) -> Option<u64> {
         if o.skipped {
             self.skipped_steps += 1;
             Some(o.step)

@@ -4,8 +4,8 @@
 //! runs these too.
 
 /// The device under test: the CPU device.
-fn device() -> Box<dyn dflash_worker::gpu::Device> {
-    Box::new(dflash_worker::gpu::cpu::CpuDevice::new())
+fn device() -> Box<dyn dflash_worker::device::Device> {
+    Box::new(dflash_worker::device::cpu::CpuDevice::new())
 }
 
 include!("parity/tests.rs");
@@ -14,9 +14,9 @@ include!("parity/tests.rs");
 /// arguments fails on its first argument, not on the kernel's name).
 #[test]
 fn cpu_device_has_every_kernel() {
-    use dflash_worker::gpu::{Device, GpuError, Stream};
-    let mut d = dflash_worker::gpu::cpu::CpuDevice::new();
-    let names = dflash_worker::gpu::nvrtc::kernel_names(dflash_worker::gpu::nvrtc::KERNELS_CU);
+    use dflash_worker::device::{Device, GpuError, Stream};
+    let mut d = dflash_worker::device::cpu::CpuDevice::new();
+    let names = dflash_worker::device::nvrtc::kernel_names(dflash_worker::device::nvrtc::KERNELS_CU);
     assert!(names.len() >= 20, "{names:?}");
     for k in names {
         let err = d.launch(Stream::Compute, &k, 1, 32, &[]).unwrap_err();
@@ -38,8 +38,8 @@ fn cpu_device_has_every_kernel() {
 /// CPU kernels take them as separate slices).
 #[test]
 fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
-    use dflash_worker::gpu::{Arg, DSlice, Device, GpuError, Stream};
-    let mut d = dflash_worker::gpu::cpu::CpuDevice::new();
+    use dflash_worker::device::{Arg, DSlice, Device, GpuError, Stream};
+    let mut d = dflash_worker::device::cpu::CpuDevice::new();
     let p = d.alloc(64 * 4).unwrap();
     let (x, y) = (
         DSlice {
@@ -85,7 +85,7 @@ fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
 fn eval_stats_are_the_training_forwards_on_the_same_batch_and_leave_the_gradient_alone() {
     use dflash_shared::drafter::DrafterConfig;
     use dflash_shared::rng::Rng;
-    use dflash_worker::gpu::drafter::GpuDrafter;
+    use dflash_worker::device::drafter::GpuDrafter;
     use dflash_worker::model::drafter::{Drafter, Frozen, Sample};
     let c = DrafterConfig {
         hidden: 32,
@@ -182,6 +182,6 @@ fn eval_stats_are_the_training_forwards_on_the_same_batch_and_leave_the_gradient
     assert_eq!(after, held, "the eval left the held gradient as it was");
     assert_eq!(
         gpu.params_hash().unwrap(),
-        dflash_worker::gpu::ops::params_hash(&p)
+        dflash_worker::device::ops::params_hash(&p)
     );
 }

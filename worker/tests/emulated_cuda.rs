@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Once;
 
-use dflash_worker::gpu::cuda::{cublas_dims, CudaDevice};
-use dflash_worker::gpu::{Arg, Device};
+use dflash_worker::device::cuda::{cublas_dims, CudaDevice};
+use dflash_worker::device::{Arg, Device};
 
 /// target/<profile>/ (this executable is target/<profile>/deps/emulated_cuda-HASH).
 fn target_dir() -> PathBuf {
@@ -37,7 +37,7 @@ fn emu_libs() -> (PathBuf, PathBuf) {
 }
 
 fn nvrtc_present() -> bool {
-    dflash_worker::gpu::nvrtc::load().is_ok()
+    dflash_worker::device::nvrtc::load().is_ok()
 }
 
 fn required() -> bool {
@@ -67,7 +67,7 @@ fn device() -> Box<dyn Device> {
             "NVRTC not found (pip install nvidia-cuda-nvrtc); .ci/run installs it"
         );
         eprintln!("NVRTC not found: this test runs on the host device instead of the emulated GPU");
-        return Box::new(dflash_worker::gpu::host::HostDevice::new());
+        return Box::new(dflash_worker::device::host::HostDevice::new());
     }
     Box::new(CudaDevice::open().unwrap_or_else(|e| panic!("opening the emulated GPU: {e}")))
 }
@@ -123,7 +123,7 @@ fn emulated_a_driver_older_than_nvrtc_runs_the_cubin() {
             for l in &dev.libraries {
                 println!("library: {l}");
             }
-            let mut o = dflash_worker::gpu::ops::Ops::new(Box::new(dev));
+            let mut o = dflash_worker::device::ops::Ops::new(Box::new(dev));
             let a = put(&mut o, &[1.0, 2.0, 3.0]);
             let b = put(&mut o, &[10.0, 20.0, 30.0]);
             o.add(b, a).unwrap();
@@ -231,17 +231,17 @@ fn emulated_arena_memory_is_usable_on_both_streams_at_once() {
         bytes: 4096,
     };
     let bytes: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
-    dev.upload(dflash_worker::gpu::Stream::Copy, buf, &bytes)
+    dev.upload(dflash_worker::device::Stream::Copy, buf, &bytes)
         .unwrap();
     let mut back = vec![0u8; 4096];
-    dev.download(dflash_worker::gpu::Stream::Copy, buf, &mut back)
+    dev.download(dflash_worker::device::Stream::Copy, buf, &mut back)
         .unwrap();
     assert_eq!(back, bytes);
     // Fresh memory is zeroed by alloc before anyone uses it (the driver's is NaN garbage).
     let q = dev.alloc(256).unwrap();
     let mut z = vec![1u8; 256];
     dev.download(
-        dflash_worker::gpu::Stream::Copy,
+        dflash_worker::device::Stream::Copy,
         DSlice { ptr: q, bytes: 256 },
         &mut z,
     )
@@ -265,9 +265,9 @@ fn emulated_gemms_on_both_streams_use_a_handle_each() {
             bytes: v.len() * 4,
         };
         dev.upload(
-            dflash_worker::gpu::Stream::Compute,
+            dflash_worker::device::Stream::Compute,
             s,
-            dflash_worker::gpu::f32_bytes(v),
+            dflash_worker::device::f32_bytes(v),
         )
         .unwrap();
         s
@@ -295,18 +295,18 @@ fn emulated_gemms_on_both_streams_use_a_handle_each() {
         bf16_output: false,
     };
     dev.sync().unwrap();
-    dev.gemm(dflash_worker::gpu::Stream::Compute, &g(c1))
+    dev.gemm(dflash_worker::device::Stream::Compute, &g(c1))
         .unwrap();
-    dev.gemm(dflash_worker::gpu::Stream::Copy, &g(c2)).unwrap();
-    dev.gemm(dflash_worker::gpu::Stream::Compute, &g(c1))
+    dev.gemm(dflash_worker::device::Stream::Copy, &g(c2)).unwrap();
+    dev.gemm(dflash_worker::device::Stream::Compute, &g(c1))
         .unwrap();
     dev.sync().unwrap();
     for c in [c1, c2] {
         let mut v = vec![0f32; 4];
         dev.download(
-            dflash_worker::gpu::Stream::Compute,
+            dflash_worker::device::Stream::Compute,
             c,
-            dflash_worker::gpu::f32_bytes_mut(&mut v),
+            dflash_worker::device::f32_bytes_mut(&mut v),
         )
         .unwrap();
         assert_eq!(v, vec![1.0, 2.0, 3.0, 4.0], "A·I = A");
@@ -331,14 +331,14 @@ fn emulated_a_failed_kernel_is_an_error_of_its_event_not_a_wait() {
                 bytes: 256,
             };
             dev.launch(
-                dflash_worker::gpu::Stream::Compute,
+                dflash_worker::device::Stream::Compute,
                 "add_inplace",
                 1,
                 64,
                 &[Arg::RW(ok), Arg::R(bad), Arg::I64(64)],
             )
             .unwrap();
-            let e = dev.record(dflash_worker::gpu::Stream::Compute).unwrap();
+            let e = dev.record(dflash_worker::device::Stream::Compute).unwrap();
             // Polled as a worker's loop polls an all-reduce: an error within a bounded number of
             // polls, never "not done yet" forever.
             let mut outcome = None;

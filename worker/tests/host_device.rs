@@ -5,14 +5,14 @@
 //! whole target forward. `cargo test -p dflash-worker host_device` runs them all; none
 //! skips.
 
-use dflash_worker::gpu::host::HostDevice;
+use dflash_worker::device::host::HostDevice;
 
 /// The device under test: the host device, or with `DFLASH_TEST_DEVICE=cuda` the GPU
 /// (scripts/gpu_check.sh runs this same binary that way on a GPU machine).
-fn device() -> Box<dyn dflash_worker::gpu::Device> {
+fn device() -> Box<dyn dflash_worker::device::Device> {
     match std::env::var("DFLASH_TEST_DEVICE").as_deref() {
         Ok("cuda") => {
-            Box::new(dflash_worker::gpu::cuda::CudaDevice::open().expect("opening the GPU"))
+            Box::new(dflash_worker::device::cuda::CudaDevice::open().expect("opening the GPU"))
         }
         _ => Box::new(HostDevice::new()),
     }
@@ -110,14 +110,14 @@ fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
             "add_inplace",
             1,
             32,
-            &[dflash_worker::gpu::Arg::RW(a)],
+            &[dflash_worker::device::Arg::RW(a)],
         )
         .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("takes 3 arguments")));
     let args = [
-        dflash_worker::gpu::Arg::RW(a),
-        dflash_worker::gpu::Arg::R(a),
-        dflash_worker::gpu::Arg::I64(8),
+        dflash_worker::device::Arg::RW(a),
+        dflash_worker::device::Arg::R(a),
+        dflash_worker::device::Arg::I64(8),
     ];
     let err = o
         .dev
@@ -126,9 +126,9 @@ fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("multiple of 32")));
     // `long n` given as a 4-byte integer: fine on the host by luck, garbage on a GPU.
     let narrow = [
-        dflash_worker::gpu::Arg::RW(a),
-        dflash_worker::gpu::Arg::R(a),
-        dflash_worker::gpu::Arg::I32(8),
+        dflash_worker::device::Arg::RW(a),
+        dflash_worker::device::Arg::R(a),
+        dflash_worker::device::Arg::I32(8),
     ];
     let err = o
         .dev
@@ -136,8 +136,8 @@ fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
         .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("parameter 2 is of kind 'l'")));
     // Every kernel of kernels.cu is in the host device's table.
-    let table = dflash_worker::gpu::host::kernel_table();
-    for k in dflash_worker::gpu::nvrtc::kernel_names(dflash_worker::gpu::nvrtc::KERNELS_CU) {
+    let table = dflash_worker::device::host::kernel_table();
+    for k in dflash_worker::device::nvrtc::kernel_names(dflash_worker::device::nvrtc::KERNELS_CU) {
         assert!(table.contains_key(&k), "{k} missing from the host device");
     }
     assert!(table.len() >= 16, "{table:?}");
@@ -145,7 +145,7 @@ fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
 
 #[test]
 fn host_device_a_model_that_does_not_fit_is_a_permanent_failure_with_the_figures() {
-    use dflash_worker::gpu::target::GpuTarget;
+    use dflash_worker::device::target::GpuTarget;
     use dflash_worker::model::target::Target;
     let tmp = tempfile::tempdir().unwrap();
     dflash_worker::model::tiny::write_random(tmp.path(), QWEN3, 21).unwrap();

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use dflash_worker::gpu::nvrtc;
+use dflash_worker::device::nvrtc;
 
 fn find_nvrtc() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("DFLASH_NVRTC_LIB") {

@@ -423,8 +423,8 @@ fn rewrite_as_f32(dir: &Path) {
 /// checkpoint. On the host device, whose ordering checks cover the staging buffer's reuse.
 #[test]
 fn a_device_target_reads_its_weights_from_the_checkpoint_mapping_without_an_f32_copy() {
-    use dflash_worker::gpu::host::HostDevice;
-    use dflash_worker::gpu::target::GpuTarget;
+    use dflash_worker::device::host::HostDevice;
+    use dflash_worker::device::target::GpuTarget;
     use dflash_worker::model::target::Load;
     for f32_checkpoint in [false, true] {
         let tmp = tempfile::tempdir().unwrap();

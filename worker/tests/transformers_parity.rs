@@ -129,8 +129,8 @@ fn check(name: &str, base: &str, rope: &str) {
         "{name}: taps differ from transformers' hidden_states by {err:.2e} of their scale"
     );
     // What a CPU target worker computes: the device target on the CPU device.
-    let mut worker = dflash_worker::gpu::target::GpuTarget::new(
-        Box::new(dflash_worker::gpu::cpu::CpuDevice::new()),
+    let mut worker = dflash_worker::device::target::GpuTarget::new(
+        Box::new(dflash_worker::device::cpu::CpuDevice::new()),
         &target,
         tokens.len(),
     )

@@ -7,9 +7,9 @@ use dflash_shared::drafter::CollectiveKind;
 
 use super::{Collective, Formed, Reduced};
 use crate::error::{Result, WorkerError};
-use crate::gpu::drafter::{GpuDrafter, StepOutcome};
-use crate::gpu::ops::AdamHyper;
-use crate::gpu::Event;
+use crate::device::drafter::{GpuDrafter, StepOutcome};
+use crate::device::ops::AdamHyper;
+use crate::device::Event;
 
 pub struct LocalCollective {
     rank: u32,

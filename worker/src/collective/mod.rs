@@ -29,8 +29,8 @@ pub mod shm;
 use dflash_shared::drafter::CollectiveKind;
 
 use crate::error::Result;
-use crate::gpu::drafter::{GpuDrafter, StepOutcome};
-use crate::gpu::ops::AdamHyper;
+use crate::device::drafter::{GpuDrafter, StepOutcome};
+use crate::device::ops::AdamHyper;
 
 /// What forming an epoch asks of the supervisor.
 #[derive(Debug, Clone, PartialEq, Eq)]

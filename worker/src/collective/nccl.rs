@@ -4,7 +4,7 @@
 //! while the backward of the first ones does, as DDP overlaps them), and the optimizer
 //! behind the last bucket's reduction: ordered by events, with no host sync.
 //!
-//! NCCL is loaded at run time as every CUDA library is ([`crate::gpu::libs`]): from the
+//! NCCL is loaded at run time as every CUDA library is ([`crate::device::libs`]): from the
 //! first of `DFLASH_NCCL_LIB`, the loader's path (`libnccl.so.2`, `libnccl.so`), and the
 //! `nvidia/nccl/lib` directory of the Python installations on the machine (PyPI's
 //! `nvidia-nccl-cu13`, which PyTorch installs too). cudarc's own NCCL loader only tries names like `libnccl.so` and
@@ -30,10 +30,10 @@ use dflash_shared::drafter::CollectiveKind;
 
 use super::{Collective, Formed, Reduced};
 use crate::error::{Result, WorkerError};
-use crate::gpu::drafter::{GpuDrafter, StepOutcome};
-use crate::gpu::libs::{self, CudaLib};
-use crate::gpu::ops::AdamHyper;
-use crate::gpu::{DSlice, Event, Stream};
+use crate::device::drafter::{GpuDrafter, StepOutcome};
+use crate::device::libs::{self, CudaLib};
+use crate::device::ops::AdamHyper;
+use crate::device::{DSlice, Event, Stream};
 
 type Comm = *mut c_void;
 const ID_BYTES: usize = 128;
@@ -109,7 +109,7 @@ pub struct Lib {
     get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
 }
 
-/// Load NCCL (once per process), as every CUDA library is found ([`crate::gpu::libs`]),
+/// Load NCCL (once per process), as every CUDA library is found ([`crate::device::libs`]),
 /// or say which paths were tried.
 pub fn load() -> std::result::Result<&'static Lib, String> {
     static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
@@ -185,7 +185,7 @@ impl Lib {
             .into_owned();
         Err(WorkerError::Device {
             what: what.into(),
-            source: crate::gpu::GpuError::Failed(format!("NCCL error {r}: {msg}")),
+            source: crate::device::GpuError::Failed(format!("NCCL error {r}: {msg}")),
         })
     }
 
@@ -407,7 +407,7 @@ impl NcclCollective {
         if let Some(init) = self.lib.comm_init_rank_config {
             ctx.bind_to_thread().map_err(|e| WorkerError::Device {
                 what: "binding the CUDA context for ncclCommInitRankConfig".into(),
-                source: crate::gpu::GpuError::Failed(format!("{e:?}")),
+                source: crate::device::GpuError::Failed(format!("{e:?}")),
             })?;
             let mut comm: Comm = std::ptr::null_mut();
             let config = Config::non_blocking();
@@ -620,7 +620,7 @@ impl Collective for NcclCollective {
                         Ok(())
                     } else {
                         refused.set(rc);
-                        Err(crate::gpu::GpuError::Failed(format!(
+                        Err(crate::device::GpuError::Failed(format!(
                             "ncclAllReduce of a gradient bucket: NCCL error {rc}"
                         )))
                     }

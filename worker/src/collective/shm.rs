@@ -22,8 +22,8 @@ use dflash_shared::pool::PoolMap;
 
 use super::{pack, Collective, Formed, Reduced};
 use crate::error::{Result, WorkerError};
-use crate::gpu::drafter::{GpuDrafter, StepOutcome};
-use crate::gpu::ops::AdamHyper;
+use crate::device::drafter::{GpuDrafter, StepOutcome};
+use crate::device::ops::AdamHyper;
 use crate::model::drafter::reduce_slots;
 
 pub struct ShmCollective {

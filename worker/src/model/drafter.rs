@@ -8,7 +8,7 @@
 //!
 //! This is the reference implementation, on host slices, checked against candle autograd
 //! and finite differences (`tests/drafter.rs`). Workers train with the device model
-//! ([`crate::gpu::drafter::GpuDrafter`]) on their GPU or on the CPU device, which the
+//! ([`crate::device::drafter::GpuDrafter`]) on their GPU or on the CPU device, which the
 //! parity tests check against this one.
 
 use dflash_shared::drafter::{DrafterConfig, ParamLayout, StepStats};
@@ -925,8 +925,8 @@ impl AdamW {
         }
     }
 
-    pub fn hyper(&self) -> crate::gpu::ops::AdamHyper {
-        crate::gpu::ops::AdamHyper {
+    pub fn hyper(&self) -> crate::device::ops::AdamHyper {
+        crate::device::ops::AdamHyper {
             beta1: self.beta1,
             beta2: self.beta2,
             eps: self.eps,

@@ -5,8 +5,8 @@
 use dflash_shared::rng::Rng;
 use dflash_worker::compute::cpu::Cpu;
 use dflash_worker::compute::{Backend, Heads, KeySpan};
-use dflash_worker::gpu::ops::Ops;
-use dflash_worker::gpu::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
+use dflash_worker::device::ops::Ops;
+use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
 
 fn rand_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale).collect()
@@ -517,7 +517,7 @@ fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
     };
     let flag = put_i32(&mut o, &[0]);
     let t = put_i32(&mut o, &[0]);
-    let partials = put(&mut o, &vec![0.0; 2 * dflash_worker::gpu::ops::SUMSQ_BLOCKS]);
+    let partials = put(&mut o, &vec![0.0; 2 * dflash_worker::device::ops::SUMSQ_BLOCKS]);
     let mut cpu_p = p0.clone();
     let mut opt = AdamW::new(n);
     let clip = 1.0f64;
@@ -574,7 +574,7 @@ const LLAMA: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama
 #[test]
 fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
     let _checks = all_checks();
-    use dflash_worker::gpu::target::GpuTarget;
+    use dflash_worker::device::target::GpuTarget;
     use dflash_worker::model::target::Target;
     for (name, cfg, taps) in [("qwen3", QWEN3, vec![0usize, 2, 3]), ("llama", LLAMA, vec![1usize, 2])] {
         let tmp = tempfile::tempdir().unwrap();
@@ -607,7 +607,7 @@ fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
 fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let _checks = all_checks();
     use dflash_shared::drafter::DrafterConfig;
-    use dflash_worker::gpu::drafter::GpuDrafter;
+    use dflash_worker::device::drafter::GpuDrafter;
     use dflash_worker::model::drafter::{Drafter, Frozen, Sample};
     // Vocabulary over one 4096-column chunk, heads of 40 (lanes partly idle), GQA.
     let c = DrafterConfig {
@@ -694,7 +694,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     // The optimizer on the device: three steps, the second with a NaN in its gradient,
     // against the CPU's clip and AdamW on the same gradients. The device reports each
     // step's outcome a step later (the last one when drained).
-    use dflash_worker::gpu::ops::params_hash;
+    use dflash_worker::device::ops::params_hash;
     use dflash_worker::model::drafter::{grad_norm, AdamW};
     assert_eq!(gpu.params_hash().unwrap(), params_hash(&p), "the device's checksum of the weights is the host's");
     let (mut cpu_p, mut opt) = (p.clone(), AdamW::new(p.len()));
@@ -755,8 +755,8 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
 fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     let _checks = all_checks();
     use dflash_shared::drafter::DrafterConfig;
-    use dflash_worker::gpu::drafter::GpuDrafter;
-    use dflash_worker::gpu::{f32_bytes, Stream};
+    use dflash_worker::device::drafter::GpuDrafter;
+    use dflash_worker::device::{f32_bytes, Stream};
     use dflash_worker::model::drafter::{reduce_slots, AdamW, Drafter, Frozen, Sample};
     let c = DrafterConfig {
         hidden: 32,
@@ -876,7 +876,7 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     if !device().is_cpu() && !on_gpu() {
         dev.train_batch_bf16_on_device(&two, &raw2, &anchors2, 1.0).unwrap();
         let (gr, red) = dev.reduce_buffers();
-        let copy = dflash_worker::gpu::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha: 1.0, a: gr, lda: n, b: gr.f32s(0..1), ldb: 1, beta: 0.0, c: red, ldc: n, bf16_inputs: false, bf16_output: false };
+        let copy = dflash_worker::device::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha: 1.0, a: gr, lda: n, b: gr.f32s(0..1), ldb: 1, beta: 0.0, c: red, ldc: n, bf16_inputs: false, bf16_output: false };
         let err = dev.device().gemm(Stream::Copy, &copy).and_then(|_| dev.device().sync()).unwrap_err().to_string();
         assert!(err.contains("race") || err.contains("not ordered") || err.contains("written"), "{err}");
     }

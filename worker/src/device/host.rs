@@ -1,5 +1,5 @@
 //! The host device: the [`Device`] layer on the CPU, for CI and tests (see the module
-//! docs of [`crate::gpu`]).
+//! docs of [`crate::device`]).
 //!
 //! - Memory is host memory; a device address is a host address.
 //! - Kernels are `cuda/kernels.cu` compiled as C++ (build.rs) and launched through
