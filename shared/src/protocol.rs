@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
-pub const PROTOCOL_VERSION: u32 = 9;
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// Worker → supervisor.
 #[derive(Debug, Serialize, Deserialize)]
@@ -87,6 +87,36 @@ pub enum FromWorker {
     /// (host-side figures: reading them adds no GPU sync). Sent with heartbeats by
     /// workers that compute on a device.
     DeviceMemory(DeviceMemory),
+    /// The worker is about to exit on an error (its last message): what kind of failure,
+    /// and the one line that says why. A permanent kind is not restarted.
+    Fatal { kind: FatalKind, message: String },
+}
+
+/// Why a worker ends on an error (see [`FromWorker::Fatal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FatalKind {
+    /// It cannot compute on its device (no usable GPU, a CUDA library missing or too old,
+    /// a model that does not fit): permanent, every restart would fail the same way.
+    Device,
+    /// The target model directory is unusable: permanent.
+    Model,
+    /// Any other error (a crash to restart, within the restart budget).
+    Crash,
+}
+
+impl FatalKind {
+    /// Restarting cannot help.
+    pub fn permanent(self) -> bool {
+        matches!(self, FatalKind::Device | FatalKind::Model)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FatalKind::Device => "device",
+            FatalKind::Model => "model",
+            FatalKind::Crash => "crash",
+        }
+    }
 }
 
 impl FromWorker {
@@ -107,6 +137,7 @@ impl FromWorker {
             FromWorker::Checkpointed { .. } => "Checkpointed",
             FromWorker::CheckpointFailed { .. } => "CheckpointFailed",
             FromWorker::DeviceMemory(_) => "DeviceMemory",
+            FromWorker::Fatal { .. } => "Fatal",
         }
     }
 }

@@ -106,6 +106,21 @@ impl WorkerError {
         }
     }
 
+    /// What the supervisor is told this failure is ([`dflash_shared::protocol::FromWorker::Fatal`]).
+    pub fn fatal_kind(&self) -> dflash_shared::protocol::FatalKind {
+        use dflash_shared::protocol::FatalKind;
+        match self.root() {
+            WorkerError::Permanent(_) => FatalKind::Device,
+            WorkerError::BadModel(_) | WorkerError::Model(_) => FatalKind::Model,
+            _ => FatalKind::Crash,
+        }
+    }
+
+    /// The reason in a [`line`](Self::line): what follows its "error: ".
+    pub fn reason_in(line: &str) -> &str {
+        line.split_once("error: ").map_or(line, |(_, r)| r)
+    }
+
     /// The line a worker prints before it exits with [`exit_code`](Self::exit_code); a
     /// permanent one is marked so, which the supervisor looks for.
     pub fn line(&self, name: &str, gpu: &str) -> String {

@@ -18,6 +18,7 @@ pub mod collective;
 pub mod compute;
 pub mod error;
 pub mod export;
+mod fatal;
 pub mod device;
 mod identity;
 pub mod model;
@@ -209,7 +210,9 @@ fn serve(control: Option<String>) -> i32 {
         // The one place a failure becomes an exit code (error.rs): permanent ones are marked
         // so in the line the supervisor reads.
         Err(e) => {
-            eprintln!("{}", e.line(&id.name.to_string(), &id.gpu));
+            let line = e.line(&id.name.to_string(), &id.gpu);
+            fatal::report(e.fatal_kind(), error::WorkerError::reason_in(&line));
+            eprintln!("{line}");
             e.exit_code()
         }
     }
@@ -232,10 +235,10 @@ fn missing_symbol_is_permanent(name: &str, gpu: &str) {
             .unwrap_or("");
         if let Some(what) = msg.strip_prefix("Missing symbol ") {
             let why = format!("the installed CUDA library lacks a function this build calls ({what}); it needs an NVIDIA driver and CUDA libraries for CUDA 13.0 or newer");
-            let _ = std::io::Write::write_fmt(
-                &mut std::io::stderr().lock(),
-                format_args!("{}\n", error::WorkerError::Permanent(why).line(&name, &gpu)),
-            );
+            let e = error::WorkerError::Permanent(why);
+            let line = e.line(&name, &gpu);
+            fatal::report(e.fatal_kind(), error::WorkerError::reason_in(&line));
+            let _ = std::io::Write::write_fmt(&mut std::io::stderr().lock(), format_args!("{line}\n"));
             std::process::exit(exit_codes::WORKER_PERMANENT);
         }
         default(info);

@@ -55,6 +55,8 @@ pub fn run(control: &str, id: &Identity) -> Result<i32> {
     let name = id.name.to_string();
     let (up, down) = connect(control, &name, id.restart_count)
         .map_err(WorkerError::format("connecting to the supervisor"))?;
+    // From here a failure that ends the worker reaches the supervisor as a typed message.
+    crate::fatal::register(&up);
     println!(
         "dflash-worker {name} (pid {}) on device {}, restart {}: connected",
         std::process::id(),

@@ -7,7 +7,7 @@ use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::Instant;
 
-use dflash_shared::protocol::ToWorker;
+use dflash_shared::protocol::{FatalKind, ToWorker};
 use ipc_channel::ipc::IpcSender;
 
 use super::launcher::Process;
@@ -43,6 +43,8 @@ pub(super) struct Life {
     /// The unit of work its compute loop is in, as its last heartbeat said (boxed: most
     /// lives are between units most of the time).
     pub in_work: Option<Box<super::steps::InWork>>,
+    /// What the worker said, in its last message, when it ends on an error.
+    pub fatal: Option<(FatalKind, String)>,
     pub state: LifeState,
 }
 

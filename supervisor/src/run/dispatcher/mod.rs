@@ -605,6 +605,11 @@ impl Dispatcher {
                 self.pipeline.health.device_memory(&name.to_string(), m);
                 Ok(())
             }
+            FromWorker::Fatal { kind, message } => {
+                log::info!("{name} is ending on a {} failure: {message}", kind.as_str());
+                l.fatal = Some((kind, message));
+                Ok(())
+            }
             FromWorker::Commit {
                 output,
                 len,
@@ -834,13 +839,19 @@ impl Dispatcher {
         self.run.event(
             "exit",
             obj(json!({"worker": name, "pid": l.pid, "status": desc, "code": code, "signal": sig_name,
-                       "uptime_s": uptime.as_secs_f64(), "killed_for": killed_for})),
+                       "uptime_s": uptime.as_secs_f64(), "killed_for": killed_for,
+                       "fatal": l.fatal.as_ref().map(|(kind, _)| kind.as_str())})),
         );
         self.dirty = true;
-        if matches!(self.phase, Phase::Running)
-            && code == Some(dflash_shared::exit_codes::WORKER_PERMANENT)
-        {
-            self.on_permanent_failure(worker, l.pid);
+        // The worker's own word decides (its Fatal message); without one (it failed
+        // before it connected), its exit code.
+        let permanent = match &l.fatal {
+            Some((kind, _)) => kind.permanent(),
+            None => code == Some(dflash_shared::exit_codes::WORKER_PERMANENT),
+        };
+        if matches!(self.phase, Phase::Running) && permanent {
+            let reason = l.fatal.as_ref().map(|(_, m)| m.clone());
+            self.on_permanent_failure(worker, l.pid, reason);
         } else if matches!(self.phase, Phase::Running) {
             log::warn!(
                 "{name} (pid {}) {desc}{why} after {:.1}s",
@@ -873,29 +884,12 @@ impl Dispatcher {
     }
 
     /// The worker exited saying it can never work here (e.g. no usable GPU): restarting
-    /// would only spend the budget. Stop the run with its own one-line reason.
-    fn on_permanent_failure(&mut self, worker: usize, pid: u32) {
+    /// would only spend the budget. Stop the run with its own one-line reason (`reason`,
+    /// from its Fatal message; a worker that failed before it connected sent none).
+    fn on_permanent_failure(&mut self, worker: usize, pid: u32, reason: Option<String>) {
         let w = &mut self.workers[worker];
         w.status = Status::Failed;
-        // Its reason is its last "error:" line; the log pump may still be writing it.
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let reason = loop {
-            // The worker marks that line (an older "error:" line may be a previous life's).
-            let found = w
-                .log
-                .tail(20)
-                .into_iter()
-                .rev()
-                .find(|l| l.contains("(permanent, do not restart)"))
-                .and_then(|l| l.split_once("error: ").map(|(_, r)| r.to_string()));
-            match found {
-                Some(r) => break r,
-                None if Instant::now() >= deadline => {
-                    break format!("see {}", w.log_path.display())
-                }
-                None => std::thread::sleep(Duration::from_millis(10)),
-            }
-        };
+        let reason = reason.unwrap_or_else(|| format!("see {}", w.log_path.display()));
         let name = w.name.to_string();
         self.run.event("give_up", obj(json!({"worker": name, "pid": pid, "restarts": w.restarts, "permanent": true, "last_exit": reason})));
         let device = match w.device {
@@ -1145,6 +1139,7 @@ fn variant(m: &FromWorker) -> &'static str {
         FromWorker::GroupId { .. } => "GroupId",
         FromWorker::CheckpointFailed { .. } => "CheckpointFailed",
         FromWorker::Checkpointed { .. } => "Checkpointed",
+        FromWorker::Fatal { .. } => "Fatal",
     }
 }
 

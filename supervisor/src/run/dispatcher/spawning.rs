@@ -67,6 +67,7 @@ impl Dispatcher {
             server_name: launched.server_name,
             last_beat: self.now,
             in_work: None,
+            fatal: None,
             state: LifeState::Starting,
         });
         Ok(())

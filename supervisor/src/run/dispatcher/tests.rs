@@ -1161,3 +1161,57 @@ fn a_heartbeat_that_says_the_step_ended_stops_its_clock() {
     h.tick(45_000);
     assert!(h.signals(pid).is_empty(), "an idle worker is no slow step");
 }
+
+#[test]
+fn a_workers_fatal_message_decides_whether_it_is_restarted_and_gives_the_reason() {
+    use dflash_shared::protocol::FatalKind;
+    // A crash the worker reports as such is restarted, whatever its exit code.
+    let mut h = harness(&["--gpus", "cpu:2"]);
+    let _rx = h.connect(TARGET, 0);
+    let life = h.life(TARGET).unwrap();
+    let crash = FromWorker::Fatal {
+        kind: FatalKind::Crash,
+        message: "a batch slot was torn".into(),
+    };
+    h.message(TARGET, life, crash, 5);
+    h.exit(TARGET, exit_code(dflash_shared::exit_codes::WORKER_PERMANENT), 10);
+    h.tick(1100);
+    assert_eq!(h.launches(TARGET), 2, "a crash is restarted");
+    assert!(matches!(h.d.phase, Phase::Running));
+    assert_eq!(h.events("exit")[0]["fatal"], "crash");
+    // A permanent one stops the run at once with the worker's own line, exit code aside.
+    let _rx = h.connect(TARGET, 1200);
+    let life = h.life(TARGET).unwrap();
+    let device = FromWorker::Fatal {
+        kind: FatalKind::Device,
+        message: "cannot compute on device 0: libcuda.so.1 not found".into(),
+    };
+    h.message(TARGET, life, device, 1205);
+    h.exit(TARGET, exit_code(1), 1210);
+    assert_eq!(h.status(TARGET), "failed");
+    assert_eq!(h.launches(TARGET), 2, "a permanent failure is not restarted");
+    let Some(StopReason::TrainingFailed(msg)) = &h.d.stop_reason else {
+        panic!("the run did not stop")
+    };
+    assert_eq!(
+        msg,
+        "target-0 cannot run on its CPU and was not restarted: cannot compute on device 0: libcuda.so.1 not found"
+    );
+    let give_up = h.events("give_up");
+    assert_eq!(give_up[0]["last_exit"], "cannot compute on device 0: libcuda.so.1 not found");
+}
+
+#[test]
+fn a_permanent_exit_code_without_a_fatal_message_stops_the_run_naming_the_log() {
+    let mut h = harness(&["--gpus", "cpu:2"]);
+    h.exit(TARGET, exit_code(dflash_shared::exit_codes::WORKER_PERMANENT), 10);
+    assert_eq!(h.status(TARGET), "failed");
+    let Some(StopReason::TrainingFailed(msg)) = &h.d.stop_reason else {
+        panic!("the run did not stop")
+    };
+    assert!(
+        msg.starts_with("target-0 cannot run on its CPU and was not restarted: see ")
+            && msg.ends_with("target-0.log"),
+        "{msg}"
+    );
+}
