@@ -206,11 +206,11 @@ pub struct TrainSetup {
     pub seed: u64,
     /// Gradient buffers of the shared-memory collective: pool fd and geometry (slot
     /// `2r + step % 2` belongs to rank r; see [`GRAD_SLOT_HEADER`]).
-    pub grads: crate::protocol::PoolInfo,
+    pub grads: crate::pool::PoolInfo,
     /// How the ranks exchange gradients.
     pub collective: CollectiveKind,
     /// One slot holding a rank's full state (parameters, Adam moments, step) for a joiner.
-    pub state: crate::protocol::PoolInfo,
+    pub state: crate::pool::PoolInfo,
     /// This rank's index (its two gradient slots are `2·rank` and `2·rank + 1`).
     pub rank: u32,
     /// With `Init::FromCheckpoint`: the checkpoint directory.

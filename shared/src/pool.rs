@@ -49,6 +49,41 @@ use serde::{Deserialize, Serialize};
 
 use crate::slots::SlotState;
 
+/// Which pool a slot belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PoolId {
+    /// Token batches: loader → targets.
+    Tokens,
+    /// Hidden-state batches: targets → drafters.
+    Hidden,
+}
+
+/// In words, for logs: "token" or "hidden-state" (as in "the token pool").
+impl std::fmt::Display for PoolId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PoolId::Tokens => "token",
+            PoolId::Hidden => "hidden-state",
+        })
+    }
+}
+
+/// One slot under one generation, as granted by the supervisor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlotRef {
+    pub pool: PoolId,
+    pub slot: u32,
+    pub gen: u64,
+}
+
+/// A pool the worker inherited at spawn: map `fd` once with this geometry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolInfo {
+    pub id: PoolId,
+    pub fd: i32,
+    pub geometry: PoolGeometry,
+}
+
 const PAGE: u64 = 4096;
 
 fn round_up(n: u64, to: u64) -> u64 {

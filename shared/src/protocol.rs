@@ -9,6 +9,8 @@
 use ipc_channel::ipc::IpcSender;
 use serde::{Deserialize, Serialize};
 
+pub use crate::pool::{PoolId, PoolInfo, SlotRef};
+
 /// Bumped on every incompatible change to the messages below. A worker speaking another
 /// version is refused with a clear error instead of being restarted forever.
 pub const PROTOCOL_VERSION: u32 = 10;
@@ -214,41 +216,6 @@ pub struct DeviceMemory {
     /// The device's free and total memory (`cuMemGetInfo`).
     pub free: u64,
     pub total: u64,
-}
-
-/// Which pool a slot belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub enum PoolId {
-    /// Token batches: loader → targets.
-    Tokens,
-    /// Hidden-state batches: targets → drafters.
-    Hidden,
-}
-
-/// In words, for logs: "token" or "hidden-state" (as in "the token pool").
-impl std::fmt::Display for PoolId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            PoolId::Tokens => "token",
-            PoolId::Hidden => "hidden-state",
-        })
-    }
-}
-
-/// One slot under one generation, as granted by the supervisor.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SlotRef {
-    pub pool: PoolId,
-    pub slot: u32,
-    pub gen: u64,
-}
-
-/// A pool the worker inherited at spawn: map `fd` once with this geometry.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PoolInfo {
-    pub id: PoolId,
-    pub fd: i32,
-    pub geometry: crate::pool::PoolGeometry,
 }
 
 #[derive(Debug, Serialize, Deserialize)]

@@ -1,13 +1,12 @@
-//! No module of the supervisor depends on itself through others: each event source owns
-//! its event type, and the dispatcher wraps them (issue 11). One node per module file (a
-//! module whose impl is split over child files, `run::dispatcher`, is one node); an edge
-//! for every `crate::a::b` path outside `#[cfg(test)]`, resolved to the longest module
-//! that exists. `scripts/module_cycles.py` does the same from a shell.
+//! No module of the supervisor, the worker or the shared crate depends on itself through
+//! others: each event source owns its event type, and the dispatcher wraps them (issue 11);
+//! shared math sits in leaf modules (issue 22). One node per module file (the dispatcher's
+//! child files too); an edge for every `crate::a::b` or `super::a` path outside
+//! `#[cfg(test)]`, resolved to the longest module that exists. `scripts/module_cycles.py`
+//! does the same from a shell.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-
-const COLLAPSED: &[&str] = &["run::dispatcher"];
 
 fn modules(dir: &Path, prefix: &[String], out: &mut BTreeMap<String, String>) {
     for entry in std::fs::read_dir(dir).unwrap() {
@@ -27,15 +26,9 @@ fn modules(dir: &Path, prefix: &[String], out: &mut BTreeMap<String, String>) {
     }
 }
 
-fn node(m: &str) -> String {
-    COLLAPSED
-        .iter()
-        .find(|c| m == **c || m.starts_with(&format!("{c}::")))
-        .map_or(m.to_string(), |c| c.to_string())
-}
-
-/// `crate::...` and `crate::{a, b::c}` paths in `src`, without comments and tests.
-fn crate_paths(src: &str) -> Vec<String> {
+/// `crate::...`, `crate::{a, b::c}` and `super::...` paths in the source of module `m`
+/// without comments and tests, as paths from the crate root.
+fn crate_paths(m: &str, src: &str) -> Vec<String> {
     let src = src.split("#[cfg(test)]").next().unwrap();
     let code: String = src
         .lines()
@@ -43,6 +36,26 @@ fn crate_paths(src: &str) -> Vec<String> {
         .collect::<Vec<_>>()
         .join("\n");
     let mut out = Vec::new();
+    // `super::` in a/b.rs or a/b/mod.rs names a module of `a`: the module's parent.
+    let parent: Vec<&str> = m.split("::").filter(|p| !p.is_empty()).collect();
+    let parent = parent[..parent.len().saturating_sub(1)].join("::");
+    let mut rest = code.as_str();
+    while let Some(i) = rest.find("super::") {
+        let before = code.len() - rest.len() + i;
+        rest = &rest[i + "super::".len()..];
+        if code[..before].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':') {
+            continue;
+        }
+        let end = rest
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+            .unwrap_or(rest.len());
+        let p = rest[..end].trim_end_matches(':');
+        out.push(if parent.is_empty() {
+            p.to_string()
+        } else {
+            format!("{parent}::{p}")
+        });
+    }
     let mut rest = code.as_str();
     while let Some(i) = rest.find("crate::") {
         rest = &rest[i + "crate::".len()..];
@@ -96,19 +109,10 @@ fn cycles(edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<BTreeSet<String>> {
     found
 }
 
-#[test]
-fn the_supervisor_has_no_module_cycles() {
+/// The module graph of the crate whose sources are in `src`.
+fn graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
     let mut mods = BTreeMap::new();
-    modules(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
-        &[],
-        &mut mods,
-    );
-    assert!(
-        mods.contains_key("run::dispatcher") && mods.contains_key("data::pipeline"),
-        "{:?}",
-        mods.keys()
-    );
+    modules(src, &[], &mut mods);
     let resolve = |p: &str| {
         let parts: Vec<&str> = p.split("::").collect();
         (1..=parts.len())
@@ -117,22 +121,59 @@ fn the_supervisor_has_no_module_cycles() {
             .find(|m| mods.contains_key(m))
     };
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (m, src) in &mods {
-        for p in crate_paths(src) {
+    for (m, text) in &mods {
+        for p in crate_paths(m, text) {
             if let Some(t) = resolve(&p) {
-                let (a, b) = (node(m), node(&t));
-                if a != b {
-                    edges.entry(a).or_default().insert(b);
+                if *m != t {
+                    edges.entry(m.clone()).or_default().insert(t);
                 }
             }
         }
     }
+    edges
+}
+
+#[test]
+fn no_crate_has_module_cycles() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let supervisor = graph(&root.join("supervisor/src"));
+    // The scan sees the dispatcher's imports, `crate::` and `super::` alike.
     assert!(
-        edges["run::dispatcher"].contains("data::pipeline"),
-        "the scan sees the dispatcher's imports"
+        supervisor["run::dispatcher"].contains("data::pipeline"),
+        "{supervisor:?}"
     );
-    let found = cycles(&edges);
+    assert!(
+        supervisor["run::dispatcher::spawning"].contains("run::dispatcher::life"),
+        "{supervisor:?}"
+    );
+    let worker = graph(&root.join("worker/src"));
+    assert!(worker.contains_key("device::cpu"), "{worker:?}");
+    let shared = graph(&root.join("shared/src"));
+    assert!(shared.contains_key("protocol"), "{shared:?}");
+    let found: Vec<(&str, Vec<BTreeSet<String>>)> = [
+        ("supervisor", &supervisor),
+        ("worker", &worker),
+        ("shared", &shared),
+    ]
+    .into_iter()
+    .map(|(name, g)| (name, cycles(g)))
+    .filter(|(_, c)| !c.is_empty())
+    .collect();
     assert!(found.is_empty(), "module cycles: {found:?}");
+}
+
+#[test]
+fn a_super_path_is_an_edge_to_a_sibling() {
+    let src = "use super::life::Life;\nfn f() { super::spawning::go(); crate::run::x(); }\n#[cfg(test)]\nuse super::tests;";
+    let paths = crate_paths("run::dispatcher::launcher", src);
+    assert_eq!(
+        paths,
+        [
+            "run::dispatcher::life::Life",
+            "run::dispatcher::spawning::go",
+            "run::x"
+        ]
+    );
 }
 
 #[test]

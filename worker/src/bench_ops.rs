@@ -926,7 +926,12 @@ impl Bufs<'_> {
         Ok(crate::device::DSlice { ptr, bytes })
     }
     /// `n` values, f32 or bf16.
-    fn random(&mut self, n: usize, bf16: bool, scale: f32) -> Result<crate::device::DSlice, String> {
+    fn random(
+        &mut self,
+        n: usize,
+        bf16: bool,
+        scale: f32,
+    ) -> Result<crate::device::DSlice, String> {
         self.seed += 1;
         let v = pattern(n, self.seed, scale);
         let s = self.zeros(n * if bf16 { 2 } else { 4 })?;
@@ -945,7 +950,11 @@ impl Bufs<'_> {
     fn i32s(&mut self, v: &[i32]) -> Result<crate::device::DSlice, String> {
         let s = self.zeros(v.len() * 4)?;
         self.dev
-            .upload(crate::device::Stream::Compute, s, crate::device::i32_bytes(v))
+            .upload(
+                crate::device::Stream::Compute,
+                s,
+                crate::device::i32_bytes(v),
+            )
             .map_err(|e| e.to_string())?;
         Ok(s)
     }
@@ -1445,7 +1454,8 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
     let dev = open_device()?.ok_or("no device")?;
     let r = (|| -> Result<(f64, usize), String> {
         let e = |e: crate::device::GpuError| e.to_string();
-        let mut gd = crate::device::drafter::GpuDrafter::new(dev, &drafter, &frozen, s).map_err(e)?;
+        let mut gd =
+            crate::device::drafter::GpuDrafter::new(dev, &drafter, &frozen, s).map_err(e)?;
         let zeros = vec![0f32; params.len()];
         gd.load(&params, &zeros, &zeros, 0).map_err(e)?;
         let sample = [Sample {

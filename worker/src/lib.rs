@@ -16,11 +16,12 @@ pub mod bench_ops;
 mod busy;
 pub mod collective;
 pub mod compute;
+pub mod device;
 pub mod error;
 pub mod export;
 mod fatal;
-pub mod device;
 mod identity;
+pub mod math;
 pub mod model;
 mod plane;
 mod role;
@@ -238,7 +239,8 @@ fn missing_symbol_is_permanent(name: &str, gpu: &str) {
             let e = error::WorkerError::Permanent(why);
             let line = e.line(&name, &gpu);
             fatal::report(e.fatal_kind(), error::WorkerError::reason_in(&line));
-            let _ = std::io::Write::write_fmt(&mut std::io::stderr().lock(), format_args!("{line}\n"));
+            let _ =
+                std::io::Write::write_fmt(&mut std::io::stderr().lock(), format_args!("{line}\n"));
             std::process::exit(exit_codes::WORKER_PERMANENT);
         }
         default(info);

@@ -95,21 +95,30 @@ pub struct LoadError {
     pub model: bool,
 }
 
+/// What a worker's plane holds for its role.
+enum Side {
+    /// A target: the model, and the hidden-state slots leased to it for its output.
+    Target {
+        model: TargetModel,
+        leases: VecDeque<SlotRef>,
+    },
+    /// A drafter: its rank of the data-parallel group once the supervisor says train, and
+    /// the batch ids this life has consumed (a second delivery of one is acknowledged
+    /// without being used again).
+    Drafter {
+        rank: Option<Box<Rank>>,
+        consumed: HashSet<u64>,
+    },
+}
+
 pub struct Plane {
-    role: Role,
     gpu: Option<u32>,
     /// Declared (so dropped) before `pools`: a device target unpins the hidden pool's
-    /// mapping when it is dropped, which must happen while the mapping exists.
-    target: TargetModel,
-    /// Drafters: this rank of the data-parallel group, once the supervisor says train.
-    /// Declared before `pools` too: its device has the hidden pool's mapping pinned.
-    pub rank: Option<Rank>,
+    /// mapping when it is dropped, and a rank's device has it pinned too, which must end
+    /// while the mapping exists.
+    side: Side,
     pools: Option<Pools>,
     deliveries: VecDeque<Delivery>,
-    leases: VecDeque<SlotRef>,
-    /// Batch ids this life has consumed: a second delivery of one is acknowledged
-    /// without being used again.
-    consumed: HashSet<u64>,
     /// When the last unit of work ended (the wait for the next one starts there).
     idle_since: std::time::Instant,
     pub stats: Stats,
@@ -122,15 +131,21 @@ pub struct Plane {
 impl Plane {
     /// `gpu`: this worker's GPU index (None on CPU workers).
     pub fn new(role: Role, gpu: Option<u32>) -> Plane {
+        let side = match role {
+            Role::Target => Side::Target {
+                model: TargetModel::Absent,
+                leases: VecDeque::new(),
+            },
+            Role::Drafter => Side::Drafter {
+                rank: None,
+                consumed: HashSet::new(),
+            },
+        };
         Plane {
-            role,
             gpu,
+            side,
             pools: None,
-            target: TargetModel::Absent,
-            rank: None,
             deliveries: VecDeque::new(),
-            leases: VecDeque::new(),
-            consumed: HashSet::new(),
             idle_since: std::time::Instant::now(),
             stats: Stats::default(),
             busy: Busy::default(),
@@ -139,7 +154,7 @@ impl Plane {
     }
 
     pub fn set_pools(&mut self, pools: Pools) -> Result<()> {
-        if self.role == Role::Target {
+        if let Side::Target { model, .. } = &mut self.side {
             let dir = std::env::var_os(dflash_shared::env::TARGET_DIR)
                 .map(std::path::PathBuf::from)
                 .ok_or_else(|| {
@@ -148,49 +163,16 @@ impl Plane {
                         dflash_shared::env::TARGET_DIR
                     ))
                 })?;
-            let capture = pools.capture.clone();
             // Room on the device for the longest row a hidden-state slot can hold.
-            let max_tokens = pools.max_row_tokens();
-            let gpu = self.gpu;
+            let (capture, max_tokens, gpu) =
+                (pools.capture.clone(), pools.max_row_tokens(), self.gpu);
             let (tx, rx) = std::sync::mpsc::channel();
-            std::thread::Builder::new().name("load-target".into()).spawn(move || {
-                let taps: Vec<usize> = capture.tap_ids.iter().map(|&t| t as usize).collect();
-                let fail = |msg: String| LoadError { msg, permanent: false, model: false };
-                let bad_model = |msg: String| LoadError { msg, permanent: true, model: true };
-                // The device first: a GPU reads the weights as bf16 straight from the
-                // checkpoint's mapping, the CPU device computes with an f32 copy.
-                let dev = match device::open_device(gpu) {
-                    Ok(d) => d,
-                    Err(e @ GpuError::Unavailable(_)) => {
-                        let _ = tx.send(Err(LoadError { msg: e.to_string(), permanent: true, model: false }));
-                        return;
-                    }
-                    Err(e) => {
-                        let _ = tx.send(Err(fail(e.to_string())));
-                        return;
-                    }
-                };
-                let how = if dev.is_some() { Load::Mapped } else { Load::F32 };
-                let r = Target::load_as(&dir, &taps, how).map_err(|e| bad_model(e.to_string())).and_then(|t| {
-                    if t.cfg.fingerprint() != capture.target || t.cfg.hidden_size != capture.hidden as usize {
-                        return Err(bad_model(format!("the target at {} is not the model the supervisor described (was config.json changed?)", dir.display())));
-                    }
-                    match dev {
-                        // No GPU: the same device target, on the CPU device (f32).
-                        None => match GpuTarget::new(Box::new(device::cpu::CpuDevice::new()), &t, max_tokens) {
-                            Ok(g) => Ok(Box::new(g)),
-                            Err(e) => Err(fail(format!("putting the target on the CPU device: {e}"))),
-                        },
-                        Some(dev) => match GpuTarget::new(dev, &t, max_tokens) {
-                            Ok(g) => Ok(Box::new(g)),
-                            Err(e @ GpuError::Unavailable(_)) => Err(LoadError { msg: e.to_string(), permanent: true, model: false }),
-                            Err(e) => Err(fail(format!("putting the target on the device: {e}"))),
-                        },
-                    }
-                });
-                let _ = tx.send(r);
-            })?;
-            self.target = TargetModel::Loading(rx);
+            std::thread::Builder::new()
+                .name("load-target".into())
+                .spawn(move || {
+                    let _ = tx.send(load_target(&dir, &capture, gpu, max_tokens));
+                })?;
+            *model = TargetModel::Loading(rx);
         }
         self.pools = Some(pools);
         Ok(())
@@ -198,7 +180,10 @@ impl Plane {
 
     /// Pick up the target model once its loading thread is done.
     pub fn poll_model(&mut self) -> Result<Option<String>> {
-        if let TargetModel::Loading(rx) = &self.target {
+        let Side::Target { model, .. } = &mut self.side else {
+            return Ok(None);
+        };
+        if let TargetModel::Loading(rx) = model {
             match rx.try_recv() {
                 Ok(Ok(mut g)) => {
                     let (cfg, taps) = (&g.cfg, &g.taps);
@@ -230,7 +215,7 @@ impl Plane {
                         st.reserved as f64 / (1 << 20) as f64,
                         g.max_tokens
                     ));
-                    self.target = TargetModel::Ready(g);
+                    *model = TargetModel::Ready(g);
                     return Ok(Some(msg));
                 }
                 Ok(Err(e)) if e.model => return Err(WorkerError::BadModel(e.msg)),
@@ -256,8 +241,56 @@ impl Plane {
         self.deliveries.push_back(d);
     }
 
-    pub fn lease(&mut self, slot: SlotRef) {
-        self.leases.push_back(slot);
+    /// A hidden-state slot leased to a target for its output.
+    pub fn lease(&mut self, slot: SlotRef) -> Result<()> {
+        match &mut self.side {
+            Side::Target { leases, .. } => {
+                leases.push_back(slot);
+                Ok(())
+            }
+            Side::Drafter { .. } => Err(WorkerError::Protocol(
+                "an output slot leased to a drafter".into(),
+            )),
+        }
+    }
+
+    /// This drafter's rank, for an order that needs one (`what` names it in the error).
+    pub fn rank(&mut self, what: &str) -> Result<&mut Rank> {
+        match &mut self.side {
+            Side::Drafter {
+                rank: Some(rank), ..
+            } => Ok(rank),
+            Side::Drafter { rank: None, .. } => Err(WorkerError::Protocol(format!(
+                "{what} before the training setup"
+            ))),
+            Side::Target { .. } => Err(WorkerError::Protocol(format!("{what} to a target"))),
+        }
+    }
+
+    /// The rank, once this drafter trains.
+    pub fn rank_if_training(&mut self) -> Option<&mut Rank> {
+        match &mut self.side {
+            Side::Drafter { rank, .. } => rank.as_deref_mut(),
+            Side::Target { .. } => None,
+        }
+    }
+
+    /// This drafter becomes `rank` of the group.
+    pub fn join(&mut self, new: Rank) -> Result<()> {
+        match &mut self.side {
+            Side::Drafter { rank, .. } => {
+                *rank = Some(Box::new(new));
+                Ok(())
+            }
+            Side::Target { .. } => Err(WorkerError::Protocol(
+                "a training setup sent to a target".into(),
+            )),
+        }
+    }
+
+    /// Is an all-reduce of this drafter's gradient in flight?
+    pub fn reducing(&self) -> bool {
+        matches!(&self.side, Side::Drafter { rank: Some(r), .. } if r.reducing())
     }
 
     /// [`Pools::max_row_tokens`], once the pools are known.
@@ -284,30 +317,39 @@ impl Plane {
 
     /// Device memory of a target computing on a device.
     pub fn device_memory(&self) -> Option<dflash_shared::protocol::DeviceMemory> {
-        match &self.target {
-            TargetModel::Ready(g) => g.device_memory(),
+        match &self.side {
+            Side::Target {
+                model: TargetModel::Ready(g),
+                ..
+            } => g.device_memory(),
             _ => None,
         }
     }
 
     /// Is the target model still being loaded?
     pub fn loading(&self) -> bool {
-        matches!(self.target, TargetModel::Loading(_))
+        matches!(
+            self.side,
+            Side::Target {
+                model: TargetModel::Loading(_),
+                ..
+            }
+        )
     }
 
     /// Is there a unit of work that can be done without waiting?
     pub fn ready(&self) -> bool {
         self.pools.is_some()
             && !self.deliveries.is_empty()
-            && match self.role {
+            && match &self.side {
                 // A held-out eval batch is scored forward only, even while the rank holds
                 // the next step's gradient (the supervisor commits no step before an eval
                 // round is complete, so it is scored at the eval step's weights).
-                Role::Drafter => self.rank.as_ref().is_some_and(|r| {
-                    !r.awaiting || self.deliveries.iter().any(|d| is_eval_batch(d.batch_id))
+                Side::Drafter { rank, .. } => rank.as_ref().is_some_and(|r| {
+                    r.takes_batches() || self.deliveries.iter().any(|d| is_eval_batch(d.batch_id))
                 }),
-                Role::Target => {
-                    !self.leases.is_empty() && matches!(self.target, TargetModel::Ready(_))
+                Side::Target { model, leases } => {
+                    !leases.is_empty() && matches!(model, TargetModel::Ready(_))
                 }
             }
     }
@@ -339,12 +381,12 @@ impl Plane {
 
     fn work(&mut self) -> Result<FromWorker> {
         // A drafter's eval batches go first: they do not wait for the next commit.
-        let eval = match self.role {
-            Role::Drafter => self
+        let eval = match self.side {
+            Side::Drafter { .. } => self
                 .deliveries
                 .iter()
                 .position(|d| is_eval_batch(d.batch_id)),
-            Role::Target => None,
+            Side::Target { .. } => None,
         };
         let d = match eval {
             Some(i) => self.deliveries.remove(i),
@@ -362,103 +404,37 @@ impl Plane {
         // SAFETY: the supervisor delivered this slot to us (READING, checked above) and
         // writes it again only after our ack or our death.
         let payload = unsafe { &map.payload(d.slot.slot)[..d.len as usize] };
-        match self.role {
-            Role::Target => {
-                let _busy = self.busy.enter(Work::Batch {
-                    batch_id: d.batch_id,
-                });
-                let out = self
-                    .leases
+        let at = At {
+            pools,
+            busy: &self.busy,
+            stats: &mut self.stats,
+        };
+        match &mut self.side {
+            Side::Target { model, leases } => {
+                let out = leases
                     .pop_front()
                     .ok_or_else(|| WorkerError::Protocol("no output lease".into()))?;
-                let tokens = TokenBatch::decode(payload)
-                    .map_err(WorkerError::format(format!("token batch {}", d.batch_id)))?;
-                if tokens.batch_id != d.batch_id {
-                    return Err(WorkerError::Protocol(format!(
-                        "slot {} holds batch {}, expected {}",
-                        d.slot.slot, tokens.batch_id, d.batch_id
-                    )));
-                }
-                check_header(
-                    &pools.hidden,
-                    &Delivery {
-                        slot: out,
-                        len: 0,
-                        batch_id: 0,
-                    },
-                )?;
-                // SAFETY: the supervisor leased this slot to us (WRITING, checked above);
-                // nobody reads it before our commit.
-                let buf = unsafe { pools.hidden.payload_mut(out.slot) };
-                let layout = write_hidden_header(buf, &pools.capture, &tokens).map_err(
-                    WorkerError::format(format!("hidden-state batch {} header", d.batch_id)),
-                )?;
-                let TargetModel::Ready(g) = &mut self.target else {
+                let TargetModel::Ready(g) = model else {
                     return Err(WorkerError::Protocol(
                         "a batch to run before the target is loaded".into(),
                     ));
                 };
-                let hidden = &mut buf[layout.hidden_offset..][..layout.hidden_len];
-                if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
-                    // No copy may still be landing in the slot when we give it up.
-                    let _ = g.sync();
-                    return Err(WorkerError::device(format!(
-                        "target forward on {}",
-                        g.describe()
-                    ))(e));
-                }
-                let len = seal_hidden(buf, &layout) as u64;
-                self.stats.batches += 1;
-                self.stats.tokens += tokens.tokens();
-                // sync point (pool edges 3 and 4): the caller sends this Commit after every
-                // write to the output slot (on a GPU, after the event behind the last copy)
-                // and after the last read of the input slot, which it releases.
-                Ok(FromWorker::Commit {
-                    output: out,
-                    len,
-                    batch_id: d.batch_id,
-                    input: Some(d.slot),
-                    wait_ms: 0.0,
-                    compute_ms: 0.0,
-                })
+                run_target(at, g, &d, payload, out)
             }
-            Role::Drafter => {
+            Side::Drafter { rank, consumed } => {
                 let view = HiddenView::parse(payload).map_err(WorkerError::format(format!(
                     "hidden-state batch {}",
                     d.batch_id
                 )))?;
-                if view.spec != pools.capture {
-                    return Err(WorkerError::Invalid(format!(
-                        "hidden-state batch {} was captured as {}, but this run trains on {}: refusing to train on the wrong layers",
-                        d.batch_id, view.spec, pools.capture
-                    )));
-                }
-                if view.tokens.batch_id != d.batch_id {
-                    return Err(WorkerError::Protocol(format!(
-                        "slot {} holds batch {}, expected {}",
-                        d.slot.slot, view.tokens.batch_id, d.batch_id
-                    )));
-                }
+                check_view(&view, pools, &d)?;
+                let rank = rank.as_deref_mut().ok_or_else(|| {
+                    WorkerError::Protocol("a batch before the training setup".into())
+                })?;
                 if is_eval_batch(d.batch_id) {
-                    let rank = self.rank.as_mut().ok_or_else(|| {
-                        WorkerError::Protocol("an eval batch before the training setup".into())
-                    })?;
-                    let (_, index) = eval_batch_parts(d.batch_id);
-                    let _busy = self.busy.enter(Work::Eval {
-                        step: rank.step,
-                        batch_id: d.batch_id,
-                    });
-                    let stats = rank.evaluate(&view, index)?;
-                    // sync point (pool edge 4): sent after our last read of the slot.
-                    return Ok(FromWorker::Evaluated {
-                        input: d.slot,
-                        batch_id: d.batch_id,
-                        step: rank.step,
-                        stats,
-                    });
+                    return eval_drafter(at, rank, &view, &d);
                 }
-                if !self.consumed.insert(d.batch_id) {
-                    self.stats.duplicates += 1;
+                if !consumed.insert(d.batch_id) {
+                    at.stats.duplicates += 1;
                     println!("batch {} delivered twice: dropped the copy", d.batch_id);
                     // sync point (pool edge 4): sent after our last read of the slot.
                     return Ok(FromWorker::Ack {
@@ -466,31 +442,202 @@ impl Plane {
                         batch_id: d.batch_id,
                     });
                 }
-                let rank = self.rank.as_mut().ok_or_else(|| {
-                    WorkerError::Protocol("a batch to train before the training setup".into())
-                })?;
-                let _busy = self.busy.enter(Work::Step {
-                    step: rank.step + 1,
-                    batch_id: d.batch_id,
-                });
-                if let Some(delay) = self.test_step_delay {
-                    std::thread::sleep(delay);
-                }
-                let params = rank.params_checksum()?;
-                let stats = rank.compute(&view)?;
-                self.stats.batches += 1;
-                self.stats.tokens += view.tokens.tokens();
-                // sync point (pool edges 4 and 5): the caller sends this after our last read
-                // of the hidden-state slot and our last write to our gradient slot.
-                Ok(FromWorker::Grads {
-                    step: rank.step + 1,
-                    input: d.slot,
-                    batch_id: d.batch_id,
-                    stats,
-                    params,
-                })
+                train_drafter(at, rank, &view, &d, self.test_step_delay)
             }
         }
+    }
+}
+
+/// What a unit of work reads and counts beside its role's own state.
+struct At<'a> {
+    pools: &'a Pools,
+    busy: &'a Busy,
+    stats: &'a mut Stats,
+}
+
+/// The target's unit of work: batch `d` (its token `payload`) through the model, its taps
+/// into the leased hidden-state slot `out`.
+fn run_target(
+    at: At<'_>,
+    g: &mut GpuTarget,
+    d: &Delivery,
+    payload: &[u8],
+    out: SlotRef,
+) -> Result<FromWorker> {
+    let _busy = at.busy.enter(Work::Batch {
+        batch_id: d.batch_id,
+    });
+    let tokens = TokenBatch::decode(payload)
+        .map_err(WorkerError::format(format!("token batch {}", d.batch_id)))?;
+    if tokens.batch_id != d.batch_id {
+        return Err(WorkerError::Protocol(format!(
+            "slot {} holds batch {}, expected {}",
+            d.slot.slot, tokens.batch_id, d.batch_id
+        )));
+    }
+    let hidden_pool = &at.pools.hidden;
+    check_header(
+        hidden_pool,
+        &Delivery {
+            slot: out,
+            len: 0,
+            batch_id: 0,
+        },
+    )?;
+    // SAFETY: the supervisor leased this slot to us (WRITING, checked above); nobody
+    // reads it before our commit.
+    let buf = unsafe { hidden_pool.payload_mut(out.slot) };
+    let layout = write_hidden_header(buf, &at.pools.capture, &tokens).map_err(
+        WorkerError::format(format!("hidden-state batch {} header", d.batch_id)),
+    )?;
+    let hidden = &mut buf[layout.hidden_offset..][..layout.hidden_len];
+    if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
+        // No copy may still be landing in the slot when we give it up.
+        let _ = g.sync();
+        return Err(WorkerError::device(format!(
+            "target forward on {}",
+            g.describe()
+        ))(e));
+    }
+    let len = seal_hidden(buf, &layout) as u64;
+    at.stats.batches += 1;
+    at.stats.tokens += tokens.tokens();
+    // sync point (pool edges 3 and 4): the caller sends this Commit after every write to
+    // the output slot (on a GPU, after the event behind the last copy) and after the last
+    // read of the input slot, which it releases.
+    Ok(FromWorker::Commit {
+        output: out,
+        len,
+        batch_id: d.batch_id,
+        input: Some(d.slot),
+        wait_ms: 0.0,
+        compute_ms: 0.0,
+    })
+}
+
+/// A hidden-state batch must be of this run's capture and the batch the slot was
+/// delivered as.
+fn check_view(view: &HiddenView, pools: &Pools, d: &Delivery) -> Result<()> {
+    if view.spec != pools.capture {
+        return Err(WorkerError::Invalid(format!(
+            "hidden-state batch {} was captured as {}, but this run trains on {}: refusing to train on the wrong layers",
+            d.batch_id, view.spec, pools.capture
+        )));
+    }
+    if view.tokens.batch_id != d.batch_id {
+        return Err(WorkerError::Protocol(format!(
+            "slot {} holds batch {}, expected {}",
+            d.slot.slot, view.tokens.batch_id, d.batch_id
+        )));
+    }
+    Ok(())
+}
+
+/// A drafter scores held-out batch `d` at its current weights.
+fn eval_drafter(
+    at: At<'_>,
+    rank: &mut Rank,
+    view: &HiddenView,
+    d: &Delivery,
+) -> Result<FromWorker> {
+    let (_, index) = eval_batch_parts(d.batch_id);
+    let _busy = at.busy.enter(Work::Eval {
+        step: rank.step,
+        batch_id: d.batch_id,
+    });
+    let stats = rank.evaluate(view, index)?;
+    // sync point (pool edge 4): sent after our last read of the slot.
+    Ok(FromWorker::Evaluated {
+        input: d.slot,
+        batch_id: d.batch_id,
+        step: rank.step,
+        stats,
+    })
+}
+
+/// A drafter computes the gradient of batch `d` for its next step.
+fn train_drafter(
+    at: At<'_>,
+    rank: &mut Rank,
+    view: &HiddenView,
+    d: &Delivery,
+    test_step_delay: Option<std::time::Duration>,
+) -> Result<FromWorker> {
+    let _busy = at.busy.enter(Work::Step {
+        step: rank.step + 1,
+        batch_id: d.batch_id,
+    });
+    if let Some(delay) = test_step_delay {
+        std::thread::sleep(delay);
+    }
+    let params = rank.params_checksum()?;
+    let stats = rank.compute(view)?;
+    at.stats.batches += 1;
+    at.stats.tokens += view.tokens.tokens();
+    // sync point (pool edges 4 and 5): the caller sends this after our last read of the
+    // hidden-state slot and our last write to our gradient slot.
+    Ok(FromWorker::Grads {
+        step: rank.step + 1,
+        input: d.slot,
+        batch_id: d.batch_id,
+        stats,
+        params,
+    })
+}
+
+/// Load the target on `gpu` (the CPU device without one), checked against the capture
+/// the supervisor described, with room for rows of `max_tokens`.
+fn load_target(
+    dir: &std::path::Path,
+    capture: &CaptureSpec,
+    gpu: Option<u32>,
+    max_tokens: usize,
+) -> std::result::Result<Loaded, LoadError> {
+    let taps: Vec<usize> = capture.tap_ids.iter().map(|&t| t as usize).collect();
+    let fail = |msg: String| LoadError {
+        msg,
+        permanent: false,
+        model: false,
+    };
+    let bad_model = |msg: String| LoadError {
+        msg,
+        permanent: true,
+        model: true,
+    };
+    let unavailable = |e: GpuError| LoadError {
+        msg: e.to_string(),
+        permanent: true,
+        model: false,
+    };
+    // The device first: a GPU reads the weights as bf16 straight from the checkpoint's
+    // mapping, the CPU device computes with an f32 copy.
+    let dev = match device::open_device(gpu) {
+        Ok(d) => d,
+        Err(e @ GpuError::Unavailable(_)) => return Err(unavailable(e)),
+        Err(e) => return Err(fail(e.to_string())),
+    };
+    let how = if dev.is_some() {
+        Load::Mapped
+    } else {
+        Load::F32
+    };
+    let t = Target::load_as(dir, &taps, how).map_err(|e| bad_model(e.to_string()))?;
+    if t.cfg.fingerprint() != capture.target || t.cfg.hidden_size != capture.hidden as usize {
+        return Err(bad_model(format!(
+            "the target at {} is not the model the supervisor described (was config.json changed?)",
+            dir.display()
+        )));
+    }
+    match dev {
+        // No GPU: the same device target, on the CPU device (f32).
+        None => GpuTarget::new(Box::new(device::cpu::CpuDevice::new()), &t, max_tokens)
+            .map(Box::new)
+            .map_err(|e| fail(format!("putting the target on the CPU device: {e}"))),
+        Some(dev) => match GpuTarget::new(dev, &t, max_tokens) {
+            Ok(g) => Ok(Box::new(g)),
+            Err(e @ GpuError::Unavailable(_)) => Err(unavailable(e)),
+            Err(e) => Err(fail(format!("putting the target on the device: {e}"))),
+        },
     }
 }
 

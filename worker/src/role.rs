@@ -79,7 +79,7 @@ pub fn run(control: &str, id: &Identity) -> Result<i32> {
         // all-reduce is in flight; otherwise wait for work up to a beat.
         let wait = if plane.loading() {
             id.heartbeat.min(std::time::Duration::from_millis(5))
-        } else if plane.rank.as_ref().is_some_and(|r| r.reducing()) {
+        } else if plane.reducing() {
             id.heartbeat.min(std::time::Duration::from_millis(1))
         } else {
             id.heartbeat
@@ -150,6 +150,8 @@ fn obey(
             Flow::Go
         }
     };
+    // Units of work are marked on a handle of their own (the plane is borrowed for them).
+    let busy = plane.busy.clone();
     Ok(match order {
         ToWorker::Shutdown { reason } => {
             println!(
@@ -175,38 +177,31 @@ fn obey(
             Flow::Go
         }
         ToWorker::Lease { slot } => {
-            plane.lease(slot);
+            plane.lease(slot)?;
             Flow::Go
         }
         ToWorker::Train(setup) => {
-            let busy = plane.busy.clone();
             let _busy = busy.enter(Work::Join { epoch: None });
             join_training(*setup, plane, id)?;
             Flow::Go
         }
         ToWorker::Group { epoch, ranks, id } => {
-            let _busy = plane.busy.enter(Work::Join { epoch: Some(epoch) });
-            let rank = plane.rank.as_mut().ok_or_else(|| {
-                WorkerError::Protocol("a group epoch before the training setup".into())
-            })?;
+            let _busy = busy.enter(Work::Join { epoch: Some(epoch) });
+            let rank = plane.rank("a group epoch")?;
             match rank.group(epoch, &ranks, id.as_deref())? {
                 crate::collective::Formed::Created(id) => tell(FromWorker::GroupId { epoch, id }),
                 _ => Flow::Go,
             }
         }
         ToWorker::Abstain { step } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| {
-                WorkerError::Protocol("an abstention before the training setup".into())
-            })?;
+            let rank = plane.rank("an abstention")?;
             if rank.abstain(step)? {
                 println!("step {step}: no batch left for this rank: contributing nothing");
             }
             Flow::Go
         }
         ToWorker::Withdraw { step } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| {
-                WorkerError::Protocol("a withdrawal before the training setup".into())
-            })?;
+            let rank = plane.rank("a withdrawal")?;
             if rank.withdraw(step) {
                 println!("step {step}: abstention withdrawn: taking batches again");
             }
@@ -218,11 +213,9 @@ fn obey(
             lr,
             weight_sum,
         } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| {
-                WorkerError::Protocol("a step to apply before the training setup".into())
-            })?;
+            let rank = plane.rank("a step to apply")?;
             let applied = {
-                let _busy = plane.busy.enter(Work::Update { step });
+                let _busy = busy.enter(Work::Update { step });
                 rank.reduce(step, epoch, lr, weight_sum)?
             };
             if let Some(skipped) = applied.skipped {
@@ -234,13 +227,11 @@ fn obey(
             Flow::Go
         }
         ToWorker::Snapshot { slot, .. } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| {
-                WorkerError::Protocol("a snapshot request before the training setup".into())
-            })?;
+            let rank = plane.rank("a snapshot request")?;
             let t = std::time::Instant::now();
-            let busy = plane.busy.enter(Work::Save { step: rank.step });
+            let saving = busy.enter(Work::Save { step: rank.step });
             rank.snapshot(slot)?;
-            drop(busy);
+            drop(saving);
             let ms = t.elapsed().as_secs_f64() * 1e3;
             tell(FromWorker::SnapshotDone {
                 step: rank.step,
@@ -249,18 +240,16 @@ fn obey(
             })
         }
         ToWorker::Checkpoint { dir, step, meta } => {
-            let rank = plane.rank.as_mut().ok_or_else(|| {
-                WorkerError::Protocol("a checkpoint request before the training setup".into())
-            })?;
+            let rank = plane.rank("a checkpoint request")?;
             if rank.step != step {
                 return Err(WorkerError::Protocol(format!(
                     "asked to checkpoint step {step}, but this rank is at step {}",
                     rank.step
                 )));
             }
-            let busy = plane.busy.enter(Work::Save { step });
+            let saving = busy.enter(Work::Save { step });
             let written = rank.checkpoint(std::path::Path::new(&dir), &meta);
-            drop(busy);
+            drop(saving);
             match written {
                 Ok(()) => tell(FromWorker::Checkpointed { dir, step }),
                 // A write that failed (a full disk, a directory replaced or removed) is the
@@ -312,8 +301,7 @@ fn join_training(
         rank.compute_device(),
         rank.collective().name()
     );
-    plane.rank = Some(rank);
-    Ok(())
+    plane.join(rank)
 }
 
 /// Say what the signals that arrived mean for a connected worker (it stops only when
@@ -351,7 +339,7 @@ fn work(
             return Ok(Flow::Orphaned);
         }
     }
-    if let Some(rank) = plane.rank.as_mut() {
+    if let Some(rank) = plane.rank_if_training() {
         if let Some(d) = rank.poll_reduce()? {
             if up
                 .send(FromWorker::Reduced {

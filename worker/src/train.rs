@@ -9,6 +9,7 @@ use std::path::Path;
 
 use crate::collective::{
     local::LocalCollective, nccl::NcclCollective, shm::ShmCollective, Collective, Formed, Reduced,
+    Sum,
 };
 use crate::error::{Result, WorkerError};
 use dflash_shared::batch::HiddenView;
@@ -33,16 +34,14 @@ pub struct Rank {
     model: Box<GpuDrafter>,
     params: Vec<f32>,
     opt: AdamW,
-    /// The current membership epoch, and the (step, epoch) whose all-reduce was reported.
+    /// The current membership epoch.
     epoch: Option<u64>,
-    reported: Option<(u64, u64)>,
-    state: PoolMap,
+    /// The slot a joiner's state is copied through (see [`Rank::snapshot`]).
+    state_slot: PoolMap,
     /// Last step applied.
     pub step: u64,
-    /// Gradients computed for `step + 1`, waiting for the commit.
-    pub awaiting: bool,
-    /// What it holds for `step + 1` is an abstention (a zero gradient), not a batch's.
-    abstained: bool,
+    /// Where this rank is in step `step + 1`.
+    next: StepState,
     pub skipped_steps: u64,
     /// Norm of the last averaged gradient, before clipping.
     pub last_grad_norm: f64,
@@ -52,11 +51,148 @@ pub struct Rank {
     last_optimizer_ms: f64,
 }
 
+/// A rank's place in the step after its last applied one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepState {
+    /// It takes the next batch.
+    Open,
+    /// It holds a gradient for the step, which it all-reduces in every membership epoch
+    /// until the supervisor commits the step.
+    Holding {
+        held: Held,
+        /// The epoch in which its all-reduce completed (and was reported), if any: a new
+        /// epoch reduces it again.
+        reduced_in: Option<u64>,
+    },
+}
+
+/// What a rank holds for the next step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// The gradient of a batch it computed.
+    Batch,
+    /// A zero gradient of weight 0: the data had no batch left for it.
+    Abstention,
+}
+
+/// Why a transition of [`StepState`] was refused (a stale or out-of-order order).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StepRefused {
+    #[error("a gradient for the next step is held already")]
+    AlreadyHolding,
+    #[error("step {committed} committed in epoch {epoch}, but this rank reported {reported}")]
+    NotReduced {
+        committed: u64,
+        epoch: u64,
+        reported: Reported,
+    },
+}
+
+/// What a rank had reported of its all-reduce, when a commit does not match it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reported {
+    Nothing,
+    ReducedIn(u64),
+}
+
+impl std::fmt::Display for Reported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Reported::Nothing => f.write_str("no reduced gradient"),
+            Reported::ReducedIn(e) => write!(f, "its all-reduce in epoch {e}"),
+        }
+    }
+}
+
+impl StepState {
+    /// Does it take a batch to train?
+    pub fn open(&self) -> bool {
+        matches!(self, StepState::Open)
+    }
+
+    /// It now holds `held` for the next step (not yet reduced).
+    pub fn hold(&mut self, held: Held) -> std::result::Result<(), StepRefused> {
+        match self {
+            StepState::Open => {
+                *self = StepState::Holding {
+                    held,
+                    reduced_in: None,
+                };
+                Ok(())
+            }
+            StepState::Holding { .. } => Err(StepRefused::AlreadyHolding),
+        }
+    }
+
+    /// Is an all-reduce of what it holds due in `epoch` (the current one)?
+    pub fn reducing(&self, epoch: Option<u64>) -> bool {
+        match (self, epoch) {
+            (StepState::Holding { reduced_in, .. }, Some(e)) => *reduced_in != Some(e),
+            _ => false,
+        }
+    }
+
+    /// Its all-reduce completed in `epoch`; `false` (nothing changes) when it holds
+    /// nothing.
+    pub fn reduced(&mut self, epoch: u64) -> bool {
+        match self {
+            StepState::Holding { reduced_in, .. } => {
+                *reduced_in = Some(epoch);
+                true
+            }
+            StepState::Open => false,
+        }
+    }
+
+    /// Withdraw an abstention: back to taking batches. `false` (nothing changes) when it
+    /// holds a batch's gradient or nothing.
+    pub fn withdraw(&mut self) -> bool {
+        match self {
+            StepState::Holding {
+                held: Held::Abstention,
+                ..
+            } => {
+                *self = StepState::Open;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// May step `step` be committed as reduced in `epoch`? Only what it reported.
+    pub fn check_commit(&self, step: u64, epoch: u64) -> std::result::Result<(), StepRefused> {
+        match self {
+            StepState::Holding {
+                reduced_in: Some(e),
+                ..
+            } if *e == epoch => Ok(()),
+            StepState::Holding {
+                reduced_in: Some(e),
+                ..
+            } => Err(StepRefused::NotReduced {
+                committed: step,
+                epoch,
+                reported: Reported::ReducedIn(*e),
+            }),
+            _ => Err(StepRefused::NotReduced {
+                committed: step,
+                epoch,
+                reported: Reported::Nothing,
+            }),
+        }
+    }
+}
+
 /// What applying a step found out.
 pub struct Applied {
     /// A step whose gradient was not finite, so the weights were left as they were: the
     /// previous one, whose outcome the device sends back a step later.
     pub skipped: Option<u64>,
+}
+
+/// A refused transition is an order that does not fit this rank's state.
+fn protocol(e: StepRefused) -> WorkerError {
+    WorkerError::Protocol(e.to_string())
 }
 
 fn f32s(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
@@ -88,7 +224,7 @@ impl Rank {
         } else {
             embed.clone()
         };
-        let state = PoolMap::open(setup.state.fd, setup.state.geometry.clone())
+        let state_slot = PoolMap::open(setup.state.fd, setup.state.geometry.clone())
             .map_err(WorkerError::io("mapping the state slot"))?;
         let n = drafter.layout.total;
         let frozen = Frozen { embed, lm_head };
@@ -131,11 +267,9 @@ impl Rank {
             drafter,
             coll,
             epoch: None,
-            reported: None,
-            state,
+            state_slot,
             step: 0,
-            awaiting: false,
-            abstained: false,
+            next: StepState::Open,
             skipped_steps: 0,
             last_grad_norm: 0.0,
             idle_since: std::time::Instant::now(),
@@ -236,6 +370,9 @@ impl Rank {
 
     /// Gradient of one hidden-state batch for step `self.step + 1`, into this rank's slot.
     pub fn compute(&mut self, view: &HiddenView) -> Result<StepStats> {
+        if !self.next.open() {
+            return Err(protocol(StepRefused::AlreadyHolding));
+        }
         let started = std::time::Instant::now();
         let wait_ms = started.duration_since(self.idle_since).as_secs_f64() * 1e3;
         let raw = self.row_taps(view, "batch")?;
@@ -252,6 +389,7 @@ impl Rank {
                 self.model.describe()
             )))?;
         stats.wait_ms = wait_ms;
+        self.next.hold(Held::Batch).map_err(protocol)?;
         let finite = self
             .coll
             .contribute(self.step + 1, stats.weight_sum, &mut self.model)?;
@@ -261,7 +399,6 @@ impl Rank {
         stats.nonfinite = !stats.loss_sum.is_finite() || finite == Some(false);
         stats.compute_ms = started.elapsed().as_secs_f64() * 1e3;
         stats.optimizer_ms = self.last_optimizer_ms;
-        self.awaiting = true;
         Ok(stats)
     }
 
@@ -293,28 +430,21 @@ impl Rank {
     /// of weight 0, so the ranks that have one can commit it. Ignored when this rank has a
     /// gradient already, or the order is stale.
     pub fn abstain(&mut self, step: u64) -> Result<bool> {
-        if self.awaiting || step != self.step + 1 {
+        if !self.next.open() || step != self.step + 1 {
             return Ok(false);
         }
         self.model
             .zero_grads()
             .map_err(WorkerError::device("a zero gradient"))?;
+        self.next.hold(Held::Abstention).map_err(protocol)?;
         self.coll.contribute(step, 0.0, &mut self.model)?;
-        self.awaiting = true;
-        self.abstained = true;
         Ok(true)
     }
 
     /// The abstention from `step` is withdrawn: drop the zero contribution (the
     /// supervisor has started a new epoch, so no sum of it is ever used) and take batches.
     pub fn withdraw(&mut self, step: u64) -> bool {
-        if !(self.abstained && self.awaiting && step == self.step + 1) {
-            return false;
-        }
-        self.abstained = false;
-        self.awaiting = false;
-        self.reported = None;
-        true
+        step == self.step + 1 && self.next.withdraw()
     }
 
     /// Membership epoch `epoch` of `ranks`: what is in flight in an older one is void, and
@@ -332,11 +462,18 @@ impl Rank {
 
     /// Is an all-reduce of this rank's gradient in flight (not yet reported)?
     pub fn reducing(&self) -> bool {
-        self.awaiting
-            && self.epoch.is_some()
-            && self
-                .reported
-                .is_none_or(|(s, e)| s != self.step + 1 || Some(e) != self.epoch)
+        self.next.reducing(self.epoch)
+    }
+
+    /// Does it take a batch to train (it holds no gradient for the next step)?
+    pub fn takes_batches(&self) -> bool {
+        self.next.open()
+    }
+
+    /// Where it is in the next step.
+    #[cfg(test)]
+    pub fn next_step(&self) -> StepState {
+        self.next
     }
 
     /// Drive the all-reduce; `Some` once, when it completes in the current epoch.
@@ -360,7 +497,7 @@ impl Rank {
         let r = self.coll.poll(&mut self.model)?;
         match r {
             Some(d) if Some(d.epoch) == self.epoch && d.step == self.step + 1 => {
-                self.reported = Some((d.step, d.epoch));
+                self.next.reduced(d.epoch);
                 Ok(Some(d))
             }
             _ => Ok(None),
@@ -376,29 +513,24 @@ impl Rank {
                 self.step
             )));
         }
-        if self.reported != Some((step, epoch)) {
-            return Err(WorkerError::Protocol(format!(
-                "step {step} committed in epoch {epoch}, but this rank reported {}",
-                match self.reported {
-                    Some((s, e)) => format!("step {s} in epoch {e}"),
-                    None => "no reduced gradient".into(),
-                }
-            )));
-        }
+        self.next.check_commit(step, epoch).map_err(protocol)?;
         let started = std::time::Instant::now();
-        // Norm, clip, skip of a non-finite gradient, and AdamW, on the device with no wait
-        // for any of them.
-        let before = self.coll.apply(
-            step,
-            weight_sum,
-            self.setup.clip as f32,
-            lr as f32,
-            &self.opt.hyper(),
-            &mut self.model,
-        )?;
+        // The rank's optimizer step over the collective's sum: norm, clip, skip of a
+        // non-finite gradient, and AdamW, on the device with no wait for any of them.
+        let (clip, lr, hyper) = (self.setup.clip as f32, lr as f32, self.opt.hyper());
+        let what = || WorkerError::device(format!("applying step {step} on the device"));
+        let before = match self.coll.take(step, weight_sum)? {
+            Sum::Host(g) => self
+                .model
+                .apply(step, g, clip, lr, &hyper)
+                .map_err(what())?,
+            Sum::Device { weight_sum, after } => self
+                .model
+                .apply_reduced(step, weight_sum, clip, lr, &hyper, after)
+                .map_err(what())?,
+        };
         self.step = step;
-        self.awaiting = false;
-        self.abstained = false;
+        self.next = StepState::Open;
         self.last_optimizer_ms = started.elapsed().as_secs_f64() * 1e3;
         self.idle_since = std::time::Instant::now();
         Ok(Applied {
@@ -413,16 +545,16 @@ impl Rank {
 
     /// Write parameters, Adam moments and step into state slot `slot`.
     pub fn snapshot(&mut self, slot: u32) -> Result<()> {
-        if slot >= self.state.geometry().slots {
+        if slot >= self.state_slot.geometry().slots {
             return Err(WorkerError::Protocol(format!(
                 "state slot {slot} does not exist ({} slots)",
-                self.state.geometry().slots
+                self.state_slot.geometry().slots
             )));
         }
         self.sync_host()?;
         // SAFETY: the supervisor asks one rank at a time per slot, and nobody reads the slot
         // until our SnapshotDone (a rollback reads only the slot of the last one).
-        let dst = unsafe { self.state.payload_mut(slot) };
+        let dst = unsafe { self.state_slot.payload_mut(slot) };
         let n = self.params.len();
         if (dst.len() as u64) < dflash_shared::drafter::state_bytes(n) {
             return Err(WorkerError::Protocol("state slot too small".into()));
@@ -443,14 +575,14 @@ impl Rank {
     }
 
     fn load_state(&mut self, step: u64, slot: u32) -> Result<()> {
-        if slot >= self.state.geometry().slots {
+        if slot >= self.state_slot.geometry().slots {
             return Err(WorkerError::Protocol(format!(
                 "state slot {slot} does not exist ({} slots)",
-                self.state.geometry().slots
+                self.state_slot.geometry().slots
             )));
         }
         // SAFETY: written by the donor before the supervisor sent us Init::FromState.
-        let src = unsafe { self.state.payload(slot) };
+        let src = unsafe { self.state_slot.payload(slot) };
         let at = u64::from_le_bytes(src[..8].try_into().expect("8 bytes"));
         if at != step {
             return Err(WorkerError::Protocol(format!(
@@ -649,4 +781,152 @@ fn test_death_due(rank: u32, step: u64) -> bool {
     first_life
         && v.split_once(':')
             .is_some_and(|(r, s)| r.parse() == Ok(rank) && s.parse() == Ok(step))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflash_shared::drafter::DrafterConfig;
+    use dflash_shared::model_config::TargetConfig;
+    use dflash_shared::pool::{PoolGeometry, PoolId, PoolInfo};
+    use std::os::fd::{AsRawFd, OwnedFd};
+
+    #[test]
+    fn a_step_state_holds_once_reduces_per_epoch_and_commits_only_what_it_reported() {
+        let mut s = StepState::Open;
+        assert!(s.open() && !s.reducing(Some(1)));
+        assert!(!s.reduced(1), "nothing held, nothing reduced");
+        assert!(!s.withdraw(), "nothing to withdraw");
+        s.hold(Held::Batch).unwrap();
+        assert_eq!(s.hold(Held::Batch), Err(StepRefused::AlreadyHolding));
+        assert!(!s.reducing(None), "no epoch yet: nothing to reduce in");
+        assert!(s.reducing(Some(1)));
+        assert!(s.reduced(1));
+        assert!(!s.reducing(Some(1)), "reported once per epoch");
+        assert!(s.reducing(Some(2)), "a new epoch reduces it again");
+        assert_eq!(
+            s.check_commit(1, 2),
+            Err(StepRefused::NotReduced {
+                committed: 1,
+                epoch: 2,
+                reported: Reported::ReducedIn(1)
+            })
+        );
+        assert!(!s.withdraw(), "a batch's gradient is not withdrawn");
+        assert_eq!(s.check_commit(1, 1), Ok(()));
+    }
+
+    #[test]
+    fn an_abstention_is_withdrawn_and_an_unreduced_step_is_not_committed() {
+        let mut s = StepState::Open;
+        s.hold(Held::Abstention).unwrap();
+        assert_eq!(
+            s.check_commit(4, 1).unwrap_err().to_string(),
+            "step 4 committed in epoch 1, but this rank reported no reduced gradient"
+        );
+        assert!(s.withdraw());
+        assert_eq!(s, StepState::Open);
+    }
+
+    /// A rank of a one-rank group on the CPU device, over the built-in tiny target.
+    fn cpu_rank(dir: &Path) -> (Rank, Vec<OwnedFd>, Vec<u8>) {
+        crate::model::tiny::write(dir).unwrap();
+        let t = TargetConfig::load(dir).unwrap();
+        let drafter = DrafterConfig::for_target(&t, 1, 2, 4, 4);
+        let n = crate::model::drafter::Drafter::new(drafter.clone())
+            .layout
+            .total;
+        let pool = |name: &str, slot_bytes: u64| {
+            PoolMap::create(PoolGeometry {
+                name: name.into(),
+                slots: 2,
+                slot_bytes,
+            })
+            .unwrap()
+            .0
+        };
+        let state = pool("state", dflash_shared::drafter::state_bytes(n));
+        let grads = pool("grads", 4096);
+        let info = |fd: &OwnedFd, slot_bytes: u64| PoolInfo {
+            id: PoolId::Hidden,
+            fd: fd.as_raw_fd(),
+            geometry: PoolGeometry {
+                name: "x".into(),
+                slots: 2,
+                slot_bytes,
+            },
+        };
+        let setup = TrainSetup {
+            drafter,
+            lr: 1e-3,
+            warmup_steps: 0,
+            total_steps: None,
+            clip: 1.0,
+            seed: 7,
+            grads: info(&grads, 4096),
+            collective: CollectiveKind::Local,
+            state: info(&state, dflash_shared::drafter::state_bytes(n)),
+            rank: 0,
+            checkpoint: None,
+            target_layer_ids: vec![0, 1],
+            num_target_layers: t.num_hidden_layers,
+            init: Init::Fresh,
+        };
+        let mut rows = vec![0u8; 1 << 16];
+        // SAFETY: `rows` is returned with the rank and outlives it in every test.
+        let rank =
+            unsafe { Rank::new(setup, dir, None, 64, (rows.as_mut_ptr(), rows.len())) }.unwrap();
+        (rank, vec![state, grads], rows)
+    }
+
+    #[test]
+    fn a_rank_abstains_reduces_in_its_epoch_and_applies_only_the_committed_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut rank, _pools, _rows) = cpu_rank(dir.path());
+        assert!(rank.takes_batches() && !rank.reducing());
+        assert!(!rank.abstain(2).unwrap(), "a stale abstention is ignored");
+        assert!(rank.abstain(1).unwrap());
+        assert!(!rank.takes_batches());
+        assert!(!rank.abstain(1).unwrap(), "it holds a contribution already");
+        assert!(!rank.reducing(), "no epoch formed yet");
+        assert_eq!(rank.group(1, &[0], None).unwrap(), Formed::Ready);
+        assert!(rank.reducing());
+        let reduced = rank
+            .poll_reduce()
+            .unwrap()
+            .expect("a one-rank group reduces at once");
+        assert_eq!((reduced.step, reduced.epoch), (1, 1));
+        assert!(!rank.reducing() && rank.poll_reduce().unwrap().is_none());
+        // A commit of another epoch than the one reduced in is a protocol error.
+        let err = rank.reduce(1, 2, 1e-3, 0.0).err().expect("refused");
+        assert!(
+            err.to_string()
+                .contains("but this rank reported its all-reduce in epoch 1"),
+            "{err}"
+        );
+        let err = rank.reduce(2, 1, 1e-3, 0.0).err().expect("refused");
+        assert!(err.to_string().contains("this rank is at step 0"), "{err}");
+        rank.reduce(1, 1, 1e-3, 0.0).unwrap();
+        assert_eq!(rank.step, 1);
+        assert_eq!(rank.next_step(), StepState::Open);
+        assert!(rank.takes_batches());
+    }
+
+    #[test]
+    fn a_withdrawn_abstention_takes_batches_again_and_a_new_epoch_reduces_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut rank, _pools, _rows) = cpu_rank(dir.path());
+        rank.group(1, &[0], None).unwrap();
+        assert!(rank.abstain(1).unwrap());
+        assert!(!rank.withdraw(2), "a stale withdrawal is ignored");
+        assert!(rank.withdraw(1));
+        assert!(rank.takes_batches() && !rank.reducing());
+        assert!(rank.abstain(1).unwrap());
+        assert!(rank.poll_reduce().unwrap().is_some());
+        rank.group(2, &[0], None).unwrap();
+        assert!(rank.reducing(), "epoch 2 reduces the held gradient again");
+        let again = rank.poll_reduce().unwrap().expect("reduced in epoch 2");
+        assert_eq!(again.epoch, 2);
+        assert!(rank.group(1, &[0], None).is_err(), "epochs only go forward");
+    }
 }

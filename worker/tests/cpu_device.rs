@@ -16,7 +16,8 @@ include!("parity/tests.rs");
 fn cpu_device_has_every_kernel() {
     use dflash_worker::device::{Device, GpuError, Stream};
     let mut d = dflash_worker::device::cpu::CpuDevice::new();
-    let names = dflash_worker::device::nvrtc::kernel_names(dflash_worker::device::nvrtc::KERNELS_CU);
+    let names =
+        dflash_worker::device::nvrtc::kernel_names(dflash_worker::device::nvrtc::KERNELS_CU);
     assert!(names.len() >= 20, "{names:?}");
     for k in names {
         let err = d.launch(Stream::Compute, &k, 1, 32, &[]).unwrap_err();

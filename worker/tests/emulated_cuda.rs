@@ -297,7 +297,8 @@ fn emulated_gemms_on_both_streams_use_a_handle_each() {
     dev.sync().unwrap();
     dev.gemm(dflash_worker::device::Stream::Compute, &g(c1))
         .unwrap();
-    dev.gemm(dflash_worker::device::Stream::Copy, &g(c2)).unwrap();
+    dev.gemm(dflash_worker::device::Stream::Copy, &g(c2))
+        .unwrap();
     dev.gemm(dflash_worker::device::Stream::Compute, &g(c1))
         .unwrap();
     dev.sync().unwrap();

@@ -5,11 +5,10 @@
 
 use dflash_shared::drafter::CollectiveKind;
 
-use super::{Collective, Formed, Reduced};
-use crate::error::{Result, WorkerError};
-use crate::device::drafter::{GpuDrafter, StepOutcome};
-use crate::device::ops::AdamHyper;
+use super::{Collective, Formed, Reduced, Sum};
+use crate::device::drafter::GpuDrafter;
 use crate::device::Event;
+use crate::error::{Result, WorkerError};
 
 pub struct LocalCollective {
     rank: u32,
@@ -92,22 +91,13 @@ impl Collective for LocalCollective {
         Ok(Some(d))
     }
 
-    fn apply(
-        &mut self,
-        step: u64,
-        weight_sum: f64,
-        clip: f32,
-        lr: f32,
-        hyper: &AdamHyper,
-        model: &mut GpuDrafter,
-    ) -> Result<Option<StepOutcome>> {
+    fn take(&mut self, step: u64, weight_sum: f64) -> Result<Sum<'_>> {
         let d = super::check_commit(self.done.map(|(d, _)| d), step, weight_sum)?;
         let (_, e) = self.done.take().expect("checked just above");
         self.held = None;
-        model
-            .apply_reduced(step, d.weight_sum, clip, lr, hyper, Some(e))
-            .map_err(WorkerError::device(format!(
-                "applying step {step} on the device"
-            )))
+        Ok(Sum::Device {
+            weight_sum: d.weight_sum,
+            after: Some(e),
+        })
     }
 }

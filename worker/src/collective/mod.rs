@@ -28,9 +28,9 @@ pub mod shm;
 
 use dflash_shared::drafter::CollectiveKind;
 
+use crate::device::drafter::GpuDrafter;
+use crate::device::Event;
 use crate::error::Result;
-use crate::device::drafter::{GpuDrafter, StepOutcome};
-use crate::device::ops::AdamHyper;
 
 /// What forming an epoch asks of the supervisor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,8 +43,20 @@ pub enum Formed {
     AwaitingId,
 }
 
-/// A completed all-reduce: the sum of the epoch's gradients is where [`Collective::apply`]
-/// reads it.
+/// Where a committed step's summed gradient is, for the rank's optimizer step.
+pub enum Sum<'a> {
+    /// Summed on the host and divided by the loss weights: to be uploaded.
+    Host(&'a [f32]),
+    /// Summed in the model's gradient buffer on the device (once `after`, when given, has
+    /// passed on the device): to be divided by `weight_sum` there.
+    Device {
+        weight_sum: f64,
+        after: Option<Event>,
+    },
+}
+
+/// A completed all-reduce: the sum of the epoch's gradients is what [`Collective::take`]
+/// hands over.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Reduced {
     pub step: u64,
@@ -77,18 +89,10 @@ pub trait Collective {
     /// complete (again after every new epoch).
     fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>>;
 
-    /// Apply committed step `step`: the sum of the last completed all-reduce divided by
-    /// `weight_sum`, clipped to `clip`, AdamW with `lr`. Returns the previous step's
-    /// outcome (see [`GpuDrafter::apply`]).
-    fn apply(
-        &mut self,
-        step: u64,
-        weight_sum: f64,
-        clip: f32,
-        lr: f32,
-        hyper: &AdamHyper,
-        model: &mut GpuDrafter,
-    ) -> Result<Option<StepOutcome>>;
+    /// Committed step `step`: hand over the sum of the last completed all-reduce, which
+    /// must be of `step` with these loss weights (`weight_sum`), and let go of the held
+    /// gradient. The rank applies it ([`Rank::reduce`](crate::train::Rank::reduce)).
+    fn take(&mut self, step: u64, weight_sum: f64) -> Result<Sum<'_>>;
 
     /// Have all the other ranks of the epoch posted the held step (so they wait for this
     /// one)? For tests that kill a rank in the middle of an all-reduce; a collective that

@@ -28,12 +28,11 @@ use std::time::Instant;
 
 use dflash_shared::drafter::CollectiveKind;
 
-use super::{Collective, Formed, Reduced};
-use crate::error::{Result, WorkerError};
-use crate::device::drafter::{GpuDrafter, StepOutcome};
+use super::{Collective, Formed, Reduced, Sum};
+use crate::device::drafter::GpuDrafter;
 use crate::device::libs::{self, CudaLib};
-use crate::device::ops::AdamHyper;
 use crate::device::{DSlice, Event, Stream};
+use crate::error::{Result, WorkerError};
 
 type Comm = *mut c_void;
 const ID_BYTES: usize = 128;
@@ -670,23 +669,14 @@ impl Collective for NcclCollective {
         }
     }
 
-    fn apply(
-        &mut self,
-        step: u64,
-        weight_sum: f64,
-        clip: f32,
-        lr: f32,
-        hyper: &AdamHyper,
-        model: &mut GpuDrafter,
-    ) -> Result<Option<StepOutcome>> {
+    fn take(&mut self, step: u64, weight_sum: f64) -> Result<Sum<'_>> {
         let d = super::check_commit(self.done, step, weight_sum)?;
         self.held = None;
         let after = self.launched.take().map(|(_, e)| e);
         self.done = None;
-        model
-            .apply_reduced(step, d.weight_sum, clip, lr, hyper, after)
-            .map_err(WorkerError::device(format!(
-                "applying step {step} on the device"
-            )))
+        Ok(Sum::Device {
+            weight_sum: d.weight_sum,
+            after,
+        })
     }
 }

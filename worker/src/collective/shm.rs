@@ -20,10 +20,9 @@ use std::time::Instant;
 use dflash_shared::drafter::{CollectiveKind, GRAD_SLOT_HEADER};
 use dflash_shared::pool::PoolMap;
 
-use super::{pack, Collective, Formed, Reduced};
+use super::{pack, Collective, Formed, Reduced, Sum};
+use crate::device::drafter::GpuDrafter;
 use crate::error::{Result, WorkerError};
-use crate::device::drafter::{GpuDrafter, StepOutcome};
-use crate::device::ops::AdamHyper;
 use crate::model::drafter::reduce_slots;
 
 pub struct ShmCollective {
@@ -254,20 +253,7 @@ impl Collective for ShmCollective {
         self.progress()
     }
 
-    fn apply(
-        &mut self,
-        step: u64,
-        weight_sum: f64,
-        clip: f32,
-        lr: f32,
-        hyper: &AdamHyper,
-        model: &mut GpuDrafter,
-    ) -> Result<Option<StepOutcome>> {
-        let g = self.take_sum(step, weight_sum)?;
-        model
-            .apply(step, g, clip, lr, hyper)
-            .map_err(WorkerError::device(format!(
-                "applying step {step} on the device"
-            )))
+    fn take(&mut self, step: u64, weight_sum: f64) -> Result<Sum<'_>> {
+        Ok(Sum::Host(self.take_sum(step, weight_sum)?))
     }
 }

@@ -451,7 +451,7 @@ impl Backend for Cpu {
                         srow.fill(0.0);
                     } else {
                         srow.iter_mut()
-                            .for_each(|sv| *sv = crate::model::drafter::exp_neg(*sv - max));
+                            .for_each(|sv| *sv = crate::math::exp_neg(*sv - max));
                         let sum: f32 = srow.iter().sum();
                         let inv = 1.0 / sum;
                         srow.iter_mut().for_each(|sv| *sv *= inv);

@@ -16,7 +16,7 @@
 #![allow(clippy::needless_range_loop)] // kernels index several buffers by one row/element index, as the CUDA source does
 
 use super::{Arg, DSlice, DevPtr, Device, Event, Gemm, GpuError, Result, Stream};
-use crate::model::drafter::exp_neg;
+use crate::math::exp_neg;
 
 pub struct CpuDevice {
     allocations: Vec<(*mut u8, std::alloc::Layout)>,

@@ -16,6 +16,11 @@ use ipc_channel::ipc::IpcOneShotServer;
 use nix::sys::signal::Signal;
 
 use super::{Event, LifeId};
+
+/// How often a worker sends heartbeats: a tenth of `--hang-timeout`, within 20 ms..1 s.
+pub fn heartbeat(hang_timeout: Duration) -> Duration {
+    (hang_timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1))
+}
 use crate::run::control;
 use crate::run::process::{GroupLeader, SpawnSpec, Spawner};
 use crate::run::reaper::Reaper;
@@ -118,7 +123,7 @@ impl Processes {
             worker_bin: cfg.worker_bin.clone(),
             target_dir: cfg.target_dir.clone(),
             run_dir,
-            heartbeat: super::spawning::heartbeat(cfg.hang_timeout),
+            heartbeat: heartbeat(cfg.hang_timeout),
             inherit_fds: data
                 .pipeline
                 .inherit_fds()

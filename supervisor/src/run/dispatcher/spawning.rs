@@ -1,7 +1,6 @@
 //! Starting one life of a worker through the [`Launcher`](super::launcher::Launcher), and
 //! recording it.
 
-use std::time::Duration;
 
 use serde_json::json;
 
@@ -10,11 +9,6 @@ use super::life::{Life, LifeState, Status};
 use super::{obj, Dispatcher, StopReason};
 use crate::run::rundir::now_rfc3339;
 use crate::run::worker_log::Tag;
-
-/// How often a worker sends heartbeats: a tenth of `--hang-timeout`, within 20 ms..1 s.
-pub fn heartbeat(hang_timeout: Duration) -> Duration {
-    (hang_timeout / 10).clamp(Duration::from_millis(20), Duration::from_secs(1))
-}
 
 impl Dispatcher {
     pub(super) fn spawn(&mut self, worker: usize) {
