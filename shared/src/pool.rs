@@ -21,20 +21,21 @@
 //! happens:
 //!
 //! 1. loader thread writes a token slot → `LoaderEvent::Produced` (mpsc) → dispatcher
-//!    (`supervisor/src/pipeline.rs`, `start_loader`);
+//!    (`supervisor/src/data/pipeline.rs`, `start_loader`);
 //! 2. the supervisor writes a header ([`PoolMap::publish`]: fields Relaxed, state Release)
 //!    → then sends `Deliver`/`Lease` → the worker receives it and loads the state with
 //!    Acquire before it trusts gen/len/batch_id (`worker/src/plane.rs`, `check_header`);
 //! 3. a target writes a hidden-state slot (on a GPU: after the event behind its last
 //!    device-to-host copy) → `Commit` → the supervisor marks it READY and delivers it
-//!    (`worker/src/plane.rs`, `work`; `supervisor/src/pipeline.rs`, `deliver`);
-//! 4. a reader is done with a slot → `Ack`/`Grads` → only then may the supervisor lease
-//!    it to a writer again (write-after-read; `worker/src/plane.rs`, `work`);
-//! 5. a drafter writes its gradient slot → `Grads` → the supervisor sends `Reduce`
-//!    naming every member's slot → each member reads them all (`worker/src/train.rs`,
-//!    `supervisor/src/trainer.rs`); a drafter writes the state slot → `SnapshotDone` →
-//!    the supervisor or a rejoining rank reads it (`supervisor/src/trainer.rs`,
-//!    `checkpoint_from_snapshot`).
+//!    (`worker/src/plane.rs`, `run_target`; `supervisor/src/data/pipeline.rs`);
+//! 4. a reader is done with a slot → `Ack`/`Grads`/`Evaluated` → only then may the
+//!    supervisor lease it to a writer again (write-after-read; `worker/src/plane.rs`);
+//! 5. a drafter writes its gradient slot of the shared-memory collective, then stores the
+//!    slot's stamp (Release); the other ranks load every stamp (Acquire) before they read
+//!    the slots (`worker/src/collective/shm.rs`: that edge is between workers, with no
+//!    message); a drafter writes the state slot → `SnapshotDone` → the supervisor or a
+//!    rejoining rank reads it (`worker/src/train.rs`, `snapshot`;
+//!    `supervisor/src/training/trainer.rs`, `checkpoint_from_snapshot`).
 //!
 //! The header's Release/Acquire pair orders only the header's own fields (so a worker
 //! that sees the state also sees the gen/len/batch_id stored before it); it does not

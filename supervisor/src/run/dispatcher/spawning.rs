@@ -1,7 +1,6 @@
 //! Starting one life of a worker through the [`Launcher`](super::launcher::Launcher), and
 //! recording it.
 
-
 use serde_json::json;
 
 use super::launcher::{Launch, SpawnError};
