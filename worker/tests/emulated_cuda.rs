@@ -15,7 +15,7 @@ use std::process::Command;
 use std::sync::Once;
 
 use dflash_worker::device::cuda::{cublas_dims, CudaDevice};
-use dflash_worker::device::{Arg, Device};
+use dflash_worker::device::Device;
 
 /// target/<profile>/ (this executable is target/<profile>/deps/emulated_cuda-HASH).
 fn target_dir() -> PathBuf {
@@ -331,14 +331,14 @@ fn emulated_a_failed_kernel_is_an_error_of_its_event_not_a_wait() {
                 ptr: 0x10,
                 bytes: 256,
             };
-            dev.launch(
-                dflash_worker::device::Stream::Compute,
-                "add_inplace",
-                1,
-                64,
-                &[Arg::RW(ok), Arg::R(bad), Arg::I64(64)],
-            )
-            .unwrap();
+            let add = dflash_worker::device::kernels::Kernel::AddInplace {
+                act: dflash_worker::device::kernels::Act::F32,
+                x: ok,
+                y: bad,
+                n: 64,
+            };
+            dev.launch(dflash_worker::device::Stream::Compute, &add, 1, 64)
+                .unwrap();
             let e = dev.record(dflash_worker::device::Stream::Compute).unwrap();
             // Polled as a worker's loop polls an all-reduce: an error within a bounded number of
             // polls, never "not done yet" forever.

@@ -93,46 +93,28 @@ fn host_device_race_detector_catches_copies_not_ordered_after_compute() {
 
 #[test]
 fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
-    if on_gpu() {
-        return;
-    }
-    let mut o = ops();
-    let a = put(&mut o, &[0.0; 8]);
-    let err = o
-        .dev
-        .launch(Stream::Compute, "no_such_kernel", 1, 32, &[])
+    use dflash_worker::device::{Arg, Device};
+    // The C-parameter level under the typed kernels (`Kernel::args`): what a launch
+    // that got them wrong would meet on the host device.
+    let mut dev = HostDevice::new();
+    let p = dev.alloc(32).unwrap();
+    let a = DSlice { ptr: p, bytes: 32 };
+    let c = Stream::Compute;
+    let err = dev
+        .launch_args(c, "no_such_kernel", 1, 32, &[])
         .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("no_such_kernel")));
-    let err = o
-        .dev
-        .launch(
-            Stream::Compute,
-            "add_inplace",
-            1,
-            32,
-            &[dflash_worker::device::Arg::RW(a)],
-        )
+    let err = dev
+        .launch_args(c, "add_inplace", 1, 32, &[Arg::RW(a)])
         .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("takes 3 arguments")));
-    let args = [
-        dflash_worker::device::Arg::RW(a),
-        dflash_worker::device::Arg::R(a),
-        dflash_worker::device::Arg::I64(8),
-    ];
-    let err = o
-        .dev
-        .launch(Stream::Compute, "add_inplace", 1, 48, &args)
-        .unwrap_err();
+    let args = [Arg::RW(a), Arg::R(a), Arg::I64(8)];
+    let err = dev.launch_args(c, "add_inplace", 1, 48, &args).unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("multiple of 32")));
     // `long n` given as a 4-byte integer: fine on the host by luck, garbage on a GPU.
-    let narrow = [
-        dflash_worker::device::Arg::RW(a),
-        dflash_worker::device::Arg::R(a),
-        dflash_worker::device::Arg::I32(8),
-    ];
-    let err = o
-        .dev
-        .launch(Stream::Compute, "add_inplace", 1, 32, &narrow)
+    let narrow = [Arg::RW(a), Arg::R(a), Arg::I32(8)];
+    let err = dev
+        .launch_args(c, "add_inplace", 1, 32, &narrow)
         .unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("parameter 2 is of kind 'l'")));
     // Every kernel of kernels.cu is in the host device's table.

@@ -15,6 +15,7 @@
 
 #![allow(clippy::needless_range_loop)] // kernels index several buffers by one row/element index, as the CUDA source does
 
+use super::kernels::{Act, AdamHyper, Attention, AttentionGrad, Kernel};
 use super::{Arg, DSlice, DevPtr, Device, Event, Gemm, GpuError, Result, Stream};
 use crate::math::exp_neg;
 
@@ -65,91 +66,41 @@ impl Drop for CpuDevice {
     }
 }
 
-/// The kernel's arguments, decoded by position.
-struct Args<'a> {
-    kernel: &'a str,
-    args: &'a [Arg],
-}
-
-impl Args<'_> {
-    fn bad(&self, i: usize, want: &str) -> GpuError {
-        GpuError::Invalid(format!(
-            "{}: argument {i} should be {want}, is {:?}",
-            self.kernel,
-            self.args.get(i)
-        ))
-    }
-
-    fn buf(&self, i: usize) -> Result<DSlice> {
-        match self.args.get(i) {
-            Some(Arg::R(b) | Arg::W(b) | Arg::RW(b)) => Ok(*b),
-            _ => Err(self.bad(i, "a buffer")),
-        }
-    }
-
-    fn opt_buf(&self, i: usize) -> Result<Option<DSlice>> {
-        match self.args.get(i) {
-            Some(Arg::Null) => Ok(None),
-            _ => self.buf(i).map(Some),
-        }
-    }
-
-    fn int(&self, i: usize) -> Result<i64> {
-        match self.args.get(i) {
-            Some(Arg::I32(v)) => Ok(*v as i64),
-            Some(Arg::I64(v)) => Ok(*v),
-            Some(Arg::U32(v)) => Ok(*v as i64),
-            _ => Err(self.bad(i, "an integer")),
-        }
-    }
-
-    fn usize(&self, i: usize) -> Result<usize> {
-        usize::try_from(self.int(i)?).map_err(|_| self.bad(i, "a non-negative integer"))
-    }
-
-    fn f32(&self, i: usize) -> Result<f32> {
-        match self.args.get(i) {
-            Some(Arg::F32(v)) => Ok(*v),
-            _ => Err(self.bad(i, "a float")),
-        }
-    }
-
-    /// No buffer a kernel writes may overlap another of its buffers: the Rust kernels
-    /// below take them as separate slices.
-    fn check_aliasing(&self) -> Result<()> {
-        let range = |b: &DSlice| b.ptr..b.ptr + b.bytes as u64;
-        for (i, a) in self.args.iter().enumerate() {
-            let (Arg::W(w) | Arg::RW(w)) = a else {
+/// No buffer a kernel writes may overlap another of its buffers: the Rust kernels below
+/// take them as separate slices.
+fn check_aliasing(k: &Kernel) -> Result<()> {
+    let (kernel, args) = (k.name(), k.args());
+    let range = |b: &DSlice| b.ptr..b.ptr + b.bytes as u64;
+    for (i, a) in args.iter().enumerate() {
+        let (Arg::W(w) | Arg::RW(w)) = a else {
+            continue;
+        };
+        for (j, b) in args.iter().enumerate() {
+            let (Arg::R(o) | Arg::W(o) | Arg::RW(o)) = b else {
                 continue;
             };
-            for (j, b) in self.args.iter().enumerate() {
-                let (Arg::R(o) | Arg::W(o) | Arg::RW(o)) = b else {
-                    continue;
-                };
-                let (x, y) = (range(w), range(o));
-                // RMSNorm may run in place (y = x exactly), as the target's q/k norms do.
-                let in_place = self.kernel == "rmsnorm_fwd" && (i, j) == (0, 2) && w == o;
-                if i != j
-                    && !in_place
-                    && x.start < y.end
-                    && y.start < x.end
-                    && w.bytes > 0
-                    && o.bytes > 0
-                {
-                    return Err(GpuError::Invalid(format!(
-                        "{}: argument {i} is written and overlaps argument {j}",
-                        self.kernel
-                    )));
-                }
+            let (x, y) = (range(w), range(o));
+            // RMSNorm may run in place (y = x exactly), as the target's q/k norms do.
+            let in_place = kernel == "rmsnorm_fwd" && (i, j) == (0, 2) && w == o;
+            if i != j
+                && !in_place
+                && x.start < y.end
+                && y.start < x.end
+                && w.bytes > 0
+                && o.bytes > 0
+            {
+                return Err(GpuError::Invalid(format!(
+                    "{kernel}: argument {i} is written and overlaps argument {j}"
+                )));
             }
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// # Safety
 /// `b` must be memory of this device holding `T`s, not written through another slice
-/// while this one lives (see [`Args::check_aliasing`]).
+/// while this one lives (see [`check_aliasing`]).
 unsafe fn rd<'a, T>(b: DSlice) -> &'a [T] {
     if b.bytes == 0 {
         return &[];
@@ -285,17 +236,11 @@ impl Device for CpuDevice {
         Ok(())
     }
 
-    fn launch(
-        &mut self,
-        s: Stream,
-        kernel: &str,
-        grid: u32,
-        block: u32,
-        args: &[Arg],
-    ) -> Result<()> {
+    fn launch(&mut self, _s: Stream, k: &Kernel, grid: u32, _block: u32) -> Result<()> {
         let t0 = std::time::Instant::now();
-        let r = self.run_kernel(s, kernel, grid, block, args);
+        let r = self.run_kernel(k, grid as usize);
         if r.is_ok() {
+            let kernel = k.name();
             match self.seconds.get_mut(kernel) {
                 Some(v) => *v += t0.elapsed().as_secs_f64(),
                 None => {
@@ -342,489 +287,390 @@ impl Device for CpuDevice {
     }
 }
 
-/// The bf16 kernels (a GPU target's activations) and which of their arguments are bf16:
-/// on the CPU device each runs as its f32 kernel on widened copies, its bf16 outputs
-/// rounded once at the end (nearest even), as the CUDA kernels compute in f32 and round
-/// on store.
-const BF16_KERNELS: [(&str, &str, &[usize]); 7] = [
-    ("embed_gather_bf16", "embed_gather", &[0, 1]),
-    ("add_inplace_bf16", "add_inplace", &[0, 1]),
-    ("copy_cols_bf16", "copy_cols", &[0, 1]),
-    ("swiglu_fwd_bf16", "swiglu_fwd", &[0, 1, 2]),
-    ("rmsnorm_fwd_bf16", "rmsnorm_fwd", &[0, 2]),
-    ("rope_bf16", "rope", &[0]),
-    ("attention_fwd_bf16", "attention_fwd", &[0, 2, 3, 4]),
-];
+/// bf16 buffers of a kernel run as its f32 one on the CPU device: each widened into a
+/// temporary of its own (even where two arguments name one buffer, in place), and the
+/// written ones rounded back once at the end (nearest even), as the CUDA kernels compute
+/// in f32 and round on store.
+#[derive(Default)]
+struct Widened {
+    temps: Vec<(DSlice, Vec<f32>, bool)>,
+}
 
-impl CpuDevice {
-    /// Run a bf16 kernel as its f32 one (see [`BF16_KERNELS`]).
-    fn via_f32(
-        &mut self,
-        s: Stream,
-        (kernel, f32_kernel, bf16): (&str, &str, &[usize]),
-        grid: u32,
-        block: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        let mut wide: Vec<(usize, Vec<f32>)> = Vec::new();
-        let mut args2 = args.to_vec();
-        for &i in bf16 {
-            let buf = match args.get(i) {
-                Some(Arg::R(b) | Arg::W(b) | Arg::RW(b)) => *b,
-                other => {
-                    return Err(GpuError::Invalid(format!(
-                        "{kernel}: argument {i} should be a bf16 buffer, is {other:?}"
-                    )))
-                }
-            };
-            // SAFETY: the argument is this device's memory of `buf.bytes` bytes.
-            let bits = unsafe { std::slice::from_raw_parts(buf.ptr as *const u16, buf.bytes / 2) };
-            wide.push((
-                i,
-                bits.iter()
-                    .map(|b| f32::from_bits((*b as u32) << 16))
-                    .collect(),
-            ));
-        }
-        // One temporary per buffer, even where two arguments name one buffer (in place).
-        for (i, v) in wide.iter_mut() {
-            let d = DSlice {
-                ptr: v.as_mut_ptr() as u64,
-                bytes: v.len() * 4,
-            };
-            args2[*i] = match args[*i] {
-                Arg::R(_) => Arg::R(d),
-                Arg::W(_) => Arg::W(d),
-                _ => Arg::RW(d),
-            };
-        }
-        self.run_kernel(s, f32_kernel, grid, block, &args2)?;
-        for (i, v) in &wide {
-            if let Arg::W(b) | Arg::RW(b) = args[*i] {
-                // SAFETY: as above; written by this kernel only.
-                let bits =
-                    unsafe { std::slice::from_raw_parts_mut(b.ptr as *mut u16, b.bytes / 2) };
-                for (o, x) in bits.iter_mut().zip(v) {
+impl Widened {
+    /// # Safety
+    /// `b` must be this device's memory of `b.bytes` bytes of bf16.
+    unsafe fn add(&mut self, b: DSlice, written: bool) -> DSlice {
+        let bits = rd::<u16>(b);
+        let mut v: Vec<f32> = bits
+            .iter()
+            .map(|b| f32::from_bits((*b as u32) << 16))
+            .collect();
+        let d = DSlice {
+            ptr: v.as_mut_ptr() as u64,
+            bytes: v.len() * 4,
+        };
+        self.temps.push((b, v, written));
+        d
+    }
+
+    /// # Safety
+    /// As for [`add`](Self::add).
+    unsafe fn input(&mut self, b: DSlice) -> DSlice {
+        self.add(b, false)
+    }
+
+    /// # Safety
+    /// As for [`add`](Self::add).
+    unsafe fn output(&mut self, b: DSlice) -> DSlice {
+        self.add(b, true)
+    }
+
+    /// Round the written temporaries into their bf16 buffers.
+    ///
+    /// # Safety
+    /// As for [`add`](Self::add); the kernel that wrote them has returned.
+    unsafe fn store(self) {
+        for (b, v, written) in &self.temps {
+            if *written {
+                for (o, x) in wr::<u16>(*b).iter_mut().zip(v) {
                     *o = half::bf16::from_f32(*x).to_bits();
                 }
             }
         }
-        Ok(())
     }
+}
 
-    fn run_kernel(
-        &mut self,
-        s: Stream,
-        kernel: &str,
-        grid: u32,
-        block: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        if let Some(&entry) = BF16_KERNELS.iter().find(|(k, ..)| *k == kernel) {
-            return self.via_f32(s, entry, grid, block, args);
+/// The f32 kernel a bf16 activation kernel runs as, over `w`'s temporaries; `None` for a
+/// kernel that is f32 already.
+///
+/// # Safety
+/// The kernel's buffers are this device's memory.
+unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
+    let f = Act::F32;
+    Some(match *k {
+        Kernel::EmbedGather {
+            act: Act::Bf16,
+            out,
+            table,
+            ids,
+            h,
+            vocab,
+        } => Kernel::EmbedGather {
+            act: f,
+            out: w.output(out),
+            table: w.input(table),
+            ids,
+            h,
+            vocab,
+        },
+        Kernel::AddInplace {
+            act: Act::Bf16,
+            x,
+            y,
+            n,
+        } => Kernel::AddInplace {
+            act: f,
+            x: w.output(x),
+            y: w.input(y),
+            n,
+        },
+        Kernel::CopyCols {
+            act: Act::Bf16,
+            dst,
+            src,
+            width,
+            dst_stride,
+            dst_off,
+            src_stride,
+            src_off,
+        } => Kernel::CopyCols {
+            act: f,
+            dst: w.output(dst),
+            src: w.input(src),
+            width,
+            dst_stride,
+            dst_off,
+            src_stride,
+            src_off,
+        },
+        Kernel::SwigluFwd {
+            act: Act::Bf16,
+            out,
+            gate,
+            up,
+            n,
+        } => Kernel::SwigluFwd {
+            act: f,
+            out: w.output(out),
+            gate: w.input(gate),
+            up: w.input(up),
+            n,
+        },
+        Kernel::RmsnormFwd {
+            act: Act::Bf16,
+            y,
+            rstd,
+            x,
+            w: weight,
+            d,
+            eps,
+        } => Kernel::RmsnormFwd {
+            act: f,
+            y: w.output(y),
+            rstd,
+            x: w.input(x),
+            w: weight,
+            d,
+            eps,
+        },
+        Kernel::Rope {
+            act: Act::Bf16,
+            x,
+            pos,
+            inv_freq,
+            heads,
+            head_dim,
+            scale,
+            inverse,
+        } => Kernel::Rope {
+            act: f,
+            x: w.output(x),
+            pos,
+            inv_freq,
+            heads,
+            head_dim,
+            scale,
+            inverse,
+        },
+        Kernel::AttentionFwd { act: Act::Bf16, a } => Kernel::AttentionFwd {
+            act: f,
+            a: Attention {
+                out: w.output(a.out),
+                q: w.input(a.q),
+                k: w.input(a.k),
+                v: w.input(a.v),
+                ..a
+            },
+        },
+        _ => return None,
+    })
+}
+
+impl CpuDevice {
+    /// Run `k` over `rows` (the launch's grid).
+    fn run_kernel(&mut self, k: &Kernel, rows: usize) -> Result<()> {
+        let mut wide = Widened::default();
+        // SAFETY: the kernel's buffers are this device's memory (the models allocate them
+        // from its arena).
+        if let Some(k32) = unsafe { as_f32(k, &mut wide) } {
+            self.run_kernel(&k32, rows)?;
+            // SAFETY: as above; the kernel has returned.
+            unsafe { wide.store() };
+            return Ok(());
         }
-        let a = Args { kernel, args };
-        a.check_aliasing()?;
-        let rows = grid as usize;
-        // SAFETY (every arm): the buffers are this device's memory (the models allocate them
-        // from its arena), checked for length against the launch below, and not aliased
-        // (check_aliasing), so the slices are disjoint.
+        check_aliasing(k)?;
+        let name = k.name();
+        // SAFETY (every arm): the buffers are this device's memory, checked for length
+        // against the launch in each kernel, and not aliased (check_aliasing), so the
+        // slices are disjoint.
         unsafe {
-            match kernel {
-                "embed_gather" => {
-                    let (h, vocab) = (a.usize(3)?, a.usize(4)?);
-                    let (out, table, ids) = (
-                        wr::<f32>(a.buf(0)?),
-                        rd::<f32>(a.buf(1)?),
-                        rd::<u32>(a.buf(2)?),
-                    );
-                    need(kernel, "out", out.len(), rows * h)?;
-                    need(kernel, "ids", ids.len(), rows)?;
-                    need(kernel, "table", table.len(), vocab * h)?;
-                    for (r, o) in out.chunks_exact_mut(h).take(rows).enumerate() {
-                        let id = (ids[r] as usize).min(vocab - 1);
-                        o.copy_from_slice(&table[id * h..(id + 1) * h]);
-                    }
+            match *k {
+                Kernel::EmbedGather {
+                    out,
+                    table,
+                    ids,
+                    h,
+                    vocab,
+                    ..
+                } => embed_gather(rows, wr(out), rd(table), rd(ids), h, vocab),
+                Kernel::ScatterAddRows { dst, src, idx, h } => {
+                    scatter_add_rows(rows, wr(dst), rd(src), rd(idx), h)
                 }
-                "scatter_add_rows" => {
-                    let h = a.usize(3)?;
-                    let (dst, src, idx) = (
-                        wr::<f32>(a.buf(0)?),
-                        rd::<f32>(a.buf(1)?),
-                        rd::<u32>(a.buf(2)?),
-                    );
-                    need(kernel, "src", src.len(), rows * h)?;
-                    need(kernel, "idx", idx.len(), rows)?;
-                    for r in 0..rows {
-                        let to = idx[r] as usize;
-                        need(kernel, "dst", dst.len(), (to + 1) * h)?;
-                        for (d, s) in dst[to * h..(to + 1) * h]
-                            .iter_mut()
-                            .zip(&src[r * h..(r + 1) * h])
-                        {
-                            *d += s;
-                        }
-                    }
-                }
-                "bf16_to_f32" => {
-                    let n = a.usize(2)?;
-                    let (out, input) = (wr::<f32>(a.buf(0)?), rd::<u16>(a.buf(1)?));
-                    need(kernel, "out", out.len(), n)?;
-                    need(kernel, "in", input.len(), n)?;
+                Kernel::Bf16ToF32 { out, input, n } => {
+                    let (out, input) = (wr::<f32>(out), rd::<u16>(input));
+                    need(name, "out", out.len(), n)?;
+                    need(name, "in", input.len(), n)?;
                     for (o, b) in out[..n].iter_mut().zip(input) {
                         *o = f32::from_bits((*b as u32) << 16);
                     }
+                    Ok(())
                 }
-                "f32_to_bf16" => {
-                    let n = a.usize(2)?;
-                    let (out, input) = (wr::<u16>(a.buf(0)?), rd::<f32>(a.buf(1)?));
-                    need(kernel, "out", out.len(), n)?;
-                    need(kernel, "in", input.len(), n)?;
+                Kernel::F32ToBf16 { out, input, n } => {
+                    let (out, input) = (wr::<u16>(out), rd::<f32>(input));
+                    need(name, "out", out.len(), n)?;
+                    need(name, "in", input.len(), n)?;
                     for (o, x) in out[..n].iter_mut().zip(input) {
                         *o = half::bf16::from_f32(*x).to_bits();
                     }
+                    Ok(())
                 }
-                "add_inplace" => {
-                    let n = a.usize(2)?;
-                    let (x, y) = (wr::<f32>(a.buf(0)?), rd::<f32>(a.buf(1)?));
-                    need(kernel, "x", x.len(), n)?;
-                    need(kernel, "y", y.len(), n)?;
+                Kernel::AddInplace { x, y, n, .. } => {
+                    let (x, y) = (wr::<f32>(x), rd::<f32>(y));
+                    need(name, "x", x.len(), n)?;
+                    need(name, "y", y.len(), n)?;
                     x[..n].iter_mut().zip(y).for_each(|(x, y)| *x += y);
+                    Ok(())
                 }
-                "copy_cols" => {
-                    let (width, ds, doff, ss, soff) = (
-                        a.usize(2)?,
-                        a.usize(3)?,
-                        a.usize(4)?,
-                        a.usize(5)?,
-                        a.usize(6)?,
-                    );
-                    let (dst, src) = (wr::<f32>(a.buf(0)?), rd::<f32>(a.buf(1)?));
-                    if rows > 0 {
-                        need(kernel, "dst", dst.len(), (rows - 1) * ds + doff + width)?;
-                        need(kernel, "src", src.len(), (rows - 1) * ss + soff + width)?;
-                    }
-                    for r in 0..rows {
-                        dst[r * ds + doff..r * ds + doff + width]
-                            .copy_from_slice(&src[r * ss + soff..r * ss + soff + width]);
-                    }
-                }
-                "swiglu_fwd" => {
-                    let n = a.usize(3)?;
-                    let (out, gate, up) = (
-                        wr::<f32>(a.buf(0)?),
-                        rd::<f32>(a.buf(1)?),
-                        rd::<f32>(a.buf(2)?),
-                    );
-                    need(
-                        kernel,
-                        "buffers",
-                        out.len().min(gate.len()).min(up.len()),
-                        n,
-                    )?;
-                    for i in 0..n {
-                        let g = gate[i];
-                        let s = 1.0 / (1.0 + (-g).exp());
-                        out[i] = g * s * up[i];
-                    }
-                }
-                "swiglu_bwd" => {
-                    let n = a.usize(5)?;
-                    let (dgate, dup) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?));
-                    let (dout, gate, up) = (
-                        rd::<f32>(a.buf(2)?),
-                        rd::<f32>(a.buf(3)?),
-                        rd::<f32>(a.buf(4)?),
-                    );
-                    need(
-                        kernel,
-                        "buffers",
-                        dgate
-                            .len()
-                            .min(dup.len())
-                            .min(dout.len())
-                            .min(gate.len())
-                            .min(up.len()),
-                        n,
-                    )?;
-                    for i in 0..n {
-                        let (g, u, d) = (gate[i], up[i], dout[i]);
-                        let s = 1.0 / (1.0 + (-g).exp());
-                        dup[i] += d * g * s;
-                        dgate[i] += d * u * s * (1.0 + g * (1.0 - s));
-                    }
-                }
-                "rmsnorm_fwd" => {
-                    let (d, eps) = (a.usize(4)?, a.f32(5)?);
-                    let (yb, xb) = (a.buf(0)?, a.buf(2)?);
-                    let (rstd, w) = (wr::<f32>(a.buf(1)?), rd::<f32>(a.buf(3)?));
-                    need(kernel, "x/y", xb.len_f32().min(yb.len_f32()), rows * d)?;
-                    need(kernel, "rstd", rstd.len(), rows)?;
-                    need(kernel, "w", w.len(), d)?;
-                    // x and y are one buffer or disjoint (check_aliasing): raw pointers, each
-                    // row read whole before it is written.
-                    let (y, x) = (yb.ptr as *mut f32, xb.ptr as *const f32);
-                    for r in 0..rows {
-                        let mut ss = 0f32;
-                        for i in 0..d {
-                            let v = *x.add(r * d + i);
-                            ss += v * v;
-                        }
-                        let rs = 1.0 / (ss / d as f32 + eps).sqrt();
-                        for i in 0..d {
-                            *y.add(r * d + i) = *x.add(r * d + i) * rs * w[i];
-                        }
-                        rstd[r] = rs;
-                    }
-                }
-                "rmsnorm_bwd" => {
-                    let d = a.usize(6)?;
-                    let dx = wr::<f32>(a.buf(0)?);
-                    let dw = a.opt_buf(1)?.map(|b| wr::<f32>(b));
-                    let (dy, x, w, rstd) = (
-                        rd::<f32>(a.buf(2)?),
-                        rd::<f32>(a.buf(3)?),
-                        rd::<f32>(a.buf(4)?),
-                        rd::<f32>(a.buf(5)?),
-                    );
-                    need(
-                        kernel,
-                        "dx/dy/x",
-                        dx.len().min(dy.len()).min(x.len()),
-                        rows * d,
-                    )?;
-                    need(kernel, "rstd", rstd.len(), rows)?;
-                    need(kernel, "w", w.len(), d)?;
-                    let mut dw = dw;
-                    if let Some(dw) = dw.as_deref() {
-                        need(kernel, "dw", dw.len(), d)?;
-                    }
-                    for r in 0..rows {
-                        let (xr, gr, rs) =
-                            (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d], rstd[r]);
-                        let gx: f32 = gr
-                            .iter()
-                            .zip(w)
-                            .zip(xr)
-                            .map(|((g, w), x)| g * w * x)
-                            .sum::<f32>()
-                            / d as f32;
-                        for i in 0..d {
-                            dx[r * d + i] += rs * gr[i] * w[i] - xr[i] * rs * rs * rs * gx;
-                        }
-                        if let Some(dw) = dw.as_deref_mut() {
-                            for i in 0..d {
-                                dw[i] += gr[i] * xr[i] * rs;
-                            }
-                        }
-                    }
-                }
-                "rope" => {
-                    let (heads, hd, scale, inverse) =
-                        (a.usize(3)?, a.usize(4)?, a.f32(5)?, a.int(6)? != 0);
-                    let (x, pos, inv_freq) = (
-                        wr::<f32>(a.buf(0)?),
-                        rd::<i32>(a.buf(1)?),
-                        rd::<f32>(a.buf(2)?),
-                    );
-                    let half = hd / 2;
-                    need(kernel, "x", x.len(), rows * heads * hd)?;
-                    need(kernel, "pos", pos.len(), rows)?;
-                    need(kernel, "inv_freq", inv_freq.len(), half)?;
-                    for r in 0..rows {
-                        let p = pos[r] as f32;
-                        for i in 0..half {
-                            let (mut s, c) = (p * inv_freq[i]).sin_cos();
-                            s *= scale;
-                            let c = c * scale;
-                            if inverse {
-                                s = -s;
-                            }
-                            for h in 0..heads {
-                                let base = r * heads * hd + h * hd;
-                                let (x1, x2) = (x[base + i], x[base + i + half]);
-                                x[base + i] = x1 * c - x2 * s;
-                                x[base + i + half] = x2 * c + x1 * s;
-                            }
-                        }
-                    }
-                }
-                "attention_fwd" => self.attention_fwd(&a)?,
-                "attention_bwd" => self.attention_bwd(&a)?,
-                "ce_chunk_stats" => {
-                    let (cw, start) = (a.usize(7)?, a.usize(8)?);
-                    let (run_max, run_sum, best_v) = (
-                        wr::<f32>(a.buf(0)?),
-                        wr::<f32>(a.buf(1)?),
-                        wr::<f32>(a.buf(2)?),
-                    );
-                    let (best_i, label_logit) = (wr::<i32>(a.buf(3)?), wr::<f32>(a.buf(4)?));
-                    let (logits, labels) = (rd::<f32>(a.buf(5)?), rd::<i32>(a.buf(6)?));
-                    need(
-                        kernel,
-                        "row stats",
-                        run_max
-                            .len()
-                            .min(run_sum.len())
-                            .min(best_v.len())
-                            .min(best_i.len())
-                            .min(label_logit.len())
-                            .min(labels.len()),
-                        rows,
-                    )?;
-                    need(kernel, "logits", logits.len(), rows * cw)?;
-                    for r in 0..rows {
-                        let lr = &logits[r * cw..(r + 1) * cw];
-                        let (mut cmax, mut cidx) = (f32::NEG_INFINITY, 0usize);
-                        for (j, &v) in lr.iter().enumerate() {
-                            if v > cmax {
-                                (cmax, cidx) = (v, j);
-                            }
-                        }
-                        let m_old = run_max[r];
-                        let m_new = m_old.max(cmax);
-                        let s: f32 = lr.iter().map(|&v| exp_neg(v - m_new)).sum();
-                        run_sum[r] = run_sum[r] * exp_neg(m_old - m_new) + s;
-                        run_max[r] = m_new;
-                        if cmax > best_v[r] {
-                            best_v[r] = cmax;
-                            best_i[r] = (start + cidx) as i32;
-                        }
-                        let lab = labels[r];
-                        if lab >= start as i32 && (lab as usize) < start + cw {
-                            label_logit[r] = lr[lab as usize - start];
-                        }
-                    }
-                }
-                "ce_chunk_grad" => {
-                    let (cw, start) = (a.usize(5)?, a.usize(6)?);
-                    let logits = wr::<f32>(a.buf(0)?);
-                    let (run_max, run_sum, labels, scale) = (
-                        rd::<f32>(a.buf(1)?),
-                        rd::<f32>(a.buf(2)?),
-                        rd::<i32>(a.buf(3)?),
-                        rd::<f32>(a.buf(4)?),
-                    );
-                    need(
-                        kernel,
-                        "row stats",
-                        run_max
-                            .len()
-                            .min(run_sum.len())
-                            .min(labels.len())
-                            .min(scale.len()),
-                        rows,
-                    )?;
-                    need(kernel, "logits", logits.len(), rows * cw)?;
-                    for r in 0..rows {
-                        let (m, inv, sc, lab) = (run_max[r], 1.0 / run_sum[r], scale[r], labels[r]);
-                        for (j, l) in logits[r * cw..(r + 1) * cw].iter_mut().enumerate() {
-                            let p = exp_neg(*l - m) * inv;
-                            let g = (p - if (start + j) as i32 == lab { 1.0 } else { 0.0 }) * sc;
-                            *l = if g.abs() < 1e-30 { 0.0 } else { g };
-                        }
-                    }
-                }
-                "sumsq" => {
-                    let n = a.usize(3)?;
-                    let (partials, nonfinite, g) = (
-                        wr::<f64>(a.buf(0)?),
-                        wr::<i32>(a.buf(1)?),
-                        rd::<f32>(a.buf(2)?),
-                    );
-                    need(kernel, "partials", partials.len(), rows)?;
-                    need(kernel, "g", g.len(), n)?;
-                    // One share (the whole sum, in order), the others zero: sumsq_finish adds
-                    // them all as on a GPU.
-                    let mut s = 0f64;
-                    let mut bad = false;
-                    for &x in &g[..n] {
-                        if x.is_finite() {
-                            s += (x as f64) * (x as f64);
-                        } else {
-                            bad = true;
-                        }
-                    }
-                    partials[..rows].iter_mut().for_each(|p| *p = 0.0);
-                    if rows > 0 {
-                        partials[0] = s;
-                    }
-                    if bad {
-                        nonfinite[0] = 1;
-                    }
-                }
-                "sumsq_finish" => {
-                    let blocks = a.usize(2)?;
-                    let (acc, partials) = (wr::<f64>(a.buf(0)?), rd::<f64>(a.buf(1)?));
-                    need(kernel, "partials", partials.len(), blocks)?;
+                Kernel::CopyCols {
+                    dst,
+                    src,
+                    width,
+                    dst_stride,
+                    dst_off,
+                    src_stride,
+                    src_off,
+                    ..
+                } => copy_cols(
+                    rows,
+                    wr(dst),
+                    rd(src),
+                    width,
+                    (dst_stride, dst_off),
+                    (src_stride, src_off),
+                ),
+                Kernel::SwigluFwd {
+                    out, gate, up, n, ..
+                } => swiglu_fwd(wr(out), rd(gate), rd(up), n),
+                Kernel::SwigluBwd {
+                    dgate,
+                    dup,
+                    dout,
+                    gate,
+                    up,
+                    n,
+                } => swiglu_bwd(wr(dgate), wr(dup), rd(dout), rd(gate), rd(up), n),
+                Kernel::RmsnormFwd {
+                    y,
+                    rstd,
+                    x,
+                    w,
+                    d,
+                    eps,
+                    ..
+                } => rmsnorm_fwd(rows, y, wr(rstd), x, rd(w), d, eps),
+                Kernel::RmsnormBwd {
+                    dx,
+                    dw,
+                    dy,
+                    x,
+                    w,
+                    rstd,
+                    d,
+                } => rmsnorm_bwd(
+                    rows,
+                    wr(dx),
+                    dw.map(|b| wr(b)),
+                    (rd(dy), rd(x), rd(w), rd(rstd)),
+                    d,
+                ),
+                Kernel::Rope {
+                    x,
+                    pos,
+                    inv_freq,
+                    heads,
+                    head_dim,
+                    scale,
+                    inverse,
+                    ..
+                } => rope(
+                    rows,
+                    wr(x),
+                    rd(pos),
+                    rd(inv_freq),
+                    (heads, head_dim),
+                    scale,
+                    inverse,
+                ),
+                Kernel::AttentionFwd { a, .. } => self.attention_fwd(&a),
+                Kernel::AttentionBwd(g) => self.attention_bwd(&g),
+                Kernel::CeChunkStats {
+                    run_max,
+                    run_sum,
+                    best_v,
+                    best_i,
+                    label_logit,
+                    logits,
+                    labels,
+                    cw,
+                    start,
+                } => ce_chunk_stats(
+                    rows,
+                    RowStats {
+                        run_max: wr(run_max),
+                        run_sum: wr(run_sum),
+                        best_v: wr(best_v),
+                        best_i: wr(best_i),
+                        label_logit: wr(label_logit),
+                    },
+                    rd(logits),
+                    rd(labels),
+                    (cw, start),
+                ),
+                Kernel::CeChunkGrad {
+                    logits,
+                    run_max,
+                    run_sum,
+                    labels,
+                    scale,
+                    cw,
+                    start,
+                } => ce_chunk_grad(
+                    rows,
+                    wr(logits),
+                    (rd(run_max), rd(run_sum), rd(labels), rd(scale)),
+                    (cw, start),
+                ),
+                Kernel::Sumsq {
+                    partials,
+                    nonfinite,
+                    g,
+                    n,
+                } => sumsq(rows, wr(partials), wr(nonfinite), rd(g), n),
+                Kernel::SumsqFinish {
+                    acc,
+                    partials,
+                    blocks,
+                } => {
+                    let (acc, partials) = (wr::<f64>(acc), rd::<f64>(partials));
+                    need(name, "partials", partials.len(), blocks)?;
                     acc[0] = partials[..blocks].iter().sum();
+                    Ok(())
                 }
-                "adam_count" => {
-                    let (t, nonfinite) = (wr::<i32>(a.buf(0)?), rd::<i32>(a.buf(1)?));
+                Kernel::AdamCount { t, nonfinite } => {
+                    let (t, nonfinite) = (wr::<i32>(t), rd::<i32>(nonfinite));
                     if nonfinite[0] == 0 {
                         t[0] += 1;
                     }
+                    Ok(())
                 }
-                "adamw" => {
-                    let n = a.usize(4)?;
-                    let (p, m, v) = (
-                        wr::<f32>(a.buf(0)?),
-                        wr::<f32>(a.buf(1)?),
-                        wr::<f32>(a.buf(2)?),
-                    );
-                    let (g, acc, nonfinite, t) = (
-                        rd::<f32>(a.buf(3)?),
-                        rd::<f64>(a.buf(5)?),
-                        rd::<i32>(a.buf(6)?),
-                        rd::<i32>(a.buf(7)?),
-                    );
-                    let (max_norm, lr, b1, b2, eps, wd) = (
-                        a.f32(8)?,
-                        a.f32(9)?,
-                        a.f32(10)?,
-                        a.f32(11)?,
-                        a.f32(12)?,
-                        a.f32(13)?,
-                    );
-                    need(
-                        kernel,
-                        "buffers",
-                        p.len().min(m.len()).min(v.len()).min(g.len()),
-                        n,
-                    )?;
-                    if nonfinite[0] != 0 {
-                        return Ok(());
-                    }
-                    let norm = acc[0].sqrt() as f32;
-                    let clip = if max_norm > 0.0 && norm > max_norm {
-                        max_norm / norm
-                    } else {
-                        1.0
-                    };
-                    let c1 = (1.0 - (b1 as f64).powf(t[0] as f64)) as f32;
-                    let c2 = (1.0 - (b2 as f64).powf(t[0] as f64)) as f32;
-                    for i in 0..n {
-                        let gi = g[i] * clip;
-                        m[i] = b1 * m[i] + (1.0 - b1) * gi;
-                        v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-                        let (mh, vh) = (m[i] / c1, v[i] / c2);
-                        p[i] -= lr * (mh / (vh.sqrt() + eps) + wd * p[i]);
-                    }
-                }
-                "params_hash" => {
-                    let n = a.usize(2)?;
-                    let (acc, p) = (wr::<u64>(a.buf(0)?), rd::<f32>(a.buf(1)?));
-                    need(kernel, "p", p.len(), n)?;
+                Kernel::Adamw {
+                    p,
+                    m,
+                    v,
+                    g,
+                    n,
+                    acc,
+                    nonfinite,
+                    t,
+                    max_norm,
+                    lr,
+                    hyper,
+                } => adamw(
+                    (wr(p), wr(m), wr(v)),
+                    rd(g),
+                    n,
+                    (rd(acc), rd(nonfinite), rd(t)),
+                    (max_norm, lr),
+                    &hyper,
+                ),
+                Kernel::ParamsHash { acc, p, n } => {
+                    let (acc, p) = (wr::<u64>(acc), rd::<f32>(p));
+                    need(name, "p", p.len(), n)?;
                     acc[0] = acc[0].wrapping_add(super::ops::params_hash(&p[..n]));
-                }
-                other => {
-                    return Err(GpuError::Invalid(format!(
-                        "no kernel named {other} on the CPU device"
-                    )))
+                    Ok(())
                 }
             }
         }
-        Ok(())
     }
 
     fn run_gemm(&mut self, g: &Gemm) -> Result<()> {
@@ -845,20 +691,21 @@ impl CpuDevice {
     ///
     /// # Safety
     /// As for [`Device::launch`]'s arms.
-    unsafe fn attention_fwd(&self, a: &Args) -> Result<()> {
+    unsafe fn attention_fwd(&self, a: &Attention) -> Result<()> {
         use crate::compute::cpu::sgemm;
-        let (tq, qh, kvh, hd) = (a.usize(6)?, a.usize(7)?, a.usize(8)?, a.usize(9)?);
-        let (out, lse) = (wr::<f32>(a.buf(0)?), wr::<f32>(a.buf(1)?));
+        let kernel = "attention_fwd";
+        let (tq, qh, kvh, hd) = (a.tq, a.qh, a.kvh, a.hd);
+        let (out, lse) = (wr::<f32>(a.out), wr::<f32>(a.lse));
         let (q, k, v, spans) = (
-            rd::<f32>(a.buf(2)?),
-            rd::<f32>(a.buf(3)?),
-            rd::<f32>(a.buf(4)?),
-            rd::<i32>(a.buf(5)?),
+            rd::<f32>(a.q),
+            rd::<f32>(a.k),
+            rd::<f32>(a.v),
+            rd::<i32>(a.spans),
         );
         let (qw, kw) = (qh * hd, kvh * hd);
-        need(a.kernel, "q/out", q.len().min(out.len()), tq * qw)?;
-        need(a.kernel, "lse", lse.len(), tq * qh)?;
-        need(a.kernel, "spans", spans.len(), 4 * tq)?;
+        need(kernel, "q/out", q.len().min(out.len()), tq * qw)?;
+        need(kernel, "lse", lse.len(), tq * qh)?;
+        need(kernel, "spans", spans.len(), 4 * tq)?;
         let keys = k.len().min(v.len()) / kw.max(1);
         if spans[..4 * tq]
             .chunks_exact(2)
@@ -866,7 +713,7 @@ impl CpuDevice {
         {
             return Err(GpuError::Invalid(format!(
                 "{}: a key span is empty-reversed or reaches past the {keys} keys",
-                a.kernel
+                kernel
             )));
         }
         let span = |row: usize, r: usize| {
@@ -1038,34 +885,28 @@ impl CpuDevice {
     ///
     /// # Safety
     /// As for [`Device::launch`]'s arms.
-    unsafe fn attention_bwd(&self, a: &Args) -> Result<()> {
+    unsafe fn attention_bwd(&self, g: &AttentionGrad) -> Result<()> {
         use crate::compute::cpu::{dot, sgemm};
-        let (tq, qh, kvh, hd) = (a.usize(10)?, a.usize(11)?, a.usize(12)?, a.usize(13)?);
-        let (dq, dk, dv) = (
-            wr::<f32>(a.buf(0)?),
-            wr::<f32>(a.buf(1)?),
-            wr::<f32>(a.buf(2)?),
-        );
-        let (dout, out, lse) = (
-            rd::<f32>(a.buf(3)?),
-            rd::<f32>(a.buf(4)?),
-            rd::<f32>(a.buf(5)?),
-        );
+        let kernel = "attention_bwd";
+        let a = &g.fwd;
+        let (tq, qh, kvh, hd) = (a.tq, a.qh, a.kvh, a.hd);
+        let (dq, dk, dv) = (wr::<f32>(g.dq), wr::<f32>(g.dk), wr::<f32>(g.dv));
+        let (dout, out, lse) = (rd::<f32>(g.dout), rd::<f32>(a.out), rd::<f32>(a.lse));
         let (q, k, v, spans) = (
-            rd::<f32>(a.buf(6)?),
-            rd::<f32>(a.buf(7)?),
-            rd::<f32>(a.buf(8)?),
-            rd::<i32>(a.buf(9)?),
+            rd::<f32>(a.q),
+            rd::<f32>(a.k),
+            rd::<f32>(a.v),
+            rd::<i32>(a.spans),
         );
         let (qw, kw) = (qh * hd, kvh * hd);
         need(
-            a.kernel,
+            kernel,
             "q/dq/dout/out",
             q.len().min(dq.len()).min(dout.len()).min(out.len()),
             tq * qw,
         )?;
-        need(a.kernel, "lse", lse.len(), tq * qh)?;
-        need(a.kernel, "spans", spans.len(), 4 * tq)?;
+        need(kernel, "lse", lse.len(), tq * qh)?;
+        need(kernel, "spans", spans.len(), 4 * tq)?;
         let keys = k.len().min(v.len()).min(dk.len()).min(dv.len()) / kw.max(1);
         if spans[..4 * tq]
             .chunks_exact(2)
@@ -1073,7 +914,7 @@ impl CpuDevice {
         {
             return Err(GpuError::Invalid(format!(
                 "{}: a key span is reversed or reaches past the {keys} keys",
-                a.kernel
+                kernel
             )));
         }
         let span = |row: usize, r: usize| {
@@ -1251,4 +1092,357 @@ impl CpuDevice {
         });
         Ok(())
     }
+}
+
+// The kernels of kernels.cu that are not attention, each over slices the caller made
+// from the launch's buffers (see `run_kernel`); `rows` is the launch's grid.
+
+fn embed_gather(
+    rows: usize,
+    out: &mut [f32],
+    table: &[f32],
+    ids: &[u32],
+    h: usize,
+    vocab: usize,
+) -> Result<()> {
+    let kernel = "embed_gather";
+    need(kernel, "out", out.len(), rows * h)?;
+    need(kernel, "ids", ids.len(), rows)?;
+    need(kernel, "table", table.len(), vocab * h)?;
+    for (r, o) in out.chunks_exact_mut(h).take(rows).enumerate() {
+        let id = (ids[r] as usize).min(vocab - 1);
+        o.copy_from_slice(&table[id * h..(id + 1) * h]);
+    }
+    Ok(())
+}
+
+fn scatter_add_rows(
+    rows: usize,
+    dst: &mut [f32],
+    src: &[f32],
+    idx: &[u32],
+    h: usize,
+) -> Result<()> {
+    let kernel = "scatter_add_rows";
+    need(kernel, "src", src.len(), rows * h)?;
+    need(kernel, "idx", idx.len(), rows)?;
+    for r in 0..rows {
+        let to = idx[r] as usize;
+        need(kernel, "dst", dst.len(), (to + 1) * h)?;
+        for (d, s) in dst[to * h..(to + 1) * h]
+            .iter_mut()
+            .zip(&src[r * h..(r + 1) * h])
+        {
+            *d += s;
+        }
+    }
+    Ok(())
+}
+
+/// `(ds, doff)`, `(ss, soff)`: each side's row stride and column offset.
+fn copy_cols(
+    rows: usize,
+    dst: &mut [f32],
+    src: &[f32],
+    width: usize,
+    (ds, doff): (usize, usize),
+    (ss, soff): (usize, usize),
+) -> Result<()> {
+    let kernel = "copy_cols";
+    if rows > 0 {
+        need(kernel, "dst", dst.len(), (rows - 1) * ds + doff + width)?;
+        need(kernel, "src", src.len(), (rows - 1) * ss + soff + width)?;
+    }
+    for r in 0..rows {
+        dst[r * ds + doff..r * ds + doff + width]
+            .copy_from_slice(&src[r * ss + soff..r * ss + soff + width]);
+    }
+    Ok(())
+}
+
+fn swiglu_fwd(out: &mut [f32], gate: &[f32], up: &[f32], n: usize) -> Result<()> {
+    let have = out.len().min(gate.len()).min(up.len());
+    need("swiglu_fwd", "buffers", have, n)?;
+    for i in 0..n {
+        let g = gate[i];
+        let s = 1.0 / (1.0 + (-g).exp());
+        out[i] = g * s * up[i];
+    }
+    Ok(())
+}
+
+fn swiglu_bwd(
+    dgate: &mut [f32],
+    dup: &mut [f32],
+    dout: &[f32],
+    gate: &[f32],
+    up: &[f32],
+    n: usize,
+) -> Result<()> {
+    let have = dgate
+        .len()
+        .min(dup.len())
+        .min(dout.len())
+        .min(gate.len())
+        .min(up.len());
+    need("swiglu_bwd", "buffers", have, n)?;
+    for i in 0..n {
+        let (g, u, d) = (gate[i], up[i], dout[i]);
+        let s = 1.0 / (1.0 + (-g).exp());
+        dup[i] += d * g * s;
+        dgate[i] += d * u * s * (1.0 + g * (1.0 - s));
+    }
+    Ok(())
+}
+
+/// `y` and `x` are one buffer (in place) or disjoint ([`check_aliasing`]): raw pointers,
+/// each row read whole before it is written.
+///
+/// # Safety
+/// `yb` and `xb` are this device's memory.
+unsafe fn rmsnorm_fwd(
+    rows: usize,
+    yb: DSlice,
+    rstd: &mut [f32],
+    xb: DSlice,
+    w: &[f32],
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let kernel = "rmsnorm_fwd";
+    need(kernel, "x/y", xb.len_f32().min(yb.len_f32()), rows * d)?;
+    need(kernel, "rstd", rstd.len(), rows)?;
+    need(kernel, "w", w.len(), d)?;
+    let (y, x) = (yb.ptr as *mut f32, xb.ptr as *const f32);
+    for r in 0..rows {
+        let mut ss = 0f32;
+        for i in 0..d {
+            let v = *x.add(r * d + i);
+            ss += v * v;
+        }
+        let rs = 1.0 / (ss / d as f32 + eps).sqrt();
+        for i in 0..d {
+            *y.add(r * d + i) = *x.add(r * d + i) * rs * w[i];
+        }
+        rstd[r] = rs;
+    }
+    Ok(())
+}
+
+/// `(dy, x, w, rstd)`: what the backward reads.
+fn rmsnorm_bwd(
+    rows: usize,
+    dx: &mut [f32],
+    mut dw: Option<&mut [f32]>,
+    (dy, x, w, rstd): (&[f32], &[f32], &[f32], &[f32]),
+    d: usize,
+) -> Result<()> {
+    let kernel = "rmsnorm_bwd";
+    need(
+        kernel,
+        "dx/dy/x",
+        dx.len().min(dy.len()).min(x.len()),
+        rows * d,
+    )?;
+    need(kernel, "rstd", rstd.len(), rows)?;
+    need(kernel, "w", w.len(), d)?;
+    if let Some(dw) = dw.as_deref() {
+        need(kernel, "dw", dw.len(), d)?;
+    }
+    for r in 0..rows {
+        let (xr, gr, rs) = (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d], rstd[r]);
+        let gx: f32 = gr
+            .iter()
+            .zip(w)
+            .zip(xr)
+            .map(|((g, w), x)| g * w * x)
+            .sum::<f32>()
+            / d as f32;
+        for i in 0..d {
+            dx[r * d + i] += rs * gr[i] * w[i] - xr[i] * rs * rs * rs * gx;
+        }
+        if let Some(dw) = dw.as_deref_mut() {
+            for i in 0..d {
+                dw[i] += gr[i] * xr[i] * rs;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn rope(
+    rows: usize,
+    x: &mut [f32],
+    pos: &[i32],
+    inv_freq: &[f32],
+    (heads, hd): (usize, usize),
+    scale: f32,
+    inverse: bool,
+) -> Result<()> {
+    let kernel = "rope";
+    let half = hd / 2;
+    need(kernel, "x", x.len(), rows * heads * hd)?;
+    need(kernel, "pos", pos.len(), rows)?;
+    need(kernel, "inv_freq", inv_freq.len(), half)?;
+    for r in 0..rows {
+        let p = pos[r] as f32;
+        for i in 0..half {
+            let (mut s, c) = (p * inv_freq[i]).sin_cos();
+            s *= scale;
+            let c = c * scale;
+            if inverse {
+                s = -s;
+            }
+            for h in 0..heads {
+                let base = r * heads * hd + h * hd;
+                let (x1, x2) = (x[base + i], x[base + i + half]);
+                x[base + i] = x1 * c - x2 * s;
+                x[base + i + half] = x2 * c + x1 * s;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each row's running statistics over the vocabulary chunks of the cross-entropy.
+struct RowStats<'a> {
+    run_max: &'a mut [f32],
+    run_sum: &'a mut [f32],
+    best_v: &'a mut [f32],
+    best_i: &'a mut [i32],
+    label_logit: &'a mut [f32],
+}
+
+/// `(cw, start)`: the chunk's width and first vocabulary id.
+fn ce_chunk_stats(
+    rows: usize,
+    st: RowStats<'_>,
+    logits: &[f32],
+    labels: &[i32],
+    (cw, start): (usize, usize),
+) -> Result<()> {
+    let kernel = "ce_chunk_stats";
+    let have = st
+        .run_max
+        .len()
+        .min(st.run_sum.len())
+        .min(st.best_v.len())
+        .min(st.best_i.len())
+        .min(st.label_logit.len())
+        .min(labels.len());
+    need(kernel, "row stats", have, rows)?;
+    need(kernel, "logits", logits.len(), rows * cw)?;
+    for r in 0..rows {
+        let lr = &logits[r * cw..(r + 1) * cw];
+        let (mut cmax, mut cidx) = (f32::NEG_INFINITY, 0usize);
+        for (j, &v) in lr.iter().enumerate() {
+            if v > cmax {
+                (cmax, cidx) = (v, j);
+            }
+        }
+        let m_old = st.run_max[r];
+        let m_new = m_old.max(cmax);
+        let s: f32 = lr.iter().map(|&v| exp_neg(v - m_new)).sum();
+        st.run_sum[r] = st.run_sum[r] * exp_neg(m_old - m_new) + s;
+        st.run_max[r] = m_new;
+        if cmax > st.best_v[r] {
+            st.best_v[r] = cmax;
+            st.best_i[r] = (start + cidx) as i32;
+        }
+        let lab = labels[r];
+        if lab >= start as i32 && (lab as usize) < start + cw {
+            st.label_logit[r] = lr[lab as usize - start];
+        }
+    }
+    Ok(())
+}
+
+/// `(run_max, run_sum, labels, scale)`: per row; `(cw, start)` as for [`ce_chunk_stats`].
+fn ce_chunk_grad(
+    rows: usize,
+    logits: &mut [f32],
+    (run_max, run_sum, labels, scale): (&[f32], &[f32], &[i32], &[f32]),
+    (cw, start): (usize, usize),
+) -> Result<()> {
+    let kernel = "ce_chunk_grad";
+    let have = run_max
+        .len()
+        .min(run_sum.len())
+        .min(labels.len())
+        .min(scale.len());
+    need(kernel, "row stats", have, rows)?;
+    need(kernel, "logits", logits.len(), rows * cw)?;
+    for r in 0..rows {
+        let (m, inv, sc, lab) = (run_max[r], 1.0 / run_sum[r], scale[r], labels[r]);
+        for (j, l) in logits[r * cw..(r + 1) * cw].iter_mut().enumerate() {
+            let p = exp_neg(*l - m) * inv;
+            let g = (p - if (start + j) as i32 == lab { 1.0 } else { 0.0 }) * sc;
+            *l = if g.abs() < 1e-30 { 0.0 } else { g };
+        }
+    }
+    Ok(())
+}
+
+/// One share (the whole sum, in order), the other `rows − 1` zero: `sumsq_finish` adds
+/// them all as on a GPU.
+fn sumsq(
+    rows: usize,
+    partials: &mut [f64],
+    nonfinite: &mut [i32],
+    g: &[f32],
+    n: usize,
+) -> Result<()> {
+    need("sumsq", "partials", partials.len(), rows)?;
+    need("sumsq", "g", g.len(), n)?;
+    let mut s = 0f64;
+    let mut bad = false;
+    for &x in &g[..n] {
+        if x.is_finite() {
+            s += (x as f64) * (x as f64);
+        } else {
+            bad = true;
+        }
+    }
+    partials[..rows].iter_mut().for_each(|p| *p = 0.0);
+    if rows > 0 {
+        partials[0] = s;
+    }
+    if bad {
+        nonfinite[0] = 1;
+    }
+    Ok(())
+}
+
+/// `(p, m, v)` updated from `g` (n elements); `(acc, nonfinite, t)`: Σg², the skip flag
+/// and the step count; `(max_norm, lr)`.
+fn adamw(
+    (p, m, v): (&mut [f32], &mut [f32], &mut [f32]),
+    g: &[f32],
+    n: usize,
+    (acc, nonfinite, t): (&[f64], &[i32], &[i32]),
+    (max_norm, lr): (f32, f32),
+    h: &AdamHyper,
+) -> Result<()> {
+    let have = p.len().min(m.len()).min(v.len()).min(g.len());
+    need("adamw", "buffers", have, n)?;
+    if nonfinite[0] != 0 {
+        return Ok(());
+    }
+    let (b1, b2, eps, wd) = (h.beta1, h.beta2, h.eps, h.weight_decay);
+    let norm = acc[0].sqrt() as f32;
+    let clip = if max_norm > 0.0 && norm > max_norm {
+        max_norm / norm
+    } else {
+        1.0
+    };
+    let c1 = (1.0 - (b1 as f64).powf(t[0] as f64)) as f32;
+    let c2 = (1.0 - (b2 as f64).powf(t[0] as f64)) as f32;
+    for i in 0..n {
+        let gi = g[i] * clip;
+        m[i] = b1 * m[i] + (1.0 - b1) * gi;
+        v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+        let (mh, vh) = (m[i] / c1, v[i] / c2);
+        p[i] -= lr * (mh / (vh.sqrt() + eps) + wd * p[i]);
+    }
+    Ok(())
 }

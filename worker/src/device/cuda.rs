@@ -15,7 +15,9 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg,
 };
 
-use super::{Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Result, Stream};
+use super::{
+    Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Kernel, Result, Stream,
+};
 
 fn failed(what: &str, e: impl std::fmt::Debug) -> GpuError {
     GpuError::Failed(format!("{what}: {e:?}"))
@@ -389,75 +391,8 @@ impl Device for CudaDevice {
             .map_err(|e| failed("cuMemsetD8Async", e))
     }
 
-    fn launch(
-        &mut self,
-        s: Stream,
-        kernel: &str,
-        grid: u32,
-        block: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        if grid == 0 {
-            // Nothing to do (cuLaunchKernel would reject a zero grid); as the host device.
-            return Ok(());
-        }
-        let f = self
-            .functions
-            .get(kernel)
-            .ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?
-            .clone();
-        let stream = self.stream(s).clone();
-        // Every argument's value lives in one of these until the launch is queued.
-        let mut ptrs: Vec<u64> = Vec::new();
-        let mut ints: Vec<i32> = Vec::new();
-        let mut longs: Vec<i64> = Vec::new();
-        let mut uints: Vec<u32> = Vec::new();
-        let mut floats: Vec<f32> = Vec::new();
-        for a in args {
-            match *a {
-                Arg::R(b) | Arg::W(b) | Arg::RW(b) => ptrs.push(b.ptr),
-                Arg::Null => ptrs.push(0),
-                Arg::I32(v) => ints.push(v),
-                Arg::I64(v) => longs.push(v),
-                Arg::U32(v) => uints.push(v),
-                Arg::F32(v) => floats.push(v),
-            }
-        }
-        let mut b = stream.launch_builder(&f);
-        let (mut ip, mut ii, mut il, mut iu, mut ifl) = (0, 0, 0, 0, 0);
-        for a in args {
-            match a {
-                Arg::R(_) | Arg::W(_) | Arg::RW(_) | Arg::Null => {
-                    b.arg(&ptrs[ip]);
-                    ip += 1;
-                }
-                Arg::I32(_) => {
-                    b.arg(&ints[ii]);
-                    ii += 1;
-                }
-                Arg::I64(_) => {
-                    b.arg(&longs[il]);
-                    il += 1;
-                }
-                Arg::U32(_) => {
-                    b.arg(&uints[iu]);
-                    iu += 1;
-                }
-                Arg::F32(_) => {
-                    b.arg(&floats[ifl]);
-                    ifl += 1;
-                }
-            }
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments match the kernel's parameters (the ops layer's contract,
-        // checked against the CPU backend on the host device).
-        unsafe { b.launch(cfg) }.map_err(|e| failed(&format!("launching {kernel}"), e))?;
-        Ok(())
+    fn launch(&mut self, s: Stream, k: &Kernel, grid: u32, block: u32) -> Result<()> {
+        self.launch_args(s, k.name(), grid, block, &k.args())
     }
 
     fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()> {
@@ -554,5 +489,80 @@ impl Device for CudaDevice {
     fn release_event(&mut self, e: Event) {
         // cuEventDestroy of an event not yet complete frees it once it completes.
         self.events.release(e);
+    }
+}
+
+impl CudaDevice {
+    /// Launch kernel `kernel` with its C parameters `args`, as a GPU launch takes them
+    /// (what [`Kernel::args`] lays out; the tests of the launch checks call it directly).
+    pub fn launch_args(
+        &mut self,
+        s: Stream,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        if grid == 0 {
+            // Nothing to do (cuLaunchKernel would reject a zero grid); as the host device.
+            return Ok(());
+        }
+        let f = self
+            .functions
+            .get(kernel)
+            .ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?
+            .clone();
+        let stream = self.stream(s).clone();
+        // Every argument's value lives in one of these until the launch is queued.
+        let mut ptrs: Vec<u64> = Vec::new();
+        let mut ints: Vec<i32> = Vec::new();
+        let mut longs: Vec<i64> = Vec::new();
+        let mut uints: Vec<u32> = Vec::new();
+        let mut floats: Vec<f32> = Vec::new();
+        for a in args {
+            match *a {
+                Arg::R(b) | Arg::W(b) | Arg::RW(b) => ptrs.push(b.ptr),
+                Arg::Null => ptrs.push(0),
+                Arg::I32(v) => ints.push(v),
+                Arg::I64(v) => longs.push(v),
+                Arg::U32(v) => uints.push(v),
+                Arg::F32(v) => floats.push(v),
+            }
+        }
+        let mut b = stream.launch_builder(&f);
+        let (mut ip, mut ii, mut il, mut iu, mut ifl) = (0, 0, 0, 0, 0);
+        for a in args {
+            match a {
+                Arg::R(_) | Arg::W(_) | Arg::RW(_) | Arg::Null => {
+                    b.arg(&ptrs[ip]);
+                    ip += 1;
+                }
+                Arg::I32(_) => {
+                    b.arg(&ints[ii]);
+                    ii += 1;
+                }
+                Arg::I64(_) => {
+                    b.arg(&longs[il]);
+                    il += 1;
+                }
+                Arg::U32(_) => {
+                    b.arg(&uints[iu]);
+                    iu += 1;
+                }
+                Arg::F32(_) => {
+                    b.arg(&floats[ifl]);
+                    ifl += 1;
+                }
+            }
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the arguments match the kernel's parameters (the ops layer's contract,
+        // checked against the CPU backend on the host device).
+        unsafe { b.launch(cfg) }.map_err(|e| failed(&format!("launching {kernel}"), e))?;
+        Ok(())
     }
 }

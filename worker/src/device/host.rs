@@ -16,7 +16,9 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 
 use super::race::{Clock, RaceDetector};
-use super::{Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Result, Stream};
+use super::{
+    Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Kernel, Result, Stream,
+};
 
 extern "C" {
     fn dflash_hd_kernel_count() -> c_int;
@@ -278,76 +280,8 @@ impl Device for HostDevice {
         Ok(())
     }
 
-    fn launch(
-        &mut self,
-        s: Stream,
-        kernel: &str,
-        grid: u32,
-        block: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        let (index, sig) = self
-            .kernels
-            .get(kernel)
-            .ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?;
-        let index = *index;
-        if sig.len() != args.len() {
-            return Err(GpuError::Invalid(format!(
-                "{kernel} takes {} arguments, {} given",
-                sig.len(),
-                args.len()
-            )));
-        }
-        // A GPU launch copies each parameter's own size from the argument: a 4-byte value
-        // for an 8-byte parameter would be read with garbage. Refuse it here.
-        if let Some((i, (want, a))) = sig
-            .chars()
-            .zip(args)
-            .enumerate()
-            .find(|(_, (want, a))| arg_kind(a) != *want)
-        {
-            return Err(GpuError::Invalid(format!(
-                "{kernel}: parameter {i} is of kind '{want}', given {a:?}"
-            )));
-        }
-        self.race.launch(s, kernel, args)?;
-        // Each argument in its own 8-byte cell; scalars narrower than 8 bytes sit in the
-        // low bytes (little-endian), which is where the kernel's parameter reads them.
-        let mut cells: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::R(b) | Arg::W(b) | Arg::RW(b) => b.ptr,
-                Arg::Null => 0,
-                Arg::I32(v) => v as u32 as u64,
-                Arg::I64(v) => v as u64,
-                Arg::U32(v) => v as u64,
-                Arg::F32(v) => v.to_bits() as u64,
-            })
-            .collect();
-        let mut ptrs: Vec<*mut c_void> = cells.iter_mut().map(|c| (c as *mut u64).cast()).collect();
-        let (g, b) = ([grid, 1, 1], [block, 1, 1]);
-        let mut err = [0 as c_char; 256];
-        // SAFETY: the kernel's parameters match `args` in count (checked) and in type (the
-        // ops layer's contract); every buffer is host memory of the stated size.
-        let rc = unsafe {
-            dflash_hd_launch(
-                index,
-                g.as_ptr(),
-                b.as_ptr(),
-                ptrs.as_mut_ptr(),
-                err.as_mut_ptr(),
-                err.len(),
-            )
-        };
-        if rc != 0 {
-            // SAFETY: the launcher wrote a NUL-terminated message.
-            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }
-                .to_string_lossy()
-                .into_owned();
-            return Err(GpuError::Invalid(msg));
-        }
-        self.launches += 1;
-        Ok(())
+    fn launch(&mut self, s: Stream, k: &Kernel, grid: u32, block: u32) -> Result<()> {
+        self.launch_args(s, k.name(), grid, block, &k.args())
     }
 
     fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()> {
@@ -465,4 +399,80 @@ pub unsafe fn sgemm_colmajor(g: &Gemm, par: gemm::Parallelism) {
         false,
         par,
     );
+}
+
+impl HostDevice {
+    /// Launch kernel `kernel` with its C parameters `args`, as a GPU launch takes them
+    /// (what [`Kernel::args`] lays out; the tests of the launch checks call it directly).
+    pub fn launch_args(
+        &mut self,
+        s: Stream,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        let (index, sig) = self
+            .kernels
+            .get(kernel)
+            .ok_or_else(|| GpuError::Invalid(format!("no kernel named {kernel}")))?;
+        let index = *index;
+        if sig.len() != args.len() {
+            return Err(GpuError::Invalid(format!(
+                "{kernel} takes {} arguments, {} given",
+                sig.len(),
+                args.len()
+            )));
+        }
+        // A GPU launch copies each parameter's own size from the argument: a 4-byte value
+        // for an 8-byte parameter would be read with garbage. Refuse it here.
+        if let Some((i, (want, a))) = sig
+            .chars()
+            .zip(args)
+            .enumerate()
+            .find(|(_, (want, a))| arg_kind(a) != *want)
+        {
+            return Err(GpuError::Invalid(format!(
+                "{kernel}: parameter {i} is of kind '{want}', given {a:?}"
+            )));
+        }
+        self.race.launch(s, kernel, args)?;
+        // Each argument in its own 8-byte cell; scalars narrower than 8 bytes sit in the
+        // low bytes (little-endian), which is where the kernel's parameter reads them.
+        let mut cells: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::R(b) | Arg::W(b) | Arg::RW(b) => b.ptr,
+                Arg::Null => 0,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::I64(v) => v as u64,
+                Arg::U32(v) => v as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut ptrs: Vec<*mut c_void> = cells.iter_mut().map(|c| (c as *mut u64).cast()).collect();
+        let (g, b) = ([grid, 1, 1], [block, 1, 1]);
+        let mut err = [0 as c_char; 256];
+        // SAFETY: the kernel's parameters match `args` in count (checked) and in type (the
+        // ops layer's contract); every buffer is host memory of the stated size.
+        let rc = unsafe {
+            dflash_hd_launch(
+                index,
+                g.as_ptr(),
+                b.as_ptr(),
+                ptrs.as_mut_ptr(),
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        if rc != 0 {
+            // SAFETY: the launcher wrote a NUL-terminated message.
+            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }
+                .to_string_lossy()
+                .into_owned();
+            return Err(GpuError::Invalid(msg));
+        }
+        self.launches += 1;
+        Ok(())
+    }
 }

@@ -17,10 +17,13 @@
 //! the target forward on it, [`drafter::GpuDrafter`] the drafter's step and optimizer. Device memory comes from one [`Arena`] per worker, allocated
 //! once and sub-allocated, with its own counters.
 
+pub use kernels::Kernel;
+
 pub mod cpu;
 pub mod cuda;
 pub mod drafter;
 pub mod host;
+pub mod kernels;
 pub mod libs;
 pub mod nvrtc;
 pub mod ops;
@@ -325,14 +328,7 @@ pub trait Device: Send {
     }
     fn memset_zero(&mut self, s: Stream, dst: DSlice) -> Result<()>;
     /// Launch `kernel` with `grid` blocks of `block` threads (x only).
-    fn launch(
-        &mut self,
-        s: Stream,
-        kernel: &str,
-        grid: u32,
-        block: u32,
-        args: &[Arg],
-    ) -> Result<()>;
+    fn launch(&mut self, s: Stream, kernel: &Kernel, grid: u32, block: u32) -> Result<()>;
     fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()>;
     /// Record an event on `s` behind everything queued on it so far.
     fn record(&mut self, s: Stream) -> Result<Event>;

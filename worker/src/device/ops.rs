@@ -1,9 +1,11 @@
-//! One typed method per kernel of `cuda/kernels.cu`, on the compute stream: the GPU
+//! One typed method per kernel of `cuda/kernels.cu` ([`Kernel`]), on the compute stream: the GPU
 //! counterpart of the CPU backend's op set ([`crate::compute::Backend`]), with the same
 //! layouts and the same accumulate-or-overwrite semantics, so that each can be checked
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 
-use super::{Arg, DSlice, Device, Gemm, Result, Stream};
+pub use super::kernels::AdamHyper;
+use super::kernels::{Act, Attention, AttentionGrad, Kernel};
+use super::{DSlice, Device, Gemm, Result, Stream};
 
 const BLOCK: u32 = 256;
 /// Most blocks `sumsq` uses (the f64 partials it needs).
@@ -45,16 +47,16 @@ impl Ops {
         }
     }
 
-    fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
-        self.dev.launch(self.stream, kernel, grid, block, args)
+    fn launch(&mut self, kernel: Kernel, grid: u32, block: u32) -> Result<()> {
+        self.dev.launch(self.stream, &kernel, grid, block)
     }
 
-    /// A forward activation kernel: its bf16 variant when activations are bf16.
-    fn launch_act(&mut self, kernel: &str, grid: u32, block: u32, args: &[Arg]) -> Result<()> {
+    /// The precision of the forward activation kernels: bf16 when activations are bf16.
+    fn act(&self) -> Act {
         if self.act16 {
-            self.launch(&format!("{kernel}_bf16"), grid, block, args)
+            Act::Bf16
         } else {
-            self.launch(kernel, grid, block, args)
+            Act::F32
         }
     }
 
@@ -238,17 +240,18 @@ impl Ops {
         h: usize,
         vocab: usize,
     ) -> Result<()> {
-        self.launch_act(
-            "embed_gather",
+        let act = self.act();
+        self.launch(
+            Kernel::EmbedGather {
+                act,
+                out,
+                table,
+                ids,
+                h,
+                vocab,
+            },
             rows as u32,
             row_block(h),
-            &[
-                Arg::W(out),
-                Arg::R(table),
-                Arg::R(ids),
-                Arg::I32(h as i32),
-                Arg::I32(vocab as i32),
-            ],
         )
     }
 
@@ -262,10 +265,9 @@ impl Ops {
         h: usize,
     ) -> Result<()> {
         self.launch(
-            "scatter_add_rows",
+            Kernel::ScatterAddRows { dst, src, idx, h },
             rows as u32,
             row_block(h),
-            &[Arg::RW(dst), Arg::R(src), Arg::R(idx), Arg::I32(h as i32)],
         )
     }
 
@@ -281,18 +283,19 @@ impl Ops {
         d: usize,
         eps: f32,
     ) -> Result<()> {
-        self.launch_act(
-            "rmsnorm_fwd",
+        let act = self.act();
+        self.launch(
+            Kernel::RmsnormFwd {
+                act,
+                y,
+                rstd,
+                x,
+                w,
+                d,
+                eps,
+            },
             rows as u32,
             row_block(d),
-            &[
-                Arg::W(y),
-                Arg::W(rstd),
-                Arg::R(x),
-                Arg::R(w),
-                Arg::I32(d as i32),
-                Arg::F32(eps),
-            ],
         )
     }
 
@@ -308,20 +311,18 @@ impl Ops {
         rows: usize,
         d: usize,
     ) -> Result<()> {
-        let dw = dw.map_or(Arg::Null, Arg::RW);
         self.launch(
-            "rmsnorm_bwd",
+            Kernel::RmsnormBwd {
+                dx,
+                dw,
+                dy,
+                x,
+                w,
+                rstd,
+                d,
+            },
             rows as u32,
             row_block(d),
-            &[
-                Arg::RW(dx),
-                dw,
-                Arg::R(dy),
-                Arg::R(x),
-                Arg::R(w),
-                Arg::R(rstd),
-                Arg::I32(d as i32),
-            ],
         )
     }
 
@@ -338,29 +339,35 @@ impl Ops {
         scale: f32,
         inverse: bool,
     ) -> Result<()> {
-        self.launch_act(
-            "rope",
+        let act = self.act();
+        self.launch(
+            Kernel::Rope {
+                act,
+                x,
+                pos,
+                inv_freq,
+                heads,
+                head_dim,
+                scale,
+                inverse,
+            },
             rows as u32,
             row_block(heads * head_dim / 2),
-            &[
-                Arg::RW(x),
-                Arg::R(pos),
-                Arg::R(inv_freq),
-                Arg::I32(heads as i32),
-                Arg::I32(head_dim as i32),
-                Arg::F32(scale),
-                Arg::I32(inverse as i32),
-            ],
         )
     }
 
     pub fn swiglu(&mut self, gate: DSlice, up: DSlice, out: DSlice) -> Result<()> {
-        let n = self.act_len(out);
-        self.launch_act(
-            "swiglu_fwd",
+        let (n, act) = (self.act_len(out), self.act());
+        self.launch(
+            Kernel::SwigluFwd {
+                act,
+                out,
+                gate,
+                up,
+                n,
+            },
             grid_for(n),
             BLOCK,
-            &[Arg::W(out), Arg::R(gate), Arg::R(up), Arg::I64(n as i64)],
         )
     }
 
@@ -374,29 +381,23 @@ impl Ops {
     ) -> Result<()> {
         let n = dout.len_f32();
         self.launch(
-            "swiglu_bwd",
+            Kernel::SwigluBwd {
+                dgate,
+                dup,
+                dout,
+                gate,
+                up,
+                n,
+            },
             grid_for(n),
             BLOCK,
-            &[
-                Arg::RW(dgate),
-                Arg::RW(dup),
-                Arg::R(dout),
-                Arg::R(gate),
-                Arg::R(up),
-                Arg::I64(n as i64),
-            ],
         )
     }
 
     /// `x += y`
     pub fn add(&mut self, x: DSlice, y: DSlice) -> Result<()> {
-        let n = self.act_len(x);
-        self.launch_act(
-            "add_inplace",
-            grid_for(n),
-            BLOCK,
-            &[Arg::RW(x), Arg::R(y), Arg::I64(n as i64)],
-        )
+        let (n, act) = (self.act_len(x), self.act());
+        self.launch(Kernel::AddInplace { act, x, y, n }, grid_for(n), BLOCK)
     }
 
     /// `dst[r, dst_off..dst_off+width] = src[r, src_off..src_off+width]` for `rows` rows.
@@ -412,40 +413,31 @@ impl Ops {
         src_stride: usize,
         src_off: usize,
     ) -> Result<()> {
-        self.launch_act(
-            "copy_cols",
+        let act = self.act();
+        self.launch(
+            Kernel::CopyCols {
+                act,
+                dst,
+                src,
+                width,
+                dst_stride,
+                dst_off,
+                src_stride,
+                src_off,
+            },
             rows as u32,
             row_block(width),
-            &[
-                Arg::RW(dst),
-                Arg::R(src),
-                Arg::I32(width as i32),
-                Arg::I32(dst_stride as i32),
-                Arg::I32(dst_off as i32),
-                Arg::I32(src_stride as i32),
-                Arg::I32(src_off as i32),
-            ],
         )
     }
 
     pub fn bf16_to_f32(&mut self, out: DSlice, input: DSlice) -> Result<()> {
         let n = out.len_f32();
-        self.launch(
-            "bf16_to_f32",
-            grid_for(n),
-            BLOCK,
-            &[Arg::W(out), Arg::R(input), Arg::I64(n as i64)],
-        )
+        self.launch(Kernel::Bf16ToF32 { out, input, n }, grid_for(n), BLOCK)
     }
 
     pub fn f32_to_bf16(&mut self, out: DSlice, input: DSlice) -> Result<()> {
         let n = input.len_f32();
-        self.launch(
-            "f32_to_bf16",
-            grid_for(n),
-            BLOCK,
-            &[Arg::W(out), Arg::R(input), Arg::I64(n as i64)],
-        )
+        self.launch(Kernel::F32ToBf16 { out, input, n }, grid_for(n), BLOCK)
     }
 
     /// Attention of `tq` query rows over key spans (`spans`: 4 i32 per row, see
@@ -465,23 +457,20 @@ impl Ops {
         hd: usize,
     ) -> Result<()> {
         check_heads(qh, kvh, hd)?;
-        self.launch_act(
-            "attention_fwd",
-            attention_grid(tq, qh),
-            32,
-            &[
-                Arg::W(out),
-                Arg::W(lse),
-                Arg::R(q),
-                Arg::R(k),
-                Arg::R(v),
-                Arg::R(spans),
-                Arg::I32(tq as i32),
-                Arg::I32(qh as i32),
-                Arg::I32(kvh as i32),
-                Arg::I32(hd as i32),
-            ],
-        )
+        let a = Attention {
+            out,
+            lse,
+            q,
+            k,
+            v,
+            spans,
+            tq,
+            qh,
+            kvh,
+            hd,
+        };
+        let act = self.act();
+        self.launch(Kernel::AttentionFwd { act, a }, attention_grid(tq, qh), 32)
     }
 
     /// Backward of [`attention`](Self::attention): `dq`, `dk`, `dv` accumulate.
@@ -504,26 +493,28 @@ impl Ops {
         hd: usize,
     ) -> Result<()> {
         check_heads(qh, kvh, hd)?;
+        let fwd = Attention {
+            out,
+            lse,
+            q,
+            k,
+            v,
+            spans,
+            tq,
+            qh,
+            kvh,
+            hd,
+        };
         self.launch(
-            "attention_bwd",
+            Kernel::AttentionBwd(AttentionGrad {
+                fwd,
+                dout,
+                dq,
+                dk,
+                dv,
+            }),
             attention_grid(tq, qh),
             32,
-            &[
-                Arg::RW(dq),
-                Arg::RW(dk),
-                Arg::RW(dv),
-                Arg::R(dout),
-                Arg::R(out),
-                Arg::R(lse),
-                Arg::R(q),
-                Arg::R(k),
-                Arg::R(v),
-                Arg::R(spans),
-                Arg::I32(tq as i32),
-                Arg::I32(qh as i32),
-                Arg::I32(kvh as i32),
-                Arg::I32(hd as i32),
-            ],
         )
     }
 
@@ -544,20 +535,19 @@ impl Ops {
         start: usize,
     ) -> Result<()> {
         self.launch(
-            "ce_chunk_stats",
+            Kernel::CeChunkStats {
+                run_max,
+                run_sum,
+                best_v,
+                best_i,
+                label_logit,
+                logits,
+                labels,
+                cw,
+                start,
+            },
             n as u32,
             row_block(cw),
-            &[
-                Arg::RW(run_max),
-                Arg::RW(run_sum),
-                Arg::RW(best_v),
-                Arg::RW(best_i),
-                Arg::RW(label_logit),
-                Arg::R(logits),
-                Arg::R(labels),
-                Arg::I32(cw as i32),
-                Arg::I32(start as i32),
-            ],
         )
     }
 
@@ -575,18 +565,17 @@ impl Ops {
         start: usize,
     ) -> Result<()> {
         self.launch(
-            "ce_chunk_grad",
+            Kernel::CeChunkGrad {
+                logits,
+                run_max,
+                run_sum,
+                labels,
+                scale,
+                cw,
+                start,
+            },
             n as u32,
             row_block(cw),
-            &[
-                Arg::RW(logits),
-                Arg::R(run_max),
-                Arg::R(run_sum),
-                Arg::R(labels),
-                Arg::R(scale),
-                Arg::I32(cw as i32),
-                Arg::I32(start as i32),
-            ],
         )
     }
 
@@ -609,27 +598,30 @@ impl Ops {
             )));
         }
         self.launch(
-            "sumsq",
+            Kernel::Sumsq {
+                partials,
+                nonfinite,
+                g,
+                n,
+            },
             blocks,
             BLOCK,
-            &[
-                Arg::W(partials),
-                Arg::RW(nonfinite),
-                Arg::R(g),
-                Arg::I64(n as i64),
-            ],
         )?;
+        let blocks = blocks as usize;
         self.launch(
-            "sumsq_finish",
+            Kernel::SumsqFinish {
+                acc,
+                partials,
+                blocks,
+            },
             1,
             32,
-            &[Arg::W(acc), Arg::R(partials), Arg::I32(blocks as i32)],
         )
     }
 
     /// One more Adam step in the device counter `t` (one i32) unless `nonfinite` is set.
     pub fn adam_count(&mut self, t: DSlice, nonfinite: DSlice) -> Result<()> {
-        self.launch("adam_count", 1, 32, &[Arg::RW(t), Arg::R(nonfinite)])
+        self.launch(Kernel::AdamCount { t, nonfinite }, 1, 32)
     }
 
     /// Clip by the norm in `acc` to `max_norm` (0: no clip) and apply AdamW at the step
@@ -650,25 +642,21 @@ impl Ops {
     ) -> Result<()> {
         let n = p.len_f32();
         self.launch(
-            "adamw",
+            Kernel::Adamw {
+                p,
+                m,
+                v,
+                g,
+                n,
+                acc,
+                nonfinite,
+                t,
+                max_norm,
+                lr,
+                hyper: *opt,
+            },
             grid_for(n),
             BLOCK,
-            &[
-                Arg::RW(p),
-                Arg::RW(m),
-                Arg::RW(v),
-                Arg::R(g),
-                Arg::I64(n as i64),
-                Arg::R(acc),
-                Arg::R(nonfinite),
-                Arg::R(t),
-                Arg::F32(max_norm),
-                Arg::F32(lr),
-                Arg::F32(opt.beta1),
-                Arg::F32(opt.beta2),
-                Arg::F32(opt.eps),
-                Arg::F32(opt.weight_decay),
-            ],
         )
     }
 
@@ -676,21 +664,11 @@ impl Ops {
     pub fn params_hash(&mut self, acc: DSlice, p: DSlice) -> Result<()> {
         let n = p.len_f32();
         self.launch(
-            "params_hash",
+            Kernel::ParamsHash { acc, p, n },
             grid_for(n).min(1024),
             BLOCK,
-            &[Arg::RW(acc), Arg::R(p), Arg::I64(n as i64)],
         )
     }
-}
-
-/// AdamW's constants.
-#[derive(Debug, Clone, Copy)]
-pub struct AdamHyper {
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
 }
 
 fn splitmix64(mut z: u64) -> u64 {

@@ -12,7 +12,9 @@
 
 use std::collections::BTreeMap;
 
-use super::{Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Result, Stream};
+use super::{
+    Arg, DSlice, DevPtr, Device, Event, EventTable, Gemm, GpuError, Kernel, Result, Stream,
+};
 
 /// Clock slots: the two streams, then the host.
 const HOST: usize = 2;
@@ -398,16 +400,9 @@ impl Device for Checked {
         self.inner.memset_zero(s, dst)
     }
 
-    fn launch(
-        &mut self,
-        s: Stream,
-        kernel: &str,
-        grid: u32,
-        block: u32,
-        args: &[Arg],
-    ) -> Result<()> {
-        self.race.launch(s, kernel, args)?;
-        self.inner.launch(s, kernel, grid, block, args)
+    fn launch(&mut self, s: Stream, k: &Kernel, grid: u32, block: u32) -> Result<()> {
+        self.race.launch(s, k.name(), &k.args())?;
+        self.inner.launch(s, k, grid, block)
     }
 
     fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()> {

@@ -1,0 +1,715 @@
+//! The kernels of `cuda/kernels.cu` as one typed enum: each variant is one kernel with its
+//! arguments by name, so a launch cannot name a kernel that does not exist, pass its
+//! arguments in the wrong order or of the wrong kind. [`Kernel::args`] lays them out as
+//! the kernel's C parameters (in order, each of its C type, buffers marked read, written
+//! or both for the stream-order checker); the devices that run the CUDA source (a GPU, the
+//! host device) launch the symbol [`Kernel::name`] with them, and the CPU device matches
+//! on the variant (`device/cpu.rs`). A test checks every variant against the parameter
+//! list that kernels.cu declares.
+//!
+//! Buffers are f32 unless said otherwise; `act` says whether a forward activation kernel
+//! takes bf16 activations (its `_bf16` symbol). "rows" is the launch's grid: one block
+//! per row for the row kernels.
+
+use super::{Arg, DSlice};
+
+/// Whether a forward activation kernel's activations are f32 or bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    F32,
+    Bf16,
+}
+
+/// AdamW's constants.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHyper {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+/// Attention over key spans: `q`/`out` `[tq, qh·hd]`, `k`/`v` `[keys, kvh·hd]`, `spans`
+/// four i32 per query row (two key ranges), `lse` one f32 per (row, head).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Attention {
+    pub out: DSlice,
+    pub lse: DSlice,
+    pub q: DSlice,
+    pub k: DSlice,
+    pub v: DSlice,
+    pub spans: DSlice,
+    pub tq: usize,
+    pub qh: usize,
+    pub kvh: usize,
+    pub hd: usize,
+}
+
+/// The backward of [`Attention`]: `dq`, `dk`, `dv` accumulate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionGrad {
+    pub fwd: Attention,
+    pub dout: DSlice,
+    pub dq: DSlice,
+    pub dk: DSlice,
+    pub dv: DSlice,
+}
+
+/// One launch's kernel and arguments.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Kernel {
+    /// `out[r,:] = table[ids[r],:]` (ids u32, clamped to the vocabulary).
+    EmbedGather {
+        act: Act,
+        out: DSlice,
+        table: DSlice,
+        ids: DSlice,
+        h: usize,
+        vocab: usize,
+    },
+    /// `dst[idx[r],:] += src[r,:]` (idx u32, distinct).
+    ScatterAddRows {
+        dst: DSlice,
+        src: DSlice,
+        idx: DSlice,
+        h: usize,
+    },
+    /// bf16 bits → f32, `n` elements.
+    Bf16ToF32 {
+        out: DSlice,
+        input: DSlice,
+        n: usize,
+    },
+    /// f32 → bf16 bits (nearest even), `n` elements.
+    F32ToBf16 {
+        out: DSlice,
+        input: DSlice,
+        n: usize,
+    },
+    /// `x += y`, `n` elements.
+    AddInplace {
+        act: Act,
+        x: DSlice,
+        y: DSlice,
+        n: usize,
+    },
+    /// `dst[r, dst_off..+width] = src[r, src_off..+width]`.
+    CopyCols {
+        act: Act,
+        dst: DSlice,
+        src: DSlice,
+        width: usize,
+        dst_stride: usize,
+        dst_off: usize,
+        src_stride: usize,
+        src_off: usize,
+    },
+    /// `out = silu(gate)·up`, `n` elements.
+    SwigluFwd {
+        act: Act,
+        out: DSlice,
+        gate: DSlice,
+        up: DSlice,
+        n: usize,
+    },
+    /// The SwiGLU backward: `dgate`, `dup` accumulate.
+    SwigluBwd {
+        dgate: DSlice,
+        dup: DSlice,
+        dout: DSlice,
+        gate: DSlice,
+        up: DSlice,
+        n: usize,
+    },
+    /// RMSNorm of rows of width `d`: `y` (in place when it is `x`) and the reciprocal RMS
+    /// per row (f32).
+    RmsnormFwd {
+        act: Act,
+        y: DSlice,
+        rstd: DSlice,
+        x: DSlice,
+        w: DSlice,
+        d: usize,
+        eps: f32,
+    },
+    /// The RMSNorm backward: `dx` accumulates, and `dw` when given.
+    RmsnormBwd {
+        dx: DSlice,
+        dw: Option<DSlice>,
+        dy: DSlice,
+        x: DSlice,
+        w: DSlice,
+        rstd: DSlice,
+        d: usize,
+    },
+    /// Rotary embedding in place (`pos` i32 per row, `inv_freq` head_dim/2), scaled by
+    /// `scale`; `inverse` rotates back (the backward).
+    Rope {
+        act: Act,
+        x: DSlice,
+        pos: DSlice,
+        inv_freq: DSlice,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+        inverse: bool,
+    },
+    AttentionFwd {
+        act: Act,
+        a: Attention,
+    },
+    AttentionBwd(AttentionGrad),
+    /// Fold a vocabulary chunk of logits (`[rows, cw]`, ids `start..start+cw`) into each
+    /// row's running max, Σexp, argmax (value and i32 id) and label logit (labels i32).
+    CeChunkStats {
+        run_max: DSlice,
+        run_sum: DSlice,
+        best_v: DSlice,
+        best_i: DSlice,
+        label_logit: DSlice,
+        logits: DSlice,
+        labels: DSlice,
+        cw: usize,
+        start: usize,
+    },
+    /// A chunk's logits → `scale[r]·(softmax − onehot(label))`, in place.
+    CeChunkGrad {
+        logits: DSlice,
+        run_max: DSlice,
+        run_sum: DSlice,
+        labels: DSlice,
+        scale: DSlice,
+        cw: usize,
+        start: usize,
+    },
+    /// Each block's share of Σg² (f64 `partials`), `nonfinite` (i32) set on NaN/inf.
+    Sumsq {
+        partials: DSlice,
+        nonfinite: DSlice,
+        g: DSlice,
+        n: usize,
+    },
+    /// `acc` (one f64) = Σ of the first `blocks` partials, in order.
+    SumsqFinish {
+        acc: DSlice,
+        partials: DSlice,
+        blocks: usize,
+    },
+    /// `t += 1` (one i32) unless `nonfinite` is set.
+    AdamCount {
+        t: DSlice,
+        nonfinite: DSlice,
+    },
+    /// Clip by the norm in `acc` to `max_norm` (0: no clip), AdamW at step count `t`,
+    /// unless `nonfinite` is set.
+    Adamw {
+        p: DSlice,
+        m: DSlice,
+        v: DSlice,
+        g: DSlice,
+        n: usize,
+        acc: DSlice,
+        nonfinite: DSlice,
+        t: DSlice,
+        max_norm: f32,
+        lr: f32,
+        hyper: AdamHyper,
+    },
+    /// The weights' checksum ([`super::ops::params_hash`]) added into `acc` (one u64).
+    ParamsHash {
+        acc: DSlice,
+        p: DSlice,
+        n: usize,
+    },
+}
+
+fn i32_of(v: usize) -> Arg {
+    Arg::I32(v as i32)
+}
+
+fn i64_of(v: usize) -> Arg {
+    Arg::I64(v as i64)
+}
+
+impl Kernel {
+    /// The kernel's symbol in kernels.cu.
+    pub fn name(&self) -> &'static str {
+        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
+            Act::F32 => f32,
+            Act::Bf16 => bf16,
+        };
+        match *self {
+            Kernel::EmbedGather { act: a, .. } => act(a, "embed_gather", "embed_gather_bf16"),
+            Kernel::ScatterAddRows { .. } => "scatter_add_rows",
+            Kernel::Bf16ToF32 { .. } => "bf16_to_f32",
+            Kernel::F32ToBf16 { .. } => "f32_to_bf16",
+            Kernel::AddInplace { act: a, .. } => act(a, "add_inplace", "add_inplace_bf16"),
+            Kernel::CopyCols { act: a, .. } => act(a, "copy_cols", "copy_cols_bf16"),
+            Kernel::SwigluFwd { act: a, .. } => act(a, "swiglu_fwd", "swiglu_fwd_bf16"),
+            Kernel::SwigluBwd { .. } => "swiglu_bwd",
+            Kernel::RmsnormFwd { act: a, .. } => act(a, "rmsnorm_fwd", "rmsnorm_fwd_bf16"),
+            Kernel::RmsnormBwd { .. } => "rmsnorm_bwd",
+            Kernel::Rope { act: a, .. } => act(a, "rope", "rope_bf16"),
+            Kernel::AttentionFwd { act: a, .. } => act(a, "attention_fwd", "attention_fwd_bf16"),
+            Kernel::AttentionBwd(_) => "attention_bwd",
+            Kernel::CeChunkStats { .. } => "ce_chunk_stats",
+            Kernel::CeChunkGrad { .. } => "ce_chunk_grad",
+            Kernel::Sumsq { .. } => "sumsq",
+            Kernel::SumsqFinish { .. } => "sumsq_finish",
+            Kernel::AdamCount { .. } => "adam_count",
+            Kernel::Adamw { .. } => "adamw",
+            Kernel::ParamsHash { .. } => "params_hash",
+        }
+    }
+
+    /// The arguments as the kernel's C parameters, in order: each buffer marked as the
+    /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
+    pub fn args(&self) -> Vec<Arg> {
+        use Arg::{F32, R, RW, W};
+        match *self {
+            Kernel::EmbedGather {
+                out,
+                table,
+                ids,
+                h,
+                vocab,
+                ..
+            } => vec![W(out), R(table), R(ids), i32_of(h), i32_of(vocab)],
+            Kernel::ScatterAddRows { dst, src, idx, h } => {
+                vec![RW(dst), R(src), R(idx), i32_of(h)]
+            }
+            Kernel::Bf16ToF32 { out, input, n } | Kernel::F32ToBf16 { out, input, n } => {
+                vec![W(out), R(input), i64_of(n)]
+            }
+            Kernel::AddInplace { x, y, n, .. } => vec![RW(x), R(y), i64_of(n)],
+            Kernel::CopyCols {
+                dst,
+                src,
+                width,
+                dst_stride,
+                dst_off,
+                src_stride,
+                src_off,
+                ..
+            } => vec![
+                RW(dst),
+                R(src),
+                i32_of(width),
+                i32_of(dst_stride),
+                i32_of(dst_off),
+                i32_of(src_stride),
+                i32_of(src_off),
+            ],
+            Kernel::SwigluFwd {
+                out, gate, up, n, ..
+            } => vec![W(out), R(gate), R(up), i64_of(n)],
+            Kernel::SwigluBwd {
+                dgate,
+                dup,
+                dout,
+                gate,
+                up,
+                n,
+            } => vec![RW(dgate), RW(dup), R(dout), R(gate), R(up), i64_of(n)],
+            Kernel::RmsnormFwd {
+                y,
+                rstd,
+                x,
+                w,
+                d,
+                eps,
+                ..
+            } => vec![W(y), W(rstd), R(x), R(w), i32_of(d), F32(eps)],
+            Kernel::RmsnormBwd {
+                dx,
+                dw,
+                dy,
+                x,
+                w,
+                rstd,
+                d,
+            } => vec![
+                RW(dx),
+                dw.map_or(Arg::Null, RW),
+                R(dy),
+                R(x),
+                R(w),
+                R(rstd),
+                i32_of(d),
+            ],
+            Kernel::Rope {
+                x,
+                pos,
+                inv_freq,
+                heads,
+                head_dim,
+                scale,
+                inverse,
+                ..
+            } => vec![
+                RW(x),
+                R(pos),
+                R(inv_freq),
+                i32_of(heads),
+                i32_of(head_dim),
+                F32(scale),
+                Arg::I32(inverse as i32),
+            ],
+            Kernel::AttentionFwd { a, .. } => vec![
+                W(a.out),
+                W(a.lse),
+                R(a.q),
+                R(a.k),
+                R(a.v),
+                R(a.spans),
+                i32_of(a.tq),
+                i32_of(a.qh),
+                i32_of(a.kvh),
+                i32_of(a.hd),
+            ],
+            Kernel::AttentionBwd(g) => vec![
+                RW(g.dq),
+                RW(g.dk),
+                RW(g.dv),
+                R(g.dout),
+                R(g.fwd.out),
+                R(g.fwd.lse),
+                R(g.fwd.q),
+                R(g.fwd.k),
+                R(g.fwd.v),
+                R(g.fwd.spans),
+                i32_of(g.fwd.tq),
+                i32_of(g.fwd.qh),
+                i32_of(g.fwd.kvh),
+                i32_of(g.fwd.hd),
+            ],
+            Kernel::CeChunkStats {
+                run_max,
+                run_sum,
+                best_v,
+                best_i,
+                label_logit,
+                logits,
+                labels,
+                cw,
+                start,
+            } => vec![
+                RW(run_max),
+                RW(run_sum),
+                RW(best_v),
+                RW(best_i),
+                RW(label_logit),
+                R(logits),
+                R(labels),
+                i32_of(cw),
+                i32_of(start),
+            ],
+            Kernel::CeChunkGrad {
+                logits,
+                run_max,
+                run_sum,
+                labels,
+                scale,
+                cw,
+                start,
+            } => vec![
+                RW(logits),
+                R(run_max),
+                R(run_sum),
+                R(labels),
+                R(scale),
+                i32_of(cw),
+                i32_of(start),
+            ],
+            Kernel::Sumsq {
+                partials,
+                nonfinite,
+                g,
+                n,
+            } => vec![W(partials), RW(nonfinite), R(g), i64_of(n)],
+            Kernel::SumsqFinish {
+                acc,
+                partials,
+                blocks,
+            } => vec![W(acc), R(partials), i32_of(blocks)],
+            Kernel::AdamCount { t, nonfinite } => vec![RW(t), R(nonfinite)],
+            Kernel::Adamw {
+                p,
+                m,
+                v,
+                g,
+                n,
+                acc,
+                nonfinite,
+                t,
+                max_norm,
+                lr,
+                hyper,
+            } => vec![
+                RW(p),
+                RW(m),
+                RW(v),
+                R(g),
+                i64_of(n),
+                R(acc),
+                R(nonfinite),
+                R(t),
+                F32(max_norm),
+                F32(lr),
+                F32(hyper.beta1),
+                F32(hyper.beta2),
+                F32(hyper.eps),
+                F32(hyper.weight_decay),
+            ],
+            Kernel::ParamsHash { acc, p, n } => vec![RW(acc), R(p), i64_of(n)],
+        }
+    }
+
+    /// One launch of every kernel (each of its symbols), all buffers `b`: for the tests
+    /// that hold the enum to kernels.cu.
+    pub fn every(b: DSlice) -> Vec<Kernel> {
+        let attention = Attention {
+            out: b,
+            lse: b,
+            q: b,
+            k: b,
+            v: b,
+            spans: b,
+            tq: 1,
+            qh: 1,
+            kvh: 1,
+            hd: 1,
+        };
+        let hyper = AdamHyper {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let mut all = Vec::new();
+        for act in [Act::F32, Act::Bf16] {
+            all.extend([
+                Kernel::EmbedGather {
+                    act,
+                    out: b,
+                    table: b,
+                    ids: b,
+                    h: 1,
+                    vocab: 1,
+                },
+                Kernel::AddInplace {
+                    act,
+                    x: b,
+                    y: b,
+                    n: 1,
+                },
+                Kernel::CopyCols {
+                    act,
+                    dst: b,
+                    src: b,
+                    width: 1,
+                    dst_stride: 1,
+                    dst_off: 0,
+                    src_stride: 1,
+                    src_off: 0,
+                },
+                Kernel::SwigluFwd {
+                    act,
+                    out: b,
+                    gate: b,
+                    up: b,
+                    n: 1,
+                },
+                Kernel::RmsnormFwd {
+                    act,
+                    y: b,
+                    rstd: b,
+                    x: b,
+                    w: b,
+                    d: 1,
+                    eps: 1e-6,
+                },
+                Kernel::Rope {
+                    act,
+                    x: b,
+                    pos: b,
+                    inv_freq: b,
+                    heads: 1,
+                    head_dim: 2,
+                    scale: 1.0,
+                    inverse: false,
+                },
+                Kernel::AttentionFwd { act, a: attention },
+            ]);
+        }
+        all.extend([
+            Kernel::ScatterAddRows {
+                dst: b,
+                src: b,
+                idx: b,
+                h: 1,
+            },
+            Kernel::Bf16ToF32 {
+                out: b,
+                input: b,
+                n: 1,
+            },
+            Kernel::F32ToBf16 {
+                out: b,
+                input: b,
+                n: 1,
+            },
+            Kernel::SwigluBwd {
+                dgate: b,
+                dup: b,
+                dout: b,
+                gate: b,
+                up: b,
+                n: 1,
+            },
+            Kernel::RmsnormBwd {
+                dx: b,
+                dw: Some(b),
+                dy: b,
+                x: b,
+                w: b,
+                rstd: b,
+                d: 1,
+            },
+            Kernel::AttentionBwd(AttentionGrad {
+                fwd: attention,
+                dout: b,
+                dq: b,
+                dk: b,
+                dv: b,
+            }),
+            Kernel::CeChunkStats {
+                run_max: b,
+                run_sum: b,
+                best_v: b,
+                best_i: b,
+                label_logit: b,
+                logits: b,
+                labels: b,
+                cw: 1,
+                start: 0,
+            },
+            Kernel::CeChunkGrad {
+                logits: b,
+                run_max: b,
+                run_sum: b,
+                labels: b,
+                scale: b,
+                cw: 1,
+                start: 0,
+            },
+            Kernel::Sumsq {
+                partials: b,
+                nonfinite: b,
+                g: b,
+                n: 1,
+            },
+            Kernel::SumsqFinish {
+                acc: b,
+                partials: b,
+                blocks: 1,
+            },
+            Kernel::AdamCount { t: b, nonfinite: b },
+            Kernel::Adamw {
+                p: b,
+                m: b,
+                v: b,
+                g: b,
+                n: 1,
+                acc: b,
+                nonfinite: b,
+                t: b,
+                max_norm: 1.0,
+                lr: 1e-3,
+                hyper,
+            },
+            Kernel::ParamsHash { acc: b, p: b, n: 1 },
+        ]);
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::nvrtc::{kernel_names, KERNELS_CU};
+
+    /// A kernel's parameters as kernels.cu declares them: `R` a const pointer (read), `W`
+    /// a pointer it may write, `i` int, `l` long, `f` float.
+    fn declared(name: &str) -> String {
+        let head = format!("extern \"C\" __global__ void {name}(");
+        let at = KERNELS_CU.find(&head).expect("declared") + head.len();
+        let params = &KERNELS_CU[at..at + KERNELS_CU[at..].find(')').expect("closed")];
+        params
+            .split(',')
+            .map(|p| {
+                let p = p.trim();
+                match () {
+                    _ if p.contains('*') && p.starts_with("const ") => 'R',
+                    _ if p.contains('*') => 'W',
+                    _ if p.starts_with("long ") => 'l',
+                    _ if p.starts_with("int ") || p.starts_with("unsigned ") => 'i',
+                    _ if p.starts_with("float ") => 'f',
+                    _ => panic!("{name}: parameter {p:?} of a kind the test does not know"),
+                }
+            })
+            .collect()
+    }
+
+    fn passed(k: &Kernel) -> String {
+        k.args()
+            .iter()
+            .map(|a| match a {
+                Arg::R(_) => 'R',
+                Arg::W(_) | Arg::RW(_) | Arg::Null => 'W',
+                Arg::I32(_) | Arg::U32(_) => 'i',
+                Arg::I64(_) => 'l',
+                Arg::F32(_) => 'f',
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_kernel_of_kernels_cu_is_one_variant_with_its_parameters_in_order() {
+        let b = DSlice { ptr: 0, bytes: 0 };
+        let all = Kernel::every(b);
+        let mut ours: Vec<&str> = all.iter().map(|k| k.name()).collect();
+        ours.sort_unstable();
+        let mut cu = kernel_names(KERNELS_CU);
+        cu.sort_unstable();
+        assert_eq!(ours, cu, "the enum's symbols are kernels.cu's, each once");
+        for k in &all {
+            assert_eq!(passed(k), declared(k.name()), "{}", k.name());
+        }
+    }
+
+    #[test]
+    fn the_parameter_check_sees_a_swapped_or_misread_argument() {
+        // What the test above would catch: a read buffer passed where the kernel writes,
+        // and a long passed as an int.
+        assert_eq!(declared("add_inplace"), "WRl");
+        let b = DSlice { ptr: 0, bytes: 0 };
+        let k = Kernel::AddInplace {
+            act: Act::F32,
+            x: b,
+            y: b,
+            n: 1,
+        };
+        assert_eq!(passed(&k), "WRl");
+        let swapped = [Arg::R(b), Arg::RW(b), Arg::I32(1)];
+        let kinds: String = swapped
+            .iter()
+            .map(|a| match a {
+                Arg::R(_) => 'R',
+                Arg::I32(_) => 'i',
+                _ => 'W',
+            })
+            .collect();
+        assert_ne!(kinds, declared("add_inplace"));
+    }
+}
