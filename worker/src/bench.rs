@@ -9,6 +9,7 @@ use dflash_shared::batch::TokenBatch;
 use dflash_shared::drafter::DrafterConfig;
 use serde::{Deserialize, Serialize};
 
+use crate::error::ToolError;
 use crate::model::drafter::{batch_samples, grad_norm, AdamW, Drafter, Frozen};
 use crate::model::target::Target;
 use crate::model::weights::Weights;
@@ -30,20 +31,17 @@ pub struct Figures {
     pub drafter_tokens_per_s: f64,
 }
 
-pub fn run(spec_path: &Path) -> Result<(), String> {
+pub fn run(spec_path: &Path) -> Result<(), ToolError> {
     let text = std::fs::read_to_string(spec_path)
-        .map_err(|e| format!("--spec {}: {e}", spec_path.display()))?;
-    let spec: Spec =
-        serde_json::from_str(&text).map_err(|e| format!("--spec {}: {e}", spec_path.display()))?;
-    let target = Target::load(&spec.target_dir, &spec.taps).map_err(|e| e.to_string())?;
+        .map_err(ToolError::io(format!("--spec {}", spec_path.display())))?;
+    let spec: Spec = serde_json::from_str(&text)
+        .map_err(ToolError::json(format!("--spec {}", spec_path.display())))?;
+    let target = Target::load(&spec.target_dir, &spec.taps)?;
     let c = &spec.drafter;
-    let w = Weights::open(&spec.target_dir).map_err(|e| e.to_string())?;
-    let embed = w
-        .get("model.embed_tokens.weight", &[c.vocab, c.hidden])
-        .map_err(|e| e.to_string())?;
+    let w = Weights::open(&spec.target_dir)?;
+    let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
     let lm_head = if w.contains("lm_head.weight") {
-        w.get("lm_head.weight", &[c.vocab, c.hidden])
-            .map_err(|e| e.to_string())?
+        w.get("lm_head.weight", &[c.vocab, c.hidden])?
     } else {
         embed.clone()
     };
@@ -100,6 +98,9 @@ pub fn run(spec_path: &Path) -> Result<(), String> {
         target_tokens_per_s: tokens as f64 / target_s,
         drafter_tokens_per_s: tokens as f64 / drafter_s,
     };
-    println!("{}", serde_json::to_string(&f).map_err(|e| e.to_string())?);
+    println!(
+        "{}",
+        serde_json::to_string(&f).map_err(ToolError::json("the figures"))?
+    );
     Ok(())
 }

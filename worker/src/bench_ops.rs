@@ -19,6 +19,8 @@ use serde::Serialize;
 
 use crate::compute::cpu::Cpu;
 use crate::compute::Backend;
+use crate::device::GpuError;
+use crate::error::ToolError;
 use crate::model::drafter::{Drafter, Frozen, Sample};
 use crate::model::target::{OpTimes, Target};
 use crate::model::weights::Weights;
@@ -113,13 +115,11 @@ pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
 }
 
 /// The GPU, if CUDA is there (a real driver, or the tests' emulated one).
-fn open_device() -> Result<Option<Box<dyn crate::device::Device>>, String> {
+fn open_device() -> Result<Option<Box<dyn crate::device::Device>>, ToolError> {
     if crate::device::cuda::missing_library().is_some() {
         return Ok(None);
     }
-    Ok(Some(Box::new(
-        crate::device::cuda::CudaDevice::open().map_err(|e| e.to_string())?,
-    )))
+    Ok(Some(Box::new(crate::device::cuda::CudaDevice::open()?)))
 }
 
 /// What the device part measures besides the target: the drafter step of the CPU
@@ -139,19 +139,17 @@ fn measure_device(
     flops: f64,
     cpu_tokens_per_s: f64,
     dc: &DrafterCase,
-) -> Result<Option<DeviceFigures>, String> {
+) -> Result<Option<DeviceFigures>, ToolError> {
     let Some(dev) = open_device()? else {
         return Ok(None);
     };
-    let mut g =
-        crate::device::target::GpuTarget::new(dev, target, ids.len()).map_err(|e| e.to_string())?;
-    g.forward_taps(&ids[..ids.len().min(64)])
-        .map_err(|e| e.to_string())?;
+    let mut g = crate::device::target::GpuTarget::new(dev, target, ids.len())?;
+    g.forward_taps(&ids[..ids.len().min(64)])?;
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let t0 = Instant::now();
         // forward_taps ends with a synchronous download: the time covers the device's work.
-        std::hint::black_box(g.forward_taps(ids).map_err(|e| e.to_string())?);
+        std::hint::black_box(g.forward_taps(ids)?);
         best = best.min(t0.elapsed().as_secs_f64());
     }
     let name = g.describe();
@@ -161,14 +159,14 @@ fn measure_device(
     let tokens_per_s = ids.len() as f64 / best;
 
     // The drafter step and the optimizer, on a device of their own (as a drafter worker has).
-    let dev = open_device()?.ok_or("the device went away")?;
+    let dev = open_device()?.ok_or(ToolError::Device(GpuError::Unavailable(
+        "the device went away".into(),
+    )))?;
     let mut gd =
-        crate::device::drafter::GpuDrafter::new(dev, dc.drafter, dc.frozen, dc.sample.ids.len())
-            .map_err(|e| e.to_string())?;
+        crate::device::drafter::GpuDrafter::new(dev, dc.drafter, dc.frozen, dc.sample.ids.len())?;
     let n = dc.params.len();
     let zeros = vec![0f32; n];
-    gd.load(dc.params, &zeros, &zeros, 0)
-        .map_err(|e| e.to_string())?;
+    gd.load(dc.params, &zeros, &zeros, 0)?;
     let mut grads = vec![0f32; n];
     let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
     let mut drafter_best = f64::INFINITY;
@@ -177,13 +175,11 @@ fn measure_device(
     for step in 1..=3 {
         let t0 = Instant::now();
         // train_batch ends with the gradient's synchronous download.
-        gd.train_batch(samples, &anchors, 1.0, &mut grads)
-            .map_err(|e| e.to_string())?;
+        gd.train_batch(samples, &anchors, 1.0, &mut grads)?;
         drafter_best = drafter_best.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
-        gd.apply(step, &grads, 1.0, 1e-4, &hyper)
-            .map_err(|e| e.to_string())?;
-        gd.drain().map_err(|e| e.to_string())?;
+        gd.apply(step, &grads, 1.0, 1e-4, &hyper)?;
+        gd.drain()?;
         opt_best = opt_best.min(t0.elapsed().as_secs_f64());
     }
     let (all_reduce, all_reduce_ms, step_with_all_reduce_s, all_reduce_overlap) =
@@ -191,7 +187,9 @@ fn measure_device(
     drop(gd);
     let drafter_tflops = dc.flops / drafter_best / 1e12;
 
-    let dev = open_device()?.ok_or("the device went away")?;
+    let dev = open_device()?.ok_or(ToolError::Device(GpuError::Unavailable(
+        "the device went away".into(),
+    )))?;
     let (copy_bytes, slot, pinned) = measure_copies(dev)?;
     Ok(Some(DeviceFigures {
         name,
@@ -222,9 +220,8 @@ fn measure_device(
 fn measure_reduction(
     gd: &mut crate::device::drafter::GpuDrafter,
     dc: &DrafterCase,
-) -> Result<(String, f64, f64, f64), String> {
+) -> Result<(String, f64, f64, f64), ToolError> {
     use crate::collective::{local::LocalCollective, nccl::NcclCollective, Collective, Formed};
-    let e = |e: crate::error::WorkerError| e.to_string();
     let mut coll: Box<dyn Collective> = match NcclCollective::new(0, gd) {
         Ok(c) => Box::new(c),
         Err(_) => Box::new(LocalCollective::new(0)),
@@ -233,18 +230,18 @@ fn measure_reduction(
         dflash_shared::drafter::CollectiveKind::Nccl => "NCCL, 1 rank",
         _ => "device copy, 1 rank, no NCCL",
     };
-    if let Formed::Created(id) = coll.form(1, &[0], None).map_err(e)? {
-        coll.form(1, &[0], Some(&id)).map_err(e)?;
+    if let Formed::Created(id) = coll.form(1, &[0], None).map_err(ToolError::from)? {
+        coll.form(1, &[0], Some(&id)).map_err(ToolError::from)?;
     }
     let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
     let sync =
-        |gd: &mut crate::device::drafter::GpuDrafter| gd.device().sync().map_err(|e| e.to_string());
+        |gd: &mut crate::device::drafter::GpuDrafter| gd.device().sync().map_err(ToolError::from);
     let reduce = |coll: &mut Box<dyn Collective>,
                   gd: &mut crate::device::drafter::GpuDrafter,
                   step: u64|
-     -> Result<(), String> {
-        coll.contribute(step, 1.0, gd).map_err(e)?;
-        while coll.poll(gd).map_err(e)?.is_none() {
+     -> Result<(), ToolError> {
+        coll.contribute(step, 1.0, gd).map_err(ToolError::from)?;
+        while coll.poll(gd).map_err(ToolError::from)?.is_none() {
             std::thread::yield_now();
         }
         sync(gd)
@@ -252,16 +249,14 @@ fn measure_reduction(
     let (mut step_s, mut red_s, mut both_s) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
     for step in 1..=3u64 {
         let t0 = Instant::now();
-        gd.train_batch_on_device(samples, &anchors, 1.0)
-            .map_err(|e| e.to_string())?;
+        gd.train_batch_on_device(samples, &anchors, 1.0)?;
         sync(gd)?;
         step_s = step_s.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
         reduce(&mut coll, gd, step)?;
         red_s = red_s.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
-        gd.train_batch_on_device(samples, &anchors, 1.0)
-            .map_err(|e| e.to_string())?;
+        gd.train_batch_on_device(samples, &anchors, 1.0)?;
         reduce(&mut coll, gd, step)?;
         both_s = both_s.min(t0.elapsed().as_secs_f64());
     }
@@ -271,46 +266,47 @@ fn measure_reduction(
 
 /// The shared-memory all-reduce of `n` f32 between two ranks over one pool (as two CPU
 /// drafter workers run it): best of three, ms, and gradient GB/s read.
-fn measure_shm_all_reduce(n: usize) -> Result<(f64, f64), String> {
+fn measure_shm_all_reduce(n: usize) -> Result<(f64, f64), ToolError> {
     use crate::collective::{shm::ShmCollective, Collective};
     use dflash_shared::pool::{PoolGeometry, PoolMap};
     use std::os::fd::AsRawFd;
-    let e = |e: crate::error::WorkerError| e.to_string();
     let g = PoolGeometry {
         name: "grads".into(),
         slots: 4,
         slot_bytes: dflash_shared::drafter::GRAD_SLOT_HEADER + n as u64 * 4,
     };
-    let (fd, _map) = PoolMap::create(g.clone()).map_err(|e| e.to_string())?;
+    let (fd, _map) = PoolMap::create(g.clone()).map_err(ToolError::io("creating a pool"))?;
     let mut ranks: Vec<ShmCollective> = (0..2)
         .map(|r| {
             ShmCollective::new(
-                PoolMap::open(fd.as_raw_fd(), g.clone()).map_err(|e| e.to_string())?,
+                PoolMap::open(fd.as_raw_fd(), g.clone())
+                    .map_err(ToolError::io("mapping a pool"))?,
                 r,
                 n,
             )
-            .map_err(e)
+            .map_err(ToolError::from)
         })
         .collect::<Result<_, _>>()?;
     for r in ranks.iter_mut() {
-        r.form(1, &[0, 1], None).map_err(e)?;
+        r.form(1, &[0, 1], None).map_err(ToolError::from)?;
     }
     let grad: Vec<f32> = (0..n).map(|i| (i % 97) as f32 * 1e-3).collect();
     let mut best = f64::INFINITY;
     for step in 1..=3u64 {
         let t0 = Instant::now();
         for r in ranks.iter_mut() {
-            r.contribute_host(step, 1.0, &grad).map_err(e)?;
+            r.contribute_host(step, 1.0, &grad)
+                .map_err(ToolError::from)?;
         }
         let mut done = [false; 2];
         while !done.iter().all(|d| *d) {
             for (i, r) in ranks.iter_mut().enumerate() {
-                done[i] |= r.progress().map_err(e)?.is_some();
+                done[i] |= r.progress().map_err(ToolError::from)?.is_some();
             }
         }
         best = best.min(t0.elapsed().as_secs_f64());
         for r in ranks.iter_mut() {
-            r.take_sum(step, 2.0).map_err(e)?;
+            r.take_sum(step, 2.0).map_err(ToolError::from)?;
         }
     }
     // Each rank writes its gradient and reads both.
@@ -320,7 +316,7 @@ fn measure_shm_all_reduce(n: usize) -> Result<(f64, f64), String> {
 /// Device→host copy rate into a shared-memory mapping (a memfd mapped shared, as the
 /// pools are) pinned with `register_host`, against a plain page-aligned heap buffer
 /// pinned the same way: best of five copies of 64 MiB each (4 MiB on the host device).
-fn measure_copies(mut dev: Box<dyn crate::device::Device>) -> Result<(usize, f64, f64), String> {
+fn measure_copies(mut dev: Box<dyn crate::device::Device>) -> Result<(usize, f64, f64), ToolError> {
     use crate::device::{DSlice, Stream};
     let bytes: usize = if dev.describe().starts_with("host device") {
         4 << 20
@@ -328,7 +324,7 @@ fn measure_copies(mut dev: Box<dyn crate::device::Device>) -> Result<(usize, f64
         64 << 20
     };
     let src = DSlice {
-        ptr: dev.alloc(bytes).map_err(|e| e.to_string())?,
+        ptr: dev.alloc(bytes)?,
         bytes,
     };
     // A hidden-state pool of one slot, mapped as a worker maps it (header read-only,
@@ -340,43 +336,43 @@ fn measure_copies(mut dev: Box<dyn crate::device::Device>) -> Result<(usize, f64
         slot_bytes: bytes as u64,
     };
     let (fd, _owner) = dflash_shared::pool::PoolMap::create(geometry.clone())
-        .map_err(|e| format!("creating a pool: {e}"))?;
+        .map_err(ToolError::io("creating a pool"))?;
     let pool = dflash_shared::pool::PoolMap::open(fd.as_raw_fd(), geometry)
-        .map_err(|e| format!("mapping the pool: {e}"))?;
+        .map_err(ToolError::io("mapping the pool"))?;
     let (slots_ptr, slots_len) = pool.slots_mapping();
     let slot = slots_ptr;
-    let layout = std::alloc::Layout::from_size_align(bytes, 4096).map_err(|e| e.to_string())?;
+    let layout = std::alloc::Layout::from_size_align(bytes, 4096)
+        .map_err(|_| ToolError::HostMemory { bytes })?;
     // SAFETY: non-zero size; freed below after the device is gone.
     let plain = unsafe { std::alloc::alloc_zeroed(layout) };
     if plain.is_null() {
-        return Err("out of host memory".into());
+        return Err(ToolError::HostMemory { bytes });
     }
-    let time = |dev: &mut Box<dyn crate::device::Device>, dst: *mut u8| -> Result<f64, String> {
+    let time = |dev: &mut Box<dyn crate::device::Device>, dst: *mut u8| -> Result<f64, ToolError> {
         let mut best = f64::INFINITY;
         for _ in 0..5 {
             let t0 = Instant::now();
             // SAFETY: dst is registered, `bytes` long, and not touched until the event.
-            unsafe { dev.download_async(Stream::Copy, src, dst) }.map_err(|e| e.to_string())?;
-            let e = dev.record(Stream::Copy).map_err(|e| e.to_string())?;
-            dev.sync_event(e).map_err(|e| e.to_string())?;
+            unsafe { dev.download_async(Stream::Copy, src, dst) }?;
+            let e = dev.record(Stream::Copy)?;
+            dev.sync_event(e)?;
             dev.release_event(e);
             best = best.min(t0.elapsed().as_secs_f64());
         }
-        dev.host_access(dst, bytes, false)
-            .map_err(|e| e.to_string())?;
+        dev.host_access(dst, bytes, false)?;
         Ok(bytes as f64 / best / 1e9)
     };
     let result = (|| {
         // SAFETY: both ranges stay mapped until after the device is dropped.
-        unsafe { dev.register_host(slots_ptr, slots_len) }.map_err(|e| e.to_string())?;
-        unsafe { dev.register_host(plain, bytes) }.map_err(|e| e.to_string())?;
+        unsafe { dev.register_host(slots_ptr, slots_len) }?;
+        unsafe { dev.register_host(plain, bytes) }?;
         let (mut s, mut p) = (0f64, 0f64);
         // Alternate, so that neither gets the warmer caches or clocks.
         for _ in 0..2 {
             s = s.max(time(&mut dev, slot)?);
             p = p.max(time(&mut dev, plain)?);
         }
-        Ok::<_, String>((bytes, s, p))
+        Ok::<_, ToolError>((bytes, s, p))
     })();
     drop(dev);
     drop(pool);
@@ -417,15 +413,21 @@ pub fn drafter_step_flops(
 
 /// A built-in shape `qwen3:HIDDENxLAYERS` (heads of 64, a quarter as many KV heads, MLP
 /// 3× hidden, vocabulary 8192), written as a random checkpoint into `dir`.
-pub fn shape_config(spec: &str) -> Result<String, String> {
-    let err = || format!("--target {spec}: expected a model directory or a shape like qwen3:768x5");
+pub fn shape_config(spec: &str) -> Result<String, ToolError> {
+    let err = || ToolError::Usage {
+        flag: "--target",
+        value: spec.to_string(),
+        expected: "expected a model directory or a shape like qwen3:768x5".into(),
+    };
     let rest = spec.strip_prefix("qwen3:").ok_or_else(err)?;
     let (h, l) = rest.split_once('x').ok_or_else(err)?;
     let (h, l): (usize, usize) = (h.parse().map_err(|_| err())?, l.parse().map_err(|_| err())?);
     if h == 0 || h % 64 != 0 || l == 0 {
-        return Err(format!(
-            "--target {spec}: hidden must be a positive multiple of 64 and layers positive"
-        ));
+        return Err(ToolError::Usage {
+            flag: "--target",
+            value: spec.to_string(),
+            expected: "hidden must be a positive multiple of 64 and layers positive".into(),
+        });
     }
     let heads = h / 64;
     let kv = (heads / 4).max(1);
@@ -438,7 +440,7 @@ pub fn shape_config(spec: &str) -> Result<String, String> {
     ))
 }
 
-pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), String> {
+pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), ToolError> {
     if let Some(preset) = target.strip_prefix("ops:") {
         return run_ops(preset, json);
     }
@@ -449,7 +451,7 @@ pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), String> {
         let cfg = shape_config(target)?;
         tmp = std::env::temp_dir().join(format!("dflash-bench-ops-{}", std::process::id()));
         crate::model::tiny::write_random(&tmp, &cfg, 7)
-            .map_err(|e| format!("writing the {target} checkpoint: {e}"))?;
+            .map_err(ToolError::io(format!("writing the {target} checkpoint")))?;
         (tmp.clone(), target.to_string())
     };
     let result = measure(&dir, &shape, tokens);
@@ -458,7 +460,10 @@ pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), String> {
     }
     let f = result?;
     if json {
-        println!("{}", serde_json::to_string(&f).map_err(|e| e.to_string())?);
+        println!(
+            "{}",
+            serde_json::to_string(&f).map_err(ToolError::json("the figures"))?
+        );
     } else {
         print_figures(&f);
     }
@@ -551,10 +556,10 @@ pub fn print_figures(f: &Figures) {
     );
 }
 
-fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
-    let cfg = TargetConfig::load(dir).map_err(|e| e.to_string())?;
+fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError> {
+    let cfg = TargetConfig::load(dir)?;
     let layers = cfg.num_hidden_layers;
-    let target = Target::load(dir, &[layers - 1]).map_err(|e| e.to_string())?;
+    let target = Target::load(dir, &[layers - 1])?;
     let mut rng = Rng::new(1);
     let ids: Vec<u32> = (0..tokens)
         .map(|_| rng.below(cfg.vocab_size as u64) as u32)
@@ -629,17 +634,14 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         Box::new(crate::device::cpu::CpuDevice::new()),
         &target,
         tokens,
-    )
-    .map_err(|e| e.to_string())?;
-    worker
-        .forward_taps(&ids[..tokens.min(64)])
-        .map_err(|e| e.to_string())?;
+    )?;
+    worker.forward_taps(&ids[..tokens.min(64)])?;
     let mut worker_best = f64::INFINITY;
     let mut worker_ops = Vec::new();
     for _ in 0..3 {
         worker.take_kernel_seconds();
         let t0 = Instant::now();
-        std::hint::black_box(worker.forward_taps(&ids).map_err(|e| e.to_string())?);
+        std::hint::black_box(worker.forward_taps(&ids)?);
         let s = t0.elapsed().as_secs_f64();
         if s < worker_best {
             worker_best = s;
@@ -668,13 +670,10 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
     let dcfg = DrafterConfig::for_target(&cfg, 2, 1, 16, 64);
     let drafter = Drafter::new(dcfg.clone());
     let p = drafter.init_params(3);
-    let w = Weights::open(dir).map_err(|e| e.to_string())?;
-    let embed = w
-        .get("model.embed_tokens.weight", &[cfg.vocab_size, h])
-        .map_err(|e| e.to_string())?;
+    let w = Weights::open(dir)?;
+    let embed = w.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
     let lm_head = if w.contains("lm_head.weight") {
-        w.get("lm_head.weight", &[cfg.vocab_size, h])
-            .map_err(|e| e.to_string())?
+        w.get("lm_head.weight", &[cfg.vocab_size, h])?
     } else {
         embed.clone()
     };
@@ -693,26 +692,21 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, String> {
         &drafter,
         &frozen,
         tokens,
-    )
-    .map_err(|e| e.to_string())?;
+    )?;
     let zeros = vec![0f32; p.len()];
-    cpu_model
-        .load(&p, &zeros, &zeros, 0)
-        .map_err(|e| e.to_string())?;
+    cpu_model.load(&p, &zeros, &zeros, 0)?;
     let mut grads = vec![0f32; p.len()];
     let mut drafter_s = f64::INFINITY;
     let mut drafter_op_seconds = BTreeMap::new();
     for _ in 0..2 {
         cpu_model.take_kernel_seconds();
         let t0 = Instant::now();
-        cpu_model
-            .train_batch(
-                std::slice::from_ref(&sample),
-                std::slice::from_ref(&anchors),
-                1.0,
-                &mut grads,
-            )
-            .map_err(|e| e.to_string())?;
+        cpu_model.train_batch(
+            std::slice::from_ref(&sample),
+            std::slice::from_ref(&anchors),
+            1.0,
+            &mut grads,
+        )?;
         let s = t0.elapsed().as_secs_f64();
         if s < drafter_s {
             drafter_s = s;
@@ -921,8 +915,8 @@ struct Bufs<'a> {
 }
 
 impl Bufs<'_> {
-    fn zeros(&mut self, bytes: usize) -> Result<crate::device::DSlice, String> {
-        let ptr = self.dev.alloc(bytes.max(4)).map_err(|e| e.to_string())?;
+    fn zeros(&mut self, bytes: usize) -> Result<crate::device::DSlice, ToolError> {
+        let ptr = self.dev.alloc(bytes.max(4))?;
         Ok(crate::device::DSlice { ptr, bytes })
     }
     /// `n` values, f32 or bf16.
@@ -931,7 +925,7 @@ impl Bufs<'_> {
         n: usize,
         bf16: bool,
         scale: f32,
-    ) -> Result<crate::device::DSlice, String> {
+    ) -> Result<crate::device::DSlice, ToolError> {
         self.seed += 1;
         let v = pattern(n, self.seed, scale);
         let s = self.zeros(n * if bf16 { 2 } else { 4 })?;
@@ -942,20 +936,16 @@ impl Bufs<'_> {
         } else {
             crate::device::f32_bytes(&v).to_vec()
         };
-        self.dev
-            .upload(crate::device::Stream::Compute, s, &bytes)
-            .map_err(|e| e.to_string())?;
+        self.dev.upload(crate::device::Stream::Compute, s, &bytes)?;
         Ok(s)
     }
-    fn i32s(&mut self, v: &[i32]) -> Result<crate::device::DSlice, String> {
+    fn i32s(&mut self, v: &[i32]) -> Result<crate::device::DSlice, ToolError> {
         let s = self.zeros(v.len() * 4)?;
-        self.dev
-            .upload(
-                crate::device::Stream::Compute,
-                s,
-                crate::device::i32_bytes(v),
-            )
-            .map_err(|e| e.to_string())?;
+        self.dev.upload(
+            crate::device::Stream::Compute,
+            s,
+            crate::device::i32_bytes(v),
+        )?;
         Ok(s)
     }
 }
@@ -964,20 +954,19 @@ impl Bufs<'_> {
 fn time_on_device(
     ops: &mut crate::device::ops::Ops,
     mut f: impl FnMut(&mut crate::device::ops::Ops) -> crate::device::Result<()>,
-) -> Result<(f64, usize), String> {
-    let e = |e: crate::device::GpuError| e.to_string();
-    f(ops).map_err(e)?;
-    ops.dev.sync().map_err(e)?;
+) -> Result<(f64, usize), ToolError> {
+    f(ops).map_err(ToolError::from)?;
+    ops.dev.sync().map_err(ToolError::from)?;
     let t0 = Instant::now();
-    f(ops).map_err(e)?;
-    ops.dev.sync().map_err(e)?;
+    f(ops).map_err(ToolError::from)?;
+    ops.dev.sync().map_err(ToolError::from)?;
     let one = t0.elapsed().as_secs_f64();
     let reps = ((0.2 / one.max(1e-9)).ceil() as usize).clamp(1, 50);
     let t0 = Instant::now();
     for _ in 0..reps {
-        f(ops).map_err(e)?;
+        f(ops).map_err(ToolError::from)?;
     }
-    ops.dev.sync().map_err(e)?;
+    ops.dev.sync().map_err(ToolError::from)?;
     Ok((t0.elapsed().as_secs_f64() / reps as f64, reps))
 }
 
@@ -987,17 +976,25 @@ struct RowSink {
 }
 
 impl RowSink {
+    /// A row that could not be measured, for `e`.
+    fn failed(&mut self, op: &str, shape: String, flops: f64, e: &ToolError) {
+        let error = ToolError::Skipped {
+            because: e.to_string(),
+        };
+        self.push(op, shape, flops, "", Err(error));
+    }
+
     fn push(
         &mut self,
         op: &str,
         shape: String,
         flops: f64,
         note: &str,
-        r: Result<(f64, usize), String>,
+        r: Result<(f64, usize), ToolError>,
     ) {
         let (seconds, reps, error) = match r {
             Ok((s, n)) => (Some(s), n, None),
-            Err(e) => (None, 0, Some(e)),
+            Err(e) => (None, 0, Some(e.to_string())),
         };
         let tflops = seconds.map(|s| flops / s.max(1e-12) / 1e12);
         let pct_peak = tflops.zip(self.peak).map(|(t, p)| 100.0 * t / p);
@@ -1046,7 +1043,7 @@ fn measure_kernels(
     p: &OpsShape,
     dev: Box<dyn crate::device::Device>,
     sink: &mut RowSink,
-) -> Result<(), String> {
+) -> Result<(), ToolError> {
     use crate::device::ops::Ops;
     let mut ops = Ops::new(dev);
     let (qh, kvh, hd, h) = (p.q_heads, p.kv_heads, p.head_dim, p.hidden);
@@ -1079,7 +1076,7 @@ fn measure_kernels(
                 dev: ops.dev.as_mut(),
                 seed,
             };
-            let bufs = (|| -> Result<_, String> {
+            let bufs = (|| -> Result<_, ToolError> {
                 let sp = b.i32s(&spans)?;
                 let f32s = [
                     b.random(tq * qd, false, 1.0)?,
@@ -1106,19 +1103,17 @@ fn measure_kernels(
             let (sp, [q, k, v, out, lse], [q16, k16, v16, out16], [dout, dq, dk, dv]) = match bufs {
                 Ok(x) => x,
                 Err(e) => {
-                    sink.push(
+                    sink.failed(
                         &format!("attention {kind} forward"),
                         shape.clone(),
                         fwd_flops,
-                        "",
-                        Err(e.clone()),
+                        &e,
                     );
-                    sink.push(
+                    sink.failed(
                         &format!("attention {kind} backward"),
                         shape,
                         2.0 * fwd_flops,
-                        "",
-                        Err(e),
+                        &e,
                     );
                     continue;
                 }
@@ -1151,7 +1146,7 @@ fn measure_kernels(
             // The backward needs the forward's output and log-sum-exp (f32).
             let r = ops
                 .attention(q, k, v, out, lse, sp, tq, qh, kvh, hd)
-                .map_err(|e| e.to_string())
+                .map_err(ToolError::from)
                 .and_then(|_| {
                     time_on_device(&mut ops, |o| {
                         o.attention_backward(
@@ -1186,7 +1181,7 @@ fn measure_kernels(
             seed,
         };
         let bufs = (|| {
-            Ok::<_, String>((
+            Ok::<_, ToolError>((
                 b.random(m * k, true, 1.0)?,
                 b.random(n * k, true, 0.05)?,
                 b.zeros(m * n * 2)?,
@@ -1220,7 +1215,7 @@ fn measure_kernels(
         dev: ops.dev.as_mut(),
         seed,
     };
-    let bufs = (|| -> Result<_, String> {
+    let bufs = (|| -> Result<_, ToolError> {
         let labels: Vec<i32> = (0..n).map(|i| ((i * 7919) % v) as i32).collect();
         Ok((
             b.random(n * h, false, 1.0)?,
@@ -1243,19 +1238,17 @@ fn measure_kernels(
     let shape = format!("{n} rows x {h} over {v} tokens, chunks of {cw}");
     match bufs {
         Err(e) => {
-            sink.push(
+            sink.failed(
                 "cross_entropy forward",
                 shape.clone(),
                 2.0 * (n * h * v) as f64,
-                "",
-                Err(e.clone()),
+                &e,
             );
-            sink.push(
+            sink.failed(
                 "cross_entropy backward",
                 shape,
                 4.0 * (n * h * v) as f64,
-                "",
-                Err(e),
+                &e,
             );
         }
         Ok((x, xb, lm16, logits, lb, [rmax, rsum, bv, bi, ll], labels, scale, dx)) => {
@@ -1321,7 +1314,9 @@ fn measure_kernels(
             let r = if ok {
                 time_on_device(&mut ops, bwd)
             } else {
-                Err("the forward failed".into())
+                Err(ToolError::Skipped {
+                    because: "the forward failed".into(),
+                })
             };
             sink.push(
                 "cross_entropy backward",
@@ -1338,7 +1333,7 @@ fn measure_kernels(
 /// The target forward of `p.forward_layers` layers of the preset's shape (random bf16
 /// weights), as a target worker runs it: taps written to a staging buffer and copied
 /// into pinned host memory behind an event, the next sequence computing meanwhile.
-fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
+fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
     let layers = p.forward_layers;
     let dir = std::env::temp_dir().join(format!(
         "dflash-bench-ops-{}-{}",
@@ -1347,14 +1342,17 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
     ));
     let written =
         crate::model::tiny::write_random(&dir, &p.config_json(layers, p.forward_vocab), 11)
-            .map_err(|e| format!("writing the {layers}-layer checkpoint: {e}"));
-    let target = written.and_then(|_| Target::load(&dir, &[layers - 1]).map_err(|e| e.to_string()));
+            .map_err(ToolError::io(format!(
+                "writing the {layers}-layer checkpoint"
+            )));
+    let target = written.and_then(|_| Ok(Target::load(&dir, &[layers - 1])?));
     let _ = std::fs::remove_dir_all(&dir);
     let target = target?;
     let tmax = p.forward_tokens.iter().copied().max().unwrap_or(1);
-    let dev = open_device()?.ok_or("no device")?;
-    let mut g =
-        crate::device::target::GpuTarget::new(dev, &target, tmax).map_err(|e| e.to_string())?;
+    let dev = open_device()?.ok_or(ToolError::Skipped {
+        because: "no device".into(),
+    })?;
+    let mut g = crate::device::target::GpuTarget::new(dev, &target, tmax)?;
     let (h, qd, kd, inter) = (
         p.hidden,
         p.q_heads * p.head_dim,
@@ -1364,15 +1362,15 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
     let width = h; // one tap, the last layer's output
     let bytes = tmax * width * 2;
     let layout = std::alloc::Layout::from_size_align(bytes.max(1).next_multiple_of(4096), 4096)
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| ToolError::HostMemory { bytes })?;
     // SAFETY: non-zero size; freed below once the device is gone.
     let pinned = unsafe { std::alloc::alloc_zeroed(layout) };
     if pinned.is_null() {
-        return Err("out of host memory".into());
+        return Err(ToolError::HostMemory { bytes });
     }
-    let result = (|| -> Result<(), String> {
+    let result = (|| -> Result<(), ToolError> {
         // SAFETY: the buffer outlives `g` (dropped before it is freed).
-        unsafe { g.register_host(pinned, layout.size()) }.map_err(|e| e.to_string())?;
+        unsafe { g.register_host(pinned, layout.size()) }?;
         let mut rng = Rng::new(5);
         for &t in &p.forward_tokens {
             let ids: Vec<u32> = (0..t)
@@ -1381,17 +1379,15 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
             let gemm = 2.0 * (t * (h * qd + 2 * h * kd + qd * h + 3 * h * inter)) as f64;
             let attn = 4.0 * (t * (t + 1) / 2) as f64 * qd as f64;
             let flops = (gemm + attn) * layers as f64;
-            let mut run = |n: usize| -> Result<f64, String> {
+            let mut run = |n: usize| -> Result<f64, ToolError> {
                 let t0 = Instant::now();
                 let mut last = None;
                 for _ in 0..n {
                     // SAFETY: `pinned` is registered and only read after `finish`.
-                    last =
-                        unsafe { g.forward_taps_into(&ids, pinned) }.map_err(|e| e.to_string())?;
+                    last = unsafe { g.forward_taps_into(&ids, pinned) }?;
                 }
                 if let Some(e) = last {
-                    g.finish(e, pinned, t * width * 2)
-                        .map_err(|e| e.to_string())?;
+                    g.finish(e, pinned, t * width * 2)?;
                 }
                 Ok(t0.elapsed().as_secs_f64() / n as f64)
             };
@@ -1418,8 +1414,14 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
 /// One drafter training step (forward and backward, the gradient left on the device) of
 /// `p.drafter_layers` layers at the preset's shape, over one sample of `p.drafter_seq`
 /// tokens with `p.anchors` blocks.
-fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
-    let cfg = TargetConfig::parse(&p.config_json(p.drafter_layers.max(1), p.vocab))?;
+fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
+    let cfg =
+        TargetConfig::parse(&p.config_json(p.drafter_layers.max(1), p.vocab)).map_err(|msg| {
+            dflash_shared::model_config::ConfigError {
+                path: format!("the config of ops:{}", p.name),
+                msg,
+            }
+        })?;
     let n_taps = p.drafter_layers.max(1);
     let dcfg = DrafterConfig::for_target(&cfg, p.drafter_layers, n_taps, p.block_size, p.anchors);
     let drafter = Drafter::new(dcfg.clone());
@@ -1451,24 +1453,26 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
         })
         .sum();
     let flops = drafter_step_flops(&dcfg, s, &anchors, supervised);
-    let dev = open_device()?.ok_or("no device")?;
-    let r = (|| -> Result<(f64, usize), String> {
-        let e = |e: crate::device::GpuError| e.to_string();
-        let mut gd =
-            crate::device::drafter::GpuDrafter::new(dev, &drafter, &frozen, s).map_err(e)?;
+    let dev = open_device()?.ok_or(ToolError::Skipped {
+        because: "no device".into(),
+    })?;
+    let r = (|| -> Result<(f64, usize), ToolError> {
+        let mut gd = crate::device::drafter::GpuDrafter::new(dev, &drafter, &frozen, s)
+            .map_err(ToolError::from)?;
         let zeros = vec![0f32; params.len()];
-        gd.load(&params, &zeros, &zeros, 0).map_err(e)?;
+        gd.load(&params, &zeros, &zeros, 0)
+            .map_err(ToolError::from)?;
         let sample = [Sample {
             taps: &taps,
             ids: &ids,
             mask: &mask,
         }];
         let anchors = [anchors.clone()];
-        let step = |gd: &mut crate::device::drafter::GpuDrafter| -> Result<f64, String> {
+        let step = |gd: &mut crate::device::drafter::GpuDrafter| -> Result<f64, ToolError> {
             let t0 = Instant::now();
             gd.train_batch_on_device(&sample, &anchors, 1.0)
-                .map_err(e)?;
-            gd.device().sync().map_err(e)?;
+                .map_err(ToolError::from)?;
+            gd.device().sync().map_err(ToolError::from)?;
             Ok(t0.elapsed().as_secs_f64())
         };
         step(&mut gd)?;
@@ -1488,19 +1492,27 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), String> {
     Ok(())
 }
 
-pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
-    let p = ops_preset(preset)
-        .ok_or_else(|| format!("--target ops:{preset}: unknown preset (ops:qwen3-8b, ops:tiny)"))?;
+pub fn run_ops(preset: &str, json: bool) -> Result<(), ToolError> {
+    let p = ops_preset(preset).ok_or_else(|| ToolError::Usage {
+        flag: "--target",
+        value: format!("ops:{preset}"),
+        expected: "unknown preset (ops:qwen3-8b, ops:tiny)".into(),
+    })?;
     let t0 = Instant::now();
     let dev = match open_device() {
         Ok(Some(d)) => d,
         Ok(None) => {
-            return Err(format!(
+            return Err(ToolError::Device(GpuError::Unavailable(format!(
                 "ops:{preset} measures ops on a GPU, and none can be used here: {}",
                 crate::device::cuda::missing_library().unwrap_or_default()
-            ))
+            ))))
         }
-        Err(e) => return Err(format!("ops:{preset}: opening the GPU: {e}")),
+        Err(e) => {
+            return Err(ToolError::During {
+                what: format!("ops:{preset}: opening the GPU"),
+                source: Box::new(e),
+            })
+        }
     };
     let device = dev.describe();
     let peak = peak_bf16_tflops(&device);
@@ -1508,7 +1520,7 @@ pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
         rows: Vec::new(),
         peak,
     };
-    let fail = |sink: &mut RowSink, op: &str, r: Result<(), String>| {
+    let fail = |sink: &mut RowSink, op: &str, r: Result<(), ToolError>| {
         if let Err(e) = r {
             sink.push(op, String::new(), 0.0, "", Err(e));
         }
@@ -1527,7 +1539,10 @@ pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
         seconds: t0.elapsed().as_secs_f64(),
     };
     if json {
-        println!("{}", serde_json::to_string(&f).map_err(|e| e.to_string())?);
+        println!(
+            "{}",
+            serde_json::to_string(&f).map_err(ToolError::json("the figures"))?
+        );
     } else {
         let peak = f
             .peak_bf16_tflops
@@ -1562,11 +1577,10 @@ pub fn run_ops(preset: &str, json: bool) -> Result<(), String> {
         }
     }
     if f.rows.iter().any(|r| r.error.is_some()) {
-        return Err(format!(
-            "{} of {} ops failed",
-            f.rows.iter().filter(|r| r.error.is_some()).count(),
-            f.rows.len()
-        ));
+        return Err(ToolError::OpsFailed {
+            failed: f.rows.iter().filter(|r| r.error.is_some()).count(),
+            of: f.rows.len(),
+        });
     }
     Ok(())
 }

@@ -195,6 +195,76 @@ impl<T, E: Into<WorkerError>> While<T> for std::result::Result<T, E> {
     }
 }
 
+/// Why a tool of `dflash-worker` (bench, bench-ops, inspect, make-target) could not run:
+/// printed as its one error line, with exit code [`exit_codes::USAGE`].
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    #[error(transparent)]
+    Device(#[from] GpuError),
+    #[error(transparent)]
+    Worker(#[from] WorkerError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Config(#[from] dflash_shared::model_config::ConfigError),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what}: {source}")]
+    Json {
+        what: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// A flag's value that is not what the tool takes.
+    #[error("{flag} {value}: {expected}")]
+    Usage {
+        flag: &'static str,
+        value: String,
+        expected: String,
+    },
+    #[error("--tokens: id {id} is not below the vocab size {vocab}")]
+    TokenOutOfVocab { id: u32, vocab: usize },
+    /// The host could not give the memory a measurement needs.
+    #[error("out of host memory ({bytes} bytes)")]
+    HostMemory { bytes: usize },
+    /// Some of `bench compute ops:`'s measurements failed (each row says why).
+    #[error("{failed} of {of} ops failed")]
+    OpsFailed { failed: usize, of: usize },
+    #[error("{what}: {source}")]
+    Safetensors {
+        what: String,
+        #[source]
+        source: safetensors::SafeTensorError,
+    },
+    /// A measurement not taken: the one it needs failed, or it cannot be taken here.
+    #[error("not measured: {because}")]
+    Skipped { because: String },
+    /// What the measurement was doing when it failed.
+    #[error("{what}: {source}")]
+    During {
+        what: String,
+        #[source]
+        source: Box<ToolError>,
+    },
+}
+
+impl ToolError {
+    /// `map_err(ToolError::io("writing x"))`
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ToolError {
+        let what = what.into();
+        move |source| ToolError::Io { what, source }
+    }
+
+    pub fn json(what: impl Into<String>) -> impl FnOnce(serde_json::Error) -> ToolError {
+        let what = what.into();
+        move |source| ToolError::Json { what, source }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

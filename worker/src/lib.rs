@@ -163,27 +163,28 @@ pub fn main() -> i32 {
                 num_target_layers,
             )
             .map(|step| println!("drafter of step {step} written to {}", out.display()))
-            .map_err(|e| e.to_string()),
+            .map_err(error::ToolError::from),
         ),
-        Some(Command::TinyTarget { out, config: None }) => {
-            tool(model::tiny::write(&out).map_err(|e| format!("--out {}: {e}", out.display())))
-        }
+        Some(Command::TinyTarget { out, config: None }) => tool(
+            model::tiny::write(&out)
+                .map_err(error::ToolError::io(format!("--out {}", out.display()))),
+        ),
         Some(Command::TinyTarget {
             out,
             config: Some(c),
         }) => tool(
             std::fs::read_to_string(&c)
-                .map_err(|e| format!("--config {}: {e}", c.display()))
+                .map_err(error::ToolError::io(format!("--config {}", c.display())))
                 .and_then(|text| {
                     model::tiny::write_random(&out, &text, 1)
-                        .map_err(|e| format!("--out {}: {e}", out.display()))
+                        .map_err(error::ToolError::io(format!("--out {}", out.display())))
                 }),
         ),
         None => serve(cli.control),
     }
 }
 
-fn tool(r: Result<(), String>) -> i32 {
+fn tool(r: Result<(), error::ToolError>) -> i32 {
     match r {
         Ok(()) => exit_codes::SUCCESS,
         Err(e) => {
@@ -252,17 +253,18 @@ fn inspect(
     tokens: &[u32],
     taps: Option<Vec<usize>>,
     out: &std::path::Path,
-) -> Result<(), String> {
+) -> Result<(), error::ToolError> {
     use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
     let tmp;
     let dir = if target == "tiny" {
         tmp = std::env::temp_dir().join(format!("dflash-tiny-{}", std::process::id()));
-        model::tiny::write(&tmp).map_err(|e| e.to_string())?;
+        model::tiny::write(&tmp)
+            .map_err(error::ToolError::io(format!("writing {}", tmp.display())))?;
         tmp.as_path()
     } else {
         std::path::Path::new(target)
     };
-    let cfg = TargetConfig::load(dir).map_err(|e| e.to_string())?;
+    let cfg = TargetConfig::load(dir)?;
     let taps = taps.unwrap_or_else(|| {
         target_layer_ids(
             cfg.num_hidden_layers,
@@ -273,20 +275,27 @@ fn inspect(
         .collect()
     });
     if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        return Err(format!(
-            "--tokens: id {bad} is not below the vocab size {}",
-            cfg.vocab_size
-        ));
+        return Err(error::ToolError::TokenOutOfVocab {
+            id: bad,
+            vocab: cfg.vocab_size,
+        });
     }
-    let t = model::target::Target::load(dir, &taps).map_err(|e| e.to_string())?;
+    let t = model::target::Target::load(dir, &taps)?;
     let hidden = t.forward_taps(tokens);
     let bytes: Vec<u8> = hidden.iter().flat_map(|v| v.to_le_bytes()).collect();
     let shape = vec![tokens.len(), taps.len() * cfg.hidden_size];
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &bytes)
-        .map_err(|e| e.to_string())?;
+        .map_err(|source| error::ToolError::Safetensors {
+            what: "the taps".into(),
+            source,
+        })?;
     let meta = std::collections::HashMap::from([("taps".to_string(), format!("{taps:?}"))]);
-    safetensors::serialize_to_file([("hidden", view)], Some(meta), out)
-        .map_err(|e| format!("--out {}: {e}", out.display()))?;
+    safetensors::serialize_to_file([("hidden", view)], Some(meta), out).map_err(|source| {
+        error::ToolError::Safetensors {
+            what: format!("--out {}", out.display()),
+            source,
+        }
+    })?;
     if target == "tiny" {
         let _ = std::fs::remove_dir_all(dir);
     }

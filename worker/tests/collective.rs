@@ -199,6 +199,7 @@ fn nccl_loads_reports_its_version_and_creates_an_epochs_unique_id_without_a_gpu(
     let lib = match nccl::load() {
         Ok(l) => l,
         Err(why) => {
+            let why = why.to_string();
             assert!(
                 std::env::var("CI").is_err(),
                 "CI=true: NCCL must be installed (.ci/run installs nvidia-nccl-cu13): {why}"

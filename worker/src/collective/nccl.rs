@@ -108,21 +108,29 @@ pub struct Lib {
     get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
 }
 
+/// Why NCCL cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NcclUnusable {
+    /// Not found where CUDA libraries are looked for (the paths tried are in the message).
+    #[error("{0} (--collective shm exchanges gradients through host memory instead)")]
+    NotFound(libs::NotFound),
+    #[error("{} is not a usable NCCL: it lacks {symbol}", path.display())]
+    MissingSymbol { path: PathBuf, symbol: String },
+}
+
 /// Load NCCL (once per process), as every CUDA library is found ([`crate::device::libs`]),
 /// or say which paths were tried.
-pub fn load() -> std::result::Result<&'static Lib, String> {
-    static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
+pub fn load() -> std::result::Result<&'static Lib, NcclUnusable> {
+    static LIB: OnceLock<std::result::Result<Lib, NcclUnusable>> = OnceLock::new();
     LIB.get_or_init(|| {
-        let loaded = libs::open(CudaLib::Nccl).map_err(|e| {
-            format!("{e} (--collective shm exchanges gradients through host memory instead)")
-        })?;
+        let loaded = libs::open(CudaLib::Nccl).map_err(NcclUnusable::NotFound)?;
         let sym = |name: &str| {
-            loaded.symbol(name).ok_or_else(|| {
-                format!(
-                    "{} is not a usable NCCL: it lacks {name}",
-                    loaded.path.display()
-                )
-            })
+            loaded
+                .symbol(name)
+                .ok_or_else(|| NcclUnusable::MissingSymbol {
+                    path: loaded.path.clone(),
+                    symbol: name.to_string(),
+                })
         };
         // SAFETY: the symbols have these C signatures in every NCCL 2 (nccl.h).
         unsafe {
@@ -287,7 +295,7 @@ unsafe impl Send for NcclCollective {}
 impl NcclCollective {
     /// For a GPU drafter (`model` on a CUDA device).
     pub fn new(rank: u32, model: &mut GpuDrafter) -> Result<NcclCollective> {
-        let lib = load().map_err(WorkerError::Permanent)?;
+        let lib = load().map_err(|e| WorkerError::Permanent(e.to_string()))?;
         let (major, minor, _) = lib.version()?;
         if (major, minor) < (2, 18) {
             return Err(WorkerError::Permanent(format!(
