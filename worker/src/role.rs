@@ -241,29 +241,40 @@ fn obey(
         }
         ToWorker::Checkpoint { dir, step, meta } => {
             let rank = plane.rank("a checkpoint request")?;
-            if rank.step != step {
-                return Err(WorkerError::Protocol(format!(
-                    "asked to checkpoint step {step}, but this rank is at step {}",
-                    rank.step
-                )));
-            }
-            let saving = busy.enter(Work::Save { step });
-            let written = rank.checkpoint(std::path::Path::new(&dir), &meta);
-            drop(saving);
-            match written {
-                Ok(()) => tell(FromWorker::Checkpointed { dir, step }),
-                // A write that failed (a full disk, a directory replaced or removed) is the
-                // supervisor's to decide on: it is not a crash, and restarting would not help.
-                Err(e) => match e.write_failure() {
-                    Some(failure) => {
-                        eprintln!("checkpoint of step {step} not written: {failure}");
-                        tell(FromWorker::CheckpointFailed { step, dir, failure })
-                    }
-                    None => return Err(e).during(|| format!("writing checkpoint {dir}")),
-                },
-            }
+            tell(checkpoint(rank, &busy, dir, step, &meta)?)
         }
     })
+}
+
+/// Write checkpoint `dir` of `step` (this rank's step); what to tell the supervisor.
+fn checkpoint(
+    rank: &mut Rank,
+    busy: &crate::busy::Busy,
+    dir: String,
+    step: u64,
+    meta: &str,
+) -> Result<FromWorker> {
+    if rank.step != step {
+        return Err(WorkerError::Protocol(format!(
+            "asked to checkpoint step {step}, but this rank is at step {}",
+            rank.step
+        )));
+    }
+    let saving = busy.enter(Work::Save { step });
+    let written = rank.checkpoint(std::path::Path::new(&dir), meta);
+    drop(saving);
+    match written {
+        Ok(()) => Ok(FromWorker::Checkpointed { dir, step }),
+        // A write that failed (a full disk, a directory replaced or removed) is the
+        // supervisor's to decide on: it is not a crash, and restarting would not help.
+        Err(e) => match e.write_failure() {
+            Some(failure) => {
+                eprintln!("checkpoint of step {step} not written: {failure}");
+                Ok(FromWorker::CheckpointFailed { step, dir, failure })
+            }
+            None => Err(e).during(|| format!("writing checkpoint {dir}")),
+        },
+    }
 }
 
 /// Become a rank of the drafter group with `setup`.

@@ -346,114 +346,44 @@ impl Widened {
 /// # Safety
 /// The kernel's buffers are this device's memory.
 unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
-    let f = Act::F32;
-    Some(match *k {
+    let mut k32 = *k;
+    match &mut k32 {
         Kernel::EmbedGather {
-            act: Act::Bf16,
-            out,
-            table,
-            ids,
-            h,
-            vocab,
-        } => Kernel::EmbedGather {
-            act: f,
-            out: w.output(out),
-            table: w.input(table),
-            ids,
-            h,
-            vocab,
-        },
-        Kernel::AddInplace {
-            act: Act::Bf16,
-            x,
-            y,
-            n,
-        } => Kernel::AddInplace {
-            act: f,
-            x: w.output(x),
-            y: w.input(y),
-            n,
-        },
-        Kernel::CopyCols {
-            act: Act::Bf16,
-            dst,
-            src,
-            width,
-            dst_stride,
-            dst_off,
-            src_stride,
-            src_off,
-        } => Kernel::CopyCols {
-            act: f,
-            dst: w.output(dst),
-            src: w.input(src),
-            width,
-            dst_stride,
-            dst_off,
-            src_stride,
-            src_off,
-        },
+            act, out, table, ..
+        } if *act == Act::Bf16 => {
+            (*out, *table) = (w.output(*out), w.input(*table));
+            *act = Act::F32;
+        }
+        Kernel::AddInplace { act, x, y, .. } if *act == Act::Bf16 => {
+            (*x, *y) = (w.output(*x), w.input(*y));
+            *act = Act::F32;
+        }
+        Kernel::CopyCols { act, dst, src, .. } if *act == Act::Bf16 => {
+            (*dst, *src) = (w.output(*dst), w.input(*src));
+            *act = Act::F32;
+        }
         Kernel::SwigluFwd {
-            act: Act::Bf16,
-            out,
-            gate,
-            up,
-            n,
-        } => Kernel::SwigluFwd {
-            act: f,
-            out: w.output(out),
-            gate: w.input(gate),
-            up: w.input(up),
-            n,
-        },
-        Kernel::RmsnormFwd {
-            act: Act::Bf16,
-            y,
-            rstd,
-            x,
-            w: weight,
-            d,
-            eps,
-        } => Kernel::RmsnormFwd {
-            act: f,
-            y: w.output(y),
-            rstd,
-            x: w.input(x),
-            w: weight,
-            d,
-            eps,
-        },
-        Kernel::Rope {
-            act: Act::Bf16,
-            x,
-            pos,
-            inv_freq,
-            heads,
-            head_dim,
-            scale,
-            inverse,
-        } => Kernel::Rope {
-            act: f,
-            x: w.output(x),
-            pos,
-            inv_freq,
-            heads,
-            head_dim,
-            scale,
-            inverse,
-        },
-        Kernel::AttentionFwd { act: Act::Bf16, a } => Kernel::AttentionFwd {
-            act: f,
-            a: Attention {
-                out: w.output(a.out),
-                q: w.input(a.q),
-                k: w.input(a.k),
-                v: w.input(a.v),
-                ..a
-            },
-        },
+            act, out, gate, up, ..
+        } if *act == Act::Bf16 => {
+            (*out, *gate, *up) = (w.output(*out), w.input(*gate), w.input(*up));
+            *act = Act::F32;
+        }
+        Kernel::RmsnormFwd { act, y, x, .. } if *act == Act::Bf16 => {
+            (*y, *x) = (w.output(*y), w.input(*x));
+            *act = Act::F32;
+        }
+        Kernel::Rope { act, x, .. } if *act == Act::Bf16 => {
+            *x = w.output(*x);
+            *act = Act::F32;
+        }
+        Kernel::AttentionFwd { act, a } if *act == Act::Bf16 => {
+            a.out = w.output(a.out);
+            (a.q, a.k, a.v) = (w.input(a.q), w.input(a.k), w.input(a.v));
+            *act = Act::F32;
+        }
         _ => return None,
-    })
+    }
+    Some(k32)
 }
 
 impl CpuDevice {
@@ -469,207 +399,114 @@ impl CpuDevice {
             return Ok(());
         }
         check_aliasing(k)?;
-        let name = k.name();
-        // SAFETY (every arm): the buffers are this device's memory, checked for length
-        // against the launch in each kernel, and not aliased (check_aliasing), so the
-        // slices are disjoint.
+        // SAFETY: as above, and the buffers are not aliased (check_aliasing), so the
+        // slices each kernel makes of them are disjoint; each checks their lengths.
         unsafe {
-            match *k {
-                Kernel::EmbedGather {
-                    out,
-                    table,
-                    ids,
-                    h,
-                    vocab,
-                    ..
-                } => embed_gather(rows, wr(out), rd(table), rd(ids), h, vocab),
-                Kernel::ScatterAddRows { dst, src, idx, h } => {
-                    scatter_add_rows(rows, wr(dst), rd(src), rd(idx), h)
-                }
-                Kernel::Bf16ToF32 { out, input, n } => {
-                    let (out, input) = (wr::<f32>(out), rd::<u16>(input));
-                    need(name, "out", out.len(), n)?;
-                    need(name, "in", input.len(), n)?;
-                    for (o, b) in out[..n].iter_mut().zip(input) {
-                        *o = f32::from_bits((*b as u32) << 16);
-                    }
-                    Ok(())
-                }
-                Kernel::F32ToBf16 { out, input, n } => {
-                    let (out, input) = (wr::<u16>(out), rd::<f32>(input));
-                    need(name, "out", out.len(), n)?;
-                    need(name, "in", input.len(), n)?;
-                    for (o, x) in out[..n].iter_mut().zip(input) {
-                        *o = half::bf16::from_f32(*x).to_bits();
-                    }
-                    Ok(())
-                }
-                Kernel::AddInplace { x, y, n, .. } => {
-                    let (x, y) = (wr::<f32>(x), rd::<f32>(y));
-                    need(name, "x", x.len(), n)?;
-                    need(name, "y", y.len(), n)?;
-                    x[..n].iter_mut().zip(y).for_each(|(x, y)| *x += y);
-                    Ok(())
-                }
-                Kernel::CopyCols {
-                    dst,
-                    src,
-                    width,
-                    dst_stride,
-                    dst_off,
-                    src_stride,
-                    src_off,
-                    ..
-                } => copy_cols(
-                    rows,
-                    wr(dst),
-                    rd(src),
-                    width,
-                    (dst_stride, dst_off),
-                    (src_stride, src_off),
-                ),
-                Kernel::SwigluFwd {
-                    out, gate, up, n, ..
-                } => swiglu_fwd(wr(out), rd(gate), rd(up), n),
-                Kernel::SwigluBwd {
-                    dgate,
-                    dup,
-                    dout,
-                    gate,
-                    up,
-                    n,
-                } => swiglu_bwd(wr(dgate), wr(dup), rd(dout), rd(gate), rd(up), n),
-                Kernel::RmsnormFwd {
-                    y,
-                    rstd,
-                    x,
-                    w,
-                    d,
-                    eps,
-                    ..
-                } => rmsnorm_fwd(rows, y, wr(rstd), x, rd(w), d, eps),
-                Kernel::RmsnormBwd {
-                    dx,
-                    dw,
-                    dy,
-                    x,
-                    w,
-                    rstd,
-                    d,
-                } => rmsnorm_bwd(
-                    rows,
-                    wr(dx),
-                    dw.map(|b| wr(b)),
-                    (rd(dy), rd(x), rd(w), rd(rstd)),
-                    d,
-                ),
-                Kernel::Rope {
-                    x,
-                    pos,
-                    inv_freq,
-                    heads,
-                    head_dim,
-                    scale,
-                    inverse,
-                    ..
-                } => rope(
-                    rows,
-                    wr(x),
-                    rd(pos),
-                    rd(inv_freq),
-                    (heads, head_dim),
-                    scale,
-                    inverse,
-                ),
-                Kernel::AttentionFwd { a, .. } => self.attention_fwd(&a),
-                Kernel::AttentionBwd(g) => self.attention_bwd(&g),
-                Kernel::CeChunkStats {
-                    run_max,
-                    run_sum,
-                    best_v,
-                    best_i,
-                    label_logit,
-                    logits,
-                    labels,
-                    cw,
-                    start,
-                } => ce_chunk_stats(
-                    rows,
-                    RowStats {
-                        run_max: wr(run_max),
-                        run_sum: wr(run_sum),
-                        best_v: wr(best_v),
-                        best_i: wr(best_i),
-                        label_logit: wr(label_logit),
-                    },
-                    rd(logits),
-                    rd(labels),
-                    (cw, start),
-                ),
-                Kernel::CeChunkGrad {
-                    logits,
-                    run_max,
-                    run_sum,
-                    labels,
-                    scale,
-                    cw,
-                    start,
-                } => ce_chunk_grad(
-                    rows,
-                    wr(logits),
-                    (rd(run_max), rd(run_sum), rd(labels), rd(scale)),
-                    (cw, start),
-                ),
-                Kernel::Sumsq {
-                    partials,
-                    nonfinite,
-                    g,
-                    n,
-                } => sumsq(rows, wr(partials), wr(nonfinite), rd(g), n),
-                Kernel::SumsqFinish {
-                    acc,
-                    partials,
-                    blocks,
-                } => {
-                    let (acc, partials) = (wr::<f64>(acc), rd::<f64>(partials));
-                    need(name, "partials", partials.len(), blocks)?;
-                    acc[0] = partials[..blocks].iter().sum();
-                    Ok(())
-                }
-                Kernel::AdamCount { t, nonfinite } => {
-                    let (t, nonfinite) = (wr::<i32>(t), rd::<i32>(nonfinite));
-                    if nonfinite[0] == 0 {
-                        t[0] += 1;
-                    }
-                    Ok(())
-                }
-                Kernel::Adamw {
-                    p,
-                    m,
-                    v,
-                    g,
-                    n,
-                    acc,
-                    nonfinite,
-                    t,
-                    max_norm,
-                    lr,
-                    hyper,
-                } => adamw(
-                    (wr(p), wr(m), wr(v)),
-                    rd(g),
-                    n,
-                    (rd(acc), rd(nonfinite), rd(t)),
-                    (max_norm, lr),
-                    &hyper,
-                ),
-                Kernel::ParamsHash { acc, p, n } => {
-                    let (acc, p) = (wr::<u64>(acc), rd::<f32>(p));
-                    need(name, "p", p.len(), n)?;
-                    acc[0] = acc[0].wrapping_add(super::ops::params_hash(&p[..n]));
-                    Ok(())
-                }
+            match row_kernel(k, rows) {
+                Some(r) => r,
+                None => self.other_kernel(k, rows),
             }
+        }
+    }
+
+    /// Attention, the cross-entropy, the gradient norm and the optimizer.
+    ///
+    /// # Safety
+    /// As for [`row_kernel`].
+    unsafe fn other_kernel(&mut self, k: &Kernel, rows: usize) -> Result<()> {
+        let name = k.name();
+        match *k {
+            Kernel::AttentionFwd { a, .. } => self.attention_fwd(&a),
+            Kernel::AttentionBwd(g) => self.attention_bwd(&g),
+            Kernel::CeChunkStats {
+                run_max,
+                run_sum,
+                best_v,
+                best_i,
+                label_logit,
+                logits,
+                labels,
+                cw,
+                start,
+            } => ce_chunk_stats(
+                rows,
+                RowStats {
+                    run_max: wr(run_max),
+                    run_sum: wr(run_sum),
+                    best_v: wr(best_v),
+                    best_i: wr(best_i),
+                    label_logit: wr(label_logit),
+                },
+                rd(logits),
+                rd(labels),
+                (cw, start),
+            ),
+            Kernel::CeChunkGrad {
+                logits,
+                run_max,
+                run_sum,
+                labels,
+                scale,
+                cw,
+                start,
+            } => ce_chunk_grad(
+                rows,
+                wr(logits),
+                (rd(run_max), rd(run_sum), rd(labels), rd(scale)),
+                (cw, start),
+            ),
+            Kernel::Sumsq {
+                partials,
+                nonfinite,
+                g,
+                n,
+            } => sumsq(rows, wr(partials), wr(nonfinite), rd(g), n),
+            Kernel::SumsqFinish {
+                acc,
+                partials,
+                blocks,
+            } => {
+                let (acc, partials) = (wr::<f64>(acc), rd::<f64>(partials));
+                need(name, "partials", partials.len(), blocks)?;
+                acc[0] = partials[..blocks].iter().sum();
+                Ok(())
+            }
+            Kernel::AdamCount { t, nonfinite } => {
+                let (t, nonfinite) = (wr::<i32>(t), rd::<i32>(nonfinite));
+                if nonfinite[0] == 0 {
+                    t[0] += 1;
+                }
+                Ok(())
+            }
+            Kernel::Adamw {
+                p,
+                m,
+                v,
+                g,
+                n,
+                acc,
+                nonfinite,
+                t,
+                max_norm,
+                lr,
+                hyper,
+            } => adamw(
+                (wr(p), wr(m), wr(v)),
+                rd(g),
+                n,
+                (rd(acc), rd(nonfinite), rd(t)),
+                (max_norm, lr),
+                &hyper,
+            ),
+            Kernel::ParamsHash { acc, p, n } => {
+                let (acc, p) = (wr::<u64>(acc), rd::<f32>(p));
+                need(name, "p", p.len(), n)?;
+                acc[0] = acc[0].wrapping_add(super::ops::params_hash(&p[..n]));
+                Ok(())
+            }
+            _ => Err(GpuError::Invalid(format!(
+                "{name}: not a kernel of the CPU device's second family"
+            ))),
         }
     }
 
@@ -1094,6 +931,100 @@ impl CpuDevice {
     }
 }
 
+/// The element-wise and row kernels; `None` for the others.
+///
+/// # Safety
+/// The kernel's buffers are this device's memory and do not alias ([`check_aliasing`]).
+unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
+    Some(match *k {
+        Kernel::EmbedGather {
+            out,
+            table,
+            ids,
+            h,
+            vocab,
+            ..
+        } => embed_gather(rows, wr(out), rd(table), rd(ids), h, vocab),
+        Kernel::ScatterAddRows { dst, src, idx, h } => {
+            scatter_add_rows(rows, wr(dst), rd(src), rd(idx), h)
+        }
+        Kernel::Bf16ToF32 { out, input, n } => bf16_to_f32(wr(out), rd(input), n),
+        Kernel::F32ToBf16 { out, input, n } => f32_to_bf16(wr(out), rd(input), n),
+        Kernel::AddInplace { x, y, n, .. } => add_inplace(wr(x), rd(y), n),
+        Kernel::CopyCols {
+            dst,
+            src,
+            width,
+            dst_stride,
+            dst_off,
+            src_stride,
+            src_off,
+            ..
+        } => copy_cols(
+            rows,
+            wr(dst),
+            rd(src),
+            width,
+            (dst_stride, dst_off),
+            (src_stride, src_off),
+        ),
+        Kernel::SwigluFwd {
+            out, gate, up, n, ..
+        } => swiglu_fwd(wr(out), rd(gate), rd(up), n),
+        Kernel::SwigluBwd {
+            dgate,
+            dup,
+            dout,
+            gate,
+            up,
+            n,
+        } => swiglu_bwd(wr(dgate), wr(dup), rd(dout), rd(gate), rd(up), n),
+        Kernel::RmsnormFwd {
+            y,
+            rstd,
+            x,
+            w,
+            d,
+            eps,
+            ..
+        } => rmsnorm_fwd(rows, y, wr(rstd), x, rd(w), d, eps),
+        Kernel::RmsnormBwd {
+            dx,
+            dw,
+            dy,
+            x,
+            w,
+            rstd,
+            d,
+        } => rmsnorm_bwd(
+            rows,
+            wr(dx),
+            dw.map(|b| wr(b)),
+            (rd(dy), rd(x), rd(w), rd(rstd)),
+            d,
+        ),
+        Kernel::Rope {
+            x,
+            pos,
+            inv_freq,
+            heads,
+            head_dim,
+            scale,
+            inverse,
+            ..
+        } => rope(
+            rows,
+            wr(x),
+            rd(pos),
+            rd(inv_freq),
+            (heads, head_dim),
+            scale,
+            inverse,
+        ),
+        _ => return None,
+    })
+}
+
 // The kernels of kernels.cu that are not attention, each over slices the caller made
 // from the launch's buffers (see `run_kernel`); `rows` is the launch's grid.
 
@@ -1113,6 +1044,31 @@ fn embed_gather(
         let id = (ids[r] as usize).min(vocab - 1);
         o.copy_from_slice(&table[id * h..(id + 1) * h]);
     }
+    Ok(())
+}
+
+fn bf16_to_f32(out: &mut [f32], input: &[u16], n: usize) -> Result<()> {
+    need("bf16_to_f32", "out", out.len(), n)?;
+    need("bf16_to_f32", "in", input.len(), n)?;
+    for (o, b) in out[..n].iter_mut().zip(input) {
+        *o = f32::from_bits((*b as u32) << 16);
+    }
+    Ok(())
+}
+
+fn f32_to_bf16(out: &mut [u16], input: &[f32], n: usize) -> Result<()> {
+    need("f32_to_bf16", "out", out.len(), n)?;
+    need("f32_to_bf16", "in", input.len(), n)?;
+    for (o, x) in out[..n].iter_mut().zip(input) {
+        *o = half::bf16::from_f32(*x).to_bits();
+    }
+    Ok(())
+}
+
+fn add_inplace(x: &mut [f32], y: &[f32], n: usize) -> Result<()> {
+    need("add_inplace", "x", x.len(), n)?;
+    need("add_inplace", "y", y.len(), n)?;
+    x[..n].iter_mut().zip(y).for_each(|(x, y)| *x += y);
     Ok(())
 }
 

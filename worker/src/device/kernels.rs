@@ -265,8 +265,16 @@ impl Kernel {
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
+        self.row_args()
+            .or_else(|| self.attention_args())
+            .or_else(|| self.loss_and_optimizer_args())
+            .expect("every kernel is of one of the three families (tested)")
+    }
+
+    /// The element-wise and row kernels' arguments.
+    fn row_args(&self) -> Option<Vec<Arg>> {
         use Arg::{F32, R, RW, W};
-        match *self {
+        Some(match *self {
             Kernel::EmbedGather {
                 out,
                 table,
@@ -355,6 +363,13 @@ impl Kernel {
                 F32(scale),
                 Arg::I32(inverse as i32),
             ],
+            _ => return None,
+        })
+    }
+
+    fn attention_args(&self) -> Option<Vec<Arg>> {
+        use Arg::{R, RW, W};
+        Some(match *self {
             Kernel::AttentionFwd { a, .. } => vec![
                 W(a.out),
                 W(a.lse),
@@ -383,6 +398,14 @@ impl Kernel {
                 i32_of(g.fwd.kvh),
                 i32_of(g.fwd.hd),
             ],
+            _ => return None,
+        })
+    }
+
+    /// The cross-entropy's, the gradient norm's and the optimizer's arguments.
+    fn loss_and_optimizer_args(&self) -> Option<Vec<Arg>> {
+        use Arg::{F32, R, RW, W};
+        Some(match *self {
             Kernel::CeChunkStats {
                 run_max,
                 run_sum,
@@ -462,7 +485,8 @@ impl Kernel {
                 F32(hyper.weight_decay),
             ],
             Kernel::ParamsHash { acc, p, n } => vec![RW(acc), R(p), i64_of(n)],
-        }
+            _ => return None,
+        })
     }
 
     /// One launch of every kernel (each of its symbols), all buffers `b`: for the tests
@@ -488,61 +512,71 @@ impl Kernel {
         };
         let mut all = Vec::new();
         for act in [Act::F32, Act::Bf16] {
-            all.extend([
-                Kernel::EmbedGather {
-                    act,
-                    out: b,
-                    table: b,
-                    ids: b,
-                    h: 1,
-                    vocab: 1,
-                },
-                Kernel::AddInplace {
-                    act,
-                    x: b,
-                    y: b,
-                    n: 1,
-                },
-                Kernel::CopyCols {
-                    act,
-                    dst: b,
-                    src: b,
-                    width: 1,
-                    dst_stride: 1,
-                    dst_off: 0,
-                    src_stride: 1,
-                    src_off: 0,
-                },
-                Kernel::SwigluFwd {
-                    act,
-                    out: b,
-                    gate: b,
-                    up: b,
-                    n: 1,
-                },
-                Kernel::RmsnormFwd {
-                    act,
-                    y: b,
-                    rstd: b,
-                    x: b,
-                    w: b,
-                    d: 1,
-                    eps: 1e-6,
-                },
-                Kernel::Rope {
-                    act,
-                    x: b,
-                    pos: b,
-                    inv_freq: b,
-                    heads: 1,
-                    head_dim: 2,
-                    scale: 1.0,
-                    inverse: false,
-                },
-                Kernel::AttentionFwd { act, a: attention },
-            ]);
+            all.extend(Kernel::every_activation(b, act, attention));
         }
-        all.extend([
+        all.extend(Kernel::every_other(b, attention, hyper));
+        all
+    }
+
+    /// The forward activation kernels at `act`.
+    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 7] {
+        [
+            Kernel::EmbedGather {
+                act,
+                out: b,
+                table: b,
+                ids: b,
+                h: 1,
+                vocab: 1,
+            },
+            Kernel::AddInplace {
+                act,
+                x: b,
+                y: b,
+                n: 1,
+            },
+            Kernel::CopyCols {
+                act,
+                dst: b,
+                src: b,
+                width: 1,
+                dst_stride: 1,
+                dst_off: 0,
+                src_stride: 1,
+                src_off: 0,
+            },
+            Kernel::SwigluFwd {
+                act,
+                out: b,
+                gate: b,
+                up: b,
+                n: 1,
+            },
+            Kernel::RmsnormFwd {
+                act,
+                y: b,
+                rstd: b,
+                x: b,
+                w: b,
+                d: 1,
+                eps: 1e-6,
+            },
+            Kernel::Rope {
+                act,
+                x: b,
+                pos: b,
+                inv_freq: b,
+                heads: 1,
+                head_dim: 2,
+                scale: 1.0,
+                inverse: false,
+            },
+            Kernel::AttentionFwd { act, a: attention },
+        ]
+    }
+
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 13] {
+        [
             Kernel::ScatterAddRows {
                 dst: b,
                 src: b,
@@ -629,8 +663,7 @@ impl Kernel {
                 hyper,
             },
             Kernel::ParamsHash { acc: b, p: b, n: 1 },
-        ]);
-        all
+        ]
     }
 }
 
