@@ -189,6 +189,8 @@ pub enum SnapshotCheckpointError {
     WrongStep { held: u64, expected: u64 },
     #[error("the training state at step {step} is not finite: no checkpoint written")]
     NotFinite { step: u64 },
+    #[error("the snapshot as safetensors: {0}")]
+    Safetensors(#[source] safetensors::SafeTensorError),
     #[error("the supervisor's checkpoint metadata is not JSON: {0}")]
     Meta(#[source] serde_json::Error),
     #[error("writing {}: {source}", dir.display())]
@@ -1562,20 +1564,25 @@ impl Trainer {
         {
             return Err(SnapshotCheckpointError::NotFinite { step });
         }
-        // safetensors: header length, JSON header (padded to 8 bytes), then the data; the
-        // three tensors lie in the slot in this order already.
-        let mut header = serde_json::json!({}).as_object().cloned().expect("object");
-        for (i, name) in ["params", "adam_m", "adam_v"].iter().enumerate() {
-            header.insert((*name).into(), serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [i * n * 4, (i + 1) * n * 4]}));
-        }
-        let mut h = serde_json::Value::Object(header).to_string();
-        while h.len() % 8 != 0 {
-            h.push(' ');
-        }
-        let mut bytes = Vec::with_capacity(8 + h.len() + body.len());
-        bytes.extend((h.len() as u64).to_le_bytes());
-        bytes.extend(h.as_bytes());
-        bytes.extend(body);
+        // The three tensors lie in the slot in this order.
+        let tensor = |i: usize| {
+            safetensors::tensor::TensorView::new(
+                safetensors::Dtype::F32,
+                vec![n],
+                &body[i * n * 4..(i + 1) * n * 4],
+            )
+        };
+        let views = [
+            ("params", tensor(0)),
+            ("adam_m", tensor(1)),
+            ("adam_v", tensor(2)),
+        ]
+        .into_iter()
+        .map(|(name, v)| v.map(|v| (name, v)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(SnapshotCheckpointError::Safetensors)?;
+        let bytes =
+            safetensors::serialize(views, None).map_err(SnapshotCheckpointError::Safetensors)?;
         let supervisor: serde_json::Value =
             serde_json::from_str(supervisor_meta).map_err(SnapshotCheckpointError::Meta)?;
         let meta = serde_json::json!({
