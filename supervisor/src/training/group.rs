@@ -1243,33 +1243,15 @@ impl Group {
         }
         self.committed = step;
         self.record(step, lr, contributors, &stats, now, out);
-        if stats.nonfinite {
-            if self.skipped_in_a_row == 0 {
-                self.good_checkpoint = self.last_checkpoint.as_ref().map(|(s, _)| *s);
-            }
-            self.skipped_in_a_row += 1;
-            self.progress.skipped_steps += 1;
-            if self.skipped_in_a_row >= self.cfg.max_skipped_steps.max(1) {
-                self.phase = self.phase.frozen();
-                let good = match self.good_checkpoint {
-                    Some(s) => format!(
-                        "the newest checkpoint from before them is step {s} ({})",
-                        self.cfg
-                            .checkpoints_dir
-                            .join(format!("step-{s:08}"))
-                            .display()
-                    ),
-                    None => "no checkpoint was written before them".into(),
-                };
-                out.push(Action::Failed(format!(
-                    "{} steps in a row had a non-finite loss or gradient and were skipped (--max-skipped-steps {}): the learning rate (--lr {}) is likely too high, or the target's weights or hidden states are not finite; {good}",
-                    self.skipped_in_a_row, self.cfg.max_skipped_steps, self.cfg.lr
-                )));
-                return;
-            }
-        } else {
-            self.skipped_in_a_row = 0;
+        if self.too_many_skipped(stats.nonfinite, out) {
+            return;
         }
+        self.after_commit(step, out);
+    }
+
+    /// Step `step` committed: a snapshot, a checkpoint and an eval round when due; the
+    /// run's end at the step limit.
+    fn after_commit(&mut self, step: u64, out: &mut Out) {
         self.maybe_snapshot(step, out);
         let periodic = self
             .cfg
@@ -1296,6 +1278,36 @@ impl Group {
                 out.push(Action::Done);
             }
         }
+    }
+
+    /// Count a step skipped for a non-finite loss or gradient (`nonfinite`), or end the
+    /// run of them; true when `--max-skipped-steps` in a row stop the run.
+    fn too_many_skipped(&mut self, nonfinite: bool, out: &mut Out) -> bool {
+        if !nonfinite {
+            self.skipped_in_a_row = 0;
+            return false;
+        }
+        if self.skipped_in_a_row == 0 {
+            self.good_checkpoint = self.last_checkpoint.as_ref().map(|(s, _)| *s);
+        }
+        self.skipped_in_a_row += 1;
+        self.progress.skipped_steps += 1;
+        if self.skipped_in_a_row < self.cfg.max_skipped_steps.max(1) {
+            return false;
+        }
+        self.phase = self.phase.frozen();
+        let good = match self.good_checkpoint {
+            Some(s) => format!(
+                "the newest checkpoint from before them is step {s} ({})",
+                self.view.dir_of(s).display()
+            ),
+            None => "no checkpoint was written before them".into(),
+        };
+        out.push(Action::Failed(format!(
+            "{} steps in a row had a non-finite loss or gradient and were skipped (--max-skipped-steps {}): the learning rate (--lr {}) is likely too high, or the target's weights or hidden states are not finite; {good}",
+            self.skipped_in_a_row, self.cfg.max_skipped_steps, self.cfg.lr
+        )));
+        true
     }
 
     /// Is an eval round running (so no step commits)?
@@ -1683,5 +1695,263 @@ impl Group {
 
     pub fn checkpoints_dir(&self) -> &Path {
         &self.cfg.checkpoints_dir
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflash_shared::pool::PoolGeometry;
+    use dflash_shared::protocol::PoolId;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    /// The disk as the group sees it, in memory: which steps are complete, which fail
+    /// their check, whether there is room.
+    #[derive(Clone, Default)]
+    struct Disk {
+        complete: Arc<Mutex<BTreeSet<u64>>>,
+        bad: Arc<Mutex<BTreeSet<u64>>>,
+        full: bool,
+    }
+
+    impl CheckpointView for Disk {
+        fn verify(&self, dir: &Path, _: &DrafterConfig) -> Result<u64, String> {
+            let step =
+                dflash_shared::checkpoint::step_of_dir(&dir.file_name().unwrap().to_string_lossy())
+                    .unwrap();
+            match self.bad.lock().unwrap().contains(&step) {
+                true => Err(format!("{}: damaged", dir.display())),
+                false => Ok(step),
+            }
+        }
+        fn is_complete(&self, step: u64) -> bool {
+            self.complete.lock().unwrap().contains(&step)
+        }
+        fn newest_complete(&self, at_most: u64) -> Option<(u64, PathBuf)> {
+            let c = self.complete.lock().unwrap();
+            c.range(..=at_most)
+                .next_back()
+                .map(|&s| (s, self.dir_of(s)))
+        }
+        fn room_for(&self, _: u64, _: u64) -> bool {
+            !self.full
+        }
+        fn dir_of(&self, step: u64) -> PathBuf {
+            PathBuf::from(format!("/nonexistent/checkpoints/step-{step:08}"))
+        }
+    }
+
+    /// A group of this run's command line over `disk`, at `t0`: no file, pool or clock.
+    fn group(flags: &[&str], disk: &Disk, t0: Instant) -> Group {
+        let mut v = vec!["--gpus", "cpu:3", "--targets", "1"];
+        v.extend(flags);
+        let args = crate::cli::run_args(&v);
+        let plan = crate::run::plan(&args, &mut || Ok(0)).unwrap();
+        let target = crate::run::target_config("tiny").unwrap();
+        let (_, pipeline_cfg) = crate::run::data_config(&args, &plan, &target).unwrap();
+        let mut cfg =
+            crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
+        cfg.checkpoints_dir = "/nonexistent/checkpoints".into();
+        let pool = |name: &str| PoolInfo {
+            id: PoolId::Hidden,
+            fd: -1,
+            geometry: PoolGeometry {
+                name: name.into(),
+                slots: 1,
+                slot_bytes: 64,
+            },
+        };
+        let history = History {
+            linked: None,
+            evals: BTreeMap::new(),
+        };
+        Group::new(
+            cfg,
+            pool("grads"),
+            pool("state"),
+            Box::new(disk.clone()),
+            history,
+            t0,
+        )
+    }
+
+    fn grad(batch_id: u64) -> Gradient {
+        Gradient {
+            input: SlotRef {
+                pool: PoolId::Hidden,
+                slot: batch_id as u32,
+                gen: 1,
+            },
+            batch_id,
+            stats: StepStats {
+                loss_sum: 2.0,
+                weight_sum: 1.0,
+                tokens: 8,
+                ..Default::default()
+            },
+            params: 7,
+        }
+    }
+
+    /// Workers 1 and 2 join as ranks 0 and 1; returns the epoch of both.
+    fn two_members(g: &mut Group) -> u64 {
+        g.on_ready(1, 11, 0);
+        g.on_ready(2, 12, 1);
+        g.epoch
+    }
+
+    /// Both members report and reduce step `n` at `now`.
+    fn step(g: &mut Group, epoch: u64, n: u64, now: Instant) -> Out {
+        g.on_grads(1, n, grad(2 * n), now);
+        g.on_grads(2, n, grad(2 * n + 1), now);
+        g.on_reduced(1, n, epoch, 2.0, 1.0, now);
+        g.on_reduced(2, n, epoch, 2.0, 1.0, now)
+    }
+
+    #[test]
+    fn a_commit_logs_its_step_as_an_effect_and_times_steps_by_the_given_clock() {
+        let t0 = Instant::now();
+        let mut g = group(&[], &Disk::default(), t0);
+        let epoch = two_members(&mut g);
+        let out = step(&mut g, epoch, 1, t0);
+        assert_eq!(g.committed(), 1);
+        let consumed = out
+            .actions
+            .iter()
+            .filter(|a| matches!(a, Action::Consume { step: 1, .. }))
+            .count();
+        assert_eq!(consumed, 2, "{out:?}");
+        let [Effect::Log(LogLine::Step(line))] = out.effects.as_slice() else {
+            panic!("one step line: {:?}", out.effects)
+        };
+        assert_eq!(
+            (line["step"].as_u64(), line["contributors"].as_u64()),
+            (Some(1), Some(2))
+        );
+        assert!(
+            line.get("t").is_none(),
+            "the log stamps the time, not the group"
+        );
+        step(&mut g, epoch, 2, t0 + Duration::from_millis(250));
+        assert_eq!(g.step_ms, Some(250.0), "from the times passed in");
+    }
+
+    #[test]
+    fn the_phase_carries_a_join_through_a_freeze_until_the_joiner_is_in() {
+        let t0 = Instant::now();
+        let mut g = group(&[], &Disk::default(), t0);
+        let epoch = two_members(&mut g);
+        assert_eq!(g.phase(), Phase::Training);
+        step(&mut g, epoch, 1, t0);
+        // Rank 1 dies and comes back (worker 3): it joins from rank 0's state.
+        g.on_gone(2, t0);
+        let out = g.on_ready(3, 13, 1);
+        assert_eq!(
+            g.phase(),
+            Phase::Joining {
+                joiner: 3,
+                donor: 1
+            }
+        );
+        assert!(matches!(
+            out.actions.as_slice(),
+            [Action::Send(1, ToWorker::Snapshot { step: 1, slot: 0 })]
+        ));
+        g.on_grads(1, 2, grad(10), t0);
+        g.freeze();
+        assert_eq!(
+            g.phase(),
+            Phase::Frozen {
+                joining: Some((3, 1)),
+                ends_after_eval: false
+            }
+        );
+        let out = g.on_snapshot_done(1, 1, 0, 5.0, t0);
+        assert!(
+            out.actions
+                .iter()
+                .any(|a| matches!(a, Action::Send(3, ToWorker::Train(_)))),
+            "{out:?}"
+        );
+        assert_eq!(
+            g.phase(),
+            Phase::Frozen {
+                joining: None,
+                ends_after_eval: false
+            }
+        );
+        // Every member reduces step 2 in the epoch of both: frozen, it does not commit.
+        g.on_grads(3, 2, grad(11), t0);
+        g.on_reduced(1, 2, g.epoch, 2.0, 1.0, t0);
+        g.on_reduced(3, 2, g.epoch, 2.0, 1.0, t0);
+        assert_eq!(g.committed(), 1);
+    }
+
+    #[test]
+    fn a_rollback_passes_over_a_checkpoint_that_fails_its_check_and_sets_newer_ones_aside() {
+        let t0 = Instant::now();
+        let disk = Disk::default();
+        let mut g = group(&["--checkpoint-every", "1"], &disk, t0);
+        let epoch = two_members(&mut g);
+        for n in [1, 2] {
+            let out = step(&mut g, epoch, n, t0);
+            let Some(Action::Checkpoint { step, dir, .. }) = out
+                .actions
+                .iter()
+                .find(|a| matches!(a, Action::Checkpoint { .. }))
+            else {
+                panic!("a checkpoint of step {n} is asked for: {out:?}")
+            };
+            assert_eq!((*step, dir), (n, &disk.dir_of(n)));
+            disk.complete.lock().unwrap().insert(n);
+            let out = g.on_checkpointed(dir.display().to_string(), n);
+            assert_eq!(out.effects, [Effect::PruneCheckpoints]);
+        }
+        assert_eq!(g.saved_step(), 2);
+        disk.bad.lock().unwrap().insert(2);
+        g.on_gone(1, t0);
+        let out = g.on_gone(2, t0);
+        assert!(
+            out.actions.iter().any(|a| matches!(
+                a,
+                Action::Rollback { from: 2, to: 0, batches } if batches.len() == 4
+            )),
+            "{out:?}"
+        );
+        assert_eq!(
+            out.effects,
+            [
+                Effect::Log(LogLine::Rollback {
+                    from: 2,
+                    to: 0,
+                    batches: 4,
+                    source: "the run's fresh start".into()
+                }),
+                Effect::SetAsideCheckpointsAfter(0)
+            ]
+        );
+        assert_eq!((g.committed(), g.saved_step()), (0, 0));
+        assert_eq!(g.last_checkpoint(), None, "none at or before step 0");
+    }
+
+    #[test]
+    fn no_checkpoint_is_asked_for_without_room_for_it() {
+        let t0 = Instant::now();
+        let disk = Disk {
+            full: true,
+            ..Disk::default()
+        };
+        let mut g = group(&["--checkpoint-every", "1"], &disk, t0);
+        let epoch = two_members(&mut g);
+        let out = step(&mut g, epoch, 1, t0);
+        assert_eq!(g.committed(), 1);
+        assert!(
+            !out.actions
+                .iter()
+                .any(|a| matches!(a, Action::Checkpoint { .. })),
+            "{out:?}"
+        );
+        assert_eq!(g.saved_step(), 0);
     }
 }
