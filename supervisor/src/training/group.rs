@@ -26,12 +26,6 @@
 //! the LR schedule follow the rolled-back step, and restarted drafters load that state.
 //! `--max-rollbacks` bounds how often.
 //!
-//! [`FromWorker::Grads`]: dflash_shared::protocol::FromWorker::Grads
-//! [`FromWorker::Reduced`]: dflash_shared::protocol::FromWorker::Reduced
-//! [`ToWorker::Group`]: dflash_shared::protocol::ToWorker::Group
-//! [`ToWorker::Apply`]: dflash_shared::protocol::ToWorker::Apply
-
-//!
 //! This module is the group's state machine alone: it reads no clock (the caller passes
 //! `now`) and writes nothing. What it decides comes back as an [`Out`]: [`Action`]s for
 //! the dispatcher, and [`Effect`]s on the checkpoints and the training log, which
@@ -39,6 +33,11 @@
 //! [`crate::training::checkpoint_store::CheckpointStore`] and
 //! [`crate::training::train_log::TrainLog`]. What it needs to know of the disk (whether a
 //! checkpoint is complete, verifies, or has room) it asks a [`CheckpointView`].
+//!
+//! [`FromWorker::Grads`]: dflash_shared::protocol::FromWorker::Grads
+//! [`FromWorker::Reduced`]: dflash_shared::protocol::FromWorker::Reduced
+//! [`ToWorker::Group`]: dflash_shared::protocol::ToWorker::Group
+//! [`ToWorker::Apply`]: dflash_shared::protocol::ToWorker::Apply
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::{Path, PathBuf};
@@ -1492,17 +1491,17 @@ impl Group {
         }
     }
 
-    /// The run is stopping: from now on no step commits, and the last committed step is
-    /// checkpointed. By one member (which first copies its state into the snapshot slot,
-    /// so that its death while writing leaves the supervisor holding that step), or, with
-    /// no member left, from the snapshot when it is newer than the newest checkpoint. The
-    /// drafter is exported from that checkpoint once every worker has stopped.
     /// The run is stopping and nothing can be saved (its directory is gone): no step
     /// commits from now on, and nothing is written.
     pub fn freeze(&mut self) {
         self.phase = self.phase.frozen();
     }
 
+    /// The run is stopping: from now on no step commits, and the last committed step is
+    /// checkpointed. By one member (which first copies its state into the snapshot slot,
+    /// so that its death while writing leaves the supervisor holding that step), or, with
+    /// no member left, from the snapshot when it is newer than the newest checkpoint. The
+    /// drafter is exported from that checkpoint once every worker has stopped.
     pub fn stop_checkpoint(&mut self) -> Out {
         self.phase = self.phase.frozen();
         let mut out = Out::default();
