@@ -37,6 +37,11 @@ pub fn step_of_dir(name: &str) -> Option<u64> {
 /// meta.json's key naming the algorithm of its checksums.
 pub const CHECKSUM_ALGORITHM: &str = "checksum_algorithm";
 
+/// meta.json names a checksum algorithm this version does not know (a newer one's).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("checksum algorithm {0} is not one this dflash-supervise knows (\"sha256\")")]
+pub struct UnknownChecksumAlgorithm(pub serde_json::Value);
+
 /// How a checkpoint's checksums were computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChecksumAlgorithm {
@@ -56,17 +61,16 @@ impl ChecksumAlgorithm {
         }
     }
 
-    /// The algorithm meta.json's `"checksum_algorithm"` names (absent: the legacy hash);
-    /// `Err`: one line saying what it names instead.
-    pub fn of_meta(meta: &serde_json::Map<String, serde_json::Value>) -> Result<Self, String> {
+    /// The algorithm meta.json's `"checksum_algorithm"` names (absent: the legacy hash).
+    pub fn of_meta(
+        meta: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Self, UnknownChecksumAlgorithm> {
         match meta.get(CHECKSUM_ALGORITHM) {
             None => Ok(ChecksumAlgorithm::Legacy),
             Some(v) if v.as_str() == ChecksumAlgorithm::Sha256.name() => {
                 Ok(ChecksumAlgorithm::Sha256)
             }
-            Some(v) => Err(format!(
-                "checksum algorithm {v} is not one this dflash-supervise knows (\"sha256\")"
-            )),
+            Some(v) => Err(UnknownChecksumAlgorithm(v.clone())),
         }
     }
 
