@@ -1174,11 +1174,7 @@ fn a_workers_fatal_message_decides_whether_it_is_restarted_and_gives_the_reason(
         message: "a batch slot was torn".into(),
     };
     h.message(TARGET, life, crash, 5);
-    h.exit(
-        TARGET,
-        exit_code(dflash_shared::exit_codes::WORKER_PERMANENT),
-        10,
-    );
+    h.exit(TARGET, exit_code(dflash_shared::exit_codes::WORKER_PERMANENT), 10);
     h.tick(1100);
     assert_eq!(h.launches(TARGET), 2, "a crash is restarted");
     assert!(matches!(h.d.phase, Phase::Running));
@@ -1193,11 +1189,7 @@ fn a_workers_fatal_message_decides_whether_it_is_restarted_and_gives_the_reason(
     h.message(TARGET, life, device, 1205);
     h.exit(TARGET, exit_code(1), 1210);
     assert_eq!(h.status(TARGET), "failed");
-    assert_eq!(
-        h.launches(TARGET),
-        2,
-        "a permanent failure is not restarted"
-    );
+    assert_eq!(h.launches(TARGET), 2, "a permanent failure is not restarted");
     let Some(StopReason::TrainingFailed(msg)) = &h.d.stop_reason else {
         panic!("the run did not stop")
     };
@@ -1206,20 +1198,13 @@ fn a_workers_fatal_message_decides_whether_it_is_restarted_and_gives_the_reason(
         "target-0 cannot run on its CPU and was not restarted: cannot compute on device 0: libcuda.so.1 not found"
     );
     let give_up = h.events("give_up");
-    assert_eq!(
-        give_up[0]["last_exit"],
-        "cannot compute on device 0: libcuda.so.1 not found"
-    );
+    assert_eq!(give_up[0]["last_exit"], "cannot compute on device 0: libcuda.so.1 not found");
 }
 
 #[test]
 fn a_permanent_exit_code_without_a_fatal_message_stops_the_run_naming_the_log() {
     let mut h = harness(&["--gpus", "cpu:2"]);
-    h.exit(
-        TARGET,
-        exit_code(dflash_shared::exit_codes::WORKER_PERMANENT),
-        10,
-    );
+    h.exit(TARGET, exit_code(dflash_shared::exit_codes::WORKER_PERMANENT), 10);
     assert_eq!(h.status(TARGET), "failed");
     let Some(StopReason::TrainingFailed(msg)) = &h.d.stop_reason else {
         panic!("the run did not stop")
