@@ -2,6 +2,11 @@
 //! covers, and a checkpoint is trusted only when every file still matches and every
 //! stored value (parameters, Adam moments) is finite. Both the worker (before it loads one)
 //! and the supervisor (before it picks one to resume or roll back to) check.
+//!
+//! The checksums are SHA-256 (`"checksum_algorithm": "sha256"` in meta.json), so that
+//! `sha256sum state.safetensors` checks a file by hand. A checkpoint whose meta.json names
+//! no algorithm was written before SHA-256 was used, with a 64-bit multiply-xor hash: it is
+//! verified with that hash ([`ChecksumAlgorithm::Legacy`]).
 
 use std::path::Path;
 
@@ -29,9 +34,64 @@ pub fn step_of_dir(name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
-/// The checksum meta.json records for a file's bytes (hex).
+/// meta.json's key naming the algorithm of its checksums.
+pub const CHECKSUM_ALGORITHM: &str = "checksum_algorithm";
+
+/// meta.json names a checksum algorithm this version does not know (a newer one's).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("checksum algorithm {0} is not one this dflash-supervise knows (\"sha256\")")]
+pub struct UnknownChecksumAlgorithm(pub serde_json::Value);
+
+/// How a checkpoint's checksums were computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChecksumAlgorithm {
+    /// SHA-256, lowercase hex (what `sha256sum` prints): what this version writes.
+    Sha256,
+    /// The 64-bit multiply-xor hash of [`crate::batch::checksum`], 16 hex digits: what
+    /// checkpoints without `"checksum_algorithm"` recorded. Only read, never written.
+    Legacy,
+}
+
+impl ChecksumAlgorithm {
+    /// The name meta.json records for it (`None`: the legacy hash records none).
+    pub fn name(self) -> Option<&'static str> {
+        match self {
+            ChecksumAlgorithm::Sha256 => Some("sha256"),
+            ChecksumAlgorithm::Legacy => None,
+        }
+    }
+
+    /// The algorithm meta.json's `"checksum_algorithm"` names (absent: the legacy hash).
+    pub fn of_meta(
+        meta: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Self, UnknownChecksumAlgorithm> {
+        match meta.get(CHECKSUM_ALGORITHM) {
+            None => Ok(ChecksumAlgorithm::Legacy),
+            Some(v) if v.as_str() == ChecksumAlgorithm::Sha256.name() => {
+                Ok(ChecksumAlgorithm::Sha256)
+            }
+            Some(v) => Err(UnknownChecksumAlgorithm(v.clone())),
+        }
+    }
+
+    /// The checksum of `bytes`, as hex.
+    pub fn hex(self, bytes: &[u8]) -> String {
+        match self {
+            ChecksumAlgorithm::Sha256 => {
+                use sha2::Digest;
+                sha2::Sha256::digest(bytes)
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect()
+            }
+            ChecksumAlgorithm::Legacy => format!("{:016x}", crate::batch::checksum(bytes)),
+        }
+    }
+}
+
+/// The checksum meta.json records for a file's bytes: SHA-256, as hex.
 pub fn checksum_hex(bytes: &[u8]) -> String {
-    format!("{:016x}", crate::batch::checksum(bytes))
+    ChecksumAlgorithm::Sha256.hex(bytes)
 }
 
 /// The layout of a checkpoint this version writes (`"format"` in meta.json). A checkpoint
@@ -47,15 +107,19 @@ pub const META_CHECKSUM: &str = "meta_checksum";
 /// compactly. serde_json's `Map` is a `BTreeMap` here (no `preserve_order` feature in the
 /// workspace), so the keys come out sorted: the same text for the same fields, whatever
 /// order they were written in.
-fn meta_checksum(meta: &serde_json::Map<String, serde_json::Value>) -> String {
+fn meta_checksum(
+    meta: &serde_json::Map<String, serde_json::Value>,
+    algorithm: ChecksumAlgorithm,
+) -> String {
     let mut rest = meta.clone();
     rest.remove(META_CHECKSUM);
     let text = serde_json::Value::Object(rest).to_string();
-    checksum_hex(text.as_bytes())
+    algorithm.hex(text.as_bytes())
 }
 
-/// Finish a checkpoint's metadata (a JSON object): add `"format"` ([`FORMAT_VERSION`]) and
-/// `"meta_checksum"`, and return the text to write as meta.json.
+/// Finish a checkpoint's metadata (a JSON object): add `"format"` ([`FORMAT_VERSION`]),
+/// `"checksum_algorithm"` (`"sha256"`: the writer's `"checksums"` must come from
+/// [`checksum_hex`]) and `"meta_checksum"`, and return the text to write as meta.json.
 ///
 /// The checksum is over the fields as a reader parses them back from that text (serde_json
 /// parses some floats a unit in the last place away from the value that was printed, so
@@ -69,9 +133,14 @@ pub fn finish_meta(meta: &serde_json::Value) -> serde_json::Result<String> {
     };
     m.remove(META_CHECKSUM);
     m.insert("format".into(), FORMAT_VERSION.into());
+    let algorithm = ChecksumAlgorithm::Sha256;
+    m.insert(CHECKSUM_ALGORITHM.into(), algorithm.name().into());
     let m = serde_json::Value::Object(m);
     let read_back: serde_json::Value = serde_json::from_str(&serde_json::to_string(&m)?)?;
-    let sum = meta_checksum(read_back.as_object().expect("an object reads back as one"));
+    let sum = meta_checksum(
+        read_back.as_object().expect("an object reads back as one"),
+        algorithm,
+    );
     let serde_json::Value::Object(mut m) = m else {
         unreachable!("built as an object")
     };
@@ -82,7 +151,8 @@ pub fn finish_meta(meta: &serde_json::Value) -> serde_json::Result<String> {
 /// Verify the checkpoint in `dir`; returns its step. Errors are one line naming the file.
 ///
 /// Checked: meta.json's format (absent: an older checkpoint, accepted; newer than
-/// [`FORMAT_VERSION`]: refused) and its own checksum (absent in older checkpoints), that the
+/// [`FORMAT_VERSION`]: refused), its checksum algorithm (absent: the legacy hash; unknown:
+/// refused) and its own checksum (absent in older checkpoints), that the
 /// directory's name `step-N` agrees with its step, that it is a checkpoint of
 /// `expected_drafter` (meta.json's `drafter`, when one is given), and that
 /// state.safetensors matches its checksum and holds only finite values.
@@ -113,9 +183,11 @@ pub fn verify(dir: &Path, expected_drafter: Option<&serde_json::Value>) -> Resul
             }
         },
     }
+    let algorithm =
+        ChecksumAlgorithm::of_meta(fields).map_err(|e| format!("{}: {e}", meta_path.display()))?;
     // A checkpoint written before meta.json was checksummed has none.
     if let Some(want) = fields.get(META_CHECKSUM) {
-        let got = meta_checksum(fields);
+        let got = meta_checksum(fields, algorithm);
         if want.as_str() != Some(got.as_str()) {
             return Err(format!(
                 "{}: checksum {got}, it says {want} (meta.json changed after it was written)",
@@ -154,7 +226,7 @@ pub fn verify(dir: &Path, expected_drafter: Option<&serde_json::Value>) -> Resul
     // A checkpoint written before checksums were recorded has none: the finiteness check
     // still applies.
     if let Some(want) = meta["checksums"][STATE_FILE].as_str() {
-        let got = checksum_hex(&bytes);
+        let got = algorithm.hex(&bytes);
         if got != want {
             return Err(format!(
                 "{}: checksum {got}, meta.json says {want} (the file changed after it was written)",
@@ -195,33 +267,22 @@ fn drafter_difference(got: &serde_json::Value, want: &serde_json::Value) -> Stri
 
 /// Every value of a safetensors file whose tensors are all f32 is finite.
 fn check_finite_f32(bytes: &[u8]) -> Result<(), String> {
-    let n = bytes
-        .get(..8)
-        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize)
-        .ok_or("truncated (no header)")?;
-    let end = n.checked_add(8).ok_or("header length out of range")?;
-    let header = bytes.get(8..end).ok_or("truncated (header)")?;
-    let h: serde_json::Value =
-        serde_json::from_slice(header).map_err(|e| format!("header is not JSON: {e}"))?;
-    let data = &bytes[end..];
-    for (name, t) in h
-        .as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| *k != "__metadata__")
-    {
-        if t["dtype"] != "F32" {
-            return Err(format!("tensor {name} is {}, expected F32", t["dtype"]));
+    use safetensors::SafeTensorError as E;
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| match e {
+        E::HeaderTooSmall => "truncated (no header)".to_string(),
+        E::HeaderTooLarge => "header length out of range (over the safetensors limit)".into(),
+        E::InvalidHeaderLength => "truncated (header)".into(),
+        E::MetadataIncompleteBuffer => {
+            "truncated or padded (the tensors' data does not end where the file does)".into()
         }
-        let off = &t["data_offsets"];
-        let (a, b) = (
-            off[0].as_u64().unwrap_or(u64::MAX) as usize,
-            off[1].as_u64().unwrap_or(0) as usize,
-        );
-        let region = data.get(a..b).filter(|r| r.len() % 4 == 0).ok_or_else(|| {
-            format!("tensor {name}: data offsets {a}..{b} outside the file (truncated?)")
-        })?;
-        if let Some(i) = region
+        e => format!("not a valid safetensors file: {e}"),
+    })?;
+    for (name, t) in st.iter() {
+        if t.dtype() != safetensors::Dtype::F32 {
+            return Err(format!("tensor {name} is {}, expected F32", t.dtype()));
+        }
+        if let Some(i) = t
+            .data()
             .chunks_exact(4)
             .position(|c| !f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite())
         {
@@ -239,25 +300,21 @@ mod tests {
 
     fn write(dir: &Path, values: &[f32], meta_checksum: bool) {
         let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let header = format!(
-            r#"{{"params":{{"dtype":"F32","shape":[{}],"data_offsets":[0,{}]}}}}"#,
-            values.len(),
-            data.len()
-        );
-        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(header.as_bytes());
-        bytes.extend(&data);
-        std::fs::write(dir.join(STATE_FILE), &bytes).unwrap();
-        let sums = if meta_checksum {
-            serde_json::json!({STATE_FILE: checksum_hex(&bytes)})
-        } else {
-            serde_json::Value::Null
-        };
-        std::fs::write(
-            dir.join(META_FILE),
-            serde_json::json!({"step": 7, "checksums": sums}).to_string(),
+        let view = safetensors::tensor::TensorView::new(
+            safetensors::Dtype::F32,
+            vec![values.len()],
+            &data,
         )
         .unwrap();
+        let bytes = safetensors::serialize([("params", view)], None).unwrap();
+        std::fs::write(dir.join(STATE_FILE), &bytes).unwrap();
+        let meta = if meta_checksum {
+            serde_json::json!({"step": 7, "checksums": {STATE_FILE: checksum_hex(&bytes)},
+                CHECKSUM_ALGORITHM: "sha256"})
+        } else {
+            serde_json::json!({"step": 7, "checksums": null})
+        };
+        std::fs::write(dir.join(META_FILE), meta.to_string()).unwrap();
     }
 
     #[test]
@@ -396,7 +453,7 @@ mod tests {
         let mut text = finish_meta(&meta).unwrap();
         text = text.replace(&format!("\"format\": {FORMAT_VERSION}"), "\"format\": 99");
         let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let sum = meta_checksum(v.as_object().unwrap());
+        let sum = meta_checksum(v.as_object().unwrap(), ChecksumAlgorithm::Sha256);
         v[META_CHECKSUM] = sum.into();
         std::fs::write(dir.join(META_FILE), v.to_string()).unwrap();
         let e = verify(&dir, None).unwrap_err();
@@ -470,5 +527,76 @@ mod tests {
         assert!(verify(&old, Some(&drafter(2)))
             .unwrap_err()
             .contains("it records no drafter config"));
+    }
+
+    #[test]
+    fn checksums_are_sha256_as_sha256sum_prints_them_and_meta_json_names_it() {
+        // FIPS 180-2's test vector for "abc".
+        assert_eq!(
+            checksum_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        let d = tempfile::tempdir().unwrap();
+        let dir = finished(d.path(), 7, drafter(2));
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(META_FILE)).unwrap()).unwrap();
+        assert_eq!(meta[CHECKSUM_ALGORITHM], "sha256");
+        let want = meta["checksums"][STATE_FILE].as_str().unwrap();
+        assert_eq!(want.len(), 64, "{want}");
+        assert_eq!(
+            want,
+            checksum_hex(&std::fs::read(dir.join(STATE_FILE)).unwrap())
+        );
+    }
+
+    /// A checkpoint as a version before SHA-256 wrote it: no `checksum_algorithm`, the
+    /// file's and meta.json's checksums by the legacy hash.
+    fn legacy(root: &Path, step: u64) -> std::path::PathBuf {
+        let dir = root.join(format!("step-{step:08}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        write(&dir, &[1.0, -2.0, 3.5], false);
+        let state = std::fs::read(dir.join(STATE_FILE)).unwrap();
+        let mut meta = serde_json::json!({"step": step, "format": 1, "drafter": drafter(2),
+            "checksums": {STATE_FILE: ChecksumAlgorithm::Legacy.hex(&state)}});
+        let sum = meta_checksum(meta.as_object().unwrap(), ChecksumAlgorithm::Legacy);
+        meta[META_CHECKSUM] = sum.into();
+        std::fs::write(dir.join(META_FILE), meta.to_string()).unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_checkpoint_checksummed_by_the_legacy_hash_verifies_with_it() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = legacy(d.path(), 5);
+        assert_eq!(verify(&dir, Some(&drafter(2))), Ok(5));
+        // Its checksums still catch a change: of the state...
+        let p = dir.join(STATE_FILE);
+        let mut b = std::fs::read(&p).unwrap();
+        *b.last_mut().unwrap() ^= 1;
+        std::fs::write(&p, &b).unwrap();
+        let e = verify(&dir, None).unwrap_err();
+        assert!(e.contains(STATE_FILE) && e.contains("checksum"), "{e}");
+        // ...and of meta.json.
+        let dir = legacy(d.path(), 6);
+        edit_meta(&dir, |m| m["seed"] = 3.into());
+        let e = verify(&dir, None).unwrap_err();
+        assert!(e.contains("meta.json changed after it was written"), "{e}");
+        // Legacy sums claimed to be SHA-256 do not pass as either.
+        let dir = legacy(d.path(), 8);
+        edit_meta(&dir, |m| m[CHECKSUM_ALGORITHM] = "sha256".into());
+        assert!(verify(&dir, None).unwrap_err().contains("checksum"));
+    }
+
+    #[test]
+    fn an_unknown_checksum_algorithm_is_refused_in_one_line() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = finished(d.path(), 7, drafter(2));
+        edit_meta(&dir, |m| m[CHECKSUM_ALGORITHM] = "blake3".into());
+        let e = verify(&dir, None).unwrap_err();
+        assert!(
+            e.contains("checksum algorithm \"blake3\" is not one this dflash-supervise knows")
+                && !e.contains('\n'),
+            "{e}"
+        );
     }
 }

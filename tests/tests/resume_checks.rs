@@ -312,6 +312,7 @@ fn newest_checkpoints_of_another_drafter_or_edited_are_set_aside_and_the_run_com
         serde_json::from_str(&fs::read_to_string(ck(6).join("meta.json")).unwrap()).unwrap();
     assert_eq!(meta["format"], 1, "{meta}");
     assert!(meta["meta_checksum"].is_string(), "{meta}");
+    assert_eq!(meta["checksum_algorithm"], "sha256", "{meta}");
     // The newest: another drafter's (a deeper one), with a valid meta checksum.
     edit_meta(&ck(6), true, |m| {
         let layers = m["drafter"]["layers"].as_u64().unwrap();

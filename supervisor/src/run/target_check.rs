@@ -11,17 +11,62 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use dflash_shared::model_config::{expected_tensors, is_ignorable_tensor, TargetConfig};
-
-/// A tensor as a safetensors header describes it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TensorInfo {
-    pub dtype: String,
-    pub shape: Vec<usize>,
-    pub offsets: (u64, u64),
-}
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::Dtype;
 
 /// Larger headers are refused (the safetensors crate's own limit is 100 MB).
 const MAX_HEADER: u64 = 100 << 20;
+
+/// A safetensors file's header as read from its start: the 8-byte length prefix and the
+/// JSON header after it (`bytes`), and the file's size. No tensor data is read.
+pub struct HeaderPrefix {
+    pub bytes: Vec<u8>,
+    pub file_size: u64,
+}
+
+impl HeaderPrefix {
+    /// The JSON header's length in bytes.
+    fn header_len(&self) -> u64 {
+        self.bytes.len() as u64 - 8
+    }
+}
+
+/// Read the header prefix of the safetensors file `path`: its length (at most
+/// [`MAX_HEADER`]) and that many bytes, without parsing them. The error is one line naming
+/// the file.
+pub fn read_header_prefix(path: &Path) -> Result<HeaderPrefix, String> {
+    let fail = |msg: String| format!("{}: {msg}", path.display());
+    let mut f = File::open(path).map_err(|e| fail(format!("cannot open: {e}")))?;
+    let size = f
+        .metadata()
+        .map_err(|e| fail(format!("cannot stat: {e}")))?
+        .len();
+    let mut bytes = vec![0u8; 8];
+    if size < 8 || f.read_exact(&mut bytes).is_err() {
+        return Err(fail(format!(
+            "truncated safetensors file ({size} bytes; expected an 8-byte header length first)"
+        )));
+    }
+    // The format's only fixed field: the header's length, a little-endian u64.
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
+    if n > MAX_HEADER {
+        return Err(fail(format!(
+            "not a safetensors file (header length {n} bytes; expected at most {MAX_HEADER})"
+        )));
+    }
+    if 8 + n > size {
+        return Err(fail(format!(
+            "truncated safetensors file: its header alone is {n} bytes but the file has {size}"
+        )));
+    }
+    f.take(n)
+        .read_to_end(&mut bytes)
+        .map_err(|e| fail(format!("cannot read the header: {e}")))?;
+    Ok(HeaderPrefix {
+        bytes,
+        file_size: size,
+    })
+}
 
 /// The checkpoint files of a model directory: `model.safetensors`, else the shards named
 /// by `model.safetensors.index.json` (each must exist).
@@ -66,115 +111,21 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
     Ok(files)
 }
 
-fn dtype_size(dtype: &str) -> Option<u64> {
-    Some(match dtype {
-        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,
-        "I16" | "U16" | "F16" | "BF16" => 2,
-        "I32" | "U32" | "F32" => 4,
-        "I64" | "U64" | "F64" => 8,
-        _ => return None,
-    })
-}
-
-/// Read and check one file's header: it parses, the tensors' data is contiguous and the
-/// file is exactly the header plus that data (a truncated download fails here).
+/// Read and check one file's header: it parses (by the safetensors crate, which also
+/// checks that each tensor's data size fits its dtype and shape and that the tensors' data
+/// is contiguous) and the file is exactly the header plus that data (a truncated download
+/// fails here).
+///
+/// `SafeTensors::read_metadata` wants the whole file in memory (it compares the header
+/// with the buffer's length), so the header alone is parsed as the crate's [`Metadata`]
+/// and its data length compared with the file's size here.
 pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, String> {
     let fail = |msg: String| format!("{}: {msg}", path.display());
-    let mut f = File::open(path).map_err(|e| fail(format!("cannot open: {e}")))?;
-    let size = f
-        .metadata()
-        .map_err(|e| fail(format!("cannot stat: {e}")))?
-        .len();
-    let mut len = [0u8; 8];
-    if size < 8 || f.read_exact(&mut len).is_err() {
-        return Err(fail(format!(
-            "truncated safetensors file ({size} bytes; expected an 8-byte header length first)"
-        )));
-    }
-    let n = u64::from_le_bytes(len);
-    if n > MAX_HEADER {
-        return Err(fail(format!(
-            "not a safetensors file (header length {n} bytes; expected at most {MAX_HEADER})"
-        )));
-    }
-    if 8 + n > size {
-        return Err(fail(format!(
-            "truncated safetensors file: its header alone is {n} bytes but the file has {size}"
-        )));
-    }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header)
-        .map_err(|e| fail(format!("cannot read the header: {e}")))?;
-    let v: serde_json::Value = serde_json::from_slice(&header)
+    let prefix = read_header_prefix(path)?;
+    let meta: Metadata = serde_json::from_slice(&prefix.bytes[8..])
         .map_err(|e| fail(format!("corrupt safetensors header: {e}")))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| fail("corrupt safetensors header: not a JSON object".into()))?;
-    let mut out = HashMap::new();
-    for (name, t) in obj {
-        if name == "__metadata__" {
-            continue;
-        }
-        let bad = |what: &str| {
-            fail(format!(
-                "corrupt safetensors header: tensor {name} has {what}"
-            ))
-        };
-        let dtype = t["dtype"]
-            .as_str()
-            .ok_or_else(|| bad("no dtype"))?
-            .to_string();
-        let shape: Vec<usize> = t["shape"]
-            .as_array()
-            .ok_or_else(|| bad("no shape"))?
-            .iter()
-            .map(|d| d.as_u64().map(|d| d as usize))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad("a shape that is not a list of sizes"))?;
-        let offs = t["data_offsets"]
-            .as_array()
-            .ok_or_else(|| bad("no data_offsets"))?;
-        let (a, b) = match (
-            offs.first().and_then(|x| x.as_u64()),
-            offs.get(1).and_then(|x| x.as_u64()),
-            offs.len(),
-        ) {
-            (Some(a), Some(b), 2) if a <= b => (a, b),
-            _ => return Err(bad("data_offsets that are not [begin, end]")),
-        };
-        if let Some(sz) = dtype_size(&dtype) {
-            let numel = shape
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-            if numel.and_then(|n| n.checked_mul(sz)) != Some(b - a) {
-                return Err(fail(format!(
-                    "corrupt safetensors header: tensor {name} ({dtype} {shape:?}) has {} bytes of data",
-                    b - a
-                )));
-            }
-        }
-        out.insert(
-            name.clone(),
-            TensorInfo {
-                dtype,
-                shape,
-                offsets: (a, b),
-            },
-        );
-    }
-    let mut spans: Vec<(u64, u64, &str)> = out
-        .iter()
-        .map(|(n, t)| (t.offsets.0, t.offsets.1, n.as_str()))
-        .collect();
-    spans.sort();
-    let mut end = 0u64;
-    for (a, b, name) in spans {
-        if a != end {
-            return Err(fail(format!("corrupt safetensors header: the data of tensor {name} starts at {a}, expected {end}")));
-        }
-        end = b;
-    }
-    let data = size - 8 - n;
+    let end = meta.data_len() as u64;
+    let data = prefix.file_size - 8 - prefix.header_len();
     if data != end {
         let what = if data < end {
             "truncated safetensors file"
@@ -185,7 +136,11 @@ pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, String> {
             "{what}: the header describes {end} bytes of tensor data but the file holds {data}"
         )));
     }
-    Ok(out)
+    Ok(meta
+        .tensors()
+        .into_iter()
+        .map(|(name, info)| (name, info.clone()))
+        .collect())
 }
 
 /// Check the checkpoint in `dir` against `cfg`; the error is one line naming the file.
@@ -224,7 +179,7 @@ pub fn check(dir: &Path, cfg: &TargetConfig) -> Result<(), String> {
                 t.shape
             ));
         }
-        if !matches!(t.dtype.as_str(), "BF16" | "F16" | "F32") {
+        if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
             return Err(format!(
                 "{path}: tensor {name} has dtype {}; expected bf16, f16 or f32",
                 t.dtype
@@ -254,24 +209,19 @@ mod tests {
 
     /// A safetensors file of `tensors` (name, dtype, shape), zero data.
     fn write(path: &Path, tensors: &[(&str, &str, Vec<usize>)]) {
-        let mut header = serde_json::Map::new();
-        let mut off = 0u64;
-        for (name, dtype, shape) in tensors {
-            let n = shape.iter().product::<usize>() as u64 * dtype_size(dtype).unwrap_or(1);
-            header.insert(
-                name.to_string(),
-                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}),
-            );
-            off += n;
-        }
-        let mut h = serde_json::Value::Object(header).to_string().into_bytes();
-        while h.len() % 8 != 0 {
-            h.push(b' ');
-        }
-        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
-        bytes.extend_from_slice(&h);
-        bytes.resize(bytes.len() + off as usize, 0);
-        std::fs::write(path, bytes).unwrap();
+        let data: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> = tensors
+            .iter()
+            .map(|(name, dtype, shape)| {
+                let dtype: Dtype = serde_json::from_value(serde_json::json!(dtype)).unwrap();
+                let n = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+                (*name, dtype, shape.clone(), vec![0u8; n])
+            })
+            .collect();
+        let views = data.iter().map(|(name, dtype, shape, bytes)| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes);
+            (*name, view.unwrap())
+        });
+        safetensors::serialize_to_file(views, None, path).unwrap();
     }
 
     fn tiny() -> (tempfile::TempDir, TargetConfig, Vec<(String, Vec<usize>)>) {

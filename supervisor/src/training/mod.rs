@@ -1,9 +1,14 @@
-//! Training: the [`trainer`] decides steps, rollbacks, snapshots and checkpoints from what
-//! the drafters report, and returns actions for the dispatcher to carry out (no I/O of its
-//! own); [`resume`] continues a stopped run from its checkpoint; [`schedule`] decides the
+//! Training: the [`group`] state machine decides steps, rollbacks, snapshots and
+//! checkpoints from what the drafters report (no I/O, no clock of its own); the
+//! [`trainer`] drives it for the dispatcher, carrying out its effects through the
+//! [`checkpoint_store`] (the checkpoints directory) and the [`train_log`] (train.jsonl);
+//! [`resume`] continues a stopped run from its checkpoint; [`schedule`] decides the
 //! learning-rate schedule's length; [`eval`] scores the held-out set (`--eval-data`).
 
+pub mod checkpoint_store;
 pub mod eval;
+pub mod group;
 pub mod resume;
 pub mod schedule;
+pub mod train_log;
 pub mod trainer;

@@ -492,8 +492,12 @@ impl Input {
     }
 }
 
-fn hash(bytes: &[u8]) -> String {
-    dflash_shared::checkpoint::checksum_hex(bytes)
+use dflash_shared::checkpoint::ChecksumAlgorithm;
+
+/// A fingerprint's checksum: SHA-256, or for a fingerprint recorded by a version before
+/// SHA-256 (16 hex digits), the legacy hash it was recorded with.
+fn hash(alg: ChecksumAlgorithm, bytes: &[u8]) -> String {
+    alg.hex(bytes)
 }
 
 fn absolute(p: &Path) -> String {
@@ -504,7 +508,7 @@ fn absolute(p: &Path) -> String {
         .to_string()
 }
 
-fn file_print(p: &Path) -> Result<FilePrint, String> {
+fn file_print(p: &Path, alg: ChecksumAlgorithm) -> Result<FilePrint, String> {
     use std::io::{Read, Seek, SeekFrom};
     let why = |e: std::io::Error| format!("the data file {} cannot be read: {e}", p.display());
     let mut f = std::fs::File::open(p).map_err(why)?;
@@ -527,12 +531,12 @@ fn file_print(p: &Path) -> Result<FilePrint, String> {
         path: absolute(p),
         size,
         modified,
-        first_mib: hash(&first),
-        last_mib: hash(&last),
+        first_mib: hash(alg, &first),
+        last_mib: hash(alg, &last),
     })
 }
 
-fn data_print(a: &RunArgs) -> Result<DataPrint, String> {
+fn data_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<DataPrint, String> {
     match a.data.as_str() {
         "demo" => Ok(DataPrint::Demo {
             samples: a.demo_samples,
@@ -553,12 +557,12 @@ fn data_print(a: &RunArgs) -> Result<DataPrint, String> {
                     path: absolute(p),
                     files: files
                         .iter()
-                        .map(|f| file_print(f))
+                        .map(|f| file_print(f, alg))
                         .collect::<Result<_, _>>()?,
                 })
             } else if meta.is_file() {
                 Ok(DataPrint::File {
-                    file: file_print(p)?,
+                    file: file_print(p, alg)?,
                 })
             } else {
                 Ok(DataPrint::Stream { path: absolute(p) })
@@ -601,7 +605,7 @@ fn chat_template(dir: &Path) -> Option<String> {
     }
 }
 
-fn tokenizer_print(a: &RunArgs) -> Result<Option<TokenizerPrint>, String> {
+fn tokenizer_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Option<TokenizerPrint>, String> {
     let Some(dir) = tokenizer_dir(a) else {
         return Ok(None);
     };
@@ -610,12 +614,12 @@ fn tokenizer_print(a: &RunArgs) -> Result<Option<TokenizerPrint>, String> {
         std::fs::read(&tok).map_err(|e| format!("{} cannot be read: {e}", tok.display()))?;
     Ok(Some(TokenizerPrint {
         dir: absolute(&dir),
-        tokenizer_json: hash(&bytes),
-        chat_template: chat_template(&dir).map(|t| hash(t.as_bytes())),
+        tokenizer_json: hash(alg, &bytes),
+        chat_template: chat_template(&dir).map(|t| hash(alg, t.as_bytes())),
     }))
 }
 
-fn target_print(a: &RunArgs) -> Result<Option<TargetPrint>, String> {
+fn target_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Option<TargetPrint>, String> {
     if a.target == "tiny" {
         return Ok(None);
     }
@@ -624,21 +628,22 @@ fn target_print(a: &RunArgs) -> Result<Option<TargetPrint>, String> {
         let p = dir.join(name);
         std::fs::read(&p).map_err(|e| format!("the target's {} cannot be read: {e}", p.display()))
     };
-    let config_json = hash(&read("config.json")?);
+    let config_json = hash(alg, &read("config.json")?);
     let index = "model.safetensors.index.json";
     let (weights_file, weights) = if dir.join(index).is_file() {
-        (Some(index.to_string()), Some(hash(&read(index)?)))
+        (Some(index.to_string()), Some(hash(alg, &read(index)?)))
     } else {
         let single = dir.join("model.safetensors");
-        match safetensors_header(&single) {
-            Ok(h) => (Some("model.safetensors".to_string()), Some(hash(&h))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
-            Err(e) => {
-                return Err(format!(
-                    "the target's {} cannot be read: {e}",
-                    single.display()
-                ))
-            }
+        if single.exists() {
+            // Its length prefix and JSON header: what names, shapes and places the tensors.
+            let h = crate::run::target_check::read_header_prefix(&single)
+                .map_err(|e| format!("the target's {e}"))?;
+            (
+                Some("model.safetensors".to_string()),
+                Some(hash(alg, &h.bytes)),
+            )
+        } else {
+            (None, None)
         }
     };
     Ok(Some(TargetPrint {
@@ -649,45 +654,55 @@ fn target_print(a: &RunArgs) -> Result<Option<TargetPrint>, String> {
     }))
 }
 
-/// A safetensors file's length prefix and JSON header (what names, shapes and places the
-/// tensors), without the data.
-fn safetensors_header(p: &Path) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(p)?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len)?;
-    let n = u64::from_le_bytes(len).min(256 << 20);
-    let mut out = len.to_vec();
-    (&mut f).take(n).read_to_end(&mut out)?;
-    Ok(out)
-}
-
 impl Inputs {
     /// The inputs `a` names, as they are now.
     pub fn of(a: &RunArgs) -> Result<Inputs, String> {
+        Self::of_with(a, ChecksumAlgorithm::Sha256)
+    }
+
+    /// The inputs `a` names, their checksums by `alg`.
+    fn of_with(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Inputs, String> {
         Ok(Inputs {
-            data: data_print(a)?,
-            tokenizer: tokenizer_print(a)?,
-            target: target_print(a)?,
+            data: data_print(a, alg)?,
+            tokenizer: tokenizer_print(a, alg)?,
+            target: target_print(a, alg)?,
         })
+    }
+
+    /// The algorithm of these fingerprints' checksums: the legacy hash's 16 hex digits in
+    /// a run.json of a version before SHA-256, else SHA-256.
+    fn algorithm(&self) -> ChecksumAlgorithm {
+        let first = match &self.data {
+            DataPrint::File { file } => Some(&file.first_mib),
+            DataPrint::Directory { files, .. } => files.first().map(|f| &f.first_mib),
+            _ => None,
+        };
+        let any = first
+            .or(self.tokenizer.as_ref().map(|t| &t.tokenizer_json))
+            .or(self.target.as_ref().map(|t| &t.config_json));
+        match any {
+            Some(h) if h.len() == 16 => ChecksumAlgorithm::Legacy,
+            _ => ChecksumAlgorithm::Sha256,
+        }
     }
 
     /// What differs between these inputs (of the run's start) and those `a` names now, in
     /// words, each with the input it concerns.
     fn changes(&self, a: &RunArgs) -> Vec<(Input, String)> {
         let mut out = Vec::new();
-        match data_print(a) {
+        let alg = self.algorithm();
+        match data_print(a, alg) {
             Ok(now) => out.extend(data_change(&self.data, &now).map(|c| (Input::Data, c))),
             Err(e) => out.push((Input::Data, e)),
         }
-        match tokenizer_print(a) {
+        match tokenizer_print(a, alg) {
             Ok(now) => out.extend(
                 tokenizer_change(self.tokenizer.as_ref(), now.as_ref())
                     .map(|c| (Input::Tokenizer, c)),
             ),
             Err(e) => out.push((Input::Tokenizer, e)),
         }
-        match target_print(a) {
+        match target_print(a, alg) {
             Ok(now) => out.extend(
                 target_change(self.target.as_ref(), now.as_ref()).map(|c| (Input::Target, c)),
             ),
@@ -1358,6 +1373,34 @@ mod tests {
     }
 
     #[test]
+    fn a_fingerprint_by_the_legacy_hash_is_compared_with_that_hash() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("a.jsonl");
+        std::fs::write(&f, lines(20)).unwrap();
+        let a = data_args(&f, &[]);
+        let old = Inputs::of_with(&a, ChecksumAlgorithm::Legacy).unwrap();
+        let new = Inputs::of(&a).unwrap();
+        assert_ne!(old, new, "the checksums differ by algorithm");
+        let DataPrint::File { file } = &new.data else {
+            panic!("{new:?}")
+        };
+        assert_eq!(file.first_mib.len(), 64, "SHA-256 from now on");
+        // The run.json of an older version: the same inputs are not a change.
+        assert_eq!(check_inputs(Some(&old), &a), Ok(Some(old.clone())));
+        // Other bytes of the same size are one, with that hash too.
+        let modified = std::fs::metadata(&f).unwrap().modified().unwrap();
+        std::fs::write(&f, lines(20).replace("[1, 2, 3,", "[1, 2, 4,")).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&f)
+            .unwrap()
+            .set_modified(modified)
+            .unwrap();
+        let e = check_inputs(Some(&old), &a).unwrap_err();
+        assert!(e.contains("(its first MiB differs)"), "{e}");
+    }
+
+    #[test]
     fn a_data_file_of_the_same_size_and_time_with_other_bytes_is_refused() {
         let d = tempfile::tempdir().unwrap();
         let f = d.path().join("a.jsonl");
@@ -1454,10 +1497,9 @@ mod tests {
         let target = d.path().join("model");
         std::fs::create_dir_all(&target).unwrap();
         std::fs::write(target.join("config.json"), "{\"hidden_size\": 64}").unwrap();
-        let header = b"{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}";
-        let mut st = (header.len() as u64).to_le_bytes().to_vec();
-        st.extend(header);
-        st.extend(1f32.to_le_bytes());
+        let one = 1f32.to_le_bytes();
+        let w = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &one);
+        let st = safetensors::serialize([("w", w.unwrap())], None).unwrap();
         std::fs::write(target.join("model.safetensors"), &st).unwrap();
         let a = args(&["--data", "demo", "--target", target.to_str().unwrap()]);
         let start = Inputs::of(&a).unwrap();
@@ -1500,10 +1542,8 @@ mod tests {
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect();
-        let header = r#"{"params":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
-        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-        bytes.extend(header.as_bytes());
-        bytes.extend(&data);
+        let params = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2], &data);
+        let bytes = safetensors::serialize([("params", params.unwrap())], None).unwrap();
         std::fs::write(dir.join("state.safetensors"), &bytes).unwrap();
         let meta = serde_json::json!({
             "step": step,

@@ -1,184 +1,29 @@
-//! The data-parallel drafter group, coordinated by the supervisor.
-//!
-//! Each drafter rank computes the gradient of one batch, reports it ([`FromWorker::Grads`])
-//! and all-reduces it with the other members through its collective (shared memory, or
-//! NCCL on GPUs), reporting [`FromWorker::Reduced`]. Membership comes in *epochs*: every
-//! change (a death, a join, a rollback) starts a new one ([`ToWorker::Group`]), which
-//! aborts the all-reduce in flight, and the members reduce the gradients they hold again.
-//! When every member has reduced step s in the current epoch, the step is *committed*:
-//! the batches behind it are recorded as consumed (the supervisor acknowledges them on
-//! the ranks' behalf, so a batch is consumed exactly when its gradient is part of a
-//! committed step), and every member applies the sum ([`ToWorker::Apply`]). A member
-//! that dies before the commit is left out and its batch goes back to the queue; the
-//! step commits over the others, reduced again in the next epoch. An all-reduce that
-//! every member entered and that does not complete within `--collective-timeout` is
-//! aborted the same way.
-//!
-//! A drafter that (re)joins after step 0 gets the current weights and optimizer state
-//! from a surviving member through a shared state slot; commits wait while it joins, so it
-//! joins exactly at the step it was given.
-//!
-//! Every few steps one member also writes its state into a supervisor-owned snapshot slot
-//! (two of them, used in turn: the newer one becomes current only once it is complete, so
-//! a death while writing leaves the older intact). If no member survives, the group rolls
-//! back to the newest of that snapshot, the newest checkpoint and the run's start: the
-//! batches committed after it go back to the queue in their order, the step counter and
-//! the LR schedule follow the rolled-back step, and restarted drafters load that state.
-//! `--max-rollbacks` bounds how often.
-//!
-//! [`FromWorker::Grads`]: dflash_shared::protocol::FromWorker::Grads
-//! [`FromWorker::Reduced`]: dflash_shared::protocol::FromWorker::Reduced
-//! [`ToWorker::Group`]: dflash_shared::protocol::ToWorker::Group
-//! [`ToWorker::Apply`]: dflash_shared::protocol::ToWorker::Apply
+//! The drafter group as the dispatcher drives it: the group's state machine
+//! ([`crate::training::group`]) with what it needs around it. The [`Trainer`] owns the
+//! shared-memory pools the ranks exchange gradients and state through, the checkpoints
+//! directory ([`CheckpointStore`]) and the training log ([`TrainLog`]); it gives the
+//! group the time, carries out the group's [`Effect`]s on the disk, and hands its
+//! [`Action`]s on to the dispatcher. See [`crate::training::group`] for how the group
+//! trains, rolls back, snapshots and checkpoints.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::time::Instant;
 
 use dflash_shared::drafter::{
-    lr_at, state_bytes, CollectiveKind, DrafterConfig, Init, ParamLayout, StepStats, TrainSetup,
-    GRAD_SLOT_HEADER,
+    state_bytes, CollectiveKind, DrafterConfig, ParamLayout, StepStats, GRAD_SLOT_HEADER,
 };
 use dflash_shared::pool::{PoolGeometry, PoolMap};
-use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
+use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef};
 use dflash_shared::slots::Holder;
 
+pub use crate::training::group::{Action, EvalSettings, TrainerConfig};
+
 use crate::error::Error;
-use crate::run::rundir::{unix_ms, TrainProgress};
-
-#[derive(Debug, Clone)]
-pub struct TrainerConfig {
-    pub drafter: DrafterConfig,
-    /// How the ranks exchange gradients.
-    pub collective: CollectiveKind,
-    /// An all-reduce every member entered that has not completed after this is aborted.
-    pub collective_timeout: std::time::Duration,
-    pub lr: f64,
-    pub warmup_steps: u64,
-    pub total_steps: Option<u64>,
-    /// Where `warmup_steps` and `total_steps` come from; refined once the first epoch is
-    /// cut ([`Trainer::refine_schedule`]).
-    pub schedule: Option<crate::training::schedule::Schedule>,
-    /// Every setting as the run uses it (defaults resolved), for run.json and each
-    /// checkpoint's meta.json.
-    pub settings: serde_json::Value,
-    pub steps_limit: Option<u64>,
-    pub clip: f64,
-    pub seed: u64,
-    pub max_ranks: u32,
-    pub target_layer_ids: Vec<u32>,
-    pub num_target_layers: usize,
-    /// Checkpoint every N committed steps (and always when the run stops).
-    pub checkpoint_every: Option<u64>,
-    pub keep_checkpoints: usize,
-    pub checkpoints_dir: std::path::PathBuf,
-    /// Resuming: the checkpoint (step, directory) the first ranks load.
-    pub resume: Option<(u64, std::path::PathBuf)>,
-    /// Snapshot every N committed steps; `None`: as often as keeps the snapshot's cost
-    /// under 2 % of the step time.
-    pub snapshot_every: Option<u64>,
-    /// Rollbacks allowed before the run gives up.
-    pub max_rollbacks: u32,
-    /// Consecutive steps skipped for a non-finite gradient before the run gives up.
-    pub max_skipped_steps: u64,
-    /// Held-out evaluation (`--eval-data`): the set, and every how many steps.
-    pub eval: Option<EvalSettings>,
-}
-
-#[derive(Debug, Clone)]
-pub struct EvalSettings {
-    pub set: crate::training::eval::EvalSet,
-    pub every: u64,
-}
-
-/// Share of the step time the automatic snapshot interval spends on snapshots.
-const SNAPSHOT_BUDGET: f64 = 0.02;
-
-/// Where the first members of the group get their state at `restore_step`.
-#[derive(Debug, Clone, PartialEq)]
-enum Restore {
-    Fresh,
-    Snapshot { slot: u32 },
-    Checkpoint { dir: std::path::PathBuf },
-}
-
-/// What the dispatcher must do for the trainer.
-#[derive(Debug)]
-pub enum Action {
-    Send(usize, ToWorker),
-    /// Acknowledge `batch_id` held by `holder` in `input`: it reached the optimizer in
-    /// committed step `step`.
-    Consume {
-        worker: usize,
-        holder: Holder,
-        input: SlotRef,
-        batch_id: u64,
-        step: u64,
-    },
-    /// Every drafter died: the group goes back from step `from` to `to`, and `batches`
-    /// (committed after `to`, in commit order) go back to the front of the queue.
-    Rollback {
-        from: u64,
-        to: u64,
-        batches: Vec<u64>,
-    },
-    /// Batches consumed at or before this step can no longer be rolled back.
-    Covered(u64),
-    /// Record this in the run's events.jsonl.
-    Event(&'static str, serde_json::Map<String, serde_json::Value>),
-    /// Stop the run: the step limit is reached.
-    Done,
-    /// Stop the run: training cannot go on.
-    Failed(String),
-    Violation(usize, String),
-    /// Ask `worker` to checkpoint `step` into `dir` (the dispatcher adds what was consumed).
-    Checkpoint {
-        worker: usize,
-        step: u64,
-        dir: std::path::PathBuf,
-    },
-    /// No drafter is left to write the stop checkpoint, but the snapshot holds the last
-    /// committed step: write it from the snapshot (see [`Trainer::checkpoint_from_snapshot`]).
-    CheckpointFromSnapshot {
-        step: u64,
-        dir: std::path::PathBuf,
-    },
-    /// An eval round of the weights of `step` starts: put its `batches` into the
-    /// pipeline (and pause training traffic until [`Action::EvalEnd`]).
-    EvalStart {
-        round: u64,
-        step: u64,
-        batches: Vec<dflash_shared::batch::TokenBatch>,
-    },
-    /// The eval round is over (complete, or dropped by a rollback): training traffic
-    /// resumes.
-    EvalEnd,
-}
-
-struct Member {
-    rank: u32,
-    holder: Holder,
-}
-
-struct Pending {
-    holder: Holder,
-    params: u64,
-    input: SlotRef,
-    batch_id: u64,
-    stats: StepStats,
-}
-
-fn ordinal(n: u32) -> String {
-    match (n % 10, n % 100) {
-        (1, r) if r != 11 => format!("{n}st"),
-        (2, r) if r != 12 => format!("{n}nd"),
-        (3, r) if r != 13 => format!("{n}rd"),
-        _ => format!("{n}th"),
-    }
-}
+use crate::run::rundir::TrainProgress;
+use crate::training::checkpoint_store::{CheckpointStore, StoreError};
+use crate::training::group::{Effect, Gradient, Group, History, Out};
+use crate::training::train_log::{LogLine, TrainLog};
 
 /// Why the supervisor could not write a checkpoint from its snapshot.
 #[derive(Debug, thiserror::Error)]
@@ -189,79 +34,22 @@ pub enum SnapshotCheckpointError {
     WrongStep { held: u64, expected: u64 },
     #[error("the training state at step {step} is not finite: no checkpoint written")]
     NotFinite { step: u64 },
+    #[error("the snapshot as safetensors: {0}")]
+    Safetensors(#[source] safetensors::SafeTensorError),
     #[error("the supervisor's checkpoint metadata is not JSON: {0}")]
     Meta(#[source] serde_json::Error),
-    #[error("writing {}: {source}", dir.display())]
-    Write {
-        dir: std::path::PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
 }
 
 pub struct Trainer {
-    cfg: TrainerConfig,
+    group: Group,
+    store: CheckpointStore,
+    log: TrainLog,
     grads_fd: OwnedFd,
-    grads_geometry: PoolGeometry,
     _grads_map: PoolMap,
     state_fd: OwnedFd,
-    state_geometry: PoolGeometry,
-    _state_map: PoolMap,
-    members: BTreeMap<usize, Member>,
-    free_ranks: BTreeSet<u32>,
-    /// A checkpoint was asked for (SIGUSR1): written at the next committed step.
-    checkpoint_requested: bool,
-    committed: u64,
-    pending: BTreeMap<usize, Pending>,
-    /// (joiner, donor) while a snapshot is being taken.
-    joining: Option<(usize, usize)>,
-    /// Drafters waiting to join: (worker, life, the rank its name asks for).
-    queue: VecDeque<(usize, Holder, u32)>,
-    /// The membership epoch, and the members that reduced step `committed + 1` in it (with
-    /// the loss-weight sum their all-reduce found).
-    epoch: u64,
-    reduced: BTreeMap<usize, f64>,
-    /// Members told to contribute nothing to step `committed + 1` (the data's end).
-    abstained: BTreeSet<usize>,
-    /// When every member had entered the all-reduce of the current epoch, and how many
-    /// epochs in a row aborted a hung one.
-    all_posted_at: Option<Instant>,
-    hung_in_a_row: u32,
-    /// All-reduce times of the last commit's members (ms), for the log.
-    reduce_ms: Vec<f64>,
-    log: File,
-    window: StepStats,
-    window_start: Instant,
-    window_steps: u64,
-    /// The run is stopping: no more steps commit (the export reflects the last one).
-    frozen: bool,
-    /// Step of the last checkpoint asked for, and of whom (until it is complete).
-    checkpointed: u64,
-    checkpoint_asked: Option<(usize, u64)>,
-    /// The newest complete checkpoint (step, directory).
-    last_checkpoint: Option<(u64, std::path::PathBuf)>,
-    /// How the first members load their state, and at which step.
-    restore: Restore,
-    restore_step: u64,
-    /// The run's own start (fresh, or the resumed checkpoint): the oldest rollback target.
-    base: (u64, Restore),
-    /// The current snapshot (slot, step), and the one being written (donor, slot, step).
-    snapshot: Option<(u32, u64)>,
-    snapshot_asked: Option<(usize, u32, u64)>,
-    /// Measured: milliseconds per snapshot and per step (moving averages).
-    snapshot_ms: Option<f64>,
-    step_ms: Option<f64>,
-    last_commit: Option<Instant>,
-    /// Batches of each committed step that a rollback may still take back.
-    lineage: BTreeMap<u64, Vec<u64>>,
-    rollbacks: u32,
-    /// Consecutive skipped steps, and the newest checkpoint from before they began.
-    skipped_in_a_row: u64,
-    good_checkpoint: Option<u64>,
-    pub progress: TrainProgress,
-    /// Held-out evaluation, with `--eval-data`.
-    eval: Option<Box<crate::training::eval::Evaluator>>,
-    /// The step limit was reached, and the run ends once the last eval round is in.
-    done_after_eval: bool,
+    state_map: PoolMap,
 }
 
 impl Trainer {
@@ -286,118 +74,43 @@ impl Trainer {
         };
         let (grads_fd, grads_map) = mk(&grads_geometry)?;
         let (state_fd, state_map) = mk(&state_geometry)?;
-        let mut log = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(run_dir.join("train.jsonl"))
-            .map_err(|e| Error::io("cannot create", run_dir.join("train.jsonl"), e))?;
-        // Temporary directories of checkpoints (and exports) a crash interrupted: never
-        // complete.
-        for dir in [cfg.checkpoints_dir.as_path(), run_dir] {
-            let Ok(entries) = std::fs::read_dir(dir) else {
-                continue;
-            };
-            for e in entries.flatten() {
-                if e.file_name().to_string_lossy().contains(".tmp-") {
-                    log::info!(
-                        "removing {}, a checkpoint a crash left unfinished",
-                        e.path().display()
-                    );
-                    let _ = std::fs::remove_dir_all(e.path());
-                }
-            }
+        let mut log = TrainLog::open(run_dir)?;
+        let store = CheckpointStore::new(cfg.checkpoints_dir.clone(), cfg.keep_checkpoints);
+        store.remove_unfinished(run_dir);
+        if let Some((step, _)) = &cfg.resume {
+            log.write(&LogLine::Resumed { to: *step });
         }
-        let base = match &cfg.resume {
-            Some((step, dir)) => {
-                // A resumed run goes back to its checkpoint: steps after it in train.jsonl
-                // belong to an abandoned lineage.
-                let line =
-                    serde_json::json!({"t": unix_ms(), "rollback": {"to": step, "resume": true}});
-                let _ = writeln!(log, "{line}");
-                (*step, Restore::Checkpoint { dir: dir.clone() })
-            }
-            None => (0, Restore::Fresh),
+        let history = match &cfg.eval {
+            Some(_) => History {
+                linked: crate::training::eval::best_step(store.dir()),
+                evals: TrainLog::evals(run_dir),
+            },
+            None => History {
+                linked: None,
+                evals: Default::default(),
+            },
         };
-        let eval = cfg.eval.as_ref().map(|e| {
-            let mut ev = Box::new(crate::training::eval::Evaluator::new(
-                e.set.clone(),
-                e.every,
-            ));
-            // Resuming: the best eval of the lineage resumed (whose checkpoint is still
-            // there) stays the one to beat.
-            ev.linked = crate::training::eval::best_step(&cfg.checkpoints_dir);
-            let text = std::fs::read_to_string(run_dir.join("train.jsonl")).unwrap_or_default();
-            let mut evals: BTreeMap<u64, f64> = BTreeMap::new();
-            for v in text
-                .lines()
-                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            {
-                if let (Some(step), Some(a)) =
-                    (v["eval"]["step"].as_u64(), v["eval"]["acceptance"].as_f64())
-                {
-                    evals.insert(step, a);
-                }
-            }
-            ev.best = evals
-                .into_iter()
-                .filter(|(s, _)| {
-                    *s <= base.0
-                        && cfg
-                            .checkpoints_dir
-                            .join(format!("step-{s:08}"))
-                            .join("meta.json")
-                            .is_file()
-                })
-                .fold(None, |b: Option<(u64, f64)>, (s, a)| match b {
-                    Some((_, ba)) if ba >= a => b,
-                    _ => Some((s, a)),
-                });
-            ev
-        });
-        Ok(Trainer {
-            restore: base.1.clone(),
-            restore_step: base.0,
-            last_checkpoint: cfg.resume.clone(),
-            base,
-            snapshot: None,
-            snapshot_asked: None,
-            snapshot_ms: None,
-            step_ms: None,
-            last_commit: None,
-            lineage: BTreeMap::new(),
-            checkpoint_asked: None,
-            rollbacks: 0,
-            skipped_in_a_row: 0,
-            good_checkpoint: None,
-            free_ranks: (0..cfg.max_ranks.max(1)).collect(),
-            checkpoint_requested: false,
-            committed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
-            checkpointed: cfg.resume.as_ref().map_or(0, |(s, _)| *s),
+        let info = |fd: &OwnedFd, geometry: PoolGeometry| PoolInfo {
+            id: PoolId::Hidden,
+            fd: fd.as_raw_fd(),
+            geometry,
+        };
+        let group = Group::new(
             cfg,
+            info(&grads_fd, grads_geometry),
+            info(&state_fd, state_geometry),
+            Box::new(store.clone()),
+            history,
+            Instant::now(),
+        );
+        Ok(Trainer {
+            group,
+            store,
+            log,
             grads_fd,
-            grads_geometry,
             _grads_map: grads_map,
             state_fd,
-            state_geometry,
-            _state_map: state_map,
-            members: BTreeMap::new(),
-            pending: BTreeMap::new(),
-            joining: None,
-            queue: VecDeque::new(),
-            epoch: 0,
-            reduced: BTreeMap::new(),
-            abstained: BTreeSet::new(),
-            all_posted_at: None,
-            hung_in_a_row: 0,
-            reduce_ms: Vec::new(),
-            log,
-            window: StepStats::default(),
-            window_start: Instant::now(),
-            window_steps: 0,
-            frozen: false,
-            progress: TrainProgress::default(),
-            eval,
-            done_after_eval: false,
+            state_map,
         })
     }
 
@@ -422,141 +135,52 @@ impl Trainer {
         vec![self.grads_fd.as_raw_fd(), self.state_fd.as_raw_fd()]
     }
 
+    /// Carry out the effects of `out`, in order; the actions are the dispatcher's.
+    fn carry_out(&mut self, out: Out) -> Vec<Action> {
+        for e in out.effects {
+            match e {
+                Effect::Log(line) => self.log.write(&line),
+                Effect::PruneCheckpoints => {
+                    self.store.prune(self.group.best_linked());
+                }
+                Effect::SetAsideCheckpointsAfter(to) => {
+                    self.store.set_aside_after(to);
+                }
+                Effect::LinkBest { step, previous } => self.link_best(step, previous),
+                Effect::UnlinkBest => self.store.unlink_best(),
+            }
+        }
+        out.actions
+    }
+
+    fn link_best(&mut self, step: u64, previous: Option<u64>) {
+        let link = self.store.dir().join(crate::training::eval::BEST_LINK);
+        let dir = self.store.dir().join(format!("step-{step:08}"));
+        match self.store.link_best(step) {
+            Ok(()) => log::info!(
+                "best checkpoint by eval acceptance: {} -> {}",
+                link.display(),
+                dir.display()
+            ),
+            Err(err) => {
+                log::warn!(
+                    "cannot point {} at {}: {err}",
+                    link.display(),
+                    dir.display()
+                );
+                self.group.on_best_link_failed(step, previous);
+            }
+        }
+    }
+
     pub fn describe(&self) -> String {
-        let p = ParamLayout::new(&self.cfg.drafter).total;
-        let c = &self.cfg.drafter;
-        format!(
-            "drafter: {} layers, {p} parameters, block {}, up to {} anchors, γ {}, lr {}",
-            c.layers, c.block_size, c.max_anchors, c.gamma, self.cfg.lr
-        )
-    }
-
-    fn setup(&self, rank: u32, init: Init) -> ToWorker {
-        let info = |id, fd: &OwnedFd, g: &PoolGeometry| PoolInfo {
-            id,
-            fd: fd.as_raw_fd(),
-            geometry: g.clone(),
-        };
-        ToWorker::Train(Box::new(TrainSetup {
-            drafter: self.cfg.drafter.clone(),
-            lr: self.cfg.lr,
-            warmup_steps: self.cfg.warmup_steps,
-            total_steps: self.cfg.total_steps,
-            clip: self.cfg.clip,
-            seed: self.cfg.seed,
-            grads: info(PoolId::Hidden, &self.grads_fd, &self.grads_geometry),
-            collective: self.cfg.collective,
-            state: info(PoolId::Hidden, &self.state_fd, &self.state_geometry),
-            rank,
-            target_layer_ids: self.cfg.target_layer_ids.clone(),
-            num_target_layers: self.cfg.num_target_layers,
-            checkpoint: match &self.restore {
-                Restore::Checkpoint { dir } => Some(dir.display().to_string()),
-                _ => None,
-            },
-            init,
-        }))
-    }
-
-    /// `worker` joins as `rank` (the number in its name, drafter-N is rank N), or, should
-    /// that rank be taken, as the lowest free one, said in one line.
-    fn add_member(
-        &mut self,
-        worker: usize,
-        holder: Holder,
-        rank: u32,
-        init: Init,
-        out: &mut Vec<Action>,
-    ) {
-        let rank = if self.free_ranks.remove(&rank) {
-            rank
-        } else {
-            let Some(other) = self.free_ranks.pop_first() else {
-                out.push(Action::Failed(
-                    "more drafter ranks than gradient slots".into(),
-                ));
-                return;
-            };
-            log::warn!("drafter-{rank}: rank {rank} is taken; it joins as rank {other}");
-            other
-        };
-        self.members.insert(worker, Member { rank, holder });
-        out.push(Action::Send(worker, self.setup(rank, init)));
-    }
-
-    /// The members changed (`why`): start the next membership epoch. The all-reduce in
-    /// flight is void; the members reduce the gradients they hold again in the new epoch.
-    fn new_epoch(&mut self, why: &str, out: &mut Vec<Action>) {
-        if self.members.is_empty() {
-            return;
-        }
-        self.epoch += 1;
-        let in_flight: Vec<u32> = self
-            .pending
-            .keys()
-            .filter(|w| !self.reduced.contains_key(w))
-            .filter_map(|w| self.members.get(w).map(|m| m.rank))
-            .collect();
-        let reduced_before = self.reduced.len();
-        self.reduced.clear();
-        self.all_posted_at = None;
-        let ranks = self.ranks();
-        let fields = serde_json::json!({
-            "epoch": self.epoch, "ranks": ranks, "why": why, "step": self.committed + 1,
-            "held": self.pending.len(), "in_flight": in_flight, "reduced_before": reduced_before,
-        });
-        if let serde_json::Value::Object(fields) = fields {
-            out.push(Action::Event("group_epoch", fields));
-        }
-        self.progress.epoch = self.epoch;
-        log::info!(
-            "drafter group epoch {}: ranks {ranks:?} ({why})",
-            self.epoch
-        );
-        for &w in self.members.keys() {
-            out.push(Action::Send(
-                w,
-                ToWorker::Group {
-                    epoch: self.epoch,
-                    ranks: ranks.clone(),
-                    id: None,
-                },
-            ));
-        }
-    }
-
-    /// The members' ranks, ascending (a rank's place in the collective).
-    fn ranks(&self) -> Vec<u32> {
-        let mut r: Vec<u32> = self.members.values().map(|m| m.rank).collect();
-        r.sort_unstable();
-        r
+        self.group.describe()
     }
 
     /// NCCL: the first rank of `epoch` created its communicator's id: relay it.
     pub fn on_group_id(&mut self, worker: usize, epoch: u64, id: Vec<u8>) -> Vec<Action> {
-        let mut out = Vec::new();
-        let ranks = self.ranks();
-        match self.members.get(&worker) {
-            Some(m) if epoch == self.epoch && ranks.first() == Some(&m.rank) => {
-                for &w in self.members.keys().filter(|&&w| w != worker) {
-                    out.push(Action::Send(
-                        w,
-                        ToWorker::Group {
-                            epoch,
-                            ranks: ranks.clone(),
-                            id: Some(id.clone()),
-                        },
-                    ));
-                }
-            }
-            // For an epoch that is over: nobody needs it.
-            Some(_) if epoch < self.epoch => {}
-            _ => out.push(Action::Violation(
-                worker,
-                format!("an NCCL id for epoch {epoch} from a drafter that is not its first rank"),
-            )),
-        }
-        out
+        let out = self.group.on_group_id(worker, epoch, id);
+        self.carry_out(out)
     }
 
     /// A member's all-reduce of `step` in `epoch` completed.
@@ -568,292 +192,22 @@ impl Trainer {
         weight_sum: f64,
         ms: f64,
     ) -> Vec<Action> {
-        let mut out = Vec::new();
-        if !self.members.contains_key(&worker) {
-            out.push(Action::Violation(
-                worker,
-                "an all-reduce from a drafter that is not in the training group".into(),
-            ));
-            return out;
-        }
-        if epoch > self.epoch || (epoch == self.epoch && step != self.committed + 1) {
-            out.push(Action::Violation(
-                worker,
-                format!(
-                    "reduced step {step} in epoch {epoch}, expected step {} in epoch {}",
-                    self.committed + 1,
-                    self.epoch
-                ),
-            ));
-            return out;
-        }
-        if epoch < self.epoch {
-            // Overtaken by a newer epoch: it reduces again there.
-            return out;
-        }
-        if !self.pending.contains_key(&worker) && !self.abstained.contains(&worker) {
-            out.push(Action::Violation(
-                worker,
-                format!("reduced step {step} without a gradient for it"),
-            ));
-            return out;
-        }
-        self.reduced.insert(worker, weight_sum);
-        self.reduce_ms.push(ms);
-        self.try_commit(&mut out);
-        out
+        let out = self
+            .group
+            .on_reduced(worker, step, epoch, weight_sum, ms, Instant::now());
+        self.carry_out(out)
     }
 
-    /// The collective's watchdog: an all-reduce that every member entered and that has
-    /// not completed after `--collective-timeout` is aborted by a new epoch of the same
-    /// members; three in a row for one step stop the run.
+    /// The collective's watchdog (see [`Group::watchdog`]).
     pub fn watchdog(&mut self, now: Instant) -> Vec<Action> {
-        let mut out = Vec::new();
-        let entered = !self.members.is_empty()
-            && self
-                .members
-                .keys()
-                .all(|w| self.pending.contains_key(w) || self.abstained.contains(w));
-        if !entered
-            || self.frozen
-            || self.joining.is_some()
-            || self.reduced.len() == self.members.len()
-        {
-            self.all_posted_at = None;
-            return out;
-        }
-        let since = *self.all_posted_at.get_or_insert(now);
-        if now.saturating_duration_since(since) < self.cfg.collective_timeout {
-            return out;
-        }
-        self.hung_in_a_row += 1;
-        let late: Vec<u32> = self
-            .members
-            .iter()
-            .filter(|(w, _)| !self.reduced.contains_key(w))
-            .map(|(_, m)| m.rank)
-            .collect();
-        let what = format!(
-            "the all-reduce of step {} hung for {} (--collective-timeout) on ranks {late:?}",
-            self.committed + 1,
-            humantime::format_duration(self.cfg.collective_timeout)
-        );
-        if self.hung_in_a_row >= 3 {
-            self.frozen = true;
-            out.push(Action::Failed(format!("{what}, the third time in a row: the group cannot exchange gradients (see the drafters' logs; NCCL_DEBUG=INFO says more on NCCL)")));
-            return out;
-        }
-        log::warn!("{what}: aborting it and forming the group again");
-        self.new_epoch(&what, &mut out);
-        // The members enter the new epoch's all-reduce at once: its deadline starts now.
-        self.all_posted_at = Some(now);
-        out
+        let out = self.group.watchdog(now);
+        self.carry_out(out)
     }
 
-    /// How a member that starts at `restore_step` loads its state.
-    fn restore_init(&self) -> Init {
-        match &self.restore {
-            Restore::Fresh => Init::Fresh,
-            Restore::Snapshot { slot } => Init::FromState {
-                step: self.restore_step,
-                slot: *slot,
-            },
-            Restore::Checkpoint { .. } => Init::FromCheckpoint {
-                step: self.restore_step,
-            },
-        }
-    }
-
-    /// A drafter connected (after it got the pools).
-    /// Drafter `worker` (life `holder`) is ready; `rank` is the number in its name
-    /// (drafter-N is rank N, in every life).
+    /// Drafter `worker` (life `holder`) is ready; `rank` is the number in its name.
     pub fn on_ready(&mut self, worker: usize, holder: Holder, rank: u32) -> Vec<Action> {
-        let mut out = Vec::new();
-        if self.committed == self.restore_step && self.joining.is_none() {
-            // Nothing applied since the start or the last rollback: every rank can load
-            // the group's state by itself (fresh, a checkpoint, or the snapshot).
-            self.add_member(worker, holder, rank, self.restore_init(), &mut out);
-            self.new_epoch("a drafter started", &mut out);
-        } else if self.members.is_empty() {
-            out.push(Action::Failed(self.lost_message()));
-        } else {
-            self.queue.push_back((worker, holder, rank));
-            self.start_join(&mut out);
-        }
-        out
-    }
-
-    /// Every member is gone and steps were committed since `restore_step`: go back to the
-    /// newest state that survived them (snapshot, checkpoint, or the run's start).
-    fn rollback(&mut self, out: &mut Vec<Action>) {
-        if self.frozen || self.committed == self.restore_step {
-            return;
-        }
-        self.rollbacks += 1;
-        if self.rollbacks > self.cfg.max_rollbacks {
-            self.frozen = true;
-            out.push(Action::Failed(format!(
-                "every drafter died for the {} time (at step {}), more than --max-rollbacks {}: a crash that recurs is not recovered by rolling back (see the drafters' logs)",
-                ordinal(self.rollbacks),
-                self.committed,
-                self.cfg.max_rollbacks
-            )));
-            return;
-        }
-        let from = self.committed;
-        let mut candidates = vec![self.base.clone()];
-        if let Some((slot, step)) = self.snapshot {
-            candidates.push((step, Restore::Snapshot { slot }));
-        }
-        if let Some((step, dir)) = &self.last_checkpoint {
-            match dflash_shared::checkpoint::verify(
-                dir,
-                serde_json::to_value(&self.cfg.drafter).ok().as_ref(),
-            ) {
-                Ok(_) => candidates.push((*step, Restore::Checkpoint { dir: dir.clone() })),
-                Err(e) => log::warn!("not rolling back to the checkpoint of step {step}: {e}"),
-            }
-        }
-        let (to, restore) = candidates
-            .into_iter()
-            .filter(|(s, _)| *s <= from)
-            .max_by_key(|(s, _)| *s)
-            .expect("the run's start is a candidate");
-        let batches: Vec<u64> = self
-            .lineage
-            .split_off(&(to + 1))
-            .into_values()
-            .flatten()
-            .collect();
-        let what = match &restore {
-            Restore::Fresh => "the run's fresh start".to_string(),
-            Restore::Snapshot { .. } => "the snapshot".to_string(),
-            Restore::Checkpoint { dir } => format!("the checkpoint {}", dir.display()),
-        };
-        log::warn!(
-            "every drafter died after step {from}: rolling back to step {to} ({what}); {} batch(es) committed since go back to the queue (rollback {} of at most {})",
-            batches.len(),
-            self.rollbacks,
-            self.cfg.max_rollbacks
-        );
-        let line = serde_json::json!({"t": unix_ms(), "rollback": {"from": from, "to": to, "batches": batches.len(), "source": what}});
-        let _ = writeln!(self.log, "{line}");
-        self.pending.clear();
-        self.reduced.clear();
-        self.abstained.clear();
-        self.joining = None;
-        self.snapshot_asked = None;
-        self.checkpoint_asked = None;
-        self.skipped_in_a_row = 0;
-        self.committed = to;
-        if let Some(e) = self.eval.as_mut() {
-            if let Some(step) = e.rolled_back(to) {
-                log::warn!("eval of step {step} dropped: the group rolled back to step {to} (step {step} is evaluated again when it commits again)");
-                out.push(Action::EvalEnd);
-            }
-            if e.linked.is_some_and(|s| s > to) {
-                // Its checkpoint goes aside with the abandoned lineage.
-                let _ = std::fs::remove_file(
-                    self.cfg
-                        .checkpoints_dir
-                        .join(crate::training::eval::BEST_LINK),
-                );
-                e.linked = None;
-            }
-        }
-        self.done_after_eval = false;
-        self.set_aside_checkpoints_after(to);
-        self.checkpointed = self.saved_step().min(to);
-        self.restore = restore;
-        self.restore_step = to;
-        self.progress.step = to;
-        self.progress.rollbacks = self.rollbacks;
-        self.last_commit = None;
-        out.push(Action::Rollback { from, to, batches });
-        // Drafters that came up while no member could give them the state load it now.
-        for (w, h, rank) in std::mem::take(&mut self.queue) {
-            self.add_member(w, h, rank, self.restore_init(), out);
-        }
-        self.new_epoch(&format!("rolled back to step {to}"), out);
-    }
-
-    /// Checkpoints of steps after `to` belong to the abandoned lineage: move them out of
-    /// `checkpoints/` (to `abandoned-checkpoints/`), so that neither a later checkpoint of
-    /// the same step number nor a `--resume` meets them, and forget them.
-    fn set_aside_checkpoints_after(&mut self, to: u64) {
-        let aside = self
-            .cfg
-            .checkpoints_dir
-            .with_file_name("abandoned-checkpoints");
-        if let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) {
-            for e in entries.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                let step = dflash_shared::checkpoint::step_of_dir(&name);
-                if step.is_some_and(|s| s > to) {
-                    let _ = std::fs::create_dir_all(&aside);
-                    let dst = aside.join(format!("{name}-{}", unix_ms()));
-                    match std::fs::rename(e.path(), &dst) {
-                        Ok(()) => log::info!(
-                            "{} belongs to the abandoned lineage: moved to {}",
-                            e.path().display(),
-                            dst.display()
-                        ),
-                        Err(err) => log::warn!("cannot move {} aside: {err}", e.path().display()),
-                    }
-                }
-            }
-        }
-        if self.last_checkpoint.as_ref().is_some_and(|(s, _)| *s > to) {
-            // The newest complete checkpoint left, if any.
-            let mut left: Vec<(u64, std::path::PathBuf)> =
-                std::fs::read_dir(&self.cfg.checkpoints_dir)
-                    .into_iter()
-                    .flatten()
-                    .flatten()
-                    .filter_map(|e| {
-                        let s = dflash_shared::checkpoint::step_of_dir(
-                            &e.file_name().to_string_lossy(),
-                        )?;
-                        e.path().join("meta.json").is_file().then(|| (s, e.path()))
-                    })
-                    .collect();
-            left.sort();
-            self.last_checkpoint = left.pop().or_else(|| self.cfg.resume.clone());
-        }
-    }
-
-    fn lost_message(&self) -> String {
-        let saved = self.saved_step();
-        let resume = if saved > 0 {
-            format!("; continue from the checkpoint of step {saved} with --resume RUN_DIR")
-        } else {
-            "; no checkpoint was written yet (see --checkpoint-every)".into()
-        };
-        format!("every drafter died after step {}: the newer weights lived only in their memory{resume}", self.committed)
-    }
-
-    /// Ask a member for a snapshot for the next joiner in line. Commits wait while a join
-    /// is in progress, so every snapshot taken until the next commit holds the same
-    /// bytes: a joiner still reading the slot while the next one is written reads the
-    /// same values either way.
-    fn start_join(&mut self, out: &mut Vec<Action>) {
-        if self.joining.is_some() {
-            return;
-        }
-        let Some(&(joiner, ..)) = self.queue.front() else {
-            return;
-        };
-        let Some((&donor, _)) = self.members.iter().next() else {
-            return;
-        };
-        self.joining = Some((joiner, donor));
-        out.push(Action::Send(
-            donor,
-            ToWorker::Snapshot {
-                step: self.committed,
-                slot: 0,
-            },
-        ));
+        let out = self.group.on_ready(worker, holder, rank);
+        self.carry_out(out)
     }
 
     pub fn on_snapshot_done(
@@ -863,69 +217,10 @@ impl Trainer {
         slot: u32,
         ms: f64,
     ) -> Vec<Action> {
-        let mut out = Vec::new();
-        if slot != 0 {
-            match self.snapshot_asked {
-                Some((donor, s, at)) if donor == worker && s == slot && at == step => {
-                    self.snapshot_asked = None;
-                    if self.snapshot_ms.is_none() {
-                        log::info!(
-                            "snapshot of the training state: {ms:.1} ms (taken {})",
-                            self.snapshot_policy()
-                        );
-                    }
-                    self.snapshot_ms = Some(self.snapshot_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
-                    self.progress.snapshot_step = Some(step);
-                    self.progress.snapshot_ms = self.snapshot_ms;
-                    self.progress.snapshot_every = self.snapshot_interval();
-                    self.snapshot = Some((slot, step));
-                    self.cover(step, &mut out);
-                }
-                // The answer to a request from before a rollback (or from a dead donor's
-                // time): the slot it names was not made current.
-                _ if self.members.contains_key(&worker) => {}
-                _ => out.push(Action::Violation(
-                    worker,
-                    "SnapshotDone from a drafter that was not asked for one".into(),
-                )),
-            }
-            return out;
-        }
-        match self.joining {
-            // The donor answers in the order it was asked, and applies every committed
-            // step before a later request: a reply for an older step answers a request
-            // whose joiner died before a commit. The reply to this one is still coming.
-            Some((_, donor)) if donor == worker && step < self.committed => {}
-            Some((joiner, donor)) if donor == worker => {
-                if step != self.committed {
-                    out.push(Action::Violation(
-                        worker,
-                        format!("snapshot at step {step}, expected {}", self.committed),
-                    ));
-                    return out;
-                }
-                self.joining = None;
-                let (_, holder, rank) = self.queue.pop_front().expect("the joiner is queued");
-                self.add_member(
-                    joiner,
-                    holder,
-                    rank,
-                    Init::FromState { step, slot: 0 },
-                    &mut out,
-                );
-                let rank = self.members.get(&joiner).map_or(0, |m| m.rank);
-                self.new_epoch(&format!("rank {rank} joined at step {step}"), &mut out);
-                self.start_join(&mut out);
-                self.try_commit(&mut out);
-            }
-            // A reply to a request whose joiner has died since: nothing to do.
-            _ if self.members.contains_key(&worker) => {}
-            _ => out.push(Action::Violation(
-                worker,
-                "SnapshotDone from a drafter that was not asked for one".into(),
-            )),
-        }
-        out
+        let out = self
+            .group
+            .on_snapshot_done(worker, step, slot, ms, Instant::now());
+        self.carry_out(out)
     }
 
     pub fn on_grads(
@@ -937,382 +232,43 @@ impl Trainer {
         stats: StepStats,
         params: u64,
     ) -> Vec<Action> {
-        let mut out = Vec::new();
-        let Some(m) = self.members.get(&worker) else {
-            out.push(Action::Violation(
-                worker,
-                "gradients from a drafter that is not in the training group".into(),
-            ));
-            return out;
+        let g = Gradient {
+            input,
+            batch_id,
+            stats,
+            params,
         };
-        if step != self.committed + 1 || self.pending.contains_key(&worker) {
-            out.push(Action::Violation(
-                worker,
-                format!(
-                    "gradients for step {step}, expected step {} once",
-                    self.committed + 1
-                ),
-            ));
-            return out;
-        }
-        self.pending.insert(
-            worker,
-            Pending {
-                holder: m.holder,
-                params,
-                input,
-                batch_id,
-                stats,
-            },
-        );
-        // Its batch came before the order to abstain reached it: it reduces its gradient.
-        self.abstained.remove(&worker);
-        self.try_commit(&mut out);
-        out
+        let out = self.group.on_grads(worker, step, g, Instant::now());
+        self.carry_out(out)
     }
 
     /// A drafter's life is over.
     pub fn on_gone(&mut self, worker: usize) -> Vec<Action> {
-        let mut out = Vec::new();
-        let left = self.members.remove(&worker);
-        if let Some(m) = &left {
-            self.free_ranks.insert(m.rank);
-        }
-        self.pending.remove(&worker);
-        self.reduced.remove(&worker);
-        self.abstained.remove(&worker);
-        self.queue.retain(|(w, ..)| *w != worker);
-        if self
-            .snapshot_asked
-            .is_some_and(|(donor, ..)| donor == worker)
-        {
-            // Its half-written slot never becomes current.
-            self.snapshot_asked = None;
-        }
-        if self.checkpoint_asked.is_some_and(|(w, _)| w == worker) {
-            // Its checkpoint will never be complete: ask again (at the next one, or the stop).
-            self.checkpoint_asked = None;
-            self.checkpointed = self.saved_step();
-        }
-        if let Some((joiner, donor)) = self.joining {
-            if joiner == worker || donor == worker {
-                self.joining = None;
-            }
-        }
-        if self.members.is_empty() && self.done_after_eval {
-            // The last step is committed (and its checkpoint asked for, or written from
-            // the snapshot at the stop); only its eval was left. Rolling back would lose
-            // the step; the eval is dropped instead and the run ends.
-            let step = self.committed;
-            if let Some(e) = self.eval.as_mut() {
-                e.rolled_back(step.saturating_sub(1));
-            }
-            log::warn!(
-                "every drafter died during the eval of the last step {step}: that eval is dropped, and the run ends at step {step}"
-            );
-            self.done_after_eval = false;
-            out.push(Action::EvalEnd);
-            out.push(Action::Done);
-        } else if self.members.is_empty() {
-            self.rollback(&mut out);
-        } else {
-            if let Some(m) = left {
-                self.new_epoch(&format!("rank {} left", m.rank), &mut out);
-                // Its batch goes back to the queue: the members told to abstain may get
-                // it (or another) after all.
-                let step = self.committed + 1;
-                for w in std::mem::take(&mut self.abstained) {
-                    out.push(Action::Send(w, ToWorker::Withdraw { step }));
-                }
-            }
-            self.start_join(&mut out);
-        }
-        self.try_commit(&mut out);
-        out
+        let out = self.group.on_gone(worker, Instant::now());
+        self.carry_out(out)
     }
 
-    /// Batches consumed up to `step` are safe from any rollback: forget them.
-    fn cover(&mut self, step: u64, out: &mut Vec<Action>) {
-        let newer = self.lineage.split_off(&(step + 1));
-        self.lineage = newer;
-        out.push(Action::Covered(step));
-    }
-
-    fn snapshot_policy(&self) -> String {
-        match self.cfg.snapshot_every {
-            Some(n) => format!("every {n} steps, --snapshot-every"),
-            None => format!(
-                "every {} steps, to stay under {:.0}% of the step time",
-                self.snapshot_interval(),
-                SNAPSHOT_BUDGET * 100.0
-            ),
-        }
-    }
-
-    /// Steps between snapshots: --snapshot-every, or what keeps their cost under the budget.
-    fn snapshot_interval(&self) -> u64 {
-        match (self.cfg.snapshot_every, self.snapshot_ms, self.step_ms) {
-            (Some(n), _, _) => n.max(1),
-            (None, Some(snap), Some(step)) if step > 0.0 => {
-                ((snap / (SNAPSHOT_BUDGET * step)).ceil() as u64).clamp(1, 100_000)
-            }
-            // Not measured yet: take one at once, to measure it.
-            _ => 1,
-        }
-    }
-
-    /// After committing `step`: ask one member for a snapshot when one is due.
-    fn maybe_snapshot(&mut self, step: u64, out: &mut Vec<Action>) {
-        if self.snapshot_asked.is_some() {
-            return;
-        }
-        let last = self.snapshot.map_or(self.restore_step, |(_, s)| s);
-        if step < last + self.snapshot_interval() {
-            return;
-        }
-        let Some(&donor) = self.members.keys().next() else {
-            return;
-        };
-        // The slot that is not current.
-        let slot = if self.snapshot.is_some_and(|(s, _)| s == 1) {
-            2
-        } else {
-            1
-        };
-        self.snapshot_asked = Some((donor, slot, step));
-        out.push(Action::Send(donor, ToWorker::Snapshot { step, slot }));
-    }
-
-    /// The end of the data: when every batch not yet consumed is in the hands of a member
-    /// that holds a gradient for the step (its pending batch, or one delivered ahead that
-    /// it takes after the commit; `remaining` = batches produced and not consumed, once the
-    /// loader is done; `delivered(holder)`: batches delivered to that life), the members
-    /// without one will not get one for this step: they abstain, so it commits over those
-    /// who have one.
+    /// The end of the data (see [`Group::flush_tail`]).
     pub fn flush_tail(
         &mut self,
         remaining: Option<u64>,
         delivered: &dyn Fn(Holder) -> u64,
     ) -> Vec<Action> {
-        let mut out = Vec::new();
-        let held: u64 = self.pending.values().map(|p| delivered(p.holder)).sum();
-        if self.frozen
-            || self.joining.is_some()
-            || self.pending.is_empty()
-            || !remaining.is_some_and(|r| r > 0 && r == held)
-        {
-            return out;
-        }
-        // The members with no batch contribute nothing (the all-reduce needs every member).
-        let step = self.committed + 1;
-        let idle: Vec<usize> = self
-            .members
-            .keys()
-            .filter(|w| !self.pending.contains_key(w) && !self.abstained.contains(w))
-            .copied()
-            .collect();
-        for w in idle {
-            self.abstained.insert(w);
-            out.push(Action::Send(w, ToWorker::Abstain { step }));
-        }
-        self.try_commit(&mut out);
-        out
-    }
-
-    /// Commit once every member holds a gradient (or abstains) and has reduced it in the
-    /// current epoch.
-    fn try_commit(&mut self, out: &mut Vec<Action>) {
-        let all = |set: &dyn Fn(&usize) -> bool| self.members.keys().all(set);
-        if self.pending.is_empty()
-            || !all(&|w| self.pending.contains_key(w) || self.abstained.contains(w))
-            || !all(&|w| self.reduced.contains_key(w))
-        {
-            return;
-        }
-        self.commit(out);
-    }
-
-    /// Commit step `committed + 1` over the members with a pending gradient; every
-    /// member applies it.
-    fn commit(&mut self, out: &mut Vec<Action>) {
-        // While an eval round scores the weights of `committed`, nothing moves them.
-        if self.frozen
-            || self.eval_running()
-            || self.joining.is_some()
-            || self.members.is_empty()
-            || self.pending.is_empty()
-        {
-            return;
-        }
-        let step = self.committed + 1;
-        let sums: BTreeSet<u64> = self.pending.values().map(|p| p.params).collect();
-        if sums.len() > 1 {
-            self.frozen = true;
-            out.push(Action::Failed(format!(
-                "the drafter ranks hold different weights at step {}: data-parallel training diverged",
-                self.committed
-            )));
-            return;
-        }
-        let contributors = self.pending.len();
-        let lr = lr_at(
-            step - 1,
-            self.cfg.lr,
-            self.cfg.warmup_steps,
-            self.cfg.total_steps,
-        );
-        let mut stats = StepStats::default();
-        for p in self.pending.values() {
-            stats.merge(&p.stats);
-        }
-        // Every member's all-reduce must have summed exactly the committed batches' weights.
-        if let Some((&w, &found)) = self
-            .reduced
-            .iter()
-            .find(|(_, &r)| (r - stats.weight_sum).abs() > 1e-9 * stats.weight_sum.abs().max(1.0))
-        {
-            self.frozen = true;
-            let name = self
-                .members
-                .get(&w)
-                .map_or(String::from("?"), |m| m.rank.to_string());
-            out.push(Action::Failed(format!(
-                "rank {name}'s all-reduce of step {step} (epoch {}) summed loss weights {found}, the members' batches {}: the ranks reduced different memberships",
-                self.epoch, stats.weight_sum
-            )));
-            return;
-        }
-        let mut batches = Vec::new();
-        for (&w, p) in std::mem::take(&mut self.pending).iter() {
-            out.push(Action::Consume {
-                worker: w,
-                holder: p.holder,
-                input: p.input,
-                batch_id: p.batch_id,
-                step,
-            });
-            batches.push(p.batch_id);
-        }
-        self.reduced.clear();
-        self.abstained.clear();
-        self.all_posted_at = None;
-        self.hung_in_a_row = 0;
-        self.lineage.insert(step, batches);
-        let now = Instant::now();
-        if let Some(t) = self.last_commit.replace(now) {
-            let ms = (now - t).as_secs_f64() * 1e3;
-            self.step_ms = Some(self.step_ms.map_or(ms, |m| 0.8 * m + 0.2 * ms));
-        }
-        for &w in self.members.keys() {
-            out.push(Action::Send(
-                w,
-                ToWorker::Apply {
-                    step,
-                    epoch: self.epoch,
-                    lr,
-                    weight_sum: stats.weight_sum,
-                },
-            ));
-        }
-        self.committed = step;
-        self.record(step, lr, contributors, &stats);
-        if stats.nonfinite {
-            if self.skipped_in_a_row == 0 {
-                self.good_checkpoint = self.last_checkpoint.as_ref().map(|(s, _)| *s);
-            }
-            self.skipped_in_a_row += 1;
-            self.progress.skipped_steps += 1;
-            if self.skipped_in_a_row >= self.cfg.max_skipped_steps.max(1) {
-                self.frozen = true;
-                let good = match self.good_checkpoint {
-                    Some(s) => format!(
-                        "the newest checkpoint from before them is step {s} ({})",
-                        self.cfg
-                            .checkpoints_dir
-                            .join(format!("step-{s:08}"))
-                            .display()
-                    ),
-                    None => "no checkpoint was written before them".into(),
-                };
-                out.push(Action::Failed(format!(
-                    "{} steps in a row had a non-finite loss or gradient and were skipped (--max-skipped-steps {}): the learning rate (--lr {}) is likely too high, or the target's weights or hidden states are not finite; {good}",
-                    self.skipped_in_a_row, self.cfg.max_skipped_steps, self.cfg.lr
-                )));
-                return;
-            }
-        } else {
-            self.skipped_in_a_row = 0;
-        }
-        self.maybe_snapshot(step, out);
-        let periodic = self
-            .cfg
-            .checkpoint_every
-            .is_some_and(|n| n > 0 && step % n == 0);
-        let last = self.cfg.steps_limit.is_some_and(|n| step >= n);
-        // An eval step is a checkpoint step too, so the best eval names a checkpoint; the
-        // last step is evaluated as well, so the last checkpoint is compared too.
-        let eval_step = self
-            .eval
-            .as_ref()
-            .is_some_and(|e| e.is_eval_step(step) || last);
-        if std::mem::take(&mut self.checkpoint_requested) || periodic || eval_step {
-            out.extend(self.checkpoint());
-        }
-        if eval_step {
-            self.start_eval(out);
-        }
-        if last {
-            self.frozen = true;
-            if self.eval_running() {
-                self.done_after_eval = true;
-            } else {
-                out.push(Action::Done);
-            }
-        }
+        let out = self.group.flush_tail(remaining, delivered, Instant::now());
+        self.carry_out(out)
     }
 
     /// Is an eval round running (so no step commits)?
     pub fn eval_running(&self) -> bool {
-        self.eval.as_ref().is_some_and(|e| e.running().is_some())
+        self.group.eval_running()
     }
 
-    /// Start an eval round of the weights of the last committed step (unless it was
-    /// evaluated already).
-    fn start_eval(&mut self, out: &mut Vec<Action>) {
-        let step = self.committed;
-        let Some(e) = self.eval.as_mut() else {
-            return;
-        };
-        if let Some((round, batches)) = e.start(step) {
-            log::info!(
-                "eval of step {step}: {} batches ({} tokens) of {}; steps wait until it is done",
-                batches.len(),
-                e.set.tokens,
-                e.set.path.display()
-            );
-            out.push(Action::EvalStart {
-                round,
-                step,
-                batches,
-            });
-        }
-    }
-
-    /// The data is consumed: the last step is evaluated too (and checkpointed, so it can
-    /// be the best). Returns true while that keeps the run going.
+    /// The data is consumed: the last step is evaluated too (see [`Group::eval_at_end`]).
     pub fn eval_at_end(&mut self, out: &mut Vec<Action>) -> bool {
-        let Some(e) = self.eval.as_ref() else {
-            return false;
-        };
-        if e.running().is_some() {
-            return true;
-        }
-        if self.committed == 0 || self.members.is_empty() || e.done.contains(&self.committed) {
-            return false;
-        }
-        out.extend(self.checkpoint());
-        self.start_eval(out);
-        self.eval_running()
+        let mut o = Out::default();
+        let going = self.group.eval_at_end(&mut o);
+        out.extend(self.carry_out(o));
+        going
     }
 
     /// A drafter scored eval batch `batch_id` at the weights of `step`. `Err`: a protocol
@@ -1323,210 +279,38 @@ impl Trainer {
         step: u64,
         stats: &StepStats,
     ) -> Result<Vec<Action>, String> {
-        let mut out = Vec::new();
-        let Some(e) = self.eval.as_mut() else {
-            return Err("an eval report, but this run has no --eval-data".into());
-        };
-        match e.report(batch_id, step, stats) {
-            crate::training::eval::Report::Wrong(why) => return Err(why),
-            crate::training::eval::Report::Stale => return Ok(out),
-            crate::training::eval::Report::Counted { done: false } => return Ok(out),
-            crate::training::eval::Report::Counted { done: true } => {}
-        }
-        let Some((r, best)) = e.finish() else {
-            return Ok(out);
-        };
-        let acc1 = r.slot_accuracy.first().copied().unwrap_or(0.0);
-        log::info!(
-            "eval at step {}: loss {:.4}, acceptance {:.2}, acc@1 {:.2} over {} batches ({} tokens, {} blocks) in {:.1} s{}",
-            r.step,
-            r.loss,
-            r.acceptance,
-            acc1,
-            r.batches,
-            r.tokens,
-            r.blocks,
-            r.ms / 1e3,
-            if best { ": the best so far" } else { "" }
-        );
-        let line = serde_json::json!({"t": unix_ms(), "eval": r.json()});
-        let _ = writeln!(self.log, "{line}");
-        self.progress.eval_step = Some(r.step);
-        self.progress.eval_loss = Some(r.loss);
-        self.progress.eval_acceptance = Some(r.acceptance);
-        if best {
-            self.progress.best_step = Some(r.step);
-            self.link_best_if_saved(r.step);
-        }
-        out.push(Action::EvalEnd);
-        self.try_commit(&mut out);
-        if std::mem::take(&mut self.done_after_eval) {
-            out.push(Action::Done);
-        }
-        Ok(out)
+        let out = self
+            .group
+            .on_evaluated(batch_id, step, stats, Instant::now())?;
+        Ok(self.carry_out(out))
     }
 
-    /// Point `checkpoints/best` at `step` once its checkpoint is complete (else when it
-    /// is, [`Self::on_checkpointed`]).
-    fn link_best_if_saved(&mut self, step: u64) {
-        let Some(e) = self.eval.as_mut() else {
-            return;
-        };
-        if e.best.map(|(s, _)| s) != Some(step) || e.linked == Some(step) {
-            return;
-        }
-        let dir = self.cfg.checkpoints_dir.join(format!("step-{step:08}"));
-        if !dir.join("meta.json").is_file() {
-            return;
-        }
-        match crate::training::eval::link_best(&self.cfg.checkpoints_dir, step) {
-            Ok(()) => {
-                e.linked = Some(step);
-                log::info!(
-                    "best checkpoint by eval acceptance: {} -> {}",
-                    self.cfg
-                        .checkpoints_dir
-                        .join(crate::training::eval::BEST_LINK)
-                        .display(),
-                    dir.display()
-                );
-            }
-            Err(err) => log::warn!(
-                "cannot point {} at {}: {err}",
-                self.cfg
-                    .checkpoints_dir
-                    .join(crate::training::eval::BEST_LINK)
-                    .display(),
-                dir.display()
-            ),
-        }
-    }
-
-    fn record(&mut self, step: u64, lr: f64, contributors: usize, s: &StepStats) {
-        let acc: Vec<f64> = s
-            .slot_correct
-            .iter()
-            .zip(&s.slot_total)
-            .skip(1)
-            .map(|(c, t)| if *t > 0 { *c as f64 / *t as f64 } else { 0.0 })
-            .collect();
-        let line = serde_json::json!({
-            "t": unix_ms(), "step": step, "loss": s.loss(), "acceptance": s.acceptance(), "slot_accuracy": acc,
-            "lr": lr, "members": self.members.len(), "contributors": contributors, "epoch": self.epoch,
-            "reduce_ms": self.reduce_ms.iter().copied().fold(0.0, f64::max),
-            "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
-            "wait_ms": s.wait_ms, "compute_ms": s.compute_ms, "optimizer_ms": s.optimizer_ms,
-            "skipped": s.nonfinite,
-        });
-        let _ = writeln!(self.log, "{line}");
-        self.reduce_ms.clear();
-        self.progress.step = step;
-        self.progress.loss = s.loss();
-        self.progress.acceptance = s.acceptance();
-        self.progress.slot_accuracy = acc;
-        self.progress.members = self.members.len();
-        self.window.merge(s);
-        self.window_steps += 1;
-        let secs = self.window_start.elapsed().as_secs_f64();
-        if secs >= 5.0 || step == 1 {
-            let w = &self.window;
-            let acc1 = if w.slot_total.len() > 1 && w.slot_total[1] > 0 {
-                w.slot_correct[1] as f64 / w.slot_total[1] as f64
-            } else {
-                0.0
-            };
-            log::info!(
-                "step {step}: loss {:.4}, acceptance {:.2}, acc@1 {:.2}, {:.0} tokens/s, {} drafter(s), lr {:.2e}",
-                w.loss(),
-                w.acceptance(),
-                acc1,
-                w.tokens as f64 / secs.max(1e-9),
-                self.members.len(),
-                lr
-            );
-            self.window = StepStats::default();
-            self.window_start = Instant::now();
-            self.window_steps = 0;
-        }
-    }
-
-    /// The run is stopping: from now on no step commits, and the last committed step is
-    /// checkpointed. By one member (which first copies its state into the snapshot slot,
-    /// so that its death while writing leaves the supervisor holding that step), or, with
-    /// no member left, from the snapshot when it is newer than the newest checkpoint. The
-    /// drafter is exported from that checkpoint once every worker has stopped.
     /// The run is stopping and nothing can be saved (its directory is gone): no step
     /// commits from now on, and nothing is written.
     pub fn freeze(&mut self) {
-        self.frozen = true;
+        self.group.freeze();
     }
 
+    /// The run is stopping (see [`Group::stop_checkpoint`]).
     pub fn stop_checkpoint(&mut self) -> Vec<Action> {
-        self.frozen = true;
-        let mut out = Vec::new();
-        let held = self
-            .snapshot_asked
-            .map_or(self.snapshot.map(|(_, s)| s), |(_, _, at)| Some(at));
-        if self.committed > self.saved_step() && held.is_none_or(|s| s < self.committed) {
-            // A snapshot still being written (of an older step) is written again, in the
-            // same slot (not the current one), at the last step; otherwise the slot that
-            // is not current.
-            let (donor, slot) = match self.snapshot_asked {
-                Some((donor, slot, _)) => (Some(donor), slot),
-                None => (
-                    self.members.keys().next().copied(),
-                    if self.snapshot.is_some_and(|(s, _)| s == 1) {
-                        2
-                    } else {
-                        1
-                    },
-                ),
-            };
-            if let Some(donor) = donor.filter(|d| self.members.contains_key(d)) {
-                self.snapshot_asked = Some((donor, slot, self.committed));
-                out.push(Action::Send(
-                    donor,
-                    ToWorker::Snapshot {
-                        step: self.committed,
-                        slot,
-                    },
-                ));
-            }
-        }
-        out.extend(self.checkpoint());
-        if self.members.is_empty() {
-            out.extend(self.checkpoint_held_snapshot());
-        }
-        out
+        let out = self.group.stop_checkpoint();
+        self.carry_out(out)
     }
 
-    /// No drafter is left (the run has ended, or every one died during the stop): when the
-    /// snapshot holds a step newer than the newest checkpoint, write it as one.
+    /// No drafter is left: when the snapshot holds a step newer than the newest
+    /// checkpoint, write it as one.
     pub fn checkpoint_held_snapshot(&mut self) -> Option<Action> {
-        let (_, step) = self.snapshot?;
-        if !self.members.is_empty() || step <= self.saved_step() || step > self.committed {
-            return None;
-        }
-        if self.checkpoint_asked.is_some() {
-            return None;
-        }
-        self.checkpointed = step;
-        let dir = self.cfg.checkpoints_dir.join(format!("step-{step:08}"));
-        Some(Action::CheckpointFromSnapshot { step, dir })
+        self.group.checkpoint_held_snapshot()
     }
 
-    /// What a checkpoint's meta.json records for the export: the target layers the
-    /// drafter reads, out of how many.
+    /// What a checkpoint's meta.json records for the export.
     pub fn export_meta(&self) -> serde_json::Value {
-        serde_json::json!({
-            "target_layer_ids": self.cfg.target_layer_ids,
-            "num_target_layers": self.cfg.num_target_layers,
-        })
+        self.group.export_meta()
     }
 
     /// The newest complete checkpoint (step, directory), if any.
     pub fn last_checkpoint(&self) -> Option<&(u64, std::path::PathBuf)> {
-        self.last_checkpoint.as_ref()
+        self.group.last_checkpoint()
     }
 
     /// Write the current snapshot as a checkpoint of `step` into `dir`, in the format a
@@ -1538,17 +322,18 @@ impl Trainer {
         dir: &Path,
         supervisor_meta: &str,
     ) -> Result<(), SnapshotCheckpointError> {
-        let Some((slot, at)) = self.snapshot.filter(|&(_, s)| s == step) else {
+        let Some((slot, at)) = self.group.snapshot().filter(|&(_, s)| s == step) else {
             return Err(SnapshotCheckpointError::NoSnapshot { step });
         };
         // SAFETY: the snapshot slot is current and no drafter is left to write into it.
-        let src = unsafe { self._state_map.payload(slot) };
-        let n = ParamLayout::new(&self.cfg.drafter).total;
+        let src = unsafe { self.state_map.payload(slot) };
+        let cfg = self.group.config();
+        let n = ParamLayout::new(&cfg.drafter).total;
+        // The slot's layout: a 64-byte head (the state's step and the optimizer's step,
+        // little-endian u64), then params, adam_m and adam_v, f32 each.
         let (head, body) = src.split_at(64);
-        let (state_step, adam_step) = (
-            u64::from_le_bytes(head[..8].try_into().expect("8 bytes")),
-            u64::from_le_bytes(head[8..16].try_into().expect("8 bytes")),
-        );
+        let word = |i: usize| u64::from_le_bytes(head[8 * i..8 * i + 8].try_into().expect("8"));
+        let (state_step, adam_step) = (word(0), word(1));
         if state_step != at {
             return Err(SnapshotCheckpointError::WrongStep {
                 held: state_step,
@@ -1562,256 +347,111 @@ impl Trainer {
         {
             return Err(SnapshotCheckpointError::NotFinite { step });
         }
-        // safetensors: header length, JSON header (padded to 8 bytes), then the data; the
-        // three tensors lie in the slot in this order already.
-        let mut header = serde_json::json!({}).as_object().cloned().expect("object");
-        for (i, name) in ["params", "adam_m", "adam_v"].iter().enumerate() {
-            header.insert((*name).into(), serde_json::json!({"dtype": "F32", "shape": [n], "data_offsets": [i * n * 4, (i + 1) * n * 4]}));
-        }
-        let mut h = serde_json::Value::Object(header).to_string();
-        while h.len() % 8 != 0 {
-            h.push(' ');
-        }
-        let mut bytes = Vec::with_capacity(8 + h.len() + body.len());
-        bytes.extend((h.len() as u64).to_le_bytes());
-        bytes.extend(h.as_bytes());
-        bytes.extend(body);
+        let tensor = |i: usize| {
+            let bytes = &body[i * n * 4..(i + 1) * n * 4];
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n], bytes)
+        };
+        let views = [("params", 0), ("adam_m", 1), ("adam_v", 2)]
+            .into_iter()
+            .map(|(name, i)| tensor(i).map(|v| (name, v)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(SnapshotCheckpointError::Safetensors)?;
+        let bytes =
+            safetensors::serialize(views, None).map_err(SnapshotCheckpointError::Safetensors)?;
         let supervisor: serde_json::Value =
             serde_json::from_str(supervisor_meta).map_err(SnapshotCheckpointError::Meta)?;
         let meta = serde_json::json!({
             "step": step,
             "adam_step": adam_step,
-            "drafter": self.cfg.drafter,
-            "seed": self.cfg.seed,
+            "drafter": cfg.drafter,
+            "seed": cfg.seed,
             "supervisor": supervisor,
             "written_from": "the supervisor's snapshot",
-            "checksums": {dflash_shared::checkpoint::STATE_FILE: dflash_shared::checkpoint::checksum_hex(&bytes)},
         });
-        let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
-        let write = || -> std::io::Result<()> {
-            let _ = std::fs::remove_dir_all(&tmp);
-            std::fs::create_dir(&tmp)?;
-            for (name, data) in [
-                (dflash_shared::checkpoint::STATE_FILE, bytes.as_slice()),
-                (
-                    dflash_shared::checkpoint::META_FILE,
-                    dflash_shared::checkpoint::finish_meta(&meta)?.as_bytes(),
-                ),
-            ] {
-                let mut f = File::create(tmp.join(name))?;
-                f.write_all(data)?;
-                f.sync_all()?;
-            }
-            std::fs::rename(&tmp, dir)?;
-            if let Some(parent) = dir.parent() {
-                File::open(parent)?.sync_all()?;
-            }
-            Ok(())
-        };
-        write().map_err(|e| {
-            let _ = std::fs::remove_dir_all(&tmp);
-            SnapshotCheckpointError::Write {
-                dir: dir.to_path_buf(),
-                source: e,
-            }
-        })?;
+        self.store.write(dir, &bytes, &meta)?;
         self.on_checkpointed(dir.display().to_string(), step);
         Ok(())
     }
 
-    /// Bytes a checkpoint takes on disk (parameters and two Adam moments, f32, plus JSON).
-    fn checkpoint_bytes(&self) -> u64 {
-        ParamLayout::new(&self.cfg.drafter).total as u64 * 12 + 64 * 1024
-    }
-
-    /// Whether the disk has room for the next checkpoint; warns while there is room for
-    /// fewer than three more.
-    fn room_for_checkpoint(&self) -> bool {
-        let Ok(st) = nix::sys::statvfs::statvfs(&self.cfg.checkpoints_dir) else {
-            return true;
-        };
-        // The field types differ between platforms (u64 here).
-        #[allow(clippy::unnecessary_cast)]
-        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
-        let need = self.checkpoint_bytes();
-        // A checkpoint makes a directory and three files (a temporary one included): with
-        // no inode left the write fails although `df` shows space.
-        #[allow(clippy::unnecessary_cast)]
-        let inodes = st.files_available() as u64;
-        if st.files() > 0 && inodes < 16 {
-            log::error!(
-                "no free inodes left on the filesystem of {} ({inodes} free) for the checkpoint of step {}: not written; delete files there, then it is written at the next checkpoint or at the stop",
-                self.cfg.checkpoints_dir.display(),
-                self.committed
-            );
-            return false;
-        }
-        if free < need + need / 10 {
-            log::error!(
-                "not enough free space in {} for the checkpoint of step {} (needs {}, {} free): not written; free space, then it is written at the next checkpoint or at the stop",
-                self.cfg.checkpoints_dir.display(),
-                self.committed,
-                crate::data::pipeline::human(need),
-                crate::data::pipeline::human(free)
-            );
-            return false;
-        }
-        if free < 3 * need {
-            log::warn!(
-                "the disk of {} has room for fewer than 3 more checkpoints ({} free, {} each)",
-                self.cfg.checkpoints_dir.display(),
-                crate::data::pipeline::human(free),
-                crate::data::pipeline::human(need)
-            );
-        }
-        true
-    }
-
     /// A checkpoint of the last committed step, by one member.
     pub fn checkpoint(&mut self) -> Vec<Action> {
-        match self.members.keys().next() {
-            Some(&w) if self.committed > self.checkpointed && self.room_for_checkpoint() => {
-                self.checkpointed = self.committed;
-                self.checkpoint_asked = Some((w, self.committed));
-                let dir = self
-                    .cfg
-                    .checkpoints_dir
-                    .join(format!("step-{:08}", self.committed));
-                vec![Action::Checkpoint {
-                    worker: w,
-                    step: self.committed,
-                    dir,
-                }]
-            }
-            _ => vec![],
-        }
+        self.group.checkpoint()
     }
 
-    /// The member asked for the checkpoint of `step` could not write it (see
-    /// [`ToWorker::Checkpoint`]): it is not a rollback target, and the next checkpoint
-    /// asks again.
+    /// The member asked for the checkpoint of `step` could not write it.
     pub fn on_checkpoint_failed(&mut self, step: u64) {
-        if self.checkpoint_asked.is_some_and(|(_, s)| s == step) {
-            self.checkpoint_asked = None;
-        }
-        self.checkpointed = self.saved_step();
+        self.group.on_checkpoint_failed(step);
     }
 
-    /// A checkpoint is complete: a rollback target from now on; keep the newest
-    /// `keep_checkpoints`.
+    /// A checkpoint is complete: a rollback target from now on; the newest
+    /// `keep_checkpoints` are kept.
     pub fn on_checkpointed(&mut self, dir: String, step: u64) {
-        log::info!("checkpoint of step {step} written to {dir}");
-        if self.checkpoint_asked.is_some_and(|(_, s)| s == step) {
-            self.checkpoint_asked = None;
-        }
-        // A rollback target from now on. It does not end the rollback window of the
-        // batches before it (only a snapshot does): the checkpoint may fail its check when
-        // a rollback needs it, and the group then goes back further.
-        if step <= self.committed
-            && self
-                .last_checkpoint
-                .as_ref()
-                .is_none_or(|(s, _)| *s <= step)
-        {
-            self.last_checkpoint = Some((step, dir.clone().into()));
-        }
-        self.link_best_if_saved(step);
-        self.prune_checkpoints();
-    }
-
-    fn prune_checkpoints(&mut self) {
-        let Ok(entries) = std::fs::read_dir(&self.cfg.checkpoints_dir) else {
-            return;
-        };
-        let mut done: Vec<std::path::PathBuf> = entries
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| {
-                p.file_name().is_some_and(|n| {
-                    dflash_shared::checkpoint::step_of_dir(&n.to_string_lossy()).is_some()
-                }) && p.join("meta.json").exists()
-            })
-            .collect();
-        done.sort();
-        // The best checkpoint by eval acceptance is never pruned (nor counted).
-        if let Some(best) = self.eval.as_ref().and_then(|e| e.linked) {
-            let name = format!("step-{best:08}");
-            done.retain(|p| p.file_name().is_none_or(|n| n.to_string_lossy() != name));
-        }
-        let keep = self.cfg.keep_checkpoints.max(1);
-        if done.len() > keep {
-            for old in &done[..done.len() - keep] {
-                let _ = std::fs::remove_dir_all(old);
-            }
-        }
+        let out = self.group.on_checkpointed(dir, step);
+        let rest = self.carry_out(out);
+        debug_assert!(
+            rest.is_empty(),
+            "a checkpoint asks nothing of the dispatcher"
+        );
     }
 
     pub fn on_exported(&mut self, dir: String, step: u64) {
-        log::info!("drafter at step {step} written to {dir}");
-        self.progress.exported = Some(dir);
-        self.progress.exported_step = Some(step);
+        self.group.on_exported(dir, step);
     }
 
     /// The step this run (session) started from: 0, or the resumed checkpoint's.
     pub fn base_step(&self) -> u64 {
-        self.base.0
+        self.group.base_step()
     }
 
-    /// The first epoch was cut into `batches` batches: a schedule whose length was
-    /// estimated from the data takes the exact one. Returns what changed, in words.
+    /// The first epoch was cut into `batches` batches (see [`Group::refine_schedule`]).
     pub fn refine_schedule(&mut self, batches: u64) -> Option<String> {
-        let s = self.cfg.schedule.as_mut()?;
-        let msg = s.refine(batches)?;
-        self.cfg.warmup_steps = s.warmup_steps;
-        self.cfg.total_steps = s.total_steps;
-        Some(msg)
+        self.group.refine_schedule(batches)
     }
 
     /// Write a checkpoint at the next committed step (a pre-emption notice). Returns that
     /// step.
     pub fn request_checkpoint(&mut self) -> u64 {
-        self.checkpoint_requested = true;
-        self.committed + 1
+        self.group.request_checkpoint()
     }
 
     /// Every setting as the run uses it, the schedule as it stands now.
     pub fn settings(&self) -> serde_json::Value {
-        let mut v = self.cfg.settings.clone();
-        if let (serde_json::Value::Object(m), Some(s)) = (&mut v, &self.cfg.schedule) {
-            m.insert("schedule".into(), s.to_json());
-        }
-        v
+        self.group.settings()
     }
 
     /// `--steps`, if given.
     pub fn steps_limit(&self) -> Option<u64> {
-        self.cfg.steps_limit
+        self.group.steps_limit()
     }
 
     /// The learning-rate schedule as it stands (run.json, events).
     pub fn schedule(&self) -> Option<&crate::training::schedule::Schedule> {
-        self.cfg.schedule.as_ref()
+        self.group.schedule()
     }
 
     pub fn committed(&self) -> u64 {
-        self.committed
+        self.group.committed()
     }
 
     /// The newest step a complete checkpoint holds (the run's start when none).
     pub fn saved_step(&self) -> u64 {
-        self.last_checkpoint
-            .as_ref()
-            .map_or(self.base.0, |(s, _)| *s)
+        self.group.saved_step()
     }
 
     pub fn checkpoints_dir(&self) -> &Path {
-        &self.cfg.checkpoints_dir
+        self.store.dir()
+    }
+
+    /// Training progress, for state.json and the metrics.
+    pub fn progress(&self) -> &TrainProgress {
+        &self.group.progress
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use dflash_shared::protocol::ToWorker;
     use dflash_shared::protocol::{PoolId, SlotRef};
 
     fn trainer(flags: &[&str]) -> (Trainer, tempfile::TempDir) {

@@ -22,7 +22,7 @@ impl Dispatcher {
             batches_produced: self.pipeline.progress().1,
             batches_consumed: self.pipeline.progress().0,
             bad_lines: Some(self.pipeline.bad_lines()),
-            train: Some(self.trainer.progress.clone()),
+            train: Some(self.trainer.progress().clone()),
             metrics: self.metrics.latest.clone(),
             workers: self
                 .workers
@@ -181,7 +181,7 @@ impl Dispatcher {
             let f = crate::training::resume::Finished {
                 step: self.trainer.saved_step(),
                 reason: reason.describe(),
-                drafter: self.trainer.progress.exported.clone(),
+                drafter: self.trainer.progress().exported.clone(),
             };
             if let Err(e) = f.write(&self.run.path) {
                 log::warn!(
@@ -196,14 +196,14 @@ impl Dispatcher {
             Ok(()) => crate::say!("dflash-supervise: report written to {}", report.display()),
             Err(e) => log::warn!("cannot write the report: {e}"),
         }
-        match (&self.trainer.progress.exported, &export_failure) {
+        match (&self.trainer.progress().exported, &export_failure) {
             (_, Some(why)) => crate::say!("dflash-supervise: {why}"),
             (Some(dir), None) => crate::say!(
                 "dflash-supervise: drafter (step {}) written to {dir}",
                 self.trainer
-                    .progress
+                    .progress()
                     .exported_step
-                    .unwrap_or(self.trainer.progress.step)
+                    .unwrap_or(self.trainer.progress().step)
             ),
             (None, None) if self.trainer.committed() == 0 => {
                 crate::say!("dflash-supervise: no training step was committed; no drafter written")

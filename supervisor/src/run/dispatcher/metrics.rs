@@ -21,7 +21,7 @@ impl Dispatcher {
         }
         self.metrics.status_at = self.now;
         let mut w = self.metrics.latest.clone().unwrap_or_else(|| json!({}));
-        let t = &self.trainer.progress;
+        let t = self.trainer.progress();
         if t.step > 0 {
             w["train"] = json!({"step": t.step, "loss": t.loss, "acceptance": t.acceptance});
         }
@@ -49,7 +49,7 @@ impl Dispatcher {
         };
         let gpu = self.metrics.gpu.take(&names);
         let (consumed, produced) = self.pipeline.progress();
-        let t = &self.trainer.progress;
+        let t = self.trainer.progress();
         let train = (t.step > 0).then(|| {
             json!({"step": t.step, "steps_per_s": (t.step.saturating_sub(self.metrics.last_step)) as f64 / secs,
                    "loss": t.loss, "acceptance": t.acceptance})
