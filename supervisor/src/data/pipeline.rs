@@ -1066,6 +1066,17 @@ impl Pipeline {
     /// ends); otherwise only training batches.
     fn deliver(&mut self, pool: PoolId, consumers: &[&Peer], out: &mut Vec<Action>) {
         let eval = self.eval_round.is_some();
+        // Whether hidden states can still be made without the READY hidden slots: a free
+        // slot lets a target start one, and a target writing one while it reads a token
+        // batch will hand it in. (A target holding a lease with nothing to read does
+        // not count: waiting on it stalls everything.) Delivering changes neither.
+        let hidden = &self.hidden.table;
+        let free = hidden.count(SlotState::Free) > 0;
+        let making = hidden.slots().iter().any(|s| {
+            s.state == SlotState::Writing
+                && s.holder
+                    .is_some_and(|h| self.tokens.table.held(h, SlotState::Reading) > 0)
+        });
         loop {
             let p = match pool {
                 PoolId::Tokens => &mut self.tokens,
@@ -1076,13 +1087,11 @@ impl Pipeline {
             };
             // After a rollback, drafters get the batches sent through again before any
             // newer one, so the group sees them in their order; unless that would stall
-            // the targets (no free hidden-state slot to make them in).
-            // A target still writing a hidden-state slot will hand it in, and a free slot
-            // lets one start: only when neither is left would waiting stall everything.
+            // the targets (no hidden-state slot left to make them in, see `making`).
             if pool == PoolId::Hidden
                 && !eval
                 && self.batches.first_again().is_some_and(|m| next > m)
-                && (p.table.count(SlotState::Free) > 0 || p.table.count(SlotState::Writing) > 0)
+                && (free || making)
             {
                 return;
             }
