@@ -1173,3 +1173,6 @@ impl Pipeline {
         );
     }
 }
+
+#[cfg(test)]
+mod tests;
