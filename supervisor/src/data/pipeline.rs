@@ -314,13 +314,13 @@ impl Pipeline {
         self.eval_round = Some(round);
         self.forget_queued_eval();
         for b in batches {
+            let id = b.batch_id;
             let record = BatchRecord {
                 state: BatchState::Queued,
                 tokens: 0,
                 batch: Some(b),
             };
-            self.batches
-                .insert(record.batch.as_ref().expect("set").batch_id, record);
+            self.batches.insert(id, record);
         }
     }
 
@@ -755,7 +755,8 @@ impl Pipeline {
             .commit(peer.holder, output.slot, output.gen, len, batch_id)
             .expect("checked");
         if state.is_none() {
-            // Not one the pipeline sent: known from now on, as today's hidden states.
+            // Not a batch the pipeline put in a token slot (it cannot happen): known from
+            // now on, so that a second commit of it is seen as a duplicate.
             let record = BatchRecord {
                 state: BatchState::Hidden,
                 tokens: 0,
@@ -822,6 +823,7 @@ impl Pipeline {
                 self.health.tokens(&name, r.tokens);
             }
             if record.is_none() {
+                // Not a batch the pipeline sent (it cannot happen): counted all the same.
                 let record = BatchRecord {
                     state: BatchState::Hidden,
                     tokens: 0,
@@ -888,8 +890,8 @@ impl Pipeline {
         }
     }
 
-    /// Write batches sent through again into free token slots, READY before anything the
-    /// commits later, lowest batch id first.
+    /// Write batches sent through again into free token slots, lowest batch id first,
+    /// READY before anything the loader commits later.
     fn replay_batches(&mut self) {
         while let Some(id) = self.batches.next_queued(false) {
             let Some(g) = self.tokens.table.lease(LOADER) else {
