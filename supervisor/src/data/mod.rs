@@ -3,6 +3,7 @@
 //! the workers, the ledger that proves every batch reached the optimizer once, and the
 //! preflight report.
 
+pub mod batches;
 pub mod chat;
 pub mod ledger;
 pub mod loader;

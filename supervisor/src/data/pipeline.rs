@@ -13,7 +13,13 @@
 //! writing; the token batch behind a half-written hidden batch is one it was reading, so it
 //! is reissued by the same rule.
 //!
+//! Each batch has one record ([`BatchRecord`], in [`Batches`]) saying where it is in its
+//! life; the slot tables say which slot holds what. The pipeline changes both together
+//! and sends nothing itself: [`pump`] returns what to tell the workers as [`Action`]s,
+//! which the dispatcher sends.
+//!
 //! [`release`]: Pipeline::release
+//! [`pump`]: Pipeline::pump
 
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -27,9 +33,9 @@ use dflash_shared::pool::{PoolGeometry, PoolMap};
 use dflash_shared::protocol::{PoolId, PoolInfo, SlotRef, ToWorker};
 use dflash_shared::slots::{Grant, Holder, SlotState, SlotTable};
 use dflash_shared::{Role, WorkerName};
-use ipc_channel::ipc::IpcSender;
 use serde_json::json;
 
+use crate::data::batches::{BatchRecord, BatchState, Batches};
 use crate::data::ledger::Ledger;
 use crate::data::loader::{BadLines, Loader, Position};
 use crate::error::Error;
@@ -154,11 +160,54 @@ pub enum LoaderEvent {
 }
 
 /// A connected worker that may be given work.
-pub struct Peer<'a> {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
     pub name: WorkerName,
     pub holder: Holder,
     pub pid: u32,
-    pub tx: &'a IpcSender<ToWorker>,
+}
+
+/// A message the pipeline decided on, for the dispatcher to send to worker life `to`.
+/// The slot's header is published before the action is returned (sync points, pool edges
+/// 2 to 4), so the worker finds it complete when the message arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// A READY batch is now the worker's to read (`ToWorker::Deliver`).
+    Deliver {
+        to: Holder,
+        slot: SlotRef,
+        len: u64,
+        batch_id: u64,
+    },
+    /// A free hidden-state slot a target may write its next output into
+    /// (`ToWorker::Lease`).
+    Lease { to: Holder, slot: SlotRef },
+}
+
+impl Action {
+    /// The worker life the message is for.
+    pub fn to(&self) -> Holder {
+        match *self {
+            Action::Deliver { to, .. } | Action::Lease { to, .. } => to,
+        }
+    }
+
+    /// The message itself.
+    pub fn message(&self) -> ToWorker {
+        match *self {
+            Action::Deliver {
+                slot,
+                len,
+                batch_id,
+                ..
+            } => ToWorker::Deliver {
+                slot,
+                len,
+                batch_id,
+            },
+            Action::Lease { slot, .. } => ToWorker::Lease { slot },
+        }
+    }
 }
 
 struct Pool {
@@ -219,30 +268,19 @@ pub struct Pipeline {
     /// Batches of the first epoch, once the loader has read it.
     first_epoch_batches: Option<u64>,
     produced: u64,
-    consumed: HashSet<u64>,
+    /// Every batch produced (or eval batch queued) and where it is.
+    batches: Batches,
     /// Consumed by the run this one resumes.
     consumed_before: HashSet<u64>,
-    hidden_seen: HashSet<u64>,
     /// Batches given to each worker life, to balance load.
     served: HashMap<Holder, u64>,
-    /// Real tokens of each batch not consumed yet (for per-worker tokens/s).
-    batch_tokens: HashMap<u64, u64>,
     /// Queue health of the current metrics window.
     pub health: QueueHealth,
     ledger: Ledger,
-    /// Every batch a rollback may still send through again (produced, and not consumed
-    /// in a step that a snapshot or checkpoint covers), with the step it was consumed in.
-    retained: HashMap<u64, TokenBatch>,
-    consumed_step: HashMap<u64, u64>,
-    /// Batches a rollback sent back, written into token slots ahead of the loader's.
-    replay: std::collections::VecDeque<TokenBatch>,
-    /// Sent through again and not yet turned into hidden states.
-    replay_outstanding: std::collections::BTreeSet<u64>,
     failed: Option<String>,
     /// The eval round whose batches are in the pipeline (training traffic pauses while
-    /// it runs: see [`crate::training::eval`]), and its batches not yet in a token slot.
+    /// it runs: see [`crate::training::eval`]).
     eval_round: Option<u64>,
-    eval_queue: std::collections::VecDeque<TokenBatch>,
 }
 
 impl Pipeline {
@@ -260,20 +298,13 @@ impl Pipeline {
             bad_lines: 0,
             first_epoch_batches: None,
             produced: 0,
-            consumed: HashSet::new(),
+            batches: Batches::default(),
             consumed_before: HashSet::new(),
-            hidden_seen: HashSet::new(),
             served: HashMap::new(),
-            batch_tokens: HashMap::new(),
             health: QueueHealth::default(),
             ledger,
-            retained: HashMap::new(),
-            consumed_step: HashMap::new(),
-            replay: std::collections::VecDeque::new(),
-            replay_outstanding: std::collections::BTreeSet::new(),
             failed: None,
             eval_round: None,
-            eval_queue: std::collections::VecDeque::new(),
         })
     }
 
@@ -281,22 +312,48 @@ impl Pipeline {
     /// training traffic pauses until [`end_eval`](Self::end_eval).
     pub fn start_eval(&mut self, round: u64, batches: Vec<TokenBatch>) {
         self.eval_round = Some(round);
-        self.eval_queue = batches.into();
+        self.forget_queued_eval();
+        for b in batches {
+            let id = b.batch_id;
+            let record = BatchRecord {
+                state: BatchState::Queued,
+                tokens: 0,
+                batch: Some(b),
+            };
+            self.batches.insert(id, record);
+        }
+    }
+
+    /// Eval batches not written into a token slot yet: forgotten.
+    fn forget_queued_eval(&mut self) {
+        for b in self.batches.queued(true) {
+            self.batches.remove(b);
+        }
     }
 
     /// The eval round is over (complete or dropped): training traffic resumes; what is
     /// left of the round's batches is dropped as it comes by.
     pub fn end_eval(&mut self) {
         self.eval_round = None;
-        self.eval_queue.clear();
+        self.forget_queued_eval();
         self.drop_stale_eval();
     }
 
-    /// Eval batches of a round that is over, READY in either pool: freed.
+    /// Eval batches of a round that is over, READY in either pool: freed. Those with
+    /// hidden states made stay known (`EvalOver`), the others are forgotten.
     fn drop_stale_eval(&mut self) {
         for pool in [&mut self.tokens, &mut self.hidden] {
-            if !pool.table.withdraw_ready_where(is_eval_batch).is_empty() {
-                pool.publish_all();
+            let dropped = pool.table.withdraw_ready_where(is_eval_batch);
+            if dropped.is_empty() {
+                continue;
+            }
+            pool.publish_all();
+            for b in dropped {
+                if pool.id == PoolId::Tokens {
+                    self.batches.remove(b);
+                } else {
+                    let _ = self.batches.set(b, BatchState::EvalOver);
+                }
             }
         }
     }
@@ -319,6 +376,7 @@ impl Pipeline {
             .ack(peer.holder, input.slot, input.gen, batch_id)
             .map_err(|e| e.to_string())?;
         self.hidden.publish(input.slot, 0);
+        let _ = self.batches.set(batch_id, BatchState::EvalOver);
         self.ledger
             .record("evaluated", batch_id, &peer.name.to_string(), json!({}));
         Ok(())
@@ -329,7 +387,8 @@ impl Pipeline {
     /// where the hidden-state pool is full with no target writing, READY training hidden
     /// batches do: nothing can take those before the round ends.
     fn eval_batches(&mut self, targets: &[&Peer]) {
-        if !self.eval_queue.is_empty() && self.tokens.table.count(SlotState::Free) == 0 {
+        let queued = self.batches.next_queued(true).is_some();
+        if queued && self.tokens.table.count(SlotState::Free) == 0 {
             // One at a time, the newest: as little as possible goes through again.
             let newest = newest_ready_training(&self.tokens.table);
             let back = self
@@ -339,32 +398,36 @@ impl Pipeline {
             self.tokens.publish_all();
             self.send_again(&back, "tokens");
         }
-        while !self.eval_queue.is_empty() {
+        while let Some(id) = self.batches.next_queued(true) {
             let Some(g) = self.tokens.table.lease(LOADER) else {
                 break;
             };
             // SAFETY: the slot was just leased to LOADER (WRITING): no worker reads it.
             let buf = unsafe { self.tokens.map.payload_mut(g.slot) };
-            let b = self.eval_queue.pop_front().expect("not empty");
+            let b = self.batches.get(id).and_then(|r| r.batch.as_ref());
+            let b = b.expect("a queued eval batch keeps its tokens");
+            let (rows, tokens) = (b.rows(), b.tokens());
             match b.encode_into(buf) {
                 Ok(len) => {
                     self.tokens
                         .table
-                        .commit(LOADER, g.slot, g.gen, len as u64, b.batch_id)
+                        .commit(LOADER, g.slot, g.gen, len as u64, id)
                         .expect("leased just now");
                     self.tokens.publish(g.slot, std::process::id());
+                    let _ = self.batches.set(id, BatchState::Tokens { again: false });
+                    self.batches.forget_tokens(id);
                     self.ledger.record(
                         "eval_load",
-                        b.batch_id,
+                        id,
                         "supervisor",
-                        json!({"rows": b.rows(), "tokens": b.tokens()}),
+                        json!({"rows": rows, "tokens": tokens}),
                     );
                 }
                 Err(e) => {
                     let _ = self.tokens.table.cancel(LOADER, g.slot, g.gen);
+                    self.batches.remove(id);
                     self.failed = Some(format!(
-                        "eval batch of {} tokens does not fit a token slot: {e}",
-                        b.tokens()
+                        "eval batch of {tokens} tokens does not fit a token slot: {e}"
                     ));
                     return;
                 }
@@ -380,9 +443,6 @@ impl Pipeline {
                 .table
                 .withdraw_ready_where(|b| Some(b) == newest);
             self.hidden.publish_all();
-            for b in &back {
-                self.hidden_seen.remove(b);
-            }
             self.send_again(&back, "hidden");
         }
     }
@@ -397,19 +457,14 @@ impl Pipeline {
                 "supervisor",
                 json!({"pool": pool, "why": "eval"}),
             );
-            match self.retained.get(&b) {
-                Some(batch) => {
-                    self.replay_outstanding.insert(b);
-                    self.replay.push_back(batch.clone());
-                }
-                None => {
-                    self.failed = Some(format!(
-                        "batch {b}, set aside for an eval round, was not kept: it cannot be trained"
-                    ));
-                }
+            // Queued batches are written back lowest id first (see `replay_batches`).
+            if self.batches.requeue(b).is_err() {
+                self.batches.remove(b);
+                self.failed = Some(format!(
+                    "batch {b}, set aside for an eval round, was not kept: it cannot be trained"
+                ));
             }
         }
-        self.replay.make_contiguous().sort_by_key(|b| b.batch_id);
     }
 
     /// Pool fds every worker inherits.
@@ -534,15 +589,19 @@ impl Pipeline {
             } => {
                 self.bad_lines = bad_lines;
                 self.first_epoch_batches = self.first_epoch_batches.or(first_epoch_batches);
-                // Kept until no rollback can need it again.
-                self.retained.insert(batch_id, *batch);
                 self.health.batch(&lengths, seq_len);
-                self.batch_tokens.insert(batch_id, tokens);
                 self.tokens
                     .table
                     .commit(LOADER, slot, gen, len, batch_id)
                     .map_err(|e| format!("loader: {e}"))?;
                 self.tokens.publish(slot, std::process::id());
+                // Its tokens are kept until no rollback can need them again.
+                let record = BatchRecord {
+                    state: BatchState::Tokens { again: false },
+                    tokens,
+                    batch: Some(*batch),
+                };
+                self.batches.insert(batch_id, record);
                 self.produced += 1;
                 self.ledger.record(
                     "load",
@@ -595,16 +654,18 @@ impl Pipeline {
 
     /// Every batch the loader will ever make has been consumed.
     pub fn finished(&self) -> bool {
-        self.loader_done.is_some() && self.consumed.len() as u64 == self.produced
+        self.loader_done.is_some() && self.batches.trained() == self.produced
     }
 
     /// Which batches reached the optimizer, compactly: every id below `below`, plus
     /// `extra`. Goes into checkpoints so a resumed run skips exactly those.
     pub fn consumed_summary(&self) -> serde_json::Value {
-        let mut ids: Vec<u64> = self
-            .consumed
+        let trained = self
+            .batches
             .iter()
-            .copied()
+            .filter(|(_, r)| matches!(r.state, BatchState::Trained { .. }));
+        let mut ids: Vec<u64> = trained
+            .map(|(b, _)| b)
             .chain(self.consumed_before.iter().copied())
             .collect();
         ids.sort_unstable();
@@ -625,7 +686,7 @@ impl Pipeline {
     /// Once the loader is done: how many batches are not consumed yet.
     pub fn remaining(&self) -> Option<u64> {
         self.loader_done
-            .map(|_| self.produced - self.consumed.len() as u64)
+            .map(|_| self.produced - self.batches.trained())
     }
 
     /// Bad dataset lines the loader skipped so far.
@@ -641,7 +702,7 @@ impl Pipeline {
     }
 
     pub fn progress(&self) -> (u64, u64) {
-        (self.consumed.len() as u64, self.produced)
+        (self.batches.trained(), self.produced)
     }
 
     /// A target finished a batch: its output is complete and its input consumed.
@@ -678,7 +739,8 @@ impl Pipeline {
             .expect("checked");
         self.tokens.publish(input.slot, 0);
         let name = peer.name.to_string();
-        if !self.hidden_seen.insert(batch_id) {
+        let state = self.batches.state(batch_id);
+        if state.is_some_and(BatchState::hidden_made) {
             self.hidden
                 .table
                 .cancel(peer.holder, output.slot, output.gen)
@@ -692,8 +754,18 @@ impl Pipeline {
             .table
             .commit(peer.holder, output.slot, output.gen, len, batch_id)
             .expect("checked");
-        self.replay_outstanding.remove(&batch_id);
-        let tokens = self.batch_tokens.get(&batch_id).copied().unwrap_or(0);
+        if state.is_none() {
+            // Not a batch the pipeline put in a token slot (it cannot happen): known from
+            // now on, so that a second commit of it is seen as a duplicate.
+            let record = BatchRecord {
+                state: BatchState::Hidden,
+                tokens: 0,
+                batch: None,
+            };
+            self.batches.insert(batch_id, record);
+        }
+        let _ = self.batches.set(batch_id, BatchState::Hidden);
+        let tokens = self.batches.get(batch_id).map_or(0, |r| r.tokens);
         self.health.tokens(&name, tokens);
         self.hidden.publish(output.slot, 0);
         self.ledger
@@ -743,18 +815,30 @@ impl Pipeline {
             .map_err(|e| e.to_string())?;
         self.hidden.publish(input.slot, 0);
         let name = name.to_string();
-        if let Some(tokens) = self.batch_tokens.remove(&batch_id) {
-            self.health.tokens(&name, tokens);
-        }
-        if self.consumed.insert(batch_id) {
+        let record = self.batches.get(batch_id);
+        let trained = record.is_some_and(|r| matches!(r.state, BatchState::Trained { .. }));
+        if !trained {
+            // Eval batches carry no token count: they are not counted here.
+            if let Some(r) = record.filter(|_| !is_eval_batch(batch_id)) {
+                self.health.tokens(&name, r.tokens);
+            }
+            if record.is_none() {
+                // Not a batch the pipeline sent (it cannot happen): counted all the same.
+                let record = BatchRecord {
+                    state: BatchState::Hidden,
+                    tokens: 0,
+                    batch: None,
+                };
+                self.batches.insert(batch_id, record);
+            }
+            let _ = self.batches.set(batch_id, BatchState::Trained { step });
             match step {
                 Some(s) => {
-                    self.consumed_step.insert(batch_id, s);
                     self.ledger
                         .record("consumed", batch_id, &name, json!({"step": s}));
                 }
                 None => {
-                    self.retained.remove(&batch_id);
+                    self.batches.forget_tokens(batch_id);
                     self.ledger.record("consumed", batch_id, &name, json!({}));
                 }
             }
@@ -790,67 +874,58 @@ impl Pipeline {
         again.sort_unstable();
         again.dedup();
         for b in again {
-            let batch = self.retained.get(&b).cloned().ok_or_else(|| {
-                format!("rollback to step {to}: batch {b} was not kept, it cannot be trained again")
-            })?;
-            self.consumed.remove(&b);
-            self.consumed_step.remove(&b);
-            self.hidden_seen.remove(&b);
-            self.batch_tokens.insert(b, batch.tokens());
-            self.replay_outstanding.insert(b);
-            self.replay.push_back(batch);
+            // Queued batches are written back lowest id first (see `replay_batches`).
+            self.batches
+                .requeue(b)
+                .map_err(|e| format!("rollback to step {to}: {e}"))?;
         }
         Ok(())
     }
 
     /// Batches consumed at or before `step` are out of any rollback's reach.
     pub fn covered(&mut self, step: u64) {
-        let done: Vec<u64> = self
-            .consumed_step
-            .iter()
-            .filter(|(_, &s)| s <= step)
-            .map(|(&b, _)| b)
-            .collect();
-        for b in done {
-            self.consumed_step.remove(&b);
-            self.retained.remove(&b);
+        for b in self.batches.uncovered_upto(step) {
+            let _ = self.batches.set(b, BatchState::Trained { step: None });
+            self.batches.forget_tokens(b);
         }
     }
 
-    /// Write rolled-back batches into free token slots, READY before anything the loader
-    /// commits later.
+    /// Write batches sent through again into free token slots, lowest batch id first,
+    /// READY before anything the loader commits later.
     fn replay_batches(&mut self) {
-        while !self.replay.is_empty() {
+        while let Some(id) = self.batches.next_queued(false) {
             let Some(g) = self.tokens.table.lease(LOADER) else {
                 return;
             };
             // SAFETY: the slot was just leased to LOADER (WRITING): no worker reads it.
             let buf = unsafe { self.tokens.map.payload_mut(g.slot) };
-            let b = self.replay.pop_front().expect("front exists");
+            let b = self.batches.get(id).and_then(|r| r.batch.as_ref());
+            let b = b.expect("a queued training batch keeps its tokens");
+            let (rows, tokens) = (b.rows(), b.tokens());
             // Written on the dispatcher thread itself; it reaches a target through the
-            // Deliver that `deliver` sends later (sync point, pool edge 2).
+            // Deliver that `deliver` returns later (sync point, pool edge 2).
             match b.encode_into(buf) {
                 Ok(len) => {
                     self.tokens
                         .table
-                        .commit(LOADER, g.slot, g.gen, len as u64, b.batch_id)
+                        .commit(LOADER, g.slot, g.gen, len as u64, id)
                         .expect("leased just now");
                     self.tokens.publish(g.slot, std::process::id());
+                    let _ = self.batches.set(id, BatchState::Tokens { again: true });
                     self.ledger.record(
                         "replay",
-                        b.batch_id,
+                        id,
                         "supervisor",
-                        json!({"rows": b.rows(), "tokens": b.tokens()}),
+                        json!({"rows": rows, "tokens": tokens}),
                     );
                 }
                 Err(e) => {
                     // It fitted the first time and the slot size has not changed: this
                     // cannot happen, but if it did the batch could not be trained again.
                     let _ = self.tokens.table.cancel(LOADER, g.slot, g.gen);
-                    self.replay_outstanding.remove(&b.batch_id);
+                    self.batches.remove(id);
                     self.failed = Some(format!(
-                        "batch {} sent through again no longer fits a token slot: {e}",
-                        b.batch_id
+                        "batch {id} sent through again no longer fits a token slot: {e}"
                     ));
                     return;
                 }
@@ -886,6 +961,9 @@ impl Pipeline {
                 } else {
                     "hidden"
                 };
+                if let Some(state) = self.batches.state(b) {
+                    let _ = self.batches.set(b, state.back_to_ready());
+                }
                 self.ledger.record("requeue", b, &who, json!({"pool": p}));
             }
             requeued += r.redelivered.len();
@@ -896,10 +974,12 @@ impl Pipeline {
     }
 
     /// Grant whatever can be granted: token slots to the loader, token batches and output
-    /// leases to targets, hidden-state batches to drafters.
-    pub fn pump(&mut self, peers: &[Peer]) {
+    /// leases to targets, hidden-state batches to drafters. Returns the messages to send,
+    /// in order.
+    pub fn pump(&mut self, peers: &[Peer]) -> Vec<Action> {
+        let mut out = Vec::new();
         if self.ledger.failed().is_some() {
-            return;
+            return out;
         }
         let targets: Vec<&Peer> = peers
             .iter()
@@ -929,7 +1009,7 @@ impl Pipeline {
             .filter(|p| p.name.role == Role::Drafter)
             .collect();
         self.observe_health(&targets, &drafters);
-        self.deliver(PoolId::Tokens, &targets);
+        self.deliver(PoolId::Tokens, &targets, &mut out);
         // Output leases for targets.
         while let Some(p) = targets
             .iter()
@@ -943,11 +1023,13 @@ impl Pipeline {
             // sync point (pool edges 2 and 4): the header is published before the lease is
             // sent, and the slot's previous reader acknowledged it (its last read) before
             // the slot was free to lease: the target writes after both.
-            let _ = p.tx.send(ToWorker::Lease {
+            out.push(Action::Lease {
+                to: p.holder,
                 slot: self.hidden.fref(&g),
             });
         }
-        self.deliver(PoolId::Hidden, &drafters);
+        self.deliver(PoolId::Hidden, &drafters, &mut out);
+        out
     }
 
     fn observe_health(&mut self, targets: &[&Peer], drafters: &[&Peer]) {
@@ -984,8 +1066,19 @@ impl Pipeline {
     /// While an eval round runs, only its batches move (with credits of their own: a
     /// consumer's training credits may be held by batches it cannot take before the round
     /// ends); otherwise only training batches.
-    fn deliver(&mut self, pool: PoolId, consumers: &[&Peer]) {
+    fn deliver(&mut self, pool: PoolId, consumers: &[&Peer], out: &mut Vec<Action>) {
         let eval = self.eval_round.is_some();
+        // Whether hidden states can still be made without the READY hidden slots: a free
+        // slot lets a target start one, and a target writing one while it reads a token
+        // batch will hand it in. (A target holding a lease with nothing to read does
+        // not count: waiting on it stalls everything.) Delivering changes neither.
+        let hidden = &self.hidden.table;
+        let free = hidden.count(SlotState::Free) > 0;
+        let making = hidden.slots().iter().any(|s| {
+            s.state == SlotState::Writing
+                && s.holder
+                    .is_some_and(|h| self.tokens.table.held(h, SlotState::Reading) > 0)
+        });
         loop {
             let p = match pool {
                 PoolId::Tokens => &mut self.tokens,
@@ -996,13 +1089,11 @@ impl Pipeline {
             };
             // After a rollback, drafters get the batches sent through again before any
             // newer one, so the group sees them in their order; unless that would stall
-            // the targets (no free hidden-state slot to make them in).
-            // A target still writing a hidden-state slot will hand it in, and a free slot
-            // lets one start: only when neither is left would waiting stall everything.
+            // the targets (no hidden-state slot left to make them in, see `making`).
             if pool == PoolId::Hidden
                 && !eval
-                && self.replay_outstanding.first().is_some_and(|&m| next > m)
-                && (p.table.count(SlotState::Free) > 0 || p.table.count(SlotState::Writing) > 0)
+                && self.batches.first_again().is_some_and(|m| next > m)
+                && (free || making)
             {
                 return;
             }
@@ -1034,11 +1125,24 @@ impl Pipeline {
             // sync point (pool edges 2 and 3): the payload was complete before its writer's
             // Commit (or the loader's Produced) reached us, and the header is published
             // above; the consumer reads both only after receiving this message.
-            let _ = peer.tx.send(ToWorker::Deliver {
+            out.push(Action::Deliver {
+                to: peer.holder,
                 slot,
                 len: g.len,
                 batch_id: g.batch_id,
             });
+            let holder = peer.holder;
+            let state = match (pool, self.batches.state(g.batch_id)) {
+                (PoolId::Tokens, Some(BatchState::Tokens { again })) => {
+                    BatchState::AtTarget { holder, again }
+                }
+                (PoolId::Tokens, _) => BatchState::AtTarget {
+                    holder,
+                    again: false,
+                },
+                (PoolId::Hidden, _) => BatchState::AtDrafter { holder },
+            };
+            let _ = self.batches.set(g.batch_id, state);
             *self.served.entry(peer.holder).or_default() += 1;
             self.health.served(&peer.name.to_string());
             let ev = if pool == PoolId::Tokens {
@@ -1055,8 +1159,8 @@ impl Pipeline {
     pub fn end(&mut self) {
         let mut held = self.tokens.table.batches_held();
         held.extend(self.hidden.table.batches_held());
-        // Rolled back and waiting for a token slot: in the pipeline too.
-        held.extend(self.replay.iter().map(|b| b.batch_id));
+        // Sent through again and waiting for a token slot: in the pipeline too.
+        held.extend(self.batches.queued(false));
         held.sort_unstable();
         held.dedup();
         // Batches leaving the token pool into a half-written hidden slot are READING
@@ -1071,3 +1175,6 @@ impl Pipeline {
         );
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -2,9 +2,10 @@
 //! and carrying out what the trainer decided.
 
 use dflash_shared::protocol::ToWorker;
+use ipc_channel::ipc::IpcSender;
 
 use super::{Dispatcher, Phase, StopReason};
-use crate::data::pipeline::Peer;
+use crate::data::pipeline::{self, Peer};
 use crate::training::trainer::Action;
 
 impl Dispatcher {
@@ -14,17 +15,18 @@ impl Dispatcher {
         if !matches!(self.phase, Phase::Running) {
             return;
         }
-        let peers: Vec<Peer> = self
+        // Worker lives that take work, with the channel the pipeline's messages go on.
+        let takers: Vec<(Peer, &IpcSender<ToWorker>)> = self
             .workers
             .iter()
             .filter_map(|w| {
                 let l = w.status.life()?;
-                Some(Peer {
+                let peer = Peer {
                     name: w.name,
                     holder: l.id,
                     pid: l.pid,
-                    tx: l.takes_work()?,
-                })
+                };
+                Some((peer, l.takes_work()?))
             })
             .collect();
         if let Some(e) = self.pipeline.ledger_failed() {
@@ -32,7 +34,10 @@ impl Dispatcher {
             self.begin_stop(StopReason::TrainingFailed(e));
             return;
         }
-        self.pipeline.pump(&peers);
+        let peers: Vec<Peer> = takers.iter().map(|(p, _)| *p).collect();
+        for a in self.pipeline.pump(&peers) {
+            send(&takers, a);
+        }
         let pipeline = &self.pipeline;
         let tail = self.trainer.flush_tail(pipeline.remaining(), &|holder| {
             pipeline.delivered_to(holder)
@@ -160,5 +165,13 @@ impl Dispatcher {
         meta["export"] = self.trainer.export_meta();
         meta["settings"] = self.trainer.settings();
         meta.to_string()
+    }
+}
+
+/// Send a pipeline action to its worker (a send error means the worker is gone: its
+/// death hands the slot back).
+fn send(takers: &[(Peer, &IpcSender<ToWorker>)], a: pipeline::Action) {
+    if let Some((_, tx)) = takers.iter().find(|(p, _)| p.holder == a.to()) {
+        let _ = tx.send(a.message());
     }
 }

@@ -618,15 +618,10 @@ impl Dispatcher {
                 wait_ms,
                 compute_ms,
             } => {
-                let Some(tx) = l.to_worker().cloned() else {
+                if l.to_worker().is_none() {
                     return;
-                };
-                let peer = Peer {
-                    name,
-                    holder,
-                    pid,
-                    tx: &tx,
-                };
+                }
+                let peer = Peer { name, holder, pid };
                 let r = self.pipeline.on_commit(&peer, output, len, batch_id, input);
                 if r.is_ok() {
                     let w = name.to_string();
@@ -637,15 +632,10 @@ impl Dispatcher {
                 r
             }
             FromWorker::Ack { input, batch_id } => {
-                let Some(tx) = l.to_worker().cloned() else {
+                if l.to_worker().is_none() {
                     return;
-                };
-                let peer = Peer {
-                    name,
-                    holder,
-                    pid,
-                    tx: &tx,
-                };
+                }
+                let peer = Peer { name, holder, pid };
                 self.pipeline.on_ack(&peer, input, batch_id)
             }
             FromWorker::Evaluated {
@@ -654,15 +644,10 @@ impl Dispatcher {
                 step,
                 stats,
             } => {
-                let Some(tx) = l.to_worker().cloned() else {
+                if l.to_worker().is_none() {
                     return;
-                };
-                let peer = Peer {
-                    name,
-                    holder,
-                    pid,
-                    tx: &tx,
-                };
+                }
+                let peer = Peer { name, holder, pid };
                 // The slot stays held (a violation restarts the worker, and its death
                 // requeues the batch) unless the report is one the round takes.
                 match self
