@@ -9,7 +9,46 @@ use std::path::Path;
 const LIMIT: usize = 100;
 
 /// `(file, function, lines)`: functions still over the limit, at most this long.
-const LONGER: &[(&str, &str, usize)] = &[];
+const LONGER: &[(&str, &str, usize)] = &[
+    ("shared/src/model_config.rs", "parse", 205),
+    ("supervisor/src/commands/bench/ipc.rs", "run", 149),
+    ("supervisor/src/commands/bench/train.rs", "measure", 149),
+    ("supervisor/src/data/ledger.rs", "audit", 102),
+    ("supervisor/src/data/preflight.rs", "scan", 104),
+    (
+        "supervisor/src/data/preflight.rs",
+        "synthetic_conversations",
+        101,
+    ),
+    ("supervisor/src/run/dispatcher/ending.rs", "finish", 174),
+    ("supervisor/src/run/dispatcher/mod.rs", "on_message", 147),
+    ("supervisor/src/run/mod.rs", "start", 241),
+    ("supervisor/src/run/mod.rs", "trainer_config", 111),
+    ("supervisor/src/run/validate.rs", "check_flags", 180),
+    ("supervisor/src/telemetry/prometheus.rs", "render", 262),
+    ("supervisor/src/telemetry/report.rs", "composition", 151),
+    ("supervisor/src/telemetry/report.rs", "gpus", 286),
+    ("supervisor/src/telemetry/report.rs", "phases", 124),
+    ("supervisor/src/telemetry/report.rs", "pools", 108),
+    ("supervisor/src/telemetry/report.rs", "render", 200),
+    ("supervisor/src/telemetry/report.rs", "summary", 212),
+    ("supervisor/src/telemetry/report.rs", "training", 140),
+    ("worker/src/bench_ops.rs", "measure", 214),
+    ("worker/src/bench_ops.rs", "measure_kernels", 290),
+    ("worker/src/collective/nccl.rs", "poll", 164),
+    ("worker/src/compute/cpu.rs", "attention", 199),
+    ("worker/src/device/cpu.rs", "attention_bwd", 207),
+    ("worker/src/device/cpu.rs", "attention_fwd", 184),
+    ("worker/src/device/drafter.rs", "backward", 303),
+    ("worker/src/device/drafter.rs", "batch", 103),
+    ("worker/src/device/drafter.rs", "forward", 148),
+    ("worker/src/device/drafter.rs", "loss", 113),
+    ("worker/src/device/drafter.rs", "place", 149),
+    ("worker/src/device/target.rs", "place", 165),
+    ("worker/src/model/drafter.rs", "forward", 137),
+    ("worker/src/model/drafter.rs", "sample_step", 297),
+    ("worker/src/model/target.rs", "forward_taps_timed", 122),
+];
 
 /// Every function's length in `src`: `(file:function, lines)`; a function that appears
 /// twice in one file (in two impls) is named with its line.

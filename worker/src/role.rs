@@ -228,21 +228,25 @@ fn obey(
         }
         ToWorker::Snapshot { slot, .. } => {
             let rank = plane.rank("a snapshot request")?;
-            let t = std::time::Instant::now();
-            let saving = busy.enter(Work::Save { step: rank.step });
-            rank.snapshot(slot)?;
-            drop(saving);
-            let ms = t.elapsed().as_secs_f64() * 1e3;
-            tell(FromWorker::SnapshotDone {
-                step: rank.step,
-                slot,
-                ms,
-            })
+            tell(snapshot(rank, &busy, slot)?)
         }
         ToWorker::Checkpoint { dir, step, meta } => {
             let rank = plane.rank("a checkpoint request")?;
             tell(checkpoint(rank, &busy, dir, step, &meta)?)
         }
+    })
+}
+
+/// Write this rank's state into state slot `slot`; what to tell the supervisor.
+fn snapshot(rank: &mut Rank, busy: &crate::busy::Busy, slot: u32) -> Result<FromWorker> {
+    let t = std::time::Instant::now();
+    let saving = busy.enter(Work::Save { step: rank.step });
+    rank.snapshot(slot)?;
+    drop(saving);
+    Ok(FromWorker::SnapshotDone {
+        step: rank.step,
+        slot,
+        ms: t.elapsed().as_secs_f64() * 1e3,
     })
 }
 
