@@ -102,6 +102,9 @@ pub enum FatalKind {
     Device,
     /// The target model directory is unusable: permanent.
     Model,
+    /// What the worker was started with (its environment or flags) is unusable:
+    /// permanent, the next life gets the same.
+    Config,
     /// Any other error (a crash to restart, within the restart budget).
     Crash,
 }
@@ -109,13 +112,17 @@ pub enum FatalKind {
 impl FatalKind {
     /// Restarting cannot help.
     pub fn permanent(self) -> bool {
-        matches!(self, FatalKind::Device | FatalKind::Model)
+        matches!(
+            self,
+            FatalKind::Device | FatalKind::Model | FatalKind::Config
+        )
     }
 
     pub fn as_str(self) -> &'static str {
         match self {
             FatalKind::Device => "device",
             FatalKind::Model => "model",
+            FatalKind::Config => "config",
             FatalKind::Crash => "crash",
         }
     }

@@ -21,6 +21,7 @@ pub mod export_tool;
 pub mod run;
 pub mod telemetry;
 pub mod training;
+pub mod violation;
 
 use clap::{CommandFactory, FromArgMatches};
 use dflash_shared::exit_codes;

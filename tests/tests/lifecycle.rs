@@ -151,11 +151,20 @@ fn spawns_one_process_per_worker_with_its_identity_and_sigterm_exits_75() {
         assert_eq!(ppid, sup.pid());
     }
     // Workers started later inherit nothing more than the first one did (no descriptor
-    // of an earlier worker's control channel leaks into them).
-    let fds: Vec<usize> = pids
-        .iter()
-        .map(|p| fs::read_dir(format!("/proc/{p}/fd")).unwrap().count())
-        .collect();
+    // of an earlier worker's control channel leaks into them). A worker's count moves
+    // while it takes its first messages, so they are compared once they agree, up to a
+    // deadline: a leaked descriptor never goes away, and the counts never agree.
+    let count = || -> Vec<usize> {
+        pids.iter()
+            .map(|p| fs::read_dir(format!("/proc/{p}/fd")).unwrap().count())
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut fds = count();
+    while !fds.iter().all(|&n| n == fds[0]) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        fds = count();
+    }
     assert!(
         fds.iter().all(|&n| n == fds[0]),
         "open descriptors per worker differ: {fds:?}"

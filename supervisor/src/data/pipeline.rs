@@ -40,6 +40,7 @@ use crate::data::ledger::Ledger;
 use crate::data::loader::{BadLines, Loader, Position};
 use crate::error::Error;
 use crate::telemetry::queue_health::{PoolView, QueueHealth};
+use crate::violation::{Side, Violation};
 
 /// The loader thread's holder id (worker lives start at 1).
 const LOADER: Holder = 0;
@@ -364,17 +365,15 @@ impl Pipeline {
         peer: &Peer,
         input: SlotRef,
         batch_id: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         if !is_eval_batch(batch_id) {
-            return Err(format!(
-                "batch {batch_id} reported evaluated, but it is a training batch"
-            ));
+            return Err(Violation::NotAnEvalBatch { batch_id });
         }
         self.check_consume(peer.name, peer.holder, input, batch_id)?;
         self.hidden
             .table
             .ack(peer.holder, input.slot, input.gen, batch_id)
-            .map_err(|e| e.to_string())?;
+            .map_err(Violation::slot(None))?;
         self.hidden.publish(input.slot, 0);
         let _ = self.batches.set(batch_id, BatchState::EvalOver);
         self.ledger
@@ -713,26 +712,26 @@ impl Pipeline {
         len: u64,
         batch_id: u64,
         input: Option<SlotRef>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         if peer.name.role != Role::Target {
-            return Err("a drafter committed an output slot".into());
+            return Err(Violation::DrafterCommitted);
         }
-        let input = input.ok_or("commit names no input slot")?;
+        let input = input.ok_or(Violation::NoInputSlot)?;
         if output.pool != PoolId::Hidden || input.pool != PoolId::Tokens {
-            return Err(format!(
-                "commit of a {} slot from a {} slot: expected hidden-state output from a token input",
-                output.pool, input.pool
-            ));
+            return Err(Violation::WrongPools {
+                output: output.pool,
+                input: input.pool,
+            });
         }
         // Check both before changing either: they change together.
         self.tokens
             .table
             .check_ack(peer.holder, input.slot, input.gen, batch_id)
-            .map_err(|e| format!("input: {e}"))?;
+            .map_err(Violation::slot(Some(Side::Input)))?;
         self.hidden
             .table
             .check_commit(peer.holder, output.slot, output.gen, len)
-            .map_err(|e| format!("output: {e}"))?;
+            .map_err(Violation::slot(Some(Side::Output)))?;
         self.tokens
             .table
             .ack(peer.holder, input.slot, input.gen, batch_id)
@@ -774,7 +773,7 @@ impl Pipeline {
     }
 
     /// A drafter consumed a batch.
-    pub fn on_ack(&mut self, peer: &Peer, input: SlotRef, batch_id: u64) -> Result<(), String> {
+    pub fn on_ack(&mut self, peer: &Peer, input: SlotRef, batch_id: u64) -> Result<(), Violation> {
         self.check_consume(peer.name, peer.holder, input, batch_id)?;
         self.consume(peer.name, peer.holder, input, batch_id, None)
     }
@@ -786,17 +785,17 @@ impl Pipeline {
         holder: Holder,
         input: SlotRef,
         batch_id: u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         if name.role != Role::Drafter || input.pool != PoolId::Hidden {
-            return Err(format!(
-                "a {} slot reported consumed by a {}: only drafters consume, hidden-state slots",
-                input.pool, name.role
-            ));
+            return Err(Violation::NotAConsumer {
+                pool: input.pool,
+                role: name.role,
+            });
         }
         self.hidden
             .table
             .check_ack(holder, input.slot, input.gen, batch_id)
-            .map_err(|e| e.to_string())
+            .map_err(Violation::slot(None))
     }
 
     /// `batch_id`, delivered to `holder`, reached the optimizer (in committed step `step`):
@@ -808,11 +807,11 @@ impl Pipeline {
         input: SlotRef,
         batch_id: u64,
         step: Option<u64>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Violation> {
         self.hidden
             .table
             .ack(holder, input.slot, input.gen, batch_id)
-            .map_err(|e| e.to_string())?;
+            .map_err(Violation::slot(None))?;
         self.hidden.publish(input.slot, 0);
         let name = name.to_string();
         let record = self.batches.get(batch_id);

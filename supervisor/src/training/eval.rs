@@ -40,6 +40,7 @@
 //!
 //! [`FromWorker::Evaluated`]: dflash_shared::protocol::FromWorker::Evaluated
 
+use crate::violation::Violation;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -195,7 +196,7 @@ pub enum Report {
     Stale,
     /// Of the running round but at the wrong weights, or an index it does not have: a
     /// protocol violation.
-    Wrong(String),
+    Wrong(Violation),
 }
 
 /// A finished round, as recorded.
@@ -290,20 +291,22 @@ impl Evaluator {
             return Report::Stale;
         }
         if step != r.step {
-            return Report::Wrong(format!(
-                "eval batch {index} of round {round} scored at the weights of step {step}, but the round evaluates step {}",
-                r.step
-            ));
+            return Report::Wrong(Violation::EvalAtOtherWeights {
+                index,
+                round,
+                step,
+                evaluates: r.step,
+            });
         }
         if !r.waiting.remove(&index) {
             if index < self.set.batches.len() as u64 {
                 // A second copy (redelivered after a death that raced the report).
                 return Report::Stale;
             }
-            return Report::Wrong(format!(
-                "eval batch index {index} is not in the eval set ({} batches)",
-                self.set.batches.len()
-            ));
+            return Report::Wrong(Violation::NotInEvalSet {
+                index,
+                batches: self.set.batches.len(),
+            });
         }
         r.stats.merge(stats);
         Report::Counted {

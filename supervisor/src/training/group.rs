@@ -51,6 +51,7 @@ use dflash_shared::slots::Holder;
 
 use crate::run::rundir::TrainProgress;
 use crate::training::train_log::LogLine;
+use crate::violation::Violation;
 
 #[derive(Debug, Clone)]
 pub struct TrainerConfig {
@@ -136,7 +137,7 @@ pub enum Action {
     Done,
     /// Stop the run: training cannot go on.
     Failed(String),
-    Violation(usize, String),
+    Violation(usize, Violation),
     /// Ask `worker` to checkpoint `step` into `dir` (the dispatcher adds what was consumed).
     Checkpoint {
         worker: usize,
@@ -612,7 +613,7 @@ impl Group {
             Some(_) if epoch < self.epoch => {}
             _ => out.push(Action::Violation(
                 worker,
-                format!("an NCCL id for epoch {epoch} from a drafter that is not its first rank"),
+                Violation::NcclIdNotFromFirstRank { epoch },
             )),
         }
         out
@@ -632,18 +633,21 @@ impl Group {
         if !self.members.contains_key(&worker) {
             out.push(Action::Violation(
                 worker,
-                "an all-reduce from a drafter that is not in the training group".into(),
+                Violation::NotAMember {
+                    what: "an all-reduce",
+                },
             ));
             return out;
         }
         if epoch > self.epoch || (epoch == self.epoch && step != self.committed + 1) {
             out.push(Action::Violation(
                 worker,
-                format!(
-                    "reduced step {step} in epoch {epoch}, expected step {} in epoch {}",
-                    self.committed + 1,
-                    self.epoch
-                ),
+                Violation::ReducedOutOfOrder {
+                    step,
+                    epoch,
+                    expected_step: self.committed + 1,
+                    expected_epoch: self.epoch,
+                },
             ));
             return out;
         }
@@ -654,7 +658,7 @@ impl Group {
         if !self.pending.contains_key(&worker) && !self.abstained.contains(&worker) {
             out.push(Action::Violation(
                 worker,
-                format!("reduced step {step} without a gradient for it"),
+                Violation::ReducedWithoutGradient { step },
             ));
             return out;
         }
@@ -911,10 +915,7 @@ impl Group {
                 // The answer to a request from before a rollback (or from a dead donor's
                 // time): the slot it names was not made current.
                 _ if self.members.contains_key(&worker) => {}
-                _ => out.push(Action::Violation(
-                    worker,
-                    "SnapshotDone from a drafter that was not asked for one".into(),
-                )),
+                _ => out.push(Action::Violation(worker, Violation::SnapshotNotAsked)),
             }
             return out;
         }
@@ -927,7 +928,10 @@ impl Group {
                 if step != self.committed {
                     out.push(Action::Violation(
                         worker,
-                        format!("snapshot at step {step}, expected {}", self.committed),
+                        Violation::SnapshotAtOtherStep {
+                            step,
+                            expected: self.committed,
+                        },
                     ));
                     return out;
                 }
@@ -947,10 +951,7 @@ impl Group {
             }
             // A reply to a request whose joiner has died since: nothing to do.
             _ if self.members.contains_key(&worker) => {}
-            _ => out.push(Action::Violation(
-                worker,
-                "SnapshotDone from a drafter that was not asked for one".into(),
-            )),
+            _ => out.push(Action::Violation(worker, Violation::SnapshotNotAsked)),
         }
         out
     }
@@ -967,17 +968,17 @@ impl Group {
         let Some(m) = self.members.get(&worker) else {
             out.push(Action::Violation(
                 worker,
-                "gradients from a drafter that is not in the training group".into(),
+                Violation::NotAMember { what: "gradients" },
             ));
             return out;
         };
         if step != self.committed + 1 || self.pending.contains_key(&worker) {
             out.push(Action::Violation(
                 worker,
-                format!(
-                    "gradients for step {step}, expected step {} once",
-                    self.committed + 1
-                ),
+                Violation::GradientsOutOfOrder {
+                    step,
+                    expected: self.committed + 1,
+                },
             ));
             return out;
         }
@@ -1361,10 +1362,10 @@ impl Group {
         step: u64,
         stats: &StepStats,
         now: Instant,
-    ) -> Result<Out, String> {
+    ) -> Result<Out, Violation> {
         let mut out = Out::default();
         let Some(e) = self.eval.as_mut() else {
-            return Err("an eval report, but this run has no --eval-data".into());
+            return Err(Violation::NoEvalData);
         };
         match e.report(batch_id, step, stats) {
             crate::training::eval::Report::Wrong(why) => return Err(why),

@@ -278,7 +278,7 @@ impl Trainer {
         batch_id: u64,
         step: u64,
         stats: &StepStats,
-    ) -> Result<Vec<Action>, String> {
+    ) -> Result<Vec<Action>, crate::violation::Violation> {
         let out = self
             .group
             .on_evaluated(batch_id, step, stats, Instant::now())?;

@@ -40,7 +40,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dflash_shared::protocol::{connect, FromWorker, Hello, SlotRef, ToWorker};
+use dflash_shared::protocol::{connect, FatalKind, FromWorker, Hello, SlotRef, ToWorker};
 use dflash_shared::{env, exit_codes};
 use ipc_channel::ipc::{self, IpcSender};
 
@@ -280,8 +280,20 @@ fn this_lifes_actions() -> Acts {
     let rules = match parse_spec(&var("DFLASH_TEST_BEHAVIOR")) {
         Ok(r) => r,
         Err(e) => {
-            // Loud: a permanent failure stops the run with this line as its reason.
-            eprintln!("bad DFLASH_TEST_BEHAVIOR: {e}");
+            // Loud: a permanent failure stops the run with this line as its reason, told
+            // the way a real worker tells it: connected, as its last message.
+            let message = format!("bad DFLASH_TEST_BEHAVIOR: {e}");
+            eprintln!("{message}");
+            if let Some(control) = std::env::args().nth(2) {
+                let name = format!("{}-{}", var(env::ROLE), var(env::RANK));
+                let restart = var(env::RESTART_COUNT).parse().unwrap_or(0);
+                let (up, down) = say_hello(&Acts::new(), &control, &name, restart);
+                // Its first order (the pools) says the supervisor took the hello, as a
+                // real worker's failures come after it: then the exit is read after this.
+                let _ = down.recv();
+                let kind = FatalKind::Config;
+                let _ = up.send(FromWorker::Fatal { kind, message });
+            }
             std::process::exit(exit_codes::WORKER_PERMANENT);
         }
     };

@@ -35,7 +35,8 @@ use std::process::ExitStatus;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::time::{Duration, Instant};
 
-use dflash_shared::protocol::{FromWorker, Hello, ToWorker, PROTOCOL_VERSION};
+use dflash_shared::drafter::StepStats;
+use dflash_shared::protocol::{FromWorker, Hello, SlotRef, ToWorker, PROTOCOL_VERSION};
 use dflash_shared::{Device, Role, WorkerName};
 use nix::sys::signal::Signal;
 use serde_json::json;
@@ -52,6 +53,7 @@ use crate::run::rundir::{now_rfc3339, unix_ms, RunDir};
 use crate::run::worker_log::{Rotation, Tag, WorkerLog};
 use crate::telemetry::nvml::GpuSamples;
 use crate::training::trainer::Trainer;
+use crate::violation::Violation;
 use launcher::Launcher;
 use life::{Life, Status};
 
@@ -429,7 +431,7 @@ impl Dispatcher {
                     return;
                 }
                 if malformed {
-                    self.violation(worker, &reason);
+                    self.violation(worker, &Violation::Malformed(reason));
                 } else {
                     if matches!(self.phase, Phase::Running) {
                         log::info!("{}: {reason}", self.workers[worker].name);
@@ -559,8 +561,8 @@ impl Dispatcher {
             return;
         }
         if hello.worker != name.to_string() {
-            let why = format!("said hello as '{}'", hello.worker);
-            self.violation(worker, &why);
+            let said = hello.worker.clone();
+            self.violation(worker, &Violation::WrongHello { said });
             return;
         }
         l.last_beat = now;
@@ -595,7 +597,7 @@ impl Dispatcher {
         };
         l.last_beat = now;
         let (holder, pid) = (l.id, l.pid);
-        let result: Result<(), String> = match msg {
+        let result: Result<(), Violation> = match msg {
             FromWorker::Heartbeat { busy, .. } => {
                 let old = l.in_work.take().map(|b| *b);
                 l.in_work = steps::InWork::update(old, busy, now).map(Box::new);
@@ -648,24 +650,7 @@ impl Dispatcher {
                     return;
                 }
                 let peer = Peer { name, holder, pid };
-                // The slot stays held (a violation restarts the worker, and its death
-                // requeues the batch) unless the report is one the round takes.
-                match self
-                    .pipeline
-                    .check_consume(name, holder, input, batch_id)
-                    .and_then(|()| self.trainer.on_evaluated(batch_id, step, &stats))
-                {
-                    Ok(actions) => {
-                        let r = self.pipeline.on_evaluated(&peer, input, batch_id);
-                        self.pipeline
-                            .health
-                            .phase(&name.to_string(), "eval", stats.compute_ms);
-                        self.execute(actions);
-                        self.dirty = true;
-                        r
-                    }
-                    Err(e) => Err(format!("an invalid eval report: {e}")),
-                }
+                self.on_evaluated(&peer, input, batch_id, step, &stats)
             }
             FromWorker::Grads {
                 step,
@@ -690,7 +675,7 @@ impl Dispatcher {
                     self.execute(actions);
                     Ok(())
                 }
-                Err(e) => Err(format!("gradients of an invalid batch: {e}")),
+                Err(e) => Err(Violation::InvalidGradients(Box::new(e))),
             },
             FromWorker::Reduced {
                 step,
@@ -728,15 +713,43 @@ impl Dispatcher {
                 self.on_checkpoint_failed(name, step, &dir, &failure);
                 Ok(())
             }
-            other => Err(format!("sent {} after its hello", variant(&other))),
+            other => Err(Violation::Unexpected {
+                message: variant(&other),
+            }),
         };
         if let Err(why) = result {
             self.violation(worker, &why);
         }
     }
 
+    /// A drafter scored eval batch `batch_id` at the weights of `step`. The slot stays
+    /// held (a violation restarts the worker, and its death requeues the batch) unless
+    /// the report is one the round takes.
+    fn on_evaluated(
+        &mut self,
+        peer: &Peer,
+        input: SlotRef,
+        batch_id: u64,
+        step: u64,
+        stats: &StepStats,
+    ) -> Result<(), Violation> {
+        let (name, holder) = (peer.name, peer.holder);
+        let actions = self
+            .pipeline
+            .check_consume(name, holder, input, batch_id)
+            .and_then(|()| self.trainer.on_evaluated(batch_id, step, stats))
+            .map_err(|e| Violation::InvalidEvalReport(Box::new(e)))?;
+        let r = self.pipeline.on_evaluated(peer, input, batch_id);
+        self.pipeline
+            .health
+            .phase(&name.to_string(), "eval", stats.compute_ms);
+        self.execute(actions);
+        self.dirty = true;
+        r
+    }
+
     /// A worker broke the control protocol: log it and restart that worker alone.
-    fn violation(&mut self, worker: usize, why: &str) {
+    fn violation(&mut self, worker: usize, why: &Violation) {
         let name = self.workers[worker].name;
         log::error!("{name} broke the control protocol ({why}): killing it");
         self.workers[worker].log.line(
@@ -745,7 +758,7 @@ impl Dispatcher {
         );
         self.run.event(
             "protocol_violation",
-            obj(json!({"worker": name.to_string(), "reason": why})),
+            obj(json!({"worker": name.to_string(), "reason": why.to_string()})),
         );
         self.kill(worker, &format!("protocol violation: {why}"));
     }
