@@ -8,7 +8,7 @@
 //! no algorithm was written before SHA-256 was used, with a 64-bit multiply-xor hash: it is
 //! verified with that hash ([`ChecksumAlgorithm::Legacy`]).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The tensors of a checkpoint: parameters and Adam moments (f32).
 pub const STATE_FILE: &str = "state.safetensors";
@@ -148,7 +148,63 @@ pub fn finish_meta(meta: &serde_json::Value) -> serde_json::Result<String> {
     serde_json::to_string_pretty(&serde_json::Value::Object(m))
 }
 
-/// Verify the checkpoint in `dir`; returns its step. Errors are one line naming the file.
+/// Why a checkpoint was refused: the file, and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{}: {problem}", file.display())]
+pub struct Refused {
+    pub file: PathBuf,
+    pub problem: Problem,
+}
+
+/// What is wrong with a checkpoint's file.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Problem {
+    /// It cannot be read (the system's words).
+    #[error("{0}")]
+    Unreadable(String),
+    #[error("not valid JSON: {0}")]
+    NotJson(String),
+    #[error("not a JSON object")]
+    NotAnObject,
+    #[error(
+        "written by a newer dflash-supervise (format {format}, this one reads {FORMAT_VERSION})"
+    )]
+    NewerFormat { format: u64 },
+    #[error("format {0} is not a format number (expected {FORMAT_VERSION})")]
+    BadFormat(serde_json::Value),
+    #[error(transparent)]
+    UnknownAlgorithm(#[from] UnknownChecksumAlgorithm),
+    #[error("checksum {got}, it says {want} (meta.json changed after it was written)")]
+    MetaChanged {
+        got: String,
+        want: serde_json::Value,
+    },
+    #[error("no step")]
+    NoStep,
+    #[error("a checkpoint of step {step} in a directory named for step {named} (moved or copied over another one)")]
+    Moved { step: u64, named: u64 },
+    /// `difference`: the first fields that differ, in words.
+    #[error("a checkpoint of another drafter ({difference}): not one of this run")]
+    OtherDrafter { difference: String },
+    #[error("checksum {got}, meta.json says {want} (the file changed after it was written)")]
+    StateChanged { got: String, want: String },
+    #[error("truncated (no header)")]
+    NoHeader,
+    #[error("header length out of range (over the safetensors limit)")]
+    HeaderTooLarge,
+    #[error("truncated (header)")]
+    TruncatedHeader,
+    #[error("truncated or padded (the tensors' data does not end where the file does)")]
+    DataLength,
+    #[error("not a valid safetensors file: {0}")]
+    NotSafetensors(String),
+    #[error("tensor {tensor} is {dtype}, expected F32")]
+    NotF32 { tensor: String, dtype: String },
+    #[error("tensor {tensor} holds a non-finite value (element {element})")]
+    NonFinite { tensor: String, element: usize },
+}
+
+/// Verify the checkpoint in `dir`; returns its step. A refusal names the file.
 ///
 /// Checked: meta.json's format (absent: an older checkpoint, accepted; newer than
 /// [`FORMAT_VERSION`]: refused), its checksum algorithm (absent: the legacy hash; unknown:
@@ -156,86 +212,96 @@ pub fn finish_meta(meta: &serde_json::Value) -> serde_json::Result<String> {
 /// directory's name `step-N` agrees with its step, that it is a checkpoint of
 /// `expected_drafter` (meta.json's `drafter`, when one is given), and that
 /// state.safetensors matches its checksum and holds only finite values.
-pub fn verify(dir: &Path, expected_drafter: Option<&serde_json::Value>) -> Result<u64, String> {
+pub fn verify(dir: &Path, expected_drafter: Option<&serde_json::Value>) -> Result<u64, Refused> {
     let meta_path = dir.join(META_FILE);
-    let text =
-        std::fs::read_to_string(&meta_path).map_err(|e| format!("{}: {e}", meta_path.display()))?;
-    let meta: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| format!("{}: not valid JSON: {e}", meta_path.display()))?;
-    let fields = meta
-        .as_object()
-        .ok_or_else(|| format!("{}: not a JSON object", meta_path.display()))?;
+    let (meta, algorithm) = read_meta(&meta_path).map_err(|problem| Refused {
+        file: meta_path.clone(),
+        problem,
+    })?;
+    let step = check_meta(dir, &meta, expected_drafter).map_err(|problem| Refused {
+        file: meta_path,
+        problem,
+    })?;
+    let path = dir.join(STATE_FILE);
+    check_state(&path, &meta, algorithm).map_err(|problem| Refused {
+        file: path,
+        problem,
+    })?;
+    Ok(step)
+}
+
+/// meta.json, of a format this version reads, with its own checksum right.
+fn read_meta(path: &Path) -> Result<(serde_json::Value, ChecksumAlgorithm), Problem> {
+    let text = std::fs::read_to_string(path).map_err(|e| Problem::Unreadable(e.to_string()))?;
+    let meta: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| Problem::NotJson(e.to_string()))?;
+    let fields = meta.as_object().ok_or(Problem::NotAnObject)?;
     match fields.get("format") {
         None => {} // Written before formats were recorded: format 1.
         Some(f) => match f.as_u64() {
             Some(n) if n <= FORMAT_VERSION as u64 => {}
-            Some(n) => {
-                return Err(format!(
-                    "{}: written by a newer dflash-supervise (format {n}, this one reads {FORMAT_VERSION})",
-                    meta_path.display()
-                ))
-            }
-            None => {
-                return Err(format!(
-                    "{}: format {f} is not a format number (expected {FORMAT_VERSION})",
-                    meta_path.display()
-                ))
-            }
+            Some(format) => return Err(Problem::NewerFormat { format }),
+            None => return Err(Problem::BadFormat(f.clone())),
         },
     }
-    let algorithm =
-        ChecksumAlgorithm::of_meta(fields).map_err(|e| format!("{}: {e}", meta_path.display()))?;
+    let algorithm = ChecksumAlgorithm::of_meta(fields)?;
     // A checkpoint written before meta.json was checksummed has none.
     if let Some(want) = fields.get(META_CHECKSUM) {
         let got = meta_checksum(fields, algorithm);
         if want.as_str() != Some(got.as_str()) {
-            return Err(format!(
-                "{}: checksum {got}, it says {want} (meta.json changed after it was written)",
-                meta_path.display()
-            ));
+            let want = want.clone();
+            return Err(Problem::MetaChanged { got, want });
         }
     }
-    let step = meta["step"]
-        .as_u64()
-        .ok_or_else(|| format!("{}: no step", meta_path.display()))?;
+    Ok((meta, algorithm))
+}
+
+/// The step meta.json records, agreeing with its directory's name, of the drafter
+/// expected.
+fn check_meta(
+    dir: &Path,
+    meta: &serde_json::Value,
+    expected_drafter: Option<&serde_json::Value>,
+) -> Result<u64, Problem> {
+    let step = meta["step"].as_u64().ok_or(Problem::NoStep)?;
     if let Some(named) = dir
         .file_name()
         .and_then(|n| step_of_dir(&n.to_string_lossy()))
     {
         if named != step {
-            return Err(format!(
-                "{}: a checkpoint of step {step} in a directory named for step {named} (moved or copied over another one)",
-                meta_path.display()
-            ));
+            return Err(Problem::Moved { step, named });
         }
     }
     if let Some(want) = expected_drafter {
-        // As meta.json's copy went: printed and parsed (see `finish_meta`).
-        let want: serde_json::Value = serde_json::from_str(&want.to_string())
-            .map_err(|e| format!("the expected drafter config: {e}"))?;
+        // As meta.json's copy went: printed and parsed (see `finish_meta`); a value that
+        // does not parse back compares unequal.
+        let want: serde_json::Value =
+            serde_json::from_str(&want.to_string()).unwrap_or(serde_json::Value::Null);
         if meta["drafter"] != want {
-            return Err(format!(
-                "{}: a checkpoint of another drafter ({}): not one of this run",
-                meta_path.display(),
-                drafter_difference(&meta["drafter"], &want)
-            ));
+            let difference = drafter_difference(&meta["drafter"], &want);
+            return Err(Problem::OtherDrafter { difference });
         }
     }
-    let path = dir.join(STATE_FILE);
-    let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(step)
+}
+
+/// state.safetensors as meta.json's checksum says, finite.
+fn check_state(
+    path: &Path,
+    meta: &serde_json::Value,
+    algorithm: ChecksumAlgorithm,
+) -> Result<(), Problem> {
+    let bytes = std::fs::read(path).map_err(|e| Problem::Unreadable(e.to_string()))?;
     // A checkpoint written before checksums were recorded has none: the finiteness check
     // still applies.
     if let Some(want) = meta["checksums"][STATE_FILE].as_str() {
         let got = algorithm.hex(&bytes);
         if got != want {
-            return Err(format!(
-                "{}: checksum {got}, meta.json says {want} (the file changed after it was written)",
-                path.display()
-            ));
+            let want = want.to_string();
+            return Err(Problem::StateChanged { got, want });
         }
     }
-    check_finite_f32(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(step)
+    check_finite_f32(&bytes)
 }
 
 /// How a checkpoint's drafter config differs from the expected one, in words: the first
@@ -266,29 +332,31 @@ fn drafter_difference(got: &serde_json::Value, want: &serde_json::Value) -> Stri
 }
 
 /// Every value of a safetensors file whose tensors are all f32 is finite.
-fn check_finite_f32(bytes: &[u8]) -> Result<(), String> {
+fn check_finite_f32(bytes: &[u8]) -> Result<(), Problem> {
     use safetensors::SafeTensorError as E;
     let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| match e {
-        E::HeaderTooSmall => "truncated (no header)".to_string(),
-        E::HeaderTooLarge => "header length out of range (over the safetensors limit)".into(),
-        E::InvalidHeaderLength => "truncated (header)".into(),
-        E::MetadataIncompleteBuffer => {
-            "truncated or padded (the tensors' data does not end where the file does)".into()
-        }
-        e => format!("not a valid safetensors file: {e}"),
+        E::HeaderTooSmall => Problem::NoHeader,
+        E::HeaderTooLarge => Problem::HeaderTooLarge,
+        E::InvalidHeaderLength => Problem::TruncatedHeader,
+        E::MetadataIncompleteBuffer => Problem::DataLength,
+        e => Problem::NotSafetensors(e.to_string()),
     })?;
     for (name, t) in st.iter() {
         if t.dtype() != safetensors::Dtype::F32 {
-            return Err(format!("tensor {name} is {}, expected F32", t.dtype()));
+            return Err(Problem::NotF32 {
+                tensor: name.to_string(),
+                dtype: t.dtype().to_string(),
+            });
         }
-        if let Some(i) = t
+        if let Some(element) = t
             .data()
             .chunks_exact(4)
             .position(|c| !f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite())
         {
-            return Err(format!(
-                "tensor {name} holds a non-finite value (element {i})"
-            ));
+            return Err(Problem::NonFinite {
+                tensor: name.to_string(),
+                element,
+            });
         }
     }
     Ok(())
@@ -341,26 +409,41 @@ mod tests {
         let mut b = std::fs::read(&p).unwrap();
         *b.last_mut().unwrap() ^= 1;
         std::fs::write(&p, &b).unwrap();
-        assert!(verify(d.path(), None).unwrap_err().contains("checksum"));
+        assert!(matches!(
+            verify(d.path(), None).unwrap_err().problem,
+            Problem::StateChanged { .. }
+        ));
         // Truncated, without a checksum to catch it.
         write(d.path(), &[1.0, 2.0], false);
         let b = std::fs::read(&p).unwrap();
         std::fs::write(&p, &b[..b.len() - 3]).unwrap();
-        assert!(verify(d.path(), None).unwrap_err().contains("truncated"));
+        assert_eq!(
+            verify(d.path(), None).unwrap_err().problem,
+            Problem::DataLength
+        );
         // NaN, with a valid checksum.
         write(d.path(), &[1.0, f32::NAN], true);
-        assert!(verify(d.path(), None).unwrap_err().contains("non-finite"));
+        assert_eq!(
+            verify(d.path(), None).unwrap_err().problem,
+            Problem::NonFinite {
+                tensor: "params".into(),
+                element: 1
+            }
+        );
         // A header length that overflows (no checksum to catch it): refused, not a panic.
         write(d.path(), &[1.0, 2.0], false);
         let mut b = std::fs::read(&p).unwrap();
         b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
         std::fs::write(&p, &b).unwrap();
-        assert!(verify(d.path(), None)
-            .unwrap_err()
-            .contains("header length out of range"));
+        assert_eq!(
+            verify(d.path(), None).unwrap_err().problem,
+            Problem::HeaderTooLarge
+        );
         // Missing.
         std::fs::remove_file(&p).unwrap();
-        assert!(verify(d.path(), None).unwrap_err().contains(STATE_FILE));
+        let missing = verify(d.path(), None).unwrap_err();
+        assert_eq!(missing.file, p);
+        assert!(matches!(missing.problem, Problem::Unreadable(_)));
     }
 
     /// A checkpoint as the writers leave it: `step-N` with finished metadata.
@@ -456,7 +539,7 @@ mod tests {
         let sum = meta_checksum(v.as_object().unwrap(), ChecksumAlgorithm::Sha256);
         v[META_CHECKSUM] = sum.into();
         std::fs::write(dir.join(META_FILE), v.to_string()).unwrap();
-        let e = verify(&dir, None).unwrap_err();
+        let e = verify(&dir, None).unwrap_err().to_string();
         assert!(
             e.contains("written by a newer dflash-supervise (format 99, this one reads 1)"),
             "{e}"
@@ -471,6 +554,7 @@ mod tests {
         edit_meta(&dir, |m| m["format"] = "one".into());
         assert!(verify(&dir, None)
             .unwrap_err()
+            .to_string()
             .contains("not a format number"));
     }
 
@@ -479,7 +563,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let dir = finished(d.path(), 7, drafter(2));
         edit_meta(&dir, |m| m["supervisor"]["consumed_below"] = 11.into());
-        let e = verify(&dir, None).unwrap_err();
+        let e = verify(&dir, None).unwrap_err().to_string();
         assert!(
             e.contains("meta.json changed after it was written") && e.contains(META_FILE),
             "{e}"
@@ -496,7 +580,7 @@ mod tests {
         let dir = finished(d.path(), 7, drafter(2));
         let moved = d.path().join("step-00000009");
         std::fs::rename(&dir, &moved).unwrap();
-        let e = verify(&moved, None).unwrap_err();
+        let e = verify(&moved, None).unwrap_err().to_string();
         assert!(
             e.contains("a checkpoint of step 7 in a directory named for step 9"),
             "{e}"
@@ -511,7 +595,7 @@ mod tests {
     fn a_checkpoint_of_another_drafter_is_refused_when_one_is_expected() {
         let d = tempfile::tempdir().unwrap();
         let dir = finished(d.path(), 7, drafter(3));
-        let e = verify(&dir, Some(&drafter(2))).unwrap_err();
+        let e = verify(&dir, Some(&drafter(2))).unwrap_err().to_string();
         assert!(
             e.contains("a checkpoint of another drafter (layers 3, this run's 2)"),
             "{e}"
@@ -526,6 +610,7 @@ mod tests {
         write(&old, &[1.0], true);
         assert!(verify(&old, Some(&drafter(2)))
             .unwrap_err()
+            .to_string()
             .contains("it records no drafter config"));
     }
 
@@ -574,17 +659,20 @@ mod tests {
         let mut b = std::fs::read(&p).unwrap();
         *b.last_mut().unwrap() ^= 1;
         std::fs::write(&p, &b).unwrap();
-        let e = verify(&dir, None).unwrap_err();
+        let e = verify(&dir, None).unwrap_err().to_string();
         assert!(e.contains(STATE_FILE) && e.contains("checksum"), "{e}");
         // ...and of meta.json.
         let dir = legacy(d.path(), 6);
         edit_meta(&dir, |m| m["seed"] = 3.into());
-        let e = verify(&dir, None).unwrap_err();
+        let e = verify(&dir, None).unwrap_err().to_string();
         assert!(e.contains("meta.json changed after it was written"), "{e}");
         // Legacy sums claimed to be SHA-256 do not pass as either.
         let dir = legacy(d.path(), 8);
         edit_meta(&dir, |m| m[CHECKSUM_ALGORITHM] = "sha256".into());
-        assert!(verify(&dir, None).unwrap_err().contains("checksum"));
+        assert!(verify(&dir, None)
+            .unwrap_err()
+            .to_string()
+            .contains("checksum"));
     }
 
     #[test]
@@ -592,7 +680,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let dir = finished(d.path(), 7, drafter(2));
         edit_meta(&dir, |m| m[CHECKSUM_ALGORITHM] = "blake3".into());
-        let e = verify(&dir, None).unwrap_err();
+        let e = verify(&dir, None).unwrap_err().to_string();
         assert!(
             e.contains("checksum algorithm \"blake3\" is not one this dflash-supervise knows")
                 && !e.contains('\n'),

@@ -65,7 +65,9 @@ pub fn export_checkpoint(
 
 /// The checkpoints of a run that verify, newest first, with the reason each one set
 /// aside was refused.
-pub fn verified_checkpoints(run_dir: &Path) -> (Vec<(u64, PathBuf)>, Vec<String>) {
+pub fn verified_checkpoints(
+    run_dir: &Path,
+) -> (Vec<(u64, PathBuf)>, Vec<dflash_shared::checkpoint::Refused>) {
     let dir = run_dir.join("checkpoints");
     let mut all: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)
         .map(|d| {

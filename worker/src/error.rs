@@ -116,19 +116,26 @@ impl WorkerError {
         }
     }
 
-    /// The reason in a [`line`](Self::line): what follows its "error: ".
-    pub fn reason_in(line: &str) -> &str {
-        line.split_once("error: ").map_or(line, |(_, r)| r)
+    /// The line a worker prints before it exits with [`exit_code`](Self::exit_code); a
+    /// permanent one is marked so.
+    pub fn line(&self, name: &str, gpu: &str) -> String {
+        format!("dflash-worker {name}: error: {}", self.reason(gpu))
     }
 
-    /// The line a worker prints before it exits with [`exit_code`](Self::exit_code); a
-    /// permanent one is marked so, which the supervisor looks for.
-    pub fn line(&self, name: &str, gpu: &str) -> String {
+    /// What the line says after "error: ", and the supervisor is told
+    /// ([`FromWorker::Fatal`](dflash_shared::protocol::FromWorker::Fatal)).
+    pub fn reason(&self, gpu: &str) -> String {
         match self.root() {
-            WorkerError::Permanent(why) => format!("dflash-worker {name}: error: cannot compute on device {gpu} (permanent, do not restart): {why}"),
-            WorkerError::BadModel(why) => format!("dflash-worker {name}: error: cannot load the target model (permanent, do not restart): {why}"),
-            WorkerError::Model(e) => format!("dflash-worker {name}: error: cannot load the target model (permanent, do not restart): {e}"),
-            _ => format!("dflash-worker {name}: error: {self}"),
+            WorkerError::Permanent(why) => {
+                format!("cannot compute on device {gpu} (permanent, do not restart): {why}")
+            }
+            WorkerError::BadModel(why) => {
+                format!("cannot load the target model (permanent, do not restart): {why}")
+            }
+            WorkerError::Model(e) => {
+                format!("cannot load the target model (permanent, do not restart): {e}")
+            }
+            _ => self.to_string(),
         }
     }
 

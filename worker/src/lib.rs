@@ -212,9 +212,8 @@ fn serve(control: Option<String>) -> i32 {
         // The one place a failure becomes an exit code (error.rs): permanent ones are marked
         // so in the line the supervisor reads.
         Err(e) => {
-            let line = e.line(&id.name.to_string(), &id.gpu);
-            fatal::report(e.fatal_kind(), error::WorkerError::reason_in(&line));
-            eprintln!("{line}");
+            fatal::report(e.fatal_kind(), &e.reason(&id.gpu));
+            eprintln!("{}", e.line(&id.name.to_string(), &id.gpu));
             e.exit_code()
         }
     }
@@ -238,8 +237,8 @@ fn missing_symbol_is_permanent(name: &str, gpu: &str) {
         if let Some(what) = msg.strip_prefix("Missing symbol ") {
             let why = format!("the installed CUDA library lacks a function this build calls ({what}); it needs an NVIDIA driver and CUDA libraries for CUDA 13.0 or newer");
             let e = error::WorkerError::Permanent(why);
+            fatal::report(e.fatal_kind(), &e.reason(&gpu));
             let line = e.line(&name, &gpu);
-            fatal::report(e.fatal_kind(), error::WorkerError::reason_in(&line));
             let _ =
                 std::io::Write::write_fmt(&mut std::io::stderr().lock(), format_args!("{line}\n"));
             std::process::exit(exit_codes::WORKER_PERMANENT);

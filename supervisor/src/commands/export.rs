@@ -61,7 +61,8 @@ pub fn run(a: ExportArgs) -> Result<i32, Error> {
             let why = if refused.is_empty() {
                 "it holds no checkpoint (checkpoints/step-N); nothing to export".to_string()
             } else {
-                format!("no checkpoint in it verifies: {}", refused.join("; "))
+                let each: Vec<String> = refused.iter().map(ToString::to_string).collect();
+                format!("no checkpoint in it verifies: {}", each.join("; "))
             };
             return Err(usage(why));
         };

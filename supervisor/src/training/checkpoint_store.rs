@@ -211,7 +211,11 @@ impl CheckpointStore {
 }
 
 impl CheckpointView for CheckpointStore {
-    fn verify(&self, dir: &Path, drafter: &DrafterConfig) -> Result<u64, String> {
+    fn verify(
+        &self,
+        dir: &Path,
+        drafter: &DrafterConfig,
+    ) -> Result<u64, dflash_shared::checkpoint::Refused> {
         dflash_shared::checkpoint::verify(dir, serde_json::to_value(drafter).ok().as_ref())
     }
 

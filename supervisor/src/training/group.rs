@@ -207,7 +207,11 @@ impl Extend<Action> for Out {
 /// What the group asks of the checkpoints on disk (read only).
 pub trait CheckpointView: Send {
     /// Does the checkpoint in `dir` pass its checks ([`dflash_shared::checkpoint::verify`])?
-    fn verify(&self, dir: &Path, drafter: &DrafterConfig) -> Result<u64, String>;
+    fn verify(
+        &self,
+        dir: &Path,
+        drafter: &DrafterConfig,
+    ) -> Result<u64, dflash_shared::checkpoint::Refused>;
     /// Is the checkpoint of `step` complete (its meta.json written)?
     fn is_complete(&self, step: u64) -> bool;
     /// The newest complete checkpoint of a step at most `at_most`.
@@ -1716,12 +1720,19 @@ mod tests {
     }
 
     impl CheckpointView for Disk {
-        fn verify(&self, dir: &Path, _: &DrafterConfig) -> Result<u64, String> {
+        fn verify(
+            &self,
+            dir: &Path,
+            _: &DrafterConfig,
+        ) -> Result<u64, dflash_shared::checkpoint::Refused> {
             let step =
                 dflash_shared::checkpoint::step_of_dir(&dir.file_name().unwrap().to_string_lossy())
                     .unwrap();
             match self.bad.lock().unwrap().contains(&step) {
-                true => Err(format!("{}: damaged", dir.display())),
+                true => Err(dflash_shared::checkpoint::Refused {
+                    file: dir.to_path_buf(),
+                    problem: dflash_shared::checkpoint::Problem::DataLength,
+                }),
                 false => Ok(step),
             }
         }

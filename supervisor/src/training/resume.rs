@@ -1016,7 +1016,7 @@ impl Prepared {
                         "not resuming from {}: {e}; trying the one before it",
                         c.display()
                     );
-                    reasons.push(e);
+                    reasons.push(e.to_string());
                     refused.push(c);
                 }
             }
