@@ -18,7 +18,6 @@ use dflash_shared::rng::Rng;
 use serde::Serialize;
 
 use crate::compute::cpu::Cpu;
-use crate::compute::Backend;
 use crate::device::GpuError;
 use crate::error::ToolError;
 use crate::model::drafter::{Drafter, Frozen, Sample};

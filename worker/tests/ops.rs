@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use dflash_shared::rng::Rng;
 use dflash_worker::compute::cpu::Cpu;
-use dflash_worker::compute::{rope_inv_freq, Backend, Heads, KeySpan};
+use dflash_worker::compute::{rope_inv_freq, Heads, KeySpan};
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
     let mut r = Rng::new(seed);

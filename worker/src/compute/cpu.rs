@@ -1,6 +1,6 @@
 //! The CPU backend: plain Rust, rows split across threads for the heavy ops.
 
-use super::{AttnSaved, Backend, Heads, KeySpan};
+use super::{AttnSaved, Heads, KeySpan};
 
 pub struct Cpu {
     threads: usize,
@@ -129,8 +129,10 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-impl Backend for Cpu {
-    fn matmul(&self, x: &[f32], w: &[f32], y: &mut [f32], m: usize, k: usize, n: usize) {
+/// The reference ops, over host f32 slices.
+impl Cpu {
+    /// `y[m,n] = x[m,k] · w[n,k]ᵀ`
+    pub fn matmul(&self, x: &[f32], w: &[f32], y: &mut [f32], m: usize, k: usize, n: usize) {
         assert_eq!(
             (x.len(), w.len(), y.len()),
             (m * k, n * k, m * n),
@@ -158,7 +160,10 @@ impl Backend for Cpu {
         };
     }
 
-    fn matmul_backward(
+    /// Backward of [`matmul`](Self::matmul): `dx += dy · w` (if given), `dw += dyᵀ · x`
+    /// (if given).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_backward(
         &self,
         dy: &[f32],
         x: &[f32],
@@ -221,7 +226,8 @@ impl Backend for Cpu {
         }
     }
 
-    fn rmsnorm(&self, x: &[f32], w: &[f32], y: &mut [f32], d: usize, eps: f32) -> Vec<f32> {
+    /// RMSNorm of each row of width `d`; returns the reciprocal RMS of each row.
+    pub fn rmsnorm(&self, x: &[f32], w: &[f32], y: &mut [f32], d: usize, eps: f32) -> Vec<f32> {
         let mut rstd = Vec::with_capacity(x.len() / d);
         for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
             let ms = xr.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / d as f64;
@@ -234,7 +240,8 @@ impl Backend for Cpu {
         rstd
     }
 
-    fn rmsnorm_backward(
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward(
         &self,
         dy: &[f32],
         x: &[f32],
@@ -270,7 +277,11 @@ impl Backend for Cpu {
         }
     }
 
-    fn rope(
+    /// Rotary embedding in place on rows of `heads × head_dim`, row `i` at `positions[i]`
+    /// (Hugging Face's rotate-half convention), cos and sin times `scale` (YaRN's attention
+    /// factor, else 1); `inverse` applies the transpose (the backward).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
         &self,
         x: &mut [f32],
         heads: usize,
@@ -296,13 +307,14 @@ impl Backend for Cpu {
         }
     }
 
-    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    /// `out = silu(gate) * up`
+    pub fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
         for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
             *o = g * sigmoid(*g) * u;
         }
     }
 
-    fn swiglu_backward(
+    pub fn swiglu_backward(
         &self,
         dout: &[f32],
         gate: &[f32],
@@ -318,7 +330,9 @@ impl Backend for Cpu {
         }
     }
 
-    fn attention(
+    /// Masked softmax attention. q: `[tq, q_heads·hd]`, k/v: `[tk, kv_heads·hd]`,
+    /// out: `[tq, q_heads·hd]`. Scale 1/√hd.
+    pub fn attention(
         &self,
         q: &[f32],
         k: &[f32],
@@ -518,7 +532,8 @@ impl Backend for Cpu {
         AttnSaved { probs, offsets }
     }
 
-    fn attention_backward(
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
         &self,
         dout: &[f32],
         q: &[f32],

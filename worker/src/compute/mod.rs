@@ -1,7 +1,8 @@
-//! Compute: the op set behind a backend trait, in the style of llm.c — every op has an
-//! explicit forward and, where training needs it, an explicit backward. The `cpu` backend
-//! is plain Rust with threads; a CUDA backend (cudarc, NVRTC, cuBLASLt) implements the
-//! same trait later.
+//! The reference op set, in the style of llm.c — every op has an explicit forward and,
+//! where training needs it, an explicit backward: plain Rust with threads ([`cpu::Cpu`]).
+//! The reference models (`crate::model`) compute with it, and every kernel of the
+//! devices (`crate::device`: the GPU's CUDA kernels, the CPU device's) is tested against
+//! it.
 //!
 //! Layouts: activations are row-major `[rows, dim]` f32; a linear layer's weight is
 //! `[out, in]` as in Hugging Face checkpoints, so `y = x · Wᵀ`.
@@ -47,90 +48,6 @@ pub struct AttnSaved {
     pub probs: Vec<f32>,
     /// Start of each (query, head) row in `probs`.
     pub offsets: Vec<usize>,
-}
-
-/// The op set. Buffers are host f32 slices for now; the CUDA backend will bring its own
-/// buffer type.
-pub trait Backend: Sync {
-    /// `y[m,n] = x[m,k] · w[n,k]ᵀ`
-    fn matmul(&self, x: &[f32], w: &[f32], y: &mut [f32], m: usize, k: usize, n: usize);
-    /// Backward of [`matmul`](Backend::matmul): `dx += dy · w` (if given), `dw += dyᵀ · x`
-    /// (if given).
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_backward(
-        &self,
-        dy: &[f32],
-        x: &[f32],
-        w: &[f32],
-        dx: Option<&mut [f32]>,
-        dw: Option<&mut [f32]>,
-        m: usize,
-        k: usize,
-        n: usize,
-    );
-    /// RMSNorm of each row of width `d`; returns the reciprocal RMS of each row.
-    fn rmsnorm(&self, x: &[f32], w: &[f32], y: &mut [f32], d: usize, eps: f32) -> Vec<f32>;
-    #[allow(clippy::too_many_arguments)]
-    fn rmsnorm_backward(
-        &self,
-        dy: &[f32],
-        x: &[f32],
-        w: &[f32],
-        rstd: &[f32],
-        dx: &mut [f32],
-        dw: Option<&mut [f32]>,
-        d: usize,
-    );
-    /// Rotary embedding in place on rows of `heads × head_dim`, row `i` at `positions[i]`
-    /// (Hugging Face's rotate-half convention). `inverse` applies the transpose (backward).
-    /// Rotary embedding in place, cos and sin times `scale` (YaRN's attention factor, else
-    /// 1); `inverse` applies the transpose (the backward).
-    #[allow(clippy::too_many_arguments)]
-    fn rope(
-        &self,
-        x: &mut [f32],
-        heads: usize,
-        head_dim: usize,
-        positions: &[usize],
-        inv_freq: &[f32],
-        scale: f32,
-        inverse: bool,
-    );
-    /// `out = silu(gate) * up`
-    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]);
-    fn swiglu_backward(
-        &self,
-        dout: &[f32],
-        gate: &[f32],
-        up: &[f32],
-        dgate: &mut [f32],
-        dup: &mut [f32],
-    );
-    /// Masked softmax attention. q: `[tq, q_heads·hd]`, k/v: `[tk, kv_heads·hd]`,
-    /// out: `[tq, q_heads·hd]`. Scale 1/√hd.
-    fn attention(
-        &self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &mut [f32],
-        spans: &[KeySpan],
-        h: Heads,
-    ) -> AttnSaved;
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        dout: &[f32],
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        saved: &AttnSaved,
-        spans: &[KeySpan],
-        h: Heads,
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-    );
 }
 
 /// Inverse frequencies of rotary embeddings, with the target's scaling.

@@ -15,7 +15,7 @@ use dflash_shared::drafter::{DrafterConfig, ParamLayout, StepStats};
 use dflash_shared::rng::Rng;
 
 use crate::compute::cpu::{axpy, Cpu};
-use crate::compute::{rope_inv_freq, AttnSaved, Backend, Heads, KeySpan};
+use crate::compute::{rope_inv_freq, AttnSaved, Heads, KeySpan};
 use crate::math::exp_neg;
 
 /// Offsets of one layer's tensors, resolved once.

@@ -8,7 +8,7 @@ use dflash_shared::model_config::{Arch, TargetConfig};
 
 use super::weights::{ModelError, Weights};
 use crate::compute::cpu::Cpu;
-use crate::compute::{rope_inv_freq, Backend, Heads, KeySpan};
+use crate::compute::{rope_inv_freq, Heads, KeySpan};
 
 pub use dflash_shared::model_config::expected_tensors;
 

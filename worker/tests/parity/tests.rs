@@ -4,7 +4,7 @@
 
 use dflash_shared::rng::Rng;
 use dflash_worker::compute::cpu::Cpu;
-use dflash_worker::compute::{Backend, Heads, KeySpan};
+use dflash_worker::compute::{Heads, KeySpan};
 use dflash_worker::device::ops::Ops;
 use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
 
