@@ -192,7 +192,10 @@ impl Lib {
             .into_owned();
         Err(WorkerError::Device {
             what: what.into(),
-            source: crate::device::GpuError::Failed(format!("NCCL error {r}: {msg}")),
+            source: crate::device::GpuError::Failed {
+                call: "NCCL".into(),
+                error: format!("error {r}: {msg}"),
+            },
         })
     }
 
@@ -414,7 +417,7 @@ impl NcclCollective {
         if let Some(init) = self.lib.comm_init_rank_config {
             ctx.bind_to_thread().map_err(|e| WorkerError::Device {
                 what: "binding the CUDA context for ncclCommInitRankConfig".into(),
-                source: crate::device::GpuError::Failed(format!("{e:?}")),
+                source: crate::device::GpuError::failed("cuCtxSetCurrent")(e),
             })?;
             let mut comm: Comm = std::ptr::null_mut();
             let config = Config::non_blocking();
@@ -627,9 +630,10 @@ impl Collective for NcclCollective {
                         Ok(())
                     } else {
                         refused.set(rc);
-                        Err(crate::device::GpuError::Failed(format!(
-                            "ncclAllReduce of a gradient bucket: NCCL error {rc}"
-                        )))
+                        Err(crate::device::GpuError::Failed {
+                            call: "ncclAllReduce of a gradient bucket".into(),
+                            error: format!("NCCL error {rc}"),
+                        })
                     }
                 });
                 let e = match e {

@@ -177,9 +177,11 @@ impl Device for CpuDevice {
         // SAFETY: a non-zero size.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         if p.is_null() {
-            return Err(GpuError::OutOfMemory(format!(
-                "{bytes} bytes of host memory"
-            )));
+            return Err(GpuError::OutOfMemory {
+                what: "an allocation on the CPU device".into(),
+                requested: bytes,
+                free_of: None,
+            });
         }
         self.allocations.push((p, layout));
         Ok(p as DevPtr)

@@ -20,7 +20,7 @@ use super::{
 };
 
 fn failed(what: &str, e: impl std::fmt::Debug) -> GpuError {
-    GpuError::Failed(format!("{what}: {e:?}"))
+    GpuError::failed(what)(e)
 }
 
 /// Which CUDA library is missing, if any, with where it was looked for.
@@ -89,15 +89,15 @@ impl CudaDevice {
         }
         let ctx = CudaContext::new(0).map_err(|e| {
             use cudarc::driver::sys::CUresult;
-            let msg = format!("cannot open the GPU (cuInit/cuDevicePrimaryCtxRetain): {e:?}");
+            let call = "cannot open the GPU (cuInit/cuDevicePrimaryCtxRetain)";
             // Out of memory or held by another process (exclusive mode): may pass later.
             if matches!(
                 e.0,
                 CUresult::CUDA_ERROR_OUT_OF_MEMORY | CUresult::CUDA_ERROR_DEVICE_UNAVAILABLE
             ) {
-                GpuError::Failed(msg)
+                GpuError::failed(call)(e)
             } else {
-                GpuError::Unavailable(msg)
+                GpuError::Unavailable(format!("{call}: {e:?}"))
             }
         })?;
         let (major, minor) = ctx
@@ -203,7 +203,7 @@ fn load_kernels(
     driver: i32,
 ) -> Result<(Arc<cudarc::driver::CudaModule>, KernelImage)> {
     let permanent = |e: GpuError| match e {
-        GpuError::Failed(m) => GpuError::Unavailable(m),
+        e @ GpuError::Failed { .. } => GpuError::Unavailable(e.to_string()),
         other => other,
     };
     let (kernels, _) =
@@ -299,8 +299,13 @@ impl Device for CudaDevice {
         // cuMemAlloc, not cuMemAllocAsync: memory from a stream-ordered allocation may only
         // be used on another stream once ordered after it, and the arena serves both.
         // SAFETY: a plain allocation, freed in Drop.
-        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes.max(1)) }
-            .map_err(|e| GpuError::OutOfMemory(format!("{bytes} bytes: {e:?}")))?;
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(bytes.max(1)) }.map_err(|e| {
+            GpuError::OutOfMemory {
+                what: format!("cuMemAlloc ({e:?})"),
+                requested: bytes,
+                free_of: None,
+            }
+        })?;
         self.memory.push(ptr);
         // Zeroed before anything may use it (fresh device memory is garbage).
         let st = self.streams[0].cu_stream();

@@ -125,10 +125,12 @@ impl Device for HostDevice {
     fn alloc(&mut self, bytes: usize) -> Result<DevPtr> {
         let used: usize = self.allocations.iter().map(|(_, l)| l.size()).sum();
         if self.memory_limit.is_some_and(|limit| used + bytes > limit) {
-            return Err(GpuError::OutOfMemory(format!(
-                "{bytes} bytes asked, {used} of {} in use",
-                self.memory_limit.unwrap_or(0)
-            )));
+            let limit = self.memory_limit.unwrap_or(0);
+            return Err(GpuError::OutOfMemory {
+                what: "an allocation on the host device".into(),
+                requested: bytes,
+                free_of: Some((limit.saturating_sub(used), limit)),
+            });
         }
         let layout = std::alloc::Layout::from_size_align(bytes.max(1), 256)
             .map_err(|e| GpuError::Invalid(e.to_string()))?;
@@ -136,7 +138,11 @@ impl Device for HostDevice {
         // not depend on garbage either way.
         let p = unsafe { std::alloc::alloc_zeroed(layout) };
         if p.is_null() {
-            return Err(GpuError::OutOfMemory(format!("{bytes} bytes")));
+            return Err(GpuError::OutOfMemory {
+                what: "an allocation on the host device".into(),
+                requested: bytes,
+                free_of: None,
+            });
         }
         self.allocations.push((p, layout));
         self.track(

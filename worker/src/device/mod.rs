@@ -261,10 +261,16 @@ impl Gemm {
 pub enum GpuError {
     /// A CUDA library is missing or the GPU cannot be used: permanent, do not restart.
     Unavailable(String),
-    /// A call failed (driver, NVRTC, cuBLAS error).
-    Failed(String),
-    /// Out of (arena) memory.
-    OutOfMemory(String),
+    /// A call into a CUDA library (driver, NVRTC, cuBLAS, NCCL) failed: which call, and
+    /// the library's error.
+    Failed { call: String, error: String },
+    /// `what` asked for `requested` bytes of a memory that had `free` of `total` left
+    /// (when known): a device's, a worker's arena, or the host's.
+    OutOfMemory {
+        what: String,
+        requested: usize,
+        free_of: Option<(usize, usize)>,
+    },
     /// A wrong call: bad shape, unknown kernel, bad arguments.
     Invalid(String),
     /// The host device saw two streams touch the same memory without an event between.
@@ -275,8 +281,20 @@ impl fmt::Display for GpuError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             GpuError::Unavailable(s) => write!(f, "GPU unavailable: {s}"),
-            GpuError::Failed(s) => write!(f, "{s}"),
-            GpuError::OutOfMemory(s) => write!(f, "out of device memory: {s}"),
+            GpuError::Failed { call, error } => write!(f, "{call}: {error}"),
+            GpuError::OutOfMemory {
+                what,
+                requested,
+                free_of,
+            } => {
+                write!(f, "out of memory: {what}: {} asked", bytes(*requested))?;
+                match free_of {
+                    Some((free, total)) => {
+                        write!(f, ", {} of {} free", bytes(*free), bytes(*total))
+                    }
+                    None => Ok(()),
+                }
+            }
             GpuError::Invalid(s) => write!(f, "invalid device call: {s}"),
             GpuError::Race(s) => write!(f, "stream race: {s}"),
         }
@@ -284,6 +302,27 @@ impl fmt::Display for GpuError {
 }
 
 impl std::error::Error for GpuError {}
+
+impl GpuError {
+    /// `map_err(GpuError::failed("cuMemAlloc"))`: the library's error in its own words.
+    pub fn failed<E: fmt::Debug>(call: impl Into<String>) -> impl FnOnce(E) -> GpuError {
+        let call = call.into();
+        move |e| GpuError::Failed {
+            call,
+            error: format!("{e:?}"),
+        }
+    }
+}
+
+/// A size for a person: bytes, MiB or GiB.
+fn bytes(n: usize) -> String {
+    const MIB: f64 = (1u64 << 20) as f64;
+    match n as f64 {
+        b if b >= 1024.0 * MIB => format!("{:.2} GiB", b / 1024.0 / MIB),
+        b if b >= MIB => format!("{:.1} MiB", b / MIB),
+        _ => format!("{n} bytes"),
+    }
+}
 
 pub type Result<T> = std::result::Result<T, GpuError>;
 
@@ -465,7 +504,11 @@ impl Arena {
             return Err(GpuError::Unavailable(say()));
         }
         if total > 0 && size > free {
-            return Err(GpuError::OutOfMemory(say()));
+            return Err(GpuError::OutOfMemory {
+                what: format!("{what} on {}", dev.describe()),
+                requested: size,
+                free_of: Some((free, total)),
+            });
         }
         Arena::new(dev, size)
     }
@@ -529,10 +572,11 @@ impl Arena {
         let start = self.top.div_ceil(256) * 256;
         if start + bytes > self.size {
             self.stats.alloc_failures += 1;
-            return Err(GpuError::OutOfMemory(format!(
-                "{name}: {bytes} bytes asked, {} of {} in use",
-                self.top, self.size
-            )));
+            return Err(GpuError::OutOfMemory {
+                what: format!("{name} from the arena"),
+                requested: bytes,
+                free_of: Some((self.size - self.top, self.size)),
+            });
         }
         self.top = start + bytes;
         self.stats.in_use = self.top as u64;
@@ -610,5 +654,46 @@ pub fn open_device(gpu: Option<u32>) -> Result<Option<Box<dyn Device>>> {
                 Ok(Some(Box::new(dev)))
             }
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_arena_that_is_full_says_who_asked_how_much_and_what_was_left() {
+        let mut dev = cpu::CpuDevice::new();
+        let mut arena = Arena::new(&mut dev, 4096).unwrap();
+        arena.alloc(&mut dev, 3072, "weights").unwrap();
+        let err = arena.alloc(&mut dev, 2 << 20, "activations").unwrap_err();
+        let GpuError::OutOfMemory {
+            what,
+            requested,
+            free_of: Some((free, total)),
+        } = &err
+        else {
+            panic!("{err:?}")
+        };
+        assert!(what.starts_with("activations"), "{what}");
+        assert_eq!((*requested, *free, *total), (2 << 20, 1024, 4096));
+        assert_eq!(
+            err.to_string(),
+            "out of memory: activations from the arena: 2.0 MiB asked, 1024 bytes of 4096 bytes free"
+        );
+        assert_eq!(arena.stats.alloc_failures, 1);
+    }
+
+    #[test]
+    fn a_failed_call_keeps_the_call_apart_from_the_librarys_words() {
+        let e = GpuError::failed("cuMemcpyHtoDAsync")(7);
+        assert_eq!(
+            e,
+            GpuError::Failed {
+                call: "cuMemcpyHtoDAsync".into(),
+                error: "7".into()
+            }
+        );
+        assert_eq!(e.to_string(), "cuMemcpyHtoDAsync: 7");
     }
 }

@@ -49,7 +49,7 @@ pub fn version() -> Result<(i32, i32), GpuError> {
     // SAFETY: NVRTC is loaded; the call writes two ints.
     unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
         .result()
-        .map_err(|e| GpuError::Failed(format!("nvrtcVersion: {e:?}")))?;
+        .map_err(GpuError::failed("nvrtcVersion"))?;
     Ok((major, minor))
 }
 
@@ -75,7 +75,7 @@ impl Compiled {
 }
 
 fn nvrtc_failed(what: &str, arch: &str, e: impl std::fmt::Debug) -> GpuError {
-    GpuError::Failed(format!("NVRTC {what} for {arch}: {e:?}"))
+    GpuError::failed(format!("NVRTC {what} for {arch}"))(e)
 }
 
 /// Compile the kernels for `arch` (e.g. `sm_90`): PTX and CUBIN.
@@ -98,10 +98,10 @@ pub fn compile(src: &str, arch: &str) -> Result<Compiled, GpuError> {
                     .take_while(|&&c| c != 0)
                     .map(|&c| c as u8)
                     .collect();
-                return Err(GpuError::Failed(format!(
-                    "NVRTC failed for {arch}:\n{}",
-                    String::from_utf8_lossy(&log)
-                )));
+                return Err(GpuError::Failed {
+                    call: format!("NVRTC compiling for {arch}"),
+                    error: String::from_utf8_lossy(&log).into_owned(),
+                });
             }
             let ptx = result::get_ptx(prog).map_err(|e| nvrtc_failed("nvrtcGetPTX", arch, e))?;
             let ptx: Vec<u8> = ptx
