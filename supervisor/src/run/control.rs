@@ -26,6 +26,9 @@ pub enum ControlEvent {
         life: LifeId,
         msg: FromWorker,
     },
+    /// The worker died before its hello was taken, and [`abandon`] found the server
+    /// still waiting: no hello ever came.
+    Abandoned { worker: usize, life: LifeId },
     /// The control channel ended. `malformed`: the worker broke the protocol.
     ChannelLost {
         worker: usize,
@@ -76,7 +79,10 @@ pub fn serve<E: From<ControlEvent> + Send + 'static>(
                         return;
                     }
                 }
-                FromWorker::Abandon => return,
+                FromWorker::Abandon => {
+                    let _ = tx.send(E::from(ControlEvent::Abandoned { worker, life }));
+                    return;
+                }
                 other => {
                     let _ = tx.send(E::from(lost(
                         format!("first control message was {}, expected Hello", other.kind()),

@@ -630,10 +630,8 @@ impl Collective for NcclCollective {
                         Ok(())
                     } else {
                         refused.set(rc);
-                        Err(crate::device::GpuError::Failed {
-                            call: "ncclAllReduce of a gradient bucket".into(),
-                            error: format!("NCCL error {rc}"),
-                        })
+                        let call = "ncclAllReduce of a gradient bucket, NCCL error";
+                        Err(crate::device::GpuError::failed(call)(rc))
                     }
                 });
                 let e = match e {

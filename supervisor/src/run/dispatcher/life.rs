@@ -45,6 +45,8 @@ pub(super) struct Life {
     pub in_work: Option<Box<super::steps::InWork>>,
     /// What the worker said, in its last message, when it ends on an error.
     pub fatal: Option<(FatalKind, String)>,
+    /// Its control thread ended before a hello: no hello can come any more.
+    pub control_ended: bool,
     pub state: LifeState,
 }
 
@@ -65,6 +67,13 @@ pub(super) enum LifeState {
         reason: String,
         to_worker: Option<IpcSender<ToWorker>>,
         connected: bool,
+        asked_to_stop: bool,
+    },
+    /// The process is gone (`status`) before its hello was taken: the control thread,
+    /// woken, says whether a hello came first (the life then drains) or none did.
+    Unanswered {
+        status: ExitStatus,
+        killed_for: Option<String>,
         asked_to_stop: bool,
     },
     /// The process is gone (`status`, seen at `since`); its control channel, still open, is
@@ -110,7 +119,7 @@ impl Life {
             LifeState::Ready { to_worker }
             | LifeState::Stopping { to_worker, .. }
             | LifeState::Killed { to_worker, .. } => to_worker.as_ref(),
-            LifeState::Starting | LifeState::Draining { .. } => None,
+            LifeState::Starting | LifeState::Unanswered { .. } | LifeState::Draining { .. } => None,
         }
     }
 
@@ -125,7 +134,7 @@ impl Life {
     /// Whether it said hello.
     pub fn connected(&self) -> bool {
         match &self.state {
-            LifeState::Starting => false,
+            LifeState::Starting | LifeState::Unanswered { .. } => false,
             LifeState::Ready { .. } | LifeState::Draining { .. } => true,
             LifeState::Stopping { connected, .. } | LifeState::Killed { connected, .. } => {
                 *connected
@@ -136,7 +145,9 @@ impl Life {
     pub fn killed_for(&self) -> Option<&str> {
         match &self.state {
             LifeState::Killed { reason, .. } => Some(reason),
-            LifeState::Draining { killed_for, .. } => killed_for.as_deref(),
+            LifeState::Draining { killed_for, .. } | LifeState::Unanswered { killed_for, .. } => {
+                killed_for.as_deref()
+            }
             _ => None,
         }
     }
@@ -144,9 +155,9 @@ impl Life {
     pub fn asked_to_stop(&self) -> bool {
         match &self.state {
             LifeState::Stopping { .. } => true,
-            LifeState::Killed { asked_to_stop, .. } | LifeState::Draining { asked_to_stop, .. } => {
-                *asked_to_stop
-            }
+            LifeState::Killed { asked_to_stop, .. }
+            | LifeState::Draining { asked_to_stop, .. }
+            | LifeState::Unanswered { asked_to_stop, .. } => *asked_to_stop,
             LifeState::Starting | LifeState::Ready { .. } => false,
         }
     }
@@ -156,7 +167,7 @@ impl Life {
     pub fn watched(&self) -> bool {
         !matches!(
             self.state,
-            LifeState::Killed { .. } | LifeState::Draining { .. }
+            LifeState::Killed { .. } | LifeState::Draining { .. } | LifeState::Unanswered { .. }
         )
     }
 
@@ -168,11 +179,41 @@ impl Life {
         }
     }
 
-    /// It said hello with this channel.
-    pub fn connect(&mut self, to_worker: IpcSender<ToWorker>) {
-        self.state = LifeState::Ready {
-            to_worker: Some(to_worker),
+    /// It said hello with this channel. Returns `false` when it had died already (its
+    /// hello was taken after its death): the life drains its channel, then ends.
+    pub fn connect(&mut self, to_worker: IpcSender<ToWorker>, now: Instant) -> bool {
+        let state = std::mem::replace(&mut self.state, LifeState::Starting);
+        let (alive, state) = match state {
+            LifeState::Unanswered {
+                status,
+                killed_for,
+                asked_to_stop,
+            } => (
+                false,
+                LifeState::Draining {
+                    status,
+                    since: now,
+                    killed_for,
+                    asked_to_stop,
+                },
+            ),
+            _ => (
+                true,
+                LifeState::Ready {
+                    to_worker: Some(to_worker),
+                },
+            ),
         };
+        self.state = state;
+        alive
+    }
+
+    /// The control thread found no hello: the exit it waited for, to be handled now.
+    pub fn abandoned(&self) -> Option<ExitStatus> {
+        match &self.state {
+            LifeState::Unanswered { status, .. } => Some(*status),
+            _ => None,
+        }
     }
 
     /// The supervisor killed it (the first reason is kept). Nothing changes for a life
@@ -201,7 +242,9 @@ impl Life {
                 connected,
                 asked_to_stop: true,
             },
-            s @ (LifeState::Killed { .. } | LifeState::Draining { .. }) => s,
+            s @ (LifeState::Killed { .. }
+            | LifeState::Draining { .. }
+            | LifeState::Unanswered { .. }) => s,
         };
     }
 
@@ -220,9 +263,9 @@ impl Life {
                     connected: true,
                 }
             }
-            LifeState::Killed { asked_to_stop, .. } | LifeState::Draining { asked_to_stop, .. } => {
-                *asked_to_stop = true
-            }
+            LifeState::Killed { asked_to_stop, .. }
+            | LifeState::Draining { asked_to_stop, .. }
+            | LifeState::Unanswered { asked_to_stop, .. } => *asked_to_stop = true,
             LifeState::Stopping { .. } => {}
         }
     }
@@ -230,6 +273,9 @@ impl Life {
     /// Its control channel ended. Returns the exit status if it had already died (the
     /// drain is over).
     pub fn channel_lost(&mut self) -> Option<ExitStatus> {
+        if !self.connected() {
+            self.control_ended = true;
+        }
         match &mut self.state {
             LifeState::Ready { to_worker }
             | LifeState::Stopping { to_worker, .. }
@@ -237,19 +283,36 @@ impl Life {
                 *to_worker = None;
                 None
             }
-            LifeState::Draining { status, .. } => Some(*status),
+            LifeState::Draining { status, .. } | LifeState::Unanswered { status, .. } => {
+                Some(*status)
+            }
             LifeState::Starting => None,
         }
     }
 
     /// The process is gone. Returns `true` when the death can be handled now, `false` when
     /// its open channel is drained first.
+    ///
+    /// A life that had not said hello waits for its control thread (woken by the caller's
+    /// abandon): a hello may have been sent before the death and not yet taken, and must
+    /// not be lost (it decides whether the worker program ever connects).
     pub fn exited(&mut self, status: ExitStatus, now: Instant) -> bool {
-        if !self.connected() || self.to_worker().is_none() {
-            return true;
-        }
         let (killed_for, asked_to_stop) =
             (self.killed_for().map(String::from), self.asked_to_stop());
+        if !self.connected() {
+            if self.control_ended {
+                return true;
+            }
+            self.state = LifeState::Unanswered {
+                status,
+                killed_for,
+                asked_to_stop,
+            };
+            return false;
+        }
+        if self.to_worker().is_none() {
+            return true;
+        }
         self.state = LifeState::Draining {
             status,
             since: now,
@@ -263,7 +326,7 @@ impl Life {
 impl LifeState {
     fn as_str(&self) -> &'static str {
         match self {
-            LifeState::Starting => "starting",
+            LifeState::Starting | LifeState::Unanswered { .. } => "starting",
             LifeState::Ready { .. } => "running",
             LifeState::Stopping { .. } => "stopping",
             LifeState::Killed {

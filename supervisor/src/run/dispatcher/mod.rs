@@ -417,6 +417,11 @@ impl Dispatcher {
             Event::Control(ControlEvent::Message { worker, life, msg }) => {
                 self.on_message(worker, life, msg)
             }
+            Event::Control(ControlEvent::Abandoned { worker, life }) => {
+                if let Some(status) = self.live(worker, life).and_then(|l| l.abandoned()) {
+                    self.finish_exit(worker, status);
+                }
+            }
             Event::Control(ControlEvent::ChannelLost {
                 worker,
                 life,
@@ -569,10 +574,16 @@ impl Dispatcher {
         if hello.to_worker.send(pools).is_err() {
             log::warn!("{name}: cannot send the pool description; its channel is closed");
         }
-        l.connect(hello.to_worker);
+        let alive = l.connect(hello.to_worker, now);
         let pid = l.pid;
         self.workers[worker].lives_without_hello = 0;
         self.workers[worker].ever_connected = true;
+        if !alive {
+            // Its hello was taken after its death: what it sent is read, then the death
+            // is handled (as a connected worker's).
+            log::info!("{name} (pid {pid}) said hello and died before it was taken");
+            return;
+        }
         if hello.pid != pid {
             log::info!(
                 "{name}: hello from pid {} (spawned pid {pid}; a wrapper?)",
@@ -779,9 +790,13 @@ impl Dispatcher {
         let Some(l) = self.live(worker, life) else {
             return;
         };
-        // A connected life's channel is read to its end first (see the module docs).
+        // A connected life's channel is read to its end first (see the module docs); an
+        // unconnected one's control thread is woken to say whether a hello came first.
         if l.exited(status, now) {
             self.finish_exit(worker, status);
+        } else if !l.connected() {
+            let server = l.server_name.clone();
+            self.launcher.abandon(&server);
         }
     }
 

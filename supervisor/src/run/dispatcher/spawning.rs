@@ -61,6 +61,7 @@ impl Dispatcher {
             last_beat: self.now,
             in_work: None,
             fatal: None,
+            control_ended: false,
             state: LifeState::Starting,
         });
         Ok(())

@@ -248,6 +248,10 @@ impl Harness {
                 malformed: false,
             };
             self.step(Some(Event::Control(lost)), ms);
+        } else {
+            // The control thread, woken by the abandon, found no hello.
+            let abandoned = ControlEvent::Abandoned { worker, life };
+            self.step(Some(Event::Control(abandoned)), ms);
         }
     }
 
@@ -1229,4 +1233,73 @@ fn a_permanent_exit_code_without_a_fatal_message_stops_the_run_naming_the_log() 
             && msg.ends_with("target-0.log"),
         "{msg}"
     );
+}
+
+#[test]
+fn a_hello_taken_after_the_workers_death_still_counts_and_its_last_words_are_read() {
+    use dflash_shared::protocol::FatalKind;
+    let mut h = harness(&["--gpus", "cpu:2", "--max-restarts", "20"]);
+    for round in 0..3u64 {
+        let t = 10 + round * 2000;
+        let life = h.life(TARGET).unwrap();
+        // The process is reaped before its control thread has handed over the hello it
+        // sent: the death waits for the control thread's word.
+        h.step(
+            Some(Event::Exited {
+                worker: TARGET,
+                life,
+                status: exit_code(7),
+            }),
+            t,
+        );
+        assert_eq!(h.life(TARGET), Some(life), "the death waits for the hello");
+        assert_eq!(h.launches(TARGET), round as usize + 1);
+        let _rx = h.connect(TARGET, t + 1);
+        let fatal = FromWorker::Fatal {
+            kind: FatalKind::Crash,
+            message: "crashing on purpose".into(),
+        };
+        h.message(TARGET, life, fatal, t + 2);
+        let lost = ControlEvent::ChannelLost {
+            worker: TARGET,
+            life,
+            reason: "control channel closed".into(),
+            malformed: false,
+        };
+        h.step(Some(Event::Control(lost)), t + 3);
+        h.tick(t + 1500);
+    }
+    // Three crashes after a hello are crashes, not a program that never connects.
+    assert!(matches!(h.d.phase, Phase::Running), "the run stopped");
+    assert!(h.d.workers[TARGET].ever_connected);
+    h.tick(20_000);
+    assert_eq!(h.launches(TARGET), 4, "restarted after each crash");
+    let exits = h.events("exit");
+    assert_eq!(exits.len(), 3);
+    assert!(exits.iter().all(|e| e["fatal"] == "crash"), "{exits:?}");
+}
+
+#[test]
+fn a_death_with_no_hello_is_handled_once_the_control_thread_finds_none() {
+    let mut h = harness(&["--gpus", "cpu:2"]);
+    let life = h.life(TARGET).unwrap();
+    h.step(
+        Some(Event::Exited {
+            worker: TARGET,
+            life,
+            status: exit_code(3),
+        }),
+        10,
+    );
+    assert_eq!(h.launches(TARGET), 1, "not yet handled");
+    h.step(
+        Some(Event::Control(ControlEvent::Abandoned {
+            worker: TARGET,
+            life,
+        })),
+        11,
+    );
+    h.tick(1100);
+    assert_eq!(h.launches(TARGET), 2, "handled, and restarted");
+    assert_eq!(h.d.workers[TARGET].lives_without_hello, 1);
 }
