@@ -46,6 +46,7 @@ pub fn serve<E: From<ControlEvent> + Send + 'static>(
     life: LifeId,
     tx: Sender<E>,
 ) {
+    let fallback = tx.clone();
     let spawned = thread::Builder::new()
         .name(format!("control-{worker}"))
         .spawn(move || {
@@ -109,6 +110,13 @@ pub fn serve<E: From<ControlEvent> + Send + 'static>(
         });
     if let Err(e) = spawned {
         log::error!("cannot start control thread: {e}");
+        // No hello can be taken: said, so that the worker's death is not waited on.
+        let _ = fallback.send(E::from(ControlEvent::ChannelLost {
+            worker,
+            life,
+            reason: format!("cannot start its control thread: {e}"),
+            malformed: false,
+        }));
     }
 }
 

@@ -1303,3 +1303,26 @@ fn a_death_with_no_hello_is_handled_once_the_control_thread_finds_none() {
     assert_eq!(h.launches(TARGET), 2, "handled, and restarted");
     assert_eq!(h.d.workers[TARGET].lives_without_hello, 1);
 }
+
+#[test]
+fn a_death_after_its_control_thread_ended_is_not_waited_on() {
+    let mut h = harness(&["--gpus", "cpu:2"]);
+    let life = h.life(TARGET).unwrap();
+    let lost = ControlEvent::ChannelLost {
+        worker: TARGET,
+        life,
+        reason: "cannot start its control thread: out of threads".into(),
+        malformed: false,
+    };
+    h.step(Some(Event::Control(lost)), 5);
+    h.step(
+        Some(Event::Exited {
+            worker: TARGET,
+            life,
+            status: exit_code(3),
+        }),
+        10,
+    );
+    h.tick(1100);
+    assert_eq!(h.launches(TARGET), 2, "handled at once, and restarted");
+}
