@@ -115,6 +115,139 @@ fn check_sizes(v: &serde_json::Value) -> Result<(), String> {
     Ok(())
 }
 
+/// What config.json may say that changes the math these models compute: refused, never
+/// ignored.
+fn refuse_unsupported(v: &serde_json::Value) -> Result<(), String> {
+    if v["attention_bias"].as_bool() == Some(true) || v["mlp_bias"].as_bool() == Some(true) {
+        return Err(
+            "attention_bias/mlp_bias = true is not supported (expected bias-free projections)"
+                .into(),
+        );
+    }
+    if let Some(act) = v["hidden_act"].as_str().or(v["hidden_activation"].as_str()) {
+        if act != "silu" && act != "swish" {
+            return Err(format!(
+                "hidden_act {act:?} is not supported (expected silu)"
+            ));
+        }
+    }
+    if v["partial_rotary_factor"]
+        .as_f64()
+        .is_some_and(|p| p != 1.0)
+        || v["rope_parameters"]["partial_rotary_factor"]
+            .as_f64()
+            .is_some_and(|p| p != 1.0)
+    {
+        return Err("partial_rotary_factor other than 1 is not supported (expected rotary embeddings over the whole head)".into());
+    }
+    if v["use_sliding_window"].as_bool() == Some(true) {
+        return Err("use_sliding_window = true is not supported (expected full causal attention in every layer)".into());
+    }
+    Ok(())
+}
+
+/// The rotary settings of config.json (its `v`): theta and the scaling, from either
+/// transformers layout.
+fn rope(v: &serde_json::Value) -> Result<(f64, Option<RopeScaling>), String> {
+    // transformers 5 writes the rotary settings under `rope_parameters` (rope_theta,
+    // rope_type and the scaling fields together); transformers 4 writes a top-level
+    // `rope_theta` and a `rope_scaling` object. Either layout, never a silent default.
+    let mut rp = &v["rope_parameters"];
+    // transformers 5 may key rope_parameters by layer type; these models have full
+    // attention only, so one set of parameters, and every layer type must agree.
+    if let Some(full) = rp.get("full_attention").filter(|f| f.is_object()) {
+        if let Some((k, _)) = rp
+            .as_object()
+            .into_iter()
+            .flatten()
+            .find(|(_, p)| *p != full)
+        {
+            return Err(format!("rope_parameters.{k} differs from rope_parameters.full_attention (expected one set of rotary parameters)"));
+        }
+        rp = full;
+    } else if rp
+        .as_object()
+        .is_some_and(|o| !o.is_empty() && o.values().all(|x| x.is_object()))
+    {
+        return Err("rope_parameters holds no rope_type or rope_theta and no full_attention entry (expected the rotary parameters)".into());
+    }
+    let (theta_field, scaling_field, scaling) = if rp.is_object() {
+        if let (Some(a), Some(b)) = (v["rope_theta"].as_f64(), rp["rope_theta"].as_f64()) {
+            if a != b {
+                return Err(format!(
+                    "rope_theta {a} and rope_parameters.rope_theta {b} disagree"
+                ));
+            }
+        }
+        if !v["rope_scaling"].is_null() && v["rope_scaling"] != *rp {
+            return Err("both rope_scaling and rope_parameters are set, and they differ (expected one of the two layouts)".into());
+        }
+        ("rope_parameters.rope_theta", "rope_parameters", rp)
+    } else if !rp.is_null() {
+        return Err("rope_parameters is not an object".into());
+    } else {
+        ("rope_theta", "rope_scaling", &v["rope_scaling"])
+    };
+    let rope_theta = match if rp.is_object() {
+        rp["rope_theta"].as_f64().or(v["rope_theta"].as_f64())
+    } else {
+        v["rope_theta"].as_f64()
+    } {
+        Some(t) if t > 0.0 => t,
+        Some(_) => return Err(format!("{theta_field} is not a positive number")),
+        // transformers' default for both Qwen3Config and LlamaConfig.
+        None if v["rope_theta"].is_null() && rp["rope_theta"].is_null() => 10000.0,
+        None => return Err(format!("{theta_field} is not a number")),
+    };
+    let rope_scaling = match scaling {
+        serde_json::Value::Null => None,
+        s => {
+            let kind = s["rope_type"]
+                .as_str()
+                .or(s["type"].as_str())
+                .unwrap_or("default");
+            let f = |k: &str| {
+                s[k].as_f64()
+                    .ok_or_else(|| format!("{scaling_field}.{k} is missing"))
+            };
+            match kind {
+                "default" => None,
+                "linear" => Some(RopeScaling::Linear { factor: f("factor")? }),
+                "llama3" => Some(RopeScaling::Llama3 {
+                    factor: f("factor")?,
+                    low_freq_factor: f("low_freq_factor")?,
+                    high_freq_factor: f("high_freq_factor")?,
+                    original_max_position_embeddings: f("original_max_position_embeddings")?,
+                }),
+                "yarn" => {
+                    let factor = f("factor")?;
+                    let original = match s["original_max_position_embeddings"].as_f64().or(v["max_position_embeddings"].as_f64()) {
+                        Some(o) if o > 0.0 => o,
+                        _ => return Err(format!("{scaling_field}.original_max_position_embeddings is missing (and so is max_position_embeddings)")),
+                    };
+                    let opt = |k: &str| s[k].as_f64().filter(|x| *x != 0.0);
+                    let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                    let attention_factor = match (opt("attention_factor"), opt("mscale"), opt("mscale_all_dim")) {
+                        (Some(a), _, _) => a,
+                        (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+                        _ => mscale(factor, 1.0),
+                    };
+                    Some(RopeScaling::Yarn {
+                        factor,
+                        original_max_position_embeddings: original,
+                        beta_fast: opt("beta_fast").unwrap_or(32.0),
+                        beta_slow: opt("beta_slow").unwrap_or(1.0),
+                        attention_factor,
+                        truncate: s["truncate"].as_bool().unwrap_or(true),
+                    })
+                }
+                other => return Err(format!("{scaling_field}.rope_type {other:?} is not supported (expected default, linear, llama3 or yarn)")),
+            }
+        }
+    };
+    Ok((rope_theta, rope_scaling))
+}
+
 #[derive(Debug, thiserror::Error)]
 #[error("{path}: {msg}")]
 pub struct ConfigError {
@@ -202,127 +335,8 @@ impl TargetConfig {
                 "head_dim {head_dim} is odd; rotary embeddings need an even head_dim"
             ));
         }
-        if v["attention_bias"].as_bool() == Some(true) || v["mlp_bias"].as_bool() == Some(true) {
-            return Err(
-                "attention_bias/mlp_bias = true is not supported (expected bias-free projections)"
-                    .into(),
-            );
-        }
-        if let Some(act) = v["hidden_act"].as_str().or(v["hidden_activation"].as_str()) {
-            if act != "silu" && act != "swish" {
-                return Err(format!(
-                    "hidden_act {act:?} is not supported (expected silu)"
-                ));
-            }
-        }
-        if v["partial_rotary_factor"]
-            .as_f64()
-            .is_some_and(|p| p != 1.0)
-            || v["rope_parameters"]["partial_rotary_factor"]
-                .as_f64()
-                .is_some_and(|p| p != 1.0)
-        {
-            return Err("partial_rotary_factor other than 1 is not supported (expected rotary embeddings over the whole head)".into());
-        }
-        if v["use_sliding_window"].as_bool() == Some(true) {
-            return Err("use_sliding_window = true is not supported (expected full causal attention in every layer)".into());
-        }
-        // transformers 5 writes the rotary settings under `rope_parameters` (rope_theta,
-        // rope_type and the scaling fields together); transformers 4 writes a top-level
-        // `rope_theta` and a `rope_scaling` object. Either layout, never a silent default.
-        let mut rp = &v["rope_parameters"];
-        // transformers 5 may key rope_parameters by layer type; these models have full
-        // attention only, so one set of parameters, and every layer type must agree.
-        if let Some(full) = rp.get("full_attention").filter(|f| f.is_object()) {
-            if let Some((k, _)) = rp
-                .as_object()
-                .into_iter()
-                .flatten()
-                .find(|(_, p)| *p != full)
-            {
-                return Err(format!("rope_parameters.{k} differs from rope_parameters.full_attention (expected one set of rotary parameters)"));
-            }
-            rp = full;
-        } else if rp
-            .as_object()
-            .is_some_and(|o| !o.is_empty() && o.values().all(|x| x.is_object()))
-        {
-            return Err("rope_parameters holds no rope_type or rope_theta and no full_attention entry (expected the rotary parameters)".into());
-        }
-        let (theta_field, scaling_field, scaling) = if rp.is_object() {
-            if let (Some(a), Some(b)) = (v["rope_theta"].as_f64(), rp["rope_theta"].as_f64()) {
-                if a != b {
-                    return Err(format!(
-                        "rope_theta {a} and rope_parameters.rope_theta {b} disagree"
-                    ));
-                }
-            }
-            if !v["rope_scaling"].is_null() && v["rope_scaling"] != *rp {
-                return Err("both rope_scaling and rope_parameters are set, and they differ (expected one of the two layouts)".into());
-            }
-            ("rope_parameters.rope_theta", "rope_parameters", rp)
-        } else if !rp.is_null() {
-            return Err("rope_parameters is not an object".into());
-        } else {
-            ("rope_theta", "rope_scaling", &v["rope_scaling"])
-        };
-        let rope_theta = match if rp.is_object() {
-            rp["rope_theta"].as_f64().or(v["rope_theta"].as_f64())
-        } else {
-            v["rope_theta"].as_f64()
-        } {
-            Some(t) if t > 0.0 => t,
-            Some(_) => return Err(format!("{theta_field} is not a positive number")),
-            // transformers' default for both Qwen3Config and LlamaConfig.
-            None if v["rope_theta"].is_null() && rp["rope_theta"].is_null() => 10000.0,
-            None => return Err(format!("{theta_field} is not a number")),
-        };
-        let rope_scaling = match scaling {
-            serde_json::Value::Null => None,
-            s => {
-                let kind = s["rope_type"]
-                    .as_str()
-                    .or(s["type"].as_str())
-                    .unwrap_or("default");
-                let f = |k: &str| {
-                    s[k].as_f64()
-                        .ok_or_else(|| format!("{scaling_field}.{k} is missing"))
-                };
-                match kind {
-                    "default" => None,
-                    "linear" => Some(RopeScaling::Linear { factor: f("factor")? }),
-                    "llama3" => Some(RopeScaling::Llama3 {
-                        factor: f("factor")?,
-                        low_freq_factor: f("low_freq_factor")?,
-                        high_freq_factor: f("high_freq_factor")?,
-                        original_max_position_embeddings: f("original_max_position_embeddings")?,
-                    }),
-                    "yarn" => {
-                        let factor = f("factor")?;
-                        let original = match s["original_max_position_embeddings"].as_f64().or(v["max_position_embeddings"].as_f64()) {
-                            Some(o) if o > 0.0 => o,
-                            _ => return Err(format!("{scaling_field}.original_max_position_embeddings is missing (and so is max_position_embeddings)")),
-                        };
-                        let opt = |k: &str| s[k].as_f64().filter(|x| *x != 0.0);
-                        let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
-                        let attention_factor = match (opt("attention_factor"), opt("mscale"), opt("mscale_all_dim")) {
-                            (Some(a), _, _) => a,
-                            (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
-                            _ => mscale(factor, 1.0),
-                        };
-                        Some(RopeScaling::Yarn {
-                            factor,
-                            original_max_position_embeddings: original,
-                            beta_fast: opt("beta_fast").unwrap_or(32.0),
-                            beta_slow: opt("beta_slow").unwrap_or(1.0),
-                            attention_factor,
-                            truncate: s["truncate"].as_bool().unwrap_or(true),
-                        })
-                    }
-                    other => return Err(format!("{scaling_field}.rope_type {other:?} is not supported (expected default, linear, llama3 or yarn)")),
-                }
-            }
-        };
+        refuse_unsupported(&v)?;
+        let (rope_theta, rope_scaling) = rope(&v)?;
         Ok(TargetConfig {
             arch,
             hidden_size,

@@ -10,7 +10,6 @@ const LIMIT: usize = 100;
 
 /// `(file, function, lines)`: functions still over the limit, at most this long.
 const LONGER: &[(&str, &str, usize)] = &[
-    ("shared/src/model_config.rs", "parse", 205),
     ("supervisor/src/commands/bench/ipc.rs", "run", 149),
     ("supervisor/src/commands/bench/train.rs", "measure", 149),
     ("supervisor/src/data/ledger.rs", "audit", 102),
