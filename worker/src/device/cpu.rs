@@ -81,7 +81,8 @@ fn check_aliasing(k: &Kernel) -> Result<()> {
             };
             let (x, y) = (range(w), range(o));
             // RMSNorm may run in place (y = x exactly), as the target's q/k norms do.
-            let in_place = kernel == "rmsnorm_fwd" && (i, j) == (0, 2) && w == o;
+            let rmsnorm = matches!(k, Kernel::RmsnormFwd { .. });
+            let in_place = rmsnorm && (i, j) == (0, 2) && w == o;
             if i != j
                 && !in_place
                 && x.start < y.end
