@@ -390,11 +390,9 @@ fn bench_compute_reports_the_forward_per_op_against_bare_gemms() {
         "ops {sum} s > forward {}",
         v["target_forward_s"]
     );
-    // The reference target, measured beside the worker's path, and the drafter step's kernels.
-    assert!(
-        v["reference_gflops"].as_f64().is_some_and(|x| x > 0.0),
-        "{v}"
-    );
+    // The reference models are test-only: the shipped benchmark measures what the workers
+    // run. The drafter step's kernels:
+    assert!(v.get("reference_gflops").is_none(), "{v}");
     let dops = v["drafter_op_seconds"].as_object().unwrap();
     for op in [
         "gemm",

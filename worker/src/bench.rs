@@ -1,6 +1,7 @@
 //! `dflash-worker bench-compute --spec FILE`: the target forward and the drafter train step
 //! over given token batches, in this one process with no pipeline — the baseline that
-//! `dflash-supervise bench train` compares the pipeline against.
+//! `dflash-supervise bench train` compares the pipeline against. Both run the models the
+//! CPU workers run: the device target and drafter on the CPU device.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -9,10 +10,13 @@ use dflash_shared::batch::TokenBatch;
 use dflash_shared::drafter::DrafterConfig;
 use serde::{Deserialize, Serialize};
 
+use crate::device::cpu::CpuDevice;
 use crate::error::ToolError;
-use crate::model::drafter::{batch_samples, grad_norm, AdamW, Drafter, Frozen};
-use crate::model::target::Target;
-use crate::model::weights::Weights;
+use crate::models::drafter::device::DeviceDrafter;
+use crate::models::drafter::{batch_samples, AdamW, Drafter, Frozen};
+use crate::models::target::device::DeviceTarget;
+use crate::models::target::Target;
+use crate::models::weights::Weights;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Spec {
@@ -48,6 +52,14 @@ pub fn run(spec_path: &Path) -> Result<(), ToolError> {
     let frozen = Frozen { embed, lm_head };
     let tokens: u64 = spec.batches.iter().map(|b| b.tokens()).sum();
 
+    let longest = spec
+        .batches
+        .iter()
+        .flat_map(|b| b.lengths.iter().map(|&l| l as usize))
+        .max()
+        .unwrap_or(1);
+    let mut target = DeviceTarget::new(Box::new(CpuDevice::new()), &target, longest)?;
+
     // Target: forward every row, keep the taps as bf16 values (as the pipeline ships them).
     let t0 = Instant::now();
     let mut hidden: Vec<Vec<Vec<f32>>> = Vec::new();
@@ -58,40 +70,41 @@ pub fn run(spec_path: &Path) -> Result<(), ToolError> {
             .iter()
             .enumerate()
             .map(|(r, &len)| {
-                target
-                    .forward_taps(&b.input_ids[r * seq..r * seq + len as usize])
+                Ok(target
+                    .forward_taps(&b.input_ids[r * seq..r * seq + len as usize])?
                     .into_iter()
                     .map(|v| half::bf16::from_f32(v).to_f32())
-                    .collect()
+                    .collect())
             })
-            .collect();
+            .collect::<Result<_, ToolError>>()?;
         hidden.push(rows);
     }
     let target_s = t0.elapsed().as_secs_f64();
 
-    // Drafter: one step per batch, as one rank would take it.
+    drop(target);
+    // Drafter: one step per batch, as a one-rank group takes it (gradient, its copy into
+    // the reduce buffer, clip to 1 and AdamW on the device).
     let d = Drafter::new(c.clone());
-    let mut p = d.init_params(spec.seed);
-    let mut opt = AdamW::new(p.len());
+    let p = d.init_params(spec.seed);
+    let zeros = vec![0f32; p.len()];
+    let mut model = DeviceDrafter::new(Box::new(CpuDevice::new()), &d, &frozen, longest)?;
+    model.load(&p, &zeros, &zeros, 0)?;
+    let hyper = AdamW::new(0).hyper();
     let t1 = Instant::now();
-    for (b, taps) in spec.batches.iter().zip(&hidden) {
+    for (step, (b, taps)) in spec.batches.iter().zip(&hidden).enumerate() {
         let (samples, anchors) = batch_samples(&d, b, taps, spec.seed);
-        let mut g = vec![0f32; p.len()];
-        d.train_batch(
-            &p,
-            &frozen,
-            &samples,
-            &anchors,
-            d.total_weight(&samples, &anchors),
-            &mut g,
-        );
-        if let Some(norm) = grad_norm(&g) {
-            if norm > 1.0 {
-                g.iter_mut().for_each(|x| *x /= norm as f32);
-            }
-            opt.update(&mut p, &g, spec.lr as f32);
-        }
+        let stats = model.train_batch_on_device(&samples, &anchors, 1.0)?;
+        let reduced = model.reduce_alone()?;
+        model.apply_reduced(
+            step as u64 + 1,
+            stats.weight_sum,
+            1.0,
+            spec.lr as f32,
+            &hyper,
+            Some(reduced),
+        )?;
     }
+    model.drain()?;
     let drafter_s = t1.elapsed().as_secs_f64();
     let f = Figures {
         tokens,

@@ -17,12 +17,11 @@ use dflash_shared::model_config::TargetConfig;
 use dflash_shared::rng::Rng;
 use serde::Serialize;
 
-use crate::compute::cpu::Cpu;
 use crate::device::GpuError;
 use crate::error::ToolError;
-use crate::model::drafter::{Drafter, Frozen, Sample};
-use crate::model::target::{OpTimes, Target};
-use crate::model::weights::Weights;
+use crate::models::drafter::{Drafter, Frozen, Sample};
+use crate::models::target::Target;
+use crate::models::weights::Weights;
 
 #[derive(Debug, Serialize)]
 pub struct Figures {
@@ -41,11 +40,6 @@ pub struct Figures {
     pub forward_vs_gemm: f64,
     /// Seconds per op over one forward (the CPU device's kernels and GEMMs).
     pub op_seconds: BTreeMap<String, f64>,
-    /// The reference target (host slices, `src/model/target.rs`), same tokens.
-    pub reference_forward_s: f64,
-    pub reference_gflops: f64,
-    /// Seconds per op of the reference forward.
-    pub reference_op_seconds: BTreeMap<String, f64>,
     pub drafter_step_s: f64,
     pub drafter_tokens_per_s: f64,
     pub drafter_layers: usize,
@@ -142,7 +136,7 @@ fn measure_device(
     let Some(dev) = open_device()? else {
         return Ok(None);
     };
-    let mut g = crate::device::target::GpuTarget::new(dev, target, ids.len())?;
+    let mut g = crate::models::target::device::DeviceTarget::new(dev, target, ids.len())?;
     g.forward_taps(&ids[..ids.len().min(64)])?;
     let mut best = f64::INFINITY;
     for _ in 0..3 {
@@ -161,8 +155,12 @@ fn measure_device(
     let dev = open_device()?.ok_or(ToolError::Device(GpuError::Unavailable(
         "the device went away".into(),
     )))?;
-    let mut gd =
-        crate::device::drafter::GpuDrafter::new(dev, dc.drafter, dc.frozen, dc.sample.ids.len())?;
+    let mut gd = crate::models::drafter::device::DeviceDrafter::new(
+        dev,
+        dc.drafter,
+        dc.frozen,
+        dc.sample.ids.len(),
+    )?;
     let n = dc.params.len();
     let zeros = vec![0f32; n];
     gd.load(dc.params, &zeros, &zeros, 0)?;
@@ -170,7 +168,7 @@ fn measure_device(
     let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
     let mut drafter_best = f64::INFINITY;
     let mut opt_best = f64::INFINITY;
-    let hyper = crate::model::drafter::AdamW::new(0).hyper();
+    let hyper = crate::models::drafter::AdamW::new(0).hyper();
     for step in 1..=3 {
         let t0 = Instant::now();
         // train_batch ends with the gradient's synchronous download.
@@ -217,7 +215,7 @@ fn measure_device(
 /// one-rank device copy elsewhere): (collective, reduction alone in ms, the step with the
 /// reduction overlapped in s, the overlap share). Best of three each.
 fn measure_reduction(
-    gd: &mut crate::device::drafter::GpuDrafter,
+    gd: &mut crate::models::drafter::device::DeviceDrafter,
     dc: &DrafterCase,
 ) -> Result<(String, f64, f64, f64), ToolError> {
     use crate::collective::{local::LocalCollective, nccl::NcclCollective, Collective, Formed};
@@ -233,10 +231,11 @@ fn measure_reduction(
         coll.form(1, &[0], Some(&id)).map_err(ToolError::from)?;
     }
     let (samples, anchors) = (std::slice::from_ref(&dc.sample), vec![dc.anchors.to_vec()]);
-    let sync =
-        |gd: &mut crate::device::drafter::GpuDrafter| gd.device().sync().map_err(ToolError::from);
+    let sync = |gd: &mut crate::models::drafter::device::DeviceDrafter| {
+        gd.device().sync().map_err(ToolError::from)
+    };
     let reduce = |coll: &mut Box<dyn Collective>,
-                  gd: &mut crate::device::drafter::GpuDrafter,
+                  gd: &mut crate::models::drafter::device::DeviceDrafter,
                   step: u64|
      -> Result<(), ToolError> {
         coll.contribute(step, 1.0, gd).map_err(ToolError::from)?;
@@ -449,7 +448,7 @@ pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), ToolError> {
     } else {
         let cfg = shape_config(target)?;
         tmp = std::env::temp_dir().join(format!("dflash-bench-ops-{}", std::process::id()));
-        crate::model::tiny::write_random(&tmp, &cfg, 7)
+        crate::models::tiny::write_random(&tmp, &cfg, 7)
             .map_err(ToolError::io(format!("writing the {target} checkpoint")))?;
         (tmp.clone(), target.to_string())
     };
@@ -533,10 +532,6 @@ pub fn print_figures(f: &Figures) {
         );
     }
     println!(
-        "  reference target forward  {:>27.2} GFLOP/s  ({:.3} s)",
-        f.reference_gflops, f.reference_forward_s
-    );
-    println!(
         "  drafter step ({} layers, {} block rows)  {:>9.0} tokens/s  ({:.3} s)",
         f.drafter_layers, f.drafter_rows, f.drafter_tokens_per_s, f.drafter_step_s
     );
@@ -555,6 +550,36 @@ pub fn print_figures(f: &Figures) {
     );
 }
 
+/// `y[m,n] = x[m,k] · w[n,k]ᵀ` through the `gemm` crate, on `threads` threads for a
+/// large product (the bare-GEMM baseline of the forward).
+fn bare_matmul(threads: usize, x: &[f32], w: &[f32], y: &mut [f32], m: usize, k: usize, n: usize) {
+    assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n));
+    let par = if threads > 1 && m * n * k >= (1 << 22) {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the strides address exactly the three slices, whose lengths are checked.
+    unsafe {
+        crate::math::sgemm(
+            par,
+            m,
+            n,
+            k,
+            y.as_mut_ptr(),
+            n,
+            1,
+            false,
+            x.as_ptr(),
+            k,
+            1,
+            w.as_ptr(),
+            1,
+            k as isize,
+        )
+    };
+}
+
 fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError> {
     let cfg = TargetConfig::load(dir)?;
     let layers = cfg.num_hidden_layers;
@@ -563,25 +588,10 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
     let ids: Vec<u32> = (0..tokens)
         .map(|_| rng.below(cfg.vocab_size as u64) as u32)
         .collect();
-    let cpu = Cpu::new();
     let threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
 
-    // Warm up (page in the weights, start the thread pool), then the best of three.
-    target.forward_taps(&ids[..tokens.min(64)]);
-    let mut best = f64::INFINITY;
-    let mut op_times = OpTimes::default();
-    for _ in 0..3 {
-        let mut times = OpTimes::default();
-        let t0 = Instant::now();
-        std::hint::black_box(target.forward_taps_timed(&ids, Some(&mut times)));
-        let s = t0.elapsed().as_secs_f64();
-        if s < best {
-            best = s;
-            op_times = times;
-        }
-    }
     let (t, h, hd, inter) = (tokens, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
     let (qd, kd) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
     // The forward's GEMMs (m = tokens): q, k, v, o, gate, up, down.
@@ -619,17 +629,16 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
         let t0 = Instant::now();
         for _ in 0..layers {
             for (x, w, y, k, n) in operands.iter_mut() {
-                cpu.matmul(x, w, y, t, *k, *n);
+                bare_matmul(threads, x, w, y, t, *k, *n);
             }
         }
         gemm_best = gemm_best.min(t0.elapsed().as_secs_f64());
     }
-    let reference_gflops = model_flops / best / 1e9;
     let gemm_gflops = gemm_flops / gemm_best / 1e9;
 
     // The forward as a CPU target worker runs it: the device target on the CPU device, its
     // kernels and GEMMs timed by the device.
-    let mut worker = crate::device::target::GpuTarget::new(
+    let mut worker = crate::models::target::device::DeviceTarget::new(
         Box::new(crate::device::cpu::CpuDevice::new()),
         &target,
         tokens,
@@ -637,11 +646,13 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
     worker.forward_taps(&ids[..tokens.min(64)])?;
     let mut worker_best = f64::INFINITY;
     let mut worker_ops = Vec::new();
+    let mut target_taps = Vec::new();
     for _ in 0..3 {
         worker.take_kernel_seconds();
         let t0 = Instant::now();
-        std::hint::black_box(worker.forward_taps(&ids)?);
+        let taps = std::hint::black_box(worker.forward_taps(&ids)?);
         let s = t0.elapsed().as_secs_f64();
+        target_taps = taps;
         if s < worker_best {
             worker_best = s;
             worker_ops = worker.take_kernel_seconds();
@@ -677,7 +688,7 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
         embed.clone()
     };
     let frozen = Frozen { embed, lm_head };
-    let taps = target.forward_taps(&ids);
+    let taps = target_taps;
     let mask = vec![1u8; tokens];
     let anchors = drafter.sample_anchors(&mask, &mut rng);
     let sample = Sample {
@@ -686,7 +697,7 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
         mask: &mask,
     };
     // The step as a CPU drafter worker runs it: the device model on the CPU device.
-    let mut cpu_model = crate::device::drafter::GpuDrafter::new(
+    let mut cpu_model = crate::models::drafter::device::DeviceDrafter::new(
         Box::new(crate::device::cpu::CpuDevice::new()),
         &drafter,
         &frozen,
@@ -732,7 +743,7 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
         flops: drafter_step_flops(&dcfg, tokens, &anchors, supervised),
     };
     let (device, device_note) =
-        match measure_device(&target, &ids, model_flops, tokens as f64 / best, &dc) {
+        match measure_device(&target, &ids, model_flops, tokens as f64 / worker_best, &dc) {
             Ok(Some(d)) => (Some(d), None),
             Ok(None) => (
                 None,
@@ -753,13 +764,6 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
         gemm_gflops,
         forward_vs_gemm: target_gflops / gemm_gflops,
         op_seconds,
-        reference_forward_s: best,
-        reference_gflops,
-        reference_op_seconds: op_times
-            .secs
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect(),
         drafter_step_s: drafter_s,
         drafter_tokens_per_s: tokens as f64 / drafter_s,
         drafter_layers: dcfg.layers,
@@ -1205,7 +1209,7 @@ fn measure_kernels(
     }
 
     // The drafter's loss through the frozen lm_head, a vocabulary chunk at a time, as
-    // `GpuDrafter::loss` runs it: forward (cast, logits GEMM, chunk statistics), then
+    // `DeviceDrafter::loss` runs it: forward (cast, logits GEMM, chunk statistics), then
     // backward (cast, the logits again, softmax gradient, cast, dX GEMM).
     let n = p.anchors * (p.block_size - 1);
     let v = p.vocab;
@@ -1340,7 +1344,7 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
         std::process::id()
     ));
     let written =
-        crate::model::tiny::write_random(&dir, &p.config_json(layers, p.forward_vocab), 11)
+        crate::models::tiny::write_random(&dir, &p.config_json(layers, p.forward_vocab), 11)
             .map_err(ToolError::io(format!(
                 "writing the {layers}-layer checkpoint"
             )));
@@ -1351,7 +1355,7 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
     let dev = open_device()?.ok_or(ToolError::Skipped {
         because: "no device".into(),
     })?;
-    let mut g = crate::device::target::GpuTarget::new(dev, &target, tmax)?;
+    let mut g = crate::models::target::device::DeviceTarget::new(dev, &target, tmax)?;
     let (h, qd, kd, inter) = (
         p.hidden,
         p.q_heads * p.head_dim,
@@ -1456,7 +1460,7 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
         because: "no device".into(),
     })?;
     let r = (|| -> Result<(f64, usize), ToolError> {
-        let mut gd = crate::device::drafter::GpuDrafter::new(dev, &drafter, &frozen, s)
+        let mut gd = crate::models::drafter::device::DeviceDrafter::new(dev, &drafter, &frozen, s)
             .map_err(ToolError::from)?;
         let zeros = vec![0f32; params.len()];
         gd.load(&params, &zeros, &zeros, 0)
@@ -1467,13 +1471,14 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
             mask: &mask,
         }];
         let anchors = [anchors.clone()];
-        let step = |gd: &mut crate::device::drafter::GpuDrafter| -> Result<f64, ToolError> {
-            let t0 = Instant::now();
-            gd.train_batch_on_device(&sample, &anchors, 1.0)
-                .map_err(ToolError::from)?;
-            gd.device().sync().map_err(ToolError::from)?;
-            Ok(t0.elapsed().as_secs_f64())
-        };
+        let step =
+            |gd: &mut crate::models::drafter::device::DeviceDrafter| -> Result<f64, ToolError> {
+                let t0 = Instant::now();
+                gd.train_batch_on_device(&sample, &anchors, 1.0)
+                    .map_err(ToolError::from)?;
+                gd.device().sync().map_err(ToolError::from)?;
+                Ok(t0.elapsed().as_secs_f64())
+            };
         step(&mut gd)?;
         let mut best = f64::INFINITY;
         for _ in 0..3 {

@@ -6,7 +6,7 @@
 use dflash_shared::exit_codes;
 
 use crate::device::GpuError;
-use crate::model::ModelError;
+use crate::models::ModelError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {

@@ -12,8 +12,10 @@ use dflash_shared::model_config::RopeScaling;
 use dflash_shared::rng::Rng;
 use serde_json::{json, Value};
 
+use crate::device::{cpu::CpuDevice, GpuError};
 use crate::error::{Result, WorkerError};
-use crate::model::drafter::{Drafter, Frozen};
+use crate::models::drafter::device::DeviceDrafter;
+use crate::models::drafter::{Drafter, Frozen, Sample};
 use crate::train::{put_in_place, sync_dir, write_synced};
 
 /// The model code, as transformers imports it from the export directory.
@@ -149,16 +151,29 @@ fn i64_tensor(name: &'static str, shape: Vec<usize>, v: &[usize]) -> Tensor {
 /// Tensors: `target_hidden` [B,S,L·H] f32, `noise_embedding` [B,M,H] f32,
 /// `block_input_ids` [B,M] i64, `position_ids` [B,S+M] i64, `anchors` [B,N] i64,
 /// `attention_mask` [B,1,M,S+M] bool, `hidden_states` [B,M,H] f32 (the reference).
+///
+/// The hidden states come from the drafter the workers train ([`DeviceDrafter`]) on the CPU
+/// device.
 pub fn probe_batch(
     d: &Drafter,
     frozen: &Frozen,
     params: &[f32],
     seed: u64,
-) -> std::result::Result<Vec<Tensor>, String> {
+) -> std::result::Result<Vec<Tensor>, GpuError> {
     let c = &d.cfg;
     let (h, bs, width) = (c.hidden, c.block_size, c.n_taps * c.hidden);
     let s = 2 * bs + 5;
     let m = PROBE_BLOCKS * bs;
+    let mut probe_cfg = c.clone();
+    probe_cfg.max_anchors = probe_cfg.max_anchors.max(PROBE_BLOCKS);
+    let mut model = DeviceDrafter::new(
+        Box::new(CpuDevice::new()),
+        &Drafter::new(probe_cfg),
+        frozen,
+        s,
+    )?;
+    let zeros = vec![0f32; params.len()];
+    model.load(params, &zeros, &zeros, 0)?;
     let mut rng = Rng::new(seed ^ 0x7072_6f62_6521);
     let mut uniform =
         |scale: f32| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale;
@@ -177,23 +192,30 @@ pub fn probe_batch(
         };
         let row_taps: Vec<f32> = (0..s * width).map(|_| uniform(2.0)).collect();
         let mut row_noise = Vec::with_capacity(m * h);
-        for _ in anchors {
+        // The context's tokens: only those at the anchors are read (each block's first).
+        let mut context = vec![0u32; s];
+        for &a in &anchors {
             let anchor_token = (uniform(1.0).abs() * c.vocab as f32) as usize % c.vocab;
+            context[a] = anchor_token as u32;
             for k in 0..bs {
                 let tok = if k == 0 {
                     anchor_token
                 } else {
                     c.mask_token_id as usize
                 };
-                let e = frozen
-                    .embed
-                    .get(tok * h..(tok + 1) * h)
-                    .ok_or_else(|| format!("token {tok} is outside the embedding"))?;
+                let e = frozen.embed.get(tok * h..(tok + 1) * h).ok_or_else(|| {
+                    GpuError::Invalid(format!("token {tok} is outside the embedding"))
+                })?;
                 row_noise.extend_from_slice(e);
                 ids.push(tok);
             }
         }
-        let hidden = d.final_hidden(params, &row_taps, &row_noise, &anchors)?;
+        let sample = Sample {
+            taps: &row_taps,
+            ids: &context,
+            mask: &[],
+        };
+        let hidden = model.final_hidden(&sample, &anchors)?;
         positions.extend(0..s);
         positions.extend(anchors.iter().flat_map(|&a| (0..bs).map(move |k| a + k)));
         for q in 0..m {
@@ -409,7 +431,7 @@ pub fn from_checkpoint(
         .collect();
     drop(bytes);
     let c = &d.cfg;
-    let w = crate::model::weights::Weights::open(target)?;
+    let w = crate::models::weights::Weights::open(target)?;
     let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
     let lm_head = if w.contains("lm_head.weight") {
         w.get("lm_head.weight", &[c.vocab, c.hidden])?
@@ -505,17 +527,48 @@ mod tests {
         let (s, m) = (2 * 4 + 5, PROBE_BLOCKS * 4);
         assert_eq!(get("target_hidden").shape, vec![2, s, 2 * c.hidden]);
         assert_eq!(get("attention_mask").shape, vec![2, 1, m, s + m]);
-        let out: Vec<f32> = get("hidden_states")
-            .bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
+        let f32s = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect()
+        };
+        let out = f32s(&get("hidden_states").bytes);
         assert_eq!(out.len(), 2 * m * c.hidden);
         assert!(out.iter().all(|x| x.is_finite()) && out.iter().any(|x| x.abs() > 0.1));
         // The block at anchor 0 sees no context key: its first query row's mask is its block only.
         let mask = &get("attention_mask").bytes;
         assert_eq!(mask[..s].iter().filter(|&&x| x == 1).count(), 0);
         assert_eq!(mask[s..s + m].iter().filter(|&&x| x == 1).count(), 4);
+        // The drafter the workers train computed them: the reference drafter's forward on
+        // the probe's own inputs gives the same values.
+        let taps = f32s(&get("target_hidden").bytes);
+        let noise = f32s(&get("noise_embedding").bytes);
+        let anchors: Vec<usize> = get("anchors")
+            .bytes
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as usize)
+            .collect();
+        let (tw, nw) = (s * 2 * c.hidden, m * c.hidden);
+        for row in 0..2 {
+            let want = d
+                .final_hidden(
+                    &p,
+                    &taps[row * tw..(row + 1) * tw],
+                    &noise[row * nw..(row + 1) * nw],
+                    &anchors[row * PROBE_BLOCKS..(row + 1) * PROBE_BLOCKS],
+                )
+                .unwrap();
+            let got = &out[row * nw..(row + 1) * nw];
+            let worst = want
+                .iter()
+                .zip(got)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                worst < 1e-3,
+                "row {row}: the probe is {worst} off the reference"
+            );
+        }
         // Bad inputs are errors, not panics.
         assert!(d.final_hidden(&p, &[0.0; 3], &[], &[]).is_err());
         assert!(d
@@ -526,5 +579,13 @@ mod tests {
                 &[5]
             )
             .is_err());
+        let mut model = DeviceDrafter::new(Box::new(CpuDevice::new()), &d, &frozen, 4).unwrap();
+        let taps = vec![0.0; 2 * c.hidden * 2];
+        let sample = Sample {
+            taps: &taps,
+            ids: &[1, 2],
+            mask: &[],
+        };
+        assert!(model.final_hidden(&sample, &[5]).is_err());
     }
 }

@@ -15,15 +15,16 @@ pub mod bench;
 pub mod bench_ops;
 mod busy;
 pub mod collective;
-pub mod compute;
 pub mod device;
 pub mod error;
 pub mod export;
 mod fatal;
 mod identity;
 pub mod math;
-pub mod model;
+pub mod models;
 mod plane;
+#[cfg(any(test, feature = "reference"))]
+pub mod reference;
 mod role;
 mod train;
 
@@ -166,7 +167,7 @@ pub fn main() -> i32 {
             .map_err(error::ToolError::from),
         ),
         Some(Command::TinyTarget { out, config: None }) => tool(
-            model::tiny::write(&out)
+            models::tiny::write(&out)
                 .map_err(error::ToolError::io(format!("--out {}", out.display()))),
         ),
         Some(Command::TinyTarget {
@@ -176,7 +177,7 @@ pub fn main() -> i32 {
             std::fs::read_to_string(&c)
                 .map_err(error::ToolError::io(format!("--config {}", c.display())))
                 .and_then(|text| {
-                    model::tiny::write_random(&out, &text, 1)
+                    models::tiny::write_random(&out, &text, 1)
                         .map_err(error::ToolError::io(format!("--out {}", out.display())))
                 }),
         ),
@@ -257,7 +258,7 @@ fn inspect(
     let tmp;
     let dir = if target == "tiny" {
         tmp = std::env::temp_dir().join(format!("dflash-tiny-{}", std::process::id()));
-        model::tiny::write(&tmp)
+        models::tiny::write(&tmp)
             .map_err(error::ToolError::io(format!("writing {}", tmp.display())))?;
         tmp.as_path()
     } else {
@@ -279,8 +280,14 @@ fn inspect(
             vocab: cfg.vocab_size,
         });
     }
-    let t = model::target::Target::load(dir, &taps)?;
-    let hidden = t.forward_taps(tokens);
+    // The forward a CPU target worker runs: the device target on the CPU device.
+    let t = models::target::Target::load(dir, &taps)?;
+    let mut model = models::target::device::DeviceTarget::new(
+        Box::new(device::cpu::CpuDevice::new()),
+        &t,
+        tokens.len(),
+    )?;
+    let hidden = model.forward_taps(tokens)?;
     let bytes: Vec<u8> = hidden.iter().flat_map(|v| v.to_le_bytes()).collect();
     let shape = vec![tokens.len(), taps.len() * cfg.hidden_size];
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &bytes)

@@ -15,8 +15,9 @@ use dflash_shared::slots::SlotState;
 use dflash_shared::Role;
 
 use crate::busy::Busy;
-use crate::device::{self, target::GpuTarget, GpuError};
-use crate::model::target::{Load, Target};
+use crate::device::{self, GpuError};
+use crate::models::target::device::DeviceTarget;
+use crate::models::target::{Load, Target};
 use crate::train::Rank;
 
 pub struct Pools {
@@ -83,7 +84,7 @@ enum TargetModel {
 /// The target, computing on the CPU backend or on a device.
 /// The target on its device: the GPU, or the CPU device when the worker has none (the
 /// host copy of the weights is dropped once they are on the device).
-type Loaded = Box<GpuTarget>;
+type Loaded = Box<DeviceTarget>;
 
 /// Why the target could not be loaded; `permanent`: restarting cannot help (no usable
 /// GPU), so the worker exits with [`exit_codes::WORKER_PERMANENT`]; `model`: the model
@@ -459,7 +460,7 @@ struct At<'a> {
 /// into the leased hidden-state slot `out`.
 fn run_target(
     at: At<'_>,
-    g: &mut GpuTarget,
+    g: &mut DeviceTarget,
     d: &Delivery,
     payload: &[u8],
     out: SlotRef,
@@ -630,10 +631,10 @@ fn load_target(
     }
     match dev {
         // No GPU: the same device target, on the CPU device (f32).
-        None => GpuTarget::new(Box::new(device::cpu::CpuDevice::new()), &t, max_tokens)
+        None => DeviceTarget::new(Box::new(device::cpu::CpuDevice::new()), &t, max_tokens)
             .map(Box::new)
             .map_err(|e| fail(format!("putting the target on the CPU device: {e}"))),
-        Some(dev) => match GpuTarget::new(dev, &t, max_tokens) {
+        Some(dev) => match DeviceTarget::new(dev, &t, max_tokens) {
             Ok(g) => Ok(Box::new(g)),
             Err(e @ GpuError::Unavailable(_)) => Err(unavailable(e)),
             Err(e) => Err(fail(format!("putting the target on the device: {e}"))),
@@ -687,7 +688,7 @@ fn check_header(map: &PoolMap, d: &Delivery) -> Result<()> {
 /// the device and copied straight into the (pinned) slot on the copy stream while the
 /// next row computes; the slot is sealed only after the event behind the last copy.
 fn write_hidden_states_gpu(
-    g: &mut GpuTarget,
+    g: &mut DeviceTarget,
     tokens: &TokenBatch,
     out: &mut [u8],
 ) -> device::Result<()> {

@@ -17,10 +17,10 @@ use dflash_shared::drafter::CollectiveKind;
 use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
 
-use crate::device::drafter::GpuDrafter;
 use crate::device::GpuError;
-use crate::model::drafter::{batch_samples, AdamW, Drafter, Frozen};
-use crate::model::weights::Weights;
+use crate::models::drafter::device::DeviceDrafter;
+use crate::models::drafter::{batch_samples, AdamW, Drafter, Frozen};
+use crate::models::weights::Weights;
 
 pub struct Rank {
     pub setup: TrainSetup,
@@ -31,7 +31,7 @@ pub struct Rank {
     /// The drafter's forward, backward and optimizer, on the worker's device: its GPU, or
     /// the CPU device (one model for every backend). The device holds the training state; `params`/`opt` are its host copy,
     /// brought up to date by [`Rank::sync_host`] for snapshots, checkpoints and the export.
-    model: Box<GpuDrafter>,
+    model: Box<DeviceDrafter>,
     params: Vec<f32>,
     opt: AdamW,
     /// The current membership epoch.
@@ -234,7 +234,7 @@ impl Rank {
             Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
             Err(e) => return Err(WorkerError::device("opening the device")(e)),
         };
-        let mut model = match GpuDrafter::new(dev, &drafter, &frozen, max_tokens) {
+        let mut model = match DeviceDrafter::new(dev, &drafter, &frozen, max_tokens) {
             Ok(g) => Box::new(g),
             Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
             Err(e) => {
@@ -332,7 +332,7 @@ impl Rank {
         Ok(())
     }
 
-    fn note_outcome(&mut self, o: crate::device::drafter::StepOutcome) -> Option<u64> {
+    fn note_outcome(&mut self, o: crate::models::drafter::device::StepOutcome) -> Option<u64> {
         if o.skipped {
             self.skipped_steps += 1;
             Some(o.step)
@@ -830,10 +830,10 @@ mod tests {
 
     /// A rank of a one-rank group on the CPU device, over the built-in tiny target.
     fn cpu_rank(dir: &Path) -> (Rank, Vec<OwnedFd>, Vec<u8>) {
-        crate::model::tiny::write(dir).unwrap();
+        crate::models::tiny::write(dir).unwrap();
         let t = TargetConfig::load(dir).unwrap();
         let drafter = DrafterConfig::for_target(&t, 1, 2, 4, 4);
-        let n = crate::model::drafter::Drafter::new(drafter.clone())
+        let n = crate::models::drafter::Drafter::new(drafter.clone())
             .layout
             .total;
         let pool = |name: &str, slot_bytes: u64| {

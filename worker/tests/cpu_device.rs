@@ -84,8 +84,8 @@ fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
 fn eval_stats_are_the_training_forwards_on_the_same_batch_and_leave_the_gradient_alone() {
     use dflash_shared::drafter::DrafterConfig;
     use dflash_shared::rng::Rng;
-    use dflash_worker::device::drafter::GpuDrafter;
-    use dflash_worker::model::drafter::{Drafter, Frozen, Sample};
+    use dflash_worker::models::drafter::device::DeviceDrafter;
+    use dflash_worker::models::drafter::{Drafter, Frozen, Sample};
     let c = DrafterConfig {
         hidden: 32,
         layers: 1,
@@ -142,7 +142,7 @@ fn eval_stats_are_the_training_forwards_on_the_same_batch_and_leave_the_gradient
         })
         .collect();
     let raw: Vec<&[u8]> = taps16.iter().map(|t| t.as_slice()).collect();
-    let mut gpu = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let mut gpu = DeviceDrafter::new(device(), &d, &frozen, 32).unwrap();
     let p = d.init_params(3);
     let zeros = vec![0f32; p.len()];
     gpu.load(&p, &zeros, &zeros, 0).unwrap();

@@ -5,8 +5,8 @@
 use candle_core::{Device, Tensor, Var, D};
 use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::rng::Rng;
-use dflash_worker::compute::rope_inv_freq;
-use dflash_worker::model::drafter::{grad_norm, lr_at, AdamW, Drafter, Frozen, Sample};
+use dflash_worker::math::rope_inv_freq;
+use dflash_worker::models::drafter::{grad_norm, lr_at, AdamW, Drafter, Frozen, Sample};
 
 fn cfg() -> DrafterConfig {
     DrafterConfig {
@@ -518,7 +518,7 @@ fn training_on_a_fixed_batch_drives_the_loss_down() {
 /// then the ranks are averaged) is not, by a wide margin.
 #[test]
 fn ranks_with_very_different_supervised_counts_step_like_one_process_on_the_union() {
-    use dflash_worker::model::drafter::reduce_slots;
+    use dflash_worker::models::drafter::reduce_slots;
     let f = fixture();
     let c = f.d.cfg.clone();
     // Rank A: three long rows, nearly all supervised. Rank B: one row with a single

@@ -127,13 +127,13 @@ fn host_device_launch_checks_kernel_names_arity_and_block_shape() {
 
 #[test]
 fn host_device_a_model_that_does_not_fit_is_a_permanent_failure_with_the_figures() {
-    use dflash_worker::device::target::GpuTarget;
-    use dflash_worker::model::target::Target;
+    use dflash_worker::models::target::device::DeviceTarget;
+    use dflash_worker::models::target::Target;
     let tmp = tempfile::tempdir().unwrap();
-    dflash_worker::model::tiny::write_random(tmp.path(), QWEN3, 21).unwrap();
+    dflash_worker::models::tiny::write_random(tmp.path(), QWEN3, 21).unwrap();
     let cpu = Target::load(tmp.path(), &[3]).unwrap();
     // 256 KiB of "device memory": the weights alone need more.
-    let err = GpuTarget::new(Box::new(HostDevice::with_memory(256 << 10)), &cpu, 64)
+    let err = DeviceTarget::new(Box::new(HostDevice::with_memory(256 << 10)), &cpu, 64)
         .err()
         .expect("it cannot fit");
     assert!(
@@ -141,7 +141,7 @@ fn host_device_a_model_that_does_not_fit_is_a_permanent_failure_with_the_figures
         "{err}"
     );
     // With enough, the same target is placed, and the arena stays within the device.
-    let mut g = GpuTarget::new(Box::new(HostDevice::with_memory(16 << 20)), &cpu, 64).unwrap();
+    let mut g = DeviceTarget::new(Box::new(HostDevice::with_memory(16 << 20)), &cpu, 64).unwrap();
     let st = g.arena_stats();
     assert!(
         st.reserved <= 16 << 20

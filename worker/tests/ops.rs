@@ -3,8 +3,9 @@
 
 use candle_core::{DType, Device, Tensor, Var, D};
 use dflash_shared::rng::Rng;
-use dflash_worker::compute::cpu::Cpu;
-use dflash_worker::compute::{rope_inv_freq, Heads, KeySpan};
+use dflash_worker::math::rope_inv_freq;
+use dflash_worker::reference::ops::Cpu;
+use dflash_worker::reference::{Heads, KeySpan};
 
 fn rand(n: usize, seed: u64) -> Vec<f32> {
     let mut r = Rng::new(seed);

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, D};
-use dflash_worker::model::target::Target;
-use dflash_worker::model::tiny;
+use dflash_worker::models::target::Target;
+use dflash_worker::models::tiny;
 
 fn rms(x: &Tensor, w: &Tensor, eps: f64) -> Tensor {
     let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
@@ -115,7 +115,7 @@ fn check_against_reference(dir: &Path, taps: &[usize]) {
     let target = Target::load(dir, taps).unwrap();
     let tokens: Vec<u32> = (0..17).map(|i| (i * 37 + 5) % 500).collect();
     let ours = target.forward_taps(&tokens);
-    let inv = dflash_worker::compute::rope_inv_freq(
+    let inv = dflash_worker::math::rope_inv_freq(
         target.cfg.head_dim,
         target.cfg.rope_theta,
         target.cfg.rope_scaling.as_ref(),
@@ -318,7 +318,15 @@ fn inspect_writes_the_tapped_hidden_states_of_a_sequence() {
     let want = Target::load(&tmp.path().join("m"), &[0, 4])
         .unwrap()
         .forward_taps(&[5, 6, 7, 8]);
-    assert_eq!(got, want);
+    // Written by the model a CPU target worker runs (the device target on the CPU device):
+    // the reference's values up to f32 rounding of a different summation order.
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst <= 1e-5 * scale, "{worst} off the reference (scale {scale})");
     // A token id outside the vocabulary is a clear error, exit 2.
     let bad = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-worker"))
         .args([
@@ -424,8 +432,8 @@ fn rewrite_as_f32(dir: &Path) {
 #[test]
 fn a_device_target_reads_its_weights_from_the_checkpoint_mapping_without_an_f32_copy() {
     use dflash_worker::device::host::HostDevice;
-    use dflash_worker::device::target::GpuTarget;
-    use dflash_worker::model::target::Load;
+    use dflash_worker::models::target::device::DeviceTarget;
+    use dflash_worker::models::target::Load;
     for f32_checkpoint in [false, true] {
         let tmp = tempfile::tempdir().unwrap();
         tiny::write_random(tmp.path(), LLAMA, 9).unwrap();
@@ -441,8 +449,8 @@ fn a_device_target_reads_its_weights_from_the_checkpoint_mapping_without_an_f32_
             full.host_weight_bytes()
         );
         let tokens: Vec<u32> = (0..24u32).map(|i| (i * 31 + 7) % 500).collect();
-        let mut a = GpuTarget::new(Box::new(HostDevice::new()), &full, 24).unwrap();
-        let mut b = GpuTarget::new(Box::new(HostDevice::new()), &mapped, 24).unwrap();
+        let mut a = DeviceTarget::new(Box::new(HostDevice::new()), &full, 24).unwrap();
+        let mut b = DeviceTarget::new(Box::new(HostDevice::new()), &mapped, 24).unwrap();
         let (ta, tb) = (
             a.forward_taps(&tokens).unwrap(),
             b.forward_taps(&tokens).unwrap(),

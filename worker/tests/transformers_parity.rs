@@ -9,8 +9,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use dflash_worker::model::target::Target;
-use dflash_worker::model::tiny;
+use dflash_worker::models::target::Target;
+use dflash_worker::models::tiny;
 
 const SCRIPT: &str = r#"
 import json, sys
@@ -95,11 +95,8 @@ fn check(name: &str, base: &str, rope: &str) {
         "{name}: attention factor {af} vs transformers {want_af}"
     );
     if let Some(inv) = meta["inv_freq"].as_array() {
-        let mine = dflash_worker::compute::rope_inv_freq(
-            target.cfg.head_dim,
-            target.cfg.rope_theta,
-            scaling,
-        );
+        let mine =
+            dflash_worker::math::rope_inv_freq(target.cfg.head_dim, target.cfg.rope_theta, scaling);
         assert_eq!(mine.len(), inv.len(), "{name}");
         for (i, (a, b)) in mine.iter().zip(inv).enumerate() {
             let b = b.as_f64().unwrap() as f32;
@@ -129,7 +126,7 @@ fn check(name: &str, base: &str, rope: &str) {
         "{name}: taps differ from transformers' hidden_states by {err:.2e} of their scale"
     );
     // What a CPU target worker computes: the device target on the CPU device.
-    let mut worker = dflash_worker::device::target::GpuTarget::new(
+    let mut worker = dflash_worker::models::target::device::DeviceTarget::new(
         Box::new(dflash_worker::device::cpu::CpuDevice::new()),
         &target,
         tokens.len(),

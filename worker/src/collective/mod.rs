@@ -28,9 +28,9 @@ pub mod shm;
 
 use dflash_shared::drafter::CollectiveKind;
 
-use crate::device::drafter::GpuDrafter;
 use crate::device::Event;
 use crate::error::Result;
+use crate::models::drafter::device::DeviceDrafter;
 
 /// What forming an epoch asks of the supervisor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,12 +82,12 @@ pub trait Collective {
         &mut self,
         step: u64,
         weight: f64,
-        model: &mut GpuDrafter,
+        model: &mut DeviceDrafter,
     ) -> Result<Option<bool>>;
 
     /// Drive the all-reduce of the held gradient in the current epoch; `Some` once it is
     /// complete (again after every new epoch).
-    fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>>;
+    fn poll(&mut self, model: &mut DeviceDrafter) -> Result<Option<Reduced>>;
 
     /// Committed step `step`: hand over the sum of the last completed all-reduce, which
     /// must be of `step` with these loss weights (`weight_sum`), and let go of the held

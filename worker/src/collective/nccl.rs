@@ -29,10 +29,10 @@ use std::time::Instant;
 use dflash_shared::drafter::CollectiveKind;
 
 use super::{Collective, Formed, Reduced, Sum};
-use crate::device::drafter::GpuDrafter;
 use crate::device::libs::{self, CudaLib};
 use crate::device::{DSlice, Event, Stream};
 use crate::error::{Result, WorkerError};
+use crate::models::drafter::device::DeviceDrafter;
 
 type Comm = *mut c_void;
 const ID_BYTES: usize = 128;
@@ -297,7 +297,7 @@ unsafe impl Send for NcclCollective {}
 
 impl NcclCollective {
     /// For a GPU drafter (`model` on a CUDA device).
-    pub fn new(rank: u32, model: &mut GpuDrafter) -> Result<NcclCollective> {
+    pub fn new(rank: u32, model: &mut DeviceDrafter) -> Result<NcclCollective> {
         let lib = load().map_err(|e| WorkerError::Permanent(e.to_string()))?;
         let (major, minor, _) = lib.version()?;
         if (major, minor) < (2, 18) {
@@ -392,7 +392,7 @@ impl NcclCollective {
         });
     }
 
-    fn build(&mut self, id: &[u8], model: &mut GpuDrafter) -> Result<()> {
+    fn build(&mut self, id: &[u8], model: &mut DeviceDrafter) -> Result<()> {
         let Some((epoch, ranks)) = &self.epoch else {
             return Ok(());
         };
@@ -499,7 +499,7 @@ impl Collective for NcclCollective {
         &mut self,
         step: u64,
         weight: f64,
-        model: &mut GpuDrafter,
+        model: &mut DeviceDrafter,
     ) -> Result<Option<bool>> {
         self.held = Some((step, weight));
         if let Some((_, e)) = self.launched.take() {
@@ -515,7 +515,7 @@ impl Collective for NcclCollective {
         Ok(None)
     }
 
-    fn poll(&mut self, model: &mut GpuDrafter) -> Result<Option<Reduced>> {
+    fn poll(&mut self, model: &mut DeviceDrafter) -> Result<Option<Reduced>> {
         self.reap_abandoned();
         for e in self.stale.drain(..) {
             // An all-reduce an abort left behind: the compute stream waits for it (aborted

@@ -21,9 +21,9 @@ use dflash_shared::drafter::{CollectiveKind, GRAD_SLOT_HEADER};
 use dflash_shared::pool::PoolMap;
 
 use super::{pack, Collective, Formed, Reduced, Sum};
-use crate::device::drafter::GpuDrafter;
 use crate::error::{Result, WorkerError};
-use crate::model::drafter::reduce_slots;
+use crate::models::drafter::device::DeviceDrafter;
+use crate::models::drafter::reduce_slots;
 
 pub struct ShmCollective {
     pool: PoolMap,
@@ -226,7 +226,7 @@ impl Collective for ShmCollective {
         &mut self,
         step: u64,
         weight: f64,
-        model: &mut GpuDrafter,
+        model: &mut DeviceDrafter,
     ) -> Result<Option<bool>> {
         let finite = self.write(step, weight, |body| {
             model
@@ -249,7 +249,7 @@ impl Collective for ShmCollective {
         })
     }
 
-    fn poll(&mut self, _model: &mut GpuDrafter) -> Result<Option<Reduced>> {
+    fn poll(&mut self, _model: &mut DeviceDrafter) -> Result<Option<Reduced>> {
         self.progress()
     }
 

@@ -1,11 +1,11 @@
 //! The CPU as a [`Device`]: memory is host memory, copies are `memcpy`s, streams run in
 //! order as they are called, GEMMs go through the `gemm` crate (threaded), and each kernel
 //! of `cuda/kernels.cu` has a Rust counterpart here with the same arguments and the same
-//! result up to summation order. So the device models ([`super::drafter::GpuDrafter`],
-//! [`super::target::GpuTarget`]) are the models of every backend: a CPU worker runs the
+//! result up to summation order. So the device models ([`super::drafter::DeviceDrafter`],
+//! [`super::target::DeviceTarget`]) are the models of every backend: a CPU worker runs the
 //! same model code, buffers and optimizer as a GPU worker, and every CPU test runs it.
 //!
-//! The kernels here are checked against the CPU reference ops ([`crate::compute::cpu`]) by
+//! The kernels here are checked against the CPU reference ops ([`crate::reference::cpu`]) by
 //! the same tests as the host device's (`DFLASH_TEST_DEVICE=cpu`), and the whole drafter
 //! step against the reference drafter.
 //!
@@ -532,7 +532,7 @@ impl CpuDevice {
     /// # Safety
     /// As for [`Device::launch`]'s arms.
     unsafe fn attention_fwd(&self, a: &Attention) -> Result<()> {
-        use crate::compute::cpu::sgemm;
+        use crate::math::sgemm;
         let kernel = "attention_fwd";
         let (tq, qh, kvh, hd) = (a.tq, a.qh, a.kvh, a.hd);
         let (out, lse) = (wr::<f32>(a.out), wr::<f32>(a.lse));
@@ -726,7 +726,7 @@ impl CpuDevice {
     /// # Safety
     /// As for [`Device::launch`]'s arms.
     unsafe fn attention_bwd(&self, g: &AttentionGrad) -> Result<()> {
-        use crate::compute::cpu::{dot, sgemm};
+        use crate::math::{dot, sgemm};
         let kernel = "attention_bwd";
         let a = &g.fwd;
         let (tq, qh, kvh, hd) = (a.tq, a.qh, a.kvh, a.hd);

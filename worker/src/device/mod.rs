@@ -13,22 +13,20 @@
 //! - [`cpu::CpuDevice`]: the CPU itself, with a Rust counterpart of every kernel: what CPU
 //!   drafter workers train with, so that one drafter model serves every backend.
 //!
-//! [`ops::Ops`] wraps a device with one typed method per kernel; [`target::GpuTarget`] is
-//! the target forward on it, [`drafter::GpuDrafter`] the drafter's step and optimizer. Device memory comes from one [`Arena`] per worker, allocated
+//! [`ops::Ops`] wraps a device with one typed method per kernel; [`target::DeviceTarget`] is
+//! the target forward on it, [`drafter::DeviceDrafter`] the drafter's step and optimizer. Device memory comes from one [`Arena`] per worker, allocated
 //! once and sub-allocated, with its own counters.
 
 pub use kernels::Kernel;
 
 pub mod cpu;
 pub mod cuda;
-pub mod drafter;
 pub mod host;
 pub mod kernels;
 pub mod libs;
 pub mod nvrtc;
 pub mod ops;
 pub mod race;
-pub mod target;
 
 use std::fmt;
 

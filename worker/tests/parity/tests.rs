@@ -3,8 +3,8 @@
 // each of which defines `device()`.
 
 use dflash_shared::rng::Rng;
-use dflash_worker::compute::cpu::Cpu;
-use dflash_worker::compute::{Heads, KeySpan};
+use dflash_worker::reference::ops::Cpu;
+use dflash_worker::reference::{Heads, KeySpan};
 use dflash_worker::device::ops::Ops;
 use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
 
@@ -281,7 +281,7 @@ fn host_device_rope_and_its_inverse_match_the_cpu_backend() {
     let x = rand_vec(&mut rng, rows * heads * hd, 1.0);
     let positions: Vec<usize> = (0..rows).map(|i| i * 7 + 3).collect();
     let scaling = dflash_shared::model_config::RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 64.0 };
-    let inv_freq = dflash_worker::compute::rope_inv_freq(hd, 500000.0, Some(&scaling));
+    let inv_freq = dflash_worker::math::rope_inv_freq(hd, 500000.0, Some(&scaling));
     let cpu = Cpu::with_threads(1);
     let mut o = ops();
     let (gx, gp, gf) = (put(&mut o, &x), put_i32(&mut o, &positions.iter().map(|&p| p as i32).collect::<Vec<_>>()), put(&mut o, &inv_freq));
@@ -460,7 +460,7 @@ fn host_device_chunked_cross_entropy_matches_the_cpu_backend() {
     let total: f64 = rows.iter().map(|r| r.2).sum::<f64>() * 1.5;
     let cpu = Cpu::with_threads(1);
     let mut dhn = vec![0f32; n * h];
-    let want = dflash_worker::model::drafter::lm_head_ce(&cpu, &hn, h, &lm, vocab, &rows, total, Some(&mut dhn));
+    let want = dflash_worker::reference::drafter::lm_head_ce(&cpu, &hn, h, &lm, vocab, &rows, total, Some(&mut dhn));
 
     let mut o = ops();
     let (ghn, glm) = (put(&mut o, &hn), put(&mut o, &lm));
@@ -505,7 +505,7 @@ fn bytemuck_i32(v: &mut [i32]) -> &mut [u8] {
 #[test]
 fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
     let _checks = all_checks();
-    use dflash_worker::model::drafter::{grad_norm, AdamW};
+    use dflash_worker::models::drafter::{grad_norm, AdamW};
     let mut rng = Rng::new(11);
     let n = 3000;
     let p0 = rand_vec(&mut rng, n, 1.0);
@@ -574,13 +574,13 @@ const LLAMA: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama
 #[test]
 fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
     let _checks = all_checks();
-    use dflash_worker::device::target::GpuTarget;
-    use dflash_worker::model::target::Target;
+    use dflash_worker::models::target::device::DeviceTarget;
+    use dflash_worker::models::target::Target;
     for (name, cfg, taps) in [("qwen3", QWEN3, vec![0usize, 2, 3]), ("llama", LLAMA, vec![1usize, 2])] {
         let tmp = tempfile::tempdir().unwrap();
-        dflash_worker::model::tiny::write_random(tmp.path(), cfg, 21).unwrap();
+        dflash_worker::models::tiny::write_random(tmp.path(), cfg, 21).unwrap();
         let cpu = Target::load(tmp.path(), &taps).unwrap();
-        let mut gpu = GpuTarget::new(device(), &cpu, 40).unwrap();
+        let mut gpu = DeviceTarget::new(device(), &cpu, 40).unwrap();
         assert_eq!(gpu.describe(), device().describe());
         for len in [40usize, 17, 1] {
             let tokens: Vec<u32> = (0..len as u32).map(|i| (i * 37 + 5) % 300).collect();
@@ -607,8 +607,8 @@ fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
 fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let _checks = all_checks();
     use dflash_shared::drafter::DrafterConfig;
-    use dflash_worker::device::drafter::GpuDrafter;
-    use dflash_worker::model::drafter::{Drafter, Frozen, Sample};
+    use dflash_worker::models::drafter::device::DeviceDrafter;
+    use dflash_worker::models::drafter::{Drafter, Frozen, Sample};
     // Vocabulary over one 4096-column chunk, heads of 40 (lanes partly idle), GQA.
     let c = DrafterConfig {
         hidden: 48,
@@ -645,7 +645,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let mut want = vec![0f32; p.len()];
     let tw = d.total_weight(&samples, &anchors);
     let ws = d.train_batch(&p, &frozen, &samples, &anchors, tw, &mut want);
-    let mut gpu = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let mut gpu = DeviceDrafter::new(device(), &d, &frozen, 32).unwrap();
     let zeros = vec![0f32; p.len()];
     gpu.load(&p, &zeros, &zeros, 0).unwrap();
     let mut got = vec![f32::NAN; p.len()];
@@ -695,7 +695,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     // against the CPU's clip and AdamW on the same gradients. The device reports each
     // step's outcome a step later (the last one when drained).
     use dflash_worker::device::ops::params_hash;
-    use dflash_worker::model::drafter::{grad_norm, AdamW};
+    use dflash_worker::models::drafter::{grad_norm, AdamW};
     assert_eq!(gpu.params_hash().unwrap(), params_hash(&p), "the device's checksum of the weights is the host's");
     let (mut cpu_p, mut opt) = (p.clone(), AdamW::new(p.len()));
     let (clip, lr) = (1.0f32, 1e-2f32);
@@ -755,9 +755,9 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
 fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     let _checks = all_checks();
     use dflash_shared::drafter::DrafterConfig;
-    use dflash_worker::device::drafter::GpuDrafter;
+    use dflash_worker::models::drafter::device::DeviceDrafter;
     use dflash_worker::device::{f32_bytes, Stream};
-    use dflash_worker::model::drafter::{reduce_slots, AdamW, Drafter, Frozen, Sample};
+    use dflash_worker::models::drafter::{reduce_slots, AdamW, Drafter, Frozen, Sample};
     let c = DrafterConfig {
         hidden: 32,
         layers: 1,
@@ -788,8 +788,8 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     let raw = [taps16.as_slice()];
     let n = p.len();
     let zeros = vec![0f32; n];
-    let mut host = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
-    let mut dev = GpuDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let mut host = DeviceDrafter::new(device(), &d, &frozen, 32).unwrap();
+    let mut dev = DeviceDrafter::new(device(), &d, &frozen, 32).unwrap();
     host.load(&p, &zeros, &zeros, 0).unwrap();
     dev.load(&p, &zeros, &zeros, 0).unwrap();
     let mut g = vec![0f32; n];

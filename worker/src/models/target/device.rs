@@ -1,17 +1,17 @@
 //! The frozen target's forward on a [`Device`]: the same computation as
-//! [`crate::model::target::Target::forward_taps`] (which it is tested against), with the
+//! [`crate::models::target::Target::forward_taps`] (which it is tested against), with the
 //! weights, and activations for up to `max_tokens` tokens, allocated once from the arena.
 //! Positions and the causal key spans are uploaded once too: they depend only on the
 //! row index, so a shorter sequence uses their prefix.
 
 use dflash_shared::model_config::TargetConfig;
 
-use super::ops::Ops;
-use super::{
+use crate::device::ops::Ops;
+use crate::device::{
     f32_bytes_mut, i32_bytes, u32_bytes, Arena, ArenaStats, DSlice, Device, GpuError, Result,
     Stream,
 };
-use crate::model::target::{matrix_name, Target};
+use crate::models::target::{matrix_name, Target};
 
 struct Layer {
     ln1: DSlice,
@@ -48,7 +48,7 @@ struct Acts {
     stage: [DSlice; 2],
 }
 
-pub struct GpuTarget {
+pub struct DeviceTarget {
     pub cfg: TargetConfig,
     pub taps: Vec<usize>,
     pub max_tokens: usize,
@@ -63,16 +63,20 @@ pub struct GpuTarget {
     bf16: bool,
     a: Acts,
     /// Per staging buffer: the event after its last copy to the host.
-    stage_free: [Option<super::Event>; 2],
+    stage_free: [Option<crate::device::Event>; 2],
     next_stage: usize,
     /// The pinned staging buffer the weights came through (registered with the device):
     /// declared after `ops`, so it is freed after the device.
     _pinned: Vec<u8>,
 }
 
-impl GpuTarget {
+impl DeviceTarget {
     /// Put `target`'s weights on `dev`, with room for sequences of up to `max_tokens`.
-    pub fn new(mut dev: Box<dyn Device>, target: &Target, max_tokens: usize) -> Result<GpuTarget> {
+    pub fn new(
+        mut dev: Box<dyn Device>,
+        target: &Target,
+        max_tokens: usize,
+    ) -> Result<DeviceTarget> {
         let c = target.cfg.clone();
         let t = max_tokens.max(1);
         let what = format!(
@@ -87,7 +91,7 @@ impl GpuTarget {
             place(dev.as_mut(), &mut arena, target, t, bf16)?;
         let mut ops = Ops::new(dev);
         ops.act16 = bf16;
-        Ok(GpuTarget {
+        Ok(DeviceTarget {
             cfg: c,
             taps: target.taps.clone(),
             max_tokens: t,
@@ -185,7 +189,7 @@ impl GpuTarget {
         &mut self,
         tokens: &[u32],
         dst: *mut u8,
-    ) -> Result<Option<super::Event>> {
+    ) -> Result<Option<crate::device::Event>> {
         let t = tokens.len();
         if t == 0 {
             return Ok(None);
@@ -220,7 +224,7 @@ impl GpuTarget {
     }
 
     /// Wait for the copies up to `e`; then the host may read `bytes` bytes at `ptr`.
-    pub fn finish(&mut self, e: super::Event, ptr: *const u8, bytes: usize) -> Result<()> {
+    pub fn finish(&mut self, e: crate::device::Event, ptr: *const u8, bytes: usize) -> Result<()> {
         self.ops.dev.sync_event(e)?;
         self.ops.dev.host_access(ptr, bytes, false)
     }
@@ -235,7 +239,7 @@ impl GpuTarget {
     fn compute(&mut self, tokens: &[u32], out: DSlice) -> Result<()> {
         let t = tokens.len();
         if t > self.max_tokens {
-            return Err(super::GpuError::Invalid(format!(
+            return Err(crate::device::GpuError::Invalid(format!(
                 "{t} tokens, room for {}",
                 self.max_tokens
             )));
@@ -375,7 +379,7 @@ fn place(
         d,
         arena,
         &target.embed,
-        crate::model::target::EMBED,
+        crate::models::target::EMBED,
         "embed_tokens",
     )?;
     let inv_freq = put(d, arena, &target.inv_freq, "rope inv_freq", false)?;
@@ -488,7 +492,7 @@ fn place(
 struct Staging {
     buf: Vec<u8>,
     half: usize,
-    busy: [Option<super::Event>; 2],
+    busy: [Option<crate::device::Event>; 2],
     next: usize,
 }
 
@@ -502,7 +506,7 @@ impl Staging {
             .max(c.num_attention_heads * c.head_dim * c.hidden_size);
         let half = (largest * 2).clamp(4096, 32 << 20).div_ceil(256) * 256;
         let mut buf = vec![0u8; 2 * half];
-        // SAFETY: the buffer is kept by the GpuTarget, after (dropped after) its device.
+        // SAFETY: the buffer is kept by the DeviceTarget, after (dropped after) its device.
         unsafe { d.register_host(buf.as_mut_ptr(), buf.len())? };
         // Each half is its own range for the host device's ordering checks.
         for h in 0..2 {

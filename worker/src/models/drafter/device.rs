@@ -1,5 +1,6 @@
-//! The DFlash drafter's forward and backward on a [`Device`]: the computation of
-//! [`crate::model::drafter::Drafter::train_batch`] (which it is tested against), with the
+//! The DFlash drafter's forward and backward on a [`Device`]: the one definition of the
+//! drafter's math the workers run, on a GPU or on the CPU device (the parity tests check
+//! it against the reference drafter, `crate::reference::drafter`), with the
 //! frozen embedding and lm_head, the parameters, their gradient and every activation the
 //! backward needs allocated once from the arena for the largest sample (`max_len` context
 //! positions, `max_anchors` blocks). Per sample: the forward keeps each layer's
@@ -10,11 +11,11 @@
 
 use dflash_shared::drafter::StepStats;
 
-use super::ops::Ops;
-use super::{
+use crate::device::ops::Ops;
+use crate::device::{
     f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, DSlice, Device, GpuError, Result, Stream,
 };
-use crate::model::drafter::{Drafter, Frozen, Sample};
+use crate::models::drafter::{Drafter, Frozen, Sample};
 
 /// Vocabulary columns per cross-entropy chunk.
 const CHUNK: usize = 4096;
@@ -227,7 +228,7 @@ struct Work {
     dctx_pre: DSlice,
 }
 
-/// The optimizer on the device: fp32 master weights (`GpuDrafter::params`) with their Adam
+/// The optimizer on the device: fp32 master weights (`DeviceDrafter::params`) with their Adam
 /// moments, the averaged gradient of the step being applied, and the step's norm, skip
 /// flag, Adam step count and the weights' checksum.
 struct Opt {
@@ -245,7 +246,7 @@ struct Opt {
     flag: DSlice,
     /// Adam's step count (one i32).
     t: DSlice,
-    /// [`super::ops::params_hash`] of the weights (one u64).
+    /// [`crate::device::ops::params_hash`] of the weights (one u64).
     hash: DSlice,
 }
 
@@ -282,7 +283,7 @@ impl Readback {
 impl Drop for Readback {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this layout; the device that registered it was
-        // dropped first (it is declared before us in GpuDrafter) and unregistered it.
+        // dropped first (it is declared before us in DeviceDrafter) and unregistered it.
         unsafe {
             std::alloc::dealloc(
                 self.ptr,
@@ -292,16 +293,16 @@ impl Drop for Readback {
     }
 }
 
-// SAFETY: the page is only touched through &mut GpuDrafter.
+// SAFETY: the page is only touched through &mut DeviceDrafter.
 unsafe impl Send for Readback {}
 
-pub struct GpuDrafter {
+pub struct DeviceDrafter {
     d: Drafter,
     // Declared before `readback`: the device unregisters the page before it is freed.
     ops: Ops,
     readback: Readback,
     /// The step whose outcome is on its way into `readback`, and the event behind it.
-    pending: Option<(u64, super::Event)>,
+    pending: Option<(u64, crate::device::Event)>,
     _arena: Arena,
     embed: DSlice,
     /// The frozen lm_head: f32 on the CPU device, bf16 (`lm16`) on a GPU.
@@ -322,7 +323,7 @@ pub struct GpuDrafter {
     /// parameter range and an event on the compute stream behind its last write (recorded
     /// during the last sample's backward, so a collective can reduce a bucket while the
     /// rest of the backward runs).
-    buckets: Vec<(std::ops::Range<usize>, super::Event)>,
+    buckets: Vec<(std::ops::Range<usize>, crate::device::Event)>,
 }
 
 /// Where a sample's taps come from.
@@ -330,10 +331,10 @@ enum Taps {
     /// The sample's own f32 taps, uploaded on the compute stream.
     F32,
     /// Staging buffer b, filled by the copy stream behind the event.
-    Staged(usize, super::Event),
+    Staged(usize, crate::device::Event),
 }
 
-/// What [`GpuDrafter::place`] lays out.
+/// What [`DeviceDrafter::place`] lays out.
 struct Placed {
     embed: DSlice,
     lm_head: DSlice,
@@ -348,7 +349,7 @@ struct Placed {
     mixed: Mixed,
 }
 
-impl GpuDrafter {
+impl DeviceDrafter {
     /// Room for samples of up to `max_len` positions with up to the drafter's
     /// `max_anchors` blocks.
     pub fn new(
@@ -356,7 +357,7 @@ impl GpuDrafter {
         d: &Drafter,
         frozen: &Frozen,
         max_len: usize,
-    ) -> Result<GpuDrafter> {
+    ) -> Result<DeviceDrafter> {
         let (s, m) = (
             max_len.max(1),
             (d.cfg.max_anchors * d.cfg.block_size).max(1),
@@ -374,7 +375,7 @@ impl GpuDrafter {
         // SAFETY: the page lives as long as the device (see the field order).
         unsafe { dev.register_host(readback.ptr, READBACK)? };
         dev.upload(Stream::Compute, pl.opt.one, f32_bytes(&[1.0]))?;
-        let mut g = GpuDrafter {
+        let mut g = DeviceDrafter {
             d: Drafter::new(d.cfg.clone()),
             ops: Ops::new(dev),
             readback,
@@ -466,7 +467,10 @@ impl GpuDrafter {
             gred: f(d.layout.total, "all-reduced gradient")?,
             one: f(1, "the constant 1")?,
             acc: f(2, "gradient sumsq")?,
-            partials: f(2 * super::ops::SUMSQ_BLOCKS, "gradient sumsq partials")?,
+            partials: f(
+                2 * crate::device::ops::SUMSQ_BLOCKS,
+                "gradient sumsq partials",
+            )?,
             flag: f(1, "non-finite flag")?,
             t: f(1, "adam step")?,
             hash: f(2, "weights checksum")?,
@@ -605,7 +609,7 @@ impl GpuDrafter {
         Ok(i32::from_le_bytes(t) as u64)
     }
 
-    /// The weights' checksum ([`super::ops::params_hash`]), computed on the device.
+    /// The weights' checksum ([`crate::device::ops::params_hash`]), computed on the device.
     pub fn params_hash(&mut self) -> Result<u64> {
         self.ops.dev.memset_zero(Stream::Compute, self.opt.hash)?;
         self.ops.params_hash(self.opt.hash, self.params)?;
@@ -627,7 +631,7 @@ impl GpuDrafter {
         g: &[f32],
         clip: f32,
         lr: f32,
-        hyper: &super::ops::AdamHyper,
+        hyper: &crate::device::ops::AdamHyper,
     ) -> Result<Option<StepOutcome>> {
         let before = self.drain()?;
         self.ops
@@ -639,7 +643,7 @@ impl GpuDrafter {
 
     /// [`apply`](Self::apply) for a gradient that a device collective summed into the
     /// reduce buffer ([`Self::reduce_buffers`]): scaled by `1 / weight_sum` on the device
-    /// (a GEMM with the constant 1, as [`crate::model::drafter::reduce_slots`] scales the
+    /// (a GEMM with the constant 1, as [`crate::models::drafter::reduce_slots`] scales the
     /// host sum) and applied, with no host copy of it.
     pub fn apply_reduced(
         &mut self,
@@ -647,8 +651,8 @@ impl GpuDrafter {
         weight_sum: f64,
         clip: f32,
         lr: f32,
-        hyper: &super::ops::AdamHyper,
-        after: Option<super::Event>,
+        hyper: &crate::device::ops::AdamHyper,
+        after: Option<crate::device::Event>,
     ) -> Result<Option<StepOutcome>> {
         let before = self.drain()?;
         if let Some(e) = after {
@@ -661,7 +665,7 @@ impl GpuDrafter {
         } else {
             1.0
         };
-        let g = super::Gemm {
+        let g = crate::device::Gemm {
             transa: false,
             transb: false,
             m: n,
@@ -715,7 +719,7 @@ impl GpuDrafter {
         &mut self,
         stream: Stream,
         mut reduce: impl FnMut(&mut dyn Device, DSlice, DSlice) -> Result<()>,
-    ) -> Result<super::Event> {
+    ) -> Result<crate::device::Event> {
         let mut buckets = std::mem::take(&mut self.buckets);
         if buckets.is_empty() {
             for r in self.bucket_plan() {
@@ -740,11 +744,11 @@ impl GpuDrafter {
     /// A one-rank group's "all-reduce": its gradient copied into the reduce buffer on the
     /// copy stream, bucket by bucket behind the backward (a GEMM with the constant 1, so
     /// every device has it). Returns the event for [`apply_reduced`](Self::apply_reduced).
-    pub fn reduce_alone(&mut self) -> Result<super::Event> {
+    pub fn reduce_alone(&mut self) -> Result<crate::device::Event> {
         let one = self.opt.one;
         self.reduce_buckets(Stream::Copy, |dev, g, r| {
             let n = g.bytes / 4;
-            let gemm = super::Gemm {
+            let gemm = crate::device::Gemm {
                 transa: false,
                 transb: false,
                 m: n,
@@ -789,7 +793,7 @@ impl GpuDrafter {
         step: u64,
         clip: f32,
         lr: f32,
-        hyper: &super::ops::AdamHyper,
+        hyper: &crate::device::ops::AdamHyper,
     ) -> Result<()> {
         let o = &self.opt;
         let (p, gsum, acc, partials, flag, t) =
@@ -929,6 +933,53 @@ impl GpuDrafter {
         self.batch(samples, Some(taps16), anchors, 1.0, None, false)
     }
 
+    /// The final-normed hidden states `[anchors.len() × block_size, hidden]` of one
+    /// sample's blocks at `anchors`, under the loaded weights: the forward of training
+    /// alone, from f32 taps (the export's parity probe). Block `n` is
+    /// `[s.ids[anchors[n]], MASK, …]` at positions `anchors[n] + k`; it sees the context
+    /// strictly before its anchor and itself.
+    pub fn final_hidden(&mut self, s: &Sample, anchors: &[usize]) -> Result<Vec<f32>> {
+        let c = &self.d.cfg;
+        let slen = s.ids.len();
+        if s.taps.len() != slen * c.n_taps * c.hidden {
+            return Err(GpuError::Invalid(format!(
+                "{} tap values for {slen} positions × {} taps × {}",
+                s.taps.len(),
+                c.n_taps,
+                c.hidden
+            )));
+        }
+        if let Some(a) = anchors.iter().find(|&&a| a >= slen) {
+            return Err(GpuError::Invalid(format!(
+                "anchor {a} is past the {slen} context tokens"
+            )));
+        }
+        let m = anchors.len() * c.block_size;
+        if slen > self.max_len || m > self.max_rows {
+            return Err(GpuError::Invalid(format!(
+                "a sample of {slen} positions and {} blocks; room for {} and {}",
+                anchors.len(),
+                self.max_len,
+                self.max_rows / c.block_size
+            )));
+        }
+        let dims = Dims {
+            slen,
+            nb: anchors.len(),
+            m,
+            tk: slen + m,
+        };
+        let hidden = c.hidden;
+        self.inputs(s, Taps::F32, anchors, dims)?;
+        self.forward(dims)?;
+        let mut out = vec![0f32; m * hidden];
+        let hn = self.locals(dims).hn;
+        self.ops
+            .dev
+            .download(Stream::Compute, hn, f32_bytes_mut(&mut out))?;
+        Ok(out)
+    }
+
     /// No batch for this step: a zero gradient (a rank that abstains from a step).
     pub fn zero_grads(&mut self) -> Result<()> {
         self.ops.dev.memset_zero(Stream::Compute, self.grads)
@@ -985,8 +1036,8 @@ impl GpuDrafter {
             // stream into the other staging buffer while sample k computes: `loaded[b]`
             // says buffer b holds its sample's taps, `free[b]` that the compute stream has
             // widened them (so it may be overwritten).
-            let mut loaded: [Option<super::Event>; 2] = [None, None];
-            let mut free: [Option<super::Event>; 2] = [None, None];
+            let mut loaded: [Option<crate::device::Event>; 2] = [None, None];
+            let mut free: [Option<crate::device::Event>; 2] = [None, None];
             let mut run = || -> Result<()> {
                 if let (Some(t16), Some(&first)) = (taps16, order.first()) {
                     loaded[0] = Some(self.stage(0, t16[first], None)?);
@@ -1098,7 +1149,12 @@ impl GpuDrafter {
 
     /// Copy one row of bf16 taps into staging buffer `b` on the copy stream, after `free`
     /// (the compute stream done with what the buffer held); an event behind the copy.
-    fn stage(&mut self, b: usize, raw: &[u8], free: Option<super::Event>) -> Result<super::Event> {
+    fn stage(
+        &mut self,
+        b: usize,
+        raw: &[u8],
+        free: Option<crate::device::Event>,
+    ) -> Result<crate::device::Event> {
         let dev = &mut self.ops.dev;
         if let Some(e) = free {
             let r = dev.wait(Stream::Copy, e);
@@ -1127,7 +1183,7 @@ impl GpuDrafter {
         denominator: f64,
         last: bool,
         backward: bool,
-    ) -> Result<(StepStats, Option<super::Event>)> {
+    ) -> Result<(StepStats, Option<crate::device::Event>)> {
         let bs = self.d.cfg.block_size;
         let (slen, nb) = (s.ids.len(), anchors.len());
         let m = nb * bs;
@@ -1172,7 +1228,7 @@ impl GpuDrafter {
         taps: Taps,
         anchors: &[usize],
         dims: Dims,
-    ) -> Result<Option<super::Event>> {
+    ) -> Result<Option<crate::device::Event>> {
         let c = self.d.cfg.clone();
         let lc = self.locals(dims);
         let Locals { h, bs, slen, m, .. } = lc;
@@ -1543,7 +1599,7 @@ impl GpuDrafter {
         let dh = w.dh.f32s(0..m * h);
         ops.dev.memset_zero(Stream::Compute, dh)?;
         let g = |name: &str| gw.f32s(self.d.layout.range(name));
-        let mut done: Vec<(std::ops::Range<usize>, super::Event)> = Vec::new();
+        let mut done: Vec<(std::ops::Range<usize>, crate::device::Event)> = Vec::new();
         // The plan's next bucket is final (the last sample's backward wrote it last).
         let mut bucket = |ops: &mut Ops| -> Result<()> {
             let range = plan.next().expect("one bucket per point of the backward");

@@ -1,6 +1,7 @@
-//! The CPU backend: plain Rust, rows split across threads for the heavy ops.
+//! The reference ops: plain Rust, rows split across threads for the heavy ops.
 
 use super::{AttnSaved, Heads, KeySpan};
+pub use crate::math::{axpy, dot, sgemm};
 
 pub struct Cpu {
     threads: usize,
@@ -35,90 +36,6 @@ impl Default for Cpu {
     fn default() -> Self {
         Cpu::new()
     }
-}
-
-#[inline]
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for (x, y) in ra.iter().zip(rb) {
-        s += x * y;
-    }
-    s
-}
-
-/// `y += a * x`
-#[inline]
-pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (yi, xi) in y.iter_mut().zip(x) {
-        *yi += a * xi;
-    }
-}
-
-/// `dst (m×n) = [dst +] lhs (m×k) · rhs (k×n)` through the `gemm` crate, every matrix given
-/// by its row and column strides in elements.
-///
-/// # Safety
-/// Every pointer must be valid for the elements its strides and sizes address.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn sgemm(
-    par: gemm::Parallelism,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    dst_cs: isize,
-    accumulate: bool,
-    lhs: *const f32,
-    lhs_rs: usize,
-    lhs_cs: isize,
-    rhs: *const f32,
-    rhs_rs: isize,
-    rhs_cs: isize,
-) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                for j in 0..n {
-                    *dst.offset(i as isize * dst_rs as isize + j as isize * dst_cs) = 0.0;
-                }
-            }
-        }
-        return;
-    }
-    // gemm's contract: dst := alpha·dst + beta·lhs·rhs (alpha read only when read_dst).
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        dst_cs,
-        dst_rs as isize,
-        accumulate,
-        lhs,
-        lhs_cs,
-        lhs_rs as isize,
-        rhs,
-        rhs_cs,
-        rhs_rs,
-        1.0,
-        1.0,
-        false,
-        false,
-        false,
-        par,
-    )
 }
 
 /// A raw pointer handed to worker threads that write disjoint parts of one buffer.
