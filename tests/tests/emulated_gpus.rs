@@ -172,10 +172,16 @@ fn four_emulated_gpus_train_in_one_nccl_group_like_the_cpu_run_and_keep_cuda_out
     );
     for name in ["target-0", "drafter-0", "drafter-1", "drafter-2"] {
         let pid = pid_of(&st, name);
-        // A worker maps its CUDA libraries once it has opened its GPU.
+        // A worker maps its CUDA libraries once it has opened its GPU: the driver first,
+        // cuBLAS and NVRTC as it sets the device up (so wait for all three, or its death).
+        let all = |m: &str| {
+            m.contains("libdflash_emu_cuda.so")
+                && m.contains("libdflash_emu_cublas.so")
+                && m.contains("libnvrtc")
+        };
         let m = wait_for(&format!("{name} opened its GPU"), T, || {
             let m = maps(pid);
-            (m.contains("libdflash_emu_cuda.so") || !pid_alive(pid)).then_some(m)
+            (all(&m) || !pid_alive(pid)).then_some(m)
         });
         assert!(
             m.contains("libdflash_emu_cuda.so")
