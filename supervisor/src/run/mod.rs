@@ -37,20 +37,21 @@ pub fn plan(
     args: &RunArgs,
     gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>,
 ) -> Result<Vec<(WorkerName, Device)>, Error> {
-    // Asked once; only its answer or its reason in words is needed after that.
-    let mut cached: Option<Result<u32, String>> = None;
+    // Asked once, its answer shared by every flag that needs it.
+    type Count = Result<u32, std::rc::Rc<gpus::NvmlUnavailable>>;
+    let mut cached: Option<Count> = None;
     let mut probe = move || {
         cached
-            .get_or_insert_with(|| gpu_count().map_err(|e| e.to_string()))
+            .get_or_insert_with(|| gpu_count().map_err(std::rc::Rc::new))
             .clone()
     };
-    let resolve = |spec: &DeviceSpec, flag: &str, gpus: &mut dyn FnMut() -> Result<u32, String>| {
+    let resolve = |spec: &DeviceSpec, flag: &str, gpus: &mut dyn FnMut() -> Count| {
         let n = match spec {
             DeviceSpec::Cpu(_) => Ok(0),
             _ => gpus(),
         };
-        spec.resolve(n.as_ref().copied().map_err(String::as_str), flag)
-            .map_err(Error::Flag)
+        spec.resolve(n.map_err(|why| why.to_string()), flag)
+            .map_err(Error::from)
     };
     let (targets, drafters) = match (&args.target_gpus, &args.drafter_gpus) {
         (Some(t), Some(d)) => (

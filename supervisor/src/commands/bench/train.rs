@@ -75,7 +75,7 @@ fn measure(
     tmp: &std::path::Path,
     steps: u64,
 ) -> Result<BTreeMap<String, f64>, Error> {
-    let target_cfg = TargetConfig::parse(TINY_CONFIG).map_err(|e| fail("tiny config", e))?;
+    let target_cfg = TargetConfig::read(TINY_CONFIG).map_err(|e| fail("tiny config", e))?;
     let mut loader = Loader::new(LoaderConfig {
         source: DataSource::Demo { samples: 1024 },
         vocab_size: Some(target_cfg.vocab_size as u32),
