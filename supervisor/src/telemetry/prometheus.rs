@@ -18,16 +18,21 @@ pub struct Exporter {
     pub addr: SocketAddr,
 }
 
+/// `--prometheus` given neither a port nor an address with a port.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("'{given}' is not a port or an address with a port (expected e.g. 9400 or 0.0.0.0:9400)")]
+pub struct AddrError {
+    pub given: String,
+}
+
 /// `9400` or `:9400` → 127.0.0.1:9400; anything else must be an address with a port.
-pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+pub fn parse_addr(s: &str) -> Result<SocketAddr, AddrError> {
     let t = s.trim().trim_start_matches(':');
     if let Ok(port) = t.parse::<u16>() {
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
-    s.trim().parse().map_err(|_| {
-        format!(
-            "'{s}' is not a port or an address with a port (expected e.g. 9400 or 0.0.0.0:9400)"
-        )
+    s.trim().parse().map_err(|_| AddrError {
+        given: s.to_string(),
     })
 }
 
@@ -398,7 +403,10 @@ mod tests {
             parse_addr("0.0.0.0:9400").unwrap().to_string(),
             "0.0.0.0:9400"
         );
-        assert!(parse_addr("localhost").unwrap_err().contains("expected"));
+        assert!(parse_addr("localhost")
+            .unwrap_err()
+            .to_string()
+            .contains("expected"));
     }
 
     #[test]
