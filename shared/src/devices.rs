@@ -133,10 +133,10 @@ impl FromStr for DeviceSpec {
 
 impl DeviceSpec {
     /// Turn the spec into concrete devices. `gpus` is what NVML reports: the GPU count,
-    /// or why it could not be asked (e.g. "no NVIDIA driver found").
-    pub fn resolve(
+    /// or why it could not be asked (e.g. "no NVIDIA driver found"), kept in words.
+    pub fn resolve<E: fmt::Display>(
         &self,
-        gpus: Result<u32, String>,
+        gpus: Result<u32, E>,
         flag: &str,
     ) -> Result<Vec<Device>, ResolveError> {
         let no_gpu = |spec: &str, why: String| ResolveError::NoGpu {
@@ -147,7 +147,7 @@ impl DeviceSpec {
         match self {
             DeviceSpec::Cpu(n) => Ok(vec![Device::Cpu; *n as usize]),
             DeviceSpec::All => match gpus {
-                Err(why) => Err(no_gpu("all", why)),
+                Err(why) => Err(no_gpu("all", why.to_string())),
                 Ok(0) => Err(no_gpu("all", "NVML reports no GPU".into())),
                 Ok(n) => Ok((0..n).map(Device::Gpu).collect()),
             },
@@ -157,7 +157,7 @@ impl DeviceSpec {
                     .map(|g| g.to_string())
                     .collect::<Vec<_>>()
                     .join(",");
-                let n = gpus.map_err(|why| no_gpu(&shown, why))?;
+                let n = gpus.map_err(|why| no_gpu(&shown, why.to_string()))?;
                 if let Some(&gpu) = list.iter().find(|&&g| g >= n) {
                     return Err(ResolveError::NoSuchGpu {
                         flag: flag.to_string(),
@@ -247,14 +247,14 @@ mod tests {
     fn resolve_checks_the_machine() {
         let spec: DeviceSpec = "0-7".parse().unwrap();
         let e = spec
-            .resolve(Err("no NVIDIA driver found".into()), "--gpus")
+            .resolve(Err("no NVIDIA driver found"), "--gpus")
             .unwrap_err()
             .to_string();
         assert!(
             e.contains("no NVIDIA driver") && e.contains("cpu:N") && e.contains("0,1,2"),
             "{e}"
         );
-        let e = spec.resolve(Ok(4), "--gpus").unwrap_err();
+        let e = spec.resolve(Ok::<_, &str>(4), "--gpus").unwrap_err();
         assert_eq!(
             e,
             ResolveError::NoSuchGpu {
@@ -269,17 +269,15 @@ mod tests {
             e.contains("GPU 4 does not exist") && e.contains("0-3"),
             "{e}"
         );
-        assert_eq!(spec.resolve(Ok(8), "--gpus").unwrap().len(), 8);
+        assert_eq!(spec.resolve(Ok::<_, &str>(8), "--gpus").unwrap().len(), 8);
         assert_eq!(
-            DeviceSpec::All.resolve(Ok(2), "--gpus").unwrap(),
+            DeviceSpec::All.resolve(Ok::<_, &str>(2), "--gpus").unwrap(),
             vec![Device::Gpu(0), Device::Gpu(1)]
         );
-        assert!(DeviceSpec::All.resolve(Ok(0), "--gpus").is_err());
-        assert!(DeviceSpec::All.resolve(Err("x".into()), "--gpus").is_err());
+        assert!(DeviceSpec::All.resolve(Ok::<_, &str>(0), "--gpus").is_err());
+        assert!(DeviceSpec::All.resolve(Err("x"), "--gpus").is_err());
         assert_eq!(
-            DeviceSpec::Cpu(2)
-                .resolve(Err("x".into()), "--gpus")
-                .unwrap(),
+            DeviceSpec::Cpu(2).resolve(Err("x"), "--gpus").unwrap(),
             vec![Device::Cpu, Device::Cpu]
         );
     }

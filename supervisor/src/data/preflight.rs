@@ -27,7 +27,7 @@ pub fn load_chat(
     match target {
         Some(dir) if dir.join("tokenizer.json").is_file() => match Chat::load(dir) {
             Ok(c) => Ok((Some(Arc::new(c)), None)),
-            Err(e) => Ok((None, Some(e))),
+            Err(e) => Ok((None, Some(e.to_string()))),
         },
         Some(dir) => Ok((
             None,

@@ -50,8 +50,7 @@ pub fn plan(
             DeviceSpec::Cpu(_) => Ok(0),
             _ => gpus(),
         };
-        spec.resolve(n.map_err(|why| why.to_string()), flag)
-            .map_err(Error::from)
+        spec.resolve(n, flag).map_err(Error::from)
     };
     let (targets, drafters) = match (&args.target_gpus, &args.drafter_gpus) {
         (Some(t), Some(d)) => (

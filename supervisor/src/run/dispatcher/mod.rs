@@ -450,9 +450,9 @@ impl Dispatcher {
             } => self.on_exit(worker, life, status),
             Event::GpuSamples(GpuSamples(samples)) => self.metrics.gpu.add(&samples),
             Event::Loader(ev) => {
-                if let Err(msg) = self.pipeline.on_loader(ev) {
-                    log::error!("{msg}");
-                    self.begin_stop(StopReason::BadInput(msg));
+                if let Err(e) = self.pipeline.on_loader(ev) {
+                    log::error!("{e}");
+                    self.begin_stop(StopReason::BadInput(e.to_string()));
                 }
                 if let Some(batches) = self.pipeline.first_epoch_batches() {
                     if let Some(msg) = self.trainer.refine_schedule(batches) {
