@@ -277,77 +277,93 @@ fn rope(v: &serde_json::Value) -> Result<(f64, Option<RopeScaling>), ConfigProbl
     };
     let rope_scaling = match scaling {
         serde_json::Value::Null => None,
-        s => {
-            let kind = s["rope_type"]
-                .as_str()
-                .or(s["type"].as_str())
-                .unwrap_or("default");
-            let f = |field: &'static str| {
-                s[field].as_f64().ok_or(ConfigProblem::ScalingMissing {
-                    scaling: scaling_field,
-                    field,
-                })
-            };
-            match kind {
-                "default" => None,
-                "linear" => Some(RopeScaling::Linear {
-                    factor: f("factor")?,
-                }),
-                "llama3" => Some(RopeScaling::Llama3 {
-                    factor: f("factor")?,
-                    low_freq_factor: f("low_freq_factor")?,
-                    high_freq_factor: f("high_freq_factor")?,
-                    original_max_position_embeddings: f("original_max_position_embeddings")?,
-                }),
-                "yarn" => {
-                    let factor = f("factor")?;
-                    let original = match s["original_max_position_embeddings"]
-                        .as_f64()
-                        .or(v["max_position_embeddings"].as_f64())
-                    {
-                        Some(o) if o > 0.0 => o,
-                        _ => {
-                            return Err(ConfigProblem::ScalingOriginalMissing {
-                                scaling: scaling_field,
-                            })
-                        }
-                    };
-                    let opt = |k: &str| s[k].as_f64().filter(|x| *x != 0.0);
-                    let mscale = |scale: f64, m: f64| {
-                        if scale <= 1.0 {
-                            1.0
-                        } else {
-                            0.1 * m * scale.ln() + 1.0
-                        }
-                    };
-                    let attention_factor = match (
-                        opt("attention_factor"),
-                        opt("mscale"),
-                        opt("mscale_all_dim"),
-                    ) {
-                        (Some(a), _, _) => a,
-                        (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
-                        _ => mscale(factor, 1.0),
-                    };
-                    Some(RopeScaling::Yarn {
-                        factor,
-                        original_max_position_embeddings: original,
-                        beta_fast: opt("beta_fast").unwrap_or(32.0),
-                        beta_slow: opt("beta_slow").unwrap_or(1.0),
-                        attention_factor,
-                        truncate: s["truncate"].as_bool().unwrap_or(true),
-                    })
-                }
-                other => {
-                    return Err(ConfigProblem::ScalingType {
-                        scaling: scaling_field,
-                        rope_type: other.to_string(),
-                    })
-                }
-            }
-        }
+        s => scaling_of(s, v, scaling_field)?,
     };
     Ok((rope_theta, rope_scaling))
+}
+
+/// The rotary scaling object `s` of config.json `v` (`scaling_field` names it in errors):
+/// `None` for the default (unscaled) rotary embeddings.
+fn scaling_of(
+    s: &serde_json::Value,
+    v: &serde_json::Value,
+    scaling_field: &'static str,
+) -> Result<Option<RopeScaling>, ConfigProblem> {
+    let kind = s["rope_type"]
+        .as_str()
+        .or(s["type"].as_str())
+        .unwrap_or("default");
+    let f = |field: &'static str| {
+        s[field].as_f64().ok_or(ConfigProblem::ScalingMissing {
+            scaling: scaling_field,
+            field,
+        })
+    };
+    Ok(match kind {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear {
+            factor: f("factor")?,
+        }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: f("factor")?,
+            low_freq_factor: f("low_freq_factor")?,
+            high_freq_factor: f("high_freq_factor")?,
+            original_max_position_embeddings: f("original_max_position_embeddings")?,
+        }),
+        "yarn" => Some(yarn(s, v, scaling_field, f("factor")?)?),
+        other => {
+            return Err(ConfigProblem::ScalingType {
+                scaling: scaling_field,
+                rope_type: other.to_string(),
+            })
+        }
+    })
+}
+
+/// YaRN scaling by `factor`, its other fields from `s` (transformers' defaults where
+/// absent).
+fn yarn(
+    s: &serde_json::Value,
+    v: &serde_json::Value,
+    scaling_field: &'static str,
+    factor: f64,
+) -> Result<RopeScaling, ConfigProblem> {
+    let original = match s["original_max_position_embeddings"]
+        .as_f64()
+        .or(v["max_position_embeddings"].as_f64())
+    {
+        Some(o) if o > 0.0 => o,
+        _ => {
+            return Err(ConfigProblem::ScalingOriginalMissing {
+                scaling: scaling_field,
+            })
+        }
+    };
+    let opt = |k: &str| s[k].as_f64().filter(|x| *x != 0.0);
+    let mscale = |scale: f64, m: f64| {
+        if scale <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * scale.ln() + 1.0
+        }
+    };
+    let attention_factor = match (
+        opt("attention_factor"),
+        opt("mscale"),
+        opt("mscale_all_dim"),
+    ) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+        _ => mscale(factor, 1.0),
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: opt("beta_fast").unwrap_or(32.0),
+        beta_slow: opt("beta_slow").unwrap_or(1.0),
+        attention_factor,
+        truncate: s["truncate"].as_bool().unwrap_or(true),
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
