@@ -1022,11 +1022,8 @@ fn settings(dir: &Path) -> String {
     h
 }
 
-fn training(run: &Run, absent: &mut Absent) -> String {
-    let steps = &run.steps;
-    if steps.is_empty() {
-        return absent.note("loss and acceptance", "no training step was committed");
-    }
+/// The step axis of the training charts: each step line's step, and the range to show.
+fn step_axis(steps: &[Value]) -> (Vec<f64>, (f64, f64)) {
     let xs: Vec<f64> = steps
         .iter()
         .map(|l| l["step"].as_f64().unwrap_or(0.0))
@@ -1035,15 +1032,34 @@ fn training(run: &Run, absent: &mut Absent) -> String {
         xs[0].min(xs[xs.len() - 1]),
         xs[xs.len() - 1].max(xs[0] + 1.0),
     );
-    let series = |k: &str| -> Vec<(f64, f64)> {
-        steps
-            .iter()
-            .zip(&xs)
-            .map(|(l, x)| (*x, l[k].as_f64().unwrap_or(f64::NAN)))
-            .collect()
-    };
-    let rollbacks: Vec<(u64, u64)> = run
-        .train
+    (xs, x)
+}
+
+/// The value `k` of each step line, at its step (`xs`): NaN where a line has none.
+fn step_series(steps: &[Value], xs: &[f64], k: &str) -> Vec<(f64, f64)> {
+    steps
+        .iter()
+        .zip(xs)
+        .map(|(l, x)| (*x, l[k].as_f64().unwrap_or(f64::NAN)))
+        .collect()
+}
+
+/// The value `k` of each held-out eval, at its step.
+fn eval_series(evals: &[Value], k: &str) -> Vec<(f64, f64)> {
+    evals
+        .iter()
+        .map(|e| {
+            (
+                e["step"].as_f64().unwrap_or(f64::NAN),
+                e[k].as_f64().unwrap_or(f64::NAN),
+            )
+        })
+        .collect()
+}
+
+/// The rollbacks of train.jsonl: (from step, to step).
+fn rollbacks_of(run: &Run) -> Vec<(u64, u64)> {
+    run.train
         .iter()
         .filter_map(|l| {
             Some((
@@ -1051,22 +1067,51 @@ fn training(run: &Run, absent: &mut Absent) -> String {
                 l["rollback"]["to"].as_u64()?,
             ))
         })
-        .collect();
-    let rollback_marks = |f: &Frame| {
-        let mut s = String::new();
-        for (from, to) in &rollbacks {
-            let _ = write!(
-                s,
-                r##"<line class="rollback" data-from="{from}" data-to="{to}" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#34495e" stroke-dasharray="2 2"><title>rollback from step {from} to step {to}</title></line>"##,
-                f.top,
-                f.bottom,
-                x = f.px(*to as f64)
-            );
-        }
-        s
-    };
-    let mut out = String::new();
-    let lr = series("lr");
+        .collect()
+}
+
+/// A dotted vertical line per rollback, at the step it went back to.
+fn rollback_marks(rollbacks: &[(u64, u64)], f: &Frame) -> String {
+    let mut s = String::new();
+    for (from, to) in rollbacks {
+        let _ = write!(
+            s,
+            r##"<line class="rollback" data-from="{from}" data-to="{to}" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#34495e" stroke-dasharray="2 2"><title>rollback from step {from} to step {to}</title></line>"##,
+            f.top,
+            f.bottom,
+            x = f.px(*to as f64)
+        );
+    }
+    s
+}
+
+fn training(run: &Run, absent: &mut Absent) -> String {
+    let steps = &run.steps;
+    if steps.is_empty() {
+        return absent.note("loss and acceptance", "no training step was committed");
+    }
+    let (xs, x) = step_axis(steps);
+    let rollbacks = rollbacks_of(run);
+    // Held-out evals (--eval-data) beside the training curves, at their steps.
+    let evals = lineage_evals(&run.train);
+    let mut out = loss_chart(steps, &xs, x, &evals, &rollbacks);
+    let (acceptance, slots) = acceptance_chart(steps, &xs, x, &evals, &rollbacks);
+    out.push_str(&acceptance);
+    if slots == 0 {
+        out.push_str(&absent.note("per-slot accuracy", "train.jsonl has no slot_accuracy"));
+    }
+    out
+}
+
+/// The loss per step (and per held-out eval), the learning rate on the right axis.
+fn loss_chart(
+    steps: &[Value],
+    xs: &[f64],
+    x: (f64, f64),
+    evals: &[Value],
+    rollbacks: &[(u64, u64)],
+) -> String {
+    let lr = step_series(steps, xs, "lr");
     let mut c = Chart::new(
         "loss",
         "Loss per step, learning rate on the right axis",
@@ -1075,25 +1120,17 @@ fn training(run: &Run, absent: &mut Absent) -> String {
         "loss",
     );
     c.series
-        .push(Series::new("loss", "loss", "#c0392b", series("loss")).dots());
-    // Held-out evals (--eval-data) beside the training curves, at their steps.
-    let evals = lineage_evals(&run.train);
-    let eval_series = |k: &str| -> Vec<(f64, f64)> {
-        evals
-            .iter()
-            .map(|e| {
-                (
-                    e["step"].as_f64().unwrap_or(f64::NAN),
-                    e[k].as_f64().unwrap_or(f64::NAN),
-                )
-            })
-            .collect()
-    };
+        .push(Series::new("loss", "loss", "#c0392b", step_series(steps, xs, "loss")).dots());
     if !evals.is_empty() {
         c.series.push(
-            Series::new("eval loss", "eval-loss", "#e67e22", eval_series("loss"))
-                .dash("6 2")
-                .dots(),
+            Series::new(
+                "eval loss",
+                "eval-loss",
+                "#e67e22",
+                eval_series(evals, "loss"),
+            )
+            .dash("6 2")
+            .dots(),
         );
     }
     if lr.iter().any(|p| p.1.is_finite()) {
@@ -1110,8 +1147,18 @@ fn training(run: &Run, absent: &mut Absent) -> String {
             "rollback (dotted: steps after it were trained again)".into(),
         ));
     }
-    out.push_str(&c.render(&rollback_marks));
+    c.render(&|f: &Frame| rollback_marks(rollbacks, f))
+}
 
+/// The acceptance proxy per step (and per held-out eval), the per-slot accuracy on the
+/// right axis; and how many slots that has (0: none recorded).
+fn acceptance_chart(
+    steps: &[Value],
+    xs: &[f64],
+    x: (f64, f64),
+    evals: &[Value],
+    rollbacks: &[(u64, u64)],
+) -> (String, usize) {
     let mut c = Chart::new(
         "acceptance",
         "Acceptance length proxy per step, per-slot accuracy on the right axis",
@@ -1119,15 +1166,22 @@ fn training(run: &Run, absent: &mut Absent) -> String {
         x,
         "acceptance",
     );
-    c.series
-        .push(Series::new("acceptance", "acceptance", "#1f4e9c", series("acceptance")).dots());
+    c.series.push(
+        Series::new(
+            "acceptance",
+            "acceptance",
+            "#1f4e9c",
+            step_series(steps, xs, "acceptance"),
+        )
+        .dots(),
+    );
     if !evals.is_empty() {
         c.series.push(
             Series::new(
                 "eval acceptance",
                 "eval-acceptance",
                 "#16a085",
-                eval_series("acceptance"),
+                eval_series(evals, "acceptance"),
             )
             .dash("6 2")
             .dots(),
@@ -1143,7 +1197,7 @@ fn training(run: &Run, absent: &mut Absent) -> String {
         for i in 0..slots {
             let pts = steps
                 .iter()
-                .zip(&xs)
+                .zip(xs)
                 .map(|(l, x)| (*x, l["slot_accuracy"][i].as_f64().unwrap_or(f64::NAN)))
                 .collect();
             // Slot 1 (the first drafted token) darkest.
@@ -1156,11 +1210,7 @@ fn training(run: &Run, absent: &mut Absent) -> String {
             );
         }
     }
-    out.push_str(&c.render(&rollback_marks));
-    if slots == 0 {
-        out.push_str(&absent.note("per-slot accuracy", "train.jsonl has no slot_accuracy"));
-    }
-    out
+    (c.render(&|f: &Frame| rollback_marks(rollbacks, f)), slots)
 }
 
 fn throughput(run: &Run, absent: &mut Absent) -> String {
@@ -1557,6 +1607,14 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
     if run.metrics.is_empty() {
         return absent.note("pool fill and bottleneck hint", why_no_metrics(run));
     }
+    let mut out = pool_fill(run);
+    out.push_str(&bottleneck_hints(run));
+    out
+}
+
+/// Each pool's fill, and the share of the window its producers were blocked and its
+/// consumers starved.
+fn pool_fill(run: &Run) -> String {
     let mut c = Chart::new(
         "pools",
         "Pool fill, producers blocked and consumers starved (share of the window)",
@@ -1593,8 +1651,12 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
             });
         }
     }
-    let mut out = c.render(&|_| String::new());
-    // The bottleneck hint over time: one coloured band per window.
+    c.render(&|_| String::new())
+}
+
+/// The bottleneck hint over time: one coloured band per window, one colour per kind of
+/// hint.
+fn bottleneck_hints(run: &Run) -> String {
     let mut hints: Vec<String> = Vec::new();
     /// (seconds, window length, the hint's kind and text)
     type HintWindow = (f64, f64, Option<(usize, String)>);
@@ -1639,7 +1701,7 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
         .collect();
     c.legend_extra
         .push(("#dddddd".into(), "no hint (balanced)".into()));
-    out.push_str(&c.render(&|f: &Frame| {
+    c.render(&|f: &Frame| {
         let mut s = String::new();
         for (t, w, h) in &per_window {
             let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
@@ -1658,8 +1720,7 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
             );
         }
         s
-    }));
-    out
+    })
 }
 
 /// "targets blocked 60% on ..." → "targets blocked N% on ...".
@@ -1680,10 +1741,13 @@ fn without_figures(s: &str) -> String {
     out
 }
 
-/// One stacked bar per worker: the mean milliseconds of each phase per batch.
-fn phases(run: &Run, absent: &mut Absent) -> String {
-    // worker -> phase -> (sum of ms × window, sum of window)
-    let mut acc: BTreeMap<String, BTreeMap<String, (f64, f64)>> = BTreeMap::new();
+/// Per worker, per phase: (the sum of its milliseconds × window length, the sum of the
+/// window lengths) over the metrics windows.
+type PhaseSums = BTreeMap<String, BTreeMap<String, (f64, f64)>>;
+
+/// The phase timings of every worker over the run's metrics windows.
+fn phase_sums(run: &Run) -> PhaseSums {
+    let mut acc = PhaseSums::new();
     for m in &run.metrics {
         let w = m["window_s"].as_f64().unwrap_or(1.0).max(1e-6);
         for (worker, ph) in m["pipeline"]["phase_ms_by_worker"]
@@ -1704,16 +1768,11 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
             }
         }
     }
-    if acc.is_empty() {
-        return absent.note(
-            "phase timings",
-            if run.metrics.is_empty() {
-                why_no_metrics(run)
-            } else {
-                "no worker reported phase timings yet".into()
-            },
-        );
-    }
+    acc
+}
+
+/// The phases `acc` has, in pipeline order (those of no known place last, by name).
+fn phase_order(acc: &PhaseSums) -> Vec<String> {
     const ORDER: [&str; 6] = [
         "wait",
         "forward",
@@ -1734,6 +1793,23 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
             n.clone(),
         )
     });
+    names
+}
+
+/// One stacked bar per worker: the mean milliseconds of each phase per batch.
+fn phases(run: &Run, absent: &mut Absent) -> String {
+    let acc = phase_sums(run);
+    if acc.is_empty() {
+        return absent.note(
+            "phase timings",
+            if run.metrics.is_empty() {
+                why_no_metrics(run)
+            } else {
+                "no worker reported phase timings yet".into()
+            },
+        );
+    }
+    let names = phase_order(&acc);
     let color = |n: &str| match n {
         "wait" => "#bdc3c7",
         "forward" => "#3498db",
@@ -1806,7 +1882,8 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
     s
 }
 
-fn composition(run: &Run, absent: &mut Absent) -> String {
+/// The samples loaded per length bucket over the run, shortest bucket first.
+fn length_buckets(run: &Run) -> Vec<(String, u64)> {
     let mut buckets: BTreeMap<String, u64> = BTreeMap::new();
     for m in &run.metrics {
         for (k, v) in m["pipeline"]["length_buckets"]
@@ -1816,16 +1893,6 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
         {
             *buckets.entry(k.clone()).or_default() += v.as_u64().unwrap_or(0);
         }
-    }
-    if buckets.values().all(|n| *n == 0) {
-        return absent.note(
-            "batch composition",
-            if run.metrics.is_empty() {
-                why_no_metrics(run)
-            } else {
-                "no batch was loaded in any metrics window".into()
-            },
-        );
     }
     // "<=64", "<=128", ..., ">1024": by the number in the label.
     let mut keys: Vec<(String, u64)> = buckets.into_iter().collect();
@@ -1838,12 +1905,42 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
         )
     };
     keys.sort_by_key(|(k, _)| num(k));
+    keys
+}
+
+/// The plot area of both halves of the composition chart: (top, bottom).
+const COMPOSITION_Y: (f64, f64) = (30.0, 170.0);
+
+fn composition(run: &Run, absent: &mut Absent) -> String {
+    let keys = length_buckets(run);
+    if keys.iter().all(|(_, n)| *n == 0) {
+        return absent.note(
+            "batch composition",
+            if run.metrics.is_empty() {
+                why_no_metrics(run)
+            } else {
+                "no batch was loaded in any metrics window".into()
+            },
+        );
+    }
+    let height = COMPOSITION_Y.1 + 40.0;
+    let mut s = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="length-buckets" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif">"#
+    );
+    s.push_str(&bucket_bars(&keys));
+    s.push_str(&padding_efficiency(run));
+    s.push_str("</svg>");
+    s
+}
+
+/// The left half of the composition chart: a bar per length bucket.
+fn bucket_bars(keys: &[(String, u64)]) -> String {
     let max = keys.iter().map(|k| k.1).max().unwrap_or(1).max(1) as f64;
     let total: u64 = keys.iter().map(|k| k.1).sum();
-    let (left, right, top, bottom) = (64.0, W / 2.0 - 10.0, 30.0, 170.0);
-    let height = bottom + 40.0;
+    let (left, right) = (64.0, W / 2.0 - 10.0);
+    let (top, bottom) = COMPOSITION_Y;
     let mut s = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="length-buckets" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif"><text x="{left}" y="16" font-size="13" font-weight="bold">Sequence lengths of the batches loaded ({total} samples)</text>"#
+        r#"<text x="{left}" y="16" font-size="13" font-weight="bold">Sequence lengths of the batches loaded ({total} samples)</text>"#
     );
     let _ = write!(
         s,
@@ -1876,7 +1973,13 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
         (left + right) / 2.0,
         bottom + 30.0
     );
-    // Padding efficiency over time, on the right half.
+    s
+}
+
+/// The right half of the composition chart: the padding efficiency over time.
+fn padding_efficiency(run: &Run) -> String {
+    let (top, bottom) = COMPOSITION_Y;
+    let mut s = String::new();
     let pad = run.windows(|m| {
         m["pipeline"]["padding_efficiency"]
             .as_f64()
@@ -1954,7 +2057,6 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
             pts.join(" ")
         );
     }
-    s.push_str("</svg>");
     s
 }
 
