@@ -24,7 +24,6 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("supervisor/src/run/mod.rs", "start", 241),
     ("supervisor/src/run/mod.rs", "trainer_config", 111),
     ("supervisor/src/run/validate.rs", "check_flags", 180),
-    ("supervisor/src/telemetry/prometheus.rs", "render", 262),
     ("worker/src/bench_ops.rs", "measure", 214),
     ("worker/src/bench_ops.rs", "measure_kernels", 290),
     ("worker/src/collective/nccl.rs", "poll", 164),
