@@ -19,8 +19,6 @@ const LONGER: &[(&str, &str, usize)] = &[
         "synthetic_conversations",
         101,
     ),
-    ("supervisor/src/run/dispatcher/ending.rs", "finish", 174),
-    ("supervisor/src/run/dispatcher/mod.rs", "on_message", 132),
     ("worker/src/bench_ops.rs", "measure", 214),
     ("worker/src/bench_ops.rs", "measure_kernels", 290),
     ("worker/src/collective/nccl.rs", "poll", 164),
