@@ -12,13 +12,6 @@ const LIMIT: usize = 100;
 const LONGER: &[(&str, &str, usize)] = &[
     ("supervisor/src/commands/bench/ipc.rs", "run", 149),
     ("supervisor/src/commands/bench/train.rs", "measure", 149),
-    ("supervisor/src/data/ledger.rs", "audit", 102),
-    ("supervisor/src/data/preflight.rs", "scan", 104),
-    (
-        "supervisor/src/data/preflight.rs",
-        "synthetic_conversations",
-        101,
-    ),
     ("worker/src/bench_ops.rs", "measure", 214),
     ("worker/src/bench_ops.rs", "measure_kernels", 290),
     ("worker/src/collective/nccl.rs", "poll", 164),
