@@ -248,7 +248,10 @@ impl Batches {
         }
         let (kept, derived) = (Indexes::of(self), Indexes::of(&fresh));
         if kept != derived {
-            return Err(IndexDrift { kept, derived });
+            return Err(IndexDrift {
+                kept: Box::new(kept),
+                derived: Box::new(derived),
+            });
         }
         Ok(())
     }
@@ -281,8 +284,8 @@ impl Indexes {
 #[derive(Debug, thiserror::Error)]
 #[error("indexes drifted: kept {kept:?}, derived {derived:?}")]
 pub struct IndexDrift {
-    pub kept: Indexes,
-    pub derived: Indexes,
+    pub kept: Box<Indexes>,
+    pub derived: Box<Indexes>,
 }
 
 #[cfg(test)]
