@@ -133,16 +133,22 @@ impl FromStr for DeviceSpec {
 
 impl DeviceSpec {
     /// Turn the spec into concrete devices. `gpus` is what NVML reports: the GPU count,
-    /// or why it could not be asked (e.g. "no NVIDIA driver found").
-    pub fn resolve(&self, gpus: Result<u32, &str>, flag: &str) -> Result<Vec<Device>, String> {
-        let no_gpu = |what: &str, why: &str| {
-            format!("{flag} {what}: {why}; use {flag} cpu:N to run on CPU workers")
+    /// or why it could not be asked (e.g. "no NVIDIA driver found"), kept in words.
+    pub fn resolve<E: fmt::Display>(
+        &self,
+        gpus: Result<u32, E>,
+        flag: &str,
+    ) -> Result<Vec<Device>, ResolveError> {
+        let no_gpu = |spec: &str, why: String| ResolveError::NoGpu {
+            flag: flag.to_string(),
+            spec: spec.to_string(),
+            why,
         };
         match self {
             DeviceSpec::Cpu(n) => Ok(vec![Device::Cpu; *n as usize]),
             DeviceSpec::All => match gpus {
-                Err(why) => Err(no_gpu("all", why)),
-                Ok(0) => Err(no_gpu("all", "NVML reports no GPU")),
+                Err(why) => Err(no_gpu("all", why.to_string())),
+                Ok(0) => Err(no_gpu("all", "NVML reports no GPU".into())),
                 Ok(n) => Ok((0..n).map(Device::Gpu).collect()),
             },
             DeviceSpec::Gpus(list) => {
@@ -151,20 +157,46 @@ impl DeviceSpec {
                     .map(|g| g.to_string())
                     .collect::<Vec<_>>()
                     .join(",");
-                let n = gpus.map_err(|why| no_gpu(&shown, why))?;
-                if let Some(g) = list.iter().find(|&&g| g >= n) {
-                    let have = if n == 0 {
-                        "no GPU".to_string()
-                    } else {
-                        format!("{n} GPU(s), 0-{}", n - 1)
-                    };
-                    return Err(format!(
-                        "{flag} {shown}: GPU {g} does not exist (NVML reports {have})"
-                    ));
+                let n = gpus.map_err(|why| no_gpu(&shown, why.to_string()))?;
+                if let Some(&gpu) = list.iter().find(|&&g| g >= n) {
+                    return Err(ResolveError::NoSuchGpu {
+                        flag: flag.to_string(),
+                        spec: shown,
+                        gpu,
+                        count: n,
+                    });
                 }
                 Ok(list.iter().map(|&g| Device::Gpu(g)).collect())
             }
         }
+    }
+}
+
+/// Devices asked for that this machine does not have: the flag, its value as given, and
+/// why (NVML's reason, or the GPU that is not there and how many there are).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    #[error("{flag} {spec}: {why}; use {flag} cpu:N to run on CPU workers")]
+    NoGpu {
+        flag: String,
+        spec: String,
+        why: String,
+    },
+    #[error("{flag} {spec}: GPU {gpu} does not exist (NVML reports {})", gpus_shown(*count))]
+    NoSuchGpu {
+        flag: String,
+        spec: String,
+        gpu: u32,
+        count: u32,
+    },
+}
+
+/// `count` GPUs in words: "no GPU" or "4 GPU(s), 0-3".
+fn gpus_shown(count: u32) -> String {
+    if count == 0 {
+        "no GPU".to_string()
+    } else {
+        format!("{count} GPU(s), 0-{}", count - 1)
     }
 }
 
@@ -216,22 +248,33 @@ mod tests {
         let spec: DeviceSpec = "0-7".parse().unwrap();
         let e = spec
             .resolve(Err("no NVIDIA driver found"), "--gpus")
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("no NVIDIA driver") && e.contains("cpu:N") && e.contains("0,1,2"),
             "{e}"
         );
-        let e = spec.resolve(Ok(4), "--gpus").unwrap_err();
+        let e = spec.resolve(Ok::<_, &str>(4), "--gpus").unwrap_err();
+        assert_eq!(
+            e,
+            ResolveError::NoSuchGpu {
+                flag: "--gpus".into(),
+                spec: "0,1,2,3,4,5,6,7".into(),
+                gpu: 4,
+                count: 4
+            }
+        );
+        let e = e.to_string();
         assert!(
             e.contains("GPU 4 does not exist") && e.contains("0-3"),
             "{e}"
         );
-        assert_eq!(spec.resolve(Ok(8), "--gpus").unwrap().len(), 8);
+        assert_eq!(spec.resolve(Ok::<_, &str>(8), "--gpus").unwrap().len(), 8);
         assert_eq!(
-            DeviceSpec::All.resolve(Ok(2), "--gpus").unwrap(),
+            DeviceSpec::All.resolve(Ok::<_, &str>(2), "--gpus").unwrap(),
             vec![Device::Gpu(0), Device::Gpu(1)]
         );
-        assert!(DeviceSpec::All.resolve(Ok(0), "--gpus").is_err());
+        assert!(DeviceSpec::All.resolve(Ok::<_, &str>(0), "--gpus").is_err());
         assert!(DeviceSpec::All.resolve(Err("x"), "--gpus").is_err());
         assert_eq!(
             DeviceSpec::Cpu(2).resolve(Err("x"), "--gpus").unwrap(),

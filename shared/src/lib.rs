@@ -18,5 +18,5 @@ pub mod rng;
 pub mod slots;
 pub mod threads;
 
-pub use devices::{Device, DeviceSpec, DeviceSpecError};
+pub use devices::{Device, DeviceSpec, DeviceSpecError, ResolveError};
 pub use names::{Role, WorkerName, WorkerNameError};

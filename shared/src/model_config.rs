@@ -95,9 +95,74 @@ pub const SIZE_LIMITS: &[(&str, u64)] = &[
     ("num_experts_per_tok", 4096),
 ];
 
+/// What is wrong with a config.json: the field, the value read and what was expected. Each
+/// prints as one line (the file's path is [`ConfigError`]'s).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigProblem {
+    #[error("not valid JSON: {source}")]
+    Json { source: serde_json::Error },
+    #[error("unsupported architecture {architectures:?} (model_type {model_type:?}); expected Qwen3ForCausalLM or LlamaForCausalLM")]
+    Architecture {
+        architectures: Vec<String>,
+        model_type: String,
+    },
+    #[error("{field} {value} is out of range (expected 1 to {max})")]
+    OutOfRange {
+        field: &'static str,
+        value: serde_json::Value,
+        max: u64,
+    },
+    #[error("{field} is missing or not a positive integer")]
+    NotPositiveInteger { field: &'static str },
+    #[error("{field} is missing or not a positive number")]
+    NotPositiveNumber { field: &'static str },
+    #[error("num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")]
+    KvHeads { heads: usize, kv_heads: usize },
+    #[error("hidden_size {hidden_size} is not a multiple of num_attention_heads {heads}")]
+    HeadDim { hidden_size: usize, heads: usize },
+    #[error("head_dim {head_dim} is odd; rotary embeddings need an even head_dim")]
+    OddHeadDim { head_dim: usize },
+    /// A setting that changes the math these models compute: `setting` as config.json
+    /// says it, and what is supported instead.
+    #[error("{setting} is not supported (expected {expected})")]
+    Unsupported {
+        setting: String,
+        expected: &'static str,
+    },
+    #[error("rope_parameters.{layer_type} differs from rope_parameters.full_attention (expected one set of rotary parameters)")]
+    RopePerLayerType { layer_type: String },
+    #[error("rope_parameters holds no rope_type or rope_theta and no full_attention entry (expected the rotary parameters)")]
+    RopeNoFullAttention,
+    #[error("rope_theta {top} and rope_parameters.rope_theta {nested} disagree")]
+    RopeThetaDisagree { top: f64, nested: f64 },
+    #[error("both rope_scaling and rope_parameters are set, and they differ (expected one of the two layouts)")]
+    RopeLayouts,
+    #[error("rope_parameters is not an object")]
+    RopeParametersNotObject,
+    #[error("{field} is not a positive number")]
+    ThetaNotPositive { field: &'static str },
+    #[error("{field} is not a number")]
+    ThetaNotNumber { field: &'static str },
+    /// `scaling` is `rope_scaling` or `rope_parameters`, whichever layout the file uses.
+    #[error("{scaling}.{field} is missing")]
+    ScalingMissing {
+        scaling: &'static str,
+        field: &'static str,
+    },
+    #[error(
+        "{scaling}.original_max_position_embeddings is missing (and so is max_position_embeddings)"
+    )]
+    ScalingOriginalMissing { scaling: &'static str },
+    #[error("{scaling}.rope_type {rope_type:?} is not supported (expected default, linear, llama3 or yarn)")]
+    ScalingType {
+        scaling: &'static str,
+        rope_type: String,
+    },
+}
+
 /// A size field of config.json above its [`SIZE_LIMITS`] entry: the field, its value and
 /// the accepted range.
-fn check_sizes(v: &serde_json::Value) -> Result<(), String> {
+fn check_sizes(v: &serde_json::Value) -> Result<(), ConfigProblem> {
     for &(field, max) in SIZE_LIMITS {
         let Some(x) = v.get(field).filter(|x| x.is_number()) else {
             continue;
@@ -109,7 +174,11 @@ fn check_sizes(v: &serde_json::Value) -> Result<(), String> {
             None => x.as_f64().is_some_and(|f| f > max as f64),
         };
         if above {
-            return Err(format!("{field} {x} is out of range (expected 1 to {max})"));
+            return Err(ConfigProblem::OutOfRange {
+                field,
+                value: x.clone(),
+                max,
+            });
         }
     }
     Ok(())
@@ -117,18 +186,17 @@ fn check_sizes(v: &serde_json::Value) -> Result<(), String> {
 
 /// What config.json may say that changes the math these models compute: refused, never
 /// ignored.
-fn refuse_unsupported(v: &serde_json::Value) -> Result<(), String> {
+fn refuse_unsupported(v: &serde_json::Value) -> Result<(), ConfigProblem> {
+    let unsupported = |setting: String, expected| ConfigProblem::Unsupported { setting, expected };
     if v["attention_bias"].as_bool() == Some(true) || v["mlp_bias"].as_bool() == Some(true) {
-        return Err(
-            "attention_bias/mlp_bias = true is not supported (expected bias-free projections)"
-                .into(),
-        );
+        return Err(unsupported(
+            "attention_bias/mlp_bias = true".into(),
+            "bias-free projections",
+        ));
     }
     if let Some(act) = v["hidden_act"].as_str().or(v["hidden_activation"].as_str()) {
         if act != "silu" && act != "swish" {
-            return Err(format!(
-                "hidden_act {act:?} is not supported (expected silu)"
-            ));
+            return Err(unsupported(format!("hidden_act {act:?}"), "silu"));
         }
     }
     if v["partial_rotary_factor"]
@@ -138,17 +206,23 @@ fn refuse_unsupported(v: &serde_json::Value) -> Result<(), String> {
             .as_f64()
             .is_some_and(|p| p != 1.0)
     {
-        return Err("partial_rotary_factor other than 1 is not supported (expected rotary embeddings over the whole head)".into());
+        return Err(unsupported(
+            "partial_rotary_factor other than 1".into(),
+            "rotary embeddings over the whole head",
+        ));
     }
     if v["use_sliding_window"].as_bool() == Some(true) {
-        return Err("use_sliding_window = true is not supported (expected full causal attention in every layer)".into());
+        return Err(unsupported(
+            "use_sliding_window = true".into(),
+            "full causal attention in every layer",
+        ));
     }
     Ok(())
 }
 
 /// The rotary settings of config.json (its `v`): theta and the scaling, from either
 /// transformers layout.
-fn rope(v: &serde_json::Value) -> Result<(f64, Option<RopeScaling>), String> {
+fn rope(v: &serde_json::Value) -> Result<(f64, Option<RopeScaling>), ConfigProblem> {
     // transformers 5 writes the rotary settings under `rope_parameters` (rope_theta,
     // rope_type and the scaling fields together); transformers 4 writes a top-level
     // `rope_theta` and a `rope_scaling` object. Either layout, never a silent default.
@@ -162,29 +236,29 @@ fn rope(v: &serde_json::Value) -> Result<(f64, Option<RopeScaling>), String> {
             .flatten()
             .find(|(_, p)| *p != full)
         {
-            return Err(format!("rope_parameters.{k} differs from rope_parameters.full_attention (expected one set of rotary parameters)"));
+            return Err(ConfigProblem::RopePerLayerType {
+                layer_type: k.clone(),
+            });
         }
         rp = full;
     } else if rp
         .as_object()
         .is_some_and(|o| !o.is_empty() && o.values().all(|x| x.is_object()))
     {
-        return Err("rope_parameters holds no rope_type or rope_theta and no full_attention entry (expected the rotary parameters)".into());
+        return Err(ConfigProblem::RopeNoFullAttention);
     }
     let (theta_field, scaling_field, scaling) = if rp.is_object() {
         if let (Some(a), Some(b)) = (v["rope_theta"].as_f64(), rp["rope_theta"].as_f64()) {
             if a != b {
-                return Err(format!(
-                    "rope_theta {a} and rope_parameters.rope_theta {b} disagree"
-                ));
+                return Err(ConfigProblem::RopeThetaDisagree { top: a, nested: b });
             }
         }
         if !v["rope_scaling"].is_null() && v["rope_scaling"] != *rp {
-            return Err("both rope_scaling and rope_parameters are set, and they differ (expected one of the two layouts)".into());
+            return Err(ConfigProblem::RopeLayouts);
         }
         ("rope_parameters.rope_theta", "rope_parameters", rp)
     } else if !rp.is_null() {
-        return Err("rope_parameters is not an object".into());
+        return Err(ConfigProblem::RopeParametersNotObject);
     } else {
         ("rope_theta", "rope_scaling", &v["rope_scaling"])
     };
@@ -194,58 +268,102 @@ fn rope(v: &serde_json::Value) -> Result<(f64, Option<RopeScaling>), String> {
         v["rope_theta"].as_f64()
     } {
         Some(t) if t > 0.0 => t,
-        Some(_) => return Err(format!("{theta_field} is not a positive number")),
+        Some(_) => {
+            return Err(ConfigProblem::ThetaNotPositive { field: theta_field });
+        }
         // transformers' default for both Qwen3Config and LlamaConfig.
         None if v["rope_theta"].is_null() && rp["rope_theta"].is_null() => 10000.0,
-        None => return Err(format!("{theta_field} is not a number")),
+        None => return Err(ConfigProblem::ThetaNotNumber { field: theta_field }),
     };
     let rope_scaling = match scaling {
         serde_json::Value::Null => None,
-        s => {
-            let kind = s["rope_type"]
-                .as_str()
-                .or(s["type"].as_str())
-                .unwrap_or("default");
-            let f = |k: &str| {
-                s[k].as_f64()
-                    .ok_or_else(|| format!("{scaling_field}.{k} is missing"))
-            };
-            match kind {
-                "default" => None,
-                "linear" => Some(RopeScaling::Linear { factor: f("factor")? }),
-                "llama3" => Some(RopeScaling::Llama3 {
-                    factor: f("factor")?,
-                    low_freq_factor: f("low_freq_factor")?,
-                    high_freq_factor: f("high_freq_factor")?,
-                    original_max_position_embeddings: f("original_max_position_embeddings")?,
-                }),
-                "yarn" => {
-                    let factor = f("factor")?;
-                    let original = match s["original_max_position_embeddings"].as_f64().or(v["max_position_embeddings"].as_f64()) {
-                        Some(o) if o > 0.0 => o,
-                        _ => return Err(format!("{scaling_field}.original_max_position_embeddings is missing (and so is max_position_embeddings)")),
-                    };
-                    let opt = |k: &str| s[k].as_f64().filter(|x| *x != 0.0);
-                    let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
-                    let attention_factor = match (opt("attention_factor"), opt("mscale"), opt("mscale_all_dim")) {
-                        (Some(a), _, _) => a,
-                        (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
-                        _ => mscale(factor, 1.0),
-                    };
-                    Some(RopeScaling::Yarn {
-                        factor,
-                        original_max_position_embeddings: original,
-                        beta_fast: opt("beta_fast").unwrap_or(32.0),
-                        beta_slow: opt("beta_slow").unwrap_or(1.0),
-                        attention_factor,
-                        truncate: s["truncate"].as_bool().unwrap_or(true),
-                    })
-                }
-                other => return Err(format!("{scaling_field}.rope_type {other:?} is not supported (expected default, linear, llama3 or yarn)")),
-            }
-        }
+        s => scaling_of(s, v, scaling_field)?,
     };
     Ok((rope_theta, rope_scaling))
+}
+
+/// The rotary scaling object `s` of config.json `v` (`scaling_field` names it in errors):
+/// `None` for the default (unscaled) rotary embeddings.
+fn scaling_of(
+    s: &serde_json::Value,
+    v: &serde_json::Value,
+    scaling_field: &'static str,
+) -> Result<Option<RopeScaling>, ConfigProblem> {
+    let kind = s["rope_type"]
+        .as_str()
+        .or(s["type"].as_str())
+        .unwrap_or("default");
+    let f = |field: &'static str| {
+        s[field].as_f64().ok_or(ConfigProblem::ScalingMissing {
+            scaling: scaling_field,
+            field,
+        })
+    };
+    Ok(match kind {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear {
+            factor: f("factor")?,
+        }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: f("factor")?,
+            low_freq_factor: f("low_freq_factor")?,
+            high_freq_factor: f("high_freq_factor")?,
+            original_max_position_embeddings: f("original_max_position_embeddings")?,
+        }),
+        "yarn" => Some(yarn(s, v, scaling_field, f("factor")?)?),
+        other => {
+            return Err(ConfigProblem::ScalingType {
+                scaling: scaling_field,
+                rope_type: other.to_string(),
+            })
+        }
+    })
+}
+
+/// YaRN scaling by `factor`, its other fields from `s` (transformers' defaults where
+/// absent).
+fn yarn(
+    s: &serde_json::Value,
+    v: &serde_json::Value,
+    scaling_field: &'static str,
+    factor: f64,
+) -> Result<RopeScaling, ConfigProblem> {
+    let original = match s["original_max_position_embeddings"]
+        .as_f64()
+        .or(v["max_position_embeddings"].as_f64())
+    {
+        Some(o) if o > 0.0 => o,
+        _ => {
+            return Err(ConfigProblem::ScalingOriginalMissing {
+                scaling: scaling_field,
+            })
+        }
+    };
+    let opt = |k: &str| s[k].as_f64().filter(|x| *x != 0.0);
+    let mscale = |scale: f64, m: f64| {
+        if scale <= 1.0 {
+            1.0
+        } else {
+            0.1 * m * scale.ln() + 1.0
+        }
+    };
+    let attention_factor = match (
+        opt("attention_factor"),
+        opt("mscale"),
+        opt("mscale_all_dim"),
+    ) {
+        (Some(a), _, _) => a,
+        (None, Some(m), Some(all)) => mscale(factor, m) / mscale(factor, all),
+        _ => mscale(factor, 1.0),
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_max_position_embeddings: original,
+        beta_fast: opt("beta_fast").unwrap_or(32.0),
+        beta_slow: opt("beta_slow").unwrap_or(1.0),
+        attention_factor,
+        truncate: s["truncate"].as_bool().unwrap_or(true),
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -264,15 +382,22 @@ impl TargetConfig {
                 "cannot read: {e} (expected a Hugging Face model directory with config.json)"
             ),
         })?;
-        TargetConfig::parse(&text).map_err(|msg| ConfigError {
+        TargetConfig::read(&text).map_err(|problem| ConfigError {
             path: path.display().to_string(),
-            msg,
+            msg: problem.to_string(),
         })
     }
 
+    /// [`read`](Self::read), its problem in words: for the worker's callers, which build a
+    /// [`ConfigError`] of their own from it.
     pub fn parse(text: &str) -> Result<TargetConfig, String> {
+        TargetConfig::read(text).map_err(|problem| problem.to_string())
+    }
+
+    /// The config of a config.json's text, or what is wrong with it.
+    pub fn read(text: &str) -> Result<TargetConfig, ConfigProblem> {
         let v: serde_json::Value =
-            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+            serde_json::from_str(text).map_err(|source| ConfigProblem::Json { source })?;
         let archs: Vec<&str> = v["architectures"]
             .as_array()
             .into_iter()
@@ -285,22 +410,24 @@ impl TargetConfig {
         } else if archs.contains(&"LlamaForCausalLM") || model_type == "llama" {
             Arch::Llama
         } else {
-            return Err(format!(
-                "unsupported architecture {archs:?} (model_type {model_type:?}); expected Qwen3ForCausalLM or LlamaForCausalLM"
-            ));
+            return Err(ConfigProblem::Architecture {
+                architectures: archs.iter().map(|a| a.to_string()).collect(),
+                model_type: model_type.to_string(),
+            });
         };
         check_sizes(&v)?;
-        let num = |k: &str| -> Result<usize, String> {
-            v[k].as_u64()
+        let num = |field: &'static str| -> Result<usize, ConfigProblem> {
+            v[field]
+                .as_u64()
                 .map(|n| n as usize)
                 .filter(|&n| n > 0)
-                .ok_or_else(|| format!("{k} is missing or not a positive integer"))
+                .ok_or(ConfigProblem::NotPositiveInteger { field })
         };
-        let float = |k: &str, default: Option<f64>| -> Result<f64, String> {
-            match (v[k].as_f64(), default) {
+        let float = |field: &'static str, default: Option<f64>| -> Result<f64, ConfigProblem> {
+            match (v[field].as_f64(), default) {
                 (Some(x), _) if x > 0.0 => Ok(x),
-                (None, Some(d)) if v[k].is_null() => Ok(d),
-                _ => Err(format!("{k} is missing or not a positive number")),
+                (None, Some(d)) if v[field].is_null() => Ok(d),
+                _ => Err(ConfigProblem::NotPositiveNumber { field }),
             }
         };
         let hidden_size = num("hidden_size")?;
@@ -314,26 +441,20 @@ impl TargetConfig {
             _ => num("num_key_value_heads")?,
         };
         if heads % kv_heads != 0 {
-            return Err(format!(
-                "num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-            ));
+            return Err(ConfigProblem::KvHeads { heads, kv_heads });
         }
         let head_dim = if v.get("head_dim").is_none() && arch == Arch::Qwen3 {
             128
         } else if v["head_dim"].is_null() {
             if hidden_size % heads != 0 {
-                return Err(format!(
-                    "hidden_size {hidden_size} is not a multiple of num_attention_heads {heads}"
-                ));
+                return Err(ConfigProblem::HeadDim { hidden_size, heads });
             }
             hidden_size / heads
         } else {
             num("head_dim")?
         };
         if head_dim % 2 != 0 {
-            return Err(format!(
-                "head_dim {head_dim} is odd; rotary embeddings need an even head_dim"
-            ));
+            return Err(ConfigProblem::OddHeadDim { head_dim });
         }
         refuse_unsupported(&v)?;
         let (rope_theta, rope_scaling) = rope(&v)?;

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
-use dflash_shared::DeviceSpec;
+use dflash_shared::{DeviceSpec, DeviceSpecError};
 
 /// Train DFlash speculative-decoding drafters on one machine.
 ///
@@ -595,48 +595,75 @@ pub(crate) fn run_args(extra: &[&str]) -> RunArgs {
         .run
 }
 
-fn parse_spec(s: &str) -> Result<DeviceSpec, String> {
-    s.parse::<DeviceSpec>().map_err(|e| e.to_string())
+fn parse_spec(s: &str) -> Result<DeviceSpec, DeviceSpecError> {
+    s.parse::<DeviceSpec>()
 }
 
 /// The longest duration a flag takes: a bound far beyond any run, so that adding one to
 /// the clock cannot overflow.
 pub const MAX_DURATION: Duration = Duration::from_secs(1000 * 24 * 3600);
 
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+/// A duration flag that cannot be read, or is longer than [`MAX_DURATION`].
+#[derive(Debug, thiserror::Error)]
+pub enum DurationError {
+    #[error("{source} (expected a duration such as 500ms, 30s, 5m or 2h)")]
+    Unreadable { source: humantime::DurationError },
+    #[error("'{given}' is too long (expected at most 1000days)")]
+    TooLong { given: String },
+}
+
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let d = humantime::parse_duration(s.trim())
-        .map_err(|e| format!("{e} (expected a duration such as 500ms, 30s, 5m or 2h)"))?;
+        .map_err(|source| DurationError::Unreadable { source })?;
     if d > MAX_DURATION {
-        return Err(format!(
-            "'{}' is too long (expected at most 1000days)",
-            s.trim()
-        ));
+        return Err(DurationError::TooLong {
+            given: s.trim().to_string(),
+        });
     }
     Ok(d)
 }
 
+/// A size flag that cannot be read: the text given and what is wrong with it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("'{given}' is not a size ({SIZE_EXPECTED})")]
+    NotASize { given: String },
+    #[error("unknown size unit '{unit}' ({SIZE_EXPECTED})")]
+    Unit { unit: String },
+    #[error("'{given}' is too large")]
+    TooLarge { given: String },
+    #[error("'{given}': size must be above zero ({SIZE_EXPECTED})")]
+    Zero { given: String },
+}
+
+const SIZE_EXPECTED: &str = "expected a size such as 4096, 500K or 64MiB";
+
 /// Sizes: plain bytes, or with K/M/G (powers of 1024; "KiB", "MB" and friends also read as
 /// powers of 1024 because that is what a log size means to everyone who sets one).
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let expected = "expected a size such as 4096, 500K or 64MiB";
+    let given = || s.to_string();
     let n: u64 = num
         .parse()
-        .map_err(|_| format!("'{s}' is not a size ({expected})"))?;
+        .map_err(|_| SizeError::NotASize { given: given() })?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
-        other => return Err(format!("unknown size unit '{other}' ({expected})")),
+        other => {
+            return Err(SizeError::Unit {
+                unit: other.to_string(),
+            })
+        }
     };
     let v = n
         .checked_mul(mult)
-        .ok_or_else(|| format!("'{s}' is too large"))?;
+        .ok_or_else(|| SizeError::TooLarge { given: given() })?;
     if v == 0 {
-        return Err(format!("'{s}': size must be above zero ({expected})"));
+        return Err(SizeError::Zero { given: given() });
     }
     Ok(v)
 }
@@ -676,8 +703,15 @@ mod tests {
         assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
         assert_eq!(parse_size("1g").unwrap(), 1 << 30);
         assert!(parse_size("0").is_err());
+        assert_eq!(
+            parse_size("12parsecs").unwrap_err(),
+            SizeError::Unit {
+                unit: "parsecs".into()
+            }
+        );
         assert!(parse_size("12parsecs")
             .unwrap_err()
+            .to_string()
             .contains("unknown size unit"));
         assert!(parse_size("lots").is_err());
     }
@@ -689,12 +723,15 @@ mod tests {
         assert_eq!(parse_duration("1000days").unwrap(), MAX_DURATION);
         assert!(parse_duration("300000000000y")
             .unwrap_err()
+            .to_string()
             .contains("too long"));
         assert!(parse_duration("1001days")
             .unwrap_err()
+            .to_string()
             .contains("at most 1000days"));
         assert!(parse_duration("soon")
             .unwrap_err()
+            .to_string()
             .contains("expected a duration"));
     }
 }

@@ -19,6 +19,10 @@ pub enum Error {
     /// and what was expected (exit 2).
     #[error("{0}")]
     Flag(String),
+    /// Devices asked for (`--gpus`, `--target-gpus`, `--drafter-gpus`) that this machine
+    /// does not have (exit 2).
+    #[error(transparent)]
+    Devices(#[from] dflash_shared::ResolveError),
     /// An input named on the command line (a file, a directory, an address, a run) that
     /// cannot be used: which one, and why (exit 2).
     #[error("{input}: {source}")]
@@ -83,9 +87,11 @@ pub enum Error {
 impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::Flag(_) | Error::Input { .. } | Error::Data(_) | Error::Unavailable { .. } => {
-                exit_codes::USAGE
-            }
+            Error::Flag(_)
+            | Error::Devices(_)
+            | Error::Input { .. }
+            | Error::Data(_)
+            | Error::Unavailable { .. } => exit_codes::USAGE,
             Error::Export(_) => exit_codes::RUN_FAILED,
             Error::Interrupted { .. } => exit_codes::INTERRUPTED,
             Error::Spool(crate::data::spool::SpoolError::Interrupted { .. }) => {

@@ -241,30 +241,51 @@ impl Batches {
 
     /// The indexes, recomputed from the records, equal the ones kept (tests).
     #[cfg(test)]
-    pub fn check_indexes(&self) -> Result<(), String> {
+    pub fn check_indexes(&self) -> Result<(), IndexDrift> {
         let mut fresh = Batches::default();
         for (&b, r) in &self.records {
             fresh.index(b, r.state);
         }
-        if fresh.queued != self.queued
-            || fresh.again != self.again
-            || fresh.uncovered != self.uncovered
-            || fresh.trained != self.trained
-        {
-            return Err(format!(
-                "indexes drifted: kept {:?}/{:?}/{:?}/{}, derived {:?}/{:?}/{:?}/{}",
-                self.queued,
-                self.again,
-                self.uncovered,
-                self.trained,
-                fresh.queued,
-                fresh.again,
-                fresh.uncovered,
-                fresh.trained
-            ));
+        let (kept, derived) = (Indexes::of(self), Indexes::of(&fresh));
+        if kept != derived {
+            return Err(IndexDrift {
+                kept: Box::new(kept),
+                derived: Box::new(derived),
+            });
         }
         Ok(())
     }
+}
+
+/// The indexes [`Batches`] keeps beside its records (tests).
+#[cfg(test)]
+#[derive(Debug, PartialEq, Eq)]
+pub struct Indexes {
+    queued: BTreeSet<u64>,
+    again: BTreeSet<u64>,
+    uncovered: BTreeSet<(u64, u64)>,
+    trained: u64,
+}
+
+#[cfg(test)]
+impl Indexes {
+    fn of(b: &Batches) -> Indexes {
+        Indexes {
+            queued: b.queued.clone(),
+            again: b.again.clone(),
+            uncovered: b.uncovered.clone(),
+            trained: b.trained,
+        }
+    }
+}
+
+/// Indexes kept that differ from those the records give (tests).
+#[cfg(test)]
+#[derive(Debug, thiserror::Error)]
+#[error("indexes drifted: kept {kept:?}, derived {derived:?}")]
+pub struct IndexDrift {
+    pub kept: Box<Indexes>,
+    pub derived: Box<Indexes>,
 }
 
 #[cfg(test)]

@@ -128,35 +128,78 @@ pub fn conversation(
     Ok(Some(msgs))
 }
 
+/// A tokenizer or chat template that cannot render chat data: the file (or directory) and
+/// what is wrong with it, as one line.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {problem}", path.display())]
+pub struct ChatError {
+    pub path: PathBuf,
+    pub problem: ChatProblem,
+}
+
+/// What is wrong with a tokenizer directory for chat data.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatProblem {
+    #[error("missing (expected the target's Hugging Face tokenizer, or --tokenizer DIR)")]
+    NoTokenizer,
+    #[error("not a readable Hugging Face tokenizer: {}", one_line(&source.to_string()))]
+    Tokenizer { source: tokenizers::Error },
+    #[error("not valid JSON: {source}")]
+    ConfigJson { source: serde_json::Error },
+    #[error("{source}")]
+    Read { source: std::io::Error },
+    #[error("chat_template is a list without a \"default\" template")]
+    NoDefaultTemplate,
+    #[error("no chat_template, and no {} (expected the model's chat template to render chat data)", jinja.display())]
+    NoTemplate { jinja: PathBuf },
+    #[error("the chat template does not parse: {}", one_line(&source.to_string()))]
+    TemplateSyntax { source: minijinja::Error },
+    #[error("the chat template fails on a one-turn conversation: {}", one_line(&source.to_string()))]
+    TemplateFails { source: minijinja::Error },
+    #[error("the chat template adds no assistant header for add_generation_prompt (cannot tell assistant turns apart)")]
+    NoHeader,
+    #[error("the chat template drops the assistant's reply")]
+    DropsReply,
+    #[error("the assistant header {header:?} does not precede the assistant's reply")]
+    HeaderAfterReply { header: String },
+    #[error("tokenizing: {source}")]
+    Tokenizing { source: tokenizers::Error },
+    #[error("the chat template writes nothing after an assistant reply (no end-of-turn marker)")]
+    NoEndMarker,
+}
+
+impl ChatProblem {
+    /// This problem of the file or directory `path`.
+    fn at(self, path: &Path) -> ChatError {
+        ChatError {
+            path: path.to_path_buf(),
+            problem: self,
+        }
+    }
+}
+
 impl Chat {
     /// Load `tokenizer.json` and the chat template (`chat_template.jinja`, else
     /// `tokenizer_config.json`'s `chat_template`) from `dir`. Errors are one line naming the
     /// file and what was expected.
-    pub fn load(dir: &Path) -> Result<Chat, String> {
+    pub fn load(dir: &Path) -> Result<Chat, ChatError> {
         let tok_path = dir.join("tokenizer.json");
         if !tok_path.is_file() {
-            return Err(format!(
-                "{}: missing (expected the target's Hugging Face tokenizer, or --tokenizer DIR)",
-                tok_path.display()
-            ));
+            return Err(ChatProblem::NoTokenizer.at(&tok_path));
         }
-        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path).map_err(|e| {
-            format!(
-                "{}: not a readable Hugging Face tokenizer: {}",
-                tok_path.display(),
-                one_line(&e.to_string())
-            )
-        })?;
+        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+            .map_err(|source| ChatProblem::Tokenizer { source }.at(&tok_path))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
             Ok(text) => serde_json::from_str(&text)
-                .map_err(|e| format!("{}: not valid JSON: {e}", cfg_path.display()))?,
+                .map_err(|source| ChatProblem::ConfigJson { source }.at(&cfg_path))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
-            Err(e) => return Err(format!("{}: {e}", cfg_path.display())),
+            Err(source) => return Err(ChatProblem::Read { source }.at(&cfg_path)),
         };
         let jinja = dir.join("chat_template.jinja");
         let template = if jinja.is_file() {
-            std::fs::read_to_string(&jinja).map_err(|e| format!("{}: {e}", jinja.display()))?
+            std::fs::read_to_string(&jinja)
+                .map_err(|source| ChatProblem::Read { source }.at(&jinja))?
         } else {
             match &cfg["chat_template"] {
                 serde_json::Value::String(s) => s.clone(),
@@ -165,15 +208,9 @@ impl Chat {
                     .iter()
                     .find(|t| t["name"] == "default")
                     .and_then(|t| t["template"].as_str())
-                    .ok_or_else(|| format!("{}: chat_template is a list without a \"default\" template", cfg_path.display()))?
+                    .ok_or_else(|| ChatProblem::NoDefaultTemplate.at(&cfg_path))?
                     .to_string(),
-                _ => {
-                    return Err(format!(
-                        "{}: no chat_template, and no {} (expected the model's chat template to render chat data)",
-                        cfg_path.display(),
-                        jinja.display()
-                    ))
-                }
+                _ => return Err(ChatProblem::NoTemplate { jinja }.at(&cfg_path)),
             }
         };
         let mut special = BTreeMap::new();
@@ -203,13 +240,8 @@ impl Chat {
             },
         );
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat", template).map_err(|e| {
-            format!(
-                "{}: the chat template does not parse: {}",
-                dir.display(),
-                one_line(&e.to_string())
-            )
-        })?;
+        env.add_template_owned("chat", template)
+            .map_err(|source| ChatProblem::TemplateSyntax { source }.at(dir))?;
         let mut chat = Chat {
             tokenizer,
             env,
@@ -224,43 +256,36 @@ impl Chat {
 
     /// The assistant header is what `add_generation_prompt=True` appends; the end-of-turn
     /// marker is the first token the template writes after an assistant reply.
-    fn find_markers(&mut self) -> Result<(), String> {
+    fn find_markers(&mut self) -> Result<(), ChatError> {
+        let dir = &self.dir;
         let user = serde_json::json!([{"role": "user", "content": "Hello"}]);
-        let what = |e: minijinja::Error| {
-            format!(
-                "{}: the chat template fails on a one-turn conversation: {}",
-                self.dir.display(),
-                one_line(&e.to_string())
-            )
-        };
+        let what = |source| ChatProblem::TemplateFails { source }.at(dir);
         let base = self.render(&user, false).map_err(what)?;
         let gen = self.render(&user, true).map_err(what)?;
-        let header = gen.strip_prefix(&base).filter(|h| !h.is_empty()).ok_or_else(|| {
-            format!("{}: the chat template adds no assistant header for add_generation_prompt (cannot tell assistant turns apart)", self.dir.display())
-        })?;
+        let header = gen
+            .strip_prefix(&base)
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| ChatProblem::NoHeader.at(dir))?;
         const SENTINEL: &str = "DFlashSentinelReply";
         let probe = serde_json::json!([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": SENTINEL}]);
         let text = self.render(&probe, false).map_err(what)?;
-        let at = text.find(SENTINEL).ok_or_else(|| {
-            format!(
-                "{}: the chat template drops the assistant's reply",
-                self.dir.display()
-            )
-        })?;
+        let at = text
+            .find(SENTINEL)
+            .ok_or_else(|| ChatProblem::DropsReply.at(dir))?;
         if !text[..at].contains(header) {
-            return Err(format!(
-                "{}: the assistant header {header:?} does not precede the assistant's reply",
-                self.dir.display()
-            ));
+            return Err(ChatProblem::HeaderAfterReply {
+                header: header.to_string(),
+            }
+            .at(dir));
         }
         let rest = &text[at + SENTINEL.len()..];
         let enc = self
             .tokenizer
             .encode(rest, false)
-            .map_err(|e| format!("{}: tokenizing: {e}", self.dir.display()))?;
+            .map_err(|source| ChatProblem::Tokenizing { source }.at(dir))?;
         let end = match enc.get_offsets().first().and_then(|&(s, e)| rest.get(s..e)) {
             Some(t) if !t.is_empty() => t.to_string(),
-            _ => return Err(format!("{}: the chat template writes nothing after an assistant reply (no end-of-turn marker)", self.dir.display())),
+            _ => return Err(ChatProblem::NoEndMarker.at(dir)),
         };
         self.header = header.to_string();
         self.end = end;

@@ -146,40 +146,9 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
             .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
             .collect()
     };
-    for (i, raw) in lines.iter().enumerate() {
-        let parsed = std::str::from_utf8(raw)
-            .map_err(Source::from)
-            .and_then(|line| {
-                if line.trim().is_empty() {
-                    return Ok(None);
-                }
-                serde_json::from_str::<Value>(line)
-                    .map(Some)
-                    .map_err(Source::from)
-            });
-        let v: Value = match parsed {
-            Ok(Some(v)) => v,
-            Ok(None) => continue,
-            Err(e) => {
-                // Cut short by a crash: the file's last line, or one the next supervisor
-                // marked as torn.
-                let marked = lines
-                    .get(i + 1)
-                    .is_some_and(|n| n.windows(11).any(|w| w == br#""ev":"torn""#));
-                if (i + 1 == lines.len() && !bytes.ends_with(b"\n")) || marked {
-                    a.torn_lines += 1;
-                    continue;
-                }
-                let what = if std::str::from_utf8(raw).is_err() {
-                    "not UTF-8, so not a ledger record"
-                } else {
-                    "not a ledger record"
-                };
-                return Err(Error::input(
-                    format!("{}:{}: {what}", path.display(), i + 1),
-                    e,
-                ));
-            }
+    for i in 0..lines.len() {
+        let Some(v) = read_record(path, &bytes, &lines, i, &mut a.torn_lines)? else {
+            continue;
         };
         let batch = v["batch"].as_u64();
         match (v["ev"].as_str().unwrap_or(""), batch) {
@@ -229,6 +198,50 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
     // Consumed but never produced: counts as a duplicate of nothing, i.e. corruption.
     a.duplicated += consumed.keys().filter(|b| !produced.contains(b)).count() as u64;
     Ok(a)
+}
+
+/// Line `i` of the ledger's `lines` (split from the file's `bytes`): its record; `None`
+/// for a blank line or one a crash cut short (counted in `torn`: the file's unfinished
+/// last line, or one the next supervisor marked as torn); else which line is not a record.
+fn read_record(
+    path: &Path,
+    bytes: &[u8],
+    lines: &[&[u8]],
+    i: usize,
+    torn: &mut u64,
+) -> Result<Option<Value>, Error> {
+    let raw = lines[i];
+    let parsed = std::str::from_utf8(raw)
+        .map_err(Source::from)
+        .and_then(|line| {
+            if line.trim().is_empty() {
+                return Ok(None);
+            }
+            serde_json::from_str::<Value>(line)
+                .map(Some)
+                .map_err(Source::from)
+        });
+    match parsed {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            let marked = lines
+                .get(i + 1)
+                .is_some_and(|n| n.windows(11).any(|w| w == br#""ev":"torn""#));
+            if (i + 1 == lines.len() && !bytes.ends_with(b"\n")) || marked {
+                *torn += 1;
+                return Ok(None);
+            }
+            let what = if std::str::from_utf8(raw).is_err() {
+                "not UTF-8, so not a ledger record"
+            } else {
+                "not a ledger record"
+            };
+            Err(Error::input(
+                format!("{}:{}: {what}", path.display(), i + 1),
+                e,
+            ))
+        }
+    }
 }
 
 /// The last byte of a regular file (`None` for an empty or missing one, or a device).

@@ -47,6 +47,26 @@ const LOADER: Holder = 0;
 /// Token slots the loader may fill ahead.
 const LOADER_AHEAD: usize = 2;
 
+/// A loader that failed, or what the pipeline's records refused of a loader event or a
+/// rollback (bad input, or a bug): ends the run.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// The loader stopped before the end of the data.
+    #[error(transparent)]
+    LoaderFailed(LoaderFailure),
+    /// The loader committed a token slot its table does not let it commit.
+    #[error("loader: {source}")]
+    Loader {
+        source: dflash_shared::slots::Reject,
+    },
+    /// A rolled-back batch that cannot go through the pipeline again.
+    #[error("rollback to step {to}: {source}")]
+    Rollback {
+        to: u64,
+        source: crate::data::batches::BatchError,
+    },
+}
+
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
     pub token_slots: u32,
@@ -157,7 +177,29 @@ pub enum LoaderEvent {
         bad: BadLines,
         first_epoch_batches: Option<u64>,
     },
-    Failed(String),
+    Failed(LoaderFailure),
+}
+
+/// Why the loader thread stopped before the end of the data.
+#[derive(Debug, thiserror::Error)]
+pub enum LoaderFailure {
+    /// The data cannot be read, or has too many bad lines.
+    #[error(transparent)]
+    Data(#[from] crate::data::loader::LoaderError),
+    /// A made batch larger than a token slot.
+    #[error("batch {batch_id} does not fit a token slot: {source}")]
+    SlotTooSmall {
+        batch_id: u64,
+        source: dflash_shared::batch::BatchError,
+    },
+    /// The loader (or the tokenizer under it) panicked: where it was, and the panic's
+    /// message.
+    #[error("the data loader failed while making batch {batches} (epoch {epoch}): {what} (a bug in the loader or in the tokenizer on this data; please report it)")]
+    Panicked {
+        batches: u64,
+        epoch: u32,
+        what: String,
+    },
 }
 
 /// A connected worker that may be given work.
@@ -521,12 +563,17 @@ impl Pipeline {
                     let next = match next {
                         Ok(r) => r,
                         Err(p) => {
-                            let what = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied()).unwrap_or("a panic");
+                            let what = p
+                                .downcast_ref::<String>()
+                                .map(String::as_str)
+                                .or_else(|| p.downcast_ref::<&str>().copied())
+                                .unwrap_or("a panic");
                             let at = loader.position();
-                            let ev = LoaderEvent::Failed(format!(
-                                "the data loader failed while making batch {} (epoch {}): {what} (a bug in the loader or in the tokenizer on this data; please report it)",
-                                at.batches, at.epoch
-                            ));
+                            let ev = LoaderEvent::Failed(LoaderFailure::Panicked {
+                                batches: at.batches,
+                                epoch: at.epoch,
+                                what: what.to_string(),
+                            });
                             let _ = events.send(E::from(ev));
                             break;
                         }
@@ -550,11 +597,18 @@ impl Pipeline {
                                     bad_lines: loader.bad.total,
                                     first_epoch_batches: loader.first_epoch_batches,
                                 },
-                                Err(e) => LoaderEvent::Failed(format!("batch {} does not fit a token slot: {e}", b.batch_id)),
+                                Err(source) => LoaderEvent::Failed(LoaderFailure::SlotTooSmall {
+                                    batch_id: b.batch_id,
+                                    source,
+                                }),
                             }
                         }
-                        Ok(None) => LoaderEvent::Done { position: loader.position(), bad: loader.bad.clone(), first_epoch_batches: loader.first_epoch_batches },
-                        Err(e) => LoaderEvent::Failed(e.to_string()),
+                        Ok(None) => LoaderEvent::Done {
+                            position: loader.position(),
+                            bad: loader.bad.clone(),
+                            first_epoch_batches: loader.first_epoch_batches,
+                        },
+                        Err(e) => LoaderEvent::Failed(e.into()),
                     };
                     let last = !matches!(ev, LoaderEvent::Produced { .. });
                     // sync point (pool edge 1): the token slot's bytes written above reach
@@ -571,7 +625,7 @@ impl Pipeline {
     }
 
     /// A loader event; `Err` is bad input that ends the run.
-    pub fn on_loader(&mut self, ev: LoaderEvent) -> Result<(), String> {
+    pub fn on_loader(&mut self, ev: LoaderEvent) -> Result<(), PipelineError> {
         match ev {
             LoaderEvent::Produced {
                 slot,
@@ -592,7 +646,7 @@ impl Pipeline {
                 self.tokens
                     .table
                     .commit(LOADER, slot, gen, len, batch_id)
-                    .map_err(|e| format!("loader: {e}"))?;
+                    .map_err(|source| PipelineError::Loader { source })?;
                 self.tokens.publish(slot, std::process::id());
                 // Its tokens are kept until no rollback can need them again.
                 let record = BatchRecord {
@@ -639,9 +693,9 @@ impl Pipeline {
                 );
                 Ok(())
             }
-            LoaderEvent::Failed(msg) => {
+            LoaderEvent::Failed(failure) => {
                 self.loader_tx = None;
-                Err(msg)
+                Err(PipelineError::LoaderFailed(failure))
             }
         }
     }
@@ -851,7 +905,7 @@ impl Pipeline {
     /// The drafter group rolled back from step `from` to `to`: `batches` (committed after
     /// `to`, in commit order) were consumed in an abandoned lineage. They go through the
     /// pipeline again, ahead of anything the loader makes from now on.
-    pub fn rollback(&mut self, from: u64, to: u64, batches: &[u64]) -> Result<(), String> {
+    pub fn rollback(&mut self, from: u64, to: u64, batches: &[u64]) -> Result<(), PipelineError> {
         self.ledger.rollback(Some(from), to, batches);
         // Hidden states made of newer batches and not delivered yet are made again after
         // the rolled-back ones, so that the group trains on everything in batch order.
@@ -876,7 +930,7 @@ impl Pipeline {
             // Queued batches are written back lowest id first (see `replay_batches`).
             self.batches
                 .requeue(b)
-                .map_err(|e| format!("rollback to step {to}: {e}"))?;
+                .map_err(|source| PipelineError::Rollback { to, source })?;
         }
         Ok(())
     }

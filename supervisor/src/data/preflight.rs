@@ -27,7 +27,7 @@ pub fn load_chat(
     match target {
         Some(dir) if dir.join("tokenizer.json").is_file() => match Chat::load(dir) {
             Ok(c) => Ok((Some(Arc::new(c)), None)),
-            Err(e) => Ok((None, Some(e))),
+            Err(e) => Ok((None, Some(e.to_string()))),
         },
         Some(dir) => Ok((
             None,
@@ -157,29 +157,14 @@ pub fn scan(
         Some(s) if s > 0.0 && !complete => (batches as f64 / s).round() as u64,
         _ => batches,
     };
-    let mut dropped = bad.by_reason.clone();
-    if bad.unsupervised > 0 {
-        dropped.insert(UNSUPERVISED.into(), bad.unsupervised);
-    }
-    if bad.cut_by_max_seq_len > 0 {
-        dropped.insert(loader::cut_reason(cfg.max_seq_len), bad.cut_by_max_seq_len);
-    }
-    lengths.sort_unstable();
-    let pct = |p: f64| lengths[((lengths.len() - 1) as f64 * p).round() as usize];
     Ok(Report {
         data,
         complete,
         bytes_share,
         lines: bad.lines,
         kept: lengths.len() as u64,
-        dropped,
-        lengths: (!lengths.is_empty()).then(|| Lengths {
-            min: lengths[0],
-            p50: pct(0.5),
-            p90: pct(0.9),
-            p99: pct(0.99),
-            max: *lengths.last().expect("non-empty"),
-        }),
+        dropped: dropped(&bad, cfg.max_seq_len),
+        lengths: Lengths::of(&mut lengths),
         max_seq_len: cfg.max_seq_len,
         truncated,
         tokens,
@@ -199,6 +184,34 @@ pub fn scan(
         batches_per_epoch: batches,
         steps_per_epoch: batches.div_ceil(drafters.max(1) as u64),
     })
+}
+
+/// The lines dropped, by reason: those the loader gives, the samples with nothing to
+/// train on, and those cut by `--max-seq-len`.
+fn dropped(bad: &loader::BadLines, max_seq_len: u32) -> BTreeMap<String, u64> {
+    let mut dropped = bad.by_reason.clone();
+    if bad.unsupervised > 0 {
+        dropped.insert(UNSUPERVISED.into(), bad.unsupervised);
+    }
+    if bad.cut_by_max_seq_len > 0 {
+        dropped.insert(loader::cut_reason(max_seq_len), bad.cut_by_max_seq_len);
+    }
+    dropped
+}
+
+impl Lengths {
+    /// The quantiles of the samples' `lengths` (sorted here); `None` for no sample.
+    fn of(lengths: &mut [u64]) -> Option<Lengths> {
+        lengths.sort_unstable();
+        let pct = |p: f64| lengths[((lengths.len() - 1) as f64 * p).round() as usize];
+        (!lengths.is_empty()).then(|| Lengths {
+            min: lengths[0],
+            p50: pct(0.5),
+            p90: pct(0.9),
+            p99: pct(0.99),
+            max: *lengths.last().expect("non-empty"),
+        })
+    }
 }
 
 /// Batches of one epoch as the loader cuts them (length-sorted, rows × longest row within
@@ -354,81 +367,19 @@ pub fn at_start(cfg: &LoaderConfig, lines: u64, drafters: u32) -> Result<Option<
 /// Synthetic chat lines for `bench prepare`: multi-turn, system prompts, code, non-ASCII,
 /// `<think>` blocks; about 700 tokens each, a little above the public DFlash training data.
 pub fn synthetic_conversations(n: usize, seed: u64) -> Vec<String> {
-    const WORDS: &[&str] = &[
-        "the",
-        "model",
-        "drafter",
-        "token",
-        "block",
-        "attention",
-        "because",
-        "answer",
-        "prime",
-        "number",
-        "function",
-        "returns",
-        "value",
-        "first",
-        "second",
-        "then",
-        "so",
-        "we",
-        "compute",
-        "sum",
-        "of",
-        "each",
-        "step",
-        "gradient",
-        "learning",
-        "rate",
-        "is",
-        "a",
-        "in",
-        "écoute",
-        "größer",
-        "数据",
-        "训练",
-        "模型",
-        "🙂",
-        "x",
-        "=",
-        "+",
-        "(",
-        ")",
-        "42",
-        "3.14",
-        "let",
-        "fn",
-        "return",
-        "if",
-        "else",
-    ];
     let mut rng = dflash_shared::rng::Rng::new(seed);
-    let text = |words: usize, rng: &mut dflash_shared::rng::Rng| -> String {
-        let mut s = String::new();
-        for i in 0..words {
-            if i > 0 {
-                s.push(if rng.below(12) == 0 { '\n' } else { ' ' });
-            }
-            s.push_str(WORDS[rng.below(WORDS.len() as u64) as usize]);
-            if rng.below(10) == 0 {
-                s.push_str(if rng.below(2) == 0 { "." } else { "," });
-            }
-        }
-        s
-    };
     (0..n)
         .map(|i| {
             let mut msgs = Vec::new();
             if i % 3 == 0 {
-                msgs.push(serde_json::json!({"role": "system", "content": text(12, &mut rng)}));
+                msgs.push(serde_json::json!({"role": "system", "content": synthetic_text(12, &mut rng)}));
             }
             let turns = 1 + rng.below(3) as usize;
             for t in 0..turns {
-                msgs.push(serde_json::json!({"role": "user", "content": text(20 + rng.below(60) as usize, &mut rng)}));
-                let mut reply = text(80 + rng.below(200) as usize, &mut rng);
+                msgs.push(serde_json::json!({"role": "user", "content": synthetic_text(20 + rng.below(60) as usize, &mut rng)}));
+                let mut reply = synthetic_text(80 + rng.below(200) as usize, &mut rng);
                 if t + 1 == turns && i % 4 == 0 {
-                    reply = format!("<think>\n{}\n</think>\n\n{reply}", text(40, &mut rng));
+                    reply = format!("<think>\n{}\n</think>\n\n{reply}", synthetic_text(40, &mut rng));
                 }
                 if i % 5 == 0 {
                     reply.push_str("\n```rust\nfn add(a: i32, b: i32) -> i32 {\n    a + b\n}\n```\n");
@@ -438,21 +389,92 @@ pub fn synthetic_conversations(n: usize, seed: u64) -> Vec<String> {
             if i % 2 == 0 {
                 serde_json::json!({"messages": msgs}).to_string()
             } else {
-                let conv: Vec<_> = msgs
-                    .iter()
-                    .map(|m| {
-                        let from = match m["role"].as_str() {
-                            Some("user") => "human",
-                            Some("assistant") => "gpt",
-                            _ => "system",
-                        };
-                        serde_json::json!({"from": from, "value": m["content"]})
-                    })
-                    .collect();
-                serde_json::json!({"conversations": conv}).to_string()
+                sharegpt(&msgs)
             }
         })
         .collect()
+}
+
+/// The words of [`synthetic_conversations`]: prose, code, non-ASCII.
+const SYNTHETIC_WORDS: &[&str] = &[
+    "the",
+    "model",
+    "drafter",
+    "token",
+    "block",
+    "attention",
+    "because",
+    "answer",
+    "prime",
+    "number",
+    "function",
+    "returns",
+    "value",
+    "first",
+    "second",
+    "then",
+    "so",
+    "we",
+    "compute",
+    "sum",
+    "of",
+    "each",
+    "step",
+    "gradient",
+    "learning",
+    "rate",
+    "is",
+    "a",
+    "in",
+    "écoute",
+    "größer",
+    "数据",
+    "训练",
+    "模型",
+    "🙂",
+    "x",
+    "=",
+    "+",
+    "(",
+    ")",
+    "42",
+    "3.14",
+    "let",
+    "fn",
+    "return",
+    "if",
+    "else",
+];
+
+/// `words` random words of [`SYNTHETIC_WORDS`], with some line breaks and punctuation.
+fn synthetic_text(words: usize, rng: &mut dflash_shared::rng::Rng) -> String {
+    let mut s = String::new();
+    for i in 0..words {
+        if i > 0 {
+            s.push(if rng.below(12) == 0 { '\n' } else { ' ' });
+        }
+        s.push_str(SYNTHETIC_WORDS[rng.below(SYNTHETIC_WORDS.len() as u64) as usize]);
+        if rng.below(10) == 0 {
+            s.push_str(if rng.below(2) == 0 { "." } else { "," });
+        }
+    }
+    s
+}
+
+/// Chat messages as a ShareGPT line (`conversations` of `from`/`value`).
+fn sharegpt(msgs: &[serde_json::Value]) -> String {
+    let conv: Vec<_> = msgs
+        .iter()
+        .map(|m| {
+            let from = match m["role"].as_str() {
+                Some("user") => "human",
+                Some("assistant") => "gpt",
+                _ => "system",
+            };
+            serde_json::json!({"from": from, "value": m["content"]})
+        })
+        .collect();
+    serde_json::json!({"conversations": conv}).to_string()
 }
 
 /// The tokenizer the tests use (`bench prepare` is given one with --tokenizer).

@@ -37,20 +37,20 @@ pub fn plan(
     args: &RunArgs,
     gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>,
 ) -> Result<Vec<(WorkerName, Device)>, Error> {
-    // Asked once; only its answer or its reason in words is needed after that.
-    let mut cached: Option<Result<u32, String>> = None;
+    // Asked once, its answer shared by every flag that needs it.
+    type Count = Result<u32, std::rc::Rc<gpus::NvmlUnavailable>>;
+    let mut cached: Option<Count> = None;
     let mut probe = move || {
         cached
-            .get_or_insert_with(|| gpu_count().map_err(|e| e.to_string()))
+            .get_or_insert_with(|| gpu_count().map_err(std::rc::Rc::new))
             .clone()
     };
-    let resolve = |spec: &DeviceSpec, flag: &str, gpus: &mut dyn FnMut() -> Result<u32, String>| {
+    let resolve = |spec: &DeviceSpec, flag: &str, gpus: &mut dyn FnMut() -> Count| {
         let n = match spec {
             DeviceSpec::Cpu(_) => Ok(0),
             _ => gpus(),
         };
-        spec.resolve(n.as_ref().copied().map_err(String::as_str), flag)
-            .map_err(Error::Flag)
+        spec.resolve(n, flag).map_err(Error::from)
     };
     let (targets, drafters) = match (&args.target_gpus, &args.drafter_gpus) {
         (Some(t), Some(d)) => (
@@ -276,59 +276,7 @@ fn existing_run(dir: &Path) -> Result<Option<PathBuf>, Error> {
 
 /// Everything before the dispatcher runs: flags, inputs, the run dir, the data plane.
 fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Started, Error> {
-    if let Some(path) = args.config.clone() {
-        config_file::apply(&path, &mut args)?;
-    }
-    if args.resume_if_exists {
-        let dir = args.run_dir.clone().unwrap_or_default();
-        if let Some(d) = existing_run(&dir)? {
-            args.resume = Some(d);
-            args.run_dir = None;
-        }
-    }
-    if std::env::var_os("SLURM_JOB_ID").is_some() && args.stop_timeout > SLURM_KILL_WAIT {
-        log::warn!(
-            "--stop-timeout {} is longer than Slurm's default KillWait ({}s): Slurm may kill the run before its final checkpoint is written \
-             (use --stop-timeout 25s, or sbatch --signal=B:USR1@SECS so that a checkpoint is written before the stop)",
-            humantime::format_duration(args.stop_timeout),
-            SLURM_KILL_WAIT.as_secs()
-        );
-    }
-    let resume = match args.resume.clone() {
-        Some(dir) => Some(resume::prepare(&dir, &mut args, given)?),
-        None => None,
-    };
-    if resume.is_none() && args.run_dir.is_none() {
-        args.run_dir = Some(rundir::default_run_dir());
-    }
-    // Data that can be read only once (stdin, a FIFO, a pipe) is copied first, beside
-    // the run dir, and moved into it once it exists: the preflight, every epoch and a
-    // --resume read the same bytes.
-    if crate::data::spool::reads_once(&args.data) {
-        let run_path = args.run_dir.clone().unwrap_or_default();
-        let parent = run_path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."))
-            .to_path_buf();
-        std::fs::create_dir_all(&parent).map_err(|e| Error::io("cannot create", &parent, e))?;
-        let name = run_path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "run".into());
-        let tmp = parent.join(format!(".{name}.data-{}.jsonl", std::process::id()));
-        log::info!(
-            "--data {} can be read only once: copying it to {} (then RUN_DIR/{})",
-            args.data,
-            tmp.display(),
-            crate::data::spool::SPOOL_FILE
-        );
-        setup.spool = Some(tmp.clone());
-        let bytes =
-            crate::data::spool::spool_interruptible(&args.data, &tmp, &mut || setup.interrupted())?;
-        log::info!("--data {}: {} copied", args.data, pipeline::human(bytes));
-        args.data = tmp.display().to_string();
-    }
+    let resume = settle_flags(&mut args, given, setup)?;
     setup.check()?;
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
@@ -341,7 +289,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         target_check::check(Path::new(&args.target), &target_cfg)
             .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     }
-    let (loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
+    let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     if let Some(path) = &args.eval_data {
         trainer_cfg.eval = Some(eval_settings(
@@ -366,75 +314,20 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         Some(p) => Some(p.select(&trainer_cfg.drafter, args.steps)?),
         None => None,
     };
-    let shared_bytes = trainer::Trainer::shared_bytes(
-        &trainer_cfg.drafter,
-        trainer_cfg.max_ranks,
-        trainer_cfg.collective,
-    );
-    pipeline_cfg.check_memory(shared_bytes)?;
-    let estimate = validate::estimate_memory(
-        &trainer_cfg.drafter,
-        &target_cfg,
-        &pipeline_cfg.capture.tap_ids,
-        &plan,
-        args.max_seq_len,
-        pipeline_cfg.total_bytes() + shared_bytes,
-    );
-    validate::check_memory(&estimate, &plan, &trainer_cfg.drafter)?;
+    check_memory(&args, &plan, &target_cfg, &pipeline_cfg, &trainer_cfg)?;
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32;
-    let mut loader_cfg = loader_cfg;
     let preflight = preflight::at_start(&loader_cfg, args.preflight_lines, drafters)?;
     setup.check()?;
-    let epoch = match (&preflight, &loader_cfg.source) {
-        (Some(p), _) => Some(schedule::EpochLength {
-            steps: p.steps_per_epoch,
-            complete: p.complete,
-            counted: false,
-        }),
-        (None, loader::DataSource::Demo { .. }) => Some(demo_epoch(&loader_cfg, drafters)?),
-        (None, _) => None,
-    };
-    let sched = schedule::Schedule::plan(
-        trainer_cfg.lr,
-        args.warmup_ratio.unwrap_or(DEFAULT_WARMUP_RATIO),
-        args.steps,
-        args.epochs,
-        epoch,
+    let schedule_line = plan_schedule(
+        &args,
+        given,
+        resume.as_ref(),
+        preflight.as_ref(),
         drafters,
+        &mut loader_cfg,
+        &mut trainer_cfg,
     )?;
-    let mut sched = sched;
-    // A resume keeps its checkpoint's schedule unless this command changes it.
-    let changes_schedule = ["steps", "lr", "warmup_ratio"]
-        .iter()
-        .any(|f| given.iter().any(|g| g == f));
-    if let Some(saved) = resume.as_ref().and_then(|r| r.schedule.as_ref()) {
-        if !changes_schedule && sched.restore(saved) {
-            log::info!("resuming with the schedule of its checkpoint");
-        }
-    }
-    let schedule_line = sched.describe();
-    loader_cfg.epochs = sched.loader_epochs;
-    trainer_cfg.warmup_steps = sched.warmup_steps;
-    trainer_cfg.total_steps = sched.total_steps;
-    trainer_cfg.schedule = Some(sched);
-    let run_dir = match &resume {
-        Some(r) => rundir::RunDir::reopen(&r.dir)?,
-        None => {
-            let path = args.run_dir.clone().unwrap_or_default();
-            let existed = path.is_dir();
-            let d = rundir::RunDir::create(Some(&path))?;
-            setup.created = Some((d.path.clone(), existed));
-            d
-        }
-    };
-    if let Some(tmp) = setup.spool.clone() {
-        let to = run_dir.path.join(crate::data::spool::SPOOL_FILE);
-        std::fs::rename(&tmp, &to)
-            .map_err(|e| Error::io("cannot move the copy of --data to", &to, e))?;
-        setup.spool = None;
-        args.data = to.display().to_string();
-        loader_cfg.source = loader::DataSource::Files(vec![to]);
-    }
+    let run_dir = open_run_dir(&mut args, &mut loader_cfg, resume.as_ref(), setup)?;
     // On --resume too: the settings as merged with this command line's are the run's now.
     // Said once the run directory is this run's: a start refused before then says only why.
     log::info!("{schedule_line}");
@@ -455,18 +348,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let mut loader = loader::Loader::new(loader_cfg);
     let mut pipeline = pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?;
     if let Some(r) = &resume {
-        log::info!(
-            "resuming {} from the checkpoint of step {} ({} batches already consumed)",
-            r.dir.display(),
-            r.step,
-            r.consumed.len()
-        );
-        loader.skip_consumed(r.consumed.clone());
-        pipeline.set_consumed_before(r.consumed.clone());
-        // The ledger's lineage goes back to the checkpoint too.
-        pipeline.record_resume(r.step);
-        trainer_cfg.resume = Some((r.step, r.checkpoint.clone()));
-        r.set_aside_refused();
+        continue_from(r, &mut loader, &mut pipeline, &mut trainer_cfg);
     }
     setup.check()?;
     let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
@@ -478,15 +360,228 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     };
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
     console::to_file(&sup_log).map_err(|e| Error::io("cannot write", &sup_log, e))?;
+    let reaper = start_reaper();
+    let cfg = dispatcher_config(&args, plan, worker_bin, target_dir)?;
+    let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
+    let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
+    setup.check()?;
+    Ok(Started::Run(Box::new(d)))
+}
+
+/// The flags as the run will use them: `--config` applied, `--resume-if-exists` turned
+/// into a `--resume` of the run there (if any), a resumed run's saved settings merged in
+/// (its checkpoints listed, returned), the default run dir, data that can be read once
+/// copied.
+fn settle_flags(
+    args: &mut RunArgs,
+    given: &[String],
+    setup: &mut Setup,
+) -> Result<Option<resume::Prepared>, Error> {
+    if let Some(path) = args.config.clone() {
+        config_file::apply(&path, args)?;
+    }
+    if args.resume_if_exists {
+        let dir = args.run_dir.clone().unwrap_or_default();
+        if let Some(d) = existing_run(&dir)? {
+            args.resume = Some(d);
+            args.run_dir = None;
+        }
+    }
+    if std::env::var_os("SLURM_JOB_ID").is_some() && args.stop_timeout > SLURM_KILL_WAIT {
+        log::warn!(
+            "--stop-timeout {} is longer than Slurm's default KillWait ({}s): Slurm may kill the run before its final checkpoint is written \
+             (use --stop-timeout 25s, or sbatch --signal=B:USR1@SECS so that a checkpoint is written before the stop)",
+            humantime::format_duration(args.stop_timeout),
+            SLURM_KILL_WAIT.as_secs()
+        );
+    }
+    let resume = match args.resume.clone() {
+        Some(dir) => Some(resume::prepare(&dir, args, given)?),
+        None => None,
+    };
+    if resume.is_none() && args.run_dir.is_none() {
+        args.run_dir = Some(rundir::default_run_dir());
+    }
+    if crate::data::spool::reads_once(&args.data) {
+        spool_data(args, setup)?;
+    }
+    Ok(resume)
+}
+
+/// Data that can be read only once (stdin, a FIFO, a pipe) is copied first, beside the run
+/// dir, and moved into it once it exists: the preflight, every epoch and a --resume read
+/// the same bytes. `--data` names the copy from now on.
+fn spool_data(args: &mut RunArgs, setup: &mut Setup) -> Result<(), Error> {
+    let run_path = args.run_dir.clone().unwrap_or_default();
+    let parent = run_path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .to_path_buf();
+    std::fs::create_dir_all(&parent).map_err(|e| Error::io("cannot create", &parent, e))?;
+    let name = run_path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "run".into());
+    let tmp = parent.join(format!(".{name}.data-{}.jsonl", std::process::id()));
+    log::info!(
+        "--data {} can be read only once: copying it to {} (then RUN_DIR/{})",
+        args.data,
+        tmp.display(),
+        crate::data::spool::SPOOL_FILE
+    );
+    setup.spool = Some(tmp.clone());
+    let bytes =
+        crate::data::spool::spool_interruptible(&args.data, &tmp, &mut || setup.interrupted())?;
+    log::info!("--data {}: {} copied", args.data, pipeline::human(bytes));
+    args.data = tmp.display().to_string();
+    Ok(())
+}
+
+/// The pools and the shared training buffers fit in shared memory, and each worker's
+/// share of the model, activations and pools fits its device.
+fn check_memory(
+    args: &RunArgs,
+    plan: &[(WorkerName, Device)],
+    target_cfg: &TargetConfig,
+    pipeline_cfg: &pipeline::PipelineConfig,
+    trainer_cfg: &trainer::TrainerConfig,
+) -> Result<(), Error> {
+    let shared_bytes = trainer::Trainer::shared_bytes(
+        &trainer_cfg.drafter,
+        trainer_cfg.max_ranks,
+        trainer_cfg.collective,
+    );
+    pipeline_cfg.check_memory(shared_bytes)?;
+    let estimate = validate::estimate_memory(
+        &trainer_cfg.drafter,
+        target_cfg,
+        &pipeline_cfg.capture.tap_ids,
+        plan,
+        args.max_seq_len,
+        pipeline_cfg.total_bytes() + shared_bytes,
+    );
+    validate::check_memory(&estimate, plan, &trainer_cfg.drafter)
+}
+
+/// The learning-rate schedule and the run's length in steps and epochs, from the flags and
+/// the epoch's length (the preflight's count of the data, or the demo data's); a resume
+/// keeps its checkpoint's schedule unless this command changes it. Sets the loader's
+/// epochs and the trainer's schedule; returns the schedule in words.
+fn plan_schedule(
+    args: &RunArgs,
+    given: &[String],
+    resume: Option<&resume::Resume>,
+    preflight: Option<&preflight::Report>,
+    drafters: u32,
+    loader_cfg: &mut loader::LoaderConfig,
+    trainer_cfg: &mut trainer::TrainerConfig,
+) -> Result<String, Error> {
+    let epoch = match (preflight, &loader_cfg.source) {
+        (Some(p), _) => Some(schedule::EpochLength {
+            steps: p.steps_per_epoch,
+            complete: p.complete,
+            counted: false,
+        }),
+        (None, loader::DataSource::Demo { .. }) => Some(demo_epoch(loader_cfg, drafters)?),
+        (None, _) => None,
+    };
+    let mut sched = schedule::Schedule::plan(
+        trainer_cfg.lr,
+        args.warmup_ratio.unwrap_or(DEFAULT_WARMUP_RATIO),
+        args.steps,
+        args.epochs,
+        epoch,
+        drafters,
+    )?;
+    let changes_schedule = ["steps", "lr", "warmup_ratio"]
+        .iter()
+        .any(|f| given.iter().any(|g| g == f));
+    if let Some(saved) = resume.and_then(|r| r.schedule.as_ref()) {
+        if !changes_schedule && sched.restore(saved) {
+            log::info!("resuming with the schedule of its checkpoint");
+        }
+    }
+    let line = sched.describe();
+    loader_cfg.epochs = sched.loader_epochs;
+    trainer_cfg.warmup_steps = sched.warmup_steps;
+    trainer_cfg.total_steps = sched.total_steps;
+    trainer_cfg.schedule = Some(sched);
+    Ok(line)
+}
+
+/// The run directory: the resumed run's, or a new one (noted in `setup`, to be removed if
+/// the start is interrupted). A copy of the data made by [`spool_data`] moves into it.
+fn open_run_dir(
+    args: &mut RunArgs,
+    loader_cfg: &mut loader::LoaderConfig,
+    resume: Option<&resume::Resume>,
+    setup: &mut Setup,
+) -> Result<rundir::RunDir, Error> {
+    let run_dir = match resume {
+        Some(r) => rundir::RunDir::reopen(&r.dir)?,
+        None => {
+            let path = args.run_dir.clone().unwrap_or_default();
+            let existed = path.is_dir();
+            let d = rundir::RunDir::create(Some(&path))?;
+            setup.created = Some((d.path.clone(), existed));
+            d
+        }
+    };
+    if let Some(tmp) = setup.spool.clone() {
+        let to = run_dir.path.join(crate::data::spool::SPOOL_FILE);
+        std::fs::rename(&tmp, &to)
+            .map_err(|e| Error::io("cannot move the copy of --data to", &to, e))?;
+        setup.spool = None;
+        args.data = to.display().to_string();
+        loader_cfg.source = loader::DataSource::Files(vec![to]);
+    }
+    Ok(run_dir)
+}
+
+/// A resumed run goes on from its checkpoint `r`: the loader skips the batches it
+/// consumed, the ledger's lineage starts there, the trainer loads it.
+fn continue_from(
+    r: &resume::Resume,
+    loader: &mut loader::Loader,
+    pipeline: &mut pipeline::Pipeline,
+    trainer_cfg: &mut trainer::TrainerConfig,
+) {
+    log::info!(
+        "resuming {} from the checkpoint of step {} ({} batches already consumed)",
+        r.dir.display(),
+        r.step,
+        r.consumed.len()
+    );
+    loader.skip_consumed(r.consumed.clone());
+    pipeline.set_consumed_before(r.consumed.clone());
+    // The ledger's lineage goes back to the checkpoint too.
+    pipeline.record_resume(r.step);
+    trainer_cfg.resume = Some((r.step, r.checkpoint.clone()));
+    r.set_aside_refused();
+}
+
+/// The reaper, which kills what the workers forked if the supervisor is killed; a run
+/// goes on without it (with a warning) when it cannot start.
+fn start_reaper() -> Option<reaper::Reaper> {
     let reaper = std::env::current_exe().and_then(|exe| reaper::Reaper::start(&exe));
-    let reaper = match reaper {
+    match reaper {
         Ok(r) => Some(r),
         Err(e) => {
             log::warn!("cannot start the reaper ({e}): if the supervisor is killed, processes forked by workers may outlive it");
             None
         }
-    };
-    let cfg = dispatcher::Config {
+    }
+}
+
+/// The dispatcher's settings from the flags; the Prometheus exporter is started here.
+fn dispatcher_config(
+    args: &RunArgs,
+    plan: Vec<(WorkerName, Device)>,
+    worker_bin: PathBuf,
+    target_dir: PathBuf,
+) -> Result<dispatcher::Config, Error> {
+    Ok(dispatcher::Config {
         plan,
         worker_bin,
         target_dir,
@@ -510,11 +605,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         },
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
-    };
-    let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
-    let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
-    setup.check()?;
-    Ok(Started::Run(Box::new(d)))
+    })
 }
 
 /// `--eval-data`: the held-out set, read whole now (a bad file is refused before anything
@@ -729,31 +820,7 @@ pub(crate) fn trainer_config(
         }
         drafter.mask_token_id = id;
     }
-    let gpu_drafters = plan
-        .iter()
-        .filter(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Gpu(_)))
-        .count();
-    let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
-    // DFLASH_DEVICE=cpu (tests) makes GPU workers compute on the CPU: no NCCL there.
-    let cpu_forced = std::env::var_os("DFLASH_DEVICE").is_some_and(|v| !v.is_empty());
-    let collective = match args.collective.as_str() {
-        "shm" => CollectiveKind::Shm,
-        "nccl" if gpu_drafters < drafters || cpu_forced => {
-            let why = if cpu_forced {
-                "the drafters compute on the CPU (DFLASH_DEVICE)".to_string()
-            } else {
-                format!(
-                    "{} of the {drafters} drafters are CPU workers",
-                    drafters - gpu_drafters
-                )
-            };
-            return Err(Error::Flag(format!("--collective nccl: NCCL all-reduces GPU buffers, but {why}; use --collective shm (or auto)")));
-        }
-        "nccl" => CollectiveKind::Nccl,
-        _ if drafters == 1 => CollectiveKind::Local,
-        _ if gpu_drafters >= 2 && !cpu_forced => CollectiveKind::Nccl,
-        _ => CollectiveKind::Shm,
-    };
+    let collective = collective(args, plan)?;
     Ok(trainer::TrainerConfig {
         eval: None,
         collective,
@@ -780,6 +847,37 @@ pub(crate) fn trainer_config(
         snapshot_every: args.snapshot_every,
         max_rollbacks: args.max_rollbacks,
         max_skipped_steps: args.max_skipped_steps,
+    })
+}
+
+/// How the drafters exchange gradients: `--collective`, or for `auto` none with one
+/// drafter, NCCL between GPU drafters, else shared memory. NCCL asked for CPU drafters is
+/// refused.
+fn collective(args: &RunArgs, plan: &[(WorkerName, Device)]) -> Result<CollectiveKind, Error> {
+    let gpu_drafters = plan
+        .iter()
+        .filter(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Gpu(_)))
+        .count();
+    let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
+    // DFLASH_DEVICE=cpu (tests) makes GPU workers compute on the CPU: no NCCL there.
+    let cpu_forced = std::env::var_os("DFLASH_DEVICE").is_some_and(|v| !v.is_empty());
+    Ok(match args.collective.as_str() {
+        "shm" => CollectiveKind::Shm,
+        "nccl" if gpu_drafters < drafters || cpu_forced => {
+            let why = if cpu_forced {
+                "the drafters compute on the CPU (DFLASH_DEVICE)".to_string()
+            } else {
+                format!(
+                    "{} of the {drafters} drafters are CPU workers",
+                    drafters - gpu_drafters
+                )
+            };
+            return Err(Error::Flag(format!("--collective nccl: NCCL all-reduces GPU buffers, but {why}; use --collective shm (or auto)")));
+        }
+        "nccl" => CollectiveKind::Nccl,
+        _ if drafters == 1 => CollectiveKind::Local,
+        _ if gpu_drafters >= 2 && !cpu_forced => CollectiveKind::Nccl,
+        _ => CollectiveKind::Shm,
     })
 }
 

@@ -134,6 +134,24 @@ pub struct RunDir {
     identity: (u64, u64),
 }
 
+/// What happened to a taken run directory (see [`RunDir::still_there`]), worded to follow
+/// "the run directory PATH".
+#[derive(Debug, thiserror::Error)]
+pub enum Gone {
+    #[error("was removed")]
+    Removed,
+    #[error("cannot be looked at ({source})")]
+    Unreadable { source: io::Error },
+    #[error("was replaced by another directory")]
+    Replaced,
+    #[error("has a lock file that cannot be looked at ({source})")]
+    LockUnreadable { source: io::Error },
+    #[error("has another {LOCK_FILE} than the one this supervisor holds")]
+    OtherLock,
+    #[error("lost its {LOCK_FILE} (removed)")]
+    LockRemoved,
+}
+
 impl RunDir {
     /// Create (or adopt an empty) run dir and take its lock.
     pub fn create(path: Option<&Path>) -> Result<RunDir, Error> {
@@ -244,27 +262,25 @@ impl RunDir {
     }
 
     /// Whether the directory at `path` is still the one taken, with the lock file this
-    /// supervisor holds in it. The reason in words when not.
-    pub fn still_there(&self) -> Result<(), String> {
+    /// supervisor holds in it. What happened to it when not.
+    pub fn still_there(&self) -> Result<(), Gone> {
         use std::os::unix::fs::MetadataExt;
         let dir = match fs::metadata(&self.path) {
             Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err("was removed".into()),
-            Err(e) => return Err(format!("cannot be looked at ({e})")),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Gone::Removed),
+            Err(source) => return Err(Gone::Unreadable { source }),
         };
         if (dir.dev(), dir.ino()) != self.identity {
-            return Err("was replaced by another directory".into());
+            return Err(Gone::Replaced);
         }
         let held = self
             .lock
             .metadata()
-            .map_err(|e| format!("has a lock file that cannot be looked at ({e})"))?;
+            .map_err(|source| Gone::LockUnreadable { source })?;
         match fs::metadata(self.path.join(LOCK_FILE)) {
             Ok(m) if (m.dev(), m.ino()) == (held.dev(), held.ino()) => Ok(()),
-            Ok(_) => Err(format!(
-                "has another {LOCK_FILE} than the one this supervisor holds"
-            )),
-            Err(_) => Err(format!("lost its {LOCK_FILE} (removed)")),
+            Ok(_) => Err(Gone::OtherLock),
+            Err(_) => Err(Gone::LockRemoved),
         }
     }
 

@@ -17,6 +17,80 @@ use safetensors::Dtype;
 /// Larger headers are refused (the safetensors crate's own limit is 100 MB).
 const MAX_HEADER: u64 = 100 << 20;
 
+/// A checkpoint that cannot be used: the file (or directory) and what is wrong with it,
+/// printed as one line.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {problem}", path.display())]
+pub struct CheckpointError {
+    pub path: PathBuf,
+    pub problem: Problem,
+}
+
+/// What is wrong with a checkpoint file or directory.
+#[derive(Debug, thiserror::Error)]
+pub enum Problem {
+    #[error("cannot open: {source}")]
+    Open { source: std::io::Error },
+    #[error("cannot stat: {source}")]
+    Stat { source: std::io::Error },
+    #[error("truncated safetensors file ({size} bytes; expected an 8-byte header length first)")]
+    NoHeaderLength { size: u64 },
+    #[error(
+        "not a safetensors file (header length {header} bytes; expected at most {MAX_HEADER})"
+    )]
+    HeaderTooLong { header: u64 },
+    #[error(
+        "truncated safetensors file: its header alone is {header} bytes but the file has {size}"
+    )]
+    HeaderPastEnd { header: u64, size: u64 },
+    #[error("cannot read the header: {source}")]
+    ReadHeader { source: std::io::Error },
+    #[error("corrupt safetensors header: {source}")]
+    CorruptHeader { source: serde_json::Error },
+    /// The header's tensor data is not the rest of the file: fewer bytes (truncated) or
+    /// more (corrupt).
+    #[error("{} safetensors file: the header describes {described} bytes of tensor data but the file holds {held}", if held < described { "truncated" } else { "corrupt" })]
+    DataLength { described: u64, held: u64 },
+    #[error("no model.safetensors or model.safetensors.index.json (expected a Hugging Face model directory)")]
+    NotAModel,
+    #[error("cannot read: {source}")]
+    ReadIndex { source: std::io::Error },
+    #[error("not valid JSON: {source}")]
+    IndexJson { source: serde_json::Error },
+    #[error("no weight_map object (expected {{\"weight_map\": {{tensor: shard file}}}})")]
+    NoWeightMap,
+    #[error("weight_map[{tensor}] is not a file name")]
+    ShardName { tensor: String },
+    #[error("weight_map lists no shard")]
+    NoShard,
+    #[error("missing (listed in {})", index.display())]
+    MissingShard { index: PathBuf },
+    #[error("tensor {tensor} also appears in {}", other.display())]
+    Duplicate { tensor: String, other: PathBuf },
+    #[error("missing tensor {tensor} (shape {shape:?} from config.json)")]
+    MissingTensor { tensor: String, shape: Vec<usize> },
+    #[error("tensor {tensor} has shape {shape:?}, expected {expected:?} from config.json")]
+    Shape {
+        tensor: String,
+        shape: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("tensor {tensor} has dtype {dtype}; expected bf16, f16 or f32")]
+    Dtype { tensor: String, dtype: Dtype },
+    #[error("{count} unexpected tensor(s), e.g. {first} (is this checkpoint the architecture config.json names?)")]
+    Unexpected { count: usize, first: String },
+}
+
+impl Problem {
+    /// This problem of the file or directory `path`.
+    fn at(self, path: &Path) -> CheckpointError {
+        CheckpointError {
+            path: path.to_path_buf(),
+            problem: self,
+        }
+    }
+}
+
 /// A safetensors file's header as read from its start: the 8-byte length prefix and the
 /// JSON header after it (`bytes`), and the file's size. No tensor data is read.
 pub struct HeaderPrefix {
@@ -34,34 +108,27 @@ impl HeaderPrefix {
 /// Read the header prefix of the safetensors file `path`: its length (at most
 /// [`MAX_HEADER`]) and that many bytes, without parsing them. The error is one line naming
 /// the file.
-pub fn read_header_prefix(path: &Path) -> Result<HeaderPrefix, String> {
-    let fail = |msg: String| format!("{}: {msg}", path.display());
-    let mut f = File::open(path).map_err(|e| fail(format!("cannot open: {e}")))?;
+pub fn read_header_prefix(path: &Path) -> Result<HeaderPrefix, CheckpointError> {
+    let mut f = File::open(path).map_err(|source| Problem::Open { source }.at(path))?;
     let size = f
         .metadata()
-        .map_err(|e| fail(format!("cannot stat: {e}")))?
+        .map_err(|source| Problem::Stat { source }.at(path))?
         .len();
     let mut bytes = vec![0u8; 8];
     if size < 8 || f.read_exact(&mut bytes).is_err() {
-        return Err(fail(format!(
-            "truncated safetensors file ({size} bytes; expected an 8-byte header length first)"
-        )));
+        return Err(Problem::NoHeaderLength { size }.at(path));
     }
     // The format's only fixed field: the header's length, a little-endian u64.
     let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
     if n > MAX_HEADER {
-        return Err(fail(format!(
-            "not a safetensors file (header length {n} bytes; expected at most {MAX_HEADER})"
-        )));
+        return Err(Problem::HeaderTooLong { header: n }.at(path));
     }
     if 8 + n > size {
-        return Err(fail(format!(
-            "truncated safetensors file: its header alone is {n} bytes but the file has {size}"
-        )));
+        return Err(Problem::HeaderPastEnd { header: n, size }.at(path));
     }
     f.take(n)
         .read_to_end(&mut bytes)
-        .map_err(|e| fail(format!("cannot read the header: {e}")))?;
+        .map_err(|source| Problem::ReadHeader { source }.at(path))?;
     Ok(HeaderPrefix {
         bytes,
         file_size: size,
@@ -70,43 +137,39 @@ pub fn read_header_prefix(path: &Path) -> Result<HeaderPrefix, String> {
 
 /// The checkpoint files of a model directory: `model.safetensors`, else the shards named
 /// by `model.safetensors.index.json` (each must exist).
-pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
+pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     let single = dir.join("model.safetensors");
     if single.exists() {
         return Ok(vec![single]);
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.exists() {
-        return Err(format!("{}: no model.safetensors or model.safetensors.index.json (expected a Hugging Face model directory)", dir.display()));
+        return Err(Problem::NotAModel.at(dir));
     }
     let text = std::fs::read_to_string(&index)
-        .map_err(|e| format!("{}: cannot read: {e}", index.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .map_err(|e| format!("{}: not valid JSON: {e}", index.display()))?;
-    let map = v["weight_map"].as_object().ok_or_else(|| {
-        format!(
-            "{}: no weight_map object (expected {{\"weight_map\": {{tensor: shard file}}}})",
-            index.display()
-        )
-    })?;
+        .map_err(|source| Problem::ReadIndex { source }.at(&index))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|source| Problem::IndexJson { source }.at(&index))?;
+    let map = v["weight_map"]
+        .as_object()
+        .ok_or_else(|| Problem::NoWeightMap.at(&index))?;
     let mut files: Vec<PathBuf> = Vec::new();
     for (name, f) in map {
-        let f = f
-            .as_str()
-            .ok_or_else(|| format!("{}: weight_map[{name}] is not a file name", index.display()))?;
+        let f = f.as_str().ok_or_else(|| {
+            Problem::ShardName {
+                tensor: name.clone(),
+            }
+            .at(&index)
+        })?;
         files.push(dir.join(f));
     }
     files.sort();
     files.dedup();
     if files.is_empty() {
-        return Err(format!("{}: weight_map lists no shard", index.display()));
+        return Err(Problem::NoShard.at(&index));
     }
     if let Some(missing) = files.iter().find(|p| !p.is_file()) {
-        return Err(format!(
-            "{}: missing (listed in {})",
-            missing.display(),
-            index.display()
-        ));
+        return Err(Problem::MissingShard { index }.at(missing));
     }
     Ok(files)
 }
@@ -119,22 +182,18 @@ pub fn checkpoint_files(dir: &Path) -> Result<Vec<PathBuf>, String> {
 /// `SafeTensors::read_metadata` wants the whole file in memory (it compares the header
 /// with the buffer's length), so the header alone is parsed as the crate's [`Metadata`]
 /// and its data length compared with the file's size here.
-pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, String> {
-    let fail = |msg: String| format!("{}: {msg}", path.display());
+pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, CheckpointError> {
     let prefix = read_header_prefix(path)?;
     let meta: Metadata = serde_json::from_slice(&prefix.bytes[8..])
-        .map_err(|e| fail(format!("corrupt safetensors header: {e}")))?;
+        .map_err(|source| Problem::CorruptHeader { source }.at(path))?;
     let end = meta.data_len() as u64;
     let data = prefix.file_size - 8 - prefix.header_len();
     if data != end {
-        let what = if data < end {
-            "truncated safetensors file"
-        } else {
-            "corrupt safetensors file"
-        };
-        return Err(fail(format!(
-            "{what}: the header describes {end} bytes of tensor data but the file holds {data}"
-        )));
+        return Err(Problem::DataLength {
+            described: end,
+            held: data,
+        }
+        .at(path));
     }
     Ok(meta
         .tensors()
@@ -144,17 +203,17 @@ pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, String> {
 }
 
 /// Check the checkpoint in `dir` against `cfg`; the error is one line naming the file.
-pub fn check(dir: &Path, cfg: &TargetConfig) -> Result<(), String> {
+pub fn check(dir: &Path, cfg: &TargetConfig) -> Result<(), CheckpointError> {
     let files = checkpoint_files(dir)?;
     let mut found: HashMap<String, (usize, TensorInfo)> = HashMap::new();
     for (i, path) in files.iter().enumerate() {
         for (name, info) in read_header(path)? {
             if let Some((j, _)) = found.insert(name.clone(), (i, info)) {
-                return Err(format!(
-                    "{}: tensor {name} also appears in {}",
-                    path.display(),
-                    files[j].display()
-                ));
+                return Err(Problem::Duplicate {
+                    tensor: name,
+                    other: files[j].clone(),
+                }
+                .at(path));
             }
         }
     }
@@ -167,23 +226,27 @@ pub fn check(dir: &Path, cfg: &TargetConfig) -> Result<(), String> {
     let spare = (cfg.tie_word_embeddings && found.contains_key(&lm_head.0)).then_some(&lm_head);
     for (name, shape) in expected.iter().chain(spare) {
         let Some((i, t)) = found.get(name) else {
-            return Err(format!(
-                "{}: missing tensor {name} (shape {shape:?} from config.json)",
-                dir.display()
-            ));
+            return Err(Problem::MissingTensor {
+                tensor: name.clone(),
+                shape: shape.clone(),
+            }
+            .at(dir));
         };
-        let path = files[*i].display();
+        let path = &files[*i];
         if &t.shape != shape {
-            return Err(format!(
-                "{path}: tensor {name} has shape {:?}, expected {shape:?} from config.json",
-                t.shape
-            ));
+            return Err(Problem::Shape {
+                tensor: name.clone(),
+                shape: t.shape.clone(),
+                expected: shape.clone(),
+            }
+            .at(path));
         }
         if !matches!(t.dtype, Dtype::BF16 | Dtype::F16 | Dtype::F32) {
-            return Err(format!(
-                "{path}: tensor {name} has dtype {}; expected bf16, f16 or f32",
-                t.dtype
-            ));
+            return Err(Problem::Dtype {
+                tensor: name.clone(),
+                dtype: t.dtype,
+            }
+            .at(path));
         }
     }
     let known: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
@@ -193,11 +256,11 @@ pub fn check(dir: &Path, cfg: &TargetConfig) -> Result<(), String> {
         .collect();
     extra.sort();
     if let Some(first) = extra.first() {
-        return Err(format!(
-            "{}: {} unexpected tensor(s), e.g. {first} (is this checkpoint the architecture config.json names?)",
-            files[found[*first].0].display(),
-            extra.len()
-        ));
+        return Err(Problem::Unexpected {
+            count: extra.len(),
+            first: first.to_string(),
+        }
+        .at(&files[found[*first].0]));
     }
     Ok(())
 }
@@ -264,7 +327,7 @@ mod tests {
         check(dir.path(), &cfg).unwrap();
         // A missing shard is named.
         std::fs::remove_file(dir.path().join("s2.safetensors")).unwrap();
-        let e = check(dir.path(), &cfg).unwrap_err();
+        let e = check(dir.path(), &cfg).unwrap_err().to_string();
         assert!(
             e.contains("s2.safetensors: missing (listed in") && e.contains("index.json"),
             "{e}"
@@ -278,22 +341,32 @@ mod tests {
         write(&file, &with(&all, "BF16"));
         let bytes = std::fs::read(&file).unwrap();
         std::fs::write(&file, &bytes[..bytes.len() - 100]).unwrap();
-        let e = check(dir.path(), &cfg).unwrap_err();
+        let e = check(dir.path(), &cfg).unwrap_err().to_string();
         assert!(
             e.starts_with(&file.display().to_string()) && e.contains("truncated safetensors file"),
             "{e}"
         );
         std::fs::write(&file, &bytes[..5]).unwrap();
-        assert!(check(dir.path(), &cfg).unwrap_err().contains("truncated"));
+        assert!(check(dir.path(), &cfg)
+            .unwrap_err()
+            .to_string()
+            .contains("truncated"));
         std::fs::write(&file, b"\xff\xff\xff\xff\xff\xff\xff\xffjunk").unwrap();
         assert!(check(dir.path(), &cfg)
             .unwrap_err()
+            .to_string()
             .contains("not a safetensors file"));
 
         let mut ts = with(&all, "BF16");
         ts[3].1 = "I8";
         write(&file, &ts);
         let e = check(dir.path(), &cfg).unwrap_err();
+        assert!(
+            matches!(&e.problem, Problem::Dtype { tensor, dtype: Dtype::I8 } if tensor == ts[3].0)
+                && e.path == file,
+            "{e}"
+        );
+        let e = e.to_string();
         assert!(
             e.contains(&format!(
                 "tensor {} has dtype I8; expected bf16, f16 or f32",
@@ -305,7 +378,7 @@ mod tests {
         let mut ts = with(&all, "BF16");
         ts[4].2 = vec![7, 7];
         write(&file, &ts);
-        let e = check(dir.path(), &cfg).unwrap_err();
+        let e = check(dir.path(), &cfg).unwrap_err().to_string();
         assert!(
             e.contains(&format!("tensor {} has shape [7, 7], expected", ts[4].0)),
             "{e}"
@@ -313,7 +386,7 @@ mod tests {
 
         let ts = with(&all[1..], "BF16");
         write(&file, &ts);
-        let e = check(dir.path(), &cfg).unwrap_err();
+        let e = check(dir.path(), &cfg).unwrap_err().to_string();
         assert!(e.contains(&format!("missing tensor {}", all[0].0)), "{e}");
 
         let mut ts = with(&all, "BF16");
@@ -322,6 +395,7 @@ mod tests {
         assert!(
             check(dir.path(), &cfg)
                 .unwrap_err()
+                .to_string()
                 .contains("tensor lm_head.weight has shape [512, 63]"),
             "a tied model's spare lm_head is checked"
         );
@@ -331,6 +405,7 @@ mod tests {
         write(&file, &ts);
         assert!(check(dir.path(), &cfg)
             .unwrap_err()
+            .to_string()
             .contains("1 unexpected tensor(s), e.g. model.layers.99"));
     }
 }

@@ -111,10 +111,35 @@ pub fn check_context(max_seq_len: u32, target: &TargetConfig, dir: &str) -> Resu
 /// Every flag's range, before the run starts. (Flags whose checks need the target or the
 /// devices — `--taps`, `--mask-token-id`, `--targets` — are checked where those are known.)
 pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
-    let bad = |flag: &str, value: String, expected: &str| {
-        Err(Error::Flag(format!("{flag} {value}: expected {expected}")))
-    };
-    let dur = |d: Duration| humantime::format_duration(d).to_string();
+    check_eval(a)?;
+    check_durations(a)?;
+    check_lengths(a)?;
+    check_blocks(a)?;
+    check_optimizer(a)?;
+    check_pipeline(a)?;
+    check_cpu_workers(a, cores())?;
+    if a.target != "tiny" {
+        // A config.json that cannot be read is refused where the target is loaded, with
+        // its own reason; here only its context length is of interest.
+        if let Ok(t) = TargetConfig::load(Path::new(&a.target)) {
+            check_context(a.max_seq_len, &t, &a.target)?;
+        }
+    }
+    Ok(())
+}
+
+/// `FLAG VALUE: expected EXPECTED`, the refusal of a flag out of range.
+fn bad(flag: &str, value: String, expected: &str) -> Result<(), Error> {
+    Err(Error::Flag(format!("{flag} {value}: expected {expected}")))
+}
+
+/// A duration as a flag takes it (`1m 30s`).
+fn dur(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+/// `--eval-every`: with `--eval-data`, above 0.
+fn check_eval(a: &RunArgs) -> Result<(), Error> {
     if let Some(n) = a.eval_every {
         if a.eval_data.is_none() {
             return Err(Error::Flag(format!(
@@ -129,6 +154,11 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
             );
         }
     }
+    Ok(())
+}
+
+/// The timeouts and intervals: above zero (the hang timeout at least 1s).
+fn check_durations(a: &RunArgs) -> Result<(), Error> {
     if a.hang_timeout < MIN_HANG_TIMEOUT {
         return bad(
             "--hang-timeout",
@@ -161,6 +191,12 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
             "a duration above zero (or no --time-limit to run until stopped)",
         );
     }
+    Ok(())
+}
+
+/// How much is kept and trained: checkpoints, steps, sequence length, epochs, drafter
+/// layers.
+fn check_lengths(a: &RunArgs) -> Result<(), Error> {
     if a.keep_checkpoints == 0 {
         return bad(
             "--keep-checkpoints",
@@ -193,6 +229,11 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
             );
         }
     }
+    Ok(())
+}
+
+/// The block size and the anchors per sample: within the drafter's limits and a sample.
+fn check_blocks(a: &RunArgs) -> Result<(), Error> {
     let tiny = a.target == "tiny";
     let (block, block_given) = match a.block_size {
         Some(b) => (b, true),
@@ -240,6 +281,11 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
             ),
         );
     }
+    Ok(())
+}
+
+/// The learning rate, its warmup and the loss's decay: in range.
+fn check_optimizer(a: &RunArgs) -> Result<(), Error> {
     if let Some(lr) = a.lr {
         if !(lr > 0.0 && lr.is_finite() && lr <= MAX_LR) {
             return bad(
@@ -263,6 +309,11 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
             );
         }
     }
+    Ok(())
+}
+
+/// The pools' slots and the loader's budget, prefetch and shuffle window: at least 1.
+fn check_pipeline(a: &RunArgs) -> Result<(), Error> {
     for (flag, v) in [
         ("--token-slots", a.token_slots),
         ("--hidden-slots", a.hidden_slots),
@@ -278,14 +329,6 @@ pub fn check_flags(a: &RunArgs) -> Result<(), Error> {
     ] {
         if v == Some(0) {
             return bad(flag, "0".into(), "at least 1");
-        }
-    }
-    check_cpu_workers(a, cores())?;
-    if a.target != "tiny" {
-        // A config.json that cannot be read is refused where the target is loaded, with
-        // its own reason; here only its context length is of interest.
-        if let Ok(t) = TargetConfig::load(Path::new(&a.target)) {
-            check_context(a.max_seq_len, &t, &a.target)?;
         }
     }
     Ok(())

@@ -18,16 +18,21 @@ pub struct Exporter {
     pub addr: SocketAddr,
 }
 
+/// `--prometheus` given neither a port nor an address with a port.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("'{given}' is not a port or an address with a port (expected e.g. 9400 or 0.0.0.0:9400)")]
+pub struct AddrError {
+    pub given: String,
+}
+
 /// `9400` or `:9400` → 127.0.0.1:9400; anything else must be an address with a port.
-pub fn parse_addr(s: &str) -> Result<SocketAddr, String> {
+pub fn parse_addr(s: &str) -> Result<SocketAddr, AddrError> {
     let t = s.trim().trim_start_matches(':');
     if let Ok(port) = t.parse::<u16>() {
         return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
     }
-    s.trim().parse().map_err(|_| {
-        format!(
-            "'{s}' is not a port or an address with a port (expected e.g. 9400 or 0.0.0.0:9400)"
-        )
+    s.trim().parse().map_err(|_| AddrError {
+        given: s.to_string(),
     })
 }
 
@@ -112,80 +117,94 @@ pub fn render(w: &Value) -> String {
     let mut o = Out(String::new());
     o.family("dflash_up", "gauge", "1 while the supervisor runs.");
     o.sample("dflash_up", &[], Some(1.0));
+    gpu_families(&mut o, w);
+    pipeline_families(&mut o, &w["pipeline"]);
+    progress_families(&mut o, w);
+    if !w["eval"].is_null() {
+        eval_families(&mut o, &w["eval"]);
+    }
+    o.0
+}
+
+/// The GPU families: (the metrics window's key, the family, its type, its help, the scale
+/// from the window's unit to the family's).
+const GPU_METRICS: [(&str, &str, &str, &str, f64); 10] = [
+    (
+        "util_gpu_pct",
+        "dflash_gpu_utilization_ratio",
+        "gauge",
+        "GPU busy share over the window (mean).",
+        0.01,
+    ),
+    (
+        "util_mem_pct",
+        "dflash_gpu_memory_bandwidth_utilization_ratio",
+        "gauge",
+        "GPU memory-controller busy share (mean).",
+        0.01,
+    ),
+    (
+        "mem_used_bytes",
+        "dflash_gpu_memory_used_bytes",
+        "gauge",
+        "GPU memory in use (max over the window).",
+        1.0,
+    ),
+    (
+        "mem_total_bytes",
+        "dflash_gpu_memory_total_bytes",
+        "gauge",
+        "GPU memory size.",
+        1.0,
+    ),
+    (
+        "power_w",
+        "dflash_gpu_power_watts",
+        "gauge",
+        "GPU power draw (mean).",
+        1.0,
+    ),
+    (
+        "power_limit_w",
+        "dflash_gpu_power_limit_watts",
+        "gauge",
+        "Enforced GPU power limit.",
+        1.0,
+    ),
+    (
+        "energy_j",
+        "dflash_gpu_energy_joules_total",
+        "counter",
+        "GPU energy since the driver loaded.",
+        1.0,
+    ),
+    (
+        "temp_c",
+        "dflash_gpu_temperature_celsius",
+        "gauge",
+        "GPU temperature (max over the window).",
+        1.0,
+    ),
+    (
+        "sm_clock_mhz",
+        "dflash_gpu_sm_clock_hertz",
+        "gauge",
+        "SM clock (mean).",
+        1e6,
+    ),
+    (
+        "mem_clock_mhz",
+        "dflash_gpu_memory_clock_hertz",
+        "gauge",
+        "Memory clock (mean).",
+        1e6,
+    ),
+];
+
+/// Each GPU's utilisation, memory, power, energy, temperature and clocks.
+fn gpu_families(o: &mut Out, w: &Value) {
     let gpus = w["gpu"]["gpus"].as_array().cloned().unwrap_or_default();
-    let gpu_metrics: [(&str, &str, &str, &str, f64); 10] = [
-        (
-            "util_gpu_pct",
-            "dflash_gpu_utilization_ratio",
-            "gauge",
-            "GPU busy share over the window (mean).",
-            0.01,
-        ),
-        (
-            "util_mem_pct",
-            "dflash_gpu_memory_bandwidth_utilization_ratio",
-            "gauge",
-            "GPU memory-controller busy share (mean).",
-            0.01,
-        ),
-        (
-            "mem_used_bytes",
-            "dflash_gpu_memory_used_bytes",
-            "gauge",
-            "GPU memory in use (max over the window).",
-            1.0,
-        ),
-        (
-            "mem_total_bytes",
-            "dflash_gpu_memory_total_bytes",
-            "gauge",
-            "GPU memory size.",
-            1.0,
-        ),
-        (
-            "power_w",
-            "dflash_gpu_power_watts",
-            "gauge",
-            "GPU power draw (mean).",
-            1.0,
-        ),
-        (
-            "power_limit_w",
-            "dflash_gpu_power_limit_watts",
-            "gauge",
-            "Enforced GPU power limit.",
-            1.0,
-        ),
-        (
-            "energy_j",
-            "dflash_gpu_energy_joules_total",
-            "counter",
-            "GPU energy since the driver loaded.",
-            1.0,
-        ),
-        (
-            "temp_c",
-            "dflash_gpu_temperature_celsius",
-            "gauge",
-            "GPU temperature (max over the window).",
-            1.0,
-        ),
-        (
-            "sm_clock_mhz",
-            "dflash_gpu_sm_clock_hertz",
-            "gauge",
-            "SM clock (mean).",
-            1e6,
-        ),
-        (
-            "mem_clock_mhz",
-            "dflash_gpu_memory_clock_hertz",
-            "gauge",
-            "Memory clock (mean).",
-            1e6,
-        ),
-    ];
-    for (key, name, kind, help, scale) in gpu_metrics {
+    for (key, name, kind, help, scale) in GPU_METRICS {
         o.family(name, kind, help);
         let pick = if key == "mem_used_bytes" || key == "temp_c" || kind == "counter" {
             "max"
@@ -201,7 +220,11 @@ pub fn render(w: &Value) -> String {
             );
         }
     }
-    let p = &w["pipeline"];
+}
+
+/// The pipeline (`p`, the window's `pipeline`): the pools, each worker's throughput and
+/// device memory, the padding efficiency.
+fn pipeline_families(o: &mut Out, p: &Value) {
     for (key, name, help) in [
         (
             "fill_ratio",
@@ -278,6 +301,11 @@ pub fn render(w: &Value) -> String {
         &[],
         p["padding_efficiency"].as_f64(),
     );
+}
+
+/// The run's progress: worker restarts, batches, steps, the last step's loss and
+/// acceptance.
+fn progress_families(o: &mut Out, w: &Value) {
     o.family(
         "dflash_worker_restarts_total",
         "counter",
@@ -334,41 +362,38 @@ pub fn render(w: &Value) -> String {
         &[],
         w["train"]["acceptance"].as_f64(),
     );
-    if !w["eval"].is_null() {
-        o.family(
-            "dflash_eval_step",
-            "gauge",
-            "Step whose weights the last held-out eval (--eval-data) scored.",
-        );
-        o.sample("dflash_eval_step", &[], w["eval"]["step"].as_f64());
-        o.family(
-            "dflash_eval_loss",
-            "gauge",
-            "Loss over the whole held-out eval set, at the last eval.",
-        );
-        o.sample("dflash_eval_loss", &[], w["eval"]["loss"].as_f64());
-        o.family(
-            "dflash_eval_acceptance_length",
-            "gauge",
-            "Acceptance-length estimate over the whole held-out eval set, at the last eval.",
-        );
-        o.sample(
-            "dflash_eval_acceptance_length",
-            &[],
-            w["eval"]["acceptance"].as_f64(),
-        );
-        o.family(
-            "dflash_eval_best_step",
-            "gauge",
-            "Step of the best eval acceptance so far (checkpoints/best).",
-        );
-        o.sample(
-            "dflash_eval_best_step",
-            &[],
-            w["eval"]["best_step"].as_f64(),
-        );
-    }
-    o.0
+}
+
+/// The last held-out eval (the window's `eval`).
+fn eval_families(o: &mut Out, e: &Value) {
+    o.family(
+        "dflash_eval_step",
+        "gauge",
+        "Step whose weights the last held-out eval (--eval-data) scored.",
+    );
+    o.sample("dflash_eval_step", &[], e["step"].as_f64());
+    o.family(
+        "dflash_eval_loss",
+        "gauge",
+        "Loss over the whole held-out eval set, at the last eval.",
+    );
+    o.sample("dflash_eval_loss", &[], e["loss"].as_f64());
+    o.family(
+        "dflash_eval_acceptance_length",
+        "gauge",
+        "Acceptance-length estimate over the whole held-out eval set, at the last eval.",
+    );
+    o.sample(
+        "dflash_eval_acceptance_length",
+        &[],
+        e["acceptance"].as_f64(),
+    );
+    o.family(
+        "dflash_eval_best_step",
+        "gauge",
+        "Step of the best eval acceptance so far (checkpoints/best).",
+    );
+    o.sample("dflash_eval_best_step", &[], e["best_step"].as_f64());
 }
 
 #[cfg(test)]
@@ -398,7 +423,10 @@ mod tests {
             parse_addr("0.0.0.0:9400").unwrap().to_string(),
             "0.0.0.0:9400"
         );
-        assert!(parse_addr("localhost").unwrap_err().contains("expected"));
+        assert!(parse_addr("localhost")
+            .unwrap_err()
+            .to_string()
+            .contains("expected"));
     }
 
     #[test]

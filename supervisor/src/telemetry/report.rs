@@ -367,6 +367,46 @@ impl Chart {
         } else {
             W - 24.0
         };
+        let (legend, top) = self.legend(right);
+        let bottom = top + self.plot_h;
+        let height = bottom + 36.0;
+        let f = Frame {
+            x: self.x,
+            yl,
+            yr: self.y_right.as_ref().map_or((0.0, 1.0), |r| r.1),
+            left: self.left,
+            right,
+            top,
+            bottom,
+        };
+        let mut s = format!(
+            r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{}" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif">"#,
+            esc(&self.id)
+        );
+        let _ = write!(
+            s,
+            r#"<text x="{:.1}" y="16" font-size="13" font-weight="bold">{}</text>{legend}"#,
+            self.left,
+            esc(&self.title)
+        );
+        let _ = write!(
+            s,
+            r##"<rect x="{:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##,
+            f.left,
+            f.right - f.left,
+            self.plot_h
+        );
+        s.push_str(&self.y_axes(&f));
+        s.push_str(&self.x_axis_svg(&f));
+        s.push_str(&self.lines(&f));
+        s.push_str(&extra(&f));
+        s.push_str("</svg>");
+        s
+    }
+
+    /// The legend's rows above the plot (a plot `right` px wide), and where the plot's top
+    /// then is.
+    fn legend(&self, right: f64) -> (String, f64) {
         // Legend rows above the plot.
         let mut items: Vec<(String, Option<&'static str>, String)> = self
             .series
@@ -407,36 +447,16 @@ impl Chart {
         } else {
             46.0 + row * 15.0
         };
-        let bottom = top + self.plot_h;
-        let height = bottom + 36.0;
-        let f = Frame {
-            x: self.x,
-            yl,
-            yr: self.y_right.as_ref().map_or((0.0, 1.0), |r| r.1),
-            left: self.left,
-            right,
-            top,
-            bottom,
-        };
-        let mut s = format!(
-            r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{}" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif">"#,
-            esc(&self.id)
-        );
-        let _ = write!(
-            s,
-            r#"<text x="{:.1}" y="16" font-size="13" font-weight="bold">{}</text>{legend}"#,
-            self.left,
-            esc(&self.title)
-        );
-        let _ = write!(
-            s,
-            r##"<rect x="{:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##,
-            f.left,
-            f.right - f.left,
-            self.plot_h
-        );
+        (legend, top)
+    }
+
+    /// The y axes' ticks and labels: the left one (unless `y_ticks` is off) and the right
+    /// one when there is one.
+    fn y_axes(&self, f: &Frame) -> String {
+        let (top, bottom) = (f.top, f.bottom);
+        let mut s = String::new();
         if self.y_ticks {
-            let (ts, st) = ticks(yl.0, yl.1, 4.0);
+            let (ts, st) = ticks(f.yl.0, f.yl.1, 4.0);
             for t in ts {
                 let y = f.py(t);
                 let _ = write!(
@@ -475,6 +495,13 @@ impl Chart {
                 esc(label)
             );
         }
+        s
+    }
+
+    /// The x axis's ticks and label, in steps or in time since the run started.
+    fn x_axis_svg(&self, f: &Frame) -> String {
+        let bottom = f.bottom;
+        let mut s = String::new();
         let (xticks, xlabel): (Vec<(f64, String)>, &str) = match self.x_axis {
             XAxis::Steps => {
                 let (ts, st) = ticks(self.x.0, self.x.1, 8.0);
@@ -509,6 +536,12 @@ impl Chart {
             (f.left + f.right) / 2.0,
             bottom + 30.0
         );
+        s
+    }
+
+    /// The series' lines (broken where a value is missing), and their dots.
+    fn lines(&self, f: &Frame) -> String {
+        let mut s = String::new();
         for se in &self.series {
             let y = |v: f64| if se.right { f.pyr(v) } else { f.py(v) };
             let d = se
@@ -548,8 +581,6 @@ impl Chart {
                 }
             }
         }
-        s.push_str(&extra(&f));
-        s.push_str("</svg>");
         s
     }
 }
@@ -701,27 +732,51 @@ fn why_no_gpu(run: &Run) -> String {
     "no GPU samples in metrics.jsonl (NVML gave none)".into()
 }
 
+/// The summary table's rows: (class, label, shown, machine-readable value).
+#[derive(Default)]
+struct Rows(Vec<(&'static str, &'static str, String, String)>);
+
+impl Rows {
+    fn add(&mut self, class: &'static str, label: &'static str, shown: String, value: String) {
+        self.0.push((class, label, shown, value));
+    }
+}
+
 fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
+    let mut rows = Rows::default();
+    identity_rows(run, &mut rows);
+    progress_rows(run, tps, &mut rows);
+    health_rows(run, &mut rows);
+    outcome_rows(run, &mut rows);
+    let mut h = String::from(r#"<table class="summary">"#);
+    for (class, label, shown, value) in rows.0 {
+        let _ = write!(
+            h,
+            r#"<tr><th>{}</th><td class="{class}" data-value="{}">{}</td></tr>"#,
+            esc(label),
+            esc(&value),
+            esc(&shown)
+        );
+    }
+    h.push_str("</table>");
+    h
+}
+
+/// Which run, when, for how long, and how it ended.
+fn identity_rows(run: &Run, rows: &mut Rows) {
     let st = &run.state;
-    let audit = crate::data::ledger::audit(&run.dir.join(crate::data::ledger::LEDGER_FILE)).ok();
-    let last = run.steps.last();
-    // (class, label, shown, machine-readable value)
-    let mut rows: Vec<(&str, &str, String, String)> = Vec::new();
-    let mut row = |class: &'static str, label: &'static str, shown: String, value: String| {
-        rows.push((class, label, shown, value))
-    };
     let id = run
         .dir
         .file_name()
         .map_or(run.dir.display().to_string(), |n| {
             n.to_string_lossy().into_owned()
         });
-    row("run-id", "run", format!("{id} ({})", run.dir.display()), id);
+    rows.add("run-id", "run", format!("{id} ({})", run.dir.display()), id);
     let started = st["started_at"].as_str().unwrap_or("?").to_string();
-    row("started", "started", started.clone(), started);
+    rows.add("started", "started", started.clone(), started);
     let dur = (run.t1 - run.t0) / 1e3;
     let so_far = if run.ended.is_some() { "" } else { " (so far)" };
-    row(
+    rows.add(
         "duration",
         "duration",
         format!("{}{so_far}", fmt_dur(dur)),
@@ -745,16 +800,22 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
             "null".into(),
         ),
     };
-    row(
+    rows.add(
         "ended",
         "exit status and reason",
         format!("{ended}; state {}", st["phase"].as_str().unwrap_or("?")),
         code,
     );
+}
+
+/// How far it got: steps, batches, tokens and their rate.
+fn progress_rows(run: &Run, tps: Option<(f64, f64, f64)>, rows: &mut Rows) {
+    let st = &run.state;
+    let last = run.steps.last();
     let steps = last.and_then(|l| l["step"].as_u64()).unwrap_or(0);
-    row("steps", "steps", steps.to_string(), steps.to_string());
+    rows.add("steps", "steps", steps.to_string(), steps.to_string());
     let consumed = st["batches_consumed"].as_u64().unwrap_or(0);
-    row(
+    rows.add(
         "batches",
         "batches",
         format!(
@@ -764,14 +825,14 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
         consumed.to_string(),
     );
     let tokens: u64 = run.steps.iter().filter_map(|s| s["tokens"].as_u64()).sum();
-    row(
+    rows.add(
         "tokens",
         "tokens trained",
         fmt_num(tokens as f64),
         tokens.to_string(),
     );
     match tps {
-        Some((m, p10, p90)) => row(
+        Some((m, p10, p90)) => rows.add(
             "tokens-per-s",
             "trained tokens/s (over metrics windows)",
             format!(
@@ -782,15 +843,21 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
             ),
             format!("{m:.3} {p10:.3} {p90:.3}"),
         ),
-        None => row(
+        None => rows.add(
             "tokens-per-s",
             "trained tokens/s",
             "– (no metrics window yet)".into(),
             String::new(),
         ),
     }
+}
+
+/// What went wrong on the way: restarts, rollbacks, skipped steps, bad lines; and the
+/// checkpoints written.
+fn health_rows(run: &Run, rows: &mut Rows) {
+    let st = &run.state;
     let workers = st["workers"].as_array().cloned().unwrap_or_default();
-    row(
+    rows.add(
         "restarts",
         "restarts per worker",
         workers
@@ -809,14 +876,14 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
         .iter()
         .filter(|l| l["rollback"]["from"].is_u64())
         .count();
-    row(
+    rows.add(
         "rollbacks",
         "rollbacks",
         rollbacks.to_string(),
         rollbacks.to_string(),
     );
     let skipped = st["train"]["skipped_steps"].as_u64().unwrap_or(0);
-    row(
+    rows.add(
         "skipped-steps",
         "skipped steps",
         skipped.to_string(),
@@ -827,28 +894,35 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
         .iter()
         .filter(|e| e["event"] == "checkpoint")
         .count();
-    row(
+    rows.add(
         "checkpoints",
         "checkpoints written",
         ckpts.to_string(),
         ckpts.to_string(),
     );
     match st["bad_lines"].as_u64() {
-        Some(n) => row("bad-lines", "bad data lines", n.to_string(), n.to_string()),
-        None => row(
+        Some(n) => rows.add("bad-lines", "bad data lines", n.to_string(), n.to_string()),
+        None => rows.add(
             "bad-lines",
             "bad data lines",
             "– (not recorded in state.json)".into(),
             String::new(),
         ),
     }
+}
+
+/// What came out: the final loss and acceptance, the ledger's audit, the export.
+fn outcome_rows(run: &Run, rows: &mut Rows) {
+    let st = &run.state;
+    let last = run.steps.last();
+    let audit = crate::data::ledger::audit(&run.dir.join(crate::data::ledger::LEDGER_FILE)).ok();
     let (loss, acc) = last.map_or((f64::NAN, f64::NAN), |l| {
         (
             l["loss"].as_f64().unwrap_or(f64::NAN),
             l["acceptance"].as_f64().unwrap_or(f64::NAN),
         )
     });
-    row(
+    rows.add(
         "final-loss",
         "final loss",
         if loss.is_finite() {
@@ -858,7 +932,7 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
         },
         format!("{loss:e}"),
     );
-    row(
+    rows.add(
         "final-acceptance",
         "final acceptance",
         if acc.is_finite() {
@@ -869,7 +943,7 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
         format!("{acc:e}"),
     );
     match &audit {
-        Some(a) => row(
+        Some(a) => rows.add(
             "ledger",
             "ledger audit",
             format!(
@@ -890,28 +964,16 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
                 a.produced, a.consumed_once, a.lost, a.duplicated, a.in_flight
             ),
         ),
-        None => row("ledger", "ledger audit", "unreadable".into(), String::new()),
+        None => rows.add("ledger", "ledger audit", "unreadable".into(), String::new()),
     }
     if let Some(d) = st["train"]["exported"].as_str() {
-        row(
+        rows.add(
             "exported",
             "drafter exported to",
             d.to_string(),
             d.to_string(),
         );
     }
-    let mut h = String::from(r#"<table class="summary">"#);
-    for (class, label, shown, value) in rows {
-        let _ = write!(
-            h,
-            r#"<tr><th>{}</th><td class="{class}" data-value="{}">{}</td></tr>"#,
-            esc(label),
-            esc(&value),
-            esc(&shown)
-        );
-    }
-    h.push_str("</table>");
-    h
 }
 
 /// The settings as the run used them (run.json's `resolved`: defaults included), one row
@@ -960,11 +1022,8 @@ fn settings(dir: &Path) -> String {
     h
 }
 
-fn training(run: &Run, absent: &mut Absent) -> String {
-    let steps = &run.steps;
-    if steps.is_empty() {
-        return absent.note("loss and acceptance", "no training step was committed");
-    }
+/// The step axis of the training charts: each step line's step, and the range to show.
+fn step_axis(steps: &[Value]) -> (Vec<f64>, (f64, f64)) {
     let xs: Vec<f64> = steps
         .iter()
         .map(|l| l["step"].as_f64().unwrap_or(0.0))
@@ -973,15 +1032,34 @@ fn training(run: &Run, absent: &mut Absent) -> String {
         xs[0].min(xs[xs.len() - 1]),
         xs[xs.len() - 1].max(xs[0] + 1.0),
     );
-    let series = |k: &str| -> Vec<(f64, f64)> {
-        steps
-            .iter()
-            .zip(&xs)
-            .map(|(l, x)| (*x, l[k].as_f64().unwrap_or(f64::NAN)))
-            .collect()
-    };
-    let rollbacks: Vec<(u64, u64)> = run
-        .train
+    (xs, x)
+}
+
+/// The value `k` of each step line, at its step (`xs`): NaN where a line has none.
+fn step_series(steps: &[Value], xs: &[f64], k: &str) -> Vec<(f64, f64)> {
+    steps
+        .iter()
+        .zip(xs)
+        .map(|(l, x)| (*x, l[k].as_f64().unwrap_or(f64::NAN)))
+        .collect()
+}
+
+/// The value `k` of each held-out eval, at its step.
+fn eval_series(evals: &[Value], k: &str) -> Vec<(f64, f64)> {
+    evals
+        .iter()
+        .map(|e| {
+            (
+                e["step"].as_f64().unwrap_or(f64::NAN),
+                e[k].as_f64().unwrap_or(f64::NAN),
+            )
+        })
+        .collect()
+}
+
+/// The rollbacks of train.jsonl: (from step, to step).
+fn rollbacks_of(run: &Run) -> Vec<(u64, u64)> {
+    run.train
         .iter()
         .filter_map(|l| {
             Some((
@@ -989,22 +1067,51 @@ fn training(run: &Run, absent: &mut Absent) -> String {
                 l["rollback"]["to"].as_u64()?,
             ))
         })
-        .collect();
-    let rollback_marks = |f: &Frame| {
-        let mut s = String::new();
-        for (from, to) in &rollbacks {
-            let _ = write!(
-                s,
-                r##"<line class="rollback" data-from="{from}" data-to="{to}" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#34495e" stroke-dasharray="2 2"><title>rollback from step {from} to step {to}</title></line>"##,
-                f.top,
-                f.bottom,
-                x = f.px(*to as f64)
-            );
-        }
-        s
-    };
-    let mut out = String::new();
-    let lr = series("lr");
+        .collect()
+}
+
+/// A dotted vertical line per rollback, at the step it went back to.
+fn rollback_marks(rollbacks: &[(u64, u64)], f: &Frame) -> String {
+    let mut s = String::new();
+    for (from, to) in rollbacks {
+        let _ = write!(
+            s,
+            r##"<line class="rollback" data-from="{from}" data-to="{to}" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#34495e" stroke-dasharray="2 2"><title>rollback from step {from} to step {to}</title></line>"##,
+            f.top,
+            f.bottom,
+            x = f.px(*to as f64)
+        );
+    }
+    s
+}
+
+fn training(run: &Run, absent: &mut Absent) -> String {
+    let steps = &run.steps;
+    if steps.is_empty() {
+        return absent.note("loss and acceptance", "no training step was committed");
+    }
+    let (xs, x) = step_axis(steps);
+    let rollbacks = rollbacks_of(run);
+    // Held-out evals (--eval-data) beside the training curves, at their steps.
+    let evals = lineage_evals(&run.train);
+    let mut out = loss_chart(steps, &xs, x, &evals, &rollbacks);
+    let (acceptance, slots) = acceptance_chart(steps, &xs, x, &evals, &rollbacks);
+    out.push_str(&acceptance);
+    if slots == 0 {
+        out.push_str(&absent.note("per-slot accuracy", "train.jsonl has no slot_accuracy"));
+    }
+    out
+}
+
+/// The loss per step (and per held-out eval), the learning rate on the right axis.
+fn loss_chart(
+    steps: &[Value],
+    xs: &[f64],
+    x: (f64, f64),
+    evals: &[Value],
+    rollbacks: &[(u64, u64)],
+) -> String {
+    let lr = step_series(steps, xs, "lr");
     let mut c = Chart::new(
         "loss",
         "Loss per step, learning rate on the right axis",
@@ -1013,25 +1120,17 @@ fn training(run: &Run, absent: &mut Absent) -> String {
         "loss",
     );
     c.series
-        .push(Series::new("loss", "loss", "#c0392b", series("loss")).dots());
-    // Held-out evals (--eval-data) beside the training curves, at their steps.
-    let evals = lineage_evals(&run.train);
-    let eval_series = |k: &str| -> Vec<(f64, f64)> {
-        evals
-            .iter()
-            .map(|e| {
-                (
-                    e["step"].as_f64().unwrap_or(f64::NAN),
-                    e[k].as_f64().unwrap_or(f64::NAN),
-                )
-            })
-            .collect()
-    };
+        .push(Series::new("loss", "loss", "#c0392b", step_series(steps, xs, "loss")).dots());
     if !evals.is_empty() {
         c.series.push(
-            Series::new("eval loss", "eval-loss", "#e67e22", eval_series("loss"))
-                .dash("6 2")
-                .dots(),
+            Series::new(
+                "eval loss",
+                "eval-loss",
+                "#e67e22",
+                eval_series(evals, "loss"),
+            )
+            .dash("6 2")
+            .dots(),
         );
     }
     if lr.iter().any(|p| p.1.is_finite()) {
@@ -1048,8 +1147,18 @@ fn training(run: &Run, absent: &mut Absent) -> String {
             "rollback (dotted: steps after it were trained again)".into(),
         ));
     }
-    out.push_str(&c.render(&rollback_marks));
+    c.render(&|f: &Frame| rollback_marks(rollbacks, f))
+}
 
+/// The acceptance proxy per step (and per held-out eval), the per-slot accuracy on the
+/// right axis; and how many slots that has (0: none recorded).
+fn acceptance_chart(
+    steps: &[Value],
+    xs: &[f64],
+    x: (f64, f64),
+    evals: &[Value],
+    rollbacks: &[(u64, u64)],
+) -> (String, usize) {
     let mut c = Chart::new(
         "acceptance",
         "Acceptance length proxy per step, per-slot accuracy on the right axis",
@@ -1057,15 +1166,22 @@ fn training(run: &Run, absent: &mut Absent) -> String {
         x,
         "acceptance",
     );
-    c.series
-        .push(Series::new("acceptance", "acceptance", "#1f4e9c", series("acceptance")).dots());
+    c.series.push(
+        Series::new(
+            "acceptance",
+            "acceptance",
+            "#1f4e9c",
+            step_series(steps, xs, "acceptance"),
+        )
+        .dots(),
+    );
     if !evals.is_empty() {
         c.series.push(
             Series::new(
                 "eval acceptance",
                 "eval-acceptance",
                 "#16a085",
-                eval_series("acceptance"),
+                eval_series(evals, "acceptance"),
             )
             .dash("6 2")
             .dots(),
@@ -1081,7 +1197,7 @@ fn training(run: &Run, absent: &mut Absent) -> String {
         for i in 0..slots {
             let pts = steps
                 .iter()
-                .zip(&xs)
+                .zip(xs)
                 .map(|(l, x)| (*x, l["slot_accuracy"][i].as_f64().unwrap_or(f64::NAN)))
                 .collect();
             // Slot 1 (the first drafted token) darkest.
@@ -1094,11 +1210,7 @@ fn training(run: &Run, absent: &mut Absent) -> String {
             );
         }
     }
-    out.push_str(&c.render(&rollback_marks));
-    if slots == 0 {
-        out.push_str(&absent.note("per-slot accuracy", "train.jsonl has no slot_accuracy"));
-    }
-    out
+    (c.render(&|f: &Frame| rollback_marks(rollbacks, f)), slots)
 }
 
 fn throughput(run: &Run, absent: &mut Absent) -> String {
@@ -1145,7 +1257,8 @@ fn why_no_metrics(run: &Run) -> String {
     }
 }
 
-fn gpus(run: &Run, absent: &mut Absent) -> String {
+/// The GPU indices the metrics windows report, and how many samples they hold.
+fn gpu_indices(run: &Run) -> (u64, Vec<u64>) {
     let samples: u64 = run
         .metrics
         .iter()
@@ -1159,34 +1272,43 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
         .collect::<BTreeSet<_>>()
         .into_iter()
         .collect();
-    if samples == 0 || indices.is_empty() {
-        return absent.note(
-            "GPU utilisation, memory, power, temperature, SM clock",
-            why_no_gpu(run),
-        );
-    }
+    (samples, indices)
+}
+
+/// GPU `idx`'s entry in the metrics window `m` (null when it has none).
+fn gpu_of(m: &Value, idx: u64) -> &Value {
     static NONE: Value = Value::Null;
-    fn gpu(m: &Value, idx: u64) -> &Value {
-        m["gpu"]["gpus"]
-            .as_array()
-            .and_then(|a| a.iter().find(|g| g["index"] == idx))
-            .unwrap_or(&NONE)
-    }
-    // No red: that is the XIDs'.
-    const GPU_COLORS: [&str; 9] = [
-        "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
-        "#333333",
-    ];
-    let color = |i: usize| GPU_COLORS[i % GPU_COLORS.len()];
-    // (gpu, seconds, window length, reasons) and (gpu, seconds, code)
-    let mut throttles: Vec<(u64, f64, f64, String)> = Vec::new();
-    let mut xids: Vec<(u64, f64, u64)> = Vec::new();
+    m["gpu"]["gpus"]
+        .as_array()
+        .and_then(|a| a.iter().find(|g| g["index"] == idx))
+        .unwrap_or(&NONE)
+}
+
+/// A metrics window in which a GPU was throttled: the GPU, the window's end (seconds), its
+/// length, and the reasons.
+struct Throttle {
+    gpu: u64,
+    t: f64,
+    window: f64,
+    reasons: String,
+}
+
+/// An XID error: the GPU, the end of the window it came in (seconds), its code.
+struct Xid {
+    gpu: u64,
+    t: f64,
+    code: u64,
+}
+
+/// The throttles and XID errors of the GPUs `indices` over the run's metrics windows.
+fn gpu_events(run: &Run, indices: &[u64]) -> (Vec<Throttle>, Vec<Xid>) {
+    let (mut throttles, mut xids) = (Vec::new(), Vec::new());
     for m in &run.metrics {
         let Some(t) = run.secs(&m["time"]) else {
             continue;
         };
-        for &idx in &indices {
-            let g = gpu(m, idx);
+        for &gpu in indices {
+            let g = gpu_of(m, gpu);
             let reasons: Vec<&str> = g["throttle_reasons"]
                 .as_array()
                 .into_iter()
@@ -1194,12 +1316,12 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
                 .filter_map(|r| r.as_str())
                 .collect();
             if !reasons.is_empty() {
-                throttles.push((
-                    idx,
+                throttles.push(Throttle {
+                    gpu,
                     t,
-                    m["window_s"].as_f64().unwrap_or(0.0),
-                    reasons.join(", "),
-                ));
+                    window: m["window_s"].as_f64().unwrap_or(0.0),
+                    reasons: reasons.join(", "),
+                });
             }
             xids.extend(
                 g["xid_errors"]
@@ -1207,42 +1329,36 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
                     .into_iter()
                     .flatten()
                     .filter_map(|x| x.as_u64())
-                    .map(|x| (idx, t, x)),
+                    .map(|code| Xid { gpu, t, code }),
             );
         }
     }
-    let xid_lines = |f: &Frame| {
-        let mut s = String::new();
-        for (idx, t, code) in &xids {
-            let _ = write!(
-                s,
-                r##"<line class="xid-line" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#c0392b" stroke-width="1.5" stroke-dasharray="3 2"><title>GPU {idx}: XID {code} in the window ending at {}</title></line>"##,
-                f.top,
-                f.bottom,
-                fmt_dur(*t),
-                x = f.px(*t)
-            );
-        }
-        s
-    };
+    (throttles, xids)
+}
+
+/// A line of a GPU panel: (metric, stat, class, dashed, scale, label).
+type GpuLine = (
+    &'static str,
+    &'static str,
+    &'static str,
+    bool,
+    f64,
+    &'static str,
+);
+
+/// A GPU panel: (id, title, unit, its lines, fixed range).
+type GpuPanel = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Vec<GpuLine>,
+    Option<(f64, f64)>,
+);
+
+/// The GPU panels: utilisation, memory, power, temperature, SM clock.
+fn gpu_panels() -> [GpuPanel; 5] {
     let gib = 1073741824.0;
-    // (id, title, unit, [(metric, stat, class, dashed, scale, label)], fixed range)
-    type Line = (
-        &'static str,
-        &'static str,
-        &'static str,
-        bool,
-        f64,
-        &'static str,
-    );
-    type Panel = (
-        &'static str,
-        &'static str,
-        &'static str,
-        Vec<Line>,
-        Option<(f64, f64)>,
-    );
-    let panels: [Panel; 5] = [
+    [
         (
             "util",
             "GPU utilisation (mean of the window)",
@@ -1305,62 +1421,94 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
             vec![("sm_clock_mhz", "mean", "gpu-sm-clock", false, 1.0, "")],
             None,
         ),
+    ]
+}
+
+/// A vertical line per XID error across a chart's plot.
+fn xid_lines(xids: &[Xid], f: &Frame) -> String {
+    let mut s = String::new();
+    for Xid { gpu, t, code } in xids {
+        let _ = write!(
+            s,
+            r##"<line class="xid-line" x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#c0392b" stroke-width="1.5" stroke-dasharray="3 2"><title>GPU {gpu}: XID {code} in the window ending at {}</title></line>"##,
+            f.top,
+            f.bottom,
+            fmt_dur(*t),
+            x = f.px(*t)
+        );
+    }
+    s
+}
+
+/// One GPU panel's chart, a line (or two) per GPU, with the XIDs marked; a GPU NVML did
+/// not report the metric of is noted in `absent`.
+fn gpu_panel(
+    run: &Run,
+    absent: &mut Absent,
+    indices: &[u64],
+    xids: &[Xid],
+    (id, title, unit, lines, yl): GpuPanel,
+) -> String {
+    // No red: that is the XIDs'.
+    const GPU_COLORS: [&str; 9] = [
+        "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+        "#333333",
     ];
     let mut out = String::new();
-    for (id, title, unit, lines, yl) in panels {
-        let mut c = Chart::new(
-            &format!("gpu-{id}"),
-            title,
-            XAxis::Time,
-            run.time_range(),
-            unit,
-        );
-        c.plot_h = 110.0;
-        let mut missing: Vec<u64> = Vec::new();
-        for (gi, &idx) in indices.iter().enumerate() {
-            for &(metric, stat, class, dashed, scale, label) in &lines {
-                let pts = run.windows(|m| gpu(m, idx)[metric][stat].as_f64().map(|v| v * scale));
-                if !pts.iter().any(|p| p.1.is_finite()) {
-                    if !dashed {
-                        missing.push(idx);
-                    }
-                    continue;
+    let mut c = Chart::new(
+        &format!("gpu-{id}"),
+        title,
+        XAxis::Time,
+        run.time_range(),
+        unit,
+    );
+    c.plot_h = 110.0;
+    let mut missing: Vec<u64> = Vec::new();
+    for (gi, &idx) in indices.iter().enumerate() {
+        for &(metric, stat, class, dashed, scale, label) in &lines {
+            let pts = run.windows(|m| gpu_of(m, idx)[metric][stat].as_f64().map(|v| v * scale));
+            if !pts.iter().any(|p| p.1.is_finite()) {
+                if !dashed {
+                    missing.push(idx);
                 }
-                let name = if dashed {
-                    String::new()
-                } else {
-                    format!("GPU {idx}{label}")
-                };
-                let s =
-                    Series::new(name, class, color(gi), pts).attrs(format!(r#" data-gpu="{idx}""#));
-                c.series.push(if dashed { s.dash("6 3") } else { s });
+                continue;
             }
+            let name = if dashed {
+                String::new()
+            } else {
+                format!("GPU {idx}{label}")
+            };
+            let color = GPU_COLORS[gi % GPU_COLORS.len()];
+            let s = Series::new(name, class, color, pts).attrs(format!(r#" data-gpu="{idx}""#));
+            c.series.push(if dashed { s.dash("6 3") } else { s });
         }
-        if !missing.is_empty() {
-            let which = missing
-                .iter()
-                .map(|i| i.to_string())
-                .collect::<Vec<_>>()
-                .join(", ");
-            out.push_str(
-                &absent.note(&format!("{title} of GPU {which}"), "NVML did not report it"),
-            );
-        }
-        if c.series.is_empty() {
-            continue;
-        }
-        c.yl = yl.or_else(|| {
-            Some(range(
-                c.series.iter().flat_map(|s| s.pts.iter().map(|p| p.1)),
-                true,
-            ))
-        });
-        if !xids.is_empty() {
-            c.legend_extra.push(("#c0392b".into(), "XID error".into()));
-        }
-        out.push_str(&c.render(&xid_lines));
     }
-    // One lane per GPU: the windows with a throttle reason, and the XIDs.
+    if !missing.is_empty() {
+        let which = missing
+            .iter()
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        out.push_str(&absent.note(&format!("{title} of GPU {which}"), "NVML did not report it"));
+    }
+    if c.series.is_empty() {
+        return out;
+    }
+    c.yl = yl.or_else(|| {
+        Some(range(
+            c.series.iter().flat_map(|s| s.pts.iter().map(|p| p.1)),
+            true,
+        ))
+    });
+    if !xids.is_empty() {
+        c.legend_extra.push(("#c0392b".into(), "XID error".into()));
+    }
+    out.push_str(&c.render(&|f: &Frame| xid_lines(xids, f)));
+    out
+}
+
+/// One lane per GPU: the windows with a throttle reason, and the XIDs.
+fn gpu_event_lanes(run: &Run, indices: &[u64], throttles: &[Throttle], xids: &[Xid]) -> String {
     let row_h = 20.0;
     let mut c = Chart::new(
         "gpu-events",
@@ -1377,12 +1525,12 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
         "a throttle (clock-event) reason in the window".into(),
     ));
     c.legend_extra.push(("#c0392b".into(), "XID error".into()));
-    out.push_str(&c.render(&|f: &Frame| {
+    c.render(&|f: &Frame| {
         let mut s = String::new();
         for (i, idx) in indices.iter().enumerate() {
             let y = f.top + row_h * i as f64;
             let _ = write!(s, r#"<text x="4" y="{:.1}" font-size="12">GPU {idx}</text>"#, y + 14.0);
-            for (_, t, w, what) in throttles.iter().filter(|x| x.0 == *idx) {
+            for Throttle { t, window: w, reasons: what, .. } in throttles.iter().filter(|x| x.gpu == *idx) {
                 let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
                 let _ = write!(
                     s,
@@ -1395,7 +1543,7 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
                     fmt_dur(*t)
                 );
             }
-            for (_, t, code) in xids.iter().filter(|x| x.0 == *idx) {
+            for Xid { t, code, .. } in xids.iter().filter(|x| x.gpu == *idx) {
                 let (x, yc) = (f.px(*t), y + row_h / 2.0);
                 let _ = write!(
                     s,
@@ -1409,10 +1557,16 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
             }
         }
         s
-    }));
-    let kinds: BTreeSet<&str> = throttles.iter().flat_map(|t| t.3.split(", ")).collect();
-    let _ = write!(
-        out,
+    })
+}
+
+/// The throttle reasons and XID errors seen, in a sentence.
+fn gpu_events_seen(throttles: &[Throttle], xids: &[Xid]) -> String {
+    let kinds: BTreeSet<&str> = throttles
+        .iter()
+        .flat_map(|t| t.reasons.split(", "))
+        .collect();
+    format!(
         "<p>Throttle reasons seen: {}. XID errors: {}.</p>",
         if kinds.is_empty() {
             "none".to_string()
@@ -1424,11 +1578,28 @@ fn gpus(run: &Run, absent: &mut Absent) -> String {
         } else {
             esc(&xids
                 .iter()
-                .map(|(g, t, c)| format!("GPU {g} XID {c} at {}", fmt_dur(*t)))
+                .map(|x| format!("GPU {} XID {} at {}", x.gpu, x.code, fmt_dur(x.t)))
                 .collect::<Vec<_>>()
                 .join(", "))
         }
-    );
+    )
+}
+
+fn gpus(run: &Run, absent: &mut Absent) -> String {
+    let (samples, indices) = gpu_indices(run);
+    if samples == 0 || indices.is_empty() {
+        return absent.note(
+            "GPU utilisation, memory, power, temperature, SM clock",
+            why_no_gpu(run),
+        );
+    }
+    let (throttles, xids) = gpu_events(run, &indices);
+    let mut out = String::new();
+    for panel in gpu_panels() {
+        out.push_str(&gpu_panel(run, absent, &indices, &xids, panel));
+    }
+    out.push_str(&gpu_event_lanes(run, &indices, &throttles, &xids));
+    out.push_str(&gpu_events_seen(&throttles, &xids));
     out
 }
 
@@ -1436,6 +1607,14 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
     if run.metrics.is_empty() {
         return absent.note("pool fill and bottleneck hint", why_no_metrics(run));
     }
+    let mut out = pool_fill(run);
+    out.push_str(&bottleneck_hints(run));
+    out
+}
+
+/// Each pool's fill, and the share of the window its producers were blocked and its
+/// consumers starved.
+fn pool_fill(run: &Run) -> String {
     let mut c = Chart::new(
         "pools",
         "Pool fill, producers blocked and consumers starved (share of the window)",
@@ -1472,8 +1651,12 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
             });
         }
     }
-    let mut out = c.render(&|_| String::new());
-    // The bottleneck hint over time: one coloured band per window.
+    c.render(&|_| String::new())
+}
+
+/// The bottleneck hint over time: one coloured band per window, one colour per kind of
+/// hint.
+fn bottleneck_hints(run: &Run) -> String {
     let mut hints: Vec<String> = Vec::new();
     /// (seconds, window length, the hint's kind and text)
     type HintWindow = (f64, f64, Option<(usize, String)>);
@@ -1518,7 +1701,7 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
         .collect();
     c.legend_extra
         .push(("#dddddd".into(), "no hint (balanced)".into()));
-    out.push_str(&c.render(&|f: &Frame| {
+    c.render(&|f: &Frame| {
         let mut s = String::new();
         for (t, w, h) in &per_window {
             let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
@@ -1537,8 +1720,7 @@ fn pools(run: &Run, absent: &mut Absent) -> String {
             );
         }
         s
-    }));
-    out
+    })
 }
 
 /// "targets blocked 60% on ..." → "targets blocked N% on ...".
@@ -1559,10 +1741,13 @@ fn without_figures(s: &str) -> String {
     out
 }
 
-/// One stacked bar per worker: the mean milliseconds of each phase per batch.
-fn phases(run: &Run, absent: &mut Absent) -> String {
-    // worker -> phase -> (sum of ms × window, sum of window)
-    let mut acc: BTreeMap<String, BTreeMap<String, (f64, f64)>> = BTreeMap::new();
+/// Per worker, per phase: (the sum of its milliseconds × window length, the sum of the
+/// window lengths) over the metrics windows.
+type PhaseSums = BTreeMap<String, BTreeMap<String, (f64, f64)>>;
+
+/// The phase timings of every worker over the run's metrics windows.
+fn phase_sums(run: &Run) -> PhaseSums {
+    let mut acc = PhaseSums::new();
     for m in &run.metrics {
         let w = m["window_s"].as_f64().unwrap_or(1.0).max(1e-6);
         for (worker, ph) in m["pipeline"]["phase_ms_by_worker"]
@@ -1583,16 +1768,11 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
             }
         }
     }
-    if acc.is_empty() {
-        return absent.note(
-            "phase timings",
-            if run.metrics.is_empty() {
-                why_no_metrics(run)
-            } else {
-                "no worker reported phase timings yet".into()
-            },
-        );
-    }
+    acc
+}
+
+/// The phases `acc` has, in pipeline order (those of no known place last, by name).
+fn phase_order(acc: &PhaseSums) -> Vec<String> {
     const ORDER: [&str; 6] = [
         "wait",
         "forward",
@@ -1613,6 +1793,23 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
             n.clone(),
         )
     });
+    names
+}
+
+/// One stacked bar per worker: the mean milliseconds of each phase per batch.
+fn phases(run: &Run, absent: &mut Absent) -> String {
+    let acc = phase_sums(run);
+    if acc.is_empty() {
+        return absent.note(
+            "phase timings",
+            if run.metrics.is_empty() {
+                why_no_metrics(run)
+            } else {
+                "no worker reported phase timings yet".into()
+            },
+        );
+    }
+    let names = phase_order(&acc);
     let color = |n: &str| match n {
         "wait" => "#bdc3c7",
         "forward" => "#3498db",
@@ -1685,7 +1882,8 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
     s
 }
 
-fn composition(run: &Run, absent: &mut Absent) -> String {
+/// The samples loaded per length bucket over the run, shortest bucket first.
+fn length_buckets(run: &Run) -> Vec<(String, u64)> {
     let mut buckets: BTreeMap<String, u64> = BTreeMap::new();
     for m in &run.metrics {
         for (k, v) in m["pipeline"]["length_buckets"]
@@ -1695,16 +1893,6 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
         {
             *buckets.entry(k.clone()).or_default() += v.as_u64().unwrap_or(0);
         }
-    }
-    if buckets.values().all(|n| *n == 0) {
-        return absent.note(
-            "batch composition",
-            if run.metrics.is_empty() {
-                why_no_metrics(run)
-            } else {
-                "no batch was loaded in any metrics window".into()
-            },
-        );
     }
     // "<=64", "<=128", ..., ">1024": by the number in the label.
     let mut keys: Vec<(String, u64)> = buckets.into_iter().collect();
@@ -1717,12 +1905,42 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
         )
     };
     keys.sort_by_key(|(k, _)| num(k));
+    keys
+}
+
+/// The plot area of both halves of the composition chart: (top, bottom).
+const COMPOSITION_Y: (f64, f64) = (30.0, 170.0);
+
+fn composition(run: &Run, absent: &mut Absent) -> String {
+    let keys = length_buckets(run);
+    if keys.iter().all(|(_, n)| *n == 0) {
+        return absent.note(
+            "batch composition",
+            if run.metrics.is_empty() {
+                why_no_metrics(run)
+            } else {
+                "no batch was loaded in any metrics window".into()
+            },
+        );
+    }
+    let height = COMPOSITION_Y.1 + 40.0;
+    let mut s = format!(
+        r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="length-buckets" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif">"#
+    );
+    s.push_str(&bucket_bars(&keys));
+    s.push_str(&padding_efficiency(run));
+    s.push_str("</svg>");
+    s
+}
+
+/// The left half of the composition chart: a bar per length bucket.
+fn bucket_bars(keys: &[(String, u64)]) -> String {
     let max = keys.iter().map(|k| k.1).max().unwrap_or(1).max(1) as f64;
     let total: u64 = keys.iter().map(|k| k.1).sum();
-    let (left, right, top, bottom) = (64.0, W / 2.0 - 10.0, 30.0, 170.0);
-    let height = bottom + 40.0;
+    let (left, right) = (64.0, W / 2.0 - 10.0);
+    let (top, bottom) = COMPOSITION_Y;
     let mut s = format!(
-        r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="length-buckets" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif"><text x="{left}" y="16" font-size="13" font-weight="bold">Sequence lengths of the batches loaded ({total} samples)</text>"#
+        r#"<text x="{left}" y="16" font-size="13" font-weight="bold">Sequence lengths of the batches loaded ({total} samples)</text>"#
     );
     let _ = write!(
         s,
@@ -1755,7 +1973,13 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
         (left + right) / 2.0,
         bottom + 30.0
     );
-    // Padding efficiency over time, on the right half.
+    s
+}
+
+/// The right half of the composition chart: the padding efficiency over time.
+fn padding_efficiency(run: &Run) -> String {
+    let (top, bottom) = COMPOSITION_Y;
+    let mut s = String::new();
     let pad = run.windows(|m| {
         m["pipeline"]["padding_efficiency"]
             .as_f64()
@@ -1833,7 +2057,6 @@ fn composition(run: &Run, absent: &mut Absent) -> String {
             pts.join(" ")
         );
     }
-    s.push_str("</svg>");
     s
 }
 

@@ -311,6 +311,28 @@ pub const OVERRIDABLE: [&str; 28] = [
 /// Fields of [`SavedRun`] that are not settings: never compared with the command line.
 const NOT_SETTINGS: [&str; 2] = ["inputs", "resolved"];
 
+/// A setting of this command line that cannot be merged into the saved ones.
+#[derive(Debug, thiserror::Error)]
+pub enum MergeError {
+    #[error("cannot compare the settings")]
+    Compare,
+    /// A setting a resumed run keeps, given with another value: its flag and both values
+    /// as shown to the user.
+    #[error(
+        "{flag} {given} differs from this run's {saved} ({RUN_FILE}); a resumed run keeps its model, data and batching \
+         (expected no {flag}, or the same value; only --steps, --lr, --warmup-ratio, --max-bad-lines, \
+         --tokenizer and the operational flags such as --time-limit or --checkpoint-every may change; \
+         or start a new run)"
+    )]
+    Kept {
+        flag: String,
+        given: String,
+        saved: String,
+    },
+    #[error("cannot merge the settings: {source}")]
+    Merge { source: serde_json::Error },
+}
+
 /// Merge the settings given on this command line (`given`: the ids of the flags on it;
 /// an optional setting that has a value also counts, from a flag or `--config`) into the
 /// saved ones. A given overridable setting wins; another one that differs from the saved
@@ -319,10 +341,10 @@ pub fn merge(
     saved: SavedRun,
     now: &SavedRun,
     given: &[String],
-) -> Result<(SavedRun, Vec<String>), String> {
+) -> Result<(SavedRun, Vec<String>), MergeError> {
     let to_map = |r: &SavedRun| match serde_json::to_value(r) {
         Ok(serde_json::Value::Object(m)) => Ok(m),
-        _ => Err("cannot compare the settings".to_string()),
+        _ => Err(MergeError::Compare),
     };
     let mut merged = to_map(&saved)?;
     let now = to_map(now)?;
@@ -360,18 +382,15 @@ pub fn merge(
             ));
             merged.insert(key.clone(), value.clone());
         } else {
-            return Err(format!(
-                "{flag} {} differs from this run's {} ({RUN_FILE}); a resumed run keeps its model, data and batching \
-                 (expected no {flag}, or the same value; only --steps, --lr, --warmup-ratio, --max-bad-lines, \
-                 --tokenizer and the operational flags such as --time-limit or --checkpoint-every may change; \
-                 or start a new run)",
-                shown(value),
-                shown(&old),
-            ));
+            return Err(MergeError::Kept {
+                flag,
+                given: shown(value),
+                saved: shown(&old),
+            });
         }
     }
     let merged = serde_json::from_value(serde_json::Value::Object(merged))
-        .map_err(|e| format!("cannot merge the settings: {e}"))?;
+        .map_err(|source| MergeError::Merge { source })?;
     Ok((merged, notes))
 }
 
@@ -508,9 +527,44 @@ fn absolute(p: &Path) -> String {
         .to_string()
 }
 
-fn file_print(p: &Path, alg: ChecksumAlgorithm) -> Result<FilePrint, String> {
+/// An input of the run that cannot be read to fingerprint it: which one, and why.
+#[derive(Debug, thiserror::Error)]
+pub enum FingerprintError {
+    #[error("the data file {} cannot be read: {source}", path.display())]
+    DataFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the data {path} cannot be read: {source}")]
+    Data {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("the data directory {path}: {source}")]
+    DataDirectory {
+        path: String,
+        source: crate::data::loader::LoaderError,
+    },
+    #[error("{} cannot be read: {source}", path.display())]
+    Tokenizer {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the target's {} cannot be read: {source}", path.display())]
+    TargetFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the target's {0}")]
+    TargetHeader(#[source] crate::run::target_check::CheckpointError),
+}
+
+fn file_print(p: &Path, alg: ChecksumAlgorithm) -> Result<FilePrint, FingerprintError> {
     use std::io::{Read, Seek, SeekFrom};
-    let why = |e: std::io::Error| format!("the data file {} cannot be read: {e}", p.display());
+    let why = |source| FingerprintError::DataFile {
+        path: p.to_path_buf(),
+        source,
+    };
     let mut f = std::fs::File::open(p).map_err(why)?;
     let meta = f.metadata().map_err(why)?;
     let size = meta.len();
@@ -536,7 +590,7 @@ fn file_print(p: &Path, alg: ChecksumAlgorithm) -> Result<FilePrint, String> {
     })
 }
 
-fn data_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<DataPrint, String> {
+fn data_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<DataPrint, FingerprintError> {
     match a.data.as_str() {
         "demo" => Ok(DataPrint::Demo {
             samples: a.demo_samples,
@@ -545,13 +599,20 @@ fn data_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<DataPrint, String> 
         "-" => Ok(DataPrint::Stdin),
         path => {
             let p = Path::new(path);
-            let meta =
-                std::fs::metadata(p).map_err(|e| format!("the data {path} cannot be read: {e}"))?;
+            let meta = std::fs::metadata(p).map_err(|source| FingerprintError::Data {
+                path: path.to_string(),
+                source,
+            })?;
             if meta.is_dir() {
                 let files = match crate::data::loader::parse_source(path, a.demo_samples) {
                     Ok(crate::data::loader::DataSource::Files(f)) => f,
                     Ok(_) => Vec::new(),
-                    Err(e) => return Err(format!("the data directory {path}: {e}")),
+                    Err(source) => {
+                        return Err(FingerprintError::DataDirectory {
+                            path: path.to_string(),
+                            source,
+                        })
+                    }
                 };
                 Ok(DataPrint::Directory {
                     path: absolute(p),
@@ -605,13 +666,18 @@ fn chat_template(dir: &Path) -> Option<String> {
     }
 }
 
-fn tokenizer_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Option<TokenizerPrint>, String> {
+fn tokenizer_print(
+    a: &RunArgs,
+    alg: ChecksumAlgorithm,
+) -> Result<Option<TokenizerPrint>, FingerprintError> {
     let Some(dir) = tokenizer_dir(a) else {
         return Ok(None);
     };
     let tok = dir.join("tokenizer.json");
-    let bytes =
-        std::fs::read(&tok).map_err(|e| format!("{} cannot be read: {e}", tok.display()))?;
+    let bytes = std::fs::read(&tok).map_err(|source| FingerprintError::Tokenizer {
+        path: tok.clone(),
+        source,
+    })?;
     Ok(Some(TokenizerPrint {
         dir: absolute(&dir),
         tokenizer_json: hash(alg, &bytes),
@@ -619,14 +685,17 @@ fn tokenizer_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Option<Tokeniz
     }))
 }
 
-fn target_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Option<TargetPrint>, String> {
+fn target_print(
+    a: &RunArgs,
+    alg: ChecksumAlgorithm,
+) -> Result<Option<TargetPrint>, FingerprintError> {
     if a.target == "tiny" {
         return Ok(None);
     }
     let dir = Path::new(&a.target);
     let read = |name: &str| {
         let p = dir.join(name);
-        std::fs::read(&p).map_err(|e| format!("the target's {} cannot be read: {e}", p.display()))
+        std::fs::read(&p).map_err(|source| FingerprintError::TargetFile { path: p, source })
     };
     let config_json = hash(alg, &read("config.json")?);
     let index = "model.safetensors.index.json";
@@ -637,7 +706,7 @@ fn target_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Option<TargetPrin
         if single.exists() {
             // Its length prefix and JSON header: what names, shapes and places the tensors.
             let h = crate::run::target_check::read_header_prefix(&single)
-                .map_err(|e| format!("the target's {e}"))?;
+                .map_err(FingerprintError::TargetHeader)?;
             (
                 Some("model.safetensors".to_string()),
                 Some(hash(alg, &h.bytes)),
@@ -656,12 +725,12 @@ fn target_print(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Option<TargetPrin
 
 impl Inputs {
     /// The inputs `a` names, as they are now.
-    pub fn of(a: &RunArgs) -> Result<Inputs, String> {
+    pub fn of(a: &RunArgs) -> Result<Inputs, FingerprintError> {
         Self::of_with(a, ChecksumAlgorithm::Sha256)
     }
 
     /// The inputs `a` names, their checksums by `alg`.
-    fn of_with(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Inputs, String> {
+    fn of_with(a: &RunArgs, alg: ChecksumAlgorithm) -> Result<Inputs, FingerprintError> {
         Ok(Inputs {
             data: data_print(a, alg)?,
             tokenizer: tokenizer_print(a, alg)?,
@@ -693,20 +762,20 @@ impl Inputs {
         let alg = self.algorithm();
         match data_print(a, alg) {
             Ok(now) => out.extend(data_change(&self.data, &now).map(|c| (Input::Data, c))),
-            Err(e) => out.push((Input::Data, e)),
+            Err(e) => out.push((Input::Data, e.to_string())),
         }
         match tokenizer_print(a, alg) {
             Ok(now) => out.extend(
                 tokenizer_change(self.tokenizer.as_ref(), now.as_ref())
                     .map(|c| (Input::Tokenizer, c)),
             ),
-            Err(e) => out.push((Input::Tokenizer, e)),
+            Err(e) => out.push((Input::Tokenizer, e.to_string())),
         }
         match target_print(a, alg) {
             Ok(now) => out.extend(
                 target_change(self.target.as_ref(), now.as_ref()).map(|c| (Input::Target, c)),
             ),
-            Err(e) => out.push((Input::Target, e)),
+            Err(e) => out.push((Input::Target, e.to_string())),
         }
         out
     }
@@ -876,7 +945,36 @@ fn target_change(old: Option<&TargetPrint>, new: Option<&TargetPrint>) -> Option
 /// Compare the inputs `a` names with those of the run's start (`saved`); returns the
 /// fingerprint to record from now on. A change is refused (one line naming it) unless
 /// `--allow-changed-data`, which continues with a warning per change.
-fn check_inputs(saved: Option<&Inputs>, a: &RunArgs) -> Result<Option<Inputs>, String> {
+/// Inputs that changed since the run started: each change in words, with the input it
+/// concerns.
+#[derive(Debug, PartialEq, thiserror::Error)]
+#[error("{}; expected the same {}, or --allow-changed-data to continue knowingly", self.described(), self.inputs())]
+pub struct InputsChanged {
+    changes: Vec<(Input, String)>,
+}
+
+impl InputsChanged {
+    fn described(&self) -> String {
+        self.changes
+            .iter()
+            .map(|(_, c)| c.as_str())
+            .collect::<Vec<_>>()
+            .join("; ")
+    }
+
+    /// The inputs that changed, each named once: "data and target".
+    fn inputs(&self) -> String {
+        let mut whats: Vec<&str> = Vec::new();
+        for (w, _) in &self.changes {
+            if !whats.contains(&w.name()) {
+                whats.push(w.name());
+            }
+        }
+        whats.join(" and ")
+    }
+}
+
+fn check_inputs(saved: Option<&Inputs>, a: &RunArgs) -> Result<Option<Inputs>, InputsChanged> {
     let Some(saved) = saved else {
         log::info!("{RUN_FILE} holds no fingerprint of the inputs (a run started by an older dflash-supervise): they are not checked, and are recorded now");
         return Ok(Inputs::of(a).ok());
@@ -895,21 +993,7 @@ fn check_inputs(saved: Option<&Inputs>, a: &RunArgs) -> Result<Option<Inputs>, S
         // From now on the inputs are those accepted here.
         return Ok(Some(Inputs::of(a).unwrap_or_else(|_| saved.clone())));
     }
-    let mut whats: Vec<&str> = Vec::new();
-    for (w, _) in &changes {
-        if !whats.contains(&w.name()) {
-            whats.push(w.name());
-        }
-    }
-    Err(format!(
-        "{}; expected the same {}, or --allow-changed-data to continue knowingly",
-        changes
-            .iter()
-            .map(|(_, c)| c.as_str())
-            .collect::<Vec<_>>()
-            .join("; "),
-        whats.join(" and ")
-    ))
+    Err(InputsChanged { changes })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -951,7 +1035,8 @@ pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Prepa
     })?;
     let saved: SavedRun =
         serde_json::from_str(&text).map_err(|e| usage(format!("{RUN_FILE} is not valid: {e}")))?;
-    let (mut merged, notes) = merge(saved, &SavedRun::of(args), given).map_err(usage)?;
+    let (mut merged, notes) =
+        merge(saved, &SavedRun::of(args), given).map_err(|e| usage(e.to_string()))?;
     for n in notes {
         log::info!("resuming with {n}");
     }
@@ -977,7 +1062,7 @@ pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Prepa
             "no checkpoint in it yet (expected checkpoints/step-N/ with meta.json)".into(),
         ));
     }
-    let inputs = check_inputs(saved_inputs.as_ref(), args).map_err(usage)?;
+    let inputs = check_inputs(saved_inputs.as_ref(), args).map_err(|e| usage(e.to_string()))?;
     Ok(Prepared {
         dir: dir.to_path_buf(),
         candidates,
@@ -1192,13 +1277,17 @@ mod tests {
     #[test]
     fn a_given_setting_that_would_change_the_run_is_refused_unless_it_is_the_same() {
         let now = SavedRun::of(&args(&["--block-size", "4"]));
-        let e = merge(saved(), &now, &given(&["block_size"])).unwrap_err();
+        let e = merge(saved(), &now, &given(&["block_size"]))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("--block-size 4 differs from this run's 8") && e.contains("--steps"),
             "{e}"
         );
         let now = SavedRun::of(&args(&["--max-seq-len", "32"]));
-        let e = merge(saved(), &now, &given(&["max_seq_len"])).unwrap_err();
+        let e = merge(saved(), &now, &given(&["max_seq_len"]))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("--max-seq-len 32 differs from this run's 64"),
             "{e}"
@@ -1206,6 +1295,7 @@ mod tests {
         let now = SavedRun::of(&args(&["--data", "/other.jsonl"]));
         assert!(merge(saved(), &now, &given(&["data"]))
             .unwrap_err()
+            .to_string()
             .contains("--data /other.jsonl differs from this run's demo"));
         // The same value again is fine.
         let now = SavedRun::of(&args(&["--block-size", "8", "--max-seq-len", "64"]));
@@ -1354,7 +1444,7 @@ mod tests {
         let start = Inputs::of(&a).unwrap();
         assert_eq!(check_inputs(Some(&start), &a), Ok(Some(start.clone())));
         std::fs::write(&f, lines(25)).unwrap();
-        let e = check_inputs(Some(&start), &a).unwrap_err();
+        let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
         let abs = f.canonicalize().unwrap();
         assert!(
             e.contains(&format!(
@@ -1396,7 +1486,7 @@ mod tests {
             .unwrap()
             .set_modified(modified)
             .unwrap();
-        let e = check_inputs(Some(&old), &a).unwrap_err();
+        let e = check_inputs(Some(&old), &a).unwrap_err().to_string();
         assert!(e.contains("(its first MiB differs)"), "{e}");
     }
 
@@ -1419,11 +1509,11 @@ mod tests {
         let start = Inputs::of(&a).unwrap();
         std::fs::write(&f, lines(20).replace("[1, 2, 3,", "[1, 2, 4,")).unwrap();
         set_time();
-        let e = check_inputs(Some(&start), &a).unwrap_err();
+        let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
         assert!(e.contains("(its first MiB differs)"), "{e}");
         // Only touched: the time is named.
         std::fs::write(&f, lines(20)).unwrap();
-        let e = check_inputs(Some(&start), &a).unwrap_err();
+        let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
         assert!(e.contains("(modified 2023-11-14T22:13:20"), "{e}");
     }
 
@@ -1437,12 +1527,14 @@ mod tests {
         std::fs::write(d.path().join("notes.txt"), "still not data").unwrap();
         assert_eq!(check_inputs(Some(&start), &a), Ok(Some(start.clone())));
         std::fs::write(d.path().join("b.jsonl"), lines(5)).unwrap();
-        let e = check_inputs(Some(&start), &a).unwrap_err();
+        let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
         assert!(
             e.contains("changed since the run started (b.jsonl added)"),
             "{e}"
         );
-        let e = check_inputs(Some(&start), &args(&["--data", "demo"])).unwrap_err();
+        let e = check_inputs(Some(&start), &args(&["--data", "demo"]))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("the data is now the demo data, and was the directory"),
             "{e}"
@@ -1452,7 +1544,7 @@ mod tests {
         let a = data_args(&f, &[]);
         let start = Inputs::of(&a).unwrap();
         std::fs::remove_file(&f).unwrap();
-        let e = check_inputs(Some(&start), &a).unwrap_err();
+        let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
         assert!(e.contains("cannot be read"), "{e}");
     }
 
@@ -1482,7 +1574,7 @@ mod tests {
             "{\"chat_template\": \"{{ messages }}!\"}",
         )
         .unwrap();
-        let e = check_inputs(Some(&start), &b).unwrap_err();
+        let e = check_inputs(Some(&start), &b).unwrap_err().to_string();
         assert!(
             e.contains("the chat template of")
                 && e.contains("changed since the run started")
@@ -1490,7 +1582,9 @@ mod tests {
             "{e}"
         );
         // No tokenizer now where the run had one.
-        let e = check_inputs(Some(&start), &data_args(&data, &[])).unwrap_err();
+        let e = check_inputs(Some(&start), &data_args(&data, &[]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("none is found now"), "{e}");
 
         // The target: config.json and the single shard's header.
@@ -1514,7 +1608,7 @@ mod tests {
         std::fs::write(target.join("model.safetensors"), &same_header).unwrap();
         assert!(check_inputs(Some(&start), &a).is_ok());
         std::fs::write(target.join("config.json"), "{\"hidden_size\": 32}").unwrap();
-        let e = check_inputs(Some(&start), &a).unwrap_err();
+        let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
         assert!(
             e.contains("changed since the run started (config.json differs)")
                 && e.ends_with(

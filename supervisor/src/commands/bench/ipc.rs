@@ -99,64 +99,108 @@ pub fn run(json: bool, quick: bool) -> Result<i32, Error> {
     let reps = if quick { 1 } else { 3 };
     let mut out: BTreeMap<String, f64> = BTreeMap::new();
     out.insert("memcpy_64mb_gbps".into(), memcpy_gbps(64 * MB, reps * 3));
+    let shm = Shm::create()?;
+    let relay = shm.start_peers()?;
+    measure(&relay, quick, reps, &mut out)?;
+    let _ = relay.producer.send(Cmd::Quit);
+    let _ = relay.consumer.send(Cmd::Quit);
+    add_ratios(&mut out);
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&out).map_err(|e| fail("json", &e))?
+        );
+    } else {
+        print_text(&out, quick);
+    }
+    Ok(0)
+}
 
-    let pools: Vec<(std::os::fd::OwnedFd, PoolMap)> = SIZES_MB
-        .iter()
-        .map(|&mb| PoolGeometry {
-            name: format!("bench{mb}"),
-            slots: 2,
-            slot_bytes: mb * MB,
-        })
-        .chain(std::iter::once(PoolGeometry {
-            name: "bench-small".into(),
+/// The shared memory of the bench: the pools (three big ones, then the small one) and the
+/// futex page, each with its fd.
+struct Shm {
+    pools: Vec<(std::os::fd::OwnedFd, PoolMap)>,
+    futex: (std::os::fd::OwnedFd, PoolMap),
+}
+
+impl Shm {
+    fn create() -> Result<Shm, Error> {
+        let pools: Vec<(std::os::fd::OwnedFd, PoolMap)> = SIZES_MB
+            .iter()
+            .map(|&mb| PoolGeometry {
+                name: format!("bench{mb}"),
+                slots: 2,
+                slot_bytes: mb * MB,
+            })
+            .chain(std::iter::once(PoolGeometry {
+                name: "bench-small".into(),
+                slots: 1,
+                slot_bytes: SMALL,
+            }))
+            .map(PoolMap::create)
+            .collect::<io::Result<_>>()
+            .map_err(|e| fail("creating pools", &e))?;
+        let futex = PoolMap::create(PoolGeometry {
+            name: "bench-futex".into(),
             slots: 1,
-            slot_bytes: SMALL,
-        }))
-        .map(PoolMap::create)
-        .collect::<io::Result<_>>()
-        .map_err(|e| fail("creating pools", &e))?;
-    let (futex_fd, futex_map) = PoolMap::create(PoolGeometry {
-        name: "bench-futex".into(),
-        slots: 1,
-        slot_bytes: 4096,
-    })
-    .map_err(|e| fail("creating the futex page", &e))?;
-    let fds: Vec<RawFd> = pools
-        .iter()
-        .map(|(fd, _)| fd.as_raw_fd())
-        .chain([futex_fd.as_raw_fd()])
-        .collect();
-    let geoms: Vec<(RawFd, PoolGeometry)> = pools
-        .iter()
-        .map(|(fd, m)| (fd.as_raw_fd(), m.geometry().clone()))
-        .collect();
-    let futex = (futex_fd.as_raw_fd(), futex_map.geometry().clone());
-    let (bytes_tx, bytes_rx) = ipc::bytes_channel().map_err(|e| fail("bytes channel", &e))?;
-
-    let (tx, rx) = mpsc::channel::<(bool, Report)>();
-    let producer =
-        start_peer(&fds, true, tx.clone()).map_err(|e| fail("starting the producer", &e))?;
-    let consumer = start_peer(&fds, false, tx).map_err(|e| fail("starting the consumer", &e))?;
-    let setup = |bytes_tx, bytes_rx| {
-        Cmd::Setup(Setup {
-            pools: geoms.clone(),
-            futex: futex.clone(),
-            bytes_tx,
-            bytes_rx,
+            slot_bytes: 4096,
         })
-    };
-    producer
-        .send(setup(Some(bytes_tx), None))
-        .map_err(|e| fail("setup", &e))?;
-    consumer
-        .send(setup(None, Some(bytes_rx)))
-        .map_err(|e| fail("setup", &e))?;
-    let relay = Relay {
-        producer,
-        consumer,
-        rx,
-    };
+        .map_err(|e| fail("creating the futex page", &e))?;
+        Ok(Shm { pools, futex })
+    }
 
+    /// The two peers, started with these pools mapped and their ends of the bytes
+    /// channel, behind the relay that plays the supervisor.
+    fn start_peers(&self) -> Result<Relay, Error> {
+        let fds: Vec<RawFd> = self
+            .pools
+            .iter()
+            .map(|(fd, _)| fd.as_raw_fd())
+            .chain([self.futex.0.as_raw_fd()])
+            .collect();
+        let geoms: Vec<(RawFd, PoolGeometry)> = self
+            .pools
+            .iter()
+            .map(|(fd, m)| (fd.as_raw_fd(), m.geometry().clone()))
+            .collect();
+        let futex = (self.futex.0.as_raw_fd(), self.futex.1.geometry().clone());
+        let (bytes_tx, bytes_rx) = ipc::bytes_channel().map_err(|e| fail("bytes channel", &e))?;
+
+        let (tx, rx) = mpsc::channel::<(bool, Report)>();
+        let producer =
+            start_peer(&fds, true, tx.clone()).map_err(|e| fail("starting the producer", &e))?;
+        let consumer =
+            start_peer(&fds, false, tx).map_err(|e| fail("starting the consumer", &e))?;
+        let setup = |bytes_tx, bytes_rx| {
+            Cmd::Setup(Setup {
+                pools: geoms.clone(),
+                futex: futex.clone(),
+                bytes_tx,
+                bytes_rx,
+            })
+        };
+        producer
+            .send(setup(Some(bytes_tx), None))
+            .map_err(|e| fail("setup", &e))?;
+        consumer
+            .send(setup(None, Some(bytes_rx)))
+            .map_err(|e| fail("setup", &e))?;
+        Ok(Relay {
+            producer,
+            consumer,
+            rx,
+        })
+    }
+}
+
+/// The pool and ipc-channel throughput per batch size (the best of `reps`), then the
+/// hand-off and bare futex latencies, into `out`.
+fn measure(
+    relay: &Relay,
+    quick: bool,
+    reps: u32,
+    out: &mut BTreeMap<String, f64>,
+) -> Result<(), Error> {
     for (i, &mb) in SIZES_MB.iter().enumerate() {
         let size = mb * MB;
         let iters = ((if quick { 64 } else { 2048 }) / mb).max(2) as u32;
@@ -176,9 +220,12 @@ pub fn run(json: bool, quick: bool) -> Result<i32, Error> {
     out.insert("handoff_p99_us".into(), pct(&handoff, 99) / 2.0 / 1e3);
     out.insert("futex_rtt_p50_us".into(), pct(&futex_rtt, 50) / 1e3);
     out.insert("futex_rtt_p99_us".into(), pct(&futex_rtt, 99) / 1e3);
-    let _ = relay.producer.send(Cmd::Quit);
-    let _ = relay.consumer.send(Cmd::Quit);
+    Ok(())
+}
 
+/// The ratios the targets are about: pool against memcpy and ipc-channel, hand-off
+/// against a bare futex round trip.
+fn add_ratios(out: &mut BTreeMap<String, f64>) {
     let r = |a: &str, b: &str| out[a] / out[b];
     let ratios = [
         (
@@ -197,52 +244,48 @@ pub fn run(json: bool, quick: bool) -> Result<i32, Error> {
     for (k, v) in ratios {
         out.insert(k.into(), v);
     }
-    if json {
+}
+
+/// The results as text, each ratio with its target.
+fn print_text(out: &BTreeMap<String, f64>, quick: bool) {
+    println!(
+        "bench ipc ({} CPUs{}):",
+        thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        if quick { ", quick" } else { "" }
+    );
+    println!(
+        "  memcpy 64 MiB, one core       {:>8.2} GB/s",
+        out["memcpy_64mb_gbps"]
+    );
+    for mb in SIZES_MB {
         println!(
-            "{}",
-            serde_json::to_string_pretty(&out).map_err(|e| fail("json", &e))?
-        );
-    } else {
-        println!(
-            "bench ipc ({} CPUs{}):",
-            thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1),
-            if quick { ", quick" } else { "" }
-        );
-        println!(
-            "  memcpy 64 MiB, one core       {:>8.2} GB/s",
-            out["memcpy_64mb_gbps"]
-        );
-        for mb in SIZES_MB {
-            println!(
-                "  {mb:>3} MiB batches: pool {:>7.2} GB/s   ipc-channel bytes {:>7.2} GB/s",
-                out[&format!("pool_{mb}mb_gbps")],
-                out[&format!("ipc_channel_{mb}mb_gbps")]
-            );
-        }
-        println!(
-            "  hand-off of a 4 KiB batch      p50 {:>7.1} us   p99 {:>7.1} us",
-            out["handoff_p50_us"], out["handoff_p99_us"]
-        );
-        println!(
-            "  bare futex round trip          p50 {:>7.1} us   p99 {:>7.1} us",
-            out["futex_rtt_p50_us"], out["futex_rtt_p99_us"]
-        );
-        println!(
-            "  pool / memcpy (64 MiB)         {:>7.2}   (target >= 0.8)",
-            out["pool_vs_memcpy_64mb"]
-        );
-        println!(
-            "  pool / ipc-channel (64 MiB)    {:>7.2}   (target >= 5)",
-            out["pool_vs_ipc_channel_64mb"]
-        );
-        println!(
-            "  hand-off p50 / futex RTT p50   {:>7.2}   (target <= 2)",
-            out["handoff_p50_vs_futex_rtt_p50"]
+            "  {mb:>3} MiB batches: pool {:>7.2} GB/s   ipc-channel bytes {:>7.2} GB/s",
+            out[&format!("pool_{mb}mb_gbps")],
+            out[&format!("ipc_channel_{mb}mb_gbps")]
         );
     }
-    Ok(0)
+    println!(
+        "  hand-off of a 4 KiB batch      p50 {:>7.1} us   p99 {:>7.1} us",
+        out["handoff_p50_us"], out["handoff_p99_us"]
+    );
+    println!(
+        "  bare futex round trip          p50 {:>7.1} us   p99 {:>7.1} us",
+        out["futex_rtt_p50_us"], out["futex_rtt_p99_us"]
+    );
+    println!(
+        "  pool / memcpy (64 MiB)         {:>7.2}   (target >= 0.8)",
+        out["pool_vs_memcpy_64mb"]
+    );
+    println!(
+        "  pool / ipc-channel (64 MiB)    {:>7.2}   (target >= 5)",
+        out["pool_vs_ipc_channel_64mb"]
+    );
+    println!(
+        "  hand-off p50 / futex RTT p50   {:>7.2}   (target <= 2)",
+        out["handoff_p50_vs_futex_rtt_p50"]
+    );
 }
 
 fn fail(what: &str, e: &dyn std::fmt::Display) -> Error {

@@ -11,6 +11,7 @@
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 
+use dflash_shared::batch::TokenBatch;
 use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::model_config::{TargetConfig, TINY_CONFIG};
 
@@ -75,103 +76,10 @@ fn measure(
     tmp: &std::path::Path,
     steps: u64,
 ) -> Result<BTreeMap<String, f64>, Error> {
-    let target_cfg = TargetConfig::parse(TINY_CONFIG).map_err(|e| fail("tiny config", e))?;
-    let mut loader = Loader::new(LoaderConfig {
-        source: DataSource::Demo { samples: 1024 },
-        vocab_size: Some(target_cfg.vocab_size as u32),
-        token_budget: 2048,
-        max_seq_len: 1024,
-        seed: 0,
-        epochs: 1000,
-        max_bad_lines: 0,
-        shuffle_window: 4096,
-        max_line_bytes: 1 << 20,
-        chat: None,
-        chat_error: None,
-    });
-    let mut batches = Vec::new();
-    for _ in 0..steps {
-        batches.push(
-            loader
-                .next_batch()
-                .map_err(|e| fail("loader", e))?
-                .ok_or_else(|| fail("loader", "ran out of demo data"))?,
-        );
-    }
-    let target_dir = tmp.join("target");
-    let st = Command::new(worker)
-        .arg("tiny-target")
-        .arg("--out")
-        .arg(&target_dir)
-        .stdin(Stdio::null())
-        .status();
-    if !st.map(|s| s.success()).unwrap_or(false) {
-        return Err(fail(
-            "writing the tiny target",
-            format!("{} tiny-target failed", worker.display()),
-        ));
-    }
-    let spec = serde_json::json!({
-        "target_dir": target_dir,
-        "taps": [1, 3],
-        "drafter": DrafterConfig::for_target(&target_cfg, 2, 2, 8, 32),
-        "lr": 3e-3,
-        "seed": 0,
-        "batches": batches,
-    });
-    let spec_path = tmp.join("spec.json");
-    std::fs::write(&spec_path, spec.to_string()).map_err(|e| fail("writing the spec", e))?;
-    let out = Command::new(worker)
-        .arg("bench-compute")
-        .arg("--spec")
-        .arg(&spec_path)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| fail("running the baseline", e))?;
-    if !out.status.success() {
-        return Err(fail(
-            "the in-process baseline",
-            String::from_utf8_lossy(&out.stderr),
-        ));
-    }
-    let base: serde_json::Value =
-        serde_json::from_slice(&out.stdout).map_err(|e| fail("baseline output", e))?;
-
-    let run_dir = tmp.join("run");
-    let out = Command::new(exe)
-        .args([
-            "--gpus",
-            "cpu:2",
-            "--target",
-            "tiny",
-            "--data",
-            "demo",
-            "--seed",
-            "0",
-            "--token-budget",
-            "2048",
-            "--max-seq-len",
-            "1024",
-        ])
-        .args([
-            "--epochs",
-            "1000",
-            "--checkpoint-every",
-            "0",
-            "--steps",
-            &steps.to_string(),
-            "--run-dir",
-        ])
-        .arg(&run_dir)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| fail("running the pipeline", e))?;
-    if !out.status.success() {
-        return Err(fail(
-            "the pipeline run",
-            String::from_utf8_lossy(&out.stderr),
-        ));
-    }
+    let target_cfg = TargetConfig::read(TINY_CONFIG).map_err(|e| fail("tiny config", e))?;
+    let batches = demo_batches(&target_cfg, steps)?;
+    let base = baseline(worker, tmp, &target_cfg, &batches)?;
+    let run_dir = pipeline_run(exe, tmp, steps)?;
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("train.jsonl"))
         .map_err(|e| fail("train.jsonl", e))?
         .lines()
@@ -217,4 +125,123 @@ fn measure(
         snap_ms / (every.max(1.0) * step_ms.max(1e-9)),
     );
     Ok(m)
+}
+
+/// `steps` batches of the demo data, as the pipeline run's loader makes them.
+fn demo_batches(target_cfg: &TargetConfig, steps: u64) -> Result<Vec<TokenBatch>, Error> {
+    let mut loader = Loader::new(LoaderConfig {
+        source: DataSource::Demo { samples: 1024 },
+        vocab_size: Some(target_cfg.vocab_size as u32),
+        token_budget: 2048,
+        max_seq_len: 1024,
+        seed: 0,
+        epochs: 1000,
+        max_bad_lines: 0,
+        shuffle_window: 4096,
+        max_line_bytes: 1 << 20,
+        chat: None,
+        chat_error: None,
+    });
+    let mut batches = Vec::new();
+    for _ in 0..steps {
+        batches.push(
+            loader
+                .next_batch()
+                .map_err(|e| fail("loader", e))?
+                .ok_or_else(|| fail("loader", "ran out of demo data"))?,
+        );
+    }
+    Ok(batches)
+}
+
+/// Each stage alone: the target forward and the drafter step over `batches`, measured by
+/// the worker's `bench-compute` in one process (on the tiny target it writes to `tmp`).
+fn baseline(
+    worker: &std::path::Path,
+    tmp: &std::path::Path,
+    target_cfg: &TargetConfig,
+    batches: &[TokenBatch],
+) -> Result<serde_json::Value, Error> {
+    let target_dir = tmp.join("target");
+    let st = Command::new(worker)
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&target_dir)
+        .stdin(Stdio::null())
+        .status();
+    if !st.map(|s| s.success()).unwrap_or(false) {
+        return Err(fail(
+            "writing the tiny target",
+            format!("{} tiny-target failed", worker.display()),
+        ));
+    }
+    let spec = serde_json::json!({
+        "target_dir": target_dir,
+        "taps": [1, 3],
+        "drafter": DrafterConfig::for_target(target_cfg, 2, 2, 8, 32),
+        "lr": 3e-3,
+        "seed": 0,
+        "batches": batches,
+    });
+    let spec_path = tmp.join("spec.json");
+    std::fs::write(&spec_path, spec.to_string()).map_err(|e| fail("writing the spec", e))?;
+    let out = Command::new(worker)
+        .arg("bench-compute")
+        .arg("--spec")
+        .arg(&spec_path)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| fail("running the baseline", e))?;
+    if !out.status.success() {
+        return Err(fail(
+            "the in-process baseline",
+            String::from_utf8_lossy(&out.stderr),
+        ));
+    }
+    serde_json::from_slice(&out.stdout).map_err(|e| fail("baseline output", e))
+}
+
+/// The whole pipeline (`cpu:2`) training `steps` batches of the same data; returns its run
+/// directory.
+fn pipeline_run(
+    exe: &std::path::Path,
+    tmp: &std::path::Path,
+    steps: u64,
+) -> Result<std::path::PathBuf, Error> {
+    let run_dir = tmp.join("run");
+    let out = Command::new(exe)
+        .args([
+            "--gpus",
+            "cpu:2",
+            "--target",
+            "tiny",
+            "--data",
+            "demo",
+            "--seed",
+            "0",
+            "--token-budget",
+            "2048",
+            "--max-seq-len",
+            "1024",
+        ])
+        .args([
+            "--epochs",
+            "1000",
+            "--checkpoint-every",
+            "0",
+            "--steps",
+            &steps.to_string(),
+            "--run-dir",
+        ])
+        .arg(&run_dir)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| fail("running the pipeline", e))?;
+    if !out.status.success() {
+        return Err(fail(
+            "the pipeline run",
+            String::from_utf8_lossy(&out.stderr),
+        ));
+    }
+    Ok(run_dir)
 }

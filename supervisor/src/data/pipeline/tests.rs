@@ -287,8 +287,34 @@ impl Harness {
     }
 }
 
+/// An invariant of [`check`] that does not hold, with what shows it.
+#[derive(Debug, thiserror::Error)]
+enum Broken {
+    #[error(transparent)]
+    Indexes(#[from] crate::data::batches::IndexDrift),
+    #[error("{pool} slot {slot:?}: record {record:?}")]
+    Slot {
+        pool: PoolId,
+        slot: dflash_shared::slots::Slot,
+        record: Option<BatchState>,
+    },
+    #[error("batch {batch} is {state:?} but in no slot")]
+    Unplaced { batch: u64, state: BatchState },
+    #[error("batch {batch}: a rollback may need it, but it was dropped")]
+    Dropped { batch: u64 },
+    #[error("batch {batch} was lost")]
+    Lost { batch: u64 },
+    #[error("a batch trained twice: {lineage:?}")]
+    TrainedTwice { lineage: Vec<(u64, u64)> },
+    #[error("lineage {lineage:?}, trained records {trained:?}")]
+    Lineage {
+        lineage: BTreeSet<u64>,
+        trained: BTreeSet<u64>,
+    },
+}
+
 /// The invariants that hold between any two events.
-fn check(h: &Harness) -> Result<(), String> {
+fn check(h: &Harness) -> Result<(), Broken> {
     let p = &h.p;
     p.batches.check_indexes()?;
     // Each batch in a slot is in one slot only, and its record says so.
@@ -314,7 +340,11 @@ fn check(h: &Harness) -> Result<(), String> {
                 _ => false,
             };
             if !ok || !in_slot.insert(s.batch_id) {
-                return Err(format!("{pool} slot {s:?}: record {state:?}"));
+                return Err(Broken::Slot {
+                    pool,
+                    slot: s.clone(),
+                    record: state,
+                });
             }
         }
     }
@@ -328,28 +358,31 @@ fn check(h: &Harness) -> Result<(), String> {
                 | BatchState::AtDrafter { .. }
         );
         if placed && !in_slot.contains(&b) {
-            return Err(format!("batch {b} is {:?} but in no slot", r.state));
+            return Err(Broken::Unplaced {
+                batch: b,
+                state: r.state,
+            });
         }
         if let BatchState::Trained { step } = r.state {
             trained.insert(b);
             if step.is_some() && r.batch.is_none() {
-                return Err(format!(
-                    "batch {b}: a rollback may need it, but it was dropped"
-                ));
+                return Err(Broken::Dropped { batch: b });
             }
         }
     }
     // Every batch the loader made is known, and the lineage has each at most once: those
     // its records say are trained.
     if let Some(b) = (0..h.made).find(|&b| p.batches.get(b).is_none()) {
-        return Err(format!("batch {b} was lost"));
+        return Err(Broken::Lost { batch: b });
     }
     let lineage: BTreeSet<u64> = h.lineage.iter().map(|&(_, b)| b).collect();
     if lineage.len() != h.lineage.len() {
-        return Err(format!("a batch trained twice: {:?}", h.lineage));
+        return Err(Broken::TrainedTwice {
+            lineage: h.lineage.clone(),
+        });
     }
     if lineage != trained {
-        return Err(format!("lineage {lineage:?}, trained records {trained:?}"));
+        return Err(Broken::Lineage { lineage, trained });
     }
     Ok(())
 }
@@ -519,7 +552,7 @@ fn a_rollback_past_what_was_covered_fails() {
     let mut h = one_of_each(1);
     h.drain();
     h.cover();
-    let e = h.p.rollback(1, 0, &[0]).unwrap_err();
+    let e = h.p.rollback(1, 0, &[0]).unwrap_err().to_string();
     assert!(e.contains("was not kept"), "{e}");
 }
 
@@ -658,7 +691,7 @@ proptest! {
             check(&h).map_err(|e| TestCaseError::fail(format!("after {op:?}: {e}")))?;
         }
         h.drain();
-        check(&h).map_err(TestCaseError::fail)?;
+        check(&h).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let mut trained: Vec<u64> = h.lineage.iter().map(|&(_, b)| b).collect();
         trained.sort_unstable();
         prop_assert_eq!(trained, (0..total).collect::<Vec<_>>());

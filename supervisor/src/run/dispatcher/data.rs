@@ -98,7 +98,7 @@ impl Dispatcher {
                 Action::Rollback { from, to, batches } => {
                     if let Err(e) = self.pipeline.rollback(from, to, &batches) {
                         log::error!("{e}");
-                        self.begin_stop(StopReason::TrainingFailed(e));
+                        self.begin_stop(StopReason::TrainingFailed(e.to_string()));
                     }
                     self.run.event(
                         "rollback",

@@ -67,13 +67,46 @@ impl Dispatcher {
     pub(super) fn finish(mut self) -> i32 {
         self.write_metrics();
         crate::telemetry::console::status(None);
-        let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
         let reason = self
             .stop_reason
             .take()
             .unwrap_or(StopReason::Requested("stopped".into()));
         self.pipeline.end();
-        let end = match &reason {
+        let end = self.end_of(&reason);
+        // What the supervisor still holds is written, and the newest checkpoint exported.
+        let export_failure = self.save_and_export();
+        let end = if self.run_dir_gone.is_some() {
+            end
+        } else {
+            self.unsaved_steps(end)
+        };
+        // A run never exits 0 with a checkpoint it has not exported.
+        let end = match (&export_failure, end) {
+            (Some(_), RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop) => RunEnd::Failed,
+            (_, end) => end,
+        };
+        let code = end.exit_code();
+        if self.run_dir_gone.is_some() {
+            log::info!("run ended ({}); exit code {code}", reason.describe());
+            crate::say!("dflash-supervise: {}", export_failure.unwrap_or_default());
+            return code;
+        }
+        self.record_end(&reason, end, code);
+        log::info!("run ended ({}); exit code {code}", reason.describe());
+        let report = self.run.path.join("report.html");
+        match crate::telemetry::report::write(&self.run.path, &report) {
+            Ok(()) => crate::say!("dflash-supervise: report written to {}", report.display()),
+            Err(e) => log::warn!("cannot write the report: {e}"),
+        }
+        self.say_drafter(export_failure.as_deref());
+        self.say_what_next(&reason, end, code);
+        code
+    }
+
+    /// How the run ended by the reason it stopped, and whether every worker stopped
+    /// cleanly; the reasons of a failure are said here.
+    fn end_of(&self, reason: &StopReason) -> RunEnd {
+        match reason {
             StopReason::GaveUp(report) => {
                 crate::telemetry::console::say(format_args!("{}", report.render()));
                 RunEnd::Failed
@@ -92,6 +125,7 @@ impl Dispatcher {
             | StopReason::TimeLimit
             | StopReason::DataDone
             | StopReason::StepsDone => {
+                let all_clean = self.workers.iter().all(|w| !w.unclean_stop);
                 let finished = matches!(reason, StopReason::DataDone | StopReason::StepsDone);
                 if all_clean && finished {
                     RunEnd::Clean
@@ -114,62 +148,57 @@ impl Dispatcher {
                     RunEnd::UncleanStop
                 }
             }
-        };
-        // What the supervisor still holds is written, and the newest checkpoint exported.
-        let export_failure = self.save_and_export();
-        // Steps that no checkpoint holds are lost to a --resume: say which, and never
-        // call such a run a success.
+        }
+    }
+
+    /// Steps that no checkpoint holds are lost to a --resume: say which, and never call
+    /// such a run a success (`end` becomes a failure).
+    fn unsaved_steps(&self, end: RunEnd) -> RunEnd {
         let (committed, saved) = (self.trainer.committed(), self.trainer.saved_step());
+        if committed <= saved {
+            return end;
+        }
         let kept = self
             .trainer
             .last_checkpoint()
             .is_some_and(|(_, d)| d.join(dflash_shared::checkpoint::META_FILE).is_file());
-        let end = if self.run_dir_gone.is_some() {
-            end
-        } else if committed > saved {
-            let from = if saved > 0 && kept {
-                format!("continue from the checkpoint of step {saved} with: dflash-supervise --resume {}", self.run.path.display())
-            } else if saved > 0 {
-                format!(
-                    "no checkpoint is left in {} (the newest, of step {saved}, is gone)",
-                    self.trainer.checkpoints_dir().display()
-                )
-            } else {
-                "no checkpoint was written: a new run starts from scratch".into()
-            };
-            let saved = if kept { saved } else { 0 };
-            crate::say!(
-                "dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}",
-                saved + 1
-            );
-            // Lost work outranks an unclean stop: the run failed.
-            if matches!(
-                end,
-                RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop
-            ) {
-                RunEnd::Failed
-            } else {
-                end
-            }
+        let from = if saved > 0 && kept {
+            format!(
+                "continue from the checkpoint of step {saved} with: dflash-supervise --resume {}",
+                self.run.path.display()
+            )
+        } else if saved > 0 {
+            format!(
+                "no checkpoint is left in {} (the newest, of step {saved}, is gone)",
+                self.trainer.checkpoints_dir().display()
+            )
+        } else {
+            "no checkpoint was written: a new run starts from scratch".into()
+        };
+        let saved = if kept { saved } else { 0 };
+        crate::say!(
+            "dflash-supervise: steps {}..{committed} were not saved in a checkpoint; {from}",
+            saved + 1
+        );
+        // Lost work outranks an unclean stop: the run failed.
+        if matches!(
+            end,
+            RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop
+        ) {
+            RunEnd::Failed
         } else {
             end
-        };
-        // A run never exits 0 with a checkpoint it has not exported.
-        let end = match (&export_failure, end) {
-            (Some(_), RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop) => RunEnd::Failed,
-            (_, end) => end,
-        };
-        let code = end.exit_code();
+        }
+    }
+
+    /// The end in the run dir: state.json's last state, the `run_end` event, and for a
+    /// run that finished, finished.json.
+    fn record_end(&mut self, reason: &StopReason, end: RunEnd, code: i32) {
         let phase = if code == exit_codes::SUCCESS || code == exit_codes::STOPPED_EARLY {
             "stopped"
         } else {
             "failed"
         };
-        if self.run_dir_gone.is_some() {
-            log::info!("run ended ({}); exit code {code}", reason.describe());
-            crate::say!("dflash-supervise: {}", export_failure.unwrap_or_default());
-            return code;
-        }
         if let Err(e) = self.run.write_state(&self.snapshot(phase, Some(code))) {
             log::warn!("cannot write state.json: {e}");
         }
@@ -190,13 +219,11 @@ impl Dispatcher {
                 );
             }
         }
-        log::info!("run ended ({}); exit code {code}", reason.describe());
-        let report = self.run.path.join("report.html");
-        match crate::telemetry::report::write(&self.run.path, &report) {
-            Ok(()) => crate::say!("dflash-supervise: report written to {}", report.display()),
-            Err(e) => log::warn!("cannot write the report: {e}"),
-        }
-        match (&self.trainer.progress().exported, &export_failure) {
+    }
+
+    /// Where the drafter was written, or why none was (`export_failure`: the export's).
+    fn say_drafter(&self, export_failure: Option<&str>) {
+        match (&self.trainer.progress().exported, export_failure) {
             (_, Some(why)) => crate::say!("dflash-supervise: {why}"),
             (Some(dir), None) => crate::say!(
                 "dflash-supervise: drafter (step {}) written to {dir}",
@@ -212,7 +239,12 @@ impl Dispatcher {
                 "dflash-supervise: no checkpoint holds the trained steps; no drafter written"
             ),
         }
-        if let (StopReason::DataDone, Some(n)) = (&reason, self.trainer.steps_limit()) {
+    }
+
+    /// A run cut short says so: data that ran out before `--steps`, or a stop before the
+    /// end, with how to continue it.
+    fn say_what_next(&self, reason: &StopReason, end: RunEnd, code: i32) {
+        if let (StopReason::DataDone, Some(n)) = (reason, self.trainer.steps_limit()) {
             let at = self.trainer.committed();
             if at < n {
                 crate::say!(
@@ -236,6 +268,5 @@ impl Dispatcher {
                 );
             }
         }
-        code
     }
 }

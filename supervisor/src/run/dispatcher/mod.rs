@@ -450,9 +450,9 @@ impl Dispatcher {
             } => self.on_exit(worker, life, status),
             Event::GpuSamples(GpuSamples(samples)) => self.metrics.gpu.add(&samples),
             Event::Loader(ev) => {
-                if let Err(msg) = self.pipeline.on_loader(ev) {
-                    log::error!("{msg}");
-                    self.begin_stop(StopReason::BadInput(msg));
+                if let Err(e) = self.pipeline.on_loader(ev) {
+                    log::error!("{e}");
+                    self.begin_stop(StopReason::BadInput(e.to_string()));
                 }
                 if let Some(batches) = self.pipeline.first_epoch_batches() {
                     if let Some(msg) = self.trainer.refine_schedule(batches) {
@@ -623,6 +623,41 @@ impl Dispatcher {
                 l.fatal = Some((kind, message));
                 Ok(())
             }
+            m @ (FromWorker::Commit { .. }
+            | FromWorker::Ack { .. }
+            | FromWorker::Evaluated { .. }) => {
+                if l.to_worker().is_none() {
+                    return;
+                }
+                self.on_data_message(worker, Peer { name, holder, pid }, m)
+            }
+            m @ FromWorker::Grads { .. } => {
+                self.on_data_message(worker, Peer { name, holder, pid }, m)
+            }
+            m @ (FromWorker::Reduced { .. }
+            | FromWorker::GroupId { .. }
+            | FromWorker::SnapshotDone { .. }
+            | FromWorker::Checkpointed { .. }
+            | FromWorker::CheckpointFailed { .. }) => self.on_group_message(worker, name, m),
+            other => Err(Violation::Unexpected {
+                message: variant(&other),
+            }),
+        };
+        if let Err(why) = result {
+            self.violation(worker, &why);
+        }
+    }
+
+    /// A message of the data plane from `peer`: a slot committed, acknowledged or
+    /// evaluated (taken only from a life still connected, see `on_message`), or a
+    /// drafter's gradients.
+    fn on_data_message(
+        &mut self,
+        worker: usize,
+        peer: Peer,
+        msg: FromWorker,
+    ) -> Result<(), Violation> {
+        match msg {
             FromWorker::Commit {
                 output,
                 len,
@@ -631,47 +666,34 @@ impl Dispatcher {
                 wait_ms,
                 compute_ms,
             } => {
-                if l.to_worker().is_none() {
-                    return;
-                }
-                let peer = Peer { name, holder, pid };
                 let r = self.pipeline.on_commit(&peer, output, len, batch_id, input);
                 if r.is_ok() {
-                    let w = name.to_string();
+                    let w = peer.name.to_string();
                     self.pipeline.health.phase(&w, "wait", wait_ms);
                     self.pipeline.health.phase(&w, "forward", compute_ms);
                     self.step_took(worker, compute_ms);
                 }
                 r
             }
-            FromWorker::Ack { input, batch_id } => {
-                if l.to_worker().is_none() {
-                    return;
-                }
-                let peer = Peer { name, holder, pid };
-                self.pipeline.on_ack(&peer, input, batch_id)
-            }
+            FromWorker::Ack { input, batch_id } => self.pipeline.on_ack(&peer, input, batch_id),
             FromWorker::Evaluated {
                 input,
                 batch_id,
                 step,
                 stats,
-            } => {
-                if l.to_worker().is_none() {
-                    return;
-                }
-                let peer = Peer { name, holder, pid };
-                self.on_evaluated(&peer, input, batch_id, step, &stats)
-            }
+            } => self.on_evaluated(&peer, input, batch_id, step, &stats),
             FromWorker::Grads {
                 step,
                 input,
                 batch_id,
                 stats,
                 params,
-            } => match self.pipeline.check_consume(name, holder, input, batch_id) {
+            } => match self
+                .pipeline
+                .check_consume(peer.name, peer.holder, input, batch_id)
+            {
                 Ok(()) => {
-                    let w = name.to_string();
+                    let w = peer.name.to_string();
                     self.pipeline.health.phase(&w, "wait", stats.wait_ms);
                     self.pipeline
                         .health
@@ -688,6 +710,21 @@ impl Dispatcher {
                 }
                 Err(e) => Err(Violation::InvalidGradients(Box::new(e))),
             },
+            other => Err(Violation::Unexpected {
+                message: variant(&other),
+            }),
+        }
+    }
+
+    /// A message of the drafter group's training from worker `name`: an all-reduce, the
+    /// group's id, a snapshot, a checkpoint written or failed.
+    fn on_group_message(
+        &mut self,
+        worker: usize,
+        name: WorkerName,
+        msg: FromWorker,
+    ) -> Result<(), Violation> {
+        match msg {
             FromWorker::Reduced {
                 step,
                 epoch,
@@ -727,9 +764,6 @@ impl Dispatcher {
             other => Err(Violation::Unexpected {
                 message: variant(&other),
             }),
-        };
-        if let Err(why) = result {
-            self.violation(worker, &why);
         }
     }
 
