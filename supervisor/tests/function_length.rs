@@ -20,7 +20,7 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("worker/src/models/drafter/device.rs", "batch", 103),
     ("worker/src/models/drafter/device.rs", "forward", 148),
     ("worker/src/models/drafter/device.rs", "loss", 113),
-    ("worker/src/models/drafter/device.rs", "place", 149),
+    ("worker/src/models/drafter/device.rs", "place", 152),
     ("worker/src/models/target/device.rs", "place", 165),
     ("worker/src/reference/drafter.rs", "forward", 137),
     ("worker/src/reference/drafter.rs", "sample_step", 297),
