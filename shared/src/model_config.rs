@@ -99,6 +99,8 @@ pub const SIZE_LIMITS: &[(&str, u64)] = &[
 /// prints as one line (the file's path is [`ConfigError`]'s).
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigProblem {
+    #[error("cannot read: {source} (expected a Hugging Face model directory with config.json)")]
+    Unreadable { source: std::io::Error },
     #[error("not valid JSON: {source}")]
     Json { source: serde_json::Error },
     #[error("unsupported architecture {architectures:?} (model_type {model_type:?}); expected Qwen3ForCausalLM or LlamaForCausalLM")]
@@ -367,31 +369,23 @@ fn yarn(
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("{path}: {msg}")]
+#[error("{path}: {problem}")]
 pub struct ConfigError {
     pub path: String,
-    pub msg: String,
+    pub problem: ConfigProblem,
 }
 
 impl TargetConfig {
     pub fn load(dir: &Path) -> Result<TargetConfig, ConfigError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| ConfigError {
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError {
             path: path.display().to_string(),
-            msg: format!(
-                "cannot read: {e} (expected a Hugging Face model directory with config.json)"
-            ),
+            problem: ConfigProblem::Unreadable { source },
         })?;
         TargetConfig::read(&text).map_err(|problem| ConfigError {
             path: path.display().to_string(),
-            msg: problem.to_string(),
+            problem,
         })
-    }
-
-    /// [`read`](Self::read), its problem in words: for the worker's callers, which build a
-    /// [`ConfigError`] of their own from it.
-    pub fn parse(text: &str) -> Result<TargetConfig, String> {
-        TargetConfig::read(text).map_err(|problem| problem.to_string())
     }
 
     /// The config of a config.json's text, or what is wrong with it.
@@ -613,7 +607,7 @@ mod tests {
 
     #[test]
     fn qwen3_and_llama_configs() {
-        let q = TargetConfig::parse(
+        let q = TargetConfig::read(
             r#"{"architectures":["Qwen3ForCausalLM"],"hidden_size":1024,"num_hidden_layers":28,"num_attention_heads":16,
                 "num_key_value_heads":8,"head_dim":128,"intermediate_size":3072,"rms_norm_eps":1e-6,"rope_theta":1000000,
                 "rope_scaling":null,"vocab_size":151936,"tie_word_embeddings":true}"#,
@@ -628,7 +622,7 @@ mod tests {
             ),
             (Arch::Qwen3, 128, 8, true)
         );
-        let l = TargetConfig::parse(
+        let l = TargetConfig::read(
             r#"{"architectures":["LlamaForCausalLM"],"hidden_size":2048,"num_hidden_layers":16,"num_attention_heads":32,
                 "num_key_value_heads":8,"intermediate_size":8192,"rms_norm_eps":1e-5,"rope_theta":500000,"vocab_size":128256,
                 "rope_scaling":{"factor":32.0,"high_freq_factor":4.0,"low_freq_factor":1.0,"original_max_position_embeddings":8192,"rope_type":"llama3"}}"#,
@@ -641,7 +635,7 @@ mod tests {
 
     #[test]
     fn absent_fields_take_the_transformers_defaults_of_the_architecture() {
-        let q = TargetConfig::parse(r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":32,"intermediate_size":8,"vocab_size":10}"#).unwrap();
+        let q = TargetConfig::read(r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":32,"intermediate_size":8,"vocab_size":10}"#).unwrap();
         assert_eq!(
             (
                 q.head_dim,
@@ -652,7 +646,7 @@ mod tests {
             ),
             (128, 32, 1e-6, 10000.0, false)
         );
-        let l = TargetConfig::parse(r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10}"#).unwrap();
+        let l = TargetConfig::read(r#"{"model_type":"llama","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10}"#).unwrap();
         assert_eq!(
             (
                 l.head_dim,
@@ -662,7 +656,7 @@ mod tests {
             ),
             (16, 4, 1e-6, false)
         );
-        let q = TargetConfig::parse(r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":null,"head_dim":null,"intermediate_size":8,"vocab_size":10}"#).unwrap();
+        let q = TargetConfig::read(r#"{"model_type":"qwen3","hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":null,"head_dim":null,"intermediate_size":8,"vocab_size":10}"#).unwrap();
         assert_eq!(
             (q.head_dim, q.num_key_value_heads),
             (16, 4),
@@ -673,8 +667,8 @@ mod tests {
     #[test]
     fn transformers_5_rope_parameters_read_like_the_transformers_4_layout() {
         let base = r#""architectures":["LlamaForCausalLM"],"hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"intermediate_size":8,"vocab_size":10,"hidden_act":"silu""#;
-        let v4 = TargetConfig::parse(&format!(r#"{{{base},"rope_theta":500000.0,"rope_scaling":{{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#)).unwrap();
-        let v5 = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#)).unwrap();
+        let v4 = TargetConfig::read(&format!(r#"{{{base},"rope_theta":500000.0,"rope_scaling":{{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#)).unwrap();
+        let v5 = TargetConfig::read(&format!(r#"{{{base},"rope_parameters":{{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}"#)).unwrap();
         assert_eq!(v4.rope_theta, 500000.0);
         assert_eq!(v5.rope_theta, 500000.0, "not the 10000 fallback");
         assert!(
@@ -686,27 +680,29 @@ mod tests {
             "the same model either way"
         );
         // Qwen3 as transformers 5 saves it: default rope type, theta 1e6.
-        let q = TargetConfig::parse(&format!(
+        let q = TargetConfig::read(&format!(
             r#"{{{base},"rope_parameters":{{"rope_theta":1000000.0,"rope_type":"default"}}}}"#
         ))
         .unwrap();
         assert_eq!((q.rope_theta, q.rope_scaling.is_none()), (1000000.0, true));
         // Keyed by layer type (transformers 5): the full-attention entry.
-        let keyed = TargetConfig::parse(&format!(r#"{{{base},"rope_parameters":{{"full_attention":{{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}}}"#)).unwrap();
+        let keyed = TargetConfig::read(&format!(r#"{{{base},"rope_parameters":{{"full_attention":{{"rope_theta":500000.0,"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,"original_max_position_embeddings":8192}}}}}}"#)).unwrap();
         assert_eq!(keyed.fingerprint(), v4.fingerprint());
         let mixed = format!(
             r#"{{{base},"rope_parameters":{{"full_attention":{{"rope_theta":1e6,"rope_type":"default"}},"sliding_attention":{{"rope_theta":1e4,"rope_type":"default"}}}}}}"#
         );
-        assert!(TargetConfig::parse(&mixed)
+        assert!(TargetConfig::read(&mixed)
             .unwrap_err()
+            .to_string()
             .contains("rope_parameters.sliding_attention differs"));
         let unknown = format!(r#"{{{base},"rope_parameters":{{"other":{{"rope_theta":1e6}}}}}}"#);
-        assert!(TargetConfig::parse(&unknown)
+        assert!(TargetConfig::read(&unknown)
             .unwrap_err()
+            .to_string()
             .contains("no full_attention"));
         // Neither layout: transformers' default.
         assert_eq!(
-            TargetConfig::parse(&format!("{{{base}}}"))
+            TargetConfig::read(&format!("{{{base}}}"))
                 .unwrap()
                 .rope_theta,
             10000.0
@@ -720,17 +716,17 @@ mod tests {
             v[field] = serde_json::from_str(value).unwrap();
             v.to_string()
         };
-        let t = TargetConfig::parse(&base("max_position_embeddings", "40960")).unwrap();
+        let t = TargetConfig::read(&base("max_position_embeddings", "40960")).unwrap();
         assert_eq!(t.max_position_embeddings, Some(40960));
         assert_eq!(
-            TargetConfig::parse(TINY_CONFIG)
+            TargetConfig::read(TINY_CONFIG)
                 .unwrap()
                 .max_position_embeddings,
             None
         );
         assert_eq!(
             t.fingerprint(),
-            TargetConfig::parse(TINY_CONFIG).unwrap().fingerprint(),
+            TargetConfig::read(TINY_CONFIG).unwrap().fingerprint(),
             "the context length changes no computation"
         );
         for (field, value, range) in [
@@ -746,7 +742,9 @@ mod tests {
             ("num_local_experts", "100000", "1 to 4096"),
             ("num_experts_per_tok", "5000", "1 to 4096"),
         ] {
-            let e = TargetConfig::parse(&base(field, value)).unwrap_err();
+            let e = TargetConfig::read(&base(field, value))
+                .unwrap_err()
+                .to_string();
             assert!(
                 e.starts_with(&format!("{field} "))
                     && e.contains("out of range")
@@ -757,9 +755,10 @@ mod tests {
         }
         // At the bounds: accepted (a 1024-layer, 131072-wide model is not refused here).
         let at = base("num_hidden_layers", "1024");
-        assert_eq!(TargetConfig::parse(&at).unwrap().num_hidden_layers, 1024);
-        assert!(TargetConfig::parse(&base("max_position_embeddings", "0"))
+        assert_eq!(TargetConfig::read(&at).unwrap().num_hidden_layers, 1024);
+        assert!(TargetConfig::read(&base("max_position_embeddings", "0"))
             .unwrap_err()
+            .to_string()
             .contains("max_position_embeddings is missing or not a positive integer"));
     }
 
@@ -812,7 +811,7 @@ mod tests {
                 "use_sliding_window",
             ),
         ] {
-            let e = TargetConfig::parse(text).unwrap_err();
+            let e = TargetConfig::read(text).unwrap_err().to_string();
             assert!(e.contains(needle), "{text}: {e}");
         }
     }

@@ -1418,13 +1418,12 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
 /// `p.drafter_layers` layers at the preset's shape, over one sample of `p.drafter_seq`
 /// tokens with `p.anchors` blocks.
 fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
-    let cfg =
-        TargetConfig::parse(&p.config_json(p.drafter_layers.max(1), p.vocab)).map_err(|msg| {
-            dflash_shared::model_config::ConfigError {
-                path: format!("the config of ops:{}", p.name),
-                msg,
-            }
-        })?;
+    let cfg = TargetConfig::read(&p.config_json(p.drafter_layers.max(1), p.vocab)).map_err(
+        |problem| dflash_shared::model_config::ConfigError {
+            path: format!("the config of ops:{}", p.name),
+            problem,
+        },
+    )?;
     let n_taps = p.drafter_layers.max(1);
     let dcfg = DrafterConfig::for_target(&cfg, p.drafter_layers, n_taps, p.block_size, p.anchors);
     let drafter = Drafter::new(dcfg.clone());
@@ -1607,7 +1606,7 @@ mod tests {
             ),
             (4096, 32, 8, 128, 12288, 151_936)
         );
-        let cfg = TargetConfig::parse(&p.config_json(2, p.vocab)).unwrap();
+        let cfg = TargetConfig::read(&p.config_json(2, p.vocab)).unwrap();
         assert_eq!(
             (
                 cfg.num_attention_heads * cfg.head_dim,

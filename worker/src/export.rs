@@ -476,7 +476,7 @@ mod tests {
 
     #[test]
     fn the_config_carries_auto_map_and_rope_as_trained() {
-        let t = TargetConfig::parse(TINY_CONFIG).unwrap();
+        let t = TargetConfig::read(TINY_CONFIG).unwrap();
         let mut c = DrafterConfig::for_target(&t, 2, 2, 8, 4);
         let v = export_config(&c, 3, 6, &[1, 4], None);
         assert_eq!(
@@ -503,7 +503,7 @@ mod tests {
         );
         assert_eq!(v["max_position_embeddings"], 131072);
         // What the trainer reads back is what was trained.
-        let back = TargetConfig::parse(&v.to_string()).unwrap();
+        let back = TargetConfig::read(&v.to_string()).unwrap();
         assert_eq!(back.rope_scaling, c.rope_scaling);
         assert_eq!(back.rope_theta, c.rope_theta);
         assert!(DRAFTER_MODULE.contains(&format!("class {MODEL_CLASS}(")));
@@ -511,7 +511,7 @@ mod tests {
 
     #[test]
     fn the_probe_is_the_drafters_output_on_its_inputs() {
-        let t = TargetConfig::parse(TINY_CONFIG).unwrap();
+        let t = TargetConfig::read(TINY_CONFIG).unwrap();
         let c = DrafterConfig::for_target(&t, 1, 2, 4, 4);
         let d = Drafter::new(c.clone());
         let p = d.init_params(5);

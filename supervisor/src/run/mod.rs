@@ -659,10 +659,8 @@ fn eval_settings(
 /// The target's config: the built-in tiny one, or DIR/config.json.
 pub(crate) fn target_config(target: &str) -> Result<TargetConfig, Error> {
     if target == "tiny" {
-        return Ok(
-            TargetConfig::parse(dflash_shared::model_config::TINY_CONFIG)
-                .expect("the built-in tiny config parses"),
-        );
+        return Ok(TargetConfig::read(dflash_shared::model_config::TINY_CONFIG)
+            .expect("the built-in tiny config parses"));
     }
     TargetConfig::load(std::path::Path::new(target))
         .map_err(|e| Error::input(format!("--target {target}"), e))
@@ -1093,7 +1091,7 @@ mod tests {
             "\"num_hidden_layers\": 6",
             &format!("\"num_hidden_layers\": {layers}"),
         );
-        let t = TargetConfig::parse(&text).unwrap();
+        let t = TargetConfig::read(&text).unwrap();
         assert_eq!(t.num_hidden_layers, layers);
         t
     }

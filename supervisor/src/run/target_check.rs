@@ -290,7 +290,7 @@ mod tests {
     fn tiny() -> (tempfile::TempDir, TargetConfig, Vec<(String, Vec<usize>)>) {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("config.json"), TINY_CONFIG).unwrap();
-        let cfg = TargetConfig::parse(TINY_CONFIG).unwrap();
+        let cfg = TargetConfig::read(TINY_CONFIG).unwrap();
         let all = expected_tensors(&cfg, cfg.num_hidden_layers);
         (dir, cfg, all)
     }

@@ -658,7 +658,7 @@ mod tests {
 
     #[test]
     fn max_seq_len_beyond_the_target_context_is_refused() {
-        let mut t = TargetConfig::parse(TINY_CONFIG).unwrap();
+        let mut t = TargetConfig::read(TINY_CONFIG).unwrap();
         check_context(100_000, &t, "/m").unwrap();
         t.max_position_embeddings = Some(512);
         check_context(512, &t, "/m").unwrap();
@@ -704,7 +704,7 @@ mod tests {
 
     #[test]
     fn memory_estimate_counts_parameters_state_and_activations() {
-        let t = TargetConfig::parse(TINY_CONFIG).unwrap();
+        let t = TargetConfig::read(TINY_CONFIG).unwrap();
         let d = DrafterConfig::for_target(&t, 2, 2, 8, 32);
         let e = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 1000);
         let params = ParamLayout::new(&d).total as u64;
@@ -732,7 +732,7 @@ mod tests {
 
     #[test]
     fn a_drafter_larger_than_memory_is_refused() {
-        let t = TargetConfig::parse(TINY_CONFIG).unwrap();
+        let t = TargetConfig::read(TINY_CONFIG).unwrap();
         // 256-token blocks, 4096 anchors, 40 layers: gigabytes of activations.
         let d = DrafterConfig::for_target(&t, 40, 2, 256, 4096);
         let plan = tiny_plan(1);

@@ -1621,7 +1621,7 @@ mod tests {
     }
 
     fn tiny_drafter(layers: usize) -> DrafterConfig {
-        let t = dflash_shared::model_config::TargetConfig::parse(
+        let t = dflash_shared::model_config::TargetConfig::read(
             dflash_shared::model_config::TINY_CONFIG,
         )
         .unwrap();

@@ -5,4 +5,4 @@ pub mod target;
 pub mod tiny;
 pub mod weights;
 
-pub use weights::ModelError;
+pub use weights::{ModelError, ModelProblem};

@@ -23,7 +23,7 @@ pub fn write(dir: &Path) -> std::io::Result<()> {
 /// Write a checkpoint of random weights for any supported `config.json` text.
 pub fn write_random(dir: &Path, config: &str, seed: u64) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let cfg = TargetConfig::parse(config).map_err(std::io::Error::other)?;
+    let cfg = TargetConfig::read(config).map_err(std::io::Error::other)?;
     let mut rng = Rng::new(seed);
     let mut bufs: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for (name, shape) in expected_tensors(&cfg, cfg.num_hidden_layers) {

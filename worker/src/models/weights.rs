@@ -8,17 +8,63 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+/// A checkpoint that cannot be used: the file (or directory) and what is wrong with it.
 #[derive(Debug, thiserror::Error)]
-#[error("{path}: {msg}")]
+#[error("{path}: {problem}")]
 pub struct ModelError {
     pub path: String,
-    pub msg: String,
+    pub problem: ModelProblem,
 }
 
-fn err(path: &Path, msg: impl Into<String>) -> ModelError {
+/// What is wrong with a checkpoint's file, one line each.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelProblem {
+    #[error(transparent)]
+    Config(#[from] dflash_shared::model_config::ConfigProblem),
+    #[error("cannot read: {0}")]
+    Unreadable(std::io::Error),
+    #[error("not valid JSON: {0}")]
+    Json(serde_json::Error),
+    #[error("no weight_map object")]
+    NoWeightMap,
+    #[error("no model.safetensors or model.safetensors.index.json (expected a Hugging Face model directory)")]
+    NoWeights,
+    #[error("cannot open: {0}")]
+    Unopenable(std::io::Error),
+    #[error("cannot map: {0}")]
+    Unmappable(std::io::Error),
+    #[error("truncated or corrupt safetensors file: {0}")]
+    Corrupt(safetensors::SafeTensorError),
+    #[error("tensor {name} appears in two shards")]
+    TwoShards { name: String },
+    #[error("missing tensor {name} (shape {shape:?})")]
+    MissingTensor { name: String, shape: Vec<usize> },
+    #[error("{name}: {source}")]
+    Tensor {
+        name: String,
+        source: safetensors::SafeTensorError,
+    },
+    #[error("tensor {name} has shape {found:?}, expected {expected:?} from config.json")]
+    Shape {
+        name: String,
+        found: Vec<usize>,
+        expected: Vec<usize>,
+    },
+    #[error("tensor {name} has dtype {dtype:?}; expected bf16, f16 or f32")]
+    Dtype {
+        name: String,
+        dtype: safetensors::Dtype,
+    },
+    #[error("{count} unexpected tensor(s), e.g. {first} (is this checkpoint the architecture config.json names?)")]
+    Unexpected { count: usize, first: String },
+    #[error("tap {tap} does not exist: the target has {layers} layers (0..{})", layers - 1)]
+    NoSuchTap { tap: usize, layers: usize },
+}
+
+fn err(path: &Path, problem: ModelProblem) -> ModelError {
     ModelError {
         path: path.display().to_string(),
-        msg: msg.into(),
+        problem,
     }
 }
 
@@ -37,12 +83,12 @@ impl Weights {
             vec![single]
         } else if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
-                .map_err(|e| err(&index_path, format!("cannot read: {e}")))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .map_err(|e| err(&index_path, format!("not valid JSON: {e}")))?;
+                .map_err(|e| err(&index_path, ModelProblem::Unreadable(e)))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| err(&index_path, ModelProblem::Json(e)))?;
             let map = v["weight_map"]
                 .as_object()
-                .ok_or_else(|| err(&index_path, "no weight_map object"))?;
+                .ok_or_else(|| err(&index_path, ModelProblem::NoWeightMap))?;
             let mut files: Vec<PathBuf> = map
                 .values()
                 .filter_map(|f| f.as_str())
@@ -52,21 +98,26 @@ impl Weights {
             files.dedup();
             files
         } else {
-            return Err(err(dir, "no model.safetensors or model.safetensors.index.json (expected a Hugging Face model directory)"));
+            return Err(err(dir, ModelProblem::NoWeights));
         };
         let mut shards = Vec::new();
         let mut index = HashMap::new();
         for (i, path) in files.into_iter().enumerate() {
-            let f = File::open(&path).map_err(|e| err(&path, format!("cannot open: {e}")))?;
+            let f = File::open(&path).map_err(|e| err(&path, ModelProblem::Unopenable(e)))?;
             // SAFETY: the checkpoint is read-only input; nobody is expected to rewrite it
             // while the run loads it.
             let mmap =
-                unsafe { Mmap::map(&f) }.map_err(|e| err(&path, format!("cannot map: {e}")))?;
+                unsafe { Mmap::map(&f) }.map_err(|e| err(&path, ModelProblem::Unmappable(e)))?;
             let st = SafeTensors::deserialize(&mmap)
-                .map_err(|e| err(&path, format!("truncated or corrupt safetensors file: {e}")))?;
+                .map_err(|e| err(&path, ModelProblem::Corrupt(e)))?;
             for name in st.names() {
                 if index.insert(name.to_string(), i).is_some() {
-                    return Err(err(&path, format!("tensor {name} appears in two shards")));
+                    return Err(err(
+                        &path,
+                        ModelProblem::TwoShards {
+                            name: name.to_string(),
+                        },
+                    ));
                 }
             }
             shards.push((path, mmap));
@@ -112,22 +163,31 @@ impl Weights {
         let &i = self.index.get(name).ok_or_else(|| {
             err(
                 &self.dir,
-                format!("missing tensor {name} (shape {shape:?})"),
+                ModelProblem::MissingTensor {
+                    name: name.to_string(),
+                    shape: shape.to_vec(),
+                },
             )
         })?;
         let (path, mmap) = &self.shards[i];
-        let st = SafeTensors::deserialize(mmap)
-            .map_err(|e| err(path, format!("truncated or corrupt safetensors file: {e}")))?;
-        let view = st
-            .tensor(name)
-            .map_err(|e| err(path, format!("{name}: {e}")))?;
+        let st = SafeTensors::deserialize(mmap).map_err(|e| err(path, ModelProblem::Corrupt(e)))?;
+        let view = st.tensor(name).map_err(|source| {
+            err(
+                path,
+                ModelProblem::Tensor {
+                    name: name.to_string(),
+                    source,
+                },
+            )
+        })?;
         if view.shape() != shape {
             return Err(err(
                 path,
-                format!(
-                    "tensor {name} has shape {:?}, expected {shape:?} from config.json",
-                    view.shape()
-                ),
+                ModelProblem::Shape {
+                    name: name.to_string(),
+                    found: view.shape().to_vec(),
+                    expected: shape.to_vec(),
+                },
             ));
         }
         match view.dtype() {
@@ -140,7 +200,10 @@ impl Weights {
             }
             other => Err(err(
                 path,
-                format!("tensor {name} has dtype {other:?}; expected bf16, f16 or f32"),
+                ModelProblem::Dtype {
+                    name: name.to_string(),
+                    dtype: other,
+                },
             )),
         }
     }
@@ -153,7 +216,10 @@ impl Weights {
             let i = self.index[*first];
             return Err(err(
                 &self.shards[i].0,
-                format!("{} unexpected tensor(s), e.g. {first} (is this checkpoint the architecture config.json names?)", extra.len()),
+                ModelProblem::Unexpected {
+                    count: extra.len(),
+                    first: first.to_string(),
+                },
             ));
         }
         Ok(())

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use dflash_shared::model_config::{Arch, TargetConfig};
 
-use super::weights::{ModelError, Weights};
+use super::weights::{ModelError, ModelProblem, Weights};
 use crate::math::rope_inv_freq;
 
 pub mod device;
@@ -90,17 +90,16 @@ impl Target {
     pub fn load_as(dir: &Path, taps: &[usize], how: Load) -> Result<Target, ModelError> {
         let cfg = TargetConfig::load(dir).map_err(|e| ModelError {
             path: e.path,
-            msg: e.msg,
+            problem: e.problem.into(),
         })?;
         let w = Weights::open(dir)?;
         if let Some(&bad) = taps.iter().find(|&&t| t >= cfg.num_hidden_layers) {
             return Err(ModelError {
                 path: dir.display().to_string(),
-                msg: format!(
-                    "tap {bad} does not exist: the target has {} layers (0..{})",
-                    cfg.num_hidden_layers,
-                    cfg.num_hidden_layers - 1
-                ),
+                problem: ModelProblem::NoSuchTap {
+                    tap: bad,
+                    layers: cfg.num_hidden_layers,
+                },
             });
         }
         let all = expected_tensors(&cfg, cfg.num_hidden_layers);
@@ -108,7 +107,14 @@ impl Target {
             if !w.contains(name) {
                 return Err(ModelError {
                     path: dir.display().to_string(),
-                    msg: format!("missing tensor {name}"),
+                    problem: ModelProblem::MissingTensor {
+                        name: name.clone(),
+                        shape: all
+                            .iter()
+                            .find(|(n, _)| n == name)
+                            .map(|(_, s)| s.clone())
+                            .unwrap_or_default(),
+                    },
                 });
             }
         }
