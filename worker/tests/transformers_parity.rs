@@ -18,23 +18,26 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-d, tokens, taps, out = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
-cfg = AutoConfig.from_pretrained(d)
-# transformers 5: rope_parameters; 4.x: rope_scaling (None without scaling).
-rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-kind = rp.get("rope_type", rp.get("type", "default"))
-if kind != "default":
-    inv, af = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
-else:
-    inv, af = None, 1.0
 import transformers
 from packaging import version
 dtype_kw = "dtype" if version.parse(transformers.__version__) >= version.parse("4.56") else "torch_dtype"
-model = AutoModelForCausalLM.from_pretrained(d, **{dtype_kw: torch.float32}).eval()
-with torch.no_grad():
-    hs = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
-np.concatenate([hs[t + 1][0].float().numpy() for t in taps], axis=1).astype("<f4").tofile(out)
-json.dump({"rope_type": kind, "attention_factor": float(af), "inv_freq": None if inv is None else inv.float().tolist()}, sys.stdout)
+# One process for every case (torch's import is most of the time): sys.argv[1] is a JSON
+# list of {dir, tokens, taps, out}; prints the list of each case's rope figures.
+def case(d, tokens, taps, out):
+    cfg = AutoConfig.from_pretrained(d)
+    # transformers 5: rope_parameters; 4.x: rope_scaling (None without scaling).
+    rp = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind != "default":
+        inv, af = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    else:
+        inv, af = None, 1.0
+    model = AutoModelForCausalLM.from_pretrained(d, **{dtype_kw: torch.float32}).eval()
+    with torch.no_grad():
+        hs = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    np.concatenate([hs[t + 1][0].float().numpy() for t in taps], axis=1).astype("<f4").tofile(out)
+    return {"rope_type": kind, "attention_factor": float(af), "inv_freq": None if inv is None else inv.float().tolist()}
+json.dump([case(**c) for c in json.load(open(sys.argv[1]))], sys.stdout)
 "#;
 
 fn python_ok() -> bool {
@@ -60,32 +63,71 @@ const BASE_LLAMA: &str = r#""architectures":["LlamaForCausalLM"],"model_type":"l
   "num_attention_heads":6,"num_key_value_heads":2,"intermediate_size":96,"rms_norm_eps":1e-5,
   "vocab_size":300,"tie_word_embeddings":false,"max_position_embeddings":8192"#;
 
-/// Our taps and rope tables against transformers' for one config.
-fn check(name: &str, base: &str, rope: &str) {
+/// One config's checkpoint, our target on it and where transformers writes its taps.
+struct Case {
+    name: String,
+    dir: tempfile::TempDir,
+    target: Target,
+    tokens: Vec<u32>,
+    taps: [usize; 2],
+    out: std::path::PathBuf,
+}
+
+fn prepare(name: &str, base: &str, rope: &str) -> Case {
     let config = format!("{{{base},{rope}}}");
-    let tmp = tempfile::tempdir().unwrap();
-    tiny::write_random(tmp.path(), &config, 5).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    tiny::write_random(dir.path(), &config, 5).unwrap();
     // Not the last layer: transformers applies the final norm to its last hidden state.
     let taps = [0usize, 1];
     // Long enough to reach positions where the scaled frequencies matter.
     let tokens: Vec<u32> = (0..96).map(|i| (i * 37 + 11) % 300).collect();
-    let target = Target::load(tmp.path(), &taps).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let ours = target.forward_taps(&tokens);
-    let out = tmp.path().join("ref.f32");
+    let target = Target::load(dir.path(), &taps).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let out = dir.path().join("ref.f32");
+    Case {
+        name: name.to_string(),
+        dir,
+        target,
+        tokens,
+        taps,
+        out,
+    }
+}
+
+/// transformers on every case, in one python process: each case's rope figures.
+fn transformers(cases: &[Case]) -> Vec<serde_json::Value> {
+    let jobs: Vec<serde_json::Value> = cases
+        .iter()
+        .map(|c| {
+            serde_json::json!({"d": c.dir.path(), "tokens": c.tokens, "taps": c.taps, "out": c.out})
+        })
+        .collect();
+    let list = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(list.path(), serde_json::to_vec(&jobs).unwrap()).unwrap();
     let o = Command::new("python3")
         .args(["-c", SCRIPT])
-        .arg(tmp.path())
-        .arg(serde_json::to_string(&tokens).unwrap())
-        .arg(serde_json::to_string(&taps).unwrap())
-        .arg(&out)
+        .arg(list.path())
         .output()
         .unwrap();
     assert!(
         o.status.success(),
-        "{name}: transformers failed: {}",
+        "transformers failed: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let meta: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let metas: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(metas.len(), cases.len());
+    metas
+}
+
+/// Our taps and rope tables against transformers' for one config.
+fn check(case: &Case, meta: &serde_json::Value) {
+    let Case {
+        name,
+        target,
+        tokens,
+        out,
+        ..
+    } = case;
+    let ours = target.forward_taps(tokens);
     // Rope tables.
     let scaling = target.cfg.rope_scaling.as_ref();
     let af = scaling.map_or(1.0, |s| s.attention_factor());
@@ -107,7 +149,7 @@ fn check(name: &str, base: &str, rope: &str) {
         }
     }
     // Taps.
-    let bytes = std::fs::read(&out).unwrap();
+    let bytes = std::fs::read(out).unwrap();
     let theirs: Vec<f32> = bytes
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
@@ -128,11 +170,11 @@ fn check(name: &str, base: &str, rope: &str) {
     // What a CPU target worker computes: the device target on the CPU device.
     let mut worker = dflash_worker::models::target::device::DeviceTarget::new(
         Box::new(dflash_worker::device::cpu::CpuDevice::new()),
-        &target,
+        target,
         tokens.len(),
     )
     .unwrap();
-    let w = worker.forward_taps(&tokens).unwrap();
+    let w = worker.forward_taps(tokens).unwrap();
     let err = w
         .iter()
         .zip(&theirs)
@@ -193,8 +235,12 @@ fn taps_equal_transformers_for_every_rope_layout_and_scaling() {
             r#""rope_theta":10000.0,"rope_scaling":{"type":"linear","factor":2.0}"#,
         ),
     ];
-    for (name, base, rope) in cases {
-        check(name, base, rope);
+    let cases: Vec<Case> = cases
+        .iter()
+        .map(|(name, base, rope)| prepare(name, base, rope))
+        .collect();
+    for (case, meta) in cases.iter().zip(transformers(&cases)) {
+        check(case, &meta);
     }
 }
 
