@@ -39,8 +39,6 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("worker/src/device/cpu.rs", "attention_bwd", 207),
     ("worker/src/device/cpu.rs", "attention_fwd", 184),
     ("worker/src/models/target/device.rs", "place", 165),
-    ("worker/src/reference/drafter.rs", "forward", 137),
-    ("worker/src/reference/drafter.rs", "sample_step", 297),
     ("worker/src/reference/target.rs", "forward_taps_timed", 122),
 ];
 
