@@ -36,8 +36,6 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("worker/src/bench_ops.rs", "measure_kernels", 290),
     ("worker/src/collective/nccl.rs", "poll", 164),
     ("worker/src/reference/ops.rs", "attention", 199),
-    ("worker/src/device/cpu.rs", "attention_bwd", 207),
-    ("worker/src/device/cpu.rs", "attention_fwd", 184),
     ("worker/src/models/target/device.rs", "place", 165),
     ("worker/src/reference/target.rs", "forward_taps_timed", 122),
 ];
