@@ -35,7 +35,6 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("worker/src/bench_ops.rs", "measure", 214),
     ("worker/src/bench_ops.rs", "measure_kernels", 290),
     ("worker/src/collective/nccl.rs", "poll", 164),
-    ("worker/src/models/target/device.rs", "place", 165),
     ("worker/src/reference/target.rs", "forward_taps_timed", 122),
 ];
 
