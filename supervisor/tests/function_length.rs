@@ -34,7 +34,6 @@ const LONGER: &[(&str, &str, usize)] = &[
     ("supervisor/src/telemetry/report.rs", "training", 140),
     ("worker/src/bench_ops.rs", "measure", 214),
     ("worker/src/bench_ops.rs", "measure_kernels", 290),
-    ("worker/src/reference/target.rs", "forward_taps_timed", 122),
 ];
 
 /// Every function's length in `src`: `(file:function, lines)`; a function that appears
