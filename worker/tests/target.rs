@@ -326,7 +326,10 @@ fn inspect_writes_the_tapped_hidden_states_of_a_sequence() {
         .iter()
         .zip(&want)
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-    assert!(worst <= 1e-5 * scale, "{worst} off the reference (scale {scale})");
+    assert!(
+        worst <= 1e-5 * scale,
+        "{worst} off the reference (scale {scale})"
+    );
     // A token id outside the vocabulary is a clear error, exit 2.
     let bad = std::process::Command::new(env!("CARGO_BIN_EXE_dflash-worker"))
         .args([
