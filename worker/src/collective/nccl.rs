@@ -21,6 +21,7 @@
 //! that died.
 
 use std::ffi::{c_char, c_int, c_void};
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::OnceLock;
@@ -456,6 +457,169 @@ impl NcclCollective {
         self.comm = CommState::Building(rx);
         Ok(())
     }
+
+    /// Release the events of all-reduces an abort or a new contribution left behind.
+    fn release_stale(&mut self, model: &mut DeviceDrafter) -> Result<()> {
+        for e in self.stale.drain(..) {
+            // An all-reduce an abort left behind: the compute stream waits for it (aborted
+            // kernels end) before it writes what that all-reduce read.
+            let dev = model.device();
+            let r = dev.wait(Stream::Compute, e);
+            dev.release_event(e);
+            r.map_err(WorkerError::device("waiting for an aborted all-reduce"))?;
+        }
+        Ok(())
+    }
+
+    /// Move a joining or building communicator on: `Break` with what `poll` returns while
+    /// it is not ready (or has failed), else `Continue`.
+    fn settle_comm(&mut self) -> Result<ControlFlow<Option<Reduced>>> {
+        if let CommState::Joining(c) = self.comm {
+            let mut err: c_int = SUCCESS;
+            // SAFETY: a communicator of ours, joining.
+            self.lib.check("ncclCommGetAsyncError", unsafe {
+                (self.lib.comm_get_async_error)(c, &mut err)
+            })?;
+            match err {
+                SUCCESS => self.comm = CommState::Ready(c),
+                IN_PROGRESS => return Ok(ControlFlow::Break(None)),
+                _ => {
+                    return Ok(ControlFlow::Break(self.fail(err, "while its ranks joined")));
+                }
+            }
+        }
+        if let CommState::Building(rx) = &self.comm {
+            match rx.try_recv() {
+                Ok(Ok(c)) => self.comm = CommState::Ready(c as Comm),
+                Ok(Err(r)) => {
+                    self.comm = CommState::None;
+                    return self
+                        .lib
+                        .check("ncclCommInitRank", r)
+                        .map(|_| ControlFlow::Break(None));
+                }
+                Err(TryRecvError::Empty) => return Ok(ControlFlow::Break(None)),
+                Err(TryRecvError::Disconnected) => {
+                    return Err(WorkerError::Protocol("the NCCL init thread died".into()))
+                }
+            }
+        }
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// Queue step `step`'s all-reduces on the copy stream: the loss weight `w`, then the
+    /// gradient's buckets; an event behind them.
+    fn launch(
+        &mut self,
+        model: &mut DeviceDrafter,
+        comm: Comm,
+        step: u64,
+        w: f64,
+    ) -> Result<Option<Reduced>> {
+        let dev_err = |what: &'static str| WorkerError::device(what);
+        let lib = self.lib;
+        let dev = model.device();
+        let (_, streams) = dev.cuda_handles().expect("checked in new");
+        let copy = streams[Stream::Copy.index()];
+        dev.upload(Stream::Copy, self.weight, &w.to_le_bytes())
+            .map_err(dev_err("the loss weight to the device"))?;
+        // SAFETY: one f64 on the device that lives as long as this collective.
+        let rc = unsafe {
+            lib.settled(
+                comm,
+                (lib.all_reduce)(
+                    self.weight.ptr as *const c_void,
+                    self.weight.ptr as *mut c_void,
+                    1,
+                    FLOAT64,
+                    SUM,
+                    comm,
+                    copy.cast(),
+                ),
+            )
+        };
+        if rc != SUCCESS {
+            // A communicator that failed (a peer gone) refuses the next call too.
+            return Ok(self.fail(rc, &format!("queueing step {step}'s all-reduce")));
+        }
+        // Every rank issues the same buckets in the same order (the layout's).
+        let refused = std::cell::Cell::new(SUCCESS);
+        let e = model.reduce_buckets(Stream::Copy, |_, g, r| {
+            // SAFETY: a range of the gradient and the same range of the reduce
+            // buffer, both alive as long as the drafter; queued on the copy
+            // stream behind the event of the backward that finished it.
+            let rc = unsafe {
+                lib.settled(
+                    comm,
+                    (lib.all_reduce)(
+                        g.ptr as *const c_void,
+                        r.ptr as *mut c_void,
+                        g.bytes / 4,
+                        FLOAT32,
+                        SUM,
+                        comm,
+                        copy.cast(),
+                    ),
+                )
+            };
+            if rc == SUCCESS {
+                Ok(())
+            } else {
+                refused.set(rc);
+                let call = "ncclAllReduce of a gradient bucket, NCCL error";
+                Err(crate::device::GpuError::failed(call)(rc))
+            }
+        });
+        let e = match e {
+            Err(_) if refused.get() != SUCCESS => {
+                return Ok(self.fail(refused.get(), &format!("queueing step {step}'s all-reduce")));
+            }
+            r => r.map_err(dev_err("the gradient's all-reduce"))?,
+        };
+        self.launched = Some((Instant::now(), e));
+        Ok(None)
+    }
+
+    /// The all-reduce launched at `t` behind event `e`, once it is over: the summed loss
+    /// weight of step `step` (of epoch `epoch`), kept as the result.
+    fn collect(
+        &mut self,
+        model: &mut DeviceDrafter,
+        comm: Comm,
+        (t, e): (Instant, Event),
+        (step, epoch): (u64, u64),
+    ) -> Result<Option<Reduced>> {
+        let dev_err = |what: &'static str| WorkerError::device(what);
+        let dev = model.device();
+        if !dev
+            .event_done(e)
+            .map_err(dev_err("the all-reduce's event"))?
+        {
+            return Ok(None);
+        }
+        // An all-reduce that ended because the communicator failed (a peer gone)
+        // completes its event too: its sums are not sums.
+        let mut err: c_int = SUCCESS;
+        // SAFETY: a live communicator of ours.
+        self.lib.check("ncclCommGetAsyncError", unsafe {
+            (self.lib.comm_get_async_error)(comm, &mut err)
+        })?;
+        if err != SUCCESS && err != IN_PROGRESS {
+            return Ok(self.fail(err, &format!("during step {step}'s all-reduce")));
+        }
+        let dev = model.device();
+        let mut b = [0u8; 8];
+        dev.download(Stream::Copy, self.weight.sub(1, 0..8), &mut b)
+            .map_err(dev_err("the all-reduced loss weight"))?;
+        let d = Reduced {
+            step,
+            epoch,
+            weight_sum: f64::from_le_bytes(b),
+            ms: t.elapsed().as_secs_f64() * 1e3,
+        };
+        self.done = Some(d);
+        Ok(Some(d))
+    }
 }
 
 impl Drop for NcclCollective {
@@ -517,14 +681,7 @@ impl Collective for NcclCollective {
 
     fn poll(&mut self, model: &mut DeviceDrafter) -> Result<Option<Reduced>> {
         self.reap_abandoned();
-        for e in self.stale.drain(..) {
-            // An all-reduce an abort left behind: the compute stream waits for it (aborted
-            // kernels end) before it writes what that all-reduce read.
-            let dev = model.device();
-            let r = dev.wait(Stream::Compute, e);
-            dev.release_event(e);
-            r.map_err(WorkerError::device("waiting for an aborted all-reduce"))?;
-        }
+        self.release_stale(model)?;
         if let Some(d) = self.done {
             return Ok(Some(d));
         }
@@ -534,32 +691,8 @@ impl Collective for NcclCollective {
         if let Some(id) = self.pending_id.take() {
             self.build(&id, model)?;
         }
-        if let CommState::Joining(c) = self.comm {
-            let mut err: c_int = SUCCESS;
-            // SAFETY: a communicator of ours, joining.
-            self.lib.check("ncclCommGetAsyncError", unsafe {
-                (self.lib.comm_get_async_error)(c, &mut err)
-            })?;
-            match err {
-                SUCCESS => self.comm = CommState::Ready(c),
-                IN_PROGRESS => return Ok(None),
-                _ => {
-                    return Ok(self.fail(err, "while its ranks joined"));
-                }
-            }
-        }
-        if let CommState::Building(rx) = &self.comm {
-            match rx.try_recv() {
-                Ok(Ok(c)) => self.comm = CommState::Ready(c as Comm),
-                Ok(Err(r)) => {
-                    self.comm = CommState::None;
-                    return self.lib.check("ncclCommInitRank", r).map(|_| None);
-                }
-                Err(TryRecvError::Empty) => return Ok(None),
-                Err(TryRecvError::Disconnected) => {
-                    return Err(WorkerError::Protocol("the NCCL init thread died".into()))
-                }
-            }
+        if let ControlFlow::Break(r) = self.settle_comm()? {
+            return Ok(r);
         }
         let CommState::Ready(comm) = self.comm else {
             return Ok(None);
@@ -578,104 +711,9 @@ impl Collective for NcclCollective {
             // the group again, so this rank waits for it rather than dying too.
             return Ok(self.fail(err, ""));
         }
-        let dev_err = |what: &'static str| WorkerError::device(what);
         match self.launched {
-            None => {
-                let lib = self.lib;
-                let dev = model.device();
-                let (_, streams) = dev.cuda_handles().expect("checked in new");
-                let copy = streams[Stream::Copy.index()];
-                dev.upload(Stream::Copy, self.weight, &w.to_le_bytes())
-                    .map_err(dev_err("the loss weight to the device"))?;
-                // SAFETY: one f64 on the device that lives as long as this collective.
-                let rc = unsafe {
-                    lib.settled(
-                        comm,
-                        (lib.all_reduce)(
-                            self.weight.ptr as *const c_void,
-                            self.weight.ptr as *mut c_void,
-                            1,
-                            FLOAT64,
-                            SUM,
-                            comm,
-                            copy.cast(),
-                        ),
-                    )
-                };
-                if rc != SUCCESS {
-                    // A communicator that failed (a peer gone) refuses the next call too.
-                    return Ok(self.fail(rc, &format!("queueing step {step}'s all-reduce")));
-                }
-                // Every rank issues the same buckets in the same order (the layout's).
-                let refused = std::cell::Cell::new(SUCCESS);
-                let e = model.reduce_buckets(Stream::Copy, |_, g, r| {
-                    // SAFETY: a range of the gradient and the same range of the reduce
-                    // buffer, both alive as long as the drafter; queued on the copy
-                    // stream behind the event of the backward that finished it.
-                    let rc = unsafe {
-                        lib.settled(
-                            comm,
-                            (lib.all_reduce)(
-                                g.ptr as *const c_void,
-                                r.ptr as *mut c_void,
-                                g.bytes / 4,
-                                FLOAT32,
-                                SUM,
-                                comm,
-                                copy.cast(),
-                            ),
-                        )
-                    };
-                    if rc == SUCCESS {
-                        Ok(())
-                    } else {
-                        refused.set(rc);
-                        let call = "ncclAllReduce of a gradient bucket, NCCL error";
-                        Err(crate::device::GpuError::failed(call)(rc))
-                    }
-                });
-                let e = match e {
-                    Err(_) if refused.get() != SUCCESS => {
-                        return Ok(
-                            self.fail(refused.get(), &format!("queueing step {step}'s all-reduce"))
-                        );
-                    }
-                    r => r.map_err(dev_err("the gradient's all-reduce"))?,
-                };
-                self.launched = Some((Instant::now(), e));
-                Ok(None)
-            }
-            Some((t, e)) => {
-                let dev = model.device();
-                if !dev
-                    .event_done(e)
-                    .map_err(dev_err("the all-reduce's event"))?
-                {
-                    return Ok(None);
-                }
-                // An all-reduce that ended because the communicator failed (a peer gone)
-                // completes its event too: its sums are not sums.
-                let mut err: c_int = SUCCESS;
-                // SAFETY: a live communicator of ours.
-                self.lib.check("ncclCommGetAsyncError", unsafe {
-                    (self.lib.comm_get_async_error)(comm, &mut err)
-                })?;
-                if err != SUCCESS && err != IN_PROGRESS {
-                    return Ok(self.fail(err, &format!("during step {step}'s all-reduce")));
-                }
-                let dev = model.device();
-                let mut b = [0u8; 8];
-                dev.download(Stream::Copy, self.weight.sub(1, 0..8), &mut b)
-                    .map_err(dev_err("the all-reduced loss weight"))?;
-                let d = Reduced {
-                    step,
-                    epoch,
-                    weight_sum: f64::from_le_bytes(b),
-                    ms: t.elapsed().as_secs_f64() * 1e3,
-                };
-                self.done = Some(d);
-                Ok(Some(d))
-            }
+            None => self.launch(model, comm, step, w),
+            Some((t, e)) => self.collect(model, comm, (t, e), (step, epoch)),
         }
     }
 

@@ -7,7 +7,7 @@ use dflash_shared::drafter::StepStats;
 use super::ops::{axpy, Cpu};
 use super::{AttnSaved, Heads, KeySpan};
 use crate::math::exp_neg;
-use crate::models::drafter::{Drafter, Frozen, Sample};
+use crate::models::drafter::{Drafter, Frozen, LayerIdx, Sample};
 
 /// Activations of one layer kept for the backward pass.
 struct LayerSaved {
@@ -161,16 +161,9 @@ impl Drafter {
     ) -> Forward {
         let c = &self.cfg;
         let cpu = &Cpu::new();
-        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
-        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
-        let heads = Heads {
-            q_heads: c.q_heads,
-            kv_heads: c.kv_heads,
-            head_dim: hd,
-        };
+        let (h, bs) = (c.hidden, c.block_size);
         let eps = c.eps as f32;
         let m = anchors.len() * bs;
-        let tk = slen + m;
         let w = |r: &std::ops::Range<usize>| &p[r.clone()];
 
         // Context.
@@ -198,80 +191,19 @@ impl Drafter {
             .collect();
 
         // Layers.
-        let mut saved = Vec::with_capacity(c.layers);
-        for li in &self.layers {
-            let h_in = hcur.clone();
-            let mut x = vec![0f32; m * h];
-            let rstd1 = cpu.rmsnorm(&hcur, w(&li.ln1), &mut x, h, eps);
-            let mut q_pre = vec![0f32; m * qd];
-            cpu.matmul(&x, w(&li.wq), &mut q_pre, m, h, qd);
-            let mut k_pre = vec![0f32; tk * kd];
-            let mut v = vec![0f32; tk * kd];
-            cpu.matmul(&ctx, w(&li.wk), &mut k_pre[..slen * kd], slen, h, kd);
-            cpu.matmul(&x, w(&li.wk), &mut k_pre[slen * kd..], m, h, kd);
-            cpu.matmul(&ctx, w(&li.wv), &mut v[..slen * kd], slen, h, kd);
-            cpu.matmul(&x, w(&li.wv), &mut v[slen * kd..], m, h, kd);
-            let mut q = vec![0f32; m * qd];
-            let q_rstd = cpu.rmsnorm(&q_pre, w(&li.qn), &mut q, hd, eps);
-            let mut k = vec![0f32; tk * kd];
-            let k_rstd = cpu.rmsnorm(&k_pre, w(&li.kn), &mut k, hd, eps);
-            cpu.rope(
-                &mut q,
-                c.q_heads,
-                hd,
-                &block_pos,
-                &self.inv_freq,
-                self.rope_scale,
-                false,
-            );
-            cpu.rope(
-                &mut k,
-                c.kv_heads,
-                hd,
-                &key_pos,
-                &self.inv_freq,
-                self.rope_scale,
-                false,
-            );
-            let mut att = vec![0f32; m * qd];
-            let attn_saved = cpu.attention(&q, &k, &v, &mut att, &spans, heads);
-            let mut o = vec![0f32; m * h];
-            cpu.matmul(&att, w(&li.wo), &mut o, m, qd, h);
-            hcur.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            let h_mid = hcur.clone();
-            let mut x2 = vec![0f32; m * h];
-            let rstd2 = cpu.rmsnorm(&hcur, w(&li.ln2), &mut x2, h, eps);
-            let (mut g, mut u, mut act) = (
-                vec![0f32; m * inter],
-                vec![0f32; m * inter],
-                vec![0f32; m * inter],
-            );
-            cpu.matmul(&x2, w(&li.gate), &mut g, m, h, inter);
-            cpu.matmul(&x2, w(&li.up), &mut u, m, h, inter);
-            cpu.swiglu(&g, &u, &mut act);
-            cpu.matmul(&act, w(&li.down), &mut o, m, inter, h);
-            hcur.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
-            saved.push(LayerSaved {
-                h_in,
-                x,
-                rstd1,
-                q_pre,
-                q_rstd,
-                k_pre,
-                k_rstd,
-                q,
-                k,
-                v,
-                att,
-                attn_saved,
-                h_mid,
-                x2,
-                rstd2,
-                g,
-                u,
-                act,
-            });
-        }
+        let ps = Pass {
+            cpu,
+            p,
+            ctx: &ctx,
+            block_pos: &block_pos,
+            key_pos: &key_pos,
+            spans: &spans,
+        };
+        let saved: Vec<LayerSaved> = self
+            .layers
+            .iter()
+            .map(|li| self.layer_forward(&ps, li, &mut hcur))
+            .collect();
         let norm_r = self.layout.range("norm.weight");
         let mut hn = vec![0f32; m * h];
         let rstd_f = cpu.rmsnorm(&hcur, w(&norm_r), &mut hn, h, eps);
@@ -289,6 +221,115 @@ impl Drafter {
         }
     }
 
+    /// One layer's forward on the residual stream `hcur` (`[block rows, hidden]`,
+    /// updated in place), keeping what the backward needs.
+    fn layer_forward(&self, ps: &Pass, li: &LayerIdx, hcur: &mut [f32]) -> LayerSaved {
+        let c = &self.cfg;
+        let cpu = ps.cpu;
+        let (slen, m, tk) = (ps.slen(), ps.m(), ps.key_pos.len());
+        let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
+        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
+        let eps = c.eps as f32;
+        let w = |r: &std::ops::Range<usize>| &ps.p[r.clone()];
+        let ctx = ps.ctx;
+        let h_in = hcur.to_vec();
+        let mut x = vec![0f32; m * h];
+        let rstd1 = cpu.rmsnorm(hcur, w(&li.ln1), &mut x, h, eps);
+        let mut q_pre = vec![0f32; m * qd];
+        cpu.matmul(&x, w(&li.wq), &mut q_pre, m, h, qd);
+        let mut k_pre = vec![0f32; tk * kd];
+        let mut v = vec![0f32; tk * kd];
+        cpu.matmul(ctx, w(&li.wk), &mut k_pre[..slen * kd], slen, h, kd);
+        cpu.matmul(&x, w(&li.wk), &mut k_pre[slen * kd..], m, h, kd);
+        cpu.matmul(ctx, w(&li.wv), &mut v[..slen * kd], slen, h, kd);
+        cpu.matmul(&x, w(&li.wv), &mut v[slen * kd..], m, h, kd);
+        let mut q = vec![0f32; m * qd];
+        let q_rstd = cpu.rmsnorm(&q_pre, w(&li.qn), &mut q, hd, eps);
+        let mut k = vec![0f32; tk * kd];
+        let k_rstd = cpu.rmsnorm(&k_pre, w(&li.kn), &mut k, hd, eps);
+        self.rope(cpu, &mut q, c.q_heads, ps.block_pos, false);
+        self.rope(cpu, &mut k, c.kv_heads, ps.key_pos, false);
+        let mut att = vec![0f32; m * qd];
+        let attn_saved = cpu.attention(&q, &k, &v, &mut att, ps.spans, self.heads());
+        let mut o = vec![0f32; m * h];
+        cpu.matmul(&att, w(&li.wo), &mut o, m, qd, h);
+        hcur.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        let h_mid = hcur.to_vec();
+        let mut x2 = vec![0f32; m * h];
+        let rstd2 = cpu.rmsnorm(hcur, w(&li.ln2), &mut x2, h, eps);
+        let (mut g, mut u, mut act) = (
+            vec![0f32; m * inter],
+            vec![0f32; m * inter],
+            vec![0f32; m * inter],
+        );
+        cpu.matmul(&x2, w(&li.gate), &mut g, m, h, inter);
+        cpu.matmul(&x2, w(&li.up), &mut u, m, h, inter);
+        cpu.swiglu(&g, &u, &mut act);
+        cpu.matmul(&act, w(&li.down), &mut o, m, inter, h);
+        hcur.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+        LayerSaved {
+            h_in,
+            x,
+            rstd1,
+            q_pre,
+            q_rstd,
+            k_pre,
+            k_rstd,
+            q,
+            k,
+            v,
+            att,
+            attn_saved,
+            h_mid,
+            x2,
+            rstd2,
+            g,
+            u,
+            act,
+        }
+    }
+
+    /// The drafter's attention shape.
+    fn heads(&self) -> Heads {
+        Heads {
+            q_heads: self.cfg.q_heads,
+            kv_heads: self.cfg.kv_heads,
+            head_dim: self.cfg.head_dim,
+        }
+    }
+
+    /// The drafter's rotary embedding on rows of `heads` heads at `positions` (its
+    /// transpose when `inverse`).
+    fn rope(&self, cpu: &Cpu, x: &mut [f32], heads: usize, positions: &[usize], inverse: bool) {
+        let hd = self.cfg.head_dim;
+        cpu.rope(
+            x,
+            heads,
+            hd,
+            positions,
+            &self.inv_freq,
+            self.rope_scale,
+            inverse,
+        );
+    }
+
+    /// Block inputs: [token at anchor, MASK × (bs-1)], embedded with the frozen embedding.
+    fn block_inputs(&self, frozen: &Frozen, s: &Sample, anchors: &[usize]) -> Vec<f32> {
+        let c = &self.cfg;
+        let (h, bs) = (c.hidden, c.block_size);
+        let mut hcur = vec![0f32; anchors.len() * bs * h];
+        for (n, &a) in anchors.iter().enumerate() {
+            for k in 0..bs {
+                let tok = if k == 0 { s.ids[a] } else { c.mask_token_id } as usize;
+                hcur[(n * bs + k) * h..(n * bs + k + 1) * h]
+                    .copy_from_slice(&frozen.embed[tok * h..(tok + 1) * h]);
+            }
+        }
+        hcur
+    }
+
+    /// One sample's forward and loss and, given `grads`, its backward (the gradient of
+    /// `Σ w·CE / total_weight` added into `grads`).
     #[allow(clippy::needless_range_loop)]
     fn sample_step(
         &self,
@@ -301,43 +342,13 @@ impl Drafter {
     ) -> StepStats {
         let c = &self.cfg;
         let cpu = &Cpu::new();
-        let (h, hd, bs, inter) = (c.hidden, c.head_dim, c.block_size, c.intermediate);
-        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
-        let heads = Heads {
-            q_heads: c.q_heads,
-            kv_heads: c.kv_heads,
-            head_dim: hd,
-        };
+        let (h, bs) = (c.hidden, c.block_size);
         let slen = s.ids.len();
         let nb = anchors.len();
         let m = nb * bs;
-        let tk = slen + m;
-        let w = |r: &std::ops::Range<usize>| &p[r.clone()];
 
-        // Block inputs: [token at anchor, MASK × (bs-1)], embedded with the frozen embedding.
-        let mut hcur = vec![0f32; m * h];
-        for (n, &a) in anchors.iter().enumerate() {
-            for k in 0..bs {
-                let tok = if k == 0 { s.ids[a] } else { c.mask_token_id } as usize;
-                hcur[(n * bs + k) * h..(n * bs + k + 1) * h]
-                    .copy_from_slice(&frozen.embed[tok * h..(tok + 1) * h]);
-            }
-        }
-        let Forward {
-            ctx_pre,
-            ctx,
-            ctx_rstd,
-            block_pos,
-            key_pos,
-            spans,
-            saved,
-            h_last: hcur,
-            hn,
-            rstd_f,
-        } = self.forward(p, s.taps, slen, hcur, anchors);
-        let fc = self.layout.range("fc.weight");
-        let hn_r = self.layout.range("hidden_norm.weight");
-        let norm_r = self.layout.range("norm.weight");
+        let hcur = self.block_inputs(frozen, s, anchors);
+        let fw = self.forward(p, s.taps, slen, hcur, anchors);
 
         // Loss over the weighted slots, in vocabulary chunks.
         let mut stats = StepStats {
@@ -359,7 +370,7 @@ impl Drafter {
         for chunk in rows.chunks(256) {
             let res = lm_head_ce(
                 cpu,
-                &hn,
+                &fw.hn,
                 h,
                 &frozen.lm_head,
                 c.vocab,
@@ -385,199 +396,68 @@ impl Drafter {
             stats.accept_sum += 1.0 + run as f64;
             stats.blocks += 1;
         }
-        let Some(grads) = grads else { return stats };
-
-        // Backward.
-        let mut dh = vec![0f32; m * h];
-        {
-            let (pn, gn) = (w(&norm_r), &mut grads[norm_r.clone()]);
-            cpu.rmsnorm_backward(&dhn, &hcur, pn, &rstd_f, &mut dh, Some(gn), h);
+        if let Some(grads) = grads {
+            self.backward(cpu, p, s.taps, &fw, &dhn, grads);
         }
-        let mut dctx = vec![0f32; slen * h];
-        for (li, sv) in self.layers.iter().zip(&saved).rev() {
-            // MLP branch: h_out = h_mid + down(swiglu(gate(x2), up(x2))).
-            let mut dact = vec![0f32; m * inter];
-            cpu.matmul_backward(
-                &dh,
-                &sv.act,
-                w(&li.down),
-                Some(&mut dact),
-                Some(&mut grads[li.down.clone()]),
-                m,
-                inter,
-                h,
-            );
-            let (mut dg, mut du) = (vec![0f32; m * inter], vec![0f32; m * inter]);
-            cpu.swiglu_backward(&dact, &sv.g, &sv.u, &mut dg, &mut du);
-            let mut dx2 = vec![0f32; m * h];
-            cpu.matmul_backward(
-                &dg,
-                &sv.x2,
-                w(&li.gate),
-                Some(&mut dx2),
-                Some(&mut grads[li.gate.clone()]),
-                m,
-                h,
-                inter,
-            );
-            cpu.matmul_backward(
-                &du,
-                &sv.x2,
-                w(&li.up),
-                Some(&mut dx2),
-                Some(&mut grads[li.up.clone()]),
-                m,
-                h,
-                inter,
-            );
-            cpu.rmsnorm_backward(
-                &dx2,
-                &sv.h_mid,
-                w(&li.ln2),
-                &sv.rstd2,
-                &mut dh,
-                Some(&mut grads[li.ln2.clone()]),
-                h,
-            );
-            // Attention branch: h_mid = h_in + o_proj(attention).
-            let mut datt = vec![0f32; m * qd];
-            cpu.matmul_backward(
-                &dh,
-                &sv.att,
-                w(&li.wo),
-                Some(&mut datt),
-                Some(&mut grads[li.wo.clone()]),
-                m,
-                qd,
-                h,
-            );
-            let (mut dq, mut dk, mut dv) =
-                (vec![0f32; m * qd], vec![0f32; tk * kd], vec![0f32; tk * kd]);
-            cpu.attention_backward(
-                &datt,
-                &sv.q,
-                &sv.k,
-                &sv.v,
-                &sv.attn_saved,
-                &spans,
-                heads,
-                &mut dq,
-                &mut dk,
-                &mut dv,
-            );
-            cpu.rope(
-                &mut dq,
-                c.q_heads,
-                hd,
-                &block_pos,
-                &self.inv_freq,
-                self.rope_scale,
-                true,
-            );
-            cpu.rope(
-                &mut dk,
-                c.kv_heads,
-                hd,
-                &key_pos,
-                &self.inv_freq,
-                self.rope_scale,
-                true,
-            );
-            let mut dq_pre = vec![0f32; m * qd];
-            cpu.rmsnorm_backward(
-                &dq,
-                &sv.q_pre,
-                w(&li.qn),
-                &sv.q_rstd,
-                &mut dq_pre,
-                Some(&mut grads[li.qn.clone()]),
-                hd,
-            );
-            let mut dk_pre = vec![0f32; tk * kd];
-            cpu.rmsnorm_backward(
-                &dk,
-                &sv.k_pre,
-                w(&li.kn),
-                &sv.k_rstd,
-                &mut dk_pre,
-                Some(&mut grads[li.kn.clone()]),
-                hd,
-            );
-            let mut dx = vec![0f32; m * h];
-            cpu.matmul_backward(
-                &dq_pre,
-                &sv.x,
-                w(&li.wq),
-                Some(&mut dx),
-                Some(&mut grads[li.wq.clone()]),
-                m,
-                h,
-                qd,
-            );
-            cpu.matmul_backward(
-                &dk_pre[slen * kd..],
-                &sv.x,
-                w(&li.wk),
-                Some(&mut dx),
-                Some(&mut grads[li.wk.clone()]),
-                m,
-                h,
-                kd,
-            );
-            cpu.matmul_backward(
-                &dk_pre[..slen * kd],
-                &ctx,
-                w(&li.wk),
-                Some(&mut dctx),
-                Some(&mut grads[li.wk.clone()]),
-                slen,
-                h,
-                kd,
-            );
-            cpu.matmul_backward(
-                &dv[slen * kd..],
-                &sv.x,
-                w(&li.wv),
-                Some(&mut dx),
-                Some(&mut grads[li.wv.clone()]),
-                m,
-                h,
-                kd,
-            );
-            cpu.matmul_backward(
-                &dv[..slen * kd],
-                &ctx,
-                w(&li.wv),
-                Some(&mut dctx),
-                Some(&mut grads[li.wv.clone()]),
-                slen,
-                h,
-                kd,
-            );
-            cpu.rmsnorm_backward(
-                &dx,
-                &sv.h_in,
-                w(&li.ln1),
-                &sv.rstd1,
-                &mut dh,
-                Some(&mut grads[li.ln1.clone()]),
-                h,
-            );
+        stats
+    }
+
+    /// The backward of one sample from `dhn` (the loss's gradient with respect to the
+    /// final-normed hidden states) through the final norm, every layer in reverse and the
+    /// context projection, added into `grads`.
+    fn backward(
+        &self,
+        cpu: &Cpu,
+        p: &[f32],
+        taps: &[f32],
+        fw: &Forward,
+        dhn: &[f32],
+        grads: &mut [f32],
+    ) {
+        let c = &self.cfg;
+        let h = c.hidden;
+        let slen = fw.ctx.len() / h;
+        let w = |r: &std::ops::Range<usize>| &p[r.clone()];
+        let fc = self.layout.range("fc.weight");
+        let hn_r = self.layout.range("hidden_norm.weight");
+        let norm_r = self.layout.range("norm.weight");
+        let mut b = Back {
+            dh: vec![0f32; dhn.len()],
+            dctx: vec![0f32; slen * h],
+            grads,
+        };
+        {
+            let (pn, gn) = (w(&norm_r), &mut b.grads[norm_r.clone()]);
+            cpu.rmsnorm_backward(dhn, &fw.h_last, pn, &fw.rstd_f, &mut b.dh, Some(gn), h);
+        }
+        let ps = Pass {
+            cpu,
+            p,
+            ctx: &fw.ctx,
+            block_pos: &fw.block_pos,
+            key_pos: &fw.key_pos,
+            spans: &fw.spans,
+        };
+        for (li, sv) in self.layers.iter().zip(&fw.saved).rev() {
+            self.mlp_backward(&ps, li, sv, &mut b);
+            let d = self.attention_backward(&ps, li, sv, &mut b);
+            self.projections_backward(&ps, li, sv, &d, &mut b);
         }
         // The block embeddings are frozen: dh stops here. The context goes back to fc.
+        let grads = b.grads;
         let mut dctx_pre = vec![0f32; slen * h];
         cpu.rmsnorm_backward(
-            &dctx,
-            &ctx_pre,
+            &b.dctx,
+            &fw.ctx_pre,
             w(&hn_r),
-            &ctx_rstd,
+            &fw.ctx_rstd,
             &mut dctx_pre,
             Some(&mut grads[hn_r.clone()]),
             h,
         );
         cpu.matmul_backward(
             &dctx_pre,
-            s.taps,
+            taps,
             w(&fc),
             None,
             Some(&mut grads[fc.clone()]),
@@ -585,8 +465,245 @@ impl Drafter {
             c.n_taps * h,
             h,
         );
-        stats
     }
+
+    /// MLP branch, `h_out = h_mid + down(swiglu(gate(x2), up(x2)))`: `dh` through it (the
+    /// residual's gradient stays in `dh`).
+    fn mlp_backward(&self, ps: &Pass, li: &LayerIdx, sv: &LayerSaved, b: &mut Back) {
+        let c = &self.cfg;
+        let (cpu, m) = (ps.cpu, ps.m());
+        let (h, inter) = (c.hidden, c.intermediate);
+        let w = |r: &std::ops::Range<usize>| &ps.p[r.clone()];
+        let grads = &mut *b.grads;
+        let mut dact = vec![0f32; m * inter];
+        cpu.matmul_backward(
+            &b.dh,
+            &sv.act,
+            w(&li.down),
+            Some(&mut dact),
+            Some(&mut grads[li.down.clone()]),
+            m,
+            inter,
+            h,
+        );
+        let (mut dg, mut du) = (vec![0f32; m * inter], vec![0f32; m * inter]);
+        cpu.swiglu_backward(&dact, &sv.g, &sv.u, &mut dg, &mut du);
+        let mut dx2 = vec![0f32; m * h];
+        cpu.matmul_backward(
+            &dg,
+            &sv.x2,
+            w(&li.gate),
+            Some(&mut dx2),
+            Some(&mut grads[li.gate.clone()]),
+            m,
+            h,
+            inter,
+        );
+        cpu.matmul_backward(
+            &du,
+            &sv.x2,
+            w(&li.up),
+            Some(&mut dx2),
+            Some(&mut grads[li.up.clone()]),
+            m,
+            h,
+            inter,
+        );
+        cpu.rmsnorm_backward(
+            &dx2,
+            &sv.h_mid,
+            w(&li.ln2),
+            &sv.rstd2,
+            &mut b.dh,
+            Some(&mut grads[li.ln2.clone()]),
+            h,
+        );
+    }
+
+    /// Attention branch, `h_mid = h_in + o_proj(attention)`: `dh` through the output
+    /// projection, the attention, the rotary embedding and the per-head q/k norms, to the
+    /// gradients of the projections' outputs.
+    fn attention_backward(
+        &self,
+        ps: &Pass,
+        li: &LayerIdx,
+        sv: &LayerSaved,
+        b: &mut Back,
+    ) -> ProjGrads {
+        let c = &self.cfg;
+        let (cpu, m, tk) = (ps.cpu, ps.m(), ps.key_pos.len());
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
+        let w = |r: &std::ops::Range<usize>| &ps.p[r.clone()];
+        let grads = &mut *b.grads;
+        let mut datt = vec![0f32; m * qd];
+        cpu.matmul_backward(
+            &b.dh,
+            &sv.att,
+            w(&li.wo),
+            Some(&mut datt),
+            Some(&mut grads[li.wo.clone()]),
+            m,
+            qd,
+            h,
+        );
+        let (mut dq, mut dk, mut dv) =
+            (vec![0f32; m * qd], vec![0f32; tk * kd], vec![0f32; tk * kd]);
+        cpu.attention_backward(
+            &datt,
+            &sv.q,
+            &sv.k,
+            &sv.v,
+            &sv.attn_saved,
+            ps.spans,
+            self.heads(),
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        );
+        self.rope(cpu, &mut dq, c.q_heads, ps.block_pos, true);
+        self.rope(cpu, &mut dk, c.kv_heads, ps.key_pos, true);
+        let mut dq_pre = vec![0f32; m * qd];
+        cpu.rmsnorm_backward(
+            &dq,
+            &sv.q_pre,
+            w(&li.qn),
+            &sv.q_rstd,
+            &mut dq_pre,
+            Some(&mut grads[li.qn.clone()]),
+            hd,
+        );
+        let mut dk_pre = vec![0f32; tk * kd];
+        cpu.rmsnorm_backward(
+            &dk,
+            &sv.k_pre,
+            w(&li.kn),
+            &sv.k_rstd,
+            &mut dk_pre,
+            Some(&mut grads[li.kn.clone()]),
+            hd,
+        );
+        ProjGrads { dq_pre, dk_pre, dv }
+    }
+
+    /// The projections' gradients `d` through wq, wk and wv (the block rows' share into
+    /// `dx`, the context's into `dctx`), then `dx` through ln1 into `dh`.
+    fn projections_backward(
+        &self,
+        ps: &Pass,
+        li: &LayerIdx,
+        sv: &LayerSaved,
+        d: &ProjGrads,
+        b: &mut Back,
+    ) {
+        let c = &self.cfg;
+        let (cpu, slen, m) = (ps.cpu, ps.slen(), ps.m());
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
+        let w = |r: &std::ops::Range<usize>| &ps.p[r.clone()];
+        let (grads, dctx) = (&mut *b.grads, &mut b.dctx);
+        let ProjGrads { dq_pre, dk_pre, dv } = d;
+        let mut dx = vec![0f32; m * h];
+        cpu.matmul_backward(
+            dq_pre,
+            &sv.x,
+            w(&li.wq),
+            Some(&mut dx),
+            Some(&mut grads[li.wq.clone()]),
+            m,
+            h,
+            qd,
+        );
+        cpu.matmul_backward(
+            &dk_pre[slen * kd..],
+            &sv.x,
+            w(&li.wk),
+            Some(&mut dx),
+            Some(&mut grads[li.wk.clone()]),
+            m,
+            h,
+            kd,
+        );
+        cpu.matmul_backward(
+            &dk_pre[..slen * kd],
+            ps.ctx,
+            w(&li.wk),
+            Some(dctx),
+            Some(&mut grads[li.wk.clone()]),
+            slen,
+            h,
+            kd,
+        );
+        cpu.matmul_backward(
+            &dv[slen * kd..],
+            &sv.x,
+            w(&li.wv),
+            Some(&mut dx),
+            Some(&mut grads[li.wv.clone()]),
+            m,
+            h,
+            kd,
+        );
+        cpu.matmul_backward(
+            &dv[..slen * kd],
+            ps.ctx,
+            w(&li.wv),
+            Some(dctx),
+            Some(&mut grads[li.wv.clone()]),
+            slen,
+            h,
+            kd,
+        );
+        cpu.rmsnorm_backward(
+            &dx,
+            &sv.h_in,
+            w(&li.ln1),
+            &sv.rstd1,
+            &mut b.dh,
+            Some(&mut grads[li.ln1.clone()]),
+            h,
+        );
+    }
+}
+
+/// What every layer of one sample reads: the reference ops, the parameters, the
+/// context (after its norm), the block rows' and keys' positions and the keys each block
+/// row sees.
+struct Pass<'a> {
+    cpu: &'a Cpu,
+    p: &'a [f32],
+    ctx: &'a [f32],
+    block_pos: &'a [usize],
+    key_pos: &'a [usize],
+    spans: &'a [KeySpan],
+}
+
+impl Pass<'_> {
+    /// Context positions.
+    fn slen(&self) -> usize {
+        self.key_pos.len() - self.block_pos.len()
+    }
+
+    /// Block rows.
+    fn m(&self) -> usize {
+        self.block_pos.len()
+    }
+}
+
+/// The gradients flowing back through one sample's layers: the residual stream's, the
+/// context's, and the parameters' (added into).
+struct Back<'g> {
+    dh: Vec<f32>,
+    dctx: Vec<f32>,
+    grads: &'g mut [f32],
+}
+
+/// The gradients of a layer's q (before its norm), k (before its norm) and v, each over
+/// the context then the block rows for k and v.
+struct ProjGrads {
+    dq_pre: Vec<f32>,
+    dk_pre: Vec<f32>,
+    dv: Vec<f32>,
 }
 
 /// Cross-entropy of `rows` (row index into `hn`, label, weight) through the frozen

@@ -258,9 +258,7 @@ impl Cpu {
         spans: &[KeySpan],
         h: Heads,
     ) -> AttnSaved {
-        let (hd, qw, kw) = (h.head_dim, h.q_heads * h.head_dim, h.kv_heads * h.head_dim);
-        let group = h.q_heads / h.kv_heads;
-        let scale = 1.0 / (hd as f32).sqrt();
+        let qw = h.q_heads * h.head_dim;
         let mut offsets = Vec::with_capacity(spans.len() * h.q_heads);
         let mut total = 0;
         for s in spans {
@@ -271,20 +269,9 @@ impl Cpu {
         }
         let mut probs = vec![0f32; total];
         out.fill(0.0);
-        // Tiles of consecutive query rows that share their second key range (a causal
-        // sequence: any 64 rows; a DFlash block: its own rows). Each (tile, head) is two
-        // GEMMs over the union of the tile's keys, with the keys a row may not see masked.
-        let mut tiles = Vec::new();
-        let mut lo = 0;
-        while lo < spans.len() {
-            let mut hi = lo + 1;
-            while hi < spans.len() && hi - lo < 64 && spans[hi].b == spans[lo].b {
-                hi += 1;
-            }
-            tiles.push(lo..hi);
-            lo = hi;
-        }
-        let jobs: Vec<(std::ops::Range<usize>, usize)> = tiles
+        // Each (tile, head) is two GEMMs over the union of the tile's keys, with the keys a
+        // row may not see masked.
+        let jobs: Vec<(std::ops::Range<usize>, usize)> = query_tiles(spans)
             .iter()
             .flat_map(|t| (0..h.q_heads).map(move |hh| (t.clone(), hh)))
             .collect();
@@ -296,6 +283,14 @@ impl Cpu {
         } else {
             self.threads.min(jobs.len()).max(1)
         };
+        let a = AttnJobs {
+            q,
+            k,
+            v,
+            spans,
+            h,
+            offsets: &offsets,
+        };
         let next = std::sync::atomic::AtomicUsize::new(0);
         let run = || {
             let (outp, probsp) = (&outp, &probsp);
@@ -305,138 +300,9 @@ impl Cpu {
                 let Some((tile, head)) = jobs.get(j) else {
                     break;
                 };
-                let kvh = head / group;
-                let rows = tile.len();
-                let a_lo = spans[tile.clone()]
-                    .iter()
-                    .map(|s| s.a.start)
-                    .min()
-                    .unwrap_or(0);
-                let a_hi = spans[tile.clone()]
-                    .iter()
-                    .map(|s| s.a.end)
-                    .max()
-                    .unwrap_or(0)
-                    .max(a_lo);
-                let b = spans[tile.start].b.clone();
-                let ka = a_hi - a_lo;
-                let nk = ka + b.len();
-                if nk == 0 {
-                    continue;
-                }
-                sc.clear();
-                sc.resize(rows * nk, 0.0);
-                let qp = q[tile.start * qw + head * hd..].as_ptr();
-                // S[rows, nk] = Q[rows, hd] · K[keys, hd]ᵀ (two key ranges side by side)
-                unsafe {
-                    sgemm(
-                        gemm::Parallelism::None,
-                        rows,
-                        ka,
-                        hd,
-                        sc.as_mut_ptr(),
-                        nk,
-                        1,
-                        false,
-                        qp,
-                        qw,
-                        1,
-                        k[a_lo * kw + kvh * hd..].as_ptr(),
-                        1,
-                        kw as isize,
-                    );
-                    if !b.is_empty() {
-                        sgemm(
-                            gemm::Parallelism::None,
-                            rows,
-                            b.len(),
-                            hd,
-                            sc.as_mut_ptr().add(ka),
-                            nk,
-                            1,
-                            false,
-                            qp,
-                            qw,
-                            1,
-                            k[b.start * kw + kvh * hd..].as_ptr(),
-                            1,
-                            kw as isize,
-                        );
-                    }
-                }
-                for (r, srow) in sc.chunks_exact_mut(nk).enumerate() {
-                    let span = &spans[tile.start + r];
-                    let mut max = f32::NEG_INFINITY;
-                    for (c, sv) in srow.iter_mut().enumerate() {
-                        let key = if c < ka { a_lo + c } else { b.start + c - ka };
-                        let allowed = if c < ka { span.a.contains(&key) } else { true };
-                        if allowed {
-                            *sv *= scale;
-                            max = max.max(*sv);
-                        } else {
-                            *sv = f32::NEG_INFINITY;
-                        }
-                    }
-                    // Masked keys hold −∞ and become 0; a row with no key at all stays 0.
-                    if max == f32::NEG_INFINITY {
-                        srow.fill(0.0);
-                    } else {
-                        srow.iter_mut()
-                            .for_each(|sv| *sv = crate::math::exp_neg(*sv - max));
-                        let sum: f32 = srow.iter().sum();
-                        let inv = 1.0 / sum;
-                        srow.iter_mut().for_each(|sv| *sv *= inv);
-                    }
-                    // This row's probabilities over its own keys, in KeySpan::keys order.
-                    let off = offsets[(tile.start + r) * h.q_heads + head];
-                    let dst =
-                        unsafe { std::slice::from_raw_parts_mut(probsp.0.add(off), span.len()) };
-                    for (i, d) in dst.iter_mut().enumerate() {
-                        *d = if i < span.a.len() {
-                            srow[span.a.start + i - a_lo]
-                        } else {
-                            srow[ka + span.b.start + i - span.a.len() - b.start]
-                        };
-                    }
-                }
-                // O[rows, hd] = P[rows, nk] · V[keys, hd]
-                unsafe {
-                    let op = outp.0.add(tile.start * qw + head * hd);
-                    sgemm(
-                        gemm::Parallelism::None,
-                        rows,
-                        hd,
-                        ka,
-                        op,
-                        qw,
-                        1,
-                        false,
-                        sc.as_ptr(),
-                        nk,
-                        1,
-                        v[a_lo * kw + kvh * hd..].as_ptr(),
-                        kw as isize,
-                        1,
-                    );
-                    if !b.is_empty() {
-                        sgemm(
-                            gemm::Parallelism::None,
-                            rows,
-                            hd,
-                            b.len(),
-                            op,
-                            qw,
-                            1,
-                            ka > 0,
-                            sc.as_ptr().add(ka),
-                            nk,
-                            1,
-                            v[b.start * kw + kvh * hd..].as_ptr(),
-                            kw as isize,
-                            1,
-                        );
-                    }
-                }
+                // SAFETY: `out` and `probs` outlive the jobs, and each job writes only its
+                // own rows' head of `out` and their probabilities for that head.
+                unsafe { a.tile_head(a.keys(tile.clone(), *head), &mut sc, outp.0, probsp.0) };
             }
         };
         if threads <= 1 {
@@ -507,6 +373,225 @@ impl Cpu {
                         &mut dk[kj * kw + kvh * hd..kj * kw + (kvh + 1) * hd],
                     );
                 }
+            }
+        }
+    }
+}
+
+/// Tiles of consecutive query rows that share their second key range (a causal sequence:
+/// any 64 rows; a DFlash block: its own rows).
+fn query_tiles(spans: &[KeySpan]) -> Vec<std::ops::Range<usize>> {
+    let mut tiles = Vec::new();
+    let mut lo = 0;
+    while lo < spans.len() {
+        let mut hi = lo + 1;
+        while hi < spans.len() && hi - lo < 64 && spans[hi].b == spans[lo].b {
+            hi += 1;
+        }
+        tiles.push(lo..hi);
+        lo = hi;
+    }
+    tiles
+}
+
+/// The keys of one (tile, head) job of [`Cpu::attention`]: the union `a_lo..a_lo + ka`
+/// of the tile's rows' first key ranges and their shared second range `b`, side by side
+/// as the `nk` columns of the tile's scores.
+struct TileKeys {
+    tile: std::ops::Range<usize>,
+    head: usize,
+    kvh: usize,
+    a_lo: usize,
+    ka: usize,
+    b: std::ops::Range<usize>,
+    nk: usize,
+}
+
+/// The operands of one [`Cpu::attention`], which its (tile, head) jobs share, and where
+/// each (query row, head)'s probabilities start.
+struct AttnJobs<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    spans: &'a [KeySpan],
+    h: Heads,
+    offsets: &'a [usize],
+}
+
+impl AttnJobs<'_> {
+    /// Head dimension, and the widths of a q row and a k/v row.
+    fn widths(&self) -> (usize, usize, usize) {
+        let h = self.h;
+        (h.head_dim, h.q_heads * h.head_dim, h.kv_heads * h.head_dim)
+    }
+
+    /// The keys the rows of `tile` see, for query head `head`.
+    fn keys(&self, tile: std::ops::Range<usize>, head: usize) -> TileKeys {
+        let group = self.h.q_heads / self.h.kv_heads;
+        let spans = &self.spans[tile.clone()];
+        let a_lo = spans.iter().map(|s| s.a.start).min().unwrap_or(0);
+        let a_hi = spans.iter().map(|s| s.a.end).max().unwrap_or(0).max(a_lo);
+        let b = self.spans[tile.start].b.clone();
+        let ka = a_hi - a_lo;
+        TileKeys {
+            nk: ka + b.len(),
+            tile,
+            head,
+            kvh: head / group,
+            a_lo,
+            ka,
+            b,
+        }
+    }
+
+    /// One job: the tile's scores, their masked softmax (kept in `probs`), and the
+    /// tile's rows of this head of `out`; `sc` is scratch.
+    ///
+    /// # Safety
+    /// `out` and `probs` are the call's output and probabilities, and no other job writes
+    /// this tile's rows of this head.
+    unsafe fn tile_head(&self, t: TileKeys, sc: &mut Vec<f32>, out: *mut f32, probs: *mut f32) {
+        if t.nk == 0 {
+            return;
+        }
+        sc.clear();
+        sc.resize(t.tile.len() * t.nk, 0.0);
+        self.scores(&t, sc);
+        unsafe {
+            self.softmax(&t, sc, probs);
+            self.values(&t, sc, out);
+        }
+    }
+
+    /// `S[rows, nk] = Q[rows, hd] · K[keys, hd]ᵀ` (the two key ranges side by side).
+    fn scores(&self, t: &TileKeys, sc: &mut [f32]) {
+        let (hd, qw, kw) = self.widths();
+        let (rows, ka, nk, kvh, b) = (t.tile.len(), t.ka, t.nk, t.kvh, &t.b);
+        let qp = self.q[t.tile.start * qw + t.head * hd..].as_ptr();
+        unsafe {
+            sgemm(
+                gemm::Parallelism::None,
+                rows,
+                ka,
+                hd,
+                sc.as_mut_ptr(),
+                nk,
+                1,
+                false,
+                qp,
+                qw,
+                1,
+                self.k[t.a_lo * kw + kvh * hd..].as_ptr(),
+                1,
+                kw as isize,
+            );
+            if !b.is_empty() {
+                sgemm(
+                    gemm::Parallelism::None,
+                    rows,
+                    b.len(),
+                    hd,
+                    sc.as_mut_ptr().add(ka),
+                    nk,
+                    1,
+                    false,
+                    qp,
+                    qw,
+                    1,
+                    self.k[b.start * kw + kvh * hd..].as_ptr(),
+                    1,
+                    kw as isize,
+                );
+            }
+        }
+    }
+
+    /// Each row of the scores scaled, with the keys of the first range it may not see
+    /// masked, and softmaxed in place; then copied into `probs` over the row's own keys.
+    ///
+    /// # Safety
+    /// As [`tile_head`](Self::tile_head) for `probs`.
+    unsafe fn softmax(&self, t: &TileKeys, sc: &mut [f32], probs: *mut f32) {
+        let scale = 1.0 / (self.h.head_dim as f32).sqrt();
+        let (ka, a_lo, b) = (t.ka, t.a_lo, &t.b);
+        for (r, srow) in sc.chunks_exact_mut(t.nk).enumerate() {
+            let span = &self.spans[t.tile.start + r];
+            let mut max = f32::NEG_INFINITY;
+            for (c, sv) in srow.iter_mut().enumerate() {
+                let key = if c < ka { a_lo + c } else { b.start + c - ka };
+                let allowed = if c < ka { span.a.contains(&key) } else { true };
+                if allowed {
+                    *sv *= scale;
+                    max = max.max(*sv);
+                } else {
+                    *sv = f32::NEG_INFINITY;
+                }
+            }
+            // Masked keys hold −∞ and become 0; a row with no key at all stays 0.
+            if max == f32::NEG_INFINITY {
+                srow.fill(0.0);
+            } else {
+                srow.iter_mut()
+                    .for_each(|sv| *sv = crate::math::exp_neg(*sv - max));
+                let sum: f32 = srow.iter().sum();
+                let inv = 1.0 / sum;
+                srow.iter_mut().for_each(|sv| *sv *= inv);
+            }
+            // This row's probabilities over its own keys, in KeySpan::keys order.
+            let off = self.offsets[(t.tile.start + r) * self.h.q_heads + t.head];
+            let dst = unsafe { std::slice::from_raw_parts_mut(probs.add(off), span.len()) };
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = if i < span.a.len() {
+                    srow[span.a.start + i - a_lo]
+                } else {
+                    srow[ka + span.b.start + i - span.a.len() - b.start]
+                };
+            }
+        }
+    }
+
+    /// `O[rows, hd] = P[rows, nk] · V[keys, hd]` into the tile's rows of this head.
+    ///
+    /// # Safety
+    /// As [`tile_head`](Self::tile_head) for `out`.
+    unsafe fn values(&self, t: &TileKeys, sc: &[f32], out: *mut f32) {
+        let (hd, qw, kw) = self.widths();
+        let (rows, ka, nk, kvh, b) = (t.tile.len(), t.ka, t.nk, t.kvh, &t.b);
+        unsafe {
+            let op = out.add(t.tile.start * qw + t.head * hd);
+            sgemm(
+                gemm::Parallelism::None,
+                rows,
+                hd,
+                ka,
+                op,
+                qw,
+                1,
+                false,
+                sc.as_ptr(),
+                nk,
+                1,
+                self.v[t.a_lo * kw + kvh * hd..].as_ptr(),
+                kw as isize,
+                1,
+            );
+            if !b.is_empty() {
+                sgemm(
+                    gemm::Parallelism::None,
+                    rows,
+                    hd,
+                    b.len(),
+                    op,
+                    qw,
+                    1,
+                    ka > 0,
+                    sc.as_ptr().add(ka),
+                    nk,
+                    1,
+                    self.v[b.start * kw + kvh * hd..].as_ptr(),
+                    kw as isize,
+                    1,
+                );
             }
         }
     }

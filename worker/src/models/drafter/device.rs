@@ -9,13 +9,13 @@
 //! The attention is the fused span kernel, which recomputes the probabilities from the
 //! saved log-sum-exp instead of storing them.
 
-use dflash_shared::drafter::StepStats;
+use dflash_shared::drafter::{DrafterConfig, StepStats};
 
 use crate::device::ops::Ops;
 use crate::device::{
     f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, DSlice, Device, GpuError, Result, Stream,
 };
-use crate::models::drafter::{Drafter, Frozen, Sample};
+use crate::models::drafter::{Drafter, Frozen, LayerIdx, Sample};
 
 /// Vocabulary columns per cross-entropy chunk.
 const CHUNK: usize = 4096;
@@ -101,6 +101,8 @@ struct Locals {
     qh: usize,
     kvh: usize,
     eps: f32,
+    n_taps: usize,
+    vocab: usize,
     slen: usize,
     nb: usize,
     m: usize,
@@ -124,6 +126,12 @@ struct Locals {
     spans_d: DSlice,
     hn: DSlice,
     rstd_f: DSlice,
+    /// The block rows' positions and every key's (the context's, then the block rows'),
+    /// and the rotary frequencies and scale.
+    block_pos: DSlice,
+    key_pos: DSlice,
+    inv_freq: DSlice,
+    rope_scale: f32,
 }
 
 impl Locals {
@@ -156,6 +164,567 @@ impl Locals {
     }
 }
 
+/// One sample's pass on the device: the ops, the sample's [`Locals`] and the work
+/// buffers. A layer's forward and backward, and the loss's chunks, are its methods.
+struct Pass<'a> {
+    ops: &'a mut Ops,
+    lc: Locals,
+    w: &'a Work,
+}
+
+impl Pass<'_> {
+    /// A layer's attention inputs: `h_in` kept, `x = ln1(h)`, then q from the block rows
+    /// and k, v from the context followed by the block rows.
+    fn projections(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            qd,
+            kd,
+            eps,
+            slen,
+            m,
+            tk,
+            pw,
+            mx,
+            ctx,
+            hcur,
+            ..
+        } = lc;
+        let ops = &mut *self.ops;
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let (h_in, x, q_pre) = (
+            sv.h_in.f32s(0..m * h),
+            sv.x.f32s(0..m * h),
+            sv.q_pre.f32s(0..m * qd),
+        );
+        let (k_pre, v) = (sv.k_pre.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
+        ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
+        ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
+        mx.mm(ops, x, lc.pp(&li.wq), q_pre, m, h, qd)?;
+        mx.mm(
+            ops,
+            ctx,
+            lc.pp(&li.wk),
+            k_pre.f32s(0..slen * kd),
+            slen,
+            h,
+            kd,
+        )?;
+        mx.mm(
+            ops,
+            x,
+            lc.pp(&li.wk),
+            k_pre.f32s(slen * kd..tk * kd),
+            m,
+            h,
+            kd,
+        )?;
+        mx.mm(ops, ctx, lc.pp(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
+        mx.mm(ops, x, lc.pp(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)
+    }
+
+    /// q and k RMS-normed per head, then rotated (q at the block positions, k at the key
+    /// positions).
+    fn qk_norm_rope(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let Locals {
+            hd,
+            qd,
+            kd,
+            qh,
+            kvh,
+            eps,
+            m,
+            tk,
+            pw,
+            block_pos,
+            key_pos,
+            inv_freq,
+            rope_scale,
+            ..
+        } = self.lc;
+        let ops = &mut *self.ops;
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let (q, k) = (sv.q.f32s(0..m * qd), sv.k.f32s(0..tk * kd));
+        ops.rmsnorm(
+            sv.q_pre.f32s(0..m * qd),
+            p(&li.qn),
+            q,
+            sv.q_rstd.f32s(0..m * qh),
+            m * qh,
+            hd,
+            eps,
+        )?;
+        ops.rmsnorm(
+            sv.k_pre.f32s(0..tk * kd),
+            p(&li.kn),
+            k,
+            sv.k_rstd.f32s(0..tk * kvh),
+            tk * kvh,
+            hd,
+            eps,
+        )?;
+        ops.rope(q, block_pos, inv_freq, m, qh, hd, rope_scale, false)?;
+        ops.rope(k, key_pos, inv_freq, tk, kvh, hd, rope_scale, false)
+    }
+
+    /// The span attention, its output projection added into `h`.
+    fn attend(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            hd,
+            qd,
+            kd,
+            qh,
+            kvh,
+            m,
+            tk,
+            mx,
+            hcur,
+            o,
+            spans_d,
+            ..
+        } = lc;
+        let ops = &mut *self.ops;
+        let att = sv.att.f32s(0..m * qd);
+        ops.attention(
+            sv.q.f32s(0..m * qd),
+            sv.k.f32s(0..tk * kd),
+            sv.v.f32s(0..tk * kd),
+            att,
+            sv.lse.f32s(0..m * qh),
+            spans_d,
+            m,
+            qh,
+            kvh,
+            hd,
+        )?;
+        mx.mm(ops, att, lc.pp(&li.wo), o, m, qd, h)?;
+        ops.add(hcur, o)
+    }
+
+    /// The MLP half of a layer: `h_mid` kept, `h += down(swiglu(gate(x2), up(x2)))` with
+    /// `x2 = ln2(h)`.
+    fn mlp(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            inter,
+            eps,
+            m,
+            pw,
+            mx,
+            hcur,
+            o,
+            ..
+        } = lc;
+        let ops = &mut *self.ops;
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let h_mid = sv.h_mid.f32s(0..m * h);
+        ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
+        let x2 = sv.x2.f32s(0..m * h);
+        ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
+        let (g, u, act) = (
+            sv.g.f32s(0..m * inter),
+            sv.u.f32s(0..m * inter),
+            sv.act.f32s(0..m * inter),
+        );
+        mx.mm(ops, x2, lc.pp(&li.gate), g, m, h, inter)?;
+        mx.mm(ops, x2, lc.pp(&li.up), u, m, h, inter)?;
+        ops.swiglu(g, u, act)?;
+        mx.mm(ops, act, lc.pp(&li.down), o, m, inter, h)?;
+        ops.add(hcur, o)
+    }
+
+    /// The supervised rows on the device (their indices, labels and loss scales), and
+    /// their final hidden states gathered into `xrows`.
+    fn ce_rows(&mut self, rows: &[(usize, u32, f64)], denominator: f64) -> Result<()> {
+        let Locals { h, m, hn, .. } = self.lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let n = rows.len();
+        let idx: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
+        let labels: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
+        let scale: Vec<f32> = rows.iter().map(|r| (r.2 / denominator) as f32).collect();
+        ops.dev.upload(Stream::Compute, w.rows, u32_bytes(&idx))?;
+        ops.dev
+            .upload(Stream::Compute, w.labels, i32_bytes(&labels))?;
+        ops.dev
+            .upload(Stream::Compute, w.scale, f32_bytes(&scale))?;
+        ops.embed(w.xrows.f32s(0..n * h), hn, w.rows.f32s(0..n), n, h, m)
+    }
+
+    /// The softmax statistics of the supervised rows over the vocabulary, a chunk of
+    /// logits at a time, folded into the loss, the slots' counts and whether each row's
+    /// argmax is its label (`correct`).
+    fn ce_stats(
+        &mut self,
+        rows: &[(usize, u32, f64)],
+        stats: &mut StepStats,
+        correct: &mut [bool],
+    ) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h, bs, vocab, mx, ..
+        } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let n = rows.len();
+        let (xr, labels_d) = (w.xrows.f32s(0..n * h), w.labels.f32s(0..n));
+        let [rmax, sm, bv, bi, ll] = w.ce.map(|b| b.f32s(0..n));
+        ops.dev.upload(
+            Stream::Compute,
+            rmax,
+            f32_bytes(&vec![f32::NEG_INFINITY; n]),
+        )?;
+        ops.dev.memset_zero(Stream::Compute, sm)?;
+        ops.dev
+            .upload(Stream::Compute, bv, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
+        ops.dev.memset_zero(Stream::Compute, bi)?;
+        ops.dev.memset_zero(Stream::Compute, ll)?;
+        for start in (0..vocab).step_by(CHUNK) {
+            let cw = CHUNK.min(vocab - start);
+            let l = w.logits.f32s(0..n * cw);
+            mx.mm(ops, xr, lc.lmw(start, cw), l, n, h, cw)?;
+            ops.ce_chunk_stats(rmax, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
+        }
+        let (mut vmax, mut vsum, mut vll, mut vbi) =
+            (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        ops.dev
+            .download(Stream::Compute, rmax, f32_bytes_mut(&mut vmax))?;
+        ops.dev
+            .download(Stream::Compute, sm, f32_bytes_mut(&mut vsum))?;
+        ops.dev
+            .download(Stream::Compute, ll, f32_bytes_mut(&mut vll))?;
+        ops.dev
+            .download(Stream::Compute, bi, f32_bytes_mut(&mut vbi))?;
+        for (r, &(i, label, wgt)) in rows.iter().enumerate() {
+            let ce = vmax[r] as f64 + (vsum[r] as f64).ln() - vll[r] as f64;
+            let ok = vbi[r].to_bits() as i32 == label as i32;
+            stats.loss_sum += wgt * ce;
+            stats.weight_sum += wgt;
+            correct[i] = ok;
+            stats.slot_total[i % bs] += 1;
+            stats.slot_correct[i % bs] += ok as u64;
+        }
+        Ok(())
+    }
+
+    /// dCE/dhn of the `n` supervised rows: each chunk's logits again, their gradient, then
+    /// `dxrows += g · W`.
+    fn ce_grad(&mut self, n: usize) -> Result<()> {
+        let lc = self.lc;
+        let Locals { h, vocab, mx, .. } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let (xr, labels_d, scale_d) = (
+            w.xrows.f32s(0..n * h),
+            w.labels.f32s(0..n),
+            w.scale.f32s(0..n),
+        );
+        let [rmax, sm, ..] = w.ce.map(|b| b.f32s(0..n));
+        let dxr = w.dxrows.f32s(0..n * h);
+        ops.dev.memset_zero(Stream::Compute, dxr)?;
+        for start in (0..vocab).step_by(CHUNK) {
+            let cw = CHUNK.min(vocab - start);
+            let l = w.logits.f32s(0..n * cw);
+            let lm = lc.lmw(start, cw);
+            mx.mm(ops, xr, lm, l, n, h, cw)?;
+            ops.ce_chunk_grad(l, rmax, sm, labels_d, scale_d, n, cw, start)?;
+            mx.mm_back(ops, l, xr, lm, Some(dxr), None, n, h, cw)?;
+        }
+        Ok(())
+    }
+
+    /// Backward of [`mlp`](Self::mlp): `dh` through down, the SwiGLU, gate and up and
+    /// ln2 (the residual's gradient stays in `dh`).
+    fn mlp_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            inter,
+            m,
+            pw,
+            gw,
+            mx,
+            ..
+        } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+        let dh = w.dh.f32s(0..m * h);
+        let (x2, h_mid) = (sv.x2.f32s(0..m * h), sv.h_mid.f32s(0..m * h));
+        let (gt, u, act) = (
+            sv.g.f32s(0..m * inter),
+            sv.u.f32s(0..m * inter),
+            sv.act.f32s(0..m * inter),
+        );
+        let (dact, dg, du) = (
+            w.dact.f32s(0..m * inter),
+            w.dg.f32s(0..m * inter),
+            w.du.f32s(0..m * inter),
+        );
+        let (dx2, dx) = (w.dx2.f32s(0..m * h), w.dx.f32s(0..m * h));
+        for b in [dact, dg, du, dx2, dx] {
+            ops.dev.memset_zero(Stream::Compute, b)?;
+        }
+        mx.mm_back(
+            ops,
+            dh,
+            act,
+            lc.pp(&li.down),
+            Some(dact),
+            Some(gr(&li.down)),
+            m,
+            inter,
+            h,
+        )?;
+        ops.swiglu_backward(dact, gt, u, dg, du)?;
+        mx.mm_back(
+            ops,
+            dg,
+            x2,
+            lc.pp(&li.gate),
+            Some(dx2),
+            Some(gr(&li.gate)),
+            m,
+            h,
+            inter,
+        )?;
+        mx.mm_back(
+            ops,
+            du,
+            x2,
+            lc.pp(&li.up),
+            Some(dx2),
+            Some(gr(&li.up)),
+            m,
+            h,
+            inter,
+        )?;
+        ops.rmsnorm_backward(
+            dx2,
+            h_mid,
+            p(&li.ln2),
+            sv.rstd2.f32s(0..m),
+            dh,
+            Some(gr(&li.ln2)),
+            m,
+            h,
+        )
+    }
+
+    /// Backward of [`attend`](Self::attend): `dh` through the output projection and the
+    /// span attention into `dq`, `dk` and `dv`.
+    fn attend_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            hd,
+            qd,
+            kd,
+            qh,
+            kvh,
+            m,
+            tk,
+            gw,
+            mx,
+            spans_d,
+            ..
+        } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+        let dh = w.dh.f32s(0..m * h);
+        let (datt, dq, dk, dv) = (
+            w.datt.f32s(0..m * qd),
+            w.dq.f32s(0..m * qd),
+            w.dk.f32s(0..tk * kd),
+            w.dv.f32s(0..tk * kd),
+        );
+        let (dq_pre, dk_pre) = (w.dq_pre.f32s(0..m * qd), w.dk_pre.f32s(0..tk * kd));
+        for b in [datt, dq, dk, dv, dq_pre, dk_pre] {
+            ops.dev.memset_zero(Stream::Compute, b)?;
+        }
+        let (att, q, k, v) = (
+            sv.att.f32s(0..m * qd),
+            sv.q.f32s(0..m * qd),
+            sv.k.f32s(0..tk * kd),
+            sv.v.f32s(0..tk * kd),
+        );
+        mx.mm_back(
+            ops,
+            dh,
+            att,
+            lc.pp(&li.wo),
+            Some(datt),
+            Some(gr(&li.wo)),
+            m,
+            qd,
+            h,
+        )?;
+        ops.attention_backward(
+            datt,
+            att,
+            sv.lse.f32s(0..m * qh),
+            q,
+            k,
+            v,
+            spans_d,
+            dq,
+            dk,
+            dv,
+            m,
+            qh,
+            kvh,
+            hd,
+        )
+    }
+
+    /// Backward of [`qk_norm_rope`](Self::qk_norm_rope): `dq` and `dk` rotated back, then
+    /// through the per-head norms into `dq_pre` and `dk_pre`.
+    fn qk_norm_rope_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let Locals {
+            hd,
+            qd,
+            kd,
+            qh,
+            kvh,
+            m,
+            tk,
+            pw,
+            gw,
+            block_pos,
+            key_pos,
+            inv_freq,
+            rope_scale,
+            ..
+        } = self.lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+        let (dq, dk) = (w.dq.f32s(0..m * qd), w.dk.f32s(0..tk * kd));
+        ops.rope(dq, block_pos, inv_freq, m, qh, hd, rope_scale, true)?;
+        ops.rope(dk, key_pos, inv_freq, tk, kvh, hd, rope_scale, true)?;
+        ops.rmsnorm_backward(
+            dq,
+            sv.q_pre.f32s(0..m * qd),
+            p(&li.qn),
+            sv.q_rstd.f32s(0..m * qh),
+            w.dq_pre.f32s(0..m * qd),
+            Some(gr(&li.qn)),
+            m * qh,
+            hd,
+        )?;
+        ops.rmsnorm_backward(
+            dk,
+            sv.k_pre.f32s(0..tk * kd),
+            p(&li.kn),
+            sv.k_rstd.f32s(0..tk * kvh),
+            w.dk_pre.f32s(0..tk * kd),
+            Some(gr(&li.kn)),
+            tk * kvh,
+            hd,
+        )
+    }
+
+    /// Backward of [`projections`](Self::projections): `dq_pre`, `dk_pre` and `dv`
+    /// through wq, wk and wv (the block rows' share into `dx`, the context's into `dctx`),
+    /// then `dx` through ln1 into `dh`.
+    fn projections_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            qd,
+            kd,
+            slen,
+            m,
+            tk,
+            pw,
+            gw,
+            mx,
+            ctx,
+            ..
+        } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+        let (x, h_in) = (sv.x.f32s(0..m * h), sv.h_in.f32s(0..m * h));
+        let (dh, dx, dctx) = (
+            w.dh.f32s(0..m * h),
+            w.dx.f32s(0..m * h),
+            w.dctx.f32s(0..slen * h),
+        );
+        let (dq_pre, dk_pre, dv) = (
+            w.dq_pre.f32s(0..m * qd),
+            w.dk_pre.f32s(0..tk * kd),
+            w.dv.f32s(0..tk * kd),
+        );
+        mx.mm_back(
+            ops,
+            dq_pre,
+            x,
+            lc.pp(&li.wq),
+            Some(dx),
+            Some(gr(&li.wq)),
+            m,
+            h,
+            qd,
+        )?;
+        mx.mm_back(
+            ops,
+            dk_pre.f32s(slen * kd..tk * kd),
+            x,
+            lc.pp(&li.wk),
+            Some(dx),
+            Some(gr(&li.wk)),
+            m,
+            h,
+            kd,
+        )?;
+        mx.mm_back(
+            ops,
+            dk_pre.f32s(0..slen * kd),
+            ctx,
+            lc.pp(&li.wk),
+            Some(dctx),
+            Some(gr(&li.wk)),
+            slen,
+            h,
+            kd,
+        )?;
+        mx.mm_back(
+            ops,
+            dv.f32s(slen * kd..tk * kd),
+            x,
+            lc.pp(&li.wv),
+            Some(dx),
+            Some(gr(&li.wv)),
+            m,
+            h,
+            kd,
+        )?;
+        mx.mm_back(
+            ops,
+            dv.f32s(0..slen * kd),
+            ctx,
+            lc.pp(&li.wv),
+            Some(dctx),
+            Some(gr(&li.wv)),
+            slen,
+            h,
+            kd,
+        )?;
+        ops.rmsnorm_backward(
+            dx,
+            h_in,
+            p(&li.ln1),
+            sv.rstd1.f32s(0..m),
+            dh,
+            Some(gr(&li.ln1)),
+            m,
+            h,
+        )
+    }
+}
+
 /// One sample's sizes: context positions, blocks, block rows, and keys (context + rows).
 #[derive(Debug, Clone, Copy)]
 struct Dims {
@@ -184,6 +753,42 @@ struct Saved {
     g: DSlice,
     u: DSlice,
     act: DSlice,
+}
+
+impl Saved {
+    /// Layer `l`'s activations for `m` block rows and `tk` keys (`f` allocates `n` floats
+    /// by name).
+    fn alloc(
+        f: &mut impl FnMut(usize, &str) -> Result<DSlice>,
+        c: &DrafterConfig,
+        l: usize,
+        m: usize,
+        tk: usize,
+    ) -> Result<Saved> {
+        let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
+        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
+        let mut g = |n: usize, what: &str| f(n, &format!("layer {l} {what}"));
+        Ok(Saved {
+            h_in: g(m * h, "h_in")?,
+            x: g(m * h, "x")?,
+            rstd1: g(m, "rstd1")?,
+            q_pre: g(m * qd, "q_pre")?,
+            q_rstd: g(m * c.q_heads, "q_rstd")?,
+            k_pre: g(tk * kd, "k_pre")?,
+            k_rstd: g(tk * c.kv_heads, "k_rstd")?,
+            q: g(m * qd, "q")?,
+            k: g(tk * kd, "k")?,
+            v: g(tk * kd, "v")?,
+            att: g(m * qd, "att")?,
+            lse: g(m * c.q_heads, "lse")?,
+            h_mid: g(m * h, "h_mid")?,
+            x2: g(m * h, "x2")?,
+            rstd2: g(m, "rstd2")?,
+            g: g(m * inter, "gate")?,
+            u: g(m * inter, "up")?,
+            act: g(m * inter, "act")?,
+        })
+    }
 }
 
 struct Work {
@@ -226,6 +831,66 @@ struct Work {
     dk_pre: DSlice,
     dctx: DSlice,
     dctx_pre: DSlice,
+}
+
+impl Work {
+    /// The work buffers for rows of `s` positions and `m` block rows (`f` allocates `n`
+    /// floats by name).
+    fn alloc(
+        f: &mut impl FnMut(usize, &str) -> Result<DSlice>,
+        c: &DrafterConfig,
+        s: usize,
+        m: usize,
+    ) -> Result<Work> {
+        let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
+        let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
+        let (tk, n_ce, cw) = (s + m, m, CHUNK.min(c.vocab));
+        Ok(Work {
+            taps: f(s * c.n_taps * h, "taps")?,
+            taps16: [
+                f((s * c.n_taps * h).div_ceil(2), "taps bf16 (0)")?,
+                f((s * c.n_taps * h).div_ceil(2), "taps bf16 (1)")?,
+            ],
+            ctx_pre: f(s * h, "ctx_pre")?,
+            ctx: f(s * h, "ctx")?,
+            ctx_rstd: f(s, "ctx_rstd")?,
+            block_ids: f(m, "block ids")?,
+            block_pos: f(m, "block positions")?,
+            key_pos: f(tk, "key positions")?,
+            spans: f(4 * m, "spans")?,
+            hcur: f(m * h, "hcur")?,
+            hn: f(m * h, "hn")?,
+            rstd_f: f(m, "rstd_f")?,
+            o: f(m * h, "o")?,
+            rows: f(n_ce, "ce rows")?,
+            labels: f(n_ce, "ce labels")?,
+            scale: f(n_ce, "ce scale")?,
+            xrows: f(n_ce * h, "ce x")?,
+            dxrows: f(n_ce * h, "ce dx")?,
+            logits: f(n_ce * cw, "ce logits")?,
+            ce: [
+                f(n_ce, "ce max")?,
+                f(n_ce, "ce sum")?,
+                f(n_ce, "ce best")?,
+                f(n_ce, "ce argmax")?,
+                f(n_ce, "ce label logit")?,
+            ],
+            dh: f(m * h, "dh")?,
+            dx: f(m * h, "dx")?,
+            dx2: f(m * h, "dx2")?,
+            dact: f(m * inter, "dact")?,
+            dg: f(m * inter, "dg")?,
+            du: f(m * inter, "du")?,
+            datt: f(m * qd, "datt")?,
+            dq: f(m * qd, "dq")?,
+            dk: f(tk * kd, "dk")?,
+            dv: f(tk * kd, "dv")?,
+            dq_pre: f(m * qd, "dq_pre")?,
+            dk_pre: f(tk * kd, "dk_pre")?,
+            dctx: f(s * h, "dctx")?,
+            dctx_pre: f(s * h, "dctx_pre")?,
+        })
+    }
 }
 
 /// The optimizer on the device: fp32 master weights (`DeviceDrafter::params`) with their Adam
@@ -475,75 +1140,10 @@ impl DeviceDrafter {
             t: f(1, "adam step")?,
             hash: f(2, "weights checksum")?,
         };
-        let mut saved = Vec::new();
-        for l in 0..c.layers {
-            let mut g = |n: usize, what: &str| f(n, &format!("layer {l} {what}"));
-            saved.push(Saved {
-                h_in: g(m * h, "h_in")?,
-                x: g(m * h, "x")?,
-                rstd1: g(m, "rstd1")?,
-                q_pre: g(m * qd, "q_pre")?,
-                q_rstd: g(m * c.q_heads, "q_rstd")?,
-                k_pre: g(tk * kd, "k_pre")?,
-                k_rstd: g(tk * c.kv_heads, "k_rstd")?,
-                q: g(m * qd, "q")?,
-                k: g(tk * kd, "k")?,
-                v: g(tk * kd, "v")?,
-                att: g(m * qd, "att")?,
-                lse: g(m * c.q_heads, "lse")?,
-                h_mid: g(m * h, "h_mid")?,
-                x2: g(m * h, "x2")?,
-                rstd2: g(m, "rstd2")?,
-                g: g(m * inter, "gate")?,
-                u: g(m * inter, "up")?,
-                act: g(m * inter, "act")?,
-            });
-        }
-        let w = Work {
-            taps: f(s * c.n_taps * h, "taps")?,
-            taps16: [
-                f((s * c.n_taps * h).div_ceil(2), "taps bf16 (0)")?,
-                f((s * c.n_taps * h).div_ceil(2), "taps bf16 (1)")?,
-            ],
-            ctx_pre: f(s * h, "ctx_pre")?,
-            ctx: f(s * h, "ctx")?,
-            ctx_rstd: f(s, "ctx_rstd")?,
-            block_ids: f(m, "block ids")?,
-            block_pos: f(m, "block positions")?,
-            key_pos: f(tk, "key positions")?,
-            spans: f(4 * m, "spans")?,
-            hcur: f(m * h, "hcur")?,
-            hn: f(m * h, "hn")?,
-            rstd_f: f(m, "rstd_f")?,
-            o: f(m * h, "o")?,
-            rows: f(n_ce, "ce rows")?,
-            labels: f(n_ce, "ce labels")?,
-            scale: f(n_ce, "ce scale")?,
-            xrows: f(n_ce * h, "ce x")?,
-            dxrows: f(n_ce * h, "ce dx")?,
-            logits: f(n_ce * cw, "ce logits")?,
-            ce: [
-                f(n_ce, "ce max")?,
-                f(n_ce, "ce sum")?,
-                f(n_ce, "ce best")?,
-                f(n_ce, "ce argmax")?,
-                f(n_ce, "ce label logit")?,
-            ],
-            dh: f(m * h, "dh")?,
-            dx: f(m * h, "dx")?,
-            dx2: f(m * h, "dx2")?,
-            dact: f(m * inter, "dact")?,
-            dg: f(m * inter, "dg")?,
-            du: f(m * inter, "du")?,
-            datt: f(m * qd, "datt")?,
-            dq: f(m * qd, "dq")?,
-            dk: f(tk * kd, "dk")?,
-            dv: f(tk * kd, "dv")?,
-            dq_pre: f(m * qd, "dq_pre")?,
-            dk_pre: f(tk * kd, "dk_pre")?,
-            dctx: f(s * h, "dctx")?,
-            dctx_pre: f(s * h, "dctx_pre")?,
-        };
+        let saved = (0..c.layers)
+            .map(|l| Saved::alloc(&mut f, c, l, m, tk))
+            .collect::<Result<Vec<Saved>>>()?;
+        let w = Work::alloc(&mut f, c, s, m)?;
         arena.fill_f32(dv, embed, &frozen.embed, false)?;
         if bf16 {
             arena.fill_f32(dv, lm16, &frozen.lm_head, true)?;
@@ -1010,28 +1610,7 @@ impl DeviceDrafter {
             let order: Vec<usize> = (0..samples.len())
                 .filter(|&i| !anchors[i].is_empty())
                 .collect();
-            if let Some(&i) = order.iter().find(|&&i| samples[i].ids.len() > self.max_len) {
-                return Err(GpuError::Invalid(format!(
-                    "a sample of {} positions; room for {}",
-                    samples[i].ids.len(),
-                    self.max_len
-                )));
-            }
-            if let Some(t16) = taps16 {
-                let row = self.d.cfg.n_taps * self.d.cfg.hidden * 2;
-                if let Some(&i) = order
-                    .iter()
-                    .find(|&&i| t16[i].len() != samples[i].ids.len() * row)
-                {
-                    return Err(GpuError::Invalid(format!(
-                        "{} bytes of bf16 taps for {} positions × {} taps × {}",
-                        t16[i].len(),
-                        samples[i].ids.len(),
-                        self.d.cfg.n_taps,
-                        self.d.cfg.hidden
-                    )));
-                }
-            }
+            self.check_rows(samples, taps16, &order)?;
             // With bf16 rows (from the slot), sample k + 1's taps are copied on the copy
             // stream into the other staging buffer while sample k computes: `loaded[b]`
             // says buffer b holds its sample's taps, `free[b]` that the compute stream has
@@ -1089,6 +1668,39 @@ impl DeviceDrafter {
         Ok(stats)
     }
 
+    /// The samples of `order` fit in the room there is, and each one's bf16 taps (if any)
+    /// are a row of its length.
+    fn check_rows(
+        &self,
+        samples: &[Sample],
+        taps16: Option<&[&[u8]]>,
+        order: &[usize],
+    ) -> Result<()> {
+        if let Some(&i) = order.iter().find(|&&i| samples[i].ids.len() > self.max_len) {
+            return Err(GpuError::Invalid(format!(
+                "a sample of {} positions; room for {}",
+                samples[i].ids.len(),
+                self.max_len
+            )));
+        }
+        if let Some(t16) = taps16 {
+            let row = self.d.cfg.n_taps * self.d.cfg.hidden * 2;
+            if let Some(&i) = order
+                .iter()
+                .find(|&&i| t16[i].len() != samples[i].ids.len() * row)
+            {
+                return Err(GpuError::Invalid(format!(
+                    "{} bytes of bf16 taps for {} positions × {} taps × {}",
+                    t16[i].len(),
+                    samples[i].ids.len(),
+                    self.d.cfg.n_taps,
+                    self.d.cfg.hidden
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The sizes and slices of a sample of `dims` (see [`Locals`]).
     fn locals(&self, dims: Dims) -> Locals {
         let c = &self.d.cfg;
@@ -1105,6 +1717,8 @@ impl DeviceDrafter {
             qh: c.q_heads,
             kvh: c.kv_heads,
             eps: c.eps as f32,
+            n_taps: c.n_taps,
+            vocab: c.vocab,
             slen,
             nb,
             m,
@@ -1127,6 +1741,10 @@ impl DeviceDrafter {
             spans_d: w.spans.f32s(0..4 * m),
             hn: w.hn.f32s(0..m * h),
             rstd_f: w.rstd_f.f32s(0..m),
+            block_pos: w.block_pos.f32s(0..m),
+            key_pos: w.key_pos.f32s(0..tk),
+            inv_freq: self.inv_freq,
+            rope_scale: self.d.rope_scale,
         }
     }
 
@@ -1289,150 +1907,46 @@ impl DeviceDrafter {
     /// The forward: the context, the block embeddings, every layer (keeping what the
     /// backward needs) and the final norm into `hn`.
     fn forward(&mut self, dims: Dims) -> Result<()> {
-        let c = self.d.cfg.clone();
         let lc = self.locals(dims);
         let Locals {
             h,
-            hd,
-            inter,
-            qd,
-            kd,
-            qh,
-            kvh,
             eps,
             slen,
             m,
-            tk,
+            n_taps,
+            vocab,
             fc,
             hnorm,
             fnorm,
-            pw,
             mx,
             taps,
             ctx_pre,
             ctx,
             ctx_rstd,
             hcur,
-            o,
-            spans_d,
             hn,
             rstd_f,
             ..
         } = lc;
-        let w = &self.w;
-        let layers = self.d.layers.clone();
-        let ops = &mut self.ops;
+        let p = &mut Pass {
+            ops: &mut self.ops,
+            lc,
+            w: &self.w,
+        };
         // Context: hidden_norm(fc(taps)).
-        mx.mm(ops, taps, fc, ctx_pre, slen, c.n_taps * h, h)?;
-        ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
+        mx.mm(p.ops, taps, fc, ctx_pre, slen, n_taps * h, h)?;
+        p.ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
         // Block inputs: the frozen embedding of [token at anchor, MASK, ...].
-        ops.embed(hcur, self.embed, w.block_ids.f32s(0..m), m, h, c.vocab)?;
+        p.ops
+            .embed(hcur, self.embed, p.w.block_ids.f32s(0..m), m, h, vocab)?;
 
-        for (li, sv) in layers.iter().zip(&self.saved) {
-            let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-            let (h_in, x, q_pre, q, att) = (
-                sv.h_in.f32s(0..m * h),
-                sv.x.f32s(0..m * h),
-                sv.q_pre.f32s(0..m * qd),
-                sv.q.f32s(0..m * qd),
-                sv.att.f32s(0..m * qd),
-            );
-            let (k_pre, k, v) = (
-                sv.k_pre.f32s(0..tk * kd),
-                sv.k.f32s(0..tk * kd),
-                sv.v.f32s(0..tk * kd),
-            );
-            ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
-            ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
-            mx.mm(ops, x, lc.pp(&li.wq), q_pre, m, h, qd)?;
-            mx.mm(
-                ops,
-                ctx,
-                lc.pp(&li.wk),
-                k_pre.f32s(0..slen * kd),
-                slen,
-                h,
-                kd,
-            )?;
-            mx.mm(
-                ops,
-                x,
-                lc.pp(&li.wk),
-                k_pre.f32s(slen * kd..tk * kd),
-                m,
-                h,
-                kd,
-            )?;
-            mx.mm(ops, ctx, lc.pp(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
-            mx.mm(ops, x, lc.pp(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)?;
-            ops.rmsnorm(
-                q_pre,
-                p(&li.qn),
-                q,
-                sv.q_rstd.f32s(0..m * qh),
-                m * qh,
-                hd,
-                eps,
-            )?;
-            ops.rmsnorm(
-                k_pre,
-                p(&li.kn),
-                k,
-                sv.k_rstd.f32s(0..tk * kvh),
-                tk * kvh,
-                hd,
-                eps,
-            )?;
-            ops.rope(
-                q,
-                w.block_pos.f32s(0..m),
-                self.inv_freq,
-                m,
-                qh,
-                hd,
-                self.d.rope_scale,
-                false,
-            )?;
-            ops.rope(
-                k,
-                w.key_pos.f32s(0..tk),
-                self.inv_freq,
-                tk,
-                kvh,
-                hd,
-                self.d.rope_scale,
-                false,
-            )?;
-            ops.attention(
-                q,
-                k,
-                v,
-                att,
-                sv.lse.f32s(0..m * qh),
-                spans_d,
-                m,
-                qh,
-                kvh,
-                hd,
-            )?;
-            mx.mm(ops, att, lc.pp(&li.wo), o, m, qd, h)?;
-            ops.add(hcur, o)?;
-            let h_mid = sv.h_mid.f32s(0..m * h);
-            ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
-            let x2 = sv.x2.f32s(0..m * h);
-            ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
-            let (g, u, act) = (
-                sv.g.f32s(0..m * inter),
-                sv.u.f32s(0..m * inter),
-                sv.act.f32s(0..m * inter),
-            );
-            mx.mm(ops, x2, lc.pp(&li.gate), g, m, h, inter)?;
-            mx.mm(ops, x2, lc.pp(&li.up), u, m, h, inter)?;
-            ops.swiglu(g, u, act)?;
-            mx.mm(ops, act, lc.pp(&li.down), o, m, inter, h)?;
-            ops.add(hcur, o)?;
+        for (li, sv) in self.d.layers.iter().zip(&self.saved) {
+            p.projections(li, sv)?;
+            p.qk_norm_rope(li, sv)?;
+            p.attend(li, sv)?;
+            p.mlp(li, sv)?;
         }
-        ops.rmsnorm(hcur, fnorm, hn, rstd_f, m, h, eps)?;
+        p.ops.rmsnorm(hcur, fnorm, hn, rstd_f, m, h, eps)?;
 
         Ok(())
     }
@@ -1447,20 +1961,10 @@ impl DeviceDrafter {
         dims: Dims,
         denominator: f64,
     ) -> Result<(StepStats, usize)> {
-        let c = self.d.cfg.clone();
         let lc = self.locals(dims);
         let Locals {
-            h,
-            bs,
-            slen,
-            nb,
-            m,
-            mx,
-            hn,
-            ..
+            bs, slen, nb, m, ..
         } = lc;
-        let w = &self.w;
-        let ops = &mut self.ops;
         // Loss over the weighted slots: their rows gathered, the vocabulary in chunks.
         let rows: Vec<(usize, u32, f64)> = (0..m)
             .filter_map(|i| {
@@ -1479,67 +1983,14 @@ impl DeviceDrafter {
         let n = rows.len();
         let mut correct = vec![false; m];
         if n > 0 {
-            let idx: Vec<u32> = rows.iter().map(|r| r.0 as u32).collect();
-            let labels: Vec<i32> = rows.iter().map(|r| r.1 as i32).collect();
-            let scale: Vec<f32> = rows.iter().map(|r| (r.2 / denominator) as f32).collect();
-            ops.dev.upload(Stream::Compute, w.rows, u32_bytes(&idx))?;
-            ops.dev
-                .upload(Stream::Compute, w.labels, i32_bytes(&labels))?;
-            ops.dev
-                .upload(Stream::Compute, w.scale, f32_bytes(&scale))?;
-            let (xr, labels_d, scale_d) = (
-                w.xrows.f32s(0..n * h),
-                w.labels.f32s(0..n),
-                w.scale.f32s(0..n),
-            );
-            ops.embed(xr, hn, w.rows.f32s(0..n), n, h, m)?;
-            let [rmax, sm, bv, bi, ll] = w.ce.map(|b| b.f32s(0..n));
-            ops.dev.upload(
-                Stream::Compute,
-                rmax,
-                f32_bytes(&vec![f32::NEG_INFINITY; n]),
-            )?;
-            ops.dev.memset_zero(Stream::Compute, sm)?;
-            ops.dev
-                .upload(Stream::Compute, bv, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
-            ops.dev.memset_zero(Stream::Compute, bi)?;
-            ops.dev.memset_zero(Stream::Compute, ll)?;
-            for start in (0..c.vocab).step_by(CHUNK) {
-                let cw = CHUNK.min(c.vocab - start);
-                let l = w.logits.f32s(0..n * cw);
-                mx.mm(ops, xr, lc.lmw(start, cw), l, n, h, cw)?;
-                ops.ce_chunk_stats(rmax, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
-            }
-            let (mut vmax, mut vsum, mut vll, mut vbi) =
-                (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-            ops.dev
-                .download(Stream::Compute, rmax, f32_bytes_mut(&mut vmax))?;
-            ops.dev
-                .download(Stream::Compute, sm, f32_bytes_mut(&mut vsum))?;
-            ops.dev
-                .download(Stream::Compute, ll, f32_bytes_mut(&mut vll))?;
-            ops.dev
-                .download(Stream::Compute, bi, f32_bytes_mut(&mut vbi))?;
-            for (r, &(i, label, wgt)) in rows.iter().enumerate() {
-                let ce = vmax[r] as f64 + (vsum[r] as f64).ln() - vll[r] as f64;
-                let ok = vbi[r].to_bits() as i32 == label as i32;
-                stats.loss_sum += wgt * ce;
-                stats.weight_sum += wgt;
-                correct[i] = ok;
-                stats.slot_total[i % bs] += 1;
-                stats.slot_correct[i % bs] += ok as u64;
-            }
-            // dCE/dhn: each chunk's gradient, then dx = g · W, scattered back to the rows.
-            let dxr = w.dxrows.f32s(0..n * h);
-            ops.dev.memset_zero(Stream::Compute, dxr)?;
-            for start in (0..c.vocab).step_by(CHUNK) {
-                let cw = CHUNK.min(c.vocab - start);
-                let l = w.logits.f32s(0..n * cw);
-                let lm = lc.lmw(start, cw);
-                mx.mm(ops, xr, lm, l, n, h, cw)?;
-                ops.ce_chunk_grad(l, rmax, sm, labels_d, scale_d, n, cw, start)?;
-                mx.mm_back(ops, l, xr, lm, Some(dxr), None, n, h, cw)?;
-            }
+            let p = &mut Pass {
+                ops: &mut self.ops,
+                lc,
+                w: &self.w,
+            };
+            p.ce_rows(&rows, denominator)?;
+            p.ce_stats(&rows, &mut stats, &mut correct)?;
+            p.ce_grad(n)?;
         }
         for a in 0..nb {
             let run = (1..bs)
@@ -1558,47 +2009,42 @@ impl DeviceDrafter {
     /// final norm, every layer in reverse and the context projection, into `grads`.
     fn backward(&mut self, dims: Dims, supervised: usize, buckets: bool) -> Result<()> {
         let n = supervised;
-        let c = self.d.cfg.clone();
         let lc = self.locals(dims);
         let Locals {
             h,
-            hd,
-            inter,
-            qd,
-            kd,
-            qh,
-            kvh,
             slen,
             m,
-            tk,
+            n_taps,
             fc,
             hnorm,
             fnorm,
-            pw,
             gw,
             mx,
             taps,
             ctx_pre,
-            ctx,
             ctx_rstd,
             hcur,
-            spans_d,
             rstd_f,
             ..
         } = lc;
-        let w = &self.w;
-        let layers = self.d.layers.clone();
         let mut plan = self.bucket_plan().into_iter();
-        let ops = &mut self.ops;
+        let layout = &self.d.layout;
+        let g = |name: &str| gw.f32s(layout.range(name));
+        let p = &mut Pass {
+            ops: &mut self.ops,
+            lc,
+            w: &self.w,
+        };
+        let w = p.w;
         // Backward.
         let dhn = w.o.f32s(0..m * h);
-        ops.dev.memset_zero(Stream::Compute, dhn)?;
+        p.ops.dev.memset_zero(Stream::Compute, dhn)?;
         if n > 0 {
-            ops.scatter_add_rows(dhn, w.dxrows.f32s(0..n * h), w.rows.f32s(0..n), n, h)?;
+            p.ops
+                .scatter_add_rows(dhn, w.dxrows.f32s(0..n * h), w.rows.f32s(0..n), n, h)?;
         }
         let dh = w.dh.f32s(0..m * h);
-        ops.dev.memset_zero(Stream::Compute, dh)?;
-        let g = |name: &str| gw.f32s(self.d.layout.range(name));
+        p.ops.dev.memset_zero(Stream::Compute, dh)?;
         let mut done: Vec<(std::ops::Range<usize>, crate::device::Event)> = Vec::new();
         // The plan's next bucket is final (the last sample's backward wrote it last).
         let mut bucket = |ops: &mut Ops| -> Result<()> {
@@ -1608,233 +2054,22 @@ impl DeviceDrafter {
             }
             Ok(())
         };
-        ops.rmsnorm_backward(dhn, hcur, fnorm, rstd_f, dh, Some(g("norm.weight")), m, h)?;
-        bucket(ops)?;
+        p.ops
+            .rmsnorm_backward(dhn, hcur, fnorm, rstd_f, dh, Some(g("norm.weight")), m, h)?;
+        bucket(p.ops)?;
         let dctx = w.dctx.f32s(0..slen * h);
-        ops.dev.memset_zero(Stream::Compute, dctx)?;
-        for (li, sv) in layers.iter().zip(&self.saved).rev() {
-            let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-            let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
-            let (x, x2, h_in, h_mid) = (
-                sv.x.f32s(0..m * h),
-                sv.x2.f32s(0..m * h),
-                sv.h_in.f32s(0..m * h),
-                sv.h_mid.f32s(0..m * h),
-            );
-            let (gt, u, act) = (
-                sv.g.f32s(0..m * inter),
-                sv.u.f32s(0..m * inter),
-                sv.act.f32s(0..m * inter),
-            );
-            let (dact, dg, du) = (
-                w.dact.f32s(0..m * inter),
-                w.dg.f32s(0..m * inter),
-                w.du.f32s(0..m * inter),
-            );
-            let (dx2, dx) = (w.dx2.f32s(0..m * h), w.dx.f32s(0..m * h));
-            for b in [dact, dg, du, dx2, dx] {
-                ops.dev.memset_zero(Stream::Compute, b)?;
-            }
-            // MLP branch.
-            mx.mm_back(
-                ops,
-                dh,
-                act,
-                lc.pp(&li.down),
-                Some(dact),
-                Some(gr(&li.down)),
-                m,
-                inter,
-                h,
-            )?;
-            ops.swiglu_backward(dact, gt, u, dg, du)?;
-            mx.mm_back(
-                ops,
-                dg,
-                x2,
-                lc.pp(&li.gate),
-                Some(dx2),
-                Some(gr(&li.gate)),
-                m,
-                h,
-                inter,
-            )?;
-            mx.mm_back(
-                ops,
-                du,
-                x2,
-                lc.pp(&li.up),
-                Some(dx2),
-                Some(gr(&li.up)),
-                m,
-                h,
-                inter,
-            )?;
-            ops.rmsnorm_backward(
-                dx2,
-                h_mid,
-                p(&li.ln2),
-                sv.rstd2.f32s(0..m),
-                dh,
-                Some(gr(&li.ln2)),
-                m,
-                h,
-            )?;
-            // Attention branch.
-            let (datt, dq, dk, dv) = (
-                w.datt.f32s(0..m * qd),
-                w.dq.f32s(0..m * qd),
-                w.dk.f32s(0..tk * kd),
-                w.dv.f32s(0..tk * kd),
-            );
-            let (dq_pre, dk_pre) = (w.dq_pre.f32s(0..m * qd), w.dk_pre.f32s(0..tk * kd));
-            for b in [datt, dq, dk, dv, dq_pre, dk_pre] {
-                ops.dev.memset_zero(Stream::Compute, b)?;
-            }
-            let (att, q, k, v) = (
-                sv.att.f32s(0..m * qd),
-                sv.q.f32s(0..m * qd),
-                sv.k.f32s(0..tk * kd),
-                sv.v.f32s(0..tk * kd),
-            );
-            mx.mm_back(
-                ops,
-                dh,
-                att,
-                lc.pp(&li.wo),
-                Some(datt),
-                Some(gr(&li.wo)),
-                m,
-                qd,
-                h,
-            )?;
-            ops.attention_backward(
-                datt,
-                att,
-                sv.lse.f32s(0..m * qh),
-                q,
-                k,
-                v,
-                spans_d,
-                dq,
-                dk,
-                dv,
-                m,
-                qh,
-                kvh,
-                hd,
-            )?;
-            ops.rope(
-                dq,
-                w.block_pos.f32s(0..m),
-                self.inv_freq,
-                m,
-                qh,
-                hd,
-                self.d.rope_scale,
-                true,
-            )?;
-            ops.rope(
-                dk,
-                w.key_pos.f32s(0..tk),
-                self.inv_freq,
-                tk,
-                kvh,
-                hd,
-                self.d.rope_scale,
-                true,
-            )?;
-            ops.rmsnorm_backward(
-                dq,
-                sv.q_pre.f32s(0..m * qd),
-                p(&li.qn),
-                sv.q_rstd.f32s(0..m * qh),
-                dq_pre,
-                Some(gr(&li.qn)),
-                m * qh,
-                hd,
-            )?;
-            ops.rmsnorm_backward(
-                dk,
-                sv.k_pre.f32s(0..tk * kd),
-                p(&li.kn),
-                sv.k_rstd.f32s(0..tk * kvh),
-                dk_pre,
-                Some(gr(&li.kn)),
-                tk * kvh,
-                hd,
-            )?;
-            mx.mm_back(
-                ops,
-                dq_pre,
-                x,
-                lc.pp(&li.wq),
-                Some(dx),
-                Some(gr(&li.wq)),
-                m,
-                h,
-                qd,
-            )?;
-            mx.mm_back(
-                ops,
-                dk_pre.f32s(slen * kd..tk * kd),
-                x,
-                lc.pp(&li.wk),
-                Some(dx),
-                Some(gr(&li.wk)),
-                m,
-                h,
-                kd,
-            )?;
-            mx.mm_back(
-                ops,
-                dk_pre.f32s(0..slen * kd),
-                ctx,
-                lc.pp(&li.wk),
-                Some(dctx),
-                Some(gr(&li.wk)),
-                slen,
-                h,
-                kd,
-            )?;
-            mx.mm_back(
-                ops,
-                dv.f32s(slen * kd..tk * kd),
-                x,
-                lc.pp(&li.wv),
-                Some(dx),
-                Some(gr(&li.wv)),
-                m,
-                h,
-                kd,
-            )?;
-            mx.mm_back(
-                ops,
-                dv.f32s(0..slen * kd),
-                ctx,
-                lc.pp(&li.wv),
-                Some(dctx),
-                Some(gr(&li.wv)),
-                slen,
-                h,
-                kd,
-            )?;
-            ops.rmsnorm_backward(
-                dx,
-                h_in,
-                p(&li.ln1),
-                sv.rstd1.f32s(0..m),
-                dh,
-                Some(gr(&li.ln1)),
-                m,
-                h,
-            )?;
-            bucket(ops)?;
+        p.ops.dev.memset_zero(Stream::Compute, dctx)?;
+        for (li, sv) in self.d.layers.iter().zip(&self.saved).rev() {
+            p.mlp_backward(li, sv)?;
+            p.attend_backward(li, sv)?;
+            p.qk_norm_rope_backward(li, sv)?;
+            p.projections_backward(li, sv)?;
+            bucket(p.ops)?;
         }
         // The block embeddings are frozen: dh stops here. The context goes back to fc.
         let dctx_pre = w.dctx_pre.f32s(0..slen * h);
-        ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
-        ops.rmsnorm_backward(
+        p.ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
+        p.ops.rmsnorm_backward(
             dctx,
             ctx_pre,
             hnorm,
@@ -1845,17 +2080,17 @@ impl DeviceDrafter {
             h,
         )?;
         mx.mm_back(
-            ops,
+            p.ops,
             dctx_pre,
             taps,
             fc,
             None,
             Some(g("fc.weight")),
             slen,
-            c.n_taps * h,
+            n_taps * h,
             h,
         )?;
-        bucket(ops)?;
+        bucket(p.ops)?;
         self.buckets = done;
         Ok(())
     }

@@ -327,22 +327,7 @@ fn place(
     bf16: bool,
 ) -> Result<(DSlice, DSlice, Vec<Layer>, Acts, Vec<u8>)> {
     let c = &target.cfg;
-    let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
-    let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
-    let width = target.taps.len() * h;
-    let put = |d: &mut dyn Device,
-               arena: &mut Arena,
-               v: &[f32],
-               name: &str,
-               bf16: bool|
-     -> Result<DSlice> {
-        let s = arena.alloc(d, v.len() * if bf16 { 2 } else { 4 }, name)?;
-        arena.fill_f32(d, s, v, bf16)?;
-        Ok(s)
-    };
-    // A matrix in bf16: from the host's f32 copy, or (Load::Mapped) straight from the
-    // checkpoint's mapping through the pinned staging buffer.
-    let mut staging = match &target.mapped {
+    let staging = match &target.mapped {
         Some(_) if !arena.is_dry() => Some(Staging::new(d, target)?),
         _ => None,
     };
@@ -351,128 +336,26 @@ fn place(
     } else {
         Vec::new()
     };
-    let mut matrix = |d: &mut dyn Device,
-                      arena: &mut Arena,
-                      v: &[f32],
-                      tensor: &str,
-                      name: &str|
-     -> Result<DSlice> {
-        let Some(w) = &target.mapped else {
-            return put(d, arena, v, name, bf16);
-        };
-        let shape = shapes
-            .iter()
-            .find(|(n, _)| n == tensor)
-            .map(|(_, s)| s.clone())
-            .unwrap_or_default();
-        let (dtype, bytes) = w
-            .raw(tensor, &shape)
-            .map_err(|e| GpuError::Invalid(e.to_string()))?;
-        let n = shape.iter().product::<usize>();
-        let s = arena.alloc(d, n * 2, name)?;
-        if let Some(st) = staging.as_mut() {
-            st.upload(d, s, dtype, bytes)?;
-        }
-        Ok(s)
-    };
-    let embed = matrix(
+    let mut pl = Placer {
         d,
         arena,
-        &target.embed,
-        crate::models::target::EMBED,
-        "embed_tokens",
-    )?;
-    let inv_freq = put(d, arena, &target.inv_freq, "rope inv_freq", false)?;
-    let mut layers = Vec::new();
-    for (i, l) in target.layers.iter().enumerate() {
-        let n = |s: &str| format!("layer {i} {s}");
-        let qk_norm = match (&l.q_norm, &l.k_norm) {
-            (Some(qn), Some(kn)) => Some((
-                put(d, arena, qn, &n("q_norm"), false)?,
-                put(d, arena, kn, &n("k_norm"), false)?,
-            )),
-            _ => None,
-        };
-        layers.push(Layer {
-            ln1: put(d, arena, &l.ln1, &n("input_layernorm"), false)?,
-            ln2: put(d, arena, &l.ln2, &n("post_attention_layernorm"), false)?,
-            wq: matrix(
-                d,
-                arena,
-                &l.wq,
-                &matrix_name(i, "self_attn.q_proj"),
-                &n("q_proj"),
-            )?,
-            wk: matrix(
-                d,
-                arena,
-                &l.wk,
-                &matrix_name(i, "self_attn.k_proj"),
-                &n("k_proj"),
-            )?,
-            wv: matrix(
-                d,
-                arena,
-                &l.wv,
-                &matrix_name(i, "self_attn.v_proj"),
-                &n("v_proj"),
-            )?,
-            wo: matrix(
-                d,
-                arena,
-                &l.wo,
-                &matrix_name(i, "self_attn.o_proj"),
-                &n("o_proj"),
-            )?,
-            qk_norm,
-            gate: matrix(
-                d,
-                arena,
-                &l.gate,
-                &matrix_name(i, "mlp.gate_proj"),
-                &n("gate_proj"),
-            )?,
-            up: matrix(
-                d,
-                arena,
-                &l.up,
-                &matrix_name(i, "mlp.up_proj"),
-                &n("up_proj"),
-            )?,
-            down: matrix(
-                d,
-                arena,
-                &l.down,
-                &matrix_name(i, "mlp.down_proj"),
-                &n("down_proj"),
-            )?,
-        });
-    }
-    let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
-    // An activation of n elements: half the f32s in bf16.
-    let an = |n: usize| if bf16 { n.div_ceil(2) } else { n };
-    let a = Acts {
-        ids: f(t, "token ids")?,
-        pos: f(t, "positions")?,
-        spans: f(4 * t, "causal spans")?,
-        x: f(an(t * h), "residual")?,
-        n1: f(an(t * h), "normed")?,
-        rstd: f(t * qd / hd, "rstd")?,
-        q: f(an(t * qd), "q")?,
-        k: f(an(t * kd), "k")?,
-        v: f(an(t * kd), "v")?,
-        att: f(an(t * qd), "attention out")?,
-        lse: f(t * c.num_attention_heads, "attention lse")?,
-        o: f(an(t * h), "projection out")?,
-        g: f(an(t * inter), "gate")?,
-        u: f(an(t * inter), "up")?,
-        act: f(an(t * inter), "swiglu")?,
-        out: f(an(t * width), "taps")?,
-        stage: [
-            f(t * width / 2 + 1, "bf16 staging 0")?,
-            f(t * width / 2 + 1, "bf16 staging 1")?,
-        ],
+        target,
+        bf16,
+        staging,
+        shapes,
     };
+    let embed = pl.matrix(&target.embed, crate::models::target::EMBED, "embed_tokens")?;
+    let inv_freq = pl.put(&target.inv_freq, "rope inv_freq", false)?;
+    let layers = target
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| pl.layer(i, l))
+        .collect::<Result<Vec<Layer>>>()?;
+    let Placer {
+        d, arena, staging, ..
+    } = pl;
+    let a = Acts::alloc(d, arena, target, t, bf16)?;
     // Positions and causal spans depend only on the row index: once, for all lengths.
     let pos: Vec<i32> = (0..t as i32).collect();
     let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
@@ -483,6 +366,121 @@ fn place(
         None => Vec::new(),
     };
     Ok((embed, inv_freq, layers, a, pinned))
+}
+
+/// Puts the target's weights in the arena (see [`place`]).
+struct Placer<'a> {
+    d: &'a mut dyn Device,
+    arena: &'a mut Arena,
+    target: &'a Target,
+    /// The matrices (and the embedding) in bf16.
+    bf16: bool,
+    /// The pinned buffer a mapped checkpoint's matrices come through (a real arena), and
+    /// the checkpoint's tensor shapes.
+    staging: Option<Staging>,
+    shapes: Vec<(String, Vec<usize>)>,
+}
+
+impl Placer<'_> {
+    /// `v` into the arena, as bf16 when `bf16`.
+    fn put(&mut self, v: &[f32], name: &str, bf16: bool) -> Result<DSlice> {
+        let s = self
+            .arena
+            .alloc(self.d, v.len() * if bf16 { 2 } else { 4 }, name)?;
+        self.arena.fill_f32(self.d, s, v, bf16)?;
+        Ok(s)
+    }
+
+    /// A matrix (`tensor` of the checkpoint) in bf16: from the host's f32 copy `v`, or
+    /// (Load::Mapped) straight from the checkpoint's mapping through the pinned staging
+    /// buffer.
+    fn matrix(&mut self, v: &[f32], tensor: &str, name: &str) -> Result<DSlice> {
+        let target = self.target;
+        let Some(w) = &target.mapped else {
+            return self.put(v, name, self.bf16);
+        };
+        let shape = self
+            .shapes
+            .iter()
+            .find(|(n, _)| n == tensor)
+            .map(|(_, s)| s.clone())
+            .unwrap_or_default();
+        let (dtype, bytes) = w
+            .raw(tensor, &shape)
+            .map_err(|e| GpuError::Invalid(e.to_string()))?;
+        let n = shape.iter().product::<usize>();
+        let s = self.arena.alloc(self.d, n * 2, name)?;
+        if let Some(st) = self.staging.as_mut() {
+            st.upload(self.d, s, dtype, bytes)?;
+        }
+        Ok(s)
+    }
+
+    /// Layer `i`'s norms (f32) and matrices.
+    fn layer(&mut self, i: usize, l: &crate::models::target::Layer) -> Result<Layer> {
+        let n = |s: &str| format!("layer {i} {s}");
+        let m = |s: &str| matrix_name(i, s);
+        let qk_norm = match (&l.q_norm, &l.k_norm) {
+            (Some(qn), Some(kn)) => Some((
+                self.put(qn, &n("q_norm"), false)?,
+                self.put(kn, &n("k_norm"), false)?,
+            )),
+            _ => None,
+        };
+        Ok(Layer {
+            ln1: self.put(&l.ln1, &n("input_layernorm"), false)?,
+            ln2: self.put(&l.ln2, &n("post_attention_layernorm"), false)?,
+            wq: self.matrix(&l.wq, &m("self_attn.q_proj"), &n("q_proj"))?,
+            wk: self.matrix(&l.wk, &m("self_attn.k_proj"), &n("k_proj"))?,
+            wv: self.matrix(&l.wv, &m("self_attn.v_proj"), &n("v_proj"))?,
+            wo: self.matrix(&l.wo, &m("self_attn.o_proj"), &n("o_proj"))?,
+            qk_norm,
+            gate: self.matrix(&l.gate, &m("mlp.gate_proj"), &n("gate_proj"))?,
+            up: self.matrix(&l.up, &m("mlp.up_proj"), &n("up_proj"))?,
+            down: self.matrix(&l.down, &m("mlp.down_proj"), &n("down_proj"))?,
+        })
+    }
+}
+
+impl Acts {
+    /// The activations for `t` tokens (half the f32s of each in bf16 when `bf16`).
+    fn alloc(
+        d: &mut dyn Device,
+        arena: &mut Arena,
+        target: &Target,
+        t: usize,
+        bf16: bool,
+    ) -> Result<Acts> {
+        let c = &target.cfg;
+        let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
+        let width = target.taps.len() * h;
+        let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
+        // An activation of n elements: half the f32s in bf16.
+        let an = |n: usize| if bf16 { n.div_ceil(2) } else { n };
+        Ok(Acts {
+            ids: f(t, "token ids")?,
+            pos: f(t, "positions")?,
+            spans: f(4 * t, "causal spans")?,
+            x: f(an(t * h), "residual")?,
+            n1: f(an(t * h), "normed")?,
+            rstd: f(t * qd / hd, "rstd")?,
+            q: f(an(t * qd), "q")?,
+            k: f(an(t * kd), "k")?,
+            v: f(an(t * kd), "v")?,
+            att: f(an(t * qd), "attention out")?,
+            lse: f(t * c.num_attention_heads, "attention lse")?,
+            o: f(an(t * h), "projection out")?,
+            g: f(an(t * inter), "gate")?,
+            u: f(an(t * inter), "up")?,
+            act: f(an(t * inter), "swiglu")?,
+            out: f(an(t * width), "taps")?,
+            stage: [
+                f(t * width / 2 + 1, "bf16 staging 0")?,
+                f(t * width / 2 + 1, "bf16 staging 1")?,
+            ],
+        })
+    }
 }
 
 /// Host → device copies of a checkpoint's matrices as bf16, through two halves of one
