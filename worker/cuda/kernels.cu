@@ -4,8 +4,10 @@
 //   * by NVRTC at run time, for the GPU's compute capability (worker/src/gpu/nvrtc.rs);
 //   * as C++ by the host compiler, with cuda/host/cuda_host.h supplying the CUDA built-ins,
 //     for the host device that runs every kernel on the CPU in CI (worker/src/gpu/host.rs).
-// So: no inline PTX, no CUDA headers (bf16 is converted by hand, round-to-nearest-even;
-// tensor cores through a WMMA subset defined below), block sizes a multiple of 32,
+// So: inline PTX only inside the primitives defined below under __CUDACC_RTC__ (which
+// cuda_host.h emulates), no CUDA headers (bf16 is converted by hand, round-to-nearest-even;
+// tensor cores through a WMMA subset defined below, or through mma.sync, ldmatrix and
+// cp.async), block sizes a multiple of 32,
 // every warp collective with all 32 lanes present, and no __shared__ variable declared
 // inside a template: a template's shared memory is declared at namespace scope (on a GPU
 // the same thing: each kernel that uses it has its own, per block). The host device
@@ -136,6 +138,59 @@ __device__ __forceinline__ void mma_sync(fragment<accumulator, 16, 16, 16, float
     __mma_bf16_m16n16k16_mma_f32(d.x, a.x, b.x, c.x, 2 * is_col<LA>::value + is_col<LB>::value, 0);
 }
 }  // namespace wmma
+#endif
+
+// ---------------------------------------------------------------------------------------
+// The sm_80 primitives of FlashAttention-2-class kernels, over inline PTX: mma.sync
+// m16n8k16 (bf16 A row-major and B column-major, f32 accumulators), ldmatrix (x1/x2/x4,
+// .trans) from shared memory, and 16-byte cp.async from global to shared memory with its
+// commit/wait groups. Fragments are registers the kernel builds itself, in the layouts of
+// the PTX ISA, which cuda/host/cuda_host.h spells out and emulates for the host device
+// (there a cp.async destination is poisoned until the wait_group that covers it).
+// cuda/test_kernels.cu checks the emulation against those layouts (worker/tests/primitives.rs).
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// d = a · b + c; a: 4 registers (8 bf16), b: 2 (4 bf16), c and d: 4 f32 (d may be c).
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// `p`: this lane's row address (16 bytes, 16-byte aligned, shared memory).
+__device__ __forceinline__ void ldmatrix_x1(unsigned (&r)[1], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x1_trans(unsigned (&r)[1], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// 16 bytes from global `src` to shared `dst` (both 16-byte aligned), asynchronously: .cg
+// bypasses L1, .ca caches there. Visible to this thread after a wait covering its group.
+__device__ __forceinline__ void cp_async_cg16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_ca16(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 #endif
 
 // ---------------------------------------------------------------------------------------
