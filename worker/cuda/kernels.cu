@@ -477,6 +477,242 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
     attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
 }
 
+// ---------------------------------------------------------------------------------------
+// Attention forward in FlashAttention-2's structure, for bf16 q/k/v/out (f32 lse): the
+// same contract as attention_fwd_bf16 (spans, GQA, lse, a row with no key outputs 0 with
+// lse −inf), chosen by the host for head dims that are a multiple of 8 up to 128 with
+// 16-byte aligned operands.
+//
+// A CTA is 4 warps × 16 query rows (FA2_ROWS) of one head. Its keys are visited in tiles
+// of KT, each copied once into shared memory for all four warps with cp.async, double
+// buffered (tile i + 1 is in flight while tile i is computed). Each warp keeps its Q
+// fragments, its O accumulators and its rows' softmax statistics in registers for the
+// whole loop: Q·Kᵀ and P·V are mma.sync m16n8k16 (bf16 in, f32 accumulators), K read
+// with ldmatrix and V with ldmatrix.trans; the scores are scaled by log2(e)/√hd once, so
+// the softmax is exp2; P goes from the S accumulators to A fragments in registers (the
+// accumulator layout of two n-tiles is the A layout of one k-step). Masking: a tile that
+// every row of the warp sees whole is not masked, one that no row sees is skipped.
+// Grid: ceil(tq / 64) · qh CTAs of 128 threads.
+#define FA2_ROWS 64
+#define FA2_THREADS 128
+// Shared memory for the K and V tiles: 2 buffers × (K, V) × KT rows × (HD + 8) bf16, the
+// largest over the head dims instantiated (HD 64: 4 · 64 · 72).
+#define FA2_SMEM_ELEMS 18432
+
+template <int HD> struct Fa2 {
+    static constexpr int KT = HD >= 128 ? 32 : 64;  // keys per tile
+    static constexpr int LD = HD + 8;               // row stride (elements): 16-byte rows, off the banks' period
+    static constexpr int NK = HD / 16;              // k-steps of Q·Kᵀ
+    static constexpr int ND = HD / 8;               // n-tiles of O
+    static constexpr int NT = KT / 8;               // n-tiles of S
+    static_assert(4 * KT * LD <= FA2_SMEM_ELEMS, "K and V tiles fit the shared buffer");
+    static_assert(NK % 2 == 0 && ND % 2 == 0 && NT % 2 == 0, "fragments are taken in pairs");
+};
+
+// attention_fa2_fwd_t's shared memory (no __shared__ in a template).
+namespace fa2_shared {
+__shared__ __align__(16) unsigned short kv[FA2_SMEM_ELEMS];
+__shared__ int range[4];
+}  // namespace fa2_shared
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) { return (unsigned)to_bf16(lo) | ((unsigned)to_bf16(hi) << 16); }
+
+// 2^x for x <= 0, flushed to 0 where e^(x·ln 2) is below 1e-30 (exp_neg's bound).
+__device__ __forceinline__ float exp2_neg(float x) { return x < -99.65f ? 0.0f : exp2f(x); }
+
+// Keys [start, end) of head `kh` of k and v into the tiles ks and vs (KT rows of LD), zeros
+// beyond `end` and beyond `hd`, by all threads of the CTA: 16-byte cp.async copies, zeros
+// stored directly.
+template <int HD> __device__ __forceinline__ void fa2_load(unsigned short* ks, unsigned short* vs, const unsigned short* k, const unsigned short* v, int start, int end, long kw, int kh, int hd) {
+    constexpr int KT = Fa2<HD>::KT, LD = Fa2<HD>::LD, CH = HD / 8;
+    for (int i = threadIdx.x; i < KT * CH; i += FA2_THREADS) {
+        const int r = i / CH, c = (i % CH) * 8, key = start + r;
+        unsigned short* kd = ks + r * LD + c;
+        unsigned short* vd = vs + r * LD + c;
+        if (key < end && c < hd) {
+            const long off = (long)key * kw + (long)kh * hd + c;
+            cp_async_cg16(kd, k + off);
+            cp_async_cg16(vd, v + off);
+        } else {
+            ((unsigned long long*)kd)[0] = 0ull;
+            ((unsigned long long*)kd)[1] = 0ull;
+            ((unsigned long long*)vd)[0] = 0ull;
+            ((unsigned long long*)vd)[1] = 0ull;
+        }
+    }
+}
+
+// Does a row with spans sp see every key of [a, b)? Any of them?
+__device__ __forceinline__ bool fa2_sees_all(const int* sp, int a, int b) { return (a >= sp[0] && b <= sp[1]) || (a >= sp[2] && b <= sp[3]); }
+__device__ __forceinline__ bool fa2_sees_any(const int* sp, int a, int b) { return (sp[0] < sp[1] && sp[0] < b && a < sp[1]) || (sp[2] < sp[3] && sp[2] < b && a < sp[3]); }
+__device__ __forceinline__ bool fa2_sees(const int* sp, int key) { return (key >= sp[0] && key < sp[1]) || (key >= sp[2] && key < sp[3]); }
+
+// The union of the spans of rows [first, first + FA2_ROWS) (of tq): [lo, hi) per span.
+__device__ __forceinline__ void fa2_range(int* range, const int* spans, int first, int tq) {
+    for (int r = 0; r < 2; ++r) {
+        int lo = 0x7fffffff, hi = 0;
+        for (int i = first; i < first + FA2_ROWS && i < tq; ++i) {
+            const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
+            if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
+        }
+        range[2 * r] = lo < hi ? lo : 0;
+        range[2 * r + 1] = lo < hi ? hi : 0;
+    }
+}
+
+// One tile (keys [start, stop) of the loaded KT) for one warp: S = Q·Kᵀ (scaled to log2
+// units and masked), the online softmax (running max m and partial sums l of the lane's
+// two rows, O rescaled), then O += P·V.
+template <int HD> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::ND][4], float (&m)[2], float (&l)[2], const unsigned (&qa)[Fa2<HD>::NK][4], const unsigned short* ks, const unsigned short* vs, int start, int stop, bool masked, const int* sp0, const int* sp1, float sl2) {
+    typedef Fa2<HD> F;
+    constexpr int LD = F::LD;
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    float s[F::NT][4];
+    for (int nt = 0; nt < F::NT; ++nt) {
+        for (int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
+        // ldmatrix x4: matrix i is keys nt·8.. of dims kc·16 + 8i..; registers 0, 1 are the B
+        // fragment of k-step kc, registers 2, 3 that of kc + 1.
+        for (int kc = 0; kc < F::NK; kc += 2) {
+            unsigned b[4];
+            ldmatrix_x4(b, ks + (nt * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(s[nt], qa[kc], b0, s[nt]);
+            mma_m16n8k16_bf16(s[nt], qa[kc + 1], b1, s[nt]);
+        }
+    }
+    // Element i of n-tile nt: row g + 8·(i >> 1) (the lane's row i >> 1), key nt·8 + 2t + (i & 1).
+    float mt[2] = {NEG_INF, NEG_INF};
+    for (int nt = 0; nt < F::NT; ++nt)
+        for (int i = 0; i < 4; ++i) {
+            float x = s[nt][i] * sl2;
+            const int key = start + nt * 8 + 2 * t + (i & 1);
+            if (masked && (key >= stop || !fa2_sees(i >> 1 ? sp1 : sp0, key))) x = NEG_INF;
+            s[nt][i] = x;
+            mt[i >> 1] = fmaxf(mt[i >> 1], x);
+        }
+    float corr[2];
+    for (int r = 0; r < 2; ++r) {
+        mt[r] = fmaxf(mt[r], __shfl_xor_sync(FULL_MASK, mt[r], 1));
+        mt[r] = fmaxf(mt[r], __shfl_xor_sync(FULL_MASK, mt[r], 2));
+        const float mn = fmaxf(m[r], mt[r]);
+        corr[r] = mn == NEG_INF ? 1.0f : exp2_neg(m[r] - mn);
+        m[r] = mn;
+        l[r] *= corr[r];
+    }
+    for (int dt = 0; dt < F::ND; ++dt) {
+        o[dt][0] *= corr[0];
+        o[dt][1] *= corr[0];
+        o[dt][2] *= corr[1];
+        o[dt][3] *= corr[1];
+    }
+    // P in A fragments: k-step j covers n-tiles 2j (registers 0, 1) and 2j + 1 (2, 3).
+    unsigned pa[F::NT / 2][4];
+    for (int nt = 0; nt < F::NT; ++nt) {
+        float p[4];
+        for (int i = 0; i < 4; ++i) {
+            const float mr = m[i >> 1];
+            p[i] = mr == NEG_INF ? 0.0f : exp2_neg(s[nt][i] - mr);
+            l[i >> 1] += p[i];
+        }
+        pa[nt >> 1][2 * (nt & 1)] = pack_bf16(p[0], p[1]);
+        pa[nt >> 1][2 * (nt & 1) + 1] = pack_bf16(p[2], p[3]);
+    }
+    // ldmatrix x4 .trans: matrix i is keys j·16 + 8·(i & 1).. of dims dt·8 + 8·(i >> 1)..;
+    // registers 0, 1 are the B fragment of n-tile dt, registers 2, 3 that of dt + 1.
+    for (int j = 0; j < F::NT / 2; ++j)
+        for (int dt = 0; dt < F::ND; dt += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, vs + (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dt * 8 + (lane >> 4) * 8);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(o[dt], pa[j], b0, o[dt]);
+            mma_m16n8k16_bf16(o[dt + 1], pa[j], b1, o[dt + 1]);
+        }
+}
+
+template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    using namespace fa2_shared;
+    typedef Fa2<HD> F;
+    constexpr int KT = F::KT, LD = F::LD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * FA2_ROWS;
+    const int kh = head / (qh / kvh);
+    const long qw = (long)qh * hd, kw = (long)kvh * hd;
+    const float sl2 = rsqrtf((float)hd) * 1.4426950408889634f;
+    if (threadIdx.x == 0) fa2_range(range, spans, first, tq);
+    // The lane's two rows (g and g + 8 of its warp's 16) and their spans; a row past tq
+    // sees nothing.
+    const int row[2] = {first + warp * 16 + g, first + warp * 16 + g + 8};
+    int sp[2][4];
+    for (int r = 0; r < 2; ++r)
+        for (int e = 0; e < 4; ++e) sp[r][e] = row[r] < tq ? spans[4 * row[r] + e] : 0;
+    // Q's A fragments, straight from global memory: register j of k-step kc holds row
+    // g + 8·(j & 1), dims kc·16 + 8·(j >> 1) + 2t + {0, 1}.
+    unsigned qa[F::NK][4];
+    for (int kc = 0; kc < F::NK; ++kc)
+        for (int j = 0; j < 4; ++j) {
+            const int rr = row[j & 1], d = kc * 16 + 8 * (j >> 1) + 2 * t;
+            qa[kc][j] = rr < tq && d < hd ? *(const unsigned*)(q + rr * qw + (long)head * hd + d) : 0u;
+        }
+    float o[F::ND][4];
+    for (int dt = 0; dt < F::ND; ++dt)
+        for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    __syncthreads();
+    const int lo0 = range[0], hi0 = range[1], lo1 = range[2], hi1 = range[3];
+    const int n0 = (hi0 - lo0 + KT - 1) / KT, n = n0 + (hi1 - lo1 + KT - 1) / KT;
+    // Tile i: keys [start, start + KT) ∩ [start, end).
+    #define FA2_START(i) ((i) < n0 ? lo0 + (i) * KT : lo1 + ((i) - n0) * KT)
+    #define FA2_END(i) ((i) < n0 ? hi0 : hi1)
+    if (n > 0) {
+        fa2_load<HD>(kv, kv + KT * LD, k, v, FA2_START(0), FA2_END(0), kw, kh, hd);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; ++i) {
+        if (i + 1 < n) {
+            unsigned short* nb = kv + ((i + 1) & 1) * 2 * KT * LD;
+            fa2_load<HD>(nb, nb + KT * LD, k, v, FA2_START(i + 1), FA2_END(i + 1), kw, kh, hd);
+            cp_async_commit();
+            cp_async_wait_group<1>();
+        } else {
+            cp_async_wait_group<0>();
+        }
+        __syncthreads();
+        // The tile's keys are [start, stop): a key past its span's union (a zero row here)
+        // may be one another span holds, which is its own tile's.
+        const int start = FA2_START(i), end = FA2_END(i), stop = start + KT < end ? start + KT : end;
+        const unsigned short* ks = kv + (i & 1) * 2 * KT * LD;
+        // A row past tq does not hold the warp back from the unmasked path.
+        const bool all = stop == start + KT && (row[0] >= tq || fa2_sees_all(sp[0], start, stop)) && (row[1] >= tq || fa2_sees_all(sp[1], start, stop));
+        const bool any = fa2_sees_any(sp[0], start, stop) || fa2_sees_any(sp[1], start, stop);
+        const bool masked = !__all_sync(FULL_MASK, all);
+        if (__any_sync(FULL_MASK, any)) fa2_tile<HD>(o, m, l, qa, ks, ks + KT * LD, start, stop, masked, sp[0], sp[1], sl2);
+        __syncthreads();
+    }
+    #undef FA2_START
+    #undef FA2_END
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+        if (t == 0 && row[r] < tq) lse[(long)row[r] * qh + head] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : NEG_INF;
+    }
+    const float inv[2] = {l[0] > 0.0f ? 1.0f / l[0] : 0.0f, l[1] > 0.0f ? 1.0f / l[1] : 0.0f};
+    for (int dt = 0; dt < F::ND; ++dt) {
+        const int d = dt * 8 + 2 * t;
+        if (d >= hd) continue;
+        for (int r = 0; r < 2; ++r)
+            if (row[r] < tq) *(unsigned*)(out + row[r] * qw + (long)head * hd + d) = pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+    }
+}
+extern "C" __global__ void attention_fa2_fwd_bf16_hd32(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<32>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+extern "C" __global__ void attention_fa2_fwd_bf16_hd64(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<64>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+extern "C" __global__ void attention_fa2_fwd_bf16_hd128(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<128>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+
 // One 16×16 tile of a gradient in the backward: a · b (b: 16 rows of a staged tile, from
 // its column), through the scratch tile, each element (i, j) then handed to add(i, j, x)
 // by one lane. The warp syncs before the scratch is read and again before it is reused.
