@@ -515,37 +515,63 @@ __shared__ __align__(16) unsigned short kv[FA2_SMEM_ELEMS];
 __shared__ int range[4];
 }  // namespace fa2_shared
 
+// Two f32 to a bf16 pair (lo in the low half), round to nearest even, and 2^x flushed to 0
+// below 2^-126: one instruction each on a GPU (cvt.rn.bf16x2.f32, ex2.approx.ftz), the same
+// values by hand on the host device.
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) { return (unsigned)to_bf16(lo) | ((unsigned)to_bf16(hi) << 16); }
+__device__ __forceinline__ float fast_exp2(float x) { return x < -126.0f ? 0.0f : exp2f(x); }
+#endif
 
-// 2^x for x <= 0, flushed to 0 where e^(x·ln 2) is below 1e-30 (exp_neg's bound).
-__device__ __forceinline__ float exp2_neg(float x) { return x < -99.65f ? 0.0f : exp2f(x); }
-
-// Keys [start, end) of head `kh` of k and v into the tiles ks and vs (KT rows of LD), zeros
-// beyond `end` and beyond `hd`, by all threads of the CTA: 16-byte cp.async copies, zeros
-// stored directly.
-template <int HD> __device__ __forceinline__ void fa2_load(unsigned short* ks, unsigned short* vs, const unsigned short* k, const unsigned short* v, int start, int end, long kw, int kh, int hd) {
-    constexpr int KT = Fa2<HD>::KT, LD = Fa2<HD>::LD, CH = HD / 8;
-    for (int i = threadIdx.x; i < KT * CH; i += FA2_THREADS) {
-        const int r = i / CH, c = (i % CH) * 8, key = start + r;
-        unsigned short* kd = ks + r * LD + c;
-        unsigned short* vd = vs + r * LD + c;
-        if (key < end && c < hd) {
-            const long off = (long)key * kw + (long)kh * hd + c;
-            cp_async_cg16(kd, k + off);
-            cp_async_cg16(vd, v + off);
-        } else {
-            ((unsigned long long*)kd)[0] = 0ull;
-            ((unsigned long long*)kd)[1] = 0ull;
-            ((unsigned long long*)vd)[0] = 0ull;
-            ((unsigned long long*)vd)[1] = 0ull;
+// Keys [start, end) of k and v (already at the head's columns; rows kw apart) into the
+// tiles ks and vs (KT rows of LD), zeros beyond `end` and beyond `hd`, by all threads of the
+// CTA: thread t copies the 16 bytes at column (t % CH)·8 of rows t / CH + j·RS with
+// cp.async; a whole tile at the full head dim (the common case) with no check per copy.
+template <int HD> __device__ __noinline__ void fa2_load_edge(unsigned short* kd, unsigned short* vd, const unsigned short* k, const unsigned short* v, long off, int key, int end, int c, long kw, int hd);
+template <int HD> __device__ __forceinline__ void fa2_load(unsigned short* ks, unsigned short* vs, const unsigned short* k, const unsigned short* v, int start, int end, long kw, int hd) {
+    constexpr int KT = Fa2<HD>::KT, LD = Fa2<HD>::LD, CH = HD / 8, RS = FA2_THREADS / CH, PASSES = KT / RS;
+    static_assert(FA2_THREADS % CH == 0 && KT % RS == 0, "the CTA's threads cover a tile in whole passes");
+    const int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8;
+    const long off = (long)(start + r0) * kw + c;
+    unsigned short* kd = ks + r0 * LD + c;
+    unsigned short* vd = vs + r0 * LD + c;
+    if (start + KT <= end && hd == HD) {
+        for (int j = 0; j < PASSES; ++j) {
+            cp_async_cg16(kd + j * RS * LD, k + off + j * RS * kw);
+            cp_async_cg16(vd + j * RS * LD, v + off + j * RS * kw);
         }
+    } else {
+        fa2_load_edge<HD>(kd, vd, k, v, off, start + r0, end, c, kw, hd);
     }
 }
 
-// Does a row with spans sp see every key of [a, b)? Any of them?
-__device__ __forceinline__ bool fa2_sees_all(const int* sp, int a, int b) { return (a >= sp[0] && b <= sp[1]) || (a >= sp[2] && b <= sp[3]); }
-__device__ __forceinline__ bool fa2_sees_any(const int* sp, int a, int b) { return (sp[0] < sp[1] && sp[0] < b && a < sp[1]) || (sp[2] < sp[3] && sp[2] < b && a < sp[3]); }
-__device__ __forceinline__ bool fa2_sees(const int* sp, int key) { return (key >= sp[0] && key < sp[1]) || (key >= sp[2] && key < sp[3]); }
+// fa2_load's last tile of a span or a padded head dim, out of the main loop's way: each
+// copy checked, zeros where there is nothing to copy.
+template <int HD> __device__ __noinline__ void fa2_load_edge(unsigned short* kd, unsigned short* vd, const unsigned short* k, const unsigned short* v, long off, int key, int end, int c, long kw, int hd) {
+    constexpr int KT = Fa2<HD>::KT, LD = Fa2<HD>::LD, CH = HD / 8, RS = FA2_THREADS / CH, PASSES = KT / RS;
+    for (int j = 0; j < PASSES; ++j) {
+        if (key + j * RS < end && c < hd) {
+            cp_async_cg16(kd + j * RS * LD, k + off + j * RS * kw);
+            cp_async_cg16(vd + j * RS * LD, v + off + j * RS * kw);
+        } else {
+            ((unsigned long long*)(kd + j * RS * LD))[0] = 0ull;
+            ((unsigned long long*)(kd + j * RS * LD))[1] = 0ull;
+            ((unsigned long long*)(vd + j * RS * LD))[0] = 0ull;
+            ((unsigned long long*)(vd + j * RS * LD))[1] = 0ull;
+        }
+    }
+}
 
 // The union of the spans of rows [first, first + FA2_ROWS) (of tq): [lo, hi) per span.
 __device__ __forceinline__ void fa2_range(int* range, const int* spans, int first, int tq) {
@@ -560,10 +586,10 @@ __device__ __forceinline__ void fa2_range(int* range, const int* spans, int firs
     }
 }
 
-// One tile (keys [start, stop) of the loaded KT) for one warp: S = Q·Kᵀ (scaled to log2
-// units and masked), the online softmax (running max m and partial sums l of the lane's
-// two rows, O rescaled), then O += P·V.
-template <int HD> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::ND][4], float (&m)[2], float (&l)[2], const unsigned (&qa)[Fa2<HD>::NK][4], const unsigned short* ks, const unsigned short* vs, int start, int stop, bool masked, const int* sp0, const int* sp1, float sl2) {
+// One tile for one warp: S = Q·Kᵀ, scaled to log2 units and, when `masked`, kept only for
+// the keys [lo[r], hi[r]) (tile-local) of the lane's row r; the online softmax (running
+// max m and partial sums l of the lane's two rows, O rescaled); then O += P·V.
+template <int HD> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::ND][4], float (&m)[2], float (&l)[2], const unsigned (&qa)[Fa2<HD>::NK][4], const unsigned short* ks, const unsigned short* vs, bool masked, const int (&lo)[2], const int (&hi)[2], float sl2) {
     typedef Fa2<HD> F;
     constexpr int LD = F::LD;
     const int lane = threadIdx.x & 31, t = lane & 3;
@@ -580,38 +606,44 @@ template <int HD> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::N
             mma_m16n8k16_bf16(s[nt], qa[kc + 1], b1, s[nt]);
         }
     }
-    // Element i of n-tile nt: row g + 8·(i >> 1) (the lane's row i >> 1), key nt·8 + 2t + (i & 1).
+    // Element i of n-tile nt: the lane's row i >> 1 (g + 8·(i >> 1)), key nt·8 + 2t + (i & 1).
+    // The maximum is taken of the raw scores (the scale is positive) and the scale folded
+    // into the exponent: p = 2^(s·sl2 − m), one FFMA and one MUFU.
     float mt[2] = {NEG_INF, NEG_INF};
-    for (int nt = 0; nt < F::NT; ++nt)
-        for (int i = 0; i < 4; ++i) {
-            float x = s[nt][i] * sl2;
-            const int key = start + nt * 8 + 2 * t + (i & 1);
-            if (masked && (key >= stop || !fa2_sees(i >> 1 ? sp1 : sp0, key))) x = NEG_INF;
-            s[nt][i] = x;
-            mt[i >> 1] = fmaxf(mt[i >> 1], x);
-        }
-    float corr[2];
+    if (masked) {
+        for (int nt = 0; nt < F::NT; ++nt)
+            for (int i = 0; i < 4; ++i) {
+                const int key = nt * 8 + 2 * t + (i & 1), r = i >> 1;
+                s[nt][i] = key >= lo[r] && key < hi[r] ? s[nt][i] : NEG_INF;
+                mt[r] = fmaxf(mt[r], s[nt][i]);
+            }
+    } else {
+        for (int nt = 0; nt < F::NT; ++nt)
+            for (int i = 0; i < 4; ++i) mt[i >> 1] = fmaxf(mt[i >> 1], s[nt][i]);
+    }
+    // A row with no key so far keeps m = −inf; it subtracts 0 instead (every p and its
+    // correction are then 0). A NaN score (a NaN query) is no maximum; its row's sum turns
+    // NaN, and such a row is written as one without keys.
+    float mu[2];
     for (int r = 0; r < 2; ++r) {
         mt[r] = fmaxf(mt[r], __shfl_xor_sync(FULL_MASK, mt[r], 1));
         mt[r] = fmaxf(mt[r], __shfl_xor_sync(FULL_MASK, mt[r], 2));
-        const float mn = fmaxf(m[r], mt[r]);
-        corr[r] = mn == NEG_INF ? 1.0f : exp2_neg(m[r] - mn);
+        const float mn = fmaxf(m[r], mt[r] * sl2);
+        mu[r] = mn == NEG_INF ? 0.0f : mn;
+        const float corr = fast_exp2(m[r] - mu[r]);
         m[r] = mn;
-        l[r] *= corr[r];
-    }
-    for (int dt = 0; dt < F::ND; ++dt) {
-        o[dt][0] *= corr[0];
-        o[dt][1] *= corr[0];
-        o[dt][2] *= corr[1];
-        o[dt][3] *= corr[1];
+        l[r] *= corr;
+        for (int dt = 0; dt < F::ND; ++dt) {
+            o[dt][2 * r] *= corr;
+            o[dt][2 * r + 1] *= corr;
+        }
     }
     // P in A fragments: k-step j covers n-tiles 2j (registers 0, 1) and 2j + 1 (2, 3).
     unsigned pa[F::NT / 2][4];
     for (int nt = 0; nt < F::NT; ++nt) {
         float p[4];
         for (int i = 0; i < 4; ++i) {
-            const float mr = m[i >> 1];
-            p[i] = mr == NEG_INF ? 0.0f : exp2_neg(s[nt][i] - mr);
+            p[i] = fast_exp2(fmaf(s[nt][i], sl2, -mu[i >> 1]));
             l[i >> 1] += p[i];
         }
         pa[nt >> 1][2 * (nt & 1)] = pack_bf16(p[0], p[1]);
@@ -638,6 +670,8 @@ template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float
     const int kh = head / (qh / kvh);
     const long qw = (long)qh * hd, kw = (long)kvh * hd;
     const float sl2 = rsqrtf((float)hd) * 1.4426950408889634f;
+    const unsigned short* kh_k = k + (long)kh * hd;
+    const unsigned short* kh_v = v + (long)kh * hd;
     if (threadIdx.x == 0) fa2_range(range, spans, first, tq);
     // The lane's two rows (g and g + 8 of its warp's 16) and their spans; a row past tq
     // sees nothing.
@@ -664,28 +698,37 @@ template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float
     #define FA2_START(i) ((i) < n0 ? lo0 + (i) * KT : lo1 + ((i) - n0) * KT)
     #define FA2_END(i) ((i) < n0 ? hi0 : hi1)
     if (n > 0) {
-        fa2_load<HD>(kv, kv + KT * LD, k, v, FA2_START(0), FA2_END(0), kw, kh, hd);
+        fa2_load<HD>(kv, kv + KT * LD, kh_k, kh_v, FA2_START(0), FA2_END(0), kw, hd);
         cp_async_commit();
     }
     for (int i = 0; i < n; ++i) {
         if (i + 1 < n) {
             unsigned short* nb = kv + ((i + 1) & 1) * 2 * KT * LD;
-            fa2_load<HD>(nb, nb + KT * LD, k, v, FA2_START(i + 1), FA2_END(i + 1), kw, kh, hd);
+            fa2_load<HD>(nb, nb + KT * LD, kh_k, kh_v, FA2_START(i + 1), FA2_END(i + 1), kw, hd);
             cp_async_commit();
             cp_async_wait_group<1>();
         } else {
             cp_async_wait_group<0>();
         }
         __syncthreads();
-        // The tile's keys are [start, stop): a key past its span's union (a zero row here)
-        // may be one another span holds, which is its own tile's.
+        // Tile i holds keys [start, stop) of span union sp (0, then 1); a row sees those of
+        // them in its own span sp (tile-local [lo, hi)), so a key that two spans' unions
+        // share is counted by the tile of the row's span only, once.
+        const int sp_i = i < n0 ? 0 : 1;
         const int start = FA2_START(i), end = FA2_END(i), stop = start + KT < end ? start + KT : end;
         const unsigned short* ks = kv + (i & 1) * 2 * KT * LD;
-        // A row past tq does not hold the warp back from the unmasked path.
-        const bool all = stop == start + KT && (row[0] >= tq || fa2_sees_all(sp[0], start, stop)) && (row[1] >= tq || fa2_sees_all(sp[1], start, stop));
-        const bool any = fa2_sees_any(sp[0], start, stop) || fa2_sees_any(sp[1], start, stop);
+        int lo[2], hi[2];
+        bool all = stop == start + KT, any = false;
+        for (int r = 0; r < 2; ++r) {
+            const int a = sp_i ? sp[r][2] : sp[r][0], b = sp_i ? sp[r][3] : sp[r][1];
+            lo[r] = a - start;
+            hi[r] = (b < stop ? b : stop) - start;
+            // A row past tq (no keys) does not hold the warp back from the unmasked path.
+            all = all && (row[r] >= tq || (a <= start && start + KT <= b));
+            any = any || (a < b && a < stop && start < b);
+        }
         const bool masked = !__all_sync(FULL_MASK, all);
-        if (__any_sync(FULL_MASK, any)) fa2_tile<HD>(o, m, l, qa, ks, ks + KT * LD, start, stop, masked, sp[0], sp[1], sl2);
+        if (__any_sync(FULL_MASK, any)) fa2_tile<HD>(o, m, l, qa, ks, ks + KT * LD, masked, lo, hi, sl2);
         __syncthreads();
     }
     #undef FA2_START
@@ -695,12 +738,14 @@ template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float
         l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
         if (t == 0 && row[r] < tq) lse[(long)row[r] * qh + head] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : NEG_INF;
     }
-    const float inv[2] = {l[0] > 0.0f ? 1.0f / l[0] : 0.0f, l[1] > 0.0f ? 1.0f / l[1] : 0.0f};
+    // A row without keys (l = 0) or with a NaN sum is written as zeros.
+    const bool kept[2] = {l[0] > 0.0f, l[1] > 0.0f};
+    const float inv[2] = {kept[0] ? 1.0f / l[0] : 0.0f, kept[1] ? 1.0f / l[1] : 0.0f};
     for (int dt = 0; dt < F::ND; ++dt) {
         const int d = dt * 8 + 2 * t;
         if (d >= hd) continue;
         for (int r = 0; r < 2; ++r)
-            if (row[r] < tq) *(unsigned*)(out + row[r] * qw + (long)head * hd + d) = pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+            if (row[r] < tq) *(unsigned*)(out + row[r] * qw + (long)head * hd + d) = kept[r] ? pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]) : 0u;
     }
 }
 extern "C" __global__ void attention_fa2_fwd_bf16_hd32(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
