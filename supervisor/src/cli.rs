@@ -554,6 +554,26 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 1024)]
         tokens: usize,
     },
+    /// The GPU kernels' machine code, without a GPU: per kernel registers, shared memory,
+    /// spills, resident warps per SM and the main loop's MMAs and non-MMA instructions per
+    /// MMA (NVRTC's CUBIN for sm_80/90/100, read by cuobjdump: pip install
+    /// nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm), and a roofline model of an H200 at
+    /// Qwen3-8B's shapes with its assumptions. Runs in a dflash-worker process; exit 2 with
+    /// one line when NVRTC, cuobjdump or nvdisasm is missing.
+    Kernels {
+        /// Print one JSON object (`kernels`: one entry per kernel and architecture;
+        /// `model`: the modelled MFU figures).
+        #[arg(long)]
+        json: bool,
+        /// Architectures to compile for, comma-separated (the model needs sm_90).
+        #[arg(
+            long,
+            value_name = "SM",
+            value_delimiter = ',',
+            default_value = "sm_80,sm_90,sm_100"
+        )]
+        arch: Vec<String>,
+    },
     /// Training throughput on CPU: target forward and drafter step alone (in one
     /// dflash-worker process) against the whole pipeline on the same batches.
     Train {

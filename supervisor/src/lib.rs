@@ -90,6 +90,9 @@ pub fn main() -> i32 {
             tokens,
         })) => bench::compute::run(json, &target, tokens),
         Some(Command::Bench(BenchCommand::Train { json, steps })) => bench::train::run(json, steps),
+        Some(Command::Bench(BenchCommand::Kernels { json, arch })) => {
+            bench::kernels::run(json, &arch)
+        }
         Some(Command::Bench(BenchCommand::Telemetry { json, seconds })) => {
             bench::telemetry::run(json, seconds)
         }

@@ -4,8 +4,10 @@
 //   * by NVRTC at run time, for the GPU's compute capability (worker/src/gpu/nvrtc.rs);
 //   * as C++ by the host compiler, with cuda/host/cuda_host.h supplying the CUDA built-ins,
 //     for the host device that runs every kernel on the CPU in CI (worker/src/gpu/host.rs).
-// So: no inline PTX, no CUDA headers (bf16 is converted by hand, round-to-nearest-even;
-// tensor cores through a WMMA subset defined below), block sizes a multiple of 32,
+// So: inline PTX only inside the primitives defined below under __CUDACC_RTC__ (which
+// cuda_host.h emulates), no CUDA headers (bf16 is converted by hand, round-to-nearest-even;
+// tensor cores through a WMMA subset defined below, or through mma.sync, ldmatrix and
+// cp.async), block sizes a multiple of 32,
 // every warp collective with all 32 lanes present, and no __shared__ variable declared
 // inside a template: a template's shared memory is declared at namespace scope (on a GPU
 // the same thing: each kernel that uses it has its own, per block). The host device
@@ -136,6 +138,59 @@ __device__ __forceinline__ void mma_sync(fragment<accumulator, 16, 16, 16, float
     __mma_bf16_m16n16k16_mma_f32(d.x, a.x, b.x, c.x, 2 * is_col<LA>::value + is_col<LB>::value, 0);
 }
 }  // namespace wmma
+#endif
+
+// ---------------------------------------------------------------------------------------
+// The sm_80 primitives of FlashAttention-2-class kernels, over inline PTX: mma.sync
+// m16n8k16 (bf16 A row-major and B column-major, f32 accumulators), ldmatrix (x1/x2/x4,
+// .trans) from shared memory, and 16-byte cp.async from global to shared memory with its
+// commit/wait groups. Fragments are registers the kernel builds itself, in the layouts of
+// the PTX ISA, which cuda/host/cuda_host.h spells out and emulates for the host device
+// (there a cp.async destination is poisoned until the wait_group that covers it).
+// cuda/test_kernels.cu checks the emulation against those layouts (worker/tests/primitives.rs).
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+// d = a · b + c; a: 4 registers (8 bf16), b: 2 (4 bf16), c and d: 4 f32 (d may be c).
+__device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
+// `p`: this lane's row address (16 bytes, 16-byte aligned, shared memory).
+__device__ __forceinline__ void ldmatrix_x1(unsigned (&r)[1], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x1_trans(unsigned (&r)[1], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(unsigned (&r)[2], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// 16 bytes from global `src` to shared `dst` (both 16-byte aligned), asynchronously: .cg
+// bypasses L1, .ca caches there. Visible to this thread after a wait covering its group.
+__device__ __forceinline__ void cp_async_cg16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_ca16(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 #endif
 
 // ---------------------------------------------------------------------------------------
@@ -420,6 +475,287 @@ extern "C" __global__ void attention_fwd(float* out, float* lse, const float* q,
 }
 extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
     attention_fwd_t(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention forward in FlashAttention-2's structure, for bf16 q/k/v/out (f32 lse): the
+// same contract as attention_fwd_bf16 (spans, GQA, lse, a row with no key outputs 0 with
+// lse −inf), chosen by the host for head dims that are a multiple of 8 up to 128 with
+// 16-byte aligned operands.
+//
+// A CTA is 4 warps × 16 query rows (FA2_ROWS) of one head. Its keys are visited in tiles
+// of KT, each copied once into shared memory for all four warps with cp.async, double
+// buffered (tile i + 1 is in flight while tile i is computed). Each warp keeps its Q
+// fragments, its O accumulators and its rows' softmax statistics in registers for the
+// whole loop: Q·Kᵀ and P·V are mma.sync m16n8k16 (bf16 in, f32 accumulators), K read
+// with ldmatrix and V with ldmatrix.trans; the scores are scaled by log2(e)/√hd once, so
+// the softmax is exp2; P goes from the S accumulators to A fragments in registers (the
+// accumulator layout of two n-tiles is the A layout of one k-step). Masking: a tile that
+// every row of the warp sees whole is not masked, one that no row sees is skipped.
+// Grid: ceil(tq / 64) · qh CTAs of 128 threads.
+#define FA2_ROWS 64
+#define FA2_THREADS 128
+// Shared memory for the K and V tiles: 2 buffers × (K, V) × KT rows × (HD + 8) bf16, the
+// largest over the head dims instantiated (HD 64: 4 · 64 · 72).
+#define FA2_SMEM_ELEMS 18432
+
+template <int HD> struct Fa2 {
+    static constexpr int KT = HD >= 128 ? 32 : 64;  // keys per tile
+    static constexpr int LD = HD + 8;               // row stride (elements): 16-byte rows, off the banks' period
+    static constexpr int NK = HD / 16;              // k-steps of Q·Kᵀ
+    static constexpr int ND = HD / 8;               // n-tiles of O
+    static constexpr int NT = KT / 8;               // n-tiles of S
+    static_assert(4 * KT * LD <= FA2_SMEM_ELEMS, "K and V tiles fit the shared buffer");
+    static_assert(NK % 2 == 0 && ND % 2 == 0 && NT % 2 == 0, "fragments are taken in pairs");
+};
+
+// attention_fa2_fwd_t's shared memory (no __shared__ in a template).
+namespace fa2_shared {
+__shared__ __align__(16) unsigned short kv[FA2_SMEM_ELEMS];
+__shared__ int range[4];
+}  // namespace fa2_shared
+
+// Two f32 to a bf16 pair (lo in the low half), round to nearest even, and 2^x flushed to 0
+// below 2^-126: one instruction each on a GPU (cvt.rn.bf16x2.f32, ex2.approx.ftz), the same
+// values by hand on the host device.
+#ifdef __CUDACC_RTC__
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+#else
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) { return (unsigned)to_bf16(lo) | ((unsigned)to_bf16(hi) << 16); }
+__device__ __forceinline__ float fast_exp2(float x) { return x < -126.0f ? 0.0f : exp2f(x); }
+#endif
+
+// Keys [start, end) of k and v (already at the head's columns; rows kw apart) into the
+// tiles ks and vs (KT rows of LD), zeros beyond `end` and beyond `hd`, by all threads of the
+// CTA: thread t copies the 16 bytes at column (t % CH)·8 of rows t / CH + j·RS with
+// cp.async; a whole tile at the full head dim (the common case) with no check per copy.
+template <int HD> __device__ __noinline__ void fa2_load_edge(unsigned short* kd, unsigned short* vd, const unsigned short* k, const unsigned short* v, long off, int key, int end, int c, long kw, int hd);
+template <int HD> __device__ __forceinline__ void fa2_load(unsigned short* ks, unsigned short* vs, const unsigned short* k, const unsigned short* v, int start, int end, long kw, int hd) {
+    constexpr int KT = Fa2<HD>::KT, LD = Fa2<HD>::LD, CH = HD / 8, RS = FA2_THREADS / CH, PASSES = KT / RS;
+    static_assert(FA2_THREADS % CH == 0 && KT % RS == 0, "the CTA's threads cover a tile in whole passes");
+    const int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8;
+    const long off = (long)(start + r0) * kw + c;
+    unsigned short* kd = ks + r0 * LD + c;
+    unsigned short* vd = vs + r0 * LD + c;
+    if (start + KT <= end && hd == HD) {
+        for (int j = 0; j < PASSES; ++j) {
+            cp_async_cg16(kd + j * RS * LD, k + off + j * RS * kw);
+            cp_async_cg16(vd + j * RS * LD, v + off + j * RS * kw);
+        }
+    } else {
+        fa2_load_edge<HD>(kd, vd, k, v, off, start + r0, end, c, kw, hd);
+    }
+}
+
+// fa2_load's last tile of a span or a padded head dim, out of the main loop's way: each
+// copy checked, zeros where there is nothing to copy.
+template <int HD> __device__ __noinline__ void fa2_load_edge(unsigned short* kd, unsigned short* vd, const unsigned short* k, const unsigned short* v, long off, int key, int end, int c, long kw, int hd) {
+    constexpr int KT = Fa2<HD>::KT, LD = Fa2<HD>::LD, CH = HD / 8, RS = FA2_THREADS / CH, PASSES = KT / RS;
+    for (int j = 0; j < PASSES; ++j) {
+        if (key + j * RS < end && c < hd) {
+            cp_async_cg16(kd + j * RS * LD, k + off + j * RS * kw);
+            cp_async_cg16(vd + j * RS * LD, v + off + j * RS * kw);
+        } else {
+            ((unsigned long long*)(kd + j * RS * LD))[0] = 0ull;
+            ((unsigned long long*)(kd + j * RS * LD))[1] = 0ull;
+            ((unsigned long long*)(vd + j * RS * LD))[0] = 0ull;
+            ((unsigned long long*)(vd + j * RS * LD))[1] = 0ull;
+        }
+    }
+}
+
+// The union of the spans of rows [first, first + FA2_ROWS) (of tq): [lo, hi) per span.
+__device__ __forceinline__ void fa2_range(int* range, const int* spans, int first, int tq) {
+    for (int r = 0; r < 2; ++r) {
+        int lo = 0x7fffffff, hi = 0;
+        for (int i = first; i < first + FA2_ROWS && i < tq; ++i) {
+            const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
+            if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
+        }
+        range[2 * r] = lo < hi ? lo : 0;
+        range[2 * r + 1] = lo < hi ? hi : 0;
+    }
+}
+
+// One tile for one warp: S = Q·Kᵀ, scaled to log2 units and, when `masked`, kept only for
+// the keys [lo[r], hi[r]) (tile-local) of the lane's row r; the online softmax (running
+// max m and partial sums l of the lane's two rows, O rescaled); then O += P·V.
+template <int HD> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::ND][4], float (&m)[2], float (&l)[2], const unsigned (&qa)[Fa2<HD>::NK][4], const unsigned short* ks, const unsigned short* vs, bool masked, const int (&lo)[2], const int (&hi)[2], float sl2) {
+    typedef Fa2<HD> F;
+    constexpr int LD = F::LD;
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    float s[F::NT][4];
+    for (int nt = 0; nt < F::NT; ++nt) {
+        for (int i = 0; i < 4; ++i) s[nt][i] = 0.0f;
+        // ldmatrix x4: matrix i is keys nt·8.. of dims kc·16 + 8i..; registers 0, 1 are the B
+        // fragment of k-step kc, registers 2, 3 that of kc + 1.
+        for (int kc = 0; kc < F::NK; kc += 2) {
+            unsigned b[4];
+            ldmatrix_x4(b, ks + (nt * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(s[nt], qa[kc], b0, s[nt]);
+            mma_m16n8k16_bf16(s[nt], qa[kc + 1], b1, s[nt]);
+        }
+    }
+    // Element i of n-tile nt: the lane's row i >> 1 (g + 8·(i >> 1)), key nt·8 + 2t + (i & 1).
+    // The maximum is taken of the raw scores (the scale is positive) and the scale folded
+    // into the exponent: p = 2^(s·sl2 − m), one FFMA and one MUFU.
+    float mt[2] = {NEG_INF, NEG_INF};
+    if (masked) {
+        for (int nt = 0; nt < F::NT; ++nt)
+            for (int i = 0; i < 4; ++i) {
+                const int key = nt * 8 + 2 * t + (i & 1), r = i >> 1;
+                s[nt][i] = key >= lo[r] && key < hi[r] ? s[nt][i] : NEG_INF;
+                mt[r] = fmaxf(mt[r], s[nt][i]);
+            }
+    } else {
+        for (int nt = 0; nt < F::NT; ++nt)
+            for (int i = 0; i < 4; ++i) mt[i >> 1] = fmaxf(mt[i >> 1], s[nt][i]);
+    }
+    // A row with no key so far keeps m = −inf; it subtracts 0 instead (every p and its
+    // correction are then 0). A NaN score (a NaN query) is no maximum; its row's sum turns
+    // NaN, and such a row is written as one without keys.
+    float mu[2];
+    for (int r = 0; r < 2; ++r) {
+        mt[r] = fmaxf(mt[r], __shfl_xor_sync(FULL_MASK, mt[r], 1));
+        mt[r] = fmaxf(mt[r], __shfl_xor_sync(FULL_MASK, mt[r], 2));
+        const float mn = fmaxf(m[r], mt[r] * sl2);
+        mu[r] = mn == NEG_INF ? 0.0f : mn;
+        const float corr = fast_exp2(m[r] - mu[r]);
+        m[r] = mn;
+        l[r] *= corr;
+        for (int dt = 0; dt < F::ND; ++dt) {
+            o[dt][2 * r] *= corr;
+            o[dt][2 * r + 1] *= corr;
+        }
+    }
+    // P in A fragments: k-step j covers n-tiles 2j (registers 0, 1) and 2j + 1 (2, 3).
+    unsigned pa[F::NT / 2][4];
+    for (int nt = 0; nt < F::NT; ++nt) {
+        float p[4];
+        for (int i = 0; i < 4; ++i) {
+            p[i] = fast_exp2(fmaf(s[nt][i], sl2, -mu[i >> 1]));
+            l[i >> 1] += p[i];
+        }
+        pa[nt >> 1][2 * (nt & 1)] = pack_bf16(p[0], p[1]);
+        pa[nt >> 1][2 * (nt & 1) + 1] = pack_bf16(p[2], p[3]);
+    }
+    // ldmatrix x4 .trans: matrix i is keys j·16 + 8·(i & 1).. of dims dt·8 + 8·(i >> 1)..;
+    // registers 0, 1 are the B fragment of n-tile dt, registers 2, 3 that of dt + 1.
+    for (int j = 0; j < F::NT / 2; ++j)
+        for (int dt = 0; dt < F::ND; dt += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, vs + (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dt * 8 + (lane >> 4) * 8);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(o[dt], pa[j], b0, o[dt]);
+            mma_m16n8k16_bf16(o[dt + 1], pa[j], b1, o[dt + 1]);
+        }
+}
+
+template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    using namespace fa2_shared;
+    typedef Fa2<HD> F;
+    constexpr int KT = F::KT, LD = F::LD;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * FA2_ROWS;
+    const int kh = head / (qh / kvh);
+    const long qw = (long)qh * hd, kw = (long)kvh * hd;
+    const float sl2 = rsqrtf((float)hd) * 1.4426950408889634f;
+    const unsigned short* kh_k = k + (long)kh * hd;
+    const unsigned short* kh_v = v + (long)kh * hd;
+    if (threadIdx.x == 0) fa2_range(range, spans, first, tq);
+    // The lane's two rows (g and g + 8 of its warp's 16) and their spans; a row past tq
+    // sees nothing.
+    const int row[2] = {first + warp * 16 + g, first + warp * 16 + g + 8};
+    int sp[2][4];
+    for (int r = 0; r < 2; ++r)
+        for (int e = 0; e < 4; ++e) sp[r][e] = row[r] < tq ? spans[4 * row[r] + e] : 0;
+    // Q's A fragments, straight from global memory: register j of k-step kc holds row
+    // g + 8·(j & 1), dims kc·16 + 8·(j >> 1) + 2t + {0, 1}.
+    unsigned qa[F::NK][4];
+    for (int kc = 0; kc < F::NK; ++kc)
+        for (int j = 0; j < 4; ++j) {
+            const int rr = row[j & 1], d = kc * 16 + 8 * (j >> 1) + 2 * t;
+            qa[kc][j] = rr < tq && d < hd ? *(const unsigned*)(q + rr * qw + (long)head * hd + d) : 0u;
+        }
+    float o[F::ND][4];
+    for (int dt = 0; dt < F::ND; ++dt)
+        for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    __syncthreads();
+    const int lo0 = range[0], hi0 = range[1], lo1 = range[2], hi1 = range[3];
+    const int n0 = (hi0 - lo0 + KT - 1) / KT, n = n0 + (hi1 - lo1 + KT - 1) / KT;
+    // Tile i: keys [start, start + KT) ∩ [start, end).
+    #define FA2_START(i) ((i) < n0 ? lo0 + (i) * KT : lo1 + ((i) - n0) * KT)
+    #define FA2_END(i) ((i) < n0 ? hi0 : hi1)
+    if (n > 0) {
+        fa2_load<HD>(kv, kv + KT * LD, kh_k, kh_v, FA2_START(0), FA2_END(0), kw, hd);
+        cp_async_commit();
+    }
+    for (int i = 0; i < n; ++i) {
+        if (i + 1 < n) {
+            unsigned short* nb = kv + ((i + 1) & 1) * 2 * KT * LD;
+            fa2_load<HD>(nb, nb + KT * LD, kh_k, kh_v, FA2_START(i + 1), FA2_END(i + 1), kw, hd);
+            cp_async_commit();
+            cp_async_wait_group<1>();
+        } else {
+            cp_async_wait_group<0>();
+        }
+        __syncthreads();
+        // Tile i holds keys [start, stop) of span union sp (0, then 1); a row sees those of
+        // them in its own span sp (tile-local [lo, hi)), so a key that two spans' unions
+        // share is counted by the tile of the row's span only, once.
+        const int sp_i = i < n0 ? 0 : 1;
+        const int start = FA2_START(i), end = FA2_END(i), stop = start + KT < end ? start + KT : end;
+        const unsigned short* ks = kv + (i & 1) * 2 * KT * LD;
+        int lo[2], hi[2];
+        bool all = stop == start + KT, any = false;
+        for (int r = 0; r < 2; ++r) {
+            const int a = sp_i ? sp[r][2] : sp[r][0], b = sp_i ? sp[r][3] : sp[r][1];
+            lo[r] = a - start;
+            hi[r] = (b < stop ? b : stop) - start;
+            // A row past tq (no keys) does not hold the warp back from the unmasked path.
+            all = all && (row[r] >= tq || (a <= start && start + KT <= b));
+            any = any || (a < b && a < stop && start < b);
+        }
+        const bool masked = !__all_sync(FULL_MASK, all);
+        if (__any_sync(FULL_MASK, any)) fa2_tile<HD>(o, m, l, qa, ks, ks + KT * LD, masked, lo, hi, sl2);
+        __syncthreads();
+    }
+    #undef FA2_START
+    #undef FA2_END
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+        if (t == 0 && row[r] < tq) lse[(long)row[r] * qh + head] = l[r] > 0.0f ? (m[r] + log2f(l[r])) * 0.6931471805599453f : NEG_INF;
+    }
+    // A row without keys (l = 0) or with a NaN sum is written as zeros.
+    const bool kept[2] = {l[0] > 0.0f, l[1] > 0.0f};
+    const float inv[2] = {kept[0] ? 1.0f / l[0] : 0.0f, kept[1] ? 1.0f / l[1] : 0.0f};
+    for (int dt = 0; dt < F::ND; ++dt) {
+        const int d = dt * 8 + 2 * t;
+        if (d >= hd) continue;
+        for (int r = 0; r < 2; ++r)
+            if (row[r] < tq) *(unsigned*)(out + row[r] * qw + (long)head * hd + d) = kept[r] ? pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]) : 0u;
+    }
+}
+extern "C" __global__ void attention_fa2_fwd_bf16_hd32(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<32>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+extern "C" __global__ void attention_fa2_fwd_bf16_hd64(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<64>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+extern "C" __global__ void attention_fa2_fwd_bf16_hd128(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<128>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
 }
 
 // One 16×16 tile of a gradient in the backward: a · b (b: 16 rows of a staged tile, from

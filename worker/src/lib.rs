@@ -20,6 +20,7 @@ pub mod error;
 pub mod export;
 mod fatal;
 mod identity;
+pub mod kernel_bench;
 pub mod math;
 pub mod models;
 mod plane;
@@ -90,6 +91,17 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// What `dflash-supervise bench kernels` prints: the kernels' registers, shared memory,
+    /// spills, resident warps and main-loop instruction mix from NVRTC's CUBIN (read with
+    /// cuobjdump, no GPU needed), and a roofline model of an H200 at Qwen3-8B's shapes.
+    #[command(hide = true)]
+    BenchKernels {
+        /// Architectures to compile for (default: sm_80,sm_90,sm_100; the model needs sm_90).
+        #[arg(long, value_name = "SM", value_delimiter = ',')]
+        arch: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the drafter of a checkpoint (checkpoints/step-N of a run) as a Hugging Face
     /// directory, with the parity probe (what `dflash-supervise export` runs).
     Export {
@@ -149,6 +161,7 @@ pub fn main() -> i32 {
             tokens,
             json,
         }) => tool(bench_ops::run(&target, tokens, json)),
+        Some(Command::BenchKernels { arch, json }) => tool(kernel_bench::run(&arch, json)),
         Some(Command::Export {
             checkpoint,
             target,

@@ -34,6 +34,18 @@ extern dim3 grid_dim;
 void syncthreads();
 // Every lane publishes `mine`; returns lane `src`'s value. All lanes of the warp take part.
 uint64_t warp_exchange(uint64_t mine, int src);
+// Every lane publishes `n` (at most 16) words; all[l·n + i] is then lane l's word i. All
+// lanes of the warp take part (the tensor-core primitives below).
+void warp_allgather(const uint32_t* mine, int n, uint32_t* all);
+// Aborts, naming `what` and the launch, unless [p, p + bytes) lies inside the block's
+// shared memory (`shared`) or outside it (`!shared`), aligned to `align` bytes.
+void check_space(const void* p, size_t bytes, bool shared, size_t align, const char* what);
+// cp.async of `bytes` from global `src` to shared `dst`, by the calling thread: its
+// destination is poisoned now and written at the wait_group that covers it (see below).
+void cp_async(void* dst, const void* src, int bytes, const char* what);
+void cp_async_commit();
+// Deliver the calling thread's oldest committed groups until at most `pending` remain.
+void cp_async_wait(int pending);
 }  // namespace hd
 
 #define threadIdx (hd::thread_idx)
@@ -264,3 +276,100 @@ inline void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const fragment
     std::memcpy(d.x, out, sizeof out);
 }
 }  // namespace wmma
+
+// ---------------------------------------------------------------------------------------
+// The sm_80 tensor-core primitives that kernels.cu defines over inline PTX under NVRTC
+// (mma.sync m16n8k16, ldmatrix, cp.async), with the fragment layouts of the PTX ISA
+// ("Matrix Fragments for mma.m16n8k16 with floating point type"; "Warp-level matrix load
+// instruction: ldmatrix"). Unlike the WMMA subset above, a fragment's layout is no secret
+// here: the kernels build fragments by hand, so each lane holds exactly the registers it
+// holds on a GPU and the warp's collective exchanges them (hd::warp_allgather), so a
+// kernel that puts an element in the wrong lane or register computes a wrong product here
+// as on a GPU. A 32-bit register holds two bf16, the lower-indexed element in its low half.
+// groupID g = lane / 4, threadID_in_group t = lane % 4.
+namespace hd {
+inline uint16_t half_of(uint32_t w, int h) { return (uint16_t)(h ? w >> 16 : w & 0xffffu); }
+inline float bf16_bits_to_f32(uint16_t b) { return __uint_as_float(((unsigned)b) << 16); }
+}  // namespace hd
+
+// d = a · b + c for a 16×16 A (row-major), a 16×8 B (column-major: "col"), f32 C and D.
+// A: register j of lane (g, t) holds row g + 8·(j & 1), columns 2t + 8·(j >> 1) + {0, 1}.
+// B: register j holds rows (k) 2t + 8·j + {0, 1} of column (n) g.
+// C, D: element i holds row g + 8·(i >> 1), column 2t + (i & 1).
+// Computed in f32, k in order from c (the products of bf16 are exact in f32). d may be c.
+inline void mma_m16n8k16_bf16(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2], const float (&c)[4]) {
+    uint32_t mine[10], all[32 * 10];
+    for (int j = 0; j < 4; ++j) mine[j] = a[j];
+    for (int j = 0; j < 2; ++j) mine[4 + j] = b[j];
+    for (int i = 0; i < 4; ++i) mine[6 + i] = __float_as_uint(c[i]);
+    hd::warp_allgather(mine, 10, all);
+    float A[16][16], B[16][8], C[16][8];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        const uint32_t* w = &all[l * 10];
+        for (int j = 0; j < 4; ++j)
+            for (int h = 0; h < 2; ++h) A[g + 8 * (j & 1)][2 * t + 8 * (j >> 1) + h] = hd::bf16_bits_to_f32(hd::half_of(w[j], h));
+        for (int j = 0; j < 2; ++j)
+            for (int h = 0; h < 2; ++h) B[2 * t + 8 * j + h][g] = hd::bf16_bits_to_f32(hd::half_of(w[4 + j], h));
+        for (int i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = __uint_as_float(w[6 + i]);
+    }
+    const int g = hd::lane_id() >> 2, t = hd::lane_id() & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        float s = C[row][col];
+        for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
+        d[i] = s;
+    }
+}
+
+// ldmatrix.sync.aligned.m8n8.xX(.trans).shared.b16: X 8×8 matrices of 16-bit elements, the
+// rows of matrix i at the addresses of lanes 8i..8i+7 (16 bytes each, 16-byte aligned, in
+// shared memory; other lanes' addresses are not read). Register i of lane (g, t) gets
+// elements (g, 2t) and (g, 2t + 1) of matrix i, or with .trans (2t, g) and (2t + 1, g).
+namespace hd {
+inline void ldmatrix(unsigned* r, int x, bool trans, const void* p) {
+    const uint64_t addr = (uint64_t)(uintptr_t)p;
+    const uint32_t mine[2] = {(uint32_t)addr, (uint32_t)(addr >> 32)};
+    uint32_t all[64];
+    warp_allgather(mine, 2, all);
+    const int g = lane_id() >> 2, t = lane_id() & 3;
+    for (int i = 0; i < x; ++i) {
+        const uint16_t* rows[8];
+        for (int k = 0; k < 8; ++k) {
+            const int l = 8 * i + k;
+            rows[k] = (const uint16_t*)(uintptr_t)(all[2 * l] | ((uint64_t)all[2 * l + 1] << 32));
+            check_space(rows[k], 16, true, 16, "ldmatrix's row address");
+        }
+        const uint16_t lo = trans ? rows[2 * t][g] : rows[g][2 * t];
+        const uint16_t hi = trans ? rows[2 * t + 1][g] : rows[g][2 * t + 1];
+        r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+    }
+}
+}  // namespace hd
+inline void ldmatrix_x1(unsigned (&r)[1], const void* p) { hd::ldmatrix(r, 1, false, p); }
+inline void ldmatrix_x2(unsigned (&r)[2], const void* p) { hd::ldmatrix(r, 2, false, p); }
+inline void ldmatrix_x4(unsigned (&r)[4], const void* p) { hd::ldmatrix(r, 4, false, p); }
+inline void ldmatrix_x1_trans(unsigned (&r)[1], const void* p) { hd::ldmatrix(r, 1, true, p); }
+inline void ldmatrix_x2_trans(unsigned (&r)[2], const void* p) { hd::ldmatrix(r, 2, true, p); }
+inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) { hd::ldmatrix(r, 4, true, p); }
+
+// cp.async.{cg,ca}.shared.global [dst], [src], 16 and its groups, per thread as on a GPU:
+// commit_group closes the thread's copies issued since its last commit into a group;
+// wait_group N waits until at most the N most recent groups are still in flight;
+// wait_all is commit_group then wait_group 0. Here a copy's 16 destination bytes are
+// poisoned (0xFF: NaN as f32 and bf16) when it is issued and written only when a wait
+// covers its group, so a read before the wait (or after a wait that does not cover it,
+// or by another thread before a barrier) reads NaN. The source is read at issue. A thread
+// that returns with copies not waited for aborts the launch.
+inline void cp_async_cg16(void* dst, const void* src) { hd::cp_async(dst, src, 16, "cp.async.cg"); }
+inline void cp_async_ca16(void* dst, const void* src) { hd::cp_async(dst, src, 16, "cp.async.ca"); }
+inline void cp_async_commit() { hd::cp_async_commit(); }
+template <int N>
+inline void cp_async_wait_group() {
+    static_assert(N >= 0, "cp.async.wait_group takes a non-negative constant");
+    hd::cp_async_wait(N);
+}
+inline void cp_async_wait_all() {
+    hd::cp_async_commit();
+    hd::cp_async_wait(0);
+}

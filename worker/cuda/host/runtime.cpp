@@ -11,6 +11,7 @@
 #include "cuda_host.h"
 
 #include <csetjmp>
+#include <deque>
 
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -34,6 +35,7 @@
 // every __shared__ variable, next to the others.
 namespace {
 #include "../kernels.cu"
+#include "../test_kernels.cu"
 }  // namespace
 
 // Every __shared__ variable of kernels.cu, from the first to the last (the linker brackets
@@ -171,6 +173,13 @@ constexpr size_t kStack = 128 * 1024;
 
 struct Bar;
 
+// A cp.async in flight: its destination, and the 16 bytes it read at issue.
+struct AsyncCopy {
+    unsigned char* dst;
+    int bytes;
+    unsigned char data[16];
+};
+
 struct Fiber {
     ucontext_t start;   // used once per block, to enter fiber_main on the fiber's stack
     jmp_buf jb;         // where the fiber continues
@@ -179,6 +188,10 @@ struct Fiber {
     // Waiting at `wait_bar` until its generation moves past `wait_gen`.
     const Bar* wait_bar = nullptr;
     unsigned wait_gen = 0;
+    // Its cp.async copies: issued since its last commit_group, and the committed groups
+    // not yet waited for (oldest first).
+    std::vector<AsyncCopy> open_copies;
+    std::deque<std::vector<AsyncCopy>> copy_groups;
 };
 
 // A barrier for `n` fibers, from which fibers that have returned drop out.
@@ -198,6 +211,7 @@ struct Launch {
     std::vector<Fiber> fibers;
     std::vector<Bar> warp_bars;
     std::vector<uint64_t> warp_slots;  // 32 per warp
+    std::vector<uint32_t> warp_words;  // 32 · kGatherWords per warp (warp_allgather)
     Bar block_bar;
     jmp_buf scheduler;
     ucontext_t scheduler_ctx;
@@ -270,10 +284,74 @@ uint64_t warp_exchange(uint64_t mine, int src) {
     return r;
 }
 
+constexpr int kGatherWords = 16;
+
+void warp_allgather(const uint32_t* mine, int n, uint32_t* all) {
+    Launch& L = g_launch;
+    const unsigned warp = L.current / 32, lane = L.current % 32;
+    if (n < 1 || n > kGatherWords) {
+        std::fprintf(stderr, "host device: warp_allgather of %d words (1..%d; %s)\n", n, kGatherWords, where().c_str());
+        std::abort();
+    }
+    if (L.warp_bars[warp].exited > 0) {
+        std::fprintf(stderr, "host device: a warp collective (mma/ldmatrix) after some lanes of the warp returned (warp %u; %s)\n", warp, where().c_str());
+        std::abort();
+    }
+    uint32_t* words = &L.warp_words[(size_t)warp * 32 * kGatherWords];
+    std::memcpy(&words[lane * kGatherWords], mine, sizeof(uint32_t) * n);
+    bar_wait(L.warp_bars[warp]);
+    for (int l = 0; l < 32; ++l) std::memcpy(&all[l * n], &words[l * kGatherWords], sizeof(uint32_t) * n);
+    bar_wait(L.warp_bars[warp]);
+}
+
+void check_space(const void* p, size_t bytes, bool shared, size_t align, const char* what) {
+    const unsigned char* c = (const unsigned char*)p;
+    const bool inside = c >= __start_hd_shared && c + bytes <= __stop_hd_shared;
+    const bool outside = c + bytes <= __start_hd_shared || c >= __stop_hd_shared;
+    if ((shared ? inside : outside) && (uintptr_t)p % align == 0) return;
+    std::fprintf(stderr, "host device: %s %p (%zu bytes) is not %zu-byte aligned %s memory (%s)\n", what, p, bytes, align, shared ? "shared" : "global",
+                 where().c_str());
+    std::abort();
+}
+
+void cp_async(void* dst, const void* src, int bytes, const char* what) {
+    check_space(dst, (size_t)bytes, true, (size_t)bytes, what);
+    check_space(src, (size_t)bytes, false, (size_t)bytes, what);
+    AsyncCopy c{(unsigned char*)dst, bytes, {}};
+    std::memcpy(c.data, src, (size_t)bytes);
+    std::memset(dst, 0xFF, (size_t)bytes);
+    g_launch.fibers[g_launch.current].open_copies.push_back(c);
+}
+
+void cp_async_commit() {
+    Fiber& f = g_launch.fibers[g_launch.current];
+    f.copy_groups.push_back(std::move(f.open_copies));
+    f.open_copies.clear();
+}
+
+void cp_async_wait(int pending) {
+    Fiber& f = g_launch.fibers[g_launch.current];
+    while ((int)f.copy_groups.size() > pending) {
+        for (const AsyncCopy& c : f.copy_groups.front()) std::memcpy(c.dst, c.data, (size_t)c.bytes);
+        f.copy_groups.pop_front();
+    }
+}
+
 static void fiber_main() {
     Launch& L = g_launch;
     const unsigned id = L.current;
     L.entry(L.args);
+    {
+        const Fiber& f = L.fibers[id];
+        size_t left = f.open_copies.size();
+        for (const auto& g : f.copy_groups) left += g.size();
+        if (left) {
+            // Not an error on a GPU, but a copy that nothing waits for is nothing anyone
+            // may read: a kernel of ours that leaves one has lost a wait.
+            std::fprintf(stderr, "host device: thread %u returned with %zu cp.async copies not waited for (%s)\n", id, left, where().c_str());
+            std::abort();
+        }
+    }
     bar_exit(L.block_bar);
     bar_exit(L.warp_bars[id / 32]);
     L.fibers[id].done = true;
@@ -288,6 +366,8 @@ static void prepare_fibers() {
         Fiber& f = L.fibers[t];
         f.started = f.done = false;
         f.wait_bar = nullptr;
+        f.open_copies.clear();
+        f.copy_groups.clear();
         getcontext(&f.start);
         f.start.uc_stack.ss_sp = f.stack;
         f.start.uc_stack.ss_size = kStack;
@@ -440,6 +520,7 @@ int dflash_hd_launch(int index, const unsigned* grid, const unsigned* block, voi
     }
     L.warp_bars.resize(std::max<size_t>(L.warp_bars.size(), threads / 32));
     L.warp_slots.resize(std::max<size_t>(L.warp_slots.size(), threads));
+    L.warp_words.resize(std::max<size_t>(L.warp_words.size(), (size_t)threads * hd::kGatherWords));
     hd::run_blocks(blocks, d);
     hd::t_last_order = d.order;
     hd::t_last_blocks = L.blocks;

@@ -45,6 +45,35 @@ pub struct Attention {
     pub hd: usize,
 }
 
+/// The head dims the FlashAttention-2 forward is compiled for (a smaller head dim is
+/// padded with zeros to its bucket's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fa2Dim {
+    D32,
+    D64,
+    D128,
+}
+
+impl Fa2Dim {
+    pub const ALL: [Fa2Dim; 3] = [Fa2Dim::D32, Fa2Dim::D64, Fa2Dim::D128];
+
+    /// The bucket of an attention call at `act`, if the FlashAttention-2 kernel takes it:
+    /// bf16, a head dim that is a multiple of 8 up to 128, and 16-byte aligned operands
+    /// (its cp.async copies 16 bytes at a time).
+    pub fn for_call(act: Act, a: &Attention) -> Option<Fa2Dim> {
+        let aligned = [a.q, a.k, a.v, a.out].iter().all(|s| s.ptr % 16 == 0);
+        if act != Act::Bf16 || a.hd == 0 || a.hd % 8 != 0 || !aligned {
+            return None;
+        }
+        match a.hd {
+            0..=32 => Some(Fa2Dim::D32),
+            33..=64 => Some(Fa2Dim::D64),
+            65..=128 => Some(Fa2Dim::D128),
+            _ => None,
+        }
+    }
+}
+
 /// The backward of [`Attention`]: `dq`, `dk`, `dv` accumulate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionGrad {
@@ -158,6 +187,13 @@ pub enum Kernel {
         act: Act,
         a: Attention,
     },
+    /// [`Kernel::AttentionFwd`] at bf16 in FlashAttention-2's structure (CTAs of 4 warps ×
+    /// 16 rows; see kernels.cu), compiled for a head-dim bucket: the head dim is at most
+    /// the bucket's and a multiple of 8.
+    AttentionFa2Fwd {
+        dim: Fa2Dim,
+        a: Attention,
+    },
     AttentionBwd(AttentionGrad),
     /// Fold a vocabulary chunk of logits (`[rows, cw]`, ids `start..start+cw`) into each
     /// row's running max, Σexp, argmax (value and i32 id) and label logit (labels i32).
@@ -251,6 +287,11 @@ impl Kernel {
             Kernel::RmsnormBwd { .. } => "rmsnorm_bwd",
             Kernel::Rope { act: a, .. } => act(a, "rope", "rope_bf16"),
             Kernel::AttentionFwd { act: a, .. } => act(a, "attention_fwd", "attention_fwd_bf16"),
+            Kernel::AttentionFa2Fwd { dim, .. } => match dim {
+                Fa2Dim::D32 => "attention_fa2_fwd_bf16_hd32",
+                Fa2Dim::D64 => "attention_fa2_fwd_bf16_hd64",
+                Fa2Dim::D128 => "attention_fa2_fwd_bf16_hd128",
+            },
             Kernel::AttentionBwd(_) => "attention_bwd",
             Kernel::CeChunkStats { .. } => "ce_chunk_stats",
             Kernel::CeChunkGrad { .. } => "ce_chunk_grad",
@@ -370,7 +411,7 @@ impl Kernel {
     fn attention_args(&self) -> Option<Vec<Arg>> {
         use Arg::{R, RW, W};
         Some(match *self {
-            Kernel::AttentionFwd { a, .. } => vec![
+            Kernel::AttentionFwd { a, .. } | Kernel::AttentionFa2Fwd { a, .. } => vec![
                 W(a.out),
                 W(a.lse),
                 R(a.q),
@@ -514,6 +555,11 @@ impl Kernel {
         for act in [Act::F32, Act::Bf16] {
             all.extend(Kernel::every_activation(b, act, attention));
         }
+        all.extend(
+            Fa2Dim::ALL
+                .into_iter()
+                .map(|dim| Kernel::AttentionFa2Fwd { dim, a: attention }),
+        );
         all.extend(Kernel::every_other(b, attention, hyper));
         all
     }

@@ -4,7 +4,7 @@
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 
 pub use super::kernels::AdamHyper;
-use super::kernels::{Act, Attention, AttentionGrad, Kernel};
+use super::kernels::{Act, Attention, AttentionGrad, Fa2Dim, Kernel};
 use super::{DSlice, Device, Gemm, Result, Stream};
 
 const BLOCK: u32 = 256;
@@ -13,6 +13,11 @@ pub const SUMSQ_BLOCKS: usize = 1024;
 /// Attention, forward and backward, on tensor cores: query rows of one head per block of
 /// one warp (`ATTN_MMA_ROWS` in kernels.cu).
 const ATTN_MMA_ROWS: usize = 16;
+
+/// The FlashAttention-2 forward's CTA: 4 warps of 16 query rows of one head
+/// (`FA2_ROWS`, `FA2_THREADS` in kernels.cu).
+const FA2_ROWS: usize = 64;
+const FA2_THREADS: u32 = 128;
 
 /// Blocks of one warp, ATTN_MMA_ROWS query rows of one head each.
 fn attention_grid(tq: usize, qh: usize) -> u32 {
@@ -470,7 +475,14 @@ impl Ops {
             hd,
         };
         let act = self.act();
-        self.launch(Kernel::AttentionFwd { act, a }, attention_grid(tq, qh), 32)
+        match Fa2Dim::for_call(act, &a) {
+            Some(dim) => self.launch(
+                Kernel::AttentionFa2Fwd { dim, a },
+                (tq.div_ceil(FA2_ROWS) * qh).max(1) as u32,
+                FA2_THREADS,
+            ),
+            None => self.launch(Kernel::AttentionFwd { act, a }, attention_grid(tq, qh), 32),
+        }
     }
 
     /// Backward of [`attention`](Self::attention): `dq`, `dk`, `dv` accumulate.

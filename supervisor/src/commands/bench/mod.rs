@@ -3,5 +3,6 @@
 
 pub mod compute;
 pub mod ipc;
+pub mod kernels;
 pub mod telemetry;
 pub mod train;

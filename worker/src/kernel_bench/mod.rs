@@ -1,0 +1,212 @@
+//! `dflash-worker bench-kernels` (what `dflash-supervise bench kernels` runs): the
+//! kernels' machine code read without a GPU. NVRTC compiles `cuda/kernels.cu` to a CUBIN
+//! per architecture (sm_80, sm_90, sm_100); cuobjdump (`-res-usage`, and `-sass` through
+//! nvdisasm) says per kernel its registers, static shared memory and local memory
+//! (spills), from which [`occupancy`] gives the resident warps per SM, and the main loop's
+//! instruction mix ([`sass`]): tensor-core MMAs and non-MMA instructions per MMA. From the
+//! sm_90 figures of the attention kernels, [`roofline`] models an H200 running Qwen3-8B's
+//! target forward and a drafter step, and prints the MFU with its assumptions.
+
+pub mod occupancy;
+mod print;
+pub mod roofline;
+pub mod sass;
+pub mod tools;
+
+use std::path::PathBuf;
+
+use serde::Serialize;
+
+use crate::device::nvrtc;
+pub use tools::KernelBenchError;
+
+pub const ARCHS: [&str; 3] = ["sm_80", "sm_90", "sm_100"];
+
+/// One kernel compiled for one architecture.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelRow {
+    pub name: String,
+    pub arch: String,
+    pub registers: u32,
+    /// Static shared memory of a block (cuobjdump's SHARED: with the 1 KB the system
+    /// reserves on sm_80+, for a kernel with shared memory).
+    pub shared_bytes: u32,
+    /// Local memory per thread: register spills and local arrays.
+    pub spill_bytes: u32,
+    /// Threads per block as the worker launches it (device/ops.rs).
+    pub block_threads: u32,
+    pub warps_per_sm: u32,
+    pub limited_by: occupancy::Limiter,
+    /// Every HMMA of the kernel.
+    pub mma_total: usize,
+    pub mma_in_main_loop: usize,
+    /// None for a kernel without a loop around an MMA.
+    pub non_mma_per_mma: Option<f64>,
+    pub mufu_per_mma: Option<f64>,
+    pub main_loop: Option<sass::LoopMix>,
+    pub innermost_mma_loop: Option<sass::LoopMix>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub nvrtc: String,
+    pub cuobjdump: String,
+    pub kernels: Vec<KernelRow>,
+    /// From the sm_90 figures; None when sm_90 was not analysed.
+    pub model: Option<roofline::Model>,
+}
+
+/// Threads per block of a kernel as device/ops.rs launches it: attention one warp, the
+/// rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
+pub fn block_threads(kernel: &str) -> u32 {
+    if kernel.starts_with("attention") || kernel == "adam_count" {
+        32
+    } else {
+        256
+    }
+}
+
+/// The tools `analyse` runs.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    pub cuobjdump: PathBuf,
+    pub nvdisasm: PathBuf,
+}
+
+impl Tools {
+    pub fn find() -> Result<Tools, KernelBenchError> {
+        Ok(Tools {
+            cuobjdump: tools::CUOBJDUMP.find()?,
+            nvdisasm: tools::NVDISASM.find()?,
+        })
+    }
+}
+
+/// Compile `src` for `arch` and read every kernel `names` lists from its machine code.
+pub fn analyse_arch(
+    t: &Tools,
+    src: &str,
+    arch: &str,
+    names: &[String],
+) -> Result<Vec<KernelRow>, KernelBenchError> {
+    let limits = occupancy::sm_limits(arch).ok_or_else(|| KernelBenchError::Arch(arch.into()))?;
+    let (compiled, _) =
+        nvrtc::compile_cached(src, arch, &nvrtc::cache_dir()).map_err(|source| {
+            KernelBenchError::Nvrtc {
+                arch: arch.into(),
+                source,
+            }
+        })?;
+    let cubin = std::env::temp_dir().join(format!(
+        "dflash-bench-kernels-{}-{arch}.cubin",
+        std::process::id()
+    ));
+    std::fs::write(&cubin, &compiled.cubin).map_err(|source| KernelBenchError::Cubin {
+        arch: arch.into(),
+        source,
+    })?;
+    let res = tools::cuobjdump(&t.cuobjdump, Some(&t.nvdisasm), &["-res-usage"], &cubin);
+    let sass_text = tools::cuobjdump(&t.cuobjdump, Some(&t.nvdisasm), &["-sass"], &cubin);
+    let _ = std::fs::remove_file(&cubin);
+    let res = sass::parse_res_usage(&res?);
+    let code = sass::parse_sass(&sass_text?);
+    let missing = |what, kernel: &String| KernelBenchError::Missing {
+        arch: arch.into(),
+        what,
+        kernel: kernel.clone(),
+    };
+    let mut rows = Vec::new();
+    for name in names {
+        let r = res.get(name).ok_or_else(|| missing("-res-usage", name))?;
+        let insns = code.get(name).ok_or_else(|| missing("-sass", name))?;
+        let threads = block_threads(name);
+        let (warps, limited_by) = occupancy::warps_per_sm(&limits, r.registers, r.shared, threads);
+        let loops = sass::mma_loops(insns);
+        let main = loops.map(|l| l.0);
+        rows.push(KernelRow {
+            name: name.clone(),
+            arch: arch.into(),
+            registers: r.registers,
+            shared_bytes: r.shared,
+            spill_bytes: r.local,
+            block_threads: threads,
+            warps_per_sm: warps,
+            limited_by,
+            mma_total: insns.iter().filter(|i| i.op == "HMMA").count(),
+            mma_in_main_loop: main.map_or(0, |m| m.mma),
+            non_mma_per_mma: main.map(|m| m.non_mma_per_mma()),
+            mufu_per_mma: main.map(|m| m.mufu as f64 / m.mma as f64),
+            main_loop: main,
+            innermost_mma_loop: loops.map(|l| l.1),
+        });
+    }
+    Ok(rows)
+}
+
+/// The attention figures the model takes, from an sm_90 row.
+fn attention_code(rows: &[KernelRow], name: &str) -> roofline::AttentionCode {
+    let r = rows.iter().find(|r| r.arch == "sm_90" && r.name == name);
+    roofline::AttentionCode {
+        non_mma_per_mma: r.and_then(|r| r.non_mma_per_mma).unwrap_or(f64::NAN),
+        mufu_per_mma: r.and_then(|r| r.mufu_per_mma).unwrap_or(0.0),
+        warps_per_sm: r.map_or(0.0, |r| r.warps_per_sm as f64),
+    }
+}
+
+/// Every kernel of kernels.cu for each of `archs`, and the model.
+pub fn analyse(t: &Tools, archs: &[String]) -> Result<Report, KernelBenchError> {
+    let names = nvrtc::kernel_names(nvrtc::KERNELS_CU);
+    let mut kernels = Vec::new();
+    for arch in archs {
+        kernels.extend(analyse_arch(t, nvrtc::KERNELS_CU, arch, &names)?);
+    }
+    let model = archs.iter().any(|a| a == "sm_90").then(|| {
+        roofline::model(
+            attention_code(&kernels, "attention_fwd_bf16"),
+            attention_code(&kernels, "attention_fwd"),
+            attention_code(&kernels, "attention_bwd"),
+        )
+    });
+    let nvrtc = nvrtc::version().map_or_else(|e| e.to_string(), |(a, b)| format!("{a}.{b}"));
+    let version = std::process::Command::new(&t.cuobjdump)
+        .arg("--version")
+        .output();
+    let cuobjdump = version
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout).lines().find_map(|l| {
+                l.split_once("release ")
+                    .map(|(_, v)| v.split(',').next().unwrap_or(v).to_string())
+            })
+        })
+        .unwrap_or_else(|| "version unknown".into());
+    Ok(Report {
+        nvrtc,
+        cuobjdump,
+        kernels,
+        model,
+    })
+}
+
+/// `bench-kernels [--arch A,B] [--json]`.
+pub fn run(archs: &[String], json: bool) -> Result<(), crate::error::ToolError> {
+    let archs: Vec<String> = if archs.is_empty() {
+        ARCHS.iter().map(|a| a.to_string()).collect()
+    } else {
+        archs.to_vec()
+    };
+    if let Some(bad) = archs.iter().find(|a| !ARCHS.contains(&a.as_str())) {
+        return Err(KernelBenchError::Arch(bad.clone()).into());
+    }
+    let tools = Tools::find()?;
+    let report = analyse(&tools, &archs)?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(crate::error::ToolError::json("the report"))?
+        );
+    } else {
+        print::report(&report);
+    }
+    Ok(())
+}
