@@ -387,12 +387,7 @@ fn run_cp_async(mode: i32) -> (Vec<u32>, Vec<u32>) {
     let mut dev = HostDevice::new();
     let src = put(&mut dev, &input);
     let out = put(&mut dev, &vec![0f32; input.len()]);
-    let args = [
-        Arg::W(out),
-        Arg::R(src),
-        Arg::I32(tiles),
-        Arg::I32(mode),
-    ];
+    let args = [Arg::W(out), Arg::R(src), Arg::I32(tiles), Arg::I32(mode)];
     dev.launch_args(Stream::Compute, "hdtest_cp_async", 1, 64, &args)
         .unwrap();
     let want = input.iter().map(|x| x.to_bits()).collect();
