@@ -4,6 +4,7 @@
 mod common;
 
 use std::fs;
+use std::process::{Command, Stdio};
 
 use common::*;
 
@@ -323,5 +324,32 @@ fn duplicate_taps_are_refused_naming_the_layer() {
     expect_usage_error(
         &["--gpus", "cpu:2", "--taps", "1,1"],
         &["--taps 1,1: layer 1 is given twice", "distinct"],
+    );
+}
+
+/// `bench kernels` runs in a dflash-worker process; a missing cuobjdump (or a bad --arch)
+/// is its one line on stderr and exit 2, passed through.
+#[test]
+fn bench_kernels_without_cuobjdump_or_with_a_bad_arch_is_one_line_and_exit_2() {
+    let o = Command::new(bin("dflash-supervise"))
+        .args(["bench", "kernels", "--arch", "sm_90"])
+        .env("DFLASH_CUOBJDUMP", "/nonexistent/cuobjdump")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("cuobjdump not found") && err.contains("pip install nvidia-cuda-cuobjdump"),
+        "{err}"
+    );
+    assert!(o.stdout.is_empty());
+    let o = supervise(&["bench", "kernels", "--arch", "sm_75"], None);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--arch sm_75: expected sm_80, sm_90 or sm_100"),
+        "{err}"
     );
 }

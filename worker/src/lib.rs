@@ -161,7 +161,9 @@ pub fn main() -> i32 {
             tokens,
             json,
         }) => tool(bench_ops::run(&target, tokens, json)),
-        Some(Command::BenchKernels { arch, json }) => tool(kernel_bench::run(&arch, json)),
+        Some(Command::BenchKernels { arch, json }) => {
+            tool(kernel_bench::run(&arch, json).map_err(error::ToolError::from))
+        }
         Some(Command::Export {
             checkpoint,
             target,

@@ -382,17 +382,12 @@ fn ldmatrix_then_mma_multiplies_tiles_staged_as_attention_stages_them() {
 // cp.async
 
 fn run_cp_async(mode: i32) -> (Vec<u32>, Vec<u32>) {
-    let tiles = 5;
+    let tiles: i32 = 5;
     let input: Vec<f32> = (0..256 * tiles).map(|i| i as f32 * 0.5 + 1.0).collect();
     let mut dev = HostDevice::new();
     let src = put(&mut dev, &input);
     let out = put(&mut dev, &vec![0f32; input.len()]);
-    let args = [
-        Arg::W(out),
-        Arg::R(src),
-        Arg::I32(tiles as i32),
-        Arg::I32(mode),
-    ];
+    let args = [Arg::W(out), Arg::R(src), Arg::I32(tiles), Arg::I32(mode)];
     dev.launch_args(Stream::Compute, "hdtest_cp_async", 1, 64, &args)
         .unwrap();
     let want = input.iter().map(|x| x.to_bits()).collect();

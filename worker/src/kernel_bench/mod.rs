@@ -189,21 +189,21 @@ pub fn analyse(t: &Tools, archs: &[String]) -> Result<Report, KernelBenchError> 
 }
 
 /// `bench-kernels [--arch A,B] [--json]`.
-pub fn run(archs: &[String], json: bool) -> Result<(), crate::error::ToolError> {
+pub fn run(archs: &[String], json: bool) -> Result<(), KernelBenchError> {
     let archs: Vec<String> = if archs.is_empty() {
         ARCHS.iter().map(|a| a.to_string()).collect()
     } else {
         archs.to_vec()
     };
     if let Some(bad) = archs.iter().find(|a| !ARCHS.contains(&a.as_str())) {
-        return Err(KernelBenchError::Arch(bad.clone()).into());
+        return Err(KernelBenchError::Arch(bad.clone()));
     }
     let tools = Tools::find()?;
     let report = analyse(&tools, &archs)?;
     if json {
         println!(
             "{}",
-            serde_json::to_string(&report).map_err(crate::error::ToolError::json("the report"))?
+            serde_json::to_string(&report).map_err(KernelBenchError::Json)?
         );
     } else {
         print::report(&report);

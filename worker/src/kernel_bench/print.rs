@@ -1,10 +1,20 @@
 //! `bench kernels`' text output: the kernels' table, then the model with its assumptions.
 
+use super::occupancy::Limiter;
 use super::roofline::{Model, Workload};
 use super::{KernelRow, Report};
 
 fn ratio(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{v:.1}"))
+}
+
+fn limiter(l: Limiter) -> &'static str {
+    match l {
+        Limiter::Registers => "registers",
+        Limiter::SharedMemory => "shared",
+        Limiter::Warps => "warps",
+        Limiter::Blocks => "blocks",
+    }
 }
 
 fn row(r: &KernelRow) {
@@ -20,7 +30,7 @@ fn row(r: &KernelRow) {
         r.spill_bytes,
         r.block_threads,
         r.warps_per_sm,
-        format!("({:?})", r.limited_by).to_lowercase(),
+        format!("({})", limiter(r.limited_by)),
         r.mma_total,
         r.mma_in_main_loop,
         ratio(r.non_mma_per_mma),
@@ -38,13 +48,17 @@ fn workload(w: &Workload) {
         w.attention_share * 100.0
     );
     for o in &w.ops {
+        let rate = if o.flops > 0.0 {
+            format!("at {:>5.1}% of peak", o.efficiency * 100.0)
+        } else {
+            "HBM-bound".into()
+        };
         println!(
-            "      {:<40} {:>9.3} ms  {:>8.1} TFLOP  {:>8.2} GB  at {:>5.1}% of peak",
+            "      {:<40} {:>9.3} ms  {:>8.1} TFLOP  {:>8.2} GB  {rate}",
             o.name,
             o.seconds * 1e3,
             o.flops / 1e12,
             o.bytes / 1e9,
-            o.efficiency * 100.0
         );
     }
 }

@@ -55,6 +55,8 @@ pub enum KernelBenchError {
     },
     #[error("--arch {0}: expected sm_80, sm_90 or sm_100")]
     Arch(String),
+    #[error("writing the report as JSON: {0}")]
+    Json(#[source] serde_json::Error),
 }
 
 /// A CUDA command-line tool.
