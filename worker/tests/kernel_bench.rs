@@ -96,6 +96,30 @@ fn every_kernel_has_consistent_machine_code_figures_on_sm_80_90_and_100() {
     // Longer causal sequences put more of the time in attention.
     let share: Vec<f64> = m.target_forward.iter().map(|w| w.attention_share).collect();
     assert!(share[0] < share[1] && share[1] < share[2], "{share:?}");
+    // The target's attention at Qwen3-8B's head dim is the FlashAttention-2 forward: four
+    // warps a CTA, at least 8 warps resident per SM (issue 23's goal), no spills, and fewer
+    // non-MMA instructions per MMA in its main loop than the one-warp kernel it replaces.
+    assert_eq!(m.attention[0].0, "attention_fa2_fwd_bf16_hd128");
+    let row = |name: &str| {
+        report
+            .kernels
+            .iter()
+            .find(|k| k.arch == "sm_90" && k.name == name)
+            .unwrap_or_else(|| panic!("{name} on sm_90"))
+    };
+    let (fa2, old) = (
+        row("attention_fa2_fwd_bf16_hd128"),
+        row("attention_fwd_bf16"),
+    );
+    assert_eq!(fa2.block_threads, 128);
+    assert!(fa2.warps_per_sm >= 8, "{} warps/SM", fa2.warps_per_sm);
+    assert_eq!(fa2.spill_bytes, 0);
+    assert!(
+        fa2.non_mma_per_mma.unwrap() < old.non_mma_per_mma.unwrap() / 2.0,
+        "{:?} against {:?}",
+        fa2.non_mma_per_mma,
+        old.non_mma_per_mma
+    );
 }
 
 #[test]

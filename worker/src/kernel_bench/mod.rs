@@ -56,10 +56,12 @@ pub struct Report {
     pub model: Option<roofline::Model>,
 }
 
-/// Threads per block of a kernel as device/ops.rs launches it: attention one warp, the
-/// rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
+/// Threads per block of a kernel as device/ops.rs launches it: the FlashAttention-2
+/// forward four warps, the other attention kernels one warp, the rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
 pub fn block_threads(kernel: &str) -> u32 {
-    if kernel.starts_with("attention") || kernel == "adam_count" {
+    if kernel.starts_with("attention_fa2") {
+        128
+    } else if kernel.starts_with("attention") || kernel == "adam_count" {
         32
     } else {
         256
@@ -143,6 +145,30 @@ pub fn analyse_arch(
     Ok(rows)
 }
 
+/// The attention forward the GPU target runs at `head_dim` (bf16 activations, aligned
+/// buffers): the kernel device/ops.rs chooses.
+pub fn target_attention_kernel(head_dim: usize) -> &'static str {
+    use crate::device::kernels::{Act, Attention, Fa2Dim, Kernel};
+    use crate::device::DSlice;
+    let b = DSlice { ptr: 0, bytes: 0 };
+    let a = Attention {
+        out: b,
+        lse: b,
+        q: b,
+        k: b,
+        v: b,
+        spans: b,
+        tq: 1,
+        qh: 1,
+        kvh: 1,
+        hd: head_dim,
+    };
+    match Fa2Dim::for_call(Act::Bf16, &a) {
+        Some(dim) => Kernel::AttentionFa2Fwd { dim, a }.name(),
+        None => Kernel::AttentionFwd { act: Act::Bf16, a }.name(),
+    }
+}
+
 /// The attention figures the model takes, from an sm_90 row.
 fn attention_code(rows: &[KernelRow], name: &str) -> roofline::AttentionCode {
     let r = rows.iter().find(|r| r.arch == "sm_90" && r.name == name);
@@ -161,8 +187,9 @@ pub fn analyse(t: &Tools, archs: &[String]) -> Result<Report, KernelBenchError> 
         kernels.extend(analyse_arch(t, nvrtc::KERNELS_CU, arch, &names)?);
     }
     let model = archs.iter().any(|a| a == "sm_90").then(|| {
+        let target = target_attention_kernel(roofline::qwen3_8b().head_dim as usize);
         roofline::model(
-            attention_code(&kernels, "attention_fwd_bf16"),
+            (target, attention_code(&kernels, target)),
             attention_code(&kernels, "attention_fwd"),
             attention_code(&kernels, "attention_bwd"),
         )

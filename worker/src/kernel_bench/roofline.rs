@@ -336,9 +336,10 @@ pub struct Model {
     pub assumptions: Vec<String>,
 }
 
-/// `fwd_bf16`, `fwd`, `bwd`: the sm_90 figures of attention_fwd_bf16 (the target's),
-/// attention_fwd (the drafter's f32) and attention_bwd.
-pub fn model(fwd_bf16: AttentionCode, fwd: AttentionCode, bwd: AttentionCode) -> Model {
+/// `target`: the target's attention forward (its kernel's name and sm_90 figures);
+/// `fwd`, `bwd`: those of attention_fwd (the drafter's f32) and attention_bwd.
+pub fn model(target: (&str, AttentionCode), fwd: AttentionCode, bwd: AttentionCode) -> Model {
+    let (target_kernel, fwd_bf16) = target;
     let (hw, s) = (H200, qwen3_8b());
     let lengths = [1024, 4096, 8192];
     let forwards: Vec<Workload> = lengths
@@ -359,7 +360,7 @@ pub fn model(fwd_bf16: AttentionCode, fwd: AttentionCode, bwd: AttentionCode) ->
     at_goals.push(("drafter step".into(), drafter_step(&hw, &s, &g, &g).mfu));
     let attention = [
         (
-            "attention_fwd_bf16".to_string(),
+            target_kernel.to_string(),
             fwd_bf16,
             attention_efficiency(&hw, &fwd_bf16),
         ),
