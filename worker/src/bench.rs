@@ -43,13 +43,7 @@ pub fn run(spec_path: &Path) -> Result<(), ToolError> {
     let target = Target::load(&spec.target_dir, &spec.taps)?;
     let c = &spec.drafter;
     let w = Weights::open(&spec.target_dir)?;
-    let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
-    let lm_head = if w.contains("lm_head.weight") {
-        w.get("lm_head.weight", &[c.vocab, c.hidden])?
-    } else {
-        embed.clone()
-    };
-    let frozen = Frozen { embed, lm_head };
+    let frozen = Frozen::load(&w, c.vocab, c.hidden)?;
     let tokens: u64 = spec.batches.iter().map(|b| b.tokens()).sum();
 
     let longest = spec

@@ -17,7 +17,7 @@ use dflash_shared::model_config::TargetConfig;
 use dflash_shared::rng::Rng;
 use serde::Serialize;
 
-use crate::device::GpuError;
+use crate::device::{DSlice, GpuError};
 use crate::error::ToolError;
 use crate::models::drafter::{Drafter, Frozen, Sample};
 use crate::models::target::Target;
@@ -580,6 +580,148 @@ fn bare_matmul(threads: usize, x: &[f32], w: &[f32], y: &mut [f32], m: usize, k:
     };
 }
 
+/// The best of three runs of the GEMMs `gemms` (`(k, n)`, m = `t`), `layers` times each,
+/// bare on random operands: seconds.
+fn time_bare_gemms(
+    gemms: &[(usize, usize)],
+    t: usize,
+    layers: usize,
+    threads: usize,
+    rng: &mut Rng,
+) -> f64 {
+    let mut operands = Vec::new();
+    for &(k, n) in gemms {
+        let x: Vec<f32> = (0..t * k)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect();
+        operands.push((x, w, vec![0f32; t * n], k, n));
+    }
+    let mut gemm_best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        for _ in 0..layers {
+            for (x, w, y, k, n) in operands.iter_mut() {
+                bare_matmul(threads, x, w, y, t, *k, *n);
+            }
+        }
+        gemm_best = gemm_best.min(t0.elapsed().as_secs_f64());
+    }
+    gemm_best
+}
+
+/// The forward as a CPU target worker runs it (the device target on the CPU device), best
+/// of three: seconds, seconds per op (its kernels and GEMMs, timed by the device) and the
+/// taps.
+fn time_cpu_forward(target: &Target, ids: &[u32]) -> Result<CpuForward, ToolError> {
+    let tokens = ids.len();
+    let mut worker = crate::models::target::device::DeviceTarget::new(
+        Box::new(crate::device::cpu::CpuDevice::new()),
+        target,
+        tokens,
+    )?;
+    worker.forward_taps(&ids[..tokens.min(64)])?;
+    let mut worker_best = f64::INFINITY;
+    let mut worker_ops = Vec::new();
+    let mut target_taps = Vec::new();
+    for _ in 0..3 {
+        worker.take_kernel_seconds();
+        let t0 = Instant::now();
+        let taps = std::hint::black_box(worker.forward_taps(ids)?);
+        let s = t0.elapsed().as_secs_f64();
+        target_taps = taps;
+        if s < worker_best {
+            worker_best = s;
+            worker_ops = worker.take_kernel_seconds();
+        }
+    }
+    drop(worker);
+    // Kernel names as op names.
+    let mut op_seconds = BTreeMap::new();
+    for (k, v) in worker_ops {
+        let op = match k.as_str() {
+            "gemm" => "matmul",
+            "attention_fwd" => "attention",
+            "rmsnorm_fwd" => "rmsnorm",
+            "swiglu_fwd" => "swiglu",
+            "add_inplace" => "residual",
+            "embed_gather" => "embed",
+            "copy_cols" => "taps",
+            other => other,
+        };
+        *op_seconds.entry(op.to_string()).or_insert(0.0) += v;
+    }
+
+    Ok(CpuForward {
+        seconds: worker_best,
+        op_seconds,
+        taps: target_taps,
+    })
+}
+
+/// What [`time_cpu_forward`] measures.
+struct CpuForward {
+    seconds: f64,
+    op_seconds: BTreeMap<String, f64>,
+    taps: Vec<f32>,
+}
+
+/// One drafter step as a CPU drafter worker runs it (the device model on the CPU device),
+/// best of two: seconds and seconds per kernel.
+fn time_cpu_drafter_step(
+    drafter: &Drafter,
+    frozen: &Frozen,
+    p: &[f32],
+    sample: &Sample,
+    anchors: &[usize],
+) -> Result<(f64, BTreeMap<String, f64>), ToolError> {
+    let tokens = sample.ids.len();
+    let mut cpu_model = crate::models::drafter::device::DeviceDrafter::new(
+        Box::new(crate::device::cpu::CpuDevice::new()),
+        drafter,
+        frozen,
+        tokens,
+    )?;
+    let zeros = vec![0f32; p.len()];
+    cpu_model.load(p, &zeros, &zeros, 0)?;
+    let mut grads = vec![0f32; p.len()];
+    let mut drafter_s = f64::INFINITY;
+    let mut drafter_op_seconds = BTreeMap::new();
+    for _ in 0..2 {
+        cpu_model.take_kernel_seconds();
+        let t0 = Instant::now();
+        cpu_model.train_batch(
+            std::slice::from_ref(sample),
+            &[anchors.to_vec()],
+            1.0,
+            &mut grads,
+        )?;
+        let s = t0.elapsed().as_secs_f64();
+        if s < drafter_s {
+            drafter_s = s;
+            drafter_op_seconds = cpu_model.take_kernel_seconds().into_iter().collect();
+        }
+    }
+    drop(cpu_model);
+    Ok((drafter_s, drafter_op_seconds))
+}
+
+/// The device's figures, or why there are none.
+fn device_or_why(
+    r: Result<Option<DeviceFigures>, ToolError>,
+) -> (Option<DeviceFigures>, Option<String>) {
+    match r {
+        Ok(Some(d)) => (Some(d), None),
+        Ok(None) => (
+            None,
+            Some(crate::device::cuda::missing_library().unwrap_or_default()),
+        ),
+        Err(e) => (None, Some(format!("the device could not be measured: {e}"))),
+    }
+}
+
 fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError> {
     let cfg = TargetConfig::load(dir)?;
     let layers = cfg.num_hidden_layers;
@@ -614,80 +756,22 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
     let model_flops = gemm_flops + attn_flops;
 
     // The baseline: the same GEMMs, bare, on random operands.
-    let mut operands = Vec::new();
-    for &(k, n) in &gemms {
-        let x: Vec<f32> = (0..t * k)
-            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-            .collect();
-        let w: Vec<f32> = (0..n * k)
-            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-            .collect();
-        operands.push((x, w, vec![0f32; t * n], k, n));
-    }
-    let mut gemm_best = f64::INFINITY;
-    for _ in 0..3 {
-        let t0 = Instant::now();
-        for _ in 0..layers {
-            for (x, w, y, k, n) in operands.iter_mut() {
-                bare_matmul(threads, x, w, y, t, *k, *n);
-            }
-        }
-        gemm_best = gemm_best.min(t0.elapsed().as_secs_f64());
-    }
+    let gemm_best = time_bare_gemms(&gemms, t, layers, threads, &mut rng);
     let gemm_gflops = gemm_flops / gemm_best / 1e9;
 
-    // The forward as a CPU target worker runs it: the device target on the CPU device, its
-    // kernels and GEMMs timed by the device.
-    let mut worker = crate::models::target::device::DeviceTarget::new(
-        Box::new(crate::device::cpu::CpuDevice::new()),
-        &target,
-        tokens,
-    )?;
-    worker.forward_taps(&ids[..tokens.min(64)])?;
-    let mut worker_best = f64::INFINITY;
-    let mut worker_ops = Vec::new();
-    let mut target_taps = Vec::new();
-    for _ in 0..3 {
-        worker.take_kernel_seconds();
-        let t0 = Instant::now();
-        let taps = std::hint::black_box(worker.forward_taps(&ids)?);
-        let s = t0.elapsed().as_secs_f64();
-        target_taps = taps;
-        if s < worker_best {
-            worker_best = s;
-            worker_ops = worker.take_kernel_seconds();
-        }
-    }
-    drop(worker);
+    let CpuForward {
+        seconds: worker_best,
+        op_seconds,
+        taps: target_taps,
+    } = time_cpu_forward(&target, &ids)?;
     let target_gflops = model_flops / worker_best / 1e9;
-    // Kernel names as the op names of the reference's breakdown.
-    let mut op_seconds = BTreeMap::new();
-    for (k, v) in worker_ops {
-        let op = match k.as_str() {
-            "gemm" => "matmul",
-            "attention_fwd" => "attention",
-            "rmsnorm_fwd" => "rmsnorm",
-            "swiglu_fwd" => "swiglu",
-            "add_inplace" => "residual",
-            "embed_gather" => "embed",
-            "copy_cols" => "taps",
-            other => other,
-        };
-        *op_seconds.entry(op.to_string()).or_insert(0.0) += v;
-    }
 
     // One drafter step (2 layers, blocks of 16, up to 64 anchors) on the target's taps.
     let dcfg = DrafterConfig::for_target(&cfg, 2, 1, 16, 64);
     let drafter = Drafter::new(dcfg.clone());
     let p = drafter.init_params(3);
     let w = Weights::open(dir)?;
-    let embed = w.get("model.embed_tokens.weight", &[cfg.vocab_size, h])?;
-    let lm_head = if w.contains("lm_head.weight") {
-        w.get("lm_head.weight", &[cfg.vocab_size, h])?
-    } else {
-        embed.clone()
-    };
-    let frozen = Frozen { embed, lm_head };
+    let frozen = Frozen::load(&w, cfg.vocab_size, h)?;
     let taps = target_taps;
     let mask = vec![1u8; tokens];
     let anchors = drafter.sample_anchors(&mask, &mut rng);
@@ -696,44 +780,11 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
         ids: &ids,
         mask: &mask,
     };
-    // The step as a CPU drafter worker runs it: the device model on the CPU device.
-    let mut cpu_model = crate::models::drafter::device::DeviceDrafter::new(
-        Box::new(crate::device::cpu::CpuDevice::new()),
-        &drafter,
-        &frozen,
-        tokens,
-    )?;
-    let zeros = vec![0f32; p.len()];
-    cpu_model.load(&p, &zeros, &zeros, 0)?;
-    let mut grads = vec![0f32; p.len()];
-    let mut drafter_s = f64::INFINITY;
-    let mut drafter_op_seconds = BTreeMap::new();
-    for _ in 0..2 {
-        cpu_model.take_kernel_seconds();
-        let t0 = Instant::now();
-        cpu_model.train_batch(
-            std::slice::from_ref(&sample),
-            std::slice::from_ref(&anchors),
-            1.0,
-            &mut grads,
-        )?;
-        let s = t0.elapsed().as_secs_f64();
-        if s < drafter_s {
-            drafter_s = s;
-            drafter_op_seconds = cpu_model.take_kernel_seconds().into_iter().collect();
-        }
-    }
-    drop(cpu_model);
+    let (drafter_s, drafter_op_seconds) =
+        time_cpu_drafter_step(&drafter, &frozen, &p, &sample, &anchors)?;
     let (shm_all_reduce_ms, shm_all_reduce_gb_s) = measure_shm_all_reduce(p.len())?;
 
-    let supervised = anchors
-        .iter()
-        .map(|&a| {
-            (1..dcfg.block_size)
-                .filter(|&k| drafter.slot_weight(a, k, &mask) > 0.0)
-                .count()
-        })
-        .sum();
+    let supervised = drafter.supervised_slots(&anchors, &mask);
     let dc = DrafterCase {
         drafter: &drafter,
         frozen: &frozen,
@@ -742,15 +793,13 @@ fn measure(dir: &Path, shape: &str, tokens: usize) -> Result<Figures, ToolError>
         anchors: &anchors,
         flops: drafter_step_flops(&dcfg, tokens, &anchors, supervised),
     };
-    let (device, device_note) =
-        match measure_device(&target, &ids, model_flops, tokens as f64 / worker_best, &dc) {
-            Ok(Some(d)) => (Some(d), None),
-            Ok(None) => (
-                None,
-                Some(crate::device::cuda::missing_library().unwrap_or_default()),
-            ),
-            Err(e) => (None, Some(format!("the device could not be measured: {e}"))),
-        };
+    let (device, device_note) = device_or_why(measure_device(
+        &target,
+        &ids,
+        model_flops,
+        tokens as f64 / worker_best,
+        &dc,
+    ));
     Ok(Figures {
         device,
         device_note,
@@ -1047,12 +1096,80 @@ fn measure_kernels(
     dev: Box<dyn crate::device::Device>,
     sink: &mut RowSink,
 ) -> Result<(), ToolError> {
-    use crate::device::ops::Ops;
-    let mut ops = Ops::new(dev);
-    let (qh, kvh, hd, h) = (p.q_heads, p.kv_heads, p.head_dim, p.hidden);
-    let (qd, kd) = (qh * hd, kvh * hd);
+    let mut ops = crate::device::ops::Ops::new(dev);
+    let seed = measure_attention(p, &mut ops, 100, sink);
+    let seed = measure_gemms(p, &mut ops, seed, sink);
+    measure_cross_entropy(p, &mut ops, seed, sink);
+    Ok(())
+}
+
+/// The spans; q, k, v, out, lse (f32); q, k, v, out (bf16); dout, dq, dk, dv (f32).
+type AttnBufs = (
+    crate::device::DSlice,
+    [crate::device::DSlice; 5],
+    [crate::device::DSlice; 4],
+    [crate::device::DSlice; 4],
+);
+
+/// Attention's buffers for `tq` query rows over `tk` keys: the spans; q, k, v, out (f32)
+/// and lse; q, k, v, out in bf16; dout, dq, dk, dv (f32). Random from `seed` (advanced).
+fn attention_bufs(
+    ops: &mut crate::device::ops::Ops,
+    seed: &mut u64,
+    p: &OpsShape,
+    (tq, tk): (usize, usize),
+    spans: &[i32],
+) -> Result<AttnBufs, ToolError> {
+    let mut b = Bufs {
+        dev: ops.dev.as_mut(),
+        seed: *seed,
+    };
+    let r = attention_bufs_in(&mut b, p, (tq, tk), spans);
+    *seed = b.seed;
+    r
+}
+
+fn attention_bufs_in(
+    b: &mut Bufs,
+    p: &OpsShape,
+    (tq, tk): (usize, usize),
+    spans: &[i32],
+) -> Result<AttnBufs, ToolError> {
+    let (qh, qd, kd) = (p.q_heads, p.q_heads * p.head_dim, p.kv_heads * p.head_dim);
+    let sp = b.i32s(spans)?;
+    let f32s = [
+        b.random(tq * qd, false, 1.0)?,
+        b.random(tk * kd, false, 1.0)?,
+        b.random(tk * kd, false, 1.0)?,
+        b.zeros(tq * qd * 4)?,
+        b.zeros(tq * qh * 4)?,
+    ];
+    let bf16s = [
+        b.random(tq * qd, true, 1.0)?,
+        b.random(tk * kd, true, 1.0)?,
+        b.random(tk * kd, true, 1.0)?,
+        b.zeros(tq * qd * 2)?,
+    ];
+    let grads = [
+        b.random(tq * qd, false, 1.0)?,
+        b.zeros(tq * qd * 4)?,
+        b.zeros(tk * kd * 4)?,
+        b.zeros(tk * kd * 4)?,
+    ];
+    Ok((sp, f32s, bf16s, grads))
+}
+
+/// Attention forward and backward, causal and over DFlash blocks, at each length of
+/// `p.seq`; returns the next seed.
+fn measure_attention(
+    p: &OpsShape,
+    ops: &mut crate::device::ops::Ops,
+    mut seed: u64,
+    sink: &mut RowSink,
+) -> u64 {
+    let (qh, kvh, hd) = (p.q_heads, p.kv_heads, p.head_dim);
+    let qd = qh * hd;
     let heads = format!("{qh}/{kvh} heads of {hd}");
-    let mut seed = 100;
     // Attention: causal over t tokens (the target's, bf16), and DFlash's blocks over a
     // context of t tokens (the drafter's, f32 in and out, bf16 products), each forward
     // and backward. Model FLOPs: QKᵀ and PV forward; four products backward (dQ, dK, dV
@@ -1075,34 +1192,7 @@ fn measure_kernels(
                     p.block_size
                 )
             };
-            let mut b = Bufs {
-                dev: ops.dev.as_mut(),
-                seed,
-            };
-            let bufs = (|| -> Result<_, ToolError> {
-                let sp = b.i32s(&spans)?;
-                let f32s = [
-                    b.random(tq * qd, false, 1.0)?,
-                    b.random(tk * kd, false, 1.0)?,
-                    b.random(tk * kd, false, 1.0)?,
-                    b.zeros(tq * qd * 4)?,
-                    b.zeros(tq * qh * 4)?,
-                ];
-                let bf16s = [
-                    b.random(tq * qd, true, 1.0)?,
-                    b.random(tk * kd, true, 1.0)?,
-                    b.random(tk * kd, true, 1.0)?,
-                    b.zeros(tq * qd * 2)?,
-                ];
-                let grads = [
-                    b.random(tq * qd, false, 1.0)?,
-                    b.zeros(tq * qd * 4)?,
-                    b.zeros(tk * kd * 4)?,
-                    b.zeros(tk * kd * 4)?,
-                ];
-                Ok((sp, f32s, bf16s, grads))
-            })();
-            seed = b.seed;
+            let bufs = attention_bufs(ops, &mut seed, p, (tq, tk), &spans);
             let (sp, [q, k, v, out, lse], [q16, k16, v16, out16], [dout, dq, dk, dv]) = match bufs {
                 Ok(x) => x,
                 Err(e) => {
@@ -1123,7 +1213,7 @@ fn measure_kernels(
             };
             if kind == "causal" {
                 ops.act16 = true;
-                let r = time_on_device(&mut ops, |o| {
+                let r = time_on_device(ops, |o| {
                     o.attention(q16, k16, v16, out16, lse, sp, tq, qh, kvh, hd)
                 });
                 ops.act16 = false;
@@ -1135,9 +1225,8 @@ fn measure_kernels(
                     r,
                 );
             } else {
-                let r = time_on_device(&mut ops, |o| {
-                    o.attention(q, k, v, out, lse, sp, tq, qh, kvh, hd)
-                });
+                let r =
+                    time_on_device(ops, |o| o.attention(q, k, v, out, lse, sp, tq, qh, kvh, hd));
                 sink.push(
                     "attention dflash forward",
                     shape.clone(),
@@ -1151,7 +1240,7 @@ fn measure_kernels(
                 .attention(q, k, v, out, lse, sp, tq, qh, kvh, hd)
                 .map_err(ToolError::from)
                 .and_then(|_| {
-                    time_on_device(&mut ops, |o| {
+                    time_on_device(ops, |o| {
                         o.attention_backward(
                             dout, out, lse, q, k, v, sp, dq, dk, dv, tq, qh, kvh, hd,
                         )
@@ -1167,6 +1256,17 @@ fn measure_kernels(
         }
     }
 
+    seed
+}
+
+/// The target's GEMMs; returns the next seed.
+fn measure_gemms(
+    p: &OpsShape,
+    ops: &mut crate::device::ops::Ops,
+    mut seed: u64,
+    sink: &mut RowSink,
+) -> u64 {
+    let (h, qd, kd) = (p.hidden, p.q_heads * p.head_dim, p.kv_heads * p.head_dim);
     // The target's GEMMs over one batch's tokens, bf16 in and out (f32 accumulation).
     let m = p.gemm_rows;
     let gemms = [
@@ -1195,7 +1295,7 @@ fn measure_kernels(
         let shape = format!("{m}x{k} · ({n}x{k})ᵀ");
         let r = bufs.and_then(|(x, w, y)| {
             ops.act16 = true;
-            let r = time_on_device(&mut ops, |o| o.matmul_act(x, w, y, m, k, n));
+            let r = time_on_device(ops, |o| o.matmul_act(x, w, y, m, k, n));
             ops.act16 = false;
             r
         });
@@ -1208,129 +1308,162 @@ fn measure_kernels(
         );
     }
 
-    // The drafter's loss through the frozen lm_head, a vocabulary chunk at a time, as
-    // `DeviceDrafter::loss` runs it: forward (cast, logits GEMM, chunk statistics), then
-    // backward (cast, the logits again, softmax gradient, cast, dX GEMM).
-    let n = p.anchors * (p.block_size - 1);
-    let v = p.vocab;
-    let cw = 4096.min(v);
-    let mut b = Bufs {
-        dev: ops.dev.as_mut(),
-        seed,
-    };
-    let bufs = (|| -> Result<_, ToolError> {
+    seed
+}
+
+/// The buffers of the loss benchmark: the input (f32 and bf16), the lm_head (bf16), one
+/// chunk's logits (f32 and bf16), the running max/sum/argmax value/argmax id/label logit,
+/// the labels, each row's gradient scale and dX.
+struct CeBufs {
+    x: DSlice,
+    xb: DSlice,
+    lm16: DSlice,
+    logits: DSlice,
+    lb: DSlice,
+    stats: [DSlice; 5],
+    labels: DSlice,
+    scale: DSlice,
+    dx: DSlice,
+}
+
+/// The shape of the loss benchmark: `n` rows of `h` over a vocabulary of `v` in chunks of
+/// `cw`.
+#[derive(Clone, Copy)]
+struct CeShape {
+    n: usize,
+    h: usize,
+    v: usize,
+    cw: usize,
+}
+
+impl CeShape {
+    fn alloc(self, b: &mut Bufs) -> Result<CeBufs, ToolError> {
+        let CeShape { n, h, v, cw } = self;
         let labels: Vec<i32> = (0..n).map(|i| ((i * 7919) % v) as i32).collect();
-        Ok((
-            b.random(n * h, false, 1.0)?,
-            b.zeros(n * h * 2)?,
-            b.random(v * h, true, 0.05)?,
-            b.zeros(n * cw * 4)?,
-            b.zeros(n * cw * 2)?,
-            [
+        Ok(CeBufs {
+            x: b.random(n * h, false, 1.0)?,
+            xb: b.zeros(n * h * 2)?,
+            lm16: b.random(v * h, true, 0.05)?,
+            logits: b.zeros(n * cw * 4)?,
+            lb: b.zeros(n * cw * 2)?,
+            stats: [
                 b.zeros(n * 4)?,
                 b.zeros(n * 4)?,
                 b.zeros(n * 4)?,
                 b.zeros(n * 4)?,
                 b.zeros(n * 4)?,
             ],
-            b.i32s(&labels)?,
-            b.random(n, false, 1e-3)?,
-            b.zeros(n * h * 4)?,
-        ))
-    })();
-    let shape = format!("{n} rows x {h} over {v} tokens, chunks of {cw}");
-    match bufs {
-        Err(e) => {
-            sink.failed(
-                "cross_entropy forward",
-                shape.clone(),
-                2.0 * (n * h * v) as f64,
-                &e,
-            );
-            sink.failed(
-                "cross_entropy backward",
-                shape,
-                4.0 * (n * h * v) as f64,
-                &e,
-            );
-        }
-        Ok((x, xb, lm16, logits, lb, [rmax, rsum, bv, bi, ll], labels, scale, dx)) => {
-            let chunk = |start: usize| {
-                (
-                    cw.min(v - start),
-                    lm16.sub(2, start * h..(start + cw.min(v - start)) * h),
-                )
-            };
-            let neg_inf = vec![f32::NEG_INFINITY; n];
-            let fwd = |o: &mut Ops| -> crate::device::Result<()> {
-                o.dev.upload(
-                    crate::device::Stream::Compute,
-                    rmax,
-                    crate::device::f32_bytes(&neg_inf),
-                )?;
-                o.dev.memset_zero(crate::device::Stream::Compute, rsum)?;
-                o.dev.upload(
-                    crate::device::Stream::Compute,
-                    bv,
-                    crate::device::f32_bytes(&neg_inf),
-                )?;
-                for start in (0..v).step_by(cw) {
-                    let (w, lm) = chunk(start);
-                    o.f32_to_bf16(xb, x)?;
-                    o.matmul_bf16(xb, lm, logits.f32s(0..n * w), n, h, w)?;
-                    o.ce_chunk_stats(
-                        rmax,
-                        rsum,
-                        bv,
-                        bi,
-                        ll,
-                        logits.f32s(0..n * w),
-                        labels,
-                        n,
-                        w,
-                        start,
-                    )?;
-                }
-                Ok(())
-            };
-            let r = time_on_device(&mut ops, fwd);
-            let ok = r.is_ok();
-            sink.push(
-                "cross_entropy forward",
-                shape.clone(),
-                2.0 * (n * h * v) as f64,
-                "logits GEMM (bf16, f32 out) and the chunk's max/sum/argmax",
-                r,
-            );
-            let bwd = |o: &mut Ops| -> crate::device::Result<()> {
-                for start in (0..v).step_by(cw) {
-                    let (w, lm) = chunk(start);
-                    let l = logits.f32s(0..n * w);
-                    o.f32_to_bf16(xb, x)?;
-                    o.matmul_bf16(xb, lm, l, n, h, w)?;
-                    o.ce_chunk_grad(l, rmax, rsum, labels, scale, n, w, start)?;
-                    o.f32_to_bf16(lb.sub(2, 0..n * w), l)?;
-                    o.matmul_backward_bf16(lb.sub(2, 0..n * w), xb, lm, Some(dx), None, n, h, w)?;
-                }
-                Ok(())
-            };
-            let r = if ok {
-                time_on_device(&mut ops, bwd)
-            } else {
-                Err(ToolError::Skipped {
-                    because: "the forward failed".into(),
-                })
-            };
-            sink.push(
-                "cross_entropy backward",
-                shape,
-                4.0 * (n * h * v) as f64,
-                "hardware FLOPs: the logits recomputed and dX",
-                r,
-            );
-        }
+            labels: b.i32s(&labels)?,
+            scale: b.random(n, false, 1e-3)?,
+            dx: b.zeros(n * h * 4)?,
+        })
     }
-    Ok(())
+
+    /// The chunk at `start`: its width and its rows of the lm_head.
+    fn chunk(self, c: &CeBufs, start: usize) -> (usize, DSlice) {
+        let w = self.cw.min(self.v - start);
+        (w, c.lm16.sub(2, start * self.h..(start + w) * self.h))
+    }
+
+    /// The forward as `DeviceDrafter::loss` runs it: per chunk, the cast, the logits GEMM
+    /// and the chunk's statistics.
+    fn forward(self, c: &CeBufs, o: &mut crate::device::ops::Ops) -> crate::device::Result<()> {
+        use crate::device::{f32_bytes, Stream};
+        let CeShape { n, h, v, cw } = self;
+        let [rmax, rsum, bv, bi, ll] = c.stats;
+        let neg_inf = vec![f32::NEG_INFINITY; n];
+        o.dev.upload(Stream::Compute, rmax, f32_bytes(&neg_inf))?;
+        o.dev.memset_zero(Stream::Compute, rsum)?;
+        o.dev.upload(Stream::Compute, bv, f32_bytes(&neg_inf))?;
+        for start in (0..v).step_by(cw) {
+            let (w, lm) = self.chunk(c, start);
+            o.f32_to_bf16(c.xb, c.x)?;
+            o.matmul_bf16(c.xb, lm, c.logits.f32s(0..n * w), n, h, w)?;
+            o.ce_chunk_stats(
+                rmax,
+                rsum,
+                bv,
+                bi,
+                ll,
+                c.logits.f32s(0..n * w),
+                c.labels,
+                n,
+                w,
+                start,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The backward: per chunk, the logits again, the softmax gradient, its cast and the
+    /// dX GEMM.
+    fn backward(self, c: &CeBufs, o: &mut crate::device::ops::Ops) -> crate::device::Result<()> {
+        let CeShape { n, h, v, cw } = self;
+        let [rmax, rsum, ..] = c.stats;
+        for start in (0..v).step_by(cw) {
+            let (w, lm) = self.chunk(c, start);
+            let l = c.logits.f32s(0..n * w);
+            o.f32_to_bf16(c.xb, c.x)?;
+            o.matmul_bf16(c.xb, lm, l, n, h, w)?;
+            o.ce_chunk_grad(l, rmax, rsum, c.labels, c.scale, n, w, start)?;
+            o.f32_to_bf16(c.lb.sub(2, 0..n * w), l)?;
+            o.matmul_backward_bf16(c.lb.sub(2, 0..n * w), c.xb, lm, Some(c.dx), None, n, h, w)?;
+        }
+        Ok(())
+    }
+}
+
+/// The drafter's loss through the lm_head, forward and backward.
+fn measure_cross_entropy(
+    p: &OpsShape,
+    ops: &mut crate::device::ops::Ops,
+    seed: u64,
+    sink: &mut RowSink,
+) {
+    let (n, h, v) = (p.anchors * (p.block_size - 1), p.hidden, p.vocab);
+    let ce = CeShape {
+        n,
+        h,
+        v,
+        cw: 4096.min(v),
+    };
+    let flops = 2.0 * (n * h * v) as f64;
+    let shape = format!("{n} rows x {h} over {v} tokens, chunks of {}", ce.cw);
+    let mut b = Bufs {
+        dev: ops.dev.as_mut(),
+        seed,
+    };
+    let bufs = match ce.alloc(&mut b) {
+        Ok(bufs) => bufs,
+        Err(e) => {
+            sink.failed("cross_entropy forward", shape.clone(), flops, &e);
+            sink.failed("cross_entropy backward", shape, 2.0 * flops, &e);
+            return;
+        }
+    };
+    let r = time_on_device(ops, |o| ce.forward(&bufs, o));
+    let ok = r.is_ok();
+    sink.push(
+        "cross_entropy forward",
+        shape.clone(),
+        flops,
+        "logits GEMM (bf16, f32 out) and the chunk's max/sum/argmax",
+        r,
+    );
+    let r = if ok {
+        time_on_device(ops, |o| ce.backward(&bufs, o))
+    } else {
+        Err(ToolError::Skipped {
+            because: "the forward failed".into(),
+        })
+    };
+    sink.push(
+        "cross_entropy backward",
+        shape,
+        2.0 * flops,
+        "hardware FLOPs: the logits recomputed and dX",
+        r,
+    );
 }
 
 /// The target forward of `p.forward_layers` layers of the preset's shape (random bf16

@@ -432,14 +432,8 @@ pub fn from_checkpoint(
     drop(bytes);
     let c = &d.cfg;
     let w = crate::models::weights::Weights::open(target)?;
-    let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
-    let lm_head = if w.contains("lm_head.weight") {
-        w.get("lm_head.weight", &[c.vocab, c.hidden])?
-    } else {
-        embed.clone()
-    };
+    let frozen = Frozen::load(&w, c.vocab, c.hidden)?;
     drop(w);
-    let frozen = Frozen { embed, lm_head };
     let max_position_embeddings = std::fs::read_to_string(target.join("config.json"))
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())

@@ -218,16 +218,10 @@ impl Rank {
         let drafter = Drafter::new(setup.drafter.clone());
         let c = &setup.drafter;
         let w = Weights::open(target_dir)?;
-        let embed = w.get("model.embed_tokens.weight", &[c.vocab, c.hidden])?;
-        let lm_head = if w.contains("lm_head.weight") {
-            w.get("lm_head.weight", &[c.vocab, c.hidden])?
-        } else {
-            embed.clone()
-        };
+        let frozen = Frozen::load(&w, c.vocab, c.hidden)?;
         let state_slot = PoolMap::open(setup.state.fd, setup.state.geometry.clone())
             .map_err(WorkerError::io("mapping the state slot"))?;
         let n = drafter.layout.total;
-        let frozen = Frozen { embed, lm_head };
         let dev = match crate::device::open_device(gpu) {
             Ok(None) => Box::new(crate::device::cpu::CpuDevice::new()),
             Ok(Some(dev)) => dev,

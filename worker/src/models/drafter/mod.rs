@@ -44,6 +44,24 @@ pub struct Frozen {
     pub lm_head: Vec<f32>,
 }
 
+impl Frozen {
+    /// The target checkpoint's embedding and lm_head (the embedding again when it ties
+    /// them), `[vocab, hidden]` each, widened to f32.
+    pub fn load(
+        w: &crate::models::weights::Weights,
+        vocab: usize,
+        hidden: usize,
+    ) -> Result<Frozen, crate::models::ModelError> {
+        let embed = w.get("model.embed_tokens.weight", &[vocab, hidden])?;
+        let lm_head = if w.contains("lm_head.weight") {
+            w.get("lm_head.weight", &[vocab, hidden])?
+        } else {
+            embed.clone()
+        };
+        Ok(Frozen { embed, lm_head })
+    }
+}
+
 /// One sample of a hidden-state batch.
 pub struct Sample<'a> {
     /// `[len, n_taps × hidden]`
@@ -169,6 +187,18 @@ impl Drafter {
             return 0.0;
         }
         (-((k - 1) as f64) / self.cfg.gamma).exp()
+    }
+
+    /// How many slots of the blocks at `anchors` are trained (weight above 0).
+    pub fn supervised_slots(&self, anchors: &[usize], mask: &[u8]) -> usize {
+        anchors
+            .iter()
+            .map(|&a| {
+                (1..self.cfg.block_size)
+                    .filter(|&k| self.slot_weight(a, k, mask) > 0.0)
+                    .count()
+            })
+            .sum()
     }
 
     /// Σ w over the trained slots of a batch: the loss's denominator.
