@@ -9,8 +9,7 @@ use std::path::Path;
 const LIMIT: usize = 100;
 
 /// `(file, function, lines)`: functions still over the limit, at most this long.
-const LONGER: &[(&str, &str, usize)] = &[
-];
+const LONGER: &[(&str, &str, usize)] = &[];
 
 /// Every function's length in `src`: `(file:function, lines)`; a function that appears
 /// twice in one file (in two impls) is named with its line.
