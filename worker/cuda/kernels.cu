@@ -478,10 +478,12 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
 }
 
 // ---------------------------------------------------------------------------------------
-// Attention forward in FlashAttention-2's structure, for bf16 q/k/v/out (f32 lse): the
-// same contract as attention_fwd_bf16 (spans, GQA, lse, a row with no key outputs 0 with
-// lse −inf), chosen by the host for head dims that are a multiple of 8 up to 128 with
-// 16-byte aligned operands.
+// Attention forward in FlashAttention-2's structure, for bf16 or f32 q/k/v/out (f32 lse):
+// the same contract as attention_fwd(_bf16) (spans, GQA, lse, a row with no key outputs 0
+// with lse −inf), chosen by the host for head dims that are a multiple of 8 up to 128 with
+// 16-byte aligned operands. With f32 activations (the drafter's) the threads round K and V
+// to bf16 as they stage them, and Q as they load its fragments: the products are bf16 on
+// tensor cores as in attention_fwd.
 //
 // A CTA is 4 warps × 16 query rows (FA2_ROWS) of one head. Its keys are visited in tiles
 // of KT, each copied once into shared memory for all four warps with cp.async, double
@@ -573,6 +575,36 @@ template <int HD> __device__ __noinline__ void fa2_load_edge(unsigned short* kd,
     }
 }
 
+// fa2_load for f32 k and v (the drafter's activations): read, rounded to bf16 and stored
+// by the threads themselves (cp.async copies bytes, it does not convert), 8 values a copy.
+template <int HD> __device__ __forceinline__ void fa2_load(unsigned short* ks, unsigned short* vs, const float* k, const float* v, int start, int end, long kw, int hd) {
+    constexpr int KT = Fa2<HD>::KT, LD = Fa2<HD>::LD, CH = HD / 8, RS = FA2_THREADS / CH, PASSES = KT / RS;
+    static_assert(FA2_THREADS % CH == 0 && KT % RS == 0, "the CTA's threads cover a tile in whole passes");
+    const int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8;
+    const long off = (long)(start + r0) * kw + c;
+    for (int j = 0; j < PASSES; ++j) {
+        unsigned* kd = (unsigned*)(ks + (r0 + j * RS) * LD + c);
+        unsigned* vd = (unsigned*)(vs + (r0 + j * RS) * LD + c);
+        const bool in = start + r0 + j * RS < end && c < hd;
+        const float* kp = k + off + j * RS * kw;
+        const float* vp = v + off + j * RS * kw;
+        for (int e = 0; e < 4; ++e) {
+            kd[e] = in ? pack_bf16(kp[2 * e], kp[2 * e + 1]) : 0u;
+            vd[e] = in ? pack_bf16(vp[2 * e], vp[2 * e + 1]) : 0u;
+        }
+    }
+}
+
+// Two adjacent elements of q as a bf16 pair (f32 rounded once).
+__device__ __forceinline__ unsigned fa2_pair(const unsigned short* p, long i) { return *(const unsigned*)(p + i); }
+__device__ __forceinline__ unsigned fa2_pair(const float* p, long i) { return pack_bf16(p[i], p[i + 1]); }
+// Store two adjacent outputs.
+__device__ __forceinline__ void fa2_store(unsigned short* p, long i, float a, float b) { *(unsigned*)(p + i) = pack_bf16(a, b); }
+__device__ __forceinline__ void fa2_store(float* p, long i, float a, float b) {
+    p[i] = a;
+    p[i + 1] = b;
+}
+
 // The union of the spans of rows [first, first + FA2_ROWS) (of tq): [lo, hi) per span.
 __device__ __forceinline__ void fa2_range(int* range, const int* spans, int first, int tq) {
     for (int r = 0; r < 2; ++r) {
@@ -661,7 +693,7 @@ template <int HD> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::N
         }
 }
 
-template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
+template <int HD, typename T> __device__ void attention_fa2_fwd_t(T* out, float* lse, const T* q, const T* k, const T* v, const int* spans, int tq, int qh, int kvh, int hd) {
     using namespace fa2_shared;
     typedef Fa2<HD> F;
     constexpr int KT = F::KT, LD = F::LD;
@@ -670,8 +702,8 @@ template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float
     const int kh = head / (qh / kvh);
     const long qw = (long)qh * hd, kw = (long)kvh * hd;
     const float sl2 = rsqrtf((float)hd) * 1.4426950408889634f;
-    const unsigned short* kh_k = k + (long)kh * hd;
-    const unsigned short* kh_v = v + (long)kh * hd;
+    const T* kh_k = k + (long)kh * hd;
+    const T* kh_v = v + (long)kh * hd;
     if (threadIdx.x == 0) fa2_range(range, spans, first, tq);
     // The lane's two rows (g and g + 8 of its warp's 16) and their spans; a row past tq
     // sees nothing.
@@ -685,7 +717,7 @@ template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float
     for (int kc = 0; kc < F::NK; ++kc)
         for (int j = 0; j < 4; ++j) {
             const int rr = row[j & 1], d = kc * 16 + 8 * (j >> 1) + 2 * t;
-            qa[kc][j] = rr < tq && d < hd ? *(const unsigned*)(q + rr * qw + (long)head * hd + d) : 0u;
+            qa[kc][j] = rr < tq && d < hd ? fa2_pair(q, rr * qw + (long)head * hd + d) : 0u;
         }
     float o[F::ND][4];
     for (int dt = 0; dt < F::ND; ++dt)
@@ -745,14 +777,23 @@ template <int HD> __device__ void attention_fa2_fwd_t(unsigned short* out, float
         const int d = dt * 8 + 2 * t;
         if (d >= hd) continue;
         for (int r = 0; r < 2; ++r)
-            if (row[r] < tq) *(unsigned*)(out + row[r] * qw + (long)head * hd + d) = kept[r] ? pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]) : 0u;
+            if (row[r] < tq) fa2_store(out, row[r] * qw + (long)head * hd + d, kept[r] ? o[dt][2 * r] * inv[r] : 0.0f, kept[r] ? o[dt][2 * r + 1] * inv[r] : 0.0f);
     }
+}
+extern "C" __global__ void attention_fa2_fwd_hd32(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<32>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
 }
 extern "C" __global__ void attention_fa2_fwd_bf16_hd32(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
     attention_fa2_fwd_t<32>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
 }
+extern "C" __global__ void attention_fa2_fwd_hd64(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<64>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
 extern "C" __global__ void attention_fa2_fwd_bf16_hd64(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
     attention_fa2_fwd_t<64>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
+}
+extern "C" __global__ void attention_fa2_fwd_hd128(float* out, float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int qh, int kvh, int hd) {
+    attention_fa2_fwd_t<128>(out, lse, q, k, v, spans, tq, qh, kvh, hd);
 }
 extern "C" __global__ void attention_fa2_fwd_bf16_hd128(unsigned short* out, float* lse, const unsigned short* q, const unsigned short* k, const unsigned short* v, const int* spans, int tq, int qh, int kvh, int hd) {
     attention_fa2_fwd_t<128>(out, lse, q, k, v, spans, tq, qh, kvh, hd);

@@ -385,9 +385,11 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
             *act = Act::F32;
         }
         // The FlashAttention-2 forward computes what the plain one does.
-        Kernel::AttentionFa2Fwd { a, .. } => {
-            a.out = w.output(a.out);
-            (a.q, a.k, a.v) = (w.input(a.q), w.input(a.k), w.input(a.v));
+        Kernel::AttentionFa2Fwd { act, a, .. } => {
+            if *act == Act::Bf16 {
+                a.out = w.output(a.out);
+                (a.q, a.k, a.v) = (w.input(a.q), w.input(a.k), w.input(a.v));
+            }
             return Some(Kernel::AttentionFwd {
                 act: Act::F32,
                 a: *a,

@@ -57,12 +57,12 @@ pub enum Fa2Dim {
 impl Fa2Dim {
     pub const ALL: [Fa2Dim; 3] = [Fa2Dim::D32, Fa2Dim::D64, Fa2Dim::D128];
 
-    /// The bucket of an attention call at `act`, if the FlashAttention-2 kernel takes it:
-    /// bf16, a head dim that is a multiple of 8 up to 128, and 16-byte aligned operands
-    /// (its cp.async copies 16 bytes at a time).
-    pub fn for_call(act: Act, a: &Attention) -> Option<Fa2Dim> {
+    /// The bucket of an attention call, if the FlashAttention-2 kernel takes it: a head dim
+    /// that is a multiple of 8 up to 128, and 16-byte aligned operands (its cp.async copies
+    /// 16 bytes at a time), at either activation type.
+    pub fn for_call(a: &Attention) -> Option<Fa2Dim> {
         let aligned = [a.q, a.k, a.v, a.out].iter().all(|s| s.ptr % 16 == 0);
-        if act != Act::Bf16 || a.hd == 0 || a.hd % 8 != 0 || !aligned {
+        if a.hd == 0 || a.hd % 8 != 0 || !aligned {
             return None;
         }
         match a.hd {
@@ -187,10 +187,11 @@ pub enum Kernel {
         act: Act,
         a: Attention,
     },
-    /// [`Kernel::AttentionFwd`] at bf16 in FlashAttention-2's structure (CTAs of 4 warps ×
-    /// 16 rows; see kernels.cu), compiled for a head-dim bucket: the head dim is at most
-    /// the bucket's and a multiple of 8.
+    /// [`Kernel::AttentionFwd`] in FlashAttention-2's structure (CTAs of 4 warps × 16 rows;
+    /// see kernels.cu), compiled for a head-dim bucket: the head dim is at most the
+    /// bucket's and a multiple of 8.
     AttentionFa2Fwd {
+        act: Act,
         dim: Fa2Dim,
         a: Attention,
     },
@@ -287,10 +288,10 @@ impl Kernel {
             Kernel::RmsnormBwd { .. } => "rmsnorm_bwd",
             Kernel::Rope { act: a, .. } => act(a, "rope", "rope_bf16"),
             Kernel::AttentionFwd { act: a, .. } => act(a, "attention_fwd", "attention_fwd_bf16"),
-            Kernel::AttentionFa2Fwd { dim, .. } => match dim {
-                Fa2Dim::D32 => "attention_fa2_fwd_bf16_hd32",
-                Fa2Dim::D64 => "attention_fa2_fwd_bf16_hd64",
-                Fa2Dim::D128 => "attention_fa2_fwd_bf16_hd128",
+            Kernel::AttentionFa2Fwd { act: a, dim, .. } => match dim {
+                Fa2Dim::D32 => act(a, "attention_fa2_fwd_hd32", "attention_fa2_fwd_bf16_hd32"),
+                Fa2Dim::D64 => act(a, "attention_fa2_fwd_hd64", "attention_fa2_fwd_bf16_hd64"),
+                Fa2Dim::D128 => act(a, "attention_fa2_fwd_hd128", "attention_fa2_fwd_bf16_hd128"),
             },
             Kernel::AttentionBwd(_) => "attention_bwd",
             Kernel::CeChunkStats { .. } => "ce_chunk_stats",
@@ -555,11 +556,13 @@ impl Kernel {
         for act in [Act::F32, Act::Bf16] {
             all.extend(Kernel::every_activation(b, act, attention));
         }
-        all.extend(
-            Fa2Dim::ALL
-                .into_iter()
-                .map(|dim| Kernel::AttentionFa2Fwd { dim, a: attention }),
-        );
+        for act in [Act::F32, Act::Bf16] {
+            all.extend(Fa2Dim::ALL.into_iter().map(|dim| Kernel::AttentionFa2Fwd {
+                act,
+                dim,
+                a: attention,
+            }));
+        }
         all.extend(Kernel::every_other(b, attention, hyper));
         all
     }

@@ -475,9 +475,9 @@ impl Ops {
             hd,
         };
         let act = self.act();
-        match Fa2Dim::for_call(act, &a) {
+        match Fa2Dim::for_call(&a) {
             Some(dim) => self.launch(
-                Kernel::AttentionFa2Fwd { dim, a },
+                Kernel::AttentionFa2Fwd { act, dim, a },
                 (tq.div_ceil(FA2_ROWS) * qh).max(1) as u32,
                 FA2_THREADS,
             ),

@@ -145,10 +145,10 @@ pub fn analyse_arch(
     Ok(rows)
 }
 
-/// The attention forward the GPU target runs at `head_dim` (bf16 activations, aligned
-/// buffers): the kernel device/ops.rs chooses.
-pub fn target_attention_kernel(head_dim: usize) -> &'static str {
-    use crate::device::kernels::{Act, Attention, Fa2Dim, Kernel};
+/// The attention forward device/ops.rs chooses at `head_dim` and activation type `act`
+/// (aligned buffers): the GPU target's at bf16, the drafter's at f32.
+pub fn attention_kernel(head_dim: usize, act: crate::device::kernels::Act) -> &'static str {
+    use crate::device::kernels::{Attention, Fa2Dim, Kernel};
     use crate::device::DSlice;
     let b = DSlice { ptr: 0, bytes: 0 };
     let a = Attention {
@@ -163,9 +163,9 @@ pub fn target_attention_kernel(head_dim: usize) -> &'static str {
         kvh: 1,
         hd: head_dim,
     };
-    match Fa2Dim::for_call(Act::Bf16, &a) {
-        Some(dim) => Kernel::AttentionFa2Fwd { dim, a }.name(),
-        None => Kernel::AttentionFwd { act: Act::Bf16, a }.name(),
+    match Fa2Dim::for_call(&a) {
+        Some(dim) => Kernel::AttentionFa2Fwd { act, dim, a }.name(),
+        None => Kernel::AttentionFwd { act, a }.name(),
     }
 }
 
@@ -187,10 +187,15 @@ pub fn analyse(t: &Tools, archs: &[String]) -> Result<Report, KernelBenchError> 
         kernels.extend(analyse_arch(t, nvrtc::KERNELS_CU, arch, &names)?);
     }
     let model = archs.iter().any(|a| a == "sm_90").then(|| {
-        let target = target_attention_kernel(roofline::qwen3_8b().head_dim as usize);
+        use crate::device::kernels::Act;
+        let hd = roofline::qwen3_8b().head_dim as usize;
+        let (target, drafter) = (
+            attention_kernel(hd, Act::Bf16),
+            attention_kernel(hd, Act::F32),
+        );
         roofline::model(
             (target, attention_code(&kernels, target)),
-            attention_code(&kernels, "attention_fwd"),
+            (drafter, attention_code(&kernels, drafter)),
             attention_code(&kernels, "attention_bwd"),
         )
     });

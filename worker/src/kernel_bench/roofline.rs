@@ -336,10 +336,15 @@ pub struct Model {
     pub assumptions: Vec<String>,
 }
 
-/// `target`: the target's attention forward (its kernel's name and sm_90 figures);
-/// `fwd`, `bwd`: those of attention_fwd (the drafter's f32) and attention_bwd.
-pub fn model(target: (&str, AttentionCode), fwd: AttentionCode, bwd: AttentionCode) -> Model {
+/// `target`, `drafter`: the target's (bf16) and the drafter's (f32) attention forward,
+/// each its kernel's name and sm_90 figures; `bwd`: those of attention_bwd.
+pub fn model(
+    target: (&str, AttentionCode),
+    drafter: (&str, AttentionCode),
+    bwd: AttentionCode,
+) -> Model {
     let (target_kernel, fwd_bf16) = target;
+    let (drafter_kernel, fwd) = drafter;
     let (hw, s) = (H200, qwen3_8b());
     let lengths = [1024, 4096, 8192];
     let forwards: Vec<Workload> = lengths
@@ -365,7 +370,7 @@ pub fn model(target: (&str, AttentionCode), fwd: AttentionCode, bwd: AttentionCo
             attention_efficiency(&hw, &fwd_bf16),
         ),
         (
-            "attention_fwd".to_string(),
+            drafter_kernel.to_string(),
             fwd,
             attention_efficiency(&hw, &fwd),
         ),

@@ -5,7 +5,7 @@
 use dflash_shared::rng::Rng;
 use dflash_worker::reference::ops::Cpu;
 use dflash_worker::reference::{Heads, KeySpan};
-use dflash_worker::device::kernels::{Act, Attention, Fa2Dim};
+use dflash_worker::device::kernels::{Attention, Fa2Dim};
 use dflash_worker::device::ops::Ops;
 use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
 
@@ -1106,7 +1106,7 @@ fn host_device_bf16_attention_on_tensor_cores_matches_the_cpu_backend() {
     check_attention_bf16("a NaN query row", 20, 20, &causal(20), Heads { q_heads: 2, kv_heads: 1, head_dim: 32 }, 26, Some(3 * 64 + 5));
 }
 
-/// The FlashAttention-2 forward (bf16, head dims that are a multiple of 8 up to 128): CTAs
+/// The FlashAttention-2 forward (head dims that are a multiple of 8 up to 128): CTAs
 /// of 64 rows over double-buffered tiles of 32 (hd 128) or 64 keys, at the shapes that
 /// exercise its edges: several CTAs and tiles with the last of each partly empty, GQA,
 /// every head-dim bucket with and without zero padding, DFlash blocks of 16 with four
@@ -1117,7 +1117,7 @@ fn host_device_flash_attention_2_forward_matches_the_cpu_backend() {
     let causal = |t: usize| -> Vec<KeySpan> { (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect() };
     for (hd, t, seed) in [(128usize, 150usize, 31u64), (64, 131, 32), (16, 70, 33), (120, 45, 34)] {
         let a = Attention { out: DSlice { ptr: 0, bytes: 0 }, lse: DSlice { ptr: 0, bytes: 0 }, q: DSlice { ptr: 0, bytes: 0 }, k: DSlice { ptr: 0, bytes: 0 }, v: DSlice { ptr: 0, bytes: 0 }, spans: DSlice { ptr: 0, bytes: 0 }, tq: t, qh: 4, kvh: 2, hd };
-        assert!(Fa2Dim::for_call(Act::Bf16, &a).is_some(), "hd {hd} takes the FlashAttention-2 forward");
+        assert!(Fa2Dim::for_call(&a).is_some(), "hd {hd} takes the FlashAttention-2 forward");
         check_attention_bf16(&format!("FA2 causal hd={hd}, {t} rows, GQA 4/2"), t, t, &causal(t), Heads { q_heads: 4, kv_heads: 2, head_dim: hd }, seed, None);
     }
     let (slen, bs) = (120usize, 16usize);
@@ -1132,4 +1132,8 @@ fn host_device_flash_attention_2_forward_matches_the_cpu_backend() {
     let spans: Vec<KeySpan> = (0..tq).map(|i| KeySpan { a: 0..anchors[i / bs], b: slen + (i / bs) * bs..slen + (i / bs + 1) * bs }).collect();
     check_attention_bf16("FA2 dflash blocks, a context shorter than a tile", tq, slen + tq, &spans, Heads { q_heads: 2, kv_heads: 1, head_dim: 64 }, 37, None);
     check_attention_bf16("FA2 a NaN query row, hd 64", 70, 70, &causal(70), Heads { q_heads: 2, kv_heads: 2, head_dim: 64 }, 36, Some(65 * 128 + 7));
+    // With f32 activations (the drafter's: Q, K and V rounded to bf16 as they are staged),
+    // forward and backward (whose log-sum-exp the forward wrote).
+    check_attention("FA2 f32 causal hd=128, 150 rows, GQA 4/2", 150, 150, &causal(150), Heads { q_heads: 4, kv_heads: 2, head_dim: 128 }, 38);
+    check_attention("FA2 f32 dflash blocks of 16, a context shorter than a tile", tq, slen + tq, &spans, Heads { q_heads: 2, kv_heads: 1, head_dim: 64 }, 39);
 }
