@@ -394,9 +394,15 @@ fn bench_compute_reports_the_forward_per_op_against_bare_gemms() {
     // run. The drafter step's kernels:
     assert!(v.get("reference_gflops").is_none(), "{v}");
     let dops = v["drafter_op_seconds"].as_object().unwrap();
+    // The attention forward is whichever kernel device/ops.rs chose (the FlashAttention-2
+    // one at the demo's head dim).
+    let fwd = dops
+        .keys()
+        .find(|k| k.starts_with("attention_fa2_fwd") || k.starts_with("attention_fwd"))
+        .unwrap_or_else(|| panic!("no attention forward in {dops:?}"));
     for op in [
         "gemm",
-        "attention_fwd",
+        fwd.as_str(),
         "attention_bwd",
         "ce_chunk_stats",
         "adamw",

@@ -1,9 +1,9 @@
 // dflash-worker's CUDA kernels.
 //
 // This one file is compiled two ways, unmodified:
-//   * by NVRTC at run time, for the GPU's compute capability (worker/src/gpu/nvrtc.rs);
+//   * by NVRTC at run time, for the GPU's compute capability (worker/src/device/nvrtc.rs);
 //   * as C++ by the host compiler, with cuda/host/cuda_host.h supplying the CUDA built-ins,
-//     for the host device that runs every kernel on the CPU in CI (worker/src/gpu/host.rs).
+//     for the host device that runs every kernel on the CPU in CI (worker/src/device/host.rs).
 // So: inline PTX only inside the primitives defined below under __CUDACC_RTC__ (which
 // cuda_host.h emulates), no CUDA headers (bf16 is converted by hand, round-to-nearest-even;
 // tensor cores through a WMMA subset defined below, or through mma.sync, ldmatrix and

@@ -643,7 +643,9 @@ fn time_cpu_forward(target: &Target, ids: &[u32]) -> Result<CpuForward, ToolErro
     for (k, v) in worker_ops {
         let op = match k.as_str() {
             "gemm" => "matmul",
-            "attention_fwd" => "attention",
+            n if n.starts_with("attention_fwd") || n.starts_with("attention_fa2_fwd") => {
+                "attention"
+            }
             "rmsnorm_fwd" => "rmsnorm",
             "swiglu_fwd" => "swiglu",
             "add_inplace" => "residual",

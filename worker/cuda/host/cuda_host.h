@@ -1,5 +1,5 @@
 // The CUDA built-ins that worker/cuda/kernels.cu uses, for compiling it as plain C++ and
-// running it on the CPU: the host device (worker/src/gpu/host.rs, cuda/host/runtime.cpp).
+// running it on the CPU: the host device (worker/src/device/host.rs, cuda/host/runtime.cpp).
 // Every thread of a block is live at once (a fiber with its own stack); `__syncthreads`
 // is a real barrier over all of them and warp collectives exchange through a per-warp
 // barrier, so a missing barrier or a wrong lane index shows up here as it would on a GPU.

@@ -1,7 +1,7 @@
 // The host device's kernel launcher: worker/cuda/kernels.cu compiled as C++ (with
 // cuda_host.h), running a launch's blocks one after another, every thread of a block
 // live at once as a fiber, in an order drawn from a seed (the schedule, below). Called
-// from Rust (worker/src/gpu/host.rs) with the same packed arguments cuLaunchKernel
+// from Rust (worker/src/device/host.rs) with the same packed arguments cuLaunchKernel
 // takes: an array of pointers to each argument.
 
 // Fibers switch with _setjmp/_longjmp between their own stacks (no signal-mask syscall
