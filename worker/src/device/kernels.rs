@@ -74,6 +74,25 @@ impl Fa2Dim {
     }
 }
 
+impl Attention {
+    /// A call's shape alone (no buffers): what picks or names a kernel for a head dim.
+    pub fn shape_of(tq: usize, qh: usize, kvh: usize, hd: usize) -> Attention {
+        let b = DSlice { ptr: 0, bytes: 0 };
+        Attention {
+            out: b,
+            lse: b,
+            q: b,
+            k: b,
+            v: b,
+            spans: b,
+            tq,
+            qh,
+            kvh,
+            hd,
+        }
+    }
+}
+
 /// The backward of [`Attention`]: `dq`, `dk`, `dv` accumulate.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionGrad {
@@ -541,10 +560,7 @@ impl Kernel {
             k: b,
             v: b,
             spans: b,
-            tq: 1,
-            qh: 1,
-            kvh: 1,
-            hd: 1,
+            ..Attention::shape_of(1, 1, 1, 1)
         };
         let hyper = AdamHyper {
             beta1: 0.9,

@@ -149,20 +149,7 @@ pub fn analyse_arch(
 /// (aligned buffers): the GPU target's at bf16, the drafter's at f32.
 pub fn attention_kernel(head_dim: usize, act: crate::device::kernels::Act) -> &'static str {
     use crate::device::kernels::{Attention, Fa2Dim, Kernel};
-    use crate::device::DSlice;
-    let b = DSlice { ptr: 0, bytes: 0 };
-    let a = Attention {
-        out: b,
-        lse: b,
-        q: b,
-        k: b,
-        v: b,
-        spans: b,
-        tq: 1,
-        qh: 1,
-        kvh: 1,
-        hd: head_dim,
-    };
+    let a = Attention::shape_of(1, 1, 1, head_dim);
     match Fa2Dim::for_call(&a) {
         Some(dim) => Kernel::AttentionFa2Fwd { act, dim, a }.name(),
         None => Kernel::AttentionFwd { act, a }.name(),

@@ -1116,7 +1116,7 @@ fn host_device_flash_attention_2_forward_matches_the_cpu_backend() {
     let _checks = all_checks();
     let causal = |t: usize| -> Vec<KeySpan> { (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect() };
     for (hd, t, seed) in [(128usize, 150usize, 31u64), (64, 131, 32), (16, 70, 33), (120, 45, 34)] {
-        let a = Attention { out: DSlice { ptr: 0, bytes: 0 }, lse: DSlice { ptr: 0, bytes: 0 }, q: DSlice { ptr: 0, bytes: 0 }, k: DSlice { ptr: 0, bytes: 0 }, v: DSlice { ptr: 0, bytes: 0 }, spans: DSlice { ptr: 0, bytes: 0 }, tq: t, qh: 4, kvh: 2, hd };
+        let a = Attention::shape_of(t, 4, 2, hd);
         assert!(Fa2Dim::for_call(&a).is_some(), "hd {hd} takes the FlashAttention-2 forward");
         check_attention_bf16(&format!("FA2 causal hd={hd}, {t} rows, GQA 4/2"), t, t, &causal(t), Heads { q_heads: 4, kv_heads: 2, head_dim: hd }, seed, None);
     }

@@ -6,3 +6,4 @@ pub mod ipc;
 pub mod kernels;
 pub mod telemetry;
 pub mod train;
+mod worker_tool;

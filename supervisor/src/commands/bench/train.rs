@@ -87,10 +87,9 @@ fn measure(
         .filter(|l| l.get("step").is_some())
         .collect();
     // From the first commit to the last: start-up (loading, first batch) is not throughput.
-    let (first, last) = (
-        lines.first().ok_or_else(|| fail("train.jsonl", "empty"))?,
-        lines.last().expect("non-empty"),
-    );
+    let (Some(first), Some(last)) = (lines.first(), lines.last()) else {
+        return Err(fail("train.jsonl", "empty"));
+    };
     let secs = (last["t"].as_f64().unwrap_or(0.0) - first["t"].as_f64().unwrap_or(0.0)) / 1000.0;
     let tokens: f64 = lines[1..]
         .iter()
