@@ -1110,11 +1110,11 @@ type AttnBufs = (
     crate::device::DSlice,
     [crate::device::DSlice; 5],
     [crate::device::DSlice; 4],
-    [crate::device::DSlice; 4],
+    [crate::device::DSlice; 5],
 );
 
 /// Attention's buffers for `tq` query rows over `tk` keys: the spans; q, k, v, out (f32)
-/// and lse; q, k, v, out in bf16; dout, dq, dk, dv (f32). Random from `seed` (advanced).
+/// and lse; q, k, v, out in bf16; dout, dq, dk, dv and the backward's delta (f32). Random from `seed` (advanced).
 fn attention_bufs(
     ops: &mut crate::device::ops::Ops,
     seed: &mut u64,
@@ -1157,6 +1157,7 @@ fn attention_bufs_in(
         b.zeros(tq * qd * 4)?,
         b.zeros(tk * kd * 4)?,
         b.zeros(tk * kd * 4)?,
+        b.zeros(tq * p.q_heads * 4)?,
     ];
     Ok((sp, f32s, bf16s, grads))
 }
@@ -1195,24 +1196,25 @@ fn measure_attention(
                 )
             };
             let bufs = attention_bufs(ops, &mut seed, p, (tq, tk), &spans);
-            let (sp, [q, k, v, out, lse], [q16, k16, v16, out16], [dout, dq, dk, dv]) = match bufs {
-                Ok(x) => x,
-                Err(e) => {
-                    sink.failed(
-                        &format!("attention {kind} forward"),
-                        shape.clone(),
-                        fwd_flops,
-                        &e,
-                    );
-                    sink.failed(
-                        &format!("attention {kind} backward"),
-                        shape,
-                        2.0 * fwd_flops,
-                        &e,
-                    );
-                    continue;
-                }
-            };
+            let (sp, [q, k, v, out, lse], [q16, k16, v16, out16], [dout, dq, dk, dv, delta]) =
+                match bufs {
+                    Ok(x) => x,
+                    Err(e) => {
+                        sink.failed(
+                            &format!("attention {kind} forward"),
+                            shape.clone(),
+                            fwd_flops,
+                            &e,
+                        );
+                        sink.failed(
+                            &format!("attention {kind} backward"),
+                            shape,
+                            2.0 * fwd_flops,
+                            &e,
+                        );
+                        continue;
+                    }
+                };
             if kind == "causal" {
                 ops.act16 = true;
                 let r = time_on_device(ops, |o| {
@@ -1244,7 +1246,7 @@ fn measure_attention(
                 .and_then(|_| {
                     time_on_device(ops, |o| {
                         o.attention_backward(
-                            dout, out, lse, q, k, v, sp, dq, dk, dv, tq, qh, kvh, hd,
+                            dout, out, lse, delta, q, k, v, sp, dq, dk, dv, tq, qh, kvh, hd,
                         )
                     })
                 });

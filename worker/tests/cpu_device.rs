@@ -27,9 +27,10 @@ fn cpu_device_checks_every_kernels_buffers_against_the_launch() {
         }
         let err = d.launch(Stream::Compute, &k, 4, 32).unwrap_err();
         // A bf16 kernel runs as its f32 one over widened copies, the FlashAttention-2
-        // forward as the plain attention forward: the refusal names that one.
+        // forward and backward as the plain attention's: the refusal names that one.
         let f32_name = match k {
             Kernel::AttentionFa2Fwd { .. } => "attention_fwd",
+            Kernel::AttentionFa2Bwd { .. } => "attention_bwd",
             _ => k.name().trim_end_matches("_bf16"),
         };
         assert!(

@@ -64,7 +64,8 @@ fn every_kernel_has_consistent_machine_code_figures_on_sm_80_90_and_100() {
             fits(blocks) && !fits(blocks + 1),
             "{what}: {blocks} blocks is not the most that fit"
         );
-        if k.name.starts_with("attention") {
+        // The attention kernels, but the backward's elementwise Σ dO∘O.
+        if k.name.starts_with("attention") && k.name != "attention_bwd_delta" {
             assert!(k.mma_in_main_loop > 0, "{what}: no HMMA in the main loop");
             assert!(k.mma_in_main_loop <= k.mma_total);
             let r = k.non_mma_per_mma.unwrap();
@@ -118,6 +119,19 @@ fn every_kernel_has_consistent_machine_code_figures_on_sm_80_90_and_100() {
         fa2.non_mma_per_mma.unwrap() < old.non_mma_per_mma.unwrap() / 2.0,
         "{:?} against {:?}",
         fa2.non_mma_per_mma,
+        old.non_mma_per_mma
+    );
+    // The drafter's attention backward at that head dim is the FlashAttention-2 one, with
+    // the same goals against the one-warp attention_bwd.
+    assert_eq!(m.attention[2].0, "attention_fa2_bwd_hd128");
+    let (bwd, old) = (row("attention_fa2_bwd_hd128"), row("attention_bwd"));
+    assert_eq!(bwd.block_threads, 128);
+    assert!(bwd.warps_per_sm >= 8, "{} warps/SM", bwd.warps_per_sm);
+    assert_eq!(bwd.spill_bytes, 0);
+    assert!(
+        bwd.non_mma_per_mma.unwrap() < old.non_mma_per_mma.unwrap() / 2.0,
+        "{:?} against {:?}",
+        bwd.non_mma_per_mma,
         old.non_mma_per_mma
     );
 }

@@ -431,7 +431,10 @@ impl CpuDevice {
         let name = k.name();
         match *k {
             Kernel::AttentionFwd { a, .. } => self.attention_fwd(&a),
-            Kernel::AttentionBwd(g) => self.attention_bwd(&g),
+            // The FlashAttention-2 backward computes what the plain one does (its delta
+            // is the plain one's own rowsum(dO∘O)).
+            Kernel::AttentionBwd(g) | Kernel::AttentionFa2Bwd { g, .. } => self.attention_bwd(&g),
+            Kernel::AttentionBwdDelta { delta, g } => attention_delta(wr(delta), &g),
             Kernel::CeChunkStats {
                 run_max,
                 run_sum,
@@ -1434,6 +1437,28 @@ fn rope(
                 x[base + i + half] = x2 * c + x1 * s;
             }
         }
+    }
+    Ok(())
+}
+
+/// `attention_bwd_delta`: `Σ_d dO∘O` per (row, head), 0 where the row's lse is −inf.
+///
+/// # Safety
+/// As for [`Device::launch`]'s arms.
+unsafe fn attention_delta(delta: &mut [f32], g: &AttentionGrad) -> Result<()> {
+    let kernel = "attention_bwd_delta";
+    let a = &g.fwd;
+    let (dout, out, lse) = (rd::<f32>(g.dout), rd::<f32>(a.out), rd::<f32>(a.lse));
+    let pairs = a.tq * a.qh;
+    need(kernel, "delta/lse", delta.len().min(lse.len()), pairs)?;
+    need(kernel, "dout/out", dout.len().min(out.len()), pairs * a.hd)?;
+    for (i, d) in delta[..pairs].iter_mut().enumerate() {
+        let r = i * a.hd..(i + 1) * a.hd;
+        *d = if lse[i] == f32::NEG_INFINITY {
+            0.0
+        } else {
+            crate::math::dot(&dout[r.clone()], &out[r])
+        };
     }
     Ok(())
 }

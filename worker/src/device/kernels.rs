@@ -72,6 +72,14 @@ impl Fa2Dim {
             _ => None,
         }
     }
+
+    /// The bucket of an attention backward, if the FlashAttention-2 backward takes it:
+    /// where the forward would, with its dO and key spans 16-byte aligned too (loaded 16
+    /// bytes at a time). The backward's activations are f32 at either forward precision.
+    pub fn for_backward(g: &AttentionGrad) -> Option<Fa2Dim> {
+        let aligned = [g.dout, g.fwd.spans].iter().all(|s| s.ptr % 16 == 0);
+        aligned.then(|| Fa2Dim::for_call(&g.fwd)).flatten()
+    }
 }
 
 impl Attention {
@@ -215,6 +223,21 @@ pub enum Kernel {
         a: Attention,
     },
     AttentionBwd(AttentionGrad),
+    /// `delta[r·qh + h] = Σ_d dO∘O` of row r, head h (0 where its lse is −inf): what
+    /// [`Kernel::AttentionFa2Bwd`] reads. Grid: ceil(tq·qh / 4) blocks of 128 threads.
+    AttentionBwdDelta {
+        delta: DSlice,
+        g: AttentionGrad,
+    },
+    /// The backward in FlashAttention-2's structure (f32 activations and gradients, see
+    /// kernels.cu) for a head-dim bucket, from `delta`; `tk` keys. Grid:
+    /// ceil(tk / 64)·kvh blocks of 128 threads.
+    AttentionFa2Bwd {
+        dim: Fa2Dim,
+        g: AttentionGrad,
+        delta: DSlice,
+        tk: usize,
+    },
     /// Fold a vocabulary chunk of logits (`[rows, cw]`, ids `start..start+cw`) into each
     /// row's running max, Σexp, argmax (value and i32 id) and label logit (labels i32).
     CeChunkStats {
@@ -313,6 +336,12 @@ impl Kernel {
                 Fa2Dim::D128 => act(a, "attention_fa2_fwd_hd128", "attention_fa2_fwd_bf16_hd128"),
             },
             Kernel::AttentionBwd(_) => "attention_bwd",
+            Kernel::AttentionBwdDelta { .. } => "attention_bwd_delta",
+            Kernel::AttentionFa2Bwd { dim, .. } => match dim {
+                Fa2Dim::D32 => "attention_fa2_bwd_hd32",
+                Fa2Dim::D64 => "attention_fa2_bwd_hd64",
+                Fa2Dim::D128 => "attention_fa2_bwd_hd128",
+            },
             Kernel::CeChunkStats { .. } => "ce_chunk_stats",
             Kernel::CeChunkGrad { .. } => "ce_chunk_grad",
             Kernel::Sumsq { .. } => "sumsq",
@@ -459,6 +488,32 @@ impl Kernel {
                 i32_of(g.fwd.kvh),
                 i32_of(g.fwd.hd),
             ],
+            Kernel::AttentionBwdDelta { delta, g } => vec![
+                W(delta),
+                R(g.dout),
+                R(g.fwd.out),
+                R(g.fwd.lse),
+                i32_of(g.fwd.tq),
+                i32_of(g.fwd.qh),
+                i32_of(g.fwd.hd),
+            ],
+            Kernel::AttentionFa2Bwd { g, delta, tk, .. } => vec![
+                RW(g.dq),
+                RW(g.dk),
+                RW(g.dv),
+                R(g.dout),
+                R(delta),
+                R(g.fwd.lse),
+                R(g.fwd.q),
+                R(g.fwd.k),
+                R(g.fwd.v),
+                R(g.fwd.spans),
+                i32_of(g.fwd.tq),
+                i32_of(tk),
+                i32_of(g.fwd.qh),
+                i32_of(g.fwd.kvh),
+                i32_of(g.fwd.hd),
+            ],
             _ => return None,
         })
     }
@@ -579,6 +634,20 @@ impl Kernel {
                 a: attention,
             }));
         }
+        let grad = AttentionGrad {
+            fwd: attention,
+            dout: b,
+            dq: b,
+            dk: b,
+            dv: b,
+        };
+        all.push(Kernel::AttentionBwdDelta { delta: b, g: grad });
+        all.extend(Fa2Dim::ALL.into_iter().map(|dim| Kernel::AttentionFa2Bwd {
+            dim,
+            g: grad,
+            delta: b,
+            tk: 1,
+        }));
         all.extend(Kernel::every_other(b, attention, hyper));
         all
     }

@@ -18,6 +18,8 @@ const ATTN_MMA_ROWS: usize = 16;
 /// (`FA2_ROWS`, `FA2_THREADS` in kernels.cu).
 const FA2_ROWS: usize = 64;
 const FA2_THREADS: u32 = 128;
+/// Keys per CTA of the FlashAttention-2 backward (`FA2B_KEYS` in kernels.cu).
+const FA2_BWD_KEYS: usize = 64;
 
 /// Blocks of one warp, ATTN_MMA_ROWS query rows of one head each.
 fn attention_grid(tq: usize, qh: usize) -> u32 {
@@ -485,13 +487,15 @@ impl Ops {
         }
     }
 
-    /// Backward of [`attention`](Self::attention): `dq`, `dk`, `dv` accumulate.
+    /// Backward of [`attention`](Self::attention): `dq`, `dk`, `dv` accumulate. `delta`
+    /// (`tq·qh` f32) is scratch for the FlashAttention-2 backward's `Σ dO∘O` per row.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         &mut self,
         dout: DSlice,
         out: DSlice,
         lse: DSlice,
+        delta: DSlice,
         q: DSlice,
         k: DSlice,
         v: DSlice,
@@ -517,16 +521,33 @@ impl Ops {
             kvh,
             hd,
         };
+        let g = AttentionGrad {
+            fwd,
+            dout,
+            dq,
+            dk,
+            dv,
+        };
+        let Some(dim) = Fa2Dim::for_backward(&g) else {
+            return self.launch(Kernel::AttentionBwd(g), attention_grid(tq, qh), 32);
+        };
+        if delta.len_f32() < tq * qh {
+            return Err(super::GpuError::Invalid(format!(
+                "attention backward: delta holds {} f32, {tq} rows × {qh} heads need {}",
+                delta.len_f32(),
+                tq * qh
+            )));
+        }
+        let tk = k.len_f32() / (kvh * hd);
         self.launch(
-            Kernel::AttentionBwd(AttentionGrad {
-                fwd,
-                dout,
-                dq,
-                dk,
-                dv,
-            }),
-            attention_grid(tq, qh),
-            32,
+            Kernel::AttentionBwdDelta { delta, g },
+            (tq * qh).div_ceil(4).max(1) as u32,
+            FA2_THREADS,
+        )?;
+        self.launch(
+            Kernel::AttentionFa2Bwd { dim, g, delta, tk },
+            (tk.div_ceil(FA2_BWD_KEYS) * kvh).max(1) as u32,
+            FA2_THREADS,
         )
     }
 

@@ -57,9 +57,10 @@ pub struct Report {
 }
 
 /// Threads per block of a kernel as device/ops.rs launches it: the FlashAttention-2
-/// forward four warps, the other attention kernels one warp, the rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
+/// kernels and the backward's delta four warps, the other attention kernels one warp, the
+/// rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
 pub fn block_threads(kernel: &str) -> u32 {
-    if kernel.starts_with("attention_fa2") {
+    if kernel.starts_with("attention_fa2") || kernel == "attention_bwd_delta" {
         128
     } else if kernel.starts_with("attention") || kernel == "adam_count" {
         32
@@ -156,6 +157,29 @@ pub fn attention_kernel(head_dim: usize, act: crate::device::kernels::Act) -> &'
     }
 }
 
+/// The attention backward device/ops.rs chooses at `head_dim` (aligned buffers).
+pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
+    use crate::device::kernels::{Attention, AttentionGrad, Fa2Dim, Kernel};
+    let fwd = Attention::shape_of(1, 1, 1, head_dim);
+    let g = AttentionGrad {
+        fwd,
+        dout: fwd.out,
+        dq: fwd.out,
+        dk: fwd.out,
+        dv: fwd.out,
+    };
+    match Fa2Dim::for_backward(&g) {
+        Some(dim) => Kernel::AttentionFa2Bwd {
+            dim,
+            g,
+            delta: fwd.out,
+            tk: 1,
+        }
+        .name(),
+        None => Kernel::AttentionBwd(g).name(),
+    }
+}
+
 /// The attention figures the model takes, from an sm_90 row.
 fn attention_code(rows: &[KernelRow], name: &str) -> roofline::AttentionCode {
     let r = rows.iter().find(|r| r.arch == "sm_90" && r.name == name);
@@ -176,14 +200,15 @@ pub fn analyse(t: &Tools, archs: &[String]) -> Result<Report, KernelBenchError> 
     let model = archs.iter().any(|a| a == "sm_90").then(|| {
         use crate::device::kernels::Act;
         let hd = roofline::qwen3_8b().head_dim as usize;
-        let (target, drafter) = (
+        let (target, drafter, bwd) = (
             attention_kernel(hd, Act::Bf16),
             attention_kernel(hd, Act::F32),
+            attention_backward_kernel(hd),
         );
         roofline::model(
             (target, attention_code(&kernels, target)),
             (drafter, attention_code(&kernels, drafter)),
-            attention_code(&kernels, "attention_bwd"),
+            (bwd, attention_code(&kernels, bwd)),
         )
     });
     let nvrtc = nvrtc::version().map_or_else(|e| e.to_string(), |(a, b)| format!("{a}.{b}"));

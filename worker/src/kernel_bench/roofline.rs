@@ -337,14 +337,15 @@ pub struct Model {
 }
 
 /// `target`, `drafter`: the target's (bf16) and the drafter's (f32) attention forward,
-/// each its kernel's name and sm_90 figures; `bwd`: those of attention_bwd.
+/// and `bwd` the drafter's attention backward, each its kernel's name and sm_90 figures.
 pub fn model(
     target: (&str, AttentionCode),
     drafter: (&str, AttentionCode),
-    bwd: AttentionCode,
+    bwd: (&str, AttentionCode),
 ) -> Model {
     let (target_kernel, fwd_bf16) = target;
     let (drafter_kernel, fwd) = drafter;
+    let (bwd_kernel, bwd) = bwd;
     let (hw, s) = (H200, qwen3_8b());
     let lengths = [1024, 4096, 8192];
     let forwards: Vec<Workload> = lengths
@@ -374,11 +375,7 @@ pub fn model(
             fwd,
             attention_efficiency(&hw, &fwd),
         ),
-        (
-            "attention_bwd".to_string(),
-            bwd,
-            attention_efficiency(&hw, &bwd),
-        ),
+        (bwd_kernel.to_string(), bwd, attention_efficiency(&hw, &bwd)),
     ];
     Model {
         hardware: hw,

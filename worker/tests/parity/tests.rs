@@ -413,7 +413,9 @@ fn check_attention(name: &str, tq: usize, tk: usize, spans: &[KeySpan], h: Heads
         assert_close(&format!("{name} attention"), &got, &out, 1e-5);
     }
     let (gdq, gdk, gdv) = (put(&mut o, &vec![0.1; tq * qw]), put(&mut o, &vec![0.2; tk * kw]), put(&mut o, &vec![0.3; tk * kw]));
-    o.attention_backward(gd, go, gl, gq, gk, gv, gs, gdq, gdk, gdv, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    // The FlashAttention-2 backward's scratch starts as NaN: a row it did not write would show.
+    let gdelta = put(&mut o, &vec![f32::NAN; tq * h.q_heads]);
+    o.attention_backward(gd, go, gl, gdelta, gq, gk, gv, gs, gdq, gdk, gdv, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
     let tol = if tensor_cores { 1e-2 } else { 1e-4 };
     // The gradients only (the buffers start at 0.1, 0.2, 0.3 to show that they accumulate).
     let less = |v: Vec<f32>, c: f32| -> Vec<f32> { v.into_iter().map(|x| x - c).collect() };
@@ -1023,7 +1025,8 @@ fn host_device_attention_treats_a_nan_query_row_as_the_cpu_backend_does() {
     let (mut dq, mut dk, mut dv) = (vec![0f32; t * qw], vec![0f32; t * kw], vec![0f32; t * kw]);
     cpu.attention_backward(&dout0, &q0, &k, &v, &saved, &spans, h, &mut dq, &mut dk, &mut dv);
     let (gd, gdq, gdk, gdv) = (put(&mut o, &dout), put(&mut o, &vec![0.0; t * qw]), put(&mut o, &vec![0.0; t * kw]), put(&mut o, &vec![0.0; t * kw]));
-    o.attention_backward(gd, go, gl, gq, gk, gv, gs, gdq, gdk, gdv, t, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    let gdelta = put(&mut o, &vec![f32::NAN; t * h.q_heads]);
+    o.attention_backward(gd, go, gl, gdelta, gq, gk, gv, gs, gdq, gdk, gdv, t, h.q_heads, h.kv_heads, h.head_dim).unwrap();
     let tol = if device().is_cpu() { 1e-4 } else { 1e-2 };
     let gdq = get(&mut o, gdq);
     assert!(head0(&gdq, 3).iter().all(|x| *x == 0.0), "no gradient for the NaN row's query: {:?}", head0(&gdq, 3));
@@ -1137,3 +1140,38 @@ fn host_device_flash_attention_2_forward_matches_the_cpu_backend() {
     check_attention("FA2 f32 causal hd=128, 150 rows, GQA 4/2", 150, 150, &causal(150), Heads { q_heads: 4, kv_heads: 2, head_dim: 128 }, 38);
     check_attention("FA2 f32 dflash blocks of 16, a context shorter than a tile", tq, slen + tq, &spans, Heads { q_heads: 2, kv_heads: 1, head_dim: 64 }, 39);
 }
+
+/// The backward in FlashAttention-2's structure (a CTA per 64 keys of a KV head, dK and dV
+/// in registers, dQ by atomics) against the CPU backend, at every head-dim bucket: tiles of
+/// keys cut by the key count, query tiles cut by the row count, GQA groups of 1, 2 and 4,
+/// DFlash blocks whose context tiles are seen by some query tiles and not others, rows
+/// without keys, and a head dim that fills its bucket only partly.
+#[test]
+fn host_device_flash_attention_2_backward_matches_the_cpu_backend() {
+    let _checks = all_checks();
+    let causal = |t: usize| -> Vec<KeySpan> { (0..t).map(|i| KeySpan { a: 0..i + 1, b: 0..0 }).collect() };
+    let blocks = |slen: usize, bs: usize, anchors: &[usize]| -> Vec<KeySpan> {
+        (0..anchors.len() * bs).map(|i| KeySpan { a: 0..anchors[i / bs], b: slen + (i / bs) * bs..slen + (i / bs + 1) * bs }).collect()
+    };
+    let heads = |q_heads, kv_heads, head_dim| Heads { q_heads, kv_heads, head_dim };
+    let cases: Vec<(&str, usize, usize, Vec<KeySpan>, Heads)> = vec![
+        ("causal hd=32, 131 rows, GQA 8/2", 131, 131, causal(131), heads(8, 2, 32)),
+        ("causal hd=64, 64 rows (one whole tile), MHA 2/2", 64, 64, causal(64), heads(2, 2, 64)),
+        ("causal hd=120 (bucket 128), 97 rows, GQA 3/1", 97, 97, causal(97), heads(3, 1, 120)),
+        ("causal hd=16 (bucket 32), 70 rows", 70, 70, causal(70), heads(2, 1, 16)),
+        ("dflash hd=128, blocks of 16 over 150 tokens", 7 * 16, 150 + 7 * 16, blocks(150, 16, &[0, 5, 63, 64, 100, 129, 149]), heads(4, 2, 128)),
+        ("dflash hd=64, blocks of 8 over 200 tokens", 5 * 8, 200 + 5 * 8, blocks(200, 8, &[1, 70, 128, 130, 199]), heads(2, 1, 64)),
+    ];
+    for (i, (name, tq, tk, spans, h)) in cases.into_iter().enumerate() {
+        let a = Attention::shape_of(tq, h.q_heads, h.kv_heads, h.head_dim);
+        assert!(Fa2Dim::for_call(&a).is_some(), "{name} takes the FlashAttention-2 kernels");
+        check_attention(&format!("FA2 backward, {name}"), tq, tk, &spans, h, 50 + i as u64);
+    }
+    // Rows without keys between rows with keys: they take no part.
+    let mut spans = causal(90);
+    for r in [0usize, 40, 41, 89] {
+        spans[r] = KeySpan { a: 0..0, b: 0..0 };
+    }
+    check_attention("FA2 backward, rows without keys", 90, 90, &spans, heads(2, 1, 64), 60);
+}
+

@@ -564,6 +564,7 @@ impl Pass<'_> {
             datt,
             att,
             sv.lse.f32s(0..m * qh),
+            w.delta.f32s(0..m * qh),
             q,
             k,
             v,
@@ -829,6 +830,8 @@ struct Work {
     dv: DSlice,
     dq_pre: DSlice,
     dk_pre: DSlice,
+    /// The attention backward's Σ dO∘O per (row, head).
+    delta: DSlice,
     dctx: DSlice,
     dctx_pre: DSlice,
 }
@@ -887,6 +890,7 @@ impl Work {
             dv: f(tk * kd, "dv")?,
             dq_pre: f(m * qd, "dq_pre")?,
             dk_pre: f(tk * kd, "dk_pre")?,
+            delta: f(m * c.q_heads, "attention delta")?,
             dctx: f(s * h, "dctx")?,
             dctx_pre: f(s * h, "dctx_pre")?,
         })
