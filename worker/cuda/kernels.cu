@@ -21,6 +21,12 @@
 // No <math.h> under NVRTC: infinity and the finiteness test from bits.
 #define POS_INF __int_as_float(0x7f800000)
 #define NEG_INF __int_as_float(0xff800000)
+// Dynamic shared memory, sized by the launch (Kernel::dynamic_shared_bytes): on a GPU
+// every such array starts at the block's dynamic shared memory; the host device
+// (cuda_host.h) makes it a static of `bytes`.
+#ifdef __CUDACC_RTC__
+#define DYNAMIC_SHARED(name, bytes) extern __shared__ __align__(16) unsigned char name[]
+#endif
 __device__ __forceinline__ bool finite_f32(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -497,24 +503,26 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
 // Grid: ceil(tq / 64) · qh CTAs of 128 threads.
 #define FA2_ROWS 64
 #define FA2_THREADS 128
-// Shared memory for the K and V tiles: 2 buffers × (K, V) × KT rows × (HD + 8) bf16, the
-// largest over the head dims instantiated (HD 64: 4 · 64 · 72).
-#define FA2_SMEM_ELEMS 18432
+// Dynamic shared memory of the forward: 2 buffers × (K, V) × KT rows × (HD + 8) bf16,
+// the largest over the head dims instantiated (HD 128: 8 · 64 · 136 bytes); a launch
+// gives each instantiation its own (Kernel::dynamic_shared_bytes).
+#define FA2_DYN_BYTES 69632
 
 template <int HD> struct Fa2 {
-    static constexpr int KT = HD >= 128 ? 32 : 64;  // keys per tile
+    static constexpr int KT = 64;                   // keys per tile
     static constexpr int LD = HD + 8;               // row stride (elements): 16-byte rows, off the banks' period
     static constexpr int NK = HD / 16;              // k-steps of Q·Kᵀ
     static constexpr int ND = HD / 8;               // n-tiles of O
     static constexpr int NT = KT / 8;               // n-tiles of S
-    static_assert(4 * KT * LD <= FA2_SMEM_ELEMS, "K and V tiles fit the shared buffer");
+    static constexpr int SMEM_BYTES = 2 * 2 * KT * LD * 2;
+    static_assert(SMEM_BYTES <= FA2_DYN_BYTES, "K and V tiles fit the shared buffer");
     static_assert(NK % 2 == 0 && ND % 2 == 0 && NT % 2 == 0, "fragments are taken in pairs");
 };
 
 // attention_fa2_fwd_t's shared memory (no __shared__ in a template).
 namespace fa2_shared {
-__shared__ __align__(16) unsigned short kv[FA2_SMEM_ELEMS];
-__shared__ int range[4];
+DYNAMIC_SHARED(kv_bytes, FA2_DYN_BYTES);
+__shared__ int range[6];
 }  // namespace fa2_shared
 
 // Two f32 to a bf16 pair (lo in the low half), round to nearest even, and 2^x flushed to 0
@@ -605,23 +613,32 @@ __device__ __forceinline__ void fa2_store(float* p, long i, float a, float b) {
     p[i + 1] = b;
 }
 
-// The union of the spans of rows [first, first + FA2_ROWS) (of tq): [lo, hi) per span.
+// The union of the spans of rows [first, first + FA2_ROWS) (of tq): [lo, hi) per span in
+// range[0..4]; and in range[4..6] the intersection of their first spans (the keys every
+// row sees), empty as [0, 0).
 __device__ __forceinline__ void fa2_range(int* range, const int* spans, int first, int tq) {
+    int ilo = 0, ihi = 0x7fffffff;
     for (int r = 0; r < 2; ++r) {
         int lo = 0x7fffffff, hi = 0;
         for (int i = first; i < first + FA2_ROWS && i < tq; ++i) {
             const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
             if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
+            if (r == 0) {
+                ilo = a > ilo ? a : ilo;
+                ihi = b < ihi ? b : ihi;
+            }
         }
         range[2 * r] = lo < hi ? lo : 0;
         range[2 * r + 1] = lo < hi ? hi : 0;
     }
+    range[4] = ilo < ihi ? ilo : 0;
+    range[5] = ilo < ihi ? ihi : 0;
 }
 
-// One tile for one warp: S = Q·Kᵀ, scaled to log2 units and, when `masked`, kept only for
+// One tile for one warp: S = Q·Kᵀ, scaled to log2 units and, when MASKED, kept only for
 // the keys [lo[r], hi[r]) (tile-local) of the lane's row r; the online softmax (running
 // max m and partial sums l of the lane's two rows, O rescaled); then O += P·V.
-template <int HD> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::ND][4], float (&m)[2], float (&l)[2], const unsigned (&qa)[Fa2<HD>::NK][4], const unsigned short* ks, const unsigned short* vs, bool masked, const int (&lo)[2], const int (&hi)[2], float sl2) {
+template <int HD, bool MASKED> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::ND][4], float (&m)[2], float (&l)[2], const unsigned (&qa)[Fa2<HD>::NK][4], const unsigned short* ks, const unsigned short* vs, const int (&lo)[2], const int (&hi)[2], float sl2) {
     typedef Fa2<HD> F;
     constexpr int LD = F::LD;
     const int lane = threadIdx.x & 31, t = lane & 3;
@@ -642,7 +659,7 @@ template <int HD> __device__ __forceinline__ void fa2_tile(float (&o)[Fa2<HD>::N
     // The maximum is taken of the raw scores (the scale is positive) and the scale folded
     // into the exponent: p = 2^(s·sl2 − m), one FFMA and one MUFU.
     float mt[2] = {NEG_INF, NEG_INF};
-    if (masked) {
+    if (MASKED) {
         for (int nt = 0; nt < F::NT; ++nt)
             for (int i = 0; i < 4; ++i) {
                 const int key = nt * 8 + 2 * t + (i & 1), r = i >> 1;
@@ -697,6 +714,7 @@ template <int HD, typename T> __device__ void attention_fa2_fwd_t(T* out, float*
     using namespace fa2_shared;
     typedef Fa2<HD> F;
     constexpr int KT = F::KT, LD = F::LD;
+    unsigned short* kv = (unsigned short*)kv_bytes;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * FA2_ROWS;
     const int kh = head / (qh / kvh);
@@ -729,40 +747,59 @@ template <int HD, typename T> __device__ void attention_fa2_fwd_t(T* out, float*
     // Tile i: keys [start, start + KT) ∩ [start, end).
     #define FA2_START(i) ((i) < n0 ? lo0 + (i) * KT : lo1 + ((i) - n0) * KT)
     #define FA2_END(i) ((i) < n0 ? hi0 : hi1)
-    if (n > 0) {
-        fa2_load<HD>(kv, kv + KT * LD, kh_k, kh_v, FA2_START(0), FA2_END(0), kw, hd);
-        cp_async_commit();
-    }
-    for (int i = 0; i < n; ++i) {
-        if (i + 1 < n) {
-            unsigned short* nb = kv + ((i + 1) & 1) * 2 * KT * LD;
-            fa2_load<HD>(nb, nb + KT * LD, kh_k, kh_v, FA2_START(i + 1), FA2_END(i + 1), kw, hd);
+    // The tiles of the first span that every row of the CTA sees whole, [ua, ub), are
+    // visited first, in a loop with no mask; then the others. Step j visits tile
+    // FA2_TILE(j).
+    const bool whole = range[5] > range[4];
+    const int ua_ = whole ? (range[4] - lo0 + KT - 1) / KT : 0, ub_ = whole ? (range[5] - lo0) / KT : 0;
+    const int ua = ua_ < n0 ? ua_ : n0, ub = ub_ < ua ? ua : (ub_ < n0 ? ub_ : n0);
+    const int nu = ub - ua;
+    #define FA2_TILE(j) ((j) < nu ? ua + (j) : ((j) - nu < ua ? (j) - nu : (j)))
+    // Issue tile j + 1's copies (tile 0's before the loops), then wait for tile j's.
+    auto advance = [&](int j) {
+        if (j + 1 < n) {
+            unsigned short* nb = kv + ((j + 1) & 1) * 2 * KT * LD;
+            const int nt = FA2_TILE(j + 1);
+            fa2_load<HD>(nb, nb + KT * LD, kh_k, kh_v, FA2_START(nt), FA2_END(nt), kw, hd);
             cp_async_commit();
             cp_async_wait_group<1>();
         } else {
             cp_async_wait_group<0>();
         }
         __syncthreads();
+    };
+    if (n > 0) {
+        fa2_load<HD>(kv, kv + KT * LD, kh_k, kh_v, FA2_START(FA2_TILE(0)), FA2_END(FA2_TILE(0)), kw, hd);
+        cp_async_commit();
+    }
+    const int none[2] = {0, 0};
+    for (int j = 0; j < nu; ++j) {
+        advance(j);
+        const unsigned short* ks = kv + (j & 1) * 2 * KT * LD;
+        fa2_tile<HD, false>(o, m, l, qa, ks, ks + KT * LD, none, none, sl2);
+        __syncthreads();
+    }
+    for (int j = nu; j < n; ++j) {
+        advance(j);
         // Tile i holds keys [start, stop) of span union sp (0, then 1); a row sees those of
         // them in its own span sp (tile-local [lo, hi)), so a key that two spans' unions
         // share is counted by the tile of the row's span only, once.
+        const int i = FA2_TILE(j);
         const int sp_i = i < n0 ? 0 : 1;
         const int start = FA2_START(i), end = FA2_END(i), stop = start + KT < end ? start + KT : end;
-        const unsigned short* ks = kv + (i & 1) * 2 * KT * LD;
+        const unsigned short* ks = kv + (j & 1) * 2 * KT * LD;
         int lo[2], hi[2];
-        bool all = stop == start + KT, any = false;
+        bool any = false;
         for (int r = 0; r < 2; ++r) {
             const int a = sp_i ? sp[r][2] : sp[r][0], b = sp_i ? sp[r][3] : sp[r][1];
             lo[r] = a - start;
             hi[r] = (b < stop ? b : stop) - start;
-            // A row past tq (no keys) does not hold the warp back from the unmasked path.
-            all = all && (row[r] >= tq || (a <= start && start + KT <= b));
             any = any || (a < b && a < stop && start < b);
         }
-        const bool masked = !__all_sync(FULL_MASK, all);
-        if (__any_sync(FULL_MASK, any)) fa2_tile<HD>(o, m, l, qa, ks, ks + KT * LD, masked, lo, hi, sl2);
+        if (__any_sync(FULL_MASK, any)) fa2_tile<HD, true>(o, m, l, qa, ks, ks + KT * LD, lo, hi, sl2);
         __syncthreads();
     }
+    #undef FA2_TILE
     #undef FA2_START
     #undef FA2_END
     for (int r = 0; r < 2; ++r) {
@@ -956,7 +993,7 @@ template <int HD> __device__ void attention_fa2_bwd_t(float* dq, float* dk, floa
         if (threadIdx.x < BR) {
             const int row = first + threadIdx.x;
             const float L = row < tq ? lh[(long)row * qh] : NEG_INF;
-            l2s[threadIdx.x] = L == NEG_INF ? -NEG_INF : L * 1.4426950408889634f;
+            l2s[threadIdx.x] = L == NEG_INF ? POS_INF : L * 1.4426950408889634f;
             ds_[threadIdx.x] = row < tq ? delta[(long)row * qh + head] : 0.0f;
             fa2b_i4 s = {0, 0, 0, 0};
             if (row < tq) s = *(const fa2b_i4*)(spans + 4 * row);

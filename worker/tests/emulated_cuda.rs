@@ -410,3 +410,65 @@ fn gemm_sizes_beyond_cublas_int_are_refused_not_truncated() {
         [i32::MAX, 1, 1, i32::MAX, 1, i32::MAX]
     );
 }
+
+/// A kernel may have more than 48 KB of dynamic shared memory only once the module load has
+/// raised its limit (the FlashAttention-2 forward at head dim 128 takes 68 KB; the parity
+/// tests run it here): a launch past a kernel's limit is refused by the driver, with the
+/// kernel and the sizes named.
+#[test]
+fn emulated_dynamic_shared_memory_past_a_kernels_limit_is_refused() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let child = in_child(
+        "emulated_dynamic_shared_memory_past_a_kernels_limit_is_refused",
+        &[],
+        || {
+            use dflash_worker::device::kernels::{Attention, Fa2Dim, Kernel};
+            let mut dev = CudaDevice::open().expect("the emulated device");
+            let fa2 = Kernel::AttentionFa2Fwd {
+                act: dflash_worker::device::kernels::Act::Bf16,
+                dim: Fa2Dim::D128,
+                a: Attention::shape_of(1, 1, 1, 128),
+            };
+            assert!(fa2.dynamic_shared_bytes() > 48 * 1024);
+            let p = dev.alloc(256).unwrap();
+            let x = DSlice { ptr: p, bytes: 256 };
+            let args = [
+                dflash_worker::device::Arg::RW(x),
+                dflash_worker::device::Arg::R(x),
+                dflash_worker::device::Arg::I64(0),
+            ];
+            // add_inplace keeps the default limit: 48 KB pass, 48 KB + 1 do not.
+            dev.launch_shared(
+                dflash_worker::device::Stream::Compute,
+                "add_inplace",
+                1,
+                32,
+                48 * 1024,
+                &args,
+            )
+            .expect("48 KB of dynamic shared memory need no opt-in");
+            let err = dev
+                .launch_shared(
+                    dflash_worker::device::Stream::Compute,
+                    "add_inplace",
+                    1,
+                    32,
+                    48 * 1024 + 1,
+                    &args,
+                )
+                .unwrap_err();
+            println!("refused: {err}");
+        },
+    );
+    if let Some((ok, out)) = child {
+        assert!(ok, "{out}");
+        assert!(
+            out.contains("refused:")
+                && out.contains("add_inplace")
+                && out.contains("49153 bytes of dynamic shared memory"),
+            "{out}"
+        );
+    }
+}

@@ -1039,6 +1039,20 @@ pub struct Function {
     name: String,
     index: c_int,
     sig: String,
+    /// The dynamic shared memory a launch may give it (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES).
+    max_dynamic_shared: std::cell::Cell<c_int>,
+}
+
+/// Dynamic shared memory a kernel may have without opting in, as on every GPU since sm_70.
+const DEFAULT_DYNAMIC_SHARED: c_int = 48 * 1024;
+
+/// The most shared memory a block may opt into on compute capability `arch`.
+fn max_block_shared(arch: (i32, i32)) -> c_int {
+    match arch {
+        (8, 0) | (8, 7) => 163 * 1024,
+        (8, _) => 99 * 1024,
+        _ => 227 * 1024,
+    }
 }
 
 #[no_mangle]
@@ -1059,6 +1073,7 @@ pub unsafe extern "C" fn cuModuleLoadData(out: *mut u64, data: *const c_void) ->
                 name,
                 index: *index,
                 sig: sig.clone(),
+                max_dynamic_shared: std::cell::Cell::new(DEFAULT_DYNAMIC_SHARED),
             }),
         );
     }
@@ -1120,7 +1135,23 @@ pub unsafe extern "C" fn cuFuncGetAttribute(v: *mut c_int, attr: c_int, _f: u64)
 }
 
 #[no_mangle]
-pub extern "C" fn cuFuncSetAttribute(_f: u64, _attr: c_int, _v: c_int) -> CUresult {
+pub unsafe extern "C" fn cuFuncSetAttribute(f: u64, attr: c_int, v: c_int) -> CUresult {
+    let d = tri!(initialised());
+    if f == 0 {
+        return ERROR_INVALID_HANDLE;
+    }
+    let func = &*(f as *const Function);
+    // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: up to what a block may have.
+    if attr == 8 {
+        let most = max_block_shared(d.arch);
+        if !(0..=most).contains(&v) {
+            return refuse(
+                ERROR_INVALID_VALUE,
+                format!("cuFuncSetAttribute: {v} bytes of dynamic shared memory for {} (at most {most} on sm_{}{})", func.name, d.arch.0, d.arch.1),
+            );
+        }
+        func.max_dynamic_shared.set(v);
+    }
     SUCCESS
 }
 
@@ -1160,8 +1191,8 @@ pub unsafe extern "C" fn cuLaunchKernel(
             ),
         );
     }
-    if shared > 0 {
-        return refuse(ERROR_INVALID_VALUE, format!("launching {}: {shared} bytes of dynamic shared memory, which no kernel of kernels.cu declares", func.name));
+    if shared as c_int > func.max_dynamic_shared.get() || shared > c_int::MAX as c_uint {
+        return refuse(ERROR_INVALID_VALUE, format!("launching {}: {shared} bytes of dynamic shared memory, more than the {} it may have (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES raises it)", func.name, func.max_dynamic_shared.get()));
     }
     if !extra.is_null() || (params.is_null() && !func.sig.is_empty()) {
         return refuse(

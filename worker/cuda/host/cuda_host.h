@@ -79,6 +79,10 @@ constexpr bool in_template(std::string_view pretty_function) { return pretty_fun
                                                           "poison it; declare it at namespace scope");       \
     static __attribute__((section("hd_shared")))
 
+// A kernel's dynamic shared memory (kernels.cu: `extern __shared__` on a GPU) is a static
+// of the largest size a launch gives it, poisoned with the rest.
+#define DYNAMIC_SHARED(name, bytes) static __attribute__((section("hd_shared"), aligned(16))) unsigned char name[bytes]
+
 inline void __syncthreads() { hd::syncthreads(); }
 
 namespace hd {

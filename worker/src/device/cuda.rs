@@ -133,6 +133,19 @@ impl CudaDevice {
             let f = module
                 .load_function(&k)
                 .map_err(|e| failed(&format!("kernel {k}"), e))?;
+            // A kernel may take more than 48 KB of dynamic shared memory only when told.
+            let dynamic = Kernel::dynamic_shared_bytes_of(&k);
+            if dynamic > 48 * 1024 {
+                use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC;
+                f.set_attribute(MAX_DYNAMIC, dynamic as i32).map_err(|e| {
+                    failed(
+                        &format!(
+                            "letting kernel {k} have {dynamic} bytes of dynamic shared memory"
+                        ),
+                        e,
+                    )
+                })?;
+            }
             functions.insert(k, f);
         }
         let mut blas_version = 0;
@@ -397,7 +410,14 @@ impl Device for CudaDevice {
     }
 
     fn launch(&mut self, s: Stream, k: &Kernel, grid: u32, block: u32) -> Result<()> {
-        self.launch_args(s, k.name(), grid, block, &k.args())
+        self.launch_shared(
+            s,
+            k.name(),
+            grid,
+            block,
+            k.dynamic_shared_bytes(),
+            &k.args(),
+        )
     }
 
     fn gemm(&mut self, s: Stream, g: &Gemm) -> Result<()> {
@@ -508,6 +528,19 @@ impl CudaDevice {
         block: u32,
         args: &[Arg],
     ) -> Result<()> {
+        self.launch_shared(s, kernel, grid, block, 0, args)
+    }
+
+    /// [`launch_args`](Self::launch_args) with `shared` bytes of dynamic shared memory.
+    pub fn launch_shared(
+        &mut self,
+        s: Stream,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
         if grid == 0 {
             // Nothing to do (cuLaunchKernel would reject a zero grid); as the host device.
             return Ok(());
@@ -563,7 +596,7 @@ impl CudaDevice {
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared,
         };
         // SAFETY: the arguments match the kernel's parameters (the ops layer's contract,
         // checked against the CPU backend on the host device).

@@ -57,6 +57,15 @@ pub enum Fa2Dim {
 impl Fa2Dim {
     pub const ALL: [Fa2Dim; 3] = [Fa2Dim::D32, Fa2Dim::D64, Fa2Dim::D128];
 
+    /// The largest head dim of the bucket (the kernel's `HD`).
+    pub fn head_dim(self) -> u32 {
+        match self {
+            Fa2Dim::D32 => 32,
+            Fa2Dim::D64 => 64,
+            Fa2Dim::D128 => 128,
+        }
+    }
+
     /// The bucket of an attention call, if the FlashAttention-2 kernel takes it: a head dim
     /// that is a multiple of 8 up to 128, and 16-byte aligned operands (its cp.async copies
     /// 16 bytes at a time), at either activation type.
@@ -350,6 +359,26 @@ impl Kernel {
             Kernel::Adamw { .. } => "adamw",
             Kernel::ParamsHash { .. } => "params_hash",
         }
+    }
+
+    /// Bytes of dynamic shared memory the kernel is launched with (its `DYNAMIC_SHARED`
+    /// array in kernels.cu): the FlashAttention-2 forward's double-buffered K and V tiles
+    /// (2 × 2 × 64 keys × (HD + 8) bf16); 0 for the others.
+    pub fn dynamic_shared_bytes(&self) -> u32 {
+        match *self {
+            Kernel::AttentionFa2Fwd { dim, .. } => 2 * 2 * 64 * (dim.head_dim() + 8) * 2,
+            _ => 0,
+        }
+    }
+
+    /// The dynamic shared memory of the kernel named `name` (see
+    /// [`dynamic_shared_bytes`](Self::dynamic_shared_bytes)).
+    pub fn dynamic_shared_bytes_of(name: &str) -> u32 {
+        let b = DSlice { ptr: 0, bytes: 0 };
+        Kernel::every(b)
+            .iter()
+            .find(|k| k.name() == name)
+            .map_or(0, Kernel::dynamic_shared_bytes)
     }
 
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the

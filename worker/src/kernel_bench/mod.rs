@@ -28,8 +28,9 @@ pub struct KernelRow {
     pub name: String,
     pub arch: String,
     pub registers: u32,
-    /// Static shared memory of a block (cuobjdump's SHARED: with the 1 KB the system
-    /// reserves on sm_80+, for a kernel with shared memory).
+    /// Shared memory of a block: static (cuobjdump's SHARED: with the 1 KB the system
+    /// reserves on sm_80+, for a kernel with shared memory) and the dynamic shared memory
+    /// it is launched with.
     pub shared_bytes: u32,
     /// Local memory per thread: register spills and local arrays.
     pub spill_bytes: u32,
@@ -123,14 +124,22 @@ pub fn analyse_arch(
         let r = res.get(name).ok_or_else(|| missing("-res-usage", name))?;
         let insns = code.get(name).ok_or_else(|| missing("-sass", name))?;
         let threads = block_threads(name);
-        let (warps, limited_by) = occupancy::warps_per_sm(&limits, r.registers, r.shared, threads);
+        // Static shared memory as the CUBIN says (with the system's 1 KB once there is
+        // any) and the dynamic shared memory device/ops.rs launches it with.
+        let dynamic = crate::device::kernels::Kernel::dynamic_shared_bytes_of(name);
+        let shared = if dynamic > 0 {
+            r.shared.max(limits.reserved_per_block) + dynamic
+        } else {
+            r.shared
+        };
+        let (warps, limited_by) = occupancy::warps_per_sm(&limits, r.registers, shared, threads);
         let loops = sass::mma_loops(insns);
         let main = loops.map(|l| l.0);
         rows.push(KernelRow {
             name: name.clone(),
             arch: arch.into(),
             registers: r.registers,
-            shared_bytes: r.shared,
+            shared_bytes: shared,
             spill_bytes: r.local,
             block_threads: threads,
             warps_per_sm: warps,

@@ -1,6 +1,6 @@
-//! Resident warps per SM from a kernel's registers, static shared memory and block size,
-//! as CUDA's occupancy calculator computes them (dynamic shared memory: none, which is
-//! what the kernels of kernels.cu use).
+//! Resident warps per SM from a kernel's registers, shared memory (static, as cuobjdump
+//! says, plus the dynamic shared memory it is launched with) and block size, as CUDA's
+//! occupancy calculator computes them.
 //!
 //! Assumptions, per architecture (CUDA C Programming Guide, "Compute capabilities"):
 //! 65,536 32-bit registers per SM, allocated per warp in units of 256 (a thread's count
@@ -48,7 +48,8 @@ pub enum Limiter {
 }
 
 /// Resident warps per SM of blocks of `threads` threads, each thread `registers`
-/// registers, each block `shared` bytes of static shared memory (as cuobjdump says).
+/// registers, each block `shared` bytes of shared memory (static, as cuobjdump says, and
+/// dynamic).
 pub fn warps_per_sm(l: &SmLimits, registers: u32, shared: u32, threads: u32) -> (u32, Limiter) {
     let warps_per_block = threads.div_ceil(32).max(1);
     let regs_per_warp = (registers.max(1) * 32).div_ceil(256) * 256;
