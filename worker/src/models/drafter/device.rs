@@ -11,9 +11,10 @@
 
 use dflash_shared::drafter::{DrafterConfig, StepStats};
 
-use crate::device::ops::Ops;
+use crate::device::ops::{Act, CeState, Ops};
 use crate::device::{
-    f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, DSlice, Device, GpuError, Result, Stream,
+    f32_bytes, f32_bytes_mut, i32_bytes, i32_bytes_mut, u32_bytes, Arena, DSlice, Device,
+    GpuError, Result, Stream,
 };
 use crate::models::drafter::{Drafter, Frozen, LayerIdx, Sample};
 
@@ -354,82 +355,74 @@ impl Pass<'_> {
         ops.embed(w.xrows.f32s(0..n * h), hn, w.rows.f32s(0..n), n, h, m)
     }
 
-    /// The softmax statistics of the supervised rows over the vocabulary, a chunk of
-    /// logits at a time, folded into the loss, the slots' counts and whether each row's
-    /// argmax is its label (`correct`).
+    /// The cross-entropy of the `n` supervised rows in one pass over the vocabulary, a
+    /// chunk at a time: the logits GEMM (bf16 out on a GPU), their fold into the rows'
+    /// online softmax (they become `exp(l − max)`), and the GEMM adding those times the
+    /// chunk's lm_head rows into `acc`; then `dxrows` = dCE/dx and each row's loss and
+    /// `argmax == label` (`ce_loss`, `ce_correct`). The rows are cast to bf16 once.
+    fn ce(&mut self, n: usize) -> Result<()> {
+        let lc = self.lc;
+        let Locals { h, vocab, mx, .. } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let xr = w.xrows.f32s(0..n * h);
+        let labels = w.labels.f32s(0..n);
+        let (act, x, lm) = if mx.bf16 {
+            let xb = mx.xb.sub(2, 0..n * h);
+            ops.f32_to_bf16(xb, xr)?;
+            (Act::Bf16, xb, lc.lm16.sub(2, 0..vocab * h))
+        } else {
+            (Act::F32, xr, lc.lm32.f32s(0..vocab * h))
+        };
+        let st = w.ce_state(n, h);
+        let neg_inf = vec![f32::NEG_INFINITY; n];
+        ops.dev
+            .upload(Stream::Compute, st.run_max, f32_bytes(&neg_inf))?;
+        for b in [st.run_sum, st.best_i, st.label_logit, st.acc] {
+            ops.dev.memset_zero(Stream::Compute, b)?;
+        }
+        for start in (0..vocab).step_by(CHUNK) {
+            let cw = CHUNK.min(vocab - start);
+            let wc = lc.lmw(start, cw);
+            if mx.bf16 {
+                let l = w.logits.sub(2, 0..n * cw);
+                ops.matmul_bf16_out(x, wc.b, l, n, h, cw)?;
+                ops.ce_fold(act, st, l, labels, n, cw, start, h)?;
+                ops.matmul_backward_bf16(l, x, wc.b, Some(st.acc), None, n, h, cw)?;
+            } else {
+                let l = w.logits.f32s(0..n * cw);
+                ops.matmul(x, wc.f, l, n, h, cw)?;
+                ops.ce_fold(act, st, l, labels, n, cw, start, h)?;
+                ops.matmul_backward(l, x, wc.f, Some(st.acc), None, n, h, cw)?;
+            }
+        }
+        let out = (w.dxrows.f32s(0..n * h), w.ce_loss.f32s(0..n), w.ce_correct.f32s(0..n));
+        let scale = w.scale.f32s(0..n);
+        ops.ce_finish(act, st, out, labels, scale, lm, n, h, vocab)
+    }
+
+    /// The rows' losses and `argmax == label` flags ([`ce`](Self::ce)) folded into the
+    /// loss, the slots' counts and `correct` (by block row).
     fn ce_stats(
         &mut self,
         rows: &[(usize, u32, f64)],
         stats: &mut StepStats,
         correct: &mut [bool],
     ) -> Result<()> {
-        let lc = self.lc;
-        let Locals {
-            h, bs, vocab, mx, ..
-        } = lc;
+        let bs = self.lc.bs;
         let (w, ops) = (self.w, &mut *self.ops);
         let n = rows.len();
-        let (xr, labels_d) = (w.xrows.f32s(0..n * h), w.labels.f32s(0..n));
-        let [rmax, sm, bv, bi, ll] = w.ce.map(|b| b.f32s(0..n));
-        ops.dev.upload(
-            Stream::Compute,
-            rmax,
-            f32_bytes(&vec![f32::NEG_INFINITY; n]),
-        )?;
-        ops.dev.memset_zero(Stream::Compute, sm)?;
+        let (mut loss, mut ok) = (vec![0f32; n], vec![0i32; n]);
         ops.dev
-            .upload(Stream::Compute, bv, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
-        ops.dev.memset_zero(Stream::Compute, bi)?;
-        ops.dev.memset_zero(Stream::Compute, ll)?;
-        for start in (0..vocab).step_by(CHUNK) {
-            let cw = CHUNK.min(vocab - start);
-            let l = w.logits.f32s(0..n * cw);
-            mx.mm(ops, xr, lc.lmw(start, cw), l, n, h, cw)?;
-            ops.ce_chunk_stats(rmax, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
-        }
-        let (mut vmax, mut vsum, mut vll, mut vbi) =
-            (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+            .download(Stream::Compute, w.ce_loss.f32s(0..n), f32_bytes_mut(&mut loss))?;
         ops.dev
-            .download(Stream::Compute, rmax, f32_bytes_mut(&mut vmax))?;
-        ops.dev
-            .download(Stream::Compute, sm, f32_bytes_mut(&mut vsum))?;
-        ops.dev
-            .download(Stream::Compute, ll, f32_bytes_mut(&mut vll))?;
-        ops.dev
-            .download(Stream::Compute, bi, f32_bytes_mut(&mut vbi))?;
-        for (r, &(i, label, wgt)) in rows.iter().enumerate() {
-            let ce = vmax[r] as f64 + (vsum[r] as f64).ln() - vll[r] as f64;
-            let ok = vbi[r].to_bits() as i32 == label as i32;
-            stats.loss_sum += wgt * ce;
+            .download(Stream::Compute, w.ce_correct.f32s(0..n), i32_bytes_mut(&mut ok))?;
+        for (r, &(i, _, wgt)) in rows.iter().enumerate() {
+            let hit = ok[r] != 0;
+            stats.loss_sum += wgt * loss[r] as f64;
             stats.weight_sum += wgt;
-            correct[i] = ok;
+            correct[i] = hit;
             stats.slot_total[i % bs] += 1;
-            stats.slot_correct[i % bs] += ok as u64;
-        }
-        Ok(())
-    }
-
-    /// dCE/dhn of the `n` supervised rows: each chunk's logits again, their gradient, then
-    /// `dxrows += g · W`.
-    fn ce_grad(&mut self, n: usize) -> Result<()> {
-        let lc = self.lc;
-        let Locals { h, vocab, mx, .. } = lc;
-        let (w, ops) = (self.w, &mut *self.ops);
-        let (xr, labels_d, scale_d) = (
-            w.xrows.f32s(0..n * h),
-            w.labels.f32s(0..n),
-            w.scale.f32s(0..n),
-        );
-        let [rmax, sm, ..] = w.ce.map(|b| b.f32s(0..n));
-        let dxr = w.dxrows.f32s(0..n * h);
-        ops.dev.memset_zero(Stream::Compute, dxr)?;
-        for start in (0..vocab).step_by(CHUNK) {
-            let cw = CHUNK.min(vocab - start);
-            let l = w.logits.f32s(0..n * cw);
-            let lm = lc.lmw(start, cw);
-            mx.mm(ops, xr, lm, l, n, h, cw)?;
-            ops.ce_chunk_grad(l, rmax, sm, labels_d, scale_d, n, cw, start)?;
-            mx.mm_back(ops, l, xr, lm, Some(dxr), None, n, h, cw)?;
+            stats.slot_correct[i % bs] += hit as u64;
         }
         Ok(())
     }
@@ -814,8 +807,15 @@ struct Work {
     scale: DSlice,
     xrows: DSlice,
     dxrows: DSlice,
+    /// A chunk's logits (f32 on the CPU device, bf16 on a GPU).
     logits: DSlice,
-    ce: [DSlice; 5],
+    ce_max: DSlice,
+    ce_sum: DSlice,
+    ce_argmax: DSlice,
+    ce_label: DSlice,
+    ce_acc: DSlice,
+    ce_loss: DSlice,
+    ce_correct: DSlice,
     // Backward.
     dh: DSlice,
     dx: DSlice,
@@ -834,6 +834,17 @@ struct Work {
 }
 
 impl Work {
+    /// The cross-entropy's state for `n` rows of width `h`.
+    fn ce_state(&self, n: usize, h: usize) -> CeState {
+        CeState {
+            run_max: self.ce_max.f32s(0..n),
+            run_sum: self.ce_sum.f32s(0..n),
+            best_i: self.ce_argmax.f32s(0..n),
+            label_logit: self.ce_label.f32s(0..n),
+            acc: self.ce_acc.f32s(0..n * h),
+        }
+    }
+
     /// The work buffers for rows of `s` positions and `m` block rows (`f` allocates `n`
     /// floats by name).
     fn alloc(
@@ -868,13 +879,13 @@ impl Work {
             xrows: f(n_ce * h, "ce x")?,
             dxrows: f(n_ce * h, "ce dx")?,
             logits: f(n_ce * cw, "ce logits")?,
-            ce: [
-                f(n_ce, "ce max")?,
-                f(n_ce, "ce sum")?,
-                f(n_ce, "ce best")?,
-                f(n_ce, "ce argmax")?,
-                f(n_ce, "ce label logit")?,
-            ],
+            ce_max: f(n_ce, "ce max")?,
+            ce_sum: f(n_ce, "ce sum")?,
+            ce_argmax: f(n_ce, "ce argmax")?,
+            ce_label: f(n_ce, "ce label logit")?,
+            ce_acc: f(n_ce * h, "ce softmax·W")?,
+            ce_loss: f(n_ce, "ce loss")?,
+            ce_correct: f(n_ce, "ce argmax is the label")?,
             dh: f(m * h, "dh")?,
             dx: f(m * h, "dx")?,
             dx2: f(m * h, "dx2")?,
@@ -1989,8 +2000,8 @@ impl DeviceDrafter {
                 w: &self.w,
             };
             p.ce_rows(&rows, denominator)?;
+            p.ce(n)?;
             p.ce_stats(&rows, &mut stats, &mut correct)?;
-            p.ce_grad(n)?;
         }
         for a in 0..nb {
             let run = (1..bs)
