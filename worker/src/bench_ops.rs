@@ -1371,8 +1371,11 @@ impl CeShape {
         use crate::device::{f32_bytes, ops::Act, Stream};
         let CeShape { n, h, v, cw } = self;
         let st = c.st;
-        o.dev
-            .upload(Stream::Compute, st.run_max, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
+        o.dev.upload(
+            Stream::Compute,
+            st.run_max,
+            f32_bytes(&vec![f32::NEG_INFINITY; n]),
+        )?;
         for b in [st.run_sum, st.best_i, st.label_logit, st.acc] {
             o.dev.memset_zero(Stream::Compute, b)?;
         }

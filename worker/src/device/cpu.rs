@@ -424,14 +424,14 @@ impl CpuDevice {
         // SAFETY: as above, and the buffers are not aliased (check_aliasing), so the
         // slices each kernel makes of them are disjoint; each checks their lengths.
         unsafe {
-            match row_kernel(k, rows) {
+            match row_kernel(k, rows).or_else(|| ce_kernel(k, rows)) {
                 Some(r) => r,
                 None => self.other_kernel(k, rows),
             }
         }
     }
 
-    /// Attention, the cross-entropy, the gradient norm and the optimizer.
+    /// Attention, the gradient norm and the optimizer.
     ///
     /// # Safety
     /// As for [`row_kernel`].
@@ -440,50 +440,6 @@ impl CpuDevice {
         match *k {
             Kernel::AttentionFwd { a, .. } => self.attention_fwd(&a),
             Kernel::AttentionBwd(g) => self.attention_bwd(&g),
-            Kernel::CeFold {
-                st,
-                logits,
-                labels,
-                cw,
-                start,
-                h,
-                ..
-            } => ce_fold(
-                rows,
-                CeRows {
-                    run_max: wr(st.run_max),
-                    run_sum: wr(st.run_sum),
-                    best_i: wr(st.best_i),
-                    label_logit: wr(st.label_logit),
-                    acc: wr(st.acc),
-                },
-                (wr(logits), rd(labels)),
-                (cw, start, h),
-            ),
-            Kernel::CeFinish {
-                st,
-                dx,
-                loss,
-                correct,
-                labels,
-                scale,
-                w,
-                h,
-                vocab,
-                ..
-            } => ce_finish(
-                rows,
-                (wr(dx), wr(loss), wr(correct)),
-                &CeDone {
-                    run_max: rd(st.run_max),
-                    run_sum: rd(st.run_sum),
-                    best_i: rd(st.best_i),
-                    label_logit: rd(st.label_logit),
-                    acc: rd(st.acc),
-                },
-                (rd(labels), rd(scale), rd(w)),
-                (h, vocab),
-            ),
             Kernel::Sumsq {
                 partials,
                 nonfinite,
@@ -1453,6 +1409,60 @@ fn rope(
     Ok(())
 }
 
+/// The cross-entropy's kernels, `None` for another.
+///
+/// # Safety
+/// As for [`row_kernel`].
+unsafe fn ce_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
+    Some(match *k {
+        Kernel::CeFold {
+            st,
+            logits,
+            labels,
+            cw,
+            start,
+            h,
+            ..
+        } => ce_fold(
+            rows,
+            CeRows {
+                run_max: wr(st.run_max),
+                run_sum: wr(st.run_sum),
+                best_i: wr(st.best_i),
+                label_logit: wr(st.label_logit),
+                acc: wr(st.acc),
+            },
+            (wr(logits), rd(labels)),
+            (cw, start, h),
+        ),
+        Kernel::CeFinish {
+            st,
+            dx,
+            loss,
+            correct,
+            labels,
+            scale,
+            w,
+            h,
+            vocab,
+            ..
+        } => ce_finish(
+            rows,
+            (wr(dx), wr(loss), wr(correct)),
+            &CeDone {
+                run_max: rd(st.run_max),
+                run_sum: rd(st.run_sum),
+                best_i: rd(st.best_i),
+                label_logit: rd(st.label_logit),
+                acc: rd(st.acc),
+            },
+            (rd(labels), rd(scale), rd(w)),
+            (h, vocab),
+        ),
+        _ => return None,
+    })
+}
+
 /// The cross-entropy's rows over the vocabulary chunks (see [`super::kernels::CeState`]).
 struct CeRows<'a> {
     run_max: &'a mut [f32],
@@ -1527,7 +1537,12 @@ fn ce_finish(
 ) -> Result<()> {
     let kernel = "ce_finish";
     let have = (loss.len().min(correct.len()).min(st.run_max.len()))
-        .min(st.run_sum.len().min(st.best_i.len()).min(st.label_logit.len()))
+        .min(
+            st.run_sum
+                .len()
+                .min(st.best_i.len())
+                .min(st.label_logit.len()),
+        )
         .min(labels.len().min(scale.len()));
     need(kernel, "row state", have, rows)?;
     need(kernel, "dx and acc", dx.len().min(st.acc.len()), rows * h)?;

@@ -13,8 +13,8 @@ use dflash_shared::drafter::{DrafterConfig, StepStats};
 
 use crate::device::ops::{Act, CeState, Ops};
 use crate::device::{
-    f32_bytes, f32_bytes_mut, i32_bytes, i32_bytes_mut, u32_bytes, Arena, DSlice, Device,
-    GpuError, Result, Stream,
+    f32_bytes, f32_bytes_mut, i32_bytes, i32_bytes_mut, u32_bytes, Arena, DSlice, Device, GpuError,
+    Result, Stream,
 };
 use crate::models::drafter::{Drafter, Frozen, LayerIdx, Sample};
 
@@ -395,7 +395,11 @@ impl Pass<'_> {
                 ops.matmul_backward(l, x, wc.f, Some(st.acc), None, n, h, cw)?;
             }
         }
-        let out = (w.dxrows.f32s(0..n * h), w.ce_loss.f32s(0..n), w.ce_correct.f32s(0..n));
+        let out = (
+            w.dxrows.f32s(0..n * h),
+            w.ce_loss.f32s(0..n),
+            w.ce_correct.f32s(0..n),
+        );
         let scale = w.scale.f32s(0..n);
         ops.ce_finish(act, st, out, labels, scale, lm, n, h, vocab)
     }
@@ -412,10 +416,16 @@ impl Pass<'_> {
         let (w, ops) = (self.w, &mut *self.ops);
         let n = rows.len();
         let (mut loss, mut ok) = (vec![0f32; n], vec![0i32; n]);
-        ops.dev
-            .download(Stream::Compute, w.ce_loss.f32s(0..n), f32_bytes_mut(&mut loss))?;
-        ops.dev
-            .download(Stream::Compute, w.ce_correct.f32s(0..n), i32_bytes_mut(&mut ok))?;
+        ops.dev.download(
+            Stream::Compute,
+            w.ce_loss.f32s(0..n),
+            f32_bytes_mut(&mut loss),
+        )?;
+        ops.dev.download(
+            Stream::Compute,
+            w.ce_correct.f32s(0..n),
+            i32_bytes_mut(&mut ok),
+        )?;
         for (r, &(i, _, wgt)) in rows.iter().enumerate() {
             let hit = ok[r] != 0;
             stats.loss_sum += wgt * loss[r] as f64;
