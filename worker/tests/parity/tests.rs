@@ -783,6 +783,52 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
 }
 
 
+/// A step's losses and `argmax == label` flags stay on the device and are read once, or
+/// whenever the room for them (16 samples' rows) is full: a batch of 40 samples gives the
+/// statistics of its samples trained one at a time, and the counts the reference's.
+#[test]
+fn host_device_drafter_reads_a_steps_loss_statistics_once_and_when_their_room_is_full() {
+    use dflash_shared::drafter::DrafterConfig;
+    use dflash_worker::models::drafter::device::DeviceDrafter;
+    use dflash_worker::models::drafter::{Drafter, Frozen, Sample};
+    let c = DrafterConfig { hidden: 32, layers: 1, q_heads: 2, kv_heads: 1, head_dim: 16, intermediate: 48, vocab: 300, eps: 1e-6, rope_theta: 10000.0, rope_scaling: None, n_taps: 1, block_size: 4, max_anchors: 4, mask_token_id: 299, gamma: 4.0 };
+    let d = Drafter::new(c.clone());
+    let mut rng = Rng::new(31);
+    let p = d.init_params(5);
+    // A zero lm_head: every logit ties, the argmax is token 0, so the slots whose label is
+    // 0 are right and the others wrong.
+    let frozen = Frozen { embed: rand_vec(&mut rng, c.vocab * c.hidden, 1.0), lm_head: vec![0.0; c.vocab * c.hidden] };
+    let len = 24usize;
+    let taps: Vec<Vec<f32>> = (0..40).map(|_| rand_vec(&mut rng, len * c.n_taps * c.hidden, 1.0)).collect();
+    let ids: Vec<Vec<u32>> = (0..40).map(|i| (0..len).map(|t| if (t + i) % 3 == 0 { 0 } else { 1 + (t % 7) as u32 }).collect()).collect();
+    let mask = vec![1u8; len];
+    let anchors: Vec<Vec<usize>> = (0..40).map(|_| d.sample_anchors(&mask, &mut rng)).collect();
+    let samples: Vec<Sample> = (0..40).map(|i| Sample { taps: &taps[i], ids: &ids[i], mask: &mask }).collect();
+    let rows: usize = anchors.iter().map(|a| a.len() * (c.block_size - 1)).sum();
+    assert!(rows > 16 * c.max_anchors * c.block_size, "more rows than the room for them ({rows})");
+    let tw = d.total_weight(&samples, &anchors);
+    let mut gpu = DeviceDrafter::new(device(), &d, &frozen, len).unwrap();
+    let zeros = vec![0f32; p.len()];
+    gpu.load(&p, &zeros, &zeros, 0).unwrap();
+    let mut g = vec![0f32; p.len()];
+    let all = gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();
+    let mut one = dflash_shared::drafter::StepStats::default();
+    for i in 0..40 {
+        one.merge(&gpu.train_batch(&samples[i..i + 1], &anchors[i..i + 1], tw, &mut g).unwrap());
+    }
+    assert_eq!((&all.slot_correct, &all.slot_total, all.accept_sum, all.blocks), (&one.slot_correct, &one.slot_total, one.accept_sum, one.blocks));
+    let right: u64 = all.slot_correct.iter().sum();
+    assert!(right > 0 && right < all.slot_total.iter().sum(), "some slots are right, not all: {:?}", all.slot_correct);
+    assert!((all.loss_sum - one.loss_sum).abs() <= 1e-9 * one.loss_sum.abs(), "{} vs {}", all.loss_sum, one.loss_sum);
+    let want = d.train_batch(&p, &frozen, &samples, &anchors, tw, &mut g);
+    assert_eq!((&all.slot_total, all.blocks), (&want.slot_total, want.blocks));
+    if device().is_cpu() {
+        assert_eq!(all.slot_correct, want.slot_correct);
+        assert!((all.accept_sum - want.accept_sum).abs() < 1e-9);
+        assert!((all.loss_sum - want.loss_sum).abs() < 1e-5 * want.loss_sum.abs(), "{} vs {}", all.loss_sum, want.loss_sum);
+    }
+}
+
 /// What a device collective relies on: the gradient left on the device is the one the host
 /// path downloads, and a sum all-reduced into the device's reduce buffer, scaled there by
 /// 1/Σw, steps the weights exactly as the host's scaled sum does.

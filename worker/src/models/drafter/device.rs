@@ -21,6 +21,11 @@ use crate::models::drafter::{Drafter, Frozen, LayerIdx, Sample};
 /// Vocabulary columns per cross-entropy chunk.
 const CHUNK: usize = 4096;
 
+/// Samples' worth of rows (each up to `max_anchors × block_size`) whose losses and
+/// `argmax == label` flags the device holds until they are read, once per step unless a
+/// step has more.
+const CE_SAMPLES: usize = 16;
+
 const NONE: DSlice = DSlice { ptr: 0, bytes: 0 };
 
 /// A weight for a GEMM: its f32 master copy and its bf16 copy (whichever the device uses;
@@ -359,8 +364,9 @@ impl Pass<'_> {
     /// chunk at a time: the logits GEMM (bf16 out on a GPU), their fold into the rows'
     /// online softmax (they become `exp(l − max)`), and the GEMM adding those times the
     /// chunk's lm_head rows into `acc`; then `dxrows` = dCE/dx and each row's loss and
-    /// `argmax == label` (`ce_loss`, `ce_correct`). The rows are cast to bf16 once.
-    fn ce(&mut self, n: usize) -> Result<()> {
+    /// `argmax == label` (`ce_loss`, `ce_correct`, from `at` on: they stay on the device
+    /// until the step's are read together). The rows are cast to bf16 once.
+    fn ce(&mut self, n: usize, at: usize) -> Result<()> {
         let lc = self.lc;
         let Locals { h, vocab, mx, .. } = lc;
         let (w, ops) = (self.w, &mut *self.ops);
@@ -397,44 +403,11 @@ impl Pass<'_> {
         }
         let out = (
             w.dxrows.f32s(0..n * h),
-            w.ce_loss.f32s(0..n),
-            w.ce_correct.f32s(0..n),
+            w.ce_loss.f32s(at..at + n),
+            w.ce_correct.f32s(at..at + n),
         );
         let scale = w.scale.f32s(0..n);
         ops.ce_finish(act, st, out, labels, scale, lm, n, h, vocab)
-    }
-
-    /// The rows' losses and `argmax == label` flags ([`ce`](Self::ce)) folded into the
-    /// loss, the slots' counts and `correct` (by block row).
-    fn ce_stats(
-        &mut self,
-        rows: &[(usize, u32, f64)],
-        stats: &mut StepStats,
-        correct: &mut [bool],
-    ) -> Result<()> {
-        let bs = self.lc.bs;
-        let (w, ops) = (self.w, &mut *self.ops);
-        let n = rows.len();
-        let (mut loss, mut ok) = (vec![0f32; n], vec![0i32; n]);
-        ops.dev.download(
-            Stream::Compute,
-            w.ce_loss.f32s(0..n),
-            f32_bytes_mut(&mut loss),
-        )?;
-        ops.dev.download(
-            Stream::Compute,
-            w.ce_correct.f32s(0..n),
-            i32_bytes_mut(&mut ok),
-        )?;
-        for (r, &(i, _, wgt)) in rows.iter().enumerate() {
-            let hit = ok[r] != 0;
-            stats.loss_sum += wgt * loss[r] as f64;
-            stats.weight_sum += wgt;
-            correct[i] = hit;
-            stats.slot_total[i % bs] += 1;
-            stats.slot_correct[i % bs] += hit as u64;
-        }
-        Ok(())
     }
 
     /// Backward of [`mlp`](Self::mlp): `dh` through down, the SwiGLU, gate and up and
@@ -894,8 +867,8 @@ impl Work {
             ce_argmax: f(n_ce, "ce argmax")?,
             ce_label: f(n_ce, "ce label logit")?,
             ce_acc: f(n_ce * h, "ce softmax·W")?,
-            ce_loss: f(n_ce, "ce loss")?,
-            ce_correct: f(n_ce, "ce argmax is the label")?,
+            ce_loss: f(n_ce * CE_SAMPLES, "ce loss")?,
+            ce_correct: f(n_ce * CE_SAMPLES, "ce argmax is the label")?,
             dh: f(m * h, "dh")?,
             dx: f(m * h, "dx")?,
             dx2: f(m * h, "dx2")?,
@@ -1005,11 +978,24 @@ pub struct DeviceDrafter {
     mixed: Mixed,
     max_len: usize,
     max_rows: usize,
+    /// The samples whose losses wait on the device (in `Work::ce_loss`, `ce_correct`),
+    /// the rows they fill, and what the ones read so far added to the step's statistics.
+    ce_pending: Vec<PendingCe>,
+    ce_used: usize,
+    ce_read: StepStats,
     /// The last batch's gradient buckets, in the order backward finished them: each
     /// parameter range and an event on the compute stream behind its last write (recorded
     /// during the last sample's backward, so a collective can reduce a bucket while the
     /// rest of the backward runs).
     buckets: Vec<(std::ops::Range<usize>, crate::device::Event)>,
+}
+
+/// A sample's supervised rows (block row, loss weight), whose losses and flags are on
+/// the device from `offset` on, and its number of blocks.
+struct PendingCe {
+    offset: usize,
+    rows: Vec<(usize, f64)>,
+    nb: usize,
 }
 
 /// Where a sample's taps come from.
@@ -1080,6 +1066,9 @@ impl DeviceDrafter {
             mixed: pl.mixed,
             max_len: s,
             max_rows: m,
+            ce_pending: Vec::new(),
+            ce_used: 0,
+            ce_read: StepStats::default(),
             buckets: Vec::new(),
         };
         // Each bucket of the gradient (and of the reduce buffer) is its own region to the
@@ -1636,6 +1625,9 @@ impl DeviceDrafter {
             // stream into the other staging buffer while sample k computes: `loaded[b]`
             // says buffer b holds its sample's taps, `free[b]` that the compute stream has
             // widened them (so it may be overwritten).
+            self.ce_pending.clear();
+            self.ce_used = 0;
+            self.ce_read = StepStats::default();
             let mut loaded: [Option<crate::device::Event>; 2] = [None, None];
             let mut free: [Option<crate::device::Event>; 2] = [None, None];
             let mut run = || -> Result<()> {
@@ -1671,6 +1663,7 @@ impl DeviceDrafter {
                 self.ops.dev.release_event(e);
             }
             r?;
+            stats.merge(&std::mem::take(&mut self.ce_read));
             if taps16.is_some() {
                 // The rows belong to the caller (a slot it gives back after this): every copy
                 // from them is over before this returns (long since, on a GPU: each was
@@ -1812,8 +1805,9 @@ impl DeviceDrafter {
         dev.record(Stream::Copy)
     }
 
-    /// One sample's forward, loss and backward, its gradient added into `grads`. Returns
-    /// an event behind the last read of its staging buffer, if it had one.
+    /// One sample's forward, loss and backward, its gradient added into `grads`; the
+    /// step's loss statistics read after the `last` one's loss. Returns an event behind
+    /// the last read of its staging buffer, if it had one.
     fn sample(
         &mut self,
         s: &Sample,
@@ -1843,6 +1837,11 @@ impl DeviceDrafter {
         let r = (|| {
             self.forward(dims)?;
             let (stats, supervised) = self.loss(s, anchors, dims, denominator)?;
+            if last {
+                // The step's one wait, before the last backward: that one may still run
+                // when the batch returns (a collective reduces its buckets meanwhile).
+                self.read_ce()?;
+            }
             if backward {
                 self.backward(dims, supervised, last)?;
             }
@@ -2002,28 +2001,78 @@ impl DeviceDrafter {
             ..Default::default()
         };
         let n = rows.len();
-        let mut correct = vec![false; m];
+        // What the host knows; the loss and what depends on `argmax == label` (the slots'
+        // hits, each block's accepted run beyond its first token) come with the step's
+        // read ([`Self::read_ce`]).
+        for &(i, _, wgt) in &rows {
+            stats.weight_sum += wgt;
+            stats.slot_total[i % bs] += 1;
+        }
+        stats.accept_sum += nb as f64;
+        stats.blocks += nb as u64;
         if n > 0 {
+            if self.ce_used + n > self.max_rows * CE_SAMPLES {
+                self.read_ce()?;
+            }
+            let at = self.ce_used;
             let p = &mut Pass {
                 ops: &mut self.ops,
                 lc,
                 w: &self.w,
             };
             p.ce_rows(&rows, denominator)?;
-            p.ce(n)?;
-            p.ce_stats(&rows, &mut stats, &mut correct)?;
+            p.ce(n, at)?;
+            self.ce_used += n;
+            let rows = rows.iter().map(|r| (r.0, r.2)).collect();
+            self.ce_pending.push(PendingCe {
+                offset: at,
+                rows,
+                nb,
+            });
         }
-        for a in 0..nb {
-            let run = (1..bs)
-                .take_while(|&k| {
-                    self.d.slot_weight(anchors[a], k, s.mask) > 0.0 && correct[a * bs + k]
-                })
-                .count();
-            stats.accept_sum += 1.0 + run as f64;
-            stats.blocks += 1;
-        }
-
         Ok((stats, n))
+    }
+
+    /// Read the pending samples' losses and flags from the device (one wait) and fold
+    /// them, sample by sample, into `ce_read`: the loss, each slot's hits and each block's
+    /// run of hits after its first token.
+    fn read_ce(&mut self) -> Result<()> {
+        let used = std::mem::take(&mut self.ce_used);
+        let pending = std::mem::take(&mut self.ce_pending);
+        let (mut loss, mut ok) = (vec![0f32; used], vec![0i32; used]);
+        let dev = &mut self.ops.dev;
+        dev.download(
+            Stream::Compute,
+            self.w.ce_loss.f32s(0..used),
+            f32_bytes_mut(&mut loss),
+        )?;
+        dev.download(
+            Stream::Compute,
+            self.w.ce_correct.f32s(0..used),
+            i32_bytes_mut(&mut ok),
+        )?;
+        let bs = self.d.cfg.block_size;
+        for p in &pending {
+            let mut st = StepStats {
+                slot_correct: vec![0; bs],
+                slot_total: vec![0; bs],
+                ..Default::default()
+            };
+            let mut correct = vec![false; p.nb * bs];
+            for (r, &(i, wgt)) in p.rows.iter().enumerate() {
+                let hit = ok[p.offset + r] != 0;
+                st.loss_sum += wgt * loss[p.offset + r] as f64;
+                correct[i] = hit;
+                st.slot_correct[i % bs] += hit as u64;
+            }
+            for a in 0..p.nb {
+                // Rows without weight are never a hit: a run stops at the first of them.
+                let run = (1..bs).take_while(|&k| correct[a * bs + k]).count();
+                st.accept_sum += run as f64;
+            }
+            self.ce_read.merge(&st);
+        }
+        Ok(())
     }
 
     /// The backward from the loss's gradient (`supervised` rows in `dxrows`) through the
