@@ -404,7 +404,8 @@ fn bench_compute_reports_the_forward_per_op_against_bare_gemms() {
         "gemm",
         fwd.as_str(),
         "attention_bwd",
-        "ce_chunk_stats",
+        "ce_fold",
+        "ce_finish",
         "adamw",
     ] {
         if op == "adamw" {

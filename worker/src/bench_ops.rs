@@ -1316,18 +1316,19 @@ fn measure_gemms(
 }
 
 /// The buffers of the loss benchmark: the input (f32 and bf16), the lm_head (bf16), one
-/// chunk's logits (f32 and bf16), the running max/sum/argmax value/argmax id/label logit,
-/// the labels, each row's gradient scale and dX.
+/// chunk's logits (bf16), the rows' running state, the labels, each row's gradient scale,
+/// dX and each row's loss and `argmax == label`.
 struct CeBufs {
     x: DSlice,
     xb: DSlice,
     lm16: DSlice,
     logits: DSlice,
-    lb: DSlice,
-    stats: [DSlice; 5],
+    st: crate::device::ops::CeState,
     labels: DSlice,
     scale: DSlice,
     dx: DSlice,
+    loss: DSlice,
+    correct: DSlice,
 }
 
 /// The shape of the loss benchmark: `n` rows of `h` over a vocabulary of `v` in chunks of
@@ -1348,76 +1349,53 @@ impl CeShape {
             x: b.random(n * h, false, 1.0)?,
             xb: b.zeros(n * h * 2)?,
             lm16: b.random(v * h, true, 0.05)?,
-            logits: b.zeros(n * cw * 4)?,
-            lb: b.zeros(n * cw * 2)?,
-            stats: [
-                b.zeros(n * 4)?,
-                b.zeros(n * 4)?,
-                b.zeros(n * 4)?,
-                b.zeros(n * 4)?,
-                b.zeros(n * 4)?,
-            ],
+            logits: b.zeros(n * cw * 2)?,
+            st: crate::device::ops::CeState {
+                run_max: b.zeros(n * 4)?,
+                run_sum: b.zeros(n * 4)?,
+                best_i: b.zeros(n * 4)?,
+                label_logit: b.zeros(n * 4)?,
+                acc: b.zeros(n * h * 4)?,
+            },
             labels: b.i32s(&labels)?,
             scale: b.random(n, false, 1e-3)?,
             dx: b.zeros(n * h * 4)?,
+            loss: b.zeros(n * 4)?,
+            correct: b.zeros(n * 4)?,
         })
     }
 
-    /// The chunk at `start`: its width and its rows of the lm_head.
-    fn chunk(self, c: &CeBufs, start: usize) -> (usize, DSlice) {
-        let w = self.cw.min(self.v - start);
-        (w, c.lm16.sub(2, start * self.h..(start + w) * self.h))
-    }
-
-    /// The forward as `DeviceDrafter::loss` runs it: per chunk, the cast, the logits GEMM
-    /// and the chunk's statistics.
-    fn forward(self, c: &CeBufs, o: &mut crate::device::ops::Ops) -> crate::device::Result<()> {
-        use crate::device::{f32_bytes, Stream};
+    /// The loss and its gradient as `DeviceDrafter::loss` runs them: the input cast once,
+    /// then per chunk the logits GEMM (bf16 out), their fold into the rows' online
+    /// softmax and the GEMM adding `exp(l − max)·W` into the rows' accumulator; then dX
+    /// and the losses.
+    fn run(self, c: &CeBufs, o: &mut crate::device::ops::Ops) -> crate::device::Result<()> {
+        use crate::device::{f32_bytes, ops::Act, Stream};
         let CeShape { n, h, v, cw } = self;
-        let [rmax, rsum, bv, bi, ll] = c.stats;
-        let neg_inf = vec![f32::NEG_INFINITY; n];
-        o.dev.upload(Stream::Compute, rmax, f32_bytes(&neg_inf))?;
-        o.dev.memset_zero(Stream::Compute, rsum)?;
-        o.dev.upload(Stream::Compute, bv, f32_bytes(&neg_inf))?;
-        for start in (0..v).step_by(cw) {
-            let (w, lm) = self.chunk(c, start);
-            o.f32_to_bf16(c.xb, c.x)?;
-            o.matmul_bf16(c.xb, lm, c.logits.f32s(0..n * w), n, h, w)?;
-            o.ce_chunk_stats(
-                rmax,
-                rsum,
-                bv,
-                bi,
-                ll,
-                c.logits.f32s(0..n * w),
-                c.labels,
-                n,
-                w,
-                start,
-            )?;
+        let st = c.st;
+        o.dev.upload(
+            Stream::Compute,
+            st.run_max,
+            f32_bytes(&vec![f32::NEG_INFINITY; n]),
+        )?;
+        for b in [st.run_sum, st.best_i, st.label_logit, st.acc] {
+            o.dev.memset_zero(Stream::Compute, b)?;
         }
-        Ok(())
-    }
-
-    /// The backward: per chunk, the logits again, the softmax gradient, its cast and the
-    /// dX GEMM.
-    fn backward(self, c: &CeBufs, o: &mut crate::device::ops::Ops) -> crate::device::Result<()> {
-        let CeShape { n, h, v, cw } = self;
-        let [rmax, rsum, ..] = c.stats;
+        o.f32_to_bf16(c.xb, c.x)?;
         for start in (0..v).step_by(cw) {
-            let (w, lm) = self.chunk(c, start);
-            let l = c.logits.f32s(0..n * w);
-            o.f32_to_bf16(c.xb, c.x)?;
-            o.matmul_bf16(c.xb, lm, l, n, h, w)?;
-            o.ce_chunk_grad(l, rmax, rsum, c.labels, c.scale, n, w, start)?;
-            o.f32_to_bf16(c.lb.sub(2, 0..n * w), l)?;
-            o.matmul_backward_bf16(c.lb.sub(2, 0..n * w), c.xb, lm, Some(c.dx), None, n, h, w)?;
+            let w = cw.min(v - start);
+            let lm = c.lm16.sub(2, start * h..(start + w) * h);
+            let l = c.logits.sub(2, 0..n * w);
+            o.matmul_bf16_out(c.xb, lm, l, n, h, w)?;
+            o.ce_fold(Act::Bf16, st, l, c.labels, n, w, start, h)?;
+            o.matmul_backward_bf16(l, c.xb, lm, Some(st.acc), None, n, h, w)?;
         }
-        Ok(())
+        let out = (c.dx, c.loss, c.correct);
+        o.ce_finish(Act::Bf16, st, out, c.labels, c.scale, c.lm16, n, h, v)
     }
 }
 
-/// The drafter's loss through the lm_head, forward and backward.
+/// The drafter's loss through the lm_head with its gradient: one pass.
 fn measure_cross_entropy(
     p: &OpsShape,
     ops: &mut crate::device::ops::Ops,
@@ -1431,41 +1409,23 @@ fn measure_cross_entropy(
         v,
         cw: 4096.min(v),
     };
-    let flops = 2.0 * (n * h * v) as f64;
+    let flops = 4.0 * (n * h * v) as f64;
     let shape = format!("{n} rows x {h} over {v} tokens, chunks of {}", ce.cw);
+    let name = "cross_entropy forward and backward";
     let mut b = Bufs {
         dev: ops.dev.as_mut(),
         seed,
     };
     let bufs = match ce.alloc(&mut b) {
         Ok(bufs) => bufs,
-        Err(e) => {
-            sink.failed("cross_entropy forward", shape.clone(), flops, &e);
-            sink.failed("cross_entropy backward", shape, 2.0 * flops, &e);
-            return;
-        }
+        Err(e) => return sink.failed(name, shape, flops, &e),
     };
-    let r = time_on_device(ops, |o| ce.forward(&bufs, o));
-    let ok = r.is_ok();
+    let r = time_on_device(ops, |o| ce.run(&bufs, o));
     sink.push(
-        "cross_entropy forward",
-        shape.clone(),
-        flops,
-        "logits GEMM (bf16, f32 out) and the chunk's max/sum/argmax",
-        r,
-    );
-    let r = if ok {
-        time_on_device(ops, |o| ce.backward(&bufs, o))
-    } else {
-        Err(ToolError::Skipped {
-            because: "the forward failed".into(),
-        })
-    };
-    sink.push(
-        "cross_entropy backward",
+        name,
         shape,
-        2.0 * flops,
-        "hardware FLOPs: the logits recomputed and dX",
+        flops,
+        "per chunk the logits GEMM (bf16 out), the fold and the softmax·W GEMM; then dX",
         r,
     );
 }

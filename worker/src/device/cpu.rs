@@ -384,6 +384,14 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
             (a.q, a.k, a.v) = (w.input(a.q), w.input(a.k), w.input(a.v));
             *act = Act::F32;
         }
+        Kernel::CeFold { act, logits, .. } if *act == Act::Bf16 => {
+            *logits = w.output(*logits);
+            *act = Act::F32;
+        }
+        Kernel::CeFinish { act, w: lm, .. } if *act == Act::Bf16 => {
+            *lm = w.input(*lm);
+            *act = Act::F32;
+        }
         // The FlashAttention-2 forward computes what the plain one does.
         Kernel::AttentionFa2Fwd { act, a, .. } => {
             if *act == Act::Bf16 {
@@ -416,14 +424,14 @@ impl CpuDevice {
         // SAFETY: as above, and the buffers are not aliased (check_aliasing), so the
         // slices each kernel makes of them are disjoint; each checks their lengths.
         unsafe {
-            match row_kernel(k, rows) {
+            match row_kernel(k, rows).or_else(|| ce_kernel(k, rows)) {
                 Some(r) => r,
                 None => self.other_kernel(k, rows),
             }
         }
     }
 
-    /// Attention, the cross-entropy, the gradient norm and the optimizer.
+    /// Attention, the gradient norm and the optimizer.
     ///
     /// # Safety
     /// As for [`row_kernel`].
@@ -435,43 +443,6 @@ impl CpuDevice {
             // is the plain one's own rowsum(dO∘O)).
             Kernel::AttentionBwd(g) | Kernel::AttentionFa2Bwd { g, .. } => self.attention_bwd(&g),
             Kernel::AttentionBwdDelta { delta, g } => attention_delta(wr(delta), &g),
-            Kernel::CeChunkStats {
-                run_max,
-                run_sum,
-                best_v,
-                best_i,
-                label_logit,
-                logits,
-                labels,
-                cw,
-                start,
-            } => ce_chunk_stats(
-                rows,
-                RowStats {
-                    run_max: wr(run_max),
-                    run_sum: wr(run_sum),
-                    best_v: wr(best_v),
-                    best_i: wr(best_i),
-                    label_logit: wr(label_logit),
-                },
-                rd(logits),
-                rd(labels),
-                (cw, start),
-            ),
-            Kernel::CeChunkGrad {
-                logits,
-                run_max,
-                run_sum,
-                labels,
-                scale,
-                cw,
-                start,
-            } => ce_chunk_grad(
-                rows,
-                wr(logits),
-                (rd(run_max), rd(run_sum), rd(labels), rd(scale)),
-                (cw, start),
-            ),
             Kernel::Sumsq {
                 partials,
                 nonfinite,
@@ -1463,36 +1434,84 @@ unsafe fn attention_delta(delta: &mut [f32], g: &AttentionGrad) -> Result<()> {
     Ok(())
 }
 
-/// Each row's running statistics over the vocabulary chunks of the cross-entropy.
-struct RowStats<'a> {
-    run_max: &'a mut [f32],
-    run_sum: &'a mut [f32],
-    best_v: &'a mut [f32],
-    best_i: &'a mut [i32],
-    label_logit: &'a mut [f32],
+/// The cross-entropy's kernels, `None` for another.
+///
+/// # Safety
+/// As for [`row_kernel`].
+unsafe fn ce_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
+    Some(match *k {
+        Kernel::CeFold {
+            st,
+            logits,
+            labels,
+            cw,
+            start,
+            h,
+            ..
+        } => ce_fold(
+            rows,
+            CeRows {
+                run_max: wr(st.run_max),
+                run_sum: wr(st.run_sum),
+                best_i: wr(st.best_i),
+                label_logit: wr(st.label_logit),
+                acc: wr(st.acc),
+            },
+            (wr(logits), rd(labels)),
+            (cw, start, h),
+        ),
+        Kernel::CeFinish {
+            st,
+            dx,
+            loss,
+            correct,
+            labels,
+            scale,
+            w,
+            h,
+            vocab,
+            ..
+        } => ce_finish(
+            rows,
+            (wr(dx), wr(loss), wr(correct)),
+            &CeDone {
+                run_max: rd(st.run_max),
+                run_sum: rd(st.run_sum),
+                best_i: rd(st.best_i),
+                label_logit: rd(st.label_logit),
+                acc: rd(st.acc),
+            },
+            (rd(labels), rd(scale), rd(w)),
+            (h, vocab),
+        ),
+        _ => return None,
+    })
 }
 
-/// `(cw, start)`: the chunk's width and first vocabulary id.
-fn ce_chunk_stats(
+/// The cross-entropy's rows over the vocabulary chunks (see [`super::kernels::CeState`]).
+struct CeRows<'a> {
+    run_max: &'a mut [f32],
+    run_sum: &'a mut [f32],
+    best_i: &'a mut [i32],
+    label_logit: &'a mut [f32],
+    acc: &'a mut [f32],
+}
+
+/// `(cw, start, h)`: the chunk's width and first vocabulary id, and the rows' width.
+fn ce_fold(
     rows: usize,
-    st: RowStats<'_>,
-    logits: &[f32],
-    labels: &[i32],
-    (cw, start): (usize, usize),
+    st: CeRows<'_>,
+    (logits, labels): (&mut [f32], &[i32]),
+    (cw, start, h): (usize, usize, usize),
 ) -> Result<()> {
-    let kernel = "ce_chunk_stats";
-    let have = st
-        .run_max
-        .len()
-        .min(st.run_sum.len())
-        .min(st.best_v.len())
-        .min(st.best_i.len())
-        .min(st.label_logit.len())
-        .min(labels.len());
-    need(kernel, "row stats", have, rows)?;
+    let kernel = "ce_fold";
+    let have = (st.run_max.len().min(st.run_sum.len()).min(st.best_i.len()))
+        .min(st.label_logit.len().min(labels.len()));
+    need(kernel, "row state", have, rows)?;
+    need(kernel, "acc", st.acc.len(), rows * h)?;
     need(kernel, "logits", logits.len(), rows * cw)?;
     for r in 0..rows {
-        let lr = &logits[r * cw..(r + 1) * cw];
+        let lr = &mut logits[r * cw..(r + 1) * cw];
         let (mut cmax, mut cidx) = (f32::NEG_INFINITY, 0usize);
         for (j, &v) in lr.iter().enumerate() {
             if v > cmax {
@@ -1501,43 +1520,68 @@ fn ce_chunk_stats(
         }
         let m_old = st.run_max[r];
         let m_new = m_old.max(cmax);
-        let s: f32 = lr.iter().map(|&v| exp_neg(v - m_new)).sum();
-        st.run_sum[r] = st.run_sum[r] * exp_neg(m_old - m_new) + s;
-        st.run_max[r] = m_new;
-        if cmax > st.best_v[r] {
-            st.best_v[r] = cmax;
-            st.best_i[r] = (start + cidx) as i32;
-        }
         let lab = labels[r];
         if lab >= start as i32 && (lab as usize) < start + cw {
             st.label_logit[r] = lr[lab as usize - start];
+        }
+        let mut s = 0f32;
+        for l in lr.iter_mut() {
+            *l = exp_neg(*l - m_new);
+            s += *l;
+        }
+        if m_new > m_old {
+            let f = exp_neg(m_old - m_new);
+            st.acc[r * h..(r + 1) * h].iter_mut().for_each(|a| *a *= f);
+        }
+        st.run_sum[r] = st.run_sum[r] * exp_neg(m_old - m_new) + s;
+        st.run_max[r] = m_new;
+        if cmax > m_old {
+            st.best_i[r] = (start + cidx) as i32;
         }
     }
     Ok(())
 }
 
-/// `(run_max, run_sum, labels, scale)`: per row; `(cw, start)` as for [`ce_chunk_stats`].
-fn ce_chunk_grad(
+/// The cross-entropy's rows after the last chunk (see [`CeRows`]).
+struct CeDone<'a> {
+    run_max: &'a [f32],
+    run_sum: &'a [f32],
+    best_i: &'a [i32],
+    label_logit: &'a [f32],
+    acc: &'a [f32],
+}
+
+/// `(dx, loss, correct)` written from the rows' state, `(labels, scale, w)` and
+/// `(h, vocab)`, as kernels.cu's `ce_finish`.
+fn ce_finish(
     rows: usize,
-    logits: &mut [f32],
-    (run_max, run_sum, labels, scale): (&[f32], &[f32], &[i32], &[f32]),
-    (cw, start): (usize, usize),
+    (dx, loss, correct): (&mut [f32], &mut [f32], &mut [i32]),
+    st: &CeDone<'_>,
+    (labels, scale, w): (&[i32], &[f32], &[f32]),
+    (h, vocab): (usize, usize),
 ) -> Result<()> {
-    let kernel = "ce_chunk_grad";
-    let have = run_max
-        .len()
-        .min(run_sum.len())
-        .min(labels.len())
-        .min(scale.len());
-    need(kernel, "row stats", have, rows)?;
-    need(kernel, "logits", logits.len(), rows * cw)?;
+    let kernel = "ce_finish";
+    let have = (loss.len().min(correct.len()).min(st.run_max.len()))
+        .min(
+            st.run_sum
+                .len()
+                .min(st.best_i.len())
+                .min(st.label_logit.len()),
+        )
+        .min(labels.len().min(scale.len()));
+    need(kernel, "row state", have, rows)?;
+    need(kernel, "dx and acc", dx.len().min(st.acc.len()), rows * h)?;
+    need(kernel, "w", w.len(), vocab * h)?;
     for r in 0..rows {
-        let (m, inv, sc, lab) = (run_max[r], 1.0 / run_sum[r], scale[r], labels[r]);
-        for (j, l) in logits[r * cw..(r + 1) * cw].iter_mut().enumerate() {
-            let p = exp_neg(*l - m) * inv;
-            let g = (p - if (start + j) as i32 == lab { 1.0 } else { 0.0 }) * sc;
-            *l = if g.abs() < 1e-30 { 0.0 } else { g };
+        let lab = labels[r];
+        let wl = (lab >= 0 && (lab as usize) < vocab).then(|| &w[lab as usize * h..][..h]);
+        let (inv, sc) = (1.0 / st.run_sum[r], scale[r]);
+        for d in 0..h {
+            let wd = wl.map_or(0.0, |wl| wl[d]);
+            dx[r * h + d] = sc * (st.acc[r * h + d] * inv - wd);
         }
+        loss[r] = st.run_max[r] + st.run_sum[r].ln() - st.label_logit[r];
+        correct[r] = (st.best_i[r] == lab) as i32;
     }
     Ok(())
 }

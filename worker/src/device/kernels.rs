@@ -8,7 +8,8 @@
 //! list that kernels.cu declares.
 //!
 //! Buffers are f32 unless said otherwise; `act` says whether a forward activation kernel
-//! takes bf16 activations (its `_bf16` symbol). "rows" is the launch's grid: one block
+//! takes bf16 activations, or the cross-entropy's kernels bf16 logits and GEMM inputs (the
+//! `_bf16` symbol). "rows" is the launch's grid: one block
 //! per row for the row kernels.
 
 use super::{Arg, DSlice};
@@ -118,6 +119,18 @@ pub struct AttentionGrad {
     pub dq: DSlice,
     pub dk: DSlice,
     pub dv: DSlice,
+}
+
+/// The cross-entropy's rows over the vocabulary chunks (kernels.cu's `ce_fold`): each
+/// row's running max, Σexp (relative to that max), argmax (i32 id) and label logit, and
+/// `acc` `[rows, h]`, Σ exp(l − max)·W over the chunks so far.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CeState {
+    pub run_max: DSlice,
+    pub run_sum: DSlice,
+    pub best_i: DSlice,
+    pub label_logit: DSlice,
+    pub acc: DSlice,
 }
 
 /// One launch's kernel and arguments.
@@ -247,28 +260,32 @@ pub enum Kernel {
         delta: DSlice,
         tk: usize,
     },
-    /// Fold a vocabulary chunk of logits (`[rows, cw]`, ids `start..start+cw`) into each
-    /// row's running max, Σexp, argmax (value and i32 id) and label logit (labels i32).
-    CeChunkStats {
-        run_max: DSlice,
-        run_sum: DSlice,
-        best_v: DSlice,
-        best_i: DSlice,
-        label_logit: DSlice,
+    /// Fold a vocabulary chunk of logits (`[rows, cw]`, ids `start..start+cw`; bf16 at
+    /// `act` bf16) into each row's [`CeState`] (labels i32), the logits becoming
+    /// `exp(l − max)` in place.
+    CeFold {
+        act: Act,
+        st: CeState,
         logits: DSlice,
         labels: DSlice,
         cw: usize,
         start: usize,
+        h: usize,
     },
-    /// A chunk's logits → `scale[r]·(softmax − onehot(label))`, in place.
-    CeChunkGrad {
-        logits: DSlice,
-        run_max: DSlice,
-        run_sum: DSlice,
+    /// After the last chunk: `dx = scale·(acc/Σexp − W[label])` (`[rows, h]`, written),
+    /// each row's cross-entropy (`loss`) and whether its argmax is its label (`correct`,
+    /// i32), with the lm_head `w` `[vocab, h]` (bf16 at `act` bf16; labels i32).
+    CeFinish {
+        act: Act,
+        st: CeState,
+        dx: DSlice,
+        loss: DSlice,
+        correct: DSlice,
         labels: DSlice,
         scale: DSlice,
-        cw: usize,
-        start: usize,
+        w: DSlice,
+        h: usize,
+        vocab: usize,
     },
     /// Each block's share of Σg² (f64 `partials`), `nonfinite` (i32) set on NaN/inf.
     Sumsq {
@@ -351,8 +368,8 @@ impl Kernel {
                 Fa2Dim::D64 => "attention_fa2_bwd_hd64",
                 Fa2Dim::D128 => "attention_fa2_bwd_hd128",
             },
-            Kernel::CeChunkStats { .. } => "ce_chunk_stats",
-            Kernel::CeChunkGrad { .. } => "ce_chunk_grad",
+            Kernel::CeFold { act: a, .. } => act(a, "ce_fold", "ce_fold_bf16"),
+            Kernel::CeFinish { act: a, .. } => act(a, "ce_finish", "ce_finish_bf16"),
             Kernel::Sumsq { .. } => "sumsq",
             Kernel::SumsqFinish { .. } => "sumsq_finish",
             Kernel::AdamCount { .. } => "adam_count",
@@ -551,43 +568,51 @@ impl Kernel {
     fn loss_and_optimizer_args(&self) -> Option<Vec<Arg>> {
         use Arg::{F32, R, RW, W};
         Some(match *self {
-            Kernel::CeChunkStats {
-                run_max,
-                run_sum,
-                best_v,
-                best_i,
-                label_logit,
+            Kernel::CeFold {
+                st,
                 logits,
                 labels,
                 cw,
                 start,
+                h,
+                ..
             } => vec![
-                RW(run_max),
-                RW(run_sum),
-                RW(best_v),
-                RW(best_i),
-                RW(label_logit),
-                R(logits),
+                RW(st.run_max),
+                RW(st.run_sum),
+                RW(st.best_i),
+                RW(st.label_logit),
+                RW(st.acc),
+                RW(logits),
                 R(labels),
                 i32_of(cw),
                 i32_of(start),
+                i32_of(h),
             ],
-            Kernel::CeChunkGrad {
-                logits,
-                run_max,
-                run_sum,
+            Kernel::CeFinish {
+                st,
+                dx,
+                loss,
+                correct,
                 labels,
                 scale,
-                cw,
-                start,
+                w,
+                h,
+                vocab,
+                ..
             } => vec![
-                RW(logits),
-                R(run_max),
-                R(run_sum),
+                W(dx),
+                W(loss),
+                W(correct),
+                R(st.run_max),
+                R(st.run_sum),
+                R(st.best_i),
+                R(st.label_logit),
+                R(st.acc),
                 R(labels),
                 R(scale),
-                i32_of(cw),
-                i32_of(start),
+                R(w),
+                i32_of(h),
+                i32_of(vocab),
             ],
             Kernel::Sumsq {
                 partials,
@@ -681,8 +706,15 @@ impl Kernel {
         all
     }
 
-    /// The forward activation kernels at `act`.
-    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 7] {
+    /// The kernels with an f32 and a bf16 symbol, at `act`.
+    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 9] {
+        let st = CeState {
+            run_max: b,
+            run_sum: b,
+            best_i: b,
+            label_logit: b,
+            acc: b,
+        };
         [
             Kernel::EmbedGather {
                 act,
@@ -735,10 +767,31 @@ impl Kernel {
                 inverse: false,
             },
             Kernel::AttentionFwd { act, a: attention },
+            Kernel::CeFold {
+                act,
+                st,
+                logits: b,
+                labels: b,
+                cw: 1,
+                start: 0,
+                h: 1,
+            },
+            Kernel::CeFinish {
+                act,
+                st,
+                dx: b,
+                loss: b,
+                correct: b,
+                labels: b,
+                scale: b,
+                w: b,
+                h: 1,
+                vocab: 1,
+            },
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 13] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 11] {
         [
             Kernel::ScatterAddRows {
                 dst: b,
@@ -780,26 +833,6 @@ impl Kernel {
                 dk: b,
                 dv: b,
             }),
-            Kernel::CeChunkStats {
-                run_max: b,
-                run_sum: b,
-                best_v: b,
-                best_i: b,
-                label_logit: b,
-                logits: b,
-                labels: b,
-                cw: 1,
-                start: 0,
-            },
-            Kernel::CeChunkGrad {
-                logits: b,
-                run_max: b,
-                run_sum: b,
-                labels: b,
-                scale: b,
-                cw: 1,
-                start: 0,
-            },
             Kernel::Sumsq {
                 partials: b,
                 nonfinite: b,

@@ -620,6 +620,11 @@ pub fn i32_bytes(v: &[i32]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
 }
 
+pub fn i32_bytes_mut(v: &mut [i32]) -> &mut [u8] {
+    // SAFETY: as for f32_bytes_mut, and every byte pattern is a valid i32.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
 pub fn u32_bytes(v: &[u32]) -> &[u8] {
     // SAFETY: as for f32.
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }

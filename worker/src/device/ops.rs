@@ -3,8 +3,8 @@
 //! layouts and the same accumulate-or-overwrite semantics, so that each can be checked
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 
-pub use super::kernels::AdamHyper;
-use super::kernels::{Act, Attention, AttentionGrad, Fa2Dim, Kernel};
+pub use super::kernels::{Act, AdamHyper, CeState};
+use super::kernels::{Attention, AttentionGrad, Fa2Dim, Kernel};
 use super::{DSlice, Device, Gemm, Result, Stream};
 
 const BLOCK: u32 = 256;
@@ -144,6 +144,20 @@ impl Ops {
         n: usize,
     ) -> Result<()> {
         self.linear(x, w, y, m, k, n, true, false)
+    }
+
+    /// [`matmul`](Self::matmul) with `x`, `w` and `y` in bf16 (f32 accumulation, `y`
+    /// rounded once).
+    pub fn matmul_bf16_out(
+        &mut self,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.linear(x, w, y, m, k, n, true, true)
     }
 
     /// Backward of [`matmul`](Self::matmul): `dx += dy · w`, `dw += dyᵀ · x`.
@@ -551,64 +565,68 @@ impl Ops {
         )
     }
 
-    /// Fold one vocabulary chunk of logits (`[n, cw]`, ids `start..start+cw`) into each
-    /// row's running max / Σexp / argmax / label logit (`labels`: i32 per row).
+    /// Fold one vocabulary chunk of logits (`[n, cw]`, ids `start..start+cw`; bf16 at
+    /// `act` bf16) into each row's [`CeState`] for rows of width `h` (`labels`: i32 per
+    /// row); the logits become `exp(l − max)` in place, the input of the GEMM that adds
+    /// them times the chunk's lm_head rows into `st.acc`.
     #[allow(clippy::too_many_arguments)]
-    pub fn ce_chunk_stats(
+    pub fn ce_fold(
         &mut self,
-        run_max: DSlice,
-        run_sum: DSlice,
-        best_v: DSlice,
-        best_i: DSlice,
-        label_logit: DSlice,
+        act: Act,
+        st: CeState,
         logits: DSlice,
         labels: DSlice,
         n: usize,
         cw: usize,
         start: usize,
+        h: usize,
     ) -> Result<()> {
         self.launch(
-            Kernel::CeChunkStats {
-                run_max,
-                run_sum,
-                best_v,
-                best_i,
-                label_logit,
+            Kernel::CeFold {
+                act,
+                st,
                 logits,
                 labels,
                 cw,
                 start,
+                h,
             },
             n as u32,
             row_block(cw),
         )
     }
 
-    /// Logits of a chunk → `scale[row]·(softmax − onehot(label))`, in place.
+    /// After the last chunk: `dx` (`[n, h]`, written) = `scale·(acc/Σexp − W[label])`,
+    /// each row's cross-entropy into `loss` and `argmax == label` into `correct` (i32);
+    /// `w` the lm_head `[vocab, h]` (bf16 at `act` bf16).
     #[allow(clippy::too_many_arguments)]
-    pub fn ce_chunk_grad(
+    pub fn ce_finish(
         &mut self,
-        logits: DSlice,
-        run_max: DSlice,
-        run_sum: DSlice,
+        act: Act,
+        st: CeState,
+        (dx, loss, correct): (DSlice, DSlice, DSlice),
         labels: DSlice,
         scale: DSlice,
+        w: DSlice,
         n: usize,
-        cw: usize,
-        start: usize,
+        h: usize,
+        vocab: usize,
     ) -> Result<()> {
         self.launch(
-            Kernel::CeChunkGrad {
-                logits,
-                run_max,
-                run_sum,
+            Kernel::CeFinish {
+                act,
+                st,
+                dx,
+                loss,
+                correct,
                 labels,
                 scale,
-                cw,
-                start,
+                w,
+                h,
+                vocab,
             },
             n as u32,
-            row_block(cw),
+            row_block(h),
         )
     }
 

@@ -249,14 +249,15 @@ fn drafter_attention_and_loss(
             2.0 * kv_bytes,
             attention_efficiency(hw, bwd),
         ),
-        // Now: 3 GEMMs per vocabulary chunk (logits twice, then dX), the logits written
-        // in f32 and read or rewritten 4 more times (stats, recompute, gradient, dX).
+        // 2 GEMMs per vocabulary chunk (the logits, then exp(l − max)·W into dX's
+        // accumulator), the logits in bf16: written by the first, read and rewritten by
+        // the fold, read by the second (4 passes of 2 bytes).
         op(
             hw,
             "cross-entropy (lm_head)",
-            1.5 * ce_model,
             ce_model,
-            5.0 * 4.0 * rows * v,
+            ce_model,
+            4.0 * 2.0 * rows * v,
             hw.gemm_efficiency,
         ),
     ]
@@ -407,7 +408,7 @@ fn assumptions(hw: &Hardware, s: &Shapes) -> Vec<String> {
             "drafter: {} layers (DFlash's depth for a 36-layer target) reading {} taps; {} anchors × block {} over a {}-token context, anchors evenly spread; 15 supervised rows per block",
             s.drafter_layers, s.drafter_layers, s.anchors, s.block, s.drafter_context
         ),
-        "drafter as now: f32 activations, a cast before every GEMM, cross-entropy with 3 GEMMs per vocabulary chunk and f32 logits written and re-read (5 passes), 11 memsets per layer, AdamW at 28 bytes per parameter; host syncs not modelled".into(),
+        "drafter as now: f32 activations, a cast before every GEMM, cross-entropy in one pass with 2 GEMMs per vocabulary chunk and bf16 logits (written, folded in place, read: 4 passes of 2 bytes), 11 memsets per layer, AdamW at 28 bytes per parameter; host syncs not modelled".into(),
         "elementwise passes per layer: 10 over hidden, 4 over q+k, 2 over q+k+v, 3 over the MLP width (backward twice the forward)".into(),
     ]
 }

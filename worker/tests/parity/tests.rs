@@ -5,7 +5,7 @@
 use dflash_shared::rng::Rng;
 use dflash_worker::reference::ops::Cpu;
 use dflash_worker::reference::{Heads, KeySpan};
-use dflash_worker::device::kernels::{Attention, Fa2Dim};
+use dflash_worker::device::kernels::{Act, Attention, CeState, Fa2Dim};
 use dflash_worker::device::ops::Ops;
 use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
 
@@ -452,52 +452,86 @@ fn host_device_dflash_block_attention_matches_the_cpu_backend() {
     check_attention("a row without keys", 2, 2, &empty, Heads { q_heads: 2, kv_heads: 2, head_dim: 32 }, 9);
 }
 
+/// The drafter's cross-entropy pass as `DeviceDrafter` runs it: per chunk of `chunk` ids
+/// the logits GEMM (bf16 out at `act` bf16), `ce_fold`, the GEMM adding `exp(l − max)·W`
+/// into the accumulator; then `ce_finish`. `x` `[n, h]` and `lm` `[vocab, h]` are bf16 at
+/// `act` bf16. Returns each row's loss, `argmax == label` and dCE/dx (`scale`d).
+fn device_ce(o: &mut Ops, act: Act, (x, lm): (DSlice, DSlice), labels: &[i32], scale: &[f32], (h, vocab, chunk): (usize, usize, usize)) -> (Vec<f32>, Vec<i32>, Vec<f32>) {
+    let n = labels.len();
+    let (labels, scale) = (put_i32(o, labels), put(o, scale));
+    let st = CeState { run_max: put(o, &vec![f32::NEG_INFINITY; n]), run_sum: put(o, &vec![0.0; n]), best_i: put_i32(o, &vec![0; n]), label_logit: put(o, &vec![0.0; n]), acc: put(o, &vec![0.0; n * h]) };
+    let bf16 = act == Act::Bf16;
+    let logits = put(o, &vec![0.0; n * chunk]);
+    let e = if bf16 { 2 } else { 4 };
+    for start in (0..vocab).step_by(chunk) {
+        let cw = chunk.min(vocab - start);
+        let (l, w) = (logits.sub(e, 0..n * cw), lm.sub(e, start * h..(start + cw) * h));
+        if bf16 {
+            o.matmul_bf16_out(x, w, l, n, h, cw).unwrap();
+            o.ce_fold(act, st, l, labels, n, cw, start, h).unwrap();
+            o.matmul_backward_bf16(l, x, w, Some(st.acc), None, n, h, cw).unwrap();
+        } else {
+            o.matmul(x, w, l, n, h, cw).unwrap();
+            o.ce_fold(act, st, l, labels, n, cw, start, h).unwrap();
+            o.matmul_backward(l, x, w, Some(st.acc), None, n, h, cw).unwrap();
+        }
+    }
+    let (dx, loss, correct) = (put(o, &vec![f32::NAN; n * h]), put(o, &vec![f32::NAN; n]), put_i32(o, &vec![-1; n]));
+    o.ce_finish(act, st, (dx, loss, correct), labels, scale, lm, n, h, vocab).unwrap();
+    let mut ok = vec![0i32; n];
+    o.dev.download(Stream::Compute, correct, bytemuck_i32(&mut ok)).unwrap();
+    (get(o, loss), ok, get(o, dx))
+}
+
+/// The cross-entropy in one pass per vocabulary chunk (`ce_fold`, `ce_finish` and the two
+/// GEMMs around the fold) against the reference's chunked cross-entropy, f32 and bf16
+/// (the GPU drafter's: bf16 GEMM inputs and logits, the reference given the same
+/// bf16-rounded inputs). Three chunks; row 0's largest logit, by far, and its label are in
+/// the last chunk (the accumulator of the first two must be rescaled by e^-(rise)), row 1's
+/// label is in the last chunk, the other rows' maxima rise as chunks come; each row has a
+/// loss weight of its own.
 #[test]
-fn host_device_chunked_cross_entropy_matches_the_cpu_backend() {
+fn host_device_cross_entropy_in_one_pass_per_chunk_matches_the_cpu_backend() {
     let _checks = all_checks();
     let mut rng = Rng::new(10);
     let (n, h, vocab, chunk) = (6usize, 48usize, 700usize, 256usize);
     let hn = rand_vec(&mut rng, n * h, 1.0);
-    let lm = rand_vec(&mut rng, vocab * h, 0.5);
-    let rows: Vec<(usize, u32, f64)> = (0..n).map(|i| (i, ((i * 131 + 7) % vocab) as u32, 0.5 + i as f64)).collect();
+    let mut lm = rand_vec(&mut rng, vocab * h, 0.5);
+    // Row 0's logit at id 600 is 2·|hn_0|² ≈ 32, far above the rest (about ±3).
+    for d in 0..h {
+        lm[600 * h + d] = 2.0 * hn[d];
+    }
+    let labels: Vec<i32> = (0..n).map(|i| match i { 0 => 600, 1 => 690, _ => ((i * 131 + 7) % vocab) as i32 }).collect();
+    let rows: Vec<(usize, u32, f64)> = (0..n).map(|i| (i, labels[i] as u32, 0.5 + i as f64)).collect();
     let total: f64 = rows.iter().map(|r| r.2).sum::<f64>() * 1.5;
+    let scale: Vec<f32> = rows.iter().map(|r| (r.2 / total) as f32).collect();
+    let bf = |v: &[f32]| -> Vec<f32> { v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect() };
     let cpu = Cpu::with_threads(1);
-    let mut dhn = vec![0f32; n * h];
-    let want = dflash_worker::reference::drafter::lm_head_ce(&cpu, &hn, h, &lm, vocab, &rows, total, Some(&mut dhn));
-
-    let mut o = ops();
-    let (ghn, glm) = (put(&mut o, &hn), put(&mut o, &lm));
-    let labels = put_i32(&mut o, &rows.iter().map(|r| r.1 as i32).collect::<Vec<_>>());
-    let scale = put(&mut o, &rows.iter().map(|r| (r.2 / total) as f32).collect::<Vec<_>>());
-    let (mx, sm, bv, bi, ll) = (put(&mut o, &vec![f32::NEG_INFINITY; n]), put(&mut o, &vec![0.0; n]), put(&mut o, &vec![f32::NEG_INFINITY; n]), put_i32(&mut o, &vec![0; n]), put(&mut o, &vec![0.0; n]));
-    let logits = put(&mut o, &vec![0.0; n * chunk]);
-    for start in (0..vocab).step_by(chunk) {
-        let cw = chunk.min(vocab - start);
-        let l = logits.f32s(0..n * cw);
-        o.matmul(ghn, glm.f32s(start * h..(start + cw) * h), l, n, h, cw).unwrap();
-        o.ce_chunk_stats(mx, sm, bv, bi, ll, l, labels, n, cw, start).unwrap();
+    for act in [Act::F32, Act::Bf16] {
+        let (hn, lm) = if act == Act::Bf16 { (bf(&hn), bf(&lm)) } else { (hn.clone(), lm.clone()) };
+        let mut dhn = vec![0f32; n * h];
+        let want = dflash_worker::reference::drafter::lm_head_ce(&cpu, &hn, h, &lm, vocab, &rows, total, Some(&mut dhn));
+        let mut o = ops();
+        let inputs = if act == Act::Bf16 { (put16(&mut o, &hn), put16(&mut o, &lm)) } else { (put(&mut o, &hn), put(&mut o, &lm)) };
+        let (loss, ok, dx) = device_ce(&mut o, act, inputs, &labels, &scale, (h, vocab, chunk));
+        let want_ce: Vec<f32> = want.iter().map(|w| w.0 as f32).collect();
+        assert!(want[0].1 && want_ce[0] < 1e-3, "row 0 is right, and sure of it: {:?}", want[0]);
+        assert_eq!(ok.iter().map(|&c| c == 1).collect::<Vec<_>>(), want.iter().map(|w| w.1).collect::<Vec<_>>(), "argmax == label ({act:?})");
+        if act == Act::F32 {
+            assert_close("cross-entropy (f32)", &loss, &want_ce, 1e-5);
+            assert_close("cross-entropy gradient (f32)", &dx, &dhn, 1e-4);
+        } else {
+            // The logits are rounded to bf16 (2⁻⁹ relative) and so is exp(l − max) before
+            // its GEMM. The label's logit is the rounded one the log-sum-exp saw: row 0,
+            // sure of its label, has a loss near 0, not its logit's rounding (1/8 at 32).
+            let bound = 2f32.powi(-8) * want_ce.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = loss.iter().zip(&want_ce).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            eprintln!("cross-entropy (bf16): max |error| {worst:.2e} (bound {bound:.2e})");
+            check(worst <= bound, || format!("cross-entropy (bf16): max |error| {worst:e} > {bound:e}"));
+            check(loss[0].abs() < 1e-3, || format!("row 0's loss {} (bf16)", loss[0]));
+            assert_close("cross-entropy gradient (bf16)", &dx, &dhn, 1e-2);
+        }
     }
-    let (m, s, lab) = (get(&mut o, mx), get(&mut o, sm), get(&mut o, ll));
-    let mut best = vec![0i32; n];
-    o.dev.download(Stream::Compute, bi, bytemuck_i32(&mut best)).unwrap();
-    let ce: Vec<f32> = (0..n).map(|r| m[r] + s[r].ln() - lab[r]).collect();
-    let want_ce: Vec<f32> = want.iter().map(|w| w.0 as f32).collect();
-    assert_close("cross-entropy", &ce, &want_ce, 1e-5);
-    for (r, w) in want.iter().enumerate() {
-        assert_eq!(best[r] == rows[r].1 as i32, w.1, "argmax == label for row {r}");
-    }
-    // The gradient: every chunk turned into scale·(softmax − onehot), then dhn = g · W.
-    let gdhn = put(&mut o, &vec![0.0; n * h]);
-    for start in (0..vocab).step_by(chunk) {
-        let cw = chunk.min(vocab - start);
-        let l = logits.f32s(0..n * cw);
-        let w = glm.f32s(start * h..(start + cw) * h);
-        o.matmul(ghn, w, l, n, h, cw).unwrap();
-        o.ce_chunk_grad(l, mx, sm, labels, scale, n, cw, start).unwrap();
-        // dhn (n×h) += g (n×cw) · W (cw×h): the backward of y = x·Wᵀ with respect to x.
-        o.matmul_backward(l, ghn, w, Some(gdhn), None, n, h, cw).unwrap();
-    }
-    assert_close("cross-entropy gradient", &get(&mut o, gdhn), &dhn, 1e-4);
 }
 
 fn bytemuck_i32(v: &mut [i32]) -> &mut [u8] {
@@ -750,6 +784,52 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 32")));
 }
 
+
+/// A step's losses and `argmax == label` flags stay on the device and are read once, or
+/// whenever the room for them (16 samples' rows) is full: a batch of 40 samples gives the
+/// statistics of its samples trained one at a time, and the counts the reference's.
+#[test]
+fn host_device_drafter_reads_a_steps_loss_statistics_once_and_when_their_room_is_full() {
+    use dflash_shared::drafter::DrafterConfig;
+    use dflash_worker::models::drafter::device::DeviceDrafter;
+    use dflash_worker::models::drafter::{Drafter, Frozen, Sample};
+    let c = DrafterConfig { hidden: 32, layers: 1, q_heads: 2, kv_heads: 1, head_dim: 16, intermediate: 48, vocab: 300, eps: 1e-6, rope_theta: 10000.0, rope_scaling: None, n_taps: 1, block_size: 4, max_anchors: 4, mask_token_id: 299, gamma: 4.0 };
+    let d = Drafter::new(c.clone());
+    let mut rng = Rng::new(31);
+    let p = d.init_params(5);
+    // A zero lm_head: every logit ties, the argmax is token 0, so the slots whose label is
+    // 0 are right and the others wrong.
+    let frozen = Frozen { embed: rand_vec(&mut rng, c.vocab * c.hidden, 1.0), lm_head: vec![0.0; c.vocab * c.hidden] };
+    let len = 24usize;
+    let taps: Vec<Vec<f32>> = (0..40).map(|_| rand_vec(&mut rng, len * c.n_taps * c.hidden, 1.0)).collect();
+    let ids: Vec<Vec<u32>> = (0..40).map(|i| (0..len).map(|t| if (t + i) % 3 == 0 { 0 } else { 1 + (t % 7) as u32 }).collect()).collect();
+    let mask = vec![1u8; len];
+    let anchors: Vec<Vec<usize>> = (0..40).map(|_| d.sample_anchors(&mask, &mut rng)).collect();
+    let samples: Vec<Sample> = (0..40).map(|i| Sample { taps: &taps[i], ids: &ids[i], mask: &mask }).collect();
+    let rows: usize = anchors.iter().map(|a| a.len() * (c.block_size - 1)).sum();
+    assert!(rows > 16 * c.max_anchors * c.block_size, "more rows than the room for them ({rows})");
+    let tw = d.total_weight(&samples, &anchors);
+    let mut gpu = DeviceDrafter::new(device(), &d, &frozen, len).unwrap();
+    let zeros = vec![0f32; p.len()];
+    gpu.load(&p, &zeros, &zeros, 0).unwrap();
+    let mut g = vec![0f32; p.len()];
+    let all = gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();
+    let mut one = dflash_shared::drafter::StepStats::default();
+    for i in 0..40 {
+        one.merge(&gpu.train_batch(&samples[i..i + 1], &anchors[i..i + 1], tw, &mut g).unwrap());
+    }
+    assert_eq!((&all.slot_correct, &all.slot_total, all.accept_sum, all.blocks), (&one.slot_correct, &one.slot_total, one.accept_sum, one.blocks));
+    let right: u64 = all.slot_correct.iter().sum();
+    assert!(right > 0 && right < all.slot_total.iter().sum(), "some slots are right, not all: {:?}", all.slot_correct);
+    assert!((all.loss_sum - one.loss_sum).abs() <= 1e-9 * one.loss_sum.abs(), "{} vs {}", all.loss_sum, one.loss_sum);
+    let want = d.train_batch(&p, &frozen, &samples, &anchors, tw, &mut g);
+    assert_eq!((&all.slot_total, all.blocks), (&want.slot_total, want.blocks));
+    if device().is_cpu() {
+        assert_eq!(all.slot_correct, want.slot_correct);
+        assert!((all.accept_sum - want.accept_sum).abs() < 1e-9);
+        assert!((all.loss_sum - want.loss_sum).abs() < 1e-5 * want.loss_sum.abs(), "{} vs {}", all.loss_sum, want.loss_sum);
+    }
+}
 
 /// What a device collective relies on: the gradient left on the device is the one the host
 /// path downloads, and a sum all-reduced into the device's reduce buffer, scaled there by

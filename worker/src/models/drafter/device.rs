@@ -11,14 +11,20 @@
 
 use dflash_shared::drafter::{DrafterConfig, StepStats};
 
-use crate::device::ops::Ops;
+use crate::device::ops::{Act, CeState, Ops};
 use crate::device::{
-    f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, Arena, DSlice, Device, GpuError, Result, Stream,
+    f32_bytes, f32_bytes_mut, i32_bytes, i32_bytes_mut, u32_bytes, Arena, DSlice, Device, GpuError,
+    Result, Stream,
 };
 use crate::models::drafter::{Drafter, Frozen, LayerIdx, Sample};
 
 /// Vocabulary columns per cross-entropy chunk.
 const CHUNK: usize = 4096;
+
+/// Samples' worth of rows (each up to `max_anchors × block_size`) whose losses and
+/// `argmax == label` flags the device holds until they are read, once per step unless a
+/// step has more.
+const CE_SAMPLES: usize = 16;
 
 const NONE: DSlice = DSlice { ptr: 0, bytes: 0 };
 
@@ -354,84 +360,54 @@ impl Pass<'_> {
         ops.embed(w.xrows.f32s(0..n * h), hn, w.rows.f32s(0..n), n, h, m)
     }
 
-    /// The softmax statistics of the supervised rows over the vocabulary, a chunk of
-    /// logits at a time, folded into the loss, the slots' counts and whether each row's
-    /// argmax is its label (`correct`).
-    fn ce_stats(
-        &mut self,
-        rows: &[(usize, u32, f64)],
-        stats: &mut StepStats,
-        correct: &mut [bool],
-    ) -> Result<()> {
-        let lc = self.lc;
-        let Locals {
-            h, bs, vocab, mx, ..
-        } = lc;
-        let (w, ops) = (self.w, &mut *self.ops);
-        let n = rows.len();
-        let (xr, labels_d) = (w.xrows.f32s(0..n * h), w.labels.f32s(0..n));
-        let [rmax, sm, bv, bi, ll] = w.ce.map(|b| b.f32s(0..n));
-        ops.dev.upload(
-            Stream::Compute,
-            rmax,
-            f32_bytes(&vec![f32::NEG_INFINITY; n]),
-        )?;
-        ops.dev.memset_zero(Stream::Compute, sm)?;
-        ops.dev
-            .upload(Stream::Compute, bv, f32_bytes(&vec![f32::NEG_INFINITY; n]))?;
-        ops.dev.memset_zero(Stream::Compute, bi)?;
-        ops.dev.memset_zero(Stream::Compute, ll)?;
-        for start in (0..vocab).step_by(CHUNK) {
-            let cw = CHUNK.min(vocab - start);
-            let l = w.logits.f32s(0..n * cw);
-            mx.mm(ops, xr, lc.lmw(start, cw), l, n, h, cw)?;
-            ops.ce_chunk_stats(rmax, sm, bv, bi, ll, l, labels_d, n, cw, start)?;
-        }
-        let (mut vmax, mut vsum, mut vll, mut vbi) =
-            (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
-        ops.dev
-            .download(Stream::Compute, rmax, f32_bytes_mut(&mut vmax))?;
-        ops.dev
-            .download(Stream::Compute, sm, f32_bytes_mut(&mut vsum))?;
-        ops.dev
-            .download(Stream::Compute, ll, f32_bytes_mut(&mut vll))?;
-        ops.dev
-            .download(Stream::Compute, bi, f32_bytes_mut(&mut vbi))?;
-        for (r, &(i, label, wgt)) in rows.iter().enumerate() {
-            let ce = vmax[r] as f64 + (vsum[r] as f64).ln() - vll[r] as f64;
-            let ok = vbi[r].to_bits() as i32 == label as i32;
-            stats.loss_sum += wgt * ce;
-            stats.weight_sum += wgt;
-            correct[i] = ok;
-            stats.slot_total[i % bs] += 1;
-            stats.slot_correct[i % bs] += ok as u64;
-        }
-        Ok(())
-    }
-
-    /// dCE/dhn of the `n` supervised rows: each chunk's logits again, their gradient, then
-    /// `dxrows += g · W`.
-    fn ce_grad(&mut self, n: usize) -> Result<()> {
+    /// The cross-entropy of the `n` supervised rows in one pass over the vocabulary, a
+    /// chunk at a time: the logits GEMM (bf16 out on a GPU), their fold into the rows'
+    /// online softmax (they become `exp(l − max)`), and the GEMM adding those times the
+    /// chunk's lm_head rows into `acc`; then `dxrows` = dCE/dx and each row's loss and
+    /// `argmax == label` (`ce_loss`, `ce_correct`, from `at` on: they stay on the device
+    /// until the step's are read together). The rows are cast to bf16 once.
+    fn ce(&mut self, n: usize, at: usize) -> Result<()> {
         let lc = self.lc;
         let Locals { h, vocab, mx, .. } = lc;
         let (w, ops) = (self.w, &mut *self.ops);
-        let (xr, labels_d, scale_d) = (
-            w.xrows.f32s(0..n * h),
-            w.labels.f32s(0..n),
-            w.scale.f32s(0..n),
-        );
-        let [rmax, sm, ..] = w.ce.map(|b| b.f32s(0..n));
-        let dxr = w.dxrows.f32s(0..n * h);
-        ops.dev.memset_zero(Stream::Compute, dxr)?;
+        let xr = w.xrows.f32s(0..n * h);
+        let labels = w.labels.f32s(0..n);
+        let (act, x, lm) = if mx.bf16 {
+            let xb = mx.xb.sub(2, 0..n * h);
+            ops.f32_to_bf16(xb, xr)?;
+            (Act::Bf16, xb, lc.lm16.sub(2, 0..vocab * h))
+        } else {
+            (Act::F32, xr, lc.lm32.f32s(0..vocab * h))
+        };
+        let st = w.ce_state(n, h);
+        let neg_inf = vec![f32::NEG_INFINITY; n];
+        ops.dev
+            .upload(Stream::Compute, st.run_max, f32_bytes(&neg_inf))?;
+        for b in [st.run_sum, st.best_i, st.label_logit, st.acc] {
+            ops.dev.memset_zero(Stream::Compute, b)?;
+        }
         for start in (0..vocab).step_by(CHUNK) {
             let cw = CHUNK.min(vocab - start);
-            let l = w.logits.f32s(0..n * cw);
-            let lm = lc.lmw(start, cw);
-            mx.mm(ops, xr, lm, l, n, h, cw)?;
-            ops.ce_chunk_grad(l, rmax, sm, labels_d, scale_d, n, cw, start)?;
-            mx.mm_back(ops, l, xr, lm, Some(dxr), None, n, h, cw)?;
+            let wc = lc.lmw(start, cw);
+            if mx.bf16 {
+                let l = w.logits.sub(2, 0..n * cw);
+                ops.matmul_bf16_out(x, wc.b, l, n, h, cw)?;
+                ops.ce_fold(act, st, l, labels, n, cw, start, h)?;
+                ops.matmul_backward_bf16(l, x, wc.b, Some(st.acc), None, n, h, cw)?;
+            } else {
+                let l = w.logits.f32s(0..n * cw);
+                ops.matmul(x, wc.f, l, n, h, cw)?;
+                ops.ce_fold(act, st, l, labels, n, cw, start, h)?;
+                ops.matmul_backward(l, x, wc.f, Some(st.acc), None, n, h, cw)?;
+            }
         }
-        Ok(())
+        let out = (
+            w.dxrows.f32s(0..n * h),
+            w.ce_loss.f32s(at..at + n),
+            w.ce_correct.f32s(at..at + n),
+        );
+        let scale = w.scale.f32s(0..n);
+        ops.ce_finish(act, st, out, labels, scale, lm, n, h, vocab)
     }
 
     /// Backward of [`mlp`](Self::mlp): `dh` through down, the SwiGLU, gate and up and
@@ -815,8 +791,15 @@ struct Work {
     scale: DSlice,
     xrows: DSlice,
     dxrows: DSlice,
+    /// A chunk's logits (f32 on the CPU device, bf16 on a GPU).
     logits: DSlice,
-    ce: [DSlice; 5],
+    ce_max: DSlice,
+    ce_sum: DSlice,
+    ce_argmax: DSlice,
+    ce_label: DSlice,
+    ce_acc: DSlice,
+    ce_loss: DSlice,
+    ce_correct: DSlice,
     // Backward.
     dh: DSlice,
     dx: DSlice,
@@ -837,6 +820,17 @@ struct Work {
 }
 
 impl Work {
+    /// The cross-entropy's state for `n` rows of width `h`.
+    fn ce_state(&self, n: usize, h: usize) -> CeState {
+        CeState {
+            run_max: self.ce_max.f32s(0..n),
+            run_sum: self.ce_sum.f32s(0..n),
+            best_i: self.ce_argmax.f32s(0..n),
+            label_logit: self.ce_label.f32s(0..n),
+            acc: self.ce_acc.f32s(0..n * h),
+        }
+    }
+
     /// The work buffers for rows of `s` positions and `m` block rows (`f` allocates `n`
     /// floats by name).
     fn alloc(
@@ -871,13 +865,13 @@ impl Work {
             xrows: f(n_ce * h, "ce x")?,
             dxrows: f(n_ce * h, "ce dx")?,
             logits: f(n_ce * cw, "ce logits")?,
-            ce: [
-                f(n_ce, "ce max")?,
-                f(n_ce, "ce sum")?,
-                f(n_ce, "ce best")?,
-                f(n_ce, "ce argmax")?,
-                f(n_ce, "ce label logit")?,
-            ],
+            ce_max: f(n_ce, "ce max")?,
+            ce_sum: f(n_ce, "ce sum")?,
+            ce_argmax: f(n_ce, "ce argmax")?,
+            ce_label: f(n_ce, "ce label logit")?,
+            ce_acc: f(n_ce * h, "ce softmax·W")?,
+            ce_loss: f(n_ce * CE_SAMPLES, "ce loss")?,
+            ce_correct: f(n_ce * CE_SAMPLES, "ce argmax is the label")?,
             dh: f(m * h, "dh")?,
             dx: f(m * h, "dx")?,
             dx2: f(m * h, "dx2")?,
@@ -988,11 +982,24 @@ pub struct DeviceDrafter {
     mixed: Mixed,
     max_len: usize,
     max_rows: usize,
+    /// The samples whose losses wait on the device (in `Work::ce_loss`, `ce_correct`),
+    /// the rows they fill, and what the ones read so far added to the step's statistics.
+    ce_pending: Vec<PendingCe>,
+    ce_used: usize,
+    ce_read: StepStats,
     /// The last batch's gradient buckets, in the order backward finished them: each
     /// parameter range and an event on the compute stream behind its last write (recorded
     /// during the last sample's backward, so a collective can reduce a bucket while the
     /// rest of the backward runs).
     buckets: Vec<(std::ops::Range<usize>, crate::device::Event)>,
+}
+
+/// A sample's supervised rows (block row, loss weight), whose losses and flags are on
+/// the device from `offset` on, and its number of blocks.
+struct PendingCe {
+    offset: usize,
+    rows: Vec<(usize, f64)>,
+    nb: usize,
 }
 
 /// Where a sample's taps come from.
@@ -1063,6 +1070,9 @@ impl DeviceDrafter {
             mixed: pl.mixed,
             max_len: s,
             max_rows: m,
+            ce_pending: Vec::new(),
+            ce_used: 0,
+            ce_read: StepStats::default(),
             buckets: Vec::new(),
         };
         // Each bucket of the gradient (and of the reduce buffer) is its own region to the
@@ -1619,6 +1629,9 @@ impl DeviceDrafter {
             // stream into the other staging buffer while sample k computes: `loaded[b]`
             // says buffer b holds its sample's taps, `free[b]` that the compute stream has
             // widened them (so it may be overwritten).
+            self.ce_pending.clear();
+            self.ce_used = 0;
+            self.ce_read = StepStats::default();
             let mut loaded: [Option<crate::device::Event>; 2] = [None, None];
             let mut free: [Option<crate::device::Event>; 2] = [None, None];
             let mut run = || -> Result<()> {
@@ -1654,6 +1667,7 @@ impl DeviceDrafter {
                 self.ops.dev.release_event(e);
             }
             r?;
+            stats.merge(&std::mem::take(&mut self.ce_read));
             if taps16.is_some() {
                 // The rows belong to the caller (a slot it gives back after this): every copy
                 // from them is over before this returns (long since, on a GPU: each was
@@ -1795,8 +1809,9 @@ impl DeviceDrafter {
         dev.record(Stream::Copy)
     }
 
-    /// One sample's forward, loss and backward, its gradient added into `grads`. Returns
-    /// an event behind the last read of its staging buffer, if it had one.
+    /// One sample's forward, loss and backward, its gradient added into `grads`; the
+    /// step's loss statistics read after the `last` one's loss. Returns an event behind
+    /// the last read of its staging buffer, if it had one.
     fn sample(
         &mut self,
         s: &Sample,
@@ -1826,6 +1841,11 @@ impl DeviceDrafter {
         let r = (|| {
             self.forward(dims)?;
             let (stats, supervised) = self.loss(s, anchors, dims, denominator)?;
+            if last {
+                // The step's one wait, before the last backward: that one may still run
+                // when the batch returns (a collective reduces its buckets meanwhile).
+                self.read_ce()?;
+            }
             if backward {
                 self.backward(dims, supervised, last)?;
             }
@@ -1985,28 +2005,78 @@ impl DeviceDrafter {
             ..Default::default()
         };
         let n = rows.len();
-        let mut correct = vec![false; m];
+        // What the host knows; the loss and what depends on `argmax == label` (the slots'
+        // hits, each block's accepted run beyond its first token) come with the step's
+        // read ([`Self::read_ce`]).
+        for &(i, _, wgt) in &rows {
+            stats.weight_sum += wgt;
+            stats.slot_total[i % bs] += 1;
+        }
+        stats.accept_sum += nb as f64;
+        stats.blocks += nb as u64;
         if n > 0 {
+            if self.ce_used + n > self.max_rows * CE_SAMPLES {
+                self.read_ce()?;
+            }
+            let at = self.ce_used;
             let p = &mut Pass {
                 ops: &mut self.ops,
                 lc,
                 w: &self.w,
             };
             p.ce_rows(&rows, denominator)?;
-            p.ce_stats(&rows, &mut stats, &mut correct)?;
-            p.ce_grad(n)?;
+            p.ce(n, at)?;
+            self.ce_used += n;
+            let rows = rows.iter().map(|r| (r.0, r.2)).collect();
+            self.ce_pending.push(PendingCe {
+                offset: at,
+                rows,
+                nb,
+            });
         }
-        for a in 0..nb {
-            let run = (1..bs)
-                .take_while(|&k| {
-                    self.d.slot_weight(anchors[a], k, s.mask) > 0.0 && correct[a * bs + k]
-                })
-                .count();
-            stats.accept_sum += 1.0 + run as f64;
-            stats.blocks += 1;
-        }
-
         Ok((stats, n))
+    }
+
+    /// Read the pending samples' losses and flags from the device (one wait) and fold
+    /// them, sample by sample, into `ce_read`: the loss, each slot's hits and each block's
+    /// run of hits after its first token.
+    fn read_ce(&mut self) -> Result<()> {
+        let used = std::mem::take(&mut self.ce_used);
+        let pending = std::mem::take(&mut self.ce_pending);
+        let (mut loss, mut ok) = (vec![0f32; used], vec![0i32; used]);
+        let dev = &mut self.ops.dev;
+        dev.download(
+            Stream::Compute,
+            self.w.ce_loss.f32s(0..used),
+            f32_bytes_mut(&mut loss),
+        )?;
+        dev.download(
+            Stream::Compute,
+            self.w.ce_correct.f32s(0..used),
+            i32_bytes_mut(&mut ok),
+        )?;
+        let bs = self.d.cfg.block_size;
+        for p in &pending {
+            let mut st = StepStats {
+                slot_correct: vec![0; bs],
+                slot_total: vec![0; bs],
+                ..Default::default()
+            };
+            let mut correct = vec![false; p.nb * bs];
+            for (r, &(i, wgt)) in p.rows.iter().enumerate() {
+                let hit = ok[p.offset + r] != 0;
+                st.loss_sum += wgt * loss[p.offset + r] as f64;
+                correct[i] = hit;
+                st.slot_correct[i % bs] += hit as u64;
+            }
+            for a in 0..p.nb {
+                // Rows without weight are never a hit: a run stops at the first of them.
+                let run = (1..bs).take_while(|&k| correct[a * bs + k]).count();
+                st.accept_sum += run as f64;
+            }
+            self.ce_read.merge(&st);
+        }
+        Ok(())
     }
 
     /// The backward from the loss's gradient (`supervised` rows in `dxrows`) through the
