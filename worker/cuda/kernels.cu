@@ -842,20 +842,26 @@ extern "C" __global__ void attention_fa2_fwd_bf16_hd128(unsigned short* out, flo
 // dv accumulate; a row with lse −inf takes no part), chosen by the host where the forward
 // takes FlashAttention-2 (head dim a multiple of 8 up to 128, 16-byte aligned operands).
 //
-// First attention_bwd_delta: D = Σ_d dO ∘ O per (row, head) (0 for a row with lse −inf),
-// one warp each. Then attention_fa2_bwd: a CTA owns KB = 64 keys of one KV head (warp w
-// the 16 keys 16w..), stages them once in shared memory (K, as bf16) and in registers (V's
-// A fragments), and visits the query rows of every query head of its group, BR rows at a
-// time, that see any of its keys (a tile no row sees is skipped after one look at its
-// spans). Per tile each warp computes, for its 16 keys: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
-// (mma.sync m16n8k16, Q and dO read with ldmatrix), Pᵀ = exp2(Sᵀ·log2(e)/√hd − lse·log2(e)),
-// dSᵀ = Pᵀ ∘ (dPᵀ − D)/√hd, then dV += Pᵀ·dO and dK += dSᵀ·Q (ldmatrix.trans) with the
-// accumulators in registers for the whole loop: no atomics on dK or dV, each written once
-// at the end. dSᵀ goes to shared memory as bf16, and the four warps compute
-// dQ = dS·K for the tile (ldmatrix.trans for both), added to dq with f32 atomics (dq's rows
-// are shared by every CTA of the head's keys). Grid: ceil(tk / 64) · kvh CTAs of 128 threads.
+// First attention_bwd_prep, one warp per (row, head): D = Σ_d dO ∘ O, and Q and dO rounded
+// to bf16 once (zeros, and D = 0, for a row with lse −inf, so it reaches no gradient);
+// warp i < ceil(tq / 32) also sums up the key spans of rows 32i.. (per span the union's
+// [lo, hi) and the intersection's: FA2B_SUMMARY ints). Then attention_fa2_bwd: a CTA owns
+// FA2B_KEYS = 64 keys of one KV head (warp w the 16 keys 16w..), stages them once in
+// shared memory (K, as bf16) and in registers (V's A fragments), and visits the tiles of
+// BR query rows of every query head of its group that see any of its keys, as their
+// summaries say: first those whose every row sees all 64 keys, in a loop with no mask,
+// then the others, masked per row. Per tile (Q and dO copied in with cp.async) each warp
+// computes, for its 16 keys: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ (mma.sync m16n8k16, Q and dO read
+// with ldmatrix), Pᵀ = exp2(Sᵀ·log2(e)/√hd − lse·log2(e)), dSᵀ = Pᵀ ∘ (dPᵀ − D)/√hd, then
+// dV += Pᵀ·dO and dK += dSᵀ·Q (ldmatrix.trans) with the accumulators in registers for the
+// whole loop: no atomics on dK or dV, each written once at the end. dSᵀ goes to shared
+// memory as bf16, and the four warps compute dQ = dS·K for the tile (ldmatrix.trans for
+// both), added to dq with f32 atomics (dq's rows are shared by every CTA of the head's
+// keys). Grid: ceil(tk / 64) · kvh CTAs of 128 threads.
 #define FA2B_KEYS 64
 #define FA2B_SMEM_BYTES 40960
+#define FA2B_GROUP 32   // query rows per span summary
+#define FA2B_SUMMARY 8  // ints per summary: union lo, hi of span 0, of span 1; intersection's
 
 template <int HD> struct Fa2b {
     static constexpr int BR = HD >= 128 ? 32 : 64;  // query rows per tile
@@ -877,6 +883,7 @@ template <int HD> struct Fa2b {
     static constexpr int SP_OFF = D_OFF + BR * 4;               // spans per row (4 i32)
     static constexpr int BYTES = SP_OFF + BR * 16;
     static_assert(BYTES <= FA2B_SMEM_BYTES, "the tiles fit the shared buffer");
+    static_assert(BR % FA2B_GROUP == 0 && BR / FA2B_GROUP <= 2, "a tile is one or two span summaries");
     static_assert(MT * WPM == 4 && NDW % 2 == 0 && NK % 2 == 0 && NR % 2 == 0, "the warps cover the tiles in pairs of fragments");
 };
 
@@ -888,30 +895,93 @@ struct __align__(8) fa2b_f2 { float x, y; };
 
 namespace fa2b_shared {
 __shared__ __align__(16) unsigned char smem[FA2B_SMEM_BYTES];
-__shared__ int vis[2];
 }  // namespace fa2b_shared
 
-extern "C" __global__ void attention_bwd_delta(float* delta, const float* dout, const float* out, const float* lse, int tq, int qh, int hd) {
-    const long i = (long)blockIdx.x * 4 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (i >= (long)tq * qh) return;
-    const long base = (i / qh) * (long)qh * hd + (i % qh) * (long)hd;
-    float s = 0.0f;
-    for (int d = lane; d < hd; d += 32) s += dout[base + d] * out[base + d];
-    s = warp_sum(s);
-    if (lane == 0) delta[i] = lse[i] == NEG_INF ? 0.0f : s;
+__device__ __forceinline__ int warp_min_i(int v) {
+    for (int o = 16; o > 0; o >>= 1) { const int w = __shfl_xor_sync(FULL_MASK, v, o); v = w < v ? w : v; }
+    return v;
+}
+__device__ __forceinline__ int warp_max_i(int v) {
+    for (int o = 16; o > 0; o >>= 1) { const int w = __shfl_xor_sync(FULL_MASK, v, o); v = w > v ? w : v; }
+    return v;
 }
 
-// Rows [row0, row0 + n) (n ≤ rows) of x at column offset col (rows w apart) into a bf16 tile
-// (rows × LD), 8 values per thread a pass, zeros beyond `end`, beyond `hd` and where
-// `keep(row)` is false.
-template <int HD, int ROWS, class Keep> __device__ __forceinline__ void fa2b_stage(unsigned short* dst, const float* x, int row0, int end, long w, int hd, Keep keep) {
+extern "C" __global__ void attention_bwd_prep(float* delta, unsigned short* q16, unsigned short* do16, int* tiles, const float* dout, const float* out, const float* lse, const float* q, const int* spans, int tq, int qh, int hd) {
+    const long i = (long)blockIdx.x * 4 + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (i < (long)tq * qh) {
+        const long base = (i / qh) * (long)qh * hd + (i % qh) * (long)hd;
+        const bool keep = lse[i] != NEG_INF;
+        float s = 0.0f;
+        for (int d = 2 * lane; d < hd; d += 64) {
+            const float* o = out + base + d;
+            const float* g = dout + base + d;
+            const float* x = q + base + d;
+            s += g[0] * o[0] + g[1] * o[1];
+            *(unsigned*)(q16 + base + d) = keep ? pack_bf16(x[0], x[1]) : 0u;
+            *(unsigned*)(do16 + base + d) = keep ? pack_bf16(g[0], g[1]) : 0u;
+        }
+        s = warp_sum(s);
+        if (lane == 0) delta[i] = keep ? s : 0.0f;
+    }
+    if (i < (tq + FA2B_GROUP - 1) / FA2B_GROUP) {
+        const int row = (int)i * FA2B_GROUP + lane;
+        const bool in = row < tq;
+        int v[FA2B_SUMMARY];
+        for (int sp = 0; sp < 2; ++sp) {
+            const int a = in ? spans[4 * row + 2 * sp] : 0, b = in ? spans[4 * row + 2 * sp + 1] : 0;
+            const int lo = warp_min_i(in && a < b ? a : 0x7fffffff), hi = warp_max_i(in && a < b ? b : 0);
+            const int ilo = warp_max_i(in ? a : 0), ihi = warp_min_i(in ? b : 0x7fffffff);
+            v[2 * sp] = lo < hi ? lo : 0;
+            v[2 * sp + 1] = lo < hi ? hi : 0;
+            v[4 + 2 * sp] = ilo < ihi ? ilo : 0;
+            v[4 + 2 * sp + 1] = ilo < ihi ? ihi : 0;
+        }
+        if (lane < FA2B_SUMMARY) {
+            int x = v[0];
+            for (int e = 1; e < FA2B_SUMMARY; ++e) x = lane == e ? v[e] : x;
+            tiles[i * FA2B_SUMMARY + lane] = x;
+        }
+    }
+}
+
+// Rows [row0, row0 + ROWS) of a bf16 x (at its head's columns, rows w apart) into a tile
+// (ROWS × LD) with cp.async, by all threads: zeros beyond `end` and beyond `hd`; a whole
+// tile at the full head dim with no check per copy.
+template <int HD, int ROWS> __device__ __noinline__ void fa2b_load_edge(unsigned short* dst, const unsigned short* x, int row0, int end, long w, int hd);
+template <int HD, int ROWS> __device__ __forceinline__ void fa2b_load(unsigned short* dst, const unsigned short* x, int row0, int end, long w, int hd) {
     constexpr int CH = HD / 8, RS = FA2_THREADS / CH, LD = Fa2b<HD>::LD;
     static_assert(FA2_THREADS % CH == 0 && ROWS % RS == 0, "the CTA's threads cover the tile in whole passes");
+    if (row0 + ROWS <= end && hd == HD) {
+        const int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8;
+        for (int j = 0; j < ROWS / RS; ++j) cp_async_cg16(dst + (r0 + j * RS) * LD + c, x + (long)(row0 + r0 + j * RS) * w + c);
+    } else {
+        fa2b_load_edge<HD, ROWS>(dst, x, row0, end, w, hd);
+    }
+}
+template <int HD, int ROWS> __device__ __noinline__ void fa2b_load_edge(unsigned short* dst, const unsigned short* x, int row0, int end, long w, int hd) {
+    constexpr int CH = HD / 8, RS = FA2_THREADS / CH, LD = Fa2b<HD>::LD;
     const int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8;
     for (int j = 0; j < ROWS / RS; ++j) {
-        const int r = r0 + j * RS, row = row0 + r;
-        const bool in = row < end && c < hd && keep(row);
+        const int r = r0 + j * RS;
+        unsigned short* p = dst + r * LD + c;
+        if (row0 + r < end && c < hd) {
+            cp_async_cg16(p, x + (long)(row0 + r) * w + c);
+        } else {
+            ((unsigned long long*)p)[0] = 0ull;
+            ((unsigned long long*)p)[1] = 0ull;
+        }
+    }
+}
+
+// K rows [k0, k0 + FA2B_KEYS) of a f32 k (at its head's columns, rows w apart), rounded to
+// bf16, zeros beyond `end` and beyond `hd`.
+template <int HD> __device__ __forceinline__ void fa2b_stage_k(unsigned short* dst, const float* x, int k0, int end, long w, int hd) {
+    constexpr int CH = HD / 8, RS = FA2_THREADS / CH, LD = Fa2b<HD>::LD;
+    const int r0 = threadIdx.x / CH, c = (threadIdx.x % CH) * 8;
+    for (int j = 0; j < FA2B_KEYS / RS; ++j) {
+        const int r = r0 + j * RS, row = k0 + r;
+        const bool in = row < end && c < hd;
         const float* p = x + (long)row * w + c;
         const fa2b_f4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
         const fa2b_f4 a = in ? *(const fa2b_f4*)p : zero;
@@ -925,18 +995,31 @@ template <int HD, int ROWS, class Keep> __device__ __forceinline__ void fa2b_sta
     }
 }
 
-// Whether row `row` (spans s) sees any of keys [k0, k1), and all KB of [k0, k0 + KB).
-__device__ __forceinline__ void fa2b_sees(const int* s, int k0, int k1, bool& any, bool& all) {
-    any = (s[0] < s[1] && s[0] < k1 && k0 < s[1]) || (s[2] < s[3] && s[2] < k1 && k0 < s[3]);
-    all = k1 == k0 + FA2B_KEYS && ((s[0] <= k0 && k1 <= s[1]) || (s[2] <= k0 && k1 <= s[3]));
+// Two adjacent f32 added atomically to global memory: one vector reduction on sm_90 and
+// later (red.add.v2.f32), two scalar ones before.
+#if defined(__CUDACC_RTC__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void fa2b_red2(float* p, float a, float b) { asm volatile("red.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory"); }
+#else
+__device__ __forceinline__ void fa2b_red2(float* p, float a, float b) {
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
 }
+#endif
 
-template <int HD> __device__ void attention_fa2_bwd_t(float* dq, float* dk, float* dv, const float* dout, const float* delta, const float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int tk, int qh, int kvh, int hd) {
+// What the CTA's accumulators and its tile loop share.
+template <int HD> struct Fa2bCta {
+    float dka[Fa2b<HD>::ND][4], dva[Fa2b<HD>::ND][4];
+    unsigned va[Fa2b<HD>::NK][4];
+};
+
+// One tile of BR query rows (from `first`, head `head`) for the CTA's 64 keys from k0:
+// staged, then dK, dV (the CTA's registers) and dq (atomics). MASKED: each score kept only
+// where its row's spans hold its key.
+template <int HD, bool MASKED> __device__ __forceinline__ void fa2b_tile(Fa2bCta<HD>& c, float* dq, const float* delta, const unsigned short* q16, const unsigned short* do16, const float* lse, const int* spans, int first, int head, int k0, int tq, int qh, int hd, float sl2, float scale) {
     typedef Fa2b<HD> F;
     constexpr int LD = F::LD, SLD = F::SLD, BR = F::BR;
     using fa2b_shared::smem;
-    using fa2b_shared::vis;
-    unsigned short* ks = (unsigned short*)(smem + F::K_OFF);
+    const unsigned short* ks = (const unsigned short*)(smem + F::K_OFF);
     unsigned short* qs = (unsigned short*)(smem + F::Q_OFF);
     unsigned short* dos = (unsigned short*)(smem + F::DO_OFF);
     unsigned short* dss = (unsigned short*)(smem + F::DS_OFF);
@@ -944,158 +1027,167 @@ template <int HD> __device__ void attention_fa2_bwd_t(float* dq, float* dk, floa
     float* ds_ = (float*)(smem + F::D_OFF);
     int* sps = (int*)(smem + F::SP_OFF);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int kh = blockIdx.x % kvh, k0 = (blockIdx.x / kvh) * FA2B_KEYS;
-    const int k1 = k0 + FA2B_KEYS < tk ? k0 + FA2B_KEYS : tk;
-    const int group = qh / kvh;
-    const long qw = (long)qh * hd, kw = (long)kvh * hd;
-    const float scale = rsqrtf((float)hd), sl2 = scale * 1.4426950408889634f;
-    fa2b_stage<HD, FA2B_KEYS>(ks, k + (long)kh * hd, k0, tk, kw, hd, [](int) { return true; });
-    // V's A fragments for the warp's 16 keys: register j of k-step kc holds key
-    // g + 8·(j & 1), dims kc·16 + 8·(j >> 1) + 2t + {0, 1}.
-    unsigned va[F::NK][4];
-    for (int kc = 0; kc < F::NK; ++kc)
-        for (int j = 0; j < 4; ++j) {
-            const int key = k0 + warp * 16 + g + 8 * (j & 1), d = kc * 16 + 8 * (j >> 1) + 2 * t;
-            const float* p = v + (long)key * kw + (long)kh * hd + d;
-            va[kc][j] = key < tk && d < hd ? pack_bf16(p[0], p[1]) : 0u;
-        }
-    float dka[F::ND][4], dva[F::ND][4];
-    for (int dt = 0; dt < F::ND; ++dt)
-        for (int i = 0; i < 4; ++i) dka[dt][i] = dva[dt][i] = 0.0f;
-    const int tiles = (tq + BR - 1) / BR;
-    for (int it = 0; it < group * tiles; ++it) {
-        const int head = kh * group + it / tiles, first = (it % tiles) * BR;
-        // Warp 0 looks at the tile's spans: does any row see a key of ours, and every row
-        // all of them (then no mask)? A row past tq or with lse −inf counts as seeing all
-        // (its P is 0 either way).
-        if (warp == 0) {
-            bool any = false, all = true;
-            for (int r = lane; r < BR; r += 32) {
-                const int row = first + r;
-                if (row < tq && lse[(long)row * qh + head] != NEG_INF) {
-                    bool a, b;
-                    fa2b_sees(spans + 4 * row, k0, k1, a, b);
-                    any = any || a;
-                    all = all && b;
-                }
-            }
-            const int f = (__any_sync(FULL_MASK, any) ? 1 : 0) | (__all_sync(FULL_MASK, all) ? 2 : 0);
-            if (lane == 0) vis[it & 1] = f;
-        }
-        __syncthreads();
-        const int f = vis[it & 1];
-        if (!(f & 1)) continue;
-        const bool masked = !(f & 2);
-        const float* lh = lse + head;
-        auto keep = [&](int row) { return lh[(long)row * qh] != NEG_INF; };
-        fa2b_stage<HD, BR>(qs, q + (long)head * hd, first, tq, qw, hd, keep);
-        fa2b_stage<HD, BR>(dos, dout + (long)head * hd, first, tq, qw, hd, keep);
-        if (threadIdx.x < BR) {
-            const int row = first + threadIdx.x;
-            const float L = row < tq ? lh[(long)row * qh] : NEG_INF;
-            l2s[threadIdx.x] = L == NEG_INF ? POS_INF : L * 1.4426950408889634f;
-            ds_[threadIdx.x] = row < tq ? delta[(long)row * qh + head] : 0.0f;
+    const long qw = (long)qh * hd;
+    fa2b_load<HD, BR>(qs, q16 + (long)head * hd, first, tq, qw, hd);
+    fa2b_load<HD, BR>(dos, do16 + (long)head * hd, first, tq, qw, hd);
+    cp_async_commit();
+    if (threadIdx.x < BR) {
+        const int row = first + threadIdx.x;
+        const float L = row < tq ? lse[(long)row * qh + head] : NEG_INF;
+        l2s[threadIdx.x] = L == NEG_INF ? POS_INF : L * 1.4426950408889634f;
+        ds_[threadIdx.x] = row < tq ? delta[(long)row * qh + head] : 0.0f;
+        if (MASKED) {
             fa2b_i4 s = {0, 0, 0, 0};
             if (row < tq) s = *(const fa2b_i4*)(spans + 4 * row);
             ((fa2b_i4*)sps)[threadIdx.x] = s;
         }
-        __syncthreads();
-        // Sᵀ and dPᵀ: the warp's 16 keys × the tile's BR rows.
-        float s[F::NR][4], dp[F::NR][4];
-        for (int nt = 0; nt < F::NR; ++nt)
-            for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.0f;
-        for (int kc = 0; kc < F::NK; kc += 2) {
-            // K's A fragments of k-steps kc and kc + 1 (ldmatrix x4: matrix i is keys
-            // 8·(i & 1).., dims 8·(i >> 1)..).
-            unsigned ka0[4], ka1[4];
-            ldmatrix_x4(ka0, ks + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + kc * 16 + (lane >> 4) * 8);
-            ldmatrix_x4(ka1, ks + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (kc + 1) * 16 + (lane >> 4) * 8);
-            for (int nt = 0; nt < F::NR; ++nt) {
-                unsigned b[4];
-                ldmatrix_x4(b, qs + (nt * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8);
-                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-                mma_m16n8k16_bf16(s[nt], ka0, b0, s[nt]);
-                mma_m16n8k16_bf16(s[nt], ka1, b1, s[nt]);
-                ldmatrix_x4(b, dos + (nt * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8);
-                const unsigned c0[2] = {b[0], b[1]}, c1[2] = {b[2], b[3]};
-                mma_m16n8k16_bf16(dp[nt], va[kc], c0, dp[nt]);
-                mma_m16n8k16_bf16(dp[nt], va[kc + 1], c1, dp[nt]);
-            }
-        }
-        // Element i of n-tile nt: key g + 8·(i >> 1) of the warp's, row nt·8 + 2t + (i & 1) of
-        // the tile. Pᵀ and dSᵀ go to A fragments (k-step j: n-tiles 2j and 2j + 1), and dSᵀ
-        // to shared memory for dQ.
-        unsigned pa[F::NR / 2][4], dsa[F::NR / 2][4];
-        const int key0 = k0 + warp * 16 + g;
+    }
+    cp_async_wait_group<0>();
+    __syncthreads();
+    // Sᵀ and dPᵀ: the warp's 16 keys × the tile's BR rows.
+    float s[F::NR][4], dp[F::NR][4];
+    for (int nt = 0; nt < F::NR; ++nt)
+        for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.0f;
+    for (int kc = 0; kc < F::NK; kc += 2) {
+        // K's A fragments of k-steps kc and kc + 1 (ldmatrix x4: matrix i is keys
+        // 8·(i & 1).., dims 8·(i >> 1)..).
+        unsigned ka0[4], ka1[4];
+        ldmatrix_x4(ka0, ks + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + kc * 16 + (lane >> 4) * 8);
+        ldmatrix_x4(ka1, ks + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (kc + 1) * 16 + (lane >> 4) * 8);
         for (int nt = 0; nt < F::NR; ++nt) {
-            const int c = nt * 8 + 2 * t;
-            const fa2b_f2 L = *(const fa2b_f2*)(l2s + c), D = *(const fa2b_f2*)(ds_ + c);
-            float p[4], ds[4];
-            for (int i = 0; i < 4; ++i) {
-                float x = s[nt][i];
-                if (masked) {
-                    const int key = key0 + 8 * (i >> 1);
-                    const fa2b_i4 sp = ((const fa2b_i4*)sps)[c + (i & 1)];
-                    const bool in = (key >= sp.x && key < sp.y) || (key >= sp.z && key < sp.w);
-                    x = in ? x : NEG_INF;
-                }
-                p[i] = fast_exp2(fmaf(x, sl2, -((i & 1) ? L.y : L.x)));
-                ds[i] = p[i] * (dp[nt][i] - ((i & 1) ? D.y : D.x)) * scale;
-            }
-            pa[nt >> 1][2 * (nt & 1)] = pack_bf16(p[0], p[1]);
-            pa[nt >> 1][2 * (nt & 1) + 1] = pack_bf16(p[2], p[3]);
-            const unsigned d01 = pack_bf16(ds[0], ds[1]), d23 = pack_bf16(ds[2], ds[3]);
-            dsa[nt >> 1][2 * (nt & 1)] = d01;
-            dsa[nt >> 1][2 * (nt & 1) + 1] = d23;
-            *(unsigned*)(dss + (warp * 16 + g) * SLD + c) = d01;
-            *(unsigned*)(dss + (warp * 16 + g + 8) * SLD + c) = d23;
+            unsigned b[4];
+            ldmatrix_x4(b, qs + (nt * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(s[nt], ka0, b0, s[nt]);
+            mma_m16n8k16_bf16(s[nt], ka1, b1, s[nt]);
+            ldmatrix_x4(b, dos + (nt * 8 + (lane & 7)) * LD + kc * 16 + (lane >> 3) * 8);
+            const unsigned c0[2] = {b[0], b[1]}, c1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(dp[nt], c.va[kc], c0, dp[nt]);
+            mma_m16n8k16_bf16(dp[nt], c.va[kc + 1], c1, dp[nt]);
         }
-        // dV += Pᵀ·dO and dK += dSᵀ·Q (ldmatrix x4 .trans: matrix i is rows j·16 + 8·(i & 1)..
-        // of dims dt·8 + 8·(i >> 1)..; registers 0, 1 are n-tile dt's B, 2, 3 dt + 1's).
-        for (int j = 0; j < F::NR / 2; ++j)
-            for (int dt = 0; dt < F::ND; dt += 2) {
-                const int off = (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dt * 8 + (lane >> 4) * 8;
-                unsigned b[4];
-                ldmatrix_x4_trans(b, dos + off);
-                const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-                mma_m16n8k16_bf16(dva[dt], pa[j], b0, dva[dt]);
-                mma_m16n8k16_bf16(dva[dt + 1], pa[j], b1, dva[dt + 1]);
-                ldmatrix_x4_trans(b, qs + off);
-                const unsigned c0[2] = {b[0], b[1]}, c1[2] = {b[2], b[3]};
-                mma_m16n8k16_bf16(dka[dt], dsa[j], c0, dka[dt]);
-                mma_m16n8k16_bf16(dka[dt + 1], dsa[j], c1, dka[dt + 1]);
+    }
+    // Element i of n-tile nt: key g + 8·(i >> 1) of the warp's, row nt·8 + 2t + (i & 1) of
+    // the tile. Pᵀ and dSᵀ go to A fragments (k-step j: n-tiles 2j and 2j + 1), and dSᵀ
+    // to shared memory for dQ.
+    unsigned pa[F::NR / 2][4], dsa[F::NR / 2][4];
+    const int key0 = k0 + warp * 16 + g;
+    for (int nt = 0; nt < F::NR; ++nt) {
+        const int col = nt * 8 + 2 * t;
+        const fa2b_f2 L = *(const fa2b_f2*)(l2s + col), D = *(const fa2b_f2*)(ds_ + col);
+        float p[4], ds[4];
+        for (int i = 0; i < 4; ++i) {
+            float x = s[nt][i];
+            if (MASKED) {
+                const int key = key0 + 8 * (i >> 1);
+                const fa2b_i4 sp = ((const fa2b_i4*)sps)[col + (i & 1)];
+                const bool in = (key >= sp.x && key < sp.y) || (key >= sp.z && key < sp.w);
+                x = in ? x : NEG_INF;
             }
-        __syncthreads();
-        // dQ of the tile = dS·K over the CTA's 64 keys: warp w takes m-tile w / WPM and
-        // n-tiles (w % WPM)·NDW..; dS's A fragments from dSᵀ (keys × rows) with .trans.
-        {
-            const int mt = warp / F::WPM, dt0 = (warp % F::WPM) * F::NDW;
-            float acc[F::NDW][4];
-            for (int dt = 0; dt < F::NDW; ++dt)
-                for (int i = 0; i < 4; ++i) acc[dt][i] = 0.0f;
-            for (int kc = 0; kc < FA2B_KEYS / 16; ++kc) {
-                unsigned a[4];
-                ldmatrix_x4_trans(a, dss + (kc * 16 + (lane >> 4) * 8 + (lane & 7)) * SLD + mt * 16 + ((lane >> 3) & 1) * 8);
-                for (int dt = 0; dt < F::NDW; dt += 2) {
-                    unsigned b[4];
-                    ldmatrix_x4_trans(b, ks + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (dt0 + dt) * 8 + (lane >> 4) * 8);
-                    const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-                    mma_m16n8k16_bf16(acc[dt], a, b0, acc[dt]);
-                    mma_m16n8k16_bf16(acc[dt + 1], a, b1, acc[dt + 1]);
-                }
-            }
-            for (int dt = 0; dt < F::NDW; ++dt) {
-                const int d = (dt0 + dt) * 8 + 2 * t;
-                for (int r = 0; r < 2; ++r) {
-                    const int row = first + mt * 16 + g + 8 * r;
-                    if (row < tq && d < hd) {
-                        float* p = dq + (long)row * qw + (long)head * hd + d;
-                        atomicAdd(p, acc[dt][2 * r]);
-                        atomicAdd(p + 1, acc[dt][2 * r + 1]);
-                    }
-                }
-            }
+            p[i] = fast_exp2(fmaf(x, sl2, -((i & 1) ? L.y : L.x)));
+            ds[i] = p[i] * (dp[nt][i] - ((i & 1) ? D.y : D.x)) * scale;
         }
+        pa[nt >> 1][2 * (nt & 1)] = pack_bf16(p[0], p[1]);
+        pa[nt >> 1][2 * (nt & 1) + 1] = pack_bf16(p[2], p[3]);
+        const unsigned d01 = pack_bf16(ds[0], ds[1]), d23 = pack_bf16(ds[2], ds[3]);
+        dsa[nt >> 1][2 * (nt & 1)] = d01;
+        dsa[nt >> 1][2 * (nt & 1) + 1] = d23;
+        *(unsigned*)(dss + (warp * 16 + g) * SLD + col) = d01;
+        *(unsigned*)(dss + (warp * 16 + g + 8) * SLD + col) = d23;
+    }
+    // dV += Pᵀ·dO and dK += dSᵀ·Q (ldmatrix x4 .trans: matrix i is rows j·16 + 8·(i & 1)..
+    // of dims dt·8 + 8·(i >> 1)..; registers 0, 1 are n-tile dt's B, 2, 3 dt + 1's).
+    for (int j = 0; j < F::NR / 2; ++j)
+        for (int dt = 0; dt < F::ND; dt += 2) {
+            const int off = (j * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + dt * 8 + (lane >> 4) * 8;
+            unsigned b[4];
+            ldmatrix_x4_trans(b, dos + off);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(c.dva[dt], pa[j], b0, c.dva[dt]);
+            mma_m16n8k16_bf16(c.dva[dt + 1], pa[j], b1, c.dva[dt + 1]);
+            ldmatrix_x4_trans(b, qs + off);
+            const unsigned c0[2] = {b[0], b[1]}, c1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(c.dka[dt], dsa[j], c0, c.dka[dt]);
+            mma_m16n8k16_bf16(c.dka[dt + 1], dsa[j], c1, c.dka[dt + 1]);
+        }
+    __syncthreads();
+    // dQ of the tile = dS·K over the CTA's 64 keys: warp w takes m-tile w / WPM and
+    // n-tiles (w % WPM)·NDW..; dS's A fragments from dSᵀ (keys × rows) with .trans.
+    // Rows past tq and dims past hd add nothing and are not written.
+    const int mt = warp / F::WPM, dt0 = (warp % F::WPM) * F::NDW;
+    float acc[F::NDW][4];
+    for (int dt = 0; dt < F::NDW; ++dt)
+        for (int i = 0; i < 4; ++i) acc[dt][i] = 0.0f;
+    for (int kc = 0; kc < FA2B_KEYS / 16; ++kc) {
+        unsigned a[4];
+        ldmatrix_x4_trans(a, dss + (kc * 16 + (lane >> 4) * 8 + (lane & 7)) * SLD + mt * 16 + ((lane >> 3) & 1) * 8);
+        for (int dt = 0; dt < F::NDW; dt += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, ks + (kc * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + (dt0 + dt) * 8 + (lane >> 4) * 8);
+            const unsigned b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_m16n8k16_bf16(acc[dt], a, b0, acc[dt]);
+            mma_m16n8k16_bf16(acc[dt + 1], a, b1, acc[dt + 1]);
+        }
+    }
+    for (int r = 0; r < 2; ++r) {
+        const int row = first + mt * 16 + g + 8 * r;
+        if (row >= tq) continue;
+        float* p = dq + (long)row * qw + (long)head * hd + dt0 * 8 + 2 * t;
+        for (int dt = 0; dt < F::NDW; ++dt)
+            if ((dt0 + dt) * 8 < hd) fa2b_red2(p + dt * 8, acc[dt][2 * r], acc[dt][2 * r + 1]);
+    }
+}
+
+template <int HD> __device__ void attention_fa2_bwd_t(float* dq, float* dk, float* dv, const float* delta, const unsigned short* q16, const unsigned short* do16, const int* tiles, const float* lse, const float* k, const float* v, const int* spans, int tq, int tk, int qh, int kvh, int hd) {
+    typedef Fa2b<HD> F;
+    constexpr int BR = F::BR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int kh = blockIdx.x % kvh, k0 = (blockIdx.x / kvh) * FA2B_KEYS;
+    const int k1 = k0 + FA2B_KEYS < tk ? k0 + FA2B_KEYS : tk;
+    const int group = qh / kvh;
+    const long kw = (long)kvh * hd;
+    const float scale = rsqrtf((float)hd), sl2 = scale * 1.4426950408889634f;
+    fa2b_stage_k<HD>((unsigned short*)(fa2b_shared::smem + F::K_OFF), k + (long)kh * hd, k0, tk, kw, hd);
+    Fa2bCta<HD> c;
+    // V's A fragments for the warp's 16 keys: register j of k-step kc holds key
+    // g + 8·(j & 1), dims kc·16 + 8·(j >> 1) + 2t + {0, 1}.
+    for (int kc = 0; kc < F::NK; ++kc)
+        for (int j = 0; j < 4; ++j) {
+            const int key = k0 + warp * 16 + g + 8 * (j & 1), d = kc * 16 + 8 * (j >> 1) + 2 * t;
+            const float* p = v + (long)key * kw + (long)kh * hd + d;
+            c.va[kc][j] = key < tk && d < hd ? pack_bf16(p[0], p[1]) : 0u;
+        }
+    for (int dt = 0; dt < F::ND; ++dt)
+        for (int i = 0; i < 4; ++i) c.dka[dt][i] = c.dva[dt][i] = 0.0f;
+    // Whether the rows of tile qt see any of the keys [k0, k1) (from their spans' unions;
+    // may say yes for a key in a gap) and all 64 of them (every row through one span).
+    const int tiles_q = (tq + BR - 1) / BR, groups = (tq + FA2B_GROUP - 1) / FA2B_GROUP;
+    auto flags = [&](int qt, bool& any, bool& all) {
+        any = false;
+        all = k1 == k0 + FA2B_KEYS;
+        bool all0 = all, all1 = all;
+        for (int e = 0; e < BR / FA2B_GROUP; ++e) {
+            const int gi = qt * (BR / FA2B_GROUP) + e;
+            if (gi >= groups) break;
+            const fa2b_i4 u = *(const fa2b_i4*)(tiles + (long)gi * FA2B_SUMMARY);
+            const fa2b_i4 x = *(const fa2b_i4*)(tiles + (long)gi * FA2B_SUMMARY + 4);
+            any = any || (u.x < k1 && k0 < u.y) || (u.z < k1 && k0 < u.w);
+            all0 = all0 && x.x <= k0 && k1 <= x.y;
+            all1 = all1 && x.z <= k0 && k1 <= x.w;
+        }
+        all = all0 || all1;
+    };
+    // The tiles every row of which sees all the keys, without masks; then the others.
+    for (int it = 0; it < group * tiles_q; ++it) {
+        bool any, all;
+        flags(it % tiles_q, any, all);
+        if (!all) continue;
+        fa2b_tile<HD, false>(c, dq, delta, q16, do16, lse, spans, (it % tiles_q) * BR, kh * group + it / tiles_q, k0, tq, qh, hd, sl2, scale);
+    }
+    for (int it = 0; it < group * tiles_q; ++it) {
+        bool any, all;
+        flags(it % tiles_q, any, all);
+        if (all || !any) continue;
+        fa2b_tile<HD, true>(c, dq, delta, q16, do16, lse, spans, (it % tiles_q) * BR, kh * group + it / tiles_q, k0, tq, qh, hd, sl2, scale);
     }
     // dK and dV of the warp's keys: this CTA's alone.
     for (int dt = 0; dt < F::ND; ++dt) {
@@ -1105,21 +1197,21 @@ template <int HD> __device__ void attention_fa2_bwd_t(float* dq, float* dk, floa
             const int key = k0 + warp * 16 + g + 8 * r;
             if (key >= tk) continue;
             const long i = (long)key * kw + (long)kh * hd + d;
-            dk[i] += dka[dt][2 * r];
-            dk[i + 1] += dka[dt][2 * r + 1];
-            dv[i] += dva[dt][2 * r];
-            dv[i + 1] += dva[dt][2 * r + 1];
+            dk[i] += c.dka[dt][2 * r];
+            dk[i + 1] += c.dka[dt][2 * r + 1];
+            dv[i] += c.dva[dt][2 * r];
+            dv[i + 1] += c.dva[dt][2 * r + 1];
         }
     }
 }
-extern "C" __global__ void attention_fa2_bwd_hd32(float* dq, float* dk, float* dv, const float* dout, const float* delta, const float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int tk, int qh, int kvh, int hd) {
-    attention_fa2_bwd_t<32>(dq, dk, dv, dout, delta, lse, q, k, v, spans, tq, tk, qh, kvh, hd);
+extern "C" __global__ void attention_fa2_bwd_hd32(float* dq, float* dk, float* dv, const float* delta, const unsigned short* q16, const unsigned short* do16, const int* tiles, const float* lse, const float* k, const float* v, const int* spans, int tq, int tk, int qh, int kvh, int hd) {
+    attention_fa2_bwd_t<32>(dq, dk, dv, delta, q16, do16, tiles, lse, k, v, spans, tq, tk, qh, kvh, hd);
 }
-extern "C" __global__ void attention_fa2_bwd_hd64(float* dq, float* dk, float* dv, const float* dout, const float* delta, const float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int tk, int qh, int kvh, int hd) {
-    attention_fa2_bwd_t<64>(dq, dk, dv, dout, delta, lse, q, k, v, spans, tq, tk, qh, kvh, hd);
+extern "C" __global__ void attention_fa2_bwd_hd64(float* dq, float* dk, float* dv, const float* delta, const unsigned short* q16, const unsigned short* do16, const int* tiles, const float* lse, const float* k, const float* v, const int* spans, int tq, int tk, int qh, int kvh, int hd) {
+    attention_fa2_bwd_t<64>(dq, dk, dv, delta, q16, do16, tiles, lse, k, v, spans, tq, tk, qh, kvh, hd);
 }
-extern "C" __global__ void attention_fa2_bwd_hd128(float* dq, float* dk, float* dv, const float* dout, const float* delta, const float* lse, const float* q, const float* k, const float* v, const int* spans, int tq, int tk, int qh, int kvh, int hd) {
-    attention_fa2_bwd_t<128>(dq, dk, dv, dout, delta, lse, q, k, v, spans, tq, tk, qh, kvh, hd);
+extern "C" __global__ void attention_fa2_bwd_hd128(float* dq, float* dk, float* dv, const float* delta, const unsigned short* q16, const unsigned short* do16, const int* tiles, const float* lse, const float* k, const float* v, const int* spans, int tq, int tk, int qh, int kvh, int hd) {
+    attention_fa2_bwd_t<128>(dq, dk, dv, delta, q16, do16, tiles, lse, k, v, spans, tq, tk, qh, kvh, hd);
 }
 
 // One 16×16 tile of a gradient in the backward: a · b (b: 16 rows of a staged tile, from

@@ -1114,7 +1114,7 @@ type AttnBufs = (
 );
 
 /// Attention's buffers for `tq` query rows over `tk` keys: the spans; q, k, v, out (f32)
-/// and lse; q, k, v, out in bf16; dout, dq, dk, dv and the backward's delta (f32). Random from `seed` (advanced).
+/// and lse; q, k, v, out in bf16; dout, dq, dk, dv (f32) and the backward's scratch. Random from `seed` (advanced).
 fn attention_bufs(
     ops: &mut crate::device::ops::Ops,
     seed: &mut u64,
@@ -1157,7 +1157,9 @@ fn attention_bufs_in(
         b.zeros(tq * qd * 4)?,
         b.zeros(tk * kd * 4)?,
         b.zeros(tk * kd * 4)?,
-        b.zeros(tq * p.q_heads * 4)?,
+        b.zeros(
+            crate::device::ops::Ops::attention_backward_scratch(tq, p.q_heads, p.head_dim) * 4,
+        )?,
     ];
     Ok((sp, f32s, bf16s, grads))
 }

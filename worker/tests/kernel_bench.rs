@@ -64,8 +64,8 @@ fn every_kernel_has_consistent_machine_code_figures_on_sm_80_90_and_100() {
             fits(blocks) && !fits(blocks + 1),
             "{what}: {blocks} blocks is not the most that fit"
         );
-        // The attention kernels, but the backward's elementwise Σ dO∘O.
-        if k.name.starts_with("attention") && k.name != "attention_bwd_delta" {
+        // The attention kernels, but the backward's elementwise preparation.
+        if k.name.starts_with("attention") && k.name != "attention_bwd_prep" {
             assert!(k.mma_in_main_loop > 0, "{what}: no HMMA in the main loop");
             assert!(k.mma_in_main_loop <= k.mma_total);
             let r = k.non_mma_per_mma.unwrap();

@@ -442,7 +442,7 @@ impl CpuDevice {
             // The FlashAttention-2 backward computes what the plain one does (its delta
             // is the plain one's own rowsum(dO∘O)).
             Kernel::AttentionBwd(g) | Kernel::AttentionFa2Bwd { g, .. } => self.attention_bwd(&g),
-            Kernel::AttentionBwdDelta { delta, g } => attention_delta(wr(delta), &g),
+            Kernel::AttentionBwdPrep { g, s } => attention_prep(&g, &s),
             Kernel::Sumsq {
                 partials,
                 nonfinite,
@@ -1412,24 +1412,68 @@ fn rope(
     Ok(())
 }
 
-/// `attention_bwd_delta`: `Σ_d dO∘O` per (row, head), 0 where the row's lse is −inf.
+/// `attention_bwd_prep`: per (row, head) `Σ_d dO∘O` and Q, dO rounded to bf16 (0 and
+/// zeros where the row's lse is −inf); per 32 rows the union and intersection of each of
+/// their two key spans (`[lo, hi)`, empty as `[0, 0)`).
 ///
 /// # Safety
 /// As for [`Device::launch`]'s arms.
-unsafe fn attention_delta(delta: &mut [f32], g: &AttentionGrad) -> Result<()> {
-    let kernel = "attention_bwd_delta";
+unsafe fn attention_prep(g: &AttentionGrad, s: &super::kernels::BwdScratch) -> Result<()> {
+    let kernel = "attention_bwd_prep";
     let a = &g.fwd;
-    let (dout, out, lse) = (rd::<f32>(g.dout), rd::<f32>(a.out), rd::<f32>(a.lse));
-    let pairs = a.tq * a.qh;
+    let (dout, out, lse, q) = (
+        rd::<f32>(g.dout),
+        rd::<f32>(a.out),
+        rd::<f32>(a.lse),
+        rd::<f32>(a.q),
+    );
+    let (delta, q16, do16) = (wr::<f32>(s.delta), wr::<u16>(s.q16), wr::<u16>(s.do16));
+    let (spans, tiles) = (rd::<i32>(a.spans), wr::<i32>(s.tiles));
+    let (pairs, hd) = (a.tq * a.qh, a.hd);
     need(kernel, "delta/lse", delta.len().min(lse.len()), pairs)?;
-    need(kernel, "dout/out", dout.len().min(out.len()), pairs * a.hd)?;
-    for (i, d) in delta[..pairs].iter_mut().enumerate() {
-        let r = i * a.hd..(i + 1) * a.hd;
-        *d = if lse[i] == f32::NEG_INFINITY {
-            0.0
+    need(
+        kernel,
+        "dout/out/q",
+        dout.len().min(out.len()).min(q.len()),
+        pairs * hd,
+    )?;
+    need(kernel, "q16/do16", q16.len().min(do16.len()), pairs * hd)?;
+    need(kernel, "spans", spans.len(), 4 * a.tq)?;
+    need(kernel, "tiles", tiles.len(), a.tq.div_ceil(32) * 8)?;
+    let bf = |x: f32| half::bf16::from_f32(x).to_bits();
+    for i in 0..pairs {
+        let r = i * hd..(i + 1) * hd;
+        let keep = lse[i] != f32::NEG_INFINITY;
+        delta[i] = if keep {
+            crate::math::dot(&dout[r.clone()], &out[r.clone()])
         } else {
-            crate::math::dot(&dout[r.clone()], &out[r])
+            0.0
         };
+        for j in r {
+            (q16[j], do16[j]) = if keep {
+                (bf(q[j]), bf(dout[j]))
+            } else {
+                (0, 0)
+            };
+        }
+    }
+    for (t, v) in tiles[..a.tq.div_ceil(32) * 8]
+        .chunks_exact_mut(8)
+        .enumerate()
+    {
+        let rows = 32 * t..(32 * t + 32).min(a.tq);
+        for sp in 0..2 {
+            let span = |r: usize| (spans[4 * r + 2 * sp], spans[4 * r + 2 * sp + 1]);
+            let seen = rows.clone().map(span).filter(|(x, y)| x < y);
+            let (lo, hi) = seen.fold((i32::MAX, 0), |(l, h), (x, y)| (l.min(x), h.max(y)));
+            let (ilo, ihi) = rows
+                .clone()
+                .map(span)
+                .fold((0, i32::MAX), |(l, h), (x, y)| (l.max(x), h.min(y)));
+            let norm = |x: i32, y: i32| if x < y { [x, y] } else { [0, 0] };
+            v[2 * sp..2 * sp + 2].copy_from_slice(&norm(lo, hi));
+            v[4 + 2 * sp..6 + 2 * sp].copy_from_slice(&norm(ilo, ihi));
+        }
     }
     Ok(())
 }

@@ -133,6 +133,43 @@ pub struct CeState {
     pub acc: DSlice,
 }
 
+/// The FlashAttention-2 backward's scratch, carved from one buffer ([`BwdScratch::at`]):
+/// Q and dO in bf16 (`[tq, qh·hd]` each), the span summaries (8 i32 per 32 query rows)
+/// and D (f32 per row and head).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BwdScratch {
+    pub q16: DSlice,
+    pub do16: DSlice,
+    pub tiles: DSlice,
+    pub delta: DSlice,
+}
+
+impl BwdScratch {
+    /// Bytes of scratch for `tq` rows of `qh` heads of `hd` (a multiple of 8): every part
+    /// starts 16-byte aligned when the buffer does.
+    pub fn bytes(tq: usize, qh: usize, hd: usize) -> usize {
+        let (qb, tiles) = (tq * qh * hd * 2, tq.div_ceil(32) * 8 * 4);
+        2 * qb + tiles + tq * qh * 4
+    }
+
+    /// The parts of `b` (at least [`bytes`](Self::bytes) long; a shorter one gives parts
+    /// cut short, which the launch checks refuse).
+    pub fn at(b: DSlice, tq: usize, qh: usize, hd: usize) -> BwdScratch {
+        let qb = tq * qh * hd * 2;
+        let tiles = tq.div_ceil(32) * 8 * 4;
+        let part = |off: usize, len: usize| DSlice {
+            ptr: b.ptr + off as u64,
+            bytes: len.min(b.bytes.saturating_sub(off)),
+        };
+        BwdScratch {
+            q16: part(0, qb),
+            do16: part(qb, qb),
+            tiles: part(2 * qb, tiles),
+            delta: part(2 * qb + tiles, tq * qh * 4),
+        }
+    }
+}
+
 /// One launch's kernel and arguments.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Kernel {
@@ -245,19 +282,20 @@ pub enum Kernel {
         a: Attention,
     },
     AttentionBwd(AttentionGrad),
-    /// `delta[r·qh + h] = Σ_d dO∘O` of row r, head h (0 where its lse is −inf): what
-    /// [`Kernel::AttentionFa2Bwd`] reads. Grid: ceil(tq·qh / 4) blocks of 128 threads.
-    AttentionBwdDelta {
-        delta: DSlice,
+    /// The FlashAttention-2 backward's preparation (see kernels.cu): per (row, head) D =
+    /// Σ_d dO∘O and Q, dO rounded to bf16 (zeros and 0 where its lse is −inf); per 32 rows
+    /// the union and intersection of their key spans. Grid: ceil(tq·qh / 4) blocks of 128.
+    AttentionBwdPrep {
         g: AttentionGrad,
+        s: BwdScratch,
     },
     /// The backward in FlashAttention-2's structure (f32 activations and gradients, see
-    /// kernels.cu) for a head-dim bucket, from `delta`; `tk` keys. Grid:
-    /// ceil(tk / 64)·kvh blocks of 128 threads.
+    /// kernels.cu) for a head-dim bucket, from [`Kernel::AttentionBwdPrep`]'s scratch;
+    /// `tk` keys. Grid: ceil(tk / 64)·kvh blocks of 128 threads.
     AttentionFa2Bwd {
         dim: Fa2Dim,
         g: AttentionGrad,
-        delta: DSlice,
+        s: BwdScratch,
         tk: usize,
     },
     /// Fold a vocabulary chunk of logits (`[rows, cw]`, ids `start..start+cw`; bf16 at
@@ -362,7 +400,7 @@ impl Kernel {
                 Fa2Dim::D128 => act(a, "attention_fa2_fwd_hd128", "attention_fa2_fwd_bf16_hd128"),
             },
             Kernel::AttentionBwd(_) => "attention_bwd",
-            Kernel::AttentionBwdDelta { .. } => "attention_bwd_delta",
+            Kernel::AttentionBwdPrep { .. } => "attention_bwd_prep",
             Kernel::AttentionFa2Bwd { dim, .. } => match dim {
                 Fa2Dim::D32 => "attention_fa2_bwd_hd32",
                 Fa2Dim::D64 => "attention_fa2_bwd_hd64",
@@ -534,23 +572,29 @@ impl Kernel {
                 i32_of(g.fwd.kvh),
                 i32_of(g.fwd.hd),
             ],
-            Kernel::AttentionBwdDelta { delta, g } => vec![
-                W(delta),
+            Kernel::AttentionBwdPrep { g, s } => vec![
+                W(s.delta),
+                W(s.q16),
+                W(s.do16),
+                W(s.tiles),
                 R(g.dout),
                 R(g.fwd.out),
                 R(g.fwd.lse),
+                R(g.fwd.q),
+                R(g.fwd.spans),
                 i32_of(g.fwd.tq),
                 i32_of(g.fwd.qh),
                 i32_of(g.fwd.hd),
             ],
-            Kernel::AttentionFa2Bwd { g, delta, tk, .. } => vec![
+            Kernel::AttentionFa2Bwd { g, s, tk, .. } => vec![
                 RW(g.dq),
                 RW(g.dk),
                 RW(g.dv),
-                R(g.dout),
-                R(delta),
+                R(s.delta),
+                R(s.q16),
+                R(s.do16),
+                R(s.tiles),
                 R(g.fwd.lse),
-                R(g.fwd.q),
                 R(g.fwd.k),
                 R(g.fwd.v),
                 R(g.fwd.spans),
@@ -695,11 +739,12 @@ impl Kernel {
             dk: b,
             dv: b,
         };
-        all.push(Kernel::AttentionBwdDelta { delta: b, g: grad });
+        let s = BwdScratch::at(b, 1, 1, 1);
+        all.push(Kernel::AttentionBwdPrep { g: grad, s });
         all.extend(Fa2Dim::ALL.into_iter().map(|dim| Kernel::AttentionFa2Bwd {
             dim,
             g: grad,
-            delta: b,
+            s,
             tk: 1,
         }));
         all.extend(Kernel::every_other(b, attention, hyper));

@@ -4,7 +4,7 @@
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 
 pub use super::kernels::{Act, AdamHyper, CeState};
-use super::kernels::{Attention, AttentionGrad, Fa2Dim, Kernel};
+use super::kernels::{Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel};
 use super::{DSlice, Device, Gemm, Result, Stream};
 
 const BLOCK: u32 = 256;
@@ -501,15 +501,16 @@ impl Ops {
         }
     }
 
-    /// Backward of [`attention`](Self::attention): `dq`, `dk`, `dv` accumulate. `delta`
-    /// (`tq·qh` f32) is scratch for the FlashAttention-2 backward's `Σ dO∘O` per row.
+    /// Backward of [`attention`](Self::attention): `dq`, `dk`, `dv` accumulate. `scratch`
+    /// (at least [`attention_backward_scratch`](Self::attention_backward_scratch) f32,
+    /// 16-byte aligned) is the FlashAttention-2 backward's.
     #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         &mut self,
         dout: DSlice,
         out: DSlice,
         lse: DSlice,
-        delta: DSlice,
+        scratch: DSlice,
         q: DSlice,
         k: DSlice,
         v: DSlice,
@@ -545,24 +546,33 @@ impl Ops {
         let Some(dim) = Fa2Dim::for_backward(&g) else {
             return self.launch(Kernel::AttentionBwd(g), attention_grid(tq, qh), 32);
         };
-        if delta.len_f32() < tq * qh {
+        let need = BwdScratch::bytes(tq, qh, hd);
+        if scratch.bytes < need || scratch.ptr % 16 != 0 {
             return Err(super::GpuError::Invalid(format!(
-                "attention backward: delta holds {} f32, {tq} rows × {qh} heads need {}",
-                delta.len_f32(),
-                tq * qh
+                "attention backward: its scratch is {} bytes at {:#x}; {tq} rows × {qh} heads of {hd} need {need}, 16-byte aligned",
+                scratch.bytes, scratch.ptr
             )));
         }
-        let tk = k.len_f32() / (kvh * hd);
+        let (s, tk) = (
+            BwdScratch::at(scratch, tq, qh, hd),
+            k.len_f32() / (kvh * hd),
+        );
         self.launch(
-            Kernel::AttentionBwdDelta { delta, g },
+            Kernel::AttentionBwdPrep { g, s },
             (tq * qh).div_ceil(4).max(1) as u32,
             FA2_THREADS,
         )?;
         self.launch(
-            Kernel::AttentionFa2Bwd { dim, g, delta, tk },
+            Kernel::AttentionFa2Bwd { dim, g, s, tk },
             (tk.div_ceil(FA2_BWD_KEYS) * kvh).max(1) as u32,
             FA2_THREADS,
         )
+    }
+
+    /// The f32 of scratch [`attention_backward`](Self::attention_backward) needs for
+    /// `tq` query rows of `qh` heads of `hd`.
+    pub fn attention_backward_scratch(tq: usize, qh: usize, hd: usize) -> usize {
+        BwdScratch::bytes(tq, qh, hd).div_ceil(4)
     }
 
     /// Fold one vocabulary chunk of logits (`[n, cw]`, ids `start..start+cw`; bf16 at

@@ -58,10 +58,10 @@ pub struct Report {
 }
 
 /// Threads per block of a kernel as device/ops.rs launches it: the FlashAttention-2
-/// kernels and the backward's delta four warps, the other attention kernels one warp, the
+/// kernels and the backward's preparation four warps, the other attention kernels one warp, the
 /// rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
 pub fn block_threads(kernel: &str) -> u32 {
-    if kernel.starts_with("attention_fa2") || kernel == "attention_bwd_delta" {
+    if kernel.starts_with("attention_fa2") || kernel == "attention_bwd_prep" {
         128
     } else if kernel.starts_with("attention") || kernel == "adam_count" {
         32
@@ -181,7 +181,7 @@ pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
         Some(dim) => Kernel::AttentionFa2Bwd {
             dim,
             g,
-            delta: fwd.out,
+            s: crate::device::kernels::BwdScratch::at(fwd.out, 1, 1, head_dim),
             tk: 1,
         }
         .name(),

@@ -414,7 +414,7 @@ fn check_attention(name: &str, tq: usize, tk: usize, spans: &[KeySpan], h: Heads
     }
     let (gdq, gdk, gdv) = (put(&mut o, &vec![0.1; tq * qw]), put(&mut o, &vec![0.2; tk * kw]), put(&mut o, &vec![0.3; tk * kw]));
     // The FlashAttention-2 backward's scratch starts as NaN: a row it did not write would show.
-    let gdelta = put(&mut o, &vec![f32::NAN; tq * h.q_heads]);
+    let gdelta = put(&mut o, &vec![f32::NAN; Ops::attention_backward_scratch(tq, h.q_heads, h.head_dim)]);
     o.attention_backward(gd, go, gl, gdelta, gq, gk, gv, gs, gdq, gdk, gdv, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
     let tol = if tensor_cores { 1e-2 } else { 1e-4 };
     // The gradients only (the buffers start at 0.1, 0.2, 0.3 to show that they accumulate).
@@ -1105,7 +1105,7 @@ fn host_device_attention_treats_a_nan_query_row_as_the_cpu_backend_does() {
     let (mut dq, mut dk, mut dv) = (vec![0f32; t * qw], vec![0f32; t * kw], vec![0f32; t * kw]);
     cpu.attention_backward(&dout0, &q0, &k, &v, &saved, &spans, h, &mut dq, &mut dk, &mut dv);
     let (gd, gdq, gdk, gdv) = (put(&mut o, &dout), put(&mut o, &vec![0.0; t * qw]), put(&mut o, &vec![0.0; t * kw]), put(&mut o, &vec![0.0; t * kw]));
-    let gdelta = put(&mut o, &vec![f32::NAN; t * h.q_heads]);
+    let gdelta = put(&mut o, &vec![f32::NAN; Ops::attention_backward_scratch(t, h.q_heads, h.head_dim)]);
     o.attention_backward(gd, go, gl, gdelta, gq, gk, gv, gs, gdq, gdk, gdv, t, h.q_heads, h.kv_heads, h.head_dim).unwrap();
     let tol = if device().is_cpu() { 1e-4 } else { 1e-2 };
     let gdq = get(&mut o, gdq);

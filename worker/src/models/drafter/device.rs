@@ -540,7 +540,7 @@ impl Pass<'_> {
             datt,
             att,
             sv.lse.f32s(0..m * qh),
-            w.delta.f32s(0..m * qh),
+            w.delta,
             q,
             k,
             v,
@@ -813,7 +813,7 @@ struct Work {
     dv: DSlice,
     dq_pre: DSlice,
     dk_pre: DSlice,
-    /// The attention backward's Σ dO∘O per (row, head).
+    /// The attention backward's scratch (Ops::attention_backward_scratch).
     delta: DSlice,
     dctx: DSlice,
     dctx_pre: DSlice,
@@ -884,7 +884,10 @@ impl Work {
             dv: f(tk * kd, "dv")?,
             dq_pre: f(m * qd, "dq_pre")?,
             dk_pre: f(tk * kd, "dk_pre")?,
-            delta: f(m * c.q_heads, "attention delta")?,
+            delta: f(
+                Ops::attention_backward_scratch(m, c.q_heads, hd),
+                "attention backward scratch",
+            )?,
             dctx: f(s * h, "dctx")?,
             dctx_pre: f(s * h, "dctx_pre")?,
         })
