@@ -265,8 +265,8 @@ extern "C" __global__ void swiglu_bwd(float* dgate, float* dup, const float* dou
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         const float g = gate[i], u = up[i], d = dout[i];
         const float s = 1.0f / (1.0f + expf(-g));
-        dup[i] += d * g * s;
-        dgate[i] += d * u * s * (1.0f + g * (1.0f - s));
+        dup[i] = d * g * s;
+        dgate[i] = d * u * s * (1.0f + g * (1.0f - s));
     }
 }
 

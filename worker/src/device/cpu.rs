@@ -1297,8 +1297,8 @@ fn swiglu_bwd(
     for i in 0..n {
         let (g, u, d) = (gate[i], up[i], dout[i]);
         let s = 1.0 / (1.0 + (-g).exp());
-        dup[i] += d * g * s;
-        dgate[i] += d * u * s * (1.0 + g * (1.0 - s));
+        dup[i] = d * g * s;
+        dgate[i] = d * u * s * (1.0 + g * (1.0 - s));
     }
     Ok(())
 }

@@ -227,7 +227,8 @@ pub enum Kernel {
         up: DSlice,
         n: usize,
     },
-    /// The SwiGLU backward: `dgate`, `dup` accumulate.
+    /// The SwiGLU backward: `dgate`, `dup` written (not accumulated: nothing else adds
+    /// into them, so they need no zeroing first).
     SwigluBwd {
         dgate: DSlice,
         dup: DSlice,
@@ -492,7 +493,7 @@ impl Kernel {
                 gate,
                 up,
                 n,
-            } => vec![RW(dgate), RW(dup), R(dout), R(gate), R(up), i64_of(n)],
+            } => vec![W(dgate), W(dup), R(dout), R(gate), R(up), i64_of(n)],
             Kernel::RmsnormFwd {
                 y,
                 rstd,

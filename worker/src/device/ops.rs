@@ -173,7 +173,7 @@ impl Ops {
         k: usize,
         n: usize,
     ) -> Result<()> {
-        self.matmul_backward_ex(dy, x, w, dx, dw, m, k, n, false)
+        self.matmul_backward_ex(dy, x, w, (dx, 1.0), dw, m, k, n, false)
     }
 
     /// [`matmul_backward`](Self::matmul_backward) with `dy`, `x` and `w` in bf16 (`dx`
@@ -190,7 +190,25 @@ impl Ops {
         k: usize,
         n: usize,
     ) -> Result<()> {
-        self.matmul_backward_ex(dy, x, w, dx, dw, m, k, n, true)
+        self.matmul_backward_ex(dy, x, w, (dx, 1.0), dw, m, k, n, true)
+    }
+
+    /// [`matmul_backward`](Self::matmul_backward) (`bf16` inputs or f32) with `dx`
+    /// written, not added into: `dx = dy · w` (a first writer needs no zeroed buffer).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_backward_over(
+        &mut self,
+        dy: DSlice,
+        x: DSlice,
+        w: DSlice,
+        dx: DSlice,
+        dw: Option<DSlice>,
+        m: usize,
+        k: usize,
+        n: usize,
+        bf16: bool,
+    ) -> Result<()> {
+        self.matmul_backward_ex(dy, x, w, (Some(dx), 0.0), dw, m, k, n, bf16)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -199,7 +217,7 @@ impl Ops {
         dy: DSlice,
         x: DSlice,
         w: DSlice,
-        dx: Option<DSlice>,
+        (dx, dx_beta): (Option<DSlice>, f32),
         dw: Option<DSlice>,
         m: usize,
         k: usize,
@@ -207,7 +225,7 @@ impl Ops {
         bf16_inputs: bool,
     ) -> Result<()> {
         if let Some(dx) = dx {
-            // column-major dxᵀ[k,m] += w_c[k,n] · dy_c[n,m]
+            // column-major dxᵀ[k,m] (+)= w_c[k,n] · dy_c[n,m]
             let g = Gemm {
                 transa: false,
                 transb: false,
@@ -219,7 +237,7 @@ impl Ops {
                 lda: k,
                 b: dy,
                 ldb: n,
-                beta: 1.0,
+                beta: dx_beta,
                 c: dx,
                 ldc: k,
                 bf16_inputs,

@@ -92,6 +92,32 @@ impl Mixed {
         }
         ops.matmul_backward_bf16(yb, xb, w.b, dx, dw, m, k, n)
     }
+
+    /// [`mm_back`](Self::mm_back) with `dx` written, not added into: `dx = dy · w`.
+    #[allow(clippy::too_many_arguments)]
+    fn mm_back_over(
+        &self,
+        ops: &mut Ops,
+        dy: DSlice,
+        x: DSlice,
+        w: W,
+        dx: DSlice,
+        dw: Option<DSlice>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        if !self.bf16 {
+            return ops.matmul_backward_over(dy, x, w.f, dx, dw, m, k, n, false);
+        }
+        let yb = self.yb.sub(2, 0..m * n);
+        ops.f32_to_bf16(yb, dy)?;
+        let xb = self.xb.sub(2, 0..m * k);
+        if dw.is_some() {
+            ops.f32_to_bf16(xb, x)?;
+        }
+        ops.matmul_backward_over(yb, xb, w.b, dx, dw, m, k, n, true)
+    }
 }
 
 /// What every part of a sample's step reads: the drafter's sizes, the sample's, the
@@ -438,28 +464,27 @@ impl Pass<'_> {
             w.dg.f32s(0..m * inter),
             w.du.f32s(0..m * inter),
         );
-        let (dx2, dx) = (w.dx2.f32s(0..m * h), w.dx.f32s(0..m * h));
-        for b in [dact, dg, du, dx2, dx] {
-            ops.dev.memset_zero(Stream::Compute, b)?;
-        }
-        mx.mm_back(
+        // Each buffer's first writer writes it (no zeroing): dact and dx2 by their first
+        // GEMM, dg and du by the SwiGLU backward.
+        let dx2 = w.dx2.f32s(0..m * h);
+        mx.mm_back_over(
             ops,
             dh,
             act,
             lc.pp(&li.down),
-            Some(dact),
+            dact,
             Some(gr(&li.down)),
             m,
             inter,
             h,
         )?;
         ops.swiglu_backward(dact, gt, u, dg, du)?;
-        mx.mm_back(
+        mx.mm_back_over(
             ops,
             dg,
             x2,
             lc.pp(&li.gate),
-            Some(dx2),
+            dx2,
             Some(gr(&li.gate)),
             m,
             h,
@@ -516,7 +541,9 @@ impl Pass<'_> {
             w.dv.f32s(0..tk * kd),
         );
         let (dq_pre, dk_pre) = (w.dq_pre.f32s(0..m * qd), w.dk_pre.f32s(0..tk * kd));
-        for b in [datt, dq, dk, dv, dq_pre, dk_pre] {
+        // Zeroed where kernels add into them (the attention backward, the norms'
+        // backward); datt is written by its GEMM.
+        for b in [dq, dk, dv, dq_pre, dk_pre] {
             ops.dev.memset_zero(Stream::Compute, b)?;
         }
         let (att, q, k, v) = (
@@ -525,12 +552,12 @@ impl Pass<'_> {
             sv.k.f32s(0..tk * kd),
             sv.v.f32s(0..tk * kd),
         );
-        mx.mm_back(
+        mx.mm_back_over(
             ops,
             dh,
             att,
             lc.pp(&li.wo),
-            Some(datt),
+            datt,
             Some(gr(&li.wo)),
             m,
             qd,
@@ -634,12 +661,13 @@ impl Pass<'_> {
             w.dk_pre.f32s(0..tk * kd),
             w.dv.f32s(0..tk * kd),
         );
-        mx.mm_back(
+        // dx's first writer (no zeroing), then k and v add into it.
+        mx.mm_back_over(
             ops,
             dq_pre,
             x,
             lc.pp(&li.wq),
-            Some(dx),
+            dx,
             Some(gr(&li.wq)),
             m,
             h,
