@@ -47,6 +47,67 @@ struct Mixed {
 }
 
 impl Mixed {
+    /// `x` (`len` f32) as the GEMMs take it: on a GPU cast to bf16 into the input scratch
+    /// (once for every GEMM that reads it, until the next `input`), else `x` itself.
+    fn input(&self, ops: &mut Ops, x: DSlice, len: usize) -> Result<DSlice> {
+        if !self.bf16 {
+            return Ok(x);
+        }
+        let xb = self.xb.sub(2, 0..len);
+        ops.f32_to_bf16(xb, x.f32s(0..len))?;
+        Ok(xb)
+    }
+
+    /// [`mm`](Self::mm) of an [`input`](Self::input).
+    #[allow(clippy::too_many_arguments)]
+    fn mm_in(
+        &self,
+        ops: &mut Ops,
+        xin: DSlice,
+        w: W,
+        y: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        if self.bf16 {
+            ops.matmul_bf16(xin, w.b, y, m, k, n)
+        } else {
+            ops.matmul(xin, w.f, y, m, k, n)
+        }
+    }
+
+    /// [`mm_back`](Self::mm_back) of an [`input`](Self::input) `xin`: `dw += dyᵀ · x`
+    /// and `dx` added into (`over` false) or written (`over` true).
+    #[allow(clippy::too_many_arguments)]
+    fn back_in(
+        &self,
+        ops: &mut Ops,
+        dy: DSlice,
+        xin: DSlice,
+        w: W,
+        (dx, over): (DSlice, bool),
+        dw: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        let (dy, w) = if self.bf16 {
+            let yb = self.yb.sub(2, 0..m * n);
+            ops.f32_to_bf16(yb, dy)?;
+            (yb, w.b)
+        } else {
+            (dy, w.f)
+        };
+        if over {
+            ops.matmul_backward_over(dy, xin, w, dx, Some(dw), m, k, n, self.bf16)
+        } else if self.bf16 {
+            ops.matmul_backward_bf16(dy, xin, w, Some(dx), Some(dw), m, k, n)
+        } else {
+            ops.matmul_backward(dy, xin, w, Some(dx), Some(dw), m, k, n)
+        }
+    }
+
     /// `y = x · wᵀ` (`x` m×k, `w` n×k).
     #[allow(clippy::too_many_arguments)]
     fn mm(
@@ -233,27 +294,16 @@ impl Pass<'_> {
         let (k_pre, v) = (sv.k_pre.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
         ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
         ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
-        mx.mm(ops, x, lc.pp(&li.wq), q_pre, m, h, qd)?;
-        mx.mm(
-            ops,
-            ctx,
-            lc.pp(&li.wk),
-            k_pre.f32s(0..slen * kd),
-            slen,
-            h,
-            kd,
-        )?;
-        mx.mm(
-            ops,
-            x,
-            lc.pp(&li.wk),
-            k_pre.f32s(slen * kd..tk * kd),
-            m,
-            h,
-            kd,
-        )?;
-        mx.mm(ops, ctx, lc.pp(&li.wv), v.f32s(0..slen * kd), slen, h, kd)?;
-        mx.mm(ops, x, lc.pp(&li.wv), v.f32s(slen * kd..tk * kd), m, h, kd)
+        // Each input cast once for the GEMMs that read it: the context, then the block rows.
+        let cin = mx.input(ops, ctx, slen * h)?;
+        let (k_ctx, v_ctx) = (k_pre.f32s(0..slen * kd), v.f32s(0..slen * kd));
+        mx.mm_in(ops, cin, lc.pp(&li.wk), k_ctx, slen, h, kd)?;
+        mx.mm_in(ops, cin, lc.pp(&li.wv), v_ctx, slen, h, kd)?;
+        let xin = mx.input(ops, x, m * h)?;
+        let (k_blk, v_blk) = (k_pre.f32s(slen * kd..tk * kd), v.f32s(slen * kd..tk * kd));
+        mx.mm_in(ops, xin, lc.pp(&li.wq), q_pre, m, h, qd)?;
+        mx.mm_in(ops, xin, lc.pp(&li.wk), k_blk, m, h, kd)?;
+        mx.mm_in(ops, xin, lc.pp(&li.wv), v_blk, m, h, kd)
     }
 
     /// q and k RMS-normed per head, then rotated (q at the block positions, k at the key
@@ -362,8 +412,9 @@ impl Pass<'_> {
             sv.u.f32s(0..m * inter),
             sv.act.f32s(0..m * inter),
         );
-        mx.mm(ops, x2, lc.pp(&li.gate), g, m, h, inter)?;
-        mx.mm(ops, x2, lc.pp(&li.up), u, m, h, inter)?;
+        let x2in = mx.input(ops, x2, m * h)?;
+        mx.mm_in(ops, x2in, lc.pp(&li.gate), g, m, h, inter)?;
+        mx.mm_in(ops, x2in, lc.pp(&li.up), u, m, h, inter)?;
         ops.swiglu(g, u, act)?;
         mx.mm(ops, act, lc.pp(&li.down), o, m, inter, h)?;
         ops.add(hcur, o)
@@ -479,28 +530,10 @@ impl Pass<'_> {
             h,
         )?;
         ops.swiglu_backward(dact, gt, u, dg, du)?;
-        mx.mm_back_over(
-            ops,
-            dg,
-            x2,
-            lc.pp(&li.gate),
-            dx2,
-            Some(gr(&li.gate)),
-            m,
-            h,
-            inter,
-        )?;
-        mx.mm_back(
-            ops,
-            du,
-            x2,
-            lc.pp(&li.up),
-            Some(dx2),
-            Some(gr(&li.up)),
-            m,
-            h,
-            inter,
-        )?;
+        let x2in = mx.input(ops, x2, m * h)?;
+        let (wg, wu) = (lc.pp(&li.gate), lc.pp(&li.up));
+        mx.back_in(ops, dg, x2in, wg, (dx2, true), gr(&li.gate), m, h, inter)?;
+        mx.back_in(ops, du, x2in, wu, (dx2, false), gr(&li.up), m, h, inter)?;
         ops.rmsnorm_backward(
             dx2,
             h_mid,
@@ -661,62 +694,18 @@ impl Pass<'_> {
             w.dk_pre.f32s(0..tk * kd),
             w.dv.f32s(0..tk * kd),
         );
-        // dx's first writer (no zeroing), then k and v add into it.
-        mx.mm_back_over(
-            ops,
-            dq_pre,
-            x,
-            lc.pp(&li.wq),
-            dx,
-            Some(gr(&li.wq)),
-            m,
-            h,
-            qd,
-        )?;
-        mx.mm_back(
-            ops,
-            dk_pre.f32s(slen * kd..tk * kd),
-            x,
-            lc.pp(&li.wk),
-            Some(dx),
-            Some(gr(&li.wk)),
-            m,
-            h,
-            kd,
-        )?;
-        mx.mm_back(
-            ops,
-            dk_pre.f32s(0..slen * kd),
-            ctx,
-            lc.pp(&li.wk),
-            Some(dctx),
-            Some(gr(&li.wk)),
-            slen,
-            h,
-            kd,
-        )?;
-        mx.mm_back(
-            ops,
-            dv.f32s(slen * kd..tk * kd),
-            x,
-            lc.pp(&li.wv),
-            Some(dx),
-            Some(gr(&li.wv)),
-            m,
-            h,
-            kd,
-        )?;
-        mx.mm_back(
-            ops,
-            dv.f32s(0..slen * kd),
-            ctx,
-            lc.pp(&li.wv),
-            Some(dctx),
-            Some(gr(&li.wv)),
-            slen,
-            h,
-            kd,
-        )?;
+        // Each input cast once for the GEMMs that read it: the block rows (dx's first
+        // writer is q's, no zeroing; k and v add into it), then the context.
+        let xin = mx.input(ops, x, m * h)?;
+        let (wq, wk, wv) = (lc.pp(&li.wq), lc.pp(&li.wk), lc.pp(&li.wv));
+        let (dk_blk, dv_blk) = (dk_pre.f32s(slen * kd..tk * kd), dv.f32s(slen * kd..tk * kd));
+        mx.back_in(ops, dq_pre, xin, wq, (dx, true), gr(&li.wq), m, h, qd)?;
+        mx.back_in(ops, dk_blk, xin, wk, (dx, false), gr(&li.wk), m, h, kd)?;
+        mx.back_in(ops, dv_blk, xin, wv, (dx, false), gr(&li.wv), m, h, kd)?;
+        let cin = mx.input(ops, ctx, slen * h)?;
+        let (dk_ctx, dv_ctx) = (dk_pre.f32s(0..slen * kd), dv.f32s(0..slen * kd));
+        mx.back_in(ops, dk_ctx, cin, wk, (dctx, false), gr(&li.wk), slen, h, kd)?;
+        mx.back_in(ops, dv_ctx, cin, wv, (dctx, false), gr(&li.wv), slen, h, kd)?;
         ops.rmsnorm_backward(
             dx,
             h_in,
