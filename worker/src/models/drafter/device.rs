@@ -58,6 +58,22 @@ impl Mixed {
         Ok(xb)
     }
 
+    /// `y = x · wᵀ` (`x` m×k, `w` n×k).
+    #[allow(clippy::too_many_arguments)]
+    fn mm(
+        &self,
+        ops: &mut Ops,
+        x: DSlice,
+        w: W,
+        y: DSlice,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        let xin = self.input(ops, x, m * k)?;
+        self.mm_in(ops, xin, w, y, m, k, n)
+    }
+
     /// [`mm`](Self::mm) of an [`input`](Self::input).
     #[allow(clippy::too_many_arguments)]
     fn mm_in(
@@ -77,57 +93,6 @@ impl Mixed {
         }
     }
 
-    /// [`mm_back`](Self::mm_back) of an [`input`](Self::input) `xin`: `dw += dyᵀ · x`
-    /// and `dx` added into (`over` false) or written (`over` true).
-    #[allow(clippy::too_many_arguments)]
-    fn back_in(
-        &self,
-        ops: &mut Ops,
-        dy: DSlice,
-        xin: DSlice,
-        w: W,
-        (dx, over): (DSlice, bool),
-        dw: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        let (dy, w) = if self.bf16 {
-            let yb = self.yb.sub(2, 0..m * n);
-            ops.f32_to_bf16(yb, dy)?;
-            (yb, w.b)
-        } else {
-            (dy, w.f)
-        };
-        if over {
-            ops.matmul_backward_over(dy, xin, w, dx, Some(dw), m, k, n, self.bf16)
-        } else if self.bf16 {
-            ops.matmul_backward_bf16(dy, xin, w, Some(dx), Some(dw), m, k, n)
-        } else {
-            ops.matmul_backward(dy, xin, w, Some(dx), Some(dw), m, k, n)
-        }
-    }
-
-    /// `y = x · wᵀ` (`x` m×k, `w` n×k).
-    #[allow(clippy::too_many_arguments)]
-    fn mm(
-        &self,
-        ops: &mut Ops,
-        x: DSlice,
-        w: W,
-        y: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        if !self.bf16 {
-            return ops.matmul(x, w.f, y, m, k, n);
-        }
-        let xb = self.xb.sub(2, 0..m * k);
-        ops.f32_to_bf16(xb, x)?;
-        ops.matmul_bf16(xb, w.b, y, m, k, n)
-    }
-
     /// Backward of [`mm`](Self::mm): `dx += dy · w`, `dw += dyᵀ · x`.
     #[allow(clippy::too_many_arguments)]
     fn mm_back(
@@ -142,16 +107,12 @@ impl Mixed {
         k: usize,
         n: usize,
     ) -> Result<()> {
-        if !self.bf16 {
-            return ops.matmul_backward(dy, x, w.f, dx, dw, m, k, n);
-        }
-        let yb = self.yb.sub(2, 0..m * n);
-        ops.f32_to_bf16(yb, dy)?;
-        let xb = self.xb.sub(2, 0..m * k);
-        if dw.is_some() {
-            ops.f32_to_bf16(xb, x)?;
-        }
-        ops.matmul_backward_bf16(yb, xb, w.b, dx, dw, m, k, n)
+        let xin = if dw.is_some() {
+            self.input(ops, x, m * k)?
+        } else {
+            x
+        };
+        self.back_in(ops, dy, xin, w, dx.map(|d| (d, false)), dw, m, k, n)
     }
 
     /// [`mm_back`](Self::mm_back) with `dx` written, not added into: `dx = dy · w`.
@@ -168,16 +129,41 @@ impl Mixed {
         k: usize,
         n: usize,
     ) -> Result<()> {
-        if !self.bf16 {
-            return ops.matmul_backward_over(dy, x, w.f, dx, dw, m, k, n, false);
+        let xin = if dw.is_some() {
+            self.input(ops, x, m * k)?
+        } else {
+            x
+        };
+        self.back_in(ops, dy, xin, w, Some((dx, true)), dw, m, k, n)
+    }
+
+    /// [`mm_back`](Self::mm_back) of an [`input`](Self::input) `xin` (read only for `dw`),
+    /// `dx` added into (`false`) or written (`true`).
+    #[allow(clippy::too_many_arguments)]
+    fn back_in(
+        &self,
+        ops: &mut Ops,
+        dy: DSlice,
+        xin: DSlice,
+        w: W,
+        dx: Option<(DSlice, bool)>,
+        dw: Option<DSlice>,
+        m: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<()> {
+        let (dy, w) = if self.bf16 {
+            let yb = self.yb.sub(2, 0..m * n);
+            ops.f32_to_bf16(yb, dy)?;
+            (yb, w.b)
+        } else {
+            (dy, w.f)
+        };
+        match dx {
+            Some((dx, true)) => ops.matmul_backward_over(dy, xin, w, dx, dw, m, k, n, self.bf16),
+            dx if self.bf16 => ops.matmul_backward_bf16(dy, xin, w, dx.map(|d| d.0), dw, m, k, n),
+            dx => ops.matmul_backward(dy, xin, w, dx.map(|d| d.0), dw, m, k, n),
         }
-        let yb = self.yb.sub(2, 0..m * n);
-        ops.f32_to_bf16(yb, dy)?;
-        let xb = self.xb.sub(2, 0..m * k);
-        if dw.is_some() {
-            ops.f32_to_bf16(xb, x)?;
-        }
-        ops.matmul_backward_over(yb, xb, w.b, dx, dw, m, k, n, true)
     }
 }
 
@@ -532,8 +518,28 @@ impl Pass<'_> {
         ops.swiglu_backward(dact, gt, u, dg, du)?;
         let x2in = mx.input(ops, x2, m * h)?;
         let (wg, wu) = (lc.pp(&li.gate), lc.pp(&li.up));
-        mx.back_in(ops, dg, x2in, wg, (dx2, true), gr(&li.gate), m, h, inter)?;
-        mx.back_in(ops, du, x2in, wu, (dx2, false), gr(&li.up), m, h, inter)?;
+        mx.back_in(
+            ops,
+            dg,
+            x2in,
+            wg,
+            Some((dx2, true)),
+            Some(gr(&li.gate)),
+            m,
+            h,
+            inter,
+        )?;
+        mx.back_in(
+            ops,
+            du,
+            x2in,
+            wu,
+            Some((dx2, false)),
+            Some(gr(&li.up)),
+            m,
+            h,
+            inter,
+        )?;
         ops.rmsnorm_backward(
             dx2,
             h_mid,
@@ -699,13 +705,63 @@ impl Pass<'_> {
         let xin = mx.input(ops, x, m * h)?;
         let (wq, wk, wv) = (lc.pp(&li.wq), lc.pp(&li.wk), lc.pp(&li.wv));
         let (dk_blk, dv_blk) = (dk_pre.f32s(slen * kd..tk * kd), dv.f32s(slen * kd..tk * kd));
-        mx.back_in(ops, dq_pre, xin, wq, (dx, true), gr(&li.wq), m, h, qd)?;
-        mx.back_in(ops, dk_blk, xin, wk, (dx, false), gr(&li.wk), m, h, kd)?;
-        mx.back_in(ops, dv_blk, xin, wv, (dx, false), gr(&li.wv), m, h, kd)?;
+        mx.back_in(
+            ops,
+            dq_pre,
+            xin,
+            wq,
+            Some((dx, true)),
+            Some(gr(&li.wq)),
+            m,
+            h,
+            qd,
+        )?;
+        mx.back_in(
+            ops,
+            dk_blk,
+            xin,
+            wk,
+            Some((dx, false)),
+            Some(gr(&li.wk)),
+            m,
+            h,
+            kd,
+        )?;
+        mx.back_in(
+            ops,
+            dv_blk,
+            xin,
+            wv,
+            Some((dx, false)),
+            Some(gr(&li.wv)),
+            m,
+            h,
+            kd,
+        )?;
         let cin = mx.input(ops, ctx, slen * h)?;
         let (dk_ctx, dv_ctx) = (dk_pre.f32s(0..slen * kd), dv.f32s(0..slen * kd));
-        mx.back_in(ops, dk_ctx, cin, wk, (dctx, false), gr(&li.wk), slen, h, kd)?;
-        mx.back_in(ops, dv_ctx, cin, wv, (dctx, false), gr(&li.wv), slen, h, kd)?;
+        mx.back_in(
+            ops,
+            dk_ctx,
+            cin,
+            wk,
+            Some((dctx, false)),
+            Some(gr(&li.wk)),
+            slen,
+            h,
+            kd,
+        )?;
+        mx.back_in(
+            ops,
+            dv_ctx,
+            cin,
+            wv,
+            Some((dctx, false)),
+            Some(gr(&li.wv)),
+            slen,
+            h,
+            kd,
+        )?;
         ops.rmsnorm_backward(
             dx,
             h_in,
