@@ -205,8 +205,9 @@ impl DeviceTarget {
     /// f32 on the CPU device) and each row's part copied to its `dst` on the copy stream
     /// behind an event, so the next forward computes while this one is copied. Returns the
     /// event after the last copy (none when no row has a token); the bytes are there once
-    /// [`finish`](Self::finish) has waited for it. The event stays valid until the next
-    /// call (its staging buffer's turn may come again there): wait for it before.
+    /// [`finish`](Self::finish) has waited for it. The event stays valid until its staging
+    /// buffer's turn comes again, two forwards later (within the next call when that runs
+    /// two): of a series of calls, wait for the last one's event only.
     ///
     /// # Safety
     /// Every `dst` must be registered and nobody may touch those bytes before `finish`.
