@@ -52,26 +52,28 @@ pub fn run(spec_path: &Path) -> Result<(), ToolError> {
         .flat_map(|b| b.lengths.iter().map(|&l| l as usize))
         .max()
         .unwrap_or(1);
-    let mut target = DeviceTarget::new(Box::new(CpuDevice::new()), &target, longest)?;
+    // Room for the largest batch's tokens: each batch is one packed forward, as in a
+    // target worker (whose room is the run's token budget).
+    let room = spec.batches.iter().map(|b| b.tokens() as usize).max();
+    let mut target = DeviceTarget::new(Box::new(CpuDevice::new()), &target, room.unwrap_or(1))?;
 
-    // Target: forward every row, keep the taps as bf16 values (as the pipeline ships them).
+    // Target: forward every batch's rows, keep the taps as bf16 values (as the pipeline
+    // ships them).
     let t0 = Instant::now();
     let mut hidden: Vec<Vec<Vec<f32>>> = Vec::new();
     for b in &spec.batches {
         let seq = b.seq_len as usize;
-        let rows = b
+        let rows: Vec<&[u32]> = b
             .lengths
             .iter()
             .enumerate()
-            .map(|(r, &len)| {
-                Ok(target
-                    .forward_taps(&b.input_ids[r * seq..r * seq + len as usize])?
-                    .into_iter()
-                    .map(|v| half::bf16::from_f32(v).to_f32())
-                    .collect())
-            })
-            .collect::<Result<_, ToolError>>()?;
-        hidden.push(rows);
+            .map(|(r, &len)| &b.input_ids[r * seq..r * seq + len as usize])
+            .collect();
+        let mut taps = target.forward_rows(&rows)?;
+        for v in taps.iter_mut().flatten() {
+            *v = half::bf16::from_f32(*v).to_f32();
+        }
+        hidden.push(taps);
     }
     let target_s = t0.elapsed().as_secs_f64();
 

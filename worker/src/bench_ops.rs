@@ -851,6 +851,8 @@ pub struct OpsShape {
     /// Layers of the target forward (a random checkpoint of this depth).
     pub forward_layers: usize,
     pub forward_tokens: Vec<usize>,
+    /// Row length of the packed and row-by-row target forward figures.
+    pub forward_row: usize,
     /// The forward's vocabulary: only the embedding gather reads it, at a cost that does
     /// not depend on its size, so the checkpoint is written with a small one.
     pub forward_vocab: usize,
@@ -879,6 +881,7 @@ pub fn ops_preset(name: &str) -> Option<OpsShape> {
             anchors: 512,
             forward_layers: 2,
             forward_tokens: vec![1024, 4096],
+            forward_row: 256,
             forward_vocab: 8192,
             drafter_layers: 2,
             drafter_seq: 1024,
@@ -897,6 +900,7 @@ pub fn ops_preset(name: &str) -> Option<OpsShape> {
             anchors: 8,
             forward_layers: 2,
             forward_tokens: vec![64],
+            forward_row: 16,
             forward_vocab: 512,
             drafter_layers: 1,
             drafter_seq: 64,
@@ -1434,7 +1438,9 @@ fn measure_cross_entropy(
 
 /// The target forward of `p.forward_layers` layers of the preset's shape (random bf16
 /// weights), as a target worker runs it: taps written to a staging buffer and copied
-/// into pinned host memory behind an event, the next sequence computing meanwhile.
+/// into pinned host memory behind an event, the next forward computing meanwhile. Each
+/// length is timed as one sequence, then as rows of `p.forward_row` tokens packed into
+/// one forward (what a target worker runs for a batch) and run row by row.
 fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
     let layers = p.forward_layers;
     let dir = std::env::temp_dir().join(format!(
@@ -1478,32 +1484,32 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
             let ids: Vec<u32> = (0..t)
                 .map(|_| rng.below(p.forward_vocab as u64) as u32)
                 .collect();
-            let gemm = 2.0 * (t * (h * qd + 2 * h * kd + qd * h + 3 * h * inter)) as f64;
-            let attn = 4.0 * (t * (t + 1) / 2) as f64 * qd as f64;
-            let flops = (gemm + attn) * layers as f64;
-            let mut run = |n: usize| -> Result<f64, ToolError> {
-                let t0 = Instant::now();
-                let mut last = None;
-                for _ in 0..n {
-                    // SAFETY: `pinned` is registered and only read after `finish`.
-                    last = unsafe { g.forward_taps_into(&ids, pinned) }?;
-                }
-                if let Some(e) = last {
-                    g.finish(e, pinned, t * width * 2)?;
-                }
-                Ok(t0.elapsed().as_secs_f64() / n as f64)
+            // t tokens in causal rows of `row`.
+            let flops = |row: usize| {
+                let gemm = 2.0 * (t * (h * qd + 2 * h * kd + qd * h + 3 * h * inter)) as f64;
+                let attn = 4.0 * (t / row * row * (row + 1) / 2) as f64 * qd as f64;
+                (gemm + attn) * layers as f64
             };
-            let r = run(1).and_then(|one| {
-                let reps = ((0.3 / one.max(1e-9)).ceil() as usize).clamp(2, 20);
-                run(reps).map(|s| (s, reps))
-            });
-            sink.push(
-                "target forward",
-                format!("{layers} layer(s), {t} tokens"),
-                flops,
-                "GEMMs and causal attention; taps copied to pinned memory, overlapped",
-                r,
+            let row = p.forward_row.min(t);
+            let rows: Vec<&[u32]> = ids.chunks(row).collect();
+            let shape = format!(
+                "{layers} layer(s), {t} tokens in {} rows of {row}",
+                rows.len()
             );
+            for (op, shape, rows, per_row, note) in [
+                ("target forward", format!("{layers} layer(s), {t} tokens"), vec![&ids[..]], false,
+                 "GEMMs and causal attention; taps copied to pinned memory, overlapped"),
+                ("target forward, rows packed", shape.clone(), rows.clone(), false,
+                 "the rows in one forward (each token's causal span within its row), each row's taps copied to pinned memory"),
+                ("target forward, row by row", shape, rows, true,
+                 "a forward per row, copies overlapped with the next row"),
+            ] {
+                // SAFETY: `pinned` is registered, holds `tmax` tokens' taps, and is only
+                // read after `finish`.
+                let r = unsafe { time_forward(&mut g, &rows, per_row, pinned, width) };
+                let n = if per_row { rows[0].len() } else { t };
+                sink.push(op, shape, flops(n), note, r);
+            }
         }
         Ok(())
     })();
@@ -1511,6 +1517,52 @@ fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
     // SAFETY: allocated above; the device that registered it is gone.
     unsafe { std::alloc::dealloc(pinned, layout) };
     result
+}
+
+/// Seconds per run of the target forward over `rows` (each row's taps into `pinned`
+/// after the row before's), and the runs timed: a run is one call for every row (packed
+/// into as few forwards as the target's room allows), or one call per row when
+/// `per_row`; enough runs for ~0.3 s, 2 to 20.
+///
+/// # Safety
+/// `pinned` must be registered with `g`, hold the rows' taps (`width` bf16 a token), and
+/// not be touched during the call.
+unsafe fn time_forward(
+    g: &mut crate::models::target::device::DeviceTarget,
+    rows: &[&[u32]],
+    per_row: bool,
+    pinned: *mut u8,
+    width: usize,
+) -> Result<(f64, usize), ToolError> {
+    let mut at = 0;
+    let rows: Vec<(&[u32], *mut u8)> = rows
+        .iter()
+        .map(|&r| {
+            let dst = pinned.add(at * width * 2);
+            at += r.len();
+            (r, dst)
+        })
+        .collect();
+    let mut run = |n: usize| -> Result<f64, ToolError> {
+        let t0 = Instant::now();
+        let mut last = None;
+        for _ in 0..n {
+            if per_row {
+                for r in &rows {
+                    last = g.forward_rows_into(std::slice::from_ref(r))?.or(last);
+                }
+            } else {
+                last = g.forward_rows_into(&rows)?.or(last);
+            }
+        }
+        if let Some(e) = last {
+            g.finish(e, pinned, at * width * 2)?;
+        }
+        Ok(t0.elapsed().as_secs_f64() / n as f64)
+    };
+    let one = run(1)?;
+    let reps = ((0.3 / one.max(1e-9)).ceil() as usize).clamp(2, 20);
+    run(reps).map(|s| (s, reps))
 }
 
 /// One drafter training step (forward and backward, the gradient left on the device) of

@@ -164,7 +164,8 @@ impl Plane {
                         dflash_shared::env::TARGET_DIR
                     ))
                 })?;
-            // Room on the device for the longest row a hidden-state slot can hold.
+            // Room on the device for as many tokens as a hidden-state slot holds (at least
+            // the run's token budget): a whole batch's rows in one packed forward.
             let (capture, max_tokens, gpu) =
                 (pools.capture.clone(), pools.max_row_tokens(), self.gpu);
             let (tx, rx) = std::sync::mpsc::channel();
@@ -211,7 +212,7 @@ impl Plane {
                         "host memory"
                     };
                     msg.push_str(&format!(
-                        "; computing on {} ({:.1} MiB of {mem}, room for {} tokens a row)",
+                        "; computing on {} ({:.1} MiB of {mem}, room for {} tokens a forward)",
                         g.describe(),
                         st.reserved as f64 / (1 << 20) as f64,
                         g.max_tokens
@@ -587,7 +588,7 @@ fn train_drafter(
 }
 
 /// Load the target on `gpu` (the CPU device without one), checked against the capture
-/// the supervisor described, with room for rows of `max_tokens`.
+/// the supervisor described, with room for `max_tokens` tokens a forward.
 fn load_target(
     dir: &std::path::Path,
     capture: &CaptureSpec,
@@ -683,10 +684,12 @@ fn check_header(map: &PoolMap, d: &Delivery) -> Result<()> {
     Ok(())
 }
 
-/// Run the target over each row and store its tapped hidden states as bf16, row-major
-/// `[rows × seq_len, taps × hidden]` (padding positions zero): each row's taps are cast to bf16 on
-/// the device and copied straight into the (pinned) slot on the copy stream while the
-/// next row computes; the slot is sealed only after the event behind the last copy.
+/// Run the target over the batch's rows and store their tapped hidden states as bf16,
+/// row-major `[rows × seq_len, taps × hidden]` (padding positions zero): the rows packed
+/// into as few forwards as the target's `max_tokens` allows (one for a batch of the run's
+/// token budget), each forward's taps cast to bf16 on the device and each row's copied
+/// straight into its place in the (pinned) slot on the copy stream while the next forward
+/// computes; the slot is sealed only after the event behind the last copy.
 fn write_hidden_states_gpu(
     g: &mut DeviceTarget,
     tokens: &TokenBatch,
@@ -696,17 +699,16 @@ fn write_hidden_states_gpu(
     let seq = tokens.seq_len as usize;
     g.host_write(out.as_ptr(), out.len())?;
     out.fill(0);
-    let mut last = None;
+    let mut rows: Vec<(&[u32], *mut u8)> = Vec::with_capacity(tokens.lengths.len());
     for (r, &len) in tokens.lengths.iter().enumerate() {
-        let ids = &tokens.input_ids[r * seq..r * seq + len as usize];
-        let dst = out[r * seq * width * 2..(r * seq + len as usize) * width * 2].as_mut_ptr();
-        // SAFETY: `out` is inside the registered hidden pool, and nothing reads it before
-        // `finish` below.
-        if let Some(e) = unsafe { g.forward_taps_into(ids, dst)? } {
-            last = Some(e);
-        }
+        let (at, len) = (r * seq, len as usize);
+        let dst = out[at * width * 2..(at + len) * width * 2].as_mut_ptr();
+        rows.push((&tokens.input_ids[at..at + len], dst));
     }
-    if let Some(e) = last {
+    // SAFETY: `out` is inside the registered hidden pool, each row's taps
+    // (`len × width × 2` bytes) land in its own part of it, and nothing reads it before
+    // `finish` below.
+    if let Some(e) = unsafe { g.forward_rows_into(&rows)? } {
         g.finish(e, out.as_ptr(), out.len())?;
     }
     Ok(())

@@ -459,6 +459,7 @@ fn check_memory(
         &pipeline_cfg.capture.tap_ids,
         plan,
         args.max_seq_len,
+        pipeline_cfg.token_budget,
         pipeline_cfg.total_bytes() + shared_bytes,
     );
     validate::check_memory(&estimate, plan, &trainer_cfg.drafter)

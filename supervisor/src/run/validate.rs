@@ -345,20 +345,23 @@ pub struct MemoryEstimate {
     pub drafter_frozen: u64,
     /// One CPU drafter rank: activations of one sample's blocks, kept for the backward.
     pub drafter_activations: u64,
-    /// One CPU target worker: the layers it runs (f32) and one row of activations.
+    /// One CPU target worker: the layers it runs (f32) and the activations of one packed
+    /// forward (a whole batch: `target_tokens`, the token budget).
     pub target: u64,
     /// Everything: every worker, plus `shared` (pools, gradient and state slots).
     pub total: u64,
 }
 
 /// Estimate the workers' host memory. It counts the big buffers only, so it is a floor:
-/// a run it refuses cannot fit.
+/// a run it refuses cannot fit. `target_tokens`: the tokens of a target's forward (its
+/// batch's rows run packed in one: the token budget).
 pub fn estimate_memory(
     drafter: &DrafterConfig,
     target: &TargetConfig,
     taps: &[u32],
     plan: &[(WorkerName, Device)],
     max_seq_len: u32,
+    target_tokens: u32,
     shared: u64,
 ) -> MemoryEstimate {
     let f = 4u64; // f32
@@ -391,8 +394,7 @@ pub fn estimate_memory(
         .map(|(_, s)| s.iter().product::<usize>() as u64)
         .sum::<u64>()
         * f;
-    let row = max_seq_len as u64;
-    let target_act = row
+    let target_act = target_tokens as u64
         * (6 * target.hidden_size as u64
             + 3 * target.intermediate_size as u64
             + taps.len() as u64 * target.hidden_size as u64)
@@ -484,7 +486,7 @@ fn check_memory_against(
     }
     Err(Error::Flag(format!(
         "the workers need about {} ({}) but only {} is available; expected at most 80% of it: \
-         lower --max-anchors, --block-size, --draft-layers or --max-seq-len, or use fewer workers",
+         lower --max-anchors, --block-size, --draft-layers, --max-seq-len or --token-budget, or use fewer workers",
         human(e.total),
         parts.join(", "),
         human(avail)
@@ -706,7 +708,7 @@ mod tests {
     fn memory_estimate_counts_parameters_state_and_activations() {
         let t = TargetConfig::read(TINY_CONFIG).unwrap();
         let d = DrafterConfig::for_target(&t, 2, 2, 8, 32);
-        let e = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 1000);
+        let e = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 256, 1000);
         let params = ParamLayout::new(&d).total as u64;
         assert_eq!(e.params, params);
         assert_eq!(
@@ -722,12 +724,20 @@ mod tests {
         );
         // The tiny run fits in a few MiB; two drafters cost two ranks.
         assert!(e.total < 64 << 20, "{e:?}");
-        let two = estimate_memory(&d, &t, &[1, 4], &tiny_plan(2), 64, 1000);
+        let two = estimate_memory(&d, &t, &[1, 4], &tiny_plan(2), 64, 256, 1000);
         assert_eq!(
             two.total - e.total,
             e.drafter_state + e.drafter_frozen + e.drafter_activations
         );
         check_memory_against(&e, &tiny_plan(1), &d, 1 << 30).unwrap();
+        // The target's activations are one packed forward's: the token budget's tokens.
+        let half = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 128, 1000);
+        let per_token = (6 * t.hidden_size + 3 * t.intermediate_size + 2 * t.hidden_size) * 4;
+        assert_eq!(
+            e.target - half.target,
+            128 * per_token as u64,
+            "{e:?} {half:?}"
+        );
     }
 
     #[test]
@@ -736,7 +746,7 @@ mod tests {
         // 256-token blocks, 4096 anchors, 40 layers: gigabytes of activations.
         let d = DrafterConfig::for_target(&t, 40, 2, 256, 4096);
         let plan = tiny_plan(1);
-        let e = estimate_memory(&d, &t, &[1, 4], &plan, 4096, 0);
+        let e = estimate_memory(&d, &t, &[1, 4], &plan, 4096, 4096, 0);
         assert!(e.drafter_activations > 8 << 30, "{e:?}");
         let err = check_memory_against(&e, &plan, &d, 4 << 30).unwrap_err();
         let msg = err.to_string();

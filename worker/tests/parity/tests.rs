@@ -641,6 +641,93 @@ fn host_device_target_forward_matches_the_cpu_target_for_qwen3_and_llama() {
     }
 }
 
+/// The rows of one token batch (a full 40-token row, one of 1, an empty one) run packed
+/// (varlen: each token at its position in its row, seeing its row's keys up to itself)
+/// give each row the taps its own forward gives, and the CPU target's; a batch past the
+/// room runs as several packed forwards with the same taps; the worker's path writes each
+/// row's bf16 taps at its place and nothing else.
+#[test]
+fn host_device_target_packed_rows_match_a_forward_per_row() {
+    let _checks = all_checks();
+    use dflash_worker::models::target::device::{pack_rows, DeviceTarget};
+    use dflash_worker::models::target::Target;
+    let lens = [40usize, 1, 17, 0, 5, 23];
+    let total: usize = lens.iter().sum();
+    // Room 45: [40, 1] then [17, 0, 5, 23] (45 tokens) — two forwards.
+    assert_eq!(pack_rows(&lens, 45).unwrap(), vec![0..2, 2..6]);
+    assert_eq!(pack_rows(&lens, total).unwrap(), vec![0..6]);
+    assert_eq!(pack_rows(&lens, 40).unwrap(), vec![0..1, 1..5, 5..6]);
+    for (name, cfg, taps) in [("qwen3", QWEN3, vec![0usize, 2, 3]), ("llama", LLAMA, vec![1usize, 2])] {
+        let tmp = tempfile::tempdir().unwrap();
+        dflash_worker::models::tiny::write_random(tmp.path(), cfg, 21).unwrap();
+        let cpu = Target::load(tmp.path(), &taps).unwrap();
+        let vocab = cpu.cfg.vocab_size as u32;
+        let ids: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| (0..n as u32).map(|i| (i * 37 + 11 * r as u32 + 5) % vocab).collect())
+            .collect();
+        let rows: Vec<&[u32]> = ids.iter().map(|r| r.as_slice()).collect();
+        let width = taps.len() * cpu.cfg.hidden_size;
+        // Registered before the targets that copy into it, so dropped after them.
+        let mut slot = vec![0xabu8; lens.len() * 40 * width * 2];
+        let mut one = DeviceTarget::new(device(), &cpu, 40).unwrap();
+        let mut all = DeviceTarget::new(device(), &cpu, total).unwrap();
+        let mut split = DeviceTarget::new(device(), &cpu, 45).unwrap();
+        let per_row: Vec<Vec<f32>> = rows.iter().map(|r| one.forward_taps(r).unwrap()).collect();
+        let packed = all.forward_rows(&rows).unwrap();
+        let halves = split.forward_rows(&rows).unwrap();
+        let tol = if device().is_cpu() { 1e-5 } else { 2e-2 };
+        // The host device gives a row the same bits packed as alone here: the GEMMs and the
+        // per-row kernels compute each element alike whatever rows surround it, and every
+        // attention CTA (64 query rows) finds its keys in one 64-key tile either way, so
+        // the online softmax takes the same steps (longer rows are tiled from the CTA's
+        // first key, which packing moves: then only to rounding). The CPU device's
+        // attention multiplies a tile of rows by the union of their keys (other GEMM shapes,
+        // other summation orders), and a GPU's GEMMs may pick kernels by the row count:
+        // there, the f32 or bf16 bound of the test above.
+        let exact = !device().is_cpu() && !on_gpu();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (r, row) in rows.iter().enumerate() {
+            let what = format!("{name} row {r} of {} tokens", row.len());
+            assert_eq!((packed[r].len(), halves[r].len()), (row.len() * width, row.len() * width), "{what}");
+            let want = cpu.forward_taps(row);
+            assert_close(&format!("{what}: packed vs the CPU target"), &packed[r], &want, tol);
+            assert_close(&format!("{what}: packed vs its own forward"), &packed[r], &per_row[r], tol);
+            assert_close(&format!("{what}: two forwards vs its own"), &halves[r], &per_row[r], tol);
+            if exact {
+                assert!(bits(&packed[r]) == bits(&per_row[r]), "{what}: packed vs its own forward, bit for bit");
+                assert!(bits(&halves[r]) == bits(&per_row[r]), "{what}: two forwards vs its own, bit for bit");
+            }
+        }
+        // The worker's path: bf16 into registered memory, each row at its place in a slot
+        // laid out [rows × 40, width].
+        unsafe { split.register_host(slot.as_mut_ptr(), slot.len()).unwrap() };
+        let base = slot.as_mut_ptr();
+        let dst: Vec<(&[u32], *mut u8)> =
+            rows.iter().enumerate().map(|(r, &row)| (row, unsafe { base.add(r * 40 * width * 2) })).collect();
+        let e = unsafe { split.forward_rows_into(&dst).unwrap() }.expect("an event after the copies");
+        split.finish(e, slot.as_ptr(), slot.len()).unwrap();
+        for (r, row) in rows.iter().enumerate() {
+            let part = &slot[r * 40 * width * 2..(r + 1) * 40 * width * 2];
+            let (taps_part, pad) = part.split_at(row.len() * width * 2);
+            let want: Vec<u8> =
+                packed[r].iter().flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect();
+            assert!(taps_part == want.as_slice(), "{name} row {r}: the slot's bf16 taps");
+            assert!(pad.iter().all(|&b| b == 0xab), "{name} row {r}: a byte past the row's taps was written");
+        }
+        // A row past the room is refused as a forward of it is, before anything runs.
+        let long = vec![1u32; 41];
+        for err in [
+            one.forward_rows(&[&long[..1], &long]).unwrap_err(),
+            unsafe { one.forward_rows_into(&[(&long[..], base)]) }.unwrap_err(),
+            one.forward_taps(&long).unwrap_err(),
+        ] {
+            assert!(matches!(&err, GpuError::Invalid(m) if m == "41 tokens, room for 40"), "{err}");
+        }
+    }
+}
+
 #[test]
 fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let _checks = all_checks();

@@ -1,15 +1,18 @@
 //! The frozen target's forward on a [`Device`]: the same computation as
 //! [`crate::models::target::Target::forward_taps`] (which it is tested against), with the
 //! weights, and activations for up to `max_tokens` tokens, allocated once from the arena.
-//! Positions and the causal key spans are uploaded once too: they depend only on the
-//! row index, so a shorter sequence uses their prefix.
+//!
+//! Rows are packed (varlen): a forward runs the tokens of several rows concatenated, each
+//! token at its position within its own row and seeing the keys of its row up to itself
+//! (the causal span `[row start, i + 1)`), so every GEMM and kernel runs once over all of
+//! them. [`pack_rows`] fills each forward with as many whole rows as `max_tokens` holds;
+//! a longer batch runs as several forwards.
 
 use dflash_shared::model_config::TargetConfig;
 
 use crate::device::ops::Ops;
 use crate::device::{
-    f32_bytes_mut, i32_bytes, u32_bytes, Arena, ArenaStats, DSlice, Device, GpuError, Result,
-    Stream,
+    f32_bytes_mut, i32_bytes, Arena, ArenaStats, DSlice, Device, GpuError, Result, Stream,
 };
 use crate::models::target::{matrix_name, Target};
 
@@ -27,9 +30,9 @@ struct Layer {
 }
 
 struct Acts {
-    ids: DSlice,
-    pos: DSlice,
-    spans: DSlice,
+    /// Per forward, in one upload: the token ids, each token's position in its row and
+    /// its causal key span (4 i32), at [`Meta`]'s offsets.
+    meta: DSlice,
     x: DSlice,
     n1: DSlice,
     rstd: DSlice,
@@ -142,29 +145,49 @@ impl DeviceTarget {
 
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
     pub fn forward_taps(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        let t = tokens.len();
-        if t == 0 {
-            return Ok(Vec::new());
-        }
+        Ok(self.forward_rows(&[tokens])?.pop().unwrap_or_default())
+    }
+
+    /// Tapped hidden states of each row (`[len, taps × hidden]`, row-major), the rows
+    /// packed into as few forwards as `max_tokens` allows ([`pack_rows`]).
+    pub fn forward_rows(&mut self, rows: &[&[u32]]) -> Result<Vec<Vec<f32>>> {
         let width = self.taps.len() * self.cfg.hidden_size;
-        self.compute(tokens, self.a.out)?;
-        let mut out = vec![0f32; t * width];
+        let lens: Vec<usize> = rows.iter().map(|r| r.len()).collect();
+        let mut out = Vec::with_capacity(rows.len());
+        for pack in pack_rows(&lens, self.max_tokens)? {
+            let rows = &rows[pack];
+            let mut taps = vec![0f32; self.compute(rows, self.a.out)? * width];
+            self.download_out(&mut taps)?;
+            let mut rest = taps.as_slice();
+            for r in rows {
+                let (mine, more) = rest.split_at(r.len() * width);
+                out.push(mine.to_vec());
+                rest = more;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The first `out.len()` values of the taps activation, as f32.
+    fn download_out(&mut self, out: &mut [f32]) -> Result<()> {
+        let n = out.len();
+        if n == 0 {
+            return Ok(());
+        }
         if self.bf16 {
-            let mut bits = vec![0u8; t * width * 2];
+            let mut bits = vec![0u8; n * 2];
             self.ops
                 .dev
-                .download(Stream::Compute, self.a.out.sub(2, 0..t * width), &mut bits)?;
+                .download(Stream::Compute, self.a.out.sub(2, 0..n), &mut bits)?;
             for (o, b) in out.iter_mut().zip(bits.chunks_exact(2)) {
                 *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
+            Ok(())
         } else {
-            self.ops.dev.download(
-                Stream::Compute,
-                self.a.out.f32s(0..t * width),
-                f32_bytes_mut(&mut out),
-            )?;
+            self.ops
+                .dev
+                .download(Stream::Compute, self.a.out.f32s(0..n), f32_bytes_mut(out))
         }
-        Ok(out)
     }
 
     /// Pin a host range (a pool's mapping) so taps can be copied straight into it.
@@ -175,44 +198,74 @@ impl DeviceTarget {
         self.ops.dev.register_host(ptr, bytes)
     }
 
-    /// The taps of one sequence as bf16 into registered host memory at `dst`
-    /// (`tokens × taps × hidden × 2` bytes), asynchronously: written in bf16 into a staging
-    /// buffer on the compute stream (cast there from f32 on the CPU device), copied on the
-    /// copy stream behind an event, so the next sequence computes while
-    /// this one is copied. Returns the event after the copy; the bytes are there once
-    /// [`finish`](Self::finish) has waited for it. The event stays valid until the call
-    /// after next (its staging buffer's turn comes again): wait for the last one only.
+    /// The taps of each row (its tokens, and where they go) as bf16 into registered host
+    /// memory at its `dst` (`len × taps × hidden × 2` bytes), asynchronously, the rows
+    /// packed into as few forwards as `max_tokens` allows ([`pack_rows`]). Each forward's
+    /// taps are written in bf16 into a staging buffer on the compute stream (cast there from
+    /// f32 on the CPU device) and each row's part copied to its `dst` on the copy stream
+    /// behind an event, so the next forward computes while this one is copied. Returns the
+    /// event after the last copy (none when no row has a token); the bytes are there once
+    /// [`finish`](Self::finish) has waited for it. The event stays valid until its staging
+    /// buffer's turn comes again, two forwards later (within the next call when that runs
+    /// two): of a series of calls, wait for the last one's event only.
     ///
     /// # Safety
-    /// `dst` must be registered and nobody may touch those bytes before `finish`.
-    pub unsafe fn forward_taps_into(
+    /// Every `dst` must be registered and nobody may touch those bytes before `finish`.
+    pub unsafe fn forward_rows_into(
         &mut self,
-        tokens: &[u32],
-        dst: *mut u8,
+        rows: &[(&[u32], *mut u8)],
     ) -> Result<Option<crate::device::Event>> {
-        let t = tokens.len();
-        if t == 0 {
+        let lens: Vec<usize> = rows.iter().map(|r| r.0.len()).collect();
+        let mut last = None;
+        for pack in pack_rows(&lens, self.max_tokens)? {
+            if let Some(e) = self.pack_into(&rows[pack])? {
+                last = Some(e);
+            }
+        }
+        Ok(last)
+    }
+
+    /// One forward of [`forward_rows_into`](Self::forward_rows_into).
+    ///
+    /// # Safety
+    /// As for `forward_rows_into`.
+    unsafe fn pack_into(
+        &mut self,
+        rows: &[(&[u32], *mut u8)],
+    ) -> Result<Option<crate::device::Event>> {
+        let ids: Vec<&[u32]> = rows.iter().map(|r| r.0).collect();
+        let width = self.taps.len() * self.cfg.hidden_size;
+        let n = ids.iter().map(|r| r.len()).sum::<usize>() * width;
+        if n == 0 {
             return Ok(None);
         }
-        let n = t * self.taps.len() * self.cfg.hidden_size;
         let i = self.next_stage;
         self.next_stage = 1 - i;
-        // The staging buffer is free once its previous copy has completed.
+        // The staging buffer is free once its previous copies have completed.
         if let Some(e) = self.stage_free[i].take() {
             self.ops.dev.wait(Stream::Compute, e)?;
             self.ops.dev.release_event(e);
         }
         let stage = self.a.stage[i].sub(2, 0..n);
         if self.bf16 {
-            self.compute(tokens, stage)?;
+            self.compute(&ids, stage)?;
         } else {
-            self.compute(tokens, self.a.out)?;
+            self.compute(&ids, self.a.out)?;
             self.ops.f32_to_bf16(stage, self.a.out.f32s(0..n))?;
         }
         let cast = self.ops.dev.record(Stream::Compute)?;
         self.ops.dev.wait(Stream::Copy, cast)?;
         self.ops.dev.release_event(cast);
-        self.ops.dev.download_async(Stream::Copy, stage, dst)?;
+        let mut at = 0;
+        for &(tokens, dst) in rows {
+            let m = tokens.len() * width;
+            if m > 0 {
+                self.ops
+                    .dev
+                    .download_async(Stream::Copy, stage.sub(2, at..at + m), dst)?;
+            }
+            at += m;
+        }
         let copied = self.ops.dev.record(Stream::Copy)?;
         self.stage_free[i] = Some(copied);
         Ok(Some(copied))
@@ -234,15 +287,16 @@ impl DeviceTarget {
         self.ops.dev.host_access(ptr, bytes, true)
     }
 
-    /// The forward, its taps into `out` (`[t, taps × hidden]` activations: bf16 on a GPU,
-    /// f32 on the CPU device).
-    fn compute(&mut self, tokens: &[u32], out: DSlice) -> Result<()> {
-        let t = tokens.len();
+    /// One packed forward of `rows`, their taps into `out` (`[t, taps × hidden]`
+    /// activations, the rows' tokens in turn: bf16 on a GPU, f32 on the CPU device).
+    /// Returns `t`, the rows' tokens.
+    fn compute(&mut self, rows: &[&[u32]], out: DSlice) -> Result<usize> {
+        let t: usize = rows.iter().map(|r| r.len()).sum();
         if t > self.max_tokens {
-            return Err(crate::device::GpuError::Invalid(format!(
-                "{t} tokens, room for {}",
-                self.max_tokens
-            )));
+            return Err(too_long(t, self.max_tokens));
+        }
+        if t == 0 {
+            return Ok(0);
         }
         let c = &self.cfg;
         let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
@@ -252,7 +306,7 @@ impl DeviceTarget {
         let width = self.taps.len() * h;
         let a = &self.a;
         let ops = &mut self.ops;
-        ops.dev.upload(Stream::Compute, a.ids, u32_bytes(tokens))?;
+        let (ids, pos, spans) = Meta::upload(ops, a.meta, rows, t)?;
         // On a GPU every activation is bf16 and the GEMMs are bf16 in and out with f32
         // accumulation (tensor cores); the kernels compute in f32 and round on store. On
         // the CPU device, f32 throughout.
@@ -279,7 +333,7 @@ impl DeviceTarget {
         );
         let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
         let out = act(out, t * width);
-        ops.embed(x, self.embed, a.ids.f32s(0..t), t, h, c.vocab_size)?;
+        ops.embed(x, self.embed, ids, t, h, c.vocab_size)?;
         let last = self.taps.iter().copied().max().unwrap_or(0);
         let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| {
             ops.matmul_act(x, w, y, m, k, n)
@@ -293,9 +347,9 @@ impl DeviceTarget {
                 ops.rmsnorm(q, qn, q, rstd.f32s(0..t * nh), t * nh, hd, eps)?;
                 ops.rmsnorm(k, kn, k, rstd.f32s(0..t * nkv), t * nkv, hd, eps)?;
             }
-            ops.rope(q, a.pos, self.inv_freq, t, nh, hd, self.rope_scale, false)?;
-            ops.rope(k, a.pos, self.inv_freq, t, nkv, hd, self.rope_scale, false)?;
-            ops.attention(q, k, v, att, lse, a.spans, t, nh, nkv, hd)?;
+            ops.rope(q, pos, self.inv_freq, t, nh, hd, self.rope_scale, false)?;
+            ops.rope(k, pos, self.inv_freq, t, nkv, hd, self.rope_scale, false)?;
+            ops.attention(q, k, v, att, lse, spans, t, nh, nkv, hd)?;
             mm(ops, att, l.wo, o, t, qd, h)?;
             ops.add(x, o)?;
             ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
@@ -310,7 +364,88 @@ impl DeviceTarget {
                 }
             }
         }
-        Ok(())
+        Ok(t)
+    }
+}
+
+/// The error of a forward of `t` tokens on a target with room for `cap`.
+fn too_long(t: usize, cap: usize) -> GpuError {
+    GpuError::Invalid(format!("{t} tokens, room for {cap}"))
+}
+
+/// The forwards that run rows of lengths `lens`, in order: ranges of consecutive rows,
+/// each as many whole rows as `cap` tokens hold (empty rows ride along). A row longer
+/// than `cap` is refused with the error a forward of it gives.
+pub fn pack_rows(lens: &[usize], cap: usize) -> Result<Vec<std::ops::Range<usize>>> {
+    if let Some(&t) = lens.iter().find(|&&t| t > cap) {
+        return Err(too_long(t, cap));
+    }
+    let mut packs = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, &t) in lens.iter().enumerate() {
+        if tokens + t > cap {
+            packs.push(start..i);
+            (start, tokens) = (i, 0);
+        }
+        tokens += t;
+    }
+    if start < lens.len() {
+        packs.push(start..lens.len());
+    }
+    Ok(packs)
+}
+
+/// Where a forward's per-token inputs lie in [`Acts::meta`] (i32 elements): the token
+/// ids from 0, the positions from `pos`, the key spans from `spans`, each 16-byte aligned.
+struct Meta {
+    pos: usize,
+    spans: usize,
+}
+
+impl Meta {
+    fn of(t: usize) -> Meta {
+        let a = t.next_multiple_of(4);
+        Meta {
+            pos: a,
+            spans: 2 * a,
+        }
+    }
+
+    /// Elements for a forward of `t` tokens.
+    fn len(t: usize) -> usize {
+        Meta::of(t).spans + 4 * t
+    }
+
+    /// The ids, positions and causal spans of `rows` (`t` tokens) packed: token `i` of a
+    /// row that starts at `s` is at position `i` and sees keys `[s, s + i + 1)`, no second
+    /// span. Uploaded into `meta` at once; returns the three parts.
+    fn upload(
+        ops: &mut Ops,
+        meta: DSlice,
+        rows: &[&[u32]],
+        t: usize,
+    ) -> Result<(DSlice, DSlice, DSlice)> {
+        let m = Meta::of(t);
+        let mut v = vec![0i32; Meta::len(t)];
+        let mut i = 0;
+        for r in rows {
+            let start = i as i32;
+            for (p, &id) in r.iter().enumerate() {
+                // The bits of the u32 id: the embedding gather reads them as u32.
+                v[i] = id as i32;
+                v[m.pos + i] = p as i32;
+                v[m.spans + 4 * i] = start;
+                v[m.spans + 4 * i + 1] = i as i32 + 1;
+                i += 1;
+            }
+        }
+        ops.dev
+            .upload(Stream::Compute, meta.sub(4, 0..v.len()), i32_bytes(&v))?;
+        Ok((
+            meta.sub(4, 0..t),
+            meta.sub(4, m.pos..m.pos + t),
+            meta.sub(4, m.spans..m.spans + 4 * t),
+        ))
     }
 }
 
@@ -356,11 +491,6 @@ fn place(
         d, arena, staging, ..
     } = pl;
     let a = Acts::alloc(d, arena, target, t, bf16)?;
-    // Positions and causal spans depend only on the row index: once, for all lengths.
-    let pos: Vec<i32> = (0..t as i32).collect();
-    let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
-    arena.fill(d, a.pos, i32_bytes(&pos))?;
-    arena.fill(d, a.spans, i32_bytes(&spans))?;
     let pinned = match staging {
         Some(st) => st.finish(d)?,
         None => Vec::new(),
@@ -459,9 +589,7 @@ impl Acts {
         // An activation of n elements: half the f32s in bf16.
         let an = |n: usize| if bf16 { n.div_ceil(2) } else { n };
         Ok(Acts {
-            ids: f(t, "token ids")?,
-            pos: f(t, "positions")?,
-            spans: f(4 * t, "causal spans")?,
+            meta: f(Meta::len(t), "token ids, positions and causal spans")?,
             x: f(an(t * h), "residual")?,
             n1: f(an(t * h), "normed")?,
             rstd: f(t * qd / hd, "rstd")?,
