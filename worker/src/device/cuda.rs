@@ -128,26 +128,7 @@ impl CudaDevice {
             .result()
             .map_err(|e| failed("cuDriverGetVersion", e))?;
         let (module, image) = load_kernels(&ctx, &arch, driver)?;
-        let mut functions = HashMap::new();
-        for k in super::nvrtc::kernel_names(super::nvrtc::KERNELS_CU) {
-            let f = module
-                .load_function(&k)
-                .map_err(|e| failed(&format!("kernel {k}"), e))?;
-            // A kernel may take more than 48 KB of dynamic shared memory only when told.
-            let dynamic = Kernel::dynamic_shared_bytes_of(&k);
-            if dynamic > 48 * 1024 {
-                use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC;
-                f.set_attribute(MAX_DYNAMIC, dynamic as i32).map_err(|e| {
-                    failed(
-                        &format!(
-                            "letting kernel {k} have {dynamic} bytes of dynamic shared memory"
-                        ),
-                        e,
-                    )
-                })?;
-            }
-            functions.insert(k, f);
-        }
+        let functions = load_functions(&module)?;
         let mut blas_version = 0;
         // SAFETY: a live handle; writes one int.
         let blas_version = match unsafe {
@@ -515,6 +496,31 @@ impl Device for CudaDevice {
         // cuEventDestroy of an event not yet complete frees it once it completes.
         self.events.release(e);
     }
+}
+
+/// Every kernel of kernels.cu from the loaded module, each allowed the dynamic shared
+/// memory it is launched with (past 48 KB only when told).
+fn load_functions(
+    module: &Arc<cudarc::driver::CudaModule>,
+) -> Result<HashMap<String, CudaFunction>> {
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC;
+    let mut functions = HashMap::new();
+    for k in super::nvrtc::kernel_names(super::nvrtc::KERNELS_CU) {
+        let f = module
+            .load_function(&k)
+            .map_err(|e| failed(&format!("kernel {k}"), e))?;
+        let dynamic = Kernel::dynamic_shared_bytes_of(&k);
+        if dynamic > 48 * 1024 {
+            f.set_attribute(MAX_DYNAMIC, dynamic as i32).map_err(|e| {
+                failed(
+                    &format!("letting kernel {k} have {dynamic} bytes of dynamic shared memory"),
+                    e,
+                )
+            })?;
+        }
+        functions.insert(k, f);
+    }
+    Ok(functions)
 }
 
 impl CudaDevice {

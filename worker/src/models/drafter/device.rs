@@ -705,63 +705,29 @@ impl Pass<'_> {
         let xin = mx.input(ops, x, m * h)?;
         let (wq, wk, wv) = (lc.pp(&li.wq), lc.pp(&li.wk), lc.pp(&li.wv));
         let (dk_blk, dv_blk) = (dk_pre.f32s(slen * kd..tk * kd), dv.f32s(slen * kd..tk * kd));
-        mx.back_in(
-            ops,
-            dq_pre,
-            xin,
-            wq,
-            Some((dx, true)),
-            Some(gr(&li.wq)),
-            m,
-            h,
-            qd,
-        )?;
-        mx.back_in(
-            ops,
-            dk_blk,
-            xin,
-            wk,
-            Some((dx, false)),
-            Some(gr(&li.wk)),
-            m,
-            h,
-            kd,
-        )?;
-        mx.back_in(
-            ops,
-            dv_blk,
-            xin,
-            wv,
-            Some((dx, false)),
-            Some(gr(&li.wv)),
-            m,
-            h,
-            kd,
-        )?;
+        let block = [
+            (dq_pre, wq, &li.wq, qd, true),
+            (dk_blk, wk, &li.wk, kd, false),
+            (dv_blk, wv, &li.wv, kd, false),
+        ];
+        for (dy, wt, g, n, first) in block {
+            mx.back_in(ops, dy, xin, wt, Some((dx, first)), Some(gr(g)), m, h, n)?;
+        }
         let cin = mx.input(ops, ctx, slen * h)?;
         let (dk_ctx, dv_ctx) = (dk_pre.f32s(0..slen * kd), dv.f32s(0..slen * kd));
-        mx.back_in(
-            ops,
-            dk_ctx,
-            cin,
-            wk,
-            Some((dctx, false)),
-            Some(gr(&li.wk)),
-            slen,
-            h,
-            kd,
-        )?;
-        mx.back_in(
-            ops,
-            dv_ctx,
-            cin,
-            wv,
-            Some((dctx, false)),
-            Some(gr(&li.wv)),
-            slen,
-            h,
-            kd,
-        )?;
+        for (dy, wt, g) in [(dk_ctx, wk, &li.wk), (dv_ctx, wv, &li.wv)] {
+            mx.back_in(
+                ops,
+                dy,
+                cin,
+                wt,
+                Some((dctx, false)),
+                Some(gr(g)),
+                slen,
+                h,
+                kd,
+            )?;
+        }
         ops.rmsnorm_backward(
             dx,
             h_in,
