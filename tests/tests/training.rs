@@ -400,10 +400,15 @@ fn bench_compute_reports_the_forward_per_op_against_bare_gemms() {
         .keys()
         .find(|k| k.starts_with("attention_fa2_fwd") || k.starts_with("attention_fwd"))
         .unwrap_or_else(|| panic!("no attention forward in {dops:?}"));
+    // And its backward (the FlashAttention-2 one there, after its preparation pass).
+    let bwd = dops
+        .keys()
+        .find(|k| k.starts_with("attention_fa2_bwd") || *k == "attention_bwd")
+        .unwrap_or_else(|| panic!("no attention backward in {dops:?}"));
     for op in [
         "gemm",
         fwd.as_str(),
-        "attention_bwd",
+        bwd.as_str(),
         "ce_fold",
         "ce_finish",
         "adamw",
