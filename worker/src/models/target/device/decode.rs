@@ -127,6 +127,10 @@ impl Decoder {
         self.model.max_tokens
     }
 
+    pub fn vocab(&self) -> usize {
+        self.model.cfg.vocab_size
+    }
+
     pub fn taps_width(&self) -> usize {
         self.model.taps.len() * self.model.cfg.hidden_size
     }
