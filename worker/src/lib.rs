@@ -209,14 +209,18 @@ pub fn main() -> i32 {
             max_new_tokens,
             seed,
             json,
-        }) => tool(eval::tool::run(&eval::tool::Args {
+        }) => match eval::tool::run(&eval::tool::Args {
             target,
             drafter,
             prompts,
             max_new_tokens,
             json,
             seed,
-        })),
+        }) {
+            // Speculative decoding wrote other tokens than greedy decoding: a failed check.
+            Ok(false) => exit_codes::RUN_FAILED,
+            r => tool(r.map(|_| ())),
+        },
         Some(Command::TinyTarget { out, config: None }) => tool(
             models::tiny::write(&out)
                 .map_err(error::ToolError::io(format!("--out {}", out.display()))),

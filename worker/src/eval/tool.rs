@@ -79,7 +79,9 @@ fn eos(dir: &Path) -> Option<u32> {
         .map(|x| x as u32)
 }
 
-pub fn run(a: &Args) -> Result<(), ToolError> {
+/// Decode every prompt both ways and print the figures; whether speculative decoding
+/// wrote what greedy decoding wrote on every prompt.
+pub fn run(a: &Args) -> Result<bool, ToolError> {
     if a.max_new_tokens == 0 {
         return Err(EvalError::NoNewTokens.into());
     }
@@ -139,9 +141,7 @@ pub fn run(a: &Args) -> Result<(), ToolError> {
         n_greedy += g.len();
         n_spec += s.tokens.len();
         same += usize::from(g == s.tokens);
-        per.push(
-            json!({"prompt_tokens": p.len(), "new_tokens": s.tokens.len(), "accepted": s.accepted}),
-        );
+        per.push(json!({"prompt_tokens": p.len(), "tokens": s.tokens, "accepted": s.accepted}));
         runs.push(s.accepted);
     }
     let tau = Tau::new(&runs, bs, a.seed);
@@ -163,15 +163,13 @@ pub fn run(a: &Args) -> Result<(), ToolError> {
     });
     print(&report, a.json);
     if same != prompts.len() {
-        return Err(ToolError::Worker(crate::error::WorkerError::Invalid(
-            format!(
-                "speculative decoding differs from greedy decoding on {} of {} prompts",
-                prompts.len() - same,
-                prompts.len()
-            ),
-        )));
+        eprintln!(
+            "dflash-worker: error: speculative decoding wrote other tokens than greedy decoding on {} of {} prompts",
+            prompts.len() - same,
+            prompts.len()
+        );
     }
-    Ok(())
+    Ok(same == prompts.len())
 }
 
 fn tempfile_dir() -> Result<PathBuf, ToolError> {
