@@ -3,7 +3,11 @@
 //! argmax; the decoded tokens equal plain greedy decoding token for token, for several
 //! prompts, with an untrained drafter and with one trained on the target's own outputs
 //! (which accepts more); every step commits 1 to block-size tokens; a target and drafter
-//! that always agree commit whole blocks (τ = block size).
+//! that always agree commit whole blocks (τ = block size); and a Python reference of the
+//! same loop (transformers for the target, the export loaded with `AutoModel(...,
+//! trust_remote_code=True)`, written from the published algorithm) accepts the same
+//! lengths at every step of every prompt (skips without python3, torch and transformers
+//! on a laptop, fails under CI).
 
 use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::model_config::{target_layer_ids, TargetConfig};
@@ -20,6 +24,7 @@ const BS: usize = 6;
 const MAX_LEN: usize = 160;
 
 struct Setup {
+    dir: tempfile::TempDir,
     target: Target,
     head: Head,
     frozen: Frozen,
@@ -64,6 +69,7 @@ fn setup() -> Setup {
         gamma: 4.0,
     };
     Setup {
+        dir,
         target,
         head,
         frozen,
@@ -270,4 +276,139 @@ fn a_drafter_that_always_agrees_commits_whole_blocks() {
     let sp = speculative(&mut dec, &mut dr, &prompts()[1], stop).unwrap();
     assert_eq!(sp.tokens, vec![0; stop.max_new]);
     assert_eq!(sp.accepted, vec![BS; 4], "τ = block size");
+}
+
+const REFERENCE: &str = r#"
+import json, sys
+import torch
+import transformers
+from packaging import version
+from transformers import AutoModel, AutoModelForCausalLM
+kw = "dtype" if version.parse(transformers.__version__) >= version.parse("4.56") else "torch_dtype"
+job = json.load(open(sys.argv[1]))
+target = AutoModelForCausalLM.from_pretrained(job["target"], **{kw: torch.float32}).eval()
+drafter = AutoModel.from_pretrained(job["drafter"], trust_remote_code=True, **{kw: torch.float32}).eval()
+taps, bs, mask = drafter.target_layer_ids, drafter.block_size, drafter.mask_token_id
+emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+
+def run(ids):
+    # The target on a whole sequence, no cache: its logits and taps per position.
+    o = target(torch.tensor([ids]), output_hidden_states=True)
+    return o.logits[0], torch.cat([o.hidden_states[t + 1][0] for t in taps], -1)
+
+def greedy(prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(run(seq)[0][-1].argmax()))
+    return seq[len(prompt):]
+
+def speculative(prompt, n):
+    seq = list(prompt)
+    seq.append(int(run(seq)[0][-1].argmax()))
+    accepted = []
+    while len(seq) - len(prompt) < n:
+        a = len(seq) - 1  # the block starts at the last committed token
+        _, ctx = run(seq[:a])  # the taps of every position before it
+        block = [seq[-1]] + [mask] * (bs - 1)
+        h = drafter(position_ids=torch.arange(a + bs)[None],
+                    noise_embedding=emb(torch.tensor([block])), target_hidden=ctx[None])
+        guess = [int(x) for x in drafter.compute_logits(h, head)[0, 1:].argmax(-1)]
+        logits, _ = run(seq + guess)
+        verify = [int(x) for x in logits[a:].argmax(-1)]  # the target's token after each slot
+        k = 0
+        while k < bs - 1 and guess[k] == verify[k]:
+            k += 1
+        seq += guess[:k] + [verify[k]]
+        accepted.append(k + 1)
+    return seq[len(prompt):][:n], accepted
+
+with torch.no_grad():
+    out = [dict(zip(["tokens", "accepted"], speculative(p, job["n"])), greedy=greedy(p, job["n"]))
+           for p in job["prompts"]]
+json.dump(out, sys.stdout)
+"#;
+
+fn python_ok() -> bool {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(std::env::var_os("CI").is_none(), "python3 with torch and transformers is missing: under CI this test may not skip (.ci/run installs them)");
+        eprintln!("skipping: python3 with torch and transformers is not installed");
+    }
+    ok
+}
+
+#[test]
+fn accepted_lengths_equal_a_python_reference_with_the_export() {
+    if !python_ok() {
+        return;
+    }
+    use dflash_worker::eval::draft::Exported;
+    use dflash_worker::export::{write_hf_dir, ExportInfo};
+    let s = setup();
+    let mut dec = decoder(&s, &s.head);
+    // Partly trained: steps of every accepted length.
+    let (half, _) = trained(&s, &mut dec);
+    let out = tempfile::tempdir().unwrap();
+    let export = out.path().join("drafter");
+    let ids: Vec<u32> = s.target.taps.iter().map(|&t| t as u32).collect();
+    let info = ExportInfo {
+        step: 40,
+        seed: 1,
+        num_target_layers: s.target.cfg.num_hidden_layers,
+        target_layer_ids: &ids,
+        max_position_embeddings: None,
+    };
+    write_hf_dir(
+        &Drafter::new(s.cfg.clone()),
+        &s.frozen,
+        &half,
+        &info,
+        &export,
+    )
+    .unwrap();
+    // Ours from the export as eval reads it (the bf16 weights).
+    let ex = Exported::load(&export).unwrap();
+    let mut dr = draft(&s, &ex.params, &s.frozen);
+    let stop = Stop {
+        max_new: 30,
+        eos: None,
+    };
+    let ours: Vec<_> = prompts()
+        .iter()
+        .map(|p| speculative(&mut dec, &mut dr, p, stop).unwrap())
+        .collect();
+    let job = tempfile::NamedTempFile::new().unwrap();
+    let spec = serde_json::json!({"target": s.dir.path(), "drafter": export, "prompts": prompts(), "n": stop.max_new});
+    std::fs::write(job.path(), spec.to_string()).unwrap();
+    let o = std::process::Command::new("python3")
+        .args(["-c", REFERENCE])
+        .arg(job.path())
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "the reference failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let theirs: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
+    for (i, (ours, theirs)) in ours.iter().zip(&theirs).enumerate() {
+        let acc: Vec<usize> = serde_json::from_value(theirs["accepted"].clone()).unwrap();
+        let toks: Vec<u32> = serde_json::from_value(theirs["tokens"].clone()).unwrap();
+        let greedy: Vec<u32> = serde_json::from_value(theirs["greedy"].clone()).unwrap();
+        assert_eq!(ours.accepted, acc, "prompt {i}: accepted lengths");
+        assert_eq!(ours.tokens, toks, "prompt {i}: tokens");
+        assert_eq!(
+            toks, greedy,
+            "prompt {i}: the reference's own speculative ≠ greedy"
+        );
+    }
+    assert_eq!(theirs.len(), ours.len());
+    let all: Vec<usize> = ours.iter().flat_map(|d| d.accepted.clone()).collect();
+    assert!(
+        all.contains(&1) && all.iter().any(|&a| 1 < a && a < BS),
+        "{all:?}"
+    );
 }
