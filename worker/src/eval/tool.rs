@@ -87,7 +87,7 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     }
     let tmp;
     let dir = if a.target == "tiny" {
-        tmp = tempfile_dir()?;
+        tmp = std::env::temp_dir().join(format!("dflash-tiny-eval-{}", std::process::id()));
         crate::models::tiny::write(&tmp)
             .map_err(ToolError::io(format!("writing {}", tmp.display())))?;
         tmp.as_path()
@@ -98,10 +98,12 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     let ex = Exported::load(&a.drafter)?;
     ex.check_target(&a.drafter, &cfg)?;
     let prompts = read_prompts(&a.prompts, cfg.vocab_size)?;
-    let (target, head) = Target::load_decoder(dir, &ex.target_layer_ids)?;
+    let loaded = Target::load_decoder(dir, &ex.target_layer_ids);
+    let eos = eos(dir);
     if a.target == "tiny" {
         let _ = std::fs::remove_dir_all(dir);
     }
+    let (target, head) = loaded?;
     let bs = ex.cfg.block_size;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let max_len = longest + a.max_new_tokens + bs;
@@ -127,7 +129,7 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     drop(frozen);
     let stop = Stop {
         max_new: a.max_new_tokens,
-        eos: eos(dir),
+        eos,
     };
     let (mut runs, mut per) = (Vec::new(), Vec::new());
     let (mut t_greedy, mut t_spec, mut n_greedy, mut n_spec, mut same) = (0.0, 0.0, 0, 0, 0);
@@ -170,10 +172,6 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
         );
     }
     Ok(same == prompts.len())
-}
-
-fn tempfile_dir() -> Result<PathBuf, ToolError> {
-    Ok(std::env::temp_dir().join(format!("dflash-tiny-eval-{}", std::process::id())))
 }
 
 fn print(r: &Value, json: bool) {

@@ -97,7 +97,13 @@ impl Decoder {
         let dev = model.ops.dev.as_mut();
         let mut dry = Arena::dry();
         parts(dev, &mut dry)?;
-        let mut arena = Arena::for_model(dev, dry.mark(), "the target's KV cache and lm_head")?;
+        // A device that reports no free memory has no limit (the host device without one:
+        // all it has is in use); any other is checked, so a cache too large is named.
+        let what = "the target's KV cache and lm_head";
+        let mut arena = match dev.mem_info()? {
+            (0, _) => Arena::new(dev, dry.mark())?,
+            _ => Arena::for_model(dev, dry.mark(), what)?,
+        };
         let (cache, pos, spans, logits, norm, lm_head) = parts(dev, &mut arena)?;
         Ok(Decoder {
             model,
