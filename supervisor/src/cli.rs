@@ -86,6 +86,15 @@ pub enum Command {
     /// tolerance or with missing/unexpected tensors, 2 when DIR is not an export or
     /// Python, torch or transformers is missing.
     ExportCheck(crate::commands::export_check::ExportCheckArgs),
+    /// Real acceptance length τ: greedy DFlash speculative decoding of each prompt with an
+    /// exported drafter, verified by the target over its KV cache, against plain greedy
+    /// decoding of the target in the same run (CPU). Prints τ as mean of per-prompt means
+    /// and pooled (tokens ÷ verify steps) with 95% bootstrap intervals over prompts, the
+    /// histogram of tokens per verify step, decode tokens/s and the speedup. Exits 1 when
+    /// speculative decoding wrote other tokens than greedy decoding on a prompt, 2 on an
+    /// input that cannot be used (a missing directory, a drafter trained for another
+    /// target, no prompts), 4 when the worker could not run.
+    Eval(crate::commands::eval::EvalArgs),
     /// Benchmarks that print figures and ratios against baselines measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),

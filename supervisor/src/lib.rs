@@ -78,6 +78,7 @@ pub fn main() -> i32 {
         Some(Command::Prepare(a)) => commands::prepare::prepare(a),
         Some(Command::Export(a)) => commands::export::run(a),
         Some(Command::ExportCheck(a)) => commands::export_check::run(a),
+        Some(Command::Eval(a)) => commands::eval::run(a),
         Some(Command::Bench(BenchCommand::Prepare {
             json,
             tokenizer,

@@ -541,3 +541,44 @@ fn bench_prepare_prints_throughput_and_its_ratios() {
         "both rates count the same data: {v}"
     );
 }
+
+/// `eval`'s chat prompts: the turns before the assistant's reply, rendered with the
+/// generation prompt, are the ids of transformers' `apply_chat_template(messages,
+/// add_generation_prompt=True, tokenize=True)`.
+#[test]
+fn eval_prompts_equal_transformers_with_the_generation_prompt() {
+    let Some(dir) = tokenizer_dir() else { return };
+    if !has_transformers() {
+        assert!(
+            !ci(),
+            "transformers is missing: under CI this test may not skip"
+        );
+        return;
+    }
+    use dflash_supervisor::data::chat::prompt_turns;
+    let chat = Chat::load(&dir).unwrap();
+    let line = r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 17 × 3?"}, {"role": "assistant", "content": "51"}]}"#;
+    let obj: serde_json::Map<String, serde_json::Value> = serde_json::from_str(line).unwrap();
+    let turns = prompt_turns(&obj).unwrap().unwrap();
+    assert_eq!(turns.len(), 2, "the trailing assistant reply is dropped");
+    let ours = chat.prompt(turns.clone()).unwrap();
+    let script = "import json, sys\nfrom transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained(sys.argv[1])\nids = tok.apply_chat_template(json.loads(sys.argv[2]), add_generation_prompt=True, tokenize=True)\nids = ids['input_ids'] if isinstance(ids, dict) or hasattr(ids, 'keys') else ids\nprint(json.dumps(list(ids)))";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(&dir)
+        .arg(serde_json::to_string(&turns).unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let want: Vec<u32> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ours, want);
+    assert!(chat.decode(&ours).ends_with("<|im_start|>assistant\n"));
+    // A conversation of assistant turns only has no prompt.
+    let only: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(r#"{"messages": [{"role": "assistant", "content": "x"}]}"#).unwrap();
+    assert!(prompt_turns(&only).is_err());
+}

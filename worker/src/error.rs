@@ -214,6 +214,9 @@ pub enum ToolError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Config(#[from] dflash_shared::model_config::ConfigError),
+    /// `eval`'s inputs.
+    #[error(transparent)]
+    Eval(#[from] crate::eval::EvalError),
     /// `bench-kernels`: a CUDA tool missing or failing, or machine code it cannot read.
     #[error(transparent)]
     KernelBench(#[from] crate::kernel_bench::KernelBenchError),

@@ -17,6 +17,7 @@ mod busy;
 pub mod collective;
 pub mod device;
 pub mod error;
+pub mod eval;
 pub mod export;
 mod fatal;
 mod identity;
@@ -119,6 +120,26 @@ enum Command {
         #[arg(long, value_name = "N")]
         num_target_layers: Option<usize>,
     },
+    /// What `dflash-supervise eval` runs: greedy speculative decoding of each prompt with
+    /// an exported drafter against plain greedy decoding, on the CPU; prints τ.
+    Eval {
+        /// The target model directory, or "tiny" (the built-in demo target).
+        #[arg(long, value_name = "DIR")]
+        target: String,
+        /// An exported drafter directory (RUN_DIR/drafter).
+        #[arg(long, value_name = "DIR")]
+        drafter: PathBuf,
+        /// Prompts: one JSON array of token ids (or {"input_ids": [...]}) per line.
+        #[arg(long, value_name = "FILE")]
+        prompts: PathBuf,
+        #[arg(long, value_name = "N", default_value_t = 128)]
+        max_new_tokens: usize,
+        /// Seed of the bootstrap interval.
+        #[arg(long, value_name = "N", default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        json: bool,
+    },
     /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR, or
     /// with --config a target of random weights for that config.json (tests use it).
     TinyTarget {
@@ -181,6 +202,25 @@ pub fn main() -> i32 {
             .map(|step| println!("drafter of step {step} written to {}", out.display()))
             .map_err(error::ToolError::from),
         ),
+        Some(Command::Eval {
+            target,
+            drafter,
+            prompts,
+            max_new_tokens,
+            seed,
+            json,
+        }) => match eval::tool::run(&eval::tool::Args {
+            target,
+            drafter,
+            prompts,
+            max_new_tokens,
+            json,
+            seed,
+        }) {
+            // Speculative decoding wrote other tokens than greedy decoding: a failed check.
+            Ok(false) => exit_codes::RUN_FAILED,
+            r => tool(r.map(|_| ())),
+        },
         Some(Command::TinyTarget { out, config: None }) => tool(
             models::tiny::write(&out)
                 .map_err(error::ToolError::io(format!("--out {}", out.display()))),

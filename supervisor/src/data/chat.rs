@@ -65,6 +65,36 @@ fn bad(reason: &'static str) -> Bad {
 pub fn conversation(
     obj: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<Option<Vec<serde_json::Value>>, Bad> {
+    let Some(msgs) = turns(obj)? else {
+        return Ok(None);
+    };
+    if !msgs.iter().any(|m| m["role"] == "assistant") {
+        return Err(bad("no assistant turn"));
+    }
+    Ok(Some(msgs))
+}
+
+/// A prompt's conversation: [`conversation`]'s turns without its trailing assistant
+/// replies (the reply is what decoding writes); none need be there.
+pub fn prompt_turns(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Option<Vec<serde_json::Value>>, Bad> {
+    let Some(mut msgs) = turns(obj)? else {
+        return Ok(None);
+    };
+    while msgs.last().is_some_and(|m| m["role"] == "assistant") {
+        msgs.pop();
+    }
+    if msgs.is_empty() {
+        return Err(bad("no turn before the assistant's"));
+    }
+    Ok(Some(msgs))
+}
+
+/// The turns of `messages` or ShareGPT `conversations`, checked, not empty.
+fn turns(
+    obj: &serde_json::Map<String, serde_json::Value>,
+) -> Result<Option<Vec<serde_json::Value>>, Bad> {
     let msgs = if let Some(m) = obj.get("messages") {
         let list = m.as_array().ok_or(bad("messages is not a list"))?;
         let mut out = Vec::with_capacity(list.len());
@@ -121,9 +151,6 @@ pub fn conversation(
     };
     if msgs.is_empty() {
         return Err(bad("empty conversation"));
-    }
-    if !msgs.iter().any(|m| m["role"] == "assistant") {
-        return Err(bad("no assistant turn"));
     }
     Ok(Some(msgs))
 }
@@ -355,6 +382,25 @@ impl Chat {
             from = end;
         }
         spans
+    }
+
+    /// A prompt's token ids: `messages` rendered with the generation prompt (the assistant
+    /// header, where decoding starts), tokenized.
+    pub fn prompt(&self, messages: Vec<serde_json::Value>) -> Result<Vec<u32>, Bad> {
+        let text = self
+            .render(&serde_json::Value::Array(messages), true)
+            .map_err(|e| Bad {
+                reason: "chat template failed to render",
+                detail: Some(one_line(&e.to_string())),
+            })?;
+        let enc = self
+            .tokenizer
+            .encode(text.as_str(), false)
+            .map_err(|e| Bad {
+                reason: "tokenizer failed",
+                detail: Some(one_line(&e.to_string())),
+            })?;
+        Ok(enc.get_ids().to_vec())
     }
 
     pub fn vocab_size(&self) -> usize {

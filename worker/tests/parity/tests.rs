@@ -1343,3 +1343,69 @@ fn host_device_flash_attention_2_backward_matches_the_cpu_backend() {
     check_attention("FA2 backward, rows without keys", 90, 90, &spans, heads(2, 1, 64), 60);
 }
 
+
+/// `eval`'s decoding on the device: the target over its KV cache (prefill in blocks, one
+/// token, a block cropped away) gives the CPU decoder's logits and taps, and speculative
+/// decoding with a drafter on the device writes the device's greedy tokens. (On a GPU the
+/// last is reported, not asserted: bf16 GEMMs of 1 and of 8 rows may round a near tie
+/// apart, which the host device, summing each element in one order, does not.)
+#[test]
+fn host_device_decoding_over_the_kv_cache_matches_the_cpu_decoder() {
+    let _checks = all_checks();
+    use dflash_worker::device::cpu::CpuDevice;
+    use dflash_worker::eval::draft::Draft;
+    use dflash_worker::eval::spec::{greedy, speculative, Stop};
+    use dflash_worker::models::drafter::{Drafter, Frozen};
+    use dflash_worker::models::target::device::decode::Decoder;
+    use dflash_worker::models::target::Target;
+    let tmp = tempfile::tempdir().unwrap();
+    dflash_worker::models::tiny::write_random(tmp.path(), QWEN3, 23).unwrap();
+    let (t, head) = Target::load_decoder(tmp.path(), &[0, 2]).unwrap();
+    let mut cpu = Decoder::new(Box::new(CpuDevice::new()), &t, &head, 64, 8).unwrap();
+    let mut dev = Decoder::new(device(), &t, &head, 64, 8).unwrap();
+    let tol = if device().is_cpu() { 1e-5 } else { 3e-2 };
+    let prompt: Vec<u32> = (0..13).map(|i| (i * 37 + 5) % 300).collect();
+    let steps: [&[u32]; 4] = [&prompt, &[17], &[3, 99, 250, 7, 1], &[42]];
+    for (i, s) in steps.iter().enumerate() {
+        if i == 3 {
+            // The block of 5 is rejected but its first token.
+            cpu.crop(15).unwrap();
+            dev.crop(15).unwrap();
+        }
+        let (want, got) = (cpu.prefill(s).unwrap(), dev.prefill(s).unwrap());
+        assert_close(&format!("decoder logits, step {i}"), &got.logits, &want.logits, tol);
+        assert_close(&format!("decoder taps, step {i}"), &got.taps, &want.taps, tol);
+    }
+    let c = &t.cfg;
+    let dc = dflash_shared::drafter::DrafterConfig {
+        hidden: c.hidden_size,
+        layers: 1,
+        q_heads: c.num_attention_heads,
+        kv_heads: c.num_key_value_heads,
+        head_dim: c.head_dim,
+        intermediate: c.intermediate_size,
+        vocab: c.vocab_size,
+        eps: c.rms_norm_eps,
+        rope_theta: c.rope_theta,
+        rope_scaling: None,
+        n_taps: 2,
+        block_size: 4,
+        max_anchors: 1,
+        mask_token_id: 299,
+        gamma: 4.0,
+    };
+    let embed = dflash_worker::models::weights::Weights::open(tmp.path())
+        .unwrap()
+        .get("model.embed_tokens.weight", &[c.vocab_size, c.hidden_size])
+        .unwrap();
+    let frozen = Frozen { embed, lm_head: head.lm_head.clone() };
+    let p = Drafter::new(dc.clone()).init_params(4);
+    let mut draft = Draft::new(device(), &dc, &p, &frozen, 64).unwrap();
+    let stop = Stop { max_new: 20, eos: None };
+    let g = greedy(&mut dev, &prompt, stop).unwrap();
+    let s = speculative(&mut dev, &mut draft, &prompt, stop).unwrap();
+    eprintln!("device speculative = greedy: {}; accepted {:?}", s.tokens == g, s.accepted);
+    if !on_gpu() {
+        check(s.tokens == g, || format!("speculative {:?} ≠ greedy {g:?} on the device", s.tokens));
+    }
+}

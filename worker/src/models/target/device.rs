@@ -16,6 +16,8 @@ use crate::device::{
 };
 use crate::models::target::{matrix_name, Target};
 
+pub mod decode;
+
 struct Layer {
     ln1: DSlice,
     ln2: DSlice,

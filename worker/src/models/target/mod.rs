@@ -67,6 +67,13 @@ impl Target {
     }
 }
 
+/// What follows the last layer: the final RMSNorm and the lm_head `[vocab, hidden]` (the
+/// embedding again when the target ties them), f32.
+pub struct Head {
+    pub norm: Vec<f32>,
+    pub lm_head: Vec<f32>,
+}
+
 pub struct Target {
     pub cfg: TargetConfig,
     pub taps: Vec<usize>,
@@ -88,6 +95,30 @@ impl Target {
 
     /// [`load`](Self::load), keeping in host memory what `how` says.
     pub fn load_as(dir: &Path, taps: &[usize], how: Load) -> Result<Target, ModelError> {
+        Target::load_layers(dir, taps, how, false)
+    }
+
+    /// Every layer (not only those up to the last tap) in f32, and the final norm and
+    /// lm_head: what decoding needs (`dflash-supervise eval`).
+    pub fn load_decoder(dir: &Path, taps: &[usize]) -> Result<(Target, Head), ModelError> {
+        let t = Target::load_layers(dir, taps, Load::F32, true)?;
+        let w = Weights::open(dir)?;
+        let (v, h) = (t.cfg.vocab_size, t.cfg.hidden_size);
+        let norm = w.get("model.norm.weight", &[h])?;
+        let lm_head = match t.cfg.tie_word_embeddings {
+            true => t.embed.clone(),
+            false => w.get("lm_head.weight", &[v, h])?,
+        };
+        Ok((t, Head { norm, lm_head }))
+    }
+
+    /// The layers up to the last tap, or all of them when `every`.
+    fn load_layers(
+        dir: &Path,
+        taps: &[usize],
+        how: Load,
+        every: bool,
+    ) -> Result<Target, ModelError> {
         let cfg = TargetConfig::load(dir).map_err(|e| ModelError {
             path: e.path,
             problem: e.problem.into(),
@@ -136,7 +167,11 @@ impl Target {
                 Load::Mapped => w.raw(name, &shape(name)).map(|_| Vec::new()),
             }
         };
-        let last = taps.iter().copied().max().unwrap_or(0);
+        let last = match every {
+            true => cfg.num_hidden_layers - 1,
+            false => taps.iter().copied().max().unwrap_or(0),
+        };
+        let qk = cfg.arch == Arch::Qwen3;
         let mut layers = Vec::new();
         for l in 0..=last {
             let p = format!("model.layers.{l}");
@@ -149,16 +184,8 @@ impl Target {
                 wk: b("self_attn.k_proj.weight")?,
                 wv: b("self_attn.v_proj.weight")?,
                 wo: b("self_attn.o_proj.weight")?,
-                q_norm: if cfg.arch == Arch::Qwen3 {
-                    Some(g("self_attn.q_norm.weight")?)
-                } else {
-                    None
-                },
-                k_norm: if cfg.arch == Arch::Qwen3 {
-                    Some(g("self_attn.k_norm.weight")?)
-                } else {
-                    None
-                },
+                q_norm: qk.then(|| g("self_attn.q_norm.weight")).transpose()?,
+                k_norm: qk.then(|| g("self_attn.k_norm.weight")).transpose()?,
                 gate: b("mlp.gate_proj.weight")?,
                 up: b("mlp.up_proj.weight")?,
                 down: b("mlp.down_proj.weight")?,

@@ -1,0 +1,173 @@
+//! `dflash-supervise eval`: real acceptance length. Greedy DFlash speculative decoding of
+//! each prompt with an exported drafter, against plain greedy decoding of its target, in a
+//! `dflash-worker eval` process on the CPU (the supervisor links no model code). Chat
+//! prompts are rendered here with the target's chat template and tokenizer (with the
+//! generation prompt), so the worker reads token ids only.
+//!
+//! Exit 0: measured, and speculative decoding wrote what greedy decoding wrote on every
+//! prompt; 1: it did not on some prompt (a bug); 2: an input that cannot be used (one
+//! line: which, and what was expected); 4: the worker could not be run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use dflash_shared::exit_codes;
+
+use crate::data::chat::{prompt_turns, Chat};
+use crate::error::Error;
+
+#[derive(Debug, clap::Args)]
+pub struct EvalArgs {
+    /// The target model directory (RUN_DIR/target for the built-in tiny target), or tiny.
+    #[arg(long, value_name = "DIR")]
+    pub target: String,
+    /// An exported drafter directory (RUN_DIR/drafter, or what `export` wrote).
+    #[arg(long, value_name = "DIR")]
+    pub drafter: PathBuf,
+    /// One prompt per line: a JSON array of token ids, {"input_ids": [...]}, or a chat
+    /// conversation ({"messages": [...]} or ShareGPT {"conversations": [...]}, rendered
+    /// with the target's chat template; trailing assistant turns are dropped).
+    #[arg(long, value_name = "FILE")]
+    pub prompts: PathBuf,
+    /// New tokens per prompt at most (decoding also stops at the target's EOS).
+    #[arg(long, value_name = "N", default_value_t = 128)]
+    pub max_new_tokens: usize,
+    /// Seed of the bootstrap interval over prompts.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub seed: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// The worker program (default: dflash-worker beside dflash-supervise).
+    #[arg(long, value_name = "PATH")]
+    pub worker_bin: Option<PathBuf>,
+}
+
+pub fn run(a: EvalArgs) -> Result<i32, Error> {
+    let tiny = a.target == "tiny";
+    if !tiny && !Path::new(&a.target).join("config.json").is_file() {
+        return Err(Error::input(
+            format!("--target {}", a.target),
+            "no config.json there (expected a Hugging Face model directory, or tiny)",
+        ));
+    }
+    for f in ["config.json", "model.safetensors"] {
+        if !a.drafter.join(f).is_file() {
+            return Err(Error::input(
+                format!("--drafter {}", a.drafter.display()),
+                format!(
+                    "no {f} there (expected an exported drafter directory, e.g. RUN_DIR/drafter)"
+                ),
+            ));
+        }
+    }
+    let lines = token_lines(&a.prompts, (!tiny).then(|| Path::new(&a.target)))?;
+    let file =
+        std::env::temp_dir().join(format!("dflash-eval-prompts-{}.jsonl", std::process::id()));
+    std::fs::write(&file, lines.join("\n"))
+        .map_err(|e| Error::io("cannot write the prompts to", &file, e))?;
+    let r = worker(&a, &file);
+    let _ = std::fs::remove_file(&file);
+    r
+}
+
+/// The prompts as token-id lines: chat lines rendered and tokenized with the target's
+/// own template and tokenizer, the others as they are (the worker checks their ids).
+fn token_lines(path: &Path, target: Option<&Path>) -> Result<Vec<String>, Error> {
+    let input = || format!("--prompts {}", path.display());
+    let text = std::fs::read_to_string(path).map_err(|e| Error::input(input(), e))?;
+    let mut chat: Option<Chat> = None;
+    let mut out = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let at = |why: String| Error::input(format!("{} line {}", input(), i + 1), why);
+        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
+            at(format!(
+                "{e} (expected a JSON array of token ids or a chat object)"
+            ))
+        })?;
+        let turns = match v.as_object() {
+            Some(o) => prompt_turns(o).map_err(|b| at(b.reason.to_string()))?,
+            None => None,
+        };
+        let Some(turns) = turns else {
+            out.push(line.to_string());
+            continue;
+        };
+        let Some(dir) = target else {
+            return Err(at("a chat conversation, but the built-in tiny target has no tokenizer (expected token ids)".into()));
+        };
+        if chat.is_none() {
+            chat = Some(Chat::load(dir).map_err(|e| at(e.to_string()))?);
+        }
+        let ids = chat
+            .as_ref()
+            .map(|c| c.prompt(turns))
+            .transpose()
+            .map_err(|b| at(b.detail.unwrap_or_else(|| b.reason.to_string())))?
+            .unwrap_or_default();
+        out.push(serde_json::to_string(&ids).unwrap_or_default());
+    }
+    if out.is_empty() {
+        return Err(Error::input(
+            input(),
+            "no prompts (expected one JSON array of token ids, or one chat conversation, per line)",
+        ));
+    }
+    Ok(out)
+}
+
+/// `dflash-worker eval` on the token-id prompts in `prompts`: its report to stdout; its
+/// one error line as ours.
+fn worker(a: &EvalArgs, prompts: &Path) -> Result<i32, Error> {
+    let worker = match &a.worker_bin {
+        Some(w) => w.clone(),
+        None => std::env::current_exe()
+            .map_err(|e| Error::start("finding dflash-supervise", e))?
+            .with_file_name("dflash-worker"),
+    };
+    let mut cmd = Command::new(&worker);
+    cmd.arg("eval")
+        .arg("--target")
+        .arg(&a.target)
+        .arg("--drafter")
+        .arg(&a.drafter)
+        .arg("--prompts")
+        .arg(prompts)
+        .arg("--max-new-tokens")
+        .arg(a.max_new_tokens.to_string())
+        .arg("--seed")
+        .arg(a.seed.to_string());
+    if a.json {
+        cmd.arg("--json");
+    }
+    let out = cmd
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .stdout(Stdio::inherit())
+        .output()
+        .map_err(|e| Error::start(format!("running {} eval", worker.display()), e))?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("no message")
+        .trim();
+    let line = line.strip_prefix("dflash-worker: error: ").unwrap_or(line);
+    match out.status.code() {
+        Some(exit_codes::SUCCESS) => Ok(exit_codes::SUCCESS),
+        Some(exit_codes::RUN_FAILED) => {
+            crate::say!("dflash-supervise: {line}");
+            Ok(exit_codes::RUN_FAILED)
+        }
+        Some(exit_codes::USAGE) => Err(Error::Data(line.to_string().into())),
+        _ => Err(Error::Helper {
+            program: format!("{} eval", worker.display()),
+            detail: format!("{} ({})", line, out.status),
+        }),
+    }
+}

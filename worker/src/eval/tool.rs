@@ -1,0 +1,208 @@
+//! `dflash-worker eval`: load the target and the exported drafter, read the prompts,
+//! decode each prompt greedily and speculatively on the CPU device, print the figures.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use super::draft::{Draft, Exported};
+use super::report::Tau;
+use super::spec::{greedy, speculative, Stop};
+use super::EvalError;
+use crate::device::cpu::CpuDevice;
+use crate::error::ToolError;
+use crate::models::drafter::Frozen;
+use crate::models::target::device::decode::Decoder;
+use crate::models::target::Target;
+
+/// What `eval` was asked.
+pub struct Args {
+    pub target: String,
+    pub drafter: PathBuf,
+    pub prompts: PathBuf,
+    pub max_new_tokens: usize,
+    pub json: bool,
+    pub seed: u64,
+}
+
+/// Token-id prompts, one per line: a JSON array, or an object with `input_ids`. Blank
+/// lines are skipped; ids must lie in the vocabulary.
+pub fn read_prompts(path: &Path, vocab: usize) -> Result<Vec<Vec<u32>>, EvalError> {
+    let text = std::fs::read_to_string(path).map_err(|source| EvalError::Unreadable {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut out = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let bad = |why: String| EvalError::BadPrompt {
+            path: path.to_path_buf(),
+            line: i + 1,
+            why,
+        };
+        let v: Value = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
+        let ids = match &v {
+            Value::Object(o) => o.get("input_ids").cloned().unwrap_or(Value::Null),
+            _ => v,
+        };
+        let ids: Vec<u32> = serde_json::from_value(ids)
+            .map_err(|e| bad(format!("not a list of token ids ({e})")))?;
+        if ids.is_empty() {
+            return Err(bad("an empty prompt".into()));
+        }
+        if let Some(t) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(bad(format!(
+                "token {t} is not below the vocabulary size {vocab}"
+            )));
+        }
+        out.push(ids);
+    }
+    if out.is_empty() {
+        return Err(EvalError::NoPrompts {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(out)
+}
+
+/// The target's end-of-sequence token(s), when config.json names one.
+fn eos(dir: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let v: Value = serde_json::from_str(&text).ok()?;
+    let e = &v["eos_token_id"];
+    e.as_u64()
+        .or_else(|| e.as_array()?.first()?.as_u64())
+        .map(|x| x as u32)
+}
+
+/// Decode every prompt both ways and print the figures; whether speculative decoding
+/// wrote what greedy decoding wrote on every prompt.
+pub fn run(a: &Args) -> Result<bool, ToolError> {
+    if a.max_new_tokens == 0 {
+        return Err(EvalError::NoNewTokens.into());
+    }
+    let tmp;
+    let dir = if a.target == "tiny" {
+        tmp = std::env::temp_dir().join(format!("dflash-tiny-eval-{}", std::process::id()));
+        crate::models::tiny::write(&tmp)
+            .map_err(ToolError::io(format!("writing {}", tmp.display())))?;
+        tmp.as_path()
+    } else {
+        Path::new(&a.target)
+    };
+    let cfg = dflash_shared::model_config::TargetConfig::load(dir)?;
+    let ex = Exported::load(&a.drafter)?;
+    ex.check_target(&a.drafter, &cfg)?;
+    let prompts = read_prompts(&a.prompts, cfg.vocab_size)?;
+    let loaded = Target::load_decoder(dir, &ex.target_layer_ids);
+    let eos = eos(dir);
+    if a.target == "tiny" {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    let (target, head) = loaded?;
+    let bs = ex.cfg.block_size;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let max_len = longest + a.max_new_tokens + bs;
+    let mut dec = Decoder::new(
+        Box::new(CpuDevice::new()),
+        &target,
+        &head,
+        max_len,
+        bs.max(64),
+    )?;
+    let frozen = Frozen {
+        embed: target.embed.clone(),
+        lm_head: head.lm_head.clone(),
+    };
+    drop((target, head));
+    let mut draft = Draft::new(
+        Box::new(CpuDevice::new()),
+        &ex.cfg,
+        &ex.params,
+        &frozen,
+        max_len,
+    )?;
+    drop(frozen);
+    let stop = Stop {
+        max_new: a.max_new_tokens,
+        eos,
+    };
+    let (mut runs, mut per) = (Vec::new(), Vec::new());
+    let (mut t_greedy, mut t_spec, mut n_greedy, mut n_spec, mut same) = (0.0, 0.0, 0, 0, 0);
+    for p in &prompts {
+        let t0 = Instant::now();
+        let g = greedy(&mut dec, p, stop)?;
+        let t1 = Instant::now();
+        let s = speculative(&mut dec, &mut draft, p, stop)?;
+        t_greedy += (t1 - t0).as_secs_f64();
+        t_spec += t1.elapsed().as_secs_f64();
+        n_greedy += g.len();
+        n_spec += s.tokens.len();
+        same += usize::from(g == s.tokens);
+        per.push(json!({"prompt_tokens": p.len(), "tokens": s.tokens, "accepted": s.accepted}));
+        runs.push(s.accepted);
+    }
+    let tau = Tau::new(&runs, bs, a.seed);
+    let report = json!({
+        "target": a.target,
+        "drafter": a.drafter,
+        "drafter_step": ex.step,
+        "device": "cpu",
+        "prompts": prompts.len(),
+        "block_size": bs,
+        "max_new_tokens": a.max_new_tokens,
+        "tau": tau,
+        "bootstrap": {"resamples": super::report::BOOTSTRAP, "seed": a.seed},
+        "identical_to_greedy": same,
+        "speculative_tokens_per_s": n_spec as f64 / t_spec.max(1e-9),
+        "greedy_tokens_per_s": n_greedy as f64 / t_greedy.max(1e-9),
+        "speedup": t_greedy / t_spec.max(1e-9) * n_spec as f64 / n_greedy.max(1) as f64,
+        "per_prompt": per,
+    });
+    print(&report, a.json);
+    if same != prompts.len() {
+        eprintln!(
+            "dflash-worker: error: speculative decoding wrote other tokens than greedy decoding on {} of {} prompts",
+            prompts.len() - same,
+            prompts.len()
+        );
+    }
+    Ok(same == prompts.len())
+}
+
+fn print(r: &Value, json: bool) {
+    if json {
+        println!("{r}");
+        return;
+    }
+    let t = &r["tau"];
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let ci = |v: &Value| format!("[{:.2}, {:.2}]", f(&v[0]), f(&v[1]));
+    println!(
+        "{} prompts, block {}, up to {} new tokens",
+        r["prompts"], r["block_size"], r["max_new_tokens"]
+    );
+    println!(
+        "τ mean of per-prompt means {:.3} (95% CI {}), pooled tokens/verify steps {:.3} (95% CI {})",
+        f(&t["mean_of_means"]),
+        ci(&t["mean_of_means_ci95"]),
+        f(&t["pooled"]),
+        ci(&t["pooled_ci95"])
+    );
+    println!(
+        "accepted lengths 1..{}: {}",
+        r["block_size"], t["histogram"]
+    );
+    println!(
+        "decode {:.1} tokens/s speculative, {:.1} greedy: speedup {:.2}x; identical to greedy on {} of {} prompts",
+        f(&r["speculative_tokens_per_s"]),
+        f(&r["greedy_tokens_per_s"]),
+        f(&r["speedup"]),
+        r["identical_to_greedy"],
+        r["prompts"]
+    );
+}
