@@ -187,11 +187,12 @@ impl Decoder {
         let x = self.act(self.model.a.x, t * h);
         let m = &mut self.model;
         let dev = m.ops.dev.as_mut();
-        dev.upload(Stream::Compute, m.a.ids, u32_bytes(tokens))?;
+        // The token ids go where a training forward's go: the head of Acts::meta.
+        let ids = m.a.meta.sub(4, 0..t);
+        dev.upload(Stream::Compute, ids, u32_bytes(tokens))?;
         dev.upload(Stream::Compute, self.pos, i32_bytes(&pos))?;
         dev.upload(Stream::Compute, self.spans, i32_bytes(&spans))?;
-        m.ops
-            .embed(x, m.embed, m.a.ids.f32s(0..t), t, h, c.vocab_size)?;
+        m.ops.embed(x, m.embed, ids, t, h, c.vocab_size)?;
         for li in 0..c.num_hidden_layers {
             self.layer(li, t, s0)?;
         }
