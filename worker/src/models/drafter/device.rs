@@ -428,8 +428,10 @@ impl Pass<'_> {
     /// online softmax (they become `exp(l − max)`), and the GEMM adding those times the
     /// chunk's lm_head rows into `acc`; then `dxrows` = dCE/dx and each row's loss and
     /// `argmax == label` (`ce_loss`, `ce_correct`, from `at` on: they stay on the device
-    /// until the step's are read together). The rows are cast to bf16 once.
-    fn ce(&mut self, n: usize, at: usize) -> Result<()> {
+    /// until the step's are read together). The rows are cast to bf16 once. Without
+    /// `grad` (held-out evaluation) the second GEMM is skipped: one GEMM per chunk, and
+    /// `dxrows` is not the gradient.
+    fn ce(&mut self, n: usize, at: usize, grad: bool) -> Result<()> {
         let lc = self.lc;
         let Locals { h, vocab, mx, .. } = lc;
         let (w, ops) = (self.w, &mut *self.ops);
@@ -456,12 +458,16 @@ impl Pass<'_> {
                 let l = w.logits.sub(2, 0..n * cw);
                 ops.matmul_bf16_out(x, wc.b, l, n, h, cw)?;
                 ops.ce_fold(act, st, l, labels, n, cw, start, h)?;
-                ops.matmul_backward_bf16(l, x, wc.b, Some(st.acc), None, n, h, cw)?;
+                if grad {
+                    ops.matmul_backward_bf16(l, x, wc.b, Some(st.acc), None, n, h, cw)?;
+                }
             } else {
                 let l = w.logits.f32s(0..n * cw);
                 ops.matmul(x, wc.f, l, n, h, cw)?;
                 ops.ce_fold(act, st, l, labels, n, cw, start, h)?;
-                ops.matmul_backward(l, x, wc.f, Some(st.acc), None, n, h, cw)?;
+                if grad {
+                    ops.matmul_backward(l, x, wc.f, Some(st.acc), None, n, h, cw)?;
+                }
             }
         }
         let out = (
@@ -1882,7 +1888,7 @@ impl DeviceDrafter {
         let freed = self.inputs(s, taps, anchors, dims)?;
         let r = (|| {
             self.forward(dims)?;
-            let (stats, supervised) = self.loss(s, anchors, dims, denominator)?;
+            let (stats, supervised) = self.loss(s, anchors, dims, denominator, backward)?;
             if last {
                 // The step's one wait, before the last backward: that one may still run
                 // when the batch returns (a collective reduces its buckets meanwhile).
@@ -2019,13 +2025,14 @@ impl DeviceDrafter {
 
     /// The loss over the weighted slots through the frozen lm_head, a vocabulary chunk at
     /// a time, with its gradient with respect to `hn` (in `dxrows`, for the returned
-    /// number of supervised rows), and the step's statistics.
+    /// number of supervised rows) when `grad`, and the step's statistics.
     fn loss(
         &mut self,
         s: &Sample,
         anchors: &[usize],
         dims: Dims,
         denominator: f64,
+        grad: bool,
     ) -> Result<(StepStats, usize)> {
         let lc = self.locals(dims);
         let Locals {
@@ -2067,7 +2074,7 @@ impl DeviceDrafter {
                 w: &self.w,
             };
             p.ce_rows(&rows, denominator)?;
-            p.ce(n, at)?;
+            p.ce(n, at, grad)?;
             self.ce_used += n;
             let rows = rows.iter().map(|r| (r.0, r.2)).collect();
             self.ce_pending.push(PendingCe {
