@@ -53,6 +53,45 @@ struct Acts {
     stage: [DSlice; 2],
 }
 
+/// One forward's activations for `t` tokens, each the size the layer writes (bf16
+/// elements on a GPU, f32 on the CPU device): [`Acts::views`].
+struct Views {
+    x: DSlice,
+    n1: DSlice,
+    q: DSlice,
+    k: DSlice,
+    v: DSlice,
+    att: DSlice,
+    o: DSlice,
+    g: DSlice,
+    u: DSlice,
+    sw: DSlice,
+}
+
+impl Acts {
+    /// The activations of a forward of `t` tokens of a `c` model, bf16 or f32.
+    fn views(&self, c: &TargetConfig, t: usize, bf16: bool) -> Views {
+        let (h, inter) = (c.hidden_size, c.intermediate_size);
+        let (qd, kd) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_key_value_heads * c.head_dim,
+        );
+        let act = |s: DSlice, n: usize| if bf16 { s.sub(2, 0..n) } else { s.f32s(0..n) };
+        Views {
+            x: act(self.x, t * h),
+            n1: act(self.n1, t * h),
+            q: act(self.q, t * qd),
+            k: act(self.k, t * kd),
+            v: act(self.v, t * kd),
+            att: act(self.att, t * qd),
+            o: act(self.o, t * h),
+            g: act(self.g, t * inter),
+            u: act(self.u, t * inter),
+            sw: act(self.act, t * inter),
+        }
+    }
+}
+
 pub struct DeviceTarget {
     pub cfg: TargetConfig,
     pub taps: Vec<usize>,
@@ -319,20 +358,18 @@ impl DeviceTarget {
                 s.f32s(0..n)
             }
         };
-        let (x, n1, q, k, v) = (
-            act(a.x, t * h),
-            act(a.n1, t * h),
-            act(a.q, t * qd),
-            act(a.k, t * kd),
-            act(a.v, t * kd),
-        );
-        let (att, o, g, u, sw) = (
-            act(a.att, t * qd),
-            act(a.o, t * h),
-            act(a.g, t * inter),
-            act(a.u, t * inter),
-            act(a.act, t * inter),
-        );
+        let Views {
+            x,
+            n1,
+            q,
+            k,
+            v,
+            att,
+            o,
+            g,
+            u,
+            sw,
+        } = a.views(c, t, self.bf16);
         let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
         let out = act(out, t * width);
         ops.embed(x, self.embed, ids, t, h, c.vocab_size)?;

@@ -257,20 +257,18 @@ impl Decoder {
         let width = self.taps_width();
         let a = &self.model.a;
         let act = |s: DSlice, n: usize| self.act(s, n);
-        let (x, n1, q, k, v) = (
-            act(a.x, t * h),
-            act(a.n1, t * h),
-            act(a.q, t * qd),
-            act(a.k, t * kd),
-            act(a.v, t * kd),
-        );
-        let (att, o, g, u, sw) = (
-            act(a.att, t * qd),
-            act(a.o, t * h),
-            act(a.g, t * inter),
-            act(a.u, t * inter),
-            act(a.act, t * inter),
-        );
+        let super::Views {
+            x,
+            n1,
+            q,
+            k,
+            v,
+            att,
+            o,
+            g,
+            u,
+            sw,
+        } = a.views(c, t, self.model.bf16);
         let elem = if self.model.bf16 { 2 } else { 4 };
         let (ck, cv) = self.cache[li];
         let (kall, vall) = (
