@@ -5,7 +5,7 @@
 //! transformers' (CPU, float32) for tiny random Qwen3 and Llama targets. The transformers
 //! test skips without python3, torch and transformers on a laptop and fails under CI.
 
-use std::process::Command;
+mod support;
 
 use dflash_worker::device::cpu::CpuDevice;
 use dflash_worker::models::target::device::decode::{argmax, Decoder};
@@ -137,15 +137,7 @@ json.dump([case(**c) for c in json.load(open(sys.argv[1]))], sys.stdout)
 "#;
 
 fn python_ok() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import torch, transformers, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(std::env::var_os("CI").is_none(), "python3 with torch and transformers is missing: under CI this test may not skip (.ci/run installs them)");
-        eprintln!("skipping: python3 with torch and transformers is not installed");
-    }
-    ok
+    support::python_ok(&["numpy"])
 }
 
 #[test]
@@ -163,19 +155,8 @@ fn logits_at_every_step_equal_transformers() {
             serde_json::json!({"d": dir.path(), "prompt": prompt, "n": n, "out": dir.path().join("ref.f32")})
         })
         .collect();
-    let list = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(list.path(), serde_json::to_vec(&jobs).unwrap()).unwrap();
-    let o = Command::new("python3")
-        .args(["-c", SCRIPT])
-        .arg(list.path())
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "transformers failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let tokens: Vec<Vec<u32>> = serde_json::from_slice(&o.stdout).unwrap();
+    let tokens: Vec<Vec<u32>> =
+        support::run_python("transformers", SCRIPT, &serde_json::Value::from(jobs));
     for (((name, _), (dir, t, h)), want) in cases.iter().zip(&loaded).zip(tokens) {
         let vocab = t.cfg.vocab_size;
         let mut d = decoder(t, h, 4);

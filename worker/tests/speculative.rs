@@ -9,6 +9,8 @@
 //! lengths at every step of every prompt (skips without python3, torch and transformers
 //! on a laptop, fails under CI).
 
+mod support;
+
 use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::model_config::{target_layer_ids, TargetConfig};
 use dflash_worker::device::cpu::CpuDevice;
@@ -329,15 +331,7 @@ json.dump(out, sys.stdout)
 "#;
 
 fn python_ok() -> bool {
-    let ok = std::process::Command::new("python3")
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(std::env::var_os("CI").is_none(), "python3 with torch and transformers is missing: under CI this test may not skip (.ci/run installs them)");
-        eprintln!("skipping: python3 with torch and transformers is not installed");
-    }
-    ok
+    support::python_ok(&[])
 }
 
 #[test]
@@ -380,20 +374,8 @@ fn accepted_lengths_equal_a_python_reference_with_the_export() {
         .iter()
         .map(|p| speculative(&mut dec, &mut dr, p, stop).unwrap())
         .collect();
-    let job = tempfile::NamedTempFile::new().unwrap();
     let spec = serde_json::json!({"target": s.dir.path(), "drafter": export, "prompts": prompts(), "n": stop.max_new});
-    std::fs::write(job.path(), spec.to_string()).unwrap();
-    let o = std::process::Command::new("python3")
-        .args(["-c", REFERENCE])
-        .arg(job.path())
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "the reference failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let theirs: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
+    let theirs: Vec<serde_json::Value> = support::run_python("the reference", REFERENCE, &spec);
     for (i, (ours, theirs)) in ours.iter().zip(&theirs).enumerate() {
         let acc: Vec<usize> = serde_json::from_value(theirs["accepted"].clone()).unwrap();
         let toks: Vec<u32> = serde_json::from_value(theirs["tokens"].clone()).unwrap();

@@ -6,8 +6,9 @@
 //! `ROPE_INIT_FUNCTIONS`. Needs python3 with torch and transformers: skips without them on
 //! a laptop, fails under CI (`.ci/run` installs them).
 
+mod support;
+
 use std::path::Path;
-use std::process::Command;
 
 use dflash_worker::models::target::Target;
 use dflash_worker::models::tiny;
@@ -41,15 +42,7 @@ json.dump([case(**c) for c in json.load(open(sys.argv[1]))], sys.stdout)
 "#;
 
 fn python_ok() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import torch, transformers, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(std::env::var_os("CI").is_none(), "python3 with torch and transformers is missing: under CI this test may not skip (.ci/run installs them)");
-        eprintln!("skipping: python3 with torch and transformers is not installed");
-    }
-    ok
+    support::python_ok(&["numpy"])
 }
 
 const BASE_QWEN3: &str = r#""architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":64,"num_hidden_layers":3,
@@ -101,19 +94,8 @@ fn transformers(cases: &[Case]) -> Vec<serde_json::Value> {
             serde_json::json!({"d": c.dir.path(), "tokens": c.tokens, "taps": c.taps, "out": c.out})
         })
         .collect();
-    let list = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(list.path(), serde_json::to_vec(&jobs).unwrap()).unwrap();
-    let o = Command::new("python3")
-        .args(["-c", SCRIPT])
-        .arg(list.path())
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "transformers failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let metas: Vec<serde_json::Value> = serde_json::from_slice(&o.stdout).unwrap();
+    let metas: Vec<serde_json::Value> =
+        support::run_python("transformers", SCRIPT, &serde_json::Value::from(jobs));
     assert_eq!(metas.len(), cases.len());
     metas
 }
