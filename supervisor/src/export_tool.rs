@@ -42,14 +42,7 @@ pub fn export_checkpoint(
             }
         })?;
     if !output.status.success() {
-        let err = String::from_utf8_lossy(&output.stderr);
-        let line = err
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("no message")
-            .trim();
-        let line = line.strip_prefix("dflash-worker: error: ").unwrap_or(line);
+        let line = crate::worker_output::error_line(&output.stderr);
         return Err(ExportError::Failed(format!("{line} ({})", output.status)));
     }
     let text = String::from_utf8_lossy(&output.stdout);

@@ -22,6 +22,7 @@ pub mod run;
 pub mod telemetry;
 pub mod training;
 pub mod violation;
+pub mod worker_output;
 
 use clap::{CommandFactory, FromArgMatches};
 use dflash_shared::exit_codes;

@@ -150,14 +150,7 @@ fn worker(a: &EvalArgs, prompts: &Path) -> Result<i32, Error> {
         .stdout(Stdio::inherit())
         .output()
         .map_err(|e| Error::start(format!("running {} eval", worker.display()), e))?;
-    let err = String::from_utf8_lossy(&out.stderr);
-    let line = err
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("no message")
-        .trim();
-    let line = line.strip_prefix("dflash-worker: error: ").unwrap_or(line);
+    let line = crate::worker_output::error_line(&out.stderr);
     match out.status.code() {
         Some(exit_codes::SUCCESS) => Ok(exit_codes::SUCCESS),
         Some(exit_codes::RUN_FAILED) => {
