@@ -339,20 +339,8 @@ impl Chat {
 
     /// Render and tokenize one conversation; mask per the module's rule.
     pub fn encode(&self, messages: Vec<serde_json::Value>) -> Result<Encoded, Bad> {
-        let text = self
-            .render(&serde_json::Value::Array(messages), false)
-            .map_err(|e| Bad {
-                reason: "chat template failed to render",
-                detail: Some(one_line(&e.to_string())),
-            })?;
+        let (text, enc) = self.tokenize(messages, false)?;
         let spans = self.spans(&text);
-        let enc = self
-            .tokenizer
-            .encode(text.as_str(), false)
-            .map_err(|e| Bad {
-                reason: "tokenizer failed",
-                detail: Some(one_line(&e.to_string())),
-            })?;
         let ids = enc.get_ids().to_vec();
         let mut mask = Vec::with_capacity(ids.len());
         let mut si = 0;
@@ -387,8 +375,18 @@ impl Chat {
     /// A prompt's token ids: `messages` rendered with the generation prompt (the assistant
     /// header, where decoding starts), tokenized.
     pub fn prompt(&self, messages: Vec<serde_json::Value>) -> Result<Vec<u32>, Bad> {
+        Ok(self.tokenize(messages, true)?.1.get_ids().to_vec())
+    }
+
+    /// `messages` rendered (with the generation prompt or not) and tokenized: the text
+    /// and its encoding.
+    fn tokenize(
+        &self,
+        messages: Vec<serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<(String, tokenizers::Encoding), Bad> {
         let text = self
-            .render(&serde_json::Value::Array(messages), true)
+            .render(&serde_json::Value::Array(messages), add_generation_prompt)
             .map_err(|e| Bad {
                 reason: "chat template failed to render",
                 detail: Some(one_line(&e.to_string())),
@@ -400,7 +398,7 @@ impl Chat {
                 reason: "tokenizer failed",
                 detail: Some(one_line(&e.to_string())),
             })?;
-        Ok(enc.get_ids().to_vec())
+        Ok((text, enc))
     }
 
     pub fn vocab_size(&self) -> usize {
