@@ -227,14 +227,23 @@ pub enum Kernel {
         up: DSlice,
         n: usize,
     },
-    /// The SwiGLU backward: `dgate`, `dup` written (not accumulated: nothing else adds
-    /// into them, so they need no zeroing first).
-    SwigluBwd {
-        dgate: DSlice,
-        dup: DSlice,
+    /// SwiGLU over a fused gate/up projection: row r of `gu` is `[gate | up]`, each
+    /// `width` wide (one GEMM over the adjacent gate and up weights); `out = silu(gate)·up`,
+    /// `n` = rows × width elements.
+    SwigluGuFwd {
+        act: Act,
+        out: DSlice,
+        gu: DSlice,
+        width: usize,
+        n: usize,
+    },
+    /// The backward of [`Kernel::SwigluGuFwd`]: row r of `dgu` = `[dgate | dup]`, written
+    /// (not accumulated: nothing else adds into it, so it needs no zeroing first).
+    SwigluGuBwd {
+        dgu: DSlice,
         dout: DSlice,
-        gate: DSlice,
-        up: DSlice,
+        gu: DSlice,
+        width: usize,
         n: usize,
     },
     /// RMSNorm of rows of width `d`: `y` (in place when it is `x`) and the reciprocal RMS
@@ -390,7 +399,8 @@ impl Kernel {
             Kernel::AddInplace { act: a, .. } => act(a, "add_inplace", "add_inplace_bf16"),
             Kernel::CopyCols { act: a, .. } => act(a, "copy_cols", "copy_cols_bf16"),
             Kernel::SwigluFwd { act: a, .. } => act(a, "swiglu_fwd", "swiglu_fwd_bf16"),
-            Kernel::SwigluBwd { .. } => "swiglu_bwd",
+            Kernel::SwigluGuFwd { act: a, .. } => act(a, "swiglu_gu_fwd", "swiglu_gu_fwd_bf16"),
+            Kernel::SwigluGuBwd { .. } => "swiglu_gu_bwd",
             Kernel::RmsnormFwd { act: a, .. } => act(a, "rmsnorm_fwd", "rmsnorm_fwd_bf16"),
             Kernel::RmsnormBwd { .. } => "rmsnorm_bwd",
             Kernel::Rope { act: a, .. } => act(a, "rope", "rope_bf16"),
@@ -486,14 +496,16 @@ impl Kernel {
             Kernel::SwigluFwd {
                 out, gate, up, n, ..
             } => vec![W(out), R(gate), R(up), i64_of(n)],
-            Kernel::SwigluBwd {
-                dgate,
-                dup,
+            Kernel::SwigluGuFwd {
+                out, gu, width, n, ..
+            } => vec![W(out), R(gu), i32_of(width), i64_of(n)],
+            Kernel::SwigluGuBwd {
+                dgu,
                 dout,
-                gate,
-                up,
+                gu,
+                width,
                 n,
-            } => vec![W(dgate), W(dup), R(dout), R(gate), R(up), i64_of(n)],
+            } => vec![W(dgu), R(dout), R(gu), i32_of(width), i64_of(n)],
             Kernel::RmsnormFwd {
                 y,
                 rstd,
@@ -753,7 +765,7 @@ impl Kernel {
     }
 
     /// The kernels with an f32 and a bf16 symbol, at `act`.
-    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 9] {
+    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 10] {
         let st = CeState {
             run_max: b,
             run_sum: b,
@@ -791,6 +803,13 @@ impl Kernel {
                 out: b,
                 gate: b,
                 up: b,
+                n: 1,
+            },
+            Kernel::SwigluGuFwd {
+                act,
+                out: b,
+                gu: b,
+                width: 1,
                 n: 1,
             },
             Kernel::RmsnormFwd {
@@ -855,12 +874,11 @@ impl Kernel {
                 input: b,
                 n: 1,
             },
-            Kernel::SwigluBwd {
-                dgate: b,
-                dup: b,
+            Kernel::SwigluGuBwd {
+                dgu: b,
                 dout: b,
-                gate: b,
-                up: b,
+                gu: b,
+                width: 1,
                 n: 1,
             },
             Kernel::RmsnormBwd {

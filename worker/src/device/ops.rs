@@ -410,22 +410,39 @@ impl Ops {
         )
     }
 
-    pub fn swiglu_backward(
+    /// SwiGLU of a fused gate/up projection: `out` (rows × `width`) from `gu`, whose rows
+    /// are `[gate | up]` (2 × `width` each).
+    pub fn swiglu_gu(&mut self, gu: DSlice, out: DSlice, width: usize) -> Result<()> {
+        let (n, act) = (self.act_len(out), self.act());
+        self.launch(
+            Kernel::SwigluGuFwd {
+                act,
+                out,
+                gu,
+                width,
+                n,
+            },
+            grid_for(n),
+            BLOCK,
+        )
+    }
+
+    /// The backward of [`swiglu_gu`](Self::swiglu_gu): `dgu`'s rows `[dgate | dup]`
+    /// written (f32).
+    pub fn swiglu_gu_backward(
         &mut self,
         dout: DSlice,
-        gate: DSlice,
-        up: DSlice,
-        dgate: DSlice,
-        dup: DSlice,
+        gu: DSlice,
+        dgu: DSlice,
+        width: usize,
     ) -> Result<()> {
         let n = dout.len_f32();
         self.launch(
-            Kernel::SwigluBwd {
-                dgate,
-                dup,
+            Kernel::SwigluGuBwd {
+                dgu,
                 dout,
-                gate,
-                up,
+                gu,
+                width,
                 n,
             },
             grid_for(n),

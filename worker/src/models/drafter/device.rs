@@ -373,7 +373,7 @@ impl Pass<'_> {
     }
 
     /// The MLP half of a layer: `h_mid` kept, `h += down(swiglu(gate(x2), up(x2)))` with
-    /// `x2 = ln2(h)`.
+    /// `x2 = ln2(h)`; gate and up as one GEMM over their adjacent weights.
     fn mlp(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
         let lc = self.lc;
         let Locals {
@@ -393,15 +393,9 @@ impl Pass<'_> {
         ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
         let x2 = sv.x2.f32s(0..m * h);
         ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
-        let (g, u, act) = (
-            sv.g.f32s(0..m * inter),
-            sv.u.f32s(0..m * inter),
-            sv.act.f32s(0..m * inter),
-        );
-        let x2in = mx.input(ops, x2, m * h)?;
-        mx.mm_in(ops, x2in, lc.pp(&li.gate), g, m, h, inter)?;
-        mx.mm_in(ops, x2in, lc.pp(&li.up), u, m, h, inter)?;
-        ops.swiglu(g, u, act)?;
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), sv.act.f32s(0..m * inter));
+        mx.mm(ops, x2, lc.pp(&li.gate_up()), gu, m, h, 2 * inter)?;
+        ops.swiglu_gu(gu, act, inter)?;
         mx.mm(ops, act, lc.pp(&li.down), o, m, inter, h)?;
         ops.add(hcur, o)
     }
@@ -479,8 +473,9 @@ impl Pass<'_> {
         ops.ce_finish(act, st, out, labels, scale, lm, n, h, vocab)
     }
 
-    /// Backward of [`mlp`](Self::mlp): `dh` through down, the SwiGLU, gate and up and
-    /// ln2 (the residual's gradient stays in `dh`).
+    /// Backward of [`mlp`](Self::mlp): `dh` through down, the SwiGLU, the fused gate/up
+    /// (one GEMM for `dx2`, one for both weights' gradients) and ln2 (the residual's
+    /// gradient stays in `dh`).
     fn mlp_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
         let lc = self.lc;
         let Locals {
@@ -497,18 +492,10 @@ impl Pass<'_> {
         let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
         let dh = w.dh.f32s(0..m * h);
         let (x2, h_mid) = (sv.x2.f32s(0..m * h), sv.h_mid.f32s(0..m * h));
-        let (gt, u, act) = (
-            sv.g.f32s(0..m * inter),
-            sv.u.f32s(0..m * inter),
-            sv.act.f32s(0..m * inter),
-        );
-        let (dact, dg, du) = (
-            w.dact.f32s(0..m * inter),
-            w.dg.f32s(0..m * inter),
-            w.du.f32s(0..m * inter),
-        );
-        // Each buffer's first writer writes it (no zeroing): dact and dx2 by their first
-        // GEMM, dg and du by the SwiGLU backward.
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), sv.act.f32s(0..m * inter));
+        let (dact, dgu) = (w.dact.f32s(0..m * inter), w.dgu.f32s(0..2 * m * inter));
+        // Each buffer's writer writes it (no zeroing): dact and dx2 by their GEMM, dgu by
+        // the SwiGLU backward.
         let dx2 = w.dx2.f32s(0..m * h);
         mx.mm_back_over(
             ops,
@@ -521,30 +508,18 @@ impl Pass<'_> {
             inter,
             h,
         )?;
-        ops.swiglu_backward(dact, gt, u, dg, du)?;
-        let x2in = mx.input(ops, x2, m * h)?;
-        let (wg, wu) = (lc.pp(&li.gate), lc.pp(&li.up));
-        mx.back_in(
+        ops.swiglu_gu_backward(dact, gu, dgu, inter)?;
+        let gate_up = li.gate_up();
+        mx.mm_back_over(
             ops,
-            dg,
-            x2in,
-            wg,
-            Some((dx2, true)),
-            Some(gr(&li.gate)),
+            dgu,
+            x2,
+            lc.pp(&gate_up),
+            dx2,
+            Some(gr(&gate_up)),
             m,
             h,
-            inter,
-        )?;
-        mx.back_in(
-            ops,
-            du,
-            x2in,
-            wu,
-            Some((dx2, false)),
-            Some(gr(&li.up)),
-            m,
-            h,
-            inter,
+            2 * inter,
         )?;
         ops.rmsnorm_backward(
             dx2,
@@ -772,8 +747,8 @@ struct Saved {
     h_mid: DSlice,
     x2: DSlice,
     rstd2: DSlice,
-    g: DSlice,
-    u: DSlice,
+    /// The fused gate/up projection: rows `[gate | up]`.
+    gu: DSlice,
     act: DSlice,
 }
 
@@ -806,8 +781,7 @@ impl Saved {
             h_mid: g(m * h, "h_mid")?,
             x2: g(m * h, "x2")?,
             rstd2: g(m, "rstd2")?,
-            g: g(m * inter, "gate")?,
-            u: g(m * inter, "up")?,
+            gu: g(2 * m * inter, "gate|up")?,
             act: g(m * inter, "act")?,
         })
     }
@@ -850,8 +824,8 @@ struct Work {
     dx: DSlice,
     dx2: DSlice,
     dact: DSlice,
-    dg: DSlice,
-    du: DSlice,
+    /// The gradient of the fused gate/up projection: rows `[dgate | dup]`.
+    dgu: DSlice,
     datt: DSlice,
     dq: DSlice,
     dk: DSlice,
@@ -921,8 +895,7 @@ impl Work {
             dx: f(m * h, "dx")?,
             dx2: f(m * h, "dx2")?,
             dact: f(m * inter, "dact")?,
-            dg: f(m * inter, "dg")?,
-            du: f(m * inter, "du")?,
+            dgu: f(2 * m * inter, "dgate|dup")?,
             datt: f(m * qd, "datt")?,
             dq: f(m * qd, "dq")?,
             dk: f(tk * kd, "dk")?,
@@ -971,23 +944,32 @@ pub struct StepOutcome {
     pub grad_norm: f64,
 }
 
-/// One page of pinned host memory that the step's flag and norm are copied into, behind
-/// an event, so the host never waits for the optimizer.
+/// Pinned host memory that the device's step results are copied into, behind events, so
+/// the host never waits for the GPU to drain: the first page holds the step's flag and
+/// norm (the optimizer's outcome), the rest the cross-entropy rows' losses and hits
+/// (`DeviceDrafter::start_ce_read`).
 struct Readback {
     ptr: *mut u8,
+    layout: std::alloc::Layout,
 }
 
-const READBACK: usize = 4096;
+const PAGE: usize = 4096;
 
 impl Readback {
-    fn new() -> Readback {
-        let layout = std::alloc::Layout::from_size_align(READBACK, READBACK).expect("one page");
+    /// One page for the optimizer's outcome and room for `ce_rows` losses and hits.
+    fn new(ce_rows: usize) -> Readback {
+        let bytes = (PAGE + ce_rows * 8).next_multiple_of(PAGE);
+        let layout = std::alloc::Layout::from_size_align(bytes, PAGE).expect("whole pages");
         // SAFETY: a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        Readback { ptr }
+        Readback { ptr, layout }
+    }
+
+    fn bytes(&self) -> usize {
+        self.layout.size()
     }
 }
 
@@ -995,12 +977,7 @@ impl Drop for Readback {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this layout; the device that registered it was
         // dropped first (it is declared before us in DeviceDrafter) and unregistered it.
-        unsafe {
-            std::alloc::dealloc(
-                self.ptr,
-                std::alloc::Layout::from_size_align(READBACK, READBACK).expect("one page"),
-            )
-        };
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
     }
 }
 
@@ -1035,6 +1012,9 @@ pub struct DeviceDrafter {
     ce_pending: Vec<PendingCe>,
     ce_used: usize,
     ce_read: StepStats,
+    /// The pending rows' losses and hits on their way into `readback` (rows, and the
+    /// event behind the copies).
+    ce_inflight: Option<(usize, crate::device::Event)>,
     /// The last batch's gradient buckets, in the order backward finished them: each
     /// parameter range and an event on the compute stream behind its last write (recorded
     /// during the last sample's backward, so a collective can reduce a bucket while the
@@ -1095,9 +1075,9 @@ impl DeviceDrafter {
         Self::place(dev.as_mut(), &mut dry, d, frozen, s, m, bf16)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
         let pl = Self::place(dev.as_mut(), &mut arena, d, frozen, s, m, bf16)?;
-        let readback = Readback::new();
-        // SAFETY: the page lives as long as the device (see the field order).
-        unsafe { dev.register_host(readback.ptr, READBACK)? };
+        let readback = Readback::new(m * CE_SAMPLES);
+        // SAFETY: the pages live as long as the device (see the field order).
+        unsafe { dev.register_host(readback.ptr, readback.bytes())? };
         dev.upload(Stream::Compute, pl.opt.one, f32_bytes(&[1.0]))?;
         let mut g = DeviceDrafter {
             d: Drafter::new(d.cfg.clone()),
@@ -1121,6 +1101,7 @@ impl DeviceDrafter {
             ce_pending: Vec::new(),
             ce_used: 0,
             ce_read: StepStats::default(),
+            ce_inflight: None,
             buckets: Vec::new(),
         };
         // Each bucket of the gradient (and of the reduce buffer) is its own region to the
@@ -1680,6 +1661,10 @@ impl DeviceDrafter {
             self.ce_pending.clear();
             self.ce_used = 0;
             self.ce_read = StepStats::default();
+            if let Some((_, e)) = self.ce_inflight.take() {
+                // Left by a batch that failed; its rows are void.
+                self.ops.dev.release_event(e);
+            }
             let mut loaded: [Option<crate::device::Event>; 2] = [None, None];
             let mut free: [Option<crate::device::Event>; 2] = [None, None];
             let mut run = || -> Result<()> {
@@ -1890,12 +1875,17 @@ impl DeviceDrafter {
             self.forward(dims)?;
             let (stats, supervised) = self.loss(s, anchors, dims, denominator, backward)?;
             if last {
-                // The step's one wait, before the last backward: that one may still run
-                // when the batch returns (a collective reduces its buckets meanwhile).
-                self.read_ce()?;
+                // The step's losses and hits start for the host; it waits for them only
+                // once the last backward is queued, so the GPU never drains for the read
+                // (and that backward may still run when the batch returns: a collective
+                // reduces its buckets meanwhile).
+                self.start_ce_read()?;
             }
             if backward {
                 self.backward(dims, supervised, last)?;
+            }
+            if last {
+                self.finish_ce_read()?;
             }
             Ok(stats)
         })();
@@ -2087,23 +2077,65 @@ impl DeviceDrafter {
     }
 
     /// Read the pending samples' losses and flags from the device (one wait) and fold
-    /// them, sample by sample, into `ce_read`: the loss, each slot's hits and each block's
-    /// run of hits after its first token.
+    /// them, sample by sample, into `ce_read`.
     fn read_ce(&mut self) -> Result<()> {
-        let used = std::mem::take(&mut self.ce_used);
-        let pending = std::mem::take(&mut self.ce_pending);
-        let (mut loss, mut ok) = (vec![0f32; used], vec![0i32; used]);
+        self.start_ce_read()?;
+        self.finish_ce_read()
+    }
+
+    /// Queue the copies of the pending rows' losses and hits into the pinned readback,
+    /// behind an event: nothing waits here.
+    fn start_ce_read(&mut self) -> Result<()> {
+        let used = self.ce_used;
+        if used == 0 || self.ce_inflight.is_some() {
+            return Ok(());
+        }
+        let cap = self.max_rows * CE_SAMPLES;
         let dev = &mut self.ops.dev;
-        dev.download(
-            Stream::Compute,
-            self.w.ce_loss.f32s(0..used),
-            f32_bytes_mut(&mut loss),
-        )?;
-        dev.download(
-            Stream::Compute,
-            self.w.ce_correct.f32s(0..used),
-            i32_bytes_mut(&mut ok),
-        )?;
+        // SAFETY: the readback is registered and holds `cap` losses and hits after its
+        // first page; nothing reads them before the event (`finish_ce_read`).
+        unsafe {
+            let at = self.readback.ptr.add(PAGE);
+            dev.download_async(Stream::Compute, self.w.ce_loss.f32s(0..used), at)?;
+            dev.download_async(
+                Stream::Compute,
+                self.w.ce_correct.f32s(0..used),
+                at.add(cap * 4),
+            )?;
+        }
+        let e = dev.record(Stream::Compute)?;
+        self.ce_inflight = Some((used, e));
+        Ok(())
+    }
+
+    /// Wait for the rows [`start_ce_read`](Self::start_ce_read) queued and fold them,
+    /// sample by sample, into `ce_read`: the loss, each slot's hits and each block's run
+    /// of hits after its first token.
+    fn finish_ce_read(&mut self) -> Result<()> {
+        let Some((used, e)) = self.ce_inflight.take() else {
+            return Ok(());
+        };
+        let cap = self.max_rows * CE_SAMPLES;
+        let dev = &mut self.ops.dev;
+        let r = dev.sync_event(e);
+        dev.release_event(e);
+        r?;
+        let at = self.readback.ptr.wrapping_add(PAGE);
+        dev.host_access(at, used * 4, false)?;
+        dev.host_access(at.wrapping_add(cap * 4), used * 4, false)?;
+        let (mut loss, mut ok) = (vec![0f32; used], vec![0i32; used]);
+        // SAFETY: the copies into the readback completed (the event above), and it holds
+        // `used` ≤ `cap` of each.
+        unsafe {
+            std::ptr::copy_nonoverlapping(at, f32_bytes_mut(&mut loss).as_mut_ptr(), used * 4);
+            std::ptr::copy_nonoverlapping(
+                at.add(cap * 4),
+                i32_bytes_mut(&mut ok).as_mut_ptr(),
+                used * 4,
+            );
+        }
+        self.ce_used = 0;
+        let pending = std::mem::take(&mut self.ce_pending);
         let bs = self.d.cfg.block_size;
         for p in &pending {
             let mut st = StepStats {
