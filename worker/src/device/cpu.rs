@@ -375,6 +375,33 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
             (*out, *gu) = (w.output(*out), w.input(*gu));
             *act = Act::F32;
         }
+        Kernel::SwigluGuFwdToBf16 { out, gu, width, n } => {
+            return Some(Kernel::SwigluGuFwd {
+                act: Act::F32,
+                out: w.output(*out),
+                gu: *gu,
+                width: *width,
+                n: *n,
+            });
+        }
+        Kernel::RmsnormFwdToBf16 {
+            y,
+            rstd,
+            x,
+            w: g,
+            d,
+            eps,
+        } => {
+            return Some(Kernel::RmsnormFwd {
+                act: Act::F32,
+                y: w.output(*y),
+                rstd: *rstd,
+                x: *x,
+                w: *g,
+                d: *d,
+                eps: *eps,
+            });
+        }
         Kernel::RmsnormFwd { act, y, x, .. } if *act == Act::Bf16 => {
             (*y, *x) = (w.output(*y), w.input(*x));
             *act = Act::F32;

@@ -237,6 +237,13 @@ pub enum Kernel {
         width: usize,
         n: usize,
     },
+    /// [`Kernel::SwigluGuFwd`] of f32 rows with `out` rounded to bf16 (a GEMM's input).
+    SwigluGuFwdToBf16 {
+        out: DSlice,
+        gu: DSlice,
+        width: usize,
+        n: usize,
+    },
     /// The backward of [`Kernel::SwigluGuFwd`]: row r of `dgu` = `[dgate | dup]`, written
     /// (not accumulated: nothing else adds into it, so it needs no zeroing first).
     SwigluGuBwd {
@@ -250,6 +257,15 @@ pub enum Kernel {
     /// per row (f32).
     RmsnormFwd {
         act: Act,
+        y: DSlice,
+        rstd: DSlice,
+        x: DSlice,
+        w: DSlice,
+        d: usize,
+        eps: f32,
+    },
+    /// [`Kernel::RmsnormFwd`] of f32 rows with `y` rounded to bf16 (a GEMM's input).
+    RmsnormFwdToBf16 {
         y: DSlice,
         rstd: DSlice,
         x: DSlice,
@@ -400,7 +416,9 @@ impl Kernel {
             Kernel::CopyCols { act: a, .. } => act(a, "copy_cols", "copy_cols_bf16"),
             Kernel::SwigluFwd { act: a, .. } => act(a, "swiglu_fwd", "swiglu_fwd_bf16"),
             Kernel::SwigluGuFwd { act: a, .. } => act(a, "swiglu_gu_fwd", "swiglu_gu_fwd_bf16"),
+            Kernel::SwigluGuFwdToBf16 { .. } => "swiglu_gu_fwd_to_bf16",
             Kernel::SwigluGuBwd { .. } => "swiglu_gu_bwd",
+            Kernel::RmsnormFwdToBf16 { .. } => "rmsnorm_fwd_to_bf16",
             Kernel::RmsnormFwd { act: a, .. } => act(a, "rmsnorm_fwd", "rmsnorm_fwd_bf16"),
             Kernel::RmsnormBwd { .. } => "rmsnorm_bwd",
             Kernel::Rope { act: a, .. } => act(a, "rope", "rope_bf16"),
@@ -498,6 +516,9 @@ impl Kernel {
             } => vec![W(out), R(gate), R(up), i64_of(n)],
             Kernel::SwigluGuFwd {
                 out, gu, width, n, ..
+            }
+            | Kernel::SwigluGuFwdToBf16 {
+                out, gu, width, n, ..
             } => vec![W(out), R(gu), i32_of(width), i64_of(n)],
             Kernel::SwigluGuBwd {
                 dgu,
@@ -514,6 +535,14 @@ impl Kernel {
                 d,
                 eps,
                 ..
+            }
+            | Kernel::RmsnormFwdToBf16 {
+                y,
+                rstd,
+                x,
+                w,
+                d,
+                eps,
             } => vec![W(y), W(rstd), R(x), R(w), i32_of(d), F32(eps)],
             Kernel::RmsnormBwd {
                 dx,
@@ -856,7 +885,7 @@ impl Kernel {
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 11] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 13] {
         [
             Kernel::ScatterAddRows {
                 dst: b,
@@ -880,6 +909,20 @@ impl Kernel {
                 gu: b,
                 width: 1,
                 n: 1,
+            },
+            Kernel::SwigluGuFwdToBf16 {
+                out: b,
+                gu: b,
+                width: 1,
+                n: 1,
+            },
+            Kernel::RmsnormFwdToBf16 {
+                y: b,
+                rstd: b,
+                x: b,
+                w: b,
+                d: 1,
+                eps: 1e-6,
             },
             Kernel::RmsnormBwd {
                 dx: b,

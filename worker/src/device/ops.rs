@@ -338,6 +338,33 @@ impl Ops {
         )
     }
 
+    /// [`rmsnorm`](Self::rmsnorm) of f32 rows with `y` rounded to bf16: a GEMM's input
+    /// written as the GEMM takes it (the same bits as the f32 result cast after).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_to_bf16(
+        &mut self,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        rstd: DSlice,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.launch(
+            Kernel::RmsnormFwdToBf16 {
+                y,
+                rstd,
+                x,
+                w,
+                d,
+                eps,
+            },
+            rows as u32,
+            row_block(d),
+        )
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward(
         &mut self,
@@ -422,6 +449,17 @@ impl Ops {
                 width,
                 n,
             },
+            grid_for(n),
+            BLOCK,
+        )
+    }
+
+    /// [`swiglu_gu`](Self::swiglu_gu) of f32 rows with `out` (rows × `width`) rounded to
+    /// bf16: a GEMM's input written as the GEMM takes it.
+    pub fn swiglu_gu_to_bf16(&mut self, gu: DSlice, out: DSlice, width: usize) -> Result<()> {
+        let n = out.bytes / 2;
+        self.launch(
+            Kernel::SwigluGuFwdToBf16 { out, gu, width, n },
             grid_for(n),
             BLOCK,
         )

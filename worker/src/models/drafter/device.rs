@@ -47,6 +47,55 @@ struct Mixed {
 }
 
 impl Mixed {
+    /// `n` elements of a GEMM-input activation buffer (`x`, `x2`, `act`, `ctx`): bf16 on
+    /// a GPU, where its producer writes it rounded (the GEMMs' input, and the only copy the
+    /// backward needs), else f32.
+    fn gemm_act(&self, buf: DSlice, n: usize) -> DSlice {
+        if self.bf16 {
+            buf.sub(2, 0..n)
+        } else {
+            buf.f32s(0..n)
+        }
+    }
+
+    /// Floats to allocate for a [`gemm_act`](Self::gemm_act) buffer of `n` elements.
+    fn gemm_act_floats(bf16: bool, n: usize) -> usize {
+        if bf16 {
+            n.div_ceil(2)
+        } else {
+            n
+        }
+    }
+
+    /// RMSNorm of f32 rows into a GEMM-input buffer ([`gemm_act`](Self::gemm_act)).
+    #[allow(clippy::too_many_arguments)]
+    fn norm(
+        &self,
+        ops: &mut Ops,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        rstd: DSlice,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if self.bf16 {
+            ops.rmsnorm_to_bf16(x, w, y, rstd, rows, d, eps)
+        } else {
+            ops.rmsnorm(x, w, y, rstd, rows, d, eps)
+        }
+    }
+
+    /// SwiGLU of the fused f32 gate/up rows into a GEMM-input buffer.
+    fn swiglu(&self, ops: &mut Ops, gu: DSlice, out: DSlice, width: usize) -> Result<()> {
+        if self.bf16 {
+            ops.swiglu_gu_to_bf16(gu, out, width)
+        } else {
+            ops.swiglu_gu(gu, out, width)
+        }
+    }
+
     /// `x` (`len` f32) as the GEMMs take it: on a GPU cast to bf16 into the input scratch
     /// (once for every GEMM that reads it, until the next `input`), else `x` itself.
     fn input(&self, ops: &mut Ops, x: DSlice, len: usize) -> Result<DSlice> {
@@ -272,20 +321,18 @@ impl Pass<'_> {
         } = lc;
         let ops = &mut *self.ops;
         let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-        let (h_in, x, q_pre) = (
+        let (h_in, xin, q_pre) = (
             sv.h_in.f32s(0..m * h),
-            sv.x.f32s(0..m * h),
+            mx.gemm_act(sv.x, m * h),
             sv.q_pre.f32s(0..m * qd),
         );
         let (k_pre, v) = (sv.k_pre.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
         ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
-        ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
-        // Each input cast once for the GEMMs that read it: the context, then the block rows.
-        let cin = mx.input(ops, ctx, slen * h)?;
+        // x and the context are written as the GEMMs read them (bf16 on a GPU).
+        mx.norm(ops, hcur, p(&li.ln1), xin, sv.rstd1.f32s(0..m), m, h, eps)?;
         let (k_ctx, v_ctx) = (k_pre.f32s(0..slen * kd), v.f32s(0..slen * kd));
-        mx.mm_in(ops, cin, lc.pp(&li.wk), k_ctx, slen, h, kd)?;
-        mx.mm_in(ops, cin, lc.pp(&li.wv), v_ctx, slen, h, kd)?;
-        let xin = mx.input(ops, x, m * h)?;
+        mx.mm_in(ops, ctx, lc.pp(&li.wk), k_ctx, slen, h, kd)?;
+        mx.mm_in(ops, ctx, lc.pp(&li.wv), v_ctx, slen, h, kd)?;
         let (k_blk, v_blk) = (k_pre.f32s(slen * kd..tk * kd), v.f32s(slen * kd..tk * kd));
         mx.mm_in(ops, xin, lc.pp(&li.wq), q_pre, m, h, qd)?;
         mx.mm_in(ops, xin, lc.pp(&li.wk), k_blk, m, h, kd)?;
@@ -391,12 +438,13 @@ impl Pass<'_> {
         let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
         let h_mid = sv.h_mid.f32s(0..m * h);
         ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
-        let x2 = sv.x2.f32s(0..m * h);
-        ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
-        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), sv.act.f32s(0..m * inter));
-        mx.mm(ops, x2, lc.pp(&li.gate_up()), gu, m, h, 2 * inter)?;
-        ops.swiglu_gu(gu, act, inter)?;
-        mx.mm(ops, act, lc.pp(&li.down), o, m, inter, h)?;
+        // x2 and the SwiGLU's output are written as the GEMMs read them (bf16 on a GPU).
+        let x2 = mx.gemm_act(sv.x2, m * h);
+        mx.norm(ops, hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m * inter));
+        mx.mm_in(ops, x2, lc.pp(&li.gate_up()), gu, m, h, 2 * inter)?;
+        mx.swiglu(ops, gu, act, inter)?;
+        mx.mm_in(ops, act, lc.pp(&li.down), o, m, inter, h)?;
         ops.add(hcur, o)
     }
 
@@ -491,18 +539,18 @@ impl Pass<'_> {
         let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
         let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
         let dh = w.dh.f32s(0..m * h);
-        let (x2, h_mid) = (sv.x2.f32s(0..m * h), sv.h_mid.f32s(0..m * h));
-        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), sv.act.f32s(0..m * inter));
+        let (x2, h_mid) = (mx.gemm_act(sv.x2, m * h), sv.h_mid.f32s(0..m * h));
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m * inter));
         let (dact, dgu) = (w.dact.f32s(0..m * inter), w.dgu.f32s(0..2 * m * inter));
         // Each buffer's writer writes it (no zeroing): dact and dx2 by their GEMM, dgu by
         // the SwiGLU backward.
         let dx2 = w.dx2.f32s(0..m * h);
-        mx.mm_back_over(
+        mx.back_in(
             ops,
             dh,
             act,
             lc.pp(&li.down),
-            dact,
+            Some((dact, true)),
             Some(gr(&li.down)),
             m,
             inter,
@@ -510,12 +558,12 @@ impl Pass<'_> {
         )?;
         ops.swiglu_gu_backward(dact, gu, dgu, inter)?;
         let gate_up = li.gate_up();
-        mx.mm_back_over(
+        mx.back_in(
             ops,
             dgu,
             x2,
             lc.pp(&gate_up),
-            dx2,
+            Some((dx2, true)),
             Some(gr(&gate_up)),
             m,
             h,
@@ -670,7 +718,7 @@ impl Pass<'_> {
         let (w, ops) = (self.w, &mut *self.ops);
         let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
         let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
-        let (x, h_in) = (sv.x.f32s(0..m * h), sv.h_in.f32s(0..m * h));
+        let (xin, h_in) = (mx.gemm_act(sv.x, m * h), sv.h_in.f32s(0..m * h));
         let (dh, dx, dctx) = (
             w.dh.f32s(0..m * h),
             w.dx.f32s(0..m * h),
@@ -681,9 +729,8 @@ impl Pass<'_> {
             w.dk_pre.f32s(0..tk * kd),
             w.dv.f32s(0..tk * kd),
         );
-        // Each input cast once for the GEMMs that read it: the block rows (dx's first
-        // writer is q's, no zeroing; k and v add into it), then the context.
-        let xin = mx.input(ops, x, m * h)?;
+        // The saved inputs as the GEMMs read them: the block rows (dx's first writer is
+        // q's, no zeroing; k and v add into it), then the context.
         let (wq, wk, wv) = (lc.pp(&li.wq), lc.pp(&li.wk), lc.pp(&li.wv));
         let (dk_blk, dv_blk) = (dk_pre.f32s(slen * kd..tk * kd), dv.f32s(slen * kd..tk * kd));
         let block = [
@@ -694,13 +741,12 @@ impl Pass<'_> {
         for (dy, wt, g, n, first) in block {
             mx.back_in(ops, dy, xin, wt, Some((dx, first)), Some(gr(g)), m, h, n)?;
         }
-        let cin = mx.input(ops, ctx, slen * h)?;
         let (dk_ctx, dv_ctx) = (dk_pre.f32s(0..slen * kd), dv.f32s(0..slen * kd));
         for (dy, wt, g) in [(dk_ctx, wk, &li.wk), (dv_ctx, wv, &li.wv)] {
             mx.back_in(
                 ops,
                 dy,
-                cin,
+                ctx,
                 wt,
                 Some((dctx, false)),
                 Some(gr(g)),
@@ -761,13 +807,14 @@ impl Saved {
         l: usize,
         m: usize,
         tk: usize,
+        bf16: bool,
     ) -> Result<Saved> {
         let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
         let mut g = |n: usize, what: &str| f(n, &format!("layer {l} {what}"));
         Ok(Saved {
             h_in: g(m * h, "h_in")?,
-            x: g(m * h, "x")?,
+            x: g(Mixed::gemm_act_floats(bf16, m * h), "x")?,
             rstd1: g(m, "rstd1")?,
             q_pre: g(m * qd, "q_pre")?,
             q_rstd: g(m * c.q_heads, "q_rstd")?,
@@ -779,10 +826,10 @@ impl Saved {
             att: g(m * qd, "att")?,
             lse: g(m * c.q_heads, "lse")?,
             h_mid: g(m * h, "h_mid")?,
-            x2: g(m * h, "x2")?,
+            x2: g(Mixed::gemm_act_floats(bf16, m * h), "x2")?,
             rstd2: g(m, "rstd2")?,
             gu: g(2 * m * inter, "gate|up")?,
-            act: g(m * inter, "act")?,
+            act: g(Mixed::gemm_act_floats(bf16, m * inter), "act")?,
         })
     }
 }
@@ -857,6 +904,7 @@ impl Work {
         c: &DrafterConfig,
         s: usize,
         m: usize,
+        bf16: bool,
     ) -> Result<Work> {
         let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
@@ -868,7 +916,7 @@ impl Work {
                 f((s * c.n_taps * h).div_ceil(2), "taps bf16 (1)")?,
             ],
             ctx_pre: f(s * h, "ctx_pre")?,
-            ctx: f(s * h, "ctx")?,
+            ctx: f(Mixed::gemm_act_floats(bf16, s * h), "ctx")?,
             ctx_rstd: f(s, "ctx_rstd")?,
             block_ids: f(m, "block ids")?,
             block_pos: f(m, "block positions")?,
@@ -1184,9 +1232,9 @@ impl DeviceDrafter {
             hash: f(2, "weights checksum")?,
         };
         let saved = (0..c.layers)
-            .map(|l| Saved::alloc(&mut f, c, l, m, tk))
+            .map(|l| Saved::alloc(&mut f, c, l, m, tk, bf16))
             .collect::<Result<Vec<Saved>>>()?;
-        let w = Work::alloc(&mut f, c, s, m)?;
+        let w = Work::alloc(&mut f, c, s, m, bf16)?;
         arena.fill_f32(dv, embed, &frozen.embed, false)?;
         if bf16 {
             arena.fill_f32(dv, lm16, &frozen.lm_head, true)?;
@@ -1785,7 +1833,7 @@ impl DeviceDrafter {
             lm16: self.lm16,
             taps: w.taps.f32s(0..slen * c.n_taps * h),
             ctx_pre: w.ctx_pre.f32s(0..slen * h),
-            ctx: w.ctx.f32s(0..slen * h),
+            ctx: self.mixed.gemm_act(w.ctx, slen * h),
             ctx_rstd: w.ctx_rstd.f32s(0..slen),
             hcur: w.hcur.f32s(0..m * h),
             o: w.o.f32s(0..m * h),
@@ -1997,7 +2045,7 @@ impl DeviceDrafter {
         };
         // Context: hidden_norm(fc(taps)).
         mx.mm(p.ops, taps, fc, ctx_pre, slen, n_taps * h, h)?;
-        p.ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
+        mx.norm(p.ops, ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
         // Block inputs: the frozen embedding of [token at anchor, MASK, ...].
         p.ops
             .embed(hcur, self.embed, p.w.block_ids.f32s(0..m), m, h, vocab)?;
