@@ -264,6 +264,11 @@ fn host_device_rmsnorm_forward_and_backward_match_the_cpu_backend() {
         o.rmsnorm(gx, gw, gy, gr, rows, d, 1e-6).unwrap();
         assert_close(&format!("rmsnorm {rows}x{d}"), &get(&mut o, gy), &y, TOL);
         assert_close(&format!("rmsnorm rstd {rows}x{d}"), &get(&mut o, gr), &rstd, TOL);
+        // Written in bf16 (a GEMM's input): the same bits as the f32 result cast after.
+        let (gy16, gc16) = (put16(&mut o, &vec![0.0; rows * d]), put16(&mut o, &vec![0.0; rows * d]));
+        o.rmsnorm_to_bf16(gx, gw, gy16, gr, rows, d, 1e-6).unwrap();
+        o.f32_to_bf16(gc16, gy).unwrap();
+        assert_eq!(get16(&mut o, gy16), get16(&mut o, gc16), "rmsnorm to bf16 {rows}x{d} is the cast of the f32 norm");
         let (gdx, gdw) = (put(&mut o, &dx0), put(&mut o, &vec![0.5; d]));
         o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d).unwrap();
         assert_close(&format!("rmsnorm dx {rows}x{d}"), &get(&mut o, gdx), &dx, 1e-4);
@@ -327,6 +332,11 @@ fn host_device_swiglu_add_embed_copy_and_casts_match_the_cpu() {
     let gsw = put(&mut o, &vec![f32::NAN; n]);
     o.swiglu_gu(ggu, gsw, width).unwrap();
     assert_close("swiglu of fused gate|up", &get(&mut o, gsw), &out, 1e-6);
+    // Written in bf16 (a GEMM's input): the same bits as the f32 result cast after.
+    let (gsw16, gcast16) = (put16(&mut o, &vec![0.0; n]), put16(&mut o, &vec![0.0; n]));
+    o.swiglu_gu_to_bf16(ggu, gsw16, width).unwrap();
+    o.f32_to_bf16(gcast16, gsw).unwrap();
+    assert_eq!(get16(&mut o, gsw16), get16(&mut o, gcast16), "swiglu to bf16 is the cast of the f32 swiglu");
     // The device's backward writes its gradients (NaN before: nothing of it is kept).
     let gdgu = put(&mut o, &vec![f32::NAN; 2 * n]);
     o.swiglu_gu_backward(gd, ggu, gdgu, width).unwrap();
