@@ -403,6 +403,11 @@ pub struct Group {
 }
 
 impl Group {
+    /// The schedule's length in optimizer steps, once it is known.
+    pub fn total_steps(&self) -> Option<u64> {
+        self.cfg.total_steps
+    }
+
     /// A group of no member yet, at the run's start (fresh, or the resumed checkpoint),
     /// at `now`. `grads` and `state` are the pools each rank maps.
     pub fn new(
@@ -1481,14 +1486,16 @@ impl Group {
             } else {
                 0.0
             };
+            // The run's one step-line format (as the metrics windows' lines).
             log::info!(
-                "step {step}: loss {:.4}, acceptance {:.2}, acc@1 {:.2}, {:.0} tokens/s, {} drafter(s), lr {:.2e}",
+                "{} | loss {:.4} | accept {:.2} | acc@1 {:.2} | {} | lr {:.2e} | {} drafter(s)",
+                crate::telemetry::metrics::step_of(step, self.cfg.total_steps),
                 w.loss(),
                 w.acceptance(),
                 acc1,
-                w.tokens as f64 / secs.max(1e-9),
+                crate::telemetry::metrics::tokens_per_s(Some(w.tokens as f64 / secs.max(1e-9))),
+                lr,
                 self.members.len(),
-                lr
             );
             self.window = StepStats::default();
             self.window_start = now;

@@ -446,6 +446,11 @@ impl Trainer {
     pub fn progress(&self) -> &TrainProgress {
         &self.group.progress
     }
+
+    /// The schedule's length in optimizer steps, once it is known.
+    pub fn total_steps(&self) -> Option<u64> {
+        self.group.total_steps()
+    }
 }
 
 #[cfg(test)]

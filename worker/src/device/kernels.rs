@@ -469,9 +469,10 @@ impl Kernel {
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
         self.row_args()
+            .or_else(|| self.swiglu_args())
             .or_else(|| self.attention_args())
             .or_else(|| self.loss_and_optimizer_args())
-            .expect("every kernel is of one of the three families (tested)")
+            .expect("every kernel is of one of the four families (tested)")
     }
 
     /// The element-wise and row kernels' arguments.
@@ -511,22 +512,6 @@ impl Kernel {
                 i32_of(src_stride),
                 i32_of(src_off),
             ],
-            Kernel::SwigluFwd {
-                out, gate, up, n, ..
-            } => vec![W(out), R(gate), R(up), i64_of(n)],
-            Kernel::SwigluGuFwd {
-                out, gu, width, n, ..
-            }
-            | Kernel::SwigluGuFwdToBf16 {
-                out, gu, width, n, ..
-            } => vec![W(out), R(gu), i32_of(width), i64_of(n)],
-            Kernel::SwigluGuBwd {
-                dgu,
-                dout,
-                gu,
-                width,
-                n,
-            } => vec![W(dgu), R(dout), R(gu), i32_of(width), i64_of(n)],
             Kernel::RmsnormFwd {
                 y,
                 rstd,
@@ -579,6 +564,30 @@ impl Kernel {
                 F32(scale),
                 Arg::I32(inverse as i32),
             ],
+            _ => return None,
+        })
+    }
+
+    /// The SwiGLU kernels' arguments.
+    fn swiglu_args(&self) -> Option<Vec<Arg>> {
+        use Arg::{R, W};
+        Some(match *self {
+            Kernel::SwigluFwd {
+                out, gate, up, n, ..
+            } => vec![W(out), R(gate), R(up), i64_of(n)],
+            Kernel::SwigluGuFwd {
+                out, gu, width, n, ..
+            }
+            | Kernel::SwigluGuFwdToBf16 {
+                out, gu, width, n, ..
+            } => vec![W(out), R(gu), i32_of(width), i64_of(n)],
+            Kernel::SwigluGuBwd {
+                dgu,
+                dout,
+                gu,
+                width,
+                n,
+            } => vec![W(dgu), R(dout), R(gu), i32_of(width), i64_of(n)],
             _ => return None,
         })
     }
