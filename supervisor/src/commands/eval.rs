@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 
 use dflash_shared::exit_codes;
 
-use crate::data::chat::{prompt_turns, Chat};
+use crate::data::prompts::token_lines;
 use crate::error::Error;
 
 #[derive(Debug, clap::Args)]
@@ -61,7 +61,11 @@ pub fn run(a: EvalArgs) -> Result<i32, Error> {
             ));
         }
     }
-    let lines = token_lines(&a.prompts, (!tiny).then(|| Path::new(&a.target)))?;
+    let lines = token_lines(
+        "--prompts",
+        &a.prompts,
+        (!tiny).then(|| Path::new(&a.target)),
+    )?;
     let file =
         std::env::temp_dir().join(format!("dflash-eval-prompts-{}.jsonl", std::process::id()));
     std::fs::write(&file, lines.join("\n"))
@@ -69,55 +73,6 @@ pub fn run(a: EvalArgs) -> Result<i32, Error> {
     let r = worker(&a, &file);
     let _ = std::fs::remove_file(&file);
     r
-}
-
-/// The prompts as token-id lines: chat lines rendered and tokenized with the target's
-/// own template and tokenizer, the others as they are (the worker checks their ids).
-fn token_lines(path: &Path, target: Option<&Path>) -> Result<Vec<String>, Error> {
-    let input = || format!("--prompts {}", path.display());
-    let text = std::fs::read_to_string(path).map_err(|e| Error::input(input(), e))?;
-    let mut chat: Option<Chat> = None;
-    let mut out = Vec::new();
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let at = |why: String| Error::input(format!("{} line {}", input(), i + 1), why);
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-            at(format!(
-                "{e} (expected a JSON array of token ids or a chat object)"
-            ))
-        })?;
-        let turns = match v.as_object() {
-            Some(o) => prompt_turns(o).map_err(|b| at(b.reason.to_string()))?,
-            None => None,
-        };
-        let Some(turns) = turns else {
-            out.push(line.to_string());
-            continue;
-        };
-        let Some(dir) = target else {
-            return Err(at("a chat conversation, but the built-in tiny target has no tokenizer (expected token ids)".into()));
-        };
-        if chat.is_none() {
-            chat = Some(Chat::load(dir).map_err(|e| at(e.to_string()))?);
-        }
-        let ids = chat
-            .as_ref()
-            .map(|c| c.prompt(turns))
-            .transpose()
-            .map_err(|b| at(b.detail.unwrap_or_else(|| b.reason.to_string())))?
-            .unwrap_or_default();
-        out.push(serde_json::to_string(&ids).unwrap_or_default());
-    }
-    if out.is_empty() {
-        return Err(Error::input(
-            input(),
-            "no prompts (expected one JSON array of token ids, or one chat conversation, per line)",
-        ));
-    }
-    Ok(out)
 }
 
 /// `dflash-worker eval` on the token-id prompts in `prompts`: its report to stdout; its
