@@ -2050,6 +2050,67 @@ mod tests {
     }
 
     #[test]
+    fn tau_steps_are_checkpointed_measured_once_kept_from_pruning_and_the_best_tau_is_linked() {
+        let t0 = Instant::now();
+        let disk = Disk::default();
+        let mut g = group(&["--checkpoint-every", "100"], &disk, t0);
+        g.cfg.tau_every = Some(2);
+        g.tau = Some(crate::training::tau::TauTrack::new(2));
+        let epoch = two_members(&mut g);
+        let tau = |step: u64, pooled: f64| crate::training::tau::TauResult {
+            step,
+            prompts: 2,
+            block_size: 8,
+            max_new_tokens: 4,
+            mean_of_means: pooled,
+            mean_of_means_ci95: [1.0, pooled],
+            pooled,
+            pooled_ci95: [1.0, pooled],
+            histogram: vec![1; 8],
+            identical_to_greedy: 2,
+            seconds: 0.5,
+        };
+        let mut links = Vec::new();
+        for (n, pooled) in [(1, 0.0), (2, 2.0), (3, 0.0), (4, 1.5)] {
+            let out = step(&mut g, epoch, n, t0);
+            let asked = out
+                .actions
+                .iter()
+                .any(|a| matches!(a, Action::Checkpoint { step, .. } if *step == n));
+            assert_eq!(asked, n % 2 == 0, "step {n}: {out:?}");
+            if !asked {
+                continue;
+            }
+            assert!(
+                g.tau_wanted(false, false).is_none(),
+                "not before it is complete"
+            );
+            disk.complete.lock().unwrap().insert(n);
+            g.on_checkpointed(disk.dir_of(n).display().to_string(), n);
+            assert_eq!(g.tau_wanted(false, true), Some((n, disk.dir_of(n))));
+            assert!(g.tau_wanted(false, true).is_none(), "one at a time");
+            assert!(
+                g.protected_steps().contains(&n),
+                "never pruned while measured"
+            );
+            let out = g.on_tau(&tau(n, pooled)).expect("the step measured");
+            assert!(out
+                .effects
+                .iter()
+                .any(|e| matches!(e, Effect::Log(LogLine::Tau(v)) if v["step"] == n)));
+            links.extend(out.effects.iter().filter_map(|e| match e {
+                Effect::LinkBest { step, .. } => Some(*step),
+                _ => None,
+            }));
+            assert!(g.tau_wanted(false, true).is_none(), "measured once");
+        }
+        assert_eq!(links, [2], "the lower τ of step 4 links nothing");
+        assert_eq!(g.protected_steps(), [2]);
+        assert_eq!(g.progress.best_step, Some(2));
+        assert_eq!(g.progress.tau.as_ref().unwrap()["step"], 4);
+    }
+
+    #[test]
     fn no_checkpoint_is_asked_for_without_room_for_it() {
         let t0 = Instant::now();
         let disk = Disk {
