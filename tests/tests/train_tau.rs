@@ -2,8 +2,9 @@
 //! tiny target: τ records at eval steps and always at the last step, with sane figures
 //! (1 ≤ τ ≤ block size, each interval around its τ); `checkpoints/best` at the highest
 //! pooled τ, kept through `--keep-checkpoints 1`; the τ on Prometheus while the run runs;
-//! the τ child killed mid-measurement costs that measurement only, never training; a bad
-//! prompt file refused before anything starts.
+//! the τ child killed mid-measurement costs that measurement only, never training; a
+//! `--resume` measuring on with the saved flags against the best of the first session; a
+//! bad prompt file refused before anything starts.
 
 mod common;
 
@@ -322,4 +323,62 @@ fn a_prompt_file_the_target_cannot_read_is_refused_before_the_run_starts() {
     ]);
     assert_eq!(sup.wait_exit(T).code(), Some(2), "{}", sup.stderr());
     assert!(sup.stderr().contains("no tokenizer"), "{}", sup.stderr());
+}
+
+#[test]
+fn a_resume_keeps_measuring_tau_on_the_saved_prompts_and_keeps_the_best_so_far() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("prompts.jsonl");
+    prompts(&p, 6);
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--steps",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+        "--eval-prompts",
+        p.to_str().unwrap(),
+        "--eval-every",
+        "2",
+        "--eval-max-new-tokens",
+        "12",
+        "--keep-checkpoints",
+        "1",
+    ]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    let rd = sup.run_dir.to_str().unwrap().to_string();
+    // Neither --eval-prompts nor --eval-every: the saved ones hold.
+    let out = supervise(&["--gpus", "cpu:2", "--resume", &rd, "--steps", "8"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let taus = taus(&sup.run_dir);
+    let steps: Vec<u64> = taus.iter().map(|t| t["step"].as_u64().unwrap()).collect();
+    assert!(
+        steps.contains(&4) && steps.last() == Some(&8) && steps.iter().all(|s| s % 2 == 0),
+        "τ at steps {steps:?} of both sessions\n{err}"
+    );
+    taus.iter().for_each(sane);
+    let best = taus
+        .iter()
+        .fold(None::<&Value>, |b, t| match b {
+            Some(b) if b["pooled"].as_f64() >= t["pooled"].as_f64() => Some(b),
+            _ => Some(t),
+        })
+        .unwrap()["step"]
+        .as_u64()
+        .unwrap();
+    let checkpoints = sup.run_dir.join("checkpoints");
+    assert_eq!(
+        fs::read_link(checkpoints.join("best")).unwrap(),
+        Path::new(&format!("step-{best:08}")),
+        "the best of both sessions\n{err}"
+    );
+    assert!(checkpoints
+        .join(format!("step-{best:08}/meta.json"))
+        .is_file());
 }
