@@ -196,13 +196,24 @@ fn a_killed_tau_child_costs_its_measurement_only_and_tau_reaches_prometheus() {
     ]);
     // The first τ child (step 2's export or decoding), killed.
     let pid = sup.pid();
-    let victim = wait_for("a τ child", T, || {
+    let (victim, adj, nice) = wait_for("a τ child", T, || {
         let c: Vec<u32> = ["export", "eval"]
             .iter()
             .flat_map(|w| children_with(pid, w))
             .collect();
-        c.first().copied()
+        let v = *c.first()?;
+        // The OOM killer's first choice, at nice 10 (read while it lives).
+        let adj = fs::read_to_string(format!("/proc/{v}/oom_score_adj")).ok()?;
+        let stat = fs::read_to_string(format!("/proc/{v}/stat")).ok()?;
+        let nice = stat
+            .rsplit(')')
+            .next()?
+            .split_whitespace()
+            .nth(16)?
+            .to_string();
+        Some((v, adj.trim().to_string(), nice))
     });
+    assert_eq!((adj.as_str(), nice.as_str()), ("1000", "10"));
     signal(victim, Signal::SIGKILL);
     let failed = wait_for("the tau_failed event", T, || {
         sup.events()

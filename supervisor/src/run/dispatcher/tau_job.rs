@@ -11,8 +11,9 @@
 //! state: a failure, a crash or a kill after `--eval-timeout` is one warning and that
 //! step goes unmeasured; training never waits, except at a finished run's end, where the
 //! last step's τ is awaited (bounded by the timeout) so the run's record is complete.
-//! The child runs at a lower priority (nice 10) and dies with the supervisor
-//! (`PR_SET_PDEATHSIG`). One measurement at a time: a τ step whose checkpoint completes
+//! The child runs at a lower priority (nice 10), is the OOM killer's first choice
+//! (`oom_score_adj` 1000: it holds the target in host memory) and dies with the
+//! supervisor (`PR_SET_PDEATHSIG`). One measurement at a time: a τ step whose checkpoint completes
 //! while one runs is measured after it if it is still the newest checkpoint.
 //!
 //! # Cost
@@ -305,12 +306,15 @@ fn export_and_decode(s: &Spec, cancel: &AtomicBool) -> Result<TauResult, String>
     TauResult::parse(s.step, &stdout, 0.0).map_err(|e| e.to_string())
 }
 
-/// The worker program as a τ child: at nice 10, killed when the supervisor dies.
+/// The worker program as a τ child: at nice 10, the kernel's first choice when memory
+/// runs out (it holds a copy of the target in host memory: the OOM killer must take it,
+/// never a training worker), killed when the supervisor dies.
 fn child(worker_bin: &Path) -> std::process::Command {
     let mut cmd = std::process::Command::new(worker_bin);
     // SAFETY: the closure runs between fork and exec and makes only async-signal-safe
-    // calls (prctl, nice); their failures are ignored (a τ child that outlives a killed
-    // supervisor ends by itself, at its timeout at most).
+    // calls (prctl, nice, open, write, close) on a static path and bytes; their failures
+    // are ignored (a τ child that outlives a killed supervisor ends by itself, at its
+    // timeout at most; one the OOM killer does not prefer is still a separate process).
     unsafe {
         cmd.pre_exec(|| {
             libc::prctl(
@@ -321,6 +325,11 @@ fn child(worker_bin: &Path) -> std::process::Command {
                 0,
             );
             libc::nice(10);
+            let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY);
+            if fd >= 0 {
+                libc::write(fd, b"1000".as_ptr().cast(), 4);
+                libc::close(fd);
+            }
             Ok(())
         });
     }
