@@ -313,8 +313,8 @@ pub struct RunArgs {
     )]
     pub checkpoint_every: u64,
 
-    /// Checkpoints kept (the newest; checkpoints/best, the best by eval acceptance, is
-    /// kept besides).
+    /// Checkpoints kept (the newest; checkpoints/best, the best by eval acceptance or by
+    /// τ with --eval-prompts, is kept besides, and so is the one whose τ is measured).
     #[arg(long, value_name = "K", default_value_t = 3, help_heading = "Training")]
     pub keep_checkpoints: usize,
 
