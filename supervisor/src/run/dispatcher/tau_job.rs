@@ -198,8 +198,9 @@ impl Dispatcher {
     }
 
     /// The run is over: a measurement in flight is awaited (cancelled first unless the
-    /// run finished), and a finished run's last checkpoint, if not measured yet, is
-    /// measured on the drafter just exported. True when a τ came in.
+    /// run finished and it measures the last checkpoint), and a finished run's last
+    /// checkpoint, if not measured yet, is measured on the drafter just exported. True
+    /// when a τ came in.
     pub(super) fn final_tau(&mut self, reason: &StopReason) -> bool {
         let Some(runner) = self.tau.as_ref() else {
             return false;
@@ -207,7 +208,9 @@ impl Dispatcher {
         let finished = matches!(reason, StopReason::StepsDone | StopReason::DataDone);
         let mut came = false;
         if let Job::Running { step, cancel } = &runner.job {
-            if !finished {
+            // Only the last checkpoint's measurement of a finished run is worth a wait.
+            let newest = self.trainer.last_checkpoint().map(|(s, _)| *s);
+            if !finished || newest != Some(*step) {
                 cancel.store(true, Ordering::Relaxed);
             }
             log::info!("waiting for the τ of step {step}");
