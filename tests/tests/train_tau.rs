@@ -261,6 +261,33 @@ fn a_killed_tau_child_costs_its_measurement_only_and_tau_reaches_prometheus() {
             && body.contains("dflash_tau_best_step "),
         "{body}"
     );
+    // Valid exposition format (promtool, as the GPU telemetry's test checks it).
+    let text = body
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    let file = tmp.path().join("metrics.txt");
+    fs::write(&file, &text).unwrap();
+    match std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(fs::File::open(&file).unwrap())
+        .output()
+    {
+        Ok(out) => assert!(
+            out.status.success(),
+            "promtool check metrics: {}{}\n{text}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(_) => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "promtool is missing: under CI this check may not skip (.ci/run installs it)"
+            );
+            eprintln!("SKIPPED promtool check: promtool is not installed");
+        }
+    }
     let state = sup.state().unwrap();
     assert!(
         state["workers"]
