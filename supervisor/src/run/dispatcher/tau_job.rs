@@ -119,8 +119,8 @@ impl Dispatcher {
             self.trainer.on_tau_failed(step, true);
             return;
         }
+        let spec = spec_of(&self.cfg, &runner.cfg, step, checkpoint, None);
         self.trainer.tau_wanted(false, true);
-        let spec = self.tau_spec(step, checkpoint, None);
         let cancel = Arc::new(AtomicBool::new(false));
         let (tx, flag) = (self.tx.clone(), cancel.clone());
         log::info!("τ of step {step}: measuring its checkpoint in a child process");
@@ -140,21 +140,6 @@ impl Dispatcher {
                 log::warn!("τ of step {step} not measured: cannot start its thread: {e}");
                 self.trainer.on_tau_failed(step, false);
             }
-        }
-    }
-
-    fn tau_spec(&self, step: u64, checkpoint: PathBuf, exported: Option<PathBuf>) -> Spec {
-        let cfg = &self.tau.as_ref().expect("τ is on").cfg;
-        Spec {
-            worker_bin: self.cfg.worker_bin.clone(),
-            target: self.cfg.target_dir.clone(),
-            step,
-            checkpoint,
-            exported,
-            prompts: cfg.prompts.clone(),
-            max_new_tokens: cfg.max_new_tokens,
-            dir: cfg.dir.clone(),
-            deadline: Instant::now() + cfg.timeout,
         }
     }
 
@@ -240,12 +225,37 @@ impl Dispatcher {
             .as_ref()
             .filter(|_| t.exported_step == Some(step))
             .map(PathBuf::from);
+        let Some(runner) = self.tau.as_ref() else {
+            return came;
+        };
         log::info!("τ of the last step {step}: measuring it before the run ends");
-        let spec = self.tau_spec(step, checkpoint, exported);
+        let spec = spec_of(&self.cfg, &runner.cfg, step, checkpoint, exported);
         let o = measure(&spec, &AtomicBool::new(false));
         came |= o.result.is_ok();
         self.on_tau(o);
         came
+    }
+}
+
+/// The measurement of `step` from its `checkpoint` (or its `exported` drafter), due
+/// `--eval-timeout` from now.
+fn spec_of(
+    run: &super::Config,
+    cfg: &TauConfig,
+    step: u64,
+    checkpoint: PathBuf,
+    exported: Option<PathBuf>,
+) -> Spec {
+    Spec {
+        worker_bin: run.worker_bin.clone(),
+        target: run.target_dir.clone(),
+        step,
+        checkpoint,
+        exported,
+        prompts: cfg.prompts.clone(),
+        max_new_tokens: cfg.max_new_tokens,
+        dir: cfg.dir.clone(),
+        deadline: Instant::now() + cfg.timeout,
     }
 }
 
