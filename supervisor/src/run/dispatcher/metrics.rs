@@ -95,6 +95,10 @@ impl Dispatcher {
         "train": train,
             "eval": t.eval_step.map(|step| json!({"step": step, "loss": t.eval_loss,
                     "acceptance": t.eval_acceptance, "best_step": t.best_step})),
+            "tau": t.tau.clone().map(|mut v| {
+                v["best_step"] = json!(t.best_step);
+                v
+            }),
             "restarts": self.workers.iter().map(|w| w.restarts as u64).sum::<u64>(),
             "workers": workers,
         });
