@@ -151,19 +151,19 @@ mod tests {
     #[test]
     fn the_step_line_names_the_step_out_of_the_total_then_the_figures() {
         let w = json!({
-            "train": {"step": 12, "loss": 3.14159, "acceptance": 1.5},
+            "train": {"step": 12, "loss": 3.12345, "acceptance": 1.5},
             "pipeline": {"tokens_per_s_by_worker": {"drafter-0": 100.0, "drafter-1": 50.0, "target-0": 999.0},
                          "hidden_pool": {"fill_ratio": 0.25}},
             "restarts": 2,
         });
         assert_eq!(
             status_line(&w, Some(100), None),
-            "step 12/100 | loss 3.142 | accept 1.50 | 150 tok/s | hidden pool 25% full | restarts 2"
+            "step 12/100 | loss 3.123 | accept 1.50 | 150 tok/s | hidden pool 25% full | restarts 2"
         );
         // A live figure replaces the window's; no schedule length, no total.
         assert_eq!(
             status_line(&w, None, Some(7.0)),
-            "step 12 | loss 3.142 | accept 1.50 | 7 tok/s | hidden pool 25% full | restarts 2"
+            "step 12 | loss 3.123 | accept 1.50 | 7 tok/s | hidden pool 25% full | restarts 2"
         );
         // No window yet: no tokens/s figure to show.
         assert_eq!(status_figures(&json!({}), None), "— tok/s | restarts 0");
