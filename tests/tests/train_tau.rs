@@ -95,8 +95,11 @@ fn tau_is_measured_at_eval_steps_and_the_last_and_names_the_best_checkpoint() {
     let steps: Vec<u64> = taus.iter().map(|t| t["step"].as_u64().unwrap()).collect();
     // Step 2 (nothing is measured before it), 4 unless the 10% share passed it over or
     // step 6's checkpoint came first, and the last step always.
+    // Step 2's measurement may still run when the run ends on its own: it is then
+    // cancelled (and says so) for the last step's.
+    let cancelled = err.contains("τ of step 2 not measured") && err.contains("cancelled");
     assert!(
-        steps.first() == Some(&2) && steps.last() == Some(&6),
+        (steps.first() == Some(&2) || cancelled) && steps.last() == Some(&6),
         "τ at steps {steps:?}\n{err}"
     );
     assert!(steps.iter().all(|s| [2, 4, 6].contains(s)), "{steps:?}");

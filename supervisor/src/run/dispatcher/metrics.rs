@@ -114,9 +114,10 @@ impl Dispatcher {
             total,
             figures: status_figures(&record, None),
         }));
-        if !crate::telemetry::console::live() && t.step > 0 {
-            // Not a terminal: one plain step line per window (once there are steps)
-            // instead of the live status line.
+        let ended = self.stop_reason.is_some() && t.step == self.metrics.last_step;
+        if !crate::telemetry::console::live() && t.step > 0 && !ended {
+            // Not a terminal: one plain step line per window (once there are steps, and
+            // not for the idle windows of a run's end) instead of the live status line.
             log::info!("{}", status_line(&record, total, None));
         }
         self.metrics.last_consumed = consumed;
