@@ -342,6 +342,14 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE", help_heading = "Training")]
     pub eval_prompts: Option<PathBuf>,
 
+    /// Decode the --eval-prompts measurements on this GPU (one of the run's, NVML
+    /// numbering) in bf16 instead of on the CPU. It shares the GPU with the workers placed
+    /// there: the target's bf16 weights and a KV cache must fit beside them. Without it
+    /// the measurement holds an f32 copy of the target in host memory, which suits small
+    /// targets only (4 bytes per parameter; about 1 token/s per 8B parameters).
+    #[arg(long, value_name = "N", help_heading = "Training")]
+    pub eval_gpu: Option<u32>,
+
     /// New tokens per prompt at most in the --eval-prompts evals.
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Training")]
     pub eval_max_new_tokens: u64,

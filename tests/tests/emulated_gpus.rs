@@ -112,8 +112,12 @@ const RUN: [&str; 10] = [
     "200ms",
 ];
 
+/// The step records of train.jsonl (not its τ records).
 fn steps(sup: &Sup) -> Vec<Value> {
     read_jsonl(&sup.run_dir.join("train.jsonl"))
+        .into_iter()
+        .filter(|l| l.get("tau").is_none())
+        .collect()
 }
 
 /// The ledger's audit, which must pass with nothing lost or duplicated.
@@ -326,9 +330,22 @@ fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
     let tmp = tempfile::tempdir().unwrap();
     let mut env = emulated(tmp.path(), 3);
     env.push(("DFLASH_CHECK_STREAMS".into(), "1".into()));
+    // τ of the last step measured on GPU 2 (--eval-gpu), beside the drafter placed there.
+    let prompts = tmp.path().join("prompts.jsonl");
+    fs::write(
+        &prompts,
+        "[5, 17, 42, 99]\n[7, 8, 9, 10, 11, 12]\n[300, 2, 301]\n",
+    )
+    .unwrap();
     // Two drafter ranks: their device-computed weight checksums are compared every step.
     let mut sup = start(
         &[
+            "--eval-prompts",
+            prompts.to_str().unwrap(),
+            "--eval-gpu",
+            "2",
+            "--eval-max-new-tokens",
+            "6",
             "--gpus",
             "0-2",
             "--targets",
@@ -383,6 +400,25 @@ fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
         (Some(5), Some(5)),
         "{meta}"
     );
+    // The last step's τ, decoded on the (emulated) GPU by the τ child.
+    let tau: Vec<Value> = read_jsonl(&sup.run_dir.join("train.jsonl"))
+        .into_iter()
+        .filter_map(|l| l.get("tau").cloned())
+        .collect();
+    let last = tau
+        .iter()
+        .find(|t| t["step"] == 5)
+        .unwrap_or_else(|| panic!("no τ of step 5 in train.jsonl: {tau:?}\n{}", sup.stderr()));
+    let pooled = last["pooled"].as_f64().unwrap();
+    assert!(
+        (1.0..=last["block_size"].as_f64().unwrap()).contains(&pooled),
+        "{last}"
+    );
+    let report: Value = serde_json::from_str(
+        &fs::read_to_string(sup.run_dir.join("eval").join("tau-step-00000005.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(report["device"], "gpu", "decoded on --eval-gpu: {report}");
     // The target's device memory reaches metrics.jsonl (its arena: in use within reserved).
     let metrics = read_jsonl(&sup.run_dir.join("metrics.jsonl"));
     let m = metrics.into_iter().rev().find_map(|m| {

@@ -367,6 +367,41 @@ fn a_prompt_file_the_target_cannot_read_is_refused_before_the_run_starts() {
 }
 
 #[test]
+fn an_eval_gpu_that_is_not_one_of_the_runs_or_has_nothing_to_measure_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("prompts.jsonl");
+    prompts(&p, 2);
+    let refused = |args: &[&str], says: &[&str]| {
+        let mut base = vec!["--gpus", "cpu:2", "--data", "demo", "--steps", "2"];
+        base.extend_from_slice(args);
+        let mut sup = Sup::start_real(&base);
+        assert_eq!(sup.wait_exit(T).code(), Some(2), "{}", sup.stderr());
+        let err = sup.stderr();
+        let line = err
+            .lines()
+            .find(|l| l.contains("--eval-gpu"))
+            .unwrap_or_else(|| panic!("{err}"));
+        for s in says {
+            assert!(line.contains(s), "{s:?} in {line}");
+        }
+        assert!(
+            !sup.run_dir.join("train.jsonl").exists(),
+            "refused before the run starts"
+        );
+    };
+    // A CPU run has no GPU to decode on.
+    refused(
+        &["--eval-prompts", p.to_str().unwrap(), "--eval-gpu", "0"],
+        &["--eval-gpu 0", "the run's GPUs", "CPU"],
+    );
+    // Nothing to measure.
+    refused(
+        &["--eval-gpu", "1"],
+        &["--eval-gpu 1", "--eval-prompts FILE"],
+    );
+}
+
+#[test]
 fn a_resume_keeps_measuring_tau_on_the_saved_prompts_and_keeps_the_best_so_far() {
     let tmp = tempfile::tempdir().unwrap();
     let p = tmp.path().join("prompts.jsonl");

@@ -281,6 +281,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
+    check_eval_gpu(&args, &plan)?;
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
         log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
     }
@@ -362,8 +363,9 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
     console::to_file(&sup_log).map_err(|e| Error::io("cannot write", &sup_log, e))?;
     let reaper = start_reaper();
+    let tau = tau_config(&args, tau_prompts, &run_dir.path)?;
     let mut cfg = dispatcher_config(&args, plan, worker_bin, target_dir)?;
-    cfg.tau = tau_config(&args, tau_prompts, &run_dir.path)?;
+    cfg.tau = tau;
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
     setup.check()?;
@@ -693,6 +695,33 @@ fn tau_prompts(
     Ok(Some(lines))
 }
 
+/// `--eval-gpu N`: one of the run's GPUs.
+fn check_eval_gpu(args: &RunArgs, plan: &[(WorkerName, Device)]) -> Result<(), Error> {
+    if let Some(g) = args.eval_gpu {
+        if !plan.iter().any(|(_, d)| *d == Device::Gpu(g)) {
+            let used: Vec<String> = plan
+                .iter()
+                .filter_map(|(_, d)| match d {
+                    Device::Gpu(i) => Some(*i),
+                    Device::Cpu => None,
+                })
+                .collect::<std::collections::BTreeSet<u32>>()
+                .iter()
+                .map(u32::to_string)
+                .collect();
+            return Err(Error::Flag(format!(
+                "--eval-gpu {g}: expected one of the run's GPUs ({})",
+                if used.is_empty() {
+                    "it has none: its workers run on the CPU".to_string()
+                } else {
+                    used.join(", ")
+                }
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The τ eval's settings, its prompts written to RUN_DIR/eval/prompts.jsonl.
 fn tau_config(
     args: &RunArgs,
@@ -711,6 +740,7 @@ fn tau_config(
         prompts,
         max_new_tokens: args.eval_max_new_tokens,
         timeout: args.eval_timeout,
+        gpu: args.eval_gpu,
         dir,
     }))
 }
@@ -981,6 +1011,7 @@ fn resolved_settings(
         "eval_prompts": args.eval_prompts,
         "tau_every": t.tau_every,
         "eval_max_new_tokens": args.eval_prompts.as_ref().map(|_| args.eval_max_new_tokens),
+        "eval_gpu": args.eval_prompts.as_ref().and(args.eval_gpu),
         "eval_timeout": args.eval_prompts.as_ref().map(|_| d(args.eval_timeout)),
         "hang_timeout": d(args.hang_timeout),
         "step_timeout": args.step_timeout.map_or("10m, or 5 × the slowest of the first 3 steps".to_string(), d),

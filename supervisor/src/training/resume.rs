@@ -68,6 +68,8 @@ pub struct SavedRun {
     #[serde(default)]
     pub eval_prompts: Option<PathBuf>,
     #[serde(default)]
+    pub eval_gpu: Option<u32>,
+    #[serde(default)]
     pub eval_max_new_tokens: Option<u64>,
     #[serde(default, with = "duration")]
     pub eval_timeout: Option<Duration>,
@@ -170,6 +172,7 @@ impl SavedRun {
             eval_data: a.eval_data.clone(),
             eval_every: a.eval_every,
             eval_prompts: a.eval_prompts.clone(),
+            eval_gpu: a.eval_gpu,
             eval_max_new_tokens: Some(a.eval_max_new_tokens),
             eval_timeout: Some(a.eval_timeout),
             snapshot_every: a.snapshot_every,
@@ -218,6 +221,7 @@ impl SavedRun {
         a.eval_data = self.eval_data;
         a.eval_every = self.eval_every;
         a.eval_prompts = self.eval_prompts;
+        a.eval_gpu = self.eval_gpu;
         a.snapshot_every = self.snapshot_every;
         a.time_limit = self.time_limit;
         a.step_timeout = self.step_timeout;
@@ -290,10 +294,11 @@ pub fn save(
 /// is (its files are fingerprinted), and the operational settings: checkpoints, limits,
 /// restarts, timeouts, the collective, the pools, logs and telemetry. The rest decide which
 /// batches exist and what the drafter is, so changing them would not continue the same run.
-pub const OVERRIDABLE: [&str; 31] = [
+pub const OVERRIDABLE: [&str; 32] = [
     "eval_data",
     "eval_every",
     "eval_prompts",
+    "eval_gpu",
     "eval_max_new_tokens",
     "eval_timeout",
     "steps",
@@ -412,10 +417,11 @@ pub fn merge(
 
 /// Settings that are optional (`None`: the default, or not set); the others always have a
 /// value, so only the command line tells whether one was given.
-const OPTIONAL: [&str; 20] = [
+const OPTIONAL: [&str; 21] = [
     "eval_data",
     "eval_every",
     "eval_prompts",
+    "eval_gpu",
     "taps",
     "epochs",
     "draft_layers",

@@ -43,6 +43,8 @@ pub struct TauConfig {
     pub prompts: PathBuf,
     pub max_new_tokens: u64,
     pub timeout: Duration,
+    /// `--eval-gpu`: decode on this GPU (bf16), else on the CPU.
+    pub gpu: Option<u32>,
     /// Where exports and reports go (RUN_DIR/eval).
     pub dir: PathBuf,
 }
@@ -87,6 +89,7 @@ struct Spec {
     exported: Option<PathBuf>,
     prompts: PathBuf,
     max_new_tokens: u64,
+    gpu: Option<u32>,
     dir: PathBuf,
     deadline: Instant,
 }
@@ -254,6 +257,7 @@ fn spec_of(
         exported,
         prompts: cfg.prompts.clone(),
         max_new_tokens: cfg.max_new_tokens,
+        gpu: cfg.gpu,
         dir: cfg.dir.clone(),
         deadline: Instant::now() + cfg.timeout,
     }
@@ -309,6 +313,12 @@ fn export_and_decode(s: &Spec, cancel: &AtomicBool) -> Result<TauResult, String>
         .arg("--max-new-tokens")
         .arg(s.max_new_tokens.to_string())
         .arg("--json");
+    if let Some(g) = s.gpu {
+        // The child's GPU is its ordinal 0; CUDA numbers GPUs as NVML does.
+        cmd.arg("--gpu")
+            .env("CUDA_VISIBLE_DEVICES", g.to_string())
+            .env("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
+    }
     // Exit 1: decoded, but not as greedy decoding did on some prompt (said by the caller).
     let ok = [exit_codes::SUCCESS, exit_codes::RUN_FAILED];
     let stdout = run(&mut cmd, "eval", s.deadline, cancel, &ok)?;
