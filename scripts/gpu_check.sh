@@ -18,6 +18,9 @@
 #                   one-rank NCCL group (--collective nccl)
 #   isolation       /proc/<pid>/maps of a live run: the supervisor maps NVML and no CUDA
 #                   library, every worker maps the CUDA libraries and not NVML
+#   eval            τ of the drafter pipeline-telemetry-on trained: speculative decoding on
+#                   the GPU (eval --gpus 0, bf16) and on the CPU with the same prompts; the
+#                   GPU's τ sane, its first tokens the CPU's, its decode tokens/s
 #   bench-ops       single ops at Qwen3-8B shapes (bench compute --target ops:qwen3-8b):
 #                   time, TFLOP/s and % of the bf16 peak per op
 #   bench-compute   bench compute --json: the device target forward, drafter step,
@@ -148,6 +151,21 @@ step_isolation() {
     kill "$idle" 2>/dev/null
     exec 3<&-
     keep_run isolation
+}
+
+step_eval() {
+    local run="$GC_WORK/runs/pipeline-telemetry-on" p="$GC_WORK/eval-prompts.jsonl" n=64
+    [ "$GC_MODE" = emulated ] && n=8
+    py eval-prompts "$p"
+    local -a args=(eval --target "$run/target" --drafter "$run/drafter" --prompts "$p" --max-new-tokens "$n" --json)
+    echo "\$ dflash-supervise ${args[*]} --gpus 0"
+    "$GC_SUP" "${args[@]}" --gpus 0 </dev/null >"$GC_WORK/eval-gpu.json" 2>"$GC_WORK/eval-gpu.err"
+    local rc_gpu=$?
+    cat "$GC_WORK/eval-gpu.err"
+    echo "\$ dflash-supervise ${args[*]}"
+    "$GC_SUP" "${args[@]}" </dev/null >"$GC_WORK/eval-cpu.json" 2>"$GC_WORK/eval-cpu.err"
+    local rc_cpu=$?
+    py eval "$rc_gpu" "$rc_cpu" "$GC_WORK/eval-gpu.json" "$GC_WORK/eval-cpu.json" "$GC_WORK/eval-gpu.err"
 }
 
 step_bench_ops() {
@@ -302,7 +320,7 @@ main() {
     [ -z "$reason" ] && reason=$(binaries_start)
     [ -z "$reason" ] && setup_device "$bindir"
     py facts-start "$mode" "$GC_SUP" "$GC_WORKER" "$GC_PARITY"
-    GC_STEPS=(preflight parity pipeline-telemetry-on pipeline-telemetry-off pipeline-nccl isolation bench-ops bench-compute)
+    GC_STEPS=(preflight parity pipeline-telemetry-on pipeline-telemetry-off pipeline-nccl isolation eval bench-ops bench-compute)
     if [ -n "$reason" ]; then
         py assemble --cannot "$reason" "${GC_STEPS[@]}"
         exit $?
@@ -311,10 +329,10 @@ main() {
     # Per-step limits, in seconds: generous where the host computes for the GPU.
     local -A limit
     if [ "$mode" = emulated ]; then
-        limit=([preflight]=120 [parity]=240 [pipeline-telemetry-on]=120 [pipeline-telemetry-off]=120 [pipeline-nccl]=120 [isolation]=90 [bench-ops]=150 [bench-compute]=150)
+        limit=([preflight]=120 [parity]=240 [pipeline-telemetry-on]=120 [pipeline-telemetry-off]=120 [pipeline-nccl]=120 [isolation]=90 [eval]=120 [bench-ops]=150 [bench-compute]=150)
     else
         # The first run compiles the kernels (NVRTC, tens of seconds).
-        limit=([preflight]=150 [parity]=150 [pipeline-telemetry-on]=60 [pipeline-telemetry-off]=60 [pipeline-nccl]=60 [isolation]=45 [bench-ops]=150 [bench-compute]=90)
+        limit=([preflight]=150 [parity]=150 [pipeline-telemetry-on]=60 [pipeline-telemetry-off]=60 [pipeline-nccl]=60 [isolation]=45 [eval]=60 [bench-ops]=150 [bench-compute]=90)
     fi
     local steps=("${GC_STEPS[@]}")
     trap on_signal TERM INT HUP
@@ -933,6 +951,33 @@ def last_json(path):
         except ValueError:
             pass
     return None
+
+
+def cmd_eval_prompts(path):
+    # Token-id prompts of 5 to 12 tokens inside the tiny target's vocabulary.
+    with open(path, "w") as f:
+        for i in range(8):
+            f.write(json.dumps([(t * 41 + i * 7 + 3) % 500 for t in range(5 + i)]) + "\n")
+
+
+def cmd_eval(rc_gpu, rc_cpu, gpu_out, cpu_out, gpu_err):
+    rc_gpu, rc_cpu = int(rc_gpu), int(rc_cpu)
+    g, c = last_json(gpu_out), last_json(cpu_out)
+    if not g:
+        return record("eval", "fail", f"no report from eval --gpus 0 (exit {rc_gpu}): " + " | ".join(tail(gpu_err, 3)), {})
+    keep = ("device", "prompts", "block_size", "max_new_tokens", "identical_to_greedy", "speculative_tokens_per_s", "greedy_tokens_per_s", "speedup")
+    det = {"gpu": {k: g.get(k) for k in keep}, "gpu_tau": g.get("tau"), "cpu_exit_code": rc_cpu,
+           "cpu": {k: c.get(k) for k in keep} if c else None, "cpu_tau": c.get("tau") if c else None}
+    tau, bs = g["tau"], g["block_size"]
+    sane = all(1 <= tau[d] <= bs and tau[d + "_ci95"][0] <= tau[d] <= tau[d + "_ci95"][1] for d in ("pooled", "mean_of_means"))
+    # bf16 may round a near tie apart later on; the first token is the prefill's argmax.
+    first = bool(c) and all(a["tokens"][:1] == b["tokens"][:1] for a, b in zip(g["per_prompt"], c["per_prompt"]))
+    det["same_first_tokens"] = first
+    ok = rc_gpu in (0, 1) and g.get("device") == "gpu" and sane and rc_cpu == 0 and first
+    summary = (f"τ pooled {tau['pooled']:.3f} on the GPU" + (f", {c['tau']['pooled']:.3f} on the CPU" if c else "")
+               + f"; {g['identical_to_greedy']}/{g['prompts']} prompts as greedy on the GPU; first tokens as the CPU's: {first}; "
+               f"decode {g['speculative_tokens_per_s']:.0f} tokens/s speculative, {g['greedy_tokens_per_s']:.0f} greedy (speedup {g['speedup']:.2f}x)")
+    record("eval", "pass" if ok else "fail", summary, det)
 
 
 def cmd_bench_ops(rc, out, err):

@@ -19,13 +19,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-const STEPS: [&str; 8] = [
+const STEPS: [&str; 9] = [
     "preflight",
     "parity",
     "pipeline-telemetry-on",
     "pipeline-telemetry-off",
     "pipeline-nccl",
     "isolation",
+    "eval",
     "bench-ops",
     "bench-compute",
 ];
@@ -224,6 +225,16 @@ fn gpu_check_emulated_runs_every_step_and_writes_its_verdict() {
         "{off}"
     );
     assert_eq!(details("pipeline-nccl")["collective"], "NCCL");
+    // τ of the trained drafter decoded on the (emulated) GPU, its first tokens the CPU's.
+    let ev = details("eval");
+    assert_eq!(ev["gpu"]["device"], "gpu", "{ev}");
+    assert_eq!(ev["same_first_tokens"], true, "{ev}");
+    assert!(
+        ev["gpu_tau"]["pooled"]
+            .as_f64()
+            .is_some_and(|t| (1.0..=ev["gpu"]["block_size"].as_f64().unwrap()).contains(&t)),
+        "{ev}"
+    );
     for name in [
         "pipeline-telemetry-on",
         "pipeline-telemetry-off",

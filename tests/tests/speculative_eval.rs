@@ -219,3 +219,91 @@ fn eval_measures_tau_on_the_demo_drafter_and_refuses_bad_inputs() {
         "another vocabulary (512; --target has 640)",
     );
 }
+
+/// What `eval` is for: a drafter trained on its target's own greedy continuations (the
+/// data DFlash's recipe regenerates with the target) decodes with that target at τ above
+/// 1 on held-out prompts, and the output stays greedy decoding's. The continuations come from `eval`
+/// itself (its per-prompt tokens are greedy decoding's, which it checks), of the demo
+/// drafter (τ about 1: it learned the demo data, not the tiny target's outputs).
+#[test]
+fn a_drafter_trained_on_its_targets_greedy_outputs_decodes_at_tau_above_one() {
+    let sup = trained_demo();
+    let target = sup.run_dir.join("target");
+    let tmp = tempfile::tempdir().unwrap();
+    let ids = |i: usize, n: usize| -> Vec<u64> {
+        (0..n)
+            .map(|t| ((t * 97 + i * 31 + 11) % 499) as u64)
+            .collect()
+    };
+    let write_prompts = |name: &str, range: std::ops::Range<usize>| {
+        let p = tmp.path().join(name);
+        let lines: Vec<String> = range.map(|i| format!("{:?}", ids(i, 4 + i % 5))).collect();
+        std::fs::write(&p, lines.join("\n")).unwrap();
+        p
+    };
+    let decode = |drafter: &Path, prompts: &Path| -> Value {
+        let o = eval(
+            &target,
+            drafter,
+            prompts,
+            &["--max-new-tokens", "40", "--json"],
+        );
+        assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+        let r: Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(r["identical_to_greedy"], r["prompts"], "{r}");
+        r
+    };
+    // The target's greedy continuations of 96 prompts, as training data (loss on the
+    // continuation only).
+    let train_prompts = write_prompts("train.jsonl", 0..96);
+    let r = decode(&sup.run_dir.join("drafter"), &train_prompts);
+    let before = r["tau"]["pooled"].as_f64().unwrap();
+    let data = tmp.path().join("data.jsonl");
+    let lines: Vec<String> = r["per_prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let prompt = ids(i, 4 + i % 5);
+            let out: Vec<u64> = serde_json::from_value(p["tokens"].clone()).unwrap();
+            let mask: Vec<u8> = prompt
+                .iter()
+                .map(|_| 0)
+                .chain(out.iter().map(|_| 1))
+                .collect();
+            let all: Vec<u64> = prompt.into_iter().chain(out).collect();
+            serde_json::json!({"input_ids": all, "loss_mask": mask}).to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let mut run = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        data.to_str().unwrap(),
+        "--steps",
+        "40",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+    ]);
+    assert_eq!(
+        run.wait_exit(Duration::from_secs(300)).code(),
+        Some(0),
+        "{}",
+        run.stderr()
+    );
+    // Held-out prompts.
+    let held = write_prompts("held.jsonl", 200..216);
+    let r = decode(&run.run_dir.join("drafter"), &held);
+    let after = r["tau"]["pooled"].as_f64().unwrap();
+    eprintln!("τ pooled: demo drafter {before:.3}, trained on the target's outputs {after:.3}");
+    // On held-out prompts (a random tiny target's continuations generalise only in part:
+    // about 1.35 here; on the training prompts themselves τ goes far higher).
+    assert!(
+        after > 1.2 && after > before + 0.2,
+        "training on the target's greedy outputs must raise τ: {before:.3} → {after:.3}"
+    );
+}
