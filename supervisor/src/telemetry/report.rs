@@ -267,6 +267,41 @@ impl Frame {
     }
 }
 
+/// `pts` (in x order) thinned to the plot's pixel columns: where a column holds more than
+/// four points, its first, lowest, highest and last, in x order; shorter runs unchanged.
+fn per_pixel(pts: &[(f64, f64)], f: &Frame) -> Vec<(f64, f64)> {
+    let columns = (f.right - f.left).max(1.0);
+    if (pts.len() as f64) <= 2.0 * columns {
+        return pts.to_vec();
+    }
+    let mut out = Vec::with_capacity(4 * columns as usize + 4);
+    let mut i = 0;
+    while i < pts.len() {
+        let col = f.px(pts[i].0).floor();
+        let mut j = i;
+        while j < pts.len() && f.px(pts[j].0).floor() == col {
+            j += 1;
+        }
+        let group = &pts[i..j];
+        if group.len() <= 4 {
+            out.extend_from_slice(group);
+        } else {
+            let lo = (0..group.len())
+                .min_by(|&a, &b| group[a].1.total_cmp(&group[b].1))
+                .unwrap_or(0);
+            let hi = (0..group.len())
+                .max_by(|&a, &b| group[a].1.total_cmp(&group[b].1))
+                .unwrap_or(0);
+            let mut keep = vec![0, lo, hi, group.len() - 1];
+            keep.sort_unstable();
+            keep.dedup();
+            out.extend(keep.into_iter().map(|k| group[k]));
+        }
+        i = j;
+    }
+    out
+}
+
 struct Series {
     name: String,
     /// `class` of its polyline (and of its points when `dots`); `attrs` are added to both.
@@ -331,7 +366,12 @@ struct Chart {
     plot_h: f64,
     left: f64,
     y_ticks: bool,
+    /// Vertical markers (x, label): on the time charts, each --resume.
+    marks: Vec<(f64, String)>,
 }
+
+/// Distinct ids for the charts' clip paths within a page.
+static CLIP_IDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl Chart {
     fn new(
@@ -354,7 +394,14 @@ impl Chart {
             plot_h: 150.0,
             left: 64.0,
             y_ticks: true,
+            marks: Vec::new(),
         }
+    }
+
+    /// Markers at `xs` labelled `label` (e.g. the resumes on a time chart).
+    fn marks(mut self, xs: &[f64], label: &str) -> Chart {
+        self.marks = xs.iter().map(|&x| (x, label.to_string())).collect();
+        self
     }
 
     /// The SVG, with `extra` drawn over the plot (markers, bars).
@@ -385,8 +432,9 @@ impl Chart {
             top,
             bottom,
         };
+        // As wide as the page lets it be, the height following (the viewBox).
         let mut s = format!(
-            r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{}" width="{W}" height="{height:.0}" viewBox="0 0 {W} {height:.0}" font-family="sans-serif">"#,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" class="chart" data-chart="{}" width="100%" viewBox="0 0 {W} {height:.0}" font-family="sans-serif">"#,
             esc(&self.id)
         );
         let _ = write!(
@@ -404,9 +452,33 @@ impl Chart {
         );
         s.push_str(&self.y_axes(&f));
         s.push_str(&self.x_axis_svg(&f));
+        // Everything drawn over the plot stays inside it (a point outside the axes'
+        // range, a marker past its end).
+        let clip = format!(
+            "clip{}",
+            CLIP_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let _ = write!(
+            s,
+            r#"<defs><clipPath id="{clip}"><rect x="{:.1}" y="{top:.1}" width="{:.1}" height="{:.1}"/></clipPath></defs><g class="plot" clip-path="url(#{clip})">"#,
+            f.left,
+            f.right - f.left,
+            self.plot_h
+        );
         s.push_str(&self.lines(&f));
         s.push_str(&extra(&f));
-        s.push_str("</svg>");
+        for (x, label) in &self.marks {
+            let px = f.px(*x);
+            let _ = write!(
+                s,
+                r##"<line class="mark" data-x="{x:.3}" x1="{px:.1}" y1="{top:.1}" x2="{px:.1}" y2="{bottom:.1}" stroke="#7a3" stroke-dasharray="4 3"><title>{}</title></line><text x="{:.1}" y="{:.1}" font-size="10" fill="#7a3">{}</text>"##,
+                esc(label),
+                px + 3.0,
+                top + 11.0,
+                esc(label)
+            );
+        }
+        s.push_str("</g></svg>");
         s
     }
 
@@ -554,13 +626,14 @@ impl Chart {
                 .dash
                 .map(|d| format!(r#" stroke-dasharray="{d}""#))
                 .unwrap_or_default();
-            // A missing value breaks the line.
+            // A missing value breaks the line; a long one keeps, per pixel column, its
+            // first, lowest, highest and last points (the extremes stay visible).
             for seg in se
                 .pts
                 .split(|p| !p.1.is_finite() || !p.0.is_finite())
                 .filter(|g| !g.is_empty())
             {
-                let pts: Vec<String> = seg
+                let pts: Vec<String> = per_pixel(seg, f)
                     .iter()
                     .map(|(a, b)| format!("{:.1},{:.1}", f.px(*a), y(*b)))
                     .collect();
@@ -574,15 +647,29 @@ impl Chart {
                 );
             }
             if se.dots {
-                for (a, b) in se.pts.iter().filter(|p| p.1.is_finite()) {
+                // As many dots as the plot has pixel columns at most (each column's
+                // extremes), each with its value on hover.
+                let finite: Vec<(f64, f64)> =
+                    se.pts.iter().copied().filter(|p| p.1.is_finite()).collect();
+                for (a, b) in per_pixel(&finite, f) {
                     let _ = write!(
                         s,
-                        r#"<circle class="{}" data-step="{a}" data-value="{b:.6e}"{} cx="{:.1}" cy="{:.1}" r="1.6" fill="{}"/>"#,
+                        r#"<circle class="{}" data-step="{a}" data-value="{b:.6e}"{} cx="{:.1}" cy="{:.1}" r="1.6" fill="{}"><title>{}: {} at {}</title></circle>"#,
                         esc(&se.class),
                         se.attrs,
-                        f.px(*a),
-                        y(*b),
-                        se.color
+                        f.px(a),
+                        y(b),
+                        se.color,
+                        esc(if se.name.is_empty() {
+                            &self.y_label
+                        } else {
+                            &se.name
+                        }),
+                        fmt_num(b),
+                        match self.x_axis {
+                            XAxis::Steps => format!("step {a}"),
+                            XAxis::Time => fmt_dur(a),
+                        }
                     );
                 }
             }
@@ -629,20 +716,24 @@ impl Run {
             }
         }
         let steps = lineage_steps(&train);
+        // The run's end: a run_end after its last start (a resumed session's is not the
+        // end of the run).
+        let last_start = events.iter().rposition(|e| e["event"] == "run_start");
         let ended = events
             .iter()
+            .enumerate()
             .rev()
-            .find(|e| e["event"] == "run_end")
-            .cloned();
+            .find(|(i, e)| e["event"] == "run_end" && last_start.is_none_or(|s| *i > s))
+            .map(|(_, e)| e.clone());
+        // One timeline over every session of the run: it starts at its earliest record
+        // (after a --resume, state.json's start is the last session's).
         let t0 = state["started_at_unix_ms"]
             .as_f64()
-            .or_else(|| {
-                events
-                    .iter()
-                    .filter_map(|e| ms_of(&e["time"]))
-                    .reduce(f64::min)
-            })
-            .or_else(|| metrics.first().and_then(|m| ms_of(&m["time"])))
+            .into_iter()
+            .chain(events.iter().filter_map(|e| ms_of(&e["time"])))
+            .chain(metrics.iter().filter_map(|m| ms_of(&m["time"])))
+            .chain(train.iter().filter_map(|l| l["t"].as_f64()))
+            .reduce(f64::min)
             .unwrap_or(0.0);
         let t1 = match ended.as_ref().and_then(|e| ms_of(&e["time"])) {
             Some(t) => t,
@@ -692,6 +783,17 @@ impl Run {
 
     fn start_event(&self) -> Option<&Value> {
         self.events.iter().find(|e| e["event"] == "run_start")
+    }
+
+    /// Seconds since the start of each session after the first (each --resume's
+    /// `run_start`), for the time charts' markers.
+    fn resumes(&self) -> Vec<f64> {
+        self.events
+            .iter()
+            .filter(|e| e["event"] == "run_start")
+            .skip(1)
+            .filter_map(|e| self.secs(&e["time"]))
+            .collect()
     }
 }
 
@@ -1281,7 +1383,8 @@ fn throughput(run: &Run, absent: &mut Absent) -> String {
         XAxis::Time,
         run.time_range(),
         "tokens/s",
-    );
+    )
+    .marks(&run.resumes(), "resumed");
     c.series.push(Series::new(
         "trained, total",
         "tps-total",
@@ -1519,7 +1622,8 @@ fn gpu_panel(
         XAxis::Time,
         run.time_range(),
         unit,
-    );
+    )
+    .marks(&run.resumes(), "resumed");
     c.plot_h = 110.0;
     let mut missing: Vec<u64> = Vec::new();
     for (gi, &idx) in indices.iter().enumerate() {
@@ -1574,7 +1678,8 @@ fn gpu_event_lanes(run: &Run, indices: &[u64], throttles: &[Throttle], xids: &[X
         XAxis::Time,
         run.time_range(),
         "",
-    );
+    )
+    .marks(&run.resumes(), "resumed");
     c.left = 110.0;
     c.y_ticks = false;
     c.plot_h = row_h * indices.len() as f64;
@@ -1679,7 +1784,8 @@ fn pool_fill(run: &Run) -> String {
         XAxis::Time,
         run.time_range(),
         "%",
-    );
+    )
+    .marks(&run.resumes(), "resumed");
     c.yl = Some((0.0, 100.0));
     for (pool, label, color) in [
         ("tokens_pool", "token pool", "#1f77b4"),
@@ -1748,7 +1854,8 @@ fn bottleneck_hints(run: &Run) -> String {
         XAxis::Time,
         run.time_range(),
         "",
-    );
+    )
+    .marks(&run.resumes(), "resumed");
     c.plot_h = 22.0;
     c.y_ticks = false;
     let hint_color = |i: usize| PALETTE[(i + 3) % PALETTE.len()];
@@ -2141,7 +2248,8 @@ fn lifelines(run: &Run, absent: &mut Absent) -> String {
         XAxis::Time,
         run.time_range(),
         "",
-    );
+    )
+    .marks(&run.resumes(), "resumed");
     c.left = 110.0;
     c.y_ticks = false;
     c.plot_h = row_h * workers.len() as f64;
@@ -2242,11 +2350,17 @@ pub fn render(dir: &Path) -> String {
     let mut h = String::new();
     let _ = write!(
         h,
-        "<!DOCTYPE html>\n<html xmlns=\"http://www.w3.org/1999/xhtml\"><head><meta charset=\"utf-8\"/><title>dflash-supervise report: {}</title>\
-         <style>body{{font-family:sans-serif;margin:20px;max-width:940px}}th{{text-align:left;font-weight:normal;color:#555;padding:2px 12px 2px 0}}\
+        "<!DOCTYPE html>\n<html xmlns=\"http://www.w3.org/1999/xhtml\"><head><meta charset=\"utf-8\"/>{}<title>dflash-supervise report: {}</title>\
+         <style>body{{font-family:sans-serif;margin:20px;max-width:1600px}}th{{text-align:left;font-weight:normal;color:#555;padding:2px 12px 2px 0}}\
          td{{padding:2px 10px;border-bottom:1px solid #eee}}h2{{margin-top:28px;border-bottom:1px solid #ccc}}h3{{margin:14px 0 4px}}\
          svg{{display:block;margin:6px 0}}.absent{{color:#a04000}}.note{{color:#555;font-size:90%}}</style></head><body>\
          <h1>dflash-supervise run report</h1>",
+        // A live run's page (report --watch rewrites it) reloads itself.
+        if run.live {
+            r#"<meta http-equiv="refresh" content="15"/>"#
+        } else {
+            ""
+        },
         esc(&run.dir.display().to_string())
     );
     let _ = write!(
@@ -2312,6 +2426,119 @@ mod tests {
     const STATE: &str = r#"{"started_at": "2026-01-01T00:00:00.000Z", "started_at_unix_ms": 1767225600000, "phase": "running",
         "workers": [{"name": "target-0", "gpu": "0", "restarts": 0}, {"name": "drafter-0", "gpu": "1", "restarts": 0}]}"#;
     const NO_GPU_WINDOW: &str = r#"{"time": "2026-01-01T00:00:10.000Z", "window_s": 10.0, "gpu": {"samples": 0, "gpus": []}, "pipeline": {"tokens_per_s_trained": 100.0}}"#;
+
+    /// Every chart's plot rectangle (x from, x to) and the x of everything drawn in it:
+    /// polyline points, circles and markers.
+    fn plotted_xs(html: &str) -> Vec<((f64, f64), Vec<f64>)> {
+        let num = |t: &str, key: &str| -> Option<f64> {
+            let at = t.find(&format!(" {key}=\""))? + key.len() + 3;
+            t[at..].split('"').next()?.parse().ok()
+        };
+        html.split("<svg ")
+            .skip(1)
+            .filter_map(|svg| {
+                let svg = svg.split("</svg>").next()?;
+                let clip = svg.split("<clipPath").nth(1)?;
+                let (x, w) = (num(clip, "x")?, num(clip, "width")?);
+                let plot = svg.split(r#"<g class="plot""#).nth(1)?;
+                let mut xs = Vec::new();
+                for poly in plot.split(" points=\"").skip(1) {
+                    let pts = poly.split('"').next().unwrap_or("");
+                    xs.extend(
+                        pts.split(' ')
+                            .filter_map(|p| p.split(',').next()?.parse::<f64>().ok()),
+                    );
+                }
+                for c in plot.split("<circle").skip(1) {
+                    xs.extend(num(c, "cx"));
+                }
+                for l in plot.split(r#"<line class="mark""#).skip(1) {
+                    xs.extend(num(l, "x1"));
+                }
+                Some(((x, x + w), xs))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_resumed_run_is_one_timeline_with_every_point_inside_its_plot_and_the_resume_marked() {
+        // Session 1 ran 00:00–00:30; the resume started at 01:00 (state.json's start).
+        let state = STATE.replace("1767225600000", "1767229200000");
+        let window = |t: &str, tps: f64| {
+            format!(
+                r#"{{"time": "2026-01-01T{t}.000Z", "window_s": 10.0, "gpu": {{"samples": 0, "gpus": []}}, "pipeline": {{"tokens_per_s_trained": {tps}, "hidden_pool": {{"fill_ratio": 0.5}}}}}}"#
+            )
+        };
+        let metrics = [
+            window("00:00:10", 100.0),
+            window("00:00:20", 120.0),
+            window("01:00:10", 130.0),
+            window("01:00:20", 140.0),
+        ];
+        let events = [
+            r#"{"time": "2026-01-01T00:00:00.000Z", "event": "run_start"}"#,
+            r#"{"time": "2026-01-01T00:00:30.000Z", "event": "run_end", "reason": "interrupted"}"#,
+            r#"{"time": "2026-01-01T01:00:00.000Z", "event": "run_start"}"#,
+        ];
+        let d = run_dir(&[
+            ("state.json", &state),
+            ("metrics.jsonl", &metrics.join("\n")),
+            ("events.jsonl", &events.join("\n")),
+        ]);
+        let html = render(d.path());
+        let charts = plotted_xs(&html);
+        assert!(charts.iter().any(|(_, xs)| xs.len() >= 4), "{html}");
+        for ((lo, hi), xs) in &charts {
+            for x in xs {
+                assert!(
+                    *lo - 0.05 <= *x && *x <= *hi + 0.05,
+                    "{x} outside [{lo}, {hi}]"
+                );
+            }
+        }
+        // The resume, one hour in, is marked on the time charts.
+        assert!(
+            html.contains(r#"<line class="mark" data-x="3600.000""#),
+            "{html}"
+        );
+    }
+
+    #[test]
+    fn a_long_series_is_thinned_to_the_plots_columns_keeping_its_extremes() {
+        let f = Frame {
+            x: (0.0, 50_000.0),
+            yl: (0.0, 10.0),
+            yr: (0.0, 1.0),
+            left: 64.0,
+            right: 876.0,
+            top: 0.0,
+            bottom: 100.0,
+        };
+        let pts: Vec<(f64, f64)> = (0..50_000)
+            .map(|i| {
+                (
+                    i as f64,
+                    if i == 31_337 {
+                        9.5
+                    } else if i == 777 {
+                        0.25
+                    } else {
+                        5.0
+                    },
+                )
+            })
+            .collect();
+        let thin = per_pixel(&pts, &f);
+        assert!(thin.len() <= 4 * 813, "{} points", thin.len());
+        assert!(
+            thin.contains(&(31_337.0, 9.5)) && thin.contains(&(777.0, 0.25)),
+            "extremes kept"
+        );
+        assert!(thin.windows(2).all(|w| w[0].0 < w[1].0), "in x order");
+        assert_eq!((thin[0], thin[thin.len() - 1]), (pts[0], pts[49_999]));
+        // A short series is drawn whole.
+        assert_eq!(per_pixel(&pts[..500], &f), pts[..500].to_vec());
+    }
 
     #[test]
     fn held_out_evals_are_drawn_beside_the_training_curves_in_the_final_lineage() {
