@@ -1279,8 +1279,14 @@ fn loss_chart(
         x,
         "loss",
     );
+    let loss = step_series(steps, xs, "loss");
+    // Beside the raw loss, its exponential moving average (over about 2% of the steps, at
+    // least 10), which reads through a noisy curve.
+    let smooth = ema(&loss, (steps.len() as f64 / 50.0).max(10.0));
     c.series
-        .push(Series::new("loss", "loss", "#c0392b", step_series(steps, xs, "loss")).dots());
+        .push(Series::new("loss", "loss", "#e8a49c", loss).dots());
+    c.series
+        .push(Series::new("loss (EMA)", "loss-ema", "#c0392b", smooth));
     if !evals.is_empty() {
         c.series.push(
             Series::new(
@@ -1308,6 +1314,22 @@ fn loss_chart(
         ));
     }
     c.render(&|f: &Frame| rollback_marks(rollbacks, f))
+}
+
+/// The exponential moving average of `pts` with a span of `n` points (α = 2 / (n + 1)),
+/// bias-corrected at the start as TensorBoard's smoothing is; a missing value is skipped.
+fn ema(pts: &[(f64, f64)], n: f64) -> Vec<(f64, f64)> {
+    let a = 2.0 / (n + 1.0);
+    let (mut m, mut w) = (0.0, 0.0);
+    pts.iter()
+        .map(|&(x, y)| {
+            if y.is_finite() {
+                m = (1.0 - a) * m + a * y;
+                w = (1.0 - a) * w + a;
+            }
+            (x, if w > 0.0 { m / w } else { f64::NAN })
+        })
+        .collect()
 }
 
 /// The acceptance proxy per step (and per held-out eval), the per-slot accuracy on the
@@ -2501,6 +2523,20 @@ mod tests {
             html.contains(r#"<line class="mark" data-x="3600.000""#),
             "{html}"
         );
+    }
+
+    #[test]
+    fn the_loss_ema_follows_a_step_and_starts_at_the_first_value() {
+        let pts: Vec<(f64, f64)> = (0..100)
+            .map(|i| (i as f64, if i < 50 { 4.0 } else { 2.0 }))
+            .collect();
+        let e = ema(&pts, 9.0);
+        assert_eq!(e[0], (0.0, 4.0), "bias-corrected: no ramp from 0");
+        assert!((e[49].1 - 4.0).abs() < 1e-9);
+        assert!(e[52].1 < 4.0 && e[52].1 > 2.0, "it lags a step");
+        assert!((e[99].1 - 2.0).abs() < 1e-3, "and reaches it");
+        let gap = ema(&[(0.0, 1.0), (1.0, f64::NAN), (2.0, 1.0)], 3.0);
+        assert!(gap.iter().all(|p| p.1 == 1.0), "{gap:?}");
     }
 
     #[test]
