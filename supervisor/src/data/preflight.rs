@@ -117,7 +117,15 @@ pub fn scan(
         mut missing,
     ) = (0, 0, 0, 0, 0, 0, 0);
     let mut seen = HashSet::new();
+    let mut progress = crate::telemetry::console::ByteProgress::new(
+        "reading the data",
+        "samples",
+        stream.total_bytes,
+    );
     while let Some(p) = stream.next_parsed(&mut bad, cfg)? {
+        if bad.lines % 256 == 0 {
+            progress.update(stream.bytes_read, lengths.len() as u64);
+        }
         if p.chat {
             chat += 1;
             missing += u64::from(p.marker_missing);

@@ -171,3 +171,137 @@ impl log::Log for Logger {
 
     fn flush(&self) {}
 }
+
+/// Progress through an input of known size (or not: stdin): on a terminal a bar with the
+/// bytes read, items per second and the ETA; elsewhere a plain line every
+/// [`PLAIN_EVERY`], so a long `prepare` in a log is not silent either.
+pub struct ByteProgress {
+    bar: Option<ProgressBar>,
+    what: &'static str,
+    items: &'static str,
+    total: Option<u64>,
+    started: std::time::Instant,
+    said: std::time::Instant,
+}
+
+/// How often a plain progress line is printed off a terminal.
+pub const PLAIN_EVERY: Duration = Duration::from_secs(30);
+
+impl ByteProgress {
+    /// Progress of `what` (e.g. "prepare") through `total` bytes, counting `items`.
+    pub fn new(what: &'static str, items: &'static str, total: Option<u64>) -> ByteProgress {
+        use std::io::IsTerminal;
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let (b, t) = match total {
+                Some(n) => (
+                    ProgressBar::new(n),
+                    "{prefix} [{bar:30.cyan/blue}] {bytes}/{total_bytes} {bytes_per_sec} ETA {eta} | {msg}",
+                ),
+                None => (
+                    ProgressBar::new_spinner(),
+                    "{prefix} {spinner} {bytes} {bytes_per_sec} | {msg}",
+                ),
+            };
+            b.set_draw_target(ProgressDrawTarget::stderr_with_hz(4));
+            b.set_style(
+                ProgressStyle::with_template(t)
+                    .unwrap_or_else(|_| ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            b.set_prefix(what);
+            b
+        });
+        let now = std::time::Instant::now();
+        ByteProgress {
+            bar,
+            what,
+            items,
+            total,
+            started: now,
+            said: now,
+        }
+    }
+
+    /// `bytes` read so far and `n` items made of them.
+    pub fn update(&mut self, bytes: u64, n: u64) {
+        let secs = self.started.elapsed().as_secs_f64().max(1e-9);
+        let rate = format!("{n} {} ({:.0}/s)", self.items, n as f64 / secs);
+        if let Some(b) = &self.bar {
+            b.set_position(bytes);
+            b.set_message(rate);
+            return;
+        }
+        if self.said.elapsed() < PLAIN_EVERY {
+            return;
+        }
+        self.said = std::time::Instant::now();
+        let line = plain_progress(self.what, self.items, bytes, self.total, n, secs);
+        say(format_args!("{line}\n"));
+    }
+}
+
+/// The plain progress line: bytes read (of how many, with the share and the ETA when the
+/// size is known), items and their rate.
+pub fn plain_progress(
+    what: &str,
+    items: &str,
+    bytes: u64,
+    total: Option<u64>,
+    n: u64,
+    secs: f64,
+) -> String {
+    let share = total
+        .filter(|&t| t > 0)
+        .map(|t| {
+            let f = bytes as f64 / t as f64;
+            let eta = if f > 0.0 { secs / f - secs } else { f64::NAN };
+            format!(
+                " of {:.1} MB ({:.0}%), ETA {}",
+                t as f64 / 1e6,
+                f * 100.0,
+                if eta.is_finite() {
+                    humantime::format_duration(Duration::from_secs(eta.round() as u64)).to_string()
+                } else {
+                    "—".into()
+                }
+            )
+        })
+        .unwrap_or_default();
+    format!(
+        "{what}: {:.1} MB read{share}, {n} {items} ({:.0}/s)",
+        bytes as f64 / 1e6,
+        n as f64 / secs.max(1e-9)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plain_progress_line_says_how_far_how_fast_and_how_long_to_go() {
+        assert_eq!(
+            plain_progress(
+                "prepare",
+                "samples",
+                250_000_000,
+                Some(1_000_000_000),
+                5000,
+                30.0
+            ),
+            "prepare: 250.0 MB read of 1000.0 MB (25%), ETA 1m 30s, 5000 samples (167/s)"
+        );
+        assert_eq!(
+            plain_progress("prepare", "samples", 2_000_000, None, 10, 2.0),
+            "prepare: 2.0 MB read, 10 samples (5/s)"
+        );
+    }
+}
+
+impl Drop for ByteProgress {
+    fn drop(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+    }
+}
