@@ -274,6 +274,14 @@ pub fn plain_progress(
     )
 }
 
+impl Drop for ByteProgress {
+    fn drop(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,13 +303,5 @@ mod tests {
             plain_progress("prepare", "samples", 2_000_000, None, 10, 2.0),
             "prepare: 2.0 MB read, 10 samples (5/s)"
         );
-    }
-}
-
-impl Drop for ByteProgress {
-    fn drop(&mut self) {
-        if let Some(b) = self.bar.take() {
-            b.finish_and_clear();
-        }
     }
 }
