@@ -611,6 +611,24 @@ pub enum BenchCommand {
         )]
         arch: Vec<String>,
     },
+    /// The report page of a long run: its size and write time, and with Chromium on the
+    /// machine the time headless Chromium takes to open it, against a 200-step run of the
+    /// same shape (synthetic runs: one step a second, a metrics window every 10 steps,
+    /// every NVML field per GPU).
+    Report {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Steps of the long run.
+        #[arg(long, default_value_t = 50_000)]
+        steps: u64,
+        /// GPUs (a quarter targets, the rest drafters).
+        #[arg(long, default_value_t = 8)]
+        gpus: u64,
+        /// Do not open the pages in Chromium even where it is installed.
+        #[arg(long)]
+        no_chromium: bool,
+    },
     /// Training throughput on CPU: target forward and drafter step alone (in one
     /// dflash-worker process) against the whole pipeline on the same batches.
     Train {

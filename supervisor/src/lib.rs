@@ -92,6 +92,12 @@ pub fn main() -> i32 {
             tokens,
         })) => bench::compute::run(json, &target, tokens),
         Some(Command::Bench(BenchCommand::Train { json, steps })) => bench::train::run(json, steps),
+        Some(Command::Bench(BenchCommand::Report {
+            json,
+            steps,
+            gpus,
+            no_chromium,
+        })) => commands::bench::report::run(json, steps, gpus, !no_chromium),
         Some(Command::Bench(BenchCommand::Kernels { json, arch })) => {
             bench::kernels::run(json, &arch)
         }

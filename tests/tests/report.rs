@@ -507,3 +507,37 @@ fn watch_rewrites_the_page_while_the_run_goes_on_and_stops_when_it_ends_or_on_ct
     assert_eq!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not live"));
 }
+
+/// A long run's page stays small: `bench report` writes the page of a synthetic
+/// 20,000-step run on 2 GPUs (every file a run writes) beside a 200-step one's. Every series
+/// is thinned to the plots' pixel columns, so the page grows far slower than the run
+/// (100x the steps; a page drawing every point would be about 100x too).
+#[test]
+fn a_long_runs_page_stays_small_as_the_benchmark_measures_it() {
+    let out = supervise(
+        &[
+            "bench",
+            "report",
+            "--steps",
+            "20000",
+            "--gpus",
+            "2",
+            "--json",
+            "--no-chromium",
+        ],
+        None,
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (bytes, ratio) = (
+        v["page_bytes"].as_u64().unwrap(),
+        v["size_ratio"].as_f64().unwrap(),
+    );
+    assert!(bytes < 3_000_000 && ratio < 20.0, "{v}");
+    assert!(v["open_s"].is_null() && v["chromium"].is_null(), "{v}");
+}

@@ -1888,9 +1888,20 @@ fn bottleneck_hints(run: &Run) -> String {
         .collect();
     c.legend_extra
         .push(("#dddddd".into(), "no hint (balanced)".into()));
+    // Consecutive windows without a hint are one span (a long balanced run is one rect).
+    let mut spans: Vec<HintWindow> = Vec::new();
+    for (t, w, h) in per_window {
+        match (spans.last_mut(), &h) {
+            (Some((t_last, w_last, None)), None) => {
+                *w_last += t - *t_last;
+                *t_last = t;
+            }
+            _ => spans.push((t, w, h)),
+        }
+    }
     c.render(&|f: &Frame| {
         let mut s = String::new();
-        for (t, w, h) in &per_window {
+        for (t, w, h) in &spans {
             let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
             let (color, text) = match h {
                 Some((i, text)) => (hint_color(*i), text.as_str()),

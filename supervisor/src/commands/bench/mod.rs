@@ -4,6 +4,7 @@
 pub mod compute;
 pub mod ipc;
 pub mod kernels;
+pub mod report;
 pub mod telemetry;
 pub mod train;
 mod worker_tool;
