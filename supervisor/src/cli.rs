@@ -488,7 +488,7 @@ pub struct RunArgs {
     pub prefetch: usize,
 
     /// Serve the latest metrics window for Prometheus at http://ADDR/metrics. A bare port
-    /// (9400) listens on loopback only; give 0.0.0.0:9400 to listen on every interface.
+    /// (21400) listens on loopback only; give 0.0.0.0:21400 to listen on every interface.
     #[arg(long, value_name = "ADDR", value_parser = crate::telemetry::prometheus::parse_addr, help_heading = "Telemetry")]
     pub prometheus: Option<std::net::SocketAddr>,
 

@@ -1,5 +1,5 @@
 //! `--prometheus ADDR`: the latest metrics window in Prometheus text exposition format at
-//! `http://ADDR/metrics`. A bare port binds loopback only; give an address (0.0.0.0:9400)
+//! `http://ADDR/metrics`. A bare port binds loopback only; give an address (0.0.0.0:21400)
 //! to listen elsewhere. A minimal HTTP/1.1 responder on its own thread: one short request,
 //! one response, close.
 
@@ -20,12 +20,12 @@ pub struct Exporter {
 
 /// `--prometheus` given neither a port nor an address with a port.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("'{given}' is not a port or an address with a port (expected e.g. 9400 or 0.0.0.0:9400)")]
+#[error("'{given}' is not a port or an address with a port (expected e.g. 21400 or 0.0.0.0:21400)")]
 pub struct AddrError {
     pub given: String,
 }
 
-/// `9400` or `:9400` → 127.0.0.1:9400; anything else must be an address with a port.
+/// `21400` or `:21400` → 127.0.0.1:21400; anything else must be an address with a port.
 pub fn parse_addr(s: &str) -> Result<SocketAddr, AddrError> {
     let t = s.trim().trim_start_matches(':');
     if let Ok(port) = t.parse::<u16>() {
@@ -478,11 +478,11 @@ mod tests {
 
     #[test]
     fn addresses() {
-        assert_eq!(parse_addr("9400").unwrap().to_string(), "127.0.0.1:9400");
-        assert_eq!(parse_addr(":9400").unwrap().to_string(), "127.0.0.1:9400");
+        assert_eq!(parse_addr("21400").unwrap().to_string(), "127.0.0.1:21400");
+        assert_eq!(parse_addr(":21400").unwrap().to_string(), "127.0.0.1:21400");
         assert_eq!(
-            parse_addr("0.0.0.0:9400").unwrap().to_string(),
-            "0.0.0.0:9400"
+            parse_addr("0.0.0.0:21400").unwrap().to_string(),
+            "0.0.0.0:21400"
         );
         assert!(parse_addr("localhost")
             .unwrap_err()
