@@ -166,7 +166,9 @@ pub enum ConfigProblem {
     ExpertCounts { a: u64, b: u64 },
     #[error("num_experts_per_tok {top_k} is larger than num_experts {experts} (expected 1 to {experts} experts per token)")]
     TopK { top_k: usize, experts: usize },
-    #[error("mlp_only_layers {value} is not a list of layer indices below num_hidden_layers {layers}")]
+    #[error(
+        "mlp_only_layers {value} is not a list of layer indices below num_hidden_layers {layers}"
+    )]
     MlpOnlyLayers {
         value: serde_json::Value,
         layers: usize,
@@ -293,7 +295,12 @@ fn refuse_unsupported_moe(v: &serde_json::Value) -> Result<(), ConfigProblem> {
             ));
         }
     }
-    for key in ["n_group", "topk_group", "moe_layer_freq", "routed_scaling_factor"] {
+    for key in [
+        "n_group",
+        "topk_group",
+        "moe_layer_freq",
+        "routed_scaling_factor",
+    ] {
         if v[key].as_f64().is_some_and(|x| x != 1.0) {
             return Err(unsupported(
                 format!("{key} {}", v[key]),
@@ -303,12 +310,23 @@ fn refuse_unsupported_moe(v: &serde_json::Value) -> Result<(), ConfigProblem> {
     }
     for (key, plain) in [("scoring_func", "softmax"), ("topk_method", "greedy")] {
         if let Some(x) = v[key].as_str().filter(|x| *x != plain) {
-            return Err(unsupported(format!("{key} {x:?}"), "Qwen3-MoE's softmax top-k"));
+            return Err(unsupported(
+                format!("{key} {x:?}"),
+                "Qwen3-MoE's softmax top-k",
+            ));
         }
     }
-    for key in ["router_bias", "moe_router_bias", "mlp_bias", "attention_bias"] {
+    for key in [
+        "router_bias",
+        "moe_router_bias",
+        "mlp_bias",
+        "attention_bias",
+    ] {
         if v[key].as_bool() == Some(true) {
-            return Err(unsupported(format!("{key} = true"), "bias-free projections"));
+            return Err(unsupported(
+                format!("{key} = true"),
+                "bias-free projections",
+            ));
         }
     }
     Ok(())
@@ -908,10 +926,18 @@ mod tests {
         assert_eq!(v4.arch, Arch::Qwen3Moe);
         assert_eq!(v4.arch.to_string(), "Qwen3-MoE");
         assert!(v4.arch.has_qk_norm());
-        assert_eq!(v4.fingerprint(), v5.fingerprint(), "the same model either way");
+        assert_eq!(
+            v4.fingerprint(),
+            v5.fingerprint(),
+            "the same model either way"
+        );
         let m = v4.moe.as_ref().unwrap();
         assert_eq!(
-            (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size),
+            (
+                m.num_experts,
+                m.num_experts_per_tok,
+                m.moe_intermediate_size
+            ),
             (8, 2, 48)
         );
         assert!(m.norm_topk_prob);
@@ -926,7 +952,12 @@ mod tests {
         let m = d.moe.as_ref().unwrap();
         assert_eq!((d.num_key_value_heads, d.head_dim), (4, 8));
         assert_eq!(
-            (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob),
+            (
+                m.num_experts,
+                m.num_experts_per_tok,
+                m.moe_intermediate_size,
+                m.norm_topk_prob
+            ),
             (128, 8, 768, false)
         );
         assert!(m.dense_layers.is_empty());
@@ -951,12 +982,23 @@ mod tests {
         let t = expected_tensors(&c, 2);
         let has = |n: &str, s: &[usize]| t.iter().any(|(a, b)| a == n && b == s);
         assert!(has("model.layers.0.mlp.gate.weight", &[3, 64]));
-        assert!(has("model.layers.0.mlp.experts.2.gate_proj.weight", &[48, 64]));
-        assert!(has("model.layers.0.mlp.experts.0.down_proj.weight", &[64, 48]));
+        assert!(has(
+            "model.layers.0.mlp.experts.2.gate_proj.weight",
+            &[48, 64]
+        ));
+        assert!(has(
+            "model.layers.0.mlp.experts.0.down_proj.weight",
+            &[64, 48]
+        ));
         assert!(has("model.layers.0.self_attn.q_norm.weight", &[32]));
         assert!(!has("model.layers.0.mlp.gate_proj.weight", &[96, 64]));
-        assert!(has("model.layers.1.mlp.gate_proj.weight", &[96, 64]), "dense");
-        assert!(!t.iter().any(|(n, _)| n.starts_with("model.layers.1.mlp.experts")));
+        assert!(
+            has("model.layers.1.mlp.gate_proj.weight", &[96, 64]),
+            "dense"
+        );
+        assert!(!t
+            .iter()
+            .any(|(n, _)| n.starts_with("model.layers.1.mlp.experts")));
         // Layer 0: 8 norms and attention + router + 3 experts × 3; layer 1: 8 + 3; the
         // embedding, final norm and (untied) lm_head.
         assert_eq!(t.len(), 18 + 11 + 3);
@@ -973,20 +1015,47 @@ mod tests {
             .to_string()
         };
         for (extra, needle) in [
-            (r#","num_experts_per_tok":5"#, "num_experts_per_tok 5 is larger than num_experts 4"),
-            (r#","num_local_experts":6"#, "num_experts 4 and num_local_experts 6 disagree"),
-            (r#","shared_expert_intermediate_size":64"#, "shared_expert_intermediate_size 64 is not supported"),
-            (r#","n_shared_experts":1"#, "n_shared_experts 1 is not supported"),
+            (
+                r#","num_experts_per_tok":5"#,
+                "num_experts_per_tok 5 is larger than num_experts 4",
+            ),
+            (
+                r#","num_local_experts":6"#,
+                "num_experts 4 and num_local_experts 6 disagree",
+            ),
+            (
+                r#","shared_expert_intermediate_size":64"#,
+                "shared_expert_intermediate_size 64 is not supported",
+            ),
+            (
+                r#","n_shared_experts":1"#,
+                "n_shared_experts 1 is not supported",
+            ),
             (r#","first_k_dense_replace":1"#, "first_k_dense_replace"),
             (r#","scoring_func":"sigmoid""#, "scoring_func \"sigmoid\""),
-            (r#","routed_scaling_factor":2.5"#, "routed_scaling_factor 2.5"),
+            (
+                r#","routed_scaling_factor":2.5"#,
+                "routed_scaling_factor 2.5",
+            ),
             (r#","n_group":8"#, "n_group 8"),
             (r#","router_bias":true"#, "router_bias = true"),
-            (r#","mlp_only_layers":[7]"#, "mlp_only_layers [7] is not a list of layer indices below num_hidden_layers 4"),
+            (
+                r#","mlp_only_layers":[7]"#,
+                "mlp_only_layers [7] is not a list of layer indices below num_hidden_layers 4",
+            ),
             (r#","mlp_only_layers":"all""#, "mlp_only_layers"),
-            (r#","norm_topk_prob":"yes""#, "norm_topk_prob is not true or false"),
-            (r#","decoder_sparse_step":0"#, "decoder_sparse_step is missing or not a positive integer"),
-            (r#","moe_intermediate_size":0"#, "moe_intermediate_size is missing or not a positive integer"),
+            (
+                r#","norm_topk_prob":"yes""#,
+                "norm_topk_prob is not true or false",
+            ),
+            (
+                r#","decoder_sparse_step":0"#,
+                "decoder_sparse_step is missing or not a positive integer",
+            ),
+            (
+                r#","moe_intermediate_size":0"#,
+                "moe_intermediate_size is missing or not a positive integer",
+            ),
             (r#","num_experts_per_tok":0"#, "num_experts_per_tok"),
         ] {
             let e = moe(extra);
@@ -996,7 +1065,9 @@ mod tests {
             r#"{{"model_type":"qwen3_moe",{MOE_BASE},"num_experts":0}}"#
         ))
         .unwrap_err();
-        assert!(zero.to_string().contains("num_experts is missing or not a positive integer"));
+        assert!(zero
+            .to_string()
+            .contains("num_experts is missing or not a positive integer"));
         // Keys of other MoE families at their "none" values are accepted.
         TargetConfig::read(&format!(
             r#"{{"model_type":"qwen3_moe",{MOE_BASE},"num_experts":4,"shared_expert_intermediate_size":0,"routed_scaling_factor":1.0,"scoring_func":"softmax","router_aux_loss_coef":0.001,"output_router_logits":false}}"#

@@ -118,12 +118,14 @@ impl Target {
         let c = &self.cfg;
         let h = c.hidden_size;
         let eps = c.rms_norm_eps as f32;
-        timed(times, "rmsnorm", || cpu.rmsnorm(x, &l.ln2, &mut s.n1, h, eps));
+        timed(times, "rmsnorm", || {
+            cpu.rmsnorm(x, &l.ln2, &mut s.n1, h, eps)
+        });
         match (&l.mlp, &c.moe) {
             (Mlp::Dense(w), _) => swiglu_mlp(cpu, w, s, h, c.intermediate_size, times),
-            (Mlp::Sparse { router, experts }, Some(m)) => {
-                timed(times, "moe", || moe(cpu, m, router, experts, &s.n1, &mut s.o, h))
-            }
+            (Mlp::Sparse { router, experts }, Some(m)) => timed(times, "moe", || {
+                moe(cpu, m, router, experts, &s.n1, &mut s.o, h)
+            }),
             (Mlp::Sparse { .. }, None) => unreachable!("a sparse layer of a dense config"),
         }
         timed(times, "residual", || {
@@ -162,7 +164,15 @@ fn swiglu_mlp(
 /// probabilities renormalised to sum to 1 when `norm_topk_prob`), and the sum of those
 /// experts' SwiGLU MLPs of the row, each times its probability. Plainly: each expert runs
 /// over the rows routed to it.
-fn moe(cpu: &Cpu, m: &Moe, router: &[f32], experts: &[Swiglu], x: &[f32], out: &mut [f32], h: usize) {
+fn moe(
+    cpu: &Cpu,
+    m: &Moe,
+    router: &[f32],
+    experts: &[Swiglu],
+    x: &[f32],
+    out: &mut [f32],
+    h: usize,
+) {
     let (t, ne, mi) = (x.len() / h, m.num_experts, m.moe_intermediate_size);
     let mut logits = vec![0f32; t * ne];
     cpu.matmul(x, router, &mut logits, t, h, ne);

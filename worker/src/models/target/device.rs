@@ -646,9 +646,17 @@ impl Placer<'_> {
         use crate::models::target::{Mlp as HostMlp, Swiglu};
         let mut swiglu = |w: &Swiglu, at: &str| -> Result<[DSlice; 3]> {
             let mut one = |v: &[f32], p: &str| {
-                self.matrix(v, &matrix_name(i, &format!("{at}.{p}")), &format!("layer {i} {at}.{p}"))
+                self.matrix(
+                    v,
+                    &matrix_name(i, &format!("{at}.{p}")),
+                    &format!("layer {i} {at}.{p}"),
+                )
             };
-            Ok([one(&w.gate, "gate_proj")?, one(&w.up, "up_proj")?, one(&w.down, "down_proj")?])
+            Ok([
+                one(&w.gate, "gate_proj")?,
+                one(&w.up, "up_proj")?,
+                one(&w.down, "down_proj")?,
+            ])
         };
         Ok(match mlp {
             HostMlp::Dense(w) => Mlp::Dense(swiglu(w, "mlp")?),
@@ -658,8 +666,11 @@ impl Placer<'_> {
                     .enumerate()
                     .map(|(e, w)| swiglu(w, &format!("mlp.experts.{e}")))
                     .collect::<Result<Vec<_>>>()?;
-                let router =
-                    self.matrix(router, &matrix_name(i, "mlp.gate"), &format!("layer {i} router"))?;
+                let router = self.matrix(
+                    router,
+                    &matrix_name(i, "mlp.gate"),
+                    &format!("layer {i} router"),
+                )?;
                 Mlp::Sparse(moe::Experts { router, experts })
             }
         })

@@ -207,11 +207,7 @@ impl Target {
 
 /// Every tensor of `all` in the checkpoint `w` (of `dir`), and none it does not name but
 /// those loaders ignore.
-fn check_tensors(
-    dir: &Path,
-    w: &Weights,
-    all: &[(String, Vec<usize>)],
-) -> Result<(), ModelError> {
+fn check_tensors(dir: &Path, w: &Weights, all: &[(String, Vec<usize>)]) -> Result<(), ModelError> {
     if let Some((name, shape)) = all.iter().find(|(n, _)| !w.contains(n)) {
         return Err(ModelError {
             path: dir.display().to_string(),

@@ -142,7 +142,11 @@ pub(super) fn sparse_mlp(
     h: usize,
     bf16: bool,
 ) -> Result<()> {
-    let (ne, k, mi) = (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size);
+    let (ne, k, mi) = (
+        m.num_experts,
+        m.num_experts_per_tok,
+        m.moe_intermediate_size,
+    );
     let logits = elems(a.logits, 0..t * ne, bf16);
     ops.matmul_act(n1, w.router, logits, t, h, ne)?;
     let r = route(
@@ -160,7 +164,9 @@ pub(super) fn sparse_mlp(
     let part = |s: DSlice, e: usize, width: usize| {
         elems(s, r.offsets[e] * width..r.offsets[e + 1] * width, bf16)
     };
-    let busy: Vec<usize> = (0..ne).filter(|&e| r.offsets[e + 1] > r.offsets[e]).collect();
+    let busy: Vec<usize> = (0..ne)
+        .filter(|&e| r.offsets[e + 1] > r.offsets[e])
+        .collect();
     for &e in &busy {
         let ([gate, up, _], rows_e) = (w.experts[e], r.offsets[e + 1] - r.offsets[e]);
         ops.matmul_act(part(a.xs, e, h), gate, part(a.g, e, mi), rows_e, h, mi)?;
@@ -199,7 +205,11 @@ mod tests {
         // Token 0 prefers experts 2 then 0; token 1 prefers 1 then 2.
         let logits = [1.0, -1.0, 2.0, 0.0, /**/ 0.0, 3.0, 1.0, -2.0];
         let r = route(&logits, 4, 2, true);
-        assert_eq!(r.tokens, vec![0, 1, 0, 1], "experts 0, 1, 2 (two tokens), 3");
+        assert_eq!(
+            r.tokens,
+            vec![0, 1, 0, 1],
+            "experts 0, 1, 2 (two tokens), 3"
+        );
         assert_eq!(r.offsets, vec![0, 1, 2, 4, 4]);
         let p = |l: &[f32], i: usize| {
             let s: f32 = l.iter().map(|x| x.exp()).sum();
