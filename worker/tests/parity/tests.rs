@@ -728,6 +728,52 @@ fn host_device_target_packed_rows_match_a_forward_per_row() {
     }
 }
 
+/// A Qwen3-MoE target of 4 layers, layer 2 dense, 6 experts of width 40, `k` per token.
+fn qwen3_moe(k: usize) -> String {
+    format!(
+        r#"{{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe","hidden_size":64,"num_hidden_layers":4,
+  "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"intermediate_size":96,"moe_intermediate_size":40,
+  "num_experts":6,"num_experts_per_tok":{k},"norm_topk_prob":true,"mlp_only_layers":[2],"rope_theta":1000000.0,
+  "vocab_size":300,"tie_word_embeddings":true}}"#
+    )
+}
+
+/// The sparse MLP's device route (router GEMM, routing, the rows gathered in expert order,
+/// per-expert GEMMs, SwiGLU, the weighted sum) against the CPU target, rows packed. In f32
+/// (the CPU device) top-2 of 6, routed as the reference routes; with bf16 activations
+/// every expert for every token (k = 6), weighted by the softmax: bf16 rounding could
+/// flip a near-tie top-k choice (transformers_parity.rs checks top-k under bf16 against
+/// transformers), not this routing, so the rest of the route is checked at the bf16 bound.
+#[test]
+fn host_device_qwen3_moe_forward_matches_the_cpu_target() {
+    let _checks = all_checks();
+    use dflash_worker::models::target::device::DeviceTarget;
+    use dflash_worker::models::target::Target;
+    let ks: &[usize] = if device().is_cpu() { &[2, 6] } else { &[6] };
+    let lens = [40usize, 1, 17];
+    for &k in ks {
+        let tmp = tempfile::tempdir().unwrap();
+        dflash_worker::models::tiny::write_random(tmp.path(), &qwen3_moe(k), 23).unwrap();
+        let taps = vec![0usize, 3];
+        let cpu = Target::load(tmp.path(), &taps).unwrap();
+        let ids: Vec<Vec<u32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| (0..n as u32).map(|i| (i * 37 + 11 * r as u32 + 5) % 300).collect())
+            .collect();
+        let rows: Vec<&[u32]> = ids.iter().map(|r| r.as_slice()).collect();
+        let mut dev = DeviceTarget::new(device(), &cpu, 58).unwrap();
+        let packed = dev.forward_rows(&rows).unwrap();
+        let tol = if device().is_cpu() { 1e-5 } else { 2e-2 };
+        for (r, row) in rows.iter().enumerate() {
+            let want = cpu.forward_taps(row);
+            assert_close(&format!("qwen3-moe top-{k} row {r} of {} tokens, packed", row.len()), &packed[r], &want, tol);
+        }
+        let st = dev.arena_stats();
+        assert!(st.in_use <= st.reserved && st.alloc_failures == 0, "{st:?}");
+    }
+}
+
 #[test]
 fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let _checks = all_checks();
