@@ -109,6 +109,30 @@ pub struct Moe {
 }
 
 impl TargetConfig {
+    /// The target in one line: the architecture, depth and width, and for a mixture of
+    /// experts its experts, top-k, expert width and dense layers.
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "{}, {} layers, hidden {}",
+            self.arch, self.num_hidden_layers, self.hidden_size
+        );
+        if let Some(m) = &self.moe {
+            s.push_str(&format!(
+                "; {} experts, {} per token ({}), expert width {}, dense layers {:?}",
+                m.num_experts,
+                m.num_experts_per_tok,
+                if m.norm_topk_prob {
+                    "weights renormalised"
+                } else {
+                    "softmax weights"
+                },
+                m.moe_intermediate_size,
+                m.dense_layers
+            ));
+        }
+        s
+    }
+
     /// The mixture of experts of layer `l`, if that layer is sparse.
     pub fn sparse(&self, l: usize) -> Option<&Moe> {
         self.moe
@@ -943,6 +967,10 @@ mod tests {
         assert!(m.norm_topk_prob);
         assert_eq!(m.dense_layers, vec![1]);
         assert!(v4.sparse(0).is_some() && v4.sparse(1).is_none() && v4.sparse(3).is_some());
+        assert_eq!(
+            v4.describe(),
+            "Qwen3-MoE, 4 layers, hidden 64; 8 experts, 2 per token (weights renormalised), expert width 48, dense layers [1]"
+        );
         // Qwen3MoeConfig's defaults: 4 key-value heads, head_dim hidden / heads, 128
         // experts, 8 per token, width 768, no renormalisation, every layer sparse.
         let d = TargetConfig::read(

@@ -453,6 +453,7 @@ fn check_memory(
         trainer_cfg.collective,
     );
     pipeline_cfg.check_memory(shared_bytes)?;
+    log::info!("target: {}", target_cfg.describe());
     let estimate = validate::estimate_memory(
         &trainer_cfg.drafter,
         target_cfg,
