@@ -331,6 +331,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     // On --resume too: the settings as merged with this command line's are the run's now.
     // Said once the run directory is this run's: a start refused before then says only why.
     log::info!("{schedule_line}");
+    log::info!("target: {}", target_cfg.describe());
     trainer_cfg.settings =
         resolved_settings(&args, &plan, &loader_cfg, &pipeline_cfg, &trainer_cfg);
     resume::save(
@@ -453,7 +454,6 @@ fn check_memory(
         trainer_cfg.collective,
     );
     pipeline_cfg.check_memory(shared_bytes)?;
-    log::info!("target: {}", target_cfg.describe());
     let estimate = validate::estimate_memory(
         &trainer_cfg.drafter,
         target_cfg,
