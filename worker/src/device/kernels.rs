@@ -189,6 +189,41 @@ pub enum Kernel {
         idx: DSlice,
         h: usize,
     },
+    /// Per token (grid: tokens, one warp each): the softmax of its router `logits`
+    /// `[t, experts]`, the `top_k` largest (lower expert first among equals) into `idx`
+    /// (i32 `[t, top_k]`, rank order) and their probabilities into `wts`, divided by their
+    /// sum when `norm`.
+    MoeRoute {
+        act: Act,
+        idx: DSlice,
+        wts: DSlice,
+        logits: DSlice,
+        experts: usize,
+        top_k: usize,
+        norm: bool,
+    },
+    /// The `pairs` (token, rank) pairs of `idx` in expert order (grid: one block):
+    /// `offsets` (i32, `experts + 1`), `rows` (i32 token of each row, ascending within an
+    /// expert), `slots` (i32 row of each pair).
+    MoePermute {
+        offsets: DSlice,
+        rows: DSlice,
+        slots: DSlice,
+        idx: DSlice,
+        pairs: usize,
+        top_k: usize,
+        experts: usize,
+    },
+    /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` (grid: tokens; `y` `[rows, h]`).
+    MoeCombine {
+        act: Act,
+        out: DSlice,
+        y: DSlice,
+        wts: DSlice,
+        slots: DSlice,
+        top_k: usize,
+        h: usize,
+    },
     /// bf16 bits → f32, `n` elements.
     Bf16ToF32 {
         out: DSlice,
@@ -385,6 +420,9 @@ impl Kernel {
         match *self {
             Kernel::EmbedGather { act: a, .. } => act(a, "embed_gather", "embed_gather_bf16"),
             Kernel::ScatterAddRows { .. } => "scatter_add_rows",
+            Kernel::MoeRoute { act: a, .. } => act(a, "moe_route", "moe_route_bf16"),
+            Kernel::MoePermute { .. } => "moe_permute",
+            Kernel::MoeCombine { act: a, .. } => act(a, "moe_combine", "moe_combine_bf16"),
             Kernel::Bf16ToF32 { .. } => "bf16_to_f32",
             Kernel::F32ToBf16 { .. } => "f32_to_bf16",
             Kernel::AddInplace { act: a, .. } => act(a, "add_inplace", "add_inplace_bf16"),
@@ -461,6 +499,48 @@ impl Kernel {
             Kernel::ScatterAddRows { dst, src, idx, h } => {
                 vec![RW(dst), R(src), R(idx), i32_of(h)]
             }
+            Kernel::MoeRoute {
+                idx,
+                wts,
+                logits,
+                experts,
+                top_k,
+                norm,
+                ..
+            } => vec![
+                W(idx),
+                W(wts),
+                R(logits),
+                i32_of(experts),
+                i32_of(top_k),
+                i32_of(norm as usize),
+            ],
+            Kernel::MoePermute {
+                offsets,
+                rows,
+                slots,
+                idx,
+                pairs,
+                top_k,
+                experts,
+            } => vec![
+                W(offsets),
+                W(rows),
+                W(slots),
+                R(idx),
+                i32_of(pairs),
+                i32_of(top_k),
+                i32_of(experts),
+            ],
+            Kernel::MoeCombine {
+                out,
+                y,
+                wts,
+                slots,
+                top_k,
+                h,
+                ..
+            } => vec![W(out), R(y), R(wts), R(slots), i32_of(top_k), i32_of(h)],
             Kernel::Bf16ToF32 { out, input, n } | Kernel::F32ToBf16 { out, input, n } => {
                 vec![W(out), R(input), i64_of(n)]
             }
@@ -753,7 +833,7 @@ impl Kernel {
     }
 
     /// The kernels with an f32 and a bf16 symbol, at `act`.
-    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 9] {
+    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 11] {
         let st = CeState {
             run_max: b,
             run_sum: b,
@@ -769,6 +849,24 @@ impl Kernel {
                 ids: b,
                 h: 1,
                 vocab: 1,
+            },
+            Kernel::MoeRoute {
+                act,
+                idx: b,
+                wts: b,
+                logits: b,
+                experts: 1,
+                top_k: 1,
+                norm: false,
+            },
+            Kernel::MoeCombine {
+                act,
+                out: b,
+                y: b,
+                wts: b,
+                slots: b,
+                top_k: 1,
+                h: 1,
             },
             Kernel::AddInplace {
                 act,
@@ -837,8 +935,17 @@ impl Kernel {
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 11] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 12] {
         [
+            Kernel::MoePermute {
+                offsets: b,
+                rows: b,
+                slots: b,
+                idx: b,
+                pairs: 1,
+                top_k: 1,
+                experts: 1,
+            },
             Kernel::ScatterAddRows {
                 dst: b,
                 src: b,
