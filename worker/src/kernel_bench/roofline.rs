@@ -221,11 +221,11 @@ pub struct Workload {
 fn workload(hw: &Hardware, name: String, ops: Vec<Op>) -> Workload {
     let model_flops: f64 = ops.iter().map(|o| o.model_flops).sum();
     let seconds: f64 = ops.iter().map(|o| o.seconds).sum();
+    // From +0 (an empty f64 sum is -0, printed "-0%" for a workload without attention).
     let attention: f64 = ops
         .iter()
         .filter(|o| o.name.starts_with("attention"))
-        .map(|o| o.seconds)
-        .sum();
+        .fold(0.0, |a, o| a + o.seconds);
     Workload {
         name,
         model_flops,
