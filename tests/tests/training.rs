@@ -154,6 +154,17 @@ fn a_drafter_trains_on_a_mixture_of_experts_target() {
     )
     .unwrap();
     assert_eq!(cfg["num_target_layers"].as_u64(), Some(6));
+    // The export records the target it was trained for.
+    let t = &cfg["dflash_target"];
+    assert_eq!(t["architecture"], "Qwen3-MoE", "{cfg}");
+    assert_eq!(
+        (
+            t["moe"]["num_experts"].as_u64(),
+            t["moe"]["num_experts_per_tok"].as_u64()
+        ),
+        (Some(4), Some(2))
+    );
+    assert_eq!(t["moe"]["dense_layers"], serde_json::json!([0]));
     let (code, a) = sup.ledger();
     assert_eq!(code, 0, "{a}");
     assert_eq!(a["consumed_once"], 20);
