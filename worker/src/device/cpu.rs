@@ -432,7 +432,10 @@ impl CpuDevice {
         // SAFETY: as above, and the buffers are not aliased (check_aliasing), so the
         // slices each kernel makes of them are disjoint; each checks their lengths.
         unsafe {
-            match row_kernel(k, rows).or_else(|| ce_kernel(k, rows)) {
+            match row_kernel(k, rows)
+                .or_else(|| moe_kernel(k, rows))
+                .or_else(|| ce_kernel(k, rows))
+            {
                 Some(r) => r,
                 None => self.other_kernel(k, rows),
             }
@@ -1091,23 +1094,12 @@ impl BwdJobs<'_> {
     }
 }
 
-/// The element-wise and row kernels; `None` for the others.
+/// The mixture-of-experts kernels; `None` for the others.
 ///
 /// # Safety
 /// The kernel's buffers are this device's memory and do not alias ([`check_aliasing`]).
-unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
+unsafe fn moe_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
     Some(match *k {
-        Kernel::EmbedGather {
-            out,
-            table,
-            ids,
-            h,
-            vocab,
-            ..
-        } => embed_gather(rows, wr(out), rd(table), rd(ids), h, vocab),
-        Kernel::ScatterAddRows { dst, src, idx, h } => {
-            scatter_add_rows(rows, wr(dst), rd(src), rd(idx), h)
-        }
         Kernel::MoeRoute {
             idx,
             wts,
@@ -1141,6 +1133,27 @@ unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
             h,
             ..
         } => moe_combine(rows, wr(out), rd(y), rd(wts), rd(slots), top_k, h),
+        _ => return None,
+    })
+}
+
+/// The element-wise and row kernels; `None` for the others.
+///
+/// # Safety
+/// The kernel's buffers are this device's memory and do not alias ([`check_aliasing`]).
+unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
+    Some(match *k {
+        Kernel::EmbedGather {
+            out,
+            table,
+            ids,
+            h,
+            vocab,
+            ..
+        } => embed_gather(rows, wr(out), rd(table), rd(ids), h, vocab),
+        Kernel::ScatterAddRows { dst, src, idx, h } => {
+            scatter_add_rows(rows, wr(dst), rd(src), rd(idx), h)
+        }
         Kernel::Bf16ToF32 { out, input, n } => bf16_to_f32(wr(out), rd(input), n),
         Kernel::F32ToBf16 { out, input, n } => f32_to_bf16(wr(out), rd(input), n),
         Kernel::AddInplace { x, y, n, .. } => add_inplace(wr(x), rd(y), n),
@@ -1373,14 +1386,12 @@ fn moe_permute(
         offsets[e + 1] = offsets[e] + c;
     }
     for e in 0..experts {
-        let mut n = offsets[e] as usize;
-        for (p, _) in idx[..pairs]
+        let mine = idx[..pairs]
             .iter()
             .enumerate()
-            .filter(|(_, &i)| i == e as i32)
-        {
+            .filter(|(_, &i)| i == e as i32);
+        for (n, (p, _)) in (offsets[e] as usize..).zip(mine) {
             (order[n], slots[p]) = ((p / top_k.max(1)) as i32, n as i32);
-            n += 1;
         }
     }
     Ok(())

@@ -479,26 +479,16 @@ impl Kernel {
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
         self.row_args()
+            .or_else(|| self.moe_args())
             .or_else(|| self.attention_args())
             .or_else(|| self.loss_and_optimizer_args())
             .expect("every kernel is of one of the three families (tested)")
     }
 
-    /// The element-wise and row kernels' arguments.
-    fn row_args(&self) -> Option<Vec<Arg>> {
-        use Arg::{F32, R, RW, W};
+    /// The mixture-of-experts kernels' arguments.
+    fn moe_args(&self) -> Option<Vec<Arg>> {
+        use Arg::{R, W};
         Some(match *self {
-            Kernel::EmbedGather {
-                out,
-                table,
-                ids,
-                h,
-                vocab,
-                ..
-            } => vec![W(out), R(table), R(ids), i32_of(h), i32_of(vocab)],
-            Kernel::ScatterAddRows { dst, src, idx, h } => {
-                vec![RW(dst), R(src), R(idx), i32_of(h)]
-            }
             Kernel::MoeRoute {
                 idx,
                 wts,
@@ -541,6 +531,25 @@ impl Kernel {
                 h,
                 ..
             } => vec![W(out), R(y), R(wts), R(slots), i32_of(top_k), i32_of(h)],
+            _ => return None,
+        })
+    }
+
+    /// The element-wise and row kernels' arguments.
+    fn row_args(&self) -> Option<Vec<Arg>> {
+        use Arg::{F32, R, RW, W};
+        Some(match *self {
+            Kernel::EmbedGather {
+                out,
+                table,
+                ids,
+                h,
+                vocab,
+                ..
+            } => vec![W(out), R(table), R(ids), i32_of(h), i32_of(vocab)],
+            Kernel::ScatterAddRows { dst, src, idx, h } => {
+                vec![RW(dst), R(src), R(idx), i32_of(h)]
+            }
             Kernel::Bf16ToF32 { out, input, n } | Kernel::F32ToBf16 { out, input, n } => {
                 vec![W(out), R(input), i64_of(n)]
             }
@@ -805,6 +814,7 @@ impl Kernel {
         let mut all = Vec::new();
         for act in [Act::F32, Act::Bf16] {
             all.extend(Kernel::every_activation(b, act, attention));
+            all.extend(Kernel::every_moe(b, act));
         }
         for act in [Act::F32, Act::Bf16] {
             all.extend(Fa2Dim::ALL.into_iter().map(|dim| Kernel::AttentionFa2Fwd {
@@ -832,24 +842,9 @@ impl Kernel {
         all
     }
 
-    /// The kernels with an f32 and a bf16 symbol, at `act`.
-    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 11] {
-        let st = CeState {
-            run_max: b,
-            run_sum: b,
-            best_i: b,
-            label_logit: b,
-            acc: b,
-        };
+    /// The mixture-of-experts kernels with an f32 and a bf16 symbol, at `act`.
+    fn every_moe(b: DSlice, act: Act) -> [Kernel; 2] {
         [
-            Kernel::EmbedGather {
-                act,
-                out: b,
-                table: b,
-                ids: b,
-                h: 1,
-                vocab: 1,
-            },
             Kernel::MoeRoute {
                 act,
                 idx: b,
@@ -867,6 +862,27 @@ impl Kernel {
                 slots: b,
                 top_k: 1,
                 h: 1,
+            },
+        ]
+    }
+
+    /// The kernels with an f32 and a bf16 symbol, at `act`.
+    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 9] {
+        let st = CeState {
+            run_max: b,
+            run_sum: b,
+            best_i: b,
+            label_logit: b,
+            acc: b,
+        };
+        [
+            Kernel::EmbedGather {
+                act,
+                out: b,
+                table: b,
+                ids: b,
+                h: 1,
+                vocab: 1,
             },
             Kernel::AddInplace {
                 act,
