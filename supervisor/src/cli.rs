@@ -313,8 +313,8 @@ pub struct RunArgs {
     )]
     pub checkpoint_every: u64,
 
-    /// Checkpoints kept (the newest; checkpoints/best, the best by eval acceptance, is
-    /// kept besides).
+    /// Checkpoints kept (the newest; checkpoints/best, the best by eval acceptance or by
+    /// τ with --eval-prompts, is kept besides, and so is the one whose τ is measured).
     #[arg(long, value_name = "K", default_value_t = 3, help_heading = "Training")]
     pub keep_checkpoints: usize,
 
@@ -326,10 +326,38 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE", help_heading = "Training")]
     pub eval_data: Option<PathBuf>,
 
-    /// Evaluate --eval-data every N steps (each such step is also checkpointed). Default:
-    /// --checkpoint-every (or only at the last step when that is 0).
+    /// Evaluate --eval-data and --eval-prompts every N steps (each such step is also
+    /// checkpointed). Default: --checkpoint-every (or only at the last step when that is 0).
     #[arg(long, value_name = "N", help_heading = "Training")]
     pub eval_every: Option<u64>,
+
+    /// Prompts (one per line, as `eval --prompts` takes them: token ids, or chat lines
+    /// rendered with the target's template) on which the real acceptance length τ is
+    /// measured by greedy speculative decoding every --eval-every steps and at the last
+    /// step, on that step's checkpoint, in a CPU child process beside training (training
+    /// never waits for it; an eval that fails or hangs is logged and dropped). τ goes to
+    /// train.jsonl, metrics.jsonl, Prometheus and the report, and checkpoints/best names
+    /// the checkpoint with the best pooled τ. Cost: an eval step is passed over while the
+    /// evals so far took more than 10% of the run's time (the last step never is).
+    #[arg(long, value_name = "FILE", help_heading = "Training")]
+    pub eval_prompts: Option<PathBuf>,
+
+    /// Decode the --eval-prompts measurements on this GPU (one of the run's, NVML
+    /// numbering) in bf16 instead of on the CPU. It shares the GPU with the workers placed
+    /// there: the target's bf16 weights and a KV cache must fit beside them. Without it
+    /// the measurement holds an f32 copy of the target in host memory, which suits small
+    /// targets only (4 bytes per parameter; about 1 token/s per 8B parameters).
+    #[arg(long, value_name = "N", help_heading = "Training")]
+    pub eval_gpu: Option<u32>,
+
+    /// New tokens per prompt at most in the --eval-prompts evals.
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Training")]
+    pub eval_max_new_tokens: u64,
+
+    /// An --eval-prompts eval (export and decoding) still running after this long is
+    /// killed and logged; training goes on.
+    #[arg(long, value_name = "DURATION", default_value = "30min", value_parser = parse_duration, help_heading = "Training")]
+    pub eval_timeout: std::time::Duration,
 
     /// Snapshot the training state into supervisor-owned shared memory every N steps (what
     /// the group rolls back to if every drafter dies). Default: as often as keeps the

@@ -89,6 +89,15 @@ pub fn output_within(
     cmd: &mut std::process::Command,
     limit: std::time::Duration,
 ) -> std::io::Result<std::process::Output> {
+    output_until(cmd, limit, &|| false)
+}
+
+/// [`output_within`], and killed too as soon as `cancel` says so (an error saying so).
+pub fn output_until(
+    cmd: &mut std::process::Command,
+    limit: std::time::Duration,
+    cancel: &dyn Fn() -> bool,
+) -> std::io::Result<std::process::Output> {
     use std::io::Read;
     let mut child = cmd
         .stdin(std::process::Stdio::null())
@@ -121,16 +130,19 @@ pub fn output_within(
         if let Some(st) = child.try_wait()? {
             break st;
         }
-        if std::time::Instant::now() >= deadline {
+        let late = std::time::Instant::now() >= deadline;
+        if late || cancel() {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
+            let why = if late {
                 format!(
                     "it did not finish within {} and was killed",
                     humantime::format_duration(limit)
-                ),
-            ));
+                )
+            } else {
+                "it was cancelled and killed".to_string()
+            };
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, why));
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     };

@@ -112,8 +112,12 @@ const RUN: [&str; 10] = [
     "200ms",
 ];
 
+/// The step records of train.jsonl (not its τ records).
 fn steps(sup: &Sup) -> Vec<Value> {
     read_jsonl(&sup.run_dir.join("train.jsonl"))
+        .into_iter()
+        .filter(|l| l.get("tau").is_none())
+        .collect()
 }
 
 /// The ledger's audit, which must pass with nothing lost or duplicated.
@@ -326,9 +330,22 @@ fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
     let tmp = tempfile::tempdir().unwrap();
     let mut env = emulated(tmp.path(), 3);
     env.push(("DFLASH_CHECK_STREAMS".into(), "1".into()));
+    // τ of the last step measured on GPU 2 (--eval-gpu), beside the drafter placed there.
+    let prompts = tmp.path().join("prompts.jsonl");
+    fs::write(
+        &prompts,
+        "[5, 17, 42, 99]\n[7, 8, 9, 10, 11, 12]\n[300, 2, 301]\n",
+    )
+    .unwrap();
     // Two drafter ranks: their device-computed weight checksums are compared every step.
     let mut sup = start(
         &[
+            "--eval-prompts",
+            prompts.to_str().unwrap(),
+            "--eval-gpu",
+            "2",
+            "--eval-max-new-tokens",
+            "6",
             "--gpus",
             "0-2",
             "--targets",
@@ -383,6 +400,25 @@ fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
         (Some(5), Some(5)),
         "{meta}"
     );
+    // The last step's τ, decoded on the (emulated) GPU by the τ child.
+    let tau: Vec<Value> = read_jsonl(&sup.run_dir.join("train.jsonl"))
+        .into_iter()
+        .filter_map(|l| l.get("tau").cloned())
+        .collect();
+    let last = tau
+        .iter()
+        .find(|t| t["step"] == 5)
+        .unwrap_or_else(|| panic!("no τ of step 5 in train.jsonl: {tau:?}\n{}", sup.stderr()));
+    let pooled = last["pooled"].as_f64().unwrap();
+    assert!(
+        (1.0..=last["block_size"].as_f64().unwrap()).contains(&pooled),
+        "{last}"
+    );
+    let report: Value = serde_json::from_str(
+        &fs::read_to_string(sup.run_dir.join("eval").join("tau-step-00000005.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(report["device"], "gpu", "decoded on --eval-gpu: {report}");
     // The target's device memory reaches metrics.jsonl (its arena: in use within reserved).
     let metrics = read_jsonl(&sup.run_dir.join("metrics.jsonl"));
     let m = metrics.into_iter().rev().find_map(|m| {
@@ -551,4 +587,121 @@ fn bench_compute_on_an_emulated_gpu_measures_the_drafter_step_the_optimizer_and_
     }
     // No bf16 peak is known for the emulated GPU: no MFU is made up.
     assert!(d["mfu"].is_null() && d["drafter_mfu"].is_null(), "{d}");
+}
+
+/// `eval --gpus 0` decodes on an emulated GPU (bf16 kernels run by the host device) what
+/// `eval` decodes on the CPU: the same prompts, the same first token of every prompt (the
+/// prefill's argmax; later tokens may part at a bf16 near tie), τ within [1, block size]
+/// with its interval around it, and `device: gpu` only because the GPU opened (a GPU that
+/// cannot be opened is exit 2, one line). The drafter: a few demo steps on CPU workers.
+#[test]
+fn eval_on_an_emulated_gpu_decodes_the_prompts_as_the_cpu_does() {
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let env = emulated(tmp.path(), 1);
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--steps",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+    ]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    let prompts = tmp.path().join("prompts.jsonl");
+    let lines: Vec<String> = (0..4)
+        .map(|i| {
+            let ids: Vec<String> = (0..5 + i)
+                .map(|t| ((t * 41 + i * 7 + 3) % 500).to_string())
+                .collect();
+            format!("[{}]", ids.join(", "))
+        })
+        .collect();
+    fs::write(&prompts, lines.join("\n")).unwrap();
+    let eval = |gpus: &str, env: &[(String, String)]| {
+        let out = std::process::Command::new(bin("dflash-supervise"))
+            .args(["eval", "--target"])
+            .arg(sup.run_dir.join("target"))
+            .arg("--drafter")
+            .arg(sup.run_dir.join("drafter"))
+            .arg("--prompts")
+            .arg(&prompts)
+            .args(["--max-new-tokens", "8", "--json", "--gpus", gpus])
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.code(), text)
+    };
+    let (code, cpu) = eval("cpu", &[]);
+    assert_eq!(code, Some(0), "{cpu}");
+    let (code, gpu) = eval("0", &env);
+    assert_eq!(code, Some(0), "{gpu}");
+    let (cpu, gpu): (Value, Value) = (
+        serde_json::from_str(&cpu).unwrap_or_else(|e| panic!("{e}: {cpu}")),
+        serde_json::from_str(&gpu).unwrap_or_else(|e| panic!("{e}: {gpu}")),
+    );
+    assert_eq!(
+        (cpu["device"].as_str(), gpu["device"].as_str()),
+        (Some("cpu"), Some("gpu"))
+    );
+    assert_eq!(gpu["prompts"], 4);
+    let bs = gpu["block_size"].as_f64().unwrap();
+    for def in ["pooled", "mean_of_means"] {
+        let t = gpu["tau"][def].as_f64().unwrap();
+        let ci = &gpu["tau"][format!("{def}_ci95")];
+        assert!((1.0..=bs).contains(&t), "{def} {t}: {gpu}");
+        assert!(
+            ci[0].as_f64().unwrap() <= t && t <= ci[1].as_f64().unwrap(),
+            "{gpu}"
+        );
+    }
+    assert!(gpu["identical_to_greedy"].as_u64().unwrap() <= 4);
+    for (c, g) in cpu["per_prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(gpu["per_prompt"].as_array().unwrap())
+    {
+        assert_eq!(c["prompt_tokens"], g["prompt_tokens"]);
+        assert_eq!(g["tokens"].as_array().unwrap().len(), 8, "{g}");
+        assert_eq!(
+            c["tokens"][0], g["tokens"][0],
+            "the prefill's argmax: cpu {c}, gpu {g}"
+        );
+        let accepted: u64 = g["accepted"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_u64().unwrap())
+            .sum();
+        assert_eq!(
+            accepted + 1,
+            8,
+            "the prefill's token and the verify steps' make 8: {g}"
+        );
+    }
+    // A GPU that cannot be opened (no CUDA driver where it looks): one line, exit 2.
+    let (code, text) = eval(
+        "0",
+        &[("DFLASH_CUDA_LIB".into(), "/nonexistent/libcuda.so".into())],
+    );
+    assert_eq!(code, Some(2), "{text}");
+    assert!(text.lines().count() == 1 && text.contains("GPU"), "{text}");
+    let (code, text) = eval("0,1", &[]);
+    assert_eq!(code, Some(2), "{text}");
+    assert!(
+        text.contains("--gpus 0,1") && text.contains("one GPU index"),
+        "{text}"
+    );
 }

@@ -329,9 +329,37 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_gets_plain_lines() {
     let err = sup.stderr();
     assert!(
         err.lines().any(|l| l.starts_with("[supervisor] step ")
-            && l.contains(" | loss ")
+            && l.contains("/8 | loss ")
             && l.ends_with("| restarts 0")),
         "{err}"
+    );
+    // One step-line format: every step line is `step N/M | loss … | accept … | …`.
+    let steps: Vec<&str> = err
+        .lines()
+        .filter(|l| {
+            l.strip_prefix("[supervisor] step ")
+                .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+        })
+        .collect();
+    assert!(steps.len() >= 2, "{err}");
+    for l in &steps {
+        let fields: Vec<&str> = l.split(" | ").collect();
+        assert!(
+            fields[0].contains("/8")
+                && fields[1].starts_with("loss ")
+                && fields[2].starts_with("accept ")
+                && fields.iter().any(|f| f.ends_with(" tok/s")),
+            "not the step-line format: {l}"
+        );
+        assert!(!l.contains("-0 tok/s"), "{l}");
+    }
+    // No bottleneck hint from the start or the end: only from windows before the stop.
+    let stop = err
+        .find("step limit reached")
+        .expect("the run stops at its step limit");
+    assert!(
+        !err[stop..].contains("bottleneck"),
+        "no bottleneck hint from a clean end: {err}"
     );
     assert!(
         !err.contains("\x1b[K"),
@@ -364,10 +392,21 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_gets_plain_lines() {
     assert!(st.success());
     let text = String::from_utf8_lossy(&fs::read(&out).unwrap()).into_owned();
     assert!(
-        text.contains("\r\x1b[K"),
+        text.contains("\r\x1b[2K"),
         "the status line is redrawn in place: {text:?}"
     );
     assert!(text.contains("| restarts 0"), "{text:?}");
+    assert!(
+        text.contains("/8 [") && text.contains(" ETA "),
+        "step N/M with a bar and an ETA: {text:?}"
+    );
+    // Log records print above the line: each starts on a line of its own.
+    assert!(
+        text.lines().any(|l| l
+            .trim_start_matches(|c: char| c != '[')
+            .starts_with("[supervisor] ")),
+        "{text:?}"
+    );
 }
 
 /// A pipe whose reader is already gone: every write to it fails (EPIPE).

@@ -260,13 +260,31 @@ template <typename T> __device__ void swiglu_fwd_t(T* out, const T* gate, const 
 extern "C" __global__ void swiglu_fwd(float* out, const float* gate, const float* up, long n) { swiglu_fwd_t(out, gate, up, n); }
 extern "C" __global__ void swiglu_fwd_bf16(unsigned short* out, const unsigned short* gate, const unsigned short* up, long n) { swiglu_fwd_t(out, gate, up, n); }
 
-// dgate += dout·up·s·(1 + g(1 − s)), dup += dout·g·s
-extern "C" __global__ void swiglu_bwd(float* dgate, float* dup, const float* dout, const float* gate, const float* up, long n) {
+// SwiGLU over a fused gate/up projection: row r of `gu` is [gate (width) | up (width)] (one
+// GEMM over the adjacent gate_proj and up_proj weights); out = silu(gate)·up, rows × width.
+template <typename TO, typename TI> __device__ void swiglu_gu_fwd_t(TO* out, const TI* gu, int width, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        const float g = gate[i], u = up[i], d = dout[i];
+        const long r = i / width, c = i - r * width;
+        const long at = 2 * r * width + c;
+        const float g = ld(gu, at);
         const float s = 1.0f / (1.0f + expf(-g));
-        dup[i] = d * g * s;
-        dgate[i] = d * u * s * (1.0f + g * (1.0f - s));
+        st(out, i, g * s * ld(gu, at + width));
+    }
+}
+extern "C" __global__ void swiglu_gu_fwd(float* out, const float* gu, int width, long n) { swiglu_gu_fwd_t(out, gu, width, n); }
+extern "C" __global__ void swiglu_gu_fwd_bf16(unsigned short* out, const unsigned short* gu, int width, long n) { swiglu_gu_fwd_t(out, gu, width, n); }
+// f32 in, the result rounded to bf16: a GEMM's input, with no f32 copy and no cast pass.
+extern "C" __global__ void swiglu_gu_fwd_to_bf16(unsigned short* out, const float* gu, int width, long n) { swiglu_gu_fwd_t(out, gu, width, n); }
+
+// The backward of swiglu_gu_fwd: row r of dgu = [dgate | dup], written (not accumulated).
+extern "C" __global__ void swiglu_gu_bwd(float* dgu, const float* dout, const float* gu, int width, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const long r = i / width, c = i - r * width;
+        const long at = 2 * r * width + c;
+        const float g = gu[at], u = gu[at + width], d = dout[i];
+        const float s = 1.0f / (1.0f + expf(-g));
+        dgu[at + width] = d * g * s;
+        dgu[at] = d * u * s * (1.0f + g * (1.0f - s));
     }
 }
 
@@ -357,7 +375,7 @@ extern "C" __global__ void moe_combine_bf16(unsigned short* out, const unsigned 
 
 // y = x · rstd · w, rstd = 1/sqrt(mean(x²) + eps) (y may be x)
 __shared__ float rmsnorm_fwd_sh[32];  // rmsnorm_fwd_t's (no __shared__ in a template)
-template <typename T> __device__ void rmsnorm_fwd_t(T* y, float* rstd, const T* x, const float* w, int d, float eps) {
+template <typename TY, typename T> __device__ void rmsnorm_fwd_t(TY* y, float* rstd, const T* x, const float* w, int d, float eps) {
     const long row = blockIdx.x;
     const T* xr = x + row * d;
     float ss = 0.0f;
@@ -369,6 +387,8 @@ template <typename T> __device__ void rmsnorm_fwd_t(T* y, float* rstd, const T* 
 }
 extern "C" __global__ void rmsnorm_fwd(float* y, float* rstd, const float* x, const float* w, int d, float eps) { rmsnorm_fwd_t(y, rstd, x, w, d, eps); }
 extern "C" __global__ void rmsnorm_fwd_bf16(unsigned short* y, float* rstd, const unsigned short* x, const float* w, int d, float eps) { rmsnorm_fwd_t(y, rstd, x, w, d, eps); }
+// f32 in, y rounded to bf16: a GEMM's input, with no f32 copy and no cast pass.
+extern "C" __global__ void rmsnorm_fwd_to_bf16(unsigned short* y, float* rstd, const float* x, const float* w, int d, float eps) { rmsnorm_fwd_t(y, rstd, x, w, d, eps); }
 
 // dx += r·dy·w − x·r³·mean(dy·w·x); dw += dy·x·r (atomically, across rows) if dw is given.
 extern "C" __global__ void rmsnorm_bwd(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd, int d) {

@@ -121,7 +121,7 @@ enum Command {
         num_target_layers: Option<usize>,
     },
     /// What `dflash-supervise eval` runs: greedy speculative decoding of each prompt with
-    /// an exported drafter against plain greedy decoding, on the CPU; prints τ.
+    /// an exported drafter against plain greedy decoding, on the CPU or the GPU; prints τ.
     Eval {
         /// The target model directory, or "tiny" (the built-in demo target).
         #[arg(long, value_name = "DIR")]
@@ -139,6 +139,12 @@ enum Command {
         seed: u64,
         #[arg(long)]
         json: bool,
+        /// Decode on the GPU (ordinal 0: CUDA_VISIBLE_DEVICES names it) in bf16, not on
+        /// the CPU in f32. There a prompt whose speculative output differs from greedy
+        /// decoding's is counted, not a failure: bf16 products of 1 and of a block of rows
+        /// may round a near tie apart.
+        #[arg(long)]
+        gpu: bool,
     },
     /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR, or
     /// with --config a target of random weights for that config.json (tests use it).
@@ -209,6 +215,7 @@ pub fn main() -> i32 {
             max_new_tokens,
             seed,
             json,
+            gpu,
         }) => match eval::tool::run(&eval::tool::Args {
             target,
             drafter,
@@ -216,6 +223,7 @@ pub fn main() -> i32 {
             max_new_tokens,
             json,
             seed,
+            gpu,
         }) {
             // Speculative decoding wrote other tokens than greedy decoding: a failed check.
             Ok(false) => exit_codes::RUN_FAILED,

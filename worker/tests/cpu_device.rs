@@ -26,12 +26,13 @@ fn cpu_device_checks_every_kernels_buffers_against_the_launch() {
             continue;
         }
         let err = d.launch(Stream::Compute, &k, 4, 32).unwrap_err();
-        // A bf16 kernel runs as its f32 one over widened copies, the FlashAttention-2
+        // A bf16 kernel (or one rounding its f32 result to bf16, `_to_bf16`) runs as its
+        // f32 one over widened copies, the FlashAttention-2
         // forward and backward as the plain attention's: the refusal names that one.
         let f32_name = match k {
             Kernel::AttentionFa2Fwd { .. } => "attention_fwd",
             Kernel::AttentionFa2Bwd { .. } => "attention_bwd",
-            _ => k.name().trim_end_matches("_bf16"),
+            _ => k.name().trim_end_matches("_bf16").trim_end_matches("_to"),
         };
         assert!(
             matches!(&err, GpuError::Invalid(m) if m.starts_with(f32_name) && m.contains("holds 0 elements, the launch needs")),

@@ -472,3 +472,116 @@ fn emulated_dynamic_shared_memory_past_a_kernels_limit_is_refused() {
         );
     }
 }
+
+/// The emulated driver's count of dry host waits (`dflash_emu_dry_waits`): waits after
+/// which the stream waited for had nothing queued, so that a GPU would idle.
+fn dry_waits() -> u64 {
+    let (cuda, _) = emu_libs();
+    let path = std::ffi::CString::new(cuda.to_str().expect("a UTF-8 path")).unwrap();
+    // SAFETY: the library is loaded already (the device opened it); NOLOAD only finds it.
+    unsafe {
+        let h = libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "the emulated driver is loaded");
+        let f = libc::dlsym(h, c"dflash_emu_dry_waits".as_ptr());
+        assert!(!f.is_null(), "the emulated driver counts dry waits");
+        let f: extern "C" fn() -> u64 = std::mem::transmute(f);
+        f()
+    }
+}
+
+/// A drafter step on a GPU queues its whole forward, loss and backward without letting the
+/// compute stream run dry: the step's losses come back behind an event the host waits for
+/// only once the last backward is queued. A step that downloads its gradient (the host
+/// collective's path) waits dry once, which shows the count sees such waits.
+#[test]
+fn emulated_a_drafter_step_never_lets_the_compute_stream_run_dry() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let test = "emulated_a_drafter_step_never_lets_the_compute_stream_run_dry";
+    let child = in_child(test, &[], || {
+        use dflash_shared::drafter::DrafterConfig;
+        use dflash_worker::models::drafter::device::DeviceDrafter;
+        use dflash_worker::models::drafter::{Drafter, Frozen, Sample};
+        let c = DrafterConfig {
+            hidden: 32,
+            layers: 2,
+            q_heads: 2,
+            kv_heads: 1,
+            head_dim: 16,
+            intermediate: 40,
+            vocab: 300,
+            eps: 1e-6,
+            rope_theta: 10000.0,
+            rope_scaling: None,
+            n_taps: 2,
+            block_size: 4,
+            max_anchors: 4,
+            mask_token_id: 299,
+            gamma: 4.0,
+        };
+        let d = Drafter::new(c.clone());
+        let mut rng = Rng::new(7);
+        let p = d.init_params(3);
+        let frozen = Frozen {
+            embed: rand_vec(&mut rng, c.vocab * c.hidden, 1.0),
+            lm_head: rand_vec(&mut rng, c.vocab * c.hidden, 0.1),
+        };
+        let len = 20usize;
+        let taps: Vec<Vec<f32>> = (0..3)
+            .map(|_| rand_vec(&mut rng, len * c.n_taps * c.hidden, 1.0))
+            .collect();
+        let ids: Vec<Vec<u32>> = (0..3)
+            .map(|i| (0..len).map(|t| ((t * 7 + i) % 290) as u32).collect())
+            .collect();
+        let mask = vec![1u8; len];
+        let anchors: Vec<Vec<usize>> = (0..3).map(|_| d.sample_anchors(&mask, &mut rng)).collect();
+        let samples: Vec<Sample> = (0..3)
+            .map(|i| Sample {
+                taps: &taps[i],
+                ids: &ids[i],
+                mask: &mask,
+            })
+            .collect();
+        let tw = d.total_weight(&samples, &anchors);
+        let dev = CudaDevice::open().unwrap_or_else(|e| panic!("opening the emulated GPU: {e}"));
+        let mut gpu = DeviceDrafter::new(Box::new(dev), &d, &frozen, len).unwrap();
+        let zeros = vec![0f32; p.len()];
+        gpu.load(&p, &zeros, &zeros, 0).unwrap();
+        // The first step settles what is loaded once.
+        gpu.train_batch_on_device(&samples, &anchors, tw).unwrap();
+        let before = dry_waits();
+        let st = gpu.train_batch_on_device(&samples, &anchors, tw).unwrap();
+        let step = dry_waits() - before;
+        let mut g = vec![0f32; p.len()];
+        let before = dry_waits();
+        gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();
+        let with_download = dry_waits() - before;
+        assert!(
+            st.loss_sum.is_finite() && st.loss_sum > 0.0,
+            "the step's loss came back: {}",
+            st.loss_sum
+        );
+        assert!(g.iter().any(|&x| x != 0.0), "the gradient came back");
+        println!("dry waits: step {step}, step with its gradient downloaded {with_download}");
+    });
+    if let Some((ok, out)) = child {
+        assert!(ok, "{out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.find("dry waits:").map(|i| &l[i..]))
+            .unwrap_or_else(|| panic!("no count: {out}"));
+        let n: Vec<u64> = line
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert_eq!(
+            n[0], 0,
+            "a step leaves the compute stream queued at every wait: {line}"
+        );
+        assert!(
+            n[1] >= 1,
+            "the gradient's download is a dry wait, and is counted: {line}"
+        );
+    }
+}

@@ -1,11 +1,13 @@
 //! `dflash-supervise eval`: real acceptance length. Greedy DFlash speculative decoding of
 //! each prompt with an exported drafter, against plain greedy decoding of its target, in a
-//! `dflash-worker eval` process on the CPU (the supervisor links no model code). Chat
+//! `dflash-worker eval` process on the CPU or one GPU (`--gpus N`; the supervisor links
+//! no model code, nor CUDA). Chat
 //! prompts are rendered here with the target's chat template and tokenizer (with the
 //! generation prompt), so the worker reads token ids only.
 //!
 //! Exit 0: measured, and speculative decoding wrote what greedy decoding wrote on every
-//! prompt; 1: it did not on some prompt (a bug); 2: an input that cannot be used (one
+//! prompt (on a GPU: counted, not required); 1: on the CPU it did not on some prompt (a
+//! bug); 2: an input that cannot be used (one
 //! line: which, and what was expected); 4: the worker could not be run.
 
 use std::path::{Path, PathBuf};
@@ -13,7 +15,7 @@ use std::process::{Command, Stdio};
 
 use dflash_shared::exit_codes;
 
-use crate::data::chat::{prompt_turns, Chat};
+use crate::data::prompts::token_lines;
 use crate::error::Error;
 
 #[derive(Debug, clap::Args)]
@@ -35,6 +37,11 @@ pub struct EvalArgs {
     /// Seed of the bootstrap interval over prompts.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub seed: u64,
+    /// Where to decode: cpu (f32), or one GPU's index (bf16, over CUDA, numbered as
+    /// NVML and `--gpus` of a run number them). On a GPU a prompt whose speculative
+    /// output differs from greedy decoding's is counted, not an error.
+    #[arg(long, value_name = "cpu|N", default_value = "cpu")]
+    pub gpus: String,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -43,8 +50,22 @@ pub struct EvalArgs {
     pub worker_bin: Option<PathBuf>,
 }
 
+/// `--gpus`: `None` for the CPU, else the one GPU.
+fn gpu_of(spec: &str) -> Result<Option<u32>, Error> {
+    match spec.trim() {
+        "cpu" => Ok(None),
+        s => s.parse().map(Some).map_err(|_| {
+            Error::input(
+                format!("--gpus {spec}"),
+                "expected one GPU index (eval decodes on one device), or cpu",
+            )
+        }),
+    }
+}
+
 pub fn run(a: EvalArgs) -> Result<i32, Error> {
     let tiny = a.target == "tiny";
+    let gpu = gpu_of(&a.gpus)?;
     if !tiny && !Path::new(&a.target).join("config.json").is_file() {
         return Err(Error::input(
             format!("--target {}", a.target),
@@ -61,68 +82,23 @@ pub fn run(a: EvalArgs) -> Result<i32, Error> {
             ));
         }
     }
-    let lines = token_lines(&a.prompts, (!tiny).then(|| Path::new(&a.target)))?;
+    let lines = token_lines(
+        "--prompts",
+        &a.prompts,
+        (!tiny).then(|| Path::new(&a.target)),
+    )?;
     let file =
         std::env::temp_dir().join(format!("dflash-eval-prompts-{}.jsonl", std::process::id()));
     std::fs::write(&file, lines.join("\n"))
         .map_err(|e| Error::io("cannot write the prompts to", &file, e))?;
-    let r = worker(&a, &file);
+    let r = worker(&a, &file, gpu);
     let _ = std::fs::remove_file(&file);
     r
 }
 
-/// The prompts as token-id lines: chat lines rendered and tokenized with the target's
-/// own template and tokenizer, the others as they are (the worker checks their ids).
-fn token_lines(path: &Path, target: Option<&Path>) -> Result<Vec<String>, Error> {
-    let input = || format!("--prompts {}", path.display());
-    let text = std::fs::read_to_string(path).map_err(|e| Error::input(input(), e))?;
-    let mut chat: Option<Chat> = None;
-    let mut out = Vec::new();
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let at = |why: String| Error::input(format!("{} line {}", input(), i + 1), why);
-        let v: serde_json::Value = serde_json::from_str(line).map_err(|e| {
-            at(format!(
-                "{e} (expected a JSON array of token ids or a chat object)"
-            ))
-        })?;
-        let turns = match v.as_object() {
-            Some(o) => prompt_turns(o).map_err(|b| at(b.reason.to_string()))?,
-            None => None,
-        };
-        let Some(turns) = turns else {
-            out.push(line.to_string());
-            continue;
-        };
-        let Some(dir) = target else {
-            return Err(at("a chat conversation, but the built-in tiny target has no tokenizer (expected token ids)".into()));
-        };
-        if chat.is_none() {
-            chat = Some(Chat::load(dir).map_err(|e| at(e.to_string()))?);
-        }
-        let ids = chat
-            .as_ref()
-            .map(|c| c.prompt(turns))
-            .transpose()
-            .map_err(|b| at(b.detail.unwrap_or_else(|| b.reason.to_string())))?
-            .unwrap_or_default();
-        out.push(serde_json::to_string(&ids).unwrap_or_default());
-    }
-    if out.is_empty() {
-        return Err(Error::input(
-            input(),
-            "no prompts (expected one JSON array of token ids, or one chat conversation, per line)",
-        ));
-    }
-    Ok(out)
-}
-
 /// `dflash-worker eval` on the token-id prompts in `prompts`: its report to stdout; its
 /// one error line as ours.
-fn worker(a: &EvalArgs, prompts: &Path) -> Result<i32, Error> {
+fn worker(a: &EvalArgs, prompts: &Path, gpu: Option<u32>) -> Result<i32, Error> {
     let worker = match &a.worker_bin {
         Some(w) => w.clone(),
         None => std::env::current_exe()
@@ -143,6 +119,12 @@ fn worker(a: &EvalArgs, prompts: &Path) -> Result<i32, Error> {
         .arg(a.seed.to_string());
     if a.json {
         cmd.arg("--json");
+    }
+    if let Some(g) = gpu {
+        // The worker's GPU is its ordinal 0; CUDA numbers GPUs as NVML does.
+        cmd.arg("--gpu")
+            .env("CUDA_VISIBLE_DEVICES", g.to_string())
+            .env("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
     }
     let out = cmd
         .stdin(Stdio::null())

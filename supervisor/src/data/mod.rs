@@ -9,4 +9,5 @@ pub mod ledger;
 pub mod loader;
 pub mod pipeline;
 pub mod preflight;
+pub mod prompts;
 pub mod spool;

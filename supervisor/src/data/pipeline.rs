@@ -705,6 +705,11 @@ impl Pipeline {
         self.first_epoch_batches
     }
 
+    /// The loader has made every batch it will (the data's end, or the run's).
+    pub fn loader_done(&self) -> bool {
+        self.loader_done.is_some()
+    }
+
     /// Every batch the loader will ever make has been consumed.
     pub fn finished(&self) -> bool {
         self.loader_done.is_some() && self.batches.trained() == self.produced

@@ -281,6 +281,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
+    check_eval_gpu(&args, &plan)?;
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
         log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
     }
@@ -300,6 +301,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
             &plan,
         )?);
     }
+    let tau_prompts = tau_prompts(&args, &target_cfg, &mut trainer_cfg)?;
     // The newest checkpoint that verifies and is of this drafter, beyond which --steps lies.
     // A run that already finished is said so (before --steps is compared with its step).
     if let Some(p) = &resume {
@@ -362,7 +364,9 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
     console::to_file(&sup_log).map_err(|e| Error::io("cannot write", &sup_log, e))?;
     let reaper = start_reaper();
-    let cfg = dispatcher_config(&args, plan, worker_bin, target_dir)?;
+    let tau = tau_config(&args, tau_prompts, &run_dir.path)?;
+    let mut cfg = dispatcher_config(&args, plan, worker_bin, target_dir)?;
+    cfg.tau = tau;
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
     setup.check()?;
@@ -607,6 +611,7 @@ fn dispatcher_config(
         },
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
+        tau: None,
     })
 }
 
@@ -656,6 +661,89 @@ fn eval_settings(
         }
     );
     Ok(trainer::EvalSettings { set, every })
+}
+
+/// `--eval-prompts`: the prompts as token-id lines, read and checked now (a bad file is
+/// refused before anything starts), and the τ steps: every `--eval-every`, else
+/// `--checkpoint-every`, else only the last step.
+fn tau_prompts(
+    args: &RunArgs,
+    target: &TargetConfig,
+    trainer_cfg: &mut trainer::TrainerConfig,
+) -> Result<Option<Vec<String>>, Error> {
+    let Some(path) = &args.eval_prompts else {
+        return Ok(None);
+    };
+    let dir = (args.target != "tiny").then(|| Path::new(&args.target));
+    let lines = crate::data::prompts::token_lines("--eval-prompts", path, dir)?;
+    crate::data::prompts::check_vocab("--eval-prompts", path, &lines, target.vocab_size)?;
+    let every = args
+        .eval_every
+        .or((args.checkpoint_every > 0).then_some(args.checkpoint_every))
+        .unwrap_or(u64::MAX);
+    log::info!(
+        "τ eval: {} prompts of {}, up to {} new tokens each, measured {} and at the last step (in a child process beside training)",
+        lines.len(),
+        path.display(),
+        args.eval_max_new_tokens,
+        if every == u64::MAX {
+            "only".to_string()
+        } else {
+            format!("every {every} steps")
+        }
+    );
+    trainer_cfg.tau_every = Some(every);
+    Ok(Some(lines))
+}
+
+/// `--eval-gpu N`: one of the run's GPUs.
+fn check_eval_gpu(args: &RunArgs, plan: &[(WorkerName, Device)]) -> Result<(), Error> {
+    if let Some(g) = args.eval_gpu {
+        if !plan.iter().any(|(_, d)| *d == Device::Gpu(g)) {
+            let used: Vec<String> = plan
+                .iter()
+                .filter_map(|(_, d)| match d {
+                    Device::Gpu(i) => Some(*i),
+                    Device::Cpu => None,
+                })
+                .collect::<std::collections::BTreeSet<u32>>()
+                .iter()
+                .map(u32::to_string)
+                .collect();
+            return Err(Error::Flag(format!(
+                "--eval-gpu {g}: expected one of the run's GPUs ({})",
+                if used.is_empty() {
+                    "it has none: its workers run on the CPU".to_string()
+                } else {
+                    used.join(", ")
+                }
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The τ eval's settings, its prompts written to RUN_DIR/eval/prompts.jsonl.
+fn tau_config(
+    args: &RunArgs,
+    lines: Option<Vec<String>>,
+    run_dir: &Path,
+) -> Result<Option<dispatcher::tau_job::TauConfig>, Error> {
+    let Some(lines) = lines else {
+        return Ok(None);
+    };
+    let dir = run_dir.join("eval");
+    std::fs::create_dir_all(&dir).map_err(|e| Error::io("cannot create", &dir, e))?;
+    let prompts = dir.join("prompts.jsonl");
+    std::fs::write(&prompts, lines.join("\n") + "\n")
+        .map_err(|e| Error::io("cannot write", &prompts, e))?;
+    Ok(Some(dispatcher::tau_job::TauConfig {
+        prompts,
+        max_new_tokens: args.eval_max_new_tokens,
+        timeout: args.eval_timeout,
+        gpu: args.eval_gpu,
+        dir,
+    }))
 }
 
 /// The target's config: the built-in tiny one, or DIR/config.json.
@@ -823,6 +911,7 @@ pub(crate) fn trainer_config(
     let collective = collective(args, plan)?;
     Ok(trainer::TrainerConfig {
         eval: None,
+        tau_every: None,
         collective,
         collective_timeout: args.collective_timeout,
         drafter,
@@ -920,6 +1009,11 @@ fn resolved_settings(
         "prefetch": pipeline.prefetch,
         "eval_data": args.eval_data,
         "eval_every": t.eval.as_ref().map(|e| e.every),
+        "eval_prompts": args.eval_prompts,
+        "tau_every": t.tau_every,
+        "eval_max_new_tokens": args.eval_prompts.as_ref().map(|_| args.eval_max_new_tokens),
+        "eval_gpu": args.eval_prompts.as_ref().and(args.eval_gpu),
+        "eval_timeout": args.eval_prompts.as_ref().map(|_| d(args.eval_timeout)),
         "hang_timeout": d(args.hang_timeout),
         "step_timeout": args.step_timeout.map_or("10m, or 5 × the slowest of the first 3 steps".to_string(), d),
         "max_restarts": args.max_restarts,

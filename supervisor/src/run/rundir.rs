@@ -69,6 +69,9 @@ pub struct TrainProgress {
     pub eval_acceptance: Option<f64>,
     #[serde(default)]
     pub best_step: Option<u64>,
+    /// The last real τ measurement (`--eval-prompts`), as train.jsonl records it.
+    #[serde(default)]
+    pub tau: Option<serde_json::Value>,
     pub loss: f64,
     pub acceptance: f64,
     pub slot_accuracy: Vec<f64>,

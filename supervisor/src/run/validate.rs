@@ -138,12 +138,18 @@ fn dur(d: Duration) -> String {
     humantime::format_duration(d).to_string()
 }
 
-/// `--eval-every`: with `--eval-data`, above 0.
+/// `--eval-every`: with `--eval-data` or `--eval-prompts`, above 0; `--eval-gpu` with
+/// `--eval-prompts`.
 fn check_eval(a: &RunArgs) -> Result<(), Error> {
+    if let (Some(g), None) = (a.eval_gpu, &a.eval_prompts) {
+        return Err(Error::Flag(format!(
+            "--eval-gpu {g}: there is nothing to measure on it; expected --eval-prompts FILE with it"
+        )));
+    }
     if let Some(n) = a.eval_every {
-        if a.eval_data.is_none() {
+        if a.eval_data.is_none() && a.eval_prompts.is_none() {
             return Err(Error::Flag(format!(
-                "--eval-every {n}: there is nothing to evaluate; expected --eval-data FILE with it"
+                "--eval-every {n}: there is nothing to evaluate; expected --eval-data FILE or --eval-prompts FILE with it"
             )));
         }
         if n == 0 {

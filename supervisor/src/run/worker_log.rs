@@ -79,7 +79,7 @@ impl WorkerLog {
         };
         if let Some(prefix) = &g.tee_prefix {
             // Console copy: best effort, a closed stdout must not stop the log.
-            let _ = writeln!(io::stdout().lock(), "{prefix} {text}");
+            crate::telemetry::console::out_line(&format!("{prefix} {text}"));
         }
         if g.size > 0 && g.size + record.len() as u64 > g.rotation.max_size {
             if let Err(e) = g.rotate() {

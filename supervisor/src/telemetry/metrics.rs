@@ -69,11 +69,21 @@ impl Metrics {
     }
 }
 
-/// One line: what a person glances at while the run goes.
-pub fn status_line(w: &serde_json::Value) -> String {
+/// Tokens per second as the status shows it: `—` before there is a figure (no window yet),
+/// never `-0`.
+pub fn tokens_per_s(tps: Option<f64>) -> String {
+    match tps.filter(|t| t.is_finite()) {
+        Some(t) => format!("{:.0} tok/s", t.max(0.0) + 0.0),
+        None => "— tok/s".to_string(),
+    }
+}
+
+/// The figures a person glances at while the run goes (all but the step): loss,
+/// acceptance, tokens/s (`tps` when given, else the window's), GPU use, the hidden-state
+/// pool's fill and restarts.
+pub fn status_figures(w: &serde_json::Value, tps: Option<f64>) -> String {
     let mut parts = Vec::new();
     if let Some(t) = w["train"].as_object() {
-        parts.push(format!("step {}", t["step"]));
         if let Some(l) = t["loss"].as_f64() {
             parts.push(format!("loss {l:.3}"));
         }
@@ -81,16 +91,15 @@ pub fn status_line(w: &serde_json::Value) -> String {
             parts.push(format!("accept {a:.2}"));
         }
     }
-    let tps: f64 = w["pipeline"]["tokens_per_s_by_worker"]
+    let window = w["pipeline"]["tokens_per_s_by_worker"]
         .as_object()
         .map(|m| {
             m.iter()
                 .filter(|(k, _)| k.starts_with("drafter"))
                 .filter_map(|(_, v)| v.as_f64())
-                .sum()
-        })
-        .unwrap_or(0.0);
-    parts.push(format!("{tps:.0} tok/s"));
+                .sum::<f64>()
+        });
+    parts.push(tokens_per_s(tps.or(window)));
     let utils: Vec<f64> = w["gpu"]["gpus"]
         .as_array()
         .into_iter()
@@ -106,6 +115,57 @@ pub fn status_line(w: &serde_json::Value) -> String {
     if let Some(f) = w["pipeline"]["hidden_pool"]["fill_ratio"].as_f64() {
         parts.push(format!("hidden pool {:.0}% full", f * 100.0));
     }
-    parts.push(format!("restarts {}", w["restarts"]));
+    parts.push(format!("restarts {}", w["restarts"].as_u64().unwrap_or(0)));
     parts.join(" | ")
+}
+
+/// `step N/M` (`step N` when the schedule does not know its length).
+pub fn step_of(step: u64, total: Option<u64>) -> String {
+    match total {
+        Some(t) => format!("step {step}/{t}"),
+        None => format!("step {step}"),
+    }
+}
+
+/// The one step-line format of a run's plain output (off a terminal), and the start of the
+/// trainer's step lines: `step N/M | figures`.
+pub fn status_line(w: &serde_json::Value, total: Option<u64>, tps: Option<f64>) -> String {
+    let step = w["train"]["step"].as_u64().unwrap_or(0);
+    format!("{} | {}", step_of(step, total), status_figures(w, tps))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn tokens_per_s_is_a_dash_before_a_figure_and_never_minus_zero() {
+        assert_eq!(tokens_per_s(None), "— tok/s");
+        assert_eq!(tokens_per_s(Some(f64::NAN)), "— tok/s");
+        assert_eq!(tokens_per_s(Some(-0.0)), "0 tok/s");
+        assert_eq!(tokens_per_s(Some(-0.3)), "0 tok/s");
+        assert_eq!(tokens_per_s(Some(1234.4)), "1234 tok/s");
+    }
+
+    #[test]
+    fn the_step_line_names_the_step_out_of_the_total_then_the_figures() {
+        let w = json!({
+            "train": {"step": 12, "loss": 3.12345, "acceptance": 1.5},
+            "pipeline": {"tokens_per_s_by_worker": {"drafter-0": 100.0, "drafter-1": 50.0, "target-0": 999.0},
+                         "hidden_pool": {"fill_ratio": 0.25}},
+            "restarts": 2,
+        });
+        assert_eq!(
+            status_line(&w, Some(100), None),
+            "step 12/100 | loss 3.123 | accept 1.50 | 150 tok/s | hidden pool 25% full | restarts 2"
+        );
+        // A live figure replaces the window's; no schedule length, no total.
+        assert_eq!(
+            status_line(&w, None, Some(7.0)),
+            "step 12 | loss 3.123 | accept 1.50 | 7 tok/s | hidden pool 25% full | restarts 2"
+        );
+        // No window yet: no tokens/s figure to show.
+        assert_eq!(status_figures(&json!({}), None), "— tok/s | restarts 0");
+    }
 }

@@ -123,6 +123,9 @@ pub fn render(w: &Value) -> String {
     if !w["eval"].is_null() {
         eval_families(&mut o, &w["eval"]);
     }
+    if !w["tau"].is_null() {
+        tau_families(&mut o, &w["tau"]);
+    }
     o.0
 }
 
@@ -391,14 +394,72 @@ fn eval_families(o: &mut Out, e: &Value) {
     o.family(
         "dflash_eval_best_step",
         "gauge",
-        "Step of the best eval acceptance so far (checkpoints/best).",
+        "Step checkpoints/best names (the best tau with --eval-prompts, else the best eval acceptance).",
     );
     o.sample("dflash_eval_best_step", &[], e["best_step"].as_f64());
+}
+
+/// The last real τ measurement (`--eval-prompts`): both definitions with their 95%
+/// intervals, labelled by definition.
+fn tau_families(o: &mut Out, t: &Value) {
+    o.family(
+        "dflash_tau_step",
+        "gauge",
+        "Step whose checkpoint the last tau measurement (--eval-prompts) decoded with.",
+    );
+    o.sample("dflash_tau_step", &[], t["step"].as_f64());
+    o.family(
+        "dflash_tau",
+        "gauge",
+        "Real acceptance length tau (tokens per target verify step) at the last measurement: pooled (all tokens / all steps, what serving engines print) or mean_of_means (mean over prompts).",
+    );
+    for def in ["pooled", "mean_of_means"] {
+        o.sample("dflash_tau", &[("definition", def)], t[def].as_f64());
+    }
+    o.family(
+        "dflash_tau_ci95",
+        "gauge",
+        "Bounds of the 95% bootstrap interval over prompts of tau, by definition.",
+    );
+    for def in ["pooled", "mean_of_means"] {
+        let ci = &t[format!("{def}_ci95")];
+        for (bound, i) in [("low", 0), ("high", 1)] {
+            o.sample(
+                "dflash_tau_ci95",
+                &[("definition", def), ("bound", bound)],
+                ci[i].as_f64(),
+            );
+        }
+    }
+    o.family(
+        "dflash_tau_best_step",
+        "gauge",
+        "Step of the best pooled tau so far (checkpoints/best).",
+    );
+    o.sample("dflash_tau_best_step", &[], t["best_step"].as_f64());
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_last_tau_is_exported_with_its_intervals_when_there_is_one() {
+        let w = serde_json::json!({"tau": {"step": 6, "pooled": 2.5, "pooled_ci95": [2.0, 3.25],
+            "mean_of_means": 3.5, "mean_of_means_ci95": [2.5, 4.5], "best_step": 6}});
+        let text = render(&w);
+        for line in [
+            "dflash_tau_step 6",
+            "dflash_tau{definition=\"pooled\"} 2.5",
+            "dflash_tau{definition=\"mean_of_means\"} 3.5",
+            "dflash_tau_ci95{definition=\"pooled\",bound=\"low\"} 2",
+            "dflash_tau_ci95{definition=\"mean_of_means\",bound=\"high\"} 4.5",
+            "dflash_tau_best_step 6",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
+        }
+        assert!(!render(&serde_json::json!({})).contains("dflash_tau"));
+    }
 
     #[test]
     fn the_last_eval_is_exported_when_there_is_one() {

@@ -173,6 +173,15 @@ impl QueueHealth {
         v
     }
 
+    /// Tokens the drafters trained so far in the open window.
+    pub fn drafter_tokens(&self) -> u64 {
+        self.tokens_by_worker
+            .iter()
+            .filter(|(w, _)| w.starts_with("drafter"))
+            .map(|(_, n)| *n)
+            .sum()
+    }
+
     fn hint(&self) -> Option<String> {
         let share = |a: &PoolAcc, x: f64| if a.time > 0.0 { x / a.time } else { 0.0 };
         let (tok, hid) = (&self.pools[0], &self.pools[1]);

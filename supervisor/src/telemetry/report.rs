@@ -55,12 +55,18 @@ pub fn lineage_steps(train: &[Value]) -> Vec<Value> {
 
 /// The held-out evals (`{"eval": {...}}` lines) of the final lineage, by step.
 pub fn lineage_evals(train: &[Value]) -> Vec<Value> {
+    lineage_records(train, "eval")
+}
+
+/// The `{kind: {"step", ...}}` lines of the final lineage (a rollback drops those of the
+/// steps after its target), in order.
+fn lineage_records(train: &[Value], kind: &str) -> Vec<Value> {
     let mut out: Vec<Value> = Vec::new();
     for l in train {
         if let Some(to) = l["rollback"]["to"].as_u64() {
             out.retain(|e| e["step"].as_u64().is_some_and(|n| n <= to));
-        } else if l["eval"].is_object() {
-            out.push(l["eval"].clone());
+        } else if l[kind].is_object() {
+            out.push(l[kind].clone());
         }
     }
     out
@@ -1100,7 +1106,59 @@ fn training(run: &Run, absent: &mut Absent) -> String {
     if slots == 0 {
         out.push_str(&absent.note("per-slot accuracy", "train.jsonl has no slot_accuracy"));
     }
+    // Real τ (--eval-prompts), measured by decoding.
+    let taus = lineage_records(&run.train, "tau");
+    if !taus.is_empty() {
+        out.push_str(&tau_chart(x, &taus, &rollbacks));
+    }
     out
+}
+
+/// The real acceptance length τ at each measured step, both definitions, with the 95%
+/// interval of each (dashed).
+fn tau_chart(x: (f64, f64), taus: &[Value], rollbacks: &[(u64, u64)]) -> String {
+    let mut c = Chart::new(
+        "tau",
+        "Real acceptance length τ (speculative decoding of --eval-prompts), 95% intervals dashed",
+        XAxis::Steps,
+        x,
+        "τ",
+    );
+    let bound = |k: &str, i: usize| -> Vec<(f64, f64)> {
+        taus.iter()
+            .map(|t| {
+                (
+                    t["step"].as_f64().unwrap_or(f64::NAN),
+                    t[k][i].as_f64().unwrap_or(f64::NAN),
+                )
+            })
+            .collect()
+    };
+    for (name, class, key, color) in [
+        ("τ pooled", "tau-pooled", "pooled", "#8e44ad"),
+        (
+            "τ mean of per-prompt means",
+            "tau-mean",
+            "mean_of_means",
+            "#27ae60",
+        ),
+    ] {
+        c.series
+            .push(Series::new(name, class, color, eval_series(taus, key)).dots());
+        let ci = format!("{key}_ci95");
+        for (i, side) in [(0, "low"), (1, "high")] {
+            c.series.push(
+                Series::new(
+                    format!("{name}, 95% {side}"),
+                    &format!("{class}-ci"),
+                    color,
+                    bound(&ci, i),
+                )
+                .dash("3 3"),
+            );
+        }
+    }
+    c.render(&|f: &Frame| rollback_marks(rollbacks, f))
 }
 
 /// The loss per step (and per held-out eval), the learning rate on the right axis.
@@ -2289,6 +2347,43 @@ mod tests {
         // The training steps are read as before: eval lines are not steps.
         let steps = lineage_steps(&read_jsonl(&d.path().join("train.jsonl")).0);
         assert_eq!(steps.len(), 4);
+    }
+
+    #[test]
+    fn real_tau_is_drawn_at_its_steps_with_its_intervals_in_the_final_lineage() {
+        let step = |s: u64| format!(r#"{{"step":{s},"loss":3.0,"acceptance":1.5,"lr":0.001}}"#);
+        let tau = |s: u64, p: f64| {
+            format!(
+                r#"{{"t":1,"tau":{{"step":{s},"pooled":{p},"pooled_ci95":[1.0,3.0],"mean_of_means":2.0,"mean_of_means_ci95":[1.5,2.5]}}}}"#
+            )
+        };
+        let lines = [
+            step(1),
+            step(2),
+            tau(2, 1.5),
+            step(3),
+            step(4),
+            tau(4, 2.5),
+            r#"{"rollback":{"from":4,"to":3}}"#.to_string(),
+            step(4),
+        ];
+        let d = run_dir(&[("train.jsonl", &lines.join("\n"))]);
+        let html = render(d.path());
+        for class in ["tau-pooled", "tau-mean"] {
+            assert_eq!(
+                html.matches(&format!(r#"<circle class="{class}" data-step="2""#))
+                    .count(),
+                1,
+                "the {class} point of step 2"
+            );
+            assert!(
+                !html.contains(&format!(r#"<circle class="{class}" data-step="4""#)),
+                "the {class} point of the rolled-back step 4"
+            );
+        }
+        assert!(html.contains("tau-pooled-ci") && html.contains("Real acceptance length"));
+        let none = run_dir(&[("train.jsonl", &step(1))]);
+        assert!(!render(none.path()).contains("tau-pooled"));
     }
 
     #[test]

@@ -147,11 +147,12 @@ impl CheckpointStore {
         })
     }
 
-    /// Keep the newest `keep` complete checkpoints, besides `protect` (the best one, never
-    /// pruned nor counted); remove the older ones. Returns what was removed.
-    pub fn prune(&self, protect: Option<u64>) -> Vec<PathBuf> {
+    /// Keep the newest `keep` complete checkpoints, besides `protect` (the best one and the
+    /// one whose τ is measured now: never pruned nor counted); remove the older ones.
+    /// Returns what was removed.
+    pub fn prune(&self, protect: &[u64]) -> Vec<PathBuf> {
         let mut done = self.complete();
-        done.retain(|(s, _)| Some(*s) != protect);
+        done.retain(|(s, _)| !protect.contains(s));
         let n = done.len().saturating_sub(self.keep);
         let old: Vec<PathBuf> = done.into_iter().take(n).map(|(_, p)| p).collect();
         for p in &old {
@@ -323,7 +324,7 @@ mod tests {
         }
         // Unfinished (no meta.json): neither counted nor removed.
         std::fs::create_dir_all(s.dir_of(9)).unwrap();
-        let removed = s.prune(Some(2));
+        let removed = s.prune(&[2]);
         assert_eq!(removed, [s.dir_of(1), s.dir_of(3)]);
         let left: Vec<u64> = s.complete().into_iter().map(|(st, _)| st).collect();
         assert_eq!(left, [2, 4, 5]);

@@ -232,8 +232,6 @@ pub struct Evaluator {
     pub done: BTreeSet<u64>,
     /// The best eval so far: (step, acceptance).
     pub best: Option<(u64, f64)>,
-    /// The step `checkpoints/best` points at now.
-    pub linked: Option<u64>,
     pub last: Option<EvalResult>,
 }
 
@@ -246,7 +244,6 @@ impl Evaluator {
             next_round: 0,
             done: BTreeSet::new(),
             best: None,
-            linked: None,
             last: None,
         }
     }

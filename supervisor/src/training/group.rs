@@ -90,6 +90,9 @@ pub struct TrainerConfig {
     pub max_skipped_steps: u64,
     /// Held-out evaluation (`--eval-data`): the set, and every how many steps.
     pub eval: Option<EvalSettings>,
+    /// Real τ (`--eval-prompts`): measured every N steps (and at the last), each one a
+    /// checkpoint step; the best τ, not the eval acceptance, names `checkpoints/best`.
+    pub tau_every: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -170,7 +173,7 @@ pub enum Effect {
     /// Append this line to train.jsonl.
     Log(LogLine),
     /// Keep the newest `--keep-checkpoints` complete checkpoints, never the best one
-    /// ([`Group::best_linked`] at the time it is carried out).
+    /// ([`Group::protected_steps`] at the time it is carried out).
     PruneCheckpoints,
     /// Move the checkpoints of steps after this one aside (an abandoned lineage).
     SetAsideCheckpointsAfter(u64),
@@ -308,6 +311,8 @@ pub struct History {
     pub linked: Option<u64>,
     /// Every eval of train.jsonl: step → acceptance.
     pub evals: BTreeMap<u64, f64>,
+    /// Every τ of train.jsonl: step → pooled τ.
+    pub taus: BTreeMap<u64, f64>,
 }
 
 struct Member {
@@ -332,6 +337,22 @@ struct Pending {
     input: SlotRef,
     batch_id: u64,
     stats: StepStats,
+}
+
+/// The highest score of `scores` (step → score) at or before `upto` whose checkpoint is
+/// complete (ties: the earliest).
+fn best_of(
+    scores: &BTreeMap<u64, f64>,
+    upto: u64,
+    view: &dyn CheckpointView,
+) -> Option<(u64, f64)> {
+    scores
+        .iter()
+        .filter(|&(&s, _)| s <= upto && view.is_complete(s))
+        .fold(None, |b: Option<(u64, f64)>, (&s, &a)| match b {
+            Some((_, ba)) if ba >= a => b,
+            _ => Some((s, a)),
+        })
 }
 
 fn ordinal(n: u32) -> String {
@@ -400,9 +421,18 @@ pub struct Group {
     pub progress: TrainProgress,
     /// Held-out evaluation, with `--eval-data`.
     eval: Option<Box<crate::training::eval::Evaluator>>,
+    /// Real τ, with `--eval-prompts`.
+    tau: Option<crate::training::tau::TauTrack>,
+    /// The step `checkpoints/best` points at now.
+    linked: Option<u64>,
 }
 
 impl Group {
+    /// The schedule's length in optimizer steps, once it is known.
+    pub fn total_steps(&self) -> Option<u64> {
+        self.cfg.total_steps
+    }
+
     /// A group of no member yet, at the run's start (fresh, or the resumed checkpoint),
     /// at `now`. `grads` and `state` are the pools each rank maps.
     pub fn new(
@@ -424,17 +454,17 @@ impl Group {
             ));
             // Resuming: the best eval of the lineage resumed (whose checkpoint is still
             // there) stays the one to beat.
-            ev.linked = history.linked;
-            ev.best = history
-                .evals
-                .iter()
-                .filter(|&(&s, _)| s <= base.0 && view.is_complete(s))
-                .fold(None, |b: Option<(u64, f64)>, (&s, &a)| match b {
-                    Some((_, ba)) if ba >= a => b,
-                    _ => Some((s, a)),
-                });
+            ev.best = best_of(&history.evals, base.0, view.as_ref());
             ev
         });
+        let tau = cfg.tau_every.map(|every| {
+            let mut t = crate::training::tau::TauTrack::new(every);
+            t.best = best_of(&history.taus, base.0, view.as_ref());
+            t
+        });
+        let linked = (eval.is_some() || tau.is_some())
+            .then_some(history.linked)
+            .flatten();
         Group {
             restore: base.1.clone(),
             restore_step: base.0,
@@ -473,6 +503,8 @@ impl Group {
             window_steps: 0,
             progress: TrainProgress::default(),
             eval,
+            tau,
+            linked,
         }
     }
 
@@ -820,11 +852,14 @@ impl Group {
                 log::warn!("eval of step {step} dropped: the group rolled back to step {to} (step {step} is evaluated again when it commits again)");
                 out.push(Action::EvalEnd);
             }
-            if e.linked.is_some_and(|s| s > to) {
-                // Its checkpoint goes aside with the abandoned lineage.
-                out.effect(Effect::UnlinkBest);
-                e.linked = None;
-            }
+        }
+        if let Some(t) = self.tau.as_mut() {
+            t.rolled_back(to);
+        }
+        if self.linked.is_some_and(|s| s > to) {
+            // Its checkpoint goes aside with the abandoned lineage.
+            out.effect(Effect::UnlinkBest);
+            self.linked = None;
         }
         self.phase = self.phase.with_ends_after_eval(false);
         self.set_aside_checkpoints_after(to, out);
@@ -1268,7 +1303,8 @@ impl Group {
             .eval
             .as_ref()
             .is_some_and(|e| e.is_eval_step(step) || last);
-        if std::mem::take(&mut self.checkpoint_requested) || periodic || eval_step {
+        let tau_step = self.tau.as_ref().is_some_and(|t| t.is_tau_step(step, last));
+        if std::mem::take(&mut self.checkpoint_requested) || periodic || eval_step || tau_step {
             out.extend(self.checkpoint());
         }
         if eval_step {
@@ -1397,7 +1433,7 @@ impl Group {
         self.progress.eval_step = Some(r.step);
         self.progress.eval_loss = Some(r.loss);
         self.progress.eval_acceptance = Some(r.acceptance);
-        if best {
+        if best && self.tau.is_none() {
             self.progress.best_step = Some(r.step);
             self.link_best_if_saved(r.step, &mut out);
         }
@@ -1413,29 +1449,100 @@ impl Group {
     /// Point `checkpoints/best` at `step` once its checkpoint is complete (else when it
     /// is, [`Self::on_checkpointed`]).
     fn link_best_if_saved(&mut self, step: u64, out: &mut Out) {
-        let Some(e) = self.eval.as_mut() else {
-            return;
-        };
-        if e.best.map(|(s, _)| s) != Some(step) || e.linked == Some(step) {
+        if self.best_step() != Some(step) || self.linked == Some(step) {
             return;
         }
         if !self.view.is_complete(step) {
             return;
         }
-        let previous = e.linked.replace(step);
+        let previous = self.linked.replace(step);
         out.effect(Effect::LinkBest { step, previous });
+    }
+
+    /// The best step so far: by τ with `--eval-prompts`, else by eval acceptance.
+    fn best_step(&self) -> Option<u64> {
+        match (&self.tau, &self.eval) {
+            (Some(t), _) => t.best.map(|(s, _)| s),
+            (None, Some(e)) => e.best.map(|(s, _)| s),
+            (None, None) => None,
+        }
+    }
+
+    /// The τ to measure now, if any: the newest complete checkpoint's step, when it is a
+    /// τ step not measured yet and no measurement runs (`last`: it is the run's end).
+    /// `start` marks it running (its checkpoint is then never pruned).
+    pub fn tau_wanted(&mut self, last: bool, start: bool) -> Option<(u64, std::path::PathBuf)> {
+        let (step, dir) = self.last_checkpoint.clone()?;
+        let last = last || self.cfg.steps_limit.is_some_and(|n| step >= n);
+        let t = self.tau.as_mut()?;
+        if !t.wants(step, last) {
+            return None;
+        }
+        if start {
+            t.running = Some(step);
+        }
+        Some((step, dir))
+    }
+
+    /// The τ of the weights of `r.step` was measured: recorded, and `checkpoints/best`
+    /// names it when it is the best so far (dropped if a rollback went back past it).
+    pub fn on_tau(&mut self, r: &crate::training::tau::TauResult) -> Option<Out> {
+        let mut out = Out::default();
+        let Some(best) = self.tau.as_mut().and_then(|t| t.finish(r)) else {
+            log::info!(
+                "τ of step {} dropped: the group rolled back past it",
+                r.step
+            );
+            return None;
+        };
+        log::info!(
+            "τ at step {}: pooled {:.3} (95% CI [{:.2}, {:.2}]), mean of per-prompt means {:.3} (95% CI [{:.2}, {:.2}]) over {} prompts in {:.1} s{}",
+            r.step,
+            r.pooled,
+            r.pooled_ci95[0],
+            r.pooled_ci95[1],
+            r.mean_of_means,
+            r.mean_of_means_ci95[0],
+            r.mean_of_means_ci95[1],
+            r.prompts,
+            r.seconds,
+            if best { ": the best so far" } else { "" }
+        );
+        out.effect(Effect::Log(LogLine::Tau(r.json())));
+        self.progress.tau = Some(r.json());
+        if best {
+            self.progress.best_step = Some(r.step);
+            self.link_best_if_saved(r.step, &mut out);
+        }
+        Some(out)
+    }
+
+    /// The τ of `step` could not be measured (`passed_over`: by the cost share): not
+    /// tried again.
+    pub fn on_tau_failed(&mut self, step: u64, passed_over: bool) {
+        if let Some(t) = self.tau.as_mut() {
+            if passed_over {
+                t.pass_over(step);
+            } else {
+                t.failed(step);
+            }
+        }
     }
 
     /// `checkpoints/best` could not be pointed at `step`: it still points at `previous`.
     pub fn on_best_link_failed(&mut self, step: u64, previous: Option<u64>) {
-        if let Some(e) = self.eval.as_mut().filter(|e| e.linked == Some(step)) {
-            e.linked = previous;
+        if self.linked == Some(step) {
+            self.linked = previous;
         }
     }
 
-    /// The step `checkpoints/best` points at (never pruned).
-    pub fn best_linked(&self) -> Option<u64> {
-        self.eval.as_ref().and_then(|e| e.linked)
+    /// The steps whose checkpoints are never pruned: the one `checkpoints/best` points
+    /// at, and the one whose τ is measured now.
+    pub fn protected_steps(&self) -> Vec<u64> {
+        self.linked
+            .into_iter()
+            .chain(self.tau.as_ref().and_then(|t| t.running))
+            .collect()
     }
 
     fn record(
@@ -1481,14 +1588,16 @@ impl Group {
             } else {
                 0.0
             };
+            // The run's one step-line format (as the metrics windows' lines).
             log::info!(
-                "step {step}: loss {:.4}, acceptance {:.2}, acc@1 {:.2}, {:.0} tokens/s, {} drafter(s), lr {:.2e}",
+                "{} | loss {:.4} | accept {:.2} | acc@1 {:.2} | {} | lr {:.2e} | {} drafter(s)",
+                crate::telemetry::metrics::step_of(step, self.cfg.total_steps),
                 w.loss(),
                 w.acceptance(),
                 acc1,
-                w.tokens as f64 / secs.max(1e-9),
+                crate::telemetry::metrics::tokens_per_s(Some(w.tokens as f64 / secs.max(1e-9))),
+                lr,
                 self.members.len(),
-                lr
             );
             self.window = StepStats::default();
             self.window_start = now;
@@ -1776,6 +1885,7 @@ mod tests {
         let history = History {
             linked: None,
             evals: BTreeMap::new(),
+            taus: BTreeMap::new(),
         };
         Group::new(
             cfg,
@@ -1944,6 +2054,67 @@ mod tests {
         );
         assert_eq!((g.committed(), g.saved_step()), (0, 0));
         assert_eq!(g.last_checkpoint(), None, "none at or before step 0");
+    }
+
+    #[test]
+    fn tau_steps_are_checkpointed_measured_once_kept_from_pruning_and_the_best_tau_is_linked() {
+        let t0 = Instant::now();
+        let disk = Disk::default();
+        let mut g = group(&["--checkpoint-every", "100"], &disk, t0);
+        g.cfg.tau_every = Some(2);
+        g.tau = Some(crate::training::tau::TauTrack::new(2));
+        let epoch = two_members(&mut g);
+        let tau = |step: u64, pooled: f64| crate::training::tau::TauResult {
+            step,
+            prompts: 2,
+            block_size: 8,
+            max_new_tokens: 4,
+            mean_of_means: pooled,
+            mean_of_means_ci95: [1.0, pooled],
+            pooled,
+            pooled_ci95: [1.0, pooled],
+            histogram: vec![1; 8],
+            identical_to_greedy: 2,
+            seconds: 0.5,
+        };
+        let mut links = Vec::new();
+        for (n, pooled) in [(1, 0.0), (2, 2.0), (3, 0.0), (4, 1.5)] {
+            let out = step(&mut g, epoch, n, t0);
+            let asked = out
+                .actions
+                .iter()
+                .any(|a| matches!(a, Action::Checkpoint { step, .. } if *step == n));
+            assert_eq!(asked, n % 2 == 0, "step {n}: {out:?}");
+            if !asked {
+                continue;
+            }
+            assert!(
+                g.tau_wanted(false, false).is_none(),
+                "not before it is complete"
+            );
+            disk.complete.lock().unwrap().insert(n);
+            g.on_checkpointed(disk.dir_of(n).display().to_string(), n);
+            assert_eq!(g.tau_wanted(false, true), Some((n, disk.dir_of(n))));
+            assert!(g.tau_wanted(false, true).is_none(), "one at a time");
+            assert!(
+                g.protected_steps().contains(&n),
+                "never pruned while measured"
+            );
+            let out = g.on_tau(&tau(n, pooled)).expect("the step measured");
+            assert!(out
+                .effects
+                .iter()
+                .any(|e| matches!(e, Effect::Log(LogLine::Tau(v)) if v["step"] == n)));
+            links.extend(out.effects.iter().filter_map(|e| match e {
+                Effect::LinkBest { step, .. } => Some(*step),
+                _ => None,
+            }));
+            assert!(g.tau_wanted(false, true).is_none(), "measured once");
+        }
+        assert_eq!(links, [2], "the lower τ of step 4 links nothing");
+        assert_eq!(g.protected_steps(), [2]);
+        assert_eq!(g.progress.best_step, Some(2));
+        assert_eq!(g.progress.tau.as_ref().unwrap()["step"], 4);
     }
 
     #[test]

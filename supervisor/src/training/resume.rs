@@ -64,6 +64,15 @@ pub struct SavedRun {
     pub eval_data: Option<PathBuf>,
     #[serde(default)]
     pub eval_every: Option<u64>,
+    /// `--eval-prompts` and its bounds (real τ during training), likewise.
+    #[serde(default)]
+    pub eval_prompts: Option<PathBuf>,
+    #[serde(default)]
+    pub eval_gpu: Option<u32>,
+    #[serde(default)]
+    pub eval_max_new_tokens: Option<u64>,
+    #[serde(default, with = "duration")]
+    pub eval_timeout: Option<Duration>,
     #[serde(default)]
     pub snapshot_every: Option<u64>,
     #[serde(default)]
@@ -162,6 +171,10 @@ impl SavedRun {
             keep_checkpoints: Some(a.keep_checkpoints),
             eval_data: a.eval_data.clone(),
             eval_every: a.eval_every,
+            eval_prompts: a.eval_prompts.clone(),
+            eval_gpu: a.eval_gpu,
+            eval_max_new_tokens: Some(a.eval_max_new_tokens),
+            eval_timeout: Some(a.eval_timeout),
             snapshot_every: a.snapshot_every,
             max_rollbacks: Some(a.max_rollbacks),
             max_skipped_steps: Some(a.max_skipped_steps),
@@ -207,6 +220,8 @@ impl SavedRun {
         a.tokenizer = self.tokenizer;
         a.eval_data = self.eval_data;
         a.eval_every = self.eval_every;
+        a.eval_prompts = self.eval_prompts;
+        a.eval_gpu = self.eval_gpu;
         a.snapshot_every = self.snapshot_every;
         a.time_limit = self.time_limit;
         a.step_timeout = self.step_timeout;
@@ -233,6 +248,8 @@ impl SavedRun {
         set(&mut a.log_backups, self.log_backups);
         set(&mut a.gpu_sample_interval, self.gpu_sample_interval);
         set(&mut a.metrics_interval, self.metrics_interval);
+        set(&mut a.eval_max_new_tokens, self.eval_max_new_tokens);
+        set(&mut a.eval_timeout, self.eval_timeout);
     }
 
     pub fn save(&self, run_dir: &Path) -> Result<(), Error> {
@@ -277,9 +294,13 @@ pub fn save(
 /// is (its files are fingerprinted), and the operational settings: checkpoints, limits,
 /// restarts, timeouts, the collective, the pools, logs and telemetry. The rest decide which
 /// batches exist and what the drafter is, so changing them would not continue the same run.
-pub const OVERRIDABLE: [&str; 28] = [
+pub const OVERRIDABLE: [&str; 32] = [
     "eval_data",
     "eval_every",
+    "eval_prompts",
+    "eval_gpu",
+    "eval_max_new_tokens",
+    "eval_timeout",
     "steps",
     "lr",
     "warmup_ratio",
@@ -396,9 +417,11 @@ pub fn merge(
 
 /// Settings that are optional (`None`: the default, or not set); the others always have a
 /// value, so only the command line tells whether one was given.
-const OPTIONAL: [&str; 19] = [
+const OPTIONAL: [&str; 21] = [
     "eval_data",
     "eval_every",
+    "eval_prompts",
+    "eval_gpu",
     "taps",
     "epochs",
     "draft_layers",

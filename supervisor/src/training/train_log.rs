@@ -19,6 +19,8 @@ pub enum LogLine {
     Step(serde_json::Value),
     /// An eval round's result.
     Eval(serde_json::Value),
+    /// A real τ measurement (`--eval-prompts`).
+    Tau(serde_json::Value),
     /// Every drafter died: the group went back from step `from` to `to` (`source`: the
     /// state it went back to, in words); `batches` go back to the queue.
     Rollback {
@@ -44,6 +46,7 @@ impl LogLine {
                 v
             }
             LogLine::Eval(r) => serde_json::json!({"t": t, "eval": r}),
+            LogLine::Tau(r) => serde_json::json!({"t": t, "tau": r}),
             LogLine::Rollback {
                 from,
                 to,
@@ -85,15 +88,20 @@ impl TrainLog {
     /// The evals `run_dir/train.jsonl` records: step → acceptance (the last line of a
     /// step wins). An absent or unreadable log has none.
     pub fn evals(run_dir: &Path) -> BTreeMap<u64, f64> {
+        Self::scores(run_dir, "eval", "acceptance")
+    }
+
+    /// The τ measurements `run_dir/train.jsonl` records: step → pooled τ.
+    pub fn taus(run_dir: &Path) -> BTreeMap<u64, f64> {
+        Self::scores(run_dir, "tau", "pooled")
+    }
+
+    /// `{kind: {"step", key}}` lines: step → the value of `key` (the last line wins).
+    fn scores(run_dir: &Path, kind: &str, key: &str) -> BTreeMap<u64, f64> {
         let text = std::fs::read_to_string(run_dir.join(TRAIN_LOG)).unwrap_or_default();
         text.lines()
             .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| {
-                Some((
-                    v["eval"]["step"].as_u64()?,
-                    v["eval"]["acceptance"].as_f64()?,
-                ))
-            })
+            .filter_map(|v| Some((v[kind]["step"].as_u64()?, v[kind][key].as_f64()?)))
             .collect()
     }
 }
@@ -118,13 +126,16 @@ mod tests {
             serde_json::json!({"step": 2, "acceptance": 1.5}),
         ));
         log.write(&LogLine::Resumed { to: 2 });
+        log.write(&LogLine::Tau(
+            serde_json::json!({"step": 4, "pooled": 2.5, "mean_of_means": 3.0}),
+        ));
         let text = std::fs::read_to_string(d.path().join(TRAIN_LOG)).unwrap();
         let lines: Vec<serde_json::Value> = text
             .lines()
             .skip(2)
             .map(|l| serde_json::from_str(l).unwrap())
             .collect();
-        assert_eq!(lines.len(), 5);
+        assert_eq!(lines.len(), 6);
         assert!(
             lines.iter().all(|l| l["t"].as_u64().is_some_and(|t| t > 0)),
             "{text}"
@@ -142,6 +153,7 @@ mod tests {
             BTreeMap::from([(2, 1.5), (4, 2.0)])
         );
         assert!(TrainLog::evals(&d.path().join("none")).is_empty());
+        assert_eq!(TrainLog::taus(d.path()), BTreeMap::from([(4, 2.5)]));
     }
 
     #[test]

@@ -80,15 +80,18 @@ impl Trainer {
         if let Some((step, _)) = &cfg.resume {
             log.write(&LogLine::Resumed { to: *step });
         }
-        let history = match &cfg.eval {
-            Some(_) => History {
+        let history = if cfg.eval.is_some() || cfg.tau_every.is_some() {
+            History {
                 linked: crate::training::eval::best_step(store.dir()),
                 evals: TrainLog::evals(run_dir),
-            },
-            None => History {
+                taus: TrainLog::taus(run_dir),
+            }
+        } else {
+            History {
                 linked: None,
                 evals: Default::default(),
-            },
+                taus: Default::default(),
+            }
         };
         let info = |fd: &OwnedFd, geometry: PoolGeometry| PoolInfo {
             id: PoolId::Hidden,
@@ -141,7 +144,7 @@ impl Trainer {
             match e {
                 Effect::Log(line) => self.log.write(&line),
                 Effect::PruneCheckpoints => {
-                    self.store.prune(self.group.best_linked());
+                    self.store.prune(&self.group.protected_steps());
                 }
                 Effect::SetAsideCheckpointsAfter(to) => {
                     self.store.set_aside_after(to);
@@ -153,15 +156,32 @@ impl Trainer {
         out.actions
     }
 
+    /// The τ to measure now (see [`Group::tau_wanted`]); `start`: it starts.
+    pub fn tau_wanted(&mut self, last: bool, start: bool) -> Option<(u64, std::path::PathBuf)> {
+        self.group.tau_wanted(last, start)
+    }
+
+    /// A τ measurement came in: recorded, and perhaps the best checkpoint. False when
+    /// it was dropped (a rollback went back past its step).
+    pub fn on_tau(&mut self, r: &crate::training::tau::TauResult) -> bool {
+        let Some(out) = self.group.on_tau(r) else {
+            return false;
+        };
+        let rest = self.carry_out(out);
+        debug_assert!(rest.is_empty(), "a τ asks nothing of the dispatcher");
+        true
+    }
+
+    /// The τ of `step` could not be measured (`passed_over`: by the cost share).
+    pub fn on_tau_failed(&mut self, step: u64, passed_over: bool) {
+        self.group.on_tau_failed(step, passed_over);
+    }
+
     fn link_best(&mut self, step: u64, previous: Option<u64>) {
         let link = self.store.dir().join(crate::training::eval::BEST_LINK);
         let dir = self.store.dir().join(format!("step-{step:08}"));
         match self.store.link_best(step) {
-            Ok(()) => log::info!(
-                "best checkpoint by eval acceptance: {} -> {}",
-                link.display(),
-                dir.display()
-            ),
+            Ok(()) => log::info!("best checkpoint: {} -> {}", link.display(), dir.display()),
             Err(err) => {
                 log::warn!(
                     "cannot point {} at {}: {err}",
@@ -445,6 +465,11 @@ impl Trainer {
     /// Training progress, for state.json and the metrics.
     pub fn progress(&self) -> &TrainProgress {
         &self.group.progress
+    }
+
+    /// The schedule's length in optimizer steps, once it is known.
+    pub fn total_steps(&self) -> Option<u64> {
+        self.group.total_steps()
     }
 }
 

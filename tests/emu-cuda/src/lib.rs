@@ -20,6 +20,10 @@
 //!   faults (`CUDA_ERROR_ILLEGAL_ADDRESS`, sticky, as on a GPU). Copies from pageable host
 //!   memory are staged at the call; copies to or from registered memory happen when the
 //!   stream gets there.
+//! - **Bubbles are counted.** A host wait that leaves the stream it waits for with nothing
+//!   queued behind it (a synchronous copy, a stream sync, an event with no later work on
+//!   its stream) is a *dry wait*: on a GPU the stream idles while the host catches up.
+//!   `dflash_emu_dry_waits()` says how many there were, for tests around a training step.
 //! - **Images are checked.** `cuModuleLoadData` takes what NVRTC made: a CUBIN must be for
 //!   this device's architecture (`CUDA_ERROR_NO_BINARY_FOR_GPU`), a PTX's ISA version must
 //!   be one this driver version knows (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`). The kernels
@@ -938,7 +942,7 @@ pub unsafe extern "C" fn cuEventRecord(e: u64, stream: u64) -> CUresult {
     let s = tri!(d.queue_on(stream));
     let ev = EventObj::get(e);
     let clock = s.tick(d);
-    let target = ev.begin_record(clock);
+    let target = ev.begin_record(clock, s.id);
     let done = ev.clone();
     s.submit_ordered(Box::new(move || {
         done.complete(target);
@@ -972,7 +976,18 @@ pub unsafe extern "C" fn cuEventSynchronize(e: u64) -> CUresult {
     let ev = EventObj::get(e);
     ev.wait_done();
     d.host_saw(&ev.clock());
+    let (stream, tick) = ev.origin();
+    stream::note_wait(stream, tick);
     d.sticky()
+}
+
+/// How many host waits so far left the stream they waited for with nothing queued behind
+/// them (a synchronous copy to pageable memory, a stream or context sync, an event sync
+/// with no later work on its stream): each one a bubble on a GPU, where the stream runs
+/// dry while the host catches up. Tests read it (by `dlsym`) around a training step.
+#[no_mangle]
+pub extern "C" fn dflash_emu_dry_waits() -> u64 {
+    stream::DRY_WAITS.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 #[no_mangle]

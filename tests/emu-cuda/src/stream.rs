@@ -1,6 +1,7 @@
 //! Streams (a thread each, running its work in order), events, and the vector clocks that
 //! say what is ordered before what.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Instant;
@@ -57,6 +58,19 @@ pub struct Stream {
 }
 
 static STREAMS: Mutex<Vec<Weak<Stream>>> = Mutex::new(Vec::new());
+
+/// Host waits that left the stream waited for with nothing queued behind the point waited
+/// for: on a GPU the stream runs dry while the host catches up (a bubble). Read by
+/// [`crate::dflash_emu_dry_waits`].
+pub static DRY_WAITS: AtomicU64 = AtomicU64::new(0);
+
+/// Count a host wait on stream `id` up to its operation `tick`, if nothing follows it.
+pub fn note_wait(id: u32, tick: u64) {
+    let stream = all_streams().into_iter().find(|s| s.id == id);
+    if stream.is_none_or(|s| s.own_tick() <= tick) {
+        DRY_WAITS.fetch_add(1, Ordering::SeqCst);
+    }
+}
 
 /// Every stream alive (for `cuCtxSynchronize`).
 pub fn all_streams() -> Vec<Arc<Stream>> {
@@ -118,6 +132,11 @@ impl Stream {
         c
     }
 
+    /// This stream's last operation's number.
+    pub fn own_tick(&self) -> u64 {
+        self.clock.lock().unwrap().get(self.id)
+    }
+
     pub fn merge_clock(&self, c: &Clock) {
         self.clock.lock().unwrap().merge(c);
     }
@@ -149,8 +168,10 @@ impl Stream {
             .expect("a stream thread is gone");
     }
 
-    /// Block until everything queued so far has run; returns the clock it covers.
+    /// Block until everything queued so far has run (a dry wait: nothing is left behind
+    /// it); returns the clock it covers.
     pub fn drain(&self) -> Clock {
+        DRY_WAITS.fetch_add(1, Ordering::SeqCst);
         let c = self.clock.lock().unwrap().clone();
         let mut n = self.progress.counts.lock().unwrap();
         let target = n.0;
@@ -173,6 +194,8 @@ struct EventState {
     completed: u64,
     clock: Clock,
     time: Option<Instant>,
+    /// The stream of the last record, and that record's operation number on it.
+    origin: (u32, u64),
 }
 
 #[derive(Default)]
@@ -200,12 +223,19 @@ impl EventObj {
         drop(Arc::from_raw(h as *const EventObj));
     }
 
-    /// A new record with the clock of the stream at that point; returns its number.
-    pub fn begin_record(&self, clock: Clock) -> u64 {
+    /// A new record on stream `stream` with the clock of the stream at that point;
+    /// returns its number.
+    pub fn begin_record(&self, clock: Clock, stream: u32) -> u64 {
         let mut s = self.st.lock().unwrap();
         s.recorded += 1;
+        s.origin = (stream, clock.get(stream));
         s.clock = clock;
         s.recorded
+    }
+
+    /// The stream of the last record and the record's operation number on it.
+    pub fn origin(&self) -> (u32, u64) {
+        self.st.lock().unwrap().origin
     }
 
     pub fn complete(&self, n: u64) {

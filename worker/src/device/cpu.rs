@@ -379,6 +379,37 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
             (*out, *gate, *up) = (w.output(*out), w.input(*gate), w.input(*up));
             *act = Act::F32;
         }
+        Kernel::SwigluGuFwd { act, out, gu, .. } if *act == Act::Bf16 => {
+            (*out, *gu) = (w.output(*out), w.input(*gu));
+            *act = Act::F32;
+        }
+        Kernel::SwigluGuFwdToBf16 { out, gu, width, n } => {
+            return Some(Kernel::SwigluGuFwd {
+                act: Act::F32,
+                out: w.output(*out),
+                gu: *gu,
+                width: *width,
+                n: *n,
+            });
+        }
+        Kernel::RmsnormFwdToBf16 {
+            y,
+            rstd,
+            x,
+            w: g,
+            d,
+            eps,
+        } => {
+            return Some(Kernel::RmsnormFwd {
+                act: Act::F32,
+                y: w.output(*y),
+                rstd: *rstd,
+                x: *x,
+                w: *g,
+                d: *d,
+                eps: *eps,
+            });
+        }
         Kernel::RmsnormFwd { act, y, x, .. } if *act == Act::Bf16 => {
             (*y, *x) = (w.output(*y), w.input(*x));
             *act = Act::F32;
@@ -1177,14 +1208,16 @@ unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
         Kernel::SwigluFwd {
             out, gate, up, n, ..
         } => swiglu_fwd(wr(out), rd(gate), rd(up), n),
-        Kernel::SwigluBwd {
-            dgate,
-            dup,
+        Kernel::SwigluGuFwd {
+            out, gu, width, n, ..
+        } => swiglu_gu_fwd(wr(out), rd(gu), width, n),
+        Kernel::SwigluGuBwd {
+            dgu,
             dout,
-            gate,
-            up,
+            gu,
+            width,
             n,
-        } => swiglu_bwd(wr(dgate), wr(dup), rd(dout), rd(gate), rd(up), n),
+        } => swiglu_gu_bwd(wr(dgu), rd(dout), rd(gu), width, n),
         Kernel::RmsnormFwd {
             y,
             rstd,
@@ -1439,26 +1472,55 @@ fn swiglu_fwd(out: &mut [f32], gate: &[f32], up: &[f32], n: usize) -> Result<()>
     Ok(())
 }
 
-fn swiglu_bwd(
-    dgate: &mut [f32],
-    dup: &mut [f32],
-    dout: &[f32],
-    gate: &[f32],
-    up: &[f32],
-    n: usize,
-) -> Result<()> {
-    let have = dgate
-        .len()
-        .min(dup.len())
-        .min(dout.len())
-        .min(gate.len())
-        .min(up.len());
-    need("swiglu_bwd", "buffers", have, n)?;
-    for i in 0..n {
-        let (g, u, d) = (gate[i], up[i], dout[i]);
-        let s = 1.0 / (1.0 + (-g).exp());
-        dup[i] = d * g * s;
-        dgate[i] = d * u * s * (1.0 + g * (1.0 - s));
+/// `out = silu(gate)·up` over `gu`'s rows `[gate | up]` (each `width` wide).
+fn swiglu_gu_fwd(out: &mut [f32], gu: &[f32], width: usize, n: usize) -> Result<()> {
+    need("swiglu_gu_fwd", "out", out.len(), n)?;
+    need("swiglu_gu_fwd", "gu", gu.len(), 2 * n)?;
+    if width == 0 || n % width != 0 {
+        return Err(GpuError::Invalid(format!(
+            "swiglu_gu_fwd: {n} elements are not rows of width {width}"
+        )));
+    }
+    for (o, row) in out[..n]
+        .chunks_exact_mut(width)
+        .zip(gu.chunks_exact(2 * width))
+    {
+        let (gate, up) = row.split_at(width);
+        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+            let s = 1.0 / (1.0 + (-g).exp());
+            *o = g * s * u;
+        }
+    }
+    Ok(())
+}
+
+/// The backward of [`swiglu_gu_fwd`]: `dgu`'s rows `[dgate | dup]`, written.
+fn swiglu_gu_bwd(dgu: &mut [f32], dout: &[f32], gu: &[f32], width: usize, n: usize) -> Result<()> {
+    need("swiglu_gu_bwd", "dout", dout.len(), n)?;
+    need(
+        "swiglu_gu_bwd",
+        "gu and dgu",
+        gu.len().min(dgu.len()),
+        2 * n,
+    )?;
+    if width == 0 || n % width != 0 {
+        return Err(GpuError::Invalid(format!(
+            "swiglu_gu_bwd: {n} elements are not rows of width {width}"
+        )));
+    }
+    let rows = dgu[..2 * n]
+        .chunks_exact_mut(2 * width)
+        .zip(gu.chunks_exact(2 * width))
+        .zip(dout[..n].chunks_exact(width));
+    for ((drow, row), d) in rows {
+        let (dgate, dup) = drow.split_at_mut(width);
+        let (gate, up) = row.split_at(width);
+        for c in 0..width {
+            let (g, u) = (gate[c], up[c]);
+            let s = 1.0 / (1.0 + (-g).exp());
+            dup[c] = d[c] * g * s;
+            dgate[c] = d[c] * u * s * (1.0 + g * (1.0 - s));
+        }
     }
     Ok(())
 }

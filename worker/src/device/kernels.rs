@@ -262,20 +262,45 @@ pub enum Kernel {
         up: DSlice,
         n: usize,
     },
-    /// The SwiGLU backward: `dgate`, `dup` written (not accumulated: nothing else adds
-    /// into them, so they need no zeroing first).
-    SwigluBwd {
-        dgate: DSlice,
-        dup: DSlice,
+    /// SwiGLU over a fused gate/up projection: row r of `gu` is `[gate | up]`, each
+    /// `width` wide (one GEMM over the adjacent gate and up weights); `out = silu(gate)·up`,
+    /// `n` = rows × width elements.
+    SwigluGuFwd {
+        act: Act,
+        out: DSlice,
+        gu: DSlice,
+        width: usize,
+        n: usize,
+    },
+    /// [`Kernel::SwigluGuFwd`] of f32 rows with `out` rounded to bf16 (a GEMM's input).
+    SwigluGuFwdToBf16 {
+        out: DSlice,
+        gu: DSlice,
+        width: usize,
+        n: usize,
+    },
+    /// The backward of [`Kernel::SwigluGuFwd`]: row r of `dgu` = `[dgate | dup]`, written
+    /// (not accumulated: nothing else adds into it, so it needs no zeroing first).
+    SwigluGuBwd {
+        dgu: DSlice,
         dout: DSlice,
-        gate: DSlice,
-        up: DSlice,
+        gu: DSlice,
+        width: usize,
         n: usize,
     },
     /// RMSNorm of rows of width `d`: `y` (in place when it is `x`) and the reciprocal RMS
     /// per row (f32).
     RmsnormFwd {
         act: Act,
+        y: DSlice,
+        rstd: DSlice,
+        x: DSlice,
+        w: DSlice,
+        d: usize,
+        eps: f32,
+    },
+    /// [`Kernel::RmsnormFwd`] of f32 rows with `y` rounded to bf16 (a GEMM's input).
+    RmsnormFwdToBf16 {
         y: DSlice,
         rstd: DSlice,
         x: DSlice,
@@ -428,7 +453,10 @@ impl Kernel {
             Kernel::AddInplace { act: a, .. } => act(a, "add_inplace", "add_inplace_bf16"),
             Kernel::CopyCols { act: a, .. } => act(a, "copy_cols", "copy_cols_bf16"),
             Kernel::SwigluFwd { act: a, .. } => act(a, "swiglu_fwd", "swiglu_fwd_bf16"),
-            Kernel::SwigluBwd { .. } => "swiglu_bwd",
+            Kernel::SwigluGuFwd { act: a, .. } => act(a, "swiglu_gu_fwd", "swiglu_gu_fwd_bf16"),
+            Kernel::SwigluGuFwdToBf16 { .. } => "swiglu_gu_fwd_to_bf16",
+            Kernel::SwigluGuBwd { .. } => "swiglu_gu_bwd",
+            Kernel::RmsnormFwdToBf16 { .. } => "rmsnorm_fwd_to_bf16",
             Kernel::RmsnormFwd { act: a, .. } => act(a, "rmsnorm_fwd", "rmsnorm_fwd_bf16"),
             Kernel::RmsnormBwd { .. } => "rmsnorm_bwd",
             Kernel::Rope { act: a, .. } => act(a, "rope", "rope_bf16"),
@@ -480,9 +508,10 @@ impl Kernel {
     pub fn args(&self) -> Vec<Arg> {
         self.row_args()
             .or_else(|| self.moe_args())
+            .or_else(|| self.swiglu_args())
             .or_else(|| self.attention_args())
             .or_else(|| self.loss_and_optimizer_args())
-            .expect("every kernel is of one of the three families (tested)")
+            .expect("every kernel is of one of the five families (tested)")
     }
 
     /// The mixture-of-experts kernels' arguments.
@@ -572,17 +601,6 @@ impl Kernel {
                 i32_of(src_stride),
                 i32_of(src_off),
             ],
-            Kernel::SwigluFwd {
-                out, gate, up, n, ..
-            } => vec![W(out), R(gate), R(up), i64_of(n)],
-            Kernel::SwigluBwd {
-                dgate,
-                dup,
-                dout,
-                gate,
-                up,
-                n,
-            } => vec![W(dgate), W(dup), R(dout), R(gate), R(up), i64_of(n)],
             Kernel::RmsnormFwd {
                 y,
                 rstd,
@@ -591,6 +609,14 @@ impl Kernel {
                 d,
                 eps,
                 ..
+            }
+            | Kernel::RmsnormFwdToBf16 {
+                y,
+                rstd,
+                x,
+                w,
+                d,
+                eps,
             } => vec![W(y), W(rstd), R(x), R(w), i32_of(d), F32(eps)],
             Kernel::RmsnormBwd {
                 dx,
@@ -627,6 +653,30 @@ impl Kernel {
                 F32(scale),
                 Arg::I32(inverse as i32),
             ],
+            _ => return None,
+        })
+    }
+
+    /// The SwiGLU kernels' arguments.
+    fn swiglu_args(&self) -> Option<Vec<Arg>> {
+        use Arg::{R, W};
+        Some(match *self {
+            Kernel::SwigluFwd {
+                out, gate, up, n, ..
+            } => vec![W(out), R(gate), R(up), i64_of(n)],
+            Kernel::SwigluGuFwd {
+                out, gu, width, n, ..
+            }
+            | Kernel::SwigluGuFwdToBf16 {
+                out, gu, width, n, ..
+            } => vec![W(out), R(gu), i32_of(width), i64_of(n)],
+            Kernel::SwigluGuBwd {
+                dgu,
+                dout,
+                gu,
+                width,
+                n,
+            } => vec![W(dgu), R(dout), R(gu), i32_of(width), i64_of(n)],
             _ => return None,
         })
     }
@@ -867,7 +917,7 @@ impl Kernel {
     }
 
     /// The kernels with an f32 and a bf16 symbol, at `act`.
-    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 9] {
+    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 10] {
         let st = CeState {
             run_max: b,
             run_sum: b,
@@ -905,6 +955,13 @@ impl Kernel {
                 out: b,
                 gate: b,
                 up: b,
+                n: 1,
+            },
+            Kernel::SwigluGuFwd {
+                act,
+                out: b,
+                gu: b,
+                width: 1,
                 n: 1,
             },
             Kernel::RmsnormFwd {
@@ -951,7 +1008,7 @@ impl Kernel {
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 12] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 14] {
         [
             Kernel::MoePermute {
                 offsets: b,
@@ -978,13 +1035,26 @@ impl Kernel {
                 input: b,
                 n: 1,
             },
-            Kernel::SwigluBwd {
-                dgate: b,
-                dup: b,
+            Kernel::SwigluGuBwd {
+                dgu: b,
                 dout: b,
-                gate: b,
-                up: b,
+                gu: b,
+                width: 1,
                 n: 1,
+            },
+            Kernel::SwigluGuFwdToBf16 {
+                out: b,
+                gu: b,
+                width: 1,
+                n: 1,
+            },
+            Kernel::RmsnormFwdToBf16 {
+                y: b,
+                rstd: b,
+                x: b,
+                w: b,
+                d: 1,
+                eps: 1e-6,
             },
             Kernel::RmsnormBwd {
                 dx: b,

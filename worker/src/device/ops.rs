@@ -426,6 +426,33 @@ impl Ops {
         )
     }
 
+    /// [`rmsnorm`](Self::rmsnorm) of f32 rows with `y` rounded to bf16: a GEMM's input
+    /// written as the GEMM takes it (the same bits as the f32 result cast after).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_to_bf16(
+        &mut self,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        rstd: DSlice,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        self.launch(
+            Kernel::RmsnormFwdToBf16 {
+                y,
+                rstd,
+                x,
+                w,
+                d,
+                eps,
+            },
+            rows as u32,
+            row_block(d),
+        )
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward(
         &mut self,
@@ -498,22 +525,50 @@ impl Ops {
         )
     }
 
-    pub fn swiglu_backward(
+    /// SwiGLU of a fused gate/up projection: `out` (rows × `width`) from `gu`, whose rows
+    /// are `[gate | up]` (2 × `width` each).
+    pub fn swiglu_gu(&mut self, gu: DSlice, out: DSlice, width: usize) -> Result<()> {
+        let (n, act) = (self.act_len(out), self.act());
+        self.launch(
+            Kernel::SwigluGuFwd {
+                act,
+                out,
+                gu,
+                width,
+                n,
+            },
+            grid_for(n),
+            BLOCK,
+        )
+    }
+
+    /// [`swiglu_gu`](Self::swiglu_gu) of f32 rows with `out` (rows × `width`) rounded to
+    /// bf16: a GEMM's input written as the GEMM takes it.
+    pub fn swiglu_gu_to_bf16(&mut self, gu: DSlice, out: DSlice, width: usize) -> Result<()> {
+        let n = out.bytes / 2;
+        self.launch(
+            Kernel::SwigluGuFwdToBf16 { out, gu, width, n },
+            grid_for(n),
+            BLOCK,
+        )
+    }
+
+    /// The backward of [`swiglu_gu`](Self::swiglu_gu): `dgu`'s rows `[dgate | dup]`
+    /// written (f32).
+    pub fn swiglu_gu_backward(
         &mut self,
         dout: DSlice,
-        gate: DSlice,
-        up: DSlice,
-        dgate: DSlice,
-        dup: DSlice,
+        gu: DSlice,
+        dgu: DSlice,
+        width: usize,
     ) -> Result<()> {
         let n = dout.len_f32();
         self.launch(
-            Kernel::SwigluBwd {
-                dgate,
-                dup,
+            Kernel::SwigluGuBwd {
+                dgu,
                 dout,
-                gate,
-                up,
+                gu,
+                width,
                 n,
             },
             grid_for(n),

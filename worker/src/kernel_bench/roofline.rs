@@ -331,9 +331,10 @@ fn drafter_attention_and_loss(
 
 /// One drafter training step: `anchors` blocks of `block` rows over a context of
 /// `drafter_context` tokens, `drafter_layers` layers reading as many taps, as the current
-/// code does it: f32 activations, each GEMM input cast to bf16 once, separate Q/K/V and
-/// gate/up GEMMs, 5 memsets per layer (the buffers kernels add into); AdamW over f32
-/// master weights.
+/// code does it: f32 activations, except that the GEMM inputs x, x2, the context and the
+/// SwiGLU output are written in bf16 by the kernels that make them (the attention output
+/// is cast once); gate/up one GEMM, Q/K/V separate; 5 memsets per layer (the buffers
+/// kernels add into); AdamW over f32 master weights.
 pub fn drafter_step(
     hw: &Hardware,
     s: &Shapes,
@@ -367,13 +368,14 @@ pub fn drafter_step(
     ];
     ops.extend(drafter_attention_and_loss(hw, s, fwd, bwd));
     // Elementwise in f32, forward and backward (twice): passes as the target's over n
-    // rows; a cast (read 4, write 2 bytes) of each GEMM input once for the GEMMs that
-    // read it (x for q, k, v; the context for k, v; ln2's output for gate, up), forward
-    // and backward;
+    // rows, less 2 bytes an element where the forward writes a GEMM input in bf16 (x and
+    // x2 by the norms, the SwiGLU output, the context by hidden_norm); a cast (read 4,
+    // write 2 bytes) of the attention output for the o GEMM, forward and backward;
     // 5 memsets of [n, hidden] f32 per layer (dq, dk, dv and the q/k norms' input
     // gradients, which kernels add into; every other buffer is written by its first writer).
-    let passes = 4.0 * n * (10.0 * h + 4.0 * (qd + kd) + 2.0 * (qd + 2.0 * kd) + 3.0 * i) * 3.0;
-    let casts = 6.0 * (n * h + ctx * h + n * qd + n * h + n * i) * 3.0;
+    let passes = 4.0 * n * (10.0 * h + 4.0 * (qd + kd) + 2.0 * (qd + 2.0 * kd) + 3.0 * i) * 3.0
+        - 2.0 * (n * (2.0 * h + i) + ctx * h);
+    let casts = 6.0 * n * qd * 3.0;
     let memsets = 5.0 * 4.0 * n * h;
     ops.push(op(
         hw,
@@ -484,7 +486,7 @@ fn assumptions(hw: &Hardware, s: &Shapes) -> Vec<String> {
             "drafter: {} layers (DFlash's depth for a 36-layer target) reading {} taps; {} anchors × block {} over a {}-token context, anchors evenly spread; 15 supervised rows per block",
             s.drafter_layers, s.drafter_layers, s.anchors, s.block, s.drafter_context
         ),
-        "drafter as now: f32 activations, each GEMM input cast to bf16 once per pass, cross-entropy in one pass with 2 GEMMs per vocabulary chunk and bf16 logits (written, folded in place, read: 4 passes of 2 bytes), 5 memsets per layer, AdamW at 28 bytes per parameter; host syncs not modelled".into(),
+        "drafter as now: f32 activations but the GEMM inputs (x, x2, the context and the SwiGLU output written in bf16 by their producers, the attention output cast once per pass), gate/up one GEMM, cross-entropy in one pass with 2 GEMMs per vocabulary chunk and bf16 logits (written, folded in place, read: 4 passes of 2 bytes), 5 memsets per layer, AdamW at 28 bytes per parameter; host syncs not modelled".into(),
         "elementwise passes per layer: 10 over hidden, 4 over q+k, 2 over q+k+v, 3 over the MLP width (backward twice the forward)".into(),
         "MoE layer (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, expert width 768): the expert GEMMs at the dense GEMM efficiency, every expert's weights read once; not modelled: the per-expert launches, the offsets' copy to the host (one sync per sparse layer) and moe_permute's single block".into(),
     ]

@@ -264,6 +264,11 @@ fn host_device_rmsnorm_forward_and_backward_match_the_cpu_backend() {
         o.rmsnorm(gx, gw, gy, gr, rows, d, 1e-6).unwrap();
         assert_close(&format!("rmsnorm {rows}x{d}"), &get(&mut o, gy), &y, TOL);
         assert_close(&format!("rmsnorm rstd {rows}x{d}"), &get(&mut o, gr), &rstd, TOL);
+        // Written in bf16 (a GEMM's input): the same bits as the f32 result cast after.
+        let (gy16, gc16) = (put16(&mut o, &vec![0.0; rows * d]), put16(&mut o, &vec![0.0; rows * d]));
+        o.rmsnorm_to_bf16(gx, gw, gy16, gr, rows, d, 1e-6).unwrap();
+        o.f32_to_bf16(gc16, gy).unwrap();
+        assert_eq!(get16(&mut o, gy16), get16(&mut o, gc16), "rmsnorm to bf16 {rows}x{d} is the cast of the f32 norm");
         let (gdx, gdw) = (put(&mut o, &dx0), put(&mut o, &vec![0.5; d]));
         o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d).unwrap();
         assert_close(&format!("rmsnorm dx {rows}x{d}"), &get(&mut o, gdx), &dx, 1e-4);
@@ -317,11 +322,25 @@ fn host_device_swiglu_add_embed_copy_and_casts_match_the_cpu() {
     let go = put(&mut o, &vec![0.0; n]);
     o.swiglu(gg, gu, go).unwrap();
     assert_close("swiglu", &get(&mut o, go), &out, 1e-6);
+    // The fused gate/up form: rows of `[gate | up]` (25 rows of 40), as one GEMM over the
+    // adjacent weights writes them; forward and backward against the CPU's separate ones.
+    let width = 40;
+    let rows_of = |a: &[f32], b: &[f32]| -> Vec<f32> {
+        a.chunks(width).zip(b.chunks(width)).flat_map(|(x, y)| x.iter().chain(y).copied()).collect()
+    };
+    let ggu = put(&mut o, &rows_of(&g, &u));
+    let gsw = put(&mut o, &vec![f32::NAN; n]);
+    o.swiglu_gu(ggu, gsw, width).unwrap();
+    assert_close("swiglu of fused gate|up", &get(&mut o, gsw), &out, 1e-6);
+    // Written in bf16 (a GEMM's input): the same bits as the f32 result cast after.
+    let (gsw16, gcast16) = (put16(&mut o, &vec![0.0; n]), put16(&mut o, &vec![0.0; n]));
+    o.swiglu_gu_to_bf16(ggu, gsw16, width).unwrap();
+    o.f32_to_bf16(gcast16, gsw).unwrap();
+    assert_eq!(get16(&mut o, gsw16), get16(&mut o, gcast16), "swiglu to bf16 is the cast of the f32 swiglu");
     // The device's backward writes its gradients (NaN before: nothing of it is kept).
-    let (gdg, gdu) = (put(&mut o, &vec![f32::NAN; n]), put(&mut o, &vec![f32::NAN; n]));
-    o.swiglu_backward(gd, gg, gu, gdg, gdu).unwrap();
-    assert_close("swiglu dgate", &get(&mut o, gdg), &dg, 1e-6);
-    assert_close("swiglu dup", &get(&mut o, gdu), &du, 1e-6);
+    let gdgu = put(&mut o, &vec![f32::NAN; 2 * n]);
+    o.swiglu_gu_backward(gd, ggu, gdgu, width).unwrap();
+    assert_close("swiglu dgate|dup", &get(&mut o, gdgu), &rows_of(&dg, &du), 1e-6);
 
     o.add(go, gu).unwrap();
     let sum: Vec<f32> = out.iter().zip(&u).map(|(a, b)| a + b).collect();
@@ -1270,6 +1289,11 @@ fn host_device_bf16_activation_ops_round_the_f32_ops_once() {
     let (g16, u16_, s16) = (put16(&mut o16, &g), put16(&mut o16, &u), put16(&mut o16, &vec![0.0; t * inter]));
     o16.swiglu(g16, u16_, s16).unwrap();
     check("swiglu", &get16(&mut o16, s16), &want, 1.0);
+    // The same from a fused [gate | up] buffer (rows of 2 × inter).
+    let gu: Vec<f32> = g.chunks(inter).zip(u.chunks(inter)).flat_map(|(a, b)| a.iter().chain(b).copied()).collect();
+    let (gu16, s16) = (put16(&mut o16, &gu), put16(&mut o16, &vec![0.0; t * inter]));
+    o16.swiglu_gu(gu16, s16, inter).unwrap();
+    check("swiglu of fused gate|up", &get16(&mut o16, s16), &want, 1.0);
     let y = bf(&rand_vec(&mut rng, t * h, 1.0));
     let (a32, b32) = (put(&mut o32, &x), put(&mut o32, &y));
     o32.add(a32, b32).unwrap();

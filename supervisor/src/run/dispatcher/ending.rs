@@ -75,6 +75,10 @@ impl Dispatcher {
         let end = self.end_of(&reason);
         // What the supervisor still holds is written, and the newest checkpoint exported.
         let export_failure = self.save_and_export();
+        if self.final_tau(&reason) {
+            // The last τ in metrics.jsonl and on Prometheus too.
+            self.write_metrics();
+        }
         let end = if self.run_dir_gone.is_some() {
             end
         } else {

@@ -8,11 +8,13 @@ use serde_json::json;
 
 use super::Dispatcher;
 use crate::run::rundir::now_rfc3339;
-use crate::telemetry::metrics::status_line;
+use crate::telemetry::console::Status;
+use crate::telemetry::metrics::{status_figures, status_line};
 
 impl Dispatcher {
-    /// On a terminal, redraw the live status line once a second: the latest window's
-    /// rates with the training figures of this moment.
+    /// On a terminal, redraw the live status line once a second: the training figures of
+    /// this moment, tokens/s over the open window (once it is a second old; the last
+    /// window's before), and the latest window's other rates.
     pub(super) fn refresh_status(&mut self) {
         if !crate::telemetry::console::live()
             || self.now.saturating_duration_since(self.metrics.status_at) < Duration::from_secs(1)
@@ -31,7 +33,17 @@ impl Dispatcher {
             .map(|w| w.restarts as u64)
             .sum::<u64>()
             .into();
-        crate::telemetry::console::status(Some(status_line(&w)));
+        let open = self
+            .now
+            .saturating_duration_since(self.metrics.started)
+            .as_secs_f64();
+        let tokens = self.pipeline.health.drafter_tokens();
+        let live = (open >= 1.0 && tokens > 0).then(|| tokens as f64 / open);
+        crate::telemetry::console::status(Some(Status {
+            step: t.step,
+            total: self.trainer.total_steps(),
+            figures: status_figures(&w, live),
+        }));
     }
 
     /// Close the current window: write it and start the next.
@@ -59,7 +71,17 @@ impl Dispatcher {
             .iter()
             .map(|w| (w.name.to_string(), json!({"state": w.status.as_str(), "pid": w.status.life().map(|l| l.pid), "restarts": w.restarts})))
             .collect();
-        let pipeline = self.pipeline.health.take(secs);
+        let mut pipeline = self.pipeline.health.take(secs);
+        // Hints only from a steady window: training moved in it and in the one before
+        // (not the start, when workers load), the data had not ended and the run is not
+        // stopping (an end leaves workers idle or blocked without any stage being slow).
+        let steady = self.metrics.last_step > 0
+            && t.step > self.metrics.last_step
+            && !self.pipeline.loader_done()
+            && self.stop_reason.is_none();
+        if !steady {
+            pipeline["bottleneck_hint"] = serde_json::Value::Null;
+        }
         if let Some(hint) = pipeline["bottleneck_hint"].as_str() {
             log::info!("bottleneck: {hint}");
         }
@@ -73,6 +95,10 @@ impl Dispatcher {
         "train": train,
             "eval": t.eval_step.map(|step| json!({"step": step, "loss": t.eval_loss,
                     "acceptance": t.eval_acceptance, "best_step": t.best_step})),
+            "tau": t.tau.clone().map(|mut v| {
+                v["best_step"] = json!(t.best_step);
+                v
+            }),
             "restarts": self.workers.iter().map(|w| w.restarts as u64).sum::<u64>(),
             "workers": workers,
         });
@@ -82,10 +108,17 @@ impl Dispatcher {
         if let Some(p) = &self.cfg.prometheus {
             p.update(&record);
         }
-        crate::telemetry::console::status(Some(status_line(&record)));
-        if !crate::telemetry::console::live() {
-            // Not a terminal: one plain line per window instead of the live status line.
-            log::info!("{}", status_line(&record));
+        let total = self.trainer.total_steps();
+        crate::telemetry::console::status(Some(Status {
+            step: t.step,
+            total,
+            figures: status_figures(&record, None),
+        }));
+        let ended = self.stop_reason.is_some() && t.step == self.metrics.last_step;
+        if !crate::telemetry::console::live() && t.step > 0 && !ended {
+            // Not a terminal: one plain step line per window (once there are steps, and
+            // not for the idle windows of a run's end) instead of the live status line.
+            log::info!("{}", status_line(&record, total, None));
         }
         self.metrics.last_consumed = consumed;
         self.metrics.last_step = t.step;

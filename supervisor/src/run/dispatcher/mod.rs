@@ -65,6 +65,7 @@ mod metrics;
 mod saving;
 mod spawning;
 mod steps;
+pub mod tau_job;
 #[cfg(test)]
 mod tests;
 
@@ -92,6 +93,8 @@ pub enum Event {
     },
     Loader(LoaderEvent),
     GpuSamples(GpuSamples),
+    /// A τ measurement ended (`--eval-prompts`).
+    Tau(tau_job::TauOutcome),
 }
 
 impl From<ControlEvent> for Event {
@@ -131,6 +134,8 @@ pub struct Config {
     pub prometheus: Option<crate::telemetry::prometheus::Exporter>,
     pub gpu_sample_interval: Duration,
     pub metrics_interval: Duration,
+    /// Real τ during training (`--eval-prompts`).
+    pub tau: Option<tau_job::TauConfig>,
 }
 
 /// What the run feeds its workers.
@@ -207,11 +212,12 @@ pub struct Dispatcher {
     /// When the run directory was last looked at, and why it is gone if it is.
     run_dir_seen: Instant,
     run_dir_gone: Option<String>,
+    tau: Option<tau_job::TauRunner>,
 }
 
 impl Dispatcher {
     pub fn new(
-        cfg: Config,
+        mut cfg: Config,
         run: RunDir,
         data: Data,
         launcher: Box<dyn Launcher>,
@@ -244,7 +250,6 @@ impl Dispatcher {
             });
         }
         Ok(Dispatcher {
-            cfg,
             run,
             workers,
             phase: Phase::Running,
@@ -266,6 +271,8 @@ impl Dispatcher {
             metrics,
             run_dir_seen: Instant::now(),
             run_dir_gone: None,
+            tau: cfg.tau.take().map(tau_job::TauRunner::new),
+            cfg,
         })
     }
 
@@ -323,6 +330,7 @@ impl Dispatcher {
         }
         self.on_timers(now);
         self.pump();
+        self.maybe_start_tau();
     }
 
     /// The loop wakes at least every [`TICK`]: a much longer gap since the last turn means
@@ -449,6 +457,7 @@ impl Dispatcher {
                 status,
             } => self.on_exit(worker, life, status),
             Event::GpuSamples(GpuSamples(samples)) => self.metrics.gpu.add(&samples),
+            Event::Tau(o) => self.on_tau(o),
             Event::Loader(ev) => {
                 if let Err(e) = self.pipeline.on_loader(ev) {
                     log::error!("{e}");

@@ -119,6 +119,7 @@ fn harness(flags: &[&str]) -> Harness {
         prometheus: None,
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
+        tau: None,
     };
     let seen = Arc::new(Mutex::new(Seen::default()));
     let launcher = FakeLauncher {

@@ -47,6 +47,55 @@ struct Mixed {
 }
 
 impl Mixed {
+    /// `n` elements of a GEMM-input activation buffer (`x`, `x2`, `act`, `ctx`): bf16 on
+    /// a GPU, where its producer writes it rounded (the GEMMs' input, and the only copy the
+    /// backward needs), else f32.
+    fn gemm_act(&self, buf: DSlice, n: usize) -> DSlice {
+        if self.bf16 {
+            buf.sub(2, 0..n)
+        } else {
+            buf.f32s(0..n)
+        }
+    }
+
+    /// Floats to allocate for a [`gemm_act`](Self::gemm_act) buffer of `n` elements.
+    fn gemm_act_floats(bf16: bool, n: usize) -> usize {
+        if bf16 {
+            n.div_ceil(2)
+        } else {
+            n
+        }
+    }
+
+    /// RMSNorm of f32 rows into a GEMM-input buffer ([`gemm_act`](Self::gemm_act)).
+    #[allow(clippy::too_many_arguments)]
+    fn norm(
+        &self,
+        ops: &mut Ops,
+        x: DSlice,
+        w: DSlice,
+        y: DSlice,
+        rstd: DSlice,
+        rows: usize,
+        d: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if self.bf16 {
+            ops.rmsnorm_to_bf16(x, w, y, rstd, rows, d, eps)
+        } else {
+            ops.rmsnorm(x, w, y, rstd, rows, d, eps)
+        }
+    }
+
+    /// SwiGLU of the fused f32 gate/up rows into a GEMM-input buffer.
+    fn swiglu(&self, ops: &mut Ops, gu: DSlice, out: DSlice, width: usize) -> Result<()> {
+        if self.bf16 {
+            ops.swiglu_gu_to_bf16(gu, out, width)
+        } else {
+            ops.swiglu_gu(gu, out, width)
+        }
+    }
+
     /// `x` (`len` f32) as the GEMMs take it: on a GPU cast to bf16 into the input scratch
     /// (once for every GEMM that reads it, until the next `input`), else `x` itself.
     fn input(&self, ops: &mut Ops, x: DSlice, len: usize) -> Result<DSlice> {
@@ -272,20 +321,18 @@ impl Pass<'_> {
         } = lc;
         let ops = &mut *self.ops;
         let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-        let (h_in, x, q_pre) = (
+        let (h_in, xin, q_pre) = (
             sv.h_in.f32s(0..m * h),
-            sv.x.f32s(0..m * h),
+            mx.gemm_act(sv.x, m * h),
             sv.q_pre.f32s(0..m * qd),
         );
         let (k_pre, v) = (sv.k_pre.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
         ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
-        ops.rmsnorm(hcur, p(&li.ln1), x, sv.rstd1.f32s(0..m), m, h, eps)?;
-        // Each input cast once for the GEMMs that read it: the context, then the block rows.
-        let cin = mx.input(ops, ctx, slen * h)?;
+        // x and the context are written as the GEMMs read them (bf16 on a GPU).
+        mx.norm(ops, hcur, p(&li.ln1), xin, sv.rstd1.f32s(0..m), m, h, eps)?;
         let (k_ctx, v_ctx) = (k_pre.f32s(0..slen * kd), v.f32s(0..slen * kd));
-        mx.mm_in(ops, cin, lc.pp(&li.wk), k_ctx, slen, h, kd)?;
-        mx.mm_in(ops, cin, lc.pp(&li.wv), v_ctx, slen, h, kd)?;
-        let xin = mx.input(ops, x, m * h)?;
+        mx.mm_in(ops, ctx, lc.pp(&li.wk), k_ctx, slen, h, kd)?;
+        mx.mm_in(ops, ctx, lc.pp(&li.wv), v_ctx, slen, h, kd)?;
         let (k_blk, v_blk) = (k_pre.f32s(slen * kd..tk * kd), v.f32s(slen * kd..tk * kd));
         mx.mm_in(ops, xin, lc.pp(&li.wq), q_pre, m, h, qd)?;
         mx.mm_in(ops, xin, lc.pp(&li.wk), k_blk, m, h, kd)?;
@@ -373,7 +420,7 @@ impl Pass<'_> {
     }
 
     /// The MLP half of a layer: `h_mid` kept, `h += down(swiglu(gate(x2), up(x2)))` with
-    /// `x2 = ln2(h)`.
+    /// `x2 = ln2(h)`; gate and up as one GEMM over their adjacent weights.
     fn mlp(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
         let lc = self.lc;
         let Locals {
@@ -391,18 +438,13 @@ impl Pass<'_> {
         let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
         let h_mid = sv.h_mid.f32s(0..m * h);
         ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
-        let x2 = sv.x2.f32s(0..m * h);
-        ops.rmsnorm(hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
-        let (g, u, act) = (
-            sv.g.f32s(0..m * inter),
-            sv.u.f32s(0..m * inter),
-            sv.act.f32s(0..m * inter),
-        );
-        let x2in = mx.input(ops, x2, m * h)?;
-        mx.mm_in(ops, x2in, lc.pp(&li.gate), g, m, h, inter)?;
-        mx.mm_in(ops, x2in, lc.pp(&li.up), u, m, h, inter)?;
-        ops.swiglu(g, u, act)?;
-        mx.mm(ops, act, lc.pp(&li.down), o, m, inter, h)?;
+        // x2 and the SwiGLU's output are written as the GEMMs read them (bf16 on a GPU).
+        let x2 = mx.gemm_act(sv.x2, m * h);
+        mx.norm(ops, hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m * inter));
+        mx.mm_in(ops, x2, lc.pp(&li.gate_up()), gu, m, h, 2 * inter)?;
+        mx.swiglu(ops, gu, act, inter)?;
+        mx.mm_in(ops, act, lc.pp(&li.down), o, m, inter, h)?;
         ops.add(hcur, o)
     }
 
@@ -479,8 +521,9 @@ impl Pass<'_> {
         ops.ce_finish(act, st, out, labels, scale, lm, n, h, vocab)
     }
 
-    /// Backward of [`mlp`](Self::mlp): `dh` through down, the SwiGLU, gate and up and
-    /// ln2 (the residual's gradient stays in `dh`).
+    /// Backward of [`mlp`](Self::mlp): `dh` through down, the SwiGLU, the fused gate/up
+    /// (one GEMM for `dx2`, one for both weights' gradients) and ln2 (the residual's
+    /// gradient stays in `dh`).
     fn mlp_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
         let lc = self.lc;
         let Locals {
@@ -496,55 +539,35 @@ impl Pass<'_> {
         let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
         let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
         let dh = w.dh.f32s(0..m * h);
-        let (x2, h_mid) = (sv.x2.f32s(0..m * h), sv.h_mid.f32s(0..m * h));
-        let (gt, u, act) = (
-            sv.g.f32s(0..m * inter),
-            sv.u.f32s(0..m * inter),
-            sv.act.f32s(0..m * inter),
-        );
-        let (dact, dg, du) = (
-            w.dact.f32s(0..m * inter),
-            w.dg.f32s(0..m * inter),
-            w.du.f32s(0..m * inter),
-        );
-        // Each buffer's first writer writes it (no zeroing): dact and dx2 by their first
-        // GEMM, dg and du by the SwiGLU backward.
+        let (x2, h_mid) = (mx.gemm_act(sv.x2, m * h), sv.h_mid.f32s(0..m * h));
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m * inter));
+        let (dact, dgu) = (w.dact.f32s(0..m * inter), w.dgu.f32s(0..2 * m * inter));
+        // Each buffer's writer writes it (no zeroing): dact and dx2 by their GEMM, dgu by
+        // the SwiGLU backward.
         let dx2 = w.dx2.f32s(0..m * h);
-        mx.mm_back_over(
+        mx.back_in(
             ops,
             dh,
             act,
             lc.pp(&li.down),
-            dact,
+            Some((dact, true)),
             Some(gr(&li.down)),
             m,
             inter,
             h,
         )?;
-        ops.swiglu_backward(dact, gt, u, dg, du)?;
-        let x2in = mx.input(ops, x2, m * h)?;
-        let (wg, wu) = (lc.pp(&li.gate), lc.pp(&li.up));
+        ops.swiglu_gu_backward(dact, gu, dgu, inter)?;
+        let gate_up = li.gate_up();
         mx.back_in(
             ops,
-            dg,
-            x2in,
-            wg,
+            dgu,
+            x2,
+            lc.pp(&gate_up),
             Some((dx2, true)),
-            Some(gr(&li.gate)),
+            Some(gr(&gate_up)),
             m,
             h,
-            inter,
-        )?;
-        mx.back_in(
-            ops,
-            du,
-            x2in,
-            wu,
-            Some((dx2, false)),
-            Some(gr(&li.up)),
-            m,
-            h,
-            inter,
+            2 * inter,
         )?;
         ops.rmsnorm_backward(
             dx2,
@@ -695,7 +718,7 @@ impl Pass<'_> {
         let (w, ops) = (self.w, &mut *self.ops);
         let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
         let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
-        let (x, h_in) = (sv.x.f32s(0..m * h), sv.h_in.f32s(0..m * h));
+        let (xin, h_in) = (mx.gemm_act(sv.x, m * h), sv.h_in.f32s(0..m * h));
         let (dh, dx, dctx) = (
             w.dh.f32s(0..m * h),
             w.dx.f32s(0..m * h),
@@ -706,9 +729,8 @@ impl Pass<'_> {
             w.dk_pre.f32s(0..tk * kd),
             w.dv.f32s(0..tk * kd),
         );
-        // Each input cast once for the GEMMs that read it: the block rows (dx's first
-        // writer is q's, no zeroing; k and v add into it), then the context.
-        let xin = mx.input(ops, x, m * h)?;
+        // The saved inputs as the GEMMs read them: the block rows (dx's first writer is
+        // q's, no zeroing; k and v add into it), then the context.
         let (wq, wk, wv) = (lc.pp(&li.wq), lc.pp(&li.wk), lc.pp(&li.wv));
         let (dk_blk, dv_blk) = (dk_pre.f32s(slen * kd..tk * kd), dv.f32s(slen * kd..tk * kd));
         let block = [
@@ -719,13 +741,12 @@ impl Pass<'_> {
         for (dy, wt, g, n, first) in block {
             mx.back_in(ops, dy, xin, wt, Some((dx, first)), Some(gr(g)), m, h, n)?;
         }
-        let cin = mx.input(ops, ctx, slen * h)?;
         let (dk_ctx, dv_ctx) = (dk_pre.f32s(0..slen * kd), dv.f32s(0..slen * kd));
         for (dy, wt, g) in [(dk_ctx, wk, &li.wk), (dv_ctx, wv, &li.wv)] {
             mx.back_in(
                 ops,
                 dy,
-                cin,
+                ctx,
                 wt,
                 Some((dctx, false)),
                 Some(gr(g)),
@@ -772,8 +793,8 @@ struct Saved {
     h_mid: DSlice,
     x2: DSlice,
     rstd2: DSlice,
-    g: DSlice,
-    u: DSlice,
+    /// The fused gate/up projection: rows `[gate | up]`.
+    gu: DSlice,
     act: DSlice,
 }
 
@@ -786,13 +807,14 @@ impl Saved {
         l: usize,
         m: usize,
         tk: usize,
+        bf16: bool,
     ) -> Result<Saved> {
         let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
         let mut g = |n: usize, what: &str| f(n, &format!("layer {l} {what}"));
         Ok(Saved {
             h_in: g(m * h, "h_in")?,
-            x: g(m * h, "x")?,
+            x: g(Mixed::gemm_act_floats(bf16, m * h), "x")?,
             rstd1: g(m, "rstd1")?,
             q_pre: g(m * qd, "q_pre")?,
             q_rstd: g(m * c.q_heads, "q_rstd")?,
@@ -804,11 +826,10 @@ impl Saved {
             att: g(m * qd, "att")?,
             lse: g(m * c.q_heads, "lse")?,
             h_mid: g(m * h, "h_mid")?,
-            x2: g(m * h, "x2")?,
+            x2: g(Mixed::gemm_act_floats(bf16, m * h), "x2")?,
             rstd2: g(m, "rstd2")?,
-            g: g(m * inter, "gate")?,
-            u: g(m * inter, "up")?,
-            act: g(m * inter, "act")?,
+            gu: g(2 * m * inter, "gate|up")?,
+            act: g(Mixed::gemm_act_floats(bf16, m * inter), "act")?,
         })
     }
 }
@@ -850,8 +871,8 @@ struct Work {
     dx: DSlice,
     dx2: DSlice,
     dact: DSlice,
-    dg: DSlice,
-    du: DSlice,
+    /// The gradient of the fused gate/up projection: rows `[dgate | dup]`.
+    dgu: DSlice,
     datt: DSlice,
     dq: DSlice,
     dk: DSlice,
@@ -883,6 +904,7 @@ impl Work {
         c: &DrafterConfig,
         s: usize,
         m: usize,
+        bf16: bool,
     ) -> Result<Work> {
         let (h, hd, inter) = (c.hidden, c.head_dim, c.intermediate);
         let (qd, kd) = (c.q_heads * hd, c.kv_heads * hd);
@@ -894,7 +916,7 @@ impl Work {
                 f((s * c.n_taps * h).div_ceil(2), "taps bf16 (1)")?,
             ],
             ctx_pre: f(s * h, "ctx_pre")?,
-            ctx: f(s * h, "ctx")?,
+            ctx: f(Mixed::gemm_act_floats(bf16, s * h), "ctx")?,
             ctx_rstd: f(s, "ctx_rstd")?,
             block_ids: f(m, "block ids")?,
             block_pos: f(m, "block positions")?,
@@ -921,8 +943,7 @@ impl Work {
             dx: f(m * h, "dx")?,
             dx2: f(m * h, "dx2")?,
             dact: f(m * inter, "dact")?,
-            dg: f(m * inter, "dg")?,
-            du: f(m * inter, "du")?,
+            dgu: f(2 * m * inter, "dgate|dup")?,
             datt: f(m * qd, "datt")?,
             dq: f(m * qd, "dq")?,
             dk: f(tk * kd, "dk")?,
@@ -971,23 +992,32 @@ pub struct StepOutcome {
     pub grad_norm: f64,
 }
 
-/// One page of pinned host memory that the step's flag and norm are copied into, behind
-/// an event, so the host never waits for the optimizer.
+/// Pinned host memory that the device's step results are copied into, behind events, so
+/// the host never waits for the GPU to drain: the first page holds the step's flag and
+/// norm (the optimizer's outcome), the rest the cross-entropy rows' losses and hits
+/// (`DeviceDrafter::start_ce_read`).
 struct Readback {
     ptr: *mut u8,
+    layout: std::alloc::Layout,
 }
 
-const READBACK: usize = 4096;
+const PAGE: usize = 4096;
 
 impl Readback {
-    fn new() -> Readback {
-        let layout = std::alloc::Layout::from_size_align(READBACK, READBACK).expect("one page");
+    /// One page for the optimizer's outcome and room for `ce_rows` losses and hits.
+    fn new(ce_rows: usize) -> Readback {
+        let bytes = (PAGE + ce_rows * 8).next_multiple_of(PAGE);
+        let layout = std::alloc::Layout::from_size_align(bytes, PAGE).expect("whole pages");
         // SAFETY: a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        Readback { ptr }
+        Readback { ptr, layout }
+    }
+
+    fn bytes(&self) -> usize {
+        self.layout.size()
     }
 }
 
@@ -995,12 +1025,7 @@ impl Drop for Readback {
     fn drop(&mut self) {
         // SAFETY: allocated in `new` with this layout; the device that registered it was
         // dropped first (it is declared before us in DeviceDrafter) and unregistered it.
-        unsafe {
-            std::alloc::dealloc(
-                self.ptr,
-                std::alloc::Layout::from_size_align(READBACK, READBACK).expect("one page"),
-            )
-        };
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
     }
 }
 
@@ -1035,6 +1060,9 @@ pub struct DeviceDrafter {
     ce_pending: Vec<PendingCe>,
     ce_used: usize,
     ce_read: StepStats,
+    /// The pending rows' losses and hits on their way into `readback` (rows, and the
+    /// event behind the copies).
+    ce_inflight: Option<(usize, crate::device::Event)>,
     /// The last batch's gradient buckets, in the order backward finished them: each
     /// parameter range and an event on the compute stream behind its last write (recorded
     /// during the last sample's backward, so a collective can reduce a bucket while the
@@ -1095,9 +1123,9 @@ impl DeviceDrafter {
         Self::place(dev.as_mut(), &mut dry, d, frozen, s, m, bf16)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
         let pl = Self::place(dev.as_mut(), &mut arena, d, frozen, s, m, bf16)?;
-        let readback = Readback::new();
-        // SAFETY: the page lives as long as the device (see the field order).
-        unsafe { dev.register_host(readback.ptr, READBACK)? };
+        let readback = Readback::new(m * CE_SAMPLES);
+        // SAFETY: the pages live as long as the device (see the field order).
+        unsafe { dev.register_host(readback.ptr, readback.bytes())? };
         dev.upload(Stream::Compute, pl.opt.one, f32_bytes(&[1.0]))?;
         let mut g = DeviceDrafter {
             d: Drafter::new(d.cfg.clone()),
@@ -1121,6 +1149,7 @@ impl DeviceDrafter {
             ce_pending: Vec::new(),
             ce_used: 0,
             ce_read: StepStats::default(),
+            ce_inflight: None,
             buckets: Vec::new(),
         };
         // Each bucket of the gradient (and of the reduce buffer) is its own region to the
@@ -1203,9 +1232,9 @@ impl DeviceDrafter {
             hash: f(2, "weights checksum")?,
         };
         let saved = (0..c.layers)
-            .map(|l| Saved::alloc(&mut f, c, l, m, tk))
+            .map(|l| Saved::alloc(&mut f, c, l, m, tk, bf16))
             .collect::<Result<Vec<Saved>>>()?;
-        let w = Work::alloc(&mut f, c, s, m)?;
+        let w = Work::alloc(&mut f, c, s, m, bf16)?;
         arena.fill_f32(dv, embed, &frozen.embed, false)?;
         if bf16 {
             arena.fill_f32(dv, lm16, &frozen.lm_head, true)?;
@@ -1680,6 +1709,10 @@ impl DeviceDrafter {
             self.ce_pending.clear();
             self.ce_used = 0;
             self.ce_read = StepStats::default();
+            if let Some((_, e)) = self.ce_inflight.take() {
+                // Left by a batch that failed; its rows are void.
+                self.ops.dev.release_event(e);
+            }
             let mut loaded: [Option<crate::device::Event>; 2] = [None, None];
             let mut free: [Option<crate::device::Event>; 2] = [None, None];
             let mut run = || -> Result<()> {
@@ -1800,7 +1833,7 @@ impl DeviceDrafter {
             lm16: self.lm16,
             taps: w.taps.f32s(0..slen * c.n_taps * h),
             ctx_pre: w.ctx_pre.f32s(0..slen * h),
-            ctx: w.ctx.f32s(0..slen * h),
+            ctx: self.mixed.gemm_act(w.ctx, slen * h),
             ctx_rstd: w.ctx_rstd.f32s(0..slen),
             hcur: w.hcur.f32s(0..m * h),
             o: w.o.f32s(0..m * h),
@@ -1890,12 +1923,17 @@ impl DeviceDrafter {
             self.forward(dims)?;
             let (stats, supervised) = self.loss(s, anchors, dims, denominator, backward)?;
             if last {
-                // The step's one wait, before the last backward: that one may still run
-                // when the batch returns (a collective reduces its buckets meanwhile).
-                self.read_ce()?;
+                // The step's losses and hits start for the host; it waits for them only
+                // once the last backward is queued, so the GPU never drains for the read
+                // (and that backward may still run when the batch returns: a collective
+                // reduces its buckets meanwhile).
+                self.start_ce_read()?;
             }
             if backward {
                 self.backward(dims, supervised, last)?;
+            }
+            if last {
+                self.finish_ce_read()?;
             }
             Ok(stats)
         })();
@@ -2007,7 +2045,7 @@ impl DeviceDrafter {
         };
         // Context: hidden_norm(fc(taps)).
         mx.mm(p.ops, taps, fc, ctx_pre, slen, n_taps * h, h)?;
-        p.ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
+        mx.norm(p.ops, ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
         // Block inputs: the frozen embedding of [token at anchor, MASK, ...].
         p.ops
             .embed(hcur, self.embed, p.w.block_ids.f32s(0..m), m, h, vocab)?;
@@ -2087,23 +2125,65 @@ impl DeviceDrafter {
     }
 
     /// Read the pending samples' losses and flags from the device (one wait) and fold
-    /// them, sample by sample, into `ce_read`: the loss, each slot's hits and each block's
-    /// run of hits after its first token.
+    /// them, sample by sample, into `ce_read`.
     fn read_ce(&mut self) -> Result<()> {
-        let used = std::mem::take(&mut self.ce_used);
-        let pending = std::mem::take(&mut self.ce_pending);
-        let (mut loss, mut ok) = (vec![0f32; used], vec![0i32; used]);
+        self.start_ce_read()?;
+        self.finish_ce_read()
+    }
+
+    /// Queue the copies of the pending rows' losses and hits into the pinned readback,
+    /// behind an event: nothing waits here.
+    fn start_ce_read(&mut self) -> Result<()> {
+        let used = self.ce_used;
+        if used == 0 || self.ce_inflight.is_some() {
+            return Ok(());
+        }
+        let cap = self.max_rows * CE_SAMPLES;
         let dev = &mut self.ops.dev;
-        dev.download(
-            Stream::Compute,
-            self.w.ce_loss.f32s(0..used),
-            f32_bytes_mut(&mut loss),
-        )?;
-        dev.download(
-            Stream::Compute,
-            self.w.ce_correct.f32s(0..used),
-            i32_bytes_mut(&mut ok),
-        )?;
+        // SAFETY: the readback is registered and holds `cap` losses and hits after its
+        // first page; nothing reads them before the event (`finish_ce_read`).
+        unsafe {
+            let at = self.readback.ptr.add(PAGE);
+            dev.download_async(Stream::Compute, self.w.ce_loss.f32s(0..used), at)?;
+            dev.download_async(
+                Stream::Compute,
+                self.w.ce_correct.f32s(0..used),
+                at.add(cap * 4),
+            )?;
+        }
+        let e = dev.record(Stream::Compute)?;
+        self.ce_inflight = Some((used, e));
+        Ok(())
+    }
+
+    /// Wait for the rows [`start_ce_read`](Self::start_ce_read) queued and fold them,
+    /// sample by sample, into `ce_read`: the loss, each slot's hits and each block's run
+    /// of hits after its first token.
+    fn finish_ce_read(&mut self) -> Result<()> {
+        let Some((used, e)) = self.ce_inflight.take() else {
+            return Ok(());
+        };
+        let cap = self.max_rows * CE_SAMPLES;
+        let dev = &mut self.ops.dev;
+        let r = dev.sync_event(e);
+        dev.release_event(e);
+        r?;
+        let at = self.readback.ptr.wrapping_add(PAGE);
+        dev.host_access(at, used * 4, false)?;
+        dev.host_access(at.wrapping_add(cap * 4), used * 4, false)?;
+        let (mut loss, mut ok) = (vec![0f32; used], vec![0i32; used]);
+        // SAFETY: the copies into the readback completed (the event above), and it holds
+        // `used` ≤ `cap` of each.
+        unsafe {
+            std::ptr::copy_nonoverlapping(at, f32_bytes_mut(&mut loss).as_mut_ptr(), used * 4);
+            std::ptr::copy_nonoverlapping(
+                at.add(cap * 4),
+                i32_bytes_mut(&mut ok).as_mut_ptr(),
+                used * 4,
+            );
+        }
+        self.ce_used = 0;
+        let pending = std::mem::take(&mut self.ce_pending);
         let bs = self.d.cfg.block_size;
         for p in &pending {
             let mut st = StepStats {

@@ -36,6 +36,18 @@ pub(crate) struct LayerIdx {
     pub(crate) down: std::ops::Range<usize>,
 }
 
+impl LayerIdx {
+    /// gate_proj and up_proj as one `[2·intermediate, hidden]` weight (the layout puts
+    /// up right after gate), for the fused gate/up GEMM.
+    pub(crate) fn gate_up(&self) -> std::ops::Range<usize> {
+        debug_assert_eq!(
+            self.gate.end, self.up.start,
+            "up follows gate in the layout"
+        );
+        self.gate.start..self.up.end
+    }
+}
+
 /// Frozen tensors shared with the target.
 pub struct Frozen {
     /// `[vocab, hidden]`
