@@ -1,5 +1,5 @@
-//! The target model's `config.json` (Hugging Face format), for the Qwen3 and Llama
-//! architectures, and the tap convention. Both the supervisor (to size hidden-state
+//! The target model's `config.json` (Hugging Face format), for the Qwen3, Qwen3-MoE and
+//! Llama architectures, and the tap convention. Both the supervisor (to size hidden-state
 //! slots and stamp the capture spec) and the worker (to build the model) read it here.
 
 use std::path::Path;
@@ -10,6 +10,16 @@ use serde::{Deserialize, Serialize};
 pub enum Arch {
     Qwen3,
     Llama,
+    /// Qwen3's attention with a mixture-of-experts MLP in the sparse layers ([`Moe`]).
+    Qwen3Moe,
+}
+
+impl Arch {
+    /// Whether the attention RMS-normalises each head's queries and keys (Qwen3's
+    /// `q_norm`/`k_norm`).
+    pub fn has_qk_norm(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe)
+    }
 }
 
 impl std::fmt::Display for Arch {
@@ -17,6 +27,7 @@ impl std::fmt::Display for Arch {
         f.write_str(match self {
             Arch::Qwen3 => "Qwen3",
             Arch::Llama => "Llama",
+            Arch::Qwen3Moe => "Qwen3-MoE",
         })
     }
 }
@@ -75,6 +86,59 @@ pub struct TargetConfig {
     /// Not part of the [`TargetConfig::fingerprint`]: it changes no computation.
     #[serde(skip)]
     pub max_position_embeddings: Option<usize>,
+    /// The mixture of experts of a Qwen3-MoE target (`None`: every layer dense). Left out
+    /// of the serialised form when `None`, so a dense target's fingerprint is unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<Moe>,
+}
+
+/// A Qwen3-MoE target's sparse MLP: per token, the router's softmax over `num_experts`,
+/// the `num_experts_per_tok` most probable experts (their probabilities renormalised to sum
+/// to 1 when `norm_topk_prob`), and the sum of those experts' SwiGLU MLPs (width
+/// `moe_intermediate_size`) weighted by them. Layers in `dense_layers` have the dense MLP
+/// of width `intermediate_size` instead.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Moe {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub norm_topk_prob: bool,
+    /// The dense layers, ascending: those of `mlp_only_layers` and those off the
+    /// `decoder_sparse_step` grid (layer `l` is sparse when `(l + 1) % step == 0`).
+    pub dense_layers: Vec<usize>,
+}
+
+impl TargetConfig {
+    /// The target in one line: the architecture, depth and width, and for a mixture of
+    /// experts its experts, top-k, expert width and dense layers.
+    pub fn describe(&self) -> String {
+        let mut s = format!(
+            "{}, {} layers, hidden {}",
+            self.arch, self.num_hidden_layers, self.hidden_size
+        );
+        if let Some(m) = &self.moe {
+            s.push_str(&format!(
+                "; {} experts, {} per token ({}), expert width {}, dense layers {:?}",
+                m.num_experts,
+                m.num_experts_per_tok,
+                if m.norm_topk_prob {
+                    "weights renormalised"
+                } else {
+                    "softmax weights"
+                },
+                m.moe_intermediate_size,
+                m.dense_layers
+            ));
+        }
+        s
+    }
+
+    /// The mixture of experts of layer `l`, if that layer is sparse.
+    pub fn sparse(&self, l: usize) -> Option<&Moe> {
+        self.moe
+            .as_ref()
+            .filter(|m| m.dense_layers.binary_search(&l).is_err())
+    }
 }
 
 /// The largest value config.json's size fields may take: generous for any published model,
@@ -93,6 +157,8 @@ pub const SIZE_LIMITS: &[(&str, u64)] = &[
     ("num_experts", 4096),
     ("num_local_experts", 4096),
     ("num_experts_per_tok", 4096),
+    ("moe_intermediate_size", 1 << 20),
+    ("decoder_sparse_step", 1024),
 ];
 
 /// What is wrong with a config.json: the field, the value read and what was expected. Each
@@ -103,7 +169,7 @@ pub enum ConfigProblem {
     Unreadable { source: std::io::Error },
     #[error("not valid JSON: {source}")]
     Json { source: serde_json::Error },
-    #[error("unsupported architecture {architectures:?} (model_type {model_type:?}); expected Qwen3ForCausalLM or LlamaForCausalLM")]
+    #[error("unsupported architecture {architectures:?} (model_type {model_type:?}); expected Qwen3ForCausalLM, Qwen3MoeForCausalLM or LlamaForCausalLM")]
     Architecture {
         architectures: Vec<String>,
         model_type: String,
@@ -118,6 +184,19 @@ pub enum ConfigProblem {
     NotPositiveInteger { field: &'static str },
     #[error("{field} is missing or not a positive number")]
     NotPositiveNumber { field: &'static str },
+    #[error("{field} is not true or false")]
+    NotBool { field: &'static str },
+    #[error("num_experts {a} and num_local_experts {b} disagree (expected one expert count)")]
+    ExpertCounts { a: u64, b: u64 },
+    #[error("num_experts_per_tok {top_k} is larger than num_experts {experts} (expected 1 to {experts} experts per token)")]
+    TopK { top_k: usize, experts: usize },
+    #[error(
+        "mlp_only_layers {value} is not a list of layer indices below num_hidden_layers {layers}"
+    )]
+    MlpOnlyLayers {
+        value: serde_json::Value,
+        layers: usize,
+    },
     #[error("num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")]
     KvHeads { heads: usize, kv_heads: usize },
     #[error("hidden_size {hidden_size} is not a multiple of num_attention_heads {heads}")]
@@ -220,6 +299,125 @@ fn refuse_unsupported(v: &serde_json::Value) -> Result<(), ConfigProblem> {
         ));
     }
     Ok(())
+}
+
+/// Settings of other mixture-of-experts families that change what a layer computes
+/// (shared experts, grouped or biased routing, scaled routing weights, dense leading
+/// layers): refused in a Qwen3-MoE config unless they hold the value that means "none".
+fn refuse_unsupported_moe(v: &serde_json::Value) -> Result<(), ConfigProblem> {
+    let unsupported = |setting: String, expected| ConfigProblem::Unsupported { setting, expected };
+    for key in [
+        "shared_expert_intermediate_size",
+        "n_shared_experts",
+        "num_shared_experts",
+        "first_k_dense_replace",
+    ] {
+        if v[key].as_f64().is_some_and(|x| x != 0.0) {
+            return Err(unsupported(
+                format!("{key} {}", v[key]),
+                "0 (Qwen3-MoE: routed experts only, sparse layers as decoder_sparse_step and mlp_only_layers say)",
+            ));
+        }
+    }
+    for key in [
+        "n_group",
+        "topk_group",
+        "moe_layer_freq",
+        "routed_scaling_factor",
+    ] {
+        if v[key].as_f64().is_some_and(|x| x != 1.0) {
+            return Err(unsupported(
+                format!("{key} {}", v[key]),
+                "1 (Qwen3-MoE routing: one group, unscaled weights, decoder_sparse_step)",
+            ));
+        }
+    }
+    for (key, plain) in [("scoring_func", "softmax"), ("topk_method", "greedy")] {
+        if let Some(x) = v[key].as_str().filter(|x| *x != plain) {
+            return Err(unsupported(
+                format!("{key} {x:?}"),
+                "Qwen3-MoE's softmax top-k",
+            ));
+        }
+    }
+    for key in [
+        "router_bias",
+        "moe_router_bias",
+        "mlp_bias",
+        "attention_bias",
+    ] {
+        if v[key].as_bool() == Some(true) {
+            return Err(unsupported(
+                format!("{key} = true"),
+                "bias-free projections",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The mixture of experts of a Qwen3-MoE config.json (`v`, of a model of `layers` layers):
+/// transformers 4 writes `num_experts`, transformers 5 may write `num_local_experts`.
+fn moe(v: &serde_json::Value, layers: usize) -> Result<Moe, ConfigProblem> {
+    refuse_unsupported_moe(v)?;
+    let num = |field: &'static str| -> Result<usize, ConfigProblem> {
+        v[field]
+            .as_u64()
+            .map(|n| n as usize)
+            .filter(|&n| n > 0)
+            .ok_or(ConfigProblem::NotPositiveInteger { field })
+    };
+    // transformers' defaults where a field is absent (Qwen3MoeConfig).
+    let num_or = |field: &'static str, default: usize| match v.get(field) {
+        None | Some(serde_json::Value::Null) => Ok(default),
+        Some(_) => num(field),
+    };
+    let num_experts = match (v["num_experts"].as_u64(), v["num_local_experts"].as_u64()) {
+        (Some(a), Some(b)) if a != b => return Err(ConfigProblem::ExpertCounts { a, b }),
+        (_, Some(_)) if v["num_experts"].is_null() => num("num_local_experts")?,
+        _ => num_or("num_experts", 128)?,
+    };
+    let num_experts_per_tok = num_or("num_experts_per_tok", 8)?;
+    if num_experts_per_tok > num_experts {
+        return Err(ConfigProblem::TopK {
+            top_k: num_experts_per_tok,
+            experts: num_experts,
+        });
+    }
+    let norm_topk_prob = match &v["norm_topk_prob"] {
+        serde_json::Value::Null => false,
+        x => x.as_bool().ok_or(ConfigProblem::NotBool {
+            field: "norm_topk_prob",
+        })?,
+    };
+    let step = num_or("decoder_sparse_step", 1)?;
+    let only = &v["mlp_only_layers"];
+    let bad = || ConfigProblem::MlpOnlyLayers {
+        value: only.clone(),
+        layers,
+    };
+    let only: Vec<usize> = match only {
+        serde_json::Value::Null => Vec::new(),
+        serde_json::Value::Array(a) => a
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .map(|l| l as usize)
+                    .filter(|&l| l < layers)
+                    .ok_or_else(bad)
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(bad()),
+    };
+    Ok(Moe {
+        num_experts,
+        num_experts_per_tok,
+        moe_intermediate_size: num_or("moe_intermediate_size", 768)?,
+        norm_topk_prob,
+        dense_layers: (0..layers)
+            .filter(|l| only.contains(l) || (l + 1) % step != 0)
+            .collect(),
+    })
 }
 
 /// The rotary settings of config.json (its `v`): theta and the scaling, from either
@@ -399,7 +597,9 @@ impl TargetConfig {
             .filter_map(|a| a.as_str())
             .collect();
         let model_type = v["model_type"].as_str().unwrap_or("");
-        let arch = if archs.contains(&"Qwen3ForCausalLM") || model_type == "qwen3" {
+        let arch = if archs.contains(&"Qwen3MoeForCausalLM") || model_type == "qwen3_moe" {
+            Arch::Qwen3Moe
+        } else if archs.contains(&"Qwen3ForCausalLM") || model_type == "qwen3" {
             Arch::Qwen3
         } else if archs.contains(&"LlamaForCausalLM") || model_type == "llama" {
             Arch::Llama
@@ -427,10 +627,12 @@ impl TargetConfig {
         let hidden_size = num("hidden_size")?;
         let heads = num("num_attention_heads")?;
         // Absent fields take transformers' defaults for the architecture: Qwen3Config's are
-        // num_key_value_heads 32 and head_dim 128; LlamaConfig's are the attention heads and
+        // num_key_value_heads 32 and head_dim 128; Qwen3MoeConfig's 4 key-value heads and
+        // hidden_size / num_attention_heads; LlamaConfig's are the attention heads and
         // hidden_size / num_attention_heads. An explicit null means the attention heads.
         let kv_heads = match (v.get("num_key_value_heads"), arch) {
             (None, Arch::Qwen3) => 32,
+            (None, Arch::Qwen3Moe) => 4,
             (None | Some(serde_json::Value::Null), _) => heads,
             _ => num("num_key_value_heads")?,
         };
@@ -452,10 +654,11 @@ impl TargetConfig {
         }
         refuse_unsupported(&v)?;
         let (rope_theta, rope_scaling) = rope(&v)?;
+        let num_hidden_layers = num("num_hidden_layers")?;
         Ok(TargetConfig {
             arch,
             hidden_size,
-            num_hidden_layers: num("num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
@@ -468,6 +671,10 @@ impl TargetConfig {
             max_position_embeddings: match v.get("max_position_embeddings") {
                 None | Some(serde_json::Value::Null) => None,
                 Some(_) => Some(num("max_position_embeddings")?),
+            },
+            moe: match arch {
+                Arch::Qwen3Moe => Some(moe(&v, num_hidden_layers)?),
+                _ => None,
             },
         })
     }
@@ -558,15 +765,31 @@ pub fn expected_tensors(cfg: &TargetConfig, layers: usize) -> Vec<(String, Vec<u
         v.push((format!("{p}.self_attn.k_proj.weight"), vec![kd, h]));
         v.push((format!("{p}.self_attn.v_proj.weight"), vec![kd, h]));
         v.push((format!("{p}.self_attn.o_proj.weight"), vec![h, qd]));
-        if cfg.arch == Arch::Qwen3 {
+        if cfg.arch.has_qk_norm() {
             v.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
             v.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
         }
-        v.push((format!("{p}.mlp.gate_proj.weight"), vec![i, h]));
-        v.push((format!("{p}.mlp.up_proj.weight"), vec![i, h]));
-        v.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
+        match cfg.sparse(l) {
+            None => v.extend(swiglu_tensors(&format!("{p}.mlp"), h, i)),
+            Some(m) => {
+                v.push((format!("{p}.mlp.gate.weight"), vec![m.num_experts, h]));
+                for e in 0..m.num_experts {
+                    let mi = m.moe_intermediate_size;
+                    v.extend(swiglu_tensors(&format!("{p}.mlp.experts.{e}"), h, mi));
+                }
+            }
+        }
     }
     v
+}
+
+/// The gate, up and down projections of a SwiGLU MLP of width `i` under `prefix`.
+fn swiglu_tensors(prefix: &str, h: usize, i: usize) -> [(String, Vec<usize>); 3] {
+    [
+        (format!("{prefix}.gate_proj.weight"), vec![i, h]),
+        (format!("{prefix}.up_proj.weight"), vec![i, h]),
+        (format!("{prefix}.down_proj.weight"), vec![h, i]),
+    ]
 }
 
 /// Tensors a checkpoint may hold beside [`expected_tensors`] (a tied model's spare
@@ -707,6 +930,177 @@ mod tests {
                 .rope_theta,
             10000.0
         );
+    }
+
+    const MOE_BASE: &str = r#""hidden_size":64,"num_hidden_layers":4,"num_attention_heads":4,"head_dim":32,
+        "intermediate_size":96,"moe_intermediate_size":48,"num_experts_per_tok":2,"vocab_size":300"#;
+
+    #[test]
+    fn qwen3_moe_configs_of_transformers_4_and_5_read_alike() {
+        let v4 = TargetConfig::read(&format!(
+            r#"{{"architectures":["Qwen3MoeForCausalLM"],{MOE_BASE},"num_experts":8,"norm_topk_prob":true,
+                "mlp_only_layers":[1],"decoder_sparse_step":1,"rope_theta":1000000.0,"rope_scaling":null}}"#
+        ))
+        .unwrap();
+        let v5 = TargetConfig::read(&format!(
+            r#"{{"model_type":"qwen3_moe",{MOE_BASE},"num_local_experts":8,"norm_topk_prob":true,
+                "mlp_only_layers":[1],"rope_parameters":{{"rope_type":"default","rope_theta":1000000.0}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(v4.arch, Arch::Qwen3Moe);
+        assert_eq!(v4.arch.to_string(), "Qwen3-MoE");
+        assert!(v4.arch.has_qk_norm());
+        assert_eq!(
+            v4.fingerprint(),
+            v5.fingerprint(),
+            "the same model either way"
+        );
+        let m = v4.moe.as_ref().unwrap();
+        assert_eq!(
+            (
+                m.num_experts,
+                m.num_experts_per_tok,
+                m.moe_intermediate_size
+            ),
+            (8, 2, 48)
+        );
+        assert!(m.norm_topk_prob);
+        assert_eq!(m.dense_layers, vec![1]);
+        assert!(v4.sparse(0).is_some() && v4.sparse(1).is_none() && v4.sparse(3).is_some());
+        assert_eq!(
+            v4.describe(),
+            "Qwen3-MoE, 4 layers, hidden 64; 8 experts, 2 per token (weights renormalised), expert width 48, dense layers [1]"
+        );
+        // Qwen3MoeConfig's defaults: 4 key-value heads, head_dim hidden / heads, 128
+        // experts, 8 per token, width 768, no renormalisation, every layer sparse.
+        let d = TargetConfig::read(
+            r#"{"model_type":"qwen3_moe","hidden_size":64,"num_hidden_layers":3,"num_attention_heads":8,"intermediate_size":96,"vocab_size":10}"#,
+        )
+        .unwrap();
+        let m = d.moe.as_ref().unwrap();
+        assert_eq!((d.num_key_value_heads, d.head_dim), (4, 8));
+        assert_eq!(
+            (
+                m.num_experts,
+                m.num_experts_per_tok,
+                m.moe_intermediate_size,
+                m.norm_topk_prob
+            ),
+            (128, 8, 768, false)
+        );
+        assert!(m.dense_layers.is_empty());
+        // decoder_sparse_step 2: layers 1 and 3 sparse (transformers: (l + 1) % step == 0).
+        let step = TargetConfig::read(&format!(
+            r#"{{"model_type":"qwen3_moe",{MOE_BASE},"num_experts":4,"decoder_sparse_step":2}}"#
+        ))
+        .unwrap();
+        assert_eq!(step.moe.unwrap().dense_layers, vec![0, 2]);
+        // A dense target's fingerprint text has no MoE field (unchanged by its addition).
+        let q = TargetConfig::read(TINY_CONFIG).unwrap();
+        assert!(!serde_json::to_string(&q).unwrap().contains("moe"));
+        assert_ne!(q.fingerprint(), v4.fingerprint());
+    }
+
+    #[test]
+    fn moe_tensors_are_the_router_and_every_expert_of_the_sparse_layers() {
+        let c = TargetConfig::read(&format!(
+            r#"{{"model_type":"qwen3_moe",{MOE_BASE},"num_experts":3,"mlp_only_layers":[1]}}"#
+        ))
+        .unwrap();
+        let t = expected_tensors(&c, 2);
+        let has = |n: &str, s: &[usize]| t.iter().any(|(a, b)| a == n && b == s);
+        assert!(has("model.layers.0.mlp.gate.weight", &[3, 64]));
+        assert!(has(
+            "model.layers.0.mlp.experts.2.gate_proj.weight",
+            &[48, 64]
+        ));
+        assert!(has(
+            "model.layers.0.mlp.experts.0.down_proj.weight",
+            &[64, 48]
+        ));
+        assert!(has("model.layers.0.self_attn.q_norm.weight", &[32]));
+        assert!(!has("model.layers.0.mlp.gate_proj.weight", &[96, 64]));
+        assert!(
+            has("model.layers.1.mlp.gate_proj.weight", &[96, 64]),
+            "dense"
+        );
+        assert!(!t
+            .iter()
+            .any(|(n, _)| n.starts_with("model.layers.1.mlp.experts")));
+        // Layer 0: 8 norms and attention + router + 3 experts × 3; layer 1: 8 + 3; the
+        // embedding, final norm and (untied) lm_head.
+        assert_eq!(t.len(), 18 + 11 + 3);
+    }
+
+    #[test]
+    fn odd_moe_configs_are_refused_naming_the_key() {
+        let moe = |extra: &str| {
+            TargetConfig::read(&format!(
+                r#"{{"model_type":"qwen3_moe",{MOE_BASE},"num_experts":4{extra}}}"#
+            ))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+        };
+        for (extra, needle) in [
+            (
+                r#","num_experts_per_tok":5"#,
+                "num_experts_per_tok 5 is larger than num_experts 4",
+            ),
+            (
+                r#","num_local_experts":6"#,
+                "num_experts 4 and num_local_experts 6 disagree",
+            ),
+            (
+                r#","shared_expert_intermediate_size":64"#,
+                "shared_expert_intermediate_size 64 is not supported",
+            ),
+            (
+                r#","n_shared_experts":1"#,
+                "n_shared_experts 1 is not supported",
+            ),
+            (r#","first_k_dense_replace":1"#, "first_k_dense_replace"),
+            (r#","scoring_func":"sigmoid""#, "scoring_func \"sigmoid\""),
+            (
+                r#","routed_scaling_factor":2.5"#,
+                "routed_scaling_factor 2.5",
+            ),
+            (r#","n_group":8"#, "n_group 8"),
+            (r#","router_bias":true"#, "router_bias = true"),
+            (
+                r#","mlp_only_layers":[7]"#,
+                "mlp_only_layers [7] is not a list of layer indices below num_hidden_layers 4",
+            ),
+            (r#","mlp_only_layers":"all""#, "mlp_only_layers"),
+            (
+                r#","norm_topk_prob":"yes""#,
+                "norm_topk_prob is not true or false",
+            ),
+            (
+                r#","decoder_sparse_step":0"#,
+                "decoder_sparse_step is missing or not a positive integer",
+            ),
+            (
+                r#","moe_intermediate_size":0"#,
+                "moe_intermediate_size is missing or not a positive integer",
+            ),
+            (r#","num_experts_per_tok":0"#, "num_experts_per_tok"),
+        ] {
+            let e = moe(extra);
+            assert!(e.contains(needle) && !e.contains('\n'), "{extra}: {e}");
+        }
+        let zero = TargetConfig::read(&format!(
+            r#"{{"model_type":"qwen3_moe",{MOE_BASE},"num_experts":0}}"#
+        ))
+        .unwrap_err();
+        assert!(zero
+            .to_string()
+            .contains("num_experts is missing or not a positive integer"));
+        // Keys of other MoE families at their "none" values are accepted.
+        TargetConfig::read(&format!(
+            r#"{{"model_type":"qwen3_moe",{MOE_BASE},"num_experts":4,"shared_expert_intermediate_size":0,"routed_scaling_factor":1.0,"scoring_func":"softmax","router_aux_loss_coef":0.001,"output_router_logits":false}}"#
+        ))
+        .unwrap();
     }
 
     #[test]

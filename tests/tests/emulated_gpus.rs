@@ -442,6 +442,72 @@ fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
     );
 }
 
+/// A Qwen3-MoE target on an emulated GPU, every device operation checked for stream
+/// order: the sparse MLP's device route (router GEMM, `moe_route`, `moe_permute`, the
+/// offsets' copy to the host, the per-expert GEMMs, `moe_combine`) in bf16 inside the
+/// pipeline, and the drafter trains on its taps.
+#[test]
+fn a_mixture_of_experts_target_runs_on_a_stream_checked_emulated_gpu() {
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, config) = (tmp.path().join("target"), tmp.path().join("config.json"));
+    fs::write(
+        &config,
+        r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe","hidden_size":64,"num_hidden_layers":4,
+        "num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"intermediate_size":128,"moe_intermediate_size":32,
+        "num_experts":8,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[0],"vocab_size":512,
+        "tie_word_embeddings":true}"#,
+    )
+    .unwrap();
+    let st = std::process::Command::new(bin("dflash-worker"))
+        .args(["tiny-target", "--out"])
+        .arg(&target)
+        .arg("--config")
+        .arg(&config)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let mut env = emulated(tmp.path(), 2);
+    env.push(("DFLASH_CHECK_STREAMS".into(), "1".into()));
+    let t = target.display().to_string();
+    let mut sup = start(
+        &[
+            "--gpus",
+            "0-1",
+            "--targets",
+            "1",
+            "--target",
+            &t,
+            "--data",
+            "demo",
+            "--steps",
+            "4",
+            "--max-seq-len",
+            "16",
+            "--token-budget",
+            "128",
+            "--no-gpu-metrics",
+        ],
+        &env,
+    );
+    let status = sup.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "{}", sup.stderr());
+    let log = sup.log("target-0");
+    assert!(
+        log.contains("target loaded: Qwen3-MoE") && log.contains("(stream-checked)"),
+        "{log}"
+    );
+    clean_ledger(&sup);
+    let loss: Vec<f64> = steps(&sup)
+        .iter()
+        .map(|s| s["loss"].as_f64().unwrap())
+        .collect();
+    assert_eq!(loss.len(), 4);
+    assert!(loss.iter().all(|l| l.is_finite() && *l > 0.0), "{loss:?}");
+}
+
 /// `bench compute` on a GPU — here the emulated one: the target forward, the drafter step
 /// and the device optimizer run there, the device→host copy into a pinned pool slot is
 /// measured against a plain pinned buffer in the same run, and the one-rank gradient

@@ -99,6 +99,77 @@ fn demo_run_learns_and_writes_a_loadable_drafter() {
     assert_eq!(a["consumed_once"], 60);
 }
 
+/// The tiny target's shape with Qwen3-MoE MLPs: 4 experts of width 64, 2 per token,
+/// renormalised; layer 0 dense.
+const TINY_MOE: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe","hidden_size":64,
+  "num_hidden_layers":6,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"intermediate_size":128,
+  "moe_intermediate_size":64,"num_experts":4,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[0],
+  "rms_norm_eps":1e-6,"rope_theta":10000.0,"vocab_size":512,"tie_word_embeddings":true}"#;
+
+#[test]
+fn a_drafter_trains_on_a_mixture_of_experts_target() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (target, config) = (tmp.path().join("target"), tmp.path().join("config.json"));
+    fs::write(&config, TINY_MOE).unwrap();
+    let st = std::process::Command::new(bin("dflash-worker"))
+        .args(["tiny-target", "--out"])
+        .arg(&target)
+        .arg("--config")
+        .arg(&config)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let t = target.display().to_string();
+    let mut sup = Sup::start_real(&[
+        "--gpus", "cpu:2", "--target", &t, "--data", "demo", "--steps", "20",
+    ]);
+    // A debug drafter's step takes seconds on a loaded 2-core machine (3.5 s seen).
+    let status = sup.wait_exit(3 * T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(0), "stderr:\n{err}");
+    assert!(
+        sup.log("target-0")
+            .contains("target loaded: Qwen3-MoE, 6 layers"),
+        "{}",
+        sup.log("target-0")
+    );
+    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
+    assert_eq!(steps.len(), 20, "one record per committed step");
+    let loss = |r: std::ops::Range<usize>| {
+        mean(
+            &steps[r]
+                .iter()
+                .map(|s| s["loss"].as_f64().unwrap())
+                .collect::<Vec<_>>(),
+        )
+    };
+    let (loss0, loss1) = (loss(0..3), loss(17..20));
+    eprintln!("MoE target: loss {loss0:.3} -> {loss1:.3}");
+    assert!(
+        loss0 / loss1 >= 1.3,
+        "loss fell only from {loss0} to {loss1}"
+    );
+    let cfg: Value = serde_json::from_str(
+        &fs::read_to_string(sup.run_dir.join("drafter").join("config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(cfg["num_target_layers"].as_u64(), Some(6));
+    // The export records the target it was trained for.
+    let t = &cfg["dflash_target"];
+    assert_eq!(t["architecture"], "Qwen3-MoE", "{cfg}");
+    assert_eq!(
+        (
+            t["moe"]["num_experts"].as_u64(),
+            t["moe"]["num_experts_per_tok"].as_u64()
+        ),
+        (Some(4), Some(2))
+    );
+    assert_eq!(t["moe"]["dense_layers"], serde_json::json!([0]));
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    assert_eq!(a["consumed_once"], 20);
+}
+
 #[test]
 fn a_killed_drafter_rejoins_with_the_current_weights() {
     let mut sup = Sup::start_real(&[

@@ -289,6 +289,88 @@ extern "C" __global__ void swiglu_gu_bwd(float* dgu, const float* dout, const fl
 }
 
 // ---------------------------------------------------------------------------------------
+// Mixture of experts (Qwen3-MoE's sparse MLP): routing, the permutation into expert order,
+// the weighted sum back. A first step: the per-expert GEMMs between them are launched on
+// the GEMM path per expert (device/ops.rs), from the offsets copied to the host.
+
+// Per token (grid: tokens, one warp each): the softmax of its router logits (f32), the
+// top_k largest (the lower expert first among equals) into idx [t, top_k] in rank order,
+// their probabilities into wts, divided by their sum when norm.
+template <typename T> __device__ void moe_route_t(int* idx, float* wts, const T* logits, int experts, int top_k, int norm) {
+    const long row = blockIdx.x;
+    const int lane = threadIdx.x;
+    const T* l = logits + row * experts;
+    int* ri = idx + row * top_k;
+    float* rw = wts + row * top_k;
+    float m = NEG_INF;
+    for (int e = lane; e < experts; e += 32) m = fmaxf(m, ld(l, e));
+    m = warp_max(m);
+    float s = 0.0f;
+    for (int e = lane; e < experts; e += 32) s += expf(ld(l, e) - m);
+    s = warp_sum(s);
+    float top_sum = 0.0f;
+    for (int j = 0; j < top_k; j++) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int e = lane; e < experts; e += 32) {
+            bool taken = false;
+            for (int q = 0; q < j; q++) taken = taken || ri[q] == e;
+            const float v = ld(l, e);
+            if (!taken && (v > bv || (v == bv && e < bi))) { bv = v; bi = e; }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+        }
+        if (bi >= experts) bi = 0;  // NaN logits: any expert, never one out of range
+        const float p = expf(bv - m) / s;
+        top_sum += p;
+        if (lane == 0) { ri[j] = bi; rw[j] = p; }
+        __syncwarp();
+    }
+    if (norm && lane == 0)
+        for (int j = 0; j < top_k; j++) rw[j] = rw[j] / top_sum;
+}
+extern "C" __global__ void moe_route(int* idx, float* wts, const float* logits, int experts, int top_k, int norm) { moe_route_t(idx, wts, logits, experts, top_k, norm); }
+extern "C" __global__ void moe_route_bf16(int* idx, float* wts, const unsigned short* logits, int experts, int top_k, int norm) { moe_route_t(idx, wts, logits, experts, top_k, norm); }
+
+// The (token, rank) pairs of idx in expert order (grid: 1 block): offsets[e]..offsets[e + 1]
+// are expert e's rows, rows[r] the token of row r (ascending within an expert), slots[p]
+// the row of pair p. Each thread counts and places its experts' pairs: O(experts × pairs /
+// threads), a first step before a parallel sort.
+extern "C" __global__ void moe_permute(int* offsets, int* rows, int* slots, const int* idx, int pairs, int top_k, int experts) {
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        int c = 0;
+        for (int p = 0; p < pairs; p++) c += idx[p] == e;
+        offsets[e + 1] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        offsets[0] = 0;
+        for (int e = 0; e < experts; e++) offsets[e + 1] += offsets[e];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        int n = offsets[e];
+        for (int p = 0; p < pairs; p++)
+            if (idx[p] == e) { rows[n] = p / top_k; slots[p] = n; n++; }
+    }
+}
+
+// out[t, :] = sum over its ranks q of wts[t, q] * y[slots[t, q], :] (grid: tokens).
+template <typename T> __device__ void moe_combine_t(T* out, const T* y, const float* wts, const int* slots, int top_k, int h) {
+    const long t = blockIdx.x;
+    for (int j = threadIdx.x; j < h; j += blockDim.x) {
+        float acc = 0.0f;
+        for (int q = 0; q < top_k; q++) acc += wts[t * top_k + q] * ld(y, (long)slots[t * top_k + q] * h + j);
+        st(out, t * h + j, acc);
+    }
+}
+extern "C" __global__ void moe_combine(float* out, const float* y, const float* wts, const int* slots, int top_k, int h) { moe_combine_t(out, y, wts, slots, top_k, h); }
+extern "C" __global__ void moe_combine_bf16(unsigned short* out, const unsigned short* y, const float* wts, const int* slots, int top_k, int h) { moe_combine_t(out, y, wts, slots, top_k, h); }
+
+// ---------------------------------------------------------------------------------------
 // RMSNorm (one block per row)
 
 // y = x · rstd · w, rstd = 1/sqrt(mean(x²) + eps) (y may be x)

@@ -263,6 +263,22 @@ pub struct ExportInfo<'a> {
     pub target_layer_ids: &'a [u32],
     /// The target's `max_position_embeddings`, when its config.json gives one.
     pub max_position_embeddings: Option<u64>,
+    /// The target the drafter was trained for ([`target_record`]), written as
+    /// `dflash_target`, when known.
+    pub target: Option<Value>,
+}
+
+/// What an export records of its target: the architecture, depth, width, the capture
+/// fingerprint its hidden states carried, and a mixture of experts' routing (null for a
+/// dense target).
+pub fn target_record(c: &dflash_shared::model_config::TargetConfig) -> Value {
+    json!({
+        "architecture": c.arch.to_string(),
+        "num_hidden_layers": c.num_hidden_layers,
+        "hidden_size": c.hidden_size,
+        "fingerprint": format!("{:016x}", c.fingerprint()),
+        "moe": c.moe,
+    })
 }
 
 /// Write the drafter as a Hugging Face directory: config.json (Qwen3 fields, the DFlash
@@ -291,13 +307,16 @@ pub fn write_hf_dir(
     let probe_file = probe_path(dir);
     let probe_tmp = probe_file.with_extension(format!("tmp-{}", std::process::id()));
     let written = (|| -> Result<()> {
-        let config = export_config(
+        let mut config = export_config(
             &d.cfg,
             info.step,
             info.num_target_layers,
             info.target_layer_ids,
             info.max_position_embeddings,
         );
+        if let Some(t) = &info.target {
+            config["dflash_target"] = t.clone();
+        }
         // The weights as exported (bf16), back in f32: the probe runs on exactly these.
         let rounded: Vec<f32> = params
             .iter()
@@ -444,6 +463,9 @@ pub fn from_checkpoint(
         num_target_layers: layers,
         target_layer_ids: &ids,
         max_position_embeddings,
+        target: dflash_shared::model_config::TargetConfig::load(target)
+            .ok()
+            .map(|c| target_record(&c)),
     };
     write_hf_dir(&d, &frozen, &params, &info, out)?;
     Ok(step)

@@ -151,7 +151,7 @@ enum Command {
     TinyTarget {
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
-        /// A Qwen3/Llama config.json to give random weights.
+        /// A Qwen3, Qwen3-MoE or Llama config.json to give random weights.
         #[arg(long, value_name = "FILE")]
         config: Option<PathBuf>,
     },

@@ -2,7 +2,7 @@
 //! `dflash-supervise eval` runs): greedy decoding with the cache equals greedy decoding by
 //! full recomputation token for token, a cropped cache forgets what it held, the taps of
 //! cached forwards are the full forward's, and the logits at every step equal
-//! transformers' (CPU, float32) for tiny random Qwen3 and Llama targets. The transformers
+//! transformers' (CPU, float32) for tiny random Qwen3, Qwen3-MoE and Llama targets. The transformers
 //! test skips without python3, torch and transformers on a laptop and fails under CI.
 
 mod support;
@@ -19,6 +19,12 @@ const QWEN3_UNTIED: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_type"
 const LLAMA_TIED: &str = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","hidden_size":48,"num_hidden_layers":3,
   "num_attention_heads":6,"num_key_value_heads":2,"intermediate_size":96,"rms_norm_eps":1e-5,
   "vocab_size":300,"tie_word_embeddings":true,"max_position_embeddings":8192,"rope_theta":10000.0}"#;
+
+/// Every layer but the dense layer 1 a mixture of 6 experts, 2 per token, renormalised.
+const QWEN3_MOE: &str = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe","hidden_size":64,"num_hidden_layers":3,
+  "num_attention_heads":4,"num_key_value_heads":2,"head_dim":32,"intermediate_size":96,"moe_intermediate_size":48,
+  "num_experts":6,"num_experts_per_tok":2,"norm_topk_prob":true,"mlp_only_layers":[1],"rms_norm_eps":1e-6,
+  "vocab_size":300,"tie_word_embeddings":false,"max_position_embeddings":4096,"rope_theta":1000000.0}"#;
 
 fn load(config: &str, seed: u64) -> (tempfile::TempDir, Target, Head) {
     let dir = tempfile::tempdir().unwrap();
@@ -145,7 +151,11 @@ fn logits_at_every_step_equal_transformers() {
     if !python_ok() {
         return;
     }
-    let cases = [("qwen3 untied", QWEN3_UNTIED), ("llama tied", LLAMA_TIED)];
+    let cases = [
+        ("qwen3 untied", QWEN3_UNTIED),
+        ("llama tied", LLAMA_TIED),
+        ("qwen3-moe", QWEN3_MOE),
+    ];
     let prompt: Vec<u32> = (0..13).map(|i| (i * 53 + 7) % 300).collect();
     let n = 12;
     let loaded: Vec<_> = cases.iter().map(|(_, c)| load(c, 9)).collect();

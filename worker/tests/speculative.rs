@@ -354,6 +354,7 @@ fn accepted_lengths_equal_a_python_reference_with_the_export() {
         num_target_layers: s.target.cfg.num_hidden_layers,
         target_layer_ids: &ids,
         max_position_embeddings: None,
+        target: None,
     };
     write_hf_dir(
         &Drafter::new(s.cfg.clone()),

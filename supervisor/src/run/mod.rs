@@ -333,6 +333,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     // On --resume too: the settings as merged with this command line's are the run's now.
     // Said once the run directory is this run's: a start refused before then says only why.
     log::info!("{schedule_line}");
+    log::info!("target: {}", target_cfg.describe());
     trainer_cfg.settings =
         resolved_settings(&args, &plan, &loader_cfg, &pipeline_cfg, &trainer_cfg);
     resume::save(

@@ -304,6 +304,42 @@ mod tests {
             .collect()
     }
 
+    /// A Qwen3-MoE checkpoint: every expert's tensors are checked; one missing (or of
+    /// the dense layout) is refused naming it.
+    #[test]
+    fn a_mixture_of_experts_checkpoint_needs_every_experts_tensors() {
+        let mut v: serde_json::Value = serde_json::from_str(TINY_CONFIG).unwrap();
+        let o = v.as_object_mut().unwrap();
+        o.insert(
+            "architectures".into(),
+            serde_json::json!(["Qwen3MoeForCausalLM"]),
+        );
+        o.insert("model_type".into(), "qwen3_moe".into());
+        o.insert("num_experts".into(), 3.into());
+        o.insert("num_experts_per_tok".into(), 2.into());
+        o.insert("moe_intermediate_size".into(), 32.into());
+        let cfg = TargetConfig::read(&v.to_string()).unwrap();
+        let all = expected_tensors(&cfg, cfg.num_hidden_layers);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("model.safetensors");
+        write(&path, &with(&all, "BF16"));
+        check(dir.path(), &cfg).unwrap();
+        let gone = "model.layers.4.mlp.experts.2.up_proj.weight";
+        let fewer: Vec<_> = all.iter().filter(|(n, _)| n != gone).cloned().collect();
+        write(&path, &with(&fewer, "BF16"));
+        let e = check(dir.path(), &cfg).unwrap_err().to_string();
+        assert!(
+            e.contains(gone) && e.contains("[32, 64]") && !e.contains('\n'),
+            "{e}"
+        );
+        // A dense checkpoint given a MoE config: the router is missing.
+        let (_, dense_cfg, dense) = tiny();
+        assert_eq!(dense_cfg.moe, None);
+        write(&path, &with(&dense, "BF16"));
+        let e = check(dir.path(), &cfg).unwrap_err().to_string();
+        assert!(e.contains("model.layers.0.mlp.gate.weight"), "{e}");
+    }
+
     #[test]
     fn a_good_single_file_and_good_shards_pass() {
         let (dir, cfg, all) = tiny();

@@ -354,6 +354,9 @@ pub struct MemoryEstimate {
     /// One CPU target worker: the layers it runs (f32) and the activations of one packed
     /// forward (a whole batch: `target_tokens`, the token budget).
     pub target: u64,
+    /// The target in words, for the report ("Qwen3-MoE: all 128 experts of its 47 sparse
+    /// layers run", "Qwen3").
+    pub target_what: String,
     /// Everything: every worker, plus `shared` (pools, gradient and state slots).
     pub total: u64,
 }
@@ -400,10 +403,23 @@ pub fn estimate_memory(
         .map(|(_, s)| s.iter().product::<usize>() as u64)
         .sum::<u64>()
         * f;
+    // A mixture of experts' weights are all counted above (every expert of every sparse
+    // layer); per token its activations add the router's logits and, for each of its
+    // top-k rows, the routed input and output, gate, up and SwiGLU, and the host's copy of
+    // the output for the weighted sum.
+    let moe_per_token = target.moe.as_ref().map_or(0, |m| {
+        let (k, h, mi) = (
+            m.num_experts_per_tok as u64,
+            target.hidden_size as u64,
+            m.moe_intermediate_size as u64,
+        );
+        m.num_experts as u64 + k * (3 * h + 3 * mi) + h
+    });
     let target_act = target_tokens as u64
         * (6 * target.hidden_size as u64
             + 3 * target.intermediate_size as u64
-            + taps.len() as u64 * target.hidden_size as u64)
+            + taps.len() as u64 * target.hidden_size as u64
+            + moe_per_token)
         * f;
     let target_bytes = target_weights + target_act;
     let mut total = shared;
@@ -433,7 +449,23 @@ pub fn estimate_memory(
         drafter_frozen,
         drafter_activations,
         target: target_bytes,
+        target_what: target_what(target, last),
         total,
+    }
+}
+
+/// `target` in words for the memory report: its architecture, and for a mixture of
+/// experts how many experts' weights the layers up to `last` hold.
+fn target_what(target: &TargetConfig, last: usize) -> String {
+    match &target.moe {
+        None => target.arch.to_string(),
+        Some(m) => {
+            let sparse = (0..=last).filter(|&l| target.sparse(l).is_some()).count();
+            format!(
+                "{}: all {} experts of its {sparse} sparse layer(s) run",
+                target.arch, m.num_experts
+            )
+        }
     }
 }
 
@@ -486,8 +518,9 @@ fn check_memory_against(
     parts[0].push(')');
     if cpu_targets > 0 {
         parts.push(format!(
-            "{cpu_targets} CPU target(s) of {} each",
-            human(e.target)
+            "{cpu_targets} CPU target(s) of {} each ({})",
+            human(e.target),
+            e.target_what
         ));
     }
     Err(Error::Flag(format!(
@@ -743,6 +776,49 @@ mod tests {
             e.target - half.target,
             128 * per_token as u64,
             "{e:?} {half:?}"
+        );
+    }
+
+    #[test]
+    fn a_mixture_of_experts_target_counts_every_experts_weights_and_is_named() {
+        let dense = TargetConfig::read(TINY_CONFIG).unwrap();
+        let moe = |experts: usize| {
+            let mut v: serde_json::Value = serde_json::from_str(TINY_CONFIG).unwrap();
+            let o = v.as_object_mut().unwrap();
+            o.insert("model_type".into(), "qwen3_moe".into());
+            o.insert(
+                "architectures".into(),
+                serde_json::json!(["Qwen3MoeForCausalLM"]),
+            );
+            o.insert("num_experts".into(), experts.into());
+            o.insert("num_experts_per_tok".into(), 2.into());
+            o.insert("moe_intermediate_size".into(), 32.into());
+            o.insert("mlp_only_layers".into(), serde_json::json!([0]));
+            TargetConfig::read(&v.to_string()).unwrap()
+        };
+        let (m8, m64) = (moe(8), moe(64));
+        let d = DrafterConfig::for_target(&dense, 2, 2, 8, 32);
+        let est = |t: &TargetConfig| estimate_memory(&d, t, &[1, 4], &tiny_plan(1), 64, 256, 0);
+        // Layers 0..=4 run: layer 0 dense, 1..=4 sparse, each expert 3 × 32 × 64 weights.
+        let per_expert = 3 * 32 * 64 * 4;
+        assert_eq!(
+            est(&m64).target - est(&m8).target,
+            4 * 56 * per_expert + 4 * 56 * 64 * 4 + 256 * 56 * 4,
+            "56 more experts in 4 layers: their weights, router rows and logits"
+        );
+        assert!(est(&m8).target > est(&dense).target);
+        assert_eq!(est(&dense).target_what, "Qwen3");
+        let e = est(&m64);
+        assert_eq!(
+            e.target_what,
+            "Qwen3-MoE: all 64 experts of its 4 sparse layer(s) run"
+        );
+        let msg = check_memory_against(&e, &tiny_plan(1), &d, 1 << 20)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("CPU target(s) of") && msg.contains("(Qwen3-MoE: all 64 experts"),
+            "{msg}"
         );
     }
 

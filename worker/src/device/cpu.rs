@@ -361,6 +361,14 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
             (*x, *y) = (w.output(*x), w.input(*y));
             *act = Act::F32;
         }
+        Kernel::MoeRoute { act, logits, .. } if *act == Act::Bf16 => {
+            *logits = w.input(*logits);
+            *act = Act::F32;
+        }
+        Kernel::MoeCombine { act, out, y, .. } if *act == Act::Bf16 => {
+            (*out, *y) = (w.output(*out), w.input(*y));
+            *act = Act::F32;
+        }
         Kernel::CopyCols { act, dst, src, .. } if *act == Act::Bf16 => {
             (*dst, *src) = (w.output(*dst), w.input(*src));
             *act = Act::F32;
@@ -455,7 +463,10 @@ impl CpuDevice {
         // SAFETY: as above, and the buffers are not aliased (check_aliasing), so the
         // slices each kernel makes of them are disjoint; each checks their lengths.
         unsafe {
-            match row_kernel(k, rows).or_else(|| ce_kernel(k, rows)) {
+            match row_kernel(k, rows)
+                .or_else(|| moe_kernel(k, rows))
+                .or_else(|| ce_kernel(k, rows))
+            {
                 Some(r) => r,
                 None => self.other_kernel(k, rows),
             }
@@ -1114,6 +1125,49 @@ impl BwdJobs<'_> {
     }
 }
 
+/// The mixture-of-experts kernels; `None` for the others.
+///
+/// # Safety
+/// The kernel's buffers are this device's memory and do not alias ([`check_aliasing`]).
+unsafe fn moe_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
+    Some(match *k {
+        Kernel::MoeRoute {
+            idx,
+            wts,
+            logits,
+            experts,
+            top_k,
+            norm,
+            ..
+        } => moe_route(rows, (wr(idx), wr(wts)), rd(logits), experts, top_k, norm),
+        Kernel::MoePermute {
+            offsets,
+            rows: order,
+            slots,
+            idx,
+            pairs,
+            top_k,
+            experts,
+        } => moe_permute(
+            (wr(offsets), wr(order), wr(slots)),
+            rd(idx),
+            pairs,
+            top_k,
+            experts,
+        ),
+        Kernel::MoeCombine {
+            out,
+            y,
+            wts,
+            slots,
+            top_k,
+            h,
+            ..
+        } => moe_combine(rows, wr(out), rd(y), rd(wts), rd(slots), top_k, h),
+        _ => return None,
+    })
+}
+
 /// The element-wise and row kernels; `None` for the others.
 ///
 /// # Safety
@@ -1297,6 +1351,112 @@ fn copy_cols(
     for r in 0..rows {
         dst[r * ds + doff..r * ds + doff + width]
             .copy_from_slice(&src[r * ss + soff..r * ss + soff + width]);
+    }
+    Ok(())
+}
+
+/// kernels.cu's `moe_route` for `rows` tokens: softmax, top-k by repeated argmax (lower
+/// expert first among equals), probabilities renormalised over the chosen when `norm`.
+fn moe_route(
+    rows: usize,
+    (idx, wts): (&mut [i32], &mut [f32]),
+    logits: &[f32],
+    experts: usize,
+    top_k: usize,
+    norm: bool,
+) -> Result<()> {
+    let kernel = "moe_route";
+    need(kernel, "logits", logits.len(), rows * experts)?;
+    need(kernel, "idx", idx.len(), rows * top_k)?;
+    need(kernel, "wts", wts.len(), rows * top_k)?;
+    for r in 0..rows {
+        let l = &logits[r * experts..(r + 1) * experts];
+        let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let s: f32 = l.iter().map(|v| (v - m).exp()).sum();
+        let (ri, rw) = (
+            &mut idx[r * top_k..(r + 1) * top_k],
+            &mut wts[r * top_k..(r + 1) * top_k],
+        );
+        let mut top_sum = 0f32;
+        for j in 0..top_k {
+            let mut best: Option<(usize, f32)> = None;
+            for (e, &v) in l.iter().enumerate() {
+                if ri[..j].contains(&(e as i32)) {
+                    continue;
+                }
+                if best.is_none_or(|(_, bv)| v > bv) {
+                    best = Some((e, v));
+                }
+            }
+            let (e, v) = best.unwrap_or((0, f32::NAN));
+            let p = (v - m).exp() / s;
+            top_sum += p;
+            (ri[j], rw[j]) = (e as i32, p);
+        }
+        if norm {
+            rw.iter_mut().for_each(|w| *w /= top_sum);
+        }
+    }
+    Ok(())
+}
+
+/// kernels.cu's `moe_permute`: the pairs of `idx` in expert order.
+fn moe_permute(
+    (offsets, order, slots): (&mut [i32], &mut [i32], &mut [i32]),
+    idx: &[i32],
+    pairs: usize,
+    top_k: usize,
+    experts: usize,
+) -> Result<()> {
+    let kernel = "moe_permute";
+    need(kernel, "idx", idx.len(), pairs)?;
+    need(kernel, "offsets", offsets.len(), experts + 1)?;
+    need(kernel, "rows", order.len(), pairs)?;
+    need(kernel, "slots", slots.len(), pairs)?;
+    offsets[0] = 0;
+    for e in 0..experts {
+        let c = idx[..pairs].iter().filter(|&&i| i == e as i32).count() as i32;
+        offsets[e + 1] = offsets[e] + c;
+    }
+    for e in 0..experts {
+        let mine = idx[..pairs]
+            .iter()
+            .enumerate()
+            .filter(|(_, &i)| i == e as i32);
+        for (n, (p, _)) in (offsets[e] as usize..).zip(mine) {
+            (order[n], slots[p]) = ((p / top_k.max(1)) as i32, n as i32);
+        }
+    }
+    Ok(())
+}
+
+/// kernels.cu's `moe_combine` for `rows` tokens.
+fn moe_combine(
+    rows: usize,
+    out: &mut [f32],
+    y: &[f32],
+    wts: &[f32],
+    slots: &[i32],
+    top_k: usize,
+    h: usize,
+) -> Result<()> {
+    let kernel = "moe_combine";
+    need(kernel, "wts", wts.len(), rows * top_k)?;
+    need(kernel, "slots", slots.len(), rows * top_k)?;
+    need(kernel, "out", out.len(), rows * h)?;
+    for t in 0..rows {
+        for q in 0..top_k {
+            let row = slots[t * top_k + q].max(0) as usize;
+            need(kernel, "y", y.len(), (row + 1) * h)?;
+        }
+        for j in 0..h {
+            let mut acc = 0f32;
+            for q in 0..top_k {
+                let row = slots[t * top_k + q] as usize;
+                acc += wts[t * top_k + q] * y[row * h + j];
+            }
+            out[t * h + j] = acc;
+        }
     }
     Ok(())
 }

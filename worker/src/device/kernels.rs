@@ -189,6 +189,41 @@ pub enum Kernel {
         idx: DSlice,
         h: usize,
     },
+    /// Per token (grid: tokens, one warp each): the softmax of its router `logits`
+    /// `[t, experts]`, the `top_k` largest (lower expert first among equals) into `idx`
+    /// (i32 `[t, top_k]`, rank order) and their probabilities into `wts`, divided by their
+    /// sum when `norm`.
+    MoeRoute {
+        act: Act,
+        idx: DSlice,
+        wts: DSlice,
+        logits: DSlice,
+        experts: usize,
+        top_k: usize,
+        norm: bool,
+    },
+    /// The `pairs` (token, rank) pairs of `idx` in expert order (grid: one block):
+    /// `offsets` (i32, `experts + 1`), `rows` (i32 token of each row, ascending within an
+    /// expert), `slots` (i32 row of each pair).
+    MoePermute {
+        offsets: DSlice,
+        rows: DSlice,
+        slots: DSlice,
+        idx: DSlice,
+        pairs: usize,
+        top_k: usize,
+        experts: usize,
+    },
+    /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` (grid: tokens; `y` `[rows, h]`).
+    MoeCombine {
+        act: Act,
+        out: DSlice,
+        y: DSlice,
+        wts: DSlice,
+        slots: DSlice,
+        top_k: usize,
+        h: usize,
+    },
     /// bf16 bits → f32, `n` elements.
     Bf16ToF32 {
         out: DSlice,
@@ -410,6 +445,9 @@ impl Kernel {
         match *self {
             Kernel::EmbedGather { act: a, .. } => act(a, "embed_gather", "embed_gather_bf16"),
             Kernel::ScatterAddRows { .. } => "scatter_add_rows",
+            Kernel::MoeRoute { act: a, .. } => act(a, "moe_route", "moe_route_bf16"),
+            Kernel::MoePermute { .. } => "moe_permute",
+            Kernel::MoeCombine { act: a, .. } => act(a, "moe_combine", "moe_combine_bf16"),
             Kernel::Bf16ToF32 { .. } => "bf16_to_f32",
             Kernel::F32ToBf16 { .. } => "f32_to_bf16",
             Kernel::AddInplace { act: a, .. } => act(a, "add_inplace", "add_inplace_bf16"),
@@ -469,10 +507,61 @@ impl Kernel {
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
         self.row_args()
+            .or_else(|| self.moe_args())
             .or_else(|| self.swiglu_args())
             .or_else(|| self.attention_args())
             .or_else(|| self.loss_and_optimizer_args())
-            .expect("every kernel is of one of the four families (tested)")
+            .expect("every kernel is of one of the five families (tested)")
+    }
+
+    /// The mixture-of-experts kernels' arguments.
+    fn moe_args(&self) -> Option<Vec<Arg>> {
+        use Arg::{R, W};
+        Some(match *self {
+            Kernel::MoeRoute {
+                idx,
+                wts,
+                logits,
+                experts,
+                top_k,
+                norm,
+                ..
+            } => vec![
+                W(idx),
+                W(wts),
+                R(logits),
+                i32_of(experts),
+                i32_of(top_k),
+                i32_of(norm as usize),
+            ],
+            Kernel::MoePermute {
+                offsets,
+                rows,
+                slots,
+                idx,
+                pairs,
+                top_k,
+                experts,
+            } => vec![
+                W(offsets),
+                W(rows),
+                W(slots),
+                R(idx),
+                i32_of(pairs),
+                i32_of(top_k),
+                i32_of(experts),
+            ],
+            Kernel::MoeCombine {
+                out,
+                y,
+                wts,
+                slots,
+                top_k,
+                h,
+                ..
+            } => vec![W(out), R(y), R(wts), R(slots), i32_of(top_k), i32_of(h)],
+            _ => return None,
+        })
     }
 
     /// The element-wise and row kernels' arguments.
@@ -775,6 +864,7 @@ impl Kernel {
         let mut all = Vec::new();
         for act in [Act::F32, Act::Bf16] {
             all.extend(Kernel::every_activation(b, act, attention));
+            all.extend(Kernel::every_moe(b, act));
         }
         for act in [Act::F32, Act::Bf16] {
             all.extend(Fa2Dim::ALL.into_iter().map(|dim| Kernel::AttentionFa2Fwd {
@@ -800,6 +890,30 @@ impl Kernel {
         }));
         all.extend(Kernel::every_other(b, attention, hyper));
         all
+    }
+
+    /// The mixture-of-experts kernels with an f32 and a bf16 symbol, at `act`.
+    fn every_moe(b: DSlice, act: Act) -> [Kernel; 2] {
+        [
+            Kernel::MoeRoute {
+                act,
+                idx: b,
+                wts: b,
+                logits: b,
+                experts: 1,
+                top_k: 1,
+                norm: false,
+            },
+            Kernel::MoeCombine {
+                act,
+                out: b,
+                y: b,
+                wts: b,
+                slots: b,
+                top_k: 1,
+                h: 1,
+            },
+        ]
     }
 
     /// The kernels with an f32 and a bf16 symbol, at `act`.
@@ -894,8 +1008,17 @@ impl Kernel {
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 13] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 14] {
         [
+            Kernel::MoePermute {
+                offsets: b,
+                rows: b,
+                slots: b,
+                idx: b,
+                pairs: 1,
+                top_k: 1,
+                experts: 1,
+            },
             Kernel::ScatterAddRows {
                 dst: b,
                 src: b,

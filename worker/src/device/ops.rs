@@ -310,6 +310,94 @@ impl Ops {
         )
     }
 
+    /// The routing of `t` tokens' router logits (activations `[t, experts]`): per token
+    /// the `top_k` most probable experts into `idx` (i32 `[t, top_k]`, rank order) and
+    /// their softmax probabilities into `wts` (f32), renormalised to sum to 1 when `norm`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route(
+        &mut self,
+        logits: DSlice,
+        idx: DSlice,
+        wts: DSlice,
+        t: usize,
+        experts: usize,
+        top_k: usize,
+        norm: bool,
+    ) -> Result<()> {
+        let act = self.act();
+        self.launch(
+            Kernel::MoeRoute {
+                act,
+                idx,
+                wts,
+                logits,
+                experts,
+                top_k,
+                norm,
+            },
+            t as u32,
+            32,
+        )
+    }
+
+    /// The `pairs` routed (token, rank) pairs of `idx` (i32, `top_k` per token) in expert
+    /// order: `offsets` (i32 `[experts + 1]`), `rows` (the token of each row, i32) and
+    /// `slots` (the row of each pair, i32).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_permute(
+        &mut self,
+        idx: DSlice,
+        offsets: DSlice,
+        rows: DSlice,
+        slots: DSlice,
+        pairs: usize,
+        top_k: usize,
+        experts: usize,
+    ) -> Result<()> {
+        self.launch(
+            Kernel::MoePermute {
+                offsets,
+                rows,
+                slots,
+                idx,
+                pairs,
+                top_k,
+                experts,
+            },
+            1,
+            BLOCK,
+        )
+    }
+
+    /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` for `t` tokens (activations `y`
+    /// `[rows, h]` and `out` `[t, h]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine(
+        &mut self,
+        out: DSlice,
+        y: DSlice,
+        wts: DSlice,
+        slots: DSlice,
+        t: usize,
+        top_k: usize,
+        h: usize,
+    ) -> Result<()> {
+        let act = self.act();
+        self.launch(
+            Kernel::MoeCombine {
+                act,
+                out,
+                y,
+                wts,
+                slots,
+                top_k,
+                h,
+            },
+            t as u32,
+            row_block(h),
+        )
+    }
+
     /// RMSNorm of `rows` rows of width `d`; writes `y` and the reciprocal RMS per row.
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm(

@@ -58,12 +58,15 @@ pub struct Report {
 }
 
 /// Threads per block of a kernel as device/ops.rs launches it: the FlashAttention-2
-/// kernels and the backward's preparation four warps, the other attention kernels one warp, the
-/// rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
+/// kernels and the backward's preparation four warps, the other attention kernels and the
+/// MoE routing one warp, the rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
 pub fn block_threads(kernel: &str) -> u32 {
     if kernel.starts_with("attention_fa2") || kernel == "attention_bwd_prep" {
         128
-    } else if kernel.starts_with("attention") || kernel == "adam_count" {
+    } else if kernel.starts_with("attention")
+        || kernel == "adam_count"
+        || kernel.starts_with("moe_route")
+    {
         32
     } else {
         256

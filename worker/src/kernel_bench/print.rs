@@ -81,6 +81,7 @@ fn model(m: &Model) {
         .target_forward
         .iter()
         .chain(std::iter::once(&m.drafter_step))
+        .chain(&m.moe_layer)
     {
         workload(w);
     }

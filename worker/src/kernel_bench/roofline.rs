@@ -79,6 +79,72 @@ pub fn qwen3_8b() -> Shapes {
     }
 }
 
+/// A mixture-of-experts layer's MLP: Qwen3-30B-A3B's (and Qwen3-Coder-30B-A3B's).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct MoeShapes {
+    pub hidden: f64,
+    pub experts: f64,
+    pub top_k: f64,
+    pub expert_width: f64,
+}
+
+pub fn qwen3_30b_a3b() -> MoeShapes {
+    MoeShapes {
+        hidden: 2048.0,
+        experts: 128.0,
+        top_k: 8.0,
+        expert_width: 768.0,
+    }
+}
+
+/// One sparse MLP over `t` tokens as the device route runs it: the router GEMM; the
+/// routing (`moe_route`), the permutation (`moe_permute`), the gather; the experts' gate+up
+/// and down GEMMs over their `t·k` rows, every expert's weights read once (at these token
+/// counts each expert has rows); the SwiGLU over the routed rows; the weighted sum
+/// (`moe_combine`). Model FLOPs: the GEMMs' (2 per multiply-add).
+pub fn moe_layer(hw: &Hardware, m: &MoeShapes, t: usize) -> Workload {
+    let (tf, h, e, k, w) = (t as f64, m.hidden, m.experts, m.top_k, m.expert_width);
+    let rows = tf * k;
+    let experts = |name: &str, n_in: f64, n_out: f64| {
+        let f = 2.0 * rows * n_in * n_out;
+        let bytes = 2.0 * (e * n_in * n_out + rows * n_in + rows * n_out);
+        op(hw, name, f, f, bytes, hw.gemm_efficiency)
+    };
+    let ops = vec![
+        gemm(hw, "gemm router", 1.0, tf, h, e, 1.0),
+        // Logits read (bf16), experts and weights written (i32, f32); the permutation
+        // reads the experts and writes rows and slots; the gather reads and writes rows.
+        op(
+            hw,
+            "moe route + permute",
+            0.0,
+            0.0,
+            2.0 * tf * e + 8.0 * rows + 12.0 * rows,
+            1.0,
+        ),
+        op(hw, "moe gather", 0.0, 0.0, 2.0 * 2.0 * rows * h, 1.0),
+        experts("gemm experts gate+up", h, 2.0 * w),
+        op(
+            hw,
+            "swiglu (routed rows)",
+            0.0,
+            0.0,
+            3.0 * 2.0 * rows * w,
+            1.0,
+        ),
+        experts("gemm experts down", w, h),
+        op(
+            hw,
+            "moe combine",
+            0.0,
+            0.0,
+            2.0 * rows * h + 8.0 * rows + 2.0 * tf * h,
+            1.0,
+        ),
+    ];
+    workload(hw, format!("MoE layer, {t} tokens"), ops)
+}
+
 /// What the machine code of an attention kernel says (sm_90).
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct AttentionCode {
@@ -155,11 +221,11 @@ pub struct Workload {
 fn workload(hw: &Hardware, name: String, ops: Vec<Op>) -> Workload {
     let model_flops: f64 = ops.iter().map(|o| o.model_flops).sum();
     let seconds: f64 = ops.iter().map(|o| o.seconds).sum();
+    // From +0 (an empty f64 sum is -0, printed "-0%" for a workload without attention).
     let attention: f64 = ops
         .iter()
         .filter(|o| o.name.starts_with("attention"))
-        .map(|o| o.seconds)
-        .sum();
+        .fold(0.0, |a, o| a + o.seconds);
     Workload {
         name,
         model_flops,
@@ -337,6 +403,9 @@ pub struct Model {
     pub attention: [(String, AttentionCode, f64); 3],
     pub target_forward: Vec<Workload>,
     pub drafter_step: Workload,
+    /// One Qwen3-30B-A3B sparse MLP at the forward's lengths.
+    pub moe: MoeShapes,
+    pub moe_layer: Vec<Workload>,
     /// MFU of the target forward at each length, then the drafter step, with attention at
     /// the goals (everything else as now).
     pub mfu_with_attention_at_goals: Vec<(String, f64)>,
@@ -384,12 +453,15 @@ pub fn model(
         ),
         (bwd_kernel.to_string(), bwd, attention_efficiency(&hw, &bwd)),
     ];
+    let moe = qwen3_30b_a3b();
     Model {
         hardware: hw,
         shapes: s,
         attention,
         target_forward: forwards,
         drafter_step: drafter,
+        moe,
+        moe_layer: lengths.iter().map(|&t| moe_layer(&hw, &moe, t)).collect(),
         mfu_with_attention_at_goals: at_goals,
         assumptions: assumptions(&hw, &s),
     }
@@ -416,6 +488,7 @@ fn assumptions(hw: &Hardware, s: &Shapes) -> Vec<String> {
         ),
         "drafter as now: f32 activations but the GEMM inputs (x, x2, the context and the SwiGLU output written in bf16 by their producers, the attention output cast once per pass), gate/up one GEMM, cross-entropy in one pass with 2 GEMMs per vocabulary chunk and bf16 logits (written, folded in place, read: 4 passes of 2 bytes), 5 memsets per layer, AdamW at 28 bytes per parameter; host syncs not modelled".into(),
         "elementwise passes per layer: 10 over hidden, 4 over q+k, 2 over q+k+v, 3 over the MLP width (backward twice the forward)".into(),
+        "MoE layer (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, expert width 768): the expert GEMMs at the dense GEMM efficiency, every expert's weights read once; not modelled: the per-expert launches, the offsets' copy to the host (one sync per sparse layer) and moe_permute's single block".into(),
     ]
 }
 
@@ -489,6 +562,37 @@ mod tests {
         assert!(
             d.mfu > 0.0
                 && d.mfu < drafter_step(&H200, &s, &ATTENTION_AT_GOALS, &ATTENTION_AT_GOALS).mfu
+        );
+    }
+
+    #[test]
+    fn the_moe_layer_counts_only_the_routed_rows_flops_and_every_experts_weights() {
+        let m = qwen3_30b_a3b();
+        let w = moe_layer(&H200, &m, 4096);
+        let flops = |name: &str| w.ops.iter().find(|o| o.name == name).unwrap().model_flops;
+        // 4096 tokens × 8 routed rows, 3 matrices of 2048 × 768 each: not 128 experts' worth.
+        assert_eq!(
+            flops("gemm experts gate+up") + flops("gemm experts down"),
+            2.0 * 4096.0 * 8.0 * 3.0 * 2048.0 * 768.0
+        );
+        assert_eq!(flops("gemm router"), 2.0 * 4096.0 * 2048.0 * 128.0);
+        let bytes = w
+            .ops
+            .iter()
+            .find(|o| o.name == "gemm experts down")
+            .unwrap()
+            .bytes;
+        assert!(
+            bytes >= 2.0 * 128.0 * 2048.0 * 768.0,
+            "every expert's weights: {bytes}"
+        );
+        // Short batches are bound by reading the experts' weights: MFU rises with tokens.
+        let short = moe_layer(&H200, &m, 1024);
+        assert!(
+            short.mfu < w.mfu && w.mfu < hw_gemm_ceiling(),
+            "{} {}",
+            short.mfu,
+            w.mfu
         );
     }
 

@@ -39,11 +39,6 @@ pub enum ModelProblem {
     TwoShards { name: String },
     #[error("missing tensor {name} (shape {shape:?})")]
     MissingTensor { name: String, shape: Vec<usize> },
-    #[error("{name}: {source}")]
-    Tensor {
-        name: String,
-        source: safetensors::SafeTensorError,
-    },
     #[error("tensor {name} has shape {found:?}, expected {expected:?} from config.json")]
     Shape {
         name: String,
@@ -71,8 +66,18 @@ fn err(path: &Path, problem: ModelProblem) -> ModelError {
 pub struct Weights {
     dir: PathBuf,
     shards: Vec<(PathBuf, Mmap)>,
-    /// tensor name → shard index
-    index: HashMap<String, usize>,
+    /// tensor name → where it is, read from its shard's header once (a Qwen3-MoE
+    /// checkpoint holds tens of thousands of tensors: reparsing a header per tensor
+    /// would be quadratic)
+    index: HashMap<String, Entry>,
+}
+
+/// A tensor's shard, dtype, shape and bytes (offsets into the shard's mapping).
+struct Entry {
+    shard: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: std::ops::Range<usize>,
 }
 
 impl Weights {
@@ -110,14 +115,16 @@ impl Weights {
                 unsafe { Mmap::map(&f) }.map_err(|e| err(&path, ModelProblem::Unmappable(e)))?;
             let st = SafeTensors::deserialize(&mmap)
                 .map_err(|e| err(&path, ModelProblem::Corrupt(e)))?;
-            for name in st.names() {
-                if index.insert(name.to_string(), i).is_some() {
-                    return Err(err(
-                        &path,
-                        ModelProblem::TwoShards {
-                            name: name.to_string(),
-                        },
-                    ));
+            for (name, view) in st.tensors() {
+                let start = view.data().as_ptr() as usize - mmap.as_ptr() as usize;
+                let entry = Entry {
+                    shard: i,
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    bytes: start..start + view.data().len(),
+                };
+                if index.insert(name.clone(), entry).is_some() {
+                    return Err(err(&path, ModelProblem::TwoShards { name }));
                 }
             }
             shards.push((path, mmap));
@@ -160,7 +167,7 @@ impl Weights {
     /// The tensor's bytes as stored (little-endian, no copy) and its dtype, checked against
     /// `shape`: what a device reads straight from the checkpoint's mapping.
     pub fn raw(&self, name: &str, shape: &[usize]) -> Result<(Dtype, &[u8]), ModelError> {
-        let &i = self.index.get(name).ok_or_else(|| {
+        let e = self.index.get(name).ok_or_else(|| {
             err(
                 &self.dir,
                 ModelProblem::MissingTensor {
@@ -169,35 +176,19 @@ impl Weights {
                 },
             )
         })?;
-        let (path, mmap) = &self.shards[i];
-        let st = SafeTensors::deserialize(mmap).map_err(|e| err(path, ModelProblem::Corrupt(e)))?;
-        let view = st.tensor(name).map_err(|source| {
-            err(
-                path,
-                ModelProblem::Tensor {
-                    name: name.to_string(),
-                    source,
-                },
-            )
-        })?;
-        if view.shape() != shape {
+        let (path, mmap) = &self.shards[e.shard];
+        if e.shape != shape {
             return Err(err(
                 path,
                 ModelProblem::Shape {
                     name: name.to_string(),
-                    found: view.shape().to_vec(),
+                    found: e.shape.clone(),
                     expected: shape.to_vec(),
                 },
             ));
         }
-        match view.dtype() {
-            d @ (Dtype::F32 | Dtype::BF16 | Dtype::F16) => {
-                let (start, len) = (
-                    view.data().as_ptr() as usize - mmap.as_ptr() as usize,
-                    view.data().len(),
-                );
-                Ok((d, &mmap[start..start + len]))
-            }
+        match e.dtype {
+            d @ (Dtype::F32 | Dtype::BF16 | Dtype::F16) => Ok((d, &mmap[e.bytes.clone()])),
             other => Err(err(
                 path,
                 ModelProblem::Dtype {
@@ -213,7 +204,7 @@ impl Weights {
         let mut extra: Vec<&str> = self.names().filter(|n| !known(n)).collect();
         extra.sort();
         if let Some(first) = extra.first() {
-            let i = self.index[*first];
+            let i = self.index[*first].shard;
             return Err(err(
                 &self.shards[i].0,
                 ModelProblem::Unexpected {

@@ -3,11 +3,11 @@
 //! ([`crate::models::target::device::DeviceTarget`]) and the CPU worker's taps are tested
 //! against, and what is tested against transformers.
 
-use dflash_shared::model_config::TargetConfig;
+use dflash_shared::model_config::{Moe, TargetConfig};
 
 use super::ops::Cpu;
 use super::{Heads, KeySpan};
-use crate::models::target::{Layer, Target};
+use crate::models::target::{Layer, Mlp, Swiglu, Target};
 
 impl Target {
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
@@ -105,8 +105,8 @@ impl Target {
         });
     }
 
-    /// A layer's MLP half on the residual stream `x`: `x += down(swiglu(gate, up))` of
-    /// `ln2(x)`.
+    /// A layer's MLP half on the residual stream `x`: `x += mlp(ln2(x))`, the MLP dense
+    /// (`down(swiglu(gate, up))`) or a mixture of experts ([`moe`]).
     fn mlp_block(
         &self,
         cpu: &Cpu,
@@ -116,20 +116,103 @@ impl Target {
         times: &mut Option<&mut OpTimes>,
     ) {
         let c = &self.cfg;
-        let (h, inter) = (c.hidden_size, c.intermediate_size);
-        let t = x.len() / h;
+        let h = c.hidden_size;
         let eps = c.rms_norm_eps as f32;
-        let Scratch {
-            n1, o, g, u, act, ..
-        } = s;
-        timed(times, "rmsnorm", || cpu.rmsnorm(x, &l.ln2, n1, h, eps));
-        timed(times, "matmul", || cpu.matmul(n1, &l.gate, g, t, h, inter));
-        timed(times, "matmul", || cpu.matmul(n1, &l.up, u, t, h, inter));
-        timed(times, "swiglu", || cpu.swiglu(g, u, act));
-        timed(times, "matmul", || cpu.matmul(act, &l.down, o, t, inter, h));
-        timed(times, "residual", || {
-            x.iter_mut().zip(o.iter()).for_each(|(a, b)| *a += b)
+        timed(times, "rmsnorm", || {
+            cpu.rmsnorm(x, &l.ln2, &mut s.n1, h, eps)
         });
+        match (&l.mlp, &c.moe) {
+            (Mlp::Dense(w), _) => swiglu_mlp(cpu, w, s, h, c.intermediate_size, times),
+            (Mlp::Sparse { router, experts }, Some(m)) => timed(times, "moe", || {
+                moe(cpu, m, router, experts, &s.n1, &mut s.o, h)
+            }),
+            (Mlp::Sparse { .. }, None) => unreachable!("a sparse layer of a dense config"),
+        }
+        timed(times, "residual", || {
+            x.iter_mut().zip(s.o.iter()).for_each(|(a, b)| *a += b)
+        });
+    }
+}
+
+/// `s.o = down(swiglu(gate · s.n1, up · s.n1))` for the rows of `s.n1` (`[t, h]`, MLP
+/// width `inter`).
+fn swiglu_mlp(
+    cpu: &Cpu,
+    w: &Swiglu,
+    s: &mut Scratch,
+    h: usize,
+    inter: usize,
+    times: &mut Option<&mut OpTimes>,
+) {
+    let t = s.n1.len() / h;
+    let Scratch {
+        n1, o, g, u, act, ..
+    } = s;
+    let (g, u, act) = (
+        &mut g[..t * inter],
+        &mut u[..t * inter],
+        &mut act[..t * inter],
+    );
+    timed(times, "matmul", || cpu.matmul(n1, &w.gate, g, t, h, inter));
+    timed(times, "matmul", || cpu.matmul(n1, &w.up, u, t, h, inter));
+    timed(times, "swiglu", || cpu.swiglu(g, u, act));
+    timed(times, "matmul", || cpu.matmul(act, &w.down, o, t, inter, h));
+}
+
+/// Qwen3-MoE's sparse MLP of the rows of `x` (`[t, h]`) into `out`: per row, the softmax
+/// of the router's logits, the `num_experts_per_tok` most probable experts (their
+/// probabilities renormalised to sum to 1 when `norm_topk_prob`), and the sum of those
+/// experts' SwiGLU MLPs of the row, each times its probability. Plainly: each expert runs
+/// over the rows routed to it.
+fn moe(
+    cpu: &Cpu,
+    m: &Moe,
+    router: &[f32],
+    experts: &[Swiglu],
+    x: &[f32],
+    out: &mut [f32],
+    h: usize,
+) {
+    let (t, ne, mi) = (x.len() / h, m.num_experts, m.moe_intermediate_size);
+    let mut logits = vec![0f32; t * ne];
+    cpu.matmul(x, router, &mut logits, t, h, ne);
+    // Per expert: (row, weight) of the rows routed to it.
+    let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); ne];
+    for (r, l) in logits.chunks_exact(ne).enumerate() {
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f64> = l.iter().map(|v| ((v - max) as f64).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        let mut order: Vec<usize> = (0..ne).collect();
+        order.sort_by(|&a, &b| e[b].total_cmp(&e[a]));
+        let top = &order[..m.num_experts_per_tok];
+        let top_sum: f64 = top.iter().map(|&i| e[i] / sum).sum();
+        for &i in top {
+            let p = e[i] / sum;
+            let w = if m.norm_topk_prob { p / top_sum } else { p };
+            routed[i].push((r, w as f32));
+        }
+    }
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (w, rows) in experts.iter().zip(&routed) {
+        let n = rows.len();
+        if n == 0 {
+            continue;
+        }
+        let xe: Vec<f32> = rows
+            .iter()
+            .flat_map(|&(r, _)| x[r * h..(r + 1) * h].iter().copied())
+            .collect();
+        let (mut g, mut u, mut a) = (vec![0f32; n * mi], vec![0f32; n * mi], vec![0f32; n * mi]);
+        let mut y = vec![0f32; n * h];
+        cpu.matmul(&xe, &w.gate, &mut g, n, h, mi);
+        cpu.matmul(&xe, &w.up, &mut u, n, h, mi);
+        cpu.swiglu(&g, &u, &mut a);
+        cpu.matmul(&a, &w.down, &mut y, n, mi, h);
+        for (&(r, wt), yr) in rows.iter().zip(y.chunks_exact(h)) {
+            for (o, v) in out[r * h..(r + 1) * h].iter_mut().zip(yr) {
+                *o += wt * v;
+            }
+        }
     }
 }
 

@@ -17,6 +17,7 @@ use crate::device::{
 use crate::models::target::{matrix_name, Target};
 
 pub mod decode;
+pub mod moe;
 
 struct Layer {
     ln1: DSlice,
@@ -26,9 +27,13 @@ struct Layer {
     wv: DSlice,
     wo: DSlice,
     qk_norm: Option<(DSlice, DSlice)>,
-    gate: DSlice,
-    up: DSlice,
-    down: DSlice,
+    mlp: Mlp,
+}
+
+/// A layer's MLP on the device: dense (gate, up, down), or a mixture of experts.
+enum Mlp {
+    Dense([DSlice; 3]),
+    Sparse(moe::Experts),
 }
 
 struct Acts {
@@ -47,6 +52,8 @@ struct Acts {
     g: DSlice,
     u: DSlice,
     act: DSlice,
+    /// The sparse MLP's activations (a mixture-of-experts target).
+    moe: Option<moe::MoeActs>,
     out: DSlice,
     /// Two bf16 staging buffers for the copy to the host, used in turn (with bf16
     /// activations the taps are written straight into them).
@@ -340,7 +347,7 @@ impl DeviceTarget {
             return Ok(0);
         }
         let c = &self.cfg;
-        let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (h, hd) = (c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let (qd, kd) = (nh * hd, nkv * hd);
         let eps = c.rms_norm_eps as f32;
@@ -392,10 +399,7 @@ impl DeviceTarget {
             mm(ops, att, l.wo, o, t, qd, h)?;
             ops.add(x, o)?;
             ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
-            mm(ops, n1, l.gate, g, t, h, inter)?;
-            mm(ops, n1, l.up, u, t, h, inter)?;
-            ops.swiglu(g, u, sw)?;
-            mm(ops, sw, l.down, o, t, inter, h)?;
+            mlp(ops, c, l, a, (n1, o, [g, u, sw]), t, self.bf16)?;
             ops.add(x, o)?;
             for (ti, &tap) in self.taps.iter().enumerate() {
                 if tap == li {
@@ -404,6 +408,35 @@ impl DeviceTarget {
             }
         }
         Ok(t)
+    }
+}
+
+/// Layer `l`'s MLP of the `t` normed rows `n1` into `o` (`[t, hidden]`), with the dense
+/// MLP's gate, up and SwiGLU activations `gus` or the sparse MLP's of `a`.
+fn mlp(
+    ops: &mut Ops,
+    c: &TargetConfig,
+    l: &Layer,
+    a: &Acts,
+    (n1, o, gus): (DSlice, DSlice, [DSlice; 3]),
+    t: usize,
+    bf16: bool,
+) -> Result<()> {
+    let h = c.hidden_size;
+    match (&l.mlp, &c.moe, &a.moe) {
+        (Mlp::Dense([gate, up, down]), _, _) => {
+            let ([g, u, sw], inter) = (gus, c.intermediate_size);
+            ops.matmul_act(n1, *gate, g, t, h, inter)?;
+            ops.matmul_act(n1, *up, u, t, h, inter)?;
+            ops.swiglu(g, u, sw)?;
+            ops.matmul_act(sw, *down, o, t, inter, h)
+        }
+        (Mlp::Sparse(w), Some(m), Some(acts)) => {
+            moe::sparse_mlp(ops, m, w, acts, (n1, o), t, h, bf16)
+        }
+        (Mlp::Sparse(_), _, _) => Err(GpuError::Invalid(
+            "a sparse layer in a target without a mixture of experts".into(),
+        )),
     }
 }
 
@@ -604,9 +637,42 @@ impl Placer<'_> {
             wv: self.matrix(&l.wv, &m("self_attn.v_proj"), &n("v_proj"))?,
             wo: self.matrix(&l.wo, &m("self_attn.o_proj"), &n("o_proj"))?,
             qk_norm,
-            gate: self.matrix(&l.gate, &m("mlp.gate_proj"), &n("gate_proj"))?,
-            up: self.matrix(&l.up, &m("mlp.up_proj"), &n("up_proj"))?,
-            down: self.matrix(&l.down, &m("mlp.down_proj"), &n("down_proj"))?,
+            mlp: self.mlp(i, &l.mlp)?,
+        })
+    }
+
+    /// Layer `i`'s MLP matrices: the dense MLP's, or the router and every expert's.
+    fn mlp(&mut self, i: usize, mlp: &crate::models::target::Mlp) -> Result<Mlp> {
+        use crate::models::target::{Mlp as HostMlp, Swiglu};
+        let mut swiglu = |w: &Swiglu, at: &str| -> Result<[DSlice; 3]> {
+            let mut one = |v: &[f32], p: &str| {
+                self.matrix(
+                    v,
+                    &matrix_name(i, &format!("{at}.{p}")),
+                    &format!("layer {i} {at}.{p}"),
+                )
+            };
+            Ok([
+                one(&w.gate, "gate_proj")?,
+                one(&w.up, "up_proj")?,
+                one(&w.down, "down_proj")?,
+            ])
+        };
+        Ok(match mlp {
+            HostMlp::Dense(w) => Mlp::Dense(swiglu(w, "mlp")?),
+            HostMlp::Sparse { router, experts } => {
+                let experts = experts
+                    .iter()
+                    .enumerate()
+                    .map(|(e, w)| swiglu(w, &format!("mlp.experts.{e}")))
+                    .collect::<Result<Vec<_>>>()?;
+                let router = self.matrix(
+                    router,
+                    &matrix_name(i, "mlp.gate"),
+                    &format!("layer {i} router"),
+                )?;
+                Mlp::Sparse(moe::Experts { router, experts })
+            }
         })
     }
 }
@@ -624,6 +690,10 @@ impl Acts {
         let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
         let (qd, kd) = (c.num_attention_heads * hd, c.num_key_value_heads * hd);
         let width = target.taps.len() * h;
+        let moe = match &c.moe {
+            Some(m) => Some(moe::MoeActs::alloc(d, arena, m, h, t, bf16)?),
+            None => None,
+        };
         let mut f = |n: usize, name: &str| arena.alloc_f32(d, n, name);
         // An activation of n elements: half the f32s in bf16.
         let an = |n: usize| if bf16 { n.div_ceil(2) } else { n };
@@ -641,6 +711,7 @@ impl Acts {
             g: f(an(t * inter), "gate")?,
             u: f(an(t * inter), "up")?,
             act: f(an(t * inter), "swiglu")?,
+            moe,
             out: f(an(t * width), "taps")?,
             stage: [
                 f(t * width / 2 + 1, "bf16 staging 0")?,

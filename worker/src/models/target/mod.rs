@@ -1,10 +1,10 @@
-//! The frozen target: a Qwen3 or Llama decoder run forward only, up to its last tapped
-//! layer, returning the residual stream after each tapped layer (HF `hidden_states[id+1]`,
+//! The frozen target: a Qwen3, Qwen3-MoE or Llama decoder run forward only, up to its last
+//! tapped layer, returning the residual stream after each tapped layer (HF `hidden_states[id+1]`,
 //! before the final norm) concatenated on the feature axis.
 
 use std::path::Path;
 
-use dflash_shared::model_config::{Arch, TargetConfig};
+use dflash_shared::model_config::TargetConfig;
 
 use super::weights::{ModelError, ModelProblem, Weights};
 use crate::math::rope_inv_freq;
@@ -22,9 +22,41 @@ pub(crate) struct Layer {
     pub(crate) wo: Vec<f32>,
     pub(crate) q_norm: Option<Vec<f32>>,
     pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) mlp: Mlp,
+}
+
+/// A SwiGLU MLP's projections: `down(silu(gate·x) ⊙ up·x)`.
+pub(crate) struct Swiglu {
     pub(crate) gate: Vec<f32>,
     pub(crate) up: Vec<f32>,
     pub(crate) down: Vec<f32>,
+}
+
+impl Swiglu {
+    fn len(&self) -> usize {
+        self.gate.len() + self.up.len() + self.down.len()
+    }
+}
+
+/// A layer's MLP: dense, or (Qwen3-MoE's sparse layers) the router `[experts, hidden]` and
+/// the experts ([`dflash_shared::model_config::Moe`]).
+pub(crate) enum Mlp {
+    Dense(Swiglu),
+    Sparse {
+        router: Vec<f32>,
+        experts: Vec<Swiglu>,
+    },
+}
+
+impl Mlp {
+    fn len(&self) -> usize {
+        match self {
+            Mlp::Dense(s) => s.len(),
+            Mlp::Sparse { router, experts } => {
+                router.len() + experts.iter().map(Swiglu::len).sum::<usize>()
+            }
+        }
+    }
 }
 
 /// How much of a checkpoint [`Target::load_as`] reads into host memory.
@@ -53,12 +85,11 @@ impl Target {
             .layers
             .iter()
             .map(|l| {
-                [
-                    &l.ln1, &l.ln2, &l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down,
-                ]
-                .iter()
-                .map(|v| v.len())
-                .sum::<usize>()
+                [&l.ln1, &l.ln2, &l.wq, &l.wk, &l.wv, &l.wo]
+                    .iter()
+                    .map(|v| v.len())
+                    .sum::<usize>()
+                    + l.mlp.len()
                     + l.q_norm.as_ref().map_or(0, Vec::len)
                     + l.k_norm.as_ref().map_or(0, Vec::len)
             })
@@ -134,63 +165,27 @@ impl Target {
             });
         }
         let all = expected_tensors(&cfg, cfg.num_hidden_layers);
-        for (name, _) in &all {
-            if !w.contains(name) {
-                return Err(ModelError {
-                    path: dir.display().to_string(),
-                    problem: ModelProblem::MissingTensor {
-                        name: name.clone(),
-                        shape: all
-                            .iter()
-                            .find(|(n, _)| n == name)
-                            .map(|(_, s)| s.clone())
-                            .unwrap_or_default(),
-                    },
-                });
-            }
-        }
-        let known: std::collections::HashSet<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
-        w.check_no_extra(&|n: &str| {
-            known.contains(n) || dflash_shared::model_config::is_ignorable_tensor(n)
-        })?;
-        let shape = |name: &str| {
-            all.iter()
-                .find(|(n, _)| n == name)
-                .map(|(_, s)| s.clone())
-                .unwrap_or_default()
-        };
-        let get = |name: &str| w.get(name, &shape(name));
+        check_tensors(dir, &w, &all)?;
+        let shapes: std::collections::HashMap<&str, &[usize]> = all
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.as_slice()))
+            .collect();
+        let shape = |name: &str| shapes.get(name).copied().unwrap_or_default();
+        let get = |name: &str| w.get(name, shape(name));
         // A matrix a device reads from the mapping: checked here (shape, dtype), not read.
         let big = |name: &str| -> Result<Vec<f32>, ModelError> {
             match how {
                 Load::F32 => get(name),
-                Load::Mapped => w.raw(name, &shape(name)).map(|_| Vec::new()),
+                Load::Mapped => w.raw(name, shape(name)).map(|_| Vec::new()),
             }
         };
         let last = match every {
             true => cfg.num_hidden_layers - 1,
             false => taps.iter().copied().max().unwrap_or(0),
         };
-        let qk = cfg.arch == Arch::Qwen3;
-        let mut layers = Vec::new();
-        for l in 0..=last {
-            let p = format!("model.layers.{l}");
-            let g = |s: &str| get(&format!("{p}.{s}"));
-            let b = |s: &str| big(&format!("{p}.{s}"));
-            layers.push(Layer {
-                ln1: g("input_layernorm.weight")?,
-                ln2: g("post_attention_layernorm.weight")?,
-                wq: b("self_attn.q_proj.weight")?,
-                wk: b("self_attn.k_proj.weight")?,
-                wv: b("self_attn.v_proj.weight")?,
-                wo: b("self_attn.o_proj.weight")?,
-                q_norm: qk.then(|| g("self_attn.q_norm.weight")).transpose()?,
-                k_norm: qk.then(|| g("self_attn.k_norm.weight")).transpose()?,
-                gate: b("mlp.gate_proj.weight")?,
-                up: b("mlp.up_proj.weight")?,
-                down: b("mlp.down_proj.weight")?,
-            });
-        }
+        let layers = (0..=last)
+            .map(|l| load_layer(&cfg, l, &get, &big))
+            .collect::<Result<Vec<Layer>, ModelError>>()?;
         let embed = big(EMBED)?;
         let inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling.as_ref());
         let rope_scale = cfg
@@ -208,4 +203,60 @@ impl Target {
             mapped,
         })
     }
+}
+
+/// Every tensor of `all` in the checkpoint `w` (of `dir`), and none it does not name but
+/// those loaders ignore.
+fn check_tensors(dir: &Path, w: &Weights, all: &[(String, Vec<usize>)]) -> Result<(), ModelError> {
+    if let Some((name, shape)) = all.iter().find(|(n, _)| !w.contains(n)) {
+        return Err(ModelError {
+            path: dir.display().to_string(),
+            problem: ModelProblem::MissingTensor {
+                name: name.clone(),
+                shape: shape.clone(),
+            },
+        });
+    }
+    let known: std::collections::HashSet<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+    w.check_no_extra(&|n: &str| {
+        known.contains(n) || dflash_shared::model_config::is_ignorable_tensor(n)
+    })
+}
+
+type Getter<'a> = dyn Fn(&str) -> Result<Vec<f32>, ModelError> + 'a;
+
+/// Layer `l` of a `cfg` model: its norms read with `g` (f32), its matrices with `b` (f32,
+/// or left in the checkpoint's mapping).
+fn load_layer(cfg: &TargetConfig, l: usize, g: &Getter, b: &Getter) -> Result<Layer, ModelError> {
+    let p = format!("model.layers.{l}");
+    let g = |s: &str| g(&format!("{p}.{s}"));
+    let b = |s: &str| b(&format!("{p}.{s}"));
+    let swiglu = |m: &str| -> Result<Swiglu, ModelError> {
+        Ok(Swiglu {
+            gate: b(&format!("{m}.gate_proj.weight"))?,
+            up: b(&format!("{m}.up_proj.weight"))?,
+            down: b(&format!("{m}.down_proj.weight"))?,
+        })
+    };
+    let mlp = match cfg.sparse(l) {
+        None => Mlp::Dense(swiglu("mlp")?),
+        Some(m) => Mlp::Sparse {
+            router: b("mlp.gate.weight")?,
+            experts: (0..m.num_experts)
+                .map(|e| swiglu(&format!("mlp.experts.{e}")))
+                .collect::<Result<_, _>>()?,
+        },
+    };
+    let qk = cfg.arch.has_qk_norm();
+    Ok(Layer {
+        ln1: g("input_layernorm.weight")?,
+        ln2: g("post_attention_layernorm.weight")?,
+        wq: b("self_attn.q_proj.weight")?,
+        wk: b("self_attn.k_proj.weight")?,
+        wv: b("self_attn.v_proj.weight")?,
+        wo: b("self_attn.o_proj.weight")?,
+        q_norm: qk.then(|| g("self_attn.q_norm.weight")).transpose()?,
+        k_norm: qk.then(|| g("self_attn.k_norm.weight")).transpose()?,
+        mlp,
+    })
 }

@@ -250,7 +250,7 @@ impl Decoder {
     /// cache, attention over the cache's first `s0 + t` positions.
     fn layer(&mut self, li: usize, t: usize, s0: usize) -> Result<()> {
         let c = &self.model.cfg;
-        let (h, hd, inter) = (c.hidden_size, c.head_dim, c.intermediate_size);
+        let (h, hd) = (c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
         let (qd, kd) = (nh * hd, nkv * hd);
         let eps = c.rms_norm_eps as f32;
@@ -301,10 +301,7 @@ impl Decoder {
         ops.matmul_act(att, l.wo, o, t, qd, h)?;
         ops.add(x, o)?;
         ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
-        ops.matmul_act(n1, l.gate, g, t, h, inter)?;
-        ops.matmul_act(n1, l.up, u, t, h, inter)?;
-        ops.swiglu(g, u, sw)?;
-        ops.matmul_act(sw, l.down, o, t, inter, h)?;
+        super::mlp(ops, c, l, a, (n1, o, [g, u, sw]), t, self.model.bf16)?;
         ops.add(x, o)?;
         for (ti, &tap) in taps.iter().enumerate() {
             if tap == li {
