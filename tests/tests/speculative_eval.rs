@@ -290,7 +290,7 @@ fn a_drafter_trained_on_its_targets_greedy_outputs_decodes_at_tau_above_one() {
         "512",
     ]);
     assert_eq!(
-        run.wait_exit(Duration::from_secs(300)).code(),
+        run.wait_exit(Duration::from_secs(120)).code(),
         Some(0),
         "{}",
         run.stderr()
