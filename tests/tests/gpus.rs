@@ -293,10 +293,14 @@ fn nvml_failing_after_start_gives_one_warning_and_the_run_goes_on() {
 }
 
 fn http_get(addr: &str, path: &str) -> String {
+    http(addr, "GET", path)
+}
+
+fn http(addr: &str, method: &str, path: &str) -> String {
     use std::io::{Read, Write};
     let mut s =
         std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect {addr}: {e}"));
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+    s.write_all(format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
         .unwrap_or_else(|e| panic!("write to {addr}: {e}"));
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
@@ -359,6 +363,48 @@ fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
         "{body}"
     );
     assert!(http_get(&addr, "/other").starts_with("HTTP/1.1 404"));
+    // HEAD: the headers alone.
+    let head = http(&addr, "HEAD", "/metrics");
+    assert!(
+        head.starts_with("HTTP/1.1 200 OK") && head.ends_with("\r\n\r\n"),
+        "{head}"
+    );
+    // The build and the run, and the counters the dispatcher keeps at every step.
+    let run = sup
+        .run_dir
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        body.contains(&format!(
+            "dflash_build_info{{version=\"{}\",run=\"{run}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        )) && body.contains("# TYPE dflash_train_steps_total counter")
+            && body.contains("# TYPE dflash_tokens_trained_total counter"),
+        "{body}"
+    );
+    // Scrapes are served side by side: with every handler held by a client that says
+    // nothing, one more connection is told 503 at once instead of waiting in line; once
+    // they time out, scrapes are served again.
+    let held: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    let busy = wait_for(
+        "a 503 while every handler is held",
+        Duration::from_secs(20),
+        || {
+            let r = http_get(&addr, "/metrics");
+            r.starts_with("HTTP/1.1 503").then_some(r)
+        },
+    );
+    assert!(busy.contains("too many scrapes"), "{busy}");
+    drop(held);
+    wait_for("scrapes served again", Duration::from_secs(20), || {
+        http_get(&addr, "/metrics")
+            .starts_with("HTTP/1.1 200")
+            .then_some(())
+    });
     let text = body.split("\r\n\r\n").nth(1).unwrap().to_string();
     let file = tmp.path().join("metrics.txt");
     fs::write(&file, &text).unwrap();

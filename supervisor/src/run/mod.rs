@@ -367,6 +367,10 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let tau = tau_config(&args, tau_prompts, &run_dir.path)?;
     let mut cfg = dispatcher_config(&args, plan, worker_bin, target_dir)?;
     cfg.tau = tau;
+    if let Some(p) = &cfg.prometheus {
+        let name = run_dir.path.file_name().map(|n| n.to_string_lossy());
+        p.set_run(name.as_deref().unwrap_or(""));
+    }
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
     setup.check()?;

@@ -1,10 +1,13 @@
 //! `--prometheus ADDR`: the latest metrics window in Prometheus text exposition format at
-//! `http://ADDR/metrics`. A bare port binds loopback only; give an address (0.0.0.0:21400)
-//! to listen elsewhere. A minimal HTTP/1.1 responder on its own thread: one short request,
-//! one response, close.
+//! `http://ADDR/metrics`, with counters the dispatcher updates at every step (committed
+//! steps, trained tokens) and `dflash_build_info`. A bare port binds loopback only; give an
+//! address (0.0.0.0:21400) to listen elsewhere. A minimal HTTP/1.1 responder: each
+//! connection served on its own thread (up to [`MAX_CLIENTS`] at once, beyond that 503),
+//! one short request (GET, or HEAD for the headers alone), one response, close.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,10 +15,27 @@ use serde_json::Value;
 
 use crate::error::Error;
 
+/// Scrapes served at once; a connection beyond them gets 503.
+pub const MAX_CLIENTS: usize = 8;
+
 #[derive(Clone)]
 pub struct Exporter {
     text: Arc<Mutex<String>>,
+    counters: Arc<Counters>,
+    /// The run's name, for `dflash_build_info`'s `run` label.
+    run: Arc<Mutex<String>>,
     pub addr: SocketAddr,
+}
+
+/// What the dispatcher counts as the run goes, between metrics windows.
+#[derive(Default)]
+struct Counters {
+    /// Optimizer steps committed, retrained ones after a rollback included (monotonic).
+    steps: AtomicU64,
+    /// The step last seen, to count the next ones.
+    last_step: AtomicU64,
+    /// Tokens the drafters trained on.
+    tokens: AtomicU64,
 }
 
 /// `--prometheus` given neither a port nor an address with a port.
@@ -43,42 +63,54 @@ impl Exporter {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::start("the Prometheus listener", e))?;
-        let text = Arc::new(Mutex::new(
-            "# HELP dflash_up 1 while the supervisor runs.\n# TYPE dflash_up gauge\ndflash_up 1\n"
-                .to_string(),
-        ));
-        let shared = text.clone();
+        let e = Exporter {
+            text: Arc::new(Mutex::new(String::new())),
+            counters: Arc::default(),
+            run: Arc::default(),
+            addr,
+        };
+        let shared = e.clone();
+        let clients = Arc::new(AtomicUsize::new(0));
         std::thread::Builder::new()
             .name("prometheus".into())
             .spawn(move || {
                 for stream in listener.incoming() {
-                    let Ok(mut s) = stream else { continue };
-                    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-                    // Read the request head (it may come in several segments).
-                    let mut buf = Vec::with_capacity(1024);
-                    let mut chunk = [0u8; 1024];
-                    while buf.len() < 8192 && !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match s.read(&mut chunk) {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
+                    let Ok(s) = stream else { continue };
+                    if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
+                        clients.fetch_sub(1, Ordering::SeqCst);
+                        // Read what the request sent (briefly: this is the accept loop), so
+                        // that closing does not reset the connection under the reply.
+                        let mut s = s;
+                        let _ = request_head(&mut s, Duration::from_millis(200));
+                        respond(
+                            s,
+                            "503 Service Unavailable",
+                            "busy: too many scrapes at once\n",
+                            false,
+                        );
+                        continue;
                     }
-                    let req = String::from_utf8_lossy(&buf);
-                    let path = req.split_whitespace().nth(1).unwrap_or("");
-                    let (status, body) = if path == "/metrics" || path.starts_with("/metrics?") {
-                        ("200 OK", shared.lock().map(|t| t.clone()).unwrap_or_default())
-                    } else {
-                        ("404 Not Found", "not found: the metrics are at /metrics\n".to_string())
-                    };
-                    let _ = write!(
-                        s,
-                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
+                    let (page, done) = (shared.clone(), clients.clone());
+                    let served = std::thread::Builder::new()
+                        .name("prometheus-scrape".into())
+                        .spawn(move || {
+                            page.serve(s);
+                            done.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    if served.is_err() {
+                        clients.fetch_sub(1, Ordering::SeqCst);
+                    }
                 }
             })
             .map_err(|e| Error::start("Prometheus thread", e))?;
-        Ok(Exporter { text, addr })
+        Ok(e)
+    }
+
+    /// The run's name, for the `run` label of `dflash_build_info`.
+    pub fn set_run(&self, name: &str) {
+        if let Ok(mut r) = self.run.lock() {
+            *r = name.to_string();
+        }
     }
 
     pub fn update(&self, window: &Value) {
@@ -86,6 +118,98 @@ impl Exporter {
             *t = render(window);
         }
     }
+
+    /// The run at `step` with `tokens` trained so far: counts the steps committed since
+    /// the last call (none when a rollback took the step back: the steps trained again
+    /// count as they are committed again).
+    pub fn progress(&self, step: u64, tokens: u64) {
+        let c = &self.counters;
+        let last = c.last_step.swap(step, Ordering::SeqCst);
+        c.steps
+            .fetch_add(step.saturating_sub(last), Ordering::SeqCst);
+        c.tokens.fetch_max(tokens, Ordering::SeqCst);
+    }
+
+    /// The page: the latest window's families, the counters and the build info.
+    fn page(&self) -> String {
+        let mut o = Out(self.text.lock().map(|t| t.clone()).unwrap_or_default());
+        if o.0.is_empty() {
+            o.family("dflash_up", "gauge", "1 while the supervisor runs.");
+            o.sample("dflash_up", &[], Some(1.0));
+        }
+        let run = self.run.lock().map(|r| r.clone()).unwrap_or_default();
+        o.family(
+            "dflash_build_info",
+            "gauge",
+            "1, labelled with this dflash-supervise's version and the run's name.",
+        );
+        o.sample(
+            "dflash_build_info",
+            &[("version", env!("CARGO_PKG_VERSION")), ("run", &run)],
+            Some(1.0),
+        );
+        o.family(
+            "dflash_train_steps_total",
+            "counter",
+            "Optimizer steps committed, steps trained again after a rollback included.",
+        );
+        let steps = self.counters.steps.load(Ordering::SeqCst);
+        o.sample("dflash_train_steps_total", &[], Some(steps as f64));
+        o.family(
+            "dflash_tokens_trained_total",
+            "counter",
+            "Tokens the drafters trained on.",
+        );
+        let tokens = self.counters.tokens.load(Ordering::SeqCst);
+        o.sample("dflash_tokens_trained_total", &[], Some(tokens as f64));
+        o.0
+    }
+
+    /// One request on `s`: GET (or HEAD) /metrics, else 404.
+    fn serve(&self, mut s: TcpStream) {
+        let req = request_head(&mut s, Duration::from_secs(2));
+        let mut words = req.split_whitespace();
+        let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+        let head = method == "HEAD";
+        if method != "GET" && !head {
+            return respond(s, "405 Method Not Allowed", "only GET and HEAD\n", false);
+        }
+        if path == "/metrics" || path.starts_with("/metrics?") {
+            respond(s, "200 OK", &self.page(), head);
+        } else {
+            respond(
+                s,
+                "404 Not Found",
+                "not found: the metrics are at /metrics\n",
+                head,
+            );
+        }
+    }
+}
+
+/// The request head (it may come in several segments), as far as it came within
+/// `timeout` of silence.
+fn request_head(s: &mut TcpStream, timeout: Duration) -> String {
+    let _ = s.set_read_timeout(Some(timeout));
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while buf.len() < 8192 && !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// Write one response and close; a HEAD's has the headers alone.
+fn respond(mut s: TcpStream, status: &str, body: &str, head: bool) {
+    let _ = write!(
+        s,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
+        body.len(),
+        if head { "" } else { body }
+    );
 }
 
 struct Out(String);
@@ -344,11 +468,11 @@ fn progress_families(o: &mut Out, w: &Value) {
         w["batches"]["consumed"].as_f64(),
     );
     o.family(
-        "dflash_train_steps_total",
-        "counter",
-        "Committed optimizer steps.",
+        "dflash_train_step",
+        "gauge",
+        "The run's current optimizer step (a rollback takes it back).",
     );
-    o.sample("dflash_train_steps_total", &[], w["train"]["step"].as_f64());
+    o.sample("dflash_train_step", &[], w["train"]["step"].as_f64());
     o.family(
         "dflash_train_loss",
         "gauge",

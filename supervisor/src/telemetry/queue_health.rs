@@ -39,6 +39,8 @@ pub struct QueueHealth {
     phases: BTreeMap<String, BTreeMap<&'static str, (f64, u64)>>,
     /// The latest device memory report of each device worker (kept across windows).
     device_memory: BTreeMap<String, dflash_shared::protocol::DeviceMemory>,
+    /// Tokens the drafters trained on since the run started (kept across windows).
+    drafter_tokens_total: u64,
 }
 
 impl Default for QueueHealth {
@@ -53,6 +55,7 @@ impl Default for QueueHealth {
             padded_tokens: 0,
             phases: BTreeMap::new(),
             device_memory: BTreeMap::new(),
+            drafter_tokens_total: 0,
         }
     }
 }
@@ -81,6 +84,9 @@ impl QueueHealth {
     }
 
     pub fn tokens(&mut self, worker: &str, n: u64) {
+        if worker.starts_with("drafter") {
+            self.drafter_tokens_total += n;
+        }
         *self.tokens_by_worker.entry(worker.to_string()).or_default() += n;
     }
 
@@ -168,9 +174,15 @@ impl QueueHealth {
         *self = QueueHealth {
             last: self.last,
             device_memory: std::mem::take(&mut self.device_memory),
+            drafter_tokens_total: self.drafter_tokens_total,
             ..QueueHealth::default()
         };
         v
+    }
+
+    /// Tokens the drafters trained on since the run started.
+    pub fn drafter_tokens_total(&self) -> u64 {
+        self.drafter_tokens_total
     }
 
     /// Tokens the drafters trained so far in the open window.

@@ -16,6 +16,12 @@ impl Dispatcher {
     /// this moment, tokens/s over the open window (once it is a second old; the last
     /// window's before), and the latest window's other rates.
     pub(super) fn refresh_status(&mut self) {
+        if let Some(p) = &self.cfg.prometheus {
+            p.progress(
+                self.trainer.progress().step,
+                self.pipeline.health.drafter_tokens_total(),
+            );
+        }
         if !crate::telemetry::console::live()
             || self.now.saturating_duration_since(self.metrics.status_at) < Duration::from_secs(1)
         {
