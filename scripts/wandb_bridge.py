@@ -3,17 +3,23 @@
 
     scripts/wandb_bridge.py RUN_DIR [--project P] [--name N] [--no-follow]
 
-Every metrics window becomes one W&B log call (nested keys flattened with "/"), every
-training step another, with the step number as the W&B step. It follows the files as they
-grow until the run ends (its supervisor releases RUN_DIR/.lock), or reads what is there and
-exits with --no-follow. Works offline: WANDB_MODE=offline writes the run under ./wandb for
-a later `wandb sync`.
+The supervisor starts it itself with --wandb-project (and keeps it running); it also runs
+by hand. Every metrics window becomes one W&B log call (nested keys flattened with "/"),
+every training step another. W&B's x axis is `global_step`, which counts every record
+logged and never goes back, so the steps a rollback trains again are logged too (their
+optimizer step is `train/step`); each rollback is also a `events/rollback_to` value and a
+W&B alert. The W&B run id and how far the files were logged are kept in RUN_DIR/wandb.json,
+so a bridge started again (after a crash, or a --resume of the run) continues the same W&B
+run where it stopped. It follows the files as they grow until the run ends (its supervisor
+releases RUN_DIR/.lock), or reads what is there and exits with --no-follow. Works offline:
+WANDB_MODE=offline writes the run under ./wandb (or WANDB_DIR) for a later `wandb sync`.
 """
 
 import argparse
 import fcntl
 import json
 import os
+import secrets
 import sys
 import time
 
@@ -36,10 +42,10 @@ def flatten(obj, path="", out=None):
 
 
 class Tail:
-    """New complete lines of a file, from where we left off."""
+    """New complete lines of a file, from byte offset `pos` on."""
 
-    def __init__(self, path):
-        self.path, self.pos, self.partial = path, 0, ""
+    def __init__(self, path, pos=0):
+        self.path, self.pos, self.partial = path, pos, ""
 
     def lines(self):
         try:
@@ -52,6 +58,32 @@ class Tail:
         data = self.partial + data
         *complete, self.partial = data.split("\n")
         return [l for l in complete if l.strip()]
+
+    def done(self):
+        """Byte offset of the last complete line read."""
+        return self.pos - len(self.partial.encode("utf-8"))
+
+
+def load_state(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def save_state(path, state):
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+    os.replace(tmp, path)
+
+
+def without_nulls(obj):
+    """The run's settings as W&B shows them: unset (null) settings left out."""
+    if isinstance(obj, dict):
+        return {k: without_nulls(v) for k, v in obj.items() if v is not None}
+    return obj
 
 
 def supervisor_alive(run_dir):
@@ -83,35 +115,54 @@ def main(argv=None):
         print("wandb_bridge: the wandb package is not installed (pip install wandb)", file=sys.stderr)
         return 2
     name = a.name or os.path.basename(os.path.abspath(a.run_dir))
-    config = {}
-    try:
-        with open(os.path.join(a.run_dir, "run.json"), encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        pass
-    run = wandb.init(project=a.project, name=name, config=config)
-    metrics = Tail(os.path.join(a.run_dir, "metrics.jsonl"))
-    train = Tail(os.path.join(a.run_dir, "train.jsonl"))
+    run_json = load_state(os.path.join(a.run_dir, "run.json"))
+    config = without_nulls(run_json.get("resolved") or run_json)
+    state_path = os.path.join(a.run_dir, "wandb.json")
+    state = load_state(state_path)
+    if not state.get("id"):
+        state = {"id": secrets.token_hex(6), "project": a.project, "name": name,
+                 "global_step": 0, "train_pos": 0, "metrics_pos": 0}
+        save_state(state_path, state)
+    run = wandb.init(project=state.get("project", a.project), name=state.get("name", name),
+                     id=state["id"], resume="allow", config=config)
+    run.define_metric("global_step")
+    run.define_metric("*", step_metric="global_step")
+    metrics = Tail(os.path.join(a.run_dir, "metrics.jsonl"), state.get("metrics_pos", 0))
+    train = Tail(os.path.join(a.run_dir, "train.jsonl"), state.get("train_pos", 0))
     logged = 0
-    last_step = 0
+    gstep = state.get("global_step", 0)
+
+    def log(rec):
+        nonlocal gstep, logged
+        gstep += 1
+        rec["global_step"] = gstep
+        run.log(rec)
+        logged += 1
+
     while True:
         ended = not supervisor_alive(a.run_dir)
         for line in train.lines():
             rec = json.loads(line)
-            last_step = rec.get("step", last_step)
-            run.log({f"train/{k}": v for k, v in flatten(rec).items()}, step=last_step)
-            logged += 1
+            if isinstance(rec.get("rollback"), dict):
+                rb = rec["rollback"]
+                log({"events/rollback_to": rb.get("to", 0), "events/rollback_from": rb.get("from", rb.get("to", 0))})
+                try:
+                    run.alert(title="dflash-supervise: rollback", text=f"{name}: {json.dumps(rb)}")
+                except Exception:  # alerts need an online run; the value above stays
+                    pass
+                continue
+            log({f"train/{k}": v for k, v in flatten(rec).items()})
         for line in metrics.lines():
-            rec = json.loads(line)
-            step = (rec.get("train") or {}).get("step", last_step)
-            last_step = max(last_step, step)
-            run.log({f"metrics/{k}": v for k, v in flatten(rec).items()}, step=last_step)
-            logged += 1
+            log({f"metrics/{k}": v for k, v in flatten(json.loads(line)).items()})
+        state.update(global_step=gstep, train_pos=train.done(), metrics_pos=metrics.done())
+        save_state(state_path, state)
         if a.no_follow or ended:
             break
         time.sleep(a.poll)
     run.finish()
-    print(f"wandb_bridge: logged {logged} records from {a.run_dir}")
+    state["finished_global_step"] = gstep
+    save_state(state_path, state)
+    print(f"wandb_bridge: logged {logged} records from {a.run_dir} (W&B run {state['id']}, global_step {gstep})")
     return 0
 
 

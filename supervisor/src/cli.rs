@@ -487,6 +487,26 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 2, help_heading = "Pipeline")]
     pub prefetch: usize,
 
+    /// Log the run to this W&B project: the supervisor runs the W&B bridge (python3 with
+    /// the wandb package) beside the run, starts it again if it dies, and keeps the W&B
+    /// run's id in RUN_DIR/wandb.json so that --resume continues the same W&B run.
+    #[arg(long, value_name = "PROJECT", help_heading = "Telemetry")]
+    pub wandb_project: Option<String>,
+
+    /// The W&B run's name (default: the run dir's name).
+    #[arg(
+        long,
+        value_name = "NAME",
+        requires = "wandb_project",
+        help_heading = "Telemetry"
+    )]
+    pub wandb_name: Option<String>,
+
+    /// W&B's mode: online, offline (written under ./wandb or WANDB_DIR for a later `wandb
+    /// sync`) or disabled (default: W&B's own, from WANDB_MODE or its settings).
+    #[arg(long, value_name = "MODE", value_parser = ["online", "offline", "disabled"], requires = "wandb_project", help_heading = "Telemetry")]
+    pub wandb_mode: Option<String>,
+
     /// Serve the latest metrics window for Prometheus at http://ADDR/metrics. A bare port
     /// (21400) listens on loopback only; give 0.0.0.0:21400 to listen on every interface.
     #[arg(long, value_name = "ADDR", value_parser = crate::telemetry::prometheus::parse_addr, help_heading = "Telemetry")]

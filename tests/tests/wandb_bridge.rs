@@ -86,3 +86,163 @@ fn the_bridge_logs_every_window_and_step_offline() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a dflash-supervise run directory"));
 }
+
+/// RUN_DIR/wandb.json once the bridge has finished (its last `global_step` written).
+fn finished_bridge(run_dir: &Path, after: u64) -> serde_json::Value {
+    wait_for("the W&B bridge's end", Duration::from_secs(60), || {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run_dir.join("wandb.json")).ok()?)
+                .ok()?;
+        (v["finished_global_step"].as_u64()? > after).then_some(v)
+    })
+}
+
+/// `--wandb-project`: the supervisor runs the bridge itself (offline here), the W&B run's
+/// id is kept in RUN_DIR/wandb.json, and a --resume logs on into the same W&B run, its
+/// `global_step` going on from where the first session's ended.
+#[test]
+fn the_supervisor_runs_the_bridge_and_a_resume_continues_the_same_wandb_run() {
+    if !python_has_wandb() {
+        assert!(std::env::var_os("CI").is_none(), "the wandb Python package is missing: under CI this test may not skip (.ci/run installs it)");
+        eprintln!("SKIPPED: the wandb Python package is not installed (pip install wandb)");
+        return;
+    }
+    let wandb_dir = tempfile::tempdir().unwrap();
+    let wd = wandb_dir.path().to_str().unwrap();
+    let env = [("WANDB_DIR", wd), ("WANDB_SILENT", "true")];
+    let mut sup = Sup::start_real_env(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--steps",
+            "4",
+            "--metrics-interval",
+            "200ms",
+            "--max-seq-len",
+            "64",
+            "--token-budget",
+            "512",
+            "--wandb-project",
+            "dflash-test",
+            "--wandb-mode",
+            "offline",
+        ],
+        &env,
+    );
+    assert_eq!(
+        sup.wait_exit(Duration::from_secs(60)).code(),
+        Some(0),
+        "{}",
+        sup.stderr()
+    );
+    assert!(
+        sup.stderr().contains("W&B: project dflash-test"),
+        "{}",
+        sup.stderr()
+    );
+    let first = finished_bridge(&sup.run_dir, 0);
+    let windows = read_jsonl(&sup.run_dir.join("metrics.jsonl")).len() as u64;
+    assert_eq!(first["finished_global_step"], 4 + windows, "{first}");
+    let id = first["id"].as_str().unwrap().to_string();
+
+    let rd = sup.run_dir.to_str().unwrap();
+    let out = Command::new(bin("dflash-supervise"))
+        .args(["--gpus", "cpu:2", "--resume", rd, "--steps", "6"])
+        .envs(env)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let second = finished_bridge(
+        &sup.run_dir,
+        first["finished_global_step"].as_u64().unwrap(),
+    );
+    assert_eq!(second["id"], id.as_str(), "the same W&B run: {second}");
+    let records = read_jsonl(&sup.run_dir.join("train.jsonl")).len() as u64
+        + read_jsonl(&sup.run_dir.join("metrics.jsonl")).len() as u64;
+    assert_eq!(
+        second["finished_global_step"], records,
+        "every record once: {second}"
+    );
+    let runs: Vec<String> = std::fs::read_dir(wandb_dir.path().join("wandb"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("offline-run-"))
+        .collect();
+    assert!(
+        runs.len() == 2 && runs.iter().all(|n| n.ends_with(&id)),
+        "{runs:?}"
+    );
+}
+
+/// The pid of the bridge logging `run_dir`, if one runs.
+fn bridge_pid(run_dir: &Path) -> Option<i32> {
+    let want = run_dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let args: Vec<String> = cmd
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        (args.iter().any(|a| a.ends_with("wandb_bridge.py")) && args.contains(&want)).then_some(pid)
+    })
+}
+
+/// A bridge that dies is started again by the supervisor, and training goes on.
+#[test]
+fn a_killed_bridge_is_started_again_and_training_goes_on() {
+    if !python_has_wandb() {
+        assert!(std::env::var_os("CI").is_none(), "the wandb Python package is missing: under CI this test may not skip (.ci/run installs it)");
+        eprintln!("SKIPPED: the wandb Python package is not installed (pip install wandb)");
+        return;
+    }
+    let wandb_dir = tempfile::tempdir().unwrap();
+    let wd = wandb_dir.path().to_str().unwrap();
+    let mut sup = Sup::start_real_env(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--steps",
+            "100000",
+            "--time-limit",
+            "90s",
+            "--max-seq-len",
+            "64",
+            "--token-budget",
+            "512",
+            "--wandb-project",
+            "dflash-test",
+            "--wandb-mode",
+            "offline",
+        ],
+        &[("WANDB_DIR", wd), ("WANDB_SILENT", "true")],
+    );
+    let first = wait_for("the bridge", Duration::from_secs(30), || {
+        bridge_pid(&sup.run_dir)
+    });
+    // SAFETY: signalling a process of this test's own run.
+    unsafe { libc::kill(first, libc::SIGKILL) };
+    wait_for("the restart said", Duration::from_secs(30), || {
+        sup.stderr().contains("the W&B bridge exited").then_some(())
+    });
+    let second = wait_for("a new bridge", Duration::from_secs(30), || {
+        bridge_pid(&sup.run_dir).filter(|&p| p != first)
+    });
+    assert_ne!(first, second);
+    let steps = read_jsonl(&sup.run_dir.join("train.jsonl")).len();
+    wait_for("training goes on", Duration::from_secs(30), || {
+        (read_jsonl(&sup.run_dir.join("train.jsonl")).len() > steps).then_some(())
+    });
+    sup.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(Duration::from_secs(30)).code(), Some(75));
+}

@@ -281,7 +281,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
-    check_eval_gpu(&args, &plan)?;
+    check_telemetry_flags(&args, &plan)?;
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
         log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
     }
@@ -367,10 +367,6 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let tau = tau_config(&args, tau_prompts, &run_dir.path)?;
     let mut cfg = dispatcher_config(&args, plan, worker_bin, target_dir)?;
     cfg.tau = tau;
-    if let Some(p) = &cfg.prometheus {
-        let name = run_dir.path.file_name().map(|n| n.to_string_lossy());
-        p.set_run(name.as_deref().unwrap_or(""));
-    }
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
     setup.check()?;
@@ -616,6 +612,14 @@ fn dispatcher_config(
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
         tau: None,
+        wandb: args
+            .wandb_project
+            .as_ref()
+            .map(|p| crate::telemetry::wandb::WandbArgs {
+                project: p.clone(),
+                name: args.wandb_name.clone(),
+                mode: args.wandb_mode.clone(),
+            }),
     })
 }
 
@@ -698,6 +702,20 @@ fn tau_prompts(
     );
     trainer_cfg.tau_every = Some(every);
     Ok(Some(lines))
+}
+
+/// What the τ eval and W&B flags need before the run starts: `--eval-gpu` one of the
+/// run's GPUs, python3 with wandb for `--wandb-project`.
+fn check_telemetry_flags(args: &RunArgs, plan: &[(WorkerName, Device)]) -> Result<(), Error> {
+    check_eval_gpu(args, plan)?;
+    if let Some(p) = &args.wandb_project {
+        crate::telemetry::wandb::check(&crate::telemetry::wandb::WandbArgs {
+            project: p.clone(),
+            name: None,
+            mode: None,
+        })?;
+    }
+    Ok(())
 }
 
 /// `--eval-gpu N`: one of the run's GPUs.

@@ -10,3 +10,4 @@ pub mod nvml;
 pub mod prometheus;
 pub mod queue_health;
 pub mod report;
+pub mod wandb;

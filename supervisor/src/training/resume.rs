@@ -69,6 +69,14 @@ pub struct SavedRun {
     pub eval_prompts: Option<PathBuf>,
     #[serde(default)]
     pub eval_gpu: Option<u32>,
+    /// `--wandb-project`, `--wandb-name`, `--wandb-mode`: kept by a resume (the W&B run's
+    /// id is in RUN_DIR/wandb.json), replaced by one that gives them.
+    #[serde(default)]
+    pub wandb_project: Option<String>,
+    #[serde(default)]
+    pub wandb_name: Option<String>,
+    #[serde(default)]
+    pub wandb_mode: Option<String>,
     #[serde(default)]
     pub eval_max_new_tokens: Option<u64>,
     #[serde(default, with = "duration")]
@@ -173,6 +181,9 @@ impl SavedRun {
             eval_every: a.eval_every,
             eval_prompts: a.eval_prompts.clone(),
             eval_gpu: a.eval_gpu,
+            wandb_project: a.wandb_project.clone(),
+            wandb_name: a.wandb_name.clone(),
+            wandb_mode: a.wandb_mode.clone(),
             eval_max_new_tokens: Some(a.eval_max_new_tokens),
             eval_timeout: Some(a.eval_timeout),
             snapshot_every: a.snapshot_every,
@@ -222,6 +233,9 @@ impl SavedRun {
         a.eval_every = self.eval_every;
         a.eval_prompts = self.eval_prompts;
         a.eval_gpu = self.eval_gpu;
+        a.wandb_project = self.wandb_project;
+        a.wandb_name = self.wandb_name;
+        a.wandb_mode = self.wandb_mode;
         a.snapshot_every = self.snapshot_every;
         a.time_limit = self.time_limit;
         a.step_timeout = self.step_timeout;
@@ -294,7 +308,10 @@ pub fn save(
 /// is (its files are fingerprinted), and the operational settings: checkpoints, limits,
 /// restarts, timeouts, the collective, the pools, logs and telemetry. The rest decide which
 /// batches exist and what the drafter is, so changing them would not continue the same run.
-pub const OVERRIDABLE: [&str; 32] = [
+pub const OVERRIDABLE: [&str; 35] = [
+    "wandb_project",
+    "wandb_name",
+    "wandb_mode",
     "eval_data",
     "eval_every",
     "eval_prompts",
@@ -417,7 +434,10 @@ pub fn merge(
 
 /// Settings that are optional (`None`: the default, or not set); the others always have a
 /// value, so only the command line tells whether one was given.
-const OPTIONAL: [&str; 21] = [
+const OPTIONAL: [&str; 24] = [
+    "wandb_project",
+    "wandb_name",
+    "wandb_mode",
     "eval_data",
     "eval_every",
     "eval_prompts",

@@ -132,6 +132,8 @@ pub struct Config {
     pub log_backups: u32,
     pub gpu_metrics: bool,
     pub prometheus: Option<crate::telemetry::prometheus::Exporter>,
+    /// `--wandb-project`: the W&B bridge the run keeps going.
+    pub wandb: Option<crate::telemetry::wandb::WandbArgs>,
     pub gpu_sample_interval: Duration,
     pub metrics_interval: Duration,
     /// Real τ during training (`--eval-prompts`).
@@ -213,6 +215,8 @@ pub struct Dispatcher {
     run_dir_seen: Instant,
     run_dir_gone: Option<String>,
     tau: Option<tau_job::TauRunner>,
+    /// The W&B bridge (`--wandb-project`).
+    wandb: Option<crate::telemetry::wandb::Bridge>,
 }
 
 impl Dispatcher {
@@ -223,6 +227,14 @@ impl Dispatcher {
         launcher: Box<dyn Launcher>,
     ) -> Result<Dispatcher, Error> {
         let metrics = crate::telemetry::metrics::Metrics::new(&run.path);
+        if let Some(p) = &cfg.prometheus {
+            let name = run.path.file_name().map(|n| n.to_string_lossy());
+            p.set_run(name.as_deref().unwrap_or(""));
+        }
+        let wandb = match cfg.wandb.take() {
+            Some(a) => Some(crate::telemetry::wandb::Bridge::start(a, &run.path)?),
+            None => None,
+        };
         let (tx, rx) = mpsc::channel();
         let mut workers = Vec::new();
         for &(name, device) in &cfg.plan {
@@ -272,6 +284,7 @@ impl Dispatcher {
             run_dir_seen: Instant::now(),
             run_dir_gone: None,
             tau: cfg.tau.take().map(tau_job::TauRunner::new),
+            wandb,
             cfg,
         })
     }
@@ -1015,6 +1028,10 @@ impl Dispatcher {
     fn on_timers(&mut self, now: Instant) {
         if self.metrics.due(now, self.cfg.metrics_interval) {
             self.write_metrics();
+        }
+        let ending = self.stop_reason.is_some();
+        if let Some(b) = self.wandb.as_mut() {
+            b.tend(ending);
         }
         self.refresh_status();
         match self.phase {

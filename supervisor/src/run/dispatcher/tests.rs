@@ -117,6 +117,7 @@ fn harness(flags: &[&str]) -> Harness {
         log_backups: args.log_backups,
         gpu_metrics: false,
         prometheus: None,
+        wandb: None,
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
         tau: None,
