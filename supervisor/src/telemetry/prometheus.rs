@@ -600,6 +600,46 @@ mod tests {
         assert!(!render(&serde_json::json!({})).contains("dflash_eval"));
     }
 
+    /// Every metric the Grafana dashboard in docs/grafana queries is one the exporter
+    /// serves (with a window that holds every kind of figure).
+    #[test]
+    fn the_grafana_dashboard_queries_only_metrics_the_exporter_serves() {
+        let e = Exporter::start(parse_addr("127.0.0.1:0").unwrap()).unwrap();
+        e.update(&serde_json::json!({
+            "gpu": {"gpus": [{"index": 0, "util_gpu_pct": {"mean": 40.0, "max": 50.0}}]},
+            "pipeline": {"hidden_pool": {"fill_ratio": 0.5}, "tokens_per_s_by_worker": {"drafter-0": 1.0},
+                         "cuda_memory_by_worker": {"drafter-0": {"reserved": 1, "in_use": 1, "peak": 1, "alloc_failures": 0}}},
+            "workers": {"drafter-0": {"restarts": 0}}, "batches": {"produced": 1, "consumed": 1},
+            "train": {"step": 1, "loss": 2.0, "acceptance": 1.5},
+            "eval": {"step": 1, "loss": 2.0, "acceptance": 1.5, "best_step": 1},
+            "tau": {"step": 1, "pooled": 1.5, "pooled_ci95": [1.0, 2.0], "mean_of_means": 1.5,
+                    "mean_of_means_ci95": [1.0, 2.0], "best_step": 1}
+        }));
+        let page = e.page();
+        let dash: Value =
+            serde_json::from_str(include_str!("../../../docs/grafana/dflash-supervise.json"))
+                .unwrap();
+        let mut queried = 0;
+        for p in dash["panels"].as_array().unwrap() {
+            for t in p["targets"].as_array().unwrap() {
+                let expr = t["expr"].as_str().unwrap();
+                for (i, _) in expr.match_indices("dflash_") {
+                    let name: String = expr[i..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    assert!(
+                        page.contains(&format!("# TYPE {name} ")),
+                        "{name} (panel {}) is not served:\n{page}",
+                        p["title"]
+                    );
+                    queried += 1;
+                }
+            }
+        }
+        assert!(queried >= 20, "{queried}");
+    }
+
     #[test]
     fn addresses() {
         assert_eq!(parse_addr("21400").unwrap().to_string(), "127.0.0.1:21400");
