@@ -333,6 +333,17 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_gets_plain_lines() {
             && l.ends_with("| restarts 0")),
         "{err}"
     );
+    // Checkpoint and export writes say how much they wrote.
+    for what in [
+        "checkpoint of step 8 written to ",
+        "drafter at step 8 written to ",
+    ] {
+        assert!(
+            err.lines()
+                .any(|l| l.contains(what) && (l.ends_with(" KiB)") || l.ends_with(" MiB)"))),
+            "{what}…(size): {err}"
+        );
+    }
     // One step-line format: every step line is `step N/M | loss … | accept … | …`.
     let steps: Vec<&str> = err
         .lines()

@@ -427,6 +427,21 @@ pub struct Group {
     linked: Option<u64>,
 }
 
+/// Bytes of the files in `dir` and its subdirectories (what a checkpoint or an export
+/// takes on disk); 0 where it cannot be read.
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            Ok(_) => e.metadata().map_or(0, |m| m.len()),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
 impl Group {
     /// The schedule's length in optimizer steps, once it is known.
     pub fn total_steps(&self) -> Option<u64> {
@@ -1728,7 +1743,10 @@ impl Group {
     /// `keep_checkpoints`.
     pub fn on_checkpointed(&mut self, dir: String, step: u64) -> Out {
         let mut out = Out::default();
-        log::info!("checkpoint of step {step} written to {dir}");
+        log::info!(
+            "checkpoint of step {step} written to {dir} ({})",
+            crate::data::pipeline::human(dir_bytes(std::path::Path::new(&dir)))
+        );
         if self.checkpoint_asked.is_some_and(|(_, s)| s == step) {
             self.checkpoint_asked = None;
         }
@@ -1749,7 +1767,10 @@ impl Group {
     }
 
     pub fn on_exported(&mut self, dir: String, step: u64) {
-        log::info!("drafter at step {step} written to {dir}");
+        log::info!(
+            "drafter at step {step} written to {dir} ({})",
+            crate::data::pipeline::human(dir_bytes(std::path::Path::new(&dir)))
+        );
         self.progress.exported = Some(dir);
         self.progress.exported_step = Some(step);
     }
