@@ -431,6 +431,61 @@ fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
     assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(75));
 }
 
+/// The counters a scrape returns only increase while the run trains (steps committed and
+/// tokens trained, counted by the dispatcher at every step).
+#[test]
+fn prometheus_counters_only_increase_while_the_run_trains() {
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--steps",
+        "100000",
+        "--time-limit",
+        "100s",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+        "--prometheus",
+        "0",
+    ]);
+    let addr = wait_for("the Prometheus address", Duration::from_secs(20), || {
+        let err = sup.stderr();
+        let line = err
+            .lines()
+            .find(|l| l.contains("Prometheus metrics at http://"))?;
+        Some(
+            line.split("http://")
+                .nth(1)?
+                .trim_end_matches("/metrics")
+                .to_string(),
+        )
+    });
+    let counter = |page: &str, name: &str| -> f64 {
+        page.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no {name}: {page}"))
+    };
+    let mut last = (0.0, 0.0);
+    for _ in 0..3 {
+        let page = wait_for("more steps counted", Duration::from_secs(30), || {
+            let p = http_get(&addr, "/metrics");
+            (counter(&p, "dflash_train_steps_total") > last.0).then_some(p)
+        });
+        let now = (
+            counter(&page, "dflash_train_steps_total"),
+            counter(&page, "dflash_tokens_trained_total"),
+        );
+        assert!(now.0 > last.0 && now.1 > last.1, "{last:?} then {now:?}");
+        last = now;
+    }
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(Duration::from_secs(30)).code(), Some(75));
+}
+
 #[test]
 fn bench_telemetry_prints_the_sampler_cost_and_the_supervisor_cpu_with_8_gpus() {
     let tmp = tempfile::tempdir().unwrap();

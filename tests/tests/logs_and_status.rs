@@ -389,7 +389,7 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_gets_plain_lines() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("tty.out");
     let cmd = format!(
-        "{} --gpus cpu:2 --data demo --steps 8 --max-seq-len 64 --token-budget 512 --run-dir {}",
+        "{} --gpus cpu:2 --data demo --steps 8 --max-seq-len 64 --token-budget 512 --tee --run-dir {}",
         bin("dflash-supervise").display(),
         tmp.path().join("run").display()
     );
@@ -411,6 +411,18 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_gets_plain_lines() {
         text.contains("/8 [") && text.contains(" ETA "),
         "step N/M with a bar and an ETA: {text:?}"
     );
+    // --tee's worker lines print above the status line, never into it.
+    let worker_lines: Vec<&str> = text
+        .split('\n')
+        .filter(|l| l.contains("[drafter-0] ") || l.contains("[target-0] "))
+        .collect();
+    assert!(!worker_lines.is_empty(), "{text:?}");
+    for l in &worker_lines {
+        assert!(
+            !l.contains(" ETA ") && !l.contains("/8 ["),
+            "a worker line in the status line: {l:?}"
+        );
+    }
     // Log records print above the line: each starts on a line of its own.
     assert!(
         text.lines().any(|l| l
