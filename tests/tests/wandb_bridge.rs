@@ -97,11 +97,12 @@ fn finished_bridge(run_dir: &Path, after: u64) -> serde_json::Value {
     })
 }
 
-/// `--wandb-project`: the supervisor runs the bridge itself (offline here), the W&B run's
-/// id is kept in RUN_DIR/wandb.json, and a --resume logs on into the same W&B run, its
-/// `global_step` going on from where the first session's ended.
+/// `--wandb-project`: the supervisor runs the bridge itself (offline here) and the W&B
+/// run's id is kept in RUN_DIR/wandb.json. A run killed after step 5 with its newest
+/// checkpoint at step 3 and then resumed trains steps 4 and 5 again: the bridge logs them
+/// again (W&B's `global_step` goes on, never back) into the same W&B run.
 #[test]
-fn the_supervisor_runs_the_bridge_and_a_resume_continues_the_same_wandb_run() {
+fn the_supervisor_runs_the_bridge_and_a_resume_logs_the_retrained_steps_into_the_same_wandb_run() {
     if !python_has_wandb() {
         assert!(std::env::var_os("CI").is_none(), "the wandb Python package is missing: under CI this test may not skip (.ci/run installs it)");
         eprintln!("SKIPPED: the wandb Python package is not installed (pip install wandb)");
@@ -117,7 +118,9 @@ fn the_supervisor_runs_the_bridge_and_a_resume_continues_the_same_wandb_run() {
             "--data",
             "demo",
             "--steps",
-            "4",
+            "100000",
+            "--checkpoint-every",
+            "3",
             "--metrics-interval",
             "200ms",
             "--max-seq-len",
@@ -128,28 +131,57 @@ fn the_supervisor_runs_the_bridge_and_a_resume_continues_the_same_wandb_run() {
             "dflash-test",
             "--wandb-mode",
             "offline",
+            // Slow steps, so that the kill lands between checkpoints.
+            "--max-anchors",
+            "4",
         ],
         &env,
     );
-    assert_eq!(
-        sup.wait_exit(Duration::from_secs(60)).code(),
-        Some(0),
-        "{}",
-        sup.stderr()
-    );
+    let steps_in = |sup: &Sup| -> Vec<u64> {
+        read_jsonl(&sup.run_dir.join("train.jsonl"))
+            .iter()
+            .filter_map(|l| l["step"].as_u64())
+            .collect()
+    };
+    wait_for("step 5", Duration::from_secs(60), || {
+        (steps_in(&sup).len() >= 5).then_some(())
+    });
+    sup.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = sup.wait_exit(Duration::from_secs(30));
     assert!(
         sup.stderr().contains("W&B: project dflash-test"),
         "{}",
         sup.stderr()
     );
     let first = finished_bridge(&sup.run_dir, 0);
-    let windows = read_jsonl(&sup.run_dir.join("metrics.jsonl")).len() as u64;
-    assert_eq!(first["finished_global_step"], 4 + windows, "{first}");
+    let killed_at = *steps_in(&sup).last().unwrap();
     let id = first["id"].as_str().unwrap().to_string();
+    // The newest complete checkpoint (a kill may land right on one: then nothing is
+    // trained again).
+    let newest = std::fs::read_dir(sup.run_dir.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .filter(|e| e.path().join("meta.json").is_file())
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()?
+                .strip_prefix("step-")?
+                .parse::<u64>()
+                .ok()
+        })
+        .max()
+        .unwrap_or(0);
 
     let rd = sup.run_dir.to_str().unwrap();
     let out = Command::new(bin("dflash-supervise"))
-        .args(["--gpus", "cpu:2", "--resume", rd, "--steps", "6"])
+        .args([
+            "--gpus",
+            "cpu:2",
+            "--resume",
+            rd,
+            "--steps",
+            &(killed_at + 2).to_string(),
+        ])
         .envs(env)
         .output()
         .unwrap();
@@ -158,6 +190,17 @@ fn the_supervisor_runs_the_bridge_and_a_resume_continues_the_same_wandb_run() {
         Some(0),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    let steps = steps_in(&sup);
+    let retrained: Vec<u64> = steps
+        .iter()
+        .enumerate()
+        .filter(|(i, s)| steps[..*i].contains(s))
+        .map(|(_, s)| *s)
+        .collect();
+    assert!(
+        newest >= killed_at || !retrained.is_empty(),
+        "steps after the checkpoint of step {newest} trained again: {steps:?}"
     );
     let second = finished_bridge(
         &sup.run_dir,
@@ -168,7 +211,7 @@ fn the_supervisor_runs_the_bridge_and_a_resume_continues_the_same_wandb_run() {
         + read_jsonl(&sup.run_dir.join("metrics.jsonl")).len() as u64;
     assert_eq!(
         second["finished_global_step"], records,
-        "every record once: {second}"
+        "every record once, the retrained steps {retrained:?} included: {second}"
     );
     let runs: Vec<String> = std::fs::read_dir(wandb_dir.path().join("wandb"))
         .unwrap()
