@@ -511,22 +511,26 @@ fn watch_rewrites_the_page_while_the_run_goes_on_and_stops_when_it_ends_or_on_ct
 /// A long run's page stays small: `bench report` writes the page of a synthetic
 /// 20,000-step run on 2 GPUs (every file a run writes) beside a 200-step one's. Every series
 /// is thinned to the plots' pixel columns, so the page grows far slower than the run
-/// (100x the steps; a page drawing every point would be about 100x too).
+/// (100x the steps; a page drawing every point would be about 100x too). Headless Chromium
+/// (Debian's chromium; .ci/run installs it) opens both pages: the benchmark's open times
+/// are there (the figures are the benchmark's to print, not this test's to judge).
 #[test]
-fn a_long_runs_page_stays_small_as_the_benchmark_measures_it() {
-    let out = supervise(
-        &[
-            "bench",
-            "report",
-            "--steps",
-            "20000",
-            "--gpus",
-            "2",
-            "--json",
-            "--no-chromium",
-        ],
-        None,
-    );
+fn a_long_runs_page_stays_small_and_opens_in_chromium_as_the_benchmark_measures_it() {
+    let chromium = Command::new("chromium").arg("--version").output().is_ok();
+    if !chromium {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "chromium is missing: under CI the open time may not go unmeasured (.ci/run installs it)"
+        );
+        eprintln!("chromium not installed: the page's open time is not measured");
+    }
+    let mut args = vec![
+        "bench", "report", "--steps", "20000", "--gpus", "2", "--json",
+    ];
+    if !chromium {
+        args.push("--no-chromium");
+    }
+    let out = supervise(&args, None);
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -539,5 +543,11 @@ fn a_long_runs_page_stays_small_as_the_benchmark_measures_it() {
         v["size_ratio"].as_f64().unwrap(),
     );
     assert!(bytes < 3_000_000 && ratio < 20.0, "{v}");
-    assert!(v["open_s"].is_null() && v["chromium"].is_null(), "{v}");
+    if chromium {
+        assert!(
+            v["open_s"].as_f64().is_some_and(|s| s > 0.0)
+                && v["baseline_open_s"].as_f64().is_some_and(|s| s > 0.0),
+            "both pages opened: {v}"
+        );
+    }
 }

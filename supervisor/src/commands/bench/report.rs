@@ -130,7 +130,13 @@ fn open_seconds(chrome: &Path, page: &Path) -> Option<f64> {
         .filter_map(|_| {
             let t = Instant::now();
             let ok = Command::new(chrome)
-                .args(["--headless", "--disable-gpu", "--no-sandbox", "--dump-dom"])
+                .args([
+                    "--headless",
+                    "--disable-gpu",
+                    "--no-sandbox",
+                    "--disable-dev-shm-usage",
+                    "--dump-dom",
+                ])
                 .arg(format!("file://{}", page.display()))
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
