@@ -881,7 +881,17 @@ fn identity_rows(run: &Run, rows: &mut Rows) {
         });
     rows.add("run-id", "run", format!("{id} ({})", run.dir.display()), id);
     let started = st["started_at"].as_str().unwrap_or("?").to_string();
-    rows.add("started", "started", started.clone(), started);
+    // A resumed run: when it first started, and when this session did.
+    let resumes = run.resumes().len();
+    let shown = if resumes > 0 {
+        let first = humantime::format_rfc3339_millis(
+            std::time::UNIX_EPOCH + std::time::Duration::from_millis(run.t0.max(0.0) as u64),
+        );
+        format!("{first} (resumed {resumes}×, the last session at {started})")
+    } else {
+        started.clone()
+    };
+    rows.add("started", "started", shown, started);
     let dur = (run.t1 - run.t0) / 1e3;
     let so_far = if run.ended.is_some() { "" } else { " (so far)" };
     rows.add(
@@ -1114,8 +1124,10 @@ fn settings(dir: &Path) -> String {
     }
     let mut rows = Vec::new();
     flatten("", &resolved, &mut rows);
-    let mut h = String::from(
-        r#"<h2>Settings</h2><p class="note">As the run used them, defaults included (run.json, "resolved").</p><table class="settings">"#,
+    // Folded: a long table, below which the plots would start a few screens down.
+    let mut h = format!(
+        r#"<h2>Settings</h2><details><summary>{} settings as the run used them, defaults included (run.json, "resolved")</summary><table class="settings">"#,
+        rows.len()
     );
     for (k, v) in rows {
         let _ = write!(
@@ -1126,7 +1138,7 @@ fn settings(dir: &Path) -> String {
             esc(&v)
         );
     }
-    h.push_str("</table>");
+    h.push_str("</table></details>");
     h
 }
 
