@@ -129,7 +129,7 @@ fn open_seconds(chrome: &Path, page: &Path) -> Option<f64> {
     (0..3)
         .filter_map(|_| {
             let t = Instant::now();
-            let ok = Command::new(chrome)
+            let mut child = Command::new(chrome)
                 .args([
                     "--headless",
                     "--disable-gpu",
@@ -140,13 +140,25 @@ fn open_seconds(chrome: &Path, page: &Path) -> Option<f64> {
                 .arg(format!("file://{}", page.display()))
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
-                .status()
-                .ok()?
-                .success();
-            ok.then(|| t.elapsed().as_secs_f64())
+                .spawn()
+                .ok()?;
+            // A browser that does not finish is no figure (and is not waited for).
+            while t.elapsed() < OPEN_LIMIT {
+                match child.try_wait() {
+                    Ok(Some(status)) => return status.success().then(|| t.elapsed().as_secs_f64()),
+                    Ok(None) => std::thread::sleep(std::time::Duration::from_millis(10)),
+                    Err(_) => break,
+                }
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            None
         })
         .reduce(f64::min)
 }
+
+/// How long Chromium may take to open a page before the try counts as failed.
+const OPEN_LIMIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Size (bytes), write time (s) and Chromium's open time (s) of the page of a synthetic
 /// run of `steps` steps on `gpus` GPUs.
