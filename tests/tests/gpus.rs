@@ -292,6 +292,22 @@ fn nvml_failing_after_start_gives_one_warning_and_the_run_goes_on() {
     assert_eq!(sup.wait_exit(Duration::from_secs(20)).code(), Some(75));
 }
 
+/// The address the run's Prometheus endpoint says it listens on.
+fn prometheus_addr(sup: &Sup) -> String {
+    wait_for("the Prometheus address", Duration::from_secs(20), || {
+        let err = sup.stderr();
+        let line = err
+            .lines()
+            .find(|l| l.contains("Prometheus metrics at http://"))?;
+        Some(
+            line.split("http://")
+                .nth(1)?
+                .trim_end_matches("/metrics")
+                .to_string(),
+        )
+    })
+}
+
 fn http_get(addr: &str, path: &str) -> String {
     http(addr, "GET", path)
 }
@@ -331,18 +347,7 @@ fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
         ],
         &env,
     );
-    let addr = wait_for("the Prometheus address", Duration::from_secs(20), || {
-        let err = sup.stderr();
-        let line = err
-            .lines()
-            .find(|l| l.contains("Prometheus metrics at http://"))?;
-        Some(
-            line.split("http://")
-                .nth(1)?
-                .trim_end_matches("/metrics")
-                .to_string(),
-        )
-    });
+    let addr = prometheus_addr(&sup);
     assert!(
         addr.starts_with("127.0.0.1:"),
         "a bare port listens on loopback: {addr}"
@@ -451,18 +456,7 @@ fn prometheus_counters_only_increase_while_the_run_trains() {
         "--prometheus",
         "0",
     ]);
-    let addr = wait_for("the Prometheus address", Duration::from_secs(20), || {
-        let err = sup.stderr();
-        let line = err
-            .lines()
-            .find(|l| l.contains("Prometheus metrics at http://"))?;
-        Some(
-            line.split("http://")
-                .nth(1)?
-                .trim_end_matches("/metrics")
-                .to_string(),
-        )
-    });
+    let addr = prometheus_addr(&sup);
     let counter = |page: &str, name: &str| -> f64 {
         page.lines()
             .find_map(|l| l.strip_prefix(&format!("{name} ")))

@@ -17,11 +17,22 @@ fn python_has_wandb() -> bool {
         .unwrap_or(false)
 }
 
+/// Whether to skip for want of the wandb package: never under CI (.ci/run installs it).
+fn skip_without_wandb() -> bool {
+    if python_has_wandb() {
+        return false;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "the wandb Python package is missing: under CI this test may not skip (.ci/run installs it)"
+    );
+    eprintln!("SKIPPED: the wandb Python package is not installed (pip install wandb)");
+    true
+}
+
 #[test]
 fn the_bridge_logs_every_window_and_step_offline() {
-    if !python_has_wandb() {
-        assert!(std::env::var_os("CI").is_none(), "the wandb Python package is missing: under CI this test may not skip (.ci/run installs it)");
-        eprintln!("SKIPPED wandb bridge test: the wandb Python package is not installed (pip install wandb)");
+    if skip_without_wandb() {
         return;
     }
     let mut sup = Sup::start_real(&[
@@ -103,9 +114,7 @@ fn finished_bridge(run_dir: &Path, after: u64) -> serde_json::Value {
 /// again (W&B's `global_step` goes on, never back) into the same W&B run.
 #[test]
 fn the_supervisor_runs_the_bridge_and_a_resume_logs_the_retrained_steps_into_the_same_wandb_run() {
-    if !python_has_wandb() {
-        assert!(std::env::var_os("CI").is_none(), "the wandb Python package is missing: under CI this test may not skip (.ci/run installs it)");
-        eprintln!("SKIPPED: the wandb Python package is not installed (pip install wandb)");
+    if skip_without_wandb() {
         return;
     }
     let wandb_dir = tempfile::tempdir().unwrap();
@@ -242,9 +251,7 @@ fn bridge_pid(run_dir: &Path) -> Option<i32> {
 /// A bridge that dies is started again by the supervisor, and training goes on.
 #[test]
 fn a_killed_bridge_is_started_again_and_training_goes_on() {
-    if !python_has_wandb() {
-        assert!(std::env::var_os("CI").is_none(), "the wandb Python package is missing: under CI this test may not skip (.ci/run installs it)");
-        eprintln!("SKIPPED: the wandb Python package is not installed (pip install wandb)");
+    if skip_without_wandb() {
         return;
     }
     let wandb_dir = tempfile::tempdir().unwrap();
