@@ -64,8 +64,11 @@ fn every_kernel_has_consistent_machine_code_figures_on_sm_80_90_and_100() {
             fits(blocks) && !fits(blocks + 1),
             "{what}: {blocks} blocks is not the most that fit"
         );
-        // The attention kernels, but the backward's elementwise preparation.
-        if k.name.starts_with("attention") && k.name != "attention_bwd_prep" {
+        // The attention kernels, but the backward's elementwise preparation, and the
+        // experts' grouped GEMM.
+        let tensor_cores = (k.name.starts_with("attention") && k.name != "attention_bwd_prep")
+            || k.name == "moe_gemm_bf16";
+        if tensor_cores {
             assert!(k.mma_in_main_loop > 0, "{what}: no HMMA in the main loop");
             assert!(k.mma_in_main_loop <= k.mma_total);
             let r = k.non_mma_per_mma.unwrap();
@@ -77,10 +80,10 @@ fn every_kernel_has_consistent_machine_code_figures_on_sm_80_90_and_100() {
             assert_eq!(k.spill_bytes, 0, "{what}: spills");
             assert!(
                 k.shared_bytes > 0,
-                "{what}: attention stages tiles in shared memory"
+                "{what}: tensor-core kernels stage tiles in shared memory"
             );
         } else {
-            // No tensor cores outside attention (yet): nothing to call a main loop.
+            // No tensor cores elsewhere: nothing to call a main loop.
             assert_eq!(k.mma_total, 0, "{what}");
         }
     }

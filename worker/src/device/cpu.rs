@@ -369,6 +369,12 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
             (*out, *y) = (w.output(*out), w.input(*y));
             *act = Act::F32;
         }
+        Kernel::MoeGemm {
+            act, y, x, w: wt, ..
+        } if *act == Act::Bf16 => {
+            (*y, *x, *wt) = (w.output(*y), w.input(*x), w.input(*wt));
+            *act = Act::F32;
+        }
         Kernel::CopyCols { act, dst, src, .. } if *act == Act::Bf16 => {
             (*dst, *src) = (w.output(*dst), w.input(*src));
             *act = Act::F32;
@@ -527,6 +533,27 @@ impl CpuDevice {
                 (rd(acc), rd(nonfinite), rd(t)),
                 (max_norm, lr),
                 &hyper,
+            ),
+            Kernel::MoeGemm {
+                y,
+                x,
+                w,
+                offsets,
+                rows: order,
+                gather,
+                experts,
+                pairs,
+                n,
+                k,
+                ..
+            } => moe_gemm(
+                wr(y),
+                (rd(x), rd(w)),
+                (rd(offsets), rd(order)),
+                gather,
+                (experts, pairs),
+                (n, k),
+                self.par(pairs * n * k / experts.max(1)),
             ),
             Kernel::ParamsHash { acc, p, n } => {
                 let (acc, p) = (wr::<u64>(acc), rd::<f32>(p));
@@ -1426,6 +1453,80 @@ fn moe_permute(
         for (n, (p, _)) in (offsets[e] as usize..).zip(mine) {
             (order[n], slots[p]) = ((p / top_k.max(1)) as i32, n as i32);
         }
+    }
+    Ok(())
+}
+
+/// The experts' grouped GEMM ([`Kernel::MoeGemm`]): each expert's rows (gathered into
+/// a copy when `gather`) times its `[n, k]` matrix, one f32 GEMM per expert with rows.
+fn moe_gemm(
+    y: &mut [f32],
+    (x, w): (&[f32], &[f32]),
+    (offsets, order): (&[i32], &[i32]),
+    gather: usize,
+    (experts, pairs): (usize, usize),
+    (n, k): (usize, usize),
+    par: gemm::Parallelism,
+) -> Result<()> {
+    let kernel = "moe_gemm";
+    need(kernel, "offsets", offsets.len(), experts + 1)?;
+    need(kernel, "w", w.len(), experts * n * k)?;
+    need(kernel, "y", y.len(), pairs * n)?;
+    need(
+        kernel,
+        "x",
+        x.len(),
+        if gather > 0 { gather } else { pairs } * k,
+    )?;
+    if gather > 0 {
+        need(kernel, "rows", order.len(), pairs)?;
+    }
+    let clamp = |v: i32, lo: usize| (v.max(0) as usize).clamp(lo, pairs);
+    let slice = |v: &[f32]| DSlice {
+        ptr: v.as_ptr() as u64,
+        bytes: v.len() * 4,
+    };
+    for e in 0..experts {
+        let first = clamp(offsets[e], 0);
+        let end = clamp(offsets[e + 1], first);
+        if end == first {
+            continue;
+        }
+        let src: Vec<f32> = (first..end)
+            .flat_map(|r| {
+                let s = if gather > 0 {
+                    (order[r].max(0) as usize).min(gather - 1)
+                } else {
+                    r
+                };
+                x[s * k..(s + 1) * k].iter().copied()
+            })
+            .collect();
+        let out = &mut y[first * n..end * n];
+        let g = Gemm {
+            transa: true,
+            transb: false,
+            m: n,
+            n: end - first,
+            k,
+            alpha: 1.0,
+            a: slice(&w[e * n * k..(e + 1) * n * k]),
+            lda: k,
+            b: slice(&src),
+            ldb: k,
+            beta: 0.0,
+            c: DSlice {
+                ptr: out.as_mut_ptr() as u64,
+                bytes: out.len() * 4,
+            },
+            ldc: n,
+            bf16_inputs: false,
+            bf16_output: false,
+        };
+        // SAFETY: a, b and c are the slices above, of the extents the GEMM reads and
+        // writes (validated), c disjoint from both.
+        g.validate()?;
+        unsafe { super::host::sgemm_colmajor(&g, par) };
     }
     Ok(())
 }

@@ -14,6 +14,14 @@
 
 use super::{Arg, DSlice};
 
+/// The experts' grouped GEMM's tile (`MOE_BM` × `MOE_BN` in kernels.cu), threads
+/// (`MOE_THREADS`) and dynamic shared memory (`MOE_DYN_BYTES`: 3 stages of 64 + 128 rows
+/// of 40 bf16).
+pub const MOE_GEMM_ROWS: usize = 64;
+pub const MOE_GEMM_COLS: usize = 128;
+pub const MOE_GEMM_THREADS: u32 = 128;
+pub const MOE_GEMM_DYN_BYTES: u32 = 3 * (64 + 128) * 40 * 2;
+
 /// Whether a forward activation kernel's activations are f32 or bf16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Act {
@@ -213,6 +221,23 @@ pub enum Kernel {
         pairs: usize,
         top_k: usize,
         experts: usize,
+    },
+    /// The experts' grouped GEMM (grid: [`Kernel::moe_gemm_grid`], `MOE_THREADS`):
+    /// `y[r,:] = x[src(r),:] · W_eᵀ` for each row r of expert e (`offsets[e] ≤ r <
+    /// offsets[e + 1]`, i32 on the device), `W_e` the `[n, k]` matrix at `w + e·n·k`;
+    /// `src(r)` is `rows[r]` (i32) when `gather` > 0 (`x` then has `gather` rows), else r.
+    MoeGemm {
+        act: Act,
+        y: DSlice,
+        x: DSlice,
+        w: DSlice,
+        offsets: DSlice,
+        rows: DSlice,
+        gather: usize,
+        experts: usize,
+        pairs: usize,
+        n: usize,
+        k: usize,
     },
     /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` (grid: tokens; `y` `[rows, h]`).
     MoeCombine {
@@ -436,6 +461,14 @@ fn i64_of(v: usize) -> Arg {
 }
 
 impl Kernel {
+    /// The grouped GEMM's grid for `pairs` routed rows over `experts` experts and `n`
+    /// output columns: the most row tiles any routing can have (each expert's rows in
+    /// tiles of `MOE_GEMM_ROWS`, at most one partial tile per expert with rows) times the
+    /// column tiles. The CTAs past the routing's tiles return at once.
+    pub fn moe_gemm_grid(pairs: usize, experts: usize, n: usize) -> usize {
+        (pairs.div_ceil(MOE_GEMM_ROWS) + experts.min(pairs)) * n.div_ceil(MOE_GEMM_COLS)
+    }
+
     /// The kernel's symbol in kernels.cu.
     pub fn name(&self) -> &'static str {
         let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
@@ -447,6 +480,7 @@ impl Kernel {
             Kernel::ScatterAddRows { .. } => "scatter_add_rows",
             Kernel::MoeRoute { act: a, .. } => act(a, "moe_route", "moe_route_bf16"),
             Kernel::MoePermute { .. } => "moe_permute",
+            Kernel::MoeGemm { act: a, .. } => act(a, "moe_gemm", "moe_gemm_bf16"),
             Kernel::MoeCombine { act: a, .. } => act(a, "moe_combine", "moe_combine_bf16"),
             Kernel::Bf16ToF32 { .. } => "bf16_to_f32",
             Kernel::F32ToBf16 { .. } => "f32_to_bf16",
@@ -489,6 +523,7 @@ impl Kernel {
     pub fn dynamic_shared_bytes(&self) -> u32 {
         match *self {
             Kernel::AttentionFa2Fwd { dim, .. } => 2 * 2 * 64 * (dim.head_dim() + 8) * 2,
+            Kernel::MoeGemm { act: Act::Bf16, .. } => MOE_GEMM_DYN_BYTES,
             _ => 0,
         }
     }
@@ -560,6 +595,30 @@ impl Kernel {
                 h,
                 ..
             } => vec![W(out), R(y), R(wts), R(slots), i32_of(top_k), i32_of(h)],
+            Kernel::MoeGemm {
+                y,
+                x,
+                w,
+                offsets,
+                rows,
+                gather,
+                experts,
+                pairs,
+                n,
+                k,
+                ..
+            } => vec![
+                W(y),
+                R(x),
+                R(w),
+                R(offsets),
+                R(rows),
+                i32_of(gather),
+                i32_of(experts),
+                i32_of(pairs),
+                i32_of(n),
+                i32_of(k),
+            ],
             _ => return None,
         })
     }
@@ -893,8 +952,21 @@ impl Kernel {
     }
 
     /// The mixture-of-experts kernels with an f32 and a bf16 symbol, at `act`.
-    fn every_moe(b: DSlice, act: Act) -> [Kernel; 2] {
+    fn every_moe(b: DSlice, act: Act) -> [Kernel; 3] {
         [
+            Kernel::MoeGemm {
+                act,
+                y: b,
+                x: b,
+                w: b,
+                offsets: b,
+                rows: b,
+                gather: 0,
+                experts: 1,
+                pairs: 1,
+                n: 1,
+                k: 1,
+            },
             Kernel::MoeRoute {
                 act,
                 idx: b,

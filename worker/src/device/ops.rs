@@ -4,7 +4,7 @@
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 
 pub use super::kernels::{Act, AdamHyper, CeState};
-use super::kernels::{Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel};
+use super::kernels::{Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel, MOE_GEMM_THREADS};
 use super::{DSlice, Device, Gemm, Result, Stream};
 
 const BLOCK: u32 = 256;
@@ -366,6 +366,58 @@ impl Ops {
             },
             1,
             BLOCK,
+        )
+    }
+
+    /// The experts' grouped GEMM, one launch for every expert: for each of the `pairs`
+    /// routed rows r of expert e (`offsets`, i32 `[experts + 1]`, on the device: the host
+    /// never reads them), `y[r,:] = x[src(r),:] · W_eᵀ` with `W_e` the `[n, k]` matrix at
+    /// `w + e·n·k`; `src(r) = rows[r]` (i32) when `gather` is `Some((rows, x_rows))`,
+    /// else r. Activations as [`matmul_act`](Self::matmul_act): bf16 `x`, `w` and `y`
+    /// on tensor cores, or f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm(
+        &mut self,
+        y: DSlice,
+        x: DSlice,
+        w: DSlice,
+        offsets: DSlice,
+        gather: Option<(DSlice, usize)>,
+        (pairs, experts): (usize, usize),
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        let grid = Kernel::moe_gemm_grid(pairs, experts, n);
+        if grid == 0 {
+            return Ok(());
+        }
+        let grid = u32::try_from(grid)
+            .ok()
+            .filter(|&g| g <= i32::MAX as u32)
+            .ok_or_else(|| {
+                super::GpuError::Invalid(format!(
+                    "moe_gemm: {grid} CTAs for {pairs} rows, {experts} experts and {n} columns: \
+                     more than a grid holds"
+                ))
+            })?;
+        let (rows, gather) = gather.unwrap_or((offsets, 0));
+        let act = self.act();
+        self.launch(
+            Kernel::MoeGemm {
+                act,
+                y,
+                x,
+                w,
+                offsets,
+                rows,
+                gather,
+                experts,
+                pairs,
+                n,
+                k,
+            },
+            grid,
+            MOE_GEMM_THREADS,
         )
     }
 

@@ -58,10 +58,14 @@ pub struct Report {
 }
 
 /// Threads per block of a kernel as device/ops.rs launches it: the FlashAttention-2
-/// kernels and the backward's preparation four warps, the other attention kernels and the
-/// MoE routing one warp, the rest blocks of 256 (a row kernel's block is up to 256 threads: 256 at these widths).
+/// kernels, the backward's preparation and the experts' grouped GEMM four warps, the other
+/// attention kernels and the MoE routing one warp, the rest blocks of 256 (a row kernel's
+/// block is up to 256 threads: 256 at these widths).
 pub fn block_threads(kernel: &str) -> u32 {
-    if kernel.starts_with("attention_fa2") || kernel == "attention_bwd_prep" {
+    if kernel.starts_with("attention_fa2")
+        || kernel == "attention_bwd_prep"
+        || kernel.starts_with("moe_gemm")
+    {
         128
     } else if kernel.starts_with("attention")
         || kernel == "adam_count"

@@ -597,25 +597,38 @@ impl Placer<'_> {
     /// (Load::Mapped) straight from the checkpoint's mapping through the pinned staging
     /// buffer.
     fn matrix(&mut self, v: &[f32], tensor: &str, name: &str) -> Result<DSlice> {
-        let target = self.target;
-        let Some(w) = &target.mapped else {
-            return self.put(v, name, self.bf16);
+        let (n, elem) = match &self.target.mapped {
+            Some(_) => (self.shape(tensor).iter().product::<usize>(), 2),
+            None => (v.len(), if self.bf16 { 2 } else { 4 }),
         };
-        let shape = self
-            .shapes
+        let s = self.arena.alloc(self.d, n * elem, name)?;
+        self.matrix_into(v, tensor, s)?;
+        Ok(s)
+    }
+
+    /// The checkpoint's shape of `tensor` (empty when it has none).
+    fn shape(&self, tensor: &str) -> Vec<usize> {
+        self.shapes
             .iter()
             .find(|(n, _)| n == tensor)
             .map(|(_, s)| s.clone())
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    /// [`matrix`](Self::matrix) into `dst`, which the caller sized for it.
+    fn matrix_into(&mut self, v: &[f32], tensor: &str, dst: DSlice) -> Result<()> {
+        let target = self.target;
+        let Some(w) = &target.mapped else {
+            return self.arena.fill_f32(self.d, dst, v, self.bf16);
+        };
+        let shape = self.shape(tensor);
         let (dtype, bytes) = w
             .raw(tensor, &shape)
             .map_err(|e| GpuError::Invalid(e.to_string()))?;
-        let n = shape.iter().product::<usize>();
-        let s = self.arena.alloc(self.d, n * 2, name)?;
         if let Some(st) = self.staging.as_mut() {
-            st.upload(self.d, s, dtype, bytes)?;
+            st.upload(self.d, dst, dtype, bytes)?;
         }
-        Ok(s)
+        Ok(())
     }
 
     /// Layer `i`'s norms (f32) and matrices.
@@ -661,18 +674,61 @@ impl Placer<'_> {
         Ok(match mlp {
             HostMlp::Dense(w) => Mlp::Dense(swiglu(w, "mlp")?),
             HostMlp::Sparse { router, experts } => {
-                let experts = experts
-                    .iter()
-                    .enumerate()
-                    .map(|(e, w)| swiglu(w, &format!("mlp.experts.{e}")))
-                    .collect::<Result<Vec<_>>>()?;
                 let router = self.matrix(
                     router,
                     &matrix_name(i, "mlp.gate"),
                     &format!("layer {i} router"),
                 )?;
-                Mlp::Sparse(moe::Experts { router, experts })
+                Mlp::Sparse(self.experts(i, router, experts)?)
             }
+        })
+    }
+
+    /// Layer `i`'s experts, stacked for the grouped GEMM: every expert's gate and up
+    /// projections as one `[experts, 2·width, hidden]` matrix (expert e's `[gate; up]`
+    /// rows, so its gate+up GEMM writes `[gate | up]` rows), and the down projections as
+    /// `[experts, hidden, width]`.
+    fn experts(
+        &mut self,
+        i: usize,
+        router: DSlice,
+        experts: &[crate::models::target::Swiglu],
+    ) -> Result<moe::Experts> {
+        let moe = self.target.cfg.moe.as_ref().ok_or_else(|| {
+            GpuError::Invalid(format!(
+                "layer {i}: experts in a target without a mixture of experts"
+            ))
+        })?;
+        let (h, mi, ne) = (
+            self.target.cfg.hidden_size,
+            moe.moe_intermediate_size,
+            experts.len(),
+        );
+        let elem = if self.bf16 || self.target.mapped.is_some() {
+            2
+        } else {
+            4
+        };
+        let name = |p: &str| format!("layer {i} experts' {p}");
+        let gate_up = self
+            .arena
+            .alloc(self.d, ne * 2 * mi * h * elem, &name("gate+up"))?;
+        let down = self
+            .arena
+            .alloc(self.d, ne * h * mi * elem, &name("down"))?;
+        let m = mi * h;
+        for (e, w) in experts.iter().enumerate() {
+            let t = |p: &str| matrix_name(i, &format!("mlp.experts.{e}.{p}"));
+            let at = |s: DSlice, j: usize| s.sub(elem, j * m..(j + 1) * m);
+            self.matrix_into(&w.gate, &t("gate_proj"), at(gate_up, 2 * e))?;
+            self.matrix_into(&w.up, &t("up_proj"), at(gate_up, 2 * e + 1))?;
+            self.matrix_into(&w.down, &t("down_proj"), at(down, e))?;
+        }
+        Ok(moe::Experts {
+            router,
+            gate_up,
+            down,
+            experts: ne,
         })
     }
 }
