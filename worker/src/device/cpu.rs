@@ -1167,17 +1167,29 @@ unsafe fn moe_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
             norm,
             ..
         } => moe_route(rows, (wr(idx), wr(wts)), rd(logits), experts, top_k, norm),
-        Kernel::MoePermute {
+        Kernel::MoeCount {
+            counts,
+            idx,
+            pairs,
+            experts,
+        } => moe_count(wr(counts), rd(idx), pairs, experts),
+        Kernel::MoeScan {
             offsets,
+            counts,
+            chunks,
+            experts,
+        } => moe_scan(wr(offsets), wr(counts), chunks, experts),
+        Kernel::MoePlace {
             rows: order,
             slots,
             idx,
+            first_rows,
             pairs,
             top_k,
             experts,
-        } => moe_permute(
-            (wr(offsets), wr(order), wr(slots)),
-            rd(idx),
+        } => moe_place(
+            (wr(order), wr(slots)),
+            (rd(idx), rd(first_rows)),
             pairs,
             top_k,
             experts,
@@ -1427,32 +1439,74 @@ fn moe_route(
     Ok(())
 }
 
-/// kernels.cu's `moe_permute`: the pairs of `idx` in expert order.
-fn moe_permute(
-    (offsets, order, slots): (&mut [i32], &mut [i32], &mut [i32]),
-    idx: &[i32],
+/// An expert id as the kernels read it: one out of range is expert 0.
+fn expert_of(e: i32, experts: usize) -> usize {
+    if e >= 0 && (e as usize) < experts {
+        e as usize
+    } else {
+        0
+    }
+}
+
+/// kernels.cu's `moe_count`: the pairs of each chunk per expert, `counts[b, e]`.
+fn moe_count(counts: &mut [i32], idx: &[i32], pairs: usize, experts: usize) -> Result<()> {
+    let kernel = "moe_count";
+    let chunks = pairs.div_ceil(super::kernels::MOE_CHUNK);
+    need(kernel, "idx", idx.len(), pairs)?;
+    need(kernel, "counts", counts.len(), chunks * experts)?;
+    counts[..chunks * experts].fill(0);
+    for (p, &e) in idx[..pairs].iter().enumerate() {
+        counts[p / super::kernels::MOE_CHUNK * experts + expert_of(e, experts)] += 1;
+    }
+    Ok(())
+}
+
+/// kernels.cu's `moe_scan`: the offsets, and each chunk's first row per expert.
+fn moe_scan(offsets: &mut [i32], counts: &mut [i32], chunks: usize, experts: usize) -> Result<()> {
+    let kernel = "moe_scan";
+    need(kernel, "offsets", offsets.len(), experts + 1)?;
+    need(kernel, "counts", counts.len(), chunks * experts)?;
+    let mut at = 0;
+    for e in 0..experts {
+        offsets[e] = at;
+        for b in 0..chunks {
+            let c = counts[b * experts + e];
+            counts[b * experts + e] = at;
+            at += c;
+        }
+    }
+    offsets[experts] = at;
+    Ok(())
+}
+
+/// kernels.cu's `moe_place`: each pair's row, the pairs of an expert in order.
+fn moe_place(
+    (order, slots): (&mut [i32], &mut [i32]),
+    (idx, first_rows): (&[i32], &[i32]),
     pairs: usize,
     top_k: usize,
     experts: usize,
 ) -> Result<()> {
-    let kernel = "moe_permute";
+    let kernel = "moe_place";
+    let chunk = super::kernels::MOE_CHUNK;
     need(kernel, "idx", idx.len(), pairs)?;
-    need(kernel, "offsets", offsets.len(), experts + 1)?;
-    need(kernel, "rows", order.len(), pairs)?;
     need(kernel, "slots", slots.len(), pairs)?;
-    offsets[0] = 0;
-    for e in 0..experts {
-        let c = idx[..pairs].iter().filter(|&&i| i == e as i32).count() as i32;
-        offsets[e + 1] = offsets[e] + c;
-    }
-    for e in 0..experts {
-        let mine = idx[..pairs]
-            .iter()
-            .enumerate()
-            .filter(|(_, &i)| i == e as i32);
-        for (n, (p, _)) in (offsets[e] as usize..).zip(mine) {
-            (order[n], slots[p]) = ((p / top_k.max(1)) as i32, n as i32);
+    need(
+        kernel,
+        "first_rows",
+        first_rows.len(),
+        pairs.div_ceil(chunk) * experts,
+    )?;
+    let mut next = vec![0i32; experts];
+    for (p, &e) in idx[..pairs].iter().enumerate() {
+        if p % chunk == 0 {
+            next.copy_from_slice(&first_rows[p / chunk * experts..(p / chunk + 1) * experts]);
         }
+        let e = expert_of(e, experts);
+        let row = next[e].max(0) as usize;
+        need(kernel, "rows", order.len(), row + 1)?;
+        (order[row], slots[p]) = ((p / top_k.max(1)) as i32, row as i32);
+        next[e] += 1;
     }
     Ok(())
 }

@@ -21,6 +21,8 @@ pub const MOE_GEMM_ROWS: usize = 64;
 pub const MOE_GEMM_COLS: usize = 128;
 pub const MOE_GEMM_THREADS: u32 = 128;
 pub const MOE_GEMM_DYN_BYTES: u32 = 3 * (64 + 128) * 40 * 2;
+/// Routed pairs per block of the permutation's count and place launches (`MOE_CHUNK`).
+pub const MOE_CHUNK: usize = 256;
 
 /// Whether a forward activation kernel's activations are f32 or bf16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -210,14 +212,30 @@ pub enum Kernel {
         top_k: usize,
         norm: bool,
     },
-    /// The `pairs` (token, rank) pairs of `idx` in expert order (grid: one block):
-    /// `offsets` (i32, `experts + 1`), `rows` (i32 token of each row, ascending within an
-    /// expert), `slots` (i32 row of each pair).
-    MoePermute {
+    /// The permutation into expert order, first launch (grid: `ceil(pairs / MOE_CHUNK)`
+    /// blocks): `counts[b, e]` (i32) the pairs of chunk b (`MOE_CHUNK` pairs) routed to
+    /// expert e (`idx`, i32).
+    MoeCount {
+        counts: DSlice,
+        idx: DSlice,
+        pairs: usize,
+        experts: usize,
+    },
+    /// Second launch (one block): `offsets` (i32, `experts + 1`) from the counts, and
+    /// `counts[b, e]` turned into chunk b's first row of expert e.
+    MoeScan {
         offsets: DSlice,
+        counts: DSlice,
+        chunks: usize,
+        experts: usize,
+    },
+    /// Third launch (a warp per chunk): `rows` (i32 token of each row, ascending within an
+    /// expert) and `slots` (i32 row of each pair), from `first_rows` (MoeScan's counts).
+    MoePlace {
         rows: DSlice,
         slots: DSlice,
         idx: DSlice,
+        first_rows: DSlice,
         pairs: usize,
         top_k: usize,
         experts: usize,
@@ -479,7 +497,9 @@ impl Kernel {
             Kernel::EmbedGather { act: a, .. } => act(a, "embed_gather", "embed_gather_bf16"),
             Kernel::ScatterAddRows { .. } => "scatter_add_rows",
             Kernel::MoeRoute { act: a, .. } => act(a, "moe_route", "moe_route_bf16"),
-            Kernel::MoePermute { .. } => "moe_permute",
+            Kernel::MoeCount { .. } => "moe_count",
+            Kernel::MoeScan { .. } => "moe_scan",
+            Kernel::MoePlace { .. } => "moe_place",
             Kernel::MoeGemm { act: a, .. } => act(a, "moe_gemm", "moe_gemm_bf16"),
             Kernel::MoeCombine { act: a, .. } => act(a, "moe_combine", "moe_combine_bf16"),
             Kernel::Bf16ToF32 { .. } => "bf16_to_f32",
@@ -551,7 +571,7 @@ impl Kernel {
 
     /// The mixture-of-experts kernels' arguments.
     fn moe_args(&self) -> Option<Vec<Arg>> {
-        use Arg::{R, W};
+        use Arg::{R, RW, W};
         Some(match *self {
             Kernel::MoeRoute {
                 idx,
@@ -569,19 +589,31 @@ impl Kernel {
                 i32_of(top_k),
                 i32_of(norm as usize),
             ],
-            Kernel::MoePermute {
+            Kernel::MoeCount {
+                counts,
+                idx,
+                pairs,
+                experts,
+            } => vec![W(counts), R(idx), i32_of(pairs), i32_of(experts)],
+            Kernel::MoeScan {
                 offsets,
+                counts,
+                chunks,
+                experts,
+            } => vec![W(offsets), RW(counts), i32_of(chunks), i32_of(experts)],
+            Kernel::MoePlace {
                 rows,
                 slots,
                 idx,
+                first_rows,
                 pairs,
                 top_k,
                 experts,
             } => vec![
-                W(offsets),
                 W(rows),
                 W(slots),
                 R(idx),
+                R(first_rows),
                 i32_of(pairs),
                 i32_of(top_k),
                 i32_of(experts),
@@ -1080,13 +1112,25 @@ impl Kernel {
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 14] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 16] {
         [
-            Kernel::MoePermute {
+            Kernel::MoeCount {
+                counts: b,
+                idx: b,
+                pairs: 1,
+                experts: 1,
+            },
+            Kernel::MoeScan {
                 offsets: b,
+                counts: b,
+                chunks: 1,
+                experts: 1,
+            },
+            Kernel::MoePlace {
                 rows: b,
                 slots: b,
                 idx: b,
+                first_rows: b,
                 pairs: 1,
                 top_k: 1,
                 experts: 1,

@@ -4,7 +4,9 @@
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 
 pub use super::kernels::{Act, AdamHyper, CeState};
-use super::kernels::{Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel, MOE_GEMM_THREADS};
+use super::kernels::{
+    Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel, MOE_CHUNK, MOE_GEMM_THREADS,
+};
 use super::{DSlice, Device, Gemm, Result, Stream};
 
 const BLOCK: u32 = 256;
@@ -33,6 +35,12 @@ fn grid_for(n: usize) -> u32 {
 /// Block size for one-block-per-row kernels over rows of width `d`.
 fn row_block(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, BLOCK as usize) as u32
+}
+
+/// The i32 elements of [`Ops::moe_permute`]'s scratch for `pairs` routed pairs over
+/// `experts` experts: a count per chunk of pairs and expert.
+pub fn moe_permute_scratch(pairs: usize, experts: usize) -> usize {
+    pairs.div_ceil(MOE_CHUNK) * experts
 }
 
 pub struct Ops {
@@ -341,31 +349,57 @@ impl Ops {
     }
 
     /// The `pairs` routed (token, rank) pairs of `idx` (i32, `top_k` per token) in expert
-    /// order: `offsets` (i32 `[experts + 1]`), `rows` (the token of each row, i32) and
-    /// `slots` (the row of each pair, i32).
+    /// order: `offsets` (i32 `[experts + 1]`), `rows` (the token of each row, i32,
+    /// ascending within an expert) and `slots` (the row of each pair, i32). Three launches
+    /// (count per chunk, scan, place), with `scratch` (i32, [`moe_permute_scratch`]
+    /// elements) between them.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_permute(
         &mut self,
         idx: DSlice,
-        offsets: DSlice,
-        rows: DSlice,
-        slots: DSlice,
+        (offsets, rows, slots): (DSlice, DSlice, DSlice),
+        scratch: DSlice,
         pairs: usize,
         top_k: usize,
         experts: usize,
     ) -> Result<()> {
+        let chunks = pairs.div_ceil(MOE_CHUNK);
+        if chunks == 0 {
+            return Ok(());
+        }
+        let counts = scratch.sub(4, 0..chunks * experts);
         self.launch(
-            Kernel::MoePermute {
-                offsets,
-                rows,
-                slots,
+            Kernel::MoeCount {
+                counts,
                 idx,
                 pairs,
-                top_k,
+                experts,
+            },
+            chunks as u32,
+            BLOCK,
+        )?;
+        self.launch(
+            Kernel::MoeScan {
+                offsets,
+                counts,
+                chunks,
                 experts,
             },
             1,
             BLOCK,
+        )?;
+        self.launch(
+            Kernel::MoePlace {
+                rows,
+                slots,
+                idx,
+                first_rows: counts,
+                pairs,
+                top_k,
+                experts,
+            },
+            chunks as u32,
+            32,
         )
     }
 

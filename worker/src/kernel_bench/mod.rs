@@ -59,7 +59,7 @@ pub struct Report {
 
 /// Threads per block of a kernel as device/ops.rs launches it: the FlashAttention-2
 /// kernels, the backward's preparation and the experts' grouped GEMM four warps, the other
-/// attention kernels and the MoE routing one warp, the rest blocks of 256 (a row kernel's
+/// attention kernels, the MoE routing and the permutation's placing one warp, the rest blocks of 256 (a row kernel's
 /// block is up to 256 threads: 256 at these widths).
 pub fn block_threads(kernel: &str) -> u32 {
     if kernel.starts_with("attention_fa2")
@@ -70,6 +70,7 @@ pub fn block_threads(kernel: &str) -> u32 {
     } else if kernel.starts_with("attention")
         || kernel == "adam_count"
         || kernel.starts_with("moe_route")
+        || kernel == "moe_place"
     {
         32
     } else {

@@ -830,7 +830,8 @@ fn host_device_moe_routing_permutation_and_combine_match_the_cpu() {
             }
             assert_eq!(offsets[10], offsets[9], "expert 9 has no row");
             let (go, gr, gs) = (put_i32(&mut o, &vec![-1; ne + 1]), put_i32(&mut o, &vec![-1; pairs]), put_i32(&mut o, &vec![-1; pairs]));
-            o.moe_permute(gi, go, gr, gs, pairs, k, ne).unwrap();
+            let scratch = put_i32(&mut o, &vec![-1; dflash_worker::device::ops::moe_permute_scratch(pairs, ne)]);
+            o.moe_permute(gi, (go, gr, gs), scratch, pairs, k, ne).unwrap();
             assert_eq!(get_i32(&mut o, go), offsets, "moe_permute offsets ({what})");
             assert_eq!(get_i32(&mut o, gr), rows, "moe_permute rows ({what})");
             assert_eq!(get_i32(&mut o, gs), slots, "moe_permute slots ({what})");
@@ -853,6 +854,46 @@ fn host_device_moe_routing_permutation_and_combine_match_the_cpu() {
             assert_close(&format!("moe_combine ({what})"), &get_act(&mut o, gout, bf16), &want, tol);
         }
     }
+}
+
+/// `moe_permute` over many chunks of pairs (11, the last partial, several windows of a
+/// warp each): offsets, rows and slots exactly those of a plain stable sort by expert,
+/// with experts that many, few or no tokens choose.
+#[test]
+fn host_device_moe_permutation_over_many_chunks_is_a_stable_sort_by_expert() {
+    let _checks = all_checks();
+    let mut rng = Rng::new(31);
+    let (t, k, ne) = (700usize, 4usize, 50usize);
+    let mut idx = Vec::with_capacity(t * k);
+    for _ in 0..t {
+        let mut chosen: Vec<i32> = Vec::new();
+        while chosen.len() < k {
+            // Skewed: experts 0..4 are popular, 49 is never chosen.
+            let r = (rng.next_u64() % 100) as i32;
+            let e = if r < 40 { r % 5 } else { r % 49 };
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        idx.extend(chosen);
+    }
+    let pairs = t * k;
+    let (mut offsets, mut rows, mut slots) = (vec![0i32], Vec::new(), vec![0i32; pairs]);
+    for e in 0..ne as i32 {
+        for (p, _) in idx.iter().enumerate().filter(|(_, &i)| i == e) {
+            slots[p] = rows.len() as i32;
+            rows.push((p / k) as i32);
+        }
+        offsets.push(rows.len() as i32);
+    }
+    let mut o = ops();
+    let gi = put_i32(&mut o, &idx);
+    let (go, gr, gs) = (put_i32(&mut o, &vec![-1; ne + 1]), put_i32(&mut o, &vec![-1; pairs]), put_i32(&mut o, &vec![-1; pairs]));
+    let scratch = put_i32(&mut o, &vec![-1; dflash_worker::device::ops::moe_permute_scratch(pairs, ne)]);
+    o.moe_permute(gi, (go, gr, gs), scratch, pairs, k, ne).unwrap();
+    assert_eq!(get_i32(&mut o, go), offsets, "moe_permute offsets");
+    assert_eq!(get_i32(&mut o, gr), rows, "moe_permute rows");
+    assert_eq!(get_i32(&mut o, gs), slots, "moe_permute slots");
 }
 
 /// The experts' grouped GEMM (`moe_gemm`) against a plain product per row: experts

@@ -1,7 +1,7 @@
 //! Qwen3-MoE's sparse MLP on a [`Device`](crate::device::Device), with no host round
 //! trip: the router's GEMM; the routing on the device (`moe_route`: softmax, top-k,
 //! renormalisation); the routed (token, rank) pairs put in expert order (`moe_permute`:
-//! one permutation, per-expert offsets); one grouped GEMM for every expert's gate and up
+//! one permutation, per-expert offsets, by three parallel launches); one grouped GEMM for every expert's gate and up
 //! projections (`moe_gemm`, reading the normed tokens through the permutation, so no
 //! gathered copy is made), one SwiGLU over the `[gate | up]` rows, one grouped GEMM for
 //! the down projections; the weighted sum back to each token (`moe_combine`, no atomics:
@@ -11,7 +11,7 @@
 
 use dflash_shared::model_config::Moe;
 
-use crate::device::ops::Ops;
+use crate::device::ops::{moe_permute_scratch, Ops};
 use crate::device::{Arena, DSlice, Device, Result};
 
 /// A sparse layer's weights on the device: the router `[experts, hidden]`; every
@@ -36,6 +36,8 @@ pub(super) struct MoeActs {
     offsets: DSlice,
     rows: DSlice,
     slots: DSlice,
+    /// The permutation's counts per chunk of pairs and expert (i32).
+    scratch: DSlice,
     /// Routed rows: gate and up `[t·k, 2·width]`, SwiGLU `[t·k, width]`, outputs
     /// `[t·k, hidden]`.
     gu: DSlice,
@@ -66,6 +68,7 @@ impl MoeActs {
             offsets: f(ne + 1, "moe offsets")?,
             rows: f(t * k, "moe permutation")?,
             slots: f(t * k, "moe slots")?,
+            scratch: f(moe_permute_scratch(t * k, ne), "moe permutation counts")?,
             gu: f(an(t * k * 2 * mi), "moe gate+up")?,
             s: f(an(t * k * mi), "moe swiglu")?,
             y: f(an(t * k * h), "moe expert outputs")?,
@@ -103,7 +106,7 @@ pub(super) fn sparse_mlp(
     );
     ops.matmul_act(n1, w.router, logits, t, h, ne)?;
     ops.moe_route(logits, idx, wts, t, ne, k, m.norm_topk_prob)?;
-    ops.moe_permute(idx, a.offsets, rows, slots, n, k, ne)?;
+    ops.moe_permute(idx, (a.offsets, rows, slots), a.scratch, n, k, ne)?;
     let n1 = elems(n1, 0..t * h, bf16);
     ops.moe_gemm(
         gu,
