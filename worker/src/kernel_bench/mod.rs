@@ -197,7 +197,8 @@ pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
     }
 }
 
-/// The attention figures the model takes, from an sm_90 row.
+/// The tensor-core figures the model takes (attention's, the grouped GEMM's), from an
+/// sm_90 row.
 fn attention_code(rows: &[KernelRow], name: &str) -> roofline::AttentionCode {
     let r = rows.iter().find(|r| r.arch == "sm_90" && r.name == name);
     roofline::AttentionCode {
@@ -226,6 +227,7 @@ pub fn analyse(t: &Tools, archs: &[String]) -> Result<Report, KernelBenchError> 
             (target, attention_code(&kernels, target)),
             (drafter, attention_code(&kernels, drafter)),
             (bwd, attention_code(&kernels, bwd)),
+            ("moe_gemm_bf16", attention_code(&kernels, "moe_gemm_bf16")),
         )
     });
     let nvrtc = nvrtc::version().map_or_else(|e| e.to_string(), |(a, b)| format!("{a}.{b}"));

@@ -77,6 +77,14 @@ fn model(m: &Model) {
             eff * 100.0
         );
     }
+    let (name, code, eff) = &m.moe_gemm;
+    println!(
+        "  {name:<20} {:>6.1} non-MMA per MMA, {} warps/SM, {:.0} shared-memory bytes per MMA -> {:.2}% of peak",
+        code.non_mma_per_mma,
+        code.warps_per_sm,
+        super::roofline::MOE_GEMM_SMEM_BYTES_PER_MMA,
+        eff * 100.0
+    );
     for w in m
         .target_forward
         .iter()

@@ -97,33 +97,61 @@ pub fn qwen3_30b_a3b() -> MoeShapes {
     }
 }
 
+/// Shared-memory bytes the grouped GEMM (`moe_gemm_bf16`) reads per MMA: a warp's 32 × 64
+/// tile takes, per k-step of 16, 2 A and 4 B `ldmatrix.x4` (512 bytes each) for its 16
+/// MMAs.
+pub const MOE_GEMM_SMEM_BYTES_PER_MMA: f64 = 6.0 * 512.0 / 16.0;
+/// An SM's shared-memory bandwidth (bytes per cycle) and its m16n8k16 MMAs per cycle at
+/// the dense peak (4 schedulers, one per mma_cycles_at_peak cycles each).
+pub const SMEM_BYTES_PER_CYCLE: f64 = 128.0;
+
+/// Share of the dense peak of the grouped GEMM: what its machine code allows
+/// ([`attention_efficiency`]: issue, occupancy, the mma.sync ceiling), and at most what
+/// shared memory can feed its MMAs ([`MOE_GEMM_SMEM_BYTES_PER_MMA`]).
+pub fn moe_gemm_efficiency(hw: &Hardware, c: &AttentionCode) -> f64 {
+    let mma_per_cycle_at_peak = 4.0 / hw.mma_cycles_at_peak;
+    let smem = SMEM_BYTES_PER_CYCLE / (MOE_GEMM_SMEM_BYTES_PER_MMA * mma_per_cycle_at_peak);
+    attention_efficiency(hw, c).min(smem)
+}
+
+/// Row tile of the grouped GEMM (`MOE_BM` in kernels.cu): an expert's last tile is on
+/// average half empty, and those rows are computed all the same.
+const MOE_GEMM_TILE_ROWS: f64 = 64.0;
+
 /// One sparse MLP over `t` tokens as the device route runs it: the router GEMM; the
-/// routing (`moe_route`), the permutation (`moe_permute`), the gather; the experts' gate+up
-/// and down GEMMs over their `t·k` rows, every expert's weights read once (at these token
-/// counts each expert has rows); the SwiGLU over the routed rows; the weighted sum
-/// (`moe_combine`). Model FLOPs: the GEMMs' (2 per multiply-add).
-pub fn moe_layer(hw: &Hardware, m: &MoeShapes, t: usize) -> Workload {
+/// routing (`moe_route`); the permutation (`moe_count`, `moe_scan`, `moe_place`); the
+/// experts' gate+up and down projections as one grouped GEMM each (`moe_gemm_bf16`, at
+/// `gemm`'s efficiency), reading the normed rows through the permutation (no gathered
+/// copy), every expert's weights read once (at these token counts each expert has rows),
+/// each expert's last row tile half empty on average; the SwiGLU over the routed rows; the
+/// weighted sum (`moe_combine`). Model FLOPs: the GEMMs' over the routed rows (2 per
+/// multiply-add).
+pub fn moe_layer(hw: &Hardware, m: &MoeShapes, t: usize, gemm: &AttentionCode) -> Workload {
     let (tf, h, e, k, w) = (t as f64, m.hidden, m.experts, m.top_k, m.expert_width);
     let rows = tf * k;
+    let padded = rows + e * MOE_GEMM_TILE_ROWS / 2.0;
+    let eff = moe_gemm_efficiency(hw, gemm);
     let experts = |name: &str, n_in: f64, n_out: f64| {
-        let f = 2.0 * rows * n_in * n_out;
         let bytes = 2.0 * (e * n_in * n_out + rows * n_in + rows * n_out);
-        op(hw, name, f, f, bytes, hw.gemm_efficiency)
+        let (f, model) = (2.0 * padded * n_in * n_out, 2.0 * rows * n_in * n_out);
+        op(hw, name, f, model, bytes, eff)
     };
+    let chunks = (rows / 256.0).ceil();
     let ops = vec![
-        gemm(hw, "gemm router", 1.0, tf, h, e, 1.0),
-        // Logits read (bf16), experts and weights written (i32, f32); the permutation
-        // reads the experts and writes rows and slots; the gather reads and writes rows.
+        gemm_op(hw, "gemm router", 1.0, tf, h, e, 1.0),
+        // Logits read (bf16), experts and weights written (i32, f32).
+        op(hw, "moe route", 0.0, 0.0, 2.0 * tf * e + 8.0 * rows, 1.0),
+        // The experts read twice (count, place), the counts per chunk written, read twice
+        // and written by the scan, read by the place; rows and slots written (i32).
         op(
             hw,
-            "moe route + permute",
+            "moe permute (count, scan, place)",
             0.0,
             0.0,
-            2.0 * tf * e + 8.0 * rows + 12.0 * rows,
+            8.0 * rows + 5.0 * 4.0 * chunks * e + 8.0 * rows,
             1.0,
         ),
-        op(hw, "moe gather", 0.0, 0.0, 2.0 * 2.0 * rows * h, 1.0),
-        experts("gemm experts gate+up", h, 2.0 * w),
+        experts("moe grouped gemm gate+up", h, 2.0 * w),
         op(
             hw,
             "swiglu (routed rows)",
@@ -132,7 +160,7 @@ pub fn moe_layer(hw: &Hardware, m: &MoeShapes, t: usize) -> Workload {
             3.0 * 2.0 * rows * w,
             1.0,
         ),
-        experts("gemm experts down", w, h),
+        experts("moe grouped gemm down", w, h),
         op(
             hw,
             "moe combine",
@@ -237,7 +265,7 @@ fn workload(hw: &Hardware, name: String, ops: Vec<Op>) -> Workload {
 }
 
 /// A GEMM of every layer: `m` rows, `k` in, `n` out, bf16 weights and activations.
-fn gemm(hw: &Hardware, name: &str, layers: f64, m: f64, k: f64, n: f64, passes: f64) -> Op {
+fn gemm_op(hw: &Hardware, name: &str, layers: f64, m: f64, k: f64, n: f64, passes: f64) -> Op {
     let f = 2.0 * m * k * n * passes * layers;
     let bytes = 2.0 * (k * n + m * k + m * n) * passes * layers;
     op(hw, name, f, f, bytes, hw.gemm_efficiency)
@@ -259,10 +287,10 @@ pub fn target_forward(hw: &Hardware, s: &Shapes, t: usize, attn: &AttentionCode)
     // each) over q+k, the QKV split (2) over q+k+v; SwiGLU (3) over the intermediate.
     let elementwise = 2.0 * tf * (10.0 * h + 4.0 * (qd + kd) + 2.0 * (qd + 2.0 * kd) + 3.0 * i) * l;
     let ops = vec![
-        gemm(hw, "gemm qkv", l, tf, h, qd + 2.0 * kd, 1.0),
-        gemm(hw, "gemm o", l, tf, qd, h, 1.0),
-        gemm(hw, "gemm gate+up", l, tf, h, 2.0 * i, 1.0),
-        gemm(hw, "gemm down", l, tf, i, h, 1.0),
+        gemm_op(hw, "gemm qkv", l, tf, h, qd + 2.0 * kd, 1.0),
+        gemm_op(hw, "gemm o", l, tf, qd, h, 1.0),
+        gemm_op(hw, "gemm gate+up", l, tf, h, 2.0 * i, 1.0),
+        gemm_op(hw, "gemm down", l, tf, i, h, 1.0),
         op(
             hw,
             "attention fwd (causal)",
@@ -351,9 +379,9 @@ pub fn drafter_step(
     let (n, ctx) = ((s.anchors * s.block) as f64, s.drafter_context as f64);
     let mut ops = vec![
         // fc over the context's taps: forward and weight gradient (its input is frozen).
-        gemm(hw, "gemm fc (taps → hidden)", 1.0, ctx, l * h, h, 2.0),
-        gemm(hw, "gemm q", l, n, h, qd, 3.0),
-        gemm(
+        gemm_op(hw, "gemm fc (taps → hidden)", 1.0, ctx, l * h, h, 2.0),
+        gemm_op(hw, "gemm q", l, n, h, qd, 3.0),
+        gemm_op(
             hw,
             "gemm k, v (context + blocks)",
             l,
@@ -362,9 +390,9 @@ pub fn drafter_step(
             2.0 * kd,
             3.0,
         ),
-        gemm(hw, "gemm o", l, n, qd, h, 3.0),
-        gemm(hw, "gemm gate+up", l, n, h, 2.0 * i, 3.0),
-        gemm(hw, "gemm down", l, n, i, h, 3.0),
+        gemm_op(hw, "gemm o", l, n, qd, h, 3.0),
+        gemm_op(hw, "gemm gate+up", l, n, h, 2.0 * i, 3.0),
+        gemm_op(hw, "gemm down", l, n, i, h, 3.0),
     ];
     ops.extend(drafter_attention_and_loss(hw, s, fwd, bwd));
     // Elementwise in f32, forward and backward (twice): passes as the target's over n
@@ -405,6 +433,8 @@ pub struct Model {
     pub drafter_step: Workload,
     /// One Qwen3-30B-A3B sparse MLP at the forward's lengths.
     pub moe: MoeShapes,
+    /// The experts' grouped GEMM: its kernel, sm_90 figures and modelled efficiency.
+    pub moe_gemm: (String, AttentionCode, f64),
     pub moe_layer: Vec<Workload>,
     /// MFU of the target forward at each length, then the drafter step, with attention at
     /// the issue's goals (everything else as now).
@@ -413,11 +443,13 @@ pub struct Model {
 }
 
 /// `target`, `drafter`: the target's (bf16) and the drafter's (f32) attention forward,
-/// and `bwd` the drafter's attention backward, each its kernel's name and sm_90 figures.
+/// `bwd` the drafter's attention backward and `moe_gemm` the experts' grouped GEMM, each
+/// its kernel's name and sm_90 figures.
 pub fn model(
     target: (&str, AttentionCode),
     drafter: (&str, AttentionCode),
     bwd: (&str, AttentionCode),
+    moe_gemm: (&str, AttentionCode),
 ) -> Model {
     let (target_kernel, fwd_bf16) = target;
     let (drafter_kernel, fwd) = drafter;
@@ -461,7 +493,15 @@ pub fn model(
         target_forward: forwards,
         drafter_step: drafter,
         moe,
-        moe_layer: lengths.iter().map(|&t| moe_layer(&hw, &moe, t)).collect(),
+        moe_gemm: (
+            moe_gemm.0.to_string(),
+            moe_gemm.1,
+            moe_gemm_efficiency(&hw, &moe_gemm.1),
+        ),
+        moe_layer: lengths
+            .iter()
+            .map(|&t| moe_layer(&hw, &moe, t, &moe_gemm.1))
+            .collect(),
         mfu_with_attention_at_goals: at_goals,
         assumptions: assumptions(&hw, &s),
     }
@@ -488,7 +528,10 @@ fn assumptions(hw: &Hardware, s: &Shapes) -> Vec<String> {
         ),
         "drafter as now: f32 activations but the GEMM inputs (x, x2, the context and the SwiGLU output written in bf16 by their producers, the attention output cast once per pass), gate/up one GEMM, cross-entropy in one pass with 2 GEMMs per vocabulary chunk and bf16 logits (written, folded in place, read: 4 passes of 2 bytes), 5 memsets per layer, AdamW at 28 bytes per parameter; host syncs not modelled".into(),
         "elementwise passes per layer: 10 over hidden, 4 over q+k, 2 over q+k+v, 3 over the MLP width (backward twice the forward)".into(),
-        "MoE layer (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, expert width 768): the expert GEMMs at the dense GEMM efficiency, every expert's weights read once; not modelled: the per-expert launches, the offsets' copy to the host (one sync per sparse layer) and moe_permute's single block".into(),
+        format!(
+            "MoE layer (Qwen3-30B-A3B: hidden 2048, 128 experts, top-8, expert width 768): no host round trip; each projection one grouped GEMM (moe_gemm_bf16, mma.sync) at the efficiency its sm_90 SASS allows as attention's above, capped by shared memory ({} bytes per MMA at {} bytes per cycle per SM), each expert's last 64-row tile half empty on average (those rows computed, not counted in MFU), every expert's weights read once; routing balanced enough that every expert has rows",
+            MOE_GEMM_SMEM_BYTES_PER_MMA, SMEM_BYTES_PER_CYCLE
+        ),
     ]
 }
 
@@ -568,32 +611,56 @@ mod tests {
     #[test]
     fn the_moe_layer_counts_only_the_routed_rows_flops_and_every_experts_weights() {
         let m = qwen3_30b_a3b();
-        let w = moe_layer(&H200, &m, 4096);
-        let flops = |name: &str| w.ops.iter().find(|o| o.name == name).unwrap().model_flops;
+        let code = AttentionCode {
+            non_mma_per_mma: 3.2,
+            mufu_per_mma: 0.0,
+            warps_per_sm: 16.0,
+        };
+        let w = moe_layer(&H200, &m, 4096, &code);
+        let find = |name: &str| w.ops.iter().find(|o| o.name == name).unwrap().clone();
+        let (gu, down) = (
+            find("moe grouped gemm gate+up"),
+            find("moe grouped gemm down"),
+        );
         // 4096 tokens × 8 routed rows, 3 matrices of 2048 × 768 each: not 128 experts' worth.
         assert_eq!(
-            flops("gemm experts gate+up") + flops("gemm experts down"),
+            gu.model_flops + down.model_flops,
             2.0 * 4096.0 * 8.0 * 3.0 * 2048.0 * 768.0
         );
-        assert_eq!(flops("gemm router"), 2.0 * 4096.0 * 2048.0 * 128.0);
-        let bytes = w
-            .ops
-            .iter()
-            .find(|o| o.name == "gemm experts down")
-            .unwrap()
-            .bytes;
-        assert!(
-            bytes >= 2.0 * 128.0 * 2048.0 * 768.0,
-            "every expert's weights: {bytes}"
+        // The hardware also computes each expert's half-empty last tile: 32 rows each.
+        assert_eq!(
+            gu.flops,
+            2.0 * (4096.0 * 8.0 + 128.0 * 32.0) * 2048.0 * 1536.0
         );
+        assert_eq!(
+            find("gemm router").model_flops,
+            2.0 * 4096.0 * 2048.0 * 128.0
+        );
+        assert!(
+            down.bytes >= 2.0 * 128.0 * 2048.0 * 768.0,
+            "every expert's weights: {}",
+            down.bytes
+        );
+        // No gather pass: the gate+up GEMM reads the normed rows through the permutation.
+        assert!(!w.ops.iter().any(|o| o.name.contains("gather")));
+        // At 3.2 non-MMA per MMA and 16 warps/SM the issue rate is no limit: shared
+        // memory (192 bytes per MMA at 128 per cycle) and the mma.sync ceiling are.
+        let eff = moe_gemm_efficiency(&H200, &code);
+        assert!(
+            (eff - (128.0 / 192.0f64).min(H200.mma_sync_ceiling)).abs() < 1e-12,
+            "{eff}"
+        );
+        assert_eq!(gu.efficiency, eff);
+        // Fewer warps or more overhead per MMA lower it.
+        let slow = AttentionCode {
+            non_mma_per_mma: 12.0,
+            warps_per_sm: 4.0,
+            ..code
+        };
+        assert!(moe_gemm_efficiency(&H200, &slow) < eff / 2.0);
         // Short batches are bound by reading the experts' weights: MFU rises with tokens.
-        let short = moe_layer(&H200, &m, 1024);
-        assert!(
-            short.mfu < w.mfu && w.mfu < hw_gemm_ceiling(),
-            "{} {}",
-            short.mfu,
-            w.mfu
-        );
+        let short = moe_layer(&H200, &m, 1024, &code);
+        assert!(short.mfu < w.mfu && w.mfu < eff, "{} {}", short.mfu, w.mfu);
     }
 
     fn hw_gemm_ceiling() -> f64 {
