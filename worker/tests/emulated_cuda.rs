@@ -585,3 +585,63 @@ fn emulated_a_drafter_step_never_lets_the_compute_stream_run_dry() {
         );
     }
 }
+
+/// A Qwen3-MoE target's forward on a GPU waits on the host no more than a dense Qwen3's of
+/// the same shape: the routing, the permutation and the grouped GEMMs keep the per-expert
+/// row counts on the device (an offsets download per sparse layer would add a dry wait for
+/// each of the 3 sparse layers). The taps equal the CPU target's.
+#[test]
+fn emulated_a_moe_forward_waits_on_the_host_no_more_than_a_dense_one() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let test = "emulated_a_moe_forward_waits_on_the_host_no_more_than_a_dense_one";
+    let child = in_child(test, &[], || {
+        use dflash_worker::models::target::device::DeviceTarget;
+        use dflash_worker::models::target::Target;
+        let moe = qwen3_moe(2);
+        // The same model without experts: every layer dense.
+        let dense = moe
+            .replace("Qwen3MoeForCausalLM", "Qwen3ForCausalLM")
+            .replace("\"qwen3_moe\"", "\"qwen3\"");
+        let ids: Vec<u32> = (0..33u32).map(|i| (i * 37 + 5) % 300).collect();
+        let mut waits = Vec::new();
+        for (name, config) in [("moe", &moe), ("dense", &dense)] {
+            let tmp = tempfile::tempdir().unwrap();
+            dflash_worker::models::tiny::write_random(tmp.path(), config, 23).unwrap();
+            let cpu = Target::load(tmp.path(), &[0, 3]).unwrap();
+            assert_eq!(cpu.cfg.moe.is_some(), name == "moe", "{name}");
+            let dev =
+                CudaDevice::open().unwrap_or_else(|e| panic!("opening the emulated GPU: {e}"));
+            let mut gpu = DeviceTarget::new(Box::new(dev), &cpu, 40).unwrap();
+            // The first forward settles what is loaded once.
+            gpu.forward_rows(&[&ids]).unwrap();
+            let before = dry_waits();
+            let taps = gpu.forward_rows(&[&ids]).unwrap();
+            waits.push(dry_waits() - before);
+            assert_close(
+                &format!("{name} taps"),
+                &taps[0],
+                &cpu.forward_taps(&ids),
+                2e-2,
+            );
+        }
+        println!("dry waits: moe {} dense {}", waits[0], waits[1]);
+    });
+    if let Some((ok, out)) = child {
+        assert!(ok, "{out}");
+        let line = out
+            .lines()
+            .find_map(|l| l.find("dry waits:").map(|i| &l[i..]))
+            .unwrap_or_else(|| panic!("no count: {out}"));
+        let n: Vec<u64> = line
+            .split(|c: char| !c.is_ascii_digit())
+            .filter_map(|w| w.parse().ok())
+            .collect();
+        assert!(
+            n[1] >= 1,
+            "the taps' download is a dry wait, and is counted: {line}"
+        );
+        assert_eq!(n[0], n[1], "the MoE forward adds no host wait: {line}");
+    }
+}
