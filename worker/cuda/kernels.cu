@@ -345,7 +345,6 @@ extern "C" __global__ void moe_route_bf16(int* idx, float* wts, const unsigned s
 #define MOE_MAX_EXPERTS 4096
 namespace moe_shared {
 __shared__ int per_expert[MOE_MAX_EXPERTS];  // moe_count's counts, moe_place's next rows
-__shared__ int run_sums[32];                 // moe_scan's per-lane sums
 }  // namespace moe_shared
 
 // An expert id as the kernels use it: one out of range (NaN logits cannot make one;

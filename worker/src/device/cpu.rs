@@ -343,24 +343,13 @@ impl Widened {
     }
 }
 
-/// The f32 kernel a bf16 activation kernel runs as, over `w`'s temporaries; `None` for a
-/// kernel that is f32 already.
+/// [`as_f32`] for the mixture-of-experts kernels: whether `k` was one with bf16
+/// activations, now its f32 kernel over `w`'s temporaries.
 ///
 /// # Safety
-/// The kernel's buffers are this device's memory.
-unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
-    let mut k32 = *k;
-    match &mut k32 {
-        Kernel::EmbedGather {
-            act, out, table, ..
-        } if *act == Act::Bf16 => {
-            (*out, *table) = (w.output(*out), w.input(*table));
-            *act = Act::F32;
-        }
-        Kernel::AddInplace { act, x, y, .. } if *act == Act::Bf16 => {
-            (*x, *y) = (w.output(*x), w.input(*y));
-            *act = Act::F32;
-        }
+/// As for [`as_f32`].
+unsafe fn moe_as_f32(k: &mut Kernel, w: &mut Widened) -> bool {
+    match k {
         Kernel::MoeRoute { act, logits, .. } if *act == Act::Bf16 => {
             *logits = w.input(*logits);
             *act = Act::F32;
@@ -373,6 +362,32 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
             act, y, x, w: wt, ..
         } if *act == Act::Bf16 => {
             (*y, *x, *wt) = (w.output(*y), w.input(*x), w.input(*wt));
+            *act = Act::F32;
+        }
+        _ => return false,
+    }
+    true
+}
+
+/// The f32 kernel a bf16 activation kernel runs as, over `w`'s temporaries; `None` for a
+/// kernel that is f32 already.
+///
+/// # Safety
+/// The kernel's buffers are this device's memory.
+unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
+    let mut k32 = *k;
+    if moe_as_f32(&mut k32, w) {
+        return Some(k32);
+    }
+    match &mut k32 {
+        Kernel::EmbedGather {
+            act, out, table, ..
+        } if *act == Act::Bf16 => {
+            (*out, *table) = (w.output(*out), w.input(*table));
+            *act = Act::F32;
+        }
+        Kernel::AddInplace { act, x, y, .. } if *act == Act::Bf16 => {
+            (*x, *y) = (w.output(*x), w.input(*y));
             *act = Act::F32;
         }
         Kernel::CopyCols { act, dst, src, .. } if *act == Act::Bf16 => {

@@ -979,8 +979,36 @@ impl Kernel {
             s,
             tk: 1,
         }));
+        all.extend(Kernel::every_permute(b));
         all.extend(Kernel::every_other(b, attention, hyper));
         all
+    }
+
+    /// The three launches of the permutation into expert order.
+    fn every_permute(b: DSlice) -> [Kernel; 3] {
+        [
+            Kernel::MoeCount {
+                counts: b,
+                idx: b,
+                pairs: 1,
+                experts: 1,
+            },
+            Kernel::MoeScan {
+                offsets: b,
+                counts: b,
+                chunks: 1,
+                experts: 1,
+            },
+            Kernel::MoePlace {
+                rows: b,
+                slots: b,
+                idx: b,
+                first_rows: b,
+                pairs: 1,
+                top_k: 1,
+                experts: 1,
+            },
+        ]
     }
 
     /// The mixture-of-experts kernels with an f32 and a bf16 symbol, at `act`.
@@ -1112,29 +1140,8 @@ impl Kernel {
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 16] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 13] {
         [
-            Kernel::MoeCount {
-                counts: b,
-                idx: b,
-                pairs: 1,
-                experts: 1,
-            },
-            Kernel::MoeScan {
-                offsets: b,
-                counts: b,
-                chunks: 1,
-                experts: 1,
-            },
-            Kernel::MoePlace {
-                rows: b,
-                slots: b,
-                idx: b,
-                first_rows: b,
-                pairs: 1,
-                top_k: 1,
-                experts: 1,
-            },
             Kernel::ScatterAddRows {
                 dst: b,
                 src: b,
