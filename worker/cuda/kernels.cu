@@ -1726,6 +1726,23 @@ __device__ __forceinline__ void moe_gemm_tile(int* tile, const int* offsets, int
     }
 }
 
+// The CTA's tile (both grouped GEMMs): its row tile's (expert, first row, end row) into
+// moe_shared::tile by the first warp, seen by all after the barrier; returns the column
+// tile.
+__device__ __forceinline__ int moe_gemm_begin(const int* offsets, int experts, int pairs, int n) {
+    const int col_tiles = (n + MOE_BN - 1) / MOE_BN;
+    if (threadIdx.x < 32) moe_gemm_tile(moe_shared::tile, offsets, experts, pairs, blockIdx.x / col_tiles);
+    __syncthreads();
+    return blockIdx.x % col_tiles;
+}
+
+// x's row for permuted row r: rows[r] clamped to x's `gather` rows when gathering, else r.
+__device__ __forceinline__ int moe_source_row(const int* rows, int r, int gather) {
+    if (gather <= 0) return r;
+    const int src = rows[r];
+    return src < 0 ? 0 : (src >= gather ? gather - 1 : src);
+}
+
 // k-block kb of the CTA's A rows (2 chunks of 16 bytes a thread) and B rows (4) into
 // stage `s`: thread i copies column (i & 3)·8 of rows (i >> 2) + 32·j with cp.async. A
 // row past the expert's (or a column past n) is a copy of one in range: A row i only
@@ -1782,10 +1799,7 @@ __device__ __forceinline__ void moe_gemm_block(float (&acc)[2][8][4], const unsi
 // the loop's way). Grid: see above; MOE_THREADS threads.
 extern "C" __global__ void moe_gemm_bf16(unsigned short* y, const unsigned short* x, const unsigned short* w, const int* offsets, const int* rows, int gather, int experts, int pairs, int n, int k) {
     using namespace moe_shared;
-    const int col_tiles = (n + MOE_BN - 1) / MOE_BN;
-    const int mt = blockIdx.x / col_tiles, nt = blockIdx.x % col_tiles;
-    if (threadIdx.x < 32) moe_gemm_tile(tile, offsets, experts, pairs, mt);
-    __syncthreads();
+    const int nt = moe_gemm_begin(offsets, experts, pairs, n);
     const int e = tile[0], r0 = tile[1], r1 = tile[2];
     if (e < 0) return;
     unsigned short* smem = (unsigned short*)moe_tiles;
@@ -1797,13 +1811,8 @@ extern "C" __global__ void moe_gemm_bf16(unsigned short* y, const unsigned short
     const unsigned short* asrc[2];
     const unsigned short* bsrc[4];
     for (int j = 0; j < 2; ++j) {
-        const int rr = r0 + (threadIdx.x >> 2) + 32 * j, r = rr < r1 ? rr : r0;
-        int src = r;
-        if (gather > 0) {
-            src = rows[r];
-            src = src < 0 ? 0 : (src >= gather ? gather - 1 : src);
-        }
-        asrc[j] = x + (long)src * k;
+        const int rr = r0 + (threadIdx.x >> 2) + 32 * j;
+        asrc[j] = x + (long)moe_source_row(rows, rr < r1 ? rr : r0, gather) * k;
     }
     for (int j = 0; j < 4; ++j) {
         const int c = nt * MOE_BN + (threadIdx.x >> 2) + 32 * j;
@@ -1861,10 +1870,7 @@ extern "C" __global__ void moe_gemm_bf16(unsigned short* y, const unsigned short
 // thread i of the CTA computing column i of the tile for its rows, 8 rows at a time.
 extern "C" __global__ void moe_gemm(float* y, const float* x, const float* w, const int* offsets, const int* rows, int gather, int experts, int pairs, int n, int k) {
     using namespace moe_shared;
-    const int col_tiles = (n + MOE_BN - 1) / MOE_BN;
-    const int mt = blockIdx.x / col_tiles, nt = blockIdx.x % col_tiles;
-    if (threadIdx.x < 32) moe_gemm_tile(tile, offsets, experts, pairs, mt);
-    __syncthreads();
+    const int nt = moe_gemm_begin(offsets, experts, pairs, n);
     const int e = tile[0], r0 = tile[1], r1 = tile[2];
     const int c = nt * MOE_BN + threadIdx.x;
     if (e < 0 || c >= n) return;
@@ -1872,14 +1878,7 @@ extern "C" __global__ void moe_gemm(float* y, const float* x, const float* w, co
     const int end = r0 + MOE_BM < r1 ? r0 + MOE_BM : r1;
     for (int rb = r0; rb < end; rb += 8) {
         const float* xr[8];
-        for (int j = 0; j < 8; ++j) {
-            int src = rb + j < end ? rb + j : rb;
-            if (gather > 0) {
-                src = rows[src];
-                src = src < 0 ? 0 : (src >= gather ? gather - 1 : src);
-            }
-            xr[j] = x + (long)src * k;
-        }
+        for (int j = 0; j < 8; ++j) xr[j] = x + (long)moe_source_row(rows, rb + j < end ? rb + j : rb, gather) * k;
         float acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
         for (int kk = 0; kk < k; ++kk) {

@@ -567,14 +567,7 @@ fn emulated_a_drafter_step_never_lets_the_compute_stream_run_dry() {
     });
     if let Some((ok, out)) = child {
         assert!(ok, "{out}");
-        let line = out
-            .lines()
-            .find_map(|l| l.find("dry waits:").map(|i| &l[i..]))
-            .unwrap_or_else(|| panic!("no count: {out}"));
-        let n: Vec<u64> = line
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|w| w.parse().ok())
-            .collect();
+        let (line, n) = dry_wait_counts(&out);
         assert_eq!(
             n[0], 0,
             "a step leaves the compute stream queued at every wait: {line}"
@@ -630,18 +623,24 @@ fn emulated_a_moe_forward_waits_on_the_host_no_more_than_a_dense_one() {
     });
     if let Some((ok, out)) = child {
         assert!(ok, "{out}");
-        let line = out
-            .lines()
-            .find_map(|l| l.find("dry waits:").map(|i| &l[i..]))
-            .unwrap_or_else(|| panic!("no count: {out}"));
-        let n: Vec<u64> = line
-            .split(|c: char| !c.is_ascii_digit())
-            .filter_map(|w| w.parse().ok())
-            .collect();
+        let (line, n) = dry_wait_counts(&out);
         assert!(
             n[1] >= 1,
             "the taps' download is a dry wait, and is counted: {line}"
         );
         assert_eq!(n[0], n[1], "the MoE forward adds no host wait: {line}");
     }
+}
+
+/// The child's "dry waits: ..." line and the numbers on it, in order.
+fn dry_wait_counts(out: &str) -> (&str, Vec<u64>) {
+    let line = out
+        .lines()
+        .find_map(|l| l.find("dry waits:").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("no count: {out}"));
+    let n = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (line, n)
 }

@@ -820,14 +820,7 @@ fn host_device_moe_routing_permutation_and_combine_match_the_cpu() {
             assert_close(&format!("moe_route weights ({what})"), &get(&mut o, gw), &want_w, 1e-6);
             // The permutation, computed plainly.
             let pairs = t * k;
-            let (mut offsets, mut rows, mut slots) = (vec![0i32], Vec::new(), vec![0i32; pairs]);
-            for e in 0..ne as i32 {
-                for (p, _) in want_idx.iter().enumerate().filter(|(_, &i)| i == e) {
-                    slots[p] = rows.len() as i32;
-                    rows.push((p / k) as i32);
-                }
-                offsets.push(rows.len() as i32);
-            }
+            let (offsets, rows, slots) = plain_permutation(&want_idx, k, ne);
             assert_eq!(offsets[10], offsets[9], "expert 9 has no row");
             let (go, gr, gs) = (put_i32(&mut o, &vec![-1; ne + 1]), put_i32(&mut o, &vec![-1; pairs]), put_i32(&mut o, &vec![-1; pairs]));
             let scratch = put_i32(&mut o, &vec![-1; dflash_worker::device::ops::moe_permute_scratch(pairs, ne)]);
@@ -856,6 +849,20 @@ fn host_device_moe_routing_permutation_and_combine_match_the_cpu() {
     }
 }
 
+/// The routing `idx` (top-k experts per token) stably sorted by expert, plainly: the
+/// experts' offsets into the permuted rows, each permuted row's token, each pair's row.
+fn plain_permutation(idx: &[i32], k: usize, ne: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    let (mut offsets, mut rows, mut slots) = (vec![0i32], Vec::new(), vec![0i32; idx.len()]);
+    for e in 0..ne as i32 {
+        for (p, _) in idx.iter().enumerate().filter(|(_, &i)| i == e) {
+            slots[p] = rows.len() as i32;
+            rows.push((p / k) as i32);
+        }
+        offsets.push(rows.len() as i32);
+    }
+    (offsets, rows, slots)
+}
+
 /// `moe_permute` over many chunks of pairs (11, the last partial, several windows of a
 /// warp each): offsets, rows and slots exactly those of a plain stable sort by expert,
 /// with experts that many, few or no tokens choose.
@@ -878,14 +885,7 @@ fn host_device_moe_permutation_over_many_chunks_is_a_stable_sort_by_expert() {
         idx.extend(chosen);
     }
     let pairs = t * k;
-    let (mut offsets, mut rows, mut slots) = (vec![0i32], Vec::new(), vec![0i32; pairs]);
-    for e in 0..ne as i32 {
-        for (p, _) in idx.iter().enumerate().filter(|(_, &i)| i == e) {
-            slots[p] = rows.len() as i32;
-            rows.push((p / k) as i32);
-        }
-        offsets.push(rows.len() as i32);
-    }
+    let (offsets, rows, slots) = plain_permutation(&idx, k, ne);
     let mut o = ops();
     let gi = put_i32(&mut o, &idx);
     let (go, gr, gs) = (put_i32(&mut o, &vec![-1; ne + 1]), put_i32(&mut o, &vec![-1; pairs]), put_i32(&mut o, &vec![-1; pairs]));
