@@ -444,7 +444,7 @@ fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
 
 /// A Qwen3-MoE target on an emulated GPU, every device operation checked for stream
 /// order: the sparse MLP's device route (router GEMM, `moe_route`, `moe_permute`, the
-/// offsets' copy to the host, the per-expert GEMMs, `moe_combine`) in bf16 inside the
+/// grouped GEMMs reading the offsets on the device, `moe_combine`) in bf16 inside the
 /// pipeline, and the drafter trains on its taps.
 #[test]
 fn a_mixture_of_experts_target_runs_on_a_stream_checked_emulated_gpu() {

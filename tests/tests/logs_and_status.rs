@@ -411,9 +411,13 @@ fn a_terminal_gets_a_live_status_line_and_a_pipe_gets_plain_lines() {
         text.contains("/8 [") && text.contains(" ETA "),
         "step N/M with a bar and an ETA: {text:?}"
     );
-    // --tee's worker lines print above the status line, never into it.
+    // --tee's worker lines print above the status line, never into it. What a line shows
+    // is what was written after its last erase (`ESC[2K`): a status line wider than the
+    // terminal wraps onto two rows, and lifting it erases both before the worker line is
+    // written, all before the next newline.
     let worker_lines: Vec<&str> = text
         .split('\n')
+        .map(|l| l.rsplit("\x1b[2K").next().unwrap_or(l))
         .filter(|l| l.contains("[drafter-0] ") || l.contains("[target-0] "))
         .collect();
     assert!(!worker_lines.is_empty(), "{text:?}");

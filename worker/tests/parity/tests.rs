@@ -961,8 +961,8 @@ fn qwen3_moe(k: usize) -> String {
     )
 }
 
-/// The sparse MLP's device route (router GEMM, routing, the rows gathered in expert order,
-/// per-expert GEMMs, SwiGLU, the weighted sum) against the CPU target, rows packed. In f32
+/// The sparse MLP's device route (router GEMM, routing, the permutation, the grouped
+/// GEMMs over the experts, SwiGLU, the weighted sum) against the CPU target, rows packed. In f32
 /// (the CPU device) top-2 of 6, routed as the reference routes; with bf16 activations
 /// every expert for every token (k = 6), weighted by the softmax: bf16 rounding could
 /// flip a near-tie top-k choice (transformers_parity.rs checks top-k under bf16 against
