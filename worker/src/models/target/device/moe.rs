@@ -1,13 +1,13 @@
 //! Qwen3-MoE's sparse MLP on a [`Device`](crate::device::Device), with no host round
 //! trip: the router's GEMM; the routing on the device (`moe_route`: softmax, top-k,
 //! renormalisation); the routed (token, rank) pairs put in expert order (`moe_permute`:
-//! one permutation, per-expert offsets, by three parallel launches); one grouped GEMM for every expert's gate and up
-//! projections (`moe_gemm`, reading the normed tokens through the permutation, so no
-//! gathered copy is made), one SwiGLU over the `[gate | up]` rows, one grouped GEMM for
-//! the down projections; the weighted sum back to each token (`moe_combine`, no atomics:
-//! each token sums its own rows in rank order). The per-expert row counts stay on the
-//! device: the grouped GEMM's grid covers the most tiles any routing can have, and each CTA
-//! reads its expert and rows from the offsets.
+//! one permutation, per-expert offsets, by three parallel launches); one grouped GEMM for
+//! every expert's gate and up projections (`moe_gemm`, reading the normed tokens through
+//! the permutation, so no gathered copy is made), one SwiGLU over the `[gate | up]` rows,
+//! one grouped GEMM for the down projections; the weighted sum back to each token
+//! (`moe_combine`, no atomics: each token sums its own rows in rank order). The per-expert
+//! row counts stay on the device: the grouped GEMM's grid covers the most tiles any
+//! routing can have, and each CTA reads its expert and rows from the offsets.
 
 use dflash_shared::model_config::Moe;
 
