@@ -188,12 +188,17 @@ impl Exporter {
 }
 
 /// The request head (it may come in several segments), as far as it came within
-/// `timeout` of silence.
+/// `timeout` of the connection: a client that sends a byte now and then holds a handler
+/// no longer than one that sends nothing.
 fn request_head(s: &mut TcpStream, timeout: Duration) -> String {
-    let _ = s.set_read_timeout(Some(timeout));
+    let deadline = std::time::Instant::now() + timeout;
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     while buf.len() < 8192 && !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
+            break;
+        }
         match s.read(&mut chunk) {
             Ok(0) | Err(_) => break,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
@@ -566,6 +571,32 @@ fn tau_families(o: &mut Out, t: &Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A client that dribbles its request a byte at a time is cut off at the timeout of
+    /// the whole head, not kept while each byte comes within it.
+    #[test]
+    fn a_request_head_dribbled_byte_by_byte_is_cut_off_at_the_timeout() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let client = std::thread::spawn(move || {
+            let mut c = TcpStream::connect(addr).unwrap();
+            // At most 400 bytes, one per 50 ms (20 s in all), until the server is done.
+            for _ in 0..400 {
+                if c.write_all(b"G").is_err() || stop_rx.try_recv().is_ok() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let (mut s, _) = listener.accept().unwrap();
+        let head = request_head(&mut s, Duration::from_millis(500));
+        stop_tx.send(()).unwrap();
+        client.join().unwrap();
+        // Half a second of a byte per 50 ms is about ten bytes; a read timeout renewed at
+        // every byte would have taken all 400 (20 s).
+        assert!(head.len() < 200, "{} bytes read", head.len());
+    }
 
     #[test]
     fn the_last_tau_is_exported_with_its_intervals_when_there_is_one() {
