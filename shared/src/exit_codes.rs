@@ -7,7 +7,8 @@ pub const RUN_FAILED: i32 = 1;
 /// Bad command line or input: a one-line error names the input and what was expected.
 pub const USAGE: i32 = 2;
 /// A stop was requested but some worker did not stop cleanly: it had to be killed after
-/// `--stop-timeout`, or it exited with a non-zero status.
+/// `--stop-timeout`, or it exited with a non-zero status (a worker still starting that the
+/// stop's own SIGTERM ends is a clean stop: it had nothing in flight).
 pub const UNCLEAN_STOP: i32 = 3;
 /// The supervisor itself could not go on: a worker binary that cannot be started, a
 /// control-protocol version mismatch, an I/O failure in the run dir.

@@ -160,8 +160,9 @@ fn a_stop_while_the_only_drafter_waits_to_restart_still_saves_and_exports() {
         "0",
     ]);
     // A few steps (each one snapshotted), then kill the drafter as soon as it is up
-    // again, until it waits in a restart backoff (the first restart is at once). Each
-    // death rolls the group back to its snapshot.
+    // again, until it waits in a restart backoff of 4 s (the 4th restart; they wait 0,
+    // 1, 2, 4 s), time enough for the stop to come before it ends, however loaded the
+    // machine. Each death rolls the group back to its snapshot.
     sup.wait_state("three committed steps", T, |s| {
         s["train"]["step"].as_u64().unwrap_or(0) >= 3
     });
@@ -169,12 +170,13 @@ fn a_stop_while_the_only_drafter_waits_to_restart_still_saves_and_exports() {
     let st = loop {
         let st = sup.wait_state("the drafter up, or waiting to restart", T, |s| {
             let w = worker(s, "drafter-0");
-            w["state"] == "backoff" || (w["state"] == "running" && w["pid"].is_u64())
+            (w["state"] == "backoff" && w["restarts"].as_u64() >= Some(4))
+                || (w["state"] == "running" && w["pid"].is_u64())
         });
         if worker(&st, "drafter-0")["state"] == "backoff" {
             break st;
         }
-        assert!(killed < 5, "the drafter never waited to restart: {st}");
+        assert!(killed < 8, "the drafter never waited 4 s to restart: {st}");
         signal(pid_of(&st, "drafter-0"), Signal::SIGKILL);
         killed += 1;
         let restarts = worker(&st, "drafter-0")["restarts"].as_u64().unwrap();
@@ -433,7 +435,7 @@ fn a_paused_supervisor_kills_no_healthy_worker_as_hung() {
 
 #[test]
 fn sigusr1_goes_only_to_workers_that_said_hello() {
-    let mut sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0@0=hello-delay:3000");
+    let mut sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0@0=hello-delay:15000");
     sup.wait_state("the target running, the drafter starting", T, |s| {
         worker(s, "target-0")["state"] == "running" && worker(s, "drafter-0")["state"] == "starting"
     });
@@ -451,6 +453,29 @@ fn sigusr1_goes_only_to_workers_that_said_hello() {
     assert!(log.contains("not to drafter-0 (still starting)"), "{log}");
     sup.signal(Signal::SIGINT);
     assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
+}
+
+/// A worker still starting when the run stops has no batch and no step in flight: the
+/// SIGTERM it is sent (it has no channel yet) may end it before it installs its signal
+/// handlers, and that is a clean stop (exit 75, resumable), not an unclean one (exit 3).
+#[test]
+fn a_worker_ended_by_the_stops_sigterm_while_still_starting_stopped_cleanly() {
+    // The drafter sleeps 10 min before installing its handlers and connecting.
+    let mut sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0@0=hello-delay:600000");
+    sup.wait_state("the target running, the drafter starting", T, |s| {
+        worker(s, "target-0")["state"] == "running" && worker(s, "drafter-0")["state"] == "starting"
+    });
+    sup.signal(Signal::SIGINT);
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(75), "{err}");
+    assert!(!err.contains("not every worker stopped cleanly"), "{err}");
+    let ev = sup.events();
+    let exit = ev
+        .iter()
+        .find(|e| e["event"] == "exit" && e["worker"] == "drafter-0")
+        .unwrap_or_else(|| panic!("no exit of drafter-0: {ev:?}"));
+    assert_eq!(exit["signal"], "SIGTERM", "{exit}");
 }
 
 #[test]

@@ -215,7 +215,8 @@ fn kill_9_restarts_that_worker_alone_and_fast() {
     let new_pid = pid_of(&st, "drafter-1");
     assert!(environ(new_pid).contains(&"DFLASH_RESTART_COUNT=1".to_string()));
 
-    // A target's replacement is spawned within 100 ms of its death being seen.
+    // A target's replacement is spawned at once: no backoff (delay 0), and well within the
+    // first backoff's second of its death being seen, however loaded the machine.
     signal(before[0], Signal::SIGKILL);
     sup.wait_state("target-0 back", T, |s| {
         worker(s, "target-0")["restarts"] == 1 && worker(s, "target-0")["state"] == "running"
@@ -226,7 +227,7 @@ fn kill_9_restarts_that_worker_alone_and_fast() {
     let spawn = events_of(&ev, "spawn", "target-0")[1];
     let gap = millis(&spawn["time"]) - millis(&exit["time"]);
     assert!(
-        (0..=100).contains(&gap),
+        (0..1000).contains(&gap),
         "replacement spawned {gap} ms after the death"
     );
     assert_eq!(events_of(&ev, "restart", "target-0")[0]["delay_ms"], 0);
@@ -236,16 +237,16 @@ fn kill_9_restarts_that_worker_alone_and_fast() {
 fn hung_worker_is_killed_and_restarted() {
     let t0 = Instant::now();
     let sup = Sup::start(
-        &["--gpus", "cpu:2", "--hang-timeout", "1s"],
+        &["--gpus", "cpu:2", "--hang-timeout", "3s"],
         "drafter-0@0=hang-after:200",
     );
     let st = sup.wait_state("drafter-0 restarted after hanging", T, |s| {
         let w = worker(s, "drafter-0");
         w["restarts"] == 1 && w["state"] == "running"
     });
-    // Hang after 0.2 s + 1 s timeout; generous margin for a loaded machine.
+    // Hang after 0.2 s + 3 s timeout; generous margin for a loaded machine.
     assert!(
-        t0.elapsed() < Duration::from_secs(10),
+        t0.elapsed() < Duration::from_secs(30),
         "took {:?}",
         t0.elapsed()
     );
@@ -309,7 +310,7 @@ fn supervisor_sigkill_leaves_no_worker_or_grandchild() {
     sup.signal(Signal::SIGKILL);
     wait_for(
         "every worker and the grandchild to die",
-        Duration::from_secs(2),
+        Duration::from_secs(10),
         || pids.iter().all(|&p| !pid_alive(p)).then_some(()),
     );
 }
@@ -341,7 +342,7 @@ fn killing_a_worker_kills_its_grandchild_too() {
 #[test]
 fn worker_ignoring_stop_is_killed_after_stop_timeout() {
     let mut sup = Sup::start(
-        &["--gpus", "cpu:2", "--stop-timeout", "1s"],
+        &["--gpus", "cpu:2", "--stop-timeout", "3s"],
         "drafter-0=ignore-stop",
     );
     let st = sup.wait_running(2);
@@ -350,7 +351,7 @@ fn worker_ignoring_stop_is_killed_after_stop_timeout() {
     sup.signal(Signal::SIGTERM);
     let status = sup.wait_exit(T);
     assert!(
-        t0.elapsed() >= Duration::from_secs(1),
+        t0.elapsed() >= Duration::from_secs(3),
         "killed before the stop timeout: {:?}",
         t0.elapsed()
     );

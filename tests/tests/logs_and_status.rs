@@ -197,8 +197,10 @@ fn logs_follow_survives_rotation_without_losing_a_line() {
 
 #[test]
 fn tee_prints_worker_lines_with_a_prefix() {
-    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--tee", "--time-limit", "1s"]);
-    assert_eq!(sup.wait_exit(T).code(), Some(75));
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2", "--tee"]);
+    sup.wait_running(2);
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
     let out = sup.stdout();
     assert!(
         out.lines()

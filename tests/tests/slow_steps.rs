@@ -48,7 +48,7 @@ fn drafter_steps_longer_than_the_hang_timeout_are_no_hang_and_the_run_finishes()
         "--steps",
         "2",
         "--hang-timeout",
-        "2s",
+        "3s",
         "--max-restarts",
         "0",
     ]);
@@ -89,9 +89,9 @@ fn a_step_over_the_step_timeout_is_killed_naming_the_step_time_and_the_flag() {
         "--steps",
         "2",
         "--hang-timeout",
-        "1s",
+        "3s",
         "--step-timeout",
-        "2s",
+        "4s",
         "--max-restarts",
         "0",
     ]);
@@ -110,12 +110,12 @@ fn a_step_over_the_step_timeout_is_killed_naming_the_step_time_and_the_flag() {
     let h = hangs[0];
     assert_eq!(h["worker"], "drafter-0");
     assert!(h["work"].as_str().unwrap().starts_with("step 1 "), "{h}");
-    assert_eq!(h["step_timeout_s"].as_f64(), Some(2.0));
+    assert_eq!(h["step_timeout_s"].as_f64(), Some(4.0));
     let reason = h["reason"].as_str().unwrap();
     for words in [
         "hung: in step 1 (batch ",
         " for ",
-        "over --step-timeout 2s (no step has finished yet)",
+        "over --step-timeout 4s (no step has finished yet)",
         "raise --step-timeout",
         "--token-budget or --max-anchors",
     ] {

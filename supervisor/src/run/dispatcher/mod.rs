@@ -946,8 +946,12 @@ impl Dispatcher {
             }
             self.on_failure(worker, l.pid, uptime);
         } else {
+            // A worker still starting (not connected) has nothing in flight: the stop's
+            // SIGTERM may end it before it installs its handlers, and that is a clean stop.
+            let stopped =
+                status.success() || (!l.connected() && sig == Some(Signal::SIGTERM as i32));
             let w = &mut self.workers[worker];
-            w.unclean_stop = !(status.success() && l.asked_to_stop() && killed_for.is_none());
+            w.unclean_stop = !(stopped && l.asked_to_stop() && killed_for.is_none());
             log::info!("{name} (pid {}) {desc}{why}", l.pid);
         }
     }
