@@ -71,8 +71,9 @@ mod tests;
 
 /// Longest the loop sleeps without looking at its timers.
 const TICK: Duration = Duration::from_millis(50);
-/// A wait for the next event this much longer than [`TICK`] means the supervisor was not
-/// running: see [`Dispatcher::resume_after_pause`].
+/// A turn of the loop (its wait for an event included) this much longer than [`TICK`]
+/// means the supervisor was not watching its workers: see
+/// [`Dispatcher::resume_after_pause`].
 const PAUSE: Duration = Duration::from_secs(2);
 /// Events handled in one turn at most, before the timers.
 const MAX_EVENTS_PER_TURN: usize = 4096;
@@ -297,12 +298,14 @@ impl Dispatcher {
     /// Run until every worker is gone; returns the process exit code.
     pub fn run(mut self) -> i32 {
         self.start(Instant::now());
+        // The start of the last turn: a pause is measured from it, so that one that falls
+        // in a turn's own work (not only in the wait for an event) is seen too.
+        let mut last_turn = Instant::now();
         loop {
             self.flush_state();
             if self.finished() {
                 break;
             }
-            let waited = Instant::now();
             let mut evs = match self.rx.recv_timeout(TICK) {
                 Ok(ev) => vec![ev],
                 Err(RecvTimeoutError::Timeout) => vec![],
@@ -318,7 +321,8 @@ impl Dispatcher {
                 }
             }
             let now = Instant::now();
-            let gap = now.saturating_duration_since(waited);
+            let gap = now.saturating_duration_since(last_turn);
+            last_turn = now;
             if gap > TICK + PAUSE {
                 self.resume_after_pause(gap, now);
             }
@@ -352,7 +356,7 @@ impl Dispatcher {
     /// again, rather than healthy workers being killed as "hung".
     fn resume_after_pause(&mut self, gap: Duration, now: Instant) {
         log::warn!(
-            "the supervisor did not run for {:.1}s (stopped, or its machine stalled): restarting the workers' hang and step timers",
+            "the supervisor did not run for {:.1}s (stopped, its machine stalled, or one turn of its loop took that long): restarting the workers' hang and step timers",
             gap.as_secs_f64()
         );
         for w in &mut self.workers {
