@@ -433,12 +433,22 @@ fn a_paused_supervisor_kills_no_healthy_worker_as_hung() {
     }
 }
 
-#[test]
-fn sigusr1_goes_only_to_workers_that_said_hello() {
-    let mut sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0@0=hello-delay:15000");
+/// A run whose target runs while its drafter, in its first life, waits `ms` before it
+/// installs its signal handlers and connects; returned once the state shows both.
+fn drafter_still_starting(ms: u64) -> Sup {
+    let sup = Sup::start(
+        &["--gpus", "cpu:2"],
+        &format!("drafter-0@0=hello-delay:{ms}"),
+    );
     sup.wait_state("the target running, the drafter starting", T, |s| {
         worker(s, "target-0")["state"] == "running" && worker(s, "drafter-0")["state"] == "starting"
     });
+    sup
+}
+
+#[test]
+fn sigusr1_goes_only_to_workers_that_said_hello() {
+    let mut sup = drafter_still_starting(15_000);
     sup.signal(Signal::SIGUSR1);
     wait_for("the target to get SIGUSR1", T, || {
         sup.log("target-0").contains("got SIGUSR1").then_some(())
@@ -461,10 +471,7 @@ fn sigusr1_goes_only_to_workers_that_said_hello() {
 #[test]
 fn a_worker_ended_by_the_stops_sigterm_while_still_starting_stopped_cleanly() {
     // The drafter sleeps 10 min before installing its handlers and connecting.
-    let mut sup = Sup::start(&["--gpus", "cpu:2"], "drafter-0@0=hello-delay:600000");
-    sup.wait_state("the target running, the drafter starting", T, |s| {
-        worker(s, "target-0")["state"] == "running" && worker(s, "drafter-0")["state"] == "starting"
-    });
+    let mut sup = drafter_still_starting(600_000);
     sup.signal(Signal::SIGINT);
     let status = sup.wait_exit(T);
     let err = sup.stderr();
