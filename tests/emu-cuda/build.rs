@@ -8,7 +8,9 @@ fn main() {
         std::path::Path::new("../../worker/cuda"),
         "dflash_emu_host_device",
     );
-    // cudarc opens "libcuda.so" first: a library loaded by path under that soname is the one
-    // it then finds (DFLASH_CUDA_LIB), whatever else the machine has.
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcuda.so");
+    // The real driver's soname. cudarc tries "libcuda.so" first and "libcuda.so.1" last: on a
+    // machine with no other libcuda (CI) the driver loaded by path (DFLASH_CUDA_LIB) is the one
+    // it binds; where another file answers to "libcuda.so" (a toolkit's stub), the worker
+    // refuses with both named, as it does with a real driver.
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,libcuda.so.1");
 }

@@ -705,3 +705,74 @@ fn eval_on_an_emulated_gpu_decodes_the_prompts_as_the_cpu_does() {
         "{text}"
     );
 }
+
+/// A CUDA toolkit's `stubs/` directory on `LD_LIBRARY_PATH` ahead of the driver: its
+/// `libcuda.so` answers every call with `CUDA_ERROR_STUB_LIBRARY`, and the CUDA bindings
+/// open `libcuda.so` before the driver's own `libcuda.so.1`. The worker opens the driver
+/// (`libcuda.so.1`, here the emulated one under that soname), sees that the bindings would
+/// get the stub instead, and stops the run with one line naming the stub and what to
+/// change; with only the stub there, the line says so. No restart is spent on either.
+#[test]
+fn a_toolkit_stub_on_the_loader_path_is_named_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (stubs, drv) = (tmp.path().join("cuda/stubs"), tmp.path().join("driver"));
+    fs::create_dir_all(&stubs).unwrap();
+    fs::create_dir_all(&drv).unwrap();
+    std::os::unix::fs::symlink(fake_cuda(), stubs.join("libcuda.so")).unwrap();
+    std::os::unix::fs::symlink(
+        target_dir().join("libdflash_emu_cuda.so"),
+        drv.join("libcuda.so.1"),
+    )
+    .unwrap();
+    let run = |dirs: &[&std::path::Path]| {
+        let mut env: Vec<(String, String)> = emulated(tmp.path(), 2)
+            .into_iter()
+            .filter(|(k, _)| k != "DFLASH_CUDA_LIB")
+            .collect();
+        let mut path: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        if let Ok(p) = std::env::var("LD_LIBRARY_PATH") {
+            path.extend(p.split(':').filter(|s| !s.is_empty()).map(String::from));
+        }
+        env.push(("LD_LIBRARY_PATH".into(), path.join(":")));
+        env.push(("DFLASH_FAKE_CUDA_STUB".into(), "1".into()));
+        let mut sup = start(
+            &["--gpus", "0-1", "--max-restarts", "50", "--no-gpu-metrics"],
+            &env,
+        );
+        let status = sup.wait_exit(T);
+        let err = sup.stderr();
+        assert_eq!(status.code(), Some(1), "{err}");
+        let events = sup.events();
+        assert_eq!(
+            events.iter().filter(|e| e["event"] == "restart").count(),
+            0,
+            "a permanent failure spends no restart: {events:?}"
+        );
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("dflash-supervise: run failed:"))
+            .unwrap_or_default()
+            .to_string();
+        (line, err)
+    };
+    let stub = stubs.join("libcuda.so");
+    let stub = stub.display();
+    // The stub first, the driver after it.
+    let (line, err) = run(&[&stubs, &drv]);
+    assert!(
+        line.contains("was not restarted")
+            && line.contains(&format!("resolves libcuda.so to {stub}"))
+            && line.contains("CUDA_ERROR_STUB_LIBRARY")
+            && line.contains(&format!("take {} off LD_LIBRARY_PATH", stubs.display()))
+            && line.contains("libcuda.so.1"),
+        "stub at {stub}: {err}"
+    );
+    // Only the stub: no driver, said as such.
+    let (line, err) = run(&[&stubs]);
+    assert!(
+        line.contains("found only the CUDA toolkit's stub library")
+            && line.contains(&stub.to_string())
+            && line.contains("install the NVIDIA driver"),
+        "{err}"
+    );
+}

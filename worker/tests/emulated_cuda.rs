@@ -644,3 +644,88 @@ fn dry_wait_counts(out: &str) -> (&str, Vec<u64>) {
         .collect();
     (line, n)
 }
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> std::time::Duration {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes one timespec.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) },
+        0
+    );
+    std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// Work on the GPU that takes `GPU_WORK` without using a host core (a host function that
+/// sleeps, queued on the stream).
+const GPU_WORK: std::time::Duration = std::time::Duration::from_millis(400);
+
+unsafe extern "C" fn gpu_busy(_: *mut std::ffi::c_void) {
+    std::thread::sleep(GPU_WORK);
+}
+
+/// A worker that waits for its GPU sleeps: the emulated driver, like the real one, spins a
+/// host thread in a stream or context sync unless the context was made with
+/// `CU_CTX_SCHED_BLOCKING_SYNC`, and in an event sync unless the event was made with
+/// `CU_EVENT_BLOCKING_SYNC`. Measured: the waiting thread's CPU time against the wait's
+/// wall time, for a stream sync, an event sync and a download (a sync copy).
+#[test]
+fn emulated_a_thread_waiting_for_the_gpu_sleeps_instead_of_spinning() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    use dflash_worker::device::{DSlice, Stream};
+    let mut dev = device();
+    let (ctx, streams) = dev.cuda_handles().expect("the CUDA device");
+    let buf = dev.alloc(4096).unwrap();
+    let slice = DSlice {
+        ptr: buf,
+        bytes: 4096,
+    };
+    let mut host = vec![0u8; 4096];
+    type Wait<'a> = Box<dyn Fn(&mut dyn Device, &mut Vec<u8>) + 'a>;
+    let waits: [(&str, Wait); 3] = [
+        ("a stream sync", Box::new(|d, _| d.sync().unwrap())),
+        (
+            "an event sync",
+            Box::new(|d, _| {
+                let e = d.record(Stream::Compute).unwrap();
+                d.sync_event(e).unwrap();
+                d.release_event(e);
+            }),
+        ),
+        (
+            "a download",
+            Box::new(|d, h| d.download(Stream::Compute, slice, h).unwrap()),
+        ),
+    ];
+    for (what, wait) in &waits {
+        ctx.bind_to_thread().unwrap();
+        // SAFETY: a live stream of the device; the function takes no data.
+        unsafe {
+            cudarc::driver::sys::cuLaunchHostFunc(streams[0], Some(gpu_busy), std::ptr::null_mut())
+        }
+        .result()
+        .unwrap();
+        let (cpu0, t0) = (thread_cpu(), std::time::Instant::now());
+        wait(dev.as_mut(), &mut host);
+        let (cpu, wall) = (thread_cpu() - cpu0, t0.elapsed());
+        eprintln!(
+            "{what}: waited {:.0} ms, {:.1} ms of CPU ({:.1} %)",
+            wall.as_secs_f64() * 1e3,
+            cpu.as_secs_f64() * 1e3,
+            100.0 * cpu.as_secs_f64() / wall.as_secs_f64()
+        );
+        assert!(
+            wall >= GPU_WORK.mul_f64(0.9),
+            "{what} returned after {wall:?}, before the GPU's {GPU_WORK:?} of work"
+        );
+        assert!(
+            cpu < wall / 5,
+            "{what} spun: {cpu:?} of CPU in a {wall:?} wait"
+        );
+    }
+}

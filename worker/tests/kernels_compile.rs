@@ -129,3 +129,95 @@ fn kernels_compile_with_nvrtc_for_sm_80_sm_90_and_sm_100() {
     .unwrap_err();
     assert!(err.to_string().contains("undefined_name"), "{err}");
 }
+
+/// Where `.ci/run` installs the `nvidia-cuda-nvrtc` 13.0 wheel beside the newest one
+/// (`pip install --target target/nvrtc-13.0`), or `DFLASH_TEST_NVRTC_13_0` (its libnvrtc).
+fn nvrtc_13_0() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("DFLASH_TEST_NVRTC_13_0") {
+        return Some(PathBuf::from(p));
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/nvrtc-13.0/nvidia/cu13/lib/libnvrtc.so.13");
+    p.exists().then_some(p)
+}
+
+/// The child of the test below: NVRTC from `DFLASH_NVRTC_LIB` (a libnvrtc loaded by path,
+/// its directory on no search path) compiles a kernel; prints what was loaded.
+#[test]
+fn child_compiles_with_the_nvrtc_of_dflash_nvrtc_lib() {
+    if std::env::var_os("DFLASH_TEST_CHILD").is_none() {
+        return;
+    }
+    use dflash_worker::device::libs::{self, CudaLib};
+    let (major, minor) = nvrtc::version().unwrap_or_else(|e| panic!("{e}"));
+    let out = nvrtc::compile(
+        "extern \"C\" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }",
+        "sm_90",
+    )
+    .unwrap_or_else(|e| panic!("NVRTC {major}.{minor}: {e}"));
+    assert!(out.ptx.contains(".entry twice(") && out.cubin.starts_with(b"\x7fELF"));
+    let l = libs::open(CudaLib::Nvrtc).unwrap();
+    println!("NVRTC-VERSION {major}.{minor}");
+    println!("NVRTC-PATH {}", l.path.display());
+    for c in &l.companions {
+        println!("NVRTC-COMPANION {}", c.display());
+    }
+}
+
+/// The `nvidia-cuda-nvrtc` 13.0 wheel's libnvrtc has no RPATH: loaded by path, as the
+/// worker loads a wheel's, its own `dlopen` of `libnvrtc-builtins.so.13.0` finds nothing
+/// and every compile fails ("failed to open libnvrtc-builtins.so.13.0"). The worker loads
+/// the builtins beside it first. A child process, so that nothing this process already
+/// loaded answers for it, and with no search path naming the wheel's directory.
+#[test]
+fn the_nvrtc_13_0_wheel_compiles_when_loaded_by_path() {
+    let required = std::env::var_os("CI").is_some()
+        || std::env::var("DFLASH_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    let Some(lib) = nvrtc_13_0() else {
+        assert!(!required, "the NVRTC 13.0 wheel is not installed: .ci/run installs it into target/nvrtc-13.0 (or set DFLASH_TEST_NVRTC_13_0)");
+        eprintln!(
+            "skipped: pip install --no-deps --target target/nvrtc-13.0 'nvidia-cuda-nvrtc==13.0.*'"
+        );
+        return;
+    };
+    let lib = std::fs::canonicalize(&lib).unwrap();
+    let dir = lib.parent().unwrap().to_path_buf();
+    // The wheel as the review found it: no RPATH, so nothing but our loading finds its builtins.
+    let dynamic = Command::new("readelf").arg("-d").arg(&lib).output();
+    if let Ok(o) = dynamic {
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            !text.contains("RPATH") && !text.contains("RUNPATH"),
+            "{} has a search path of its own; this is not the wheel the test is about:\n{text}",
+            lib.display()
+        );
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_compiles_with_the_nvrtc_of_dflash_nvrtc_lib",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("DFLASH_TEST_CHILD", "1")
+        .env("DFLASH_NVRTC_LIB", &lib)
+        .env_remove("LD_LIBRARY_PATH")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("NVRTC-VERSION 13.0"), "{text}");
+    let companion = text
+        .lines()
+        .find_map(|l| l.strip_prefix("NVRTC-COMPANION "))
+        .unwrap_or_else(|| panic!("no builtins loaded with NVRTC:\n{text}"));
+    assert_eq!(
+        PathBuf::from(companion),
+        dir.join("libnvrtc-builtins.so.13.0"),
+        "{text}"
+    );
+}

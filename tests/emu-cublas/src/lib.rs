@@ -1,7 +1,7 @@
 //! `libcublas.so` of the emulated CUDA stack. cuBLAS is written in the emulated driver
 //! (tests/emu-cuda, `blas.rs`), which owns the streams a GEMM is queued on; this library
 //! only gives it the soname cudarc looks for, forwarding each entry point to the driver's
-//! (found as the already loaded `libcuda.so`, as a real cuBLAS finds its driver).
+//! (found as the already loaded `libcuda.so.1`, as a real cuBLAS finds its driver).
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
@@ -12,16 +12,18 @@ use std::sync::OnceLock;
 fn driver() -> *mut c_void {
     static H: OnceLock<usize> = OnceLock::new();
     *H.get_or_init(|| {
-        // SAFETY: dlopen of a library already loaded (RTLD_NOLOAD) or on the loader's path.
-        let h = unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+        // SAFETY: dlopen of a library already loaded (RTLD_NOLOAD: the driver's soname,
+        // libcuda.so.1) or on the loader's path.
+        let h =
+            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
         let h = if h.is_null() {
-            unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW) }
+            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW) }
         } else {
             h
         };
         assert!(
             !h.is_null(),
-            "emulated cuBLAS: the emulated driver (libcuda.so) is not loaded"
+            "emulated cuBLAS: the emulated driver (libcuda.so.1) is not loaded"
         );
         h as usize
     }) as *mut c_void

@@ -329,6 +329,20 @@ pub extern "C" fn cuInit(_flags: c_uint) -> CUresult {
     r
 }
 
+/// The driver's private tables: NVRTC 13.x opens `libcuda.so.1` (this library, under the
+/// driver's soname) while compiling and asks for one; a driver may have none to give, and
+/// NVRTC then goes on without it.
+#[no_mangle]
+pub unsafe extern "C" fn cuGetExportTable(
+    table: *mut *const c_void,
+    _id: *const c_void,
+) -> CUresult {
+    if !table.is_null() {
+        *table = std::ptr::null();
+    }
+    ERROR_NOT_SUPPORTED
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CUresult {
     *v = driver().version;
@@ -398,6 +412,39 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, _dev: 
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut u64, dev: c_int) -> CUresult {
     tri!(device_of(dev));
     *ctx = PRIMARY_CTX;
+    SUCCESS
+}
+
+/// `CU_CTX_SCHED_MASK` and `CU_CTX_SCHED_BLOCKING_SYNC`.
+const SCHED_MASK: c_uint = 0x07;
+const SCHED_BLOCKING_SYNC: c_uint = 0x04;
+
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: c_int, flags: c_uint) -> CUresult {
+    tri!(device_of(dev));
+    if flags & !0x1f != 0 {
+        return ERROR_INVALID_VALUE;
+    }
+    stream::BLOCKING_CONTEXT.store(
+        flags & SCHED_MASK == SCHED_BLOCKING_SYNC,
+        std::sync::atomic::Ordering::SeqCst,
+    );
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
+    dev: c_int,
+    flags: *mut c_uint,
+    active: *mut c_int,
+) -> CUresult {
+    tri!(device_of(dev));
+    *flags = if stream::BLOCKING_CONTEXT.load(std::sync::atomic::Ordering::SeqCst) {
+        SCHED_BLOCKING_SYNC
+    } else {
+        0
+    };
+    *active = 1;
     SUCCESS
 }
 
@@ -920,9 +967,10 @@ pub extern "C" fn cuStreamQuery(stream: u64) -> CUresult {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuEventCreate(out: *mut u64, _flags: c_uint) -> CUresult {
+pub unsafe extern "C" fn cuEventCreate(out: *mut u64, flags: c_uint) -> CUresult {
     tri!(initialised());
-    *out = EventObj::create();
+    // CU_EVENT_BLOCKING_SYNC = 1.
+    *out = EventObj::create(flags & 1 != 0);
     SUCCESS
 }
 

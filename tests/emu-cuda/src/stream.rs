@@ -1,7 +1,7 @@
 //! Streams (a thread each, running its work in order), events, and the vector clocks that
 //! say what is ordered before what.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Instant;
@@ -169,12 +169,17 @@ impl Stream {
     }
 
     /// Block until everything queued so far has run (a dry wait: nothing is left behind
-    /// it); returns the clock it covers.
+    /// it); returns the clock it covers. Spins, as the driver does, unless the context
+    /// blocks ([`BLOCKING_CONTEXT`]).
     pub fn drain(&self) -> Clock {
         DRY_WAITS.fetch_add(1, Ordering::SeqCst);
         let c = self.clock.lock().unwrap().clone();
+        let target = self.progress.counts.lock().unwrap().0;
+        if !BLOCKING_CONTEXT.load(Ordering::SeqCst) {
+            spin_until(|| self.progress.counts.lock().unwrap().1 >= target);
+            return c;
+        }
         let mut n = self.progress.counts.lock().unwrap();
-        let target = n.0;
         while n.1 < target {
             n = self.progress.cv.wait(n).unwrap();
         }
@@ -184,6 +189,21 @@ impl Stream {
     pub fn idle(&self) -> bool {
         let n = self.progress.counts.lock().unwrap();
         n.1 == n.0
+    }
+}
+
+/// Whether the primary context was given `CU_CTX_SCHED_BLOCKING_SYNC` before it was made:
+/// a host thread waiting in a stream or context sync then sleeps. Otherwise it spins, as
+/// the driver's default (`CU_CTX_SCHED_AUTO` with fewer contexts than cores) does: a
+/// core at 100 % for the whole wait.
+pub static BLOCKING_CONTEXT: AtomicBool = AtomicBool::new(false);
+
+/// A host wait as the driver spins it: polling, never sleeping.
+fn spin_until(mut done: impl FnMut() -> bool) {
+    while !done() {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+        }
     }
 }
 
@@ -202,11 +222,17 @@ struct EventState {
 pub struct EventObj {
     st: Mutex<EventState>,
     cv: Condvar,
+    /// Made with `CU_EVENT_BLOCKING_SYNC`: `cuEventSynchronize` sleeps; otherwise the
+    /// calling thread busy-waits (the driver's documented behaviour).
+    blocking: bool,
 }
 
 impl EventObj {
-    pub fn create() -> u64 {
-        Arc::into_raw(Arc::new(EventObj::default())) as u64
+    pub fn create(blocking: bool) -> u64 {
+        Arc::into_raw(Arc::new(EventObj {
+            blocking,
+            ..EventObj::default()
+        })) as u64
     }
 
     /// # Safety
@@ -269,9 +295,14 @@ impl EventObj {
         }
     }
 
+    /// The host's `cuEventSynchronize`: spins unless the event blocks.
     pub fn wait_done(&self) {
         let n = self.st.lock().unwrap().recorded;
-        self.wait_for(n);
+        if self.blocking {
+            self.wait_for(n);
+        } else {
+            spin_until(|| self.st.lock().unwrap().completed >= n);
+        }
     }
 
     pub fn time(&self) -> Option<Instant> {

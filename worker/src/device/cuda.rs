@@ -45,7 +45,8 @@ pub fn missing_library() -> Option<String> {
             );
         }
     }
-    super::nvrtc::load().err().map(|e| e.to_string())
+    // NVRTC only where the kernels are not in the cache (`load_kernels` says so then).
+    None
 }
 
 /// `major.minor` of a CUDA version number (12080 → "12.8").
@@ -87,7 +88,7 @@ impl CudaDevice {
         if let Some(m) = missing_library() {
             return Err(GpuError::Unavailable(m));
         }
-        let ctx = CudaContext::new(0).map_err(|e| {
+        let ctx = blocking_primary_context().map_err(|e| {
             use cudarc::driver::sys::CUresult;
             let call = "cannot open the GPU (cuInit/cuDevicePrimaryCtxRetain)";
             // Out of memory or held by another process (exclusive mode): may pass later.
@@ -188,6 +189,33 @@ impl CudaDevice {
     }
 }
 
+/// The GPU's primary context, made to block a host thread that waits for the GPU
+/// (`CU_CTX_SCHED_BLOCKING_SYNC`). The driver's default spins: a worker waiting on its
+/// GPU would hold a core at 100 %, and 16 workers on 8 GPUs would take every core the
+/// supervisor's data path needs. Events are made blocking too ([`BLOCKING_EVENT`]).
+fn blocking_primary_context() -> std::result::Result<Arc<CudaContext>, cudarc::driver::DriverError>
+{
+    use cudarc::driver::sys;
+    // SAFETY: plain driver calls before the context exists; each writes what it names.
+    unsafe {
+        sys::cuInit(0).result()?;
+        let mut dev: sys::CUdevice = 0;
+        sys::cuDeviceGet(&mut dev, 0).result()?;
+        sys::cuDevicePrimaryCtxSetFlags_v2(
+            dev,
+            sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32,
+        )
+        .result()?;
+    }
+    CudaContext::new(0)
+}
+
+/// Flags of every event the device records: no timing (cheaper), and a host thread that
+/// waits for one sleeps instead of spinning (without the flag `cuEventSynchronize`
+/// busy-waits whatever the context's flags).
+const BLOCKING_EVENT: cudarc::driver::sys::CUevent_flags =
+    cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC;
+
 /// The kernels for `arch`: the CUBIN, which any driver that knows the GPU runs; the PTX
 /// only when the CUBIN is refused, and then with both versions named when the driver is
 /// older than the PTX. A compile or load failure repeats on every restart: permanent.
@@ -200,9 +228,13 @@ fn load_kernels(
         e @ GpuError::Failed { .. } => GpuError::Unavailable(e.to_string()),
         other => other,
     };
-    let (kernels, _) =
-        super::nvrtc::compile_cached(super::nvrtc::KERNELS_CU, arch, &super::nvrtc::cache_dir())
-            .map_err(permanent)?;
+    let (kernels, _) = super::nvrtc::compile_cached_reusing(
+        super::nvrtc::KERNELS_CU,
+        arch,
+        &super::nvrtc::cache_dir(),
+        super::nvrtc::Reuse::AnyNvrtc,
+    )
+    .map_err(permanent)?;
     let cubin_err = if kernels.cubin.is_empty() {
         "NVRTC made no CUBIN".to_string()
     } else {
@@ -466,7 +498,7 @@ impl Device for CudaDevice {
     fn record(&mut self, s: Stream) -> Result<Event> {
         let e = self
             .stream(s)
-            .record_event(None)
+            .record_event(Some(BLOCKING_EVENT))
             .map_err(|e| failed("cuEventRecord", e))?;
         Ok(self.events.insert(e))
     }

@@ -7,9 +7,21 @@
 //!    `nvidia-cublas`, `nvidia-cuda-nvrtc`, `nvidia-nccl-cu13`, which PyTorch installs too):
 //!    `site-packages/nvidia/{cu13,cublas,cuda_nvrtc,nccl}/lib`.
 //!
-//! cudarc opens the driver, cuBLAS and NVRTC itself, by soname. A library found here by path
-//! is opened first with `RTLD_GLOBAL`, so cudarc's own `dlopen` of the soname finds this
-//! one. [`report`] says which file each library came from and its version, which the worker
+//! cudarc opens the driver, cuBLAS and NVRTC itself, by name, trying `libcuda.so` before
+//! `libcuda.so.1` (and so on). A library found here is opened first with `RTLD_GLOBAL`, so
+//! that cudarc's own `dlopen` finds this one where the name matches its soname; where the
+//! loader would give cudarc a *different* file (a CUDA toolkit's `stubs/libcuda.so` on
+//! `LD_LIBRARY_PATH`, whose every call answers `CUDA_ERROR_STUB_LIBRARY`; a CUDA 12
+//! `libcublas.so` beside a CUDA 13 wheel), opening fails with one line naming both files
+//! rather than letting cudarc run on the wrong one. The driver itself is tried as
+//! `libcuda.so.1` first (the driver's own soname), and a stub found there is skipped.
+//!
+//! NVRTC compiles by loading its builtins (`libnvrtc-builtins.so.MAJOR.MINOR`) by name. The
+//! `nvidia-cuda-nvrtc` 13.0 wheel's `libnvrtc.so.13` has no RPATH, so loaded by path its
+//! own `dlopen` of the builtins fails at the first compile; the builtins beside the chosen
+//! libnvrtc are therefore loaded first (`RTLD_GLOBAL`), whatever the wheel's layout.
+//!
+//! [`report`] says which file each library came from and its version, which the worker
 //! prints when it opens a GPU.
 
 use std::ffi::{c_void, CString};
@@ -85,6 +97,17 @@ impl CudaLib {
             CudaLib::Cublas => "pip install nvidia-cublas",
             CudaLib::Nvrtc => "pip install nvidia-cuda-nvrtc",
             CudaLib::Nccl => "pip install nvidia-nccl-cu13",
+        }
+    }
+
+    /// The base name cudarc builds its candidate file names from (`None`: cudarc does not
+    /// open it; NCCL is bound here).
+    fn cudarc_name(self) -> Option<&'static str> {
+        match self {
+            CudaLib::Driver => Some("cuda"),
+            CudaLib::Cublas => Some("cublas"),
+            CudaLib::Nvrtc => Some("nvrtc"),
+            CudaLib::Nccl => None,
         }
     }
 
@@ -190,6 +213,8 @@ pub fn open(lib: CudaLib) -> Result<&'static Loaded, NotFound> {
 pub struct Loaded {
     handle: usize,
     pub path: PathBuf,
+    /// Libraries loaded with it so that it works (NVRTC's builtins).
+    pub companions: Vec<PathBuf>,
 }
 
 impl Loaded {
@@ -218,6 +243,7 @@ fn dl_error() -> String {
 fn load(lib: CudaLib) -> Result<Loaded, NotFound> {
     let tried = candidates(lib);
     let overridden = std::env::var_os(lib.env()).is_some();
+    let mut stubs: Vec<PathBuf> = Vec::new();
     for (i, cand) in tried.iter().enumerate() {
         let Ok(c) = CString::new(cand.as_os_str().as_encoded_bytes()) else {
             continue;
@@ -237,10 +263,35 @@ fn load(lib: CudaLib) -> Result<Loaded, NotFound> {
             continue;
         }
         let path = file_of(h, lib).unwrap_or_else(|| cand.clone());
-        return Ok(Loaded {
+        if lib == CudaLib::Driver && is_stub(h) {
+            let found = found_as(h).unwrap_or(path);
+            // SAFETY: our own handle, not used again.
+            unsafe { libc::dlclose(h) };
+            if !stubs.contains(&found) {
+                stubs.push(found);
+            }
+            continue;
+        }
+        let loaded = Loaded {
             handle: h as usize,
             path,
-        });
+            companions: Vec::new(),
+        };
+        check_cudarc_binds(lib, &loaded)?;
+        return if lib == CudaLib::Nvrtc {
+            load_nvrtc_builtins(loaded)
+        } else {
+            Ok(loaded)
+        };
+    }
+    if !stubs.is_empty() {
+        let names: Vec<String> = stubs.iter().map(|p| p.display().to_string()).collect();
+        return Err(NotFound(format!(
+            "{}: found only the CUDA toolkit's stub library ({}: its cuInit answers CUDA_ERROR_STUB_LIBRARY), no driver: install the NVIDIA driver, or put the directory of its libcuda.so.1 on LD_LIBRARY_PATH (or set {})",
+            lib.what(),
+            names.join(", "),
+            lib.env()
+        )));
     }
     let names: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
     Err(NotFound(format!(
@@ -251,6 +302,170 @@ fn load(lib: CudaLib) -> Result<Loaded, NotFound> {
         lib.env(),
         lib.sonames()[0]
     )))
+}
+
+/// `CUDA_ERROR_STUB_LIBRARY`: what every call of the toolkit's `stubs/libcuda.so` answers.
+const CUDA_ERROR_STUB_LIBRARY: i32 = 34;
+
+/// Whether the libcuda behind `h` is the CUDA toolkit's link-time stub (its `cuInit` says
+/// so). On the real driver this is the `cuInit` the worker calls next anyway.
+fn is_stub(h: *mut c_void) -> bool {
+    // SAFETY: a live handle; `cuInit` has this signature in every CUDA release.
+    unsafe {
+        let f = libc::dlsym(h, c"cuInit".as_ptr());
+        if f.is_null() {
+            return false;
+        }
+        let cu_init: extern "C" fn(u32) -> i32 = std::mem::transmute(f);
+        cu_init(0) == CUDA_ERROR_STUB_LIBRARY
+    }
+}
+
+/// The file that cudarc's own `dlopen` of `lib` binds to: the first of its candidate names
+/// that the loader resolves (a name matching a loaded library's soname gives that library).
+fn cudarc_binding(lib: CudaLib) -> Option<(String, PathBuf, *mut c_void)> {
+    let base = lib.cudarc_name()?;
+    for name in cudarc::get_lib_name_candidates(base) {
+        let Ok(c) = CString::new(name.as_str()) else {
+            continue;
+        };
+        // SAFETY: as in `load`; a file already loaded is only referenced again.
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_LAZY | libc::RTLD_LOCAL) };
+        if h.is_null() {
+            continue;
+        }
+        let Some(path) = file_of(h, lib) else {
+            // SAFETY: our own reference.
+            unsafe { libc::dlclose(h) };
+            continue;
+        };
+        return Some((name, found_as(h).unwrap_or(path), h));
+    }
+    None
+}
+
+/// Refuses a library that cudarc would not use: the loader resolves the name cudarc tries
+/// first to another file (a toolkit stub, another CUDA release) than the one chosen here.
+fn check_cudarc_binds(lib: CudaLib, ours: &Loaded) -> Result<(), NotFound> {
+    let Some((name, theirs, h)) = cudarc_binding(lib) else {
+        return Ok(());
+    };
+    // `theirs` as the loader found it (for the directory to name), `ours` canonical.
+    if same_file(&theirs, &ours.path) {
+        // SAFETY: the extra reference taken by `cudarc_binding`.
+        unsafe { libc::dlclose(h) };
+        return Ok(());
+    }
+    let what = if lib == CudaLib::Driver && is_stub(h) {
+        " (the CUDA toolkit's stub: its cuInit answers CUDA_ERROR_STUB_LIBRARY)"
+    } else {
+        ""
+    };
+    // SAFETY: as above; the other library is not used.
+    unsafe { libc::dlclose(h) };
+    let dir = theirs
+        .parent()
+        .map(|d| d.display().to_string())
+        .unwrap_or_default();
+    Err(NotFound(format!(
+        "{}: the loader resolves {name} to {}{what}, not to {} chosen here, and the CUDA bindings open {name} first: take {dir} off LD_LIBRARY_PATH (or out of the ld.so cache)",
+        lib.what(),
+        theirs.display(),
+        ours.path.display()
+    )))
+}
+
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => a == b,
+    }
+}
+
+/// NVRTC's `(major, minor)`, straight from the loaded library.
+fn nvrtc_version_of(l: &Loaded) -> Option<(i32, i32)> {
+    let f = l.symbol("nvrtcVersion")?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: `nvrtcVersion(int*, int*)` in every release; writes two ints.
+    let rc = unsafe {
+        let f: extern "C" fn(*mut i32, *mut i32) -> i32 = std::mem::transmute(f);
+        f(&mut major, &mut minor)
+    };
+    (rc == 0).then_some((major, minor))
+}
+
+/// Loads `libnvrtc-builtins.so.MAJOR.MINOR` from beside the chosen libnvrtc (else by name,
+/// from the loader's path) before anything compiles: a libnvrtc without an RPATH (the
+/// 13.0 wheel's) cannot find it by itself, and its first compile would fail.
+fn load_nvrtc_builtins(mut l: Loaded) -> Result<Loaded, NotFound> {
+    let Some((major, minor)) = nvrtc_version_of(&l) else {
+        return Ok(l);
+    };
+    let name = format!("libnvrtc-builtins.so.{major}.{minor}");
+    let beside = l.path.parent().map(|d| d.join(&name));
+    let mut tried = Vec::new();
+    for cand in beside
+        .iter()
+        .filter(|p| p.is_file())
+        .cloned()
+        .chain([PathBuf::from(&name)])
+    {
+        let Ok(c) = CString::new(cand.as_os_str().as_encoded_bytes()) else {
+            continue;
+        };
+        // SAFETY: as in `load`.
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if h.is_null() {
+            tried.push(format!("{} ({})", cand.display(), dl_error()));
+            continue;
+        }
+        l.companions
+            .push(file_of_any(h, &cand).unwrap_or(cand.clone()));
+        return Ok(l);
+    }
+    Err(NotFound(format!(
+        "NVRTC {major}.{minor} at {}: its builtins {name} cannot be loaded (tried {}); NVRTC compiles nothing without them: reinstall the wheel (pip install --force-reinstall nvidia-cuda-nvrtc) or put the builtins beside {}",
+        l.path.display(),
+        tried.join(", "),
+        l.path.display()
+    )))
+}
+
+/// The file a handle came from, through the loader's own record of it, canonical.
+fn file_of_any(h: *mut c_void, fallback: &Path) -> Option<PathBuf> {
+    let p = found_as(h).unwrap_or_else(|| fallback.to_path_buf());
+    Some(std::fs::canonicalize(&p).unwrap_or(p))
+}
+
+/// The path under which the loader found a handle's library (its link map's `l_name`: the
+/// directory searched and the name asked for, links not followed).
+fn found_as(h: *mut c_void) -> Option<PathBuf> {
+    let mut map: *mut libc::c_void = std::ptr::null_mut();
+    // SAFETY: RTLD_DI_LINKMAP writes a `struct link_map *` for a live handle.
+    let rc = unsafe {
+        libc::dlinfo(
+            h,
+            libc::RTLD_DI_LINKMAP,
+            (&mut map as *mut *mut libc::c_void).cast(),
+        )
+    };
+    if rc != 0 || map.is_null() {
+        return None;
+    }
+    // `struct link_map { ElfW(Addr) l_addr; char *l_name; ... }`.
+    // SAFETY: the loader's own link map for a loaded library.
+    let name = unsafe { *(map as *const *const libc::c_char).add(1) };
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: NUL-terminated, owned by the loader.
+    let p = PathBuf::from(
+        unsafe { std::ffi::CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned(),
+    );
+    (!p.as_os_str().is_empty()).then_some(p)
 }
 
 /// The file a handle's library was loaded from.
@@ -278,18 +493,19 @@ fn file_of(h: *mut c_void, lib: CudaLib) -> Option<PathBuf> {
 /// One line per library of `versions` (each with its version): where it was loaded from,
 /// or why it was not.
 pub fn report(versions: &[(CudaLib, String)]) -> Vec<String> {
-    versions
-        .iter()
-        .map(|&(l, _)| {
-            let v = versions
-                .iter()
-                .find(|(k, _)| *k == l)
-                .map(|(_, v)| format!(" ({v})"))
-                .unwrap_or_default();
-            match open(l) {
-                Ok(x) => format!("{}: {}{v}", l.what(), x.path.display()),
-                Err(e) => format!("{}: not loaded: {e}", l.what()),
+    let mut out = Vec::new();
+    for (l, v) in versions {
+        match open(*l) {
+            Ok(x) => {
+                out.push(format!("{}: {} ({v})", l.what(), x.path.display()));
+                out.extend(
+                    x.companions
+                        .iter()
+                        .map(|c| format!("{} needs: {}", l.what(), c.display())),
+                );
             }
-        })
-        .collect()
+            Err(e) => out.push(format!("{}: not loaded: {e}", l.what())),
+        }
+    }
+    out
 }

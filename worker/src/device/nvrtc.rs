@@ -129,6 +129,22 @@ pub fn compile(src: &str, arch: &str) -> Result<Compiled, GpuError> {
     Ok(out)
 }
 
+/// `(major, minor)` of an entry's NVRTC (`13.0` → (13, 0)); unreadable sorts first.
+fn nvrtc_of_stem(v: &str) -> (u32, u32) {
+    let (a, b) = v.split_once('.').unwrap_or((v, "0"));
+    (a.parse().unwrap_or(0), b.parse().unwrap_or(0))
+}
+
+/// One whole cache entry (`STEM.ptx` and `STEM.cubin`), if it is there and sound.
+fn read_entry(dir: &Path, stem: &str, arch: &str) -> Option<Compiled> {
+    let ptx = std::fs::read_to_string(dir.join(format!("{stem}.ptx"))).ok()?;
+    let cubin = std::fs::read(dir.join(format!("{stem}.cubin"))).ok()?;
+    // A real architecture always has its CUBIN (an ELF), a virtual one an empty file.
+    let cubin_ok = cubin.is_empty() == arch.starts_with("compute_")
+        && (cubin.is_empty() || cubin.starts_with(b"\x7fELF"));
+    (ptx.contains(".entry") && cubin_ok).then_some(Compiled { ptx, cubin })
+}
+
 pub fn cache_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("DFLASH_KERNEL_CACHE") {
         return PathBuf::from(d);
@@ -141,30 +157,60 @@ pub fn cache_dir() -> PathBuf {
         .join("kernels")
 }
 
+/// Which cache entries a lookup takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reuse {
+    /// Only what this NVRTC made (`bench kernels` reads the code this NVRTC generates).
+    SameNvrtc,
+    /// This NVRTC's entry first, else one another NVRTC made of the same source for the
+    /// same architecture, newest first: a CUBIN runs on every driver of its CUDA major, and
+    /// the GPU bundle carries entries compiled where it was built. A hit needs no NVRTC.
+    AnyNvrtc,
+}
+
 /// The kernels for `arch`, from the cache in `dir` or compiled and stored there (PTX and
 /// CUBIN side by side). Returns them and whether they came from the cache. A cache that
 /// cannot be written is not an error (the result is still returned).
 pub fn compile_cached(src: &str, arch: &str, dir: &Path) -> Result<(Compiled, bool), GpuError> {
-    let (major, minor) = version()?;
-    let stem = format!(
-        "kernels-{:016x}-{arch}-nvrtc{major}.{minor}",
-        source_hash(src)
-    );
+    compile_cached_reusing(src, arch, dir, Reuse::SameNvrtc)
+}
+
+/// [`compile_cached`], taking the entries `reuse` allows.
+pub fn compile_cached_reusing(
+    src: &str,
+    arch: &str,
+    dir: &Path,
+    reuse: Reuse,
+) -> Result<(Compiled, bool), GpuError> {
+    let prefix = format!("kernels-{:016x}-{arch}-nvrtc", source_hash(src));
+    let version = version();
+    let mut stems: Vec<String> = Vec::new();
+    if let Ok((major, minor)) = version {
+        stems.push(format!("{prefix}{major}.{minor}"));
+    }
+    if reuse == Reuse::AnyNvrtc {
+        if let Ok(entries) = std::fs::read_dir(dir) {
+            let mut others: Vec<String> = entries
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter_map(|n| n.strip_suffix(".ptx").map(str::to_string))
+                .filter(|n| n.starts_with(&prefix) && !stems.contains(n))
+                .collect();
+            others.sort_by_key(|n| std::cmp::Reverse(nvrtc_of_stem(&n[prefix.len()..])));
+            stems.extend(others);
+        }
+    }
+    for stem in &stems {
+        if let Some(hit) = read_entry(dir, stem, arch) {
+            return Ok((hit, true));
+        }
+    }
+    let (major, minor) = version?;
+    let stem = format!("{prefix}{major}.{minor}");
     let (ptx_file, cubin_file) = (
         dir.join(format!("{stem}.ptx")),
         dir.join(format!("{stem}.cubin")),
     );
-    if let (Ok(ptx), Ok(cubin)) = (
-        std::fs::read_to_string(&ptx_file),
-        std::fs::read(&cubin_file),
-    ) {
-        // A real architecture always has its CUBIN (an ELF), a virtual one an empty file.
-        let cubin_ok = cubin.is_empty() == arch.starts_with("compute_")
-            && (cubin.is_empty() || cubin.starts_with(b"\x7fELF"));
-        if ptx.contains(".entry") && cubin_ok {
-            return Ok((Compiled { ptx, cubin }, true));
-        }
-    }
     let out = compile(src, arch)?;
     if std::fs::create_dir_all(dir).is_ok() {
         // The CUBIN first: an entry counts once its PTX is there.

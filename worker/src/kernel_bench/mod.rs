@@ -1,11 +1,14 @@
 //! `dflash-worker bench-kernels` (what `dflash-supervise bench kernels` runs): the
 //! kernels' machine code read without a GPU. NVRTC compiles `cuda/kernels.cu` to a CUBIN
 //! per architecture (sm_80, sm_90, sm_100); cuobjdump (`-res-usage`, and `-sass` through
-//! nvdisasm) says per kernel its registers, static shared memory and local memory
-//! (spills), from which [`occupancy`] gives the resident warps per SM, and the main loop's
-//! instruction mix ([`sass`]): tensor-core MMAs and non-MMA instructions per MMA. From the
-//! sm_90 figures of the attention kernels, [`roofline`] models an H200 running Qwen3-8B's
-//! target forward and a drafter step, and prints the MFU with its assumptions.
+//! nvdisasm) says per kernel its registers, static shared memory, stack frame and local
+//! memory, from which [`occupancy`] gives the resident warps per SM, and the main loop's
+//! instruction mix ([`sass`]): tensor-core MMAs and non-MMA instructions per MMA. Spills
+//! show as the ABI stack frame (`STACK:`, where NVRTC puts them) and as `LDL`/`STL` in the
+//! SASS, counted per kernel and in its main loop. From the sm_90 figures of the attention
+//! kernels and their tiles, [`roofline`] models an H200 running Qwen3-8B's target forward
+//! and a drafter step, and prints the MFU (a model, until `scripts/gpu_check.sh` measures
+//! it) with the bound that binds each op and its assumptions.
 
 pub mod occupancy;
 mod print;
@@ -32,8 +35,21 @@ pub struct KernelRow {
     /// reserves on sm_80+, for a kernel with shared memory) and the dynamic shared memory
     /// it is launched with.
     pub shared_bytes: u32,
-    /// Local memory per thread: register spills and local arrays.
+    /// Local memory per thread: the ABI stack frame and any `LOCAL` beyond it
+    /// (`stack_bytes + local_bytes`). Non-zero when the kernel spills registers, keeps a
+    /// local array or saves registers around a call; `local_loads`, `local_stores` and the
+    /// main loop's say whether it costs anything where the time goes.
     pub spill_bytes: u32,
+    /// cuobjdump's `STACK:`, the ABI stack frame per thread: where NVRTC puts spills.
+    pub stack_bytes: u32,
+    /// cuobjdump's `LOCAL:`, local memory per thread outside the stack frame.
+    pub local_bytes: u32,
+    /// `LDL` and `STL` in the kernel's SASS.
+    pub local_loads: usize,
+    pub local_stores: usize,
+    /// `LDL` and `STL` inside the loops that hold an MMA (spills paid per iteration).
+    pub local_loads_in_mma_loops: usize,
+    pub local_stores_in_mma_loops: usize,
     /// Threads per block as the worker launches it (device/ops.rs).
     pub block_threads: u32,
     pub warps_per_sm: u32,
@@ -142,13 +158,22 @@ pub fn analyse_arch(
         };
         let (warps, limited_by) = occupancy::warps_per_sm(&limits, r.registers, shared, threads);
         let loops = sass::mma_loops(insns);
+        let (local_loads, local_stores) = sass::local_accesses(insns);
+        let (local_loads_in_mma_loops, local_stores_in_mma_loops) =
+            sass::local_accesses_in_mma_loops(insns);
         let main = loops.map(|l| l.0);
         rows.push(KernelRow {
             name: name.clone(),
             arch: arch.into(),
             registers: r.registers,
             shared_bytes: shared,
-            spill_bytes: r.local,
+            spill_bytes: r.stack + r.local,
+            stack_bytes: r.stack,
+            local_bytes: r.local,
+            local_loads,
+            local_stores,
+            local_loads_in_mma_loops,
+            local_stores_in_mma_loops,
             block_threads: threads,
             warps_per_sm: warps,
             limited_by,
@@ -198,13 +223,14 @@ pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
 }
 
 /// The tensor-core figures the model takes (attention's, the grouped GEMM's), from an
-/// sm_90 row.
+/// sm_90 row and the kernel's tiles.
 fn attention_code(rows: &[KernelRow], name: &str) -> roofline::AttentionCode {
     let r = rows.iter().find(|r| r.arch == "sm_90" && r.name == name);
     roofline::AttentionCode {
         non_mma_per_mma: r.and_then(|r| r.non_mma_per_mma).unwrap_or(f64::NAN),
         mufu_per_mma: r.and_then(|r| r.mufu_per_mma).unwrap_or(0.0),
         warps_per_sm: r.map_or(0.0, |r| r.warps_per_sm as f64),
+        smem_bytes_per_mma: roofline::smem_bytes_per_mma(name).unwrap_or(0.0),
     }
 }
 

@@ -1,7 +1,7 @@
 //! `bench kernels`' text output: the kernels' table, then the model with its assumptions.
 
 use super::occupancy::Limiter;
-use super::roofline::{Model, Workload};
+use super::roofline::{Bound, KernelModel, Model, Workload};
 use super::{KernelRow, Report};
 
 fn ratio(x: Option<f64>) -> String {
@@ -22,12 +22,14 @@ fn row(r: &KernelRow) {
         format!("{} / {:.1}", l.mma, l.non_mma_per_mma())
     });
     println!(
-        "  {:<20} {:<6} {:>4} {:>7} {:>5} {:>5} {:>3} {:<13} {:>4} {:>4} {:>9} {:>6} {:>12}",
+        "  {:<20} {:<6} {:>4} {:>7} {:>5} {:>5} {:>7} {:>5} {:>3} {:<13} {:>4} {:>4} {:>9} {:>6} {:>12}",
         r.name,
         r.arch,
         r.registers,
         r.shared_bytes,
-        r.spill_bytes,
+        r.stack_bytes,
+        r.local_bytes,
+        format!("{}/{}", r.local_loads, r.local_stores),
         r.block_threads,
         r.warps_per_sm,
         format!("({})", limiter(r.limited_by)),
@@ -40,51 +42,70 @@ fn row(r: &KernelRow) {
 }
 
 fn workload(w: &Workload) {
+    let shares: Vec<String> = w
+        .bound_shares
+        .iter()
+        .map(|(b, s)| format!("{} {:.0}%", b.describe(), s * 100.0))
+        .collect();
     println!(
-        "  {:<58} {:>9.2} ms  MFU {:>5.1}%  attention {:>3.0}% of the time",
+        "  {:<58} {:>9.2} ms  MFU {:>5.1}% (modelled)  attention {:>3.0}% of the time  bound: {}",
         w.name,
         w.seconds * 1e3,
         w.mfu * 100.0,
-        w.attention_share * 100.0
+        w.attention_share * 100.0,
+        shares.join(", ")
     );
     for o in &w.ops {
         let rate = if o.flops > 0.0 {
             format!("at {:>5.1}% of peak", o.efficiency * 100.0)
         } else {
-            "HBM-bound".into()
+            "no FLOPs".into()
         };
         println!(
-            "      {:<40} {:>9.3} ms  {:>8.1} TFLOP  {:>8.2} GB  {rate}",
+            "      {:<52} {:>9.3} ms  {:>8.1} TFLOP  {:>8.2} GB  {rate}  bound: {}",
             o.name,
             o.seconds * 1e3,
             o.flops / 1e12,
             o.bytes / 1e9,
+            o.bound.describe(),
         );
     }
 }
 
+fn pct(x: f64) -> String {
+    if x.is_finite() {
+        format!("{:.1}%", x * 100.0)
+    } else {
+        "-".into()
+    }
+}
+
+fn kernel(k: &KernelModel) {
+    let (c, e) = (&k.code, &k.ceilings);
+    println!(
+        "  {:<28} {:>5.1} non-MMA and {:.2} MUFU per MMA, {} warps/SM, {:.1} shared-memory bytes per MMA",
+        k.kernel, c.non_mma_per_mma, c.mufu_per_mma, c.warps_per_sm, c.smem_bytes_per_mma
+    );
+    println!(
+        "  {:<28} ceilings: mma.sync {}, issue {}, MUFU {}, shared memory {} -> {} of peak, bound: {}",
+        "",
+        pct(e.mma_sync),
+        pct(e.issue),
+        pct(e.mufu),
+        pct(e.shared_memory),
+        pct(k.efficiency),
+        k.bound.describe()
+    );
+}
+
 fn model(m: &Model) {
     println!(
-        "model: {} at Qwen3-8B's shapes, from the sm_90 figures",
+        "model: {} at Qwen3-8B's shapes, from the sm_90 figures and the kernels' tiles (a model: scripts/gpu_check.sh measures it on a GPU)",
         m.hardware.name
     );
-    for (name, code, eff) in &m.attention {
-        println!(
-            "  {name:<20} {:>6.1} non-MMA and {:.2} MUFU per MMA, {} warps/SM -> {:.2}% of peak",
-            code.non_mma_per_mma,
-            code.mufu_per_mma,
-            code.warps_per_sm,
-            eff * 100.0
-        );
+    for k in m.attention.iter().chain(std::iter::once(&m.moe_gemm)) {
+        kernel(k);
     }
-    let (name, code, eff) = &m.moe_gemm;
-    println!(
-        "  {name:<20} {:>6.1} non-MMA per MMA, {} warps/SM, {:.0} shared-memory bytes per MMA -> {:.2}% of peak",
-        code.non_mma_per_mma,
-        code.warps_per_sm,
-        super::roofline::MOE_GEMM_SMEM_BYTES_PER_MMA,
-        eff * 100.0
-    );
     for w in m
         .target_forward
         .iter()
@@ -93,9 +114,19 @@ fn model(m: &Model) {
     {
         workload(w);
     }
-    println!("  with attention at the goals (<= 4 non-MMA per MMA, 8 warps/SM), all else as now:");
+    let (lo, hi) = m.target_forward_mfu_range;
+    let most = |w: Option<&Workload>| w.map_or(Bound::Hbm, |w| w.bound).describe();
+    println!(
+        "  modelled MFU (a model until scripts/gpu_check.sh measures it): target forward {:.0}-{:.0}% (most of the time {}), drafter step {:.0}% (most of the time {})",
+        lo * 100.0,
+        hi * 100.0,
+        most(m.target_forward.first()),
+        m.drafter_step.mfu * 100.0,
+        most(Some(&m.drafter_step)),
+    );
+    println!("  with attention at the goals (<= 4 non-MMA per MMA, 8 warps/SM, the same tiles), all else as now:");
     for (name, mfu) in &m.mfu_with_attention_at_goals {
-        println!("      {name:<40} MFU {:>5.1}%", mfu * 100.0);
+        println!("      {name:<40} MFU {:>5.1}% (modelled)", mfu * 100.0);
     }
     println!("  assumptions:");
     for a in &m.assumptions {
@@ -109,12 +140,14 @@ pub fn report(r: &Report) {
         r.nvrtc, r.cuobjdump
     );
     println!(
-        "  {:<20} {:<6} {:>4} {:>7} {:>5} {:>5} {:>3} {:<13} {:>4} {:>4} {:>9} {:>6} {:>12}",
+        "  {:<20} {:<6} {:>4} {:>7} {:>5} {:>5} {:>7} {:>5} {:>3} {:<13} {:>4} {:>4} {:>9} {:>6} {:>12}",
         "kernel",
         "arch",
         "regs",
         "shared",
-        "spill",
+        "stack",
+        "local",
+        "LDL/STL",
         "block",
         "w/SM",
         "(limit)",
@@ -127,8 +160,9 @@ pub fn report(r: &Report) {
     for k in &r.kernels {
         row(k);
     }
-    println!("  regs: per thread; shared: static bytes per block (with the 1 KB reserved); spill: local bytes per thread;");
-    println!("  w/SM: resident warps per SM; MMA: HMMA in the kernel; loop: HMMA in the main loop (the loop with the most);");
+    println!("  regs: per thread; shared: static bytes per block (with the 1 KB reserved); stack: the ABI stack frame per thread");
+    println!("  (where NVRTC puts spills, local arrays and registers saved around calls); local: LOCAL bytes beyond it; LDL/STL: local");
+    println!("  loads and stores in the kernel; w/SM: resident warps per SM; MMA: HMMA in the kernel; loop: HMMA in the main loop (the loop with the most);");
     println!("  nonMMA/MMA, MUFU: per MMA in that loop (static: a nested loop's body counts once, so with nested loops a lower bound);");
     println!("  inner: the innermost loop with an MMA (MMA / non-MMA per MMA)");
     for k in r
@@ -140,6 +174,21 @@ pub fn report(r: &Report) {
         println!(
             "  {} {}: the main loop holds {l} nested loops",
             k.name, k.arch
+        );
+    }
+    for k in r.kernels.iter().filter(|k| k.spill_bytes > 0) {
+        let in_loop = k.main_loop.map_or(String::new(), |l| {
+            format!(
+                "; in its loops with an MMA {} LDL and {} STL ({} and {} in the main loop)",
+                k.local_loads_in_mma_loops,
+                k.local_stores_in_mma_loops,
+                l.local_loads,
+                l.local_stores
+            )
+        });
+        println!(
+            "  {} {}: local memory: a {}-byte stack frame and {} bytes LOCAL per thread, {} LDL and {} STL{in_loop}",
+            k.name, k.arch, k.stack_bytes, k.local_bytes, k.local_loads, k.local_stores
         );
     }
     if let Some(m) = &r.model {

@@ -22,6 +22,8 @@ pub struct Insn {
     pub op: String,
     /// A `BRA`'s target address.
     pub target: Option<u64>,
+    /// Under a predicate (`@P0 ...`).
+    pub guarded: bool,
 }
 
 /// A loop's static instruction mix.
@@ -34,6 +36,10 @@ pub struct LoopMix {
     pub mma: usize,
     /// `MUFU` (exp2, rcp, ...: the special-function unit, a quarter of the issue rate).
     pub mufu: usize,
+    /// `LDL` and `STL`: loads from and stores to local memory (the stack frame). In a main
+    /// loop they are register spills (or a local array) paid on every iteration.
+    pub local_loads: usize,
+    pub local_stores: usize,
     /// Backward branches strictly inside it (nested loops).
     pub nested_loops: usize,
 }
@@ -77,7 +83,8 @@ fn parse_insn(line: &str) -> Option<Insn> {
     let addr = u64::from_str_radix(addr, 16).ok()?;
     let body = rest.split_once(';')?.0.trim();
     let mut tokens = body.split_whitespace().peekable();
-    if tokens.peek()?.starts_with('@') {
+    let guarded = tokens.peek()?.starts_with('@');
+    if guarded {
         tokens.next();
     }
     let opcode = tokens.next()?;
@@ -90,14 +97,27 @@ fn parse_insn(line: &str) -> Option<Insn> {
     } else {
         None
     };
-    Some(Insn { addr, op, target })
+    Some(Insn {
+        addr,
+        op,
+        target,
+        guarded,
+    })
 }
 
-/// Every loop of a kernel (see the module docs), in address order of their branches.
+/// Every loop of a kernel (see the module docs), in address order of their branches. A
+/// backward branch over an unguarded `EXIT` is no loop: it is out-of-line code (a
+/// `BRA.DIV` fallback placed after the exit) jumping back into the kernel.
 pub fn loops(insns: &[Insn]) -> Vec<LoopMix> {
+    let exits: Vec<u64> = insns
+        .iter()
+        .filter(|i| i.op == "EXIT" && !i.guarded)
+        .map(|i| i.addr)
+        .collect();
     let backward: Vec<(u64, u64)> = insns
         .iter()
         .filter_map(|i| i.target.filter(|&t| t <= i.addr).map(|t| (t, i.addr)))
+        .filter(|&(t, b)| !exits.iter().any(|&x| x >= t && x <= b))
         .collect();
     backward
         .iter()
@@ -106,10 +126,13 @@ pub fn loops(insns: &[Insn]) -> Vec<LoopMix> {
                 .iter()
                 .filter(|i| i.addr >= start && i.addr <= end && i.op != "NOP");
             let (mut instructions, mut mma, mut mufu) = (0, 0, 0);
+            let (mut local_loads, mut local_stores) = (0, 0);
             for i in body {
                 instructions += 1;
                 mma += (i.op == "HMMA") as usize;
                 mufu += (i.op == "MUFU") as usize;
+                local_loads += (i.op == "LDL") as usize;
+                local_stores += (i.op == "STL") as usize;
             }
             let nested_loops = backward
                 .iter()
@@ -121,10 +144,35 @@ pub fn loops(insns: &[Insn]) -> Vec<LoopMix> {
                 instructions,
                 mma,
                 mufu,
+                local_loads,
+                local_stores,
                 nested_loops,
             }
         })
         .collect()
+}
+
+/// `LDL` and `STL` in a whole kernel: its accesses to local memory (the stack frame).
+/// Registers spilled under pressure, a local array indexed at run time, or registers
+/// saved around a call: none is free, and in a loop each costs every iteration.
+pub fn local_accesses(insns: &[Insn]) -> (usize, usize) {
+    insns.iter().fold((0, 0), |(l, s), i| {
+        (l + (i.op == "LDL") as usize, s + (i.op == "STL") as usize)
+    })
+}
+
+/// `LDL` and `STL` inside any loop that holds an HMMA (each instruction once however many
+/// such loops hold it): local memory paid on the tensor-core loops' iterations, as a
+/// spilling masked loop beside an unmasked main loop pays it.
+pub fn local_accesses_in_mma_loops(insns: &[Insn]) -> (usize, usize) {
+    let spans: Vec<(u64, u64)> = loops(insns)
+        .iter()
+        .filter(|l| l.mma > 0)
+        .map(|l| (l.start, l.end))
+        .collect();
+    let inside = |i: &&Insn| spans.iter().any(|&(s, e)| i.addr >= s && i.addr <= e);
+    let held: Vec<Insn> = insns.iter().filter(inside).cloned().collect();
+    local_accesses(&held)
 }
 
 /// The main loop (most HMMAs, innermost among ties) and the innermost loop holding an
@@ -147,8 +195,11 @@ pub struct Resources {
     /// Static shared memory of a block as the CUBIN lays it out (on sm_80 and later it
     /// includes the 1 KB the system reserves per block, when the kernel has any).
     pub shared: u32,
-    /// Local memory per thread (spills and stack arrays).
+    /// `LOCAL:`: local memory per thread outside the ABI stack frame (0 in NVRTC's
+    /// CUBINs, which keep spills and local arrays in the frame).
     pub local: u32,
+    /// `STACK:`: the ABI stack frame per thread, where NVRTC puts register spills, local
+    /// arrays and registers saved around calls.
     pub stack: u32,
 }
 
@@ -203,9 +254,13 @@ mod tests {
         /*42b0*/                   NOP ;                                            /* 0x0000000000007918 */
         /*44d0*/               @P0 BRA 0x41b0 ;                                     /* 0xfffffffc00340947 */
         /*4500*/                   MUFU.EX2 R5, R5 ;                                /* 0x0000000500057308 */
+        /*4600*/                   STL [R1+0x8], R5 ;                               /* 0x0000080501007387 */
+        /*4700*/                   LDL.LU R7, [R1+0x8] ;                            /* 0x0000080001077983 */
         /*4810*/               @P1 HMMA.16816.F32.BF16 R12, R16, R26, R12 ;         /* 0x0000001a100c723c */
         /*4900*/              @!P0 BRA 0x4000 ;                                     /* 0xfffffff400208947 */
         /*4910*/                   EXIT ;                                           /* 0x000000000000794d */
+        /*4920*/                   LDL R2, [R1] ;                                   /* 0x0000000001027983 */
+        /*4930*/                   BRA 0x4000 ;                                     /* 0xfffffff400207947 */
 		Function : rope
         /*0000*/                   BRA 0x0 ;                                        /* 0xfffffffc00fc7947 */
 ";
@@ -215,11 +270,14 @@ mod tests {
         let k = parse_sass(EXCERPT);
         assert_eq!(k.keys().collect::<Vec<_>>(), ["attention_fwd", "rope"]);
         let insns = &k["attention_fwd"];
-        assert_eq!(insns.len(), 10, "{insns:?}");
+        assert_eq!(insns.len(), 14, "{insns:?}");
+        assert!(!insns[1].guarded && insns[5].guarded);
         assert_eq!(insns[2].op, "HMMA");
         assert_eq!(insns[5].target, Some(0x41b0));
         let (main, inner) = mma_loops(insns).unwrap();
-        // 0x4000..0x4900: LDS, LDSM, 2 HMMA, BRA, MUFU, HMMA, BRA (the NOP not counted).
+        // 0x4000..0x4900: LDS, LDSM, 2 HMMA, BRA, MUFU, STL, LDL, HMMA, BRA (the NOP not
+        // counted); the LDL after the EXIT is the kernel's, not the loop's, and the branch
+        // back over the EXIT (out-of-line code) is no loop.
         assert_eq!(
             (
                 main.start,
@@ -229,9 +287,14 @@ mod tests {
                 main.mufu,
                 main.nested_loops
             ),
-            (0x4000, 0x4900, 8, 3, 1, 1)
+            (0x4000, 0x4900, 10, 3, 1, 1)
         );
-        assert!((main.non_mma_per_mma() - 5.0 / 3.0).abs() < 1e-12);
+        assert_eq!((main.local_loads, main.local_stores), (1, 1));
+        assert_eq!(local_accesses(insns), (2, 1));
+        assert_eq!(local_accesses_in_mma_loops(insns), (1, 1));
+        assert_eq!(loops(insns).len(), 2);
+        assert_eq!((inner.local_loads, inner.local_stores), (0, 0));
+        assert!((main.non_mma_per_mma() - 7.0 / 3.0).abs() < 1e-12);
         assert_eq!(
             (inner.start, inner.end, inner.instructions, inner.mma),
             (0x41b0, 0x44d0, 4, 2)
@@ -239,6 +302,7 @@ mod tests {
         // The idle loop of `rope` has no MMA: no main loop.
         assert_eq!(mma_loops(&k["rope"]), None);
         assert_eq!(loops(&k["rope"]).len(), 1);
+        assert_eq!(local_accesses(&k["rope"]), (0, 0));
     }
 
     #[test]
