@@ -764,7 +764,12 @@ fn a_toolkit_stub_on_the_loader_path_is_named_in_one_line() {
             && line.contains(&format!("resolves libcuda.so to {stub}"))
             && line.contains("CUDA_ERROR_STUB_LIBRARY")
             && line.contains(&format!("take {} off LD_LIBRARY_PATH", stubs.display()))
-            && line.contains("libcuda.so.1"),
+            && line.contains(&format!(
+                "not to {} chosen here",
+                fs::canonicalize(target_dir().join("libdflash_emu_cuda.so"))
+                    .unwrap()
+                    .display()
+            )),
         "stub at {stub}: {err}"
     );
     // Only the stub: no driver, said as such.
