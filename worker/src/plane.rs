@@ -572,8 +572,10 @@ fn train_drafter(
     if let Some(delay) = test_step_delay {
         std::thread::sleep(delay);
     }
-    let params = rank.params_checksum()?;
     let stats = rank.compute(view)?;
+    // The weights the batch was computed with: their checksum was queued when they last
+    // changed, ahead of this batch's work, so reading it now waits for nothing.
+    let params = rank.params_checksum()?;
     at.stats.batches += 1;
     at.stats.tokens += view.tokens.tokens();
     // sync point (pool edges 4 and 5): the caller sends this after our last read of the

@@ -298,10 +298,11 @@ impl Rank {
     }
 
     /// Checksum of the current weights (ranks compare it at every step), computed where
-    /// the weights are.
+    /// the weights are, right after they changed; read without a wait for the device once
+    /// the batch's work is queued (see [`DeviceDrafter::weights_checksum`]).
     pub fn params_checksum(&mut self) -> Result<u64> {
         self.model
-            .params_hash()
+            .weights_checksum()
             .map_err(WorkerError::device("the weights' checksum on the device"))
     }
 

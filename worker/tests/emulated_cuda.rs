@@ -489,10 +489,12 @@ fn dry_waits() -> u64 {
     }
 }
 
-/// A drafter step on a GPU queues its whole forward, loss and backward without letting the
-/// compute stream run dry: the step's losses come back behind an event the host waits for
-/// only once the last backward is queued. A step that downloads its gradient (the host
-/// collective's path) waits dry once, which shows the count sees such waits.
+/// A drafter step on a GPU queues its update, its whole forward, loss and backward and the
+/// weights' checksum without letting the compute stream run dry: the step's losses come
+/// back behind an event the host waits for only once the last backward is queued, and the
+/// checksum (computed right after the update) is read after that. A step that downloads
+/// its gradient (the host collective's path) waits dry once, which shows the count sees
+/// such waits.
 #[test]
 fn emulated_a_drafter_step_never_lets_the_compute_stream_run_dry() {
     if skip_without_nvrtc() {
@@ -549,10 +551,23 @@ fn emulated_a_drafter_step_never_lets_the_compute_stream_run_dry() {
         let zeros = vec![0f32; p.len()];
         gpu.load(&p, &zeros, &zeros, 0).unwrap();
         // The first step settles what is loaded once.
-        gpu.train_batch_on_device(&samples, &anchors, tw).unwrap();
+        let first = gpu.train_batch_on_device(&samples, &anchors, tw).unwrap();
+        let hyper = dflash_worker::models::drafter::AdamW::new(p.len()).hyper();
+        // A rank's whole step as a worker runs it: the group's reduction (one rank) and
+        // the update queued, the next batch's forward and backward, then the checksum
+        // of the weights that batch was computed with.
         let before = dry_waits();
+        let e = gpu.reduce_alone().unwrap();
+        gpu.apply_reduced(1, first.weight_sum, 1.0, 1e-2, &hyper, Some(e))
+            .unwrap();
         let st = gpu.train_batch_on_device(&samples, &anchors, tw).unwrap();
+        let checksum = gpu.weights_checksum().unwrap();
         let step = dry_waits() - before;
+        assert_eq!(
+            checksum,
+            gpu.params_hash().unwrap(),
+            "the checksum read behind the step is the updated weights'"
+        );
         let mut g = vec![0f32; p.len()];
         let before = dry_waits();
         gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();

@@ -1039,6 +1039,10 @@ pub struct DeviceDrafter {
     readback: Readback,
     /// The step whose outcome is on its way into `readback`, and the event behind it.
     pending: Option<(u64, crate::device::Event)>,
+    /// The weights' checksum, queued behind every change of the weights (a step, a load)
+    /// and on its way into `readback` behind this event; then the value read.
+    hash_pending: Option<crate::device::Event>,
+    hash_known: Option<u64>,
     _arena: Arena,
     embed: DSlice,
     /// The frozen lm_head: f32 on the CPU device, bf16 (`lm16`) on a GPU.
@@ -1132,6 +1136,8 @@ impl DeviceDrafter {
             ops: Ops::new(dev),
             readback,
             pending: None,
+            hash_pending: None,
+            hash_known: None,
             _arena: arena,
             embed: pl.embed,
             lm_head: pl.lm_head,
@@ -1277,7 +1283,57 @@ impl DeviceDrafter {
         dev.upload(Stream::Compute, o.v, f32_bytes(v))?;
         dev.upload(Stream::Compute, o.t, i32_bytes(&[adam_step as i32]))?;
         self.refresh_bf16()?;
+        self.queue_hash()?;
         self.ops.dev.sync()
+    }
+
+    /// Where in the readback page the weights' checksum lands (after the step's flag and
+    /// Σg², before the cross-entropy rows' page).
+    const HASH_AT: usize = 16;
+
+    /// Queue the checksum of the weights as they are now, and its copy into the readback
+    /// page behind an event: read by [`weights_checksum`](Self::weights_checksum) once the
+    /// device has long done it, so that no host wait sits inside a step.
+    fn queue_hash(&mut self) -> Result<()> {
+        if let Some(e) = self.hash_pending.take() {
+            self.ops.dev.release_event(e);
+        }
+        self.hash_known = None;
+        self.ops.dev.memset_zero(Stream::Compute, self.opt.hash)?;
+        self.ops.params_hash(self.opt.hash, self.params)?;
+        // SAFETY: the page is registered, and nothing reads these bytes before the event.
+        unsafe {
+            self.ops.dev.download_async(
+                Stream::Compute,
+                self.opt.hash,
+                self.readback.ptr.add(Self::HASH_AT),
+            )?;
+        }
+        self.hash_pending = Some(self.ops.dev.record(Stream::Compute)?);
+        Ok(())
+    }
+
+    /// The checksum of the weights the last batch was computed with (those after the last
+    /// step or load), which ranks compare at every step. It was computed on the device
+    /// right after the weights changed; called once the batch's work is queued, the event
+    /// behind it is long complete and the host does not wait for the device here.
+    pub fn weights_checksum(&mut self) -> Result<u64> {
+        if let Some(e) = self.hash_pending.take() {
+            self.ops.dev.sync_event(e)?;
+            self.ops.dev.release_event(e);
+            let at = Self::HASH_AT;
+            // SAFETY: inside the registered page; the copy completed (the event above).
+            let p = unsafe { self.readback.ptr.add(at) };
+            self.ops.dev.host_access(p, 8, false)?;
+            let mut b = [0u8; 8];
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(p, b.as_mut_ptr(), 8) };
+            self.hash_known = Some(u64::from_le_bytes(b));
+        }
+        match self.hash_known {
+            Some(h) => Ok(h),
+            None => self.params_hash(),
+        }
     }
 
     /// The weights' bf16 copy, after they changed (a GPU's GEMMs read it).
@@ -1496,6 +1552,7 @@ impl DeviceDrafter {
         self.ops
             .adamw(p, m, v, gsum, acc, flag, t, clip, lr, hyper)?;
         self.refresh_bf16()?;
+        self.queue_hash()?;
         // SAFETY: the page is registered, and nothing reads it before the event (`drain`).
         unsafe {
             self.ops
