@@ -8,8 +8,19 @@
 #   gpu_check.sh                      the check itself
 #   emu/                              the emulated CUDA stack and the fake NVML, so that
 #                                     `gpu_check.sh --emulated` tries the bundle here first
+#   kernel-cache/                     the kernels compiled here by NVRTC for sm_80, sm_90
+#                                     and sm_100 (CUBIN and PTX, named as the worker's
+#                                     cache names them): gpu_check.sh seeds its cache with
+#                                     them, so nothing compiles on an A100, H100/H200 or B200
+#   roofline.json                     `bench kernels`' roofline model of those kernels at
+#                                     Qwen3-8B's shapes: the MFU gpu_check.sh's throughput
+#                                     step prints beside the one it measures
 #   MANIFEST                          commit, build host, and the newest glibc/libstdc++
 #                                     symbol versions the binaries need
+#
+# Needs NVRTC, cuobjdump and nvdisasm here (pip install nvidia-cuda-nvrtc
+# nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, or DFLASH_NVRTC_LIB / DFLASH_CUOBJDUMP /
+# DFLASH_NVDISASM).
 #
 # Then: scripts/gpu_bundle.sh && target/gpu-bundle/gpu_check.sh --emulated --out /tmp/x
 # (here), copy target/gpu-bundle to the GPU machine, run `gpu-bundle/gpu_check.sh --out
@@ -30,6 +41,31 @@ cp target/release/dflash-supervise target/release/dflash-worker "$out/"
 cp "$parity" "$out/host_device"
 cp target/release/libdflash_emu_cuda.so target/release/libdflash_emu_cublas.so target/release/libdflash_fake_nvml.so "$out/emu/"
 cp scripts/gpu_check.sh "$out/"
+
+# The kernels for every architecture the check may meet, compiled through the worker's
+# own cache (DFLASH_KERNEL_CACHE) by `bench kernels`, which also models their roofline.
+archs=sm_80,sm_90,sm_100
+mkdir -p "$out/kernel-cache"
+if ! DFLASH_KERNEL_CACHE="$PWD/$out/kernel-cache" target/release/dflash-supervise bench kernels --json --arch "$archs" \
+    </dev/null >"$out/bench-kernels.json" 2>"$out/bench-kernels.err"; then
+    echo "gpu_bundle: cannot compile the kernels for $archs: $(tail -n 3 "$out/bench-kernels.err")" >&2
+    echo "gpu_bundle: (pip install nvidia-cuda-nvrtc nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)" >&2
+    exit 1
+fi
+python3 - "$out" "$archs" <<'PY'
+import glob, json, os, sys
+out, archs = sys.argv[1], sys.argv[2].split(",")
+report = json.load(open(os.path.join(out, "bench-kernels.json")))
+for a in archs:
+    have = {os.path.splitext(p)[1] for p in glob.glob(os.path.join(out, "kernel-cache", f"kernels-*-{a}-nvrtc*.*"))}
+    if not {".cubin", ".ptx"} <= have:
+        sys.exit(f"gpu_bundle: no CUBIN and PTX for {a} in {out}/kernel-cache (bench kernels made {sorted(have)})")
+if not report.get("model"):
+    sys.exit("gpu_bundle: bench kernels gave no roofline model")
+json.dump({"nvrtc": report.get("nvrtc"), "cuobjdump": report.get("cuobjdump"), "model": report["model"]},
+          open(os.path.join(out, "roofline.json"), "w"), indent=1)
+PY
+rm -f "$out/bench-kernels.json" "$out/bench-kernels.err"
 # Release builds keep line tables (profile.release debug = 1): 4x the size, not needed there.
 strip "$out/dflash-supervise" "$out/dflash-worker" "$out/host_device"
 strip --strip-unneeded "$out"/emu/*.so
@@ -43,6 +79,7 @@ newest() {
     echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), $(ldd --version 2>/dev/null | head -n 1)"
     echo "needs: $(newest GLIBC_), $(newest GLIBCXX_)"
+    echo "kernels: $(cd "$out/kernel-cache" && printf '%s ' kernels-*.cubin)(NVRTC $(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["nvrtc"])' "$out/roofline.json"))"
 } >"$out/MANIFEST"
 cat "$out/MANIFEST"
 

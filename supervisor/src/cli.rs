@@ -603,8 +603,11 @@ pub enum BenchCommand {
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
-        /// A Hugging Face model directory, a built-in shape `qwen3:HIDDENxLAYERS`, or
-        /// `ops:qwen3-8b` / `ops:tiny`: single ops on the GPU at those shapes.
+        /// A Hugging Face model directory, a built-in shape `qwen3:HIDDENxLAYERS`,
+        /// `ops:qwen3-8b` / `ops:tiny`: single ops on the GPU at those shapes, or
+        /// `throughput:qwen3-8b` / `throughput:tiny`: a target worker's and a drafter
+        /// worker's tokens/s and MFU on the GPU, over 20+ steps after a warm-up, at the
+        /// shapes `bench kernels` models (random weights, no download).
         #[arg(long, value_name = "DIR|SHAPE", default_value = "qwen3:768x5")]
         target: String,
         /// Tokens in the measured sequence.
@@ -612,14 +615,17 @@ pub enum BenchCommand {
         tokens: usize,
     },
     /// The GPU kernels' machine code, without a GPU: per kernel registers, shared memory,
-    /// spills, resident warps per SM and the main loop's MMAs and non-MMA instructions per
-    /// MMA (NVRTC's CUBIN for sm_80/90/100, read by cuobjdump: pip install
-    /// nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm), and a roofline model of an H200 at
-    /// Qwen3-8B's shapes with its assumptions. Runs in a dflash-worker process; exit 2 with
-    /// one line when NVRTC, cuobjdump or nvdisasm is missing.
+    /// stack frame and local memory with its LDL/STL (spills), resident warps per SM and
+    /// the main loop's MMAs and non-MMA instructions per MMA (NVRTC's CUBIN for
+    /// sm_80/90/100, read by cuobjdump: pip install nvidia-cuda-cuobjdump
+    /// nvidia-cuda-nvdisasm), and a roofline model of an H200 at Qwen3-8B's shapes with its
+    /// assumptions and the bound that binds each op: a modelled MFU range (target forward
+    /// about 57-59 %, drafter step about 50 %), a model until scripts/gpu_check.sh has
+    /// measured it on a GPU. Runs in a dflash-worker process; exit 2 with one line when
+    /// NVRTC, cuobjdump or nvdisasm is missing.
     Kernels {
-        /// Print one JSON object (`kernels`: one entry per kernel and architecture;
-        /// `model`: the modelled MFU figures).
+        /// Print one JSON object (`kernels`: one entry per kernel and architecture, with
+        /// `stack_bytes`; `model`: the modelled MFU figures, a `bound` on every line).
         #[arg(long)]
         json: bool,
         /// Architectures to compile for, comma-separated (the model needs sm_90).

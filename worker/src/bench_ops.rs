@@ -108,7 +108,7 @@ pub fn peak_bf16_tflops(name: &str) -> Option<f64> {
 }
 
 /// The GPU, if CUDA is there (a real driver, or the tests' emulated one).
-fn open_device() -> Result<Option<Box<dyn crate::device::Device>>, ToolError> {
+pub(crate) fn open_device() -> Result<Option<Box<dyn crate::device::Device>>, ToolError> {
     if crate::device::cuda::missing_library().is_some() {
         return Ok(None);
     }
@@ -441,6 +441,9 @@ pub fn shape_config(spec: &str) -> Result<String, ToolError> {
 pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), ToolError> {
     if let Some(preset) = target.strip_prefix("ops:") {
         return run_ops(preset, json);
+    }
+    if let Some(preset) = target.strip_prefix("throughput:") {
+        return crate::bench_throughput::run(preset, json);
     }
     let tmp;
     let (dir, shape): (PathBuf, String) = if Path::new(target).is_dir() {
@@ -958,7 +961,7 @@ pub struct OpsFigures {
 
 /// Deterministic values in [-scale, scale): a pool of 64 Ki drawn once, tiled, so that
 /// gigabytes of operands cost no more than a copy.
-fn pattern(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+pub(crate) fn pattern(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut rng = Rng::new(seed);
     let pool: Vec<f32> = (0..(1usize << 16).min(n.max(1)))
         .map(|_| ((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale)

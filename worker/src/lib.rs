@@ -13,6 +13,7 @@
 
 pub mod bench;
 pub mod bench_ops;
+pub mod bench_throughput;
 mod busy;
 pub mod collective;
 pub mod device;
@@ -82,8 +83,9 @@ enum Command {
     /// whole against bare GEMMs of its shapes, and one drafter step.
     #[command(hide = true)]
     BenchOps {
-        /// A Hugging Face model directory, a shape `qwen3:HIDDENxLAYERS`, or `ops:qwen3-8b` /
-        /// `ops:tiny` (single ops on the GPU at those shapes).
+        /// A Hugging Face model directory, a shape `qwen3:HIDDENxLAYERS`, `ops:qwen3-8b` /
+        /// `ops:tiny` (single ops on the GPU at those shapes), or `throughput:qwen3-8b` /
+        /// `throughput:tiny` (a target's and a drafter's steady tokens/s and MFU on the GPU).
         #[arg(long, value_name = "DIR|SHAPE", default_value = "qwen3:768x5")]
         target: String,
         /// Tokens in the measured sequence.
@@ -93,8 +95,9 @@ enum Command {
         json: bool,
     },
     /// What `dflash-supervise bench kernels` prints: the kernels' registers, shared memory,
-    /// spills, resident warps and main-loop instruction mix from NVRTC's CUBIN (read with
-    /// cuobjdump, no GPU needed), and a roofline model of an H200 at Qwen3-8B's shapes.
+    /// stack frame and LDL/STL (spills), resident warps and main-loop instruction mix from
+    /// NVRTC's CUBIN (read with cuobjdump, no GPU needed), and a roofline model of an H200
+    /// at Qwen3-8B's shapes (a model until scripts/gpu_check.sh measures it).
     #[command(hide = true)]
     BenchKernels {
         /// Architectures to compile for (default: sm_80,sm_90,sm_100; the model needs sm_90).

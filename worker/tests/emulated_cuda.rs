@@ -744,3 +744,61 @@ fn emulated_a_thread_waiting_for_the_gpu_sleeps_instead_of_spinning() {
         );
     }
 }
+
+/// The kernel cache holds, for this source and sm_90, only an entry that another NVRTC
+/// made (as the GPU bundle carries them), and the driver refuses its CUBIN (here: one for
+/// another architecture under that name). The worker then compiles with this machine's
+/// NVRTC and loads that CUBIN, rather than falling back to the other entry's PTX. With no
+/// refusal, another NVRTC's entry is used as it is, and nothing compiles.
+#[test]
+fn emulated_a_refused_cubin_from_another_nvrtc_is_compiled_again_here() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    use dflash_worker::device::nvrtc;
+    let test = "emulated_a_refused_cubin_from_another_nvrtc_is_compiled_again_here";
+    let cache = tempfile::tempdir().unwrap();
+    let stem = |arch: &str, v: &str| {
+        format!(
+            "kernels-{:016x}-{arch}-nvrtc{v}",
+            nvrtc::source_hash(nvrtc::KERNELS_CU)
+        )
+    };
+    if std::env::var("DFLASH_EMU_CHILD").as_deref() != Ok(test) {
+        // The foreign entry: sm_80's image filed under sm_90, as "NVRTC 99.0" made it.
+        let sm80 = nvrtc::compile(nvrtc::KERNELS_CU, "sm_80").unwrap();
+        let s = stem("sm_90", "99.0");
+        std::fs::write(cache.path().join(format!("{s}.cubin")), &sm80.cubin).unwrap();
+        std::fs::write(cache.path().join(format!("{s}.ptx")), &sm80.ptx).unwrap();
+    }
+    let dir = cache.path().to_str().unwrap().to_string();
+    let child = in_child(test, &[("DFLASH_TEST_KERNEL_CACHE", &dir)], || {
+        // (use_emulated_stack points the cache at the shared one: this test's instead.)
+        std::env::set_var("DFLASH_KERNEL_CACHE", std::env::var_os("DFLASH_TEST_KERNEL_CACHE").unwrap());
+        let dev = CudaDevice::open().unwrap_or_else(|e| panic!("{e}"));
+        for l in &dev.libraries {
+            println!("library: {l}");
+        }
+    });
+    if let Some((ok, out)) = child {
+        assert!(ok, "{out}");
+        assert!(
+            out.contains("kernels: CUBIN for sm_90"),
+            "this NVRTC's CUBIN was loaded, not the PTX: {out}"
+        );
+        let (major, minor) = nvrtc::version().unwrap();
+        let own = cache
+            .path()
+            .join(format!("{}.cubin", stem("sm_90", &format!("{major}.{minor}"))));
+        assert!(own.is_file(), "compiled here and cached: {out}");
+        // A later start takes this NVRTC's entry first: nothing refused, nothing compiled.
+        let (again, cached) = nvrtc::compile_cached_reusing(
+            nvrtc::KERNELS_CU,
+            "sm_90",
+            cache.path(),
+            nvrtc::Reuse::AnyNvrtc,
+        )
+        .unwrap();
+        assert!(cached && again.cubin == std::fs::read(&own).unwrap());
+    }
+}

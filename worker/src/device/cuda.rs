@@ -235,7 +235,8 @@ fn load_kernels(
         super::nvrtc::Reuse::AnyNvrtc,
     )
     .map_err(permanent)?;
-    let cubin_err = if kernels.cubin.is_empty() {
+    let mut kernels = kernels;
+    let mut cubin_err = if kernels.cubin.is_empty() {
         "NVRTC made no CUBIN".to_string()
     } else {
         match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(kernels.cubin.clone())) {
@@ -243,6 +244,21 @@ fn load_kernels(
             Err(e) => format!("{e:?}"),
         }
     };
+    // A cached CUBIN that another NVRTC made (the bundle's, say) and this driver refuses:
+    // this machine's NVRTC, where there is one, makes its own before the PTX is tried.
+    if let Ok((local, _)) = super::nvrtc::compile_cached(
+        super::nvrtc::KERNELS_CU,
+        arch,
+        &super::nvrtc::cache_dir(),
+    ) {
+        if !local.cubin.is_empty() && local.cubin != kernels.cubin {
+            match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(local.cubin.clone())) {
+                Ok(m) => return Ok((m, KernelImage::Cubin)),
+                Err(e) => cubin_err = format!("{cubin_err}; this NVRTC's CUBIN too: {e:?}"),
+            }
+        }
+        kernels = local;
+    }
     let isa = kernels
         .ptx_isa()
         .map(|(a, b)| format!("{a}.{b}"))

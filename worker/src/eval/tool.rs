@@ -141,6 +141,10 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     let (mut runs, mut per) = (Vec::new(), Vec::new());
     let (mut t_greedy, mut t_spec, mut n_greedy, mut n_spec, mut same) = (0.0, 0.0, 0, 0, 0);
     for p in &prompts {
+        // The first token is the prefill's argmax: how far its logit stands above the
+        // runner-up's, and the row's largest |logit|, say whether another device's
+        // rounding (bf16 on the GPU) could choose another first token.
+        let (margin, scale) = first_token_margin(&mut dec, p)?;
         let t0 = Instant::now();
         let g = greedy(&mut dec, p, stop)?;
         let t1 = Instant::now();
@@ -150,7 +154,10 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
         n_greedy += g.len();
         n_spec += s.tokens.len();
         same += usize::from(g == s.tokens);
-        per.push(json!({"prompt_tokens": p.len(), "tokens": s.tokens, "accepted": s.accepted}));
+        per.push(
+            json!({"prompt_tokens": p.len(), "tokens": s.tokens, "accepted": s.accepted,
+                        "first_margin": margin, "first_logit_max_abs": scale}),
+        );
         runs.push(s.accepted);
     }
     let tau = Tau::new(&runs, bs, a.seed);
@@ -172,6 +179,36 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     });
     print(&report, a.json);
     Ok(verdict(same, prompts.len(), on_gpu))
+}
+
+/// The prefill of `prompt`'s top-2 margin and largest |logit| of its last row
+/// ([`top2_margin`]).
+fn first_token_margin(dec: &mut Decoder, prompt: &[u32]) -> Result<(f32, f32), ToolError> {
+    let vocab = dec.vocab();
+    dec.crop(0)?;
+    let f = dec.prefill(prompt)?;
+    let last =
+        f.logits.len().checked_sub(vocab).ok_or_else(|| {
+            crate::device::GpuError::Invalid("the prefill returned no logits".into())
+        })?;
+    Ok(top2_margin(&f.logits[last..]))
+}
+
+/// The largest value of `row` minus the second largest (0 for fewer than two values,
+/// or a tie), and the largest |value|.
+pub fn top2_margin(row: &[f32]) -> (f32, f32) {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in row {
+        if x > a {
+            b = a;
+            a = x;
+        } else if x > b {
+            b = x;
+        }
+    }
+    let scale = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let margin = if b.is_finite() { a - b } else { 0.0 };
+    (margin, scale)
 }
 
 /// Whether `same` of `n` prompts decoded as greedy decoding did is a pass: all of them on
@@ -224,4 +261,20 @@ fn print(r: &Value, json: bool) {
         r["identical_to_greedy"],
         r["prompts"]
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top2_margin;
+
+    #[test]
+    fn the_margin_is_the_top_logit_over_the_runner_up() {
+        assert_eq!(top2_margin(&[1.0, 4.0, -7.5, 3.25]), (0.75, 7.5));
+        // A tie has no margin, wherever the two stand.
+        assert_eq!(top2_margin(&[2.0, -1.0, 2.0]), (0.0, 2.0));
+        assert_eq!(top2_margin(&[5.0, 5.0, 1.0]), (0.0, 5.0));
+        // Descending order too (the runner-up is found after the top).
+        assert_eq!(top2_margin(&[3.0, 2.0, 1.0]), (1.0, 3.0));
+        assert_eq!(top2_margin(&[3.0]), (0.0, 3.0));
+    }
 }
