@@ -774,7 +774,10 @@ fn emulated_a_refused_cubin_from_another_nvrtc_is_compiled_again_here() {
     let dir = cache.path().to_str().unwrap().to_string();
     let child = in_child(test, &[("DFLASH_TEST_KERNEL_CACHE", &dir)], || {
         // (use_emulated_stack points the cache at the shared one: this test's instead.)
-        std::env::set_var("DFLASH_KERNEL_CACHE", std::env::var_os("DFLASH_TEST_KERNEL_CACHE").unwrap());
+        std::env::set_var(
+            "DFLASH_KERNEL_CACHE",
+            std::env::var_os("DFLASH_TEST_KERNEL_CACHE").unwrap(),
+        );
         let dev = CudaDevice::open().unwrap_or_else(|e| panic!("{e}"));
         for l in &dev.libraries {
             println!("library: {l}");
@@ -787,9 +790,10 @@ fn emulated_a_refused_cubin_from_another_nvrtc_is_compiled_again_here() {
             "this NVRTC's CUBIN was loaded, not the PTX: {out}"
         );
         let (major, minor) = nvrtc::version().unwrap();
-        let own = cache
-            .path()
-            .join(format!("{}.cubin", stem("sm_90", &format!("{major}.{minor}"))));
+        let own = cache.path().join(format!(
+            "{}.cubin",
+            stem("sm_90", &format!("{major}.{minor}"))
+        ));
         assert!(own.is_file(), "compiled here and cached: {out}");
         // A later start takes this NVRTC's entry first: nothing refused, nothing compiled.
         let (again, cached) = nvrtc::compile_cached_reusing(

@@ -246,11 +246,9 @@ fn load_kernels(
     };
     // A cached CUBIN that another NVRTC made (the bundle's, say) and this driver refuses:
     // this machine's NVRTC, where there is one, makes its own before the PTX is tried.
-    if let Ok((local, _)) = super::nvrtc::compile_cached(
-        super::nvrtc::KERNELS_CU,
-        arch,
-        &super::nvrtc::cache_dir(),
-    ) {
+    if let Ok((local, _)) =
+        super::nvrtc::compile_cached(super::nvrtc::KERNELS_CU, arch, &super::nvrtc::cache_dir())
+    {
         if !local.cubin.is_empty() && local.cubin != kernels.cubin {
             match ctx.load_module(cudarc::nvrtc::Ptx::from_binary(local.cubin.clone())) {
                 Ok(m) => return Ok((m, KernelImage::Cubin)),
