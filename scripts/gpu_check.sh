@@ -682,11 +682,13 @@ def cmd_preflight(run_rc):
         why = console_reason("preflight") if run_rc != 0 else f"{', '.join(missing)} printed no 'GPU:' line (did it compute on its GPU?)"
         return record("preflight", "fail", f"a two-step run failed (exit {run_rc}): {why}", facts)
     libs = rep["libraries"]
-    bad = [k for k in ("driver", "cublas", "nvrtc") if not (libs.get(k) or {}).get("path")]
+    # NVRTC is needed only where the kernels are not in the cache (the bundle brings them).
+    bad = [k for k in ("driver", "cublas") if not (libs.get(k) or {}).get("path")]
     if bad:
         return record("preflight", "fail", f"libraries not loaded: {', '.join(bad)}", facts, fatal=True)
+    nvrtc_note = f"NVRTC {facts['nvrtc_version']}" if (libs.get("nvrtc") or {}).get("path") else "no NVRTC here (the kernels came from the cache)"
     summary = f"{gpu.get('name') or rep['device']}; driver {gpu.get('driver_version')}"
-    summary += f" (CUDA {gpu.get('cuda_version') or gpu.get('worker_driver_cuda')}); MIG {gpu.get('mig_mode')}; {rep['kernels']}; NVRTC {facts['nvrtc_version']}, PTX ISA {ptx}"
+    summary += f" (CUDA {gpu.get('cuda_version') or gpu.get('worker_driver_cuda')}); MIG {gpu.get('mig_mode')}; {rep['kernels']}; {nvrtc_note}, PTX ISA {ptx}"
     kc = facts["kernel_cache"]
     summary += f"; kernels compiled here: {len(kc['compiled_here']) // 2}" + (f" (the bundle brought {len(kc['from_bundle']) // 2})" if kc["from_bundle"] else "")
     return record("preflight", "pass", summary, facts)
@@ -930,7 +932,8 @@ def cmd_pipeline(name, rc, ledger_rc, want):
 
 NVML = re.compile(r"libnvidia-ml|libdflash_fake_nvml")
 CUDA = re.compile(r"libcuda\.so|libcudart|libcublas|libnvrtc|libnccl|libdflash_emu_cuda|libdflash_emu_cublas")
-NEEDED = {"driver": re.compile(r"libcuda\.so|libdflash_emu_cuda"), "cublas": re.compile(r"libcublas|libdflash_emu_cublas"), "nvrtc": re.compile(r"libnvrtc")}
+# NVRTC is mapped only where a worker compiled or found it: kernels from the cache need none.
+NEEDED = {"driver": re.compile(r"libcuda\.so|libdflash_emu_cuda"), "cublas": re.compile(r"libcublas|libdflash_emu_cublas")}
 
 
 def mapped(pid):
