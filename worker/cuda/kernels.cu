@@ -39,6 +39,18 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Minimum and maximum of `v` over the lanes of a warp (every lane gets it); with `from` > 1
+// over the lanes that differ in the bits from `from` up (lanes that hold the same value
+// for every such bit pattern need no more).
+__device__ __forceinline__ int warp_min_i(int v, int from = 1) {
+    for (int o = 16; o >= from; o >>= 1) { const int w = __shfl_xor_sync(FULL_MASK, v, o); v = w < v ? w : v; }
+    return v;
+}
+__device__ __forceinline__ int warp_max_i(int v, int from = 1) {
+    for (int o = 16; o >= from; o >>= 1) { const int w = __shfl_xor_sync(FULL_MASK, v, o); v = w > v ? w : v; }
+    return v;
+}
+
 // Sum of `v` over the block; `sh` holds 32 floats of shared memory. Every thread gets it.
 __device__ float block_sum(float v, float* sh) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -468,19 +480,58 @@ extern "C" __global__ void rmsnorm_fwd_bf16(unsigned short* y, float* rstd, cons
 // f32 in, y rounded to bf16: a GEMM's input, with no f32 copy and no cast pass.
 extern "C" __global__ void rmsnorm_fwd_to_bf16(unsigned short* y, float* rstd, const float* x, const float* w, int d, float eps) { rmsnorm_fwd_t(y, rstd, x, w, d, eps); }
 
-// dx += r·dy·w − x·r³·mean(dy·w·x); dw += dy·x·r (atomically, across rows) if dw is given.
-extern "C" __global__ void rmsnorm_bwd(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd, int d) {
+// The backward in two stages, with no atomics. rmsnorm_bwd: block b takes rows
+// [b·rows_per_block, (b + 1)·rows_per_block) of `rows`, one after the other: dx +=
+// r·dy·w − x·r³·mean(dy·w·x), and with `partials` its rows' share of the weight gradient,
+// Σ dy·x·r, written (not added) to partials row b. Thread t owns columns t, t + blockDim,
+// ... and keeps their shares in dynamic shared memory (d floats, launched with them; a
+// thread touches only its own, so no barrier), which costs no registers whatever d is.
+// A row wider than that memory holds keeps them in its partial row itself (global memory,
+// still each thread's own columns; launched with no dynamic shared memory). Then
+// rmsnorm_bwd_dw adds the partial rows' sum to dw.
+#define RMSNORM_BWD_DYN_BYTES 49152  // rows up to 12288 wide, without opting in past 48 KB
+DYNAMIC_SHARED(rmsnorm_bwd_acc, RMSNORM_BWD_DYN_BYTES);
+extern "C" __global__ void rmsnorm_bwd(float* dx, float* partials, const float* dy, const float* x, const float* w, const float* rstd, int d, int rows, int rows_per_block) {
     __shared__ float sh[32];
-    const long row = blockIdx.x;
-    const float* xr = x + row * d;
-    const float* gr = dy + row * d;
-    const float r = rstd[row];
-    float gx = 0.0f;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) gx += gr[i] * w[i] * xr[i];
-    gx = block_sum(gx, sh) / (float)d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        dx[row * d + i] += r * gr[i] * w[i] - xr[i] * r * r * r * gx;
-        if (dw) atomicAdd(&dw[i], gr[i] * xr[i] * r);
+    const bool in_shared = (long)d * 4 <= RMSNORM_BWD_DYN_BYTES;
+    float* acc = in_shared ? (float*)rmsnorm_bwd_acc : partials + (long)blockIdx.x * d;
+    if (partials)
+        for (int i = threadIdx.x; i < d; i += blockDim.x) acc[i] = 0.0f;
+    const long r0 = (long)blockIdx.x * rows_per_block;
+    const long r1 = r0 + rows_per_block < (long)rows ? r0 + rows_per_block : (long)rows;
+    for (long row = r0; row < r1; ++row) {
+        const float* xr = x + row * d;
+        const float* gr = dy + row * d;
+        const float r = rstd[row];
+        float gx = 0.0f;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) gx += gr[i] * w[i] * xr[i];
+        gx = block_sum(gx, sh) / (float)d;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            dx[row * d + i] += r * gr[i] * w[i] - xr[i] * r * r * r * gx;
+            if (partials) acc[i] += gr[i] * xr[i] * r;
+        }
+    }
+    if (partials && in_shared)
+        for (int i = threadIdx.x; i < d; i += blockDim.x) partials[(long)blockIdx.x * d + i] = acc[i];
+}
+
+// dw[i] += Σ_b partials[b·d + i] over the `blocks` partial rows. A block sums 32 columns:
+// lane l of warp w column 32·blockIdx + l over the rows w, w + warps, ...; then warp 0
+// adds the warps' sums in warp order. A fixed order: the same bits every run. Grid:
+// ceil(d / 32).
+extern "C" __global__ void rmsnorm_bwd_dw(float* dw, const float* partials, int d, int blocks) {
+    __shared__ float sh[32][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int i = blockIdx.x * 32 + lane;
+    float s = 0.0f;
+    if (i < d)
+        for (int b = warp; b < blocks; b += warps) s += partials[(long)b * d + i];
+    sh[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && i < d) {
+        float t = 0.0f;
+        for (int u = 0; u < warps; ++u) t += sh[u][lane];
+        dw[i] += t;
     }
 }
 
@@ -544,16 +595,23 @@ template <typename T> __device__ __forceinline__ void attn_stage(unsigned short 
     }
 }
 
-// The union of the spans of rows [first, first + 16) (of tq): [lo, hi) per span.
+// The union of the spans of rows [first, first + 16) (of tq): [lo, hi) per span, written
+// by lane 0 (lo > hi: no row has keys in that span). Called by the whole warp: lane l
+// reads row first + l % 16, and the warp reduces (lanes l and l + 16 hold the same row).
 __device__ __forceinline__ void attn_range(int* range, const int* spans, int first, int tq) {
+    const int lane = threadIdx.x & 31, i = first + (lane & (ATTN_MMA_ROWS - 1));
     for (int r = 0; r < 2; ++r) {
         int lo = 0x7fffffff, hi = 0;
-        for (int i = first; i < first + ATTN_MMA_ROWS && i < tq; ++i) {
+        if (i < tq) {
             const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
-            if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
+            if (a < b) { lo = a; hi = b; }
         }
-        range[2 * r] = lo;
-        range[2 * r + 1] = hi;
+        lo = warp_min_i(lo);
+        hi = warp_max_i(hi);
+        if (lane == 0) {
+            range[2 * r] = lo;
+            range[2 * r + 1] = hi;
+        }
     }
 }
 
@@ -580,7 +638,7 @@ template <typename T> __device__ void attention_fwd_t(T* out, float* lse, const 
     const float scale = rsqrtf((float)hd);
     attn_stage(qs, q, first, tq, qw, head, hd, hp, (const float*)0);
     for (int i = lane; i < ATTN_MMA_ROWS * hp; i += 32) os[i / hp][i % hp] = 0.0f;
-    if (lane == 0) attn_range(range, spans, first, tq);
+    attn_range(range, spans, first, tq);
     __syncwarp();
     // This lane's row of the block, and which 8 keys of a tile it scores.
     const int r = lane >> 1, part = lane & 1, row = first + r;
@@ -680,7 +738,7 @@ extern "C" __global__ void attention_fwd_bf16(unsigned short* out, float* lse, c
 // the softmax is exp2; P goes from the S accumulators to A fragments in registers (the
 // accumulator layout of two n-tiles is the A layout of one k-step). Masking: a tile that
 // every row of the warp sees whole is not masked, one that no row sees is skipped.
-// Grid: ceil(tq / 64) · qh CTAs of 128 threads.
+// Grid: ceil(tq / 64) · qh CTAs of 128 threads, the last row block's first.
 #define FA2_ROWS 64
 #define FA2_THREADS 128
 // Dynamic shared memory of the forward: 2 buffers × (K, V) × KT rows × (HD + 8) bf16,
@@ -702,7 +760,7 @@ template <int HD> struct Fa2 {
 // attention_fa2_fwd_t's shared memory (no __shared__ in a template).
 namespace fa2_shared {
 DYNAMIC_SHARED(kv_bytes, FA2_DYN_BYTES);
-__shared__ int range[6];
+__shared__ int range_part[FA2_THREADS / 32][6];  // each warp's span summary (fa2_range_warp)
 }  // namespace fa2_shared
 
 // Two f32 to a bf16 pair (lo in the low half), round to nearest even, and 2^x flushed to 0
@@ -793,26 +851,53 @@ __device__ __forceinline__ void fa2_store(float* p, long i, float a, float b) {
     p[i + 1] = b;
 }
 
-// The union of the spans of rows [first, first + FA2_ROWS) (of tq): [lo, hi) per span in
-// range[0..4]; and in range[4..6] the intersection of their first spans (the keys every
-// row sees), empty as [0, 0).
-__device__ __forceinline__ void fa2_range(int* range, const int* spans, int first, int tq) {
-    int ilo = 0, ihi = 0x7fffffff;
+// The key spans of a CTA's rows [first, first + FA2_ROWS) (of tq), summed up in parallel:
+// per span the union's [lo, hi), and the intersection of the rows' first spans (the keys
+// every row sees). fa2_range_warp: each lane holds its two rows' spans (`sp`, zeros for a
+// row past tq), the warp reduces them (the four lanes of a row pair hold the same rows:
+// lane bits 2 to 4 suffice) and lane 0 writes the warp's [lo, hi, lo, hi, ilo, ihi], lo
+// > hi or ilo >= ihi where empty, to `part`. fa2_range: after a barrier, every thread
+// combines the warps' into range[0..4] (each span's union, [0, 0) where empty) and
+// range[4..6] (the intersection, [0, 0) where empty).
+__device__ __forceinline__ void fa2_range_warp(int* part, const int (&sp)[2][4], const int (&row)[2], int tq) {
+    int v[6] = {0x7fffffff, 0, 0x7fffffff, 0, 0, 0x7fffffff};
     for (int r = 0; r < 2; ++r) {
-        int lo = 0x7fffffff, hi = 0;
-        for (int i = first; i < first + FA2_ROWS && i < tq; ++i) {
-            const int a = spans[4 * i + 2 * r], b = spans[4 * i + 2 * r + 1];
-            if (a < b) { lo = a < lo ? a : lo; hi = b > hi ? b : hi; }
-            if (r == 0) {
-                ilo = a > ilo ? a : ilo;
-                ihi = b < ihi ? b : ihi;
+        for (int s = 0; s < 2; ++s) {
+            const int a = sp[r][2 * s], b = sp[r][2 * s + 1];
+            if (a < b) {
+                v[2 * s] = a < v[2 * s] ? a : v[2 * s];
+                v[2 * s + 1] = b > v[2 * s + 1] ? b : v[2 * s + 1];
             }
         }
-        range[2 * r] = lo < hi ? lo : 0;
-        range[2 * r + 1] = lo < hi ? hi : 0;
+        if (row[r] < tq) {
+            v[4] = sp[r][0] > v[4] ? sp[r][0] : v[4];
+            v[5] = sp[r][1] < v[5] ? sp[r][1] : v[5];
+        }
     }
-    range[4] = ilo < ihi ? ilo : 0;
-    range[5] = ilo < ihi ? ihi : 0;
+    v[0] = warp_min_i(v[0], 4);
+    v[1] = warp_max_i(v[1], 4);
+    v[2] = warp_min_i(v[2], 4);
+    v[3] = warp_max_i(v[3], 4);
+    v[4] = warp_max_i(v[4], 4);
+    v[5] = warp_min_i(v[5], 4);
+    if ((threadIdx.x & 31) == 0)
+        for (int e = 0; e < 6; ++e) part[e] = v[e];
+}
+__device__ __forceinline__ void fa2_range(int (&range)[6], const int (*part)[6], int warps) {
+    int v[6] = {0x7fffffff, 0, 0x7fffffff, 0, 0, 0x7fffffff};
+    for (int w = 0; w < warps; ++w) {
+        for (int s = 0; s < 2; ++s) {
+            v[2 * s] = part[w][2 * s] < v[2 * s] ? part[w][2 * s] : v[2 * s];
+            v[2 * s + 1] = part[w][2 * s + 1] > v[2 * s + 1] ? part[w][2 * s + 1] : v[2 * s + 1];
+        }
+        v[4] = part[w][4] > v[4] ? part[w][4] : v[4];
+        v[5] = part[w][5] < v[5] ? part[w][5] : v[5];
+    }
+    for (int s = 0; s < 3; ++s) {
+        const int lo = v[2 * s], hi = v[2 * s + 1];
+        range[2 * s] = lo < hi ? lo : 0;
+        range[2 * s + 1] = lo < hi ? hi : 0;
+    }
 }
 
 // One tile for one warp: S = Q·Kᵀ, scaled to log2 units and, when MASKED, kept only for
@@ -896,19 +981,24 @@ template <int HD, typename T> __device__ void attention_fa2_fwd_t(T* out, float*
     constexpr int KT = F::KT, LD = F::LD;
     unsigned short* kv = (unsigned short*)kv_bytes;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int head = blockIdx.x % qh, first = (blockIdx.x / qh) * FA2_ROWS;
+    // Row blocks longest first: the grid's first CTAs take the last rows, which in a causal
+    // prefix (or DFlash blocks after a growing context) see the most keys, so the short
+    // ones fill the tail of the grid. Any order is valid for any spans.
+    const int row_blocks = (tq + FA2_ROWS - 1) / FA2_ROWS, rb = row_blocks - 1 - (int)(blockIdx.x / qh);
+    if (rb < 0) return;  // a launch with more CTAs than row blocks (tq = 0: one CTA)
+    const int head = blockIdx.x % qh, first = rb * FA2_ROWS;
     const int kh = head / (qh / kvh);
     const long qw = (long)qh * hd, kw = (long)kvh * hd;
     const float sl2 = rsqrtf((float)hd) * 1.4426950408889634f;
     const T* kh_k = k + (long)kh * hd;
     const T* kh_v = v + (long)kh * hd;
-    if (threadIdx.x == 0) fa2_range(range, spans, first, tq);
     // The lane's two rows (g and g + 8 of its warp's 16) and their spans; a row past tq
     // sees nothing.
     const int row[2] = {first + warp * 16 + g, first + warp * 16 + g + 8};
     int sp[2][4];
     for (int r = 0; r < 2; ++r)
         for (int e = 0; e < 4; ++e) sp[r][e] = row[r] < tq ? spans[4 * row[r] + e] : 0;
+    fa2_range_warp(range_part[warp], sp, row, tq);
     // Q's A fragments, straight from global memory: register j of k-step kc holds row
     // g + 8·(j & 1), dims kc·16 + 8·(j >> 1) + 2t + {0, 1}.
     unsigned qa[F::NK][4];
@@ -922,6 +1012,8 @@ template <int HD, typename T> __device__ void attention_fa2_fwd_t(T* out, float*
         for (int i = 0; i < 4; ++i) o[dt][i] = 0.0f;
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     __syncthreads();
+    int range[6];
+    fa2_range(range, range_part, FA2_THREADS / 32);
     const int lo0 = range[0], hi0 = range[1], lo1 = range[2], hi1 = range[3];
     const int n0 = (hi0 - lo0 + KT - 1) / KT, n = n0 + (hi1 - lo1 + KT - 1) / KT;
     // Tile i: keys [start, start + KT) ∩ [start, end).
@@ -1076,15 +1168,6 @@ struct __align__(8) fa2b_f2 { float x, y; };
 namespace fa2b_shared {
 __shared__ __align__(16) unsigned char smem[FA2B_SMEM_BYTES];
 }  // namespace fa2b_shared
-
-__device__ __forceinline__ int warp_min_i(int v) {
-    for (int o = 16; o > 0; o >>= 1) { const int w = __shfl_xor_sync(FULL_MASK, v, o); v = w < v ? w : v; }
-    return v;
-}
-__device__ __forceinline__ int warp_max_i(int v) {
-    for (int o = 16; o > 0; o >>= 1) { const int w = __shfl_xor_sync(FULL_MASK, v, o); v = w > v ? w : v; }
-    return v;
-}
 
 extern "C" __global__ void attention_bwd_prep(float* delta, unsigned short* q16, unsigned short* do16, int* tiles, const float* dout, const float* out, const float* lse, const float* q, const int* spans, int tq, int qh, int hd) {
     const long i = (long)blockIdx.x * 4 + (threadIdx.x >> 5);
@@ -1444,7 +1527,7 @@ extern "C" __global__ void attention_bwd(float* dq, float* dk, float* dv, const 
         for (int d = part; d < hd; d += 2) D += dout[row * qw + (long)head * hd + d] * out[row * qw + (long)head * hd + d];
     D += __shfl_xor_sync(FULL_MASK, D, 1);
     if (part == 0) ls[r] = L;
-    if (lane == 0) attn_range(range, spans, first, tq);
+    attn_range(range, spans, first, tq);
     __syncwarp();
     attn_stage(qs, q, first, tq, qw, head, hd, hp, ls);
     attn_stage(dos, dout, first, tq, qw, head, hd, hp, ls);

@@ -115,3 +115,28 @@ extern "C" __global__ void hdtest_cp_async(float* out, const float* in, int tile
     }
     cp_async_wait_all();
 }
+
+// The key-span summaries the attention kernels compute in parallel, for the 64 rows of
+// CTA b (128 threads) of `spans` (tq rows): the FlashAttention-2 forward's (each lane's
+// two rows loaded as that kernel loads them, fa2_range_warp, a barrier, fa2_range: 6 ints)
+// at out[22·b ..], then attn_range's over each warp's 16 rows (the one-warp kernels' row
+// blocks: 4 ints) at out[22·b + 6 + 4·warp ..].
+__shared__ int hdtest_span_part[4][6];
+__shared__ int hdtest_span_range[4][4];
+extern "C" __global__ void hdtest_span_ranges(int* out, const int* spans, int tq) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+    const int first = blockIdx.x * FA2_ROWS;
+    const int row[2] = {first + warp * 16 + g, first + warp * 16 + g + 8};
+    int sp[2][4];
+    for (int r = 0; r < 2; ++r)
+        for (int e = 0; e < 4; ++e) sp[r][e] = row[r] < tq ? spans[4 * row[r] + e] : 0;
+    fa2_range_warp(hdtest_span_part[warp], sp, row, tq);
+    attn_range(hdtest_span_range[warp], spans, first + warp * 16, tq);
+    __syncthreads();
+    int range[6];
+    fa2_range(range, hdtest_span_part, 4);
+    if (threadIdx.x == 0)
+        for (int e = 0; e < 6; ++e) out[22 * blockIdx.x + e] = range[e];
+    if (lane == 0)
+        for (int e = 0; e < 4; ++e) out[22 * blockIdx.x + 6 + 4 * warp + e] = hdtest_span_range[warp][e];
+}

@@ -306,21 +306,156 @@ fn host_device_runs_blocks_and_threads_in_orders_drawn_from_the_seed() {
     assert_eq!(unsafe { dflash_hd_set_schedule(bad.as_ptr(), 1) }, 1);
 }
 
-/// Float atomics add in the order the blocks run: RMSNorm's weight gradient, summed over
-/// rows (one block each) of very different magnitudes, comes out with other low bits from
-/// seed to seed (as on a GPU from run to run), and with the same bits from the same seed.
-/// Each is the CPU backend's sum to rounding.
+/// Float atomics add in the order the blocks run: the attention backward at a head dim the
+/// FlashAttention-2 kernels do not take (20) adds each key's value gradient by atomics
+/// from every block of 16 query rows that sees it; with block b's rows of dO about
+/// 100^(b % 4), the small shares of a sum with the large ones depend on which come first,
+/// so it comes out with other low bits from seed to seed (as on a GPU from run to run),
+/// and with the same bits from the same seed. Each is the CPU backend's to the tensor
+/// cores' rounding.
 #[test]
 fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
     if on_gpu() {
         return;
     }
+    let bf = |v: Vec<f32>| -> Vec<f32> {
+        v.iter()
+            .map(|x| half::bf16::from_f32(*x).to_f32())
+            .collect()
+    };
     let mut rng = Rng::new(41);
-    let (rows, d) = (16usize, 32usize);
+    let (t, hd) = (128usize, 20usize);
+    let h = Heads {
+        q_heads: 1,
+        kv_heads: 1,
+        head_dim: hd,
+    };
+    assert!(Fa2Dim::for_call(&Attention::shape_of(t, 1, 1, hd)).is_none());
+    // Every row sees every key: each key's gradient sums 8 blocks' shares.
+    let spans: Vec<KeySpan> = (0..t).map(|_| KeySpan { a: 0..t, b: 0..0 }).collect();
+    let (q, k, v) = (
+        bf(rand_vec(&mut rng, t * hd, 1.0)),
+        bf(rand_vec(&mut rng, t * hd, 1.0)),
+        bf(rand_vec(&mut rng, t * hd, 1.0)),
+    );
+    let dout = bf(rand_vec(&mut rng, t * hd, 1.0)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x * 100f32.powi((i / hd / 16 % 4) as i32))
+        .collect());
+    let cpu = Cpu::with_threads(1);
+    let mut out = vec![0f32; t * hd];
+    let saved = cpu.attention(&q, &k, &v, &mut out, &spans, h);
+    let (mut dq, mut dk, mut want) = (vec![0f32; t * hd], vec![0f32; t * hd], vec![0f32; t * hd]);
+    cpu.attention_backward(
+        &dout, &q, &k, &v, &saved, &spans, h, &mut dq, &mut dk, &mut want,
+    );
+    let mut o = ops();
+    let (gq, gk, gv, gd) = (
+        put(&mut o, &q),
+        put(&mut o, &k),
+        put(&mut o, &v),
+        put(&mut o, &dout),
+    );
+    let gs = put_i32(&mut o, &spans_i32(&spans));
+    let (go, gl) = (put(&mut o, &vec![0.0; t * hd]), put(&mut o, &vec![0.0; t]));
+    o.attention(gq, gk, gv, go, gl, gs, t, 1, 1, hd).unwrap();
+    let scratch = put(
+        &mut o,
+        &vec![0.0; Ops::attention_backward_scratch(t, 1, hd)],
+    );
+    let mut dv_of = |seed: u64| -> Vec<u32> {
+        let _s = Schedule::set("mixed", seed);
+        let zeros = vec![0.0; t * hd];
+        let (gdq, gdk, gdv) = (
+            put(&mut o, &zeros),
+            put(&mut o, &zeros),
+            put(&mut o, &zeros),
+        );
+        o.attention_backward(
+            gd, go, gl, scratch, gq, gk, gv, gs, gdq, gdk, gdv, t, 1, 1, hd,
+        )
+        .unwrap();
+        let dv = get(&mut o, gdv);
+        assert_close(&format!("attention dv, seed {seed}"), &dv, &want, 1e-2);
+        dv.iter().map(|v| v.to_bits()).collect()
+    };
+    let runs: Vec<Vec<u32>> = (1..=6).map(&mut dv_of).collect();
+    let distinct: std::collections::HashSet<&Vec<u32>> = runs.iter().collect();
+    eprintln!(
+        "{} different value gradients (to the bit) from 6 seeds",
+        distinct.len()
+    );
+    assert!(
+        distinct.len() >= 2,
+        "the order of the float atomics never changed"
+    );
+    assert_eq!(dv_of(3), runs[2], "the same seed, the same sum");
+}
+
+/// The FlashAttention-2 forward issues its row blocks longest first: the first `qh` CTAs
+/// (one per head) take the last row block, which in a causal prefix sees the most keys.
+/// A grid of only those CTAs writes the last rows, as the whole launch does, and no other.
+#[test]
+fn host_device_flash_attention_2_forward_issues_the_last_row_block_first() {
+    use dflash_worker::device::kernels::Kernel;
+    let (t, qh, hd) = (150usize, 2usize, 32usize);
+    let mut rng = Rng::new(43);
+    let (q, kv) = (
+        rand_vec(&mut rng, t * qh * hd, 1.0),
+        rand_vec(&mut rng, t * hd, 1.0),
+    );
+    let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
+    let mut o = ops();
+    let (gq, gk, gs) = (put(&mut o, &q), put(&mut o, &kv), put_i32(&mut o, &spans));
+    let nan = vec![f32::NAN; t * qh * hd];
+    let (want, wl) = (put(&mut o, &nan), put(&mut o, &vec![0.0; t * qh]));
+    o.attention(gq, gk, gk, want, wl, gs, t, qh, 1, hd).unwrap();
+    let (got, gl) = (put(&mut o, &nan), put(&mut o, &vec![0.0; t * qh]));
+    let a = Attention {
+        out: got,
+        lse: gl,
+        q: gq,
+        k: gk,
+        v: gk,
+        spans: gs,
+        ..Attention::shape_of(t, qh, 1, hd)
+    };
+    let dim = Fa2Dim::for_call(&a).expect("hd 32 takes the FlashAttention-2 forward");
+    let k = Kernel::AttentionFa2Fwd {
+        act: Act::F32,
+        dim,
+        a,
+    };
+    o.dev.launch(Stream::Compute, &k, qh as u32, 128).unwrap();
+    let (got, want) = (get(&mut o, got), get(&mut o, want));
+    let last = 128 * qh * hd;
+    assert!(
+        got[..last].iter().all(|x| x.is_nan()),
+        "the first CTAs wrote rows before the last row block"
+    );
+    assert!(
+        got[last..]
+            .iter()
+            .zip(&want[last..])
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the first CTAs' rows 128..150 are the whole launch's"
+    );
+}
+
+/// RMSNorm's weight gradient takes no atomics: blocks of rows write partial rows, summed
+/// in a fixed order by a second launch. Over rows of very different magnitudes (row r's
+/// terms about 100^(r % 4)), where adding in the order the blocks run gave other low bits
+/// from seed to seed, every seed gives the same bits, the CPU backend's sum to rounding.
+#[test]
+fn host_device_rmsnorm_weight_gradient_has_the_same_bits_in_every_block_order() {
+    if on_gpu() {
+        return;
+    }
+    let mut rng = Rng::new(41);
+    let (rows, d) = (3000usize, 32usize);
     let x = rand_vec(&mut rng, rows * d, 1.0);
     let w = rand_vec(&mut rng, d, 1.0);
-    // Row r's terms are about 100^(r % 4): in f32, the small ones' share of a sum with
-    // the large ones depends on which come first.
     let dy: Vec<f32> = rand_vec(&mut rng, rows * d, 1.0)
         .iter()
         .enumerate()
@@ -338,8 +473,8 @@ fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
         put(&mut o, &dy),
         put(&mut o, &rstd),
     );
-    let mut dw_of = |seed: u64| -> Vec<u32> {
-        let _s = Schedule::set("mixed", seed);
+    let mut dw_of = |order: &str, seed: u64| -> Vec<u32> {
+        let _s = Schedule::set(order, seed);
         let (gdx, gdw) = (
             put(&mut o, &vec![0.0; rows * d]),
             put(&mut o, &vec![0.0; d]),
@@ -347,20 +482,13 @@ fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
         o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d)
             .unwrap();
         let dw = get(&mut o, gdw);
-        assert_close(&format!("rmsnorm dw, seed {seed}"), &dw, &want, 1e-5);
+        assert_close(&format!("rmsnorm dw, {order} {seed}"), &dw, &want, 1e-5);
         dw.iter().map(|v| v.to_bits()).collect()
     };
-    let runs: Vec<Vec<u32>> = (1..=6).map(&mut dw_of).collect();
-    let distinct: std::collections::HashSet<&Vec<u32>> = runs.iter().collect();
-    eprintln!(
-        "{} different weight gradients (to the bit) from 6 seeds",
-        distinct.len()
-    );
-    assert!(
-        distinct.len() >= 2,
-        "the order of the float atomics never changed"
-    );
-    assert_eq!(dw_of(3), runs[2], "the same seed, the same sum");
+    let first = dw_of("ascending", 1);
+    for (order, seed) in [("reverse", 1), ("random", 2), ("mixed", 3), ("mixed", 4)] {
+        assert_eq!(dw_of(order, seed), first, "{order} order, seed {seed}");
+    }
 }
 
 /// Every block starts with its shared memory poisoned (0xFF bytes: NaN as f32 and bf16),

@@ -421,6 +421,108 @@ fn cp_async_read_before_its_wait_reads_poison() {
 }
 
 // ---------------------------------------------------------------------------------------
+// Key-span summaries
+
+/// The FlashAttention-2 forward's summary of rows [first, first + 64) of tq as its thread 0
+/// used to compute it, row after row: per span the union's [lo, hi) ([0, 0) where empty),
+/// then the intersection of the first spans ([0, 0) where empty).
+fn fa2_range_serial(spans: &[i32], first: usize, tq: usize) -> [i32; 6] {
+    let (mut ilo, mut ihi, mut out) = (0, i32::MAX, [0; 6]);
+    for r in 0..2 {
+        let (mut lo, mut hi) = (i32::MAX, 0);
+        for i in first..(first + 64).min(tq) {
+            let (a, b) = (spans[4 * i + 2 * r], spans[4 * i + 2 * r + 1]);
+            if a < b {
+                lo = lo.min(a);
+                hi = hi.max(b);
+            }
+            if r == 0 {
+                ilo = ilo.max(a);
+                ihi = ihi.min(b);
+            }
+        }
+        (out[2 * r], out[2 * r + 1]) = if lo < hi { (lo, hi) } else { (0, 0) };
+    }
+    (out[4], out[5]) = if ilo < ihi { (ilo, ihi) } else { (0, 0) };
+    out
+}
+
+/// The one-warp attention kernels' summary of rows [first, first + 16), as their lane 0
+/// used to compute it: per span the union's [lo, hi), lo = i32::MAX and hi = 0 where empty.
+fn attn_range_serial(spans: &[i32], first: usize, tq: usize) -> [i32; 4] {
+    let mut out = [0; 4];
+    for r in 0..2 {
+        let (mut lo, mut hi) = (i32::MAX, 0);
+        for i in first..(first + 16).min(tq) {
+            let (a, b) = (spans[4 * i + 2 * r], spans[4 * i + 2 * r + 1]);
+            if a < b {
+                lo = lo.min(a);
+                hi = hi.max(b);
+            }
+        }
+        (out[2 * r], out[2 * r + 1]) = (lo, hi);
+    }
+    out
+}
+
+/// The attention kernels' prologue reduces the rows' key spans across lanes and warps;
+/// it gives what the serial scan gave, to the integer, over row blocks of every kind:
+/// random spans (empty, reversed, overlapping), a causal prefix, and a partial last block
+/// whose rows share a window (the rows past tq must not empty the intersection).
+#[test]
+fn the_parallel_span_summaries_are_the_serial_scans() {
+    let mut rng = Rng(7);
+    for tq in [150usize, 64, 1, 130, 191] {
+        let blocks = tq.div_ceil(64);
+        let mut spans = vec![0i32; 4 * tq];
+        for i in 0..tq {
+            let mut pick = |m: u64| (rng.next() % m) as i32;
+            let s = match (i / 64) % 3 {
+                0 => [pick(200), pick(200), pick(200), pick(200)],
+                1 => [0, i as i32 + 1, 0, 0],
+                _ => [pick(20), 40 + pick(100), 300 + pick(10), 310 + pick(10)],
+            };
+            spans[4 * i..4 * i + 4].copy_from_slice(&s);
+        }
+        let mut dev = HostDevice::new();
+        let gs = put(&mut dev, &spans);
+        let out = put(&mut dev, &vec![-1i32; 22 * blocks]);
+        let args = [Arg::W(out), Arg::R(gs), Arg::I32(tq as i32)];
+        dev.launch_args(
+            Stream::Compute,
+            "hdtest_span_ranges",
+            blocks as u32,
+            128,
+            &args,
+        )
+        .unwrap();
+        let got: Vec<i32> = get_u32(&mut dev, out).iter().map(|&v| v as i32).collect();
+        for b in 0..blocks {
+            let want = fa2_range_serial(&spans, 64 * b, tq);
+            assert_eq!(
+                got[22 * b..22 * b + 6],
+                want,
+                "tq {tq}, CTA {b}: FA2 summary"
+            );
+            for w in 0..4 {
+                let at = 22 * b + 6 + 4 * w;
+                let want = attn_range_serial(&spans, 64 * b + 16 * w, tq);
+                assert_eq!(
+                    got[at..at + 4],
+                    want,
+                    "tq {tq}, rows {}..: one-warp summary",
+                    64 * b + 16 * w
+                );
+            }
+        }
+        // The partial window block keeps a non-empty intersection.
+        if tq == 150 {
+            assert!(got[22 * 2 + 5] > got[22 * 2 + 4], "{:?}", &got[44..50]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // NVRTC
 
 #[test]

@@ -9,9 +9,10 @@
 //! the same tests as the host device's (`DFLASH_TEST_DEVICE=cpu`), and the whole drafter
 //! step against the reference drafter.
 //!
-//! Where the GPU accumulates with atomics (RMSNorm's weight gradient, attention's key and
-//! value gradients), these accumulate in a fixed order: a step gives the same bits every
-//! time, which is what the recovery tests' bit-identical replay needs.
+//! Where the GPU accumulates with atomics (attention's key and value gradients), these
+//! accumulate in a fixed order: a step gives the same bits every time, which is what the
+//! recovery tests' bit-identical replay needs. (RMSNorm's weight gradient takes no atomics
+//! on either: partial rows per block of rows, then their sum in a fixed order.)
 
 #![allow(clippy::needless_range_loop)] // kernels index several buffers by one row/element index, as the CUDA source does
 
@@ -1283,19 +1284,27 @@ unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
         } => rmsnorm_fwd(rows, y, wr(rstd), x, rd(w), d, eps),
         Kernel::RmsnormBwd {
             dx,
-            dw,
+            partials,
             dy,
             x,
             w,
             rstd,
             d,
+            rows: n,
+            rows_per_block,
         } => rmsnorm_bwd(
-            rows,
+            (n, rows_per_block, rows),
             wr(dx),
-            dw.map(|b| wr(b)),
+            partials.map(|b| wr(b)),
             (rd(dy), rd(x), rd(w), rd(rstd)),
             d,
         ),
+        Kernel::RmsnormBwdDw {
+            dw,
+            partials,
+            d,
+            blocks,
+        } => rmsnorm_bwd_dw(wr(dw), rd(partials), d, blocks),
         Kernel::Rope {
             x,
             pos,
@@ -1729,15 +1738,19 @@ unsafe fn rmsnorm_fwd(
     Ok(())
 }
 
-/// `(dy, x, w, rstd)`: what the backward reads.
+/// `(rows, rows_per_block, blocks)`: the launch; `(dy, x, w, rstd)`: what the backward
+/// reads. Block b's rows' share of the weight gradient goes to row b of `partials`, each
+/// a sum over its rows in order, as the CUDA kernel's threads sum them.
 fn rmsnorm_bwd(
-    rows: usize,
+    (rows, per, blocks): (usize, usize, usize),
     dx: &mut [f32],
-    mut dw: Option<&mut [f32]>,
+    mut partials: Option<&mut [f32]>,
     (dy, x, w, rstd): (&[f32], &[f32], &[f32], &[f32]),
     d: usize,
 ) -> Result<()> {
     let kernel = "rmsnorm_bwd";
+    // The launch's rows: those of its blocks, and no more than it names.
+    let rows = rows.min(blocks * per);
     need(
         kernel,
         "dx/dy/x",
@@ -1746,26 +1759,41 @@ fn rmsnorm_bwd(
     )?;
     need(kernel, "rstd", rstd.len(), rows)?;
     need(kernel, "w", w.len(), d)?;
-    if let Some(dw) = dw.as_deref() {
-        need(kernel, "dw", dw.len(), d)?;
+    if let Some(p) = partials.as_deref() {
+        need(kernel, "partials", p.len(), blocks * d)?;
     }
-    for r in 0..rows {
-        let (xr, gr, rs) = (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d], rstd[r]);
-        let gx: f32 = gr
-            .iter()
-            .zip(w)
-            .zip(xr)
-            .map(|((g, w), x)| g * w * x)
-            .sum::<f32>()
-            / d as f32;
-        for i in 0..d {
-            dx[r * d + i] += rs * gr[i] * w[i] - xr[i] * rs * rs * rs * gx;
-        }
-        if let Some(dw) = dw.as_deref_mut() {
+    for b in 0..blocks {
+        let mut share = vec![0f32; if partials.is_some() { d } else { 0 }];
+        for r in b * per..((b + 1) * per).min(rows) {
+            let (xr, gr, rs) = (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d], rstd[r]);
+            let gx: f32 = gr
+                .iter()
+                .zip(w)
+                .zip(xr)
+                .map(|((g, w), x)| g * w * x)
+                .sum::<f32>()
+                / d as f32;
             for i in 0..d {
-                dw[i] += gr[i] * xr[i] * rs;
+                dx[r * d + i] += rs * gr[i] * w[i] - xr[i] * rs * rs * rs * gx;
+            }
+            for (i, s) in share.iter_mut().enumerate() {
+                *s += gr[i] * xr[i] * rs;
             }
         }
+        if let Some(p) = partials.as_deref_mut() {
+            p[b * d..(b + 1) * d].copy_from_slice(&share);
+        }
+    }
+    Ok(())
+}
+
+/// `dw += Σ` of the first `blocks` partial rows, column by column in row order.
+fn rmsnorm_bwd_dw(dw: &mut [f32], partials: &[f32], d: usize, blocks: usize) -> Result<()> {
+    let kernel = "rmsnorm_bwd_dw";
+    need(kernel, "dw", dw.len(), d)?;
+    need(kernel, "partials", partials.len(), blocks * d)?;
+    for i in 0..d {
+        dw[i] += (0..blocks).map(|b| partials[b * d + i]).sum::<f32>();
     }
     Ok(())
 }

@@ -351,15 +351,28 @@ pub enum Kernel {
         d: usize,
         eps: f32,
     },
-    /// The RMSNorm backward: `dx` accumulates, and `dw` when given.
+    /// The RMSNorm backward's first stage over `rows` rows, `rows_per_block` per block (the
+    /// grid: their blocks): `dx` accumulates; with `partials` (f32, a row of `d` per
+    /// block) each block writes its rows' share of the weight gradient, which
+    /// [`Kernel::RmsnormBwdDw`] then adds to `dw`.
     RmsnormBwd {
         dx: DSlice,
-        dw: Option<DSlice>,
+        partials: Option<DSlice>,
         dy: DSlice,
         x: DSlice,
         w: DSlice,
         rstd: DSlice,
         d: usize,
+        rows: usize,
+        rows_per_block: usize,
+    },
+    /// The RMSNorm backward's second stage: `dw` (`d`) += the sum of the first `blocks`
+    /// rows of `partials`, in a fixed order. Grid: ceil(d / 32).
+    RmsnormBwdDw {
+        dw: DSlice,
+        partials: DSlice,
+        d: usize,
+        blocks: usize,
     },
     /// Rotary embedding in place (`pos` i32 per row, `inv_freq` head_dim/2), scaled by
     /// `scale`; `inverse` rotates back (the backward).
@@ -513,6 +526,7 @@ impl Kernel {
             Kernel::RmsnormFwdToBf16 { .. } => "rmsnorm_fwd_to_bf16",
             Kernel::RmsnormFwd { act: a, .. } => act(a, "rmsnorm_fwd", "rmsnorm_fwd_bf16"),
             Kernel::RmsnormBwd { .. } => "rmsnorm_bwd",
+            Kernel::RmsnormBwdDw { .. } => "rmsnorm_bwd_dw",
             Kernel::Rope { act: a, .. } => act(a, "rope", "rope_bf16"),
             Kernel::AttentionFwd { act: a, .. } => act(a, "attention_fwd", "attention_fwd_bf16"),
             Kernel::AttentionFa2Fwd { act: a, dim, .. } => match dim {
@@ -539,11 +553,19 @@ impl Kernel {
 
     /// Bytes of dynamic shared memory the kernel is launched with (its `DYNAMIC_SHARED`
     /// array in kernels.cu): the FlashAttention-2 forward's double-buffered K and V tiles
-    /// (2 × 2 × 64 keys × (HD + 8) bf16); 0 for the others.
+    /// (2 × 2 × 64 keys × (HD + 8) bf16), the bf16 grouped GEMM's tiles, the RMSNorm
+    /// backward's row of weight-gradient shares (d f32); 0 for the others.
     pub fn dynamic_shared_bytes(&self) -> u32 {
         match *self {
             Kernel::AttentionFa2Fwd { dim, .. } => 2 * 2 * 64 * (dim.head_dim() + 8) * 2,
             Kernel::MoeGemm { act: Act::Bf16, .. } => MOE_GEMM_DYN_BYTES,
+            // The weight gradient's shares of a row (d f32), up to the 48 KB any launch may
+            // have; a wider row keeps them in its partial row in global memory instead.
+            Kernel::RmsnormBwd {
+                partials: Some(_),
+                d,
+                ..
+            } if d <= super::ops::RMSNORM_BWD_MAX_WIDTH => (d * 4) as u32,
             _ => 0,
         }
     }
@@ -711,21 +733,31 @@ impl Kernel {
             } => vec![W(y), W(rstd), R(x), R(w), i32_of(d), F32(eps)],
             Kernel::RmsnormBwd {
                 dx,
-                dw,
+                partials,
                 dy,
                 x,
                 w,
                 rstd,
                 d,
+                rows,
+                rows_per_block,
             } => vec![
                 RW(dx),
-                dw.map_or(Arg::Null, RW),
+                partials.map_or(Arg::Null, W),
                 R(dy),
                 R(x),
                 R(w),
                 R(rstd),
                 i32_of(d),
+                i32_of(rows),
+                i32_of(rows_per_block),
             ],
+            Kernel::RmsnormBwdDw {
+                dw,
+                partials,
+                d,
+                blocks,
+            } => vec![RW(dw), R(partials), i32_of(d), i32_of(blocks)],
             Kernel::Rope {
                 x,
                 pos,
@@ -1140,7 +1172,7 @@ impl Kernel {
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 13] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 14] {
         [
             Kernel::ScatterAddRows {
                 dst: b,
@@ -1181,12 +1213,20 @@ impl Kernel {
             },
             Kernel::RmsnormBwd {
                 dx: b,
-                dw: Some(b),
+                partials: Some(b),
                 dy: b,
                 x: b,
                 w: b,
                 rstd: b,
                 d: 1,
+                rows: 1,
+                rows_per_block: 1,
+            },
+            Kernel::RmsnormBwdDw {
+                dw: b,
+                partials: b,
+                d: 1,
+                blocks: 1,
             },
             Kernel::AttentionBwd(AttentionGrad {
                 fwd: attention,

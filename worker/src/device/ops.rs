@@ -37,6 +37,32 @@ fn row_block(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, BLOCK as usize) as u32
 }
 
+/// The widest row whose weight-gradient shares the RMSNorm backward keeps in dynamic
+/// shared memory (`RMSNORM_BWD_DYN_BYTES` in kernels.cu, 48 KB); a wider row (a 16,384-wide
+/// target's drafter) keeps them in its partial row in global memory.
+pub const RMSNORM_BWD_MAX_WIDTH: usize = 12288;
+/// Most blocks (each a partial row of the weight gradient) the RMSNorm backward's first
+/// stage runs: enough to fill an H100's or H200's 132 SMs at 128 to 256 threads a block,
+/// few enough that the second stage (reading them all) is a small share of the first.
+const RMSNORM_BWD_BLOCKS: usize = 1024;
+/// f32 of the RMSNorm backward's partial rows (8 MiB, per stream, allocated by the first
+/// backward with a weight gradient): 1024 partial rows up to a width of 2048, fewer
+/// beyond.
+pub const RMSNORM_BWD_SCRATCH_F32: usize = 1 << 21;
+/// Threads of the second stage's blocks: 32 warps summing 32 columns.
+const RMSNORM_BWD_DW_THREADS: u32 = 1024;
+
+/// The RMSNorm backward's split of `rows` rows of width `d` with a weight gradient:
+/// (rows per block, blocks), the blocks at most [`RMSNORM_BWD_BLOCKS`] and their partial
+/// rows within [`RMSNORM_BWD_SCRATCH_F32`].
+fn rmsnorm_bwd_split(rows: usize, d: usize) -> (usize, usize) {
+    let most = RMSNORM_BWD_BLOCKS
+        .min(RMSNORM_BWD_SCRATCH_F32 / d.max(1))
+        .max(1);
+    let per = rows.div_ceil(most).max(1);
+    (per, rows.div_ceil(per))
+}
+
 /// The i32 elements of [`Ops::moe_permute`]'s scratch for `pairs` routed pairs over
 /// `experts` experts: a count per chunk of pairs and expert.
 pub fn moe_permute_scratch(pairs: usize, experts: usize) -> usize {
@@ -51,6 +77,9 @@ pub struct Ops {
     /// (their `_bf16` kernels; weights of norms, positions, rstd and lse stay f32), and
     /// [`matmul_act`](Self::matmul_act) is bf16 in and out.
     pub act16: bool,
+    /// The RMSNorm backward's partial rows ([`RMSNORM_BWD_SCRATCH_F32`] f32), per stream
+    /// (by [`Stream::index`]): device memory of these ops', taken at their first use.
+    rmsnorm_partials: [Option<DSlice>; 2],
 }
 
 impl Ops {
@@ -59,6 +88,7 @@ impl Ops {
             dev,
             stream: Stream::Compute,
             act16: false,
+            rmsnorm_partials: [None; 2],
         }
     }
 
@@ -539,6 +569,10 @@ impl Ops {
         )
     }
 
+    /// Backward of [`rmsnorm`](Self::rmsnorm): `dx` accumulates, and `dw` when given. The
+    /// weight gradient in two stages, with no atomics: blocks of rows write their partial
+    /// sums into these ops' scratch, then one launch adds their column sums to `dw` in a
+    /// fixed order (the same bits every run).
     #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward(
         &mut self,
@@ -551,19 +585,70 @@ impl Ops {
         rows: usize,
         d: usize,
     ) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let block = row_block(d);
+        let Some(dw) = dw else {
+            return self.launch(
+                Kernel::RmsnormBwd {
+                    dx,
+                    partials: None,
+                    dy,
+                    x,
+                    w,
+                    rstd,
+                    d,
+                    rows,
+                    rows_per_block: 1,
+                },
+                rows as u32,
+                block,
+            );
+        };
+        let (per, blocks) = rmsnorm_bwd_split(rows, d);
+        let partials = self.rmsnorm_partials()?.f32s(0..blocks * d);
         self.launch(
             Kernel::RmsnormBwd {
                 dx,
-                dw,
+                partials: Some(partials),
                 dy,
                 x,
                 w,
                 rstd,
                 d,
+                rows,
+                rows_per_block: per,
             },
-            rows as u32,
-            row_block(d),
+            blocks as u32,
+            block,
+        )?;
+        self.launch(
+            Kernel::RmsnormBwdDw {
+                dw,
+                partials,
+                d,
+                blocks,
+            },
+            d.div_ceil(32).max(1) as u32,
+            RMSNORM_BWD_DW_THREADS,
         )
+    }
+
+    /// The RMSNorm backward's partial rows on this stream: allocated once, at first use.
+    fn rmsnorm_partials(&mut self) -> Result<DSlice> {
+        let i = self.stream.index();
+        if let Some(s) = self.rmsnorm_partials[i] {
+            return Ok(s);
+        }
+        let bytes = RMSNORM_BWD_SCRATCH_F32 * 4;
+        let s = DSlice {
+            ptr: self.dev.alloc(bytes)?,
+            bytes,
+        };
+        self.dev.track(s, "rmsnorm backward partials");
+        self.rmsnorm_partials[i] = Some(s);
+        Ok(s)
     }
 
     /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.

@@ -75,10 +75,13 @@ pub struct Report {
 
 /// Threads per block of a kernel as device/ops.rs launches it: the FlashAttention-2
 /// kernels, the backward's preparation and the experts' grouped GEMM four warps, the other
-/// attention kernels, the MoE routing and the permutation's placing one warp, the rest blocks of 256 (a row kernel's
+/// attention kernels, the MoE routing and the permutation's placing one warp, the RMSNorm
+/// backward's second stage 32 warps, the rest blocks of 256 (a row kernel's
 /// block is up to 256 threads: 256 at these widths).
 pub fn block_threads(kernel: &str) -> u32 {
-    if kernel.starts_with("attention_fa2")
+    if kernel == "rmsnorm_bwd_dw" {
+        1024
+    } else if kernel.starts_with("attention_fa2")
         || kernel == "attention_bwd_prep"
         || kernel.starts_with("moe_gemm")
     {

@@ -101,7 +101,7 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
 const TOL: f32 = 2e-5;
 
 /// Two runs of one backward on a GPU agree to rounding, not to the bit: the attention
-/// backward adds each key's gradient, and RMSNorm's backward each weight's, by float
+/// backward adds each key's (or query's) gradient by float
 /// atomics from many blocks, in the order the blocks happen to run (the host device runs
 /// them, and their threads, in another order every launch, to show it). Relative to the
 /// largest gradient, orders differ by a few f32 roundings (at most 1.8e-7 seen over seeds
@@ -299,8 +299,14 @@ fn host_device_gemm_honours_the_cublas_contract_like_openblas() {
 fn host_device_rmsnorm_forward_and_backward_match_the_cpu_backend() {
     let _checks = all_checks();
     let mut rng = Rng::new(3);
-    // 300: more than one pass of a 256-thread block; 16: one partial warp-sized row.
-    for &(rows, d) in &[(5usize, 300usize), (9, 16), (3, 64)] {
+    // 300: more than one pass of a 256-thread block; 16: one partial warp-sized row;
+    // 5000: 16 columns a thread for the backward (320 threads); 4096 rows of 128 (the
+    // q/k norms' shape, whose weight gradient the rows once added into 128 addresses by
+    // atomics): 4 rows a block of the backward's first stage, 1024 partial rows; 1031 rows:
+    // the last block of 2 rows a block has 1; 300 rows of 16,384 (a Llama-405B-wide
+    // drafter): wider than the backward's shared memory holds, its shares kept in the
+    // partial rows themselves, 128 of them (the scratch's 2²¹ f32 / 16,384).
+    for &(rows, d) in &[(5usize, 300usize), (9, 16), (3, 64), (3, 5000), (4096, 128), (1031, 24), (300, 16384)] {
         let x = rand_vec(&mut rng, rows * d, 2.0);
         let w = rand_vec(&mut rng, d, 1.0);
         let dy = rand_vec(&mut rng, rows * d, 1.0);
