@@ -635,6 +635,13 @@ impl Ops {
         )
     }
 
+    /// The RMSNorm backward's partial rows on the current stream: `s`
+    /// ([`RMSNORM_BWD_SCRATCH_F32`] f32, from a model's arena), instead of memory these ops
+    /// allocate at the first backward with a weight gradient.
+    pub fn use_rmsnorm_partials(&mut self, s: DSlice) {
+        self.rmsnorm_partials[self.stream.index()] = Some(s);
+    }
+
     /// The RMSNorm backward's partial rows on this stream: allocated once, at first use.
     fn rmsnorm_partials(&mut self) -> Result<DSlice> {
         let i = self.stream.index();

@@ -1103,6 +1103,7 @@ struct Placed {
     saved: Vec<Saved>,
     w: Work,
     mixed: Mixed,
+    rms_partials: DSlice,
 }
 
 impl DeviceDrafter {
@@ -1127,6 +1128,7 @@ impl DeviceDrafter {
         Self::place(dev.as_mut(), &mut dry, d, frozen, s, m, bf16)?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
         let pl = Self::place(dev.as_mut(), &mut arena, d, frozen, s, m, bf16)?;
+        let rms_partials = pl.rms_partials;
         let readback = Readback::new(m * CE_SAMPLES);
         // SAFETY: the pages live as long as the device (see the field order).
         unsafe { dev.register_host(readback.ptr, readback.bytes())? };
@@ -1170,6 +1172,10 @@ impl DeviceDrafter {
                 &format!("all-reduced gradients (bucket {k})"),
             );
         }
+        // The RMSNorm backward's scratch from the arena, with the rest of the drafter's
+        // memory (counted by its preflight), not allocated at the first backward (which
+        // would wait for the device inside a step).
+        g.ops.use_rmsnorm_partials(rms_partials);
         Ok(g)
     }
 
@@ -1241,6 +1247,10 @@ impl DeviceDrafter {
             .map(|l| Saved::alloc(&mut f, c, l, m, tk, bf16))
             .collect::<Result<Vec<Saved>>>()?;
         let w = Work::alloc(&mut f, c, s, m, bf16)?;
+        let rms_partials = f(
+            crate::device::ops::RMSNORM_BWD_SCRATCH_F32,
+            "rmsnorm backward partials",
+        )?;
         arena.fill_f32(dv, embed, &frozen.embed, false)?;
         if bf16 {
             arena.fill_f32(dv, lm16, &frozen.lm_head, true)?;
@@ -1260,6 +1270,7 @@ impl DeviceDrafter {
             saved,
             w,
             mixed,
+            rms_partials,
         })
     }
 
