@@ -442,9 +442,6 @@ pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), ToolError> {
     if let Some(preset) = target.strip_prefix("ops:") {
         return run_ops(preset, json);
     }
-    if let Some(preset) = target.strip_prefix("throughput:") {
-        return crate::bench_throughput::run(preset, json);
-    }
     let tmp;
     let (dir, shape): (PathBuf, String) = if Path::new(target).is_dir() {
         (PathBuf::from(target), target.to_string())

@@ -190,7 +190,10 @@ pub fn main() -> i32 {
             target,
             tokens,
             json,
-        }) => tool(bench_ops::run(&target, tokens, json)),
+        }) => tool(match target.strip_prefix("throughput:") {
+            Some(preset) => bench_throughput::run(preset, json),
+            None => bench_ops::run(&target, tokens, json),
+        }),
         Some(Command::BenchKernels { arch, json }) => {
             tool(kernel_bench::run(&arch, json).map_err(error::ToolError::from))
         }

@@ -21,6 +21,10 @@ pub const MOE_GEMM_ROWS: usize = 64;
 pub const MOE_GEMM_COLS: usize = 128;
 pub const MOE_GEMM_THREADS: u32 = 128;
 pub const MOE_GEMM_DYN_BYTES: u32 = 3 * (64 + 128) * 40 * 2;
+/// The widest row whose weight-gradient shares the RMSNorm backward keeps in dynamic
+/// shared memory (`RMSNORM_BWD_DYN_BYTES` in kernels.cu, 48 KB); a wider row (a 16,384-wide
+/// target's drafter) keeps them in its partial row in global memory.
+pub const RMSNORM_BWD_MAX_WIDTH: usize = 12288;
 /// Routed pairs per block of the permutation's count and place launches (`MOE_CHUNK`).
 pub const MOE_CHUNK: usize = 256;
 
@@ -565,7 +569,7 @@ impl Kernel {
                 partials: Some(_),
                 d,
                 ..
-            } if d <= super::ops::RMSNORM_BWD_MAX_WIDTH => (d * 4) as u32,
+            } if d <= RMSNORM_BWD_MAX_WIDTH => (d * 4) as u32,
             _ => 0,
         }
     }

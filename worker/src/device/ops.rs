@@ -37,10 +37,7 @@ fn row_block(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, BLOCK as usize) as u32
 }
 
-/// The widest row whose weight-gradient shares the RMSNorm backward keeps in dynamic
-/// shared memory (`RMSNORM_BWD_DYN_BYTES` in kernels.cu, 48 KB); a wider row (a 16,384-wide
-/// target's drafter) keeps them in its partial row in global memory.
-pub const RMSNORM_BWD_MAX_WIDTH: usize = 12288;
+pub use super::kernels::RMSNORM_BWD_MAX_WIDTH;
 /// Most blocks (each a partial row of the weight gradient) the RMSNorm backward's first
 /// stage runs: enough to fill an H100's or H200's 132 SMs at 128 to 256 threads a block,
 /// few enough that the second stage (reading them all) is a small share of the first.
