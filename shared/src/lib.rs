@@ -10,6 +10,7 @@ pub mod devices;
 pub mod drafter;
 pub mod env;
 pub mod exit_codes;
+pub mod export_dest;
 pub mod model_config;
 pub mod names;
 pub mod pool;

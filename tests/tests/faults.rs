@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -103,9 +104,9 @@ fn the_only_drafter_killed_while_writing_the_stop_checkpoint_leaves_its_step_sav
 
 #[test]
 fn a_full_disk_during_the_export_fails_the_run_and_export_writes_the_drafter_later() {
-    // ENOSPC on the export's temporary directory only (RUN/drafter.tmp-PID), in the export
-    // tool the supervisor runs after its workers stopped.
-    let env = fault_env("mkdir", "drafter.tmp-", "errno:28", None);
+    // ENOSPC on the export's own new directory only (RUN/.drafter.export-PID-N), in the
+    // export tool the supervisor runs after its workers stopped.
+    let env = fault_env("mkdir", ".drafter.export-", "errno:28", None);
     let mut sup = start_env(&["--gpus", "cpu:2", "--data", "demo", "--steps", "4"], &env);
     let status = sup.wait_exit(T);
     let err = sup.stderr();
@@ -143,6 +144,79 @@ fn a_full_disk_during_the_export_fails_the_run_and_export_writes_the_drafter_lat
         String::from_utf8_lossy(&out.stderr).trim().lines().count(),
         1
     );
+    export_never_removes_what_is_not_its_own(&sup.run_dir);
+}
+
+/// `export --out` replaces only an earlier export (or an empty directory): onto the run
+/// directory itself, a directory of the user's, or `DIR/..` it refuses with one line and
+/// exit 2, everything left as it was; a sibling whose name differs by its extension
+/// (`qwen.old` beside `qwen.new`) is never touched; an export made twice replaces the first.
+fn export_never_removes_what_is_not_its_own(run_dir: &Path) {
+    let run = run_dir.to_str().unwrap().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let listing = |d: &Path| -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let refused = |out: &Path| {
+        let o = supervise(&["export", &run, "--out", out.to_str().unwrap()], None);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert_eq!(o.status.code(), Some(2), "--out {}: {err}", out.display());
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        err
+    };
+    // The run directory itself.
+    let before = listing(run_dir);
+    let err = refused(run_dir);
+    assert!(err.contains("not an export of dflash-supervise"), "{err}");
+    assert_eq!(listing(run_dir), before, "the run is untouched");
+    // A directory of the user's.
+    let mine = tmp.path().join("mine");
+    fs::create_dir(&mine).unwrap();
+    fs::write(mine.join("notes.txt"), b"keep me").unwrap();
+    refused(&mine);
+    assert_eq!(fs::read(mine.join("notes.txt")).unwrap(), b"keep me");
+    // `DIR/..`: the parent of the user's directory.
+    let err = refused(&mine.join(".."));
+    assert!(err.contains("names a new directory"), "{err}");
+    assert!(mine.join("notes.txt").is_file());
+    // models/qwen.new beside models/qwen.old (and a name like the old temporary ones).
+    let models = tmp.path().join("models");
+    for sib in ["qwen.old", &format!("qwen.tmp-{}", std::process::id())] {
+        fs::create_dir_all(models.join(sib)).unwrap();
+        fs::write(models.join(sib).join("weights.bin"), b"other model").unwrap();
+    }
+    let new = models.join("qwen.new");
+    for round in 0..2 {
+        let o = supervise(&["export", &run, "--out", new.to_str().unwrap()], None);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "round {round}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(dflash_shared::export_dest::is_export(&new), "round {round}");
+        assert_eq!(
+            listing(&models),
+            vec![
+                "qwen.new".to_string(),
+                "qwen.new.probe.safetensors".into(),
+                "qwen.old".into(),
+                format!("qwen.tmp-{}", std::process::id()),
+            ],
+            "round {round}: nothing else made or removed beside it"
+        );
+    }
+    for sib in ["qwen.old", &format!("qwen.tmp-{}", std::process::id())] {
+        assert_eq!(
+            fs::read(models.join(sib).join("weights.bin")).unwrap(),
+            b"other model"
+        );
+    }
 }
 
 #[test]

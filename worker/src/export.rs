@@ -16,7 +16,7 @@ use crate::device::{cpu::CpuDevice, GpuError};
 use crate::error::{Result, WorkerError};
 use crate::models::drafter::device::DeviceDrafter;
 use crate::models::drafter::{Drafter, Frozen, Sample};
-use crate::train::{put_in_place, sync_dir, write_synced};
+use crate::train::{sync_dir, write_synced};
 
 /// The model code, as transformers imports it from the export directory.
 pub const MODULE_FILE: &str = "dflash_drafter.py";
@@ -301,11 +301,16 @@ pub fn write_hf_dir(
             info.step
         )));
     }
-    let tmp = dir.with_extension(format!("tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir(&tmp).map_err(WorkerError::io(format!("creating {}", tmp.display())))?;
+    use dflash_shared::export_dest;
+    // Only a new path, an empty directory or an earlier export is replaced; the export is
+    // written into a directory of its own that this process created.
+    let dest = export_dest::check(dir).map_err(|e| WorkerError::Invalid(e.to_string()))?;
+    let tmp = export_dest::fresh_dir_beside(dir, "export").map_err(WorkerError::io(format!(
+        "creating a directory beside {}",
+        dir.display()
+    )))?;
     let probe_file = probe_path(dir);
-    let probe_tmp = probe_file.with_extension(format!("tmp-{}", std::process::id()));
+    let probe_tmp = tmp.join("probe.tmp");
     let written = (|| -> Result<()> {
         let mut config = export_config(
             &d.cfg,
@@ -361,12 +366,28 @@ pub fn write_hf_dir(
         )?;
         sync_dir(&tmp)
     })();
-    if let Err(e) = written {
+    // The probe leaves the new directory before it is renamed into place (it lives beside
+    // it); into a file of its own beside the destination, created here.
+    let probe_beside = written.and_then(|()| {
+        let p = export_dest::free_name_beside(&probe_file, "tmp").map_err(WorkerError::io(
+            format!("naming a file beside {}", probe_file.display()),
+        ))?;
+        std::fs::rename(&probe_tmp, &p).map_err(WorkerError::io(format!(
+            "renaming {} to {}",
+            probe_tmp.display(),
+            p.display()
+        )))?;
+        Ok(p)
+    });
+    let probe_tmp = match probe_beside {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            return Err(e);
+        }
+    };
+    if let Err(e) = replace_export(&tmp, dir, &dest) {
         let _ = std::fs::remove_dir_all(&tmp);
-        let _ = std::fs::remove_file(&probe_tmp);
-        return Err(e);
-    }
-    if let Err(e) = put_in_place(&tmp, dir, &dir.with_extension("old")) {
         let _ = std::fs::remove_file(&probe_tmp);
         return Err(e);
     }
@@ -376,6 +397,51 @@ pub fn write_hf_dir(
         probe_file.display()
     )))?;
     if let Some(parent) = probe_file.parent().filter(|p| !p.as_os_str().is_empty()) {
+        sync_dir(parent)?;
+    }
+    Ok(())
+}
+
+/// Put the finished export `tmp` (a directory this process created) at `dir`, as checked
+/// before it was written: renamed to a new path or over an empty directory; an earlier
+/// export is renamed aside under a free name first and removed once the new one is in
+/// place (put back if the new one cannot be). Nothing else is ever removed.
+fn replace_export(
+    tmp: &Path,
+    dir: &Path,
+    dest: &dflash_shared::export_dest::Destination,
+) -> Result<()> {
+    use dflash_shared::export_dest::{self, Destination};
+    let rename = |from: &Path, to: &Path| {
+        std::fs::rename(from, to).map_err(WorkerError::io(format!(
+            "renaming {} to {}",
+            from.display(),
+            to.display()
+        )))
+    };
+    match dest {
+        // (A rename onto a directory replaces it only while it is empty: one that filled
+        // meanwhile makes this fail, untouched.)
+        Destination::Fresh | Destination::Empty => rename(tmp, dir)?,
+        Destination::Export => {
+            if !export_dest::is_export(dir) {
+                return Err(WorkerError::Invalid(format!(
+                    "--out {}: changed while the export was written, and is no longer an export of dflash-supervise: not replaced",
+                    dir.display()
+                )));
+            }
+            let aside = export_dest::free_name_beside(dir, "replaced").map_err(WorkerError::io(
+                format!("naming a directory beside {}", dir.display()),
+            ))?;
+            rename(dir, &aside)?;
+            if let Err(e) = rename(tmp, dir) {
+                let _ = std::fs::rename(&aside, dir);
+                return Err(e);
+            }
+            let _ = std::fs::remove_dir_all(&aside);
+        }
+    }
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         sync_dir(parent)?;
     }
     Ok(())

@@ -103,6 +103,10 @@ pub fn run(a: ExportArgs) -> Result<i32, Error> {
             ));
         }
     }
+    // A destination that is not new, empty or an earlier export is refused before anything
+    // is written (the worker checks again when it writes).
+    dflash_shared::export_dest::check(&out)
+        .map_err(|e| Error::Flag(format!("export {}: {e}", src.display())))?;
     if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent).map_err(|e| Error::io("cannot create", parent, e))?;
     }
