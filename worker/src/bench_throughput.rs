@@ -362,6 +362,45 @@ impl RoleSpec<'_> {
     }
 }
 
+/// The figures as one JSON object, or a line per role.
+fn print_figures(f: &ThroughputFigures, json: bool) -> Result<(), ToolError> {
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string(f).map_err(ToolError::json("the figures"))?
+        );
+    } else {
+        println!(
+            "bench compute throughput:{}: {} ({}), {:.1} s",
+            f.preset.name,
+            f.device,
+            f.peak_bf16_tflops
+                .map_or("peak unknown".into(), |p| format!(
+                    "bf16 peak {p:.0} TFLOP/s"
+                )),
+            f.seconds
+        );
+        for r in &f.rows {
+            match (&r.error, r.tokens_per_s) {
+                (None, Some(t)) => println!(
+                    "  {:<8} {:>12.0} tokens/s ({:.0} for {} layers), {:.2} TFLOP/s, MFU {}, {} steps after {} warm-up: {}",
+                    r.role,
+                    t,
+                    r.tokens_per_s_model.unwrap_or(0.0),
+                    r.model_layers,
+                    r.tflops.unwrap_or(0.0),
+                    r.mfu.map_or("-".into(), |m| format!("{:.1} %", 100.0 * m)),
+                    r.steps,
+                    r.warmup_steps,
+                    r.shape
+                ),
+                (e, _) => println!("  {:<8} FAILED: {}", r.role, e.as_deref().unwrap_or("?")),
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn run(preset_name: &str, json: bool) -> Result<(), ToolError> {
     let p = preset(preset_name).ok_or_else(|| ToolError::Usage {
         flag: "--target",
@@ -424,40 +463,7 @@ pub fn run(preset_name: &str, json: bool) -> Result<(), ToolError> {
         rows,
         seconds: t0.elapsed().as_secs_f64(),
     };
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string(&f).map_err(ToolError::json("the figures"))?
-        );
-    } else {
-        println!(
-            "bench compute throughput:{}: {} ({}), {:.1} s",
-            f.preset.name,
-            f.device,
-            f.peak_bf16_tflops
-                .map_or("peak unknown".into(), |p| format!(
-                    "bf16 peak {p:.0} TFLOP/s"
-                )),
-            f.seconds
-        );
-        for r in &f.rows {
-            match (&r.error, r.tokens_per_s) {
-                (None, Some(t)) => println!(
-                    "  {:<8} {:>12.0} tokens/s ({:.0} for {} layers), {:.2} TFLOP/s, MFU {}, {} steps after {} warm-up: {}",
-                    r.role,
-                    t,
-                    r.tokens_per_s_model.unwrap_or(0.0),
-                    r.model_layers,
-                    r.tflops.unwrap_or(0.0),
-                    r.mfu.map_or("-".into(), |m| format!("{:.1} %", 100.0 * m)),
-                    r.steps,
-                    r.warmup_steps,
-                    r.shape
-                ),
-                (e, _) => println!("  {:<8} FAILED: {}", r.role, e.as_deref().unwrap_or("?")),
-            }
-        }
-    }
+    print_figures(&f, json)?;
     let failed = f.rows.iter().filter(|r| r.error.is_some()).count();
     if failed > 0 {
         return Err(ToolError::OpsFailed {

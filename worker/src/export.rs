@@ -281,6 +281,69 @@ pub fn target_record(c: &dflash_shared::model_config::TargetConfig) -> Value {
     })
 }
 
+/// The export's files into `tmp` (a directory of its own), and its probe into `probe_tmp`.
+fn write_files(
+    d: &Drafter,
+    frozen: &Frozen,
+    params: &[f32],
+    info: &ExportInfo,
+    tmp: &Path,
+    probe_tmp: &Path,
+) -> Result<()> {
+    let mut config = export_config(
+        &d.cfg,
+        info.step,
+        info.num_target_layers,
+        info.target_layer_ids,
+        info.max_position_embeddings,
+    );
+    if let Some(t) = &info.target {
+        config["dflash_target"] = t.clone();
+    }
+    // The weights as exported (bf16), back in f32: the probe runs on exactly these.
+    let rounded: Vec<f32> = params
+        .iter()
+        .map(|v| half::bf16::from_f32(*v).to_f32())
+        .collect();
+    let probe = probe_batch(d, frozen, &rounded, info.seed)
+        .map_err(|e| WorkerError::Invalid(format!("computing the export's parity probe: {e}")))?;
+    drop(rounded);
+    write_synced(probe_tmp, &serialize(&probe)?)?;
+    write_synced(&tmp.join(MODULE_FILE), DRAFTER_MODULE.as_bytes())?;
+    let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = d
+        .layout
+        .entries
+        .iter()
+        .map(|(n, s, off)| {
+            let len: usize = s.iter().product();
+            let bytes = params[*off..off + len]
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect();
+            (n.clone(), s.clone(), bytes)
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
+        .iter()
+        .map(|(n, s, b)| {
+            Ok((
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?,
+            ))
+        })
+        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    let weights = safetensors::serialize(views, Some(meta))?;
+    drop(bufs);
+    write_synced(&tmp.join("model.safetensors"), &weights)?;
+    drop(weights);
+    write_synced(
+        &tmp.join("config.json"),
+        serde_json::to_string_pretty(&config)?.as_bytes(),
+    )?;
+    sync_dir(tmp)
+}
+
 /// Write the drafter as a Hugging Face directory: config.json (Qwen3 fields, the DFlash
 /// fields and `auto_map`), model.safetensors (bf16, tensor names as in z-lab's DFlash
 /// draft model), the model code transformers loads with `trust_remote_code`
@@ -311,61 +374,7 @@ pub fn write_hf_dir(
     )))?;
     let probe_file = probe_path(dir);
     let probe_tmp = tmp.join("probe.tmp");
-    let written = (|| -> Result<()> {
-        let mut config = export_config(
-            &d.cfg,
-            info.step,
-            info.num_target_layers,
-            info.target_layer_ids,
-            info.max_position_embeddings,
-        );
-        if let Some(t) = &info.target {
-            config["dflash_target"] = t.clone();
-        }
-        // The weights as exported (bf16), back in f32: the probe runs on exactly these.
-        let rounded: Vec<f32> = params
-            .iter()
-            .map(|v| half::bf16::from_f32(*v).to_f32())
-            .collect();
-        let probe = probe_batch(d, frozen, &rounded, info.seed).map_err(|e| {
-            WorkerError::Invalid(format!("computing the export's parity probe: {e}"))
-        })?;
-        drop(rounded);
-        write_synced(&probe_tmp, &serialize(&probe)?)?;
-        write_synced(&tmp.join(MODULE_FILE), DRAFTER_MODULE.as_bytes())?;
-        let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = d
-            .layout
-            .entries
-            .iter()
-            .map(|(n, s, off)| {
-                let len: usize = s.iter().product();
-                let bytes = params[*off..off + len]
-                    .iter()
-                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                    .collect();
-                (n.clone(), s.clone(), bytes)
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView)> = bufs
-            .iter()
-            .map(|(n, s, b)| {
-                Ok((
-                    n.clone(),
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, s.clone(), b)?,
-                ))
-            })
-            .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
-        let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-        let weights = safetensors::serialize(views, Some(meta))?;
-        drop(bufs);
-        write_synced(&tmp.join("model.safetensors"), &weights)?;
-        drop(weights);
-        write_synced(
-            &tmp.join("config.json"),
-            serde_json::to_string_pretty(&config)?.as_bytes(),
-        )?;
-        sync_dir(&tmp)
-    })();
+    let written = write_files(d, frozen, params, info, &tmp, &probe_tmp);
     // The probe leaves the new directory before it is renamed into place (it lives beside
     // it); into a file of its own beside the destination, created here.
     let probe_beside = written.and_then(|()| {

@@ -588,11 +588,12 @@ impl Kernel {
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
         self.row_args()
+            .or_else(|| self.norm_args())
             .or_else(|| self.moe_args())
             .or_else(|| self.swiglu_args())
             .or_else(|| self.attention_args())
             .or_else(|| self.loss_and_optimizer_args())
-            .expect("every kernel is of one of the five families (tested)")
+            .expect("every kernel is of one of the six families (tested)")
     }
 
     /// The mixture-of-experts kernels' arguments.
@@ -718,6 +719,32 @@ impl Kernel {
                 i32_of(src_stride),
                 i32_of(src_off),
             ],
+            Kernel::Rope {
+                x,
+                pos,
+                inv_freq,
+                heads,
+                head_dim,
+                scale,
+                inverse,
+                ..
+            } => vec![
+                RW(x),
+                R(pos),
+                R(inv_freq),
+                i32_of(heads),
+                i32_of(head_dim),
+                F32(scale),
+                Arg::I32(inverse as i32),
+            ],
+            _ => return None,
+        })
+    }
+
+    /// The RMSNorm kernels' arguments.
+    fn norm_args(&self) -> Option<Vec<Arg>> {
+        use Arg::{F32, R, RW, W};
+        Some(match *self {
             Kernel::RmsnormFwd {
                 y,
                 rstd,
@@ -762,24 +789,6 @@ impl Kernel {
                 d,
                 blocks,
             } => vec![RW(dw), R(partials), i32_of(d), i32_of(blocks)],
-            Kernel::Rope {
-                x,
-                pos,
-                inv_freq,
-                heads,
-                head_dim,
-                scale,
-                inverse,
-                ..
-            } => vec![
-                RW(x),
-                R(pos),
-                R(inv_freq),
-                i32_of(heads),
-                i32_of(head_dim),
-                F32(scale),
-                Arg::I32(inverse as i32),
-            ],
             _ => return None,
         })
     }
