@@ -350,6 +350,54 @@ fn a_checkpoint_that_cannot_be_written_stops_the_run_once_without_restarting_the
     ledger_clean(&sup);
 }
 
+/// A filesystem too full for a checkpoint (statvfs reports 4 KiB free on the checkpoints'
+/// directory): a skipped checkpoint is a failed one, so the run stops cleanly at the first
+/// checkpoint it cannot write, saying how much to free, instead of training on to its end
+/// with nothing saved.
+#[test]
+fn a_disk_too_full_for_a_checkpoint_stops_the_run_there_and_says_what_to_free() {
+    let env = fault_env("statvfs", "checkpoints", "free:4096", None);
+    let mut sup = start_env(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--steps",
+            "40",
+            "--checkpoint-every",
+            "2",
+        ],
+        &env,
+    );
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("not enough free space in")
+            && err.contains("for the checkpoint of step 2")
+            && err.contains("free at least")
+            && err.contains("stopping the run")
+            && err.contains("--resume"),
+        "{err}"
+    );
+    assert_eq!(
+        err.matches("error: not enough free space in").count(),
+        1,
+        "said once: {err}"
+    );
+    let steps: Vec<u64> = read_jsonl(&sup.run_dir.join("train.jsonl"))
+        .iter()
+        .filter_map(|l| l["step"].as_u64())
+        .collect();
+    let last = steps.iter().max().copied().unwrap_or(0);
+    assert!(
+        (2..=8).contains(&last),
+        "stopped at the first checkpoint it could not write (step 2), not at step 40: trained to {last}\n{err}"
+    );
+    ledger_clean(&sup);
+}
+
 fn write_data(path: &Path, n: usize) {
     // Pre-tokenized lines below the tiny target's vocabulary (512).
     let mut text = String::new();

@@ -228,31 +228,32 @@ impl CheckpointView for CheckpointStore {
         self.complete().into_iter().rfind(|(s, _)| *s <= at_most)
     }
 
-    /// Says in the log why not, and warns while there is room for fewer than three more.
-    fn room_for(&self, step: u64, need: u64) -> bool {
+    /// Why not (with what to free), and warns while there is room for fewer than three more.
+    fn room_for(&self, step: u64, need: u64) -> Result<(), String> {
         let Some((free, inodes, counts_inodes)) = self.free() else {
-            return true;
+            return Ok(());
         };
         let human = crate::data::pipeline::human;
         let dir = self.dir.display();
         match Room::of(need, free, inodes, counts_inodes) {
-            Room::NoInodes => {
-                log::error!("no free inodes left on the filesystem of {dir} ({inodes} free) for the checkpoint of step {step}: not written; delete files there, then it is written at the next checkpoint or at the stop");
-                false
-            }
-            Room::NoSpace => {
-                log::error!("not enough free space in {dir} for the checkpoint of step {step} (needs {}, {} free): not written; free space, then it is written at the next checkpoint or at the stop", human(need), human(free));
-                false
-            }
+            Room::NoInodes => Err(format!(
+                "no free inodes left on the filesystem of {dir} ({inodes} free) for the checkpoint of step {step}: delete files there (df -i)"
+            )),
+            Room::NoSpace => Err(format!(
+                "not enough free space in {dir} for the checkpoint of step {step} (needs {}, {} free): free at least {} there (df -h)",
+                human(need + need / 10),
+                human(free),
+                human((need + need / 10).saturating_sub(free))
+            )),
             Room::Low => {
                 log::warn!(
                     "the disk of {dir} has room for fewer than 3 more checkpoints ({} free, {} each)",
                     human(free),
                     human(need)
                 );
-                true
+                Ok(())
             }
-            Room::Plenty => true,
+            Room::Plenty => Ok(()),
         }
     }
 

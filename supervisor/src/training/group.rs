@@ -219,8 +219,9 @@ pub trait CheckpointView: Send {
     fn is_complete(&self, step: u64) -> bool;
     /// The newest complete checkpoint of a step at most `at_most`.
     fn newest_complete(&self, at_most: u64) -> Option<(u64, PathBuf)>;
-    /// Is there room for a checkpoint of `step`, `bytes` large? (Says why not in the log.)
-    fn room_for(&self, step: u64, bytes: u64) -> bool;
+    /// Is there room for a checkpoint of `step`, `bytes` large? `Err`: why not, and what to
+    /// free (warns in the log while there is room for only a few more).
+    fn room_for(&self, step: u64, bytes: u64) -> Result<(), String>;
     /// The directory of the checkpoint of `step`.
     fn dir_of(&self, step: u64) -> PathBuf;
 }
@@ -398,6 +399,8 @@ pub struct Group {
     /// Step of the last checkpoint asked for, and of whom (until it is complete).
     checkpointed: u64,
     checkpoint_asked: Option<(usize, u64)>,
+    /// A checkpoint found no room on disk and the run was told to stop (said once).
+    no_room_said: bool,
     /// The newest complete checkpoint (step, directory).
     last_checkpoint: Option<(u64, std::path::PathBuf)>,
     /// How the first members load their state, and at which step.
@@ -492,6 +495,7 @@ impl Group {
             last_commit: None,
             lineage: BTreeMap::new(),
             checkpoint_asked: None,
+            no_room_said: false,
             rollbacks: 0,
             skipped_in_a_row: 0,
             good_checkpoint: None,
@@ -1709,13 +1713,28 @@ impl Group {
         ParamLayout::new(&self.cfg.drafter).total as u64 * 12 + 64 * 1024
     }
 
-    /// A checkpoint of the last committed step, by one member.
+    /// A checkpoint of the last committed step, by one member. A filesystem without room
+    /// for it stops the run at once (a skipped checkpoint is a failed one: training on
+    /// would leave every step since the newest checkpoint unsaved), said once.
     pub fn checkpoint(&mut self) -> Vec<Action> {
+        if self.members.is_empty() || self.committed <= self.checkpointed {
+            return vec![];
+        }
+        if let Err(why) = self.view.room_for(self.committed, self.checkpoint_bytes()) {
+            if self.no_room_said {
+                return vec![];
+            }
+            self.no_room_said = true;
+            let kept = self.last_checkpoint.as_ref().map_or(
+                "no checkpoint of this run is on disk yet".to_string(),
+                |(s, d)| format!("the newest checkpoint, step {s} ({}), is kept", d.display()),
+            );
+            return vec![Action::Failed(format!(
+                "{why}: stopping the run ({kept}); then continue with --resume"
+            ))];
+        }
         match self.members.keys().next() {
-            Some(&w)
-                if self.committed > self.checkpointed
-                    && self.view.room_for(self.committed, self.checkpoint_bytes()) =>
-            {
+            Some(&w) => {
                 self.checkpointed = self.committed;
                 self.checkpoint_asked = Some((w, self.committed));
                 let dir = self.view.dir_of(self.committed);
@@ -1875,8 +1894,12 @@ mod tests {
                 .next_back()
                 .map(|&s| (s, self.dir_of(s)))
         }
-        fn room_for(&self, _: u64, _: u64) -> bool {
-            !self.full
+        fn room_for(&self, step: u64, _: u64) -> Result<(), String> {
+            if self.full {
+                Err(format!("no room for the checkpoint of step {step}"))
+            } else {
+                Ok(())
+            }
         }
         fn dir_of(&self, step: u64) -> PathBuf {
             PathBuf::from(format!("/nonexistent/checkpoints/step-{step:08}"))
@@ -2139,7 +2162,7 @@ mod tests {
     }
 
     #[test]
-    fn no_checkpoint_is_asked_for_without_room_for_it() {
+    fn no_room_for_a_checkpoint_stops_the_run_once_instead_of_skipping_it() {
         let t0 = Instant::now();
         let disk = Disk {
             full: true,
@@ -2156,5 +2179,22 @@ mod tests {
             "{out:?}"
         );
         assert_eq!(g.saved_step(), 0);
+        let failed: Vec<&String> = out
+            .actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Failed(m) => Some(m),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            failed.len() == 1
+                && failed[0].contains("no room for the checkpoint of step 1")
+                && failed[0].contains("stopping the run")
+                && failed[0].contains("--resume"),
+            "a skipped checkpoint is a failed one: {out:?}"
+        );
+        // Said once: a later try (the stop's) asks for nothing and says nothing again.
+        assert!(g.checkpoint().is_empty());
     }
 }

@@ -1,11 +1,14 @@
 //! `LD_PRELOAD=libdflash_fault_inject.so`: a fault at an exact instant, for the e2e tests.
 //!
 //! Configured by the environment of the process it is loaded into:
-//! - `DFLASH_FAULT_CALL`: `mkdir`, `open` (only opens that create a file) or `rename`;
+//! - `DFLASH_FAULT_CALL`: `mkdir`, `open` (only opens that create a file), `rename` or
+//!   `statvfs`;
 //! - `DFLASH_FAULT_PATH`: the fault fires when the call's path contains this text
 //!   (`rename`: its source or destination);
 //! - `DFLASH_FAULT_ACTION`: `errno:N` (the call fails with errno N, nothing done), `kill`
-//!   (the process SIGKILLs itself, nothing done) or `delay:MS` (then the call goes on);
+//!   (the process SIGKILLs itself, nothing done), `delay:MS` (then the call goes on) or,
+//!   for `statvfs`, `free:BYTES` (the call succeeds and reports that much free space: a
+//!   nearly full filesystem);
 //! - `DFLASH_FAULT_IF_ENV` (optional): `NAME=VALUE`; only processes whose environment has
 //!   it are touched (e.g. `DFLASH_ROLE=drafter`), so the supervisor and the other workers
 //!   that inherit the preload run unharmed.
@@ -19,6 +22,7 @@ enum Action {
     Errno(c_int),
     Kill,
     Delay(u64),
+    Free(u64),
 }
 
 struct Rule {
@@ -45,6 +49,8 @@ fn rule() -> Option<&'static Rule> {
             Action::Errno(n.parse().ok()?)
         } else if let Some(ms) = action.strip_prefix("delay:") {
             Action::Delay(ms.parse().ok()?)
+        } else if let Some(b) = action.strip_prefix("free:") {
+            Action::Free(b.parse().ok()?)
         } else {
             return None;
         };
@@ -81,7 +87,32 @@ unsafe fn fault(call: &str, paths: &[*const c_char]) -> bool {
             std::thread::sleep(std::time::Duration::from_millis(ms));
             false
         }
+        // Not a failure: `statvfs` reports it (see there).
+        Action::Free(_) => false,
     }
+}
+
+/// # Safety
+/// As libc's `statvfs`.
+#[no_mangle]
+pub unsafe extern "C" fn statvfs(path: *const c_char, buf: *mut libc::statvfs) -> c_int {
+    let f: unsafe extern "C" fn(*const c_char, *mut libc::statvfs) -> c_int = real(c"statvfs");
+    let rc = f(path, buf);
+    let Some(r) = rule() else { return rc };
+    if rc != 0 || r.call != "statvfs" || path.is_null() {
+        return rc;
+    }
+    if let Action::Free(bytes) = r.action {
+        if CStr::from_ptr(path)
+            .to_str()
+            .is_ok_and(|s| s.contains(r.path.as_str()))
+        {
+            let frag = (*buf).f_frsize.max(1);
+            (*buf).f_bavail = bytes / frag;
+            (*buf).f_bfree = bytes / frag;
+        }
+    }
+    rc
 }
 
 unsafe fn real<F>(name: &CStr) -> F {
