@@ -292,6 +292,27 @@ impl RunDir {
     }
 
     /// Append one event. The caller's fields come first; `time` is added.
+    /// Restarts each worker (by name) has had in this run so far, its earlier sessions
+    /// included: the `restart` events of `events.jsonl` (appended to by every session), so
+    /// that `--max-restarts` counts over the whole run, a `--resume` included.
+    pub fn restarts_so_far(&self) -> std::collections::HashMap<String, u32> {
+        let mut n = std::collections::HashMap::new();
+        let Ok(text) = fs::read_to_string(self.path.join(EVENTS_FILE)) else {
+            return n;
+        };
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue; // a line cut off by a kill
+            };
+            if v["event"] == "restart" {
+                if let Some(w) = v["worker"].as_str() {
+                    *n.entry(w.to_string()).or_insert(0) += 1;
+                }
+            }
+        }
+        n
+    }
+
     pub fn event(&mut self, event: &str, mut fields: serde_json::Map<String, serde_json::Value>) {
         let mut obj = serde_json::Map::new();
         obj.insert("time".into(), now_rfc3339().into());

@@ -238,6 +238,24 @@ impl Dispatcher {
         };
         let (tx, rx) = mpsc::channel();
         let mut workers = Vec::new();
+        // `--max-restarts` counts over the whole run: a resumed run's workers start with
+        // the restarts their names had in the earlier sessions.
+        let earlier = run.restarts_so_far();
+        let carried: Vec<String> = cfg
+            .plan
+            .iter()
+            .filter_map(|(name, _)| {
+                let n = earlier.get(&name.to_string()).copied().unwrap_or(0);
+                (n > 0).then(|| format!("{name} {n}"))
+            })
+            .collect();
+        if !carried.is_empty() {
+            log::info!(
+                "restarts so far in this run (--max-restarts {} counts over the whole run): {}",
+                cfg.max_restarts,
+                carried.join(", ")
+            );
+        }
         for &(name, device) in &cfg.plan {
             let log_path = run.worker_log(&name.to_string());
             let tee = cfg.tee.then(|| format!("[{name}]"));
@@ -253,7 +271,7 @@ impl Dispatcher {
                 log,
                 log_path,
                 status: Status::NotStarted,
-                restarts: 0,
+                restarts: earlier.get(&name.to_string()).copied().unwrap_or(0),
                 consecutive_failures: 0,
                 last_exit: None,
                 unclean_stop: false,

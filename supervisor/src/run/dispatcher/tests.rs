@@ -86,6 +86,11 @@ struct Harness {
 
 /// A dispatcher for `flags` (a run's command line), started at `t0`.
 fn harness(flags: &[&str]) -> Harness {
+    harness_after(flags, &[])
+}
+
+/// [`harness`] for a run whose earlier sessions left `events` in its events.jsonl.
+fn harness_after(flags: &[&str], events: &[&str]) -> Harness {
     let dir = tempfile::tempdir().unwrap();
     let run_path = dir.path().join("run");
     let args = crate::cli::run_args(flags);
@@ -95,6 +100,16 @@ fn harness(flags: &[&str]) -> Harness {
     let mut trainer_cfg =
         crate::run::trainer_config(&args, &plan, &target, &pipeline_cfg.capture).unwrap();
     let run = RunDir::create(Some(&run_path)).unwrap();
+    if !events.is_empty() {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(run.path.join(EVENTS_FILE))
+            .unwrap();
+        for e in events {
+            writeln!(f, "{e}").unwrap();
+        }
+    }
     trainer_cfg.checkpoints_dir = run.path.join("checkpoints");
     std::fs::create_dir_all(&trainer_cfg.checkpoints_dir).unwrap();
     let data = Data {
@@ -412,6 +427,38 @@ fn a_worker_program_that_never_connects_stops_the_run_after_three_lives() {
         "{msg}"
     );
     assert_eq!(crate::error::RunEnd::Internal.exit_code(), 4);
+}
+
+/// `--max-restarts` counts over the whole run: a resumed session's workers start with the
+/// restarts their names had in the earlier sessions (events.jsonl), so a budget spent
+/// there is not given again.
+#[test]
+fn the_restart_budget_counts_the_restarts_of_the_runs_earlier_sessions() {
+    let earlier = [
+        r#"{"time":"t","event":"restart","worker":"target-0","restarts":1}"#,
+        r#"{"time":"t","event":"exit","worker":"drafter-0"}"#,
+        r#"{"time":"t","event":"restart","worker":"target-0","restarts":2}"#,
+        r#"{"time":"t","event":"restart","worker":"drafter-7","restarts":1}"#,
+        r#"{"time":"t","event":"restart","wor"#,
+    ];
+    let mut h = harness_after(&["--gpus", "cpu:2", "--max-restarts", "2"], &earlier);
+    assert_eq!(h.d.workers[TARGET].restarts, 2);
+    assert_eq!(
+        h.d.workers[DRAFTER].restarts, 0,
+        "other names count for nothing"
+    );
+    let _rx = h.connect(TARGET, 0);
+    h.exit(TARGET, exit_code(3), 0);
+    assert_eq!(h.status(TARGET), "failed");
+    assert_eq!(
+        h.launches(TARGET),
+        1,
+        "the budget was spent before the resume"
+    );
+    let Some(StopReason::GaveUp(report)) = &h.d.stop_reason else {
+        panic!("the run did not give up")
+    };
+    assert_eq!((report.restarts, report.max_restarts), (2, 2));
 }
 
 #[test]
