@@ -210,9 +210,10 @@ fn blocking_primary_context() -> std::result::Result<Arc<CudaContext>, cudarc::d
     CudaContext::new(0)
 }
 
-/// Flags of every event the device records: no timing (cheaper), and a host thread that
-/// waits for one sleeps instead of spinning (without the flag `cuEventSynchronize`
-/// busy-waits whatever the context's flags).
+/// The flag of every event the device records: a host thread that waits for one sleeps
+/// instead of spinning (without it `cuEventSynchronize` busy-waits whatever the context's
+/// flags). cudarc takes one flag, so these events keep timing enabled (cudarc's default
+/// would have disabled it), a small cost on a record.
 const BLOCKING_EVENT: cudarc::driver::sys::CUevent_flags =
     cudarc::driver::sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC;
 
