@@ -16,6 +16,7 @@ pub mod names;
 pub mod pool;
 pub mod protocol;
 pub mod rng;
+pub mod scratch;
 pub mod slots;
 pub mod threads;
 

@@ -442,20 +442,22 @@ pub fn run(target: &str, tokens: usize, json: bool) -> Result<(), ToolError> {
     if let Some(preset) = target.strip_prefix("ops:") {
         return run_ops(preset, json);
     }
-    let tmp;
+    // A shape's random checkpoint lives in a scratch directory of ours, removed with it.
+    let mut scratch = None;
     let (dir, shape): (PathBuf, String) = if Path::new(target).is_dir() {
         (PathBuf::from(target), target.to_string())
     } else {
         let cfg = shape_config(target)?;
-        tmp = std::env::temp_dir().join(format!("dflash-bench-ops-{}", std::process::id()));
-        crate::models::tiny::write_random(&tmp, &cfg, 7)
+        let s = scratch.insert(
+            dflash_shared::scratch::ScratchDir::new("bench-ops")
+                .map_err(ToolError::io("creating a scratch directory".to_string()))?,
+        );
+        crate::models::tiny::write_random(s.path(), &cfg, 7)
             .map_err(ToolError::io(format!("writing the {target} checkpoint")))?;
-        (tmp.clone(), target.to_string())
+        (s.path().to_path_buf(), target.to_string())
     };
     let result = measure(&dir, &shape, tokens);
-    if dir.starts_with(std::env::temp_dir()) && !Path::new(target).is_dir() {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
+    drop(scratch);
     let f = result?;
     if json {
         println!(
@@ -1443,19 +1445,14 @@ fn measure_cross_entropy(
 /// one forward (what a target worker runs for a batch) and run row by row.
 fn measure_forward(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
     let layers = p.forward_layers;
-    let dir = std::env::temp_dir().join(format!(
-        "dflash-bench-ops-{}-{}",
-        p.name,
-        std::process::id()
-    ));
-    let written =
-        crate::models::tiny::write_random(&dir, &p.config_json(layers, p.forward_vocab), 11)
-            .map_err(ToolError::io(format!(
-                "writing the {layers}-layer checkpoint"
-            )));
-    let target = written.and_then(|_| Ok(Target::load(&dir, &[layers - 1])?));
-    let _ = std::fs::remove_dir_all(&dir);
-    let target = target?;
+    let scratch = dflash_shared::scratch::ScratchDir::new(&format!("bench-ops-{}", p.name))
+        .map_err(ToolError::io("creating a scratch directory".to_string()))?;
+    let dir = scratch.path();
+    crate::models::tiny::write_random(dir, &p.config_json(layers, p.forward_vocab), 11).map_err(
+        ToolError::io(format!("writing the {layers}-layer checkpoint")),
+    )?;
+    let target = Target::load(dir, &[layers - 1])?;
+    drop(scratch);
     let tmax = p.forward_tokens.iter().copied().max().unwrap_or(1);
     let dev = open_device()?.ok_or(ToolError::Skipped {
         because: "no device".into(),

@@ -184,19 +184,14 @@ fn timed(
 /// forward computing meanwhile.
 fn measure_target(p: &ThroughputShape) -> Result<(f64, String), ToolError> {
     let layers = p.target_layers;
-    let dir = std::env::temp_dir().join(format!(
-        "dflash-bench-throughput-{}-{}",
-        p.name,
-        std::process::id()
-    ));
-    let written =
-        crate::models::tiny::write_random(&dir, &p.config_json(layers, p.target_vocab), 13)
-            .map_err(ToolError::io(format!(
-                "writing the {layers}-layer checkpoint"
-            )));
-    let target = written.and_then(|_| Ok(Target::load(&dir, &[layers - 1])?));
-    let _ = std::fs::remove_dir_all(&dir);
-    let target = target?;
+    let scratch = dflash_shared::scratch::ScratchDir::new(&format!("bench-throughput-{}", p.name))
+        .map_err(ToolError::io("creating a scratch directory".to_string()))?;
+    let dir = scratch.path();
+    crate::models::tiny::write_random(dir, &p.config_json(layers, p.target_vocab), 13).map_err(
+        ToolError::io(format!("writing the {layers}-layer checkpoint")),
+    )?;
+    let target = Target::load(dir, &[layers - 1])?;
+    drop(scratch);
     let dev = open_device()?.ok_or(ToolError::Skipped {
         because: "no device".into(),
     })?;

@@ -324,12 +324,17 @@ fn inspect(
     out: &std::path::Path,
 ) -> Result<(), error::ToolError> {
     use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
-    let tmp;
+    // The built-in tiny target, written into a scratch directory of ours (removed with it).
+    let mut scratch = None;
     let dir = if target == "tiny" {
-        tmp = std::env::temp_dir().join(format!("dflash-tiny-{}", std::process::id()));
-        models::tiny::write(&tmp)
-            .map_err(error::ToolError::io(format!("writing {}", tmp.display())))?;
-        tmp.as_path()
+        let s = scratch.insert(dflash_shared::scratch::ScratchDir::new("tiny").map_err(
+            error::ToolError::io("creating a scratch directory".to_string()),
+        )?);
+        models::tiny::write(s.path()).map_err(error::ToolError::io(format!(
+            "writing {}",
+            s.path().display()
+        )))?;
+        s.path()
     } else {
         std::path::Path::new(target)
     };
@@ -371,9 +376,7 @@ fn inspect(
             source,
         }
     })?;
-    if target == "tiny" {
-        let _ = std::fs::remove_dir_all(dir);
-    }
+    drop(scratch);
     println!(
         "wrote {} ({} tokens × {} taps × {} hidden) taps {taps:?}",
         out.display(),

@@ -102,12 +102,16 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     if a.max_new_tokens == 0 {
         return Err(EvalError::NoNewTokens.into());
     }
-    let tmp;
+    // The built-in tiny target, written into a scratch directory of ours (removed with it).
+    let mut scratch = None;
     let dir = if a.target == "tiny" {
-        tmp = std::env::temp_dir().join(format!("dflash-tiny-eval-{}", std::process::id()));
-        crate::models::tiny::write(&tmp)
-            .map_err(ToolError::io(format!("writing {}", tmp.display())))?;
-        tmp.as_path()
+        let s = scratch.insert(
+            dflash_shared::scratch::ScratchDir::new("tiny-eval")
+                .map_err(ToolError::io("creating a scratch directory".to_string()))?,
+        );
+        crate::models::tiny::write(s.path())
+            .map_err(ToolError::io(format!("writing {}", s.path().display())))?;
+        s.path()
     } else {
         Path::new(&a.target)
     };
@@ -117,9 +121,7 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     let prompts = read_prompts(&a.prompts, cfg.vocab_size)?;
     let loaded = Target::load_decoder(dir, &ex.target_layer_ids);
     let eos = eos(dir);
-    if a.target == "tiny" {
-        let _ = std::fs::remove_dir_all(dir);
-    }
+    drop(scratch);
     let (target, head) = loaded?;
     let bs = ex.cfg.block_size;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
