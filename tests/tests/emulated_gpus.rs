@@ -569,14 +569,17 @@ fn bench_compute_on_an_emulated_gpu_measures_the_drafter_step_the_optimizer_and_
         (d["slot_vs_pinned"].as_f64().unwrap() - ratio).abs() < 1e-9 * ratio,
         "{d}"
     );
-    // NCCL as a one-rank group, bucket by bucket; the step with it takes at least about
-    // as long as the step alone.
+    // NCCL as a one-rank group, bucket by bucket; the step with it covers at least the
+    // part of the reduction the backward did not hide. (Not compared with the step alone:
+    // the two are timed at different moments, and on a loaded 2-core machine another
+    // test's burst made the step alone twice as slow as the step with its reduction; the
+    // benchmark prints the ratio, a test does not judge it.)
     assert_eq!(d["all_reduce"], "NCCL, 1 rank", "{d}");
     let overlap = d["all_reduce_overlap"].as_f64().unwrap();
     assert!((0.0..=1.0).contains(&overlap), "{d}");
     assert!(
         d["step_with_all_reduce_s"].as_f64().unwrap()
-            >= d["drafter_step_s"].as_f64().unwrap() * 0.5,
+            >= d["all_reduce_ms"].as_f64().unwrap() / 1e3 * (1.0 - overlap),
         "{d}"
     );
     for k in ["shm_all_reduce_ms", "shm_all_reduce_gb_s"] {
