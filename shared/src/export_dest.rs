@@ -141,6 +141,112 @@ pub fn free_name_beside(dir: &Path, what: &str) -> std::io::Result<PathBuf> {
     ))
 }
 
+/// The name of a file or directory an export process `pid` leaves beside `dir`:
+/// `.NAME.WHAT-PID-N` (see [`fresh_dir_beside`], [`free_name_beside`]).
+fn left_by(name: &str, what: &str, file: &str) -> Option<u32> {
+    let rest = file.strip_prefix(&format!(".{name}.{what}-"))?;
+    let (pid, n) = rest.split_once('-')?;
+    if pid.is_empty() || n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// What [`recover`] did, one line each (for the log).
+pub type Recovered = Vec<String>;
+
+/// Put right what export processes that died mid-way (killed: a second Ctrl-C, a timeout,
+/// a SIGKILLed supervisor) left beside the destination `dir`, for each process `gone`
+/// says is no longer running. Only names that an export writes (`.NAME.export-PID-N`,
+/// `.NAME.replaced-PID-N`, `.PROBE.tmp-PID-N`) are touched, so the destination ends as one
+/// whole export, the previous one or the new one, or none, and never anything else:
+/// - its unfinished directory (`export`) is removed, with its probe file (`tmp`);
+/// - an earlier export it had renamed aside (`replaced`) is put back when the
+///   destination is gone (killed between the two renames), and removed when the new
+///   export is in place;
+/// - a probe file of an export that is in place (killed between the directory's rename and
+///   its probe's) is renamed to its place.
+pub fn recover(dir: &Path, gone: impl Fn(u32) -> bool) -> Recovered {
+    let mut done = Vec::new();
+    let (Some(name), Some(parent)) = (dir.file_name(), dir.parent()) else {
+        return done;
+    };
+    let name = name.to_string_lossy().into_owned();
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let probe = crate::checkpoint::probe_path(dir);
+    let probe_name = probe
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return done;
+    };
+    // Per dead process: its unfinished directories, earlier exports set aside, probe files.
+    type Left = (Vec<PathBuf>, Vec<PathBuf>, Vec<PathBuf>);
+    let mut by_pid: std::collections::BTreeMap<u32, Left> = Default::default();
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let path = parent.join(&file);
+        let hit = [
+            (left_by(&name, "export", &file), 0),
+            (left_by(&name, "replaced", &file), 1),
+            (left_by(&probe_name, "tmp", &file), 2),
+        ];
+        for (pid, kind) in hit {
+            let Some(pid) = pid.filter(|&p| gone(p)) else {
+                continue;
+            };
+            let left = by_pid.entry(pid).or_default();
+            match kind {
+                0 => left.0.push(path.clone()),
+                1 => left.1.push(path.clone()),
+                _ => left.2.push(path.clone()),
+            }
+        }
+    }
+    let mut say = |what: String| done.push(what);
+    for (_, (unfinished, aside, probes)) in by_pid {
+        let landed = unfinished.is_empty();
+        for u in unfinished {
+            if std::fs::remove_dir_all(&u).is_ok() {
+                say(format!("removed the unfinished export {}", u.display()));
+            }
+        }
+        for a in aside {
+            let present = std::fs::symlink_metadata(dir).is_ok();
+            if !present && std::fs::rename(&a, dir).is_ok() {
+                say(format!("put the earlier export back at {}", dir.display()));
+            } else if present && is_export(dir) && std::fs::remove_dir_all(&a).is_ok() {
+                say(format!("removed the replaced export {}", a.display()));
+            }
+        }
+        for p in probes {
+            if landed && is_export(dir) && std::fs::rename(&p, &probe).is_ok() {
+                say(format!("put the export's probe at {}", probe.display()));
+            } else if !landed && std::fs::remove_file(&p).is_ok() {
+                say(format!("removed the unfinished probe {}", p.display()));
+            }
+        }
+    }
+    done
+}
+
+/// Whether no process `pid` runs on this machine now (for [`recover`]): none, or only its
+/// zombie (a process that died is not always reaped at once).
+pub fn pid_gone(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return true;
+    };
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.trim_start().chars().next());
+    matches!(state, Some('Z' | 'X') | None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,5 +302,57 @@ mod tests {
             .starts_with(".qwen.new.export-"));
         let free = free_name_beside(&dest, "replaced").unwrap();
         assert!(!free.exists() && free.parent() == dest.parent());
+    }
+
+    #[test]
+    fn what_a_killed_export_left_is_put_right_and_nothing_else_is_touched() {
+        let t = tempfile::tempdir().unwrap();
+        let dest = t.path().join("drafter");
+        let probe = crate::checkpoint::probe_path(&dest);
+        let dead = |p: u32| p == 4242;
+        // Killed while writing: its directory and probe go, the earlier export stays.
+        export_in(&dest);
+        export_in(&t.path().join(".drafter.export-4242-0"));
+        std::fs::write(t.path().join(".drafter.probe.safetensors.tmp-4242-0"), b"p").unwrap();
+        // A live process's, a user's look-alike and a sibling are not touched.
+        export_in(&t.path().join(".drafter.export-77-0"));
+        std::fs::create_dir(t.path().join(".drafter.export-4242-x")).unwrap();
+        std::fs::create_dir(t.path().join("drafter.old")).unwrap();
+        let done = recover(&dest, dead);
+        assert_eq!(done.len(), 2, "{done:?}");
+        assert!(is_export(&dest));
+        assert!(!t.path().join(".drafter.export-4242-0").exists());
+        assert!(!t
+            .path()
+            .join(".drafter.probe.safetensors.tmp-4242-0")
+            .exists());
+        assert!(t.path().join(".drafter.export-77-0").exists());
+        assert!(t.path().join(".drafter.export-4242-x").exists());
+        assert!(t.path().join("drafter.old").exists());
+        assert!(!probe.exists());
+
+        // Killed between its two renames: the earlier export is put back.
+        std::fs::rename(&dest, t.path().join(".drafter.replaced-4242-0")).unwrap();
+        export_in(&t.path().join(".drafter.export-4242-1"));
+        recover(&dest, dead);
+        assert!(is_export(&dest));
+        assert!(!t.path().join(".drafter.replaced-4242-0").exists());
+        assert!(!t.path().join(".drafter.export-4242-1").exists());
+
+        // Killed once the new export was in place: the old one goes, the probe is placed.
+        export_in(&t.path().join(".drafter.replaced-4242-2"));
+        std::fs::write(
+            t.path().join(".drafter.probe.safetensors.tmp-4242-2"),
+            b"new",
+        )
+        .unwrap();
+        recover(&dest, dead);
+        assert!(is_export(&dest));
+        assert!(!t.path().join(".drafter.replaced-4242-2").exists());
+        assert_eq!(std::fs::read(&probe).unwrap(), b"new");
+
+        // Nothing to do for a process still running.
+        assert!(recover(&dest, |_| false).is_empty());
+        assert!(t.path().join(".drafter.export-77-0").exists());
     }
 }

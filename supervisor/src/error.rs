@@ -65,6 +65,9 @@ pub enum Error {
     /// (exit 1).
     #[error("export: the drafter could not be written: {0}")]
     Export(#[from] crate::export_tool::ExportError),
+    /// `export` was stopped by a signal; what it had written is removed (exit 130).
+    #[error("export: interrupted: {} holds the previous export or none", out.display())]
+    ExportInterrupted { out: PathBuf },
     /// A stop signal came while the run was starting: what the start had made is removed
     /// (exit 130).
     #[error("interrupted by {signal} while the run was starting: no worker was started{}", removed.as_ref().map(|p| format!("; removed the unfinished {}", p.display())).unwrap_or_default())]
@@ -93,7 +96,7 @@ impl Error {
             | Error::Data(_)
             | Error::Unavailable { .. } => exit_codes::USAGE,
             Error::Export(_) => exit_codes::RUN_FAILED,
-            Error::Interrupted { .. } => exit_codes::INTERRUPTED,
+            Error::Interrupted { .. } | Error::ExportInterrupted { .. } => exit_codes::INTERRUPTED,
             Error::Spool(crate::data::spool::SpoolError::Interrupted { .. }) => {
                 exit_codes::INTERRUPTED
             }

@@ -3,6 +3,9 @@
 //! by `dflash-supervise export`. A leaf module: it knows nothing of runs or commands.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use dflash_shared::export_dest;
 
 /// Why an export was not written.
 #[derive(Debug, thiserror::Error)]
@@ -15,15 +18,31 @@ pub enum ExportError {
     /// The worker's export tool failed; its own line says why.
     #[error("{0}")]
     Failed(String),
+    /// The export was killed before it finished (`why`: a stop, or its time limit); what
+    /// it had written was removed, so `out` holds the previous export or none.
+    #[error("{why}: {} holds the previous export or none", out.display())]
+    Stopped { why: String, out: PathBuf },
 }
+
+/// How long the export of a run's drafter may take: loading a large target's embeddings
+/// takes seconds to minutes, even from a slow shared filesystem.
+pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 
 /// Write the drafter of `checkpoint` to `out` with the worker's export tool; the frozen
 /// embeddings come from `target`. Returns the step written.
+///
+/// The tool runs in a process group of its own with the stop signals ignored, so a Ctrl-C
+/// at the terminal (or Slurm's SIGTERM to every process of the job) is the caller's to
+/// handle; it dies with the caller (`PR_SET_PDEATHSIG`). It is killed after `limit`, or
+/// as soon as `cancel` says so, and what it left half-written is then put right
+/// ([`export_dest::recover`]).
 pub fn export_checkpoint(
     worker_bin: &Path,
     checkpoint: &Path,
     target: &Path,
     out: &Path,
+    limit: Duration,
+    cancel: &dyn Fn() -> bool,
 ) -> Result<u64, ExportError> {
     let mut cmd = std::process::Command::new(worker_bin);
     cmd.arg("export")
@@ -33,14 +52,25 @@ pub fn export_checkpoint(
         .arg(target)
         .arg("--out")
         .arg(out);
-    // Loading a large target's embeddings takes seconds to minutes, never an hour.
-    let output =
-        output_within(&mut cmd, std::time::Duration::from_secs(3600)).map_err(|source| {
-            ExportError::Spawn {
+    shielded_from_stop_signals(&mut cmd);
+    let output = match output_until(&mut cmd, limit, cancel) {
+        Ok(o) => o,
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            for line in export_dest::recover(out, export_dest::pid_gone) {
+                log::info!("{line}");
+            }
+            return Err(ExportError::Stopped {
+                why: format!("the export was stopped ({e})"),
+                out: out.to_path_buf(),
+            });
+        }
+        Err(source) => {
+            return Err(ExportError::Spawn {
                 program: format!("{} export", worker_bin.display()),
                 source,
-            }
-        })?;
+            })
+        }
+    };
     if !output.status.success() {
         let line = crate::worker_output::error_line(&output.stderr);
         return Err(ExportError::Failed(format!("{line} ({})", output.status)));
@@ -54,6 +84,38 @@ pub fn export_checkpoint(
         .and_then(|w| w.parse().ok())
         .unwrap_or(0);
     Ok(step)
+}
+
+/// `cmd` runs in a process group of its own, ignores SIGINT, SIGTERM and SIGHUP (an
+/// ignored signal stays ignored across exec), and gets SIGKILL when this thread ends.
+fn shielded_from_stop_signals(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id() as libc::pid_t;
+    cmd.process_group(0);
+    // SAFETY: the closure runs between fork and exec and makes only async-signal-safe
+    // calls (prctl, getppid, signal) and builds an io::Error from a raw errno.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The caller died between fork and prctl: nobody would send the signal.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                libc::signal(sig, libc::SIG_IGN);
+            }
+            Ok(())
+        });
+    }
 }
 
 /// The checkpoints of a run that verify, newest first, with the reason each one set

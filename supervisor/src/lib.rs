@@ -19,6 +19,7 @@ pub mod data;
 pub mod error;
 pub mod export_tool;
 pub mod run;
+pub mod shell;
 pub mod telemetry;
 pub mod training;
 pub mod violation;

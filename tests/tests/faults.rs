@@ -618,3 +618,94 @@ fn a_worker_program_that_never_connects_ends_the_run_with_exit_4() {
         "{err}"
     );
 }
+
+/// A run of 4 steps whose final export stops at its first rename (its probe, then its
+/// directory, out of `RUN/.drafter.export-PID-N`) until `release` exists; the supervisor
+/// leads a process group of its own, as a shell's foreground job. Returns the run and the
+/// PID of the export tool, once it is there.
+fn run_held_at_its_export(release: &Path) -> (Sup, u32) {
+    let hold = format!("hold:{}", release.display());
+    let env = fault_env("rename", ".drafter.export-", &hold, None);
+    let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let sup =
+        Sup::start_real_env_as_job(&["--gpus", "cpu:2", "--data", "demo", "--steps", "4"], &e);
+    let held = PathBuf::from(format!("{}.held", release.display()));
+    let pid = wait_for("the export tool at its rename", T, || {
+        fs::read_to_string(&held).ok()?.trim().parse::<u32>().ok()
+    });
+    (sup, pid)
+}
+
+/// Everything an export leaves beside RUN/drafter while it works.
+fn export_litter(run: &Path) -> Vec<String> {
+    fs::read_dir(run)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(".drafter") || n.starts_with("drafter"))
+        .collect()
+}
+
+#[test]
+fn a_ctrl_c_during_the_final_export_finishes_it_and_a_second_aborts_it() {
+    // One Ctrl-C at the terminal, and Slurm's SIGTERM to every process of the job: the
+    // export goes on, the run finishes with its drafter.
+    let release = tempfile::tempdir().unwrap();
+    let go = release.path().join("go");
+    let (mut sup, export) = run_held_at_its_export(&go);
+    sup.ctrl_c();
+    signal(export, Signal::SIGTERM);
+    wait_for("the first signal said", T, || {
+        sup.stderr().contains("finishing the export").then_some(())
+    });
+    assert!(pid_alive(export), "{}", sup.stderr());
+    fs::write(&go, b"").unwrap();
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(0), "stderr:\n{err}");
+    assert_eq!(exported_step(&sup.run_dir), Some(4), "stderr:\n{err}");
+    assert!(sup.run_dir.join("finished.json").is_file());
+    let mut left = export_litter(&sup.run_dir);
+    left.sort();
+    assert_eq!(left, ["drafter", "drafter.probe.safetensors"]);
+
+    // Two: the export is aborted, the checkpoint kept, nothing half-written left.
+    let release = tempfile::tempdir().unwrap();
+    let go = release.path().join("go");
+    let (mut sup, export) = run_held_at_its_export(&go);
+    sup.ctrl_c();
+    wait_for("the first signal said", T, || {
+        sup.stderr().contains("finishing the export").then_some(())
+    });
+    sup.ctrl_c();
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(130), "stderr:\n{err}");
+    assert!(err.contains("aborted by a second SIGINT"), "{err}");
+    assert!(!pid_alive(export));
+    assert_eq!(export_litter(&sup.run_dir), Vec::<String>::new(), "{err}");
+    assert_eq!(meta(checkpoints(&sup.run_dir).last().unwrap())["step"], 4);
+    assert!(!sup.run_dir.join("finished.json").exists());
+}
+
+#[test]
+fn the_export_tool_dies_with_a_killed_supervisor_and_the_next_export_tidies_after_it() {
+    let release = tempfile::tempdir().unwrap();
+    let go = release.path().join("go");
+    let (mut sup, export) = run_held_at_its_export(&go);
+    sup.signal(Signal::SIGKILL);
+    sup.wait_exit(T);
+    wait_for("the export tool gone with its supervisor", T, || {
+        (!pid_alive(export)).then_some(())
+    });
+    // It left its unfinished directory; the next export removes it, and writes the drafter.
+    assert!(!export_litter(&sup.run_dir).is_empty());
+    assert!(!sup.run_dir.join("drafter").exists());
+    let out = supervise(&["export", sup.run_dir.to_str().unwrap()], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(exported_step(&sup.run_dir), Some(4), "{err}");
+    let mut left = export_litter(&sup.run_dir);
+    left.sort();
+    assert_eq!(left, ["drafter", "drafter.probe.safetensors"]);
+}

@@ -365,6 +365,11 @@ pub fn write_hf_dir(
         )));
     }
     use dflash_shared::export_dest;
+    // What an earlier export killed mid-way left here is put right first (its directory
+    // and probe removed, an export it had set aside put back).
+    for line in export_dest::recover(dir, export_dest::pid_gone) {
+        eprintln!("dflash-worker: {line}");
+    }
     // Only a new path, an empty directory or an earlier export is replaced; the export is
     // written into a directory of its own that this process created.
     let dest = export_dest::check(dir).map_err(|e| WorkerError::Invalid(e.to_string()))?;
@@ -396,8 +401,10 @@ pub fn write_hf_dir(
         }
     };
     if let Err(e) = replace_export(&tmp, dir, &dest) {
-        let _ = std::fs::remove_dir_all(&tmp);
+        // The probe first: a probe file left without its directory means "in place" to
+        // export_dest::recover.
         let _ = std::fs::remove_file(&probe_tmp);
+        let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
     std::fs::rename(&probe_tmp, &probe_file).map_err(WorkerError::io(format!(

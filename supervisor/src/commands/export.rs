@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use crate::cli::ExportArgs;
 use crate::error::Error;
-use crate::export_tool::{export_checkpoint, verified_checkpoints};
+use crate::export_tool::{export_checkpoint, verified_checkpoints, ExportError};
 use crate::run::rundir;
 
 /// The target directory of a run, as its run.json names it (`tiny`: RUN_DIR/target).
@@ -111,7 +111,30 @@ pub fn run(a: ExportArgs) -> Result<i32, Error> {
         std::fs::create_dir_all(parent).map_err(|e| Error::io("cannot create", parent, e))?;
     }
     let worker_bin = crate::run::resolve_worker_bin(a.worker_bin.as_deref())?;
-    let step = export_checkpoint(&worker_bin, &checkpoint, &target, &out)?;
+    // A Ctrl-C (or SIGTERM, SIGHUP) stops the export and leaves `out` as it was.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [
+        signal_hook::consts::SIGINT,
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGHUP,
+    ] {
+        signal_hook::flag::register(sig, stop.clone())
+            .map_err(|e| Error::start("signal handlers", e))?;
+    }
+    let stopped = || stop.load(std::sync::atomic::Ordering::SeqCst);
+    let step = match export_checkpoint(
+        &worker_bin,
+        &checkpoint,
+        &target,
+        &out,
+        crate::export_tool::EXPORT_TIMEOUT,
+        &stopped,
+    ) {
+        Err(ExportError::Stopped { out, .. }) if stopped() => {
+            return Err(Error::ExportInterrupted { out })
+        }
+        r => r?,
+    };
     crate::say!(
         "dflash-supervise: drafter (step {step}) of {} written to {} (check it with: dflash-supervise export-check {})",
         checkpoint.display(),

@@ -8,7 +8,9 @@
 //! - `DFLASH_FAULT_ACTION`: `errno:N` (the call fails with errno N, nothing done), `kill`
 //!   (the process SIGKILLs itself, nothing done), `delay:MS` (then the call goes on) or,
 //!   for `statvfs`, `free:BYTES` (the call succeeds and reports that much free space: a
-//!   nearly full filesystem);
+//!   nearly full filesystem), or `hold:FILE` (the process writes its PID to `FILE.held`,
+//!   then waits until `FILE` exists before the call goes on: a test acts while a process
+//!   is exactly there);
 //! - `DFLASH_FAULT_IF_ENV` (optional): `NAME=VALUE`; only processes whose environment has
 //!   it are touched (e.g. `DFLASH_ROLE=drafter`), so the supervisor and the other workers
 //!   that inherit the preload run unharmed.
@@ -23,6 +25,7 @@ enum Action {
     Kill,
     Delay(u64),
     Free(u64),
+    Hold(String),
 }
 
 struct Rule {
@@ -49,6 +52,8 @@ fn rule() -> Option<&'static Rule> {
             Action::Errno(n.parse().ok()?)
         } else if let Some(ms) = action.strip_prefix("delay:") {
             Action::Delay(ms.parse().ok()?)
+        } else if let Some(f) = action.strip_prefix("hold:") {
+            Action::Hold(f.to_string())
         } else if let Some(b) = action.strip_prefix("free:") {
             Action::Free(b.parse().ok()?)
         } else {
@@ -85,6 +90,13 @@ unsafe fn fault(call: &str, paths: &[*const c_char]) -> bool {
         }
         Action::Delay(ms) => {
             std::thread::sleep(std::time::Duration::from_millis(ms));
+            false
+        }
+        Action::Hold(ref file) => {
+            let _ = std::fs::write(format!("{file}.held"), std::process::id().to_string());
+            while !std::path::Path::new(file).exists() {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
             false
         }
         // Not a failure: `statvfs` reports it (see there).

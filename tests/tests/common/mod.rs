@@ -144,11 +144,36 @@ impl Sup {
         Sup::start_full(args, None, env)
     }
 
+    /// [`Sup::start_real_env`], the supervisor leading a process group of its own as a
+    /// shell's foreground job does: [`Sup::ctrl_c`] signals that group, as a terminal's
+    /// Ctrl-C does.
+    pub fn start_real_env_as_job(args: &[&str], env: &[(&str, &str)]) -> Sup {
+        Sup::start_group(args, None, env, true)
+    }
+
+    /// SIGINT to the supervisor's process group (started with [`Sup::start_real_env_as_job`]).
+    pub fn ctrl_c(&self) {
+        nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(self.pid() as i32),
+            nix::sys::signal::Signal::SIGINT,
+        )
+        .expect("killpg");
+    }
+
     fn start_with(args: &[&str], behavior: Option<&str>) -> Sup {
         Sup::start_full(args, behavior, &[])
     }
 
     fn start_full(args: &[&str], behavior: Option<&str>, env: &[(&str, &str)]) -> Sup {
+        Sup::start_group(args, behavior, env, false)
+    }
+
+    fn start_group(
+        args: &[&str],
+        behavior: Option<&str>,
+        env: &[(&str, &str)],
+        own_group: bool,
+    ) -> Sup {
         let tmp = tempfile::tempdir().expect("tempdir");
         let run_dir = tmp.path().join("run");
         let mut cmd = Command::new(bin("dflash-supervise"));
@@ -174,6 +199,9 @@ impl Sup {
         }
         cmd.stdout(fs::File::create(tmp.path().join("stdout")).unwrap())
             .stderr(fs::File::create(tmp.path().join("stderr")).unwrap());
+        if own_group {
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        }
         let mut child = cmd.spawn().expect("start dflash-supervise");
         let stdin = child.stdin.take();
         Sup {

@@ -84,11 +84,14 @@ impl Dispatcher {
         } else {
             self.unsaved_steps(end)
         };
-        // A run never exits 0 with a checkpoint it has not exported.
+        // A run never exits 0 with a checkpoint it has not exported; a second stop signal
+        // that aborted the export is an interruption.
         let end = match (&export_failure, end) {
+            (Some(f), _) if f.interrupted => RunEnd::Interrupted,
             (Some(_), RunEnd::Clean | RunEnd::StoppedEarly | RunEnd::UncleanStop) => RunEnd::Failed,
             (_, end) => end,
         };
+        let export_failure = export_failure.map(|f| f.why);
         let code = end.exit_code();
         if self.run_dir_gone.is_some() {
             log::info!("run ended ({}); exit code {code}", reason.describe());

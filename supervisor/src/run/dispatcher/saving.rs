@@ -9,7 +9,7 @@ use dflash_shared::protocol::WriteFailure;
 use dflash_shared::WorkerName;
 
 use super::{Dispatcher, StopReason};
-use crate::export_tool::export_checkpoint;
+use crate::export_tool::{export_checkpoint, ExportError, EXPORT_TIMEOUT};
 
 /// How often the run directory is looked at.
 pub(super) const WATCH_EVERY: Duration = Duration::from_secs(1);
@@ -90,10 +90,16 @@ impl Dispatcher {
     /// Every worker has stopped: write what the supervisor still holds (its snapshot, when
     /// newer than the newest checkpoint), then export the newest checkpoint as the drafter.
     /// Returns a failure to report (the run then does not exit 0).
-    pub(super) fn save_and_export(&mut self) -> Option<String> {
+    pub(super) fn save_and_export(&mut self) -> Option<ExportFailed> {
+        let failed = |why: String| {
+            Some(ExportFailed {
+                why,
+                interrupted: false,
+            })
+        };
         if let Some(gone) = &self.run_dir_gone {
             let (base, committed) = (self.trainer.base_step(), self.trainer.committed());
-            return Some(if committed > base {
+            return failed(if committed > base {
                 format!("{gone}: steps {}..{committed} of this session are lost, with every checkpoint and the export (nothing is written to a removed run directory)", base + 1)
             } else {
                 format!("{gone}; nothing is written to a removed run directory")
@@ -110,22 +116,105 @@ impl Dispatcher {
             .join(dflash_shared::checkpoint::META_FILE)
             .is_file()
         {
-            return Some(format!(
+            return failed(format!(
                 "the checkpoint of step {step} ({}) is gone: no drafter written",
                 checkpoint.display()
             ));
         }
         let out = self.run.path.join("drafter");
-        match export_checkpoint(&self.cfg.worker_bin, &checkpoint, &self.cfg.target_dir, &out) {
+        let stops = StopsDuringExport::default();
+        let cancel = || stops.heard(&self.rx);
+        let written = export_checkpoint(
+            &self.cfg.worker_bin,
+            &checkpoint,
+            &self.cfg.target_dir,
+            &out,
+            EXPORT_TIMEOUT,
+            &cancel,
+        );
+        match written {
             Ok(written) => {
                 self.trainer.on_exported(out.display().to_string(), written);
                 self.dirty = true;
                 None
             }
-            Err(e) => Some(format!(
-                "the drafter (step {step}) could not be written: {e}; the checkpoint is kept: write the drafter later with: dflash-supervise export {}",
-                self.run.path.display()
-            )),
+            Err(e) => {
+                let interrupted = stops.aborted();
+                if let Some(sig) = stops.second.get() {
+                    self.run.event(
+                        "export_aborted",
+                        super::obj(serde_json::json!({"signal": sig, "step": step})),
+                    );
+                }
+                let e = match (stops.second.get(), &e) {
+                    (Some(sig), ExportError::Stopped { out, .. }) => format!(
+                        "the export was aborted by a second {sig}: {} holds the previous export or none",
+                        out.display()
+                    ),
+                    _ => e.to_string(),
+                };
+                Some(ExportFailed {
+                    why: format!(
+                        "the drafter (step {step}) could not be written: {e}; the checkpoint is kept: write the drafter later with: dflash-supervise export {}",
+                        crate::shell::quote(&self.run.path)
+                    ),
+                    interrupted,
+                })
+            }
         }
+    }
+}
+
+/// Why the run's drafter was not written; `interrupted`: a second stop signal aborted its
+/// export (the run then ends as interrupted, exit 130).
+pub(super) struct ExportFailed {
+    pub why: String,
+    pub interrupted: bool,
+}
+
+/// The stop signals heard while the drafter is exported, counted as during training: the
+/// first says the export is being finished, the second aborts it.
+#[derive(Default)]
+struct StopsDuringExport {
+    first: std::cell::Cell<Option<&'static str>>,
+    second: std::cell::Cell<Option<&'static str>>,
+}
+
+impl StopsDuringExport {
+    /// Take what came on the dispatcher's channel (every worker is gone: only signals
+    /// matter now); whether the export is to be aborted.
+    fn heard(&self, rx: &std::sync::mpsc::Receiver<super::Event>) -> bool {
+        use nix::sys::signal::Signal;
+        while let Ok(ev) = rx.try_recv() {
+            let super::Event::Signal(sig) = ev else {
+                continue;
+            };
+            let name = match Signal::try_from(sig) {
+                Ok(s @ (Signal::SIGINT | Signal::SIGTERM | Signal::SIGHUP)) => s.as_str(),
+                Ok(s) => {
+                    log::info!(
+                        "{} received while the drafter is exported: ignored",
+                        s.as_str()
+                    );
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            if self.first.get().is_none() {
+                self.first.set(Some(name));
+                log::warn!(
+                    "{name} received: finishing the export of the drafter first (up to {}; {name} again aborts it, keeping the checkpoint)",
+                    humantime::format_duration(EXPORT_TIMEOUT)
+                );
+            } else if self.second.get().is_none() {
+                self.second.set(Some(name));
+                log::warn!("{name} received again: aborting the export of the drafter");
+            }
+        }
+        self.aborted()
+    }
+
+    fn aborted(&self) -> bool {
+        self.second.get().is_some()
     }
 }
