@@ -879,3 +879,109 @@ fn ranks_killed_one_at_a_time_at_random_instants_while_the_others_reduce_lose_no
     assert!(left >= 4, "the kills changed the group's epoch: {left}");
     assert!(!sup.stderr().contains("diverged"));
 }
+
+/// The largest batch id each session of a run loaded (sessions end with an `end` record).
+fn max_load_per_session(run: &Path) -> Vec<u64> {
+    let mut out = vec![0];
+    for r in read_jsonl(&run.join("ledger.jsonl")) {
+        match r["ev"].as_str() {
+            Some("load") => {
+                let last = out.last_mut().unwrap();
+                *last = (*last).max(r["batch"].as_u64().unwrap());
+            }
+            Some("end") => out.push(0),
+            _ => {}
+        }
+    }
+    out.pop();
+    out
+}
+
+#[test]
+fn a_short_resumed_session_loses_nothing_and_a_finished_run_has_nothing_in_flight() {
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "40",
+        "--prefetch",
+        "8",
+        "--checkpoint-every",
+        "0",
+    ]);
+    sup.wait_state("step 6", T, |s| step_of(s) >= 6);
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
+    let stopped_at = steps(&sup.run_dir).last().unwrap()["step"]
+        .as_u64()
+        .unwrap();
+    let run = sup.run_dir.to_str().unwrap().to_string();
+    // A short session that loads ahead less (--prefetch 1), stopped as soon as it loads:
+    // it loads again fewer of the batches that the first one held.
+    let mut second = std::process::Command::new(bin("dflash-supervise"))
+        .args(["--gpus", "cpu:2", "--resume", &run, "--prefetch", "1"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for("the second session's first load", T, || {
+        (max_load_per_session(&sup.run_dir).len() == 1
+            && read_jsonl(&sup.run_dir.join("ledger.jsonl"))
+                .iter()
+                .rev()
+                .take_while(|r| r["ev"] != "end")
+                .any(|r| r["ev"] == "load"))
+        .then_some(())
+    });
+    signal(second.id(), Signal::SIGTERM);
+    let out = second.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(matches!(out.status.code(), Some(0 | 75)), "{err}");
+    let loads = max_load_per_session(&sup.run_dir);
+    assert!(loads.len() == 2 && loads[1] < loads[0], "{loads:?}");
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    assert_eq!(
+        (a["lost"].as_u64(), a["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
+    assert!(
+        a["in_flight"].as_u64() > Some(loads[1] - loads[0].min(loads[1])),
+        "{a}"
+    );
+    // Finished at its --steps: what it loaded ahead is not "in flight".
+    let last = steps(&sup.run_dir).last().unwrap()["step"]
+        .as_u64()
+        .unwrap();
+    let until = (last.max(stopped_at) + 2).to_string();
+    let out = supervise(
+        &["--gpus", "cpu:2", "--resume", &run, "--steps", &until],
+        None,
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    assert_eq!(
+        (a["lost"].as_u64(), a["in_flight"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
+    assert!(a["loaded_ahead"].as_u64() > Some(0), "{a}");
+    let text = supervise(&["ledger", "--run-dir", &run], None);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("in flight        0") && text.contains("loaded ahead"),
+        "{text}"
+    );
+}

@@ -25,6 +25,12 @@ pub fn run(args: crate::cli::LedgerArgs) -> Result<i32, Error> {
                 " (the run has not recorded its end)"
             }
         );
+        if a.loaded_ahead > 0 {
+            println!(
+                "  loaded ahead     {} (held when the run finished: never needed)",
+                a.loaded_ahead
+            );
+        }
         println!("  lost             {}", a.lost);
         println!("  duplicated       {}", a.duplicated);
         println!(

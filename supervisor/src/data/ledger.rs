@@ -73,8 +73,11 @@ impl Ledger {
         self.write(&v);
     }
 
-    pub fn end(&mut self, in_flight: &[u64], loader_done: bool, extra: Value) {
-        let mut v = json!({"t": unix_ms(), "ev": "end", "in_flight": in_flight, "loader_done": loader_done});
+    /// The session is over: `in_flight`, what its pipeline still held; `finished`: the
+    /// run reached its end (its `--steps` or its data), so nothing will train them.
+    pub fn end(&mut self, in_flight: &[u64], loader_done: bool, finished: bool, extra: Value) {
+        let mut v = json!({"t": unix_ms(), "ev": "end", "in_flight": in_flight,
+            "loader_done": loader_done, "finished": finished});
         if let (Some(o), Value::Object(e)) = (v.as_object_mut(), extra) {
             o.extend(e);
         }
@@ -110,9 +113,14 @@ pub struct Audit {
     pub consumed_once: u64,
     /// Batches that reached an optimizer more than once.
     pub duplicated: u64,
-    /// Produced, not consumed, and still in the pipeline (or the run has not ended).
+    /// Produced, not consumed, and still to be trained: the run has not recorded its
+    /// end, or it stopped before its end holding them and a `--resume` loads them again.
     pub in_flight: u64,
-    /// Produced, not consumed, and nowhere when the run ended.
+    /// Produced, not consumed, and held when the run finished (its `--steps` reached):
+    /// loaded ahead of the optimizer and never needed.
+    pub loaded_ahead: u64,
+    /// Produced, not consumed, and neither held when its session ended nor still to be
+    /// loaded again.
     pub lost: u64,
     /// Batches put back in their queue when the worker holding them ended (died or stopped).
     pub requeued: u64,
@@ -128,16 +136,67 @@ pub struct Audit {
     pub ended: bool,
 }
 
+/// One supervisor's session of a run, as its ledger records show it: sessions are
+/// delimited by their `end` record, and by the `rollback` a `--resume` records first (a
+/// session killed before its end recorded none).
+#[derive(Default)]
+struct Session {
+    /// The largest batch id it loaded.
+    max_load: Option<u64>,
+    /// Its `end`: what its pipeline held, and whether the run finished there.
+    end: Option<(BTreeSet<u64>, bool)>,
+    /// Records seen since it began.
+    records: u64,
+}
+
+/// What became of a batch produced and not consumed in the final lineage.
+enum Left {
+    InFlight,
+    LoadedAhead,
+    Lost,
+}
+
+/// Where batch `b`, last loaded in `sessions[k]`, is; `abandoned`: the session whose
+/// `--resume` abandoned its consumption, if one did. A resumed session loads every batch
+/// not consumed in its lineage again, in id order, so a batch one session held at its end
+/// (or one a killed session had loaded, or one a resume abandoned) is still to come until
+/// a later session loads a larger id without it.
+fn left_of(b: u64, k: usize, abandoned: Option<usize>, sessions: &[Session]) -> Left {
+    let last = sessions.len() - 1;
+    let pending_from = match (abandoned.filter(|&j| j > k), &sessions[k].end) {
+        (Some(j), _) => j,
+        (None, Some((held, _))) if held.contains(&b) => k + 1,
+        // Killed before its end (a later session began), or still running.
+        (None, None) => k + 1,
+        (None, Some(_)) => return Left::Lost,
+    };
+    let passed = sessions
+        .get(pending_from..)
+        .unwrap_or_default()
+        .iter()
+        .any(|s| s.max_load.is_some_and(|m| m > b));
+    if passed {
+        return Left::Lost;
+    }
+    match &sessions[last].end {
+        Some((_, true)) => Left::LoadedAhead,
+        _ => Left::InFlight,
+    }
+}
+
 pub fn audit(path: &Path) -> Result<Audit, Error> {
     // Bytes, not text: a line that is not UTF-8 (a torn multi-byte character, a disk
     // error) is named by its line like any other line that is not a record.
     let bytes = std::fs::read(path)
         .map_err(|e| Error::input(format!("{}: cannot read the ledger", path.display()), e))?;
-    let mut produced = BTreeSet::new();
+    // Batch id -> the session that loaded it last.
+    let mut produced: HashMap<u64, usize> = HashMap::new();
     // The lineage of the current weights: (step, batch) per consumption.
     let mut lineage: Vec<(Option<u64>, u64)> = Vec::new();
     let mut a = Audit::default();
-    let mut end_in_flight: Option<BTreeSet<u64>> = None;
+    let mut sessions = vec![Session::default()];
+    // Batch id -> the session whose resume abandoned its consumption.
+    let mut abandoned_at: HashMap<u64, usize> = HashMap::new();
     let body = bytes.strip_suffix(b"\n").unwrap_or(&bytes);
     let lines: Vec<&[u8]> = if bytes.is_empty() {
         Vec::new()
@@ -151,29 +210,44 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
             continue;
         };
         let batch = v["batch"].as_u64();
-        match (v["ev"].as_str().unwrap_or(""), batch) {
+        let ev = v["ev"].as_str().unwrap_or("");
+        // A resume begins a session; so does any record after an `end`.
+        let resume = ev == "rollback" && v["from"].is_null();
+        let cur = sessions.last().expect("a session");
+        if cur.end.is_some() || (resume && cur.records > 0) {
+            sessions.push(Session::default());
+        }
+        let k = sessions.len() - 1;
+        let s = &mut sessions[k];
+        s.records += 1;
+        match (ev, batch) {
             ("load", Some(b)) => {
-                produced.insert(b);
+                produced.insert(b, k);
+                s.max_load = Some(s.max_load.map_or(b, |m| m.max(b)));
             }
             ("consumed", Some(b)) => lineage.push((v["step"].as_u64(), b)),
             ("rollback", _) => {
                 let to = v["to"].as_u64().unwrap_or(0);
                 a.rollbacks += 1;
-                let before = lineage.len();
-                lineage.retain(|(s, _)| s.is_none_or(|s| s <= to));
-                a.abandoned += (before - lineage.len()) as u64;
+                let (kept, gone): (Vec<_>, Vec<_>) = lineage
+                    .into_iter()
+                    .partition(|(s, _)| s.is_none_or(|s| s <= to));
+                lineage = kept;
+                a.abandoned += gone.len() as u64;
+                if resume {
+                    abandoned_at.extend(gone.into_iter().map(|(_, b)| (b, k)));
+                }
             }
             ("requeue", Some(_)) => a.requeued += 1,
             ("duplicate", Some(_)) => a.duplicates_dropped += 1,
             ("end", _) => {
-                end_in_flight = Some(
-                    v["in_flight"]
-                        .as_array()
-                        .into_iter()
-                        .flatten()
-                        .filter_map(Value::as_u64)
-                        .collect(),
-                );
+                let held = v["in_flight"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_u64)
+                    .collect();
+                s.end = Some((held, v["finished"].as_bool().unwrap_or(false)));
             }
             _ => {}
         }
@@ -185,18 +259,22 @@ pub fn audit(path: &Path) -> Result<Audit, Error> {
     a.produced = produced.len() as u64;
     a.consumed_once = consumed.values().filter(|&&n| n == 1).count() as u64;
     a.duplicated = consumed.values().filter(|&&n| n > 1).count() as u64;
-    a.ended = end_in_flight.is_some();
-    for b in &produced {
-        if consumed.contains_key(b) {
+    a.ended = sessions.last().is_some_and(|s| s.end.is_some());
+    for (&b, &k) in &produced {
+        if consumed.contains_key(&b) {
             continue;
         }
-        match &end_in_flight {
-            Some(held) if !held.contains(b) => a.lost += 1,
-            _ => a.in_flight += 1,
+        match left_of(b, k, abandoned_at.get(&b).copied(), &sessions) {
+            Left::InFlight => a.in_flight += 1,
+            Left::LoadedAhead => a.loaded_ahead += 1,
+            Left::Lost => a.lost += 1,
         }
     }
     // Consumed but never produced: counts as a duplicate of nothing, i.e. corruption.
-    a.duplicated += consumed.keys().filter(|b| !produced.contains(b)).count() as u64;
+    a.duplicated += consumed
+        .keys()
+        .filter(|b| !produced.contains_key(b))
+        .count() as u64;
     Ok(a)
 }
 
@@ -410,5 +488,87 @@ mod tests {
         );
         let live = audit_of(&[r#"{"ev":"load","batch":0}"#]);
         assert_eq!((live.in_flight, live.lost, live.ended), (1, 0, false));
+    }
+
+    /// The records of a session: `loads` loaded, `consumed` as (step, batch), then its
+    /// end holding `held` (`None`: killed before its end).
+    fn session(
+        resume_to: Option<u64>,
+        loads: &[u64],
+        consumed: &[(u64, u64)],
+        end: Option<(&[u64], bool)>,
+    ) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(to) = resume_to {
+            v.push(format!(
+                r#"{{"ev":"rollback","from":null,"to":{to},"batches":[]}}"#
+            ));
+        }
+        v.extend(
+            loads
+                .iter()
+                .map(|b| format!(r#"{{"ev":"load","batch":{b}}}"#)),
+        );
+        v.extend(
+            consumed
+                .iter()
+                .map(|(s, b)| format!(r#"{{"ev":"consumed","batch":{b},"step":{s}}}"#)),
+        );
+        if let Some((held, finished)) = end {
+            v.push(format!(
+                r#"{{"ev":"end","in_flight":{held:?},"finished":{finished}}}"#
+            ));
+        }
+        v
+    }
+
+    fn audit_sessions(sessions: &[Vec<String>]) -> Audit {
+        let lines: Vec<String> = sessions.concat();
+        audit_of(&lines.iter().map(String::as_str).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn what_a_session_held_at_its_end_is_in_flight_until_a_later_session_passes_it() {
+        let ids: Vec<u64> = (0..10).collect();
+        let first = session(
+            None,
+            &ids,
+            &[(1, 0), (2, 1), (3, 2), (4, 3)],
+            Some((&ids[4..], false)),
+        );
+        // A short resumed session: it loads 4 and 5 again, trains 4, holds 5.
+        let short = session(Some(4), &[4, 5], &[(5, 4)], Some((&[5], false)));
+        let a = audit_sessions(&[first.clone(), short]);
+        assert_eq!((a.consumed_once, a.in_flight, a.lost), (5, 5, 0), "{a:?}");
+        // One that loads 7 without 5 and 6 has passed them: those two are lost.
+        let skipping = session(Some(4), &[4, 7], &[(5, 4), (6, 7)], Some((&[], false)));
+        let a = audit_sessions(&[first.clone(), skipping]);
+        assert_eq!((a.in_flight, a.lost), (2, 2), "{a:?}");
+        // A run that finished holding batches loaded them ahead; nothing is in flight.
+        let finished = session(Some(4), &[4, 5], &[(5, 4)], Some((&[5], true)));
+        let a = audit_sessions(&[first, finished]);
+        assert_eq!((a.in_flight, a.loaded_ahead, a.lost), (0, 5, 0), "{a:?}");
+    }
+
+    #[test]
+    fn a_killed_session_and_consumptions_a_resume_abandons_are_loaded_again_not_lost() {
+        // Killed with no end record; the resume loads 4 again and ends holding nothing.
+        let ids: Vec<u64> = (0..10).collect();
+        let killed = session(None, &ids, &[(1, 0), (2, 1), (3, 2), (4, 3)], None);
+        let next = session(Some(4), &[4], &[(5, 4)], Some((&[], false)));
+        let a = audit_sessions(&[killed, next]);
+        assert_eq!((a.in_flight, a.lost), (5, 0), "{a:?}");
+        // Steps 5 and 6 abandoned by a resume to the checkpoint of step 4: batches 4 and
+        // 5 come again in the next session, even one that loads nothing.
+        let ids: Vec<u64> = (0..6).collect();
+        let all: Vec<(u64, u64)> = (0..6).map(|b| (b + 1, b)).collect();
+        let first = session(None, &ids, &all, Some((&[], false)));
+        let empty = session(Some(4), &[], &[], Some((&[], false)));
+        let a = audit_sessions(&[first, empty]);
+        assert_eq!(
+            (a.consumed_once, a.in_flight, a.lost, a.abandoned),
+            (4, 2, 0, 2),
+            "{a:?}"
+        );
     }
 }

@@ -1213,8 +1213,9 @@ impl Pipeline {
         }
     }
 
-    /// The run is over: record what is still held.
-    pub fn end(&mut self) {
+    /// The session is over: record what is still held; `finished`: the run reached its
+    /// end (nothing will train what is held).
+    pub fn end(&mut self, finished: bool) {
         let mut held = self.tokens.table.batches_held();
         held.extend(self.hidden.table.batches_held());
         // Sent through again and waiting for a token slot: in the pipeline too.
@@ -1229,6 +1230,7 @@ impl Pipeline {
         self.ledger.end(
             &held,
             self.loader_done.is_some(),
+            finished,
             json!({"loader_position": pos, "produced": self.produced}),
         );
     }

@@ -1065,12 +1065,13 @@ fn outcome_rows(run: &Run, rows: &mut Rows) {
             "ledger",
             "ledger audit",
             format!(
-                "{} produced, {} consumed once, {} lost, {} duplicated, {} in flight{}",
+                "{} produced, {} consumed once, {} lost, {} duplicated, {} in flight, {} loaded ahead{}",
                 a.produced,
                 a.consumed_once,
                 a.lost,
                 a.duplicated,
                 a.in_flight,
+                a.loaded_ahead,
                 if a.lost == 0 && a.duplicated == 0 {
                     " (ok)"
                 } else {

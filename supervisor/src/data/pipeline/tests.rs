@@ -695,7 +695,7 @@ proptest! {
         let mut trained: Vec<u64> = h.lineage.iter().map(|&(_, b)| b).collect();
         trained.sort_unstable();
         prop_assert_eq!(trained, (0..total).collect::<Vec<_>>());
-        h.p.end();
+        h.p.end(false);
         let a = h.ledger();
         prop_assert_eq!((a.produced, a.consumed_once), (total, total));
         prop_assert_eq!((a.duplicated, a.lost, a.in_flight), (0, 0, 0));

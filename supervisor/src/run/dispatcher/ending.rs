@@ -71,7 +71,10 @@ impl Dispatcher {
             .stop_reason
             .take()
             .unwrap_or(StopReason::Requested("stopped".into()));
-        self.pipeline.end();
+        self.pipeline.end(matches!(
+            reason,
+            StopReason::StepsDone | StopReason::DataDone
+        ));
         let end = self.end_of(&reason);
         // What the supervisor still holds is written, and the newest checkpoint exported.
         let export_failure = self.save_and_export();
