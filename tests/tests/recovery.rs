@@ -985,3 +985,67 @@ fn a_short_resumed_session_loses_nothing_and_a_finished_run_has_nothing_in_fligh
         "{text}"
     );
 }
+
+#[test]
+fn a_resume_stopped_before_its_first_step_reports_the_checkpoints_step_and_loss() {
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--epochs",
+        "50",
+        "--steps",
+        "40",
+        "--checkpoint-every",
+        "0",
+    ]);
+    sup.wait_state("step 3", T, |s| step_of(s) >= 3);
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
+    let last = steps(&sup.run_dir).last().unwrap().clone();
+    let (step, loss) = (
+        last["step"].as_u64().unwrap(),
+        last["loss"].as_f64().unwrap(),
+    );
+    assert!(loss > 0.0, "{last}");
+    // The drafter of the resumed session waits 10 min before it connects: no step comes.
+    let run = sup.run_dir.to_str().unwrap().to_string();
+    let mut second = std::process::Command::new(bin("dflash-supervise"))
+        .args(["--gpus", "cpu:2", "--resume", &run, "--worker-bin"])
+        .arg(test_worker())
+        .env("DFLASH_TEST_BEHAVIOR", "drafter-0@0=hello-delay:600000")
+        .env("DFLASH_TEST_REAL_WORKER", bin("dflash-worker"))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let says = |s: &Value| {
+        (
+            s["train"]["step"].as_u64(),
+            s["train"]["loss"].as_f64(),
+            s["train"]["acceptance"].as_f64(),
+        )
+    };
+    let pid = second.id();
+    let st = sup.wait_state("the resumed session running", T, |s| {
+        s["supervisor_pid"].as_u64() == Some(pid as u64)
+            && worker(s, "target-0")["state"] == "running"
+    });
+    let want = (Some(step), Some(loss), last["acceptance"].as_f64());
+    assert_eq!(says(&st), want, "{st}");
+    signal(pid, Signal::SIGINT);
+    let out = second.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(75),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let st = sup.state().unwrap();
+    assert_eq!(says(&st), want, "{st}");
+    let status = supervise(&["status", "--run-dir", &run, "--json"], None);
+    let v: Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(says(&v), want, "{v}");
+}

@@ -1794,6 +1794,22 @@ impl Group {
         self.progress.exported_step = Some(step);
     }
 
+    /// A resumed session before its first step: its progress is the checkpoint's step,
+    /// with the loss, acceptance and slot accuracy train.jsonl recorded for it (`line`).
+    pub fn resumed_at(&mut self, step: u64, line: Option<&serde_json::Value>) {
+        self.progress.step = step;
+        if let Some(l) = line {
+            self.progress.loss = l["loss"].as_f64().unwrap_or(0.0);
+            self.progress.acceptance = l["acceptance"].as_f64().unwrap_or(0.0);
+            self.progress.slot_accuracy = l["slot_accuracy"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(serde_json::Value::as_f64)
+                .collect();
+        }
+    }
+
     /// The step this run (session) started from: 0, or the resumed checkpoint's.
     pub fn base_step(&self) -> u64 {
         self.base.0

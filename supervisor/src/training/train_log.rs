@@ -96,6 +96,16 @@ impl TrainLog {
         Self::scores(run_dir, "tau", "pooled")
     }
 
+    /// The last line of `run_dir/train.jsonl` that committed `step` (its loss,
+    /// acceptance, slot accuracy), if one does.
+    pub fn step_line(run_dir: &Path, step: u64) -> Option<serde_json::Value> {
+        let text = std::fs::read_to_string(run_dir.join(TRAIN_LOG)).ok()?;
+        text.lines()
+            .rev()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["step"].as_u64() == Some(step) && v["loss"].is_number())
+    }
+
     /// `{kind: {"step", key}}` lines: step → the value of `key` (the last line wins).
     fn scores(run_dir: &Path, kind: &str, key: &str) -> BTreeMap<u64, f64> {
         let text = std::fs::read_to_string(run_dir.join(TRAIN_LOG)).unwrap_or_default();

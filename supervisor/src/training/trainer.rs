@@ -98,7 +98,8 @@ impl Trainer {
             fd: fd.as_raw_fd(),
             geometry,
         };
-        let group = Group::new(
+        let resumed = cfg.resume.as_ref().map(|(step, _)| *step);
+        let mut group = Group::new(
             cfg,
             info(&grads_fd, grads_geometry),
             info(&state_fd, state_geometry),
@@ -106,6 +107,10 @@ impl Trainer {
             history,
             Instant::now(),
         );
+        if let Some(step) = resumed {
+            // Until its first step, the session is where its checkpoint is.
+            group.resumed_at(step, TrainLog::step_line(run_dir, step).as_ref());
+        }
         Ok(Trainer {
             group,
             store,
