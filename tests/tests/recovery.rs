@@ -922,7 +922,7 @@ fn a_short_resumed_session_loses_nothing_and_a_finished_run_has_nothing_in_fligh
     let run = sup.run_dir.to_str().unwrap().to_string();
     // A short session that loads ahead less (--prefetch 1), stopped as soon as it loads:
     // it loads again fewer of the batches that the first one held.
-    let mut second = std::process::Command::new(bin("dflash-supervise"))
+    let second = std::process::Command::new(bin("dflash-supervise"))
         .args(["--gpus", "cpu:2", "--resume", &run, "--prefetch", "1"])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
@@ -1011,7 +1011,7 @@ fn a_resume_stopped_before_its_first_step_reports_the_checkpoints_step_and_loss(
     assert!(loss > 0.0, "{last}");
     // The drafter of the resumed session waits 10 min before it connects: no step comes.
     let run = sup.run_dir.to_str().unwrap().to_string();
-    let mut second = std::process::Command::new(bin("dflash-supervise"))
+    let second = std::process::Command::new(bin("dflash-supervise"))
         .args(["--gpus", "cpu:2", "--resume", &run, "--worker-bin"])
         .arg(test_worker())
         .env("DFLASH_TEST_BEHAVIOR", "drafter-0@0=hello-delay:600000")
