@@ -264,6 +264,47 @@ fn issue_20_bounds_and_words() {
         &["--gpus", "cpu:2", "--target", &t, "--max-seq-len", "128"],
         &["--max-seq-len 128", "max_position_embeddings 64"],
     );
+    // Issue 39: τ prompts that with their new tokens pass the target's context.
+    let t = tmp.path().join("tiny");
+    let st = std::process::Command::new(bin("dflash-worker"))
+        .args(["tiny-target", "--out"])
+        .arg(&t)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let cfg = t.join("config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["max_position_embeddings"] = 64.into();
+    fs::write(&cfg, v.to_string()).unwrap();
+    let t = t.to_str().unwrap().to_string();
+    let prompts = tmp.path().join("prompts.jsonl");
+    let long: Vec<u32> = (1..=60).collect();
+    fs::write(&prompts, format!("[1,2,3]\n{long:?}\n")).unwrap();
+    let p = prompts.to_str().unwrap();
+    expect_usage_error(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--target",
+            &t,
+            "--max-seq-len",
+            "32",
+            "--eval-prompts",
+            p,
+            "--eval-max-new-tokens",
+            "16",
+        ],
+        &["--eval-prompts", "prompt 2", "60 tokens", "context of 64"],
+    );
+    // Issue 39: eval data that is the training data.
+    let data = tmp.path().join("train.jsonl");
+    fs::write(&data, "[1,2,3]\n").unwrap();
+    let d = data.to_str().unwrap();
+    expect_usage_error(
+        &["--gpus", "cpu:2", "--data", d, "--eval-data", d],
+        &["--eval-data", "is the training data"],
+    );
 }
 
 #[test]

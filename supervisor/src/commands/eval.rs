@@ -87,6 +87,17 @@ pub fn run(a: EvalArgs) -> Result<i32, Error> {
         &a.prompts,
         (!tiny).then(|| Path::new(&a.target)),
     )?;
+    if !tiny {
+        let t = dflash_shared::model_config::TargetConfig::load(Path::new(&a.target))
+            .map_err(|e| Error::input(format!("--target {}", a.target), e.to_string()))?;
+        crate::data::prompts::check_context(
+            "--prompts",
+            &a.prompts,
+            &lines,
+            t.max_position_embeddings,
+            a.max_new_tokens as u64,
+        )?;
+    }
     let file =
         std::env::temp_dir().join(format!("dflash-eval-prompts-{}.jsonl", std::process::id()));
     std::fs::write(&file, lines.join("\n"))

@@ -81,3 +81,60 @@ pub fn check_vocab(flag: &str, path: &Path, lines: &[String], vocab: usize) -> R
     }
     Ok(())
 }
+
+/// Each prompt of `lines`, with up to `new_tokens` decoded after it, fits the target's
+/// context (`max_positions`, its config.json's max_position_embeddings, when it gives
+/// one): positions past it were never trained, so τ measured there means nothing.
+pub fn check_context(
+    flag: &str,
+    path: &Path,
+    lines: &[String],
+    max_positions: Option<usize>,
+    new_tokens: u64,
+) -> Result<(), Error> {
+    let Some(max) = max_positions else {
+        return Ok(());
+    };
+    for (i, line) in lines.iter().enumerate() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_default();
+        let n = v
+            .get("input_ids")
+            .unwrap_or(&v)
+            .as_array()
+            .map_or(0, Vec::len) as u64;
+        if n + new_tokens > max as u64 {
+            let room = (max as u64).saturating_sub(new_tokens);
+            return Err(Error::input(
+                format!("{flag} {} prompt {}", path.display(), i + 1),
+                format!(
+                    "{n} tokens and up to {new_tokens} new ones pass the target's context of {max} (max_position_embeddings); expected prompts of at most {room} tokens, or fewer new tokens"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompt_that_with_its_new_tokens_passes_the_context_is_refused_by_its_number() {
+        let lines: Vec<String> = ["[1,2,3]", "[1,2,3,4,5,6]", r#"{"input_ids":[1]}"#]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let p = Path::new("p.jsonl");
+        check_context("--eval-prompts", p, &lines, Some(10), 4).unwrap();
+        check_context("--eval-prompts", p, &lines, None, 1000).unwrap();
+        let e = check_context("--eval-prompts", p, &lines, Some(9), 4)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("prompt 2") && e.contains("6 tokens") && e.contains("context of 9"),
+            "{e}"
+        );
+        assert_eq!(e.lines().count(), 1);
+    }
+}

@@ -146,6 +146,33 @@ fn check_eval(a: &RunArgs) -> Result<(), Error> {
             "--eval-gpu {g}: there is nothing to measure on it; expected --eval-prompts FILE with it"
         )));
     }
+    if a.allow_changed_data && a.resume.is_none() && !a.resume_if_exists {
+        return Err(Error::Flag(
+            "--allow-changed-data: there is no run to resume, so no change to allow; expected it with --resume RUN_DIR or --resume-if-exists".into(),
+        ));
+    }
+    if let Some(e) = &a.eval_data {
+        // The file itself, or a file of the training directory (read with it).
+        let data = Path::new(&a.data);
+        let within = data.is_dir()
+            && e.parent()
+                .map(|p| {
+                    if p.as_os_str().is_empty() {
+                        Path::new(".")
+                    } else {
+                        p
+                    }
+                })
+                .is_some_and(|p| same_file(p, data));
+        if same_file(e, data) || within {
+            return Err(Error::Flag(format!(
+                "--eval-data {}: is {} the training data (--data {}), so its acceptance says nothing about data the drafter has not seen; expected held-out data",
+                e.display(),
+                if within { "in" } else { "" },
+                a.data
+            ).replace("is  the", "is the")));
+        }
+    }
     if let Some(n) = a.eval_every {
         if a.eval_data.is_none() && a.eval_prompts.is_none() {
             return Err(Error::Flag(format!(
@@ -161,6 +188,16 @@ fn check_eval(a: &RunArgs) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// Whether `a` and `b` are one file or directory (the same device and inode, whatever
+/// the paths that name them).
+fn same_file(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
 }
 
 /// The timeouts and intervals: above zero (the hang timeout at least 1s).
@@ -549,6 +586,37 @@ mod tests {
         for n in needles {
             assert!(msg.contains(n), "{extra:?}: {msg:?} does not mention {n:?}");
         }
+    }
+
+    #[test]
+    fn eval_data_that_is_the_training_data_and_a_lone_allow_changed_data_are_refused() {
+        let t = tempfile::tempdir().unwrap();
+        let data = t.path().join("train.jsonl");
+        std::fs::write(&data, "{}\n").unwrap();
+        let link = t.path().join("same.jsonl");
+        std::fs::hard_link(&data, &link).unwrap();
+        let (d, l) = (data.to_str().unwrap(), link.to_str().unwrap());
+        refused(
+            &["--data", d, "--eval-data", l],
+            &["--eval-data", "is the training data", "held-out"],
+        );
+        // A file of the training directory is trained on too.
+        let dir = t.path().to_str().unwrap();
+        refused(
+            &["--data", dir, "--eval-data", d],
+            &["is in the training data"],
+        );
+        let other = t.path().join("held-out");
+        std::fs::create_dir(&other).unwrap();
+        std::fs::write(other.join("eval.jsonl"), "{}\n").unwrap();
+        let e = other.join("eval.jsonl");
+        check_flags(&args(&["--data", dir, "--eval-data", e.to_str().unwrap()])).unwrap();
+        refused(
+            // (clap drops the "requires --resume" once --run-dir, which conflicts with
+            // --resume, is given.)
+            &["--allow-changed-data", "--run-dir", "runs/a"],
+            &["--allow-changed-data", "--resume"],
+        );
     }
 
     #[test]
