@@ -436,3 +436,70 @@ fn a_failed_start_leaves_nothing_behind_and_the_retry_with_the_same_run_dir_work
     let (code, err) = run_to_end(&args);
     assert_eq!(code, 0, "the retry with the same --run-dir: {err}");
 }
+
+/// A pre-emption notice that comes while the run is still starting (here: reading its
+/// data from a pipe) is honoured at the first committed step.
+#[test]
+fn sigusr1_during_the_start_writes_a_checkpoint_at_the_first_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(token_file(tmp.path(), 200, 64)).unwrap();
+    let fifo = tmp.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    let (opened, reading) = std::sync::mpsc::channel::<()>();
+    let writer = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || {
+            use std::io::Write;
+            // The open returns once the supervisor opened the FIFO to read it: its signal
+            // handlers are installed by then.
+            let mut f = std::fs::OpenOptions::new().write(true).open(fifo).unwrap();
+            let half = bytes.len() / 2;
+            f.write_all(&bytes[..half]).unwrap();
+            opened.send(()).unwrap();
+            wait.recv().unwrap();
+            f.write_all(&bytes[half..]).unwrap();
+        })
+    };
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        fifo.to_str().unwrap(),
+        "--token-budget",
+        "128",
+        "--max-seq-len",
+        "64",
+        "--checkpoint-every",
+        "0",
+        "--epochs",
+        "20",
+    ]);
+    reading.recv_timeout(T).expect("the supervisor reads the FIFO");
+    sup.signal(Signal::SIGUSR1);
+    wait_for("the notice seen during the start", T, || {
+        sup.stderr()
+            .contains("SIGUSR1 received while starting")
+            .then_some(())
+    });
+    assert!(!sup.run_dir.join("train.jsonl").exists() || steps(&sup.run_dir).is_empty());
+    go.send(()).unwrap();
+    writer.join().unwrap();
+    let ckpt = wait_for("a checkpoint", T, || {
+        std::fs::read_dir(sup.run_dir.join("checkpoints"))
+            .ok()?
+            .flatten()
+            .find(|e| e.path().join("meta.json").is_file())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+    });
+    assert_eq!(ckpt, "step-00000001", "{}", sup.stderr());
+    assert_eq!(
+        sup.events()
+            .iter()
+            .filter(|e| e["event"] == "checkpoint_requested")
+            .count(),
+        1
+    );
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
+}

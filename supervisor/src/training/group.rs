@@ -1826,10 +1826,14 @@ impl Group {
     }
 
     /// Write a checkpoint at the next committed step (a pre-emption notice). Returns that
-    /// step.
-    pub fn request_checkpoint(&mut self) -> u64 {
+    /// step; `None` when one is asked for already and not yet taken (a storm of notices
+    /// is one request).
+    pub fn request_checkpoint(&mut self) -> Option<u64> {
+        if self.checkpoint_requested {
+            return None;
+        }
         self.checkpoint_requested = true;
-        self.committed + 1
+        Some(self.committed + 1)
     }
 
     /// Every setting as the run uses it, the schedule as it stands now.

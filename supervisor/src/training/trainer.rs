@@ -435,7 +435,7 @@ impl Trainer {
 
     /// Write a checkpoint at the next committed step (a pre-emption notice). Returns that
     /// step.
-    pub fn request_checkpoint(&mut self) -> u64 {
+    pub fn request_checkpoint(&mut self) -> Option<u64> {
         self.group.request_checkpoint()
     }
 

@@ -527,7 +527,12 @@ impl Dispatcher {
                 // SIGUSR1 is the usual pre-emption notice (Slurm's --signal=B:USR1@SECS):
                 // save the training state now, so the stop that follows loses nothing.
                 if signal == Signal::SIGUSR1 && matches!(self.phase, Phase::Running) {
-                    let step = self.trainer.request_checkpoint();
+                    let Some(step) = self.trainer.request_checkpoint() else {
+                        // Asked already, not yet written: one request, said once (and
+                        // forwarded once).
+                        log::debug!("SIGUSR1 again before its checkpoint: coalesced");
+                        return;
+                    };
                     log::info!("SIGUSR1 received (pre-emption notice): writing a checkpoint at step {step}, then training on");
                     self.run.event(
                         "checkpoint_requested",

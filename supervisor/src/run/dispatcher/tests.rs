@@ -1375,3 +1375,20 @@ fn a_death_after_its_control_thread_ended_is_not_waited_on() {
     h.tick(1100);
     assert_eq!(h.launches(TARGET), 2, "handled at once, and restarted");
 }
+
+#[test]
+fn a_storm_of_pre_emption_notices_is_one_checkpoint_request_said_and_forwarded_once() {
+    let mut h = harness(&["--gpus", "cpu:2"]);
+    let _rx: Vec<_> = [TARGET, DRAFTER].iter().map(|&w| h.connect(w, 0)).collect();
+    let target = h.pid(TARGET);
+    for i in 0..10 {
+        h.signal(Signal::SIGUSR1, 100 + i);
+    }
+    assert_eq!(h.events("checkpoint_requested").len(), 1);
+    assert_eq!(h.events("signal_forwarded").len(), 1);
+    assert_eq!(h.signals(target), [(Signal::SIGUSR1, true)]);
+    // SIGUSR2 is no request: forwarded each time.
+    h.signal(Signal::SIGUSR2, 200);
+    h.signal(Signal::SIGUSR2, 201);
+    assert_eq!(h.events("signal_forwarded").len(), 3);
+}
