@@ -111,7 +111,24 @@ pub fn run(a: ExportArgs) -> Result<i32, Error> {
         std::fs::create_dir_all(parent).map_err(|e| Error::io("cannot create", parent, e))?;
     }
     let worker_bin = crate::run::resolve_worker_bin(a.worker_bin.as_deref())?;
-    // A Ctrl-C (or SIGTERM, SIGHUP) stops the export and leaves `out` as it was.
+    let step = export_stoppable(&worker_bin, &checkpoint, &target, &out)?;
+    crate::say!(
+        "dflash-supervise: drafter (step {step}) of {} written to {} (check it with: dflash-supervise export-check {})",
+        checkpoint.display(),
+        out.display(),
+        crate::shell::quote(&out)
+    );
+    Ok(dflash_shared::exit_codes::SUCCESS)
+}
+
+/// [`export_checkpoint`], stopped by a Ctrl-C (or SIGTERM, SIGHUP), which leaves `out` as
+/// it was (exit 130).
+fn export_stoppable(
+    worker_bin: &Path,
+    checkpoint: &Path,
+    target: &Path,
+    out: &Path,
+) -> Result<u64, Error> {
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     for sig in [
         signal_hook::consts::SIGINT,
@@ -122,24 +139,15 @@ pub fn run(a: ExportArgs) -> Result<i32, Error> {
             .map_err(|e| Error::start("signal handlers", e))?;
     }
     let stopped = || stop.load(std::sync::atomic::Ordering::SeqCst);
-    let step = match export_checkpoint(
-        &worker_bin,
-        &checkpoint,
-        &target,
-        &out,
+    match export_checkpoint(
+        worker_bin,
+        checkpoint,
+        target,
+        out,
         crate::export_tool::EXPORT_TIMEOUT,
         &stopped,
     ) {
-        Err(ExportError::Stopped { out, .. }) if stopped() => {
-            return Err(Error::ExportInterrupted { out })
-        }
-        r => r?,
-    };
-    crate::say!(
-        "dflash-supervise: drafter (step {step}) of {} written to {} (check it with: dflash-supervise export-check {})",
-        checkpoint.display(),
-        out.display(),
-        out.display()
-    );
-    Ok(dflash_shared::exit_codes::SUCCESS)
+        Err(ExportError::Stopped { out, .. }) if stopped() => Err(Error::ExportInterrupted { out }),
+        r => Ok(r?),
+    }
 }

@@ -23,6 +23,9 @@ pub const STEP_TIMEOUT_FACTOR: u32 = 5;
 /// How many of a worker's first steps the default is taken from (the first steps are the
 /// slow ones, if any are: warm-up, first allocations).
 pub const FIRST_STEPS: usize = 3;
+/// The least time a drafter's write of its state (a checkpoint, a snapshot) gets before it
+/// is taken for a hang, whatever `--step-timeout` says: it follows the disk, not the steps.
+pub const SAVE_TIMEOUT_FLOOR: Duration = Duration::from_secs(600);
 /// A unit of work is said to be slow once it has taken this many times the slowest
 /// first step (and at least `--hang-timeout`, where it used to be killed).
 const SLOW_FACTOR: u32 = 3;
@@ -164,11 +167,24 @@ impl Dispatcher {
     /// `worker`'s unit of work against `--step-timeout` at `now`: killed as hung past it,
     /// said once on the console when it is slow. Returns whether it was killed.
     pub(super) fn watch_step(&mut self, worker: usize, now: Instant) -> bool {
-        let limit = self.step_timeout(worker);
-        let limit_words = match self.cfg.step_timeout {
-            Some(_) => format!("--step-timeout {}", secs(limit)),
-            None => format!("--step-timeout {} by default", secs(limit)),
+        let saving = self.workers[worker]
+            .status
+            .life()
+            .and_then(|l| l.in_work.as_ref())
+            .is_some_and(|b| matches!(b.work, Work::Save { .. }));
+        let step_limit = self.step_timeout(worker);
+        // A write's time follows the disk, not the steps: it gets at least the floor.
+        let limit = if saving {
+            step_limit.max(SAVE_TIMEOUT_FLOOR)
+        } else {
+            step_limit
         };
+        let limit_words = match (saving && limit > step_limit, self.cfg.step_timeout) {
+            (true, _) => format!("the {} a write of the state gets at least", secs(limit)),
+            (false, Some(_)) => format!("--step-timeout {}", secs(limit)),
+            (false, None) => format!("--step-timeout {} by default", secs(limit)),
+        };
+        let disk = self.trainer.checkpoints_dir().display().to_string();
         let hang = self.cfg.hang_timeout;
         let w = &mut self.workers[worker];
         let (name, slowest) = (w.name, w.steps.slowest_first());
@@ -197,8 +213,13 @@ impl Dispatcher {
                 Role::Drafter => "--token-budget or --max-anchors",
                 Role::Target => "--token-budget or --max-seq-len",
             };
+            let advice = if saving {
+                format!("the filesystem of {disk} is slow or stuck (see dmesg, df -h): check it; if it is merely slow, raise --step-timeout")
+            } else {
+                format!("if it is merely slow, raise --step-timeout, or make {what}s smaller ({smaller})")
+            };
             let reason = format!(
-                "hung: in {work} for {}, over {limit_words} ({took}); if it is merely slow, raise --step-timeout, or make {what}s smaller ({smaller})",
+                "hung: in {work} for {}, over {limit_words} ({took}); {advice}",
                 secs(taken),
             );
             log::warn!("{name} (pid {pid}) {reason}; killing it");
@@ -212,10 +233,17 @@ impl Dispatcher {
             self.kill(worker, &reason);
             return true;
         }
-        let line = format!(
-            "{name}: {work} has taken {} so far ({took}); not a hang ({limit_words})",
-            secs(taken)
-        );
+        let line = if saving {
+            format!(
+                "{name}: {work} has taken {} so far (the filesystem of {disk} is slow?); not a hang ({limit_words})",
+                secs(taken)
+            )
+        } else {
+            format!(
+                "{name}: {work} has taken {} so far ({took}); not a hang ({limit_words})",
+                secs(taken)
+            )
+        };
         log::info!("{line}");
         w.log.line(Tag::Supervisor, &line);
         let event = obj(json!({

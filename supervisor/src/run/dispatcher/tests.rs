@@ -1392,3 +1392,49 @@ fn a_storm_of_pre_emption_notices_is_one_checkpoint_request_said_and_forwarded_o
     h.signal(Signal::SIGUSR2, 201);
     assert_eq!(h.events("signal_forwarded").len(), 3);
 }
+
+#[test]
+fn a_slow_write_of_the_state_is_held_to_the_disks_floor_not_the_steps_and_named_as_the_disk() {
+    let mut h = harness(&[
+        "--gpus",
+        "cpu:2",
+        "--hang-timeout",
+        "5s",
+        "--step-timeout",
+        "30s",
+    ]);
+    let _rx = h.connect(DRAFTER, 0);
+    let pid = h.pid(DRAFTER);
+    let life = h.life(DRAFTER).unwrap();
+    let save = dflash_shared::protocol::Work::Save { step: 4 };
+    for ms in (1000..=120_000).step_by(1000) {
+        h.message(DRAFTER, life, busy_beat(save, ms), ms);
+    }
+    assert!(h.signals(pid).is_empty(), "a slow disk is no hung step");
+    let log = std::fs::read_to_string(&h.d.workers[DRAFTER].log_path).unwrap();
+    assert!(
+        log.contains("saving the state of step 4 has taken") && log.contains("is slow?"),
+        "{log}"
+    );
+    let floor = super::steps::SAVE_TIMEOUT_FLOOR.as_millis() as u64;
+    for ms in (121_000..=floor).step_by(1000) {
+        h.message(DRAFTER, life, busy_beat(save, ms), ms);
+    }
+    assert!(h.signals(pid).is_empty());
+    h.tick(floor + 1);
+    assert_eq!(
+        h.signals(pid),
+        [(Signal::SIGKILL, false), (Signal::SIGKILL, true)]
+    );
+    let why = h.d.workers[DRAFTER]
+        .status
+        .life()
+        .unwrap()
+        .killed_for()
+        .unwrap()
+        .to_string();
+    assert!(
+        why.contains("the filesystem of") && !why.contains("make steps smaller"),
+        "{why}"
+    );
+}
