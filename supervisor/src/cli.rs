@@ -448,8 +448,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", help_heading = "Data")]
     pub token_budget: Option<u32>,
 
-    /// Longer samples are truncated to this many tokens.
-    #[arg(long, value_name = "N", default_value_t = 1024, help_heading = "Data")]
+    /// Longer samples are truncated to this many tokens. Default 1024, or the target's
+    /// max_position_embeddings when that is smaller (said at start).
+    #[arg(long, value_name = "N", default_value_t = crate::run::validate::DEFAULT_MAX_SEQ_LEN, help_heading = "Data")]
     pub max_seq_len: u32,
 
     /// Seed of the shuffle (and of the demo data).

@@ -475,7 +475,9 @@ fn sigusr1_during_the_start_writes_a_checkpoint_at_the_first_step() {
         "--epochs",
         "20",
     ]);
-    reading.recv_timeout(T).expect("the supervisor reads the FIFO");
+    reading
+        .recv_timeout(T)
+        .expect("the supervisor reads the FIFO");
     sup.signal(Signal::SIGUSR1);
     wait_for("the notice seen during the start", T, || {
         sup.stderr()
@@ -502,4 +504,102 @@ fn sigusr1_during_the_start_writes_a_checkpoint_at_the_first_step() {
     );
     sup.signal(Signal::SIGTERM);
     assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
+}
+
+/// The command a stopped run prints to continue it is quoted for a shell: with a run dir
+/// whose name holds a space and a single quote, the printed `dflash-supervise --resume ...`
+/// run through `sh -c` as it is resumes that run to its end.
+#[test]
+fn the_printed_resume_command_pastes_into_a_shell_whatever_the_run_dir_is_called() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 200 samples, 2 per batch: 100 steps, far more than happen before the SIGTERM.
+    let data = token_file(tmp.path(), 200, 64);
+    let run = tmp.path().join("my run's dir");
+    let mut child = std::process::Command::new(bin("dflash-supervise"))
+        .args(["--gpus", "cpu:2", "--data"])
+        .arg(&data)
+        .args(["--token-budget", "128", "--max-seq-len", "64"])
+        .args(["--checkpoint-every", "0", "--run-dir"])
+        .arg(&run)
+        .stdin(std::process::Stdio::null())
+        .stderr(std::fs::File::create(tmp.path().join("first.err")).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for("step 2", T, || {
+        steps(&run)
+            .last()
+            .and_then(|r| r["step"].as_u64())
+            .filter(|&s| s >= 2)
+    });
+    signal(child.id(), Signal::SIGTERM);
+    let code = child.wait().unwrap().code();
+    let err = std::fs::read_to_string(tmp.path().join("first.err")).unwrap();
+    assert_eq!(code, Some(75), "{err}");
+    let cmd = err
+        .lines()
+        .find_map(|l| l.split_once("continue it with: ").map(|(_, c)| c))
+        .unwrap_or_else(|| panic!("{err}"));
+    let quoted = format!("'{}'", run.display().to_string().replace('\'', r"'\''"));
+    assert_eq!(cmd, format!("dflash-supervise --resume {quoted}"));
+    // Pasted into a shell as it is, it resumes this run.
+    let dir = bin("dflash-supervise").parent().unwrap().to_path_buf();
+    let path = std::env::join_paths(
+        std::iter::once(dir).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap())),
+    )
+    .unwrap();
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .env("PATH", path)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(steps(&run).last().unwrap()["step"], 100, "{err}");
+}
+
+/// Issue 40: the default `--max-seq-len` fits a target of a shorter context; a value given
+/// past it is still refused.
+#[test]
+fn the_default_max_seq_len_adapts_to_a_short_target_and_a_given_one_past_it_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("tiny");
+    let st = std::process::Command::new(bin("dflash-worker"))
+        .args(["tiny-target", "--out"])
+        .arg(&t)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let cfg = t.join("config.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["max_position_embeddings"] = 512.into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let target = t.to_str().unwrap();
+    let base = [
+        "--gpus",
+        "cpu:2",
+        "--target",
+        target,
+        "--data",
+        "demo",
+        "--demo-samples",
+        "32",
+        "--steps",
+        "1",
+    ];
+    let mut sup = Sup::start_real(&base);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    assert!(
+        sup.stderr()
+            .contains("--max-seq-len 512: the target's max_position_embeddings"),
+        "{}",
+        sup.stderr()
+    );
+    assert_eq!(run_json(&sup.run_dir)["max_seq_len"], 512);
+    let mut args = base.to_vec();
+    args.extend(["--max-seq-len", "1024", "--run-dir", "/nonexistent/never"]);
+    let out = supervise(&args, None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--max-seq-len 1024 exceeds"));
 }

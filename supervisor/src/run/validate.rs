@@ -108,6 +108,34 @@ pub fn check_context(max_seq_len: u32, target: &TargetConfig, dir: &str) -> Resu
     }
 }
 
+/// The default `--max-seq-len` (1024) adapts to a target whose context is shorter
+/// (`max_position_embeddings`), and says so; a value given (`given`: the flags typed) is
+/// kept, and refused by [`check_context`] if it is past the target.
+pub fn adapt_max_seq_len(a: &mut RunArgs, given: &[String]) {
+    if given.iter().any(|g| g == "max_seq_len") || a.max_seq_len != DEFAULT_MAX_SEQ_LEN {
+        return;
+    }
+    if a.target == "tiny" {
+        return;
+    }
+    let Ok(t) = TargetConfig::load(Path::new(&a.target)) else {
+        return;
+    };
+    if let Some(m) = t
+        .max_position_embeddings
+        .filter(|&m| m < a.max_seq_len as usize)
+    {
+        log::info!(
+            "--max-seq-len {m}: the target's max_position_embeddings ({}/config.json), below the default {DEFAULT_MAX_SEQ_LEN}",
+            a.target
+        );
+        a.max_seq_len = m as u32;
+    }
+}
+
+/// `--max-seq-len`'s default.
+pub const DEFAULT_MAX_SEQ_LEN: u32 = 1024;
+
 /// Every flag's range, before the run starts. (Flags whose checks need the target or the
 /// devices — `--taps`, `--mask-token-id`, `--targets` — are checked where those are known.)
 pub fn check_flags(a: &RunArgs) -> Result<(), Error> {

@@ -1,0 +1,203 @@
+//! The sbatch script of the documentation, as written there (extracted, not copied), run
+//! under a driver that does what Slurm does to a batch job with `--signal=B:USR1@SECS
+//! --requeue`: SIGUSR1 to the batch shell only, SIGTERM to every process of the job at the
+//! time limit, SIGKILL to what is left after KillWait or once the batch shell has exited
+//! (cgroup process tracking), and `scontrol requeue` starting the job again.
+
+mod common;
+
+use std::fs;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(180);
+/// Slurm's default KillWait.
+const KILL_WAIT: Duration = Duration::from_secs(30);
+const STEPS: u64 = 40;
+
+/// The documented sbatch script: the first `sh` block of README.md or docs/*.md that
+/// requeues with `scontrol requeue`.
+fn documented_script() -> (PathBuf, String) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = vec![root.join("README.md")];
+    if let Ok(d) = fs::read_dir(root.join("docs")) {
+        let mut docs: Vec<PathBuf> = d
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "md"))
+            .collect();
+        docs.sort();
+        files.extend(docs);
+    }
+    for f in files {
+        let text = fs::read_to_string(&f).unwrap_or_default();
+        for block in text.split("```sh\n").skip(1) {
+            let body = block.split("```").next().unwrap_or("");
+            if body.contains("#SBATCH") && body.contains("scontrol requeue") {
+                return (f, body.to_string());
+            }
+        }
+    }
+    panic!("no sbatch script with `scontrol requeue` in README.md or docs/*.md");
+}
+
+/// `dflash-supervise` for the script: the real one on CPU workers with the demo data, with
+/// the script's `--run-dir` and `--resume-if-exists` (its model, data and GPUs are a real
+/// machine's); `scontrol` records the requeue.
+fn shims(dir: &Path) -> PathBuf {
+    let bin_dir = dir.join("bin");
+    fs::create_dir_all(&bin_dir).unwrap();
+    let sup = format!(
+        r#"#!/bin/sh
+run_dir=; resume=; prev=
+for a in "$@"; do
+  [ "$prev" = --run-dir ] && run_dir=$a
+  [ "$a" = --resume-if-exists ] && resume=$a
+  prev=$a
+done
+exec '{}' --gpus cpu:2 --data demo --demo-samples 100000 --steps {STEPS} --checkpoint-every 0 --run-dir "$run_dir" $resume
+"#,
+        bin("dflash-supervise").display()
+    );
+    let scontrol = format!(
+        "#!/bin/sh\necho \"$@\" >> '{}'\n",
+        dir.join("requeues").display()
+    );
+    for (name, text) in [("dflash-supervise", sup), ("scontrol", scontrol)] {
+        let p = bin_dir.join(name);
+        fs::write(&p, text).unwrap();
+        let mut perm = fs::metadata(&p).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+        fs::set_permissions(&p, perm).unwrap();
+    }
+    bin_dir
+}
+
+/// One start of the batch job: the script in a process group of its own (the job's
+/// cgroup).
+fn start_job(dir: &Path, script: &Path, bin_dir: &Path, attempt: u32) -> Child {
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    Command::new("bash")
+        .arg(script)
+        .current_dir(dir)
+        .env("PATH", path)
+        .env("SLURM_JOB_ID", "4242")
+        .env("SLURM_RESTART_COUNT", attempt.to_string())
+        .stdin(Stdio::null())
+        .stdout(fs::File::create(dir.join(format!("out.{attempt}"))).unwrap())
+        .stderr(fs::File::create(dir.join(format!("err.{attempt}"))).unwrap())
+        .process_group(0)
+        .spawn()
+        .unwrap()
+}
+
+/// The job's end as Slurm sees it: the batch shell's exit code; what is left of the job
+/// is SIGKILLed then (cgroup tracking), and at `kill_at` (the limit's KillWait) at the latest.
+fn end_of_job(job: &mut Child, kill_at: Option<Instant>) -> i32 {
+    let group = Pid::from_raw(job.id() as i32);
+    let deadline = Instant::now() + T;
+    let status = loop {
+        if let Some(st) = job.try_wait().unwrap() {
+            break st;
+        }
+        if kill_at.is_some_and(|k| Instant::now() >= k) {
+            let _ = killpg(group, Signal::SIGKILL);
+            panic!("the job outlived KillWait after the time limit's SIGTERM");
+        }
+        assert!(Instant::now() < deadline, "the job never ended");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = killpg(group, Signal::SIGKILL);
+    status
+        .code()
+        .unwrap_or(128 + std::os::unix::process::ExitStatusExt::signal(&status).unwrap_or(0))
+}
+
+fn last_step(run: &Path) -> u64 {
+    read_jsonl(&run.join("train.jsonl"))
+        .iter()
+        .filter_map(|r| r["step"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+fn the_documented_sbatch_script_checkpoints_at_the_notice_is_requeued_at_the_limit_and_finishes() {
+    let (from, script) = documented_script();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let script_path = dir.join("job.sbatch");
+    fs::write(&script_path, &script).unwrap();
+    let bin_dir = shims(dir);
+    let run_line = script
+        .lines()
+        .find(|l| l.contains("--run-dir"))
+        .unwrap_or_else(|| panic!("{}: the script names no --run-dir", from.display()));
+    let run_dir = run_line
+        .split_whitespace()
+        .skip_while(|w| *w != "--run-dir")
+        .nth(1)
+        .unwrap();
+    let run = dir.join(run_dir);
+
+    // The first start: the notice (SIGUSR1 to the batch shell only), then the time limit.
+    let mut job = start_job(dir, &script_path, &bin_dir, 0);
+    wait_for("training under way", T, || {
+        (last_step(&run) >= 3).then_some(())
+    });
+    signal(job.id(), Signal::SIGUSR1);
+    let events = run.join("events.jsonl");
+    wait_for("the notice's checkpoint", T, || {
+        let asked = read_jsonl(&events)
+            .iter()
+            .any(|e| e["event"] == "checkpoint_requested");
+        let written = fs::read_dir(run.join("checkpoints"))
+            .ok()?
+            .flatten()
+            .any(|e| e.path().join("meta.json").is_file());
+        (asked && written).then_some(())
+    });
+    let at_limit = last_step(&run);
+    assert!(at_limit < STEPS, "the run ended before its time limit");
+    killpg(Pid::from_raw(job.id() as i32), Signal::SIGTERM).unwrap();
+    let code = end_of_job(&mut job, Some(Instant::now() + KILL_WAIT));
+    let err0 = fs::read_to_string(dir.join("err.0")).unwrap_or_default();
+    assert_eq!(code, 75, "the first start\n{err0}");
+    let requeues = fs::read_to_string(dir.join("requeues")).unwrap_or_default();
+    assert_eq!(requeues.trim(), "requeue 4242", "{err0}");
+
+    // Requeued: it resumes and finishes; a requeue of a finished job exits 0 at once.
+    let mut job = start_job(dir, &script_path, &bin_dir, 1);
+    let code = end_of_job(&mut job, None);
+    let err1 = fs::read_to_string(dir.join("err.1")).unwrap_or_default();
+    assert_eq!(code, 0, "the requeued start\n{err1}");
+    assert!(err1.contains("from the checkpoint of step"), "{err1}");
+    let requeues = fs::read_to_string(dir.join("requeues")).unwrap_or_default();
+    assert_eq!(requeues.lines().count(), 1, "{requeues}");
+    let finished: Value =
+        serde_json::from_str(&fs::read_to_string(run.join("finished.json")).unwrap()).unwrap();
+    assert_eq!(finished["step"], STEPS);
+    let ledger = supervise(
+        &["ledger", "--run-dir", run.to_str().unwrap(), "--json"],
+        None,
+    );
+    let a: Value = serde_json::from_slice(&ledger.stdout).unwrap();
+    assert_eq!(ledger.status.code(), Some(0), "{a}");
+    assert_eq!(
+        (a["lost"].as_u64(), a["duplicated"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let mut job = start_job(dir, &script_path, &bin_dir, 2);
+    assert_eq!(end_of_job(&mut job, None), 0);
+}
