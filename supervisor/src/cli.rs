@@ -17,6 +17,10 @@ use dflash_shared::{DeviceSpec, DeviceSpecError};
 ///   dflash-supervise logs --run-dir runs/a drafter-1 -n 50
 ///   dflash-supervise logs --all -f
 ///   dflash-supervise status --json
+/// `--max-seq-len`'s default (a shorter target context lowers it: see
+/// `run::validate::adapt_max_seq_len`).
+pub const DEFAULT_MAX_SEQ_LEN: u32 = 1024;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "dflash-supervise",
@@ -450,7 +454,7 @@ pub struct RunArgs {
 
     /// Longer samples are truncated to this many tokens. Default 1024, or the target's
     /// max_position_embeddings when that is smaller (said at start).
-    #[arg(long, value_name = "N", default_value_t = crate::run::validate::DEFAULT_MAX_SEQ_LEN, help_heading = "Data")]
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_MAX_SEQ_LEN, help_heading = "Data")]
     pub max_seq_len: u32,
 
     /// Seed of the shuffle (and of the demo data).

@@ -472,6 +472,77 @@ fn a_fifo_as_data_is_read_once_and_every_sample_trains() {
     );
 }
 
+/// Whether process `pid` holds a flock on the file `path` (as /proc/locks lists it).
+fn holds_flock(pid: u32, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let ino = fs::metadata(path).unwrap().ino();
+    fs::read_to_string("/proc/locks")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(1) == Some(&"FLOCK")
+                && f.get(4) == Some(&pid.to_string().as_str())
+                && f.get(5).is_some_and(|id| id.ends_with(&format!(":{ino}")))
+        })
+}
+
+/// Two runs on one FIFO would each get part of the stream: the second is refused at once
+/// (exit 2, one line naming the FIFO and the run reading it) and the first trains on every
+/// sample.
+#[test]
+fn a_second_run_on_a_fifo_another_run_reads_is_refused_and_the_first_trains_on_every_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("data.jsonl");
+    write_data(&file, 400);
+    let mut plain = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        file.to_str().unwrap(),
+        "--preflight-lines",
+        "50",
+    ]);
+    assert_eq!(plain.wait_exit(T).code(), Some(0), "{}", plain.stderr());
+    let want = loaded(&plain);
+    let fifo = dir.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let args = [
+        "--gpus",
+        "cpu:2",
+        "--data",
+        fifo.to_str().unwrap(),
+        "--preflight-lines",
+        "50",
+    ];
+    let mut first = Sup::start_real(&args);
+    // No writer yet: the first run waits for one, holding the FIFO.
+    wait_for("the first run to hold the FIFO", T, || {
+        holds_flock(first.pid(), &fifo).then_some(())
+    });
+    let mut second = Sup::start_real(&args);
+    let status = second.wait_exit(T);
+    let err = second.stderr();
+    assert_eq!(status.code(), Some(2), "{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(
+        errors[0].contains(fifo.to_str().unwrap())
+            && errors[0].contains(&format!("pid {}", first.pid())),
+        "{err}"
+    );
+    assert!(!second.run_dir.exists(), "the refused run made no run dir");
+    fs::write(&fifo, fs::read(&file).unwrap()).unwrap();
+    let status = first.wait_exit(T);
+    assert_eq!(status.code(), Some(0), "{}", first.stderr());
+    assert_eq!(loaded(&first), want, "every batch of the data, none lost");
+    assert_eq!(
+        fs::read(first.run_dir.join("data.jsonl")).unwrap(),
+        fs::read(&file).unwrap()
+    );
+    ledger_clean(&first);
+}
+
 #[test]
 fn sigint_while_the_run_starts_removes_what_the_start_made() {
     let dir = tempfile::tempdir().unwrap();
@@ -708,4 +779,29 @@ fn the_export_tool_dies_with_a_killed_supervisor_and_the_next_export_tidies_afte
     let mut left = export_litter(&sup.run_dir);
     left.sort();
     assert_eq!(left, ["drafter", "drafter.probe.safetensors"]);
+}
+
+/// The run's filesystem turns read-only under it (the ledger's writes fail with EROFS, as
+/// after a disk error remounts it): the run stops taking batches with one line that names
+/// a read-only filesystem and asks for no free space.
+#[test]
+fn a_ledger_on_a_filesystem_turned_read_only_is_said_to_be_so() {
+    let env = fault_env("write", "ledger.jsonl", "errno:30", None);
+    let mut sup = start_env(
+        &["--gpus", "cpu:2", "--data", "demo", "--steps", "40"],
+        &env,
+    );
+    let status = sup.wait_exit(T);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(1), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("the run stops taking batches"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("cannot append to ledger.jsonl: Read-only file system (os error 30)")
+            && line.contains("its filesystem is read-only: remount it read-write, then --resume")
+            && !line.contains("free space"),
+        "{line}"
+    );
 }

@@ -9,7 +9,7 @@ use dflash_shared::drafter::{DrafterConfig, ParamLayout};
 use dflash_shared::model_config::{expected_tensors, TargetConfig};
 use dflash_shared::{Device, DeviceSpec, Role, WorkerName};
 
-use crate::cli::RunArgs;
+use crate::cli::{RunArgs, DEFAULT_MAX_SEQ_LEN};
 use crate::data::pipeline::human;
 use crate::error::Error;
 
@@ -132,9 +132,6 @@ pub fn adapt_max_seq_len(a: &mut RunArgs, given: &[String]) {
         a.max_seq_len = m as u32;
     }
 }
-
-/// `--max-seq-len`'s default.
-pub const DEFAULT_MAX_SEQ_LEN: u32 = 1024;
 
 /// Every flag's range, before the run starts. (Flags whose checks need the target or the
 /// devices — `--taps`, `--mask-token-id`, `--targets` — are checked where those are known.)

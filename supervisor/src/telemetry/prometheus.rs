@@ -1,22 +1,35 @@
 //! `--prometheus ADDR`: the latest metrics window in Prometheus text exposition format at
 //! `http://ADDR/metrics`, with counters the dispatcher updates at every step (committed
 //! steps, trained tokens) and `dflash_build_info`. A bare port binds loopback only; give an
-//! address (0.0.0.0:21400) to listen elsewhere. A minimal HTTP/1.1 responder: each
-//! connection served on its own thread (up to [`MAX_CLIENTS`] at once, beyond that 503),
-//! one short request (GET, or HEAD for the headers alone), one response, close.
+//! address (0.0.0.0:21400) to listen elsewhere. A minimal HTTP/1.1 responder: one short
+//! request (GET, or HEAD for the headers alone), one response, close.
+//!
+//! One thread serves every connection without blocking on any: it polls the listener and
+//! the open connections together, so a client that connects and says nothing holds no
+//! scrape up. A connection has [`HEAD_TIMEOUT`] to send its request (then it is answered
+//! 408 and closed) and [`REPLY_TIMEOUT`] to take the response; at most
+//! [`MAX_CONNECTIONS`] are open at once, and a new one beyond them closes the oldest.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use crate::error::Error;
 
-/// Scrapes served at once; a connection beyond them gets 503.
-pub const MAX_CLIENTS: usize = 8;
+/// Connections open at once; a new one beyond them closes the oldest (it has had the
+/// longest to send its request).
+pub const MAX_CONNECTIONS: usize = 128;
+/// A connection's time, from its accept, to send its whole request head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+/// A response's time to be taken by its client.
+pub const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest request head read; what came by then is answered.
+const MAX_HEAD: usize = 8192;
 
 #[derive(Clone)]
 pub struct Exporter {
@@ -56,6 +69,173 @@ pub fn parse_addr(s: &str) -> Result<SocketAddr, AddrError> {
     })
 }
 
+/// One open connection: its request head as far as it came, then its response.
+struct Conn {
+    s: TcpStream,
+    opened: Instant,
+    /// When the head (then the response) must be done by.
+    deadline: Instant,
+    head: Vec<u8>,
+    /// The response and the bytes of it sent; `None` while the head is read.
+    reply: Option<(Vec<u8>, usize)>,
+}
+
+impl Conn {
+    /// Read what the client sent, then write what it can take, without blocking; false
+    /// once the connection is done with (answered, gone, or out of time).
+    fn step(&mut self, page: &Exporter, now: Instant) -> bool {
+        if self.reply.is_none() {
+            let ended = self.read_head();
+            let complete = head_complete(&self.head);
+            if ended || complete || self.head.len() >= MAX_HEAD {
+                self.reply = Some((page.answer(&String::from_utf8_lossy(&self.head)), 0));
+            } else if now >= self.deadline {
+                self.reply = Some((
+                    response(
+                        "408 Request Timeout",
+                        "the request head did not come in time\n",
+                        false,
+                    ),
+                    0,
+                ));
+            } else {
+                return true;
+            }
+            self.deadline = now + REPLY_TIMEOUT;
+        }
+        let Some((out, sent)) = &mut self.reply else {
+            return true;
+        };
+        while *sent < out.len() {
+            match self.s.write(&out[*sent..]) {
+                Ok(0) => return false,
+                Ok(n) => *sent += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return now < self.deadline,
+                Err(_) => return false,
+            }
+        }
+        false
+    }
+
+    /// Read what has come of the head; true when the client closed its side or failed.
+    fn read_head(&mut self) -> bool {
+        let mut chunk = [0u8; 1024];
+        while self.head.len() < MAX_HEAD && !head_complete(&self.head) {
+            match self.s.read(&mut chunk) {
+                Ok(0) => return true,
+                Ok(n) => self.head.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+                Err(_) => return true,
+            }
+        }
+        false
+    }
+}
+
+/// A head ends at an empty line (CRLF, or a bare LF from a lenient client).
+fn head_complete(head: &[u8]) -> bool {
+    head.windows(4).any(|w| w == b"\r\n\r\n") || head.windows(2).any(|w| w == b"\n\n")
+}
+
+/// The connections' and the listener's poll entries: the listener first.
+fn poll_set(listener: &TcpListener, conns: &[Conn]) -> Vec<libc::pollfd> {
+    let entry = |fd, events| libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    let mut fds = Vec::with_capacity(conns.len() + 1);
+    fds.push(entry(listener.as_raw_fd(), libc::POLLIN));
+    for c in conns {
+        let events = if c.reply.is_some() {
+            libc::POLLOUT
+        } else {
+            libc::POLLIN
+        };
+        fds.push(entry(c.s.as_raw_fd(), events));
+    }
+    fds
+}
+
+/// Wait until a connection or the listener is ready, or the nearest deadline; the entries
+/// with their `revents`.
+fn wait(listener: &TcpListener, conns: &[Conn]) -> Vec<libc::pollfd> {
+    let mut fds = poll_set(listener, conns);
+    let now = Instant::now();
+    let timeout = conns
+        .iter()
+        .map(|c| c.deadline.saturating_duration_since(now))
+        .min()
+        .map_or(-1, |d| d.as_millis().min(i32::MAX as u128 - 1) as i32 + 1);
+    // SAFETY: `fds` is a live array of `fds.len()` pollfd entries.
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout) };
+    if r < 0 {
+        fds.iter_mut().for_each(|f| f.revents = 0);
+    }
+    fds
+}
+
+/// Take the connections waiting on `listener` (non-blocking), closing the oldest open one
+/// for each beyond [`MAX_CONNECTIONS`].
+fn accept(listener: &TcpListener, conns: &mut Vec<Conn>) {
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                if s.set_nonblocking(true).is_err() {
+                    continue;
+                }
+                if conns.len() >= MAX_CONNECTIONS {
+                    let oldest = (0..conns.len()).min_by_key(|&i| conns[i].opened);
+                    if let Some(i) = oldest {
+                        conns.swap_remove(i);
+                    }
+                }
+                let now = Instant::now();
+                conns.push(Conn {
+                    s,
+                    opened: now,
+                    deadline: now + HEAD_TIMEOUT,
+                    head: Vec::new(),
+                    reply: None,
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+            Err(e) => {
+                // Out of file descriptors, say: free one, or wait a moment rather than
+                // spin on a listener that stays ready.
+                log::debug!("Prometheus endpoint: accept failed: {e}");
+                let oldest = (0..conns.len()).min_by_key(|&i| conns[i].opened);
+                match oldest {
+                    Some(i) => drop(conns.swap_remove(i)),
+                    None => std::thread::sleep(Duration::from_millis(50)),
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// The endpoint's one thread: every connection, none blocking another.
+fn serve(listener: TcpListener, page: Exporter) {
+    let mut conns: Vec<Conn> = Vec::new();
+    loop {
+        let fds = wait(&listener, &conns);
+        let now = Instant::now();
+        let mut i = 0;
+        conns.retain_mut(|c| {
+            let ready = fds[i + 1].revents != 0;
+            i += 1;
+            !(ready || now >= c.deadline) || c.step(&page, now)
+        });
+        if fds[0].revents != 0 {
+            accept(&listener, &mut conns);
+        }
+    }
+}
+
 impl Exporter {
     pub fn start(addr: SocketAddr) -> Result<Exporter, Error> {
         let listener = TcpListener::bind(addr)
@@ -63,45 +243,19 @@ impl Exporter {
         let addr = listener
             .local_addr()
             .map_err(|e| Error::start("the Prometheus listener", e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::start("the Prometheus listener", e))?;
         let e = Exporter {
             text: Arc::new(Mutex::new(String::new())),
             counters: Arc::default(),
             run: Arc::default(),
             addr,
         };
-        let shared = e.clone();
-        let clients = Arc::new(AtomicUsize::new(0));
+        let page = e.clone();
         std::thread::Builder::new()
             .name("prometheus".into())
-            .spawn(move || {
-                for stream in listener.incoming() {
-                    let Ok(s) = stream else { continue };
-                    if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
-                        clients.fetch_sub(1, Ordering::SeqCst);
-                        // Read what the request sent (briefly: this is the accept loop), so
-                        // that closing does not reset the connection under the reply.
-                        let mut s = s;
-                        let _ = request_head(&mut s, Duration::from_millis(200));
-                        respond(
-                            s,
-                            "503 Service Unavailable",
-                            "busy: too many scrapes at once\n",
-                            false,
-                        );
-                        continue;
-                    }
-                    let (page, done) = (shared.clone(), clients.clone());
-                    let served = std::thread::Builder::new()
-                        .name("prometheus-scrape".into())
-                        .spawn(move || {
-                            page.serve(s);
-                            done.fetch_sub(1, Ordering::SeqCst);
-                        });
-                    if served.is_err() {
-                        clients.fetch_sub(1, Ordering::SeqCst);
-                    }
-                }
-            })
+            .spawn(move || serve(listener, page))
             .map_err(|e| Error::start("Prometheus thread", e))?;
         Ok(e)
     }
@@ -165,56 +319,34 @@ impl Exporter {
         o.0
     }
 
-    /// One request on `s`: GET (or HEAD) /metrics, else 404.
-    fn serve(&self, mut s: TcpStream) {
-        let req = request_head(&mut s, Duration::from_secs(2));
+    /// The response to a request head: GET (or HEAD) /metrics, else 404 or 405.
+    fn answer(&self, req: &str) -> Vec<u8> {
         let mut words = req.split_whitespace();
         let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
         let head = method == "HEAD";
         if method != "GET" && !head {
-            return respond(s, "405 Method Not Allowed", "only GET and HEAD\n", false);
+            return response("405 Method Not Allowed", "only GET and HEAD\n", false);
         }
         if path == "/metrics" || path.starts_with("/metrics?") {
-            respond(s, "200 OK", &self.page(), head);
+            response("200 OK", &self.page(), head)
         } else {
-            respond(
-                s,
+            response(
                 "404 Not Found",
                 "not found: the metrics are at /metrics\n",
                 head,
-            );
+            )
         }
     }
 }
 
-/// The request head (it may come in several segments), as far as it came within
-/// `timeout` of the connection: a client that sends a byte now and then holds a handler
-/// no longer than one that sends nothing.
-fn request_head(s: &mut TcpStream, timeout: Duration) -> String {
-    let deadline = std::time::Instant::now() + timeout;
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while buf.len() < 8192 && !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() || s.set_read_timeout(Some(left)).is_err() {
-            break;
-        }
-        match s.read(&mut chunk) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-    String::from_utf8_lossy(&buf).into_owned()
-}
-
-/// Write one response and close; a HEAD's has the headers alone.
-fn respond(mut s: TcpStream, status: &str, body: &str, head: bool) {
-    let _ = write!(
-        s,
+/// One response, the connection closed after it; a HEAD's has the headers alone.
+fn response(status: &str, body: &str, head: bool) -> Vec<u8> {
+    format!(
         "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",
         body.len(),
         if head { "" } else { body }
-    );
+    )
+    .into_bytes()
 }
 
 struct Out(String);
@@ -572,30 +704,89 @@ fn tau_families(o: &mut Out, t: &Value) {
 mod tests {
     use super::*;
 
-    /// A client that dribbles its request a byte at a time is cut off at the timeout of
-    /// the whole head, not kept while each byte comes within it.
+    /// A GET of /metrics on a new connection: the response and how long it took.
+    fn scrape(addr: SocketAddr) -> (String, Duration) {
+        let t0 = Instant::now();
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        (out, t0.elapsed())
+    }
+
+    /// What a connection got until the server closed it (within `within`).
+    fn until_closed(mut s: TcpStream, within: Duration) -> String {
+        s.set_read_timeout(Some(within)).unwrap();
+        let mut out = Vec::new();
+        match s.read_to_end(&mut out) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            Err(e) => panic!("not closed within {within:?}: {e}"),
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// A hundred clients that connect and say nothing hold no scrape up (served one after
+    /// another, each would for a while); each is answered 408 and closed once its time to
+    /// send a request is over.
+    #[test]
+    fn idle_connections_hold_no_scrape_up_and_are_closed_in_time() {
+        let e = Exporter::start(parse_addr("127.0.0.1:0").unwrap()).unwrap();
+        let idle: Vec<TcpStream> = (0..100)
+            .map(|_| TcpStream::connect(e.addr).unwrap())
+            .collect();
+        let (page, took) = scrape(e.addr);
+        assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
+        assert!(page.contains("dflash_build_info"), "{page}");
+        assert!(
+            took < Duration::from_secs(3),
+            "a scrape behind 100 idle connections took {took:?}"
+        );
+        for s in idle {
+            let got = until_closed(s, HEAD_TIMEOUT + Duration::from_secs(20));
+            assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+        }
+    }
+
+    /// Beyond [`MAX_CONNECTIONS`] open at once, a new connection closes the oldest: a
+    /// scrape is still served, and the first idle client is closed before its time is up.
+    #[test]
+    fn a_connection_beyond_the_cap_closes_the_oldest() {
+        let e = Exporter::start(parse_addr("127.0.0.1:0").unwrap()).unwrap();
+        let mut idle: Vec<TcpStream> = (0..MAX_CONNECTIONS)
+            .map(|_| TcpStream::connect(e.addr).unwrap())
+            .collect();
+        let (page, took) = scrape(e.addr);
+        assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
+        assert!(took < Duration::from_secs(3), "{took:?}");
+        let got = until_closed(idle.remove(0), Duration::from_secs(20));
+        assert_eq!(got, "", "the oldest is closed without an answer");
+    }
+
+    /// A client that dribbles its request a byte at a time is answered 408 and closed at
+    /// the time given for the whole head, not kept while each byte comes within it.
     #[test]
     fn a_request_head_dribbled_byte_by_byte_is_cut_off_at_the_timeout() {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
-        let client = std::thread::spawn(move || {
-            let mut c = TcpStream::connect(addr).unwrap();
-            // At most 400 bytes, one per 50 ms (20 s in all), until the server is done.
-            for _ in 0..400 {
-                if c.write_all(b"G").is_err() || stop_rx.try_recv().is_ok() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
+        let e = Exporter::start(parse_addr("127.0.0.1:0").unwrap()).unwrap();
+        let mut c = TcpStream::connect(e.addr).unwrap();
+        let t0 = Instant::now();
+        let reader = {
+            let c = c.try_clone().unwrap();
+            std::thread::spawn(move || until_closed(c, Duration::from_secs(30)))
+        };
+        // At most 400 bytes, one per 50 ms (20 s in all), until the server closes.
+        for _ in 0..400 {
+            if c.write_all(b"G").is_err() || reader.is_finished() {
+                break;
             }
-        });
-        let (mut s, _) = listener.accept().unwrap();
-        let head = request_head(&mut s, Duration::from_millis(500));
-        stop_tx.send(()).unwrap();
-        client.join().unwrap();
-        // Half a second of a byte per 50 ms is about ten bytes; a read timeout renewed at
-        // every byte would have taken all 400 (20 s).
-        assert!(head.len() < 200, "{} bytes read", head.len());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let got = reader.join().unwrap();
+        assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+        // A deadline renewed at every byte would have taken all 400 (20 s).
+        assert!(t0.elapsed() < Duration::from_secs(12), "{:?}", t0.elapsed());
     }
 
     #[test]

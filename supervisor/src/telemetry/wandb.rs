@@ -47,23 +47,61 @@ pub struct Bridge {
     restarts: u32,
 }
 
+/// Why the bridge cannot run on this machine.
+#[derive(Debug, thiserror::Error)]
+pub enum WandbUnavailable {
+    #[error("python3 cannot be run ({0}); the W&B bridge needs python3 with the wandb package (pip install wandb)")]
+    NoPython(std::io::Error),
+    #[error("python3 cannot import the wandb package ({reason}); the W&B bridge needs it (pip install wandb)")]
+    NoPackage { reason: String },
+}
+
+/// Imports wandb as the bridge will: the current directory, which `python3 -c` puts first
+/// on `sys.path` and the bridge (a script in RUN_DIR) does not, is left out, so a `./wandb`
+/// there (the directory W&B's offline mode writes, or a stray `wandb.py`) neither passes
+/// for the package nor hides it. A namespace package (a bare directory named wandb
+/// elsewhere on the path) is not the package either.
+const PROBE: &str = r#"import sys
+if sys.path and sys.path[0] == "":
+    del sys.path[0]
+try:
+    import wandb
+except Exception as e:
+    sys.exit(f"{type(e).__name__}: {e}".replace("\n", " "))
+if getattr(wandb, "__file__", None) is None or not hasattr(wandb, "init"):
+    sys.exit("the wandb found at " + ", ".join(getattr(wandb, "__path__", [])) + " is a directory, not the package")
+"#;
+
 /// Refuse `--wandb-project` where the bridge cannot run (no python3 with wandb), before
 /// the run starts.
 pub fn check(a: &WandbArgs) -> Result<(), Error> {
-    let ok = Command::new("python3")
-        .args(["-c", "import wandb"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        Ok(())
-    } else {
-        Err(Error::Flag(format!(
-            "--wandb-project {}: the W&B bridge needs python3 with the wandb package (pip install wandb)",
-            a.project
-        )))
+    probe(Command::new("python3"), None).map_err(|e| Error::Unavailable {
+        what: format!("--wandb-project {}", a.project),
+        source: Box::new(e),
+    })
+}
+
+/// Whether the python3 `cmd` runs, in `cwd` (else this process's), has the wandb package.
+fn probe(mut cmd: Command, cwd: Option<&Path>) -> Result<(), WandbUnavailable> {
+    cmd.args(["-c", PROBE])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null());
+    if let Some(d) = cwd {
+        cmd.current_dir(d);
     }
+    let out = cmd.output().map_err(WandbUnavailable::NoPython)?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    let reason = err
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .map(|l| l.chars().take(300).collect())
+        .unwrap_or_else(|| format!("python3 exited with {}", out.status));
+    Err(WandbUnavailable::NoPackage { reason })
 }
 
 impl Bridge {
@@ -160,5 +198,61 @@ impl Bridge {
             State::Running(c) => Some(c.id()),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether `python` has the real wandb package: imported from an empty directory.
+    fn wandb_installed(python: &[&str]) -> bool {
+        let empty = tempfile::tempdir().unwrap();
+        let check = "import wandb, sys; sys.exit(0 if getattr(wandb, '__file__', None) and hasattr(wandb, 'init') else 1)";
+        Command::new(python[0])
+            .args(&python[1..])
+            .args(["-c", check])
+            .current_dir(empty.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
+    /// What is in the current directory does not decide the check: an empty `wandb/`
+    /// (what W&B's offline mode leaves there) does not pass for a missing package, and a
+    /// `wandb.py` that fails does not hide an installed one. Both with python3 as it is
+    /// and without its site-packages (`-S`: no wandb there, whatever this machine has).
+    #[test]
+    fn a_wandb_directory_or_file_in_the_current_directory_does_not_decide_the_check() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("wandb")).unwrap();
+        let file = tempfile::tempdir().unwrap();
+        std::fs::write(
+            file.path().join("wandb.py"),
+            "raise ImportError('a stray wandb.py')\n",
+        )
+        .unwrap();
+        let mut missing_seen = false;
+        for python in [&["python3"][..], &["python3", "-S"]] {
+            let installed = wandb_installed(python);
+            missing_seen |= !installed;
+            for cwd in [dir.path(), file.path()] {
+                let mut cmd = Command::new(python[0]);
+                cmd.args(&python[1..]);
+                let r = probe(cmd, Some(cwd));
+                assert_eq!(
+                    r.is_ok(),
+                    installed,
+                    "{python:?} in {} (wandb installed: {installed}): {r:?}",
+                    cwd.display()
+                );
+                if let Err(e) = r {
+                    let e = e.to_string();
+                    assert!(!e.contains('\n') && e.contains("pip install wandb"), "{e}");
+                }
+            }
+        }
+        assert!(missing_seen, "python3 -S found a wandb package");
     }
 }
