@@ -17,10 +17,6 @@ use dflash_shared::{DeviceSpec, DeviceSpecError};
 ///   dflash-supervise logs --run-dir runs/a drafter-1 -n 50
 ///   dflash-supervise logs --all -f
 ///   dflash-supervise status --json
-/// `--max-seq-len`'s default (a shorter target context lowers it: see
-/// `run::validate::adapt_max_seq_len`).
-pub const DEFAULT_MAX_SEQ_LEN: u32 = 1024;
-
 #[derive(Debug, Parser)]
 #[command(
     name = "dflash-supervise",
@@ -691,6 +687,10 @@ pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
 }
+
+/// `--max-seq-len`'s default (a shorter target context lowers it: see
+/// `run::validate::adapt_max_seq_len`).
+pub const DEFAULT_MAX_SEQ_LEN: u32 = 1024;
 
 /// The run options of a command line without its program name (for unit tests).
 #[cfg(test)]
