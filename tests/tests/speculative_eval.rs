@@ -166,6 +166,31 @@ fn eval_measures_tau_on_the_demo_drafter_and_refuses_bad_inputs() {
         "{out}"
     );
 
+    // Issue 40: without --target, the target the export records (RUN_DIR/target here).
+    let o = supervise(
+        &[
+            "eval",
+            "--drafter",
+            drafter.to_str().unwrap(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-new-tokens",
+            "24",
+        ],
+        None,
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    let recorded = std::fs::canonicalize(&target).unwrap();
+    assert!(
+        err.contains(&format!("target {} (recorded by the export)", recorded.display())),
+        "{err}"
+    );
+    assert!(String::from_utf8_lossy(&o.stdout).contains(&format!(
+        "pooled tokens/verify steps {:.3}",
+        f(&t["pooled"])
+    )));
+
     // Inputs it cannot use.
     let missing = tmp.path().join("nowhere");
     refused(

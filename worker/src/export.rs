@@ -547,7 +547,14 @@ pub fn from_checkpoint(
         max_position_embeddings,
         target: dflash_shared::model_config::TargetConfig::load(target)
             .ok()
-            .map(|c| target_record(&c)),
+            .map(|c| {
+                let mut r = target_record(&c);
+                // Where it was: `eval` of this export defaults to it.
+                if let Ok(p) = std::fs::canonicalize(target) {
+                    r["path"] = p.to_string_lossy().into_owned().into();
+                }
+                r
+            }),
     };
     write_hf_dir(&d, &frozen, &params, &info, out)?;
     Ok(step)

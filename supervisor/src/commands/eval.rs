@@ -21,8 +21,9 @@ use crate::error::Error;
 #[derive(Debug, clap::Args)]
 pub struct EvalArgs {
     /// The target model directory (RUN_DIR/target for the built-in tiny target), or tiny.
+    /// Default: the target the export records (its config.json's dflash_target.path).
     #[arg(long, value_name = "DIR")]
-    pub target: String,
+    pub target: Option<String>,
     /// An exported drafter directory (RUN_DIR/drafter, or what `export` wrote).
     #[arg(long, value_name = "DIR")]
     pub drafter: PathBuf,
@@ -63,12 +64,38 @@ fn gpu_of(spec: &str) -> Result<Option<u32>, Error> {
     }
 }
 
-pub fn run(a: EvalArgs) -> Result<i32, Error> {
-    let tiny = a.target == "tiny";
-    let gpu = gpu_of(&a.gpus)?;
-    if !tiny && !Path::new(&a.target).join("config.json").is_file() {
+/// The target an export was trained for, as its config.json records it.
+fn recorded_target(drafter: &Path) -> Result<String, Error> {
+    let cfg = drafter.join("config.json");
+    let none = || {
+        Error::input(
+            format!("--drafter {}", drafter.display()),
+            "its config.json records no target (an export of an older version): give --target DIR",
+        )
+    };
+    let text = std::fs::read_to_string(&cfg).map_err(|_| none())?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|_| none())?;
+    let path = v["dflash_target"]["path"].as_str().ok_or_else(none)?;
+    if !Path::new(path).join("config.json").is_file() {
         return Err(Error::input(
-            format!("--target {}", a.target),
+            format!("--drafter {}", drafter.display()),
+            format!("the target it records, {path}, is no longer there: give --target DIR"),
+        ));
+    }
+    log::info!("eval: target {path} (recorded by the export)");
+    Ok(path.to_string())
+}
+
+pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
+    if a.target.is_none() {
+        a.target = Some(recorded_target(&a.drafter)?);
+    }
+    let target = a.target.clone().unwrap_or_default();
+    let tiny = target == "tiny";
+    let gpu = gpu_of(&a.gpus)?;
+    if !tiny && !Path::new(&target).join("config.json").is_file() {
+        return Err(Error::input(
+            format!("--target {target}"),
             "no config.json there (expected a Hugging Face model directory, or tiny)",
         ));
     }
@@ -82,14 +109,10 @@ pub fn run(a: EvalArgs) -> Result<i32, Error> {
             ));
         }
     }
-    let lines = token_lines(
-        "--prompts",
-        &a.prompts,
-        (!tiny).then(|| Path::new(&a.target)),
-    )?;
+    let lines = token_lines("--prompts", &a.prompts, (!tiny).then(|| Path::new(&target)))?;
     if !tiny {
-        let t = dflash_shared::model_config::TargetConfig::load(Path::new(&a.target))
-            .map_err(|e| Error::input(format!("--target {}", a.target), e.to_string()))?;
+        let t = dflash_shared::model_config::TargetConfig::load(Path::new(&target))
+            .map_err(|e| Error::input(format!("--target {target}"), e.to_string()))?;
         crate::data::prompts::check_context(
             "--prompts",
             &a.prompts,
@@ -119,7 +142,7 @@ fn worker(a: &EvalArgs, prompts: &Path, gpu: Option<u32>) -> Result<i32, Error> 
     let mut cmd = Command::new(&worker);
     cmd.arg("eval")
         .arg("--target")
-        .arg(&a.target)
+        .arg(a.target.as_deref().unwrap_or("tiny"))
         .arg("--drafter")
         .arg(&a.drafter)
         .arg("--prompts")
