@@ -133,6 +133,9 @@ fn text(state: &RunState, alive: bool, history: &History) -> String {
             t.acceptance,
             t.members
         );
+        for line in quality_lines(t) {
+            put!("{line}");
+        }
     }
     if resumed {
         put!(
@@ -192,6 +195,42 @@ fn since(t: &str) -> String {
         .map(|d| d.as_secs())
         .unwrap_or(0);
     humantime::format_duration(std::time::Duration::from_secs(secs)).to_string()
+}
+
+/// What the drafter is worth so far: its last τ (`--eval-prompts`), its last eval
+/// (`--eval-data`), and the best checkpoint, one line each when known.
+fn quality_lines(t: &crate::run::rundir::TrainProgress) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(tau) = &t.tau {
+        let ci = tau["pooled_ci95"]
+            .as_array()
+            .filter(|a| a.len() == 2)
+            .map(|a| {
+                format!(
+                    " (95% CI [{:.2}, {:.2}])",
+                    a[0].as_f64().unwrap_or(0.0),
+                    a[1].as_f64().unwrap_or(0.0)
+                )
+            })
+            .unwrap_or_default();
+        out.push(format!(
+            "τ:          {:.3}{ci} at step {}, over {} prompts",
+            tau["pooled"].as_f64().unwrap_or(0.0),
+            tau["step"].as_u64().unwrap_or(0),
+            tau["prompts"].as_u64().unwrap_or(0)
+        ));
+    }
+    if let (Some(step), Some(loss), Some(acc)) = (t.eval_step, t.eval_loss, t.eval_acceptance) {
+        out.push(format!(
+            "eval:       loss {loss:.4}, acceptance {acc:.2} at step {step}"
+        ));
+    }
+    if let Some(b) = t.best_step {
+        out.push(format!(
+            "best:       the checkpoint of step {b} (checkpoints/best)"
+        ));
+    }
+    out
 }
 
 #[cfg(test)]
@@ -271,6 +310,35 @@ mod tests {
         // Without events.jsonl, the state's counts.
         let t = text(&state(&[("drafter-0", 2)]), false, &History::default());
         assert_eq!(row_of(&t, "drafter-0")[5], "2");
+    }
+
+    #[test]
+    fn tau_eval_and_the_best_checkpoint_are_shown_when_known() {
+        let mut st = state(&[("drafter-0", 0)]);
+        st.train = Some(crate::run::rundir::TrainProgress {
+            step: 40,
+            loss: 2.5,
+            members: 1,
+            eval_step: Some(40),
+            eval_loss: Some(2.75),
+            eval_acceptance: Some(1.5),
+            best_step: Some(30),
+            tau: Some(
+                serde_json::json!({"step": 40, "prompts": 8, "pooled": 2.345,
+                "pooled_ci95": [2.0, 2.7]}),
+            ),
+            ..Default::default()
+        });
+        let t = text(&st, false, &History::default());
+        assert!(
+            t.contains("τ:          2.345 (95% CI [2.00, 2.70]) at step 40, over 8 prompts"),
+            "{t}"
+        );
+        assert!(
+            t.contains("eval:       loss 2.7500, acceptance 1.50 at step 40"),
+            "{t}"
+        );
+        assert!(t.contains("best:       the checkpoint of step 30"), "{t}");
     }
 
     fn row_of<'a>(t: &'a str, name: &str) -> Vec<&'a str> {
