@@ -768,7 +768,7 @@ fn a_rank_killed_in_the_middle_of_an_all_reduce_leaves_the_step_to_the_survivors
         .find(|s| s["step"] == 5)
         .unwrap();
     assert!(
-        s5["epoch"].as_u64().unwrap() >= abort["epoch"].as_u64().unwrap(),
+        s5["group_epoch"].as_u64().unwrap() >= abort["epoch"].as_u64().unwrap(),
         "{s5}"
     );
     // Step 5 commits in a later epoch than the abort. It holds the survivors' two
@@ -779,7 +779,7 @@ fn a_rank_killed_in_the_middle_of_an_all_reduce_leaves_the_step_to_the_survivors
         e["why"].as_str().unwrap_or("").starts_with("rank 1 joined")
             && e["step"] == 5
             && e["epoch"].as_u64() > abort["epoch"].as_u64()
-            && e["epoch"].as_u64() <= s5["epoch"].as_u64()
+            && e["epoch"].as_u64() <= s5["group_epoch"].as_u64()
     });
     let expect = if rejoined { 3 } else { 2 };
     assert_eq!(s5["contributors"], expect, "step 5 holds the batches of the members of its epoch (rank 1 rejoined in time: {rejoined}): {s5} {ep:?}");
@@ -1048,4 +1048,409 @@ fn a_resume_stopped_before_its_first_step_reports_the_checkpoints_step_and_loss(
     let status = supervise(&["status", "--run-dir", &run, "--json"], None);
     let v: Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(says(&v), want, "{v}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Requeues and resumes (issue 39): what a job requeued by Slurm meets, with the same
+// command line each time.
+
+/// Run `dflash-supervise ARGS` (with `env` added) to its end, within `T`: its exit code
+/// and stderr.
+fn run_to_end(args: &[&str], env: &[(&str, &str)]) -> (i32, String) {
+    let tmp = tempfile::tempdir().unwrap();
+    let err = tmp.path().join("stderr");
+    let mut cmd = std::process::Command::new(bin("dflash-supervise"));
+    cmd.args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&err).unwrap());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let deadline = std::time::Instant::now() + T;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "dflash-supervise {} did not end within {T:?}:\n{}",
+                args.join(" "),
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(&err).unwrap_or_default();
+    (status.code().unwrap_or(-1), text)
+}
+
+/// The names in `dir`, sorted.
+fn listing(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The `RUN.attempt-*` directories beside `run`.
+fn attempts(run: &Path) -> Vec<std::path::PathBuf> {
+    let prefix = format!("{}.attempt-", run.file_name().unwrap().to_string_lossy());
+    let parent = run.parent().unwrap();
+    listing(parent)
+        .into_iter()
+        .filter(|n| n.starts_with(&prefix))
+        .map(|n| parent.join(n))
+        .collect()
+}
+
+/// The step of the drafter exported in `run/drafter` (its config.json).
+fn drafter_step(run: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(run.join("drafter/config.json")).ok()?;
+    serde_json::from_str::<Value>(&text).ok()?["dflash_training"]["step"].as_u64()
+}
+
+fn finished_step(run: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(run.join("finished.json")).ok()?;
+    serde_json::from_str::<Value>(&text).ok()?["step"].as_u64()
+}
+
+#[test]
+fn a_requeue_refused_for_a_bad_flag_moves_no_run_aside_and_one_that_starts_does() {
+    // A run stopped before its first step: no checkpoint, nothing to resume.
+    let mut sup = Sup::start_real(&["--gpus", "cpu:2"]);
+    sup.wait_running(2);
+    sup.signal(Signal::SIGTERM);
+    assert_eq!(sup.wait_exit(T).code(), Some(75), "{}", sup.stderr());
+    assert!(sup.run_dir.join("run.json").is_file());
+    let before = listing(&sup.run_dir);
+    let run = sup.run_dir.to_str().unwrap().to_string();
+    let cmd = |extra: &[&'static str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--demo-samples",
+            "64",
+            "--steps",
+            "2",
+        ]
+        .iter()
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect();
+        v.extend(["--run-dir".into(), run.clone(), "--resume-if-exists".into()]);
+        v
+    };
+    // Refused flags, one checked with the others and one only once the target is read:
+    // every retry leaves the run where it is.
+    for (bad, names) in [
+        (&["--eval-every", "5"][..], "--eval-every 5"),
+        (
+            &["--target", "/nonexistent/model"][..],
+            "/nonexistent/model",
+        ),
+    ] {
+        let args = cmd(bad);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, err) = run_to_end(&args, &[]);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains(names), "{err}");
+        assert_eq!(
+            attempts(&sup.run_dir),
+            Vec::<std::path::PathBuf>::new(),
+            "{err}"
+        );
+        assert_eq!(listing(&sup.run_dir), before, "{err}");
+    }
+    // The command that starts: the old run goes aside once, the new one takes its place.
+    let args = cmd(&[]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, err) = run_to_end(&args, &[]);
+    assert_eq!(code, 0, "{err}");
+    let moved = attempts(&sup.run_dir);
+    assert_eq!(moved.len(), 1, "{moved:?}");
+    assert_eq!(listing(&moved[0]), before);
+    assert_eq!(finished_step(&sup.run_dir), Some(2), "{err}");
+}
+
+#[test]
+fn a_requeue_of_a_run_that_trained_its_steps_but_did_not_finish_finishes_it_and_exits_0() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let cmd = [
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--demo-samples",
+        "64",
+        "--steps",
+        "4",
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--resume-if-exists",
+    ];
+    // The export at the run's end fails: ENOSPC on its new directory only (the
+    // fault-injection preload library, as in faults.rs).
+    let lib = cdylib("libdflash_fault_inject.so").display().to_string();
+    let full_disk = [
+        ("LD_PRELOAD", lib.as_str()),
+        ("DFLASH_FAULT_CALL", "mkdir"),
+        ("DFLASH_FAULT_PATH", ".drafter.export-"),
+        ("DFLASH_FAULT_ACTION", "errno:28"),
+    ];
+    let (code, err) = run_to_end(&cmd, &full_disk);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("the drafter (step 4) could not be written"),
+        "{err}"
+    );
+    assert!(!run.join("drafter").exists() && !run.join("finished.json").exists());
+    let events = read_jsonl(&run.join("events.jsonl")).len();
+    // The requeue: no worker started, the drafter written, the end recorded, exit 0.
+    let (code, err) = run_to_end(&cmd, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("had trained its --steps 4 but its last session ended before finishing")
+            && err.contains("drafter (step 4) written to")
+            && err.contains("finished now"),
+        "{err}"
+    );
+    assert_eq!(drafter_step(&run), Some(4));
+    assert_eq!(finished_step(&run), Some(4));
+    assert_eq!(read_jsonl(&run.join("events.jsonl")).len(), events, "{err}");
+    // Requeued again: finished.
+    let (code, err) = run_to_end(&cmd, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("already finished at step 4"), "{err}");
+    // A session whose export was written but whose stop was unclean (exit 3) leaves the
+    // drafter and no record: the record is written, the drafter not again.
+    std::fs::remove_file(run.join("finished.json")).unwrap();
+    let weights = run.join("drafter/model.safetensors");
+    let written = std::fs::metadata(&weights).unwrap().modified().unwrap();
+    let (code, err) = run_to_end(&["--gpus", "cpu:2", "--resume", run.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(err.contains("its drafter (step 4) is in"), "{err}");
+    assert_eq!(
+        std::fs::metadata(&weights).unwrap().modified().unwrap(),
+        written
+    );
+    assert_eq!(finished_step(&run), Some(4));
+}
+
+#[test]
+fn a_corrupt_finished_record_is_named_in_a_warning_and_the_run_taken_as_not_finished() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let cmd = ["--gpus", "cpu:2", "--data", "demo", "--demo-samples", "64"];
+    let (code, err) = run_to_end(
+        &[&cmd[..], &["--steps", "2", "--run-dir", run_s]].concat(),
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    std::fs::write(run.join("finished.json"), "{\"step\": 2,").unwrap();
+    let (code, err) = run_to_end(&["--gpus", "cpu:2", "--resume", run_s], &[]);
+    assert_eq!(code, 0, "{err}");
+    let warning = format!(
+        "warning: {} is not a record of a run's end",
+        run.join("finished.json").display()
+    );
+    assert!(
+        err.contains(&warning) && err.contains("the run is taken as not finished"),
+        "{err}"
+    );
+    assert!(err.contains("had trained its --steps 2"), "{err}");
+    assert_eq!(finished_step(&run), Some(2), "written again");
+}
+
+#[test]
+fn a_checkpoint_of_a_newer_dflash_supervise_refuses_the_resume_and_nothing_is_moved() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let (code, err) = run_to_end(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--demo-samples",
+            "64",
+            "--steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--run-dir",
+            run_s,
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    // The newest checkpoint as a newer version would write it: a larger format.
+    let newest = run.join("checkpoints/step-00000004");
+    let meta = newest.join("meta.json");
+    let text = std::fs::read_to_string(&meta).unwrap();
+    assert!(text.contains("\"format\": 1"), "{text}");
+    std::fs::write(&meta, text.replace("\"format\": 1", "\"format\": 2")).unwrap();
+    let (run_before, checkpoints_before) = (listing(&run), listing(&run.join("checkpoints")));
+    let steps_before = steps(&run).len();
+    let (code, err) = run_to_end(&["--gpus", "cpu:2", "--resume", run_s, "--steps", "6"], &[]);
+    assert_eq!(code, 2, "{err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(errors.len(), 1, "one line: {err}");
+    let err = errors[0];
+    assert!(
+        err.contains(&format!(
+            "{} was written by a newer dflash-supervise (checkpoint format 2; this one",
+            newest.display()
+        )) && err.contains("reads format 1)")
+            && err.contains("use the newer dflash-supervise"),
+        "{err}"
+    );
+    assert_eq!(listing(&run), run_before, "nothing set aside");
+    assert_eq!(listing(&run.join("checkpoints")), checkpoints_before);
+    assert_eq!(steps(&run).len(), steps_before, "nothing trained");
+}
+
+#[test]
+fn a_data_file_copied_again_with_a_new_time_resumes_and_one_with_a_byte_changed_does_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data.jsonl");
+    let mut text = String::new();
+    for i in 0..64 {
+        let ids: Vec<String> = (0..48)
+            .map(|j| ((i * 7 + j * 3) % 500 + 1).to_string())
+            .collect();
+        text.push_str(&format!("{{\"input_ids\": [{}]}}\n", ids.join(",")));
+    }
+    std::fs::write(&data, &text).unwrap();
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let (code, err) = run_to_end(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            data.to_str().unwrap(),
+            "--max-seq-len",
+            "64",
+            "--token-budget",
+            "128",
+            "--epochs",
+            "10",
+            "--steps",
+            "3",
+            "--run-dir",
+            run_s,
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let set_time = |secs: u64| {
+        std::fs::File::options()
+            .write(true)
+            .open(&data)
+            .unwrap()
+            .set_modified(std::time::UNIX_EPOCH + Duration::from_secs(secs))
+            .unwrap()
+    };
+    // One byte changed, the size and time as they were: refused.
+    let modified = std::fs::metadata(&data).unwrap().modified().unwrap();
+    let at = text.rfind("500").unwrap();
+    let mut other = text.clone().into_bytes();
+    other[at] = b'4';
+    std::fs::write(&data, &other).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_modified(modified)
+        .unwrap();
+    let resume = ["--gpus", "cpu:2", "--resume", run_s, "--steps", "5"];
+    let (code, err) = run_to_end(&resume, &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("the data file") && err.contains("changed since the run started"),
+        "{err}"
+    );
+    // The same bytes, copied again (a new modification time): the same data.
+    std::fs::write(&data, &text).unwrap();
+    set_time(2_000_000_000);
+    let (code, err) = run_to_end(&resume, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(steps(&run).last().unwrap()["step"], 5, "{err}");
+}
+
+#[test]
+fn a_best_link_left_dangling_by_a_resume_is_pointed_at_the_best_checkpoint_left() {
+    let tmp = tempfile::tempdir().unwrap();
+    let eval = tmp.path().join("eval.jsonl");
+    let mut text = String::new();
+    for i in 0..8 {
+        let ids: Vec<String> = (0..24)
+            .map(|t| ((t * 7 + i * 13 + 3) % 500 + 1).to_string())
+            .collect();
+        text.push_str(&format!("{{\"input_ids\": [{}]}}\n", ids.join(", ")));
+    }
+    std::fs::write(&eval, text).unwrap();
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let (code, err) = run_to_end(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--data",
+            "demo",
+            "--demo-samples",
+            "64",
+            "--steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+            "--eval-data",
+            eval.to_str().unwrap(),
+            "--eval-every",
+            "2",
+            "--run-dir",
+            run_s,
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let checkpoints = run.join("checkpoints");
+    let best = checkpoints.join("best");
+    // The best is the newest checkpoint, whose state is then damaged: the resume sets
+    // it aside.
+    std::fs::remove_file(&best).unwrap();
+    std::os::unix::fs::symlink("step-00000004", &best).unwrap();
+    let state = checkpoints.join("step-00000004/state.safetensors");
+    let mut bytes = std::fs::read(&state).unwrap();
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&state, bytes).unwrap();
+    let (code, err) = run_to_end(&["--gpus", "cpu:2", "--resume", run_s, "--steps", "6"], &[]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains(&format!(
+            "warning: {} pointed at step-00000004, which is no longer there: now at step-00000002, the best checkpoint left",
+            best.display()
+        )),
+        "{err}"
+    );
+    let target = std::fs::read_link(&best).unwrap();
+    assert!(
+        checkpoints.join(&target).join("meta.json").is_file(),
+        "{}",
+        target.display()
+    );
 }

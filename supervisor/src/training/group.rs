@@ -1582,7 +1582,7 @@ impl Group {
             .collect();
         let line = serde_json::json!({
             "step": step, "loss": s.loss(), "acceptance": s.acceptance(), "slot_accuracy": acc,
-            "lr": lr, "members": self.members.len(), "contributors": contributors, "epoch": self.epoch,
+            "lr": lr, "members": self.members.len(), "contributors": contributors, "group_epoch": self.epoch,
             "reduce_ms": self.reduce_ms.iter().copied().fold(0.0, f64::max),
             "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
             "wait_ms": s.wait_ms, "compute_ms": s.compute_ms, "optimizer_ms": s.optimizer_ms,
