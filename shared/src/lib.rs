@@ -13,6 +13,7 @@ pub mod exit_codes;
 pub mod export_dest;
 pub mod model_config;
 pub mod names;
+pub mod nproc;
 pub mod pool;
 pub mod protocol;
 pub mod rng;

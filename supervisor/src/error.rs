@@ -43,7 +43,8 @@ pub enum Error {
         source: std::io::Error,
     },
     /// A thread, the spawner or a signal handler could not be started (exit 4).
-    #[error("cannot start {what}: {source}")]
+    /// EAGAIN is named as the limit on processes and threads (`ulimit -u`) it is.
+    #[error("cannot start {what}: {}", crate::nproc::start_failure(.source))]
     Start {
         what: String,
         source: std::io::Error,

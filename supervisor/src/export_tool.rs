@@ -166,8 +166,10 @@ pub fn output_until(
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()?;
+    // (A thread that cannot start, at a low `ulimit -u`: the child is killed, and the
+    // error is returned, not a panic.)
     let drain = |r: Option<Box<dyn Read + Send>>| {
-        std::thread::spawn(move || {
+        std::thread::Builder::new().spawn(move || {
             let mut buf = Vec::new();
             if let Some(mut r) = r {
                 let _ = r.read_to_end(&mut buf);
@@ -175,18 +177,29 @@ pub fn output_until(
             buf
         })
     };
-    let out = drain(
+    let drains = drain(
         child
             .stdout
             .take()
             .map(|r| Box::new(r) as Box<dyn Read + Send>),
-    );
-    let err = drain(
-        child
-            .stderr
-            .take()
-            .map(|r| Box::new(r) as Box<dyn Read + Send>),
-    );
+    )
+    .and_then(|out| {
+        drain(
+            child
+                .stderr
+                .take()
+                .map(|r| Box::new(r) as Box<dyn Read + Send>),
+        )
+        .map(|err| (out, err))
+    });
+    let (out, err) = match drains {
+        Ok(d) => d,
+        Err(e) => {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+    };
     let deadline = std::time::Instant::now() + limit;
     let status = loop {
         if let Some(st) = child.try_wait()? {

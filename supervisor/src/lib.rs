@@ -18,6 +18,7 @@ pub mod commands;
 pub mod data;
 pub mod error;
 pub mod export_tool;
+pub mod nproc;
 pub mod run;
 pub mod shell;
 pub mod telemetry;

@@ -131,3 +131,52 @@ fn a_run_trains_on_chat_data_with_the_targets_own_template() {
     );
     assert!(a["consumed_once"].as_u64().unwrap() >= 3, "{a}");
 }
+
+/// Issue 40: a tokenizer of another model (Qwen3's 151K tokens against a 512-token target)
+/// is refused at the start in one line naming both sizes and both paths, not dropped line
+/// by line.
+#[test]
+fn a_tokenizer_whose_ids_pass_the_targets_vocabulary_is_refused_at_the_start() {
+    let Some(tok) = tokenizer_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    let st = Command::new(bin("dflash-worker"))
+        .arg("tiny-target")
+        .arg("--out")
+        .arg(&target)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let data = tmp.path().join("chat.jsonl");
+    std::fs::write(
+        &data,
+        r#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}"#,
+    )
+    .unwrap();
+    let out = supervise(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--target",
+            target.to_str().unwrap(),
+            "--tokenizer",
+            tok.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--run-dir",
+            tmp.path().join("run").to_str().unwrap(),
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    let lines: Vec<&str> = err.lines().filter(|l| l.contains("error")).collect();
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        lines[0].contains("vocabulary of 512")
+            && lines[0].contains("tokenizer.json")
+            && lines[0].contains(target.to_str().unwrap()),
+        "{err}"
+    );
+    assert!(!tmp.path().join("run").exists());
+}

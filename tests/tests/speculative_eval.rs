@@ -183,7 +183,10 @@ fn eval_measures_tau_on_the_demo_drafter_and_refuses_bad_inputs() {
     let err = String::from_utf8_lossy(&o.stderr);
     let recorded = std::fs::canonicalize(&target).unwrap();
     assert!(
-        err.contains(&format!("target {} (recorded by the export)", recorded.display())),
+        err.contains(&format!(
+            "target {} (recorded by the export)",
+            recorded.display()
+        )),
         "{err}"
     );
     assert!(String::from_utf8_lossy(&o.stdout).contains(&format!(

@@ -353,8 +353,9 @@ fn resume_refuses_what_cannot_be_resumed() {
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(0), "{err}");
     assert!(err.contains("already finished at step 3"), "{err}");
-    // Without the record of its end (a run of an older version), --steps at the
-    // checkpoint's step is nothing to train: refused.
+    // Without the record of its end (a run of an older version, or a session that ended
+    // before recording it), a checkpoint at --steps is nothing to train: the run is
+    // finished (its drafter is there), exit 0; a --steps below it is refused.
     fs::remove_file(done.run_dir.join("finished.json")).unwrap();
     let out = supervise(
         &[
@@ -366,9 +367,27 @@ fn resume_refuses_what_cannot_be_resumed() {
         None,
     );
     let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("had trained its --steps 3") && err.contains("its drafter (step 3) is in"),
+        "{err}"
+    );
+    fs::remove_file(done.run_dir.join("finished.json")).unwrap();
+    let out = supervise(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--resume",
+            done.run_dir.to_str().unwrap(),
+            "--steps",
+            "2",
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(
-        err.contains("checkpoint is at step 3, and --steps is 3: nothing to train"),
+        err.contains("checkpoint is at step 3, and --steps is 2: nothing to train"),
         "{err}"
     );
 }

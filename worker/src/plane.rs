@@ -634,9 +634,16 @@ fn load_target(
     }
     match dev {
         // No GPU: the same device target, on the CPU device (f32).
-        None => DeviceTarget::new(Box::new(device::cpu::CpuDevice::new()), &t, max_tokens)
-            .map(Box::new)
-            .map_err(|e| fail(format!("putting the target on the CPU device: {e}"))),
+        None => {
+            let cpu = device::cpu::CpuDevice::open().map_err(|e| LoadError {
+                msg: e.to_string(),
+                permanent: true,
+                model: false,
+            })?;
+            DeviceTarget::new(Box::new(cpu), &t, max_tokens)
+                .map(Box::new)
+                .map_err(|e| fail(format!("putting the target on the CPU device: {e}")))
+        }
         Some(dev) => match DeviceTarget::new(dev, &t, max_tokens) {
             Ok(g) => Ok(Box::new(g)),
             Err(e @ GpuError::Unavailable(_)) => Err(unavailable(e)),

@@ -223,7 +223,10 @@ impl Rank {
             .map_err(WorkerError::io("mapping the state slot"))?;
         let n = drafter.layout.total;
         let dev = match crate::device::open_device(gpu) {
-            Ok(None) => Box::new(crate::device::cpu::CpuDevice::new()),
+            Ok(None) => Box::new(
+                crate::device::cpu::CpuDevice::open()
+                    .map_err(|e| WorkerError::Permanent(e.to_string()))?,
+            ),
             Ok(Some(dev)) => dev,
             Err(e @ GpuError::Unavailable(_)) => return Err(WorkerError::Permanent(e.to_string())),
             Err(e) => return Err(WorkerError::device("opening the device")(e)),

@@ -401,6 +401,15 @@ impl Chat {
         Ok((text, enc))
     }
 
+    /// One past the largest token id the tokenizer can produce (added tokens included).
+    pub fn id_count(&self) -> usize {
+        self.tokenizer
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&m| m as usize + 1)
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)
     }

@@ -341,14 +341,19 @@ pub struct Skipped {
 
 /// The `*.jsonl` regular files of a data directory (symlinks to files count), sorted, and
 /// the `*.jsonl` entries that are not read: dangling symlinks, FIFOs, directories, ...
-/// (sorted too). Entries with other names are not data and are not listed.
+/// (sorted too). The extension is matched in any case (`a.JSONL`, `b.Jsonl`): such a file
+/// is as clearly JSONL as `c.jsonl`. Entries with other names are not data and are not
+/// listed.
 pub fn list_jsonl(dir: &Path) -> io::Result<(Vec<PathBuf>, Vec<Skipped>)> {
     let mut files = Vec::new();
     let mut skipped = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let Ok(entry) = entry else { continue };
         let path = entry.path();
-        if path.extension().is_none_or(|x| x != "jsonl") {
+        if path
+            .extension()
+            .is_none_or(|x| !x.eq_ignore_ascii_case("jsonl"))
+        {
             continue;
         }
         // Through symlinks: a link to a file is read as that file.
@@ -734,8 +739,8 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
             })?;
             let enc = chat.encode(messages)?;
             if let Some(v) = cfg.vocab_size {
-                if enc.ids.iter().any(|&t| t >= v) {
-                    return Err(bad("token id >= vocab size"));
+                if let Some(t) = enc.ids.iter().find(|&&t| t >= v) {
+                    return Err(past_vocab(*t as i64, v));
                 }
             }
             (enc.ids, enc.mask, !enc.marker_found)
@@ -754,6 +759,16 @@ pub(crate) use crate::data::chat::Bad;
 
 /// Why a chat line is bad when there is no usable tokenizer and chat template.
 pub(crate) const NO_TOKENIZER: &str = "chat sample but no usable tokenizer";
+
+/// A token id `t` at or past the target's vocabulary size `v`, both said.
+fn past_vocab(t: i64, v: u32) -> Bad {
+    Bad {
+        reason: "token id >= vocab size",
+        detail: Some(format!(
+            "token id {t} is not below the target's vocabulary size {v}"
+        )),
+    }
+}
 
 fn bad(reason: &'static str) -> Bad {
     Bad {
@@ -777,7 +792,10 @@ fn parse_tokens(
         if t < 0 {
             return Err(bad("negative token id"));
         }
-        if cfg.vocab_size.is_some_and(|v| t >= v as i64) || t > u32::MAX as i64 {
+        if let Some(v) = cfg.vocab_size.filter(|&v| t >= v as i64) {
+            return Err(past_vocab(t, v));
+        }
+        if t > u32::MAX as i64 {
             return Err(bad("token id >= vocab size"));
         }
         out.push(t as u32);
@@ -1154,8 +1172,21 @@ mod tests {
         std::os::unix::fs::symlink(d.join("gone.jsonl"), d.join("c.jsonl")).unwrap();
         nix::unistd::mkfifo(&d.join("d.jsonl"), nix::sys::stat::Mode::S_IRWXU).unwrap();
         std::fs::create_dir(d.join("e.jsonl")).unwrap();
+        // The extension in any case is JSONL too, read or named like the others.
+        std::fs::write(d.join("F.JSONL"), "{}\n").unwrap();
+        std::fs::write(d.join("g.Jsonl"), "{}\n").unwrap();
+        std::fs::create_dir(d.join("h.JSONL")).unwrap();
+        std::fs::write(d.join("i.jsonl.txt"), "not data").unwrap();
         let (files, skipped) = list_jsonl(d).unwrap();
-        assert_eq!(files, [d.join("a.jsonl"), d.join("b.jsonl")]);
+        assert_eq!(
+            files,
+            [
+                d.join("F.JSONL"),
+                d.join("a.jsonl"),
+                d.join("b.jsonl"),
+                d.join("g.Jsonl")
+            ]
+        );
         assert_eq!(
             skipped,
             [
@@ -1169,6 +1200,10 @@ mod tests {
                 },
                 Skipped {
                     path: d.join("e.jsonl"),
+                    why: SkipReason::Directory
+                },
+                Skipped {
+                    path: d.join("h.JSONL"),
                     why: SkipReason::Directory
                 },
             ]

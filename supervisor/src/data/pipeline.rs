@@ -1003,7 +1003,12 @@ impl Pipeline {
         if let Some(e) = &self.failed {
             return Some(e.clone());
         }
-        self.ledger.failed().map(|e| format!("{e}: the run stops taking batches, since it cannot record them (free space, then --resume)"))
+        self.ledger.failed().map(|e| {
+            format!(
+                "{e}: the run stops taking batches, since it cannot record them ({}, then --resume)",
+                ledger_remedy(e)
+            )
+        })
     }
 
     /// A worker life is over (pidfd said so, channel drained): take back its slots.
@@ -1233,6 +1238,22 @@ impl Pipeline {
             finished,
             json!({"loader_position": pos, "produced": self.produced}),
         );
+    }
+}
+
+/// What lets the ledger be written again, from its failure's words. The ledger keeps its
+/// failure as text, which ends in the OS's "(os error N)": a read-only filesystem (EROFS)
+/// is said to be one, not asked for free space.
+fn ledger_remedy(failure: &str) -> &'static str {
+    let os_error = failure
+        .rsplit_once("(os error ")
+        .and_then(|(_, n)| n.strip_suffix(')')?.parse::<i32>().ok());
+    match os_error {
+        Some(libc::EROFS) => "its filesystem is read-only: remount it read-write",
+        Some(libc::ENOSPC) | Some(libc::EDQUOT) => "free space (df -h, df -i)",
+        Some(libc::EACCES) | Some(libc::EPERM) => "make it writable (permissions)",
+        Some(libc::EIO) => "its disk reports I/O errors: check it",
+        _ => "make it writable again",
     }
 }
 

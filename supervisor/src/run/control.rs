@@ -109,6 +109,7 @@ pub fn serve<E: From<ControlEvent> + Send + 'static>(
             }
         });
     if let Err(e) = spawned {
+        let e = crate::nproc::start_failure(&e);
         log::error!("cannot start control thread: {e}");
         // No hello can be taken: said, so that the worker's death is not waited on.
         let _ = fallback.send(E::from(ControlEvent::ChannelLost {

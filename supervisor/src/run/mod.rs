@@ -140,19 +140,40 @@ struct Setup {
     /// A run directory this start created (or found empty), and a copy of `--data`.
     created: Option<(PathBuf, bool)>,
     spool: Option<PathBuf>,
+    /// A SIGUSR1 came during the start: handed to the run once it is going.
+    usr1: bool,
+    /// `--resume-if-exists` found a run that never wrote a checkpoint in the run directory:
+    /// moved aside only once the new run's start is checked, and back if it then fails.
+    set_aside: Option<SetAside>,
+}
+
+/// A run directory with nothing to resume, in the way of a new run at its path.
+enum SetAside {
+    /// To be moved aside when the new run's directory is made.
+    Pending(PathBuf),
+    /// Moved: where from, and where to.
+    Moved { from: PathBuf, to: PathBuf },
 }
 
 impl Setup {
     /// A stop signal that came during the start, if one did.
     fn interrupted(&mut self) -> Option<&'static str> {
-        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+        use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1};
         let mut stop = None;
         for sig in self.signals.pending() {
             match sig {
                 SIGINT => stop = Some("SIGINT"),
                 SIGTERM => stop = Some("SIGTERM"),
                 SIGHUP => stop = Some("SIGHUP"),
-                // SIGUSR1/2: no worker to forward them to yet.
+                // A pre-emption notice: honoured once the run is going (a checkpoint at
+                // its first committed step).
+                SIGUSR1 => {
+                    if !self.usr1 {
+                        log::info!("SIGUSR1 received while starting: a checkpoint will be written at the first committed step");
+                    }
+                    self.usr1 = true;
+                }
+                // SIGUSR2: no worker to forward it to yet.
                 _ => log::info!("signal {sig} received while starting: no worker to forward it to"),
             }
         }
@@ -191,6 +212,12 @@ impl Setup {
                 let _ = std::fs::remove_dir_all(&dir);
             }
         }
+        // The run that was moved aside for this start goes back where it was.
+        if let Some(SetAside::Moved { from, to }) = self.set_aside.take() {
+            if !from.exists() && std::fs::rename(&to, &from).is_ok() {
+                log::info!("moved {} back to {}", to.display(), from.display());
+            }
+        }
     }
 }
 
@@ -202,9 +229,15 @@ pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
         signals,
         created: None,
         spool: None,
+        usr1: false,
+        set_aside: None,
     };
     match start(args, given, &mut setup) {
         Ok(Started::Run(d)) => {
+            // The pre-emption notice of the start (the signal thread takes the rest).
+            if setup.usr1 {
+                let _ = d.events().send(dispatcher::Event::Signal(SIGUSR1));
+            }
             start_signal_thread(d.events(), setup.signals)?;
             Ok(d.run())
         }
@@ -228,9 +261,10 @@ enum Started {
 
 /// The run directory of `--run-dir D --resume-if-exists`: `D` when it holds a run to
 /// resume (`Some`), else `None` (a new run is started there). A run that never wrote a
-/// checkpoint has nothing to resume: it is moved aside (`D.attempt-MS`) so that the new
-/// run can have `D`.
-fn existing_run(dir: &Path) -> Result<Option<PathBuf>, Error> {
+/// checkpoint has nothing to resume: it is to be moved aside (`D.attempt-MS`, noted in
+/// `setup`) so that the new run can have `D`, once everything that can refuse the new
+/// run's start was checked (see [`open_run_dir`]): a start refused leaves it where it is.
+fn existing_run(dir: &Path, setup: &mut Setup) -> Result<Option<PathBuf>, Error> {
     if !dir.join(resume::RUN_FILE).is_file() {
         log::info!(
             "--resume-if-exists: no run in {} yet: starting one",
@@ -264,14 +298,28 @@ fn existing_run(dir: &Path) -> Result<Option<PathBuf>, Error> {
             dir.display()
         )));
     }
+    setup.set_aside = Some(SetAside::Pending(dir.to_path_buf()));
+    Ok(None)
+}
+
+/// Move aside the run directory [`existing_run`] found with nothing to resume (if any):
+/// the new run takes its path now.
+fn set_aside_unresumable(setup: &mut Setup) -> Result<(), Error> {
+    let Some(SetAside::Pending(dir)) = setup.set_aside.take() else {
+        return Ok(());
+    };
     let aside = PathBuf::from(format!("{}.attempt-{}", dir.display(), rundir::unix_ms()));
-    std::fs::rename(dir, &aside).map_err(|e| Error::io("cannot move aside", dir, e))?;
+    std::fs::rename(&dir, &aside).map_err(|e| Error::io("cannot move aside", &dir, e))?;
     log::warn!(
         "--resume-if-exists: {} holds a run that never wrote a checkpoint (stopped before its first step): moved to {} and starting anew",
         dir.display(),
         aside.display()
     );
-    Ok(None)
+    setup.set_aside = Some(SetAside::Moved {
+        from: dir,
+        to: aside,
+    });
+    Ok(())
 }
 
 /// Everything before the dispatcher runs: flags, inputs, the run dir, the data plane.
@@ -302,19 +350,10 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         )?);
     }
     let tau_prompts = tau_prompts(&args, &target_cfg, &mut trainer_cfg)?;
-    // The newest checkpoint that verifies and is of this drafter, beyond which --steps lies.
-    // A run that already finished is said so (before --steps is compared with its step).
-    if let Some(p) = &resume {
-        if let Some(msg) = p
-            .newest_step()
-            .and_then(|step| resume::finished(&p.dir, step, args.steps))
-        {
-            return Ok(Started::Finished(msg));
-        }
-    }
-    let resume = match resume {
-        Some(p) => Some(p.select(&trainer_cfg.drafter, args.steps)?),
-        None => None,
+    let resume = match checkpoint_to_resume(resume, &args, &trainer_cfg, &worker_bin, setup)? {
+        Continue::Done(msg) => return Ok(Started::Finished(msg)),
+        Continue::From(r) => Some(*r),
+        Continue::New => None,
     };
     check_memory(&args, &plan, &target_cfg, &pipeline_cfg, &trainer_cfg)?;
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32;
@@ -373,6 +412,48 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     Ok(Started::Run(Box::new(d)))
 }
 
+/// What a start continues: nothing (a new run), a checkpoint, or a run with nothing left
+/// to train (said in words).
+enum Continue {
+    New,
+    From(Box<resume::Resume>),
+    Done(String),
+}
+
+/// The checkpoint a `--resume` continues from: the newest that verifies and is of this
+/// drafter, beyond which `--steps` lies. A run that already finished is said so (before
+/// `--steps` is compared with its step). One whose checkpoint is at its `--steps` but
+/// whose last session did not record its end (its export failed, a worker was killed at
+/// the stop) is finished now, under the run directory's lock: its drafter exported unless
+/// it is there, finished.json written (a requeue of it then exits 0).
+fn checkpoint_to_resume(
+    prepared: Option<resume::Prepared>,
+    args: &RunArgs,
+    trainer_cfg: &trainer::TrainerConfig,
+    worker_bin: &Path,
+    setup: &mut Setup,
+) -> Result<Continue, Error> {
+    let Some(p) = prepared else {
+        return Ok(Continue::New);
+    };
+    if let Some(msg) = p
+        .newest_step()
+        .and_then(|step| resume::finished(&p.dir, step, args.steps))
+    {
+        return Ok(Continue::Done(msg));
+    }
+    match p.select(&trainer_cfg.drafter, args.steps)? {
+        resume::Selected::Train(r) => Ok(Continue::From(r)),
+        resume::Selected::Reached(r) => {
+            let run_dir = rundir::RunDir::reopen(&r.dir)?;
+            let target = prepare_target(&args.target, worker_bin, &run_dir.path)?;
+            let setup = std::cell::RefCell::new(setup);
+            let stop = || setup.borrow_mut().interrupted().is_some();
+            r.finish(worker_bin, &target, &stop).map(Continue::Done)
+        }
+    }
+}
+
 /// The flags as the run will use them: `--config` applied, `--resume-if-exists` turned
 /// into a `--resume` of the run there (if any), a resumed run's saved settings merged in
 /// (its checkpoints listed, returned), the default run dir, data that can be read once
@@ -387,7 +468,7 @@ fn settle_flags(
     }
     if args.resume_if_exists {
         let dir = args.run_dir.clone().unwrap_or_default();
-        if let Some(d) = existing_run(&dir)? {
+        if let Some(d) = existing_run(&dir, setup)? {
             args.resume = Some(d);
             args.run_dir = None;
         }
@@ -444,7 +525,8 @@ fn spool_data(args: &mut RunArgs, setup: &mut Setup) -> Result<(), Error> {
 }
 
 /// The pools and the shared training buffers fit in shared memory, and each worker's
-/// share of the model, activations and pools fits its device.
+/// share of the model, activations and pools fits its device. The processes and threads
+/// the run needs are noted too: a start refused by `ulimit -u` says how many.
 fn check_memory(
     args: &RunArgs,
     plan: &[(WorkerName, Device)],
@@ -452,6 +534,7 @@ fn check_memory(
     pipeline_cfg: &pipeline::PipelineConfig,
     trainer_cfg: &trainer::TrainerConfig,
 ) -> Result<(), Error> {
+    crate::nproc::plan_run(plan.iter().map(|(_, d)| *d));
     let shared_bytes = trainer::Trainer::shared_bytes(
         &trainer_cfg.drafter,
         trainer_cfg.max_ranks,
@@ -517,7 +600,9 @@ fn plan_schedule(
 }
 
 /// The run directory: the resumed run's, or a new one (noted in `setup`, to be removed if
-/// the start is interrupted). A copy of the data made by [`spool_data`] moves into it.
+/// the start is interrupted; a run with nothing to resume at its path, found by
+/// [`existing_run`], is moved aside first). A copy of the data made by [`spool_data`]
+/// moves into it.
 fn open_run_dir(
     args: &mut RunArgs,
     loader_cfg: &mut loader::LoaderConfig,
@@ -528,6 +613,7 @@ fn open_run_dir(
         Some(r) => rundir::RunDir::reopen(&r.dir)?,
         None => {
             let path = args.run_dir.clone().unwrap_or_default();
+            set_aside_unresumable(setup)?;
             let existed = path.is_dir();
             let d = rundir::RunDir::create(Some(&path))?;
             setup.created = Some((d.path.clone(), existed));
@@ -564,7 +650,17 @@ fn continue_from(
     // The ledger's lineage goes back to the checkpoint too.
     pipeline.record_resume(r.step);
     trainer_cfg.resume = Some((r.step, r.checkpoint.clone()));
+    r.forget_finished();
     r.set_aside_refused();
+    // What names the best checkpoint: τ with --eval-prompts, else the eval acceptance.
+    let scores = if trainer_cfg.tau_every.is_some() {
+        crate::training::train_log::TrainLog::taus(&r.dir)
+    } else if trainer_cfg.eval.is_some() {
+        crate::training::train_log::TrainLog::evals(&r.dir)
+    } else {
+        Default::default()
+    };
+    r.repair_best_link(&scores);
 }
 
 /// The reaper, which kills what the workers forked if the supervisor is killed; a run
@@ -574,7 +670,10 @@ fn start_reaper() -> Option<reaper::Reaper> {
     match reaper {
         Ok(r) => Some(r),
         Err(e) => {
-            log::warn!("cannot start the reaper ({e}): if the supervisor is killed, processes forked by workers may outlive it");
+            log::warn!(
+                "cannot start the reaper ({}): if the supervisor is killed, processes forked by workers may outlive it",
+                crate::nproc::start_failure(&e)
+            );
             None
         }
     }
@@ -685,6 +784,13 @@ fn tau_prompts(
     let dir = (args.target != "tiny").then(|| Path::new(&args.target));
     let lines = crate::data::prompts::token_lines("--eval-prompts", path, dir)?;
     crate::data::prompts::check_vocab("--eval-prompts", path, &lines, target.vocab_size)?;
+    crate::data::prompts::check_context(
+        "--eval-prompts",
+        path,
+        &lines,
+        target.max_position_embeddings,
+        args.eval_max_new_tokens,
+    )?;
     let every = args
         .eval_every
         .or((args.checkpoint_every > 0).then_some(args.checkpoint_every))
@@ -788,8 +894,13 @@ fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<Pat
     let dir = run_dir.join("target");
     let mut cmd = std::process::Command::new(worker_bin);
     cmd.arg("tiny-target").arg("--out").arg(&dir);
-    let out = crate::export_tool::output_within(&mut cmd, TINY_TARGET_TIMEOUT)
-        .map_err(|e| Error::io("cannot run tiny-target of", worker_bin, e))?;
+    let out = crate::export_tool::output_within(&mut cmd, TINY_TARGET_TIMEOUT).map_err(|e| {
+        if dflash_shared::nproc::is_limit(&e) {
+            Error::start(format!("tiny-target of {}", worker_bin.display()), e)
+        } else {
+            Error::io("cannot run tiny-target of", worker_bin, e)
+        }
+    })?;
     if !out.status.success() {
         return Err(Error::Helper {
             program: format!("{} tiny-target", worker_bin.display()),
@@ -850,6 +961,9 @@ pub(crate) fn data_config(
         (loader_cfg.chat, loader_cfg.chat_error) =
             preflight::load_chat(args.tokenizer.as_deref(), target_dir)?;
     }
+    if let Some(chat) = &loader_cfg.chat {
+        check_tokenizer_vocab(chat, target, &args.target)?;
+    }
     loader_cfg.check()?;
     let targets = plan.iter().filter(|(n, _)| n.role == Role::Target).count() as u32;
     let workers = plan.len() as u32;
@@ -869,6 +983,26 @@ pub(crate) fn data_config(
         }
     }
     Ok((loader_cfg, pipeline_cfg))
+}
+
+/// A tokenizer whose ids reach past the target's vocabulary belongs to another model:
+/// refused at the start with both sizes and both paths (else every chat line would be
+/// dropped, one "token id >= vocab size" each).
+fn check_tokenizer_vocab(
+    chat: &crate::data::chat::Chat,
+    target: &TargetConfig,
+    target_dir: &str,
+) -> Result<(), Error> {
+    let ids = chat.id_count();
+    if ids <= target.vocab_size {
+        return Ok(());
+    }
+    Err(Error::Flag(format!(
+        "the tokenizer {} has token ids up to {} but the target {target_dir} has a vocabulary of {} (its config.json's vocab_size): they belong to different models (expected the target's own tokenizer; see --tokenizer)",
+        chat.dir.join("tokenizer.json").display(),
+        ids - 1,
+        target.vocab_size
+    )))
 }
 
 /// The drafter and its optimisation, from the target and the flags.

@@ -85,13 +85,19 @@ pub fn oversubscription(cpu_workers: usize, cores: usize) -> Option<String> {
     })
 }
 
-/// Warn (one line) when the plan's CPU workers outnumber the cores.
-pub fn warn_if_oversubscribed(plan: &[(WorkerName, Device)]) {
+/// The plan's CPU workers and the cores they share, when they outnumber them.
+pub fn oversubscribed(plan: &[(WorkerName, Device)]) -> Option<(usize, usize)> {
     let cpu = plan
         .iter()
         .filter(|(_, d)| matches!(d, Device::Cpu))
         .count();
-    if let Some(w) = oversubscription(cpu, cores()) {
+    let cores = cores();
+    (cpu > cores).then_some((cpu, cores))
+}
+
+/// Warn (one line) when the plan's CPU workers outnumber the cores.
+pub fn warn_if_oversubscribed(plan: &[(WorkerName, Device)]) {
+    if let Some(w) = oversubscribed(plan).and_then(|(cpu, cores)| oversubscription(cpu, cores)) {
         log::warn!("{w}");
     }
 }

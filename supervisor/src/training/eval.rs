@@ -379,6 +379,16 @@ pub fn best_step(checkpoints: &Path) -> Option<u64> {
     dflash_shared::checkpoint::step_of_dir(&t.to_string_lossy())
 }
 
+/// The step `checkpoints/best` points at when that checkpoint is not there (set aside or
+/// removed since): the link dangles. `None` when it is there, or there is no such link.
+pub fn dangling_best(checkpoints: &Path) -> Option<u64> {
+    let step = best_step(checkpoints)?;
+    let meta = checkpoints
+        .join(format!("step-{step:08}"))
+        .join(dflash_shared::checkpoint::META_FILE);
+    (!meta.is_file()).then_some(step)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -463,6 +473,11 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         link_best(d.path(), 4).unwrap();
         assert_eq!(best_step(d.path()), Some(4));
+        assert_eq!(dangling_best(d.path()), Some(4), "no step-00000004 yet");
+        let step = d.path().join("step-00000004");
+        std::fs::create_dir(&step).unwrap();
+        std::fs::write(step.join(dflash_shared::checkpoint::META_FILE), "{}").unwrap();
+        assert_eq!(dangling_best(d.path()), None);
         link_best(d.path(), 8).unwrap();
         assert_eq!(best_step(d.path()), Some(8));
         assert_eq!(

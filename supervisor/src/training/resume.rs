@@ -503,16 +503,27 @@ pub enum DataPrint {
     },
 }
 
+/// A data file as a resume compares it: by its size and content, not its modification
+/// time (a byte-identical copy staged anew at each requeue, `cp` without `-p`, is the same
+/// data).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FilePrint {
     /// Absolute, symbolic links resolved.
     pub path: String,
     pub size: u64,
-    /// Modification time, RFC 3339 (nanoseconds).
+    /// Modification time, RFC 3339 (nanoseconds): recorded, and compared only with a
+    /// fingerprint that has no `content` (see there).
+    #[serde(default)]
     pub modified: String,
-    /// Checksums of the first and of the last MiB.
+    /// Checksums of the first and of the last MiB (they say where a change is).
     pub first_mib: String,
     pub last_mib: String,
+    /// Checksum of the whole file ([`dflash_shared::checkpoint::content_sha256`]: its
+    /// SHA-256, or of its 64 MiB pieces' for a larger one). `None` in the run.json of a
+    /// version before it, whose fingerprint is compared as that version did (size, time,
+    /// first and last MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -623,13 +634,18 @@ fn file_print(p: &Path, alg: ChecksumAlgorithm) -> Result<FilePrint, Fingerprint
     let mut last = Vec::new();
     f.seek(SeekFrom::Start(size.saturating_sub(END_BYTES)))
         .map_err(why)?;
-    f.take(END_BYTES).read_to_end(&mut last).map_err(why)?;
+    (&mut f)
+        .take(END_BYTES)
+        .read_to_end(&mut last)
+        .map_err(why)?;
+    let content = dflash_shared::checkpoint::content_sha256(&f).map_err(why)?;
     Ok(FilePrint {
         path: absolute(p),
         size,
         modified,
         first_mib: hash(alg, &first),
         last_mib: hash(alg, &last),
+        content: Some(content),
     })
 }
 
@@ -781,6 +797,16 @@ impl Inputs {
         })
     }
 
+    /// Whether every data file of this fingerprint has its content's checksum (not so in
+    /// the run.json of an older version).
+    fn by_content(&self) -> bool {
+        match &self.data {
+            DataPrint::File { file } => file.content.is_some(),
+            DataPrint::Directory { files, .. } => files.iter().all(|f| f.content.is_some()),
+            _ => true,
+        }
+    }
+
     /// The algorithm of these fingerprints' checksums: the legacy hash's 16 hex digits in
     /// a run.json of a version before SHA-256, else SHA-256.
     fn algorithm(&self) -> ChecksumAlgorithm {
@@ -834,13 +860,16 @@ fn describe(d: &DataPrint) -> String {
     }
 }
 
-/// How a file differs (same path): size, time, first or last MiB.
+/// How a file differs (same path), empty when it does not: its size, its first or last
+/// MiB, or the bytes between them. The modification time counts only against a
+/// fingerprint of an older version, which has no checksum of the whole content.
 fn file_details(old: &FilePrint, new: &FilePrint) -> Vec<String> {
     let mut d = Vec::new();
     if old.size != new.size {
         d.push(format!("size {} → {}", old.size, new.size));
     }
-    if old.modified != new.modified {
+    let by_content = old.content.is_some() && new.content.is_some();
+    if !by_content && old.modified != new.modified {
         d.push(format!("modified {} → {}", old.modified, new.modified));
     }
     if old.first_mib != new.first_mib {
@@ -848,6 +877,9 @@ fn file_details(old: &FilePrint, new: &FilePrint) -> Vec<String> {
     }
     if old.last_mib != new.last_mib && old.size > END_BYTES {
         d.push("its last MiB differs".into());
+    }
+    if by_content && d.is_empty() && old.content != new.content {
+        d.push("its bytes between its first and last MiB differ".into());
     }
     d
 }
@@ -857,11 +889,14 @@ fn data_change(old: &DataPrint, new: &DataPrint) -> Option<String> {
         _ if old == new => None,
         (DataPrint::Stdin, DataPrint::Stdin) => None,
         (DataPrint::File { file: o }, DataPrint::File { file: n }) if o.path == n.path => {
-            Some(format!(
-                "the data file {} changed since the run started ({})",
-                n.path,
-                file_details(o, n).join(", ")
-            ))
+            let details = file_details(o, n);
+            (!details.is_empty()).then(|| {
+                format!(
+                    "the data file {} changed since the run started ({})",
+                    n.path,
+                    details.join(", ")
+                )
+            })
         }
         (
             DataPrint::Directory { path: p, files: fo },
@@ -883,9 +918,15 @@ fn data_change(old: &DataPrint, new: &DataPrint) -> Option<String> {
                 what.push(format!("{} removed", name(f)));
             }
             for o in fo {
-                if let Some(n) = fn_.iter().find(|n| n.path == o.path && *n != o) {
-                    what.push(format!("{}: {}", name(n), file_details(o, n).join(", ")));
+                if let Some(n) = fn_.iter().find(|n| n.path == o.path) {
+                    let details = file_details(o, n);
+                    if !details.is_empty() {
+                        what.push(format!("{}: {}", name(n), details.join(", ")));
+                    }
                 }
+            }
+            if what.is_empty() {
+                return None;
             }
             let n = what.len();
             let mut s = what.into_iter().take(3).collect::<Vec<_>>().join("; ");
@@ -1024,6 +1065,13 @@ fn check_inputs(saved: Option<&Inputs>, a: &RunArgs) -> Result<Option<Inputs>, I
     };
     let changes = saved.changes(a);
     if changes.is_empty() {
+        // An older version's fingerprint (no checksum of the whole content, so it compared
+        // the modification time): the one taken now, by content, from now on.
+        if !saved.by_content() {
+            if let Ok(now) = Inputs::of(a) {
+                return Ok(Some(now));
+            }
+        }
         return Ok(Some(saved.clone()));
     }
     if a.allow_changed_data {
@@ -1049,6 +1097,30 @@ pub struct Prepared {
     /// Its complete checkpoints (`step-N` with a meta.json), oldest first.
     candidates: Vec<(u64, PathBuf)>,
     inputs: Option<Inputs>,
+}
+
+/// What the checkpoints of a stopped run come to (see [`Prepared::select`]).
+pub enum Selected {
+    /// A checkpoint to continue from.
+    Train(Box<Resume>),
+    /// Its newest checkpoint that verifies is at its `--steps`: nothing to train, but its
+    /// end may be unfinished (see [`Reached::finish`]).
+    Reached(Reached),
+}
+
+/// Why a resume is refused, beyond a flag or an input that changed (exit 2).
+#[derive(Debug, thiserror::Error)]
+pub enum ResumeError {
+    /// A checkpoint of a newer format: a newer dflash-supervise trained this run, and
+    /// passing over its checkpoint would throw its steps away.
+    #[error(
+        "{} was written by a newer dflash-supervise (checkpoint format {format}; this one, {}, reads format {}): \
+         nothing was set aside; use the newer dflash-supervise to resume this run",
+        checkpoint.display(),
+        env!("CARGO_PKG_VERSION"),
+        dflash_shared::checkpoint::FORMAT_VERSION
+    )]
+    NewerCheckpoint { checkpoint: PathBuf, format: u64 },
 }
 
 /// A checkpoint to continue from.
@@ -1120,10 +1192,11 @@ impl Prepared {
     }
 
     /// The newest checkpoint that verifies (checksums, finite values, format, its step)
-    /// and is one of `drafter`: a changed, damaged, newer or foreign one is passed over
-    /// with a warning rather than loaded, or looped on. `steps`: the run's `--steps`,
-    /// which must lie beyond it.
-    pub fn select(self, drafter: &DrafterConfig, steps: Option<u64>) -> Result<Resume, Error> {
+    /// and is one of `drafter`: a changed, damaged or foreign one is passed over with a
+    /// warning rather than loaded, or looped on; one written by a newer dflash-supervise
+    /// (a newer format) is refused, nothing set aside. `steps`: the run's `--steps`, which
+    /// must lie beyond it, or be its step ([`Selected::Reached`]).
+    pub fn select(self, drafter: &DrafterConfig, steps: Option<u64>) -> Result<Selected, Error> {
         let dir = self.dir;
         let usage = |msg: String| Error::Flag(format!("--resume {}: {msg}", dir.display()));
         let expected = serde_json::to_value(drafter).ok();
@@ -1139,6 +1212,18 @@ impl Prepared {
             };
             match dflash_shared::checkpoint::verify(&c, expected.as_ref()) {
                 Ok(step) => break (step, c),
+                Err(dflash_shared::checkpoint::Refused {
+                    problem: dflash_shared::checkpoint::Problem::NewerFormat { format },
+                    ..
+                }) => {
+                    return Err(Error::input(
+                        format!("--resume {}", dir.display()),
+                        ResumeError::NewerCheckpoint {
+                            checkpoint: c,
+                            format,
+                        },
+                    ))
+                }
                 Err(e) => {
                     log::warn!(
                         "not resuming from {}: {e}; trying the one before it",
@@ -1149,11 +1234,18 @@ impl Prepared {
                 }
             }
         };
+        if steps == Some(step) {
+            return Ok(Selected::Reached(Reached {
+                dir,
+                step,
+                checkpoint,
+            }));
+        }
         if let Some(n) = steps {
-            if n <= step {
+            if n < step {
                 return Err(usage(format!(
                     "its checkpoint is at step {step}, and --steps is {n}: nothing to train (expected a larger --steps; to write the drafter of that checkpoint: dflash-supervise export {})",
-                    dir.display()
+                    crate::shell::quote(&dir)
                 )));
             }
         }
@@ -1172,7 +1264,7 @@ impl Prepared {
                 .filter_map(|v| v.as_u64()),
         );
         let schedule = Some(sup["settings"]["schedule"].clone()).filter(|s| s.is_object());
-        Ok(Resume {
+        Ok(Selected::Train(Box::new(Resume {
             dir,
             step,
             checkpoint,
@@ -1180,7 +1272,7 @@ impl Prepared {
             inputs: self.inputs,
             refused,
             schedule,
-        })
+        })))
     }
 }
 
@@ -1208,19 +1300,43 @@ impl Finished {
 
 /// `Some(words)` when the run in `dir` already ended by itself at its newest checkpoint
 /// (of step `newest`) and `steps` asks for nothing beyond it: there is nothing to resume.
-/// A resume that does train (a larger `--steps`) removes the stale record.
+/// A resume that does train (a larger `--steps`) removes the stale record once it
+/// starts ([`Resume::forget_finished`]); one refused leaves it. A record that cannot be
+/// read or parsed is said so (a warning naming the file) and taken as none: the run is
+/// not finished.
 pub fn finished(dir: &Path, newest: u64, steps: Option<u64>) -> Option<String> {
     let path = dir.join(FINISHED_FILE);
-    let f: Finished = serde_json::from_str(&std::fs::read_to_string(&path).ok()?).ok()?;
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            log::warn!(
+                "{} cannot be read ({e}): the run is taken as not finished",
+                path.display()
+            );
+            return None;
+        }
+    };
+    let f: Finished = match serde_json::from_str(&text) {
+        Ok(f) => f,
+        Err(e) => {
+            log::warn!(
+                "{} is not a record of a run's end ({e}): the run is taken as not finished",
+                path.display()
+            );
+            return None;
+        }
+    };
     if f.step != newest || steps.is_some_and(|n| n > f.step) {
-        let _ = std::fs::remove_file(&path);
         return None;
     }
     let drafter = match &f.drafter {
-        Some(d) => format!("its drafter (step {}) is in {d}", f.step),
-        None => format!(
+        Some(d) if Path::new(d).join("config.json").is_file() => {
+            format!("its drafter (step {}) is in {d}", f.step)
+        }
+        _ => format!(
             "write its drafter with: dflash-supervise export {}",
-            dir.display()
+            crate::shell::quote(dir)
         ),
     };
     Some(format!(
@@ -1231,7 +1347,152 @@ pub fn finished(dir: &Path, newest: u64, steps: Option<u64>) -> Option<String> {
     ))
 }
 
+/// Where a run writes its drafter, in its run directory.
+pub const DRAFTER_DIR: &str = "drafter";
+
+/// A stopped run whose newest checkpoint that verifies is at its `--steps`: its last
+/// session trained every step but did not finish (its export failed, a worker was killed
+/// at the stop: exit 1 or 3), so it has no [`FINISHED_FILE`].
+pub struct Reached {
+    pub dir: PathBuf,
+    pub step: u64,
+    pub checkpoint: PathBuf,
+}
+
+/// The step of the drafter exported in `out` (its config.json's `dflash_training.step`),
+/// when it was written after `checkpoint` (an export of an earlier lineage's checkpoint of
+/// the same step is older than it).
+fn exported_step(out: &Path, checkpoint: &Path) -> Option<u64> {
+    let config = out.join("config.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).ok()?).ok()?;
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let meta = checkpoint.join(dflash_shared::checkpoint::META_FILE);
+    (modified(&config)? >= modified(&meta)?).then_some(())?;
+    v["dflash_training"]["step"].as_u64()
+}
+
+impl Reached {
+    /// Finish what the last session left undone, as its end would have: export the
+    /// drafter of the checkpoint (through the export tool a run's end uses; `target`: the
+    /// run's target directory) unless `RUN_DIR/drafter` already holds it, and write
+    /// [`FINISHED_FILE`]. Returns the line that says so. The caller holds the run
+    /// directory's lock. `cancel`: a stop signal came (the export stops; exit 130).
+    pub fn finish(
+        &self,
+        worker_bin: &Path,
+        target: &Path,
+        cancel: &dyn Fn() -> bool,
+    ) -> Result<String, Error> {
+        let dir = self.dir.canonicalize().unwrap_or_else(|_| self.dir.clone());
+        let out = dir.join(DRAFTER_DIR);
+        let drafter = if exported_step(&out, &self.checkpoint) == Some(self.step) {
+            format!("its drafter (step {}) is in {}", self.step, out.display())
+        } else {
+            log::info!(
+                "{} trained its --steps {} but its last session did not finish: exporting the drafter of {}",
+                dir.display(),
+                self.step,
+                self.checkpoint.display()
+            );
+            let stopped = std::cell::Cell::new(false);
+            let stop = || {
+                let s = cancel();
+                stopped.set(stopped.get() || s);
+                s
+            };
+            let limit = crate::export_tool::EXPORT_TIMEOUT;
+            let step = crate::export_tool::export_checkpoint(
+                worker_bin,
+                &self.checkpoint,
+                target,
+                &out,
+                limit,
+                &stop,
+            )
+            .map_err(|e| match e {
+                crate::export_tool::ExportError::Stopped { out, .. } if stopped.get() => {
+                    Error::ExportInterrupted { out }
+                }
+                e => Error::Export(e),
+            })?;
+            format!("drafter (step {step}) written to {}", out.display())
+        };
+        let record = Finished {
+            step: self.step,
+            reason: "step limit reached".into(),
+            drafter: Some(out.display().to_string()),
+        };
+        if let Err(e) = record.write(&dir) {
+            log::warn!("cannot write {}: {e}", dir.join(FINISHED_FILE).display());
+        }
+        Ok(format!(
+            "{} had trained its --steps {} but its last session ended before finishing (no {FINISHED_FILE}): {drafter}; finished now, nothing to resume (to train on, give a larger --steps)",
+            dir.display(),
+            self.step
+        ))
+    }
+}
+
 impl Resume {
+    /// Remove the record of an earlier end ([`FINISHED_FILE`]): this resume trains on, so
+    /// the run is not finished until it ends again. Call once the run directory is this
+    /// supervisor's.
+    pub fn forget_finished(&self) {
+        let path = self.dir.join(FINISHED_FILE);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                log::warn!("cannot remove {}: {e}", path.display())
+            }
+            _ => {}
+        }
+    }
+
+    /// `checkpoints/best` when the checkpoint it names is gone (a newer one this resume
+    /// set aside as refused, or one removed by hand): pointed at the best-scored
+    /// checkpoint left of the lineage resumed (`scores`: step → eval acceptance or τ, as
+    /// train.jsonl records them; ties: the earliest, as the run chooses), or removed when
+    /// none is left; one line says which. Call once the run directory is this
+    /// supervisor's, after [`Resume::set_aside_refused`].
+    pub fn repair_best_link(&self, scores: &std::collections::BTreeMap<u64, f64>) {
+        use crate::training::eval;
+        let checkpoints = self.dir.join("checkpoints");
+        let Some(gone) = eval::dangling_best(&checkpoints) else {
+            return;
+        };
+        let link = checkpoints.join(eval::BEST_LINK);
+        let complete = |s: u64| {
+            checkpoints
+                .join(format!("step-{s:08}"))
+                .join(dflash_shared::checkpoint::META_FILE)
+                .is_file()
+        };
+        let best = scores
+            .iter()
+            .filter(|&(&s, _)| s <= self.step && complete(s))
+            .fold(None, |b: Option<(u64, f64)>, (&s, &a)| match b {
+                Some((_, ba)) if ba >= a => b,
+                _ => Some((s, a)),
+            });
+        let was = format!(
+            "{} pointed at step-{gone:08}, which is no longer there",
+            link.display()
+        );
+        if let Some((step, _)) = best {
+            match eval::link_best(&checkpoints, step) {
+                Ok(()) => {
+                    log::warn!("{was}: now at step-{step:08}, the best checkpoint left");
+                    return;
+                }
+                Err(e) => log::warn!("cannot point {} at step-{step:08}: {e}", link.display()),
+            }
+        }
+        match std::fs::remove_file(&link) {
+            Ok(()) => log::warn!("{was}: removed (the next best eval sets it again)"),
+            Err(e) => log::warn!("{was}, and it cannot be removed: {e}"),
+        }
+    }
+
     /// Move the newer checkpoints that were refused out of `checkpoints/` (into
     /// `RUN_DIR/refused-checkpoints/`): otherwise they would count among the newest
     /// `--keep-checkpoints` and have the one this run continues from pruned, and every
@@ -1554,10 +1815,56 @@ mod tests {
         set_time();
         let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
         assert!(e.contains("(its first MiB differs)"), "{e}");
-        // Only touched: the time is named.
+        // The same bytes again, at a new time (a copy staged anew): the same data.
         std::fs::write(&f, lines(20)).unwrap();
-        let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
+        assert_ne!(Inputs::of(&a).unwrap(), start, "another time is recorded");
+        assert_eq!(check_inputs(Some(&start), &a), Ok(Some(start.clone())));
+        // The fingerprint of an older version (no checksum of the whole content) compares
+        // the time, as that version did; once it passes, the one by content is recorded.
+        let mut old = start.clone();
+        let DataPrint::File { file } = &mut old.data else {
+            panic!("{old:?}")
+        };
+        file.content = None;
+        let e = check_inputs(Some(&old), &a).unwrap_err().to_string();
         assert!(e.contains("(modified 2023-11-14T22:13:20"), "{e}");
+        set_time();
+        assert_eq!(check_inputs(Some(&old), &a), Ok(Some(start.clone())));
+    }
+
+    #[test]
+    fn a_change_between_the_first_and_last_mib_of_a_data_file_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("big.jsonl");
+        let mut bytes = vec![b'x'; 3 << 20];
+        std::fs::write(&f, &bytes).unwrap();
+        let a = data_args(&f, &[]);
+        let start = Inputs::of(&a).unwrap();
+        bytes[3 << 19] = b'y';
+        std::fs::write(&f, &bytes).unwrap();
+        let e = check_inputs(Some(&start), &a).unwrap_err().to_string();
+        assert!(
+            e.contains("(its bytes between its first and last MiB differ)"),
+            "{e}"
+        );
+        // In a directory, likewise; touched only, it is the same.
+        let dir_args = data_args(d.path(), &[]);
+        let start = Inputs::of(&dir_args).unwrap();
+        bytes[3 << 19] = b'x';
+        std::fs::write(&f, &bytes).unwrap();
+        let e = check_inputs(Some(&start), &dir_args)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("big.jsonl: its bytes between its first and last MiB differ"),
+            "{e}"
+        );
+        let start = Inputs::of(&dir_args).unwrap();
+        std::fs::write(&f, &bytes).unwrap();
+        assert_eq!(
+            check_inputs(Some(&start), &dir_args),
+            Ok(Some(start.clone()))
+        );
     }
 
     #[test]
@@ -1715,17 +2022,20 @@ mod tests {
     }
 
     #[test]
-    fn resume_passes_over_foreign_newer_edited_and_misnamed_checkpoints_for_the_one_before() {
+    fn resume_passes_over_foreign_damaged_edited_and_misnamed_checkpoints_for_the_one_before() {
         let d = tempfile::tempdir().unwrap();
         let run = d.path();
         resumable(run);
         let ours = tiny_drafter(2);
         checkpoint(run, 4, &ours, 8);
-        // Newest first: another drafter's, a newer format, an edited consumed count, one
+        // Newest first: another drafter's, a damaged state, an edited consumed count, one
         // in a directory named for another step.
         let foreign = checkpoint(run, 16, &tiny_drafter(3), 32);
-        let newer = checkpoint(run, 12, &ours, 24);
-        edit_meta(&newer, |m| m["format"] = 99.into());
+        let damaged = checkpoint(run, 12, &ours, 24);
+        let state = damaged.join("state.safetensors");
+        let mut bytes = std::fs::read(&state).unwrap();
+        *bytes.last_mut().unwrap() ^= 1;
+        std::fs::write(&state, bytes).unwrap();
         let edited = checkpoint(run, 10, &ours, 20);
         edit_meta(&edited, |m| m["supervisor"]["consumed_below"] = 2.into());
         let misnamed = checkpoint(run, 6, &ours, 12);
@@ -1734,7 +2044,9 @@ mod tests {
         let mut a = args(&[]);
         let p = prepare(run, &mut a, &[]).unwrap();
         assert_eq!(a.steps, Some(20));
-        let r = p.select(&ours, a.steps).unwrap();
+        let Selected::Train(r) = p.select(&ours, a.steps).unwrap() else {
+            panic!("a checkpoint to train from")
+        };
         assert_eq!(r.step, 4);
         assert_eq!(r.consumed, (0..8).collect());
         assert_eq!(r.refused.len(), 4, "{:?}", r.refused);
@@ -1754,13 +2066,6 @@ mod tests {
                     checkpoint(run, 4, &tiny_drafter(3), 8);
                 }) as Box<dyn Fn(&Path)>,
                 "a checkpoint of another drafter (layers 3, this run's 2)",
-            ),
-            (
-                Box::new(|run: &Path| {
-                    let c = checkpoint(run, 4, &tiny_drafter(2), 8);
-                    edit_meta(&c, |m| m["format"] = 99.into());
-                }),
-                "written by a newer dflash-supervise (format 99, this one reads 1)",
             ),
             (
                 Box::new(|run: &Path| {
@@ -1797,19 +2102,24 @@ mod tests {
     }
 
     #[test]
-    fn resume_refuses_a_step_limit_the_checkpoint_has_reached() {
+    fn a_checkpoint_at_the_step_limit_has_reached_it_and_one_beyond_it_is_refused() {
         let d = tempfile::tempdir().unwrap();
         resumable(d.path());
-        checkpoint(d.path(), 20, &tiny_drafter(2), 40);
+        let c = checkpoint(d.path(), 20, &tiny_drafter(2), 40);
         let mut a = args(&[]);
         let p = prepare(d.path(), &mut a, &[]).unwrap();
+        let Selected::Reached(r) = p.select(&tiny_drafter(2), a.steps).unwrap() else {
+            panic!("reached")
+        };
+        assert_eq!((r.step, &r.checkpoint), (20, &c));
+        let p = prepare(d.path(), &mut args(&[]), &[]).unwrap();
         let e = p
-            .select(&tiny_drafter(2), a.steps)
+            .select(&tiny_drafter(2), Some(12))
             .err()
             .unwrap()
             .to_string();
         assert!(
-            e.contains("its checkpoint is at step 20, and --steps is 20: nothing to train"),
+            e.contains("its checkpoint is at step 20, and --steps is 12: nothing to train"),
             "{e}"
         );
     }
@@ -1839,10 +2149,95 @@ mod tests {
             "{e}"
         );
         let mut a = args(&["--resume", run.to_str().unwrap(), "--allow-changed-data"]);
-        let r = prepare(&run, &mut a, &[])
+        let Selected::Train(r) = prepare(&run, &mut a, &[])
             .unwrap()
             .select(&tiny_drafter(2), a.steps)
-            .unwrap();
+            .unwrap()
+        else {
+            panic!("a checkpoint to train from")
+        };
         assert_eq!(r.inputs, Some(Inputs::of(&a).unwrap()));
+    }
+
+    #[test]
+    fn a_checkpoint_of_a_newer_format_refuses_the_resume_and_nothing_is_set_aside() {
+        let d = tempfile::tempdir().unwrap();
+        resumable(d.path());
+        let ours = tiny_drafter(2);
+        checkpoint(d.path(), 4, &ours, 8);
+        let newer = checkpoint(d.path(), 8, &ours, 16);
+        edit_meta(&newer, |m| m["format"] = 99.into());
+        // Behind a damaged one, too: a newer dflash-supervise worked on this run.
+        let damaged = checkpoint(d.path(), 12, &ours, 24);
+        std::fs::write(damaged.join("state.safetensors"), b"nothing").unwrap();
+        let p = prepare(d.path(), &mut args(&[]), &[]).unwrap();
+        let e = p.select(&ours, Some(20)).err().expect("refused");
+        assert_eq!(e.exit_code(), 2);
+        let e = e.to_string();
+        assert!(
+            e.starts_with(&format!("--resume {}: {}", d.path().display(), newer.display()))
+                && e.contains(&format!(
+                    "was written by a newer dflash-supervise (checkpoint format 99; this one, {}, reads format 1)",
+                    env!("CARGO_PKG_VERSION")
+                ))
+                && e.ends_with("use the newer dflash-supervise to resume this run"),
+            "{e}"
+        );
+        assert!(newer.is_dir() && damaged.is_dir());
+        assert!(!d.path().join(REFUSED_DIR).exists(), "nothing set aside");
+    }
+
+    #[test]
+    fn a_corrupt_finished_record_is_taken_as_none_and_left_as_it_is() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join(FINISHED_FILE);
+        std::fs::write(&path, "{\"step\": 2").unwrap();
+        assert_eq!(finished(d.path(), 2, Some(2)), None);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"step\": 2");
+        Finished {
+            step: 2,
+            reason: "step limit reached".into(),
+            drafter: None,
+        }
+        .write(d.path())
+        .unwrap();
+        let msg = finished(d.path(), 2, Some(2)).unwrap();
+        assert!(msg.contains("already finished at step 2"), "{msg}");
+    }
+
+    #[test]
+    fn a_dangling_best_link_is_pointed_at_the_best_checkpoint_left_or_removed() {
+        let d = tempfile::tempdir().unwrap();
+        resumable(d.path());
+        let ours = tiny_drafter(2);
+        for step in [4, 8] {
+            checkpoint(d.path(), step, &ours, 2 * step);
+        }
+        let checkpoints = d.path().join("checkpoints");
+        crate::training::eval::link_best(&checkpoints, 12).unwrap();
+        let resume = |step: u64| Resume {
+            dir: d.path().to_path_buf(),
+            step,
+            checkpoint: checkpoints.join(format!("step-{step:08}")),
+            consumed: HashSet::new(),
+            inputs: None,
+            refused: Vec::new(),
+            schedule: None,
+        };
+        let best = || crate::training::eval::best_step(&checkpoints);
+        // Evals at 4 and 8 (equal: the earliest), 12 gone, 16 beyond the resumed step.
+        let scores = [(4, 2.5), (8, 2.5), (12, 3.0), (16, 4.0)]
+            .into_iter()
+            .collect();
+        resume(8).repair_best_link(&scores);
+        assert_eq!(best(), Some(4));
+        // A link to a checkpoint that is there is left alone.
+        resume(8).repair_best_link(&Default::default());
+        assert_eq!(best(), Some(4));
+        // No eval of a checkpoint left: removed.
+        crate::training::eval::link_best(&checkpoints, 12).unwrap();
+        resume(8).repair_best_link(&[(12, 3.0)].into_iter().collect());
+        assert_eq!(best(), None);
+        assert!(std::fs::symlink_metadata(checkpoints.join("best")).is_err());
     }
 }

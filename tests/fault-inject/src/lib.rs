@@ -1,10 +1,11 @@
 //! `LD_PRELOAD=libdflash_fault_inject.so`: a fault at an exact instant, for the e2e tests.
 //!
 //! Configured by the environment of the process it is loaded into:
-//! - `DFLASH_FAULT_CALL`: `mkdir`, `open` (only opens that create a file), `rename` or
-//!   `statvfs`;
+//! - `DFLASH_FAULT_CALL`: `mkdir`, `open` (only opens that create a file), `rename`,
+//!   `statvfs` or `write`;
 //! - `DFLASH_FAULT_PATH`: the fault fires when the call's path contains this text
-//!   (`rename`: its source or destination);
+//!   (`rename`: its source or destination; `write`: the file its descriptor is open on, so
+//!   `errno:30` is a filesystem that turned read-only under a file already open);
 //! - `DFLASH_FAULT_ACTION`: `errno:N` (the call fails with errno N, nothing done), `kill`
 //!   (the process SIGKILLs itself, nothing done), `delay:MS` (then the call goes on) or,
 //!   for `statvfs`, `free:BYTES` (the call succeeds and reports that much free space: a
@@ -17,7 +18,8 @@
 //!
 //! Everything else goes to the real libc function (`dlsym(RTLD_NEXT)`).
 
-use std::ffi::{c_char, c_int, c_uint, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 enum Action {
@@ -131,6 +133,44 @@ unsafe fn real<F>(name: &CStr) -> F {
     let f = libc::dlsym(libc::RTLD_NEXT, name.as_ptr());
     assert!(!f.is_null(), "no {name:?} in libc");
     std::mem::transmute_copy(&f)
+}
+
+/// # Safety
+/// As libc's `write`. Only under a `write` rule is the descriptor's file looked at (its
+/// `/proc/self/fd` link, read without allocating); libc's `write` is looked up once.
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: libc::size_t) -> libc::ssize_t {
+    static REAL: AtomicUsize = AtomicUsize::new(0);
+    if rule().is_some_and(|r| r.call == "write") {
+        // "/proc/self/fd/" and the descriptor's digits, NUL-terminated, on the stack.
+        let mut link = *b"/proc/self/fd/\0\0\0\0\0\0\0\0\0\0\0\0";
+        let (mut digits, mut v, mut len) = ([0u8; 11], fd.unsigned_abs(), 0);
+        loop {
+            digits[len] = b'0' + (v % 10) as u8;
+            len += 1;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        for i in 0..len {
+            link[14 + i] = digits[len - 1 - i];
+        }
+        let mut target = [0 as c_char; 4096];
+        let got = libc::readlink(link.as_ptr().cast(), target.as_mut_ptr(), target.len() - 1);
+        if got > 0 && fault("write", &[target.as_ptr()]) {
+            return -1;
+        }
+    }
+    let mut f = REAL.load(Ordering::Relaxed);
+    if f == 0 {
+        f = libc::dlsym(libc::RTLD_NEXT, c"write".as_ptr()) as usize;
+        assert!(f != 0, "no write in libc");
+        REAL.store(f, Ordering::Relaxed);
+    }
+    let f: unsafe extern "C" fn(c_int, *const c_void, libc::size_t) -> libc::ssize_t =
+        std::mem::transmute(f);
+    f(fd, buf, n)
 }
 
 /// # Safety

@@ -47,6 +47,14 @@ impl CpuDevice {
         }
     }
 
+    /// [`CpuDevice::new`] with its compute threads started now
+    /// ([`super::compute_threads::start`]): a worker's device, whose threaded products
+    /// must not find their threads refused in the middle of a step.
+    pub fn open() -> std::result::Result<CpuDevice, super::compute_threads::ThreadsError> {
+        super::compute_threads::start(dflash_shared::nproc::compute_threads())?;
+        Ok(CpuDevice::new())
+    }
+
     fn par(&self, work: usize) -> gemm::Parallelism {
         // Below this a product takes about a millisecond on one core, and handing it to
         // threads (while the other workers on the machine want the cores too) costs more.

@@ -19,6 +19,7 @@
 
 pub use kernels::Kernel;
 
+pub mod compute_threads;
 pub mod cpu;
 pub mod cuda;
 pub mod host;

@@ -701,3 +701,38 @@ proptest! {
         prop_assert_eq!((a.duplicated, a.lost, a.in_flight), (0, 0, 0));
     }
 }
+
+#[test]
+fn a_ledger_that_cannot_be_written_says_what_lets_it_be_written_again() {
+    // The OS's reason decides: a read-only filesystem is named so, not asked for space.
+    let failure = |errno| {
+        format!(
+            "cannot append to {LEDGER_FILE}: {}",
+            std::io::Error::from_raw_os_error(errno)
+        )
+    };
+    assert_eq!(
+        super::ledger_remedy(&failure(libc::EROFS)),
+        "its filesystem is read-only: remount it read-write"
+    );
+    assert_eq!(
+        super::ledger_remedy(&failure(libc::ENOSPC)),
+        "free space (df -h, df -i)"
+    );
+    assert_eq!(
+        super::ledger_remedy("no OS error"),
+        "make it writable again"
+    );
+    // A pipeline whose ledger is /dev/full (every write fails with ENOSPC).
+    let dir = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink("/dev/full", dir.path().join(LEDGER_FILE)).unwrap();
+    let mut p = Pipeline::new(&config(4, 4, 2), dir.path()).expect("pipeline");
+    assert!(p.ledger_failed().is_none());
+    p.record_resume(0);
+    let line = p.ledger_failed().expect("the append failed");
+    assert!(
+        line.contains("No space left on device")
+            && line.ends_with("(free space (df -h, df -i), then --resume)"),
+        "{line}"
+    );
+}

@@ -175,7 +175,7 @@ impl Dispatcher {
         let from = if saved > 0 && kept {
             format!(
                 "continue from the checkpoint of step {saved} with: dflash-supervise --resume {}",
-                self.run.path.display()
+                crate::shell::quote(&self.run.path)
             )
         } else if saved > 0 {
             format!(
@@ -268,13 +268,13 @@ impl Dispatcher {
             if saved > 0 {
                 crate::say!(
                     "dflash-supervise: stopped at step {saved}, before the run's end (exit {code}); continue it with: dflash-supervise --resume {}",
-                    self.run.path.display()
+                    crate::shell::quote(&self.run.path)
                 );
             } else {
                 crate::say!(
                     "dflash-supervise: stopped before the run's end and before any step was trained (exit {code}); nothing to --resume: \
                      start it again (with --run-dir {} --resume-if-exists the same command starts or resumes it)",
-                    self.run.path.display()
+                    crate::shell::quote(&self.run.path)
                 );
             }
         }

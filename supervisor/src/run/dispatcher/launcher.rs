@@ -79,7 +79,7 @@ pub enum SpawnError {
         worker: WorkerName,
         source: io::Error,
     },
-    #[error("cannot start {worker} ({}): {source}", program.display())]
+    #[error("cannot start {worker} ({}): {}", program.display(), crate::nproc::start_failure(.source))]
     Start {
         worker: WorkerName,
         program: PathBuf,
@@ -91,7 +91,7 @@ pub enum SpawnError {
         pid: u32,
         source: io::Error,
     },
-    #[error("cannot start a waiter thread: {0}")]
+    #[error("cannot start a waiter thread: {}", crate::nproc::start_failure(.0))]
     Waiter(#[source] io::Error),
 }
 
@@ -179,8 +179,9 @@ impl Launcher for Processes {
             if let Some(stream) = stream {
                 if let Err(e) = l.log.pump(stream, tag) {
                     log::error!(
-                        "{}: cannot start a log thread ({e}); its output is lost",
-                        l.name
+                        "{}: cannot start a log thread ({}); its output is lost",
+                        l.name,
+                        crate::nproc::start_failure(&e)
                     );
                 }
             }

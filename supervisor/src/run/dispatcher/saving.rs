@@ -55,7 +55,7 @@ impl Dispatcher {
         let what = advice(failure.os_error, self.trainer.checkpoints_dir());
         let msg = format!(
             "the checkpoint of step {step} could not be written ({failure}); {what}, then continue with: dflash-supervise --resume {}",
-            self.run.path.display()
+            crate::shell::quote(&self.run.path)
         );
         if matches!(self.phase, super::Phase::Running) {
             log::error!("{msg}: stopping the run");

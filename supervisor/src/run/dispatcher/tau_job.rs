@@ -140,7 +140,10 @@ impl Dispatcher {
                 }
             }
             Err(e) => {
-                log::warn!("τ of step {step} not measured: cannot start its thread: {e}");
+                log::warn!(
+                    "τ of step {step} not measured: cannot start its thread: {}",
+                    crate::nproc::start_failure(&e)
+                );
                 self.trainer.on_tau_failed(step, false);
             }
         }
