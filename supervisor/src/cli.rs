@@ -299,7 +299,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", help_heading = "Training")]
     pub block_size: Option<usize>,
 
-    /// Anchors (blocks) drawn per sample each step (default 512; 32 for the tiny target).
+    /// Anchors (blocks) drawn per sample each step (default 512 on GPUs; 32 for the tiny
+    /// target and for drafters on CPU workers).
     #[arg(long, value_name = "N", help_heading = "Training")]
     pub max_anchors: Option<usize>,
 
@@ -443,8 +444,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 2000, help_heading = "Data")]
     pub preflight_lines: u64,
 
-    /// Tokens per batch, padding included (rows × longest row). Default 4096 (2048 for
-    /// the tiny target).
+    /// Tokens per batch, padding included (rows × longest row). Default 4096 on GPUs; 2048
+    /// for the tiny target; 1024 for a real target whose drafters train on CPU workers.
     #[arg(long, value_name = "N", help_heading = "Data")]
     pub token_budget: Option<u32>,
 

@@ -1,5 +1,6 @@
-//! Every exit code the README's table documents, produced by the program: the table, the
-//! `--help` text and the codes a run really ends with agree.
+//! Every exit code the documentation's table lists (docs/run-directory.md, generated from
+//! shared/src/exit_codes.rs), produced by the program: the table, the `--help` text and
+//! the codes a run really ends with agree.
 
 mod common;
 
@@ -11,15 +12,19 @@ use nix::sys::signal::Signal;
 
 const T: Duration = Duration::from_secs(120);
 
-/// The codes of the README's "Exit codes" table.
-fn readme_codes() -> BTreeSet<i32> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
-    let table = readme
-        .split("\n## Exit codes")
+/// The codes of dflash-supervise in the documentation's exit-code table (the worker's
+/// codes follow them, after "A worker process").
+fn documented_codes() -> BTreeSet<i32> {
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/run-directory.md"
+    ))
+    .expect("docs/run-directory.md");
+    let table = doc
+        .split("<!-- BEGIN exit-codes")
         .nth(1)
-        .expect("the README has an Exit codes section");
-    let table = table.split("\n## ").next().unwrap();
+        .expect("docs/run-directory.md has the generated exit-code table");
+    let table = table.split("A worker process").next().unwrap();
     table
         .lines()
         .filter_map(|l| l.strip_prefix("| "))
@@ -102,17 +107,17 @@ fn produce(code: i32) -> (i32, String) {
             sup.signal(Signal::SIGINT);
             (sup.wait_exit(T).code().unwrap_or(-1), sup.stderr())
         }
-        other => panic!("the README documents exit code {other}, which this test cannot produce: add a scenario"),
+        other => panic!("the documentation lists exit code {other}, which this test cannot produce: add a scenario"),
     }
 }
 
 #[test]
 fn every_documented_exit_code_is_the_one_the_program_ends_with() {
-    let codes = readme_codes();
+    let codes = documented_codes();
     let expected: BTreeSet<i32> = [0, 1, 2, 3, 4, 75, 130].into();
     assert_eq!(
         codes, expected,
-        "the README's exit-code table lists these codes"
+        "the documented exit-code table lists these codes"
     );
     // --help names each of them too.
     let help = supervise(&["--help"], None);
@@ -168,6 +173,26 @@ fn the_readme_cites_documents_and_licenses_the_repository_has() {
         links >= 4,
         "the README links its docs and licenses ({links} links)"
     );
+    // And every relative link of the pages under docs/ (relative to docs/).
+    for page in std::fs::read_dir(root.join("docs")).unwrap().flatten() {
+        let path = page.path();
+        if path.extension().is_none_or(|x| x != "md") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for part in text.split("](").skip(1) {
+            let target = part.split(')').next().unwrap();
+            let file = target.split('#').next().unwrap();
+            if target.starts_with("http") || file.is_empty() || target.contains(' ') {
+                continue;
+            }
+            assert!(
+                root.join("docs").join(file).exists(),
+                "{} links {target}, which does not exist",
+                path.display()
+            );
+        }
+    }
     for doc in [
         "docs/DESIGN.md",
         "docs/DFLASH.md",

@@ -338,6 +338,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         target_check::check(Path::new(&args.target), &target_cfg)
             .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     }
+    say_cpu_defaults(&args, &plan);
     let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     if let Some(path) = &args.eval_data {
@@ -914,6 +915,57 @@ fn prepare_target(target: &str, worker_bin: &Path, run_dir: &Path) -> Result<Pat
 /// dflash-worker, or a wrapper waiting on something) must not hang the start.
 const TINY_TARGET_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
+/// Whether every drafter of the plan trains on a CPU worker.
+fn drafters_on_cpu(plan: &[(WorkerName, Device)]) -> bool {
+    plan.iter()
+        .filter(|(n, _)| n.role == Role::Drafter)
+        .all(|(_, d)| matches!(d, Device::Cpu))
+}
+
+/// `--token-budget`'s default: 2048 for the tiny target; for a real one 4096 on GPUs, and
+/// [`CPU_TOKEN_BUDGET`] when the drafters train on CPU workers (a step in seconds, not
+/// minutes, with a real vocabulary).
+pub(crate) fn default_token_budget(target: &str, plan: &[(WorkerName, Device)]) -> u32 {
+    match (target == "tiny", drafters_on_cpu(plan)) {
+        (true, _) => 2048,
+        (false, true) => CPU_TOKEN_BUDGET,
+        (false, false) => 4096,
+    }
+}
+
+/// `--max-anchors`' default: 32 for the tiny target and for drafters on CPU workers
+/// (the loss through a real vocabulary costs per anchor), 512 on GPUs.
+pub(crate) fn default_max_anchors(target: &str, plan: &[(WorkerName, Device)]) -> usize {
+    if target == "tiny" || drafters_on_cpu(plan) {
+        32
+    } else {
+        512
+    }
+}
+
+/// `--token-budget` by default for a real target trained on CPU workers.
+pub(crate) const CPU_TOKEN_BUDGET: u32 = 1024;
+
+/// On CPU workers with a real target, the defaults that keep a step in seconds are said.
+fn say_cpu_defaults(args: &RunArgs, plan: &[(WorkerName, Device)]) {
+    if args.target == "tiny" || !drafters_on_cpu(plan) {
+        return;
+    }
+    let mut chosen = Vec::new();
+    if args.token_budget.is_none() {
+        chosen.push(format!("--token-budget {CPU_TOKEN_BUDGET}"));
+    }
+    if args.max_anchors.is_none() {
+        chosen.push("--max-anchors 32".to_string());
+    }
+    if !chosen.is_empty() {
+        log::info!(
+            "drafters on CPU workers: {} by default (on GPUs 4096 and 512), so that a step through a real vocabulary takes seconds; give them to choose",
+            chosen.join(" and ")
+        );
+    }
+}
+
 /// The loader and pool settings, checked before anything starts.
 pub(crate) fn data_config(
     args: &RunArgs,
@@ -926,7 +978,7 @@ pub(crate) fn data_config(
     }
     let token_budget = args
         .token_budget
-        .unwrap_or(if args.target == "tiny" { 2048 } else { 4096 });
+        .unwrap_or(default_token_budget(&args.target, plan));
     for (flag, v) in [
         ("--token-budget", token_budget as u64),
         ("--max-seq-len", args.max_seq_len as u64),
@@ -1017,7 +1069,9 @@ pub(crate) fn trainer_config(
         .draft_layers
         .unwrap_or_else(|| default_draft_layers(target.num_hidden_layers));
     let block = args.block_size.unwrap_or(if tiny { 8 } else { 16 });
-    let anchors = args.max_anchors.unwrap_or(if tiny { 32 } else { 512 });
+    let anchors = args
+        .max_anchors
+        .unwrap_or(default_max_anchors(&args.target, plan));
     for (flag, v) in [
         ("--draft-layers", layers),
         ("--block-size", block.saturating_sub(1)),
@@ -1346,6 +1400,26 @@ mod tests {
         let t = TargetConfig::read(&text).unwrap();
         assert_eq!(t.num_hidden_layers, layers);
         t
+    }
+
+    #[test]
+    fn drafters_on_cpu_workers_with_a_real_target_default_to_a_step_of_seconds() {
+        let cpu = plan(&args(&["--gpus", "cpu:2"]), &mut || Ok(0)).unwrap();
+        assert_eq!(
+            default_token_budget("/models/qwen3", &cpu),
+            CPU_TOKEN_BUDGET
+        );
+        assert_eq!(default_max_anchors("/models/qwen3", &cpu), 32);
+        assert_eq!(default_token_budget("tiny", &cpu), 2048);
+        let gpus = plan(&args(&["--gpus", "0-1"]), &mut || Ok(2)).unwrap();
+        assert_eq!(default_token_budget("/models/qwen3", &gpus), 4096);
+        assert_eq!(default_max_anchors("/models/qwen3", &gpus), 512);
+        // trainer_config takes it.
+        let a = args(&["--gpus", "cpu:2", "--target", "/models/qwen3"]);
+        let t6 = target_of(6);
+        let c = capture_spec(&a, &t6).unwrap();
+        let t = trainer_config(&a, &cpu, &t6, &c).unwrap();
+        assert_eq!(t.drafter.max_anchors, 32);
     }
 
     #[test]

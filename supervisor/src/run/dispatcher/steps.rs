@@ -239,8 +239,12 @@ impl Dispatcher {
                 secs(taken)
             )
         } else {
+            let cost = match name.role {
+                Role::Drafter => "--token-budget, --max-anchors and --block-size",
+                Role::Target => "--token-budget and --max-seq-len",
+            };
             format!(
-                "{name}: {work} has taken {} so far ({took}); not a hang ({limit_words})",
+                "{name}: {work} has taken {} so far ({took}); not a hang ({limit_words}); a {what}'s cost is set by {cost}",
                 secs(taken)
             )
         };
