@@ -458,3 +458,31 @@ fn a_resume_keeps_measuring_tau_on_the_saved_prompts_and_keeps_the_best_so_far()
         .join(format!("step-{best:08}/meta.json"))
         .is_file());
 }
+
+/// Issue 40: τ decoded on the CPU keeps to the first 16 prompts and 32 new tokens unless
+/// told otherwise, and says so at the start.
+#[test]
+fn tau_on_the_cpu_keeps_to_an_affordable_share_of_the_prompts_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path().join("prompts.jsonl");
+    prompts(&p, 20);
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--steps",
+        "2",
+        "--eval-prompts",
+        p.to_str().unwrap(),
+    ]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    let err = sup.stderr();
+    assert!(err.contains("the first 16 of the 20 prompts"), "{err}");
+    let t = taus(&sup.run_dir).pop().expect("the last step's τ");
+    assert_eq!(
+        (t["prompts"].as_u64(), t["max_new_tokens"].as_u64()),
+        (Some(16), Some(32)),
+        "{t}"
+    );
+}

@@ -350,6 +350,10 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
             &plan,
         )?);
     }
+    if args.eval_gpu.is_none() && !given.iter().any(|g| g == "eval_max_new_tokens") {
+        // Decoded on the CPU: shorter decodes keep τ affordable (said with the prompts).
+        args.eval_max_new_tokens = args.eval_max_new_tokens.min(CPU_TAU_NEW_TOKENS);
+    }
     let tau_prompts = tau_prompts(&args, &target_cfg, &mut trainer_cfg)?;
     let resume = match checkpoint_to_resume(resume, &args, &trainer_cfg, &worker_bin, setup)? {
         Continue::Done(msg) => return Ok(Started::Finished(msg)),
@@ -796,11 +800,25 @@ fn tau_prompts(
         .eval_every
         .or((args.checkpoint_every > 0).then_some(args.checkpoint_every))
         .unwrap_or(u64::MAX);
+    let mut lines = lines;
+    let all = lines.len();
+    let on_cpu = args.eval_gpu.is_none();
+    if on_cpu {
+        lines.truncate(CPU_TAU_PROMPTS);
+    }
+    let which = if lines.len() < all {
+        format!(
+            "the first {} of the {all} prompts of {} (τ decodes on the CPU: --eval-gpu N decodes all of them on a GPU; dflash-supervise eval measures them all afterwards)",
+            lines.len(),
+            path.display()
+        )
+    } else {
+        format!("{all} prompts of {}", path.display())
+    };
     log::info!(
-        "τ eval: {} prompts of {}, up to {} new tokens each, measured {} and at the last step (in a child process beside training)",
-        lines.len(),
-        path.display(),
+        "τ eval: {which}, up to {} new tokens each{}, measured {} and at the last step (in a child process beside training)",
         args.eval_max_new_tokens,
+        if on_cpu { " (on the CPU)" } else { "" },
         if every == u64::MAX {
             "only".to_string()
         } else {
@@ -942,6 +960,11 @@ pub(crate) fn default_max_anchors(target: &str, plan: &[(WorkerName, Device)]) -
         512
     }
 }
+
+/// τ during training decoded on the CPU: at most this many prompts, and new tokens unless
+/// `--eval-max-new-tokens` is given.
+pub(crate) const CPU_TAU_PROMPTS: usize = 16;
+pub(crate) const CPU_TAU_NEW_TOKENS: u64 = 32;
 
 /// `--token-budget` by default for a real target trained on CPU workers.
 pub(crate) const CPU_TOKEN_BUDGET: u32 = 1024;

@@ -145,6 +145,17 @@ impl TauTrack {
         }
     }
 
+    /// The complete checkpoint of `step` is the newest while the measurement of another
+    /// step runs: it is passed over (said once), and that step is returned.
+    pub fn busy_with(&mut self, step: u64, last: bool) -> Option<u64> {
+        let running = self.running.filter(|&r| r != step)?;
+        if !self.is_tau_step(step, last) || self.done.contains(&step) {
+            return None;
+        }
+        self.done.insert(step);
+        Some(running)
+    }
+
     /// `step` is passed over (the cost share): not measured.
     pub fn pass_over(&mut self, step: u64) {
         self.done.insert(step);
@@ -166,6 +177,17 @@ impl TauTrack {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tau_step_that_comes_while_another_is_measured_is_passed_over_once() {
+        let mut t = TauTrack::new(10);
+        t.running = Some(10);
+        assert_eq!(t.busy_with(20, false), Some(10));
+        assert_eq!(t.busy_with(20, false), None, "said once");
+        assert_eq!(t.busy_with(25, false), None, "not a τ step");
+        assert_eq!(t.busy_with(10, false), None, "the one measured");
+        assert!(!t.wants(20, false));
+    }
 
     fn report(pooled: f64) -> String {
         json!({"prompts": 3, "block_size": 8, "max_new_tokens": 16, "identical_to_greedy": 3,
