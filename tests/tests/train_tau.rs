@@ -257,11 +257,12 @@ fn a_killed_tau_child_costs_its_measurement_only_and_tau_reaches_prometheus() {
     });
     let body = wait_for("a τ on /metrics", T, || {
         let r = http_get(&addr, "/metrics");
-        r.contains("dflash_tau{definition=\"pooled\"}").then_some(r)
+        r.contains("dflash_tau{run=\"run\",definition=\"pooled\"}")
+            .then_some(r)
     });
     assert!(
-        body.contains("dflash_tau_ci95{definition=\"pooled\",bound=\"low\"}")
-            && body.contains("dflash_tau_best_step "),
+        body.contains("dflash_tau_ci95{run=\"run\",definition=\"pooled\",bound=\"low\"}")
+            && body.contains("dflash_tau_best_step{run=\"run\"} "),
         "{body}"
     );
     // Valid exposition format (promtool, as the GPU telemetry's test checks it).

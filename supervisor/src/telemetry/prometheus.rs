@@ -49,6 +49,10 @@ struct Counters {
     last_step: AtomicU64,
     /// Tokens the drafters trained on.
     tokens: AtomicU64,
+    /// Tokens each worker processed (from each window's rate × its length: monotonic).
+    by_worker: Mutex<std::collections::BTreeMap<String, f64>>,
+    /// The learning rate of the last committed step.
+    lr: Mutex<Option<f64>>,
 }
 
 /// `--prometheus` given neither a port nor an address with a port.
@@ -271,6 +275,22 @@ impl Exporter {
         if let Ok(mut t) = self.text.lock() {
             *t = render(window);
         }
+        let secs = window["window_s"].as_f64().unwrap_or(0.0);
+        if let (Some(m), Ok(mut by)) = (
+            window["pipeline"]["tokens_per_s_by_worker"].as_object(),
+            self.counters.by_worker.lock(),
+        ) {
+            for (w, rate) in m {
+                *by.entry(w.clone()).or_default() += rate.as_f64().unwrap_or(0.0) * secs;
+            }
+        }
+    }
+
+    /// The learning rate of the last committed step.
+    pub fn set_lr(&self, lr: f64) {
+        if let Ok(mut l) = self.counters.lr.lock() {
+            *l = Some(lr);
+        }
     }
 
     /// The run at `step` with `tokens` trained so far: counts the steps committed since
@@ -316,7 +336,31 @@ impl Exporter {
         );
         let tokens = self.counters.tokens.load(Ordering::SeqCst);
         o.sample("dflash_tokens_trained_total", &[], Some(tokens as f64));
-        o.0
+        o.family(
+            "dflash_worker_tokens_total",
+            "counter",
+            "Tokens each worker processed (a target captured, a drafter trained on): rate() of it is the worker's throughput.",
+        );
+        if let Ok(by) = self.counters.by_worker.lock() {
+            for (w, n) in by.iter() {
+                o.sample(
+                    "dflash_worker_tokens_total",
+                    &[("worker", w)],
+                    Some(n.round()),
+                );
+            }
+        }
+        o.family(
+            "dflash_learning_rate",
+            "gauge",
+            "The learning rate of the last committed step.",
+        );
+        o.sample(
+            "dflash_learning_rate",
+            &[],
+            self.counters.lr.lock().ok().and_then(|l| *l),
+        );
+        with_run_label(&o.0, &run)
     }
 
     /// The response to a request head: GET (or HEAD) /metrics, else 404 or 405.
@@ -347,6 +391,33 @@ fn response(status: &str, body: &str, head: bool) -> Vec<u8> {
         if head { "" } else { body }
     )
     .into_bytes()
+}
+
+/// Every sample of `text` labelled `run="RUN"` (the run's name), so that several runs
+/// scraped into one Prometheus stay apart without relabelling.
+fn with_run_label(text: &str, run: &str) -> String {
+    if run.is_empty() {
+        return text.to_string();
+    }
+    let label = format!("run=\"{}\"", run.replace('\\', "\\\\").replace('"', "\\\""));
+    let mut out = String::with_capacity(text.len() + text.len() / 4);
+    for line in text.lines() {
+        if line.starts_with('#') || line.is_empty() {
+            out.push_str(line);
+        } else if let Some((name, rest)) = line.split_once('{') {
+            if rest.contains("run=\"") {
+                out.push_str(line);
+            } else {
+                out.push_str(&format!("{name}{{{label},{rest}"));
+            }
+        } else if let Some((name, value)) = line.split_once(' ') {
+            out.push_str(&format!("{name}{{{label}}} {value}"));
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    out
 }
 
 struct Out(String);
@@ -845,6 +916,13 @@ mod tests {
         for p in dash["panels"].as_array().unwrap() {
             for t in p["targets"].as_array().unwrap() {
                 let expr = t["expr"].as_str().unwrap();
+                // One run (and instance) at a time, as the dashboard's variables choose.
+                assert_eq!(
+                    expr.matches("dflash_").count(),
+                    expr.matches("run=~\"$run\",instance=~\"$instance\"")
+                        .count(),
+                    "{expr}"
+                );
                 for (i, _) in expr.match_indices("dflash_") {
                     let name: String = expr[i..]
                         .chars()
@@ -860,6 +938,24 @@ mod tests {
             }
         }
         assert!(queried >= 20, "{queried}");
+        let vars: Vec<&str> = dash["templating"]["list"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|v| v["name"].as_str())
+            .collect();
+        assert_eq!(vars, ["datasource", "run", "instance"]);
+        // Every sample of the page carries the run's label once the run is named.
+        e.set_run("r1");
+        let page = e.page();
+        for line in page
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
+            assert!(line.contains("run=\""), "{line}");
+        }
+        assert!(page.contains("dflash_up{run=\"r1\"} 1\n"), "{page}");
+        assert!(page.contains("# TYPE dflash_worker_tokens_total counter"));
     }
 
     #[test]
