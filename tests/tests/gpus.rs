@@ -354,7 +354,7 @@ fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
     );
     let body = wait_for("GPU figures on /metrics", Duration::from_secs(20), || {
         let r = http_get(&addr, "/metrics");
-        r.contains("dflash_gpu_utilization_ratio{gpu=\"0\"} 0.4")
+        r.contains("dflash_gpu_utilization_ratio{run=\"run\",gpu=\"0\"} 0.4")
             .then_some(r)
     });
     assert!(
@@ -363,8 +363,8 @@ fn prometheus_serves_the_latest_window_in_valid_exposition_format() {
         "{body}"
     );
     assert!(
-        body.contains("dflash_gpu_power_watts{gpu=\"0\"} 300")
-            && body.contains("dflash_worker_restarts_total{worker=\"drafter-0\"} 0"),
+        body.contains("dflash_gpu_power_watts{run=\"run\",gpu=\"0\"} 300")
+            && body.contains("dflash_worker_restarts_total{run=\"run\",worker=\"drafter-0\"} 0"),
         "{body}"
     );
     assert!(http_get(&addr, "/other").starts_with("HTTP/1.1 404"));
@@ -450,12 +450,27 @@ fn prometheus_counters_only_increase_while_the_run_trains() {
         "0",
     ]);
     let addr = prometheus_addr(&sup);
+    // Every sample carries the run's name (issue 40): several runs scraped into one
+    // Prometheus stay apart.
+    let run = sup
+        .run_dir
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     let counter = |page: &str, name: &str| -> f64 {
         page.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .find_map(|l| l.strip_prefix(&format!("{name}{{run=\"{run}\"}} ")))
             .and_then(|v| v.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no {name}: {page}"))
+            .unwrap_or_else(|| panic!("no {name}{{run=\"{run}\"}}: {page}"))
     };
+    let worker_tokens = |page: &str| -> f64 {
+        page.lines()
+            .filter(|l| l.starts_with("dflash_worker_tokens_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let mut last_worker_tokens = 0.0;
     let mut last = (0.0, 0.0);
     for _ in 0..3 {
         let page = wait_for("more steps counted", Duration::from_secs(30), || {
@@ -468,6 +483,11 @@ fn prometheus_counters_only_increase_while_the_run_trains() {
         );
         assert!(now.0 > last.0 && now.1 > last.1, "{last:?} then {now:?}");
         last = now;
+        // The per-worker counter only grows; the learning rate is there.
+        let w = worker_tokens(&page);
+        assert!(w >= last_worker_tokens, "{w} after {last_worker_tokens}");
+        last_worker_tokens = w;
+        assert!(counter(&page, "dflash_learning_rate") > 0.0, "{page}");
     }
     sup.signal(Signal::SIGTERM);
     assert_eq!(sup.wait_exit(Duration::from_secs(30)).code(), Some(75));

@@ -75,6 +75,9 @@ pub struct TrainProgress {
     pub loss: f64,
     pub acceptance: f64,
     pub slot_accuracy: Vec<f64>,
+    /// The learning rate of the last committed step.
+    #[serde(default)]
+    pub lr: Option<f64>,
     pub members: usize,
     pub exported: Option<String>,
     /// The step the exported drafter holds.

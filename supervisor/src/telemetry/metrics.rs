@@ -70,7 +70,10 @@ impl Metrics {
 }
 
 /// Tokens per second as the status shows it: `—` before there is a figure (no window yet),
-/// never `-0`.
+/// never `-0`. The run's one definition of tokens/s: tokens the drafters trained on (the
+/// batches' real tokens, not their padding) per second of wall time, over the window the
+/// figure covers (a step line's: its metrics window; the live status line's: the open
+/// window, from its start to now).
 pub fn tokens_per_s(tps: Option<f64>) -> String {
     match tps.filter(|t| t.is_finite()) {
         Some(t) => format!("{:.0} tok/s", t.max(0.0) + 0.0),
@@ -78,10 +81,10 @@ pub fn tokens_per_s(tps: Option<f64>) -> String {
     }
 }
 
-/// The figures a person glances at while the run goes (all but the step): loss,
-/// acceptance, tokens/s (`tps` when given, else the window's), GPU use, the hidden-state
-/// pool's fill and restarts.
-pub fn status_figures(w: &serde_json::Value, tps: Option<f64>) -> String {
+/// The figures a person glances at while the run goes (all but the step), most important
+/// first: loss, acceptance, tokens/s (`tps` when given, else the window's), GPU use, the
+/// hidden-state pool's fill and restarts.
+pub fn status_fields(w: &serde_json::Value, tps: Option<f64>) -> Vec<String> {
     let mut parts = Vec::new();
     if let Some(t) = w["train"].as_object() {
         if let Some(l) = t["loss"].as_f64() {
@@ -91,14 +94,7 @@ pub fn status_figures(w: &serde_json::Value, tps: Option<f64>) -> String {
             parts.push(format!("accept {a:.2}"));
         }
     }
-    let window = w["pipeline"]["tokens_per_s_by_worker"]
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .filter(|(k, _)| k.starts_with("drafter"))
-                .filter_map(|(_, v)| v.as_f64())
-                .sum::<f64>()
-        });
+    let window = w["pipeline"]["tokens_per_s_trained"].as_f64();
     parts.push(tokens_per_s(tps.or(window)));
     let utils: Vec<f64> = w["gpu"]["gpus"]
         .as_array()
@@ -116,7 +112,12 @@ pub fn status_figures(w: &serde_json::Value, tps: Option<f64>) -> String {
         parts.push(format!("hidden pool {:.0}% full", f * 100.0));
     }
     parts.push(format!("restarts {}", w["restarts"].as_u64().unwrap_or(0)));
-    parts.join(" | ")
+    parts
+}
+
+/// [`status_fields`] as one string, ` | ` between them.
+pub fn status_figures(w: &serde_json::Value, tps: Option<f64>) -> String {
+    status_fields(w, tps).join(" | ")
 }
 
 /// `step N/M` (`step N` when the schedule does not know its length).
@@ -127,11 +128,18 @@ pub fn step_of(step: u64, total: Option<u64>) -> String {
     }
 }
 
-/// The one step-line format of a run's plain output (off a terminal), and the start of the
-/// trainer's step lines: `step N/M | figures`.
+/// The one step-line format of a run's plain output (off a terminal): `step N/M | figures`.
 pub fn status_line(w: &serde_json::Value, total: Option<u64>, tps: Option<f64>) -> String {
     let step = w["train"]["step"].as_u64().unwrap_or(0);
     format!("{} | {}", step_of(step, total), status_figures(w, tps))
+}
+
+/// The plain step line of the metrics window `w`, when it has news: a step trained in it
+/// (past `before`, the step of the window before, or the step a resumed session started
+/// from). A window in which no step was trained (a slow step, the idle end) prints none.
+pub fn step_line(w: &serde_json::Value, total: Option<u64>, before: u64) -> Option<String> {
+    let step = w["train"]["step"].as_u64()?;
+    (step > before).then(|| status_line(w, total, None))
 }
 
 #[cfg(test)]
@@ -152,7 +160,8 @@ mod tests {
     fn the_step_line_names_the_step_out_of_the_total_then_the_figures() {
         let w = json!({
             "train": {"step": 12, "loss": 3.12345, "acceptance": 1.5},
-            "pipeline": {"tokens_per_s_by_worker": {"drafter-0": 100.0, "drafter-1": 50.0, "target-0": 999.0},
+            "pipeline": {"tokens_per_s_trained": 150.0,
+                         "tokens_per_s_by_worker": {"drafter-0": 100.0, "drafter-1": 50.0, "target-0": 999.0},
                          "hidden_pool": {"fill_ratio": 0.25}},
             "restarts": 2,
         });
@@ -167,5 +176,23 @@ mod tests {
         );
         // No window yet: no tokens/s figure to show.
         assert_eq!(status_figures(&json!({}), None), "— tok/s | restarts 0");
+    }
+
+    #[test]
+    fn a_window_prints_a_step_line_only_when_a_step_was_trained_in_it() {
+        let w = |step: u64| {
+            json!({"train": {"step": step, "loss": 1.0, "acceptance": 2.0},
+                   "pipeline": {"tokens_per_s_trained": 0.0}, "restarts": 0})
+        };
+        // A slow step: the windows it spans have nothing new to say.
+        assert_eq!(
+            step_line(&w(5), Some(10), 4).as_deref(),
+            Some("step 5/10 | loss 1.000 | accept 2.00 | 0 tok/s | restarts 0")
+        );
+        assert_eq!(step_line(&w(5), Some(10), 5), None);
+        // A resumed session's first window, before its first step.
+        assert_eq!(step_line(&w(900), Some(1000), 900), None);
+        // No training yet.
+        assert_eq!(step_line(&json!({"train": null}), Some(10), 0), None);
     }
 }

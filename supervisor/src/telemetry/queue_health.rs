@@ -41,6 +41,9 @@ pub struct QueueHealth {
     device_memory: BTreeMap<String, dflash_shared::protocol::DeviceMemory>,
     /// Tokens the drafters trained on since the run started (kept across windows).
     drafter_tokens_total: u64,
+    /// The run's CPU workers and the cores they share, when they outnumber them (the run
+    /// warned so): hints then name the CPU as the limit instead of advising more workers.
+    cpu_limit: Option<(usize, usize)>,
 }
 
 impl Default for QueueHealth {
@@ -56,6 +59,7 @@ impl Default for QueueHealth {
             phases: BTreeMap::new(),
             device_memory: BTreeMap::new(),
             drafter_tokens_total: 0,
+            cpu_limit: None,
         }
     }
 }
@@ -77,6 +81,11 @@ impl QueueHealth {
             acc.producers_blocked += dt * v.producer_blocked as u8 as f64;
             acc.consumers_starved += dt * v.consumer_starved as u8 as f64;
         }
+    }
+
+    /// The run's CPU workers outnumber its cores (`(workers, cores)`), or not (`None`).
+    pub fn cpu_limited(&mut self, limit: Option<(usize, usize)>) {
+        self.cpu_limit = limit;
     }
 
     pub fn served(&mut self, worker: &str) {
@@ -175,6 +184,7 @@ impl QueueHealth {
             last: self.last,
             device_memory: std::mem::take(&mut self.device_memory),
             drafter_tokens_total: self.drafter_tokens_total,
+            cpu_limit: self.cpu_limit,
             ..QueueHealth::default()
         };
         v
@@ -206,17 +216,34 @@ impl QueueHealth {
                 targets_idle * 100.0
             ))
         } else if drafters_idle > 0.5 {
-            Some(format!(
-                "drafters idle {:.0}% waiting for hidden states: add targets",
-                drafters_idle * 100.0
+            Some(self.advise(
+                format!(
+                    "drafters idle {:.0}% waiting for hidden states",
+                    drafters_idle * 100.0
+                ),
+                "add targets",
             ))
         } else if targets_blocked > 0.5 {
-            Some(format!(
-                "targets blocked {:.0}% on a full hidden-state pool: add drafters",
-                targets_blocked * 100.0
+            Some(self.advise(
+                format!(
+                    "targets blocked {:.0}% on a full hidden-state pool",
+                    targets_blocked * 100.0
+                ),
+                "add drafters",
             ))
         } else {
             None
+        }
+    }
+
+    /// `what`, then `fix`; or, when the CPU workers outnumber the cores, that the CPU is
+    /// the limit: more workers would only share it too.
+    fn advise(&self, what: String, fix: &str) -> String {
+        match self.cpu_limit {
+            Some((workers, cores)) => format!(
+                "{what}: the CPU is the limit ({workers} CPU workers on {cores} core(s)), not the number of workers"
+            ),
+            None => format!("{what}: {fix}"),
         }
     }
 }
@@ -264,5 +291,43 @@ mod tests {
             .contains("drafters idle 100%"));
         // The window resets.
         assert_eq!(q.take(1.0)["batches_per_worker"], json!({}));
+    }
+
+    /// A window in which one pool's side waited on the other all along.
+    fn starved(q: &mut QueueHealth, targets_blocked: bool) {
+        q.last = Instant::now() - std::time::Duration::from_secs(1);
+        q.observe(
+            PoolView {
+                ready: 2,
+                slots: 4,
+                producer_blocked: false,
+                consumer_starved: false,
+            },
+            PoolView {
+                ready: if targets_blocked { 4 } else { 0 },
+                slots: 4,
+                producer_blocked: targets_blocked,
+                consumer_starved: !targets_blocked,
+            },
+        );
+    }
+
+    #[test]
+    fn hints_never_advise_more_workers_when_cpu_workers_outnumber_the_cores() {
+        let mut q = QueueHealth::default();
+        starved(&mut q, true);
+        let hint = q.take(1.0)["bottleneck_hint"].as_str().unwrap().to_string();
+        assert!(hint.ends_with(": add drafters"), "{hint}");
+        // The run warned "3 CPU workers on 2 core(s)": the hint agrees with it.
+        q.cpu_limited(Some((3, 2)));
+        for targets_blocked in [true, false] {
+            starved(&mut q, targets_blocked);
+            let hint = q.take(1.0)["bottleneck_hint"].as_str().unwrap().to_string();
+            assert!(!hint.contains("add "), "{hint}");
+            assert!(
+                hint.contains("the CPU is the limit (3 CPU workers on 2 core(s))"),
+                "{hint}"
+            );
+        }
     }
 }

@@ -393,9 +393,6 @@ pub struct Group {
     hung_in_a_row: u32,
     /// All-reduce times of the last commit's members (ms), for the log.
     reduce_ms: Vec<f64>,
-    window: StepStats,
-    window_start: Instant,
-    window_steps: u64,
     /// Step of the last checkpoint asked for, and of whom (until it is complete).
     checkpointed: u64,
     checkpoint_asked: Option<(usize, u64)>,
@@ -451,15 +448,15 @@ impl Group {
         self.cfg.total_steps
     }
 
-    /// A group of no member yet, at the run's start (fresh, or the resumed checkpoint),
-    /// at `now`. `grads` and `state` are the pools each rank maps.
+    /// A group of no member yet, at the run's start (fresh, or the resumed checkpoint).
+    /// `grads` and `state` are the pools each rank maps.
     pub fn new(
         cfg: TrainerConfig,
         grads: PoolInfo,
         state: PoolInfo,
         view: Box<dyn CheckpointView>,
         history: History,
-        now: Instant,
+        _now: Instant,
     ) -> Group {
         let base = match &cfg.resume {
             Some((step, dir)) => (*step, Restore::Checkpoint { dir: dir.clone() }),
@@ -517,9 +514,6 @@ impl Group {
             all_posted_at: None,
             hung_in_a_row: 0,
             reduce_ms: Vec::new(),
-            window: StepStats::default(),
-            window_start: now,
-            window_steps: 0,
             progress: TrainProgress::default(),
             eval,
             tau,
@@ -1300,7 +1294,7 @@ impl Group {
             ));
         }
         self.committed = step;
-        self.record(step, lr, contributors, &stats, now, out);
+        self.record(step, lr, contributors, &stats, out);
         if self.too_many_skipped(stats.nonfinite, out) {
             return;
         }
@@ -1503,6 +1497,15 @@ impl Group {
         Some((step, dir))
     }
 
+    /// The newest checkpoint is a τ step that must wait for the measurement of another:
+    /// (its step, the step measured), once; it is not measured.
+    pub fn tau_busy(&mut self) -> Option<(u64, u64)> {
+        let (step, _) = self.last_checkpoint.clone()?;
+        let last = self.cfg.steps_limit.is_some_and(|n| step >= n);
+        let running = self.tau.as_mut()?.busy_with(step, last)?;
+        Some((step, running))
+    }
+
     /// The τ of the weights of `r.step` was measured: recorded, and `checkpoints/best`
     /// names it when it is the best so far (dropped if a rollback went back past it).
     pub fn on_tau(&mut self, r: &crate::training::tau::TauResult) -> Option<Out> {
@@ -1564,15 +1567,7 @@ impl Group {
             .collect()
     }
 
-    fn record(
-        &mut self,
-        step: u64,
-        lr: f64,
-        contributors: usize,
-        s: &StepStats,
-        now: Instant,
-        out: &mut Out,
-    ) {
+    fn record(&mut self, step: u64, lr: f64, contributors: usize, s: &StepStats, out: &mut Out) {
         let acc: Vec<f64> = s
             .slot_correct
             .iter()
@@ -1592,36 +1587,10 @@ impl Group {
         self.reduce_ms.clear();
         self.progress.step = step;
         self.progress.loss = s.loss();
+        self.progress.lr = Some(lr);
         self.progress.acceptance = s.acceptance();
         self.progress.slot_accuracy = acc;
         self.progress.members = self.members.len();
-        self.window.merge(s);
-        self.window_steps += 1;
-        let secs = now
-            .saturating_duration_since(self.window_start)
-            .as_secs_f64();
-        if secs >= 5.0 || step == 1 {
-            let w = &self.window;
-            let acc1 = if w.slot_total.len() > 1 && w.slot_total[1] > 0 {
-                w.slot_correct[1] as f64 / w.slot_total[1] as f64
-            } else {
-                0.0
-            };
-            // The run's one step-line format (as the metrics windows' lines).
-            log::info!(
-                "{} | loss {:.4} | accept {:.2} | acc@1 {:.2} | {} | lr {:.2e} | {} drafter(s)",
-                crate::telemetry::metrics::step_of(step, self.cfg.total_steps),
-                w.loss(),
-                w.acceptance(),
-                acc1,
-                crate::telemetry::metrics::tokens_per_s(Some(w.tokens as f64 / secs.max(1e-9))),
-                lr,
-                self.members.len(),
-            );
-            self.window = StepStats::default();
-            self.window_start = now;
-            self.window_steps = 0;
-        }
     }
 
     /// The run is stopping and nothing can be saved (its directory is gone): no step

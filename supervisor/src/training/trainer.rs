@@ -161,6 +161,11 @@ impl Trainer {
         out.actions
     }
 
+    /// See [`Group::tau_busy`].
+    pub fn tau_busy(&mut self) -> Option<(u64, u64)> {
+        self.group.tau_busy()
+    }
+
     /// The τ to measure now (see [`Group::tau_wanted`]); `start`: it starts.
     pub fn tau_wanted(&mut self, last: bool, start: bool) -> Option<(u64, std::path::PathBuf)> {
         self.group.tau_wanted(last, start)

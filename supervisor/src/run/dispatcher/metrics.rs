@@ -9,7 +9,7 @@ use serde_json::json;
 use super::Dispatcher;
 use crate::run::rundir::now_rfc3339;
 use crate::telemetry::console::Status;
-use crate::telemetry::metrics::{status_figures, status_line};
+use crate::telemetry::metrics::{status_fields, step_line};
 
 impl Dispatcher {
     /// On a terminal, redraw the live status line once a second: the training figures of
@@ -21,6 +21,9 @@ impl Dispatcher {
                 self.trainer.progress().step,
                 self.pipeline.health.drafter_tokens_total(),
             );
+            if let Some(lr) = self.trainer.progress().lr {
+                p.set_lr(lr);
+            }
         }
         if !crate::telemetry::console::live()
             || self.now.saturating_duration_since(self.metrics.status_at) < Duration::from_secs(1)
@@ -48,7 +51,8 @@ impl Dispatcher {
         crate::telemetry::console::status(Some(Status {
             step: t.step,
             total: self.trainer.total_steps(),
-            figures: status_figures(&w, live),
+            base: self.trainer.base_step(),
+            figures: status_fields(&w, live),
         }));
     }
 
@@ -68,8 +72,10 @@ impl Dispatcher {
         let gpu = self.metrics.gpu.take(&names);
         let (consumed, produced) = self.pipeline.progress();
         let t = self.trainer.progress();
+        // The step of the window before (a resumed session's first: the step it resumed).
+        let before = self.metrics.last_step.max(self.trainer.base_step());
         let train = (t.step > 0).then(|| {
-            json!({"step": t.step, "steps_per_s": (t.step.saturating_sub(self.metrics.last_step)) as f64 / secs,
+            json!({"step": t.step, "steps_per_s": (t.step.saturating_sub(before)) as f64 / secs,
                    "loss": t.loss, "acceptance": t.acceptance})
         });
         let workers: serde_json::Map<String, serde_json::Value> = self
@@ -118,13 +124,15 @@ impl Dispatcher {
         crate::telemetry::console::status(Some(Status {
             step: t.step,
             total,
-            figures: status_figures(&record, None),
+            base: self.trainer.base_step(),
+            figures: status_fields(&record, None),
         }));
-        let ended = self.stop_reason.is_some() && t.step == self.metrics.last_step;
-        if !crate::telemetry::console::live() && t.step > 0 && !ended {
-            // Not a terminal: one plain step line per window (once there are steps, and
-            // not for the idle windows of a run's end) instead of the live status line.
-            log::info!("{}", status_line(&record, total, None));
+        if !crate::telemetry::console::live() {
+            // Not a terminal: the plain step line of a window in which a step was trained,
+            // instead of the live status line.
+            if let Some(line) = step_line(&record, total, before) {
+                log::info!("{line}");
+            }
         }
         self.metrics.last_consumed = consumed;
         self.metrics.last_step = t.step;

@@ -396,6 +396,9 @@ impl Dispatcher {
         self.started = now;
         self.written_at = now;
         self.metrics.restart(now);
+        // Hints agree with the warning that CPU workers outnumber the cores.
+        let limit = crate::run::validate::oversubscribed(&self.cfg.plan);
+        self.pipeline.health.cpu_limited(limit);
         let names: Vec<String> = self
             .workers
             .iter()

@@ -105,6 +105,16 @@ impl Dispatcher {
             return;
         };
         if !matches!(runner.job, Job::Idle) {
+            // A τ step whose checkpoint came while another is measured: said, not measured.
+            if let Some((step, running)) = self.trainer.tau_busy() {
+                log::info!(
+                    "τ of step {step} passed over: the τ of step {running} is still being measured (on CPU workers a measurement takes long: fewer --eval-prompts, a smaller --eval-max-new-tokens or a larger --eval-every)"
+                );
+                self.run.event(
+                    "tau_skipped",
+                    obj(json!({"step": step, "measuring": running})),
+                );
+            }
             return;
         }
         let Some((step, checkpoint)) = self.trainer.tau_wanted(false, false) else {
