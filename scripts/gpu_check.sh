@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # shellcheck disable=SC2317,SC2329  # the step functions are called by name (step_$NAME)
-# One verdict for a GPU machine (see README, "GPU"): does this build run there, and how fast?
+# One verdict for a GPU machine (see docs/gpus.md): does this build run there, and how fast?
 #
 #   scripts/gpu_check.sh [--emulated] [--out DIR] [PATH/TO/dflash-supervise]
 #

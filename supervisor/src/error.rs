@@ -4,7 +4,7 @@
 //! Every error prints as one line: what was being done, to which input or path, and why
 //! (its source's own text at the end). `main` prints it and exits with
 //! [`Error::exit_code`]; a run that got going ends with [`RunEnd::exit_code`]. Both use the
-//! codes of [`dflash_shared::exit_codes`], which the README documents.
+//! codes of [`dflash_shared::exit_codes`], which docs/run-directory.md documents (a table generated from them).
 
 use std::path::PathBuf;
 

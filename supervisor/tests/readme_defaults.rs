@@ -1,4 +1,4 @@
-//! The README's run-options table agrees with the command line: every flag it names exists,
+//! The run-options table of docs/cli-guide.md (once the README's) agrees with the command line: every flag it names exists,
 //! and every default it gives for a flag that has one in the command line (clap's, which
 //! `--help` prints as `[default: ...]`) is that default. Without this check the table said
 //! `--stop-timeout` defaults to 120s long after the program changed it to 25s.
@@ -76,12 +76,13 @@ fn same(readme: &str, clap: &str) -> bool {
 
 /// (option cell, default cell) of each row of the run-options table.
 fn readme_rows() -> Vec<(String, String)> {
-    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))
-        .expect("README.md");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/cli-guide.md"))
+            .expect("docs/cli-guide.md");
     let table = readme
         .split("\n| option | default | meaning |\n")
         .nth(1)
-        .expect("the README has the run-options table (| option | default | meaning |)");
+        .expect("docs/cli-guide.md has the run-options table (| option | default | meaning |)");
     table
         .lines()
         .skip(1) // |---|---|---|
@@ -141,7 +142,7 @@ fn every_default_in_the_readme_flag_table_is_the_programs() {
     let (bad, compared) = mismatches(&rows);
     assert!(
         bad.is_empty(),
-        "README.md's run options:\n{}",
+        "docs/cli-guide.md's run options:\n{}",
         bad.join("\n")
     );
     assert!(compared >= 20, "only {compared} defaults compared");
