@@ -214,20 +214,24 @@ impl Dispatcher {
             if !finished || newest != Some(*step) {
                 cancel.store(true, Ordering::Relaxed);
             }
+            let step = *step;
             log::info!("waiting for the τ of step {step}");
             let limit = runner.cfg.timeout + Duration::from_secs(30);
-            let until = Instant::now() + limit;
+            let since = Instant::now();
+            let until = since + limit;
             while let Some(left) = until.checked_duration_since(Instant::now()) {
-                match self.rx.recv_timeout(left) {
+                self.show_tau_wait(step, since, limit);
+                match self.rx.recv_timeout(left.min(Duration::from_secs(1))) {
                     Ok(Event::Tau(o)) => {
                         came |= o.result.is_ok();
                         self.on_tau(o);
                         break;
                     }
-                    Ok(_) => {}
+                    Ok(_) | Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
                     Err(_) => break,
                 }
             }
+            crate::telemetry::console::status(None);
         }
         if !finished || self.run_dir_gone.is_some() {
             return came;
@@ -250,6 +254,25 @@ impl Dispatcher {
         came |= o.result.is_ok();
         self.on_tau(o);
         came
+    }
+}
+
+impl Dispatcher {
+    /// While the run's end waits for the τ of `step` (measured since `since`, for up to
+    /// `limit`): the status line says so, and how long it has taken.
+    fn show_tau_wait(&self, step: u64, since: Instant, limit: Duration) {
+        let t = self.trainer.progress();
+        let secs = |d: Duration| humantime::format_duration(Duration::from_secs(d.as_secs()));
+        crate::telemetry::console::status(Some(crate::telemetry::console::Status {
+            step: t.step,
+            total: self.trainer.total_steps(),
+            base: self.trainer.base_step(),
+            figures: vec![format!(
+                "waiting for the τ of step {step}: {} so far (up to {})",
+                secs(since.elapsed()),
+                secs(limit)
+            )],
+        }));
     }
 }
 
