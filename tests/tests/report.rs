@@ -1,6 +1,10 @@
 //! `dflash-supervise report`: a self-contained page of a run, for a finished run (written
 //! by the run itself at its end), for one with (fake) GPUs that throttle and report an XID,
-//! for one whose supervisor was killed, and kept current by `--watch` on a live run.
+//! for one whose supervisor was killed, and kept current by `--watch` on a live run; and,
+//! on a run dir written by hand and the page's SVG read back as XML, the numbers that
+//! matter shown (issue 40): a lone τ inside its plot with its value, axes that fit their
+//! data, whole worker names, and a summary that leads with τ, the best checkpoint and the
+//! held-out eval.
 
 mod common;
 
@@ -550,4 +554,347 @@ fn a_long_runs_page_stays_small_and_opens_in_chromium_as_the_benchmark_measures_
             "both pages opened: {v}"
         );
     }
+}
+
+/// An element of the page as a small XML parser reads it: its name, attributes, text, and
+/// children.
+#[derive(Debug, Default)]
+struct El {
+    name: String,
+    attrs: Vec<(String, String)>,
+    text: String,
+    kids: Vec<El>,
+}
+
+impl El {
+    fn attr(&self, k: &str) -> Option<&str> {
+        self.attrs
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn num(&self, k: &str) -> f64 {
+        self.attr(k)
+            .unwrap_or_else(|| panic!("no {k} in {self:?}"))
+            .parse()
+            .unwrap_or_else(|e| panic!("{k} of {self:?}: {e}"))
+    }
+
+    fn is(&self, name: &str, class: &str) -> bool {
+        self.name == name && self.attr("class") == Some(class)
+    }
+
+    /// Every element under this one (itself first), with whether a clip path is on the
+    /// way down to it.
+    fn all(&self) -> Vec<(&El, bool)> {
+        fn walk<'a>(e: &'a El, clipped: bool, out: &mut Vec<(&'a El, bool)>) {
+            let clipped = clipped || e.attr("clip-path").is_some();
+            out.push((e, clipped));
+            for k in &e.kids {
+                walk(k, clipped, out);
+            }
+        }
+        let mut out = Vec::new();
+        walk(self, false, &mut out);
+        out
+    }
+
+    fn find(&self, name: &str, class: &str) -> Vec<&El> {
+        self.all()
+            .into_iter()
+            .map(|(e, _)| e)
+            .filter(|e| e.is(name, class))
+            .collect()
+    }
+
+    /// The chart `<svg data-chart=id>`.
+    fn chart(&self, id: &str) -> &El {
+        self.all()
+            .into_iter()
+            .map(|(e, _)| e)
+            .find(|e| e.name == "svg" && e.attr("data-chart") == Some(id))
+            .unwrap_or_else(|| panic!("no chart {id}"))
+    }
+
+    /// The plot rectangle of a chart: (left, top, right, bottom): the clip path's
+    /// rectangle, which the plot's background fills.
+    fn plot_rect(&self) -> (f64, f64, f64, f64) {
+        let r = self
+            .all()
+            .into_iter()
+            .find(|(e, _)| e.name == "clipPath")
+            .and_then(|(c, _)| c.kids.iter().find(|k| k.name == "rect"))
+            .expect("a clipPath rect");
+        let (x, y) = (r.num("x"), r.num("y"));
+        (x, y, x + r.num("width"), y + r.num("height"))
+    }
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&amp;", "&")
+}
+
+/// The page as XML: every tag closed by its own name, attributes quoted (it panics on
+/// anything else, so a page that is not well-formed fails the test).
+fn parse_xml(page: &str) -> El {
+    let mut stack = vec![El::default()];
+    let mut rest = page;
+    while let Some(lt) = rest.find('<') {
+        let text = unescape(&rest[..lt]);
+        stack.last_mut().unwrap().text.push_str(&text);
+        rest = &rest[lt..];
+        if let Some(r) = rest.strip_prefix("<!--") {
+            rest = &r[r.find("-->").expect("comment end") + 3..];
+            continue;
+        }
+        let gt = rest.find('>').expect("tag end");
+        let tag = &rest[1..gt];
+        rest = &rest[gt + 1..];
+        if tag.starts_with('!') || tag.starts_with('?') {
+            continue;
+        }
+        if let Some(name) = tag.strip_prefix('/') {
+            let el = stack.pop().unwrap();
+            assert_eq!(el.name, name.trim(), "mismatched closing tag");
+            stack.last_mut().unwrap().kids.push(el);
+            continue;
+        }
+        let closed = tag.ends_with('/');
+        let tag = tag.trim_end_matches('/');
+        let name_end = tag.find(char::is_whitespace).unwrap_or(tag.len());
+        let mut el = El {
+            name: tag[..name_end].to_string(),
+            ..El::default()
+        };
+        let mut a = tag[name_end..].trim();
+        while !a.is_empty() {
+            let eq = a
+                .find("=\"")
+                .unwrap_or_else(|| panic!("attribute in <{tag}>"));
+            let end = a[eq + 2..].find('"').expect("attribute end") + eq + 2;
+            el.attrs
+                .push((a[..eq].trim().to_string(), unescape(&a[eq + 2..end])));
+            a = a[end + 1..].trim();
+        }
+        if closed {
+            stack.last_mut().unwrap().kids.push(el);
+        } else {
+            stack.push(el);
+        }
+    }
+    assert_eq!(stack.len(), 1, "unclosed elements");
+    stack.pop().unwrap()
+}
+
+/// A lower estimate of the width of `s` in a sans-serif font of `font` px (0.6 em a
+/// character: DejaVu Sans's lowercase letters average about 0.55 em, its digits 0.64).
+fn text_width(s: &str, font: f64) -> f64 {
+    s.chars().count() as f64 * font * 0.6
+}
+
+/// A run dir written by hand: 6 steps whose loss goes from 11.9 down to 11.6, a held-out
+/// eval at step 4, one τ measurement (at the last step, τ 1 with a [1, 1] interval, as an
+/// untrained drafter's is) that `checkpoints/best` names, and two workers with long names.
+fn run_with_one_tau(dir: &Path, workers: &[&str], tau: bool) {
+    let t0: u64 = 1_767_225_600_000;
+    let ws: Vec<String> = workers
+        .iter()
+        .map(|w| format!(r#"{{"name": "{w}", "gpu": "cpu", "restarts": 0}}"#))
+        .collect();
+    fs::write(
+        dir.join("state.json"),
+        format!(
+            r#"{{"started_at": "2026-01-01T00:00:00.000Z", "started_at_unix_ms": {t0}, "phase": "stopped",
+                "workers": [{}], "train": {{"step": 6, "best_step": 6}}}}"#,
+            ws.join(", ")
+        ),
+    )
+    .unwrap();
+    let mut train: Vec<String> = (1..=6u64)
+        .map(|s| {
+            format!(
+                r#"{{"t": {}, "step": {s}, "loss": {}, "acceptance": {}, "lr": 0.001, "tokens": 100}}"#,
+                t0 + s * 1000,
+                11.9 - 0.06 * (s - 1) as f64,
+                1.0 + 0.01 * s as f64
+            )
+        })
+        .collect();
+    train.insert(
+        4,
+        format!(
+            r#"{{"t": {}, "eval": {{"step": 4, "loss": 11.75, "acceptance": 1.03}}}}"#,
+            t0 + 4500
+        ),
+    );
+    if tau {
+        train.push(format!(
+            r#"{{"t": {}, "tau": {{"step": 6, "prompts": 6, "block_size": 8, "pooled": 1.0, "pooled_ci95": [1.0, 1.0], "mean_of_means": 1.0, "mean_of_means_ci95": [1.0, 1.0]}}}}"#,
+            t0 + 7000
+        ));
+        let ck = dir.join("checkpoints");
+        fs::create_dir_all(ck.join("step-00000006")).unwrap();
+        fs::write(ck.join("step-00000006/meta.json"), "{}").unwrap();
+        std::os::unix::fs::symlink("step-00000006", ck.join("best")).unwrap();
+    }
+    fs::write(dir.join("train.jsonl"), train.join("\n") + "\n").unwrap();
+    let mut events =
+        vec![r#"{"time": "2026-01-01T00:00:00.000Z", "event": "run_start"}"#.to_string()];
+    for w in workers {
+        events.push(format!(
+            r#"{{"time": "2026-01-01T00:00:00.500Z", "event": "spawn", "worker": "{w}"}}"#
+        ));
+    }
+    events.push(
+        r#"{"time": "2026-01-01T00:00:08.000Z", "event": "run_end", "reason": "step limit reached", "exit_code": 0}"#
+            .into(),
+    );
+    fs::write(dir.join("events.jsonl"), events.join("\n") + "\n").unwrap();
+}
+
+fn report_of(dir: &Path) -> El {
+    let out = supervise(&["report", dir.to_str().unwrap()], None);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let page = dir.join("report.html");
+    assert_parses(&page);
+    parse_xml(&fs::read_to_string(&page).unwrap())
+}
+
+/// Issue 40: the numbers that matter are shown. A lone τ point is drawn inside its plot
+/// (not on its border or in its corner) with its value beside it; the loss axis fits a
+/// loss from 11.9 to 11.6 (it does not start at 0); the workers' names on their lifelines
+/// fit left of the plot and are not clipped; the summary leads with τ, the best checkpoint
+/// and the held-out eval, and says how to measure τ when it was not.
+#[test]
+fn the_page_shows_a_lone_tau_inside_its_plot_labelled_axes_that_fit_whole_names_and_tau_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let workers = ["target-eu-west-node-17", "drafter-eu-west-node-17-b"];
+    run_with_one_tau(tmp.path(), &workers, true);
+    let page = report_of(tmp.path());
+
+    // The lone τ point, strictly inside its plot, its value written near it.
+    let tau = page.chart("tau");
+    let (l, t, r, b) = tau.plot_rect();
+    let dots = tau.find("circle", "tau-pooled");
+    assert_eq!(dots.len(), 1, "one τ point");
+    let (cx, cy, rad) = (dots[0].num("cx"), dots[0].num("cy"), dots[0].num("r"));
+    assert!(
+        l < cx - rad && cx + rad < r && t < cy - rad && cy + rad < b,
+        "the τ point ({cx}, {cy}) r {rad} is not inside the plot [{l}, {r}] × [{t}, {b}]"
+    );
+    let label = tau.all().into_iter().map(|(e, _)| e).find(|e| {
+        e.name == "text"
+            && e.text
+                .trim()
+                .parse::<f64>()
+                .is_ok_and(|v| (v - 1.0).abs() < 5e-4)
+            && (e.num("x") - cx).abs() < 40.0
+            && (e.num("y") - cy).abs() < 20.0
+    });
+    let label = label.unwrap_or_else(|| panic!("no label of τ 1 near ({cx}, {cy})"));
+    let (lx, ly) = (label.num("x"), label.num("y"));
+    assert!(
+        l < lx && lx < r && t < ly && ly < b,
+        "the label at ({lx}, {ly}) is outside the plot"
+    );
+
+    // The loss axis fits 11.9 → 11.6: its lowest tick is near the data, not 0, and every
+    // loss point is inside the plot.
+    let loss = page.chart("loss");
+    let (l, t, r, b) = loss.plot_rect();
+    let ticks: Vec<f64> = loss
+        .all()
+        .into_iter()
+        .map(|(e, _)| e)
+        .filter(|e| e.name == "text" && e.attr("text-anchor") == Some("end") && e.num("x") < l)
+        .filter_map(|e| e.text.trim().parse().ok())
+        .collect();
+    let lowest = ticks.iter().copied().fold(f64::INFINITY, f64::min);
+    assert!(
+        (11.0..=11.6).contains(&lowest),
+        "the loss axis's lowest tick is {lowest}: {ticks:?}"
+    );
+    for c in loss.find("circle", "loss") {
+        let (x, y) = (c.num("cx"), c.num("cy"));
+        assert!(l < x && x < r && t < y && y < b, "loss point ({x}, {y})");
+    }
+
+    // Every worker's name, whole, left of the lifelines' plot, and not clipped.
+    let lanes = page.chart("lifelines");
+    let (l, ..) = lanes.plot_rect();
+    for w in workers {
+        let (name, clipped) = lanes
+            .all()
+            .into_iter()
+            .find(|(e, _)| e.name == "text" && e.text == w)
+            .unwrap_or_else(|| panic!("no name {w} on the lifelines"));
+        let (x, font) = (name.num("x"), name.num("font-size"));
+        assert!(!clipped, "{w} is drawn inside the plot's clip path");
+        assert!(
+            x >= 0.0 && x + text_width(w, font) <= l,
+            "{w} at x {x} ({font} px) does not fit left of the plot at {l}"
+        );
+    }
+
+    // The summary leads with τ, the best checkpoint and the held-out eval.
+    let summary = page
+        .all()
+        .into_iter()
+        .map(|(e, _)| e)
+        .find(|e| e.is("table", "summary"))
+        .expect("the summary");
+    let cells: Vec<&El> = summary
+        .kids
+        .iter()
+        .filter_map(|tr| tr.kids.iter().find(|k| k.name == "td"))
+        .collect();
+    let classes: Vec<&str> = cells.iter().filter_map(|c| c.attr("class")).collect();
+    assert_eq!(
+        classes[..3],
+        ["tau", "best-checkpoint", "eval"],
+        "{classes:?}"
+    );
+    let tau_value: Vec<f64> = cells[0]
+        .attr("data-value")
+        .unwrap()
+        .split(' ')
+        .map(|v| v.parse().unwrap())
+        .collect();
+    assert_eq!(
+        tau_value,
+        [1.0, 1.0, 1.0, 6.0],
+        "pooled, its interval, the step"
+    );
+    assert!(cells[0].text.contains("at step 6"), "{}", cells[0].text);
+    assert_eq!(cells[1].attr("data-value"), Some("6"));
+    assert!(
+        cells[1].text.contains("checkpoints/best"),
+        "{}",
+        cells[1].text
+    );
+    assert!(
+        cells[2].text.contains("11.75") && cells[2].text.contains("step 4"),
+        "{}",
+        cells[2].text
+    );
+
+    // Without τ, the row says how to measure it.
+    let tmp = tempfile::tempdir().unwrap();
+    run_with_one_tau(tmp.path(), &workers, false);
+    let page = report_of(tmp.path());
+    let cell = page.find("td", "tau");
+    assert_eq!(
+        cell[0].text,
+        "not measured (use --eval-prompts or dflash-supervise eval)"
+    );
 }

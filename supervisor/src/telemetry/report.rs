@@ -1,12 +1,15 @@
 //! `dflash-supervise report`: a run's story in one self-contained XHTML page with inline
-//! SVG (no script, no network): a summary table, loss and acceptance (with the per-slot
-//! accuracy) per step with the learning rate, trained tokens/s, per-GPU utilisation,
-//! memory, power, temperature and SM clock with throttle reasons and XIDs marked, pool
-//! fill and the bottleneck hint, phase timings per worker, batch composition, and worker
-//! lifelines on a shared time axis. It reads whatever the run wrote, so it works on a
-//! finished, a crashed (last line cut off) or a live run; a series the run did not record
-//! is named on the page with the reason, never an error. `--watch` rewrites the page at
-//! every new metrics window until the run ends.
+//! SVG (no script, no network): a summary table that leads with what the drafter is worth
+//! (the last real τ, the best checkpoint, the last held-out eval), loss and acceptance
+//! (with the per-slot accuracy) per step with the learning rate, real τ, trained tokens/s,
+//! per-GPU utilisation, memory, power, temperature and SM clock with throttle reasons and
+//! XIDs marked, pool fill and the bottleneck hint, phase timings per worker, batch
+//! composition, and worker lifelines on a shared time axis. Value axes fit their data
+//! (shares stay 0–100%); a lone point is drawn inside its plot with its value beside it;
+//! lane names get a margin as wide as the longest. It reads whatever the run wrote, so it
+//! works on a finished, a crashed (last line cut off) or a live run; a series the run did
+//! not record is named on the page with the reason, never an error. `--watch` rewrites
+//! the page at every new metrics window until the run ends.
 //!
 //! The SVG is written by hand (a few hundred lines below): the page must be strict XML
 //! with stable classes and `data-*` attributes on every point and marker, which the tests
@@ -174,8 +177,11 @@ fn nice_step(span: f64, n: f64) -> f64 {
     }) * mag
 }
 
-/// A value range that covers `vals`, rounded out to tick steps (from 0 when `zero`).
-fn range(vals: impl IntoIterator<Item = f64>, zero: bool) -> (f64, f64) {
+/// A value axis that fits `vals`: from their least to their greatest with a margin of 5% of
+/// the span each side, so no point lies on the plot's border. It reaches 0 only when the
+/// data comes near it (0 within a quarter of the span: a loss from 8 to 0.2 is drawn from
+/// 0, one from 11.9 to 11.6 is not); equal values (one point) get ±10% around their value.
+fn fit(vals: impl IntoIterator<Item = f64>) -> (f64, f64) {
     let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
     for v in vals.into_iter().filter(|v| v.is_finite()) {
         lo = lo.min(v);
@@ -184,31 +190,50 @@ fn range(vals: impl IntoIterator<Item = f64>, zero: bool) -> (f64, f64) {
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
-    if zero {
-        lo = lo.min(0.0);
-        hi = hi.max(0.0);
+    let span = hi - lo;
+    if span <= 1e-9 * hi.abs().max(lo.abs()) {
+        let d = if hi == 0.0 { 1.0 } else { hi.abs() * 0.1 };
+        return (lo - d, hi + d);
     }
-    if hi - lo < 1e-12 * hi.abs().max(1e-12) {
-        let d = if hi.abs() > 0.0 { hi.abs() * 0.1 } else { 1.0 };
-        (lo, hi) = if zero && lo >= 0.0 {
-            (0.0, hi + d)
-        } else {
-            (lo - d, hi + d)
-        };
-    }
-    let st = nice_step(hi - lo, 4.0);
-    ((lo / st).floor() * st, (hi / st).ceil() * st)
+    let margin = span * 0.05;
+    let lo = if lo >= 0.0 && lo <= span * 0.25 {
+        0.0
+    } else {
+        lo - margin
+    };
+    let hi = if hi <= 0.0 && -hi <= span * 0.25 {
+        0.0
+    } else {
+        hi + margin
+    };
+    (lo, hi)
 }
 
+/// About `n` tick values at round steps (1, 2 or 5 × a power of 10, the one giving the
+/// count nearest `n`) within `lo..=hi`, and the step.
 fn ticks(lo: f64, hi: f64, n: f64) -> (Vec<f64>, f64) {
-    let st = nice_step(hi - lo, n);
-    let mut t = (lo / st).ceil() * st;
-    let mut out = Vec::new();
-    while t <= hi + st * 1e-6 && out.len() < 50 {
-        out.push(if t.abs() < st * 1e-9 { 0.0 } else { t });
-        t += st;
-    }
-    (out, st)
+    let span = (hi - lo).max(1e-12);
+    let mag = 10f64.powf((span / n).log10().floor());
+    let st = [0.5, 1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|f| f * mag)
+        .min_by(|a, b| {
+            let off = |st: f64| (span / st / n).ln().abs();
+            off(*a).total_cmp(&off(*b))
+        })
+        .unwrap_or(mag);
+    (ticks_at(lo, hi, st), st)
+}
+
+/// The multiples of `st` within `lo..=hi` (at most 50); computed as multiples, not by
+/// adding, so an integer tick is exactly an integer.
+fn ticks_at(lo: f64, hi: f64, st: f64) -> Vec<f64> {
+    let first = (lo / st - 1e-6).ceil() as i64;
+    let last = (hi / st + 1e-6).floor() as i64;
+    (first..=last)
+        .take(50)
+        .map(|k| if k == 0 { 0.0 } else { k as f64 * st })
+        .collect()
 }
 
 fn tick_label(v: f64, step: f64) -> String {
@@ -233,13 +258,7 @@ fn time_ticks(lo: f64, hi: f64) -> Vec<f64> {
         .copied()
         .find(|s| (hi - lo) / s <= 8.0)
         .unwrap_or(86400.0);
-    let mut t = (lo / st).ceil() * st;
-    let mut out = Vec::new();
-    while t <= hi + st * 1e-6 && out.len() < 50 {
-        out.push(t);
-        t += st;
-    }
-    out
+    ticks_at(lo, hi, st)
 }
 
 /// Where a chart's data lands on its SVG.
@@ -313,6 +332,9 @@ struct Series {
     dash: Option<&'static str>,
     /// One `<circle class=.. data-step=.. data-value=..>` per point.
     dots: bool,
+    /// The last point's value written beside it (and a lone point's, unless `unlabelled`).
+    label_last: bool,
+    label_lone: bool,
 }
 
 impl Series {
@@ -326,6 +348,8 @@ impl Series {
             right: false,
             dash: None,
             dots: false,
+            label_last: false,
+            label_lone: true,
         }
     }
     fn attrs(mut self, a: String) -> Series {
@@ -342,6 +366,14 @@ impl Series {
     }
     fn dots(mut self) -> Series {
         self.dots = true;
+        self
+    }
+    fn label_last(mut self) -> Series {
+        self.label_last = true;
+        self
+    }
+    fn unlabelled(mut self) -> Series {
+        self.label_lone = false;
         self
     }
 }
@@ -368,6 +400,10 @@ struct Chart {
     y_ticks: bool,
     /// Vertical markers (x, label): on the time charts, each --resume.
     marks: Vec<(f64, String)>,
+    /// A chart of lanes (one row per worker or GPU): each lane's name, left of the plot,
+    /// in a font of this size.
+    lanes: Vec<String>,
+    lane_font: f64,
 }
 
 /// Distinct ids for the charts' clip paths within a page.
@@ -395,7 +431,48 @@ impl Chart {
             left: 64.0,
             y_ticks: true,
             marks: Vec::new(),
+            lanes: Vec::new(),
+            lane_font: 12.0,
         }
+    }
+
+    /// One lane of `row_h` px per name, each named left of the plot: the margin is as wide
+    /// as the longest name (a name too long for a third of the page gets a smaller font),
+    /// so no name is cut off.
+    fn lanes(mut self, names: &[String], row_h: f64) -> Chart {
+        (self.left, self.lane_font) = label_margin(names, 12.0, 110.0);
+        self.y_ticks = false;
+        self.plot_h = row_h * names.len() as f64;
+        self.lanes = names.to_vec();
+        self
+    }
+
+    /// The x range the plot shows: the data's, with a margin each side (2% of the span, at
+    /// least half a step, on a step axis; 1% on a time axis) so that a point or a marker at
+    /// either end is drawn whole.
+    fn x_shown(&self) -> (f64, f64) {
+        let span = self.x.1 - self.x.0;
+        let pad = match self.x_axis {
+            XAxis::Steps => (span * 0.02).max(0.5),
+            XAxis::Time => (span * 0.01).max(1e-3),
+        };
+        (self.x.0 - pad, self.x.1 + pad)
+    }
+
+    /// Each lane's name, left of the plot, on its row's middle.
+    fn lane_labels(&self, f: &Frame) -> String {
+        let row_h = (f.bottom - f.top) / self.lanes.len().max(1) as f64;
+        let mut s = String::new();
+        for (i, name) in self.lanes.iter().enumerate() {
+            let _ = write!(
+                s,
+                r#"<text class="lane-label" x="{LANE_X}" y="{:.1}" font-size="{:.1}">{}</text>"#,
+                f.top + row_h * (i as f64 + 0.5) + self.lane_font / 3.0,
+                self.lane_font,
+                esc(name)
+            );
+        }
+        s
     }
 
     /// Markers at `xs` labelled `label` (e.g. the resumes on a time chart).
@@ -407,13 +484,11 @@ impl Chart {
     /// The SVG, with `extra` drawn over the plot (markers, bars).
     fn render(&self, extra: &dyn Fn(&Frame) -> String) -> String {
         let yl = self.yl.unwrap_or_else(|| {
-            range(
-                self.series
-                    .iter()
-                    .filter(|s| !s.right)
-                    .flat_map(|s| s.pts.iter().map(|p| p.1)),
-                true,
-            )
+            fit(self
+                .series
+                .iter()
+                .filter(|s| !s.right)
+                .flat_map(|s| s.pts.iter().map(|p| p.1)))
         });
         let right = if self.y_right.is_some() {
             W - 64.0
@@ -424,7 +499,7 @@ impl Chart {
         let bottom = top + self.plot_h;
         let height = bottom + 36.0;
         let f = Frame {
-            x: self.x,
+            x: self.x_shown(),
             yl,
             yr: self.y_right.as_ref().map_or((0.0, 1.0), |r| r.1),
             left: self.left,
@@ -445,11 +520,12 @@ impl Chart {
         );
         let _ = write!(
             s,
-            r##"<rect x="{:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##,
+            r##"<rect class="plot-area" x="{:.1}" y="{top:.1}" width="{:.1}" height="{:.1}" fill="#fcfcfc" stroke="#999"/>"##,
             f.left,
             f.right - f.left,
             self.plot_h
         );
+        s.push_str(&self.lane_labels(&f));
         s.push_str(&self.y_axes(&f));
         s.push_str(&self.x_axis_svg(&f));
         // Everything drawn over the plot stays inside it (a point outside the axes'
@@ -582,11 +658,12 @@ impl Chart {
         let mut s = String::new();
         let (xticks, xlabel): (Vec<(f64, String)>, &str) = match self.x_axis {
             XAxis::Steps => {
-                let (ts, st) = ticks(self.x.0, self.x.1, 8.0);
+                // Whole steps only.
+                let st = nice_step(self.x.1 - self.x.0, 8.0).max(1.0);
                 (
-                    ts.into_iter()
-                        .filter(|t| t.fract() == 0.0)
-                        .map(|t| (t, tick_label(t, st.max(1.0))))
+                    ticks_at(self.x.0, self.x.1, st)
+                        .into_iter()
+                        .map(|t| (t, tick_label(t, st)))
                         .collect(),
                     "step",
                 )
@@ -647,35 +724,137 @@ impl Chart {
                 );
             }
             if se.dots {
-                // As many dots as the plot has pixel columns at most (each column's
-                // extremes), each with its value on hover.
-                let finite: Vec<(f64, f64)> =
-                    se.pts.iter().copied().filter(|p| p.1.is_finite()).collect();
-                for (a, b) in per_pixel(&finite, f) {
-                    let _ = write!(
-                        s,
-                        r#"<circle class="{}" data-step="{a}" data-value="{b:.6e}"{} cx="{:.1}" cy="{:.1}" r="1.6" fill="{}"><title>{}: {} at {}</title></circle>"#,
-                        esc(&se.class),
-                        se.attrs,
-                        f.px(a),
-                        y(b),
-                        se.color,
-                        esc(if se.name.is_empty() {
-                            &self.y_label
-                        } else {
-                            &se.name
-                        }),
-                        fmt_num(b),
-                        match self.x_axis {
-                            XAxis::Steps => format!("step {a}"),
-                            XAxis::Time => fmt_dur(a),
-                        }
-                    );
-                }
+                s.push_str(&self.dots(se, f));
             }
         }
         s
     }
+
+    /// A series' dots: as many as the plot has pixel columns at most (each column's
+    /// extremes), each with its value on hover. A lone point is drawn larger, and it (or
+    /// the last point, with `label_last`) has its value written beside it.
+    fn dots(&self, se: &Series, f: &Frame) -> String {
+        let y = |v: f64| if se.right { f.pyr(v) } else { f.py(v) };
+        let finite: Vec<(f64, f64)> = se
+            .pts
+            .iter()
+            .copied()
+            .filter(|p| p.0.is_finite() && p.1.is_finite())
+            .collect();
+        let lone = finite.len() == 1;
+        let mut s = String::new();
+        for (a, b) in per_pixel(&finite, f) {
+            let _ = write!(
+                s,
+                r#"<circle class="{}" data-step="{a}" data-value="{b:.6e}"{} cx="{:.1}" cy="{:.1}" r="{}" fill="{}"><title>{}: {} at {}</title></circle>"#,
+                esc(&se.class),
+                se.attrs,
+                f.px(a),
+                y(b),
+                if lone { "3.5" } else { "1.6" },
+                se.color,
+                esc(if se.name.is_empty() {
+                    &self.y_label
+                } else {
+                    &se.name
+                }),
+                fmt_num(b),
+                match self.x_axis {
+                    XAxis::Steps => format!("step {a}"),
+                    XAxis::Time => fmt_dur(a),
+                }
+            );
+        }
+        if let Some(&(a, b)) = finite
+            .last()
+            .filter(|_| (lone && se.label_lone) || se.label_last)
+        {
+            s.push_str(&value_label(
+                &se.class,
+                &se.color,
+                (a, b),
+                (f.px(a), y(b)),
+                f,
+            ));
+        }
+        s
+    }
+}
+
+/// The value `v` (of the point of `class` at `x`) written beside its point at (`px`,
+/// `py`): right of it in the plot's left half, left of it in the right half; above it,
+/// or below it near the plot's top; so it stays inside the plot.
+fn value_label(
+    class: &str,
+    color: &str,
+    (x, v): (f64, f64),
+    (px, py): (f64, f64),
+    f: &Frame,
+) -> String {
+    let right_half = px > (f.left + f.right) / 2.0;
+    let (tx, anchor) = if right_half {
+        (px - 6.0, "end")
+    } else {
+        (px + 6.0, "start")
+    };
+    let ty = if py - f.top < 16.0 {
+        py + 14.0
+    } else {
+        py - 6.0
+    };
+    format!(
+        r#"<text class="value-label" data-for="{}" data-step="{x}" data-value="{v:.6e}" x="{tx:.1}" y="{ty:.1}" font-size="11" font-weight="bold" fill="{color}" text-anchor="{anchor}">{}</text>"#,
+        esc(class),
+        fmt_value(v)
+    )
+}
+
+/// A value for a label: 4 significant digits ("1.000", "11.60", "0.2334"); large ones
+/// as `fmt_num` writes them.
+fn fmt_value(v: f64) -> String {
+    if !v.is_finite() || v.abs() >= 1e4 {
+        return fmt_num(v);
+    }
+    let d = if v == 0.0 {
+        3
+    } else {
+        (3 - v.abs().log10().floor() as i64).clamp(0, 8) as usize
+    };
+    format!("{v:.d$}")
+}
+
+/// The left margin (at least `min`) that holds the longest of `names` at `font` px from
+/// `LANE_X`, and the font to write them in: a name wider than a third of the page shrinks
+/// the font instead, so every name fits.
+fn label_margin(names: &[String], font: f64, min: f64) -> (f64, f64) {
+    let widest = names
+        .iter()
+        .map(|n| text_width(n, font))
+        .fold(0.0f64, f64::max);
+    let room = W / 3.0 - LANE_X - LANE_GAP;
+    if widest <= room {
+        (min.max(LANE_X + widest + LANE_GAP), font)
+    } else {
+        (W / 3.0, font * room / widest)
+    }
+}
+
+/// Where lane names start, and the gap between the longest and the plot.
+const LANE_X: f64 = 6.0;
+const LANE_GAP: f64 = 10.0;
+
+/// A generous estimate of how wide `s` is in a sans-serif font of `font` px: per
+/// character, 0.95 em for the widest letters, 0.75 em for capitals, digits and other
+/// scripts, 0.62 em for the rest. No text metrics are at hand, so it errs wide.
+fn text_width(s: &str, font: f64) -> f64 {
+    s.chars()
+        .map(|c| match c {
+            'm' | 'w' | 'M' | 'W' | '@' | '%' => 0.95,
+            c if c.is_ascii_uppercase() || c.is_ascii_digit() || !c.is_ascii() => 0.75,
+            _ => 0.62,
+        })
+        .sum::<f64>()
+        * font
 }
 
 // ----------------------------------------------------------------------------------------
@@ -852,6 +1031,7 @@ impl Rows {
 
 fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
     let mut rows = Rows::default();
+    quality_rows(run, &mut rows);
     identity_rows(run, &mut rows);
     progress_rows(run, tps, &mut rows);
     health_rows(run, &mut rows);
@@ -868,6 +1048,126 @@ fn summary(run: &Run, tps: Option<(f64, f64, f64)>) -> String {
     }
     h.push_str("</table>");
     h
+}
+
+/// What the summary leads with, what the drafter is worth: the last real τ, the best
+/// checkpoint and the last held-out eval.
+fn quality_rows(run: &Run, rows: &mut Rows) {
+    let taus = lineage_records(&run.train, "tau");
+    // train.jsonl's last τ of the final lineage; else the one state.json holds.
+    let tau = taus
+        .last()
+        .or(Some(&run.state["train"]["tau"]))
+        .filter(|t| t["pooled"].is_number());
+    match tau {
+        Some(t) => {
+            let (shown, value) = tau_cell(t);
+            rows.add("tau", "τ (real acceptance length)", shown, value);
+        }
+        None => rows.add(
+            "tau",
+            "τ (real acceptance length)",
+            "not measured (use --eval-prompts or dflash-supervise eval)".into(),
+            String::new(),
+        ),
+    }
+    let (shown, value) = best_cell(run, &taus);
+    rows.add("best-checkpoint", "best checkpoint", shown, value);
+    match lineage_evals(&run.train).last() {
+        Some(e) => {
+            let (loss, acc) = (
+                e["loss"].as_f64().unwrap_or(f64::NAN),
+                e["acceptance"].as_f64().unwrap_or(f64::NAN),
+            );
+            let step = e["step"].as_u64().map_or("?".into(), |s| s.to_string());
+            rows.add(
+                "eval",
+                "held-out eval (last)",
+                format!(
+                    "loss {} · acceptance proxy {} · at step {step}",
+                    fmt_value(loss),
+                    fmt_value(acc)
+                ),
+                format!("{loss:e} {acc:e} {step}"),
+            );
+        }
+        None => rows.add(
+            "eval",
+            "held-out eval (last)",
+            "not measured (use --eval-data)".into(),
+            String::new(),
+        ),
+    }
+}
+
+/// The τ row of the record `t`: shown, and its value (pooled, its interval, the step).
+fn tau_cell(t: &Value) -> (String, String) {
+    let num = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let ci = |k: &str| match (t[k][0].as_f64(), t[k][1].as_f64()) {
+        (Some(lo), Some(hi)) => format!(" (95% CI {}–{})", fmt_value(lo), fmt_value(hi)),
+        _ => String::new(),
+    };
+    let step = t["step"].as_u64().map_or("?".into(), |s| s.to_string());
+    let mut shown = format!(
+        "{} pooled{}",
+        fmt_value(num(&t["pooled"])),
+        ci("pooled_ci95")
+    );
+    if t["mean_of_means"].is_number() {
+        let _ = write!(
+            shown,
+            " · {} mean of per-prompt means{}",
+            fmt_value(num(&t["mean_of_means"])),
+            ci("mean_of_means_ci95")
+        );
+    }
+    let _ = write!(shown, " · at step {step}");
+    if let Some(n) = t["prompts"].as_u64() {
+        let _ = write!(shown, " over {n} prompts");
+    }
+    let value = format!(
+        "{:e} {:e} {:e} {step}",
+        num(&t["pooled"]),
+        num(&t["pooled_ci95"][0]),
+        num(&t["pooled_ci95"][1])
+    );
+    (shown, value)
+}
+
+/// The best checkpoint row: the step `checkpoints/best` names (else state.json's), with
+/// the τ or the eval that made it the best; shown, and its value (the step).
+fn best_cell(run: &Run, taus: &[Value]) -> (String, String) {
+    let checkpoints = run.dir.join("checkpoints");
+    let linked = crate::training::eval::best_step(&checkpoints);
+    let Some(step) = linked.or(run.state["train"]["best_step"].as_u64()) else {
+        return (
+            "none: no τ (--eval-prompts) or held-out eval (--eval-data) to pick it by".into(),
+            String::new(),
+        );
+    };
+    let at = |v: &Value| v["step"].as_u64() == Some(step);
+    let why = match (
+        taus.iter().rev().find(|t| at(t)),
+        lineage_evals(&run.train).into_iter().rev().find(at),
+    ) {
+        (Some(t), _) => format!(
+            ", pooled τ {}",
+            fmt_value(t["pooled"].as_f64().unwrap_or(f64::NAN))
+        ),
+        (None, Some(e)) => format!(
+            ", held-out eval acceptance {}",
+            fmt_value(e["acceptance"].as_f64().unwrap_or(f64::NAN))
+        ),
+        _ => String::new(),
+    };
+    let place = if linked.is_none() {
+        " (state.json; no checkpoints/best link)"
+    } else if crate::training::eval::dangling_best(&checkpoints).is_some() {
+        " (checkpoints/best; its checkpoint is gone)"
+    } else {
+        " (checkpoints/best)"
+    };
+    (format!("step {step}{place}{why}"), step.to_string())
 }
 
 /// Which run, when, for how long, and how it ended.
@@ -1052,7 +1352,7 @@ fn outcome_rows(run: &Run, rows: &mut Rows) {
     );
     rows.add(
         "final-acceptance",
-        "final acceptance",
+        "final acceptance proxy",
         if acc.is_finite() {
             format!("{acc:.3}")
         } else {
@@ -1150,8 +1450,8 @@ fn step_axis(steps: &[Value]) -> (Vec<f64>, (f64, f64)) {
         .map(|l| l["step"].as_f64().unwrap_or(0.0))
         .collect();
     let x = (
-        xs[0].min(xs[xs.len() - 1]),
-        xs[xs.len() - 1].max(xs[0] + 1.0),
+        xs.iter().copied().fold(f64::INFINITY, f64::min),
+        xs.iter().copied().fold(f64::NEG_INFINITY, f64::max),
     );
     (xs, x)
 }
@@ -1230,7 +1530,8 @@ fn training(run: &Run, absent: &mut Absent) -> String {
 }
 
 /// The real acceptance length τ at each measured step, both definitions, with the 95%
-/// interval of each (dashed).
+/// interval of each (dashed, and a bar at each point); the last pooled τ is written
+/// beside its point.
 fn tau_chart(x: (f64, f64), taus: &[Value], rollbacks: &[(u64, u64)]) -> String {
     let mut c = Chart::new(
         "tau",
@@ -1258,8 +1559,13 @@ fn tau_chart(x: (f64, f64), taus: &[Value], rollbacks: &[(u64, u64)]) -> String 
             "#27ae60",
         ),
     ] {
-        c.series
-            .push(Series::new(name, class, color, eval_series(taus, key)).dots());
+        let s = Series::new(name, class, color, eval_series(taus, key)).dots();
+        // The pooled τ's value is written; the other's, beside it, would cover it.
+        c.series.push(if key == "pooled" {
+            s.label_last()
+        } else {
+            s.unlabelled()
+        });
         let ci = format!("{key}_ci95");
         for (i, side) in [(0, "low"), (1, "high")] {
             c.series.push(
@@ -1273,7 +1579,40 @@ fn tau_chart(x: (f64, f64), taus: &[Value], rollbacks: &[(u64, u64)]) -> String 
             );
         }
     }
-    c.render(&|f: &Frame| rollback_marks(rollbacks, f))
+    c.render(&|f: &Frame| {
+        let mut s = rollback_marks(rollbacks, f);
+        s.push_str(&ci_bars(taus, f));
+        s
+    })
+}
+
+/// A vertical bar over each τ's 95% interval, capped at both ends (the pooled one left
+/// of the step, the mean of means right of it).
+fn ci_bars(taus: &[Value], f: &Frame) -> String {
+    let mut s = String::new();
+    for t in taus {
+        let Some(step) = t["step"].as_f64() else {
+            continue;
+        };
+        for (key, class, color, dx) in [
+            ("pooled_ci95", "tau-pooled-ci-bar", "#8e44ad", -3.0),
+            ("mean_of_means_ci95", "tau-mean-ci-bar", "#27ae60", 3.0),
+        ] {
+            let (Some(lo), Some(hi)) = (t[key][0].as_f64(), t[key][1].as_f64()) else {
+                continue;
+            };
+            let (x, a, b) = (f.px(step) + dx, f.py(lo), f.py(hi));
+            let _ = write!(
+                s,
+                r#"<path class="{class}" data-step="{step}" data-low="{lo:.6e}" data-high="{hi:.6e}" d="M{x:.1} {a:.1} V{b:.1} M{:.1} {a:.1} H{:.1} M{:.1} {b:.1} H{:.1}" stroke="{color}" stroke-width="1.2" fill="none"/>"#,
+                x - 2.5,
+                x + 2.5,
+                x - 2.5,
+                x + 2.5
+            );
+        }
+    }
+    s
 }
 
 /// The loss per step (and per held-out eval), the learning rate on the right axis.
@@ -1313,7 +1652,7 @@ fn loss_chart(
         );
     }
     if lr.iter().any(|p| p.1.is_finite()) {
-        c.y_right = Some(("learning rate".into(), range(lr.iter().map(|p| p.1), true)));
+        c.y_right = Some(("learning rate".into(), fit(lr.iter().map(|p| p.1))));
         c.series.push(
             Series::new("learning rate", "lr", "#7d7d7d", lr)
                 .right()
@@ -1691,12 +2030,7 @@ fn gpu_panel(
     if c.series.is_empty() {
         return out;
     }
-    c.yl = yl.or_else(|| {
-        Some(range(
-            c.series.iter().flat_map(|s| s.pts.iter().map(|p| p.1)),
-            true,
-        ))
-    });
+    c.yl = yl.or_else(|| Some(fit(c.series.iter().flat_map(|s| s.pts.iter().map(|p| p.1)))));
     if !xids.is_empty() {
         c.legend_extra.push(("#c0392b".into(), "XID error".into()));
     }
@@ -1714,10 +2048,14 @@ fn gpu_event_lanes(run: &Run, indices: &[u64], throttles: &[Throttle], xids: &[X
         run.time_range(),
         "",
     )
-    .marks(&run.resumes(), "resumed");
-    c.left = 110.0;
-    c.y_ticks = false;
-    c.plot_h = row_h * indices.len() as f64;
+    .marks(&run.resumes(), "resumed")
+    .lanes(
+        &indices
+            .iter()
+            .map(|i| format!("GPU {i}"))
+            .collect::<Vec<_>>(),
+        row_h,
+    );
     c.legend_extra.push((
         "#e67e22".into(),
         "a throttle (clock-event) reason in the window".into(),
@@ -1727,9 +2065,8 @@ fn gpu_event_lanes(run: &Run, indices: &[u64], throttles: &[Throttle], xids: &[X
         let mut s = String::new();
         for (i, idx) in indices.iter().enumerate() {
             let y = f.top + row_h * i as f64;
-            let _ = write!(s, r#"<text x="4" y="{:.1}" font-size="12">GPU {idx}</text>"#, y + 14.0);
             for Throttle { t, window: w, reasons: what, .. } in throttles.iter().filter(|x| x.gpu == *idx) {
-                let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
+                let (a, b) = (f.px((t - w).max(0.0)), f.px(*t));
                 let _ = write!(
                     s,
                     r##"<rect class="throttle" data-gpu="{idx}" data-t="{t:.3}" data-reasons="{}" x="{a:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="#e67e22" fill-opacity="0.75"><title>GPU {idx} throttled ({}) in the window ending at {}</title></rect>"##,
@@ -1915,7 +2252,7 @@ fn bottleneck_hints(run: &Run) -> String {
     c.render(&|f: &Frame| {
         let mut s = String::new();
         for (t, w, h) in &spans {
-            let (a, b) = (f.px((t - w).max(f.x.0)), f.px(*t));
+            let (a, b) = (f.px((t - w).max(0.0)), f.px(*t));
             let (color, text) = match h {
                 Some((i, text)) => (hint_color(*i), text.as_str()),
                 None => ("#dddddd", ""),
@@ -2035,7 +2372,9 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
         .map(|w| names.iter().map(|p| mean(w, p)).sum::<f64>())
         .fold(0.0f64, f64::max)
         .max(1e-9);
-    let (row, left, right) = (24.0, 110.0, W - 90.0);
+    let names_w: Vec<String> = acc.keys().cloned().collect();
+    let (left, font) = label_margin(&names_w, 12.0, 110.0);
+    let (row, right) = (24.0, W - 90.0);
     let legend_y = 36.0;
     let height = 50.0 + row * acc.len() as f64 + 30.0;
     let mut s = format!(
@@ -2057,8 +2396,8 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
         let y = 50.0 + row * i as f64;
         let _ = write!(
             s,
-            r#"<text x="4" y="{:.1}" font-size="12">{}</text>"#,
-            y + 14.0,
+            r#"<text class="lane-label" x="{LANE_X}" y="{:.1}" font-size="{font:.1}">{}</text>"#,
+            y + 9.0 + font / 3.0,
             esc(w)
         );
         let mut x = left;
@@ -2295,10 +2634,8 @@ fn lifelines(run: &Run, absent: &mut Absent) -> String {
         run.time_range(),
         "",
     )
-    .marks(&run.resumes(), "resumed");
-    c.left = 110.0;
-    c.y_ticks = false;
-    c.plot_h = row_h * workers.len() as f64;
+    .marks(&run.resumes(), "resumed")
+    .lanes(&workers, row_h);
     for (name, color) in [
         ("spawn", "#27ae60"),
         ("exit", "#c0392b"),
@@ -2312,7 +2649,7 @@ fn lifelines(run: &Run, absent: &mut Absent) -> String {
         let mut s = String::new();
         for (i, w) in workers.iter().enumerate() {
             let y = f.top + row_h * (i as f64 + 0.5);
-            let _ = write!(s, r##"<text x="4" y="{:.1}" font-size="12">{}</text><line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#ccc"/>"##, y + 4.0, esc(w), f.left, f.right);
+            let _ = write!(s, r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#ccc"/>"##, f.left, f.right);
             // Up: from each spawn to the next exit.
             let mut up_from: Option<f64> = None;
             for e in run.events.iter().filter(|e| e["worker"].as_str() == Some(w.as_str())) {
@@ -2740,6 +3077,96 @@ mod tests {
         );
         assert_eq!(fmt_dur(65.0), "1m05s");
         assert_eq!(fmt_dur(7380.0), "2h03m");
-        assert_eq!(range([0.3, 7.8], true), (0.0, 8.0));
+        assert_eq!(fmt_value(1.0), "1.000");
+        assert_eq!(fmt_value(11.6), "11.60");
+    }
+
+    #[test]
+    fn value_axes_fit_their_data_with_round_ticks_and_reach_0_only_near_it() {
+        // A loss from 11.9 to 11.6: a margin each side, no 0.
+        let (lo, hi) = fit([11.9, 11.75, 11.6]);
+        assert!(
+            11.5 < lo && lo < 11.6 && 11.9 < hi && hi < 12.0,
+            "{lo} {hi}"
+        );
+        let (t, st) = ticks(lo, hi, 4.0);
+        assert_eq!(st, 0.1);
+        assert_eq!(
+            t.iter().map(|v| tick_label(*v, st)).collect::<Vec<_>>(),
+            ["11.6", "11.7", "11.8", "11.9"]
+        );
+        // 8 down to 0.3: from 0.
+        let (lo, hi) = fit([0.3, 7.8]);
+        assert!(lo == 0.0 && 7.8 < hi && hi < 8.2, "{lo} {hi}");
+        assert_eq!(ticks(lo, hi, 4.0).0, [0.0, 2.0, 4.0, 6.0, 8.0]);
+        // Below 0 the same way; one value (a lone point) in the middle of its axis.
+        assert_eq!(fit([-7.8, -0.3]).1, 0.0);
+        assert_eq!(fit([1.0, 1.0]), (0.9, 1.1));
+        assert_eq!(fit([0.0]), (-1.0, 1.0));
+        assert_eq!(fit([f64::NAN]), (0.0, 1.0));
+        // Multiples of the step (not sums, which drift): an integer tick is exact.
+        let t = ticks_at(0.5, 1.5, 0.2);
+        assert_eq!(t.len(), 5);
+        assert_eq!(t[2], 1.0);
+    }
+
+    #[test]
+    fn a_lone_point_is_drawn_inside_its_plot_with_its_value_beside_it() {
+        let mut c = Chart::new("c", "c", XAxis::Steps, (7.0, 7.0), "τ");
+        c.series
+            .push(Series::new("τ", "tau-pooled", "#000", vec![(7.0, 2.5)]).dots());
+        let svg = c.render(&|_| String::new());
+        let num = |t: &str, key: &str| -> f64 {
+            let at = t.find(&format!(" {key}=\"")).unwrap() + key.len() + 3;
+            t[at..].split('"').next().unwrap().parse().unwrap()
+        };
+        let rect = svg.split(r#"<rect class="plot-area""#).nth(1).unwrap();
+        let (l, t) = (num(rect, "x"), num(rect, "y"));
+        let (r, b) = (l + num(rect, "width"), t + num(rect, "height"));
+        let dot = svg.split("<circle").nth(1).unwrap();
+        let (cx, cy, rad) = (num(dot, "cx"), num(dot, "cy"), num(dot, "r"));
+        assert!(
+            l < cx - rad && cx + rad < r && t < cy - rad && cy + rad < b,
+            "{svg}"
+        );
+        let label = svg
+            .split(r#"<text class="value-label""#)
+            .nth(1)
+            .expect("a label");
+        assert!((num(label, "x") - cx).abs() < 10.0 && (num(label, "y") - cy).abs() < 16.0);
+        assert!(label.contains(">2.500</text>"), "{label}");
+    }
+
+    #[test]
+    fn lane_names_get_a_margin_as_wide_as_the_longest() {
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // Short names: the usual margin.
+        assert_eq!(
+            label_margin(&names(&["target-0", "drafter-1"]), 12.0, 110.0),
+            (110.0, 12.0)
+        );
+        // Long ones: a wider margin holding the longest whole.
+        let long = names(&["target-0", "drafter-eu-west-node-17-b"]);
+        let (left, font) = label_margin(&long, 12.0, 110.0);
+        assert_eq!(font, 12.0);
+        assert!(left >= LANE_X + text_width(&long[1], 12.0), "{left}");
+        // Too long for a third of the page: a smaller font, still whole.
+        let huge = names(&[&"x".repeat(200)]);
+        let (left, font) = label_margin(&huge, 12.0, 110.0);
+        assert!(
+            font < 12.0 && LANE_X + text_width(&huge[0], font) <= left,
+            "{left} {font}"
+        );
+        let c = Chart::new("l", "l", XAxis::Time, (0.0, 10.0), "").lanes(&long, 24.0);
+        let svg = c.render(&|_| String::new());
+        let clipped = svg.split("clip-path=").nth(1).unwrap();
+        assert!(
+            !clipped.contains("drafter-eu-west-node-17-b"),
+            "the names are not clipped"
+        );
+        assert!(
+            svg.contains(r#"font-size="12.0">drafter-eu-west-node-17-b</text>"#),
+            "{svg}"
+        );
     }
 }
