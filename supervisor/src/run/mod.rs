@@ -326,6 +326,7 @@ fn set_aside_unresumable(setup: &mut Setup) -> Result<(), Error> {
 fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Started, Error> {
     let resume = settle_flags(&mut args, given, setup)?;
     setup.check()?;
+    let adapted = validate::adapt_max_seq_len(&mut args, given);
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
@@ -338,7 +339,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         target_check::check(Path::new(&args.target), &target_cfg)
             .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     }
-    say_cpu_defaults(&args, &plan);
+    let cpu_defaults = cpu_defaults(&args, &plan);
     let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     if let Some(path) = &args.eval_data {
@@ -376,6 +377,9 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let run_dir = open_run_dir(&mut args, &mut loader_cfg, resume.as_ref(), setup)?;
     // On --resume too: the settings as merged with this command line's are the run's now.
     // Said once the run directory is this run's: a start refused before then says only why.
+    for line in adapted.iter().chain(&cpu_defaults) {
+        log::info!("{line}");
+    }
     log::info!("{schedule_line}");
     log::info!("target: {}", target_cfg.describe());
     trainer_cfg.settings =
@@ -969,10 +973,10 @@ pub(crate) const CPU_TAU_NEW_TOKENS: u64 = 32;
 /// `--token-budget` by default for a real target trained on CPU workers.
 pub(crate) const CPU_TOKEN_BUDGET: u32 = 1024;
 
-/// On CPU workers with a real target, the defaults that keep a step in seconds are said.
-fn say_cpu_defaults(args: &RunArgs, plan: &[(WorkerName, Device)]) {
+/// On CPU workers with a real target, the defaults that keep a step in seconds, in words.
+fn cpu_defaults(args: &RunArgs, plan: &[(WorkerName, Device)]) -> Option<String> {
     if args.target == "tiny" || !drafters_on_cpu(plan) {
-        return;
+        return None;
     }
     let mut chosen = Vec::new();
     if args.token_budget.is_none() {
@@ -981,12 +985,12 @@ fn say_cpu_defaults(args: &RunArgs, plan: &[(WorkerName, Device)]) {
     if args.max_anchors.is_none() {
         chosen.push("--max-anchors 32".to_string());
     }
-    if !chosen.is_empty() {
-        log::info!(
+    (!chosen.is_empty()).then(|| {
+        format!(
             "drafters on CPU workers: {} by default (on GPUs 4096 and 512), so that a step through a real vocabulary takes seconds; give them to choose",
             chosen.join(" and ")
-        );
-    }
+        )
+    })
 }
 
 /// The loader and pool settings, checked before anything starts.

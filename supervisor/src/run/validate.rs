@@ -115,28 +115,25 @@ pub fn check_context(max_seq_len: u32, target: &TargetConfig, dir: &str) -> Resu
 }
 
 /// The default `--max-seq-len` (1024) adapts to a target whose context is shorter
-/// (`max_position_embeddings`), and says so; a value given (`given`: the flags typed) is
-/// kept, and refused by [`check_context`] if it is past the target.
-pub fn adapt_max_seq_len(a: &mut RunArgs, given: &[String]) {
-    if given.iter().any(|g| g == "max_seq_len") || a.max_seq_len != DEFAULT_MAX_SEQ_LEN {
-        return;
-    }
-    if a.target == "tiny" {
-        return;
-    }
-    let Ok(t) = TargetConfig::load(Path::new(&a.target)) else {
-        return;
-    };
-    if let Some(m) = t
-        .max_position_embeddings
-        .filter(|&m| m < a.max_seq_len as usize)
+/// (`max_position_embeddings`): the line that says so is returned (said once the run
+/// starts); a value given (`given`: the flags typed) is kept, and refused by
+/// [`check_context`] if it is past the target.
+pub fn adapt_max_seq_len(a: &mut RunArgs, given: &[String]) -> Option<String> {
+    if given.iter().any(|g| g == "max_seq_len")
+        || a.max_seq_len != DEFAULT_MAX_SEQ_LEN
+        || a.target == "tiny"
     {
-        log::info!(
-            "--max-seq-len {m}: the target's max_position_embeddings ({}/config.json), below the default {DEFAULT_MAX_SEQ_LEN}",
-            a.target
-        );
-        a.max_seq_len = m as u32;
+        return None;
     }
+    let t = TargetConfig::load(Path::new(&a.target)).ok()?;
+    let m = t
+        .max_position_embeddings
+        .filter(|&m| m < a.max_seq_len as usize)?;
+    a.max_seq_len = m as u32;
+    Some(format!(
+        "--max-seq-len {m}: the target's max_position_embeddings ({}/config.json), below the default {DEFAULT_MAX_SEQ_LEN}",
+        a.target
+    ))
 }
 
 /// Every flag's range, before the run starts. (Flags whose checks need the target or the

@@ -132,6 +132,11 @@ impl Dispatcher {
             EXPORT_TIMEOUT,
             &cancel,
         );
+        // What came meanwhile and is not a signal (a τ measurement's end) is the run's end's
+        // to take: back on the channel.
+        for ev in stops.kept.take() {
+            let _ = self.tx.send(ev);
+        }
         match written {
             Ok(written) => {
                 self.trainer.on_exported(out.display().to_string(), written);
@@ -178,16 +183,22 @@ pub(super) struct ExportFailed {
 struct StopsDuringExport {
     first: std::cell::Cell<Option<&'static str>>,
     second: std::cell::Cell<Option<&'static str>>,
+    /// The other events taken off the channel meanwhile, to put back after the export.
+    kept: std::cell::RefCell<Vec<super::Event>>,
 }
 
 impl StopsDuringExport {
-    /// Take what came on the dispatcher's channel (every worker is gone: only signals
-    /// matter now); whether the export is to be aborted.
+    /// Take what came on the dispatcher's channel: the stop signals count, the other
+    /// events are kept for after the export; whether the export is to be aborted.
     fn heard(&self, rx: &std::sync::mpsc::Receiver<super::Event>) -> bool {
         use nix::sys::signal::Signal;
         while let Ok(ev) = rx.try_recv() {
-            let super::Event::Signal(sig) = ev else {
-                continue;
+            let sig = match ev {
+                super::Event::Signal(sig) => sig,
+                other => {
+                    self.kept.borrow_mut().push(other);
+                    continue;
+                }
             };
             let name = match Signal::try_from(sig) {
                 Ok(s @ (Signal::SIGINT | Signal::SIGTERM | Signal::SIGHUP)) => s.as_str(),
@@ -216,5 +227,32 @@ impl StopsDuringExport {
 
     fn aborted(&self) -> bool {
         self.second.get().is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A τ measurement's end (or any event but a stop signal) taken off the channel while
+    /// the export runs is kept, to be put back: the run's end waits for it.
+    #[test]
+    fn events_that_are_not_stop_signals_are_kept_while_the_export_runs() {
+        use std::os::unix::process::ExitStatusExt;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let exited = || super::super::Event::Exited {
+            worker: 0,
+            life: 1,
+            status: std::process::ExitStatus::from_raw(0),
+        };
+        tx.send(exited()).unwrap();
+        tx.send(super::super::Event::Signal(libc::SIGINT)).unwrap();
+        tx.send(exited()).unwrap();
+        let stops = StopsDuringExport::default();
+        assert!(!stops.heard(&rx), "one signal finishes the export");
+        assert_eq!(stops.first.get(), Some("SIGINT"));
+        assert_eq!(stops.kept.borrow().len(), 2);
+        tx.send(super::super::Event::Signal(libc::SIGTERM)).unwrap();
+        assert!(stops.heard(&rx), "a second aborts it");
     }
 }
