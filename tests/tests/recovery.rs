@@ -1321,6 +1321,23 @@ fn a_checkpoint_of_a_newer_dflash_supervise_refuses_the_resume_and_nothing_is_mo
     assert_eq!(listing(&run), run_before, "nothing set aside");
     assert_eq!(listing(&run.join("checkpoints")), checkpoints_before);
     assert_eq!(steps(&run).len(), steps_before, "nothing trained");
+    // export does not pass it over for the older step's either.
+    let out = supervise(
+        &[
+            "export",
+            run_s,
+            "--out",
+            tmp.path().join("x").to_str().unwrap(),
+        ],
+        None,
+    );
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{e}");
+    assert!(
+        e.contains("use the newer dflash-supervise to export it"),
+        "{e}"
+    );
+    assert!(!tmp.path().join("x").exists());
 }
 
 #[test]

@@ -57,6 +57,18 @@ pub fn run(a: ExportArgs) -> Result<i32, Error> {
         (run, src.clone())
     } else if src.join(crate::training::resume::RUN_FILE).is_file() {
         let (good, refused) = verified_checkpoints(src);
+        // A newer version's checkpoint is not passed over for an older one's steps.
+        let newest_good = good.first().map(|(s, _)| *s);
+        if let Some(r) = refused.iter().find(|r| {
+            matches!(
+                r.problem,
+                dflash_shared::checkpoint::Problem::NewerFormat { .. }
+            ) && step_of_checkpoint_file(&r.file).is_some_and(|s| Some(s) > newest_good)
+        }) {
+            return Err(usage(format!(
+                "its newest checkpoint cannot be read by this version: {r}; use the newer dflash-supervise to export it (or give an older checkpoint's directory)"
+            )));
+        }
         let Some((_, c)) = good.into_iter().next() else {
             let why = if refused.is_empty() {
                 "it holds no checkpoint (checkpoints/step-N); nothing to export".to_string()
@@ -150,4 +162,14 @@ fn export_stoppable(
         Err(ExportError::Stopped { out, .. }) if stopped() => Err(Error::ExportInterrupted { out }),
         r => Ok(r?),
     }
+}
+
+/// The step of the checkpoint a file of it belongs to (`.../step-N/meta.json`).
+fn step_of_checkpoint_file(file: &Path) -> Option<u64> {
+    let dir = if file.join(dflash_shared::checkpoint::META_FILE).exists() {
+        file
+    } else {
+        file.parent()?
+    };
+    dflash_shared::checkpoint::step_of_dir(&dir.file_name()?.to_string_lossy())
 }
