@@ -219,6 +219,10 @@ pub struct TrainSetup {
     pub target_layer_ids: Vec<u32>,
     pub num_target_layers: usize,
     pub init: Init,
+    /// With `Init::Fresh`: a drafter directory in the export layout (`--init-drafter`)
+    /// whose model.safetensors gives the initial weights instead of the seed.
+    #[serde(default)]
+    pub init_drafter: Option<String>,
 }
 
 /// Bytes at the start of each gradient slot before the gradient: the stamp that says

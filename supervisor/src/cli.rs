@@ -389,6 +389,21 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Training")]
     pub max_skipped_steps: u64,
 
+    /// Warm start: the drafter's initial weights come from DIR, a drafter directory in the
+    /// export layout (config.json, bf16 model.safetensors; RUN_DIR/drafter of an earlier
+    /// run, or a published z-lab DFlash drafter), with a fresh optimizer and schedule (step
+    /// 0). Its config must fit the target and the flags (hidden and vocabulary size, layers,
+    /// taps, block size, mask token id; every mismatch is named, exit 2); --taps,
+    /// --draft-layers, --block-size and --mask-token-id not given are taken from it. Its
+    /// path and checksum are recorded in run.json; a resumed run continues its own weights.
+    #[arg(
+        long,
+        value_name = "DIR",
+        help_heading = "Training",
+        conflicts_with = "resume"
+    )]
+    pub init_drafter: Option<PathBuf>,
+
     /// Continue the run in RUN_DIR from its newest checkpoint that verifies and is of its
     /// drafter, with its saved model, data, training and operational settings (--tokenizer,
     /// checkpoints, --time-limit, restarts, timeouts, pools; devices, --worker-bin and the

@@ -435,3 +435,131 @@ fn the_drafter_module_agrees_with_transformers() {
     );
     assert!(!out.contains("FAIL"), "{out}");
 }
+
+/// A demo run of `steps` steps with `extra` flags; exits 0.
+fn demo_run(steps: &str, extra: &[&str]) -> Sup {
+    let mut args = vec!["--gpus", "cpu:2", "--data", "demo", "--steps", steps];
+    args.extend_from_slice(extra);
+    let mut sup = Sup::start_real(&args);
+    assert_eq!(
+        sup.wait_exit(Duration::from_secs(120)).code(),
+        Some(0),
+        "{}",
+        sup.stderr()
+    );
+    sup
+}
+
+fn losses(sup: &Sup) -> Vec<f64> {
+    read_jsonl(&sup.run_dir.join("train.jsonl"))
+        .iter()
+        .map(|s| s["loss"].as_f64().unwrap())
+        .collect()
+}
+
+#[test]
+fn init_drafter_starts_training_from_an_exported_drafter() {
+    let a = demo_run("30", &[]);
+    let a_drafter = a.run_dir.join("drafter");
+    let a_loss = losses(&a);
+    let a_drafter_arg = a_drafter.display().to_string();
+    let b = demo_run("5", &["--init-drafter", &a_drafter_arg]);
+    let fresh = demo_run("5", &[]);
+    // The built-in tiny target is the same in every run: B's drafter fits A's target.
+    assert_eq!(
+        std::fs::read(a.run_dir.join("target/model.safetensors")).unwrap(),
+        std::fs::read(b.run_dir.join("target/model.safetensors")).unwrap()
+    );
+    let (b_loss, fresh_loss) = (losses(&b), losses(&fresh));
+    let (b1, f1, a_last) = (b_loss[0], fresh_loss[0], *a_loss.last().unwrap());
+    eprintln!("first-step loss: warm {b1:.3}, fresh {f1:.3}; A's last {a_last:.3}");
+    assert!(
+        b1 < 0.8 * f1,
+        "warm start {b1} is not below 0.8 × fresh {f1}"
+    );
+    assert!(
+        b1 < 1.5 * a_last,
+        "warm start {b1} is far from A's last loss {a_last}"
+    );
+    // The schedule and the optimizer start afresh: B's steps are 1..=5.
+    let steps: Vec<u64> = read_jsonl(&b.run_dir.join("train.jsonl"))
+        .iter()
+        .map(|s| s["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5]);
+    // run.json records where the weights came from and their checksum.
+    let run: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(b.run_dir.join("run.json")).unwrap())
+            .unwrap();
+    let rec = &run["init_drafter"];
+    assert_eq!(
+        rec["path"].as_str().map(PathBuf::from),
+        Some(std::fs::canonicalize(&a_drafter).unwrap()),
+        "{run}"
+    );
+    assert_eq!(
+        rec["model_sha256"].as_str().map(str::len),
+        Some(64),
+        "{run}"
+    );
+    // B's export loads with transformers.
+    if have_torch_transformers("init-drafter export check") {
+        let scratch = tempfile::tempdir().unwrap();
+        let ok = export_check(&b.run_dir.join("drafter"), scratch.path(), None);
+        assert_eq!(ok.status.code(), Some(0), "{}", text(&ok));
+    }
+}
+
+#[test]
+fn init_drafter_refusals_name_what_does_not_fit() {
+    let a = demo_run("2", &[]);
+    let dir = a.run_dir.join("drafter").display().to_string();
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec!["--gpus", "cpu:2", "--data", "demo", "--steps", "2"];
+        args.extend_from_slice(extra);
+        let o = supervise(&args, Some(tmp.path()));
+        (
+            o.status.code(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    // The tiny target's drafter has blocks of 8.
+    let (code, err) = run(&["--init-drafter", &dir, "--block-size", "4"]);
+    assert_eq!(code, Some(2), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("--init-drafter"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("block size 4 (--block-size), but the init drafter has 8"),
+        "{err}"
+    );
+    let (code, err) = run(&[
+        "--init-drafter",
+        &dir,
+        "--resume",
+        &a.run_dir.display().to_string(),
+    ]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("--init-drafter") && err.contains("--resume"),
+        "{err}"
+    );
+    let empty = tmp.path().join("not-a-drafter");
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::copy(
+        a.run_dir.join("drafter/config.json"),
+        empty.join("config.json"),
+    )
+    .unwrap();
+    let (code, err) = run(&["--init-drafter", &empty.display().to_string()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains(&format!(
+            "{} is missing",
+            empty.join("model.safetensors").display()
+        )),
+        "{err}"
+    );
+}

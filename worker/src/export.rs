@@ -615,6 +615,60 @@ mod tests {
     }
 
     #[test]
+    fn exported_weights_load_back_as_their_bf16_rounding() {
+        let t = TargetConfig::read(TINY_CONFIG).unwrap();
+        let c = DrafterConfig::for_target(&t, 2, 2, 4, 4);
+        let d = Drafter::new(c.clone());
+        let p = d.init_params(11);
+        let embed: Vec<f32> = (0..c.vocab * c.hidden)
+            .map(|i| ((i % 89) as f32 - 44.0) / 100.0)
+            .collect();
+        let frozen = Frozen {
+            lm_head: embed.clone(),
+            embed,
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("drafter");
+        let info = ExportInfo {
+            step: 3,
+            seed: 1,
+            num_target_layers: t.num_hidden_layers,
+            target_layer_ids: &[0, 1],
+            max_position_embeddings: None,
+            target: None,
+        };
+        write_hf_dir(&d, &frozen, &p, &info, &dir).unwrap();
+        let back = crate::init_weights::load_weights(&d, &dir).unwrap();
+        let rounded: Vec<f32> = p
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .collect();
+        assert_eq!(back.len(), p.len());
+        // Bit for bit the bf16-rounded originals, tensor by tensor (no transpose, no shift).
+        assert!(back
+            .iter()
+            .zip(&rounded)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        assert!(
+            back.iter().zip(&p).any(|(a, b)| a != b),
+            "bf16 rounds some weights"
+        );
+        // A drafter of another shape is refused naming the tensor.
+        let other = Drafter::new(DrafterConfig::for_target(&t, 3, 2, 4, 4));
+        let e = crate::init_weights::load_weights(&other, &dir)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("model.safetensors") && e.contains("layers.2"),
+            "{e}"
+        );
+        let e = crate::init_weights::load_weights(&d, tmp.path())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot read"), "{e}");
+    }
+
+    #[test]
     fn the_probe_is_the_drafters_output_on_its_inputs() {
         let t = TargetConfig::read(TINY_CONFIG).unwrap();
         let c = DrafterConfig::for_target(&t, 1, 2, 4, 4);

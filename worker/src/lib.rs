@@ -22,6 +22,7 @@ pub mod eval;
 pub mod export;
 mod fatal;
 mod identity;
+pub mod init_weights;
 pub mod kernel_bench;
 pub mod math;
 pub mod models;

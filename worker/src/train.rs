@@ -274,7 +274,11 @@ impl Rank {
             setup,
         };
         match r.setup.init {
-            Init::Fresh => {}
+            Init::Fresh => {
+                if let Some(dir) = &r.setup.init_drafter {
+                    r.params = crate::init_weights::load_weights(&r.drafter, Path::new(dir))?;
+                }
+            }
             Init::FromState { step, slot } => r.load_state(step, slot)?,
             Init::FromCheckpoint { step } => {
                 let dir = r.setup.checkpoint.clone().ok_or_else(|| {
@@ -869,6 +873,7 @@ mod tests {
             target_layer_ids: vec![0, 1],
             num_target_layers: t.num_hidden_layers,
             init: Init::Fresh,
+            init_drafter: None,
         };
         let mut rows = vec![0u8; 1 << 16];
         // SAFETY: `rows` is returned with the rank and outlives it in every test.

@@ -10,6 +10,7 @@
 pub mod config_file;
 pub mod control;
 pub mod dispatcher;
+pub mod init_drafter;
 pub mod process;
 pub mod reaper;
 pub mod restart;
@@ -252,6 +253,69 @@ pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
     }
 }
 
+/// `--init-drafter DIR`: its config read and the settings it fixes taken where no flag
+/// gives them (with the flags it was given, for [`check_init_drafter`]). A resumed run (of
+/// `--resume-if-exists`; `--resume` refuses the flag) continues its own weights.
+fn read_init_drafter(
+    args: &mut RunArgs,
+    resumed: bool,
+) -> Result<Option<(init_drafter::InitDrafter, init_drafter::Given)>, Error> {
+    let Some(dir) = args.init_drafter.clone() else {
+        return Ok(None);
+    };
+    if resumed {
+        log::info!(
+            "--init-drafter {}: not used, the resumed run continues its own weights",
+            dir.display()
+        );
+        args.init_drafter = None;
+        return Ok(None);
+    }
+    let init = init_drafter::InitDrafter::read(&dir)
+        .map_err(|e| Error::input(format!("--init-drafter {}", dir.display()), e))?;
+    let given = init.adopt(args);
+    Ok(Some((init, given)))
+}
+
+/// The drafter this run trains against the init drafter's config (every difference named
+/// in one line, exit 2); the workers are told to load its weights. Returns run.json's
+/// record of it (`None` without `--init-drafter`).
+fn check_init_drafter(
+    init: Option<&(init_drafter::InitDrafter, init_drafter::Given)>,
+    trainer_cfg: &mut trainer::TrainerConfig,
+    capture: &CaptureSpec,
+) -> Result<Option<serde_json::Value>, Error> {
+    let Some((init, given)) = init else {
+        return Ok(None);
+    };
+    let input = || format!("--init-drafter {}", init.dir.display());
+    init.check(&trainer_cfg.drafter, &capture.tap_ids, *given)
+        .map_err(|e| Error::input(input(), e))?;
+    let record = init.record().map_err(|e| Error::input(input(), e))?;
+    // Absolute: the workers run elsewhere.
+    trainer_cfg.init_drafter = Some(std::fs::canonicalize(&init.dir).unwrap_or(init.dir.clone()));
+    Ok(Some(record))
+}
+
+/// The start's lines about settings it chose, said once the run directory is the run's.
+fn say_settled(lines: &[Option<String>], schedule_line: &str, target: &TargetConfig) {
+    for line in lines.iter().flatten() {
+        log::info!("{line}");
+    }
+    log::info!("{schedule_line}");
+    log::info!("target: {}", target.describe());
+}
+
+/// `--init-drafter`'s line, when the drafter starts from one.
+fn init_line(trainer_cfg: &trainer::TrainerConfig) -> Option<String> {
+    trainer_cfg.init_drafter.as_ref().map(|d| {
+        format!(
+            "--init-drafter {}: the drafter starts from its weights (fresh optimizer, step 0)",
+            d.display()
+        )
+    })
+}
+
 /// What a start comes to.
 enum Started {
     Run(Box<dispatcher::Dispatcher>),
@@ -325,6 +389,7 @@ fn set_aside_unresumable(setup: &mut Setup) -> Result<(), Error> {
 /// Everything before the dispatcher runs: flags, inputs, the run dir, the data plane.
 fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Started, Error> {
     let resume = settle_flags(&mut args, given, setup)?;
+    let init = read_init_drafter(&mut args, resume.is_some())?;
     setup.check()?;
     let adapted = validate::adapt_max_seq_len(&mut args, given);
     validate::check_flags(&args)?;
@@ -342,6 +407,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let cpu_defaults = cpu_defaults(&args, &plan);
     let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
+    let init_record = check_init_drafter(init.as_ref(), &mut trainer_cfg, &pipeline_cfg.capture)?;
     if let Some(path) = &args.eval_data {
         trainer_cfg.eval = Some(eval_settings(
             path,
@@ -377,11 +443,11 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let run_dir = open_run_dir(&mut args, &mut loader_cfg, resume.as_ref(), setup)?;
     // On --resume too: the settings as merged with this command line's are the run's now.
     // Said once the run directory is this run's: a start refused before then says only why.
-    for line in adapted.iter().chain(&cpu_defaults) {
-        log::info!("{line}");
-    }
-    log::info!("{schedule_line}");
-    log::info!("target: {}", target_cfg.describe());
+    say_settled(
+        &[adapted, cpu_defaults, init_line(&trainer_cfg)],
+        &schedule_line,
+        &target_cfg,
+    );
     trainer_cfg.settings =
         resolved_settings(&args, &plan, &loader_cfg, &pipeline_cfg, &trainer_cfg);
     resume::save(
@@ -389,6 +455,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         resume.as_ref(),
         &run_dir.path,
         trainer_cfg.settings.clone(),
+        init_record,
     )?;
     if let Some(p) = &preflight {
         p.write_json(&run_dir.path.join("preflight.json"))?;
@@ -1170,6 +1237,7 @@ pub(crate) fn trainer_config(
         keep_checkpoints: args.keep_checkpoints,
         checkpoints_dir: PathBuf::new(),
         resume: None,
+        init_drafter: None,
         snapshot_every: args.snapshot_every,
         max_rollbacks: args.max_rollbacks,
         max_skipped_steps: args.max_skipped_steps,

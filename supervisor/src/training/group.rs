@@ -81,6 +81,9 @@ pub struct TrainerConfig {
     pub checkpoints_dir: std::path::PathBuf,
     /// Resuming: the checkpoint (step, directory) the first ranks load.
     pub resume: Option<(u64, std::path::PathBuf)>,
+    /// `--init-drafter`: the drafter directory whose weights a fresh start loads (checked
+    /// against the drafter before any worker starts).
+    pub init_drafter: Option<std::path::PathBuf>,
     /// Snapshot every N committed steps; `None`: as often as keeps the snapshot's cost
     /// under 2 % of the step time.
     pub snapshot_every: Option<u64>,
@@ -571,6 +574,11 @@ impl Group {
                 _ => None,
             },
             init,
+            init_drafter: self
+                .cfg
+                .init_drafter
+                .as_ref()
+                .map(|d| d.display().to_string()),
         }))
     }
 

@@ -128,6 +128,11 @@ pub struct SavedRun {
     /// record, never read back as settings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resolved: Option<serde_json::Value>,
+    /// `--init-drafter`: the drafter directory the run started from (`path`) and the
+    /// checksum of its weights (`model_sha256`). A record: a resume continues its own
+    /// weights and keeps it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_drafter: Option<serde_json::Value>,
 }
 
 /// Durations in run.json as humantime writes them (`30s`, `5m`, `1h 30m`).
@@ -206,6 +211,7 @@ impl SavedRun {
             metrics_interval: Some(a.metrics_interval),
             inputs: None,
             resolved: None,
+            init_drafter: None,
         }
     }
 
@@ -278,13 +284,21 @@ impl SavedRun {
 /// `--resume`) and the fingerprint of the inputs: of the run's start, taken now for a new
 /// run; on `--resume`, the one [`prepare`] checked (or the inputs as they are now, where
 /// `--allow-changed-data` accepted a change or an older run.json had none).
-/// `resolved`: every setting as the run uses it (see [`SavedRun::resolved`]).
+/// `resolved`: every setting as the run uses it (see [`SavedRun::resolved`]);
+/// `init_drafter`: the record of `--init-drafter` (on `--resume`, the one run.json holds is
+/// kept).
 pub fn save(
     args: &RunArgs,
     resume: Option<&Resume>,
     run_dir: &Path,
     resolved: serde_json::Value,
+    init_drafter: Option<serde_json::Value>,
 ) -> Result<(), Error> {
+    let init_drafter = init_drafter.or_else(|| {
+        resume?;
+        let text = std::fs::read_to_string(run_dir.join(RUN_FILE)).ok()?;
+        serde_json::from_str::<SavedRun>(&text).ok()?.init_drafter
+    });
     let inputs = match resume {
         Some(r) => r.inputs.clone(),
         None => match Inputs::of(args) {
@@ -298,6 +312,7 @@ pub fn save(
     SavedRun {
         inputs,
         resolved: Some(resolved),
+        init_drafter,
         ..SavedRun::of(args)
     }
     .save(run_dir)
@@ -347,7 +362,7 @@ pub const OVERRIDABLE: [&str; 35] = [
 ];
 
 /// Fields of [`SavedRun`] that are not settings: never compared with the command line.
-const NOT_SETTINGS: [&str; 2] = ["inputs", "resolved"];
+const NOT_SETTINGS: [&str; 3] = ["inputs", "resolved", "init_drafter"];
 
 /// A setting of this command line that cannot be merged into the saved ones.
 #[derive(Debug, thiserror::Error)]
@@ -1715,7 +1730,7 @@ mod tests {
     fn run_json_keeps_durations_readable_and_reads_them_back() {
         let d = tempfile::tempdir().unwrap();
         let a = args(&["--time-limit", "90m", "--stop-timeout", "2s"]);
-        save(&a, None, d.path(), serde_json::Value::Null).unwrap();
+        save(&a, None, d.path(), serde_json::Value::Null, None).unwrap();
         let v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(d.path().join(RUN_FILE)).unwrap())
                 .unwrap();
@@ -2009,6 +2024,7 @@ mod tests {
             None,
             run,
             serde_json::Value::Null,
+            None,
         )
         .unwrap();
     }
@@ -2136,6 +2152,7 @@ mod tests {
             None,
             &run,
             serde_json::Value::Null,
+            None,
         )
         .unwrap();
         checkpoint(&run, 4, &tiny_drafter(2), 8);
