@@ -237,7 +237,8 @@ pub struct RunArgs {
     pub target: String,
 
     /// Target layers to tap, distinct, e.g. 1,9,17,25,33 (default: DFlash's spread of
-    /// --draft-layers taps over the target's depth).
+    /// --draft-layers taps over the target's depth). Not the target's last layer: serving
+    /// engines pass its output after the final norm, training takes it before.
     #[arg(
         long,
         value_name = "IDS",

@@ -1399,6 +1399,14 @@ fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Er
     if taps.is_empty() {
         return Err(Error::Flag("--taps: expected at least one layer id".into()));
     }
+    // A tap is a layer's output before the final norm; of the last layer, serving engines
+    // pass HF's hidden_states[n], which is after it: the drafter would be served another
+    // feature than it was trained on.
+    if let (Some(_), Some(last)) = (&args.taps, taps.iter().find(|&&t| t as usize + 1 == n)) {
+        return Err(Error::Flag(format!(
+            "--taps: layer {last} is the target's last; its output is fed to the drafter before the final norm in training but after it by the serving engines (HF hidden_states[{n}]), so the drafter would be served another feature (expected layers below {last})"
+        )));
+    }
     Ok(CaptureSpec {
         tap_ids: taps,
         hidden: target.hidden_size as u32,
@@ -1533,6 +1541,18 @@ mod tests {
         // --draft-layers 5 on 6 layers: three distinct taps.
         let c = capture_spec(&args(&["--draft-layers", "5"]), &target_of(6)).unwrap();
         assert_eq!(c.tap_ids, [1, 2, 3]);
+    }
+
+    #[test]
+    fn a_tap_of_the_last_layer_is_refused_as_serving_would_feed_another_feature() {
+        let e = capture_spec(&args(&["--taps", "1,5"]), &target_of(6)).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        let m = e.to_string();
+        assert!(
+            m.contains("layer 5 is the target's last") && m.contains("hidden_states[6]"),
+            "{m}"
+        );
+        assert!(capture_spec(&args(&["--taps", "1,4"]), &target_of(6)).is_ok());
     }
 
     #[test]
