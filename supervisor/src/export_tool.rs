@@ -96,20 +96,7 @@ fn shielded_from_stop_signals(cmd: &mut std::process::Command) {
     // calls (prctl, getppid, signal) and builds an io::Error from a raw errno.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(
-                libc::PR_SET_PDEATHSIG,
-                libc::SIGKILL as libc::c_ulong,
-                0,
-                0,
-                0,
-            ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The caller died between fork and prctl: nobody would send the signal.
-            if libc::getppid() != parent {
-                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-            }
+            crate::child::die_with(parent)?;
             for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
                 libc::signal(sig, libc::SIG_IGN);
             }

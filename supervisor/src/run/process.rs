@@ -73,21 +73,7 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
     // calls (prctl, getppid, close_range, fcntl) and builds an io::Error from a raw errno (no allocation).
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(
-                libc::PR_SET_PDEATHSIG,
-                libc::SIGKILL as libc::c_ulong,
-                0,
-                0,
-                0,
-            ) != 0
-            {
-                return Err(io::Error::last_os_error());
-            }
-            // The supervisor may have died between fork and prctl: then nobody would send
-            // the death signal, so leave now.
-            if libc::getppid() != parent {
-                return Err(io::Error::from_raw_os_error(libc::ESRCH));
-            }
+            crate::child::die_with(parent)?;
             // Nothing but stdio and the pools crosses exec: a descriptor inherited by
             // accident (ipc-channel accepts control connections without close-on-exec)
             // would keep another worker's channel open after that worker dies.
