@@ -22,32 +22,6 @@ const T: Duration = Duration::from_secs(180);
 const KILL_WAIT: Duration = Duration::from_secs(30);
 const STEPS: u64 = 40;
 
-/// The documented sbatch script: the first `sh` block of README.md or docs/*.md that
-/// requeues with `scontrol requeue`.
-fn documented_script() -> (PathBuf, String) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut files = vec![root.join("README.md")];
-    if let Ok(d) = fs::read_dir(root.join("docs")) {
-        let mut docs: Vec<PathBuf> = d
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "md"))
-            .collect();
-        docs.sort();
-        files.extend(docs);
-    }
-    for f in files {
-        let text = fs::read_to_string(&f).unwrap_or_default();
-        for block in text.split("```sh\n").skip(1) {
-            let body = block.split("```").next().unwrap_or("");
-            if body.contains("#SBATCH") && body.contains("scontrol requeue") {
-                return (f, body.to_string());
-            }
-        }
-    }
-    panic!("no sbatch script with `scontrol requeue` in README.md or docs/*.md");
-}
-
 /// `dflash-supervise` for the script: the real one on CPU workers with the demo data, with
 /// the script's `--run-dir` and `--resume-if-exists` (its model, data and GPUs are a real
 /// machine's); `scontrol` records the requeue.
@@ -134,7 +108,7 @@ fn last_step(run: &Path) -> u64 {
 
 #[test]
 fn the_documented_sbatch_script_checkpoints_at_the_notice_is_requeued_at_the_limit_and_finishes() {
-    let (from, script) = documented_script();
+    let (from, script) = documented_sbatch_script();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path();
     let script_path = dir.join("job.sbatch");

@@ -28,32 +28,6 @@ const STEPS: u64 = 40;
 /// over 200 s); the requeued start runs at full speed and finishes well within its own.
 const FIRST_START_STEP_DELAY_MS: u32 = 5000;
 
-/// The documented sbatch script: the first `sh` block of README.md or docs/*.md that
-/// requeues with `scontrol requeue` (as tests/tests/slurm.rs finds it).
-fn documented_script() -> (PathBuf, String) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut files = vec![root.join("README.md")];
-    if let Ok(d) = fs::read_dir(root.join("docs")) {
-        let mut docs: Vec<PathBuf> = d
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "md"))
-            .collect();
-        docs.sort();
-        files.extend(docs);
-    }
-    for f in files {
-        let text = fs::read_to_string(&f).unwrap_or_default();
-        for block in text.split("```sh\n").skip(1) {
-            let body = block.split("```").next().unwrap_or("");
-            if body.contains("#SBATCH") && body.contains("scontrol requeue") {
-                return (f, body.to_string());
-            }
-        }
-    }
-    panic!("no sbatch script with `scontrol requeue` in README.md or docs/*.md");
-}
-
 /// A program on PATH or in the sbin directories (root's PATH may lack them under cargo).
 fn find_program(name: &str) -> Option<PathBuf> {
     let path = std::env::var("PATH").unwrap_or_default();
@@ -365,7 +339,7 @@ fn the_documented_sbatch_script_under_a_real_slurm_is_signalled_requeued_and_fin
     let dir = tmp.path();
     let mut cluster = Cluster::start(&dir.join("slurm"), &[p(0), p(1), p(2), p(3)]);
 
-    let (from, script) = documented_script();
+    let (from, script) = documented_sbatch_script();
     let job_dir = dir.join("job");
     fs::create_dir_all(&job_dir).unwrap();
     let script_path = job_dir.join("job.sbatch");

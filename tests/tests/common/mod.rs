@@ -354,3 +354,29 @@ pub fn supervise(args: &[&str], cwd: Option<&Path>) -> Output {
     }
     cmd.output().expect("run dflash-supervise")
 }
+
+/// The documented sbatch script: the first `sh` block of README.md or docs/*.md that
+/// requeues with `scontrol requeue`.
+pub fn documented_sbatch_script() -> (PathBuf, String) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = vec![root.join("README.md")];
+    if let Ok(d) = fs::read_dir(root.join("docs")) {
+        let mut docs: Vec<PathBuf> = d
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "md"))
+            .collect();
+        docs.sort();
+        files.extend(docs);
+    }
+    for f in files {
+        let text = fs::read_to_string(&f).unwrap_or_default();
+        for block in text.split("```sh\n").skip(1) {
+            let body = block.split("```").next().unwrap_or("");
+            if body.contains("#SBATCH") && body.contains("scontrol requeue") {
+                return (f, body.to_string());
+            }
+        }
+    }
+    panic!("no sbatch script with `scontrol requeue` in README.md or docs/*.md");
+}
