@@ -95,6 +95,13 @@ pub enum Command {
     /// input that cannot be used (a missing directory, a drafter trained for another
     /// target, no prompts), 4 when the worker could not run.
     Eval(crate::commands::eval::EvalArgs),
+    /// Write the assistant turns of a data set again with the target alone (DFlash's
+    /// recipe trains on the target's own responses): chat lines rendered with its chat
+    /// template, token-id prompts continued, greedy or sampled, over every GPU or CPU
+    /// workers. Resumable: a stopped regeneration is continued by the same command, each
+    /// line written once. Exits 0 when written, 1 when a worker kept failing, 2 on an
+    /// input that cannot be used, 75 when stopped by a signal.
+    Regenerate(crate::commands::regenerate::RegenerateArgs),
     /// Benchmarks that print figures and ratios against baselines measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -253,9 +260,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", help_heading = "Model")]
     pub draft_layers: Option<usize>,
 
-    /// A TOML file whose [drafter] section sets layers, block_size, max_anchors, lr,
-    /// warmup_ratio, steps, gamma and mask_token_id; flags given here override it.
-    #[arg(long, value_name = "FILE", help_heading = "Training")]
+    /// A recipe file (TOML) that sets run flags: sections [model], [data], [devices],
+    /// [drafter], [schedule], [eval], [checkpoints], [restarts], [pipeline], [run],
+    /// [telemetry] and [logs], each key a flag's name with _ for - (`[schedule] lr =
+    /// 6e-4`). Flags given here override it; it overrides the defaults. recipes/ holds
+    /// published recipes (Qwen3-8B, Llama-3.1-8B-Instruct).
+    #[arg(long, value_name = "FILE", help_heading = "Run")]
     pub config: Option<PathBuf>,
 
     /// Loss decay γ (slot k weighs exp(-(k-1)/γ); default 7 for blocks of 16, 5 for 10,
@@ -716,6 +726,23 @@ pub(crate) fn run_args(extra: &[&str]) -> RunArgs {
     Cli::try_parse_from(argv)
         .expect("a valid test command line")
         .run
+}
+
+/// A clap error as one line, without its `error: ` prefix: "the following required
+/// arguments were not provided:" and the indented lines naming them are joined.
+pub fn error_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let mut lines = text.lines().skip_while(|l| l.trim().is_empty());
+    let first = lines.next().unwrap_or("invalid command line");
+    let mut line = first.strip_prefix("error: ").unwrap_or(first).to_string();
+    if line.ends_with(':') {
+        let named: Vec<&str> = lines
+            .take_while(|l| l.starts_with(' ') && !l.trim().is_empty())
+            .map(str::trim)
+            .collect();
+        line = format!("{line} {}", named.join(", "));
+    }
+    line
 }
 
 fn parse_spec(s: &str) -> Result<DeviceSpec, DeviceSpecError> {

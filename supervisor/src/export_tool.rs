@@ -52,6 +52,18 @@ pub fn export_checkpoint(
         .arg(target)
         .arg("--out")
         .arg(out);
+    // A checkpoint of a run (RUN_DIR/checkpoints/step-N): how its data was rendered.
+    let preflight = checkpoint
+        .parent()
+        .and_then(Path::parent)
+        .map(|run| run.join("preflight.json"));
+    let rendering = preflight
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| serde_json::from_str(&t).ok())
+        .and_then(|v| rendering(&v));
+    if let Some(r) = rendering {
+        cmd.arg("--rendering").arg(r.to_string());
+    }
     shielded_from_stop_signals(&mut cmd);
     let output = match output_until(&mut cmd, limit, cancel) {
         Ok(o) => o,
@@ -213,4 +225,24 @@ pub fn output_until(
         stdout: out.join().unwrap_or_default(),
         stderr: err.join().unwrap_or_default(),
     })
+}
+
+/// How a run's data was rendered, from its preflight.json (`report`): the chat template's
+/// SHA-256 and the thinking switch of its chat samples ("on", "off", "template default",
+/// or "mixed"), what an export records as `dflash_rendering`. `None` without chat data.
+fn rendering(report: &serde_json::Value) -> Option<serde_json::Value> {
+    let n = report["chat_samples"].as_u64().unwrap_or(0);
+    if n == 0 {
+        return None;
+    }
+    let by = report["thinking"].as_object()?;
+    let thinking = match by.keys().map(String::as_str).collect::<Vec<_>>()[..] {
+        [one] => one.to_string(),
+        _ => "mixed".to_string(),
+    };
+    Some(serde_json::json!({
+        "chat_template_sha256": report["chat_template_sha256"],
+        "thinking": thinking,
+        "chat_samples": n,
+    }))
 }

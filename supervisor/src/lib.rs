@@ -27,31 +27,26 @@ pub mod training;
 pub mod violation;
 pub mod worker_output;
 
-use clap::{CommandFactory, FromArgMatches};
 use dflash_shared::exit_codes;
 
-use crate::cli::{BenchCommand, Cli, Command};
+use crate::cli::{BenchCommand, Command};
 use crate::commands::bench;
 use crate::run::reaper;
 use crate::telemetry::console;
 
 pub fn main() -> i32 {
-    let matches = match Cli::command().try_get_matches() {
-        Ok(m) => m,
-        Err(e) => return clap_exit(e),
+    // The command line with its --config recipe applied, and which run flags were given
+    // (typed, or set by the recipe; not defaults): a resumed run lets those win or refuses
+    // them.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let (cli, given) = match run::config_file::parse(&argv) {
+        Ok(c) => (c.cli, c.given),
+        Err(run::config_file::CommandLineError::Clap(e)) => return clap_exit(e),
+        Err(run::config_file::CommandLineError::Config(e)) => {
+            crate::say!("dflash-supervise: error: {e}");
+            return e.exit_code();
+        }
     };
-    let cli = match Cli::from_arg_matches(&matches) {
-        Ok(c) => c,
-        Err(e) => return clap_exit(e),
-    };
-    // Which run flags were typed (not defaults): a resumed run lets those win or refuses them.
-    let given: Vec<String> = matches
-        .ids()
-        .filter(|id| {
-            matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
-        })
-        .map(|id| id.as_str().to_string())
-        .collect();
     console::init();
     // The commands that print a listing or a table (`status | head`) end quietly when the
     // reader goes, as Unix tools do, instead of panicking on the write. A run, `logs -f`
@@ -83,6 +78,7 @@ pub fn main() -> i32 {
         Some(Command::Export(a)) => commands::export::run(a),
         Some(Command::ExportCheck(a)) => commands::export_check::run(a),
         Some(Command::Eval(a)) => commands::eval::run(a),
+        Some(Command::Regenerate(a)) => commands::regenerate::run(a),
         Some(Command::Bench(BenchCommand::Prepare {
             json,
             tokenizer,
@@ -128,19 +124,10 @@ fn clap_exit(e: clap::Error) -> i32 {
             exit_codes::SUCCESS
         }
         _ => {
-            let text = e.render().to_string();
-            let mut lines = text.lines().skip_while(|l| l.trim().is_empty());
-            let mut first = lines.next().unwrap_or("invalid command line").to_string();
-            if first.ends_with(':') {
-                // "the following required arguments were not provided:" and the indented
-                // lines naming them: one line.
-                let named: Vec<&str> = lines
-                    .take_while(|l| l.starts_with(' ') && !l.trim().is_empty())
-                    .map(str::trim)
-                    .collect();
-                first = format!("{first} {}", named.join(", "));
-            }
-            crate::say!("dflash-supervise: {first} (see --help)");
+            crate::say!(
+                "dflash-supervise: error: {} (see --help)",
+                cli::error_line(&e)
+            );
             exit_codes::USAGE
         }
     }

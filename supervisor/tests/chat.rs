@@ -556,27 +556,36 @@ fn eval_prompts_equal_transformers_with_the_generation_prompt() {
         return;
     }
     use dflash_supervisor::data::chat::prompt_turns;
-    let chat = Chat::load(&dir).unwrap();
     let line = r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 17 × 3?"}, {"role": "assistant", "content": "51"}]}"#;
     let obj: serde_json::Map<String, serde_json::Value> = serde_json::from_str(line).unwrap();
     let turns = prompt_turns(&obj).unwrap().unwrap();
     assert_eq!(turns.len(), 2, "the trailing assistant reply is dropped");
-    let ours = chat.prompt(turns.clone()).unwrap();
-    let script = "import json, sys\nfrom transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained(sys.argv[1])\nids = tok.apply_chat_template(json.loads(sys.argv[2]), add_generation_prompt=True, tokenize=True)\nids = ids['input_ids'] if isinstance(ids, dict) or hasattr(ids, 'keys') else ids\nprint(json.dumps(list(ids)))";
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .arg(&dir)
-        .arg(serde_json::to_string(&turns).unwrap())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let want: Vec<u32> = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(ours, want);
-    assert!(chat.decode(&ours).ends_with("<|im_start|>assistant\n"));
+    // Each thinking switch (enable_thinking, as `regenerate --thinking` passes it) too.
+    let script = "import json, sys\nfrom transformers import AutoTokenizer\ntok = AutoTokenizer.from_pretrained(sys.argv[1])\nkw = {} if sys.argv[3] == 'null' else {'enable_thinking': json.loads(sys.argv[3])}\nids = tok.apply_chat_template(json.loads(sys.argv[2]), add_generation_prompt=True, tokenize=True, **kw)\nids = ids['input_ids'] if isinstance(ids, dict) or hasattr(ids, 'keys') else ids\nprint(json.dumps(list(ids)))";
+    let mut seen = Vec::new();
+    for thinking in [None, Some(false), Some(true)] {
+        let mut chat = Chat::load(&dir).unwrap();
+        chat.thinking = thinking;
+        let ours = chat.prompt(turns.clone()).unwrap();
+        let out = Command::new("python3")
+            .args(["-c", script])
+            .arg(&dir)
+            .arg(serde_json::to_string(&turns).unwrap())
+            .arg(serde_json::to_string(&thinking).unwrap())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let want: Vec<u32> = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(ours, want, "thinking {thinking:?}");
+        seen.push(chat.decode(&ours));
+    }
+    assert!(seen[0].ends_with("<|im_start|>assistant\n"));
+    assert!(seen[1].ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+    assert_eq!(seen[0], seen[2], "Qwen3's default is thinking on");
     // A conversation of assistant turns only has no prompt.
     let only: serde_json::Map<String, serde_json::Value> =
         serde_json::from_str(r#"{"messages": [{"role": "assistant", "content": "x"}]}"#).unwrap();

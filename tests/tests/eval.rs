@@ -2,6 +2,8 @@
 //! and the tiny target: eval records over the whole eval set, at eval steps and the last
 //! step; the ledger untouched by eval batches; `checkpoints/best` at the best eval
 //! acceptance, surviving `--keep-checkpoints 1`; the flags refused when they cannot work.
+//! And `dflash-supervise eval` on prompts of two categories: τ per category that adds up
+//! to the totals, the acceptance curve, and each prompt's id kept.
 
 mod common;
 
@@ -288,4 +290,145 @@ fn a_drafter_killed_during_an_eval_round_leaves_the_round_whole_and_the_ledger_c
         best.join("meta.json").is_file(),
         "checkpoints/best points at a checkpoint"
     );
+}
+
+/// `dflash-supervise eval --prompts` whose lines carry ids, categories and datasets (as
+/// users convert GSM8K or HumanEval): `--json` gives τ per category (the category, else
+/// the dataset) whose prompt counts and pooled tokens and steps add up to the totals, the
+/// acceptance curve per drafted position agreeing with the accepted lengths, and each
+/// prompt's fields in its per-prompt entry; the text form has the table and the curve.
+#[test]
+fn eval_gives_tau_per_prompt_category_and_the_acceptance_curve() {
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--data",
+        "demo",
+        "--steps",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+    ]);
+    assert_eq!(sup.wait_exit(T).code(), Some(0), "{}", sup.stderr());
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("prompts.jsonl");
+    let ids = |i: usize| -> Vec<usize> { (0..5 + i).map(|t| (t * 41 + i * 7 + 3) % 500).collect() };
+    // Three math prompts (string ids), two coding prompts (number ids; the last has no
+    // category, its dataset names it), a blank line.
+    let lines = [
+        serde_json::json!({"input_ids": ids(0), "id": "gsm8k-0", "category": "math", "dataset": "gsm8k"}),
+        serde_json::json!({"input_ids": ids(1), "id": 17, "category": "coding", "dataset": "humaneval"}),
+        serde_json::json!({"input_ids": ids(2), "id": "gsm8k-1", "category": "math", "dataset": "gsm8k"}),
+        serde_json::json!({"input_ids": ids(3), "id": "math500-4", "category": "math", "dataset": "math-500"}),
+        serde_json::json!({"input_ids": ids(4), "id": 18, "dataset": "coding"}),
+    ];
+    let mut text: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+    text.insert(2, String::new());
+    fs::write(&prompts, text.join("\n")).unwrap();
+    let eval = |extra: &[&str]| {
+        let run = sup.run_dir.to_str().unwrap().to_string();
+        let (target, drafter) = (format!("{run}/target"), format!("{run}/drafter"));
+        let mut args = vec![
+            "eval",
+            "--target",
+            target.as_str(),
+            "--drafter",
+            drafter.as_str(),
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-new-tokens",
+            "16",
+        ];
+        args.extend_from_slice(extra);
+        let o = supervise(&args, None);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        out
+    };
+    let r: Value = serde_json::from_str(&eval(&["--json"])).unwrap();
+    let (n, bs) = (
+        r["prompts"].as_u64().unwrap(),
+        r["block_size"].as_u64().unwrap(),
+    );
+    assert_eq!(n, 5);
+    let cats = r["per_category"].as_object().expect("per_category");
+    let mut names: Vec<&String> = cats.keys().collect();
+    names.sort();
+    assert_eq!(names, ["coding", "math"], "{r}");
+    assert_eq!(cats["math"]["prompts"], 3);
+    assert_eq!(cats["coding"]["prompts"], 2);
+    let sum = |k: &str| -> u64 { cats.values().map(|c| c["tau"][k].as_u64().unwrap()).sum() };
+    assert_eq!(sum("tokens"), r["tau"]["tokens"].as_u64().unwrap());
+    assert_eq!(
+        sum("verify_steps"),
+        r["tau"]["verify_steps"].as_u64().unwrap()
+    );
+    let pooled = r["tau"]["pooled"].as_f64().unwrap();
+    assert!(
+        (sum("tokens") as f64 / sum("verify_steps") as f64 - pooled).abs() < 1e-12,
+        "{r}"
+    );
+    // Each prompt keeps its fields, in the file's order; each category's figures are its
+    // prompts' accepted lengths.
+    let per = r["per_prompt"].as_array().unwrap();
+    for (p, l) in per.iter().zip(&lines) {
+        for k in ["id", "category", "dataset"] {
+            assert_eq!(p.get(k), l.get(k), "{k} of {p}");
+        }
+    }
+    let accepted =
+        |p: &Value| -> Vec<u64> { serde_json::from_value(p["accepted"].clone()).unwrap() };
+    let math: Vec<u64> = [0, 2, 3].iter().flat_map(|&i| accepted(&per[i])).collect();
+    assert_eq!(cats["math"]["tau"]["verify_steps"], math.len());
+    assert_eq!(cats["math"]["tau"]["tokens"], math.iter().sum::<u64>());
+    // The curve: for drafted positions 1..bs-1, the share of verify steps committing
+    // more than the position, over all prompts and per category.
+    let all: Vec<u64> = per.iter().flat_map(accepted).collect();
+    let curve = |steps: &[u64]| -> Vec<f64> {
+        (1..bs)
+            .map(|k| steps.iter().filter(|&&a| a > k).count() as f64 / steps.len() as f64)
+            .collect()
+    };
+    let got = |v: &Value| -> Vec<f64> { serde_json::from_value(v.clone()).unwrap() };
+    assert_eq!(got(&r["acceptance_by_position"]), curve(&all));
+    assert_eq!(got(&cats["math"]["acceptance_by_position"]), curve(&math));
+    let sum_curve: f64 = got(&r["acceptance_by_position"]).iter().sum();
+    assert!(
+        (1.0 + sum_curve - pooled).abs() < 1e-9,
+        "1 + the curve's sum is pooled τ"
+    );
+    // The text form: the curve on one line, the table with a row per category.
+    let out = eval(&[]);
+    assert!(
+        out.contains(&format!("acceptance by drafted position 1..{}: ", bs - 1)),
+        "{out}"
+    );
+    let row = |name: &str| {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no row {name} in:\n{out}"))
+            .to_string()
+    };
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("category") && l.contains("τ pooled")),
+        "{out}"
+    );
+    let math_row = row("math");
+    assert_eq!(math_row.split_whitespace().nth(1), Some("3"), "{math_row}");
+    assert!(
+        math_row.contains(&format!(
+            "{:.3}",
+            cats["math"]["tau"]["pooled"].as_f64().unwrap()
+        )),
+        "{math_row}"
+    );
+    assert_eq!(row("coding").split_whitespace().nth(1), Some("2"));
 }

@@ -898,3 +898,128 @@ fn the_page_shows_a_lone_tau_inside_its_plot_labelled_axes_that_fit_whole_names_
         "not measured (use --eval-prompts or dflash-supervise eval)"
     );
 }
+
+/// The worker's report of a τ measurement (what `dflash-worker eval --json` prints), for
+/// RUN_DIR/eval/tau-step-N.json: 6 prompts in two categories, block 4.
+fn tau_report_with_categories() -> Value {
+    let tau = |mm: f64, pooled: f64, tokens: u64, steps: u64| {
+        serde_json::json!({"mean_of_means": mm, "mean_of_means_ci95": [1.0, mm + 0.25],
+            "pooled": pooled, "pooled_ci95": [1.0, pooled + 0.25],
+            "tokens": tokens, "verify_steps": steps, "histogram": [1, 1, 1, 1]})
+    };
+    serde_json::json!({
+        "prompts": 6, "block_size": 4, "max_new_tokens": 16, "identical_to_greedy": 6,
+        "tau": tau(1.5, 1.4, 14, 10),
+        "acceptance_by_position": [0.3, 0.1, 0.0],
+        "per_category": {
+            "math": {"prompts": 4, "tau": tau(1.625, 1.5, 9, 6),
+                     "acceptance_by_position": [0.5, 0.25, 0.0]},
+            "coding": {"prompts": 2, "tau": tau(1.25, 1.25, 5, 4),
+                       "acceptance_by_position": [0.25, 0.0, 0.0]}
+        }
+    })
+}
+
+/// Issue 43: the page shows the last τ measurement's τ per prompt category (a table whose
+/// rows add up to all prompts) and its acceptance curve per drafted position (overall and
+/// per category), from the worker's report of it in RUN_DIR/eval; an older measurement's
+/// report is not used, and without categories the curve alone is shown.
+#[test]
+fn the_page_shows_the_last_taus_figures_per_category_and_its_acceptance_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    run_with_one_tau(dir, &["target-0", "drafter-0"], true);
+    fs::create_dir_all(dir.join("eval")).unwrap();
+    let r = tau_report_with_categories();
+    fs::write(dir.join("eval/tau-step-00000006.json"), format!("{r}\n\n")).unwrap();
+    let mut stale = r.clone();
+    stale["per_category"] = serde_json::json!({"stale": stale["per_category"]["math"]});
+    fs::write(dir.join("eval/tau-step-00000005.json"), stale.to_string()).unwrap();
+    let page = report_of(dir);
+
+    let table = page.find("table", "tau-categories");
+    assert_eq!(table.len(), 1, "one per-category table");
+    assert_eq!(table[0].attr("data-step"), Some("6"));
+    let rows = page.find("tr", "tau-category");
+    let mut names: Vec<&str> = rows
+        .iter()
+        .map(|r| r.attr("data-category").unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["coding", "math"],
+        "the last measurement's categories"
+    );
+    let all = &page.find("tr", "tau-category-all")[0];
+    let sum = |k: &str| rows.iter().map(|r| r.num(k)).sum::<f64>();
+    assert_eq!(sum("data-prompts"), all.num("data-prompts"));
+    assert_eq!(all.num("data-prompts"), 6.0);
+    assert_eq!(
+        sum("data-tokens") / sum("data-verify-steps"),
+        all.num("data-pooled"),
+        "the categories' tokens over their steps are the pooled τ of all prompts"
+    );
+    let math = rows
+        .iter()
+        .find(|r| r.attr("data-category") == Some("math"))
+        .unwrap();
+    let cells: Vec<&str> = math.kids.iter().map(|k| k.text.as_str()).collect();
+    assert_eq!(
+        cells,
+        ["math", "4", "1.625 [1.00, 1.88]", "1.500 [1.00, 1.75]"]
+    );
+
+    // The acceptance curve: one point per drafted position 1..3, overall and per category.
+    let curve = page.chart("tau-acceptance");
+    let points = |class: &str, category: Option<&str>| -> Vec<(f64, f64)> {
+        curve
+            .find("circle", class)
+            .into_iter()
+            .filter(|c| c.attr("data-category") == category)
+            .map(|c| (c.num("data-step"), c.num("data-value")))
+            .collect()
+    };
+    assert_eq!(
+        points("tau-acceptance", None),
+        [(1.0, 0.3), (2.0, 0.1), (3.0, 0.0)]
+    );
+    assert_eq!(
+        points("tau-acceptance-category", Some("math")),
+        [(1.0, 0.5), (2.0, 0.25), (3.0, 0.0)]
+    );
+    assert_eq!(points("tau-acceptance-category", Some("coding")).len(), 3);
+    let (l, t, rr, b) = curve.plot_rect();
+    for c in curve.find("circle", "tau-acceptance") {
+        let (x, y) = (c.num("cx"), c.num("cy"));
+        assert!(
+            l < x && x < rr && t < y && y < b,
+            "({x}, {y}) outside the plot"
+        );
+    }
+
+    // Prompts without categories: the curve, no table.
+    let mut plain = r.clone();
+    plain["per_category"] = serde_json::json!({});
+    fs::write(dir.join("eval/tau-step-00000006.json"), plain.to_string()).unwrap();
+    let page = report_of(dir);
+    assert!(page.find("table", "tau-categories").is_empty());
+    assert_eq!(
+        page.chart("tau-acceptance")
+            .find("circle", "tau-acceptance")
+            .len(),
+        3
+    );
+    assert!(page
+        .chart("tau-acceptance")
+        .find("circle", "tau-acceptance-category")
+        .is_empty());
+    // No report of the measurement (a run of an older version): neither.
+    fs::remove_file(dir.join("eval/tau-step-00000006.json")).unwrap();
+    let page = report_of(dir);
+    assert!(page.find("table", "tau-categories").is_empty());
+    assert!(!page
+        .all()
+        .iter()
+        .any(|(e, _)| e.attr("data-chart") == Some("tau-acceptance")));
+}

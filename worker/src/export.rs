@@ -266,6 +266,10 @@ pub struct ExportInfo<'a> {
     /// The target the drafter was trained for ([`target_record`]), written as
     /// `dflash_target`, when known.
     pub target: Option<Value>,
+    /// How the training data was rendered (the chat template's SHA-256, the thinking
+    /// switch), written as `dflash_rendering`, when the run recorded it: `eval` compares
+    /// its own rendering with it.
+    pub rendering: Option<Value>,
 }
 
 /// What an export records of its target: the architecture, depth, width, the capture
@@ -299,6 +303,9 @@ fn write_files(
     );
     if let Some(t) = &info.target {
         config["dflash_target"] = t.clone();
+    }
+    if let Some(r) = &info.rendering {
+        config["dflash_rendering"] = r.clone();
     }
     // The weights as exported (bf16), back in f32: the probe runs on exactly these.
     let rounded: Vec<f32> = params
@@ -473,6 +480,7 @@ pub fn from_checkpoint(
     out: &Path,
     taps: Option<&[u32]>,
     num_target_layers: Option<usize>,
+    rendering: Option<Value>,
 ) -> Result<u64> {
     use dflash_shared::checkpoint::{META_FILE, STATE_FILE};
     dflash_shared::checkpoint::verify(checkpoint, None)
@@ -555,6 +563,7 @@ pub fn from_checkpoint(
                 }
                 r
             }),
+        rendering,
     };
     write_hf_dir(&d, &frozen, &params, &info, out)?;
     Ok(step)
@@ -636,6 +645,7 @@ mod tests {
             target_layer_ids: &[0, 1],
             max_position_embeddings: None,
             target: None,
+            rendering: None,
         };
         write_hf_dir(&d, &frozen, &p, &info, &dir).unwrap();
         let back = crate::init_weights::load_weights(&d, &dir).unwrap();

@@ -21,6 +21,7 @@ pub mod error;
 pub mod eval;
 pub mod export;
 mod fatal;
+pub mod generate;
 mod identity;
 pub mod init_weights;
 pub mod kernel_bench;
@@ -123,6 +124,10 @@ enum Command {
         taps: Option<Vec<u32>>,
         #[arg(long, value_name = "N")]
         num_target_layers: Option<usize>,
+        /// How the run rendered its data (JSON: the chat template's SHA-256 and the
+        /// thinking switch), recorded in config.json as dflash_rendering.
+        #[arg(long, value_name = "JSON")]
+        rendering: Option<String>,
     },
     /// What `dflash-supervise eval` runs: greedy speculative decoding of each prompt with
     /// an exported drafter against plain greedy decoding, on the CPU or the GPU; prints τ.
@@ -147,6 +152,29 @@ enum Command {
         /// the CPU in f32. There a prompt whose speculative output differs from greedy
         /// decoding's is counted, not a failure: bf16 products of 1 and of a block of rows
         /// may round a near tie apart.
+        #[arg(long)]
+        gpu: bool,
+    },
+    /// What `dflash-supervise regenerate` runs: the target alone continues token-id
+    /// prompts, one JSON request per stdin line ({"id", "ids", "max_new", "seed"}), one
+    /// reply per stdout line ({"id", "tokens", "finish": "stop"|"length"}).
+    Generate {
+        /// The target model directory, or "tiny" (the built-in demo target).
+        #[arg(long, value_name = "DIR")]
+        target: String,
+        /// Prompt and new tokens together at most (the KV cache's length).
+        #[arg(long, value_name = "N")]
+        max_len: usize,
+        /// 0: greedy; else sample from the softmax of logits ÷ T.
+        #[arg(long, value_name = "T", default_value_t = 0.0)]
+        temperature: f32,
+        /// Sample from the fewest most likely tokens whose probabilities reach P.
+        #[arg(long, value_name = "P", default_value_t = 1.0)]
+        top_p: f32,
+        /// Token ids that end a continuation.
+        #[arg(long, value_name = "IDS", value_delimiter = ',')]
+        stop: Vec<u32>,
+        /// On the GPU (ordinal 0: CUDA_VISIBLE_DEVICES names it) in bf16, not the CPU.
         #[arg(long)]
         gpu: bool,
     },
@@ -180,42 +208,52 @@ pub fn main() -> i32 {
         }
     };
     match cli.command {
-        Some(Command::Inspect {
+        Some(c) => run_tool(c),
+        None => serve(cli.control),
+    }
+}
+
+/// One of the tools for people (and for the supervisor's commands).
+fn run_tool(c: Command) -> i32 {
+    match c {
+        Command::Inspect {
             target,
             tokens,
             taps,
             out,
-        }) => tool(inspect(&target, &tokens, taps, &out)),
-        Some(Command::BenchCompute { spec }) => tool(bench::run(&spec)),
-        Some(Command::BenchOps {
+        } => tool(inspect(&target, &tokens, taps, &out)),
+        Command::BenchCompute { spec } => tool(bench::run(&spec)),
+        Command::BenchOps {
             target,
             tokens,
             json,
-        }) => tool(match target.strip_prefix("throughput:") {
+        } => tool(match target.strip_prefix("throughput:") {
             Some(preset) => bench_throughput::run(preset, json),
             None => bench_ops::run(&target, tokens, json),
         }),
-        Some(Command::BenchKernels { arch, json }) => {
+        Command::BenchKernels { arch, json } => {
             tool(kernel_bench::run(&arch, json).map_err(error::ToolError::from))
         }
-        Some(Command::Export {
+        Command::Export {
             checkpoint,
             target,
             out,
             taps,
             num_target_layers,
-        }) => tool(
+            rendering,
+        } => tool(
             export::from_checkpoint(
                 &checkpoint,
                 &target,
                 &out,
                 taps.as_deref(),
                 num_target_layers,
+                rendering.and_then(|r| serde_json::from_str(&r).ok()),
             )
             .map(|step| println!("drafter of step {step} written to {}", out.display()))
             .map_err(error::ToolError::from),
         ),
-        Some(Command::Eval {
+        Command::Eval {
             target,
             drafter,
             prompts,
@@ -223,7 +261,7 @@ pub fn main() -> i32 {
             seed,
             json,
             gpu,
-        }) => match eval::tool::run(&eval::tool::Args {
+        } => match eval::tool::run(&eval::tool::Args {
             target,
             drafter,
             prompts,
@@ -236,14 +274,28 @@ pub fn main() -> i32 {
             Ok(false) => exit_codes::RUN_FAILED,
             r => tool(r.map(|_| ())),
         },
-        Some(Command::TinyTarget { out, config: None }) => tool(
+        Command::Generate {
+            target,
+            max_len,
+            temperature,
+            top_p,
+            stop,
+            gpu,
+        } => tool(generate::run(&generate::Args {
+            target,
+            max_len,
+            sampling: generate::Sampling { temperature, top_p },
+            stop,
+            gpu,
+        })),
+        Command::TinyTarget { out, config: None } => tool(
             models::tiny::write(&out)
                 .map_err(error::ToolError::io(format!("--out {}", out.display()))),
         ),
-        Some(Command::TinyTarget {
+        Command::TinyTarget {
             out,
             config: Some(c),
-        }) => tool(
+        } => tool(
             std::fs::read_to_string(&c)
                 .map_err(error::ToolError::io(format!("--config {}", c.display())))
                 .and_then(|text| {
@@ -251,7 +303,6 @@ pub fn main() -> i32 {
                         .map_err(error::ToolError::io(format!("--out {}", out.display())))
                 }),
         ),
-        None => serve(cli.control),
     }
 }
 

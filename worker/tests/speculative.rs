@@ -355,6 +355,7 @@ fn accepted_lengths_equal_a_python_reference_with_the_export() {
         target_layer_ids: &ids,
         max_position_embeddings: None,
         target: None,
+        rendering: None,
     };
     write_hf_dir(
         &Drafter::new(s.cfg.clone()),

@@ -3,7 +3,8 @@
 //! `dflash-worker eval` process on the CPU or one GPU (`--gpus N`; the supervisor links
 //! no model code, nor CUDA). Chat
 //! prompts are rendered here with the target's chat template and tokenizer (with the
-//! generation prompt), so the worker reads token ids only.
+//! generation prompt), so the worker reads token ids only (with each line's id, category
+//! and dataset beside them: its report gives τ per category and per-prompt ids).
 //!
 //! Exit 0: measured, and speculative decoding wrote what greedy decoding wrote on every
 //! prompt (on a GPU: counted, not required); 1: on the CPU it did not on some prompt (a

@@ -8,5 +8,6 @@ pub mod gpus;
 pub mod ledger;
 pub mod logs;
 pub mod prepare;
+pub mod regenerate;
 pub mod report;
 pub mod status;

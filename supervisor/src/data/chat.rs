@@ -25,6 +25,12 @@ pub struct Chat {
     /// Closes it (the first token the template writes after the reply).
     pub end: String,
     pub dir: PathBuf,
+    /// The template's thinking switch (`enable_thinking`), when one was chosen; `None`:
+    /// not passed, so the template's own default holds.
+    pub thinking: Option<bool>,
+    /// SHA-256 of the chat template's text (what rendered the data, recorded so that
+    /// training, τ and serving can be compared).
+    pub template_sha256: String,
 }
 
 impl std::fmt::Debug for Chat {
@@ -92,7 +98,7 @@ pub fn prompt_turns(
 }
 
 /// The turns of `messages` or ShareGPT `conversations`, checked, not empty.
-fn turns(
+pub fn turns(
     obj: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<Option<Vec<serde_json::Value>>, Bad> {
     let msgs = if let Some(m) = obj.get("messages") {
@@ -267,6 +273,8 @@ impl Chat {
             },
         );
         env.add_filter("tojson", tojson);
+        let template_sha256 =
+            dflash_shared::checkpoint::ChecksumAlgorithm::Sha256.hex(template.as_bytes());
         env.add_template_owned("chat", template)
             .map_err(|source| ChatProblem::TemplateSyntax { source }.at(dir))?;
         let mut chat = Chat {
@@ -276,6 +284,8 @@ impl Chat {
             header: String::new(),
             end: String::new(),
             dir: dir.to_path_buf(),
+            thinking: None,
+            template_sha256,
         };
         chat.find_markers()?;
         Ok(chat)
@@ -287,15 +297,15 @@ impl Chat {
         let dir = &self.dir;
         let user = serde_json::json!([{"role": "user", "content": "Hello"}]);
         let what = |source| ChatProblem::TemplateFails { source }.at(dir);
-        let base = self.render(&user, false).map_err(what)?;
-        let gen = self.render(&user, true).map_err(what)?;
+        let base = self.render(&user, false, None).map_err(what)?;
+        let gen = self.render(&user, true, None).map_err(what)?;
         let header = gen
             .strip_prefix(&base)
             .filter(|h| !h.is_empty())
             .ok_or_else(|| ChatProblem::NoHeader.at(dir))?;
         const SENTINEL: &str = "DFlashSentinelReply";
         let probe = serde_json::json!([{"role": "user", "content": "Hello"}, {"role": "assistant", "content": SENTINEL}]);
-        let text = self.render(&probe, false).map_err(what)?;
+        let text = self.render(&probe, false, None).map_err(what)?;
         let at = text
             .find(SENTINEL)
             .ok_or_else(|| ChatProblem::DropsReply.at(dir))?;
@@ -323,6 +333,7 @@ impl Chat {
         &self,
         messages: &serde_json::Value,
         add_generation_prompt: bool,
+        thinking: Option<bool>,
     ) -> Result<String, minijinja::Error> {
         let tmpl = self.env.get_template("chat")?;
         let mut ctx: BTreeMap<&str, Value> = self
@@ -334,12 +345,24 @@ impl Chat {
         ctx.insert("tools", Value::from(()));
         ctx.insert("documents", Value::from(()));
         ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
+        if let Some(t) = thinking {
+            ctx.insert("enable_thinking", Value::from(t));
+        }
         tmpl.render(ctx)
     }
 
     /// Render and tokenize one conversation; mask per the module's rule.
     pub fn encode(&self, messages: Vec<serde_json::Value>) -> Result<Encoded, Bad> {
-        let (text, enc) = self.tokenize(messages, false)?;
+        self.encode_with(messages, self.thinking)
+    }
+
+    /// [`encode`](Self::encode) with this thinking switch (a line that records its own).
+    pub fn encode_with(
+        &self,
+        messages: Vec<serde_json::Value>,
+        thinking: Option<bool>,
+    ) -> Result<Encoded, Bad> {
+        let (text, enc) = self.tokenize(messages, false, thinking)?;
         let spans = self.spans(&text);
         let ids = enc.get_ids().to_vec();
         let mut mask = Vec::with_capacity(ids.len());
@@ -375,7 +398,11 @@ impl Chat {
     /// A prompt's token ids: `messages` rendered with the generation prompt (the assistant
     /// header, where decoding starts), tokenized.
     pub fn prompt(&self, messages: Vec<serde_json::Value>) -> Result<Vec<u32>, Bad> {
-        Ok(self.tokenize(messages, true)?.1.get_ids().to_vec())
+        Ok(self
+            .tokenize(messages, true, self.thinking)?
+            .1
+            .get_ids()
+            .to_vec())
     }
 
     /// `messages` rendered (with the generation prompt or not) and tokenized: the text
@@ -384,9 +411,14 @@ impl Chat {
         &self,
         messages: Vec<serde_json::Value>,
         add_generation_prompt: bool,
+        thinking: Option<bool>,
     ) -> Result<(String, tokenizers::Encoding), Bad> {
         let text = self
-            .render(&serde_json::Value::Array(messages), add_generation_prompt)
+            .render(
+                &serde_json::Value::Array(messages),
+                add_generation_prompt,
+                thinking,
+            )
             .map_err(|e| Bad {
                 reason: "chat template failed to render",
                 detail: Some(one_line(&e.to_string())),
@@ -417,6 +449,16 @@ impl Chat {
     /// Token ids → text (special tokens kept), for tests and reports.
     pub fn decode(&self, ids: &[u32]) -> String {
         self.tokenizer.decode(ids, false).unwrap_or_default()
+    }
+
+    /// A reply's token ids → its text, special tokens (end-of-turn, EOS) left out.
+    pub fn decode_reply(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, true).unwrap_or_default()
+    }
+
+    /// The id of a token given as text (`<|im_end|>`), when it is one token.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
     }
 }
 

@@ -100,6 +100,9 @@ pub(crate) struct Parsed {
     /// A chat conversation (rendered with the template), not pre-tokenized.
     pub(crate) chat: bool,
     pub(crate) marker_missing: bool,
+    /// The thinking switch a chat line was rendered with (its own `thinking` field, else
+    /// the run's); `None` for a pre-tokenized line or the template's default.
+    pub(crate) thinking: Option<bool>,
 }
 
 impl Parsed {
@@ -720,6 +723,7 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
     let v: serde_json::Value = serde_json::from_slice(text).map_err(|_| bad("not JSON"))?;
     let obj = v.as_object().ok_or(bad("not a JSON object"))?;
     let chat = obj.get("input_ids").is_none();
+    let mut thinking = None;
     let (ids, mask, marker_missing) = match obj.get("input_ids") {
         Some(ids) => {
             let (ids, mask) = parse_tokens(ids, obj.get("loss_mask"), cfg)?;
@@ -737,7 +741,12 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
                         .unwrap_or_else(|| "give --tokenizer DIR".into()),
                 ),
             })?;
-            let enc = chat.encode(messages)?;
+            // A line says how it is rendered (regenerate records it), else the run does.
+            thinking = obj
+                .get("thinking")
+                .and_then(|t| t.as_bool())
+                .or(chat.thinking);
+            let enc = chat.encode_with(messages, thinking)?;
             if let Some(v) = cfg.vocab_size {
                 if let Some(t) = enc.ids.iter().find(|&&t| t >= v) {
                     return Err(past_vocab(*t as i64, v));
@@ -752,6 +761,7 @@ pub(crate) fn parse_line(text: &[u8], cfg: &LoaderConfig) -> Result<Parsed, Bad>
         len,
         chat,
         marker_missing,
+        thinking,
     })
 }
 

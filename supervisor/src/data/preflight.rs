@@ -83,6 +83,12 @@ pub struct Report {
     /// Chat samples whose rendering never held the template's assistant header.
     pub marker_missing: u64,
     pub assistant_header: Option<String>,
+    /// SHA-256 of the chat template the chat samples were rendered with (`None`: none
+    /// loaded), and the chat samples by the thinking switch they were rendered with ("on",
+    /// "off", "template default"): what the export records, so that τ and serving can be
+    /// measured under the conditions of training.
+    pub chat_template_sha256: Option<String>,
+    pub thinking: BTreeMap<String, u64>,
     pub token_budget: u32,
     pub drafters: u32,
     /// Estimated batches and optimizer steps per epoch (extrapolated by bytes when only
@@ -116,7 +122,7 @@ pub fn scan(
         mut chat,
         mut missing,
     ) = (0, 0, 0, 0, 0, 0, 0);
-    let mut seen = HashSet::new();
+    let (mut seen, mut thinking) = (HashSet::new(), BTreeMap::<&str, u64>::new());
     let mut progress = crate::telemetry::console::ByteProgress::new(
         "reading the data",
         "samples",
@@ -129,6 +135,7 @@ pub fn scan(
         if p.chat {
             chat += 1;
             missing += u64::from(p.marker_missing);
+            *thinking.entry(thinking_name(p.thinking)).or_default() += 1;
         }
         if !p.usable() {
             bad.unusable(&p, cfg.max_seq_len);
@@ -187,11 +194,35 @@ pub fn scan(
         chat_samples: chat,
         marker_missing: missing,
         assistant_header: cfg.chat.as_ref().map(|c| c.header.clone()),
+        chat_template_sha256: cfg.chat.as_ref().map(|c| c.template_sha256.clone()),
+        thinking: thinking.into_iter().map(|(k, n)| (k.into(), n)).collect(),
         token_budget: cfg.token_budget,
         drafters,
         batches_per_epoch: batches,
         steps_per_epoch: batches.div_ceil(drafters.max(1) as u64),
     })
+}
+
+/// A thinking switch in words: "on", "off", or "template default" (not passed).
+pub fn thinking_name(t: Option<bool>) -> &'static str {
+    match t {
+        Some(true) => "on",
+        Some(false) => "off",
+        None => "template default",
+    }
+}
+
+impl Report {
+    /// The one thinking switch every chat sample was rendered with: `None` when there is
+    /// no chat sample or they differ.
+    pub fn thinking_mode(&self) -> Option<Option<bool>> {
+        match self.thinking.keys().map(String::as_str).collect::<Vec<_>>()[..] {
+            ["on"] => Some(Some(true)),
+            ["off"] => Some(Some(false)),
+            ["template default"] => Some(None),
+            _ => None,
+        }
+    }
 }
 
 /// The lines dropped, by reason: those the loader gives, the samples with nothing to
@@ -317,9 +348,21 @@ impl Report {
         );
         t += &format!("  duplicates     {}\n", self.duplicates);
         if self.chat_samples > 0 {
+            let by: Vec<String> = self
+                .thinking
+                .iter()
+                .map(|(k, n)| match k.as_str() {
+                    "template default" => format!("{n} thinking as the template defaults"),
+                    k => format!("{n} thinking {k}"),
+                })
+                .collect();
             t += &format!(
-                "  chat           {} conversations rendered with the chat template\n",
-                self.chat_samples
+                "  chat           {} conversations rendered with the chat template (sha256 {}): {}\n",
+                self.chat_samples,
+                self.chat_template_sha256
+                    .as_deref()
+                    .map_or("-", |h| &h[..h.len().min(12)]),
+                by.join(", ")
             );
         }
         t += &format!(

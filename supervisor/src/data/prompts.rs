@@ -1,13 +1,53 @@
 //! Prompt files (`eval --prompts`, `--eval-prompts`) as the worker's `eval` reads them:
-//! one JSON array of token ids per line.
+//! one JSON array of token ids per line, or `{"input_ids": [...]}` with the line's `id`,
+//! `category` and `dataset` (strings or numbers, each optional) kept beside the ids.
 
 use std::path::Path;
 
 use crate::data::chat::{prompt_turns, Chat};
 use crate::error::Error;
 
+/// The fields of a prompt line that its τ figures keep (the worker groups τ by
+/// category, else dataset).
+const PROMPT_FIELDS: [&str; 3] = ["id", "category", "dataset"];
+
+/// The [`PROMPT_FIELDS`] of a line's object: null is absent, a string or a number kept,
+/// anything else refused (why, in words).
+fn prompt_fields(
+    o: &serde_json::Map<String, serde_json::Value>,
+) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    let mut out = serde_json::Map::new();
+    for k in PROMPT_FIELDS {
+        match o.get(k) {
+            None | Some(serde_json::Value::Null) => {}
+            Some(v) if v.is_string() || v.is_number() => {
+                out.insert(k.to_string(), v.clone());
+            }
+            Some(v) => {
+                return Err(format!(
+                    "{k} {v} is neither a string nor a number (expected e.g. \"{k}\": \"math\")"
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The line of a rendered chat prompt: its ids as a JSON array, or with the line's
+/// [`PROMPT_FIELDS`] `{"input_ids": [...], "id": ..., ...}`.
+fn rendered(ids: Vec<u32>, fields: serde_json::Map<String, serde_json::Value>) -> String {
+    if fields.is_empty() {
+        return serde_json::to_string(&ids).unwrap_or_default();
+    }
+    let mut o = serde_json::Map::new();
+    o.insert("input_ids".into(), ids.into());
+    o.extend(fields);
+    serde_json::Value::Object(o).to_string()
+}
+
 /// The prompts as token-id lines: chat lines rendered and tokenized with the target's
-/// own template and tokenizer, the others as they are (the worker checks their ids).
+/// own template and tokenizer (their id, category and dataset kept beside the ids), the
+/// others as they are (the worker checks their ids).
 pub fn token_lines(flag: &str, path: &Path, target: Option<&Path>) -> Result<Vec<String>, Error> {
     let input = || format!("{flag} {}", path.display());
     let text = std::fs::read_to_string(path).map_err(|e| Error::input(input(), e))?;
@@ -24,9 +64,12 @@ pub fn token_lines(flag: &str, path: &Path, target: Option<&Path>) -> Result<Vec
                 "{e} (expected a JSON array of token ids or a chat object)"
             ))
         })?;
-        let turns = match v.as_object() {
-            Some(o) => prompt_turns(o).map_err(|b| at(b.reason.to_string()))?,
-            None => None,
+        let (turns, fields) = match v.as_object() {
+            Some(o) => (
+                prompt_turns(o).map_err(|b| at(b.reason.to_string()))?,
+                prompt_fields(o).map_err(&at)?,
+            ),
+            None => (None, serde_json::Map::new()),
         };
         let Some(turns) = turns else {
             out.push(line.to_string());
@@ -44,7 +87,7 @@ pub fn token_lines(flag: &str, path: &Path, target: Option<&Path>) -> Result<Vec
             .transpose()
             .map_err(|b| at(b.detail.unwrap_or_else(|| b.reason.to_string())))?
             .unwrap_or_default();
-        out.push(serde_json::to_string(&ids).unwrap_or_default());
+        out.push(rendered(ids, fields));
     }
     if out.is_empty() {
         return Err(Error::input(
@@ -118,6 +161,81 @@ pub fn check_context(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn value(line: &str) -> serde_json::Value {
+        serde_json::from_str(line).unwrap()
+    }
+
+    #[test]
+    fn token_lines_keep_each_prompts_id_category_and_dataset() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.jsonl");
+        let lines = [
+            "[1, 2, 3]",
+            r#"{"input_ids": [4, 5], "id": "gsm8k-0", "category": "math", "dataset": "gsm8k"}"#,
+            "",
+            r#"{"input_ids": [6], "id": 12}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let out = token_lines("--prompts", &path, None).unwrap();
+        assert_eq!(out.len(), 3);
+        assert_eq!(value(&out[0]), value("[1, 2, 3]"));
+        let v = value(&out[1]);
+        assert_eq!(
+            (&v["id"], &v["category"], &v["dataset"]),
+            (&"gsm8k-0".into(), &"math".into(), &"gsm8k".into())
+        );
+        assert_eq!(value(&out[2])["id"], 12);
+        check_vocab("--prompts", &path, &out, 10).unwrap();
+        check_context("--prompts", &path, &out, Some(5), 2).unwrap();
+        // A field that is neither a string nor a number: refused, naming the line.
+        std::fs::write(&path, "[1]\n{\"input_ids\": [2], \"category\": {\"a\": 1}}").unwrap();
+        let e = token_lines("--prompts", &path, None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 2")
+                && e.contains("category")
+                && e.contains("neither a string nor a number"),
+            "{e}"
+        );
+        assert_eq!(e.lines().count(), 1);
+    }
+
+    /// Chat lines with the test tokenizer (scripts/fetch_test_assets.sh): their fields
+    /// go beside the rendered ids; a line without any stays a plain array.
+    #[test]
+    fn rendered_chat_prompts_keep_their_fields() {
+        let tok = crate::data::preflight::test_tokenizer_dir();
+        if !tok.join("tokenizer.json").is_file() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "{} is missing",
+                tok.display()
+            );
+            eprintln!("skipping: no tokenizer at {}", tok.display());
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("chat.jsonl");
+        let lines = [
+            r#"{"id": "mt-bench-81", "category": "writing", "dataset": "mt-bench", "messages": [{"role": "user", "content": "Write a haiku."}]}"#,
+            r#"{"messages": [{"role": "user", "content": "Write a haiku."}]}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let out = token_lines("--prompts", &path, Some(&tok)).unwrap();
+        let (a, b) = (value(&out[0]), value(&out[1]));
+        assert_eq!(
+            a["input_ids"], b,
+            "the same rendering, the fields beside it"
+        );
+        assert!(b.as_array().is_some_and(|ids| ids.len() > 3), "{b}");
+        assert_eq!(
+            (&a["id"], &a["category"], &a["dataset"]),
+            (&"mt-bench-81".into(), &"writing".into(), &"mt-bench".into())
+        );
+        assert!(a.get("messages").is_none(), "{a}");
+    }
 
     #[test]
     fn a_prompt_that_with_its_new_tokens_passes_the_context_is_refused_by_its_number() {

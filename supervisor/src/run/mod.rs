@@ -530,8 +530,9 @@ fn checkpoint_to_resume(
     }
 }
 
-/// The flags as the run will use them: `--config` applied, `--resume-if-exists` turned
-/// into a `--resume` of the run there (if any), a resumed run's saved settings merged in
+/// The flags as the run will use them (`--config` is applied as the command line is
+/// parsed, [`config_file::parse`]): `--resume-if-exists` turned into a `--resume` of the
+/// run there (if any), a resumed run's saved settings merged in
 /// (its checkpoints listed, returned), the default run dir, data that can be read once
 /// copied.
 fn settle_flags(
@@ -539,9 +540,6 @@ fn settle_flags(
     given: &[String],
     setup: &mut Setup,
 ) -> Result<Option<resume::Prepared>, Error> {
-    if let Some(path) = args.config.clone() {
-        config_file::apply(&path, args)?;
-    }
     if args.resume_if_exists {
         let dir = args.run_dir.clone().unwrap_or_default();
         if let Some(d) = existing_run(&dir, setup)? {

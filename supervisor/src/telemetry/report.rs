@@ -382,6 +382,8 @@ enum XAxis {
     Steps,
     /// Seconds since the run started.
     Time,
+    /// Drafted positions of a block (1 to block size − 1).
+    Positions,
 }
 
 struct Chart {
@@ -453,7 +455,7 @@ impl Chart {
     fn x_shown(&self) -> (f64, f64) {
         let span = self.x.1 - self.x.0;
         let pad = match self.x_axis {
-            XAxis::Steps => (span * 0.02).max(0.5),
+            XAxis::Steps | XAxis::Positions => (span * 0.02).max(0.5),
             XAxis::Time => (span * 0.01).max(1e-3),
         };
         (self.x.0 - pad, self.x.1 + pad)
@@ -657,15 +659,18 @@ impl Chart {
         let bottom = f.bottom;
         let mut s = String::new();
         let (xticks, xlabel): (Vec<(f64, String)>, &str) = match self.x_axis {
-            XAxis::Steps => {
-                // Whole steps only.
+            XAxis::Steps | XAxis::Positions => {
+                // Whole steps (positions) only.
                 let st = nice_step(self.x.1 - self.x.0, 8.0).max(1.0);
                 (
                     ticks_at(self.x.0, self.x.1, st)
                         .into_iter()
                         .map(|t| (t, tick_label(t, st)))
                         .collect(),
-                    "step",
+                    match self.x_axis {
+                        XAxis::Positions => "drafted position in the block",
+                        _ => "step",
+                    },
                 )
             }
             XAxis::Time => (
@@ -762,6 +767,7 @@ impl Chart {
                 match self.x_axis {
                     XAxis::Steps => format!("step {a}"),
                     XAxis::Time => fmt_dur(a),
+                    XAxis::Positions => format!("position {a}"),
                 }
             );
         }
@@ -1523,10 +1529,138 @@ fn training(run: &Run, absent: &mut Absent) -> String {
     }
     // Real τ (--eval-prompts), measured by decoding.
     let taus = lineage_records(&run.train, "tau");
-    if !taus.is_empty() {
+    if let Some(last) = taus.last() {
         out.push_str(&tau_chart(x, &taus, &rollbacks));
+        out.push_str(&tau_breakdown(&run.dir, last));
     }
     out
+}
+
+/// The worker's whole report of the τ measured at `step` (RUN_DIR/eval/tau-step-N.json,
+/// its last line), if it is there.
+fn tau_report(dir: &Path, step: u64) -> Option<Value> {
+    let path = dir.join("eval").join(format!("tau-step-{step:08}.json"));
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().rev().find(|l| !l.trim().is_empty())?;
+    serde_json::from_str(line).ok()
+}
+
+/// The last τ measurement (`last`, its train.jsonl record) beyond its τ, from the worker's
+/// report of it: τ per category of its prompts (a table, when they had categories) and
+/// its acceptance curve (a chart, overall and per category). Nothing when the report is
+/// not there (a measurement of an older version records no curve).
+fn tau_breakdown(dir: &Path, last: &Value) -> String {
+    let Some(step) = last["step"].as_u64() else {
+        return String::new();
+    };
+    let Some(r) = tau_report(dir, step) else {
+        return String::new();
+    };
+    let cats: Vec<(&String, &Value)> = r["per_category"]
+        .as_object()
+        .map(|o| o.iter().collect())
+        .unwrap_or_default();
+    let mut out = String::new();
+    if !cats.is_empty() {
+        out.push_str(&category_table(step, &r, &cats));
+    }
+    out.push_str(&acceptance_curve(step, &r, &cats));
+    out
+}
+
+/// One row of the per-category table: the name, the prompts, both τ with their intervals.
+fn category_row(class: &str, name: &str, prompts: &Value, t: &Value) -> String {
+    let num = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let with_ci = |k: &str| {
+        format!(
+            "{:.3} [{:.2}, {:.2}]",
+            num(&t[k]),
+            num(&t[format!("{k}_ci95")][0]),
+            num(&t[format!("{k}_ci95")][1])
+        )
+    };
+    format!(
+        r#"<tr class="{class}" data-category="{}" data-prompts="{}" data-pooled="{:e}" data-tokens="{}" data-verify-steps="{}" data-mean-of-means="{:e}"><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>"#,
+        esc(name),
+        prompts.as_u64().unwrap_or(0),
+        num(&t["pooled"]),
+        t["tokens"].as_u64().unwrap_or(0),
+        t["verify_steps"].as_u64().unwrap_or(0),
+        num(&t["mean_of_means"]),
+        esc(name),
+        prompts.as_u64().unwrap_or(0),
+        esc(&with_ci("mean_of_means")),
+        esc(&with_ci("pooled"))
+    )
+}
+
+/// τ per category of the measurement of `step` (`r`, the worker's report), then all
+/// prompts together.
+fn category_table(step: u64, r: &Value, cats: &[(&String, &Value)]) -> String {
+    let mut h = format!(
+        r#"<h3>τ per prompt category at step {step} (the last τ measurement)</h3><table class="tau-categories" data-step="{step}"><tr><th>category</th><th>prompts</th><th>τ mean of per-prompt means [95% CI]</th><th>τ pooled [95% CI]</th></tr>"#
+    );
+    for (name, c) in cats {
+        h.push_str(&category_row(
+            "tau-category",
+            name,
+            &c["prompts"],
+            &c["tau"],
+        ));
+    }
+    h.push_str(&category_row(
+        "tau-category-all",
+        "all prompts",
+        &r["prompts"],
+        &r["tau"],
+    ));
+    h.push_str("</table>");
+    h
+}
+
+/// The acceptance curve of the measurement of `step`: for each drafted position of the
+/// block, the share of verify steps that accepted its token, for all prompts and each
+/// category.
+fn acceptance_curve(step: u64, r: &Value, cats: &[(&String, &Value)]) -> String {
+    let curve = |v: &Value| -> Vec<(f64, f64)> {
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .map(|(i, f)| ((i + 1) as f64, f.as_f64().unwrap_or(f64::NAN)))
+            .collect()
+    };
+    let all = curve(&r["acceptance_by_position"]);
+    if all.is_empty() {
+        return String::new();
+    }
+    let mut c = Chart::new(
+        "tau-acceptance",
+        format!("Acceptance by drafted position at step {step}: share of verify steps accepting its token"),
+        XAxis::Positions,
+        (1.0, all.len() as f64),
+        "accepted share",
+    );
+    c.yl = Some((-0.05, 1.05));
+    c.series.push(
+        Series::new("all prompts", "tau-acceptance", "#8e44ad", all)
+            .dots()
+            .unlabelled(),
+    );
+    for (i, (name, cat)) in cats.iter().enumerate() {
+        c.series.push(
+            Series::new(
+                name.as_str(),
+                "tau-acceptance-category",
+                PALETTE[i % PALETTE.len()],
+                curve(&cat["acceptance_by_position"]),
+            )
+            .attrs(format!(r#" data-category="{}""#, esc(name)))
+            .dots()
+            .unlabelled(),
+        );
+    }
+    c.render(&|_: &Frame| String::new())
 }
 
 /// The real acceptance length τ at each measured step, both definitions, with the 95%

@@ -133,6 +133,11 @@ pub struct SavedRun {
     /// weights and keeps it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_drafter: Option<serde_json::Value>,
+    /// `--config`: the absolute path of the recipe file the settings above were read
+    /// from (with the command line's flags over it). A record: a resume without
+    /// `--config` keeps it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<String>,
 }
 
 /// Durations in run.json as humantime writes them (`30s`, `5m`, `1h 30m`).
@@ -212,6 +217,7 @@ impl SavedRun {
             inputs: None,
             resolved: None,
             init_drafter: None,
+            config: a.config.as_deref().map(absolute),
         }
     }
 
@@ -294,11 +300,17 @@ pub fn save(
     resolved: serde_json::Value,
     init_drafter: Option<serde_json::Value>,
 ) -> Result<(), Error> {
-    let init_drafter = init_drafter.or_else(|| {
-        resume?;
+    // On --resume, the records of the run's start where this command has none.
+    let before = resume.and_then(|_| {
         let text = std::fs::read_to_string(run_dir.join(RUN_FILE)).ok()?;
-        serde_json::from_str::<SavedRun>(&text).ok()?.init_drafter
+        serde_json::from_str::<SavedRun>(&text).ok()
     });
+    let init_drafter = init_drafter.or_else(|| before.as_ref()?.init_drafter.clone());
+    let now = SavedRun::of(args);
+    let config = now
+        .config
+        .clone()
+        .or_else(|| before.as_ref()?.config.clone());
     let inputs = match resume {
         Some(r) => r.inputs.clone(),
         None => match Inputs::of(args) {
@@ -313,7 +325,8 @@ pub fn save(
         inputs,
         resolved: Some(resolved),
         init_drafter,
-        ..SavedRun::of(args)
+        config,
+        ..now
     }
     .save(run_dir)
 }
@@ -362,7 +375,7 @@ pub const OVERRIDABLE: [&str; 35] = [
 ];
 
 /// Fields of [`SavedRun`] that are not settings: never compared with the command line.
-const NOT_SETTINGS: [&str; 3] = ["inputs", "resolved", "init_drafter"];
+const NOT_SETTINGS: [&str; 4] = ["inputs", "resolved", "init_drafter", "config"];
 
 /// A setting of this command line that cannot be merged into the saved ones.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use super::draft::{Draft, Exported};
-use super::report::Tau;
+use super::report::{acceptance_by_position, per_category, Tau};
 use super::spec::{greedy, speculative, Stop};
 use super::EvalError;
 use crate::device::cpu::CpuDevice;
@@ -43,9 +43,48 @@ fn device(gpu: bool) -> Result<Box<dyn crate::device::Device>, ToolError> {
     Ok(Box::new(dev))
 }
 
-/// Token-id prompts, one per line: a JSON array, or an object with `input_ids`. Blank
-/// lines are skipped; ids must lie in the vocabulary.
-pub fn read_prompts(path: &Path, vocab: usize) -> Result<Vec<Vec<u32>>, EvalError> {
+/// The fields of a prompt line kept beside its tokens (strings or numbers, each optional).
+pub const PROMPT_FIELDS: [&str; 3] = ["id", "category", "dataset"];
+
+/// One prompt: its token ids and the [`PROMPT_FIELDS`] its line carried.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    pub fields: serde_json::Map<String, Value>,
+}
+
+impl Prompt {
+    /// What its τ is grouped by: its category, else its dataset (a number as written).
+    pub fn category(&self) -> Option<String> {
+        let v = self
+            .fields
+            .get("category")
+            .or_else(|| self.fields.get("dataset"))?;
+        Some(v.as_str().map_or_else(|| v.to_string(), str::to_string))
+    }
+}
+
+/// The [`PROMPT_FIELDS`] of a line's object: null is absent, a string or a number kept.
+fn prompt_fields(
+    o: &serde_json::Map<String, Value>,
+) -> Result<serde_json::Map<String, Value>, String> {
+    let mut out = serde_json::Map::new();
+    for k in PROMPT_FIELDS {
+        match o.get(k) {
+            None | Some(Value::Null) => {}
+            Some(v @ (Value::String(_) | Value::Number(_))) => {
+                out.insert(k.to_string(), v.clone());
+            }
+            Some(v) => return Err(format!("{k} {v} is neither a string nor a number")),
+        }
+    }
+    Ok(out)
+}
+
+/// Token-id prompts, one per line: a JSON array, or an object with `input_ids` (and
+/// optionally `id`, `category`, `dataset`). Blank lines are skipped; ids must lie in the
+/// vocabulary.
+pub fn read_prompts(path: &Path, vocab: usize) -> Result<Vec<Prompt>, EvalError> {
     let text = std::fs::read_to_string(path).map_err(|source| EvalError::Unreadable {
         path: path.to_path_buf(),
         source,
@@ -62,9 +101,12 @@ pub fn read_prompts(path: &Path, vocab: usize) -> Result<Vec<Vec<u32>>, EvalErro
             why,
         };
         let v: Value = serde_json::from_str(line).map_err(|e| bad(e.to_string()))?;
-        let ids = match &v {
-            Value::Object(o) => o.get("input_ids").cloned().unwrap_or(Value::Null),
-            _ => v,
+        let (ids, fields) = match &v {
+            Value::Object(o) => (
+                o.get("input_ids").cloned().unwrap_or(Value::Null),
+                prompt_fields(o).map_err(bad)?,
+            ),
+            _ => (v, serde_json::Map::new()),
         };
         let ids: Vec<u32> = serde_json::from_value(ids)
             .map_err(|e| bad(format!("not a list of token ids ({e})")))?;
@@ -76,7 +118,7 @@ pub fn read_prompts(path: &Path, vocab: usize) -> Result<Vec<Vec<u32>>, EvalErro
                 "token {t} is not below the vocabulary size {vocab}"
             )));
         }
-        out.push(ids);
+        out.push(Prompt { ids, fields });
     }
     if out.is_empty() {
         return Err(EvalError::NoPrompts {
@@ -124,7 +166,7 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     drop(scratch);
     let (target, head) = loaded?;
     let bs = ex.cfg.block_size;
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let longest = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
     let max_len = longest + a.max_new_tokens + bs;
     // DFLASH_DEVICE=cpu forces the CPU, as for training.
     let on_gpu = a.gpu && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu");
@@ -140,29 +182,12 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
         max_new: a.max_new_tokens,
         eos,
     };
-    let (mut runs, mut per) = (Vec::new(), Vec::new());
-    let (mut t_greedy, mut t_spec, mut n_greedy, mut n_spec, mut same) = (0.0, 0.0, 0, 0, 0);
-    for p in &prompts {
-        // The first token is the prefill's argmax: how far its logit stands above the
-        // runner-up's, and the row's largest |logit|, say whether another device's
-        // rounding (bf16 on the GPU) could choose another first token.
-        let (margin, scale) = first_token_margin(&mut dec, p)?;
-        let t0 = Instant::now();
-        let g = greedy(&mut dec, p, stop)?;
-        let t1 = Instant::now();
-        let s = speculative(&mut dec, &mut draft, p, stop)?;
-        t_greedy += (t1 - t0).as_secs_f64();
-        t_spec += t1.elapsed().as_secs_f64();
-        n_greedy += g.len();
-        n_spec += s.tokens.len();
-        same += usize::from(g == s.tokens);
-        per.push(
-            json!({"prompt_tokens": p.len(), "tokens": s.tokens, "accepted": s.accepted,
-                        "first_margin": margin, "first_logit_max_abs": scale}),
-        );
-        runs.push(s.accepted);
-    }
-    let tau = Tau::new(&runs, bs, a.seed);
+    let d = decode_all(&mut dec, &mut draft, &prompts, stop)?;
+    let keys: Vec<Option<String>> = prompts.iter().map(Prompt::category).collect();
+    let categories: serde_json::Map<String, Value> = per_category(&d.runs, &keys, bs, a.seed)
+        .into_iter()
+        .map(|(k, c)| (k, json!(c)))
+        .collect();
     let report = json!({
         "target": a.target,
         "drafter": a.drafter,
@@ -171,16 +196,73 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
         "prompts": prompts.len(),
         "block_size": bs,
         "max_new_tokens": a.max_new_tokens,
-        "tau": tau,
+        "tau": Tau::new(&d.runs, bs, a.seed),
+        "acceptance_by_position": acceptance_by_position(&d.runs, bs),
+        "per_category": categories,
         "bootstrap": {"resamples": super::report::BOOTSTRAP, "seed": a.seed},
-        "identical_to_greedy": same,
-        "speculative_tokens_per_s": n_spec as f64 / t_spec.max(1e-9),
-        "greedy_tokens_per_s": n_greedy as f64 / t_greedy.max(1e-9),
-        "speedup": t_greedy / t_spec.max(1e-9) * n_spec as f64 / n_greedy.max(1) as f64,
-        "per_prompt": per,
+        "identical_to_greedy": d.same,
+        "speculative_tokens_per_s": d.n_spec as f64 / d.t_spec.max(1e-9),
+        "greedy_tokens_per_s": d.n_greedy as f64 / d.t_greedy.max(1e-9),
+        "speedup": d.t_greedy / d.t_spec.max(1e-9) * d.n_spec as f64 / d.n_greedy.max(1) as f64,
+        "per_prompt": d.per,
     });
     print(&report, a.json);
-    Ok(verdict(same, prompts.len(), on_gpu))
+    Ok(verdict(d.same, prompts.len(), on_gpu))
+}
+
+/// Every prompt decoded both ways: the accepted lengths per prompt, the per-prompt
+/// entries of the report, the times and token counts of each decoding, and on how many
+/// prompts they agreed.
+struct Decoding {
+    runs: Vec<Vec<usize>>,
+    per: Vec<Value>,
+    t_greedy: f64,
+    t_spec: f64,
+    n_greedy: usize,
+    n_spec: usize,
+    same: usize,
+}
+
+fn decode_all(
+    dec: &mut Decoder,
+    draft: &mut Draft,
+    prompts: &[Prompt],
+    stop: Stop,
+) -> Result<Decoding, ToolError> {
+    let mut d = Decoding {
+        runs: Vec::new(),
+        per: Vec::new(),
+        t_greedy: 0.0,
+        t_spec: 0.0,
+        n_greedy: 0,
+        n_spec: 0,
+        same: 0,
+    };
+    for p in prompts {
+        // The first token is the prefill's argmax: how far its logit stands above the
+        // runner-up's, and the row's largest |logit|, say whether another device's
+        // rounding (bf16 on the GPU) could choose another first token.
+        let (margin, scale) = first_token_margin(dec, &p.ids)?;
+        let t0 = Instant::now();
+        let g = greedy(dec, &p.ids, stop)?;
+        let t1 = Instant::now();
+        let s = speculative(dec, draft, &p.ids, stop)?;
+        d.t_greedy += (t1 - t0).as_secs_f64();
+        d.t_spec += t1.elapsed().as_secs_f64();
+        d.n_greedy += g.len();
+        d.n_spec += s.tokens.len();
+        d.same += usize::from(g == s.tokens);
+        // The line's id, category and dataset, as it gave them, beside the figures.
+        let mut entry = p.fields.clone();
+        if let Value::Object(o) = json!({"prompt_tokens": p.ids.len(), "tokens": s.tokens,
+            "accepted": s.accepted, "first_margin": margin, "first_logit_max_abs": scale})
+        {
+            entry.extend(o);
+        }
+        d.per.push(Value::Object(entry));
+        d.runs.push(s.accepted);
+    }
+    Ok(d)
 }
 
 /// The prefill of `prompt`'s top-2 margin and largest |logit| of its last row
@@ -255,6 +337,7 @@ fn print(r: &Value, json: bool) {
         "accepted lengths 1..{}: {}",
         r["block_size"], t["histogram"]
     );
+    print_curve_and_categories(r);
     println!(
         "decode {:.1} tokens/s speculative, {:.1} greedy: speedup {:.2}x; identical to greedy on {} of {} prompts",
         f(&r["speculative_tokens_per_s"]),
@@ -265,9 +348,98 @@ fn print(r: &Value, json: bool) {
     );
 }
 
+/// The acceptance curve on one line, then τ per category as a table (when the prompts
+/// had categories).
+fn print_curve_and_categories(r: &Value) {
+    let f = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let ci = |v: &Value| format!("[{:.2}, {:.2}]", f(&v[0]), f(&v[1]));
+    let curve: Vec<String> = r["acceptance_by_position"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|v| format!("{:.3}", f(v)))
+        .collect();
+    if curve.is_empty() {
+        println!("acceptance by drafted position: no verify step");
+    } else {
+        println!(
+            "acceptance by drafted position 1..{}: {}",
+            curve.len(),
+            curve.join(" ")
+        );
+    }
+    let Some(cats) = r["per_category"].as_object().filter(|c| !c.is_empty()) else {
+        return;
+    };
+    let w = cats
+        .keys()
+        .map(|k| k.chars().count())
+        .chain([8])
+        .max()
+        .unwrap_or(8);
+    println!(
+        "{:<w$}  prompts  {:<26}  τ pooled [95% CI]",
+        "category", "τ mean of means [95% CI]"
+    );
+    for (k, c) in cats {
+        let t = &c["tau"];
+        let mm = format!(
+            "{:.3} {}",
+            f(&t["mean_of_means"]),
+            ci(&t["mean_of_means_ci95"])
+        );
+        println!(
+            "{k:<w$}  {:>7}  {mm:<26}  {:.3} {}",
+            c["prompts"].as_u64().unwrap_or(0),
+            f(&t["pooled"]),
+            ci(&t["pooled_ci95"])
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::top2_margin;
+    use super::{read_prompts, top2_margin, EvalError};
+
+    #[test]
+    fn prompt_lines_keep_their_id_category_and_dataset() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.jsonl");
+        let lines = [
+            r#"[1, 2]"#,
+            r#"{"input_ids": [3], "id": "gsm8k-0", "category": "math", "dataset": "gsm8k"}"#,
+            "",
+            r#"{"input_ids": [4, 5], "id": 7, "dataset": "mbpp", "loss_mask": [1, 1]}"#,
+            r#"{"input_ids": [6], "category": 3, "id": null}"#,
+        ];
+        std::fs::write(&path, lines.join("\n")).unwrap();
+        let p = read_prompts(&path, 10).unwrap();
+        assert_eq!(p.len(), 4);
+        assert_eq!(p[0].ids, [1, 2]);
+        assert!(p[0].fields.is_empty() && p[0].category().is_none());
+        assert_eq!(p[1].fields["id"], "gsm8k-0");
+        assert_eq!(p[1].fields["dataset"], "gsm8k");
+        assert_eq!(p[1].category().as_deref(), Some("math"));
+        // No category: the dataset groups it; other fields are not kept.
+        assert_eq!(p[2].ids, [4, 5]);
+        assert_eq!(p[2].fields["id"], 7);
+        assert_eq!(p[2].category().as_deref(), Some("mbpp"));
+        assert!(!p[2].fields.contains_key("loss_mask"));
+        // A number is a category too; null is no id.
+        assert_eq!(p[3].category().as_deref(), Some("3"));
+        assert!(!p[3].fields.contains_key("id"));
+        std::fs::write(&path, r#"{"input_ids": [1], "category": ["math"]}"#).unwrap();
+        match read_prompts(&path, 10) {
+            Err(e @ EvalError::BadPrompt { line: 1, .. }) => {
+                let e = e.to_string();
+                assert!(
+                    e.contains("category [\"math\"] is neither a string nor a number"),
+                    "{e}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn the_margin_is_the_top_logit_over_the_runner_up() {
