@@ -180,3 +180,141 @@ fn a_tokenizer_whose_ids_pass_the_targets_vocabulary_is_refused_at_the_start() {
     );
     assert!(!tmp.path().join("run").exists());
 }
+
+/// Issue 43: served-τ consistency. Chat data that says how it was rendered (`"thinking":
+/// false`, as `regenerate` writes it) is rendered so; preflight.json and the export record
+/// the chat template's hash and the thinking switch; `--eval-prompts` are rendered like
+/// the data, and a prompt rendered otherwise is warned about once; `eval` renders like the
+/// training data by default and warns once when told otherwise.
+#[test]
+fn the_datas_thinking_switch_and_template_travel_to_the_export_and_eval_warns_on_others() {
+    let Some(tok) = tokenizer_dir() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let cfg = tmp.path().join("config.json");
+    std::fs::write(&cfg, CONFIG).unwrap();
+    let st = Command::new(bin("dflash-worker"))
+        .args(["tiny-target", "--out"])
+        .arg(&target)
+        .arg("--config")
+        .arg(&cfg)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tok.join(f), target.join(f)).unwrap();
+    }
+    let lines: Vec<String> = (0..12)
+        .map(|i| {
+            serde_json::json!({"thinking": false, "messages": [
+                {"role": "user", "content": format!("What is {i} + {i}?")},
+                {"role": "assistant", "content": format!("{i} + {i} is {}, since doubling adds a number to itself.", 2 * i)}]})
+            .to_string()
+        })
+        .collect();
+    let data = tmp.path().join("chat.jsonl");
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let prompts = tmp.path().join("prompts.jsonl");
+    std::fs::write(
+        &prompts,
+        [
+            r#"{"messages": [{"role": "user", "content": "What is 5 + 5?"}]}"#,
+            r#"{"thinking": true, "messages": [{"role": "user", "content": "What is 6 + 6?"}]}"#,
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    let run = tmp.path().join("run");
+    let (t, d, p, r) = (
+        target.to_str().unwrap(),
+        data.to_str().unwrap(),
+        prompts.to_str().unwrap(),
+        run.to_str().unwrap(),
+    );
+    let o = supervise(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--target",
+            t,
+            "--data",
+            d,
+            "--steps",
+            "2",
+            "--max-seq-len",
+            "96",
+            "--token-budget",
+            "512",
+            "--block-size",
+            "4",
+            "--max-anchors",
+            "8",
+            "--draft-layers",
+            "1",
+            "--eval-prompts",
+            p,
+            "--eval-max-new-tokens",
+            "4",
+            "--run-dir",
+            r,
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    let warned =
+        "chat prompts rendered with thinking off and on, but the training data with thinking off";
+    assert_eq!(err.matches(warned).count(), 1, "{err}");
+    let pre: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("preflight.json")).unwrap())
+            .unwrap();
+    assert_eq!(pre["thinking"], serde_json::json!({"off": 12}), "{pre}");
+    let sha = pre["chat_template_sha256"].as_str().unwrap().to_string();
+    assert_eq!(sha.len(), 64);
+    let exported: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("drafter/config.json")).unwrap())
+            .unwrap();
+    let rec = &exported["dflash_rendering"];
+    assert_eq!(
+        (
+            rec["thinking"].as_str(),
+            rec["chat_template_sha256"].as_str()
+        ),
+        (Some("off"), Some(sha.as_str())),
+        "{exported}"
+    );
+    // eval: the training's rendering by default (the line with its own switch aside).
+    let one = tmp.path().join("one.jsonl");
+    std::fs::write(
+        &one,
+        r#"{"messages": [{"role": "user", "content": "What is 5 + 5?"}]}"#,
+    )
+    .unwrap();
+    let drafter = run.join("drafter");
+    let eval = |extra: &[&str]| {
+        let mut args = vec![
+            "eval",
+            "--drafter",
+            drafter.to_str().unwrap(),
+            "--prompts",
+            one.to_str().unwrap(),
+            "--max-new-tokens",
+            "4",
+        ];
+        args.extend_from_slice(extra);
+        let o = supervise(&args, None);
+        let text = String::from_utf8_lossy(&o.stderr).to_string();
+        assert_eq!(o.status.code(), Some(0), "{text}");
+        text
+    };
+    let quiet = eval(&[]);
+    assert!(!quiet.contains("warning"), "{quiet}");
+    let told = eval(&["--thinking", "on"]);
+    assert_eq!(
+        told.matches("chat prompts rendered with thinking on, the training data with thinking off")
+            .count(),
+        1,
+        "{told}"
+    );
+}

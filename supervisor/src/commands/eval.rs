@@ -44,6 +44,11 @@ pub struct EvalArgs {
     /// output differs from greedy decoding's is counted, not an error.
     #[arg(long, value_name = "cpu|N", default_value = "cpu")]
     pub gpus: String,
+    /// The chat template's thinking switch (enable_thinking) for chat prompts. Default:
+    /// the one the drafter's training data was rendered with (its config.json's
+    /// dflash_rendering), else the template's own default. A line's own "thinking" wins.
+    #[arg(long, value_name = "on|off", value_parser = crate::commands::regenerate::parse_on_off)]
+    pub thinking: Option<bool>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -110,7 +115,18 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
             ));
         }
     }
-    let lines = token_lines("--prompts", &a.prompts, (!tiny).then(|| Path::new(&target)))?;
+    let trained = trained_rendering(&a.drafter);
+    let thinking = a.thinking.or(trained.as_ref().and_then(|t| t.1));
+    let rendered = token_lines(
+        "--prompts",
+        &a.prompts,
+        (!tiny).then(|| Path::new(&target)),
+        thinking,
+    )?;
+    if let Some(w) = other_conditions(&rendered, trained.as_ref()) {
+        crate::say!("eval: warning: {w}");
+    }
+    let lines = rendered.lines;
     if !tiny {
         let t = dflash_shared::model_config::TargetConfig::load(Path::new(&target))
             .map_err(|e| Error::input(format!("--target {target}"), e.to_string()))?;
@@ -129,6 +145,59 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
     let r = worker(&a, &file, gpu);
     let _ = std::fs::remove_file(&file);
     r
+}
+
+/// How the drafter's training data was rendered, as its export records it
+/// (`dflash_rendering`): the chat template's SHA-256, and the thinking switch when all of
+/// it was rendered alike (`Some(None)`: the template's default).
+fn trained_rendering(drafter: &Path) -> Option<(Option<String>, Option<bool>, String)> {
+    let text = std::fs::read_to_string(drafter.join("config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let r = &v["dflash_rendering"];
+    let words = r["thinking"].as_str()?.to_string();
+    let thinking = match words.as_str() {
+        "on" => Some(true),
+        "off" => Some(false),
+        _ => None,
+    };
+    Some((
+        r["chat_template_sha256"].as_str().map(str::to_string),
+        thinking,
+        words,
+    ))
+}
+
+/// The warning when chat prompts are rendered otherwise than the drafter's training data
+/// was (another chat template, another thinking switch): τ then is not what serving the
+/// way it was trained gives.
+fn other_conditions(
+    r: &crate::data::prompts::Rendered,
+    trained: Option<&(Option<String>, Option<bool>, String)>,
+) -> Option<String> {
+    let (template, thinking, words) = trained?;
+    let mut why = Vec::new();
+    if let (Some(a), Some(b)) = (template, &r.template_sha256) {
+        if a != b {
+            why.push(format!(
+                "the target's chat template (sha256 {}) is not the one the training data was rendered with ({})",
+                &b[..12],
+                &a[..a.len().min(12)]
+            ));
+        }
+    }
+    let alike = words != "mixed" && r.thinking.iter().all(|t| t == thinking);
+    if !r.thinking.is_empty() && !alike {
+        why.push(format!(
+            "chat prompts rendered with thinking {}, the training data with thinking {words}",
+            crate::data::prompts::thinking_words(&r.thinking)
+        ));
+    }
+    (!why.is_empty()).then(|| {
+        format!(
+            "{}: τ measured so is not what serving under the training's conditions gives",
+            why.join("; ")
+        )
+    })
 }
 
 /// `dflash-worker eval` on the token-id prompts in `prompts`: its report to stdout; its

@@ -398,8 +398,17 @@ impl Chat {
     /// A prompt's token ids: `messages` rendered with the generation prompt (the assistant
     /// header, where decoding starts), tokenized.
     pub fn prompt(&self, messages: Vec<serde_json::Value>) -> Result<Vec<u32>, Bad> {
+        self.prompt_with(messages, self.thinking)
+    }
+
+    /// [`prompt`](Self::prompt) with this thinking switch.
+    pub fn prompt_with(
+        &self,
+        messages: Vec<serde_json::Value>,
+        thinking: Option<bool>,
+    ) -> Result<Vec<u32>, Bad> {
         Ok(self
-            .tokenize(messages, true, self.thinking)?
+            .tokenize(messages, true, thinking)?
             .1
             .get_ids()
             .to_vec())

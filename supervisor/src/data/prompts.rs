@@ -48,11 +48,36 @@ fn rendered(ids: Vec<u32>, fields: serde_json::Map<String, serde_json::Value>) -
 /// The prompts as token-id lines: chat lines rendered and tokenized with the target's
 /// own template and tokenizer (their id, category and dataset kept beside the ids), the
 /// others as they are (the worker checks their ids).
-pub fn token_lines(flag: &str, path: &Path, target: Option<&Path>) -> Result<Vec<String>, Error> {
+/// Prompts rendered as token-id lines, and how their chat lines were rendered.
+#[derive(Debug, Default)]
+pub struct Rendered {
+    pub lines: Vec<String>,
+    /// The thinking switch of each chat line's rendering (its own `thinking` field, else
+    /// the one asked for); empty without chat lines.
+    pub thinking: std::collections::BTreeSet<Option<bool>>,
+    /// SHA-256 of the chat template, when chat lines were rendered.
+    pub template_sha256: Option<String>,
+}
+
+/// [`Rendered::thinking`] in words, for the warnings that compare renderings.
+pub fn thinking_words(t: &std::collections::BTreeSet<Option<bool>>) -> String {
+    t.iter()
+        .map(|t| crate::data::preflight::thinking_name(*t))
+        .collect::<Vec<_>>()
+        .join(" and ")
+}
+
+pub fn token_lines(
+    flag: &str,
+    path: &Path,
+    target: Option<&Path>,
+    thinking: Option<bool>,
+) -> Result<Rendered, Error> {
     let input = || format!("{flag} {}", path.display());
     let text = std::fs::read_to_string(path).map_err(|e| Error::input(input(), e))?;
     let mut chat: Option<Chat> = None;
     let mut out = Vec::new();
+    let mut modes = std::collections::BTreeSet::new();
     for (i, line) in text
         .lines()
         .enumerate()
@@ -81,9 +106,12 @@ pub fn token_lines(flag: &str, path: &Path, target: Option<&Path>) -> Result<Vec
         if chat.is_none() {
             chat = Some(Chat::load(dir).map_err(|e| at(e.to_string()))?);
         }
+        // A line may say how it is rendered (as regenerate's lines do).
+        let own = v.get("thinking").and_then(|t| t.as_bool()).or(thinking);
+        modes.insert(own);
         let ids = chat
             .as_ref()
-            .map(|c| c.prompt(turns))
+            .map(|c| c.prompt_with(turns, own))
             .transpose()
             .map_err(|b| at(b.detail.unwrap_or_else(|| b.reason.to_string())))?
             .unwrap_or_default();
@@ -95,7 +123,11 @@ pub fn token_lines(flag: &str, path: &Path, target: Option<&Path>) -> Result<Vec
             "no prompts (expected one JSON array of token ids, or one chat conversation, per line)",
         ));
     }
-    Ok(out)
+    Ok(Rendered {
+        lines: out,
+        thinking: modes,
+        template_sha256: chat.map(|c| c.template_sha256),
+    })
 }
 
 /// The token ids of each line [`token_lines`] wrote are all below `vocab`: else the first
@@ -177,7 +209,7 @@ mod tests {
             r#"{"input_ids": [6], "id": 12}"#,
         ];
         std::fs::write(&path, lines.join("\n")).unwrap();
-        let out = token_lines("--prompts", &path, None).unwrap();
+        let out = token_lines("--prompts", &path, None, None).unwrap().lines;
         assert_eq!(out.len(), 3);
         assert_eq!(value(&out[0]), value("[1, 2, 3]"));
         let v = value(&out[1]);
@@ -190,7 +222,7 @@ mod tests {
         check_context("--prompts", &path, &out, Some(5), 2).unwrap();
         // A field that is neither a string nor a number: refused, naming the line.
         std::fs::write(&path, "[1]\n{\"input_ids\": [2], \"category\": {\"a\": 1}}").unwrap();
-        let e = token_lines("--prompts", &path, None)
+        let e = token_lines("--prompts", &path, None, None)
             .unwrap_err()
             .to_string();
         assert!(
@@ -221,10 +253,26 @@ mod tests {
         let lines = [
             r#"{"id": "mt-bench-81", "category": "writing", "dataset": "mt-bench", "messages": [{"role": "user", "content": "Write a haiku."}]}"#,
             r#"{"messages": [{"role": "user", "content": "Write a haiku."}]}"#,
+            r#"{"thinking": false, "messages": [{"role": "user", "content": "Write a haiku."}]}"#,
         ];
         std::fs::write(&path, lines.join("\n")).unwrap();
-        let out = token_lines("--prompts", &path, Some(&tok)).unwrap();
+        let r = token_lines("--prompts", &path, Some(&tok), None).unwrap();
+        let out = &r.lines;
         let (a, b) = (value(&out[0]), value(&out[1]));
+        // A line's own thinking switch: Qwen3's empty think block after the header.
+        let off = value(&out[2]);
+        assert_eq!(
+            off.as_array().unwrap().len(),
+            b.as_array().unwrap().len() + 4,
+            "{off}"
+        );
+        assert_eq!(r.thinking, [None, Some(false)].into_iter().collect());
+        assert_eq!(thinking_words(&r.thinking), "template default and off");
+        assert!(r.template_sha256.as_ref().is_some_and(|h| h.len() == 64));
+        // Asked for off, every line without its own switch is rendered so.
+        let all = token_lines("--prompts", &path, Some(&tok), Some(false)).unwrap();
+        assert_eq!(value(&all.lines[1]), off);
+        assert_eq!(all.thinking, [Some(false)].into_iter().collect());
         assert_eq!(
             a["input_ids"], b,
             "the same rendering, the fields beside it"

@@ -421,7 +421,6 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         // Decoded on the CPU: shorter decodes keep τ affordable (said with the prompts).
         args.eval_max_new_tokens = args.eval_max_new_tokens.min(CPU_TAU_NEW_TOKENS);
     }
-    let tau_prompts = tau_prompts(&args, &target_cfg, &mut trainer_cfg)?;
     let resume = match checkpoint_to_resume(resume, &args, &trainer_cfg, &worker_bin, setup)? {
         Continue::Done(msg) => return Ok(Started::Finished(msg)),
         Continue::From(r) => Some(*r),
@@ -430,6 +429,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     check_memory(&args, &plan, &target_cfg, &pipeline_cfg, &trainer_cfg)?;
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32;
     let preflight = preflight::at_start(&loader_cfg, args.preflight_lines, drafters)?;
+    let tau_prompts = tau_prompts(&args, &target_cfg, &mut trainer_cfg, preflight.as_ref())?;
     setup.check()?;
     let schedule_line = plan_schedule(
         &args,
@@ -846,17 +846,27 @@ fn eval_settings(
 
 /// `--eval-prompts`: the prompts as token-id lines, read and checked now (a bad file is
 /// refused before anything starts), and the τ steps: every `--eval-every`, else
-/// `--checkpoint-every`, else only the last step.
+/// `--checkpoint-every`, else only the last step. Chat prompts are rendered with the
+/// thinking switch the data was rendered with (`data_thinking`, when all of it was
+/// rendered alike, says `preflight`); prompts rendered otherwise (their own `thinking`)
+/// are warned about.
 fn tau_prompts(
     args: &RunArgs,
     target: &TargetConfig,
     trainer_cfg: &mut trainer::TrainerConfig,
+    preflight: Option<&preflight::Report>,
 ) -> Result<Option<Vec<String>>, Error> {
     let Some(path) = &args.eval_prompts else {
         return Ok(None);
     };
+    let data_thinking = preflight.and_then(|p| p.thinking_mode());
     let dir = (args.target != "tiny").then(|| Path::new(&args.target));
-    let lines = crate::data::prompts::token_lines("--eval-prompts", path, dir)?;
+    let rendered =
+        crate::data::prompts::token_lines("--eval-prompts", path, dir, data_thinking.flatten())?;
+    if let Some(w) = rendering_mismatch(&rendered.thinking, data_thinking) {
+        log::warn!("--eval-prompts {}: {w}", path.display());
+    }
+    let lines = rendered.lines;
     crate::data::prompts::check_vocab("--eval-prompts", path, &lines, target.vocab_size)?;
     crate::data::prompts::check_context(
         "--eval-prompts",
@@ -896,6 +906,23 @@ fn tau_prompts(
     );
     trainer_cfg.tau_every = Some(every);
     Ok(Some(lines))
+}
+
+/// The warning when chat prompts are rendered with another thinking switch than the data
+/// (`data`: the one switch all of it was rendered with).
+fn rendering_mismatch(
+    prompts: &std::collections::BTreeSet<Option<bool>>,
+    data: Option<Option<bool>>,
+) -> Option<String> {
+    let data = data?;
+    if prompts.iter().all(|&t| t == data) {
+        return None;
+    }
+    Some(format!(
+        "chat prompts rendered with thinking {}, but the training data with thinking {}: τ measured so is not what serving with the data's rendering gives",
+        crate::data::prompts::thinking_words(prompts),
+        preflight::thinking_name(data)
+    ))
 }
 
 /// What the τ eval and W&B flags need before the run starts: `--eval-gpu` one of the

@@ -86,7 +86,7 @@ fn parse_spec(s: &str) -> Result<DeviceSpec, dflash_shared::devices::DeviceSpecE
     s.parse()
 }
 
-fn parse_on_off(s: &str) -> Result<bool, String> {
+pub fn parse_on_off(s: &str) -> Result<bool, String> {
     match s {
         "on" | "true" => Ok(true),
         "off" | "false" => Ok(false),
