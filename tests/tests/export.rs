@@ -436,6 +436,148 @@ fn the_drafter_module_agrees_with_transformers() {
     assert!(!out.contains("FAIL"), "{out}");
 }
 
+/// `n` prompts of 8 token ids below 500, one JSON list a line, from `seed`.
+fn write_prompts(path: &Path, seed: u64, n: usize) -> Vec<Vec<u64>> {
+    let mut x = seed;
+    let prompts: Vec<Vec<u64>> = (0..n)
+        .map(|_| {
+            (0..8)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (x >> 33) % 500
+                })
+                .collect()
+        })
+        .collect();
+    let lines: Vec<String> = prompts
+        .iter()
+        .map(|p| serde_json::to_string(p).unwrap())
+        .collect();
+    std::fs::write(path, lines.join("\n") + "\n").unwrap();
+    prompts
+}
+
+/// `dflash-supervise eval --json` of `drafter` against `target` on `prompts`.
+fn eval_json(target: &Path, drafter: &Path, prompts: &Path, max_new: &str) -> serde_json::Value {
+    let args = [
+        "eval",
+        "--target",
+        target.to_str().unwrap(),
+        "--drafter",
+        drafter.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--max-new-tokens",
+        max_new,
+        "--json",
+    ];
+    let o = supervise(&args, None);
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", text(&o)))
+}
+
+/// z-lab's transformers API on an export: `AutoModel.from_pretrained(export,
+/// trust_remote_code=True).spec_generate(input_ids=..., max_new_tokens=..., temperature=0.0,
+/// target=..., stop_token_ids=[...])` writes `target.generate(do_sample=False)`'s tokens,
+/// stops at a stop token, and, fed the target's taps as the trainer defines them, accepts
+/// what the Rust eval accepts at every verify step. A drafter trained a few steps on the
+/// demo data accepts nothing on the tiny target, so the drafter checked here is trained on
+/// the target's own greedy continuations, where it accepts whole blocks.
+#[test]
+fn spec_generate_of_the_export_writes_the_targets_greedy_tokens() {
+    if !have_torch_transformers("spec_generate test") {
+        return;
+    }
+    let a = train(None);
+    let target = a.run_dir.join("target");
+    let scratch = tempfile::tempdir().unwrap();
+    let train_prompts = scratch.path().join("train-prompts.jsonl");
+    let prompts = write_prompts(&train_prompts, 11, 64);
+    let greedy = eval_json(&target, &a.run_dir.join("drafter"), &train_prompts, "56");
+    let data = scratch.path().join("greedy.jsonl");
+    let lines: Vec<String> = prompts
+        .iter()
+        .zip(greedy["per_prompt"].as_array().unwrap())
+        .map(|(p, r)| {
+            let mut ids = p.clone();
+            ids.extend(
+                r["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap()),
+            );
+            serde_json::json!({ "input_ids": ids }).to_string()
+        })
+        .collect();
+    assert_eq!(lines.len(), 64);
+    std::fs::write(&data, lines.join("\n") + "\n").unwrap();
+    let t = target.display().to_string();
+    let d = data.display().to_string();
+    let mut b = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--target",
+        &t,
+        "--data",
+        &d,
+        "--steps",
+        "100",
+        "--lr",
+        "3e-3",
+        "--block-size",
+        "8",
+        "--max-seq-len",
+        "64",
+        "--token-budget",
+        "512",
+    ]);
+    assert_eq!(
+        b.wait_exit(Duration::from_secs(120)).code(),
+        Some(0),
+        "{}",
+        b.stderr()
+    );
+    let drafter = b.run_dir.join("drafter");
+    let held_out = scratch.path().join("prompts.jsonl");
+    write_prompts(&held_out, 7, 8);
+    let eval_out = scratch.path().join("eval.json");
+    let r = eval_json(&target, &drafter, &held_out, "32");
+    std::fs::write(&eval_out, r.to_string()).unwrap();
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../worker/python/test_dflash_drafter.py");
+    let o = Command::new(python())
+        .arg(&script)
+        .arg("--spec-generate")
+        .args([&drafter, &target, &held_out, &eval_out])
+        .arg("32")
+        .env("HF_MODULES_CACHE", scratch.path().join("hf-modules"))
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    for line in [
+        "ok: AutoModel loads the export's DFlashDraftModel",
+        "ok: spec_generate(input_ids=..., target=...) returns target.generate's tokens",
+        "ok: prompt 7: accepted lengths equal the Rust eval's",
+        "ok: some verify step accepted guesses",
+        "ends the output as it ends target.generate",
+        "all spec_generate checks passed",
+    ] {
+        assert!(out.contains(line), "no {line:?} in:\n{out}");
+    }
+    assert!(!out.contains("FAIL"), "{out}");
+    if let Some(summary) = out
+        .lines()
+        .find(|l| l.starts_with("all spec_generate checks"))
+    {
+        eprintln!("{summary}");
+    }
+}
+
 /// A demo run of `steps` steps with `extra` flags; exits 0.
 fn demo_run(steps: &str, extra: &[&str]) -> Sup {
     let mut args = vec!["--gpus", "cpu:2", "--data", "demo", "--steps", steps];

@@ -45,7 +45,19 @@ written for it can call this class)::
         block_keep=None,         # bool [B, N]: blocks to keep with `anchors` (default all)
     ) -> Tensor [B, M, H]        # final-normed hidden states
 
-``compute_logits(hidden, lm_head)`` applies the target's output head. Attributes
+``compute_logits(hidden, lm_head)`` applies the target's output head.
+
+``spec_generate`` decodes with a transformers target, with z-lab's calling convention::
+
+    target = AutoModelForCausalLM.from_pretrained(TARGET_DIR, dtype=torch.bfloat16)
+    out = drafter.spec_generate(input_ids=ids, max_new_tokens=256, temperature=0.0,
+                                target=target, stop_token_ids=[tokenizer.eos_token_id])
+    # out: LongTensor [1, prompt + new tokens], the prompt first, the stop token included
+
+Greedy speculative decoding, lossless: the tokens are ``target.generate(do_sample=False)``'s.
+Batch size 1; ``temperature > 0`` is refused (ValueError).
+
+Attributes
 ``target_layer_ids``, ``block_size`` and ``mask_token_id`` come from config.json's
 ``dflash_config``. ``dflash_attention_mask(anchors, context_len, block_size, block_keep)``
 is the training mask as a function.
@@ -55,7 +67,9 @@ transformers 5's ``rope_parameters``): types ``default``, ``linear``, ``llama3``
 ``attention_factor`` scales cos and sin, as in transformers).
 """
 
+import inspect
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -368,3 +382,184 @@ class DFlashDraftModel(PreTrainedModel):
 
     def compute_logits(self, hidden, output_head):
         return output_head(hidden)
+
+    def target_taps(self, hidden_states):
+        """The drafter's context features from a target forward's ``hidden_states``
+        (``output_hidden_states=True``): tap ``id`` is ``hidden_states[id + 1]``, the output
+        of decoder layer ``id``, concatenated over ``target_layer_ids`` -> [B, T, L*H]."""
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def spec_generate(
+        self,
+        target,
+        input_ids,
+        max_new_tokens,
+        stop_token_ids=None,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        return_stats=False,
+    ):
+        """Greedy speculative decoding of ``input_ids`` with ``target``, a transformers causal
+        LM (the one this drafter was trained against), z-lab's calling convention.
+
+        ``input_ids``: LongTensor [1, P] (or [P], or a tokenizer's output holding
+        ``input_ids``); ``stop_token_ids``: ids that end decoding
+        (kept in the output), None for none; ``max_new_tokens``: the limit of new tokens.
+        Returns LongTensor [1, P + n] on the target's device: the prompt, then the new tokens,
+        exactly those of ``target.generate(input_ids, do_sample=False, max_new_tokens=...,
+        eos_token_id=stop_token_ids)``. With ``return_stats=True``: a namespace with
+        ``output_ids``, ``num_input_tokens``, ``num_output_tokens`` and
+        ``acceptance_lengths`` (per verify step, the tokens it committed: the accepted
+        guesses + the target's own next token, before the cut at a stop token or the limit).
+
+        Each step the drafter proposes the block [last committed token, MASK x (bs - 1)]
+        from the taps of every position before that token; the target runs the last token
+        and the guesses in one forward over its KV cache; the longest prefix of guesses equal
+        to the target's argmax is kept, plus the target's token after it, and both caches
+        are cropped back to the committed positions, whose taps join the drafter's context.
+
+        Only greedy decoding (``temperature=0``) is implemented: ``temperature > 0`` raises
+        ValueError (``top_p`` and ``top_k`` are accepted for z-lab's signature and, as
+        there, have no effect at temperature 0).
+        """
+        if temperature is not None and float(temperature) > 0:
+            raise ValueError(
+                f"spec_generate decodes greedily only (temperature=0.0), got temperature={temperature}: "
+                "sampling needs rejection-sampling verification, which this module does not implement; "
+                "serve the drafter with SGLang or vLLM to sample"
+            )
+        if self.mask_token_id is None:
+            raise ValueError("config.json has no dflash_config.mask_token_id: the drafter cannot build a block")
+        self._check_target(target)
+        if hasattr(input_ids, "keys") and "input_ids" in input_ids:
+            # A tokenizer's output (transformers 5's apply_chat_template returns a BatchEncoding).
+            input_ids = input_ids["input_ids"]
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+            raise ValueError(f"spec_generate takes one prompt, input_ids [1, P] with P >= 1; got shape {tuple(ids.shape)}")
+        if isinstance(stop_token_ids, int):
+            stop_token_ids = [stop_token_ids]
+        stops = {int(t) for t in (stop_token_ids or [])}
+        max_new = int(max_new_tokens)
+        device = _module_device(target)
+        ids = ids.to(device=device, dtype=torch.long)
+        prompt_len = ids.shape[1]
+        stats = SimpleNamespace(num_input_tokens=prompt_len, acceptance_lengths=[])
+
+        def finish(new_tokens):
+            tail = torch.tensor([new_tokens], dtype=torch.long, device=device).reshape(1, -1)
+            out = torch.cat([ids, tail], dim=1)
+            if not return_stats:
+                return out
+            stats.output_ids = out
+            stats.num_output_tokens = len(new_tokens)
+            return stats
+
+        if max_new <= 0:
+            return finish([])
+        cache_kw = _cache_keyword(target)
+        embed = target.get_input_embeddings()
+        head = target.get_output_embeddings()
+        t_cache = _new_cache()
+        d_cache = _new_cache()
+        my_device = self.fc.weight.device
+
+        prefill_kw = {cache_kw: t_cache, "use_cache": True, "output_hidden_states": True}
+        if "logits_to_keep" in inspect.signature(target.forward).parameters:
+            prefill_kw["logits_to_keep"] = 1
+        out = target(input_ids=ids, position_ids=torch.arange(prompt_len, device=device)[None], **prefill_kw)
+        new = [int(out.logits[0, -1].argmax())]
+        # Taps of positions ctx_from.. not yet in the drafter's cache.
+        ctx = self.target_taps(out.hidden_states).to(my_device)
+        ctx_from = 0
+        stopped = new[0] in stops
+        while not stopped and len(new) < max_new:
+            last_pos = prompt_len + len(new) - 1  # the last committed token, not yet run by the target
+            # The verify block commits at most its length: no longer than the tokens still allowed.
+            k = min(self.block_size, max_new - len(new))
+            guesses = []
+            if k > 1:
+                block = torch.full((1, self.block_size), int(self.mask_token_id), dtype=torch.long, device=device)
+                block[0, 0] = new[-1]
+                noise = embed(block).to(my_device)
+                pos = torch.arange(ctx_from, last_pos + self.block_size, device=my_device)[None]
+                hidden = self(
+                    position_ids=pos, noise_embedding=noise, target_hidden=ctx, past_key_values=d_cache, use_cache=True
+                )
+                # Keep the context's keys (positions < last_pos), drop the block's.
+                _crop(d_cache, last_pos)
+                ctx, ctx_from = ctx[:, :0], last_pos
+                w = head.weight
+                logits = self.compute_logits(hidden[:, 1:k].to(device=w.device, dtype=w.dtype), head)
+                guesses = logits[0].argmax(-1).tolist()
+            verify = torch.tensor([[new[-1]] + guesses], dtype=torch.long, device=device)
+            out = target(
+                input_ids=verify,
+                position_ids=torch.arange(last_pos, last_pos + verify.shape[1], device=device)[None],
+                **{cache_kw: t_cache, "use_cache": True, "output_hidden_states": True},
+            )
+            best = out.logits[0].argmax(-1).tolist()
+            n = 0
+            while n < len(guesses) and guesses[n] == best[n]:
+                n += 1
+            stats.acceptance_lengths.append(n + 1)
+            committed = guesses[:n] + [best[n]]
+            new.extend(committed)
+            stopped = any(t in stops for t in committed)
+            # The target keeps the keys of last_pos .. last_pos + n (right inputs); the new
+            # last token has not been run.
+            _crop(t_cache, last_pos + n + 1)
+            ctx = torch.cat([ctx, self.target_taps(out.hidden_states)[:, : n + 1].to(my_device)], dim=1)
+        # A stop token ends the output; the limit cuts it.
+        for i, t in enumerate(new):
+            if t in stops:
+                new = new[: i + 1]
+                break
+        return finish(new[:max_new])
+
+    def _check_target(self, target):
+        """Refuse a target other than the one this drafter was trained against."""
+        cfg = getattr(target, "config", None)
+        if cfg is None or not hasattr(target, "get_input_embeddings") or target.get_output_embeddings() is None:
+            raise ValueError("target must be a transformers causal LM (AutoModelForCausalLM) with an output head")
+        tcfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        layers, hidden = getattr(tcfg, "num_hidden_layers", None), getattr(tcfg, "hidden_size", None)
+        want_layers = getattr(self.config, "num_target_layers", None)
+        if want_layers is not None and layers is not None and int(want_layers) != int(layers):
+            raise ValueError(f"the target has {layers} layers, this drafter was trained against one with {want_layers}")
+        if hidden is not None and int(hidden) != int(self.config.hidden_size):
+            raise ValueError(f"the target's hidden size is {hidden}, this drafter's {self.config.hidden_size}")
+        if layers is not None and max(self.target_layer_ids) >= int(layers):
+            raise ValueError(f"tapped layer {max(self.target_layer_ids)} is past the target's {layers} layers")
+
+
+def _module_device(model):
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
+
+
+def _cache_keyword(target):
+    """The name a target's forward takes its KV cache under: ``cache`` (transformers 5.2x),
+    else ``past_key_values``."""
+    params = inspect.signature(target.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _crop(cache, length):
+    """Cut a transformers cache to its first `length` positions. A negative count is
+    "remove that many" in both transformers 4 and 5; zero is skipped (4.x reads 0 as a length)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
