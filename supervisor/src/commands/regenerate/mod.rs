@@ -578,9 +578,10 @@ impl Driver<'_> {
                 let tokens: Vec<u32> =
                     serde_json::from_value(r["tokens"].clone()).unwrap_or_default();
                 if r["id"].as_u64() != Some(i as u64) || tokens.is_empty() {
-                    // Not the answer to what it was sent: start it again.
-                    self.busy.insert(worker, i);
-                    let _ = pool.restart(worker)?;
+                    // Not the answer to what it was sent: a new process, the prompt again.
+                    self.ready.push_front(i);
+                    let why = pool.restart(worker)?;
+                    crate::say!("regenerate: worker {worker} answered {line:?} to another request; started again ({why})");
                     return Ok(None);
                 }
                 let finish = r["finish"].as_str().unwrap_or("length");
