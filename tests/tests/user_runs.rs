@@ -487,12 +487,21 @@ fn sigusr1_during_the_start_writes_a_checkpoint_at_the_first_step() {
     assert!(!sup.run_dir.join("train.jsonl").exists() || steps(&sup.run_dir).is_empty());
     go.send(()).unwrap();
     writer.join().unwrap();
+    // A complete checkpoint: one being written is a `.tmp-PID` directory until renamed.
     let ckpt = wait_for("a checkpoint", T, || {
         std::fs::read_dir(sup.run_dir.join("checkpoints"))
             .ok()?
             .flatten()
-            .find(|e| e.path().join("meta.json").is_file())
             .map(|e| e.file_name().to_string_lossy().into_owned())
+            .find(|n| {
+                !n.contains(".tmp")
+                    && sup
+                        .run_dir
+                        .join("checkpoints")
+                        .join(n)
+                        .join("meta.json")
+                        .is_file()
+            })
     });
     assert_eq!(ckpt, "step-00000001", "{}", sup.stderr());
     assert_eq!(
