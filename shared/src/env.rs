@@ -16,3 +16,6 @@ pub const HEARTBEAT_MS: &str = "DFLASH_HEARTBEAT_MS";
 pub const CONTROL: &str = "DFLASH_CONTROL";
 /// The target model directory (config.json + safetensors), absolute.
 pub const TARGET_DIR: &str = "DFLASH_TARGET_DIR";
+/// The target workers' engine: `native` (this tool's own forward) or `torch` (a Python
+/// child running transformers).
+pub const TARGET_ENGINE: &str = "DFLASH_TARGET_ENGINE";

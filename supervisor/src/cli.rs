@@ -160,6 +160,17 @@ pub struct PrepareArgs {
     pub report: Option<PathBuf>,
 }
 
+/// `--target-engine`.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TargetEngine {
+    Auto,
+    Native,
+    Torch,
+}
+
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Devices to use: 0-7, 0,2,5-7, all (every GPU NVML reports) or cpu:N (N workers
@@ -242,6 +253,19 @@ pub struct RunArgs {
         help_heading = "Model"
     )]
     pub target: String,
+
+    /// What runs the target: native (this tool's own forward: Qwen3, Qwen3-MoE, Llama),
+    /// torch (a Python child per target worker running transformers' implementation, which
+    /// needs python3 with torch and transformers), or auto (native where it serves the
+    /// target).
+    #[arg(
+        long,
+        value_name = "ENGINE",
+        value_enum,
+        default_value = "auto",
+        help_heading = "Model"
+    )]
+    pub target_engine: TargetEngine,
 
     /// Target layers to tap, distinct, e.g. 1,9,17,25,33 (default: DFlash's spread of
     /// --draft-layers taps over the target's depth). Not the target's last layer: serving

@@ -48,6 +48,10 @@ pub enum WorkerError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The torch engine's Python child died or answered otherwise than the protocol says
+    /// (a crash: the worker is restarted and the batch delivered again).
+    #[error(transparent)]
+    Engine(#[from] crate::torch_engine::TorchError),
     /// Another failure, with what the worker was doing when it happened.
     #[error("{what}: {source}")]
     While {

@@ -31,6 +31,7 @@ mod plane;
 #[cfg(any(test, feature = "reference"))]
 pub mod reference;
 mod role;
+pub mod torch_engine;
 mod train;
 
 use std::path::PathBuf;
@@ -73,6 +74,10 @@ enum Command {
         taps: Option<Vec<usize>>,
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
+        /// What computes them: native (this tool's forward on the CPU device, f32) or
+        /// torch (the torch engine's Python child, transformers in f32).
+        #[arg(long, value_name = "ENGINE", default_value = "native")]
+        engine: String,
     },
     /// Baseline of `dflash-supervise bench train`: the target forward and the drafter
     /// step over the batches of a spec file, in this one process.
@@ -221,7 +226,8 @@ fn run_tool(c: Command) -> i32 {
             tokens,
             taps,
             out,
-        } => tool(inspect(&target, &tokens, taps, &out)),
+            engine,
+        } => tool(inspect(&target, &tokens, taps, &out, &engine)),
         Command::BenchCompute { spec } => tool(bench::run(&spec)),
         Command::BenchOps {
             target,
@@ -369,11 +375,41 @@ fn missing_symbol_is_permanent(name: &str, gpu: &str) {
     }));
 }
 
+/// The taps of `tokens` by the torch engine's child, in f32, through a scratch file it
+/// writes into as it writes into a hidden-state pool.
+fn torch_taps(
+    dir: &std::path::Path,
+    taps: &[usize],
+    tokens: &[u32],
+    hidden: usize,
+) -> Result<Vec<f32>, error::ToolError> {
+    let scratch = dflash_shared::scratch::ScratchDir::new("torch-inspect").map_err(
+        error::ToolError::io("creating a scratch directory".to_string()),
+    )?;
+    let pool = scratch.path().join("pool");
+    let n = tokens.len() * taps.len() * hidden;
+    std::fs::write(&pool, vec![0u8; n * 4])
+        .map_err(error::ToolError::io(format!("writing {}", pool.display())))?;
+    let mut child = torch_engine::TorchChild::start(dir, taps, &pool, false)
+        .map_err(error::WorkerError::from)?;
+    child
+        .run(0, &[(tokens, 0)], true)
+        .map_err(error::WorkerError::from)?;
+    drop(child);
+    let bytes = std::fs::read(&pool)
+        .map_err(error::ToolError::io(format!("reading {}", pool.display())))?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
 fn inspect(
     target: &str,
     tokens: &[u32],
     taps: Option<Vec<usize>>,
     out: &std::path::Path,
+    engine: &str,
 ) -> Result<(), error::ToolError> {
     use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
     // The built-in tiny target, written into a scratch directory of ours (removed with it).
@@ -406,14 +442,26 @@ fn inspect(
             vocab: cfg.vocab_size,
         });
     }
-    // The forward a CPU target worker runs: the device target on the CPU device.
-    let t = models::target::Target::load(dir, &taps)?;
-    let mut model = models::target::device::DeviceTarget::new(
-        Box::new(device::cpu::CpuDevice::new()),
-        &t,
-        tokens.len(),
-    )?;
-    let hidden = model.forward_taps(tokens)?;
+    let hidden = match engine {
+        "native" => {
+            // The forward a CPU target worker runs: the device target on the CPU device.
+            let t = models::target::Target::load(dir, &taps)?;
+            let mut model = models::target::device::DeviceTarget::new(
+                Box::new(device::cpu::CpuDevice::new()),
+                &t,
+                tokens.len(),
+            )?;
+            model.forward_taps(tokens)?
+        }
+        "torch" => torch_taps(dir, &taps, tokens, cfg.hidden_size)?,
+        other => {
+            return Err(error::ToolError::Usage {
+                flag: "--engine",
+                value: other.into(),
+                expected: "native or torch".into(),
+            })
+        }
+    };
     let bytes: Vec<u8> = hidden.iter().flat_map(|v| v.to_le_bytes()).collect();
     let shape = vec![tokens.len(), taps.len() * cfg.hidden_size];
     let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, &bytes)

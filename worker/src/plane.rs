@@ -18,11 +18,14 @@ use crate::busy::Busy;
 use crate::device::{self, GpuError};
 use crate::models::target::device::DeviceTarget;
 use crate::models::target::{Load, Target};
+use crate::torch_engine::TorchChild;
 use crate::train::Rank;
 
 pub struct Pools {
     tokens: PoolMap,
     hidden: PoolMap,
+    /// The hidden pool's memfd (the torch engine's child maps it too).
+    hidden_fd: i32,
     capture: CaptureSpec,
 }
 
@@ -40,6 +43,10 @@ impl Pools {
         Ok(Pools {
             tokens: find(PoolId::Tokens)?,
             hidden: find(PoolId::Hidden)?,
+            hidden_fd: infos
+                .iter()
+                .find(|p| p.id == PoolId::Hidden)
+                .map_or(-1, |p| p.fd),
             capture,
         })
     }
@@ -81,10 +88,20 @@ enum TargetModel {
     Ready(Loaded),
 }
 
-/// The target, computing on the CPU backend or on a device.
-/// The target on its device: the GPU, or the CPU device when the worker has none (the
-/// host copy of the weights is dropped once they are on the device).
-type Loaded = Box<DeviceTarget>;
+/// The target on its engine: native, on its device (the GPU, or the CPU device when the
+/// worker has none; the host copy of the weights is dropped once they are on the device),
+/// or torch, a Python child ([`crate::torch_engine`]).
+enum Loaded {
+    Native(Box<DeviceTarget>),
+    Torch(Box<TorchTarget>),
+}
+
+/// The torch engine's child and what the worker needs of the capture.
+struct TorchTarget {
+    child: TorchChild,
+    taps: Vec<usize>,
+    hidden: usize,
+}
 
 /// Why the target could not be loaded; `permanent`: restarting cannot help (no usable
 /// GPU), so the worker exits with [`exit_codes::WORKER_PERMANENT`]; `model`: the model
@@ -168,11 +185,16 @@ impl Plane {
             // the run's token budget): a whole batch's rows in one packed forward.
             let (capture, max_tokens, gpu) =
                 (pools.capture.clone(), pools.max_row_tokens(), self.gpu);
+            let pool = Some(std::path::PathBuf::from(format!(
+                "/proc/{}/fd/{}",
+                std::process::id(),
+                pools.hidden_fd
+            )));
             let (tx, rx) = std::sync::mpsc::channel();
             std::thread::Builder::new()
                 .name("load-target".into())
                 .spawn(move || {
-                    let _ = tx.send(load_target(&dir, &capture, gpu, max_tokens));
+                    let _ = tx.send(load_target(&dir, &capture, gpu, max_tokens, pool));
                 })?;
             *model = TargetModel::Loading(rx);
         }
@@ -187,37 +209,33 @@ impl Plane {
         };
         if let TargetModel::Loading(rx) = model {
             match rx.try_recv() {
-                Ok(Ok(mut g)) => {
-                    let (cfg, taps) = (&g.cfg, &g.taps);
-                    let mut msg = format!(
-                        "target loaded: {}, {} layers (running {}), hidden {}, taps {:?}",
-                        cfg.arch,
-                        cfg.num_hidden_layers,
-                        taps.iter().max().map_or(0, |m| m + 1),
-                        cfg.hidden_size,
-                        taps
-                    );
+                Ok(Ok(loaded)) => {
                     let pools = self.pools.as_ref().ok_or_else(|| {
                         WorkerError::Protocol("the target loaded before the pools".into())
                     })?;
-                    let (ptr, len) = pools.hidden.slots_mapping();
-                    // SAFETY: the hidden pool stays mapped as long as `self.pools`, which is
-                    // dropped after the target (field order in Plane).
-                    unsafe { g.register_host(ptr, len) }
-                        .map_err(WorkerError::device("pinning the hidden-state pool"))?;
-                    let st = g.arena_stats();
-                    let mem = if g.device_memory().is_some() {
-                        "device memory"
-                    } else {
-                        "host memory"
+                    let msg = match loaded {
+                        Loaded::Native(mut g) => {
+                            let msg = native_loaded(&mut g, pools)?;
+                            *model = TargetModel::Ready(Loaded::Native(g));
+                            msg
+                        }
+                        Loaded::Torch(t) => {
+                            let r = &t.child.ready;
+                            let msg = format!(
+                                "target loaded by the torch engine (transformers {}, torch {}, on {}, python pid {}): {} layers (running {}), hidden {}, taps {:?}",
+                                r["transformers"].as_str().unwrap_or("?"),
+                                r["torch"].as_str().unwrap_or("?"),
+                                r["device"].as_str().unwrap_or("?"),
+                                t.child.pid(),
+                                r["num_hidden_layers"],
+                                r["loaded_layers"],
+                                t.hidden,
+                                t.taps
+                            );
+                            *model = TargetModel::Ready(Loaded::Torch(t));
+                            msg
+                        }
                     };
-                    msg.push_str(&format!(
-                        "; computing on {} ({:.1} MiB of {mem}, room for {} tokens a forward)",
-                        g.describe(),
-                        st.reserved as f64 / (1 << 20) as f64,
-                        g.max_tokens
-                    ));
-                    *model = TargetModel::Ready(g);
                     return Ok(Some(msg));
                 }
                 Ok(Err(e)) if e.model => return Err(WorkerError::BadModel(e.msg)),
@@ -321,7 +339,7 @@ impl Plane {
     pub fn device_memory(&self) -> Option<dflash_shared::protocol::DeviceMemory> {
         match &self.side {
             Side::Target {
-                model: TargetModel::Ready(g),
+                model: TargetModel::Ready(Loaded::Native(g)),
                 ..
             } => g.device_memory(),
             _ => None,
@@ -457,11 +475,42 @@ struct At<'a> {
     stats: &'a mut Stats,
 }
 
+/// The native target is on its device: pin the hidden pool for its copies, and say so.
+fn native_loaded(g: &mut DeviceTarget, pools: &Pools) -> Result<String> {
+    let (cfg, taps) = (&g.cfg, &g.taps);
+    let mut msg = format!(
+        "target loaded: {}, {} layers (running {}), hidden {}, taps {:?}",
+        cfg.arch,
+        cfg.num_hidden_layers,
+        taps.iter().max().map_or(0, |m| m + 1),
+        cfg.hidden_size,
+        taps
+    );
+    let (ptr, len) = pools.hidden.slots_mapping();
+    // SAFETY: the hidden pool stays mapped as long as the plane's pools, which are dropped
+    // after the target (field order in Plane).
+    unsafe { g.register_host(ptr, len) }
+        .map_err(WorkerError::device("pinning the hidden-state pool"))?;
+    let st = g.arena_stats();
+    let mem = if g.device_memory().is_some() {
+        "device memory"
+    } else {
+        "host memory"
+    };
+    msg.push_str(&format!(
+        "; computing on {} ({:.1} MiB of {mem}, room for {} tokens a forward)",
+        g.describe(),
+        st.reserved as f64 / (1 << 20) as f64,
+        g.max_tokens
+    ));
+    Ok(msg)
+}
+
 /// The target's unit of work: batch `d` (its token `payload`) through the model, its taps
 /// into the leased hidden-state slot `out`.
 fn run_target(
     at: At<'_>,
-    g: &mut DeviceTarget,
+    g: &mut Loaded,
     d: &Delivery,
     payload: &[u8],
     out: SlotRef,
@@ -493,13 +542,22 @@ fn run_target(
         WorkerError::format(format!("hidden-state batch {} header", d.batch_id)),
     )?;
     let hidden = &mut buf[layout.hidden_offset..][..layout.hidden_len];
-    if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
-        // No copy may still be landing in the slot when we give it up.
-        let _ = g.sync();
-        return Err(WorkerError::device(format!(
-            "target forward on {}",
-            g.describe()
-        ))(e));
+    match g {
+        Loaded::Native(g) => {
+            if let Err(e) = write_hidden_states_gpu(g, &tokens, hidden) {
+                // No copy may still be landing in the slot when we give it up.
+                let _ = g.sync();
+                return Err(WorkerError::device(format!(
+                    "target forward on {}",
+                    g.describe()
+                ))(e));
+            }
+        }
+        Loaded::Torch(t) => {
+            let at_slot =
+                hidden_pool.geometry().slot_offset(out.slot) + layout.hidden_offset as u64;
+            write_hidden_states_torch(t, &tokens, hidden, at_slot, d.batch_id)?;
+        }
     }
     let len = seal_hidden(buf, &layout) as u64;
     at.stats.batches += 1;
@@ -591,12 +649,52 @@ fn train_drafter(
 
 /// Load the target on `gpu` (the CPU device without one), checked against the capture
 /// the supervisor described, with room for `max_tokens` tokens a forward.
+/// Which engine runs the target (`DFLASH_TARGET_ENGINE`, set by the supervisor).
+fn torch_engine() -> bool {
+    std::env::var(dflash_shared::env::TARGET_ENGINE).is_ok_and(|e| e == "torch")
+}
+
+/// The target on its engine; the torch engine's child writes into the hidden pool, `pool`
+/// (its memfd as a path).
 fn load_target(
     dir: &std::path::Path,
     capture: &CaptureSpec,
     gpu: Option<u32>,
     max_tokens: usize,
+    pool: Option<std::path::PathBuf>,
 ) -> std::result::Result<Loaded, LoadError> {
+    let Some(pool) = pool.filter(|_| torch_engine()) else {
+        return load_native(dir, capture, gpu, max_tokens).map(Loaded::Native);
+    };
+    let taps: Vec<usize> = capture.tap_ids.iter().map(|&t| t as usize).collect();
+    let bad = |msg: String| LoadError {
+        msg,
+        permanent: true,
+        model: false,
+    };
+    let child =
+        TorchChild::start(dir, &taps, &pool, gpu.is_some()).map_err(|e| bad(e.to_string()))?;
+    let hidden = child.ready["hidden_size"].as_u64().unwrap_or(0) as usize;
+    if hidden != capture.hidden as usize {
+        return Err(bad(format!(
+            "torch engine: the target at {} has hidden size {hidden}, but the supervisor described {} (was config.json changed?)",
+            dir.display(),
+            capture.hidden
+        )));
+    }
+    Ok(Loaded::Torch(Box::new(TorchTarget {
+        child,
+        taps,
+        hidden,
+    })))
+}
+
+fn load_native(
+    dir: &std::path::Path,
+    capture: &CaptureSpec,
+    gpu: Option<u32>,
+    max_tokens: usize,
+) -> std::result::Result<Box<DeviceTarget>, LoadError> {
     let taps: Vec<usize> = capture.tap_ids.iter().map(|&t| t as usize).collect();
     let fail = |msg: String| LoadError {
         msg,
@@ -690,6 +788,34 @@ fn check_header(map: &PoolMap, d: &Delivery) -> Result<()> {
             )));
         }
     }
+    Ok(())
+}
+
+/// The torch engine's child writes each row's taps (bf16) at its place in the slot's hidden
+/// states, `at` bytes into the pool's memfd (padding positions are zeroed here first).
+fn write_hidden_states_torch(
+    t: &mut TorchTarget,
+    tokens: &TokenBatch,
+    out: &mut [u8],
+    at: u64,
+    batch_id: u64,
+) -> Result<()> {
+    let width = (t.taps.len() * t.hidden) as u64;
+    let seq = tokens.seq_len as usize;
+    out.fill(0);
+    let rows: Vec<(&[u32], u64)> = tokens
+        .lengths
+        .iter()
+        .enumerate()
+        .map(|(r, &len)| {
+            let start = r * seq;
+            (
+                &tokens.input_ids[start..start + len as usize],
+                at + start as u64 * width * 2,
+            )
+        })
+        .collect();
+    t.child.run(batch_id, &rows, false)?;
     Ok(())
 }
 

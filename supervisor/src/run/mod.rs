@@ -10,6 +10,7 @@
 pub mod config_file;
 pub mod control;
 pub mod dispatcher;
+pub mod engine;
 pub mod init_drafter;
 pub mod process;
 pub mod reaper;
@@ -297,6 +298,24 @@ fn check_init_drafter(
     Ok(Some(record))
 }
 
+/// The target's config.json, its checkpoint checked, and the engine that runs it (with the
+/// start's line saying which).
+fn target_and_engine(
+    args: &RunArgs,
+    plan: &[(WorkerName, Device)],
+) -> Result<(TargetConfig, String), Error> {
+    let target_cfg = target_config(&args.target)?;
+    if args.target != "tiny" {
+        target_check::check(Path::new(&args.target), &target_cfg)
+            .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
+    }
+    let (_, mut line) = engine::choose(args, &target_cfg)?;
+    if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
+        line.push_str("; workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
+    }
+    Ok((target_cfg, line))
+}
+
 /// The start's lines about settings it chose, said once the run directory is the run's.
 fn say_settled(lines: &[Option<String>], schedule_line: &str, target: &TargetConfig) {
     for line in lines.iter().flatten() {
@@ -396,14 +415,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
     check_telemetry_flags(&args, &plan)?;
-    if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
-        log::info!("workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
-    }
-    let target_cfg = target_config(&args.target)?;
-    if args.target != "tiny" {
-        target_check::check(Path::new(&args.target), &target_cfg)
-            .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
-    }
+    let (target_cfg, engine_line) = target_and_engine(&args, &plan)?;
     let cpu_defaults = cpu_defaults(&args, &plan);
     let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
@@ -444,7 +456,12 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     // On --resume too: the settings as merged with this command line's are the run's now.
     // Said once the run directory is this run's: a start refused before then says only why.
     say_settled(
-        &[adapted, cpu_defaults, init_line(&trainer_cfg)],
+        &[
+            adapted,
+            cpu_defaults,
+            init_line(&trainer_cfg),
+            Some(engine_line),
+        ],
         &schedule_line,
         &target_cfg,
     );
@@ -764,6 +781,10 @@ fn dispatcher_config(
         plan,
         worker_bin,
         target_dir,
+        target_engine: match args.target_engine {
+            crate::cli::TargetEngine::Torch => "torch",
+            _ => "native",
+        },
         hang_timeout: args.hang_timeout,
         step_timeout: args.step_timeout,
         max_restarts: args.max_restarts,
@@ -1415,6 +1436,17 @@ fn capture_spec(args: &RunArgs, target: &TargetConfig) -> Result<CaptureSpec, Er
                 .join(",")
         )));
     }
+    // SGLang and vLLM concatenate the taps they capture in ascending layer order: a drafter
+    // trained on another order would be served its features shuffled.
+    if taps.windows(2).any(|w| w[0] > w[1]) {
+        return Err(Error::Flag(format!(
+            "--taps {}: expected ascending layer ids (the serving engines feed the drafter its taps in layer order)",
+            taps.iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        )));
+    }
     if let Some(bad) = taps.iter().find(|&&t| t as usize >= n) {
         return Err(Error::Flag(format!(
             "--taps: layer {bad} does not exist (the target has {n} layers, ids 0..{})",
@@ -1578,6 +1610,16 @@ mod tests {
             "{m}"
         );
         assert!(capture_spec(&args(&["--taps", "1,4"]), &target_of(6)).is_ok());
+    }
+
+    #[test]
+    fn taps_out_of_layer_order_are_refused() {
+        let e = capture_spec(&args(&["--taps", "3,1"]), &target_of(6)).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert_eq!(
+            e.to_string(),
+            "--taps 3,1: expected ascending layer ids (the serving engines feed the drafter its taps in layer order)"
+        );
     }
 
     #[test]

@@ -102,6 +102,8 @@ pub struct Processes {
     pub reaper: Option<Arc<Reaper>>,
     pub worker_bin: PathBuf,
     pub target_dir: PathBuf,
+    /// `native` or `torch` (the target workers' `DFLASH_TARGET_ENGINE`).
+    pub target_engine: &'static str,
     pub run_dir: PathBuf,
     pub heartbeat: Duration,
     /// The shared-memory pools every worker inherits.
@@ -122,6 +124,7 @@ impl Processes {
             reaper: reaper.map(Arc::new),
             worker_bin: cfg.worker_bin.clone(),
             target_dir: cfg.target_dir.clone(),
+            target_engine: cfg.target_engine,
             run_dir,
             heartbeat: heartbeat(cfg.hang_timeout),
             inherit_fds: data
@@ -221,6 +224,7 @@ impl Processes {
                     env::TARGET_DIR.into(),
                     self.target_dir.display().to_string(),
                 ),
+                (env::TARGET_ENGINE.into(), self.target_engine.into()),
                 (
                     "CUDA_VISIBLE_DEVICES".into(),
                     l.device.cuda_visible_devices(),

@@ -121,6 +121,8 @@ pub struct Config {
     pub worker_bin: PathBuf,
     /// The target model directory workers load.
     pub target_dir: PathBuf,
+    /// What runs it: `native` or `torch`.
+    pub target_engine: &'static str,
     pub hang_timeout: Duration,
     /// `--step-timeout`; `None`: the default of [`steps::default_step_timeout`].
     pub step_timeout: Option<Duration>,

@@ -121,6 +121,7 @@ fn harness_after(flags: &[&str], events: &[&str]) -> Harness {
         plan,
         worker_bin: "/nonexistent/dflash-worker".into(),
         target_dir: dir.path().into(),
+        target_engine: "native",
         hang_timeout: args.hang_timeout,
         step_timeout: args.step_timeout,
         max_restarts: args.max_restarts,

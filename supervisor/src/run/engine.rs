@@ -1,0 +1,78 @@
+//! `--target-engine`: what runs the target, chosen and checked before any worker starts.
+//! `native` is this tool's own forward (Qwen3, Qwen3-MoE, Llama); `torch` a Python child
+//! per target worker running transformers' implementation (the worker's
+//! `torch_engine`); `auto` is native for every target the native engine serves.
+
+use std::process::Command;
+
+use dflash_shared::model_config::TargetConfig;
+
+use crate::cli::{RunArgs, TargetEngine};
+use crate::error::Error;
+
+/// The Python the torch engine runs: `DFLASH_PYTHON`, else python3 (as the worker's).
+fn python() -> String {
+    std::env::var("DFLASH_PYTHON")
+        .ok()
+        .filter(|p| !p.trim().is_empty())
+        .unwrap_or_else(|| "python3".into())
+}
+
+/// The versions of torch and transformers that `python` imports, or why it cannot.
+fn torch_versions(python: &str) -> Result<(String, String), String> {
+    let out = Command::new(python)
+        .args([
+            "-c",
+            "import torch, transformers; print(torch.__version__, transformers.__version__)",
+        ])
+        .output()
+        .map_err(|e| format!("{python} cannot be run ({e})"))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        return Err(format!(
+            "{python} cannot import torch and transformers ({last})"
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut v = text.split_whitespace();
+    match (v.next(), v.next()) {
+        (Some(t), Some(tf)) => Ok((t.to_string(), tf.to_string())),
+        _ => Err(format!(
+            "{python} printed {text:?} for the versions of torch and transformers"
+        )),
+    }
+}
+
+/// The engine's name for the workers (`native` or `torch`) and the start's line saying which
+/// and why; `--target-engine torch` without torch and transformers is refused (exit 2).
+pub fn choose(args: &RunArgs, target: &TargetConfig) -> Result<(&'static str, String), Error> {
+    match args.target_engine {
+        TargetEngine::Native => Ok((
+            "native",
+            format!("target engine: native ({} by this tool's own forward)", target.arch),
+        )),
+        TargetEngine::Auto => Ok((
+            "native",
+            format!(
+                "target engine: native (the native engine serves {}; --target-engine torch runs transformers' implementation instead)",
+                target.arch
+            ),
+        )),
+        TargetEngine::Torch => {
+            let py = python();
+            let (torch, transformers) = torch_versions(&py).map_err(|why| Error::Unavailable {
+                what: "--target-engine torch".into(),
+                source: format!("{why}: pip install torch transformers, or point DFLASH_PYTHON at a Python that has them").into(),
+            })?;
+            Ok((
+                "torch",
+                format!("target engine: torch (transformers {transformers}, torch {torch}, {py}): a Python child per target worker runs transformers' {}", target.arch),
+            ))
+        }
+    }
+}

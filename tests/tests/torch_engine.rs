@@ -1,0 +1,278 @@
+//! `--target-engine torch`: the target worker's Python child runs transformers'
+//! implementation and writes the taps into the hidden-state pool. Checked against the
+//! native engine, an independent implementation of the same models: the taps of tiny
+//! Qwen3, Qwen3-MoE and Llama checkpoints (made with transformers here) agree within 1e-5 of
+//! their scale; a run's first steps have the native run's losses; the child killed
+//! mid-run costs a worker restart and no batch; a missing torch is one line at the start.
+//! Needs python3 with torch and transformers: skips on a laptop without, fails under CI.
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+fn have_torch() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "python3 with torch and transformers is missing: under CI this test may not skip"
+        );
+        eprintln!("skipping: python3 with torch and transformers is not installed");
+    }
+    ok
+}
+
+/// Tiny random checkpoints of three families, made with transformers (float32).
+const MAKE: &str = r#"
+import sys, torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig, LlamaConfig
+torch.manual_seed(0)
+base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)
+cfgs = {
+    "qwen3": Qwen3Config(**base),
+    "qwen3_moe": Qwen3MoeConfig(**base, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=32, decoder_sparse_step=1, norm_topk_prob=True),
+    "llama": LlamaConfig(**base),
+}
+for name, cfg in cfgs.items():
+    m = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.08)
+    m.save_pretrained(f"{sys.argv[1]}/{name}")
+"#;
+
+fn read_hidden(p: &Path) -> Vec<f32> {
+    let bytes = fs::read(p).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("hidden").unwrap();
+    t.data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[test]
+fn torch_taps_equal_native_taps_on_qwen3_qwen3_moe_and_llama() {
+    if !have_torch() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let o = Command::new("python3")
+        .args(["-c", MAKE])
+        .arg(tmp.path())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tokens = "3,17,99,5,64,127,0,42,8,8,21,77";
+    for family in ["qwen3", "qwen3_moe", "llama"] {
+        let dir = tmp.path().join(family);
+        let mut taps = Vec::new();
+        for engine in ["native", "torch"] {
+            let out = tmp.path().join(format!("{family}-{engine}.safetensors"));
+            let o = Command::new(bin("dflash-worker"))
+                .args([
+                    "inspect",
+                    "--target",
+                    dir.to_str().unwrap(),
+                    "--tokens",
+                    tokens,
+                ])
+                .args([
+                    "--taps",
+                    "0,2",
+                    "--engine",
+                    engine,
+                    "--out",
+                    out.to_str().unwrap(),
+                ])
+                .output()
+                .unwrap();
+            assert!(
+                o.status.success(),
+                "{family} {engine}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            taps.push(read_hidden(&out));
+        }
+        let (native, torch) = (&taps[0], &taps[1]);
+        assert_eq!(native.len(), 12 * 2 * 64, "{family}");
+        assert_eq!(native.len(), torch.len(), "{family}");
+        let scale = native.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = native
+            .iter()
+            .zip(torch)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        println!("{family}: max |native - torch| {diff:.3e} at scale {scale:.3}");
+        assert!(scale > 0.1, "{family}: taps of a real forward: {scale}");
+        assert!(diff <= 1e-5 * scale, "{family}: {diff} > 1e-5 × {scale}");
+    }
+}
+
+fn losses(run: &Path) -> Vec<f64> {
+    read_jsonl(&run.join("train.jsonl"))
+        .iter()
+        .filter_map(|l| l["loss"].as_f64())
+        .collect()
+}
+
+#[test]
+fn a_run_on_the_torch_engine_has_the_native_runs_losses() {
+    if !have_torch() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut got = Vec::new();
+    for engine in ["native", "torch"] {
+        let run = tmp.path().join(engine);
+        let o = supervise(
+            &[
+                "--gpus",
+                "cpu:2",
+                "--steps",
+                "3",
+                "--seed",
+                "5",
+                "--target-engine",
+                engine,
+                "--run-dir",
+                run.to_str().unwrap(),
+            ],
+            None,
+        );
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert_eq!(o.status.code(), Some(0), "{engine}: {err}");
+        assert!(err.contains(&format!("target engine: {engine}")), "{err}");
+        let log = fs::read_to_string(run.join("logs/target-0.log")).unwrap();
+        if engine == "torch" {
+            assert!(
+                log.contains("target loaded by the torch engine (transformers"),
+                "{log}"
+            );
+        }
+        got.push(losses(&run));
+    }
+    let (native, torch) = (&got[0], &got[1]);
+    println!("losses: native {native:?}, torch {torch:?}");
+    assert_eq!(native.len(), 3);
+    assert_eq!(torch.len(), 3);
+    for (a, b) in native.iter().zip(torch) {
+        // Both store the taps in bf16: f32 sums in another order may round a few apart.
+        assert!(
+            (a - b).abs() <= 1e-3 * a.abs(),
+            "losses {native:?} vs {torch:?}"
+        );
+    }
+}
+
+/// The pids of `parent`'s children, whichever of its threads started them.
+fn children(parent: u32) -> Vec<u32> {
+    let tasks = fs::read_dir(format!("/proc/{parent}/task"))
+        .into_iter()
+        .flatten()
+        .flatten();
+    tasks
+        .flat_map(|t| {
+            fs::read_to_string(t.path().join("children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+#[test]
+fn the_python_child_killed_mid_run_costs_a_restart_and_no_batch() {
+    if !have_torch() {
+        return;
+    }
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--steps",
+        "40",
+        "--target-engine",
+        "torch",
+        "--data",
+        "demo",
+    ]);
+    let st = sup.wait_running(2);
+    let target = pid_of(&st, "target-0");
+    wait_for("two trained steps", Duration::from_secs(120), || {
+        (read_jsonl(&sup.run_dir.join("train.jsonl")).len() >= 2).then_some(())
+    });
+    let child = wait_for("the python child", Duration::from_secs(60), || {
+        children(target).first().copied()
+    });
+    signal(child, nix::sys::signal::Signal::SIGKILL);
+    let status = sup.wait_exit(Duration::from_secs(180));
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(0), "{err}");
+    let st: Value = sup.state().unwrap();
+    assert!(
+        worker(&st, "target-0")["restarts"].as_u64().unwrap() >= 1,
+        "{st}"
+    );
+    let log = sup.log("target-0");
+    assert!(
+        log.contains("torch engine: the Python child ended"),
+        "{log}"
+    );
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    assert_eq!(
+        (a["lost"].as_u64(), a["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
+    assert_eq!(read_jsonl(&sup.run_dir.join("train.jsonl")).len(), 40);
+}
+
+#[test]
+fn a_python_without_torch_is_refused_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fake = tmp.path().join("python");
+    fs::write(
+        &fake,
+        "#!/bin/sh\necho 'ModuleNotFoundError: No module named torch' >&2\nexit 1\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&fake, fs::Permissions::from_mode(0o755)).unwrap();
+    let o = Command::new(bin("dflash-supervise"))
+        .args([
+            "--gpus",
+            "cpu:2",
+            "--steps",
+            "1",
+            "--target-engine",
+            "torch",
+            "--run-dir",
+        ])
+        .arg(tmp.path().join("run"))
+        .env("DFLASH_PYTHON", &fake)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--target-engine torch")
+            && err.contains("No module named torch")
+            && err.contains("pip install torch transformers"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(!tmp.path().join("run").exists());
+}
