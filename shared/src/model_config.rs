@@ -12,6 +12,9 @@ pub enum Arch {
     Llama,
     /// Qwen3's attention with a mixture-of-experts MLP in the sparse layers ([`Moe`]).
     Qwen3Moe,
+    /// Any other architecture transformers implements (gpt-oss, Qwen3.5, GLM, DeepSeek-V3,
+    /// ...): run by the torch target engine only ([`TargetConfig::read_any`]).
+    Transformers,
 }
 
 impl Arch {
@@ -28,6 +31,7 @@ impl std::fmt::Display for Arch {
             Arch::Qwen3 => "Qwen3",
             Arch::Llama => "Llama",
             Arch::Qwen3Moe => "Qwen3-MoE",
+            Arch::Transformers => "transformers",
         })
     }
 }
@@ -90,6 +94,9 @@ pub struct TargetConfig {
     /// of the serialised form when `None`, so a dense target's fingerprint is unchanged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<Moe>,
+    /// config.json's `model_type` (what names an [`Arch::Transformers`] target).
+    #[serde(skip)]
+    pub model_type: String,
 }
 
 /// A Qwen3-MoE target's sparse MLP: per token, the router's softmax over `num_experts`,
@@ -112,9 +119,13 @@ impl TargetConfig {
     /// The target in one line: the architecture, depth and width, and for a mixture of
     /// experts its experts, top-k, expert width and dense layers.
     pub fn describe(&self) -> String {
+        let arch = match self.arch {
+            Arch::Transformers => format!("{} (transformers)", self.model_type),
+            a => a.to_string(),
+        };
         let mut s = format!(
-            "{}, {} layers, hidden {}",
-            self.arch, self.num_hidden_layers, self.hidden_size
+            "{arch}, {} layers, hidden {}",
+            self.num_hidden_layers, self.hidden_size
         );
         if let Some(m) = &self.moe {
             s.push_str(&format!(
@@ -676,6 +687,100 @@ impl TargetConfig {
                 Arch::Qwen3Moe => Some(moe(&v, num_hidden_layers)?),
                 _ => None,
             },
+            model_type: model_type.to_string(),
+        })
+    }
+
+    /// A config.json of any architecture, for the torch target engine: the native
+    /// families as [`read`](Self::read) reads them; any other as [`Arch::Transformers`],
+    /// with what the data plane and the drafter need (sizes, attention shape for the
+    /// drafter's own layers, vocabulary, context), read from `text_config` when the model
+    /// nests its language model there. Its rope settings are not the drafter's business:
+    /// the drafter's own rotary embedding uses `rope_theta` (10000 when absent).
+    pub fn read_any(text: &str) -> Result<TargetConfig, ConfigProblem> {
+        let model_type = match TargetConfig::read(text) {
+            Err(ConfigProblem::Architecture { model_type, .. }) => model_type,
+            r => return r,
+        };
+        let top: serde_json::Value =
+            serde_json::from_str(text).map_err(|source| ConfigProblem::Json { source })?;
+        let v = match &top["text_config"] {
+            t if t["num_hidden_layers"].is_u64() => t.clone(),
+            _ => top.clone(),
+        };
+        check_sizes(&v)?;
+        let num = |field: &'static str| -> Result<usize, ConfigProblem> {
+            v[field]
+                .as_u64()
+                .or(top[field].as_u64())
+                .map(|n| n as usize)
+                .filter(|&n| n > 0)
+                .ok_or(ConfigProblem::NotPositiveInteger { field })
+        };
+        let hidden_size = num("hidden_size")?;
+        let heads = num("num_attention_heads")?;
+        let kv_heads = v["num_key_value_heads"]
+            .as_u64()
+            .map_or(heads, |n| n as usize);
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(ConfigProblem::KvHeads { heads, kv_heads });
+        }
+        let head_dim = match v["head_dim"].as_u64() {
+            Some(d) if d > 0 => d as usize,
+            _ if hidden_size % heads == 0 => hidden_size / heads,
+            _ => return Err(ConfigProblem::HeadDim { hidden_size, heads }),
+        };
+        if head_dim % 2 != 0 {
+            return Err(ConfigProblem::OddHeadDim { head_dim });
+        }
+        let theta = v["rope_theta"]
+            .as_f64()
+            .or(v["rope_parameters"]["rope_theta"].as_f64())
+            .or_else(|| {
+                v["rope_parameters"]
+                    .as_object()?
+                    .values()
+                    .find_map(|p| p["rope_theta"].as_f64())
+            })
+            .unwrap_or(10000.0);
+        Ok(TargetConfig {
+            arch: Arch::Transformers,
+            hidden_size,
+            num_hidden_layers: num("num_hidden_layers")?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            intermediate_size: num("intermediate_size").unwrap_or(4 * hidden_size),
+            rms_norm_eps: v["rms_norm_eps"]
+                .as_f64()
+                .filter(|e| *e > 0.0)
+                .unwrap_or(1e-6),
+            rope_theta: theta,
+            rope_scaling: None,
+            vocab_size: num("vocab_size")?,
+            tie_word_embeddings: top["tie_word_embeddings"]
+                .as_bool()
+                .or(v["tie_word_embeddings"].as_bool())
+                .unwrap_or(false),
+            max_position_embeddings: v["max_position_embeddings"]
+                .as_u64()
+                .map(|n| n as usize)
+                .filter(|&n| n > 0),
+            moe: None,
+            model_type,
+        })
+    }
+
+    /// [`read_any`](Self::read_any) of `dir/config.json`.
+    pub fn load_any(dir: &Path) -> Result<TargetConfig, ConfigError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError {
+            path: path.display().to_string(),
+            problem: ConfigProblem::Unreadable { source },
+        })?;
+        TargetConfig::read_any(&text).map_err(|problem| ConfigError {
+            path: path.display().to_string(),
+            problem,
         })
     }
 
@@ -801,6 +906,62 @@ pub fn is_ignorable_tensor(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn any_architecture_is_read_for_the_torch_engine_and_only_there() {
+        let gpt_oss = r#"{"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+            "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+            "intermediate_size": 2880, "vocab_size": 201088, "rope_theta": 150000, "max_position_embeddings": 131072,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0}}"#;
+        // The native engine refuses it; read_any takes it as transformers'.
+        assert!(matches!(
+            TargetConfig::read(gpt_oss),
+            Err(ConfigProblem::Architecture { .. })
+        ));
+        let t = TargetConfig::read_any(gpt_oss).unwrap();
+        assert_eq!(t.arch, Arch::Transformers);
+        assert_eq!(t.model_type, "gpt_oss");
+        assert_eq!(
+            (
+                t.hidden_size,
+                t.num_hidden_layers,
+                t.num_attention_heads,
+                t.num_key_value_heads,
+                t.head_dim
+            ),
+            (2880, 24, 64, 8, 64)
+        );
+        assert_eq!(
+            (t.vocab_size, t.max_position_embeddings),
+            (201088, Some(131072))
+        );
+        assert_eq!((t.rope_theta, t.rope_scaling.clone()), (150000.0, None));
+        assert!(t
+            .describe()
+            .starts_with("gpt_oss (transformers), 24 layers"));
+        // A multimodal wrapper: the language model's config is nested.
+        let nested = r#"{"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "tie_word_embeddings": true, "text_config": {"hidden_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+            "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}}"#;
+        let t = TargetConfig::read_any(nested).unwrap();
+        assert_eq!(
+            (t.hidden_size, t.num_hidden_layers, t.head_dim, t.vocab_size),
+            (64, 4, 16, 512)
+        );
+        assert_eq!((t.rope_theta, t.tie_word_embeddings), (1_000_000.0, true));
+        // The native families read as read() reads them; sizes are still checked.
+        assert_eq!(
+            TargetConfig::read_any(TINY_CONFIG).unwrap(),
+            TargetConfig::read(TINY_CONFIG).unwrap()
+        );
+        let bad = r#"{"model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 3, "vocab_size": 512}"#;
+        assert!(matches!(
+            TargetConfig::read_any(bad),
+            Err(ConfigProblem::KvHeads { .. })
+        ));
+    }
 
     #[test]
     fn tap_convention_matches_the_published_one() {

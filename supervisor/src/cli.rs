@@ -244,7 +244,8 @@ pub struct RunArgs {
     pub stop_timeout: Duration,
 
     /// The frozen target model: a Hugging Face directory (config.json + model.safetensors
-    /// or shards; Qwen3 or Llama), or tiny (a small built-in model with random weights,
+    /// or shards; Qwen3, Qwen3-MoE and Llama natively, any other transformers causal LM on
+    /// the torch engine), or tiny (a small built-in model with random weights,
     /// written to RUN_DIR/target).
     #[arg(
         long,
@@ -257,7 +258,7 @@ pub struct RunArgs {
     /// What runs the target: native (this tool's own forward: Qwen3, Qwen3-MoE, Llama),
     /// torch (a Python child per target worker running transformers' implementation, which
     /// needs python3 with torch and transformers), or auto (native where it serves the
-    /// target).
+    /// target, else torch).
     #[arg(
         long,
         value_name = "ENGINE",

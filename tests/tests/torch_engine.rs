@@ -276,3 +276,160 @@ fn a_python_without_torch_is_refused_in_one_line() {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(!tmp.path().join("run").exists());
 }
+
+/// A tiny random checkpoint of a family the native engine does not serve (vocabulary 512,
+/// as the demo data's ids), made with transformers' `from_config`.
+const FAMILY: &str = r#"
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+name, out = sys.argv[1], sys.argv[2]
+kw = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+          num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+moe = dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+           first_k_dense_replace=1, n_group=1, topk_group=1)
+kw.update({
+    "gpt_oss": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
+    "qwen3_5_text": dict(intermediate_size=96, **linear),
+    "glm4_moe": dict(intermediate_size=96, **moe),
+    "deepseek_v3": dict(intermediate_size=96, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32,
+                        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, **moe),
+    "minimax_m2": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8,
+                       bos_token_id=1, eos_token_id=2),
+}[name])
+if name == "deepseek_v3":
+    kw.pop("head_dim")
+AutoModelForCausalLM.from_config(AutoConfig.for_model(name, **kw)).save_pretrained(out)
+"#;
+
+/// A family the native engine does not serve: `auto` picks the torch engine, a drafter
+/// trains 20 steps with a clean ledger, exports, and the export passes `export-check`.
+fn family_trains_and_exports(family: &str) {
+    if !have_torch() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join(family);
+    let o = Command::new("python3")
+        .args(["-c", FAMILY, family])
+        .arg(&target)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{family}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--steps",
+        "20",
+        "--target",
+        target.to_str().unwrap(),
+        "--data",
+        "demo",
+    ]);
+    let status = sup.wait_exit(Duration::from_secs(180));
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(0), "{family}: {err}");
+    assert!(
+        err.contains(&format!(
+            "target engine: torch (the native engine does not serve {family}"
+        )),
+        "{err}"
+    );
+    let log = sup.log("target-0");
+    assert!(log.contains("target loaded by the torch engine"), "{log}");
+    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
+    assert_eq!(steps.len(), 20, "{family}");
+    assert!(steps
+        .iter()
+        .all(|s| s["loss"].as_f64().is_some_and(f64::is_finite)));
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{family}: {a}");
+    assert_eq!(
+        (a["lost"].as_u64(), a["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
+    let drafter = sup.run_dir.join("drafter");
+    let cfg: Value =
+        serde_json::from_str(&fs::read_to_string(drafter.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["dflash_target"]["model_type"], family, "{cfg}");
+    let o = Command::new(bin("dflash-supervise"))
+        .arg("export-check")
+        .arg(&drafter)
+        .env("HF_MODULES_CACHE", tmp.path().join("hf-modules"))
+        .env("HF_HUB_OFFLINE", "1")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{family}: export-check: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn gpt_oss_trains_on_the_torch_engine() {
+    family_trains_and_exports("gpt_oss");
+}
+
+#[test]
+fn qwen3_5_trains_on_the_torch_engine() {
+    family_trains_and_exports("qwen3_5_text");
+}
+
+#[test]
+fn glm4_moe_trains_on_the_torch_engine() {
+    family_trains_and_exports("glm4_moe");
+}
+
+#[test]
+fn deepseek_v3_trains_on_the_torch_engine() {
+    family_trains_and_exports("deepseek_v3");
+}
+
+#[test]
+fn minimax_m2_trains_on_the_torch_engine() {
+    family_trains_and_exports("minimax_m2");
+}
+
+#[test]
+fn the_native_engine_refuses_a_family_it_does_not_serve_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("t");
+    fs::create_dir_all(&target).unwrap();
+    fs::write(
+        target.join("config.json"),
+        r#"{"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64, "vocab_size": 512}"#,
+    )
+    .unwrap();
+    let o = supervise(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--target",
+            target.to_str().unwrap(),
+            "--target-engine",
+            "native",
+            "--run-dir",
+            tmp.path().join("run").to_str().unwrap(),
+        ],
+        None,
+    );
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("the native engine serves Qwen3, Qwen3-MoE and Llama, not gpt_oss"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

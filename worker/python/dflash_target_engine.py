@@ -1,7 +1,8 @@
 """The torch target engine: the child a target worker starts with `--target-engine torch`.
 
 It loads the target with transformers (AutoModelForCausalLM; float32 on the CPU, bfloat16 on
-a GPU; only the layers up to the last tap), maps the worker's hidden-state pool (a memfd,
+a GPU; transformers' attention choice, flash-attention on a GPU where installed; only the
+layers up to the last tap), maps the worker's hidden-state pool (a memfd,
 opened through /proc/<worker>/fd/<fd>), and answers one request per stdin line by running
 each row through the model and writing the tapped layers' outputs straight into the pool:
 
@@ -82,10 +83,17 @@ def load(args):
     gpu = args.device == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     kw = {"dtype": dtype} if hasattr(transformers, "__version__") and int(transformers.__version__.split(".")[0]) >= 5 else {"torch_dtype": dtype}
+    # transformers' own choice (sdpa where the architecture supports it, else eager, as
+    # gpt-oss's attention sinks need); flash-attention on a GPU when it is installed.
+    if gpu:
+        try:
+            import flash_attn  # noqa: F401
+
+            kw["attn_implementation"] = "flash_attention_2"
+        except ImportError:
+            pass
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            args.target, config=cfg, attn_implementation="sdpa", **kw
-        )
+        model = AutoModelForCausalLM.from_pretrained(args.target, config=cfg, **kw)
     except Exception as e:  # one line: what could not be loaded
         die(f"transformers {transformers.__version__} cannot load {args.target}: {e}".replace("\n", " "))
     model.eval()

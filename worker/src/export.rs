@@ -278,6 +278,7 @@ pub struct ExportInfo<'a> {
 pub fn target_record(c: &dflash_shared::model_config::TargetConfig) -> Value {
     json!({
         "architecture": c.arch.to_string(),
+        "model_type": c.model_type,
         "num_hidden_layers": c.num_hidden_layers,
         "hidden_size": c.hidden_size,
         "fingerprint": format!("{:016x}", c.fingerprint()),
@@ -553,7 +554,7 @@ pub fn from_checkpoint(
         num_target_layers: layers,
         target_layer_ids: &ids,
         max_position_embeddings,
-        target: dflash_shared::model_config::TargetConfig::load(target)
+        target: dflash_shared::model_config::TargetConfig::load_any(target)
             .ok()
             .map(|c| {
                 let mut r = target_record(&c);

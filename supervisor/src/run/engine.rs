@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use dflash_shared::model_config::TargetConfig;
+use dflash_shared::model_config::{Arch, TargetConfig};
 
 use crate::cli::{RunArgs, TargetEngine};
 use crate::error::Error;
@@ -51,6 +51,24 @@ fn torch_versions(python: &str) -> Result<(String, String), String> {
 /// The engine's name for the workers (`native` or `torch`) and the start's line saying which
 /// and why; `--target-engine torch` without torch and transformers is refused (exit 2).
 pub fn choose(args: &RunArgs, target: &TargetConfig) -> Result<(&'static str, String), Error> {
+    let native = target.arch != Arch::Transformers;
+    if !native {
+        let family = &target.model_type;
+        if args.target_engine == TargetEngine::Native {
+            return Err(Error::Flag(format!(
+                "--target-engine native: the native engine serves Qwen3, Qwen3-MoE and Llama, not {family} (expected --target-engine torch or auto, which run transformers' implementation)"
+            )));
+        }
+        if args.eval_prompts.is_some() {
+            return Err(Error::Flag(format!(
+                "--eval-prompts: τ is decoded by the native engine, which does not serve {family} (the torch engine does not decode yet); train without --eval-prompts"
+            )));
+        }
+        return torch(
+            target,
+            &format!("the native engine does not serve {family}"),
+        );
+    }
     match args.target_engine {
         TargetEngine::Native => Ok((
             "native",
@@ -63,16 +81,26 @@ pub fn choose(args: &RunArgs, target: &TargetConfig) -> Result<(&'static str, St
                 target.arch
             ),
         )),
-        TargetEngine::Torch => {
-            let py = python();
-            let (torch, transformers) = torch_versions(&py).map_err(|why| Error::Unavailable {
-                what: "--target-engine torch".into(),
-                source: format!("{why}: pip install torch transformers, or point DFLASH_PYTHON at a Python that has them").into(),
-            })?;
-            Ok((
-                "torch",
-                format!("target engine: torch (transformers {transformers}, torch {torch}, {py}): a Python child per target worker runs transformers' {}", target.arch),
-            ))
-        }
+        TargetEngine::Torch => torch(target, "--target-engine torch"),
     }
+}
+
+/// The torch engine, `why` it was chosen, once python has torch and transformers.
+fn torch(target: &TargetConfig, why: &str) -> Result<(&'static str, String), Error> {
+    let py = python();
+    let (torch, transformers) = torch_versions(&py).map_err(|e| Error::Unavailable {
+        what: format!("the torch target engine ({why})"),
+        source: format!(
+            "{e}: pip install torch transformers, or point DFLASH_PYTHON at a Python that has them"
+        )
+        .into(),
+    })?;
+    let family = match target.arch {
+        Arch::Transformers => target.model_type.clone(),
+        a => a.to_string(),
+    };
+    Ok((
+        "torch",
+        format!("target engine: torch ({why}; transformers {transformers}, torch {torch}, {py}): a Python child per target worker runs transformers' {family}"),
+    ))
 }

@@ -299,17 +299,35 @@ fn check_init_drafter(
 }
 
 /// The target's config.json, its checkpoint checked, and the engine that runs it (with the
-/// start's line saying which).
+/// start's line saying which; `auto` resolved in `args`). An architecture the native
+/// engine does not serve is read for the torch engine ([`TargetConfig::read_any`]).
 fn target_and_engine(
-    args: &RunArgs,
+    args: &mut RunArgs,
     plan: &[(WorkerName, Device)],
 ) -> Result<(TargetConfig, String), Error> {
-    let target_cfg = target_config(&args.target)?;
-    if args.target != "tiny" {
+    use dflash_shared::model_config::{ConfigError, ConfigProblem};
+    let input = |e: ConfigError| Error::input(format!("--target {}", args.target), e);
+    let target_cfg = match target_config(&args.target) {
+        Err(_) if args.target != "tiny" => {
+            let dir = Path::new(&args.target);
+            match TargetConfig::load(dir) {
+                Err(ConfigError {
+                    problem: ConfigProblem::Architecture { .. },
+                    ..
+                }) => TargetConfig::load_any(dir).map_err(input)?,
+                r => r.map_err(input)?,
+            }
+        }
+        r => r?,
+    };
+    if args.target != "tiny" && target_cfg.arch != dflash_shared::model_config::Arch::Transformers {
         target_check::check(Path::new(&args.target), &target_cfg)
             .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     }
-    let (_, mut line) = engine::choose(args, &target_cfg)?;
+    let (engine, mut line) = engine::choose(args, &target_cfg)?;
+    if engine == "torch" {
+        args.target_engine = crate::cli::TargetEngine::Torch;
+    }
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
         line.push_str("; workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
     }
@@ -415,7 +433,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let plan = plan(&args, &mut gpus::gpu_count)?;
     check_telemetry_flags(&args, &plan)?;
-    let (target_cfg, engine_line) = target_and_engine(&args, &plan)?;
+    let (target_cfg, engine_line) = target_and_engine(&mut args, &plan)?;
     let cpu_defaults = cpu_defaults(&args, &plan);
     let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
