@@ -433,3 +433,53 @@ fn the_native_engine_refuses_a_family_it_does_not_serve_in_one_line() {
     );
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+/// NVML is the supervisor's alone: a Python child that has it in its address space (here
+/// preloaded by the interpreter's wrapper) stops the run with one line naming it, as a
+/// permanent failure (not restarted).
+#[test]
+fn a_python_child_with_nvml_loaded_is_refused_as_permanent() {
+    if !have_torch() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = tmp.path().join("libnvidia-ml.so.1");
+    fs::copy(fake_nvml(), &lib).unwrap();
+    let py = tmp.path().join("python");
+    fs::write(
+        &py,
+        format!(
+            "#!/bin/sh\nLD_PRELOAD={} exec python3 \"$@\"\n",
+            lib.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(&py, fs::Permissions::from_mode(0o755)).unwrap();
+    let mut sup = Sup::start_real_env(
+        &[
+            "--gpus",
+            "cpu:2",
+            "--steps",
+            "5",
+            "--target-engine",
+            "torch",
+            "--data",
+            "demo",
+        ],
+        &[("DFLASH_PYTHON", py.to_str().unwrap())],
+    );
+    let status = sup.wait_exit(Duration::from_secs(120));
+    let err = sup.stderr();
+    assert_ne!(status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("the Python child loaded NVML") && err.contains("libnvidia-ml.so.1"),
+        "{err}"
+    );
+    let st: Value = sup.state().unwrap();
+    assert_eq!(
+        worker(&st, "target-0")["restarts"].as_u64(),
+        Some(0),
+        "permanent: {st}"
+    );
+}

@@ -106,6 +106,7 @@ impl WorkerError {
             WorkerError::Permanent(_) | WorkerError::BadModel(_) | WorkerError::Model(_) => {
                 exit_codes::WORKER_PERMANENT
             }
+            WorkerError::Engine(e) if e.permanent() => exit_codes::WORKER_PERMANENT,
             _ => 1,
         }
     }
@@ -115,6 +116,7 @@ impl WorkerError {
         use dflash_shared::protocol::FatalKind;
         match self.root() {
             WorkerError::Permanent(_) => FatalKind::Device,
+            WorkerError::Engine(e) if e.permanent() => FatalKind::Device,
             WorkerError::BadModel(_) | WorkerError::Model(_) => FatalKind::Model,
             _ => FatalKind::Crash,
         }

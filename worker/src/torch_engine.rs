@@ -37,12 +37,16 @@ pub enum TorchError {
     Ended { status: String, tail: String },
     #[error("torch engine: {0}")]
     Protocol(String),
+    /// The child has NVML in its address space: GPU telemetry is the supervisor's alone,
+    /// and no process with a CUDA context may load it (the same rule as for the workers).
+    #[error("torch engine: the Python child loaded NVML ({lib}); GPU telemetry belongs to the supervisor alone (remove what preloads it, e.g. LD_PRELOAD or a package importing pynvml)")]
+    Nvml { lib: String },
 }
 
 impl TorchError {
     /// Restarting cannot help: Python is missing, or the child refused the target.
     pub fn permanent(&self) -> bool {
-        matches!(self, TorchError::Spawn { .. })
+        matches!(self, TorchError::Spawn { .. } | TorchError::Nvml { .. })
     }
 }
 
@@ -55,6 +59,23 @@ pub struct TorchChild {
     stderr_reader: Option<std::thread::JoinHandle<()>>,
     /// Its ready line: hidden size, layers, versions, device.
     pub ready: Value,
+    /// Whether its address space was checked for NVML after its first batch too (a library
+    /// may be loaded lazily, at the first use of a device).
+    checked_after_work: bool,
+}
+
+/// The NVML library mapped into process `pid`, if one is (its path as /proc/PID/maps
+/// names it).
+fn nvml_mapped(pid: u32) -> Option<String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| {
+            std::path::Path::new(p)
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("libnvidia-ml"))
+        })
+        .map(str::to_string)
 }
 
 /// The Python interpreter: `DFLASH_PYTHON`, else python3.
@@ -167,6 +188,7 @@ impl TorchChild {
             stderr,
             stderr_reader,
             ready: Value::Null,
+            checked_after_work: false,
         };
         let line = me.read_line()?;
         let ready: Value = serde_json::from_str(&line).map_err(|_| {
@@ -178,6 +200,9 @@ impl TorchChild {
             )));
         }
         me.ready = ready;
+        if let Some(lib) = nvml_mapped(me.pid()) {
+            return Err(TorchError::Nvml { lib });
+        }
         Ok(me)
     }
 
@@ -238,6 +263,12 @@ impl TorchChild {
             return Err(TorchError::Protocol(format!(
                 "the child answered {line:?} to batch {id}"
             )));
+        }
+        if !self.checked_after_work {
+            self.checked_after_work = true;
+            if let Some(lib) = nvml_mapped(self.pid()) {
+                return Err(TorchError::Nvml { lib });
+            }
         }
         Ok(r["ms"].as_f64().unwrap_or(0.0))
     }
