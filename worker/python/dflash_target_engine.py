@@ -124,6 +124,9 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
+    # stdout is the protocol: whatever a library prints goes to stderr (the worker's log).
+    proto = sys.stdout
+    sys.stdout = sys.stderr
     import torch
     import transformers
 
@@ -145,6 +148,7 @@ def main():
                 "device": str(dev),
             }
         ),
+        file=proto,
         flush=True,
     )
     for line in sys.stdin:
@@ -167,7 +171,7 @@ def main():
                     die(f"row of {len(data)} bytes at {off} passes the pool's {len(pool)} bytes")
                 pool[off : off + len(data)] = data
         ms = (time.perf_counter() - t0) * 1000.0
-        print(json.dumps({"id": req["id"], "ok": True, "ms": ms}), flush=True)
+        print(json.dumps({"id": req["id"], "ok": True, "ms": ms}), file=proto, flush=True)
 
 
 if __name__ == "__main__":
