@@ -19,3 +19,14 @@ pub const TARGET_DIR: &str = "DFLASH_TARGET_DIR";
 /// The target workers' engine: `native` (this tool's own forward) or `torch` (a Python
 /// child running transformers).
 pub const TARGET_ENGINE: &str = "DFLASH_TARGET_ENGINE";
+/// The Python interpreter for the tools that run one (the torch target engine,
+/// `export-check`): its path, else `python3` on the PATH.
+pub const PYTHON: &str = "DFLASH_PYTHON";
+
+/// [`PYTHON`]'s value, or `python3` when it is unset or blank.
+pub fn python() -> String {
+    std::env::var(PYTHON)
+        .ok()
+        .filter(|p| !p.trim().is_empty())
+        .unwrap_or_else(|| "python3".into())
+}

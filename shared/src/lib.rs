@@ -6,6 +6,7 @@
 
 pub mod batch;
 pub mod checkpoint;
+pub mod child;
 pub mod devices;
 pub mod drafter;
 pub mod env;

@@ -108,7 +108,7 @@ fn shielded_from_stop_signals(cmd: &mut std::process::Command) {
     // calls (prctl, getppid, signal) and builds an io::Error from a raw errno.
     unsafe {
         cmd.pre_exec(move || {
-            crate::child::die_with(parent)?;
+            dflash_shared::child::die_with(parent)?;
             for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
                 libc::signal(sig, libc::SIG_IGN);
             }

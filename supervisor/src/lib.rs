@@ -13,7 +13,6 @@
 //! `main` parses the command line and hands over to one of them. Errors end here as one
 //! line on stderr and a documented exit code ([`dflash_shared::exit_codes`]).
 
-pub mod child;
 pub mod cli;
 pub mod commands;
 pub mod data;

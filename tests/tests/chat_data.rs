@@ -5,30 +5,10 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-
-fn tokenizer_dir() -> Option<PathBuf> {
-    let d = match std::env::var_os("DFLASH_QWEN3_TOKENIZER") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer")
-        }
-    };
-    if d.join("tokenizer.json").is_file() {
-        return Some(d);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{} is missing: under CI this test may not skip (.ci/run fetches it)",
-        d.display()
-    );
-    eprintln!("skipping: no Qwen3 tokenizer at {}", d.display());
-    None
-}
 
 const CONFIG: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":32,"num_hidden_layers":4,
   "num_attention_heads":2,"num_key_value_heads":1,"head_dim":16,"intermediate_size":64,"rms_norm_eps":1e-6,
@@ -36,24 +16,10 @@ const CONFIG: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen
 
 #[test]
 fn a_run_trains_on_chat_data_with_the_targets_own_template() {
-    let Some(tok) = tokenizer_dir() else { return };
+    let Some(tok) = qwen3_tokenizer() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    std::fs::create_dir_all(&target).unwrap();
-    let cfg = tmp.path().join("config.json");
-    std::fs::write(&cfg, CONFIG).unwrap();
-    let st = Command::new(bin("dflash-worker"))
-        .arg("tiny-target")
-        .arg("--out")
-        .arg(&target)
-        .arg("--config")
-        .arg(&cfg)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(tok.join(f), target.join(f)).unwrap();
-    }
+    target_with_tokenizer(&target, CONFIG, &tok);
     let mut lines = Vec::new();
     for i in 0..24 {
         let q = format!("Question {i}: what is {i} times {i}?");
@@ -137,7 +103,7 @@ fn a_run_trains_on_chat_data_with_the_targets_own_template() {
 /// by line.
 #[test]
 fn a_tokenizer_whose_ids_pass_the_targets_vocabulary_is_refused_at_the_start() {
-    let Some(tok) = tokenizer_dir() else { return };
+    let Some(tok) = qwen3_tokenizer() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
     let st = Command::new(bin("dflash-worker"))
@@ -188,23 +154,10 @@ fn a_tokenizer_whose_ids_pass_the_targets_vocabulary_is_refused_at_the_start() {
 /// training data by default and warns once when told otherwise.
 #[test]
 fn the_datas_thinking_switch_and_template_travel_to_the_export_and_eval_warns_on_others() {
-    let Some(tok) = tokenizer_dir() else { return };
+    let Some(tok) = qwen3_tokenizer() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    std::fs::create_dir_all(&target).unwrap();
-    let cfg = tmp.path().join("config.json");
-    std::fs::write(&cfg, CONFIG).unwrap();
-    let st = Command::new(bin("dflash-worker"))
-        .args(["tiny-target", "--out"])
-        .arg(&target)
-        .arg("--config")
-        .arg(&cfg)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(tok.join(f), target.join(f)).unwrap();
-    }
+    target_with_tokenizer(&target, CONFIG, &tok);
     let lines: Vec<String> = (0..12)
         .map(|i| {
             serde_json::json!({"thinking": false, "messages": [

@@ -661,23 +661,6 @@ fn a_second_supervisor_on_a_run_dir_in_use_is_told_another_supervisor_uses_it() 
     drop(lock);
 }
 
-/// The pids of `pid`'s children, over all its threads.
-fn children(pid: u32) -> Vec<u32> {
-    fs::read_dir(format!("/proc/{pid}/task"))
-        .map(|d| {
-            d.flatten()
-                .flat_map(|t| {
-                    fs::read_to_string(t.path().join("children"))
-                        .unwrap_or_default()
-                        .split_whitespace()
-                        .filter_map(|p| p.parse().ok())
-                        .collect::<Vec<u32>>()
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 #[test]
 fn a_killed_reaper_is_noticed_with_one_warning_and_the_run_goes_on() {
     let mut sup = Sup::start_real(&["--gpus", "cpu:2"]);

@@ -18,21 +18,6 @@ use std::time::Duration;
 use common::*;
 use serde_json::{json, Value};
 
-fn have_torch() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "python3 with torch and transformers is missing: under CI this test may not skip"
-        );
-        eprintln!("skipping: python3 with torch and transformers is not installed");
-    }
-    ok
-}
-
 /// The synthetic-language target, trained into `dir`.
 fn synthetic_target(dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/synthetic_target.py");
@@ -284,15 +269,6 @@ fn journal_records(out: &Path) -> usize {
         .unwrap_or(0)
 }
 
-/// The pids of `parent`'s children.
-fn children(parent: u32) -> Vec<u32> {
-    fs::read_to_string(format!("/proc/{parent}/task/{parent}/children"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .filter_map(|p| p.parse().ok())
-        .collect()
-}
-
 #[test]
 fn a_killed_regeneration_continued_writes_each_line_exactly_once() {
     let tmp = tempfile::tempdir().unwrap();
@@ -535,25 +511,12 @@ fn bad_inputs_are_refused_with_one_line_and_nothing_is_overwritten() {
         e.contains("other settings") && e.contains("give the same flags"),
         "{e}"
     );
-}
-
-fn tokenizer_dir() -> Option<PathBuf> {
-    let d = match std::env::var_os("DFLASH_QWEN3_TOKENIZER") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer")
-        }
-    };
-    if d.join("tokenizer.json").is_file() {
-        return Some(d);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{} is missing: under CI this test may not skip (.ci/run fetches it)",
-        d.display()
-    );
-    eprintln!("skipping: no Qwen3 tokenizer at {}", d.display());
-    None
+    // Neither the journal of those settings nor anything else was removed or made.
+    assert!(fs::read_to_string(format!("{f}.partial"))
+        .unwrap()
+        .contains("\"data\":\"x\""));
+    assert!(!fresh.exists());
+    assert_eq!(fs::read_to_string(&out).unwrap(), "mine\n");
 }
 
 const QWEN_VOCAB_CONFIG: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_type":"qwen3","hidden_size":32,"num_hidden_layers":2,
@@ -563,23 +526,10 @@ const QWEN_VOCAB_CONFIG: &str = r#"{"architectures":["Qwen3ForCausalLM"],"model_
 
 #[test]
 fn chat_lines_come_back_with_every_reply_written_again_and_prepare_takes_them() {
-    let Some(tok) = tokenizer_dir() else { return };
+    let Some(tok) = qwen3_tokenizer() else { return };
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
-    fs::create_dir_all(&target).unwrap();
-    let cfg = tmp.path().join("config.json");
-    fs::write(&cfg, QWEN_VOCAB_CONFIG).unwrap();
-    let st = Command::new(bin("dflash-worker"))
-        .args(["tiny-target", "--out"])
-        .arg(&target)
-        .arg("--config")
-        .arg(&cfg)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        fs::copy(tok.join(f), target.join(f)).unwrap();
-    }
+    target_with_tokenizer(&target, QWEN_VOCAB_CONFIG, &tok);
     let data = tmp.path().join("chat.jsonl");
     fs::write(
         &data,

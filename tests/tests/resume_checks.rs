@@ -349,27 +349,6 @@ fn newest_checkpoints_of_another_drafter_or_edited_are_set_aside_and_the_run_com
     ledger_is_clean(&rd);
 }
 
-/// Qwen3's tokenizer (scripts/fetch_test_assets.sh): skips without it on a laptop, fails
-/// under CI.
-fn qwen3_tokenizer() -> Option<PathBuf> {
-    let d = match std::env::var_os("DFLASH_QWEN3_TOKENIZER") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer")
-        }
-    };
-    if d.join("tokenizer.json").is_file() {
-        return Some(d);
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{} is missing: under CI this test may not skip (.ci/run fetches it)",
-        d.display()
-    );
-    eprintln!("skipping: no Qwen3 tokenizer at {}", d.display());
-    None
-}
-
 #[test]
 fn the_tokenizer_given_at_the_start_is_used_again_by_a_resume_without_it() {
     let Some(tok) = qwen3_tokenizer() else { return };

@@ -16,21 +16,6 @@ use std::time::Duration;
 use common::*;
 use serde_json::Value;
 
-fn have_torch() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "python3 with torch and transformers is missing: under CI this test may not skip"
-        );
-        eprintln!("skipping: python3 with torch and transformers is not installed");
-    }
-    ok
-}
-
 /// Tiny random checkpoints of three families, made with transformers (float32).
 const MAKE: &str = r#"
 import sys, torch
@@ -174,23 +159,6 @@ fn a_run_on_the_torch_engine_has_the_native_runs_losses() {
             "losses {native:?} vs {torch:?}"
         );
     }
-}
-
-/// The pids of `parent`'s children, whichever of its threads started them.
-fn children(parent: u32) -> Vec<u32> {
-    let tasks = fs::read_dir(format!("/proc/{parent}/task"))
-        .into_iter()
-        .flatten()
-        .flatten();
-    tasks
-        .flat_map(|t| {
-            fs::read_to_string(t.path().join("children"))
-                .unwrap_or_default()
-                .split_whitespace()
-                .filter_map(|p| p.parse().ok())
-                .collect::<Vec<u32>>()
-        })
-        .collect()
 }
 
 #[test]

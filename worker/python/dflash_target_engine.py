@@ -136,6 +136,7 @@ def main():
     f = open(args.pool, "r+b")
     pool = mmap.mmap(f.fileno(), 0)
     dev = next(model.parameters()).device
+    body = getattr(model, "model", model)
     print(
         json.dumps(
             {
@@ -162,9 +163,8 @@ def main():
                 if not ids:
                     continue
                 captured.clear()
-                model.model(input_ids=torch.tensor([ids], device=dev), use_cache=False) if hasattr(
-                    model, "model"
-                ) else model(input_ids=torch.tensor([ids], device=dev), use_cache=False)
+                # The decoder without the lm_head: the taps are all that is needed.
+                body(input_ids=torch.tensor([ids], device=dev), use_cache=False)
                 row = torch.cat([captured[k][0] for k in taps], dim=-1).to(out_dtype).contiguous()
                 data = row.cpu().view(torch.uint8).numpy().tobytes()
                 if off + len(data) > len(pool):

@@ -10,6 +10,7 @@
 //! hand fails with the child's last stderr lines, the worker exits and is restarted like any
 //! other, and the batch is delivered again.
 
+use dflash_shared::env::python;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::process::CommandExt;
@@ -78,14 +79,6 @@ fn nvml_mapped(pid: u32) -> Option<String> {
         .map(str::to_string)
 }
 
-/// The Python interpreter: `DFLASH_PYTHON`, else python3.
-pub fn python() -> String {
-    std::env::var("DFLASH_PYTHON")
-        .ok()
-        .filter(|p| !p.trim().is_empty())
-        .unwrap_or_else(|| "python3".into())
-}
-
 /// `cmd` spawned from a thread that lives as long as this process: `PR_SET_PDEATHSIG`
 /// fires when the thread that forked ends, and the caller may be a short-lived one (the
 /// target's loading thread).
@@ -135,22 +128,7 @@ impl TorchChild {
         let parent = std::process::id() as libc::pid_t;
         // SAFETY: between fork and exec: prctl and getppid only (async-signal-safe).
         unsafe {
-            cmd.pre_exec(move || {
-                if libc::prctl(
-                    libc::PR_SET_PDEATHSIG,
-                    libc::SIGKILL as libc::c_ulong,
-                    0,
-                    0,
-                    0,
-                ) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if libc::getppid() != parent {
-                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-                }
-                Ok(())
-            });
+            cmd.pre_exec(move || dflash_shared::child::die_with(parent));
         }
         let mut child = spawn_kept(cmd).map_err(|source| TorchError::Spawn {
             python: py.clone(),

@@ -8,6 +8,7 @@
 //! not (over the tolerance, missing or unexpected tensors, a model that fails to load or
 //! run); 2: DIR is not an export, or Python, torch or transformers is missing.
 
+use dflash_shared::env::python;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -35,14 +36,6 @@ pub struct ExportCheckArgs {
     /// Largest max relative error (max |diff| / max |ref|) that passes.
     #[arg(long, default_value_t = DEFAULT_TOLERANCE, value_name = "X")]
     pub tolerance: f64,
-}
-
-/// The Python interpreter: `$DFLASH_PYTHON`, else `python3`.
-fn python() -> String {
-    std::env::var("DFLASH_PYTHON")
-        .ok()
-        .filter(|p| !p.trim().is_empty())
-        .unwrap_or_else(|| "python3".to_string())
 }
 
 /// Why `dir` is not an export, if it is not one.

@@ -3,20 +3,13 @@
 //! per target worker running transformers' implementation (the worker's
 //! `torch_engine`); `auto` is native for every target the native engine serves.
 
+use dflash_shared::env::python;
 use std::process::Command;
 
 use dflash_shared::model_config::{Arch, TargetConfig};
 
 use crate::cli::{RunArgs, TargetEngine};
 use crate::error::Error;
-
-/// The Python the torch engine runs: `DFLASH_PYTHON`, else python3 (as the worker's).
-fn python() -> String {
-    std::env::var("DFLASH_PYTHON")
-        .ok()
-        .filter(|p| !p.trim().is_empty())
-        .unwrap_or_else(|| "python3".into())
-}
 
 /// The versions of torch and transformers that `python` imports, or why it cannot.
 fn torch_versions(python: &str) -> Result<(String, String), String> {

@@ -73,7 +73,7 @@ fn spawn_now(spec: SpawnSpec) -> io::Result<Child> {
     // calls (prctl, getppid, close_range, fcntl) and builds an io::Error from a raw errno (no allocation).
     unsafe {
         cmd.pre_exec(move || {
-            crate::child::die_with(parent)?;
+            dflash_shared::child::die_with(parent)?;
             // Nothing but stdio and the pools crosses exec: a descriptor inherited by
             // accident (ipc-channel accepts control connections without close-on-exec)
             // would keep another worker's channel open after that worker dies.

@@ -380,3 +380,77 @@ pub fn documented_sbatch_script() -> (PathBuf, String) {
     }
     panic!("no sbatch script with `scontrol requeue` in README.md or docs/*.md");
 }
+
+/// The pids of `pid`'s children, over all its threads (a child started by any thread).
+pub fn children(pid: u32) -> Vec<u32> {
+    fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.flatten()
+                .flat_map(|t| {
+                    fs::read_to_string(t.path().join("children"))
+                        .unwrap_or_default()
+                        .split_whitespace()
+                        .filter_map(|p| p.parse().ok())
+                        .collect::<Vec<u32>>()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether python3 imports torch and transformers: false (a skip) on a laptop without
+/// them, a failure under CI (.ci/run installs them).
+pub fn have_torch() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import torch, transformers"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "python3 with torch and transformers is missing: under CI this test may not skip"
+        );
+        eprintln!("skipping: python3 with torch and transformers is not installed");
+    }
+    ok
+}
+
+/// Qwen3's real tokenizer and chat template (scripts/fetch_test_assets.sh, or
+/// `DFLASH_QWEN3_TOKENIZER`): `None` (a skip) without it on a laptop, a failure under CI.
+pub fn qwen3_tokenizer() -> Option<PathBuf> {
+    let d = match std::env::var_os("DFLASH_QWEN3_TOKENIZER") {
+        Some(d) => PathBuf::from(d),
+        None => {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-assets/qwen3-tokenizer")
+        }
+    };
+    if d.join("tokenizer.json").is_file() {
+        return Some(d);
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{} is missing: under CI this test may not skip (.ci/run fetches it)",
+        d.display()
+    );
+    eprintln!("skipping: no Qwen3 tokenizer at {}", d.display());
+    None
+}
+
+/// A target of random weights for `config` (a config.json's text) in `dir`, with the
+/// tokenizer and chat template of `tokenizer` beside them.
+pub fn target_with_tokenizer(dir: &Path, config: &str, tokenizer: &Path) {
+    fs::create_dir_all(dir).unwrap();
+    let cfg = dir.with_extension("config.json");
+    fs::write(&cfg, config).unwrap();
+    let st = Command::new(bin("dflash-worker"))
+        .args(["tiny-target", "--out"])
+        .arg(dir)
+        .arg("--config")
+        .arg(&cfg)
+        .status()
+        .unwrap();
+    assert!(st.success(), "dflash-worker tiny-target");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        fs::copy(tokenizer.join(f), dir.join(f)).unwrap();
+    }
+}

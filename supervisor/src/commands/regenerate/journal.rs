@@ -301,5 +301,8 @@ mod tests {
         std::fs::write(path_of(&out), "garbage\n").unwrap();
         let e = Journal::open(&out, &settings()).err().unwrap().to_string();
         assert!(e.contains("not a regeneration journal"), "{e}");
+        // Not ours: left as it was, and nothing made beside it.
+        assert_eq!(std::fs::read_to_string(path_of(&out)).unwrap(), "garbage\n");
+        assert!(!out.exists());
     }
 }

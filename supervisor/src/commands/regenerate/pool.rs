@@ -97,7 +97,7 @@ impl Pool {
         let parent = nix::unistd::getpid().as_raw();
         // SAFETY: between fork and exec, only async-signal-safe calls (prctl, getppid).
         unsafe {
-            cmd.pre_exec(move || crate::child::die_with(parent));
+            cmd.pre_exec(move || dflash_shared::child::die_with(parent));
         }
         let mut child = cmd
             .stdin(Stdio::piped())
@@ -105,10 +105,16 @@ impl Pool {
             .stderr(Stdio::piped())
             .spawn()
             .map_err(|e| Error::start(format!("{} generate", self.spawn.bin.display()), e))?;
-        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let (Some(stdout), Some(stderr)) = (child.stdout.take(), child.stderr.take()) else {
+            let _ = child.kill();
+            return Err(Error::start(
+                format!("{} generate", self.spawn.bin.display()),
+                std::io::Error::other("its stdout and stderr were not piped"),
+            ));
+        };
         let tx = self.tx.clone();
         let read = move || {
-            for line in BufReader::new(stdout.expect("piped")).lines() {
+            for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 if tx
                     .send(Event::Reply {
@@ -130,7 +136,7 @@ impl Pool {
         let tail = Arc::new(Mutex::new(VecDeque::new()));
         let keep = tail.clone();
         let errs = move || {
-            for line in BufReader::new(stderr.expect("piped")).lines() {
+            for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
                 if let Ok(mut t) = keep.lock() {
                     if t.len() == TAIL {

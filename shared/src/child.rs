@@ -1,5 +1,5 @@
-//! What a child the supervisor starts does between fork and exec to die with it. A leaf
-//! module: called from `pre_exec` closures, so it makes only async-signal-safe calls.
+//! What a child the supervisor or a worker starts does between fork and exec to die with
+//! it. A leaf module: called from `pre_exec` closures, so it makes only async-signal-safe calls.
 
 use std::io;
 
