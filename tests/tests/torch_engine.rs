@@ -275,7 +275,10 @@ AutoModelForCausalLM.from_config(AutoConfig.for_model(name, **kw)).save_pretrain
 "#;
 
 /// A family the native engine does not serve: `auto` picks the torch engine, a drafter
-/// trains 20 steps with a clean ledger, exports, and the export passes `export-check`.
+/// trains 20 steps with a clean ledger (τ measured at the end by the torch engine),
+/// exports, the export passes `export-check`, and `eval` decodes with it losslessly (the
+/// torch engine's KV cache cut back, or rebuilt where sliding windows or linear attention
+/// cannot be cut, after every verify step).
 fn family_trains_and_exports(family: &str) {
     if !have_torch() {
         return;
@@ -292,6 +295,18 @@ fn family_trains_and_exports(family: &str) {
         "{family}: {}",
         String::from_utf8_lossy(&o.stderr)
     );
+    // Longer than gpt-oss's sliding window (32) once decoded: its cache is rebuilt.
+    let prompts = tmp.path().join("prompts.jsonl");
+    let lines: Vec<String> = (0..4)
+        .map(|i| {
+            let ids: Vec<u32> = (0..6 + 7 * i)
+                .map(|t| (t * 37 + i * 11 + 3) % 500)
+                .collect();
+            serde_json::json!({"input_ids": ids, "category": if i % 2 == 0 { "a" } else { "b" }})
+                .to_string()
+        })
+        .collect();
+    fs::write(&prompts, lines.join("\n")).unwrap();
     let mut sup = Sup::start_real(&[
         "--gpus",
         "cpu:2",
@@ -301,6 +316,10 @@ fn family_trains_and_exports(family: &str) {
         target.to_str().unwrap(),
         "--data",
         "demo",
+        "--eval-prompts",
+        prompts.to_str().unwrap(),
+        "--eval-max-new-tokens",
+        "12",
     ]);
     let status = sup.wait_exit(Duration::from_secs(180));
     let err = sup.stderr();
@@ -313,8 +332,11 @@ fn family_trains_and_exports(family: &str) {
     );
     let log = sup.log("target-0");
     assert!(log.contains("target loaded by the torch engine"), "{log}");
-    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
+    let (tau, steps): (Vec<Value>, Vec<Value>) = read_jsonl(&sup.run_dir.join("train.jsonl"))
+        .into_iter()
+        .partition(|l| l.get("tau").is_some());
     assert_eq!(steps.len(), 20, "{family}");
+    assert_eq!(tau.len(), 1, "{family}: the last step's τ: {tau:?}");
     assert!(steps
         .iter()
         .all(|s| s["loss"].as_f64().is_some_and(f64::is_finite)));
@@ -341,6 +363,56 @@ fn family_trains_and_exports(family: &str) {
         "{family}: export-check: {}{}",
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
+    );
+    // τ of the last step, decoded by the torch engine beside training.
+    let report: Value = serde_json::from_str(
+        &fs::read_to_string(sup.run_dir.join("eval").join("tau-step-00000020.json"))
+            .unwrap_or_else(|e| panic!("{family}: no τ of step 20 ({e}): {err}")),
+    )
+    .unwrap();
+    assert_eq!(
+        (&report["engine"], &report["identical_to_greedy"]),
+        (&Value::from("torch"), &Value::from(4)),
+        "{report}"
+    );
+    // eval, the target found from the export's record.
+    let o = Command::new(bin("dflash-supervise"))
+        .arg("eval")
+        .arg("--drafter")
+        .arg(&drafter)
+        .arg("--prompts")
+        .arg(&prompts)
+        .args(["--max-new-tokens", "40", "--json"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(0), "{family}: eval: {err}");
+    assert!(
+        err.contains(&format!(
+            "eval: target engine: torch (the native engine does not serve {family}"
+        )),
+        "{err}"
+    );
+    let r: Value = serde_json::from_str(String::from_utf8_lossy(&o.stdout).trim()).unwrap();
+    assert_eq!(r["engine"], "torch", "{r}");
+    assert_eq!(r["identical_to_greedy"], 4, "{family}: {r}");
+    let per = r["per_prompt"].as_array().unwrap();
+    let steps: u64 = per
+        .iter()
+        .map(|p| p["accepted"].as_array().unwrap().len() as u64)
+        .sum();
+    assert_eq!(r["tau"]["verify_steps"], steps, "{r}");
+    assert!(
+        per.iter().all(|p| {
+            let n = p["tokens"].as_array().unwrap().len();
+            (1..=40).contains(&n)
+                && p["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .all(|t| t.as_u64().unwrap() < 512)
+        }),
+        "{r}"
     );
 }
 

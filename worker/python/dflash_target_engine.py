@@ -17,6 +17,24 @@ taken with a forward hook on the layer. The first stdout line says the model is 
 
     <- {"ready": true, "hidden_size": 4096, "num_hidden_layers": 36, "loaded_layers": 34, ...}
 
+With `--mode decode` (what `eval` runs) it loads the whole model and decodes over a KV
+cache instead; the exchange file (`--exchange`) carries the floats both ways:
+
+    -> {"op": "forward", "past": 12, "ids": [5, 9, 7]}
+    <- {"ok": true, "argmax": [9, 7, 3], "margin": 0.41, "max_abs": 12.5}
+
+keeps the cache's first `past` positions (cropped where every cache layer is plain full
+attention; otherwise the cache is rebuilt from the kept tokens: sliding-window and
+linear-attention states cannot be rolled back), runs `ids` after them, answers each row's
+greedy token (and the last row's top-2 margin and largest |logit|), and writes the rows'
+taps (f32, `[rows, taps x hidden]`) at offset 0 of the exchange file;
+
+    -> {"op": "head", "rows": 4}
+    <- {"ok": true, "argmax": [17, 2, 2, 90]}
+
+reads `[rows, hidden]` f32 final-normed hidden states (a drafter's) from offset 0 of the
+exchange file and answers the target's lm_head's greedy token for each.
+
 Errors go to stderr (the worker keeps the last lines) and end the process with status 1.
 Written for this tool from transformers' public API (no code copied).
 """
@@ -24,6 +42,7 @@ Written for this tool from transformers' public API (no code copied).
 import argparse
 import json
 import mmap
+import os
 import sys
 import time
 
@@ -77,7 +96,10 @@ def load(args):
 
     taps = [int(t) for t in args.taps.split(",")]
     cfg = AutoConfig.from_pretrained(args.target)
-    total = truncate(cfg, max(taps) + 1)
+    # Decoding needs every layer (and the lm_head); capture alone stops at the last tap.
+    total = text_config(cfg).num_hidden_layers
+    if args.mode == "taps":
+        truncate(cfg, max(taps) + 1)
     if max(taps) >= total:
         die(f"tap {max(taps)} is not below the target's {total} layers")
     gpu = args.device == "cuda"
@@ -100,8 +122,9 @@ def load(args):
     if gpu:
         model.to("cuda")
     layers = decoder_layers(model)
-    if len(layers) != max(taps) + 1:
-        die(f"loaded {len(layers)} decoder layers, expected {max(taps) + 1}")
+    want = max(taps) + 1 if args.mode == "taps" else total
+    if len(layers) != want:
+        die(f"loaded {len(layers)} decoder layers, expected {want}")
     captured = {}
 
     def hook(k):
@@ -116,11 +139,106 @@ def load(args):
     return model, taps, captured, tc.hidden_size, total
 
 
+class Decoder:
+    """Greedy decoding's target side: a KV cache over the tokens `ids`."""
+
+    def __init__(self, model, taps, captured, dev, exchange):
+        self.model, self.taps, self.captured, self.dev = model, taps, captured, dev
+        self.fd = exchange
+        self.ids = []
+        self.cache = None
+        # transformers >= 5.2x names the cache argument `cache`; earlier ones
+        # `past_key_values`.
+        import inspect
+
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def keep(self, past):
+        """Forget every position from `past` on."""
+        if past > len(self.ids):
+            die(f"asked to keep {past} positions of a cache of {len(self.ids)}")
+        cut = len(self.ids) - past
+        self.ids = self.ids[:past]
+        if cut == 0 or self.cache is None:
+            return
+        layers = getattr(self.cache, "layers", None)
+        # Only plain full-attention layers can be cut back exactly; anything else (sliding
+        # windows, linear attention, quantised layers) is rebuilt from the kept tokens.
+        if layers and all(type(layer).__name__ == "DynamicLayer" for layer in layers):
+            self.cache.crop(-cut)
+            if self.cache.get_seq_length() == past:
+                return
+        self.cache = None
+
+    def forward(self, past, ids):
+        import torch
+
+        self.keep(past)
+        # A cache dropped by keep() is rebuilt: the kept tokens run again before `ids`.
+        skip = len(self.ids) if self.cache is None else 0
+        run = self.ids + ids if self.cache is None else ids
+        self.captured.clear()
+        with torch.no_grad():
+            out = self.model(
+                input_ids=torch.tensor([run], device=self.dev),
+                use_cache=True,
+                **{self.cache_arg: self.cache},
+            )
+        self.cache = getattr(out, "cache", None)
+        if self.cache is None:
+            self.cache = getattr(out, "past_key_values", None)
+        self.ids = self.ids + ids
+        logits = out.logits[0, skip:].float()
+        rows = torch.cat([self.captured[k][0, skip:] for k in self.taps], dim=-1)
+        os.pwrite(self.fd, rows.float().contiguous().cpu().numpy().tobytes(), 0)
+        top = torch.topk(logits[-1], 2) if logits.shape[-1] > 1 else None
+        margin = float(top.values[0] - top.values[1]) if top is not None else 0.0
+        return {
+            "ok": True,
+            "argmax": logits.argmax(dim=-1).tolist(),
+            "margin": margin,
+            "max_abs": float(logits[-1].abs().max()),
+        }
+
+    def head(self, rows):
+        import numpy
+        import torch
+
+        head = self.model.get_output_embeddings()
+        hidden = head.weight.shape[1]
+        data = os.pread(self.fd, rows * hidden * 4, 0)
+        if len(data) != rows * hidden * 4:
+            die(f"the exchange file holds {len(data)} bytes, not {rows} rows of {hidden}")
+        h = torch.from_numpy(numpy.frombuffer(data, dtype=numpy.float32).copy()).view(rows, hidden)
+        with torch.no_grad():
+            logits = head(h.to(device=self.dev, dtype=head.weight.dtype))
+        return {"ok": True, "argmax": logits.float().argmax(dim=-1).tolist()}
+
+
+def decode(model, taps, captured, dev, args, proto):
+    """The decode mode's loop: one request per stdin line."""
+    d = Decoder(model, taps, captured, dev, os.open(args.exchange, os.O_RDWR))
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        if req.get("op") == "forward":
+            r = d.forward(int(req["past"]), [int(t) for t in req["ids"]])
+        elif req.get("op") == "head":
+            r = d.head(int(req["rows"]))
+        else:
+            die(f"unknown request {line.strip()!r}")
+        print(json.dumps(r), file=proto, flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--target", required=True)
     p.add_argument("--taps", required=True)
-    p.add_argument("--pool", required=True, help="the hidden-state pool (a memfd path)")
+    p.add_argument("--mode", default="taps", choices=["taps", "decode"])
+    p.add_argument("--pool", help="taps: the hidden-state pool (a memfd path)")
+    p.add_argument("--exchange", help="decode: the file the floats go through")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
@@ -133,8 +251,6 @@ def main():
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     model, taps, captured, hidden, total = load(args)
-    f = open(args.pool, "r+b")
-    pool = mmap.mmap(f.fileno(), 0)
     dev = next(model.parameters()).device
     body = getattr(model, "model", model)
     print(
@@ -143,7 +259,7 @@ def main():
                 "ready": True,
                 "hidden_size": hidden,
                 "num_hidden_layers": total,
-                "loaded_layers": max(taps) + 1,
+                "loaded_layers": max(taps) + 1 if args.mode == "taps" else total,
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
                 "device": str(dev),
@@ -152,6 +268,10 @@ def main():
         file=proto,
         flush=True,
     )
+    if args.mode == "decode":
+        return decode(model, taps, captured, dev, args, proto)
+    f = open(args.pool, "r+b")
+    pool = mmap.mmap(f.fileno(), 0)
     for line in sys.stdin:
         if not line.strip():
             continue

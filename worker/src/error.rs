@@ -223,6 +223,9 @@ pub enum ToolError {
     /// `eval`'s inputs.
     #[error(transparent)]
     Eval(#[from] crate::eval::EvalError),
+    /// The torch engine's Python child (`eval --engine torch`).
+    #[error(transparent)]
+    Torch(#[from] crate::torch_engine::TorchError),
     /// `bench-kernels`: a CUDA tool missing or failing, or machine code it cannot read.
     #[error(transparent)]
     KernelBench(#[from] crate::kernel_bench::KernelBenchError),

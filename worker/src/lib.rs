@@ -159,6 +159,10 @@ enum Command {
         /// may round a near tie apart.
         #[arg(long)]
         gpu: bool,
+        /// What runs the target: native (this tool's forward), torch (transformers in a
+        /// Python child, over its own KV cache) or auto (native for the families it serves).
+        #[arg(long, value_name = "ENGINE", default_value = "auto")]
+        engine: String,
     },
     /// What `dflash-supervise regenerate` runs: the target alone continues token-id
     /// prompts, one JSON request per stdin line ({"id", "ids", "max_new", "seed"}), one
@@ -267,6 +271,7 @@ fn run_tool(c: Command) -> i32 {
             seed,
             json,
             gpu,
+            engine,
         } => match eval::tool::run(&eval::tool::Args {
             target,
             drafter,
@@ -275,6 +280,7 @@ fn run_tool(c: Command) -> i32 {
             json,
             seed,
             gpu,
+            engine,
         }) {
             // Speculative decoding wrote other tokens than greedy decoding: a failed check.
             Ok(false) => exit_codes::RUN_FAILED,
@@ -390,8 +396,9 @@ fn torch_taps(
     let n = tokens.len() * taps.len() * hidden;
     std::fs::write(&pool, vec![0u8; n * 4])
         .map_err(error::ToolError::io(format!("writing {}", pool.display())))?;
-    let mut child = torch_engine::TorchChild::start(dir, taps, &pool, false)
-        .map_err(error::WorkerError::from)?;
+    let mut child =
+        torch_engine::TorchChild::start(dir, taps, torch_engine::Mode::Taps { pool: &pool }, false)
+            .map_err(error::WorkerError::from)?;
     child
         .run(0, &[(tokens, 0)], true)
         .map_err(error::WorkerError::from)?;

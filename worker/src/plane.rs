@@ -672,8 +672,13 @@ fn load_target(
         permanent: true,
         model: false,
     };
-    let child =
-        TorchChild::start(dir, &taps, &pool, gpu.is_some()).map_err(|e| bad(e.to_string()))?;
+    let child = TorchChild::start(
+        dir,
+        &taps,
+        crate::torch_engine::Mode::Taps { pool: &pool },
+        gpu.is_some(),
+    )
+    .map_err(|e| bad(e.to_string()))?;
     let hidden = child.ready["hidden_size"].as_u64().unwrap_or(0) as usize;
     if hidden != capture.hidden as usize {
         return Err(bad(format!(

@@ -96,14 +96,23 @@ fn spawn_kept(mut cmd: Command) -> std::io::Result<Child> {
         .unwrap_or_else(|_| Err(std::io::Error::other("the spawning thread died")))
 }
 
+/// What the child is started for.
+pub enum Mode<'a> {
+    /// Capture: the layers up to the last tap, each batch's taps written at the offsets
+    /// asked into the file at this path (the hidden-state pool's memfd, or a plain file).
+    Taps { pool: &'a Path },
+    /// Decoding (`eval`): the whole model over a KV cache, floats through the file at this
+    /// path ([`TorchChild::call`]).
+    Decode { exchange: &'a Path },
+}
+
 impl TorchChild {
-    /// Start the child on `target` with these taps, writing into the file at `pool` (the
-    /// hidden-state pool's memfd, or a plain file), on the GPU (`cuda`) or the CPU. Returns
-    /// once it has loaded the model.
+    /// Start the child on `target` with these taps for `mode`, on the GPU (`cuda`) or the
+    /// CPU. Returns once it has loaded the model.
     pub fn start(
         target: &Path,
         taps: &[usize],
-        pool: &Path,
+        mode: Mode<'_>,
         gpu: bool,
     ) -> Result<Self, TorchError> {
         let py = python();
@@ -114,10 +123,12 @@ impl TorchChild {
             .arg("--target")
             .arg(target)
             .arg("--taps")
-            .arg(taps.join(","))
-            .arg("--pool")
-            .arg(pool)
-            .arg("--device")
+            .arg(taps.join(","));
+        match mode {
+            Mode::Taps { pool } => cmd.arg("--pool").arg(pool),
+            Mode::Decode { exchange } => cmd.args(["--mode", "decode", "--exchange"]).arg(exchange),
+        };
+        cmd.arg("--device")
             .arg(if gpu { "cuda" } else { "cpu" })
             .env("PYTHONUNBUFFERED", "1")
             .env("TRANSFORMERS_VERBOSITY", "error")
@@ -220,6 +231,25 @@ impl TorchChild {
         TorchError::Ended { status, tail }
     }
 
+    /// Send `req` (one line) and read the child's answer, which must say `"ok": true`.
+    pub fn call(&mut self, req: &Value) -> Result<Value, TorchError> {
+        if writeln!(self.stdin, "{req}")
+            .and_then(|_| self.stdin.flush())
+            .is_err()
+        {
+            return Err(self.ended());
+        }
+        let line = self.read_line()?;
+        let r: Value = serde_json::from_str(&line).unwrap_or_default();
+        if r["ok"] != true {
+            return Err(TorchError::Protocol(format!(
+                "the child answered {line:?} to {req}"
+            )));
+        }
+        self.check_after_work()?;
+        Ok(r)
+    }
+
     /// Run `rows` (token ids, and the byte offset in the pool where each row's taps go) as
     /// batch `id`; `f32` writes f32 instead of bf16. The child's milliseconds.
     pub fn run(&mut self, id: u64, rows: &[(&[u32], u64)], f32: bool) -> Result<f64, TorchError> {
@@ -229,26 +259,25 @@ impl TorchChild {
             "offsets": rows.iter().map(|r| r.1).collect::<Vec<_>>(),
             "dtype": if f32 { "f32" } else { "bf16" },
         });
-        if writeln!(self.stdin, "{req}")
-            .and_then(|_| self.stdin.flush())
-            .is_err()
-        {
-            return Err(self.ended());
-        }
-        let line = self.read_line()?;
-        let r: Value = serde_json::from_str(&line).unwrap_or_default();
-        if r["id"].as_u64() != Some(id) || r["ok"] != true {
+        let r = self.call(&req)?;
+        if r["id"].as_u64() != Some(id) {
             return Err(TorchError::Protocol(format!(
-                "the child answered {line:?} to batch {id}"
+                "the child answered {r} to batch {id}"
             )));
         }
+        Ok(r["ms"].as_f64().unwrap_or(0.0))
+    }
+
+    /// After the first answer, the address space checked again for NVML (a library may
+    /// be loaded lazily, at the first use of a device).
+    fn check_after_work(&mut self) -> Result<(), TorchError> {
         if !self.checked_after_work {
             self.checked_after_work = true;
             if let Some(lib) = nvml_mapped(self.pid()) {
                 return Err(TorchError::Nvml { lib });
             }
         }
-        Ok(r["ms"].as_f64().unwrap_or(0.0))
+        Ok(())
     }
 }
 

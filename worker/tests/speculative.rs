@@ -396,3 +396,62 @@ fn accepted_lengths_equal_a_python_reference_with_the_export() {
         "{all:?}"
     );
 }
+
+/// The torch engine's decoding (transformers' Qwen3 in the Python child, over its own KV
+/// cache, cut back after every verify step) against the native decoder, an independent
+/// implementation: the same taps and greedy tokens on a prefill, the same lm_head argmax
+/// of a drafter's hidden states, and speculative decoding with a partly trained drafter
+/// commits the same tokens in the same accepted lengths, equal to greedy decoding.
+#[test]
+fn the_torch_engine_decodes_as_the_native_decoder() {
+    if !python_ok() {
+        return;
+    }
+    use dflash_worker::eval::verifier::{TorchVerifier, Verifier};
+    let s = setup();
+    let mut dec = decoder(&s, &s.head);
+    let (half, _) = trained(&s, &mut dec);
+    let taps = s.target.taps.clone();
+    let mut torch =
+        TorchVerifier::start(s.dir.path(), &taps, s.target.cfg.hidden_size, false).unwrap();
+    let prompt = &prompts()[3];
+    dec.keep(0).unwrap();
+    torch.keep(0).unwrap();
+    let (a, b) = (dec.verify(prompt).unwrap(), torch.verify(prompt).unwrap());
+    assert_eq!(a.argmax, b.argmax);
+    let scale = a.taps.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = a
+        .taps
+        .iter()
+        .zip(&b.taps)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(
+        worst <= 1e-5 * scale,
+        "taps differ by {worst} (scale {scale})"
+    );
+    assert!((a.margin - b.margin).abs() <= 1e-4 * a.max_abs.max(1.0));
+    let hidden: Vec<f32> = (0..3 * s.cfg.hidden)
+        .map(|i| ((i * 37 % 19) as f32 - 9.0) * 0.1)
+        .collect();
+    assert_eq!(
+        dec.head_argmax(&hidden).unwrap(),
+        torch.head_argmax(&hidden).unwrap()
+    );
+    let stop = Stop {
+        max_new: 30,
+        eos: None,
+    };
+    let mut dr = draft(&s, &half, &s.frozen);
+    let mut all = Vec::new();
+    for p in prompts() {
+        let native = speculative(&mut dec, &mut dr, &p, stop).unwrap();
+        let theirs = speculative(&mut torch, &mut dr, &p, stop).unwrap();
+        assert_eq!(theirs, native, "prompt {p:?}");
+        assert_eq!(theirs.tokens, greedy(&mut torch, &p, stop).unwrap());
+        all.extend(theirs.accepted);
+    }
+    assert!(
+        all.contains(&1) && all.iter().any(|&a| 1 < a && a < BS),
+        "cut-back caches: {all:?}"
+    );
+}

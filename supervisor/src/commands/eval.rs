@@ -49,6 +49,11 @@ pub struct EvalArgs {
     /// dflash_rendering), else the template's own default. A line's own "thinking" wins.
     #[arg(long, value_name = "on|off", value_parser = crate::commands::regenerate::parse_on_off)]
     pub thinking: Option<bool>,
+    /// What runs the target: native (this tool's forward: Qwen3, Qwen3-MoE, Llama), torch
+    /// (transformers' implementation in a Python child, over its own KV cache), or auto
+    /// (native for the families it serves, torch for any other).
+    #[arg(long, value_enum, value_name = "ENGINE", default_value = "auto")]
+    pub target_engine: crate::cli::TargetEngine,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -127,8 +132,9 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
         crate::say!("eval: warning: {w}");
     }
     let lines = rendered.lines;
+    let mut engine = "native";
     if !tiny {
-        let t = dflash_shared::model_config::TargetConfig::load(Path::new(&target))
+        let t = dflash_shared::model_config::TargetConfig::load_any(Path::new(&target))
             .map_err(|e| Error::input(format!("--target {target}"), e.to_string()))?;
         crate::data::prompts::check_context(
             "--prompts",
@@ -137,12 +143,24 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
             t.max_position_embeddings,
             a.max_new_tokens as u64,
         )?;
+        let (e, line) = crate::run::engine::pick(a.target_engine, &t)?;
+        log::info!("eval: {line}");
+        engine = e;
+    } else if a.target_engine == crate::cli::TargetEngine::Torch {
+        engine = crate::run::engine::pick(
+            a.target_engine,
+            &dflash_shared::model_config::TargetConfig::read(
+                dflash_shared::model_config::TINY_CONFIG,
+            )
+            .map_err(|e| Error::input("--target tiny", e.to_string()))?,
+        )?
+        .0;
     }
     let file =
         std::env::temp_dir().join(format!("dflash-eval-prompts-{}.jsonl", std::process::id()));
     std::fs::write(&file, lines.join("\n"))
         .map_err(|e| Error::io("cannot write the prompts to", &file, e))?;
-    let r = worker(&a, &file, gpu);
+    let r = worker(&a, &file, gpu, engine);
     let _ = std::fs::remove_file(&file);
     r
 }
@@ -202,7 +220,7 @@ fn other_conditions(
 
 /// `dflash-worker eval` on the token-id prompts in `prompts`: its report to stdout; its
 /// one error line as ours.
-fn worker(a: &EvalArgs, prompts: &Path, gpu: Option<u32>) -> Result<i32, Error> {
+fn worker(a: &EvalArgs, prompts: &Path, gpu: Option<u32>, engine: &str) -> Result<i32, Error> {
     let worker = match &a.worker_bin {
         Some(w) => w.clone(),
         None => std::env::current_exe()
@@ -220,7 +238,8 @@ fn worker(a: &EvalArgs, prompts: &Path, gpu: Option<u32>) -> Result<i32, Error> 
         .arg("--max-new-tokens")
         .arg(a.max_new_tokens.to_string())
         .arg("--seed")
-        .arg(a.seed.to_string());
+        .arg(a.seed.to_string())
+        .args(["--engine", engine]);
     if a.json {
         cmd.arg("--json");
     }

@@ -44,17 +44,20 @@ fn torch_versions(python: &str) -> Result<(String, String), String> {
 /// The engine's name for the workers (`native` or `torch`) and the start's line saying which
 /// and why; `--target-engine torch` without torch and transformers is refused (exit 2).
 pub fn choose(args: &RunArgs, target: &TargetConfig) -> Result<(&'static str, String), Error> {
+    pick(args.target_engine, target)
+}
+
+/// [`choose`] for `requested`: also what `eval` decodes with.
+pub fn pick(
+    requested: TargetEngine,
+    target: &TargetConfig,
+) -> Result<(&'static str, String), Error> {
     let native = target.arch != Arch::Transformers;
     if !native {
         let family = &target.model_type;
-        if args.target_engine == TargetEngine::Native {
+        if requested == TargetEngine::Native {
             return Err(Error::Flag(format!(
                 "--target-engine native: the native engine serves Qwen3, Qwen3-MoE and Llama, not {family} (expected --target-engine torch or auto, which run transformers' implementation)"
-            )));
-        }
-        if args.eval_prompts.is_some() {
-            return Err(Error::Flag(format!(
-                "--eval-prompts: τ is decoded by the native engine, which does not serve {family} (the torch engine does not decode yet); train without --eval-prompts"
             )));
         }
         return torch(
@@ -62,7 +65,7 @@ pub fn choose(args: &RunArgs, target: &TargetConfig) -> Result<(&'static str, St
             &format!("the native engine does not serve {family}"),
         );
     }
-    match args.target_engine {
+    match requested {
         TargetEngine::Native => Ok((
             "native",
             format!("target engine: native ({} by this tool's own forward)", target.arch),

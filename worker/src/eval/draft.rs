@@ -2,7 +2,7 @@
 //! (config.json and model.safetensors as [`crate::export::write_hf_dir`] writes them), and
 //! one block proposed by argmax from the context's taps. The forward is the device
 //! drafter's training forward ([`DeviceDrafter::final_hidden`]) on one block; the
-//! lm_head is the target's frozen one, applied by the [`Decoder`].
+//! lm_head is the target's frozen one, applied by the target's [`Verifier`].
 
 use std::path::{Path, PathBuf};
 
@@ -10,11 +10,11 @@ use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::model_config::TargetConfig;
 use serde_json::Value;
 
+use super::verifier::Verifier;
 use super::EvalError;
 use crate::device::{Device, Result};
 use crate::models::drafter::device::DeviceDrafter;
 use crate::models::drafter::{Drafter, Frozen, Sample};
-use crate::models::target::device::decode::Decoder;
 
 /// An exported drafter: its config, its weights (f32, in the layout's order) and the
 /// target it was trained against, as config.json records it.
@@ -166,8 +166,8 @@ impl Draft {
         &mut self,
         committed: &[u32],
         ctx_taps: &[f32],
-        dec: &mut Decoder,
-    ) -> Result<Vec<u32>> {
+        dec: &mut dyn Verifier,
+    ) -> std::result::Result<Vec<u32>, crate::error::ToolError> {
         let n = committed.len();
         if n < 2 || ctx_taps.len() != (n - 1) * self.width {
             return Err(crate::device::GpuError::Invalid(format!(
@@ -175,7 +175,8 @@ impl Draft {
                 ctx_taps.len(),
                 n.saturating_sub(1),
                 self.width
-            )));
+            ))
+            .into());
         }
         // The anchor's own row is never seen (strictly before): zeros stand in for it.
         let mut taps = Vec::with_capacity(n * self.width);
@@ -187,7 +188,7 @@ impl Draft {
             mask: &[],
         };
         let hidden = self.model.final_hidden(&s, &[n - 1])?;
-        let mut out = dec.lm_head_argmax(&hidden)?;
+        let mut out = dec.head_argmax(&hidden)?;
         out.remove(0);
         Ok(out)
     }

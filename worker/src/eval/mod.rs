@@ -1,13 +1,15 @@
 //! Real acceptance length: greedy DFlash speculative decoding with an exported drafter
 //! against plain greedy decoding of its target, on prompts (`dflash-worker eval`, what
 //! `dflash-supervise eval` runs). The target decodes over a KV cache
-//! ([`crate::models::target::device::decode::Decoder`]); the drafter proposes blocks
+//! (the native engine's [`crate::models::target::device::decode::Decoder`], or the torch
+//! engine's child: [`verifier`]); the drafter proposes blocks
 //! without gradients ([`draft::Draft`]); [`spec`] is the loop and [`report`] the figures.
 
 pub mod draft;
 pub mod report;
 pub mod spec;
 pub mod tool;
+pub mod verifier;
 
 use std::path::PathBuf;
 

@@ -8,8 +8,10 @@
 //! plain greedy decoding's.
 
 use super::draft::Draft;
-use crate::device::Result;
-use crate::models::target::device::decode::{argmax, Decoder};
+use super::verifier::Verifier;
+use crate::error::ToolError;
+
+type Result<T> = std::result::Result<T, ToolError>;
 
 /// One prompt's decoding.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,41 +45,41 @@ impl Stop {
 }
 
 /// Plain greedy decoding over the cache: one target forward per token.
-pub fn greedy(dec: &mut Decoder, prompt: &[u32], stop: Stop) -> Result<Vec<u32>> {
-    let vocab = vocab(dec, prompt)?;
-    dec.crop(0)?;
-    let f = dec.prefill(prompt)?;
-    let mut out = vec![argmax(&f.logits[f.logits.len() - vocab..])];
+pub fn greedy(dec: &mut dyn Verifier, prompt: &[u32], stop: Stop) -> Result<Vec<u32>> {
+    nonempty(prompt)?;
+    dec.keep(0)?;
+    let f = dec.verify(prompt)?;
+    let mut out = vec![f.argmax[f.argmax.len() - 1]];
     while !stop.cut(&mut out) {
-        let f = dec.forward(&out[out.len() - 1..])?;
-        out.push(argmax(&f.logits));
+        let f = dec.verify(&out[out.len() - 1..])?;
+        out.push(f.argmax[0]);
     }
     Ok(out)
 }
 
 /// Speculative greedy decoding with `draft`.
 pub fn speculative(
-    dec: &mut Decoder,
+    dec: &mut dyn Verifier,
     draft: &mut Draft,
     prompt: &[u32],
     stop: Stop,
 ) -> Result<Decoded> {
-    let vocab = vocab(dec, prompt)?;
+    nonempty(prompt)?;
     let width = dec.taps_width();
-    dec.crop(0)?;
-    let f = dec.prefill(prompt)?;
+    dec.keep(0)?;
+    let f = dec.verify(prompt)?;
     let mut ctx = f.taps;
     let mut seq = prompt.to_vec();
-    seq.push(argmax(&f.logits[f.logits.len() - vocab..]));
+    seq.push(f.argmax[f.argmax.len() - 1]);
     let mut accepted = Vec::new();
     let mut out = seq[prompt.len()..].to_vec();
     while !stop.cut(&mut out) {
         let guesses = draft.propose(&seq, &ctx, dec)?;
-        let start = dec.len();
+        let start = dec.cached();
         let mut block = vec![seq[seq.len() - 1]];
         block.extend_from_slice(&guesses);
-        let f = dec.forward(&block)?;
-        let target = f.argmax(vocab);
+        let f = dec.verify(&block)?;
+        let target = f.argmax;
         let n = guesses
             .iter()
             .zip(&target)
@@ -86,7 +88,7 @@ pub fn speculative(
         // The accepted guesses, then the target's own token after them.
         seq.extend_from_slice(&guesses[..n]);
         seq.push(target[n]);
-        dec.crop(start + n + 1)?;
+        dec.keep(start + n + 1)?;
         ctx.extend_from_slice(&f.taps[..(n + 1) * width]);
         accepted.push(n + 1);
         out = seq[prompt.len()..].to_vec();
@@ -97,9 +99,9 @@ pub fn speculative(
     })
 }
 
-fn vocab(dec: &Decoder, prompt: &[u32]) -> Result<usize> {
+fn nonempty(prompt: &[u32]) -> Result<()> {
     if prompt.is_empty() {
-        return Err(crate::device::GpuError::Invalid("an empty prompt".into()));
+        return Err(crate::device::GpuError::Invalid("an empty prompt".into()).into());
     }
-    Ok(dec.vocab())
+    Ok(())
 }

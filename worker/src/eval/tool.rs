@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use super::draft::{Draft, Exported};
 use super::report::{acceptance_by_position, per_category, Tau};
 use super::spec::{greedy, speculative, Stop};
+use super::verifier::{TorchVerifier, Verifier};
 use super::EvalError;
 use crate::device::cpu::CpuDevice;
 use crate::error::ToolError;
@@ -27,6 +28,8 @@ pub struct Args {
     pub seed: u64,
     /// On the GPU (ordinal 0), not the CPU.
     pub gpu: bool,
+    /// What runs the target: native, torch (transformers in a Python child) or auto.
+    pub engine: String,
 }
 
 /// The device to decode on: the CPU, or with `gpu` the worker's GPU (said on stderr, so
@@ -157,32 +160,40 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     } else {
         Path::new(&a.target)
     };
-    let cfg = dflash_shared::model_config::TargetConfig::load(dir)?;
+    let cfg = dflash_shared::model_config::TargetConfig::load_any(dir)?;
     let ex = Exported::load(&a.drafter)?;
     ex.check_target(&a.drafter, &cfg)?;
     let prompts = read_prompts(&a.prompts, cfg.vocab_size)?;
-    let loaded = Target::load_decoder(dir, &ex.target_layer_ids);
+    let torch = torch_engine(&a.engine, &cfg)?;
     let eos = eos(dir);
-    drop(scratch);
-    let (target, head) = loaded?;
     let bs = ex.cfg.block_size;
     let longest = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
     let max_len = longest + a.max_new_tokens + bs;
     // DFLASH_DEVICE=cpu forces the CPU, as for training.
     let on_gpu = a.gpu && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu");
-    let mut dec = Decoder::new(device(on_gpu)?, &target, &head, max_len, bs.max(64))?;
-    let frozen = Frozen {
-        embed: target.embed.clone(),
-        lm_head: head.lm_head.clone(),
+    let (mut dec, frozen): (Box<dyn Verifier>, Frozen) = if torch {
+        let w = crate::models::weights::Weights::open(dir)?;
+        let frozen = Frozen::load(&w, cfg.vocab_size, cfg.hidden_size)?;
+        let t = TorchVerifier::start(dir, &ex.target_layer_ids, cfg.hidden_size, on_gpu)?;
+        eprintln!("target engine: torch ({})", t.ready());
+        (Box::new(t), frozen)
+    } else {
+        let (target, head) = Target::load_decoder(dir, &ex.target_layer_ids)?;
+        let dec = Decoder::new(device(on_gpu)?, &target, &head, max_len, bs.max(64))?;
+        let frozen = Frozen {
+            embed: target.embed.clone(),
+            lm_head: head.lm_head.clone(),
+        };
+        (Box::new(dec), frozen)
     };
-    drop((target, head));
+    drop(scratch);
     let mut draft = Draft::new(device(on_gpu)?, &ex.cfg, &ex.params, &frozen, max_len)?;
     drop(frozen);
     let stop = Stop {
         max_new: a.max_new_tokens,
         eos,
     };
-    let d = decode_all(&mut dec, &mut draft, &prompts, stop)?;
+    let d = decode_all(dec.as_mut(), &mut draft, &prompts, stop)?;
     let keys: Vec<Option<String>> = prompts.iter().map(Prompt::category).collect();
     let categories: serde_json::Map<String, Value> = per_category(&d.runs, &keys, bs, a.seed)
         .into_iter()
@@ -193,6 +204,7 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
         "drafter": a.drafter,
         "drafter_step": ex.step,
         "device": if on_gpu { "gpu" } else { "cpu" },
+        "engine": if torch { "torch" } else { "native" },
         "prompts": prompts.len(),
         "block_size": bs,
         "max_new_tokens": a.max_new_tokens,
@@ -224,7 +236,7 @@ struct Decoding {
 }
 
 fn decode_all(
-    dec: &mut Decoder,
+    dec: &mut dyn Verifier,
     draft: &mut Draft,
     prompts: &[Prompt],
     stop: Stop,
@@ -266,33 +278,38 @@ fn decode_all(
 }
 
 /// The prefill of `prompt`'s top-2 margin and largest |logit| of its last row
-/// ([`top2_margin`]).
-fn first_token_margin(dec: &mut Decoder, prompt: &[u32]) -> Result<(f32, f32), ToolError> {
-    let vocab = dec.vocab();
-    dec.crop(0)?;
-    let f = dec.prefill(prompt)?;
-    let last =
-        f.logits.len().checked_sub(vocab).ok_or_else(|| {
-            crate::device::GpuError::Invalid("the prefill returned no logits".into())
-        })?;
-    Ok(top2_margin(&f.logits[last..]))
+/// ([`super::verifier::top2_margin`]).
+fn first_token_margin(dec: &mut dyn Verifier, prompt: &[u32]) -> Result<(f32, f32), ToolError> {
+    dec.keep(0)?;
+    let f = dec.verify(prompt)?;
+    Ok((f.margin, f.max_abs))
 }
 
-/// The largest value of `row` minus the second largest (0 for fewer than two values,
-/// or a tie), and the largest |value|.
-pub fn top2_margin(row: &[f32]) -> (f32, f32) {
-    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
-    for &x in row {
-        if x > a {
-            b = a;
-            a = x;
-        } else if x > b {
-            b = x;
-        }
+/// Whether `engine` (native, torch or auto) decodes `cfg` with the torch engine: auto
+/// picks it for the families the native engine does not serve.
+fn torch_engine(
+    engine: &str,
+    cfg: &dflash_shared::model_config::TargetConfig,
+) -> Result<bool, ToolError> {
+    let native = cfg.arch != dflash_shared::model_config::Arch::Transformers;
+    match engine {
+        "torch" => Ok(true),
+        "auto" => Ok(!native),
+        "native" if native => Ok(false),
+        "native" => Err(ToolError::Usage {
+            flag: "--engine",
+            value: engine.to_string(),
+            expected: format!(
+                "the native engine serves Qwen3, Qwen3-MoE and Llama, not {}: torch or auto",
+                cfg.model_type
+            ),
+        }),
+        _ => Err(ToolError::Usage {
+            flag: "--engine",
+            value: engine.to_string(),
+            expected: "native, torch or auto".into(),
+        }),
     }
-    let scale = row.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let margin = if b.is_finite() { a - b } else { 0.0 };
-    (margin, scale)
 }
 
 /// Whether `same` of `n` prompts decoded as greedy decoding did is a pass: all of them on
@@ -399,7 +416,8 @@ fn print_curve_and_categories(r: &Value) {
 
 #[cfg(test)]
 mod tests {
-    use super::{read_prompts, top2_margin, EvalError};
+    use super::super::verifier::top2_margin;
+    use super::{read_prompts, EvalError};
 
     #[test]
     fn prompt_lines_keep_their_id_category_and_dataset() {

@@ -90,6 +90,8 @@ struct Spec {
     prompts: PathBuf,
     max_new_tokens: u64,
     gpu: Option<u32>,
+    /// The run's target engine (native or torch): the target decodes as it captured.
+    engine: &'static str,
     dir: PathBuf,
     deadline: Instant,
 }
@@ -294,6 +296,7 @@ fn spec_of(
         prompts: cfg.prompts.clone(),
         max_new_tokens: cfg.max_new_tokens,
         gpu: cfg.gpu,
+        engine: run.target_engine,
         dir: cfg.dir.clone(),
         deadline: Instant::now() + cfg.timeout,
     }
@@ -348,6 +351,7 @@ fn export_and_decode(s: &Spec, cancel: &AtomicBool) -> Result<TauResult, String>
         .arg(&s.prompts)
         .arg("--max-new-tokens")
         .arg(s.max_new_tokens.to_string())
+        .args(["--engine", s.engine])
         .arg("--json");
     if let Some(g) = s.gpu {
         // The child's GPU is its ordinal 0; CUDA numbers GPUs as NVML does.

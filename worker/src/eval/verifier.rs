@@ -1,0 +1,224 @@
+//! The target's side of decoding, whichever engine runs it: a KV cache that takes rows
+//! after its positions and answers each row's greedy token and taps, is cut back to the
+//! committed positions, and applies the target's lm_head to a drafter's hidden states.
+//! The native engine's [`Decoder`] is one; [`TorchVerifier`] runs transformers'
+//! implementation in the torch engine's Python child (decode mode).
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use serde_json::json;
+
+use crate::error::ToolError;
+use crate::models::target::device::decode::{argmax, Decoder};
+use crate::torch_engine::{Mode, TorchChild, TorchError};
+
+/// What one forward answers for its rows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verified {
+    /// Each row's greedy token.
+    pub argmax: Vec<u32>,
+    /// `[rows, taps × hidden]`: each row's tapped hidden states.
+    pub taps: Vec<f32>,
+    /// The last row's largest logit minus the runner-up's ([`top2_margin`]).
+    pub margin: f32,
+    /// The last row's largest |logit|.
+    pub max_abs: f32,
+}
+
+/// A target that decodes over a KV cache.
+pub trait Verifier {
+    /// Floats of one row's taps (taps × hidden).
+    fn taps_width(&self) -> usize;
+    /// Positions the cache holds.
+    fn cached(&self) -> usize;
+    /// Forget every position from `len` on.
+    fn keep(&mut self, len: usize) -> Result<(), ToolError>;
+    /// `tokens` (one or more) at the positions after the cache's; they join it.
+    fn verify(&mut self, tokens: &[u32]) -> Result<Verified, ToolError>;
+    /// The greedy token of each row of final-normed hidden states `[rows, hidden]` (a
+    /// drafter's output: it shares the target's lm_head).
+    fn head_argmax(&mut self, hidden: &[f32]) -> Result<Vec<u32>, ToolError>;
+}
+
+/// The largest value of `row` minus the second largest (0 for fewer than two values,
+/// or a tie), and the largest |value|.
+pub fn top2_margin(row: &[f32]) -> (f32, f32) {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in row {
+        if x > a {
+            b = a;
+            a = x;
+        } else if x > b {
+            b = x;
+        }
+    }
+    let scale = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let margin = if b.is_finite() { a - b } else { 0.0 };
+    (margin, scale)
+}
+
+impl Verifier for Decoder {
+    fn taps_width(&self) -> usize {
+        Decoder::taps_width(self)
+    }
+
+    fn cached(&self) -> usize {
+        self.len()
+    }
+
+    fn keep(&mut self, len: usize) -> Result<(), ToolError> {
+        Ok(self.crop(len)?)
+    }
+
+    fn verify(&mut self, tokens: &[u32]) -> Result<Verified, ToolError> {
+        let f = if tokens.len() > self.block() {
+            self.prefill(tokens)?
+        } else {
+            self.forward(tokens)?
+        };
+        let vocab = self.vocab();
+        let last = f.logits.len().checked_sub(vocab).ok_or_else(|| {
+            crate::device::GpuError::Invalid("a forward returned no logits".into())
+        })?;
+        let (margin, max_abs) = top2_margin(&f.logits[last..]);
+        Ok(Verified {
+            argmax: f.logits.chunks_exact(vocab).map(argmax).collect(),
+            taps: f.taps,
+            margin,
+            max_abs,
+        })
+    }
+
+    fn head_argmax(&mut self, hidden: &[f32]) -> Result<Vec<u32>, ToolError> {
+        Ok(self.lm_head_argmax(hidden)?)
+    }
+}
+
+/// The torch engine's target: transformers' implementation in a Python child, the whole
+/// model over its own KV cache; floats go both ways through a scratch file.
+pub struct TorchVerifier {
+    child: TorchChild,
+    exchange: File,
+    /// Holds the exchange file; removed with this.
+    _scratch: dflash_shared::scratch::ScratchDir,
+    len: usize,
+    width: usize,
+    hidden: usize,
+}
+
+impl TorchVerifier {
+    /// Load `target` (hidden size `hidden`) in a child tapping `taps`, on the GPU
+    /// (bf16) or the CPU (f32).
+    pub fn start(
+        target: &Path,
+        taps: &[usize],
+        hidden: usize,
+        gpu: bool,
+    ) -> Result<TorchVerifier, ToolError> {
+        let scratch = dflash_shared::scratch::ScratchDir::new("torch-eval")
+            .map_err(ToolError::io("creating a scratch directory".to_string()))?;
+        let path = scratch.path().join("exchange.f32");
+        let exchange = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(ToolError::io(format!("creating {}", path.display())))?;
+        let child = TorchChild::start(target, taps, Mode::Decode { exchange: &path }, gpu)?;
+        Ok(TorchVerifier {
+            child,
+            exchange,
+            _scratch: scratch,
+            len: 0,
+            width: taps.len() * hidden,
+            hidden,
+        })
+    }
+
+    /// The child's ready line (versions, device).
+    pub fn ready(&self) -> &serde_json::Value {
+        &self.child.ready
+    }
+
+    fn tokens(v: &serde_json::Value, rows: usize) -> Result<Vec<u32>, ToolError> {
+        let t: Vec<u32> = v["argmax"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect();
+        if t.len() != rows {
+            return Err(
+                TorchError::Protocol(format!("the child answered {v} for {rows} rows")).into(),
+            );
+        }
+        Ok(t)
+    }
+}
+
+impl Verifier for TorchVerifier {
+    fn taps_width(&self) -> usize {
+        self.width
+    }
+
+    fn cached(&self) -> usize {
+        self.len
+    }
+
+    /// Said to the child with the next forward (it crops or rebuilds its cache then).
+    fn keep(&mut self, len: usize) -> Result<(), ToolError> {
+        if len > self.len {
+            return Err(crate::device::GpuError::Invalid(format!(
+                "cropping a cache of {} positions to {len}",
+                self.len
+            ))
+            .into());
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    fn verify(&mut self, tokens: &[u32]) -> Result<Verified, ToolError> {
+        let rows = tokens.len();
+        let r = self
+            .child
+            .call(&json!({"op": "forward", "past": self.len, "ids": tokens}))?;
+        let argmax = Self::tokens(&r, rows)?;
+        let mut bytes = vec![0u8; rows * self.width * 4];
+        self.exchange
+            .read_exact_at(&mut bytes, 0)
+            .map_err(ToolError::io("reading the torch engine's taps".to_string()))?;
+        self.len += rows;
+        Ok(Verified {
+            argmax,
+            taps: bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            margin: r["margin"].as_f64().unwrap_or(0.0) as f32,
+            max_abs: r["max_abs"].as_f64().unwrap_or(0.0) as f32,
+        })
+    }
+
+    fn head_argmax(&mut self, hidden: &[f32]) -> Result<Vec<u32>, ToolError> {
+        let rows = hidden.len() / self.hidden.max(1);
+        if rows == 0 || rows * self.hidden != hidden.len() {
+            return Err(crate::device::GpuError::Invalid(format!(
+                "{} hidden values: not rows of {}",
+                hidden.len(),
+                self.hidden
+            ))
+            .into());
+        }
+        let bytes: Vec<u8> = hidden.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.exchange
+            .write_all_at(&bytes, 0)
+            .map_err(ToolError::io(
+                "writing hidden states for the torch engine".to_string(),
+            ))?;
+        let r = self.child.call(&json!({"op": "head", "rows": rows}))?;
+        Self::tokens(&r, rows)
+    }
+}
