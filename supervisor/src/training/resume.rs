@@ -118,6 +118,11 @@ pub struct SavedRun {
     pub gpu_sample_interval: Option<Duration>,
     #[serde(default, with = "duration")]
     pub metrics_interval: Option<Duration>,
+    /// `--target-engine` as the run used it (`auto` resolved to `torch` where it chose the
+    /// torch engine): kept by a resume, replaced by one that gives it (both engines
+    /// capture the same taps).
+    #[serde(default)]
+    pub target_engine: Option<crate::cli::TargetEngine>,
     /// What the inputs were when the run started (absent from an older version's run.json:
     /// then nothing is checked on resume, and they are recorded then).
     #[serde(default)]
@@ -214,6 +219,7 @@ impl SavedRun {
             log_backups: Some(a.log_backups),
             gpu_sample_interval: Some(a.gpu_sample_interval),
             metrics_interval: Some(a.metrics_interval),
+            target_engine: Some(a.target_engine),
             inputs: None,
             resolved: None,
             init_drafter: None,
@@ -274,6 +280,7 @@ impl SavedRun {
         set(&mut a.log_backups, self.log_backups);
         set(&mut a.gpu_sample_interval, self.gpu_sample_interval);
         set(&mut a.metrics_interval, self.metrics_interval);
+        set(&mut a.target_engine, self.target_engine);
         set(&mut a.eval_max_new_tokens, self.eval_max_new_tokens);
         set(&mut a.eval_timeout, self.eval_timeout);
     }
@@ -336,7 +343,8 @@ pub fn save(
 /// is (its files are fingerprinted), and the operational settings: checkpoints, limits,
 /// restarts, timeouts, the collective, the pools, logs and telemetry. The rest decide which
 /// batches exist and what the drafter is, so changing them would not continue the same run.
-pub const OVERRIDABLE: [&str; 35] = [
+pub const OVERRIDABLE: [&str; 36] = [
+    "target_engine",
     "wandb_project",
     "wandb_name",
     "wandb_mode",
@@ -1583,6 +1591,27 @@ mod tests {
         );
         assert_eq!(m.block_size, Some(8));
         assert!(notes.is_empty());
+    }
+
+    #[test]
+    fn the_target_engine_is_kept_by_a_resume_and_replaced_by_one_that_gives_it() {
+        let saved = SavedRun::of(&args(&["--data", "demo", "--target-engine", "torch"]));
+        let mut a = args(&[]);
+        let (m, notes) = merge(saved.clone(), &SavedRun::of(&a), &[]).unwrap();
+        assert!(notes.is_empty(), "{notes:?}");
+        m.apply(&mut a);
+        assert_eq!(a.target_engine, crate::cli::TargetEngine::Torch);
+        let now = SavedRun::of(&args(&["--target-engine", "native"]));
+        let (m, notes) = merge(saved, &now, &given(&["target_engine"])).unwrap();
+        assert_eq!(m.target_engine, Some(crate::cli::TargetEngine::Native));
+        assert_eq!(notes, ["--target-engine native replaces this run's torch"]);
+        // A run.json of a version without the field: this command line's engine holds.
+        let mut old = serde_json::to_value(SavedRun::of(&args(&["--data", "demo"]))).unwrap();
+        old.as_object_mut().unwrap().remove("target_engine");
+        let old: SavedRun = serde_json::from_value(old).unwrap();
+        let mut a = args(&["--target-engine", "torch"]);
+        old.apply(&mut a);
+        assert_eq!(a.target_engine, crate::cli::TargetEngine::Torch);
     }
 
     #[test]
