@@ -97,6 +97,14 @@ pub struct TargetConfig {
     /// config.json's `model_type` (what names an [`Arch::Transformers`] target).
     #[serde(skip)]
     pub model_type: String,
+    /// What the target's input embedding module multiplies the rows it looks up by
+    /// (Gemma's `sqrt(hidden_size)`, MiniCPM3's `scale_emb`; [`embed_scale`]), as an f32
+    /// as transformers holds it; `None`: the rows as stored. The drafter's frozen
+    /// embedding is the scaled one (what `get_input_embeddings()(ids)` returns), its
+    /// lm_head the unscaled weight. Left out of the serialised form when `None`, so the
+    /// fingerprint of a target without one is unchanged and older saved configs read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embed_scale: Option<f32>,
 }
 
 /// A Qwen3-MoE target's sparse MLP: per token, the router's softmax over `num_experts`,
@@ -688,6 +696,7 @@ impl TargetConfig {
                 _ => None,
             },
             model_type: model_type.to_string(),
+            embed_scale: None,
         })
     }
 
@@ -695,7 +704,8 @@ impl TargetConfig {
     /// families as [`read`](Self::read) reads them; any other as [`Arch::Transformers`],
     /// with what the data plane and the drafter need (sizes, attention shape for the
     /// drafter's own layers, vocabulary, context), read from `text_config` when the model
-    /// nests its language model there. Its rope settings are not the drafter's business:
+    /// nests its language model there, and the scale its input embedding module applies
+    /// ([`TargetConfig::embed_scale`]). Its rope settings are not the drafter's business:
     /// the drafter's own rotary embedding uses `rope_theta` (10000 when absent).
     pub fn read_any(text: &str) -> Result<TargetConfig, ConfigProblem> {
         let model_type = match TargetConfig::read(text) {
@@ -767,6 +777,11 @@ impl TargetConfig {
                 .map(|n| n as usize)
                 .filter(|&n| n > 0),
             moe: None,
+            embed_scale: embed_scale(
+                &[&model_type, v["model_type"].as_str().unwrap_or("")],
+                &v,
+                hidden_size,
+            )?,
             model_type,
         })
     }
@@ -789,6 +804,48 @@ impl TargetConfig {
     pub fn fingerprint(&self) -> u64 {
         let text = serde_json::to_string(self).unwrap_or_default();
         crate::batch::checksum(text.as_bytes())
+    }
+}
+
+/// The families whose input embedding module scales the rows it looks up by
+/// `sqrt(hidden_size)` (transformers' `*ScaledWordEmbedding` with that scale), by their
+/// `model_type` or their nested language model's.
+pub const SQRT_HIDDEN_EMBED_SCALE: &[&str] = &[
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "gemma3_text",
+    "gemma3n",
+    "gemma3n_text",
+    "gemma4",
+    "gemma4_text",
+    "vaultgemma",
+];
+
+/// The scale a family's input embedding module multiplies the looked-up rows by, as
+/// transformers computes it: `hidden_size ** 0.5` (a Python float, held as an f32 tensor)
+/// for the Gemma families ([`SQRT_HIDDEN_EMBED_SCALE`]), `scale_emb` (default 12) for
+/// MiniCPM3; `None` for every other family (`types`: the model's `model_type` and its
+/// language model's; `v`: the language model's config).
+fn embed_scale(
+    types: &[&str],
+    v: &serde_json::Value,
+    hidden_size: usize,
+) -> Result<Option<f32>, ConfigProblem> {
+    if types.iter().any(|t| SQRT_HIDDEN_EMBED_SCALE.contains(t)) {
+        Ok(Some((hidden_size as f64).sqrt() as f32))
+    } else if types.contains(&"minicpm3") {
+        match &v["scale_emb"] {
+            serde_json::Value::Null => Ok(Some(12.0)),
+            s => s
+                .as_f64()
+                .map(|x| x as f32)
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .map(Some)
+                .ok_or(ConfigProblem::NotPositiveNumber { field: "scale_emb" }),
+        }
+    } else {
+        Ok(None)
     }
 }
 
@@ -1369,5 +1426,68 @@ mod tests {
             let e = TargetConfig::read(text).unwrap_err().to_string();
             assert!(e.contains(needle), "{text}: {e}");
         }
+    }
+
+    #[test]
+    fn families_that_scale_their_input_embedding_record_the_scale() {
+        // Gemma 3's language model alone, and nested in its multimodal wrapper: the scale is
+        // sqrt of the language model's hidden size, as an f32.
+        let text = r#"{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 48,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 512}"#;
+        let t = TargetConfig::read_any(text).unwrap();
+        assert_eq!(t.embed_scale, Some(48f64.sqrt() as f32));
+        let nested = r#"{"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+            "hidden_size": 1152, "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
+            "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+            "vocab_size": 262208}}"#;
+        let t = TargetConfig::read_any(nested).unwrap();
+        assert_eq!(t.embed_scale, Some(2560f64.sqrt() as f32));
+        for family in ["gemma", "gemma2", "vaultgemma", "gemma4_text"] {
+            let v = text.replace("gemma3_text", family);
+            assert_eq!(
+                TargetConfig::read_any(&v).unwrap().embed_scale,
+                Some(48f64.sqrt() as f32),
+                "{family}"
+            );
+        }
+        // MiniCPM3: its scale_emb (12 when absent); a non-positive one is refused.
+        let mini = text.replace("gemma3_text", "minicpm3");
+        assert_eq!(
+            TargetConfig::read_any(&mini).unwrap().embed_scale,
+            Some(12.0)
+        );
+        let v = mini.replace(
+            r#""vocab_size": 512"#,
+            r#""vocab_size": 512, "scale_emb": 2.5"#,
+        );
+        assert_eq!(TargetConfig::read_any(&v).unwrap().embed_scale, Some(2.5));
+        let v = mini.replace(
+            r#""vocab_size": 512"#,
+            r#""vocab_size": 512, "scale_emb": -1"#,
+        );
+        assert!(matches!(
+            TargetConfig::read_any(&v),
+            Err(ConfigProblem::NotPositiveNumber { field: "scale_emb" })
+        ));
+        // Other families: none, and their serialised form (the fingerprint) has no such field.
+        let qwen = text.replace("gemma3_text", "qwen3_5_text");
+        let t = TargetConfig::read_any(&qwen).unwrap();
+        assert_eq!(t.embed_scale, None);
+        assert!(!serde_json::to_string(&t).unwrap().contains("embed_scale"));
+        let tiny = TargetConfig::read(TINY_CONFIG).unwrap();
+        assert_eq!(tiny.embed_scale, None);
+        // A config saved before the field existed still reads; a scaled one round-trips.
+        let mut old = serde_json::to_value(&tiny).unwrap();
+        old.as_object_mut().unwrap().remove("embed_scale");
+        let back: TargetConfig = serde_json::from_value(old).unwrap();
+        assert_eq!(back.embed_scale, None);
+        let g = TargetConfig::read_any(text).unwrap();
+        let back: TargetConfig = serde_json::from_str(&serde_json::to_string(&g).unwrap()).unwrap();
+        assert_eq!(back.embed_scale, g.embed_scale);
+        assert_ne!(
+            g.fingerprint(),
+            TargetConfig::read_any(&qwen).unwrap().fingerprint()
+        );
     }
 }

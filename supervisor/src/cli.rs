@@ -160,16 +160,7 @@ pub struct PrepareArgs {
     pub report: Option<PathBuf>,
 }
 
-/// `--target-engine`.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum TargetEngine {
-    Auto,
-    Native,
-    Torch,
-}
+pub use crate::run::engine::TargetEngine;
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
@@ -182,6 +173,13 @@ pub struct RunArgs {
     #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Devices",
           conflicts_with_all = ["target_gpus", "drafter_gpus"])]
     pub targets: u32,
+
+    /// GPUs each target worker holds, for a target too large for one GPU: its loaded
+    /// layers are split into contiguous ranges, one per GPU, and the activations hop
+    /// between them. `--gpus 0-7 --targets 1 --gpus-per-target 4`: the target on GPUs 0-3,
+    /// drafters on 4-7. Either engine (the torch engine needs python3 with accelerate).
+    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Devices")]
+    pub gpus_per_target: u32,
 
     /// Devices of the target workers, instead of --gpus/--targets. A GPU may appear in both
     /// lists: then two processes share it.
@@ -717,7 +715,21 @@ pub enum BenchCommand {
         /// Batches (= steps) measured.
         #[arg(long, default_value_t = 30)]
         steps: u64,
+        /// native: the native engine alone. torch: also the torch engine (transformers in
+        /// a Python child; needs python3 with torch and transformers) on the same batches,
+        /// its target forward alone and its whole pipeline, with the ratios torch/native.
+        #[arg(long, value_name = "ENGINE", value_enum, default_value = "native")]
+        target_engine: BenchTrainEngine,
     },
+}
+
+/// `bench train --target-engine`: the engines measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchTrainEngine {
+    /// The native engine alone.
+    Native,
+    /// The native engine and, beside it, the torch engine.
+    Torch,
 }
 
 #[derive(Debug, Args)]

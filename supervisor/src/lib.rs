@@ -89,7 +89,11 @@ pub fn main() -> i32 {
             target,
             tokens,
         })) => bench::compute::run(json, &target, tokens),
-        Some(Command::Bench(BenchCommand::Train { json, steps })) => bench::train::run(json, steps),
+        Some(Command::Bench(BenchCommand::Train {
+            json,
+            steps,
+            target_engine,
+        })) => bench::train::run(json, steps, target_engine),
         Some(Command::Bench(BenchCommand::Report {
             json,
             steps,

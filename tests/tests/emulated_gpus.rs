@@ -784,3 +784,85 @@ fn a_toolkit_stub_on_the_loader_path_is_named_in_one_line() {
         "{err}"
     );
 }
+
+/// `--gpus-per-target 2` on the native engine over emulated GPUs: the target worker holds
+/// GPUs 0 and 1, its layers in contiguous ranges over them, the residual stream handed
+/// from one to the other; the drafter on GPU 2 trains on taps bit for bit those of the
+/// target on one GPU: every step's loss equals the one-GPU run's. A split that leaves no
+/// drafter is refused in one line saying what would fit.
+#[test]
+fn a_target_over_two_emulated_gpus_captures_what_it_captures_on_one() {
+    if skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let env = emulated(tmp.path(), 3);
+    let run = |gpus: &str, extra: &[&str]| {
+        let mut a = vec![
+            "--gpus",
+            gpus,
+            "--data",
+            "demo",
+            "--steps",
+            "4",
+            "--max-seq-len",
+            "16",
+            "--token-budget",
+            "128",
+            "--no-gpu-metrics",
+        ];
+        a.extend_from_slice(extra);
+        let mut sup = start(&a, &env);
+        let status = sup.wait_exit(T);
+        assert_eq!(status.code(), Some(0), "{gpus} {extra:?}: {}", sup.stderr());
+        clean_ledger(&sup);
+        sup
+    };
+    let one = run("0-1", &[]);
+    let two = run("0-2", &["--gpus-per-target", "2"]);
+    let log = two.log("target-0");
+    assert!(
+        log.contains("target split over 2 GPUs: GPU 0: layers 0-")
+            && log.contains(", GPU 1: layers "),
+        "{log}"
+    );
+    assert!(
+        two.stderr().contains("each target worker holds 2 GPUs"),
+        "{}",
+        two.stderr()
+    );
+    let loss = |s: &Sup| -> Vec<f64> {
+        steps(s)
+            .iter()
+            .map(|l| l["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let (a, b) = (loss(&one), loss(&two));
+    assert_eq!(a.len(), 4);
+    assert!(a.iter().all(|l| l.is_finite() && *l > 0.0), "{a:?}");
+    assert_eq!(a, b, "the same taps, the same losses");
+    // Refused before any worker starts.
+    let run_dir = tmp.path().join("refused");
+    let o = std::process::Command::new(bin("dflash-supervise"))
+        .args([
+            "--gpus",
+            "0-2",
+            "--gpus-per-target",
+            "3",
+            "--no-gpu-metrics",
+        ])
+        .arg("--run-dir")
+        .arg(&run_dir)
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("takes 3 of the 3 device(s) and leaves no drafter")
+            && err.contains("at most --gpus-per-target 2"),
+        "{err}"
+    );
+    assert!(!run_dir.join("workers").exists());
+}

@@ -249,7 +249,7 @@ fn a_python_without_torch_is_refused_in_one_line() {
 /// as the demo data's ids), made with transformers' `from_config`.
 const FAMILY: &str = r#"
 import sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 torch.manual_seed(0)
 name, out = sys.argv[1], sys.argv[2]
 kw = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -268,10 +268,24 @@ kw.update({
                         qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, **moe),
     "minimax_m2": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, rotary_dim=8,
                        bos_token_id=1, eos_token_id=2),
+    # Gemma's embedding scaled by sqrt(hidden) and its lm_head tied to the unscaled table.
+    "gemma3_text": dict(intermediate_size=96, sliding_window=32, tie_word_embeddings=True,
+                        layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+    "qwen3_5": dict(intermediate_size=96, **linear),
 }[name])
 if name == "deepseek_v3":
     kw.pop("head_dim")
-AutoModelForCausalLM.from_config(AutoConfig.for_model(name, **kw)).save_pretrained(out)
+if name == "qwen3_5":
+    # The published multimodal checkpoint's layout: the language model nested under
+    # model.language_model, beside a (tiny) vision tower.
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  num_position_embeddings=16)
+    cfg = AutoConfig.for_model(name, text_config=kw, vision_config=vision, tie_word_embeddings=False,
+                               image_token_id=508, video_token_id=509, vision_start_token_id=510,
+                               vision_end_token_id=511)
+    AutoModelForImageTextToText.from_config(cfg).save_pretrained(out)
+else:
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(name, **kw)).save_pretrained(out)
 "#;
 
 /// A family the native engine does not serve: `auto` picks the torch engine, a drafter
@@ -522,4 +536,16 @@ fn a_python_child_with_nvml_loaded_is_refused_as_permanent() {
         Some(0),
         "permanent: {st}"
     );
+}
+
+#[test]
+fn gemma3_text_trains_on_the_torch_engine() {
+    family_trains_and_exports("gemma3_text");
+}
+
+/// Qwen3.5 as published: the multimodal checkpoint (`Qwen3_5ForConditionalGeneration`), its
+/// language model's weights under `model.language_model.`, a vision tower beside it.
+#[test]
+fn a_nested_multimodal_qwen3_5_checkpoint_trains_on_the_torch_engine() {
+    family_trains_and_exports("qwen3_5");
 }

@@ -392,16 +392,74 @@ fn resume_refuses_what_cannot_be_resumed() {
     );
 }
 
+/// `dflash-supervise bench train ARGS` with `TMPDIR` set to `tmp` and `env` on top.
+fn bench_train(args: &[&str], tmp: &std::path::Path, env: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = std::process::Command::new(bin("dflash-supervise"));
+    cmd.args(["bench", "train"])
+        .args(args)
+        .env("TMPDIR", tmp)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null());
+    cmd.output().expect("run dflash-supervise bench train")
+}
+
+/// The figure `k` of a `bench train --json` object: present, positive and finite.
+fn figure(v: &Value, k: &str) -> f64 {
+    let x = v[k]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{k} missing in {v}"));
+    assert!(x.is_finite() && x > 0.0, "{k} = {x} in {v}");
+    x
+}
+
+/// The printed ratio `r` is the quotient of the printed figures it names.
+fn assert_ratio(v: &Value, r: &str, quotient: f64) {
+    let x = figure(v, r);
+    assert!(
+        (x - quotient).abs() <= 1e-12 * quotient.abs(),
+        "{r} = {x}, the quotient of its figures is {quotient}: {v}"
+    );
+}
+
 #[test]
 fn bench_train_prints_stage_and_pipeline_throughput() {
-    let out = supervise(&["bench", "train", "--json", "--steps", "3"], None);
+    // Its scratch directory is a fresh one of its own under TMPDIR, removed at the end;
+    // a directory that was there before (even one named as the old pid-named directory
+    // was) is left alone.
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tmp.path().join("dflash-bench-train-keep");
+    fs::create_dir(&other).unwrap();
+    fs::write(other.join("mine"), b"x").unwrap();
+    let out = bench_train(&["--json", "--steps", "3"], tmp.path(), &[]);
     assert_eq!(
         out.status.code(),
         Some(0),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(
+        other.join("mine").is_file(),
+        "a directory it did not make is untouched"
+    );
+    let left: Vec<_> = fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_string_lossy().starts_with("dflash-bench-train"))
+        .filter(|n| n != "dflash-bench-train-keep")
+        .collect();
+    assert!(
+        left.is_empty(),
+        "its scratch directory is removed: {left:?}"
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // The native engine alone: no torch figures.
+    assert!(v.get("torch_target_tokens_per_s").is_none(), "{v}");
+    assert_ratio(
+        &v,
+        "pipeline_vs_slowest_stage",
+        figure(&v, "pipeline_tokens_per_s")
+            / figure(&v, "target_tokens_per_s").min(figure(&v, "drafter_tokens_per_s")),
+    );
     for k in [
         "target_tokens_per_s",
         "drafter_tokens_per_s",
@@ -410,10 +468,7 @@ fn bench_train_prints_stage_and_pipeline_throughput() {
         "snapshot_ms",
         "step_ms",
     ] {
-        let x = v[k]
-            .as_f64()
-            .unwrap_or_else(|| panic!("{k} missing in {v}"));
-        assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+        figure(&v, k);
     }
     // The snapshot's share is its cost over the steps between snapshots.
     let share = v["snapshot_ms"].as_f64().unwrap()
@@ -421,6 +476,72 @@ fn bench_train_prints_stage_and_pipeline_throughput() {
     assert!(
         (v["snapshot_share_of_step_time"].as_f64().unwrap() - share).abs() < 1e-12,
         "{v}"
+    );
+}
+
+#[test]
+fn bench_train_measures_the_torch_engine_beside_the_native_one() {
+    if !have_torch() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = bench_train(
+        &["--target-engine", "torch", "--json", "--steps", "3"],
+        tmp.path(),
+        &[],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let native_target = figure(&v, "target_tokens_per_s");
+    let drafter = figure(&v, "drafter_tokens_per_s");
+    let native_pipeline = figure(&v, "pipeline_tokens_per_s");
+    let torch_target = figure(&v, "torch_target_tokens_per_s");
+    let torch_pipeline = figure(&v, "torch_pipeline_tokens_per_s");
+    assert_eq!(v["batches"].as_f64(), Some(3.0), "{v}");
+    assert_ratio(&v, "torch_vs_native_target", torch_target / native_target);
+    assert_ratio(
+        &v,
+        "torch_vs_native_pipeline",
+        torch_pipeline / native_pipeline,
+    );
+    assert_ratio(
+        &v,
+        "pipeline_vs_slowest_stage",
+        native_pipeline / native_target.min(drafter),
+    );
+    assert_ratio(
+        &v,
+        "torch_pipeline_vs_slowest_stage",
+        torch_pipeline / torch_target.min(drafter),
+    );
+}
+
+#[test]
+fn bench_train_torch_without_torch_is_refused_naming_what_to_install() {
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("no-python");
+    let out = bench_train(
+        &["--target-engine", "torch", "--steps", "3"],
+        tmp.path(),
+        &[("DFLASH_PYTHON", missing.to_str().unwrap())],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(
+        err.contains("--target-engine torch") && err.contains("pip install torch transformers"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "nothing measured");
+    assert_eq!(
+        fs::read_dir(tmp.path()).unwrap().count(),
+        0,
+        "nothing made before the refusal"
     );
 }
 

@@ -74,9 +74,17 @@ def truncate(cfg, layers):
 
 
 def decoder_layers(model):
-    """The ModuleList of decoder layers, wherever the architecture keeps it."""
+    """The ModuleList of decoder layers, wherever the architecture keeps it: the layers of
+    the decoder transformers names (get_decoder(): a multimodal wrapper's language model),
+    else the longest `...layers` list outside vision and audio towers."""
     import torch
 
+    try:
+        layers = getattr(model.get_decoder(), "layers", None)
+    except Exception:  # get_decoder is best effort; some architectures raise
+        layers = None
+    if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+        return layers
     best = None
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and name.endswith("layers") and len(mod) > 0:
@@ -89,10 +97,24 @@ def decoder_layers(model):
     return best[1]
 
 
+def auto_class(cfg):
+    """The Auto class that loads `cfg`: a causal LM, or a multimodal wrapper transformers
+    maps only as image-text-to-text (Mistral 3, Qwen3-VL, ...), whose language model is
+    what runs."""
+    from transformers import AutoModelForCausalLM
+
+    if type(cfg) not in AutoModelForCausalLM._model_mapping:
+        from transformers import AutoModelForImageTextToText
+
+        if type(cfg) in AutoModelForImageTextToText._model_mapping:
+            return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load(args):
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     taps = [int(t) for t in args.taps.split(",")]
     cfg = AutoConfig.from_pretrained(args.target)
@@ -114,12 +136,16 @@ def load(args):
             kw["attn_implementation"] = "flash_attention_2"
         except ImportError:
             pass
+    auto = auto_class(cfg)
+    if args.devices:
+        # Over several GPUs (--gpus-per-target): contiguous ranges of layers, one per device.
+        kw["device_map"] = device_map(cfg, args.devices.split(","))
     try:
-        model = AutoModelForCausalLM.from_pretrained(args.target, config=cfg, **kw)
+        model = auto.from_pretrained(args.target, config=cfg, **kw)
     except Exception as e:  # one line: what could not be loaded
         die(f"transformers {transformers.__version__} cannot load {args.target}: {e}".replace("\n", " "))
     model.eval()
-    if gpu:
+    if gpu and not args.devices:
         model.to("cuda")
     layers = decoder_layers(model)
     want = max(taps) + 1 if args.mode == "taps" else total
@@ -137,6 +163,68 @@ def load(args):
         layers[k].register_forward_hook(hook(k))
     tc = text_config(model.config)
     return model, taps, captured, tc.hidden_size, total
+
+
+def split_layers(sizes, n, first=0):
+    """The device (0..n-1) of each layer: contiguous ranges in order, one per device (as
+    many devices as there are layers at most), the largest device's bytes (device 0 also
+    holding `first`, the embedding) as small as any such split makes it."""
+    if n < 1:
+        raise ValueError("no devices")
+    count = len(sizes)
+    k = min(n, count)
+    pre = [0]
+    for size in sizes:
+        pre.append(pre[-1] + size)
+
+    def load(a, b):
+        return pre[b] - pre[a] + (first if a == 0 else 0)
+
+    # best[j][i]: the least largest load of layers 0..i split into j ranges.
+    inf = float("inf")
+    best = [[inf] * (count + 1) for _ in range(k + 1)]
+    cut = [[0] * (count + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for j in range(1, k + 1):
+        for i in range(j, count + 1):
+            for a in range(j - 1, i):
+                c = max(best[j - 1][a], load(a, i))
+                if c < best[j][i]:
+                    best[j][i], cut[j][i] = c, a
+    out, i = [0] * count, count
+    for j in range(k, 0, -1):
+        a = cut[j][i]
+        for x in range(a, i):
+            out[x] = j - 1
+        i = a
+    return out
+
+
+def device_map(cfg, devices):
+    """transformers' device_map for `cfg` over `devices`: the decoder layers split by
+    [split_layers] (by parameter bytes), every other module on the first device."""
+    import torch
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        skel = auto_class(cfg).from_config(cfg)
+    layers = decoder_layers(skel)
+    prefix = next(name for name, mod in skel.named_modules() if mod is layers)
+
+    def nbytes(mod):
+        return sum(p.numel() * p.element_size() for p in mod.parameters())
+
+    embed = skel.get_input_embeddings()
+    where = split_layers([nbytes(layer) for layer in layers], len(devices), nbytes(embed))
+    dmap = {f"{prefix}.{i}": devices[d] for i, d in enumerate(where)}
+    for name, mod in skel.named_modules():
+        if name == prefix or name.startswith(prefix + "."):
+            continue
+        own = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        if own and name:
+            dmap[name] = devices[0]
+    del skel, torch
+    return dmap
 
 
 class Decoder:
@@ -190,7 +278,7 @@ class Decoder:
             self.cache = getattr(out, "past_key_values", None)
         self.ids = self.ids + ids
         logits = out.logits[0, skip:].float()
-        rows = torch.cat([self.captured[k][0, skip:] for k in self.taps], dim=-1)
+        rows = torch.cat([self.captured[k][0, skip:].to(self.dev) for k in self.taps], dim=-1)
         os.pwrite(self.fd, rows.float().contiguous().cpu().numpy().tobytes(), 0)
         top = torch.topk(logits[-1], 2) if logits.shape[-1] > 1 else None
         margin = float(top.values[0] - top.values[1]) if top is not None else 0.0
@@ -240,6 +328,7 @@ def main():
     p.add_argument("--pool", help="taps: the hidden-state pool (a memfd path)")
     p.add_argument("--exchange", help="decode: the file the floats go through")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--devices", help="several devices (cuda:0,cuda:1,...): the layers split over them")
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
     # stdout is the protocol: whatever a library prints goes to stderr (the worker's log).
@@ -285,7 +374,7 @@ def main():
                 captured.clear()
                 # The decoder without the lm_head: the taps are all that is needed.
                 body(input_ids=torch.tensor([ids], device=dev), use_cache=False)
-                row = torch.cat([captured[k][0] for k in taps], dim=-1).to(out_dtype).contiguous()
+                row = torch.cat([captured[k][0].to(dev) for k in taps], dim=-1).to(out_dtype).contiguous()
                 data = row.cpu().view(torch.uint8).numpy().tobytes()
                 if off + len(data) > len(pool):
                     die(f"row of {len(data)} bytes at {off} passes the pool's {len(pool)} bytes")

@@ -1,7 +1,9 @@
 //! `dflash-worker bench-compute --spec FILE`: the target forward and the drafter train step
 //! over given token batches, in this one process with no pipeline — the baseline that
 //! `dflash-supervise bench train` compares the pipeline against. Both run the models the
-//! CPU workers run: the device target and drafter on the CPU device.
+//! CPU workers run: the device target and drafter on the CPU device. With `"torch": true` in
+//! the spec, also the torch engine's target forward over the same rows: its Python child
+//! (transformers, f32 on the CPU), as a target worker with `--target-engine torch` runs it.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -26,6 +28,9 @@ pub struct Spec {
     pub lr: f64,
     pub seed: u64,
     pub batches: Vec<TokenBatch>,
+    /// Also measure the torch engine's target forward.
+    #[serde(default)]
+    pub torch: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -33,6 +38,9 @@ pub struct Figures {
     pub tokens: u64,
     pub target_tokens_per_s: f64,
     pub drafter_tokens_per_s: f64,
+    /// The torch engine's target forward, when the spec asks for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub torch_target_tokens_per_s: Option<f64>,
 }
 
 pub fn run(spec_path: &Path) -> Result<(), ToolError> {
@@ -78,6 +86,11 @@ pub fn run(spec_path: &Path) -> Result<(), ToolError> {
     let target_s = t0.elapsed().as_secs_f64();
 
     drop(target);
+    let torch_s = if spec.torch {
+        Some(torch_forward(&spec)?)
+    } else {
+        None
+    };
     // Drafter: one step per batch, as a one-rank group takes it (gradient, its copy into
     // the reduce buffer, clip to 1 and AdamW on the device).
     let d = Drafter::new(c.clone());
@@ -106,10 +119,54 @@ pub fn run(spec_path: &Path) -> Result<(), ToolError> {
         tokens,
         target_tokens_per_s: tokens as f64 / target_s,
         drafter_tokens_per_s: tokens as f64 / drafter_s,
+        torch_target_tokens_per_s: torch_s.map(|s| tokens as f64 / s),
     };
     println!(
         "{}",
         serde_json::to_string(&f).map_err(ToolError::json("the figures"))?
     );
     Ok(())
+}
+
+/// The torch engine's target forward over every batch's rows, in seconds: its Python child
+/// on the spec's target (transformers, f32 on the CPU), each batch one request whose rows'
+/// taps it writes, in f32, into a scratch file as it writes into a hidden-state pool. From
+/// the first request to the last answer: the child's start (Python, transformers, the
+/// model) is not throughput, as loading the native target is not.
+fn torch_forward(spec: &Spec) -> Result<f64, ToolError> {
+    use crate::torch_engine::{Mode, TorchChild};
+    let hidden = dflash_shared::model_config::TargetConfig::load(&spec.target_dir)?.hidden_size;
+    let row_bytes = |len: usize| (len * spec.taps.len() * hidden * 4) as u64;
+    let scratch = dflash_shared::scratch::ScratchDir::new("bench-torch")
+        .map_err(ToolError::io("creating a scratch directory".to_string()))?;
+    let pool = scratch.path().join("pool");
+    let room = spec
+        .batches
+        .iter()
+        .map(|b| row_bytes(b.tokens() as usize))
+        .max()
+        .unwrap_or(0);
+    std::fs::File::create(&pool)
+        .and_then(|f| f.set_len(room.max(1)))
+        .map_err(ToolError::io(format!("creating {}", pool.display())))?;
+    let mut child = TorchChild::start(&spec.target_dir, &spec.taps, Mode::Taps { pool: &pool }, 0)?;
+    let t0 = Instant::now();
+    for (id, b) in spec.batches.iter().enumerate() {
+        let seq = b.seq_len as usize;
+        let mut offset = 0u64;
+        let rows: Vec<(&[u32], u64)> = b
+            .lengths
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| {
+                let row = (&b.input_ids[r * seq..r * seq + len as usize], offset);
+                offset += row_bytes(len as usize);
+                row
+            })
+            .collect();
+        child.run(id as u64, &rows, true)?;
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    drop(child);
+    Ok(seconds)
 }

@@ -397,7 +397,7 @@ fn torch_taps(
     std::fs::write(&pool, vec![0u8; n * 4])
         .map_err(error::ToolError::io(format!("writing {}", pool.display())))?;
     let mut child =
-        torch_engine::TorchChild::start(dir, taps, torch_engine::Mode::Taps { pool: &pool }, false)
+        torch_engine::TorchChild::start(dir, taps, torch_engine::Mode::Taps { pool: &pool }, 0)
             .map_err(error::WorkerError::from)?;
     child
         .run(0, &[(tokens, 0)], true)

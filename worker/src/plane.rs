@@ -676,7 +676,12 @@ fn load_target(
         dir,
         &taps,
         crate::torch_engine::Mode::Taps { pool: &pool },
-        gpu.is_some(),
+        // Every GPU the supervisor gave this worker (--gpus-per-target).
+        if gpu.is_some() {
+            crate::torch_engine::visible_gpus().max(1)
+        } else {
+            0
+        },
     )
     .map_err(|e| bad(e.to_string()))?;
     let hidden = child.ready["hidden_size"].as_u64().unwrap_or(0) as usize;
@@ -747,12 +752,39 @@ fn load_native(
                 .map(Box::new)
                 .map_err(|e| fail(format!("putting the target on the CPU device: {e}")))
         }
-        Some(dev) => match DeviceTarget::new(dev, &t, max_tokens) {
+        Some(dev) => match split_over_gpus(dev, t, max_tokens) {
             Ok(g) => Ok(Box::new(g)),
             Err(e @ GpuError::Unavailable(_)) => Err(unavailable(e)),
             Err(e) => Err(fail(format!("putting the target on the device: {e}"))),
         },
     }
+}
+
+/// `t` on `dev` and, for a target worker that holds several GPUs (`--gpus-per-target`:
+/// `CUDA_VISIBLE_DEVICES` names them all), on the others too, its layers in contiguous
+/// ranges over them.
+fn split_over_gpus(
+    dev: Box<dyn device::Device>,
+    t: Target,
+    max_tokens: usize,
+) -> std::result::Result<DeviceTarget, GpuError> {
+    let n = crate::torch_engine::visible_gpus();
+    if n <= 1 {
+        return DeviceTarget::new(dev, &t, max_tokens);
+    }
+    let mut devs = vec![dev];
+    for g in 1..n {
+        devs.push(device::open_gpu(g)?);
+    }
+    let g = DeviceTarget::new_split(devs, t, max_tokens)?;
+    let ranges: Vec<String> = g
+        .layer_ranges()
+        .iter()
+        .enumerate()
+        .map(|(d, r)| format!("GPU {d}: layers {}-{}", r.start, r.end - 1))
+        .collect();
+    println!("target split over {n} GPUs: {}", ranges.join(", "));
+    Ok(g)
 }
 
 /// The slot header, written by the supervisor before it told us, must agree with the

@@ -23,6 +23,13 @@ use serde_json::{json, Value};
 /// The child's program, embedded: run with `python3 -c`.
 pub const ENGINE_MODULE: &str = include_str!("../python/dflash_target_engine.py");
 
+/// How many GPUs `CUDA_VISIBLE_DEVICES` gives this process (a target worker holding
+/// several: `--gpus-per-target`); 0 when it names none.
+pub fn visible_gpus() -> usize {
+    std::env::var("CUDA_VISIBLE_DEVICES")
+        .map_or(0, |v| v.split(',').filter(|d| !d.trim().is_empty()).count())
+}
+
 /// Lines of the child's stderr kept to say why it died.
 const TAIL: usize = 12;
 
@@ -107,13 +114,14 @@ pub enum Mode<'a> {
 }
 
 impl TorchChild {
-    /// Start the child on `target` with these taps for `mode`, on the GPU (`cuda`) or the
-    /// CPU. Returns once it has loaded the model.
+    /// Start the child on `target` with these taps for `mode`, on `gpus` GPUs (the first
+    /// ones `CUDA_VISIBLE_DEVICES` names; several: its layers split over them) or, with 0,
+    /// the CPU. Returns once it has loaded the model.
     pub fn start(
         target: &Path,
         taps: &[usize],
         mode: Mode<'_>,
-        gpu: bool,
+        gpus: usize,
     ) -> Result<Self, TorchError> {
         let py = python();
         let taps: Vec<String> = taps.iter().map(usize::to_string).collect();
@@ -128,8 +136,23 @@ impl TorchChild {
             Mode::Taps { pool } => cmd.arg("--pool").arg(pool),
             Mode::Decode { exchange } => cmd.args(["--mode", "decode", "--exchange"]).arg(exchange),
         };
+        if gpus > 1 {
+            let devices: Vec<String> = (0..gpus).map(|g| format!("cuda:{g}")).collect();
+            cmd.arg("--devices").arg(devices.join(","));
+        }
+        if gpus == 0 {
+            // As many threads as this worker's own CPU compute gets (the supervisor shares
+            // the cores out between the workers): torch alone would take every core.
+            cmd.arg("--threads")
+                .arg(dflash_shared::nproc::compute_threads().to_string());
+            // OpenMP's threads spin while they wait by default: beside a drafter on the
+            // same cores they would take its time. Sleeping, unless the user chose.
+            if std::env::var_os("OMP_WAIT_POLICY").is_none() {
+                cmd.env("OMP_WAIT_POLICY", "PASSIVE");
+            }
+        }
         cmd.arg("--device")
-            .arg(if gpu { "cuda" } else { "cpu" })
+            .arg(if gpus > 0 { "cuda" } else { "cpu" })
             .env("PYTHONUNBUFFERED", "1")
             .env("TRANSFORMERS_VERBOSITY", "error")
             .env("HF_HUB_OFFLINE", "1")

@@ -465,3 +465,91 @@ fn a_device_target_reads_its_weights_from_the_checkpoint_mapping_without_an_f32_
         );
     }
 }
+
+/// A target split over several devices (`--gpus-per-target`): its layers in contiguous
+/// ranges, the residual stream and the taps so far handed from device to device. Its taps
+/// are bit for bit those of the same target on one device, on the CPU device (f32) and on
+/// host devices (bf16 activations, weights read from the checkpoint's mapping, ordering
+/// checked), for single and packed rows.
+#[test]
+fn a_target_split_over_devices_taps_what_it_taps_on_one() {
+    use dflash_worker::device::cpu::CpuDevice;
+    use dflash_worker::device::host::HostDevice;
+    use dflash_worker::device::Device;
+    use dflash_worker::models::target::device::DeviceTarget;
+    use dflash_worker::models::target::Load;
+    let tmp = tempfile::tempdir().unwrap();
+    tiny::write(tmp.path()).unwrap();
+    let taps = [0, 2, 4];
+    let rows: Vec<Vec<u32>> = (0..3u32)
+        .map(|r| {
+            (0..7 + 5 * r)
+                .map(|i| (i * 37 + r * 11 + 3) % 500)
+                .collect()
+        })
+        .collect();
+    let rows: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+    for host in [false, true] {
+        let dev = |_: usize| -> Box<dyn Device> {
+            if host {
+                Box::new(HostDevice::new())
+            } else {
+                Box::new(CpuDevice::new())
+            }
+        };
+        let how = if host { Load::Mapped } else { Load::F32 };
+        let load = || Target::load_as(tmp.path(), &taps, how).unwrap();
+        let mut one = DeviceTarget::new(dev(0), &load(), 32).unwrap();
+        let want = one.forward_rows(&rows).unwrap();
+        assert!(want.iter().flatten().all(|x| x.is_finite()));
+        for n in [2, 3, 6] {
+            let mut split = DeviceTarget::new_split((0..n).map(dev).collect(), load(), 32).unwrap();
+            let ranges = split.layer_ranges();
+            // Layers 0..=4 (the last tap) over min(n, 5) devices, contiguous, in order.
+            assert_eq!(ranges.len(), n.min(5), "{ranges:?}");
+            assert_eq!((ranges[0].start, ranges[ranges.len() - 1].end), (0, 5));
+            assert!(ranges
+                .windows(2)
+                .all(|w| w[0].end == w[1].start && !w[1].is_empty()));
+            // The worker's path: bf16 taps copied from the last device into host memory.
+            let width = taps.len() * 64;
+            let total: usize = rows.iter().map(|r| r.len()).sum::<usize>() * width * 2;
+            let mut pool = vec![0u8; total];
+            let mut at = 0;
+            let dsts: Vec<(&[u32], *mut u8)> = rows
+                .iter()
+                .map(|r| {
+                    // SAFETY: within `pool`.
+                    let p = unsafe { pool.as_mut_ptr().add(at) };
+                    at += r.len() * width * 2;
+                    (*r, p)
+                })
+                .collect();
+            // SAFETY: `split` is dropped before `pool` (below), and `pool` is read only
+            // after `finish`.
+            unsafe {
+                split.register_host(pool.as_mut_ptr(), total).unwrap();
+                let e = split.forward_rows_into(&dsts).unwrap().unwrap();
+                split.finish(e, pool.as_ptr(), total).unwrap();
+            }
+            let bf16: Vec<u8> = want
+                .iter()
+                .flatten()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect();
+            assert!(
+                pool == bf16,
+                "host {host}, {n} devices: the pool's taps differ"
+            );
+            let got = split.forward_rows(&rows).unwrap();
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    g.len() == w.len() && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "host {host}, {n} devices: taps differ"
+                );
+            }
+            drop(split);
+        }
+    }
+}

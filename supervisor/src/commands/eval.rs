@@ -53,7 +53,7 @@ pub struct EvalArgs {
     /// (transformers' implementation in a Python child, over its own KV cache), or auto
     /// (native for the families it serves, torch for any other).
     #[arg(long, value_enum, value_name = "ENGINE", default_value = "auto")]
-    pub target_engine: crate::cli::TargetEngine,
+    pub target_engine: crate::run::engine::TargetEngine,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -146,7 +146,7 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
         let (e, line) = crate::run::engine::pick(a.target_engine, &t)?;
         log::info!("eval: {line}");
         engine = e;
-    } else if a.target_engine == crate::cli::TargetEngine::Torch {
+    } else if a.target_engine == crate::run::engine::TargetEngine::Torch {
         engine = crate::run::engine::pick(
             a.target_engine,
             &dflash_shared::model_config::TargetConfig::read(

@@ -43,7 +43,13 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
     ),
     (
         "devices",
-        &["gpus", "targets", "target_gpus", "drafter_gpus"],
+        &[
+            "gpus",
+            "targets",
+            "gpus_per_target",
+            "target_gpus",
+            "drafter_gpus",
+        ],
     ),
     (
         "drafter",

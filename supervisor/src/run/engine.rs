@@ -8,8 +8,18 @@ use std::process::Command;
 
 use dflash_shared::model_config::{Arch, TargetConfig};
 
-use crate::cli::{RunArgs, TargetEngine};
 use crate::error::Error;
+
+/// `--target-engine` (of a run, `eval` and `bench train`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TargetEngine {
+    Auto,
+    Native,
+    Torch,
+}
 
 /// The versions of torch and transformers that `python` imports, or why it cannot.
 fn torch_versions(python: &str) -> Result<(String, String), String> {
@@ -43,8 +53,45 @@ fn torch_versions(python: &str) -> Result<(String, String), String> {
 
 /// The engine's name for the workers (`native` or `torch`) and the start's line saying which
 /// and why; `--target-engine torch` without torch and transformers is refused (exit 2).
-pub fn choose(args: &RunArgs, target: &TargetConfig) -> Result<(&'static str, String), Error> {
-    pick(args.target_engine, target)
+/// A target over several GPUs (`--gpus-per-target`) on the torch engine needs accelerate
+/// (transformers places the layers over the GPUs with it).
+pub fn choose(
+    requested: TargetEngine,
+    per: u32,
+    target: &TargetConfig,
+) -> Result<(&'static str, String), Error> {
+    let (engine, mut line) = pick(requested, target)?;
+    if per <= 1 {
+        return Ok((engine, line));
+    }
+    if engine == "native" {
+        line.push_str(&format!(
+            "; each target worker holds {per} GPUs, its layers in contiguous ranges over them"
+        ));
+        return Ok((engine, line));
+    }
+    let py = python();
+    let out = Command::new(&py)
+        .args(["-c", "import accelerate; print(accelerate.__version__)"])
+        .output()
+        .map_err(|e| Error::Unavailable {
+            what: format!("--gpus-per-target {per}"),
+            source: format!("{py} cannot be run ({e})").into(),
+        })?;
+    if !out.status.success() {
+        return Err(Error::Unavailable {
+            what: format!("--gpus-per-target {per} on the torch engine"),
+            source: format!(
+                "{py} cannot import accelerate, which transformers needs to place a model over several GPUs: pip install accelerate"
+            )
+            .into(),
+        });
+    }
+    line.push_str(&format!(
+        "; each target worker holds {per} GPUs, its layers in contiguous ranges over them (accelerate {})",
+        String::from_utf8_lossy(&out.stdout).trim()
+    ));
+    Ok((engine, line))
 }
 
 /// [`choose`] for `requested`: also what `eval` decodes with.

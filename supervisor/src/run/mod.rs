@@ -34,11 +34,79 @@ use crate::error::Error;
 use crate::telemetry::{console, gpus, prometheus};
 use crate::training::{resume, schedule, trainer};
 
-/// Which worker runs where: targets first, then drafters, ranks from 0 in device order.
+/// Which worker runs where: targets first, then drafters, ranks from 0 in device order
+/// (a target worker holding several GPUs is placed on its first: [`placement`]).
 pub fn plan(
     args: &RunArgs,
     gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>,
 ) -> Result<Vec<(WorkerName, Device)>, Error> {
+    Ok(placement(args, gpu_count)?.workers)
+}
+
+/// Where the workers run: each worker's device, and the GPUs of each target worker that
+/// holds more than one (`--gpus-per-target`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub workers: Vec<(WorkerName, Device)>,
+    /// Per target rank, its GPUs in order (its device first): empty for one device.
+    pub target_spans: Vec<Vec<u32>>,
+}
+
+/// [`plan`], with the GPUs of each target worker.
+pub fn placement(
+    args: &RunArgs,
+    gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>,
+) -> Result<Placement, Error> {
+    let per = args.gpus_per_target as usize;
+    if per == 0 {
+        return Err(Error::Flag(
+            "--gpus-per-target 0: a target worker needs a device (expected 1 or more)".into(),
+        ));
+    }
+    let (targets, drafters) = role_devices(args, per, gpu_count)?;
+    if per > 1 && targets.iter().any(|d| matches!(d, Device::Cpu)) {
+        return Err(Error::Flag(format!(
+            "--gpus-per-target {per}: CPU workers have no GPUs to spread a target over (expected 1 with cpu:N)"
+        )));
+    }
+    let spans: Vec<Vec<u32>> = targets
+        .chunks(per)
+        .map(|c| {
+            c.iter()
+                .filter_map(|d| match d {
+                    Device::Gpu(g) if per > 1 => Some(*g),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect();
+    let targets: Vec<Device> = targets.chunks(per).map(|c| c[0]).collect();
+    let named = |role, devs: Vec<Device>| {
+        devs.into_iter().enumerate().map(move |(rank, d)| {
+            (
+                WorkerName {
+                    role,
+                    rank: rank as u32,
+                },
+                d,
+            )
+        })
+    };
+    Ok(Placement {
+        workers: named(Role::Target, targets)
+            .chain(named(Role::Drafter, drafters))
+            .collect(),
+        target_spans: spans,
+    })
+}
+
+/// The devices of the target workers (`per` for each) and of the drafters, from
+/// `--target-gpus`/`--drafter-gpus` or from `--gpus` and `--targets`.
+fn role_devices(
+    args: &RunArgs,
+    per: usize,
+    gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>,
+) -> Result<(Vec<Device>, Vec<Device>), Error> {
     // Asked once, its answer shared by every flag that needs it.
     type Count = Result<u32, std::rc::Rc<gpus::NvmlUnavailable>>;
     let mut cached: Option<Count> = None;
@@ -54,55 +122,53 @@ pub fn plan(
         };
         spec.resolve(n, flag).map_err(Error::from)
     };
-    let (targets, drafters) = match (&args.target_gpus, &args.drafter_gpus) {
-        (Some(t), Some(d)) => (
-            resolve(t, "--target-gpus", &mut probe)?,
-            resolve(d, "--drafter-gpus", &mut probe)?,
-        ),
-        _ => {
-            let spec = match &args.gpus {
-                Some(s) => s.clone(),
-                None => match probe() {
-                    Ok(n) if n > 0 => DeviceSpec::All,
-                    _ => DeviceSpec::Cpu(2),
-                },
-            };
-            let flag = if args.gpus.is_some() {
-                "--gpus"
-            } else {
-                "default devices"
-            };
-            let devices = resolve(&spec, flag, &mut probe)?;
-            let n = args.targets as usize;
-            if n == 0 {
-                return Err(Error::Flag(
-                    "--targets 0: at least one target worker is needed (expected 1 or more)".into(),
-                ));
-            }
-            if n >= devices.len() {
-                return Err(Error::Flag(format!(
-                    "--targets {n} leaves no drafter among {} device(s) (expected fewer targets than devices; \
-                     to share one GPU give --target-gpus 0 --drafter-gpus 0)",
-                    devices.len()
-                )));
-            }
-            (devices[..n].to_vec(), devices[n..].to_vec())
+    if let (Some(t), Some(d)) = (&args.target_gpus, &args.drafter_gpus) {
+        let t = resolve(t, "--target-gpus", &mut probe)?;
+        if t.len() % per != 0 {
+            return Err(Error::Flag(format!(
+                "--gpus-per-target {per}: --target-gpus gives {} device(s), not a multiple of {per} (expected {} or {} GPUs for the targets)",
+                t.len(),
+                t.len() / per * per,
+                (t.len() / per + 1) * per
+            )));
         }
+        return Ok((t, resolve(d, "--drafter-gpus", &mut probe)?));
+    }
+    let spec = match &args.gpus {
+        Some(s) => s.clone(),
+        None => match probe() {
+            Ok(n) if n > 0 => DeviceSpec::All,
+            _ => DeviceSpec::Cpu(2),
+        },
     };
-    let named = |role, devs: Vec<Device>| {
-        devs.into_iter().enumerate().map(move |(rank, d)| {
-            (
-                WorkerName {
-                    role,
-                    rank: rank as u32,
-                },
-                d,
-            )
-        })
+    let flag = if args.gpus.is_some() {
+        "--gpus"
+    } else {
+        "default devices"
     };
-    Ok(named(Role::Target, targets)
-        .chain(named(Role::Drafter, drafters))
-        .collect())
+    let devices = resolve(&spec, flag, &mut probe)?;
+    let n = args.targets as usize;
+    if n == 0 {
+        return Err(Error::Flag(
+            "--targets 0: at least one target worker is needed (expected 1 or more)".into(),
+        ));
+    }
+    if per > 1 && n * per >= devices.len() {
+        return Err(Error::Flag(format!(
+            "--targets {n} --gpus-per-target {per} takes {} of the {} device(s) and leaves no drafter (expected targets × GPUs per target below the device count: at most --gpus-per-target {} with --targets {n})",
+            n * per,
+            devices.len(),
+            devices.len().saturating_sub(1) / n
+        )));
+    }
+    if n >= devices.len() {
+        return Err(Error::Flag(format!(
+            "--targets {n} leaves no drafter among {} device(s) (expected fewer targets than devices; \
+             to share one GPU give --target-gpus 0 --drafter-gpus 0)",
+            devices.len()
+        )));
+    }
+    Ok((devices[..n * per].to_vec(), devices[n * per..].to_vec()))
 }
 
 pub(crate) fn resolve_worker_bin(given: Option<&Path>) -> Result<PathBuf, Error> {
@@ -324,7 +390,7 @@ fn target_and_engine(
         target_check::check(Path::new(&args.target), &target_cfg)
             .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     }
-    let (engine, mut line) = engine::choose(args, &target_cfg)?;
+    let (engine, mut line) = engine::choose(args.target_engine, args.gpus_per_target, &target_cfg)?;
     if engine == "torch" {
         args.target_engine = crate::cli::TargetEngine::Torch;
     }
@@ -431,7 +497,8 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let adapted = validate::adapt_max_seq_len(&mut args, given);
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
-    let plan = plan(&args, &mut gpus::gpu_count)?;
+    let placed = placement(&args, &mut gpus::gpu_count)?;
+    let (plan, target_spans) = (placed.workers, placed.target_spans);
     check_telemetry_flags(&args, &plan)?;
     let (target_cfg, engine_line) = target_and_engine(&mut args, &plan)?;
     let cpu_defaults = cpu_defaults(&args, &plan);
@@ -515,7 +582,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     console::to_file(&sup_log).map_err(|e| Error::io("cannot write", &sup_log, e))?;
     let reaper = start_reaper();
     let tau = tau_config(&args, tau_prompts, &run_dir.path)?;
-    let mut cfg = dispatcher_config(&args, plan, worker_bin, target_dir)?;
+    let mut cfg = dispatcher_config(&args, (plan, target_spans), worker_bin, target_dir)?;
     cfg.tau = tau;
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
@@ -791,12 +858,13 @@ fn start_reaper() -> Option<reaper::Reaper> {
 /// The dispatcher's settings from the flags; the Prometheus exporter is started here.
 fn dispatcher_config(
     args: &RunArgs,
-    plan: Vec<(WorkerName, Device)>,
+    (plan, target_spans): (Vec<(WorkerName, Device)>, Vec<Vec<u32>>),
     worker_bin: PathBuf,
     target_dir: PathBuf,
 ) -> Result<dispatcher::Config, Error> {
     Ok(dispatcher::Config {
         plan,
+        target_spans,
         worker_bin,
         target_dir,
         target_engine: match args.target_engine {
@@ -1536,6 +1604,100 @@ mod tests {
         let p = plan(&args(&["--gpus", "0-7", "--targets", "2"]), &mut || Ok(8)).unwrap();
         assert_eq!(names(&p)[..3], ["target-0@0", "target-1@1", "drafter-0@2"]);
         assert_eq!(p.len(), 8);
+    }
+
+    #[test]
+    fn a_target_over_several_gpus_holds_consecutive_ones_and_the_rest_train() {
+        let p = placement(
+            &args(&["--gpus", "0-7", "--targets", "1", "--gpus-per-target", "4"]),
+            &mut || Ok(8),
+        )
+        .unwrap();
+        assert_eq!(
+            names(&p.workers),
+            [
+                "target-0@0",
+                "drafter-0@4",
+                "drafter-1@5",
+                "drafter-2@6",
+                "drafter-3@7"
+            ]
+        );
+        assert_eq!(p.target_spans, [vec![0, 1, 2, 3]]);
+        let p = placement(
+            &args(&[
+                "--gpus",
+                "1,3,5,7,0",
+                "--targets",
+                "2",
+                "--gpus-per-target",
+                "2",
+            ]),
+            &mut || Ok(8),
+        )
+        .unwrap();
+        assert_eq!(
+            names(&p.workers),
+            ["target-0@1", "target-1@5", "drafter-0@0"]
+        );
+        assert_eq!(p.target_spans, [vec![1, 3], vec![5, 7]]);
+        let p = placement(
+            &args(&[
+                "--target-gpus",
+                "4-7",
+                "--drafter-gpus",
+                "0-3",
+                "--gpus-per-target",
+                "2",
+            ]),
+            &mut || Ok(8),
+        )
+        .unwrap();
+        assert_eq!(names(&p.workers)[..2], ["target-0@4", "target-1@6"]);
+        assert_eq!(p.target_spans, [vec![4, 5], vec![6, 7]]);
+        // One GPU per target: no spans to give.
+        let p = placement(&args(&["--gpus", "0-3"]), &mut || Ok(4)).unwrap();
+        assert_eq!(p.target_spans, [Vec::<u32>::new()]);
+    }
+
+    #[test]
+    fn targets_over_gpus_that_do_not_divide_or_fit_are_refused_saying_what_would() {
+        let refused = |a: &[&str], needles: &[&str]| {
+            let e = placement(&args(a), &mut || Ok(8)).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{e}");
+            let m = e.to_string();
+            assert!(!m.contains('\n'), "{m}");
+            for n in needles {
+                assert!(m.contains(n), "{a:?}: {m}");
+            }
+        };
+        refused(
+            &["--gpus", "0-3", "--gpus-per-target", "4"],
+            &["takes 4 of the 4 device(s)", "at most --gpus-per-target 3"],
+        );
+        refused(
+            &["--gpus", "0-7", "--targets", "3", "--gpus-per-target", "3"],
+            &[
+                "takes 9 of the 8",
+                "at most --gpus-per-target 2 with --targets 3",
+            ],
+        );
+        refused(
+            &[
+                "--target-gpus",
+                "0-5",
+                "--drafter-gpus",
+                "6,7",
+                "--gpus-per-target",
+                "4",
+            ],
+            &["--target-gpus gives 6 device(s)", "expected 4 or 8"],
+        );
+        refused(
+            &["--gpus", "cpu:4", "--gpus-per-target", "2"],
+            &["CPU workers have no GPUs"],
+        );
+        refused(&["--gpus-per-target", "0"], &["expected 1 or more"]);
     }
 
     #[test]

@@ -401,16 +401,22 @@ pub fn children(pid: u32) -> Vec<u32> {
 /// Whether python3 imports torch and transformers: false (a skip) on a laptop without
 /// them, a failure under CI (.ci/run installs them).
 pub fn have_torch() -> bool {
+    have_python("torch, transformers")
+}
+
+/// Whether python3 imports `modules` (comma-separated); a skip on a laptop without, a
+/// failure under CI (`.ci/run` installs them).
+pub fn have_python(modules: &str) -> bool {
     let ok = Command::new("python3")
-        .args(["-c", "import torch, transformers"])
+        .args(["-c", &format!("import {modules}")])
         .output()
         .is_ok_and(|o| o.status.success());
     if !ok {
         assert!(
             std::env::var_os("CI").is_none(),
-            "python3 with torch and transformers is missing: under CI this test may not skip"
+            "python3 with {modules} is missing: under CI this test may not skip"
         );
-        eprintln!("skipping: python3 with torch and transformers is not installed");
+        eprintln!("skipping: python3 with {modules} is not installed");
     }
     ok
 }

@@ -85,10 +85,16 @@ pub enum KernelImage {
 impl CudaDevice {
     /// The worker's GPU (ordinal 0: `CUDA_VISIBLE_DEVICES` names only it).
     pub fn open() -> Result<CudaDevice> {
+        CudaDevice::open_ordinal(0)
+    }
+
+    /// GPU `ordinal` of those `CUDA_VISIBLE_DEVICES` names (a target worker holding
+    /// several: `--gpus-per-target`).
+    pub fn open_ordinal(ordinal: usize) -> Result<CudaDevice> {
         if let Some(m) = missing_library() {
             return Err(GpuError::Unavailable(m));
         }
-        let ctx = blocking_primary_context().map_err(|e| {
+        let ctx = blocking_primary_context(ordinal).map_err(|e| {
             use cudarc::driver::sys::CUresult;
             let call = "cannot open the GPU (cuInit/cuDevicePrimaryCtxRetain)";
             // Out of memory or held by another process (exclusive mode): may pass later.
@@ -193,21 +199,22 @@ impl CudaDevice {
 /// (`CU_CTX_SCHED_BLOCKING_SYNC`). The driver's default spins: a worker waiting on its
 /// GPU would hold a core at 100 %, and 16 workers on 8 GPUs would take every core the
 /// supervisor's data path needs. Events are made blocking too ([`BLOCKING_EVENT`]).
-fn blocking_primary_context() -> std::result::Result<Arc<CudaContext>, cudarc::driver::DriverError>
-{
+fn blocking_primary_context(
+    ordinal: usize,
+) -> std::result::Result<Arc<CudaContext>, cudarc::driver::DriverError> {
     use cudarc::driver::sys;
     // SAFETY: plain driver calls before the context exists; each writes what it names.
     unsafe {
         sys::cuInit(0).result()?;
         let mut dev: sys::CUdevice = 0;
-        sys::cuDeviceGet(&mut dev, 0).result()?;
+        sys::cuDeviceGet(&mut dev, ordinal as i32).result()?;
         sys::cuDevicePrimaryCtxSetFlags_v2(
             dev,
             sys::CUctx_flags::CU_CTX_SCHED_BLOCKING_SYNC as u32,
         )
         .result()?;
     }
-    CudaContext::new(0)
+    CudaContext::new(ordinal)
 }
 
 /// The flag of every event the device records: a host thread that waits for one sleeps

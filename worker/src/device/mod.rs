@@ -643,22 +643,26 @@ pub fn open_device(gpu: Option<u32>) -> Result<Option<Box<dyn Device>>> {
         ))),
         _ => match gpu {
             None => Ok(None),
-            Some(_) => {
-                let dev = cuda::CudaDevice::open()?;
-                // Which files and versions this worker runs on: the first thing to check when
-                // a GPU run fails (into the worker's log).
-                println!("GPU: {}", dev.describe());
-                for l in &dev.libraries {
-                    println!("  {l}");
-                }
-                if std::env::var("DFLASH_CHECK_STREAMS").is_ok_and(|v| v == "1") {
-                    println!("  streams: every operation checked for stream order (DFLASH_CHECK_STREAMS=1)");
-                    return Ok(Some(Box::new(race::Checked::new(Box::new(dev)))));
-                }
-                Ok(Some(Box::new(dev)))
-            }
+            Some(_) => open_gpu(0).map(Some),
         },
     }
+}
+
+/// GPU `ordinal` of those `CUDA_VISIBLE_DEVICES` names (stream-checked with
+/// `DFLASH_CHECK_STREAMS=1`), said in the worker's log.
+pub fn open_gpu(ordinal: usize) -> Result<Box<dyn Device>> {
+    let dev = cuda::CudaDevice::open_ordinal(ordinal)?;
+    // Which files and versions this worker runs on: the first thing to check when a GPU
+    // run fails (into the worker's log).
+    println!("GPU: {}", dev.describe());
+    for l in &dev.libraries {
+        println!("  {l}");
+    }
+    if std::env::var("DFLASH_CHECK_STREAMS").is_ok_and(|v| v == "1") {
+        println!("  streams: every operation checked for stream order (DFLASH_CHECK_STREAMS=1)");
+        return Ok(Box::new(race::Checked::new(Box::new(dev))));
+    }
+    Ok(Box::new(dev))
 }
 
 #[cfg(test)]

@@ -126,7 +126,12 @@ impl TorchVerifier {
             .create_new(true)
             .open(&path)
             .map_err(ToolError::io(format!("creating {}", path.display())))?;
-        let child = TorchChild::start(target, taps, Mode::Decode { exchange: &path }, gpu)?;
+        let child = TorchChild::start(
+            target,
+            taps,
+            Mode::Decode { exchange: &path },
+            usize::from(gpu),
+        )?;
         Ok(TorchVerifier {
             child,
             exchange,

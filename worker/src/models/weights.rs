@@ -52,6 +52,13 @@ pub enum ModelProblem {
     },
     #[error("{count} unexpected tensor(s), e.g. {first} (is this checkpoint the architecture config.json names?)")]
     Unexpected { count: usize, first: String },
+    #[error("no input embedding of shape {shape:?}: none of {tried:?} is in the checkpoint (where does this architecture keep its embed_tokens?)")]
+    NoEmbedding {
+        tried: Vec<String>,
+        shape: Vec<usize>,
+    },
+    #[error("tensor {found} is not an lm_head name this tool reads ({tried:?}): refusing to guess, or to use the embedding in its place")]
+    UnknownLmHead { found: String, tried: Vec<String> },
     #[error("tap {tap} does not exist: the target has {layers} layers (0..{})", layers - 1)]
     NoSuchTap { tap: usize, layers: usize },
 }
@@ -134,6 +141,16 @@ impl Weights {
             shards,
             index,
         })
+    }
+
+    /// The checkpoint's directory (its config.json lies there).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The dtype a tensor is stored in, if the checkpoint holds it.
+    pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        self.index.get(name).map(|e| e.dtype)
     }
 
     pub fn names(&self) -> impl Iterator<Item = &str> {

@@ -104,6 +104,8 @@ pub struct Processes {
     pub target_dir: PathBuf,
     /// `native` or `torch` (the target workers' `DFLASH_TARGET_ENGINE`).
     pub target_engine: &'static str,
+    /// Per target rank, its GPUs when it holds several (`CUDA_VISIBLE_DEVICES` lists them).
+    pub target_spans: Vec<Vec<u32>>,
     pub run_dir: PathBuf,
     pub heartbeat: Duration,
     /// The shared-memory pools every worker inherits.
@@ -125,6 +127,7 @@ impl Processes {
             worker_bin: cfg.worker_bin.clone(),
             target_dir: cfg.target_dir.clone(),
             target_engine: cfg.target_engine,
+            target_spans: cfg.target_spans.clone(),
             run_dir,
             heartbeat: heartbeat(cfg.hang_timeout),
             inherit_fds: data
@@ -227,7 +230,7 @@ impl Processes {
                 (env::TARGET_ENGINE.into(), self.target_engine.into()),
                 (
                     "CUDA_VISIBLE_DEVICES".into(),
-                    l.device.cuda_visible_devices(),
+                    visible_devices(&self.target_spans, l.name, l.device),
                 ),
                 // NVML numbers GPUs by PCI bus; make CUDA agree so GPU i is the same board.
                 ("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into()),
@@ -270,5 +273,44 @@ impl Processes {
             })
             .map(|_| ())
             .map_err(SpawnError::Waiter)
+    }
+}
+
+/// `CUDA_VISIBLE_DEVICES` of worker `name` on `device`: its GPU, or every GPU of a target
+/// worker that holds several (`spans`, per target rank).
+fn visible_devices(spans: &[Vec<u32>], name: WorkerName, device: Device) -> String {
+    match spans.get(name.rank as usize) {
+        Some(span) if name.role == dflash_shared::Role::Target && span.len() > 1 => span
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+        _ => device.cuda_visible_devices(),
+    }
+}
+
+#[cfg(test)]
+mod visible_tests {
+    use super::*;
+    use dflash_shared::Role;
+
+    #[test]
+    fn a_target_holding_several_gpus_sees_them_all_and_no_other_worker_does() {
+        let spans = [vec![2, 3], vec![]];
+        let name = |role, rank| WorkerName { role, rank };
+        assert_eq!(
+            visible_devices(&spans, name(Role::Target, 0), Device::Gpu(2)),
+            "2,3"
+        );
+        assert_eq!(
+            visible_devices(&spans, name(Role::Target, 1), Device::Gpu(4)),
+            "4"
+        );
+        // A drafter of the same rank keeps its own GPU.
+        assert_eq!(
+            visible_devices(&spans, name(Role::Drafter, 0), Device::Gpu(5)),
+            "5"
+        );
+        assert_eq!(visible_devices(&[], name(Role::Target, 0), Device::Cpu), "");
     }
 }

@@ -118,6 +118,9 @@ impl From<GpuSamples> for Event {
 
 pub struct Config {
     pub plan: Vec<(WorkerName, Device)>,
+    /// Per target rank, the GPUs it holds when more than one (`--gpus-per-target`), its
+    /// device first; empty otherwise.
+    pub target_spans: Vec<Vec<u32>>,
     pub worker_bin: PathBuf,
     /// The target model directory workers load.
     pub target_dir: PathBuf,
@@ -443,6 +446,7 @@ impl Dispatcher {
                     }
                 })
                 .collect();
+            gpus.extend(self.cfg.target_spans.iter().flatten());
             gpus.sort_unstable();
             gpus.dedup();
             crate::telemetry::nvml::start(gpus, self.cfg.gpu_sample_interval, self.tx.clone());

@@ -119,6 +119,7 @@ fn harness_after(flags: &[&str], events: &[&str]) -> Harness {
     };
     let cfg = Config {
         plan,
+        target_spans: Vec::new(),
         worker_bin: "/nonexistent/dflash-worker".into(),
         target_dir: dir.path().into(),
         target_engine: "native",

@@ -50,27 +50,119 @@ impl LayerIdx {
 
 /// Frozen tensors shared with the target.
 pub struct Frozen {
-    /// `[vocab, hidden]`
+    /// `[vocab, hidden]`: what the target's input embedding module returns for each id
+    /// (the stored rows, times the family's scale where it has one: Gemma's
+    /// `sqrt(hidden_size)`).
     pub embed: Vec<f32>,
-    /// `[vocab, hidden]`; the same values as `embed` when the target ties them.
+    /// `[vocab, hidden]`; the stored embedding (unscaled) when the target ties them.
     pub lm_head: Vec<f32>,
 }
 
+/// Where checkpoints keep the input embedding, each with the lm_head stored beside it: a
+/// causal LM's own (`model.embed_tokens`), then the language model nested in a multimodal
+/// wrapper, as transformers 4.52+ and 5 name it (`model.language_model.`, e.g. Qwen3.5's
+/// published checkpoints) and as the earlier layout did (`language_model.model.`, e.g.
+/// Gemma 3's and LLaVA's). Tried in this order; the first present is the embedding.
+pub const EMBEDDINGS: &[(&str, &str)] = &[
+    (crate::models::target::EMBED, "lm_head.weight"),
+    ("model.language_model.embed_tokens.weight", "lm_head.weight"),
+    (
+        "language_model.model.embed_tokens.weight",
+        "language_model.lm_head.weight",
+    ),
+];
+
 impl Frozen {
     /// The target checkpoint's embedding and lm_head (the embedding again when it ties
-    /// them), `[vocab, hidden]` each, widened to f32.
+    /// them), `[vocab, hidden]` each, widened to f32, found under any of [`EMBEDDINGS`]'
+    /// names; the embedding scaled as the target's config.json (beside the weights) says
+    /// its family scales it ([`dflash_shared::model_config::TargetConfig::embed_scale`]).
     pub fn load(
         w: &crate::models::weights::Weights,
         vocab: usize,
         hidden: usize,
     ) -> Result<Frozen, crate::models::ModelError> {
-        let embed = w.get("model.embed_tokens.weight", &[vocab, hidden])?;
-        let lm_head = if w.contains("lm_head.weight") {
-            w.get("lm_head.weight", &[vocab, hidden])?
-        } else {
-            embed.clone()
+        let cfg = dflash_shared::model_config::TargetConfig::load_any(w.dir()).map_err(|e| {
+            crate::models::ModelError {
+                path: e.path,
+                problem: crate::models::weights::ModelProblem::Config(e.problem),
+            }
+        })?;
+        Frozen::load_scaled(w, vocab, hidden, cfg.embed_scale)
+    }
+
+    /// [`load`](Self::load) with the embedding's scale given: each row times `scale` as
+    /// transformers' scaled embedding computes it in the weight's dtype (the scale rounded
+    /// to bf16 or f16 for such a checkpoint, and the product too: both factors fit in an
+    /// f32's mantissa, so one rounding of their f32 product is the dtype's own product).
+    /// The lm_head is never scaled (a tied one is the stored embedding).
+    pub fn load_scaled(
+        w: &crate::models::weights::Weights,
+        vocab: usize,
+        hidden: usize,
+        scale: Option<f32>,
+    ) -> Result<Frozen, crate::models::ModelError> {
+        use crate::models::weights::ModelProblem;
+        let shape = [vocab, hidden];
+        let problem = |problem| crate::models::ModelError {
+            path: w.dir().display().to_string(),
+            problem,
         };
+        let Some(&(embed_name, beside)) = EMBEDDINGS.iter().find(|(e, _)| w.contains(e)) else {
+            return Err(problem(ModelProblem::NoEmbedding {
+                tried: EMBEDDINGS.iter().map(|(e, _)| e.to_string()).collect(),
+                shape: shape.to_vec(),
+            }));
+        };
+        let table = w.get(embed_name, &shape)?;
+        // The lm_head beside this embedding, else one of another layout; none at all: tied.
+        let mut heads: Vec<&str> = vec![beside];
+        for (_, h) in EMBEDDINGS {
+            if !heads.contains(h) {
+                heads.push(h);
+            }
+        }
+        let lm_head = match heads.iter().find(|h| w.contains(h)) {
+            Some(h) => w.get(h, &shape)?,
+            None => {
+                let mut other: Vec<&str> = w
+                    .names()
+                    .filter(|n| n.ends_with("lm_head.weight"))
+                    .collect();
+                other.sort_unstable();
+                if let Some(found) = other.first() {
+                    return Err(problem(ModelProblem::UnknownLmHead {
+                        found: found.to_string(),
+                        tried: heads.iter().map(|h| h.to_string()).collect(),
+                    }));
+                }
+                table.clone()
+            }
+        };
+        let mut embed = table;
+        if let Some(s) = scale {
+            scale_rows(&mut embed, s, w.dtype(embed_name));
+        }
         Ok(Frozen { embed, lm_head })
+    }
+}
+
+/// `rows · scale` in the arithmetic of the rows' stored dtype (what transformers'
+/// `*ScaledWordEmbedding` computes: `embedding(ids) * embed_scale.to(weight.dtype)`).
+fn scale_rows(rows: &mut [f32], scale: f32, dtype: Option<safetensors::Dtype>) {
+    use half::{bf16, f16};
+    match dtype {
+        Some(safetensors::Dtype::BF16) => {
+            let s = bf16::from_f32(scale).to_f32();
+            rows.iter_mut()
+                .for_each(|x| *x = bf16::from_f32(*x * s).to_f32());
+        }
+        Some(safetensors::Dtype::F16) => {
+            let s = f16::from_f32(scale).to_f32();
+            rows.iter_mut()
+                .for_each(|x| *x = f16::from_f32(*x * s).to_f32());
+        }
+        _ => rows.iter_mut().for_each(|x| *x *= scale),
     }
 }
 
@@ -305,3 +397,187 @@ pub fn grad_norm(g: &[f32]) -> Option<f64> {
 }
 
 pub use dflash_shared::drafter::lr_at;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::weights::{ModelProblem, Weights};
+    use std::path::Path;
+
+    /// Tiny random checkpoints made by transformers, and what transformers' own modules
+    /// give for them: `embeds` = `get_input_embeddings()(every id)` and `lm_head` =
+    /// `get_output_embeddings().weight`, both as f32, of the model loaded back from the
+    /// checkpoint in its dtype (as the torch engine loads a target). Hidden 48: Gemma's
+    /// scale sqrt(48) is not a power of two, so its rounding to bf16 shows.
+    const MAKE: &str = r#"
+import sys, torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+torch.manual_seed(0)
+out = sys.argv[1]
+text = dict(vocab_size=512, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, intermediate_size=64, max_position_embeddings=512)
+linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
+models = {
+    "gemma3_text_f32": (AutoModelForCausalLM, AutoConfig.for_model("gemma3_text", tie_word_embeddings=True, **text), torch.float32),
+    "gemma3_text_bf16": (AutoModelForCausalLM, AutoConfig.for_model("gemma3_text", tie_word_embeddings=False, **text), torch.bfloat16),
+    "gemma3": (AutoModelForImageTextToText, AutoConfig.for_model("gemma3", text_config=text,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=500, boi_token_index=501, eoi_token_index=502), torch.float32),
+    "qwen3_5": (AutoModelForImageTextToText, AutoConfig.for_model("qwen3_5", text_config=dict(text, **linear),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
+                           num_position_embeddings=16),
+        image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503), torch.float32),
+}
+for name, (auto, cfg, dtype) in models.items():
+    m = auto.from_config(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.5)
+    m.to(dtype).save_pretrained(f"{out}/{name}")
+    t = AutoModelForCausalLM.from_pretrained(f"{out}/{name}", dtype=dtype).eval()
+    with torch.no_grad():
+        embeds = t.get_input_embeddings()(torch.arange(512)[None])[0]
+    save_file({"embeds": embeds.float().contiguous(),
+               "lm_head": t.get_output_embeddings().weight.float().contiguous()}, f"{out}/{name}/ref.safetensors")
+"#;
+
+    fn python_has_torch() -> bool {
+        let ok = std::process::Command::new("python3")
+            .args(["-c", "import torch, transformers, safetensors"])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !ok {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "python3 with torch and transformers is missing: under CI this test may not skip"
+            );
+            eprintln!("skipping: python3 with torch and transformers is not installed");
+        }
+        ok
+    }
+
+    fn reference(dir: &Path, name: &str) -> Vec<f32> {
+        let bytes = std::fs::read(dir.join("ref.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let t = st.tensor(name).unwrap();
+        assert_eq!(t.shape(), [512, 48]);
+        t.data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+
+    /// Largest |a - b| over the table.
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn the_frozen_embedding_is_what_transformers_embeds_with() {
+        if !python_has_torch() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let o = std::process::Command::new("python3")
+            .args(["-c", MAKE])
+            .arg(tmp.path())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        for (name, scaled) in [
+            ("gemma3_text_f32", true),
+            ("gemma3_text_bf16", true),
+            ("gemma3", true),
+            ("qwen3_5", false),
+        ] {
+            let dir = tmp.path().join(name);
+            let w = Weights::open(&dir).unwrap();
+            let f = Frozen::load(&w, 512, 48).unwrap();
+            let (embeds, head) = (reference(&dir, "embeds"), reference(&dir, "lm_head"));
+            // Bit for bit: the same products, rounded as transformers rounds them.
+            assert_eq!(max_diff(&f.embed, &embeds), 0.0, "{name}: embedding");
+            assert_eq!(max_diff(&f.lm_head, &head), 0.0, "{name}: lm_head");
+            // The scale is there (or not), and the lm_head is the stored table.
+            let stored = Frozen::load_scaled(&w, 512, 48, None).unwrap();
+            assert_eq!(stored.lm_head, f.lm_head, "{name}");
+            assert_eq!(max_diff(&stored.embed, &embeds) > 0.1, scaled, "{name}");
+            if name == "gemma3_text_bf16" {
+                // The scale rounded to bf16 matters: the f32 scale's products differ.
+                let s = 48f32.sqrt();
+                let unrounded: Vec<f32> = stored
+                    .embed
+                    .iter()
+                    .map(|x| half::bf16::from_f32(x * s).to_f32())
+                    .collect();
+                assert!(max_diff(&unrounded, &embeds) > 0.0, "{name}");
+            }
+        }
+    }
+
+    /// A checkpoint of `tensors` (f32, shape [4, 2] each) beside a Qwen3-shaped config.
+    fn checkpoint(dir: &Path, tensors: &[&str]) -> Weights {
+        let config = r#"{"model_type": "qwen3_5_text", "hidden_size": 2, "num_hidden_layers": 1,
+            "num_attention_heads": 1, "head_dim": 2, "vocab_size": 4}"#;
+        std::fs::write(dir.join("config.json"), config).unwrap();
+        let bytes: Vec<u8> = (0..8).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let views = tensors.iter().map(|n| {
+            let v =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4, 2], &bytes);
+            (*n, v.unwrap())
+        });
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        Weights::open(dir).unwrap()
+    }
+
+    #[test]
+    fn an_embedding_or_lm_head_under_an_unknown_name_is_a_typed_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let w = checkpoint(tmp.path(), &["transformer.wte.weight"]);
+        let e = Frozen::load(&w, 4, 2).err().unwrap();
+        let ModelProblem::NoEmbedding { tried, shape } = &e.problem else {
+            panic!("{e}");
+        };
+        assert_eq!(shape, &[4, 2]);
+        assert_eq!(tried.len(), EMBEDDINGS.len());
+        for (name, _) in EMBEDDINGS {
+            assert!(e.to_string().contains(name), "{e}");
+        }
+        // An lm_head this tool does not know is refused, not replaced by the embedding.
+        let tmp = tempfile::tempdir().unwrap();
+        let w = checkpoint(
+            tmp.path(),
+            &[
+                "language_model.model.embed_tokens.weight",
+                "text.lm_head.weight",
+            ],
+        );
+        let e = Frozen::load(&w, 4, 2).err().unwrap();
+        assert!(
+            matches!(&e.problem, ModelProblem::UnknownLmHead { found, .. } if found == "text.lm_head.weight"),
+            "{e}"
+        );
+        // Found under the nested names, the lm_head beside the embedding first.
+        let tmp = tempfile::tempdir().unwrap();
+        let w = checkpoint(
+            tmp.path(),
+            &["model.language_model.embed_tokens.weight", "lm_head.weight"],
+        );
+        let f = Frozen::load(&w, 4, 2).unwrap();
+        assert_eq!(f.embed, (0..8).map(|i| i as f32).collect::<Vec<_>>());
+        assert_eq!(f.lm_head, f.embed);
+        // The wrong shape is the shape error, naming the tensor.
+        let e = Frozen::load(&w, 8, 1).err().unwrap();
+        assert!(
+            e.to_string()
+                .contains("model.language_model.embed_tokens.weight has shape [4, 2]"),
+            "{e}"
+        );
+    }
+}

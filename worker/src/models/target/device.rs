@@ -18,6 +18,9 @@ use crate::models::target::{matrix_name, Target};
 
 pub mod decode;
 pub mod moe;
+mod split;
+
+pub use split::split_layers;
 
 struct Layer {
     ln1: DSlice,
@@ -105,7 +108,11 @@ pub struct DeviceTarget {
     pub max_tokens: usize,
     ops: Ops,
     arena: Arena,
-    embed: DSlice,
+    /// The embedding: on the first device of a target split over several (the others
+    /// start from the residual stream handed over, [`Carry`]).
+    embed: Option<DSlice>,
+    /// The index of this device's first layer in the model.
+    first: usize,
     layers: Vec<Layer>,
     inv_freq: DSlice,
     rope_scale: f32,
@@ -119,14 +126,33 @@ pub struct DeviceTarget {
     /// The pinned staging buffer the weights came through (registered with the device):
     /// declared after `ops`, so it is freed after the device.
     _pinned: Vec<u8>,
+    /// The devices that hold the following layers (`--gpus-per-target`), in order: the
+    /// residual stream and the taps so far hop from each to the next; the last one's taps
+    /// go to the host.
+    rest: Vec<DeviceTarget>,
+}
+
+/// What one device of a split target hands the next after its layers: the residual
+/// stream and the taps so far (`t` rows each, in the activations' dtype).
+pub(crate) struct Carry {
+    x: Vec<u8>,
+    out: Vec<u8>,
 }
 
 impl DeviceTarget {
     /// Put `target`'s weights on `dev`, with room for sequences of up to `max_tokens`.
-    pub fn new(
+    pub fn new(dev: Box<dyn Device>, target: &Target, max_tokens: usize) -> Result<DeviceTarget> {
+        DeviceTarget::part(dev, target, max_tokens, 0, true)
+    }
+
+    /// [`new`](Self::new) for the layers of `target` (which start at the model's layer
+    /// `first`), with the embedding or not.
+    fn part(
         mut dev: Box<dyn Device>,
         target: &Target,
         max_tokens: usize,
+        first: usize,
+        with_embed: bool,
     ) -> Result<DeviceTarget> {
         let c = target.cfg.clone();
         let t = max_tokens.max(1);
@@ -136,10 +162,16 @@ impl DeviceTarget {
         );
         let bf16 = !dev.is_cpu();
         let mut dry = Arena::dry();
-        place(dev.as_mut(), &mut dry, target, t, bf16)?;
+        place(dev.as_mut(), &mut dry, target, t, bf16, (first, with_embed))?;
         let mut arena = Arena::for_model(dev.as_mut(), dry.mark(), &what)?;
-        let (embed, inv_freq, layers, a, pinned) =
-            place(dev.as_mut(), &mut arena, target, t, bf16)?;
+        let (embed, inv_freq, layers, a, pinned) = place(
+            dev.as_mut(),
+            &mut arena,
+            target,
+            t,
+            bf16,
+            (first, with_embed),
+        )?;
         let mut ops = Ops::new(dev);
         ops.act16 = bf16;
         Ok(DeviceTarget {
@@ -149,6 +181,7 @@ impl DeviceTarget {
             ops,
             arena,
             embed,
+            first,
             layers,
             inv_freq,
             rope_scale: target.rope_scale,
@@ -157,38 +190,111 @@ impl DeviceTarget {
             stage_free: [None, None],
             next_stage: 0,
             _pinned: pinned,
+            rest: Vec::new(),
         })
     }
 
+    /// This device and those holding the following layers.
+    fn parts(&self) -> impl Iterator<Item = &DeviceTarget> {
+        std::iter::once(self).chain(&self.rest)
+    }
+
+    /// The device holding the last layers: where the taps end.
+    fn tail(&mut self) -> &mut DeviceTarget {
+        let n = self.rest.len();
+        if n == 0 {
+            return self;
+        }
+        &mut self.rest[n - 1]
+    }
+
     pub fn describe(&self) -> String {
-        self.ops.dev.describe()
+        let d: Vec<String> = self.parts().map(|p| p.ops.dev.describe()).collect();
+        d.join(" + ")
     }
 
-    /// The device's per-kernel seconds since the last call (the CPU device measures them).
+    /// The devices' per-kernel seconds since the last call (the CPU device measures them).
     pub fn take_kernel_seconds(&mut self) -> Vec<(String, f64)> {
-        self.ops.dev.take_kernel_seconds()
+        let mut k = self.ops.dev.take_kernel_seconds();
+        for p in &mut self.rest {
+            k.extend(p.ops.dev.take_kernel_seconds());
+        }
+        k
     }
 
+    /// The arenas' counters, summed over the devices.
     pub fn arena_stats(&self) -> ArenaStats {
-        self.arena.stats
+        self.parts().fold(ArenaStats::default(), |a, p| {
+            let s = p.arena.stats;
+            ArenaStats {
+                reserved: a.reserved + s.reserved,
+                in_use: a.in_use + s.in_use,
+                peak: a.peak + s.peak,
+                alloc_failures: a.alloc_failures + s.alloc_failures,
+            }
+        })
     }
 
-    /// The arena's counters and the device's free/total memory (no device sync); none on
-    /// the CPU device.
+    /// The arenas' counters and the devices' free/total memory, summed over the devices
+    /// (no device sync); none on the CPU device.
     pub fn device_memory(&self) -> Option<dflash_shared::protocol::DeviceMemory> {
         if self.ops.dev.is_cpu() {
             return None;
         }
-        let s = self.arena.stats;
-        let (free, total) = self.ops.dev.mem_info().unwrap_or((0, 0));
+        let s = self.arena_stats();
+        let (free, total) = self.parts().fold((0u64, 0u64), |(f, t), p| {
+            let (pf, pt) = p.ops.dev.mem_info().unwrap_or((0, 0));
+            (f + pf as u64, t + pt as u64)
+        });
         Some(dflash_shared::protocol::DeviceMemory {
             reserved: s.reserved,
             in_use: s.in_use,
             peak: s.peak,
             alloc_failures: s.alloc_failures,
-            free: free as u64,
-            total: total as u64,
+            free,
+            total,
         })
+    }
+
+    /// The devices before the last run `rows` through their layers in turn; what the
+    /// last one starts from (none when this target is on one device).
+    fn head(&mut self, rows: &[&[u32]]) -> Result<Option<Carry>> {
+        let n = self.rest.len();
+        if n == 0 {
+            return Ok(None);
+        }
+        let t = self.compute(rows, self.a.out, None)?;
+        let mut carry = self.carry(t)?;
+        for p in &mut self.rest[..n - 1] {
+            p.compute(rows, p.a.out, Some(&carry))?;
+            carry = p.carry(t)?;
+        }
+        Ok(Some(carry))
+    }
+
+    /// The residual stream and the taps so far of the last forward's `t` rows, for the
+    /// next device.
+    fn carry(&mut self, t: usize) -> Result<Carry> {
+        let width = self.taps.len() * self.cfg.hidden_size;
+        let elem = if self.bf16 { 2 } else { 4 };
+        let view = |s: DSlice, n: usize| {
+            if self.bf16 {
+                s.sub(2, 0..n)
+            } else {
+                s.f32s(0..n)
+            }
+        };
+        let (x, out) = (
+            view(self.a.x, t * self.cfg.hidden_size),
+            view(self.a.out, t * width),
+        );
+        let mut c = Carry {
+            x: vec![0u8; t * self.cfg.hidden_size * elem],
+            out: vec![0u8; t * width * elem],
+        };
+        self.ops.dev.download(Stream::Compute, x, &mut c.x)?;
+        self.ops.dev.download(Stream::Compute, out, &mut c.out)?;
+        Ok(c)
     }
 
     /// Tapped hidden states of one sequence: `[tokens, taps × hidden]`, row-major.
@@ -204,8 +310,10 @@ impl DeviceTarget {
         let mut out = Vec::with_capacity(rows.len());
         for pack in pack_rows(&lens, self.max_tokens)? {
             let rows = &rows[pack];
-            let mut taps = vec![0f32; self.compute(rows, self.a.out)? * width];
-            self.download_out(&mut taps)?;
+            let carry = self.head(rows)?;
+            let tail = self.tail();
+            let mut taps = vec![0f32; tail.compute(rows, tail.a.out, carry.as_ref())? * width];
+            tail.download_out(&mut taps)?;
             let mut rest = taps.as_slice();
             for r in rows {
                 let (mine, more) = rest.split_at(r.len() * width);
@@ -243,7 +351,8 @@ impl DeviceTarget {
     /// # Safety
     /// The range must stay mapped while this target lives.
     pub unsafe fn register_host(&mut self, ptr: *mut u8, bytes: usize) -> Result<()> {
-        self.ops.dev.register_host(ptr, bytes)
+        // The taps are copied to the host from the last device.
+        self.tail().ops.dev.register_host(ptr, bytes)
     }
 
     /// The taps of each row (its tokens, and where they go) as bf16 into registered host
@@ -282,6 +391,21 @@ impl DeviceTarget {
         rows: &[(&[u32], *mut u8)],
     ) -> Result<Option<crate::device::Event>> {
         let ids: Vec<&[u32]> = rows.iter().map(|r| r.0).collect();
+        let carry = self.head(&ids)?;
+        self.tail().pack_into_here(rows, carry.as_ref())
+    }
+
+    /// [`pack_into`](Self::pack_into) on this device, from `carry` when it holds later
+    /// layers of a split target.
+    ///
+    /// # Safety
+    /// As for `forward_rows_into`.
+    unsafe fn pack_into_here(
+        &mut self,
+        rows: &[(&[u32], *mut u8)],
+        carry: Option<&Carry>,
+    ) -> Result<Option<crate::device::Event>> {
+        let ids: Vec<&[u32]> = rows.iter().map(|r| r.0).collect();
         let width = self.taps.len() * self.cfg.hidden_size;
         let n = ids.iter().map(|r| r.len()).sum::<usize>() * width;
         if n == 0 {
@@ -296,9 +420,9 @@ impl DeviceTarget {
         }
         let stage = self.a.stage[i].sub(2, 0..n);
         if self.bf16 {
-            self.compute(&ids, stage)?;
+            self.compute(&ids, stage, carry)?;
         } else {
-            self.compute(&ids, self.a.out)?;
+            self.compute(&ids, self.a.out, carry)?;
             self.ops.f32_to_bf16(stage, self.a.out.f32s(0..n))?;
         }
         let cast = self.ops.dev.record(Stream::Compute)?;
@@ -321,24 +445,30 @@ impl DeviceTarget {
 
     /// Wait for everything queued (after an error, before the host reuses the memory).
     pub fn sync(&mut self) -> Result<()> {
-        self.ops.dev.sync()
+        self.ops.dev.sync()?;
+        for p in &mut self.rest {
+            p.ops.dev.sync()?;
+        }
+        Ok(())
     }
 
     /// Wait for the copies up to `e`; then the host may read `bytes` bytes at `ptr`.
     pub fn finish(&mut self, e: crate::device::Event, ptr: *const u8, bytes: usize) -> Result<()> {
-        self.ops.dev.sync_event(e)?;
-        self.ops.dev.host_access(ptr, bytes, false)
+        let tail = self.tail();
+        tail.ops.dev.sync_event(e)?;
+        tail.ops.dev.host_access(ptr, bytes, false)
     }
 
     /// The host writes `bytes` at `ptr` (registered memory): checked against the copies.
     pub fn host_write(&mut self, ptr: *const u8, bytes: usize) -> Result<()> {
-        self.ops.dev.host_access(ptr, bytes, true)
+        self.tail().ops.dev.host_access(ptr, bytes, true)
     }
 
-    /// One packed forward of `rows`, their taps into `out` (`[t, taps × hidden]`
-    /// activations, the rows' tokens in turn: bf16 on a GPU, f32 on the CPU device).
-    /// Returns `t`, the rows' tokens.
-    fn compute(&mut self, rows: &[&[u32]], out: DSlice) -> Result<usize> {
+    /// One packed forward of `rows` through this device's layers, their taps into `out`
+    /// (`[t, taps × hidden]` activations, the rows' tokens in turn: bf16 on a GPU, f32 on
+    /// the CPU device), from the embedding or (a later device of a split target) from
+    /// `carry`. Returns `t`, the rows' tokens.
+    fn compute(&mut self, rows: &[&[u32]], out: DSlice, carry: Option<&Carry>) -> Result<usize> {
         let t: usize = rows.iter().map(|r| r.len()).sum();
         if t > self.max_tokens {
             return Err(too_long(t, self.max_tokens));
@@ -379,12 +509,27 @@ impl DeviceTarget {
         } = a.views(c, t, self.bf16);
         let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
         let out = act(out, t * width);
-        ops.embed(x, self.embed, ids, t, h, c.vocab_size)?;
+        match (carry, self.embed) {
+            (Some(c), _) => {
+                ops.dev.upload(Stream::Compute, x, &c.x)?;
+                ops.dev.upload(Stream::Compute, out, &c.out)?;
+            }
+            (None, Some(e)) => ops.embed(x, e, ids, t, h, c.vocab_size)?,
+            (None, None) => {
+                return Err(GpuError::Invalid(
+                    "a later device of a split target ran without the residual stream".into(),
+                ))
+            }
+        }
         let last = self.taps.iter().copied().max().unwrap_or(0);
         let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| {
             ops.matmul_act(x, w, y, m, k, n)
         };
-        for (li, l) in self.layers.iter().enumerate().take(last + 1) {
+        for (li, l) in self.layers.iter().enumerate() {
+            let li = self.first + li;
+            if li > last {
+                break;
+            }
             ops.rmsnorm(x, l.ln1, n1, rstd.f32s(0..t), t, h, eps)?;
             mm(ops, n1, l.wq, q, t, h, qd)?;
             mm(ops, n1, l.wk, k, t, h, kd)?;
@@ -532,7 +677,8 @@ fn place(
     target: &Target,
     t: usize,
     bf16: bool,
-) -> Result<(DSlice, DSlice, Vec<Layer>, Acts, Vec<u8>)> {
+    (first, with_embed): (usize, bool),
+) -> Result<(Option<DSlice>, DSlice, Vec<Layer>, Acts, Vec<u8>)> {
     let c = &target.cfg;
     let staging = match &target.mapped {
         Some(_) if !arena.is_dry() => Some(Staging::new(d, target)?),
@@ -551,13 +697,16 @@ fn place(
         staging,
         shapes,
     };
-    let embed = pl.matrix(&target.embed, crate::models::target::EMBED, "embed_tokens")?;
+    let embed = match with_embed {
+        true => Some(pl.matrix(&target.embed, crate::models::target::EMBED, "embed_tokens")?),
+        false => None,
+    };
     let inv_freq = pl.put(&target.inv_freq, "rope inv_freq", false)?;
     let layers = target
         .layers
         .iter()
         .enumerate()
-        .map(|(i, l)| pl.layer(i, l))
+        .map(|(i, l)| pl.layer(first + i, l))
         .collect::<Result<Vec<Layer>>>()?;
     let Placer {
         d, arena, staging, ..

@@ -192,7 +192,11 @@ impl Decoder {
         dev.upload(Stream::Compute, ids, u32_bytes(tokens))?;
         dev.upload(Stream::Compute, self.pos, i32_bytes(&pos))?;
         dev.upload(Stream::Compute, self.spans, i32_bytes(&spans))?;
-        m.ops.embed(x, m.embed, ids, t, h, c.vocab_size)?;
+        // The decoder holds the whole model on one device: its embedding is there.
+        let embed = m
+            .embed
+            .ok_or_else(|| GpuError::Invalid("a decoder without the embedding".into()))?;
+        m.ops.embed(x, embed, ids, t, h, c.vocab_size)?;
         for li in 0..c.num_hidden_layers {
             self.layer(li, t, s0)?;
         }
