@@ -144,7 +144,10 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
             a.max_new_tokens as u64,
         )?;
         let (e, line) = crate::run::engine::pick(a.target_engine, &t)?;
-        log::info!("eval: {line}");
+        // Said when it is not this tool's own forward (stdout is the report).
+        if e == "torch" {
+            log::info!("eval: {line}");
+        }
         engine = e;
     } else if a.target_engine == crate::run::engine::TargetEngine::Torch {
         engine = crate::run::engine::pick(
