@@ -208,6 +208,72 @@ fn the_python_child_killed_mid_run_costs_a_restart_and_no_batch() {
     assert_eq!(read_jsonl(&sup.run_dir.join("train.jsonl")).len(), 40);
 }
 
+/// A Python child that hangs (stopped mid-run) holds its target's batch past
+/// `--step-timeout`: the supervisor kills the worker as hung, saying the torch engine's
+/// child was running the batch, the worker restarts with a fresh child, the batch is
+/// delivered again and the run ends with a clean ledger.
+#[test]
+fn a_hung_python_child_is_a_hung_target_restarted_with_its_batch_delivered_again() {
+    if !have_torch() {
+        return;
+    }
+    let mut sup = Sup::start_real(&[
+        "--gpus",
+        "cpu:2",
+        "--steps",
+        "12",
+        "--target-engine",
+        "torch",
+        "--data",
+        "demo",
+        "--step-timeout",
+        "6s",
+    ]);
+    let st = sup.wait_running(2);
+    let target = pid_of(&st, "target-0");
+    wait_for("two trained steps", Duration::from_secs(120), || {
+        (read_jsonl(&sup.run_dir.join("train.jsonl")).len() >= 2).then_some(())
+    });
+    let child = wait_for("the python child", Duration::from_secs(60), || {
+        children(target).first().copied()
+    });
+    signal(child, nix::sys::signal::Signal::SIGSTOP);
+    let status = sup.wait_exit(Duration::from_secs(240));
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(0), "{err}");
+    let hangs: Vec<Value> = sup
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "hang" && e["worker"] == "target-0")
+        .collect();
+    assert_eq!(hangs.len(), 1, "{hangs:?}\n{err}");
+    let reason = hangs[0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("the target runs on the torch engine: its Python child (transformers) was running the batch"),
+        "{reason}"
+    );
+    let st: Value = sup.state().unwrap();
+    assert!(
+        worker(&st, "target-0")["restarts"].as_u64().unwrap() >= 1,
+        "{st}"
+    );
+    // The stopped child went with its worker.
+    assert!(
+        !std::path::Path::new(&format!("/proc/{child}")).exists()
+            || fs::read_to_string(format!("/proc/{child}/stat")).is_ok_and(|s| s.contains(") Z ")),
+        "the stopped child outlived its worker"
+    );
+    let (code, a) = sup.ledger();
+    assert_eq!(code, 0, "{a}");
+    assert_eq!(
+        (a["lost"].as_u64(), a["duplicated"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
+    let steps = read_jsonl(&sup.run_dir.join("train.jsonl"));
+    assert_eq!(steps.iter().filter(|l| l.get("tau").is_none()).count(), 12);
+}
+
 #[test]
 fn a_python_without_torch_is_refused_in_one_line() {
     let tmp = tempfile::tempdir().unwrap();

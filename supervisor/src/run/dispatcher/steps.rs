@@ -30,6 +30,26 @@ pub const SAVE_TIMEOUT_FLOOR: Duration = Duration::from_secs(600);
 /// first step (and at least `--hang-timeout`, where it used to be killed).
 const SLOW_FACTOR: u32 = 3;
 
+/// What a hung target on the torch engine adds to its reason: its Python child (which
+/// runs the batch) is where it is stuck, and that child's last lines from the worker's
+/// log (`log`: its last lines; the child's carry the worker's `[torch]` prefix).
+fn torch_child_tail(log: &[String]) -> String {
+    let lines: Vec<&str> = log
+        .iter()
+        .filter_map(|l| l.split_once("[torch] ").map(|(_, t)| t.trim()))
+        .filter(|t| !t.is_empty())
+        .collect();
+    let last = &lines[lines.len().saturating_sub(3)..];
+    if last.is_empty() {
+        "; the target runs on the torch engine: its Python child (transformers) was running the batch and printed nothing".into()
+    } else {
+        format!(
+            "; the target runs on the torch engine: its Python child (transformers) was running the batch; its last lines: {}",
+            last.join(" | ")
+        )
+    }
+}
+
 /// The default `--step-timeout` of a worker whose slowest first step took `slowest`
 /// (`None`: none measured yet): the larger of [`STEP_TIMEOUT_FLOOR`] and
 /// [`STEP_TIMEOUT_FACTOR`] × `slowest`.
@@ -77,8 +97,12 @@ impl StepTimes {
             (false, Some(last)) => {
                 let first: Vec<String> = self.first.iter().map(shown).collect();
                 let mut s = format!(
-                    "the first {unit}{} took {}",
-                    if first.len() > 1 { "s" } else { "" },
+                    "the first {} took {}",
+                    if first.len() > 1 {
+                        plural(unit)
+                    } else {
+                        unit.to_string()
+                    },
                     first.join(", ")
                 );
                 if self.count > self.first.len() as u64 {
@@ -140,6 +164,15 @@ fn secs(d: Duration) -> String {
 }
 
 /// The unit a role's work is counted in, for messages.
+/// `unit` of work in the plural ("steps", "batches").
+fn plural(unit: &str) -> String {
+    if unit.ends_with("ch") || unit.ends_with('s') {
+        format!("{unit}es")
+    } else {
+        format!("{unit}s")
+    }
+}
+
 fn unit(role: Role) -> &'static str {
     match role {
         Role::Drafter => "step",
@@ -216,12 +249,18 @@ impl Dispatcher {
             let advice = if saving {
                 format!("the filesystem of {disk} is slow or stuck (see dmesg, df -h): check it; if it is merely slow, raise --step-timeout")
             } else {
-                format!("if it is merely slow, raise --step-timeout, or make {what}s smaller ({smaller})")
+                format!(
+                    "if it is merely slow, raise --step-timeout, or make {} smaller ({smaller})",
+                    plural(what)
+                )
             };
-            let reason = format!(
+            let mut reason = format!(
                 "hung: in {work} for {}, over {limit_words} ({took}); {advice}",
                 secs(taken),
             );
+            if name.role == Role::Target && self.cfg.target_engine == "torch" {
+                reason.push_str(&torch_child_tail(&w.log.tail(400)));
+            }
             log::warn!("{name} (pid {pid}) {reason}; killing it");
             w.log.line(Tag::Supervisor, &format!("{reason}; killing"));
             let event = obj(json!({
@@ -264,6 +303,27 @@ mod tests {
     use super::*;
 
     const S: fn(u64) -> Duration = Duration::from_secs;
+
+    #[test]
+    fn a_hung_torch_target_names_its_child_and_the_childs_last_lines() {
+        let log: Vec<String> = [
+            "12:00:01 [stdout] target loaded by the torch engine",
+            "12:00:02 [stderr] [torch] Loading weights: 100%",
+            "12:00:03 [stderr] [torch] warning one",
+            "12:00:04 [stdout] batch 3",
+            "12:00:05 [stderr] [torch] warning two",
+            "12:00:06 [stderr] [torch] last words",
+        ]
+        .map(String::from)
+        .to_vec();
+        let t = super::torch_child_tail(&log);
+        assert!(
+            t.contains("torch engine: its Python child")
+                && t.ends_with("its last lines: warning one | warning two | last words"),
+            "{t}"
+        );
+        assert!(super::torch_child_tail(&log[..1]).ends_with("printed nothing"));
+    }
 
     #[test]
     fn the_default_step_timeout_is_the_floor_until_a_step_is_measured() {
