@@ -717,6 +717,18 @@ fn check_memory(
         trainer_cfg.collective,
     );
     pipeline_cfg.check_memory(shared_bytes)?;
+    // The torch engine's families: what their checkpoint holds, not a dense guess.
+    let last = pipeline_cfg
+        .capture
+        .tap_ids
+        .iter()
+        .max()
+        .copied()
+        .unwrap_or(0);
+    let loaded = (target_cfg.arch == dflash_shared::model_config::Arch::Transformers)
+        .then(|| target_check::loaded_elements(Path::new(&args.target), last as usize))
+        .transpose()
+        .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     let estimate = validate::estimate_memory(
         &trainer_cfg.drafter,
         target_cfg,
@@ -725,6 +737,7 @@ fn check_memory(
         args.max_seq_len,
         pipeline_cfg.token_budget,
         pipeline_cfg.total_bytes() + shared_bytes,
+        loaded,
     );
     validate::check_memory(&estimate, plan, &trainer_cfg.drafter)
 }

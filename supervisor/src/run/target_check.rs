@@ -202,6 +202,35 @@ pub fn read_header(path: &Path) -> Result<HashMap<String, TensorInfo>, Checkpoin
         .collect())
 }
 
+/// The decoder layer a tensor of the language model belongs to (`...layers.N.` outside a
+/// vision or audio tower), if any.
+fn decoder_layer(name: &str) -> Option<usize> {
+    let (before, after) = name.split_once("layers.")?;
+    if ["vision", "visual", "audio"]
+        .iter()
+        .any(|t| before.contains(t))
+    {
+        return None;
+    }
+    after.split('.').next()?.parse().ok()
+}
+
+/// The weight elements the torch engine loads from the checkpoint in `dir` to tap up to
+/// layer `last`: every tensor but those of the decoder layers above it (which it neither
+/// loads nor runs), as the safetensors headers give their shapes.
+pub fn loaded_elements(dir: &Path, last: usize) -> Result<u64, CheckpointError> {
+    let mut n = 0u64;
+    for f in checkpoint_files(dir)? {
+        for (name, info) in read_header(&f)? {
+            if decoder_layer(&name).is_some_and(|l| l > last) {
+                continue;
+            }
+            n += info.shape.iter().product::<usize>() as u64;
+        }
+    }
+    Ok(n)
+}
+
 /// Check the checkpoint in `dir` against `cfg`; the error is one line naming the file.
 pub fn check(dir: &Path, cfg: &TargetConfig) -> Result<(), CheckpointError> {
     let files = checkpoint_files(dir)?;
@@ -285,6 +314,63 @@ mod tests {
             (*name, view.unwrap())
         });
         safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    #[test]
+    fn the_torch_engine_loads_every_tensor_but_the_decoder_layers_above_the_last_tap() {
+        let dir = tempfile::tempdir().unwrap();
+        // Two shards, as a sharded checkpoint: the index names them.
+        write(
+            &dir.path().join("a.safetensors"),
+            &[
+                (
+                    "model.language_model.embed_tokens.weight",
+                    "BF16",
+                    vec![10, 4],
+                ),
+                ("model.language_model.layers.0.mlp.w", "BF16", vec![4, 4]),
+                ("model.language_model.layers.1.mlp.w", "F32", vec![4, 8]),
+                ("model.visual.blocks.layers.7.w", "BF16", vec![3]),
+            ],
+        );
+        write(
+            &dir.path().join("b.safetensors"),
+            &[
+                ("model.language_model.layers.2.mlp.w", "BF16", vec![4, 4]),
+                ("model.layers.61.mtp.w", "BF16", vec![5]),
+                ("lm_head.weight", "BF16", vec![10, 4]),
+            ],
+        );
+        let map: serde_json::Map<String, serde_json::Value> = [
+            ("model.language_model.embed_tokens.weight", "a"),
+            ("model.language_model.layers.0.mlp.w", "a"),
+            ("model.language_model.layers.1.mlp.w", "a"),
+            ("model.visual.blocks.layers.7.w", "a"),
+            ("model.language_model.layers.2.mlp.w", "b"),
+            ("model.layers.61.mtp.w", "b"),
+            ("lm_head.weight", "b"),
+        ]
+        .into_iter()
+        .map(|(k, f)| (k.to_string(), format!("{f}.safetensors").into()))
+        .collect();
+        std::fs::write(
+            dir.path().join("model.safetensors.index.json"),
+            serde_json::json!({ "weight_map": map }).to_string(),
+        )
+        .unwrap();
+        // Up to layer 1: the embedding, layers 0 and 1, the vision tower (its own
+        // "layers" are not the decoder's), the lm_head; not layer 2 nor the MTP layer.
+        assert_eq!(
+            loaded_elements(dir.path(), 1).unwrap(),
+            40 + 16 + 32 + 3 + 40
+        );
+        assert_eq!(loaded_elements(dir.path(), 0).unwrap(), 40 + 16 + 3 + 40);
+        assert_eq!(
+            loaded_elements(dir.path(), 61).unwrap(),
+            40 + 16 + 32 + 3 + 16 + 5 + 40
+        );
+        let e = loaded_elements(&dir.path().join("none"), 1).unwrap_err();
+        assert!(e.to_string().contains("none"), "{e}");
     }
 
     fn tiny() -> (tempfile::TempDir, TargetConfig, Vec<(String, Vec<usize>)>) {

@@ -428,7 +428,11 @@ pub struct MemoryEstimate {
 
 /// Estimate the workers' host memory. It counts the big buffers only, so it is a floor:
 /// a run it refuses cannot fit. `target_tokens`: the tokens of a target's forward (its
-/// batch's rows run packed in one: the token budget).
+/// batch's rows run packed in one: the token budget). `loaded`: the weight elements a
+/// CPU target loads as its checkpoint holds them (the torch engine's families, whose
+/// shapes config.json does not describe: [`super::target_check::loaded_elements`]);
+/// `None`: the native engine's tensors of `target`'s shapes.
+#[allow(clippy::too_many_arguments)]
 pub fn estimate_memory(
     drafter: &DrafterConfig,
     target: &TargetConfig,
@@ -437,6 +441,7 @@ pub fn estimate_memory(
     max_seq_len: u32,
     target_tokens: u32,
     shared: u64,
+    loaded: Option<u64>,
 ) -> MemoryEstimate {
     let f = 4u64; // f32
     let params = ParamLayout::new(drafter).total as u64;
@@ -462,12 +467,13 @@ pub fn estimate_memory(
     let context = max_seq_len as u64 * (drafter.n_taps as u64 + 2) * h;
     let drafter_activations = (m * per_row + context) * f;
     let last = taps.iter().copied().max().unwrap_or(0) as usize;
-    let target_weights: u64 = expected_tensors(target, last + 1)
-        .iter()
-        .filter(|(n, _)| n != "lm_head.weight" && n != "model.norm.weight")
-        .map(|(_, s)| s.iter().product::<usize>() as u64)
-        .sum::<u64>()
-        * f;
+    let target_weights: u64 = loaded.unwrap_or_else(|| {
+        expected_tensors(target, last + 1)
+            .iter()
+            .filter(|(n, _)| n != "lm_head.weight" && n != "model.norm.weight")
+            .map(|(_, s)| s.iter().product::<usize>() as u64)
+            .sum::<u64>()
+    }) * f;
     // A mixture of experts' weights are all counted above (every expert of every sparse
     // layer); per token its activations add the router's logits and, for each of its
     // top-k rows, the routed input and output, gate, up and SwiGLU, and the host's copy of
@@ -514,7 +520,13 @@ pub fn estimate_memory(
         drafter_frozen,
         drafter_activations,
         target: target_bytes,
-        target_what: target_what(target, last),
+        target_what: match loaded {
+            Some(_) => format!(
+                "{}: its checkpoint's tensors but the layers above {last}, in f32",
+                target.model_type
+            ),
+            None => target_what(target, last),
+        },
         total,
     }
 }
@@ -843,7 +855,7 @@ mod tests {
     fn memory_estimate_counts_parameters_state_and_activations() {
         let t = TargetConfig::read(TINY_CONFIG).unwrap();
         let d = DrafterConfig::for_target(&t, 2, 2, 8, 32);
-        let e = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 256, 1000);
+        let e = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 256, 1000, None);
         let params = ParamLayout::new(&d).total as u64;
         assert_eq!(e.params, params);
         assert_eq!(
@@ -859,14 +871,28 @@ mod tests {
         );
         // The tiny run fits in a few MiB; two drafters cost two ranks.
         assert!(e.total < 64 << 20, "{e:?}");
-        let two = estimate_memory(&d, &t, &[1, 4], &tiny_plan(2), 64, 256, 1000);
+        let two = estimate_memory(&d, &t, &[1, 4], &tiny_plan(2), 64, 256, 1000, None);
         assert_eq!(
             two.total - e.total,
             e.drafter_state + e.drafter_frozen + e.drafter_activations
         );
         check_memory_against(&e, &tiny_plan(1), &d, 1 << 30).unwrap();
+        // The torch engine's families: the checkpoint's count replaces the shapes' guess.
+        let mut g = t.clone();
+        g.model_type = "gpt_oss".into();
+        let big = estimate_memory(&d, &g, &[1, 4], &tiny_plan(1), 64, 256, 1000, Some(1 << 28));
+        let acts =
+            256 * ((6 * t.hidden_size + 3 * t.intermediate_size + 2 * t.hidden_size) * 4) as u64;
+        assert_eq!(big.target, (1u64 << 28) * 4 + acts, "{big:?}");
+        assert!(big
+            .target_what
+            .starts_with("gpt_oss: its checkpoint's tensors but the layers above 4"));
+        let refused = check_memory_against(&big, &tiny_plan(1), &d, 1 << 30)
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("CPU target(s) of 1.0 GiB"), "{refused}");
         // The target's activations are one packed forward's: the token budget's tokens.
-        let half = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 128, 1000);
+        let half = estimate_memory(&d, &t, &[1, 4], &tiny_plan(1), 64, 128, 1000, None);
         let per_token = (6 * t.hidden_size + 3 * t.intermediate_size + 2 * t.hidden_size) * 4;
         assert_eq!(
             e.target - half.target,
@@ -894,7 +920,8 @@ mod tests {
         };
         let (m8, m64) = (moe(8), moe(64));
         let d = DrafterConfig::for_target(&dense, 2, 2, 8, 32);
-        let est = |t: &TargetConfig| estimate_memory(&d, t, &[1, 4], &tiny_plan(1), 64, 256, 0);
+        let est =
+            |t: &TargetConfig| estimate_memory(&d, t, &[1, 4], &tiny_plan(1), 64, 256, 0, None);
         // Layers 0..=4 run: layer 0 dense, 1..=4 sparse, each expert 3 × 32 × 64 weights.
         let per_expert = 3 * 32 * 64 * 4;
         assert_eq!(
@@ -924,7 +951,7 @@ mod tests {
         // 256-token blocks, 4096 anchors, 40 layers: gigabytes of activations.
         let d = DrafterConfig::for_target(&t, 40, 2, 256, 4096);
         let plan = tiny_plan(1);
-        let e = estimate_memory(&d, &t, &[1, 4], &plan, 4096, 4096, 0);
+        let e = estimate_memory(&d, &t, &[1, 4], &plan, 4096, 4096, 0, None);
         assert!(e.drafter_activations > 8 << 30, "{e:?}");
         let err = check_memory_against(&e, &plan, &d, 4 << 30).unwrap_err();
         let msg = err.to_string();
