@@ -301,8 +301,10 @@ pub struct RunArgs {
     )]
     pub gamma: Option<f64>,
 
-    /// The token id of the MASK inputs (default: 151669 for Qwen3-size vocabularies, else
-    /// the last id).
+    /// The token id of the MASK inputs. Default: an id no text uses, by the target's
+    /// tokenizer (--tokenizer's, else the target's tokenizer.json): the first embedding row
+    /// past its tokens (Qwen3: 151669), else its first reserved special token (Llama 3:
+    /// 128002), else the last id. The export records the rule as dflash_training.mask_token.
     #[arg(long, value_name = "ID", help_heading = "Training")]
     pub mask_token_id: Option<u32>,
 

@@ -591,3 +591,42 @@ fn eval_prompts_equal_transformers_with_the_generation_prompt() {
         serde_json::from_str(r#"{"messages": [{"role": "assistant", "content": "x"}]}"#).unwrap();
     assert!(prompt_turns(&only).is_err());
 }
+
+/// The default MASK token by the target's own tokenizer: Qwen3's is 151669, the first
+/// embedding row past its tokenizer's tokens, which is what transformers counts as the
+/// tokenizer's length (checked against it where transformers is installed).
+#[test]
+fn the_default_mask_token_of_qwen3_is_the_first_row_past_its_tokenizer() {
+    let Some(dir) = tokenizer_dir() else { return };
+    let m = dflash_shared::mask_token::default_mask_token(Some(&dir), 151936);
+    assert_eq!(m.id, 151669, "{m:?}");
+    assert!(
+        m.rule.contains("past the tokenizer's 151669 tokens"),
+        "{m:?}"
+    );
+    // A vocabulary no larger than the tokenizer: no unused row, no reserved token.
+    let m = dflash_shared::mask_token::default_mask_token(Some(&dir), 151669);
+    assert_eq!(m.id, 151668, "{m:?}");
+    if !has_transformers() {
+        assert!(
+            !ci(),
+            "transformers is missing: under CI this test may not skip"
+        );
+        return;
+    }
+    let out = Command::new("python3")
+        .args([
+            "-c",
+            "import sys; from transformers import AutoTokenizer; print(len(AutoTokenizer.from_pretrained(sys.argv[1])))",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let n: u32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert_eq!(n, 151669, "transformers' tokenizer length");
+}

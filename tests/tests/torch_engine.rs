@@ -431,6 +431,13 @@ fn family_trains_and_exports(family: &str) {
     let cfg: Value =
         serde_json::from_str(&fs::read_to_string(drafter.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["dflash_target"]["model_type"], family, "{cfg}");
+    // No tokenizer beside these checkpoints: the MASK token is the last id, and says so.
+    assert_eq!(cfg["dflash_config"]["mask_token_id"], 511, "{cfg}");
+    assert_eq!(
+        cfg["dflash_training"]["mask_token"],
+        "511: the vocabulary's last id (no tokenizer.json to read)",
+        "{cfg}"
+    );
     let o = Command::new(bin("dflash-supervise"))
         .arg("export-check")
         .arg(&drafter)

@@ -270,6 +270,9 @@ pub struct ExportInfo<'a> {
     /// switch), written as `dflash_rendering`, when the run recorded it: `eval` compares
     /// its own rendering with it.
     pub rendering: Option<Value>,
+    /// Why the MASK token is the id it is, written as `dflash_training.mask_token`
+    /// ([`dflash_shared::mask_token`]'s rule, or a given id).
+    pub mask_token_rule: Option<String>,
 }
 
 /// What an export records of its target: the architecture, depth, width, the capture
@@ -307,6 +310,9 @@ fn write_files(
     }
     if let Some(r) = &info.rendering {
         config["dflash_rendering"] = r.clone();
+    }
+    if let Some(m) = &info.mask_token_rule {
+        config["dflash_training"]["mask_token"] = m.as_str().into();
     }
     // The weights as exported (bf16), back in f32: the probe runs on exactly these.
     let rounded: Vec<f32> = params
@@ -565,9 +571,24 @@ pub fn from_checkpoint(
                 r
             }),
         rendering,
+        mask_token_rule: Some(mask_token_rule(target, c.vocab, c.mask_token_id)),
     };
     write_hf_dir(&d, &frozen, &params, &info, out)?;
     Ok(step)
+}
+
+/// Why a drafter of `target` (its tokenizer there, `vocab` rows) has MASK token `id`: the
+/// default's rule when it is the default, else that it was given.
+fn mask_token_rule(target: &Path, vocab: usize, id: u32) -> String {
+    let default = dflash_shared::mask_token::default_mask_token(Some(target), vocab);
+    if default.id == id {
+        format!("{id}: {}", default.rule)
+    } else {
+        format!(
+            "{id}: given (--mask-token-id, or the --init-drafter's); the default would be {}: {}",
+            default.id, default.rule
+        )
+    }
 }
 
 fn serialize(tensors: &[Tensor]) -> Result<Vec<u8>> {
@@ -647,6 +668,7 @@ mod tests {
             max_position_embeddings: None,
             target: None,
             rendering: None,
+            mask_token_rule: None,
         };
         write_hf_dir(&d, &frozen, &p, &info, &dir).unwrap();
         let back = crate::init_weights::load_weights(&d, &dir).unwrap();

@@ -356,6 +356,7 @@ fn accepted_lengths_equal_a_python_reference_with_the_export() {
         max_position_embeddings: None,
         target: None,
         rendering: None,
+        mask_token_rule: None,
     };
     write_hf_dir(
         &Drafter::new(s.cfg.clone()),

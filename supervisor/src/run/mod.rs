@@ -1340,6 +1340,12 @@ pub(crate) fn trainer_config(
     }
     let mut drafter =
         DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
+    if !tiny {
+        // An id no text uses, by the tokenizer's own vocabulary (dflash_shared::mask_token).
+        let dir = args.tokenizer.as_deref().unwrap_or(Path::new(&args.target));
+        drafter.mask_token_id =
+            dflash_shared::mask_token::default_mask_token(Some(dir), target.vocab_size).id;
+    }
     if let Some(g) = args.gamma {
         if !(g > 0.0 && g.is_finite()) {
             return Err(Error::Flag(format!(
