@@ -78,12 +78,21 @@ fn on_a_trained_target_regeneration_is_transformers_greedy_and_teaches_the_draft
     let tmp = tempfile::tempdir().unwrap();
     let target = tmp.path().join("target");
     synthetic_target(&target);
-    greedy_equals_transformers(tmp.path(), &target);
+    // The trained language ends some continuations early and not others.
+    for engine in ["native", "torch"] {
+        let finishes = greedy_equals_transformers(tmp.path(), &target, engine);
+        assert!(
+            finishes.iter().any(|f| f == "stop") && finishes.iter().any(|f| f == "length"),
+            "{engine}: {finishes:?}"
+        );
+    }
     regenerated_data_gives_a_higher_tau(tmp.path(), &target);
 }
 
-/// The regenerated continuations are transformers' `generate(do_sample=False)`'s.
-fn greedy_equals_transformers(tmp: &Path, target: &Path) {
+/// The regenerated continuations, by the target on `engine` (native or torch: this tool's
+/// decoding loop over transformers' forward and KV cache), are transformers'
+/// `generate(do_sample=False)`'s. Each line's finish.
+fn greedy_equals_transformers(tmp: &Path, target: &Path, engine: &str) -> Vec<String> {
     let prompts: Vec<Vec<u32>> = (0..16u32)
         .map(|i| (0..2 + i % 6).map(|k| 2 + (i * 13 + k * 29) % 62).collect())
         .collect();
@@ -94,7 +103,7 @@ fn greedy_equals_transformers(tmp: &Path, target: &Path) {
         .map(|(i, p)| json!({"input_ids": p, "id": format!("p{i}")}).to_string())
         .collect();
     fs::write(&data, text_in.join("\n")).unwrap();
-    let out = tmp.join("out.jsonl");
+    let out = tmp.join(format!("out-{engine}.jsonl"));
     let o = regenerate(&[
         "--target",
         target.to_str().unwrap(),
@@ -106,6 +115,8 @@ fn greedy_equals_transformers(tmp: &Path, target: &Path) {
         "24",
         "--gpus",
         "cpu:2",
+        "--target-engine",
+        engine,
     ]);
     assert!(o.status.success(), "{}", text(&o));
     let got = lines(&out);
@@ -127,7 +138,12 @@ fn greedy_equals_transformers(tmp: &Path, target: &Path) {
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(g["id"], format!("p{i}"), "input order and fields kept");
         let ids: Vec<u32> = serde_json::from_value(g["input_ids"].clone()).unwrap();
-        assert_eq!(&ids, w, "line {}: transformers' greedy continuation", i + 1);
+        assert_eq!(
+            &ids,
+            w,
+            "{engine}: line {}: transformers' greedy continuation",
+            i + 1
+        );
         let mask: Vec<u8> = serde_json::from_value(g["loss_mask"].clone()).unwrap();
         let n = prompts[i].len();
         assert!(mask[..n].iter().all(|&m| m == 0) && mask[n..].iter().all(|&m| m == 1));
@@ -138,9 +154,42 @@ fn greedy_equals_transformers(tmp: &Path, target: &Path) {
             assert_eq!(ids.len() - n, 24);
         }
     }
-    // The trained language ends some continuations early and not others.
-    assert!(finishes.iter().any(|f| f == "stop") && finishes.iter().any(|f| f == "length"));
+    finishes
 }
+
+/// A family only the torch engine serves (gpt-oss: sliding-window and full attention,
+/// attention sinks, experts): `auto` regenerates on the torch engine, and the
+/// continuations are transformers' `generate(do_sample=False)`'s.
+#[test]
+fn a_family_only_the_torch_engine_serves_regenerates_as_transformers_generates() {
+    if !have_torch() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("gpt_oss");
+    let o = Command::new("python3")
+        .args(["-c", GPT_OSS])
+        .arg(&target)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let finishes = greedy_equals_transformers(tmp.path(), &target, "auto");
+    assert_eq!(finishes.len(), 16);
+}
+
+/// A tiny random gpt-oss (EOS 1, as HF_GREEDY stops at it), its sliding window shorter
+/// than prompt and reply together.
+const GPT_OSS: &str = r#"
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.manual_seed(0)
+cfg = AutoConfig.for_model("gpt_oss", vocab_size=64, hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+    num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+    eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+AutoModelForCausalLM.from_config(cfg).save_pretrained(sys.argv[1])
+"#;
 
 /// The synthetic language's successor rule: the target's (`a` 7, `b` 5), or another.
 fn successor(t: u32, a: u32, b: u32) -> u32 {

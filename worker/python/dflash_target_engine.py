@@ -23,7 +23,8 @@ cache instead; the exchange file (`--exchange`) carries the floats both ways:
     -> {"op": "forward", "past": 12, "ids": [5, 9, 7]}
     <- {"ok": true, "argmax": [9, 7, 3], "margin": 0.41, "max_abs": 12.5}
 
-keeps the cache's first `past` positions (cropped where every cache layer is plain full
+(with `"logits": "last"`, the last row's logits follow the taps, f32) keeps the cache's
+first `past` positions (cropped where every cache layer is plain full
 attention; otherwise the cache is rebuilt from the kept tokens: sliding-window and
 linear-attention states cannot be rolled back), runs `ids` after them, answers each row's
 greedy token (and the last row's top-2 margin and largest |logit|), and writes the rows'
@@ -259,7 +260,7 @@ class Decoder:
                 return
         self.cache = None
 
-    def forward(self, past, ids):
+    def forward(self, past, ids, last_logits=False):
         import torch
 
         self.keep(past)
@@ -279,11 +280,16 @@ class Decoder:
         self.ids = self.ids + ids
         logits = out.logits[0, skip:].float()
         rows = torch.cat([self.captured[k][0, skip:].to(self.dev) for k in self.taps], dim=-1)
-        os.pwrite(self.fd, rows.float().contiguous().cpu().numpy().tobytes(), 0)
+        taps = rows.float().contiguous().cpu().numpy().tobytes()
+        os.pwrite(self.fd, taps, 0)
+        if last_logits:
+            # The last row's logits after the taps: what sampling the next token needs.
+            os.pwrite(self.fd, logits[-1].contiguous().cpu().numpy().tobytes(), len(taps))
         top = torch.topk(logits[-1], 2) if logits.shape[-1] > 1 else None
         margin = float(top.values[0] - top.values[1]) if top is not None else 0.0
         return {
             "ok": True,
+            "vocab": int(logits.shape[-1]),
             "argmax": logits.argmax(dim=-1).tolist(),
             "margin": margin,
             "max_abs": float(logits[-1].abs().max()),
@@ -312,7 +318,7 @@ def decode(model, taps, captured, dev, args, proto):
             continue
         req = json.loads(line)
         if req.get("op") == "forward":
-            r = d.forward(int(req["past"]), [int(t) for t in req["ids"]])
+            r = d.forward(int(req["past"]), [int(t) for t in req["ids"]], req.get("logits") == "last")
         elif req.get("op") == "head":
             r = d.head(int(req["rows"]))
         else:

@@ -9,8 +9,9 @@
 //! ```
 //!
 //! `finish` is `stop` (the last token is one of `--stop`) or `length` (`max_new` tokens).
-//! Any engine that speaks these lines can stand in for this one (a transformers child, as
-//! the torch target engine will be). Decoding is greedy (`--temperature 0`) or samples
+//! The target runs on the native engine, or (`--engine torch`, and `auto` for the families
+//! the native engine does not serve) in the torch engine's Python child over
+//! transformers' KV cache; the sampling below is the same for both. Decoding is greedy (`--temperature 0`) or samples
 //! from the temperature-scaled softmax cut to its top-p nucleus, with a generator seeded
 //! per request, so a request gives the same tokens whichever process and whenever it runs.
 
@@ -22,6 +23,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::cpu::CpuDevice;
 use crate::error::ToolError;
+use crate::eval::verifier::{wants_torch, TorchVerifier, Verifier};
 use crate::models::target::device::decode::{argmax, Decoder};
 use crate::models::target::Target;
 
@@ -36,6 +38,8 @@ pub struct Args {
     pub stop: Vec<u32>,
     /// On the GPU (ordinal 0), not the CPU.
     pub gpu: bool,
+    /// What runs the target: native, torch (transformers in a Python child) or auto.
+    pub engine: String,
 }
 
 /// How the next token is chosen.
@@ -105,17 +109,15 @@ impl Sampling {
 
 /// One continuation of `prompt`: up to `max_new` tokens, ending at a stop token.
 pub fn continue_prompt(
-    dec: &mut Decoder,
+    dec: &mut dyn Verifier,
     prompt: &[u32],
     max_new: usize,
     stop: &[u32],
     sampling: Sampling,
     rng: &mut Rng,
 ) -> Result<(Vec<u32>, &'static str), ToolError> {
-    let vocab = dec.vocab();
-    dec.crop(0)?;
-    let f = dec.prefill(prompt)?;
-    let mut out = vec![sampling.pick(&f.logits[f.logits.len() - vocab..], rng)];
+    dec.keep(0)?;
+    let mut out = vec![sampling.pick(&dec.last_logits(prompt)?, rng)];
     loop {
         if stop.contains(&out[out.len() - 1]) {
             return Ok((out, "stop"));
@@ -123,8 +125,8 @@ pub fn continue_prompt(
         if out.len() >= max_new {
             return Ok((out, "length"));
         }
-        let f = dec.forward(&out[out.len() - 1..])?;
-        out.push(sampling.pick(&f.logits, rng));
+        let logits = dec.last_logits(&out[out.len() - 1..])?;
+        out.push(sampling.pick(&logits, rng));
     }
 }
 
@@ -162,12 +164,19 @@ pub fn run(a: &Args) -> Result<(), ToolError> {
     } else {
         Path::new(&a.target).to_path_buf()
     };
+    let cfg = dflash_shared::model_config::TargetConfig::load_any(&dir)?;
+    let vocab = cfg.vocab_size;
     // Every layer (decoding needs the logits); one tap, as the decoder reads one.
-    let (target, head) = Target::load_decoder(&dir, &[0])?;
+    let mut dec: Box<dyn Verifier> = if wants_torch(&a.engine, &cfg)? {
+        let on_gpu = a.gpu && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu");
+        let t = TorchVerifier::start(&dir, &[0], cfg.hidden_size, on_gpu)?;
+        eprintln!("target engine: torch ({})", t.ready());
+        Box::new(t)
+    } else {
+        let (target, head) = Target::load_decoder(&dir, &[0])?;
+        Box::new(Decoder::new(device(a.gpu)?, &target, &head, a.max_len, 64)?)
+    };
     drop(scratch);
-    let mut dec = Decoder::new(device(a.gpu)?, &target, &head, a.max_len, 64)?;
-    drop((target, head));
-    let vocab = dec.vocab();
     let stdout = std::io::stdout();
     for (n, line) in std::io::stdin().lock().lines().enumerate() {
         let line = line.map_err(ToolError::io("reading stdin"))?;
@@ -197,8 +206,14 @@ pub fn run(a: &Args) -> Result<(), ToolError> {
             ));
         }
         let mut rng = Rng::new(r.seed);
-        let (tokens, finish) =
-            continue_prompt(&mut dec, &r.ids, r.max_new, &a.stop, a.sampling, &mut rng)?;
+        let (tokens, finish) = continue_prompt(
+            dec.as_mut(),
+            &r.ids,
+            r.max_new,
+            &a.stop,
+            a.sampling,
+            &mut rng,
+        )?;
         let reply = serde_json::to_string(&Reply {
             id: r.id,
             tokens,

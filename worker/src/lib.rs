@@ -186,6 +186,10 @@ enum Command {
         /// On the GPU (ordinal 0: CUDA_VISIBLE_DEVICES names it) in bf16, not the CPU.
         #[arg(long)]
         gpu: bool,
+        /// What runs the target: native (this tool's forward), torch (transformers in a
+        /// Python child, over its own KV cache) or auto (native for the families it serves).
+        #[arg(long, value_name = "ENGINE", default_value = "auto")]
+        engine: String,
     },
     /// Write the built-in tiny demo target (config.json + model.safetensors) into DIR, or
     /// with --config a target of random weights for that config.json (tests use it).
@@ -293,12 +297,14 @@ fn run_tool(c: Command) -> i32 {
             top_p,
             stop,
             gpu,
+            engine,
         } => tool(generate::run(&generate::Args {
             target,
             max_len,
             sampling: generate::Sampling { temperature, top_p },
             stop,
             gpu,
+            engine,
         })),
         Command::TinyTarget { out, config: None } => tool(
             models::tiny::write(&out)

@@ -164,7 +164,7 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     let ex = Exported::load(&a.drafter)?;
     ex.check_target(&a.drafter, &cfg)?;
     let prompts = read_prompts(&a.prompts, cfg.vocab_size)?;
-    let torch = torch_engine(&a.engine, &cfg)?;
+    let torch = super::verifier::wants_torch(&a.engine, &cfg)?;
     let eos = eos(dir);
     let bs = ex.cfg.block_size;
     let longest = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
@@ -283,33 +283,6 @@ fn first_token_margin(dec: &mut dyn Verifier, prompt: &[u32]) -> Result<(f32, f3
     dec.keep(0)?;
     let f = dec.verify(prompt)?;
     Ok((f.margin, f.max_abs))
-}
-
-/// Whether `engine` (native, torch or auto) decodes `cfg` with the torch engine: auto
-/// picks it for the families the native engine does not serve.
-fn torch_engine(
-    engine: &str,
-    cfg: &dflash_shared::model_config::TargetConfig,
-) -> Result<bool, ToolError> {
-    let native = cfg.arch != dflash_shared::model_config::Arch::Transformers;
-    match engine {
-        "torch" => Ok(true),
-        "auto" => Ok(!native),
-        "native" if native => Ok(false),
-        "native" => Err(ToolError::Usage {
-            flag: "--engine",
-            value: engine.to_string(),
-            expected: format!(
-                "the native engine serves Qwen3, Qwen3-MoE and Llama, not {}: torch or auto",
-                cfg.model_type
-            ),
-        }),
-        _ => Err(ToolError::Usage {
-            flag: "--engine",
-            value: engine.to_string(),
-            expected: "native, torch or auto".into(),
-        }),
-    }
 }
 
 /// Whether `same` of `n` prompts decoded as greedy decoding did is a pass: all of them on

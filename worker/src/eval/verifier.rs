@@ -40,6 +40,36 @@ pub trait Verifier {
     /// The greedy token of each row of final-normed hidden states `[rows, hidden]` (a
     /// drafter's output: it shares the target's lm_head).
     fn head_argmax(&mut self, hidden: &[f32]) -> Result<Vec<u32>, ToolError>;
+    /// `tokens` after the cache's positions, as [`verify`](Self::verify): the last row's
+    /// logits (what sampling the next token needs).
+    fn last_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ToolError>;
+}
+
+/// Whether `engine` (native, torch or auto) runs `cfg` on the torch engine: auto picks it
+/// for the families the native engine does not serve.
+pub fn wants_torch(
+    engine: &str,
+    cfg: &dflash_shared::model_config::TargetConfig,
+) -> Result<bool, ToolError> {
+    let native = cfg.arch != dflash_shared::model_config::Arch::Transformers;
+    match engine {
+        "torch" => Ok(true),
+        "auto" => Ok(!native),
+        "native" if native => Ok(false),
+        "native" => Err(ToolError::Usage {
+            flag: "--engine",
+            value: engine.to_string(),
+            expected: format!(
+                "the native engine serves Qwen3, Qwen3-MoE and Llama, not {}: torch or auto",
+                cfg.model_type
+            ),
+        }),
+        _ => Err(ToolError::Usage {
+            flag: "--engine",
+            value: engine.to_string(),
+            expected: "native, torch or auto".into(),
+        }),
+    }
 }
 
 /// The largest value of `row` minus the second largest (0 for fewer than two values,
@@ -93,6 +123,19 @@ impl Verifier for Decoder {
 
     fn head_argmax(&mut self, hidden: &[f32]) -> Result<Vec<u32>, ToolError> {
         Ok(self.lm_head_argmax(hidden)?)
+    }
+
+    fn last_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ToolError> {
+        let f = if tokens.len() > self.block() {
+            self.prefill(tokens)?
+        } else {
+            self.forward(tokens)?
+        };
+        let vocab = self.vocab();
+        let last = f.logits.len().checked_sub(vocab).ok_or_else(|| {
+            crate::device::GpuError::Invalid("a forward returned no logits".into())
+        })?;
+        Ok(f.logits[last..].to_vec())
     }
 }
 
@@ -190,21 +233,26 @@ impl Verifier for TorchVerifier {
         let r = self
             .child
             .call(&json!({"op": "forward", "past": self.len, "ids": tokens}))?;
-        let argmax = Self::tokens(&r, rows)?;
-        let mut bytes = vec![0u8; rows * self.width * 4];
+        self.verified(&r, rows)
+    }
+
+    fn last_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ToolError> {
+        let rows = tokens.len();
+        let r = self
+            .child
+            .call(&json!({"op": "forward", "past": self.len, "ids": tokens, "logits": "last"}))?;
+        self.verified(&r, rows)?;
+        let vocab = r["vocab"].as_u64().unwrap_or(0) as usize;
+        let mut bytes = vec![0u8; vocab * 4];
         self.exchange
-            .read_exact_at(&mut bytes, 0)
-            .map_err(ToolError::io("reading the torch engine's taps".to_string()))?;
-        self.len += rows;
-        Ok(Verified {
-            argmax,
-            taps: bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            margin: r["margin"].as_f64().unwrap_or(0.0) as f32,
-            max_abs: r["max_abs"].as_f64().unwrap_or(0.0) as f32,
-        })
+            .read_exact_at(&mut bytes, (rows * self.width * 4) as u64)
+            .map_err(ToolError::io(
+                "reading the torch engine's logits".to_string(),
+            ))?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
     }
 
     fn head_argmax(&mut self, hidden: &[f32]) -> Result<Vec<u32>, ToolError> {
@@ -225,5 +273,26 @@ impl Verifier for TorchVerifier {
             ))?;
         let r = self.child.call(&json!({"op": "head", "rows": rows}))?;
         Self::tokens(&r, rows)
+    }
+}
+
+impl TorchVerifier {
+    /// A forward's answer `r` for `rows` rows: the taps read from the exchange file.
+    fn verified(&mut self, r: &serde_json::Value, rows: usize) -> Result<Verified, ToolError> {
+        let argmax = Self::tokens(r, rows)?;
+        let mut bytes = vec![0u8; rows * self.width * 4];
+        self.exchange
+            .read_exact_at(&mut bytes, 0)
+            .map_err(ToolError::io("reading the torch engine's taps".to_string()))?;
+        self.len += rows;
+        Ok(Verified {
+            argmax,
+            taps: bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            margin: r["margin"].as_f64().unwrap_or(0.0) as f32,
+            max_abs: r["max_abs"].as_f64().unwrap_or(0.0) as f32,
+        })
     }
 }

@@ -32,6 +32,7 @@ use serde_json::{json, Value};
 
 use crate::data::chat::Chat;
 use crate::error::Error;
+use crate::run::engine::TargetEngine;
 use items::{Item, Kind};
 use journal::{Journal, Record, Settings};
 use pool::{Event, Pool, Spawn};
@@ -77,6 +78,11 @@ pub struct RegenerateArgs {
     /// cpu:2 when there is no NVIDIA driver.
     #[arg(long, value_name = "SPEC", value_parser = parse_spec)]
     pub gpus: Option<DeviceSpec>,
+    /// What runs the target: native (this tool's forward: Qwen3, Qwen3-MoE, Llama), torch
+    /// (transformers' implementation in a Python child per worker, over its own KV cache),
+    /// or auto (native for the families it serves, torch for any other).
+    #[arg(long, value_enum, value_name = "ENGINE", default_value = "auto")]
+    pub target_engine: crate::run::engine::TargetEngine,
     /// The worker program (default: dflash-worker beside dflash-supervise).
     #[arg(long, value_name = "PATH")]
     pub worker_bin: Option<PathBuf>,
@@ -103,6 +109,8 @@ struct TargetInfo {
     vocab: usize,
     eos: Vec<u32>,
     config_sha256: Option<String>,
+    /// `native` or `torch`: what the workers run it with.
+    engine: &'static str,
 }
 
 /// config.json's and generation_config.json's `eos_token_id` (a number or a list).
@@ -127,9 +135,20 @@ fn eos_ids(dir: &Path) -> Vec<u32> {
     out
 }
 
-fn target_info(target: &str) -> Result<TargetInfo, Error> {
+fn target_info(target: &str, requested: TargetEngine) -> Result<TargetInfo, Error> {
     if target == "tiny" {
+        let engine = match requested {
+            TargetEngine::Torch => {
+                let t = dflash_shared::model_config::TargetConfig::read(
+                    dflash_shared::model_config::TINY_CONFIG,
+                )
+                .map_err(|e| Error::input("--target tiny", e.to_string()))?;
+                crate::run::engine::pick(requested, &t)?.0
+            }
+            _ => "native",
+        };
         return Ok(TargetInfo {
+            engine,
             context: None,
             vocab: serde_json::from_str::<Value>(dflash_shared::model_config::TINY_CONFIG)
                 .ok()
@@ -140,11 +159,16 @@ fn target_info(target: &str) -> Result<TargetInfo, Error> {
         });
     }
     let dir = Path::new(target);
-    let t = dflash_shared::model_config::TargetConfig::load(dir)
+    let t = dflash_shared::model_config::TargetConfig::load_any(dir)
         .map_err(|e| Error::input(format!("--target {target}"), e.to_string()))?;
     let cfg = std::fs::read(dir.join("config.json"))
         .map_err(|e| Error::input(format!("--target {target}"), e))?;
+    let (engine, line) = crate::run::engine::pick(requested, &t)?;
+    if engine == "torch" {
+        log::info!("regenerate: {line}");
+    }
     Ok(TargetInfo {
+        engine,
         context: t.max_position_embeddings,
         vocab: t.vocab_size,
         eos: eos_ids(dir),
@@ -282,7 +306,7 @@ pub fn run(a: RegenerateArgs) -> Result<i32, Error> {
             "already exists (expected a new file: regenerate never overwrites one)",
         ));
     }
-    let info = target_info(&a.target)?;
+    let info = target_info(&a.target, a.target_engine)?;
     let (items, bad, data_sha) = read_items(&a)?;
     let has_chat = items.iter().any(|i| matches!(i.kind, Kind::Chat { .. }));
     let chat = load_chat(&a, has_chat)?;
@@ -341,6 +365,7 @@ pub fn run(a: RegenerateArgs) -> Result<i32, Error> {
     let job = Job {
         stop,
         max_seq_len,
+        engine: info.engine,
         vocab: info.vocab,
         chat,
         total,
@@ -381,6 +406,8 @@ fn absolute(p: &str) -> String {
 struct Job {
     stop: Vec<u32>,
     max_seq_len: usize,
+    /// `native` or `torch` (the workers' `--engine`).
+    engine: &'static str,
     vocab: usize,
     chat: Option<Chat>,
     total: usize,
@@ -465,6 +492,8 @@ fn spawn(a: &RegenerateArgs, job: &Job) -> Result<Spawn, Error> {
         a.temperature.to_string(),
         "--top-p".into(),
         a.top_p.to_string(),
+        "--engine".into(),
+        job.engine.into(),
     ];
     if !stop.is_empty() {
         args.push(format!("--stop={}", stop.join(",")));
