@@ -866,3 +866,74 @@ fn a_target_over_two_emulated_gpus_captures_what_it_captures_on_one() {
     );
     assert!(!run_dir.join("workers").exists());
 }
+
+/// A target whose weights do not fit its GPU (NVML's memory: here GPUs of 256 KiB) is
+/// refused before any worker starts, in one line saying how many GPUs per target would
+/// hold it; with that many, the run trains.
+#[test]
+fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut env = emulated(tmp.path(), 4);
+    let small = tmp.path().join("small-nvml.json");
+    let devs: Vec<String> = (0..4)
+        .map(|i| {
+            format!(r#"{{"name": "Small GPU", "uuid": "GPU-{i:04}", "memory_total": 262144}}"#)
+        })
+        .collect();
+    fs::write(
+        &small,
+        format!(
+            r#"{{"driver": "580.65.06", "devices": [{}]}}"#,
+            devs.join(", ")
+        ),
+    )
+    .unwrap();
+    for (k, v) in env.iter_mut() {
+        if k == "DFLASH_FAKE_NVML" {
+            *v = small.display().to_string();
+        }
+    }
+    let run = |extra: &[&str], dir: &str| {
+        std::process::Command::new(bin("dflash-supervise"))
+            .args([
+                "--gpus",
+                "0-3",
+                "--data",
+                "demo",
+                "--steps",
+                "2",
+                "--max-seq-len",
+                "16",
+            ])
+            .args(["--token-budget", "128", "--no-gpu-metrics"])
+            .args(extra)
+            .arg("--run-dir")
+            .arg(tmp.path().join(dir))
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .output()
+            .unwrap()
+    };
+    let o = run(&[], "refused");
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("target-0: the target's weights it loads (")
+            && err.contains("do not fit in 90% of a GPU of 256.0 KiB"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("refused").join("workers").exists());
+    let n: u32 = err
+        .split("--gpus-per-target ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no --gpus-per-target N in {err}"));
+    assert!((2..4).contains(&n), "{err}");
+    if skip() {
+        return;
+    }
+    let o = run(&["--gpus-per-target", &n.to_string()], "fits");
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(0), "--gpus-per-target {n}: {err}");
+}

@@ -274,6 +274,49 @@ fn a_hung_python_child_is_a_hung_target_restarted_with_its_batch_delivered_again
     assert_eq!(steps.iter().filter(|l| l.get("tau").is_none()).count(), 12);
 }
 
+/// A checkpoint of an architecture the installed transformers does not know (one newer
+/// than it) is refused at the start, before any worker, in one line naming the upgrade.
+#[test]
+fn an_architecture_transformers_does_not_know_is_refused_at_the_start() {
+    if !have_torch() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let target = tmp.path().join("newer");
+    let o = Command::new("python3")
+        .args(["-c", FAMILY, "gpt_oss"])
+        .arg(&target)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let path = target.join("config.json");
+    let mut cfg: Value = serde_json::from_str(&fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["model_type"] = "a_family_from_next_year".into();
+    cfg["architectures"] = serde_json::json!(["AFamilyFromNextYearForCausalLM"]);
+    fs::write(&path, cfg.to_string()).unwrap();
+    let run = tmp.path().join("run");
+    let o = Command::new(bin("dflash-supervise"))
+        .args([
+            "--gpus", "cpu:2", "--steps", "2", "--data", "demo", "--target",
+        ])
+        .arg(&target)
+        .arg("--run-dir")
+        .arg(&run)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("the torch target engine (a_family_from_next_year)")
+            && err.contains("cannot read the target's config.json")
+            && err.contains("a_family_from_next_year")
+            && err.contains("pip install -U transformers"),
+        "{err}"
+    );
+    assert!(!run.exists(), "nothing made before the refusal");
+}
+
 #[test]
 fn a_python_without_torch_is_refused_in_one_line() {
     let tmp = tempfile::tempdir().unwrap();

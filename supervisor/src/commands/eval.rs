@@ -143,7 +143,7 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
             t.max_position_embeddings,
             a.max_new_tokens as u64,
         )?;
-        let (e, line) = crate::run::engine::pick(a.target_engine, &t)?;
+        let (e, line) = crate::run::engine::pick(a.target_engine, &t, Some(Path::new(&target)))?;
         // Said when it is not this tool's own forward (stdout is the report).
         if e == "torch" {
             log::info!("eval: {line}");
@@ -156,6 +156,7 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
                 dflash_shared::model_config::TINY_CONFIG,
             )
             .map_err(|e| Error::input("--target tiny", e.to_string()))?,
+            None,
         )?
         .0;
     }

@@ -4,6 +4,7 @@
 //! `torch_engine`); `auto` is native for every target the native engine serves.
 
 use dflash_shared::env::python;
+use std::path::Path;
 use std::process::Command;
 
 use dflash_shared::model_config::{Arch, TargetConfig};
@@ -21,15 +22,35 @@ pub enum TargetEngine {
     Torch,
 }
 
-/// The versions of torch and transformers that `python` imports, or why it cannot.
-fn torch_versions(python: &str) -> Result<(String, String), String> {
-    let out = Command::new(python)
-        .args([
-            "-c",
-            "import torch, transformers; print(torch.__version__, transformers.__version__)",
-        ])
+/// Why `python` cannot serve as the torch engine.
+#[derive(Debug)]
+enum Missing {
+    /// torch or transformers cannot be imported (or python cannot be run).
+    Import(String),
+    /// transformers cannot read the target's config.json: an architecture it does not
+    /// know (too old a transformers).
+    Config { transformers: String, why: String },
+}
+
+/// The versions of torch and transformers that `python` imports, and that transformers
+/// reads the config.json in `dir` (when given), or why not.
+fn torch_versions(python: &str, dir: Option<&Path>) -> Result<(String, String), Missing> {
+    let script = "import sys, torch, transformers\n\
+        print(torch.__version__, transformers.__version__, flush=True)\n\
+        if len(sys.argv) > 1:\n\
+        \x20   from transformers import AutoConfig\n\
+        \x20   try:\n\
+        \x20       AutoConfig.from_pretrained(sys.argv[1])\n\
+        \x20   except Exception as e:\n\
+        \x20       print('CONFIG', str(e).replace(chr(10), ' '))\n";
+    let mut cmd = Command::new(python);
+    cmd.args(["-c", script]).env("HF_HUB_OFFLINE", "1");
+    if let Some(d) = dir {
+        cmd.arg(d);
+    }
+    let out = cmd
         .output()
-        .map_err(|e| format!("{python} cannot be run ({e})"))?;
+        .map_err(|e| Missing::Import(format!("{python} cannot be run ({e})")))?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         let last = err
@@ -37,18 +58,29 @@ fn torch_versions(python: &str) -> Result<(String, String), String> {
             .rev()
             .find(|l| !l.trim().is_empty())
             .unwrap_or("");
-        return Err(format!(
+        return Err(Missing::Import(format!(
             "{python} cannot import torch and transformers ({last})"
-        ));
+        )));
     }
     let text = String::from_utf8_lossy(&out.stdout);
-    let mut v = text.split_whitespace();
-    match (v.next(), v.next()) {
-        (Some(t), Some(tf)) => Ok((t.to_string(), tf.to_string())),
-        _ => Err(format!(
-            "{python} printed {text:?} for the versions of torch and transformers"
-        )),
+    let mut lines = text.lines();
+    let mut v = lines.next().unwrap_or("").split_whitespace();
+    let (t, tf) = match (v.next(), v.next()) {
+        (Some(t), Some(tf)) => (t.to_string(), tf.to_string()),
+        _ => {
+            return Err(Missing::Import(format!(
+                "{python} printed {text:?} for the versions of torch and transformers"
+            )))
+        }
+    };
+    if let Some(why) = lines.find_map(|l| l.strip_prefix("CONFIG ")) {
+        return Err(Missing::Config {
+            transformers: tf,
+            // transformers' first sentence says it; the rest is its own advice.
+            why: why.split(". ").next().unwrap_or(why).trim().to_string(),
+        });
     }
+    Ok((t, tf))
 }
 
 /// The engine's name for the workers (`native` or `torch`) and the start's line saying which
@@ -58,9 +90,9 @@ fn torch_versions(python: &str) -> Result<(String, String), String> {
 pub fn choose(
     requested: TargetEngine,
     per: u32,
-    target: &TargetConfig,
+    (target, dir): (&TargetConfig, Option<&Path>),
 ) -> Result<(&'static str, String), Error> {
-    let (engine, mut line) = pick(requested, target)?;
+    let (engine, mut line) = pick(requested, target, dir)?;
     if per <= 1 {
         return Ok((engine, line));
     }
@@ -95,9 +127,12 @@ pub fn choose(
 }
 
 /// [`choose`] for `requested`: also what `eval` decodes with.
+/// `dir`: the target's directory, whose config.json transformers must read for the torch
+/// engine (none for the built-in tiny target).
 pub fn pick(
     requested: TargetEngine,
     target: &TargetConfig,
+    dir: Option<&Path>,
 ) -> Result<(&'static str, String), Error> {
     let native = target.arch != Arch::Transformers;
     if !native {
@@ -109,6 +144,7 @@ pub fn pick(
         }
         return torch(
             target,
+            dir,
             &format!("the native engine does not serve {family}"),
         );
     }
@@ -124,19 +160,32 @@ pub fn pick(
                 target.arch
             ),
         )),
-        TargetEngine::Torch => torch(target, "--target-engine torch"),
+        TargetEngine::Torch => torch(target, dir, "--target-engine torch"),
     }
 }
 
 /// The torch engine, `why` it was chosen, once python has torch and transformers.
-fn torch(target: &TargetConfig, why: &str) -> Result<(&'static str, String), Error> {
+fn torch(
+    target: &TargetConfig,
+    dir: Option<&Path>,
+    why: &str,
+) -> Result<(&'static str, String), Error> {
     let py = python();
-    let (torch, transformers) = torch_versions(&py).map_err(|e| Error::Unavailable {
-        what: format!("the torch target engine ({why})"),
-        source: format!(
-            "{e}: pip install torch transformers, or point DFLASH_PYTHON at a Python that has them"
-        )
-        .into(),
+    let (torch, transformers) = torch_versions(&py, dir).map_err(|e| match e {
+        Missing::Import(e) => Error::Unavailable {
+            what: format!("the torch target engine ({why})"),
+            source: format!(
+                "{e}: pip install torch transformers, or point DFLASH_PYTHON at a Python that has them"
+            )
+            .into(),
+        },
+        Missing::Config { transformers, why } => Error::Unavailable {
+            what: format!("the torch target engine ({})", target.model_type),
+            source: format!(
+                "transformers {transformers} ({py}) cannot read the target's config.json ({why}): pip install -U transformers for an architecture this recent"
+            )
+            .into(),
+        },
     })?;
     let family = match target.arch {
         Arch::Transformers => target.model_type.clone(),

@@ -11,6 +11,7 @@ pub mod config_file;
 pub mod control;
 pub mod dispatcher;
 pub mod engine;
+mod gpu_fit;
 pub mod init_drafter;
 pub mod process;
 pub mod reaper;
@@ -390,7 +391,14 @@ fn target_and_engine(
         target_check::check(Path::new(&args.target), &target_cfg)
             .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     }
-    let (engine, mut line) = engine::choose(args.target_engine, args.gpus_per_target, &target_cfg)?;
+    let (engine, mut line) = engine::choose(
+        args.target_engine,
+        args.gpus_per_target,
+        (
+            &target_cfg,
+            (args.target != "tiny").then(|| Path::new(&args.target)),
+        ),
+    )?;
     if engine == "torch" {
         args.target_engine = crate::cli::TargetEngine::Torch;
     }
@@ -498,7 +506,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
     let placed = placement(&args, &mut gpus::gpu_count)?;
-    let (plan, target_spans) = (placed.workers, placed.target_spans);
+    let plan = placed.workers.clone();
     check_telemetry_flags(&args, &plan)?;
     let (target_cfg, engine_line) = target_and_engine(&mut args, &plan)?;
     let cpu_defaults = cpu_defaults(&args, &plan);
@@ -523,7 +531,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         Continue::From(r) => Some(*r),
         Continue::New => None,
     };
-    check_memory(&args, &plan, &target_cfg, &pipeline_cfg, &trainer_cfg)?;
+    check_memory(&args, &placed, &target_cfg, &pipeline_cfg, &trainer_cfg)?;
     let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32;
     let preflight = preflight::at_start(&loader_cfg, args.preflight_lines, drafters)?;
     let tau_prompts = tau_prompts(&args, &target_cfg, &mut trainer_cfg, preflight.as_ref())?;
@@ -582,7 +590,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     console::to_file(&sup_log).map_err(|e| Error::io("cannot write", &sup_log, e))?;
     let reaper = start_reaper();
     let tau = tau_config(&args, tau_prompts, &run_dir.path)?;
-    let mut cfg = dispatcher_config(&args, (plan, target_spans), worker_bin, target_dir)?;
+    let mut cfg = dispatcher_config(&args, (plan, placed.target_spans), worker_bin, target_dir)?;
     cfg.tau = tau;
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
@@ -705,12 +713,35 @@ fn spool_data(args: &mut RunArgs, setup: &mut Setup) -> Result<(), Error> {
 /// the run needs are noted too: a start refused by `ulimit -u` says how many.
 fn check_memory(
     args: &RunArgs,
-    plan: &[(WorkerName, Device)],
+    placed: &Placement,
     target_cfg: &TargetConfig,
     pipeline_cfg: &pipeline::PipelineConfig,
     trainer_cfg: &trainer::TrainerConfig,
 ) -> Result<(), Error> {
+    let (plan, spans) = (&placed.workers[..], &placed.target_spans[..]);
     crate::nproc::plan_run(plan.iter().map(|(_, d)| *d));
+    let last = pipeline_cfg
+        .capture
+        .tap_ids
+        .iter()
+        .max()
+        .copied()
+        .unwrap_or(0) as usize;
+    // The target's weights against its GPUs' memory, where NVML says how much they have
+    // (DFLASH_DEVICE=cpu: the workers compute on the CPU whatever their device).
+    let on_gpu = plan
+        .iter()
+        .any(|(n, d)| n.role == Role::Target && matches!(d, Device::Gpu(_)))
+        && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu");
+    if let (true, Ok((_, gpus))) = (on_gpu, crate::telemetry::gpus::list()) {
+        let weights = gpu_fit::weight_bytes(&args.target, target_cfg, last)?;
+        let memory = |g: u32| {
+            gpus.iter()
+                .find(|x| x.index == g)
+                .and_then(|x| x.memory_total_bytes)
+        };
+        gpu_fit::check(plan, spans, args.gpus_per_target, weights, &memory)?;
+    }
     let shared_bytes = trainer::Trainer::shared_bytes(
         &trainer_cfg.drafter,
         trainer_cfg.max_ranks,
@@ -718,15 +749,8 @@ fn check_memory(
     );
     pipeline_cfg.check_memory(shared_bytes)?;
     // The torch engine's families: what their checkpoint holds, not a dense guess.
-    let last = pipeline_cfg
-        .capture
-        .tap_ids
-        .iter()
-        .max()
-        .copied()
-        .unwrap_or(0);
     let loaded = (target_cfg.arch == dflash_shared::model_config::Arch::Transformers)
-        .then(|| target_check::loaded_elements(Path::new(&args.target), last as usize))
+        .then(|| target_check::loaded_elements(Path::new(&args.target), last))
         .transpose()
         .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
     let estimate = validate::estimate_memory(

@@ -40,7 +40,7 @@ pub fn run(json: bool, steps: u64, engine: BenchTrainEngine) -> Result<i32, Erro
     if torch {
         // Python with torch and transformers, checked as a run checks it: refused in one
         // line naming what to install (exit 2) before anything is measured.
-        crate::run::engine::pick(TargetEngine::Torch, &target_cfg)?;
+        crate::run::engine::pick(TargetEngine::Torch, &target_cfg, None)?;
     }
     let exe = std::env::current_exe().map_err(|e| fail("finding dflash-supervise", e))?;
     let worker = exe.with_file_name("dflash-worker");

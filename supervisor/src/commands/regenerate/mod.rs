@@ -143,7 +143,7 @@ fn target_info(target: &str, requested: TargetEngine) -> Result<TargetInfo, Erro
                     dflash_shared::model_config::TINY_CONFIG,
                 )
                 .map_err(|e| Error::input("--target tiny", e.to_string()))?;
-                crate::run::engine::pick(requested, &t)?.0
+                crate::run::engine::pick(requested, &t, None)?.0
             }
             _ => "native",
         };
@@ -163,7 +163,7 @@ fn target_info(target: &str, requested: TargetEngine) -> Result<TargetInfo, Erro
         .map_err(|e| Error::input(format!("--target {target}"), e.to_string()))?;
     let cfg = std::fs::read(dir.join("config.json"))
         .map_err(|e| Error::input(format!("--target {target}"), e))?;
-    let (engine, line) = crate::run::engine::pick(requested, &t)?;
+    let (engine, line) = crate::run::engine::pick(requested, &t, Some(dir))?;
     if engine == "torch" {
         log::info!("regenerate: {line}");
     }
