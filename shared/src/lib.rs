@@ -12,6 +12,7 @@ pub mod drafter;
 pub mod env;
 pub mod exit_codes;
 pub mod export_dest;
+pub mod layer_split;
 pub mod mask_token;
 pub mod model_config;
 pub mod names;

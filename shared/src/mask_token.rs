@@ -47,11 +47,16 @@ fn last(vocab: usize, why: &str) -> MaskToken {
 
 /// [`default_mask_token`] of a parsed `tokenizer.json`.
 pub fn from_tokenizer(t: &Value, vocab: usize) -> MaskToken {
-    let model = t["model"]["vocab"].as_object();
     let added = t["added_tokens"].as_array();
+    // BPE and WordPiece map each token to its id; Unigram lists `[piece, score]` pairs,
+    // a piece's id its place in the list.
+    let model = match &t["model"]["vocab"] {
+        Value::Object(m) => m.values().filter_map(Value::as_u64).max(),
+        Value::Array(a) => (a.len() as u64).checked_sub(1),
+        _ => None,
+    };
     let ids = model
         .into_iter()
-        .flat_map(|m| m.values().filter_map(Value::as_u64))
         .chain(added.into_iter().flatten().filter_map(|a| a["id"].as_u64()));
     let count = ids.max().map_or(0, |m| m + 1) as usize;
     if count > 0 && count < vocab {
@@ -134,6 +139,17 @@ mod tests {
         let m = from_tokenizer(&t, 100);
         assert_eq!(m.id, 99);
         assert!(m.rule.contains("last id"), "{m:?}");
+    }
+
+    #[test]
+    fn a_unigram_vocabulary_counts_its_pieces() {
+        let t = json!({
+            "model": {"type": "Unigram", "vocab": [["<pad>", 0.0], ["a", -1.0], ["b", -2.0], ["c", -3.0]]},
+            "added_tokens": [{"id": 0, "content": "<pad>", "special": true}],
+        });
+        let m = from_tokenizer(&t, 10);
+        assert_eq!(m.id, 4, "{m:?}");
+        assert!(m.rule.contains("past the tokenizer's 4 tokens"), "{m:?}");
     }
 
     #[test]

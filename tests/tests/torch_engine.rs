@@ -309,7 +309,7 @@ fn an_architecture_transformers_does_not_know_is_refused_at_the_start() {
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(
         err.contains("the torch target engine (a_family_from_next_year)")
-            && err.contains("cannot read the target's config.json")
+            && err.contains("does not know the target's architecture")
             && err.contains("a_family_from_next_year")
             && err.contains("pip install -U transformers"),
         "{err}"

@@ -114,7 +114,7 @@ fn the_torch_engine_splits_a_targets_layers_over_devices_in_contiguous_even_rang
         );
         assert!(scale > 0.0 && diff <= 1e-6 * scale, "{name}: {f}");
         assert_eq!(f["rows"], 12, "{name}");
-        // The decoder layers up to the last tap (4) over both devices, in order; the
+        // The decoder layers (of the whole config: 6) over both devices, in order; the
         // rest of the model on the first.
         let map = f["map"].as_object().unwrap();
         let layer_dev: Vec<&str> = (0..6)

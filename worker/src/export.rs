@@ -571,16 +571,29 @@ pub fn from_checkpoint(
                 r
             }),
         rendering,
-        mask_token_rule: Some(mask_token_rule(target, c.vocab, c.mask_token_id)),
+        mask_token_rule: Some(mask_token_rule(
+            checkpoint,
+            target,
+            c.vocab,
+            c.mask_token_id,
+        )),
     };
     write_hf_dir(&d, &frozen, &params, &info, out)?;
     Ok(step)
 }
 
-/// Why a drafter of `target` (its tokenizer there, `vocab` rows) has MASK token `id`: the
-/// default's rule when it is the default, else that it was given.
-fn mask_token_rule(target: &Path, vocab: usize, id: u32) -> String {
-    let default = dflash_shared::mask_token::default_mask_token(Some(target), vocab);
+/// Why a drafter of `target` (`vocab` rows) trained from `checkpoint` has MASK token `id`:
+/// the default's rule when it is the default (by the run's `--tokenizer` when its run.json
+/// names one, else the target's tokenizer), else that it was given.
+fn mask_token_rule(checkpoint: &Path, target: &Path, vocab: usize, id: u32) -> String {
+    let tokenizer = checkpoint
+        .parent()
+        .and_then(Path::parent)
+        .and_then(|run| std::fs::read_to_string(run.join("run.json")).ok())
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|v| v["tokenizer"].as_str().map(std::path::PathBuf::from));
+    let dir = tokenizer.as_deref().unwrap_or(target);
+    let default = dflash_shared::mask_token::default_mask_token(Some(dir), vocab);
     if default.id == id {
         format!("{id}: {}", default.rule)
     } else {

@@ -783,7 +783,11 @@ fn split_over_gpus(
         .enumerate()
         .map(|(d, r)| format!("GPU {d}: layers {}-{}", r.start, r.end - 1))
         .collect();
-    println!("target split over {n} GPUs: {}", ranges.join(", "));
+    println!(
+        "target split over {} GPUs: {}",
+        ranges.len(),
+        ranges.join(", ")
+    );
     Ok(g)
 }
 

@@ -308,5 +308,10 @@ impl Drop for TorchChild {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // Its last stderr lines are in the log before whatever this process says next
+        // (a tool's error line is its last).
+        if let Some(r) = self.stderr_reader.take() {
+            let _ = r.join();
+        }
     }
 }

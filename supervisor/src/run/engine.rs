@@ -181,9 +181,15 @@ fn torch(
         },
         Missing::Config { transformers, why } => Error::Unavailable {
             what: format!("the torch target engine ({})", target.model_type),
-            source: format!(
-                "transformers {transformers} ({py}) cannot read the target's config.json ({why}): pip install -U transformers for an architecture this recent"
-            )
+            source: if why.contains("does not recognize this architecture") {
+                format!(
+                    "transformers {transformers} ({py}) does not know the target's architecture ({why}): pip install -U transformers for an architecture this recent"
+                )
+            } else {
+                format!(
+                    "transformers {transformers} ({py}) cannot read the target's config.json: {why}"
+                )
+            }
             .into(),
         },
     })?;

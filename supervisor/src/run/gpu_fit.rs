@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use dflash_shared::layer_split::device_loads;
 use dflash_shared::model_config::{expected_tensors, Arch, TargetConfig};
 use dflash_shared::{Device, Role, WorkerName};
 
@@ -14,33 +15,60 @@ use crate::error::Error;
 /// activations, the CUDA context and cuBLAS's workspace.
 const WEIGHT_SHARE: f64 = 0.9;
 
-/// The weight bytes a target worker puts on its GPUs (bf16): the native engine's tensors
-/// up to the last tap, or (the torch engine's families) the checkpoint's tensors but the
-/// decoder layers above it.
-pub fn weight_bytes(target: &str, cfg: &TargetConfig, last: usize) -> Result<u64, Error> {
-    let elements = if cfg.arch == Arch::Transformers {
-        target_check::loaded_elements(Path::new(target), last)
+/// The weight bytes (bf16) a target worker puts on its GPUs, per decoder layer up to the
+/// last tap and for the rest (the embedding; for the torch engine's families also the
+/// lm_head, norms and any vision tower, which its device map puts on the first GPU): the
+/// native engine's tensors, or the checkpoint's.
+pub fn weight_bytes(
+    target: &str,
+    cfg: &TargetConfig,
+    last: usize,
+) -> Result<(Vec<usize>, usize), Error> {
+    let (layers, rest) = if cfg.arch == Arch::Transformers {
+        target_check::loaded_by_layer(Path::new(target), last)
             .map_err(|e| Error::input(format!("--target {target}"), e))?
     } else {
-        expected_tensors(cfg, last + 1)
-            .iter()
-            .filter(|(n, _)| n != "lm_head.weight" && n != "model.norm.weight")
-            .map(|(_, s)| s.iter().product::<usize>() as u64)
-            .sum()
+        let mut layers = vec![0u64; last + 1];
+        let mut rest = 0u64;
+        for (name, shape) in expected_tensors(cfg, last + 1) {
+            if name == "lm_head.weight" || name == "model.norm.weight" {
+                continue;
+            }
+            let n = shape.iter().product::<usize>() as u64;
+            match name
+                .strip_prefix("model.layers.")
+                .and_then(|r| r.split('.').next()?.parse::<usize>().ok())
+            {
+                Some(l) if l <= last => layers[l] += n,
+                Some(_) => {}
+                None => rest += n,
+            }
+        }
+        (layers, rest)
     };
-    Ok(elements * 2)
+    Ok((
+        layers.iter().map(|n| (n * 2) as usize).collect(),
+        (rest * 2) as usize,
+    ))
 }
 
-/// Refuse a placement whose target workers cannot hold `weights` bytes over their GPUs
-/// (`per` each; `memory`: a GPU's total memory by NVML index, none where NVML cannot say),
-/// saying how many GPUs per target would.
+/// The most GPUs a suggestion counts up to.
+const MOST_GPUS: usize = 64;
+
+/// Refuse a placement whose target workers cannot hold their weights (`layers`, per
+/// decoder layer, and `rest`, on the first GPU: [`weight_bytes`]) over their GPUs, split
+/// as the workers split them ([`device_loads`]); `per` GPUs each; `memory`: a GPU's total
+/// memory by NVML index, none where NVML cannot say. The refusal says how many GPUs per
+/// target would hold them.
 pub fn check(
     plan: &[(WorkerName, Device)],
     spans: &[Vec<u32>],
     per: u32,
-    weights: u64,
+    (layers, rest): (&[usize], usize),
     memory: &dyn Fn(u32) -> Option<u64>,
 ) -> Result<(), Error> {
+    let most = |n: usize| device_loads(layers, n, rest).into_iter().max().unwrap_or(0) as u64;
+    let weights = (layers.iter().sum::<usize>() + rest) as u64;
     for (i, (name, dev)) in plan
         .iter()
         .filter(|(n, _)| n.role == Role::Target)
@@ -55,21 +83,26 @@ pub fn check(
             continue;
         };
         let room = (least as f64 * WEIGHT_SHARE) as u64;
-        let share = weights.div_ceil(held.len() as u64);
+        let share = most(held.len());
         if share <= room {
             continue;
         }
-        let need = weights.div_ceil(room.max(1));
-        let targets = plan.iter().filter(|(n, _)| n.role == Role::Target).count() as u64;
+        let targets = plan.iter().filter(|(n, _)| n.role == Role::Target).count();
         // Every device of the run: each target worker stands for `per` GPUs in the plan.
-        let devices = plan.len() as u64 + (per as u64 - 1) * targets;
-        let would = if need * targets < devices {
-            format!("--gpus-per-target {need} would fit it")
-        } else {
-            format!("it needs {need} GPUs per target, more than these devices leave a drafter")
+        let devices = plan.len() + (per as usize - 1) * targets;
+        let would = match (held.len() + 1..=MOST_GPUS).find(|&n| most(n) <= room) {
+            Some(n) if n * targets < devices => format!("--gpus-per-target {n} would fit it"),
+            Some(n) => format!(
+                "it needs {n} GPUs per target, more than these devices leave a drafter"
+            ),
+            None => format!(
+                "no split of its layers fits a GPU of this size (its largest layer is {}, and the first GPU holds {} besides its layers)",
+                human(layers.iter().copied().max().unwrap_or(0) as u64),
+                human(rest as u64)
+            ),
         };
         return Err(Error::Flag(format!(
-            "{name}: the target's weights it loads ({}) over its {} GPU(s) ({} on each of GPU {}) do not fit in {:.0}% of a GPU of {} (the rest is for activations and the CUDA context); {would}",
+            "{name}: the target's weights it loads ({}) over its {} GPU(s) (at most {} on one of GPU {}) do not fit in {:.0}% of a GPU of {} (the rest is for activations and the CUDA context); {would}",
             human(weights),
             held.len(),
             human(share),
@@ -98,34 +131,54 @@ mod tests {
     }
 
     #[test]
-    fn a_target_fits_its_gpus_or_is_refused_saying_how_many_would_hold_it() {
+    fn a_target_fits_its_gpus_as_its_layers_split_or_is_refused_saying_how_many_would() {
         let kb = |_: u32| Some(1000u64);
-        // 1500 bytes on one GPU of 1000 (900 for weights): two would hold it.
-        let e = check(&plan(1, 3, 1), &[vec![]], 1, 1500, &kb)
+        // Six layers of 200 and 300 on the first GPU: 1500 on one GPU of 1000 (900 for
+        // weights); over two, 300 + 400 | 800 fits.
+        let layers = [200usize; 6];
+        let e = check(&plan(1, 3, 1), &[vec![]], 1, (&layers, 300), &kb)
             .unwrap_err()
             .to_string();
         assert!(
             e.starts_with("target-0: the target's weights it loads (1.5 KiB)")
-                && e.contains("over its 1 GPU(s) (1.5 KiB on each of GPU 0)")
+                && e.contains("over its 1 GPU(s) (at most 1.5 KiB on one of GPU 0)")
                 && e.contains("90% of a GPU of 1000 B")
                 && e.ends_with("--gpus-per-target 2 would fit it"),
             "{e}"
         );
-        // Over GPUs 0 and 1: 750 each, it fits.
-        check(&plan(1, 2, 2), &[vec![0, 1]], 2, 1500, &kb).unwrap();
+        check(&plan(1, 2, 2), &[vec![0, 1]], 2, (&layers, 300), &kb).unwrap();
+        // An even split would fit (750 each in 855) but layers split whole: 900 on one of
+        // two GPUs; three hold it.
+        let e = check(&plan(1, 3, 2), &[vec![0, 1]], 2, (&[300; 4], 300), &|_| {
+            Some(950)
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("(at most 900 B on one of GPU 0,1)"), "{e}");
+        assert!(e.ends_with("--gpus-per-target 3 would fit it"), "{e}");
+        // Three GPUs are more than these devices leave a drafter.
+        let e = check(&plan(1, 1, 2), &[vec![0, 1]], 2, (&[300; 4], 300), &|_| {
+            Some(950)
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.ends_with("it needs 3 GPUs per target, more than these devices leave a drafter"),
+            "{e}"
+        );
         // The smallest GPU of its span decides.
         let mixed = |g: u32| Some(if g == 1 { 700 } else { 1000 });
-        assert!(check(&plan(1, 2, 2), &[vec![0, 1]], 2, 1500, &mixed).is_err());
-        // More GPUs than the devices leave a drafter: said so.
-        let e = check(&plan(1, 3, 1), &[vec![]], 1, 4000, &kb)
+        assert!(check(&plan(1, 2, 2), &[vec![0, 1]], 2, (&layers, 300), &mixed).is_err());
+        // What the first GPU holds besides its layers alone does not fit: no split helps.
+        let e = check(&plan(1, 3, 1), &[vec![]], 1, (&layers, 950), &kb)
             .unwrap_err()
             .to_string();
         assert!(
-            e.ends_with("it needs 5 GPUs per target, more than these devices leave a drafter"),
+            e.contains("no split of its layers fits a GPU of this size"),
             "{e}"
         );
         // NVML cannot say: no check.
-        check(&plan(1, 3, 1), &[vec![]], 1, 4000, &|_| None).unwrap();
+        check(&plan(1, 3, 1), &[vec![]], 1, (&layers, 4000), &|_| None).unwrap();
         // CPU targets are not held to a GPU.
         let cpu = vec![(
             WorkerName {
@@ -134,6 +187,6 @@ mod tests {
             },
             Device::Cpu,
         )];
-        check(&cpu, &[vec![]], 1, u64::MAX, &kb).unwrap();
+        check(&cpu, &[vec![]], 1, (&layers, usize::MAX / 2), &kb).unwrap();
     }
 }

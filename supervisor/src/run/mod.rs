@@ -126,11 +126,13 @@ fn role_devices(
     if let (Some(t), Some(d)) = (&args.target_gpus, &args.drafter_gpus) {
         let t = resolve(t, "--target-gpus", &mut probe)?;
         if t.len() % per != 0 {
+            let expected = match t.len() / per {
+                0 => format!("at least {per} GPUs"),
+                k => format!("{} or {} GPUs", k * per, (k + 1) * per),
+            };
             return Err(Error::Flag(format!(
-                "--gpus-per-target {per}: --target-gpus gives {} device(s), not a multiple of {per} (expected {} or {} GPUs for the targets)",
+                "--gpus-per-target {per}: --target-gpus gives {} device(s), not a multiple of {per} (expected {expected} for the targets)",
                 t.len(),
-                t.len() / per * per,
-                (t.len() / per + 1) * per
             )));
         }
         return Ok((t, resolve(d, "--drafter-gpus", &mut probe)?));
@@ -155,11 +157,14 @@ fn role_devices(
         ));
     }
     if per > 1 && n * per >= devices.len() {
+        let most = match devices.len().saturating_sub(1) / n {
+            0 | 1 => format!("more devices than --targets {n}, each target on one GPU"),
+            m => format!("at most --gpus-per-target {m} with --targets {n}"),
+        };
         return Err(Error::Flag(format!(
-            "--targets {n} --gpus-per-target {per} takes {} of the {} device(s) and leaves no drafter (expected targets × GPUs per target below the device count: at most --gpus-per-target {} with --targets {n})",
+            "--targets {n} --gpus-per-target {per} takes {} of the {} device(s) and leaves no drafter (expected targets × GPUs per target below the device count: {most})",
             n * per,
             devices.len(),
-            devices.len().saturating_sub(1) / n
         )));
     }
     if n >= devices.len() {
@@ -371,6 +376,7 @@ fn check_init_drafter(
 fn target_and_engine(
     args: &mut RunArgs,
     plan: &[(WorkerName, Device)],
+    resumed: bool,
 ) -> Result<(TargetConfig, String), Error> {
     use dflash_shared::model_config::{ConfigError, ConfigProblem};
     let input = |e: ConfigError| Error::input(format!("--target {}", args.target), e);
@@ -404,6 +410,17 @@ fn target_and_engine(
     }
     if plan.iter().any(|(_, d)| matches!(d, Device::Gpu(_))) {
         line.push_str("; workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
+    }
+    if args.gpus_per_target > 1 && args.eval_prompts.is_some() {
+        line.push_str("; τ (--eval-prompts) decodes the whole target in one process, on one GPU (--eval-gpu) or the CPU: a target that needs several GPUs will not fit there");
+    }
+    // The MASK token's default by the target's tokenizer, for a new run: recorded in
+    // run.json as if given, so a resume keeps it (a run of an older version, resumed,
+    // keeps the first rule, DrafterConfig::for_target's).
+    if args.mask_token_id.is_none() && args.target != "tiny" && !resumed {
+        let dir = args.tokenizer.as_deref().unwrap_or(Path::new(&args.target));
+        let m = dflash_shared::mask_token::default_mask_token(Some(dir), target_cfg.vocab_size);
+        args.mask_token_id = Some(m.id);
     }
     Ok((target_cfg, line))
 }
@@ -508,7 +525,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let placed = placement(&args, &mut gpus::gpu_count)?;
     let plan = placed.workers.clone();
     check_telemetry_flags(&args, &plan)?;
-    let (target_cfg, engine_line) = target_and_engine(&mut args, &plan)?;
+    let (target_cfg, engine_line) = target_and_engine(&mut args, &plan, resume.is_some())?;
     let cpu_defaults = cpu_defaults(&args, &plan);
     let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
@@ -734,13 +751,13 @@ fn check_memory(
         .any(|(n, d)| n.role == Role::Target && matches!(d, Device::Gpu(_)))
         && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu");
     if let (true, Ok((_, gpus))) = (on_gpu, crate::telemetry::gpus::list()) {
-        let weights = gpu_fit::weight_bytes(&args.target, target_cfg, last)?;
+        let (layers, rest) = gpu_fit::weight_bytes(&args.target, target_cfg, last)?;
         let memory = |g: u32| {
             gpus.iter()
                 .find(|x| x.index == g)
                 .and_then(|x| x.memory_total_bytes)
         };
-        gpu_fit::check(plan, spans, args.gpus_per_target, weights, &memory)?;
+        gpu_fit::check(plan, spans, args.gpus_per_target, (&layers, rest), &memory)?;
     }
     let shared_bytes = trainer::Trainer::shared_bytes(
         &trainer_cfg.drafter,
@@ -1364,12 +1381,6 @@ pub(crate) fn trainer_config(
     }
     let mut drafter =
         DrafterConfig::for_target(target, layers, capture.tap_ids.len(), block, anchors);
-    if !tiny {
-        // An id no text uses, by the tokenizer's own vocabulary (dflash_shared::mask_token).
-        let dir = args.tokenizer.as_deref().unwrap_or(Path::new(&args.target));
-        drafter.mask_token_id =
-            dflash_shared::mask_token::default_mask_token(Some(dir), target.vocab_size).id;
-    }
     if let Some(g) = args.gamma {
         if !(g > 0.0 && g.is_finite()) {
             return Err(Error::Flag(format!(

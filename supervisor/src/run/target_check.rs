@@ -219,16 +219,25 @@ fn decoder_layer(name: &str) -> Option<usize> {
 /// layer `last`: every tensor but those of the decoder layers above it (which it neither
 /// loads nor runs), as the safetensors headers give their shapes.
 pub fn loaded_elements(dir: &Path, last: usize) -> Result<u64, CheckpointError> {
-    let mut n = 0u64;
+    let (layers, rest) = loaded_by_layer(dir, last)?;
+    Ok(layers.iter().sum::<u64>() + rest)
+}
+
+/// [`loaded_elements`] per decoder layer `0..=last`, and of everything else (embedding,
+/// lm_head, norms, a vision tower).
+pub fn loaded_by_layer(dir: &Path, last: usize) -> Result<(Vec<u64>, u64), CheckpointError> {
+    let (mut layers, mut rest) = (vec![0u64; last + 1], 0u64);
     for f in checkpoint_files(dir)? {
         for (name, info) in read_header(&f)? {
-            if decoder_layer(&name).is_some_and(|l| l > last) {
-                continue;
+            let n = info.shape.iter().product::<usize>() as u64;
+            match decoder_layer(&name) {
+                Some(l) if l > last => {}
+                Some(l) => layers[l] += n,
+                None => rest += n,
             }
-            n += info.shape.iter().product::<usize>() as u64;
         }
     }
-    Ok(n)
+    Ok((layers, rest))
 }
 
 /// Check the checkpoint in `dir` against `cfg`; the error is one line naming the file.

@@ -34,7 +34,13 @@ const SLOW_FACTOR: u32 = 3;
 /// runs the batch) is where it is stuck, and that child's last lines from the worker's
 /// log (`log`: its last lines; the child's carry the worker's `[torch]` prefix).
 fn torch_child_tail(log: &[String]) -> String {
-    let lines: Vec<&str> = log
+    // This child's lines only: those after the worker's last start (an earlier child's
+    // last words are not this one's).
+    let since = log
+        .iter()
+        .rposition(|l| l.contains("target loaded by the torch engine"))
+        .unwrap_or(0);
+    let lines: Vec<&str> = log[since..]
         .iter()
         .filter_map(|l| l.split_once("[torch] ").map(|(_, t)| t.trim()))
         .filter(|t| !t.is_empty())
@@ -163,7 +169,6 @@ fn secs(d: Duration) -> String {
     humantime::format_duration(d).to_string()
 }
 
-/// The unit a role's work is counted in, for messages.
 /// `unit` of work in the plural ("steps", "batches").
 fn plural(unit: &str) -> String {
     if unit.ends_with("ch") || unit.ends_with('s') {
@@ -173,6 +178,7 @@ fn plural(unit: &str) -> String {
     }
 }
 
+/// The unit a role's work is counted in, for messages.
 fn unit(role: Role) -> &'static str {
     match role {
         Role::Drafter => "step",
@@ -323,6 +329,15 @@ mod tests {
             "{t}"
         );
         assert!(super::torch_child_tail(&log[..1]).ends_with("printed nothing"));
+        // An earlier child's lines, before the worker loaded again, are not quoted.
+        let mut again = log.clone();
+        again.push("12:01:00 [stdout] target loaded by the torch engine".into());
+        again.push("12:01:01 [stderr] [torch] the new one".into());
+        assert!(
+            super::torch_child_tail(&again).ends_with("its last lines: the new one"),
+            "{}",
+            super::torch_child_tail(&again)
+        );
     }
 
     #[test]
