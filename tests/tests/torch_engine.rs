@@ -161,6 +161,18 @@ fn a_run_on_the_torch_engine_has_the_native_runs_losses() {
     }
 }
 
+/// The pid of target-0's Python child, once the run has trained two steps.
+fn torch_child_after_two_steps(sup: &mut Sup) -> u32 {
+    let st = sup.wait_running(2);
+    let target = pid_of(&st, "target-0");
+    wait_for("two trained steps", Duration::from_secs(120), || {
+        (read_jsonl(&sup.run_dir.join("train.jsonl")).len() >= 2).then_some(())
+    });
+    wait_for("the python child", Duration::from_secs(60), || {
+        children(target).first().copied()
+    })
+}
+
 #[test]
 fn the_python_child_killed_mid_run_costs_a_restart_and_no_batch() {
     if !have_torch() {
@@ -176,14 +188,7 @@ fn the_python_child_killed_mid_run_costs_a_restart_and_no_batch() {
         "--data",
         "demo",
     ]);
-    let st = sup.wait_running(2);
-    let target = pid_of(&st, "target-0");
-    wait_for("two trained steps", Duration::from_secs(120), || {
-        (read_jsonl(&sup.run_dir.join("train.jsonl")).len() >= 2).then_some(())
-    });
-    let child = wait_for("the python child", Duration::from_secs(60), || {
-        children(target).first().copied()
-    });
+    let child = torch_child_after_two_steps(&mut sup);
     signal(child, nix::sys::signal::Signal::SIGKILL);
     let status = sup.wait_exit(Duration::from_secs(180));
     let err = sup.stderr();
@@ -229,14 +234,7 @@ fn a_hung_python_child_is_a_hung_target_restarted_with_its_batch_delivered_again
         "--step-timeout",
         "6s",
     ]);
-    let st = sup.wait_running(2);
-    let target = pid_of(&st, "target-0");
-    wait_for("two trained steps", Duration::from_secs(120), || {
-        (read_jsonl(&sup.run_dir.join("train.jsonl")).len() >= 2).then_some(())
-    });
-    let child = wait_for("the python child", Duration::from_secs(60), || {
-        children(target).first().copied()
-    });
+    let child = torch_child_after_two_steps(&mut sup);
     signal(child, nix::sys::signal::Signal::SIGSTOP);
     let status = sup.wait_exit(Duration::from_secs(240));
     let err = sup.stderr();

@@ -103,15 +103,8 @@ impl Verifier for Decoder {
     }
 
     fn verify(&mut self, tokens: &[u32]) -> Result<Verified, ToolError> {
-        let f = if tokens.len() > self.block() {
-            self.prefill(tokens)?
-        } else {
-            self.forward(tokens)?
-        };
+        let (f, last) = rows(self, tokens)?;
         let vocab = self.vocab();
-        let last = f.logits.len().checked_sub(vocab).ok_or_else(|| {
-            crate::device::GpuError::Invalid("a forward returned no logits".into())
-        })?;
         let (margin, max_abs) = top2_margin(&f.logits[last..]);
         Ok(Verified {
             argmax: f.logits.chunks_exact(vocab).map(argmax).collect(),
@@ -126,17 +119,23 @@ impl Verifier for Decoder {
     }
 
     fn last_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>, ToolError> {
-        let f = if tokens.len() > self.block() {
-            self.prefill(tokens)?
-        } else {
-            self.forward(tokens)?
-        };
-        let vocab = self.vocab();
-        let last = f.logits.len().checked_sub(vocab).ok_or_else(|| {
-            crate::device::GpuError::Invalid("a forward returned no logits".into())
-        })?;
+        let (f, last) = rows(self, tokens)?;
         Ok(f.logits[last..].to_vec())
     }
+}
+
+/// `tokens` after `dec`'s cache (in forwards of up to a block each: `prefill`), and where
+/// the last row's logits start.
+fn rows(
+    dec: &mut Decoder,
+    tokens: &[u32],
+) -> Result<(crate::models::target::device::decode::Forward, usize), ToolError> {
+    let f = dec.prefill(tokens)?;
+    let last =
+        f.logits.len().checked_sub(dec.vocab()).ok_or_else(|| {
+            crate::device::GpuError::Invalid("a forward returned no logits".into())
+        })?;
+    Ok((f, last))
 }
 
 /// The torch engine's target: transformers' implementation in a Python child, the whole
