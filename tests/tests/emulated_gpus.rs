@@ -596,7 +596,8 @@ fn bench_compute_on_an_emulated_gpu_measures_the_drafter_step_the_optimizer_and_
 /// `eval` decodes on the CPU: the same prompts, the same first token of every prompt (the
 /// prefill's argmax; later tokens may part at a bf16 near tie), τ within [1, block size]
 /// with its interval around it, and `device: gpu` only because the GPU opened (a GPU that
-/// cannot be opened is exit 2, one line). The drafter: a few demo steps on CPU workers.
+/// cannot be opened is exit 2, one line); `--gpus 0,1` holds the target over two emulated
+/// GPUs and decodes what one does. The drafter: a few demo steps on CPU workers.
 #[test]
 fn eval_on_an_emulated_gpu_decodes_the_prompts_as_the_cpu_does() {
     if skip() {
@@ -701,10 +702,30 @@ fn eval_on_an_emulated_gpu_decodes_the_prompts_as_the_cpu_does() {
     );
     assert_eq!(code, Some(2), "{text}");
     assert!(text.lines().count() == 1 && text.contains("GPU"), "{text}");
-    let (code, text) = eval("0,1", &[]);
+    // The target over two GPUs (its layers split, the drafter on the first): what one
+    // GPU decodes, token for token and block for block (the same bf16 kernels on each).
+    let two = tmp.path().join("two");
+    fs::create_dir_all(&two).unwrap();
+    let (code, split) = eval("0,1", &emulated(&two, 2));
+    assert_eq!(code, Some(0), "{split}");
+    let split: Value = serde_json::from_str(&split).unwrap_or_else(|e| panic!("{e}: {split}"));
+    for (g, s) in gpu["per_prompt"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(split["per_prompt"].as_array().unwrap())
+    {
+        assert_eq!(
+            (&g["tokens"], &g["accepted"]),
+            (&s["tokens"], &s["accepted"]),
+            "one GPU {g}, two {s}"
+        );
+    }
+    assert_eq!(split["per_prompt"].as_array().unwrap().len(), 4);
+    let (code, text) = eval("0,x", &[]);
     assert_eq!(code, Some(2), "{text}");
     assert!(
-        text.contains("--gpus 0,1") && text.contains("one GPU index"),
+        text.contains("--gpus 0,x") && text.contains("expected cpu, one GPU index"),
         "{text}"
     );
 }

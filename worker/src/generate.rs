@@ -21,11 +21,9 @@ use std::path::Path;
 use dflash_shared::rng::Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::device::cpu::CpuDevice;
 use crate::error::ToolError;
-use crate::eval::verifier::{wants_torch, TorchVerifier, Verifier};
-use crate::models::target::device::decode::{argmax, Decoder};
-use crate::models::target::Target;
+use crate::eval::verifier::{wants_torch, Verifier};
+use crate::models::target::device::decode::argmax;
 
 /// What `generate` was asked.
 pub struct Args {
@@ -130,16 +128,6 @@ pub fn continue_prompt(
     }
 }
 
-fn device(gpu: bool) -> Result<Box<dyn crate::device::Device>, ToolError> {
-    // DFLASH_DEVICE=cpu forces the CPU, as for training.
-    if !gpu || std::env::var("DFLASH_DEVICE").is_ok_and(|d| d == "cpu") {
-        return Ok(Box::new(CpuDevice::new()));
-    }
-    let dev = crate::device::cuda::CudaDevice::open()?;
-    eprintln!("GPU: {}", crate::device::Device::describe(&dev));
-    Ok(Box::new(dev))
-}
-
 /// A request this process cannot serve: the supervisor checks these before sending, so
 /// one means the two disagree.
 fn bad_request(line: usize, why: String) -> ToolError {
@@ -167,15 +155,15 @@ pub fn run(a: &Args) -> Result<(), ToolError> {
     let cfg = dflash_shared::model_config::TargetConfig::load_any(&dir)?;
     let vocab = cfg.vocab_size;
     // Every layer (decoding needs the logits); one tap, as the decoder reads one.
-    let mut dec: Box<dyn Verifier> = if wants_torch(&a.engine, &cfg)? {
-        let on_gpu = a.gpu && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu");
-        let t = TorchVerifier::start(&dir, &[0], cfg.hidden_size, on_gpu)?;
-        eprintln!("target engine: torch ({})", t.ready());
-        Box::new(t)
-    } else {
-        let (target, head) = Target::load_decoder(&dir, &[0])?;
-        Box::new(Decoder::new(device(a.gpu)?, &target, &head, a.max_len, 64)?)
+    let open = crate::eval::verifier::Open {
+        dir: &dir,
+        taps: &[0],
+        torch: wants_torch(&a.engine, &cfg)?,
+        gpus: crate::eval::verifier::decode_gpus(a.gpu),
+        max_len: a.max_len,
+        block: 64,
     };
+    let (mut dec, _) = crate::eval::verifier::open(&open, false)?;
     drop(scratch);
     let stdout = std::io::stdout();
     for (n, line) in std::io::stdin().lock().lines().enumerate() {

@@ -153,8 +153,9 @@ enum Command {
         seed: u64,
         #[arg(long)]
         json: bool,
-        /// Decode on the GPU (ordinal 0: CUDA_VISIBLE_DEVICES names it) in bf16, not on
-        /// the CPU in f32. There a prompt whose speculative output differs from greedy
+        /// Decode on the GPUs CUDA_VISIBLE_DEVICES names (ordinal 0 when it names none;
+        /// the target's layers split over several as --gpus-per-target splits them, the
+        /// drafter on the first) in bf16, not on the CPU in f32. There a prompt whose speculative output differs from greedy
         /// decoding's is counted, not a failure: bf16 products of 1 and of a block of rows
         /// may round a near tie apart.
         #[arg(long)]
@@ -183,7 +184,8 @@ enum Command {
         /// Token ids that end a continuation.
         #[arg(long, value_name = "IDS", value_delimiter = ',')]
         stop: Vec<u32>,
-        /// On the GPU (ordinal 0: CUDA_VISIBLE_DEVICES names it) in bf16, not the CPU.
+        /// On the GPUs CUDA_VISIBLE_DEVICES names (ordinal 0 when it names none; the
+        /// target's layers split over several) in bf16, not the CPU.
         #[arg(long)]
         gpu: bool,
         /// What runs the target: native (this tool's forward), torch (transformers in a

@@ -142,6 +142,71 @@ def case(d, prompt, n, out):
 json.dump([case(**c) for c in json.load(open(sys.argv[1]))], sys.stdout)
 "#;
 
+/// A target decoded over several devices (`--gpus-per-target`, `dflash-supervise eval
+/// --gpus 0-3`): each device holds a contiguous range of the layers and their cache, the
+/// last one the final norm and the lm_head. Its logits and taps at every step, through a
+/// prefill in blocks, single-token steps, a multi-row verify and a crop, are bit for bit
+/// those of the same target on one device: on the CPU device (f32) and on host devices
+/// (bf16 activations, ordering checked).
+#[test]
+fn a_target_decoded_over_several_devices_decodes_as_on_one() {
+    use dflash_worker::device::host::HostDevice;
+    use dflash_worker::device::Device;
+    for config in [QWEN3_UNTIED, QWEN3_MOE] {
+        let (dir, t, h) = load(config, 5);
+        let vocab = t.cfg.vocab_size;
+        let prompt: Vec<u32> = (0..13).map(|i| (i * 41 + 7) % 300).collect();
+        for host in [false, true] {
+            let dev = |_: usize| -> Box<dyn Device> {
+                if host {
+                    Box::new(HostDevice::new())
+                } else {
+                    Box::new(CpuDevice::new())
+                }
+            };
+            let run = |d: &mut Decoder| {
+                let mut f = d.prefill(&prompt).unwrap();
+                let mut out = vec![argmax(&f.logits[f.logits.len() - vocab..])];
+                for _ in 0..4 {
+                    let g = d.forward(&[*out.last().unwrap()]).unwrap();
+                    out.push(argmax(&g.logits));
+                    f.logits.extend(g.logits);
+                    f.taps.extend(g.taps);
+                }
+                // A block of four rows verified, then all but its first forgotten.
+                let n = d.len();
+                let g = d.forward(&out[1..5]).unwrap();
+                f.logits.extend(g.logits);
+                d.crop(n + 1).unwrap();
+                let g = d.forward(&[out[0]]).unwrap();
+                f.logits.extend(g.logits);
+                f.taps.extend(g.taps);
+                assert_eq!(d.len(), n + 2);
+                let hidden: Vec<f32> = f.taps[..2 * t.cfg.hidden_size].to_vec();
+                (f, d.lm_head_argmax(&hidden).unwrap())
+            };
+            let mut one = Decoder::new(dev(0), &t, &h, 64, 8).unwrap();
+            let (want, want_head) = run(&mut one);
+            assert!(want.logits.iter().all(|x| x.is_finite()));
+            for n in [2, 3] {
+                let (t2, h2) = Target::load_decoder(dir.path(), &[0, 1]).unwrap();
+                let mut split =
+                    Decoder::new_split((0..n).map(dev).collect(), t2, &h2, 64, 8).unwrap();
+                let r = split.layer_ranges();
+                assert_eq!(r.len(), n, "{r:?}");
+                assert_eq!((r[0].start, r[n - 1].end), (0, 3));
+                assert!(r.windows(2).all(|w| w[0].end == w[1].start));
+                let (got, got_head) = run(&mut split);
+                assert!(
+                    got.logits == want.logits && got.taps == want.taps,
+                    "host {host}, {n} devices: the logits or taps differ"
+                );
+                assert_eq!(got_head, want_head);
+            }
+        }
+    }
+}
+
 fn python_ok() -> bool {
     support::python_ok(&["numpy"])
 }

@@ -413,8 +413,7 @@ fn the_torch_engine_decodes_as_the_native_decoder() {
     let mut dec = decoder(&s, &s.head);
     let (half, _) = trained(&s, &mut dec);
     let taps = s.target.taps.clone();
-    let mut torch =
-        TorchVerifier::start(s.dir.path(), &taps, s.target.cfg.hidden_size, false).unwrap();
+    let mut torch = TorchVerifier::start(s.dir.path(), &taps, s.target.cfg.hidden_size, 0).unwrap();
     let prompt = &prompts()[3];
     dec.keep(0).unwrap();
     torch.keep(0).unwrap();

@@ -1,7 +1,7 @@
 //! `dflash-supervise eval`: real acceptance length. Greedy DFlash speculative decoding of
 //! each prompt with an exported drafter, against plain greedy decoding of its target, in a
-//! `dflash-worker eval` process on the CPU or one GPU (`--gpus N`; the supervisor links
-//! no model code, nor CUDA). Chat
+//! `dflash-worker eval` process on the CPU or GPUs (`--gpus 0`, or `0-3` for a target over
+//! several; the supervisor links no model code, nor CUDA). Chat
 //! prompts are rendered here with the target's chat template and tokenizer (with the
 //! generation prompt), so the worker reads token ids only (with each line's id, category
 //! and dataset beside them: its report gives τ per category and per-prompt ids).
@@ -39,10 +39,13 @@ pub struct EvalArgs {
     /// Seed of the bootstrap interval over prompts.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub seed: u64,
-    /// Where to decode: cpu (f32), or one GPU's index (bf16, over CUDA, numbered as
-    /// NVML and `--gpus` of a run number them). On a GPU a prompt whose speculative
-    /// output differs from greedy decoding's is counted, not an error.
-    #[arg(long, value_name = "cpu|N", default_value = "cpu")]
+    /// Where to decode: cpu (f32), or GPUs (bf16, over CUDA, numbered as NVML and
+    /// `--gpus` of a run number them): one index, or several (0,1 or 0-3) to hold a
+    /// target too large for one, its layers in contiguous ranges over them as
+    /// `--gpus-per-target` places a training target's (the drafter on the first). On a GPU
+    /// a prompt whose speculative output differs from greedy decoding's is counted, not an
+    /// error.
+    #[arg(long, value_name = "cpu|GPUS", default_value = "cpu")]
     pub gpus: String,
     /// The chat template's thinking switch (enable_thinking) for chat prompts. Default:
     /// the one the drafter's training data was rendered with (its config.json's
@@ -62,16 +65,18 @@ pub struct EvalArgs {
     pub worker_bin: Option<PathBuf>,
 }
 
-/// `--gpus`: `None` for the CPU, else the one GPU.
-fn gpu_of(spec: &str) -> Result<Option<u32>, Error> {
-    match spec.trim() {
-        "cpu" => Ok(None),
-        s => s.parse().map(Some).map_err(|_| {
-            Error::input(
-                format!("--gpus {spec}"),
-                "expected one GPU index (eval decodes on one device), or cpu",
-            )
-        }),
+/// `--gpus`: none for the CPU, else the GPUs to hold the target over (NVML numbering).
+fn gpus_of(spec: &str) -> Result<Vec<u32>, Error> {
+    let s = spec.trim();
+    if s == "cpu" {
+        return Ok(Vec::new());
+    }
+    match s.parse::<dflash_shared::devices::DeviceSpec>() {
+        Ok(dflash_shared::devices::DeviceSpec::Gpus(g)) if !g.is_empty() => Ok(g),
+        _ => Err(Error::input(
+            format!("--gpus {spec}"),
+            "expected cpu, one GPU index, or the GPUs to hold the target over (e.g. 0,1 or 0-3)",
+        )),
     }
 }
 
@@ -103,7 +108,7 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
     }
     let target = a.target.clone().unwrap_or_default();
     let tiny = target == "tiny";
-    let gpu = gpu_of(&a.gpus)?;
+    let gpus = gpus_of(&a.gpus)?;
     if !tiny && !Path::new(&target).join("config.json").is_file() {
         return Err(Error::input(
             format!("--target {target}"),
@@ -143,7 +148,9 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
             t.max_position_embeddings,
             a.max_new_tokens as u64,
         )?;
-        let (e, line) = crate::run::engine::pick(a.target_engine, &t, Some(Path::new(&target)))?;
+        let per = gpus.len().max(1) as u32;
+        let (e, line) =
+            crate::run::engine::choose(a.target_engine, per, (&t, Some(Path::new(&target))))?;
         // Said when it is not this tool's own forward (stdout is the report).
         if e == "torch" {
             log::info!("eval: {line}");
@@ -164,7 +171,7 @@ pub fn run(mut a: EvalArgs) -> Result<i32, Error> {
         std::env::temp_dir().join(format!("dflash-eval-prompts-{}.jsonl", std::process::id()));
     std::fs::write(&file, lines.join("\n"))
         .map_err(|e| Error::io("cannot write the prompts to", &file, e))?;
-    let r = worker(&a, &file, gpu, engine);
+    let r = worker(&a, &file, &gpus, engine);
     let _ = std::fs::remove_file(&file);
     r
 }
@@ -224,7 +231,7 @@ fn other_conditions(
 
 /// `dflash-worker eval` on the token-id prompts in `prompts`: its report to stdout; its
 /// one error line as ours.
-fn worker(a: &EvalArgs, prompts: &Path, gpu: Option<u32>, engine: &str) -> Result<i32, Error> {
+fn worker(a: &EvalArgs, prompts: &Path, gpus: &[u32], engine: &str) -> Result<i32, Error> {
     let worker = match &a.worker_bin {
         Some(w) => w.clone(),
         None => std::env::current_exe()
@@ -247,10 +254,12 @@ fn worker(a: &EvalArgs, prompts: &Path, gpu: Option<u32>, engine: &str) -> Resul
     if a.json {
         cmd.arg("--json");
     }
-    if let Some(g) = gpu {
-        // The worker's GPU is its ordinal 0; CUDA numbers GPUs as NVML does.
+    if !gpus.is_empty() {
+        // The worker holds the target over every GPU it sees (ordinals 0..n); CUDA numbers
+        // GPUs as NVML does.
+        let list: Vec<String> = gpus.iter().map(u32::to_string).collect();
         cmd.arg("--gpu")
-            .env("CUDA_VISIBLE_DEVICES", g.to_string())
+            .env("CUDA_VISIBLE_DEVICES", list.join(","))
             .env("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
     }
     let out = cmd

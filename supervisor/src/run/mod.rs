@@ -412,7 +412,7 @@ fn target_and_engine(
         line.push_str("; workers on GPUs compute on their GPU (CUDA): the target forward, the drafter's forward, backward and optimizer step");
     }
     if args.gpus_per_target > 1 && args.eval_prompts.is_some() {
-        line.push_str("; τ (--eval-prompts) decodes the whole target in one process, on one GPU (--eval-gpu) or the CPU: a target that needs several GPUs will not fit there");
+        line.push_str("; τ during the run (--eval-prompts) decodes the whole target in one process, on one GPU (--eval-gpu) or the CPU: a target that needs several GPUs will not fit there; measure it after the run with eval --gpus over several GPUs");
     }
     // The MASK token's default by the target's tokenizer, for a new run: recorded in
     // run.json as if given, so a resume keeps it (a run of an older version, resumed,

@@ -10,13 +10,10 @@ use serde_json::{json, Value};
 use super::draft::{Draft, Exported};
 use super::report::{acceptance_by_position, per_category, Tau};
 use super::spec::{greedy, speculative, Stop};
-use super::verifier::{TorchVerifier, Verifier};
+use super::verifier::Verifier;
 use super::EvalError;
 use crate::device::cpu::CpuDevice;
 use crate::error::ToolError;
-use crate::models::drafter::Frozen;
-use crate::models::target::device::decode::Decoder;
-use crate::models::target::Target;
 
 /// What `eval` was asked.
 pub struct Args {
@@ -32,18 +29,12 @@ pub struct Args {
     pub engine: String,
 }
 
-/// The device to decode on: the CPU, or with `gpu` the worker's GPU (said on stderr, so
-/// that stdout stays the report).
-fn device(gpu: bool) -> Result<Box<dyn crate::device::Device>, ToolError> {
-    if !gpu {
+/// The drafter's device: the CPU, or the first of the target's GPUs.
+fn first_device(gpus: usize) -> Result<Box<dyn crate::device::Device>, ToolError> {
+    if gpus == 0 {
         return Ok(Box::new(CpuDevice::new()));
     }
-    let dev = crate::device::cuda::CudaDevice::open()?;
-    eprintln!("GPU: {}", crate::device::Device::describe(&dev));
-    for l in &dev.libraries {
-        eprintln!("  {l}");
-    }
-    Ok(Box::new(dev))
+    Ok(Box::new(crate::device::cuda::CudaDevice::open_ordinal(0)?))
 }
 
 /// The fields of a prompt line kept beside its tokens (strings or numbers, each optional).
@@ -169,25 +160,20 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
     let bs = ex.cfg.block_size;
     let longest = prompts.iter().map(|p| p.ids.len()).max().unwrap_or(0);
     let max_len = longest + a.max_new_tokens + bs;
-    // DFLASH_DEVICE=cpu forces the CPU, as for training.
-    let on_gpu = a.gpu && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu");
-    let (mut dec, frozen): (Box<dyn Verifier>, Frozen) = if torch {
-        let w = crate::models::weights::Weights::open(dir)?;
-        let frozen = Frozen::load(&w, cfg.vocab_size, cfg.hidden_size)?;
-        let t = TorchVerifier::start(dir, &ex.target_layer_ids, cfg.hidden_size, on_gpu)?;
-        eprintln!("target engine: torch ({})", t.ready());
-        (Box::new(t), frozen)
-    } else {
-        let (target, head) = Target::load_decoder(dir, &ex.target_layer_ids)?;
-        let dec = Decoder::new(device(on_gpu)?, &target, &head, max_len, bs.max(64))?;
-        let frozen = Frozen {
-            embed: target.embed.clone(),
-            lm_head: head.lm_head.clone(),
-        };
-        (Box::new(dec), frozen)
+    let gpus = super::verifier::decode_gpus(a.gpu);
+    let on_gpu = gpus > 0;
+    let open = super::verifier::Open {
+        dir,
+        taps: &ex.target_layer_ids,
+        torch,
+        gpus,
+        max_len,
+        block: bs.max(64),
     };
+    let (mut dec, frozen) = super::verifier::open(&open, true)?;
+    let frozen = frozen.expect("asked for the frozen tensors");
     drop(scratch);
-    let mut draft = Draft::new(device(on_gpu)?, &ex.cfg, &ex.params, &frozen, max_len)?;
+    let mut draft = Draft::new(first_device(gpus)?, &ex.cfg, &ex.params, &frozen, max_len)?;
     drop(frozen);
     let stop = Stop {
         max_new: a.max_new_tokens,

@@ -157,7 +157,7 @@ impl TorchVerifier {
         target: &Path,
         taps: &[usize],
         hidden: usize,
-        gpu: bool,
+        gpus: usize,
     ) -> Result<TorchVerifier, ToolError> {
         let scratch = dflash_shared::scratch::ScratchDir::new("torch-eval")
             .map_err(ToolError::io("creating a scratch directory".to_string()))?;
@@ -168,12 +168,7 @@ impl TorchVerifier {
             .create_new(true)
             .open(&path)
             .map_err(ToolError::io(format!("creating {}", path.display())))?;
-        let child = TorchChild::start(
-            target,
-            taps,
-            Mode::Decode { exchange: &path },
-            usize::from(gpu),
-        )?;
+        let child = TorchChild::start(target, taps, Mode::Decode { exchange: &path }, gpus)?;
         Ok(TorchVerifier {
             child,
             exchange,
@@ -294,4 +289,95 @@ impl TorchVerifier {
             max_abs: r["max_abs"].as_f64().unwrap_or(0.0) as f32,
         })
     }
+}
+
+/// How many GPUs decoding holds the target over: none on the CPU (`gpu` false, or
+/// DFLASH_DEVICE=cpu, as for training); else every GPU CUDA_VISIBLE_DEVICES names, the
+/// target's layers split over them as a training target's are (`--gpus-per-target`),
+/// and one when it names none.
+pub fn decode_gpus(gpu: bool) -> usize {
+    if !gpu || std::env::var("DFLASH_DEVICE").is_ok_and(|d| d == "cpu") {
+        return 0;
+    }
+    crate::torch_engine::visible_gpus().max(1)
+}
+
+/// The devices to decode on: the CPU, or `gpus` GPUs (each said on stderr: a tool's
+/// stdout is its report).
+pub fn devices(gpus: usize) -> Result<Vec<Box<dyn crate::device::Device>>, ToolError> {
+    if gpus == 0 {
+        return Ok(vec![Box::new(crate::device::cpu::CpuDevice::new())]);
+    }
+    let mut out: Vec<Box<dyn crate::device::Device>> = Vec::with_capacity(gpus);
+    for i in 0..gpus {
+        let dev = crate::device::cuda::CudaDevice::open_ordinal(i)?;
+        eprintln!("GPU: {}", crate::device::Device::describe(&dev));
+        if i == 0 {
+            for l in &dev.libraries {
+                eprintln!("  {l}");
+            }
+        }
+        out.push(Box::new(dev));
+    }
+    Ok(out)
+}
+
+/// What decoding a target needs to be opened.
+pub struct Open<'a> {
+    pub dir: &'a Path,
+    pub taps: &'a [usize],
+    /// On the torch engine, not the native one.
+    pub torch: bool,
+    /// [`decode_gpus`].
+    pub gpus: usize,
+    /// The native decoder's cache length and rows per forward.
+    pub max_len: usize,
+    pub block: usize,
+}
+
+/// The target to decode with (the torch child, or the native decoder on the CPU or over
+/// [`Open::gpus`] GPUs), and with `frozen` its embedding and lm_head for a drafter.
+pub fn open(
+    o: &Open,
+    frozen: bool,
+) -> Result<(Box<dyn Verifier>, Option<crate::models::drafter::Frozen>), ToolError> {
+    use crate::models::drafter::Frozen;
+    use crate::models::target::Target;
+    let cfg = dflash_shared::model_config::TargetConfig::load_any(o.dir)?;
+    if o.torch {
+        let frozen = match frozen {
+            true => {
+                let w = crate::models::weights::Weights::open(o.dir)?;
+                Some(Frozen::load(&w, cfg.vocab_size, cfg.hidden_size)?)
+            }
+            false => None,
+        };
+        let t = TorchVerifier::start(o.dir, o.taps, cfg.hidden_size, o.gpus)?;
+        eprintln!("target engine: torch ({})", t.ready());
+        return Ok((Box::new(t), frozen));
+    }
+    let (target, head) = Target::load_decoder(o.dir, o.taps)?;
+    let frozen = frozen.then(|| Frozen {
+        embed: target.embed.clone(),
+        lm_head: head.lm_head.clone(),
+    });
+    let devs = devices(o.gpus)?;
+    let dec = match devs.len() {
+        1 => {
+            let dev = devs.into_iter().next().expect("one device");
+            Decoder::new(dev, &target, &head, o.max_len, o.block)?
+        }
+        _ => {
+            let dec = Decoder::new_split(devs, target, &head, o.max_len, o.block)?;
+            let r: Vec<String> = dec
+                .layer_ranges()
+                .iter()
+                .enumerate()
+                .map(|(i, r)| format!("GPU {i}: layers {}-{}", r.start, r.end - 1))
+                .collect();
+            eprintln!("target split over {} GPUs: {}", r.len(), r.join(", "));
+            dec
+        }
+    };
+    Ok((Box::new(dec), frozen))
 }
