@@ -98,7 +98,7 @@ pub struct TargetConfig {
     #[serde(skip)]
     pub model_type: String,
     /// What the target's input embedding module multiplies the rows it looks up by
-    /// (Gemma's `sqrt(hidden_size)`, MiniCPM3's `scale_emb`; [`embed_scale`]), as an f32
+    /// (Gemma's `sqrt(hidden_size)`, MiniCPM3's `scale_emb`; `embed_scale`), as an f32
     /// as transformers holds it; `None`: the rows as stored. The drafter's frozen
     /// embedding is the scaled one (what `get_input_embeddings()(ids)` returns), its
     /// lm_head the unscaled weight. Left out of the serialised form when `None`, so the

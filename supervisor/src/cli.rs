@@ -193,6 +193,7 @@ pub struct RunArgs {
     pub drafter_gpus: Option<DeviceSpec>,
 
     /// Run directory for logs, events and state. Default: runs/<UTC timestamp>.
+    #[allow(rustdoc::invalid_html_tags)] // --help text, not HTML
     #[arg(long, value_name = "DIR", help_heading = "Run")]
     pub run_dir: Option<PathBuf>,
 
@@ -288,6 +289,7 @@ pub struct RunArgs {
     /// [telemetry] and [logs], each key a flag's name with _ for - (`[schedule] lr =
     /// 6e-4`). Flags given here override it; it overrides the defaults. recipes/ holds
     /// published recipes (Qwen3-8B, Llama-3.1-8B-Instruct).
+    #[allow(rustdoc::broken_intra_doc_links)] // [model] etc. are TOML sections (--help text)
     #[arg(long, value_name = "FILE", help_heading = "Run")]
     pub config: Option<PathBuf>,
 

@@ -148,9 +148,9 @@ fn i64_tensor(name: &'static str, shape: Vec<usize>, v: &[usize]) -> Tensor {
 /// [`PROBE_BLOCKS`] blocks each (one at anchor 0, which sees no context, one at the last
 /// token, whose block runs past the context), their inputs embedded with the frozen
 /// embedding, and the drafter's final-normed hidden states for them under `params`.
-/// Tensors: `target_hidden` [B,S,L·H] f32, `noise_embedding` [B,M,H] f32,
-/// `block_input_ids` [B,M] i64, `position_ids` [B,S+M] i64, `anchors` [B,N] i64,
-/// `attention_mask` [B,1,M,S+M] bool, `hidden_states` [B,M,H] f32 (the reference).
+/// Tensors: `target_hidden` `[B,S,L·H]` f32, `noise_embedding` `[B,M,H]` f32,
+/// `block_input_ids` `[B,M]` i64, `position_ids` `[B,S+M]` i64, `anchors` `[B,N]` i64,
+/// `attention_mask` `[B,1,M,S+M]` bool, `hidden_states` `[B,M,H]` f32 (the reference).
 ///
 /// The hidden states come from the drafter the workers train ([`DeviceDrafter`]) on the CPU
 /// device.

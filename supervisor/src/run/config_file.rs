@@ -24,7 +24,7 @@ use crate::cli::Cli;
 use crate::error::Error;
 
 /// The sections of a recipe file and their keys, grouped as the docs group the flags.
-/// Every key is a run flag's name with `_` for `-`, except the aliases in [`ALIASES`].
+/// Every key is a run flag's name with `_` for `-`, except the aliases in `ALIASES`.
 pub const SECTIONS: &[(&str, &[&str])] = &[
     ("model", &["target", "target_engine"]),
     (

@@ -106,7 +106,7 @@ impl HeaderPrefix {
 }
 
 /// Read the header prefix of the safetensors file `path`: its length (at most
-/// [`MAX_HEADER`]) and that many bytes, without parsing them. The error is one line naming
+/// `MAX_HEADER`) and that many bytes, without parsing them. The error is one line naming
 /// the file.
 pub fn read_header_prefix(path: &Path) -> Result<HeaderPrefix, CheckpointError> {
     let mut f = File::open(path).map_err(|source| Problem::Open { source }.at(path))?;

@@ -170,7 +170,7 @@ impl Stream {
 
     /// Block until everything queued so far has run (a dry wait: nothing is left behind
     /// it); returns the clock it covers. Spins, as the driver does, unless the context
-    /// blocks ([`BLOCKING_CONTEXT`]).
+    /// blocks (`BLOCKING_CONTEXT`).
     pub fn drain(&self) -> Clock {
         DRY_WAITS.fetch_add(1, Ordering::SeqCst);
         let c = self.clock.lock().unwrap().clone();

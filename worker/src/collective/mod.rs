@@ -91,7 +91,7 @@ pub trait Collective {
 
     /// Committed step `step`: hand over the sum of the last completed all-reduce, which
     /// must be of `step` with these loss weights (`weight_sum`), and let go of the held
-    /// gradient. The rank applies it ([`Rank::reduce`](crate::train::Rank::reduce)).
+    /// gradient. The rank applies it (`train::Rank::reduce`).
     fn take(&mut self, step: u64, weight_sum: f64) -> Result<Sum<'_>>;
 
     /// Have all the other ranks of the epoch posted the held step (so they wait for this

@@ -1,11 +1,11 @@
 //! The CPU as a [`Device`]: memory is host memory, copies are `memcpy`s, streams run in
 //! order as they are called, GEMMs go through the `gemm` crate (threaded), and each kernel
 //! of `cuda/kernels.cu` has a Rust counterpart here with the same arguments and the same
-//! result up to summation order. So the device models ([`super::drafter::DeviceDrafter`],
-//! [`super::target::DeviceTarget`]) are the models of every backend: a CPU worker runs the
+//! result up to summation order. So the device models ([`DeviceDrafter`](crate::models::drafter::device::DeviceDrafter),
+//! [`DeviceTarget`](crate::models::target::device::DeviceTarget)) are the models of every backend: a CPU worker runs the
 //! same model code, buffers and optimizer as a GPU worker, and every CPU test runs it.
 //!
-//! The kernels here are checked against the CPU reference ops ([`crate::reference::cpu`]) by
+//! The kernels here are checked against the CPU reference ops (`reference::cpu`, test-only) by
 //! the same tests as the host device's (`DFLASH_TEST_DEVICE=cpu`), and the whole drafter
 //! step against the reference drafter.
 //!

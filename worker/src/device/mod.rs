@@ -13,8 +13,8 @@
 //! - [`cpu::CpuDevice`]: the CPU itself, with a Rust counterpart of every kernel: what CPU
 //!   drafter workers train with, so that one drafter model serves every backend.
 //!
-//! [`ops::Ops`] wraps a device with one typed method per kernel; [`target::DeviceTarget`] is
-//! the target forward on it, [`drafter::DeviceDrafter`] the drafter's step and optimizer. Device memory comes from one [`Arena`] per worker, allocated
+//! [`ops::Ops`] wraps a device with one typed method per kernel; [`DeviceTarget`](crate::models::target::device::DeviceTarget) is
+//! the target forward on it, [`DeviceDrafter`](crate::models::drafter::device::DeviceDrafter) the drafter's step and optimizer. Device memory comes from one [`Arena`] per worker, allocated
 //! once and sub-allocated, with its own counters.
 
 pub use kernels::Kernel;

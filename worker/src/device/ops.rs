@@ -1,5 +1,5 @@
 //! One typed method per kernel of `cuda/kernels.cu` ([`Kernel`]), on the compute stream: the GPU
-//! counterpart of the reference op set ([`crate::reference::ops::Cpu`]), with the same
+//! counterpart of the reference op set (`reference::ops::Cpu`, test-only), with the same
 //! layouts and the same accumulate-or-overwrite semantics, so that each can be checked
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 

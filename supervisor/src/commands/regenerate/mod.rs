@@ -4,11 +4,11 @@
 //! `--thinking` is given), pre-tokenized prompts are continued as they are; greedy, or
 //! sampled with `--temperature`/`--top-p` from a generator seeded per line and turn.
 //!
-//! The work is spread over one `dflash-worker generate` process per device ([`pool`]),
+//! The work is spread over one `dflash-worker generate` process per device (`pool`),
 //! one prompt at a time each, the next prompt going to whichever is free. The supervisor
 //! renders and decodes text; the workers see token ids only, so any target engine that
 //! answers `generate`'s request lines can serve. Each finished line goes to the journal
-//! ([`journal`]) as it finishes; a stopped or killed regeneration is continued by the same
+//! (`journal`) as it finishes; a stopped or killed regeneration is continued by the same
 //! command, each line written exactly once, and `--out` appears, in input order, only when
 //! all are done.
 //!

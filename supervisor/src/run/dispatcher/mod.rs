@@ -6,7 +6,7 @@
 //! (from the signal thread), a worker connecting or sending a message (from its control
 //! thread), a worker exiting (from its waiter thread, which blocks on the worker's pidfd).
 //! Timers (hang detection, restart backoff, the stop deadline, the time limit) are checked
-//! each time the loop wakes, at least every [`TICK`]. Only the dispatcher reads or writes
+//! each time the loop wakes, at least every `TICK`. Only the dispatcher reads or writes
 //! the worker table, so every decision sees one consistent picture and there are no locks
 //! around it; helper threads own nothing but their fds.
 //!
@@ -19,7 +19,7 @@
 //! why; the exit that follows is handled like any other death. A death is acted on (slots
 //! reclaimed, restart decided) only once the dead worker's control channel has been read
 //! to its end too, so a commit or ack it sent just before dying is never lost or
-//! misread as stale ([`DRAIN_GRACE`] bounds the wait).
+//! misread as stale (`DRAIN_GRACE` bounds the wait).
 //!
 //! The dispatcher touches processes only through a [`launcher::Launcher`] (start a life)
 //! and the [`launcher::Process`] it returns (signal it), and reads time only from the
@@ -127,7 +127,7 @@ pub struct Config {
     /// What runs it: `native` or `torch`.
     pub target_engine: &'static str,
     pub hang_timeout: Duration,
-    /// `--step-timeout`; `None`: the default of [`steps::default_step_timeout`].
+    /// `--step-timeout`; `None`: the default of `steps::default_step_timeout`.
     pub step_timeout: Option<Duration>,
     pub max_restarts: u32,
     pub stable_after: Duration,

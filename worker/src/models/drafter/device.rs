@@ -1602,7 +1602,7 @@ impl DeviceDrafter {
 
     /// Forward and backward over one batch at the device's weights: writes the gradient
     /// of `Σ w·CE / denominator` into `grads` (overwriting) and returns the batch's
-    /// statistics, as [`Drafter::train_batch`] does (which adds into its `grads`).
+    /// statistics, as `reference::drafter::Drafter::train_batch` does (which adds into its `grads`).
     pub fn train_batch(
         &mut self,
         samples: &[Sample],

@@ -1,5 +1,5 @@
 //! The frozen target's forward on a [`Device`]: the same computation as
-//! [`crate::models::target::Target::forward_taps`] (which it is tested against), with the
+//! `reference::target::Target::forward_taps` (which it is tested against), with the
 //! weights, and activations for up to `max_tokens` tokens, allocated once from the arena.
 //!
 //! Rows are packed (varlen): a forward runs the tokens of several rows concatenated, each

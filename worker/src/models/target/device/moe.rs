@@ -1,4 +1,4 @@
-//! Qwen3-MoE's sparse MLP on a [`Device`](crate::device::Device), with no host round
+//! Qwen3-MoE's sparse MLP on a [`Device`], with no host round
 //! trip: the router's GEMM; the routing on the device (`moe_route`: softmax, top-k,
 //! renormalisation); the routed (token, rank) pairs put in expert order (`moe_permute`:
 //! one permutation, per-expert offsets, by three parallel launches); one grouped GEMM for
