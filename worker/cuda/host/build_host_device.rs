@@ -8,11 +8,13 @@
 /// Compile the host device from `cuda` (the worker's cuda/ directory) into the static
 /// library `lib_name`, linked into the crate being built.
 pub fn build_host_device(cuda: &std::path::Path, lib_name: &str) {
-    // kernels.cu, then the test kernels of its primitives (runtime.cpp includes both).
-    let mut src = String::new();
-    for f in ["kernels.cu", "test_kernels.cu"] {
-        src += &std::fs::read_to_string(cuda.join(f)).unwrap_or_else(|e| panic!("reading cuda/{f}: {e}"));
-    }
+    // kernels.cu with its families expanded (what NVRTC compiles: OUT_DIR/kernels.cu), then
+    // the test kernels of its primitives (runtime.cpp includes both).
+    let (kernels, families) = expand_kernels(cuda);
+    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    std::fs::write(out.join("kernels.cu"), &kernels).expect("writing OUT_DIR/kernels.cu");
+    let mut src = kernels;
+    src += &std::fs::read_to_string(cuda.join("test_kernels.cu")).unwrap_or_else(|e| panic!("reading cuda/test_kernels.cu: {e}"));
     let mut table = String::new();
     for line in src.lines() {
         if let Some(rest) = line.trim_start().strip_prefix("extern \"C\" __global__ void ") {
@@ -21,7 +23,6 @@ pub fn build_host_device(cuda: &std::path::Path, lib_name: &str) {
         }
     }
     assert!(!table.is_empty(), "no extern \"C\" __global__ kernel found in cuda/kernels.cu");
-    let out = std::path::PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     std::fs::write(out.join("kernel_table.inc"), table).expect("writing kernel_table.inc");
     cc::Build::new()
         .cpp(true)
@@ -34,6 +35,9 @@ pub fn build_host_device(cuda: &std::path::Path, lib_name: &str) {
         .opt_level(2)
         .compile(lib_name);
     println!("cargo:rustc-link-lib=pthread");
+    for f in &families {
+        println!("cargo:rerun-if-changed={}", cuda.join(f).display());
+    }
     for f in [
         "kernels.cu",
         "test_kernels.cu",
@@ -43,4 +47,31 @@ pub fn build_host_device(cuda: &std::path::Path, lib_name: &str) {
     ] {
         println!("cargo:rerun-if-changed={}", cuda.join(f).display());
     }
+}
+
+/// cuda/kernels.cu with each `#include "<family>.cuh"` line replaced by that file (one
+/// level: a family includes nothing), between `#line` directives so that a compiler's
+/// messages name the family's file and line; and the families' file names, in order.
+pub fn expand_kernels(cuda: &std::path::Path) -> (String, Vec<String>) {
+    let read = |f: &str| std::fs::read_to_string(cuda.join(f)).unwrap_or_else(|e| panic!("reading cuda/{f}: {e}"));
+    let mut out = String::new();
+    let mut families = Vec::new();
+    for (i, line) in read("kernels.cu").lines().enumerate() {
+        let family = line.trim().strip_prefix("#include \"").and_then(|r| r.strip_suffix('"'));
+        match family {
+            Some(f) => {
+                out += &format!("#line 1 \"{f}\"\n{}", read(f));
+                if !out.ends_with('\n') {
+                    out.push('\n');
+                }
+                out += &format!("#line {} \"kernels.cu\"\n", i + 2);
+                families.push(f.to_string());
+            }
+            None => {
+                out += line;
+                out.push('\n');
+            }
+        }
+    }
+    (out, families)
 }

@@ -18,8 +18,9 @@ use std::path::{Path, PathBuf};
 use super::libs::{self, CudaLib};
 use super::GpuError;
 
-/// The kernels, as compiled for both the GPU and the host device.
-pub const KERNELS_CU: &str = include_str!("../../cuda/kernels.cu");
+/// The kernels, as compiled for both the GPU and the host device: `cuda/kernels.cu` with
+/// its op families (`cuda/<family>.cuh`) expanded in place by the build.
+pub const KERNELS_CU: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.cu"));
 
 /// FNV-1a, 64 bits: a hash that is the same in every build (unlike std's).
 pub fn source_hash(s: &str) -> u64 {
