@@ -15,7 +15,7 @@ include!("parity/tests.rs");
 /// kernel refuses, naming itself and the buffer, instead of reading past the end.
 #[test]
 fn cpu_device_checks_every_kernels_buffers_against_the_launch() {
-    use dflash_worker::device::kernels::Kernel;
+    use dflash_worker::device::ops::kernel::Kernel;
     use dflash_worker::device::{DSlice, Device, GpuError, Stream};
     let mut d = dflash_worker::device::cpu::CpuDevice::new();
     let empty = DSlice { ptr: 0, bytes: 0 };
@@ -52,7 +52,7 @@ fn cpu_device_checks_every_kernels_buffers_against_the_launch() {
 /// CPU kernels take them as separate slices).
 #[test]
 fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
-    use dflash_worker::device::kernels::{Act, Kernel};
+    use dflash_worker::device::ops::kernel::{Act, Kernel};
     use dflash_worker::device::{DSlice, Device, GpuError, Stream};
     let mut d = dflash_worker::device::cpu::CpuDevice::new();
     let p = d.alloc(64 * 4).unwrap();

@@ -331,8 +331,8 @@ fn emulated_a_failed_kernel_is_an_error_of_its_event_not_a_wait() {
                 ptr: 0x10,
                 bytes: 256,
             };
-            let add = dflash_worker::device::kernels::Kernel::AddInplace {
-                act: dflash_worker::device::kernels::Act::F32,
+            let add = dflash_worker::device::ops::kernel::Kernel::AddInplace {
+                act: dflash_worker::device::ops::kernel::Act::F32,
                 x: ok,
                 y: bad,
                 n: 64,
@@ -424,10 +424,10 @@ fn emulated_dynamic_shared_memory_past_a_kernels_limit_is_refused() {
         "emulated_dynamic_shared_memory_past_a_kernels_limit_is_refused",
         &[],
         || {
-            use dflash_worker::device::kernels::{Attention, Fa2Dim, Kernel};
+            use dflash_worker::device::ops::kernel::{Attention, Fa2Dim, Kernel};
             let mut dev = CudaDevice::open().expect("the emulated device");
             let fa2 = Kernel::AttentionFa2Fwd {
-                act: dflash_worker::device::kernels::Act::Bf16,
+                act: dflash_worker::device::ops::kernel::Act::Bf16,
                 dim: Fa2Dim::D128,
                 a: Attention::shape_of(1, 1, 1, 128),
             };

@@ -398,7 +398,7 @@ fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
 /// A grid of only those CTAs writes the last rows, as the whole launch does, and no other.
 #[test]
 fn host_device_flash_attention_2_forward_issues_the_last_row_block_first() {
-    use dflash_worker::device::kernels::Kernel;
+    use dflash_worker::device::ops::kernel::Kernel;
     let (t, qh, hd) = (150usize, 2usize, 32usize);
     let mut rng = Rng::new(43);
     let (q, kv) = (

@@ -16,7 +16,8 @@
 
 #![allow(clippy::needless_range_loop)] // kernels index several buffers by one row/element index, as the CUDA source does
 
-use super::kernels::{Act, AdamHyper, Attention, AttentionGrad, Kernel};
+use super::ops::kernel::{Act, AdamHyper, Attention, AttentionGrad, Kernel};
+use super::ops::on_cpu::{need, par_ranges, rd, wr, Shared, Widened};
 use super::{Arg, DSlice, DevPtr, Device, Event, Gemm, GpuError, Result, Stream};
 use crate::math::{dot, exp_neg, sgemm};
 
@@ -90,8 +91,7 @@ fn check_aliasing(k: &Kernel) -> Result<()> {
             };
             let (x, y) = (range(w), range(o));
             // RMSNorm may run in place (y = x exactly), as the target's q/k norms do.
-            let rmsnorm = matches!(k, Kernel::RmsnormFwd { .. });
-            let in_place = rmsnorm && (i, j) == (0, 2) && w == o;
+            let in_place = matches!(k, Kernel::Norm(n) if n.in_place(i, j)) && w == o;
             if i != j
                 && !in_place
                 && x.start < y.end
@@ -104,34 +104,6 @@ fn check_aliasing(k: &Kernel) -> Result<()> {
                 )));
             }
         }
-    }
-    Ok(())
-}
-
-/// # Safety
-/// `b` must be memory of this device holding `T`s, not written through another slice
-/// while this one lives (see [`check_aliasing`]).
-unsafe fn rd<'a, T>(b: DSlice) -> &'a [T] {
-    if b.bytes == 0 {
-        return &[];
-    }
-    std::slice::from_raw_parts(b.ptr as *const T, b.bytes / std::mem::size_of::<T>())
-}
-
-/// # Safety
-/// As for [`rd`], and no other slice of `b` may live at the same time.
-unsafe fn wr<'a, T>(b: DSlice) -> &'a mut [T] {
-    if b.bytes == 0 {
-        return &mut [];
-    }
-    std::slice::from_raw_parts_mut(b.ptr as *mut T, b.bytes / std::mem::size_of::<T>())
-}
-
-fn need(kernel: &str, what: &str, have: usize, want: usize) -> Result<()> {
-    if have < want {
-        return Err(GpuError::Invalid(format!(
-            "{kernel}: {what} holds {have} elements, the launch needs {want}"
-        )));
     }
     Ok(())
 }
@@ -153,28 +125,6 @@ fn attention_work(
         * qw
         * 2
 }
-
-/// Run `f(range)` over `0..n` split into one contiguous range per thread.
-fn par_ranges(threads: usize, n: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
-    let t = threads.min(n).max(1);
-    if t == 1 {
-        f(0..n);
-        return;
-    }
-    let per = n.div_ceil(t);
-    let f = &f;
-    // A range whose thread cannot be started (a thread limit) runs on the calling thread.
-    dflash_shared::threads::scoped((0..t).map(|i| {
-        let r = (i * per).min(n)..((i + 1) * per).min(n);
-        move || f(r)
-    }));
-}
-
-/// A pointer that threads writing disjoint parts of one buffer share.
-#[derive(Clone, Copy)]
-struct Shared(*mut f32);
-unsafe impl Send for Shared {}
-unsafe impl Sync for Shared {}
 
 impl Device for CpuDevice {
     fn describe(&self) -> String {
@@ -299,59 +249,6 @@ impl Device for CpuDevice {
     }
 }
 
-/// bf16 buffers of a kernel run as its f32 one on the CPU device: each widened into a
-/// temporary of its own (even where two arguments name one buffer, in place), and the
-/// written ones rounded back once at the end (nearest even), as the CUDA kernels compute
-/// in f32 and round on store.
-#[derive(Default)]
-struct Widened {
-    temps: Vec<(DSlice, Vec<f32>, bool)>,
-}
-
-impl Widened {
-    /// # Safety
-    /// `b` must be this device's memory of `b.bytes` bytes of bf16.
-    unsafe fn add(&mut self, b: DSlice, written: bool) -> DSlice {
-        let bits = rd::<u16>(b);
-        let mut v: Vec<f32> = bits
-            .iter()
-            .map(|b| f32::from_bits((*b as u32) << 16))
-            .collect();
-        let d = DSlice {
-            ptr: v.as_mut_ptr() as u64,
-            bytes: v.len() * 4,
-        };
-        self.temps.push((b, v, written));
-        d
-    }
-
-    /// # Safety
-    /// As for [`add`](Self::add).
-    unsafe fn input(&mut self, b: DSlice) -> DSlice {
-        self.add(b, false)
-    }
-
-    /// # Safety
-    /// As for [`add`](Self::add).
-    unsafe fn output(&mut self, b: DSlice) -> DSlice {
-        self.add(b, true)
-    }
-
-    /// Round the written temporaries into their bf16 buffers.
-    ///
-    /// # Safety
-    /// As for [`add`](Self::add); the kernel that wrote them has returned.
-    unsafe fn store(self) {
-        for (b, v, written) in &self.temps {
-            if *written {
-                for (o, x) in wr::<u16>(*b).iter_mut().zip(v) {
-                    *o = half::bf16::from_f32(*x).to_bits();
-                }
-            }
-        }
-    }
-}
-
 /// [`as_f32`] for the mixture-of-experts kernels: whether `k` was one with bf16
 /// activations, now its f32 kernel over `w`'s temporaries.
 ///
@@ -422,28 +319,7 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
                 n: *n,
             });
         }
-        Kernel::RmsnormFwdToBf16 {
-            y,
-            rstd,
-            x,
-            w: g,
-            d,
-            eps,
-        } => {
-            return Some(Kernel::RmsnormFwd {
-                act: Act::F32,
-                y: w.output(*y),
-                rstd: *rstd,
-                x: *x,
-                w: *g,
-                d: *d,
-                eps: *eps,
-            });
-        }
-        Kernel::RmsnormFwd { act, y, x, .. } if *act == Act::Bf16 => {
-            (*y, *x) = (w.output(*y), w.input(*x));
-            *act = Act::F32;
-        }
+        Kernel::Norm(k) => return k.as_f32(w).map(Kernel::Norm),
         Kernel::Rope { act, x, .. } if *act == Act::Bf16 => {
             *x = w.output(*x);
             *act = Act::F32;
@@ -1281,38 +1157,7 @@ unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
             width,
             n,
         } => swiglu_gu_bwd(wr(dgu), rd(dout), rd(gu), width, n),
-        Kernel::RmsnormFwd {
-            y,
-            rstd,
-            x,
-            w,
-            d,
-            eps,
-            ..
-        } => rmsnorm_fwd(rows, y, wr(rstd), x, rd(w), d, eps),
-        Kernel::RmsnormBwd {
-            dx,
-            partials,
-            dy,
-            x,
-            w,
-            rstd,
-            d,
-            rows: n,
-            rows_per_block,
-        } => rmsnorm_bwd(
-            (n, rows_per_block, rows),
-            wr(dx),
-            partials.map(|b| wr(b)),
-            (rd(dy), rd(x), rd(w), rd(rstd)),
-            d,
-        ),
-        Kernel::RmsnormBwdDw {
-            dw,
-            partials,
-            d,
-            blocks,
-        } => rmsnorm_bwd_dw(wr(dw), rd(partials), d, blocks),
+        Kernel::Norm(k) => k.run_cpu(rows),
         Kernel::Rope {
             x,
             pos,
@@ -1483,12 +1328,12 @@ fn expert_of(e: i32, experts: usize) -> usize {
 /// kernels.cu's `moe_count`: the pairs of each chunk per expert, `counts[b, e]`.
 fn moe_count(counts: &mut [i32], idx: &[i32], pairs: usize, experts: usize) -> Result<()> {
     let kernel = "moe_count";
-    let chunks = pairs.div_ceil(super::kernels::MOE_CHUNK);
+    let chunks = pairs.div_ceil(super::ops::kernel::MOE_CHUNK);
     need(kernel, "idx", idx.len(), pairs)?;
     need(kernel, "counts", counts.len(), chunks * experts)?;
     counts[..chunks * experts].fill(0);
     for (p, &e) in idx[..pairs].iter().enumerate() {
-        counts[p / super::kernels::MOE_CHUNK * experts + expert_of(e, experts)] += 1;
+        counts[p / super::ops::kernel::MOE_CHUNK * experts + expert_of(e, experts)] += 1;
     }
     Ok(())
 }
@@ -1520,7 +1365,7 @@ fn moe_place(
     experts: usize,
 ) -> Result<()> {
     let kernel = "moe_place";
-    let chunk = super::kernels::MOE_CHUNK;
+    let chunk = super::ops::kernel::MOE_CHUNK;
     need(kernel, "idx", idx.len(), pairs)?;
     need(kernel, "slots", slots.len(), pairs)?;
     need(
@@ -1712,100 +1557,6 @@ fn swiglu_gu_bwd(dgu: &mut [f32], dout: &[f32], gu: &[f32], width: usize, n: usi
     Ok(())
 }
 
-/// `y` and `x` are one buffer (in place) or disjoint ([`check_aliasing`]): raw pointers,
-/// each row read whole before it is written.
-///
-/// # Safety
-/// `yb` and `xb` are this device's memory.
-unsafe fn rmsnorm_fwd(
-    rows: usize,
-    yb: DSlice,
-    rstd: &mut [f32],
-    xb: DSlice,
-    w: &[f32],
-    d: usize,
-    eps: f32,
-) -> Result<()> {
-    let kernel = "rmsnorm_fwd";
-    need(kernel, "x/y", xb.len_f32().min(yb.len_f32()), rows * d)?;
-    need(kernel, "rstd", rstd.len(), rows)?;
-    need(kernel, "w", w.len(), d)?;
-    let (y, x) = (yb.ptr as *mut f32, xb.ptr as *const f32);
-    for r in 0..rows {
-        let mut ss = 0f32;
-        for i in 0..d {
-            let v = *x.add(r * d + i);
-            ss += v * v;
-        }
-        let rs = 1.0 / (ss / d as f32 + eps).sqrt();
-        for i in 0..d {
-            *y.add(r * d + i) = *x.add(r * d + i) * rs * w[i];
-        }
-        rstd[r] = rs;
-    }
-    Ok(())
-}
-
-/// `(rows, rows_per_block, blocks)`: the launch; `(dy, x, w, rstd)`: what the backward
-/// reads. Block b's rows' share of the weight gradient goes to row b of `partials`, each
-/// a sum over its rows in order, as the CUDA kernel's threads sum them.
-fn rmsnorm_bwd(
-    (rows, per, blocks): (usize, usize, usize),
-    dx: &mut [f32],
-    mut partials: Option<&mut [f32]>,
-    (dy, x, w, rstd): (&[f32], &[f32], &[f32], &[f32]),
-    d: usize,
-) -> Result<()> {
-    let kernel = "rmsnorm_bwd";
-    // The launch's rows: those of its blocks, and no more than it names.
-    let rows = rows.min(blocks * per);
-    need(
-        kernel,
-        "dx/dy/x",
-        dx.len().min(dy.len()).min(x.len()),
-        rows * d,
-    )?;
-    need(kernel, "rstd", rstd.len(), rows)?;
-    need(kernel, "w", w.len(), d)?;
-    if let Some(p) = partials.as_deref() {
-        need(kernel, "partials", p.len(), blocks * d)?;
-    }
-    for b in 0..blocks {
-        let mut share = vec![0f32; if partials.is_some() { d } else { 0 }];
-        for r in b * per..((b + 1) * per).min(rows) {
-            let (xr, gr, rs) = (&x[r * d..(r + 1) * d], &dy[r * d..(r + 1) * d], rstd[r]);
-            let gx: f32 = gr
-                .iter()
-                .zip(w)
-                .zip(xr)
-                .map(|((g, w), x)| g * w * x)
-                .sum::<f32>()
-                / d as f32;
-            for i in 0..d {
-                dx[r * d + i] += rs * gr[i] * w[i] - xr[i] * rs * rs * rs * gx;
-            }
-            for (i, s) in share.iter_mut().enumerate() {
-                *s += gr[i] * xr[i] * rs;
-            }
-        }
-        if let Some(p) = partials.as_deref_mut() {
-            p[b * d..(b + 1) * d].copy_from_slice(&share);
-        }
-    }
-    Ok(())
-}
-
-/// `dw += Σ` of the first `blocks` partial rows, column by column in row order.
-fn rmsnorm_bwd_dw(dw: &mut [f32], partials: &[f32], d: usize, blocks: usize) -> Result<()> {
-    let kernel = "rmsnorm_bwd_dw";
-    need(kernel, "dw", dw.len(), d)?;
-    need(kernel, "partials", partials.len(), blocks * d)?;
-    for i in 0..d {
-        dw[i] += (0..blocks).map(|b| partials[b * d + i]).sum::<f32>();
-    }
-    Ok(())
-}
-
 fn rope(
     rows: usize,
     x: &mut [f32],
@@ -1846,7 +1597,7 @@ fn rope(
 ///
 /// # Safety
 /// As for [`Device::launch`]'s arms.
-unsafe fn attention_prep(g: &AttentionGrad, s: &super::kernels::BwdScratch) -> Result<()> {
+unsafe fn attention_prep(g: &AttentionGrad, s: &super::ops::kernel::BwdScratch) -> Result<()> {
     let kernel = "attention_bwd_prep";
     let a = &g.fwd;
     let (dout, out, lse, q) = (
@@ -1960,7 +1711,7 @@ unsafe fn ce_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
     })
 }
 
-/// The cross-entropy's rows over the vocabulary chunks (see [`super::kernels::CeState`]).
+/// The cross-entropy's rows over the vocabulary chunks (see [`super::ops::kernel::CeState`]).
 struct CeRows<'a> {
     run_max: &'a mut [f32],
     run_sum: &'a mut [f32],

@@ -17,13 +17,12 @@
 //! the target forward on it, [`DeviceDrafter`](crate::models::drafter::device::DeviceDrafter) the drafter's step and optimizer. Device memory comes from one [`Arena`] per worker, allocated
 //! once and sub-allocated, with its own counters.
 
-pub use kernels::Kernel;
+pub use ops::kernel::Kernel;
 
 pub mod compute_threads;
 pub mod cpu;
 pub mod cuda;
 pub mod host;
-pub mod kernels;
 pub mod libs;
 pub mod nvrtc;
 pub mod ops;

@@ -153,7 +153,7 @@ pub fn analyse_arch(
         let threads = block_threads(name);
         // Static shared memory as the CUBIN says (with the system's 1 KB once there is
         // any) and the dynamic shared memory device/ops.rs launches it with.
-        let dynamic = crate::device::kernels::Kernel::dynamic_shared_bytes_of(name);
+        let dynamic = crate::device::ops::kernel::Kernel::dynamic_shared_bytes_of(name);
         let shared = if dynamic > 0 {
             r.shared.max(limits.reserved_per_block) + dynamic
         } else {
@@ -193,8 +193,8 @@ pub fn analyse_arch(
 
 /// The attention forward device/ops.rs chooses at `head_dim` and activation type `act`
 /// (aligned buffers): the GPU target's at bf16, the drafter's at f32.
-pub fn attention_kernel(head_dim: usize, act: crate::device::kernels::Act) -> &'static str {
-    use crate::device::kernels::{Attention, Fa2Dim, Kernel};
+pub fn attention_kernel(head_dim: usize, act: crate::device::ops::kernel::Act) -> &'static str {
+    use crate::device::ops::kernel::{Attention, Fa2Dim, Kernel};
     let a = Attention::shape_of(1, 1, 1, head_dim);
     match Fa2Dim::for_call(&a) {
         Some(dim) => Kernel::AttentionFa2Fwd { act, dim, a }.name(),
@@ -204,7 +204,7 @@ pub fn attention_kernel(head_dim: usize, act: crate::device::kernels::Act) -> &'
 
 /// The attention backward device/ops.rs chooses at `head_dim` (aligned buffers).
 pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
-    use crate::device::kernels::{Attention, AttentionGrad, Fa2Dim, Kernel};
+    use crate::device::ops::kernel::{Attention, AttentionGrad, Fa2Dim, Kernel};
     let fwd = Attention::shape_of(1, 1, 1, head_dim);
     let g = AttentionGrad {
         fwd,
@@ -217,7 +217,7 @@ pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
         Some(dim) => Kernel::AttentionFa2Bwd {
             dim,
             g,
-            s: crate::device::kernels::BwdScratch::at(fwd.out, 1, 1, head_dim),
+            s: crate::device::ops::kernel::BwdScratch::at(fwd.out, 1, 1, head_dim),
             tk: 1,
         }
         .name(),
@@ -245,7 +245,7 @@ pub fn analyse(t: &Tools, archs: &[String]) -> Result<Report, KernelBenchError> 
         kernels.extend(analyse_arch(t, nvrtc::KERNELS_CU, arch, &names)?);
     }
     let model = archs.iter().any(|a| a == "sm_90").then(|| {
-        use crate::device::kernels::Act;
+        use crate::device::ops::kernel::Act;
         let hd = roofline::qwen3_8b().head_dim as usize;
         let (target, drafter, bwd) = (
             attention_kernel(hd, Act::Bf16),

@@ -12,7 +12,10 @@
 //! `_bf16` symbol). "rows" is the launch's grid: one block
 //! per row for the row kernels.
 
-use super::{Arg, DSlice};
+use super::norm::Norm;
+pub use super::Act;
+use super::{i32_of, i64_of};
+use crate::device::{Arg, DSlice};
 
 /// The experts' grouped GEMM's tile (`MOE_BM` × `MOE_BN` in kernels.cu), threads
 /// (`MOE_THREADS`) and dynamic shared memory (`MOE_DYN_BYTES`: 3 stages of 64 + 128 rows
@@ -21,19 +24,8 @@ pub const MOE_GEMM_ROWS: usize = 64;
 pub const MOE_GEMM_COLS: usize = 128;
 pub const MOE_GEMM_THREADS: u32 = 128;
 pub const MOE_GEMM_DYN_BYTES: u32 = 3 * (64 + 128) * 40 * 2;
-/// The widest row whose weight-gradient shares the RMSNorm backward keeps in dynamic
-/// shared memory (`RMSNORM_BWD_DYN_BYTES` in kernels.cu, 48 KB); a wider row (a 16,384-wide
-/// target's drafter) keeps them in its partial row in global memory.
-pub const RMSNORM_BWD_MAX_WIDTH: usize = 12288;
 /// Routed pairs per block of the permutation's count and place launches (`MOE_CHUNK`).
 pub const MOE_CHUNK: usize = 256;
-
-/// Whether a forward activation kernel's activations are f32 or bf16.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Act {
-    F32,
-    Bf16,
-}
 
 /// AdamW's constants.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -335,49 +327,8 @@ pub enum Kernel {
         width: usize,
         n: usize,
     },
-    /// RMSNorm of rows of width `d`: `y` (in place when it is `x`) and the reciprocal RMS
-    /// per row (f32).
-    RmsnormFwd {
-        act: Act,
-        y: DSlice,
-        rstd: DSlice,
-        x: DSlice,
-        w: DSlice,
-        d: usize,
-        eps: f32,
-    },
-    /// [`Kernel::RmsnormFwd`] of f32 rows with `y` rounded to bf16 (a GEMM's input).
-    RmsnormFwdToBf16 {
-        y: DSlice,
-        rstd: DSlice,
-        x: DSlice,
-        w: DSlice,
-        d: usize,
-        eps: f32,
-    },
-    /// The RMSNorm backward's first stage over `rows` rows, `rows_per_block` per block (the
-    /// grid: their blocks): `dx` accumulates; with `partials` (f32, a row of `d` per
-    /// block) each block writes its rows' share of the weight gradient, which
-    /// [`Kernel::RmsnormBwdDw`] then adds to `dw`.
-    RmsnormBwd {
-        dx: DSlice,
-        partials: Option<DSlice>,
-        dy: DSlice,
-        x: DSlice,
-        w: DSlice,
-        rstd: DSlice,
-        d: usize,
-        rows: usize,
-        rows_per_block: usize,
-    },
-    /// The RMSNorm backward's second stage: `dw` (`d`) += the sum of the first `blocks`
-    /// rows of `partials`, in a fixed order. Grid: ceil(d / 32).
-    RmsnormBwdDw {
-        dw: DSlice,
-        partials: DSlice,
-        d: usize,
-        blocks: usize,
-    },
+    /// RMSNorm, forward and backward (`ops/norm.rs`).
+    Norm(Norm),
     /// Rotary embedding in place (`pos` i32 per row, `inv_freq` head_dim/2), scaled by
     /// `scale`; `inverse` rotates back (the backward).
     Rope {
@@ -479,7 +430,7 @@ pub enum Kernel {
         lr: f32,
         hyper: AdamHyper,
     },
-    /// The weights' checksum ([`super::ops::params_hash`]) added into `acc` (one u64).
+    /// The weights' checksum ([`super::params_hash`]) added into `acc` (one u64).
     ParamsHash {
         acc: DSlice,
         p: DSlice,
@@ -487,12 +438,10 @@ pub enum Kernel {
     },
 }
 
-fn i32_of(v: usize) -> Arg {
-    Arg::I32(v as i32)
-}
-
-fn i64_of(v: usize) -> Arg {
-    Arg::I64(v as i64)
+impl From<Norm> for Kernel {
+    fn from(k: Norm) -> Kernel {
+        Kernel::Norm(k)
+    }
 }
 
 impl Kernel {
@@ -511,6 +460,7 @@ impl Kernel {
             Act::Bf16 => bf16,
         };
         match *self {
+            Kernel::Norm(k) => k.name(),
             Kernel::EmbedGather { act: a, .. } => act(a, "embed_gather", "embed_gather_bf16"),
             Kernel::ScatterAddRows { .. } => "scatter_add_rows",
             Kernel::MoeRoute { act: a, .. } => act(a, "moe_route", "moe_route_bf16"),
@@ -527,10 +477,6 @@ impl Kernel {
             Kernel::SwigluGuFwd { act: a, .. } => act(a, "swiglu_gu_fwd", "swiglu_gu_fwd_bf16"),
             Kernel::SwigluGuFwdToBf16 { .. } => "swiglu_gu_fwd_to_bf16",
             Kernel::SwigluGuBwd { .. } => "swiglu_gu_bwd",
-            Kernel::RmsnormFwdToBf16 { .. } => "rmsnorm_fwd_to_bf16",
-            Kernel::RmsnormFwd { act: a, .. } => act(a, "rmsnorm_fwd", "rmsnorm_fwd_bf16"),
-            Kernel::RmsnormBwd { .. } => "rmsnorm_bwd",
-            Kernel::RmsnormBwdDw { .. } => "rmsnorm_bwd_dw",
             Kernel::Rope { act: a, .. } => act(a, "rope", "rope_bf16"),
             Kernel::AttentionFwd { act: a, .. } => act(a, "attention_fwd", "attention_fwd_bf16"),
             Kernel::AttentionFa2Fwd { act: a, dim, .. } => match dim {
@@ -563,13 +509,7 @@ impl Kernel {
         match *self {
             Kernel::AttentionFa2Fwd { dim, .. } => 2 * 2 * 64 * (dim.head_dim() + 8) * 2,
             Kernel::MoeGemm { act: Act::Bf16, .. } => MOE_GEMM_DYN_BYTES,
-            // The weight gradient's shares of a row (d f32), up to the 48 KB any launch may
-            // have; a wider row keeps them in its partial row in global memory instead.
-            Kernel::RmsnormBwd {
-                partials: Some(_),
-                d,
-                ..
-            } if d <= RMSNORM_BWD_MAX_WIDTH => (d * 4) as u32,
+            Kernel::Norm(k) => k.dynamic_shared_bytes(),
             _ => 0,
         }
     }
@@ -741,56 +681,12 @@ impl Kernel {
         })
     }
 
-    /// The RMSNorm kernels' arguments.
+    /// The families' kernels' arguments.
     fn norm_args(&self) -> Option<Vec<Arg>> {
-        use Arg::{F32, R, RW, W};
-        Some(match *self {
-            Kernel::RmsnormFwd {
-                y,
-                rstd,
-                x,
-                w,
-                d,
-                eps,
-                ..
-            }
-            | Kernel::RmsnormFwdToBf16 {
-                y,
-                rstd,
-                x,
-                w,
-                d,
-                eps,
-            } => vec![W(y), W(rstd), R(x), R(w), i32_of(d), F32(eps)],
-            Kernel::RmsnormBwd {
-                dx,
-                partials,
-                dy,
-                x,
-                w,
-                rstd,
-                d,
-                rows,
-                rows_per_block,
-            } => vec![
-                RW(dx),
-                partials.map_or(Arg::Null, W),
-                R(dy),
-                R(x),
-                R(w),
-                R(rstd),
-                i32_of(d),
-                i32_of(rows),
-                i32_of(rows_per_block),
-            ],
-            Kernel::RmsnormBwdDw {
-                dw,
-                partials,
-                d,
-                blocks,
-            } => vec![RW(dw), R(partials), i32_of(d), i32_of(blocks)],
-            _ => return None,
-        })
+        match self {
+            Kernel::Norm(k) => Some(k.args()),
+            _ => None,
+        }
     }
 
     /// The SwiGLU kernels' arguments.
@@ -1024,6 +920,7 @@ impl Kernel {
             s,
             tk: 1,
         }));
+        all.extend(Norm::every(b).into_iter().map(Kernel::Norm));
         all.extend(Kernel::every_permute(b));
         all.extend(Kernel::every_other(b, attention, hyper));
         all
@@ -1094,7 +991,7 @@ impl Kernel {
     }
 
     /// The kernels with an f32 and a bf16 symbol, at `act`.
-    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 10] {
+    fn every_activation(b: DSlice, act: Act, attention: Attention) -> [Kernel; 9] {
         let st = CeState {
             run_max: b,
             run_sum: b,
@@ -1141,15 +1038,6 @@ impl Kernel {
                 width: 1,
                 n: 1,
             },
-            Kernel::RmsnormFwd {
-                act,
-                y: b,
-                rstd: b,
-                x: b,
-                w: b,
-                d: 1,
-                eps: 1e-6,
-            },
             Kernel::Rope {
                 act,
                 x: b,
@@ -1185,7 +1073,7 @@ impl Kernel {
         ]
     }
 
-    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 14] {
+    fn every_other(b: DSlice, attention: Attention, hyper: AdamHyper) -> [Kernel; 11] {
         [
             Kernel::ScatterAddRows {
                 dst: b,
@@ -1215,31 +1103,6 @@ impl Kernel {
                 gu: b,
                 width: 1,
                 n: 1,
-            },
-            Kernel::RmsnormFwdToBf16 {
-                y: b,
-                rstd: b,
-                x: b,
-                w: b,
-                d: 1,
-                eps: 1e-6,
-            },
-            Kernel::RmsnormBwd {
-                dx: b,
-                partials: Some(b),
-                dy: b,
-                x: b,
-                w: b,
-                rstd: b,
-                d: 1,
-                rows: 1,
-                rows_per_block: 1,
-            },
-            Kernel::RmsnormBwdDw {
-                dw: b,
-                partials: b,
-                d: 1,
-                blocks: 1,
             },
             Kernel::AttentionBwd(AttentionGrad {
                 fwd: attention,

@@ -3,11 +3,13 @@
 //! layouts and the same accumulate-or-overwrite semantics, so that each can be checked
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 
-pub use super::kernels::{Act, AdamHyper, CeState};
-use super::kernels::{
-    Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel, MOE_CHUNK, MOE_GEMM_THREADS,
-};
-use super::{DSlice, Device, Gemm, Result, Stream};
+pub mod kernel;
+pub mod norm;
+pub(crate) mod on_cpu;
+
+use super::{Arg, DSlice, Device, Gemm, Result, Stream};
+pub use kernel::{AdamHyper, CeState};
+use kernel::{Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel, MOE_CHUNK, MOE_GEMM_THREADS};
 
 const BLOCK: u32 = 256;
 /// Most blocks `sumsq` uses (the f64 partials it needs).
@@ -37,33 +39,26 @@ fn row_block(d: usize) -> u32 {
     (d.div_ceil(32) * 32).clamp(32, BLOCK as usize) as u32
 }
 
-pub use super::kernels::RMSNORM_BWD_MAX_WIDTH;
-/// Most blocks (each a partial row of the weight gradient) the RMSNorm backward's first
-/// stage runs: enough to fill an H100's or H200's 132 SMs at 128 to 256 threads a block,
-/// few enough that the second stage (reading them all) is a small share of the first.
-const RMSNORM_BWD_BLOCKS: usize = 1024;
-/// f32 of the RMSNorm backward's partial rows (8 MiB, per stream, allocated by the first
-/// backward with a weight gradient): 1024 partial rows up to a width of 2048, fewer
-/// beyond.
-pub const RMSNORM_BWD_SCRATCH_F32: usize = 1 << 21;
-/// Threads of the second stage's blocks: 32 warps summing 32 columns.
-const RMSNORM_BWD_DW_THREADS: u32 = 1024;
-
-/// The RMSNorm backward's split of `rows` rows of width `d` with a weight gradient:
-/// (rows per block, blocks), the blocks at most [`RMSNORM_BWD_BLOCKS`] and their partial
-/// rows within [`RMSNORM_BWD_SCRATCH_F32`].
-fn rmsnorm_bwd_split(rows: usize, d: usize) -> (usize, usize) {
-    let most = RMSNORM_BWD_BLOCKS
-        .min(RMSNORM_BWD_SCRATCH_F32 / d.max(1))
-        .max(1);
-    let per = rows.div_ceil(most).max(1);
-    (per, rows.div_ceil(per))
-}
-
+pub use norm::{RMSNORM_BWD_MAX_WIDTH, RMSNORM_BWD_SCRATCH_F32};
 /// The i32 elements of [`Ops::moe_permute`]'s scratch for `pairs` routed pairs over
 /// `experts` experts: a count per chunk of pairs and expert.
 pub fn moe_permute_scratch(pairs: usize, experts: usize) -> usize {
     pairs.div_ceil(MOE_CHUNK) * experts
+}
+
+/// Whether a forward activation kernel's activations are f32 or bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    F32,
+    Bf16,
+}
+
+pub(crate) fn i32_of(v: usize) -> Arg {
+    Arg::I32(v as i32)
+}
+
+pub(crate) fn i64_of(v: usize) -> Arg {
+    Arg::I64(v as i64)
 }
 
 pub struct Ops {
@@ -89,8 +84,8 @@ impl Ops {
         }
     }
 
-    fn launch(&mut self, kernel: Kernel, grid: u32, block: u32) -> Result<()> {
-        self.dev.launch(self.stream, &kernel, grid, block)
+    fn launch(&mut self, kernel: impl Into<Kernel>, grid: u32, block: u32) -> Result<()> {
+        self.dev.launch(self.stream, &kernel.into(), grid, block)
     }
 
     /// The precision of the forward activation kernels: bf16 when activations are bf16.
@@ -509,150 +504,6 @@ impl Ops {
             t as u32,
             row_block(h),
         )
-    }
-
-    /// RMSNorm of `rows` rows of width `d`; writes `y` and the reciprocal RMS per row.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        rstd: DSlice,
-        rows: usize,
-        d: usize,
-        eps: f32,
-    ) -> Result<()> {
-        let act = self.act();
-        self.launch(
-            Kernel::RmsnormFwd {
-                act,
-                y,
-                rstd,
-                x,
-                w,
-                d,
-                eps,
-            },
-            rows as u32,
-            row_block(d),
-        )
-    }
-
-    /// [`rmsnorm`](Self::rmsnorm) of f32 rows with `y` rounded to bf16: a GEMM's input
-    /// written as the GEMM takes it (the same bits as the f32 result cast after).
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_to_bf16(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        rstd: DSlice,
-        rows: usize,
-        d: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.launch(
-            Kernel::RmsnormFwdToBf16 {
-                y,
-                rstd,
-                x,
-                w,
-                d,
-                eps,
-            },
-            rows as u32,
-            row_block(d),
-        )
-    }
-
-    /// Backward of [`rmsnorm`](Self::rmsnorm): `dx` accumulates, and `dw` when given. The
-    /// weight gradient in two stages, with no atomics: blocks of rows write their partial
-    /// sums into these ops' scratch, then one launch adds their column sums to `dw` in a
-    /// fixed order (the same bits every run).
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_backward(
-        &mut self,
-        dy: DSlice,
-        x: DSlice,
-        w: DSlice,
-        rstd: DSlice,
-        dx: DSlice,
-        dw: Option<DSlice>,
-        rows: usize,
-        d: usize,
-    ) -> Result<()> {
-        if rows == 0 {
-            return Ok(());
-        }
-        let block = row_block(d);
-        let Some(dw) = dw else {
-            return self.launch(
-                Kernel::RmsnormBwd {
-                    dx,
-                    partials: None,
-                    dy,
-                    x,
-                    w,
-                    rstd,
-                    d,
-                    rows,
-                    rows_per_block: 1,
-                },
-                rows as u32,
-                block,
-            );
-        };
-        let (per, blocks) = rmsnorm_bwd_split(rows, d);
-        let partials = self.rmsnorm_partials()?.f32s(0..blocks * d);
-        self.launch(
-            Kernel::RmsnormBwd {
-                dx,
-                partials: Some(partials),
-                dy,
-                x,
-                w,
-                rstd,
-                d,
-                rows,
-                rows_per_block: per,
-            },
-            blocks as u32,
-            block,
-        )?;
-        self.launch(
-            Kernel::RmsnormBwdDw {
-                dw,
-                partials,
-                d,
-                blocks,
-            },
-            d.div_ceil(32).max(1) as u32,
-            RMSNORM_BWD_DW_THREADS,
-        )
-    }
-
-    /// The RMSNorm backward's partial rows on the current stream: `s`
-    /// ([`RMSNORM_BWD_SCRATCH_F32`] f32, from a model's arena), instead of memory these ops
-    /// allocate at the first backward with a weight gradient.
-    pub fn use_rmsnorm_partials(&mut self, s: DSlice) {
-        self.rmsnorm_partials[self.stream.index()] = Some(s);
-    }
-
-    /// The RMSNorm backward's partial rows on this stream: allocated once, at first use.
-    fn rmsnorm_partials(&mut self) -> Result<DSlice> {
-        let i = self.stream.index();
-        if let Some(s) = self.rmsnorm_partials[i] {
-            return Ok(s);
-        }
-        let bytes = RMSNORM_BWD_SCRATCH_F32 * 4;
-        let s = DSlice {
-            ptr: self.dev.alloc(bytes)?,
-            bytes,
-        };
-        self.dev.track(s, "rmsnorm backward partials");
-        self.rmsnorm_partials[i] = Some(s);
-        Ok(s)
     }
 
     /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.
