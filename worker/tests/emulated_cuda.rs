@@ -331,12 +331,12 @@ fn emulated_a_failed_kernel_is_an_error_of_its_event_not_a_wait() {
                 ptr: 0x10,
                 bytes: 256,
             };
-            let add = dflash_worker::device::ops::kernel::Kernel::AddInplace {
+            let add = dflash_worker::device::ops::kernel::Kernel::Convert(dflash_worker::device::ops::convert::Convert::AddInplace {
                 act: dflash_worker::device::ops::kernel::Act::F32,
                 x: ok,
                 y: bad,
                 n: 64,
-            };
+            });
             dev.launch(dflash_worker::device::Stream::Compute, &add, 1, 64)
                 .unwrap();
             let e = dev.record(dflash_worker::device::Stream::Compute).unwrap();

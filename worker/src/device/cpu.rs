@@ -16,7 +16,7 @@
 
 #![allow(clippy::needless_range_loop)] // kernels index several buffers by one row/element index, as the CUDA source does
 
-use super::ops::kernel::{Act, AdamHyper, Attention, AttentionGrad, Kernel};
+use super::ops::kernel::{Act, Attention, AttentionGrad, Kernel};
 use super::ops::on_cpu::{need, par_ranges, rd, wr, Shared, Widened};
 use super::{Arg, DSlice, DevPtr, Device, Event, Gemm, GpuError, Result, Stream};
 use crate::math::{dot, exp_neg, sgemm};
@@ -286,44 +286,10 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
         return Some(k32);
     }
     match &mut k32 {
-        Kernel::EmbedGather {
-            act, out, table, ..
-        } if *act == Act::Bf16 => {
-            (*out, *table) = (w.output(*out), w.input(*table));
-            *act = Act::F32;
-        }
-        Kernel::AddInplace { act, x, y, .. } if *act == Act::Bf16 => {
-            (*x, *y) = (w.output(*x), w.input(*y));
-            *act = Act::F32;
-        }
-        Kernel::CopyCols { act, dst, src, .. } if *act == Act::Bf16 => {
-            (*dst, *src) = (w.output(*dst), w.input(*src));
-            *act = Act::F32;
-        }
-        Kernel::SwigluFwd {
-            act, out, gate, up, ..
-        } if *act == Act::Bf16 => {
-            (*out, *gate, *up) = (w.output(*out), w.input(*gate), w.input(*up));
-            *act = Act::F32;
-        }
-        Kernel::SwigluGuFwd { act, out, gu, .. } if *act == Act::Bf16 => {
-            (*out, *gu) = (w.output(*out), w.input(*gu));
-            *act = Act::F32;
-        }
-        Kernel::SwigluGuFwdToBf16 { out, gu, width, n } => {
-            return Some(Kernel::SwigluGuFwd {
-                act: Act::F32,
-                out: w.output(*out),
-                gu: *gu,
-                width: *width,
-                n: *n,
-            });
-        }
+        Kernel::Convert(k) => return k.as_f32(w).map(Kernel::Convert),
+        Kernel::Swiglu(k) => return k.as_f32(w).map(Kernel::Swiglu),
         Kernel::Norm(k) => return k.as_f32(w).map(Kernel::Norm),
-        Kernel::Rope { act, x, .. } if *act == Act::Bf16 => {
-            *x = w.output(*x);
-            *act = Act::F32;
-        }
+        Kernel::Rope(k) => return k.as_f32(w).map(Kernel::Rope),
         Kernel::AttentionFwd { act, a } if *act == Act::Bf16 => {
             a.out = w.output(a.out);
             (a.q, a.k, a.v) = (w.input(a.q), w.input(a.k), w.input(a.v));
@@ -391,49 +357,7 @@ impl CpuDevice {
             // is the plain one's own rowsum(dO∘O)).
             Kernel::AttentionBwd(g) | Kernel::AttentionFa2Bwd { g, .. } => self.attention_bwd(&g),
             Kernel::AttentionBwdPrep { g, s } => attention_prep(&g, &s),
-            Kernel::Sumsq {
-                partials,
-                nonfinite,
-                g,
-                n,
-            } => sumsq(rows, wr(partials), wr(nonfinite), rd(g), n),
-            Kernel::SumsqFinish {
-                acc,
-                partials,
-                blocks,
-            } => {
-                let (acc, partials) = (wr::<f64>(acc), rd::<f64>(partials));
-                need(name, "partials", partials.len(), blocks)?;
-                acc[0] = partials[..blocks].iter().sum();
-                Ok(())
-            }
-            Kernel::AdamCount { t, nonfinite } => {
-                let (t, nonfinite) = (wr::<i32>(t), rd::<i32>(nonfinite));
-                if nonfinite[0] == 0 {
-                    t[0] += 1;
-                }
-                Ok(())
-            }
-            Kernel::Adamw {
-                p,
-                m,
-                v,
-                g,
-                n,
-                acc,
-                nonfinite,
-                t,
-                max_norm,
-                lr,
-                hyper,
-            } => adamw(
-                (wr(p), wr(m), wr(v)),
-                rd(g),
-                n,
-                (rd(acc), rd(nonfinite), rd(t)),
-                (max_norm, lr),
-                &hyper,
-            ),
+        Kernel::Optimizer(k) => k.run_cpu(rows),
             Kernel::MoeGemm {
                 y,
                 x,
@@ -455,12 +379,6 @@ impl CpuDevice {
                 (n, k),
                 self.par(pairs * n * k / experts.max(1)),
             ),
-            Kernel::ParamsHash { acc, p, n } => {
-                let (acc, p) = (wr::<u64>(acc), rd::<f32>(p));
-                need(name, "p", p.len(), n)?;
-                acc[0] = acc[0].wrapping_add(super::ops::params_hash(&p[..n]));
-                Ok(())
-            }
             _ => Err(GpuError::Invalid(format!(
                 "{name}: not a kernel of the CPU device's second family"
             ))),
@@ -1113,163 +1031,16 @@ unsafe fn moe_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
 /// The kernel's buffers are this device's memory and do not alias ([`check_aliasing`]).
 unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
     Some(match *k {
-        Kernel::EmbedGather {
-            out,
-            table,
-            ids,
-            h,
-            vocab,
-            ..
-        } => embed_gather(rows, wr(out), rd(table), rd(ids), h, vocab),
-        Kernel::ScatterAddRows { dst, src, idx, h } => {
-            scatter_add_rows(rows, wr(dst), rd(src), rd(idx), h)
-        }
-        Kernel::Bf16ToF32 { out, input, n } => bf16_to_f32(wr(out), rd(input), n),
-        Kernel::F32ToBf16 { out, input, n } => f32_to_bf16(wr(out), rd(input), n),
-        Kernel::AddInplace { x, y, n, .. } => add_inplace(wr(x), rd(y), n),
-        Kernel::CopyCols {
-            dst,
-            src,
-            width,
-            dst_stride,
-            dst_off,
-            src_stride,
-            src_off,
-            ..
-        } => copy_cols(
-            rows,
-            wr(dst),
-            rd(src),
-            width,
-            (dst_stride, dst_off),
-            (src_stride, src_off),
-        ),
-        Kernel::SwigluFwd {
-            out, gate, up, n, ..
-        } => swiglu_fwd(wr(out), rd(gate), rd(up), n),
-        Kernel::SwigluGuFwd {
-            out, gu, width, n, ..
-        } => swiglu_gu_fwd(wr(out), rd(gu), width, n),
-        Kernel::SwigluGuBwd {
-            dgu,
-            dout,
-            gu,
-            width,
-            n,
-        } => swiglu_gu_bwd(wr(dgu), rd(dout), rd(gu), width, n),
+        Kernel::Convert(k) => k.run_cpu(rows),
+        Kernel::Swiglu(k) => k.run_cpu(rows),
         Kernel::Norm(k) => k.run_cpu(rows),
-        Kernel::Rope {
-            x,
-            pos,
-            inv_freq,
-            heads,
-            head_dim,
-            scale,
-            inverse,
-            ..
-        } => rope(
-            rows,
-            wr(x),
-            rd(pos),
-            rd(inv_freq),
-            (heads, head_dim),
-            scale,
-            inverse,
-        ),
+        Kernel::Rope(k) => k.run_cpu(rows),
         _ => return None,
     })
 }
 
 // The kernels of kernels.cu that are not attention, each over slices the caller made
 // from the launch's buffers (see `run_kernel`); `rows` is the launch's grid.
-
-fn embed_gather(
-    rows: usize,
-    out: &mut [f32],
-    table: &[f32],
-    ids: &[u32],
-    h: usize,
-    vocab: usize,
-) -> Result<()> {
-    let kernel = "embed_gather";
-    need(kernel, "out", out.len(), rows * h)?;
-    need(kernel, "ids", ids.len(), rows)?;
-    need(kernel, "table", table.len(), vocab * h)?;
-    for (r, o) in out.chunks_exact_mut(h).take(rows).enumerate() {
-        let id = (ids[r] as usize).min(vocab - 1);
-        o.copy_from_slice(&table[id * h..(id + 1) * h]);
-    }
-    Ok(())
-}
-
-fn bf16_to_f32(out: &mut [f32], input: &[u16], n: usize) -> Result<()> {
-    need("bf16_to_f32", "out", out.len(), n)?;
-    need("bf16_to_f32", "in", input.len(), n)?;
-    for (o, b) in out[..n].iter_mut().zip(input) {
-        *o = f32::from_bits((*b as u32) << 16);
-    }
-    Ok(())
-}
-
-fn f32_to_bf16(out: &mut [u16], input: &[f32], n: usize) -> Result<()> {
-    need("f32_to_bf16", "out", out.len(), n)?;
-    need("f32_to_bf16", "in", input.len(), n)?;
-    for (o, x) in out[..n].iter_mut().zip(input) {
-        *o = half::bf16::from_f32(*x).to_bits();
-    }
-    Ok(())
-}
-
-fn add_inplace(x: &mut [f32], y: &[f32], n: usize) -> Result<()> {
-    need("add_inplace", "x", x.len(), n)?;
-    need("add_inplace", "y", y.len(), n)?;
-    x[..n].iter_mut().zip(y).for_each(|(x, y)| *x += y);
-    Ok(())
-}
-
-fn scatter_add_rows(
-    rows: usize,
-    dst: &mut [f32],
-    src: &[f32],
-    idx: &[u32],
-    h: usize,
-) -> Result<()> {
-    let kernel = "scatter_add_rows";
-    need(kernel, "src", src.len(), rows * h)?;
-    need(kernel, "idx", idx.len(), rows)?;
-    for r in 0..rows {
-        let to = idx[r] as usize;
-        need(kernel, "dst", dst.len(), (to + 1) * h)?;
-        for (d, s) in dst[to * h..(to + 1) * h]
-            .iter_mut()
-            .zip(&src[r * h..(r + 1) * h])
-        {
-            *d += s;
-        }
-    }
-    Ok(())
-}
-
-/// `(ds, doff)`, `(ss, soff)`: each side's row stride and column offset.
-fn copy_cols(
-    rows: usize,
-    dst: &mut [f32],
-    src: &[f32],
-    width: usize,
-    (ds, doff): (usize, usize),
-    (ss, soff): (usize, usize),
-) -> Result<()> {
-    let kernel = "copy_cols";
-    if rows > 0 {
-        need(kernel, "dst", dst.len(), (rows - 1) * ds + doff + width)?;
-        need(kernel, "src", src.len(), (rows - 1) * ss + soff + width)?;
-    }
-    for r in 0..rows {
-        dst[r * ds + doff..r * ds + doff + width]
-            .copy_from_slice(&src[r * ss + soff..r * ss + soff + width]);
-    }
-    Ok(())
-}
 
 /// kernels.cu's `moe_route` for `rows` tokens: softmax, top-k by repeated argmax (lower
 /// expert first among equals), probabilities renormalised over the chosen when `norm`.
@@ -1493,104 +1264,6 @@ fn moe_combine(
     Ok(())
 }
 
-fn swiglu_fwd(out: &mut [f32], gate: &[f32], up: &[f32], n: usize) -> Result<()> {
-    let have = out.len().min(gate.len()).min(up.len());
-    need("swiglu_fwd", "buffers", have, n)?;
-    for i in 0..n {
-        let g = gate[i];
-        let s = 1.0 / (1.0 + (-g).exp());
-        out[i] = g * s * up[i];
-    }
-    Ok(())
-}
-
-/// `out = silu(gate)·up` over `gu`'s rows `[gate | up]` (each `width` wide).
-fn swiglu_gu_fwd(out: &mut [f32], gu: &[f32], width: usize, n: usize) -> Result<()> {
-    need("swiglu_gu_fwd", "out", out.len(), n)?;
-    need("swiglu_gu_fwd", "gu", gu.len(), 2 * n)?;
-    if width == 0 || n % width != 0 {
-        return Err(GpuError::Invalid(format!(
-            "swiglu_gu_fwd: {n} elements are not rows of width {width}"
-        )));
-    }
-    for (o, row) in out[..n]
-        .chunks_exact_mut(width)
-        .zip(gu.chunks_exact(2 * width))
-    {
-        let (gate, up) = row.split_at(width);
-        for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
-            let s = 1.0 / (1.0 + (-g).exp());
-            *o = g * s * u;
-        }
-    }
-    Ok(())
-}
-
-/// The backward of [`swiglu_gu_fwd`]: `dgu`'s rows `[dgate | dup]`, written.
-fn swiglu_gu_bwd(dgu: &mut [f32], dout: &[f32], gu: &[f32], width: usize, n: usize) -> Result<()> {
-    need("swiglu_gu_bwd", "dout", dout.len(), n)?;
-    need(
-        "swiglu_gu_bwd",
-        "gu and dgu",
-        gu.len().min(dgu.len()),
-        2 * n,
-    )?;
-    if width == 0 || n % width != 0 {
-        return Err(GpuError::Invalid(format!(
-            "swiglu_gu_bwd: {n} elements are not rows of width {width}"
-        )));
-    }
-    let rows = dgu[..2 * n]
-        .chunks_exact_mut(2 * width)
-        .zip(gu.chunks_exact(2 * width))
-        .zip(dout[..n].chunks_exact(width));
-    for ((drow, row), d) in rows {
-        let (dgate, dup) = drow.split_at_mut(width);
-        let (gate, up) = row.split_at(width);
-        for c in 0..width {
-            let (g, u) = (gate[c], up[c]);
-            let s = 1.0 / (1.0 + (-g).exp());
-            dup[c] = d[c] * g * s;
-            dgate[c] = d[c] * u * s * (1.0 + g * (1.0 - s));
-        }
-    }
-    Ok(())
-}
-
-fn rope(
-    rows: usize,
-    x: &mut [f32],
-    pos: &[i32],
-    inv_freq: &[f32],
-    (heads, hd): (usize, usize),
-    scale: f32,
-    inverse: bool,
-) -> Result<()> {
-    let kernel = "rope";
-    let half = hd / 2;
-    need(kernel, "x", x.len(), rows * heads * hd)?;
-    need(kernel, "pos", pos.len(), rows)?;
-    need(kernel, "inv_freq", inv_freq.len(), half)?;
-    for r in 0..rows {
-        let p = pos[r] as f32;
-        for i in 0..half {
-            let (mut s, c) = (p * inv_freq[i]).sin_cos();
-            s *= scale;
-            let c = c * scale;
-            if inverse {
-                s = -s;
-            }
-            for h in 0..heads {
-                let base = r * heads * hd + h * hd;
-                let (x1, x2) = (x[base + i], x[base + i + half]);
-                x[base + i] = x1 * c - x2 * s;
-                x[base + i + half] = x2 * c + x1 * s;
-            }
-        }
-    }
-    Ok(())
-}
-
 /// `attention_bwd_prep`: per (row, head) `Σ_d dO∘O` and Q, dO rounded to bf16 (0 and
 /// zeros where the row's lse is −inf); per 32 rows the union and intersection of each of
 /// their two key spans (`[lo, hi)`, empty as `[0, 0)`).
@@ -1809,66 +1482,3 @@ fn ce_finish(
     Ok(())
 }
 
-/// One share (the whole sum, in order), the other `rows − 1` zero: `sumsq_finish` adds
-/// them all as on a GPU.
-fn sumsq(
-    rows: usize,
-    partials: &mut [f64],
-    nonfinite: &mut [i32],
-    g: &[f32],
-    n: usize,
-) -> Result<()> {
-    need("sumsq", "partials", partials.len(), rows)?;
-    need("sumsq", "g", g.len(), n)?;
-    let mut s = 0f64;
-    let mut bad = false;
-    for &x in &g[..n] {
-        if x.is_finite() {
-            s += (x as f64) * (x as f64);
-        } else {
-            bad = true;
-        }
-    }
-    partials[..rows].iter_mut().for_each(|p| *p = 0.0);
-    if rows > 0 {
-        partials[0] = s;
-    }
-    if bad {
-        nonfinite[0] = 1;
-    }
-    Ok(())
-}
-
-/// `(p, m, v)` updated from `g` (n elements); `(acc, nonfinite, t)`: Σg², the skip flag
-/// and the step count; `(max_norm, lr)`.
-fn adamw(
-    (p, m, v): (&mut [f32], &mut [f32], &mut [f32]),
-    g: &[f32],
-    n: usize,
-    (acc, nonfinite, t): (&[f64], &[i32], &[i32]),
-    (max_norm, lr): (f32, f32),
-    h: &AdamHyper,
-) -> Result<()> {
-    let have = p.len().min(m.len()).min(v.len()).min(g.len());
-    need("adamw", "buffers", have, n)?;
-    if nonfinite[0] != 0 {
-        return Ok(());
-    }
-    let (b1, b2, eps, wd) = (h.beta1, h.beta2, h.eps, h.weight_decay);
-    let norm = acc[0].sqrt() as f32;
-    let clip = if max_norm > 0.0 && norm > max_norm {
-        max_norm / norm
-    } else {
-        1.0
-    };
-    let c1 = (1.0 - (b1 as f64).powf(t[0] as f64)) as f32;
-    let c2 = (1.0 - (b2 as f64).powf(t[0] as f64)) as f32;
-    for i in 0..n {
-        let gi = g[i] * clip;
-        m[i] = b1 * m[i] + (1.0 - b1) * gi;
-        v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
-        let (mh, vh) = (m[i] / c1, v[i] / c2);
-        p[i] -= lr * (mh / (vh.sqrt() + eps) + wd * p[i]);
-    }
-    Ok(())
-}

@@ -5,15 +5,18 @@
 
 pub mod kernel;
 pub mod norm;
+pub mod adamw;
+pub mod convert;
+pub mod swiglu;
+pub mod rope;
 pub(crate) mod on_cpu;
 
 use super::{Arg, DSlice, Device, Gemm, Result, Stream};
-pub use kernel::{AdamHyper, CeState};
+pub use adamw::{params_hash, AdamHyper, SUMSQ_BLOCKS};
+pub use kernel::CeState;
 use kernel::{Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel, MOE_CHUNK, MOE_GEMM_THREADS};
 
 const BLOCK: u32 = 256;
-/// Most blocks `sumsq` uses (the f64 partials it needs).
-pub const SUMSQ_BLOCKS: usize = 1024;
 /// Attention, forward and backward, on tensor cores: query rows of one head per block of
 /// one warp (`ATTN_MMA_ROWS` in kernels.cu).
 const ATTN_MMA_ROWS: usize = 16;
@@ -299,47 +302,6 @@ impl Ops {
         Ok(())
     }
 
-    /// `out[i,:] = table[ids[i],:]` (ids: u32, clamped to the vocabulary).
-    pub fn embed(
-        &mut self,
-        out: DSlice,
-        table: DSlice,
-        ids: DSlice,
-        rows: usize,
-        h: usize,
-        vocab: usize,
-    ) -> Result<()> {
-        let act = self.act();
-        self.launch(
-            Kernel::EmbedGather {
-                act,
-                out,
-                table,
-                ids,
-                h,
-                vocab,
-            },
-            rows as u32,
-            row_block(h),
-        )
-    }
-
-    /// `dst[idx[i], :] += src[i, :]` for `rows` rows (idx: u32, distinct).
-    pub fn scatter_add_rows(
-        &mut self,
-        dst: DSlice,
-        src: DSlice,
-        idx: DSlice,
-        rows: usize,
-        h: usize,
-    ) -> Result<()> {
-        self.launch(
-            Kernel::ScatterAddRows { dst, src, idx, h },
-            rows as u32,
-            row_block(h),
-        )
-    }
-
     /// The routing of `t` tokens' router logits (activations `[t, experts]`): per token
     /// the `top_k` most probable experts into `idx` (i32 `[t, top_k]`, rank order) and
     /// their softmax probabilities into `wts` (f32), renormalised to sum to 1 when `norm`.
@@ -504,148 +466,6 @@ impl Ops {
             t as u32,
             row_block(h),
         )
-    }
-
-    /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope(
-        &mut self,
-        x: DSlice,
-        pos: DSlice,
-        inv_freq: DSlice,
-        rows: usize,
-        heads: usize,
-        head_dim: usize,
-        scale: f32,
-        inverse: bool,
-    ) -> Result<()> {
-        let act = self.act();
-        self.launch(
-            Kernel::Rope {
-                act,
-                x,
-                pos,
-                inv_freq,
-                heads,
-                head_dim,
-                scale,
-                inverse,
-            },
-            rows as u32,
-            row_block(heads * head_dim / 2),
-        )
-    }
-
-    pub fn swiglu(&mut self, gate: DSlice, up: DSlice, out: DSlice) -> Result<()> {
-        let (n, act) = (self.act_len(out), self.act());
-        self.launch(
-            Kernel::SwigluFwd {
-                act,
-                out,
-                gate,
-                up,
-                n,
-            },
-            grid_for(n),
-            BLOCK,
-        )
-    }
-
-    /// SwiGLU of a fused gate/up projection: `out` (rows × `width`) from `gu`, whose rows
-    /// are `[gate | up]` (2 × `width` each).
-    pub fn swiglu_gu(&mut self, gu: DSlice, out: DSlice, width: usize) -> Result<()> {
-        let (n, act) = (self.act_len(out), self.act());
-        self.launch(
-            Kernel::SwigluGuFwd {
-                act,
-                out,
-                gu,
-                width,
-                n,
-            },
-            grid_for(n),
-            BLOCK,
-        )
-    }
-
-    /// [`swiglu_gu`](Self::swiglu_gu) of f32 rows with `out` (rows × `width`) rounded to
-    /// bf16: a GEMM's input written as the GEMM takes it.
-    pub fn swiglu_gu_to_bf16(&mut self, gu: DSlice, out: DSlice, width: usize) -> Result<()> {
-        let n = out.bytes / 2;
-        self.launch(
-            Kernel::SwigluGuFwdToBf16 { out, gu, width, n },
-            grid_for(n),
-            BLOCK,
-        )
-    }
-
-    /// The backward of [`swiglu_gu`](Self::swiglu_gu): `dgu`'s rows `[dgate | dup]`
-    /// written (f32).
-    pub fn swiglu_gu_backward(
-        &mut self,
-        dout: DSlice,
-        gu: DSlice,
-        dgu: DSlice,
-        width: usize,
-    ) -> Result<()> {
-        let n = dout.len_f32();
-        self.launch(
-            Kernel::SwigluGuBwd {
-                dgu,
-                dout,
-                gu,
-                width,
-                n,
-            },
-            grid_for(n),
-            BLOCK,
-        )
-    }
-
-    /// `x += y`
-    pub fn add(&mut self, x: DSlice, y: DSlice) -> Result<()> {
-        let (n, act) = (self.act_len(x), self.act());
-        self.launch(Kernel::AddInplace { act, x, y, n }, grid_for(n), BLOCK)
-    }
-
-    /// `dst[r, dst_off..dst_off+width] = src[r, src_off..src_off+width]` for `rows` rows.
-    #[allow(clippy::too_many_arguments)]
-    pub fn copy_cols(
-        &mut self,
-        dst: DSlice,
-        src: DSlice,
-        rows: usize,
-        width: usize,
-        dst_stride: usize,
-        dst_off: usize,
-        src_stride: usize,
-        src_off: usize,
-    ) -> Result<()> {
-        let act = self.act();
-        self.launch(
-            Kernel::CopyCols {
-                act,
-                dst,
-                src,
-                width,
-                dst_stride,
-                dst_off,
-                src_stride,
-                src_off,
-            },
-            rows as u32,
-            row_block(width),
-        )
-    }
-
-    pub fn bf16_to_f32(&mut self, out: DSlice, input: DSlice) -> Result<()> {
-        let n = out.len_f32();
-        self.launch(Kernel::Bf16ToF32 { out, input, n }, grid_for(n), BLOCK)
-    }
-
-    pub fn f32_to_bf16(&mut self, out: DSlice, input: DSlice) -> Result<()> {
-        let n = input.len_f32();
-        self.launch(Kernel::F32ToBf16 { out, input, n }, grid_for(n), BLOCK)
     }
 
     /// Attention of `tq` query rows over key spans (`spans`: 4 i32 per row, see
@@ -827,112 +647,6 @@ impl Ops {
         )
     }
 
-    /// Σg² into `acc` (one f64, overwritten) and `nonfinite` (one i32, set on NaN/inf;
-    /// zero it first), through `partials` ([`SUMSQ_BLOCKS`] f64s): each block's share,
-    /// then their sum in block order, so the result does not depend on scheduling.
-    pub fn sumsq(
-        &mut self,
-        g: DSlice,
-        partials: DSlice,
-        acc: DSlice,
-        nonfinite: DSlice,
-    ) -> Result<()> {
-        let n = g.len_f32();
-        let blocks = grid_for(n).min(SUMSQ_BLOCKS as u32);
-        if partials.bytes < blocks as usize * 8 {
-            return Err(super::GpuError::Invalid(format!(
-                "sumsq: {} bytes of partials for {blocks} blocks",
-                partials.bytes
-            )));
-        }
-        self.launch(
-            Kernel::Sumsq {
-                partials,
-                nonfinite,
-                g,
-                n,
-            },
-            blocks,
-            BLOCK,
-        )?;
-        let blocks = blocks as usize;
-        self.launch(
-            Kernel::SumsqFinish {
-                acc,
-                partials,
-                blocks,
-            },
-            1,
-            32,
-        )
-    }
-
-    /// One more Adam step in the device counter `t` (one i32) unless `nonfinite` is set.
-    pub fn adam_count(&mut self, t: DSlice, nonfinite: DSlice) -> Result<()> {
-        self.launch(Kernel::AdamCount { t, nonfinite }, 1, 32)
-    }
-
-    /// Clip by the norm in `acc` to `max_norm` (0: no clip) and apply AdamW at the step
-    /// count in `t` (after [`adam_count`](Self::adam_count)), unless `nonfinite` is set.
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw(
-        &mut self,
-        p: DSlice,
-        m: DSlice,
-        v: DSlice,
-        g: DSlice,
-        acc: DSlice,
-        nonfinite: DSlice,
-        t: DSlice,
-        max_norm: f32,
-        lr: f32,
-        opt: &AdamHyper,
-    ) -> Result<()> {
-        let n = p.len_f32();
-        self.launch(
-            Kernel::Adamw {
-                p,
-                m,
-                v,
-                g,
-                n,
-                acc,
-                nonfinite,
-                t,
-                max_norm,
-                lr,
-                hyper: *opt,
-            },
-            grid_for(n),
-            BLOCK,
-        )
-    }
-
-    /// [`params_hash`] of `p` added into `acc` (one u64; zero it first).
-    pub fn params_hash(&mut self, acc: DSlice, p: DSlice) -> Result<()> {
-        let n = p.len_f32();
-        self.launch(
-            Kernel::ParamsHash { acc, p, n },
-            grid_for(n).min(1024),
-            BLOCK,
-        )
-    }
-}
-
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// The weights' checksum that the `params_hash` kernel computes: Σᵢ splitmix64(bits(pᵢ)
-/// << 32 ^ i), wrapping. Order-free, so the device's grid does not change it; one flipped
-/// bit anywhere changes it.
-pub fn params_hash(p: &[f32]) -> u64 {
-    p.iter().enumerate().fold(0u64, |s, (i, x)| {
-        s.wrapping_add(splitmix64(((x.to_bits() as u64) << 32) ^ i as u64))
-    })
 }
 
 fn check_heads(qh: usize, kvh: usize, hd: usize) -> Result<()> {

@@ -1,0 +1,199 @@
+//! Rotary embedding, in place (`cuda/rope.cuh`): the kernel and its arguments, its launch
+//! on [`Ops`], and its CPU body (what the CPU device runs).
+
+#![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
+
+use super::on_cpu::{need, rd, wr, Widened};
+use super::{i32_of, row_block, Act, Ops};
+use crate::device::{Arg, DSlice, Result};
+
+/// The rotary embedding's kernel, with its arguments.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Rope {
+    /// Rotary embedding in place (`pos` i32 per row, `inv_freq` head_dim/2), scaled by
+    /// `scale`; `inverse` rotates back (the backward).
+    Apply {
+        act: Act,
+        x: DSlice,
+        pos: DSlice,
+        inv_freq: DSlice,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+        inverse: bool,
+    },
+}
+
+impl Rope {
+    /// The kernel's symbol in the CUDA source.
+    pub fn name(&self) -> &'static str {
+        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
+            Act::F32 => f32,
+            Act::Bf16 => bf16,
+        };
+        match *self {
+            Rope::Apply { act: a, .. } => act(a, "rope", "rope_bf16"),
+        }
+    }
+
+    /// The arguments as the kernel's C parameters, in order: each buffer marked as the
+    /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
+    pub fn args(&self) -> Vec<Arg> {
+        #[allow(unused_imports)]
+        use Arg::{F32, R, RW, W};
+        match *self {
+            Rope::Apply {
+                x,
+                pos,
+                inv_freq,
+                heads,
+                head_dim,
+                scale,
+                inverse,
+                ..
+            } => vec![
+                RW(x),
+                R(pos),
+                R(inv_freq),
+                i32_of(heads),
+                i32_of(head_dim),
+                F32(scale),
+                Arg::I32(inverse as i32),
+            ],
+        }
+    }
+
+    /// One launch of each kernel (each of its symbols), all buffers `b`.
+    pub fn every(b: DSlice) -> Vec<Rope> {
+        let mut all = Vec::new();
+        for act in [Act::F32, Act::Bf16] {
+            all.extend([
+                Rope::Apply {
+                    act,
+                    x: b,
+                    pos: b,
+                    inv_freq: b,
+                    heads: 1,
+                    head_dim: 2,
+                    scale: 1.0,
+                    inverse: false,
+                },
+            ]);
+        }
+        all
+    }
+
+    /// The f32 kernel a bf16 one runs as on the CPU, over `w`'s temporaries; `None` for a
+    /// kernel that is f32 already.
+    ///
+    /// # Safety
+    /// The kernel's buffers are the CPU device's memory.
+    pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Rope> {
+        let mut k = *self;
+        match &mut k {
+        Rope::Apply { act, x, .. } if *act == Act::Bf16 => {
+            *x = w.output(*x);
+            *act = Act::F32;
+        }
+            _ => return None,
+        }
+        Some(k)
+    }
+
+    /// The kernel on the CPU over `rows` (the launch's grid), f32 (a bf16 one runs as
+    /// its f32 kernel).
+    ///
+    /// # Safety
+    /// The buffers are the CPU device's memory, not aliased.
+    pub(crate) unsafe fn run_cpu(&self, rows: usize) -> Result<()> {
+        match *self {
+        Rope::Apply {
+            x,
+            pos,
+            inv_freq,
+            heads,
+            head_dim,
+            scale,
+            inverse,
+            ..
+        } => rope(
+            rows,
+            wr(x),
+            rd(pos),
+            rd(inv_freq),
+            (heads, head_dim),
+            scale,
+            inverse,
+        ),
+            #[allow(unreachable_patterns)]
+            _ => Err(crate::device::GpuError::Invalid(format!("{} runs as its f32 kernel on the CPU", self.name()))),
+        }
+    }
+}
+
+impl Ops {
+    /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &mut self,
+        x: DSlice,
+        pos: DSlice,
+        inv_freq: DSlice,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        scale: f32,
+        inverse: bool,
+    ) -> Result<()> {
+        let act = self.act();
+        self.launch(
+            Rope::Apply {
+                act,
+                x,
+                pos,
+                inv_freq,
+                heads,
+                head_dim,
+                scale,
+                inverse,
+            },
+            rows as u32,
+            row_block(heads * head_dim / 2),
+        )
+    }
+}
+
+fn rope(
+    rows: usize,
+    x: &mut [f32],
+    pos: &[i32],
+    inv_freq: &[f32],
+    (heads, hd): (usize, usize),
+    scale: f32,
+    inverse: bool,
+) -> Result<()> {
+    let kernel = "rope";
+    let half = hd / 2;
+    need(kernel, "x", x.len(), rows * heads * hd)?;
+    need(kernel, "pos", pos.len(), rows)?;
+    need(kernel, "inv_freq", inv_freq.len(), half)?;
+    for r in 0..rows {
+        let p = pos[r] as f32;
+        for i in 0..half {
+            let (mut s, c) = (p * inv_freq[i]).sin_cos();
+            s *= scale;
+            let c = c * scale;
+            if inverse {
+                s = -s;
+            }
+            for h in 0..heads {
+                let base = r * heads * hd + h * hd;
+                let (x1, x2) = (x[base + i], x[base + i + half]);
+                x[base + i] = x1 * c - x2 * s;
+                x[base + i + half] = x2 * c + x1 * s;
+            }
+        }
+    }
+    Ok(())
+}
+
