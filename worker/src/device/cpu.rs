@@ -256,14 +256,6 @@ impl Device for CpuDevice {
 /// As for [`as_f32`].
 unsafe fn moe_as_f32(k: &mut Kernel, w: &mut Widened) -> bool {
     match k {
-        Kernel::MoeRoute { act, logits, .. } if *act == Act::Bf16 => {
-            *logits = w.input(*logits);
-            *act = Act::F32;
-        }
-        Kernel::MoeCombine { act, out, y, .. } if *act == Act::Bf16 => {
-            (*out, *y) = (w.output(*out), w.input(*y));
-            *act = Act::F32;
-        }
         Kernel::MoeGemm {
             act, y, x, w: wt, ..
         } if *act == Act::Bf16 => {
@@ -286,6 +278,7 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
         return Some(k32);
     }
     match &mut k32 {
+        Kernel::Moe(k) => return k.as_f32(w).map(Kernel::Moe),
         Kernel::Convert(k) => return k.as_f32(w).map(Kernel::Convert),
         Kernel::Swiglu(k) => return k.as_f32(w).map(Kernel::Swiglu),
         Kernel::Norm(k) => return k.as_f32(w).map(Kernel::Norm),
@@ -295,14 +288,7 @@ unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
             (a.q, a.k, a.v) = (w.input(a.q), w.input(a.k), w.input(a.v));
             *act = Act::F32;
         }
-        Kernel::CeFold { act, logits, .. } if *act == Act::Bf16 => {
-            *logits = w.output(*logits);
-            *act = Act::F32;
-        }
-        Kernel::CeFinish { act, w: lm, .. } if *act == Act::Bf16 => {
-            *lm = w.input(*lm);
-            *act = Act::F32;
-        }
+        Kernel::Loss(k) => return k.as_f32(w).map(Kernel::Loss),
         // The FlashAttention-2 forward computes what the plain one does.
         Kernel::AttentionFa2Fwd { act, a, .. } => {
             if *act == Act::Bf16 {
@@ -976,51 +962,7 @@ impl BwdJobs<'_> {
 /// The kernel's buffers are this device's memory and do not alias ([`check_aliasing`]).
 unsafe fn moe_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
     Some(match *k {
-        Kernel::MoeRoute {
-            idx,
-            wts,
-            logits,
-            experts,
-            top_k,
-            norm,
-            ..
-        } => moe_route(rows, (wr(idx), wr(wts)), rd(logits), experts, top_k, norm),
-        Kernel::MoeCount {
-            counts,
-            idx,
-            pairs,
-            experts,
-        } => moe_count(wr(counts), rd(idx), pairs, experts),
-        Kernel::MoeScan {
-            offsets,
-            counts,
-            chunks,
-            experts,
-        } => moe_scan(wr(offsets), wr(counts), chunks, experts),
-        Kernel::MoePlace {
-            rows: order,
-            slots,
-            idx,
-            first_rows,
-            pairs,
-            top_k,
-            experts,
-        } => moe_place(
-            (wr(order), wr(slots)),
-            (rd(idx), rd(first_rows)),
-            pairs,
-            top_k,
-            experts,
-        ),
-        Kernel::MoeCombine {
-            out,
-            y,
-            wts,
-            slots,
-            top_k,
-            h,
-            ..
-        } => moe_combine(rows, wr(out), rd(y), rd(wts), rd(slots), top_k, h),
+        Kernel::Moe(k) => k.run_cpu(rows),
         _ => return None,
     })
 }
@@ -1041,123 +983,6 @@ unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
 
 // The kernels of kernels.cu that are not attention, each over slices the caller made
 // from the launch's buffers (see `run_kernel`); `rows` is the launch's grid.
-
-/// kernels.cu's `moe_route` for `rows` tokens: softmax, top-k by repeated argmax (lower
-/// expert first among equals), probabilities renormalised over the chosen when `norm`.
-fn moe_route(
-    rows: usize,
-    (idx, wts): (&mut [i32], &mut [f32]),
-    logits: &[f32],
-    experts: usize,
-    top_k: usize,
-    norm: bool,
-) -> Result<()> {
-    let kernel = "moe_route";
-    need(kernel, "logits", logits.len(), rows * experts)?;
-    need(kernel, "idx", idx.len(), rows * top_k)?;
-    need(kernel, "wts", wts.len(), rows * top_k)?;
-    for r in 0..rows {
-        let l = &logits[r * experts..(r + 1) * experts];
-        let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let s: f32 = l.iter().map(|v| (v - m).exp()).sum();
-        let (ri, rw) = (
-            &mut idx[r * top_k..(r + 1) * top_k],
-            &mut wts[r * top_k..(r + 1) * top_k],
-        );
-        let mut top_sum = 0f32;
-        for j in 0..top_k {
-            let mut best: Option<(usize, f32)> = None;
-            for (e, &v) in l.iter().enumerate() {
-                if ri[..j].contains(&(e as i32)) {
-                    continue;
-                }
-                if best.is_none_or(|(_, bv)| v > bv) {
-                    best = Some((e, v));
-                }
-            }
-            let (e, v) = best.unwrap_or((0, f32::NAN));
-            let p = (v - m).exp() / s;
-            top_sum += p;
-            (ri[j], rw[j]) = (e as i32, p);
-        }
-        if norm {
-            rw.iter_mut().for_each(|w| *w /= top_sum);
-        }
-    }
-    Ok(())
-}
-
-/// An expert id as the kernels read it: one out of range is expert 0.
-fn expert_of(e: i32, experts: usize) -> usize {
-    if e >= 0 && (e as usize) < experts {
-        e as usize
-    } else {
-        0
-    }
-}
-
-/// kernels.cu's `moe_count`: the pairs of each chunk per expert, `counts[b, e]`.
-fn moe_count(counts: &mut [i32], idx: &[i32], pairs: usize, experts: usize) -> Result<()> {
-    let kernel = "moe_count";
-    let chunks = pairs.div_ceil(super::ops::kernel::MOE_CHUNK);
-    need(kernel, "idx", idx.len(), pairs)?;
-    need(kernel, "counts", counts.len(), chunks * experts)?;
-    counts[..chunks * experts].fill(0);
-    for (p, &e) in idx[..pairs].iter().enumerate() {
-        counts[p / super::ops::kernel::MOE_CHUNK * experts + expert_of(e, experts)] += 1;
-    }
-    Ok(())
-}
-
-/// kernels.cu's `moe_scan`: the offsets, and each chunk's first row per expert.
-fn moe_scan(offsets: &mut [i32], counts: &mut [i32], chunks: usize, experts: usize) -> Result<()> {
-    let kernel = "moe_scan";
-    need(kernel, "offsets", offsets.len(), experts + 1)?;
-    need(kernel, "counts", counts.len(), chunks * experts)?;
-    let mut at = 0;
-    for e in 0..experts {
-        offsets[e] = at;
-        for b in 0..chunks {
-            let c = counts[b * experts + e];
-            counts[b * experts + e] = at;
-            at += c;
-        }
-    }
-    offsets[experts] = at;
-    Ok(())
-}
-
-/// kernels.cu's `moe_place`: each pair's row, the pairs of an expert in order.
-fn moe_place(
-    (order, slots): (&mut [i32], &mut [i32]),
-    (idx, first_rows): (&[i32], &[i32]),
-    pairs: usize,
-    top_k: usize,
-    experts: usize,
-) -> Result<()> {
-    let kernel = "moe_place";
-    let chunk = super::ops::kernel::MOE_CHUNK;
-    need(kernel, "idx", idx.len(), pairs)?;
-    need(kernel, "slots", slots.len(), pairs)?;
-    need(
-        kernel,
-        "first_rows",
-        first_rows.len(),
-        pairs.div_ceil(chunk) * experts,
-    )?;
-    let mut next = vec![0i32; experts];
-    for (p, &e) in idx[..pairs].iter().enumerate() {
-        if p % chunk == 0 {
-            next.copy_from_slice(&first_rows[p / chunk * experts..(p / chunk + 1) * experts]);
-        }
-        let e = expert_of(e, experts);
-        let row = next[e].max(0) as usize;
-        need(kernel, "rows", order.len(), row + 1)?;
-        (order[row], slots[p]) = ((p / top_k.max(1)) as i32, row as i32);
-        next[e] += 1;
-    }
-    Ok(())
-}
 
 /// The experts' grouped GEMM ([`Kernel::MoeGemm`]): each expert's rows (gathered into
 /// a copy when `gather`) times its `[n, k]` matrix, one f32 GEMM per expert with rows.
@@ -1229,37 +1054,6 @@ fn moe_gemm(
         // writes (validated), c disjoint from both.
         g.validate()?;
         unsafe { super::host::sgemm_colmajor(&g, par) };
-    }
-    Ok(())
-}
-
-/// kernels.cu's `moe_combine` for `rows` tokens.
-fn moe_combine(
-    rows: usize,
-    out: &mut [f32],
-    y: &[f32],
-    wts: &[f32],
-    slots: &[i32],
-    top_k: usize,
-    h: usize,
-) -> Result<()> {
-    let kernel = "moe_combine";
-    need(kernel, "wts", wts.len(), rows * top_k)?;
-    need(kernel, "slots", slots.len(), rows * top_k)?;
-    need(kernel, "out", out.len(), rows * h)?;
-    for t in 0..rows {
-        for q in 0..top_k {
-            let row = slots[t * top_k + q].max(0) as usize;
-            need(kernel, "y", y.len(), (row + 1) * h)?;
-        }
-        for j in 0..h {
-            let mut acc = 0f32;
-            for q in 0..top_k {
-                let row = slots[t * top_k + q] as usize;
-                acc += wts[t * top_k + q] * y[row * h + j];
-            }
-            out[t * h + j] = acc;
-        }
     }
     Ok(())
 }
@@ -1336,149 +1130,8 @@ unsafe fn attention_prep(g: &AttentionGrad, s: &super::ops::kernel::BwdScratch) 
 /// As for [`row_kernel`].
 unsafe fn ce_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
     Some(match *k {
-        Kernel::CeFold {
-            st,
-            logits,
-            labels,
-            cw,
-            start,
-            h,
-            ..
-        } => ce_fold(
-            rows,
-            CeRows {
-                run_max: wr(st.run_max),
-                run_sum: wr(st.run_sum),
-                best_i: wr(st.best_i),
-                label_logit: wr(st.label_logit),
-                acc: wr(st.acc),
-            },
-            (wr(logits), rd(labels)),
-            (cw, start, h),
-        ),
-        Kernel::CeFinish {
-            st,
-            dx,
-            loss,
-            correct,
-            labels,
-            scale,
-            w,
-            h,
-            vocab,
-            ..
-        } => ce_finish(
-            rows,
-            (wr(dx), wr(loss), wr(correct)),
-            &CeDone {
-                run_max: rd(st.run_max),
-                run_sum: rd(st.run_sum),
-                best_i: rd(st.best_i),
-                label_logit: rd(st.label_logit),
-                acc: rd(st.acc),
-            },
-            (rd(labels), rd(scale), rd(w)),
-            (h, vocab),
-        ),
+        Kernel::Loss(k) => k.run_cpu(rows),
         _ => return None,
     })
-}
-
-/// The cross-entropy's rows over the vocabulary chunks (see [`super::ops::kernel::CeState`]).
-struct CeRows<'a> {
-    run_max: &'a mut [f32],
-    run_sum: &'a mut [f32],
-    best_i: &'a mut [i32],
-    label_logit: &'a mut [f32],
-    acc: &'a mut [f32],
-}
-
-/// `(cw, start, h)`: the chunk's width and first vocabulary id, and the rows' width.
-fn ce_fold(
-    rows: usize,
-    st: CeRows<'_>,
-    (logits, labels): (&mut [f32], &[i32]),
-    (cw, start, h): (usize, usize, usize),
-) -> Result<()> {
-    let kernel = "ce_fold";
-    let have = (st.run_max.len().min(st.run_sum.len()).min(st.best_i.len()))
-        .min(st.label_logit.len().min(labels.len()));
-    need(kernel, "row state", have, rows)?;
-    need(kernel, "acc", st.acc.len(), rows * h)?;
-    need(kernel, "logits", logits.len(), rows * cw)?;
-    for r in 0..rows {
-        let lr = &mut logits[r * cw..(r + 1) * cw];
-        let (mut cmax, mut cidx) = (f32::NEG_INFINITY, 0usize);
-        for (j, &v) in lr.iter().enumerate() {
-            if v > cmax {
-                (cmax, cidx) = (v, j);
-            }
-        }
-        let m_old = st.run_max[r];
-        let m_new = m_old.max(cmax);
-        let lab = labels[r];
-        if lab >= start as i32 && (lab as usize) < start + cw {
-            st.label_logit[r] = lr[lab as usize - start];
-        }
-        let mut s = 0f32;
-        for l in lr.iter_mut() {
-            *l = exp_neg(*l - m_new);
-            s += *l;
-        }
-        if m_new > m_old {
-            let f = exp_neg(m_old - m_new);
-            st.acc[r * h..(r + 1) * h].iter_mut().for_each(|a| *a *= f);
-        }
-        st.run_sum[r] = st.run_sum[r] * exp_neg(m_old - m_new) + s;
-        st.run_max[r] = m_new;
-        if cmax > m_old {
-            st.best_i[r] = (start + cidx) as i32;
-        }
-    }
-    Ok(())
-}
-
-/// The cross-entropy's rows after the last chunk (see [`CeRows`]).
-struct CeDone<'a> {
-    run_max: &'a [f32],
-    run_sum: &'a [f32],
-    best_i: &'a [i32],
-    label_logit: &'a [f32],
-    acc: &'a [f32],
-}
-
-/// `(dx, loss, correct)` written from the rows' state, `(labels, scale, w)` and
-/// `(h, vocab)`, as kernels.cu's `ce_finish`.
-fn ce_finish(
-    rows: usize,
-    (dx, loss, correct): (&mut [f32], &mut [f32], &mut [i32]),
-    st: &CeDone<'_>,
-    (labels, scale, w): (&[i32], &[f32], &[f32]),
-    (h, vocab): (usize, usize),
-) -> Result<()> {
-    let kernel = "ce_finish";
-    let have = (loss.len().min(correct.len()).min(st.run_max.len()))
-        .min(
-            st.run_sum
-                .len()
-                .min(st.best_i.len())
-                .min(st.label_logit.len()),
-        )
-        .min(labels.len().min(scale.len()));
-    need(kernel, "row state", have, rows)?;
-    need(kernel, "dx and acc", dx.len().min(st.acc.len()), rows * h)?;
-    need(kernel, "w", w.len(), vocab * h)?;
-    for r in 0..rows {
-        let lab = labels[r];
-        let wl = (lab >= 0 && (lab as usize) < vocab).then(|| &w[lab as usize * h..][..h]);
-        let (inv, sc) = (1.0 / st.run_sum[r], scale[r]);
-        for d in 0..h {
-            let wd = wl.map_or(0.0, |wl| wl[d]);
-            dx[r * h + d] = sc * (st.acc[r * h + d] * inv - wd);
-        }
-        loss[r] = st.run_max[r] + st.run_sum[r].ln() - st.label_logit[r];
-        correct[r] = (st.best_i[r] == lab) as i32;
-    }
-    Ok(())
 }
 

@@ -13,6 +13,8 @@
 //! per row for the row kernels.
 
 use super::norm::Norm;
+use super::moe::Moe;
+use super::loss::Loss;
 use super::adamw::Optimizer;
 use super::convert::Convert;
 use super::swiglu::Swiglu;
@@ -28,9 +30,6 @@ pub const MOE_GEMM_ROWS: usize = 64;
 pub const MOE_GEMM_COLS: usize = 128;
 pub const MOE_GEMM_THREADS: u32 = 128;
 pub const MOE_GEMM_DYN_BYTES: u32 = 3 * (64 + 128) * 40 * 2;
-/// Routed pairs per block of the permutation's count and place launches (`MOE_CHUNK`).
-pub const MOE_CHUNK: usize = 256;
-
 /// Attention over key spans: `q`/`out` `[tq, qh·hd]`, `k`/`v` `[keys, kvh·hd]`, `spans`
 /// four i32 per query row (two key ranges), `lse` one f32 per (row, head).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -122,18 +121,6 @@ pub struct AttentionGrad {
     pub dv: DSlice,
 }
 
-/// The cross-entropy's rows over the vocabulary chunks (kernels.cu's `ce_fold`): each
-/// row's running max, Σexp (relative to that max), argmax (i32 id) and label logit, and
-/// `acc` `[rows, h]`, Σ exp(l − max)·W over the chunks so far.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CeState {
-    pub run_max: DSlice,
-    pub run_sum: DSlice,
-    pub best_i: DSlice,
-    pub label_logit: DSlice,
-    pub acc: DSlice,
-}
-
 /// The FlashAttention-2 backward's scratch, carved from one buffer ([`BwdScratch::at`]):
 /// Q and dO in bf16 (`[tq, qh·hd]` each), the span summaries (8 i32 per 32 query rows)
 /// and D (f32 per row and head).
@@ -174,47 +161,6 @@ impl BwdScratch {
 /// One launch's kernel and arguments.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Kernel {
-    /// Per token (grid: tokens, one warp each): the softmax of its router `logits`
-    /// `[t, experts]`, the `top_k` largest (lower expert first among equals) into `idx`
-    /// (i32 `[t, top_k]`, rank order) and their probabilities into `wts`, divided by their
-    /// sum when `norm`.
-    MoeRoute {
-        act: Act,
-        idx: DSlice,
-        wts: DSlice,
-        logits: DSlice,
-        experts: usize,
-        top_k: usize,
-        norm: bool,
-    },
-    /// The permutation into expert order, first launch (grid: `ceil(pairs / MOE_CHUNK)`
-    /// blocks): `counts[b, e]` (i32) the pairs of chunk b (`MOE_CHUNK` pairs) routed to
-    /// expert e (`idx`, i32).
-    MoeCount {
-        counts: DSlice,
-        idx: DSlice,
-        pairs: usize,
-        experts: usize,
-    },
-    /// Second launch (one block): `offsets` (i32, `experts + 1`) from the counts, and
-    /// `counts[b, e]` turned into chunk b's first row of expert e.
-    MoeScan {
-        offsets: DSlice,
-        counts: DSlice,
-        chunks: usize,
-        experts: usize,
-    },
-    /// Third launch (a warp per chunk): `rows` (i32 token of each row, ascending within an
-    /// expert) and `slots` (i32 row of each pair), from `first_rows` (MoeScan's counts).
-    MoePlace {
-        rows: DSlice,
-        slots: DSlice,
-        idx: DSlice,
-        first_rows: DSlice,
-        pairs: usize,
-        top_k: usize,
-        experts: usize,
-    },
     /// The experts' grouped GEMM (grid: [`Kernel::moe_gemm_grid`], `MOE_THREADS`):
     /// `y[r,:] = x[src(r),:] · W_eᵀ` for each row r of expert e (`offsets[e] ≤ r <
     /// offsets[e + 1]`, i32 on the device), `W_e` the `[n, k]` matrix at `w + e·n·k`;
@@ -232,18 +178,12 @@ pub enum Kernel {
         n: usize,
         k: usize,
     },
-    /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` (grid: tokens; `y` `[rows, h]`).
-    MoeCombine {
-        act: Act,
-        out: DSlice,
-        y: DSlice,
-        wts: DSlice,
-        slots: DSlice,
-        top_k: usize,
-        h: usize,
-    },
     /// RMSNorm, forward and backward (`ops/norm.rs`).
     Norm(Norm),
+    /// A mixture of experts' routing (`ops/moe.rs`).
+    Moe(Moe),
+    /// The cross-entropy (`ops/loss.rs`).
+    Loss(Loss),
     /// The gradient norm, AdamW, the checksum (`ops/adamw.rs`).
     Optimizer(Optimizer),
     /// Gathers, scatters, casts, element-wise (`ops/convert.rs`).
@@ -281,33 +221,6 @@ pub enum Kernel {
         s: BwdScratch,
         tk: usize,
     },
-    /// Fold a vocabulary chunk of logits (`[rows, cw]`, ids `start..start+cw`; bf16 at
-    /// `act` bf16) into each row's [`CeState`] (labels i32), the logits becoming
-    /// `exp(l − max)` in place.
-    CeFold {
-        act: Act,
-        st: CeState,
-        logits: DSlice,
-        labels: DSlice,
-        cw: usize,
-        start: usize,
-        h: usize,
-    },
-    /// After the last chunk: `dx = scale·(acc/Σexp − W[label])` (`[rows, h]`, written),
-    /// each row's cross-entropy (`loss`) and whether its argmax is its label (`correct`,
-    /// i32), with the lm_head `w` `[vocab, h]` (bf16 at `act` bf16; labels i32).
-    CeFinish {
-        act: Act,
-        st: CeState,
-        dx: DSlice,
-        loss: DSlice,
-        correct: DSlice,
-        labels: DSlice,
-        scale: DSlice,
-        w: DSlice,
-        h: usize,
-        vocab: usize,
-    },
 }
 
 impl From<Norm> for Kernel {
@@ -340,6 +253,18 @@ impl From<Optimizer> for Kernel {
     }
 }
 
+impl From<Loss> for Kernel {
+    fn from(k: Loss) -> Kernel {
+        Kernel::Loss(k)
+    }
+}
+
+impl From<Moe> for Kernel {
+    fn from(k: Moe) -> Kernel {
+        Kernel::Moe(k)
+    }
+}
+
 impl Kernel {
     /// The grouped GEMM's grid for `pairs` routed rows over `experts` experts and `n`
     /// output columns: the most row tiles any routing can have (each expert's rows in
@@ -358,12 +283,8 @@ impl Kernel {
         match *self {
             Kernel::Norm(k) => k.name(),
             Kernel::Convert(k) => k.name(),
-            Kernel::MoeRoute { act: a, .. } => act(a, "moe_route", "moe_route_bf16"),
-            Kernel::MoeCount { .. } => "moe_count",
-            Kernel::MoeScan { .. } => "moe_scan",
-            Kernel::MoePlace { .. } => "moe_place",
+            Kernel::Moe(k) => k.name(),
             Kernel::MoeGemm { act: a, .. } => act(a, "moe_gemm", "moe_gemm_bf16"),
-            Kernel::MoeCombine { act: a, .. } => act(a, "moe_combine", "moe_combine_bf16"),
             Kernel::Swiglu(k) => k.name(),
             Kernel::Rope(k) => k.name(),
             Kernel::AttentionFwd { act: a, .. } => act(a, "attention_fwd", "attention_fwd_bf16"),
@@ -379,8 +300,7 @@ impl Kernel {
                 Fa2Dim::D64 => "attention_fa2_bwd_hd64",
                 Fa2Dim::D128 => "attention_fa2_bwd_hd128",
             },
-            Kernel::CeFold { act: a, .. } => act(a, "ce_fold", "ce_fold_bf16"),
-            Kernel::CeFinish { act: a, .. } => act(a, "ce_finish", "ce_finish_bf16"),
+            Kernel::Loss(k) => k.name(),
             Kernel::Optimizer(k) => k.name(),
         }
     }
@@ -424,60 +344,6 @@ impl Kernel {
     fn moe_args(&self) -> Option<Vec<Arg>> {
         use Arg::{R, RW, W};
         Some(match *self {
-            Kernel::MoeRoute {
-                idx,
-                wts,
-                logits,
-                experts,
-                top_k,
-                norm,
-                ..
-            } => vec![
-                W(idx),
-                W(wts),
-                R(logits),
-                i32_of(experts),
-                i32_of(top_k),
-                i32_of(norm as usize),
-            ],
-            Kernel::MoeCount {
-                counts,
-                idx,
-                pairs,
-                experts,
-            } => vec![W(counts), R(idx), i32_of(pairs), i32_of(experts)],
-            Kernel::MoeScan {
-                offsets,
-                counts,
-                chunks,
-                experts,
-            } => vec![W(offsets), RW(counts), i32_of(chunks), i32_of(experts)],
-            Kernel::MoePlace {
-                rows,
-                slots,
-                idx,
-                first_rows,
-                pairs,
-                top_k,
-                experts,
-            } => vec![
-                W(rows),
-                W(slots),
-                R(idx),
-                R(first_rows),
-                i32_of(pairs),
-                i32_of(top_k),
-                i32_of(experts),
-            ],
-            Kernel::MoeCombine {
-                out,
-                y,
-                wts,
-                slots,
-                top_k,
-                h,
-                ..
-            } => vec![W(out), R(y), R(wts), R(slots), i32_of(top_k), i32_of(h)],
             Kernel::MoeGemm {
                 y,
                 x,
@@ -518,6 +384,8 @@ impl Kernel {
     fn norm_args(&self) -> Option<Vec<Arg>> {
         match self {
             Kernel::Norm(k) => Some(k.args()),
+            Kernel::Moe(k) => Some(k.args()),
+            Kernel::Loss(k) => Some(k.args()),
             Kernel::Optimizer(k) => Some(k.args()),
             Kernel::Convert(k) => Some(k.args()),
             Kernel::Swiglu(k) => Some(k.args()),
@@ -605,52 +473,6 @@ impl Kernel {
     fn loss_and_optimizer_args(&self) -> Option<Vec<Arg>> {
         use Arg::{F32, R, RW, W};
         Some(match *self {
-            Kernel::CeFold {
-                st,
-                logits,
-                labels,
-                cw,
-                start,
-                h,
-                ..
-            } => vec![
-                RW(st.run_max),
-                RW(st.run_sum),
-                RW(st.best_i),
-                RW(st.label_logit),
-                RW(st.acc),
-                RW(logits),
-                R(labels),
-                i32_of(cw),
-                i32_of(start),
-                i32_of(h),
-            ],
-            Kernel::CeFinish {
-                st,
-                dx,
-                loss,
-                correct,
-                labels,
-                scale,
-                w,
-                h,
-                vocab,
-                ..
-            } => vec![
-                W(dx),
-                W(loss),
-                W(correct),
-                R(st.run_max),
-                R(st.run_sum),
-                R(st.best_i),
-                R(st.label_logit),
-                R(st.acc),
-                R(labels),
-                R(scale),
-                R(w),
-                i32_of(h),
-                i32_of(vocab),
-            ],
             _ => return None,
         })
     }
@@ -695,6 +517,8 @@ impl Kernel {
             tk: 1,
         }));
         all.extend(Norm::every(b).into_iter().map(Kernel::Norm));
+        all.extend(Moe::every(b).into_iter().map(Kernel::Moe));
+        all.extend(Loss::every(b).into_iter().map(Kernel::Loss));
         all.extend(Optimizer::every(b).into_iter().map(Kernel::Optimizer));
         all.extend(Convert::every(b).into_iter().map(Kernel::Convert));
         all.extend(Swiglu::every(b).into_iter().map(Kernel::Swiglu));
@@ -707,27 +531,6 @@ impl Kernel {
     /// The three launches of the permutation into expert order.
     fn every_permute(b: DSlice) -> Vec<Kernel> {
         vec![
-            Kernel::MoeCount {
-                counts: b,
-                idx: b,
-                pairs: 1,
-                experts: 1,
-            },
-            Kernel::MoeScan {
-                offsets: b,
-                counts: b,
-                chunks: 1,
-                experts: 1,
-            },
-            Kernel::MoePlace {
-                rows: b,
-                slots: b,
-                idx: b,
-                first_rows: b,
-                pairs: 1,
-                top_k: 1,
-                experts: 1,
-            },
         ]
     }
 
@@ -747,59 +550,13 @@ impl Kernel {
                 n: 1,
                 k: 1,
             },
-            Kernel::MoeRoute {
-                act,
-                idx: b,
-                wts: b,
-                logits: b,
-                experts: 1,
-                top_k: 1,
-                norm: false,
-            },
-            Kernel::MoeCombine {
-                act,
-                out: b,
-                y: b,
-                wts: b,
-                slots: b,
-                top_k: 1,
-                h: 1,
-            },
         ]
     }
 
     /// The kernels with an f32 and a bf16 symbol, at `act`.
     fn every_activation(b: DSlice, act: Act, attention: Attention) -> Vec<Kernel> {
-        let st = CeState {
-            run_max: b,
-            run_sum: b,
-            best_i: b,
-            label_logit: b,
-            acc: b,
-        };
         vec![
             Kernel::AttentionFwd { act, a: attention },
-            Kernel::CeFold {
-                act,
-                st,
-                logits: b,
-                labels: b,
-                cw: 1,
-                start: 0,
-                h: 1,
-            },
-            Kernel::CeFinish {
-                act,
-                st,
-                dx: b,
-                loss: b,
-                correct: b,
-                labels: b,
-                scale: b,
-                w: b,
-                h: 1,
-                vocab: 1,
-            },
         ]
     }
 

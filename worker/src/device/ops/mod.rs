@@ -5,6 +5,8 @@
 
 pub mod kernel;
 pub mod norm;
+pub mod moe;
+pub mod loss;
 pub mod adamw;
 pub mod convert;
 pub mod swiglu;
@@ -13,8 +15,9 @@ pub(crate) mod on_cpu;
 
 use super::{Arg, DSlice, Device, Gemm, Result, Stream};
 pub use adamw::{params_hash, AdamHyper, SUMSQ_BLOCKS};
-pub use kernel::CeState;
-use kernel::{Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel, MOE_CHUNK, MOE_GEMM_THREADS};
+pub use loss::CeState;
+use kernel::{Attention, AttentionGrad, BwdScratch, Fa2Dim, Kernel, MOE_GEMM_THREADS};
+pub use moe::{moe_permute_scratch, MOE_CHUNK};
 
 const BLOCK: u32 = 256;
 /// Attention, forward and backward, on tensor cores: query rows of one head per block of
@@ -43,12 +46,6 @@ fn row_block(d: usize) -> u32 {
 }
 
 pub use norm::{RMSNORM_BWD_MAX_WIDTH, RMSNORM_BWD_SCRATCH_F32};
-/// The i32 elements of [`Ops::moe_permute`]'s scratch for `pairs` routed pairs over
-/// `experts` experts: a count per chunk of pairs and expert.
-pub fn moe_permute_scratch(pairs: usize, experts: usize) -> usize {
-    pairs.div_ceil(MOE_CHUNK) * experts
-}
-
 /// Whether a forward activation kernel's activations are f32 or bf16.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Act {
@@ -302,91 +299,6 @@ impl Ops {
         Ok(())
     }
 
-    /// The routing of `t` tokens' router logits (activations `[t, experts]`): per token
-    /// the `top_k` most probable experts into `idx` (i32 `[t, top_k]`, rank order) and
-    /// their softmax probabilities into `wts` (f32), renormalised to sum to 1 when `norm`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_route(
-        &mut self,
-        logits: DSlice,
-        idx: DSlice,
-        wts: DSlice,
-        t: usize,
-        experts: usize,
-        top_k: usize,
-        norm: bool,
-    ) -> Result<()> {
-        let act = self.act();
-        self.launch(
-            Kernel::MoeRoute {
-                act,
-                idx,
-                wts,
-                logits,
-                experts,
-                top_k,
-                norm,
-            },
-            t as u32,
-            32,
-        )
-    }
-
-    /// The `pairs` routed (token, rank) pairs of `idx` (i32, `top_k` per token) in expert
-    /// order: `offsets` (i32 `[experts + 1]`), `rows` (the token of each row, i32,
-    /// ascending within an expert) and `slots` (the row of each pair, i32). Three launches
-    /// (count per chunk, scan, place), with `scratch` (i32, [`moe_permute_scratch`]
-    /// elements) between them.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_permute(
-        &mut self,
-        idx: DSlice,
-        (offsets, rows, slots): (DSlice, DSlice, DSlice),
-        scratch: DSlice,
-        pairs: usize,
-        top_k: usize,
-        experts: usize,
-    ) -> Result<()> {
-        let chunks = pairs.div_ceil(MOE_CHUNK);
-        if chunks == 0 {
-            return Ok(());
-        }
-        let counts = scratch.sub(4, 0..chunks * experts);
-        self.launch(
-            Kernel::MoeCount {
-                counts,
-                idx,
-                pairs,
-                experts,
-            },
-            chunks as u32,
-            BLOCK,
-        )?;
-        self.launch(
-            Kernel::MoeScan {
-                offsets,
-                counts,
-                chunks,
-                experts,
-            },
-            1,
-            BLOCK,
-        )?;
-        self.launch(
-            Kernel::MoePlace {
-                rows,
-                slots,
-                idx,
-                first_rows: counts,
-                pairs,
-                top_k,
-                experts,
-            },
-            chunks as u32,
-            32,
-        )
-    }
-
     /// The experts' grouped GEMM, one launch for every expert: for each of the `pairs`
     /// routed rows r of expert e (`offsets`, i32 `[experts + 1]`, on the device: the host
     /// never reads them), `y[r,:] = x[src(r),:] · W_eᵀ` with `W_e` the `[n, k]` matrix at
@@ -436,35 +348,6 @@ impl Ops {
             },
             grid,
             MOE_GEMM_THREADS,
-        )
-    }
-
-    /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` for `t` tokens (activations `y`
-    /// `[rows, h]` and `out` `[t, h]`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_combine(
-        &mut self,
-        out: DSlice,
-        y: DSlice,
-        wts: DSlice,
-        slots: DSlice,
-        t: usize,
-        top_k: usize,
-        h: usize,
-    ) -> Result<()> {
-        let act = self.act();
-        self.launch(
-            Kernel::MoeCombine {
-                act,
-                out,
-                y,
-                wts,
-                slots,
-                top_k,
-                h,
-            },
-            t as u32,
-            row_block(h),
         )
     }
 
@@ -580,71 +463,6 @@ impl Ops {
     /// `tq` query rows of `qh` heads of `hd`.
     pub fn attention_backward_scratch(tq: usize, qh: usize, hd: usize) -> usize {
         BwdScratch::bytes(tq, qh, hd).div_ceil(4)
-    }
-
-    /// Fold one vocabulary chunk of logits (`[n, cw]`, ids `start..start+cw`; bf16 at
-    /// `act` bf16) into each row's [`CeState`] for rows of width `h` (`labels`: i32 per
-    /// row); the logits become `exp(l − max)` in place, the input of the GEMM that adds
-    /// them times the chunk's lm_head rows into `st.acc`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn ce_fold(
-        &mut self,
-        act: Act,
-        st: CeState,
-        logits: DSlice,
-        labels: DSlice,
-        n: usize,
-        cw: usize,
-        start: usize,
-        h: usize,
-    ) -> Result<()> {
-        self.launch(
-            Kernel::CeFold {
-                act,
-                st,
-                logits,
-                labels,
-                cw,
-                start,
-                h,
-            },
-            n as u32,
-            row_block(cw),
-        )
-    }
-
-    /// After the last chunk: `dx` (`[n, h]`, written) = `scale·(acc/Σexp − W[label])`,
-    /// each row's cross-entropy into `loss` and `argmax == label` into `correct` (i32);
-    /// `w` the lm_head `[vocab, h]` (bf16 at `act` bf16).
-    #[allow(clippy::too_many_arguments)]
-    pub fn ce_finish(
-        &mut self,
-        act: Act,
-        st: CeState,
-        (dx, loss, correct): (DSlice, DSlice, DSlice),
-        labels: DSlice,
-        scale: DSlice,
-        w: DSlice,
-        n: usize,
-        h: usize,
-        vocab: usize,
-    ) -> Result<()> {
-        self.launch(
-            Kernel::CeFinish {
-                act,
-                st,
-                dx,
-                loss,
-                correct,
-                labels,
-                scale,
-                w,
-                h,
-                vocab,
-            },
-            n as u32,
-            row_block(h),
-        )
     }
 
 }
