@@ -57,13 +57,7 @@ impl CpuDevice {
     }
 
     fn par(&self, work: usize) -> gemm::Parallelism {
-        // Below this a product takes about a millisecond on one core, and handing it to
-        // threads (while the other workers on the machine want the cores too) costs more.
-        if self.threads > 1 && work >= (1 << 22) {
-            gemm::Parallelism::Rayon(self.threads)
-        } else {
-            gemm::Parallelism::None
-        }
+        super::ops::on_cpu::par(self.threads, work)
     }
 }
 
@@ -249,24 +243,6 @@ impl Device for CpuDevice {
     }
 }
 
-/// [`as_f32`] for the mixture-of-experts kernels: whether `k` was one with bf16
-/// activations, now its f32 kernel over `w`'s temporaries.
-///
-/// # Safety
-/// As for [`as_f32`].
-unsafe fn moe_as_f32(k: &mut Kernel, w: &mut Widened) -> bool {
-    match k {
-        Kernel::MoeGemm {
-            act, y, x, w: wt, ..
-        } if *act == Act::Bf16 => {
-            (*y, *x, *wt) = (w.output(*y), w.input(*x), w.input(*wt));
-            *act = Act::F32;
-        }
-        _ => return false,
-    }
-    true
-}
-
 /// The f32 kernel a bf16 activation kernel runs as, over `w`'s temporaries; `None` for a
 /// kernel that is f32 already.
 ///
@@ -274,10 +250,8 @@ unsafe fn moe_as_f32(k: &mut Kernel, w: &mut Widened) -> bool {
 /// The kernel's buffers are this device's memory.
 unsafe fn as_f32(k: &Kernel, w: &mut Widened) -> Option<Kernel> {
     let mut k32 = *k;
-    if moe_as_f32(&mut k32, w) {
-        return Some(k32);
-    }
     match &mut k32 {
+        Kernel::GemmKernel(k) => return k.as_f32(w).map(Kernel::GemmKernel),
         Kernel::Moe(k) => return k.as_f32(w).map(Kernel::Moe),
         Kernel::Convert(k) => return k.as_f32(w).map(Kernel::Convert),
         Kernel::Swiglu(k) => return k.as_f32(w).map(Kernel::Swiglu),
@@ -344,27 +318,7 @@ impl CpuDevice {
             Kernel::AttentionBwd(g) | Kernel::AttentionFa2Bwd { g, .. } => self.attention_bwd(&g),
             Kernel::AttentionBwdPrep { g, s } => attention_prep(&g, &s),
         Kernel::Optimizer(k) => k.run_cpu(rows),
-            Kernel::MoeGemm {
-                y,
-                x,
-                w,
-                offsets,
-                rows: order,
-                gather,
-                experts,
-                pairs,
-                n,
-                k,
-                ..
-            } => moe_gemm(
-                wr(y),
-                (rd(x), rd(w)),
-                (rd(offsets), rd(order)),
-                gather,
-                (experts, pairs),
-                (n, k),
-                self.par(pairs * n * k / experts.max(1)),
-            ),
+        Kernel::GemmKernel(k) => k.run_cpu(self.threads),
             _ => Err(GpuError::Invalid(format!(
                 "{name}: not a kernel of the CPU device's second family"
             ))),
@@ -983,80 +937,6 @@ unsafe fn row_kernel(k: &Kernel, rows: usize) -> Option<Result<()>> {
 
 // The kernels of kernels.cu that are not attention, each over slices the caller made
 // from the launch's buffers (see `run_kernel`); `rows` is the launch's grid.
-
-/// The experts' grouped GEMM ([`Kernel::MoeGemm`]): each expert's rows (gathered into
-/// a copy when `gather`) times its `[n, k]` matrix, one f32 GEMM per expert with rows.
-fn moe_gemm(
-    y: &mut [f32],
-    (x, w): (&[f32], &[f32]),
-    (offsets, order): (&[i32], &[i32]),
-    gather: usize,
-    (experts, pairs): (usize, usize),
-    (n, k): (usize, usize),
-    par: gemm::Parallelism,
-) -> Result<()> {
-    let kernel = "moe_gemm";
-    need(kernel, "offsets", offsets.len(), experts + 1)?;
-    need(kernel, "w", w.len(), experts * n * k)?;
-    need(kernel, "y", y.len(), pairs * n)?;
-    need(
-        kernel,
-        "x",
-        x.len(),
-        if gather > 0 { gather } else { pairs } * k,
-    )?;
-    if gather > 0 {
-        need(kernel, "rows", order.len(), pairs)?;
-    }
-    let clamp = |v: i32, lo: usize| (v.max(0) as usize).clamp(lo, pairs);
-    let slice = |v: &[f32]| DSlice {
-        ptr: v.as_ptr() as u64,
-        bytes: v.len() * 4,
-    };
-    for e in 0..experts {
-        let first = clamp(offsets[e], 0);
-        let end = clamp(offsets[e + 1], first);
-        if end == first {
-            continue;
-        }
-        let src: Vec<f32> = (first..end)
-            .flat_map(|r| {
-                let s = if gather > 0 {
-                    (order[r].max(0) as usize).min(gather - 1)
-                } else {
-                    r
-                };
-                x[s * k..(s + 1) * k].iter().copied()
-            })
-            .collect();
-        let out = &mut y[first * n..end * n];
-        let g = Gemm {
-            transa: true,
-            transb: false,
-            m: n,
-            n: end - first,
-            k,
-            alpha: 1.0,
-            a: slice(&w[e * n * k..(e + 1) * n * k]),
-            lda: k,
-            b: slice(&src),
-            ldb: k,
-            beta: 0.0,
-            c: DSlice {
-                ptr: out.as_mut_ptr() as u64,
-                bytes: out.len() * 4,
-            },
-            ldc: n,
-            bf16_inputs: false,
-            bf16_output: false,
-        };
-        // SAFETY: a, b and c are the slices above, of the extents the GEMM reads and
-        // writes (validated), c disjoint from both.
-        g.validate()?;
-        unsafe { super::host::sgemm_colmajor(&g, par) };
-    }
-    Ok(())
-}
 
 /// `attention_bwd_prep`: per (row, head) `Σ_d dO∘O` and Q, dO rounded to bf16 (0 and
 /// zeros where the row's lse is −inf); per 32 rows the union and intersection of each of

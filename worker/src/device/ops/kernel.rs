@@ -13,6 +13,7 @@
 //! per row for the row kernels.
 
 use super::norm::Norm;
+use super::gemm::GemmKernel;
 use super::moe::Moe;
 use super::loss::Loss;
 use super::adamw::Optimizer;
@@ -23,13 +24,6 @@ pub use super::Act;
 use super::i32_of;
 use crate::device::{Arg, DSlice};
 
-/// The experts' grouped GEMM's tile (`MOE_BM` × `MOE_BN` in kernels.cu), threads
-/// (`MOE_THREADS`) and dynamic shared memory (`MOE_DYN_BYTES`: 3 stages of 64 + 128 rows
-/// of 40 bf16).
-pub const MOE_GEMM_ROWS: usize = 64;
-pub const MOE_GEMM_COLS: usize = 128;
-pub const MOE_GEMM_THREADS: u32 = 128;
-pub const MOE_GEMM_DYN_BYTES: u32 = 3 * (64 + 128) * 40 * 2;
 /// Attention over key spans: `q`/`out` `[tq, qh·hd]`, `k`/`v` `[keys, kvh·hd]`, `spans`
 /// four i32 per query row (two key ranges), `lse` one f32 per (row, head).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -161,25 +155,10 @@ impl BwdScratch {
 /// One launch's kernel and arguments.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Kernel {
-    /// The experts' grouped GEMM (grid: [`Kernel::moe_gemm_grid`], `MOE_THREADS`):
-    /// `y[r,:] = x[src(r),:] · W_eᵀ` for each row r of expert e (`offsets[e] ≤ r <
-    /// offsets[e + 1]`, i32 on the device), `W_e` the `[n, k]` matrix at `w + e·n·k`;
-    /// `src(r)` is `rows[r]` (i32) when `gather` > 0 (`x` then has `gather` rows), else r.
-    MoeGemm {
-        act: Act,
-        y: DSlice,
-        x: DSlice,
-        w: DSlice,
-        offsets: DSlice,
-        rows: DSlice,
-        gather: usize,
-        experts: usize,
-        pairs: usize,
-        n: usize,
-        k: usize,
-    },
     /// RMSNorm, forward and backward (`ops/norm.rs`).
     Norm(Norm),
+    /// The experts' grouped GEMM (`ops/gemm.rs`).
+    GemmKernel(GemmKernel),
     /// A mixture of experts' routing (`ops/moe.rs`).
     Moe(Moe),
     /// The cross-entropy (`ops/loss.rs`).
@@ -265,15 +244,13 @@ impl From<Moe> for Kernel {
     }
 }
 
-impl Kernel {
-    /// The grouped GEMM's grid for `pairs` routed rows over `experts` experts and `n`
-    /// output columns: the most row tiles any routing can have (each expert's rows in
-    /// tiles of `MOE_GEMM_ROWS`, at most one partial tile per expert with rows) times the
-    /// column tiles. The CTAs past the routing's tiles return at once.
-    pub fn moe_gemm_grid(pairs: usize, experts: usize, n: usize) -> usize {
-        (pairs.div_ceil(MOE_GEMM_ROWS) + experts.min(pairs)) * n.div_ceil(MOE_GEMM_COLS)
+impl From<GemmKernel> for Kernel {
+    fn from(k: GemmKernel) -> Kernel {
+        Kernel::GemmKernel(k)
     }
+}
 
+impl Kernel {
     /// The kernel's symbol in kernels.cu.
     pub fn name(&self) -> &'static str {
         let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
@@ -284,7 +261,7 @@ impl Kernel {
             Kernel::Norm(k) => k.name(),
             Kernel::Convert(k) => k.name(),
             Kernel::Moe(k) => k.name(),
-            Kernel::MoeGemm { act: a, .. } => act(a, "moe_gemm", "moe_gemm_bf16"),
+            Kernel::GemmKernel(k) => k.name(),
             Kernel::Swiglu(k) => k.name(),
             Kernel::Rope(k) => k.name(),
             Kernel::AttentionFwd { act: a, .. } => act(a, "attention_fwd", "attention_fwd_bf16"),
@@ -312,7 +289,7 @@ impl Kernel {
     pub fn dynamic_shared_bytes(&self) -> u32 {
         match *self {
             Kernel::AttentionFa2Fwd { dim, .. } => 2 * 2 * 64 * (dim.head_dim() + 8) * 2,
-            Kernel::MoeGemm { act: Act::Bf16, .. } => MOE_GEMM_DYN_BYTES,
+            Kernel::GemmKernel(k) => k.dynamic_shared_bytes(),
             Kernel::Norm(k) => k.dynamic_shared_bytes(),
             _ => 0,
         }
@@ -344,30 +321,6 @@ impl Kernel {
     fn moe_args(&self) -> Option<Vec<Arg>> {
         use Arg::{R, RW, W};
         Some(match *self {
-            Kernel::MoeGemm {
-                y,
-                x,
-                w,
-                offsets,
-                rows,
-                gather,
-                experts,
-                pairs,
-                n,
-                k,
-                ..
-            } => vec![
-                W(y),
-                R(x),
-                R(w),
-                R(offsets),
-                R(rows),
-                i32_of(gather),
-                i32_of(experts),
-                i32_of(pairs),
-                i32_of(n),
-                i32_of(k),
-            ],
             _ => return None,
         })
     }
@@ -384,6 +337,7 @@ impl Kernel {
     fn norm_args(&self) -> Option<Vec<Arg>> {
         match self {
             Kernel::Norm(k) => Some(k.args()),
+            Kernel::GemmKernel(k) => Some(k.args()),
             Kernel::Moe(k) => Some(k.args()),
             Kernel::Loss(k) => Some(k.args()),
             Kernel::Optimizer(k) => Some(k.args()),
@@ -517,6 +471,7 @@ impl Kernel {
             tk: 1,
         }));
         all.extend(Norm::every(b).into_iter().map(Kernel::Norm));
+        all.extend(GemmKernel::every(b).into_iter().map(Kernel::GemmKernel));
         all.extend(Moe::every(b).into_iter().map(Kernel::Moe));
         all.extend(Loss::every(b).into_iter().map(Kernel::Loss));
         all.extend(Optimizer::every(b).into_iter().map(Kernel::Optimizer));
@@ -537,19 +492,6 @@ impl Kernel {
     /// The mixture-of-experts kernels with an f32 and a bf16 symbol, at `act`.
     fn every_moe(b: DSlice, act: Act) -> Vec<Kernel> {
         vec![
-            Kernel::MoeGemm {
-                act,
-                y: b,
-                x: b,
-                w: b,
-                offsets: b,
-                rows: b,
-                gather: 0,
-                experts: 1,
-                pairs: 1,
-                n: 1,
-                k: 1,
-            },
         ]
     }
 

@@ -106,3 +106,14 @@ impl Widened {
         }
     }
 }
+
+/// How a CPU GEMM of `work` multiply-adds runs: over `threads` threads, or (below about a
+/// millisecond of one core's work, where handing it to threads costs more while the other
+/// workers on the machine want the cores too) on the calling thread.
+pub(crate) fn par(threads: usize, work: usize) -> gemm::Parallelism {
+    if threads > 1 && work >= (1 << 22) {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    }
+}
