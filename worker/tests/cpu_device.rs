@@ -15,6 +15,7 @@ include!("parity/tests.rs");
 /// kernel refuses, naming itself and the buffer, instead of reading past the end.
 #[test]
 fn cpu_device_checks_every_kernels_buffers_against_the_launch() {
+    use dflash_worker::device::ops::attention::AttentionKernel;
     use dflash_worker::device::ops::kernel::Kernel;
     use dflash_worker::device::{DSlice, Device, GpuError, Stream};
     let mut d = dflash_worker::device::cpu::CpuDevice::new();
@@ -33,8 +34,8 @@ fn cpu_device_checks_every_kernels_buffers_against_the_launch() {
         // f32 one over widened copies, the FlashAttention-2
         // forward and backward as the plain attention's: the refusal names that one.
         let f32_name = match k {
-            Kernel::AttentionFa2Fwd { .. } => "attention_fwd",
-            Kernel::AttentionFa2Bwd { .. } => "attention_bwd",
+            Kernel::Attention(AttentionKernel::Fa2Fwd { .. }) => "attention_fwd",
+            Kernel::Attention(AttentionKernel::Fa2Bwd { .. }) => "attention_bwd",
             _ => k.name().trim_end_matches("_bf16").trim_end_matches("_to"),
         };
         assert!(
@@ -69,12 +70,14 @@ fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
             bytes: 32 * 4,
         },
     );
-    let add = |x, y| Kernel::Convert(dflash_worker::device::ops::convert::Convert::AddInplace {
-        act: Act::F32,
-        x,
-        y,
-        n: 32,
-    });
+    let add = |x, y| {
+        Kernel::Convert(dflash_worker::device::ops::convert::Convert::AddInplace {
+            act: Act::F32,
+            x,
+            y,
+            n: 32,
+        })
+    };
     let err = d.launch(Stream::Compute, &add(x, y), 1, 32).unwrap_err();
     assert!(
         matches!(&err, GpuError::Invalid(m) if m.contains("overlaps")),

@@ -331,12 +331,14 @@ fn emulated_a_failed_kernel_is_an_error_of_its_event_not_a_wait() {
                 ptr: 0x10,
                 bytes: 256,
             };
-            let add = dflash_worker::device::ops::kernel::Kernel::Convert(dflash_worker::device::ops::convert::Convert::AddInplace {
-                act: dflash_worker::device::ops::kernel::Act::F32,
-                x: ok,
-                y: bad,
-                n: 64,
-            });
+            let add = dflash_worker::device::ops::kernel::Kernel::Convert(
+                dflash_worker::device::ops::convert::Convert::AddInplace {
+                    act: dflash_worker::device::ops::kernel::Act::F32,
+                    x: ok,
+                    y: bad,
+                    n: 64,
+                },
+            );
             dev.launch(dflash_worker::device::Stream::Compute, &add, 1, 64)
                 .unwrap();
             let e = dev.record(dflash_worker::device::Stream::Compute).unwrap();
@@ -424,9 +426,10 @@ fn emulated_dynamic_shared_memory_past_a_kernels_limit_is_refused() {
         "emulated_dynamic_shared_memory_past_a_kernels_limit_is_refused",
         &[],
         || {
-            use dflash_worker::device::ops::kernel::{Attention, Fa2Dim, Kernel};
+            use dflash_worker::device::ops::attention::AttentionKernel;
+            use dflash_worker::device::ops::{Attention, Fa2Dim};
             let mut dev = CudaDevice::open().expect("the emulated device");
-            let fa2 = Kernel::AttentionFa2Fwd {
+            let fa2 = AttentionKernel::Fa2Fwd {
                 act: dflash_worker::device::ops::kernel::Act::Bf16,
                 dim: Fa2Dim::D128,
                 a: Attention::shape_of(1, 1, 1, 128),

@@ -398,6 +398,7 @@ fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
 /// A grid of only those CTAs writes the last rows, as the whole launch does, and no other.
 #[test]
 fn host_device_flash_attention_2_forward_issues_the_last_row_block_first() {
+    use dflash_worker::device::ops::attention::AttentionKernel;
     use dflash_worker::device::ops::kernel::Kernel;
     let (t, qh, hd) = (150usize, 2usize, 32usize);
     let mut rng = Rng::new(43);
@@ -422,11 +423,11 @@ fn host_device_flash_attention_2_forward_issues_the_last_row_block_first() {
         ..Attention::shape_of(t, qh, 1, hd)
     };
     let dim = Fa2Dim::for_call(&a).expect("hd 32 takes the FlashAttention-2 forward");
-    let k = Kernel::AttentionFa2Fwd {
+    let k = Kernel::Attention(AttentionKernel::Fa2Fwd {
         act: Act::F32,
         dim,
         a,
-    };
+    });
     o.dev.launch(Stream::Compute, &k, qh as u32, 128).unwrap();
     let (got, want) = (get(&mut o, got), get(&mut o, want));
     let last = 128 * qh * hd;

@@ -194,17 +194,19 @@ pub fn analyse_arch(
 /// The attention forward device/ops.rs chooses at `head_dim` and activation type `act`
 /// (aligned buffers): the GPU target's at bf16, the drafter's at f32.
 pub fn attention_kernel(head_dim: usize, act: crate::device::ops::kernel::Act) -> &'static str {
-    use crate::device::ops::kernel::{Attention, Fa2Dim, Kernel};
+    use crate::device::ops::attention::AttentionKernel;
+    use crate::device::ops::{Attention, Fa2Dim};
     let a = Attention::shape_of(1, 1, 1, head_dim);
     match Fa2Dim::for_call(&a) {
-        Some(dim) => Kernel::AttentionFa2Fwd { act, dim, a }.name(),
-        None => Kernel::AttentionFwd { act, a }.name(),
+        Some(dim) => AttentionKernel::Fa2Fwd { act, dim, a }.name(),
+        None => AttentionKernel::Fwd { act, a }.name(),
     }
 }
 
 /// The attention backward device/ops.rs chooses at `head_dim` (aligned buffers).
 pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
-    use crate::device::ops::kernel::{Attention, AttentionGrad, Fa2Dim, Kernel};
+    use crate::device::ops::attention::AttentionKernel;
+    use crate::device::ops::{Attention, AttentionGrad, Fa2Dim};
     let fwd = Attention::shape_of(1, 1, 1, head_dim);
     let g = AttentionGrad {
         fwd,
@@ -214,14 +216,14 @@ pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
         dv: fwd.out,
     };
     match Fa2Dim::for_backward(&g) {
-        Some(dim) => Kernel::AttentionFa2Bwd {
+        Some(dim) => AttentionKernel::Fa2Bwd {
             dim,
             g,
-            s: crate::device::ops::kernel::BwdScratch::at(fwd.out, 1, 1, head_dim),
+            s: crate::device::ops::BwdScratch::at(fwd.out, 1, 1, head_dim),
             tk: 1,
         }
         .name(),
-        None => Kernel::AttentionBwd(g).name(),
+        None => AttentionKernel::Bwd(g).name(),
     }
 }
 

@@ -5,7 +5,8 @@
 use dflash_shared::rng::Rng;
 use dflash_worker::reference::ops::Cpu;
 use dflash_worker::reference::{Heads, KeySpan};
-use dflash_worker::device::ops::kernel::{Act, Attention, Fa2Dim};
+use dflash_worker::device::ops::kernel::Act;
+use dflash_worker::device::ops::{Attention, Fa2Dim};
 use dflash_worker::device::ops::CeState;
 use dflash_worker::device::ops::Ops;
 use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};

@@ -3,7 +3,7 @@
 
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
-use super::on_cpu::{need, rd, wr};
+use super::on_cpu::{need, rd, wr, Widened};
 use super::{grid_for, i32_of, i64_of, Ops, BLOCK};
 use crate::device::{Arg, DSlice, GpuError, Result};
 
@@ -51,10 +51,7 @@ pub enum Optimizer {
         blocks: usize,
     },
     /// `t += 1` (one i32) unless `nonfinite` is set.
-    AdamCount {
-        t: DSlice,
-        nonfinite: DSlice,
-    },
+    AdamCount { t: DSlice, nonfinite: DSlice },
     /// Clip by the norm in `acc` to `max_norm` (0: no clip), AdamW at step count `t`,
     /// unless `nonfinite` is set.
     Adamw {
@@ -71,14 +68,23 @@ pub enum Optimizer {
         hyper: AdamHyper,
     },
     /// The weights' checksum ([`super::params_hash`]) added into `acc` (one u64).
-    ParamsHash {
-        acc: DSlice,
-        p: DSlice,
-        n: usize,
-    },
+    ParamsHash { acc: DSlice, p: DSlice, n: usize },
 }
 
 impl Optimizer {
+    /// Bytes of dynamic shared memory: none for these kernels.
+    pub fn dynamic_shared_bytes(&self) -> u32 {
+        0
+    }
+
+    /// These kernels are f32 only: none runs as another on the CPU.
+    ///
+    /// # Safety
+    /// None: nothing is read.
+    pub(crate) unsafe fn as_f32(&self, _w: &mut Widened) -> Option<Optimizer> {
+        None
+    }
+
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
         match *self {
@@ -185,7 +191,7 @@ impl Optimizer {
     ///
     /// # Safety
     /// The buffers are the CPU device's memory, not aliased.
-    pub(crate) unsafe fn run_cpu(&self, rows: usize) -> Result<()> {
+    pub(crate) unsafe fn run_cpu(&self, rows: usize, _threads: usize) -> Result<()> {
         let name = self.name();
         match *self {
             Optimizer::Sumsq {

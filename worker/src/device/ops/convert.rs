@@ -6,7 +6,7 @@
 
 use super::on_cpu::{need, rd, wr, Widened};
 use super::{grid_for, i32_of, i64_of, row_block, Act, Ops, BLOCK};
-use crate::device::{Arg, DSlice, GpuError, Result};
+use crate::device::{Arg, DSlice, Result};
 
 /// The gather, scatter, cast and element-wise kernels, each with its arguments.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -60,6 +60,11 @@ pub enum Convert {
 }
 
 impl Convert {
+    /// Bytes of dynamic shared memory: none for these kernels.
+    pub fn dynamic_shared_bytes(&self) -> u32 {
+        0
+    }
+
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
         let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
@@ -178,20 +183,20 @@ impl Convert {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Convert> {
         let mut k = *self;
         match &mut k {
-        Convert::EmbedGather {
-            act, out, table, ..
-        } if *act == Act::Bf16 => {
-            (*out, *table) = (w.output(*out), w.input(*table));
-            *act = Act::F32;
-        }
-        Convert::AddInplace { act, x, y, .. } if *act == Act::Bf16 => {
-            (*x, *y) = (w.output(*x), w.input(*y));
-            *act = Act::F32;
-        }
-        Convert::CopyCols { act, dst, src, .. } if *act == Act::Bf16 => {
-            (*dst, *src) = (w.output(*dst), w.input(*src));
-            *act = Act::F32;
-        }
+            Convert::EmbedGather {
+                act, out, table, ..
+            } if *act == Act::Bf16 => {
+                (*out, *table) = (w.output(*out), w.input(*table));
+                *act = Act::F32;
+            }
+            Convert::AddInplace { act, x, y, .. } if *act == Act::Bf16 => {
+                (*x, *y) = (w.output(*x), w.input(*y));
+                *act = Act::F32;
+            }
+            Convert::CopyCols { act, dst, src, .. } if *act == Act::Bf16 => {
+                (*dst, *src) = (w.output(*dst), w.input(*src));
+                *act = Act::F32;
+            }
             _ => return None,
         }
         Some(k)
@@ -202,39 +207,39 @@ impl Convert {
     ///
     /// # Safety
     /// The buffers are the CPU device's memory, not aliased.
-    pub(crate) unsafe fn run_cpu(&self, rows: usize) -> Result<()> {
+    pub(crate) unsafe fn run_cpu(&self, rows: usize, _threads: usize) -> Result<()> {
         match *self {
-        Convert::EmbedGather {
-            out,
-            table,
-            ids,
-            h,
-            vocab,
-            ..
-        } => embed_gather(rows, wr(out), rd(table), rd(ids), h, vocab),
-        Convert::ScatterAddRows { dst, src, idx, h } => {
-            scatter_add_rows(rows, wr(dst), rd(src), rd(idx), h)
-        }
-        Convert::Bf16ToF32 { out, input, n } => bf16_to_f32(wr(out), rd(input), n),
-        Convert::F32ToBf16 { out, input, n } => f32_to_bf16(wr(out), rd(input), n),
-        Convert::AddInplace { x, y, n, .. } => add_inplace(wr(x), rd(y), n),
-        Convert::CopyCols {
-            dst,
-            src,
-            width,
-            dst_stride,
-            dst_off,
-            src_stride,
-            src_off,
-            ..
-        } => copy_cols(
-            rows,
-            wr(dst),
-            rd(src),
-            width,
-            (dst_stride, dst_off),
-            (src_stride, src_off),
-        ),
+            Convert::EmbedGather {
+                out,
+                table,
+                ids,
+                h,
+                vocab,
+                ..
+            } => embed_gather(rows, wr(out), rd(table), rd(ids), h, vocab),
+            Convert::ScatterAddRows { dst, src, idx, h } => {
+                scatter_add_rows(rows, wr(dst), rd(src), rd(idx), h)
+            }
+            Convert::Bf16ToF32 { out, input, n } => bf16_to_f32(wr(out), rd(input), n),
+            Convert::F32ToBf16 { out, input, n } => f32_to_bf16(wr(out), rd(input), n),
+            Convert::AddInplace { x, y, n, .. } => add_inplace(wr(x), rd(y), n),
+            Convert::CopyCols {
+                dst,
+                src,
+                width,
+                dst_stride,
+                dst_off,
+                src_stride,
+                src_off,
+                ..
+            } => copy_cols(
+                rows,
+                wr(dst),
+                rd(src),
+                width,
+                (dst_stride, dst_off),
+                (src_stride, src_off),
+            ),
         }
     }
 }
@@ -415,4 +420,3 @@ fn copy_cols(
     }
     Ok(())
 }
-

@@ -102,21 +102,19 @@ impl GemmKernel {
     pub fn every(b: DSlice) -> Vec<GemmKernel> {
         let mut all = Vec::new();
         for act in [Act::F32, Act::Bf16] {
-            all.extend([
-                GemmKernel::Grouped {
-                    act,
-                    y: b,
-                    x: b,
-                    w: b,
-                    offsets: b,
-                    rows: b,
-                    gather: 0,
-                    experts: 1,
-                    pairs: 1,
-                    n: 1,
-                    k: 1,
-                },
-            ]);
+            all.extend([GemmKernel::Grouped {
+                act,
+                y: b,
+                x: b,
+                w: b,
+                offsets: b,
+                rows: b,
+                gather: 0,
+                experts: 1,
+                pairs: 1,
+                n: 1,
+                k: 1,
+            }]);
         }
         all
     }
@@ -129,12 +127,12 @@ impl GemmKernel {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<GemmKernel> {
         let mut k = *self;
         match &mut k {
-        GemmKernel::Grouped {
-            act, y, x, w: wt, ..
-        } if *act == Act::Bf16 => {
-            (*y, *x, *wt) = (w.output(*y), w.input(*x), w.input(*wt));
-            *act = Act::F32;
-        }
+            GemmKernel::Grouped {
+                act, y, x, w: wt, ..
+            } if *act == Act::Bf16 => {
+                (*y, *x, *wt) = (w.output(*y), w.input(*x), w.input(*wt));
+                *act = Act::F32;
+            }
             _ => return None,
         }
         Some(k)
@@ -145,7 +143,7 @@ impl GemmKernel {
     ///
     /// # Safety
     /// The buffers are the CPU device's memory, not aliased.
-    pub(crate) unsafe fn run_cpu(&self, threads: usize) -> Result<()> {
+    pub(crate) unsafe fn run_cpu(&self, _rows: usize, threads: usize) -> Result<()> {
         match *self {
             GemmKernel::Grouped {
                 y,
@@ -496,4 +494,3 @@ fn moe_gemm(
     }
     Ok(())
 }
-

@@ -6,8 +6,8 @@
 
 use super::on_cpu::{need, rd, wr, Widened};
 use super::{i32_of, row_block, Act, Ops};
-use crate::math::{dot, exp_neg};
-use crate::device::{Arg, DSlice, GpuError, Result};
+use crate::device::{Arg, DSlice, Result};
+use crate::math::exp_neg;
 
 /// The cross-entropy's rows over the vocabulary chunks (kernels.cu's `ce_fold`): each
 /// row's running max, Σexp (relative to that max), argmax (i32 id) and label logit, and
@@ -54,6 +54,11 @@ pub enum Loss {
 }
 
 impl Loss {
+    /// Bytes of dynamic shared memory: none for these kernels.
+    pub fn dynamic_shared_bytes(&self) -> u32 {
+        0
+    }
+
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
         let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
@@ -167,14 +172,14 @@ impl Loss {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Loss> {
         let mut k = *self;
         match &mut k {
-        Loss::CeFold { act, logits, .. } if *act == Act::Bf16 => {
-            *logits = w.output(*logits);
-            *act = Act::F32;
-        }
-        Loss::CeFinish { act, w: lm, .. } if *act == Act::Bf16 => {
-            *lm = w.input(*lm);
-            *act = Act::F32;
-        }
+            Loss::CeFold { act, logits, .. } if *act == Act::Bf16 => {
+                *logits = w.output(*logits);
+                *act = Act::F32;
+            }
+            Loss::CeFinish { act, w: lm, .. } if *act == Act::Bf16 => {
+                *lm = w.input(*lm);
+                *act = Act::F32;
+            }
             _ => return None,
         }
         Some(k)
@@ -185,52 +190,52 @@ impl Loss {
     ///
     /// # Safety
     /// The buffers are the CPU device's memory, not aliased.
-    pub(crate) unsafe fn run_cpu(&self, rows: usize) -> Result<()> {
+    pub(crate) unsafe fn run_cpu(&self, rows: usize, _threads: usize) -> Result<()> {
         match *self {
-        Loss::CeFold {
-            st,
-            logits,
-            labels,
-            cw,
-            start,
-            h,
-            ..
-        } => ce_fold(
-            rows,
-            CeRows {
-                run_max: wr(st.run_max),
-                run_sum: wr(st.run_sum),
-                best_i: wr(st.best_i),
-                label_logit: wr(st.label_logit),
-                acc: wr(st.acc),
-            },
-            (wr(logits), rd(labels)),
-            (cw, start, h),
-        ),
-        Loss::CeFinish {
-            st,
-            dx,
-            loss,
-            correct,
-            labels,
-            scale,
-            w,
-            h,
-            vocab,
-            ..
-        } => ce_finish(
-            rows,
-            (wr(dx), wr(loss), wr(correct)),
-            &CeDone {
-                run_max: rd(st.run_max),
-                run_sum: rd(st.run_sum),
-                best_i: rd(st.best_i),
-                label_logit: rd(st.label_logit),
-                acc: rd(st.acc),
-            },
-            (rd(labels), rd(scale), rd(w)),
-            (h, vocab),
-        ),
+            Loss::CeFold {
+                st,
+                logits,
+                labels,
+                cw,
+                start,
+                h,
+                ..
+            } => ce_fold(
+                rows,
+                CeRows {
+                    run_max: wr(st.run_max),
+                    run_sum: wr(st.run_sum),
+                    best_i: wr(st.best_i),
+                    label_logit: wr(st.label_logit),
+                    acc: wr(st.acc),
+                },
+                (wr(logits), rd(labels)),
+                (cw, start, h),
+            ),
+            Loss::CeFinish {
+                st,
+                dx,
+                loss,
+                correct,
+                labels,
+                scale,
+                w,
+                h,
+                vocab,
+                ..
+            } => ce_finish(
+                rows,
+                (wr(dx), wr(loss), wr(correct)),
+                &CeDone {
+                    run_max: rd(st.run_max),
+                    run_sum: rd(st.run_sum),
+                    best_i: rd(st.best_i),
+                    label_logit: rd(st.label_logit),
+                    acc: rd(st.acc),
+                },
+                (rd(labels), rd(scale), rd(w)),
+                (h, vocab),
+            ),
         }
     }
 }
@@ -399,4 +404,3 @@ fn ce_finish(
     }
     Ok(())
 }
-

@@ -7,7 +7,7 @@
 
 use super::on_cpu::{need, rd, wr, Widened};
 use super::{i32_of, row_block, Act, Ops, BLOCK};
-use crate::device::{Arg, DSlice, GpuError, Result};
+use crate::device::{Arg, DSlice, Result};
 
 /// The i32 elements of [`Ops::moe_permute`]'s scratch for `pairs` routed pairs over
 /// `experts` experts: a count per chunk of pairs and expert.
@@ -75,6 +75,11 @@ pub enum Moe {
 }
 
 impl Moe {
+    /// Bytes of dynamic shared memory: none for these kernels.
+    pub fn dynamic_shared_bytes(&self) -> u32 {
+        0
+    }
+
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
         let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
@@ -212,14 +217,14 @@ impl Moe {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Moe> {
         let mut k = *self;
         match &mut k {
-        Moe::Route { act, logits, .. } if *act == Act::Bf16 => {
-            *logits = w.input(*logits);
-            *act = Act::F32;
-        }
-        Moe::Combine { act, out, y, .. } if *act == Act::Bf16 => {
-            (*out, *y) = (w.output(*out), w.input(*y));
-            *act = Act::F32;
-        }
+            Moe::Route { act, logits, .. } if *act == Act::Bf16 => {
+                *logits = w.input(*logits);
+                *act = Act::F32;
+            }
+            Moe::Combine { act, out, y, .. } if *act == Act::Bf16 => {
+                (*out, *y) = (w.output(*out), w.input(*y));
+                *act = Act::F32;
+            }
             _ => return None,
         }
         Some(k)
@@ -230,53 +235,53 @@ impl Moe {
     ///
     /// # Safety
     /// The buffers are the CPU device's memory, not aliased.
-    pub(crate) unsafe fn run_cpu(&self, rows: usize) -> Result<()> {
+    pub(crate) unsafe fn run_cpu(&self, rows: usize, _threads: usize) -> Result<()> {
         match *self {
-        Moe::Route {
-            idx,
-            wts,
-            logits,
-            experts,
-            top_k,
-            norm,
-            ..
-        } => moe_route(rows, (wr(idx), wr(wts)), rd(logits), experts, top_k, norm),
-        Moe::Count {
-            counts,
-            idx,
-            pairs,
-            experts,
-        } => moe_count(wr(counts), rd(idx), pairs, experts),
-        Moe::Scan {
-            offsets,
-            counts,
-            chunks,
-            experts,
-        } => moe_scan(wr(offsets), wr(counts), chunks, experts),
-        Moe::Place {
-            rows: order,
-            slots,
-            idx,
-            first_rows,
-            pairs,
-            top_k,
-            experts,
-        } => moe_place(
-            (wr(order), wr(slots)),
-            (rd(idx), rd(first_rows)),
-            pairs,
-            top_k,
-            experts,
-        ),
-        Moe::Combine {
-            out,
-            y,
-            wts,
-            slots,
-            top_k,
-            h,
-            ..
-        } => moe_combine(rows, wr(out), rd(y), rd(wts), rd(slots), top_k, h),
+            Moe::Route {
+                idx,
+                wts,
+                logits,
+                experts,
+                top_k,
+                norm,
+                ..
+            } => moe_route(rows, (wr(idx), wr(wts)), rd(logits), experts, top_k, norm),
+            Moe::Count {
+                counts,
+                idx,
+                pairs,
+                experts,
+            } => moe_count(wr(counts), rd(idx), pairs, experts),
+            Moe::Scan {
+                offsets,
+                counts,
+                chunks,
+                experts,
+            } => moe_scan(wr(offsets), wr(counts), chunks, experts),
+            Moe::Place {
+                rows: order,
+                slots,
+                idx,
+                first_rows,
+                pairs,
+                top_k,
+                experts,
+            } => moe_place(
+                (wr(order), wr(slots)),
+                (rd(idx), rd(first_rows)),
+                pairs,
+                top_k,
+                experts,
+            ),
+            Moe::Combine {
+                out,
+                y,
+                wts,
+                slots,
+                top_k,
+                h,
+                ..
+            } => moe_combine(rows, wr(out), rd(y), rd(wts), rd(slots), top_k, h),
         }
     }
 }
@@ -544,4 +549,3 @@ fn moe_combine(
     }
     Ok(())
 }
-

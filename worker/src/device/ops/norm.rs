@@ -254,7 +254,7 @@ impl Norm {
     ///
     /// # Safety
     /// The buffers are the CPU device's memory, not aliased but as [`in_place`](Self::in_place) allows.
-    pub(crate) unsafe fn run_cpu(&self, rows: usize) -> Result<()> {
+    pub(crate) unsafe fn run_cpu(&self, rows: usize, _threads: usize) -> Result<()> {
         match *self {
             Norm::Fwd {
                 y,

@@ -25,6 +25,11 @@ pub enum Rope {
 }
 
 impl Rope {
+    /// Bytes of dynamic shared memory: none for these kernels.
+    pub fn dynamic_shared_bytes(&self) -> u32 {
+        0
+    }
+
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
         let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
@@ -67,18 +72,16 @@ impl Rope {
     pub fn every(b: DSlice) -> Vec<Rope> {
         let mut all = Vec::new();
         for act in [Act::F32, Act::Bf16] {
-            all.extend([
-                Rope::Apply {
-                    act,
-                    x: b,
-                    pos: b,
-                    inv_freq: b,
-                    heads: 1,
-                    head_dim: 2,
-                    scale: 1.0,
-                    inverse: false,
-                },
-            ]);
+            all.extend([Rope::Apply {
+                act,
+                x: b,
+                pos: b,
+                inv_freq: b,
+                heads: 1,
+                head_dim: 2,
+                scale: 1.0,
+                inverse: false,
+            }]);
         }
         all
     }
@@ -91,10 +94,10 @@ impl Rope {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Rope> {
         let mut k = *self;
         match &mut k {
-        Rope::Apply { act, x, .. } if *act == Act::Bf16 => {
-            *x = w.output(*x);
-            *act = Act::F32;
-        }
+            Rope::Apply { act, x, .. } if *act == Act::Bf16 => {
+                *x = w.output(*x);
+                *act = Act::F32;
+            }
             _ => return None,
         }
         Some(k)
@@ -105,28 +108,31 @@ impl Rope {
     ///
     /// # Safety
     /// The buffers are the CPU device's memory, not aliased.
-    pub(crate) unsafe fn run_cpu(&self, rows: usize) -> Result<()> {
+    pub(crate) unsafe fn run_cpu(&self, rows: usize, _threads: usize) -> Result<()> {
         match *self {
-        Rope::Apply {
-            x,
-            pos,
-            inv_freq,
-            heads,
-            head_dim,
-            scale,
-            inverse,
-            ..
-        } => rope(
-            rows,
-            wr(x),
-            rd(pos),
-            rd(inv_freq),
-            (heads, head_dim),
-            scale,
-            inverse,
-        ),
+            Rope::Apply {
+                x,
+                pos,
+                inv_freq,
+                heads,
+                head_dim,
+                scale,
+                inverse,
+                ..
+            } => rope(
+                rows,
+                wr(x),
+                rd(pos),
+                rd(inv_freq),
+                (heads, head_dim),
+                scale,
+                inverse,
+            ),
             #[allow(unreachable_patterns)]
-            _ => Err(crate::device::GpuError::Invalid(format!("{} runs as its f32 kernel on the CPU", self.name()))),
+            _ => Err(crate::device::GpuError::Invalid(format!(
+                "{} runs as its f32 kernel on the CPU",
+                self.name()
+            ))),
         }
     }
 }
@@ -196,4 +202,3 @@ fn rope(
     }
     Ok(())
 }
-

@@ -47,6 +47,11 @@ pub enum Swiglu {
 }
 
 impl Swiglu {
+    /// Bytes of dynamic shared memory: none for these kernels.
+    pub fn dynamic_shared_bytes(&self) -> u32 {
+        0
+    }
+
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
         let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
@@ -133,25 +138,25 @@ impl Swiglu {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Swiglu> {
         let mut k = *self;
         match &mut k {
-        Swiglu::Fwd {
-            act, out, gate, up, ..
-        } if *act == Act::Bf16 => {
-            (*out, *gate, *up) = (w.output(*out), w.input(*gate), w.input(*up));
-            *act = Act::F32;
-        }
-        Swiglu::GuFwd { act, out, gu, .. } if *act == Act::Bf16 => {
-            (*out, *gu) = (w.output(*out), w.input(*gu));
-            *act = Act::F32;
-        }
-        Swiglu::GuFwdToBf16 { out, gu, width, n } => {
-            return Some(Swiglu::GuFwd {
-                act: Act::F32,
-                out: w.output(*out),
-                gu: *gu,
-                width: *width,
-                n: *n,
-            });
-        }
+            Swiglu::Fwd {
+                act, out, gate, up, ..
+            } if *act == Act::Bf16 => {
+                (*out, *gate, *up) = (w.output(*out), w.input(*gate), w.input(*up));
+                *act = Act::F32;
+            }
+            Swiglu::GuFwd { act, out, gu, .. } if *act == Act::Bf16 => {
+                (*out, *gu) = (w.output(*out), w.input(*gu));
+                *act = Act::F32;
+            }
+            Swiglu::GuFwdToBf16 { out, gu, width, n } => {
+                return Some(Swiglu::GuFwd {
+                    act: Act::F32,
+                    out: w.output(*out),
+                    gu: *gu,
+                    width: *width,
+                    n: *n,
+                });
+            }
             _ => return None,
         }
         Some(k)
@@ -162,21 +167,21 @@ impl Swiglu {
     ///
     /// # Safety
     /// The buffers are the CPU device's memory, not aliased.
-    pub(crate) unsafe fn run_cpu(&self, _rows: usize) -> Result<()> {
+    pub(crate) unsafe fn run_cpu(&self, _rows: usize, _threads: usize) -> Result<()> {
         match *self {
-        Swiglu::Fwd {
-            out, gate, up, n, ..
-        } => swiglu_fwd(wr(out), rd(gate), rd(up), n),
-        Swiglu::GuFwd {
-            out, gu, width, n, ..
-        } => swiglu_gu_fwd(wr(out), rd(gu), width, n),
-        Swiglu::GuBwd {
-            dgu,
-            dout,
-            gu,
-            width,
-            n,
-        } => swiglu_gu_bwd(wr(dgu), rd(dout), rd(gu), width, n),
+            Swiglu::Fwd {
+                out, gate, up, n, ..
+            } => swiglu_fwd(wr(out), rd(gate), rd(up), n),
+            Swiglu::GuFwd {
+                out, gu, width, n, ..
+            } => swiglu_gu_fwd(wr(out), rd(gu), width, n),
+            Swiglu::GuBwd {
+                dgu,
+                dout,
+                gu,
+                width,
+                n,
+            } => swiglu_gu_bwd(wr(dgu), rd(dout), rd(gu), width, n),
             Swiglu::GuFwdToBf16 { .. } => Err(crate::device::GpuError::Invalid(format!(
                 "{} runs as its f32 kernel on the CPU",
                 self.name()
@@ -316,4 +321,3 @@ fn swiglu_gu_bwd(dgu: &mut [f32], dout: &[f32], gu: &[f32], width: usize, n: usi
     }
     Ok(())
 }
-
