@@ -605,7 +605,7 @@ fn bench_compute_reports_the_forward_per_op_against_bare_gemms() {
     // run. The drafter step's kernels:
     assert!(v.get("reference_gflops").is_none(), "{v}");
     let dops = v["drafter_op_seconds"].as_object().unwrap();
-    // The attention forward is whichever kernel device/ops.rs chose (the FlashAttention-2
+    // The attention forward is whichever kernel device/ops/ chose (the FlashAttention-2
     // one at the demo's head dim).
     let fwd = dops
         .keys()

@@ -50,7 +50,7 @@ pub struct KernelRow {
     /// `LDL` and `STL` inside the loops that hold an MMA (spills paid per iteration).
     pub local_loads_in_mma_loops: usize,
     pub local_stores_in_mma_loops: usize,
-    /// Threads per block as the worker launches it (device/ops.rs).
+    /// Threads per block as the worker launches it (device/ops/).
     pub block_threads: u32,
     pub warps_per_sm: u32,
     pub limited_by: occupancy::Limiter,
@@ -73,7 +73,7 @@ pub struct Report {
     pub model: Option<roofline::Model>,
 }
 
-/// Threads per block of a kernel as device/ops.rs launches it: the FlashAttention-2
+/// Threads per block of a kernel as device/ops/ launches it: the FlashAttention-2
 /// kernels, the backward's preparation and the experts' grouped GEMM four warps, the other
 /// attention kernels, the MoE routing and the permutation's placing one warp, the RMSNorm
 /// backward's second stage 32 warps, the rest blocks of 256 (a row kernel's
@@ -152,7 +152,7 @@ pub fn analyse_arch(
         let insns = code.get(name).ok_or_else(|| missing("-sass", name))?;
         let threads = block_threads(name);
         // Static shared memory as the CUBIN says (with the system's 1 KB once there is
-        // any) and the dynamic shared memory device/ops.rs launches it with.
+        // any) and the dynamic shared memory device/ops/ launches it with.
         let dynamic = crate::device::ops::kernel::Kernel::dynamic_shared_bytes_of(name);
         let shared = if dynamic > 0 {
             r.shared.max(limits.reserved_per_block) + dynamic
@@ -191,7 +191,7 @@ pub fn analyse_arch(
     Ok(rows)
 }
 
-/// The attention forward device/ops.rs chooses at `head_dim` and activation type `act`
+/// The attention forward device/ops/ chooses at `head_dim` and activation type `act`
 /// (aligned buffers): the GPU target's at bf16, the drafter's at f32.
 pub fn attention_kernel(head_dim: usize, act: crate::device::ops::kernel::Act) -> &'static str {
     use crate::device::ops::attention::AttentionKernel;
@@ -203,7 +203,7 @@ pub fn attention_kernel(head_dim: usize, act: crate::device::ops::kernel::Act) -
     }
 }
 
-/// The attention backward device/ops.rs chooses at `head_dim` (aligned buffers).
+/// The attention backward device/ops/ chooses at `head_dim` (aligned buffers).
 pub fn attention_backward_kernel(head_dim: usize) -> &'static str {
     use crate::device::ops::attention::AttentionKernel;
     use crate::device::ops::{Attention, AttentionGrad, Fa2Dim};

@@ -18,7 +18,7 @@ pub const MOE_GEMM_DYN_BYTES: u32 = 3 * (64 + 128) * 40 * 2;
 /// The experts' grouped GEMM, with its arguments.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum GemmKernel {
-    /// The experts' grouped GEMM (grid: [`Kernel::moe_gemm_grid`], `MOE_THREADS`):
+    /// The experts' grouped GEMM (grid: [`GemmKernel::moe_gemm_grid`], `MOE_THREADS`):
     /// `y[r,:] = x[src(r),:] · W_eᵀ` for each row r of expert e (`offsets[e] ≤ r <
     /// offsets[e + 1]`, i32 on the device), `W_e` the `[n, k]` matrix at `w + e·n·k`;
     /// `src(r)` is `rows[r]` (i32) when `gather` > 0 (`x` then has `gather` rows), else r.

@@ -4,7 +4,7 @@
 //! [`Kernel::args`] lays them out as the kernel's C parameters (in order, each of its C
 //! type, buffers marked read, written or both for the stream-order checker); the devices
 //! that run the CUDA source (a GPU, the host device) launch the symbol [`Kernel::name`]
-//! with them, and the CPU device runs the family's CPU body ([`Kernel::run_cpu`]). A test
+//! with them, and the CPU device runs the family's CPU body (`Kernel::run_cpu`). A test
 //! checks every kernel against the parameter list that the CUDA source declares.
 //!
 //! Buffers are f32 unless said otherwise; `act` says whether a kernel takes bf16
