@@ -99,7 +99,6 @@ impl Optimizer {
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
-        #[allow(unused_imports)]
         use Arg::{F32, R, RW, W};
         match *self {
             Optimizer::Sumsq {

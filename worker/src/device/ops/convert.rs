@@ -67,25 +67,20 @@ impl Convert {
 
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
-        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
-            Act::F32 => f32,
-            Act::Bf16 => bf16,
-        };
         match *self {
-            Convert::EmbedGather { act: a, .. } => act(a, "embed_gather", "embed_gather_bf16"),
+            Convert::EmbedGather { act: a, .. } => a.pick("embed_gather", "embed_gather_bf16"),
             Convert::ScatterAddRows { .. } => "scatter_add_rows",
             Convert::Bf16ToF32 { .. } => "bf16_to_f32",
             Convert::F32ToBf16 { .. } => "f32_to_bf16",
-            Convert::AddInplace { act: a, .. } => act(a, "add_inplace", "add_inplace_bf16"),
-            Convert::CopyCols { act: a, .. } => act(a, "copy_cols", "copy_cols_bf16"),
+            Convert::AddInplace { act: a, .. } => a.pick("add_inplace", "add_inplace_bf16"),
+            Convert::CopyCols { act: a, .. } => a.pick("copy_cols", "copy_cols_bf16"),
         }
     }
 
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
-        #[allow(unused_imports)]
-        use Arg::{F32, R, RW, W};
+        use Arg::{R, RW, W};
         match *self {
             Convert::EmbedGather {
                 out,

@@ -48,20 +48,15 @@ impl GemmKernel {
 
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
-        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
-            Act::F32 => f32,
-            Act::Bf16 => bf16,
-        };
         match *self {
-            GemmKernel::Grouped { act: a, .. } => act(a, "moe_gemm", "moe_gemm_bf16"),
+            GemmKernel::Grouped { act: a, .. } => a.pick("moe_gemm", "moe_gemm_bf16"),
         }
     }
 
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
-        #[allow(unused_imports)]
-        use Arg::{F32, R, RW, W};
+        use Arg::{R, W};
         match *self {
             GemmKernel::Grouped {
                 y,

@@ -61,21 +61,16 @@ impl Loss {
 
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
-        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
-            Act::F32 => f32,
-            Act::Bf16 => bf16,
-        };
         match *self {
-            Loss::CeFold { act: a, .. } => act(a, "ce_fold", "ce_fold_bf16"),
-            Loss::CeFinish { act: a, .. } => act(a, "ce_finish", "ce_finish_bf16"),
+            Loss::CeFold { act: a, .. } => a.pick("ce_fold", "ce_fold_bf16"),
+            Loss::CeFinish { act: a, .. } => a.pick("ce_finish", "ce_finish_bf16"),
         }
     }
 
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
-        #[allow(unused_imports)]
-        use Arg::{F32, R, RW, W};
+        use Arg::{R, RW, W};
         match *self {
             Loss::CeFold {
                 st,

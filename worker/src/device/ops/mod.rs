@@ -40,6 +40,16 @@ pub enum Act {
     Bf16,
 }
 
+impl Act {
+    /// The kernel symbol of this activation type: `f32`'s or `bf16`'s.
+    pub fn pick(self, f32: &'static str, bf16: &'static str) -> &'static str {
+        match self {
+            Act::F32 => f32,
+            Act::Bf16 => bf16,
+        }
+    }
+}
+
 pub(crate) fn i32_of(v: usize) -> Arg {
     Arg::I32(v as i32)
 }

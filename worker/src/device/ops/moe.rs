@@ -82,24 +82,19 @@ impl Moe {
 
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
-        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
-            Act::F32 => f32,
-            Act::Bf16 => bf16,
-        };
         match *self {
-            Moe::Route { act: a, .. } => act(a, "moe_route", "moe_route_bf16"),
+            Moe::Route { act: a, .. } => a.pick("moe_route", "moe_route_bf16"),
             Moe::Count { .. } => "moe_count",
             Moe::Scan { .. } => "moe_scan",
             Moe::Place { .. } => "moe_place",
-            Moe::Combine { act: a, .. } => act(a, "moe_combine", "moe_combine_bf16"),
+            Moe::Combine { act: a, .. } => a.pick("moe_combine", "moe_combine_bf16"),
         }
     }
 
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
-        #[allow(unused_imports)]
-        use Arg::{F32, R, RW, W};
+        use Arg::{R, RW, W};
         match *self {
             Moe::Route {
                 idx,

@@ -32,20 +32,15 @@ impl Rope {
 
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
-        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
-            Act::F32 => f32,
-            Act::Bf16 => bf16,
-        };
         match *self {
-            Rope::Apply { act: a, .. } => act(a, "rope", "rope_bf16"),
+            Rope::Apply { act: a, .. } => a.pick("rope", "rope_bf16"),
         }
     }
 
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
-        #[allow(unused_imports)]
-        use Arg::{F32, R, RW, W};
+        use Arg::{F32, R, RW};
         match *self {
             Rope::Apply {
                 x,

@@ -54,13 +54,9 @@ impl Swiglu {
 
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
-        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
-            Act::F32 => f32,
-            Act::Bf16 => bf16,
-        };
         match *self {
-            Swiglu::Fwd { act: a, .. } => act(a, "swiglu_fwd", "swiglu_fwd_bf16"),
-            Swiglu::GuFwd { act: a, .. } => act(a, "swiglu_gu_fwd", "swiglu_gu_fwd_bf16"),
+            Swiglu::Fwd { act: a, .. } => a.pick("swiglu_fwd", "swiglu_fwd_bf16"),
+            Swiglu::GuFwd { act: a, .. } => a.pick("swiglu_gu_fwd", "swiglu_gu_fwd_bf16"),
             Swiglu::GuFwdToBf16 { .. } => "swiglu_gu_fwd_to_bf16",
             Swiglu::GuBwd { .. } => "swiglu_gu_bwd",
         }
@@ -69,8 +65,7 @@ impl Swiglu {
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
-        #[allow(unused_imports)]
-        use Arg::{F32, R, RW, W};
+        use Arg::{R, W};
         match *self {
             Swiglu::Fwd {
                 out, gate, up, n, ..

@@ -197,16 +197,12 @@ pub enum AttentionKernel {
 impl AttentionKernel {
     /// The kernel's symbol in the CUDA source.
     pub fn name(&self) -> &'static str {
-        let act = |a: Act, f32: &'static str, bf16: &'static str| match a {
-            Act::F32 => f32,
-            Act::Bf16 => bf16,
-        };
         match *self {
-            AttentionKernel::Fwd { act: a, .. } => act(a, "attention_fwd", "attention_fwd_bf16"),
+            AttentionKernel::Fwd { act: a, .. } => a.pick("attention_fwd", "attention_fwd_bf16"),
             AttentionKernel::Fa2Fwd { act: a, dim, .. } => match dim {
-                Fa2Dim::D32 => act(a, "attention_fa2_fwd_hd32", "attention_fa2_fwd_bf16_hd32"),
-                Fa2Dim::D64 => act(a, "attention_fa2_fwd_hd64", "attention_fa2_fwd_bf16_hd64"),
-                Fa2Dim::D128 => act(a, "attention_fa2_fwd_hd128", "attention_fa2_fwd_bf16_hd128"),
+                Fa2Dim::D32 => a.pick("attention_fa2_fwd_hd32", "attention_fa2_fwd_bf16_hd32"),
+                Fa2Dim::D64 => a.pick("attention_fa2_fwd_hd64", "attention_fa2_fwd_bf16_hd64"),
+                Fa2Dim::D128 => a.pick("attention_fa2_fwd_hd128", "attention_fa2_fwd_bf16_hd128"),
             },
             AttentionKernel::Bwd(_) => "attention_bwd",
             AttentionKernel::BwdPrep { .. } => "attention_bwd_prep",
@@ -221,8 +217,7 @@ impl AttentionKernel {
     /// The arguments as the kernel's C parameters, in order: each buffer marked as the
     /// kernel reads it, writes it, or both; each scalar of its parameter's C type.
     pub fn args(&self) -> Vec<Arg> {
-        #[allow(unused_imports)]
-        use Arg::{F32, R, RW, W};
+        use Arg::{R, RW, W};
         match *self {
             AttentionKernel::Fwd { a, .. } | AttentionKernel::Fa2Fwd { a, .. } => vec![
                 W(a.out),
