@@ -254,7 +254,7 @@ impl Rank {
                     .map_err(WorkerError::io("mapping the gradient pool"))?;
                 Box::new(ShmCollective::new(grads, setup.rank, n)?)
             }
-            CollectiveKind::Nccl => Box::new(NcclCollective::new(setup.rank, &mut model)?),
+            CollectiveKind::Nccl => Box::new(NcclCollective::new(setup.rank, model.as_mut())?),
             CollectiveKind::Local => Box::new(LocalCollective::new(setup.rank)),
         };
         let mut r = Rank {
@@ -394,7 +394,7 @@ impl Rank {
         self.next.hold(Held::Batch).map_err(protocol)?;
         let finite = self
             .coll
-            .contribute(self.step + 1, stats.weight_sum, &mut self.model)?;
+            .contribute(self.step + 1, stats.weight_sum, self.model.as_mut())?;
         // What every rank's update check will find in the sum (told to the supervisor,
         // which stops a run whose steps are all skipped). A device collective does not
         // look at the gradient on the host: the device's check counts it a step later.
@@ -439,7 +439,7 @@ impl Rank {
             .zero_grads()
             .map_err(WorkerError::device("a zero gradient"))?;
         self.next.hold(Held::Abstention).map_err(protocol)?;
-        self.coll.contribute(step, 0.0, &mut self.model)?;
+        self.coll.contribute(step, 0.0, self.model.as_mut())?;
         Ok(true)
     }
 
@@ -496,7 +496,7 @@ impl Rank {
             // SAFETY: signalling ourselves.
             unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
         }
-        let r = self.coll.poll(&mut self.model)?;
+        let r = self.coll.poll(self.model.as_mut())?;
         match r {
             Some(d) if Some(d.epoch) == self.epoch && d.step == self.step + 1 => {
                 self.next.reduced(d.epoch);

@@ -6,9 +6,9 @@
 use dflash_shared::drafter::CollectiveKind;
 
 use super::{Collective, Formed, Reduced, Sum};
+use crate::device::grads::GradientBuckets;
 use crate::device::Event;
 use crate::error::{Result, WorkerError};
-use crate::models::drafter::device::DeviceDrafter;
 
 pub struct LocalCollective {
     rank: u32,
@@ -58,7 +58,7 @@ impl Collective for LocalCollective {
         &mut self,
         step: u64,
         weight: f64,
-        _model: &mut DeviceDrafter,
+        _model: &mut dyn GradientBuckets,
     ) -> Result<Option<bool>> {
         self.held = Some((step, weight));
         if let Some((_, e)) = self.done.take() {
@@ -67,7 +67,7 @@ impl Collective for LocalCollective {
         Ok(None)
     }
 
-    fn poll(&mut self, model: &mut DeviceDrafter) -> Result<Option<Reduced>> {
+    fn poll(&mut self, model: &mut dyn GradientBuckets) -> Result<Option<Reduced>> {
         if let Some(e) = self.stale.take() {
             model.device().release_event(e);
         }

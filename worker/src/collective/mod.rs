@@ -28,9 +28,20 @@ pub mod shm;
 
 use dflash_shared::drafter::CollectiveKind;
 
+use crate::device::grads::GradientBuckets;
 use crate::device::Event;
 use crate::error::Result;
-use crate::models::drafter::device::DeviceDrafter;
+
+/// The step's gradient from the committed slots' sum: divided by the loss weights of all
+/// their batches, so that a rank with few supervised tokens weighs each of them as much as
+/// a busy rank does (the gradient of Σ_r num_r / Σ_r den_r, which is what one process
+/// training on the union of the batches gets). No weight at all: the sum is zero anyway.
+pub fn reduce_slots(sum: &mut [f32], weight_sum: f64) {
+    if weight_sum > 0.0 {
+        let inv = (1.0 / weight_sum) as f32;
+        sum.iter_mut().for_each(|x| *x *= inv);
+    }
+}
 
 /// What forming an epoch asks of the supervisor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,12 +93,12 @@ pub trait Collective {
         &mut self,
         step: u64,
         weight: f64,
-        model: &mut DeviceDrafter,
+        model: &mut dyn GradientBuckets,
     ) -> Result<Option<bool>>;
 
     /// Drive the all-reduce of the held gradient in the current epoch; `Some` once it is
     /// complete (again after every new epoch).
-    fn poll(&mut self, model: &mut DeviceDrafter) -> Result<Option<Reduced>>;
+    fn poll(&mut self, model: &mut dyn GradientBuckets) -> Result<Option<Reduced>>;
 
     /// Committed step `step`: hand over the sum of the last completed all-reduce, which
     /// must be of `step` with these loss weights (`weight_sum`), and let go of the held

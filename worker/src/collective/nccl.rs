@@ -30,10 +30,10 @@ use std::time::Instant;
 use dflash_shared::drafter::CollectiveKind;
 
 use super::{Collective, Formed, Reduced, Sum};
+use crate::device::grads::GradientBuckets;
 use crate::device::libs::{self, CudaLib};
 use crate::device::{DSlice, Event, Stream};
 use crate::error::{Result, WorkerError};
-use crate::models::drafter::device::DeviceDrafter;
 
 type Comm = *mut c_void;
 const ID_BYTES: usize = 128;
@@ -298,7 +298,7 @@ unsafe impl Send for NcclCollective {}
 
 impl NcclCollective {
     /// For a GPU drafter (`model` on a CUDA device).
-    pub fn new(rank: u32, model: &mut DeviceDrafter) -> Result<NcclCollective> {
+    pub fn new(rank: u32, model: &mut dyn GradientBuckets) -> Result<NcclCollective> {
         let lib = load().map_err(|e| WorkerError::Permanent(e.to_string()))?;
         let (major, minor, _) = lib.version()?;
         if (major, minor) < (2, 18) {
@@ -393,7 +393,7 @@ impl NcclCollective {
         });
     }
 
-    fn build(&mut self, id: &[u8], model: &mut DeviceDrafter) -> Result<()> {
+    fn build(&mut self, id: &[u8], model: &mut dyn GradientBuckets) -> Result<()> {
         let Some((epoch, ranks)) = &self.epoch else {
             return Ok(());
         };
@@ -459,7 +459,7 @@ impl NcclCollective {
     }
 
     /// Release the events of all-reduces an abort or a new contribution left behind.
-    fn release_stale(&mut self, model: &mut DeviceDrafter) -> Result<()> {
+    fn release_stale(&mut self, model: &mut dyn GradientBuckets) -> Result<()> {
         for e in self.stale.drain(..) {
             // An all-reduce an abort left behind: the compute stream waits for it (aborted
             // kernels end) before it writes what that all-reduce read.
@@ -511,7 +511,7 @@ impl NcclCollective {
     /// gradient's buckets; an event behind them.
     fn launch(
         &mut self,
-        model: &mut DeviceDrafter,
+        model: &mut dyn GradientBuckets,
         comm: Comm,
         step: u64,
         w: f64,
@@ -544,7 +544,7 @@ impl NcclCollective {
         }
         // Every rank issues the same buckets in the same order (the layout's).
         let refused = std::cell::Cell::new(SUCCESS);
-        let e = model.reduce_buckets(Stream::Copy, |_, g, r| {
+        let e = model.reduce_buckets(Stream::Copy, &mut |_, g, r| {
             // SAFETY: a range of the gradient and the same range of the reduce
             // buffer, both alive as long as the drafter; queued on the copy
             // stream behind the event of the backward that finished it.
@@ -584,7 +584,7 @@ impl NcclCollective {
     /// weight of step `step` (of epoch `epoch`), kept as the result.
     fn collect(
         &mut self,
-        model: &mut DeviceDrafter,
+        model: &mut dyn GradientBuckets,
         comm: Comm,
         (t, e): (Instant, Event),
         (step, epoch): (u64, u64),
@@ -663,7 +663,7 @@ impl Collective for NcclCollective {
         &mut self,
         step: u64,
         weight: f64,
-        model: &mut DeviceDrafter,
+        model: &mut dyn GradientBuckets,
     ) -> Result<Option<bool>> {
         self.held = Some((step, weight));
         if let Some((_, e)) = self.launched.take() {
@@ -679,7 +679,7 @@ impl Collective for NcclCollective {
         Ok(None)
     }
 
-    fn poll(&mut self, model: &mut DeviceDrafter) -> Result<Option<Reduced>> {
+    fn poll(&mut self, model: &mut dyn GradientBuckets) -> Result<Option<Reduced>> {
         self.reap_abandoned();
         self.release_stale(model)?;
         if let Some(d) = self.done {

@@ -21,9 +21,8 @@ use dflash_shared::drafter::{CollectiveKind, GRAD_SLOT_HEADER};
 use dflash_shared::pool::PoolMap;
 
 use super::{pack, Collective, Formed, Reduced, Sum};
+use crate::device::grads::GradientBuckets;
 use crate::error::{Result, WorkerError};
-use crate::models::drafter::device::DeviceDrafter;
-use crate::models::drafter::reduce_slots;
 
 pub struct ShmCollective {
     pool: PoolMap,
@@ -196,7 +195,7 @@ impl ShmCollective {
     /// all-reduced one); the held gradient is released.
     pub fn take_sum(&mut self, step: u64, weight_sum: f64) -> Result<&[f32]> {
         let d = super::check_commit(self.done, step, weight_sum)?;
-        reduce_slots(&mut self.sum, d.weight_sum);
+        super::reduce_slots(&mut self.sum, d.weight_sum);
         self.held = None;
         self.posted = None;
         self.done = None;
@@ -226,7 +225,7 @@ impl Collective for ShmCollective {
         &mut self,
         step: u64,
         weight: f64,
-        model: &mut DeviceDrafter,
+        model: &mut dyn GradientBuckets,
     ) -> Result<Option<bool>> {
         let finite = self.write(step, weight, |body| {
             model
@@ -249,7 +248,7 @@ impl Collective for ShmCollective {
         })
     }
 
-    fn poll(&mut self, _model: &mut DeviceDrafter) -> Result<Option<Reduced>> {
+    fn poll(&mut self, _model: &mut dyn GradientBuckets) -> Result<Option<Reduced>> {
         self.progress()
     }
 

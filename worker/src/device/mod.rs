@@ -22,6 +22,7 @@ pub use ops::kernel::Kernel;
 pub mod compute_threads;
 pub mod cpu;
 pub mod cuda;
+pub mod grads;
 pub mod host;
 pub mod libs;
 pub mod nvrtc;

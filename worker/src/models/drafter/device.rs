@@ -2398,3 +2398,25 @@ impl DeviceDrafter {
         plan
     }
 }
+
+impl crate::device::grads::GradientBuckets for DeviceDrafter {
+    fn device(&mut self) -> &mut dyn Device {
+        DeviceDrafter::device(self)
+    }
+
+    fn reduce_buckets(
+        &mut self,
+        stream: Stream,
+        reduce: &mut dyn FnMut(&mut dyn Device, DSlice, DSlice) -> Result<()>,
+    ) -> Result<crate::device::Event> {
+        DeviceDrafter::reduce_buckets(self, stream, reduce)
+    }
+
+    fn reduce_alone(&mut self) -> Result<crate::device::Event> {
+        DeviceDrafter::reduce_alone(self)
+    }
+
+    fn grads_to_host(&mut self, dst: &mut [u8]) -> Result<()> {
+        DeviceDrafter::grads_to_host(self, dst)
+    }
+}

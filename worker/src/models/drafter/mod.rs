@@ -373,16 +373,7 @@ impl AdamW {
     }
 }
 
-/// The step's gradient from the committed slots' sum: divided by the loss weights of all
-/// their batches, so that a rank with few supervised tokens weighs each of them as much as
-/// a busy rank does (the gradient of Σ_r num_r / Σ_r den_r, which is what one process
-/// training on the union of the batches gets). No weight at all: the sum is zero anyway.
-pub fn reduce_slots(sum: &mut [f32], weight_sum: f64) {
-    if weight_sum > 0.0 {
-        let inv = (1.0 / weight_sum) as f32;
-        sum.iter_mut().for_each(|x| *x *= inv);
-    }
-}
+pub use crate::collective::reduce_slots;
 
 /// Global L2 norm of a gradient; `None` if any entry is not finite.
 pub fn grad_norm(g: &[f32]) -> Option<f64> {
