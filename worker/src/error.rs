@@ -228,7 +228,7 @@ pub enum ToolError {
     Torch(#[from] crate::torch_engine::TorchError),
     /// `bench-kernels`: a CUDA tool missing or failing, or machine code it cannot read.
     #[error(transparent)]
-    KernelBench(#[from] crate::kernel_bench::KernelBenchError),
+    KernelBench(#[from] crate::tools::kernel_bench::KernelBenchError),
     #[error("{what}: {source}")]
     Io {
         what: String,

@@ -1,5 +1,5 @@
 //! `--init-drafter`: the initial weights of a drafter read from a directory in the export
-//! layout ([`crate::export::write_hf_dir`] writes it; z-lab publishes its drafters so).
+//! layout ([`crate::tools::export::write_hf_dir`] writes it; z-lab publishes its drafters so).
 
 use std::path::Path;
 
@@ -7,7 +7,7 @@ use crate::error::{Result, WorkerError};
 use crate::models::drafter::Drafter;
 
 /// The weights of a drafter directory in the export layout (`--init-drafter`; what
-/// [`write_hf_dir`](crate::export::write_hf_dir) writes, or a published z-lab DFlash drafter): each tensor of `d`'s
+/// [`write_hf_dir`](crate::tools::export::write_hf_dir) writes, or a published z-lab DFlash drafter): each tensor of `d`'s
 /// layout read from `dir`/model.safetensors by name (bf16, f16 or f32, as f32), the
 /// inverse of the export. A tensor missing, of another shape or dtype is refused (a
 /// permanent error: restarting would not change the file).

@@ -11,26 +11,22 @@
 //! sequence, to check parity with a PyTorch stack) and `tiny-target` (writes the built-in
 //! demo target).
 
-pub mod bench;
-pub mod bench_ops;
-pub mod bench_throughput;
 mod busy;
 pub mod collective;
 pub mod device;
 pub mod error;
 pub mod eval;
-pub mod export;
 mod fatal;
 pub mod generate;
 mod identity;
 pub mod init_weights;
-pub mod kernel_bench;
 pub mod math;
 pub mod models;
 mod plane;
 #[cfg(any(test, feature = "reference"))]
 pub mod reference;
 mod role;
+pub mod tools;
 pub mod torch_engine;
 mod train;
 
@@ -238,17 +234,17 @@ fn run_tool(c: Command) -> i32 {
             out,
             engine,
         } => tool(inspect(&target, &tokens, taps, &out, &engine)),
-        Command::BenchCompute { spec } => tool(bench::run(&spec)),
+        Command::BenchCompute { spec } => tool(tools::bench::run(&spec)),
         Command::BenchOps {
             target,
             tokens,
             json,
         } => tool(match target.strip_prefix("throughput:") {
-            Some(preset) => bench_throughput::run(preset, json),
-            None => bench_ops::run(&target, tokens, json),
+            Some(preset) => tools::bench_throughput::run(preset, json),
+            None => tools::bench_ops::run(&target, tokens, json),
         }),
         Command::BenchKernels { arch, json } => {
-            tool(kernel_bench::run(&arch, json).map_err(error::ToolError::from))
+            tool(tools::kernel_bench::run(&arch, json).map_err(error::ToolError::from))
         }
         Command::Export {
             checkpoint,
@@ -258,7 +254,7 @@ fn run_tool(c: Command) -> i32 {
             num_target_layers,
             rendering,
         } => tool(
-            export::from_checkpoint(
+            tools::export::from_checkpoint(
                 &checkpoint,
                 &target,
                 &out,

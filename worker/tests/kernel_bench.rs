@@ -10,8 +10,8 @@
 
 use std::process::Command;
 
-use dflash_worker::kernel_bench::roofline::{self, Bound};
-use dflash_worker::kernel_bench::{self, occupancy, KernelBenchError, Tools};
+use dflash_worker::tools::kernel_bench::roofline::{self, Bound};
+use dflash_worker::tools::kernel_bench::{self, occupancy, KernelBenchError, Tools};
 
 fn required() -> bool {
     std::env::var_os("CI").is_some()

@@ -340,7 +340,7 @@ fn accepted_lengths_equal_a_python_reference_with_the_export() {
         return;
     }
     use dflash_worker::eval::draft::Exported;
-    use dflash_worker::export::{write_hf_dir, ExportInfo};
+    use dflash_worker::tools::export::{write_hf_dir, ExportInfo};
     let s = setup();
     let mut dec = decoder(&s, &s.head);
     // Partly trained: steps of every accepted length.

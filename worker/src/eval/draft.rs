@@ -1,5 +1,5 @@
 //! The drafter at inference, without gradients: an exported drafter directory read back
-//! (config.json and model.safetensors as [`crate::export::write_hf_dir`] writes them), and
+//! (config.json and model.safetensors as [`crate::tools::export::write_hf_dir`] writes them), and
 //! one block proposed by argmax from the context's taps. The forward is the device
 //! drafter's training forward ([`DeviceDrafter::final_hidden`]) on one block; the
 //! lm_head is the target's frozen one, applied by the target's [`Verifier`].

@@ -16,12 +16,12 @@ use dflash_shared::model_config::TargetConfig;
 use dflash_shared::rng::Rng;
 use serde::Serialize;
 
-use crate::bench_ops::{drafter_step_flops, open_device, pattern, peak_bf16_tflops};
 use crate::device::GpuError;
 use crate::error::ToolError;
 use crate::models::drafter::{AdamW, Drafter, Frozen, Sample};
 use crate::models::target::device::DeviceTarget;
 use crate::models::target::Target;
+use crate::tools::bench_ops::{drafter_step_flops, open_device, pattern, peak_bf16_tflops};
 
 /// The shapes and step counts of a preset.
 #[derive(Debug, Clone, Serialize)]
@@ -476,7 +476,7 @@ mod tests {
     #[test]
     fn the_qwen3_8b_preset_has_the_roofline_shapes_and_enough_steps() {
         let p = preset("qwen3-8b").unwrap();
-        let r = crate::kernel_bench::roofline::qwen3_8b();
+        let r = crate::tools::kernel_bench::roofline::qwen3_8b();
         assert_eq!(
             (p.hidden, p.q_heads, p.kv_heads, p.head_dim, p.intermediate),
             (

@@ -22,7 +22,7 @@ use crate::train::{sync_dir, write_synced};
 pub const MODULE_FILE: &str = "dflash_drafter.py";
 /// The class `auto_map` names.
 pub const MODEL_CLASS: &str = "DFlashDraftModel";
-pub const DRAFTER_MODULE: &str = include_str!("../python/dflash_drafter.py");
+pub const DRAFTER_MODULE: &str = include_str!("../../python/dflash_drafter.py");
 /// The parity probe.
 pub use dflash_shared::checkpoint::probe_path;
 /// Rows of the probe batch and blocks per row.
