@@ -21,6 +21,7 @@ pub mod export_tool;
 pub mod nproc;
 pub mod run;
 pub mod shell;
+pub mod state;
 pub mod telemetry;
 pub mod training;
 pub mod violation;

@@ -13,7 +13,8 @@ use dflash_shared::exit_codes;
 
 use crate::cli::StatusArgs;
 use crate::error::Error;
-use crate::run::rundir::{ExistingRun, RunState, EVENTS_FILE};
+use crate::run::rundir::{ExistingRun, EVENTS_FILE};
+use crate::state::RunState;
 
 /// What events.jsonl says of the whole run, over every session.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -199,7 +200,7 @@ fn since(t: &str) -> String {
 
 /// What the drafter is worth so far: its last τ (`--eval-prompts`), its last eval
 /// (`--eval-data`), and the best checkpoint, one line each when known.
-fn quality_lines(t: &crate::run::rundir::TrainProgress) -> Vec<String> {
+fn quality_lines(t: &crate::state::TrainProgress) -> Vec<String> {
     let mut out = Vec::new();
     if let Some(tau) = &t.tau {
         let ci = tau["pooled_ci95"]
@@ -236,7 +237,7 @@ fn quality_lines(t: &crate::run::rundir::TrainProgress) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::run::rundir::WorkerState;
+    use crate::state::WorkerState;
 
     /// Two sessions: drafter-0 restarted twice before the stop, once after the --resume.
     const EVENTS: &str = r#"{"time":"t","event":"run_start","workers":["target-0 on cpu","drafter-0 on cpu"]}
@@ -315,7 +316,7 @@ mod tests {
     #[test]
     fn tau_eval_and_the_best_checkpoint_are_shown_when_known() {
         let mut st = state(&[("drafter-0", 0)]);
-        st.train = Some(crate::run::rundir::TrainProgress {
+        st.train = Some(crate::state::TrainProgress {
             step: 40,
             loss: 2.5,
             members: 1,

@@ -49,7 +49,7 @@ use dflash_shared::drafter::{
 use dflash_shared::protocol::{PoolInfo, SlotRef, ToWorker};
 use dflash_shared::slots::Holder;
 
-use crate::run::rundir::TrainProgress;
+use crate::state::TrainProgress;
 use crate::training::train_log::LogLine;
 use crate::violation::Violation;
 

@@ -20,7 +20,7 @@ use dflash_shared::slots::Holder;
 pub use crate::training::group::{Action, EvalSettings, TrainerConfig};
 
 use crate::error::Error;
-use crate::run::rundir::TrainProgress;
+use crate::state::TrainProgress;
 use crate::training::checkpoint_store::{CheckpointStore, StoreError};
 use crate::training::group::{Effect, Gradient, Group, History, Out};
 use crate::training::train_log::{LogLine, TrainLog};

@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::{obj, Dispatcher, Phase, StopReason};
 use crate::error::RunEnd;
-use crate::run::rundir::{RunState, WorkerState};
+use crate::state::{RunState, WorkerState};
 
 impl Dispatcher {
     fn snapshot(&self, phase: &str, exit_code: Option<i32>) -> RunState {
