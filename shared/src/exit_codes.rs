@@ -41,3 +41,25 @@ pub const WORKER_ORPHANED: i32 = 10;
 /// cannot help, so the supervisor stops the run with the worker's one-line reason instead
 /// of spending the restart budget.
 pub const WORKER_PERMANENT: i32 = 11;
+
+/// The supervisor's exit codes in a few words each: `dflash-supervise --help`'s last
+/// paragraph (supervisor/tests/docs.rs checks that it names every code above).
+pub fn help() -> String {
+    let words = [
+        (SUCCESS, "finished (steps or data done)"),
+        (RUN_FAILED, "run failed"),
+        (USAGE, "bad input"),
+        (UNCLEAN_STOP, "unclean stop (a worker had to be killed)"),
+        (INTERNAL, "internal error"),
+        (
+            STOPPED_EARLY,
+            "stopped before the end (signal or --time-limit; --resume continues it)",
+        ),
+        (
+            INTERRUPTED,
+            "killed by a second Ctrl-C or interrupted while starting",
+        ),
+    ];
+    let codes: Vec<String> = words.iter().map(|(c, w)| format!("{c} {w}")).collect();
+    format!("Exit codes: {}.", codes.join(", "))
+}

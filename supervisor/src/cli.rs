@@ -24,12 +24,7 @@ use dflash_shared::{DeviceSpec, DeviceSpecError};
     args_conflicts_with_subcommands = true,
     verbatim_doc_comment
 )]
-#[command(
-    after_help = "Exit codes: 0 finished (steps or data done), 1 run failed, 2 bad input, \
-3 unclean stop (a worker had to be killed), 4 internal error, 75 stopped before the end \
-(signal or --time-limit; --resume continues it), 130 killed by a second Ctrl-C or \
-interrupted while starting."
-)]
+#[command(after_help = dflash_shared::exit_codes::help())]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Option<Command>,

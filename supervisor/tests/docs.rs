@@ -238,3 +238,34 @@ fn the_exit_code_table_is_the_one_in_code() {
     let want = format!("{}{BEGIN}\n{}{}", &text[..b], exit_code_table(), &text[e..]);
     check(&path, &want);
 }
+
+/// `--help`'s exit-code line names every code of the supervisor's table, once.
+#[test]
+fn help_names_every_exit_code_of_the_supervisor() {
+    let src = std::fs::read_to_string(root().join("shared/src/exit_codes.rs")).unwrap();
+    let help = dflash_shared::exit_codes::help();
+    // The codes the line names: the number leading each of its comma-separated parts.
+    let named: Vec<&str> = help
+        .trim_start_matches("Exit codes: ")
+        .split(", ")
+        .filter_map(|part| part.split(' ').next())
+        .collect();
+    let mut doc = String::new();
+    let mut seen = 0;
+    for line in src.lines().map(str::trim) {
+        if let Some(d) = line.strip_prefix("///") {
+            doc.push_str(d);
+        } else if let Some(rest) = line.strip_prefix("pub const ") {
+            let value = rest.split_once(": i32 = ").unwrap().1.trim_end_matches(';');
+            if !doc.trim_start().starts_with("Worker: ") {
+                let times = named.iter().filter(|n| **n == value).count();
+                assert_eq!(times, 1, "{value} in {help}");
+                seen += 1;
+            }
+            doc.clear();
+        } else {
+            doc.clear();
+        }
+    }
+    assert_eq!(seen, named.len(), "{help} names a code the table has not");
+}
