@@ -214,21 +214,226 @@ impl Acc {
     }
 }
 
-const METRICS: [&str; 14] = [
-    "util_gpu_pct",
-    "util_mem_pct",
-    "mem_used_bytes",
-    "mem_total_bytes",
-    "power_w",
-    "power_limit_w",
-    "energy_j",
-    "temp_c",
-    "sm_clock_mhz",
-    "mem_clock_mhz",
-    "pcie_tx_bytes_per_s",
-    "pcie_rx_bytes_per_s",
-    "ecc_corrected_volatile",
-    "ecc_uncorrected_volatile",
+/// Which of a window's statistics a GPU metric is reported by: its mean over the window,
+/// or its maximum (a level that matters at its peak, or a counter's latest value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Agg {
+    Mean,
+    Max,
+}
+
+impl Agg {
+    /// The statistic's key in a window's entry (`{"mean": .., "max": ..}`).
+    pub fn key(self) -> &'static str {
+        match self {
+            Agg::Mean => "mean",
+            Agg::Max => "max",
+        }
+    }
+}
+
+/// How a GPU metric is exported to Prometheus: the family's name, type and help, and the
+/// scale from the window's unit to the family's.
+#[derive(Debug, Clone, Copy)]
+pub struct Prom {
+    pub name: &'static str,
+    pub kind: &'static str,
+    pub help: &'static str,
+    pub scale: f64,
+}
+
+/// One GPU metric: its key in a sample and in metrics.jsonl's windows, its unit, how a
+/// sample reads it, which statistic of a window reports it, and its Prometheus family.
+#[derive(Clone, Copy)]
+pub struct GpuMetric {
+    pub key: &'static str,
+    pub unit: &'static str,
+    pub read: fn(&GpuSample) -> Option<f64>,
+    pub agg: Agg,
+    pub prom: Option<Prom>,
+}
+
+const fn metric(
+    key: &'static str,
+    unit: &'static str,
+    read: fn(&GpuSample) -> Option<f64>,
+    agg: Agg,
+    prom: Option<Prom>,
+) -> GpuMetric {
+    GpuMetric {
+        key,
+        unit,
+        read,
+        agg,
+        prom,
+    }
+}
+
+const fn prom(
+    name: &'static str,
+    kind: &'static str,
+    help: &'static str,
+    scale: f64,
+) -> Option<Prom> {
+    Some(Prom {
+        name,
+        kind,
+        help,
+        scale,
+    })
+}
+
+/// Every GPU metric, in the order of metrics.jsonl's entries: the one table the windows,
+/// Prometheus and the docs' list of families read.
+pub const GPU_METRICS: [GpuMetric; 14] = [
+    metric(
+        "util_gpu_pct",
+        "%",
+        |s| s.util_gpu_pct,
+        Agg::Mean,
+        prom(
+            "dflash_gpu_utilization_ratio",
+            "gauge",
+            "GPU busy share over the window (mean).",
+            0.01,
+        ),
+    ),
+    metric(
+        "util_mem_pct",
+        "%",
+        |s| s.util_mem_pct,
+        Agg::Mean,
+        prom(
+            "dflash_gpu_memory_bandwidth_utilization_ratio",
+            "gauge",
+            "GPU memory-controller busy share (mean).",
+            0.01,
+        ),
+    ),
+    metric(
+        "mem_used_bytes",
+        "bytes",
+        |s| s.mem_used_bytes,
+        Agg::Max,
+        prom(
+            "dflash_gpu_memory_used_bytes",
+            "gauge",
+            "GPU memory in use (max over the window).",
+            1.0,
+        ),
+    ),
+    metric(
+        "mem_total_bytes",
+        "bytes",
+        |s| s.mem_total_bytes,
+        Agg::Mean,
+        prom(
+            "dflash_gpu_memory_total_bytes",
+            "gauge",
+            "GPU memory size.",
+            1.0,
+        ),
+    ),
+    metric(
+        "power_w",
+        "W",
+        |s| s.power_w,
+        Agg::Mean,
+        prom(
+            "dflash_gpu_power_watts",
+            "gauge",
+            "GPU power draw (mean).",
+            1.0,
+        ),
+    ),
+    metric(
+        "power_limit_w",
+        "W",
+        |s| s.power_limit_w,
+        Agg::Mean,
+        prom(
+            "dflash_gpu_power_limit_watts",
+            "gauge",
+            "Enforced GPU power limit.",
+            1.0,
+        ),
+    ),
+    metric(
+        "energy_j",
+        "J",
+        |s| s.energy_j,
+        Agg::Max,
+        prom(
+            "dflash_gpu_energy_joules_total",
+            "counter",
+            "GPU energy since the driver loaded.",
+            1.0,
+        ),
+    ),
+    metric(
+        "temp_c",
+        "°C",
+        |s| s.temp_c,
+        Agg::Max,
+        prom(
+            "dflash_gpu_temperature_celsius",
+            "gauge",
+            "GPU temperature (max over the window).",
+            1.0,
+        ),
+    ),
+    metric(
+        "sm_clock_mhz",
+        "MHz",
+        |s| s.sm_clock_mhz,
+        Agg::Mean,
+        prom(
+            "dflash_gpu_sm_clock_hertz",
+            "gauge",
+            "SM clock (mean).",
+            1e6,
+        ),
+    ),
+    metric(
+        "mem_clock_mhz",
+        "MHz",
+        |s| s.mem_clock_mhz,
+        Agg::Mean,
+        prom(
+            "dflash_gpu_memory_clock_hertz",
+            "gauge",
+            "Memory clock (mean).",
+            1e6,
+        ),
+    ),
+    metric(
+        "pcie_tx_bytes_per_s",
+        "bytes/s",
+        |s| s.pcie_tx_bytes_per_s,
+        Agg::Mean,
+        None,
+    ),
+    metric(
+        "pcie_rx_bytes_per_s",
+        "bytes/s",
+        |s| s.pcie_rx_bytes_per_s,
+        Agg::Mean,
+        None,
+    ),
+    metric(
+        "ecc_corrected_volatile",
+        "errors",
+        |s| s.ecc_corrected_volatile,
+        Agg::Max,
+        None,
+    ),
+    metric(
+        "ecc_uncorrected_volatile",
+        "errors",
+        |s| s.ecc_uncorrected_volatile,
+        Agg::Max,
+        None,
+    ),
 ];
 
 /// GPU readings of one metrics window.
@@ -246,22 +451,6 @@ impl GpuWindow {
         self.samples += 1;
         for s in samples {
             let a = self.acc.entry(s.index).or_default();
-            let vals = [
-                s.util_gpu_pct,
-                s.util_mem_pct,
-                s.mem_used_bytes,
-                s.mem_total_bytes,
-                s.power_w,
-                s.power_limit_w,
-                s.energy_j,
-                s.temp_c,
-                s.sm_clock_mhz,
-                s.mem_clock_mhz,
-                s.pcie_tx_bytes_per_s,
-                s.pcie_rx_bytes_per_s,
-                s.ecc_corrected_volatile,
-                s.ecc_uncorrected_volatile,
-            ];
             self.xids
                 .entry(s.index)
                 .or_default()
@@ -272,8 +461,8 @@ impl GpuWindow {
                     .or_default()
                     .extend(r.iter().cloned());
             }
-            for (k, v) in METRICS.iter().zip(vals) {
-                a.entry(k).or_default().add(v);
+            for m in &GPU_METRICS {
+                a.entry(m.key).or_default().add((m.read)(s));
             }
             if let Some(ps) = &s.processes {
                 let m = self.processes.entry(s.index).or_default();
@@ -293,10 +482,10 @@ impl GpuWindow {
             .map(|(index, a)| {
                 let mut o = serde_json::Map::new();
                 o.insert("index".into(), (*index).into());
-                for k in METRICS {
+                for m in &GPU_METRICS {
                     o.insert(
-                        k.into(),
-                        serde_json::to_value(a.get(k).and_then(Acc::stat)).unwrap_or_default(),
+                        m.key.into(),
+                        serde_json::to_value(a.get(m.key).and_then(Acc::stat)).unwrap_or_default(),
                     );
                 }
                 let procs: serde_json::Map<String, serde_json::Value> = self
@@ -327,5 +516,51 @@ impl GpuWindow {
         let v = serde_json::json!({"samples": self.samples, "gpus": gpus});
         *self = GpuWindow::default();
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each metric of the table reads its own field of a sample, under its own key, and a
+    /// window reports each by the statistic the table names.
+    #[test]
+    fn every_gpu_metric_reads_its_own_field_and_a_window_reports_it() {
+        let s = GpuSample {
+            index: 3,
+            util_gpu_pct: Some(1.0),
+            util_mem_pct: Some(2.0),
+            mem_used_bytes: Some(3.0),
+            mem_total_bytes: Some(4.0),
+            power_w: Some(5.0),
+            power_limit_w: Some(6.0),
+            energy_j: Some(7.0),
+            temp_c: Some(8.0),
+            sm_clock_mhz: Some(9.0),
+            mem_clock_mhz: Some(10.0),
+            pcie_tx_bytes_per_s: Some(11.0),
+            pcie_rx_bytes_per_s: Some(12.0),
+            ecc_corrected_volatile: Some(13.0),
+            ecc_uncorrected_volatile: Some(14.0),
+            ..GpuSample::default()
+        };
+        let read: Vec<f64> = GPU_METRICS.iter().map(|m| (m.read)(&s).unwrap()).collect();
+        assert_eq!(read, (1..=14).map(f64::from).collect::<Vec<_>>());
+        let keys: std::collections::BTreeSet<&str> = GPU_METRICS.iter().map(|m| m.key).collect();
+        assert_eq!(keys.len(), GPU_METRICS.len(), "keys are distinct");
+        let mut w = GpuWindow::default();
+        let mut later = s.clone();
+        later.temp_c = Some(20.0);
+        w.add(&[s]);
+        w.add(&[later]);
+        let v = w.take(&|_| None);
+        let g = &v["gpus"][0];
+        assert_eq!(g["index"], 3);
+        for m in &GPU_METRICS {
+            assert!(g[m.key][m.agg.key()].is_number(), "{}: {g}", m.key);
+        }
+        assert_eq!(g["temp_c"]["max"], 20.0);
+        assert_eq!(g["temp_c"]["mean"], 14.0);
     }
 }

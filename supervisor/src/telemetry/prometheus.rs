@@ -461,97 +461,18 @@ pub fn render(w: &Value) -> String {
     o.0
 }
 
-/// The GPU families: (the metrics window's key, the family, its type, its help, the scale
-/// from the window's unit to the family's).
-const GPU_METRICS: [(&str, &str, &str, &str, f64); 10] = [
-    (
-        "util_gpu_pct",
-        "dflash_gpu_utilization_ratio",
-        "gauge",
-        "GPU busy share over the window (mean).",
-        0.01,
-    ),
-    (
-        "util_mem_pct",
-        "dflash_gpu_memory_bandwidth_utilization_ratio",
-        "gauge",
-        "GPU memory-controller busy share (mean).",
-        0.01,
-    ),
-    (
-        "mem_used_bytes",
-        "dflash_gpu_memory_used_bytes",
-        "gauge",
-        "GPU memory in use (max over the window).",
-        1.0,
-    ),
-    (
-        "mem_total_bytes",
-        "dflash_gpu_memory_total_bytes",
-        "gauge",
-        "GPU memory size.",
-        1.0,
-    ),
-    (
-        "power_w",
-        "dflash_gpu_power_watts",
-        "gauge",
-        "GPU power draw (mean).",
-        1.0,
-    ),
-    (
-        "power_limit_w",
-        "dflash_gpu_power_limit_watts",
-        "gauge",
-        "Enforced GPU power limit.",
-        1.0,
-    ),
-    (
-        "energy_j",
-        "dflash_gpu_energy_joules_total",
-        "counter",
-        "GPU energy since the driver loaded.",
-        1.0,
-    ),
-    (
-        "temp_c",
-        "dflash_gpu_temperature_celsius",
-        "gauge",
-        "GPU temperature (max over the window).",
-        1.0,
-    ),
-    (
-        "sm_clock_mhz",
-        "dflash_gpu_sm_clock_hertz",
-        "gauge",
-        "SM clock (mean).",
-        1e6,
-    ),
-    (
-        "mem_clock_mhz",
-        "dflash_gpu_memory_clock_hertz",
-        "gauge",
-        "Memory clock (mean).",
-        1e6,
-    ),
-];
-
 /// Each GPU's utilisation, memory, power, energy, temperature and clocks.
 fn gpu_families(o: &mut Out, w: &Value) {
     let gpus = w["gpu"]["gpus"].as_array().cloned().unwrap_or_default();
-    for (key, name, kind, help, scale) in GPU_METRICS {
-        o.family(name, kind, help);
-        let pick = if key == "mem_used_bytes" || key == "temp_c" || kind == "counter" {
-            "max"
-        } else {
-            "mean"
-        };
+    for m in &crate::telemetry::nvml::GPU_METRICS {
+        let Some(p) = m.prom else { continue };
+        o.family(p.name, p.kind, p.help);
         for g in &gpus {
             let idx = g["index"].as_u64().unwrap_or(0).to_string();
             o.sample(
-                name,
+                p.name,
                 &[("gpu", &idx)],
-                g[key][pick].as_f64().map(|v| v * scale),
+                g[m.key][m.agg.key()].as_f64().map(|v| v * p.scale),
             );
         }
     }
