@@ -8,7 +8,7 @@ use super::on_cpu::{need, rd, wr, Widened};
 use super::{i32_of, Act, Ops};
 use crate::device::{Arg, DSlice, Gemm, GpuError, Result};
 
-/// The experts' grouped GEMM's tile (`MOE_BM` × `MOE_BN` in kernels.cu), threads
+/// The experts' grouped GEMM's tile (`MOE_BM` × `MOE_BN` in gemm.cuh), threads
 /// (`MOE_THREADS`) and dynamic shared memory (`MOE_DYN_BYTES`: 3 stages of 64 + 128 rows
 /// of 40 bf16).
 pub const MOE_GEMM_ROWS: usize = 64;

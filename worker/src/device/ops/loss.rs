@@ -9,7 +9,7 @@ use super::{i32_of, row_block, Act, Ops};
 use crate::device::{Arg, DSlice, Result};
 use crate::math::exp_neg;
 
-/// The cross-entropy's rows over the vocabulary chunks (kernels.cu's `ce_fold`): each
+/// The cross-entropy's rows over the vocabulary chunks (loss.cuh's `ce_fold`): each
 /// row's running max, Σexp (relative to that max), argmax (i32 id) and label logit, and
 /// `acc` `[rows, h]`, Σ exp(l − max)·W over the chunks so far.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -366,7 +366,7 @@ struct CeDone<'a> {
 }
 
 /// `(dx, loss, correct)` written from the rows' state, `(labels, scale, w)` and
-/// `(h, vocab)`, as kernels.cu's `ce_finish`.
+/// `(h, vocab)`, as loss.cuh's `ce_finish`.
 fn ce_finish(
     rows: usize,
     (dx, loss, correct): (&mut [f32], &mut [f32], &mut [i32]),

@@ -1,6 +1,9 @@
-//! One typed method per kernel of `cuda/kernels.cu` ([`Kernel`]), on the compute stream: the GPU
-//! counterpart of the reference op set (`reference::ops::Cpu`, test-only), with the same
-//! layouts and the same accumulate-or-overwrite semantics, so that each can be checked
+//! The op families, one room each (`gemm`, `norm`, `rope`, `attention`, `swiglu`, `moe`,
+//! `loss`, `adamw`, `convert`): a family's kernels as a typed enum (their arguments by name,
+//! beside `cuda/<family>.cuh`), their launches as typed methods of [`Ops`] on the compute
+//! stream, and their CPU bodies. [`Kernel`] is the enum over the families. The launches are
+//! the GPU counterpart of the reference op set (`reference::ops::Cpu`, test-only), with the
+//! same layouts and the same accumulate-or-overwrite semantics, so that each can be checked
 //! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
 
 pub mod adamw;

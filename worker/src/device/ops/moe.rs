@@ -397,7 +397,7 @@ impl Ops {
     }
 }
 
-/// kernels.cu's `moe_route` for `rows` tokens: softmax, top-k by repeated argmax (lower
+/// moe.cuh's `moe_route` for `rows` tokens: softmax, top-k by repeated argmax (lower
 /// expert first among equals), probabilities renormalised over the chosen when `norm`.
 fn moe_route(
     rows: usize,
@@ -451,7 +451,7 @@ fn expert_of(e: i32, experts: usize) -> usize {
     }
 }
 
-/// kernels.cu's `moe_count`: the pairs of each chunk per expert, `counts[b, e]`.
+/// moe.cuh's `moe_count`: the pairs of each chunk per expert, `counts[b, e]`.
 fn moe_count(counts: &mut [i32], idx: &[i32], pairs: usize, experts: usize) -> Result<()> {
     let kernel = "moe_count";
     let chunks = pairs.div_ceil(MOE_CHUNK);
@@ -464,7 +464,7 @@ fn moe_count(counts: &mut [i32], idx: &[i32], pairs: usize, experts: usize) -> R
     Ok(())
 }
 
-/// kernels.cu's `moe_scan`: the offsets, and each chunk's first row per expert.
+/// moe.cuh's `moe_scan`: the offsets, and each chunk's first row per expert.
 fn moe_scan(offsets: &mut [i32], counts: &mut [i32], chunks: usize, experts: usize) -> Result<()> {
     let kernel = "moe_scan";
     need(kernel, "offsets", offsets.len(), experts + 1)?;
@@ -482,7 +482,7 @@ fn moe_scan(offsets: &mut [i32], counts: &mut [i32], chunks: usize, experts: usi
     Ok(())
 }
 
-/// kernels.cu's `moe_place`: each pair's row, the pairs of an expert in order.
+/// moe.cuh's `moe_place`: each pair's row, the pairs of an expert in order.
 fn moe_place(
     (order, slots): (&mut [i32], &mut [i32]),
     (idx, first_rows): (&[i32], &[i32]),
@@ -514,7 +514,7 @@ fn moe_place(
     Ok(())
 }
 
-/// kernels.cu's `moe_combine` for `rows` tokens.
+/// moe.cuh's `moe_combine` for `rows` tokens.
 fn moe_combine(
     rows: usize,
     out: &mut [f32],

@@ -11,14 +11,14 @@ use crate::device::{Arg, DSlice, GpuError, Result};
 use cpu::{attention_bwd, attention_fwd, attention_prep};
 
 /// Attention, forward and backward, on tensor cores: query rows of one head per block of
-/// one warp (`ATTN_MMA_ROWS` in kernels.cu).
+/// one warp (`ATTN_MMA_ROWS` in attention.cuh).
 const ATTN_MMA_ROWS: usize = 16;
 
 /// The FlashAttention-2 forward's CTA: 4 warps of 16 query rows of one head
-/// (`FA2_ROWS`, `FA2_THREADS` in kernels.cu).
+/// (`FA2_ROWS`, `FA2_THREADS` in attention.cuh).
 const FA2_ROWS: usize = 64;
 const FA2_THREADS: u32 = 128;
-/// Keys per CTA of the FlashAttention-2 backward (`FA2B_KEYS` in kernels.cu).
+/// Keys per CTA of the FlashAttention-2 backward (`FA2B_KEYS` in attention.cuh).
 const FA2_BWD_KEYS: usize = 64;
 
 /// Blocks of one warp, ATTN_MMA_ROWS query rows of one head each.
@@ -168,7 +168,7 @@ pub enum AttentionKernel {
         a: Attention,
     },
     /// [`AttentionKernel::Fwd`] in FlashAttention-2's structure (CTAs of 4 warps × 16 rows;
-    /// see kernels.cu), compiled for a head-dim bucket: the head dim is at most the
+    /// see attention.cuh), compiled for a head-dim bucket: the head dim is at most the
     /// bucket's and a multiple of 8.
     Fa2Fwd {
         act: Act,
@@ -176,7 +176,7 @@ pub enum AttentionKernel {
         a: Attention,
     },
     Bwd(AttentionGrad),
-    /// The FlashAttention-2 backward's preparation (see kernels.cu): per (row, head) D =
+    /// The FlashAttention-2 backward's preparation (see attention.cuh): per (row, head) D =
     /// Σ_d dO∘O and Q, dO rounded to bf16 (zeros and 0 where its lse is −inf); per 32 rows
     /// the union and intersection of their key spans. Grid: ceil(tq·qh / 4) blocks of 128.
     BwdPrep {
@@ -184,7 +184,7 @@ pub enum AttentionKernel {
         s: BwdScratch,
     },
     /// The backward in FlashAttention-2's structure (f32 activations and gradients, see
-    /// kernels.cu) for a head-dim bucket, from [`AttentionKernel::BwdPrep`]'s scratch;
+    /// attention.cuh) for a head-dim bucket, from [`AttentionKernel::BwdPrep`]'s scratch;
     /// `tk` keys. Grid: ceil(tk / 64)·kvh blocks of 128 threads.
     Fa2Bwd {
         dim: Fa2Dim,
@@ -375,7 +375,7 @@ impl AttentionKernel {
 
 impl Ops {
     /// Attention of `tq` query rows over key spans (`spans`: 4 i32 per row, see
-    /// kernels.cu); writes `out` and the log-sum-exp per (row, head) for the backward.
+    /// attention.cuh); writes `out` and the log-sum-exp per (row, head) for the backward.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &mut self,
