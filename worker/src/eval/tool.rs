@@ -171,7 +171,12 @@ pub fn run(a: &Args) -> Result<bool, ToolError> {
         block: bs.max(64),
     };
     let (mut dec, frozen) = super::verifier::open(&open, true)?;
-    let frozen = frozen.expect("asked for the frozen tensors");
+    let Some(frozen) = frozen else {
+        return Err(crate::device::GpuError::Invalid(
+            "the target opened without its embedding and lm_head, which the drafter shares".into(),
+        )
+        .into());
+    };
     drop(scratch);
     let mut draft = Draft::new(first_device(gpus)?, &ex.cfg, &ex.params, &frozen, max_len)?;
     drop(frozen);
