@@ -1,0 +1,684 @@
+//! The drafter's pass on the device, a sample at a time: the context projection, the
+//! block embeddings, every layer's forward (keeping what the backward needs, in
+//! [`Saved`]) and the final norm; then the backward from the loss's gradient through
+//! every layer in reverse into the gradient, finishing its buckets in the order
+//! [`bucket_plan`] gives. The attention is the fused span kernel, which recomputes the
+//! probabilities from the saved log-sum-exp instead of storing them.
+
+use std::ops::Range;
+
+use super::layout::{Buffers, Dims, Saved, Work};
+use super::mixed::{Mixed, NONE, W};
+use crate::device::ops::Ops;
+use crate::device::{DSlice, Result, Stream};
+use crate::models::drafter::{Drafter, LayerIdx};
+
+/// What every part of a sample's step reads: the drafter's sizes, the sample's, the
+/// parameters as GEMM weights and the work buffers' slices for this sample.
+#[derive(Clone, Copy)]
+pub(super) struct Locals {
+    pub(super) h: usize,
+    pub(super) hd: usize,
+    pub(super) bs: usize,
+    pub(super) inter: usize,
+    pub(super) qd: usize,
+    pub(super) kd: usize,
+    pub(super) qh: usize,
+    pub(super) kvh: usize,
+    pub(super) eps: f32,
+    pub(super) n_taps: usize,
+    pub(super) vocab: usize,
+    pub(super) slen: usize,
+    pub(super) nb: usize,
+    pub(super) m: usize,
+    pub(super) tk: usize,
+    pub(super) fc: W,
+    pub(super) hnorm: DSlice,
+    pub(super) fnorm: DSlice,
+    /// Parameters and gradients (f32), and the bf16 copy of the parameters.
+    pub(super) pw: DSlice,
+    pub(super) gw: DSlice,
+    pub(super) p16: DSlice,
+    pub(super) mx: Mixed,
+    pub(super) lm32: DSlice,
+    pub(super) lm16: DSlice,
+    pub(super) taps: DSlice,
+    pub(super) ctx_pre: DSlice,
+    pub(super) ctx: DSlice,
+    pub(super) ctx_rstd: DSlice,
+    pub(super) hcur: DSlice,
+    pub(super) o: DSlice,
+    pub(super) spans_d: DSlice,
+    pub(super) hn: DSlice,
+    pub(super) rstd_f: DSlice,
+    /// The block rows' positions and every key's (the context's, then the block rows'),
+    /// and the rotary frequencies and scale.
+    pub(super) block_pos: DSlice,
+    pub(super) key_pos: DSlice,
+    pub(super) inv_freq: DSlice,
+    pub(super) rope_scale: f32,
+}
+
+impl Locals {
+    /// The sizes and slices of a sample of `dims`.
+    pub(super) fn new(d: &Drafter, b: &Buffers, dims: Dims) -> Locals {
+        let c = &d.cfg;
+        let (h, hd) = (c.hidden, c.head_dim);
+        let Dims { slen, nb, m, tk } = dims;
+        let w = &b.w;
+        let weight = |name: &str| {
+            let r = d.layout.range(name);
+            W {
+                f: b.params.f32s(r.clone()),
+                b: if b.mixed.bf16 {
+                    b.params16.sub(2, r)
+                } else {
+                    NONE
+                },
+            }
+        };
+        Locals {
+            h,
+            hd,
+            bs: c.block_size,
+            inter: c.intermediate,
+            qd: c.q_heads * hd,
+            kd: c.kv_heads * hd,
+            qh: c.q_heads,
+            kvh: c.kv_heads,
+            eps: c.eps as f32,
+            n_taps: c.n_taps,
+            vocab: c.vocab,
+            slen,
+            nb,
+            m,
+            tk,
+            fc: weight("fc.weight"),
+            hnorm: weight("hidden_norm.weight").f,
+            fnorm: weight("norm.weight").f,
+            pw: b.params,
+            gw: b.grads,
+            p16: b.params16,
+            mx: b.mixed,
+            lm32: b.lm_head,
+            lm16: b.lm16,
+            taps: w.taps.f32s(0..slen * c.n_taps * h),
+            ctx_pre: w.ctx_pre.f32s(0..slen * h),
+            ctx: b.mixed.gemm_act(w.ctx, slen * h),
+            ctx_rstd: w.ctx_rstd.f32s(0..slen),
+            hcur: w.hcur.f32s(0..m * h),
+            o: w.o.f32s(0..m * h),
+            spans_d: w.spans.f32s(0..4 * m),
+            hn: w.hn.f32s(0..m * h),
+            rstd_f: w.rstd_f.f32s(0..m),
+            block_pos: w.block_pos.f32s(0..m),
+            key_pos: w.key_pos.f32s(0..tk),
+            inv_freq: b.inv_freq,
+            rope_scale: d.rope_scale,
+        }
+    }
+
+    /// Parameters `r` as a GEMM weight.
+    fn pp(&self, r: &std::ops::Range<usize>) -> W {
+        W {
+            f: self.pw.f32s(r.clone()),
+            b: if self.mx.bf16 {
+                self.p16.sub(2, r.clone())
+            } else {
+                NONE
+            },
+        }
+    }
+
+    /// Vocabulary rows `start..start + cw` of the frozen lm_head as a GEMM weight.
+    pub(super) fn lmw(&self, start: usize, cw: usize) -> W {
+        let r = start * self.h..(start + cw) * self.h;
+        if self.mx.bf16 {
+            W {
+                f: NONE,
+                b: self.lm16.sub(2, r),
+            }
+        } else {
+            W {
+                f: self.lm32.f32s(r),
+                b: NONE,
+            }
+        }
+    }
+}
+
+/// One sample's pass on the device: the ops, the sample's [`Locals`] and the work
+/// buffers. A layer's forward and backward, and the whole forward and backward, are its
+/// methods.
+pub(super) struct Pass<'a> {
+    pub(super) ops: &'a mut Ops,
+    pub(super) lc: Locals,
+    pub(super) w: &'a Work,
+}
+
+impl Pass<'_> {
+    /// A layer's attention inputs: `h_in` kept, `x = ln1(h)`, then q from the block rows
+    /// and k, v from the context followed by the block rows.
+    fn projections(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            qd,
+            kd,
+            eps,
+            slen,
+            m,
+            tk,
+            pw,
+            mx,
+            ctx,
+            hcur,
+            ..
+        } = lc;
+        let ops = &mut *self.ops;
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let (h_in, xin, q_pre) = (
+            sv.h_in.f32s(0..m * h),
+            mx.gemm_act(sv.x, m * h),
+            sv.q_pre.f32s(0..m * qd),
+        );
+        let (k_pre, v) = (sv.k_pre.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
+        ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
+        // x and the context are written as the GEMMs read them (bf16 on a GPU).
+        mx.norm(ops, hcur, p(&li.ln1), xin, sv.rstd1.f32s(0..m), m, h, eps)?;
+        let (k_ctx, v_ctx) = (k_pre.f32s(0..slen * kd), v.f32s(0..slen * kd));
+        mx.mm_in(ops, ctx, lc.pp(&li.wk), k_ctx, slen, h, kd)?;
+        mx.mm_in(ops, ctx, lc.pp(&li.wv), v_ctx, slen, h, kd)?;
+        let (k_blk, v_blk) = (k_pre.f32s(slen * kd..tk * kd), v.f32s(slen * kd..tk * kd));
+        mx.mm_in(ops, xin, lc.pp(&li.wq), q_pre, m, h, qd)?;
+        mx.mm_in(ops, xin, lc.pp(&li.wk), k_blk, m, h, kd)?;
+        mx.mm_in(ops, xin, lc.pp(&li.wv), v_blk, m, h, kd)
+    }
+
+    /// q and k RMS-normed per head, then rotated (q at the block positions, k at the key
+    /// positions).
+    fn qk_norm_rope(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let Locals {
+            hd,
+            qd,
+            kd,
+            qh,
+            kvh,
+            eps,
+            m,
+            tk,
+            pw,
+            block_pos,
+            key_pos,
+            inv_freq,
+            rope_scale,
+            ..
+        } = self.lc;
+        let ops = &mut *self.ops;
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let (q, k) = (sv.q.f32s(0..m * qd), sv.k.f32s(0..tk * kd));
+        ops.rmsnorm(
+            sv.q_pre.f32s(0..m * qd),
+            p(&li.qn),
+            q,
+            sv.q_rstd.f32s(0..m * qh),
+            m * qh,
+            hd,
+            eps,
+        )?;
+        ops.rmsnorm(
+            sv.k_pre.f32s(0..tk * kd),
+            p(&li.kn),
+            k,
+            sv.k_rstd.f32s(0..tk * kvh),
+            tk * kvh,
+            hd,
+            eps,
+        )?;
+        ops.rope(q, block_pos, inv_freq, m, qh, hd, rope_scale, false)?;
+        ops.rope(k, key_pos, inv_freq, tk, kvh, hd, rope_scale, false)
+    }
+
+    /// The span attention, its output projection added into `h`.
+    fn attend(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            hd,
+            qd,
+            kd,
+            qh,
+            kvh,
+            m,
+            tk,
+            mx,
+            hcur,
+            o,
+            spans_d,
+            ..
+        } = lc;
+        let ops = &mut *self.ops;
+        let att = sv.att.f32s(0..m * qd);
+        ops.attention(
+            sv.q.f32s(0..m * qd),
+            sv.k.f32s(0..tk * kd),
+            sv.v.f32s(0..tk * kd),
+            att,
+            sv.lse.f32s(0..m * qh),
+            spans_d,
+            m,
+            qh,
+            kvh,
+            hd,
+        )?;
+        mx.mm(ops, att, lc.pp(&li.wo), o, m, qd, h)?;
+        ops.add(hcur, o)
+    }
+
+    /// The MLP half of a layer: `h_mid` kept, `h += down(swiglu(gate(x2), up(x2)))` with
+    /// `x2 = ln2(h)`; gate and up as one GEMM over their adjacent weights.
+    fn mlp(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            inter,
+            eps,
+            m,
+            pw,
+            mx,
+            hcur,
+            o,
+            ..
+        } = lc;
+        let ops = &mut *self.ops;
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let h_mid = sv.h_mid.f32s(0..m * h);
+        ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
+        // x2 and the SwiGLU's output are written as the GEMMs read them (bf16 on a GPU).
+        let x2 = mx.gemm_act(sv.x2, m * h);
+        mx.norm(ops, hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m * inter));
+        mx.mm_in(ops, x2, lc.pp(&li.gate_up()), gu, m, h, 2 * inter)?;
+        mx.swiglu(ops, gu, act, inter)?;
+        mx.mm_in(ops, act, lc.pp(&li.down), o, m, inter, h)?;
+        ops.add(hcur, o)
+    }
+
+    /// Backward of [`mlp`](Self::mlp): `dh` through down, the SwiGLU, the fused gate/up
+    /// (one GEMM for `dx2`, one for both weights' gradients) and ln2 (the residual's
+    /// gradient stays in `dh`).
+    fn mlp_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            inter,
+            m,
+            pw,
+            gw,
+            mx,
+            ..
+        } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+        let dh = w.dh.f32s(0..m * h);
+        let (x2, h_mid) = (mx.gemm_act(sv.x2, m * h), sv.h_mid.f32s(0..m * h));
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m * inter));
+        let (dact, dgu) = (w.dact.f32s(0..m * inter), w.dgu.f32s(0..2 * m * inter));
+        // Each buffer's writer writes it (no zeroing): dact and dx2 by their GEMM, dgu by
+        // the SwiGLU backward.
+        let dx2 = w.dx2.f32s(0..m * h);
+        mx.back_in(
+            ops,
+            dh,
+            act,
+            lc.pp(&li.down),
+            Some((dact, true)),
+            Some(gr(&li.down)),
+            m,
+            inter,
+            h,
+        )?;
+        ops.swiglu_gu_backward(dact, gu, dgu, inter)?;
+        let gate_up = li.gate_up();
+        mx.back_in(
+            ops,
+            dgu,
+            x2,
+            lc.pp(&gate_up),
+            Some((dx2, true)),
+            Some(gr(&gate_up)),
+            m,
+            h,
+            2 * inter,
+        )?;
+        ops.rmsnorm_backward(
+            dx2,
+            h_mid,
+            p(&li.ln2),
+            sv.rstd2.f32s(0..m),
+            dh,
+            Some(gr(&li.ln2)),
+            m,
+            h,
+        )
+    }
+
+    /// Backward of [`attend`](Self::attend): `dh` through the output projection and the
+    /// span attention into `dq`, `dk` and `dv`.
+    fn attend_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            hd,
+            qd,
+            kd,
+            qh,
+            kvh,
+            m,
+            tk,
+            gw,
+            mx,
+            spans_d,
+            ..
+        } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+        let dh = w.dh.f32s(0..m * h);
+        let (datt, dq, dk, dv) = (
+            w.datt.f32s(0..m * qd),
+            w.dq.f32s(0..m * qd),
+            w.dk.f32s(0..tk * kd),
+            w.dv.f32s(0..tk * kd),
+        );
+        let (dq_pre, dk_pre) = (w.dq_pre.f32s(0..m * qd), w.dk_pre.f32s(0..tk * kd));
+        // Zeroed where kernels add into them (the attention backward, the norms'
+        // backward); datt is written by its GEMM.
+        for b in [dq, dk, dv, dq_pre, dk_pre] {
+            ops.dev.memset_zero(Stream::Compute, b)?;
+        }
+        let (att, q, k, v) = (
+            sv.att.f32s(0..m * qd),
+            sv.q.f32s(0..m * qd),
+            sv.k.f32s(0..tk * kd),
+            sv.v.f32s(0..tk * kd),
+        );
+        mx.mm_back_over(
+            ops,
+            dh,
+            att,
+            lc.pp(&li.wo),
+            datt,
+            Some(gr(&li.wo)),
+            m,
+            qd,
+            h,
+        )?;
+        ops.attention_backward(
+            datt,
+            att,
+            sv.lse.f32s(0..m * qh),
+            w.delta,
+            q,
+            k,
+            v,
+            spans_d,
+            dq,
+            dk,
+            dv,
+            m,
+            qh,
+            kvh,
+            hd,
+        )
+    }
+
+    /// Backward of [`qk_norm_rope`](Self::qk_norm_rope): `dq` and `dk` rotated back, then
+    /// through the per-head norms into `dq_pre` and `dk_pre`.
+    fn qk_norm_rope_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let Locals {
+            hd,
+            qd,
+            kd,
+            qh,
+            kvh,
+            m,
+            tk,
+            pw,
+            gw,
+            block_pos,
+            key_pos,
+            inv_freq,
+            rope_scale,
+            ..
+        } = self.lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+        let (dq, dk) = (w.dq.f32s(0..m * qd), w.dk.f32s(0..tk * kd));
+        ops.rope(dq, block_pos, inv_freq, m, qh, hd, rope_scale, true)?;
+        ops.rope(dk, key_pos, inv_freq, tk, kvh, hd, rope_scale, true)?;
+        ops.rmsnorm_backward(
+            dq,
+            sv.q_pre.f32s(0..m * qd),
+            p(&li.qn),
+            sv.q_rstd.f32s(0..m * qh),
+            w.dq_pre.f32s(0..m * qd),
+            Some(gr(&li.qn)),
+            m * qh,
+            hd,
+        )?;
+        ops.rmsnorm_backward(
+            dk,
+            sv.k_pre.f32s(0..tk * kd),
+            p(&li.kn),
+            sv.k_rstd.f32s(0..tk * kvh),
+            w.dk_pre.f32s(0..tk * kd),
+            Some(gr(&li.kn)),
+            tk * kvh,
+            hd,
+        )
+    }
+
+    /// Backward of [`projections`](Self::projections): `dq_pre`, `dk_pre` and `dv`
+    /// through wq, wk and wv (the block rows' share into `dx`, the context's into `dctx`),
+    /// then `dx` through ln1 into `dh`.
+    fn projections_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
+        let lc = self.lc;
+        let Locals {
+            h,
+            qd,
+            kd,
+            slen,
+            m,
+            tk,
+            pw,
+            gw,
+            mx,
+            ctx,
+            ..
+        } = lc;
+        let (w, ops) = (self.w, &mut *self.ops);
+        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
+        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
+        let (xin, h_in) = (mx.gemm_act(sv.x, m * h), sv.h_in.f32s(0..m * h));
+        let (dh, dx, dctx) = (
+            w.dh.f32s(0..m * h),
+            w.dx.f32s(0..m * h),
+            w.dctx.f32s(0..slen * h),
+        );
+        let (dq_pre, dk_pre, dv) = (
+            w.dq_pre.f32s(0..m * qd),
+            w.dk_pre.f32s(0..tk * kd),
+            w.dv.f32s(0..tk * kd),
+        );
+        // The saved inputs as the GEMMs read them: the block rows (dx's first writer is
+        // q's, no zeroing; k and v add into it), then the context.
+        let (wq, wk, wv) = (lc.pp(&li.wq), lc.pp(&li.wk), lc.pp(&li.wv));
+        let (dk_blk, dv_blk) = (dk_pre.f32s(slen * kd..tk * kd), dv.f32s(slen * kd..tk * kd));
+        let block = [
+            (dq_pre, wq, &li.wq, qd, true),
+            (dk_blk, wk, &li.wk, kd, false),
+            (dv_blk, wv, &li.wv, kd, false),
+        ];
+        for (dy, wt, g, n, first) in block {
+            mx.back_in(ops, dy, xin, wt, Some((dx, first)), Some(gr(g)), m, h, n)?;
+        }
+        let (dk_ctx, dv_ctx) = (dk_pre.f32s(0..slen * kd), dv.f32s(0..slen * kd));
+        for (dy, wt, g) in [(dk_ctx, wk, &li.wk), (dv_ctx, wv, &li.wv)] {
+            mx.back_in(
+                ops,
+                dy,
+                ctx,
+                wt,
+                Some((dctx, false)),
+                Some(gr(g)),
+                slen,
+                h,
+                kd,
+            )?;
+        }
+        ops.rmsnorm_backward(
+            dx,
+            h_in,
+            p(&li.ln1),
+            sv.rstd1.f32s(0..m),
+            dh,
+            Some(gr(&li.ln1)),
+            m,
+            h,
+        )
+    }
+
+    /// The forward: the context, the block embeddings of `embed`, every layer (keeping
+    /// what the backward needs in `saved`) and the final norm into `hn`.
+    pub(super) fn forward(&mut self, d: &Drafter, saved: &[Saved], embed: DSlice) -> Result<()> {
+        let Locals {
+            h,
+            eps,
+            slen,
+            m,
+            n_taps,
+            vocab,
+            fc,
+            hnorm,
+            fnorm,
+            mx,
+            taps,
+            ctx_pre,
+            ctx,
+            ctx_rstd,
+            hcur,
+            hn,
+            rstd_f,
+            ..
+        } = self.lc;
+        // Context: hidden_norm(fc(taps)).
+        mx.mm(self.ops, taps, fc, ctx_pre, slen, n_taps * h, h)?;
+        mx.norm(self.ops, ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
+        // Block inputs: the frozen embedding of [token at anchor, MASK, ...].
+        let ids = self.w.block_ids.f32s(0..m);
+        self.ops.embed(hcur, embed, ids, m, h, vocab)?;
+        for (li, sv) in d.layers.iter().zip(saved) {
+            self.projections(li, sv)?;
+            self.qk_norm_rope(li, sv)?;
+            self.attend(li, sv)?;
+            self.mlp(li, sv)?;
+        }
+        self.ops.rmsnorm(hcur, fnorm, hn, rstd_f, m, h, eps)
+    }
+
+    /// The backward from the loss's gradient (`supervised` rows in `dxrows`) through the
+    /// final norm, every layer in reverse and the context projection, into the gradient;
+    /// `bucket` is called where each of [`bucket_plan`]'s buckets is final.
+    pub(super) fn backward(
+        &mut self,
+        d: &Drafter,
+        saved: &[Saved],
+        supervised: usize,
+        bucket: &mut dyn FnMut(&mut Ops) -> Result<()>,
+    ) -> Result<()> {
+        let n = supervised;
+        let Locals {
+            h,
+            slen,
+            m,
+            n_taps,
+            fc,
+            hnorm,
+            fnorm,
+            gw,
+            mx,
+            taps,
+            ctx_pre,
+            ctx_rstd,
+            hcur,
+            rstd_f,
+            ..
+        } = self.lc;
+        let g = |name: &str| gw.f32s(d.layout.range(name));
+        let w = self.w;
+        let dhn = w.o.f32s(0..m * h);
+        self.ops.dev.memset_zero(Stream::Compute, dhn)?;
+        if n > 0 {
+            let (dx, rows) = (w.dxrows.f32s(0..n * h), w.rows.f32s(0..n));
+            self.ops.scatter_add_rows(dhn, dx, rows, n, h)?;
+        }
+        let dh = w.dh.f32s(0..m * h);
+        self.ops.dev.memset_zero(Stream::Compute, dh)?;
+        let dnorm = Some(g("norm.weight"));
+        self.ops
+            .rmsnorm_backward(dhn, hcur, fnorm, rstd_f, dh, dnorm, m, h)?;
+        bucket(self.ops)?;
+        let dctx = w.dctx.f32s(0..slen * h);
+        self.ops.dev.memset_zero(Stream::Compute, dctx)?;
+        for (li, sv) in d.layers.iter().zip(saved).rev() {
+            self.mlp_backward(li, sv)?;
+            self.attend_backward(li, sv)?;
+            self.qk_norm_rope_backward(li, sv)?;
+            self.projections_backward(li, sv)?;
+            bucket(self.ops)?;
+        }
+        // The block embeddings are frozen: dh stops here. The context goes back to fc.
+        let dctx_pre = w.dctx_pre.f32s(0..slen * h);
+        self.ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
+        let dhnorm = Some(g("hidden_norm.weight"));
+        self.ops
+            .rmsnorm_backward(dctx, ctx_pre, hnorm, ctx_rstd, dctx_pre, dhnorm, slen, h)?;
+        let dfc = Some(g("fc.weight"));
+        mx.mm_back(self.ops, dctx_pre, taps, fc, None, dfc, slen, n_taps * h, h)?;
+        bucket(self.ops)
+    }
+}
+
+/// The gradient's buckets in the order the backward finishes them: the final norm, each
+/// layer from the last, then the context projection (fc and hidden_norm). Together they
+/// cover every parameter once; every rank has the same.
+pub(super) fn bucket_plan(d: &Drafter) -> Vec<Range<usize>> {
+    let lay = &d.layout;
+    let span = |ranges: &[Range<usize>]| {
+        ranges.iter().map(|r| r.start).min().unwrap_or(0)
+            ..ranges.iter().map(|r| r.end).max().unwrap_or(0)
+    };
+    let mut plan = vec![lay.range("norm.weight")];
+    for li in d.layers.iter().rev() {
+        plan.push(span(&[
+            li.ln1.clone(),
+            li.wq.clone(),
+            li.wk.clone(),
+            li.wv.clone(),
+            li.wo.clone(),
+            li.qn.clone(),
+            li.kn.clone(),
+            li.ln2.clone(),
+            li.gate.clone(),
+            li.up.clone(),
+            li.down.clone(),
+        ]));
+    }
+    plan.push(span(&[
+        lay.range("fc.weight"),
+        lay.range("hidden_norm.weight"),
+    ]));
+    plan
+}
