@@ -4,6 +4,7 @@
 //! step when the supervisor commits it. Every rank sums the same gradients in the same
 //! order, so the weights stay bit-identical across ranks.
 
+use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use std::io::Write;
 use std::path::Path;
 
@@ -385,7 +386,7 @@ impl Rank {
         let (samples, anchors) = batch_samples(&self.drafter, tb, &none, self.setup.seed);
         let mut stats = self
             .model
-            .train_batch_bf16_on_device(&samples, &raw, &anchors, 1.0)
+            .forward_backward(&samples, Rows::Bf16(&raw), &anchors, 1.0, GradTo::Device)
             .map_err(WorkerError::device(format!(
                 "drafter step on {}",
                 self.model.describe()
@@ -418,7 +419,7 @@ impl Rank {
         let (samples, anchors) = batch_samples(&self.drafter, &tb, &none, self.setup.seed);
         let mut stats = self
             .model
-            .eval_batch_bf16(&samples, &raw, &anchors)
+            .evaluate(&samples, Rows::Bf16(&raw), &anchors)
             .map_err(WorkerError::device(format!(
                 "drafter evaluation on {}",
                 self.model.describe()
@@ -524,11 +525,14 @@ impl Rank {
         let before = match self.coll.take(step, weight_sum)? {
             Sum::Host(g) => self
                 .model
-                .apply(step, g, clip, lr, &hyper)
+                .update(&Step::new(step, clip, lr, &hyper), Gradient::Host(g))
                 .map_err(what())?,
             Sum::Device { weight_sum, after } => self
                 .model
-                .apply_reduced(step, weight_sum, clip, lr, &hyper, after)
+                .update(
+                    &Step::new(step, clip, lr, &hyper),
+                    Gradient::Reduced { weight_sum, after },
+                )
                 .map_err(what())?,
         };
         self.step = step;

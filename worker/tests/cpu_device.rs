@@ -91,13 +91,13 @@ fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
 }
 
 /// Held-out evaluation (`--eval-data`) is the training forward alone: on the same batch at
-/// the same weights, `eval_batch_bf16` gives exactly the statistics `train_batch_bf16_on_device`
+/// the same weights, `evaluate` gives exactly the statistics `forward_backward`
 /// reports, and leaves the gradient that a rank holds for its next step as it was.
 #[test]
 fn eval_stats_are_the_training_forwards_on_the_same_batch_and_leave_the_gradient_alone() {
     use dflash_shared::drafter::DrafterConfig;
     use dflash_shared::rng::Rng;
-    use dflash_worker::models::drafter::device::DeviceDrafter;
+    use dflash_worker::models::drafter::device::{DeviceDrafter, GradTo, Rows};
     use dflash_worker::models::drafter::{Drafter, Frozen, Sample};
     let c = DrafterConfig {
         hidden: 32,
@@ -160,11 +160,11 @@ fn eval_stats_are_the_training_forwards_on_the_same_batch_and_leave_the_gradient
     let zeros = vec![0f32; p.len()];
     gpu.load(&p, &zeros, &zeros, 0).unwrap();
     let train = gpu
-        .train_batch_bf16_on_device(&bare, &raw, &anchors, 1.0)
+        .forward_backward(&bare, Rows::Bf16(&raw), &anchors, 1.0, GradTo::Device)
         .unwrap();
     let mut held = vec![0u8; p.len() * 4];
     gpu.grads_to_host(&mut held).unwrap();
-    let eval = gpu.eval_batch_bf16(&bare, &raw, &anchors).unwrap();
+    let eval = gpu.evaluate(&bare, Rows::Bf16(&raw), &anchors).unwrap();
     assert!(train.blocks > 0 && train.tokens == 28, "{train:?}");
     assert_eq!(
         (

@@ -506,7 +506,7 @@ fn emulated_a_drafter_step_never_lets_the_compute_stream_run_dry() {
     let test = "emulated_a_drafter_step_never_lets_the_compute_stream_run_dry";
     let child = in_child(test, &[], || {
         use dflash_shared::drafter::DrafterConfig;
-        use dflash_worker::models::drafter::device::DeviceDrafter;
+        use dflash_worker::models::drafter::device::{DeviceDrafter, GradTo, Gradient, Rows, Step};
         use dflash_worker::models::drafter::{Drafter, Frozen, Sample};
         let c = DrafterConfig {
             hidden: 32,
@@ -554,16 +554,26 @@ fn emulated_a_drafter_step_never_lets_the_compute_stream_run_dry() {
         let zeros = vec![0f32; p.len()];
         gpu.load(&p, &zeros, &zeros, 0).unwrap();
         // The first step settles what is loaded once.
-        let first = gpu.train_batch_on_device(&samples, &anchors, tw).unwrap();
+        let first = gpu
+            .forward_backward(&samples, Rows::F32, &anchors, tw, GradTo::Device)
+            .unwrap();
         let hyper = dflash_worker::models::drafter::AdamW::new(p.len()).hyper();
         // A rank's whole step as a worker runs it: the group's reduction (one rank) and
         // the update queued, the next batch's forward and backward, then the checksum
         // of the weights that batch was computed with.
         let before = dry_waits();
         let e = gpu.reduce_alone().unwrap();
-        gpu.apply_reduced(1, first.weight_sum, 1.0, 1e-2, &hyper, Some(e))
+        gpu.update(
+            &Step::new(1, 1.0, 1e-2, &hyper),
+            Gradient::Reduced {
+                weight_sum: first.weight_sum,
+                after: Some(e),
+            },
+        )
+        .unwrap();
+        let st = gpu
+            .forward_backward(&samples, Rows::F32, &anchors, tw, GradTo::Device)
             .unwrap();
-        let st = gpu.train_batch_on_device(&samples, &anchors, tw).unwrap();
         let checksum = gpu.weights_checksum().unwrap();
         let step = dry_waits() - before;
         assert_eq!(
@@ -573,7 +583,8 @@ fn emulated_a_drafter_step_never_lets_the_compute_stream_run_dry() {
         );
         let mut g = vec![0f32; p.len()];
         let before = dry_waits();
-        gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();
+        gpu.forward_backward(&samples, Rows::F32, &anchors, tw, GradTo::Host(&mut g))
+            .unwrap();
         let with_download = dry_waits() - before;
         assert!(
             st.loss_sum.is_finite() && st.loss_sum > 0.0,

@@ -16,7 +16,7 @@ use dflash_shared::model_config::{target_layer_ids, TargetConfig};
 use dflash_worker::device::cpu::CpuDevice;
 use dflash_worker::eval::draft::Draft;
 use dflash_worker::eval::spec::{greedy, speculative, Stop};
-use dflash_worker::models::drafter::device::DeviceDrafter;
+use dflash_worker::models::drafter::device::{DeviceDrafter, GradTo, Rows};
 use dflash_worker::models::drafter::{AdamW, Drafter, Frozen, Sample};
 use dflash_worker::models::target::device::decode::{argmax, Decoder};
 use dflash_worker::models::target::{Head, Target};
@@ -188,7 +188,8 @@ fn trained(s: &Setup, dec: &mut Decoder) -> (Vec<f32>, Vec<f32>) {
         dd.load(&p, &zeros, &zeros, 0).unwrap();
         let mut g = vec![0f32; p.len()];
         let den = d.total_weight(&samples, &anchors);
-        dd.train_batch(&samples, &anchors, den, &mut g).unwrap();
+        dd.forward_backward(&samples, Rows::F32, &anchors, den, GradTo::Host(&mut g))
+            .unwrap();
         opt.update(&mut p, &g, 1e-2);
     }
     (half, p)

@@ -5,6 +5,7 @@
 //! the spec, also the torch engine's target forward over the same rows: its Python child
 //! (transformers, f32 on the CPU), as a target worker with `--target-engine torch` runs it.
 
+use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -102,15 +103,14 @@ pub fn run(spec_path: &Path) -> Result<(), ToolError> {
     let t1 = Instant::now();
     for (step, (b, taps)) in spec.batches.iter().zip(&hidden).enumerate() {
         let (samples, anchors) = batch_samples(&d, b, taps, spec.seed);
-        let stats = model.train_batch_on_device(&samples, &anchors, 1.0)?;
+        let stats = model.forward_backward(&samples, Rows::F32, &anchors, 1.0, GradTo::Device)?;
         let reduced = model.reduce_alone()?;
-        model.apply_reduced(
-            step as u64 + 1,
-            stats.weight_sum,
-            1.0,
-            spec.lr as f32,
-            &hyper,
-            Some(reduced),
+        model.update(
+            &Step::new(step as u64 + 1, 1.0, spec.lr as f32, &hyper),
+            Gradient::Reduced {
+                weight_sum: stats.weight_sum,
+                after: Some(reduced),
+            },
         )?;
     }
     model.drain()?;

@@ -8,6 +8,7 @@
 //! shallow target forward and a drafter step, each with TFLOP/s and its share of the bf16
 //! peak ([`run_ops`]).
 
+use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -172,10 +173,10 @@ fn measure_device(
     for step in 1..=3 {
         let t0 = Instant::now();
         // train_batch ends with the gradient's synchronous download.
-        gd.train_batch(samples, &anchors, 1.0, &mut grads)?;
+        gd.forward_backward(samples, Rows::F32, &anchors, 1.0, GradTo::Host(&mut grads))?;
         drafter_best = drafter_best.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
-        gd.apply(step, &grads, 1.0, 1e-4, &hyper)?;
+        gd.update(&Step::new(step, 1.0, 1e-4, &hyper), Gradient::Host(&grads))?;
         gd.drain()?;
         opt_best = opt_best.min(t0.elapsed().as_secs_f64());
     }
@@ -247,14 +248,14 @@ fn measure_reduction(
     let (mut step_s, mut red_s, mut both_s) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
     for step in 1..=3u64 {
         let t0 = Instant::now();
-        gd.train_batch_on_device(samples, &anchors, 1.0)?;
+        gd.forward_backward(samples, Rows::F32, &anchors, 1.0, GradTo::Device)?;
         sync(gd)?;
         step_s = step_s.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
         reduce(&mut coll, gd, step)?;
         red_s = red_s.min(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
-        gd.train_batch_on_device(samples, &anchors, 1.0)?;
+        gd.forward_backward(samples, Rows::F32, &anchors, 1.0, GradTo::Device)?;
         reduce(&mut coll, gd, step)?;
         both_s = both_s.min(t0.elapsed().as_secs_f64());
     }
@@ -696,11 +697,12 @@ fn time_cpu_drafter_step(
     for _ in 0..2 {
         cpu_model.take_kernel_seconds();
         let t0 = Instant::now();
-        cpu_model.train_batch(
+        cpu_model.forward_backward(
             std::slice::from_ref(sample),
+            Rows::F32,
             &[anchors.to_vec()],
             1.0,
-            &mut grads,
+            GradTo::Host(&mut grads),
         )?;
         let s = t0.elapsed().as_secs_f64();
         if s < drafter_s {
@@ -1621,7 +1623,7 @@ fn measure_drafter(p: &OpsShape, sink: &mut RowSink) -> Result<(), ToolError> {
         let step =
             |gd: &mut crate::models::drafter::device::DeviceDrafter| -> Result<f64, ToolError> {
                 let t0 = Instant::now();
-                gd.train_batch_on_device(&sample, &anchors, 1.0)
+                gd.forward_backward(&sample, Rows::F32, &anchors, 1.0, GradTo::Device)
                     .map_err(ToolError::from)?;
                 gd.device().sync().map_err(ToolError::from)?;
                 Ok(t0.elapsed().as_secs_f64())

@@ -9,6 +9,7 @@
 //! MFUs can be read side by side. `throughput:tiny` runs the same code at shapes the
 //! emulated GPU (the host CPU) runs in seconds.
 
+use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use std::time::Instant;
 
 use dflash_shared::drafter::DrafterConfig;
@@ -293,16 +294,15 @@ fn measure_drafter(p: &ThroughputShape) -> Result<(f64, String, f64, String), To
         p.drafter_steps,
         || {
             let mut gd = gd.borrow_mut();
-            let stats = gd.train_batch_on_device(&sample, &anchors, 1.0)?;
+            let stats = gd.forward_backward(&sample, Rows::F32, &anchors, 1.0, GradTo::Device)?;
             let reduced = gd.reduce_alone()?;
             step_no.set(step_no.get() + 1);
-            gd.apply_reduced(
-                step_no.get(),
-                stats.weight_sum,
-                1.0,
-                1e-5,
-                &hyper,
-                Some(reduced),
+            gd.update(
+                &Step::new(step_no.get(), 1.0, 1e-5, &hyper),
+                Gradient::Reduced {
+                    weight_sum: stats.weight_sum,
+                    after: Some(reduced),
+                },
             )?;
             Ok(())
         },

@@ -9,6 +9,7 @@ use dflash_worker::device::ops::kernel::Act;
 use dflash_worker::device::ops::{Attention, Fa2Dim};
 use dflash_worker::device::ops::CeState;
 use dflash_worker::device::ops::Ops;
+use dflash_worker::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
 
 fn rand_vec(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
@@ -1104,7 +1105,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let zeros = vec![0f32; p.len()];
     gpu.load(&p, &zeros, &zeros, 0).unwrap();
     let mut got = vec![f32::NAN; p.len()];
-    let gs = gpu.train_batch(&samples, &anchors, tw, &mut got).unwrap();
+    let gs = gpu.forward_backward(&samples, Rows::F32, &anchors, tw, GradTo::Host(&mut got)).unwrap();
     let (wl, gl) = (ws.loss_sum / ws.weight_sum, gs.loss_sum / gs.weight_sum);
     // The CPU device computes in f32 as the reference does; a GPU (and the host device
     // standing in for one) feeds its GEMMs bf16 (2⁻⁸ relative rounding of each input),
@@ -1133,8 +1134,8 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let bare: Vec<Sample> = (0..2).map(|i| Sample { taps: &[], ids: &ids[i], mask: &masks[i] }).collect();
     let raw: Vec<&[u8]> = taps16.iter().map(|t| t.as_slice()).collect();
     let (mut g32, mut g16) = (vec![0f32; p.len()], vec![0f32; p.len()]);
-    let s32 = gpu.train_batch(&wide, &anchors, tw, &mut g32).unwrap();
-    let s16 = gpu.train_batch_bf16(&bare, &raw, &anchors, tw, &mut g16).unwrap();
+    let s32 = gpu.forward_backward(&wide, Rows::F32, &anchors, tw, GradTo::Host(&mut g32)).unwrap();
+    let s16 = gpu.forward_backward(&bare, Rows::Bf16(&raw), &anchors, tw, GradTo::Host(&mut g16)).unwrap();
     assert_same_sum("bf16 taps widened: the f32 path's loss sum", s16.loss_sum, s32.loss_sum, s32.slot_total.iter().sum::<u64>() as usize);
     assert_same_gradient("bf16 taps widened on the device: the f32 path's gradient", &g16, &g32);
     if bf16 {
@@ -1144,7 +1145,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
         assert!(rel_err(&g16, &got) > 0.0, "and differ from the unrounded taps' (the rounding is real)");
     }
     let short: Vec<&[u8]> = vec![&taps16[0][..10], &taps16[1]];
-    assert!(matches!(gpu.train_batch_bf16(&bare, &short, &anchors, tw, &mut g16), Err(GpuError::Invalid(m)) if m.contains("bytes of bf16 taps")));
+    assert!(matches!(gpu.forward_backward(&bare, Rows::Bf16(&short), &anchors, tw, GradTo::Host(&mut g16)), Err(GpuError::Invalid(m)) if m.contains("bytes of bf16 taps")));
 
     // The optimizer on the device: three steps, the second with a NaN in its gradient,
     // against the CPU's clip and AdamW on the same gradients. The device reports each
@@ -1158,11 +1159,11 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let mut norms = Vec::new();
     for step in 1..=3u64 {
         let mut g = vec![0f32; p.len()];
-        gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();
+        gpu.forward_backward(&samples, Rows::F32, &anchors, tw, GradTo::Host(&mut g)).unwrap();
         if step == 2 {
             g[17] = f32::NAN;
         }
-        let before = gpu.apply(step, &g, clip, lr, &opt.hyper()).unwrap();
+        let before = gpu.update(&Step::new(step, clip, lr, &opt.hyper()), Gradient::Host(&g)).unwrap();
         assert_eq!(before.map(|o| o.step), (step > 1).then_some(step - 1), "the outcome of the step before arrives with this one");
         outcomes.extend(before);
         if let Some(norm) = grad_norm(&g) {
@@ -1198,7 +1199,7 @@ fn host_device_drafter_forward_and_backward_match_the_cpu_drafter() {
     let long_ids: Vec<u32> = (0..40).collect();
     let long_mask = vec![1u8; 40];
     let s = Sample { taps: &long_taps, ids: &long_ids, mask: &long_mask };
-    let err = gpu.train_batch(&[s], &[vec![0, 5]], 1.0, &mut got).unwrap_err();
+    let err = gpu.forward_backward(&[s], Rows::F32, &[vec![0, 5]], 1.0, GradTo::Host(&mut got)).unwrap_err();
     assert!(matches!(err, GpuError::Invalid(m) if m.contains("room for 32")));
 }
 
@@ -1231,10 +1232,10 @@ fn host_device_drafter_reads_a_steps_loss_statistics_once_and_when_their_room_is
     let zeros = vec![0f32; p.len()];
     gpu.load(&p, &zeros, &zeros, 0).unwrap();
     let mut g = vec![0f32; p.len()];
-    let all = gpu.train_batch(&samples, &anchors, tw, &mut g).unwrap();
+    let all = gpu.forward_backward(&samples, Rows::F32, &anchors, tw, GradTo::Host(&mut g)).unwrap();
     let mut one = dflash_shared::drafter::StepStats::default();
     for i in 0..40 {
-        one.merge(&gpu.train_batch(&samples[i..i + 1], &anchors[i..i + 1], tw, &mut g).unwrap());
+        one.merge(&gpu.forward_backward(&samples[i..i + 1], Rows::F32, &anchors[i..i + 1], tw, GradTo::Host(&mut g)).unwrap());
     }
     assert_eq!((&all.slot_correct, &all.slot_total, all.accept_sum, all.blocks), (&one.slot_correct, &one.slot_total, one.accept_sum, one.blocks));
     let right: u64 = all.slot_correct.iter().sum();
@@ -1294,8 +1295,8 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     host.load(&p, &zeros, &zeros, 0).unwrap();
     dev.load(&p, &zeros, &zeros, 0).unwrap();
     let mut g = vec![0f32; n];
-    let s1 = host.train_batch_bf16(&samples, &raw, &anchors, 1.0, &mut g).unwrap();
-    let s2 = dev.train_batch_bf16_on_device(&samples, &raw, &anchors, 1.0).unwrap();
+    let s1 = host.forward_backward(&samples, Rows::Bf16(&raw), &anchors, 1.0, GradTo::Host(&mut g)).unwrap();
+    let s2 = dev.forward_backward(&samples, Rows::Bf16(&raw), &anchors, 1.0, GradTo::Device).unwrap();
     assert_same_sum("the loss sum kept on the device", s2.loss_sum, s1.loss_sum, s1.slot_total.iter().sum::<u64>() as usize);
     let mut kept = vec![0u8; n * 4];
     dev.grads_to_host(&mut kept).unwrap();
@@ -1310,8 +1311,8 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     let opt = AdamW::new(n);
     let mut scaled = sum.clone();
     reduce_slots(&mut scaled, weight);
-    host.apply(1, &scaled, 1.0, 1e-2, &opt.hyper()).unwrap();
-    dev.apply_reduced(1, weight, 1.0, 1e-2, &opt.hyper(), None).unwrap();
+    host.update(&Step::new(1, 1.0, 1e-2, &opt.hyper()), Gradient::Host(&scaled)).unwrap();
+    dev.update(&Step::new(1, 1.0, 1e-2, &opt.hyper()), Gradient::Reduced { weight_sum: weight, after: None }).unwrap();
     let (a, b) = (host.drain().unwrap().unwrap(), dev.drain().unwrap().unwrap());
     assert_eq!(a.skipped, b.skipped, "the same clipping: {a:?} {b:?}");
     // The norm is the root of a sum of n squares: half the sum's relative bound.
@@ -1333,8 +1334,8 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     let anchors2 = vec![anchors[0].clone(), anchors[0].clone()];
     host.load(&p, &zeros, &zeros, 0).unwrap();
     dev.load(&p, &zeros, &zeros, 0).unwrap();
-    let s1 = host.train_batch_bf16(&two, &raw2, &anchors2, 1.0, &mut g).unwrap();
-    dev.train_batch_bf16_on_device(&two, &raw2, &anchors2, 1.0).unwrap();
+    let s1 = host.forward_backward(&two, Rows::Bf16(&raw2), &anchors2, 1.0, GradTo::Host(&mut g)).unwrap();
+    dev.forward_backward(&two, Rows::Bf16(&raw2), &anchors2, 1.0, GradTo::Device).unwrap();
     let plan = dev.bucket_plan();
     assert_eq!(dev.bucket_ranges(), plan, "one event per bucket of the plan, in its order");
     assert_eq!(plan.len(), c.layers + 2);
@@ -1344,7 +1345,7 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     assert!(covered.windows(2).all(|w| w[0].end == w[1].start) && covered.last().unwrap().end == n, "every parameter once: {covered:?}");
     assert_eq!(plan[0], d.layout.range("norm.weight"), "the final norm's gradient is finished first");
     let e = dev.reduce_alone().unwrap();
-    dev.apply_reduced(1, s1.weight_sum, 1.0, 1e-2, &opt.hyper(), Some(e)).unwrap();
+    dev.update(&Step::new(1, 1.0, 1e-2, &opt.hyper()), Gradient::Reduced { weight_sum: s1.weight_sum, after: Some(e) }).unwrap();
     dev.drain().unwrap();
     // The host path steps by the device's own gradient (its backward and the host's differ
     // in the order of their atomics, see ATOMIC_TOL), taken once the step is done, so that
@@ -1354,7 +1355,7 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     assert_same_gradient("bucketed: the device's gradient, the host path's", &gd, &g);
     let mut scaled = gd;
     reduce_slots(&mut scaled, s1.weight_sum);
-    host.apply(1, &scaled, 1.0, 1e-2, &opt.hyper()).unwrap();
+    host.update(&Step::new(1, 1.0, 1e-2, &opt.hyper()), Gradient::Host(&scaled)).unwrap();
     host.drain().unwrap();
     host.fetch(&mut pa, &mut m, &mut v).unwrap();
     dev.fetch(&mut pb, &mut m, &mut v).unwrap();
@@ -1369,15 +1370,15 @@ fn host_device_drafter_applies_a_sum_reduced_on_the_device_like_the_host_sum() {
     let three_wide = [Sample { taps: &wa, ids: &ids, mask: &mask }, Sample { taps: &wb, ids: &ids2, mask: &mask }, Sample { taps: &wa, ids: &ids2, mask: &mask }];
     let anchors3 = vec![anchors[0].clone(); 3];
     let (mut g16, mut g32) = (vec![0f32; n], vec![0f32; n]);
-    let a16 = dev.train_batch_bf16(&three_bare, &three16, &anchors3, 1.0, &mut g16).unwrap();
-    let a32 = dev.train_batch(&three_wide, &anchors3, 1.0, &mut g32).unwrap();
+    let a16 = dev.forward_backward(&three_bare, Rows::Bf16(&three16), &anchors3, 1.0, GradTo::Host(&mut g16)).unwrap();
+    let a32 = dev.forward_backward(&three_wide, Rows::F32, &anchors3, 1.0, GradTo::Host(&mut g32)).unwrap();
     assert_same_sum("staged rows: the f32 path's loss sum", a16.loss_sum, a32.loss_sum, a32.slot_total.iter().sum::<u64>() as usize);
     assert_same_gradient("staged rows: the f32 path's gradient", &g16, &g32);
     // Without the events, a copy of the gradient on the copy stream races the backward
     // that writes it: the host device (which runs streams concurrently) refuses it.
     // (The race detector is the host device's: a GPU, or the emulated one, runs the race.)
     if !device().is_cpu() && !on_gpu() {
-        dev.train_batch_bf16_on_device(&two, &raw2, &anchors2, 1.0).unwrap();
+        dev.forward_backward(&two, Rows::Bf16(&raw2), &anchors2, 1.0, GradTo::Device).unwrap();
         let (gr, red) = dev.reduce_buffers();
         let copy = dflash_worker::device::Gemm { transa: false, transb: false, m: n, n: 1, k: 1, alpha: 1.0, a: gr, lda: n, b: gr.f32s(0..1), ldb: 1, beta: 0.0, c: red, ldc: n, bf16_inputs: false, bf16_output: false };
         let err = dev.device().gemm(Stream::Copy, &copy).and_then(|_| dev.device().sync()).unwrap_err().to_string();

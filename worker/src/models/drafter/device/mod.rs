@@ -28,9 +28,9 @@ use self::inputs::Taps;
 use self::layers::{Locals, Pass};
 use self::layout::{Buffers, Dims};
 use self::loss::Loss;
-pub use self::update::StepOutcome;
-use self::update::{Gradient, StepArgs, Update, Weights};
-use crate::device::ops::{AdamHyper, Ops};
+pub use self::update::{Gradient, Step, StepOutcome};
+use self::update::{Update, Weights};
+use crate::device::ops::Ops;
 use crate::device::{f32_bytes_mut, Arena, DSlice, Device, Event, GpuError, Result, Stream};
 use crate::models::drafter::{Drafter, Frozen, Sample};
 
@@ -47,13 +47,31 @@ pub struct DeviceDrafter {
     max_rows: usize,
 }
 
-/// Where a batch's gradient goes.
-enum GradTo<'a> {
-    /// Left on the device, for a collective.
+/// Where a batch's taps come from.
+#[derive(Clone, Copy)]
+pub enum Rows<'a> {
+    /// Each sample's own f32 `taps`, uploaded.
+    F32,
+    /// Each sample's taps as the bf16 bytes of its hidden-state slot (`[len, n_taps ×
+    /// hidden]` bf16, little-endian, one row per sample): copied as they are, half the
+    /// bytes of f32, while the previous sample computes, and widened on the device, with no
+    /// pass over them on the host. The samples' own `taps` are not read.
+    Bf16(&'a [&'a [u8]]),
+}
+
+/// Where a forward-backward's gradient goes.
+pub enum GradTo<'a> {
+    /// It stays on the device, for a collective.
     Device,
-    /// Also copied into the host's slice.
+    /// It is also copied into this slice (the parameter count of f32).
     Host(&'a mut [f32]),
-    /// Not computed: the forward and loss alone (held-out evaluation).
+}
+
+/// What a batch computes and where its gradient goes.
+enum Grad<'a> {
+    Device,
+    Host(&'a mut [f32]),
+    /// The forward and loss alone (held-out evaluation).
     Nowhere,
 }
 
@@ -154,52 +172,17 @@ impl DeviceDrafter {
         self.update.params_hash(&mut self.ops, wt)
     }
 
-    /// Apply step `step` with the averaged gradient `g`: the norm, the clip to `clip`
-    /// and AdamW all on the device, and a non-finite gradient leaves everything as it was
-    /// (the `adamw` kernel checks the device's flag; the host does not wait for it). The
-    /// step's outcome comes back by an asynchronous copy; this returns the previous
-    /// step's, which has long arrived.
-    pub fn apply(
-        &mut self,
-        step: u64,
-        g: &[f32],
-        clip: f32,
-        lr: f32,
-        hyper: &AdamHyper,
-    ) -> Result<Option<StepOutcome>> {
-        let args = StepArgs {
-            step,
-            clip,
-            lr,
-            hyper,
-        };
+    /// Apply a step with gradient `g` ([`Gradient::Host`], the group's average; or
+    /// [`Gradient::Reduced`], the sum a device collective left in the reduce buffer
+    /// ([`Self::reduce_buffers`]), scaled by `1 / weight_sum` on the device as
+    /// [`crate::models::drafter::reduce_slots`] scales the host sum): the norm, the clip and
+    /// AdamW all on the device, and a non-finite gradient leaves everything as it was (the
+    /// `adamw` kernel checks the device's flag; the host does not wait for it). The step's
+    /// outcome comes back by an asynchronous copy; this returns the previous step's, which
+    /// has long arrived.
+    pub fn update(&mut self, step: &Step, g: Gradient) -> Result<Option<StepOutcome>> {
         let wt = self.weights();
-        self.update
-            .apply(&mut self.ops, wt, Gradient::Host(g), &args)
-    }
-
-    /// [`apply`](Self::apply) for a gradient that a device collective summed into the
-    /// reduce buffer ([`Self::reduce_buffers`]) after the event `after`: scaled by
-    /// `1 / weight_sum` on the device (as [`crate::models::drafter::reduce_slots`] scales
-    /// the host sum) and applied, with no host copy of it.
-    pub fn apply_reduced(
-        &mut self,
-        step: u64,
-        weight_sum: f64,
-        clip: f32,
-        lr: f32,
-        hyper: &AdamHyper,
-        after: Option<Event>,
-    ) -> Result<Option<StepOutcome>> {
-        let args = StepArgs {
-            step,
-            clip,
-            lr,
-            hyper,
-        };
-        let g = Gradient::Reduced { weight_sum, after };
-        let wt = self.weights();
-        self.update.apply(&mut self.ops, wt, g, &args)
+        self.update.apply(&mut self.ops, wt, g, step)
     }
 
     /// Wait for the last applied step's outcome (it is usually there already).
@@ -228,7 +211,7 @@ impl DeviceDrafter {
     /// runs while the rest of the backward does. Buckets cover every parameter exactly
     /// once, the same on every rank; without the backward's events (a zero gradient, or
     /// no sample) each waits for everything queued so far. Returns an event on `stream`
-    /// behind the last one: give it to [`apply_reduced`](Self::apply_reduced).
+    /// behind the last one: give it to [`update`](Self::update) with [`Gradient::Reduced`].
     pub fn reduce_buckets(
         &mut self,
         stream: Stream,
@@ -241,7 +224,7 @@ impl DeviceDrafter {
 
     /// A one-rank group's "all-reduce": its gradient copied into the reduce buffer on the
     /// copy stream, bucket by bucket behind the backward. Returns the event for
-    /// [`apply_reduced`](Self::apply_reduced).
+    /// [`update`](Self::update) with [`Gradient::Reduced`].
     pub fn reduce_alone(&mut self) -> Result<Event> {
         let plan = self.bucket_plan();
         self.update.reduce_alone(&mut self.ops, self.b.grads, plan)
@@ -276,69 +259,38 @@ impl DeviceDrafter {
         self.ops.dev.memset_zero(Stream::Compute, self.b.grads)
     }
 
-    /// Forward and backward over one batch at the device's weights: writes the gradient
-    /// of `Σ w·CE / denominator` into `grads` (overwriting) and returns the batch's
-    /// statistics, as `reference::drafter::Drafter::train_batch` does (which adds into its `grads`).
-    pub fn train_batch(
+    /// Forward and backward over one batch at the device's weights: the gradient of
+    /// `Σ w·CE / denominator` overwrites the device's, and is also copied to the host with
+    /// [`GradTo::Host`] (as `reference::drafter::Drafter::train_batch` computes it, which
+    /// adds into its `grads`); [`GradTo::Device`] leaves it for a collective
+    /// ([`Self::reduce_buckets`], [`Self::grads_to_host`]). Returns the batch's
+    /// statistics.
+    pub fn forward_backward(
         &mut self,
         samples: &[Sample],
+        rows: Rows,
         anchors: &[Vec<usize>],
         denominator: f64,
-        grads: &mut [f32],
+        to: GradTo,
     ) -> Result<StepStats> {
-        self.batch(samples, None, anchors, denominator, GradTo::Host(grads))
+        let grads = match to {
+            GradTo::Device => Grad::Device,
+            GradTo::Host(g) => Grad::Host(g),
+        };
+        self.batch(samples, rows, anchors, denominator, grads)
     }
 
-    /// [`train_batch`](Self::train_batch) with each sample's taps as the bf16 bytes of the
-    /// hidden-state slot (`taps16[i]`: `[len, n_taps × hidden]` bf16, little-endian):
-    /// copied as they are, half the bytes of f32, and widened on the device, with no
-    /// pass over them on the host. The samples' own `taps` are not read.
-    pub fn train_batch_bf16(
-        &mut self,
-        samples: &[Sample],
-        taps16: &[&[u8]],
-        anchors: &[Vec<usize>],
-        denominator: f64,
-        grads: &mut [f32],
-    ) -> Result<StepStats> {
-        let to = GradTo::Host(grads);
-        self.batch(samples, Some(taps16), anchors, denominator, to)
-    }
-
-    /// [`train_batch_bf16`](Self::train_batch_bf16) that leaves the gradient on the
-    /// device, for a collective to take from there ([`Self::reduce_buffers`],
-    /// [`Self::grads_to_host`]).
-    pub fn train_batch_bf16_on_device(
-        &mut self,
-        samples: &[Sample],
-        taps16: &[&[u8]],
-        anchors: &[Vec<usize>],
-        denominator: f64,
-    ) -> Result<StepStats> {
-        self.batch(samples, Some(taps16), anchors, denominator, GradTo::Device)
-    }
-
-    /// [`train_batch`](Self::train_batch) that leaves the gradient on the device.
-    pub fn train_batch_on_device(
-        &mut self,
-        samples: &[Sample],
-        anchors: &[Vec<usize>],
-        denominator: f64,
-    ) -> Result<StepStats> {
-        self.batch(samples, None, anchors, denominator, GradTo::Device)
-    }
-
-    /// The forward and loss of [`train_batch_bf16_on_device`](Self::train_batch_bf16_on_device)
-    /// alone (held-out evaluation): the same statistics at the device's weights, with no
+    /// The forward and loss of [`forward_backward`](Self::forward_backward) alone
+    /// (held-out evaluation): the same statistics at the device's weights, with no
     /// backward, so the gradient buffer and its buckets (which a collective may be
     /// reducing) are not touched.
-    pub fn eval_batch_bf16(
+    pub fn evaluate(
         &mut self,
         samples: &[Sample],
-        taps16: &[&[u8]],
+        rows: Rows,
         anchors: &[Vec<usize>],
     ) -> Result<StepStats> {
-        self.batch(samples, Some(taps16), anchors, 1.0, GradTo::Nowhere)
+        self.batch(samples, rows, anchors, 1.0, Grad::Nowhere)
     }
 
     /// The final-normed hidden states `[anchors.len() × block_size, hidden]` of one
@@ -421,11 +373,15 @@ impl DeviceDrafter {
     fn batch(
         &mut self,
         samples: &[Sample],
-        taps16: Option<&[&[u8]]>,
+        rows: Rows,
         anchors: &[Vec<usize>],
         denominator: f64,
-        grads: GradTo,
+        grads: Grad,
     ) -> Result<StepStats> {
+        let taps16 = match rows {
+            Rows::F32 => None,
+            Rows::Bf16(t) => Some(t),
+        };
         if let Some(t16) = taps16.filter(|t| t.len() != samples.len()) {
             return Err(GpuError::Invalid(format!(
                 "{} bf16 tap rows for {} samples",
@@ -440,7 +396,7 @@ impl DeviceDrafter {
             slot_total: vec![0; bs],
             ..Default::default()
         };
-        let backward = !matches!(grads, GradTo::Nowhere);
+        let backward = !matches!(grads, Grad::Nowhere);
         if backward {
             self.update.release_buckets(self.ops.dev.as_mut());
             self.ops.dev.memset_zero(Stream::Compute, self.b.grads)?;
@@ -504,7 +460,7 @@ impl DeviceDrafter {
                 r?;
             }
         }
-        if let GradTo::Host(grads) = grads {
+        if let Grad::Host(grads) = grads {
             self.ops
                 .dev
                 .download(Stream::Compute, self.b.grads, f32_bytes_mut(grads))?;

@@ -76,7 +76,7 @@ pub(super) struct Weights {
 }
 
 /// The gradient a step applies.
-pub(super) enum Gradient<'a> {
+pub enum Gradient<'a> {
     /// The averaged gradient, from the host.
     Host(&'a [f32]),
     /// The group's sum that a device collective left in the reduce buffer, scaled on the
@@ -87,13 +87,25 @@ pub(super) enum Gradient<'a> {
     },
 }
 
-/// One step's settings: its number, the gradient norm's clip, the learning rate and
-/// AdamW's constants.
-pub(super) struct StepArgs<'a> {
-    pub(super) step: u64,
-    pub(super) clip: f32,
-    pub(super) lr: f32,
-    pub(super) hyper: &'a AdamHyper,
+/// One step's settings: its number, the gradient norm's clip (0: none), the learning
+/// rate and AdamW's constants.
+#[derive(Debug, Clone, Copy)]
+pub struct Step<'a> {
+    pub step: u64,
+    pub clip: f32,
+    pub lr: f32,
+    pub hyper: &'a AdamHyper,
+}
+
+impl<'a> Step<'a> {
+    pub fn new(step: u64, clip: f32, lr: f32, hyper: &'a AdamHyper) -> Step<'a> {
+        Step {
+            step,
+            clip,
+            lr,
+            hyper,
+        }
+    }
 }
 
 /// Where in the pinned page the step's flag (i32), its Σg² (f64) and the weights'
@@ -231,7 +243,7 @@ impl Update {
         ops: &mut Ops,
         wt: Weights,
         g: Gradient,
-        args: &StepArgs,
+        args: &Step,
     ) -> Result<Option<StepOutcome>> {
         let before = self.drain(ops)?;
         let o = &self.opt;
@@ -258,7 +270,7 @@ impl Update {
 
     /// Norm, clip, the skip of a non-finite gradient and AdamW over `gsum`, and the
     /// asynchronous readback of the outcome.
-    fn optimize(&mut self, ops: &mut Ops, wt: Weights, a: &StepArgs) -> Result<()> {
+    fn optimize(&mut self, ops: &mut Ops, wt: Weights, a: &Step) -> Result<()> {
         let o = &self.opt;
         let (gsum, acc, partials, flag, t) = (o.gsum, o.acc, o.partials, o.flag, o.t);
         ops.dev.memset_zero(Stream::Compute, flag)?;

@@ -378,7 +378,7 @@ impl Part {
         let width = self.model.taps.len() * h;
         let a = &self.model.a;
         let act = |s: DSlice, n: usize| self.act(s, n);
-        let super::Views {
+        let super::layout::Views {
             x,
             n1,
             q,
