@@ -3,12 +3,12 @@
 //! it against the reference drafter, `crate::reference::drafter`). Shaped as llm.c's
 //! `train_gpt2.cu` is:
 //!
-//! - [`layout`]: every buffer placed once from the arena, for the largest sample;
-//! - [`layers`]: the pass (a sample's forward, layer by layer, and its backward);
-//! - [`loss`]: the chunked cross-entropy and the readback of its rows' losses;
-//! - [`update`]: the optimizer's state, the gradient's buckets and the step;
-//! - [`inputs`]: a sample's taps and positions on the device; [`mixed`]: the GEMMs' bf16
-//!   casts on a GPU; [`pinned`]: the host pages results come back into.
+//! - `layout`: every buffer placed once from the arena, for the largest sample;
+//! - `layers`: the pass (a sample's forward, layer by layer, and its backward);
+//! - `loss`: the chunked cross-entropy and the readback of its rows' losses;
+//! - `update`: the optimizer's state, the gradient's buckets and the step;
+//! - `inputs`: a sample's taps and positions on the device; `mixed`: the GEMMs' bf16
+//!   casts on a GPU; `pinned`: the host pages results come back into.
 //!
 //! [`DeviceDrafter`] owns one of each, and its verbs are the forward-backward of a batch
 //! (the gradient left on the device or copied to the host), its evaluation, and the
