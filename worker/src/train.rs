@@ -4,7 +4,6 @@
 //! step when the supervisor commits it. Every rank sums the same gradients in the same
 //! order, so the weights stay bit-identical across ranks.
 
-use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use std::io::Write;
 use std::path::Path;
 
@@ -19,7 +18,7 @@ use dflash_shared::drafter::{Init, StepStats, TrainSetup};
 use dflash_shared::pool::PoolMap;
 
 use crate::device::GpuError;
-use crate::models::drafter::device::DeviceDrafter;
+use crate::models::drafter::device::{DeviceDrafter, GradTo, Gradient, Rows, Step};
 use crate::models::drafter::{batch_samples, AdamW, Drafter, Frozen};
 use crate::models::weights::Weights;
 

@@ -56,7 +56,7 @@ fn cpu_device_checks_every_kernels_buffers_against_the_launch() {
 /// CPU kernels take them as separate slices).
 #[test]
 fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
-    use dflash_worker::device::ops::kernel::{Act, Kernel};
+    use dflash_worker::device::ops::kernel::{DType, Kernel};
     use dflash_worker::device::{DSlice, Device, GpuError, Stream};
     let mut d = dflash_worker::device::cpu::CpuDevice::new();
     let p = d.alloc(64 * 4).unwrap();
@@ -72,7 +72,7 @@ fn cpu_device_refuses_a_written_buffer_that_overlaps_another_argument() {
     );
     let add = |x, y| {
         Kernel::Convert(dflash_worker::device::ops::convert::Convert::AddInplace {
-            act: Act::F32,
+            act: DType::F32,
             x,
             y,
             n: 32,

@@ -333,7 +333,7 @@ fn emulated_a_failed_kernel_is_an_error_of_its_event_not_a_wait() {
             };
             let add = dflash_worker::device::ops::kernel::Kernel::Convert(
                 dflash_worker::device::ops::convert::Convert::AddInplace {
-                    act: dflash_worker::device::ops::kernel::Act::F32,
+                    act: dflash_worker::device::ops::kernel::DType::F32,
                     x: ok,
                     y: bad,
                     n: 64,
@@ -430,7 +430,7 @@ fn emulated_dynamic_shared_memory_past_a_kernels_limit_is_refused() {
             use dflash_worker::device::ops::{Attention, Fa2Dim};
             let mut dev = CudaDevice::open().expect("the emulated device");
             let fa2 = AttentionKernel::Fa2Fwd {
-                act: dflash_worker::device::ops::kernel::Act::Bf16,
+                act: dflash_worker::device::ops::kernel::DType::Bf16,
                 dim: Fa2Dim::D128,
                 a: Attention::shape_of(1, 1, 1, 128),
             };

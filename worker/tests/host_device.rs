@@ -424,7 +424,7 @@ fn host_device_flash_attention_2_forward_issues_the_last_row_block_first() {
     };
     let dim = Fa2Dim::for_call(&a).expect("hd 32 takes the FlashAttention-2 forward");
     let k = Kernel::Attention(AttentionKernel::Fa2Fwd {
-        act: Act::F32,
+        act: DType::F32,
         dim,
         a,
     });
@@ -480,8 +480,15 @@ fn host_device_rmsnorm_weight_gradient_has_the_same_bits_in_every_block_order() 
             put(&mut o, &vec![0.0; rows * d]),
             put(&mut o, &vec![0.0; d]),
         );
-        o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d)
-            .unwrap();
+        o.rmsnorm_backward(
+            Mat::f32(gdy, rows, d),
+            Mat::f32(gx, rows, d),
+            gw,
+            gr,
+            Mat::f32(gdx, rows, d),
+            Some(gdw),
+        )
+        .unwrap();
         let dw = get(&mut o, gdw);
         assert_close(&format!("rmsnorm dw, {order} {seed}"), &dw, &want, 1e-5);
         dw.iter().map(|v| v.to_bits()).collect()
@@ -533,7 +540,8 @@ fn host_device_poisons_shared_memory_before_every_block() {
             put(&mut o, &vec![0.0; rows * d]),
             put(&mut o, &vec![0.0; rows]),
         );
-        o.rmsnorm(gx, gw, gy, gr, rows, d, 1e-6).unwrap();
+        o.rmsnorm(o.act_mat(gx, rows, d), gw, o.act_mat(gy, rows, d), gr, 1e-6)
+            .unwrap();
         assert_eq!(
             unpoisoned(),
             warps,

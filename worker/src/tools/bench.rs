@@ -5,7 +5,6 @@
 //! the spec, also the torch engine's target forward over the same rows: its Python child
 //! (transformers, f32 on the CPU), as a target worker with `--target-engine torch` runs it.
 
-use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -15,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::cpu::CpuDevice;
 use crate::error::ToolError;
-use crate::models::drafter::device::DeviceDrafter;
+use crate::models::drafter::device::{DeviceDrafter, GradTo, Gradient, Rows, Step};
 use crate::models::drafter::{batch_samples, AdamW, Drafter, Frozen};
 use crate::models::target::device::DeviceTarget;
 use crate::models::target::Target;

@@ -8,7 +8,6 @@
 //! shallow target forward and a drafter step, each with TFLOP/s and its share of the bf16
 //! peak ([`run_ops`]).
 
-use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -18,8 +17,11 @@ use dflash_shared::model_config::TargetConfig;
 use dflash_shared::rng::Rng;
 use serde::Serialize;
 
+use crate::device::ops::gemm::Dx;
+use crate::device::ops::Mat;
 use crate::device::{DSlice, GpuError};
 use crate::error::ToolError;
+use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use crate::models::drafter::{Drafter, Frozen, Sample};
 use crate::models::target::Target;
 use crate::models::weights::Weights;
@@ -1309,7 +1311,9 @@ fn measure_gemms(
         let shape = format!("{m}x{k} · ({n}x{k})ᵀ");
         let r = bufs.and_then(|(x, w, y)| {
             ops.act16 = true;
-            let r = time_on_device(ops, |o| o.matmul_act(x, w, y, m, k, n));
+            let r = time_on_device(ops, |o| {
+                o.matmul(o.act_mat(x, m, k), o.act_mat(w, n, k), o.act_mat(y, m, n))
+            });
             ops.act16 = false;
             r
         });
@@ -1380,7 +1384,7 @@ impl CeShape {
     /// softmax and the GEMM adding `exp(l − max)·W` into the rows' accumulator; then dX
     /// and the losses.
     fn run(self, c: &CeBufs, o: &mut crate::device::ops::Ops) -> crate::device::Result<()> {
-        use crate::device::{f32_bytes, ops::Act, Stream};
+        use crate::device::{f32_bytes, ops::DType, Stream};
         let CeShape { n, h, v, cw } = self;
         let st = c.st;
         o.dev.upload(
@@ -1396,12 +1400,18 @@ impl CeShape {
             let w = cw.min(v - start);
             let lm = c.lm16.sub(2, start * h..(start + w) * h);
             let l = c.logits.sub(2, 0..n * w);
-            o.matmul_bf16_out(c.xb, lm, l, n, h, w)?;
-            o.ce_fold(Act::Bf16, st, l, c.labels, n, w, start, h)?;
-            o.matmul_backward_bf16(l, c.xb, lm, Some(st.acc), None, n, h, w)?;
+            let (x, lm, l16) = (
+                Mat::bf16(c.xb, n, h),
+                Mat::bf16(lm, w, h),
+                Mat::bf16(l, n, w),
+            );
+            o.matmul(x, lm, l16)?;
+            o.ce_fold(DType::Bf16, st, l, c.labels, n, w, start, h)?;
+            let acc = Dx::Add(Mat::f32(st.acc, n, h));
+            o.matmul_backward(l16, x, lm, acc, None)?;
         }
         let out = (c.dx, c.loss, c.correct);
-        o.ce_finish(Act::Bf16, st, out, c.labels, c.scale, c.lm16, n, h, v)
+        o.ce_finish(DType::Bf16, st, out, c.labels, c.scale, c.lm16, n, h, v)
     }
 }
 

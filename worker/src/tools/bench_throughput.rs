@@ -9,7 +9,6 @@
 //! MFUs can be read side by side. `throughput:tiny` runs the same code at shapes the
 //! emulated GPU (the host CPU) runs in seconds.
 
-use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use std::time::Instant;
 
 use dflash_shared::drafter::DrafterConfig;
@@ -19,6 +18,7 @@ use serde::Serialize;
 
 use crate::device::GpuError;
 use crate::error::ToolError;
+use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use crate::models::drafter::{AdamW, Drafter, Frozen, Sample};
 use crate::models::target::device::DeviceTarget;
 use crate::models::target::Target;

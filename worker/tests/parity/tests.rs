@@ -5,10 +5,11 @@
 use dflash_shared::rng::Rng;
 use dflash_worker::reference::ops::Cpu;
 use dflash_worker::reference::{Heads, KeySpan};
-use dflash_worker::device::ops::kernel::Act;
+use dflash_worker::device::ops::kernel::DType;
 use dflash_worker::device::ops::{Attention, Fa2Dim};
 use dflash_worker::device::ops::CeState;
 use dflash_worker::device::ops::Ops;
+use dflash_worker::device::ops::{gemm::Dx, Mat};
 use dflash_worker::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
 
@@ -191,10 +192,10 @@ fn host_device_matmul_and_its_backward_match_the_cpu_backend() {
     let mut o = ops();
     let (gx, gw, gdy) = (put(&mut o, &x), put(&mut o, &w), put(&mut o, &dy));
     let gy = put(&mut o, &vec![f32::NAN; m * n]);
-    o.matmul(gx, gw, gy, m, k, n).unwrap();
+    o.matmul(o.act_mat(gx, m, k), o.act_mat(gw, n, k), o.act_mat(gy, m, n)).unwrap();
     assert_close("matmul", &get(&mut o, gy), &y, TOL);
     let (gdx, gdw) = (put(&mut o, &dx0), put(&mut o, &dw0));
-    o.matmul_backward(gdy, gx, gw, Some(gdx), Some(gdw), m, k, n).unwrap();
+    o.matmul_backward(o.act_mat(gdy, m, n), o.act_mat(gx, m, k), o.act_mat(gw, n, k), Dx::Add(Mat::f32(gdx, m, k)), Some(Mat::f32(gdw, n, k))).unwrap();
     assert_close("matmul dx (accumulated)", &get(&mut o, gdx), &dx, TOL);
     assert_close("matmul dw (accumulated)", &get(&mut o, gdw), &dw, TOL);
 }
@@ -323,20 +324,20 @@ fn host_device_rmsnorm_forward_and_backward_match_the_cpu_backend() {
         let mut o = ops();
         let (gx, gw, gdy) = (put(&mut o, &x), put(&mut o, &w), put(&mut o, &dy));
         let (gy, gr) = (put(&mut o, &vec![0.0; rows * d]), put(&mut o, &vec![0.0; rows]));
-        o.rmsnorm(gx, gw, gy, gr, rows, d, 1e-6).unwrap();
+        o.rmsnorm(o.act_mat(gx, rows, d), gw, o.act_mat(gy, rows, d), gr, 1e-6).unwrap();
         assert_close(&format!("rmsnorm {rows}x{d}"), &get(&mut o, gy), &y, TOL);
         assert_close(&format!("rmsnorm rstd {rows}x{d}"), &get(&mut o, gr), &rstd, TOL);
         // Written in bf16 (a GEMM's input): the same bits as the f32 result cast after.
         let (gy16, gc16) = (put16(&mut o, &vec![0.0; rows * d]), put16(&mut o, &vec![0.0; rows * d]));
-        o.rmsnorm_to_bf16(gx, gw, gy16, gr, rows, d, 1e-6).unwrap();
+        o.rmsnorm(Mat::f32(gx, rows, d), gw, Mat::bf16(gy16, rows, d), gr, 1e-6).unwrap();
         o.f32_to_bf16(gc16, gy).unwrap();
         assert_bf16_is_the_cast(&format!("rmsnorm to bf16 {rows}x{d} is the cast of the f32 norm"), &get16(&mut o, gy16), &get16(&mut o, gc16));
         let (gdx, gdw) = (put(&mut o, &dx0), put(&mut o, &vec![0.5; d]));
-        o.rmsnorm_backward(gdy, gx, gw, gr, gdx, Some(gdw), rows, d).unwrap();
+        o.rmsnorm_backward(Mat::f32(gdy, rows, d), Mat::f32(gx, rows, d), gw, gr, Mat::f32(gdx, rows, d), Some(gdw)).unwrap();
         assert_close(&format!("rmsnorm dx {rows}x{d}"), &get(&mut o, gdx), &dx, 1e-4);
         assert_close(&format!("rmsnorm dw {rows}x{d}"), &get(&mut o, gdw), &dw, 1e-4);
         // In place (y = x), as the target's q/k norms run.
-        o.rmsnorm(gx, gw, gx, gr, rows, d, 1e-6).unwrap();
+        o.rmsnorm(o.act_mat(gx, rows, d), gw, o.act_mat(gx, rows, d), gr, 1e-6).unwrap();
         assert_close(&format!("rmsnorm in place {rows}x{d}"), &get(&mut o, gx), &y, TOL);
     }
 }
@@ -358,13 +359,13 @@ fn host_device_rope_and_its_inverse_match_the_cpu_backend() {
         // A YaRN-like cos/sin scale, which the kernel must apply as the CPU does.
         cpu.rope(&mut want, heads, hd, &positions, &inv_freq, 1.25, inverse);
         o.dev.upload(Stream::Compute, gx, f32_bytes(&x)).unwrap();
-        o.rope(gx, gp, gf, rows, heads, hd, 1.25, inverse).unwrap();
+        o.rope(o.act_mat(gx, rows, heads * hd), gp, gf, hd, 1.25, inverse).unwrap();
         assert_close(&format!("rope inverse={inverse}"), &get(&mut o, gx), &want, 1e-5);
     }
     // Forward then inverse is the identity.
     o.dev.upload(Stream::Compute, gx, f32_bytes(&x)).unwrap();
-    o.rope(gx, gp, gf, rows, heads, hd, 1.0, false).unwrap();
-    o.rope(gx, gp, gf, rows, heads, hd, 1.0, true).unwrap();
+    o.rope(o.act_mat(gx, rows, heads * hd), gp, gf, hd, 1.0, false).unwrap();
+    o.rope(o.act_mat(gx, rows, heads * hd), gp, gf, hd, 1.0, true).unwrap();
     assert_close("rope round trip", &get(&mut o, gx), &x, 1e-5);
 }
 
@@ -538,25 +539,20 @@ fn host_device_dflash_block_attention_matches_the_cpu_backend() {
 /// the logits GEMM (bf16 out at `act` bf16), `ce_fold`, the GEMM adding `exp(l − max)·W`
 /// into the accumulator; then `ce_finish`. `x` `[n, h]` and `lm` `[vocab, h]` are bf16 at
 /// `act` bf16. Returns each row's loss, `argmax == label` and dCE/dx (`scale`d).
-fn device_ce(o: &mut Ops, act: Act, (x, lm): (DSlice, DSlice), labels: &[i32], scale: &[f32], (h, vocab, chunk): (usize, usize, usize)) -> (Vec<f32>, Vec<i32>, Vec<f32>) {
+fn device_ce(o: &mut Ops, act: DType, (x, lm): (DSlice, DSlice), labels: &[i32], scale: &[f32], (h, vocab, chunk): (usize, usize, usize)) -> (Vec<f32>, Vec<i32>, Vec<f32>) {
     let n = labels.len();
     let (labels, scale) = (put_i32(o, labels), put(o, scale));
     let st = CeState { run_max: put(o, &vec![f32::NEG_INFINITY; n]), run_sum: put(o, &vec![0.0; n]), best_i: put_i32(o, &vec![0; n]), label_logit: put(o, &vec![0.0; n]), acc: put(o, &vec![0.0; n * h]) };
-    let bf16 = act == Act::Bf16;
+    let bf16 = act == DType::Bf16;
     let logits = put(o, &vec![0.0; n * chunk]);
     let e = if bf16 { 2 } else { 4 };
     for start in (0..vocab).step_by(chunk) {
         let cw = chunk.min(vocab - start);
         let (l, w) = (logits.sub(e, 0..n * cw), lm.sub(e, start * h..(start + cw) * h));
-        if bf16 {
-            o.matmul_bf16_out(x, w, l, n, h, cw).unwrap();
-            o.ce_fold(act, st, l, labels, n, cw, start, h).unwrap();
-            o.matmul_backward_bf16(l, x, w, Some(st.acc), None, n, h, cw).unwrap();
-        } else {
-            o.matmul(x, w, l, n, h, cw).unwrap();
-            o.ce_fold(act, st, l, labels, n, cw, start, h).unwrap();
-            o.matmul_backward(l, x, w, Some(st.acc), None, n, h, cw).unwrap();
-        }
+        let (xm, wm, lm_) = (Mat::new(x, n, h, act), Mat::new(w, cw, h, act), Mat::new(l, n, cw, act));
+        o.matmul(xm, wm, lm_).unwrap();
+        o.ce_fold(act, st, l, labels, n, cw, start, h).unwrap();
+        o.matmul_backward(lm_, xm, wm, Dx::Add(Mat::f32(st.acc, n, h)), None).unwrap();
     }
     let (dx, loss, correct) = (put(o, &vec![f32::NAN; n * h]), put(o, &vec![f32::NAN; n]), put_i32(o, &vec![-1; n]));
     o.ce_finish(act, st, (dx, loss, correct), labels, scale, lm, n, h, vocab).unwrap();
@@ -589,17 +585,17 @@ fn host_device_cross_entropy_in_one_pass_per_chunk_matches_the_cpu_backend() {
     let scale: Vec<f32> = rows.iter().map(|r| (r.2 / total) as f32).collect();
     let bf = |v: &[f32]| -> Vec<f32> { v.iter().map(|x| half::bf16::from_f32(*x).to_f32()).collect() };
     let cpu = Cpu::with_threads(1);
-    for act in [Act::F32, Act::Bf16] {
-        let (hn, lm) = if act == Act::Bf16 { (bf(&hn), bf(&lm)) } else { (hn.clone(), lm.clone()) };
+    for act in [DType::F32, DType::Bf16] {
+        let (hn, lm) = if act == DType::Bf16 { (bf(&hn), bf(&lm)) } else { (hn.clone(), lm.clone()) };
         let mut dhn = vec![0f32; n * h];
         let want = dflash_worker::reference::drafter::lm_head_ce(&cpu, &hn, h, &lm, vocab, &rows, total, Some(&mut dhn));
         let mut o = ops();
-        let inputs = if act == Act::Bf16 { (put16(&mut o, &hn), put16(&mut o, &lm)) } else { (put(&mut o, &hn), put(&mut o, &lm)) };
+        let inputs = if act == DType::Bf16 { (put16(&mut o, &hn), put16(&mut o, &lm)) } else { (put(&mut o, &hn), put(&mut o, &lm)) };
         let (loss, ok, dx) = device_ce(&mut o, act, inputs, &labels, &scale, (h, vocab, chunk));
         let want_ce: Vec<f32> = want.iter().map(|w| w.0 as f32).collect();
         assert!(want[0].1 && want_ce[0] < 1e-3, "row 0 is right, and sure of it: {:?}", want[0]);
         assert_eq!(ok.iter().map(|&c| c == 1).collect::<Vec<_>>(), want.iter().map(|w| w.1).collect::<Vec<_>>(), "argmax == label ({act:?})");
-        if act == Act::F32 {
+        if act == DType::F32 {
             assert_close("cross-entropy (f32)", &loss, &want_ce, 1e-5);
             assert_close("cross-entropy gradient (f32)", &dx, &dhn, 1e-4);
         } else {
@@ -1417,20 +1413,20 @@ fn host_device_bf16_activation_ops_round_the_f32_ops_once() {
     let w = rand_vec(&mut rng, h, 1.0);
     // RMSNorm (weights stay f32), in place too.
     let (x32, w32, y32, r32) = (put(&mut o32, &x), put(&mut o32, &w), put(&mut o32, &vec![0.0; t * h]), put(&mut o32, &vec![0.0; t]));
-    o32.rmsnorm(x32, w32, y32, r32, t, h, 1e-6).unwrap();
+    o32.rmsnorm(o32.act_mat(x32, t, h), w32, o32.act_mat(y32, t, h), r32, 1e-6).unwrap();
     let want = bf(&get(&mut o32, y32));
     let (x16, w16, r16) = (put16(&mut o16, &x), put(&mut o16, &w), put(&mut o16, &vec![0.0; t]));
-    o16.rmsnorm(x16, w16, x16, r16, t, h, 1e-6).unwrap();
+    o16.rmsnorm(o16.act_mat(x16, t, h), w16, o16.act_mat(x16, t, h), r16, 1e-6).unwrap();
     check("rmsnorm", &get16(&mut o16, x16), &want, 1.0);
     // RoPE in place.
     let q = bf(&rand_vec(&mut rng, t * nh * hd, 1.0));
     let pos: Vec<i32> = (0..t as i32).map(|i| i * 3).collect();
     let inv: Vec<f32> = (0..hd / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / hd as f32)).collect();
     let (q32, p32, i32_) = (put(&mut o32, &q), put_i32(&mut o32, &pos), put(&mut o32, &inv));
-    o32.rope(q32, p32, i32_, t, nh, hd, 1.0, false).unwrap();
+    o32.rope(o32.act_mat(q32, t, nh * hd), p32, i32_, hd, 1.0, false).unwrap();
     let want = bf(&get(&mut o32, q32));
     let (q16, p16, i16_) = (put16(&mut o16, &q), put_i32(&mut o16, &pos), put(&mut o16, &inv));
-    o16.rope(q16, p16, i16_, t, nh, hd, 1.0, false).unwrap();
+    o16.rope(o16.act_mat(q16, t, nh * hd), p16, i16_, hd, 1.0, false).unwrap();
     check("rope", &get16(&mut o16, q16), &want, 1.0);
     // Causal attention with GQA.
     let (k, v) = (bf(&rand_vec(&mut rng, t * nkv * hd, 1.0)), bf(&rand_vec(&mut rng, t * nkv * hd, 1.0)));
@@ -1477,10 +1473,10 @@ fn host_device_bf16_activation_ops_round_the_f32_ops_once() {
     let (m, kk, n) = (t, h, 24usize);
     let wm = bf(&rand_vec(&mut rng, n * kk, 0.5));
     let (xg, wg, yg) = (put(&mut o32, &x), put(&mut o32, &wm), put(&mut o32, &vec![0.0; m * n]));
-    o32.matmul(xg, wg, yg, m, kk, n).unwrap();
+    o32.matmul(o32.act_mat(xg, m, kk), o32.act_mat(wg, n, kk), o32.act_mat(yg, m, n)).unwrap();
     let want = bf(&get(&mut o32, yg));
     let (xh, wh, yh) = (put16(&mut o16, &x), put16(&mut o16, &wm), put16(&mut o16, &vec![0.0; m * n]));
-    o16.matmul_act(xh, wh, yh, m, kk, n).unwrap();
+    o16.matmul(o16.act_mat(xh, m, kk), o16.act_mat(wh, n, kk), o16.act_mat(yh, m, n)).unwrap();
     check("matmul", &get16(&mut o16, yh), &want, 2.0);
 }
 

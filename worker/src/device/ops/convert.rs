@@ -5,7 +5,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{grid_for, i32_of, i64_of, row_block, Act, Ops, BLOCK};
+use super::{grid_for, i32_of, i64_of, row_block, DType, Ops, BLOCK};
 use crate::device::{Arg, DSlice, Result};
 
 /// The gather, scatter, cast and element-wise kernels, each with its arguments.
@@ -13,7 +13,7 @@ use crate::device::{Arg, DSlice, Result};
 pub enum Convert {
     /// `out[r,:] = table[ids[r],:]` (ids u32, clamped to the vocabulary).
     EmbedGather {
-        act: Act,
+        act: DType,
         out: DSlice,
         table: DSlice,
         ids: DSlice,
@@ -41,14 +41,14 @@ pub enum Convert {
     },
     /// `x += y`, `n` elements.
     AddInplace {
-        act: Act,
+        act: DType,
         x: DSlice,
         y: DSlice,
         n: usize,
     },
     /// `dst[r, dst_off..+width] = src[r, src_off..+width]`.
     CopyCols {
-        act: Act,
+        act: DType,
         dst: DSlice,
         src: DSlice,
         width: usize,
@@ -121,7 +121,7 @@ impl Convert {
     /// One launch of each kernel (each of its symbols), all buffers `b`.
     pub fn every(b: DSlice) -> Vec<Convert> {
         let mut all = Vec::new();
-        for act in [Act::F32, Act::Bf16] {
+        for act in [DType::F32, DType::Bf16] {
             all.extend([
                 Convert::EmbedGather {
                     act,
@@ -180,17 +180,17 @@ impl Convert {
         match &mut k {
             Convert::EmbedGather {
                 act, out, table, ..
-            } if *act == Act::Bf16 => {
+            } if *act == DType::Bf16 => {
                 (*out, *table) = (w.output(*out), w.input(*table));
-                *act = Act::F32;
+                *act = DType::F32;
             }
-            Convert::AddInplace { act, x, y, .. } if *act == Act::Bf16 => {
+            Convert::AddInplace { act, x, y, .. } if *act == DType::Bf16 => {
                 (*x, *y) = (w.output(*x), w.input(*y));
-                *act = Act::F32;
+                *act = DType::F32;
             }
-            Convert::CopyCols { act, dst, src, .. } if *act == Act::Bf16 => {
+            Convert::CopyCols { act, dst, src, .. } if *act == DType::Bf16 => {
                 (*dst, *src) = (w.output(*dst), w.input(*src));
-                *act = Act::F32;
+                *act = DType::F32;
             }
             _ => return None,
         }

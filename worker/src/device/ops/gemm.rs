@@ -5,7 +5,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{i32_of, Act, Ops};
+use super::{i32_of, DType, Mat, Ops};
 use crate::device::{Arg, DSlice, Gemm, GpuError, Result};
 
 /// The experts' grouped GEMM's tile (`MOE_BM` × `MOE_BN` in gemm.cuh), threads
@@ -23,7 +23,7 @@ pub enum GemmKernel {
     /// offsets[e + 1]`, i32 on the device), `W_e` the `[n, k]` matrix at `w + e·n·k`;
     /// `src(r)` is `rows[r]` (i32) when `gather` > 0 (`x` then has `gather` rows), else r.
     Grouped {
-        act: Act,
+        act: DType,
         y: DSlice,
         x: DSlice,
         w: DSlice,
@@ -88,7 +88,9 @@ impl GemmKernel {
     /// Bytes of dynamic shared memory the kernel is launched with.
     pub fn dynamic_shared_bytes(&self) -> u32 {
         match *self {
-            GemmKernel::Grouped { act: Act::Bf16, .. } => MOE_GEMM_DYN_BYTES,
+            GemmKernel::Grouped {
+                act: DType::Bf16, ..
+            } => MOE_GEMM_DYN_BYTES,
             _ => 0,
         }
     }
@@ -96,7 +98,7 @@ impl GemmKernel {
     /// One launch of each kernel (each of its symbols), all buffers `b`.
     pub fn every(b: DSlice) -> Vec<GemmKernel> {
         let mut all = Vec::new();
-        for act in [Act::F32, Act::Bf16] {
+        for act in [DType::F32, DType::Bf16] {
             all.extend([GemmKernel::Grouped {
                 act,
                 y: b,
@@ -124,9 +126,9 @@ impl GemmKernel {
         match &mut k {
             GemmKernel::Grouped {
                 act, y, x, w: wt, ..
-            } if *act == Act::Bf16 => {
+            } if *act == DType::Bf16 => {
                 (*y, *x, *wt) = (w.output(*y), w.input(*x), w.input(*wt));
-                *act = Act::F32;
+                *act = DType::F32;
             }
             _ => return None,
         }
@@ -165,34 +167,25 @@ impl GemmKernel {
     }
 }
 
-impl Ops {
-    /// [`matmul`](Self::matmul) on activations: with bf16 activations, bf16 `x`, `w` and
-    /// `y` (f32 accumulation, one rounding of the result); else f32.
-    pub fn matmul_act(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        self.linear(x, w, y, m, k, n, self.act16, self.act16)
-    }
+/// Where [`Ops::matmul_backward`] puts `dx = dy · w`.
+#[derive(Debug, Clone, Copy)]
+pub enum Dx {
+    /// Not computed.
+    Skip,
+    /// Added into this (f32) matrix.
+    Add(Mat),
+    /// Written over this (f32) matrix: a first writer needs no zeroed buffer.
+    Write(Mat),
+}
 
-    /// `y = x · wᵀ` as one cuBLAS-convention GEMM, with bf16 inputs and/or output.
-    #[allow(clippy::too_many_arguments)]
-    fn linear(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-        bf16_inputs: bool,
-        bf16_output: bool,
-    ) -> Result<()> {
+impl Ops {
+    /// `y = x · wᵀ` (row-major: `x` m×k, `w` n×k, `y` m×n) as one cuBLAS-convention GEMM,
+    /// column-major `yᵀ = op(w)·xᵀ` with `op = T`. `x` and `w` are both f32, or both bf16
+    /// (tensor cores, f32 accumulation); `y` is f32, or bf16 (the result rounded once).
+    pub fn matmul(&mut self, x: Mat, w: Mat, y: Mat) -> Result<()> {
+        let (m, k, n) = (x.rows, x.cols, w.rows);
+        w.expect("matmul: w", n, k, x.dtype)?;
+        y.expect("matmul: y", m, n, y.dtype)?;
         let g = Gemm {
             transa: true,
             transb: false,
@@ -200,125 +193,40 @@ impl Ops {
             n: m,
             k,
             alpha: 1.0,
-            a: w,
+            a: w.buf,
             lda: k,
-            b: x,
+            b: x.buf,
             ldb: k,
             beta: 0.0,
-            c: y,
+            c: y.buf,
             ldc: n,
-            bf16_inputs,
-            bf16_output,
+            bf16_inputs: x.dtype == DType::Bf16,
+            bf16_output: y.dtype == DType::Bf16,
         };
         self.dev.gemm(self.stream, &g)
     }
 
-    /// `y[m,n] = x[m,k] · w[n,k]ᵀ` (row-major), as one cuBLAS-convention GEMM:
-    /// column-major `yᵀ = op(w)·xᵀ` with `op = T`.
-    pub fn matmul(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        self.linear(x, w, y, m, k, n, false, false)
-    }
-
-    /// [`matmul`](Self::matmul) with `x` and `w` in bf16 (`y` f32, f32 accumulation).
-    pub fn matmul_bf16(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        self.linear(x, w, y, m, k, n, true, false)
-    }
-
-    /// [`matmul`](Self::matmul) with `x`, `w` and `y` in bf16 (f32 accumulation, `y`
-    /// rounded once).
-    pub fn matmul_bf16_out(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        self.linear(x, w, y, m, k, n, true, true)
-    }
-
-    /// Backward of [`matmul`](Self::matmul): `dx += dy · w`, `dw += dyᵀ · x`.
-    #[allow(clippy::too_many_arguments)]
+    /// Backward of [`matmul`](Self::matmul) for `dy` (m×n): `dx (+)= dy · w` as [`Dx`]
+    /// says, and `dw += dyᵀ · x` when `dw` is given. `dy`, `x` and `w` are of one type (bf16:
+    /// tensor cores, f32 accumulation; `x` is read only for `dw`); `dx` and `dw` are f32.
     pub fn matmul_backward(
         &mut self,
-        dy: DSlice,
-        x: DSlice,
-        w: DSlice,
-        dx: Option<DSlice>,
-        dw: Option<DSlice>,
-        m: usize,
-        k: usize,
-        n: usize,
+        dy: Mat,
+        x: Mat,
+        w: Mat,
+        dx: Dx,
+        dw: Option<Mat>,
     ) -> Result<()> {
-        self.matmul_backward_ex(dy, x, w, (dx, 1.0), dw, m, k, n, false)
-    }
-
-    /// [`matmul_backward`](Self::matmul_backward) with `dy`, `x` and `w` in bf16 (`dx`
-    /// and `dw` f32, f32 accumulation).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_backward_bf16(
-        &mut self,
-        dy: DSlice,
-        x: DSlice,
-        w: DSlice,
-        dx: Option<DSlice>,
-        dw: Option<DSlice>,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        self.matmul_backward_ex(dy, x, w, (dx, 1.0), dw, m, k, n, true)
-    }
-
-    /// [`matmul_backward`](Self::matmul_backward) (`bf16` inputs or f32) with `dx`
-    /// written, not added into: `dx = dy · w` (a first writer needs no zeroed buffer).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_backward_over(
-        &mut self,
-        dy: DSlice,
-        x: DSlice,
-        w: DSlice,
-        dx: DSlice,
-        dw: Option<DSlice>,
-        m: usize,
-        k: usize,
-        n: usize,
-        bf16: bool,
-    ) -> Result<()> {
-        self.matmul_backward_ex(dy, x, w, (Some(dx), 0.0), dw, m, k, n, bf16)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_backward_ex(
-        &mut self,
-        dy: DSlice,
-        x: DSlice,
-        w: DSlice,
-        (dx, dx_beta): (Option<DSlice>, f32),
-        dw: Option<DSlice>,
-        m: usize,
-        k: usize,
-        n: usize,
-        bf16_inputs: bool,
-    ) -> Result<()> {
-        if let Some(dx) = dx {
+        let (m, n, k) = (dy.rows, dy.cols, w.cols);
+        let bf16_inputs = dy.dtype == DType::Bf16;
+        w.expect("matmul_backward: w", n, k, dy.dtype)?;
+        let dx = match dx {
+            Dx::Skip => None,
+            Dx::Add(d) => Some((d, 1.0)),
+            Dx::Write(d) => Some((d, 0.0)),
+        };
+        if let Some((dx, beta)) = dx {
+            dx.expect("matmul_backward: dx", m, k, DType::F32)?;
             // column-major dxᵀ[k,m] (+)= w_c[k,n] · dy_c[n,m]
             let g = Gemm {
                 transa: false,
@@ -327,12 +235,12 @@ impl Ops {
                 n: m,
                 k: n,
                 alpha: 1.0,
-                a: w,
+                a: w.buf,
                 lda: k,
-                b: dy,
+                b: dy.buf,
                 ldb: n,
-                beta: dx_beta,
-                c: dx,
+                beta,
+                c: dx.buf,
                 ldc: k,
                 bf16_inputs,
                 bf16_output: false,
@@ -340,6 +248,8 @@ impl Ops {
             self.dev.gemm(self.stream, &g)?;
         }
         if let Some(dw) = dw {
+            x.expect("matmul_backward: x", m, k, dy.dtype)?;
+            dw.expect("matmul_backward: dw", n, k, DType::F32)?;
             // column-major dwᵀ[k,n] += x_c[k,m] · (dy_c[n,m])ᵀ
             let g = Gemm {
                 transa: false,
@@ -348,12 +258,12 @@ impl Ops {
                 n,
                 k: m,
                 alpha: 1.0,
-                a: x,
+                a: x.buf,
                 lda: k,
-                b: dy,
+                b: dy.buf,
                 ldb: n,
                 beta: 1.0,
-                c: dw,
+                c: dw.buf,
                 ldc: k,
                 bf16_inputs,
                 bf16_output: false,

@@ -21,7 +21,7 @@ use super::norm::Norm;
 use super::on_cpu::Widened;
 use super::rope::Rope;
 use super::swiglu::Swiglu;
-pub use super::Act;
+pub use super::DType;
 use crate::device::{Arg, DSlice, Result};
 
 /// The kernel enum over the families, each variant one family's enum, and what every
@@ -192,7 +192,7 @@ mod tests {
         assert_eq!(declared("add_inplace"), "WRl");
         let b = DSlice { ptr: 0, bytes: 0 };
         let k = Kernel::Convert(super::super::convert::Convert::AddInplace {
-            act: Act::F32,
+            act: DType::F32,
             x: b,
             y: b,
             n: 1,

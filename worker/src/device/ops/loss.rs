@@ -5,7 +5,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{i32_of, row_block, Act, Ops};
+use super::{i32_of, row_block, DType, Ops};
 use crate::device::{Arg, DSlice, Result};
 use crate::math::exp_neg;
 
@@ -28,7 +28,7 @@ pub enum Loss {
     /// `act` bf16) into each row's [`CeState`] (labels i32), the logits becoming
     /// `exp(l − max)` in place.
     CeFold {
-        act: Act,
+        act: DType,
         st: CeState,
         logits: DSlice,
         labels: DSlice,
@@ -40,7 +40,7 @@ pub enum Loss {
     /// each row's cross-entropy (`loss`) and whether its argmax is its label (`correct`,
     /// i32), with the lm_head `w` `[vocab, h]` (bf16 at `act` bf16; labels i32).
     CeFinish {
-        act: Act,
+        act: DType,
         st: CeState,
         dx: DSlice,
         loss: DSlice,
@@ -131,7 +131,7 @@ impl Loss {
             acc: b,
         };
         let mut all = Vec::new();
-        for act in [Act::F32, Act::Bf16] {
+        for act in [DType::F32, DType::Bf16] {
             all.extend([
                 Loss::CeFold {
                     act,
@@ -167,13 +167,13 @@ impl Loss {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Loss> {
         let mut k = *self;
         match &mut k {
-            Loss::CeFold { act, logits, .. } if *act == Act::Bf16 => {
+            Loss::CeFold { act, logits, .. } if *act == DType::Bf16 => {
                 *logits = w.output(*logits);
-                *act = Act::F32;
+                *act = DType::F32;
             }
-            Loss::CeFinish { act, w: lm, .. } if *act == Act::Bf16 => {
+            Loss::CeFinish { act, w: lm, .. } if *act == DType::Bf16 => {
                 *lm = w.input(*lm);
-                *act = Act::F32;
+                *act = DType::F32;
             }
             _ => return None,
         }
@@ -243,7 +243,7 @@ impl Ops {
     #[allow(clippy::too_many_arguments)]
     pub fn ce_fold(
         &mut self,
-        act: Act,
+        act: DType,
         st: CeState,
         logits: DSlice,
         labels: DSlice,
@@ -273,7 +273,7 @@ impl Ops {
     #[allow(clippy::too_many_arguments)]
     pub fn ce_finish(
         &mut self,
-        act: Act,
+        act: DType,
         st: CeState,
         (dx, loss, correct): (DSlice, DSlice, DSlice),
         labels: DSlice,

@@ -4,7 +4,9 @@
 //! stream, and their CPU bodies. [`Kernel`] is the enum over the families. The launches are
 //! the GPU counterpart of the reference op set (`reference::ops::Cpu`, test-only), with the
 //! same layouts and the same accumulate-or-overwrite semantics, so that each can be checked
-//! against it. Buffers are [`DSlice`]s of f32 unless said otherwise.
+//! against it. Buffers are [`DSlice`]s of f32 unless said otherwise; a matrix operand is a
+//! [`Mat`] (`view`), which carries its shape and element type, so that an op reads them
+//! from its arguments rather than from its name.
 
 pub mod adamw;
 pub mod attention;
@@ -17,6 +19,7 @@ pub mod norm;
 pub(crate) mod on_cpu;
 pub mod rope;
 pub mod swiglu;
+pub mod view;
 
 use super::{Arg, DSlice, Device, Result, Stream};
 pub use adamw::{params_hash, AdamHyper, SUMSQ_BLOCKS};
@@ -36,22 +39,7 @@ fn row_block(d: usize) -> u32 {
 }
 
 pub use norm::{RMSNORM_BWD_MAX_WIDTH, RMSNORM_BWD_SCRATCH_F32};
-/// Whether a forward activation kernel's activations are f32 or bf16.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Act {
-    F32,
-    Bf16,
-}
-
-impl Act {
-    /// The kernel symbol of this activation type: `f32`'s or `bf16`'s.
-    pub fn pick(self, f32: &'static str, bf16: &'static str) -> &'static str {
-        match self {
-            Act::F32 => f32,
-            Act::Bf16 => bf16,
-        }
-    }
-}
+pub use view::{DType, Mat};
 
 pub(crate) fn i32_of(v: usize) -> Arg {
     Arg::I32(v as i32)
@@ -89,12 +77,18 @@ impl Ops {
     }
 
     /// The precision of the forward activation kernels: bf16 when activations are bf16.
-    fn act(&self) -> Act {
+    pub fn act(&self) -> DType {
         if self.act16 {
-            Act::Bf16
+            DType::Bf16
         } else {
-            Act::F32
+            DType::F32
         }
+    }
+
+    /// The first `rows × cols` elements of `buf` as a matrix of activations (bf16 when
+    /// activations are bf16, else f32).
+    pub fn act_mat(&self, buf: DSlice, rows: usize, cols: usize) -> Mat {
+        Mat::new(buf, rows, cols, self.act())
     }
 
     /// Elements of an activation buffer.

@@ -6,7 +6,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{i32_of, row_block, Act, Ops, BLOCK};
+use super::{i32_of, row_block, DType, Ops, BLOCK};
 use crate::device::{Arg, DSlice, Result};
 
 /// The i32 elements of [`Ops::moe_permute`]'s scratch for `pairs` routed pairs over
@@ -26,7 +26,7 @@ pub enum Moe {
     /// (i32 `[t, top_k]`, rank order) and their probabilities into `wts`, divided by their
     /// sum when `norm`.
     Route {
-        act: Act,
+        act: DType,
         idx: DSlice,
         wts: DSlice,
         logits: DSlice,
@@ -64,7 +64,7 @@ pub enum Moe {
     },
     /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` (grid: tokens; `y` `[rows, h]`).
     Combine {
-        act: Act,
+        act: DType,
         out: DSlice,
         y: DSlice,
         wts: DSlice,
@@ -156,7 +156,7 @@ impl Moe {
     /// One launch of each kernel (each of its symbols), all buffers `b`.
     pub fn every(b: DSlice) -> Vec<Moe> {
         let mut all = Vec::new();
-        for act in [Act::F32, Act::Bf16] {
+        for act in [DType::F32, DType::Bf16] {
             all.extend([
                 Moe::Route {
                     act,
@@ -212,13 +212,13 @@ impl Moe {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Moe> {
         let mut k = *self;
         match &mut k {
-            Moe::Route { act, logits, .. } if *act == Act::Bf16 => {
+            Moe::Route { act, logits, .. } if *act == DType::Bf16 => {
                 *logits = w.input(*logits);
-                *act = Act::F32;
+                *act = DType::F32;
             }
-            Moe::Combine { act, out, y, .. } if *act == Act::Bf16 => {
+            Moe::Combine { act, out, y, .. } if *act == DType::Bf16 => {
                 (*out, *y) = (w.output(*out), w.input(*y));
-                *act = Act::F32;
+                *act = DType::F32;
             }
             _ => return None,
         }

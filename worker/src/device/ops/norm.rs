@@ -4,8 +4,8 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{i32_of, row_block, Act, Ops};
-use crate::device::{Arg, DSlice, Result};
+use super::{i32_of, row_block, DType, Mat, Ops};
+use crate::device::{Arg, DSlice, GpuError, Result};
 
 /// The widest row whose weight-gradient shares the RMSNorm backward keeps in dynamic
 /// shared memory (`RMSNORM_BWD_DYN_BYTES` in norm.cuh, 48 KB); a wider row (a 16,384-wide
@@ -39,7 +39,7 @@ pub enum Norm {
     /// RMSNorm of rows of width `d`: `y` (in place when it is `x`) and the reciprocal RMS
     /// per row (f32).
     Fwd {
-        act: Act,
+        act: DType,
         y: DSlice,
         rstd: DSlice,
         x: DSlice,
@@ -85,8 +85,12 @@ impl Norm {
     /// The kernel's symbol in norm.cuh.
     pub fn name(&self) -> &'static str {
         match *self {
-            Norm::Fwd { act: Act::F32, .. } => "rmsnorm_fwd",
-            Norm::Fwd { act: Act::Bf16, .. } => "rmsnorm_fwd_bf16",
+            Norm::Fwd {
+                act: DType::F32, ..
+            } => "rmsnorm_fwd",
+            Norm::Fwd {
+                act: DType::Bf16, ..
+            } => "rmsnorm_fwd_bf16",
             Norm::FwdToBf16 { .. } => "rmsnorm_fwd_to_bf16",
             Norm::Bwd { .. } => "rmsnorm_bwd",
             Norm::BwdDw { .. } => "rmsnorm_bwd_dw",
@@ -170,8 +174,8 @@ impl Norm {
             eps: 1e-6,
         };
         vec![
-            fwd(Act::F32),
-            fwd(Act::Bf16),
+            fwd(DType::F32),
+            fwd(DType::Bf16),
             Norm::FwdToBf16 {
                 y: b,
                 rstd: b,
@@ -221,7 +225,7 @@ impl Norm {
                 d,
                 eps,
             } => Some(Norm::Fwd {
-                act: Act::F32,
+                act: DType::F32,
                 y: w.output(y),
                 rstd,
                 x,
@@ -230,7 +234,7 @@ impl Norm {
                 eps,
             }),
             Norm::Fwd {
-                act: Act::Bf16,
+                act: DType::Bf16,
                 y,
                 rstd,
                 x,
@@ -238,7 +242,7 @@ impl Norm {
                 d,
                 eps,
             } => Some(Norm::Fwd {
-                act: Act::F32,
+                act: DType::F32,
                 y: w.output(y),
                 rstd,
                 x: w.input(x),
@@ -296,77 +300,60 @@ impl Norm {
 }
 
 impl Ops {
-    /// RMSNorm of `rows` rows of width `d`; writes `y` and the reciprocal RMS per row.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        rstd: DSlice,
-        rows: usize,
-        d: usize,
-        eps: f32,
-    ) -> Result<()> {
-        let act = self.act();
-        self.launch(
-            Norm::Fwd {
+    /// RMSNorm of the rows of `x` into `y` (the same shape), and the reciprocal RMS per row
+    /// into `rstd` (f32). `x` and `y` both f32, both bf16 (activations), or `x` f32 and `y`
+    /// bf16: a GEMM's input written as the GEMM takes it (the same bits as the f32 result
+    /// cast after).
+    pub fn rmsnorm(&mut self, x: Mat, w: DSlice, y: Mat, rstd: DSlice, eps: f32) -> Result<()> {
+        let (rows, d) = (x.rows, x.cols);
+        y.expect("rmsnorm: y", rows, d, y.dtype)?;
+        let (xb, yb) = (x.buf, y.buf);
+        let kernel = match (x.dtype, y.dtype) {
+            (DType::F32, DType::Bf16) => Norm::FwdToBf16 {
+                y: yb,
+                rstd,
+                x: xb,
+                w,
+                d,
+                eps,
+            },
+            (DType::Bf16, DType::F32) => {
+                return Err(GpuError::Invalid(
+                    "rmsnorm: bf16 rows into f32 (no such kernel)".into(),
+                ))
+            }
+            (act, _) => Norm::Fwd {
                 act,
-                y,
+                y: yb,
                 rstd,
-                x,
+                x: xb,
                 w,
                 d,
                 eps,
             },
-            rows as u32,
-            row_block(d),
-        )
+        };
+        self.launch(kernel, rows as u32, row_block(d))
     }
 
-    /// [`rmsnorm`](Self::rmsnorm) of f32 rows with `y` rounded to bf16: a GEMM's input
-    /// written as the GEMM takes it (the same bits as the f32 result cast after).
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmsnorm_to_bf16(
-        &mut self,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        rstd: DSlice,
-        rows: usize,
-        d: usize,
-        eps: f32,
-    ) -> Result<()> {
-        self.launch(
-            Norm::FwdToBf16 {
-                y,
-                rstd,
-                x,
-                w,
-                d,
-                eps,
-            },
-            rows as u32,
-            row_block(d),
-        )
-    }
-
-    /// Backward of [`rmsnorm`](Self::rmsnorm): `dx` accumulates, and `dw` when given. The
+    /// Backward of [`rmsnorm`](Self::rmsnorm) of f32 rows: `dx` accumulates, and `dw` when
+    /// given. The
     /// weight gradient in two stages, with no atomics: blocks of rows write their partial
     /// sums into these ops' scratch, then one launch adds their column sums to `dw` in a
     /// fixed order (the same bits every run).
-    #[allow(clippy::too_many_arguments)]
     pub fn rmsnorm_backward(
         &mut self,
-        dy: DSlice,
-        x: DSlice,
+        dy: Mat,
+        x: Mat,
         w: DSlice,
         rstd: DSlice,
-        dx: DSlice,
+        dx: Mat,
         dw: Option<DSlice>,
-        rows: usize,
-        d: usize,
     ) -> Result<()> {
+        let (rows, d) = (x.rows, x.cols);
+        x.expect("rmsnorm_backward: x", rows, d, DType::F32)?;
+        dy.expect("rmsnorm_backward: dy", rows, d, DType::F32)?;
+        dx.expect("rmsnorm_backward: dx", rows, d, DType::F32)?;
+        let (dy, x, dx) = (dy.buf, x.buf, dx.buf);
         if rows == 0 {
             return Ok(());
         }

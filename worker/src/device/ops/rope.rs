@@ -4,7 +4,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{i32_of, row_block, Act, Ops};
+use super::{i32_of, row_block, DType, Mat, Ops};
 use crate::device::{Arg, DSlice, Result};
 
 /// The rotary embedding's kernel, with its arguments.
@@ -13,7 +13,7 @@ pub enum Rope {
     /// Rotary embedding in place (`pos` i32 per row, `inv_freq` head_dim/2), scaled by
     /// `scale`; `inverse` rotates back (the backward).
     Apply {
-        act: Act,
+        act: DType,
         x: DSlice,
         pos: DSlice,
         inv_freq: DSlice,
@@ -66,7 +66,7 @@ impl Rope {
     /// One launch of each kernel (each of its symbols), all buffers `b`.
     pub fn every(b: DSlice) -> Vec<Rope> {
         let mut all = Vec::new();
-        for act in [Act::F32, Act::Bf16] {
+        for act in [DType::F32, DType::Bf16] {
             all.extend([Rope::Apply {
                 act,
                 x: b,
@@ -89,9 +89,9 @@ impl Rope {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<Rope> {
         let mut k = *self;
         match &mut k {
-            Rope::Apply { act, x, .. } if *act == Act::Bf16 => {
+            Rope::Apply { act, x, .. } if *act == DType::Bf16 => {
                 *x = w.output(*x);
-                *act = Act::F32;
+                *act = DType::F32;
             }
             _ => return None,
         }
@@ -133,24 +133,29 @@ impl Rope {
 }
 
 impl Ops {
-    /// Rotary embedding in place; `pos`: i32 per row; `inv_freq`: head_dim/2 f32.
-    #[allow(clippy::too_many_arguments)]
+    /// Rotary embedding of the rows of `x` in place, each `x.cols / head_dim` heads of
+    /// `head_dim` (f32, or bf16 activations); `pos`: i32 per row; `inv_freq`: head_dim/2
+    /// f32.
     pub fn rope(
         &mut self,
-        x: DSlice,
+        x: Mat,
         pos: DSlice,
         inv_freq: DSlice,
-        rows: usize,
-        heads: usize,
         head_dim: usize,
         scale: f32,
         inverse: bool,
     ) -> Result<()> {
-        let act = self.act();
+        let (rows, heads) = (x.rows, x.cols / head_dim.max(1));
+        if heads * head_dim != x.cols {
+            return Err(crate::device::GpuError::Invalid(format!(
+                "rope: rows of {} for heads of {head_dim}",
+                x.cols
+            )));
+        }
         self.launch(
             Rope::Apply {
-                act,
-                x,
+                act: x.dtype,
+                x: x.buf,
                 pos,
                 inv_freq,
                 heads,

@@ -4,7 +4,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{grid_for, i32_of, i64_of, Act, Ops, BLOCK};
+use super::{grid_for, i32_of, i64_of, DType, Ops, BLOCK};
 use crate::device::{Arg, DSlice, GpuError, Result};
 
 /// The SwiGLU kernels, each with its arguments.
@@ -12,7 +12,7 @@ use crate::device::{Arg, DSlice, GpuError, Result};
 pub enum Swiglu {
     /// `out = silu(gate)·up`, `n` elements.
     Fwd {
-        act: Act,
+        act: DType,
         out: DSlice,
         gate: DSlice,
         up: DSlice,
@@ -22,7 +22,7 @@ pub enum Swiglu {
     /// `width` wide (one GEMM over the adjacent gate and up weights); `out = silu(gate)·up`,
     /// `n` = rows × width elements.
     GuFwd {
-        act: Act,
+        act: DType,
         out: DSlice,
         gu: DSlice,
         width: usize,
@@ -89,7 +89,7 @@ impl Swiglu {
     /// One launch of each kernel (each of its symbols), all buffers `b`.
     pub fn every(b: DSlice) -> Vec<Swiglu> {
         let mut all = Vec::new();
-        for act in [Act::F32, Act::Bf16] {
+        for act in [DType::F32, DType::Bf16] {
             all.extend([
                 Swiglu::Fwd {
                     act,
@@ -135,17 +135,17 @@ impl Swiglu {
         match &mut k {
             Swiglu::Fwd {
                 act, out, gate, up, ..
-            } if *act == Act::Bf16 => {
+            } if *act == DType::Bf16 => {
                 (*out, *gate, *up) = (w.output(*out), w.input(*gate), w.input(*up));
-                *act = Act::F32;
+                *act = DType::F32;
             }
-            Swiglu::GuFwd { act, out, gu, .. } if *act == Act::Bf16 => {
+            Swiglu::GuFwd { act, out, gu, .. } if *act == DType::Bf16 => {
                 (*out, *gu) = (w.output(*out), w.input(*gu));
-                *act = Act::F32;
+                *act = DType::F32;
             }
             Swiglu::GuFwdToBf16 { out, gu, width, n } => {
                 return Some(Swiglu::GuFwd {
-                    act: Act::F32,
+                    act: DType::F32,
                     out: w.output(*out),
                     gu: *gu,
                     width: *width,

@@ -446,27 +446,69 @@ impl DeviceTarget {
         }
         let last = self.taps.iter().copied().max().unwrap_or(0);
         let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| {
-            ops.matmul_act(x, w, y, m, k, n)
+            ops.matmul(
+                ops.act_mat(x, m, k),
+                ops.act_mat(w, n, k),
+                ops.act_mat(y, m, n),
+            )
         };
         for (li, l) in self.layers.iter().enumerate() {
             let li = self.first + li;
             if li > last {
                 break;
             }
-            ops.rmsnorm(x, l.ln1, n1, rstd.f32s(0..t), t, h, eps)?;
+            ops.rmsnorm(
+                ops.act_mat(x, t, h),
+                l.ln1,
+                ops.act_mat(n1, t, h),
+                rstd.f32s(0..t),
+                eps,
+            )?;
             mm(ops, n1, l.wq, q, t, h, qd)?;
             mm(ops, n1, l.wk, k, t, h, kd)?;
             mm(ops, n1, l.wv, v, t, h, kd)?;
             if let Some((qn, kn)) = l.qk_norm {
-                ops.rmsnorm(q, qn, q, rstd.f32s(0..t * nh), t * nh, hd, eps)?;
-                ops.rmsnorm(k, kn, k, rstd.f32s(0..t * nkv), t * nkv, hd, eps)?;
+                ops.rmsnorm(
+                    ops.act_mat(q, t * nh, hd),
+                    qn,
+                    ops.act_mat(q, t * nh, hd),
+                    rstd.f32s(0..t * nh),
+                    eps,
+                )?;
+                ops.rmsnorm(
+                    ops.act_mat(k, t * nkv, hd),
+                    kn,
+                    ops.act_mat(k, t * nkv, hd),
+                    rstd.f32s(0..t * nkv),
+                    eps,
+                )?;
             }
-            ops.rope(q, pos, self.inv_freq, t, nh, hd, self.rope_scale, false)?;
-            ops.rope(k, pos, self.inv_freq, t, nkv, hd, self.rope_scale, false)?;
+            ops.rope(
+                ops.act_mat(q, t, nh * hd),
+                pos,
+                self.inv_freq,
+                hd,
+                self.rope_scale,
+                false,
+            )?;
+            ops.rope(
+                ops.act_mat(k, t, nkv * hd),
+                pos,
+                self.inv_freq,
+                hd,
+                self.rope_scale,
+                false,
+            )?;
             ops.attention(q, k, v, att, lse, spans, t, nh, nkv, hd)?;
             mm(ops, att, l.wo, o, t, qd, h)?;
             ops.add(x, o)?;
-            ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
+            ops.rmsnorm(
+                ops.act_mat(x, t, h),
+                l.ln2,
+                ops.act_mat(n1, t, h),
+                rstd.f32s(0..t),
+                eps,
+            )?;
             mlp(ops, c, l, a, (n1, o, [g, u, sw]), t, self.bf16)?;
             ops.add(x, o)?;
             for (ti, &tap) in self.taps.iter().enumerate() {
@@ -494,10 +536,22 @@ fn mlp(
     match (&l.mlp, &c.moe, &a.moe) {
         (Mlp::Dense([gate, up, down]), _, _) => {
             let ([g, u, sw], inter) = (gus, c.intermediate_size);
-            ops.matmul_act(n1, *gate, g, t, h, inter)?;
-            ops.matmul_act(n1, *up, u, t, h, inter)?;
+            ops.matmul(
+                ops.act_mat(n1, t, h),
+                ops.act_mat(*gate, inter, h),
+                ops.act_mat(g, t, inter),
+            )?;
+            ops.matmul(
+                ops.act_mat(n1, t, h),
+                ops.act_mat(*up, inter, h),
+                ops.act_mat(u, t, inter),
+            )?;
             ops.swiglu(g, u, sw)?;
-            ops.matmul_act(sw, *down, o, t, inter, h)
+            ops.matmul(
+                ops.act_mat(sw, t, inter),
+                ops.act_mat(*down, h, inter),
+                ops.act_mat(o, t, h),
+            )
         }
         (Mlp::Sparse(w), Some(m), Some(acts)) => {
             moe::sparse_mlp(ops, m, w, acts, (n1, o), t, h, bf16)

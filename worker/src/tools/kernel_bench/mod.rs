@@ -193,7 +193,7 @@ pub fn analyse_arch(
 
 /// The attention forward device/ops/ chooses at `head_dim` and activation type `act`
 /// (aligned buffers): the GPU target's at bf16, the drafter's at f32.
-pub fn attention_kernel(head_dim: usize, act: crate::device::ops::kernel::Act) -> &'static str {
+pub fn attention_kernel(head_dim: usize, act: crate::device::ops::kernel::DType) -> &'static str {
     use crate::device::ops::attention::AttentionKernel;
     use crate::device::ops::{Attention, Fa2Dim};
     let a = Attention::shape_of(1, 1, 1, head_dim);
@@ -247,11 +247,11 @@ pub fn analyse(t: &Tools, archs: &[String]) -> Result<Report, KernelBenchError> 
         kernels.extend(analyse_arch(t, nvrtc::KERNELS_CU, arch, &names)?);
     }
     let model = archs.iter().any(|a| a == "sm_90").then(|| {
-        use crate::device::ops::kernel::Act;
+        use crate::device::ops::kernel::DType;
         let hd = roofline::qwen3_8b().head_dim as usize;
         let (target, drafter, bwd) = (
-            attention_kernel(hd, Act::Bf16),
-            attention_kernel(hd, Act::F32),
+            attention_kernel(hd, DType::Bf16),
+            attention_kernel(hd, DType::F32),
             attention_backward_kernel(hd),
         );
         roofline::model(

@@ -6,7 +6,7 @@
 mod cpu;
 
 use super::on_cpu::Widened;
-use super::{i32_of, Act, Ops};
+use super::{i32_of, DType, Ops};
 use crate::device::{Arg, DSlice, GpuError, Result};
 use cpu::{attention_bwd, attention_fwd, attention_prep};
 
@@ -164,14 +164,14 @@ impl BwdScratch {
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum AttentionKernel {
     Fwd {
-        act: Act,
+        act: DType,
         a: Attention,
     },
     /// [`AttentionKernel::Fwd`] in FlashAttention-2's structure (CTAs of 4 warps × 16 rows;
     /// see attention.cuh), compiled for a head-dim bucket: the head dim is at most the
     /// bucket's and a multiple of 8.
     Fa2Fwd {
-        act: Act,
+        act: DType,
         dim: Fa2Dim,
         a: Attention,
     },
@@ -310,7 +310,7 @@ impl AttentionKernel {
         };
         let s = BwdScratch::at(b, 1, 1, 1);
         let mut all = vec![AttentionKernel::Bwd(g), AttentionKernel::BwdPrep { g, s }];
-        for act in [Act::F32, Act::Bf16] {
+        for act in [DType::F32, DType::Bf16] {
             all.push(AttentionKernel::Fwd { act, a });
             all.extend(
                 Fa2Dim::ALL
@@ -351,19 +351,19 @@ impl AttentionKernel {
     pub(crate) unsafe fn as_f32(&self, w: &mut Widened) -> Option<AttentionKernel> {
         let mut k = *self;
         match &mut k {
-            AttentionKernel::Fwd { act, a } if *act == Act::Bf16 => {
+            AttentionKernel::Fwd { act, a } if *act == DType::Bf16 => {
                 a.out = w.output(a.out);
                 (a.q, a.k, a.v) = (w.input(a.q), w.input(a.k), w.input(a.v));
-                *act = Act::F32;
+                *act = DType::F32;
             }
             // The FlashAttention-2 forward computes what the plain one does.
             AttentionKernel::Fa2Fwd { act, a, .. } => {
-                if *act == Act::Bf16 {
+                if *act == DType::Bf16 {
                     a.out = w.output(a.out);
                     (a.q, a.k, a.v) = (w.input(a.q), w.input(a.k), w.input(a.v));
                 }
                 return Some(AttentionKernel::Fwd {
-                    act: Act::F32,
+                    act: DType::F32,
                     a: *a,
                 });
             }

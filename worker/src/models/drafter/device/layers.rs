@@ -9,7 +9,8 @@ use std::ops::Range;
 
 use super::layout::{Buffers, Dims, Saved, Work};
 use super::mixed::{Mixed, NONE, W};
-use crate::device::ops::Ops;
+use crate::device::ops::gemm::Dx;
+use crate::device::ops::{Mat, Ops};
 use crate::device::{DSlice, Result, Stream};
 use crate::models::drafter::{Drafter, LayerIdx};
 
@@ -44,7 +45,7 @@ pub(super) struct Locals {
     pub(super) lm16: DSlice,
     pub(super) taps: DSlice,
     pub(super) ctx_pre: DSlice,
-    pub(super) ctx: DSlice,
+    pub(super) ctx: Mat,
     pub(super) ctx_rstd: DSlice,
     pub(super) hcur: DSlice,
     pub(super) o: DSlice,
@@ -104,7 +105,7 @@ impl Locals {
             lm16: b.lm16,
             taps: w.taps.f32s(0..slen * c.n_taps * h),
             ctx_pre: w.ctx_pre.f32s(0..slen * h),
-            ctx: b.mixed.gemm_act(w.ctx, slen * h),
+            ctx: b.mixed.gemm_act(w.ctx, slen, h),
             ctx_rstd: w.ctx_rstd.f32s(0..slen),
             hcur: w.hcur.f32s(0..m * h),
             o: w.o.f32s(0..m * h),
@@ -168,7 +169,6 @@ impl Pass<'_> {
             eps,
             slen,
             m,
-            tk,
             pw,
             mx,
             ctx,
@@ -176,23 +176,19 @@ impl Pass<'_> {
             ..
         } = lc;
         let ops = &mut *self.ops;
-        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-        let (h_in, xin, q_pre) = (
-            sv.h_in.f32s(0..m * h),
-            mx.gemm_act(sv.x, m * h),
-            sv.q_pre.f32s(0..m * qd),
-        );
-        let (k_pre, v) = (sv.k_pre.f32s(0..tk * kd), sv.v.f32s(0..tk * kd));
-        ops.copy_cols(h_in, hcur, m, h, h, 0, h, 0)?;
+        let p = |r: &Range<usize>| pw.f32s(r.clone());
+        let xin = mx.gemm_act(sv.x, m, h);
+        ops.copy_cols(sv.h_in.f32s(0..m * h), hcur, m, h, h, 0, h, 0)?;
         // x and the context are written as the GEMMs read them (bf16 on a GPU).
-        mx.norm(ops, hcur, p(&li.ln1), xin, sv.rstd1.f32s(0..m), m, h, eps)?;
-        let (k_ctx, v_ctx) = (k_pre.f32s(0..slen * kd), v.f32s(0..slen * kd));
-        mx.mm_in(ops, ctx, lc.pp(&li.wk), k_ctx, slen, h, kd)?;
-        mx.mm_in(ops, ctx, lc.pp(&li.wv), v_ctx, slen, h, kd)?;
-        let (k_blk, v_blk) = (k_pre.f32s(slen * kd..tk * kd), v.f32s(slen * kd..tk * kd));
-        mx.mm_in(ops, xin, lc.pp(&li.wq), q_pre, m, h, qd)?;
-        mx.mm_in(ops, xin, lc.pp(&li.wk), k_blk, m, h, kd)?;
-        mx.mm_in(ops, xin, lc.pp(&li.wv), v_blk, m, h, kd)
+        let (hc, rstd) = (Mat::f32(hcur, m, h), sv.rstd1.f32s(0..m));
+        ops.rmsnorm(hc, p(&li.ln1), xin, rstd, eps)?;
+        let ctx_rows = |b: DSlice| Mat::f32(b, slen, kd);
+        let blk_rows = |b: DSlice| Mat::f32(b.f32s(slen * kd..(slen + m) * kd), m, kd);
+        mx.mm_in(ops, ctx, lc.pp(&li.wk), ctx_rows(sv.k_pre))?;
+        mx.mm_in(ops, ctx, lc.pp(&li.wv), ctx_rows(sv.v))?;
+        mx.mm_in(ops, xin, lc.pp(&li.wq), Mat::f32(sv.q_pre, m, qd))?;
+        mx.mm_in(ops, xin, lc.pp(&li.wk), blk_rows(sv.k_pre))?;
+        mx.mm_in(ops, xin, lc.pp(&li.wv), blk_rows(sv.v))
     }
 
     /// q and k RMS-normed per head, then rotated (q at the block positions, k at the key
@@ -200,8 +196,6 @@ impl Pass<'_> {
     fn qk_norm_rope(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
         let Locals {
             hd,
-            qd,
-            kd,
             qh,
             kvh,
             eps,
@@ -215,28 +209,18 @@ impl Pass<'_> {
             ..
         } = self.lc;
         let ops = &mut *self.ops;
-        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-        let (q, k) = (sv.q.f32s(0..m * qd), sv.k.f32s(0..tk * kd));
-        ops.rmsnorm(
-            sv.q_pre.f32s(0..m * qd),
-            p(&li.qn),
-            q,
-            sv.q_rstd.f32s(0..m * qh),
-            m * qh,
-            hd,
-            eps,
-        )?;
-        ops.rmsnorm(
-            sv.k_pre.f32s(0..tk * kd),
-            p(&li.kn),
-            k,
-            sv.k_rstd.f32s(0..tk * kvh),
-            tk * kvh,
-            hd,
-            eps,
-        )?;
-        ops.rope(q, block_pos, inv_freq, m, qh, hd, rope_scale, false)?;
-        ops.rope(k, key_pos, inv_freq, tk, kvh, hd, rope_scale, false)
+        let p = |r: &Range<usize>| pw.f32s(r.clone());
+        // Per head: rows of head_dim.
+        let (q_pre, q) = (Mat::f32(sv.q_pre, m * qh, hd), Mat::f32(sv.q, m * qh, hd));
+        let (k_pre, k) = (
+            Mat::f32(sv.k_pre, tk * kvh, hd),
+            Mat::f32(sv.k, tk * kvh, hd),
+        );
+        ops.rmsnorm(q_pre, p(&li.qn), q, sv.q_rstd.f32s(0..m * qh), eps)?;
+        ops.rmsnorm(k_pre, p(&li.kn), k, sv.k_rstd.f32s(0..tk * kvh), eps)?;
+        let (q, k) = (Mat::f32(sv.q, m, qh * hd), Mat::f32(sv.k, tk, kvh * hd));
+        ops.rope(q, block_pos, inv_freq, hd, rope_scale, false)?;
+        ops.rope(k, key_pos, inv_freq, hd, rope_scale, false)
     }
 
     /// The span attention, its output projection added into `h`.
@@ -271,7 +255,8 @@ impl Pass<'_> {
             kvh,
             hd,
         )?;
-        mx.mm(ops, att, lc.pp(&li.wo), o, m, qd, h)?;
+        let (att, out) = (Mat::f32(att, m, qd), Mat::f32(o, m, h));
+        mx.mm(ops, att, lc.pp(&li.wo), out)?;
         ops.add(hcur, o)
     }
 
@@ -291,16 +276,16 @@ impl Pass<'_> {
             ..
         } = lc;
         let ops = &mut *self.ops;
-        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-        let h_mid = sv.h_mid.f32s(0..m * h);
-        ops.copy_cols(h_mid, hcur, m, h, h, 0, h, 0)?;
+        let p = |r: &Range<usize>| pw.f32s(r.clone());
+        ops.copy_cols(sv.h_mid.f32s(0..m * h), hcur, m, h, h, 0, h, 0)?;
         // x2 and the SwiGLU's output are written as the GEMMs read them (bf16 on a GPU).
-        let x2 = mx.gemm_act(sv.x2, m * h);
-        mx.norm(ops, hcur, p(&li.ln2), x2, sv.rstd2.f32s(0..m), m, h, eps)?;
-        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m * inter));
-        mx.mm_in(ops, x2, lc.pp(&li.gate_up()), gu, m, h, 2 * inter)?;
-        mx.swiglu(ops, gu, act, inter)?;
-        mx.mm_in(ops, act, lc.pp(&li.down), o, m, inter, h)?;
+        let x2 = mx.gemm_act(sv.x2, m, h);
+        let (hc, rstd) = (Mat::f32(hcur, m, h), sv.rstd2.f32s(0..m));
+        ops.rmsnorm(hc, p(&li.ln2), x2, rstd, eps)?;
+        let (gu, act) = (Mat::f32(sv.gu, m, 2 * inter), mx.gemm_act(sv.act, m, inter));
+        mx.mm_in(ops, x2, lc.pp(&li.gate_up()), gu)?;
+        mx.swiglu(ops, gu.buf, act.buf, inter)?;
+        mx.mm_in(ops, act, lc.pp(&li.down), Mat::f32(o, m, h))?;
         ops.add(hcur, o)
     }
 
@@ -319,49 +304,24 @@ impl Pass<'_> {
             ..
         } = lc;
         let (w, ops) = (self.w, &mut *self.ops);
-        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
-        let dh = w.dh.f32s(0..m * h);
-        let (x2, h_mid) = (mx.gemm_act(sv.x2, m * h), sv.h_mid.f32s(0..m * h));
-        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m * inter));
-        let (dact, dgu) = (w.dact.f32s(0..m * inter), w.dgu.f32s(0..2 * m * inter));
+        let p = |r: &Range<usize>| pw.f32s(r.clone());
+        let g =
+            |r: &Range<usize>, rows: usize, cols: usize| Mat::f32(gw.f32s(r.clone()), rows, cols);
+        let dh = Mat::f32(w.dh, m, h);
+        let (x2, h_mid) = (mx.gemm_act(sv.x2, m, h), Mat::f32(sv.h_mid, m, h));
+        let (gu, act) = (sv.gu.f32s(0..2 * m * inter), mx.gemm_act(sv.act, m, inter));
+        let (dact, dgu) = (Mat::f32(w.dact, m, inter), Mat::f32(w.dgu, m, 2 * inter));
         // Each buffer's writer writes it (no zeroing): dact and dx2 by their GEMM, dgu by
         // the SwiGLU backward.
-        let dx2 = w.dx2.f32s(0..m * h);
-        mx.back_in(
-            ops,
-            dh,
-            act,
-            lc.pp(&li.down),
-            Some((dact, true)),
-            Some(gr(&li.down)),
-            m,
-            inter,
-            h,
-        )?;
-        ops.swiglu_gu_backward(dact, gu, dgu, inter)?;
+        let dx2 = Mat::f32(w.dx2, m, h);
+        let ddown = Some(g(&li.down, h, inter));
+        mx.back_in(ops, (dh, act), lc.pp(&li.down), Dx::Write(dact), ddown)?;
+        ops.swiglu_gu_backward(dact.buf, gu, dgu.buf, inter)?;
         let gate_up = li.gate_up();
-        mx.back_in(
-            ops,
-            dgu,
-            x2,
-            lc.pp(&gate_up),
-            Some((dx2, true)),
-            Some(gr(&gate_up)),
-            m,
-            h,
-            2 * inter,
-        )?;
-        ops.rmsnorm_backward(
-            dx2,
-            h_mid,
-            p(&li.ln2),
-            sv.rstd2.f32s(0..m),
-            dh,
-            Some(gr(&li.ln2)),
-            m,
-            h,
-        )
+        let dgate_up = Some(g(&gate_up, 2 * inter, h));
+        mx.back_in(ops, (dgu, x2), lc.pp(&gate_up), Dx::Write(dx2), dgate_up)?;
+        let (rstd, dln2) = (sv.rstd2.f32s(0..m), Some(gw.f32s(li.ln2.clone())));
+        ops.rmsnorm_backward(dx2, h_mid, p(&li.ln2), rstd, dh, dln2)
     }
 
     /// Backward of [`attend`](Self::attend): `dh` through the output projection and the
@@ -383,8 +343,7 @@ impl Pass<'_> {
             ..
         } = lc;
         let (w, ops) = (self.w, &mut *self.ops);
-        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
-        let dh = w.dh.f32s(0..m * h);
+        let dh = Mat::f32(w.dh, m, h);
         let (datt, dq, dk, dv) = (
             w.datt.f32s(0..m * qd),
             w.dq.f32s(0..m * qd),
@@ -403,17 +362,9 @@ impl Pass<'_> {
             sv.k.f32s(0..tk * kd),
             sv.v.f32s(0..tk * kd),
         );
-        mx.mm_back_over(
-            ops,
-            dh,
-            att,
-            lc.pp(&li.wo),
-            datt,
-            Some(gr(&li.wo)),
-            m,
-            qd,
-            h,
-        )?;
+        let dwo = Some(Mat::f32(gw.f32s(li.wo.clone()), h, qd));
+        let (x, dx) = (Mat::f32(att, m, qd), Dx::Write(Mat::f32(datt, m, qd)));
+        mx.mm_back(ops, (dh, x), lc.pp(&li.wo), dx, dwo)?;
         ops.attention_backward(
             datt,
             att,
@@ -438,8 +389,6 @@ impl Pass<'_> {
     fn qk_norm_rope_backward(&mut self, li: &LayerIdx, sv: &Saved) -> Result<()> {
         let Locals {
             hd,
-            qd,
-            kd,
             qh,
             kvh,
             m,
@@ -453,31 +402,20 @@ impl Pass<'_> {
             ..
         } = self.lc;
         let (w, ops) = (self.w, &mut *self.ops);
-        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
-        let (dq, dk) = (w.dq.f32s(0..m * qd), w.dk.f32s(0..tk * kd));
-        ops.rope(dq, block_pos, inv_freq, m, qh, hd, rope_scale, true)?;
-        ops.rope(dk, key_pos, inv_freq, tk, kvh, hd, rope_scale, true)?;
-        ops.rmsnorm_backward(
-            dq,
-            sv.q_pre.f32s(0..m * qd),
-            p(&li.qn),
-            sv.q_rstd.f32s(0..m * qh),
-            w.dq_pre.f32s(0..m * qd),
-            Some(gr(&li.qn)),
-            m * qh,
-            hd,
-        )?;
-        ops.rmsnorm_backward(
-            dk,
-            sv.k_pre.f32s(0..tk * kd),
-            p(&li.kn),
-            sv.k_rstd.f32s(0..tk * kvh),
-            w.dk_pre.f32s(0..tk * kd),
-            Some(gr(&li.kn)),
-            tk * kvh,
-            hd,
-        )
+        let p = |r: &Range<usize>| pw.f32s(r.clone());
+        let gr = |r: &Range<usize>| Some(gw.f32s(r.clone()));
+        let (dq, dk) = (Mat::f32(w.dq, m, qh * hd), Mat::f32(w.dk, tk, kvh * hd));
+        ops.rope(dq, block_pos, inv_freq, hd, rope_scale, true)?;
+        ops.rope(dk, key_pos, inv_freq, hd, rope_scale, true)?;
+        // Per head: rows of head_dim.
+        let (q, k) = ((m * qh, hd), (tk * kvh, hd));
+        let q_rows = |b: DSlice| Mat::f32(b, q.0, q.1);
+        let k_rows = |b: DSlice| Mat::f32(b, k.0, k.1);
+        let (q_rstd, k_rstd) = (sv.q_rstd.f32s(0..q.0), sv.k_rstd.f32s(0..k.0));
+        let (dq, q_pre, dq_pre) = (q_rows(w.dq), q_rows(sv.q_pre), q_rows(w.dq_pre));
+        ops.rmsnorm_backward(dq, q_pre, p(&li.qn), q_rstd, dq_pre, gr(&li.qn))?;
+        let (dk, k_pre, dk_pre) = (k_rows(w.dk), k_rows(sv.k_pre), k_rows(w.dk_pre));
+        ops.rmsnorm_backward(dk, k_pre, p(&li.kn), k_rstd, dk_pre, gr(&li.kn))
     }
 
     /// Backward of [`projections`](Self::projections): `dq_pre`, `dk_pre` and `dv`
@@ -499,13 +437,12 @@ impl Pass<'_> {
             ..
         } = lc;
         let (w, ops) = (self.w, &mut *self.ops);
-        let p = |r: &std::ops::Range<usize>| pw.f32s(r.clone());
-        let gr = |r: &std::ops::Range<usize>| gw.f32s(r.clone());
-        let (xin, h_in) = (mx.gemm_act(sv.x, m * h), sv.h_in.f32s(0..m * h));
+        let p = |r: &Range<usize>| pw.f32s(r.clone());
+        let (xin, h_in) = (mx.gemm_act(sv.x, m, h), Mat::f32(sv.h_in, m, h));
         let (dh, dx, dctx) = (
-            w.dh.f32s(0..m * h),
-            w.dx.f32s(0..m * h),
-            w.dctx.f32s(0..slen * h),
+            Mat::f32(w.dh, m, h),
+            Mat::f32(w.dx, m, h),
+            Mat::f32(w.dctx, slen, h),
         );
         let (dq_pre, dk_pre, dv) = (
             w.dq_pre.f32s(0..m * qd),
@@ -515,39 +452,23 @@ impl Pass<'_> {
         // The saved inputs as the GEMMs read them: the block rows (dx's first writer is
         // q's, no zeroing; k and v add into it), then the context.
         let (wq, wk, wv) = (lc.pp(&li.wq), lc.pp(&li.wk), lc.pp(&li.wv));
-        let (dk_blk, dv_blk) = (dk_pre.f32s(slen * kd..tk * kd), dv.f32s(slen * kd..tk * kd));
+        let blk = |b: DSlice| Mat::f32(b.f32s(slen * kd..tk * kd), m, kd);
         let block = [
-            (dq_pre, wq, &li.wq, qd, true),
-            (dk_blk, wk, &li.wk, kd, false),
-            (dv_blk, wv, &li.wv, kd, false),
+            (Mat::f32(dq_pre, m, qd), wq, &li.wq, Dx::Write(dx)),
+            (blk(dk_pre), wk, &li.wk, Dx::Add(dx)),
+            (blk(dv), wv, &li.wv, Dx::Add(dx)),
         ];
-        for (dy, wt, g, n, first) in block {
-            mx.back_in(ops, dy, xin, wt, Some((dx, first)), Some(gr(g)), m, h, n)?;
+        for (dy, wt, g, dx) in block {
+            let dw = Some(Mat::f32(gw.f32s(g.clone()), dy.cols, h));
+            mx.back_in(ops, (dy, xin), wt, dx, dw)?;
         }
-        let (dk_ctx, dv_ctx) = (dk_pre.f32s(0..slen * kd), dv.f32s(0..slen * kd));
-        for (dy, wt, g) in [(dk_ctx, wk, &li.wk), (dv_ctx, wv, &li.wv)] {
-            mx.back_in(
-                ops,
-                dy,
-                ctx,
-                wt,
-                Some((dctx, false)),
-                Some(gr(g)),
-                slen,
-                h,
-                kd,
-            )?;
+        let ctx_rows = |b: DSlice| Mat::f32(b, slen, kd);
+        for (dy, wt, g) in [(ctx_rows(dk_pre), wk, &li.wk), (ctx_rows(dv), wv, &li.wv)] {
+            let dw = Some(Mat::f32(gw.f32s(g.clone()), kd, h));
+            mx.back_in(ops, (dy, ctx), wt, Dx::Add(dctx), dw)?;
         }
-        ops.rmsnorm_backward(
-            dx,
-            h_in,
-            p(&li.ln1),
-            sv.rstd1.f32s(0..m),
-            dh,
-            Some(gr(&li.ln1)),
-            m,
-            h,
-        )
+        let (rstd, dln1) = (sv.rstd1.f32s(0..m), Some(gw.f32s(li.ln1.clone())));
+        ops.rmsnorm_backward(dx, h_in, p(&li.ln1), rstd, dh, dln1)
     }
 
     /// The forward: the context, the block embeddings of `embed`, every layer (keeping
@@ -574,8 +495,9 @@ impl Pass<'_> {
             ..
         } = self.lc;
         // Context: hidden_norm(fc(taps)).
-        mx.mm(self.ops, taps, fc, ctx_pre, slen, n_taps * h, h)?;
-        mx.norm(self.ops, ctx_pre, hnorm, ctx, ctx_rstd, slen, h, eps)?;
+        let (taps, ctx_pre) = (Mat::f32(taps, slen, n_taps * h), Mat::f32(ctx_pre, slen, h));
+        mx.mm(self.ops, taps, fc, ctx_pre)?;
+        self.ops.rmsnorm(ctx_pre, hnorm, ctx, ctx_rstd, eps)?;
         // Block inputs: the frozen embedding of [token at anchor, MASK, ...].
         let ids = self.w.block_ids.f32s(0..m);
         self.ops.embed(hcur, embed, ids, m, h, vocab)?;
@@ -585,7 +507,8 @@ impl Pass<'_> {
             self.attend(li, sv)?;
             self.mlp(li, sv)?;
         }
-        self.ops.rmsnorm(hcur, fnorm, hn, rstd_f, m, h, eps)
+        let (hc, hn) = (Mat::f32(hcur, m, h), Mat::f32(hn, m, h));
+        self.ops.rmsnorm(hc, fnorm, hn, rstd_f, eps)
     }
 
     /// The backward from the loss's gradient (`supervised` rows in `dxrows`) through the
@@ -627,8 +550,13 @@ impl Pass<'_> {
         let dh = w.dh.f32s(0..m * h);
         self.ops.dev.memset_zero(Stream::Compute, dh)?;
         let dnorm = Some(g("norm.weight"));
+        let (dhn, hc, dh) = (
+            Mat::f32(dhn, m, h),
+            Mat::f32(hcur, m, h),
+            Mat::f32(dh, m, h),
+        );
         self.ops
-            .rmsnorm_backward(dhn, hcur, fnorm, rstd_f, dh, dnorm, m, h)?;
+            .rmsnorm_backward(dhn, hc, fnorm, rstd_f, dh, dnorm)?;
         bucket(self.ops)?;
         let dctx = w.dctx.f32s(0..slen * h);
         self.ops.dev.memset_zero(Stream::Compute, dctx)?;
@@ -643,10 +571,13 @@ impl Pass<'_> {
         let dctx_pre = w.dctx_pre.f32s(0..slen * h);
         self.ops.dev.memset_zero(Stream::Compute, dctx_pre)?;
         let dhnorm = Some(g("hidden_norm.weight"));
+        let ctx = |b: DSlice| Mat::f32(b, slen, h);
+        let (dctx, ctx_pre, dctx_pre) = (ctx(dctx), ctx(ctx_pre), ctx(dctx_pre));
         self.ops
-            .rmsnorm_backward(dctx, ctx_pre, hnorm, ctx_rstd, dctx_pre, dhnorm, slen, h)?;
-        let dfc = Some(g("fc.weight"));
-        mx.mm_back(self.ops, dctx_pre, taps, fc, None, dfc, slen, n_taps * h, h)?;
+            .rmsnorm_backward(dctx, ctx_pre, hnorm, ctx_rstd, dctx_pre, dhnorm)?;
+        let dfc = Some(Mat::f32(g("fc.weight"), h, n_taps * h));
+        let taps = Mat::f32(taps, slen, n_taps * h);
+        mx.mm_back(self.ops, (dctx_pre, taps), fc, Dx::Skip, dfc)?;
         bucket(self.ops)
     }
 }

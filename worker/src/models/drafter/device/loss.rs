@@ -10,7 +10,8 @@ use dflash_shared::drafter::StepStats;
 use super::layers::{Locals, Pass};
 use super::layout::{Work, CE_SAMPLES, CHUNK};
 use super::pinned::Pinned;
-use crate::device::ops::Act;
+use crate::device::ops::gemm::Dx;
+use crate::device::ops::{DType, Mat};
 use crate::device::{f32_bytes, i32_bytes, u32_bytes, Device, Event, Result, Stream};
 use crate::models::drafter::{Drafter, Sample};
 
@@ -226,9 +227,9 @@ fn cross_entropy(p: &mut Pass, n: usize, at: usize, grad: bool) -> Result<()> {
     let (act, x, lm) = if mx.bf16 {
         let xb = mx.xb.sub(2, 0..n * h);
         ops.f32_to_bf16(xb, xr)?;
-        (Act::Bf16, xb, lc.lm16.sub(2, 0..vocab * h))
+        (DType::Bf16, xb, lc.lm16.sub(2, 0..vocab * h))
     } else {
-        (Act::F32, xr, lc.lm32.f32s(0..vocab * h))
+        (DType::F32, xr, lc.lm32.f32s(0..vocab * h))
     };
     let st = w.ce_state(n, h);
     let neg_inf = vec![f32::NEG_INFINITY; n];
@@ -237,23 +238,17 @@ fn cross_entropy(p: &mut Pass, n: usize, at: usize, grad: bool) -> Result<()> {
     for b in [st.run_sum, st.best_i, st.label_logit, st.acc] {
         ops.dev.memset_zero(Stream::Compute, b)?;
     }
+    let x = Mat::new(x, n, h, act);
+    let acc = Mat::f32(st.acc, n, h);
     for start in (0..vocab).step_by(CHUNK) {
         let cw = CHUNK.min(vocab - start);
-        let wc = lc.lmw(start, cw);
-        if mx.bf16 {
-            let l = w.logits.sub(2, 0..n * cw);
-            ops.matmul_bf16_out(x, wc.b, l, n, h, cw)?;
-            ops.ce_fold(act, st, l, labels, n, cw, start, h)?;
-            if grad {
-                ops.matmul_backward_bf16(l, x, wc.b, Some(st.acc), None, n, h, cw)?;
-            }
-        } else {
-            let l = w.logits.f32s(0..n * cw);
-            ops.matmul(x, wc.f, l, n, h, cw)?;
-            ops.ce_fold(act, st, l, labels, n, cw, start, h)?;
-            if grad {
-                ops.matmul_backward(l, x, wc.f, Some(st.acc), None, n, h, cw)?;
-            }
+        // The chunk's logits in the GEMMs' type (bf16 on a GPU).
+        let wc = mx.weight(lc.lmw(start, cw), cw, h);
+        let l = Mat::new(w.logits, n, cw, act);
+        ops.matmul(x, wc, l)?;
+        ops.ce_fold(act, st, l.buf, labels, n, cw, start, h)?;
+        if grad {
+            ops.matmul_backward(l, x, wc, Dx::Add(acc), None)?;
         }
     }
     let out = (

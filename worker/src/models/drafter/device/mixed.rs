@@ -1,8 +1,10 @@
 //! Mixed precision for the drafter's GEMMs: a weight as its f32 master copy and its bf16
 //! copy ([`W`]), and [`Mixed`], which casts a GEMM's input or incoming gradient to bf16
 //! on a GPU (tensor cores, f32 accumulation) and keeps f32 throughout on the CPU device.
+//! Operands are [`Mat`]s: a GEMM's sizes come from its operands' shapes.
 
-use crate::device::ops::Ops;
+use crate::device::ops::gemm::Dx;
+use crate::device::ops::{DType, Mat, Ops};
 use crate::device::{DSlice, Result};
 
 /// An absent buffer (the bf16 copy on the CPU device, the f32 one of a bf16-only weight).
@@ -27,15 +29,16 @@ pub(super) struct Mixed {
 }
 
 impl Mixed {
-    /// `n` elements of a GEMM-input activation buffer (`x`, `x2`, `act`, `ctx`): bf16 on
-    /// a GPU, where its producer writes it rounded (the GEMMs' input, and the only copy the
-    /// backward needs), else f32.
-    pub(super) fn gemm_act(&self, buf: DSlice, n: usize) -> DSlice {
-        if self.bf16 {
-            buf.sub(2, 0..n)
-        } else {
-            buf.f32s(0..n)
-        }
+    /// The GEMMs' input type: bf16 on a GPU, f32 on the CPU device.
+    pub(super) fn dtype(&self) -> DType {
+        DType::of(self.bf16)
+    }
+
+    /// A GEMM-input activation buffer (`x`, `x2`, `act`, `ctx`) as a `rows × cols`
+    /// matrix: bf16 on a GPU, where its producer writes it rounded (the GEMMs' input, and
+    /// the only copy the backward needs), else f32.
+    pub(super) fn gemm_act(&self, buf: DSlice, rows: usize, cols: usize) -> Mat {
+        Mat::new(buf, rows, cols, self.dtype())
     }
 
     /// Floats to allocate for a [`gemm_act`](Self::gemm_act) buffer of `n` elements.
@@ -47,23 +50,12 @@ impl Mixed {
         }
     }
 
-    /// RMSNorm of f32 rows into a GEMM-input buffer ([`gemm_act`](Self::gemm_act)).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn norm(
-        &self,
-        ops: &mut Ops,
-        x: DSlice,
-        w: DSlice,
-        y: DSlice,
-        rstd: DSlice,
-        rows: usize,
-        d: usize,
-        eps: f32,
-    ) -> Result<()> {
+    /// Weight `w` as the `rows × cols` matrix the GEMMs read.
+    pub(super) fn weight(&self, w: W, rows: usize, cols: usize) -> Mat {
         if self.bf16 {
-            ops.rmsnorm_to_bf16(x, w, y, rstd, rows, d, eps)
+            Mat::bf16(w.b, rows, cols)
         } else {
-            ops.rmsnorm(x, w, y, rstd, rows, d, eps)
+            Mat::f32(w.f, rows, cols)
         }
     }
 
@@ -82,122 +74,60 @@ impl Mixed {
         }
     }
 
-    /// `x` (`len` f32) as the GEMMs take it: on a GPU cast to bf16 into the input scratch
-    /// (once for every GEMM that reads it, until the next `input`), else `x` itself.
-    pub(super) fn input(&self, ops: &mut Ops, x: DSlice, len: usize) -> Result<DSlice> {
+    /// `x` (f32) as the GEMMs take it: on a GPU cast to bf16 into the input scratch (once
+    /// for every GEMM that reads it, until the next `input`), else `x` itself.
+    pub(super) fn input(&self, ops: &mut Ops, x: Mat) -> Result<Mat> {
         if !self.bf16 {
             return Ok(x);
         }
-        let xb = self.xb.sub(2, 0..len);
-        ops.f32_to_bf16(xb, x.f32s(0..len))?;
+        let xb = Mat::bf16(self.xb, x.rows, x.cols);
+        ops.f32_to_bf16(xb.buf, x.buf)?;
         Ok(xb)
     }
 
-    /// `y = x · wᵀ` (`x` m×k, `w` n×k).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn mm(
-        &self,
-        ops: &mut Ops,
-        x: DSlice,
-        w: W,
-        y: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        let xin = self.input(ops, x, m * k)?;
-        self.mm_in(ops, xin, w, y, m, k, n)
+    /// `y = x · wᵀ` for f32 `x` (m×k) and `y` (m×n).
+    pub(super) fn mm(&self, ops: &mut Ops, x: Mat, w: W, y: Mat) -> Result<()> {
+        let xin = self.input(ops, x)?;
+        self.mm_in(ops, xin, w, y)
     }
 
-    /// [`mm`](Self::mm) of an [`input`](Self::input).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn mm_in(
-        &self,
-        ops: &mut Ops,
-        xin: DSlice,
-        w: W,
-        y: DSlice,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        if self.bf16 {
-            ops.matmul_bf16(xin, w.b, y, m, k, n)
-        } else {
-            ops.matmul(xin, w.f, y, m, k, n)
-        }
+    /// [`mm`](Self::mm) of an [`input`](Self::input) (or a GEMM-input buffer).
+    pub(super) fn mm_in(&self, ops: &mut Ops, xin: Mat, w: W, y: Mat) -> Result<()> {
+        let w = self.weight(w, y.cols, xin.cols);
+        ops.matmul(xin, w, y)
     }
 
-    /// Backward of [`mm`](Self::mm): `dx += dy · w`, `dw += dyᵀ · x`.
-    #[allow(clippy::too_many_arguments)]
+    /// Backward of [`mm`](Self::mm) for f32 `x`: `dx` as [`Dx`] says, `dw += dyᵀ · x`.
     pub(super) fn mm_back(
         &self,
         ops: &mut Ops,
-        dy: DSlice,
-        x: DSlice,
+        (dy, x): (Mat, Mat),
         w: W,
-        dx: Option<DSlice>,
-        dw: Option<DSlice>,
-        m: usize,
-        k: usize,
-        n: usize,
+        dx: Dx,
+        dw: Option<Mat>,
     ) -> Result<()> {
-        let xin = if dw.is_some() {
-            self.input(ops, x, m * k)?
-        } else {
-            x
-        };
-        self.back_in(ops, dy, xin, w, dx.map(|d| (d, false)), dw, m, k, n)
+        let xin = if dw.is_some() { self.input(ops, x)? } else { x };
+        self.back_in(ops, (dy, xin), w, dx, dw)
     }
 
-    /// [`mm_back`](Self::mm_back) with `dx` written, not added into: `dx = dy · w`.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn mm_back_over(
-        &self,
-        ops: &mut Ops,
-        dy: DSlice,
-        x: DSlice,
-        w: W,
-        dx: DSlice,
-        dw: Option<DSlice>,
-        m: usize,
-        k: usize,
-        n: usize,
-    ) -> Result<()> {
-        let xin = if dw.is_some() {
-            self.input(ops, x, m * k)?
-        } else {
-            x
-        };
-        self.back_in(ops, dy, xin, w, Some((dx, true)), dw, m, k, n)
-    }
-
-    /// [`mm_back`](Self::mm_back) of an [`input`](Self::input) `xin` (read only for `dw`),
-    /// `dx` added into (`false`) or written (`true`).
-    #[allow(clippy::too_many_arguments)]
+    /// [`mm_back`](Self::mm_back) of an [`input`](Self::input) `xin` (read only for `dw`;
+    /// its shape gives the GEMM's inner size): the f32 `dy` cast to bf16 on a GPU.
     pub(super) fn back_in(
         &self,
         ops: &mut Ops,
-        dy: DSlice,
-        xin: DSlice,
+        (dy, xin): (Mat, Mat),
         w: W,
-        dx: Option<(DSlice, bool)>,
-        dw: Option<DSlice>,
-        m: usize,
-        k: usize,
-        n: usize,
+        dx: Dx,
+        dw: Option<Mat>,
     ) -> Result<()> {
-        let (dy, w) = if self.bf16 {
-            let yb = self.yb.sub(2, 0..m * n);
-            ops.f32_to_bf16(yb, dy)?;
-            (yb, w.b)
+        let dy = if self.bf16 {
+            let yb = Mat::bf16(self.yb, dy.rows, dy.cols);
+            ops.f32_to_bf16(yb.buf, dy.buf)?;
+            yb
         } else {
-            (dy, w.f)
+            dy
         };
-        match dx {
-            Some((dx, true)) => ops.matmul_backward_over(dy, xin, w, dx, dw, m, k, n, self.bf16),
-            dx if self.bf16 => ops.matmul_backward_bf16(dy, xin, w, dx.map(|d| d.0), dw, m, k, n),
-            dx => ops.matmul_backward(dy, xin, w, dx.map(|d| d.0), dw, m, k, n),
-        }
+        let w = self.weight(w, dy.cols, xin.cols);
+        ops.matmul_backward(dy, xin, w, dx, dw)
     }
 }

@@ -221,9 +221,18 @@ impl Decoder {
         );
         let m = &mut p.model;
         let rstd = m.a.rstd.f32s(0..t);
-        m.ops
-            .rmsnorm(x, norm, n1, rstd, t, h, c.rms_norm_eps as f32)?;
-        m.ops.matmul_act(n1, lm_head, logits, t, h, vocab)?;
+        m.ops.rmsnorm(
+            m.ops.act_mat(x, t, h),
+            norm,
+            m.ops.act_mat(n1, t, h),
+            rstd,
+            c.rms_norm_eps as f32,
+        )?;
+        m.ops.matmul(
+            m.ops.act_mat(n1, t, h),
+            m.ops.act_mat(lm_head, vocab, h),
+            m.ops.act_mat(logits, t, vocab),
+        )?;
         let taps = p.act(p.model.a.out, t * width);
         Ok(Forward {
             logits: p.download(logits, t * vocab)?,
@@ -256,7 +265,11 @@ impl Decoder {
         } else {
             dev.upload(Stream::Compute, x, f32_bytes(hidden))?;
         }
-        p.model.ops.matmul_act(x, lm_head, logits, rows, h, vocab)?;
+        p.model.ops.matmul(
+            p.model.ops.act_mat(x, rows, h),
+            p.model.ops.act_mat(lm_head, vocab, h),
+            p.model.ops.act_mat(logits, rows, vocab),
+        )?;
         let l = p.download(logits, rows * vocab)?;
         Ok(l.chunks_exact(vocab).map(argmax).collect())
     }
@@ -407,22 +420,62 @@ impl Part {
         let l = &self.model.layers[li];
         let ops = &mut self.model.ops;
         let (inv, scale) = (self.model.inv_freq, self.model.rope_scale);
-        ops.rmsnorm(x, l.ln1, n1, rstd.f32s(0..t), t, h, eps)?;
-        ops.matmul_act(n1, l.wq, q, t, h, qd)?;
-        ops.matmul_act(n1, l.wk, k, t, h, kd)?;
-        ops.matmul_act(n1, l.wv, v, t, h, kd)?;
+        ops.rmsnorm(
+            ops.act_mat(x, t, h),
+            l.ln1,
+            ops.act_mat(n1, t, h),
+            rstd.f32s(0..t),
+            eps,
+        )?;
+        ops.matmul(
+            ops.act_mat(n1, t, h),
+            ops.act_mat(l.wq, qd, h),
+            ops.act_mat(q, t, qd),
+        )?;
+        ops.matmul(
+            ops.act_mat(n1, t, h),
+            ops.act_mat(l.wk, kd, h),
+            ops.act_mat(k, t, kd),
+        )?;
+        ops.matmul(
+            ops.act_mat(n1, t, h),
+            ops.act_mat(l.wv, kd, h),
+            ops.act_mat(v, t, kd),
+        )?;
         if let Some((qn, kn)) = l.qk_norm {
-            ops.rmsnorm(q, qn, q, rstd.f32s(0..t * nh), t * nh, hd, eps)?;
-            ops.rmsnorm(k, kn, k, rstd.f32s(0..t * nkv), t * nkv, hd, eps)?;
+            ops.rmsnorm(
+                ops.act_mat(q, t * nh, hd),
+                qn,
+                ops.act_mat(q, t * nh, hd),
+                rstd.f32s(0..t * nh),
+                eps,
+            )?;
+            ops.rmsnorm(
+                ops.act_mat(k, t * nkv, hd),
+                kn,
+                ops.act_mat(k, t * nkv, hd),
+                rstd.f32s(0..t * nkv),
+                eps,
+            )?;
         }
-        ops.rope(q, self.pos, inv, t, nh, hd, scale, false)?;
-        ops.rope(k, self.pos, inv, t, nkv, hd, scale, false)?;
+        ops.rope(ops.act_mat(q, t, nh * hd), self.pos, inv, hd, scale, false)?;
+        ops.rope(ops.act_mat(k, t, nkv * hd), self.pos, inv, hd, scale, false)?;
         ops.copy_cols(knew, k, t, kd, kd, 0, kd, 0)?;
         ops.copy_cols(vnew, v, t, kd, kd, 0, kd, 0)?;
         ops.attention(q, kall, vall, att, lse, self.spans, t, nh, nkv, hd)?;
-        ops.matmul_act(att, l.wo, o, t, qd, h)?;
+        ops.matmul(
+            ops.act_mat(att, t, qd),
+            ops.act_mat(l.wo, h, qd),
+            ops.act_mat(o, t, h),
+        )?;
         ops.add(x, o)?;
-        ops.rmsnorm(x, l.ln2, n1, rstd.f32s(0..t), t, h, eps)?;
+        ops.rmsnorm(
+            ops.act_mat(x, t, h),
+            l.ln2,
+            ops.act_mat(n1, t, h),
+            rstd.f32s(0..t),
+            eps,
+        )?;
         super::mlp(ops, c, l, a, (n1, o, [g, u, sw]), t, self.model.bf16)?;
         ops.add(x, o)?;
         for (ti, &tap) in taps.iter().enumerate() {

@@ -104,7 +104,11 @@ pub(super) fn sparse_mlp(
         elems(a.s, 0..n * mi, bf16),
         elems(a.y, 0..n * h, bf16),
     );
-    ops.matmul_act(n1, w.router, logits, t, h, ne)?;
+    ops.matmul(
+        ops.act_mat(n1, t, h),
+        ops.act_mat(w.router, ne, h),
+        ops.act_mat(logits, t, ne),
+    )?;
     ops.moe_route(logits, idx, wts, t, ne, k, m.norm_topk_prob)?;
     ops.moe_permute(idx, (a.offsets, rows, slots), a.scratch, n, k, ne)?;
     let n1 = elems(n1, 0..t * h, bf16);
