@@ -359,7 +359,19 @@ fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
     );
     let gs = put_i32(&mut o, &spans_i32(&spans));
     let (go, gl) = (put(&mut o, &vec![0.0; t * hd]), put(&mut o, &vec![0.0; t]));
-    o.attention(gq, gk, gv, go, gl, gs, t, 1, 1, hd).unwrap();
+    o.attention(Attention {
+        q: gq,
+        k: gk,
+        v: gv,
+        out: go,
+        lse: gl,
+        spans: gs,
+        tq: t,
+        qh: 1,
+        kvh: 1,
+        hd,
+    })
+    .unwrap();
     let scratch = put(
         &mut o,
         &vec![0.0; Ops::attention_backward_scratch(t, 1, hd)],
@@ -373,7 +385,25 @@ fn host_device_float_atomics_add_in_the_order_the_blocks_run() {
             put(&mut o, &zeros),
         );
         o.attention_backward(
-            gd, go, gl, scratch, gq, gk, gv, gs, gdq, gdk, gdv, t, 1, 1, hd,
+            AttentionGrad {
+                fwd: Attention {
+                    q: gq,
+                    k: gk,
+                    v: gv,
+                    out: go,
+                    lse: gl,
+                    spans: gs,
+                    tq: t,
+                    qh: 1,
+                    kvh: 1,
+                    hd,
+                },
+                dout: gd,
+                dq: gdq,
+                dk: gdk,
+                dv: gdv,
+            },
+            scratch,
         )
         .unwrap();
         let dv = get(&mut o, gdv);
@@ -411,7 +441,19 @@ fn host_device_flash_attention_2_forward_issues_the_last_row_block_first() {
     let (gq, gk, gs) = (put(&mut o, &q), put(&mut o, &kv), put_i32(&mut o, &spans));
     let nan = vec![f32::NAN; t * qh * hd];
     let (want, wl) = (put(&mut o, &nan), put(&mut o, &vec![0.0; t * qh]));
-    o.attention(gq, gk, gk, want, wl, gs, t, qh, 1, hd).unwrap();
+    o.attention(Attention {
+        q: gq,
+        k: gk,
+        v: gk,
+        out: want,
+        lse: wl,
+        spans: gs,
+        tq: t,
+        qh,
+        kvh: 1,
+        hd,
+    })
+    .unwrap();
     let (got, gl) = (put(&mut o, &nan), put(&mut o, &vec![0.0; t * qh]));
     let a = Attention {
         out: got,
@@ -565,7 +607,19 @@ fn host_device_poisons_shared_memory_before_every_block() {
         let act = |o: &mut Ops, v: &[f32]| if act16 { put16(o, v) } else { put(o, v) };
         let (gq, go) = (act(&mut o, &q), act(&mut o, &vec![0.0; t * hd]));
         let (gs, gl) = (put_i32(&mut o, &spans), put(&mut o, &vec![0.0; t]));
-        o.attention(gq, gq, gq, go, gl, gs, t, 1, 1, hd).unwrap();
+        o.attention(Attention {
+            q: gq,
+            k: gq,
+            v: gq,
+            out: go,
+            lse: gl,
+            spans: gs,
+            tq: t,
+            qh: 1,
+            kvh: 1,
+            hd,
+        })
+        .unwrap();
         let n = unpoisoned();
         // The staged Q, K and V (16 rows of 32 bf16 each), O (16 × 32 f32) and more.
         assert!(

@@ -18,7 +18,7 @@ use dflash_shared::rng::Rng;
 use serde::Serialize;
 
 use crate::device::ops::gemm::Dx;
-use crate::device::ops::Mat;
+use crate::device::ops::{Attention, AttentionGrad, Mat};
 use crate::device::{DSlice, GpuError};
 use crate::error::ToolError;
 use crate::models::drafter::device::{GradTo, Gradient, Rows, Step};
@@ -1230,7 +1230,18 @@ fn measure_attention(
             if kind == "causal" {
                 ops.act16 = true;
                 let r = time_on_device(ops, |o| {
-                    o.attention(q16, k16, v16, out16, lse, sp, tq, qh, kvh, hd)
+                    o.attention(Attention {
+                        q: q16,
+                        k: k16,
+                        v: v16,
+                        out: out16,
+                        lse,
+                        spans: sp,
+                        tq,
+                        qh,
+                        kvh,
+                        hd,
+                    })
                 });
                 ops.act16 = false;
                 sink.push(
@@ -1241,8 +1252,20 @@ fn measure_attention(
                     r,
                 );
             } else {
-                let r =
-                    time_on_device(ops, |o| o.attention(q, k, v, out, lse, sp, tq, qh, kvh, hd));
+                let r = time_on_device(ops, |o| {
+                    o.attention(Attention {
+                        q,
+                        k,
+                        v,
+                        out,
+                        lse,
+                        spans: sp,
+                        tq,
+                        qh,
+                        kvh,
+                        hd,
+                    })
+                });
                 sink.push(
                     "attention dflash forward",
                     shape.clone(),
@@ -1253,12 +1276,41 @@ fn measure_attention(
             }
             // The backward needs the forward's output and log-sum-exp (f32).
             let r = ops
-                .attention(q, k, v, out, lse, sp, tq, qh, kvh, hd)
+                .attention(Attention {
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    spans: sp,
+                    tq,
+                    qh,
+                    kvh,
+                    hd,
+                })
                 .map_err(ToolError::from)
                 .and_then(|_| {
                     time_on_device(ops, |o| {
                         o.attention_backward(
-                            dout, out, lse, delta, q, k, v, sp, dq, dk, dv, tq, qh, kvh, hd,
+                            AttentionGrad {
+                                fwd: Attention {
+                                    q,
+                                    k,
+                                    v,
+                                    out,
+                                    lse,
+                                    spans: sp,
+                                    tq,
+                                    qh,
+                                    kvh,
+                                    hd,
+                                },
+                                dout,
+                                dq,
+                                dk,
+                                dv,
+                            },
+                            delta,
                         )
                     })
                 });
@@ -1406,12 +1458,12 @@ impl CeShape {
                 Mat::bf16(l, n, w),
             );
             o.matmul(x, lm, l16)?;
-            o.ce_fold(DType::Bf16, st, l, c.labels, n, w, start, h)?;
+            o.ce_fold(st, Mat::new(l, n, w, DType::Bf16), c.labels, (start, h))?;
             let acc = Dx::Add(Mat::f32(st.acc, n, h));
             o.matmul_backward(l16, x, lm, acc, None)?;
         }
-        let out = (c.dx, c.loss, c.correct);
-        o.ce_finish(DType::Bf16, st, out, c.labels, c.scale, c.lm16, n, h, v)
+        let out = (Mat::f32(c.dx, n, h), c.loss, c.correct);
+        o.ce_finish(st, out, (c.labels, c.scale), Mat::bf16(c.lm16, v, h))
     }
 }
 

@@ -6,10 +6,10 @@ use dflash_shared::rng::Rng;
 use dflash_worker::reference::ops::Cpu;
 use dflash_worker::reference::{Heads, KeySpan};
 use dflash_worker::device::ops::kernel::DType;
-use dflash_worker::device::ops::{Attention, Fa2Dim};
+use dflash_worker::device::ops::{Attention, AttentionGrad, Fa2Dim};
 use dflash_worker::device::ops::CeState;
 use dflash_worker::device::ops::Ops;
-use dflash_worker::device::ops::{gemm::Dx, Mat};
+use dflash_worker::device::ops::{gemm::Dx, AdamBuffers, Mat};
 use dflash_worker::models::drafter::device::{GradTo, Gradient, Rows, Step};
 use dflash_worker::device::{f32_bytes, f32_bytes_mut, i32_bytes, u32_bytes, DSlice, Gemm, GpuError, Stream};
 
@@ -427,7 +427,7 @@ fn host_device_swiglu_add_embed_copy_and_casts_match_the_cpu() {
 
     // Columns 5..25 of a [4, 40] matrix into columns 10..30 of a [4, 50] one.
     let gdst = put(&mut o, &vec![0.0; 4 * 50]);
-    o.copy_cols(gdst, ge, 4, 20, 50, 10, 40, 5).unwrap();
+    o.copy_cols((o.act_mat(gdst, 4, 50), 10), (o.act_mat(ge, 4, 40), 5), 20).unwrap();
     let got = get(&mut o, gdst);
     for r in 0..4 {
         for c in 0..50 {
@@ -485,7 +485,7 @@ fn check_attention(name: &str, tq: usize, tk: usize, spans: &[KeySpan], h: Heads
     let (gq, gk, gv, gd) = (put(&mut o, &q), put(&mut o, &k), put(&mut o, &v), put(&mut o, &dout));
     let gs = put_i32(&mut o, &spans_i32(spans));
     let (go, gl) = (put(&mut o, &vec![f32::NAN; tq * qw]), put(&mut o, &vec![0.0; tq * h.q_heads]));
-    o.attention(gq, gk, gv, go, gl, gs, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    o.attention(Attention { q: gq, k: gk, v: gv, out: go, lse: gl, spans: gs, tq, qh: h.q_heads, kvh: h.kv_heads, hd: h.head_dim }).unwrap();
     let got = get(&mut o, go);
     if tensor_cores {
         assert!(got.iter().all(|x| x.is_finite()), "{name}: non-finite output");
@@ -498,7 +498,7 @@ fn check_attention(name: &str, tq: usize, tk: usize, spans: &[KeySpan], h: Heads
     let (gdq, gdk, gdv) = (put(&mut o, &vec![0.1; tq * qw]), put(&mut o, &vec![0.2; tk * kw]), put(&mut o, &vec![0.3; tk * kw]));
     // The FlashAttention-2 backward's scratch starts as NaN: a row it did not write would show.
     let gdelta = put(&mut o, &vec![f32::NAN; Ops::attention_backward_scratch(tq, h.q_heads, h.head_dim)]);
-    o.attention_backward(gd, go, gl, gdelta, gq, gk, gv, gs, gdq, gdk, gdv, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    o.attention_backward(AttentionGrad { fwd: Attention { q: gq, k: gk, v: gv, out: go, lse: gl, spans: gs, tq, qh: h.q_heads, kvh: h.kv_heads, hd: h.head_dim }, dout: gd, dq: gdq, dk: gdk, dv: gdv }, gdelta).unwrap();
     let tol = if tensor_cores { 1e-2 } else { 1e-4 };
     // The gradients only (the buffers start at 0.1, 0.2, 0.3 to show that they accumulate).
     let less = |v: Vec<f32>, c: f32| -> Vec<f32> { v.into_iter().map(|x| x - c).collect() };
@@ -551,11 +551,11 @@ fn device_ce(o: &mut Ops, act: DType, (x, lm): (DSlice, DSlice), labels: &[i32],
         let (l, w) = (logits.sub(e, 0..n * cw), lm.sub(e, start * h..(start + cw) * h));
         let (xm, wm, lm_) = (Mat::new(x, n, h, act), Mat::new(w, cw, h, act), Mat::new(l, n, cw, act));
         o.matmul(xm, wm, lm_).unwrap();
-        o.ce_fold(act, st, l, labels, n, cw, start, h).unwrap();
+        o.ce_fold(st, Mat::new(l, n, cw, act), labels, (start, h)).unwrap();
         o.matmul_backward(lm_, xm, wm, Dx::Add(Mat::f32(st.acc, n, h)), None).unwrap();
     }
     let (dx, loss, correct) = (put(o, &vec![f32::NAN; n * h]), put(o, &vec![f32::NAN; n]), put_i32(o, &vec![-1; n]));
-    o.ce_finish(act, st, (dx, loss, correct), labels, scale, lm, n, h, vocab).unwrap();
+    o.ce_finish(st, (Mat::f32(dx, n, h), loss, correct), (labels, scale), Mat::new(lm, vocab, h, act)).unwrap();
     let mut ok = vec![0i32; n];
     o.dev.download(Stream::Compute, correct, bytemuck_i32(&mut ok)).unwrap();
     (get(o, loss), ok, get(o, dx))
@@ -666,7 +666,7 @@ fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
         };
         assert_eq!(applied, step != 2);
         o.adam_count(t, flag).unwrap();
-        o.adamw(gp, gm, gv, gg, acc, flag, t, clip as f32, 1e-3, &opt.hyper()).unwrap();
+        o.adamw(AdamBuffers { p: gp, m: gm, v: gv, g: gg, acc, nonfinite: flag, t }, clip as f32, 1e-3, &opt.hyper()).unwrap();
         let mut nf = [0i32];
         o.dev.download(Stream::Compute, flag, bytemuck_i32(&mut nf)).unwrap();
         assert_eq!(nf[0] != 0, step == 2, "the non-finite flag at step {step}");
@@ -871,7 +871,7 @@ fn host_device_moe_routing_permutation_and_combine_match_the_cpu() {
             o.act16 = bf16;
             let gl = put_act(&mut o, &logits, bf16);
             let (gi, gw) = (put_i32(&mut o, &vec![-1; t * k]), put(&mut o, &vec![f32::NAN; t * k]));
-            o.moe_route(gl, gi, gw, t, ne, k, norm).unwrap();
+            o.moe_route(o.act_mat(gl, t, ne), (gi, gw), k, norm).unwrap();
             let idx = get_i32(&mut o, gi);
             assert_eq!(idx, want_idx, "moe_route experts ({what})");
             assert_eq!((idx[0], idx[1]), (0, 1), "the tie: the lower expert first");
@@ -899,7 +899,7 @@ fn host_device_moe_routing_permutation_and_combine_match_the_cpu() {
             }
             let gy = put_act(&mut o, &y, bf16);
             let gout = put_act(&mut o, &vec![f32::NAN; t * h], bf16);
-            o.moe_combine(gout, gy, gw, gs, t, k, h).unwrap();
+            o.moe_combine(o.act_mat(gout, t, h), o.act_mat(gy, pairs, h), (gw, gs), k).unwrap();
             // bf16: the sum rounded once on store (half a bf16 ulp: at most 2⁻⁸ relative).
             let tol = if bf16 { 4e-3 } else { 1e-6 };
             assert_close(&format!("moe_combine ({what})"), &get_act(&mut o, gout, bf16), &want, tol);
@@ -1432,10 +1432,10 @@ fn host_device_bf16_activation_ops_round_the_f32_ops_once() {
     let (k, v) = (bf(&rand_vec(&mut rng, t * nkv * hd, 1.0)), bf(&rand_vec(&mut rng, t * nkv * hd, 1.0)));
     let spans: Vec<i32> = (0..t as i32).flat_map(|i| [0, i + 1, 0, 0]).collect();
     let (qa, ka, va, sa, oa, la) = (put(&mut o32, &q), put(&mut o32, &k), put(&mut o32, &v), put_i32(&mut o32, &spans), put(&mut o32, &vec![0.0; t * nh * hd]), put(&mut o32, &vec![0.0; t * nh]));
-    o32.attention(qa, ka, va, oa, la, sa, t, nh, nkv, hd).unwrap();
+    o32.attention(Attention { q: qa, k: ka, v: va, out: oa, lse: la, spans: sa, tq: t, qh: nh, kvh: nkv, hd }).unwrap();
     let want = bf(&get(&mut o32, oa));
     let (qb, kb, vb, sb, ob, lb) = (put16(&mut o16, &q), put16(&mut o16, &k), put16(&mut o16, &v), put_i32(&mut o16, &spans), put16(&mut o16, &vec![0.0; t * nh * hd]), put(&mut o16, &vec![0.0; t * nh]));
-    o16.attention(qb, kb, vb, ob, lb, sb, t, nh, nkv, hd).unwrap();
+    o16.attention(Attention { q: qb, k: kb, v: vb, out: ob, lse: lb, spans: sb, tq: t, qh: nh, kvh: nkv, hd }).unwrap();
     check("attention", &get16(&mut o16, ob), &want, 2.0);
     // SwiGLU, the residual add, the tap copy.
     let (g, u) = (bf(&rand_vec(&mut rng, t * inter, 2.0)), bf(&rand_vec(&mut rng, t * inter, 1.0)));
@@ -1458,7 +1458,7 @@ fn host_device_bf16_activation_ops_round_the_f32_ops_once() {
     o16.add(a16, b16).unwrap();
     check("add", &get16(&mut o16, a16), &want, 1.0);
     let out16 = put16(&mut o16, &vec![0.0; t * 2 * h]);
-    o16.copy_cols(out16, a16, t, h, 2 * h, h, h, 0).unwrap();
+    o16.copy_cols((o16.act_mat(out16, t, 2 * h), h), (o16.act_mat(a16, t, h), 0), h).unwrap();
     let got = get16(&mut o16, out16);
     assert!((0..t).all(|r| got[r * 2 * h + h..(r + 1) * 2 * h] == want[r * h..(r + 1) * h] && got[r * 2 * h..r * 2 * h + h].iter().all(|x| *x == 0.0)), "copy_cols_bf16 moves the bits");
     // The embedding gather of a bf16 table is exact.
@@ -1500,7 +1500,7 @@ fn host_device_attention_treats_a_nan_query_row_as_the_cpu_backend_does() {
     let mut o = ops();
     let (gq, gk, gv, gs) = (put(&mut o, &q), put(&mut o, &k), put(&mut o, &v), put_i32(&mut o, &spans_i32(&spans)));
     let (go, gl) = (put(&mut o, &vec![f32::NAN; t * qw]), put(&mut o, &vec![0.0; t * h.q_heads]));
-    o.attention(gq, gk, gv, go, gl, gs, t, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    o.attention(Attention { q: gq, k: gk, v: gv, out: go, lse: gl, spans: gs, tq: t, qh: h.q_heads, kvh: h.kv_heads, hd: h.head_dim }).unwrap();
     let got = get(&mut o, go);
     let head0 = |v: &[f32], r: usize| v[r * qw..r * qw + h.head_dim].to_vec();
     assert!(head0(&want, 3).iter().all(|x| *x == 0.0), "the CPU backend's row: {:?}", head0(&want, 3));
@@ -1528,7 +1528,7 @@ fn host_device_attention_treats_a_nan_query_row_as_the_cpu_backend_does() {
     cpu.attention_backward(&dout0, &q0, &k, &v, &saved, &spans, h, &mut dq, &mut dk, &mut dv);
     let (gd, gdq, gdk, gdv) = (put(&mut o, &dout), put(&mut o, &vec![0.0; t * qw]), put(&mut o, &vec![0.0; t * kw]), put(&mut o, &vec![0.0; t * kw]));
     let gdelta = put(&mut o, &vec![f32::NAN; Ops::attention_backward_scratch(t, h.q_heads, h.head_dim)]);
-    o.attention_backward(gd, go, gl, gdelta, gq, gk, gv, gs, gdq, gdk, gdv, t, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    o.attention_backward(AttentionGrad { fwd: Attention { q: gq, k: gk, v: gv, out: go, lse: gl, spans: gs, tq: t, qh: h.q_heads, kvh: h.kv_heads, hd: h.head_dim }, dout: gd, dq: gdq, dk: gdk, dv: gdv }, gdelta).unwrap();
     let tol = if device().is_cpu() { 1e-4 } else { 1e-2 };
     let gdq = get(&mut o, gdq);
     assert!(head0(&gdq, 3).iter().all(|x| *x == 0.0), "no gradient for the NaN row's query: {:?}", head0(&gdq, 3));
@@ -1569,13 +1569,13 @@ fn check_attention_bf16(name: &str, tq: usize, tk: usize, spans: &[KeySpan], h: 
     let sp = spans_i32(spans);
     let mut o32 = ops();
     let (qa, ka, va, sa, oa, la) = (put(&mut o32, &q), put(&mut o32, &k), put(&mut o32, &v), put_i32(&mut o32, &sp), put(&mut o32, &vec![0.0; tq * qw]), put(&mut o32, &vec![0.0; tq * h.q_heads]));
-    o32.attention(qa, ka, va, oa, la, sa, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    o32.attention(Attention { q: qa, k: ka, v: va, out: oa, lse: la, spans: sa, tq, qh: h.q_heads, kvh: h.kv_heads, hd: h.head_dim }).unwrap();
     let lse32 = get(&mut o32, la);
     let mut o16 = ops();
     o16.act16 = true;
     let (qb, kb, vb, sb) = (put16(&mut o16, &q), put16(&mut o16, &k), put16(&mut o16, &v), put_i32(&mut o16, &sp));
     let (ob, lb) = (put16(&mut o16, &vec![f32::NAN; tq * qw]), put(&mut o16, &vec![f32::NAN; tq * h.q_heads]));
-    o16.attention(qb, kb, vb, ob, lb, sb, tq, h.q_heads, h.kv_heads, h.head_dim).unwrap();
+    o16.attention(Attention { q: qb, k: kb, v: vb, out: ob, lse: lb, spans: sb, tq, qh: h.q_heads, kvh: h.kv_heads, hd: h.head_dim }).unwrap();
     let (got, lse) = (get16(&mut o16, ob), get(&mut o16, lb));
     assert!(got.iter().all(|x| x.is_finite()), "{name}: every output written and finite");
     let vmax = v.iter().fold(0f32, |m, x| m.max(x.abs()));

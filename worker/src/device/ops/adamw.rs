@@ -34,6 +34,20 @@ pub struct AdamHyper {
     pub weight_decay: f32,
 }
 
+/// What one AdamW step reads and writes on the device: the f32 weights `p` with their
+/// moments `m` and `v`, the gradient `g`, and the step's Σg² (`acc`, one f64), non-finite
+/// flag and step count `t` (one i32 each).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamBuffers {
+    pub p: DSlice,
+    pub m: DSlice,
+    pub v: DSlice,
+    pub g: DSlice,
+    pub acc: DSlice,
+    pub nonfinite: DSlice,
+    pub t: DSlice,
+}
+
 /// The optimizer's kernels, each with its arguments.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Optimizer {
@@ -292,22 +306,19 @@ impl Ops {
         self.launch(Optimizer::AdamCount { t, nonfinite }, 1, 32)
     }
 
-    /// Clip by the norm in `acc` to `max_norm` (0: no clip) and apply AdamW at the step
-    /// count in `t` (after [`adam_count`](Self::adam_count)), unless `nonfinite` is set.
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw(
-        &mut self,
-        p: DSlice,
-        m: DSlice,
-        v: DSlice,
-        g: DSlice,
-        acc: DSlice,
-        nonfinite: DSlice,
-        t: DSlice,
-        max_norm: f32,
-        lr: f32,
-        opt: &AdamHyper,
-    ) -> Result<()> {
+    /// Clip `b.g` by the norm in `b.acc` to `max_norm` (0: no clip) and apply AdamW at the
+    /// step count in `b.t` (after [`adam_count`](Self::adam_count)), unless `b.nonfinite`
+    /// is set.
+    pub fn adamw(&mut self, b: AdamBuffers, max_norm: f32, lr: f32, opt: &AdamHyper) -> Result<()> {
+        let AdamBuffers {
+            p,
+            m,
+            v,
+            g,
+            acc,
+            nonfinite,
+            t,
+        } = b;
         let n = p.len_f32();
         self.launch(
             Optimizer::Adamw {

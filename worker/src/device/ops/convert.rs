@@ -5,7 +5,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{grid_for, i32_of, i64_of, row_block, DType, Ops, BLOCK};
+use super::{grid_for, i32_of, i64_of, row_block, DType, Mat, Ops, BLOCK};
 use crate::device::{Arg, DSlice, Result};
 
 /// The gather, scatter, cast and element-wise kernels, each with its arguments.
@@ -287,32 +287,33 @@ impl Ops {
         self.launch(Convert::AddInplace { act, x, y, n }, grid_for(n), BLOCK)
     }
 
-    /// `dst[r, dst_off..dst_off+width] = src[r, src_off..src_off+width]` for `rows` rows.
-    #[allow(clippy::too_many_arguments)]
+    /// `dst[r, dst_col..dst_col + width] = src[r, src_col..src_col + width]` for every row
+    /// of `src` (`dst` has as many; both of one element type).
     pub fn copy_cols(
         &mut self,
-        dst: DSlice,
-        src: DSlice,
-        rows: usize,
+        (dst, dst_off): (Mat, usize),
+        (src, src_off): (Mat, usize),
         width: usize,
-        dst_stride: usize,
-        dst_off: usize,
-        src_stride: usize,
-        src_off: usize,
     ) -> Result<()> {
-        let act = self.act();
+        dst.expect("copy_cols: dst", src.rows, dst.cols, src.dtype)?;
+        if dst_off + width > dst.cols || src_off + width > src.cols {
+            return Err(crate::device::GpuError::Invalid(format!(
+                "copy_cols: columns {src_off}..+{width} of {} into {dst_off}..+{width} of {}",
+                src.cols, dst.cols
+            )));
+        }
         self.launch(
             Convert::CopyCols {
-                act,
-                dst,
-                src,
+                act: src.dtype,
+                dst: dst.buf,
+                src: src.buf,
                 width,
-                dst_stride,
+                dst_stride: dst.cols,
                 dst_off,
-                src_stride,
+                src_stride: src.cols,
                 src_off,
             },
-            rows as u32,
+            src.rows as u32,
             row_block(width),
         )
     }

@@ -5,7 +5,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{i32_of, row_block, DType, Ops};
+use super::{i32_of, row_block, DType, Mat, Ops};
 use crate::device::{Arg, DSlice, Result};
 use crate::math::exp_neg;
 
@@ -236,27 +236,23 @@ impl Loss {
 }
 
 impl Ops {
-    /// Fold one vocabulary chunk of logits (`[n, cw]`, ids `start..start+cw`; bf16 at
-    /// `act` bf16) into each row's [`CeState`] for rows of width `h` (`labels`: i32 per
-    /// row); the logits become `exp(l − max)` in place, the input of the GEMM that adds
-    /// them times the chunk's lm_head rows into `st.acc`.
-    #[allow(clippy::too_many_arguments)]
+    /// Fold one vocabulary chunk of `logits` (`[n, cw]`, ids `start..start+cw`; f32 or
+    /// bf16) into each row's [`CeState`] for rows of width `h` (`labels`: i32 per row); the
+    /// logits become `exp(l − max)` in place, the input of the GEMM that adds them times the
+    /// chunk's lm_head rows into `st.acc`.
     pub fn ce_fold(
         &mut self,
-        act: DType,
         st: CeState,
-        logits: DSlice,
+        logits: Mat,
         labels: DSlice,
-        n: usize,
-        cw: usize,
-        start: usize,
-        h: usize,
+        (start, h): (usize, usize),
     ) -> Result<()> {
+        let (n, cw) = (logits.rows, logits.cols);
         self.launch(
             Loss::CeFold {
-                act,
+                act: logits.dtype,
                 st,
-                logits,
+                logits: logits.buf,
                 labels,
                 cw,
                 start,
@@ -267,32 +263,28 @@ impl Ops {
         )
     }
 
-    /// After the last chunk: `dx` (`[n, h]`, written) = `scale·(acc/Σexp − W[label])`,
+    /// After the last chunk: `dx` (f32 `[n, h]`, written) = `scale·(acc/Σexp − W[label])`,
     /// each row's cross-entropy into `loss` and `argmax == label` into `correct` (i32);
-    /// `w` the lm_head `[vocab, h]` (bf16 at `act` bf16).
-    #[allow(clippy::too_many_arguments)]
+    /// `w` the lm_head (`[vocab, h]`, f32 or bf16).
     pub fn ce_finish(
         &mut self,
-        act: DType,
         st: CeState,
-        (dx, loss, correct): (DSlice, DSlice, DSlice),
-        labels: DSlice,
-        scale: DSlice,
-        w: DSlice,
-        n: usize,
-        h: usize,
-        vocab: usize,
+        (dx, loss, correct): (Mat, DSlice, DSlice),
+        (labels, scale): (DSlice, DSlice),
+        w: Mat,
     ) -> Result<()> {
+        let (n, h, vocab) = (dx.rows, w.cols, w.rows);
+        dx.expect("ce_finish: dx", n, h, DType::F32)?;
         self.launch(
             Loss::CeFinish {
-                act,
+                act: w.dtype,
                 st,
-                dx,
+                dx: dx.buf,
                 loss,
                 correct,
                 labels,
                 scale,
-                w,
+                w: w.buf,
                 h,
                 vocab,
             },

@@ -22,7 +22,7 @@ pub mod swiglu;
 pub mod view;
 
 use super::{Arg, DSlice, Device, Result, Stream};
-pub use adamw::{params_hash, AdamHyper, SUMSQ_BLOCKS};
+pub use adamw::{params_hash, AdamBuffers, AdamHyper, SUMSQ_BLOCKS};
 pub use attention::{Attention, AttentionGrad, BwdScratch, Fa2Dim};
 use kernel::Kernel;
 pub use loss::CeState;

@@ -6,7 +6,7 @@
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
-use super::{i32_of, row_block, DType, Ops, BLOCK};
+use super::{i32_of, row_block, DType, Mat, Ops, BLOCK};
 use crate::device::{Arg, DSlice, Result};
 
 /// The i32 elements of [`Ops::moe_permute`]'s scratch for `pairs` routed pairs over
@@ -282,32 +282,28 @@ impl Moe {
 }
 
 impl Ops {
-    /// The routing of `t` tokens' router logits (activations `[t, experts]`): per token
-    /// the `top_k` most probable experts into `idx` (i32 `[t, top_k]`, rank order) and
-    /// their softmax probabilities into `wts` (f32), renormalised to sum to 1 when `norm`.
-    #[allow(clippy::too_many_arguments)]
+    /// The routing of the tokens' router `logits` (`[t, experts]`, of the activations'
+    /// type): per token the `top_k` most probable experts into `idx` (i32 `[t, top_k]`, rank
+    /// order) and their softmax probabilities into `wts` (f32), renormalised to sum to 1
+    /// when `norm`.
     pub fn moe_route(
         &mut self,
-        logits: DSlice,
-        idx: DSlice,
-        wts: DSlice,
-        t: usize,
-        experts: usize,
+        logits: Mat,
+        (idx, wts): (DSlice, DSlice),
         top_k: usize,
         norm: bool,
     ) -> Result<()> {
-        let act = self.act();
         self.launch(
             Moe::Route {
-                act,
+                act: logits.dtype,
                 idx,
                 wts,
-                logits,
-                experts,
+                logits: logits.buf,
+                experts: logits.cols,
                 top_k,
                 norm,
             },
-            t as u32,
+            logits.rows as u32,
             32,
         )
     }
@@ -367,25 +363,22 @@ impl Ops {
         )
     }
 
-    /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` for `t` tokens (activations `y`
-    /// `[rows, h]` and `out` `[t, h]`).
-    #[allow(clippy::too_many_arguments)]
+    /// `out[t,:] = Σ_q wts[t,q] · y[slots[t,q],:]` for every token `t` of `out` (`[t, h]`;
+    /// `y` `[rows, h]`, of the same type).
     pub fn moe_combine(
         &mut self,
-        out: DSlice,
-        y: DSlice,
-        wts: DSlice,
-        slots: DSlice,
-        t: usize,
+        out: Mat,
+        y: Mat,
+        (wts, slots): (DSlice, DSlice),
         top_k: usize,
-        h: usize,
     ) -> Result<()> {
-        let act = self.act();
+        let (t, h) = (out.rows, out.cols);
+        y.expect("moe_combine: y", y.rows, h, out.dtype)?;
         self.launch(
             Moe::Combine {
-                act,
-                out,
-                y,
+                act: out.dtype,
+                out: out.buf,
+                y: y.buf,
                 wts,
                 slots,
                 top_k,

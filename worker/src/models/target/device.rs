@@ -10,7 +10,7 @@
 
 use dflash_shared::model_config::TargetConfig;
 
-use crate::device::ops::Ops;
+use crate::device::ops::{Attention, Ops};
 use crate::device::{f32_bytes_mut, Arena, ArenaStats, DSlice, Device, GpuError, Result, Stream};
 use crate::models::target::Target;
 
@@ -499,7 +499,18 @@ impl DeviceTarget {
                 self.rope_scale,
                 false,
             )?;
-            ops.attention(q, k, v, att, lse, spans, t, nh, nkv, hd)?;
+            ops.attention(Attention {
+                q,
+                k,
+                v,
+                out: att,
+                lse,
+                spans,
+                tq: t,
+                qh: nh,
+                kvh: nkv,
+                hd,
+            })?;
             mm(ops, att, l.wo, o, t, qd, h)?;
             ops.add(x, o)?;
             ops.rmsnorm(
@@ -509,11 +520,15 @@ impl DeviceTarget {
                 rstd.f32s(0..t),
                 eps,
             )?;
-            mlp(ops, c, l, a, (n1, o, [g, u, sw]), t, self.bf16)?;
+            mlp(ops, c, l, a, (n1, o, [g, u, sw]), t)?;
             ops.add(x, o)?;
             for (ti, &tap) in self.taps.iter().enumerate() {
                 if tap == li {
-                    ops.copy_cols(out, x, t, h, width, ti * h, h, 0)?;
+                    ops.copy_cols(
+                        (ops.act_mat(out, t, width), ti * h),
+                        (ops.act_mat(x, t, h), 0),
+                        h,
+                    )?;
                 }
             }
         }
@@ -530,7 +545,6 @@ fn mlp(
     a: &Acts,
     (n1, o, gus): (DSlice, DSlice, [DSlice; 3]),
     t: usize,
-    bf16: bool,
 ) -> Result<()> {
     let h = c.hidden_size;
     match (&l.mlp, &c.moe, &a.moe) {
@@ -553,9 +567,7 @@ fn mlp(
                 ops.act_mat(o, t, h),
             )
         }
-        (Mlp::Sparse(w), Some(m), Some(acts)) => {
-            moe::sparse_mlp(ops, m, w, acts, (n1, o), t, h, bf16)
-        }
+        (Mlp::Sparse(w), Some(m), Some(acts)) => moe::sparse_mlp(ops, m, w, acts, (n1, o), t, h),
         (Mlp::Sparse(_), _, _) => Err(GpuError::Invalid(
             "a sparse layer in a target without a mixture of experts".into(),
         )),

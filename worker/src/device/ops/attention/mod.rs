@@ -374,88 +374,35 @@ impl AttentionKernel {
 }
 
 impl Ops {
-    /// Attention of `tq` query rows over key spans (`spans`: 4 i32 per row, see
-    /// attention.cuh); writes `out` and the log-sum-exp per (row, head) for the backward.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention(
-        &mut self,
-        q: DSlice,
-        k: DSlice,
-        v: DSlice,
-        out: DSlice,
-        lse: DSlice,
-        spans: DSlice,
-        tq: usize,
-        qh: usize,
-        kvh: usize,
-        hd: usize,
-    ) -> Result<()> {
-        check_heads(qh, kvh, hd)?;
-        let a = Attention {
-            out,
-            lse,
-            q,
-            k,
-            v,
-            spans,
-            tq,
-            qh,
-            kvh,
-            hd,
-        };
+    /// Attention of `a.tq` query rows over key spans (`a.spans`: 4 i32 per row, see
+    /// attention.cuh); writes `a.out` and the log-sum-exp per (row, head) into `a.lse` for
+    /// the backward. The activations are of the ops' type ([`Ops::act`]).
+    pub fn attention(&mut self, a: Attention) -> Result<()> {
+        check_heads(a.qh, a.kvh, a.hd)?;
         let act = self.act();
         match Fa2Dim::for_call(&a) {
             Some(dim) => self.launch(
                 AttentionKernel::Fa2Fwd { act, dim, a },
-                (tq.div_ceil(FA2_ROWS) * qh).max(1) as u32,
+                (a.tq.div_ceil(FA2_ROWS) * a.qh).max(1) as u32,
                 FA2_THREADS,
             ),
-            None => self.launch(AttentionKernel::Fwd { act, a }, attention_grid(tq, qh), 32),
+            None => self.launch(
+                AttentionKernel::Fwd { act, a },
+                attention_grid(a.tq, a.qh),
+                32,
+            ),
         }
     }
 
-    /// Backward of [`attention`](Self::attention): `dq`, `dk`, `dv` accumulate. `scratch`
-    /// (at least [`attention_backward_scratch`](Self::attention_backward_scratch) f32,
-    /// 16-byte aligned) is the FlashAttention-2 backward's.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_backward(
-        &mut self,
-        dout: DSlice,
-        out: DSlice,
-        lse: DSlice,
-        scratch: DSlice,
-        q: DSlice,
-        k: DSlice,
-        v: DSlice,
-        spans: DSlice,
-        dq: DSlice,
-        dk: DSlice,
-        dv: DSlice,
-        tq: usize,
-        qh: usize,
-        kvh: usize,
-        hd: usize,
-    ) -> Result<()> {
+    /// Backward of [`attention`](Self::attention) (f32): `g.dq`, `g.dk`, `g.dv`
+    /// accumulate. `scratch` (at least
+    /// [`attention_backward_scratch`](Self::attention_backward_scratch) f32, 16-byte
+    /// aligned) is the FlashAttention-2 backward's.
+    pub fn attention_backward(&mut self, g: AttentionGrad, scratch: DSlice) -> Result<()> {
+        let Attention {
+            k, tq, qh, kvh, hd, ..
+        } = g.fwd;
         check_heads(qh, kvh, hd)?;
-        let fwd = Attention {
-            out,
-            lse,
-            q,
-            k,
-            v,
-            spans,
-            tq,
-            qh,
-            kvh,
-            hd,
-        };
-        let g = AttentionGrad {
-            fwd,
-            dout,
-            dq,
-            dk,
-            dv,
-        };
         let Some(dim) = Fa2Dim::for_backward(&g) else {
             return self.launch(AttentionKernel::Bwd(g), attention_grid(tq, qh), 32);
         };

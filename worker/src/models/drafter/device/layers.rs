@@ -10,7 +10,7 @@ use std::ops::Range;
 use super::layout::{Buffers, Dims, Saved, Work};
 use super::mixed::{Mixed, NONE, W};
 use crate::device::ops::gemm::Dx;
-use crate::device::ops::{Mat, Ops};
+use crate::device::ops::{Attention, AttentionGrad, Mat, Ops};
 use crate::device::{DSlice, Result, Stream};
 use crate::models::drafter::{Drafter, LayerIdx};
 
@@ -178,7 +178,11 @@ impl Pass<'_> {
         let ops = &mut *self.ops;
         let p = |r: &Range<usize>| pw.f32s(r.clone());
         let xin = mx.gemm_act(sv.x, m, h);
-        ops.copy_cols(sv.h_in.f32s(0..m * h), hcur, m, h, h, 0, h, 0)?;
+        ops.copy_cols(
+            (ops.act_mat(sv.h_in.f32s(0..m * h), m, h), 0),
+            (ops.act_mat(hcur, m, h), 0),
+            h,
+        )?;
         // x and the context are written as the GEMMs read them (bf16 on a GPU).
         let (hc, rstd) = (Mat::f32(hcur, m, h), sv.rstd1.f32s(0..m));
         ops.rmsnorm(hc, p(&li.ln1), xin, rstd, eps)?;
@@ -243,18 +247,18 @@ impl Pass<'_> {
         } = lc;
         let ops = &mut *self.ops;
         let att = sv.att.f32s(0..m * qd);
-        ops.attention(
-            sv.q.f32s(0..m * qd),
-            sv.k.f32s(0..tk * kd),
-            sv.v.f32s(0..tk * kd),
-            att,
-            sv.lse.f32s(0..m * qh),
-            spans_d,
-            m,
+        ops.attention(Attention {
+            q: sv.q.f32s(0..m * qd),
+            k: sv.k.f32s(0..tk * kd),
+            v: sv.v.f32s(0..tk * kd),
+            out: att,
+            lse: sv.lse.f32s(0..m * qh),
+            spans: spans_d,
+            tq: m,
             qh,
             kvh,
             hd,
-        )?;
+        })?;
         let (att, out) = (Mat::f32(att, m, qd), Mat::f32(o, m, h));
         mx.mm(ops, att, lc.pp(&li.wo), out)?;
         ops.add(hcur, o)
@@ -277,7 +281,11 @@ impl Pass<'_> {
         } = lc;
         let ops = &mut *self.ops;
         let p = |r: &Range<usize>| pw.f32s(r.clone());
-        ops.copy_cols(sv.h_mid.f32s(0..m * h), hcur, m, h, h, 0, h, 0)?;
+        ops.copy_cols(
+            (ops.act_mat(sv.h_mid.f32s(0..m * h), m, h), 0),
+            (ops.act_mat(hcur, m, h), 0),
+            h,
+        )?;
         // x2 and the SwiGLU's output are written as the GEMMs read them (bf16 on a GPU).
         let x2 = mx.gemm_act(sv.x2, m, h);
         let (hc, rstd) = (Mat::f32(hcur, m, h), sv.rstd2.f32s(0..m));
@@ -366,21 +374,25 @@ impl Pass<'_> {
         let (x, dx) = (Mat::f32(att, m, qd), Dx::Write(Mat::f32(datt, m, qd)));
         mx.mm_back(ops, (dh, x), lc.pp(&li.wo), dx, dwo)?;
         ops.attention_backward(
-            datt,
-            att,
-            sv.lse.f32s(0..m * qh),
+            AttentionGrad {
+                fwd: Attention {
+                    q,
+                    k,
+                    v,
+                    out: att,
+                    lse: sv.lse.f32s(0..m * qh),
+                    spans: spans_d,
+                    tq: m,
+                    qh,
+                    kvh,
+                    hd,
+                },
+                dout: datt,
+                dq,
+                dk,
+                dv,
+            },
             w.delta,
-            q,
-            k,
-            v,
-            spans_d,
-            dq,
-            dk,
-            dv,
-            m,
-            qh,
-            kvh,
-            hd,
         )
     }
 

@@ -246,16 +246,16 @@ fn cross_entropy(p: &mut Pass, n: usize, at: usize, grad: bool) -> Result<()> {
         let wc = mx.weight(lc.lmw(start, cw), cw, h);
         let l = Mat::new(w.logits, n, cw, act);
         ops.matmul(x, wc, l)?;
-        ops.ce_fold(act, st, l.buf, labels, n, cw, start, h)?;
+        ops.ce_fold(st, Mat::new(l.buf, n, cw, act), labels, (start, h))?;
         if grad {
             ops.matmul_backward(l, x, wc, Dx::Add(acc), None)?;
         }
     }
     let out = (
-        w.dxrows.f32s(0..n * h),
+        Mat::f32(w.dxrows, n, h),
         w.ce_loss.f32s(at..at + n),
         w.ce_correct.f32s(at..at + n),
     );
     let scale = w.scale.f32s(0..n);
-    ops.ce_finish(act, st, out, labels, scale, lm, n, h, vocab)
+    ops.ce_finish(st, out, (labels, scale), Mat::new(lm, vocab, h, act))
 }

@@ -7,7 +7,7 @@
 use std::ops::Range;
 
 use super::pinned::Pinned;
-use crate::device::ops::{AdamHyper, Ops};
+use crate::device::ops::{AdamBuffers, AdamHyper, Ops};
 use crate::device::{f32_bytes, f32_bytes_mut, i32_bytes, DSlice, Device, Event, Result, Stream};
 
 /// The optimizer's buffers on the device: the Adam moments of the fp32 master weights,
@@ -276,7 +276,16 @@ impl Update {
         ops.dev.memset_zero(Stream::Compute, flag)?;
         ops.sumsq(gsum, partials, acc, flag)?;
         ops.adam_count(t, flag)?;
-        ops.adamw(wt.f32, o.m, o.v, gsum, acc, flag, t, a.clip, a.lr, a.hyper)?;
+        let b = AdamBuffers {
+            p: wt.f32,
+            m: o.m,
+            v: o.v,
+            g: gsum,
+            acc,
+            nonfinite: flag,
+            t,
+        };
+        ops.adamw(b, a.clip, a.lr, a.hyper)?;
         refresh_bf16(ops, wt)?;
         self.queue_hash(ops, wt)?;
         // SAFETY: the page is registered, and nothing reads it before the event (`drain`).

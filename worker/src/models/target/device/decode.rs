@@ -11,6 +11,7 @@
 //! norm and the lm_head.
 
 use super::{Carry, DeviceTarget, Target};
+use crate::device::ops::Attention;
 use crate::device::{f32_bytes, GpuError};
 use crate::device::{f32_bytes_mut, i32_bytes, u32_bytes, Arena, DSlice, Device, Result, Stream};
 use crate::models::target::Head;
@@ -460,9 +461,28 @@ impl Part {
         }
         ops.rope(ops.act_mat(q, t, nh * hd), self.pos, inv, hd, scale, false)?;
         ops.rope(ops.act_mat(k, t, nkv * hd), self.pos, inv, hd, scale, false)?;
-        ops.copy_cols(knew, k, t, kd, kd, 0, kd, 0)?;
-        ops.copy_cols(vnew, v, t, kd, kd, 0, kd, 0)?;
-        ops.attention(q, kall, vall, att, lse, self.spans, t, nh, nkv, hd)?;
+        ops.copy_cols(
+            (ops.act_mat(knew, t, kd), 0),
+            (ops.act_mat(k, t, kd), 0),
+            kd,
+        )?;
+        ops.copy_cols(
+            (ops.act_mat(vnew, t, kd), 0),
+            (ops.act_mat(v, t, kd), 0),
+            kd,
+        )?;
+        ops.attention(Attention {
+            q,
+            k: kall,
+            v: vall,
+            out: att,
+            lse,
+            spans: self.spans,
+            tq: t,
+            qh: nh,
+            kvh: nkv,
+            hd,
+        })?;
         ops.matmul(
             ops.act_mat(att, t, qd),
             ops.act_mat(l.wo, h, qd),
@@ -476,11 +496,15 @@ impl Part {
             rstd.f32s(0..t),
             eps,
         )?;
-        super::mlp(ops, c, l, a, (n1, o, [g, u, sw]), t, self.model.bf16)?;
+        super::mlp(ops, c, l, a, (n1, o, [g, u, sw]), t)?;
         ops.add(x, o)?;
         for (ti, &tap) in taps.iter().enumerate() {
             if tap == global {
-                ops.copy_cols(out, x, t, h, width, ti * h, h, 0)?;
+                ops.copy_cols(
+                    (ops.act_mat(out, t, width), ti * h),
+                    (ops.act_mat(x, t, h), 0),
+                    h,
+                )?;
             }
         }
         Ok(())

@@ -82,8 +82,7 @@ fn elems(s: DSlice, range: std::ops::Range<usize>, bf16: bool) -> DSlice {
 }
 
 /// The sparse MLP of the `t` normed rows `n1` (`[t, h]`) into `o` (`[t, h]`), with
-/// `m`'s routing and `w`'s experts; activations bf16 when `bf16`.
-#[allow(clippy::too_many_arguments)]
+/// `m`'s routing and `w`'s experts, in the activations' type ([`Ops::act`]).
 pub(super) fn sparse_mlp(
     ops: &mut Ops,
     m: &Moe,
@@ -92,8 +91,8 @@ pub(super) fn sparse_mlp(
     (n1, o): (DSlice, DSlice),
     t: usize,
     h: usize,
-    bf16: bool,
 ) -> Result<()> {
+    let bf16 = ops.act16;
     let (ne, k, mi) = (w.experts, m.num_experts_per_tok, m.moe_intermediate_size);
     let n = t * k;
     let logits = elems(a.logits, 0..t * ne, bf16);
@@ -109,7 +108,7 @@ pub(super) fn sparse_mlp(
         ops.act_mat(w.router, ne, h),
         ops.act_mat(logits, t, ne),
     )?;
-    ops.moe_route(logits, idx, wts, t, ne, k, m.norm_topk_prob)?;
+    ops.moe_route(ops.act_mat(logits, t, ne), (idx, wts), k, m.norm_topk_prob)?;
     ops.moe_permute(idx, (a.offsets, rows, slots), a.scratch, n, k, ne)?;
     let n1 = elems(n1, 0..t * h, bf16);
     ops.moe_gemm(
@@ -124,5 +123,6 @@ pub(super) fn sparse_mlp(
     )?;
     ops.swiglu_gu(gu, s, mi)?;
     ops.moe_gemm(y, s, w.down, a.offsets, None, (n, ne), h, mi)?;
-    ops.moe_combine(elems(o, 0..t * h, bf16), y, wts, slots, t, k, h)
+    let (out, y) = (ops.act_mat(o, t, h), ops.act_mat(y, n, h));
+    ops.moe_combine(out, y, (wts, slots), k)
 }
