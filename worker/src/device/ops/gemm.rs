@@ -277,7 +277,7 @@ impl Ops {
     /// routed rows r of expert e (`offsets`, i32 `[experts + 1]`, on the device: the host
     /// never reads them), `y[r,:] = x[src(r),:] · W_eᵀ` with `W_e` the `[n, k]` matrix at
     /// `w + e·n·k`; `src(r) = rows[r]` (i32) when `gather` is `Some((rows, x_rows))`,
-    /// else r. Activations as [`matmul_act`](Self::matmul_act): bf16 `x`, `w` and `y`
+    /// else r. Activations of the ops' type ([`act`](Self::act)): bf16 `x`, `w` and `y`
     /// on tensor cores, or f32.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemm(

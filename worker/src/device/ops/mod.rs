@@ -52,10 +52,10 @@ pub(crate) fn i64_of(v: usize) -> Arg {
 pub struct Ops {
     pub dev: Box<dyn Device>,
     pub stream: Stream,
-    /// Activations in bf16: the forward ops that a target uses (embedding, RMSNorm, RoPE,
-    /// attention, SwiGLU, the residual add, the tap copy) take and write bf16 activations
-    /// (their `_bf16` kernels; weights of norms, positions, rstd and lse stay f32), and
-    /// [`matmul_act`](Self::matmul_act) is bf16 in and out.
+    /// Activations in bf16: the ops that take bare buffers of activations (embedding,
+    /// attention, SwiGLU, the residual add, the experts' GEMM) read and write bf16 (their
+    /// `_bf16` kernels; weights of norms, positions, rstd and lse stay f32), and
+    /// [`act_mat`](Self::act_mat) makes bf16 matrices for the ops that take [`Mat`]s.
     pub act16: bool,
     /// The RMSNorm backward's partial rows ([`RMSNORM_BWD_SCRATCH_F32`] f32), per stream
     /// (by [`Stream::index`]): device memory of these ops', taken at their first use.
