@@ -1,4 +1,5 @@
-// The optimizer: gradient norm, AdamW, the weights' checksum (worker/src/device/ops/adamw.rs).
+// The optimizer: gradient norm, AdamW, the weights' checksum, the gradient's scaling
+// (worker/src/device/ops/adamw.rs).
 // Included by kernels.cu, after the families above it.
 
 // ---------------------------------------------------------------------------------------
@@ -69,4 +70,13 @@ extern "C" __global__ void params_hash(unsigned long long* acc, const float* p, 
         s += splitmix64(((unsigned long long)__float_as_uint(p[i]) << 32) ^ (unsigned long long)i);
     }
     atomicAdd(acc, s);
+}
+
+// y = alpha * x: the group's gradient sum that a collective left scaled into the step's
+// average gradient (alpha = 1 / the group's weight), or copied (alpha = 1). One rounding,
+// as the host's scaling of the same sum.
+extern "C" __global__ void scale_f32(float* y, const float* x, long n, float alpha) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        y[i] = alpha * x[i];
+    }
 }

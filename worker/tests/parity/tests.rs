@@ -617,6 +617,28 @@ fn bytemuck_i32(v: &mut [i32]) -> &mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), v.len() * 4) }
 }
 
+/// The `scale` kernel (a collective's gradient sum into the step's average): `alpha · x`
+/// rounded once, bit for bit the host's scaling of the same sum, on the stream asked for.
+#[test]
+fn host_device_scale_is_the_hosts_scaling_bit_for_bit() {
+    let _checks = all_checks();
+    let mut rng = Rng::new(9);
+    let n = 3000;
+    let x = rand_vec(&mut rng, n, 3.0);
+    let mut o = ops();
+    let (gx, gy) = (put(&mut o, &x), put(&mut o, &vec![f32::NAN; n]));
+    for weight in [7.0f64, 1.0, 0.3] {
+        let mut want = x.clone();
+        dflash_worker::collective::reduce_slots(&mut want, weight);
+        o.scale(gy, gx, (1.0 / weight) as f32).unwrap();
+        assert_eq!(get(&mut o, gy), want, "scale by 1/{weight}");
+    }
+    // On the copy stream (a one-rank group's "all-reduce"): a copy.
+    dflash_worker::device::ops::adamw::scale_on(o.dev.as_mut(), Stream::Copy, gy, gx, 1.0).unwrap();
+    o.dev.sync().unwrap();
+    assert_eq!(get(&mut o, gy), x, "scale by 1 on the copy stream");
+}
+
 #[test]
 fn host_device_adamw_clips_by_the_device_norm_and_skips_non_finite_steps() {
     let _checks = all_checks();

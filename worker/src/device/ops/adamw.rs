@@ -1,11 +1,11 @@
-//! The optimizer (`cuda/adamw.cuh`): the gradient norm, AdamW and the weights' checksum, with
-//! no host sync; their arguments, their launches on [`Ops`], and their CPU bodies.
+//! The optimizer (`cuda/adamw.cuh`): the gradient norm, AdamW, the weights' checksum and
+//! the gradient's scaling, with no host sync; their arguments, their launches on [`Ops`], and their CPU bodies.
 
 #![allow(clippy::needless_range_loop)] // the CPU bodies index several buffers by one row/element index, as the CUDA source does
 
 use super::on_cpu::{need, rd, wr, Widened};
 use super::{grid_for, i32_of, i64_of, Ops, BLOCK};
-use crate::device::{Arg, DSlice, GpuError, Result};
+use crate::device::{Arg, DSlice, Device, GpuError, Result, Stream};
 
 /// Most blocks `sumsq` uses (the f64 partials it needs).
 pub const SUMSQ_BLOCKS: usize = 1024;
@@ -83,6 +83,14 @@ pub enum Optimizer {
     },
     /// The weights' checksum ([`super::params_hash`]) added into `acc` (one u64).
     ParamsHash { acc: DSlice, p: DSlice, n: usize },
+    /// `y = alpha · x` (f32, `n` each): a group's gradient sum scaled into the step's
+    /// average, or copied (`alpha` 1).
+    Scale {
+        y: DSlice,
+        x: DSlice,
+        n: usize,
+        alpha: f32,
+    },
 }
 
 impl Optimizer {
@@ -107,6 +115,7 @@ impl Optimizer {
             Optimizer::AdamCount { .. } => "adam_count",
             Optimizer::Adamw { .. } => "adamw",
             Optimizer::ParamsHash { .. } => "params_hash",
+            Optimizer::Scale { .. } => "scale_f32",
         }
     }
 
@@ -156,6 +165,7 @@ impl Optimizer {
                 F32(hyper.weight_decay),
             ],
             Optimizer::ParamsHash { acc, p, n } => vec![RW(acc), R(p), i64_of(n)],
+            Optimizer::Scale { y, x, n, alpha } => vec![W(y), R(x), i64_of(n), F32(alpha)],
         }
     }
 
@@ -195,6 +205,12 @@ impl Optimizer {
                 hyper,
             },
             Optimizer::ParamsHash { acc: b, p: b, n: 1 },
+            Optimizer::Scale {
+                y: b,
+                x: b,
+                n: 1,
+                alpha: 0.5,
+            },
         ]);
         all
     }
@@ -256,11 +272,45 @@ impl Optimizer {
                 acc[0] = acc[0].wrapping_add(params_hash(&p[..n]));
                 Ok(())
             }
+            Optimizer::Scale { y, x, n, alpha } => {
+                let (y, x) = (wr::<f32>(y), rd::<f32>(x));
+                need(name, "x", x.len(), n)?;
+                need(name, "y", y.len(), n)?;
+                for (y, x) in y[..n].iter_mut().zip(&x[..n]) {
+                    *y = alpha * x;
+                }
+                Ok(())
+            }
         }
     }
 }
 
+/// `y = alpha · x` (f32, the length of `x`) on `stream` of `dev`: [`Ops::scale`] on a
+/// stream the ops do not own (a collective's).
+pub fn scale_on(
+    dev: &mut dyn Device,
+    stream: Stream,
+    y: DSlice,
+    x: DSlice,
+    alpha: f32,
+) -> Result<()> {
+    let n = x.len_f32();
+    if y.len_f32() < n {
+        return Err(GpuError::Invalid(format!(
+            "scale: {} f32 of output for {n} of input",
+            y.len_f32()
+        )));
+    }
+    let k = Optimizer::Scale { y, x, n, alpha };
+    dev.launch(stream, &k.into(), grid_for(n), BLOCK)
+}
+
 impl Ops {
+    /// `y = alpha · x` (f32, the length of `x`).
+    pub fn scale(&mut self, y: DSlice, x: DSlice, alpha: f32) -> Result<()> {
+        scale_on(self.dev.as_mut(), self.stream, y, x, alpha)
+    }
+
     /// Σg² into `acc` (one f64, overwritten) and `nonfinite` (one i32, set on NaN/inf;
     /// zero it first), through `partials` ([`SUMSQ_BLOCKS`] f64s): each block's share,
     /// then their sum in block order, so the result does not depend on scheduling.

@@ -7,6 +7,7 @@
 use std::ops::Range;
 
 use super::pinned::Pinned;
+use crate::device::ops::adamw::scale_on;
 use crate::device::ops::{AdamBuffers, AdamHyper, Ops};
 use crate::device::{f32_bytes, f32_bytes_mut, i32_bytes, DSlice, Device, Event, Result, Stream};
 
@@ -18,10 +19,8 @@ pub(super) struct Opt {
     v: DSlice,
     gsum: DSlice,
     /// The group's unnormalised gradient sum as a device collective leaves it (NCCL
-    /// all-reduces the gradient into it), and a 1.0 for the GEMM that scales it into
-    /// `gsum`.
+    /// all-reduces the gradient into it), which the `scale` kernel scales into `gsum`.
     gred: DSlice,
-    one: DSlice,
     /// Σg² (one f64), and each block's share of it.
     acc: DSlice,
     partials: DSlice,
@@ -44,7 +43,6 @@ impl Opt {
             v: f(total, "adam v")?,
             gsum: f(total, "averaged gradient")?,
             gred: f(total, "all-reduced gradient")?,
-            one: f(1, "the constant 1")?,
             acc: f(2, "gradient sumsq")?,
             partials: f(
                 2 * crate::device::ops::SUMSQ_BLOCKS,
@@ -135,7 +133,6 @@ impl Update {
     /// The update over `opt`, with its pinned page registered with `dev`.
     pub(super) fn new(dev: &mut dyn Device, opt: Opt) -> Result<Update> {
         let page = Pinned::new(dev, HASH_AT + 8)?;
-        dev.upload(Stream::Compute, opt.one, f32_bytes(&[1.0]))?;
         Ok(Update {
             opt,
             page,
@@ -259,9 +256,7 @@ impl Update {
                 } else {
                     1.0
                 };
-                // gsum = alpha · gred, as a GEMM with the constant 1 (every device has it).
-                ops.dev
-                    .gemm(Stream::Compute, &scale(o.gred, o.one, o.gsum, alpha))?;
+                ops.scale(o.gsum, o.gred, alpha)?;
             }
         }
         self.optimize(ops, wt, args)?;
@@ -376,41 +371,16 @@ impl Update {
     }
 
     /// A one-rank group's "all-reduce": the gradient copied into the reduce buffer on the
-    /// copy stream, bucket by bucket behind the backward (a GEMM with the constant 1, so
-    /// every device has it).
+    /// copy stream, bucket by bucket behind the backward.
     pub(super) fn reduce_alone(
         &mut self,
         ops: &mut Ops,
         grads: DSlice,
         plan: Vec<Range<usize>>,
     ) -> Result<Event> {
-        let one = self.opt.one;
         self.reduce_buckets(ops, grads, plan, Stream::Copy, &mut |dev, g, r| {
-            dev.gemm(Stream::Copy, &scale(g, one, r, 1.0))
+            scale_on(dev, Stream::Copy, r, g, 1.0)
         })
-    }
-}
-
-/// `c = alpha · a` for `a` and `c` of the same f32 length, as a GEMM of `a` (n×1) with
-/// the constant `one` (1×1).
-fn scale(a: DSlice, one: DSlice, c: DSlice, alpha: f32) -> crate::device::Gemm {
-    let n = a.bytes / 4;
-    crate::device::Gemm {
-        transa: false,
-        transb: false,
-        m: n,
-        n: 1,
-        k: 1,
-        alpha,
-        a,
-        lda: n.max(1),
-        b: one,
-        ldb: 1,
-        beta: 0.0,
-        c,
-        ldc: n.max(1),
-        bf16_inputs: false,
-        bf16_output: false,
     }
 }
 
