@@ -10,7 +10,7 @@
 
 use dflash_shared::model_config::TargetConfig;
 
-use crate::device::ops::{Attention, Ops};
+use crate::device::ops::{Attention, Mat, Ops};
 use crate::device::{f32_bytes_mut, Arena, ArenaStats, DSlice, Device, GpuError, Result, Stream};
 use crate::models::target::Target;
 
@@ -402,8 +402,6 @@ impl DeviceTarget {
         let c = &self.cfg;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let (qd, kd) = (nh * hd, nkv * hd);
-        let eps = c.rms_norm_eps as f32;
         let width = self.taps.len() * h;
         let a = &self.a;
         let ops = &mut self.ops;
@@ -418,19 +416,9 @@ impl DeviceTarget {
                 s.f32s(0..n)
             }
         };
-        let Views {
-            x,
-            n1,
-            q,
-            k,
-            v,
-            att,
-            o,
-            g,
-            u,
-            sw,
-        } = a.views(c, t, self.bf16);
-        let (rstd, lse) = (a.rstd.f32s(0..t * qd / hd), a.lse.f32s(0..t * nh));
+        let vw = a.views(c, t, self.bf16);
+        let x = vw.x.buf;
+        let lse = a.lse.f32s(0..t * nh);
         let out = act(out, t * width);
         match (carry, self.embed) {
             (Some(c), _) => {
@@ -445,65 +433,18 @@ impl DeviceTarget {
             }
         }
         let last = self.taps.iter().copied().max().unwrap_or(0);
-        let mm = |ops: &mut Ops, x: DSlice, w: DSlice, y: DSlice, m: usize, k: usize, n: usize| {
-            ops.matmul(
-                ops.act_mat(x, m, k),
-                ops.act_mat(w, n, k),
-                ops.act_mat(y, m, n),
-            )
-        };
         for (li, l) in self.layers.iter().enumerate() {
             let li = self.first + li;
             if li > last {
                 break;
             }
-            ops.rmsnorm(
-                ops.act_mat(x, t, h),
-                l.ln1,
-                ops.act_mat(n1, t, h),
-                rstd.f32s(0..t),
-                eps,
-            )?;
-            mm(ops, n1, l.wq, q, t, h, qd)?;
-            mm(ops, n1, l.wk, k, t, h, kd)?;
-            mm(ops, n1, l.wv, v, t, h, kd)?;
-            if let Some((qn, kn)) = l.qk_norm {
-                ops.rmsnorm(
-                    ops.act_mat(q, t * nh, hd),
-                    qn,
-                    ops.act_mat(q, t * nh, hd),
-                    rstd.f32s(0..t * nh),
-                    eps,
-                )?;
-                ops.rmsnorm(
-                    ops.act_mat(k, t * nkv, hd),
-                    kn,
-                    ops.act_mat(k, t * nkv, hd),
-                    rstd.f32s(0..t * nkv),
-                    eps,
-                )?;
-            }
-            ops.rope(
-                ops.act_mat(q, t, nh * hd),
-                pos,
-                self.inv_freq,
-                hd,
-                self.rope_scale,
-                false,
-            )?;
-            ops.rope(
-                ops.act_mat(k, t, nkv * hd),
-                pos,
-                self.inv_freq,
-                hd,
-                self.rope_scale,
-                false,
-            )?;
+            let rope = (pos, self.inv_freq, self.rope_scale);
+            attention_inputs(ops, c, l, &vw, a.rstd, rope)?;
             ops.attention(Attention {
-                q,
-                k,
-                v,
-                out: att,
+                q: vw.q.buf,
+                k: vw.k.buf,
+                v: vw.v.buf,
+                out: vw.att.buf,
                 lse,
                 spans,
                 tq: t,
@@ -511,24 +452,11 @@ impl DeviceTarget {
                 kvh: nkv,
                 hd,
             })?;
-            mm(ops, att, l.wo, o, t, qd, h)?;
-            ops.add(x, o)?;
-            ops.rmsnorm(
-                ops.act_mat(x, t, h),
-                l.ln2,
-                ops.act_mat(n1, t, h),
-                rstd.f32s(0..t),
-                eps,
-            )?;
-            mlp(ops, c, l, a, (n1, o, [g, u, sw]), t)?;
-            ops.add(x, o)?;
+            attention_output_and_mlp(ops, c, l, a, &vw, a.rstd)?;
             for (ti, &tap) in self.taps.iter().enumerate() {
                 if tap == li {
-                    ops.copy_cols(
-                        (ops.act_mat(out, t, width), ti * h),
-                        (ops.act_mat(x, t, h), 0),
-                        h,
-                    )?;
+                    let taps = ops.act_mat(out, t, width);
+                    ops.copy_cols((taps, ti * h), (vw.x, 0), h)?;
                 }
             }
         }
@@ -536,38 +464,68 @@ impl DeviceTarget {
     }
 }
 
-/// Layer `l`'s MLP of the `t` normed rows `n1` into `o` (`[t, hidden]`), with the dense
-/// MLP's gate, up and SwiGLU activations `gus` or the sparse MLP's of `a`.
-fn mlp(
+/// Layer `l`'s attention inputs from the residual stream `v.x` (`t` rows): `n1 =
+/// ln1(x)`, q, k and v, then q and k normed per head (where the model has those norms)
+/// and rotated to the rows' positions (`rope`: positions, frequencies, cos/sin scale).
+/// `rstd` holds a reciprocal RMS per row and head.
+fn attention_inputs(
+    ops: &mut Ops,
+    c: &TargetConfig,
+    l: &Layer,
+    v: &Views,
+    rstd: DSlice,
+    (pos, inv_freq, scale): (DSlice, DSlice, f32),
+) -> Result<()> {
+    let (h, hd, eps) = (c.hidden_size, c.head_dim, c.rms_norm_eps as f32);
+    let (t, act) = (v.x.rows, ops.act());
+    ops.rmsnorm(v.x, l.ln1, v.n1, rstd.f32s(0..t), eps)?;
+    for (w, y) in [(l.wq, v.q), (l.wk, v.k), (l.wv, v.v)] {
+        ops.matmul(v.n1, Mat::new(w, y.cols, h, act), y)?;
+    }
+    if let Some((qn, kn)) = l.qk_norm {
+        for (y, norm) in [(v.q, qn), (v.k, kn)] {
+            let heads = Mat::new(y.buf, t * y.cols / hd, hd, act);
+            ops.rmsnorm(heads, norm, heads, rstd.f32s(0..heads.rows), eps)?;
+        }
+    }
+    ops.rope(v.q, pos, inv_freq, hd, scale, false)?;
+    ops.rope(v.k, pos, inv_freq, hd, scale, false)
+}
+
+/// The rest of layer `l` once its attention wrote `v.att`: the output projection added
+/// into the residual stream `v.x`, then `x += mlp(ln2(x))`.
+fn attention_output_and_mlp(
     ops: &mut Ops,
     c: &TargetConfig,
     l: &Layer,
     a: &Acts,
-    (n1, o, gus): (DSlice, DSlice, [DSlice; 3]),
-    t: usize,
+    v: &Views,
+    rstd: DSlice,
 ) -> Result<()> {
-    let h = c.hidden_size;
+    let (h, eps) = (c.hidden_size, c.rms_norm_eps as f32);
+    let wo = Mat::new(l.wo, h, v.att.cols, ops.act());
+    ops.matmul(v.att, wo, v.o)?;
+    ops.add(v.x.buf, v.o.buf)?;
+    ops.rmsnorm(v.x, l.ln2, v.n1, rstd.f32s(0..v.x.rows), eps)?;
+    mlp(ops, c, l, a, v)?;
+    ops.add(v.x.buf, v.o.buf)
+}
+
+/// Layer `l`'s MLP of the normed rows `v.n1` into `v.o`, with the dense MLP's gate, up and
+/// SwiGLU activations of `v` or the sparse MLP's of `a`.
+fn mlp(ops: &mut Ops, c: &TargetConfig, l: &Layer, a: &Acts, v: &Views) -> Result<()> {
+    let (h, t, act) = (c.hidden_size, v.x.rows, ops.act());
     match (&l.mlp, &c.moe, &a.moe) {
         (Mlp::Dense([gate, up, down]), _, _) => {
-            let ([g, u, sw], inter) = (gus, c.intermediate_size);
-            ops.matmul(
-                ops.act_mat(n1, t, h),
-                ops.act_mat(*gate, inter, h),
-                ops.act_mat(g, t, inter),
-            )?;
-            ops.matmul(
-                ops.act_mat(n1, t, h),
-                ops.act_mat(*up, inter, h),
-                ops.act_mat(u, t, inter),
-            )?;
-            ops.swiglu(g, u, sw)?;
-            ops.matmul(
-                ops.act_mat(sw, t, inter),
-                ops.act_mat(*down, h, inter),
-                ops.act_mat(o, t, h),
-            )
+            let inter = c.intermediate_size;
+            ops.matmul(v.n1, Mat::new(*gate, inter, h, act), v.g)?;
+            ops.matmul(v.n1, Mat::new(*up, inter, h, act), v.u)?;
+            ops.swiglu(v.g.buf, v.u.buf, v.sw.buf)?;
+            ops.matmul(v.sw, Mat::new(*down, h, inter, act), v.o)
         }
-        (Mlp::Sparse(w), Some(m), Some(acts)) => moe::sparse_mlp(ops, m, w, acts, (n1, o), t, h),
+        (Mlp::Sparse(w), Some(m), Some(acts)) => {
+            moe::sparse_mlp(ops, m, w, acts, (v.n1.buf, v.o.buf), t, h)
+        }
         (Mlp::Sparse(_), _, _) => Err(GpuError::Invalid(
             "a sparse layer in a target without a mixture of experts".into(),
         )),

@@ -178,14 +178,10 @@ impl Pass<'_> {
         let ops = &mut *self.ops;
         let p = |r: &Range<usize>| pw.f32s(r.clone());
         let xin = mx.gemm_act(sv.x, m, h);
-        ops.copy_cols(
-            (ops.act_mat(sv.h_in.f32s(0..m * h), m, h), 0),
-            (ops.act_mat(hcur, m, h), 0),
-            h,
-        )?;
+        let (h_in, hc) = (Mat::f32(sv.h_in, m, h), Mat::f32(hcur, m, h));
+        ops.copy_cols((h_in, 0), (hc, 0), h)?;
         // x and the context are written as the GEMMs read them (bf16 on a GPU).
-        let (hc, rstd) = (Mat::f32(hcur, m, h), sv.rstd1.f32s(0..m));
-        ops.rmsnorm(hc, p(&li.ln1), xin, rstd, eps)?;
+        ops.rmsnorm(hc, p(&li.ln1), xin, sv.rstd1.f32s(0..m), eps)?;
         let ctx_rows = |b: DSlice| Mat::f32(b, slen, kd);
         let blk_rows = |b: DSlice| Mat::f32(b.f32s(slen * kd..(slen + m) * kd), m, kd);
         mx.mm_in(ops, ctx, lc.pp(&li.wk), ctx_rows(sv.k_pre))?;
@@ -281,15 +277,11 @@ impl Pass<'_> {
         } = lc;
         let ops = &mut *self.ops;
         let p = |r: &Range<usize>| pw.f32s(r.clone());
-        ops.copy_cols(
-            (ops.act_mat(sv.h_mid.f32s(0..m * h), m, h), 0),
-            (ops.act_mat(hcur, m, h), 0),
-            h,
-        )?;
+        let (h_mid, hc) = (Mat::f32(sv.h_mid, m, h), Mat::f32(hcur, m, h));
+        ops.copy_cols((h_mid, 0), (hc, 0), h)?;
         // x2 and the SwiGLU's output are written as the GEMMs read them (bf16 on a GPU).
         let x2 = mx.gemm_act(sv.x2, m, h);
-        let (hc, rstd) = (Mat::f32(hcur, m, h), sv.rstd2.f32s(0..m));
-        ops.rmsnorm(hc, p(&li.ln2), x2, rstd, eps)?;
+        ops.rmsnorm(hc, p(&li.ln2), x2, sv.rstd2.f32s(0..m), eps)?;
         let (gu, act) = (Mat::f32(sv.gu, m, 2 * inter), mx.gemm_act(sv.act, m, inter));
         mx.mm_in(ops, x2, lc.pp(&li.gate_up()), gu)?;
         mx.swiglu(ops, gu.buf, act.buf, inter)?;

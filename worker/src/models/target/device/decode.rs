@@ -387,23 +387,11 @@ impl Part {
         let c = &self.model.cfg;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let (nh, nkv) = (c.num_attention_heads, c.num_key_value_heads);
-        let (qd, kd) = (nh * hd, nkv * hd);
-        let eps = c.rms_norm_eps as f32;
+        let kd = nkv * hd;
         let width = self.model.taps.len() * h;
         let a = &self.model.a;
         let act = |s: DSlice, n: usize| self.act(s, n);
-        let super::layout::Views {
-            x,
-            n1,
-            q,
-            k,
-            v,
-            att,
-            o,
-            g,
-            u,
-            sw,
-        } = a.views(c, t, self.model.bf16);
+        let vw = a.views(c, t, self.model.bf16);
         let elem = if self.model.bf16 { 2 } else { 4 };
         let (ck, cv) = self.cache[li];
         let (kall, vall) = (
@@ -414,68 +402,23 @@ impl Part {
             ck.sub(elem, s0 * kd..(s0 + t) * kd),
             cv.sub(elem, s0 * kd..(s0 + t) * kd),
         );
-        let (rstd, lse) = (a.rstd.f32s(0..t * nh.max(nkv)), a.lse.f32s(0..t * nh));
+        let lse = a.lse.f32s(0..t * nh);
         let out = act(a.out, t * width);
         let taps: Vec<usize> = self.model.taps.clone();
         let global = self.model.first + li;
         let l = &self.model.layers[li];
         let ops = &mut self.model.ops;
-        let (inv, scale) = (self.model.inv_freq, self.model.rope_scale);
-        ops.rmsnorm(
-            ops.act_mat(x, t, h),
-            l.ln1,
-            ops.act_mat(n1, t, h),
-            rstd.f32s(0..t),
-            eps,
-        )?;
-        ops.matmul(
-            ops.act_mat(n1, t, h),
-            ops.act_mat(l.wq, qd, h),
-            ops.act_mat(q, t, qd),
-        )?;
-        ops.matmul(
-            ops.act_mat(n1, t, h),
-            ops.act_mat(l.wk, kd, h),
-            ops.act_mat(k, t, kd),
-        )?;
-        ops.matmul(
-            ops.act_mat(n1, t, h),
-            ops.act_mat(l.wv, kd, h),
-            ops.act_mat(v, t, kd),
-        )?;
-        if let Some((qn, kn)) = l.qk_norm {
-            ops.rmsnorm(
-                ops.act_mat(q, t * nh, hd),
-                qn,
-                ops.act_mat(q, t * nh, hd),
-                rstd.f32s(0..t * nh),
-                eps,
-            )?;
-            ops.rmsnorm(
-                ops.act_mat(k, t * nkv, hd),
-                kn,
-                ops.act_mat(k, t * nkv, hd),
-                rstd.f32s(0..t * nkv),
-                eps,
-            )?;
+        let rope = (self.pos, self.model.inv_freq, self.model.rope_scale);
+        super::attention_inputs(ops, c, l, &vw, a.rstd, rope)?;
+        // The rows' keys and values join the cache; they attend over all of it.
+        for (cache, new) in [(knew, vw.k), (vnew, vw.v)] {
+            ops.copy_cols((ops.act_mat(cache, t, kd), 0), (new, 0), kd)?;
         }
-        ops.rope(ops.act_mat(q, t, nh * hd), self.pos, inv, hd, scale, false)?;
-        ops.rope(ops.act_mat(k, t, nkv * hd), self.pos, inv, hd, scale, false)?;
-        ops.copy_cols(
-            (ops.act_mat(knew, t, kd), 0),
-            (ops.act_mat(k, t, kd), 0),
-            kd,
-        )?;
-        ops.copy_cols(
-            (ops.act_mat(vnew, t, kd), 0),
-            (ops.act_mat(v, t, kd), 0),
-            kd,
-        )?;
         ops.attention(Attention {
-            q,
+            q: vw.q.buf,
             k: kall,
             v: vall,
-            out: att,
+            out: vw.att.buf,
             lse,
             spans: self.spans,
             tq: t,
@@ -483,28 +426,11 @@ impl Part {
             kvh: nkv,
             hd,
         })?;
-        ops.matmul(
-            ops.act_mat(att, t, qd),
-            ops.act_mat(l.wo, h, qd),
-            ops.act_mat(o, t, h),
-        )?;
-        ops.add(x, o)?;
-        ops.rmsnorm(
-            ops.act_mat(x, t, h),
-            l.ln2,
-            ops.act_mat(n1, t, h),
-            rstd.f32s(0..t),
-            eps,
-        )?;
-        super::mlp(ops, c, l, a, (n1, o, [g, u, sw]), t)?;
-        ops.add(x, o)?;
+        super::attention_output_and_mlp(ops, c, l, a, &vw, a.rstd)?;
         for (ti, &tap) in taps.iter().enumerate() {
             if tap == global {
-                ops.copy_cols(
-                    (ops.act_mat(out, t, width), ti * h),
-                    (ops.act_mat(x, t, h), 0),
-                    h,
-                )?;
+                let taps = ops.act_mat(out, t, width);
+                ops.copy_cols((taps, ti * h), (vw.x, 0), h)?;
             }
         }
         Ok(())

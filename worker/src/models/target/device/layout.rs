@@ -6,7 +6,7 @@
 use dflash_shared::model_config::TargetConfig;
 
 use super::moe;
-use crate::device::ops::Ops;
+use crate::device::ops::{DType, Mat, Ops};
 use crate::device::{i32_bytes, Arena, DSlice, Device, Result, Stream};
 use crate::models::target::Target;
 
@@ -51,19 +51,20 @@ pub(super) struct Acts {
     pub(super) stage: [DSlice; 2],
 }
 
-/// One forward's activations for `t` tokens, each the size the layer writes (bf16
-/// elements on a GPU, f32 on the CPU device): [`Acts::views`].
+/// One forward's activations for `t` tokens, each the `[t, width]` matrix the layer
+/// writes (bf16 on a GPU, f32 on the CPU device): [`Acts::views`].
+#[derive(Clone, Copy)]
 pub(super) struct Views {
-    pub(super) x: DSlice,
-    pub(super) n1: DSlice,
-    pub(super) q: DSlice,
-    pub(super) k: DSlice,
-    pub(super) v: DSlice,
-    pub(super) att: DSlice,
-    pub(super) o: DSlice,
-    pub(super) g: DSlice,
-    pub(super) u: DSlice,
-    pub(super) sw: DSlice,
+    pub(super) x: Mat,
+    pub(super) n1: Mat,
+    pub(super) q: Mat,
+    pub(super) k: Mat,
+    pub(super) v: Mat,
+    pub(super) att: Mat,
+    pub(super) o: Mat,
+    pub(super) g: Mat,
+    pub(super) u: Mat,
+    pub(super) sw: Mat,
 }
 
 impl Acts {
@@ -74,18 +75,18 @@ impl Acts {
             c.num_attention_heads * c.head_dim,
             c.num_key_value_heads * c.head_dim,
         );
-        let act = |s: DSlice, n: usize| if bf16 { s.sub(2, 0..n) } else { s.f32s(0..n) };
+        let act = |s: DSlice, cols: usize| Mat::new(s, t, cols, DType::of(bf16));
         Views {
-            x: act(self.x, t * h),
-            n1: act(self.n1, t * h),
-            q: act(self.q, t * qd),
-            k: act(self.k, t * kd),
-            v: act(self.v, t * kd),
-            att: act(self.att, t * qd),
-            o: act(self.o, t * h),
-            g: act(self.g, t * inter),
-            u: act(self.u, t * inter),
-            sw: act(self.act, t * inter),
+            x: act(self.x, h),
+            n1: act(self.n1, h),
+            q: act(self.q, qd),
+            k: act(self.k, kd),
+            v: act(self.v, kd),
+            att: act(self.att, qd),
+            o: act(self.o, h),
+            g: act(self.g, inter),
+            u: act(self.u, inter),
+            sw: act(self.act, inter),
         }
     }
 }
