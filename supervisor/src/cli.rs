@@ -59,6 +59,14 @@ pub enum Command {
     /// Audit a run's batch ledger: produced, consumed once, in flight, lost, duplicated.
     /// Exits 1 if any batch was lost or reached an optimizer twice.
     Ledger(LedgerArgs),
+    /// How to split the devices between target and drafter workers, before a run: with
+    /// the run's own flags, each role's device memory per worker (weights, activations at
+    /// the token budget, the drafter's training state, a CUDA allowance) against each
+    /// device, every `--targets N` with whether it fits and the tokens/s it would train
+    /// (the roofline at the GPU's bf16 peak, or what an earlier run measured: --from), and
+    /// the fastest that fits with its command line. Starts no worker; touches no GPU beyond
+    /// NVML. Exits 2 when no split fits, saying why.
+    Plan(Box<PlanArgs>),
     /// List the GPUs NVML sees (index, name, UUID, memory, driver), or say that there is
     /// no NVIDIA driver.
     Gpus {
@@ -156,6 +164,20 @@ pub struct PrepareArgs {
 }
 
 pub use crate::run::engine::TargetEngine;
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// An earlier run's directory: the tokens/s per target and per drafter worker it
+    /// measured (metrics.jsonl) replace the roofline estimate, each corrected for the time
+    /// its workers waited on the other role.
+    #[arg(long, value_name = "RUN_DIR", help_heading = "Plan")]
+    pub from: Option<PathBuf>,
+    /// Print one JSON object.
+    #[arg(long, help_heading = "Plan")]
+    pub json: bool,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
 
 #[derive(Debug, Args)]
 pub struct RunArgs {

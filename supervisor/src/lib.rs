@@ -74,6 +74,7 @@ pub fn main() -> i32 {
         }) => commands::report::run(run_dir, out, watch),
         Some(Command::Ledger(a)) => commands::ledger::run(a),
         Some(Command::Gpus { json }) => commands::gpus::run(json),
+        Some(Command::Plan(a)) => commands::plan::run(*a, &argv),
         Some(Command::Prepare(a)) => commands::prepare::prepare(a),
         Some(Command::Export(a)) => commands::export::run(a),
         Some(Command::ExportCheck(a)) => commands::export_check::run(a),

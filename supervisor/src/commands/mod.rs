@@ -7,6 +7,7 @@ pub mod export_check;
 pub mod gpus;
 pub mod ledger;
 pub mod logs;
+pub mod plan;
 pub mod prepare;
 pub mod regenerate;
 pub mod report;

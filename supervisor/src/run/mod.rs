@@ -11,7 +11,7 @@ pub mod config_file;
 pub mod control;
 pub mod dispatcher;
 pub mod engine;
-mod gpu_fit;
+pub mod gpu_fit;
 pub mod init_drafter;
 pub mod process;
 pub mod reaper;
@@ -42,6 +42,33 @@ pub fn plan(
     gpu_count: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>,
 ) -> Result<Vec<(WorkerName, Device)>, Error> {
     Ok(placement(args, gpu_count)?.workers)
+}
+
+/// What `plan` needs of a run's settings, resolved as the run resolves them.
+pub struct PlanSettings {
+    pub target: TargetConfig,
+    pub drafter: DrafterConfig,
+    pub taps: Vec<u32>,
+    pub token_budget: u32,
+}
+
+/// The target, the drafter, the taps and the token budget of a run of `args` (with the
+/// split its `--targets` asks for), without starting anything.
+pub fn plan_settings(args: &RunArgs) -> Result<PlanSettings, Error> {
+    let target = match target_config(&args.target) {
+        Err(_) if args.target != "tiny" => TargetConfig::load_any(Path::new(&args.target))
+            .map_err(|e| Error::input(format!("--target {}", args.target), e))?,
+        r => r?,
+    };
+    let placed = placement(args, &mut gpus::gpu_count)?;
+    let (_, pipeline) = data_config(args, &placed.workers, &target)?;
+    let trainer = trainer_config(args, &placed.workers, &target, &pipeline.capture)?;
+    Ok(PlanSettings {
+        target,
+        drafter: trainer.drafter,
+        taps: pipeline.capture.tap_ids,
+        token_budget: pipeline.token_budget,
+    })
 }
 
 /// Where the workers run: each worker's device, and the GPUs of each target worker that

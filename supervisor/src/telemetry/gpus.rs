@@ -49,6 +49,8 @@ pub struct GpuInfo {
     pub name: String,
     pub uuid: String,
     pub memory_total_bytes: Option<u64>,
+    /// Free now (what a worker started now could have).
+    pub memory_free_bytes: Option<u64>,
 }
 
 /// Every GPU NVML reports, with the driver version.
@@ -68,6 +70,7 @@ pub fn list() -> Result<(String, Vec<GpuInfo>), NvmlUnavailable> {
             name: d.name().unwrap_or_else(|e| format!("unknown ({e})")),
             uuid: d.uuid().unwrap_or_else(|e| format!("unknown ({e})")),
             memory_total_bytes: d.memory_info().ok().map(|m| m.total),
+            memory_free_bytes: d.memory_info().ok().map(|m| m.free),
         });
     }
     Ok((driver, out))
