@@ -888,9 +888,10 @@ fn a_target_over_two_emulated_gpus_captures_what_it_captures_on_one() {
     assert!(!run_dir.join("workers").exists());
 }
 
-/// A target whose weights do not fit its GPU (NVML's memory: here GPUs of 256 KiB) is
-/// refused before any worker starts, in one line saying how many GPUs per target would
-/// hold it; with that many, the run trains.
+/// A target whose weights do not fit its GPU (NVML's memory: here GPUs 0 and 1 of 256
+/// KiB, 2 and 3 large) is refused before any worker starts, in one line saying how many
+/// GPUs per target would hold it; with that many, the run trains. A drafter placed on a
+/// GPU too small for its training state is refused the same way.
 #[test]
 fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
     let tmp = tempfile::tempdir().unwrap();
@@ -898,7 +899,8 @@ fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
     let small = tmp.path().join("small-nvml.json");
     let devs: Vec<String> = (0..4)
         .map(|i| {
-            format!(r#"{{"name": "Small GPU", "uuid": "GPU-{i:04}", "memory_total": 262144}}"#)
+            let bytes: u64 = if i < 2 { 262144 } else { 150323855360 };
+            format!(r#"{{"name": "Small GPU", "uuid": "GPU-{i:04}", "memory_total": {bytes}}}"#)
         })
         .collect();
     fs::write(
@@ -951,6 +953,39 @@ fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no --gpus-per-target N in {err}"));
     assert!((2..4).contains(&n), "{err}");
+    // A drafter on a small GPU: its weights, gradients and Adam state alone do not fit.
+    let o = std::process::Command::new(bin("dflash-supervise"))
+        .args([
+            "--target-gpus",
+            "2",
+            "--drafter-gpus",
+            "0",
+            "--data",
+            "demo",
+            "--steps",
+            "2",
+        ])
+        .args([
+            "--max-seq-len",
+            "16",
+            "--token-budget",
+            "128",
+            "--no-gpu-metrics",
+        ])
+        .arg("--run-dir")
+        .arg(tmp.path().join("drafter"))
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("drafter-0: the drafter's training state (")
+            && err.contains("do not fit in 90% of GPU 0 (256.0 KiB"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("drafter").join("workers").exists());
     if skip() {
         return;
     }

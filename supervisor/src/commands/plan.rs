@@ -29,10 +29,7 @@ use crate::telemetry::gpus;
 /// and the kernels' module (stated in the plan's output).
 pub const CUDA_ALLOWANCE: u64 = 1 << 30;
 
-/// Bytes per drafter parameter on a GPU: the f32 master weights, their bf16 copy, the
-/// gradient, Adam's two moments, the averaged gradient and the collective's reduce buffer
-/// (the drafter worker's layout, `models/drafter/device/layout.rs`).
-pub const DRAFTER_BYTES_PER_PARAM: u64 = 4 + 2 + 4 + 4 + 4 + 4 + 4;
+pub use crate::run::gpu_fit::DRAFTER_BYTES_PER_PARAM;
 
 /// One device the plan places workers on.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -249,7 +246,8 @@ fn needs(
     // On a GPU the embedding in f32 and the lm_head in bf16; on the CPU both f32 (one
     // table where the target ties them).
     let (frozen, state) = if on_gpu {
-        (table * 4 + table * 2, params * DRAFTER_BYTES_PER_PARAM)
+        let (state, frozen) = gpu_fit::drafter_fixed_bytes(d);
+        (frozen, state)
     } else {
         let tables = if tcfg.tie_word_embeddings { 1 } else { 2 };
         (table * 4 * tables, params * 4 * 4)

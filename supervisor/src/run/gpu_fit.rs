@@ -4,6 +4,7 @@
 
 use std::path::Path;
 
+use dflash_shared::drafter::{DrafterConfig, ParamLayout};
 use dflash_shared::layer_split::device_loads;
 use dflash_shared::model_config::{expected_tensors, Arch, TargetConfig};
 use dflash_shared::{Device, Role, WorkerName};
@@ -114,6 +115,63 @@ pub fn check(
     Ok(())
 }
 
+/// Bytes per drafter parameter on a GPU: the f32 master weights, their bf16 copy, the
+/// gradient, Adam's two moments, the averaged gradient and the collective's reduce buffer
+/// (the drafter worker's layout, `models/drafter/device/layout.rs`).
+pub const DRAFTER_BYTES_PER_PARAM: u64 = 4 + 2 + 4 + 4 + 4 + 4 + 4;
+
+/// What a drafter worker places on its GPU whatever its batches: its training state
+/// ([`DRAFTER_BYTES_PER_PARAM`] per parameter), and the frozen embedding (f32) and
+/// lm_head (bf16).
+pub fn drafter_fixed_bytes(d: &DrafterConfig) -> (u64, u64) {
+    let state = ParamLayout::new(d).total as u64 * DRAFTER_BYTES_PER_PARAM;
+    (state, (d.vocab * d.hidden) as u64 * (4 + 2))
+}
+
+/// Refuse a drafter worker whose GPU (`memory`: its total by NVML index) cannot hold
+/// [`drafter_fixed_bytes`] in the share weights may take: what it places whatever its
+/// batches, which no smaller batch helps. The refusal says which `--draft-layers` fits.
+pub fn check_drafters(
+    plan: &[(WorkerName, Device)],
+    d: &DrafterConfig,
+    memory: &dyn Fn(u32) -> Option<u64>,
+) -> Result<(), Error> {
+    let fixed = |d: &DrafterConfig| {
+        let (state, frozen) = drafter_fixed_bytes(d);
+        state + frozen
+    };
+    for (name, dev) in plan.iter().filter(|(n, _)| n.role == Role::Drafter) {
+        let Device::Gpu(g) = dev else { continue };
+        let Some(total) = memory(*g) else { continue };
+        let room = (total as f64 * WEIGHT_SHARE) as u64;
+        if fixed(d) <= room {
+            continue;
+        }
+        let (state, frozen) = drafter_fixed_bytes(d);
+        let fewer = (1..d.layers).rev().find(|&layers| {
+            let smaller = DrafterConfig {
+                layers,
+                ..d.clone()
+            };
+            fixed(&smaller) <= room
+        });
+        let would = match fewer {
+            Some(l) => format!("--draft-layers {l} would fit"),
+            None => "no drafter of this target's width and vocabulary fits a GPU of this size"
+                .to_string(),
+        };
+        return Err(Error::Flag(format!(
+            "{name}: the drafter's training state ({}: {DRAFTER_BYTES_PER_PARAM} bytes for each of its {} parameters) and its frozen embedding and lm_head ({}) do not fit in {:.0}% of GPU {g} ({}; the rest is for activations and the CUDA context); {would}",
+            human(state),
+            state / DRAFTER_BYTES_PER_PARAM,
+            human(frozen),
+            WEIGHT_SHARE * 100.0,
+            human(total),
+        )));
+    }
+    Ok(())
+}
+
 fn human(b: u64) -> String {
     crate::data::pipeline::human(b)
 }
@@ -188,5 +246,47 @@ mod tests {
             Device::Cpu,
         )];
         check(&cpu, &[vec![]], 1, (&layers, usize::MAX / 2), &kb).unwrap();
+    }
+
+    #[test]
+    fn a_drafter_whose_fixed_buffers_do_not_fit_its_gpu_is_refused_saying_which_depth_fits() {
+        let target = dflash_shared::model_config::TargetConfig::read(
+            dflash_shared::model_config::TINY_CONFIG,
+        )
+        .unwrap();
+        let d = DrafterConfig::for_target(&target, 3, 2, 4, 8);
+        let two = DrafterConfig {
+            layers: 2,
+            ..d.clone()
+        };
+        let bytes = |d: &DrafterConfig| {
+            let (s, f) = drafter_fixed_bytes(d);
+            s + f
+        };
+        let (state, frozen) = drafter_fixed_bytes(&d);
+        assert_eq!(state, ParamLayout::new(&d).total as u64 * 26);
+        assert_eq!(frozen, (d.vocab * d.hidden) as u64 * 6);
+        // A GPU whose 90% holds two layers' drafter and not three.
+        let total = ((bytes(&two) as f64 / WEIGHT_SHARE) as u64 + bytes(&d)) / 2 + 1;
+        assert!(bytes(&two) <= (total as f64 * WEIGHT_SHARE) as u64);
+        assert!(bytes(&d) > (total as f64 * WEIGHT_SHARE) as u64);
+        let gpu = |_: u32| Some(total);
+        let e = check_drafters(&plan(1, 2, 1), &d, &gpu)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("drafter-0: the drafter's training state (")
+                && e.contains("26 bytes for each of its")
+                && e.contains("do not fit in 90% of GPU 1")
+                && e.ends_with("--draft-layers 2 would fit"),
+            "{e}"
+        );
+        check_drafters(&plan(1, 2, 1), &two, &gpu).unwrap();
+        // Too small for any depth; NVML silent or a CPU drafter: no check.
+        let e = check_drafters(&plan(1, 1, 1), &d, &|_| Some(frozen))
+            .unwrap_err()
+            .to_string();
+        assert!(e.ends_with("fits a GPU of this size"), "{e}");
+        check_drafters(&plan(1, 1, 1), &d, &|_| None).unwrap();
     }
 }

@@ -771,20 +771,28 @@ fn check_memory(
         .max()
         .copied()
         .unwrap_or(0) as usize;
-    // The target's weights against its GPUs' memory, where NVML says how much they have
-    // (DFLASH_DEVICE=cpu: the workers compute on the CPU whatever their device).
-    let on_gpu = plan
-        .iter()
-        .any(|(n, d)| n.role == Role::Target && matches!(d, Device::Gpu(_)))
-        && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu");
-    if let (true, Ok((_, gpus))) = (on_gpu, crate::telemetry::gpus::list()) {
-        let (layers, rest) = gpu_fit::weight_bytes(&args.target, target_cfg, last)?;
+    // The target's weights and the drafter's fixed buffers against their GPUs' memory,
+    // where NVML says how much they have (DFLASH_DEVICE=cpu: the workers compute on the
+    // CPU whatever their device).
+    let on_gpu = |role| {
+        plan.iter()
+            .any(|(n, d)| n.role == role && matches!(d, Device::Gpu(_)))
+            && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu")
+    };
+    let any_gpu = on_gpu(Role::Target) || on_gpu(Role::Drafter);
+    if let (true, Ok((_, gpus))) = (any_gpu, crate::telemetry::gpus::list()) {
         let memory = |g: u32| {
             gpus.iter()
                 .find(|x| x.index == g)
                 .and_then(|x| x.memory_total_bytes)
         };
-        gpu_fit::check(plan, spans, args.gpus_per_target, (&layers, rest), &memory)?;
+        if on_gpu(Role::Target) {
+            let (layers, rest) = gpu_fit::weight_bytes(&args.target, target_cfg, last)?;
+            gpu_fit::check(plan, spans, args.gpus_per_target, (&layers, rest), &memory)?;
+        }
+        if on_gpu(Role::Drafter) {
+            gpu_fit::check_drafters(plan, &trainer_cfg.drafter, &memory)?;
+        }
     }
     let shared_bytes = trainer::Trainer::shared_bytes(
         &trainer_cfg.drafter,
