@@ -249,6 +249,11 @@ fn plan_from_a_run_uses_the_rates_it_measured() {
     }
     assert_eq!(p["splits"].as_array().unwrap().len(), 3);
     assert!(p["recommended"].as_u64().is_some(), "{p:#}");
+    // Roles given explicitly leave nothing to plan: one line, exit 2.
+    let out = plan(&["--target-gpus", "cpu:1", "--drafter-gpus", "cpu:2"], None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("expected --gpus SPEC"), "{err}");
     // A directory that holds no run is one line, exit 2.
     let empty = tempfile::tempdir().unwrap();
     let out = plan(

@@ -178,6 +178,11 @@ fn with_config(argv: &[std::ffi::OsString]) -> Result<RunArgs, Error> {
 
 /// The devices of `--gpus` (every GPU NVML reports by default), each with its memory.
 fn devices(args: &RunArgs) -> Result<Vec<PlanDevice>, Error> {
+    if args.target_gpus.is_some() || args.drafter_gpus.is_some() {
+        return Err(Error::Flag(
+            "plan: --target-gpus and --drafter-gpus fix the split it would choose (expected --gpus SPEC: the devices to split)".into(),
+        ));
+    }
     let spec = args.gpus.clone().unwrap_or(dflash_shared::DeviceSpec::All);
     if let dflash_shared::DeviceSpec::Cpu(n) = spec {
         let each = crate::data::pipeline::mem_available().map(|m| m / u64::from(n.max(1)));

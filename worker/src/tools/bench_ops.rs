@@ -1198,133 +1198,103 @@ fn measure_attention(
         ] {
             let keys = span_keys(&spans);
             let fwd_flops = 4.0 * keys * qd as f64;
-            let shape = if kind == "causal" {
-                format!("{t} tokens, {heads}")
-            } else {
-                format!(
+            let shape = match kind {
+                "causal" => format!("{t} tokens, {heads}"),
+                _ => format!(
                     "{} blocks of {} over {t} tokens, {heads}",
                     anchors.len(),
                     p.block_size
-                )
+                ),
             };
             let bufs = attention_bufs(ops, &mut seed, p, (tq, tk), &spans);
             let (sp, [q, k, v, out, lse], [q16, k16, v16, out16], [dout, dq, dk, dv, delta]) =
                 match bufs {
                     Ok(x) => x,
                     Err(e) => {
-                        sink.failed(
-                            &format!("attention {kind} forward"),
-                            shape.clone(),
-                            fwd_flops,
-                            &e,
-                        );
-                        sink.failed(
-                            &format!("attention {kind} backward"),
-                            shape,
-                            2.0 * fwd_flops,
-                            &e,
-                        );
+                        for (dir, flops) in [("forward", fwd_flops), ("backward", 2.0 * fwd_flops)]
+                        {
+                            let what = format!("attention {kind} {dir}");
+                            sink.failed(&what, shape.clone(), flops, &e);
+                        }
                         continue;
                     }
                 };
-            if kind == "causal" {
-                ops.act16 = true;
-                let r = time_on_device(ops, |o| {
-                    o.attention(Attention {
-                        q: q16,
-                        k: k16,
-                        v: v16,
-                        out: out16,
-                        lse,
-                        spans: sp,
-                        tq,
-                        qh,
-                        kvh,
-                        hd,
-                    })
-                });
-                ops.act16 = false;
-                sink.push(
-                    "attention causal forward",
-                    shape.clone(),
-                    fwd_flops,
-                    "the target's kernel: bf16 in and out",
-                    r,
-                );
-            } else {
-                let r = time_on_device(ops, |o| {
-                    o.attention(Attention {
-                        q,
-                        k,
-                        v,
-                        out,
-                        lse,
-                        spans: sp,
-                        tq,
-                        qh,
-                        kvh,
-                        hd,
-                    })
-                });
-                sink.push(
-                    "attention dflash forward",
-                    shape.clone(),
-                    fwd_flops,
-                    "the drafter's kernel: f32 in and out, bf16 products",
-                    r,
-                );
-            }
-            // The backward needs the forward's output and log-sum-exp (f32).
-            let r = ops
-                .attention(Attention {
-                    q,
-                    k,
-                    v,
-                    out,
-                    lse,
-                    spans: sp,
-                    tq,
-                    qh,
-                    kvh,
-                    hd,
-                })
-                .map_err(ToolError::from)
-                .and_then(|_| {
-                    time_on_device(ops, |o| {
-                        o.attention_backward(
-                            AttentionGrad {
-                                fwd: Attention {
-                                    q,
-                                    k,
-                                    v,
-                                    out,
-                                    lse,
-                                    spans: sp,
-                                    tq,
-                                    qh,
-                                    kvh,
-                                    hd,
-                                },
-                                dout,
-                                dq,
-                                dk,
-                                dv,
-                            },
-                            delta,
-                        )
-                    })
-                });
-            sink.push(
-                &format!("attention {kind} backward"),
-                shape,
-                2.0 * fwd_flops,
-                "dQ, dK, dV (f32, accumulated); 4 products counted",
-                r,
-            );
+            let fwd = Attention {
+                q,
+                k,
+                v,
+                out,
+                lse,
+                spans: sp,
+                tq,
+                qh,
+                kvh,
+                hd,
+            };
+            let fwd16 = Attention {
+                q: q16,
+                k: k16,
+                v: v16,
+                out: out16,
+                ..fwd
+            };
+            let g = AttentionGrad {
+                fwd,
+                dout,
+                dq,
+                dk,
+                dv,
+            };
+            time_attention(ops, sink, (kind, shape, fwd_flops), fwd16, (g, delta));
         }
     }
 
     seed
+}
+
+/// Times one attention's forward (the target's bf16 kernel on `fwd16` when `kind` is
+/// `causal`, else the drafter's on `g.fwd`) and its backward `g` (with scratch `delta`).
+fn time_attention(
+    ops: &mut crate::device::ops::Ops,
+    sink: &mut RowSink,
+    (kind, shape, fwd_flops): (&str, String, f64),
+    fwd16: Attention,
+    (g, delta): (AttentionGrad, DSlice),
+) {
+    let fwd = g.fwd;
+    if kind == "causal" {
+        ops.act16 = true;
+        let r = time_on_device(ops, |o| o.attention(fwd16));
+        ops.act16 = false;
+        sink.push(
+            "attention causal forward",
+            shape.clone(),
+            fwd_flops,
+            "the target's kernel: bf16 in and out",
+            r,
+        );
+    } else {
+        let r = time_on_device(ops, |o| o.attention(fwd));
+        sink.push(
+            "attention dflash forward",
+            shape.clone(),
+            fwd_flops,
+            "the drafter's kernel: f32 in and out, bf16 products",
+            r,
+        );
+    }
+    // The backward needs the forward's output and log-sum-exp (f32).
+    let r = ops
+        .attention(fwd)
+        .map_err(ToolError::from)
+        .and_then(|_| time_on_device(ops, |o| o.attention_backward(g, delta)));
+    sink.push(
+        &format!("attention {kind} backward"),
+        shape,
+        2.0 * fwd_flops,
+        "dQ, dK, dV (f32, accumulated); 4 products counted",
+        r,
+    );
 }
 
 /// The target's GEMMs; returns the next seed.
