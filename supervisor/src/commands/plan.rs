@@ -22,7 +22,7 @@ use serde::Serialize;
 
 use crate::cli::{PlanArgs, RunArgs};
 use crate::error::Error;
-use crate::run::{gpu_fit, target_check};
+use crate::run::{gpu_fit, target_check, validate};
 use crate::telemetry::gpus;
 
 /// What every GPU worker needs besides its buffers: the CUDA context, cuBLAS's workspace
@@ -152,22 +152,7 @@ pub fn run(a: PlanArgs, argv: &[std::ffi::OsString]) -> Result<i32, Error> {
 /// The run flags of `argv` with its `--config` recipe applied, as a run reads them: the
 /// command line without `plan`, `--from` and `--json`, parsed as a run's.
 fn with_config(argv: &[std::ffi::OsString]) -> Result<RunArgs, Error> {
-    let mut run = Vec::new();
-    let mut it = argv.iter();
-    let mut seen_plan = false;
-    while let Some(a) = it.next() {
-        let s = a.to_string_lossy();
-        match s.as_ref() {
-            "plan" if !seen_plan => seen_plan = true,
-            "--json" => {}
-            "--from" => {
-                it.next();
-            }
-            s if s.starts_with("--from=") => {}
-            _ => run.push(a.clone()),
-        }
-    }
-    match crate::run::config_file::parse(&run) {
+    match crate::run::config_file::parse(&run_argv(argv, &["--from"])) {
         Ok(c) => Ok(c.cli.run),
         Err(crate::run::config_file::CommandLineError::Config(e)) => Err(e),
         Err(crate::run::config_file::CommandLineError::Clap(e)) => {
@@ -235,14 +220,13 @@ fn needs(
             .max()
             .unwrap_or(0) as u64;
     let elem = if on_gpu { 2u64 } else { 4 };
-    let (h, inter) = (tcfg.hidden_size as u64, tcfg.intermediate_size as u64);
-    let moe = tcfg.moe.as_ref().map_or(0, |m| {
-        let (k, mi) = (m.num_experts_per_tok as u64, m.moe_intermediate_size as u64);
-        m.num_experts as u64 + k * (3 * h + 3 * mi) + h
-    });
-    // Per token: the residual, norm, q/k/v, attention and projection outputs, the MLP's
-    // three, the taps and their two staging copies.
-    let per_token = 6 * h + 3 * inter + 3 * s.taps.len() as u64 * h + moe;
+    // As the host estimate counts them, and on a GPU the taps' two staging copies.
+    let staging = if on_gpu {
+        2 * (s.taps.len() * tcfg.hidden_size) as u64
+    } else {
+        0
+    };
+    let per_token = validate::target_activation_elements_per_token(tcfg, s.taps.len()) + staging;
     let target_act = s.token_budget as u64 * per_token * elem;
     let allowance = if on_gpu { CUDA_ALLOWANCE } else { 0 };
     let target = need(weights, 0, target_act, allowance);
@@ -257,16 +241,7 @@ fn needs(
         let tables = if tcfg.tie_word_embeddings { 1 } else { 2 };
         (table * 4 * tables, params * 4 * 4)
     };
-    let (dh, di, qd) = (
-        d.hidden as u64,
-        d.intermediate as u64,
-        (d.q_heads * d.head_dim) as u64,
-    );
-    let seq = args.max_seq_len as u64;
-    let rows = (d.max_anchors as u64).min(seq) * d.block_size as u64;
-    let per_row = d.layers as u64 * (4 * dh + 3 * qd + 3 * di) + (d.vocab as u64).min(4096);
-    let context = seq * (d.n_taps as u64 + 2) * dh;
-    let drafter_act = (rows * per_row + context) * 4;
+    let drafter_act = validate::drafter_activation_elements(d, args.max_seq_len) * 4;
     let drafter = need(state, frozen, drafter_act, allowance);
     Ok((target, drafter))
 }
@@ -487,24 +462,38 @@ pub fn best(splits: &[Split]) -> Option<u32> {
 /// as a run with `--targets N`.
 fn command_line(argv: &[std::ffi::OsString], targets: u32) -> String {
     let mut out = vec!["dflash-supervise".to_string()];
-    let mut it = argv
-        .iter()
-        .skip(1)
-        .map(|a| a.to_string_lossy().into_owned());
-    let mut seen_plan = false;
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "plan" if !seen_plan => seen_plan = true,
-            "--json" => {}
-            "--from" | "--targets" => {
-                it.next();
-            }
-            s if s.starts_with("--from=") || s.starts_with("--targets=") => {}
-            _ => out.push(shell_word(&a)),
-        }
-    }
+    let words = run_argv(argv, &["--from", "--targets"]);
+    out.extend(
+        words
+            .iter()
+            .skip(1)
+            .map(|a| shell_word(&a.to_string_lossy())),
+    );
     out.push(format!("--targets {targets}"));
     out.join(" ")
+}
+
+/// `argv` as a run's command line: without the `plan` subcommand, `--json`, and the
+/// options of `drop` (each with its value, given apart or after `=`).
+fn run_argv(argv: &[std::ffi::OsString], drop: &[&str]) -> Vec<std::ffi::OsString> {
+    let mut run = Vec::new();
+    let mut it = argv.iter();
+    let mut seen_plan = false;
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        let flag = s.split('=').next().unwrap_or_default();
+        match s.as_ref() {
+            "plan" if !seen_plan && !run.is_empty() => seen_plan = true,
+            "--json" => {}
+            _ if drop.contains(&flag) => {
+                if !s.contains('=') {
+                    it.next();
+                }
+            }
+            _ => run.push(a.clone()),
+        }
+    }
+    run
 }
 
 fn shell_word(s: &str) -> String {

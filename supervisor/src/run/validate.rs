@@ -452,20 +452,7 @@ pub fn estimate_memory(
     } else {
         2 * table
     };
-    // One sample: its anchors' blocks (m rows) through every layer, kept for the backward
-    // (hidden-sized: x, q, attention, o, residual, norms; intermediate-sized: gate, up,
-    // act), one vocabulary chunk of logits per row, and the context (taps, projection).
-    let (h, inter, qd) = (
-        drafter.hidden as u64,
-        drafter.intermediate as u64,
-        (drafter.q_heads * drafter.head_dim) as u64,
-    );
-    let anchors = (drafter.max_anchors as u64).min(max_seq_len as u64);
-    let m = anchors * drafter.block_size as u64;
-    let per_row =
-        drafter.layers as u64 * (4 * h + 3 * qd + 3 * inter) + (drafter.vocab as u64).min(4096);
-    let context = max_seq_len as u64 * (drafter.n_taps as u64 + 2) * h;
-    let drafter_activations = (m * per_row + context) * f;
+    let drafter_activations = drafter_activation_elements(drafter, max_seq_len) * f;
     let last = taps.iter().copied().max().unwrap_or(0) as usize;
     let target_weights: u64 = loaded.unwrap_or_else(|| {
         expected_tensors(target, last + 1)
@@ -474,24 +461,8 @@ pub fn estimate_memory(
             .map(|(_, s)| s.iter().product::<usize>() as u64)
             .sum::<u64>()
     }) * f;
-    // A mixture of experts' weights are all counted above (every expert of every sparse
-    // layer); per token its activations add the router's logits and, for each of its
-    // top-k rows, the routed input and output, gate, up and SwiGLU, and the host's copy of
-    // the output for the weighted sum.
-    let moe_per_token = target.moe.as_ref().map_or(0, |m| {
-        let (k, h, mi) = (
-            m.num_experts_per_tok as u64,
-            target.hidden_size as u64,
-            m.moe_intermediate_size as u64,
-        );
-        m.num_experts as u64 + k * (3 * h + 3 * mi) + h
-    });
-    let target_act = target_tokens as u64
-        * (6 * target.hidden_size as u64
-            + 3 * target.intermediate_size as u64
-            + taps.len() as u64 * target.hidden_size as u64
-            + moe_per_token)
-        * f;
+    let target_act =
+        target_tokens as u64 * target_activation_elements_per_token(target, taps.len()) * f;
     let target_bytes = target_weights + target_act;
     let mut total = shared;
     for (name, dev) in plan {
@@ -529,6 +500,37 @@ pub fn estimate_memory(
         },
         total,
     }
+}
+
+/// Activation elements of one drafter sample of up to `max_seq_len` positions: its
+/// anchors' blocks through every layer, kept for the backward (hidden-sized: x, q,
+/// attention, o, residual, norms; intermediate-sized: gate, up, act), one vocabulary chunk
+/// of logits per row, and the context (taps, projection). A floor: the big buffers only.
+pub fn drafter_activation_elements(drafter: &DrafterConfig, max_seq_len: u32) -> u64 {
+    let (h, inter, qd) = (
+        drafter.hidden as u64,
+        drafter.intermediate as u64,
+        (drafter.q_heads * drafter.head_dim) as u64,
+    );
+    let anchors = (drafter.max_anchors as u64).min(max_seq_len as u64);
+    let m = anchors * drafter.block_size as u64;
+    let per_row =
+        drafter.layers as u64 * (4 * h + 3 * qd + 3 * inter) + (drafter.vocab as u64).min(4096);
+    let context = max_seq_len as u64 * (drafter.n_taps as u64 + 2) * h;
+    m * per_row + context
+}
+
+/// Activation elements per token of a target forward with `taps` taps: residual, norm,
+/// q/k/v, attention and projection outputs, the MLP's three, the taps; a mixture of
+/// experts adds the router's logits and, for each of its top-k rows, the routed input and
+/// output, gate, up and SwiGLU, and the copy of the output for the weighted sum.
+pub fn target_activation_elements_per_token(target: &TargetConfig, taps: usize) -> u64 {
+    let h = target.hidden_size as u64;
+    let moe = target.moe.as_ref().map_or(0, |m| {
+        let (k, mi) = (m.num_experts_per_tok as u64, m.moe_intermediate_size as u64);
+        m.num_experts as u64 + k * (3 * h + 3 * mi) + h
+    });
+    6 * h + 3 * target.intermediate_size as u64 + taps as u64 * h + moe
 }
 
 /// `target` in words for the memory report: its architecture, and for a mixture of

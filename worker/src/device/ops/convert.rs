@@ -295,7 +295,7 @@ impl Ops {
         (src, src_off): (Mat, usize),
         width: usize,
     ) -> Result<()> {
-        dst.expect("copy_cols: dst", src.rows, dst.cols, src.dtype)?;
+        dst.check("copy_cols: dst", src.rows, dst.cols, src.dtype)?;
         if dst_off + width > dst.cols || src_off + width > src.cols {
             return Err(crate::device::GpuError::Invalid(format!(
                 "copy_cols: columns {src_off}..+{width} of {} into {dst_off}..+{width} of {}",

@@ -184,8 +184,8 @@ impl Ops {
     /// (tensor cores, f32 accumulation); `y` is f32, or bf16 (the result rounded once).
     pub fn matmul(&mut self, x: Mat, w: Mat, y: Mat) -> Result<()> {
         let (m, k, n) = (x.rows, x.cols, w.rows);
-        w.expect("matmul: w", n, k, x.dtype)?;
-        y.expect("matmul: y", m, n, y.dtype)?;
+        w.check("matmul: w", n, k, x.dtype)?;
+        y.check("matmul: y", m, n, y.dtype)?;
         let g = Gemm {
             transa: true,
             transb: false,
@@ -219,14 +219,14 @@ impl Ops {
     ) -> Result<()> {
         let (m, n, k) = (dy.rows, dy.cols, w.cols);
         let bf16_inputs = dy.dtype == DType::Bf16;
-        w.expect("matmul_backward: w", n, k, dy.dtype)?;
+        w.check("matmul_backward: w", n, k, dy.dtype)?;
         let dx = match dx {
             Dx::Skip => None,
             Dx::Add(d) => Some((d, 1.0)),
             Dx::Write(d) => Some((d, 0.0)),
         };
         if let Some((dx, beta)) = dx {
-            dx.expect("matmul_backward: dx", m, k, DType::F32)?;
+            dx.check("matmul_backward: dx", m, k, DType::F32)?;
             // column-major dxᵀ[k,m] (+)= w_c[k,n] · dy_c[n,m]
             let g = Gemm {
                 transa: false,
@@ -248,8 +248,8 @@ impl Ops {
             self.dev.gemm(self.stream, &g)?;
         }
         if let Some(dw) = dw {
-            x.expect("matmul_backward: x", m, k, dy.dtype)?;
-            dw.expect("matmul_backward: dw", n, k, DType::F32)?;
+            x.check("matmul_backward: x", m, k, dy.dtype)?;
+            dw.check("matmul_backward: dw", n, k, DType::F32)?;
             // column-major dwᵀ[k,n] += x_c[k,m] · (dy_c[n,m])ᵀ
             let g = Gemm {
                 transa: false,

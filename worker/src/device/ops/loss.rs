@@ -274,7 +274,7 @@ impl Ops {
         w: Mat,
     ) -> Result<()> {
         let (n, h, vocab) = (dx.rows, w.cols, w.rows);
-        dx.expect("ce_finish: dx", n, h, DType::F32)?;
+        dx.check("ce_finish: dx", n, h, DType::F32)?;
         self.launch(
             Loss::CeFinish {
                 act: w.dtype,

@@ -373,7 +373,7 @@ impl Ops {
         top_k: usize,
     ) -> Result<()> {
         let (t, h) = (out.rows, out.cols);
-        y.expect("moe_combine: y", y.rows, h, out.dtype)?;
+        y.check("moe_combine: y", y.rows, h, out.dtype)?;
         self.launch(
             Moe::Combine {
                 act: out.dtype,

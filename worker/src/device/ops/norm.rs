@@ -306,7 +306,7 @@ impl Ops {
     /// cast after).
     pub fn rmsnorm(&mut self, x: Mat, w: DSlice, y: Mat, rstd: DSlice, eps: f32) -> Result<()> {
         let (rows, d) = (x.rows, x.cols);
-        y.expect("rmsnorm: y", rows, d, y.dtype)?;
+        y.check("rmsnorm: y", rows, d, y.dtype)?;
         let (xb, yb) = (x.buf, y.buf);
         let kernel = match (x.dtype, y.dtype) {
             (DType::F32, DType::Bf16) => Norm::FwdToBf16 {
@@ -350,9 +350,9 @@ impl Ops {
         dw: Option<DSlice>,
     ) -> Result<()> {
         let (rows, d) = (x.rows, x.cols);
-        x.expect("rmsnorm_backward: x", rows, d, DType::F32)?;
-        dy.expect("rmsnorm_backward: dy", rows, d, DType::F32)?;
-        dx.expect("rmsnorm_backward: dx", rows, d, DType::F32)?;
+        x.check("rmsnorm_backward: x", rows, d, DType::F32)?;
+        dy.check("rmsnorm_backward: dy", rows, d, DType::F32)?;
+        dx.check("rmsnorm_backward: dx", rows, d, DType::F32)?;
         let (dy, x, dx) = (dy.buf, x.buf, dx.buf);
         if rows == 0 {
             return Ok(());

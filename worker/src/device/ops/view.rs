@@ -82,7 +82,7 @@ impl Mat {
 
     /// An error unless this matrix is `rows × cols` of `dtype`; `what` names it in the
     /// message (an op and its operand, `"matmul: y"`).
-    pub fn expect(&self, what: &str, rows: usize, cols: usize, dtype: DType) -> Result<()> {
+    pub fn check(&self, what: &str, rows: usize, cols: usize, dtype: DType) -> Result<()> {
         if (self.rows, self.cols, self.dtype) == (rows, cols, dtype) {
             return Ok(());
         }
