@@ -218,8 +218,90 @@ pub struct RunArgs {
     #[arg(long, value_name = "PATH", help_heading = "Run")]
     pub worker_bin: Option<PathBuf>,
 
+    /// What the run computes and how it is operated: saved in run.json and restored by
+    /// `--resume` (the other fields are this command's own).
+    #[command(flatten)]
+    pub settings: RunSettings,
+
+    /// A recipe file (TOML) that sets run flags: sections [model], [data], [devices],
+    /// [drafter], [schedule], [eval], [checkpoints], [restarts], [pipeline], [run],
+    /// [telemetry] and [logs], each key a flag's name with _ for - (`[schedule] lr =
+    /// 6e-4`). Flags given here override it; it overrides the defaults. recipes/ holds
+    /// published recipes (Qwen3-8B, Llama-3.1-8B-Instruct).
+    #[allow(rustdoc::broken_intra_doc_links)] // [model] etc. are TOML sections (--help text)
+    #[arg(long, value_name = "FILE", help_heading = "Run")]
+    pub config: Option<PathBuf>,
+
+    /// Warm start: the drafter's initial weights come from DIR, a drafter directory in the
+    /// export layout (config.json, bf16 model.safetensors; RUN_DIR/drafter of an earlier
+    /// run, or a published z-lab DFlash drafter), with a fresh optimizer and schedule (step
+    /// 0). Its config must fit the target and the flags (hidden and vocabulary size, layers,
+    /// taps, block size, mask token id; every mismatch is named, exit 2); --taps,
+    /// --draft-layers, --block-size and --mask-token-id not given are taken from it. Its
+    /// path and checksum are recorded in run.json; a resumed run continues its own weights.
+    #[arg(
+        long,
+        value_name = "DIR",
+        help_heading = "Training",
+        conflicts_with = "resume"
+    )]
+    pub init_drafter: Option<PathBuf>,
+
+    /// Continue the run in RUN_DIR from its newest checkpoint that verifies and is of its
+    /// drafter, with its saved model, data, training and operational settings (--tokenizer,
+    /// checkpoints, --time-limit, restarts, timeouts, pools; devices, --worker-bin and the
+    /// console, log and Prometheus flags come from this command). --steps, --lr,
+    /// --warmup-ratio, --max-bad-lines, --tokenizer and the operational flags given here win
+    /// over the saved ones; another saved setting given with a different value is refused,
+    /// and so is data, a tokenizer/chat template or a target whose files changed since the
+    /// run started (see --allow-changed-data).
+    #[arg(
+        long,
+        value_name = "RUN_DIR",
+        help_heading = "Training",
+        conflicts_with = "run_dir"
+    )]
+    pub resume: Option<PathBuf>,
+
+    /// With --run-dir D: resume D when it holds a run, else start a new run there; one
+    /// command for a job that may be requeued (Slurm). A finished run exits 0 at once;
+    /// one stopped before its end (exit 75) continues from its newest checkpoint.
+    #[arg(
+        long,
+        help_heading = "Training",
+        requires = "run_dir",
+        conflicts_with = "resume"
+    )]
+    pub resume_if_exists: bool,
+
+    /// With --resume: continue even though the data, the tokenizer or chat template, or the
+    /// target's files changed since the run started (a warning names each change, and the
+    /// inputs as they are now are recorded for later resumes).
+    #[arg(long, help_heading = "Training", requires = "resume")]
+    pub allow_changed_data: bool,
+
+    /// Serve the latest metrics window for Prometheus at http://ADDR/metrics. A bare port
+    /// (21400) listens on loopback only; give 0.0.0.0:21400 to listen on every interface.
+    #[arg(long, value_name = "ADDR", value_parser = crate::telemetry::prometheus::parse_addr, help_heading = "Telemetry")]
+    pub prometheus: Option<std::net::SocketAddr>,
+
+    /// Do not sample GPUs through NVML.
+    #[arg(long, help_heading = "Telemetry")]
+    pub no_gpu_metrics: bool,
+
+    /// Also print every worker's output on the console, prefixed with [worker-name].
+    #[arg(long, help_heading = "Logs")]
+    pub tee: bool,
+}
+
+/// The settings of a run (see [`RunArgs::settings`]): one field per flag, serialised as
+/// run.json's settings by their field names. A new flag goes here when a resumed run
+/// keeps it, in [`RunArgs`] when each command gives its own.
+#[derive(Debug, Clone, Args, serde::Serialize, serde::Deserialize)]
+pub struct RunSettings {
     /// Stop the run gracefully after this long (e.g. 30s, 2h). Default: run until stopped.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration, help_heading = "Run")]
+    #[serde(with = "saved_duration::option")]
     pub time_limit: Option<Duration>,
 
     /// A worker that sends no heartbeat for this long is killed and restarted. Heartbeats
@@ -227,6 +309,7 @@ pub struct RunArgs {
     /// not a slow step (see --step-timeout).
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_duration,
           help_heading = "Restarts")]
+    #[serde(with = "saved_duration")]
     pub hang_timeout: Duration,
 
     /// A worker whose unit of work (a drafter's training step, a target's batch, a
@@ -235,6 +318,7 @@ pub struct RunArgs {
     /// measured steps (10m until one is measured).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration,
           help_heading = "Restarts")]
+    #[serde(with = "saved_duration::option")]
     pub step_timeout: Option<Duration>,
 
     /// How many times one worker may be restarted in this run before the run gives up.
@@ -250,6 +334,7 @@ pub struct RunArgs {
     /// "restart at once".
     #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration,
           help_heading = "Restarts")]
+    #[serde(with = "saved_duration")]
     pub stable_after: Duration,
 
     /// On SIGINT/SIGTERM, how long workers get to finish (and checkpoint) before they are
@@ -257,6 +342,7 @@ pub struct RunArgs {
     /// KillWait (30 s, the time between its SIGTERM and its SIGKILL).
     #[arg(long, value_name = "DURATION", default_value = "25s", value_parser = parse_duration,
           help_heading = "Restarts")]
+    #[serde(with = "saved_duration")]
     pub stop_timeout: Duration,
 
     /// The frozen target model: a Hugging Face directory (config.json + model.safetensors
@@ -300,15 +386,6 @@ pub struct RunArgs {
     /// fewer, said in one line.
     #[arg(long, value_name = "N", help_heading = "Model")]
     pub draft_layers: Option<usize>,
-
-    /// A recipe file (TOML) that sets run flags: sections [model], [data], [devices],
-    /// [drafter], [schedule], [eval], [checkpoints], [restarts], [pipeline], [run],
-    /// [telemetry] and [logs], each key a flag's name with _ for - (`[schedule] lr =
-    /// 6e-4`). Flags given here override it; it overrides the defaults. recipes/ holds
-    /// published recipes (Qwen3-8B, Llama-3.1-8B-Instruct).
-    #[allow(rustdoc::broken_intra_doc_links)] // [model] etc. are TOML sections (--help text)
-    #[arg(long, value_name = "FILE", help_heading = "Run")]
-    pub config: Option<PathBuf>,
 
     /// Loss decay γ (slot k weighs exp(-(k-1)/γ); default 7 for blocks of 16, 5 for 10,
     /// 4 for 8).
@@ -413,6 +490,7 @@ pub struct RunArgs {
     /// An --eval-prompts eval (export and decoding) still running after this long is
     /// killed and logged; training goes on.
     #[arg(long, value_name = "DURATION", default_value = "30min", value_parser = parse_duration, help_heading = "Training")]
+    #[serde(with = "saved_duration")]
     pub eval_timeout: std::time::Duration,
 
     /// Snapshot the training state into supervisor-owned shared memory every N steps (what
@@ -437,60 +515,13 @@ pub struct RunArgs {
     /// this long is declared hung: the group aborts it and forms again (three times in a
     /// row for one step stop the run).
     #[arg(long, value_name = "DURATION", default_value = "5min", value_parser = parse_duration, help_heading = "Training")]
+    #[serde(with = "saved_duration")]
     pub collective_timeout: std::time::Duration,
 
     /// This many steps in a row skipped for a non-finite loss or gradient stop the run
     /// (exit 1, naming the likely cause and the newest checkpoint from before them).
     #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..), help_heading = "Training")]
     pub max_skipped_steps: u64,
-
-    /// Warm start: the drafter's initial weights come from DIR, a drafter directory in the
-    /// export layout (config.json, bf16 model.safetensors; RUN_DIR/drafter of an earlier
-    /// run, or a published z-lab DFlash drafter), with a fresh optimizer and schedule (step
-    /// 0). Its config must fit the target and the flags (hidden and vocabulary size, layers,
-    /// taps, block size, mask token id; every mismatch is named, exit 2); --taps,
-    /// --draft-layers, --block-size and --mask-token-id not given are taken from it. Its
-    /// path and checksum are recorded in run.json; a resumed run continues its own weights.
-    #[arg(
-        long,
-        value_name = "DIR",
-        help_heading = "Training",
-        conflicts_with = "resume"
-    )]
-    pub init_drafter: Option<PathBuf>,
-
-    /// Continue the run in RUN_DIR from its newest checkpoint that verifies and is of its
-    /// drafter, with its saved model, data, training and operational settings (--tokenizer,
-    /// checkpoints, --time-limit, restarts, timeouts, pools; devices, --worker-bin and the
-    /// console, log and Prometheus flags come from this command). --steps, --lr,
-    /// --warmup-ratio, --max-bad-lines, --tokenizer and the operational flags given here win
-    /// over the saved ones; another saved setting given with a different value is refused,
-    /// and so is data, a tokenizer/chat template or a target whose files changed since the
-    /// run started (see --allow-changed-data).
-    #[arg(
-        long,
-        value_name = "RUN_DIR",
-        help_heading = "Training",
-        conflicts_with = "run_dir"
-    )]
-    pub resume: Option<PathBuf>,
-
-    /// With --run-dir D: resume D when it holds a run, else start a new run there; one
-    /// command for a job that may be requeued (Slurm). A finished run exits 0 at once;
-    /// one stopped before its end (exit 75) continues from its newest checkpoint.
-    #[arg(
-        long,
-        help_heading = "Training",
-        requires = "run_dir",
-        conflicts_with = "resume"
-    )]
-    pub resume_if_exists: bool,
-
-    /// With --resume: continue even though the data, the tokenizer or chat template, or the
-    /// target's files changed since the run started (a warning names each change, and the
-    /// inputs as they are now are recorded for later resumes).
-    #[arg(long, help_heading = "Training", requires = "resume")]
-    pub allow_changed_data: bool,
 
     /// Training data: a JSONL file, a directory of .jsonl files, - for stdin, or demo
     /// (built-in synthetic data). Each line is pre-tokenized {"input_ids": [...],
@@ -579,27 +610,16 @@ pub struct RunArgs {
     #[arg(long, value_name = "MODE", value_parser = ["online", "offline", "disabled"], requires = "wandb_project", help_heading = "Telemetry")]
     pub wandb_mode: Option<String>,
 
-    /// Serve the latest metrics window for Prometheus at http://ADDR/metrics. A bare port
-    /// (21400) listens on loopback only; give 0.0.0.0:21400 to listen on every interface.
-    #[arg(long, value_name = "ADDR", value_parser = crate::telemetry::prometheus::parse_addr, help_heading = "Telemetry")]
-    pub prometheus: Option<std::net::SocketAddr>,
-
-    /// Do not sample GPUs through NVML.
-    #[arg(long, help_heading = "Telemetry")]
-    pub no_gpu_metrics: bool,
-
     /// How often every GPU in use is read.
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_duration, help_heading = "Telemetry")]
+    #[serde(with = "saved_duration")]
     pub gpu_sample_interval: Duration,
 
     /// Length of a metrics window: one line of metrics.jsonl per window (mean and max of
     /// the GPU samples in it, and the pipeline's and training's figures).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, help_heading = "Telemetry")]
+    #[serde(with = "saved_duration")]
     pub metrics_interval: Duration,
-
-    /// Also print every worker's output on the console, prefixed with [worker-name].
-    #[arg(long, help_heading = "Logs")]
-    pub tee: bool,
 
     /// Rotate a worker's log when it reaches this size (e.g. 64MiB, 500K).
     #[arg(long, value_name = "SIZE", default_value = "64MiB", value_parser = parse_size,
@@ -609,6 +629,55 @@ pub struct RunArgs {
     /// Rotated logs kept per worker (worker.log.1 is the newest).
     #[arg(long, value_name = "N", default_value_t = 3, help_heading = "Logs")]
     pub log_backups: u32,
+}
+
+/// Durations in run.json as humantime writes them (`30s`, `5m`, `1h 30m`).
+mod saved_duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        humantime::parse_duration(&String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+
+    /// The same for an optional duration (`null`: not set).
+    pub mod option {
+        use std::time::Duration;
+
+        use serde::{Deserialize, Deserializer, Serializer};
+
+        pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+            match d {
+                Some(d) => super::serialize(d, s),
+                None => s.serialize_none(),
+            }
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+            Option::<String>::deserialize(d)?
+                .map(|s| humantime::parse_duration(&s).map_err(serde::de::Error::custom))
+                .transpose()
+        }
+    }
+}
+
+impl std::ops::Deref for RunArgs {
+    type Target = RunSettings;
+
+    fn deref(&self) -> &RunSettings {
+        &self.settings
+    }
+}
+
+impl std::ops::DerefMut for RunArgs {
+    fn deref_mut(&mut self) -> &mut RunSettings {
+        &mut self.settings
+    }
 }
 
 #[derive(Debug, Args)]

@@ -9,12 +9,11 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use dflash_shared::drafter::DrafterConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::cli::RunArgs;
+use crate::cli::{RunArgs, RunSettings};
 use crate::error::Error;
 
 pub const RUN_FILE: &str = "run.json";
@@ -22,112 +21,21 @@ pub const RUN_FILE: &str = "run.json";
 /// Where a resume moves the newer checkpoints it refused (inside the run directory).
 pub const REFUSED_DIR: &str = "refused-checkpoints";
 
-/// The settings of a run: a resumed run uses the same (see [`merge`]).
+/// run.json: the settings of a run (a resumed run uses the same, see [`merge`]) and the
+/// records of its start.
+///
+/// The settings are [`RunSettings`] serialised by its own field names, held here as a map:
+/// a run.json written by an older version may lack a newer setting (then this command
+/// line's value holds, see [`SavedRun::apply`]).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SavedRun {
-    pub target: String,
-    pub taps: Option<Vec<u32>>,
-    pub draft_layers: Option<usize>,
-    pub data: String,
-    pub token_budget: Option<u32>,
-    pub max_seq_len: u32,
-    pub seed: u64,
-    /// `None`: not given (one epoch, or the data cycled up to --steps).
-    pub epochs: Option<u32>,
-    pub max_bad_lines: u64,
-    pub shuffle_window: usize,
-    pub demo_samples: usize,
-    pub steps: Option<u64>,
-    pub lr: Option<f64>,
-    pub warmup_ratio: Option<f64>,
-    #[serde(default)]
-    pub gamma: Option<f64>,
-    #[serde(default)]
-    pub mask_token_id: Option<u32>,
-    pub block_size: Option<usize>,
-    pub max_anchors: Option<usize>,
-    // Operational settings. Absent from the run.json of an older version (`None`): then
-    // this command line's value holds. `tokenizer`, `time_limit`, `step_timeout`,
-    // `snapshot_every` and the slots are optional flags, so `None` may also be "not set".
-    /// `--tokenizer` as given (the files it names are fingerprinted in `inputs`).
-    #[serde(default)]
-    pub tokenizer: Option<PathBuf>,
-    #[serde(default)]
-    pub preflight_lines: Option<u64>,
-    #[serde(default)]
-    pub checkpoint_every: Option<u64>,
-    #[serde(default)]
-    pub keep_checkpoints: Option<usize>,
-    /// `--eval-data` and `--eval-every` (held-out evaluation): kept by a resume, and
-    /// replaced by one that gives them.
-    #[serde(default)]
-    pub eval_data: Option<PathBuf>,
-    #[serde(default)]
-    pub eval_every: Option<u64>,
-    /// `--eval-prompts` and its bounds (real τ during training), likewise.
-    #[serde(default)]
-    pub eval_prompts: Option<PathBuf>,
-    #[serde(default)]
-    pub eval_gpu: Option<u32>,
-    /// `--wandb-project`, `--wandb-name`, `--wandb-mode`: kept by a resume (the W&B run's
-    /// id is in RUN_DIR/wandb.json), replaced by one that gives them.
-    #[serde(default)]
-    pub wandb_project: Option<String>,
-    #[serde(default)]
-    pub wandb_name: Option<String>,
-    #[serde(default)]
-    pub wandb_mode: Option<String>,
-    #[serde(default)]
-    pub eval_max_new_tokens: Option<u64>,
-    #[serde(default, with = "duration")]
-    pub eval_timeout: Option<Duration>,
-    #[serde(default)]
-    pub snapshot_every: Option<u64>,
-    #[serde(default)]
-    pub max_rollbacks: Option<u32>,
-    #[serde(default)]
-    pub max_skipped_steps: Option<u64>,
-    #[serde(default)]
-    pub collective: Option<String>,
-    #[serde(default, with = "duration")]
-    pub collective_timeout: Option<Duration>,
-    #[serde(default, with = "duration")]
-    pub time_limit: Option<Duration>,
-    #[serde(default, with = "duration")]
-    pub hang_timeout: Option<Duration>,
-    /// `--step-timeout` (optional: `None` is the default derived from measured steps).
-    #[serde(default, with = "duration")]
-    pub step_timeout: Option<Duration>,
-    #[serde(default)]
-    pub max_restarts: Option<u32>,
-    #[serde(default, with = "duration")]
-    pub stable_after: Option<Duration>,
-    #[serde(default, with = "duration")]
-    pub stop_timeout: Option<Duration>,
-    #[serde(default)]
-    pub token_slots: Option<u32>,
-    #[serde(default)]
-    pub hidden_slots: Option<u32>,
-    #[serde(default)]
-    pub prefetch: Option<usize>,
-    #[serde(default)]
-    pub log_max_size: Option<u64>,
-    #[serde(default)]
-    pub log_backups: Option<u32>,
-    #[serde(default, with = "duration")]
-    pub gpu_sample_interval: Option<Duration>,
-    #[serde(default, with = "duration")]
-    pub metrics_interval: Option<Duration>,
-    /// `--target-engine` as the run used it (`auto` resolved to `torch` where it chose the
-    /// torch engine): kept by a resume, replaced by one that gives it (both engines
-    /// capture the same taps).
-    #[serde(default)]
-    pub target_engine: Option<crate::cli::TargetEngine>,
+    #[serde(flatten)]
+    pub settings: Settings,
     /// What the inputs were when the run started (absent from an older version's run.json:
     /// then nothing is checked on resume, and they are recorded then).
     #[serde(default)]
     pub inputs: Option<Inputs>,
-    /// Every setting as the run used it, defaults resolved (the fields above hold the
+    /// Every setting as the run used it, defaults resolved (the settings above hold the
     /// flags as given, `null` for a default): the learning rate and its schedule, the
     /// drafter's sizes, taps, batching, pools, the collective. Written at each start; a
     /// record, never read back as settings.
@@ -145,144 +53,51 @@ pub struct SavedRun {
     pub config: Option<String>,
 }
 
-/// Durations in run.json as humantime writes them (`30s`, `5m`, `1h 30m`).
-mod duration {
-    use std::time::Duration;
+/// Settings by their [`RunSettings`] field names (a relative target or data path is kept
+/// as given: a resume runs from the same place).
+pub type Settings = serde_json::Map<String, serde_json::Value>;
 
-    use serde::{Deserialize, Deserializer, Serializer};
+/// Why settings could not be carried between run.json and the command line.
+#[derive(Debug, thiserror::Error)]
+#[error("{RUN_FILE}'s settings: {0}")]
+pub struct SettingsError(#[from] serde_json::Error);
 
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => s.serialize_some(&humantime::format_duration(*d).to_string()),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
-        Option::<String>::deserialize(d)?
-            .map(|s| humantime::parse_duration(&s).map_err(serde::de::Error::custom))
-            .transpose()
+fn settings_of(s: &RunSettings) -> Result<Settings, SettingsError> {
+    match serde_json::to_value(s)? {
+        serde_json::Value::Object(m) => Ok(m),
+        other => Err(SettingsError(serde::ser::Error::custom(format!(
+            "not an object: {other}"
+        )))),
     }
 }
 
 impl SavedRun {
     /// The settings of a command line (without a fingerprint of the inputs: see [`save`]).
-    pub fn of(a: &RunArgs) -> SavedRun {
-        SavedRun {
-            // A relative target or data path is kept as given: resume from the same place.
-            target: a.target.clone(),
-            taps: a.taps.clone(),
-            draft_layers: a.draft_layers,
-            data: a.data.clone(),
-            token_budget: a.token_budget,
-            max_seq_len: a.max_seq_len,
-            seed: a.seed,
-            epochs: a.epochs,
-            max_bad_lines: a.max_bad_lines,
-            shuffle_window: a.shuffle_window,
-            demo_samples: a.demo_samples,
-            steps: a.steps,
-            lr: a.lr,
-            warmup_ratio: a.warmup_ratio,
-            gamma: a.gamma,
-            mask_token_id: a.mask_token_id,
-            block_size: a.block_size,
-            max_anchors: a.max_anchors,
-            tokenizer: a.tokenizer.clone(),
-            preflight_lines: Some(a.preflight_lines),
-            checkpoint_every: Some(a.checkpoint_every),
-            keep_checkpoints: Some(a.keep_checkpoints),
-            eval_data: a.eval_data.clone(),
-            eval_every: a.eval_every,
-            eval_prompts: a.eval_prompts.clone(),
-            eval_gpu: a.eval_gpu,
-            wandb_project: a.wandb_project.clone(),
-            wandb_name: a.wandb_name.clone(),
-            wandb_mode: a.wandb_mode.clone(),
-            eval_max_new_tokens: Some(a.eval_max_new_tokens),
-            eval_timeout: Some(a.eval_timeout),
-            snapshot_every: a.snapshot_every,
-            max_rollbacks: Some(a.max_rollbacks),
-            max_skipped_steps: Some(a.max_skipped_steps),
-            collective: Some(a.collective.clone()),
-            collective_timeout: Some(a.collective_timeout),
-            time_limit: a.time_limit,
-            hang_timeout: Some(a.hang_timeout),
-            step_timeout: a.step_timeout,
-            max_restarts: Some(a.max_restarts),
-            stable_after: Some(a.stable_after),
-            stop_timeout: Some(a.stop_timeout),
-            token_slots: a.token_slots,
-            hidden_slots: a.hidden_slots,
-            prefetch: Some(a.prefetch),
-            log_max_size: Some(a.log_max_size),
-            log_backups: Some(a.log_backups),
-            gpu_sample_interval: Some(a.gpu_sample_interval),
-            metrics_interval: Some(a.metrics_interval),
-            target_engine: Some(a.target_engine),
+    pub fn of(a: &RunArgs) -> Result<SavedRun, SettingsError> {
+        Ok(SavedRun {
+            settings: settings_of(&a.settings)?,
             inputs: None,
             resolved: None,
             init_drafter: None,
             config: a.config.as_deref().map(absolute),
-        }
+        })
     }
 
-    fn apply(self, a: &mut RunArgs) {
-        a.target = self.target;
-        a.taps = self.taps;
-        a.draft_layers = self.draft_layers;
-        a.data = self.data;
-        a.token_budget = self.token_budget;
-        a.max_seq_len = self.max_seq_len;
-        a.seed = self.seed;
-        a.epochs = self.epochs;
-        a.max_bad_lines = self.max_bad_lines;
-        a.shuffle_window = self.shuffle_window;
-        a.demo_samples = self.demo_samples;
-        a.steps = self.steps;
-        a.lr = self.lr;
-        a.warmup_ratio = self.warmup_ratio;
-        a.gamma = self.gamma;
-        a.mask_token_id = self.mask_token_id;
-        a.block_size = self.block_size;
-        a.max_anchors = self.max_anchors;
-        a.tokenizer = self.tokenizer;
-        a.eval_data = self.eval_data;
-        a.eval_every = self.eval_every;
-        a.eval_prompts = self.eval_prompts;
-        a.eval_gpu = self.eval_gpu;
-        a.wandb_project = self.wandb_project;
-        a.wandb_name = self.wandb_name;
-        a.wandb_mode = self.wandb_mode;
-        a.snapshot_every = self.snapshot_every;
-        a.time_limit = self.time_limit;
-        a.step_timeout = self.step_timeout;
-        a.token_slots = self.token_slots;
-        a.hidden_slots = self.hidden_slots;
-        fn set<T>(to: &mut T, saved: Option<T>) {
-            if let Some(v) = saved {
-                *to = v;
+    /// Put the saved settings into `a`. A setting the file lacks (an older version's), or
+    /// holds as `null` where `a` has a value that is never unset, keeps `a`'s.
+    fn apply(self, a: &mut RunArgs) -> Result<(), SettingsError> {
+        let mut now = settings_of(&a.settings)?;
+        for (key, saved) in self.settings {
+            match now.get(&key) {
+                None => {} // a setting this version no longer has
+                Some(v) if saved.is_null() && !v.is_null() => {}
+                Some(_) => {
+                    now.insert(key, saved);
+                }
             }
         }
-        set(&mut a.preflight_lines, self.preflight_lines);
-        set(&mut a.checkpoint_every, self.checkpoint_every);
-        set(&mut a.keep_checkpoints, self.keep_checkpoints);
-        set(&mut a.max_rollbacks, self.max_rollbacks);
-        set(&mut a.max_skipped_steps, self.max_skipped_steps);
-        set(&mut a.collective, self.collective);
-        set(&mut a.collective_timeout, self.collective_timeout);
-        set(&mut a.hang_timeout, self.hang_timeout);
-        set(&mut a.max_restarts, self.max_restarts);
-        set(&mut a.stable_after, self.stable_after);
-        set(&mut a.stop_timeout, self.stop_timeout);
-        set(&mut a.prefetch, self.prefetch);
-        set(&mut a.log_max_size, self.log_max_size);
-        set(&mut a.log_backups, self.log_backups);
-        set(&mut a.gpu_sample_interval, self.gpu_sample_interval);
-        set(&mut a.metrics_interval, self.metrics_interval);
-        set(&mut a.target_engine, self.target_engine);
-        set(&mut a.eval_max_new_tokens, self.eval_max_new_tokens);
-        set(&mut a.eval_timeout, self.eval_timeout);
+        a.settings = serde_json::from_value(serde_json::Value::Object(now))?;
+        Ok(())
     }
 
     pub fn save(&self, run_dir: &Path) -> Result<(), Error> {
@@ -313,7 +128,7 @@ pub fn save(
         serde_json::from_str::<SavedRun>(&text).ok()
     });
     let init_drafter = init_drafter.or_else(|| before.as_ref()?.init_drafter.clone());
-    let now = SavedRun::of(args);
+    let now = SavedRun::of(args).map_err(|e| Error::json("the run settings", e.0))?;
     let config = now
         .config
         .clone()
@@ -382,14 +197,9 @@ pub const OVERRIDABLE: [&str; 36] = [
     "metrics_interval",
 ];
 
-/// Fields of [`SavedRun`] that are not settings: never compared with the command line.
-const NOT_SETTINGS: [&str; 4] = ["inputs", "resolved", "init_drafter", "config"];
-
 /// A setting of this command line that cannot be merged into the saved ones.
 #[derive(Debug, thiserror::Error)]
 pub enum MergeError {
-    #[error("cannot compare the settings")]
-    Compare,
     /// A setting a resumed run keeps, given with another value: its flag and both values
     /// as shown to the user.
     #[error(
@@ -403,8 +213,6 @@ pub enum MergeError {
         given: String,
         saved: String,
     },
-    #[error("cannot merge the settings: {source}")]
-    Merge { source: serde_json::Error },
 }
 
 /// Merge the settings given on this command line (`given`: the ids of the flags on it;
@@ -412,23 +220,16 @@ pub enum MergeError {
 /// saved ones. A given overridable setting wins; another one that differs from the saved
 /// value is refused. Returns the merged settings and one note per override.
 pub fn merge(
-    saved: SavedRun,
+    mut saved: SavedRun,
     now: &SavedRun,
     given: &[String],
 ) -> Result<(SavedRun, Vec<String>), MergeError> {
-    let to_map = |r: &SavedRun| match serde_json::to_value(r) {
-        Ok(serde_json::Value::Object(m)) => Ok(m),
-        _ => Err(MergeError::Compare),
-    };
-    let mut merged = to_map(&saved)?;
-    let now = to_map(now)?;
+    let mut merged = std::mem::take(&mut saved.settings);
+    let saved_records = saved;
+    let optional = optional_settings();
     let mut notes = Vec::new();
-    for (key, value) in &now {
-        if NOT_SETTINGS.contains(&key.as_str()) {
-            continue;
-        }
-        let optional = OPTIONAL.contains(&key.as_str());
-        let is_given = if optional {
+    for (key, value) in &now.settings {
+        let is_given = if optional.contains(key) {
             !value.is_null()
         } else {
             given.iter().any(|g| g == key)
@@ -463,39 +264,24 @@ pub fn merge(
             });
         }
     }
-    let merged = serde_json::from_value(serde_json::Value::Object(merged))
-        .map_err(|source| MergeError::Merge { source })?;
+    let merged = SavedRun {
+        settings: merged,
+        ..saved_records
+    };
     Ok((merged, notes))
 }
 
-/// Settings that are optional (`None`: the default, or not set); the others always have a
-/// value, so only the command line tells whether one was given.
-const OPTIONAL: [&str; 24] = [
-    "wandb_project",
-    "wandb_name",
-    "wandb_mode",
-    "eval_data",
-    "eval_every",
-    "eval_prompts",
-    "eval_gpu",
-    "taps",
-    "epochs",
-    "draft_layers",
-    "token_budget",
-    "steps",
-    "lr",
-    "warmup_ratio",
-    "gamma",
-    "mask_token_id",
-    "block_size",
-    "max_anchors",
-    "tokenizer",
-    "snapshot_every",
-    "time_limit",
-    "step_timeout",
-    "token_slots",
-    "hidden_slots",
-];
+/// Settings that are optional (`None`: the default, or not set): the flags without a
+/// default value. The others always have a value, so only the command line tells whether
+/// one was given.
+fn optional_settings() -> HashSet<String> {
+    use clap::Args;
+    RunSettings::augment_args(clap::Command::new("settings"))
+        .get_arguments()
+        .filter(|a| a.get_default_values().is_empty())
+        .map(|a| a.get_id().to_string())
+        .collect()
+}
 
 // ---------------------------------------------------------------------------------------
 // Fingerprints of the inputs.
@@ -1186,13 +972,17 @@ pub fn prepare(dir: &Path, args: &mut RunArgs, given: &[String]) -> Result<Prepa
     })?;
     let saved: SavedRun =
         serde_json::from_str(&text).map_err(|e| usage(format!("{RUN_FILE} is not valid: {e}")))?;
-    let (mut merged, notes) =
-        merge(saved, &SavedRun::of(args), given).map_err(|e| usage(e.to_string()))?;
+    let (mut merged, notes) = merge(
+        saved,
+        &SavedRun::of(args).map_err(|e| usage(e.to_string()))?,
+        given,
+    )
+    .map_err(|e| usage(e.to_string()))?;
     for n in notes {
         log::info!("resuming with {n}");
     }
     let saved_inputs = merged.inputs.take();
-    merged.apply(args);
+    merged.apply(args).map_err(|e| usage(e.to_string()))?;
     let ckpts = dir.join("checkpoints");
     // Complete checkpoints only: `step-N`, not a `step-N.tmp-PID` a crash left behind.
     let mut candidates: Vec<(u64, PathBuf)> = std::fs::read_dir(&ckpts)
@@ -1558,10 +1348,23 @@ impl Resume {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn args(extra: &[&str]) -> RunArgs {
         crate::cli::run_args(extra)
+    }
+
+    fn of(a: &RunArgs) -> SavedRun {
+        SavedRun::of(a).unwrap()
+    }
+
+    /// The settings of `m` as a run would use them (over the defaults).
+    fn s(m: &SavedRun) -> RunArgs {
+        let mut a = args(&[]);
+        m.clone().apply(&mut a).unwrap();
+        a
     }
 
     fn given(ids: &[&str]) -> Vec<String> {
@@ -1569,7 +1372,7 @@ mod tests {
     }
 
     fn saved() -> SavedRun {
-        SavedRun::of(&args(&[
+        of(&args(&[
             "--data",
             "demo",
             "--steps",
@@ -1583,40 +1386,41 @@ mod tests {
 
     #[test]
     fn without_flags_the_saved_settings_are_used() {
-        let (m, notes) = merge(saved(), &SavedRun::of(&args(&[])), &[]).unwrap();
-        assert_eq!(m.steps, Some(3));
+        let (m, notes) = merge(saved(), &of(&args(&[])), &[]).unwrap();
+        assert_eq!(s(&m).steps, Some(3));
         assert_eq!(
-            m.max_seq_len, 64,
+            s(&m).max_seq_len,
+            64,
             "a default value not given on the command line does not count"
         );
-        assert_eq!(m.block_size, Some(8));
+        assert_eq!(s(&m).block_size, Some(8));
         assert!(notes.is_empty());
     }
 
     #[test]
     fn the_target_engine_is_kept_by_a_resume_and_replaced_by_one_that_gives_it() {
-        let saved = SavedRun::of(&args(&["--data", "demo", "--target-engine", "torch"]));
+        let saved = of(&args(&["--data", "demo", "--target-engine", "torch"]));
         let mut a = args(&[]);
-        let (m, notes) = merge(saved.clone(), &SavedRun::of(&a), &[]).unwrap();
+        let (m, notes) = merge(saved.clone(), &of(&a), &[]).unwrap();
         assert!(notes.is_empty(), "{notes:?}");
-        m.apply(&mut a);
+        m.apply(&mut a).unwrap();
         assert_eq!(a.target_engine, crate::cli::TargetEngine::Torch);
-        let now = SavedRun::of(&args(&["--target-engine", "native"]));
+        let now = of(&args(&["--target-engine", "native"]));
         let (m, notes) = merge(saved, &now, &given(&["target_engine"])).unwrap();
-        assert_eq!(m.target_engine, Some(crate::cli::TargetEngine::Native));
+        assert_eq!(s(&m).target_engine, crate::cli::TargetEngine::Native);
         assert_eq!(notes, ["--target-engine native replaces this run's torch"]);
         // A run.json of a version without the field: this command line's engine holds.
-        let mut old = serde_json::to_value(SavedRun::of(&args(&["--data", "demo"]))).unwrap();
+        let mut old = serde_json::to_value(of(&args(&["--data", "demo"]))).unwrap();
         old.as_object_mut().unwrap().remove("target_engine");
         let old: SavedRun = serde_json::from_value(old).unwrap();
         let mut a = args(&["--target-engine", "torch"]);
-        old.apply(&mut a);
+        old.apply(&mut a).unwrap();
         assert_eq!(a.target_engine, crate::cli::TargetEngine::Torch);
     }
 
     #[test]
     fn given_steps_and_lr_win_over_the_saved_ones() {
-        let now = SavedRun::of(&args(&[
+        let now = of(&args(&[
             "--steps",
             "6",
             "--lr",
@@ -1625,9 +1429,8 @@ mod tests {
             "50",
         ]));
         let (m, notes) = merge(saved(), &now, &given(&["steps", "lr", "max_bad_lines"])).unwrap();
-        assert_eq!(m.steps, Some(6));
-        assert_eq!(m.lr, Some(1e-3));
-        assert_eq!(m.max_bad_lines, 50);
+        let a = s(&m);
+        assert_eq!((a.steps, a.lr, a.max_bad_lines), (Some(6), Some(1e-3), 50));
         assert_eq!(notes.len(), 3, "{notes:?}");
         assert!(
             notes.iter().any(|n| n == "--steps 6 replaces this run's 3"),
@@ -1637,7 +1440,7 @@ mod tests {
 
     #[test]
     fn a_given_setting_that_would_change_the_run_is_refused_unless_it_is_the_same() {
-        let now = SavedRun::of(&args(&["--block-size", "4"]));
+        let now = of(&args(&["--block-size", "4"]));
         let e = merge(saved(), &now, &given(&["block_size"]))
             .unwrap_err()
             .to_string();
@@ -1645,7 +1448,7 @@ mod tests {
             e.contains("--block-size 4 differs from this run's 8") && e.contains("--steps"),
             "{e}"
         );
-        let now = SavedRun::of(&args(&["--max-seq-len", "32"]));
+        let now = of(&args(&["--max-seq-len", "32"]));
         let e = merge(saved(), &now, &given(&["max_seq_len"]))
             .unwrap_err()
             .to_string();
@@ -1653,19 +1456,19 @@ mod tests {
             e.contains("--max-seq-len 32 differs from this run's 64"),
             "{e}"
         );
-        let now = SavedRun::of(&args(&["--data", "/other.jsonl"]));
+        let now = of(&args(&["--data", "/other.jsonl"]));
         assert!(merge(saved(), &now, &given(&["data"]))
             .unwrap_err()
             .to_string()
             .contains("--data /other.jsonl differs from this run's demo"));
         // The same value again is fine.
-        let now = SavedRun::of(&args(&["--block-size", "8", "--max-seq-len", "64"]));
+        let now = of(&args(&["--block-size", "8", "--max-seq-len", "64"]));
         merge(saved(), &now, &given(&["block_size", "max_seq_len"])).unwrap();
     }
 
     #[test]
     fn operational_settings_are_kept_on_resume_and_win_when_given_again() {
-        let saved = SavedRun::of(&args(&[
+        let saved = of(&args(&[
             "--checkpoint-every",
             "5",
             "--keep-checkpoints",
@@ -1690,10 +1493,10 @@ mod tests {
             "0",
         ]));
         // Not given again: the saved ones hold.
-        let (m, notes) = merge(saved.clone(), &SavedRun::of(&args(&[])), &[]).unwrap();
+        let (m, notes) = merge(saved.clone(), &of(&args(&[])), &[]).unwrap();
         assert!(notes.is_empty(), "{notes:?}");
         let mut a = args(&[]);
-        m.apply(&mut a);
+        m.apply(&mut a).unwrap();
         assert_eq!(a.checkpoint_every, 5);
         assert_eq!(a.keep_checkpoints, 2);
         assert_eq!(a.time_limit, Some(Duration::from_secs(30)));
@@ -1705,7 +1508,7 @@ mod tests {
         assert_eq!((a.prefetch, a.collective.as_str()), (3, "shm"));
         assert_eq!(a.preflight_lines, 0);
         // Given again: they win, each with a note.
-        let now = SavedRun::of(&args(&[
+        let now = of(&args(&[
             "--time-limit",
             "2h",
             "--checkpoint-every",
@@ -1738,7 +1541,7 @@ mod tests {
             assert!(notes.iter().any(|x| x == n), "{n}: {notes:?}");
         }
         let mut a = args(&[]);
-        m.apply(&mut a);
+        m.apply(&mut a).unwrap();
         assert_eq!(
             (a.checkpoint_every, a.time_limit, a.keep_checkpoints),
             (7, Some(Duration::from_secs(7200)), 2)
@@ -1752,20 +1555,73 @@ mod tests {
             "shuffle_window": 4096, "demo_samples": 1024, "steps": 3, "lr": null,
             "warmup_ratio": null, "block_size": null, "max_anchors": null}"#;
         let saved: SavedRun = serde_json::from_str(old).unwrap();
-        assert!(saved.inputs.is_none() && saved.checkpoint_every.is_none());
-        let (m, _) = merge(saved.clone(), &SavedRun::of(&args(&[])), &[]).unwrap();
+        assert!(saved.inputs.is_none() && !saved.settings.contains_key("checkpoint_every"));
+        let (m, _) = merge(saved.clone(), &of(&args(&[])), &[]).unwrap();
         let mut a = args(&["--checkpoint-every", "9", "--time-limit", "1m"]);
-        m.apply(&mut a);
+        m.apply(&mut a).unwrap();
         assert_eq!(a.steps, Some(3));
         assert_eq!(a.checkpoint_every, 9, "nothing saved: this command line's");
         assert_eq!(a.hang_timeout, Duration::from_secs(60), "the default");
-        let now = SavedRun::of(&args(&["--checkpoint-every", "9", "--time-limit", "1m"]));
+        let now = of(&args(&["--checkpoint-every", "9", "--time-limit", "1m"]));
         let (m, notes) = merge(saved, &now, &given(&["checkpoint_every", "time_limit"])).unwrap();
         assert_eq!(notes.len(), 2, "{notes:?}");
         assert_eq!(
-            (m.checkpoint_every, m.time_limit),
-            (Some(9), Some(Duration::from_secs(60)))
+            (s(&m).checkpoint_every, s(&m).time_limit),
+            (9, Some(Duration::from_secs(60)))
         );
+    }
+
+    #[test]
+    fn every_setting_goes_through_run_json_and_back_and_no_session_flag_is_saved() {
+        let a = args(&[
+            "--gpus",
+            "cpu:3",
+            "--run-dir",
+            "/r",
+            "--tee",
+            "--steps",
+            "4",
+            "--lr",
+            "1e-3",
+            "--taps",
+            "1,2",
+            "--time-limit",
+            "2h",
+            "--target-engine",
+            "native",
+            "--wandb-project",
+            "p",
+            "--log-max-size",
+            "1MiB",
+            "--eval-timeout",
+            "90s",
+        ]);
+        let text = serde_json::to_string(&of(&a)).unwrap();
+        let back: SavedRun = serde_json::from_str(&text).unwrap();
+        let mut b = args(&[]);
+        back.clone().apply(&mut b).unwrap();
+        assert_eq!(settings_of(&b.settings).unwrap(), of(&a).settings);
+        assert_eq!(back.settings.len(), 50, "{:?}", back.settings.keys());
+        for session in ["gpus", "run_dir", "tee", "resume", "targets", "prometheus"] {
+            assert!(!back.settings.contains_key(session), "{session} is saved");
+        }
+        assert_eq!(b.steps, Some(4));
+        assert_eq!(b.taps, Some(vec![1, 2]));
+        assert_eq!(b.log_max_size, 1 << 20);
+    }
+
+    #[test]
+    fn the_optional_settings_are_the_flags_without_a_default_and_none_until_given() {
+        let defaults = of(&args(&[])).settings;
+        let null: HashSet<String> = defaults
+            .iter()
+            .filter(|(_, v)| v.is_null())
+            .map(|(k, _)| k.clone())
+            .collect();
+        let optional = optional_settings();
+        assert_eq!(null, optional);
+        assert!(optional.contains("steps") && optional.contains("taps"));
+        assert!(!optional.contains("max_seq_len") && !optional.contains("hang_timeout"));
     }
 
     #[test]
@@ -1780,8 +1636,8 @@ mod tests {
         assert_eq!(v["stop_timeout"], "2s");
         assert_eq!(v["inputs"]["data"]["kind"], "demo", "{v}");
         let back: SavedRun = serde_json::from_value(v).unwrap();
-        assert_eq!(back.time_limit, Some(Duration::from_secs(5400)));
-        assert_eq!(back.collective_timeout, Some(Duration::from_secs(300)));
+        assert_eq!(s(&back).time_limit, Some(Duration::from_secs(5400)));
+        assert_eq!(s(&back).collective_timeout, Duration::from_secs(300));
     }
 
     fn data_args(data: &Path, extra: &[&str]) -> RunArgs {
