@@ -212,6 +212,7 @@ impl std::fmt::Display for WriteFailure {
 
 /// A device worker's memory, in bytes (see [`FromWorker::DeviceMemory`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct DeviceMemory {
     /// The arena: allocated from the device at start.
     pub reserved: u64,

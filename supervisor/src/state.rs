@@ -32,7 +32,7 @@ pub struct RunState {
     pub train: Option<TrainProgress>,
     /// The latest metrics window (the last line of metrics.jsonl).
     #[serde(default)]
-    pub metrics: Option<serde_json::Value>,
+    pub metrics: Option<crate::telemetry::window::Window>,
     pub workers: Vec<WorkerState>,
 }
 

@@ -24,6 +24,7 @@ use crate::cli::{PlanArgs, RunArgs};
 use crate::error::Error;
 use crate::run::{gpu_fit, target_check, validate};
 use crate::telemetry::gpus;
+use crate::telemetry::window::Window;
 
 /// What every GPU worker needs besides its buffers: the CUDA context, cuBLAS's workspace
 /// and the kernels' module (stated in the plan's output).
@@ -350,10 +351,7 @@ pub fn measured(dir: &Path) -> Result<Rates, Error> {
             path.display()
         ))
     })?;
-    let windows: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let windows: Vec<Window> = text.lines().filter_map(Window::parse).collect();
     measured_rates(&windows).ok_or_else(|| {
         Error::Flag(format!(
             "--from {}: its metrics windows hold no trained step with tokens/s of both roles (expected a run that trained for a while)",
@@ -363,25 +361,22 @@ pub fn measured(dir: &Path) -> Result<Rates, Error> {
 }
 
 /// [`measured`] over parsed windows.
-pub fn measured_rates(windows: &[serde_json::Value]) -> Option<Rates> {
+pub fn measured_rates(windows: &[Window]) -> Option<Rates> {
     let (mut t, mut d) = (Vec::new(), Vec::new());
     for w in windows
         .iter()
-        .filter(|w| w["train"]["step"].as_u64().is_some_and(|s| s > 0))
+        .filter(|w| w.train.is_some_and(|t| t.step > 0))
     {
-        let p = &w["pipeline"];
-        let Some(by) = p["tokens_per_s_by_worker"].as_object() else {
-            continue;
-        };
-        let share = |k: &str| p["hidden_pool"][k].as_f64().unwrap_or(0.0).clamp(0.0, 0.95);
+        let pool = &w.pipeline.hidden_pool;
+        let share = |x: f64| x.clamp(0.0, 0.95);
         let (blocked, starved) = (
-            share("producers_blocked_share"),
-            share("consumers_starved_share"),
+            share(pool.producers_blocked_share),
+            share(pool.consumers_starved_share),
         );
-        for (name, v) in by {
-            let Some(v) = v.as_f64().filter(|v| *v > 0.0) else {
+        for (name, &v) in &w.pipeline.tokens_per_s_by_worker {
+            if v <= 0.0 || !v.is_finite() {
                 continue;
-            };
+            }
             match name.split('-').next() {
                 Some("target") => t.push(v / (1.0 - blocked)),
                 Some("drafter") => d.push(v / (1.0 - starved)),
@@ -693,14 +688,17 @@ mod tests {
 
     #[test]
     fn measured_rates_are_corrected_for_the_time_a_role_waited_on_the_other() {
-        let w = serde_json::json!({
+        let window = |v| serde_json::from_value::<Window>(v).unwrap();
+        let w = window(serde_json::json!({
             "train": {"step": 5},
             "pipeline": {
                 "tokens_per_s_by_worker": {"target-0": 50.0, "drafter-0": 40.0, "drafter-1": 60.0},
                 "hidden_pool": {"producers_blocked_share": 0.5, "consumers_starved_share": 0.0},
             },
-        });
-        let idle = serde_json::json!({"train": null, "pipeline": {"tokens_per_s_by_worker": {"target-0": 1.0}}});
+        }));
+        let idle = window(
+            serde_json::json!({"train": null, "pipeline": {"tokens_per_s_by_worker": {"target-0": 1.0}}}),
+        );
         let r = measured_rates(&[idle, w]).unwrap();
         // The target was blocked half the time: alone it would do 100.
         assert_eq!(r.target_tokens_per_s, 100.0);

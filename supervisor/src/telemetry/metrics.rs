@@ -1,5 +1,5 @@
-//! `metrics.jsonl`: one JSON object per `--metrics-interval` window. Schema (stable; new
-//! keys may be added):
+//! `metrics.jsonl`: one JSON object per `--metrics-interval` window, a
+//! [`Window`](super::window::Window) serialised. Schema (stable; new keys may be added):
 //!
 //! ```text
 //! time, window_s
@@ -25,6 +25,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::nvml::GpuWindow;
+use super::window::Window;
 
 pub const METRICS_FILE: &str = "metrics.jsonl";
 
@@ -34,7 +35,7 @@ pub struct Metrics {
     pub started: Instant,
     pub last_consumed: u64,
     pub last_step: u64,
-    pub latest: Option<serde_json::Value>,
+    pub latest: Option<super::window::Window>,
     pub status_at: Instant,
 }
 
@@ -84,39 +85,34 @@ pub fn tokens_per_s(tps: Option<f64>) -> String {
 /// The figures a person glances at while the run goes (all but the step), most important
 /// first: loss, acceptance, tokens/s (`tps` when given, else the window's), GPU use, the
 /// hidden-state pool's fill and restarts.
-pub fn status_fields(w: &serde_json::Value, tps: Option<f64>) -> Vec<String> {
+pub fn status_fields(w: &Window, tps: Option<f64>) -> Vec<String> {
     let mut parts = Vec::new();
-    if let Some(t) = w["train"].as_object() {
-        if let Some(l) = t["loss"].as_f64() {
+    if let Some(t) = &w.train {
+        if let Some(l) = t.loss {
             parts.push(format!("loss {l:.3}"));
         }
-        if let Some(a) = t["acceptance"].as_f64() {
+        if let Some(a) = t.acceptance {
             parts.push(format!("accept {a:.2}"));
         }
     }
-    let window = w["pipeline"]["tokens_per_s_trained"].as_f64();
+    // No window yet (an empty one): no figure of its own.
+    let window = (!w.time.is_empty()).then_some(w.pipeline.tokens_per_s_trained);
     parts.push(tokens_per_s(tps.or(window)));
-    let utils: Vec<f64> = w["gpu"]["gpus"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|g| g["util_gpu_pct"]["mean"].as_f64())
-        .collect();
-    if !utils.is_empty() {
+    if let Some(u) = w.mean_gpu_util_pct() {
+        parts.push(format!("GPU {u:.0}%"));
+    }
+    if !w.time.is_empty() {
         parts.push(format!(
-            "GPU {:.0}%",
-            utils.iter().sum::<f64>() / utils.len() as f64
+            "hidden pool {:.0}% full",
+            w.pipeline.hidden_pool.fill_ratio * 100.0
         ));
     }
-    if let Some(f) = w["pipeline"]["hidden_pool"]["fill_ratio"].as_f64() {
-        parts.push(format!("hidden pool {:.0}% full", f * 100.0));
-    }
-    parts.push(format!("restarts {}", w["restarts"].as_u64().unwrap_or(0)));
+    parts.push(format!("restarts {}", w.restarts));
     parts
 }
 
 /// [`status_fields`] as one string, ` | ` between them.
-pub fn status_figures(w: &serde_json::Value, tps: Option<f64>) -> String {
+pub fn status_figures(w: &Window, tps: Option<f64>) -> String {
     status_fields(w, tps).join(" | ")
 }
 
@@ -129,16 +125,16 @@ pub fn step_of(step: u64, total: Option<u64>) -> String {
 }
 
 /// The one step-line format of a run's plain output (off a terminal): `step N/M | figures`.
-pub fn status_line(w: &serde_json::Value, total: Option<u64>, tps: Option<f64>) -> String {
-    let step = w["train"]["step"].as_u64().unwrap_or(0);
+pub fn status_line(w: &Window, total: Option<u64>, tps: Option<f64>) -> String {
+    let step = w.train.map_or(0, |t| t.step);
     format!("{} | {}", step_of(step, total), status_figures(w, tps))
 }
 
 /// The plain step line of the metrics window `w`, when it has news: a step trained in it
 /// (past `before`, the step of the window before, or the step a resumed session started
 /// from). A window in which no step was trained (a slow step, the idle end) prints none.
-pub fn step_line(w: &serde_json::Value, total: Option<u64>, before: u64) -> Option<String> {
-    let step = w["train"]["step"].as_u64()?;
+pub fn step_line(w: &Window, total: Option<u64>, before: u64) -> Option<String> {
+    let step = w.train?.step;
     (step > before).then(|| status_line(w, total, None))
 }
 
@@ -146,6 +142,10 @@ pub fn step_line(w: &serde_json::Value, total: Option<u64>, before: u64) -> Opti
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn window(v: serde_json::Value) -> Window {
+        serde_json::from_value(v).unwrap()
+    }
 
     #[test]
     fn tokens_per_s_is_a_dash_before_a_figure_and_never_minus_zero() {
@@ -158,13 +158,14 @@ mod tests {
 
     #[test]
     fn the_step_line_names_the_step_out_of_the_total_then_the_figures() {
-        let w = json!({
+        let w = window(json!({
+            "time": "t",
             "train": {"step": 12, "loss": 3.12345, "acceptance": 1.5},
             "pipeline": {"tokens_per_s_trained": 150.0,
                          "tokens_per_s_by_worker": {"drafter-0": 100.0, "drafter-1": 50.0, "target-0": 999.0},
                          "hidden_pool": {"fill_ratio": 0.25}},
             "restarts": 2,
-        });
+        }));
         assert_eq!(
             status_line(&w, Some(100), None),
             "step 12/100 | loss 3.123 | accept 1.50 | 150 tok/s | hidden pool 25% full | restarts 2"
@@ -175,24 +176,34 @@ mod tests {
             "step 12 | loss 3.123 | accept 1.50 | 7 tok/s | hidden pool 25% full | restarts 2"
         );
         // No window yet: no tokens/s figure to show.
-        assert_eq!(status_figures(&json!({}), None), "— tok/s | restarts 0");
+        assert_eq!(
+            status_figures(&Window::default(), None),
+            "— tok/s | restarts 0"
+        );
     }
 
     #[test]
     fn a_window_prints_a_step_line_only_when_a_step_was_trained_in_it() {
         let w = |step: u64| {
-            json!({"train": {"step": step, "loss": 1.0, "acceptance": 2.0},
-                   "pipeline": {"tokens_per_s_trained": 0.0}, "restarts": 0})
+            window(
+                json!({"time": "t", "train": {"step": step, "loss": 1.0, "acceptance": 2.0},
+                   "pipeline": {"tokens_per_s_trained": 0.0}, "restarts": 0}),
+            )
         };
         // A slow step: the windows it spans have nothing new to say.
         assert_eq!(
             step_line(&w(5), Some(10), 4).as_deref(),
-            Some("step 5/10 | loss 1.000 | accept 2.00 | 0 tok/s | restarts 0")
+            Some(
+                "step 5/10 | loss 1.000 | accept 2.00 | 0 tok/s | hidden pool 0% full | restarts 0"
+            )
         );
         assert_eq!(step_line(&w(5), Some(10), 5), None);
         // A resumed session's first window, before its first step.
         assert_eq!(step_line(&w(900), Some(1000), 900), None);
         // No training yet.
-        assert_eq!(step_line(&json!({"train": null}), Some(10), 0), None);
+        assert_eq!(
+            step_line(&window(json!({"train": null})), Some(10), 0),
+            None
+        );
     }
 }

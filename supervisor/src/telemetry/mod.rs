@@ -11,3 +11,4 @@ pub mod prometheus;
 pub mod queue_health;
 pub mod report;
 pub mod wandb;
+pub mod window;

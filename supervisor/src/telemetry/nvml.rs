@@ -6,12 +6,12 @@
 //! again at the next one. NVML missing or failing to start gives one warning naming what
 //! is lost and why, and the run goes on.
 
+use super::window::{Gpu, Gpus};
 use std::collections::BTreeMap;
 use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use nvml_wrapper::enum_wrappers::device::{Clock, TemperatureSensor};
-use serde::Serialize;
 
 /// One reading of one GPU; `None` where that metric could not be read.
 #[derive(Debug, Clone, Default)]
@@ -182,13 +182,7 @@ fn sample(nvml: &nvml_wrapper::Nvml, index: u32) -> GpuSample {
     s
 }
 
-/// Mean and max of the readings of one metric in a window; `null` when none succeeded.
-#[derive(Debug, Default, Clone, Copy, Serialize)]
-pub struct Stat {
-    pub mean: f64,
-    pub max: f64,
-    pub samples: u32,
-}
+pub use super::window::{Agg, Stat};
 
 #[derive(Default)]
 struct Acc {
@@ -211,24 +205,6 @@ impl Acc {
             max: self.max,
             samples: self.n,
         })
-    }
-}
-
-/// Which of a window's statistics a GPU metric is reported by: its mean over the window,
-/// or its maximum (a level that matters at its peak, or a counter's latest value).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Agg {
-    Mean,
-    Max,
-}
-
-impl Agg {
-    /// The statistic's key in a window's entry (`{"mean": .., "max": ..}`).
-    pub fn key(self) -> &'static str {
-        match self {
-            Agg::Mean => "mean",
-            Agg::Max => "max",
-        }
     }
 }
 
@@ -474,46 +450,32 @@ impl GpuWindow {
         }
     }
 
-    /// The window as JSON, worker names for pids from `names`; resets the window.
-    pub fn take(&mut self, names: &dyn Fn(u32) -> Option<String>) -> serde_json::Value {
-        let gpus: Vec<serde_json::Value> = self
+    /// The window, worker names for pids from `names`; resets the window.
+    pub fn take(&mut self, names: &dyn Fn(u32) -> Option<String>) -> Gpus {
+        let gpus = self
             .acc
             .iter()
-            .map(|(index, a)| {
-                let mut o = serde_json::Map::new();
-                o.insert("index".into(), (*index).into());
-                for m in &GPU_METRICS {
-                    o.insert(
-                        m.key.into(),
-                        serde_json::to_value(a.get(m.key).and_then(Acc::stat)).unwrap_or_default(),
-                    );
-                }
-                let procs: serde_json::Map<String, serde_json::Value> = self
+            .map(|(index, a)| Gpu {
+                index: *index,
+                metrics: GPU_METRICS
+                    .iter()
+                    .map(|m| (m.key.to_string(), a.get(m.key).and_then(Acc::stat)))
+                    .collect(),
+                process_mem_bytes: self
                     .processes
                     .get(index)
                     .into_iter()
                     .flatten()
-                    .map(|(pid, used)| {
-                        (
-                            names(*pid).unwrap_or_else(|| format!("pid {pid}")),
-                            (*used).into(),
-                        )
-                    })
-                    .collect();
-                o.insert("process_mem_bytes".into(), procs.into());
-                o.insert(
-                    "throttle_reasons".into(),
-                    serde_json::to_value(self.throttle.get(index)).unwrap_or_default(),
-                );
-                o.insert(
-                    "xid_errors".into(),
-                    serde_json::to_value(self.xids.get(index).cloned().unwrap_or_default())
-                        .unwrap_or_default(),
-                );
-                serde_json::Value::Object(o)
+                    .map(|(pid, used)| (names(*pid).unwrap_or_else(|| format!("pid {pid}")), *used))
+                    .collect(),
+                throttle_reasons: self.throttle.get(index).cloned(),
+                xid_errors: self.xids.get(index).cloned().unwrap_or_default(),
             })
             .collect();
-        let v = serde_json::json!({"samples": self.samples, "gpus": gpus});
+        let v = Gpus {
+            samples: self.samples,
+            gpus,
+        };
         *self = GpuWindow::default();
         v
     }
@@ -555,12 +517,16 @@ mod tests {
         w.add(&[s]);
         w.add(&[later]);
         let v = w.take(&|_| None);
-        let g = &v["gpus"][0];
-        assert_eq!(g["index"], 3);
+        let g = &v.gpus[0];
+        assert_eq!(g.index, 3);
         for m in &GPU_METRICS {
-            assert!(g[m.key][m.agg.key()].is_number(), "{}: {g}", m.key);
+            assert!(g.stat(m.key, m.agg).is_some(), "{}: {g:?}", m.key);
         }
-        assert_eq!(g["temp_c"]["max"], 20.0);
-        assert_eq!(g["temp_c"]["mean"], 14.0);
+        assert_eq!(g.stat("temp_c", Agg::Max), Some(20.0));
+        assert_eq!(g.stat("temp_c", Agg::Mean), Some(14.0));
+        // As metrics.jsonl writes it: each metric under its key, the statistic inside.
+        let j = serde_json::to_value(g).unwrap();
+        assert_eq!(j["temp_c"]["mean"], 14.0);
+        assert_eq!(j["index"], 3);
     }
 }

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::error::Error;
+use crate::telemetry::window::{Eval, Pipeline, Pool, Window};
 
 /// Connections open at once; a new one beyond them closes the oldest (it has had the
 /// longest to send its request).
@@ -271,17 +272,13 @@ impl Exporter {
         }
     }
 
-    pub fn update(&self, window: &Value) {
+    pub fn update(&self, window: &Window) {
         if let Ok(mut t) = self.text.lock() {
             *t = render(window);
         }
-        let secs = window["window_s"].as_f64().unwrap_or(0.0);
-        if let (Some(m), Ok(mut by)) = (
-            window["pipeline"]["tokens_per_s_by_worker"].as_object(),
-            self.counters.by_worker.lock(),
-        ) {
-            for (w, rate) in m {
-                *by.entry(w.clone()).or_default() += rate.as_f64().unwrap_or(0.0) * secs;
+        if let Ok(mut by) = self.counters.by_worker.lock() {
+            for (w, rate) in &window.pipeline.tokens_per_s_by_worker {
+                *by.entry(w.clone()).or_default() += rate * window.window_s;
             }
         }
     }
@@ -444,67 +441,61 @@ impl Out {
     }
 }
 
-/// A metrics window (see `dispatcher/metrics.rs`) as Prometheus text.
-pub fn render(w: &Value) -> String {
+/// A metrics window as Prometheus text.
+pub fn render(w: &Window) -> String {
     let mut o = Out(String::new());
     o.family("dflash_up", "gauge", "1 while the supervisor runs.");
     o.sample("dflash_up", &[], Some(1.0));
     gpu_families(&mut o, w);
-    pipeline_families(&mut o, &w["pipeline"]);
+    pipeline_families(&mut o, &w.pipeline);
     progress_families(&mut o, w);
-    if !w["eval"].is_null() {
-        eval_families(&mut o, &w["eval"]);
+    if let Some(e) = &w.eval {
+        eval_families(&mut o, e);
     }
-    if !w["tau"].is_null() {
-        tau_families(&mut o, &w["tau"]);
+    if let Some(t) = &w.tau {
+        tau_families(&mut o, t);
     }
     o.0
 }
 
 /// Each GPU's utilisation, memory, power, energy, temperature and clocks.
-fn gpu_families(o: &mut Out, w: &Value) {
-    let gpus = w["gpu"]["gpus"].as_array().cloned().unwrap_or_default();
+fn gpu_families(o: &mut Out, w: &Window) {
     for m in &crate::telemetry::nvml::GPU_METRICS {
         let Some(p) = m.prom else { continue };
         o.family(p.name, p.kind, p.help);
-        for g in &gpus {
-            let idx = g["index"].as_u64().unwrap_or(0).to_string();
-            o.sample(
-                p.name,
-                &[("gpu", &idx)],
-                g[m.key][m.agg.key()].as_f64().map(|v| v * p.scale),
-            );
+        for g in &w.gpu.gpus {
+            let idx = g.index.to_string();
+            let v = g.stat(m.key, m.agg).map(|v| v * p.scale);
+            o.sample(p.name, &[("gpu", &idx)], v);
         }
     }
 }
 
-/// The pipeline (`p`, the window's `pipeline`): the pools, each worker's throughput and
-/// device memory, the padding efficiency.
-fn pipeline_families(o: &mut Out, p: &Value) {
-    for (key, name, help) in [
+/// The pipeline (the window's `pipeline`): the pools, each worker's throughput and device
+/// memory, the padding efficiency.
+fn pipeline_families(o: &mut Out, p: &Pipeline) {
+    type Share = fn(&Pool) -> f64;
+    let shares: [(Share, &str, &str); 3] = [
         (
-            "fill_ratio",
+            |p| p.fill_ratio,
             "dflash_pool_fill_ratio",
             "Share of slots holding a ready batch (time-weighted).",
         ),
         (
-            "producers_blocked_share",
+            |p| p.producers_blocked_share,
             "dflash_pool_producers_blocked_ratio",
             "Share of time a producer waited for a free slot.",
         ),
         (
-            "consumers_starved_share",
+            |p| p.consumers_starved_share,
             "dflash_pool_consumers_starved_ratio",
             "Share of time a consumer waited for a batch.",
         ),
-    ] {
+    ];
+    for (share, name, help) in shares {
         o.family(name, "gauge", help);
-        for pool in ["tokens", "hidden"] {
-            o.sample(
-                name,
-                &[("pool", pool)],
-                p[format!("{pool}_pool")][key].as_f64(),
-            );
+        for (pool, v) in [("tokens", &p.tokens_pool), ("hidden", &p.hidden_pool)] {
+            o.sample(name, &[("pool", pool)], Some(share(v)));
         }
     }
     o.family(
@@ -512,25 +503,27 @@ fn pipeline_families(o: &mut Out, p: &Value) {
         "gauge",
         "Tokens each worker processed per second over the window.",
     );
-    if let Some(m) = p["tokens_per_s_by_worker"].as_object() {
-        for (wk, v) in m {
-            o.sample(
-                "dflash_worker_tokens_per_second",
-                &[("worker", wk)],
-                v.as_f64(),
-            );
-        }
+    for (wk, v) in &p.tokens_per_s_by_worker {
+        o.sample(
+            "dflash_worker_tokens_per_second",
+            &[("worker", wk)],
+            Some(*v),
+        );
     }
     o.family("dflash_cuda_memory_bytes", "gauge", "Device memory of each GPU worker: its arena (reserved, in_use, peak) and the device's free and total.");
-    if let Some(m) = p["cuda_memory_by_worker"].as_object() {
-        for (wk, v) in m {
-            for kind in ["reserved", "in_use", "peak", "free", "total"] {
-                o.sample(
-                    "dflash_cuda_memory_bytes",
-                    &[("worker", wk), ("kind", kind)],
-                    v[kind].as_f64(),
-                );
-            }
+    for (wk, m) in &p.cuda_memory_by_worker {
+        for (kind, v) in [
+            ("reserved", m.reserved),
+            ("in_use", m.in_use),
+            ("peak", m.peak),
+            ("free", m.free),
+            ("total", m.total),
+        ] {
+            o.sample(
+                "dflash_cuda_memory_bytes",
+                &[("worker", wk), ("kind", kind)],
+                Some(v as f64),
+            );
         }
     }
     o.family(
@@ -538,53 +531,46 @@ fn pipeline_families(o: &mut Out, p: &Value) {
         "counter",
         "Arena requests of each GPU worker that could not be served.",
     );
-    if let Some(m) = p["cuda_memory_by_worker"].as_object() {
-        for (wk, v) in m {
-            o.sample(
-                "dflash_cuda_alloc_failures_total",
-                &[("worker", wk)],
-                v["alloc_failures"].as_f64(),
-            );
-        }
+    for (wk, m) in &p.cuda_memory_by_worker {
+        o.sample(
+            "dflash_cuda_alloc_failures_total",
+            &[("worker", wk)],
+            Some(m.alloc_failures as f64),
+        );
     }
     o.family(
         "dflash_padding_efficiency_ratio",
         "gauge",
         "Real tokens over padded tokens of the window's batches.",
     );
-    o.sample(
-        "dflash_padding_efficiency_ratio",
-        &[],
-        p["padding_efficiency"].as_f64(),
-    );
+    o.sample("dflash_padding_efficiency_ratio", &[], p.padding_efficiency);
 }
 
 /// The run's progress: worker restarts, batches, steps, the last step's loss and
 /// acceptance.
-fn progress_families(o: &mut Out, w: &Value) {
+fn progress_families(o: &mut Out, w: &Window) {
     o.family(
         "dflash_worker_restarts_total",
         "counter",
         "Restarts of each worker in this run.",
     );
-    if let Some(m) = w["workers"].as_object() {
-        for (wk, v) in m {
-            o.sample(
-                "dflash_worker_restarts_total",
-                &[("worker", wk)],
-                v["restarts"].as_f64(),
-            );
-        }
+    for (wk, v) in &w.workers {
+        o.sample(
+            "dflash_worker_restarts_total",
+            &[("worker", wk)],
+            Some(v.restarts as f64),
+        );
     }
     o.family(
         "dflash_batches_produced_total",
         "counter",
         "Batches the loader put in the pipeline.",
     );
+    let batches = &w.batches;
     o.sample(
         "dflash_batches_produced_total",
         &[],
-        w["batches"]["produced"].as_f64(),
+        Some(batches.produced as f64),
     );
     o.family(
         "dflash_batches_consumed_total",
@@ -594,62 +580,55 @@ fn progress_families(o: &mut Out, w: &Value) {
     o.sample(
         "dflash_batches_consumed_total",
         &[],
-        w["batches"]["consumed"].as_f64(),
+        Some(batches.consumed as f64),
     );
     o.family(
         "dflash_train_step",
         "gauge",
         "The run's current optimizer step (a rollback takes it back).",
     );
-    o.sample("dflash_train_step", &[], w["train"]["step"].as_f64());
+    o.sample("dflash_train_step", &[], w.train.map(|t| t.step as f64));
     o.family(
         "dflash_train_loss",
         "gauge",
         "Loss of the last committed step.",
     );
-    o.sample("dflash_train_loss", &[], w["train"]["loss"].as_f64());
+    o.sample("dflash_train_loss", &[], w.train.and_then(|t| t.loss));
     o.family(
         "dflash_train_acceptance_length",
         "gauge",
         "Acceptance-length proxy of the last committed step.",
     );
-    o.sample(
-        "dflash_train_acceptance_length",
-        &[],
-        w["train"]["acceptance"].as_f64(),
-    );
+    let acceptance = w.train.and_then(|t| t.acceptance);
+    o.sample("dflash_train_acceptance_length", &[], acceptance);
 }
 
 /// The last held-out eval (the window's `eval`).
-fn eval_families(o: &mut Out, e: &Value) {
+fn eval_families(o: &mut Out, e: &Eval) {
     o.family(
         "dflash_eval_step",
         "gauge",
         "Step whose weights the last held-out eval (--eval-data) scored.",
     );
-    o.sample("dflash_eval_step", &[], e["step"].as_f64());
+    o.sample("dflash_eval_step", &[], Some(e.step as f64));
     o.family(
         "dflash_eval_loss",
         "gauge",
         "Loss over the whole held-out eval set, at the last eval.",
     );
-    o.sample("dflash_eval_loss", &[], e["loss"].as_f64());
+    o.sample("dflash_eval_loss", &[], e.loss);
     o.family(
         "dflash_eval_acceptance_length",
         "gauge",
         "Acceptance-length estimate over the whole held-out eval set, at the last eval.",
     );
-    o.sample(
-        "dflash_eval_acceptance_length",
-        &[],
-        e["acceptance"].as_f64(),
-    );
+    o.sample("dflash_eval_acceptance_length", &[], e.acceptance);
     o.family(
         "dflash_eval_best_step",
         "gauge",
         "Step checkpoints/best names (the best tau with --eval-prompts, else the best eval acceptance).",
     );
-    o.sample("dflash_eval_best_step", &[], e["best_step"].as_f64());
+    o.sample("dflash_eval_best_step", &[], e.best_step.map(|s| s as f64));
 }
 
 /// The last real τ measurement (`--eval-prompts`): both definitions with their 95%
@@ -695,6 +674,10 @@ fn tau_families(o: &mut Out, t: &Value) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn window(v: Value) -> Window {
+        serde_json::from_value(v).unwrap()
+    }
 
     /// A GET of /metrics on a new connection: the response and how long it took.
     fn scrape(addr: SocketAddr) -> (String, Duration) {
@@ -785,7 +768,7 @@ mod tests {
     fn the_last_tau_is_exported_with_its_intervals_when_there_is_one() {
         let w = serde_json::json!({"tau": {"step": 6, "pooled": 2.5, "pooled_ci95": [2.0, 3.25],
             "mean_of_means": 3.5, "mean_of_means_ci95": [2.5, 4.5], "best_step": 6}});
-        let text = render(&w);
+        let text = render(&window(w));
         for line in [
             "dflash_tau_step 6",
             "dflash_tau{definition=\"pooled\"} 2.5",
@@ -796,13 +779,13 @@ mod tests {
         ] {
             assert!(text.lines().any(|l| l == line), "{line} in:\n{text}");
         }
-        assert!(!render(&serde_json::json!({})).contains("dflash_tau"));
+        assert!(!render(&Window::default()).contains("dflash_tau"));
     }
 
     #[test]
     fn the_last_eval_is_exported_when_there_is_one() {
         let w = serde_json::json!({"eval": {"step": 4, "loss": 2.5, "acceptance": 1.75, "best_step": 2}});
-        let t = render(&w);
+        let t = render(&window(w));
         for line in [
             "dflash_eval_step 4",
             "dflash_eval_loss 2.5",
@@ -811,7 +794,7 @@ mod tests {
         ] {
             assert!(t.lines().any(|l| l == line), "{line} in:\n{t}");
         }
-        assert!(!render(&serde_json::json!({})).contains("dflash_eval"));
+        assert!(!render(&Window::default()).contains("dflash_eval"));
     }
 
     /// Every metric the Grafana dashboard in docs/grafana queries is one the exporter
@@ -819,7 +802,7 @@ mod tests {
     #[test]
     fn the_grafana_dashboard_queries_only_metrics_the_exporter_serves() {
         let e = Exporter::start(parse_addr("127.0.0.1:0").unwrap()).unwrap();
-        e.update(&serde_json::json!({
+        e.update(&window(serde_json::json!({
             "gpu": {"gpus": [{"index": 0, "util_gpu_pct": {"mean": 40.0, "max": 50.0}}]},
             "pipeline": {"hidden_pool": {"fill_ratio": 0.5}, "tokens_per_s_by_worker": {"drafter-0": 1.0},
                          "cuda_memory_by_worker": {"drafter-0": {"reserved": 1, "in_use": 1, "peak": 1, "alloc_failures": 0}}},
@@ -828,7 +811,7 @@ mod tests {
             "eval": {"step": 1, "loss": 2.0, "acceptance": 1.5, "best_step": 1},
             "tau": {"step": 1, "pooled": 1.5, "pooled_ci95": [1.0, 2.0], "mean_of_means": 1.5,
                     "mean_of_means_ci95": [1.0, 2.0], "best_step": 1}
-        }));
+        })));
         let page = e.page();
         let dash: Value =
             serde_json::from_str(include_str!("../../../docs/grafana/dflash-supervise.json"))
@@ -898,7 +881,7 @@ mod tests {
         let w = serde_json::json!({"gpu": {"gpus": [{"index": 1, "util_gpu_pct": {"mean": 40.0, "max": 50.0}, "temp_c": null,
                    "sm_clock_mhz": {"mean": 1980.0, "max": 1980.0}}]},
                    "pipeline": {"hidden_pool": {"fill_ratio": 0.5}}, "workers": {"drafter-0": {"restarts": 2}}});
-        let t = render(&w);
+        let t = render(&window(w));
         assert!(
             t.contains("dflash_gpu_utilization_ratio{gpu=\"1\"} 0.4\n"),
             "{t}"

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use serde_json::json;
+use super::window::{Pipeline, Pool};
 
 /// Time-weighted shares of one pool.
 #[derive(Default)]
@@ -123,11 +123,15 @@ impl QueueHealth {
         self.padded_tokens += lengths.len() as u64 * seq_len as u64;
     }
 
-    /// The window as JSON; resets it.
-    pub fn take(&mut self, window_s: f64) -> serde_json::Value {
+    /// The window; resets it.
+    pub fn take(&mut self, window_s: f64) -> Pipeline {
         let pool = |a: &PoolAcc| {
             let t = a.time.max(1e-9);
-            json!({"fill_ratio": a.fill / t, "producers_blocked_share": a.producers_blocked / t, "consumers_starved_share": a.consumers_starved / t})
+            Pool {
+                fill_ratio: a.fill / t,
+                producers_blocked_share: a.producers_blocked / t,
+                consumers_starved_share: a.consumers_starved / t,
+            }
         };
         let total: u64 = self.lengths.values().sum();
         let entropy = if total == 0 {
@@ -141,14 +145,14 @@ impl QueueHealth {
                 .sum::<f64>()
         };
         // Max over min of batches per worker, within each role.
-        let mut by_role: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+        let mut by_role: BTreeMap<String, Vec<u64>> = BTreeMap::new();
         for (w, n) in &self.served {
             by_role
-                .entry(w.split('-').next().unwrap_or(""))
+                .entry(w.split('-').next().unwrap_or("").to_string())
                 .or_default()
                 .push(*n);
         }
-        let balance: BTreeMap<&str, Option<f64>> = by_role
+        let balance = by_role
             .into_iter()
             .map(|(role, v)| {
                 let (hi, lo) = (
@@ -158,28 +162,40 @@ impl QueueHealth {
                 (role, (lo > 0).then(|| hi as f64 / lo as f64))
             })
             .collect();
-        let hint = self.hint();
-        let tokens_per_s: serde_json::Map<String, serde_json::Value> = self
-            .tokens_by_worker
-            .iter()
-            .map(|(w, n)| (w.clone(), (*n as f64 / window_s.max(1e-9)).into()))
-            .collect();
-        let v = json!({
-            "tokens_pool": pool(&self.pools[0]),
-            "hidden_pool": pool(&self.pools[1]),
-            "batches_per_worker": self.served,
-            "balance_max_over_min": balance,
-            "tokens_per_s_trained": self.tokens_by_worker.iter().filter(|(w, _)| w.starts_with("drafter")).map(|(_, n)| *n).sum::<u64>() as f64 / window_s.max(1e-9),
-            "tokens_per_s_by_worker": tokens_per_s,
-            "length_buckets": self.lengths.iter().map(|(b, c)| (format!("<={b}"), *c)).collect::<BTreeMap<_, _>>(),
-            "length_entropy_bits": entropy,
-            "padding_efficiency": if self.padded_tokens > 0 { Some(self.real_tokens as f64 / self.padded_tokens as f64) } else { None },
-            "bottleneck_hint": hint,
-            "phase_ms_by_worker": self.phases.iter().map(|(w, m)| {
-                (w.clone(), m.iter().map(|(k, (sum, n))| (k.to_string(), sum / (*n).max(1) as f64)).collect::<BTreeMap<_, _>>())
-            }).collect::<BTreeMap<_, _>>(),
-            "cuda_memory_by_worker": self.device_memory,
-        });
+        let per_s = |n: u64| n as f64 / window_s.max(1e-9);
+        let v = Pipeline {
+            tokens_pool: pool(&self.pools[0]),
+            hidden_pool: pool(&self.pools[1]),
+            batches_per_worker: self.served.clone(),
+            balance_max_over_min: balance,
+            tokens_per_s_trained: per_s(self.drafter_tokens()),
+            tokens_per_s_by_worker: self
+                .tokens_by_worker
+                .iter()
+                .map(|(w, n)| (w.clone(), per_s(*n)))
+                .collect(),
+            length_buckets: self
+                .lengths
+                .iter()
+                .map(|(b, c)| (format!("<={b}"), *c))
+                .collect(),
+            length_entropy_bits: entropy,
+            padding_efficiency: (self.padded_tokens > 0)
+                .then(|| self.real_tokens as f64 / self.padded_tokens as f64),
+            bottleneck_hint: self.hint(),
+            phase_ms_by_worker: self
+                .phases
+                .iter()
+                .map(|(w, m)| {
+                    let mean = |(sum, n): &(f64, u64)| sum / (*n).max(1) as f64;
+                    (
+                        w.clone(),
+                        m.iter().map(|(k, v)| (k.to_string(), mean(v))).collect(),
+                    )
+                })
+                .collect(),
+            cuda_memory_by_worker: self.device_memory.clone(),
+        };
         *self = QueueHealth {
             last: self.last,
             device_memory: std::mem::take(&mut self.device_memory),
@@ -277,20 +293,21 @@ mod tests {
             },
         );
         let v = q.take(1.0);
-        assert_eq!(v["length_buckets"]["<=16"], 1);
-        assert_eq!(v["length_buckets"]["<=32"], 2);
-        assert_eq!(v["length_buckets"]["<=128"], 1);
-        assert!((v["padding_efficiency"].as_f64().unwrap() - 160.0 / 190.0).abs() < 1e-9);
-        assert!((v["length_entropy_bits"].as_f64().unwrap() - 1.5).abs() < 1e-9);
-        assert_eq!(v["balance_max_over_min"]["drafter"], 3.0);
-        assert!((v["tokens_pool"]["fill_ratio"].as_f64().unwrap() - 0.5).abs() < 1e-9);
-        assert_eq!(v["hidden_pool"]["consumers_starved_share"], 1.0);
-        assert!(v["bottleneck_hint"]
-            .as_str()
+        assert_eq!(v.length_buckets["<=16"], 1);
+        assert_eq!(v.length_buckets["<=32"], 2);
+        assert_eq!(v.length_buckets["<=128"], 1);
+        assert!((v.padding_efficiency.unwrap() - 160.0 / 190.0).abs() < 1e-9);
+        assert!((v.length_entropy_bits - 1.5).abs() < 1e-9);
+        assert_eq!(v.balance_max_over_min["drafter"], Some(3.0));
+        assert!((v.tokens_pool.fill_ratio - 0.5).abs() < 1e-9);
+        assert_eq!(v.hidden_pool.consumers_starved_share, 1.0);
+        assert!(v
+            .bottleneck_hint
+            .as_deref()
             .unwrap()
             .contains("drafters idle 100%"));
         // The window resets.
-        assert_eq!(q.take(1.0)["batches_per_worker"], json!({}));
+        assert!(q.take(1.0).batches_per_worker.is_empty());
     }
 
     /// A window in which one pool's side waited on the other all along.
@@ -316,13 +333,13 @@ mod tests {
     fn hints_never_advise_more_workers_when_cpu_workers_outnumber_the_cores() {
         let mut q = QueueHealth::default();
         starved(&mut q, true);
-        let hint = q.take(1.0)["bottleneck_hint"].as_str().unwrap().to_string();
+        let hint = q.take(1.0).bottleneck_hint.unwrap();
         assert!(hint.ends_with(": add drafters"), "{hint}");
         // The run warned "3 CPU workers on 2 core(s)": the hint agrees with it.
         q.cpu_limited(Some((3, 2)));
         for targets_blocked in [true, false] {
             starved(&mut q, targets_blocked);
-            let hint = q.take(1.0)["bottleneck_hint"].as_str().unwrap().to_string();
+            let hint = q.take(1.0).bottleneck_hint.unwrap();
             assert!(!hint.contains("add "), "{hint}");
             assert!(
                 hint.contains("the CPU is the limit (3 CPU workers on 2 core(s))"),

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::Error;
+use crate::telemetry::window::{Agg, Gpu, Pipeline, Pool, Window};
 
 /// Every JSON line of a file that parses (a line a crash cut off is skipped), and whether
 /// one did not.
@@ -83,7 +84,12 @@ fn esc(s: &str) -> String {
 }
 
 fn ms_of(t: &Value) -> Option<f64> {
-    humantime::parse_rfc3339(t.as_str()?)
+    ms_of_str(t.as_str()?)
+}
+
+/// [`ms_of`] of a time already read as a string.
+fn ms_of_str(t: &str) -> Option<f64> {
+    humantime::parse_rfc3339(t)
         .ok()
         .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
         .map(|d| d.as_secs_f64() * 1e3)
@@ -872,7 +878,7 @@ struct Run {
     train: Vec<Value>,
     steps: Vec<Value>,
     events: Vec<Value>,
-    metrics: Vec<Value>,
+    metrics: Vec<Window>,
     torn: Vec<&'static str>,
     /// Unix ms of the start, and of the end of what was recorded.
     t0: f64,
@@ -890,6 +896,10 @@ impl Run {
         let (train, train_torn) = read_jsonl(&dir.join("train.jsonl"));
         let (events, events_torn) = read_jsonl(&dir.join("events.jsonl"));
         let (metrics, metrics_torn) = read_jsonl(&dir.join("metrics.jsonl"));
+        let metrics: Vec<Window> = metrics
+            .into_iter()
+            .filter_map(|m| serde_json::from_value(m).ok())
+            .collect();
         let mut torn = Vec::new();
         for (t, name) in [
             (train_torn, "train.jsonl"),
@@ -916,7 +926,7 @@ impl Run {
             .as_f64()
             .into_iter()
             .chain(events.iter().filter_map(|e| ms_of(&e["time"])))
-            .chain(metrics.iter().filter_map(|m| ms_of(&m["time"])))
+            .chain(metrics.iter().filter_map(|m| ms_of_str(&m.time)))
             .chain(train.iter().filter_map(|l| l["t"].as_f64()))
             .reduce(f64::min)
             .unwrap_or(0.0);
@@ -925,7 +935,7 @@ impl Run {
             None => events
                 .iter()
                 .filter_map(|e| ms_of(&e["time"]))
-                .chain(metrics.iter().filter_map(|m| ms_of(&m["time"])))
+                .chain(metrics.iter().filter_map(|m| ms_of_str(&m.time)))
                 .chain(train.iter().filter_map(|l| l["t"].as_f64()))
                 .fold(t0, f64::max),
         };
@@ -954,15 +964,20 @@ impl Run {
         ms_of(t).map(|ms| (ms - self.t0) / 1e3)
     }
 
+    /// Seconds since the start, of a metrics window's end.
+    fn window_secs(&self, m: &Window) -> Option<f64> {
+        ms_of_str(&m.time).map(|ms| (ms - self.t0) / 1e3)
+    }
+
     fn time_range(&self) -> (f64, f64) {
         (0.0, (self.t1 - self.t0) / 1e3)
     }
 
     /// (seconds since start, window) of each metrics window with `f`'s value.
-    fn windows(&self, f: impl Fn(&Value) -> Option<f64>) -> Vec<(f64, f64)> {
+    fn windows(&self, f: impl Fn(&Window) -> Option<f64>) -> Vec<(f64, f64)> {
         self.metrics
             .iter()
-            .filter_map(|m| Some((self.secs(&m["time"])?, f(m).unwrap_or(f64::NAN))))
+            .filter_map(|m| Some((self.window_secs(m)?, f(m).unwrap_or(f64::NAN))))
             .collect()
     }
 
@@ -1897,16 +1912,15 @@ fn throughput(run: &Run, absent: &mut Absent) -> String {
         "trained, total",
         "tps-total",
         "#111",
-        run.windows(|m| m["pipeline"]["tokens_per_s_trained"].as_f64()),
+        run.windows(|m| Some(m.pipeline.tokens_per_s_trained)),
     ));
     let workers: BTreeSet<String> = run
         .metrics
         .iter()
-        .filter_map(|m| m["pipeline"]["tokens_per_s_by_worker"].as_object())
-        .flat_map(|o| o.keys().cloned())
+        .flat_map(|m| m.pipeline.tokens_per_s_by_worker.keys().cloned())
         .collect();
     for (i, w) in workers.iter().enumerate() {
-        let pts = run.windows(|m| m["pipeline"]["tokens_per_s_by_worker"][w].as_f64());
+        let pts = run.windows(|m| m.pipeline.tokens_per_s_by_worker.get(w).copied());
         let s = Series::new(w.clone(), "tps-worker", PALETTE[i % PALETTE.len()], pts)
             .attrs(format!(r#" data-worker="{}""#, esc(w)));
         c.series.push(if w.starts_with("target") {
@@ -1928,29 +1942,20 @@ fn why_no_metrics(run: &Run) -> String {
 
 /// The GPU indices the metrics windows report, and how many samples they hold.
 fn gpu_indices(run: &Run) -> (u64, Vec<u64>) {
-    let samples: u64 = run
-        .metrics
-        .iter()
-        .filter_map(|m| m["gpu"]["samples"].as_u64())
-        .sum();
+    let samples: u64 = run.metrics.iter().map(|m| m.gpu.samples as u64).sum();
     let indices: Vec<u64> = run
         .metrics
         .iter()
-        .flat_map(|m| m["gpu"]["gpus"].as_array().cloned().unwrap_or_default())
-        .filter_map(|g| g["index"].as_u64())
+        .flat_map(|m| m.gpu.gpus.iter().map(|g| g.index as u64))
         .collect::<BTreeSet<_>>()
         .into_iter()
         .collect();
     (samples, indices)
 }
 
-/// GPU `idx`'s entry in the metrics window `m` (null when it has none).
-fn gpu_of(m: &Value, idx: u64) -> &Value {
-    static NONE: Value = Value::Null;
-    m["gpu"]["gpus"]
-        .as_array()
-        .and_then(|a| a.iter().find(|g| g["index"] == idx))
-        .unwrap_or(&NONE)
+/// GPU `idx`'s entry in the metrics window `m` (`None` when it has none).
+fn gpu_of(m: &Window, idx: u64) -> Option<&Gpu> {
+    m.gpu.gpus.iter().find(|g| g.index as u64 == idx)
 }
 
 /// A metrics window in which a GPU was throttled: the GPU, the window's end (seconds), its
@@ -1973,47 +1978,35 @@ struct Xid {
 fn gpu_events(run: &Run, indices: &[u64]) -> (Vec<Throttle>, Vec<Xid>) {
     let (mut throttles, mut xids) = (Vec::new(), Vec::new());
     for m in &run.metrics {
-        let Some(t) = run.secs(&m["time"]) else {
+        let Some(t) = run.window_secs(m) else {
             continue;
         };
         for &gpu in indices {
-            let g = gpu_of(m, gpu);
-            let reasons: Vec<&str> = g["throttle_reasons"]
-                .as_array()
-                .into_iter()
+            let Some(g) = gpu_of(m, gpu) else {
+                continue;
+            };
+            let reasons: Vec<&str> = g
+                .throttle_reasons
+                .iter()
                 .flatten()
-                .filter_map(|r| r.as_str())
+                .map(String::as_str)
                 .collect();
             if !reasons.is_empty() {
                 throttles.push(Throttle {
                     gpu,
                     t,
-                    window: m["window_s"].as_f64().unwrap_or(0.0),
+                    window: m.window_s,
                     reasons: reasons.join(", "),
                 });
             }
-            xids.extend(
-                g["xid_errors"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|x| x.as_u64())
-                    .map(|code| Xid { gpu, t, code }),
-            );
+            xids.extend(g.xid_errors.iter().map(|&code| Xid { gpu, t, code }));
         }
     }
     (throttles, xids)
 }
 
 /// A line of a GPU panel: (metric, stat, class, dashed, scale, label).
-type GpuLine = (
-    &'static str,
-    &'static str,
-    &'static str,
-    bool,
-    f64,
-    &'static str,
-);
+type GpuLine = (&'static str, Agg, &'static str, bool, f64, &'static str);
 
 /// A GPU panel: (id, title, unit, its lines, fixed range).
 type GpuPanel = (
@@ -2032,7 +2025,7 @@ fn gpu_panels() -> [GpuPanel; 5] {
             "util",
             "GPU utilisation (mean of the window)",
             "%",
-            vec![("util_gpu_pct", "mean", "gpu-util", false, 1.0, "")],
+            vec![("util_gpu_pct", Agg::Mean, "gpu-util", false, 1.0, "")],
             Some((0.0, 100.0)),
         ),
         (
@@ -2042,7 +2035,7 @@ fn gpu_panels() -> [GpuPanel; 5] {
             vec![
                 (
                     "mem_used_bytes",
-                    "max",
+                    Agg::Max,
                     "gpu-mem-used",
                     false,
                     1.0 / gib,
@@ -2050,7 +2043,7 @@ fn gpu_panels() -> [GpuPanel; 5] {
                 ),
                 (
                     "mem_total_bytes",
-                    "max",
+                    Agg::Max,
                     "gpu-mem-total",
                     true,
                     1.0 / gib,
@@ -2064,10 +2057,10 @@ fn gpu_panels() -> [GpuPanel; 5] {
             "GPU power (mean of the window), dashed: its limit",
             "W",
             vec![
-                ("power_w", "mean", "gpu-power", false, 1.0, ""),
+                ("power_w", Agg::Mean, "gpu-power", false, 1.0, ""),
                 (
                     "power_limit_w",
-                    "max",
+                    Agg::Max,
                     "gpu-power-limit",
                     true,
                     1.0,
@@ -2080,14 +2073,14 @@ fn gpu_panels() -> [GpuPanel; 5] {
             "temp",
             "GPU temperature (max of the window)",
             "°C",
-            vec![("temp_c", "max", "gpu-temp", false, 1.0, "")],
+            vec![("temp_c", Agg::Max, "gpu-temp", false, 1.0, "")],
             None,
         ),
         (
             "sm-clock",
             "SM clock (mean of the window)",
             "MHz",
-            vec![("sm_clock_mhz", "mean", "gpu-sm-clock", false, 1.0, "")],
+            vec![("sm_clock_mhz", Agg::Mean, "gpu-sm-clock", false, 1.0, "")],
             None,
         ),
     ]
@@ -2136,7 +2129,7 @@ fn gpu_panel(
     let mut missing: Vec<u64> = Vec::new();
     for (gi, &idx) in indices.iter().enumerate() {
         for &(metric, stat, class, dashed, scale, label) in &lines {
-            let pts = run.windows(|m| gpu_of(m, idx)[metric][stat].as_f64().map(|v| v * scale));
+            let pts = run.windows(|m| Some(gpu_of(m, idx)?.stat(metric, stat)? * scale));
             if !pts.iter().any(|p| p.1.is_finite()) {
                 if !dashed {
                     missing.push(idx);
@@ -2293,26 +2286,35 @@ fn pool_fill(run: &Run) -> String {
     )
     .marks(&run.resumes(), "resumed");
     c.yl = Some((0.0, 100.0));
-    for (pool, label, color) in [
-        ("tokens_pool", "token pool", "#1f77b4"),
-        ("hidden_pool", "hidden-state pool", "#ff7f0e"),
-    ] {
-        for (key, what, class, dash) in [
-            ("fill_ratio", "fill", "pool-fill", None),
+    type PoolOf = fn(&Pipeline) -> &Pool;
+    type Share = fn(&Pool) -> f64;
+    let pools: [(PoolOf, &str, &str, &str); 2] = [
+        (|p| &p.tokens_pool, "tokens_pool", "token pool", "#1f77b4"),
+        (
+            |p| &p.hidden_pool,
+            "hidden_pool",
+            "hidden-state pool",
+            "#ff7f0e",
+        ),
+    ];
+    for (pool_of, pool, label, color) in pools {
+        let shares: [(Share, &str, &str, Option<&str>); 3] = [
+            (|p| p.fill_ratio, "fill", "pool-fill", None),
             (
-                "producers_blocked_share",
+                |p| p.producers_blocked_share,
                 "producers blocked",
                 "pool-blocked",
                 Some("6 3"),
             ),
             (
-                "consumers_starved_share",
+                |p| p.consumers_starved_share,
                 "consumers starved",
                 "pool-starved",
                 Some("1 3"),
             ),
-        ] {
-            let pts = run.windows(|m| m["pipeline"][pool][key].as_f64().map(|v| v * 100.0));
+        ];
+        for (key, what, class, dash) in shares {
+            let pts = run.windows(|m| Some(key(pool_of(&m.pipeline)) * 100.0));
             let s = Series::new(format!("{label}: {what}"), class, color, pts)
                 .attrs(format!(r#" data-pool="{pool}""#));
             c.series.push(match dash {
@@ -2334,8 +2336,8 @@ fn bottleneck_hints(run: &Run) -> String {
         .metrics
         .iter()
         .filter_map(|m| {
-            let t = run.secs(&m["time"])?;
-            let text = m["pipeline"]["bottleneck_hint"].as_str();
+            let t = run.window_secs(m)?;
+            let text = m.pipeline.bottleneck_hint.as_deref();
             // One colour per kind of hint: its figures do not count.
             let h = text.map(|h| {
                 let kind = without_figures(h);
@@ -2347,11 +2349,7 @@ fn bottleneck_hints(run: &Run) -> String {
                     }
                 }
             });
-            Some((
-                t,
-                m["window_s"].as_f64().unwrap_or(0.0),
-                h.zip(text.map(String::from)),
-            ))
+            Some((t, m.window_s, h.zip(text.map(String::from))))
         })
         .collect();
     let mut c = Chart::new(
@@ -2431,14 +2429,10 @@ type PhaseSums = BTreeMap<String, BTreeMap<String, (f64, f64)>>;
 fn phase_sums(run: &Run) -> PhaseSums {
     let mut acc = PhaseSums::new();
     for m in &run.metrics {
-        let w = m["window_s"].as_f64().unwrap_or(1.0).max(1e-6);
-        for (worker, ph) in m["pipeline"]["phase_ms_by_worker"]
-            .as_object()
-            .into_iter()
-            .flatten()
-        {
-            for (p, ms) in ph.as_object().into_iter().flatten() {
-                if let Some(ms) = ms.as_f64() {
+        let w = m.window_s.max(1e-6);
+        for (worker, ph) in &m.pipeline.phase_ms_by_worker {
+            for (p, &ms) in ph {
+                if ms.is_finite() {
                     let e = acc
                         .entry(worker.clone())
                         .or_default()
@@ -2570,12 +2564,8 @@ fn phases(run: &Run, absent: &mut Absent) -> String {
 fn length_buckets(run: &Run) -> Vec<(String, u64)> {
     let mut buckets: BTreeMap<String, u64> = BTreeMap::new();
     for m in &run.metrics {
-        for (k, v) in m["pipeline"]["length_buckets"]
-            .as_object()
-            .into_iter()
-            .flatten()
-        {
-            *buckets.entry(k.clone()).or_default() += v.as_u64().unwrap_or(0);
+        for (k, v) in &m.pipeline.length_buckets {
+            *buckets.entry(k.clone()).or_default() += v;
         }
     }
     // "<=64", "<=128", ..., ">1024": by the number in the label.
@@ -2664,11 +2654,7 @@ fn bucket_bars(keys: &[(String, u64)]) -> String {
 fn padding_efficiency(run: &Run) -> String {
     let (top, bottom) = COMPOSITION_Y;
     let mut s = String::new();
-    let pad = run.windows(|m| {
-        m["pipeline"]["padding_efficiency"]
-            .as_f64()
-            .map(|v| v * 100.0)
-    });
+    let pad = run.windows(|m| m.pipeline.padding_efficiency.map(|v| v * 100.0));
     let f = Frame {
         x: run.time_range(),
         yl: (0.0, 100.0),
@@ -2681,12 +2667,7 @@ fn padding_efficiency(run: &Run) -> String {
     let mean = weighted_stats(
         &run.metrics
             .iter()
-            .filter_map(|m| {
-                Some((
-                    m["pipeline"]["padding_efficiency"].as_f64()? * 100.0,
-                    m["window_s"].as_f64()?,
-                ))
-            })
+            .filter_map(|m| Some((m.pipeline.padding_efficiency? * 100.0, m.window_s)))
             .collect::<Vec<_>>(),
     );
     let _ = write!(
@@ -2847,12 +2828,7 @@ pub fn render(dir: &Path) -> String {
     let tps = weighted_stats(
         &run.metrics
             .iter()
-            .filter_map(|m| {
-                Some((
-                    m["pipeline"]["tokens_per_s_trained"].as_f64()?,
-                    m["window_s"].as_f64()?,
-                ))
-            })
+            .map(|m| (m.pipeline.tokens_per_s_trained, m.window_s))
             .collect::<Vec<_>>(),
     );
     let sections = [

@@ -4,12 +4,11 @@
 use std::io::Write;
 use std::time::Duration;
 
-use serde_json::json;
-
 use super::Dispatcher;
 use crate::run::rundir::now_rfc3339;
 use crate::telemetry::console::Status;
 use crate::telemetry::metrics::{status_fields, step_line};
+use crate::telemetry::window::{Batches, Eval, Train, Window, WorkerEntry};
 
 impl Dispatcher {
     /// On a terminal, redraw the live status line once a second: the training figures of
@@ -31,17 +30,17 @@ impl Dispatcher {
             return;
         }
         self.metrics.status_at = self.now;
-        let mut w = self.metrics.latest.clone().unwrap_or_else(|| json!({}));
+        let mut w = self.metrics.latest.clone().unwrap_or_default();
         let t = self.trainer.progress();
         if t.step > 0 {
-            w["train"] = json!({"step": t.step, "loss": t.loss, "acceptance": t.acceptance});
+            w.train = Some(Train {
+                step: t.step,
+                loss: Some(t.loss),
+                acceptance: Some(t.acceptance),
+                ..w.train.unwrap_or_default()
+            });
         }
-        w["restarts"] = self
-            .workers
-            .iter()
-            .map(|w| w.restarts as u64)
-            .sum::<u64>()
-            .into();
+        w.restarts = self.restarts();
         let open = self
             .now
             .saturating_duration_since(self.metrics.started)
@@ -74,14 +73,23 @@ impl Dispatcher {
         let t = self.trainer.progress();
         // The step of the window before (a resumed session's first: the step it resumed).
         let before = self.metrics.last_step.max(self.trainer.base_step());
-        let train = (t.step > 0).then(|| {
-            json!({"step": t.step, "steps_per_s": (t.step.saturating_sub(before)) as f64 / secs,
-                   "loss": t.loss, "acceptance": t.acceptance})
+        let train = (t.step > 0).then(|| Train {
+            step: t.step,
+            steps_per_s: t.step.saturating_sub(before) as f64 / secs,
+            loss: Some(t.loss),
+            acceptance: Some(t.acceptance),
         });
-        let workers: serde_json::Map<String, serde_json::Value> = self
+        let workers = self
             .workers
             .iter()
-            .map(|w| (w.name.to_string(), json!({"state": w.status.as_str(), "pid": w.status.life().map(|l| l.pid), "restarts": w.restarts})))
+            .map(|w| {
+                let entry = WorkerEntry {
+                    state: w.status.as_str().to_string(),
+                    pid: w.status.life().map(|l| l.pid),
+                    restarts: w.restarts,
+                };
+                (w.name.to_string(), entry)
+            })
             .collect();
         let mut pipeline = self.pipeline.health.take(secs);
         // Hints only from a steady window: training moved in it and in the one before
@@ -92,30 +100,39 @@ impl Dispatcher {
             && !self.pipeline.loader_done()
             && self.stop_reason.is_none();
         if !steady {
-            pipeline["bottleneck_hint"] = serde_json::Value::Null;
+            pipeline.bottleneck_hint = None;
         }
-        if let Some(hint) = pipeline["bottleneck_hint"].as_str() {
+        if let Some(hint) = &pipeline.bottleneck_hint {
             log::info!("bottleneck: {hint}");
         }
-        let record = json!({
-            "time": now_rfc3339(),
-            "window_s": secs,
-            "gpu": gpu,
-            "pipeline": pipeline,
-            "batches": {"produced": produced, "consumed": consumed,
-                        "consumed_per_s": consumed.saturating_sub(self.metrics.last_consumed) as f64 / secs},
-        "train": train,
-            "eval": t.eval_step.map(|step| json!({"step": step, "loss": t.eval_loss,
-                    "acceptance": t.eval_acceptance, "best_step": t.best_step})),
-            "tau": t.tau.clone().map(|mut v| {
-                v["best_step"] = json!(t.best_step);
+        let record = Window {
+            time: now_rfc3339(),
+            window_s: secs,
+            gpu,
+            pipeline,
+            batches: Batches {
+                produced,
+                consumed,
+                consumed_per_s: consumed.saturating_sub(self.metrics.last_consumed) as f64 / secs,
+            },
+            train,
+            eval: t.eval_step.map(|step| Eval {
+                step,
+                loss: t.eval_loss,
+                acceptance: t.eval_acceptance,
+                best_step: t.best_step,
+            }),
+            tau: t.tau.clone().map(|mut v| {
+                v["best_step"] = serde_json::json!(t.best_step);
                 v
             }),
-            "restarts": self.workers.iter().map(|w| w.restarts as u64).sum::<u64>(),
-            "workers": workers,
-        });
+            restarts: self.restarts(),
+            workers,
+        };
         if let Some(f) = self.metrics.file.as_mut() {
-            let _ = writeln!(f, "{record}");
+            if let Ok(line) = serde_json::to_string(&record) {
+                let _ = writeln!(f, "{line}");
+            }
         }
         if let Some(p) = &self.cfg.prometheus {
             p.update(&record);
@@ -139,5 +156,10 @@ impl Dispatcher {
         self.metrics.started = self.now;
         self.metrics.latest = Some(record);
         self.dirty = true;
+    }
+
+    /// Worker restarts over the run.
+    fn restarts(&self) -> u64 {
+        self.workers.iter().map(|w| w.restarts as u64).sum()
     }
 }
