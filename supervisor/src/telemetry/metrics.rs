@@ -1,5 +1,5 @@
 //! `metrics.jsonl`: one JSON object per `--metrics-interval` window, a
-//! [`Window`](super::window::Window) serialised. Schema (stable; new keys may be added):
+//! [`Window`] serialised. Schema (stable; new keys may be added):
 //!
 //! ```text
 //! time, window_s

@@ -26,7 +26,7 @@ pub const REFUSED_DIR: &str = "refused-checkpoints";
 ///
 /// The settings are [`RunSettings`] serialised by its own field names, held here as a map:
 /// a run.json written by an older version may lack a newer setting (then this command
-/// line's value holds, see [`SavedRun::apply`]).
+/// line's value holds).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SavedRun {
     #[serde(flatten)]
