@@ -360,34 +360,13 @@ pub fn measured(dir: &Path) -> Result<Rates, Error> {
     })
 }
 
-/// [`measured`] over parsed windows.
+/// [`measured`] over parsed windows (the balancer's reading of them, see
+/// [`crate::run::balance::Rates::of`]).
 pub fn measured_rates(windows: &[Window]) -> Option<Rates> {
-    let (mut t, mut d) = (Vec::new(), Vec::new());
-    for w in windows
-        .iter()
-        .filter(|w| w.train.is_some_and(|t| t.step > 0))
-    {
-        let pool = &w.pipeline.hidden_pool;
-        let share = |x: f64| x.clamp(0.0, 0.95);
-        let (blocked, starved) = (
-            share(pool.producers_blocked_share),
-            share(pool.consumers_starved_share),
-        );
-        for (name, &v) in &w.pipeline.tokens_per_s_by_worker {
-            if v <= 0.0 || !v.is_finite() {
-                continue;
-            }
-            match name.split('-').next() {
-                Some("target") => t.push(v / (1.0 - blocked)),
-                Some("drafter") => d.push(v / (1.0 - starved)),
-                _ => {}
-            }
-        }
-    }
-    let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+    let r = crate::run::balance::Rates::of(windows)?;
     Some(Rates {
-        target_tokens_per_s: mean(&t)?,
-        drafter_tokens_per_s: mean(&d)?,
+        target_tokens_per_s: r.target,
+        drafter_tokens_per_s: r.drafter,
         source: "measured".into(),
     })
 }

@@ -7,6 +7,7 @@
 //! [`reaper`] (no process outlives a killed supervisor), [`worker_log`], [`rundir`]
 //! (state.json, events.jsonl) and [`root_cause`] (the report when the budget is spent).
 
+pub mod balance;
 pub mod config_file;
 pub mod control;
 pub mod dispatcher;
