@@ -187,9 +187,12 @@ pub struct RunArgs {
     pub gpus: Option<DeviceSpec>,
 
     /// How many of the devices run target workers (the first N); the rest train drafters.
-    #[arg(long, value_name = "N", default_value_t = 1, help_heading = "Devices",
-          conflicts_with_all = ["target_gpus", "drafter_gpus"])]
-    pub targets: u32,
+    /// auto: start with one, and while the run goes move one device at a time between the
+    /// roles, toward the split that trains the most tokens/s (measured, see
+    /// docs/cli-guide.md; each move is an event in events.jsonl and a line in the log).
+    #[arg(long, value_name = "N|auto", default_value = "1", value_parser = parse_targets,
+          help_heading = "Devices", conflicts_with_all = ["target_gpus", "drafter_gpus"])]
+    pub targets: Targets,
 
     /// GPUs each target worker holds, for a target too large for one GPU: its loaded
     /// layers are split into contiguous ranges, one per GPU, and the activations hop
@@ -870,6 +873,23 @@ pub fn error_line(e: &clap::Error) -> String {
         line = format!("{line} {}", named.join(", "));
     }
     line
+}
+
+/// `--targets`: a count, or `auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Targets {
+    Fixed(u32),
+    /// The split is measured and moved while the run goes (`crate::run::balance`).
+    Auto,
+}
+
+fn parse_targets(s: &str) -> Result<Targets, String> {
+    match s {
+        "auto" => Ok(Targets::Auto),
+        n => n.parse().map(Targets::Fixed).map_err(|_| {
+            format!("'{n}' is not a number of target workers (expected e.g. 1, or auto)")
+        }),
+    }
 }
 
 fn parse_spec(s: &str) -> Result<DeviceSpec, DeviceSpecError> {

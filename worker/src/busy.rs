@@ -17,6 +17,11 @@ use crate::error::{Result, WorkerError};
 /// on any machine. Never set in a real run.
 pub const TEST_STEP_DELAY_MS: &str = "DFLASH_TEST_STEP_DELAY_MS";
 
+/// Test-only: milliseconds every target batch (a token batch through the target) is made
+/// longer by, so that the end-to-end tests can make the targets the slow role
+/// (`--targets auto`). Never set in a real run.
+pub const TEST_BATCH_DELAY_MS: &str = "DFLASH_TEST_BATCH_DELAY_MS";
+
 /// The unit of work the compute loop is in, and since when; shared with the heartbeat
 /// thread.
 #[derive(Clone, Default)]
@@ -74,7 +79,16 @@ pub fn start_heartbeats(up: IpcSender<FromWorker>, busy: Busy, every: Duration) 
 
 /// The test-only step delay ([`TEST_STEP_DELAY_MS`]), if set.
 pub fn test_step_delay() -> Option<Duration> {
-    std::env::var(TEST_STEP_DELAY_MS)
+    delay_ms(TEST_STEP_DELAY_MS)
+}
+
+/// The test-only target batch delay ([`TEST_BATCH_DELAY_MS`]), if set.
+pub fn test_batch_delay() -> Option<Duration> {
+    delay_ms(TEST_BATCH_DELAY_MS)
+}
+
+fn delay_ms(var: &str) -> Option<Duration> {
+    std::env::var(var)
         .ok()?
         .trim()
         .parse()

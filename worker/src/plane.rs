@@ -142,8 +142,9 @@ pub struct Plane {
     pub stats: Stats,
     /// The unit of work being done, for the heartbeat thread.
     pub busy: Busy,
-    /// Test-only: added to every drafter step (see [`crate::busy::TEST_STEP_DELAY_MS`]).
-    test_step_delay: Option<std::time::Duration>,
+    /// Test-only: added to every drafter step or target batch (see
+    /// [`crate::busy::TEST_STEP_DELAY_MS`] and [`crate::busy::TEST_BATCH_DELAY_MS`]).
+    test_delay: Option<std::time::Duration>,
 }
 
 impl Plane {
@@ -167,7 +168,10 @@ impl Plane {
             idle_since: std::time::Instant::now(),
             stats: Stats::default(),
             busy: Busy::default(),
-            test_step_delay: crate::busy::test_step_delay(),
+            test_delay: match role {
+                Role::Target => crate::busy::test_batch_delay(),
+                Role::Drafter => crate::busy::test_step_delay(),
+            },
         }
     }
 
@@ -439,7 +443,7 @@ impl Plane {
                         "a batch to run before the target is loaded".into(),
                     ));
                 };
-                run_target(at, g, &d, payload, out)
+                run_target(at, g, (&d, payload, out), self.test_delay)
             }
             Side::Drafter { rank, consumed } => {
                 let view = HiddenView::parse(payload).map_err(WorkerError::format(format!(
@@ -462,7 +466,7 @@ impl Plane {
                         batch_id: d.batch_id,
                     });
                 }
-                train_drafter(at, rank, &view, &d, self.test_step_delay)
+                train_drafter(at, rank, &view, &d, self.test_delay)
             }
         }
     }
@@ -511,13 +515,15 @@ fn native_loaded(g: &mut DeviceTarget, pools: &Pools) -> Result<String> {
 fn run_target(
     at: At<'_>,
     g: &mut Loaded,
-    d: &Delivery,
-    payload: &[u8],
-    out: SlotRef,
+    (d, payload, out): (&Delivery, &[u8], SlotRef),
+    test_delay: Option<std::time::Duration>,
 ) -> Result<FromWorker> {
     let _busy = at.busy.enter(Work::Batch {
         batch_id: d.batch_id,
     });
+    if let Some(delay) = test_delay {
+        std::thread::sleep(delay);
+    }
     let tokens = TokenBatch::decode(payload)
         .map_err(WorkerError::format(format!("token batch {}", d.batch_id)))?;
     if tokens.batch_id != d.batch_id {

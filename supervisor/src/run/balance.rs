@@ -1,18 +1,22 @@
 //! `--targets auto`: when to move one device between the target and the drafter role.
 //!
 //! A pure decision over the run's metrics windows. Each steady window gives each role's
-//! tokens/s per worker, corrected for the time its workers waited on the other role (a
-//! target blocked on a full hidden-state pool, a drafter starved by an empty one): what a
-//! worker of that role does unhindered. The run's throughput with `t` targets and `d`
-//! drafters is then `min(t × target rate, d × drafter rate)`, with each rate the mean over
-//! the windows since the last move (noise averages out as they accumulate). A move to the
-//! neighbouring split is made when that split would be faster by more than a margin, after
-//! enough windows of the current split; moves are apart by a dwell, a few per hour at
-//! most, and never take the last worker of a role. The margin is what keeps the split
-//! from oscillating: a move back would have to be faster by the margin too, which the
-//! move just made rules out unless the rates themselves changed.
+//! tokens/s per worker, corrected for the time each worker waited between its units of
+//! work (a target blocked on a full hidden-state pool or starved of token batches, a
+//! drafter starved of hidden states): what a worker of that role does unhindered. The
+//! throughput with `t` targets and `d` drafters is then predicted as `min(t × target rate,
+//! d × drafter rate)`, with each rate the mean over the windows since the last move (noise
+//! averages out as they accumulate). A move to the neighbouring split is made when that
+//! split would be faster by more than a margin, after enough windows of the current split;
+//! moves are apart by a dwell, a few per hour at most, and never take the last worker of a
+//! role.
+//!
+//! Two things keep the split from oscillating. The margin: a move back would have to be
+//! faster by the margin too. And memory: the tokens/s trained that each split visited
+//! actually reached replaces the prediction for it, so a split that did worse than
+//! predicted is not tried again (at most one move back, to the better of the two).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::telemetry::window::Window;
@@ -41,12 +45,12 @@ pub struct BalanceConfig {
 
 impl BalanceConfig {
     /// The run's balancer for metrics windows of `window`: five windows of a split before
-    /// it moves, ten windows (at least a minute) between moves, six moves an hour at most,
-    /// a 15% margin.
+    /// it moves, ten windows between moves (the new worker's start and warm-up among
+    /// them), six moves an hour at most, a 15% margin.
     pub fn for_window(window: Duration) -> BalanceConfig {
         BalanceConfig {
             sustain: 5,
-            dwell: (window * 10).max(Duration::from_secs(60)),
+            dwell: window * 10,
             per_hour: 6,
             margin: 0.15,
         }
@@ -68,20 +72,36 @@ const MAX_WAIT: f64 = 0.95;
 
 impl Rates {
     /// The mean unhindered rate of each role over `windows` (the trained ones), or `None`
-    /// when a role has no figure.
+    /// when a role has no figure. A worker's rate is divided by the share of its time it
+    /// worked: its own phase timings (the mean wait before a unit of work against the
+    /// rest); a window without them falls back to the hidden-state pool's shares (its
+    /// producers blocked, its consumers starved).
     pub fn of(windows: &[Window]) -> Option<Rates> {
         let (mut t, mut d) = (Vec::new(), Vec::new());
-        for w in windows.iter().filter(|w| w.train.is_some_and(|t| t.step > 0)) {
+        for w in windows
+            .iter()
+            .filter(|w| w.train.is_some_and(|t| t.step > 0))
+        {
             let pool = &w.pipeline.hidden_pool;
-            let blocked = pool.producers_blocked_share.clamp(0.0, MAX_WAIT);
-            let starved = pool.consumers_starved_share.clamp(0.0, MAX_WAIT);
             for (name, &v) in &w.pipeline.tokens_per_s_by_worker {
                 if v <= 0.0 || !v.is_finite() {
                     continue;
                 }
-                match name.split('-').next() {
-                    Some("target") => t.push(v / (1.0 - blocked)),
-                    Some("drafter") => d.push(v / (1.0 - starved)),
+                let role = name.split('-').next();
+                let pool_wait = match role {
+                    Some("target") => pool.producers_blocked_share,
+                    _ => pool.consumers_starved_share,
+                };
+                let waited = w
+                    .pipeline
+                    .phase_ms_by_worker
+                    .get(name)
+                    .and_then(wait_share)
+                    .unwrap_or(pool_wait)
+                    .clamp(0.0, MAX_WAIT);
+                match role {
+                    Some("target") => t.push(v / (1.0 - waited)),
+                    Some("drafter") => d.push(v / (1.0 - waited)),
                     _ => {}
                 }
             }
@@ -102,12 +122,44 @@ impl Rates {
 /// The windows of one split the mean rates are taken over, at most.
 const MAX_SAMPLES: usize = 30;
 
+/// The share of a unit of work's time a worker spent waiting for it, from its mean phase
+/// timings (`None`: no wait measured, or no work).
+fn wait_share(phases: &BTreeMap<String, f64>) -> Option<f64> {
+    let wait = *phases.get("wait")?;
+    let work: f64 = phases
+        .iter()
+        .filter(|(k, _)| k.as_str() != "wait" && k.as_str() != "eval")
+        .map(|(_, v)| v)
+        .sum();
+    (work > 0.0 && wait >= 0.0).then(|| wait / (wait + work))
+}
+
+/// What one steady window says: the roles' unhindered rates, and the tokens/s the run
+/// trained in it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    pub rates: Rates,
+    pub trained: f64,
+}
+
+impl Sample {
+    /// The sample of the metrics window `w` (`None`: a role has no figure in it).
+    pub fn of(w: &Window) -> Option<Sample> {
+        Some(Sample {
+            rates: Rates::of(std::slice::from_ref(w))?,
+            trained: w.pipeline.tokens_per_s_trained,
+        })
+    }
+}
+
 /// The decision's state across windows.
 #[derive(Debug)]
 pub struct Balancer {
     cfg: BalanceConfig,
-    /// The rates of the steady windows since the last move (the newest last).
-    samples: VecDeque<Rates>,
+    /// The steady windows since the last move (the newest last).
+    samples: VecDeque<Sample>,
+    /// The tokens/s trained each split visited reached (the mean of its windows).
+    visited: BTreeMap<(usize, usize), f64>,
     /// No move before this (the start's dwell, then each move's).
     quiet_until: Instant,
     /// When the moves of the last hour were made.
@@ -119,16 +171,27 @@ impl Balancer {
         Balancer {
             cfg,
             samples: VecDeque::new(),
+            visited: BTreeMap::new(),
             quiet_until: start + cfg.dwell,
             recent: VecDeque::new(),
         }
     }
 
     /// The better neighbouring split of `targets` and `drafters` under `rates`, when it is
-    /// faster by the margin and takes no role's last worker.
-    pub fn better(&self, rates: Rates, targets: usize, drafters: usize) -> Option<Move> {
-        let now = rates.throughput(targets, drafters);
-        let gain = |t: usize, d: usize| rates.throughput(t, d) / now.max(1e-9) - 1.0;
+    /// faster by the margin and takes no role's last worker. A split already visited is
+    /// judged by what it reached (against what this one reached, `trained`), another by
+    /// the rates' prediction.
+    pub fn better(
+        &self,
+        rates: Rates,
+        (targets, drafters): (usize, usize),
+        trained: Option<f64>,
+    ) -> Option<Move> {
+        let predicted = rates.throughput(targets, drafters).max(1e-9);
+        let gain = |t: usize, d: usize| match (self.visited.get(&(t, d)), trained) {
+            (Some(then), Some(now)) if now > 0.0 => then / now - 1.0,
+            _ => rates.throughput(t, d) / predicted - 1.0,
+        };
         let to_target = (drafters > 1).then(|| gain(targets + 1, drafters - 1));
         let to_drafter = (targets > 1).then(|| gain(targets - 1, drafters + 1));
         [(Move::ToTarget, to_target), (Move::ToDrafter, to_drafter)]
@@ -141,28 +204,39 @@ impl Balancer {
 
     /// The mean rates of the current split's windows.
     pub fn rates(&self) -> Option<Rates> {
-        let n = self.samples.len();
-        (n > 0).then(|| Rates {
-            target: self.samples.iter().map(|r| r.target).sum::<f64>() / n as f64,
-            drafter: self.samples.iter().map(|r| r.drafter).sum::<f64>() / n as f64,
+        let n = self.samples.len() as f64;
+        (n > 0.0).then(|| Rates {
+            target: self.samples.iter().map(|s| s.rates.target).sum::<f64>() / n,
+            drafter: self.samples.iter().map(|s| s.rates.drafter).sum::<f64>() / n,
         })
     }
 
-    /// One window's `rates` (`None`: a window that says nothing, such as the start's or a
+    /// The mean tokens/s trained of the current split's windows.
+    pub fn trained(&self) -> Option<f64> {
+        let n = self.samples.len() as f64;
+        (n > 0.0).then(|| self.samples.iter().map(|s| s.trained).sum::<f64>() / n)
+    }
+
+    /// One window's sample (`None`: a window that says nothing, such as the start's or a
     /// stop's, which is passed over) with `targets` and `drafters` workers running: the
     /// move to make now, if any. The caller makes it and says so with [`Balancer::moved`].
     pub fn observe(
         &mut self,
-        rates: Option<Rates>,
-        targets: usize,
-        drafters: usize,
+        sample: Option<Sample>,
+        (targets, drafters): (usize, usize),
         now: Instant,
     ) -> Option<Move> {
-        if let Some(r) = rates.filter(|r| r.target.is_finite() && r.drafter.is_finite()) {
-            self.samples.push_back(r);
+        let finite = |s: &Sample| {
+            s.rates.target.is_finite() && s.rates.drafter.is_finite() && s.trained.is_finite()
+        };
+        if let Some(s) = sample.filter(finite) {
+            self.samples.push_back(s);
             if self.samples.len() > MAX_SAMPLES {
                 self.samples.pop_front();
             }
+        }
+        if let Some(t) = self.trained() {
+            self.visited.insert((targets, drafters), t);
         }
         while self
             .recent
@@ -177,11 +251,11 @@ impl Balancer {
         if !ready {
             return None;
         }
-        self.better(self.rates()?, targets, drafters)
+        self.better(self.rates()?, (targets, drafters), self.trained())
     }
 
-    /// A move was made at `now`: the windows of the old split no longer count, and the
-    /// dwell starts again.
+    /// A move was made at `now`: the windows of the old split no longer count (what it
+    /// reached is remembered), and the dwell starts again.
     pub fn moved(&mut self, now: Instant) {
         self.samples.clear();
         self.quiet_until = now + self.cfg.dwell;
@@ -202,27 +276,34 @@ mod tests {
         }
     }
 
-    /// A pipeline whose workers do `truth` unhindered: what a window of `t` targets and
-    /// `d` drafters measures, with `noise` (a factor on each role's figure).
-    fn measured(truth: Rates, noise: (f64, f64)) -> Rates {
-        Rates {
+    /// What a window of `t` targets and `d` drafters measures when the workers do `truth`
+    /// unhindered, with `noise` (a factor on each role's figure).
+    fn measured(truth: Rates, (t, d): (usize, usize), noise: (f64, f64)) -> Sample {
+        let rates = Rates {
             target: truth.target * noise.0,
             drafter: truth.drafter * noise.1,
+        };
+        Sample {
+            rates,
+            trained: rates.throughput(t, d),
         }
     }
 
-    /// Runs the balancer over `windows` one-second windows from `start`: the split it
-    /// ends at and the moves it made.
-    fn simulate(truth: Rates, start: (usize, usize), windows: u32) -> ((usize, usize), usize) {
+    /// Runs the balancer over `windows` one-second windows of `world` (what a window of a
+    /// split measures, given its index) from the split `start`: the split it ends at and
+    /// the moves it made.
+    fn run(
+        world: impl Fn((usize, usize), u32) -> Sample,
+        start: (usize, usize),
+        windows: u32,
+    ) -> ((usize, usize), usize) {
         let t0 = Instant::now();
         let mut b = Balancer::new(cfg(), t0);
         let (mut t, mut d) = start;
         let mut moves = 0;
         for i in 0..windows {
             let now = t0 + Duration::from_secs(i as u64);
-            // ±10% noise, alternating between the roles.
-            let wobble = if i % 2 == 0 { (1.1, 0.9) } else { (0.9, 1.1) };
-            match b.observe(Some(measured(truth, wobble)), t, d, now) {
+            match b.observe(Some(world((t, d), i)), (t, d), now) {
                 Some(Move::ToTarget) => (t, d) = (t + 1, d - 1),
                 Some(Move::ToDrafter) => (t, d) = (t - 1, d + 1),
                 None => continue,
@@ -233,11 +314,25 @@ mod tests {
         ((t, d), moves)
     }
 
+    /// [`run`] in a world where the workers do `truth` unhindered, measured with ±10%
+    /// noise alternating between the roles.
+    fn simulate(truth: Rates, start: (usize, usize), windows: u32) -> ((usize, usize), usize) {
+        let world = |split, i: u32| {
+            let wobble = if i % 2 == 0 { (1.1, 0.9) } else { (0.9, 1.1) };
+            measured(truth, split, wobble)
+        };
+        run(world, start, windows)
+    }
+
     /// The split of `n` devices with the highest throughput.
     fn best(truth: Rates, n: usize) -> (usize, usize) {
         (1..n)
             .map(|t| (t, n - t))
-            .max_by(|a, b| truth.throughput(a.0, a.1).total_cmp(&truth.throughput(b.0, b.1)))
+            .max_by(|a, b| {
+                truth
+                    .throughput(a.0, a.1)
+                    .total_cmp(&truth.throughput(b.0, b.1))
+            })
             .unwrap()
     }
 
@@ -291,20 +386,50 @@ mod tests {
         let mut b = Balancer::new(cfg(), t0);
         // In the start's dwell: windows that all want a move, no move yet.
         for s in 0..10 {
-            assert_eq!(b.observe(Some(slow_targets), 1, 7, at(s)), None, "{s}");
+            assert_eq!(
+                b.observe(
+                    Some(measured(slow_targets, (1, 7), (1.0, 1.0))),
+                    (1, 7),
+                    at(s)
+                ),
+                None,
+                "{s}"
+            );
         }
         assert_eq!(
-            b.observe(Some(slow_targets), 1, 7, at(10)),
+            b.observe(
+                Some(measured(slow_targets, (1, 7), (1.0, 1.0))),
+                (1, 7),
+                at(10)
+            ),
             Some(Move::ToTarget)
         );
         b.moved(at(10));
         // After the dwell, windows that say nothing do not count: three that do are needed.
-        assert_eq!(b.observe(None, 2, 6, at(20)), None);
-        assert_eq!(b.observe(Some(slow_targets), 2, 6, at(21)), None);
-        assert_eq!(b.observe(None, 2, 6, at(22)), None);
-        assert_eq!(b.observe(Some(slow_targets), 2, 6, at(23)), None);
+        assert_eq!(b.observe(None, (2, 6), at(20)), None);
         assert_eq!(
-            b.observe(Some(slow_targets), 2, 6, at(24)),
+            b.observe(
+                Some(measured(slow_targets, (2, 6), (1.0, 1.0))),
+                (2, 6),
+                at(21)
+            ),
+            None
+        );
+        assert_eq!(b.observe(None, (2, 6), at(22)), None);
+        assert_eq!(
+            b.observe(
+                Some(measured(slow_targets, (2, 6), (1.0, 1.0))),
+                (2, 6),
+                at(23)
+            ),
+            None
+        );
+        assert_eq!(
+            b.observe(
+                Some(measured(slow_targets, (2, 6), (1.0, 1.0))),
+                (2, 6),
+                at(24)
+            ),
             Some(Move::ToTarget)
         );
         // Six moves in an hour, then none until the first is an hour old.
@@ -313,29 +438,77 @@ mod tests {
             b.moved(at(i * 11));
         }
         for s in 70..3600 {
-            assert_eq!(b.observe(Some(slow_targets), 1, 7, at(s)), None, "{s}");
+            assert_eq!(
+                b.observe(
+                    Some(measured(slow_targets, (1, 7), (1.0, 1.0))),
+                    (1, 7),
+                    at(s)
+                ),
+                None,
+                "{s}"
+            );
         }
         assert_eq!(
-            b.observe(Some(slow_targets), 1, 7, at(3600)),
+            b.observe(
+                Some(measured(slow_targets, (1, 7), (1.0, 1.0))),
+                (1, 7),
+                at(3600)
+            ),
             Some(Move::ToTarget)
         );
     }
 
     #[test]
+    fn a_split_that_did_worse_than_predicted_is_left_once_and_not_tried_again() {
+        // The rates measured at (2, 2) promise (3, 1) half as much again, but there the
+        // drafter slows down (it shares its CPU with three targets): (3, 1) trains 150
+        // tokens/s against (2, 2)'s 200.
+        let world = |split: (usize, usize), _| match split {
+            (2, 2) => Sample {
+                rates: Rates {
+                    target: 100.0,
+                    drafter: 300.0,
+                },
+                trained: 200.0,
+            },
+            (3, 1) => Sample {
+                rates: Rates {
+                    target: 100.0,
+                    drafter: 150.0,
+                },
+                trained: 150.0,
+            },
+            (t, d) => measured(
+                Rates {
+                    target: 100.0,
+                    drafter: 300.0,
+                },
+                (t, d),
+                (1.0, 1.0),
+            ),
+        };
+        // To (3, 1) as predicted, back to (2, 2) as measured, and there for good.
+        assert_eq!(run(world, (2, 2), 7200), ((2, 2), 2));
+        // From (1, 3) the same: up to (2, 2), the detour to (3, 1), back.
+        assert_eq!(run(world, (1, 3), 7200), ((2, 2), 3));
+    }
+
+    #[test]
     fn the_last_worker_of_a_role_never_moves() {
         let b = Balancer::new(cfg(), Instant::now());
+        let better = |r, t, d| b.better(r, (t, d), None);
         let targets_only = Rates {
             target: 1.0,
             drafter: 1e6,
         };
-        assert_eq!(b.better(targets_only, 1, 1), None);
-        assert_eq!(b.better(targets_only, 3, 1), None);
+        assert_eq!(better(targets_only, 1, 1), None);
+        assert_eq!(better(targets_only, 3, 1), None);
         let drafters_only = Rates {
             target: 1e6,
             drafter: 1.0,
         };
-        assert_eq!(b.better(drafters_only, 1, 3), None);
-        assert_eq!(b.better(drafters_only, 2, 2), Some(Move::ToDrafter));
+        assert_eq!(better(drafters_only, 1, 3), None);
+        assert_eq!(better(drafters_only, 2, 2), Some(Move::ToDrafter));
     }
 
     #[test]

@@ -578,7 +578,10 @@ mod tests {
         assert_eq!((a.lr, a.epochs), (Some(1e-3), Some(2)), "--lr typed wins");
         assert_eq!((a.max_seq_len, a.seed), (256, 4), "--seed typed wins");
         assert_eq!(a.hang_timeout, std::time::Duration::from_secs(90));
-        assert_eq!((a.targets, a.tee, a.log_max_size), (2, true, 1 << 20));
+        assert_eq!(
+            (a.targets, a.tee, a.log_max_size),
+            (crate::cli::Targets::Fixed(2), true, 1 << 20)
+        );
         assert_eq!(a.gpus, Some(dflash_shared::DeviceSpec::Cpu(3)));
         // Typed, and the file's flags that have a default: what a --resume compares.
         for id in [
@@ -596,7 +599,8 @@ mod tests {
         let c = with_file(text, &["--target-gpus", "cpu:1", "--drafter-gpus", "cpu:1"]).unwrap();
         assert!(c.cli.run.gpus.is_none() && c.cli.run.target_gpus.is_some());
         assert_eq!(
-            c.cli.run.targets, 1,
+            c.cli.run.targets,
+            crate::cli::Targets::Fixed(1),
             "--targets conflicts with --target-gpus"
         );
         // A flag that needs another may have it from the file.

@@ -30,7 +30,7 @@ use dflash_shared::drafter::{CollectiveKind, DrafterConfig};
 use dflash_shared::model_config::{default_draft_layers, target_layer_ids, TargetConfig};
 use dflash_shared::{Device, DeviceSpec, Role, WorkerName};
 
-use crate::cli::RunArgs;
+use crate::cli::{RunArgs, Targets};
 use crate::data::{loader, pipeline, preflight};
 use crate::error::Error;
 use crate::telemetry::{console, gpus, prometheus};
@@ -178,7 +178,16 @@ fn role_devices(
         "default devices"
     };
     let devices = resolve(&spec, flag, &mut probe)?;
-    let n = args.targets as usize;
+    let n = match args.targets {
+        Targets::Fixed(n) => n as usize,
+        Targets::Auto if per > 1 => {
+            return Err(Error::Flag(format!(
+                "--targets auto --gpus-per-target {per}: the split is only balanced for targets on one GPU each (expected --targets N with --gpus-per-target)"
+            )))
+        }
+        // The balancer moves devices from there (see `balance`).
+        Targets::Auto => 1,
+    };
     if n == 0 {
         return Err(Error::Flag(
             "--targets 0: at least one target worker is needed (expected 1 or more)".into(),
@@ -982,6 +991,8 @@ fn dispatcher_config(
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
         tau: None,
+        balance: (args.targets == Targets::Auto)
+            .then(|| crate::run::balance::BalanceConfig::for_window(args.metrics_interval)),
         wandb: args
             .wandb_project
             .as_ref()
@@ -1452,7 +1463,13 @@ pub(crate) fn trainer_config(
         steps_limit: args.steps,
         clip: 1.0,
         seed: args.seed,
-        max_ranks: plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32,
+        // With --targets auto every device but one may come to train.
+        max_ranks: match args.targets {
+            Targets::Auto => plan.len().saturating_sub(1).max(1) as u32,
+            Targets::Fixed(_) => {
+                plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32
+            }
+        },
         target_layer_ids: capture.tap_ids.clone(),
         num_target_layers: target.num_hidden_layers,
         checkpoint_every: (args.checkpoint_every > 0).then_some(args.checkpoint_every),
@@ -1474,7 +1491,17 @@ fn collective(args: &RunArgs, plan: &[(WorkerName, Device)]) -> Result<Collectiv
         .iter()
         .filter(|(n, d)| n.role == Role::Drafter && matches!(d, Device::Gpu(_)))
         .count();
-    let drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
+    let mut drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
+    let mut gpu_drafters = gpu_drafters;
+    if args.targets == Targets::Auto {
+        // As many drafters as the balancer may come to: every device but one.
+        drafters = plan.len().saturating_sub(1);
+        let gpus = plan
+            .iter()
+            .filter(|(_, d)| matches!(d, Device::Gpu(_)))
+            .count();
+        gpu_drafters = gpus.min(drafters);
+    }
     // DFLASH_DEVICE=cpu (tests) makes GPU workers compute on the CPU: no NCCL there.
     let cpu_forced = std::env::var_os("DFLASH_DEVICE").is_some_and(|v| !v.is_empty());
     Ok(match args.collective.as_str() {

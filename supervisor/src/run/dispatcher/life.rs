@@ -26,6 +26,9 @@ pub(super) enum Status {
     /// Will not run again: its restart budget is spent, it can never run here, or it
     /// could not be started.
     Failed,
+    /// Its device went to the other role (`--targets auto`); it runs again only if a
+    /// device comes back to its role.
+    Moved,
 }
 
 /// One start of a worker.
@@ -108,6 +111,7 @@ impl Status {
             Status::Backoff { .. } => "backoff",
             Status::Exited => "exited",
             Status::Failed => "failed",
+            Status::Moved => "moved",
         }
     }
 }

@@ -79,18 +79,7 @@ impl Dispatcher {
             loss: Some(t.loss),
             acceptance: Some(t.acceptance),
         });
-        let workers = self
-            .workers
-            .iter()
-            .map(|w| {
-                let entry = WorkerEntry {
-                    state: w.status.as_str().to_string(),
-                    pid: w.status.life().map(|l| l.pid),
-                    restarts: w.restarts,
-                };
-                (w.name.to_string(), entry)
-            })
-            .collect();
+        let workers = self.worker_entries();
         let mut pipeline = self.pipeline.health.take(secs);
         // Hints only from a steady window: training moved in it and in the one before
         // (not the start, when workers load), the data had not ended and the run is not
@@ -151,11 +140,28 @@ impl Dispatcher {
                 log::info!("{line}");
             }
         }
+        let step = t.step;
         self.metrics.last_consumed = consumed;
-        self.metrics.last_step = t.step;
+        self.metrics.last_step = step;
         self.metrics.started = self.now;
+        self.balance(&record, steady);
         self.metrics.latest = Some(record);
         self.dirty = true;
+    }
+
+    /// Each worker's state, pid and restarts, by name.
+    fn worker_entries(&self) -> std::collections::BTreeMap<String, WorkerEntry> {
+        self.workers
+            .iter()
+            .map(|w| {
+                let entry = WorkerEntry {
+                    state: w.status.as_str().to_string(),
+                    pid: w.status.life().map(|l| l.pid),
+                    restarts: w.restarts,
+                };
+                (w.name.to_string(), entry)
+            })
+            .collect()
     }
 
     /// Worker restarts over the run.

@@ -30,6 +30,7 @@
 //! grants what can be granted, and it stops the run once the loader is done and every
 //! batch has been consumed.
 
+use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -62,6 +63,7 @@ mod ending;
 pub mod launcher;
 mod life;
 mod metrics;
+mod moves;
 mod saving;
 mod spawning;
 mod steps;
@@ -144,6 +146,8 @@ pub struct Config {
     pub metrics_interval: Duration,
     /// Real τ during training (`--eval-prompts`).
     pub tau: Option<tau_job::TauConfig>,
+    /// `--targets auto`: how the split between the roles is balanced.
+    pub balance: Option<crate::run::balance::BalanceConfig>,
 }
 
 /// What the run feeds its workers.
@@ -171,6 +175,39 @@ struct Worker {
     ever_connected: bool,
     /// What its units of work took (for `--step-timeout`).
     steps: steps::StepTimes,
+}
+
+impl Worker {
+    /// `name` on `device`, not started, its log opened.
+    fn open(
+        cfg: &Config,
+        run: &RunDir,
+        (name, device): (WorkerName, Device),
+        restarts: u32,
+    ) -> Result<Worker, Error> {
+        let log_path = run.worker_log(&name.to_string());
+        let tee = cfg.tee.then(|| format!("[{name}]"));
+        let rotation = Rotation {
+            max_size: cfg.log_max_size,
+            backups: cfg.log_backups,
+        };
+        let log = WorkerLog::open(&log_path, rotation, tee)
+            .map_err(|e| Error::io("cannot open", &log_path, e))?;
+        Ok(Worker {
+            name,
+            device,
+            log,
+            log_path,
+            status: Status::NotStarted,
+            restarts,
+            consecutive_failures: 0,
+            last_exit: None,
+            unclean_stop: false,
+            lives_without_hello: 0,
+            ever_connected: false,
+            steps: steps::StepTimes::default(),
+        })
+    }
 }
 
 /// Lives in a row that end before saying hello, with no life of that worker ever
@@ -223,6 +260,9 @@ pub struct Dispatcher {
     tau: Option<tau_job::TauRunner>,
     /// The W&B bridge (`--wandb-project`).
     wandb: Option<crate::telemetry::wandb::Bridge>,
+    /// `--targets auto`: the balancer, and the worker whose device is moving now.
+    balancer: Option<crate::run::balance::Balancer>,
+    moving: Option<moves::Moving>,
 }
 
 impl Dispatcher {
@@ -262,28 +302,8 @@ impl Dispatcher {
             );
         }
         for &(name, device) in &cfg.plan {
-            let log_path = run.worker_log(&name.to_string());
-            let tee = cfg.tee.then(|| format!("[{name}]"));
-            let rotation = Rotation {
-                max_size: cfg.log_max_size,
-                backups: cfg.log_backups,
-            };
-            let log = WorkerLog::open(&log_path, rotation, tee)
-                .map_err(|e| Error::io("cannot open", &log_path, e))?;
-            workers.push(Worker {
-                name,
-                device,
-                log,
-                log_path,
-                status: Status::NotStarted,
-                restarts: earlier.get(&name.to_string()).copied().unwrap_or(0),
-                consecutive_failures: 0,
-                last_exit: None,
-                unclean_stop: false,
-                lives_without_hello: 0,
-                ever_connected: false,
-                steps: steps::StepTimes::default(),
-            });
+            let restarts = earlier.get(&name.to_string()).copied().unwrap_or(0);
+            workers.push(Worker::open(&cfg, &run, (name, device), restarts)?);
         }
         Ok(Dispatcher {
             run,
@@ -309,6 +329,10 @@ impl Dispatcher {
             run_dir_gone: None,
             tau: cfg.tau.take().map(tau_job::TauRunner::new),
             wandb,
+            balancer: cfg
+                .balance
+                .map(|b| crate::run::balance::Balancer::new(b, Instant::now())),
+            moving: None,
             cfg,
         })
     }
@@ -401,6 +425,9 @@ impl Dispatcher {
         self.started = now;
         self.written_at = now;
         self.metrics.restart(now);
+        if let Some(b) = self.cfg.balance {
+            self.balancer = Some(crate::run::balance::Balancer::new(b, now));
+        }
         // Hints agree with the warning that CPU workers outnumber the cores.
         let limit = crate::run::validate::oversubscribed(&self.cfg.plan);
         self.pipeline.health.cpu_limited(limit);
@@ -934,10 +961,7 @@ impl Dispatcher {
             control::abandon(&l.server_name);
         }
         let name = w.name.to_string();
-        let (code, sig) = {
-            use std::os::unix::process::ExitStatusExt;
-            (status.code(), status.signal())
-        };
+        let (code, sig) = (status.code(), ExitStatusExt::signal(&status));
         let sig_name = sig
             .and_then(|s| Signal::try_from(s).ok())
             .map(|s| s.as_str());
@@ -948,6 +972,9 @@ impl Dispatcher {
                        "fatal": l.fatal.as_ref().map(|(kind, _)| kind.as_str())})),
         );
         self.dirty = true;
+        if self.finish_move(worker) {
+            return;
+        }
         // The worker's own word decides (its Fatal message); without one (it failed
         // before it connected), its exit code.
         let permanent = match &l.fatal {

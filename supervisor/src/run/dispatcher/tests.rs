@@ -137,6 +137,7 @@ fn harness_after(flags: &[&str], events: &[&str]) -> Harness {
         wandb: None,
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
+        balance: None,
         tau: None,
     };
     let seen = Arc::new(Mutex::new(Seen::default()));
