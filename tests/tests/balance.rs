@@ -102,8 +102,17 @@ fn slow_targets_get_devices_from_the_drafters_and_the_split_then_stays() {
         (running("target"), running("drafter")),
         (1 + all.len(), 3 - all.len())
     );
-    // It trained faster at the end than at the start.
+    // Each move is in train.jsonl too, and the last window counts the workers per role.
     let w = windows(&sup);
+    let moved = read_jsonl(&sup.run_dir.join("train.jsonl"))
+        .into_iter()
+        .filter(|l| l["role_move"].is_object())
+        .count();
+    assert_eq!(moved, all.len());
+    let last = w.last().unwrap();
+    assert_eq!(last["roles"]["target"], 1 + all.len() as u64, "{last}");
+    assert_eq!(last["role_moves"], all.len() as u64, "{last}");
+    // It trained faster at the end than at the start.
     let first_move = w
         .iter()
         .position(|x| x["workers"]["target-1"].is_object())

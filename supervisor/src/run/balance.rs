@@ -245,13 +245,18 @@ impl Balancer {
         {
             self.recent.pop_front();
         }
-        let ready = self.samples.len() >= self.cfg.sustain
-            && now >= self.quiet_until
-            && self.recent.len() < self.cfg.per_hour;
-        if !ready {
+        if !self.ready(now) {
             return None;
         }
         self.better(self.rates()?, (targets, drafters), self.trained())
+    }
+
+    /// Whether a move may be made at `now`: enough windows of the current split, the dwell
+    /// over, room in the hour.
+    pub fn ready(&self, now: Instant) -> bool {
+        self.samples.len() >= self.cfg.sustain
+            && now >= self.quiet_until
+            && self.recent.len() < self.cfg.per_hour
     }
 
     /// A move was made at `now`: the windows of the old split no longer count (what it

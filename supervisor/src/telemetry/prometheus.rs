@@ -562,6 +562,20 @@ fn progress_families(o: &mut Out, w: &Window) {
         );
     }
     o.family(
+        "dflash_workers",
+        "gauge",
+        "Workers of each role (with --targets auto, those the balancer has there now).",
+    );
+    for (role, n) in &w.roles {
+        o.sample("dflash_workers", &[("role", role)], Some(*n as f64));
+    }
+    o.family(
+        "dflash_role_moves_total",
+        "counter",
+        "Devices moved between the target and drafter roles (--targets auto) in this session.",
+    );
+    o.sample("dflash_role_moves_total", &[], Some(w.role_moves as f64));
+    o.family(
         "dflash_batches_produced_total",
         "counter",
         "Batches the loader put in the pipeline.",
@@ -880,7 +894,8 @@ mod tests {
     fn renders_units_and_labels() {
         let w = serde_json::json!({"gpu": {"gpus": [{"index": 1, "util_gpu_pct": {"mean": 40.0, "max": 50.0}, "temp_c": null,
                    "sm_clock_mhz": {"mean": 1980.0, "max": 1980.0}}]},
-                   "pipeline": {"hidden_pool": {"fill_ratio": 0.5}}, "workers": {"drafter-0": {"restarts": 2}}});
+                   "pipeline": {"hidden_pool": {"fill_ratio": 0.5}}, "workers": {"drafter-0": {"restarts": 2}},
+                   "roles": {"target": 1, "drafter": 3}, "role_moves": 2});
         let t = render(&window(w));
         assert!(
             t.contains("dflash_gpu_utilization_ratio{gpu=\"1\"} 0.4\n"),
@@ -897,5 +912,7 @@ mod tests {
         assert!(t.contains("dflash_pool_fill_ratio{pool=\"hidden\"} 0.5\n"));
         assert!(t.contains("dflash_worker_restarts_total{worker=\"drafter-0\"} 2\n"));
         assert!(t.contains("# TYPE dflash_gpu_energy_joules_total counter\n"));
+        assert!(t.contains("dflash_workers{role=\"drafter\"} 3\n"), "{t}");
+        assert!(t.contains("dflash_role_moves_total 2\n"), "{t}");
     }
 }

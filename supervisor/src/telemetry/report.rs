@@ -489,6 +489,12 @@ impl Chart {
         self
     }
 
+    /// More vertical markers, each with its own label.
+    fn more_marks(mut self, marks: Vec<(f64, String)>) -> Chart {
+        self.marks.extend(marks);
+        self
+    }
+
     /// The SVG, with `extra` drawn over the plot (markers, bars).
     fn render(&self, extra: &dyn Fn(&Frame) -> String) -> String {
         let yl = self.yl.unwrap_or_else(|| {
@@ -993,6 +999,19 @@ impl Run {
             .filter(|e| e["event"] == "run_start")
             .skip(1)
             .filter_map(|e| self.secs(&e["time"]))
+            .collect()
+    }
+
+    /// Seconds since the start of each device that moved between the roles
+    /// (`--targets auto`), labelled `from → to`.
+    fn role_moves(&self) -> Vec<(f64, String)> {
+        self.events
+            .iter()
+            .filter(|e| e["event"] == "role_move")
+            .filter_map(|e| {
+                let (from, to) = (e["from"].as_str()?, e["to"].as_str()?);
+                Some((self.secs(&e["time"])?, format!("{from} → {to}")))
+            })
             .collect()
     }
 }
@@ -1907,7 +1926,8 @@ fn throughput(run: &Run, absent: &mut Absent) -> String {
         run.time_range(),
         "tokens/s",
     )
-    .marks(&run.resumes(), "resumed");
+    .marks(&run.resumes(), "resumed")
+    .more_marks(run.role_moves());
     c.series.push(Series::new(
         "trained, total",
         "tps-total",
@@ -2970,6 +2990,7 @@ mod tests {
         ];
         let events = [
             r#"{"time": "2026-01-01T00:00:00.000Z", "event": "run_start"}"#,
+            r#"{"time": "2026-01-01T00:00:15.000Z", "event": "role_move", "from": "drafter-2", "to": "target-1"}"#,
             r#"{"time": "2026-01-01T00:00:30.000Z", "event": "run_end", "reason": "interrupted"}"#,
             r#"{"time": "2026-01-01T01:00:00.000Z", "event": "run_start"}"#,
         ];
@@ -2989,9 +3010,15 @@ mod tests {
                 );
             }
         }
-        // The resume, one hour in, is marked on the time charts.
+        // The resume, one hour in, is marked on the time charts; a move between the
+        // roles (--targets auto) on the tokens/s chart.
         assert!(
             html.contains(r#"<line class="mark" data-x="3600.000""#),
+            "{html}"
+        );
+        assert!(
+            html.contains(r#"<line class="mark" data-x="15.000" x1"#)
+                && html.contains("drafter-2 → target-1</text>"),
             "{html}"
         );
     }

@@ -32,6 +32,10 @@ pub struct Window {
     /// Worker restarts over the run.
     pub restarts: u64,
     pub workers: BTreeMap<String, WorkerEntry>,
+    /// Workers per role (`target`, `drafter`), those whose device moved away not counted.
+    pub roles: BTreeMap<String, u64>,
+    /// Devices moved between the roles over the run (`--targets auto`).
+    pub role_moves: u64,
 }
 
 /// The GPU samples of a window.

@@ -32,6 +32,8 @@ pub enum LogLine {
     /// A resumed run goes back to its checkpoint's step: the steps after it in the log
     /// belong to an abandoned lineage.
     Resumed { to: u64 },
+    /// `--targets auto` moved a device between the roles (from, to, gpu, step).
+    RoleMove(serde_json::Value),
 }
 
 impl LogLine {
@@ -58,6 +60,7 @@ impl LogLine {
             LogLine::Resumed { to } => {
                 serde_json::json!({"t": t, "rollback": {"to": to, "resume": true}})
             }
+            LogLine::RoleMove(m) => serde_json::json!({"t": t, "role_move": m}),
         }
     }
 }

@@ -473,6 +473,11 @@ impl Trainer {
     }
 
     /// Training progress, for state.json and the metrics.
+    /// Append `line` to train.jsonl (a line of the run's, not of a step).
+    pub fn log(&mut self, line: &LogLine) {
+        self.log.write(line);
+    }
+
     pub fn progress(&self) -> &TrainProgress {
         &self.group.progress
     }

@@ -57,6 +57,50 @@ impl Dispatcher {
 
     /// Close the current window: write it and start the next.
     pub(super) fn write_metrics(&mut self) {
+        let (mut record, steady, before) = self.window();
+        // --targets auto reads the window and says what it did, in the hint's line.
+        let did = self.balance(&record, steady);
+        let hint = &mut record.pipeline.bottleneck_hint;
+        if let (Some(h), Some(d)) = (hint.as_mut(), did) {
+            *h = format!("{h}; --targets auto: {d}");
+        }
+        if let Some(hint) = &record.pipeline.bottleneck_hint {
+            log::info!("bottleneck: {hint}");
+        }
+        if let Some(f) = self.metrics.file.as_mut() {
+            if let Ok(line) = serde_json::to_string(&record) {
+                let _ = writeln!(f, "{line}");
+            }
+        }
+        if let Some(p) = &self.cfg.prometheus {
+            p.update(&record);
+        }
+        let total = self.trainer.total_steps();
+        let step = record.train.map_or(0, |t| t.step);
+        crate::telemetry::console::status(Some(Status {
+            step,
+            total,
+            base: self.trainer.base_step(),
+            figures: status_fields(&record, None),
+        }));
+        if !crate::telemetry::console::live() {
+            // Not a terminal: the plain step line of a window in which a step was trained,
+            // instead of the live status line.
+            if let Some(line) = step_line(&record, total, before) {
+                log::info!("{line}");
+            }
+        }
+        self.metrics.last_consumed = record.batches.consumed;
+        self.metrics.last_step = step;
+        self.metrics.started = self.now;
+        self.metrics.latest = Some(record);
+        self.dirty = true;
+    }
+
+    /// The window now closing; whether it is steady (training moved in it and in the one
+    /// before, the data had not ended, the run is not stopping: its figures describe the
+    /// split, and only its hint is kept); the step of the window before.
+    fn window(&mut self) -> (Window, bool, u64) {
         let secs = self
             .now
             .saturating_duration_since(self.metrics.started)
@@ -70,6 +114,8 @@ impl Dispatcher {
         };
         let gpu = self.metrics.gpu.take(&names);
         let (consumed, produced) = self.pipeline.progress();
+        let workers = self.worker_entries();
+        let roles = self.roles();
         let t = self.trainer.progress();
         // The step of the window before (a resumed session's first: the step it resumed).
         let before = self.metrics.last_step.max(self.trainer.base_step());
@@ -79,20 +125,15 @@ impl Dispatcher {
             loss: Some(t.loss),
             acceptance: Some(t.acceptance),
         });
-        let workers = self.worker_entries();
         let mut pipeline = self.pipeline.health.take(secs);
-        // Hints only from a steady window: training moved in it and in the one before
-        // (not the start, when workers load), the data had not ended and the run is not
-        // stopping (an end leaves workers idle or blocked without any stage being slow).
+        // The start, when workers load, and an end leave workers idle or blocked without
+        // any stage being slow.
         let steady = self.metrics.last_step > 0
             && t.step > self.metrics.last_step
             && !self.pipeline.loader_done()
             && self.stop_reason.is_none();
         if !steady {
             pipeline.bottleneck_hint = None;
-        }
-        if let Some(hint) = &pipeline.bottleneck_hint {
-            log::info!("bottleneck: {hint}");
         }
         let record = Window {
             time: now_rfc3339(),
@@ -117,36 +158,10 @@ impl Dispatcher {
             }),
             restarts: self.restarts(),
             workers,
+            roles,
+            role_moves: self.role_moves,
         };
-        if let Some(f) = self.metrics.file.as_mut() {
-            if let Ok(line) = serde_json::to_string(&record) {
-                let _ = writeln!(f, "{line}");
-            }
-        }
-        if let Some(p) = &self.cfg.prometheus {
-            p.update(&record);
-        }
-        let total = self.trainer.total_steps();
-        crate::telemetry::console::status(Some(Status {
-            step: t.step,
-            total,
-            base: self.trainer.base_step(),
-            figures: status_fields(&record, None),
-        }));
-        if !crate::telemetry::console::live() {
-            // Not a terminal: the plain step line of a window in which a step was trained,
-            // instead of the live status line.
-            if let Some(line) = step_line(&record, total, before) {
-                log::info!("{line}");
-            }
-        }
-        let step = t.step;
-        self.metrics.last_consumed = consumed;
-        self.metrics.last_step = step;
-        self.metrics.started = self.now;
-        self.balance(&record, steady);
-        self.metrics.latest = Some(record);
-        self.dirty = true;
+        (record, steady, before)
     }
 
     /// Each worker's state, pid and restarts, by name.

@@ -263,6 +263,8 @@ pub struct Dispatcher {
     /// `--targets auto`: the balancer, and the worker whose device is moving now.
     balancer: Option<crate::run::balance::Balancer>,
     moving: Option<moves::Moving>,
+    /// Moves made over this session.
+    role_moves: u64,
 }
 
 impl Dispatcher {
@@ -333,6 +335,7 @@ impl Dispatcher {
                 .balance
                 .map(|b| crate::run::balance::Balancer::new(b, Instant::now())),
             moving: None,
+            role_moves: 0,
             cfg,
         })
     }

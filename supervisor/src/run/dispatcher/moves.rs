@@ -16,6 +16,7 @@ use super::life::Status;
 use super::{obj, Dispatcher, Phase, Worker};
 use crate::run::balance::{Move, Sample};
 use crate::telemetry::window::Window;
+use crate::training::train_log::LogLine;
 
 /// A move under way: the worker asked to stop, and the role its device goes to.
 #[derive(Debug, Clone, Copy)]
@@ -43,11 +44,24 @@ impl Dispatcher {
             .map(|(i, _)| i)
     }
 
+    /// Workers per role, those whose device moved away (or that failed) not counted.
+    pub(super) fn roles(&self) -> std::collections::BTreeMap<String, u64> {
+        [Role::Target, Role::Drafter]
+            .into_iter()
+            .map(|r| (role_name(r).to_string(), self.active(r).count() as u64))
+            .collect()
+    }
+
     /// The balancer's turn at the end of the metrics window `w` (`steady`: one whose
-    /// figures describe the split, see `write_metrics`).
-    pub(super) fn balance(&mut self, w: &Window, steady: bool) {
-        if self.moving.is_some() || !matches!(self.phase, Phase::Running) {
-            return;
+    /// figures describe the split, see `write_metrics`): what it did, in words (`None`
+    /// without `--targets auto`, or once the run is stopping).
+    pub(super) fn balance(&mut self, w: &Window, steady: bool) -> Option<String> {
+        if !matches!(self.phase, Phase::Running) || self.balancer.is_none() {
+            return None;
+        }
+        if let Some(m) = self.moving {
+            let name = self.workers[m.worker].name;
+            return Some(format!("moving {name} to the {} role", role_name(m.to)));
         }
         let (targets, drafters) = (
             self.active(Role::Target).count(),
@@ -55,11 +69,14 @@ impl Dispatcher {
         );
         let sample = steady.then(|| Sample::of(w)).flatten();
         let now = self.now;
-        let Some(b) = self.balancer.as_mut() else {
-            return;
-        };
+        let b = self.balancer.as_mut()?;
+        let split = format!("{targets} target(s) + {drafters} drafter(s)");
         let Some(m) = b.observe(sample, (targets, drafters), now) else {
-            return;
+            return Some(if b.ready(now) {
+                format!("holding {split}: no neighbouring split would train enough more")
+            } else {
+                format!("measuring {split} before any move")
+            });
         };
         let mean = b.rates();
         let (from, to) = match m {
@@ -77,7 +94,9 @@ impl Dispatcher {
             })
             .max_by_key(|&i| self.workers[i].name.rank)
         else {
-            return;
+            return Some(format!(
+                "holding {split}: no worker of the surplus role is running"
+            ));
         };
         if let Some(b) = self.balancer.as_mut() {
             b.moved(now);
@@ -113,10 +132,10 @@ impl Dispatcher {
             })),
         );
         self.moving = Some(Moving { worker, to });
-        self.ask_to_stop(
-            worker,
-            &format!("its device moves to the {} role", role_name(to)),
-        );
+        let name = self.workers[worker].name;
+        let role = role_name(to);
+        self.ask_to_stop(worker, &format!("its device moves to the {role} role"));
+        Some(format!("moving {name} to the {role} role"))
     }
 
     /// Called when `worker`'s life is over (its slots released, its group left): when it is
@@ -137,12 +156,12 @@ impl Dispatcher {
             Ok(next) => {
                 let to = self.workers[next].name;
                 log::info!("--targets auto: the device of {from} ({device}) now runs {to}");
-                self.run.event(
-                    "role_move",
-                    obj(json!({"from": from.to_string(), "to": to.to_string(),
-                               "gpu": device.to_string(),
-                               "step": self.trainer.progress().step})),
-                );
+                let record = json!({"from": from.to_string(), "to": to.to_string(),
+                                    "gpu": device.to_string(),
+                                    "step": self.trainer.progress().step});
+                self.trainer.log(&LogLine::RoleMove(record.clone()));
+                self.run.event("role_move", obj(record));
+                self.role_moves += 1;
                 self.spawn(next);
             }
             Err(e) => {
