@@ -187,10 +187,11 @@ pub struct RunArgs {
     pub gpus: Option<DeviceSpec>,
 
     /// How many of the devices run target workers (the first N); the rest train drafters.
-    /// auto: start with one, and while the run goes move one device at a time between the
-    /// roles, toward the split that trains the most tokens/s (measured, see
-    /// docs/cli-guide.md; each move is an event in events.jsonl and a line in the log).
-    #[arg(long, value_name = "N|auto", default_value = "1", value_parser = parse_targets,
+    /// auto: start where `plan` would (the roles' FLOPs per token), or auto:N from N, and
+    /// while the run trains move one device at a time between the roles, toward the split
+    /// that trains the most tokens/s as measured (docs/cli-guide.md; each move is an event
+    /// in events.jsonl and a line in the log).
+    #[arg(long, value_name = "N|auto[:N]", default_value = "1", value_parser = parse_targets,
           help_heading = "Devices", conflicts_with_all = ["target_gpus", "drafter_gpus"])]
     pub targets: Targets,
 
@@ -879,16 +880,23 @@ pub fn error_line(e: &clap::Error) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Targets {
     Fixed(u32),
-    /// The split is measured and moved while the run goes (`crate::run::balance`).
-    Auto,
+    /// The split is measured and moved while the run goes (`crate::run::balance`),
+    /// starting from `start` targets (`None` until the run has worked it out: one).
+    Auto {
+        start: Option<u32>,
+    },
 }
 
 fn parse_targets(s: &str) -> Result<Targets, String> {
-    match s {
-        "auto" => Ok(Targets::Auto),
-        n => n.parse().map(Targets::Fixed).map_err(|_| {
-            format!("'{n}' is not a number of target workers (expected e.g. 1, or auto)")
-        }),
+    let bad =
+        || format!("'{s}' is not a number of target workers (expected e.g. 1, auto or auto:2)");
+    match s.split_once(':') {
+        None if s == "auto" => Ok(Targets::Auto { start: None }),
+        Some(("auto", n)) => match n.parse() {
+            Ok(n) => Ok(Targets::Auto { start: Some(n) }),
+            Err(_) => Err(bad()),
+        },
+        _ => s.parse().map(Targets::Fixed).map_err(|_| bad()),
     }
 }
 
@@ -973,6 +981,27 @@ mod tests {
     #[test]
     fn cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn targets_is_a_count_auto_or_auto_from_a_count() {
+        assert_eq!(run_args(&[]).targets, Targets::Fixed(1));
+        assert_eq!(run_args(&["--targets", "3"]).targets, Targets::Fixed(3));
+        assert_eq!(
+            run_args(&["--targets", "auto"]).targets,
+            Targets::Auto { start: None }
+        );
+        assert_eq!(
+            run_args(&["--targets", "auto:2"]).targets,
+            Targets::Auto { start: Some(2) }
+        );
+        for bad in ["many", "auto:", "auto:x", "-1", "manual:2"] {
+            let e = parse_targets(bad).unwrap_err();
+            assert!(
+                e.contains(&format!("'{bad}'")) && e.contains("auto:2"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `--targets auto` end to end (issue 44): CPU workers whose targets are made slow (a test
-//! knob adds a second to every target batch), started from a split with one target and
-//! three drafters. The balancer moves drafters' devices to the target role while the run
+//! knob adds a second to every target batch), started (`--targets auto:1`) from a split
+//! with one target and three drafters. The balancer moves drafters' devices to the target role while the run
 //! trains, and then stays.
 
 mod common;
@@ -48,7 +48,7 @@ fn slow_targets_get_devices_from_the_drafters_and_the_split_then_stays() {
             "--gpus",
             "cpu:4",
             "--targets",
-            "auto",
+            "auto:1",
             "--data",
             "demo",
             "--demo-samples",

@@ -14,15 +14,14 @@
 
 use std::path::Path;
 
-use dflash_shared::drafter::{DrafterConfig, ParamLayout};
+use dflash_shared::drafter::ParamLayout;
 use dflash_shared::layer_split::device_loads;
-use dflash_shared::model_config::Arch;
 use dflash_shared::Device;
 use serde::Serialize;
 
 use crate::cli::{PlanArgs, RunArgs};
 use crate::error::Error;
-use crate::run::{gpu_fit, target_check, validate};
+use crate::run::{gpu_fit, validate};
 use crate::telemetry::gpus;
 use crate::telemetry::window::Window;
 
@@ -257,54 +256,14 @@ fn need(weights: u64, frozen: u64, activations: u64, allowance: u64) -> Need {
     }
 }
 
-/// Each role's FLOPs per token: a target's forward up to its last tap (2 per weight a
-/// token meets, and the attention over half the longest row), a drafter's training step
-/// per context token (3 × the forward of the context projection and of every block row
-/// through its layers; the frozen lm_head's loss twice: logits and their gradient).
+/// Each role's FLOPs per token (see [`crate::run::balance::flops_per_token`]).
 fn flops_per_token(args: &RunArgs, s: &crate::run::PlanSettings) -> Result<(f64, f64), Error> {
-    let (c, d) = (&s.target, &s.drafter);
-    let last = s.taps.iter().copied().max().unwrap_or(0) as usize;
-    let ctx = args.max_seq_len as f64 / 2.0;
-    let target = if c.arch == Arch::Transformers {
-        let loaded = target_check::loaded_elements(Path::new(&args.target), last)
-            .map_err(|e| Error::input(format!("--target {}", args.target), e))?;
-        2.0 * loaded as f64
-    } else {
-        let (h, hd) = (c.hidden_size as f64, c.head_dim as f64);
-        let (qd, kd) = (
-            c.num_attention_heads as f64 * hd,
-            c.num_key_value_heads as f64 * hd,
-        );
-        (0..=last)
-            .map(|l| {
-                let attn = 2.0 * h * (2.0 * qd + 2.0 * kd) + 4.0 * ctx * qd;
-                let mlp = match c.sparse(l) {
-                    Some(m) => {
-                        let k = m.num_experts_per_tok as f64;
-                        2.0 * h * (m.num_experts as f64 + 3.0 * k * m.moe_intermediate_size as f64)
-                    }
-                    None => 6.0 * h * c.intermediate_size as f64,
-                };
-                attn + mlp
-            })
-            .sum()
-    };
-    let drafter = drafter_flops_per_token(d, args.max_seq_len as f64);
-    Ok((target, drafter))
-}
-
-/// A drafter's training FLOPs per context token for rows of `seq` tokens (see
-/// `flops_per_token`).
-pub fn drafter_flops_per_token(d: &DrafterConfig, seq: f64) -> f64 {
-    let (h, hd, inter) = (d.hidden as f64, d.head_dim as f64, d.intermediate as f64);
-    let (qd, kd) = (d.q_heads as f64 * hd, d.kv_heads as f64 * hd);
-    let rows = (d.max_anchors as f64).min(seq) * d.block_size as f64;
-    let context = 2.0 * seq * d.n_taps as f64 * h * h + 4.0 * seq * h * kd * d.layers as f64;
-    let per_row = d.layers as f64
-        * (2.0 * h * (2.0 * qd + 2.0 * kd) + 6.0 * h * inter + 4.0 * (seq / 2.0) * qd);
-    let forward = context + rows * per_row;
-    let loss = 2.0 * 2.0 * rows * d.vocab as f64 * h;
-    (3.0 * forward + loss) / seq.max(1.0)
+    crate::run::balance::flops_per_token(
+        &args.target,
+        (&s.target, &s.drafter),
+        &s.taps,
+        args.max_seq_len,
+    )
 }
 
 /// bf16 dense tensor-core peak of a GPU, by NVML's name, in FLOP/s.

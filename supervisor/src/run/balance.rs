@@ -17,7 +17,13 @@
 //! predicted is not tried again (at most one move back, to the better of the two).
 
 use std::collections::{BTreeMap, VecDeque};
+use std::path::Path;
 use std::time::{Duration, Instant};
+
+use dflash_shared::drafter::DrafterConfig;
+use dflash_shared::model_config::{Arch, TargetConfig};
+
+use crate::error::Error;
 
 use crate::telemetry::window::Window;
 
@@ -268,6 +274,85 @@ impl Balancer {
     }
 }
 
+// ---------------------------------------------------------------------------------------
+// The prior: where a run of --targets auto starts, before anything is measured.
+
+/// Each role's FLOPs per token: a target's forward up to its last tap (2 per weight a
+/// token meets, and the attention over half the longest row), a drafter's training step
+/// per context token (3 × the forward of the context projection and of every block row
+/// through its layers; the frozen lm_head's loss twice: logits and their gradient).
+/// `target_dir`: `--target` (a transformers target's loaded weights are counted from its
+/// files).
+pub fn flops_per_token(
+    target_dir: &str,
+    (c, d): (&TargetConfig, &DrafterConfig),
+    taps: &[u32],
+    max_seq_len: u32,
+) -> Result<(f64, f64), Error> {
+    let last = taps.iter().copied().max().unwrap_or(0) as usize;
+    let ctx = max_seq_len as f64 / 2.0;
+    let target = if c.arch == Arch::Transformers {
+        let loaded = crate::run::target_check::loaded_elements(Path::new(target_dir), last)
+            .map_err(|e| Error::input(format!("--target {target_dir}"), e))?;
+        2.0 * loaded as f64
+    } else {
+        let (h, hd) = (c.hidden_size as f64, c.head_dim as f64);
+        let (qd, kd) = (
+            c.num_attention_heads as f64 * hd,
+            c.num_key_value_heads as f64 * hd,
+        );
+        (0..=last)
+            .map(|l| {
+                let attn = 2.0 * h * (2.0 * qd + 2.0 * kd) + 4.0 * ctx * qd;
+                let mlp = match c.sparse(l) {
+                    Some(m) => {
+                        let k = m.num_experts_per_tok as f64;
+                        2.0 * h * (m.num_experts as f64 + 3.0 * k * m.moe_intermediate_size as f64)
+                    }
+                    None => 6.0 * h * c.intermediate_size as f64,
+                };
+                attn + mlp
+            })
+            .sum()
+    };
+    let drafter = drafter_flops_per_token(d, max_seq_len as f64);
+    Ok((target, drafter))
+}
+
+/// A drafter's training FLOPs per context token for rows of `seq` tokens (see
+/// [`flops_per_token`]).
+pub fn drafter_flops_per_token(d: &DrafterConfig, seq: f64) -> f64 {
+    let (h, hd, inter) = (d.hidden as f64, d.head_dim as f64, d.intermediate as f64);
+    let (qd, kd) = (d.q_heads as f64 * hd, d.kv_heads as f64 * hd);
+    let rows = (d.max_anchors as f64).min(seq) * d.block_size as f64;
+    let context = 2.0 * seq * d.n_taps as f64 * h * h + 4.0 * seq * h * kd * d.layers as f64;
+    let per_row = d.layers as f64
+        * (2.0 * h * (2.0 * qd + 2.0 * kd) + 6.0 * h * inter + 4.0 * (seq / 2.0) * qd);
+    let forward = context + rows * per_row;
+    let loss = 2.0 * 2.0 * rows * d.vocab as f64 * h;
+    (3.0 * forward + loss) / seq.max(1.0)
+}
+
+/// The targets among `devices` alike devices that train the most tokens/s when each role
+/// runs at its FLOPs (`plan`'s roofline split; the fewer targets on a tie), at least one
+/// of each role.
+pub fn start_targets(devices: usize, target_flops: f64, drafter_flops: f64) -> usize {
+    let prior = Rates {
+        target: 1.0 / target_flops.max(1.0),
+        drafter: 1.0 / drafter_flops.max(1.0),
+    };
+    (1..devices.max(2))
+        .fold((1, f64::MIN), |(best, tps), t| {
+            let x = prior.throughput(t, devices.saturating_sub(t));
+            if x > tps * (1.0 + 1e-9) {
+                (t, x)
+            } else {
+                (best, tps)
+            }
+        })
+        .0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -496,6 +581,20 @@ mod tests {
         assert_eq!(run(world, (2, 2), 7200), ((2, 2), 2));
         // From (1, 3) the same: up to (2, 2), the detour to (3, 1), back.
         assert_eq!(run(world, (1, 3), 7200), ((2, 2), 3));
+    }
+
+    #[test]
+    fn the_start_is_the_split_whose_slower_role_is_fastest_at_the_roles_flops() {
+        // A target token costs half a drafter's: two of three devices... one target
+        // feeds two drafters at equal speed: (1, 2) → min(2, 2·1) vs (2, 1) → min(4, 1).
+        assert_eq!(start_targets(3, 1.0, 2.0), 1);
+        assert_eq!(start_targets(4, 1.0, 1.0), 2);
+        // Targets 3× dearer: 6 of 8.
+        assert_eq!(start_targets(8, 3.0, 1.0), 6);
+        // Never no drafter, never no target.
+        assert_eq!(start_targets(8, 1e9, 1.0), 7);
+        assert_eq!(start_targets(8, 1.0, 1e9), 1);
+        assert_eq!(start_targets(2, 5.0, 1.0), 1);
     }
 
     #[test]

@@ -72,6 +72,31 @@ pub fn plan_settings(args: &RunArgs) -> Result<PlanSettings, Error> {
     })
 }
 
+/// `--targets auto` without a start: the targets it starts with are the split at which
+/// the roles' FLOPs per token balance (`plan`'s roofline split).
+fn auto_start(args: &mut RunArgs) -> Result<(), Error> {
+    let Targets::Auto { start: None } = args.targets else {
+        return Ok(());
+    };
+    let s = plan_settings(args)?;
+    let (tf, df) = balance::flops_per_token(
+        &args.target,
+        (&s.target, &s.drafter),
+        &s.taps,
+        args.max_seq_len,
+    )?;
+    let devices = placement(args, &mut gpus::gpu_count)?.workers.len();
+    let n = balance::start_targets(devices, tf, df);
+    log::info!(
+        "--targets auto: starting with {n} target(s) and {} drafter(s), where the roles' FLOPs per token balance (as `plan` estimates them); devices move between the roles as the run measures them",
+        devices - n
+    );
+    args.targets = Targets::Auto {
+        start: Some(n as u32),
+    };
+    Ok(())
+}
+
 /// Where the workers run: each worker's device, and the GPUs of each target worker that
 /// holds more than one (`--gpus-per-target`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,13 +205,13 @@ fn role_devices(
     let devices = resolve(&spec, flag, &mut probe)?;
     let n = match args.targets {
         Targets::Fixed(n) => n as usize,
-        Targets::Auto if per > 1 => {
+        Targets::Auto { .. } if per > 1 => {
             return Err(Error::Flag(format!(
                 "--targets auto --gpus-per-target {per}: the split is only balanced for targets on one GPU each (expected --targets N with --gpus-per-target)"
             )))
         }
         // The balancer moves devices from there (see `balance`).
-        Targets::Auto => 1,
+        Targets::Auto { start } => start.unwrap_or(1) as usize,
     };
     if n == 0 {
         return Err(Error::Flag(
@@ -559,6 +584,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let adapted = validate::adapt_max_seq_len(&mut args, given);
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
+    auto_start(&mut args)?;
     let placed = placement(&args, &mut gpus::gpu_count)?;
     let plan = placed.workers.clone();
     check_telemetry_flags(&args, &plan)?;
@@ -991,7 +1017,7 @@ fn dispatcher_config(
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
         tau: None,
-        balance: (args.targets == Targets::Auto)
+        balance: matches!(args.targets, Targets::Auto { .. })
             .then(|| crate::run::balance::BalanceConfig::for_window(args.metrics_interval)),
         wandb: args
             .wandb_project
@@ -1465,7 +1491,7 @@ pub(crate) fn trainer_config(
         seed: args.seed,
         // With --targets auto every device but one may come to train.
         max_ranks: match args.targets {
-            Targets::Auto => plan.len().saturating_sub(1).max(1) as u32,
+            Targets::Auto { .. } => plan.len().saturating_sub(1).max(1) as u32,
             Targets::Fixed(_) => {
                 plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32
             }
@@ -1493,7 +1519,7 @@ fn collective(args: &RunArgs, plan: &[(WorkerName, Device)]) -> Result<Collectiv
         .count();
     let mut drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
     let mut gpu_drafters = gpu_drafters;
-    if args.targets == Targets::Auto {
+    if matches!(args.targets, Targets::Auto { .. }) {
         // As many drafters as the balancer may come to: every device but one.
         drafters = plan.len().saturating_sub(1);
         let gpus = plan
