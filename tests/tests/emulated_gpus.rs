@@ -993,3 +993,56 @@ fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
     let err = String::from_utf8_lossy(&o.stderr).to_string();
     assert_eq!(o.status.code(), Some(0), "--gpus-per-target {n}: {err}");
 }
+
+/// `--targets auto` may move any device to either role: a GPU that holds the target but not
+/// a drafter's training state is refused before anything starts, naming it.
+#[test]
+fn with_targets_auto_every_gpu_must_hold_either_role() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut env = emulated(tmp.path(), 4);
+    let nvml = tmp.path().join("mixed-nvml.json");
+    let devs: Vec<String> = (0..4)
+        .map(|i| {
+            // GPU 0: 1 MiB, room for the tiny target's weights, not for a drafter.
+            let bytes: u64 = if i == 0 { 1 << 20 } else { 150323855360 };
+            format!(r#"{{"name": "Mixed GPU", "uuid": "GPU-{i:04}", "memory_total": {bytes}}}"#)
+        })
+        .collect();
+    let json = format!(
+        r#"{{"driver": "580.65.06", "devices": [{}]}}"#,
+        devs.join(", ")
+    );
+    fs::write(&nvml, json).unwrap();
+    for (k, v) in env.iter_mut() {
+        if k == "DFLASH_FAKE_NVML" {
+            *v = nvml.display().to_string();
+        }
+    }
+    let o = std::process::Command::new(bin("dflash-supervise"))
+        .args(["--gpus", "0-3", "--targets", "auto:1", "--data", "demo"])
+        .args([
+            "--steps",
+            "2",
+            "--max-seq-len",
+            "16",
+            "--token-budget",
+            "128",
+        ])
+        .arg("--no-gpu-metrics")
+        .arg("--run-dir")
+        .arg(tmp.path().join("auto"))
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr).to_string();
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("--targets auto (any device may come to run either role)")
+            && err.contains("the drafter's training state (")
+            && err.contains("do not fit in 90% of GPU 0 (1.0 MiB")
+            && err.contains("--targets N"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("auto").join("workers").exists());
+}

@@ -810,24 +810,51 @@ fn check_memory(
     // The target's weights and the drafter's fixed buffers against their GPUs' memory,
     // where NVML says how much they have (DFLASH_DEVICE=cpu: the workers compute on the
     // CPU whatever their device).
-    let on_gpu = |role| {
+    // --targets auto: any device may come to run either role, so each is checked as both.
+    let auto = matches!(args.targets, Targets::Auto { .. });
+    let as_role = |role: Role| -> Vec<(WorkerName, Device)> {
+        match auto {
+            true => (0..)
+                .zip(plan)
+                .map(|(rank, (_, d))| (WorkerName { role, rank }, *d))
+                .collect(),
+            false => plan.to_vec(),
+        }
+    };
+    let (targets, drafters) = (as_role(Role::Target), as_role(Role::Drafter));
+    let on_gpu = |plan: &[(WorkerName, Device)], role| {
         plan.iter()
             .any(|(n, d)| n.role == role && matches!(d, Device::Gpu(_)))
             && std::env::var("DFLASH_DEVICE").map_or(true, |d| d != "cpu")
     };
-    let any_gpu = on_gpu(Role::Target) || on_gpu(Role::Drafter);
+    let any_gpu = on_gpu(&targets, Role::Target) || on_gpu(&drafters, Role::Drafter);
     if let (true, Ok((_, gpus))) = (any_gpu, crate::telemetry::gpus::list()) {
         let memory = |g: u32| {
             gpus.iter()
                 .find(|x| x.index == g)
                 .and_then(|x| x.memory_total_bytes)
         };
-        if on_gpu(Role::Target) {
-            let (layers, rest) = gpu_fit::weight_bytes(&args.target, target_cfg, last)?;
-            gpu_fit::check(plan, spans, args.gpus_per_target, (&layers, rest), &memory)?;
+        let either = |e: Error| {
+            match e {
+            Error::Flag(m) if auto => Error::Flag(format!(
+                "--targets auto (any device may come to run either role): {m}; or fix the split with --targets N"
+            )),
+            other => other,
         }
-        if on_gpu(Role::Drafter) {
-            gpu_fit::check_drafters(plan, &trainer_cfg.drafter, &memory)?;
+        };
+        if on_gpu(&targets, Role::Target) {
+            let (layers, rest) = gpu_fit::weight_bytes(&args.target, target_cfg, last)?;
+            gpu_fit::check(
+                &targets,
+                spans,
+                args.gpus_per_target,
+                (&layers, rest),
+                &memory,
+            )
+            .map_err(either)?;
+        }
+        if on_gpu(&drafters, Role::Drafter) {
+            gpu_fit::check_drafters(&drafters, &trainer_cfg.drafter, &memory).map_err(either)?;
         }
     }
     let shared_bytes = trainer::Trainer::shared_bytes(
