@@ -1046,3 +1046,74 @@ fn with_targets_auto_every_gpu_must_hold_either_role() {
     );
     assert!(!tmp.path().join("auto").join("workers").exists());
 }
+
+/// `--targets auto` on GPUs (issue 44): the emulated stack's drafters exchange gradients
+/// over NCCL (the collective double); a move takes a drafter out of the group (its next
+/// epoch forms without it) and starts a target on its GPU, and training goes on with
+/// nothing lost or trained twice.
+#[test]
+fn targets_auto_moves_a_gpu_out_of_the_nccl_group_and_training_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut env = emulated(tmp.path(), 4);
+    if skip() {
+        return;
+    }
+    // Slow targets: a second and a half added to every target batch.
+    env.push(("DFLASH_TEST_BATCH_DELAY_MS".into(), "1500".into()));
+    let mut sup = start(
+        &[
+            "--gpus",
+            "0-3",
+            "--targets",
+            "auto:1",
+            "--data",
+            "demo",
+            "--demo-samples",
+            "4000",
+            "--max-seq-len",
+            "16",
+            "--token-budget",
+            "128",
+            "--metrics-interval",
+            "2s",
+        ],
+        &env,
+    );
+    let t = Duration::from_secs(240);
+    let moved = wait_for("a move", t, || {
+        sup.events().into_iter().find(|e| e["event"] == "role_move")
+    });
+    assert_eq!(
+        (moved["from"].as_str(), moved["to"].as_str()),
+        (Some("drafter-2"), Some("target-1"))
+    );
+    let at = moved["step"].as_u64().unwrap();
+    // Training goes on past the move, the new target among the producers.
+    wait_for("steps after the move", t, || {
+        (steps(&sup).len() as u64 >= at + 4).then_some(())
+    });
+    sup.signal(nix::sys::signal::Signal::SIGTERM);
+    let status = sup.wait_exit(t);
+    let err = sup.stderr();
+    assert_eq!(status.code(), Some(75), "{err}");
+    let resolved: Value =
+        serde_json::from_str(&fs::read_to_string(sup.run_dir.join("run.json")).unwrap()).unwrap();
+    assert_eq!(resolved["resolved"]["collective"], "NCCL", "{resolved}");
+    // The group's epoch after the move leaves rank 2 out.
+    let epochs: Vec<Value> = sup
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "group_epoch")
+        .collect();
+    assert!(
+        epochs
+            .iter()
+            .any(|e| e["ranks"] == serde_json::json!([0, 1])),
+        "{epochs:?}"
+    );
+    assert!(sup.log("target-1").contains("started pid"), "{err}");
+    let s = steps(&sup);
+    let numbers: Vec<u64> = s.iter().filter_map(|l| l["step"].as_u64()).collect();
+    assert!(numbers.windows(2).all(|w| w[1] == w[0] + 1), "{numbers:?}");
+    clean_ledger(&sup);
+}

@@ -140,21 +140,25 @@ fn wait_share(phases: &BTreeMap<String, f64>) -> Option<f64> {
     (work > 0.0 && wait >= 0.0).then(|| wait / (wait + work))
 }
 
-/// What one steady window says: the roles' unhindered rates, and the tokens/s the run
-/// trained in it.
+/// What one metrics window says: the roles' unhindered rates (from a steady window only:
+/// one in which training moved), the tokens/s the run trained in it, and its length. The
+/// tokens/s a split reaches is taken over every window, steady or not: where steps are
+/// slower than windows, the steady ones alone would hold the bursts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
-    pub rates: Rates,
+    pub rates: Option<Rates>,
     pub trained: f64,
+    pub seconds: f64,
 }
 
 impl Sample {
-    /// The sample of the metrics window `w` (`None`: a role has no figure in it).
-    pub fn of(w: &Window) -> Option<Sample> {
-        Some(Sample {
-            rates: Rates::of(std::slice::from_ref(w))?,
+    /// The sample of the metrics window `w` (`steady`: its rates count).
+    pub fn of(w: &Window, steady: bool) -> Sample {
+        Sample {
+            rates: steady.then(|| Rates::of(std::slice::from_ref(w))).flatten(),
             trained: w.pipeline.tokens_per_s_trained,
-        })
+            seconds: w.window_s,
+        }
     }
 }
 
@@ -162,8 +166,12 @@ impl Sample {
 #[derive(Debug)]
 pub struct Balancer {
     cfg: BalanceConfig,
-    /// The steady windows since the last move (the newest last).
-    samples: VecDeque<Sample>,
+    /// The rates of the steady windows since the last move (the newest last).
+    samples: VecDeque<Rates>,
+    /// Tokens trained and seconds at the current split, from its first steady window on
+    /// (what came before was its start).
+    split_tokens: f64,
+    split_seconds: f64,
     /// The tokens/s trained each split visited reached (the mean of its windows).
     visited: BTreeMap<(usize, usize), f64>,
     /// No move before this (the start's dwell, then each move's).
@@ -177,6 +185,8 @@ impl Balancer {
         Balancer {
             cfg,
             samples: VecDeque::new(),
+            split_tokens: 0.0,
+            split_seconds: 0.0,
             visited: BTreeMap::new(),
             quiet_until: start + cfg.dwell,
             recent: VecDeque::new(),
@@ -208,19 +218,18 @@ impl Balancer {
             .map(|(m, _)| m)
     }
 
-    /// The mean rates of the current split's windows.
+    /// The mean rates of the current split's steady windows.
     pub fn rates(&self) -> Option<Rates> {
         let n = self.samples.len() as f64;
         (n > 0.0).then(|| Rates {
-            target: self.samples.iter().map(|s| s.rates.target).sum::<f64>() / n,
-            drafter: self.samples.iter().map(|s| s.rates.drafter).sum::<f64>() / n,
+            target: self.samples.iter().map(|r| r.target).sum::<f64>() / n,
+            drafter: self.samples.iter().map(|r| r.drafter).sum::<f64>() / n,
         })
     }
 
-    /// The mean tokens/s trained of the current split's windows.
+    /// The tokens/s trained at the current split so far.
     pub fn trained(&self) -> Option<f64> {
-        let n = self.samples.len() as f64;
-        (n > 0.0).then(|| self.samples.iter().map(|s| s.trained).sum::<f64>() / n)
+        (self.split_seconds > 0.0).then(|| self.split_tokens / self.split_seconds)
     }
 
     /// One window's sample (`None`: a window that says nothing, such as the start's or a
@@ -232,14 +241,17 @@ impl Balancer {
         (targets, drafters): (usize, usize),
         now: Instant,
     ) -> Option<Move> {
-        let finite = |s: &Sample| {
-            s.rates.target.is_finite() && s.rates.drafter.is_finite() && s.trained.is_finite()
-        };
-        if let Some(s) = sample.filter(finite) {
-            self.samples.push_back(s);
+        let finite = |r: &Rates| r.target.is_finite() && r.drafter.is_finite();
+        if let Some(r) = sample.and_then(|s| s.rates).filter(finite) {
+            self.samples.push_back(r);
             if self.samples.len() > MAX_SAMPLES {
                 self.samples.pop_front();
             }
+        }
+        let counted = sample.filter(|s| s.trained.is_finite() && s.seconds > 0.0);
+        if let (Some(s), false) = (counted, self.samples.is_empty()) {
+            self.split_tokens += s.trained * s.seconds;
+            self.split_seconds += s.seconds;
         }
         if let Some(t) = self.trained() {
             self.visited.insert((targets, drafters), t);
@@ -268,9 +280,16 @@ impl Balancer {
     /// A move was made at `now`: the windows of the old split no longer count (what it
     /// reached is remembered), and the dwell starts again.
     pub fn moved(&mut self, now: Instant) {
-        self.samples.clear();
-        self.quiet_until = now + self.cfg.dwell;
+        self.settled(now);
         self.recent.push_back(now);
+    }
+
+    /// The worker a move started has done its first unit of work, at `now`: the windows
+    /// until then (its start and warm-up) do not count, and the dwell starts from here.
+    pub fn settled(&mut self, now: Instant) {
+        self.samples.clear();
+        (self.split_tokens, self.split_seconds) = (0.0, 0.0);
+        self.quiet_until = now + self.cfg.dwell;
     }
 }
 
@@ -374,8 +393,9 @@ mod tests {
             drafter: truth.drafter * noise.1,
         };
         Sample {
-            rates,
+            rates: Some(rates),
             trained: rates.throughput(t, d),
+            seconds: 1.0,
         }
     }
 
@@ -555,18 +575,20 @@ mod tests {
         // tokens/s against (2, 2)'s 200.
         let world = |split: (usize, usize), _| match split {
             (2, 2) => Sample {
-                rates: Rates {
+                rates: Some(Rates {
                     target: 100.0,
                     drafter: 300.0,
-                },
+                }),
                 trained: 200.0,
+                seconds: 1.0,
             },
             (3, 1) => Sample {
-                rates: Rates {
+                rates: Some(Rates {
                     target: 100.0,
                     drafter: 150.0,
-                },
+                }),
                 trained: 150.0,
+                seconds: 1.0,
             },
             (t, d) => measured(
                 Rates {
@@ -595,6 +617,30 @@ mod tests {
         assert_eq!(start_targets(8, 1e9, 1.0), 7);
         assert_eq!(start_targets(8, 1.0, 1e9), 1);
         assert_eq!(start_targets(2, 5.0, 1.0), 1);
+    }
+
+    #[test]
+    fn a_split_is_judged_by_what_it_trained_over_all_its_windows_not_its_steady_bursts() {
+        // Steps slower than windows: at (1, 3) one window in three holds a step (a burst
+        // of 192 tokens/s, 64 on average); at (2, 2) every window holds one, at 128.
+        let world = |split: (usize, usize), i: u32| {
+            let rates = Rates {
+                target: 64.0,
+                drafter: 1280.0,
+            };
+            let (rates, trained) = match split {
+                (1, 3) if i % 3 != 0 => (None, 0.0),
+                (1, 3) => (Some(rates), 192.0),
+                (t, d) => (Some(rates), rates.throughput(t, d)),
+            };
+            Sample {
+                rates,
+                trained,
+                seconds: 1.0,
+            }
+        };
+        // Up to (3, 1), where the drafter is not yet the limit: min(192, 1280).
+        assert_eq!(run(world, (1, 3), 7200), ((3, 1), 2));
     }
 
     #[test]

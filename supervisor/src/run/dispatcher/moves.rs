@@ -6,8 +6,10 @@
 //! forms without it; what either held goes back to its queue, as when a worker dies). When
 //! it has exited, a worker of the other role starts on its device: a target takes token
 //! batches at once; a drafter joins the group with the current weights, as a restarted one
-//! does. One move at a time; each is an event in events.jsonl (`role_move_started`, then
-//! `role_move`) and a line in the log.
+//! does. One move at a time, over once the new worker has done its first unit of work
+//! (its start and warm-up are not measured as the new split's speed); each is an event in
+//! events.jsonl (`role_move_started`, then `role_move`), a line in train.jsonl and in the
+//! log.
 
 use dflash_shared::{Device, Role, WorkerName};
 use serde_json::json;
@@ -18,11 +20,14 @@ use crate::run::balance::{Move, Sample};
 use crate::telemetry::window::Window;
 use crate::training::train_log::LogLine;
 
-/// A move under way: the worker asked to stop, and the role its device goes to.
+/// A move under way.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Moving {
-    worker: usize,
-    to: Role,
+pub(super) enum Moving {
+    /// `worker` was asked to stop; its device goes to the role `to`.
+    Leaving { worker: usize, to: Role },
+    /// `worker` started on the device: the move is over once it has done its first unit
+    /// of work (until then its start and warm-up would read as a slow role).
+    Joining { worker: usize },
 }
 
 fn role_name(r: Role) -> &'static str {
@@ -59,19 +64,26 @@ impl Dispatcher {
         if !matches!(self.phase, Phase::Running) || self.balancer.is_none() {
             return None;
         }
-        if let Some(m) = self.moving {
-            let name = self.workers[m.worker].name;
-            return Some(format!("moving {name} to the {} role", role_name(m.to)));
+        match self.moving {
+            Some(Moving::Leaving { worker, to }) => {
+                let name = self.workers[worker].name;
+                return Some(format!("moving {name} to the {} role", role_name(to)));
+            }
+            Some(Moving::Joining { worker }) => {
+                let name = self.workers[worker].name;
+                return Some(format!("{name} is starting on the moved device"));
+            }
+            None => {}
         }
         let (targets, drafters) = (
             self.active(Role::Target).count(),
             self.active(Role::Drafter).count(),
         );
-        let sample = steady.then(|| Sample::of(w)).flatten();
+        let sample = Sample::of(w, steady);
         let now = self.now;
         let b = self.balancer.as_mut()?;
         let split = format!("{targets} target(s) + {drafters} drafter(s)");
-        let Some(m) = b.observe(sample, (targets, drafters), now) else {
+        let Some(m) = b.observe(Some(sample), (targets, drafters), now) else {
             return Some(if b.ready(now) {
                 format!("holding {split}: no neighbouring split would train enough more")
             } else {
@@ -131,7 +143,7 @@ impl Dispatcher {
                 "expected_tokens_per_s": [expect_now, expect_after],
             })),
         );
-        self.moving = Some(Moving { worker, to });
+        self.moving = Some(Moving::Leaving { worker, to });
         let name = self.workers[worker].name;
         let role = role_name(to);
         self.ask_to_stop(worker, &format!("its device moves to the {role} role"));
@@ -142,8 +154,15 @@ impl Dispatcher {
     /// the one moving, its device starts in the other role, and `true` is returned (the
     /// exit is no failure to restart).
     pub(super) fn finish_move(&mut self, worker: usize) -> bool {
-        let Some(m) = self.moving.filter(|m| m.worker == worker) else {
-            return false;
+        let to = match self.moving {
+            Some(Moving::Leaving { worker: w, to }) if w == worker => to,
+            Some(Moving::Joining { worker: w }) if w == worker => {
+                // The new worker died before its first unit of work: it is restarted as
+                // any worker is, and the balancer measures again from now.
+                self.joined(worker);
+                return false;
+            }
+            _ => return false,
         };
         self.moving = None;
         if !matches!(self.phase, Phase::Running) {
@@ -152,7 +171,7 @@ impl Dispatcher {
         let w = &mut self.workers[worker];
         w.status = Status::Moved;
         let (from, device) = (w.name, w.device);
-        match self.worker_for(m.to, device) {
+        match self.worker_for(to, device) {
             Ok(next) => {
                 let to = self.workers[next].name;
                 log::info!("--targets auto: the device of {from} ({device}) now runs {to}");
@@ -162,6 +181,7 @@ impl Dispatcher {
                 self.trainer.log(&LogLine::RoleMove(record.clone()));
                 self.run.event("role_move", obj(record));
                 self.role_moves += 1;
+                self.moving = Some(Moving::Joining { worker: next });
                 self.spawn(next);
             }
             Err(e) => {
@@ -172,6 +192,19 @@ impl Dispatcher {
             }
         }
         true
+    }
+
+    /// `worker` did a unit of work: when it is the one joining on a moved device, the move
+    /// is over, and the balancer's dwell and windows start from now.
+    pub(super) fn joined(&mut self, worker: usize) {
+        if !matches!(self.moving, Some(Moving::Joining { worker: w }) if w == worker) {
+            return;
+        }
+        self.moving = None;
+        let now = self.now;
+        if let Some(b) = self.balancer.as_mut() {
+            b.settled(now);
+        }
     }
 
     /// The worker of `role` to start on `device`: the lowest rank of that role no worker

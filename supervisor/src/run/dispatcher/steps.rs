@@ -194,6 +194,7 @@ impl Dispatcher {
                 .steps
                 .add(Duration::from_secs_f64(ms / 1e3));
         }
+        self.joined(worker);
     }
 
     /// The `--step-timeout` that holds for `worker` now.
