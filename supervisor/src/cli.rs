@@ -814,6 +814,20 @@ pub enum BenchCommand {
         /// its target forward alone and its whole pipeline, with the ratios torch/native.
         #[arg(long, value_name = "ENGINE", value_enum, default_value = "native")]
         target_engine: BenchTrainEngine,
+        /// Instead: the split between the roles. cpu:4 trains the demo data for
+        /// --split-seconds with --targets 1, 2 and 3, then with --targets auto; each run's
+        /// tokens/s trained (from its first step to its last, auto's moves included), and
+        /// auto's against the best fixed split (goal >= 0.9).
+        #[arg(long)]
+        splits: bool,
+        /// Length of each run of --splits.
+        #[arg(
+            long,
+            value_name = "SECONDS",
+            default_value_t = 90,
+            requires = "splits"
+        )]
+        split_seconds: u64,
     },
 }
 

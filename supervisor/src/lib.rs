@@ -93,8 +93,15 @@ pub fn main() -> i32 {
         })) => bench::compute::run(json, &target, tokens),
         Some(Command::Bench(BenchCommand::Train {
             json,
+            splits: true,
+            split_seconds,
+            ..
+        })) => bench::splits::run(json, split_seconds),
+        Some(Command::Bench(BenchCommand::Train {
+            json,
             steps,
             target_engine,
+            ..
         })) => bench::train::run(json, steps, target_engine),
         Some(Command::Bench(BenchCommand::Report {
             json,

@@ -5,6 +5,7 @@ pub mod compute;
 pub mod ipc;
 pub mod kernels;
 pub mod report;
+pub mod splits;
 pub mod telemetry;
 pub mod train;
 mod worker_tool;
