@@ -625,23 +625,26 @@ mod tests {
     }
 
     #[test]
-    fn measured_rates_are_corrected_for_the_time_a_role_waited_on_the_other() {
-        let window = |v| serde_json::from_value::<Window>(v).unwrap();
-        let w = window(serde_json::json!({
+    fn measured_rates_divide_each_worker_by_the_share_of_its_own_time_it_worked() {
+        let w: Window = serde_json::from_value(serde_json::json!({
             "train": {"step": 5},
             "pipeline": {
                 "tokens_per_s_by_worker": {"target-0": 50.0, "drafter-0": 40.0, "drafter-1": 60.0},
-                "hidden_pool": {"producers_blocked_share": 0.5, "consumers_starved_share": 0.0},
+                "hidden_pool": {"producers_blocked_share": 0.0, "consumers_starved_share": 0.5},
+                "phase_ms_by_worker": {
+                    "target-0": {"wait": 300.0, "forward": 100.0},
+                    "drafter-0": {"wait": 0.0, "forward_backward": 90.0, "optimizer": 10.0},
+                },
             },
-        }));
-        let idle = window(
-            serde_json::json!({"train": null, "pipeline": {"tokens_per_s_by_worker": {"target-0": 1.0}}}),
-        );
-        let r = measured_rates(&[idle, w]).unwrap();
-        // The target was blocked half the time: alone it would do 100.
-        assert_eq!(r.target_tokens_per_s, 100.0);
-        assert_eq!(r.drafter_tokens_per_s, 50.0);
-        assert!(measured_rates(&[]).is_none());
+        }))
+        .unwrap();
+        let r = measured_rates(&[w]).unwrap();
+        // The target waited three quarters of its time: alone it would do 200.
+        assert_eq!(r.target_tokens_per_s, 200.0);
+        // drafter-0 never waited (40); drafter-1 has no timings: the pool's starved share
+        // stands in (60 / 0.5 = 120).
+        assert_eq!(r.drafter_tokens_per_s, 80.0);
+        assert_eq!(r.source, "measured");
     }
 
     #[test]

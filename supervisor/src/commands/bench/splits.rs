@@ -93,21 +93,8 @@ fn trained(exe: &Path, dir: &Path, targets: &str, seconds: u64) -> Result<f64, E
             String::from_utf8_lossy(&out.stderr),
         ));
     }
-    let steps: Vec<serde_json::Value> = std::fs::read_to_string(dir.join("train.jsonl"))
-        .map_err(|e| fail("train.jsonl", e))?
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|l| l.get("step").is_some())
-        .collect();
-    let (Some(first), Some(last)) = (steps.first(), steps.last()) else {
-        return Err(fail(&format!("--targets {targets}"), "no step trained"));
-    };
-    let secs = (last["t"].as_f64().unwrap_or(0.0) - first["t"].as_f64().unwrap_or(0.0)) / 1e3;
-    let tokens: f64 = steps[1..]
-        .iter()
-        .map(|l| l["tokens"].as_f64().unwrap_or(0.0))
-        .sum();
-    Ok(tokens / secs.max(1e-9))
+    let (tps, _, _) = super::train::pipeline_throughput(dir)?;
+    Ok(tps)
 }
 
 /// The target workers the run in `dir` started with (its `run_start` event).

@@ -159,7 +159,7 @@ fn measure(
 /// A pipeline run's tokens/s from its `train.jsonl`, with the seconds and the commits they
 /// were measured over: from the first commit to the last (start-up, loading and the first
 /// batch, is not throughput).
-fn pipeline_throughput(run_dir: &std::path::Path) -> Result<(f64, f64, usize), Error> {
+pub(super) fn pipeline_throughput(run_dir: &std::path::Path) -> Result<(f64, f64, usize), Error> {
     let lines: Vec<serde_json::Value> = std::fs::read_to_string(run_dir.join("train.jsonl"))
         .map_err(|e| fail("train.jsonl", e))?
         .lines()
