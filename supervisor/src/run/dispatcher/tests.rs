@@ -1441,3 +1441,78 @@ fn a_slow_write_of_the_state_is_held_to_the_disks_floor_not_the_steps_and_named_
         "{why}"
     );
 }
+
+/// `--targets auto`'s mechanism (the decision is `run::balance`'s, tested there): a worker
+/// asked to leave becomes `moved` when it exits and the other role starts on its device; a
+/// worker that moved away starts again when a device comes back to its role; a stop during
+/// a move starts nothing.
+#[test]
+fn a_moved_device_starts_the_other_role_and_a_name_that_moved_away_comes_back() {
+    use super::moves::Moving;
+    let mut h = harness(&["--gpus", "cpu:3", "--checkpoint-every", "0"]);
+    let rx: Vec<_> = (0..3).map(|w| h.connect(w, 0)).collect();
+    for r in &rx {
+        received(r);
+    }
+    let name = |h: &Harness, w: usize| h.d.workers[w].name.to_string();
+    assert_eq!(name(&h, 2), "drafter-1");
+    // drafter-1's device goes to the target role.
+    h.d.moving = Some(Moving::Leaving {
+        worker: 2,
+        to: Role::Target,
+    });
+    h.d.ask_to_stop(2, "its device moves to the target role");
+    assert!(received(&rx[2]).iter().any(is_shutdown));
+    h.exit(2, exit_code(0), 100);
+    assert_eq!(h.status(2), "moved");
+    assert_eq!(h.d.workers.len(), 4);
+    assert_eq!((name(&h, 3), h.launches(3)), ("target-1".to_string(), 1));
+    assert!(matches!(h.d.moving, Some(Moving::Joining { worker: 3 })));
+    let roles = h.d.roles();
+    assert_eq!((roles["target"], roles["drafter"]), (2, 1));
+    let moves = h.events("role_move");
+    assert_eq!(moves.len(), 1);
+    assert_eq!(
+        (moves[0]["from"].as_str(), moves[0]["to"].as_str()),
+        (Some("drafter-1"), Some("target-1"))
+    );
+    let train = std::fs::read_to_string(h.d.run.path.join("train.jsonl")).unwrap();
+    assert!(
+        train.contains(r#""role_move":{"from":"drafter-1""#),
+        "{train}"
+    );
+    // Not a failure: no restart was counted for the worker that left.
+    assert_eq!((h.d.workers[2].restarts, h.launches(2)), (0, 1));
+    // The new worker dies before its first unit of work: restarted as any worker, and the
+    // move is over.
+    let _rx3 = h.connect(3, 200);
+    h.exit(3, exit_code(1), 300);
+    h.tick(300);
+    assert_eq!(h.launches(3), 2);
+    assert!(h.d.moving.is_none());
+    // target-1's device comes back to the drafters: the entry drafter-1 starts again there.
+    let _rx3 = h.connect(3, 400);
+    h.d.moving = Some(Moving::Leaving {
+        worker: 3,
+        to: Role::Drafter,
+    });
+    h.d.ask_to_stop(3, "its device moves to the drafter role");
+    h.exit(3, exit_code(0), 500);
+    assert_eq!((h.status(3), h.d.workers.len()), ("moved", 4));
+    assert_eq!((name(&h, 2), h.launches(2)), ("drafter-1".to_string(), 2));
+    assert_eq!(h.d.roles()["drafter"], 2);
+    // Its first unit of work ends the move.
+    h.d.joined(2);
+    assert!(h.d.moving.is_none());
+    // A stop during a move: the leaving worker just stops.
+    let _rx2 = h.connect(2, 600);
+    h.d.moving = Some(Moving::Leaving {
+        worker: 1,
+        to: Role::Target,
+    });
+    h.signal(Signal::SIGTERM, 700);
+    h.exit(1, exit_code(0), 800);
+    assert_eq!(h.status(1), "exited");
+    assert_eq!(h.d.workers.len(), 4, "nothing started");
+    assert_eq!(h.events("role_move").len(), 2);
+}
