@@ -72,29 +72,67 @@ pub fn plan_settings(args: &RunArgs) -> Result<PlanSettings, Error> {
     })
 }
 
-/// `--targets auto` without a start: the targets it starts with are the split at which
-/// the roles' FLOPs per token balance (`plan`'s roofline split).
-fn auto_start(args: &mut RunArgs) -> Result<(), Error> {
+/// `--targets auto` without a start: the targets it starts with. A resumed run (`resumed`,
+/// its directory) takes up the split it had when it stopped, where that fits the devices;
+/// else the split at which the roles' FLOPs per token balance (`plan`'s roofline split).
+fn auto_start(args: &mut RunArgs, resumed: Option<&Path>) -> Result<(), Error> {
     let Targets::Auto { start: None } = args.targets else {
         return Ok(());
     };
-    let s = plan_settings(args)?;
-    let (tf, df) = balance::flops_per_token(
-        &args.target,
-        (&s.target, &s.drafter),
-        &s.taps,
-        args.max_seq_len,
-    )?;
     let devices = placement(args, &mut gpus::gpu_count)?.workers.len();
-    let n = balance::start_targets(devices, tf, df);
-    log::info!(
-        "--targets auto: starting with {n} target(s) and {} drafter(s), where the roles' FLOPs per token balance (as `plan` estimates them); devices move between the roles as the run measures them",
-        devices - n
-    );
+    let before = resumed.and_then(|d| targets_when_stopped(&d.join(rundir::EVENTS_FILE)));
+    let n = match before.filter(|&n| n >= 1 && n < devices) {
+        Some(n) => {
+            log::info!(
+                "--targets auto: starting with {n} target(s) and {} drafter(s), the split the run had when it stopped",
+                devices - n
+            );
+            n
+        }
+        None => {
+            let s = plan_settings(args)?;
+            let (tf, df) = balance::flops_per_token(
+                &args.target,
+                (&s.target, &s.drafter),
+                &s.taps,
+                args.max_seq_len,
+            )?;
+            let n = balance::start_targets(devices, tf, df);
+            log::info!(
+                "--targets auto: starting with {n} target(s) and {} drafter(s), where the roles' FLOPs per token balance (as `plan` estimates them); devices move between the roles as the run measures them",
+                devices - n
+            );
+            n
+        }
+    };
     args.targets = Targets::Auto {
         start: Some(n as u32),
     };
     Ok(())
+}
+
+/// The target workers a run had when it stopped, from its events.jsonl: those its last
+/// session started with, and each move since (`None`: no session recorded).
+fn targets_when_stopped(events: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(events).ok()?;
+    let events: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let start = events.iter().rposition(|e| e["event"] == "run_start")?;
+    let workers = events[start]["workers"].as_array()?;
+    let mut n = workers
+        .iter()
+        .filter(|w| w.as_str().is_some_and(|w| w.starts_with("target-")))
+        .count();
+    for e in events[start..].iter().filter(|e| e["event"] == "role_move") {
+        match e["to"].as_str() {
+            Some(t) if t.starts_with("target-") => n += 1,
+            Some(_) => n = n.saturating_sub(1),
+            None => {}
+        }
+    }
+    Some(n)
 }
 
 /// Where the workers run: each worker's device, and the GPUs of each target worker that
@@ -584,7 +622,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let adapted = validate::adapt_max_seq_len(&mut args, given);
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
-    auto_start(&mut args)?;
+    auto_start(&mut args, resume.as_ref().map(|r| r.dir.as_path()))?;
     let placed = placement(&args, &mut gpus::gpu_count)?;
     let plan = placed.workers.clone();
     check_telemetry_flags(&args, &plan)?;
@@ -1748,6 +1786,28 @@ fn start_signal_thread(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resumed_auto_run_takes_up_the_split_its_last_session_ended_with() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("events.jsonl");
+        let lines = [
+            r#"{"event": "run_start", "workers": ["target-0 on cpu", "drafter-0 on cpu", "drafter-1 on cpu", "drafter-2 on cpu"]}"#,
+            r#"{"event": "role_move", "from": "drafter-2", "to": "target-1"}"#,
+            r#"{"event": "run_end"}"#,
+            r#"{"event": "run_start", "workers": ["target-0 on cpu", "target-1 on cpu", "drafter-0 on cpu", "drafter-1 on cpu"]}"#,
+            r#"{"event": "role_move", "from": "drafter-1", "to": "target-2"}"#,
+            r#"{"event": "role_move", "from": "target-2", "to": "drafter-1"}"#,
+            r#"{"event": "role_move", "from": "drafter-1", "to": "target-2"}"#,
+        ];
+        std::fs::write(&f, lines.join("\n")).unwrap();
+        assert_eq!(targets_when_stopped(&f), Some(3));
+        std::fs::write(&f, lines[..2].join("\n")).unwrap();
+        assert_eq!(targets_when_stopped(&f), Some(2));
+        std::fs::write(&f, "").unwrap();
+        assert_eq!(targets_when_stopped(&f), None);
+        assert_eq!(targets_when_stopped(&d.path().join("none")), None);
+    }
 
     fn args(extra: &[&str]) -> RunArgs {
         crate::cli::run_args(extra)
