@@ -44,6 +44,9 @@ pub struct QueueHealth {
     /// The run's CPU workers and the cores they share, when they outnumber them (the run
     /// warned so): hints then name the CPU as the limit instead of advising more workers.
     cpu_limit: Option<(usize, usize)>,
+    /// `--targets auto` moves devices itself: hints say what starves what, and the
+    /// balancer says what it does about it, instead of advising more workers.
+    balanced: bool,
 }
 
 impl Default for QueueHealth {
@@ -60,6 +63,7 @@ impl Default for QueueHealth {
             device_memory: BTreeMap::new(),
             drafter_tokens_total: 0,
             cpu_limit: None,
+            balanced: false,
         }
     }
 }
@@ -86,6 +90,11 @@ impl QueueHealth {
     /// The run's CPU workers outnumber its cores (`(workers, cores)`), or not (`None`).
     pub fn cpu_limited(&mut self, limit: Option<(usize, usize)>) {
         self.cpu_limit = limit;
+    }
+
+    /// `--targets auto` balances the roles: hints advise no more workers.
+    pub fn balanced(&mut self) {
+        self.balanced = true;
     }
 
     pub fn served(&mut self, worker: &str) {
@@ -201,6 +210,7 @@ impl QueueHealth {
             device_memory: std::mem::take(&mut self.device_memory),
             drafter_tokens_total: self.drafter_tokens_total,
             cpu_limit: self.cpu_limit,
+            balanced: self.balanced,
             ..QueueHealth::default()
         };
         v
@@ -259,6 +269,7 @@ impl QueueHealth {
             Some((workers, cores)) => format!(
                 "{what}: the CPU is the limit ({workers} CPU workers on {cores} core(s)), not the number of workers"
             ),
+            None if self.balanced => what,
             None => format!("{what}: {fix}"),
         }
     }
@@ -335,6 +346,15 @@ mod tests {
         starved(&mut q, true);
         let hint = q.take(1.0).bottleneck_hint.unwrap();
         assert!(hint.ends_with(": add drafters"), "{hint}");
+        // --targets auto moves the devices itself: the hint says only what starves what.
+        let mut auto = QueueHealth::default();
+        auto.balanced();
+        starved(&mut auto, true);
+        let hint = auto.take(1.0).bottleneck_hint.unwrap();
+        assert!(
+            hint.starts_with("targets blocked") && !hint.contains("add "),
+            "{hint}"
+        );
         // The run warned "3 CPU workers on 2 core(s)": the hint agrees with it.
         q.cpu_limited(Some((3, 2)));
         for targets_blocked in [true, false] {

@@ -434,6 +434,9 @@ impl Dispatcher {
         // Hints agree with the warning that CPU workers outnumber the cores.
         let limit = crate::run::validate::oversubscribed(&self.cfg.plan);
         self.pipeline.health.cpu_limited(limit);
+        if self.balancer.is_some() {
+            self.pipeline.health.balanced();
+        }
         let names: Vec<String> = self
             .workers
             .iter()
