@@ -94,6 +94,31 @@ fn emulated(dir: &std::path::Path, n: usize) -> Vec<(String, String)> {
     ]
 }
 
+/// An H200's memory, in bytes.
+const BIG: u64 = 150323855360;
+
+/// NVML's GPUs in `env` (from [`emulated`]) become GPUs of `bytes` each, written into `dir`.
+fn with_gpu_memory(dir: &std::path::Path, env: &mut [(String, String)], bytes: &[u64]) {
+    let devs: Vec<String> = bytes
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            format!(r#"{{"name": "Fake GPU", "uuid": "GPU-{i:04}", "memory_total": {b}}}"#)
+        })
+        .collect();
+    let script = dir.join("sized-nvml.json");
+    let json = format!(
+        r#"{{"driver": "580.65.06", "devices": [{}]}}"#,
+        devs.join(", ")
+    );
+    fs::write(&script, json).unwrap();
+    for (k, v) in env.iter_mut() {
+        if k == "DFLASH_FAKE_NVML" {
+            *v = script.display().to_string();
+        }
+    }
+}
+
 fn start(args: &[&str], env: &[(String, String)]) -> Sup {
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     Sup::start_real_env(args, &env)
@@ -896,26 +921,7 @@ fn a_target_over_two_emulated_gpus_captures_what_it_captures_on_one() {
 fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
     let tmp = tempfile::tempdir().unwrap();
     let mut env = emulated(tmp.path(), 4);
-    let small = tmp.path().join("small-nvml.json");
-    let devs: Vec<String> = (0..4)
-        .map(|i| {
-            let bytes: u64 = if i < 2 { 262144 } else { 150323855360 };
-            format!(r#"{{"name": "Small GPU", "uuid": "GPU-{i:04}", "memory_total": {bytes}}}"#)
-        })
-        .collect();
-    fs::write(
-        &small,
-        format!(
-            r#"{{"driver": "580.65.06", "devices": [{}]}}"#,
-            devs.join(", ")
-        ),
-    )
-    .unwrap();
-    for (k, v) in env.iter_mut() {
-        if k == "DFLASH_FAKE_NVML" {
-            *v = small.display().to_string();
-        }
-    }
+    with_gpu_memory(tmp.path(), &mut env, &[262144, 262144, BIG, BIG]);
     let run = |extra: &[&str], dir: &str| {
         std::process::Command::new(bin("dflash-supervise"))
             .args([
@@ -1000,24 +1006,8 @@ fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
 fn with_targets_auto_every_gpu_must_hold_either_role() {
     let tmp = tempfile::tempdir().unwrap();
     let mut env = emulated(tmp.path(), 4);
-    let nvml = tmp.path().join("mixed-nvml.json");
-    let devs: Vec<String> = (0..4)
-        .map(|i| {
-            // GPU 0: 1 MiB, room for the tiny target's weights, not for a drafter.
-            let bytes: u64 = if i == 0 { 1 << 20 } else { 150323855360 };
-            format!(r#"{{"name": "Mixed GPU", "uuid": "GPU-{i:04}", "memory_total": {bytes}}}"#)
-        })
-        .collect();
-    let json = format!(
-        r#"{{"driver": "580.65.06", "devices": [{}]}}"#,
-        devs.join(", ")
-    );
-    fs::write(&nvml, json).unwrap();
-    for (k, v) in env.iter_mut() {
-        if k == "DFLASH_FAKE_NVML" {
-            *v = nvml.display().to_string();
-        }
-    }
+    // GPU 0: 1 MiB, room for the tiny target's weights, not for a drafter.
+    with_gpu_memory(tmp.path(), &mut env, &[1 << 20, BIG, BIG, BIG]);
     let o = std::process::Command::new(bin("dflash-supervise"))
         .args(["--gpus", "0-3", "--targets", "auto:1", "--data", "demo"])
         .args([

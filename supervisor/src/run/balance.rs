@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use dflash_shared::drafter::DrafterConfig;
 use dflash_shared::model_config::{Arch, TargetConfig};
+use dflash_shared::{Role, WorkerName};
 
 use crate::error::Error;
 
@@ -93,10 +94,12 @@ impl Rates {
                 if v <= 0.0 || !v.is_finite() {
                     continue;
                 }
-                let role = name.split('-').next();
+                let Ok(WorkerName { role, .. }) = name.parse::<WorkerName>() else {
+                    continue;
+                };
                 let pool_wait = match role {
-                    Some("target") => pool.producers_blocked_share,
-                    _ => pool.consumers_starved_share,
+                    Role::Target => pool.producers_blocked_share,
+                    Role::Drafter => pool.consumers_starved_share,
                 };
                 let waited = w
                     .pipeline
@@ -106,9 +109,8 @@ impl Rates {
                     .unwrap_or(pool_wait)
                     .clamp(0.0, MAX_WAIT);
                 match role {
-                    Some("target") => t.push(v / (1.0 - waited)),
-                    Some("drafter") => d.push(v / (1.0 - waited)),
-                    _ => {}
+                    Role::Target => t.push(v / (1.0 - waited)),
+                    Role::Drafter => d.push(v / (1.0 - waited)),
                 }
             }
         }

@@ -121,14 +121,19 @@ fn targets_when_stopped(events: &Path) -> Option<usize> {
         .collect();
     let start = events.iter().rposition(|e| e["event"] == "run_start")?;
     let workers = events[start]["workers"].as_array()?;
+    // "target-0 on 3": the name first.
+    let role = |w: &serde_json::Value| {
+        let name = w.as_str()?.split_whitespace().next()?;
+        Some(name.parse::<WorkerName>().ok()?.role)
+    };
     let mut n = workers
         .iter()
-        .filter(|w| w.as_str().is_some_and(|w| w.starts_with("target-")))
+        .filter(|w| role(w) == Some(Role::Target))
         .count();
     for e in events[start..].iter().filter(|e| e["event"] == "role_move") {
-        match e["to"].as_str() {
-            Some(t) if t.starts_with("target-") => n += 1,
-            Some(_) => n = n.saturating_sub(1),
+        match role(&e["to"]) {
+            Some(Role::Target) => n += 1,
+            Some(Role::Drafter) => n = n.saturating_sub(1),
             None => {}
         }
     }

@@ -30,13 +30,6 @@ pub(super) enum Moving {
     Joining { worker: usize },
 }
 
-fn role_name(r: Role) -> &'static str {
-    match r {
-        Role::Target => "target",
-        Role::Drafter => "drafter",
-    }
-}
-
 impl Dispatcher {
     /// The workers of `role` that count: those not moved away and not failed.
     fn active(&self, role: Role) -> impl Iterator<Item = usize> + '_ {
@@ -53,7 +46,7 @@ impl Dispatcher {
     pub(super) fn roles(&self) -> std::collections::BTreeMap<String, u64> {
         [Role::Target, Role::Drafter]
             .into_iter()
-            .map(|r| (role_name(r).to_string(), self.active(r).count() as u64))
+            .map(|r| (r.as_str().to_string(), self.active(r).count() as u64))
             .collect()
     }
 
@@ -67,7 +60,7 @@ impl Dispatcher {
         match self.moving {
             Some(Moving::Leaving { worker, to }) => {
                 let name = self.workers[worker].name;
-                return Some(format!("moving {name} to the {} role", role_name(to)));
+                return Some(format!("moving {name} to the {} role", to.as_str()));
             }
             Some(Moving::Joining { worker }) => {
                 let name = self.workers[worker].name;
@@ -129,14 +122,14 @@ impl Dispatcher {
              measured {:.0} tok/s per target and {:.0} per drafter, so about {expect_now:.0} → {expect_after:.0} tok/s",
             w.name,
             w.device,
-            role_name(to),
+            to.as_str(),
             mean.map_or(0.0, |r| r.target),
             mean.map_or(0.0, |r| r.drafter),
         );
         self.run.event(
             "role_move_started",
             obj(json!({
-                "worker": w.name.to_string(), "gpu": w.device.to_string(), "to": role_name(to),
+                "worker": w.name.to_string(), "gpu": w.device.to_string(), "to": to.as_str(),
                 "split_before": [targets, drafters], "split_after": [after_t, after_d],
                 "target_tokens_per_s": mean.map(|r| r.target),
                 "drafter_tokens_per_s": mean.map(|r| r.drafter),
@@ -145,7 +138,7 @@ impl Dispatcher {
         );
         self.moving = Some(Moving::Leaving { worker, to });
         let name = self.workers[worker].name;
-        let role = role_name(to);
+        let role = to.as_str();
         self.ask_to_stop(worker, &format!("its device moves to the {role} role"));
         Some(format!("moving {name} to the {role} role"))
     }
