@@ -29,7 +29,8 @@ pub const INTERNAL: i32 = 4;
 /// stopped cleanly and every trained step in a checkpoint (a stop before the first step
 /// has none, and says so): `--resume` (or the same command with `--resume-if-exists`)
 /// continues it. A requeue loop (Slurm) resubmits on this code and stops on 0; 75 is
-/// sysexits' EX_TEMPFAIL ("try again later").
+/// sysexits' EX_TEMPFAIL ("try again later"). Also `cluster-check` on a follower node
+/// whose leader is lost, or never came within `--timeout`.
 pub const STOPPED_EARLY: i32 = 75;
 /// A second SIGINT/SIGTERM killed every worker at once (or aborted the final export), or
 /// a stop signal came while the run was starting (what the start made is removed).

@@ -59,6 +59,14 @@ pub enum Command {
     /// Audit a run's batch ledger: produced, consumed once, in flight, lost, duplicated.
     /// Exits 1 if any batch was lost or reached an optimizer twice.
     Ledger(LedgerArgs),
+    /// Before a job across nodes: every node joins the leader over the authenticated
+    /// control link (the secret is in the run directory, which every node must share) and
+    /// the leader lists the nodes (host, version, GPUs). Run it as the job will run: `srun
+    /// --ntasks-per-node=1 dflash-supervise cluster-check --run-dir D`, or on each node
+    /// with --nodes N --node-rank R --leader HOST:PORT. Exits 0 when every node joined
+    /// with the leader's version, 1 when one did not, 75 on a follower whose leader is
+    /// lost, 2 on a bad flag, address or secret (docs/slurm.md).
+    ClusterCheck(ClusterCheckArgs),
     /// How to split the devices between target and drafter workers, before a run: with
     /// the run's own flags, each role's device memory per worker (weights, activations at
     /// the token budget, the drafter's training state, a CUDA allowance) against each
@@ -190,10 +198,11 @@ pub struct RunArgs {
     /// auto: start where `plan` would (the roles' FLOPs per token), or auto:N from N, and
     /// while the run trains move one device at a time between the roles, toward the split
     /// that trains the most tokens/s as measured (docs/cli-guide.md; each move is an event
-    /// in events.jsonl and a line in the log).
-    #[arg(long, value_name = "N|auto[:N]", default_value = "1", value_parser = parse_targets,
+    /// in events.jsonl and a line in the log). Default: auto on 3 or more devices (with
+    /// one GPU per target), else 1.
+    #[arg(long, value_name = "N|auto[:N]", value_parser = parse_targets,
           help_heading = "Devices", conflicts_with_all = ["target_gpus", "drafter_gpus"])]
-    pub targets: Targets,
+    pub targets: Option<Targets>,
 
     /// GPUs each target worker holds, for a target too large for one GPU: its loaded
     /// layers are split into contiguous ranges, one per GPU, and the activations hop
@@ -670,6 +679,19 @@ mod saved_duration {
     }
 }
 
+impl RunArgs {
+    /// The split asked for: `--targets`, or 1 until the run has settled the default
+    /// (`crate::run`: auto on 3 or more devices).
+    pub fn split(&self) -> Targets {
+        self.targets.unwrap_or(Targets::Fixed(1))
+    }
+
+    /// Whether the split moves while the run trains (`--targets auto`).
+    pub fn auto_split(&self) -> bool {
+        matches!(self.targets, Some(Targets::Auto { .. }))
+    }
+}
+
 impl std::ops::Deref for RunArgs {
     type Target = RunSettings;
 
@@ -841,6 +863,34 @@ pub enum BenchTrainEngine {
 }
 
 #[derive(Debug, Args)]
+pub struct ClusterCheckArgs {
+    /// The job's run directory, on a filesystem every node shares: the leader writes the
+    /// job's secret there (cluster.secret, mode 600) and every follower reads it.
+    #[arg(long, value_name = "DIR")]
+    pub run_dir: PathBuf,
+    /// How many nodes (supervisors) the job has. Default: srun's task count under Slurm,
+    /// else 1.
+    #[arg(long, value_name = "N")]
+    pub nodes: Option<u32>,
+    /// This node's rank, 0 (the leader) to N-1. Default: SLURM_PROCID.
+    #[arg(long, value_name = "R", requires = "nodes")]
+    pub node_rank: Option<u32>,
+    /// The leader's address, where it listens (never every interface). Default under
+    /// Slurm: the first host of the step's node list, on port 20000 + job id % 20000.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub leader: Option<String>,
+    /// How long the leader waits for every node, and a follower for the leader.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration)]
+    pub timeout: Duration,
+    /// Silence on a link after which the other side counts as lost.
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration)]
+    pub node_timeout: Duration,
+    /// The leader prints its list of nodes as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct LedgerArgs {
     /// Run directory. Default: the newest run under ./runs.
     #[arg(long, value_name = "DIR")]
@@ -999,15 +1049,19 @@ mod tests {
 
     #[test]
     fn targets_is_a_count_auto_or_auto_from_a_count() {
-        assert_eq!(run_args(&[]).targets, Targets::Fixed(1));
-        assert_eq!(run_args(&["--targets", "3"]).targets, Targets::Fixed(3));
+        assert_eq!(run_args(&[]).targets, None, "the run settles the default");
+        assert_eq!(run_args(&[]).split(), Targets::Fixed(1));
+        assert_eq!(
+            run_args(&["--targets", "3"]).targets,
+            Some(Targets::Fixed(3))
+        );
         assert_eq!(
             run_args(&["--targets", "auto"]).targets,
-            Targets::Auto { start: None }
+            Some(Targets::Auto { start: None })
         );
         assert_eq!(
             run_args(&["--targets", "auto:2"]).targets,
-            Targets::Auto { start: Some(2) }
+            Some(Targets::Auto { start: Some(2) })
         );
         for bad in ["many", "auto:", "auto:x", "-1", "manual:2"] {
             let e = parse_targets(bad).unwrap_err();

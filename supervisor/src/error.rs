@@ -79,6 +79,9 @@ pub enum Error {
     /// `--data` could not be copied (a pipe or FIFO is read once, into the run dir).
     #[error(transparent)]
     Spool(#[from] crate::data::spool::SpoolError),
+    /// A check or link across nodes failed (`cluster::ClusterError` says which exit code).
+    #[error(transparent)]
+    Cluster(#[from] crate::cluster::ClusterError),
     /// A benchmark could not measure (exit 4).
     #[error("bench {bench}: {what}: {source}")]
     Bench {
@@ -97,6 +100,7 @@ impl Error {
             | Error::Data(_)
             | Error::Unavailable { .. } => exit_codes::USAGE,
             Error::Export(_) => exit_codes::RUN_FAILED,
+            Error::Cluster(e) => e.exit_code(),
             Error::Interrupted { .. } | Error::ExportInterrupted { .. } => exit_codes::INTERRUPTED,
             Error::Spool(crate::data::spool::SpoolError::Interrupted { .. }) => {
                 exit_codes::INTERRUPTED

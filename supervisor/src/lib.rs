@@ -14,6 +14,7 @@
 //! line on stderr and a documented exit code ([`dflash_shared::exit_codes`]).
 
 pub mod cli;
+pub mod cluster;
 pub mod commands;
 pub mod data;
 pub mod error;
@@ -53,7 +54,10 @@ pub fn main() -> i32 {
     // (which handles it) and the helper processes keep SIGPIPE ignored.
     if !matches!(
         cli.command,
-        None | Some(Command::Logs(_)) | Some(Command::BenchPeer { .. }) | Some(Command::Reap)
+        None | Some(Command::Logs(_))
+            | Some(Command::ClusterCheck(_))
+            | Some(Command::BenchPeer { .. })
+            | Some(Command::Reap)
     ) {
         // SAFETY: restoring the default disposition of one signal, before any thread starts.
         let _ = unsafe {
@@ -73,6 +77,7 @@ pub fn main() -> i32 {
             watch,
         }) => commands::report::run(run_dir, out, watch),
         Some(Command::Ledger(a)) => commands::ledger::run(a),
+        Some(Command::ClusterCheck(a)) => commands::cluster_check::run(a),
         Some(Command::Gpus { json }) => commands::gpus::run(json),
         Some(Command::Plan(a)) => commands::plan::run(*a, &argv),
         Some(Command::Prepare(a)) => commands::prepare::prepare(a),

@@ -224,7 +224,7 @@ fn violation_reasons(sup: &Sup) -> HashMap<String, String> {
 #[test]
 fn bad_acks_restart_only_the_offender_and_lose_nothing() {
     let mut sup = Sup::start(
-        &["--gpus", "cpu:5", "--data", "demo", "--demo-samples", "200", "--max-seq-len", "32", "--token-budget", "256"],
+        &["--gpus", "cpu:5", "--targets", "1", "--data", "demo", "--demo-samples", "200", "--max-seq-len", "32", "--token-budget", "256"],
         "drafter-0@0=bad-ack:stale-gen;drafter-1@0=bad-ack:out-of-range;drafter-2@0=bad-ack:wrong-batch;drafter-3@0=bad-ack:wrong-slot",
     );
     let status = sup.wait_exit(T);

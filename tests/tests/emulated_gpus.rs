@@ -927,6 +927,8 @@ fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
             .args([
                 "--gpus",
                 "0-3",
+                "--targets",
+                "1",
                 "--data",
                 "demo",
                 "--steps",
@@ -1028,7 +1030,7 @@ fn with_targets_auto_every_gpu_must_hold_either_role() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(
-        err.contains("--targets auto (any device may come to run either role)")
+        err.contains("--targets auto (the default on 3 or more devices: any device may come to run either role)")
             && err.contains("the drafter's training state (")
             && err.contains("do not fit in 90% of GPU 0 (1.0 MiB")
             && err.contains("--targets N"),

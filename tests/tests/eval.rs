@@ -55,6 +55,8 @@ fn eval_every_two_steps_scores_the_whole_eval_set_and_keeps_the_best_checkpoint(
     let mut sup = Sup::start_real(&[
         "--gpus",
         "cpu:3",
+        "--targets",
+        "1",
         "--data",
         data.to_str().unwrap(),
         "--epochs",
@@ -235,6 +237,8 @@ fn a_drafter_killed_during_an_eval_round_leaves_the_round_whole_and_the_ledger_c
     let mut sup = Sup::start_real(&[
         "--gpus",
         "cpu:3",
+        "--targets",
+        "1",
         "--data",
         data.to_str().unwrap(),
         "--epochs",

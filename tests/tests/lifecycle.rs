@@ -191,7 +191,7 @@ fn spawns_one_process_per_worker_with_its_identity_and_sigterm_exits_75() {
 
 #[test]
 fn kill_9_restarts_that_worker_alone_and_fast() {
-    let sup = Sup::start_real(&["--gpus", "cpu:3"]);
+    let sup = Sup::start_real(&["--gpus", "cpu:3", "--targets", "1"]);
     let st = sup.wait_running(3);
     let before: Vec<u32> = ["target-0", "drafter-0", "drafter-1"]
         .iter()
@@ -294,7 +294,10 @@ fn crash_loop_gives_up_with_a_root_cause_report() {
 
 #[test]
 fn supervisor_sigkill_leaves_no_worker_or_grandchild() {
-    let sup = Sup::start(&["--gpus", "cpu:3"], "drafter-1=grandchild");
+    let sup = Sup::start(
+        &["--gpus", "cpu:3", "--targets", "1"],
+        "drafter-1=grandchild",
+    );
     let st = sup.wait_running(3);
     let mut pids: Vec<u32> = ["target-0", "drafter-0", "drafter-1"]
         .iter()
@@ -403,7 +406,7 @@ fn sigusr1_is_forwarded_to_every_worker() {
 #[test]
 fn protocol_violations_restart_only_the_offender() {
     let sup = Sup::start(
-        &["--gpus", "cpu:3"],
+        &["--gpus", "cpu:3", "--targets", "1"],
         "drafter-0@0=second-hello;drafter-1@0=heartbeat-first",
     );
     let st = sup.wait_state("both offenders restarted", T, |s| {

@@ -212,7 +212,7 @@ fn tee_prints_worker_lines_with_a_prefix() {
 
 #[test]
 fn status_shows_workers_and_notices_a_dead_supervisor() {
-    let sup = Sup::start_real(&["--gpus", "cpu:3"]);
+    let sup = Sup::start_real(&["--gpus", "cpu:3", "--targets", "1"]);
     let st = sup.wait_running(3);
     let rd = sup.run_dir.clone();
     let out = supervise(&["status", "--run-dir", dir(&rd)], None);

@@ -62,7 +62,14 @@ fn a_drafters_rank_is_the_number_in_its_name_whatever_order_they_connect_in() {
     let data = tmp.path().join("d.jsonl");
     fs::write(&data, [line; 16].join("\n") + "\n").unwrap();
     let mut sup = Sup::start(
-        &["--gpus", "cpu:3", "--data", data.to_str().unwrap()],
+        &[
+            "--gpus",
+            "cpu:3",
+            "--targets",
+            "1",
+            "--data",
+            data.to_str().unwrap(),
+        ],
         "drafter-0=real-after:drafter-1",
     );
     let status = sup.wait_exit(T);

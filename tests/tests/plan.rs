@@ -228,6 +228,8 @@ fn plan_from_a_run_uses_the_rates_it_measured() {
     let sup = Sup::start_real(&[
         "--gpus",
         "cpu:3",
+        "--targets",
+        "1",
         "--data",
         "demo",
         "--steps",

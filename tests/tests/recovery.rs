@@ -79,6 +79,8 @@ fn losing_both_drafters_rolls_back_and_the_run_completes_with_a_clean_lineage() 
     let mut sup = Sup::start_real(&[
         "--gpus",
         "cpu:3",
+        "--targets",
+        "1",
         "--data",
         "demo",
         "--epochs",
@@ -222,6 +224,8 @@ fn both_drafters_killed_again_and_again_at_random_instants_lose_nothing() {
     let mut sup = Sup::start_real(&[
         "--gpus",
         "cpu:3",
+        "--targets",
+        "1",
         "--data",
         "demo",
         "--epochs",
@@ -723,6 +727,8 @@ fn a_rank_killed_in_the_middle_of_an_all_reduce_leaves_the_step_to_the_survivors
         &[
             "--gpus",
             "cpu:4",
+            "--targets",
+            "1",
             "--data",
             "demo",
             "--epochs",
@@ -812,6 +818,8 @@ fn ranks_killed_one_at_a_time_at_random_instants_while_the_others_reduce_lose_no
     let mut sup = Sup::start_real(&[
         "--gpus",
         "cpu:4",
+        "--targets",
+        "1",
         "--data",
         "demo",
         "--epochs",

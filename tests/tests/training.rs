@@ -175,6 +175,8 @@ fn a_killed_drafter_rejoins_with_the_current_weights() {
     let mut sup = Sup::start_real(&[
         "--gpus",
         "cpu:3",
+        "--targets",
+        "1",
         "--data",
         "demo",
         "--epochs",
@@ -268,7 +270,14 @@ fn stop_then_resume_continues_to_the_same_step_count_without_retraining_a_batch(
     fs::create_dir_all(&leftover).unwrap();
     fs::create_dir_all(sup.run_dir.join("drafter.tmp-4242")).unwrap();
     let out = supervise(
-        &["--gpus", "cpu:3", "--resume", sup.run_dir.to_str().unwrap()],
+        &[
+            "--gpus",
+            "cpu:3",
+            "--targets",
+            "1",
+            "--resume",
+            sup.run_dir.to_str().unwrap(),
+        ],
         None,
     );
     let err = String::from_utf8_lossy(&out.stderr);

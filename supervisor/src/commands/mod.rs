@@ -1,6 +1,7 @@
 //! The subcommands other than a run: each reads a run directory or the machine and prints.
 
 pub mod bench;
+pub mod cluster_check;
 pub mod eval;
 pub mod export;
 pub mod export_check;

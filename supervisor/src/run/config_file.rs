@@ -580,7 +580,7 @@ mod tests {
         assert_eq!(a.hang_timeout, std::time::Duration::from_secs(90));
         assert_eq!(
             (a.targets, a.tee, a.log_max_size),
-            (crate::cli::Targets::Fixed(2), true, 1 << 20)
+            (Some(crate::cli::Targets::Fixed(2)), true, 1 << 20)
         );
         assert_eq!(a.gpus, Some(dflash_shared::DeviceSpec::Cpu(3)));
         // Typed, and the file's flags that have a default: what a --resume compares.
@@ -589,7 +589,6 @@ mod tests {
             "lr",
             "max_seq_len",
             "hang_timeout",
-            "targets",
             "config",
         ] {
             assert!(c.given.iter().any(|g| g == id), "{id} in {:?}", c.given);
@@ -599,8 +598,7 @@ mod tests {
         let c = with_file(text, &["--target-gpus", "cpu:1", "--drafter-gpus", "cpu:1"]).unwrap();
         assert!(c.cli.run.gpus.is_none() && c.cli.run.target_gpus.is_some());
         assert_eq!(
-            c.cli.run.targets,
-            crate::cli::Targets::Fixed(1),
+            c.cli.run.targets, None,
             "--targets conflicts with --target-gpus"
         );
         // A flag that needs another may have it from the file.

@@ -76,10 +76,13 @@ pub fn plan_settings(args: &RunArgs) -> Result<PlanSettings, Error> {
 /// its directory) takes up the split it had when it stopped, where that fits the devices;
 /// else the split at which the roles' FLOPs per token balance (`plan`'s roofline split).
 fn auto_start(args: &mut RunArgs, resumed: Option<&Path>) -> Result<(), Error> {
-    let Targets::Auto { start: None } = args.targets else {
+    let devices = placement(args, &mut gpus::gpu_count)?.workers.len();
+    if args.targets.is_none() {
+        args.targets = Some(default_split(args, devices));
+    }
+    let Some(Targets::Auto { start: None }) = args.targets else {
         return Ok(());
     };
-    let devices = placement(args, &mut gpus::gpu_count)?.workers.len();
     let before = resumed.and_then(|d| targets_when_stopped(&d.join(rundir::EVENTS_FILE)));
     let n = match before.filter(|&n| n >= 1 && n < devices) {
         Some(n) => {
@@ -105,10 +108,21 @@ fn auto_start(args: &mut RunArgs, resumed: Option<&Path>) -> Result<(), Error> {
             n
         }
     };
-    args.targets = Targets::Auto {
+    args.targets = Some(Targets::Auto {
         start: Some(n as u32),
-    };
+    });
     Ok(())
+}
+
+/// The split of a run without `--targets`: auto where there is a split to choose (3 or
+/// more devices, each target on one GPU, the roles not given device by device), else 1.
+fn default_split(args: &RunArgs, devices: usize) -> Targets {
+    let fixed = args.gpus_per_target > 1 || args.target_gpus.is_some() || devices < 3;
+    if fixed {
+        return Targets::Fixed(1);
+    }
+    log::info!("--targets not given: auto on {devices} devices (`--targets N` pins the split)");
+    Targets::Auto { start: None }
 }
 
 /// The target workers a run had when it stopped, from its events.jsonl: those its last
@@ -246,7 +260,7 @@ fn role_devices(
         "default devices"
     };
     let devices = resolve(&spec, flag, &mut probe)?;
-    let n = match args.targets {
+    let n = match args.split() {
         Targets::Fixed(n) => n as usize,
         Targets::Auto { .. } if per > 1 => {
             return Err(Error::Flag(format!(
@@ -401,6 +415,7 @@ impl Setup {
 }
 
 pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
+    crate::cluster::refuse_multi_node_run()?;
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     let signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
         .map_err(|e| Error::start("signal handlers", e))?;
@@ -854,7 +869,7 @@ fn check_memory(
     // where NVML says how much they have (DFLASH_DEVICE=cpu: the workers compute on the
     // CPU whatever their device).
     // --targets auto: any device may come to run either role, so each is checked as both.
-    let auto = matches!(args.targets, Targets::Auto { .. });
+    let auto = args.auto_split();
     let as_role = |role: Role| -> Vec<(WorkerName, Device)> {
         match auto {
             true => (0..)
@@ -880,7 +895,7 @@ fn check_memory(
         let either = |e: Error| {
             match e {
             Error::Flag(m) if auto => Error::Flag(format!(
-                "--targets auto (any device may come to run either role): {m}; or fix the split with --targets N"
+                "--targets auto (the default on 3 or more devices: any device may come to run either role): {m}; or fix the split with --targets N"
             )),
             other => other,
         }
@@ -1087,7 +1102,8 @@ fn dispatcher_config(
         gpu_sample_interval: args.gpu_sample_interval,
         metrics_interval: args.metrics_interval,
         tau: None,
-        balance: matches!(args.targets, Targets::Auto { .. })
+        balance: args
+            .auto_split()
             .then(|| crate::run::balance::BalanceConfig::for_window(args.metrics_interval)),
         wandb: args
             .wandb_project
@@ -1560,7 +1576,7 @@ pub(crate) fn trainer_config(
         clip: 1.0,
         seed: args.seed,
         // With --targets auto every device but one may come to train.
-        max_ranks: match args.targets {
+        max_ranks: match args.split() {
             Targets::Auto { .. } => plan.len().saturating_sub(1).max(1) as u32,
             Targets::Fixed(_) => {
                 plan.iter().filter(|(n, _)| n.role == Role::Drafter).count() as u32
@@ -1589,7 +1605,7 @@ fn collective(args: &RunArgs, plan: &[(WorkerName, Device)]) -> Result<Collectiv
         .count();
     let mut drafters = plan.iter().filter(|(n, _)| n.role == Role::Drafter).count();
     let mut gpu_drafters = gpu_drafters;
-    if matches!(args.targets, Targets::Auto { .. }) {
+    if args.auto_split() {
         // As many drafters as the balancer may come to: every device but one.
         drafters = plan.len().saturating_sub(1);
         let gpus = plan
@@ -1816,6 +1832,37 @@ mod tests {
 
     fn args(extra: &[&str]) -> RunArgs {
         crate::cli::run_args(extra)
+    }
+
+    #[test]
+    fn without_targets_a_run_balances_where_there_is_a_split_to_choose() {
+        let settled = |flags: &[&str]| {
+            let mut a = args(flags);
+            auto_start(&mut a, None).unwrap();
+            a.targets.unwrap()
+        };
+        for (flags, auto) in [
+            (&["--gpus", "cpu:2"][..], false),
+            (&["--gpus", "cpu:3"], true),
+            (&["--gpus", "cpu:8"], true),
+            (&["--gpus", "cpu:4", "--targets", "2"], false),
+            (
+                &["--target-gpus", "cpu:1", "--drafter-gpus", "cpu:3"],
+                false,
+            ),
+        ] {
+            let t = settled(flags);
+            assert_eq!(
+                matches!(t, Targets::Auto { start: Some(_) }),
+                auto,
+                "{flags:?}: {t:?}"
+            );
+        }
+        assert_eq!(settled(&["--gpus", "cpu:2"]), Targets::Fixed(1));
+        assert_eq!(
+            settled(&["--gpus", "cpu:4", "--targets", "2"]),
+            Targets::Fixed(2)
+        );
     }
 
     fn names(p: &[(WorkerName, Device)]) -> Vec<String> {
