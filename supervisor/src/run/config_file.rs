@@ -584,13 +584,7 @@ mod tests {
         );
         assert_eq!(a.gpus, Some(dflash_shared::DeviceSpec::Cpu(3)));
         // Typed, and the file's flags that have a default: what a --resume compares.
-        for id in [
-            "seed",
-            "lr",
-            "max_seq_len",
-            "hang_timeout",
-            "config",
-        ] {
+        for id in ["seed", "lr", "max_seq_len", "hang_timeout", "config"] {
             assert!(c.given.iter().any(|g| g == id), "{id} in {:?}", c.given);
         }
         assert!(!c.given.iter().any(|g| g == "epochs"), "{:?}", c.given);
