@@ -119,6 +119,18 @@ pub enum Command {
     /// Internal: one side of `bench ipc`.
     #[command(name = "__bench-peer", hide = true)]
     BenchPeer { server: String },
+    /// Internal: one follower node of `bench cluster`.
+    #[command(name = "__cluster-peer", hide = true)]
+    ClusterPeer {
+        #[arg(long)]
+        leader: String,
+        #[arg(long)]
+        node_rank: u32,
+        #[arg(long)]
+        ranks: u32,
+        #[arg(long)]
+        run_dir: PathBuf,
+    },
     /// Internal: the process that kills every worker group if the supervisor dies.
     #[command(name = "__reap", hide = true)]
     Reap,
@@ -737,6 +749,25 @@ pub enum BenchCommand {
         /// Fewer repetitions (a smoke run; the figures are noisier).
         #[arg(long)]
         quick: bool,
+    },
+    /// What the leader of a job across nodes costs per step: a leader on 127.0.0.2 with
+    /// its real control link, lease table and step commit, and --followers follower
+    /// processes on loopback stepping as fast as they can (simulated ranks, no model).
+    /// Prints steps/s, the leader's CPU and the control bytes per step, the commit
+    /// latency, and those scaled to 64 nodes of as many ranks.
+    Cluster {
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+        /// Follower nodes (processes) besides the leader.
+        #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=256))]
+        followers: u32,
+        /// Steps measured (after 5 of warm-up).
+        #[arg(long, default_value_t = 200)]
+        steps: u64,
+        /// Simulated drafter ranks per node (batches each node reports per step).
+        #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=64))]
+        ranks: u32,
     },
     /// What GPU telemetry costs: the NVML sampler per GPU per sample, and the
     /// supervisor's CPU use with one worker per GPU and 1 s sampling.

@@ -30,8 +30,9 @@ pub mod worker_output;
 
 use dflash_shared::exit_codes;
 
-use crate::cli::{BenchCommand, Command};
+use crate::cli::{BenchCommand, Cli, Command};
 use crate::commands::bench;
+use crate::error::Error;
 use crate::run::reaper;
 use crate::telemetry::console;
 
@@ -56,6 +57,8 @@ pub fn main() -> i32 {
         cli.command,
         None | Some(Command::Logs(_))
             | Some(Command::ClusterCheck(_))
+            | Some(Command::ClusterPeer { .. })
+            | Some(Command::Bench(BenchCommand::Cluster { .. }))
             | Some(Command::BenchPeer { .. })
             | Some(Command::Reap)
     ) {
@@ -67,8 +70,20 @@ pub fn main() -> i32 {
             )
         };
     }
-    let result = match cli.command {
-        None => run::run(cli.run, &given),
+    let result = dispatch(cli, &given, &argv);
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            crate::say!("dflash-supervise: error: {e}");
+            e.exit_code()
+        }
+    }
+}
+
+/// The command line's command, run.
+fn dispatch(cli: Cli, given: &[String], argv: &[std::ffi::OsString]) -> Result<i32, Error> {
+    match cli.command {
+        None => run::run(cli.run, given),
         Some(Command::Logs(a)) => commands::logs::run(a),
         Some(Command::Status(a)) => commands::status::run(a),
         Some(Command::Report {
@@ -79,7 +94,7 @@ pub fn main() -> i32 {
         Some(Command::Ledger(a)) => commands::ledger::run(a),
         Some(Command::ClusterCheck(a)) => commands::cluster_check::run(a),
         Some(Command::Gpus { json }) => commands::gpus::run(json),
-        Some(Command::Plan(a)) => commands::plan::run(*a, &argv),
+        Some(Command::Plan(a)) => commands::plan::run(*a, argv),
         Some(Command::Prepare(a)) => commands::prepare::prepare(a),
         Some(Command::Export(a)) => commands::export::run(a),
         Some(Command::ExportCheck(a)) => commands::export_check::run(a),
@@ -121,14 +136,19 @@ pub fn main() -> i32 {
             bench::telemetry::run(json, seconds)
         }
         Some(Command::BenchPeer { server }) => Ok(bench::ipc::peer(&server)),
+        Some(Command::ClusterPeer {
+            leader,
+            node_rank,
+            ranks,
+            run_dir,
+        }) => bench::cluster::peer(&leader, &run_dir, node_rank, ranks),
+        Some(Command::Bench(BenchCommand::Cluster {
+            json,
+            followers,
+            steps,
+            ranks,
+        })) => bench::cluster::run(json, followers, steps, ranks),
         Some(Command::Reap) => Ok(reaper::run()),
-    };
-    match result {
-        Ok(code) => code,
-        Err(e) => {
-            crate::say!("dflash-supervise: error: {e}");
-            e.exit_code()
-        }
     }
 }
 

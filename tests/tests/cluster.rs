@@ -327,3 +327,52 @@ fn a_run_started_as_one_of_several_srun_tasks_is_refused_in_one_line() {
     );
     assert!(!tmp.path().join("run").exists(), "nothing made");
 }
+
+#[test]
+fn bench_cluster_commits_every_step_over_the_link_and_counts_its_cost() {
+    let out = Command::new(bin("dflash-supervise"))
+        .args([
+            "bench",
+            "cluster",
+            "--followers",
+            "4",
+            "--steps",
+            "40",
+            "--ranks",
+            "2",
+            "--json",
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let f = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+    assert_eq!(
+        (f("followers"), f("steps"), f("ranks_per_node")),
+        (4.0, 40.0, 2.0)
+    );
+    assert!(
+        f("steps_per_s") > 0.0 && f("leader_cpu_ms_per_step") > 0.0,
+        "{v}"
+    );
+    // Per step each follower receives a commit and a lease of 2 ids and sends a report of
+    // 2 ids: between 4 × 60 and 4 × 1000 bytes of frames.
+    let bytes = f("control_bytes_per_step");
+    assert!((240.0..4000.0).contains(&bytes), "{v}");
+    assert!(
+        f("sent_bytes_per_step") > 0.0 && f("received_bytes_per_step") > 0.0,
+        "{v}"
+    );
+    assert!(
+        f("commit_latency_ms_p50") > 0.0
+            && f("commit_latency_ms_p99") >= f("commit_latency_ms_p50"),
+        "{v}"
+    );
+    assert!(
+        f("extrapolated_64_nodes_control_bytes_per_step") > bytes,
+        "{v}"
+    );
+    assert!(!err.contains("refused"), "{err}");
+}

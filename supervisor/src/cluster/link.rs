@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -49,6 +49,24 @@ pub enum Msg {
     Beat,
     /// Leader → follower: the job is over for this node (`ok`: as planned).
     Done { ok: bool },
+    /// Leader → node: a new node epoch, its members, and the step in flight.
+    Epoch {
+        epoch: u64,
+        members: Vec<u32>,
+        step: u64,
+    },
+    /// Leader → node: batches lent to it (`super::leases`).
+    Lease { batches: Vec<u64> },
+    /// Node → leader: its ranks reduced `step` in node epoch `epoch`, consuming `batches`
+    /// with loss weights summing to `weight` (`super::steps`).
+    Reduced {
+        epoch: u64,
+        step: u64,
+        batches: Vec<u64>,
+        weight: f64,
+    },
+    /// Leader → node: `step` is committed: apply it.
+    Commit { step: u64 },
 }
 
 /// What a follower says of itself when it joins.
@@ -76,11 +94,16 @@ pub enum LinkError {
     Silent(Duration),
 }
 
+/// Bytes this process has sent and received on control links (frames, headers included).
+pub static SENT: AtomicU64 = AtomicU64::new(0);
+pub static RECEIVED: AtomicU64 = AtomicU64::new(0);
+
 pub fn send(w: &mut impl Write, msg: &Msg) -> io::Result<()> {
     let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
     let mut frame = (body.len() as u32).to_be_bytes().to_vec();
     frame.extend_from_slice(&body);
     w.write_all(&frame)?;
+    SENT.fetch_add(frame.len() as u64, Ordering::Relaxed);
     w.flush()
 }
 
@@ -95,6 +118,7 @@ pub fn recv(s: &mut TcpStream, deadline: Instant) -> Result<Msg, LinkError> {
     }
     let mut body = vec![0u8; n as usize];
     read_by(s, &mut body, deadline)?;
+    RECEIVED.fetch_add(4 + u64::from(n), Ordering::Relaxed);
     Ok(serde_json::from_slice(&body)?)
 }
 
@@ -276,6 +300,8 @@ impl Auth {
         addr: SocketAddr,
     ) -> Result<(u32, NodeInfo, Peer, TcpStream), String> {
         let deadline = Instant::now() + HANDSHAKE;
+        // Small frames, each awaited: Nagle's delay would add ~40 ms to every exchange.
+        let _ = s.set_nodelay(true);
         let nonce = hex(&random::<16>().map_err(|e| e.to_string())?);
         let refuse = |s: &mut TcpStream, why: String| {
             let _ = send(s, &Msg::Refused { why: why.clone() });
@@ -396,6 +422,10 @@ fn kind(m: &Msg) -> &'static str {
         Msg::Refused { .. } => "a refusal",
         Msg::Beat => "a beat",
         Msg::Done { .. } => "done",
+        Msg::Epoch { .. } => "an epoch",
+        Msg::Lease { .. } => "a lease",
+        Msg::Reduced { .. } => "a report",
+        Msg::Commit { .. } => "a commit",
     }
 }
 
@@ -514,20 +544,33 @@ pub enum FromLeader {
     Lost(String),
 }
 
+/// A follower's way to send on its link: shared with its beat thread, so that frames
+/// never interleave.
+#[derive(Clone)]
+pub struct Writer(Arc<Mutex<TcpStream>>);
+
+impl Writer {
+    pub fn send(&self, msg: &Msg) -> io::Result<()> {
+        let mut s = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        send(&mut *s, msg)
+    }
+}
+
 impl Session {
     /// Beat every `beat` on one thread; on another report the leader's messages, and its
-    /// loss after `timeout` of silence (or a closed link), into `tx`.
+    /// loss after `timeout` of silence (or a closed link), into `tx`. Returns the writer.
     pub fn serve(
         self,
         beat: Duration,
         timeout: Duration,
         tx: Sender<FromLeader>,
-    ) -> io::Result<()> {
-        let mut writer = self.stream.try_clone()?;
+    ) -> io::Result<Writer> {
+        let writer = Writer(Arc::new(Mutex::new(self.stream.try_clone()?)));
+        let beats = writer.clone();
         std::thread::Builder::new()
             .name("cluster-beat".into())
             .spawn(move || {
-                while send(&mut writer, &Msg::Beat).is_ok() {
+                while beats.send(&Msg::Beat).is_ok() {
                     std::thread::sleep(beat);
                 }
             })?;
@@ -551,6 +594,6 @@ impl Session {
                     return;
                 }
             })?;
-        Ok(())
+        Ok(writer)
     }
 }

@@ -2,13 +2,19 @@
 //! environment or `--nodes/--node-rank/--leader`), the job's secret ([`secret`]) and the
 //! authenticated control link between the leader and each follower ([`link`]).
 //!
-//! `dflash-supervise cluster-check` uses all three: every node joins the leader, which
-//! lists them. A run across nodes is not built yet: a run started as one of several
+//! On the leader, two pure state machines hold what is global: which node trains which
+//! batch ([`leases`]) and the step commit across nodes ([`steps`]).
+//!
+//! `dflash-supervise cluster-check` uses the link: every node joins the leader, which
+//! lists them; `bench cluster` drives the leader's state machines over it with many
+//! simulated nodes. A run across nodes is not built yet: a run started as one of several
 //! tasks is refused ([`refuse_multi_node_run`]), rather than every node training alone
 //! into the same run directory.
 
+pub mod leases;
 pub mod link;
 pub mod secret;
+pub mod steps;
 pub mod topology;
 
 use std::time::Duration;

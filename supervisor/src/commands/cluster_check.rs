@@ -23,7 +23,7 @@ pub fn run(a: ClusterCheckArgs) -> Result<i32, Error> {
     };
     let t = topology::resolve(&flags, |k| std::env::var(k).ok()).map_err(ClusterError::from)?;
     let Some(t) = t else {
-        let me = node_info();
+        let me = node_info(true);
         crate::say!(
             "cluster-check: one node ({}): nothing to check across nodes",
             me.host
@@ -37,12 +37,16 @@ pub fn run(a: ClusterCheckArgs) -> Result<i32, Error> {
     done.map_err(Error::from)
 }
 
-/// What this node is: its host name, version and the GPUs NVML lists.
-pub fn node_info() -> NodeInfo {
+/// What this node is: its host name, version and (`gpus`) the GPUs NVML lists.
+pub fn node_info(gpus: bool) -> NodeInfo {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "unknown".into());
-    let (gpus, gpu_note) = match crate::telemetry::gpus::list() {
+    let listed = match gpus {
+        true => crate::telemetry::gpus::list(),
+        false => Ok((String::new(), Vec::new())),
+    };
+    let (gpus, gpu_note) = match listed {
         Ok((_, gpus)) => (
             gpus.iter()
                 .map(|g| match g.memory_total_bytes {
@@ -83,7 +87,7 @@ fn lead(t: &Topology, a: &ClusterCheckArgs) -> Result<i32, ClusterError> {
         .serve(Auth::new(secret, t.nodes, a.node_timeout), tx)
         .map_err(ClusterError::Thread)?;
     let joined = gather(t.nodes, &rx, Instant::now() + a.timeout);
-    let me = node_info();
+    let me = node_info(true);
     let unlike: Vec<String> = joined
         .iter()
         .filter(|(_, (i, _))| i.version != me.version)
@@ -179,7 +183,7 @@ fn print_nodes(me: &NodeInfo, joined: &BTreeMap<u32, (NodeInfo, Peer)>, json: bo
 }
 
 fn follow(t: &Topology, a: &ClusterCheckArgs) -> Result<i32, ClusterError> {
-    let info = node_info();
+    let info = node_info(true);
     let session = link::join(
         &t.leader,
         &a.run_dir,

@@ -75,23 +75,32 @@ pub fn plan_settings(args: &RunArgs) -> Result<PlanSettings, Error> {
 /// `--targets auto` without a start: the targets it starts with. A resumed run (`resumed`,
 /// its directory) takes up the split it had when it stopped, where that fits the devices;
 /// else the split at which the roles' FLOPs per token balance (`plan`'s roofline split).
-fn auto_start(args: &mut RunArgs, resumed: Option<&Path>) -> Result<(), Error> {
-    let devices = placement(args, &mut gpus::gpu_count)?.workers.len();
-    if args.targets.is_none() {
+fn auto_start(
+    args: &mut RunArgs,
+    resumed: Option<&Path>,
+    probe: &mut dyn FnMut() -> Result<u32, gpus::NvmlUnavailable>,
+) -> Result<Option<String>, Error> {
+    let devices = placement(args, probe)?.workers.len();
+    let defaulted = args.targets.is_none();
+    if defaulted {
         args.targets = Some(default_split(args, devices));
     }
     let Some(Targets::Auto { start: None }) = args.targets else {
-        return Ok(());
+        return Ok(None);
+    };
+    let flag = match defaulted {
+        true => "--targets auto (the default on 3 or more devices; --targets N pins the split)",
+        false => "--targets auto",
     };
     let before = resumed.and_then(|d| targets_when_stopped(&d.join(rundir::EVENTS_FILE)));
-    let n = match before.filter(|&n| n >= 1 && n < devices) {
-        Some(n) => {
-            log::info!(
-                "--targets auto: starting with {n} target(s) and {} drafter(s), the split the run had when it stopped",
+    let (n, line) = match before.filter(|&n| n >= 1 && n < devices) {
+        Some(n) => (
+            n,
+            format!(
+                "{flag}: starting with {n} target(s) and {} drafter(s), the split the run had when it stopped",
                 devices - n
-            );
-            n
-        }
+            ),
+        ),
         None => {
             let s = plan_settings(args)?;
             let (tf, df) = balance::flops_per_token(
@@ -101,28 +110,28 @@ fn auto_start(args: &mut RunArgs, resumed: Option<&Path>) -> Result<(), Error> {
                 args.max_seq_len,
             )?;
             let n = balance::start_targets(devices, tf, df);
-            log::info!(
-                "--targets auto: starting with {n} target(s) and {} drafter(s), where the roles' FLOPs per token balance (as `plan` estimates them); devices move between the roles as the run measures them",
-                devices - n
-            );
-            n
+            (
+                n,
+                format!(
+                    "{flag}: starting with {n} target(s) and {} drafter(s), where the roles' FLOPs per token balance (as `plan` estimates them); devices move between the roles as the run measures them",
+                    devices - n
+                ),
+            )
         }
     };
     args.targets = Some(Targets::Auto {
         start: Some(n as u32),
     });
-    Ok(())
+    Ok(Some(line))
 }
 
 /// The split of a run without `--targets`: auto where there is a split to choose (3 or
 /// more devices, each target on one GPU, the roles not given device by device), else 1.
 fn default_split(args: &RunArgs, devices: usize) -> Targets {
-    let fixed = args.gpus_per_target > 1 || args.target_gpus.is_some() || devices < 3;
-    if fixed {
-        return Targets::Fixed(1);
+    match args.gpus_per_target > 1 || args.target_gpus.is_some() || devices < 3 {
+        true => Targets::Fixed(1),
+        false => Targets::Auto { start: None },
     }
-    log::info!("--targets not given: auto on {devices} devices (`--targets N` pins the split)");
-    Targets::Auto { start: None }
 }
 
 /// The target workers a run had when it stopped, from its events.jsonl: those its last
@@ -634,6 +643,15 @@ fn set_aside_unresumable(setup: &mut Setup) -> Result<(), Error> {
     Ok(())
 }
 
+/// NVML's GPU count, asked once (the split's default and the placement both need it).
+fn counted_gpus() -> impl FnMut() -> Result<u32, gpus::NvmlUnavailable> {
+    let mut counted = None;
+    move || match counted {
+        Some(n) => Ok(n),
+        None => Ok(*counted.insert(gpus::gpu_count()?)),
+    }
+}
+
 /// Everything before the dispatcher runs: flags, inputs, the run dir, the data plane.
 fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Started, Error> {
     let resume = settle_flags(&mut args, given, setup)?;
@@ -642,8 +660,9 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let adapted = validate::adapt_max_seq_len(&mut args, given);
     validate::check_flags(&args)?;
     let worker_bin = resolve_worker_bin(args.worker_bin.as_deref())?;
-    auto_start(&mut args, resume.as_ref().map(|r| r.dir.as_path()))?;
-    let placed = placement(&args, &mut gpus::gpu_count)?;
+    let mut probe = counted_gpus();
+    let split_line = auto_start(&mut args, resume.as_ref().map(|r| &*r.dir), &mut probe)?;
+    let placed = placement(&args, &mut probe)?;
     let plan = placed.workers.clone();
     check_telemetry_flags(&args, &plan)?;
     let (target_cfg, engine_line) = target_and_engine(&mut args, &plan, resume.is_some())?;
@@ -652,13 +671,8 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     let init_record = check_init_drafter(init.as_ref(), &mut trainer_cfg, &pipeline_cfg.capture)?;
     if let Some(path) = &args.eval_data {
-        trainer_cfg.eval = Some(eval_settings(
-            path,
-            &args,
-            &loader_cfg,
-            &pipeline_cfg,
-            &plan,
-        )?);
+        let eval = eval_settings(path, &args, &loader_cfg, &pipeline_cfg, &plan)?;
+        trainer_cfg.eval = Some(eval);
     }
     if args.eval_gpu.is_none() && !given.iter().any(|g| g == "eval_max_new_tokens") {
         // Decoded on the CPU: shorter decodes keep τ affordable (said with the prompts).
@@ -692,6 +706,7 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
             cpu_defaults,
             init_line(&trainer_cfg),
             Some(engine_line),
+            split_line,
         ],
         &schedule_line,
         &target_cfg,
@@ -1838,8 +1853,14 @@ mod tests {
     fn without_targets_a_run_balances_where_there_is_a_split_to_choose() {
         let settled = |flags: &[&str]| {
             let mut a = args(flags);
-            auto_start(&mut a, None).unwrap();
-            a.targets.unwrap()
+            let line = auto_start(&mut a, None, &mut || Ok(0)).unwrap();
+            let t = a.targets.unwrap();
+            let auto = matches!(t, Targets::Auto { .. });
+            assert_eq!(line.is_some(), auto, "{flags:?}: {line:?}");
+            if auto && !flags.contains(&"--targets") {
+                assert!(line.unwrap().contains("the default on 3 or more devices"));
+            }
+            t
         };
         for (flags, auto) in [
             (&["--gpus", "cpu:2"][..], false),

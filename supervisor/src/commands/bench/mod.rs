@@ -1,6 +1,7 @@
 //! `dflash-supervise bench ...`: measurements on this machine (`bench prepare` is in
 //! [`super::prepare`]).
 
+pub mod cluster;
 pub mod compute;
 pub mod ipc;
 pub mod kernels;

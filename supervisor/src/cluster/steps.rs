@@ -1,0 +1,208 @@
+//! The job's step commit across nodes, on the leader: the second level of the drafter
+//! group's commit.
+//!
+//! Within a node, the node's supervisor runs its drafters' group as on one machine
+//! (`crate::training::group`): its ranks all-reduce with every rank of the job, and when
+//! all of them have reduced step s the node *reports* s to the leader, with the batches
+//! its ranks consumed and their loss weights. The leader commits s once every node of the
+//! current node epoch has reported it in that epoch, and tells every node, which applies
+//! it. A node joining or lost starts a new node epoch: the reports of the step in flight
+//! are void (the nodes' ranks reduce again, in the new group), exactly as a rank's death
+//! starts a new epoch within a node.
+//!
+//! Pure state: no clock, no I/O.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::leases::Node;
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum StepError {
+    #[error("node {node} reported step {got}, the step in flight is {want}")]
+    WrongStep { node: Node, got: u64, want: u64 },
+    #[error("node {node} is not a member of node epoch {epoch}")]
+    NotMember { node: Node, epoch: u64 },
+    #[error("node {node} reported step {step} twice in node epoch {epoch}")]
+    Twice { node: Node, step: u64, epoch: u64 },
+}
+
+/// A node's report of the step in flight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    pub batches: Vec<u64>,
+    /// Σ of its ranks' loss weights.
+    pub weight: f64,
+}
+
+/// A step every member reported: apply it everywhere.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Commit {
+    pub step: u64,
+    pub epoch: u64,
+    /// Each node's consumed batches.
+    pub batches: BTreeMap<Node, Vec<u64>>,
+    pub weight_sum: f64,
+}
+
+/// A new node epoch: its members, for every node to form its group with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Epoch {
+    pub epoch: u64,
+    pub members: Vec<Node>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Steps {
+    epoch: u64,
+    members: BTreeSet<Node>,
+    /// The step in flight (the next to commit).
+    next: u64,
+    reports: BTreeMap<Node, Report>,
+}
+
+impl Steps {
+    /// The job at `next` (0, or a resumed run's step + 1) with the leader alone.
+    pub fn new(next: u64, leader: Node) -> Steps {
+        Steps {
+            epoch: 1,
+            members: BTreeSet::from([leader]),
+            next,
+            reports: BTreeMap::new(),
+        }
+    }
+
+    pub fn next_step(&self) -> u64 {
+        self.next
+    }
+
+    pub fn epoch(&self) -> Epoch {
+        Epoch {
+            epoch: self.epoch,
+            members: self.members.iter().copied().collect(),
+        }
+    }
+
+    fn renew(&mut self) -> Epoch {
+        self.epoch += 1;
+        self.reports.clear();
+        self.epoch()
+    }
+
+    /// A node joins (at the step in flight): a new epoch with it.
+    pub fn join(&mut self, node: Node) -> Epoch {
+        self.members.insert(node);
+        self.renew()
+    }
+
+    /// A node is lost: a new epoch without it (`None`: it was no member).
+    pub fn lost(&mut self, node: Node) -> Option<Epoch> {
+        self.members.remove(&node).then(|| self.renew())
+    }
+
+    /// `node` reports the step in flight reduced in `epoch`: the commit once every member
+    /// has. A report of an older epoch is void (`Ok(None)`): the node reports again in
+    /// the current one.
+    pub fn reported(
+        &mut self,
+        node: Node,
+        epoch: u64,
+        step: u64,
+        report: Report,
+    ) -> Result<Option<Commit>, StepError> {
+        if epoch < self.epoch {
+            return Ok(None);
+        }
+        if epoch > self.epoch || !self.members.contains(&node) {
+            return Err(StepError::NotMember { node, epoch });
+        }
+        if step != self.next {
+            return Err(StepError::WrongStep {
+                node,
+                got: step,
+                want: self.next,
+            });
+        }
+        if self.reports.contains_key(&node) {
+            return Err(StepError::Twice { node, step, epoch });
+        }
+        self.reports.insert(node, report);
+        if self.reports.len() < self.members.len() {
+            return Ok(None);
+        }
+        let reports = std::mem::take(&mut self.reports);
+        let weight_sum = reports.values().map(|r| r.weight).sum();
+        let batches = reports.into_iter().map(|(n, r)| (n, r.batches)).collect();
+        self.next += 1;
+        Ok(Some(Commit {
+            step,
+            epoch,
+            batches,
+            weight_sum,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(b: &[u64], w: f64) -> Report {
+        Report {
+            batches: b.to_vec(),
+            weight: w,
+        }
+    }
+
+    #[test]
+    fn a_step_commits_once_every_member_reported_it_in_the_current_epoch() {
+        let mut s = Steps::new(0, 0);
+        assert_eq!(
+            s.join(1),
+            Epoch {
+                epoch: 2,
+                members: vec![0, 1]
+            }
+        );
+        assert_eq!(s.join(2).members, [0, 1, 2]);
+        assert_eq!(s.reported(0, 3, 0, r(&[0], 1.0)), Ok(None));
+        assert_eq!(s.reported(1, 3, 0, r(&[1], 2.0)), Ok(None));
+        // Node 2 lost before reporting: a new epoch, the reports void.
+        assert_eq!(
+            s.lost(2),
+            Some(Epoch {
+                epoch: 4,
+                members: vec![0, 1]
+            })
+        );
+        assert_eq!(s.lost(2), None);
+        assert_eq!(
+            s.reported(1, 3, 0, r(&[1], 2.0)),
+            Ok(None),
+            "an old epoch's report is void"
+        );
+        assert_eq!(s.reported(0, 4, 0, r(&[0], 1.0)), Ok(None));
+        let c = s.reported(1, 4, 0, r(&[1], 2.0)).unwrap().unwrap();
+        assert_eq!((c.step, c.epoch, c.weight_sum), (0, 4, 3.0));
+        assert_eq!(c.batches, BTreeMap::from([(0, vec![0]), (1, vec![1])]));
+        assert_eq!(s.next_step(), 1);
+        // Bad reports change nothing.
+        assert!(matches!(
+            s.reported(1, 4, 0, r(&[], 0.0)),
+            Err(StepError::WrongStep { .. })
+        ));
+        assert!(matches!(
+            s.reported(2, 4, 1, r(&[], 0.0)),
+            Err(StepError::NotMember { .. })
+        ));
+        assert!(matches!(
+            s.reported(0, 5, 1, r(&[], 0.0)),
+            Err(StepError::NotMember { .. })
+        ));
+        assert_eq!(s.reported(0, 4, 1, r(&[2], 1.0)), Ok(None));
+        assert!(matches!(
+            s.reported(0, 4, 1, r(&[2], 1.0)),
+            Err(StepError::Twice { .. })
+        ));
+        assert!(s.reported(1, 4, 1, r(&[3], 1.0)).unwrap().is_some());
+    }
+}
