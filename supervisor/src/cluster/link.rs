@@ -49,10 +49,12 @@ pub enum Msg {
     Beat,
     /// Leader → follower: the job is over for this node (`ok`: as planned).
     Done { ok: bool },
-    /// Leader → node: a new node epoch, its members, and the step in flight.
+    /// Leader → node: a new epoch of the job's group (`super::steps`): the nodes that
+    /// report its steps, the job's ranks, and the step in flight.
     Epoch {
         epoch: u64,
         members: Vec<u32>,
+        ranks: Vec<u32>,
         step: u64,
     },
     /// Leader → node: batches lent to it (`super::leases`).

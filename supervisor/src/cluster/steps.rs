@@ -4,11 +4,15 @@
 //! Within a node, the node's supervisor runs its drafters' group as on one machine
 //! (`crate::training::group`): its ranks all-reduce with every rank of the job, and when
 //! all of them have reduced step s the node *reports* s to the leader, with the batches
-//! its ranks consumed and their loss weights. The leader commits s once every node of the
-//! current node epoch has reported it in that epoch, and tells every node, which applies
-//! it. A node joining or lost starts a new node epoch: the reports of the step in flight
-//! are void (the nodes' ranks reduce again, in the new group), exactly as a rank's death
-//! starts a new epoch within a node.
+//! its ranks consumed and their loss weights. The leader commits s once every node with
+//! ranks in the current epoch has reported it in that epoch, and tells every node, which
+//! applies it.
+//!
+//! The epoch is the job's: its ranks are those of every node, and the collective (NCCL's
+//! communicator) spans them all, so any change anywhere (a node joining or lost, a rank
+//! dying or joining on one node) starts a new epoch for every node. The reports of the
+//! step in flight are then void, and the ranks reduce again in the new group, exactly as
+//! a rank's death starts a new epoch within a node.
 //!
 //! Pure state: no clock, no I/O.
 
@@ -24,6 +28,8 @@ pub enum StepError {
     NotMember { node: Node, epoch: u64 },
     #[error("node {node} reported step {step} twice in node epoch {epoch}")]
     Twice { node: Node, step: u64, epoch: u64 },
+    #[error("node {node} claims rank {rank}, which node {holder} has")]
+    RankTaken { node: Node, rank: u32, holder: Node },
 }
 
 /// A node's report of the step in flight.
@@ -44,31 +50,43 @@ pub struct Commit {
     pub weight_sum: f64,
 }
 
-/// A new node epoch: its members, for every node to form its group with.
+/// A new epoch: the nodes that report its steps and the job's ranks, ascending, for every
+/// node to form its group with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Epoch {
     pub epoch: u64,
     pub members: Vec<Node>,
+    pub ranks: Vec<u32>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Steps {
     epoch: u64,
-    members: BTreeSet<Node>,
+    /// Each live node's ranks (a node without any reports nothing).
+    members: BTreeMap<Node, BTreeSet<u32>>,
     /// The step in flight (the next to commit).
     next: u64,
     reports: BTreeMap<Node, Report>,
 }
 
 impl Steps {
-    /// The job at `next` (0, or a resumed run's step + 1) with the leader alone.
-    pub fn new(next: u64, leader: Node) -> Steps {
+    /// The job at `next` (0, or a resumed run's step + 1) with the leader alone, and its
+    /// ranks.
+    pub fn new(next: u64, leader: Node, ranks: &[u32]) -> Steps {
         Steps {
             epoch: 1,
-            members: BTreeSet::from([leader]),
+            members: BTreeMap::from([(leader, ranks.iter().copied().collect())]),
             next,
             reports: BTreeMap::new(),
         }
+    }
+
+    /// The nodes that report each step: those with ranks.
+    fn reporting(&self) -> impl Iterator<Item = Node> + '_ {
+        self.members
+            .iter()
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(n, _)| *n)
     }
 
     pub fn next_step(&self) -> u64 {
@@ -78,7 +96,15 @@ impl Steps {
     pub fn epoch(&self) -> Epoch {
         Epoch {
             epoch: self.epoch,
-            members: self.members.iter().copied().collect(),
+            members: self.reporting().collect(),
+            ranks: self
+                .members
+                .values()
+                .flatten()
+                .copied()
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect(),
         }
     }
 
@@ -88,15 +114,29 @@ impl Steps {
         self.epoch()
     }
 
-    /// A node joins (at the step in flight): a new epoch with it.
-    pub fn join(&mut self, node: Node) -> Epoch {
-        self.members.insert(node);
-        self.renew()
+    /// A node joins with `ranks`, or a node's ranks changed (one died, one joined): a new
+    /// epoch (`Ok(None)`: nothing changed). A rank another node has is refused.
+    pub fn ranks(&mut self, node: Node, ranks: &[u32]) -> Result<Option<Epoch>, StepError> {
+        for &rank in ranks {
+            if let Some((&holder, _)) = self
+                .members
+                .iter()
+                .find(|(&n, r)| n != node && r.contains(&rank))
+            {
+                return Err(StepError::RankTaken { node, rank, holder });
+            }
+        }
+        let new: BTreeSet<u32> = ranks.iter().copied().collect();
+        if self.members.get(&node) == Some(&new) {
+            return Ok(None);
+        }
+        self.members.insert(node, new);
+        Ok(Some(self.renew()))
     }
 
-    /// A node is lost: a new epoch without it (`None`: it was no member).
+    /// A node is lost: a new epoch without it and its ranks (`None`: it was no member).
     pub fn lost(&mut self, node: Node) -> Option<Epoch> {
-        self.members.remove(&node).then(|| self.renew())
+        self.members.remove(&node).map(|_| self.renew())
     }
 
     /// `node` reports the step in flight reduced in `epoch`: the commit once every member
@@ -112,7 +152,7 @@ impl Steps {
         if epoch < self.epoch {
             return Ok(None);
         }
-        if epoch > self.epoch || !self.members.contains(&node) {
+        if epoch > self.epoch || !self.members.get(&node).is_some_and(|r| !r.is_empty()) {
             return Err(StepError::NotMember { node, epoch });
         }
         if step != self.next {
@@ -126,7 +166,7 @@ impl Steps {
             return Err(StepError::Twice { node, step, epoch });
         }
         self.reports.insert(node, report);
-        if self.reports.len() < self.members.len() {
+        if self.reporting().any(|n| !self.reports.contains_key(&n)) {
             return Ok(None);
         }
         let reports = std::mem::take(&mut self.reports);
@@ -155,28 +195,30 @@ mod tests {
 
     #[test]
     fn a_step_commits_once_every_member_reported_it_in_the_current_epoch() {
-        let mut s = Steps::new(0, 0);
+        let mut s = Steps::new(0, 0, &[0, 1]);
+        let e = s.ranks(1, &[8, 9]).unwrap().unwrap();
         assert_eq!(
-            s.join(1),
-            Epoch {
-                epoch: 2,
-                members: vec![0, 1]
-            }
+            (e.epoch, e.members, e.ranks),
+            (2, vec![0, 1], vec![0, 1, 8, 9])
         );
-        assert_eq!(s.join(2).members, [0, 1, 2]);
-        assert_eq!(s.reported(0, 3, 0, r(&[0], 1.0)), Ok(None));
-        assert_eq!(s.reported(1, 3, 0, r(&[1], 2.0)), Ok(None));
-        // Node 2 lost before reporting: a new epoch, the reports void.
+        assert_eq!(s.ranks(2, &[16]).unwrap().unwrap().members, [0, 1, 2]);
+        assert_eq!(s.ranks(2, &[16]), Ok(None), "nothing changed");
         assert_eq!(
-            s.lost(2),
-            Some(Epoch {
-                epoch: 4,
-                members: vec![0, 1]
+            s.ranks(2, &[9]),
+            Err(StepError::RankTaken {
+                node: 2,
+                rank: 9,
+                holder: 1
             })
         );
+        assert_eq!(s.reported(0, 3, 0, r(&[0, 1], 1.0)), Ok(None));
+        assert_eq!(s.reported(1, 3, 0, r(&[2, 3], 2.0)), Ok(None));
+        // Node 2 lost before reporting: a new epoch, the reports void.
+        let e = s.lost(2).unwrap();
+        assert_eq!((e.epoch, e.ranks), (4, vec![0, 1, 8, 9]));
         assert_eq!(s.lost(2), None);
         assert_eq!(
-            s.reported(1, 3, 0, r(&[1], 2.0)),
+            s.reported(1, 3, 0, r(&[2], 2.0)),
             Ok(None),
             "an old epoch's report is void"
         );
@@ -203,6 +245,17 @@ mod tests {
             s.reported(0, 4, 1, r(&[2], 1.0)),
             Err(StepError::Twice { .. })
         ));
-        assert!(s.reported(1, 4, 1, r(&[3], 1.0)).unwrap().is_some());
+        // A rank of node 1 dies: a new epoch; node 1 with no rank left reports nothing.
+        assert_eq!(s.ranks(1, &[8]).unwrap().unwrap().ranks, [0, 1, 8]);
+        let e = s.ranks(1, &[]).unwrap().unwrap();
+        assert_eq!((e.members, e.ranks), (vec![0], vec![0, 1]));
+        assert!(matches!(
+            s.reported(1, e.epoch, 1, r(&[], 0.0)),
+            Err(StepError::NotMember { .. })
+        ));
+        assert!(
+            s.reported(0, e.epoch, 1, r(&[3], 1.0)).unwrap().is_some(),
+            "the leader alone"
+        );
     }
 }

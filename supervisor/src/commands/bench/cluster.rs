@@ -126,7 +126,7 @@ fn lead(rx: &mpsc::Receiver<Event>, nodes: u32, steps: u64, ranks: u32) -> Resul
         }
     }
     let mut st = Leader1 {
-        steps: Steps::new(0, 0),
+        steps: Steps::new(0, 0, &node_ranks(0, ranks)),
         leases: Leases::new(0, 2 * ranks as usize),
         own: VecDeque::new(),
         ranks,
@@ -134,7 +134,9 @@ fn lead(rx: &mpsc::Receiver<Event>, nodes: u32, steps: u64, ranks: u32) -> Resul
     };
     for &n in peers.keys() {
         st.leases.join(n);
-        st.steps.join(n);
+        st.steps
+            .ranks(n, &node_ranks(n, ranks))
+            .map_err(|e| fail("a node's ranks", e))?;
     }
     st.leases.join(0);
     st.start(&peers)?;
@@ -195,6 +197,11 @@ fn lead(rx: &mpsc::Receiver<Event>, nodes: u32, steps: u64, ranks: u32) -> Resul
     Ok(m)
 }
 
+/// Node `n`'s simulated ranks, job-wide: `ranks` of them from `n * ranks`.
+fn node_ranks(n: Node, ranks: u32) -> Vec<u32> {
+    (n * ranks..(n + 1) * ranks).collect()
+}
+
 /// The leader's state: its state machines, and node 0's own simulated ranks.
 struct Leader1 {
     steps: Steps,
@@ -225,6 +232,7 @@ impl Leader1 {
             p.send(&Msg::Epoch {
                 epoch: e.epoch,
                 members: e.members.clone(),
+                ranks: e.ranks.clone(),
                 step: self.steps.next_step(),
             })
             .map_err(|e| fail("sending the epoch", e))?;
