@@ -152,7 +152,7 @@ impl Steps {
         if epoch < self.epoch {
             return Ok(None);
         }
-        if epoch > self.epoch || !self.members.get(&node).is_some_and(|r| !r.is_empty()) {
+        if epoch > self.epoch || self.members.get(&node).is_none_or(|r| r.is_empty()) {
             return Err(StepError::NotMember { node, epoch });
         }
         if step != self.next {
