@@ -244,7 +244,11 @@ impl Listener {
             .name("cluster-accept".into())
             .spawn(move || {
                 for conn in self.inner.incoming() {
-                    let Ok(stream) = conn else { continue };
+                    let Ok(stream) = conn else {
+                        // Out of file descriptors, say: wait rather than spin.
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    };
                     let addr = stream
                         .peer_addr()
                         .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
@@ -304,6 +308,9 @@ impl Auth {
         let deadline = Instant::now() + HANDSHAKE;
         // Small frames, each awaited: Nagle's delay would add ~40 ms to every exchange.
         let _ = s.set_nodelay(true);
+        // A frozen follower's full socket must not block the leader's sends for longer
+        // than it takes to count it lost.
+        let _ = s.set_write_timeout(Some(self.timeout));
         let nonce = hex(&random::<16>().map_err(|e| e.to_string())?);
         let refuse = |s: &mut TcpStream, why: String| {
             let _ = send(s, &Msg::Refused { why: why.clone() });
