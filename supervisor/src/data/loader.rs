@@ -71,6 +71,13 @@ pub enum LoaderError {
     },
     #[error("--data {what}: no usable sample ({stats}); expected JSONL lines like {{\"input_ids\": [1, 2, 3], \"loss_mask\": [0, 1, 1]}}")]
     Empty { what: String, stats: String },
+    /// Read again from its start, the data no longer has a batch it had.
+    #[error("--data {what}: batch {batch} was made from it earlier, but read again it ends after {batches} batches (the data changed during the run; expected it unchanged)")]
+    Changed {
+        what: String,
+        batch: u64,
+        batches: u64,
+    },
 }
 
 impl From<LoaderError> for crate::error::Error {
