@@ -244,7 +244,7 @@ fn a_lost_leader_ends_its_followers_with_75_and_a_lost_follower_may_join_again()
     let tmp = tempfile::tempdir().unwrap();
     let run = tmp.path().join("run");
     let port = free_port();
-    let fast = ["--node-timeout", "2s"];
+    let fast = ["--node-timeout", "4s"];
     let mut leader = Node::start(tmp.path(), &run, port, 3, 0, &fast);
     wait_listening(&leader);
     // A follower killed: the leader says it is lost; started again, it joins again.
@@ -260,6 +260,24 @@ fn a_lost_leader_ends_its_followers_with_75_and_a_lost_follower_may_join_again()
     let mut f1 = Node::start(tmp.path(), &run, port, 3, 1, &fast);
     wait_for("node 1 joined again", T, || {
         (leader.stderr().matches("node 1 joined").count() == 2).then_some(())
+    });
+    // A follower frozen past the node timeout: lost too; thawed, it finds its link closed
+    // (exit 75), and started again it joins a third time.
+    let frozen = nix::unistd::Pid::from_raw(f1.child.id() as i32);
+    nix::sys::signal::kill(frozen, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    wait_for("node 1 lost again", T, || {
+        (leader.stderr().matches("node 1 lost").count() == 2).then_some(())
+    });
+    assert!(
+        leader.stderr().contains("node 1 lost: silent for 4s"),
+        "{}",
+        leader.stderr()
+    );
+    nix::sys::signal::kill(frozen, nix::sys::signal::Signal::SIGCONT).unwrap();
+    assert_eq!(f1.wait(T), Some(75), "{}", f1.stderr());
+    let mut f1 = Node::start(tmp.path(), &run, port, 3, 1, &fast);
+    wait_for("node 1 joined a third time", T, || {
+        (leader.stderr().matches("node 1 joined").count() == 3).then_some(())
     });
 
     let mut f2 = Node::start(tmp.path(), &run, port, 3, 2, &fast);
@@ -280,11 +298,11 @@ fn a_lost_leader_ends_its_followers_with_75_and_a_lost_follower_may_join_again()
     let stopped = Instant::now();
     assert_eq!(f1.wait(T), Some(75), "{}", f1.stderr());
     assert!(
-        stopped.elapsed() >= Duration::from_millis(1500),
+        stopped.elapsed() >= Duration::from_millis(3500),
         "{:?}",
         stopped.elapsed()
     );
-    assert!(f1.stderr().contains("silent for 2s"), "{}", f1.stderr());
+    assert!(f1.stderr().contains("silent for 4s"), "{}", f1.stderr());
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
 
     // The leader killed (still waiting for node 1): its followers stop at once, the link
