@@ -72,9 +72,11 @@ pub fn plan_settings(args: &RunArgs) -> Result<PlanSettings, Error> {
     })
 }
 
-/// `--targets auto` without a start: the targets it starts with. A resumed run (`resumed`,
-/// its directory) takes up the split it had when it stopped, where that fits the devices;
-/// else the split at which the roles' FLOPs per token balance (`plan`'s roofline split).
+/// The split a run starts with: without `--targets`, its default ([`default_split`]);
+/// for `--targets auto` without a start, the targets it starts with. A resumed run
+/// (`resumed`, its directory) takes up the split it had when it stopped, where that fits
+/// the devices; else the split at which the roles' FLOPs per token balance (`plan`'s
+/// roofline split). Returns the line that says so, for the run's settled lines.
 fn auto_start(
     args: &mut RunArgs,
     resumed: Option<&Path>,
