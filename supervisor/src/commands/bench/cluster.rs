@@ -35,8 +35,9 @@ fn fail(what: &str, e: impl std::fmt::Display) -> Error {
 
 /// CPU seconds (user + system) this process has used.
 fn own_cpu() -> f64 {
-    // SAFETY: getrusage writes the struct it is given.
+    // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
     let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct it is given, which lives through the call.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
     let t = |x: libc::timeval| x.tv_sec as f64 + x.tv_usec as f64 * 1e-6;
     t(u.ru_utime) + t(u.ru_stime)
