@@ -139,11 +139,7 @@ fn default_split(args: &RunArgs, devices: usize) -> Targets {
 /// The target workers a run had when it stopped, from its events.jsonl: those its last
 /// session started with, and each move since (`None`: no session recorded).
 fn targets_when_stopped(events: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(events).ok()?;
-    let events: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let (events, _) = rundir::read_jsonl(events);
     let start = events.iter().rposition(|e| e["event"] == "run_start")?;
     let workers = events[start]["workers"].as_array()?;
     // "target-0 on 3": the name first.

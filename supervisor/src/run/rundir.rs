@@ -27,6 +27,25 @@ pub const LOGS_DIR: &str = "logs";
 /// Where runs go when `--run-dir` is not given, relative to the working directory.
 pub const DEFAULT_RUNS: &str = "runs";
 
+/// Every JSON line of a file that parses (a line a crash cut off is skipped), and whether
+/// one did not.
+pub fn read_jsonl(path: &Path) -> (Vec<serde_json::Value>, bool) {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let mut torn = false;
+    let lines = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .filter_map(|l| match serde_json::from_str(l) {
+            Ok(v) => Some(v),
+            Err(_) => {
+                torn = true;
+                None
+            }
+        })
+        .collect();
+    (lines, torn)
+}
+
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_millis(SystemTime::now()).to_string()
 }

@@ -22,26 +22,8 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::Error;
+use crate::run::rundir::read_jsonl;
 use crate::telemetry::window::{Agg, Gpu, Pipeline, Pool, Window};
-
-/// Every JSON line of a file that parses (a line a crash cut off is skipped), and whether
-/// one did not.
-fn read_jsonl(path: &Path) -> (Vec<Value>, bool) {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let mut torn = false;
-    let lines = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .filter_map(|l| match serde_json::from_str(l) {
-            Ok(v) => Some(v),
-            Err(_) => {
-                torn = true;
-                None
-            }
-        })
-        .collect();
-    (lines, torn)
-}
 
 /// The committed steps of the final lineage: a rollback line drops the steps after its
 /// target (they were trained again).

@@ -11,6 +11,7 @@ use std::process::{Command, Stdio};
 use dflash_shared::scratch::ScratchDir;
 
 use crate::error::Error;
+use crate::run::rundir::{read_jsonl, EVENTS_FILE};
 
 const DEVICES: u32 = 4;
 
@@ -99,10 +100,9 @@ fn trained(exe: &Path, dir: &Path, targets: &str, seconds: u64) -> Result<f64, E
 
 /// The target workers the run in `dir` started with (its `run_start` event).
 fn start_targets(dir: &Path) -> usize {
-    std::fs::read_to_string(dir.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    read_jsonl(&dir.join(EVENTS_FILE))
+        .0
+        .into_iter()
         .find(|e| e["event"] == "run_start")
         .and_then(|e| {
             let workers = e["workers"].as_array()?;
@@ -114,10 +114,9 @@ fn start_targets(dir: &Path) -> usize {
 
 /// The moves of the run in `dir` (`from → to`), from its events.
 fn role_moves(dir: &Path) -> Vec<String> {
-    std::fs::read_to_string(dir.join("events.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    read_jsonl(&dir.join(EVENTS_FILE))
+        .0
+        .into_iter()
         .filter(|e| e["event"] == "role_move")
         .map(|e| {
             format!(
