@@ -348,6 +348,10 @@ fn a_run_started_as_one_of_several_srun_tasks_is_refused_in_one_line() {
 
 #[test]
 fn bench_cluster_commits_every_step_over_the_link_and_counts_its_cost() {
+    // Its temporary directory goes under TMPDIR, and only what it made there is removed.
+    let tmp = tempfile::tempdir().unwrap();
+    let mine = tmp.path().join("users-file");
+    std::fs::write(&mine, "kept").unwrap();
     let out = Command::new(bin("dflash-supervise"))
         .args([
             "bench",
@@ -360,6 +364,7 @@ fn bench_cluster_commits_every_step_over_the_link_and_counts_its_cost() {
             "2",
             "--json",
         ])
+        .env("TMPDIR", tmp.path())
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -393,4 +398,15 @@ fn bench_cluster_commits_every_step_over_the_link_and_counts_its_cost() {
         "{v}"
     );
     assert!(!err.contains("refused"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        left,
+        ["users-file"],
+        "its own directory removed, nothing else"
+    );
+    assert_eq!(std::fs::read_to_string(&mine).unwrap(), "kept");
 }

@@ -56,7 +56,11 @@ impl ClusterError {
             | ClusterError::Bind(_)
             | ClusterError::MultiNodeRun(_)
             | ClusterError::Join(link::JoinError::Refused { .. }) => exit_codes::USAGE,
-            ClusterError::Secret(_) | ClusterError::Thread(_) => exit_codes::INTERNAL,
+            ClusterError::Secret(secret::SecretError::Io { .. }) | ClusterError::Thread(_) => {
+                exit_codes::INTERNAL
+            }
+            // A run directory holding something else, or a secret others can read.
+            ClusterError::Secret(_) => exit_codes::USAGE,
             ClusterError::Join(link::JoinError::Timeout { .. })
             | ClusterError::LeaderLost { .. } => exit_codes::STOPPED_EARLY,
             ClusterError::Incomplete(_) => exit_codes::RUN_FAILED,

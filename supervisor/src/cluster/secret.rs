@@ -24,6 +24,8 @@ pub enum SecretError {
     Malformed { path: PathBuf },
     #[error("{}: readable by others (mode {mode:o}; expected 600, the job's user only)", path.display())]
     Exposed { path: PathBuf, mode: u32 },
+    #[error("{}: exists and is not a secret this program wrote (not replaced; expected the run directory of a job across nodes, or a new one)", path.display())]
+    NotOurs { path: PathBuf },
 }
 
 #[derive(Clone)]
@@ -51,6 +53,16 @@ impl Secret {
             path: path.clone(),
             source,
         };
+        // Only an earlier session's secret is replaced: a plain file of 64 hex digits, the
+        // user's alone (never a link, nor anything else of that name).
+        match std::fs::symlink_metadata(&path) {
+            Ok(m) if !m.file_type().is_file() => return Err(SecretError::NotOurs { path }),
+            Ok(_) => {
+                Secret::read(dir).map_err(|_| SecretError::NotOurs { path: path.clone() })?;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io(e)),
+        }
         let secret = Secret(random().map_err(io)?);
         let tmp = dir.join(format!(".{FILE}.{}", std::process::id()));
         let mut f = std::fs::OpenOptions::new()
