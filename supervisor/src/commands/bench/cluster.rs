@@ -56,7 +56,7 @@ impl Drop for Peers {
 }
 
 pub fn run(json: bool, followers: u32, steps: u64, ranks: u32) -> Result<i32, Error> {
-    let tmp = tempfile_dir()?;
+    let tmp = own_temp_dir()?;
     let secret = Secret::create(&tmp).map_err(|e| fail("writing the secret", e))?;
     let port = std::net::TcpListener::bind("127.0.0.2:0")
         .and_then(|l| l.local_addr())
@@ -96,7 +96,7 @@ pub fn run(json: bool, followers: u32, steps: u64, ranks: u32) -> Result<i32, Er
     Ok(0)
 }
 
-fn tempfile_dir() -> Result<std::path::PathBuf, Error> {
+fn own_temp_dir() -> Result<std::path::PathBuf, Error> {
     let d = std::env::temp_dir().join(format!("dflash-bench-cluster-{}", std::process::id()));
     std::fs::create_dir(&d).map_err(|e| fail("creating its temporary directory", e))?;
     Ok(d)
@@ -126,7 +126,7 @@ fn lead(rx: &mpsc::Receiver<Event>, nodes: u32, steps: u64, ranks: u32) -> Resul
             Err(e) => return Err(fail("waiting for the followers to join", e)),
         }
     }
-    let mut st = Leader1 {
+    let mut st = LeaderState {
         steps: Steps::new(0, 0, &node_ranks(0, ranks)),
         leases: Leases::new(0, 2 * ranks as usize),
         own: VecDeque::new(),
@@ -204,7 +204,7 @@ fn node_ranks(n: Node, ranks: u32) -> Vec<u32> {
 }
 
 /// The leader's state: its state machines, and node 0's own simulated ranks.
-struct Leader1 {
+struct LeaderState {
     steps: Steps,
     leases: Leases,
     own: VecDeque<u64>,
@@ -212,7 +212,7 @@ struct Leader1 {
     first_report: Option<Instant>,
 }
 
-impl Leader1 {
+impl LeaderState {
     fn grant(&mut self, n: Node, peers: &BTreeMap<Node, Peer>) -> Result<(), Error> {
         let batches = self.leases.grant(n).map_err(|e| fail("lending", e))?;
         match n {
