@@ -126,7 +126,7 @@ pub fn default_gamma(block_size: usize) -> f64 {
 }
 
 /// What one forward/backward over a batch measured (host-side counters only).
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepStats {
     /// Σ w·CE and Σ w over the batch.
     pub loss_sum: f64,

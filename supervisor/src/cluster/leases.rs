@@ -158,6 +158,12 @@ impl Leases {
         })
     }
 
+    /// No id is left to lend: the data's length is known, every id was lent, and none
+    /// was given back.
+    pub fn exhausted(&self) -> bool {
+        self.end.is_some_and(|e| self.next >= e) && self.returned.is_empty()
+    }
+
     pub fn consumed_count(&self) -> usize {
         self.consumed.len()
     }

@@ -16,6 +16,7 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use dflash_shared::drafter::StepStats;
 use serde::{Deserialize, Serialize};
 
 use super::secret::{hex, random, Secret, SecretError};
@@ -60,15 +61,39 @@ pub enum Msg {
     /// Leader → node: batches lent to it (`super::leases`).
     Lease { batches: Vec<u64> },
     /// Node → leader: its ranks reduced `step` in node epoch `epoch`, consuming `batches`
-    /// with loss weights summing to `weight` (`super::steps`).
+    /// with loss weights summing to `weight` (`super::steps`), and what they measured.
     Reduced {
         epoch: u64,
         step: u64,
         batches: Vec<u64>,
         weight: f64,
+        #[serde(default)]
+        stats: StepStats,
     },
-    /// Leader → node: `step` is committed: apply it.
-    Commit { step: u64 },
+    /// Leader → node: `step` is committed: apply it. `stats`: the job's (every node's
+    /// merged), over `contributors` batches.
+    Commit {
+        step: u64,
+        #[serde(default)]
+        stats: StepStats,
+        #[serde(default)]
+        contributors: usize,
+    },
+    /// Leader → follower, once every node joined: the job starts at `step` (0, or the
+    /// step of the leader's `checkpoint` it resumes).
+    Start {
+        step: u64,
+        checkpoint: Option<String>,
+    },
+    /// Node → leader: its drafters are now these ranks (the job needs a new epoch).
+    Ranks { ranks: Vec<u32> },
+    /// Either way: the NCCL id of `epoch`, created by the job's first rank (hex).
+    GroupId { epoch: u64, id: String },
+    /// Node → leader: the data has `batches` batches (its loader read all of it).
+    DataEnd { batches: u64 },
+    /// Leader → node: no batch is left to lend it (its ranks contribute nothing until
+    /// the job is done).
+    NoMore,
 }
 
 /// What a follower says of itself when it joins.
@@ -423,7 +448,7 @@ fn follow(
     });
 }
 
-fn kind(m: &Msg) -> &'static str {
+pub(crate) fn kind(m: &Msg) -> &'static str {
     match m {
         Msg::Challenge { .. } => "a challenge",
         Msg::Join { .. } => "a join",
@@ -435,6 +460,11 @@ fn kind(m: &Msg) -> &'static str {
         Msg::Lease { .. } => "a lease",
         Msg::Reduced { .. } => "a report",
         Msg::Commit { .. } => "a commit",
+        Msg::Start { .. } => "a start",
+        Msg::Ranks { .. } => "ranks",
+        Msg::GroupId { .. } => "an NCCL id",
+        Msg::DataEnd { .. } => "the data's end",
+        Msg::NoMore => "no more batches",
     }
 }
 

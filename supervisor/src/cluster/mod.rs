@@ -11,6 +11,7 @@
 //! tasks is refused ([`refuse_multi_node_run`]), rather than every node training alone
 //! into the same run directory.
 
+pub mod job;
 pub mod leases;
 pub mod link;
 pub mod secret;

@@ -18,6 +18,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use dflash_shared::drafter::StepStats;
+
 use super::leases::Node;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -38,6 +40,8 @@ pub struct Report {
     pub batches: Vec<u64>,
     /// Σ of its ranks' loss weights.
     pub weight: f64,
+    /// What its ranks measured (merged).
+    pub stats: StepStats,
 }
 
 /// A step every member reported: apply it everywhere.
@@ -48,6 +52,8 @@ pub struct Commit {
     /// Each node's consumed batches.
     pub batches: BTreeMap<Node, Vec<u64>>,
     pub weight_sum: f64,
+    /// Every node's statistics, merged.
+    pub stats: StepStats,
 }
 
 /// A new epoch: the nodes that report its steps and the job's ranks, ascending, for every
@@ -108,7 +114,8 @@ impl Steps {
         }
     }
 
-    fn renew(&mut self) -> Epoch {
+    /// A new epoch of the same members (an all-reduce hung somewhere).
+    pub fn renew(&mut self) -> Epoch {
         self.epoch += 1;
         self.reports.clear();
         self.epoch()
@@ -171,6 +178,10 @@ impl Steps {
         }
         let reports = std::mem::take(&mut self.reports);
         let weight_sum = reports.values().map(|r| r.weight).sum();
+        let mut stats = StepStats::default();
+        for r in reports.values() {
+            stats.merge(&r.stats);
+        }
         let batches = reports.into_iter().map(|(n, r)| (n, r.batches)).collect();
         self.next += 1;
         Ok(Some(Commit {
@@ -178,6 +189,7 @@ impl Steps {
             epoch,
             batches,
             weight_sum,
+            stats,
         }))
     }
 }
@@ -190,6 +202,7 @@ mod tests {
         Report {
             batches: b.to_vec(),
             weight: w,
+            stats: StepStats::default(),
         }
     }
 

@@ -122,7 +122,7 @@ fn lead(t: &Topology, a: &ClusterCheckArgs) -> Result<i32, ClusterError> {
 
 /// The followers that joined, until all `nodes - 1` have or `deadline`; beating to them
 /// meanwhile. A follower lost before the end drops out (and may join again).
-fn gather(
+pub(crate) fn gather(
     nodes: u32,
     rx: &mpsc::Receiver<Event>,
     deadline: Instant,

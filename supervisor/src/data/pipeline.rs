@@ -37,7 +37,7 @@ use serde_json::json;
 
 use crate::data::batches::{BatchRecord, BatchState, Batches};
 use crate::data::ledger::Ledger;
-use crate::data::loader::{BadLines, Loader, Position};
+use crate::data::loader::{BadLines, Position};
 use crate::error::Error;
 use crate::telemetry::queue_health::{PoolView, QueueHealth};
 use crate::violation::{Side, Violation};
@@ -537,9 +537,10 @@ impl Pipeline {
     /// Run `loader` on a thread of its own: it fills the token slots it is granted.
     pub fn start_loader<E: From<LoaderEvent> + Send + 'static>(
         &mut self,
-        mut loader: Loader,
+        loader: impl Into<crate::data::share::Source>,
         events: Sender<E>,
     ) -> Result<(), Error> {
+        let mut loader = loader.into();
         let (tx, rx) = mpsc::channel::<Grant>();
         let map = self.tokens.map.clone();
         // Tests make the loader panic at its Nth batch, to see the run end on it.
@@ -594,8 +595,8 @@ impl Pipeline {
                                     lengths: b.lengths.clone(),
                                     seq_len: b.seq_len,
                                     batch: Box::new(b),
-                                    bad_lines: loader.bad.total,
-                                    first_epoch_batches: loader.first_epoch_batches,
+                                    bad_lines: loader.bad().total,
+                                    first_epoch_batches: loader.first_epoch_batches(),
                                 },
                                 Err(source) => LoaderEvent::Failed(LoaderFailure::SlotTooSmall {
                                     batch_id: b.batch_id,
@@ -605,8 +606,8 @@ impl Pipeline {
                         }
                         Ok(None) => LoaderEvent::Done {
                             position: loader.position(),
-                            bad: loader.bad.clone(),
-                            first_epoch_batches: loader.first_epoch_batches,
+                            bad: loader.bad().clone(),
+                            first_epoch_batches: loader.first_epoch_batches(),
                         },
                         Err(e) => LoaderEvent::Failed(e.into()),
                     };

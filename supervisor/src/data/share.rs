@@ -111,6 +111,123 @@ impl NodeShare {
     }
 }
 
+impl NodeShare {
+    pub fn position(&self) -> super::loader::Position {
+        self.loader.position()
+    }
+}
+
+/// What the dispatcher tells a node's share (from the leader's leases).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Feed {
+    Lend(Vec<u64>),
+    /// No more will be lent.
+    NoMore,
+}
+
+/// A node's share of the job's batches, fed with leases, as the loader thread reads it:
+/// it waits for a lease when none is at hand, and ends once the leader lends no more.
+pub struct ShareFeed {
+    share: NodeShare,
+    rx: std::sync::mpsc::Receiver<Feed>,
+    no_more: bool,
+    /// The data's length once this node's loader read all of it (`u64::MAX` before):
+    /// the dispatcher tells the leader.
+    end: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl ShareFeed {
+    /// The share, fed through the returned sender; and where the data's length appears.
+    pub fn new(
+        share: NodeShare,
+    ) -> (
+        ShareFeed,
+        std::sync::mpsc::Sender<Feed>,
+        std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let end = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
+        let feed = ShareFeed {
+            share,
+            rx,
+            no_more: false,
+            end: end.clone(),
+        };
+        (feed, tx, end)
+    }
+
+    fn take(&mut self, f: Feed) {
+        match f {
+            Feed::Lend(ids) => self.share.lend(&ids),
+            Feed::NoMore => self.no_more = true,
+        }
+    }
+
+    fn next_batch(&mut self) -> Result<Option<TokenBatch>, LoaderError> {
+        loop {
+            while let Ok(f) = self.rx.try_recv() {
+                self.take(f);
+            }
+            let b = self.share.next_lent()?;
+            if let Some(n) = self.share.end() {
+                self.end.store(n, std::sync::atomic::Ordering::SeqCst);
+            }
+            if b.is_some() {
+                return Ok(b);
+            }
+            if self.no_more {
+                return Ok(None);
+            }
+            match self.rx.recv() {
+                Ok(f) => self.take(f),
+                // The dispatcher is gone.
+                Err(_) => return Ok(None),
+            }
+        }
+    }
+}
+
+/// Where the loader thread takes its batches: the whole data (one node), or the node's
+/// share of a job across nodes.
+pub enum Source {
+    Plain(Loader),
+    Share(Box<ShareFeed>),
+}
+
+impl From<Loader> for Source {
+    fn from(l: Loader) -> Source {
+        Source::Plain(l)
+    }
+}
+
+impl Source {
+    pub fn next_batch(&mut self) -> Result<Option<TokenBatch>, LoaderError> {
+        match self {
+            Source::Plain(l) => l.next_batch(),
+            Source::Share(f) => f.next_batch(),
+        }
+    }
+
+    fn loader(&self) -> &Loader {
+        match self {
+            Source::Plain(l) => l,
+            Source::Share(f) => &f.share.loader,
+        }
+    }
+
+    pub fn position(&self) -> super::loader::Position {
+        self.loader().position()
+    }
+
+    pub fn bad(&self) -> &super::loader::BadLines {
+        &self.loader().bad
+    }
+
+    pub fn first_epoch_batches(&self) -> Option<u64> {
+        self.loader().first_epoch_batches
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

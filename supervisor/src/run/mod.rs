@@ -734,7 +734,8 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     setup.check()?;
     let data = dispatcher::Data {
         pipeline,
-        loader,
+        loader: loader.into(),
+        job: None,
         trainer: trainer::Trainer::new(trainer_cfg, &run_dir.path)?,
     };
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);

@@ -53,6 +53,9 @@ use crate::state::TrainProgress;
 use crate::training::train_log::LogLine;
 use crate::violation::Violation;
 
+mod job;
+pub use job::{JobCommit, JobReport, RANK_STRIDE};
+
 #[derive(Debug, Clone)]
 pub struct TrainerConfig {
     pub drafter: DrafterConfig,
@@ -167,6 +170,8 @@ pub enum Action {
     /// The eval round is over (complete, or dropped by a rollback): training traffic
     /// resumes.
     EvalEnd,
+    /// In a job across nodes: tell the leader.
+    Job(JobReport),
 }
 
 /// What the group does to the checkpoints directory and the training log; carried out, in
@@ -428,6 +433,8 @@ pub struct Group {
     tau: Option<crate::training::tau::TauTrack>,
     /// The step `checkpoints/best` points at now.
     linked: Option<u64>,
+    /// In a job across nodes: this node's side of the job's epochs and commits.
+    job: Option<job::JobGate>,
 }
 
 /// Bytes of the files in `dir` and its subdirectories (what a checkpoint or an export
@@ -521,6 +528,7 @@ impl Group {
             eval,
             tau,
             linked,
+            job: None,
         }
     }
 
@@ -604,6 +612,9 @@ impl Group {
     /// The members changed (`why`): start the next membership epoch. The all-reduce in
     /// flight is void; the members reduce the gradients they hold again in the new epoch.
     fn new_epoch(&mut self, why: &str, out: &mut Out) {
+        if self.report_ranks(why, out) {
+            return;
+        }
         if self.members.is_empty() {
             return;
         }
@@ -651,6 +662,9 @@ impl Group {
 
     /// NCCL: the first rank of `epoch` created its communicator's id: relay it.
     pub fn on_group_id(&mut self, worker: usize, epoch: u64, id: Vec<u8>) -> Out {
+        if let Some(out) = self.job_group_id(worker, epoch, &id) {
+            return out;
+        }
         let mut out = Out::default();
         let ranks = self.ranks();
         match self.members.get(&worker) {
@@ -789,6 +803,7 @@ impl Group {
     /// Drafter `worker` (life `holder`) is ready; `rank` is the number in its name
     /// (drafter-N is rank N, in every life).
     pub fn on_ready(&mut self, worker: usize, holder: Holder, rank: u32) -> Out {
+        let rank = self.job_rank(rank);
         let mut out = Out::default();
         if self.committed == self.restore_step && self.joining().is_none() {
             // Nothing applied since the start or the last rollback: every rank can load
@@ -1100,6 +1115,10 @@ impl Group {
             self.phase = self.phase.with_ends_after_eval(false);
             out.push(Action::EvalEnd);
             out.push(Action::Done);
+        } else if self.members.is_empty() && self.job.is_some() {
+            // In a job the others go on: the node leaves the job's group until a drafter
+            // of its joins again.
+            self.new_epoch("this node's last drafter left", &mut out);
         } else if self.members.is_empty() {
             self.rollback(&mut out);
         } else {
@@ -1182,6 +1201,9 @@ impl Group {
         delivered: &dyn Fn(Holder) -> u64,
         now: Instant,
     ) -> Out {
+        if let Some(out) = self.job_idle(remaining, now) {
+            return out;
+        }
         let mut out = Out::default();
         let held: u64 = self.pending.values().map(|p| delivered(p.holder)).sum();
         if self.is_frozen()
@@ -1210,6 +1232,9 @@ impl Group {
     /// Commit once every member holds a gradient (or abstains) and has reduced it in the
     /// current epoch.
     fn try_commit(&mut self, now: Instant, out: &mut Out) {
+        if self.job_try_commit(now, out) {
+            return;
+        }
         let all = |set: &dyn Fn(&usize) -> bool| self.members.keys().all(set);
         if self.pending.is_empty()
             || !all(&|w| self.pending.contains_key(w) || self.abstained.contains(w))
@@ -1217,18 +1242,19 @@ impl Group {
         {
             return;
         }
-        self.commit(now, out);
+        self.commit_with(now, None, out);
     }
 
     /// Commit step `committed + 1` over the members with a pending gradient; every
-    /// member applies it.
-    fn commit(&mut self, now: Instant, out: &mut Out) {
+    /// member applies it. In a job across nodes, `job` is the leader's commit: its
+    /// statistics are the job's.
+    fn commit_with(&mut self, now: Instant, job: Option<JobCommit>, out: &mut Out) {
         // While an eval round scores the weights of `committed`, nothing moves them.
         if self.is_frozen()
             || self.eval_running()
             || self.joining().is_some()
             || self.members.is_empty()
-            || self.pending.is_empty()
+            || (self.pending.is_empty() && job.is_none())
         {
             return;
         }
@@ -1242,7 +1268,7 @@ impl Group {
             )));
             return;
         }
-        let contributors = self.pending.len();
+        let mut contributors = self.pending.len();
         let lr = lr_at(
             step - 1,
             self.cfg.lr,
@@ -1252,6 +1278,9 @@ impl Group {
         let mut stats = StepStats::default();
         for p in self.pending.values() {
             stats.merge(&p.stats);
+        }
+        if let Some(c) = job {
+            (stats, contributors) = (c.stats, c.contributors);
         }
         // Every member's all-reduce must have summed exactly the committed batches' weights.
         if let Some((&w, &found)) = self
@@ -1969,6 +1998,132 @@ mod tests {
         g.on_grads(2, n, grad(2 * n + 1), now);
         g.on_reduced(1, n, epoch, 2.0, 1.0, now);
         g.on_reduced(2, n, epoch, 2.0, 1.0, now)
+    }
+
+    /// Node 1 of a job: job ranks, the leader's epochs, a report instead of a commit,
+    /// the leader's commit with the job's statistics, and no rollback when its last
+    /// drafter leaves.
+    #[test]
+    fn a_node_of_a_job_reports_its_steps_and_commits_them_when_the_leader_does() {
+        let t0 = Instant::now();
+        let mut g = group(&[], &Disk::default(), t0);
+        g.join_job(1);
+        let ranks_of = |out: &Out| -> Vec<Vec<u32>> {
+            out.actions
+                .iter()
+                .filter_map(|a| match a {
+                    Action::Job(JobReport::Ranks(r)) => Some(r.clone()),
+                    _ => None,
+                })
+                .collect()
+        };
+        let out = g.on_ready(1, 11, 0);
+        assert_eq!(ranks_of(&out), [vec![1000]]);
+        assert!(out
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::Send(1, ToWorker::Train(s)) if s.rank == 1000)));
+        let out = g.on_ready(2, 12, 1);
+        assert_eq!(ranks_of(&out), [vec![1000, 1001]]);
+        assert!(
+            !out.actions
+                .iter()
+                .any(|a| matches!(a, Action::Send(_, ToWorker::Group { .. }))),
+            "the epoch is the leader's: {out:?}"
+        );
+        let job = vec![0, 1000, 1001];
+        let out = g.on_job_epoch(5, job.clone(), t0);
+        let groups: Vec<usize> = out
+            .actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Send(
+                    w,
+                    ToWorker::Group {
+                        epoch: 5,
+                        ranks,
+                        id: None,
+                    },
+                ) if *ranks == job => Some(*w),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(groups, [1, 2]);
+        // Rank 0 (on node 0) makes the id: a member of this node claiming it is refused.
+        let out = g.on_group_id(1, 5, vec![9]);
+        assert!(matches!(out.actions.as_slice(), [Action::Violation(1, _)]));
+        let out = g.on_job_id(5, &[9]);
+        assert_eq!(out.actions.len(), 2, "to both members: {out:?}");
+        g.on_grads(1, 1, grad(2), t0);
+        g.on_grads(2, 1, grad(3), t0);
+        g.on_reduced(1, 1, 5, 3.0, 1.0, t0);
+        let out = g.on_reduced(2, 1, 5, 3.0, 1.0, t0);
+        let reports: Vec<&Action> = out
+            .actions
+            .iter()
+            .filter(|a| matches!(a, Action::Job(JobReport::Reduced { .. })))
+            .collect();
+        let [Action::Job(JobReport::Reduced {
+            epoch: 5,
+            step: 1,
+            batches,
+            stats,
+        })] = reports.as_slice()
+        else {
+            panic!("one report of step 1: {out:?}")
+        };
+        assert_eq!((batches.as_slice(), stats.weight_sum), (&[2, 3][..], 2.0));
+        assert_eq!(g.committed(), 0, "not before the leader commits");
+        let job_stats = StepStats {
+            loss_sum: 9.0,
+            weight_sum: 3.0,
+            ..Default::default()
+        };
+        let out = g.on_job_commit(
+            JobCommit {
+                step: 1,
+                stats: job_stats,
+                contributors: 3,
+            },
+            t0,
+        );
+        assert_eq!(g.committed(), 1);
+        let applied = out
+            .actions
+            .iter()
+            .filter(|a| matches!(a, Action::Send(_, ToWorker::Apply { step: 1, weight_sum, .. }) if *weight_sum == 3.0))
+            .count();
+        let consumed = out
+            .actions
+            .iter()
+            .filter(|a| matches!(a, Action::Consume { step: 1, .. }))
+            .count();
+        assert_eq!((applied, consumed), (2, 2), "{out:?}");
+        let [Effect::Log(LogLine::Step(line))] = out.effects.as_slice() else {
+            panic!("one step line: {:?}", out.effects)
+        };
+        assert_eq!(line["contributors"].as_u64(), Some(3));
+        assert_eq!(line["loss"].as_f64(), Some(3.0), "the job's loss");
+        // A commit ahead of this node: out of step.
+        let out = g.on_job_commit(
+            JobCommit {
+                step: 3,
+                stats: StepStats::default(),
+                contributors: 1,
+            },
+            t0,
+        );
+        assert!(matches!(out.actions.as_slice(), [Action::Failed(_)]));
+        // Its last drafter leaves: no rollback, the leader hears of no ranks.
+        let mut g = group(&[], &Disk::default(), t0);
+        g.join_job(1);
+        g.on_ready(1, 11, 0);
+        let out = g.on_gone(1, t0);
+        assert_eq!(ranks_of(&out), [Vec::<u32>::new()]);
+        assert!(!out
+            .actions
+            .iter()
+            .any(|a| matches!(a, Action::Rollback { .. } | Action::Failed(_))));
     }
 
     #[test]

@@ -213,6 +213,29 @@ impl Trainer {
         self.carry_out(out)
     }
 
+    /// This run is node `node` of a job across nodes (see [`Group::join_job`]).
+    pub fn join_job(&mut self, node: u32) {
+        self.group.join_job(node);
+    }
+
+    /// The leader formed the job's epoch `epoch` of `ranks`.
+    pub fn on_job_epoch(&mut self, epoch: u64, ranks: Vec<u32>) -> Vec<Action> {
+        let out = self.group.on_job_epoch(epoch, ranks, Instant::now());
+        self.carry_out(out)
+    }
+
+    /// Another node's first rank created epoch `epoch`'s NCCL id.
+    pub fn on_job_id(&mut self, epoch: u64, id: &[u8]) -> Vec<Action> {
+        let out = self.group.on_job_id(epoch, id);
+        self.carry_out(out)
+    }
+
+    /// The leader committed a step over every node.
+    pub fn on_job_commit(&mut self, c: crate::training::group::JobCommit) -> Vec<Action> {
+        let out = self.group.on_job_commit(c, Instant::now());
+        self.carry_out(out)
+    }
+
     /// A member's all-reduce of `step` in `epoch` completed.
     pub fn on_reduced(
         &mut self,

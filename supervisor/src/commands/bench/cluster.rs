@@ -169,9 +169,15 @@ fn lead(rx: &mpsc::Receiver<Event>, nodes: u32, steps: u64, ranks: u32) -> Resul
                         step,
                         batches,
                         weight,
+                        stats,
                     },
             }) => {
-                if let Some(c) = st.on_report(rank, epoch, step, Report { batches, weight })? {
+                let r = Report {
+                    batches,
+                    weight,
+                    stats,
+                };
+                if let Some(c) = st.on_report(rank, epoch, step, r)? {
                     let started = st.first_report.take();
                     st.commit(&c, &peers)?;
                     if step >= warmup {
@@ -267,6 +273,7 @@ impl LeaderState {
             step,
             Report {
                 weight: batches.len() as f64,
+                stats: simulated_stats(batches.len()),
                 batches,
             },
         )?;
@@ -283,8 +290,12 @@ impl LeaderState {
                 .map_err(|e| fail("a commit", e))?;
         }
         for p in peers.values() {
-            p.send(&Msg::Commit { step: c.step })
-                .map_err(|e| fail("sending a commit", e))?;
+            p.send(&Msg::Commit {
+                step: c.step,
+                stats: c.stats.clone(),
+                contributors: c.batches.values().map(Vec::len).sum(),
+            })
+            .map_err(|e| fail("sending a commit", e))?;
         }
         for n in std::iter::once(0)
             .chain(peers.keys().copied())
@@ -294,6 +305,23 @@ impl LeaderState {
         }
         self.first_report = None;
         self.own_report(peers).map(|_| ())
+    }
+}
+
+/// What `batches` batches of a drafter with 16-token blocks report (the size of a real
+/// report: per-slot counts).
+fn simulated_stats(batches: usize) -> dflash_shared::drafter::StepStats {
+    let n = batches as u64;
+    dflash_shared::drafter::StepStats {
+        loss_sum: 1.5 * n as f64,
+        weight_sum: n as f64,
+        slot_correct: (0..16).map(|k| 1000 * n / (k + 1)).collect(),
+        slot_total: vec![1000 * n; 16],
+        accept_sum: 3.0 * n as f64,
+        blocks: 64 * n,
+        tokens: 4096 * n,
+        anchors: 64 * n,
+        ..Default::default()
     }
 }
 
@@ -389,7 +417,7 @@ pub fn peer(leader: &str, run_dir: &Path, rank: u32, ranks: u32) -> Result<i32, 
                 }
             }
             Msg::Lease { batches } => pool.extend(batches),
-            Msg::Commit { step: s } => {
+            Msg::Commit { step: s, .. } => {
                 if pending.as_ref().is_some_and(|(p, _)| *p == s) {
                     pending = None;
                 }
@@ -405,6 +433,7 @@ pub fn peer(leader: &str, run_dir: &Path, rank: u32, ranks: u32) -> Result<i32, 
                 step,
                 batches: batches.clone(),
                 weight: batches.len() as f64,
+                stats: simulated_stats(batches.len()),
             };
             writer.send(&m).map_err(|e| fail("reporting", e))?;
             pending = Some((step, batches));

@@ -45,7 +45,8 @@ impl Dispatcher {
         self.execute(tail);
         let hung = self.trainer.watchdog(self.now);
         self.execute(hung);
-        if self.pipeline.finished() {
+        // In a job across nodes the leader says when the job's data is consumed.
+        if self.pipeline.finished() && self.job.is_none() {
             // With --eval-data the last step is evaluated before the run ends.
             let mut out = Vec::new();
             let evaluating = self.trainer.eval_at_end(&mut out);
@@ -126,6 +127,7 @@ impl Dispatcher {
                     self.dirty = true;
                 }
                 Action::Event(kind, fields) => self.run.event(kind, fields),
+                Action::Job(r) => self.job_report(r),
                 Action::CheckpointFromSnapshot { step, dir } => {
                     let meta = self.checkpoint_meta();
                     match self.trainer.checkpoint_from_snapshot(step, &dir, &meta) {

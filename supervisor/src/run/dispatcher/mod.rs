@@ -42,7 +42,6 @@ use dflash_shared::{Device, Role, WorkerName};
 use nix::sys::signal::Signal;
 use serde_json::json;
 
-use crate::data::loader::Loader;
 use crate::data::pipeline::{LoaderEvent, Peer, Pipeline};
 use crate::error::Error;
 use crate::run::control;
@@ -60,6 +59,7 @@ use life::{Life, Status};
 
 mod data;
 mod ending;
+pub mod job;
 pub mod launcher;
 mod life;
 mod metrics;
@@ -98,6 +98,8 @@ pub enum Event {
     GpuSamples(GpuSamples),
     /// A τ measurement ended (`--eval-prompts`).
     Tau(tau_job::TauOutcome),
+    /// From the link to the other nodes of a job across nodes.
+    Job(crate::cluster::job::Input),
 }
 
 impl From<ControlEvent> for Event {
@@ -153,8 +155,10 @@ pub struct Config {
 /// What the run feeds its workers.
 pub struct Data {
     pub pipeline: Pipeline,
-    pub loader: Loader,
+    pub loader: crate::data::share::Source,
     pub trainer: Trainer,
+    /// This node's part in a job across nodes.
+    pub job: Option<job::Job>,
 }
 
 struct Worker {
@@ -249,7 +253,8 @@ pub struct Dispatcher {
     started_unix_ms: u64,
     dirty: bool,
     pipeline: Pipeline,
-    loader: Option<Loader>,
+    loader: Option<crate::data::share::Source>,
+    job: Option<job::Job>,
     trainer: Trainer,
     written_progress: (u64, u64),
     written_at: Instant,
@@ -323,6 +328,7 @@ impl Dispatcher {
             dirty: true,
             pipeline: data.pipeline,
             loader: Some(data.loader),
+            job: data.job,
             trainer: data.trainer,
             written_progress: (0, 0),
             written_at: Instant::now(),
@@ -464,6 +470,7 @@ impl Dispatcher {
                 self.begin_stop(StopReason::Fatal(e.to_string()));
             }
         }
+        self.job_begin();
         for i in 0..self.workers.len() {
             self.spawn(i);
         }
@@ -535,6 +542,7 @@ impl Dispatcher {
             } => self.on_exit(worker, life, status),
             Event::GpuSamples(GpuSamples(samples)) => self.metrics.gpu.add(&samples),
             Event::Tau(o) => self.on_tau(o),
+            Event::Job(i) => self.on_job_input(i),
             Event::Loader(ev) => {
                 if let Err(e) = self.pipeline.on_loader(ev) {
                     log::error!("{e}");
@@ -1099,6 +1107,7 @@ impl Dispatcher {
     }
 
     fn on_timers(&mut self, now: Instant) {
+        self.job_timers();
         if self.metrics.due(now, self.cfg.metrics_interval) {
             self.write_metrics();
         }

@@ -114,7 +114,8 @@ fn harness_after(flags: &[&str], events: &[&str]) -> Harness {
     std::fs::create_dir_all(&trainer_cfg.checkpoints_dir).unwrap();
     let data = Data {
         pipeline: Pipeline::new(&pipeline_cfg, &run.path).unwrap(),
-        loader: Loader::new(loader_cfg),
+        loader: Loader::new(loader_cfg).into(),
+        job: None,
         trainer: Trainer::new(trainer_cfg, &run.path).unwrap(),
     };
     let cfg = Config {

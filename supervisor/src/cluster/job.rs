@@ -1,0 +1,598 @@
+//! A run's place in a job across nodes, once the nodes have met: the leader's side (the
+//! job's epochs, commits and leases, over [`super::steps`] and [`super::leases`]) and a
+//! follower's (its link to the leader).
+//!
+//! The dispatcher owns a [`JobNode`]. It hands it what its drafter group reports
+//! ([`JobReport`]) and what the link threads received ([`Input`]); the node answers with
+//! what the dispatcher itself must do ([`Local`]): form an epoch, relay an NCCL id, apply a
+//! commit, take a lease, stop. On the leader, its own node's reports go through the same
+//! state machines as the followers', without a socket.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use super::leases::{Leases, Node};
+use super::link::{self, Auth, Event, FromLeader, Listener, Msg, NodeInfo, Peer};
+use super::secret::{hex, unhex, Secret};
+use super::steps::{Commit, Epoch, Report, Steps};
+use super::{ClusterError, Topology, BEAT};
+use crate::training::group::{JobCommit, JobReport};
+
+/// The leader's own node.
+const ME: Node = 0;
+
+/// What the node's dispatcher must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Local {
+    Epoch {
+        epoch: u64,
+        ranks: Vec<u32>,
+    },
+    GroupId {
+        epoch: u64,
+        id: Vec<u8>,
+    },
+    Commit(JobCommit),
+    /// Batches lent to this node.
+    Lease(Vec<u64>),
+    /// No batch is left for this node.
+    NoMore,
+    /// The job is over (`ok`: as planned).
+    Done {
+        ok: bool,
+    },
+    /// A follower's leader is lost: stop, exit 75.
+    LeaderLost(String),
+}
+
+/// What the link's threads received.
+#[derive(Debug)]
+pub enum Input {
+    Leader(Event),
+    Follower(FromLeader),
+}
+
+/// How the job starts on every node: at `step`, from the leader's `checkpoint` (resumed).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobStart {
+    pub step: u64,
+    pub checkpoint: Option<String>,
+}
+
+pub enum JobNode {
+    Leader(Box<LeaderNode>),
+    Follower(FollowerNode),
+}
+
+/// A message for this node, as its dispatcher takes it.
+fn local(msg: Msg) -> Option<Local> {
+    Some(match msg {
+        Msg::Epoch { epoch, ranks, .. } => Local::Epoch { epoch, ranks },
+        Msg::GroupId { epoch, id } => Local::GroupId {
+            epoch,
+            id: unhex(&id)?,
+        },
+        Msg::Commit {
+            step,
+            stats,
+            contributors,
+        } => Local::Commit(JobCommit {
+            step,
+            stats,
+            contributors,
+        }),
+        Msg::Lease { batches } => Local::Lease(batches),
+        Msg::NoMore => Local::NoMore,
+        Msg::Done { ok } => Local::Done { ok },
+        _ => return None,
+    })
+}
+
+/// A report of the node's group, as it travels.
+fn message(r: JobReport) -> Msg {
+    match r {
+        JobReport::Ranks(ranks) => Msg::Ranks { ranks },
+        JobReport::GroupId { epoch, id } => Msg::GroupId {
+            epoch,
+            id: hex(&id),
+        },
+        JobReport::Reduced {
+            epoch,
+            step,
+            batches,
+            stats,
+        } => Msg::Reduced {
+            epoch,
+            step,
+            batches,
+            weight: stats.weight_sum,
+            stats,
+        },
+    }
+}
+
+impl JobNode {
+    /// What the node's group reports.
+    pub fn report(&mut self, r: JobReport) -> Vec<Local> {
+        self.send(message(r))
+    }
+
+    /// This node's loader read all the data: it has `batches` batches.
+    pub fn data_end(&mut self, batches: u64) -> Vec<Local> {
+        self.send(Msg::DataEnd { batches })
+    }
+
+    fn send(&mut self, msg: Msg) -> Vec<Local> {
+        match self {
+            JobNode::Leader(l) => {
+                let mut out = Vec::new();
+                l.from_node(ME, msg, &mut out);
+                out
+            }
+            JobNode::Follower(f) => {
+                if let Err(e) = f.writer.send(&msg) {
+                    // The link's reader finds the leader lost and says so.
+                    log::warn!("cluster: cannot send to the leader at {}: {e}", f.leader);
+                }
+                Vec::new()
+            }
+        }
+    }
+
+    /// What the link's threads received.
+    pub fn on_input(&mut self, i: Input) -> Vec<Local> {
+        let mut out = Vec::new();
+        match (self, i) {
+            (JobNode::Leader(l), Input::Leader(ev)) => l.on_link(ev, &mut out),
+            (JobNode::Follower(f), Input::Follower(FromLeader::Msg(m))) => {
+                if matches!(m, Msg::Done { .. }) {
+                    f.done = true;
+                }
+                out.extend(local(m));
+            }
+            (JobNode::Follower(f), Input::Follower(FromLeader::Lost(why))) => {
+                if !f.done {
+                    out.push(Local::LeaderLost(format!(
+                        "the leader at {} is lost ({why})",
+                        f.leader
+                    )));
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+
+    /// The leader beats to its followers (their own threads beat to it).
+    pub fn tick(&mut self, now: Instant) {
+        if let JobNode::Leader(l) = self {
+            if now >= l.next_beat {
+                l.next_beat = now + BEAT;
+                for p in l.peers.values() {
+                    let _ = p.send(&Msg::Beat);
+                }
+            }
+        }
+    }
+
+    /// The leader's first grants (nothing on a follower).
+    pub fn begin(&mut self) -> Vec<Local> {
+        let mut out = Vec::new();
+        if let JobNode::Leader(l) = self {
+            l.settle(&mut out);
+        }
+        out
+    }
+
+    pub fn is_leader(&self) -> bool {
+        matches!(self, JobNode::Leader(_))
+    }
+
+    /// The job is over for this node (told by the leader, or, on it, decided).
+    pub fn done(&self) -> bool {
+        match self {
+            JobNode::Leader(l) => l.done,
+            JobNode::Follower(f) => f.done,
+        }
+    }
+}
+
+/// The leader's state: the job's steps and leases, and a link per live follower.
+pub struct LeaderNode {
+    steps: Steps,
+    leases: Leases,
+    peers: BTreeMap<Node, Peer>,
+    /// Nodes told that no batch is left for them.
+    no_more: BTreeSet<Node>,
+    done: bool,
+    next_beat: Instant,
+}
+
+impl LeaderNode {
+    fn live(&self) -> Vec<Node> {
+        std::iter::once(ME)
+            .chain(self.peers.keys().copied())
+            .collect()
+    }
+
+    fn send(&self, node: Node, msg: Msg, out: &mut Vec<Local>) {
+        if node == ME {
+            out.extend(local(msg));
+        } else if let Some(p) = self.peers.get(&node) {
+            if let Err(e) = p.send(&msg) {
+                // Its reader reports it lost.
+                log::warn!("cluster: cannot send to node {node}: {e}");
+            }
+        }
+    }
+
+    fn broadcast(&self, msg: &Msg, except: Option<Node>, out: &mut Vec<Local>) {
+        for n in self.live() {
+            if Some(n) != except {
+                self.send(n, msg.clone(), out);
+            }
+        }
+    }
+
+    fn from_node(&mut self, node: Node, msg: Msg, out: &mut Vec<Local>) {
+        match msg {
+            Msg::Ranks { ranks } => match self.steps.ranks(node, &ranks) {
+                Ok(Some(e)) => self.epoch(e, out),
+                // The same ranks: an all-reduce hung somewhere; form the group again.
+                Ok(None) => {
+                    let e = self.steps.renew();
+                    self.epoch(e, out);
+                }
+                Err(e) => log::error!("cluster: {e}"),
+            },
+            Msg::GroupId { epoch, id } => {
+                self.broadcast(&Msg::GroupId { epoch, id }, Some(node), out)
+            }
+            Msg::Reduced {
+                epoch,
+                step,
+                batches,
+                weight,
+                stats,
+            } => {
+                let report = Report {
+                    batches,
+                    weight,
+                    stats,
+                };
+                match self.steps.reported(node, epoch, step, report) {
+                    Ok(Some(c)) => self.commit(c, out),
+                    Ok(None) => {}
+                    Err(e) => log::warn!("cluster: {e}"),
+                }
+            }
+            Msg::DataEnd { batches } => {
+                self.leases.set_end(batches);
+                self.settle(out);
+            }
+            other => log::warn!(
+                "cluster: node {node} sent {}, which only the leader sends",
+                link::kind(&other)
+            ),
+        }
+    }
+
+    fn epoch(&self, e: Epoch, out: &mut Vec<Local>) {
+        let msg = Msg::Epoch {
+            epoch: e.epoch,
+            members: e.members,
+            ranks: e.ranks,
+            step: self.steps.next_step(),
+        };
+        self.broadcast(&msg, None, out);
+    }
+
+    fn commit(&mut self, c: Commit, out: &mut Vec<Local>) {
+        let contributors = c.batches.values().map(Vec::len).sum();
+        for (n, b) in &c.batches {
+            if let Err(e) = self.leases.consumed(*n, b) {
+                log::error!("cluster: step {}: {e}", c.step);
+            }
+        }
+        let msg = Msg::Commit {
+            step: c.step,
+            stats: c.stats,
+            contributors,
+        };
+        self.broadcast(&msg, None, out);
+        self.settle(out);
+    }
+
+    /// Fill every live node's window; tell those with nothing left; end the job once
+    /// every batch is consumed.
+    fn settle(&mut self, out: &mut Vec<Local>) {
+        for n in self.live() {
+            if self.no_more.contains(&n) {
+                continue;
+            }
+            let ids = self.leases.grant(n).unwrap_or_default();
+            if !ids.is_empty() {
+                self.send(n, Msg::Lease { batches: ids }, out);
+            } else if self.leases.outstanding(n) == 0 && self.leases.exhausted() {
+                self.no_more.insert(n);
+                self.send(n, Msg::NoMore, out);
+            }
+        }
+        if self.done {
+            return;
+        }
+        if self.leases.done() {
+            self.done = true;
+            log::info!(
+                "cluster: all {} batches of the job consumed",
+                self.leases.consumed_count()
+            );
+            self.broadcast(&Msg::Done { ok: true }, None, out);
+        } else if !self.leases.exhausted() && self.live().iter().all(|n| self.no_more.contains(n)) {
+            // Batches given back after every node had finished its share.
+            self.done = true;
+            log::error!("cluster: batches a lost node held are left, and every node has finished its share: the job stops; --resume trains them");
+            self.broadcast(&Msg::Done { ok: false }, None, out);
+        }
+    }
+
+    fn on_link(&mut self, ev: Event, out: &mut Vec<Local>) {
+        match ev {
+            Event::Joined { rank, info, peer } => {
+                log::warn!("cluster: node {rank} ({}) joined after the job started: joining a running job is not built yet; it is told to stop, and the job goes on without it", info.host);
+                let _ = peer.send(&Msg::Done { ok: false });
+                peer.close();
+            }
+            Event::Message { rank, msg } => self.from_node(rank, msg, out),
+            Event::Lost { rank, why } => {
+                let Some(p) = self.peers.remove(&rank) else {
+                    return;
+                };
+                p.close();
+                self.no_more.remove(&rank);
+                let back = self.leases.lost(rank);
+                log::warn!(
+                    "cluster: node {rank} lost ({why}): the job goes on without it; its {} outstanding batch(es) go to the other nodes",
+                    back.len()
+                );
+                if let Some(e) = self.steps.lost(rank) {
+                    self.epoch(e, out);
+                }
+                self.settle(out);
+            }
+        }
+    }
+}
+
+/// A follower's state: its link to the leader.
+pub struct FollowerNode {
+    writer: link::Writer,
+    leader: String,
+    done: bool,
+}
+
+/// Lead the job: write its secret into `run_dir`, listen, and wait until every other node
+/// joined (`join_timeout`), then tell them how the job starts. Returns the leader's node
+/// and the link's events (for the dispatcher).
+pub fn lead(
+    t: &Topology,
+    run_dir: &Path,
+    timeouts: (Duration, Duration),
+    start: &JobStart,
+    window: usize,
+) -> Result<(JobNode, Receiver<Event>), ClusterError> {
+    let (join_timeout, node_timeout) = timeouts;
+    let secret = Secret::create(run_dir)?;
+    let listener = Listener::bind(&t.leader)?;
+    crate::say!(
+        "cluster: leader of {} nodes on {}; waiting up to {} for the other {}",
+        t.nodes,
+        listener.addr,
+        humantime::format_duration(join_timeout),
+        t.nodes - 1
+    );
+    let (tx, rx) = mpsc::channel();
+    listener
+        .serve(Auth::new(secret, t.nodes, node_timeout), tx)
+        .map_err(ClusterError::Thread)?;
+    let joined =
+        crate::commands::cluster_check::gather(t.nodes, &rx, Instant::now() + join_timeout);
+    let missing: Vec<String> = (1..t.nodes)
+        .filter(|r| !joined.contains_key(r))
+        .map(|r| r.to_string())
+        .collect();
+    if !missing.is_empty() {
+        for (_, p) in joined.values() {
+            let _ = p.send(&Msg::Done { ok: false });
+        }
+        return Err(ClusterError::Incomplete(format!(
+            "node(s) {} did not join the leader within {} (each runs the same command under srun, or with its --node-rank)",
+            missing.join(", "),
+            humantime::format_duration(join_timeout)
+        )));
+    }
+    let mut leases = Leases::new(0, window);
+    leases.join(ME);
+    let mut peers = BTreeMap::new();
+    for (rank, (_, peer)) in joined {
+        let _ = peer.send(&Msg::Start {
+            step: start.step,
+            checkpoint: start.checkpoint.clone(),
+        });
+        leases.join(rank);
+        peers.insert(rank, peer);
+    }
+    crate::say!("cluster: all {} nodes joined; the job starts", t.nodes);
+    let node = LeaderNode {
+        steps: Steps::new(start.step + 1, ME, &[]),
+        leases,
+        peers,
+        no_more: BTreeSet::new(),
+        done: false,
+        next_beat: Instant::now(),
+    };
+    Ok((JobNode::Leader(Box::new(node)), rx))
+}
+
+/// Join the job's leader (until `join_timeout`) and wait for its start. Returns the
+/// follower's node, the link's messages (for the dispatcher) and how the job starts.
+pub fn follow(
+    t: &Topology,
+    run_dir: &Path,
+    info: &NodeInfo,
+    timeouts: (Duration, Duration),
+) -> Result<(JobNode, Receiver<FromLeader>, JobStart), ClusterError> {
+    let (join_timeout, node_timeout) = timeouts;
+    let deadline = Instant::now() + join_timeout;
+    let session = link::join(&t.leader, run_dir, t.rank, info, deadline)?;
+    crate::say!("cluster: node {} joined the leader at {}", t.rank, t.leader);
+    let (tx, rx) = mpsc::channel();
+    let writer = session
+        .serve(BEAT, node_timeout, tx)
+        .map_err(ClusterError::Thread)?;
+    let lost = |why: String| ClusterError::LeaderLost {
+        leader: t.leader.to_string(),
+        why,
+    };
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left.max(node_timeout)) {
+            Ok(FromLeader::Msg(Msg::Start { step, checkpoint })) => {
+                let node = FollowerNode {
+                    writer,
+                    leader: t.leader.to_string(),
+                    done: false,
+                };
+                return Ok((JobNode::Follower(node), rx, JobStart { step, checkpoint }));
+            }
+            Ok(FromLeader::Msg(Msg::Done { .. })) => {
+                return Err(lost(
+                    "it ended the job before it started (its log says why)".into(),
+                ))
+            }
+            Ok(FromLeader::Msg(_)) => {}
+            Ok(FromLeader::Lost(why)) => return Err(lost(why)),
+            Err(_) => return Err(lost("it did not start the job".into())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dflash_shared::drafter::StepStats;
+
+    fn leader(nodes: u32) -> LeaderNode {
+        let mut leases = Leases::new(0, 2);
+        for n in 0..nodes {
+            leases.join(n);
+        }
+        LeaderNode {
+            steps: Steps::new(1, ME, &[]),
+            leases,
+            peers: BTreeMap::new(),
+            no_more: BTreeSet::new(),
+            done: false,
+            next_beat: Instant::now(),
+        }
+    }
+
+    fn stats(w: f64) -> StepStats {
+        StepStats {
+            loss_sum: 2.0 * w,
+            weight_sum: w,
+            ..Default::default()
+        }
+    }
+
+    /// The leader alone (its own node through the same machines): epochs, commits with
+    /// its statistics, leases refilled, the end of the data, and the job's end.
+    #[test]
+    fn the_leaders_own_node_goes_through_the_jobs_epochs_commits_and_leases() {
+        let mut node = JobNode::Leader(Box::new(leader(1)));
+        assert_eq!(node.begin(), vec![Local::Lease(vec![0, 1])]);
+        let out = node.report(JobReport::Ranks(vec![0, 1]));
+        assert_eq!(
+            out,
+            vec![Local::Epoch {
+                epoch: 2,
+                ranks: vec![0, 1]
+            }]
+        );
+        // A report of an older epoch is void.
+        let stale = JobReport::Reduced {
+            epoch: 1,
+            step: 1,
+            batches: vec![0, 1],
+            stats: stats(3.0),
+        };
+        assert!(node.report(stale).is_empty());
+        let out = node.report(JobReport::Reduced {
+            epoch: 2,
+            step: 1,
+            batches: vec![0, 1],
+            stats: stats(3.0),
+        });
+        assert_eq!(
+            out,
+            vec![
+                Local::Commit(JobCommit {
+                    step: 1,
+                    stats: stats(3.0),
+                    contributors: 2
+                }),
+                Local::Lease(vec![2, 3])
+            ]
+        );
+        // The data has 3 batches: id 3 is withdrawn; once 2 is consumed, nothing is left.
+        assert!(node.data_end(3).is_empty());
+        let out = node.report(JobReport::Reduced {
+            epoch: 2,
+            step: 2,
+            batches: vec![2],
+            stats: stats(1.0),
+        });
+        assert_eq!(out.len(), 3, "{out:?}");
+        assert_eq!(out[1], Local::NoMore);
+        assert_eq!(out[2], Local::Done { ok: true });
+        assert!(node.done());
+        // The id of the first rank goes to the other nodes only: none here.
+        assert!(node
+            .report(JobReport::GroupId {
+                epoch: 2,
+                id: vec![1, 2]
+            })
+            .is_empty());
+    }
+
+    #[test]
+    fn messages_travel_between_nodes_as_the_dispatcher_takes_them() {
+        assert_eq!(
+            local(Msg::GroupId {
+                epoch: 3,
+                id: hex(&[7, 8])
+            }),
+            Some(Local::GroupId {
+                epoch: 3,
+                id: vec![7, 8]
+            })
+        );
+        assert_eq!(
+            local(Msg::GroupId {
+                epoch: 3,
+                id: "zz".into()
+            }),
+            None
+        );
+        assert_eq!(local(Msg::Beat), None);
+        let r = message(JobReport::Reduced {
+            epoch: 1,
+            step: 2,
+            batches: vec![5],
+            stats: stats(4.0),
+        });
+        assert!(matches!(r, Msg::Reduced { weight, .. } if weight == 4.0));
+    }
+}
