@@ -128,7 +128,7 @@ impl JobNode {
         match self {
             JobNode::Leader(l) => {
                 let mut out = Vec::new();
-                l.from_node(ME, msg, &mut out);
+                l.on_message(ME, msg, &mut out);
                 out
             }
             JobNode::Follower(f) => {
@@ -152,13 +152,11 @@ impl JobNode {
                 }
                 out.extend(local(m));
             }
-            (JobNode::Follower(f), Input::Follower(FromLeader::Lost(why))) => {
-                if !f.done {
-                    out.push(Local::LeaderLost(format!(
-                        "the leader at {} is lost ({why})",
-                        f.leader
-                    )));
-                }
+            (JobNode::Follower(f), Input::Follower(FromLeader::Lost(why))) if !f.done => {
+                out.push(Local::LeaderLost(format!(
+                    "the leader at {} is lost ({why})",
+                    f.leader
+                )));
             }
             _ => {}
         }
@@ -236,7 +234,7 @@ impl LeaderNode {
         }
     }
 
-    fn from_node(&mut self, node: Node, msg: Msg, out: &mut Vec<Local>) {
+    fn on_message(&mut self, node: Node, msg: Msg, out: &mut Vec<Local>) {
         match msg {
             Msg::Ranks { ranks } => match self.steps.ranks(node, &ranks) {
                 Ok(Some(e)) => self.epoch(e, out),
@@ -345,7 +343,7 @@ impl LeaderNode {
                 let _ = peer.send(&Msg::Done { ok: false });
                 peer.close();
             }
-            Event::Message { rank, msg } => self.from_node(rank, msg, out),
+            Event::Message { rank, msg } => self.on_message(rank, msg, out),
             Event::Lost { rank, why } => {
                 let Some(p) = self.peers.remove(&rank) else {
                     return;

@@ -190,13 +190,13 @@ impl ShareFeed {
 /// Where the loader thread takes its batches: the whole data (one node), or the node's
 /// share of a job across nodes.
 pub enum Source {
-    Plain(Loader),
+    Plain(Box<Loader>),
     Share(Box<ShareFeed>),
 }
 
 impl From<Loader> for Source {
     fn from(l: Loader) -> Source {
-        Source::Plain(l)
+        Source::Plain(Box::new(l))
     }
 }
 
