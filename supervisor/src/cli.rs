@@ -299,6 +299,31 @@ pub struct RunArgs {
     )]
     pub resume_if_exists: bool,
 
+    /// How many nodes (one supervisor each) the job has. Default: srun's task count
+    /// under Slurm (srun --ntasks-per-node=1), else 1: this machine alone. A job across
+    /// nodes needs GPU drafters (NCCL) and --run-dir on a filesystem every node shares.
+    #[arg(long, value_name = "N", help_heading = "Nodes")]
+    pub nodes: Option<u32>,
+
+    /// This node's rank, 0 (the leader) to N-1. Default: SLURM_PROCID.
+    #[arg(long, value_name = "R", requires = "nodes", help_heading = "Nodes")]
+    pub node_rank: Option<u32>,
+
+    /// The leader's address, where it listens (never every interface). Default under
+    /// Slurm: the first host of the step's node list, on port 20000 + job id % 20000.
+    #[arg(long, value_name = "HOST:PORT", help_heading = "Nodes")]
+    pub leader: Option<String>,
+
+    /// Silence on the link between a node and the leader after which the other side
+    /// counts as lost: the leader goes on without the node; a follower stops (exit 75).
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_duration, help_heading = "Nodes")]
+    pub node_timeout: std::time::Duration,
+
+    /// How long the leader waits at the start for every node to join, and a follower
+    /// for the leader.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = parse_duration, help_heading = "Nodes")]
+    pub join_timeout: std::time::Duration,
+
     /// With --resume: continue even though the data, the tokenizer or chat template, or the
     /// target's files changed since the run started (a warning names each change, and the
     /// inputs as they are now are recorded for later resumes).

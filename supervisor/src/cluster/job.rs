@@ -184,6 +184,14 @@ impl JobNode {
         out
     }
 
+    /// The leader: every batch the job consumed so far (`None` on a follower).
+    pub fn consumed(&self) -> Option<Vec<u64>> {
+        match self {
+            JobNode::Leader(l) => Some(l.leases.consumed_ids()),
+            JobNode::Follower(_) => None,
+        }
+    }
+
     pub fn is_leader(&self) -> bool {
         matches!(self, JobNode::Leader(_))
     }
@@ -306,16 +314,33 @@ impl LeaderNode {
     /// Fill every live node's window; tell those with nothing left; end the job once
     /// every batch is consumed.
     fn settle(&mut self, out: &mut Vec<Local>) {
-        for n in self.live() {
-            if self.no_more.contains(&n) {
-                continue;
+        let open: Vec<Node> = self
+            .live()
+            .into_iter()
+            .filter(|n| !self.no_more.contains(n))
+            .collect();
+        // One id at a time to each node in turn: their ids interleave.
+        let mut lent: BTreeMap<Node, Vec<u64>> = BTreeMap::new();
+        loop {
+            let mut any = false;
+            for &n in &open {
+                if let Ok(Some(id)) = self.leases.grant_one(n) {
+                    lent.entry(n).or_default().push(id);
+                    any = true;
+                }
             }
-            let ids = self.leases.grant(n).unwrap_or_default();
-            if !ids.is_empty() {
-                self.send(n, Msg::Lease { batches: ids }, out);
-            } else if self.leases.outstanding(n) == 0 && self.leases.exhausted() {
-                self.no_more.insert(n);
-                self.send(n, Msg::NoMore, out);
+            if !any {
+                break;
+            }
+        }
+        for n in open {
+            match lent.remove(&n) {
+                Some(ids) => self.send(n, Msg::Lease { batches: ids }, out),
+                None if self.leases.outstanding(n) == 0 && self.leases.exhausted() => {
+                    self.no_more.insert(n);
+                    self.send(n, Msg::NoMore, out);
+                }
+                None => {}
             }
         }
         if self.done {
@@ -372,14 +397,15 @@ pub struct FollowerNode {
 }
 
 /// Lead the job: write its secret into `run_dir`, listen, and wait until every other node
-/// joined (`join_timeout`), then tell them how the job starts. Returns the leader's node
-/// and the link's events (for the dispatcher).
+/// joined (`join_timeout`), then tell them how the job starts. `leases`: the job's, with
+/// a resumed job's consumed batches. Returns the leader's node and the link's events (for
+/// the dispatcher).
 pub fn lead(
     t: &Topology,
     run_dir: &Path,
     timeouts: (Duration, Duration),
     start: &JobStart,
-    window: usize,
+    mut leases: Leases,
 ) -> Result<(JobNode, Receiver<Event>), ClusterError> {
     let (join_timeout, node_timeout) = timeouts;
     let secret = Secret::create(run_dir)?;
@@ -411,7 +437,6 @@ pub fn lead(
             humantime::format_duration(join_timeout)
         )));
     }
-    let mut leases = Leases::new(0, window);
     leases.join(ME);
     let mut peers = BTreeMap::new();
     for (rank, (_, peer)) in joined {

@@ -75,26 +75,41 @@ impl Leases {
 
     /// Fill `node`'s window: the ids newly lent to it, given-back ones first.
     pub fn grant(&mut self, node: Node) -> Result<Vec<u64>, LeaseError> {
-        let window = self.window;
-        let end = self.end;
-        let held = self
-            .lent
-            .get_mut(&node)
-            .ok_or(LeaseError::NotLive { node })?;
         let mut new = Vec::new();
-        while held.len() < window {
-            let id = match self.returned.pop_first() {
-                Some(id) => id,
-                None if end.is_none_or(|e| self.next < e) => {
-                    self.next += 1;
-                    self.next - 1
-                }
-                None => break,
-            };
-            held.insert(id);
+        while let Some(id) = self.grant_one(node)? {
             new.push(id);
         }
         Ok(new)
+    }
+
+    /// One more id for `node` if its window has room (given-back ids first): granting
+    /// one at a time to each node in turn interleaves their ids, so that each step of
+    /// the job trains the same batches as one node with all the ranks would.
+    pub fn grant_one(&mut self, node: Node) -> Result<Option<u64>, LeaseError> {
+        let held = self.lent.get(&node).ok_or(LeaseError::NotLive { node })?;
+        if held.len() >= self.window {
+            return Ok(None);
+        }
+        let id = loop {
+            match self.returned.pop_first() {
+                Some(id) => break id,
+                None if self.end.is_none_or(|e| self.next < e) => {
+                    self.next += 1;
+                    // A resumed job's consumed ids are not lent again.
+                    if !self.consumed.contains(&(self.next - 1)) {
+                        break self.next - 1;
+                    }
+                }
+                None => return Ok(None),
+            }
+        };
+        self.lent.entry(node).or_default().insert(id);
+        Ok(Some(id))
+    }
+
+    /// A resumed job: these ids were consumed before it (never lent again).
+    pub fn consumed_before(&mut self, ids: impl IntoIterator<Item = u64>) {
+        self.consumed.extend(ids);
     }
 
     /// A committed step consumed `batches` of `node`: done, never lent again (unless a
@@ -162,6 +177,10 @@ impl Leases {
     /// was given back.
     pub fn exhausted(&self) -> bool {
         self.end.is_some_and(|e| self.next >= e) && self.returned.is_empty()
+    }
+
+    pub fn consumed_ids(&self) -> Vec<u64> {
+        self.consumed.iter().copied().collect()
     }
 
     pub fn consumed_count(&self) -> usize {

@@ -67,6 +67,19 @@ pub enum PipelineError {
     },
 }
 
+/// Consumed batch ids as a checkpoint's meta.json records them: every id below
+/// `consumed_below`, and the others listed.
+pub fn consumed_json(mut ids: Vec<u64>) -> serde_json::Value {
+    ids.sort_unstable();
+    ids.dedup();
+    let below = ids
+        .iter()
+        .enumerate()
+        .take_while(|(i, id)| *i as u64 == **id)
+        .count();
+    json!({"consumed_below": below, "consumed_extra": ids[below..].to_vec()})
+}
+
 #[derive(Debug, Clone)]
 pub struct PipelineConfig {
     pub token_slots: u32,
@@ -723,18 +736,12 @@ impl Pipeline {
             .batches
             .iter()
             .filter(|(_, r)| matches!(r.state, BatchState::Trained { .. }));
-        let mut ids: Vec<u64> = trained
-            .map(|(b, _)| b)
-            .chain(self.consumed_before.iter().copied())
-            .collect();
-        ids.sort_unstable();
-        ids.dedup();
-        let below = ids
-            .iter()
-            .enumerate()
-            .take_while(|(i, id)| *i as u64 == **id)
-            .count();
-        json!({"consumed_below": below, "consumed_extra": ids[below..].to_vec()})
+        consumed_json(
+            trained
+                .map(|(b, _)| b)
+                .chain(self.consumed_before.iter().copied())
+                .collect(),
+        )
     }
 
     /// Batches a previous run consumed (resuming): kept for the next checkpoint.

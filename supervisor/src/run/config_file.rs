@@ -123,6 +123,10 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
         ],
     ),
     ("logs", &["tee", "log_max_size", "log_backups"]),
+    (
+        "nodes",
+        &["nodes", "leader", "node_timeout", "join_timeout"],
+    ),
 ];
 
 /// `(section, key, flag id)`: keys named otherwise than their flag, kept from the first
@@ -130,8 +134,9 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
 const ALIASES: &[(&str, &str, &str)] = &[("drafter", "layers", "draft_layers")];
 
 /// Run flags a file does not set: the file itself, and the choices of one command
-/// (`--resume DIR`, `--allow-changed-data`), which a recipe would make for every run.
-pub const COMMAND_LINE_ONLY: [&str; 3] = ["config", "resume", "allow_changed_data"];
+/// (`--resume DIR`, `--allow-changed-data`), which a recipe would make for every run, and
+/// the node's own rank in a job across nodes (each node's differs).
+pub const COMMAND_LINE_ONLY: [&str; 4] = ["config", "resume", "allow_changed_data", "node_rank"];
 
 /// A recipe file that cannot be used: where in it, and why (one line; the caller names
 /// the file).

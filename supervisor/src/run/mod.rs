@@ -14,6 +14,7 @@ pub mod dispatcher;
 pub mod engine;
 pub mod gpu_fit;
 pub mod init_drafter;
+pub mod node;
 pub mod process;
 pub mod reaper;
 pub mod restart;
@@ -422,7 +423,6 @@ impl Setup {
 }
 
 pub fn run(args: RunArgs, given: &[String]) -> Result<i32, Error> {
-    crate::cluster::refuse_multi_node_run()?;
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM, SIGUSR1, SIGUSR2};
     let signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2])
         .map_err(|e| Error::start("signal handlers", e))?;
@@ -652,6 +652,7 @@ fn counted_gpus() -> impl FnMut() -> Result<u32, gpus::NvmlUnavailable> {
 
 /// Everything before the dispatcher runs: flags, inputs, the run dir, the data plane.
 fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Started, Error> {
+    let node = node::place(&mut args)?;
     let resume = settle_flags(&mut args, given, setup)?;
     let init = read_init_drafter(&mut args, resume.is_some())?;
     setup.check()?;
@@ -668,6 +669,9 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     let init_record = check_init_drafter(init.as_ref(), &mut trainer_cfg, &pipeline_cfg.capture)?;
+    if let Some(n) = &node {
+        node::check_plan(n, &args, &plan, &mut trainer_cfg)?;
+    }
     if let Some(path) = &args.eval_data {
         let eval = eval_settings(path, &args, &loader_cfg, &pipeline_cfg, &plan)?;
         trainer_cfg.eval = Some(eval);
@@ -691,10 +695,16 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         given,
         resume.as_ref(),
         preflight.as_ref(),
-        drafters,
+        // A step of a job trains a batch on every node's drafters.
+        drafters * node.as_ref().map_or(1, |n| n.t.nodes),
         &mut loader_cfg,
         &mut trainer_cfg,
     )?;
+    // A follower meets the leader before it makes its own directory under the job's.
+    let mut met = match node.as_ref().filter(|n| !n.t.is_leader()) {
+        Some(n) => Some(node::meet(n, &args, None, drafters, &mut trainer_cfg)?),
+        None => None,
+    };
     let run_dir = open_run_dir(&mut args, &mut loader_cfg, resume.as_ref(), setup)?;
     // On --resume too: the settings as merged with this command line's are the run's now.
     // Said once the run directory is this run's: a start refused before then says only why.
@@ -721,23 +731,26 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     if let Some(p) = &preflight {
         p.write_json(&run_dir.path.join("preflight.json"))?;
     }
-    trainer_cfg.checkpoints_dir = run_dir.path.join("checkpoints");
-    std::fs::create_dir_all(&trainer_cfg.checkpoints_dir)
-        .map_err(|e| Error::io("cannot create", &trainer_cfg.checkpoints_dir, e))?;
-    let mut loader = loader::Loader::new(loader_cfg);
-    let mut pipeline = pipeline::Pipeline::new(&pipeline_cfg, &run_dir.path)?;
-    if let Some(r) = &resume {
-        continue_from(r, &mut loader, &mut pipeline, &mut trainer_cfg);
-    }
     setup.check()?;
     let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
     setup.check()?;
-    let data = dispatcher::Data {
-        pipeline,
-        loader: loader.into(),
-        job: None,
-        trainer: trainer::Trainer::new(trainer_cfg, &run_dir.path)?,
-    };
+    if let Some(n) = node.as_ref().filter(|n| n.t.is_leader()) {
+        // The job's run directory is the leader's: it meets the others once it holds it.
+        met = Some(node::meet(
+            n,
+            &args,
+            resume.as_ref(),
+            drafters,
+            &mut trainer_cfg,
+        )?);
+    }
+    let (data, link) = run_data(
+        &run_dir,
+        (loader_cfg, &pipeline_cfg),
+        trainer_cfg,
+        resume.as_ref(),
+        met,
+    )?;
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
     console::to_file(&sup_log).map_err(|e| Error::io("cannot write", &sup_log, e))?;
     let reaper = start_reaper();
@@ -746,8 +759,57 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     cfg.tau = tau;
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
+    if let Some(link) = link {
+        link.forward(d.events())?;
+    }
     setup.check()?;
     Ok(Started::Run(Box::new(d)))
+}
+
+/// What the run feeds its workers: the loader (or, in a job across nodes, the node's
+/// share of the data), the pipeline and the trainer, continued from `resume`; and the
+/// link's events of a job across nodes, for the dispatcher.
+fn run_data(
+    run_dir: &rundir::RunDir,
+    (loader_cfg, pipeline_cfg): (loader::LoaderConfig, &pipeline::PipelineConfig),
+    mut trainer_cfg: trainer::TrainerConfig,
+    resume: Option<&resume::Resume>,
+    met: Option<node::Met>,
+) -> Result<(dispatcher::Data, Option<node::Link>), Error> {
+    trainer_cfg.checkpoints_dir = run_dir.path.join("checkpoints");
+    std::fs::create_dir_all(&trainer_cfg.checkpoints_dir)
+        .map_err(|e| Error::io("cannot create", &trainer_cfg.checkpoints_dir, e))?;
+    let share_cfg = met.is_some().then(|| loader_cfg.clone());
+    let mut loader = loader::Loader::new(loader_cfg);
+    let mut pipeline = pipeline::Pipeline::new(pipeline_cfg, &run_dir.path)?;
+    if let Some(r) = resume {
+        continue_from(r, &mut loader, &mut pipeline, &mut trainer_cfg);
+    }
+    let mut trainer = trainer::Trainer::new(trainer_cfg, &run_dir.path)?;
+    let (Some(met), Some(share_cfg)) = (met, share_cfg) else {
+        let data = dispatcher::Data {
+            pipeline,
+            loader: loader.into(),
+            trainer,
+            job: None,
+        };
+        return Ok((data, None));
+    };
+    trainer.join_job(met.rank);
+    let (source, feed, end) = node::share(share_cfg)?;
+    let job = dispatcher::job::Job {
+        node: met.node,
+        feed,
+        end,
+        end_told: false,
+    };
+    let data = dispatcher::Data {
+        pipeline,
+        loader: source,
+        trainer,
+        job: Some(job),
+    };
+    Ok((data, Some(met.link)))
 }
 
 /// What a start continues: nothing (a new run), a checkpoint, or a run with nothing left

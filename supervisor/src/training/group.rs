@@ -1614,7 +1614,7 @@ impl Group {
             .collect();
         let line = serde_json::json!({
             "step": step, "loss": s.loss(), "acceptance": s.acceptance(), "slot_accuracy": acc,
-            "lr": lr, "members": self.members.len(), "contributors": contributors, "group_epoch": self.epoch,
+            "lr": lr, "members": self.group_size(), "contributors": contributors, "group_epoch": self.epoch,
             "reduce_ms": self.reduce_ms.iter().copied().fold(0.0, f64::max),
             "tokens": s.tokens, "anchors": s.anchors, "blocks": s.blocks,
             "wait_ms": s.wait_ms, "compute_ms": s.compute_ms, "optimizer_ms": s.optimizer_ms,
@@ -1627,7 +1627,7 @@ impl Group {
         self.progress.lr = Some(lr);
         self.progress.acceptance = s.acceptance();
         self.progress.slot_accuracy = acc;
-        self.progress.members = self.members.len();
+        self.progress.members = self.group_size();
     }
 
     /// The run is stopping and nothing can be saved (its directory is gone): no step

@@ -163,7 +163,12 @@ impl Dispatcher {
     /// what the export needs (the target layers the drafter reads), and every setting as
     /// the run uses it.
     fn checkpoint_meta(&self) -> String {
-        let mut meta = self.pipeline.consumed_summary();
+        // A job's leader records the batches every node consumed (the lease table's).
+        let job = self.job.as_ref().and_then(|j| j.node.consumed());
+        let mut meta = match job {
+            Some(ids) => pipeline::consumed_json(ids),
+            None => self.pipeline.consumed_summary(),
+        };
         meta["export"] = self.trainer.export_meta();
         meta["settings"] = self.trainer.settings();
         meta.to_string()

@@ -76,6 +76,14 @@ impl Group {
         });
     }
 
+    /// The members of the group: the job's ranks in a job, else this node's.
+    pub(super) fn group_size(&self) -> usize {
+        match self.job.as_ref().and_then(|j| j.ranks.as_ref()) {
+            Some(r) => r.len(),
+            None => self.members.len(),
+        }
+    }
+
     /// The job's rank of drafter-`rank` of this node.
     pub(super) fn job_rank(&self, rank: u32) -> u32 {
         self.job.as_ref().map_or(rank, |j| j.offset + rank)
