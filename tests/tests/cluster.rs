@@ -320,30 +320,53 @@ fn a_lost_leader_ends_its_followers_with_75_and_a_lost_follower_may_join_again()
     );
 }
 
+/// A run started as one of several srun tasks is a node of a job across nodes; what such a
+/// job cannot do is refused in one line (exit 2) before anything is made.
 #[test]
-fn a_run_started_as_one_of_several_srun_tasks_is_refused_in_one_line() {
+fn a_job_across_nodes_refuses_what_it_cannot_do_in_one_line() {
     let tmp = tempfile::tempdir().unwrap();
-    let out: Output = Command::new(bin("dflash-supervise"))
-        .args(["--gpus", "cpu:2", "--run-dir"])
-        .arg(tmp.path().join("run"))
-        .envs([
-            ("SLURM_STEP_NUM_TASKS", "2"),
-            ("SLURM_STEP_NUM_NODES", "2"),
-            ("SLURM_PROCID", "1"),
-            ("SLURM_STEP_NODELIST", "gpu[1-2]"),
-            ("SLURM_JOB_ID", "4242"),
-        ])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert_eq!(err.trim().lines().count(), 1, "{err}");
-    assert!(
-        err.contains("node 1 of 2") && err.contains("gpu1:24242") && err.contains("cluster-check"),
-        "{err}"
-    );
-    assert!(!tmp.path().join("run").exists(), "nothing made");
+    let run = tmp.path().join("run");
+    let run_s = run.to_str().unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["--gpus", "cpu:2", "--run-dir", run_s],
+            "CPU drafters cannot",
+        ),
+        (&["--gpus", "cpu:2"], "needs --run-dir DIR"),
+        (
+            &["--gpus", "cpu:2", "--run-dir", run_s, "--data", "-"],
+            "stdin is read once",
+        ),
+        (
+            &["--gpus", "cpu:2", "--run-dir", run_s, "--targets", "auto"],
+            "--targets auto is not built for a job across nodes",
+        ),
+    ];
+    for (args, want) in cases {
+        let out: Output = Command::new(bin("dflash-supervise"))
+            .args(args)
+            .current_dir(tmp.path())
+            .envs([
+                ("SLURM_STEP_NUM_TASKS", "2"),
+                ("SLURM_STEP_NUM_NODES", "2"),
+                ("SLURM_PROCID", "1"),
+                ("SLURM_STEP_NODELIST", "gpu[1-2]"),
+                ("SLURM_JOB_ID", "4242"),
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+        assert!(
+            err.contains("node 1 of 2") || err.contains(want),
+            "{args:?}: {err}"
+        );
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!run.exists(), "nothing made: {args:?}");
+        assert!(!tmp.path().join("runs").exists(), "nothing made: {args:?}");
+    }
 }
 
 #[test]

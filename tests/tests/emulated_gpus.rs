@@ -10,89 +10,12 @@
 mod common;
 
 use std::fs;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use common::*;
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(240);
-
-fn target_dir() -> PathBuf {
-    bin("dflash-supervise").parent().unwrap().to_path_buf()
-}
-
-/// NVRTC where the worker looks for it (its override, or a PyPI wheel).
-fn nvrtc_present() -> bool {
-    if std::env::var_os("DFLASH_NVRTC_LIB").is_some() {
-        return true;
-    }
-    let out = std::process::Command::new("python3")
-        .args([
-            "-c",
-            "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
-        ])
-        .output();
-    out.map(|o| {
-        String::from_utf8_lossy(&o.stdout).lines().any(|d| {
-            PathBuf::from(d)
-                .join("nvidia/cu13/lib/libnvrtc.so.13")
-                .exists()
-        })
-    })
-    .unwrap_or(false)
-}
-
-fn skip() -> bool {
-    if nvrtc_present() {
-        return false;
-    }
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "NVRTC not found (pip install nvidia-cuda-nvrtc); .ci/run installs it"
-    );
-    eprintln!("skipped: NVRTC not found (pip install nvidia-cuda-nvrtc)");
-    true
-}
-
-/// The environment of a run on `n` emulated GPUs: (key, value) pairs, the NVML script
-/// written into `dir`.
-fn emulated(dir: &std::path::Path, n: usize) -> Vec<(String, String)> {
-    let t = target_dir();
-    let (cuda, cublas) = (
-        t.join("libdflash_emu_cuda.so"),
-        t.join("libdflash_emu_cublas.so"),
-    );
-    assert!(
-        cuda.exists() && cublas.exists(),
-        "the emulated CUDA stack is not built: cargo build --workspace"
-    );
-    let devs: Vec<String> = (0..n)
-        .map(|i| {
-            format!(
-                r#"{{"name": "Fake H200", "uuid": "GPU-{i:04}", "memory_total": 150323855360}}"#
-            )
-        })
-        .collect();
-    let script = dir.join("nvml.json");
-    fs::write(
-        &script,
-        format!(
-            r#"{{"driver": "580.65.06", "devices": [{}]}}"#,
-            devs.join(", ")
-        ),
-    )
-    .unwrap();
-    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
-    vec![
-        ("DFLASH_NVML_LIBRARY".into(), s(&fake_nvml())),
-        ("DFLASH_FAKE_NVML".into(), s(&script)),
-        ("DFLASH_CUDA_LIB".into(), s(&cuda)),
-        ("DFLASH_CUBLAS_LIB".into(), s(&cublas)),
-        ("DFLASH_NCCL_LIB".into(), s(&cuda)),
-        ("DFLASH_KERNEL_CACHE".into(), s(&t.join("emu-kernel-cache"))),
-    ]
-}
 
 /// An H200's memory, in bytes.
 const BIG: u64 = 150323855360;
@@ -164,7 +87,7 @@ fn maps(pid: u32) -> String {
 #[test]
 fn four_emulated_gpus_train_in_one_nccl_group_like_the_cpu_run_and_keep_cuda_out_of_the_supervisor()
 {
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -281,7 +204,7 @@ fn four_emulated_gpus_train_in_one_nccl_group_like_the_cpu_run_and_keep_cuda_out
 
 #[test]
 fn an_emulated_gpu_drafter_killed_in_an_nccl_all_reduce_leaves_the_step_to_the_survivors() {
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -349,7 +272,7 @@ fn an_emulated_gpu_drafter_killed_in_an_nccl_all_reduce_leaves_the_step_to_the_s
 /// forward and backward on the device, their NCCL all-reduce — and the drafter learns.
 #[test]
 fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -473,7 +396,7 @@ fn stream_checked_emulated_gpus_feed_the_pipeline_and_the_drafter_learns() {
 /// pipeline, and the drafter trains on its taps.
 #[test]
 fn a_mixture_of_experts_target_runs_on_a_stream_checked_emulated_gpu() {
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -540,7 +463,7 @@ fn a_mixture_of_experts_target_runs_on_a_stream_checked_emulated_gpu() {
 #[test]
 fn bench_compute_on_an_emulated_gpu_measures_the_drafter_step_the_optimizer_and_the_pinned_slot_copy(
 ) {
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -625,7 +548,7 @@ fn bench_compute_on_an_emulated_gpu_measures_the_drafter_step_the_optimizer_and_
 /// GPUs and decodes what one does. The drafter: a few demo steps on CPU workers.
 #[test]
 fn eval_on_an_emulated_gpu_decodes_the_prompts_as_the_cpu_does() {
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -838,7 +761,7 @@ fn a_toolkit_stub_on_the_loader_path_is_named_in_one_line() {
 /// drafter is refused in one line saying what would fit.
 #[test]
 fn a_target_over_two_emulated_gpus_captures_what_it_captures_on_one() {
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -994,7 +917,7 @@ fn a_target_too_large_for_one_gpu_is_refused_saying_how_many_would_hold_it() {
         "{err}"
     );
     assert!(!tmp.path().join("drafter").join("workers").exists());
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     let o = run(&["--gpus-per-target", &n.to_string()], "fits");
@@ -1047,7 +970,7 @@ fn with_targets_auto_every_gpu_must_hold_either_role() {
 fn targets_auto_moves_a_gpu_out_of_the_nccl_group_and_training_goes_on() {
     let tmp = tempfile::tempdir().unwrap();
     let mut env = emulated(tmp.path(), 4);
-    if skip() {
+    if skip_without_nvrtc() {
         return;
     }
     // Slow targets: a second and a half added to every target batch.

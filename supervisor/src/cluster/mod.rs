@@ -3,13 +3,13 @@
 //! authenticated control link between the leader and each follower ([`link`]).
 //!
 //! On the leader, two pure state machines hold what is global: which node trains which
-//! batch ([`leases`]) and the step commit across nodes ([`steps`]).
+//! batch ([`leases`]) and the step commit across nodes ([`steps`]). [`job`] runs them for
+//! a run (the leader's side), and carries a follower's side of the link; the run's
+//! dispatcher drives it (`crate::run::node`, `crate::run::dispatcher::job`).
 //!
-//! `dflash-supervise cluster-check` uses the link: every node joins the leader, which
-//! lists them; `bench cluster` drives the leader's state machines over it with many
-//! simulated nodes. A run across nodes is not built yet: a run started as one of several
-//! tasks is refused ([`refuse_multi_node_run`]), rather than every node training alone
-//! into the same run directory.
+//! `dflash-supervise cluster-check` uses the link alone: every node joins the leader,
+//! which lists them; `bench cluster` drives the leader's state machines over it with many
+//! simulated nodes.
 
 pub mod job;
 pub mod leases;
@@ -43,9 +43,6 @@ pub enum ClusterError {
     /// The check found a node missing or unlike the leader.
     #[error("{0}")]
     Incomplete(String),
-    /// A run started as one of several tasks.
-    #[error("{0}")]
-    MultiNodeRun(String),
     #[error("cannot start the control link's threads: {0}")]
     Thread(std::io::Error),
 }
@@ -55,7 +52,6 @@ impl ClusterError {
         match self {
             ClusterError::Topology(_)
             | ClusterError::Bind(_)
-            | ClusterError::MultiNodeRun(_)
             | ClusterError::Join(link::JoinError::Refused { .. }) => exit_codes::USAGE,
             ClusterError::Secret(secret::SecretError::Io { .. }) | ClusterError::Thread(_) => {
                 exit_codes::INTERNAL
@@ -67,17 +63,4 @@ impl ClusterError {
             ClusterError::Incomplete(_) => exit_codes::RUN_FAILED,
         }
     }
-}
-
-/// A run started as one task of several (srun with one task per node): refused in one
-/// line until runs across nodes are built, so that no node trains alone into the run
-/// directory the others share.
-pub fn refuse_multi_node_run() -> Result<(), ClusterError> {
-    let Some(t) = topology::resolve(&NodeFlags::default(), |k| std::env::var(k).ok())? else {
-        return Ok(());
-    };
-    Err(ClusterError::MultiNodeRun(format!(
-        "srun started this run as node {} of {}: this version trains on one node only (expected srun --nodes=1, or no srun); `dflash-supervise cluster-check --run-dir DIR` under the same srun checks the nodes and their link to the leader at {}",
-        t.rank, t.nodes, t.leader
-    )))
 }

@@ -669,17 +669,14 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let (mut loader_cfg, pipeline_cfg) = data_config(&args, &plan, &target_cfg)?;
     let mut trainer_cfg = trainer_config(&args, &plan, &target_cfg, &pipeline_cfg.capture)?;
     let init_record = check_init_drafter(init.as_ref(), &mut trainer_cfg, &pipeline_cfg.capture)?;
-    if let Some(n) = &node {
-        node::check_plan(n, &args, &plan, &mut trainer_cfg)?;
-    }
-    if let Some(path) = &args.eval_data {
-        let eval = eval_settings(path, &args, &loader_cfg, &pipeline_cfg, &plan)?;
-        trainer_cfg.eval = Some(eval);
-    }
-    if args.eval_gpu.is_none() && !given.iter().any(|g| g == "eval_max_new_tokens") {
-        // Decoded on the CPU: shorter decodes keep τ affordable (said with the prompts).
-        args.eval_max_new_tokens = args.eval_max_new_tokens.min(CPU_TAU_NEW_TOKENS);
-    }
+    node::check_plan(node.as_ref(), &args, &plan, &mut trainer_cfg)?;
+    settle_eval(
+        &mut args,
+        given,
+        (&loader_cfg, &pipeline_cfg),
+        &plan,
+        &mut trainer_cfg,
+    )?;
     let resume = match checkpoint_to_resume(resume, &args, &trainer_cfg, &worker_bin, setup)? {
         Continue::Done(msg) => return Ok(Started::Finished(msg)),
         Continue::From(r) => Some(*r),
@@ -701,10 +698,8 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
         &mut trainer_cfg,
     )?;
     // A follower meets the leader before it makes its own directory under the job's.
-    let mut met = match node.as_ref().filter(|n| !n.t.is_leader()) {
-        Some(n) => Some(node::meet(n, &args, None, drafters, &mut trainer_cfg)?),
-        None => None,
-    };
+    let follower = node.as_ref().filter(|n| !n.t.is_leader());
+    let met = node::meet_if(follower, &args, None, drafters, &mut trainer_cfg)?;
     let run_dir = open_run_dir(&mut args, &mut loader_cfg, resume.as_ref(), setup)?;
     // On --resume too: the settings as merged with this command line's are the run's now.
     // Said once the run directory is this run's: a start refused before then says only why.
@@ -721,29 +716,22 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     );
     trainer_cfg.settings =
         resolved_settings(&args, &plan, &loader_cfg, &pipeline_cfg, &trainer_cfg);
-    resume::save(
+    save_settings(
         &args,
-        resume.as_ref(),
-        &run_dir.path,
-        trainer_cfg.settings.clone(),
+        &run_dir,
+        (resume.as_ref(), preflight.as_ref()),
+        &trainer_cfg,
         init_record,
     )?;
-    if let Some(p) = &preflight {
-        p.write_json(&run_dir.path.join("preflight.json"))?;
-    }
     setup.check()?;
     let target_dir = prepare_target(&args.target, &worker_bin, &run_dir.path)?;
     setup.check()?;
-    if let Some(n) = node.as_ref().filter(|n| n.t.is_leader()) {
-        // The job's run directory is the leader's: it meets the others once it holds it.
-        met = Some(node::meet(
-            n,
-            &args,
-            resume.as_ref(),
-            drafters,
-            &mut trainer_cfg,
-        )?);
-    }
+    // The job's run directory is the leader's: it meets the others once it holds it.
+    let leader = node.as_ref().filter(|n| n.t.is_leader());
+    let met = match met {
+        Some(m) => Some(m),
+        None => node::meet_if(leader, &args, resume.as_ref(), drafters, &mut trainer_cfg)?,
+    };
     let (data, link) = run_data(
         &run_dir,
         (loader_cfg, &pipeline_cfg),
@@ -754,16 +742,53 @@ fn start(mut args: RunArgs, given: &[String], setup: &mut Setup) -> Result<Start
     let sup_log = run_dir.path.join(rundir::SUPERVISOR_LOG);
     console::to_file(&sup_log).map_err(|e| Error::io("cannot write", &sup_log, e))?;
     let reaper = start_reaper();
-    let tau = tau_config(&args, tau_prompts, &run_dir.path)?;
     let mut cfg = dispatcher_config(&args, (plan, placed.target_spans), worker_bin, target_dir)?;
-    cfg.tau = tau;
+    cfg.tau = tau_config(&args, tau_prompts, &run_dir.path)?;
     let launcher = dispatcher::launcher::Processes::new(&cfg, run_dir.path.clone(), reaper, &data)?;
     let d = dispatcher::Dispatcher::new(cfg, run_dir, data, Box::new(launcher))?;
-    if let Some(link) = link {
-        link.forward(d.events())?;
-    }
+    link.map(|l| l.forward(d.events())).transpose()?;
     setup.check()?;
     Ok(Started::Run(Box::new(d)))
+}
+
+/// `--eval-data`'s held-out set for the trainer; τ's decode length on the CPU.
+fn settle_eval(
+    args: &mut RunArgs,
+    given: &[String],
+    (loader_cfg, pipeline_cfg): (&loader::LoaderConfig, &pipeline::PipelineConfig),
+    plan: &[(WorkerName, Device)],
+    trainer_cfg: &mut trainer::TrainerConfig,
+) -> Result<(), Error> {
+    if let Some(path) = &args.eval_data {
+        let eval = eval_settings(path, args, loader_cfg, pipeline_cfg, plan)?;
+        trainer_cfg.eval = Some(eval);
+    }
+    if args.eval_gpu.is_none() && !given.iter().any(|g| g == "eval_max_new_tokens") {
+        // Decoded on the CPU: shorter decodes keep τ affordable (said with the prompts).
+        args.eval_max_new_tokens = args.eval_max_new_tokens.min(CPU_TAU_NEW_TOKENS);
+    }
+    Ok(())
+}
+
+/// run.json (the run's settings, to resume it with) and preflight.json.
+fn save_settings(
+    args: &RunArgs,
+    run_dir: &rundir::RunDir,
+    (resume, preflight): (Option<&resume::Resume>, Option<&preflight::Report>),
+    trainer_cfg: &trainer::TrainerConfig,
+    init_record: Option<serde_json::Value>,
+) -> Result<(), Error> {
+    resume::save(
+        args,
+        resume,
+        &run_dir.path,
+        trainer_cfg.settings.clone(),
+        init_record,
+    )?;
+    if let Some(p) = preflight {
+        p.write_json(&run_dir.path.join("preflight.json"))?;
+    }
+    Ok(())
 }
 
 /// What the run feeds its workers: the loader (or, in a job across nodes, the node's

@@ -83,13 +83,17 @@ pub fn place(args: &mut RunArgs) -> Result<Option<NodeRun>, Error> {
     Ok(Some(NodeRun { t, shared }))
 }
 
-/// A job's drafters all-reduce across nodes with NCCL: every drafter on a GPU.
+/// A job's drafters all-reduce across nodes with NCCL: every drafter on a GPU (nothing to
+/// check for a run of one node, `n` `None`).
 pub fn check_plan(
-    n: &NodeRun,
+    n: Option<&NodeRun>,
     args: &RunArgs,
     plan: &[(WorkerName, Device)],
     trainer_cfg: &mut TrainerConfig,
 ) -> Result<(), Error> {
+    let Some(n) = n else {
+        return Ok(());
+    };
     let on_cpu = plan
         .iter()
         .any(|(w, d)| w.role == Role::Drafter && matches!(d, Device::Cpu));
@@ -190,6 +194,18 @@ pub fn meet(
         start,
         link: Link::Follower(rx),
     })
+}
+
+/// [`meet`], where `n` is given (a run of one node meets nobody).
+pub fn meet_if(
+    n: Option<&NodeRun>,
+    args: &RunArgs,
+    resume: Option<&Resume>,
+    drafters: u32,
+    trainer_cfg: &mut TrainerConfig,
+) -> Result<Option<Met>, Error> {
+    n.map(|n| meet(n, args, resume, drafters, trainer_cfg))
+        .transpose()
 }
 
 /// The node's share of the job's batches, as its loader thread reads it: fed with the

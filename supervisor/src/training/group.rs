@@ -2000,6 +2000,17 @@ mod tests {
         g.on_reduced(2, n, epoch, 2.0, 1.0, now)
     }
 
+    /// The ranks a node reported to the leader in `out`.
+    fn ranks_of(out: &Out) -> Vec<Vec<u32>> {
+        out.actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Job(JobReport::Ranks(r)) => Some(r.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Node 1 of a job: job ranks, the leader's epochs, a report instead of a commit,
     /// the leader's commit with the job's statistics, and no rollback when its last
     /// drafter leaves.
@@ -2008,15 +2019,6 @@ mod tests {
         let t0 = Instant::now();
         let mut g = group(&[], &Disk::default(), t0);
         g.join_job(1);
-        let ranks_of = |out: &Out| -> Vec<Vec<u32>> {
-            out.actions
-                .iter()
-                .filter_map(|a| match a {
-                    Action::Job(JobReport::Ranks(r)) => Some(r.clone()),
-                    _ => None,
-                })
-                .collect()
-        };
         let out = g.on_ready(1, 11, 0);
         assert_eq!(ranks_of(&out), [vec![1000]]);
         assert!(out
@@ -2104,6 +2106,17 @@ mod tests {
         };
         assert_eq!(line["contributors"].as_u64(), Some(3));
         assert_eq!(line["loss"].as_f64(), Some(3.0), "the job's loss");
+    }
+
+    /// A node of a job: a commit ahead of it is out of step; its last drafter leaving is
+    /// no rollback but empty ranks for the leader.
+    #[test]
+    fn a_node_of_a_job_fails_on_a_commit_ahead_and_leaves_without_rolling_back() {
+        let t0 = Instant::now();
+        let mut g = group(&[], &Disk::default(), t0);
+        g.join_job(1);
+        g.on_ready(1, 11, 0);
+        g.on_job_epoch(5, vec![1000], t0);
         // A commit ahead of this node: out of step.
         let out = g.on_job_commit(
             JobCommit {

@@ -460,3 +460,81 @@ pub fn target_with_tokenizer(dir: &Path, config: &str, tokenizer: &Path) {
         fs::copy(tokenizer.join(f), dir.join(f)).unwrap();
     }
 }
+
+/// The directory of the workspace's binaries.
+pub fn target_dir() -> PathBuf {
+    bin("dflash-supervise").parent().unwrap().to_path_buf()
+}
+
+/// NVRTC where the worker looks for it (its override, or a PyPI wheel).
+pub fn nvrtc_present() -> bool {
+    if std::env::var_os("DFLASH_NVRTC_LIB").is_some() {
+        return true;
+    }
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import site; print('\\n'.join(site.getsitepackages() + [site.getusersitepackages()]))",
+        ])
+        .output();
+    out.map(|o| {
+        String::from_utf8_lossy(&o.stdout).lines().any(|d| {
+            PathBuf::from(d)
+                .join("nvidia/cu13/lib/libnvrtc.so.13")
+                .exists()
+        })
+    })
+    .unwrap_or(false)
+}
+
+pub fn skip_without_nvrtc() -> bool {
+    if nvrtc_present() {
+        return false;
+    }
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "NVRTC not found (pip install nvidia-cuda-nvrtc); .ci/run installs it"
+    );
+    eprintln!("skipped: NVRTC not found (pip install nvidia-cuda-nvrtc)");
+    true
+}
+
+/// The environment of a run on `n` emulated GPUs (tests/emu-cuda: driver, cuBLAS, NCCL
+/// across processes; NVML faked): (key, value) pairs, the NVML script
+/// written into `dir`.
+pub fn emulated(dir: &std::path::Path, n: usize) -> Vec<(String, String)> {
+    let t = target_dir();
+    let (cuda, cublas) = (
+        t.join("libdflash_emu_cuda.so"),
+        t.join("libdflash_emu_cublas.so"),
+    );
+    assert!(
+        cuda.exists() && cublas.exists(),
+        "the emulated CUDA stack is not built: cargo build --workspace"
+    );
+    let devs: Vec<String> = (0..n)
+        .map(|i| {
+            format!(
+                r#"{{"name": "Fake H200", "uuid": "GPU-{i:04}", "memory_total": 150323855360}}"#
+            )
+        })
+        .collect();
+    let script = dir.join("nvml.json");
+    fs::write(
+        &script,
+        format!(
+            r#"{{"driver": "580.65.06", "devices": [{}]}}"#,
+            devs.join(", ")
+        ),
+    )
+    .unwrap();
+    let s = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    vec![
+        ("DFLASH_NVML_LIBRARY".into(), s(&fake_nvml())),
+        ("DFLASH_FAKE_NVML".into(), s(&script)),
+        ("DFLASH_CUDA_LIB".into(), s(&cuda)),
+        ("DFLASH_CUBLAS_LIB".into(), s(&cublas)),
+        ("DFLASH_NCCL_LIB".into(), s(&cuda)),
+        ("DFLASH_KERNEL_CACHE".into(), s(&t.join("emu-kernel-cache"))),
+    ]
+}

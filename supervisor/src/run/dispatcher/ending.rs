@@ -263,7 +263,11 @@ impl Dispatcher {
                 );
             }
         }
-        if end == RunEnd::StoppedEarly {
+        if end == RunEnd::StoppedEarly && self.job.as_ref().is_some_and(|j| !j.node.is_leader()) {
+            crate::say!(
+                "dflash-supervise: this node stopped before the job's end (exit {code}); the job continues from the leader's newest checkpoint when every node runs its command again (with --resume-if-exists, as a Slurm requeue does)"
+            );
+        } else if end == RunEnd::StoppedEarly {
             let saved = self.trainer.saved_step();
             if saved > 0 {
                 crate::say!(
