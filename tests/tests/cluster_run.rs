@@ -272,43 +272,10 @@ fn two_nodes_train_like_one_node_with_the_union_of_their_drafters() {
     );
 }
 
-#[test]
-fn a_follower_lost_mid_run_costs_nothing_and_the_job_goes_on() {
-    if skip_without_nvrtc() {
-        return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let job = Job::new(tmp.path(), 3, &["--demo-samples", "160"]);
-    let mut nodes = job.start("a");
-    wait_for("two steps of the job", T, || {
-        (steps(&job.run_dir).len() >= 2).then_some(())
-    });
-    let victim = job.follower_dir(2);
-    let st = state(&victim);
-    let workers: Vec<u32> = st["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
-        .collect();
-    signal(nodes[2].child.id(), nix::sys::signal::Signal::SIGKILL);
-    assert_eq!(nodes[2].wait(T), None, "killed");
-    for r in [0, 1] {
-        assert_eq!(nodes[r].wait(T), Some(0), "node {r}: {}", nodes[r].stderr());
-    }
-    let log = nodes[0].stderr();
-    assert!(
-        log.contains("cluster: node 2 lost") && log.contains("the job goes on without it"),
-        "{log}"
-    );
-    // Its workers went with it (the reaper), no orphan.
-    for pid in workers {
-        wait_for("the lost node's workers to end", T, || {
-            (!pid_alive(pid)).then_some(())
-        });
-    }
-    // Every batch of the data trained exactly once: the job's consumed batches (the
-    // leader's checkpoint) are 0..n, and the steps' contributors add up to n.
+/// Every batch of the data trained exactly once over the job: the job's consumed batches
+/// (the leader's newest checkpoint) are 0..n, the leader counted n, and the steps'
+/// contributors add up to n. Returns the steps.
+fn every_batch_once(job: &Job, leader_log: &str) -> Vec<(u64, f64, u64, u64)> {
     let job_steps = steps(&job.run_dir);
     let (below, extra) = checkpoint_consumed(&job.run_dir);
     assert_eq!(extra, 0);
@@ -317,24 +284,130 @@ fn a_follower_lost_mid_run_costs_nothing_and_the_job_goes_on() {
         below,
         "{job_steps:?}"
     );
-    let all = log
+    let all = leader_log
         .lines()
         .find(|l| l.contains("batches of the job consumed"))
         .and_then(|l| l.split("cluster: all ").nth(1))
         .and_then(|l| l.split(' ').next())
         .and_then(|n| n.parse::<u64>().ok());
-    assert_eq!(all, Some(below), "{log}");
+    assert_eq!(all, Some(below), "{leader_log}");
+    job_steps
+}
+
+fn worker_pids(run_dir: &Path) -> Vec<u32> {
+    state(run_dir)["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
+        .collect()
+}
+
+#[test]
+fn a_follower_killed_mid_run_costs_nothing_and_started_again_it_rejoins() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let job = Job::new(tmp.path(), 3, &["--demo-samples", "400"]);
+    let mut nodes = job.start("a");
+    wait_for("two steps of the job", T, || {
+        (steps(&job.run_dir).len() >= 2).then_some(())
+    });
+    let victim = job.follower_dir(2);
+    let workers = worker_pids(&victim);
+    signal(nodes[2].child.id(), nix::sys::signal::Signal::SIGKILL);
+    assert_eq!(nodes[2].wait(T), None, "killed");
+    let lost = wait_for("the leader to lose node 2", T, || {
+        let log = nodes[0].stderr();
+        log.contains("cluster: node 2 lost").then_some(log)
+    });
+    assert!(lost.contains("the job goes on without it"), "{lost}");
+    // Its workers went with it (the reaper), no orphan.
+    for pid in workers {
+        wait_for("the lost node's workers to end", T, || {
+            (!pid_alive(pid)).then_some(())
+        });
+    }
+    // The same command again: it joins the running job from a checkpoint of the leader.
+    let mut again = job.node(2, "b");
+    for r in [0, 1] {
+        assert_eq!(nodes[r].wait(T), Some(0), "node {r}: {}", nodes[r].stderr());
+    }
+    assert_eq!(again.wait(T), Some(0), "{}", again.stderr());
+    let log = nodes[0].stderr();
+    assert!(
+        log.contains("cluster: node 2 (") && log.contains("joins the running job"),
+        "{log}"
+    );
+    assert!(
+        log.contains("cluster: node 2 joined the job with ranks [2000]"),
+        "{log}"
+    );
+    let job_steps = every_batch_once(&job, &log);
     assert_eq!(
         job_steps[0].3, 3,
         "three nodes' drafters at first: {job_steps:?}"
     );
+    assert!(
+        job_steps.iter().any(|s| s.3 == 2),
+        "two while node 2 was gone: {job_steps:?}"
+    );
+    assert_eq!(job_steps.last().unwrap().3, 3, "three again: {job_steps:?}");
+    // The rejoined node's steps are the job's from the checkpoint it started from.
+    let rejoined = steps(&job.follower_dir(2));
+    assert!(
+        !rejoined.is_empty() && rejoined.len() < job_steps.len(),
+        "{rejoined:?}"
+    );
+    assert_eq!(rejoined.last(), job_steps.last());
+    for d in [
+        job.run_dir.clone(),
+        job.follower_dir(1),
+        job.follower_dir(2),
+    ] {
+        clean_ledger(&d);
+    }
+}
+
+#[test]
+fn a_follower_frozen_past_the_node_timeout_is_lost_and_thawed_it_ends_with_75() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let job = Job::new(tmp.path(), 2, &["--demo-samples", "200"]);
+    let mut nodes = job.start("a");
+    wait_for("two steps of the job", T, || {
+        (steps(&job.run_dir).len() >= 2).then_some(())
+    });
+    let frozen = Instant::now();
+    signal(nodes[1].child.id(), nix::sys::signal::Signal::SIGSTOP);
+    let log = wait_for("the leader to lose node 1", T, || {
+        let log = nodes[0].stderr();
+        log.contains("cluster: node 1 lost").then_some(log)
+    });
+    assert!(log.contains("silent for 10s"), "{log}");
+    assert!(
+        frozen.elapsed() >= Duration::from_secs(9),
+        "{:?}",
+        frozen.elapsed()
+    );
+    signal(nodes[1].child.id(), nix::sys::signal::Signal::SIGCONT);
+    // Thawed, it finds its leader gone from its link and stops: no split brain.
+    assert_eq!(nodes[1].wait(T), Some(75), "{}", nodes[1].stderr());
+    assert_eq!(nodes[0].wait(T), Some(0), "{}", nodes[0].stderr());
+    let job_steps = every_batch_once(&job, &nodes[0].stderr());
     assert_eq!(
         job_steps.last().unwrap().3,
-        2,
-        "two at the end: {job_steps:?}"
+        1,
+        "the leader alone at the end: {job_steps:?}"
     );
-    clean_ledger(&job.run_dir);
-    clean_ledger(&job.follower_dir(1));
+    for pid in worker_pids(&job.follower_dir(1)) {
+        wait_for("the frozen node's workers to end", T, || {
+            (!pid_alive(pid)).then_some(())
+        });
+    }
 }
 
 #[test]
@@ -364,12 +437,7 @@ fn the_leaders_loss_ends_every_follower_with_75_and_the_relaunch_resumes() {
                 .is_file())
         .then_some(())
     });
-    let follower_workers: Vec<u32> = state(&job.follower_dir(1))["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|w| w["pid"].as_u64().map(|p| p as u32))
-        .collect();
+    let follower_workers = worker_pids(&job.follower_dir(1));
     let killed = Instant::now();
     signal(nodes[0].child.id(), nix::sys::signal::Signal::SIGKILL);
     assert_eq!(nodes[1].wait(T), Some(75), "{}", nodes[1].stderr());

@@ -45,6 +45,8 @@ pub enum Local {
     },
     /// A follower's leader is lost: stop, exit 75.
     LeaderLost(String),
+    /// A node joins the running job: checkpoint the next step for it.
+    CheckpointForJoin,
 }
 
 /// What the link's threads received.
@@ -163,8 +165,10 @@ impl JobNode {
         out
     }
 
-    /// The leader beats to its followers (their own threads beat to it).
-    pub fn tick(&mut self, now: Instant) {
+    /// The leader beats to its followers (their own threads beat to it), and gives up on
+    /// a node that did not join in time.
+    pub fn tick(&mut self, now: Instant) -> Vec<Local> {
+        let mut out = Vec::new();
         if let JobNode::Leader(l) = self {
             if now >= l.next_beat {
                 l.next_beat = now + BEAT;
@@ -172,7 +176,20 @@ impl JobNode {
                     let _ = p.send(&Msg::Beat);
                 }
             }
+            if l.joining.as_ref().is_some_and(|j| now >= j.deadline) {
+                l.join_failed("it did not start within --join-timeout", &mut out);
+            }
         }
+        out
+    }
+
+    /// The leader's checkpoint of `step` is complete, in `dir`.
+    pub fn checkpointed(&mut self, step: u64, dir: &str) -> Vec<Local> {
+        let mut out = Vec::new();
+        if let JobNode::Leader(l) = self {
+            l.checkpointed(step, dir, &mut out);
+        }
+        out
     }
 
     /// The leader's first grants (nothing on a follower).
@@ -214,6 +231,19 @@ pub struct LeaderNode {
     no_more: BTreeSet<Node>,
     done: bool,
     next_beat: Instant,
+    /// A node joining the running job, and how long it may take.
+    joining: Option<Joining>,
+    join_timeout: Duration,
+}
+
+/// A node joins a running job: the job commits up to step `after`, whose checkpoint the
+/// node starts from, and waits there until the node's ranks are in.
+struct Joining {
+    node: Node,
+    /// Until its start is sent (then it is among the peers).
+    peer: Option<Peer>,
+    after: u64,
+    deadline: Instant,
 }
 
 impl LeaderNode {
@@ -245,7 +275,14 @@ impl LeaderNode {
     fn on_message(&mut self, node: Node, msg: Msg, out: &mut Vec<Local>) {
         match msg {
             Msg::Ranks { ranks } => match self.steps.ranks(node, &ranks) {
-                Ok(Some(e)) => self.epoch(e, out),
+                Ok(Some(e)) => {
+                    self.epoch(e, out);
+                    if !ranks.is_empty() && self.joining.as_ref().is_some_and(|j| j.node == node) {
+                        log::info!("cluster: node {node} joined the job with ranks {ranks:?}");
+                        self.joining = None;
+                        self.release(out);
+                    }
+                }
                 // The same ranks: an all-reduce hung somewhere; form the group again.
                 Ok(None) => {
                     let e = self.steps.renew();
@@ -308,7 +345,62 @@ impl LeaderNode {
             contributors,
         };
         self.broadcast(&msg, None, out);
+        if self.joining.as_ref().is_some_and(|j| j.after == c.step) {
+            // The joiner starts from this step's checkpoint: the job waits here for it.
+            self.steps.hold();
+        }
         self.settle(out);
+    }
+
+    /// Steps commit again (the joiner is in, or gone).
+    fn release(&mut self, out: &mut Vec<Local>) {
+        if let Some(c) = self.steps.release() {
+            self.commit(c, out);
+        }
+    }
+
+    fn checkpointed(&mut self, step: u64, dir: &str, out: &mut Vec<Local>) {
+        let Some(j) = self.joining.as_mut().filter(|j| j.after == step) else {
+            return;
+        };
+        let Some(peer) = j.peer.take() else {
+            return;
+        };
+        let node = j.node;
+        let start = Msg::Start {
+            step,
+            checkpoint: Some(dir.to_string()),
+        };
+        if let Err(e) = peer.send(&start) {
+            log::warn!("cluster: cannot send node {node} its start: {e}");
+        }
+        log::info!("cluster: node {node} starts from the checkpoint of step {step}");
+        self.peers.insert(node, peer);
+        self.no_more.remove(&node);
+        self.leases.join(node);
+        self.settle(out);
+    }
+
+    /// The joining node is given up (`why`): the job goes on without it.
+    fn join_failed(&mut self, why: &str, out: &mut Vec<Local>) {
+        let Some(j) = self.joining.take() else {
+            return;
+        };
+        log::warn!(
+            "cluster: node {} did not join the running job ({why}): the job goes on without it",
+            j.node
+        );
+        match j.peer {
+            Some(p) => p.close(),
+            None => self.on_link(
+                Event::Lost {
+                    rank: j.node,
+                    why: why.into(),
+                },
+                out,
+            ),
+        }
+        self.release(out);
     }
 
     /// Fill every live node's window; tell those with nothing left; end the job once
@@ -364,12 +456,35 @@ impl LeaderNode {
     fn on_link(&mut self, ev: Event, out: &mut Vec<Local>) {
         match ev {
             Event::Joined { rank, info, peer } => {
-                log::warn!("cluster: node {rank} ({}) joined after the job started: joining a running job is not built yet; it is told to stop, and the job goes on without it", info.host);
-                let _ = peer.send(&Msg::Done { ok: false });
-                peer.close();
+                if self.done || self.joining.is_some() || self.peers.contains_key(&rank) {
+                    log::warn!("cluster: node {rank} ({}) cannot join now (the job is over, or another node is joining): it is told to stop", info.host);
+                    let _ = peer.send(&Msg::Done { ok: false });
+                    peer.close();
+                    return;
+                }
+                let after = self.steps.next_step();
+                log::warn!("cluster: node {rank} ({}) joins the running job: it starts from the checkpoint of step {after}, and the job waits at that step until its drafters are in", info.host);
+                self.joining = Some(Joining {
+                    node: rank,
+                    peer: Some(peer),
+                    after,
+                    deadline: Instant::now() + self.join_timeout,
+                });
+                out.push(Local::CheckpointForJoin);
             }
             Event::Message { rank, msg } => self.on_message(rank, msg, out),
             Event::Lost { rank, why } => {
+                if self.joining.as_ref().is_some_and(|j| j.node == rank) {
+                    let had_start = self.joining.as_ref().is_some_and(|j| j.peer.is_none());
+                    self.joining = None;
+                    if !had_start {
+                        log::warn!("cluster: node {rank}, joining, is lost ({why})");
+                        self.release(out);
+                        return;
+                    }
+                    // Started: it is a peer; lost as any other, and the job goes on.
+                    self.release(out);
+                }
                 let Some(p) = self.peers.remove(&rank) else {
                     return;
                 };
@@ -455,6 +570,8 @@ pub fn lead(
         no_more: BTreeSet::new(),
         done: false,
         next_beat: Instant::now(),
+        joining: None,
+        join_timeout,
     };
     Ok((JobNode::Leader(Box::new(node)), rx))
 }
@@ -519,6 +636,8 @@ mod tests {
             no_more: BTreeSet::new(),
             done: false,
             next_beat: Instant::now(),
+            joining: None,
+            join_timeout: Duration::from_secs(60),
         }
     }
 

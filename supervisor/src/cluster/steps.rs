@@ -73,6 +73,8 @@ pub struct Steps {
     /// The step in flight (the next to commit).
     next: u64,
     reports: BTreeMap<Node, Report>,
+    /// No step commits (a node is joining: the job waits for it at this step).
+    held: bool,
 }
 
 impl Steps {
@@ -84,6 +86,7 @@ impl Steps {
             members: BTreeMap::from([(leader, ranks.iter().copied().collect())]),
             next,
             reports: BTreeMap::new(),
+            held: false,
         }
     }
 
@@ -173,9 +176,26 @@ impl Steps {
             return Err(StepError::Twice { node, step, epoch });
         }
         self.reports.insert(node, report);
-        if self.reporting().any(|n| !self.reports.contains_key(&n)) {
-            return Ok(None);
+        Ok(self.try_commit())
+    }
+
+    /// From now on no step commits, until [`Steps::release`] (the reports are kept).
+    pub fn hold(&mut self) {
+        self.held = true;
+    }
+
+    /// Steps commit again: the step in flight, if every member reported it meanwhile.
+    pub fn release(&mut self) -> Option<Commit> {
+        self.held = false;
+        self.try_commit()
+    }
+
+    fn try_commit(&mut self) -> Option<Commit> {
+        if self.held || self.reporting().any(|n| !self.reports.contains_key(&n)) {
+            return None;
         }
+        let step = self.next;
+        let epoch = self.epoch;
         let reports = std::mem::take(&mut self.reports);
         let weight_sum = reports.values().map(|r| r.weight).sum();
         let mut stats = StepStats::default();
@@ -184,19 +204,30 @@ impl Steps {
         }
         let batches = reports.into_iter().map(|(n, r)| (n, r.batches)).collect();
         self.next += 1;
-        Ok(Some(Commit {
+        Some(Commit {
             step,
             epoch,
             batches,
             weight_sum,
             stats,
-        }))
+        })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_held_step_commits_once_released_and_not_before() {
+        let mut s = Steps::new(0, 0, &[0]);
+        let e = s.epoch().epoch;
+        s.hold();
+        assert_eq!(s.reported(0, e, 0, r(&[4], 1.0)), Ok(None));
+        let c = s.release().expect("every member reported");
+        assert_eq!((c.step, c.batches[&0].clone()), (0, vec![4]));
+        assert_eq!(s.release(), None, "nothing left in flight");
+    }
 
     fn r(b: &[u64], w: f64) -> Report {
         Report {

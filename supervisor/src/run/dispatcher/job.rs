@@ -54,11 +54,21 @@ impl Dispatcher {
         let Some(job) = self.job.as_mut() else {
             return;
         };
-        job.node.tick(self.now);
+        let mut locals = job.node.tick(self.now);
         let end = job.end.load(Ordering::SeqCst);
         if end != u64::MAX && !job.end_told {
             job.end_told = true;
-            let locals = job.node.data_end(end);
+            locals.extend(job.node.data_end(end));
+        }
+        if !locals.is_empty() {
+            self.on_locals(locals);
+        }
+    }
+
+    /// A checkpoint of this run is complete: a node joining the job starts from it.
+    pub(super) fn job_checkpointed(&mut self, step: u64, dir: &str) {
+        if let Some(job) = self.job.as_mut() {
+            let locals = job.node.checkpointed(step, dir);
             self.on_locals(locals);
         }
     }
@@ -88,6 +98,13 @@ impl Dispatcher {
                     self.begin_stop(StopReason::TrainingFailed(
                         "the leader ended the job (its supervisor.log says why)".into(),
                     ));
+                }
+                Local::CheckpointForJoin => {
+                    if let Some(step) = self.trainer.request_checkpoint() {
+                        log::info!(
+                            "checkpoint of step {step} asked for: a node joins the job from it"
+                        );
+                    }
                 }
                 Local::LeaderLost(why) => {
                     log::error!("{why}: this node stops its workers (exit 75: the job is requeued and resumes from its last checkpoint)");

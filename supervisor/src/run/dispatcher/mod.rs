@@ -849,6 +849,7 @@ impl Dispatcher {
             }
             FromWorker::Checkpointed { dir, step } => {
                 self.trainer.on_checkpointed(dir.clone(), step);
+                self.job_checkpointed(step, &dir);
                 self.run.event(
                     "checkpoint",
                     obj(json!({"worker": name.to_string(), "step": step, "dir": dir})),
