@@ -212,6 +212,20 @@ fn two_nodes_train_like_one_node_with_the_union_of_their_drafters() {
     let tmp = tempfile::tempdir().unwrap();
     let job = Job::new(tmp.path(), 2, &["--demo-samples", "64"]);
     let mut nodes = job.start("a");
+    // Bad peers while it trains: an HTTP request, and a frame that is not a message.
+    wait_for("a step of the job", T, || {
+        (!steps(&job.run_dir).is_empty()).then_some(())
+    });
+    // Their sockets stay open: the leader closes them.
+    let mut peers = Vec::new();
+    for bytes in [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec(),
+        [&10u32.to_be_bytes()[..], b"{\"msg\": 1}"].concat(),
+    ] {
+        let mut s = std::net::TcpStream::connect(("127.0.0.2", job.port)).unwrap();
+        std::io::Write::write_all(&mut s, &bytes).unwrap();
+        peers.push(s);
+    }
     for (r, n) in nodes.iter_mut().enumerate() {
         assert_eq!(n.wait(T), Some(0), "node {r}: {}", n.stderr());
     }
@@ -270,6 +284,15 @@ fn two_nodes_train_like_one_node_with_the_union_of_their_drafters() {
         err.contains("cluster: node 1 joined the leader at 127.0.0.2:"),
         "{err}"
     );
+    // Each bad peer was one line, and the run trained as above: unaffected.
+    let log = nodes[0].stderr();
+    let refused: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("cluster: refused a connection from"))
+        .collect();
+    assert_eq!(refused.len(), 2, "{log}");
+    assert!(refused.iter().any(|l| l.contains("a frame of")), "{log}");
+    assert!(refused.iter().any(|l| l.contains("not a message")), "{log}");
 }
 
 /// Every batch of the data trained exactly once over the job: the job's consumed batches
