@@ -210,7 +210,11 @@ fn two_nodes_train_like_one_node_with_the_union_of_their_drafters() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let job = Job::new(tmp.path(), 2, &["--demo-samples", "64"]);
+    let job = Job::new(
+        tmp.path(),
+        2,
+        &["--demo-samples", "64", "--metrics-interval", "1s"],
+    );
     let mut nodes = job.start("a");
     // Bad peers while it trains: an HTTP request, and a frame that is not a message.
     wait_for("a step of the job", T, || {
@@ -293,6 +297,20 @@ fn two_nodes_train_like_one_node_with_the_union_of_their_drafters() {
     assert_eq!(refused.len(), 2, "{log}");
     assert!(refused.iter().any(|l| l.contains("a frame of")), "{log}");
     assert!(refused.iter().any(|l| l.contains("not a message")), "{log}");
+    // One metrics stream: the leader's windows hold the follower's, its GPUs sampled by the
+    // follower's own supervisor (NVML stays in supervisors).
+    let windows = read_jsonl(&leader.join("metrics.jsonl"));
+    assert!(windows.iter().all(|w| w["node"] == 0), "{windows:?}");
+    let forwarded = windows
+        .iter()
+        .filter_map(|w| w["nodes"].get("1"))
+        .find(|w| w["gpu"]["gpus"].as_array().is_some_and(|g| g.len() == 2))
+        .unwrap_or_else(|| panic!("a window of node 1 with its two GPUs: {windows:?}"));
+    assert_eq!(forwarded["node"], 1);
+    assert!(
+        forwarded["workers"].get("drafter-0").is_some(),
+        "{forwarded}"
+    );
 }
 
 /// Every batch of the data trained exactly once over the job: the job's consumed batches

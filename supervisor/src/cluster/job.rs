@@ -47,6 +47,11 @@ pub enum Local {
     LeaderLost(String),
     /// A node joins the running job: checkpoint the next step for it.
     CheckpointForJoin,
+    /// The leader: another node's metrics window.
+    NodeWindow {
+        node: Node,
+        window: serde_json::Value,
+    },
 }
 
 /// What the link's threads received.
@@ -183,6 +188,29 @@ impl JobNode {
         out
     }
 
+    /// A follower sends its metrics window to the leader (one that does not fit a frame
+    /// is said once and kept to its own metrics.jsonl).
+    pub fn metrics(&mut self, window: &crate::telemetry::window::Window) {
+        let JobNode::Follower(f) = self else {
+            return;
+        };
+        let Ok(window) = serde_json::to_value(window) else {
+            return;
+        };
+        let msg = Msg::Metrics { window };
+        let fits = serde_json::to_vec(&msg).is_ok_and(|b| b.len() < link::MAX_FRAME as usize);
+        if !fits {
+            if !f.too_large_said {
+                f.too_large_said = true;
+                log::warn!("cluster: this node's metrics window is over a frame ({} KiB): it stays in this node's metrics.jsonl", link::MAX_FRAME / 1024);
+            }
+            return;
+        }
+        if let Err(e) = f.writer.send(&msg) {
+            log::warn!("cluster: cannot send to the leader at {}: {e}", f.leader);
+        }
+    }
+
     /// The leader's checkpoint of `step` is complete, in `dir`.
     pub fn checkpointed(&mut self, step: u64, dir: &str) -> Vec<Local> {
         let mut out = Vec::new();
@@ -315,6 +343,7 @@ impl LeaderNode {
                 self.leases.set_end(batches);
                 self.settle(out);
             }
+            Msg::Metrics { window } => out.push(Local::NodeWindow { node, window }),
             other => log::warn!(
                 "cluster: node {node} sent {}, which only the leader sends",
                 link::kind(&other)
@@ -509,6 +538,8 @@ pub struct FollowerNode {
     writer: link::Writer,
     leader: String,
     done: bool,
+    /// A metrics window over a frame was said.
+    too_large_said: bool,
 }
 
 /// Lead the job: write its secret into `run_dir`, listen, and wait until every other node
@@ -604,6 +635,7 @@ pub fn follow(
                     writer,
                     leader: t.leader.to_string(),
                     done: false,
+                    too_large_said: false,
                 };
                 return Ok((JobNode::Follower(node), rx, JobStart { step, checkpoint }));
             }

@@ -94,6 +94,9 @@ pub enum Msg {
     /// Leader → node: no batch is left to lend it (its ranks contribute nothing until
     /// the job is done).
     NoMore,
+    /// Node → leader: its metrics window (`crate::telemetry::window::Window`), for the
+    /// job's one metrics stream.
+    Metrics { window: serde_json::Value },
 }
 
 /// What a follower says of itself when it joins.
@@ -465,6 +468,7 @@ pub(crate) fn kind(m: &Msg) -> &'static str {
         Msg::GroupId { .. } => "an NCCL id",
         Msg::DataEnd { .. } => "the data's end",
         Msg::NoMore => "no more batches",
+        Msg::Metrics { .. } => "a metrics window",
     }
 }
 

@@ -827,6 +827,8 @@ fn run_data(
         feed,
         end,
         end_told: false,
+        rank: met.rank,
+        windows: Default::default(),
     };
     let data = dispatcher::Data {
         pipeline,

@@ -458,15 +458,25 @@ pub fn render(w: &Window) -> String {
     o.0
 }
 
-/// Each GPU's utilisation, memory, power, energy, temperature and clocks.
+/// Each GPU's utilisation, memory, power, energy, temperature and clocks; in a job across
+/// nodes, every node's (the leader's window holds the others'), labelled with its node.
 fn gpu_families(o: &mut Out, w: &Window) {
+    let windows: Vec<(Option<u32>, &Window)> = std::iter::once((w.node, w))
+        .chain(w.nodes.iter().map(|(n, x)| (Some(*n), x)))
+        .collect();
     for m in &crate::telemetry::nvml::GPU_METRICS {
         let Some(p) = m.prom else { continue };
         o.family(p.name, p.kind, p.help);
-        for g in &w.gpu.gpus {
-            let idx = g.index.to_string();
-            let v = g.stat(m.key, m.agg).map(|v| v * p.scale);
-            o.sample(p.name, &[("gpu", &idx)], v);
+        for (node, x) in &windows {
+            let node = node.map(|n| n.to_string());
+            for g in &x.gpu.gpus {
+                let idx = g.index.to_string();
+                let v = g.stat(m.key, m.agg).map(|v| v * p.scale);
+                match &node {
+                    Some(n) => o.sample(p.name, &[("node", n), ("gpu", &idx)], v),
+                    None => o.sample(p.name, &[("gpu", &idx)], v),
+                }
+            }
         }
     }
 }
@@ -715,6 +725,36 @@ mod tests {
             Err(e) => panic!("not closed within {within:?}: {e}"),
         }
         String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// A job's leader: its own GPUs and each other node's, labelled with the node; a run of
+    /// one node keeps its labels as they were.
+    #[test]
+    fn a_jobs_leader_shows_every_nodes_gpus_labelled_with_the_node() {
+        use serde_json::json;
+        let gpus = |util: f64| json!({"samples": 1, "gpus": [{"index": 0, "util_gpu_pct": {"mean": util, "max": util, "samples": 1}}]});
+        let one = render(&window(json!({ "gpu": gpus(10.0) })));
+        assert!(
+            one.contains("dflash_gpu_utilization_ratio{gpu=\"0\"} 0.1"),
+            "{one}"
+        );
+        let job = window(json!({
+            "node": 0,
+            "gpu": gpus(10.0),
+            "nodes": {"1": {"node": 1, "gpu": gpus(30.0)}},
+        }));
+        let page = render(&job);
+        assert!(
+            page.contains("dflash_gpu_utilization_ratio{node=\"0\",gpu=\"0\"} 0.1"),
+            "{page}"
+        );
+        assert!(
+            page.contains("dflash_gpu_utilization_ratio{node=\"1\",gpu=\"0\"} 0.3"),
+            "{page}"
+        );
+        // As metrics.jsonl holds it: the nodes' windows read back alike.
+        let line = serde_json::to_string(&job).unwrap();
+        assert_eq!(window(serde_json::from_str(&line).unwrap()), job);
     }
 
     /// A hundred clients that connect and say nothing hold no scrape up (served one after

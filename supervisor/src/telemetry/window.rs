@@ -36,6 +36,13 @@ pub struct Window {
     pub roles: BTreeMap<String, u64>,
     /// Devices moved between the roles over the run (`--targets auto`).
     pub role_moves: u64,
+    /// In a job across nodes: this window's node (0: the leader).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
+    /// On a job's leader: each other node's latest window (its GPUs as its supervisor's
+    /// NVML sampled them, its pipeline and workers), by node.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub nodes: BTreeMap<u32, Window>,
 }
 
 /// The GPU samples of a window.

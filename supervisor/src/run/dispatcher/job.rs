@@ -20,6 +20,10 @@ pub struct Job {
     pub end: Arc<AtomicU64>,
     /// The data's length was told to the leader.
     pub end_told: bool,
+    /// This node's rank.
+    pub rank: u32,
+    /// On the leader: each other node's latest metrics window.
+    pub windows: std::collections::BTreeMap<u32, crate::telemetry::window::Window>,
 }
 
 impl Dispatcher {
@@ -99,6 +103,14 @@ impl Dispatcher {
                         "the leader ended the job (its supervisor.log says why)".into(),
                     ));
                 }
+                Local::NodeWindow { node, window } => match serde_json::from_value(window) {
+                    Ok(w) => {
+                        if let Some(job) = self.job.as_mut() {
+                            job.windows.insert(node, w);
+                        }
+                    }
+                    Err(e) => log::warn!("cluster: node {node}'s metrics window: {e}"),
+                },
                 Local::CheckpointForJoin => {
                     if let Some(step) = self.trainer.request_checkpoint() {
                         log::info!(

@@ -75,6 +75,10 @@ impl Dispatcher {
         if let Some(p) = &self.cfg.prometheus {
             p.update(&record);
         }
+        if let Some(j) = self.job.as_mut() {
+            // A follower's window goes to the leader's metrics stream.
+            j.node.metrics(&record);
+        }
         let total = self.trainer.total_steps();
         let step = record.train.map_or(0, |t| t.step);
         crate::telemetry::console::status(Some(Status {
@@ -160,6 +164,12 @@ impl Dispatcher {
             workers,
             roles,
             role_moves: self.role_moves,
+            node: self.job.as_ref().map(|j| j.rank),
+            nodes: self
+                .job
+                .as_ref()
+                .map(|j| j.windows.clone())
+                .unwrap_or_default(),
         };
         (record, steady, before)
     }
