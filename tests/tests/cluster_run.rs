@@ -281,8 +281,18 @@ fn two_nodes_train_like_one_node_with_the_union_of_their_drafters() {
     assert!(per_node.iter().all(|&n| n > 0), "{per_node:?}");
     let contributors: u64 = job_steps.iter().map(|s| s.2).sum();
     assert_eq!(contributors, batches);
-    // The leader's checkpoint records the job's consumed batches, not its own only.
+    // The leader's checkpoint records the job's consumed batches, not its own only; the
+    // follower writes no checkpoint nor drafter of its own: the job's are the leader's.
     assert_eq!(checkpoint_consumed(leader), (batches, 0));
+    assert!(leader.join("drafter/model.safetensors").is_file());
+    assert!(!follower.join("drafter").exists());
+    assert_eq!(
+        std::fs::read_dir(follower.join("checkpoints"))
+            .unwrap()
+            .count(),
+        0,
+        "no checkpoint on the follower"
+    );
     let err = nodes[1].stderr();
     assert!(
         err.contains("cluster: node 1 joined the leader at 127.0.0.2:"),

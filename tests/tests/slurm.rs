@@ -57,6 +57,11 @@ exec '{}' --gpus cpu:2 --data demo --demo-samples 100000 --steps {STEPS} --check
 /// One start of the batch job: the script in a process group of its own (the job's
 /// cgroup).
 fn start_job(dir: &Path, script: &Path, bin_dir: &Path, attempt: u32) -> Child {
+    start_job_as(dir, script, bin_dir, attempt, "4242")
+}
+
+/// [`start_job`] with the job id `job_id`.
+fn start_job_as(dir: &Path, script: &Path, bin_dir: &Path, attempt: u32, job_id: &str) -> Child {
     let path = format!(
         "{}:{}",
         bin_dir.display(),
@@ -66,7 +71,7 @@ fn start_job(dir: &Path, script: &Path, bin_dir: &Path, attempt: u32) -> Child {
         .arg(script)
         .current_dir(dir)
         .env("PATH", path)
-        .env("SLURM_JOB_ID", "4242")
+        .env("SLURM_JOB_ID", job_id)
         .env("SLURM_RESTART_COUNT", attempt.to_string())
         .stdin(Stdio::null())
         .stdout(fs::File::create(dir.join(format!("out.{attempt}"))).unwrap())
@@ -174,4 +179,133 @@ fn the_documented_sbatch_script_checkpoints_at_the_notice_is_requeued_at_the_lim
     );
     let mut job = start_job(dir, &script_path, &bin_dir, 2);
     assert_eq!(end_of_job(&mut job, None), 0);
+}
+
+/// The multi-node script's shims: `srun` starts one task per node (two, on this machine:
+/// "nodes" 127.0.0.2 and 127.0.0.3) with Slurm's variables and forwards signals to them
+/// as srun does; `dflash-supervise` runs the real one on two emulated GPUs per node with
+/// the demo data; `scontrol` records the requeue. Its forwarding of SIGTERM comes a moment
+/// after Slurm's own (two signals at once would merge into one).
+fn multi_node_shims(dir: &Path) -> PathBuf {
+    let bin_dir = shims(dir);
+    let env: String = emulated(dir, 2)
+        .iter()
+        .map(|(k, v)| format!("export {k}='{v}'\n"))
+        .collect();
+    let sup = format!(
+        r#"#!/bin/sh
+{env}run_dir=; resume=; prev=
+for a in "$@"; do
+  [ "$prev" = --run-dir ] && run_dir=$a
+  [ "$a" = --resume-if-exists ] && resume=$a
+  prev=$a
+done
+exec '{}' --gpus 0,1 --targets 1 --data demo --demo-samples 100000 --max-seq-len 16 \
+    --token-budget 128 --steps {STEPS} --checkpoint-every 0 --node-timeout 10s \
+    --run-dir "$run_dir" $resume
+"#,
+        bin("dflash-supervise").display()
+    );
+    let srun = r#"#!/bin/bash
+while [ "${1#--}" != "$1" ]; do shift; done
+pids=()
+for i in 0 1; do
+  SLURM_PROCID=$i SLURM_STEP_NUM_TASKS=2 SLURM_STEP_NUM_NODES=2 \
+    SLURM_STEP_NODELIST=127.0.0.2,127.0.0.3 "$@" &
+  pids+=($!)
+done
+trap 'kill -USR1 "${pids[@]}"' USR1
+trap 'sleep 0.3; kill -TERM "${pids[@]}"' TERM
+code=0
+for p in "${pids[@]}"; do
+  # A trapped signal ends a wait early (128 + its number): wait until the task has ended.
+  while kill -0 $p 2>/dev/null; do wait $p; done
+  wait $p; c=$?
+  [ $c -gt $code ] && code=$c
+done
+exit $code
+"#;
+    for (name, text) in [("dflash-supervise", sup.as_str()), ("srun", srun)] {
+        let p = bin_dir.join(name);
+        fs::write(&p, text).unwrap();
+        let mut perm = fs::metadata(&p).unwrap().permissions();
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+        fs::set_permissions(&p, perm).unwrap();
+    }
+    bin_dir
+}
+
+/// A job id whose derived leader port (20000 + id % 20000) is free on 127.0.0.2 now.
+fn job_id_with_a_free_port() -> u32 {
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+        let port = u32::from(l.local_addr().unwrap().port());
+        if (20000..40000).contains(&port) {
+            return port - 20000;
+        }
+    }
+}
+
+/// The multi-node script of the documentation, as written there, with two nodes on this
+/// machine: the notice reaches every node through srun, the time limit's SIGTERM reaches
+/// every supervisor twice (from Slurm and forwarded by srun) and is one stop, every node
+/// exits 75, the script requeues, and the requeued job resumes from the leader's
+/// checkpoint and finishes.
+#[test]
+fn the_documented_multi_node_sbatch_script_is_requeued_at_the_limit_and_resumes() {
+    if skip_without_nvrtc() {
+        return;
+    }
+    let (from, script) = documented_multi_node_sbatch_script();
+    assert!(script.contains("srun"), "{}", from.display());
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let script_path = dir.join("job.sbatch");
+    fs::write(&script_path, &script).unwrap();
+    let bin_dir = multi_node_shims(dir);
+    let run_dir = script
+        .split_whitespace()
+        .skip_while(|w| *w != "--run-dir")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{}: the script names no --run-dir", from.display()));
+    let run = dir.join(run_dir);
+    let id = job_id_with_a_free_port().to_string();
+
+    let mut job = start_job_as(dir, &script_path, &bin_dir, 0, &id);
+    wait_for("training under way", T, || {
+        (last_step(&run) >= 3).then_some(())
+    });
+    signal(job.id(), Signal::SIGUSR1);
+    wait_for("the notice's checkpoint", T, || {
+        fs::read_dir(run.join("checkpoints"))
+            .ok()?
+            .flatten()
+            .any(|e| e.path().join("meta.json").is_file())
+            .then_some(())
+    });
+    assert!(
+        last_step(&run) < STEPS,
+        "the job ended before its time limit"
+    );
+    killpg(Pid::from_raw(job.id() as i32), Signal::SIGTERM).unwrap();
+    let code = end_of_job(&mut job, Some(Instant::now() + KILL_WAIT));
+    let err0 = fs::read_to_string(dir.join("err.0")).unwrap_or_default();
+    assert_eq!(code, 75, "the first start\n{err0}");
+    assert!(
+        err0.contains("again within 3s"),
+        "one stop, though twice: {err0}"
+    );
+    let requeues = fs::read_to_string(dir.join("requeues")).unwrap_or_default();
+    assert_eq!(requeues.trim(), format!("requeue {id}"), "{err0}");
+
+    let mut job = start_job_as(dir, &script_path, &bin_dir, 1, &id);
+    let code = end_of_job(&mut job, None);
+    let err1 = fs::read_to_string(dir.join("err.1")).unwrap_or_default();
+    assert_eq!(code, 0, "the requeued start\n{err1}");
+    assert!(err1.contains("the job resumes at step"), "{err1}");
+    let finished: Value =
+        serde_json::from_str(&fs::read_to_string(run.join("finished.json")).unwrap()).unwrap();
+    assert_eq!(finished["step"], STEPS);
+    let followers = fs::read_dir(run.join("nodes")).unwrap().count();
+    assert_eq!(followers, 2, "one directory per session of node 1");
 }

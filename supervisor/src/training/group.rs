@@ -1644,6 +1644,9 @@ impl Group {
     pub fn stop_checkpoint(&mut self) -> Out {
         self.phase = self.phase.frozen();
         let mut out = Out::default();
+        if !self.saves_checkpoints() {
+            return out;
+        }
         let held = self
             .snapshot_asked
             .map_or(self.snapshot.map(|(_, s)| s), |(_, _, at)| Some(at));
@@ -1684,6 +1687,9 @@ impl Group {
     /// snapshot holds a step newer than the newest checkpoint, write it as one.
     pub fn checkpoint_held_snapshot(&mut self) -> Option<Action> {
         let (_, step) = self.snapshot?;
+        if !self.saves_checkpoints() {
+            return None;
+        }
         if !self.members.is_empty() || step <= self.saved_step() || step > self.committed {
             return None;
         }
@@ -1723,7 +1729,10 @@ impl Group {
     /// for it stops the run at once (a skipped checkpoint is a failed one: training on
     /// would leave every step since the newest checkpoint unsaved), said once.
     pub fn checkpoint(&mut self) -> Vec<Action> {
-        if self.members.is_empty() || self.committed <= self.checkpointed {
+        if self.members.is_empty()
+            || self.committed <= self.checkpointed
+            || !self.saves_checkpoints()
+        {
             return vec![];
         }
         if let Err(why) = self.view.room_for(self.committed, self.checkpoint_bytes()) {

@@ -213,6 +213,11 @@ impl Trainer {
         self.carry_out(out)
     }
 
+    /// Does this run write checkpoints (not a job's follower: the leader writes the job's)?
+    pub fn saves_checkpoints(&self) -> bool {
+        self.group.saves_checkpoints()
+    }
+
     /// This run is node `node` of a job across nodes (see [`Group::join_job`]).
     pub fn join_job(&mut self, node: u32) {
         self.group.join_job(node);

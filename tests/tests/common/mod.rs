@@ -358,6 +358,18 @@ pub fn supervise(args: &[&str], cwd: Option<&Path>) -> Output {
 /// The documented sbatch script: the first `sh` block of README.md or docs/*.md that
 /// requeues with `scontrol requeue`.
 pub fn documented_sbatch_script() -> (PathBuf, String) {
+    documented_script(|body| !body.contains("srun "))
+}
+
+/// The multi-node sbatch script of the docs (the one that starts the supervisors with
+/// srun), as written there.
+pub fn documented_multi_node_sbatch_script() -> (PathBuf, String) {
+    documented_script(|body| body.contains("srun "))
+}
+
+/// The first sbatch script with `scontrol requeue` in README.md or docs/*.md that `pick`
+/// takes, and the file it is in.
+fn documented_script(pick: impl Fn(&str) -> bool) -> (PathBuf, String) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let mut files = vec![root.join("README.md")];
     if let Ok(d) = fs::read_dir(root.join("docs")) {
@@ -373,7 +385,7 @@ pub fn documented_sbatch_script() -> (PathBuf, String) {
         let text = fs::read_to_string(&f).unwrap_or_default();
         for block in text.split("```sh\n").skip(1) {
             let body = block.split("```").next().unwrap_or("");
-            if body.contains("#SBATCH") && body.contains("scontrol requeue") {
+            if body.contains("#SBATCH") && body.contains("scontrol requeue") && pick(body) {
                 return (f, body.to_string());
             }
         }

@@ -165,7 +165,7 @@ impl Dispatcher {
     /// such a run a success (`end` becomes a failure).
     fn unsaved_steps(&self, end: RunEnd) -> RunEnd {
         let (committed, saved) = (self.trainer.committed(), self.trainer.saved_step());
-        if committed <= saved {
+        if committed <= saved || !self.trainer.saves_checkpoints() {
             return end;
         }
         let kept = self
@@ -233,6 +233,10 @@ impl Dispatcher {
 
     /// Where the drafter was written, or why none was (`export_failure`: the export's).
     fn say_drafter(&self, export_failure: Option<&str>) {
+        if !self.trainer.saves_checkpoints() {
+            crate::say!("dflash-supervise: this node's drafter is the job's: the leader writes its checkpoints and the drafter");
+            return;
+        }
         match (&self.trainer.progress().exported, export_failure) {
             (_, Some(why)) => crate::say!("dflash-supervise: {why}"),
             (Some(dir), None) => crate::say!(

@@ -77,6 +77,9 @@ const TICK: Duration = Duration::from_millis(50);
 /// means the supervisor was not watching its workers: see
 /// [`Dispatcher::resume_after_pause`].
 const PAUSE: Duration = Duration::from_secs(2);
+/// In a job across nodes, the same stop signal again within this long is the same stop
+/// (srun forwards to its tasks the signal Slurm sends every process of the job).
+const SAME_STOP_SIGNAL: Duration = Duration::from_secs(3);
 /// Events handled in one turn at most, before the timers.
 const MAX_EVENTS_PER_TURN: usize = 4096;
 /// How long a dead worker's control channel may stay open before its death is handled
@@ -270,6 +273,8 @@ pub struct Dispatcher {
     moving: Option<moves::Moving>,
     /// Moves made over this session.
     role_moves: u64,
+    /// The stop signal that began the stop, and when.
+    stop_signal_at: Option<(Signal, Instant)>,
 }
 
 impl Dispatcher {
@@ -342,6 +347,7 @@ impl Dispatcher {
                 .map(|b| crate::run::balance::Balancer::new(b, Instant::now())),
             moving: None,
             role_moves: 0,
+            stop_signal_at: None,
             cfg,
         })
     }
@@ -616,6 +622,7 @@ impl Dispatcher {
             }
             _ => match self.phase {
                 Phase::Running => {
+                    self.stop_signal_at = Some((signal, self.now));
                     log::info!(
                         "{} received: stopping workers (up to {} before they are killed; Ctrl-C again to kill now)",
                         signal.as_str(),
@@ -625,6 +632,19 @@ impl Dispatcher {
                         "{} received",
                         signal.as_str()
                     )));
+                }
+                _ if self.job.is_some()
+                    && self.stop_signal_at.is_some_and(|(first, at)| {
+                        first == signal && self.now.saturating_duration_since(at) < SAME_STOP_SIGNAL
+                    }) =>
+                {
+                    // Slurm signals every process of the job and srun forwards what it gets
+                    // to its tasks: one stop reaches a node of a job twice.
+                    log::info!(
+                        "{} again within {}s (srun forwards the signal Slurm sends the whole job): the same stop",
+                        signal.as_str(),
+                        SAME_STOP_SIGNAL.as_secs()
+                    );
                 }
                 _ => {
                     log::warn!(

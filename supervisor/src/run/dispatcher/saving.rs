@@ -105,6 +105,10 @@ impl Dispatcher {
                 format!("{gone}; nothing is written to a removed run directory")
             });
         }
+        if !self.trainer.saves_checkpoints() {
+            // A job's follower: the leader writes the job's checkpoints and drafter.
+            return None;
+        }
         if let Some(a) = self.trainer.checkpoint_held_snapshot() {
             self.execute(vec![a]);
         }

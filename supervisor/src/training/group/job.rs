@@ -76,6 +76,11 @@ impl Group {
         });
     }
 
+    /// Does this group write checkpoints? Not a follower's: the leader writes the job's.
+    pub fn saves_checkpoints(&self) -> bool {
+        self.job.as_ref().is_none_or(|j| j.offset == 0)
+    }
+
     /// The members of the group: the job's ranks in a job, else this node's.
     pub(super) fn group_size(&self) -> usize {
         match self.job.as_ref().and_then(|j| j.ranks.as_ref()) {
