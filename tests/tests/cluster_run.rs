@@ -20,28 +20,10 @@ const T: Duration = Duration::from_secs(300);
 
 /// The flags of every run here: small batches of the built-in data, one target and one
 /// drafter per node.
-const RUN: [&str; 12] = [
-    "--targets",
-    "1",
-    "--data",
-    "demo",
-    "--max-seq-len",
-    "16",
-    "--token-budget",
-    "128",
-    "--stable-after",
-    "200ms",
-    "--node-timeout",
-    "10s",
-];
-
-/// A free port on 127.0.0.2 (bound and let go: the leader binds it next).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.2:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+fn run_flags() -> Vec<&'static str> {
+    let mut v = SMALL_GPU_RUN.to_vec();
+    v.extend(["--node-timeout", "10s"]);
+    v
 }
 
 /// One node's supervisor.
@@ -121,7 +103,7 @@ impl Job {
             "--leader",
             &leader,
         ]);
-        args.extend(RUN);
+        args.extend(run_flags());
         args.extend(self.extra.iter().map(String::as_str));
         Node::start(&self.tmp, &self.env, &args, &format!("{tag}-node{rank}"))
     }
@@ -168,7 +150,8 @@ fn state(run_dir: &Path) -> Value {
 }
 
 /// The ledger of one node's run directory: its audit passes, nothing lost or duplicated.
-fn clean_ledger(run_dir: &Path) {
+/// Returns the audit (with the leader's, `job`: every node's batches).
+fn clean_ledger(run_dir: &Path) -> Value {
     let out = supervise(
         &["ledger", "--run-dir", run_dir.to_str().unwrap(), "--json"],
         None,
@@ -181,6 +164,25 @@ fn clean_ledger(run_dir: &Path) {
         "{}: {audit}",
         run_dir.display()
     );
+    audit
+}
+
+/// The leader's audit of the job (`job.jsonl`): every batch of the data consumed exactly
+/// once over all the nodes, and the job done.
+fn clean_job(run_dir: &Path, batches: u64) -> Value {
+    let job = clean_ledger(run_dir)["job"].clone();
+    assert_eq!(
+        (
+            job["consumed_once"].as_u64(),
+            job["duplicated"].as_u64(),
+            job["missing"].as_u64(),
+            job["data_batches"].as_u64(),
+            job["done"].as_bool()
+        ),
+        (Some(batches), Some(0), Some(0), Some(batches), Some(true)),
+        "{job}"
+    );
+    job
 }
 
 /// The consumed batches the newest checkpoint of `run_dir` records (`consumed_below`, and
@@ -238,7 +240,7 @@ fn two_nodes_train_like_one_node_with_the_union_of_their_drafters() {
     // One node with a target and both drafters, over the same data.
     let one = tmp.path().join("one");
     let mut args = vec!["--gpus", "0,1,2", "--run-dir", one.to_str().unwrap()];
-    args.extend(RUN);
+    args.extend(run_flags());
     args.extend(["--demo-samples", "64"]);
     let env = emulated(tmp.path(), 3);
     let mut single = Node::start(tmp.path(), &env, &args, "one");
@@ -270,9 +272,9 @@ fn two_nodes_train_like_one_node_with_the_union_of_their_drafters() {
     );
     // Every batch trained exactly once across the job: each node's ledger is clean, the
     // nodes' batches add up to the one node's, and so do the steps' contributors.
-    clean_ledger(leader);
     clean_ledger(&follower);
     let batches = state(&one)["batches_consumed"].as_u64().unwrap();
+    assert_eq!(clean_job(leader, batches)["nodes"], 2);
     let per_node: Vec<u64> = [leader.as_path(), follower.as_path()]
         .iter()
         .map(|d| state(d)["batches_consumed"].as_u64().unwrap())
@@ -396,6 +398,8 @@ fn a_follower_killed_mid_run_costs_nothing_and_started_again_it_rejoins() {
         "{log}"
     );
     let job_steps = every_batch_once(&job, &log);
+    let audit = clean_job(&job.run_dir, checkpoint_consumed(&job.run_dir).0);
+    assert_eq!(audit["losses"], 1, "{audit}");
     assert_eq!(
         job_steps[0].3, 3,
         "three nodes' drafters at first: {job_steps:?}"
@@ -412,11 +416,7 @@ fn a_follower_killed_mid_run_costs_nothing_and_started_again_it_rejoins() {
         "{rejoined:?}"
     );
     assert_eq!(rejoined.last(), job_steps.last());
-    for d in [
-        job.run_dir.clone(),
-        job.follower_dir(1),
-        job.follower_dir(2),
-    ] {
+    for d in [job.follower_dir(1), job.follower_dir(2)] {
         clean_ledger(&d);
     }
 }
@@ -427,7 +427,7 @@ fn a_follower_frozen_past_the_node_timeout_is_lost_and_thawed_it_ends_with_75() 
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let job = Job::new(tmp.path(), 2, &["--demo-samples", "200"]);
+    let job = Job::new(tmp.path(), 2, &["--demo-samples", "120"]);
     let mut nodes = job.start("a");
     wait_for("two steps of the job", T, || {
         (steps(&job.run_dir).len() >= 2).then_some(())
@@ -449,6 +449,8 @@ fn a_follower_frozen_past_the_node_timeout_is_lost_and_thawed_it_ends_with_75() 
     assert_eq!(nodes[1].wait(T), Some(75), "{}", nodes[1].stderr());
     assert_eq!(nodes[0].wait(T), Some(0), "{}", nodes[0].stderr());
     let job_steps = every_batch_once(&job, &nodes[0].stderr());
+    let audit = clean_job(&job.run_dir, checkpoint_consumed(&job.run_dir).0);
+    assert_eq!(audit["losses"], 1, "{audit}");
     assert_eq!(
         job_steps.last().unwrap().3,
         1,
@@ -472,7 +474,7 @@ fn the_leaders_loss_ends_every_follower_with_75_and_the_relaunch_resumes() {
         2,
         &[
             "--demo-samples",
-            "200",
+            "160",
             "--checkpoint-every",
             "2",
             "--resume-if-exists",
@@ -547,4 +549,6 @@ fn the_leaders_loss_ends_every_follower_with_75_and_the_relaunch_resumes() {
     let job_steps = steps(&job.run_dir);
     let (below, extra) = checkpoint_consumed(&job.run_dir);
     assert_eq!((lineage, extra), (below, 0), "{job_steps:?}");
+    let audit = clean_job(&job.run_dir, below);
+    assert_eq!(audit["resumes"], 1, "{audit}");
 }

@@ -47,19 +47,6 @@ fn start(args: &[&str], env: &[(String, String)]) -> Sup {
     Sup::start_real_env(args, &env)
 }
 
-const RUN: [&str; 10] = [
-    "--targets",
-    "1",
-    "--data",
-    "demo",
-    "--max-seq-len",
-    "16",
-    "--token-budget",
-    "128",
-    "--stable-after",
-    "200ms",
-];
-
 /// The step records of train.jsonl (not its τ records).
 fn steps(sup: &Sup) -> Vec<Value> {
     read_jsonl(&sup.run_dir.join("train.jsonl"))
@@ -100,7 +87,7 @@ fn four_emulated_gpus_train_in_one_nccl_group_like_the_cpu_run_and_keep_cuda_out
         "--gpu-sample-interval",
         "200ms",
     ];
-    args.extend(RUN);
+    args.extend(SMALL_GPU_RUN);
     let mut sup = start(&args, &env);
 
     // Isolation, while it runs: the supervisor maps NVML and no CUDA library; each worker
@@ -179,7 +166,7 @@ fn four_emulated_gpus_train_in_one_nccl_group_like_the_cpu_run_and_keep_cuda_out
     // The same run on CPU workers: the same batches per step (the dispatcher hands them out
     // in order), so the same losses up to bf16 (the GPU drafter's GEMMs take bf16 inputs).
     let mut args = vec!["--gpus", "cpu:4", "--steps", "6"];
-    args.extend(RUN);
+    args.extend(SMALL_GPU_RUN);
     let mut cpu = Sup::start_real(&args);
     assert_eq!(cpu.wait_exit(T).code(), Some(0), "{}", cpu.stderr());
     let cpu = steps(&cpu);
@@ -219,7 +206,7 @@ fn an_emulated_gpu_drafter_killed_in_an_nccl_all_reduce_leaves_the_step_to_the_s
         "50",
         "--no-gpu-metrics",
     ];
-    args.extend(RUN);
+    args.extend(SMALL_GPU_RUN);
     let mut sup = start(&args, &env);
     let status = sup.wait_exit(T);
     assert_eq!(status.code(), Some(0), "{}", sup.stderr());

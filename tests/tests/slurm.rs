@@ -21,6 +21,8 @@ const T: Duration = Duration::from_secs(180);
 /// Slurm's default KillWait.
 const KILL_WAIT: Duration = Duration::from_secs(30);
 const STEPS: u64 = 40;
+/// Steps of the multi-node script's job (two supervisors on emulated GPUs).
+const MULTI_STEPS: u64 = 16;
 
 /// `dflash-supervise` for the script: the real one on CPU workers with the demo data, with
 /// the script's `--run-dir` and `--resume-if-exists` (its model, data and GPUs are a real
@@ -44,14 +46,17 @@ exec '{}' --gpus cpu:2 --data demo --demo-samples 100000 --steps {STEPS} --check
         "#!/bin/sh\necho \"$@\" >> '{}'\n",
         dir.join("requeues").display()
     );
-    for (name, text) in [("dflash-supervise", sup), ("scontrol", scontrol)] {
-        let p = bin_dir.join(name);
-        fs::write(&p, text).unwrap();
-        let mut perm = fs::metadata(&p).unwrap().permissions();
-        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-        fs::set_permissions(&p, perm).unwrap();
-    }
+    write_exe(&bin_dir.join("dflash-supervise"), &sup);
+    write_exe(&bin_dir.join("scontrol"), &scontrol);
     bin_dir
+}
+
+/// An executable script at `p`.
+fn write_exe(p: &Path, text: &str) {
+    fs::write(p, text).unwrap();
+    let mut perm = fs::metadata(p).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
+    fs::set_permissions(p, perm).unwrap();
 }
 
 /// One start of the batch job: the script in a process group of its own (the job's
@@ -201,7 +206,7 @@ for a in "$@"; do
   prev=$a
 done
 exec '{}' --gpus 0,1 --targets 1 --data demo --demo-samples 100000 --max-seq-len 16 \
-    --token-budget 128 --steps {STEPS} --checkpoint-every 0 --node-timeout 10s \
+    --token-budget 128 --steps {MULTI_STEPS} --checkpoint-every 0 --node-timeout 10s \
     --run-dir "$run_dir" $resume
 "#,
         bin("dflash-supervise").display()
@@ -225,13 +230,8 @@ for p in "${pids[@]}"; do
 done
 exit $code
 "#;
-    for (name, text) in [("dflash-supervise", sup.as_str()), ("srun", srun)] {
-        let p = bin_dir.join(name);
-        fs::write(&p, text).unwrap();
-        let mut perm = fs::metadata(&p).unwrap().permissions();
-        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o755);
-        fs::set_permissions(&p, perm).unwrap();
-    }
+    write_exe(&bin_dir.join("dflash-supervise"), &sup);
+    write_exe(&bin_dir.join("srun"), srun);
     bin_dir
 }
 
@@ -284,7 +284,7 @@ fn the_documented_multi_node_sbatch_script_is_requeued_at_the_limit_and_resumes(
             .then_some(())
     });
     assert!(
-        last_step(&run) < STEPS,
+        last_step(&run) < MULTI_STEPS,
         "the job ended before its time limit"
     );
     killpg(Pid::from_raw(job.id() as i32), Signal::SIGTERM).unwrap();
@@ -305,7 +305,7 @@ fn the_documented_multi_node_sbatch_script_is_requeued_at_the_limit_and_resumes(
     assert!(err1.contains("the job resumes at step"), "{err1}");
     let finished: Value =
         serde_json::from_str(&fs::read_to_string(run.join("finished.json")).unwrap()).unwrap();
-    assert_eq!(finished["step"], STEPS);
+    assert_eq!(finished["step"], MULTI_STEPS);
     let followers = fs::read_dir(run.join("nodes")).unwrap().count();
     assert_eq!(followers, 2, "one directory per session of node 1");
 }

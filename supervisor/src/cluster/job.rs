@@ -13,6 +13,7 @@ use std::path::Path;
 use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
+use super::journal::Journal;
 use super::leases::{Leases, Node};
 use super::link::{self, Auth, Event, FromLeader, Listener, Msg, NodeInfo, Peer};
 use super::secret::{hex, unhex, Secret};
@@ -262,6 +263,9 @@ pub struct LeaderNode {
     /// A node joining the running job, and how long it may take.
     joining: Option<Joining>,
     join_timeout: Duration,
+    /// The job's ledger (`job.jsonl`), and the data's length once known.
+    journal: Journal,
+    data_end: Option<u64>,
 }
 
 /// A node joins a running job: the job commits up to step `after`, whose checkpoint the
@@ -340,6 +344,10 @@ impl LeaderNode {
                 }
             }
             Msg::DataEnd { batches } => {
+                if self.data_end.is_none() {
+                    self.data_end = Some(batches);
+                    self.journal.end_of_data(batches);
+                }
                 self.leases.set_end(batches);
                 self.settle(out);
             }
@@ -363,6 +371,7 @@ impl LeaderNode {
 
     fn commit(&mut self, c: Commit, out: &mut Vec<Local>) {
         let contributors = c.batches.values().map(Vec::len).sum();
+        self.journal.commit(c.step, &c.batches);
         for (n, b) in &c.batches {
             if let Err(e) = self.leases.consumed(*n, b) {
                 log::error!("cluster: step {}: {e}", c.step);
@@ -469,6 +478,7 @@ impl LeaderNode {
         }
         if self.leases.done() {
             self.done = true;
+            self.journal.done();
             log::info!(
                 "cluster: all {} batches of the job consumed",
                 self.leases.consumed_count()
@@ -518,8 +528,14 @@ impl LeaderNode {
                     return;
                 };
                 p.close();
+                if self.done {
+                    // The job is over: its nodes end.
+                    log::info!("cluster: node {rank} left ({why})");
+                    return;
+                }
                 self.no_more.remove(&rank);
                 let back = self.leases.lost(rank);
+                self.journal.lost(rank, &back);
                 log::warn!(
                     "cluster: node {rank} lost ({why}): the job goes on without it; its {} outstanding batch(es) go to the other nodes",
                     back.len()
@@ -594,6 +610,8 @@ pub fn lead(
         peers.insert(rank, peer);
     }
     crate::say!("cluster: all {} nodes joined; the job starts", t.nodes);
+    let mut journal = Journal::open(run_dir);
+    journal.start(start.step);
     let node = LeaderNode {
         steps: Steps::new(start.step + 1, ME, &[]),
         leases,
@@ -603,6 +621,8 @@ pub fn lead(
         next_beat: Instant::now(),
         joining: None,
         join_timeout,
+        journal,
+        data_end: None,
     };
     Ok((JobNode::Leader(Box::new(node)), rx))
 }
@@ -670,6 +690,8 @@ mod tests {
             next_beat: Instant::now(),
             joining: None,
             join_timeout: Duration::from_secs(60),
+            journal: Journal::none(),
+            data_end: None,
         }
     }
 

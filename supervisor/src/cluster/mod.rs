@@ -12,6 +12,7 @@
 //! simulated nodes.
 
 pub mod job;
+pub mod journal;
 pub mod leases;
 pub mod link;
 pub mod secret;

@@ -18,6 +18,8 @@
 //! eval: {step, loss, acceptance, best_step} | null (the last held-out eval, --eval-data)
 //! restarts: total over the run
 //! workers: {name: {state, pid, restarts, batches_served_share}}
+//! node: this window's node (a job across nodes)
+//! nodes: {node: window} (a job's leader: every other node's latest window)
 //! ```
 
 use std::fs::{File, OpenOptions};

@@ -1934,6 +1934,65 @@ fn throughput(run: &Run, absent: &mut Absent) -> String {
     c.render(&|_| String::new())
 }
 
+/// A job across nodes: each node's windows as the leader's metrics.jsonl holds them (its
+/// own, and under `nodes` the latest of every other node at each of its windows; one
+/// window of a node counted once).
+fn node_windows(run: &Run) -> BTreeMap<u32, Vec<&Window>> {
+    let mut by: BTreeMap<u32, Vec<&Window>> = BTreeMap::new();
+    for m in &run.metrics {
+        if let Some(n) = m.node {
+            by.entry(n).or_default().push(m);
+        }
+        for (n, w) in &m.nodes {
+            let seen = by.entry(*n).or_default();
+            if seen.last().is_none_or(|l| l.time != w.time) {
+                seen.push(w);
+            }
+        }
+    }
+    by
+}
+
+/// A job across nodes: per node, its GPUs (sampled by its own supervisor), how busy they
+/// were, the tokens/s it trained and its restarts; `None` for a run of one node.
+fn nodes(run: &Run) -> Option<String> {
+    let by = node_windows(run);
+    if by.is_empty() {
+        return None;
+    }
+    let mut h = String::from(
+        r#"<table class="nodes"><tr><th>node</th><th>windows</th><th>GPUs</th><th>GPU busy (mean)</th><th>tokens/s trained (mean)</th><th>restarts</th></tr>"#,
+    );
+    for (node, ws) in &by {
+        let gpus = ws.iter().map(|w| w.gpu.gpus.len()).max().unwrap_or(0);
+        let busy: Vec<f64> = ws
+            .iter()
+            .flat_map(|w| w.gpu.gpus.iter())
+            .filter_map(|g| g.stat("util_gpu_pct", Agg::Mean))
+            .collect();
+        let busy = match busy.is_empty() {
+            true => "—".to_string(),
+            false => format!("{:.0}%", busy.iter().sum::<f64>() / busy.len() as f64),
+        };
+        let tps = ws
+            .iter()
+            .map(|w| w.pipeline.tokens_per_s_trained)
+            .sum::<f64>()
+            / ws.len() as f64;
+        let restarts = ws.last().map_or(0, |w| w.restarts);
+        let _ = write!(
+            h,
+            r#"<tr data-node="{node}"><td>{node}{}</td><td>{}</td><td>{gpus}</td><td>{busy}</td><td>{}</td><td>{restarts}</td></tr>"#,
+            if *node == 0 { " (leader)" } else { "" },
+            ws.len(),
+            fmt_num(tps)
+        );
+    }
+    h.push_str("</table>");
+    h.push_str(r#"<p class="note">Each node's supervisor samples its own GPUs (NVML) and sends its windows to the leader; the charts above are the leader's node.</p>"#);
+    Some(h)
+}
+
 fn why_no_metrics(run: &Run) -> String {
     if run.live {
         "no metrics window written yet (the first is written after --metrics-interval)".into()
@@ -2874,6 +2933,9 @@ pub fn render(dir: &Path) -> String {
     for (title, body) in &sections {
         let _ = write!(h, "<h2>{}</h2>{body}", esc(title));
     }
+    if let Some(body) = nodes(&run) {
+        let _ = write!(h, "<h2>Nodes</h2>{body}");
+    }
     h.push_str(r#"<h2>Not shown</h2><ul class="not-shown">"#);
     if absent.0.is_empty() && run.torn.is_empty() {
         h.push_str("<li>nothing: every series the report draws was recorded</li>");
@@ -2953,6 +3015,54 @@ mod tests {
                 Some(((x, x + w), xs))
             })
             .collect()
+    }
+
+    /// A job's leader: a Nodes table with its own windows and those it kept of node 1 (a
+    /// window of node 1 repeated in two of the leader's counted once); none for one node.
+    #[test]
+    fn a_jobs_report_has_a_row_per_node_from_the_windows_the_leader_kept() {
+        let gpu = |util: f64| {
+            format!(
+                r#"{{"samples": 1, "gpus": [{{"index": 0, "util_gpu_pct": {{"mean": {util}, "max": {util}, "samples": 1}}}}]}}"#
+            )
+        };
+        let follower = |t: &str, tps: f64| {
+            format!(
+                r#"{{"time": "2026-01-01T{t}.000Z", "window_s": 10.0, "node": 1, "gpu": {}, "pipeline": {{"tokens_per_s_trained": {tps}}}, "restarts": 2}}"#,
+                gpu(80.0)
+            )
+        };
+        let leader = |t: &str, f: &str| {
+            format!(
+                r#"{{"time": "2026-01-01T{t}.000Z", "window_s": 10.0, "node": 0, "gpu": {}, "pipeline": {{"tokens_per_s_trained": 100.0}}, "nodes": {{"1": {f}}}}}"#,
+                gpu(40.0)
+            )
+        };
+        let metrics = [
+            leader("00:00:10", &follower("00:00:09", 90.0)),
+            leader("00:00:20", &follower("00:00:09", 90.0)),
+            leader("00:00:30", &follower("00:00:29", 110.0)),
+        ]
+        .join("\n");
+        let d = run_dir(&[("state.json", STATE), ("metrics.jsonl", &metrics)]);
+        let page = render(d.path());
+        let row = |n: u32| {
+            let at = page
+                .find(&format!(r#"<tr data-node="{n}">"#))
+                .unwrap_or_else(|| panic!("a row of node {n}: {page}"));
+            page[at..].split("</tr>").next().unwrap().to_string()
+        };
+        assert!(page.contains("<h2>Nodes</h2>"), "{page}");
+        assert_eq!(
+            row(0),
+            r#"<tr data-node="0"><td>0 (leader)</td><td>3</td><td>1</td><td>40%</td><td>100</td><td>0</td>"#
+        );
+        assert_eq!(
+            row(1),
+            r#"<tr data-node="1"><td>1</td><td>2</td><td>1</td><td>80%</td><td>100</td><td>2</td>"#
+        );
+        let one = run_dir(&[("state.json", STATE), ("metrics.jsonl", NO_GPU_WINDOW)]);
+        assert!(!render(one.path()).contains("<h2>Nodes</h2>"));
     }
 
     #[test]

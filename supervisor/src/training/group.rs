@@ -1213,7 +1213,13 @@ impl Group {
         {
             return out;
         }
-        // The members with no batch contribute nothing (the all-reduce needs every member).
+        self.abstain_idle(now, &mut out);
+        out
+    }
+
+    /// The members with no batch for the step in flight contribute nothing to it (the
+    /// all-reduce needs every member), so it commits over those who have one.
+    fn abstain_idle(&mut self, now: Instant, out: &mut Out) {
         let step = self.committed + 1;
         let idle: Vec<usize> = self
             .members
@@ -1225,8 +1231,7 @@ impl Group {
             self.abstained.insert(w);
             out.push(Action::Send(w, ToWorker::Abstain { step }));
         }
-        self.try_commit(now, &mut out);
-        out
+        self.try_commit(now, out);
     }
 
     /// Commit once every member holds a gradient (or abstains) and has reduced it in the

@@ -550,3 +550,26 @@ pub fn emulated(dir: &std::path::Path, n: usize) -> Vec<(String, String)> {
         ("DFLASH_KERNEL_CACHE".into(), s(&t.join("emu-kernel-cache"))),
     ]
 }
+
+/// A free port on 127.0.0.2 (bound and let go: a job's leader binds it next).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.2:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Small batches of the built-in data, one target: runs on emulated GPUs that end quickly.
+pub const SMALL_GPU_RUN: [&str; 10] = [
+    "--targets",
+    "1",
+    "--data",
+    "demo",
+    "--max-seq-len",
+    "16",
+    "--token-budget",
+    "128",
+    "--stable-after",
+    "200ms",
+];

@@ -275,18 +275,7 @@ impl Group {
             return None;
         }
         let mut out = Out::default();
-        let step = self.committed + 1;
-        let idle: Vec<usize> = self
-            .members
-            .keys()
-            .filter(|w| !self.abstained.contains(w))
-            .copied()
-            .collect();
-        for w in idle {
-            self.abstained.insert(w);
-            out.push(Action::Send(w, ToWorker::Abstain { step }));
-        }
-        self.try_commit(now, &mut out);
+        self.abstain_idle(now, &mut out);
         Some(out)
     }
 }
