@@ -491,6 +491,7 @@ fn the_leaders_loss_ends_every_follower_with_75_and_the_relaunch_resumes() {
         .then_some(())
     });
     let follower_workers = worker_pids(&job.follower_dir(1));
+    let leader_workers = worker_pids(&job.run_dir);
     let killed = Instant::now();
     signal(nodes[0].child.id(), nix::sys::signal::Signal::SIGKILL);
     assert_eq!(nodes[1].wait(T), Some(75), "{}", nodes[1].stderr());
@@ -510,6 +511,12 @@ fn the_leaders_loss_ends_every_follower_with_75_and_the_relaunch_resumes() {
     );
     for pid in follower_workers {
         assert!(!pid_alive(pid), "the follower stopped its workers");
+    }
+    // The killed leader's workers end too (its reaper): no orphan anywhere.
+    for pid in leader_workers {
+        wait_for("the leader's workers to end", T, || {
+            (!pid_alive(pid)).then_some(())
+        });
     }
     nodes[0].wait(T);
     // The same command on every node resumes the job from the leader's newest checkpoint.
