@@ -238,6 +238,14 @@ impl JobNode {
         }
     }
 
+    /// The job reached its `--steps` (every node commits the last step alike): on the
+    /// leader, the nodes that end from now on are not lost.
+    pub fn steps_done(&mut self) {
+        if let JobNode::Leader(l) = self {
+            l.done = true;
+        }
+    }
+
     pub fn is_leader(&self) -> bool {
         matches!(self, JobNode::Leader(_))
     }

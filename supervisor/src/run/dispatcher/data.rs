@@ -87,10 +87,7 @@ impl Dispatcher {
                     }
                     self.dirty = true;
                 }
-                Action::Done => {
-                    log::info!("step limit reached: stopping");
-                    self.begin_stop(StopReason::StepsDone);
-                }
+                Action::Done => self.steps_done(),
                 Action::Failed(msg) => {
                     log::error!("{msg}");
                     self.begin_stop(StopReason::TrainingFailed(msg));
@@ -162,6 +159,16 @@ impl Dispatcher {
     /// The supervisor's part of a checkpoint's meta.json: which batches were consumed,
     /// what the export needs (the target layers the drafter reads), and every setting as
     /// the run uses it.
+    /// The step limit is reached: the run stops (in a job, every node reached it: their
+    /// ends from now on are no loss).
+    fn steps_done(&mut self) {
+        log::info!("step limit reached: stopping");
+        if let Some(j) = self.job.as_mut() {
+            j.node.steps_done();
+        }
+        self.begin_stop(StopReason::StepsDone);
+    }
+
     fn checkpoint_meta(&self) -> String {
         // A job's leader records the batches every node consumed (the lease table's).
         let job = self.job.as_ref().and_then(|j| j.node.consumed());

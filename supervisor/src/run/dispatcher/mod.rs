@@ -579,47 +579,7 @@ impl Dispatcher {
             return;
         };
         match signal {
-            Signal::SIGUSR1 | Signal::SIGUSR2 => {
-                // SIGUSR1 is the usual pre-emption notice (Slurm's --signal=B:USR1@SECS):
-                // save the training state now, so the stop that follows loses nothing.
-                if signal == Signal::SIGUSR1 && matches!(self.phase, Phase::Running) {
-                    let Some(step) = self.trainer.request_checkpoint() else {
-                        // Asked already, not yet written: one request, said once (and
-                        // forwarded once).
-                        log::debug!("SIGUSR1 again before its checkpoint: coalesced");
-                        return;
-                    };
-                    log::info!("SIGUSR1 received (pre-emption notice): writing a checkpoint at step {step}, then training on");
-                    self.run.event(
-                        "checkpoint_requested",
-                        obj(json!({"signal": "SIGUSR1", "step": step})),
-                    );
-                }
-                // Only to workers that said hello: one still starting may not have its
-                // handlers yet, and the signal's default action would kill it.
-                let (told, starting): (Vec<_>, Vec<_>) = self
-                    .workers
-                    .iter()
-                    .filter_map(|w| w.status.life().map(|l| (w, l)))
-                    .partition(|(_, l)| l.connected());
-                for (_, l) in &told {
-                    l.process.signal_group(signal);
-                }
-                let starting: Vec<String> =
-                    starting.iter().map(|(w, _)| w.name.to_string()).collect();
-                if starting.is_empty() {
-                    log::info!("forwarded {} to every worker", signal.as_str());
-                } else {
-                    log::info!(
-                        "forwarded {} to {} worker(s); not to {} (still starting)",
-                        signal.as_str(),
-                        told.len(),
-                        starting.join(", ")
-                    );
-                }
-                self.run
-                    .event("signal_forwarded", obj(json!({"signal": signal.as_str()})));
-            }
+            Signal::SIGUSR1 | Signal::SIGUSR2 => self.on_user_signal(signal),
             _ => match self.phase {
                 Phase::Running => {
                     self.stop_signal_at = Some((signal, self.now));
@@ -662,6 +622,55 @@ impl Dispatcher {
                 }
             },
         }
+    }
+
+    /// SIGUSR1 or SIGUSR2: the workers get it too; SIGUSR1 is also a checkpoint request.
+    fn on_user_signal(&mut self, signal: Signal) {
+        // SIGUSR1 is the usual pre-emption notice (Slurm's --signal=B:USR1@SECS):
+        // save the training state now, so the stop that follows loses nothing.
+        if signal == Signal::SIGUSR1
+            && matches!(self.phase, Phase::Running)
+            && !self.trainer.saves_checkpoints()
+        {
+            log::info!(
+                "SIGUSR1 received (pre-emption notice): the job's leader writes its checkpoint"
+            );
+        } else if signal == Signal::SIGUSR1 && matches!(self.phase, Phase::Running) {
+            let Some(step) = self.trainer.request_checkpoint() else {
+                // Asked already, not yet written: one request, said once (and
+                // forwarded once).
+                log::debug!("SIGUSR1 again before its checkpoint: coalesced");
+                return;
+            };
+            log::info!("SIGUSR1 received (pre-emption notice): writing a checkpoint at step {step}, then training on");
+            self.run.event(
+                "checkpoint_requested",
+                obj(json!({"signal": "SIGUSR1", "step": step})),
+            );
+        }
+        // Only to workers that said hello: one still starting may not have its
+        // handlers yet, and the signal's default action would kill it.
+        let (told, starting): (Vec<_>, Vec<_>) = self
+            .workers
+            .iter()
+            .filter_map(|w| w.status.life().map(|l| (w, l)))
+            .partition(|(_, l)| l.connected());
+        for (_, l) in &told {
+            l.process.signal_group(signal);
+        }
+        let starting: Vec<String> = starting.iter().map(|(w, _)| w.name.to_string()).collect();
+        if starting.is_empty() {
+            log::info!("forwarded {} to every worker", signal.as_str());
+        } else {
+            log::info!(
+                "forwarded {} to {} worker(s); not to {} (still starting)",
+                signal.as_str(),
+                told.len(),
+                starting.join(", ")
+            );
+        }
+        self.run
+            .event("signal_forwarded", obj(json!({"signal": signal.as_str()})));
     }
 
     fn on_connected(&mut self, worker: usize, life: LifeId, hello: Hello) {
