@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use super::journal::Journal;
 use super::leases::{Leases, Node};
-use super::link::{self, Auth, Event, FromLeader, Listener, Msg, NodeInfo, Peer};
-use super::secret::{hex, unhex, Secret};
+use super::link::{self, Event, FromLeader, Msg, NodeInfo, Peer};
+use super::secret::{hex, unhex};
 use super::steps::{Commit, Epoch, Report, Steps};
 use super::{ClusterError, Topology, BEAT};
 use crate::training::group::{JobCommit, JobReport};
@@ -577,26 +577,7 @@ pub fn lead(
     start: &JobStart,
     mut leases: Leases,
 ) -> Result<(JobNode, Receiver<Event>), ClusterError> {
-    let (join_timeout, node_timeout) = timeouts;
-    let secret = Secret::create(run_dir)?;
-    let listener = Listener::bind(&t.leader)?;
-    crate::say!(
-        "cluster: leader of {} nodes on {}; waiting up to {} for the other {}",
-        t.nodes,
-        listener.addr,
-        humantime::format_duration(join_timeout),
-        t.nodes - 1
-    );
-    let (tx, rx) = mpsc::channel();
-    listener
-        .serve(Auth::new(secret, t.nodes, node_timeout), tx)
-        .map_err(ClusterError::Thread)?;
-    let joined =
-        crate::commands::cluster_check::gather(t.nodes, &rx, Instant::now() + join_timeout);
-    let missing: Vec<String> = (1..t.nodes)
-        .filter(|r| !joined.contains_key(r))
-        .map(|r| r.to_string())
-        .collect();
+    let (joined, missing, rx) = super::meet(t, run_dir, timeouts, "cluster")?;
     if !missing.is_empty() {
         for (_, p) in joined.values() {
             let _ = p.send(&Msg::Done { ok: false });
@@ -604,7 +585,7 @@ pub fn lead(
         return Err(ClusterError::Incomplete(format!(
             "node(s) {} did not join the leader within {} (each runs the same command under srun, or with its --node-rank)",
             missing.join(", "),
-            humantime::format_duration(join_timeout)
+            humantime::format_duration(timeouts.0)
         )));
     }
     leases.join(ME);
@@ -628,7 +609,7 @@ pub fn lead(
         done: false,
         next_beat: Instant::now(),
         joining: None,
-        join_timeout,
+        join_timeout: timeouts.0,
         journal,
         data_end: None,
     };

@@ -19,7 +19,9 @@ pub mod secret;
 pub mod steps;
 pub mod topology;
 
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
 
 use dflash_shared::exit_codes;
 
@@ -64,4 +66,72 @@ impl ClusterError {
             ClusterError::Incomplete(_) => exit_codes::RUN_FAILED,
         }
     }
+}
+
+/// The followers that joined the leader: rank → what it said of itself, its link.
+pub type Joined = BTreeMap<u32, (link::NodeInfo, link::Peer)>;
+
+/// Lead the nodes of `t` (`what` names the command in the line said): write the job's
+/// secret into `run_dir`, listen, and wait up to `join_timeout` for the other nodes.
+/// Returns those that joined, the ranks that did not, and the link's events from then on.
+pub fn meet(
+    t: &Topology,
+    run_dir: &std::path::Path,
+    (join_timeout, node_timeout): (Duration, Duration),
+    what: &str,
+) -> Result<(Joined, Vec<String>, Receiver<link::Event>), ClusterError> {
+    let secret = secret::Secret::create(run_dir)?;
+    let listener = link::Listener::bind(&t.leader)?;
+    crate::say!(
+        "{what}: leader of {} nodes on {}; waiting up to {} for the other {}",
+        t.nodes,
+        listener.addr,
+        humantime::format_duration(join_timeout),
+        t.nodes - 1
+    );
+    let (tx, rx) = mpsc::channel();
+    listener
+        .serve(link::Auth::new(secret, t.nodes, node_timeout), tx)
+        .map_err(ClusterError::Thread)?;
+    let joined = gather(t.nodes, &rx, Instant::now() + join_timeout);
+    let missing = (1..t.nodes)
+        .filter(|r| !joined.contains_key(r))
+        .map(|r| r.to_string())
+        .collect();
+    Ok((joined, missing, rx))
+}
+
+/// The followers that joined, until all `nodes - 1` have or `deadline`; beating to them
+/// meanwhile. A follower lost before the end drops out (and may join again).
+fn gather(nodes: u32, rx: &Receiver<link::Event>, deadline: Instant) -> Joined {
+    let mut joined = Joined::new();
+    let mut beat = Instant::now() + BEAT;
+    while joined.len() + 1 < nodes as usize {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        let wait = deadline.min(beat).saturating_duration_since(now);
+        match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
+            Ok(link::Event::Joined { rank, info, peer }) => {
+                log::info!("node {rank} joined from {} ({})", peer.addr, info.host);
+                joined.insert(rank, (info, peer));
+            }
+            Ok(link::Event::Lost { rank, why }) => {
+                if let Some((_, p)) = joined.remove(&rank) {
+                    p.close();
+                }
+                log::warn!("node {rank} lost: {why}");
+            }
+            Ok(link::Event::Message { .. }) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        if Instant::now() >= beat {
+            for (_, p) in joined.values() {
+                let _ = p.send(&link::Msg::Beat);
+            }
+            beat = Instant::now() + BEAT;
+        }
+    }
+    joined
 }

@@ -6,11 +6,10 @@
 
 use std::collections::BTreeMap;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::cli::ClusterCheckArgs;
-use crate::cluster::link::{self, Auth, Event, FromLeader, Listener, Msg, NodeInfo, Peer};
-use crate::cluster::secret::Secret;
+use crate::cluster::link::{self, FromLeader, Msg, NodeInfo, Peer};
 use crate::cluster::{topology, ClusterError, Topology, BEAT};
 use crate::error::Error;
 use dflash_shared::exit_codes;
@@ -73,29 +72,13 @@ fn lead(t: &Topology, a: &ClusterCheckArgs) -> Result<i32, ClusterError> {
             source,
         })
     })?;
-    let secret = Secret::create(&a.run_dir)?;
-    let listener = Listener::bind(&t.leader)?;
-    crate::say!(
-        "cluster-check: leader of {} nodes on {}; waiting up to {} for the other {}",
-        t.nodes,
-        listener.addr,
-        humantime::format_duration(a.timeout),
-        t.nodes - 1
-    );
-    let (tx, rx) = mpsc::channel();
-    listener
-        .serve(Auth::new(secret, t.nodes, a.node_timeout), tx)
-        .map_err(ClusterError::Thread)?;
-    let joined = gather(t.nodes, &rx, Instant::now() + a.timeout);
+    let (joined, missing, _events) =
+        crate::cluster::meet(t, &a.run_dir, (a.timeout, a.node_timeout), "cluster-check")?;
     let me = node_info(true);
     let unlike: Vec<String> = joined
         .iter()
         .filter(|(_, (i, _))| i.version != me.version)
         .map(|(r, (i, _))| format!("node {r} ({}) runs {}", i.host, i.version))
-        .collect();
-    let missing: Vec<String> = (1..t.nodes)
-        .filter(|r| !joined.contains_key(r))
-        .map(|r| r.to_string())
         .collect();
     let ok = missing.is_empty() && unlike.is_empty();
     for (_, peer) in joined.values() {
@@ -118,45 +101,6 @@ fn lead(t: &Topology, a: &ClusterCheckArgs) -> Result<i32, ClusterError> {
     }
     crate::say!("cluster-check: all {} nodes joined", t.nodes);
     Ok(exit_codes::SUCCESS)
-}
-
-/// The followers that joined, until all `nodes - 1` have or `deadline`; beating to them
-/// meanwhile. A follower lost before the end drops out (and may join again).
-pub(crate) fn gather(
-    nodes: u32,
-    rx: &mpsc::Receiver<Event>,
-    deadline: Instant,
-) -> BTreeMap<u32, (NodeInfo, Peer)> {
-    let mut joined: BTreeMap<u32, (NodeInfo, Peer)> = BTreeMap::new();
-    let mut beat = Instant::now() + BEAT;
-    while joined.len() + 1 < nodes as usize {
-        let now = Instant::now();
-        if now >= deadline {
-            break;
-        }
-        let wait = deadline.min(beat).saturating_duration_since(now);
-        match rx.recv_timeout(wait.max(Duration::from_millis(1))) {
-            Ok(Event::Joined { rank, info, peer }) => {
-                log::info!("node {rank} joined from {} ({})", peer.addr, info.host);
-                joined.insert(rank, (info, peer));
-            }
-            Ok(Event::Lost { rank, why }) => {
-                if let Some((_, p)) = joined.remove(&rank) {
-                    p.close();
-                }
-                log::warn!("node {rank} lost: {why}");
-            }
-            Ok(Event::Message { .. }) | Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => break,
-        }
-        if Instant::now() >= beat {
-            for (_, p) in joined.values() {
-                let _ = p.send(&Msg::Beat);
-            }
-            beat = Instant::now() + BEAT;
-        }
-    }
-    joined
 }
 
 fn print_nodes(me: &NodeInfo, joined: &BTreeMap<u32, (NodeInfo, Peer)>, json: bool) {
